@@ -1,0 +1,57 @@
+//! A caching device-memory allocator with the semantics of PyTorch's CUDA caching allocator,
+//! its statistics, history and snapshots — and less fragmentation.
+//!
+//! The allocator is *policy × storage*. The policy ([`CachingAllocator`]) rounds requests, keeps
+//! freed blocks in per-stream pools, splits and merges them, defers frees behind stream events,
+//! grows expandable segments page by page and keeps every statistic of
+//! `torch.cuda.memory_stats()`. The storage ([`Storage`]) only hands out segments and maps pages:
+//! [`HostStorage`] (real host memory), [`SimulatedStorage`] (addresses only, for trace replay and
+//! tests) and, behind the `cuda` feature, `CudaStorage` (the CUDA driver API through cudarc).
+//!
+//! This crate sits at the bottom of Headroom: it knows nothing about tensors, autograd or
+//! kernels, and it can be used alone in any trainer that owns its buffers.
+//!
+//! ```
+//! use headroom_caching_allocator::{AllocatorConfig, CachingAllocator, HostStorage, StreamId};
+//!
+//! let allocator = CachingAllocator::new(HostStorage::new(), AllocatorConfig::default());
+//! let block = allocator.allocate(1000, StreamId::DEFAULT)?;
+//! assert_eq!(block.size(), 1024); // rounded to 512 bytes
+//! assert_eq!(allocator.memory_allocated(), 1024);
+//! allocator.free(block)?;
+//! assert_eq!(allocator.memory_reserved(), 2 << 20); // the small-pool segment stays cached
+//! allocator.empty_cache()?;
+//! assert_eq!(allocator.memory_reserved(), 0);
+//! # Ok::<(), headroom_caching_allocator::AllocError>(())
+//! ```
+//!
+//! # Crate features
+//! - `cuda`: adds `CudaStorage`. Adds capability only; the policy and its numbers do not change.
+
+mod allocator;
+mod config;
+mod error;
+mod history;
+mod report;
+mod snapshot;
+mod stats;
+mod storage;
+
+pub use allocator::{Allocation, CachingAllocator, ContextGuard};
+pub use config::{AllocatorConfig, AllocatorConfigBuilder, ALLOC_CONF_ENV, ROUNDUP_INTERVALS};
+pub use error::{AllocError, OutOfMemoryReport};
+pub use history::HistoryOptions;
+pub use report::{format_size, memory_summary};
+pub use snapshot::{
+    read_json, read_pickle, read_trace_tsv, write_json, write_pickle, BlockSnapshot, BlockState,
+    Frame, Frames, SegmentSnapshot, Snapshot, TraceAction, TraceEntry, TraceEvent, Value,
+    VIEWER_OPCODES,
+};
+pub use stats::{FragmentationStats, MemoryStats, PoolKind, Stat, StatArray};
+pub use storage::{
+    EventControl, EventId, HostStorage, MemoryInfo, SimulatedStorage, Storage, StorageError,
+    StreamId,
+};
+
+#[cfg(feature = "cuda")]
+pub use storage::{CudaStorage, CudaStorageOptions};

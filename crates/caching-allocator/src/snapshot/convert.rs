@@ -1,0 +1,1 @@
+//! Snapshot <-> Value (being written).

@@ -1,0 +1,255 @@
+//! Simulated device memory: addresses and accounting, nothing behind them.
+//!
+//! A simulated storage lets a 100 GB allocator trace replay on a machine with a few GB, and lets
+//! tests control time: events recorded on a stream stay pending until the test completes them
+//! through an [`EventControl`] handle (or the allocator synchronizes). It supports expandable
+//! segments with real range bookkeeping, so mapping the same page twice or unmapping a page that
+//! is not mapped is an error here as it is on a GPU.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::{EventId, MemoryInfo, Storage, StorageError, StreamId};
+
+/// First address handed out; non-zero so that a zero address is always a bug.
+const FIRST_ADDRESS: u64 = 0x7f00_0000_0000;
+/// Segments and reservations start on this boundary, as `cudaMalloc` results do.
+const SEGMENT_ALIGN: u64 = 2 << 20;
+
+/// The shared state of a simulated storage's events: which are still pending.
+#[derive(Debug, Default)]
+struct EventTable {
+    next: u64,
+    pending: HashMap<u64, StreamId>,
+}
+
+/// A handle that completes a simulated storage's events, as the passing of time would on a
+/// device. Clone it before handing the storage to an allocator.
+#[derive(Debug, Clone, Default)]
+pub struct EventControl {
+    table: Arc<Mutex<EventTable>>,
+}
+
+impl EventControl {
+    /// Completes every event recorded so far.
+    pub fn complete_all(&self) {
+        self.table.lock().pending.clear();
+    }
+
+    /// Completes the events recorded on `stream` so far.
+    pub fn complete_stream(&self, stream: StreamId) {
+        self.table.lock().pending.retain(|_, s| *s != stream);
+    }
+
+    /// Number of events still pending.
+    pub fn n_pending(&self) -> usize {
+        self.table.lock().pending.len()
+    }
+}
+
+/// Device memory that exists only as addresses and byte counts.
+#[derive(Debug)]
+pub struct SimulatedStorage {
+    capacity: u64,
+    page_granularity: u64,
+    in_use: u64,
+    next_address: u64,
+    segments: HashMap<u64, u64>,
+    reservations: BTreeMap<u64, u64>,
+    mapped: BTreeMap<u64, u64>,
+    events: EventControl,
+}
+
+impl SimulatedStorage {
+    /// A simulated device with `capacity` bytes of memory (an H200 has 150,754,820,096).
+    pub fn new(capacity: u64) -> Self {
+        SimulatedStorage {
+            capacity,
+            page_granularity: SEGMENT_ALIGN,
+            in_use: 0,
+            next_address: FIRST_ADDRESS,
+            segments: HashMap::new(),
+            reservations: BTreeMap::new(),
+            mapped: BTreeMap::new(),
+            events: EventControl::default(),
+        }
+    }
+
+    /// The handle that completes this storage's events.
+    pub fn event_control(&self) -> EventControl {
+        self.events.clone()
+    }
+
+    /// Bytes of segments and mapped pages currently held.
+    pub fn bytes_in_use(&self) -> u64 {
+        self.in_use
+    }
+
+    fn take_address_range(&mut self, size: u64) -> u64 {
+        let address = self.next_address;
+        // Leave a gap after each range so that adjacent segments are never contiguous by accident.
+        self.next_address += size.div_ceil(SEGMENT_ALIGN) * SEGMENT_ALIGN + SEGMENT_ALIGN;
+        address
+    }
+
+    fn reservation_containing(&self, address: u64, size: u64) -> Option<(u64, u64)> {
+        let (&start, &len) = self.reservations.range(..=address).next_back()?;
+        (address + size <= start + len).then_some((start, len))
+    }
+}
+
+impl Storage for SimulatedStorage {
+    fn name(&self) -> &'static str {
+        "simulated"
+    }
+
+    fn allocate_segment(&mut self, size: u64) -> Result<u64, StorageError> {
+        if size == 0 || self.in_use.saturating_add(size) > self.capacity {
+            return Err(StorageError::OutOfMemory { requested: size });
+        }
+        let address = self.take_address_range(size);
+        self.segments.insert(address, size);
+        self.in_use += size;
+        Ok(address)
+    }
+
+    fn free_segment(&mut self, address: u64, size: u64) -> Result<(), StorageError> {
+        match self.segments.get(&address) {
+            Some(&held) if held == size => {
+                self.segments.remove(&address);
+                self.in_use -= size;
+                Ok(())
+            }
+            Some(&held) => Err(StorageError::InvalidRange(format!(
+                "segment at {address:#x} has {held} bytes, not {size}"
+            ))),
+            None => Err(StorageError::InvalidRange(format!("no segment at {address:#x}"))),
+        }
+    }
+
+    fn memory_info(&self) -> MemoryInfo {
+        MemoryInfo { free: self.capacity.saturating_sub(self.in_use), total: self.capacity }
+    }
+
+    fn supports_expandable_segments(&self) -> bool {
+        true
+    }
+
+    fn page_granularity(&self) -> u64 {
+        self.page_granularity
+    }
+
+    fn reserve_address_space(&mut self, size: u64) -> Result<u64, StorageError> {
+        let address = self.take_address_range(size);
+        self.reservations.insert(address, size);
+        Ok(address)
+    }
+
+    fn release_address_space(&mut self, address: u64, size: u64) -> Result<(), StorageError> {
+        if self.reservations.get(&address) != Some(&size) {
+            return Err(StorageError::InvalidRange(format!(
+                "no reservation of {size} bytes at {address:#x}"
+            )));
+        }
+        if self.mapped.range(address..address + size).next().is_some() {
+            return Err(StorageError::InvalidRange(format!(
+                "reservation at {address:#x} still has mapped pages"
+            )));
+        }
+        self.reservations.remove(&address);
+        Ok(())
+    }
+
+    fn map(&mut self, address: u64, size: u64) -> Result<(), StorageError> {
+        if size == 0 || address % self.page_granularity != 0 || size % self.page_granularity != 0 {
+            return Err(StorageError::InvalidRange(format!(
+                "map of {size} bytes at {address:#x} is not page aligned"
+            )));
+        }
+        if self.reservation_containing(address, size).is_none() {
+            return Err(StorageError::InvalidRange(format!(
+                "map of {size} bytes at {address:#x} is outside any reservation"
+            )));
+        }
+        let overlaps_before = self
+            .mapped
+            .range(..address)
+            .next_back()
+            .is_some_and(|(&start, &len)| start + len > address);
+        if overlaps_before || self.mapped.range(address..address + size).next().is_some() {
+            return Err(StorageError::InvalidRange(format!(
+                "map of {size} bytes at {address:#x} overlaps mapped pages"
+            )));
+        }
+        if self.in_use.saturating_add(size) > self.capacity {
+            return Err(StorageError::OutOfMemory { requested: size });
+        }
+        self.mapped.insert(address, size);
+        self.in_use += size;
+        Ok(())
+    }
+
+    fn unmap(&mut self, address: u64, size: u64) -> Result<(), StorageError> {
+        // The range must be covered exactly by whole earlier mappings, split where needed.
+        let end = address + size;
+        let mut cursor = address;
+        let mut pieces = Vec::new();
+        if let Some((&start, &len)) = self.mapped.range(..=address).next_back() {
+            if start < address && start + len > address {
+                pieces.push((start, len));
+                cursor = (start + len).min(end);
+            }
+        }
+        for (&start, &len) in self.mapped.range(cursor..end) {
+            if start != cursor {
+                break;
+            }
+            pieces.push((start, len));
+            cursor = (start + len).min(end);
+        }
+        if cursor != end {
+            return Err(StorageError::InvalidRange(format!(
+                "unmap of {size} bytes at {address:#x} covers pages that are not mapped"
+            )));
+        }
+        for (start, len) in pieces {
+            self.mapped.remove(&start);
+            if start < address {
+                self.mapped.insert(start, address - start);
+            }
+            if start + len > end {
+                self.mapped.insert(end, start + len - end);
+            }
+        }
+        self.in_use -= size;
+        Ok(())
+    }
+
+    fn record_event(&mut self, stream: StreamId) -> Result<EventId, StorageError> {
+        let mut table = self.events.table.lock();
+        table.next += 1;
+        let id = table.next;
+        table.pending.insert(id, stream);
+        Ok(EventId(id))
+    }
+
+    fn query_event(&mut self, event: EventId) -> Result<bool, StorageError> {
+        Ok(!self.events.table.lock().pending.contains_key(&event.0))
+    }
+
+    fn synchronize_event(&mut self, event: EventId) -> Result<(), StorageError> {
+        self.events.table.lock().pending.remove(&event.0);
+        Ok(())
+    }
+
+    fn release_event(&mut self, event: EventId) {
+        self.events.table.lock().pending.remove(&event.0);
+    }
+
+    fn synchronize_device(&mut self) -> Result<(), StorageError> {
+        self.events.complete_all();
+        Ok(())
+    }
+}

@@ -1,0 +1,8 @@
+//! Headroom: the facade crate.
+//!
+//! Headroom is a kit of small crates that let a training loop fit in less GPU memory and run at
+//! least as fast as PyTorch. Each crate stands alone (`headroom-caching-allocator`, ...); this
+//! package only re-exports them under one name and hosts the workspace's examples and benches.
+//! It holds no logic of its own and must never grow any: a technique lives in its crate.
+
+pub use headroom_caching_allocator as caching_allocator;

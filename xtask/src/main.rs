@@ -1,0 +1,3 @@
+//! Workspace tasks (`cargo xtask <command>`).
+
+fn main() {}
