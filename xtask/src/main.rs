@@ -1,3 +1,51 @@
-//! Workspace tasks (`cargo xtask <command>`).
+//! Workspace tasks, run as `cargo xtask <command>` (the alias lives in `.cargo/config.toml`).
+//!
+//! Each command is one module with a `run(args)` entry point. xtask sits on top of the library
+//! crates and may use anyhow; no library crate depends on it.
 
-fn main() {}
+mod replay_trace;
+mod tidy;
+
+use anyhow::{bail, Result};
+
+const USAGE: &str = "\
+usage: cargo xtask <command> [options]
+
+commands:
+  replay-trace FILE [--conf STRING] [--capacity BYTES] [--json] [--snapshot OUT.pickle]
+               [--repeat N]
+      Replays a PyTorch allocator trace (.tsv, .tsv.gz or a snapshot .pickle) through
+      Headroom's caching allocator on simulated memory and prints what it measured.
+      --conf takes PYTORCH_CUDA_ALLOC_CONF's syntax (default: HEADROOM_ALLOC_CONF, else
+      Headroom's defaults); --capacity defaults to an H200's 150,754,820,096 bytes; events per
+      second are the best of N replays (default 5); with --snapshot, history is recorded
+      during the last replay and the final snapshot is written as a pickle.
+  tidy
+      Checks the house rules: `//!` headers, no utils/helpers modules, the code map.
+";
+
+fn main() -> Result<()> {
+    let mut args = std::env::args().skip(1);
+    let Some(command) = args.next() else {
+        print!("{USAGE}");
+        return Ok(());
+    };
+    let rest: Vec<String> = args.collect();
+    match command.as_str() {
+        "replay-trace" => replay_trace::run(&rest),
+        "tidy" => tidy::run(),
+        "help" | "--help" | "-h" => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        other => bail!("unknown command `{other}`\n\n{USAGE}"),
+    }
+}
+
+/// The workspace root (xtask lives one folder below it).
+fn project_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask sits inside the workspace")
+        .to_path_buf()
+}

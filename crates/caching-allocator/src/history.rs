@@ -25,7 +25,10 @@ pub struct HistoryOptions {
 
 impl Default for HistoryOptions {
     fn default() -> Self {
-        HistoryOptions { max_entries: 1 << 20, record_context: true }
+        HistoryOptions {
+            max_entries: 1 << 20,
+            record_context: true,
+        }
     }
 }
 
@@ -44,7 +47,7 @@ impl History {
 
     pub(crate) fn push(&mut self, entry: TraceEntry) {
         let Some(options) = self.options else { return };
-        if self.entries.len() >= options.max_entries.max(1) {
+        while self.entries.len() >= options.max_entries.max(1) {
             self.entries.pop_front();
             self.overflowed = true;
         }
@@ -61,7 +64,10 @@ pub(crate) struct ContextStack {
 
 impl Default for ContextStack {
     fn default() -> Self {
-        ContextStack { labels: Vec::new(), frames: Arc::from(Vec::new()) }
+        ContextStack {
+            labels: Vec::new(),
+            frames: Arc::from(Vec::new()),
+        }
     }
 }
 
@@ -85,7 +91,11 @@ impl ContextStack {
             .labels
             .iter()
             .rev()
-            .map(|label| Frame { filename: CONTEXT_FILENAME.to_owned(), line: 0, name: label.clone() })
+            .map(|label| Frame {
+                filename: CONTEXT_FILENAME.to_owned(),
+                line: 0,
+                name: label.clone(),
+            })
             .collect();
         self.frames = Arc::from(frames);
     }

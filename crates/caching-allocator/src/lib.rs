@@ -31,7 +31,9 @@
 mod allocator;
 mod config;
 mod error;
+mod free_index;
 mod history;
+mod replay;
 mod report;
 mod snapshot;
 mod stats;
@@ -41,11 +43,12 @@ pub use allocator::{Allocation, CachingAllocator, ContextGuard};
 pub use config::{AllocatorConfig, AllocatorConfigBuilder, ALLOC_CONF_ENV, ROUNDUP_INTERVALS};
 pub use error::{AllocError, OutOfMemoryReport};
 pub use history::HistoryOptions;
+pub use replay::{replay_trace, ReplayReport};
 pub use report::{format_size, memory_summary};
 pub use snapshot::{
-    read_json, read_pickle, read_trace_tsv, write_json, write_pickle, BlockSnapshot, BlockState,
-    Frame, Frames, SegmentSnapshot, Snapshot, TraceAction, TraceEntry, TraceEvent, Value,
-    VIEWER_OPCODES,
+    pickle_opcodes, read_json, read_pickle, read_trace_tsv, trace_events_from_snapshot, write_json,
+    write_pickle, BlockSnapshot, BlockState, Frame, Frames, SegmentSnapshot, Snapshot, TraceAction,
+    TraceEntry, TraceEvent, Value, VIEWER_OPCODES,
 };
 pub use stats::{FragmentationStats, MemoryStats, PoolKind, Stat, StatArray};
 pub use storage::{

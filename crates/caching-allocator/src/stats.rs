@@ -26,14 +26,12 @@ pub struct Stat {
 
 impl Stat {
     /// Adds `amount` (negative to decrease), keeping peak and the cumulative sums.
+    #[inline]
     pub fn update(&mut self, amount: i64) {
         self.current += amount;
         self.peak = self.peak.max(self.current);
-        if amount > 0 {
-            self.allocated += amount;
-        } else {
-            self.freed -= amount;
-        }
+        self.allocated += amount.max(0);
+        self.freed += (-amount).max(0);
     }
 
     /// Sets the peak to the current value.
@@ -80,6 +78,7 @@ pub struct StatArray {
 
 impl StatArray {
     /// Updates `all` and the pool's entry.
+    #[inline]
     pub fn update(&mut self, pool: PoolKind, amount: i64) {
         self.all.update(amount);
         self.pool_mut(pool).update(amount);
@@ -105,7 +104,11 @@ impl StatArray {
     }
 
     fn entries(&self) -> [(&'static str, &Stat); 3] {
-        [("all", &self.all), ("small_pool", &self.small_pool), ("large_pool", &self.large_pool)]
+        [
+            ("all", &self.all),
+            ("small_pool", &self.small_pool),
+            ("large_pool", &self.large_pool),
+        ]
     }
 }
 

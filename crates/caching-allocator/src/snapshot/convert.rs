@@ -1,1 +1,805 @@
-//! Snapshot <-> Value (being written).
+//! The typed snapshot model to and from [`Value`], in exactly the structure that PyTorch's
+//! `torch.cuda.memory._snapshot()` returns.
+//!
+//! It sits on the model types of `super` and on [`Value`]. It knows no file format. Writing
+//! streams the structure into a [`Sink`] (the pickle and JSON writers), so a snapshot with a
+//! million trace entries is written without building a [`Value`] tree first; it emits every key
+//! PyTorch writes, in PyTorch's order. Reading takes the [`Value`] a reader produced and accepts
+//! PyTorch's own snapshots, ignoring keys it does not model (`compile_context`,
+//! `user_metadata`, `forward_frames`, ...) and giving missing optional keys the defaults listed
+//! on [`snapshot_from_value`].
+//!
+//! Unsigned fields are written as Python ints, so a value of 2^63 or more is an error rather
+//! than a silent wrap; reading a negative value into an unsigned field is an error too.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+
+use super::{
+    BlockSnapshot, BlockState, Frame, Frames, SegmentSnapshot, Snapshot, TraceAction, TraceEntry,
+    Value,
+};
+use crate::error::AllocError;
+use crate::stats::PoolKind;
+
+/// A scalar handed to a [`Sink`].
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Scalar<'v> {
+    None,
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Str(&'v str),
+}
+
+/// The kinds of container a [`Sink`] opens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Container {
+    List,
+    Tuple,
+    /// Items are a key then a value, each a full value.
+    Dict,
+}
+
+/// A streaming writer of a value tree: scalars, and containers opened with their item count
+/// and closed after their items. Strings borrow from the data for `'v`, so a sink may memoize
+/// them.
+pub(super) trait Sink<'v> {
+    /// The format's name for errors ("pickle", "json").
+    fn format(&self) -> &'static str;
+
+    fn scalar(&mut self, scalar: Scalar<'v>) -> Result<(), AllocError>;
+
+    /// Opens a container of `len` items (pairs, for a dict).
+    fn begin(&mut self, container: Container, len: usize) -> Result<(), AllocError>;
+
+    /// Closes the innermost container.
+    fn end(&mut self) -> Result<(), AllocError>;
+
+    /// A list of frame dicts; a format that can refer back to an earlier copy of the same
+    /// [`Frames`] allocation may override this.
+    fn frames(&mut self, frames: &'v Frames) -> Result<(), AllocError> {
+        emit_frames(frames, self)
+    }
+}
+
+/// Streams `value` into `sink`.
+pub(super) fn emit_value<'v, S: Sink<'v> + ?Sized>(
+    value: &'v Value,
+    sink: &mut S,
+) -> Result<(), AllocError> {
+    match value {
+        Value::None => sink.scalar(Scalar::None),
+        Value::Bool(flag) => sink.scalar(Scalar::Bool(*flag)),
+        Value::Int(int) => sink.scalar(Scalar::Int(*int)),
+        Value::Float(float) => sink.scalar(Scalar::Float(*float)),
+        Value::Str(text) => sink.scalar(Scalar::Str(text)),
+        Value::List(items) | Value::Tuple(items) => {
+            let container = if matches!(value, Value::List(_)) {
+                Container::List
+            } else {
+                Container::Tuple
+            };
+            sink.begin(container, items.len())?;
+            for item in items {
+                emit_value(item, sink)?;
+            }
+            sink.end()
+        }
+        Value::Dict(pairs) => {
+            sink.begin(Container::Dict, pairs.len())?;
+            for (key, item) in pairs {
+                emit_value(key, sink)?;
+                emit_value(item, sink)?;
+            }
+            sink.end()
+        }
+    }
+}
+
+/// Streams the snapshot into `sink` as a dict with `segments`, `device_traces`,
+/// `allocator_settings` and `external_annotations`.
+///
+/// The only error of its own is an unsigned field of 2^63 or more (a [`AllocError::Format`]
+/// naming the field); everything else comes from the sink.
+pub(super) fn emit_snapshot<'v, S: Sink<'v>>(
+    snapshot: &'v Snapshot,
+    sink: &mut S,
+) -> Result<(), AllocError> {
+    sink.begin(Container::Dict, 4)?;
+    sink.scalar(Scalar::Str("segments"))?;
+    sink.begin(Container::List, snapshot.segments.len())?;
+    for (idx, segment) in snapshot.segments.iter().enumerate() {
+        emit_segment(segment, idx, sink)?;
+    }
+    sink.end()?;
+    sink.scalar(Scalar::Str("device_traces"))?;
+    sink.begin(Container::List, snapshot.device_traces.len())?;
+    for (device, trace) in snapshot.device_traces.iter().enumerate() {
+        sink.begin(Container::List, trace.len())?;
+        for (idx, entry) in trace.iter().enumerate() {
+            emit_entry(entry, &|| format!("device_traces[{device}][{idx}]"), sink)?;
+        }
+        sink.end()?;
+    }
+    sink.end()?;
+    sink.scalar(Scalar::Str("allocator_settings"))?;
+    sink.begin(Container::Dict, snapshot.allocator_settings.len())?;
+    for (name, value) in &snapshot.allocator_settings {
+        sink.scalar(Scalar::Str(name))?;
+        emit_value(value, sink)?;
+    }
+    sink.end()?;
+    sink.scalar(Scalar::Str("external_annotations"))?;
+    sink.begin(Container::List, snapshot.external_annotations.len())?;
+    for value in &snapshot.external_annotations {
+        emit_value(value, sink)?;
+    }
+    sink.end()?;
+    sink.end()
+}
+
+/// Writes `name` and the unsigned `value` as an int, refusing values of 2^63 or more.
+fn emit_uint<'v, S: Sink<'v> + ?Sized>(
+    name: &'static str,
+    value: u64,
+    at: &dyn Fn() -> String,
+    sink: &mut S,
+) -> Result<(), AllocError> {
+    let Ok(int) = i64::try_from(value) else {
+        return Err(AllocError::Format {
+            format: sink.format(),
+            reason: format!(
+                "{}.{name}: {value} is 2^63 or more; snapshot integers must fit a signed 64-bit int",
+                at()
+            ),
+        });
+    };
+    sink.scalar(Scalar::Str(name))?;
+    sink.scalar(Scalar::Int(int))
+}
+
+fn emit_segment<'v, S: Sink<'v>>(
+    segment: &'v SegmentSnapshot,
+    segment_idx: usize,
+    sink: &mut S,
+) -> Result<(), AllocError> {
+    let at = || format!("segments[{segment_idx}]");
+    sink.begin(Container::Dict, 12)?;
+    sink.scalar(Scalar::Str("device"))?;
+    sink.scalar(Scalar::Int(segment.device))?;
+    emit_uint("address", segment.address, &at, sink)?;
+    emit_uint("total_size", segment.total_size, &at, sink)?;
+    emit_uint("allocated_size", segment.allocated_size, &at, sink)?;
+    emit_uint("active_size", segment.active_size, &at, sink)?;
+    emit_uint("requested_size", segment.requested_size, &at, sink)?;
+    emit_uint("stream", segment.stream, &at, sink)?;
+    sink.scalar(Scalar::Str("segment_type"))?;
+    sink.scalar(Scalar::Str(segment.segment_type.name()))?;
+    sink.scalar(Scalar::Str("segment_pool_id"))?;
+    sink.begin(Container::Tuple, 2)?;
+    sink.scalar(Scalar::Int(segment.segment_pool_id.0))?;
+    sink.scalar(Scalar::Int(segment.segment_pool_id.1))?;
+    sink.end()?;
+    sink.scalar(Scalar::Str("is_expandable"))?;
+    sink.scalar(Scalar::Bool(segment.is_expandable))?;
+    sink.scalar(Scalar::Str("frames"))?;
+    sink.frames(&segment.frames)?;
+    sink.scalar(Scalar::Str("blocks"))?;
+    sink.begin(Container::List, segment.blocks.len())?;
+    for (block_idx, block) in segment.blocks.iter().enumerate() {
+        let at = || format!("segments[{segment_idx}].blocks[{block_idx}]");
+        sink.begin(Container::Dict, 5)?;
+        emit_uint("address", block.address, &at, sink)?;
+        emit_uint("size", block.size, &at, sink)?;
+        emit_uint("requested_size", block.requested_size, &at, sink)?;
+        sink.scalar(Scalar::Str("state"))?;
+        sink.scalar(Scalar::Str(block.state.name()))?;
+        sink.scalar(Scalar::Str("frames"))?;
+        sink.frames(&block.frames)?;
+        sink.end()?;
+    }
+    sink.end()?;
+    sink.end()
+}
+
+fn emit_entry<'v, S: Sink<'v>>(
+    entry: &'v TraceEntry,
+    at: &dyn Fn() -> String,
+    sink: &mut S,
+) -> Result<(), AllocError> {
+    let addr_key = if entry.action == TraceAction::Oom {
+        "device_free"
+    } else {
+        "addr"
+    };
+    sink.begin(Container::Dict, 6)?;
+    sink.scalar(Scalar::Str("action"))?;
+    sink.scalar(Scalar::Str(entry.action.name()))?;
+    emit_uint(addr_key, entry.addr, at, sink)?;
+    emit_uint("size", entry.size, at, sink)?;
+    emit_uint("stream", entry.stream, at, sink)?;
+    sink.scalar(Scalar::Str("time_us"))?;
+    sink.scalar(Scalar::Int(entry.time_us))?;
+    sink.scalar(Scalar::Str("frames"))?;
+    sink.frames(&entry.frames)?;
+    sink.end()
+}
+
+/// A frame list as a list of `{filename, line, name}` dicts.
+pub(super) fn emit_frames<'v, S: Sink<'v> + ?Sized>(
+    frames: &'v [Frame],
+    sink: &mut S,
+) -> Result<(), AllocError> {
+    sink.begin(Container::List, frames.len())?;
+    for frame in frames {
+        emit_frame(frame, sink)?;
+    }
+    sink.end()
+}
+
+/// One frame as a `{filename, line, name}` dict.
+pub(super) fn emit_frame<'v, S: Sink<'v> + ?Sized>(
+    frame: &'v Frame,
+    sink: &mut S,
+) -> Result<(), AllocError> {
+    sink.begin(Container::Dict, 3)?;
+    sink.scalar(Scalar::Str("filename"))?;
+    sink.scalar(Scalar::Str(&frame.filename))?;
+    sink.scalar(Scalar::Str("line"))?;
+    sink.scalar(Scalar::Int(frame.line))?;
+    sink.scalar(Scalar::Str("name"))?;
+    sink.scalar(Scalar::Str(&frame.name))?;
+    sink.end()
+}
+
+/// The snapshot a [`Value`] holds, as PyTorch or [`emit_snapshot`] wrote it.
+///
+/// Required: the top-level `segments`; per segment `address`, `total_size` and `blocks`; per
+/// block `size` and `state`; per trace entry `action`, `addr` (`device_free` for `oom`) and
+/// `size`; per frame `filename`, `line` and `name`. Defaults for the rest: no traces, settings
+/// or annotations; segment `device` 0, `stream` 0, `segment_type` "large", `segment_pool_id`
+/// (0, 0), `is_expandable` false; the segment's `allocated_size`, `active_size` and
+/// `requested_size` summed from its blocks; a block's `address` from the segment's address and
+/// the sizes before it, its `requested_size` equal to its `size`; trace `stream` and `time_us`
+/// 0; `frames` empty. Identical frame lists share one [`Frames`].
+pub(super) fn snapshot_from_value(
+    value: Value,
+    format: &'static str,
+) -> Result<Snapshot, AllocError> {
+    let mut reader = Reader {
+        frames: HashSet::new(),
+    };
+    reader.snapshot(value).map_err(|err| err.into_alloc(format))
+}
+
+/// A value's kind, for messages.
+pub(super) fn value_kind(value: &Value) -> &'static str {
+    match value {
+        Value::None => "None",
+        Value::Bool(_) => "bool",
+        Value::Int(_) => "int",
+        Value::Float(_) => "float",
+        Value::Str(_) => "str",
+        Value::List(_) => "list",
+        Value::Tuple(_) => "tuple",
+        Value::Dict(_) => "dict",
+    }
+}
+
+/// What went wrong, and where: `path` is like `segments[3].blocks[0].size`.
+#[derive(Debug)]
+struct ConvError {
+    path: Vec<String>,
+    reason: String,
+}
+
+impl ConvError {
+    fn new(reason: impl Into<String>) -> Self {
+        ConvError {
+            path: Vec::new(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The same error, inside `part` (pushed innermost first, so the path is built in reverse).
+    fn within(mut self, part: impl fmt::Display) -> Self {
+        self.path.push(part.to_string());
+        self
+    }
+
+    fn into_alloc(self, format: &'static str) -> AllocError {
+        let path: Vec<&str> = self.path.iter().rev().map(String::as_str).collect();
+        let reason = if path.is_empty() {
+            self.reason
+        } else {
+            format!("{}: {}", path.join("."), self.reason)
+        };
+        AllocError::Format { format, reason }
+    }
+}
+
+type Conv<T> = Result<T, ConvError>;
+
+/// Reading state: the frame lists seen so far, so that equal lists share one allocation.
+struct Reader {
+    frames: HashSet<Frames>,
+}
+
+impl Reader {
+    fn snapshot(&mut self, value: Value) -> Conv<Snapshot> {
+        let mut res = Snapshot::default();
+        let mut segments = None;
+        for (name, value) in fields(value)? {
+            match name.as_str() {
+                "segments" => {
+                    let list = list(value).map_err(|err| err.within("segments"))?;
+                    let mut parsed = Vec::with_capacity(list.len());
+                    for (idx, segment) in list.into_iter().enumerate() {
+                        parsed.push(
+                            self.segment(segment)
+                                .map_err(|err| err.within(format!("segments[{idx}]")))?,
+                        );
+                    }
+                    segments = Some(parsed);
+                }
+                "device_traces" => {
+                    let traces = list(value).map_err(|err| err.within("device_traces"))?;
+                    res.device_traces = Vec::with_capacity(traces.len());
+                    for (device, trace) in traces.into_iter().enumerate() {
+                        let entries = list(trace)
+                            .map_err(|err| err.within(format!("device_traces[{device}]")))?;
+                        let mut parsed = Vec::with_capacity(entries.len());
+                        for (idx, entry) in entries.into_iter().enumerate() {
+                            parsed.push(self.entry(entry).map_err(|err| {
+                                err.within(format!("device_traces[{device}][{idx}]"))
+                            })?);
+                        }
+                        res.device_traces.push(parsed);
+                    }
+                }
+                "allocator_settings" => {
+                    res.allocator_settings = dict(value)
+                        .and_then(|pairs| {
+                            pairs
+                                .into_iter()
+                                .map(|(name, value)| match name {
+                                    Value::Str(name) => Ok((name, value)),
+                                    other => Err(ConvError::new(format!(
+                                        "a key is a {}, expected str",
+                                        value_kind(&other)
+                                    ))),
+                                })
+                                .collect()
+                        })
+                        .map_err(|err| err.within("allocator_settings"))?;
+                }
+                "external_annotations" => {
+                    res.external_annotations =
+                        list(value).map_err(|err| err.within("external_annotations"))?;
+                }
+                _ => {}
+            }
+        }
+        res.segments = segments.ok_or_else(|| ConvError::new("missing key `segments`"))?;
+        Ok(res)
+    }
+
+    fn segment(&mut self, value: Value) -> Conv<SegmentSnapshot> {
+        let mut device = 0;
+        let mut address = None;
+        let mut total_size = None;
+        let mut allocated_size = None;
+        let mut active_size = None;
+        let mut requested_size = None;
+        let mut stream = 0;
+        let mut segment_type = PoolKind::Large;
+        let mut segment_pool_id = (0, 0);
+        let mut is_expandable = false;
+        let mut frames = None;
+        let mut blocks = None;
+        for (name, value) in fields(value)? {
+            let at = |err: ConvError| err.within(&name);
+            match name.as_str() {
+                "device" => device = int(value).map_err(at)?,
+                "address" => address = Some(unsigned(value).map_err(at)?),
+                "total_size" => total_size = Some(unsigned(value).map_err(at)?),
+                "allocated_size" => allocated_size = Some(unsigned(value).map_err(at)?),
+                "active_size" => active_size = Some(unsigned(value).map_err(at)?),
+                "requested_size" => requested_size = Some(unsigned(value).map_err(at)?),
+                "stream" => stream = unsigned(value).map_err(at)?,
+                "segment_type" => segment_type = pool_kind(value).map_err(at)?,
+                "segment_pool_id" => segment_pool_id = pool_id(value).map_err(at)?,
+                "is_expandable" => is_expandable = boolean(value).map_err(at)?,
+                "frames" => frames = Some(self.frames(value).map_err(at)?),
+                "blocks" => blocks = Some(list(value).map_err(at)?),
+                _ => {}
+            }
+        }
+        let address = address.ok_or_else(|| ConvError::new("missing key `address`"))?;
+        let total_size = total_size.ok_or_else(|| ConvError::new("missing key `total_size`"))?;
+        let raw_blocks = blocks.ok_or_else(|| ConvError::new("missing key `blocks`"))?;
+        let mut blocks = Vec::with_capacity(raw_blocks.len());
+        let mut next_address = Some(address);
+        for (idx, block) in raw_blocks.into_iter().enumerate() {
+            let block = self
+                .block(block, next_address)
+                .map_err(|err| err.within(format!("blocks[{idx}]")))?;
+            next_address = block.address.checked_add(block.size);
+            blocks.push(block);
+        }
+        let sum = |keep: fn(&BlockSnapshot) -> bool, size: fn(&BlockSnapshot) -> u64| {
+            blocks
+                .iter()
+                .filter(|block| keep(block))
+                .map(size)
+                .fold(0u64, u64::saturating_add)
+        };
+        let allocated_size = allocated_size.unwrap_or_else(|| {
+            sum(
+                |block| block.state == BlockState::ActiveAllocated,
+                |block| block.size,
+            )
+        });
+        let active_size = active_size.unwrap_or_else(|| {
+            sum(
+                |block| block.state != BlockState::Inactive,
+                |block| block.size,
+            )
+        });
+        let requested_size = requested_size.unwrap_or_else(|| {
+            sum(
+                |block| block.state != BlockState::Inactive,
+                |block| block.requested_size,
+            )
+        });
+        Ok(SegmentSnapshot {
+            device,
+            address,
+            total_size,
+            allocated_size,
+            active_size,
+            requested_size,
+            stream,
+            segment_type,
+            segment_pool_id,
+            is_expandable,
+            frames: match frames {
+                Some(frames) => frames,
+                None => self.share(Vec::new()),
+            },
+            blocks,
+        })
+    }
+
+    /// A block; `default_address` is where it starts if the block does not say.
+    fn block(&mut self, value: Value, default_address: Option<u64>) -> Conv<BlockSnapshot> {
+        let mut address = None;
+        let mut size = None;
+        let mut requested_size = None;
+        let mut state = None;
+        let mut frames = None;
+        for (name, value) in fields(value)? {
+            let at = |err: ConvError| err.within(&name);
+            match name.as_str() {
+                "address" => address = Some(unsigned(value).map_err(at)?),
+                "size" => size = Some(unsigned(value).map_err(at)?),
+                "requested_size" => requested_size = Some(unsigned(value).map_err(at)?),
+                "state" => {
+                    let text = string(value).map_err(at)?;
+                    let parsed = BlockState::from_name(&text).ok_or_else(|| {
+                        ConvError::new(format!("unknown block state `{text}`")).within("state")
+                    })?;
+                    state = Some(parsed);
+                }
+                "frames" => frames = Some(self.frames(value).map_err(at)?),
+                _ => {}
+            }
+        }
+        let size = size.ok_or_else(|| ConvError::new("missing key `size`"))?;
+        let address = address
+            .or(default_address)
+            .ok_or_else(|| ConvError::new("missing key `address`"))?;
+        Ok(BlockSnapshot {
+            address,
+            size,
+            requested_size: requested_size.unwrap_or(size),
+            state: state.ok_or_else(|| ConvError::new("missing key `state`"))?,
+            frames: match frames {
+                Some(frames) => frames,
+                None => self.share(Vec::new()),
+            },
+        })
+    }
+
+    fn entry(&mut self, value: Value) -> Conv<TraceEntry> {
+        let mut action = None;
+        let mut addr = None;
+        let mut device_free = None;
+        let mut size = None;
+        let mut stream = 0;
+        let mut time_us = 0;
+        let mut frames = None;
+        for (name, value) in fields(value)? {
+            let at = |err: ConvError| err.within(&name);
+            match name.as_str() {
+                "action" => {
+                    let text = string(value).map_err(at)?;
+                    let parsed = TraceAction::from_name(&text).ok_or_else(|| {
+                        ConvError::new(format!("unknown action `{text}`")).within("action")
+                    })?;
+                    action = Some(parsed);
+                }
+                "addr" => addr = Some(unsigned(value).map_err(at)?),
+                "device_free" => device_free = Some(unsigned(value).map_err(at)?),
+                "size" => size = Some(unsigned(value).map_err(at)?),
+                "stream" => stream = unsigned(value).map_err(at)?,
+                "time_us" => time_us = int(value).map_err(at)?,
+                "frames" => frames = Some(self.frames(value).map_err(at)?),
+                _ => {}
+            }
+        }
+        let action = action.ok_or_else(|| ConvError::new("missing key `action`"))?;
+        let addr = if action == TraceAction::Oom {
+            device_free.or(addr)
+        } else {
+            addr.or(device_free)
+        };
+        Ok(TraceEntry {
+            action,
+            addr: addr.ok_or_else(|| ConvError::new("missing key `addr`"))?,
+            size: size.ok_or_else(|| ConvError::new("missing key `size`"))?,
+            stream,
+            time_us,
+            frames: match frames {
+                Some(frames) => frames,
+                None => self.share(Vec::new()),
+            },
+        })
+    }
+
+    fn frames(&mut self, value: Value) -> Conv<Frames> {
+        let items = list(value)?;
+        let mut frames = Vec::with_capacity(items.len());
+        for (idx, item) in items.into_iter().enumerate() {
+            frames.push(frame(item).map_err(|err| err.within(format!("[{idx}]")))?);
+        }
+        Ok(self.share(frames))
+    }
+
+    /// The shared allocation of a frame list equal to `frames`.
+    fn share(&mut self, frames: Vec<Frame>) -> Frames {
+        if let Some(shared) = self.frames.get(frames.as_slice()) {
+            return Arc::clone(shared);
+        }
+        let shared: Frames = Arc::from(frames);
+        self.frames.insert(Arc::clone(&shared));
+        shared
+    }
+}
+
+fn frame(value: Value) -> Conv<Frame> {
+    let mut filename = None;
+    let mut line = None;
+    let mut name = None;
+    for (field, value) in fields(value)? {
+        let at = |err: ConvError| err.within(&field);
+        match field.as_str() {
+            "filename" => filename = Some(string(value).map_err(at)?),
+            "line" => line = Some(int(value).map_err(at)?),
+            "name" => name = Some(string(value).map_err(at)?),
+            _ => {}
+        }
+    }
+    Ok(Frame {
+        filename: filename.ok_or_else(|| ConvError::new("missing key `filename`"))?,
+        line: line.ok_or_else(|| ConvError::new("missing key `line`"))?,
+        name: name.ok_or_else(|| ConvError::new("missing key `name`"))?,
+    })
+}
+
+fn expected(what: &str, value: &Value) -> ConvError {
+    ConvError::new(format!("expected {what}, found {}", value_kind(value)))
+}
+
+fn dict(value: Value) -> Conv<Vec<(Value, Value)>> {
+    match value {
+        Value::Dict(pairs) => Ok(pairs),
+        other => Err(expected("a dict", &other)),
+    }
+}
+
+/// The string-keyed entries of a dict; entries with other keys are ignored like unknown keys.
+fn fields(value: Value) -> Conv<impl Iterator<Item = (String, Value)>> {
+    Ok(dict(value)?
+        .into_iter()
+        .filter_map(|(name, value)| match name {
+            Value::Str(name) => Some((name, value)),
+            _ => None,
+        }))
+}
+
+/// A list or a tuple.
+fn list(value: Value) -> Conv<Vec<Value>> {
+    match value {
+        Value::List(items) | Value::Tuple(items) => Ok(items),
+        other => Err(expected("a list", &other)),
+    }
+}
+
+fn int(value: Value) -> Conv<i64> {
+    match value {
+        Value::Int(int) => Ok(int),
+        other => Err(expected("an int", &other)),
+    }
+}
+
+fn unsigned(value: Value) -> Conv<u64> {
+    let int = int(value)?;
+    u64::try_from(int)
+        .map_err(|_| ConvError::new(format!("expected a non-negative int, found {int}")))
+}
+
+fn boolean(value: Value) -> Conv<bool> {
+    match value {
+        Value::Bool(flag) => Ok(flag),
+        other => Err(expected("a bool", &other)),
+    }
+}
+
+fn string(value: Value) -> Conv<String> {
+    match value {
+        Value::Str(text) => Ok(text),
+        other => Err(expected("a str", &other)),
+    }
+}
+
+fn pool_kind(value: Value) -> Conv<PoolKind> {
+    let text = string(value)?;
+    match text.as_str() {
+        "small" => Ok(PoolKind::Small),
+        "large" => Ok(PoolKind::Large),
+        _ => Err(ConvError::new(format!(
+            "unknown segment type `{text}`, expected \"small\" or \"large\""
+        ))),
+    }
+}
+
+fn pool_id(value: Value) -> Conv<(i64, i64)> {
+    let items = list(value)?;
+    let n_items = items.len();
+    let mut items = items.into_iter();
+    match (items.next(), items.next(), items.next()) {
+        (Some(first), Some(second), None) => Ok((int(first)?, int(second)?)),
+        _ => Err(ConvError::new(format!(
+            "expected a pair, found {n_items} items"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::pickle::{read_pickle, write_pickle};
+    use super::*;
+
+    fn key(name: &str) -> Value {
+        Value::Str(name.to_owned())
+    }
+
+    fn frames(names: &[&str]) -> Frames {
+        names
+            .iter()
+            .map(|name| Frame {
+                filename: "headroom:context".into(),
+                line: 0,
+                name: (*name).into(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn defaults_fill_what_older_snapshots_lack() {
+        let block = |size: i64, state: &str| {
+            Value::Dict(vec![
+                (key("size"), Value::Int(size)),
+                (key("state"), key(state)),
+            ])
+        };
+        let value = Value::Dict(vec![(
+            key("segments"),
+            Value::List(vec![Value::Dict(vec![
+                (key("address"), Value::Int(4096)),
+                (key("total_size"), Value::Int(3072)),
+                (key("unknown"), Value::None),
+                (
+                    key("blocks"),
+                    Value::List(vec![
+                        block(1024, "active_allocated"),
+                        block(512, "active_awaiting_free"),
+                        block(1536, "inactive"),
+                    ]),
+                ),
+            ])]),
+        )]);
+        let snapshot = snapshot_from_value(value, "pickle").expect("reads");
+        let segment = &snapshot.segments[0];
+        let addresses: Vec<u64> = segment.blocks.iter().map(|block| block.address).collect();
+        assert_eq!(addresses, [4096, 5120, 5632]);
+        assert_eq!(
+            (
+                segment.allocated_size,
+                segment.active_size,
+                segment.requested_size
+            ),
+            (1024, 1536, 1536)
+        );
+        assert_eq!(segment.blocks[1].state, BlockState::ActivePendingFree);
+        assert_eq!(segment.segment_type, PoolKind::Large);
+        assert!(snapshot.device_traces.is_empty());
+    }
+
+    #[test]
+    fn errors_name_the_path() {
+        let value = Value::Dict(vec![
+            (key("segments"), Value::List(Vec::new())),
+            (
+                key("device_traces"),
+                Value::List(vec![Value::List(vec![Value::Dict(vec![
+                    (key("action"), key("alloc")),
+                    (key("addr"), Value::Int(-5)),
+                    (key("size"), Value::Int(1)),
+                ])])]),
+            ),
+        ]);
+        let err = snapshot_from_value(value, "json")
+            .expect_err("negative addr")
+            .to_string();
+        assert_eq!(
+            err,
+            "json error: device_traces[0][0].addr: expected a non-negative int, found -5"
+        );
+    }
+
+    #[test]
+    fn equal_frame_lists_share_one_allocation() {
+        let entry = |name: &str| TraceEntry {
+            action: TraceAction::Alloc,
+            addr: 0,
+            size: 512,
+            stream: 0,
+            time_us: 0,
+            frames: frames(&[name, "forward"]),
+        };
+        let snapshot = Snapshot {
+            device_traces: vec![vec![entry("mlp"), entry("mlp"), entry("attn")]],
+            ..Snapshot::default()
+        };
+        let mut bytes = Vec::new();
+        write_pickle(&snapshot, &mut bytes).expect("writes");
+        let back = read_pickle(&bytes[..]).expect("reads");
+        assert_eq!(back, snapshot);
+        let trace = &back.device_traces[0];
+        assert!(Arc::ptr_eq(&trace[0].frames, &trace[1].frames));
+        assert!(!Arc::ptr_eq(&trace[0].frames, &trace[2].frames));
+    }
+
+    #[test]
+    fn refuses_unsigned_values_beyond_i64() {
+        let snapshot = Snapshot {
+            device_traces: vec![vec![TraceEntry {
+                action: TraceAction::Oom,
+                addr: 1 << 63,
+                size: 0,
+                stream: 0,
+                time_us: 0,
+                frames: frames(&[]),
+            }]],
+            ..Snapshot::default()
+        };
+        let err = write_pickle(&snapshot, Vec::new())
+            .expect_err("too big")
+            .to_string();
+        assert!(err.contains("device_traces[0][0].device_free"), "{err}");
+    }
+}

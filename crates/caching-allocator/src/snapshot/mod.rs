@@ -21,9 +21,9 @@ use std::sync::Arc;
 
 use crate::stats::PoolKind;
 
-pub use pickle::{read_pickle, write_pickle, VIEWER_OPCODES};
 pub use json::{read_json, write_json};
-pub use trace_file::{read_trace_tsv, TraceEvent};
+pub use pickle::{pickle_opcodes, read_pickle, write_pickle, VIEWER_OPCODES};
+pub use trace_file::{read_trace_tsv, trace_events_from_snapshot, TraceEvent};
 
 /// A dynamic value of a pickle or JSON document.
 #[derive(Debug, Clone, PartialEq)]

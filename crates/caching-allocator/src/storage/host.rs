@@ -30,7 +30,12 @@ impl HostStorage {
 
     /// A host storage that reports out-of-memory once `capacity` bytes of segments are live.
     pub fn with_capacity(capacity: u64) -> Self {
-        HostStorage { capacity, in_use: 0, segments: HashMap::new(), next_event: 0 }
+        HostStorage {
+            capacity,
+            in_use: 0,
+            segments: HashMap::new(),
+            next_event: 0,
+        }
     }
 
     /// Bytes of segments currently allocated.
@@ -88,7 +93,10 @@ impl Storage for HostStorage {
     }
 
     fn memory_info(&self) -> MemoryInfo {
-        MemoryInfo { free: self.capacity.saturating_sub(self.in_use), total: self.capacity }
+        MemoryInfo {
+            free: self.capacity.saturating_sub(self.in_use),
+            total: self.capacity,
+        }
     }
 
     fn record_event(&mut self, _stream: StreamId) -> Result<EventId, StorageError> {

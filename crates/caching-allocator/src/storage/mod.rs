@@ -101,8 +101,12 @@ pub trait Storage: Send {
     }
 
     /// Reserves `size` bytes of address space with nothing mapped (`cuMemAddressReserve`).
-    fn reserve_address_space(&mut self, size: u64) -> Result<u64, StorageError> {
-        let _ = size;
+    ///
+    /// The allocator maps and unmaps this reservation only in whole pages of `page_size` bytes
+    /// (a multiple of [`Storage::page_granularity`]) aligned to the reservation's start, so a
+    /// storage may back each page with one physical allocation.
+    fn reserve_address_space(&mut self, size: u64, page_size: u64) -> Result<u64, StorageError> {
+        let _ = (size, page_size);
         Err(StorageError::Unsupported)
     }
 

@@ -125,12 +125,17 @@ impl Storage for SimulatedStorage {
             Some(&held) => Err(StorageError::InvalidRange(format!(
                 "segment at {address:#x} has {held} bytes, not {size}"
             ))),
-            None => Err(StorageError::InvalidRange(format!("no segment at {address:#x}"))),
+            None => Err(StorageError::InvalidRange(format!(
+                "no segment at {address:#x}"
+            ))),
         }
     }
 
     fn memory_info(&self) -> MemoryInfo {
-        MemoryInfo { free: self.capacity.saturating_sub(self.in_use), total: self.capacity }
+        MemoryInfo {
+            free: self.capacity.saturating_sub(self.in_use),
+            total: self.capacity,
+        }
     }
 
     fn supports_expandable_segments(&self) -> bool {
@@ -141,7 +146,7 @@ impl Storage for SimulatedStorage {
         self.page_granularity
     }
 
-    fn reserve_address_space(&mut self, size: u64) -> Result<u64, StorageError> {
+    fn reserve_address_space(&mut self, size: u64, _page_size: u64) -> Result<u64, StorageError> {
         let address = self.take_address_range(size);
         self.reservations.insert(address, size);
         Ok(address)
@@ -163,7 +168,10 @@ impl Storage for SimulatedStorage {
     }
 
     fn map(&mut self, address: u64, size: u64) -> Result<(), StorageError> {
-        if size == 0 || address % self.page_granularity != 0 || size % self.page_granularity != 0 {
+        if size == 0
+            || !address.is_multiple_of(self.page_granularity)
+            || !size.is_multiple_of(self.page_granularity)
+        {
             return Err(StorageError::InvalidRange(format!(
                 "map of {size} bytes at {address:#x} is not page aligned"
             )));

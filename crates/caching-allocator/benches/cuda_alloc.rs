@@ -1,0 +1,298 @@
+//! What one allocate + free pair costs on a CUDA device, three ways: the driver's synchronous
+//! `cuMemAlloc` + `cuMemFree`, its stream-ordered pool (`cuMemAllocAsync` + `cuMemFreeAsync` on
+//! one stream), and the caching allocator over `CudaStorage`. Before the criterion groups it
+//! prints what mapping and unmapping pages costs (the expandable-segment path) for 2 MiB, 20 MiB
+//! and 2 GiB, with one handle per granularity chunk (what `CudaStorage` does) and with one handle
+//! for the whole range (the lower bound).
+//!
+//! Run: `cargo bench -p headroom-caching-allocator --features cuda --bench cuda_alloc`.
+//! Without a CUDA device it prints a skip notice and exits with success.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion, Throughput};
+use cudarc::driver::{result, sys, CudaContext};
+use headroom_caching_allocator::{
+    AllocatorConfig, CachingAllocator, CudaStorage, CudaStorageOptions, Storage, StorageError,
+    StreamId,
+};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+const PAIR_SIZES: [u64; 2] = [MIB, 64 * MIB];
+
+fn main() {
+    let mut storage = match CudaStorage::new(0) {
+        Ok(storage) => storage,
+        Err(err) => {
+            println!("skipped: no CUDA device ({err})");
+            return;
+        }
+    };
+    println!("device: {}", storage.device_name());
+    if let Err(err) = print_map_costs(&mut storage) {
+        println!("map/unmap timing failed: {err}");
+    }
+    drop(storage);
+    let options = CudaStorageOptions {
+        handle_size: Some(20 * MIB),
+        ..CudaStorageOptions::default()
+    };
+    match CudaStorage::with_options(0, options) {
+        Ok(mut storage) => {
+            if let Err(err) = print_large_handle_costs(&mut storage) {
+                println!("20 MiB-handle timing failed: {err}");
+            }
+        }
+        Err(err) => println!("20 MiB-handle timing skipped: {err}"),
+    }
+
+    let mut criterion = Criterion::default().configure_from_args();
+    bench_driver_pairs(&mut criterion);
+    bench_cached_pairs(&mut criterion);
+    criterion.final_summary();
+}
+
+/// Median of `samples`, in microseconds.
+fn median_us(samples: &mut [Duration]) -> f64 {
+    samples.sort();
+    samples[samples.len() / 2].as_secs_f64() * 1e6
+}
+
+/// Times `map` + `unmap` of 2 MiB, 20 MiB and 2 GiB through the storage, and through a single
+/// handle per range, and prints a table.
+fn print_map_costs(storage: &mut CudaStorage) -> Result<(), StorageError> {
+    if !storage.supports_expandable_segments() {
+        println!("map/unmap: the device cannot map pages");
+        return Ok(());
+    }
+    let granularity = storage.page_granularity();
+    let reserved = 4 * GIB;
+    let base = storage.reserve_address_space(reserved, granularity)?;
+    println!("granularity: {granularity} bytes");
+    println!(
+        "{:>8} {:>8} {:>14} {:>14} {:>16} {:>16}",
+        "size", "handles", "map us", "unmap us", "1-handle map us", "1-handle unmap us"
+    );
+    for (size, reps) in [(2 * MIB, 50), (20 * MIB, 30), (2 * GIB, 5)] {
+        let mut maps = Vec::new();
+        let mut unmaps = Vec::new();
+        for _ in 0..reps {
+            let start = Instant::now();
+            storage.map(base, size)?;
+            maps.push(start.elapsed());
+            storage.synchronize_device()?;
+            let start = Instant::now();
+            storage.unmap(base, size)?;
+            unmaps.push(start.elapsed());
+        }
+        let (mut single_maps, mut single_unmaps) = (Vec::new(), Vec::new());
+        for _ in 0..reps {
+            let (map, unmap) = single_handle_map_unmap(storage.device_ordinal(), base, size)?;
+            single_maps.push(map);
+            single_unmaps.push(unmap);
+        }
+        println!(
+            "{:>8} {:>8} {:>14.1} {:>14.1} {:>16.1} {:>16.1}",
+            format!("{}M", size / MIB),
+            size / granularity,
+            median_us(&mut maps),
+            median_us(&mut unmaps),
+            median_us(&mut single_maps),
+            median_us(&mut single_unmaps),
+        );
+    }
+    storage.release_address_space(base, reserved)
+}
+
+/// Times `map` + `unmap` through a storage whose `handle_size` is 20 MiB (PyTorch's large-pool
+/// page, one handle each).
+fn print_large_handle_costs(storage: &mut CudaStorage) -> Result<(), StorageError> {
+    if !storage.supports_expandable_segments() {
+        return Ok(());
+    }
+    let reserved = 4 * GIB;
+    let base = storage.reserve_address_space(reserved, 20 * MIB)?;
+    println!(
+        "{:>8} {:>8} {:>14} {:>14}  (20 MiB pages, one handle each)",
+        "size", "handles", "map us", "unmap us"
+    );
+    for (size, reps) in [(20 * MIB, 30), (2040 * MIB, 5)] {
+        let (mut maps, mut unmaps) = (Vec::new(), Vec::new());
+        for _ in 0..reps {
+            let start = Instant::now();
+            storage.map(base, size)?;
+            maps.push(start.elapsed());
+            storage.synchronize_device()?;
+            let start = Instant::now();
+            storage.unmap(base, size)?;
+            unmaps.push(start.elapsed());
+        }
+        println!(
+            "{:>8} {:>8} {:>14.1} {:>14.1}",
+            format!("{}M", size / MIB),
+            size / (20 * MIB),
+            median_us(&mut maps),
+            median_us(&mut unmaps),
+        );
+    }
+    storage.release_address_space(base, reserved)
+}
+
+/// Maps `[base, base + size)` with one `cuMemCreate` handle, then unmaps it; returns both times.
+/// The storage's context is current on this thread (the caller just used it).
+fn single_handle_map_unmap(
+    ordinal: usize,
+    base: u64,
+    size: u64,
+) -> Result<(Duration, Duration), StorageError> {
+    let check = |call: &str, outcome: sys::CUresult| {
+        outcome
+            .result()
+            .map_err(|err| StorageError::Device(format!("{call}: {err}")))
+    };
+    let location = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: ordinal as i32,
+    };
+    let prop = sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location,
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    };
+    let access = sys::CUmemAccessDesc {
+        location,
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    let start = Instant::now();
+    // SAFETY: `handle`, `prop` and `access` are valid for each call; `base..base + size` lies in a
+    // reservation of the current context with nothing mapped (the storage just unmapped it).
+    unsafe {
+        check(
+            "cuMemCreate",
+            sys::cuMemCreate(&mut handle, size as usize, &prop, 0),
+        )?;
+        check("cuMemMap", sys::cuMemMap(base, size as usize, 0, handle, 0))?;
+        check(
+            "cuMemSetAccess",
+            sys::cuMemSetAccess(base, size as usize, &access, 1),
+        )?;
+    }
+    let map = start.elapsed();
+    let start = Instant::now();
+    // SAFETY: the range was mapped above with `handle`, which is live.
+    unsafe {
+        check("cuMemUnmap", sys::cuMemUnmap(base, size as usize))?;
+        check("cuMemRelease", sys::cuMemRelease(handle))?;
+    }
+    Ok((map, start.elapsed()))
+}
+
+/// `cuMemAlloc` + `cuMemFree`, and `cuMemAllocAsync` + `cuMemFreeAsync` on one stream.
+fn bench_driver_pairs(criterion: &mut Criterion) {
+    let context = match CudaContext::new(0) {
+        Ok(context) => context,
+        Err(err) => {
+            println!("skipped driver pairs: {err}");
+            return;
+        }
+    };
+    if let Err(err) = context.bind_to_thread() {
+        println!("skipped driver pairs: {err}");
+        return;
+    }
+    let mut group = criterion.benchmark_group("driver_pair");
+    group.throughput(Throughput::Elements(1));
+    for size in PAIR_SIZES {
+        group.bench_with_input(
+            BenchmarkId::new("cuMemAlloc_cuMemFree", size),
+            &size,
+            |b, &size| {
+                b.iter(|| {
+                    // SAFETY: a plain allocation of the current context, freed at once, never used.
+                    unsafe {
+                        let address = result::malloc_sync(size as usize).expect("cuMemAlloc");
+                        result::free_sync(black_box(address)).expect("cuMemFree");
+                    }
+                })
+            },
+        );
+    }
+    match result::stream::create(result::stream::StreamKind::NonBlocking) {
+        Ok(stream) => {
+            for size in PAIR_SIZES {
+                group.bench_with_input(
+                    BenchmarkId::new("cuMemAllocAsync_cuMemFreeAsync", size),
+                    &size,
+                    |b, &size| {
+                        b.iter(|| {
+                            // SAFETY: a stream-ordered allocation on a live stream of the current
+                            // context, freed on the same stream, never used.
+                            unsafe {
+                                let address = result::malloc_async(stream, size as usize)
+                                    .expect("cuMemAllocAsync");
+                                result::free_async(black_box(address), stream)
+                                    .expect("cuMemFreeAsync");
+                            }
+                        })
+                    },
+                );
+            }
+            // SAFETY: the stream was created above; nothing uses it after this.
+            unsafe {
+                let _ = result::stream::synchronize(stream);
+                let _ = result::stream::destroy(stream);
+            }
+        }
+        Err(err) => println!("skipped async pairs: {err}"),
+    }
+    group.finish();
+}
+
+/// `CachingAllocator<CudaStorage>` allocate + free, after one warm-up pair has filled the cache,
+/// with classic and expandable segments.
+fn bench_cached_pairs(criterion: &mut Criterion) {
+    let mut group = criterion.benchmark_group("cached_pair");
+    group.throughput(Throughput::Elements(1));
+    for (name, config) in [
+        ("classic", AllocatorConfig::pytorch_defaults()),
+        ("expandable", AllocatorConfig::default()),
+    ] {
+        let storage = match CudaStorage::new(0) {
+            Ok(storage) => storage,
+            Err(err) => {
+                println!("skipped cached pairs: {err}");
+                return;
+            }
+        };
+        let allocator = CachingAllocator::new(storage, config);
+        for size in PAIR_SIZES {
+            let warm = allocator
+                .allocate(size, StreamId::DEFAULT)
+                .expect("allocate");
+            allocator.free(warm).expect("free");
+            group.bench_with_input(
+                BenchmarkId::new(format!("CachingAllocator_{name}"), size),
+                &size,
+                |b, &size| {
+                    b.iter(|| {
+                        let allocation = allocator
+                            .allocate(black_box(size), StreamId::DEFAULT)
+                            .expect("allocate");
+                        allocator.free(allocation).expect("free");
+                    })
+                },
+            );
+        }
+    }
+    group.finish();
+}

@@ -1,0 +1,892 @@
+//! Device memory from the CUDA driver API, through cudarc.
+//!
+//! Segments are `cuMemAlloc` allocations. Expandable segments use the virtual memory management
+//! calls: `cuMemAddressReserve` for the address space, then one `cuMemCreate` handle per
+//! [`Storage::page_granularity`] chunk (2 MiB on an H200), mapped with `cuMemMap` and opened
+//! with `cuMemSetAccess`. One handle per chunk is what lets [`Storage::unmap`] release any
+//! page-aligned sub-range of earlier maps: CUDA unmaps only whole mappings, and the allocator
+//! unmaps the free pages inside a segment wherever they fall. Each handle is released right after
+//! it is mapped, so the mapping alone keeps the memory alive and unmapping frees it.
+//!
+//! Streams and events are real: `StreamId(0)` is the context's legacy default stream, other ids
+//! are streams made by [`CudaStorage::new_stream`] or lent by [`CudaStorage::register_stream`].
+//! Events come from a pool created with `CU_EVENT_DISABLE_TIMING`.
+//!
+//! The driver library is loaded at run time. [`CudaStorage::new`] checks that it is there and
+//! that the device exists before calling anything else, so a machine without CUDA gets an `Err`,
+//! never a panic.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cudarc::driver::result::{self, DriverError};
+use cudarc::driver::sys;
+
+use super::{EventId, MemoryInfo, Storage, StorageError, StreamId};
+
+/// Errors met while a [`CudaStorage`] was dropped, over the whole process.
+static DROP_ERRORS: AtomicU64 = AtomicU64::new(0);
+
+/// Settings of a [`CudaStorage`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CudaStorageOptions {
+    /// Pretend the card has only this many bytes for this storage: segments and mapped pages
+    /// beyond it fail with [`StorageError::OutOfMemory`] without asking the driver, and
+    /// [`Storage::memory_info`] reports it as the total. `None`: the card's real memory.
+    pub memory_limit: Option<u64>,
+    /// Back mapped pages with handles of this many bytes (a multiple of the granularity) where a
+    /// [`Storage::map`] call's offset in its reservation and its size are multiples of it; other
+    /// calls, and `None`, use one handle per granularity chunk. Fewer handles map and unmap
+    /// faster (on an H200, one 2 MiB handle costs about as much as one 20 MiB handle), but an
+    /// [`Storage::unmap`] must then release whole handles: one that cuts through a handle fails
+    /// with [`StorageError::InvalidRange`] and leaves everything mapped. Set it to the policy's
+    /// large-pool page (20 MiB) only when the policy maps and unmaps whole pages.
+    pub handle_size: Option<u64>,
+}
+
+/// The primary context of the storage's device.
+#[derive(Debug)]
+struct RawContext(sys::CUcontext);
+
+// SAFETY: a CUDA context is not tied to the thread that retained it. Every method of
+// `CudaStorage` makes it current on the calling thread (`cuCtxSetCurrent`) before any other
+// driver call, so moving the storage to another thread is sound.
+unsafe impl Send for RawContext {}
+
+/// A stream of the storage's context.
+#[derive(Debug)]
+struct RawStream(sys::CUstream);
+
+// SAFETY: streams belong to a context, not to a thread; the context is made current before each
+// use (see `RawContext`).
+unsafe impl Send for RawStream {}
+
+/// An event of the storage's context.
+#[derive(Debug)]
+struct RawEvent(sys::CUevent);
+
+// SAFETY: events belong to a context, not to a thread; the context is made current before each
+// use (see `RawContext`).
+unsafe impl Send for RawEvent {}
+
+#[derive(Debug)]
+struct StreamEntry {
+    raw: RawStream,
+    /// Created by this storage (destroyed on drop), as opposed to lent by the caller.
+    owned: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Reservation {
+    /// Bytes asked for; `release_address_space` must name the same.
+    requested: u64,
+    /// Bytes reserved from the driver: `requested` rounded up to the granularity.
+    reserved: u64,
+    /// The page size the allocator maps this reservation in: one handle per page.
+    page: u64,
+}
+
+/// Device memory of one CUDA device, through the driver API.
+#[derive(Debug)]
+pub struct CudaStorage {
+    ordinal: usize,
+    device: sys::CUdevice,
+    context: RawContext,
+    options: CudaStorageOptions,
+    total_memory: u64,
+    supports_vmm: bool,
+    granularity: u64,
+    /// Bytes of segments and mapped chunks held.
+    held: u64,
+    segments: HashMap<u64, u64>,
+    reservations: BTreeMap<u64, Reservation>,
+    /// Mapped handles: start address → bytes (the granularity or `options.handle_size`).
+    mapped: BTreeMap<u64, u64>,
+    streams: HashMap<u64, StreamEntry>,
+    next_stream: u64,
+    live_events: HashMap<u64, RawEvent>,
+    event_pool: Vec<RawEvent>,
+    next_event: u64,
+}
+
+impl CudaStorage {
+    /// A storage on device `device_ordinal`, with the card's whole memory.
+    ///
+    /// Fails with [`StorageError::Device`] when the driver library is missing, the driver does
+    /// not start, or there is no such device.
+    pub fn new(device_ordinal: usize) -> Result<CudaStorage, StorageError> {
+        Self::with_options(device_ordinal, CudaStorageOptions::default())
+    }
+
+    /// A storage on device `device_ordinal` with `options`.
+    pub fn with_options(
+        device_ordinal: usize,
+        options: CudaStorageOptions,
+    ) -> Result<CudaStorage, StorageError> {
+        // SAFETY: only tries to open the library; calls nothing in it.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(StorageError::Device(
+                "the CUDA driver library (libcuda) was not found".to_string(),
+            ));
+        }
+        result::init().map_err(|err| driver_error("cuInit", err))?;
+        let n_devices =
+            result::device::get_count().map_err(|err| driver_error("cuDeviceGetCount", err))?;
+        let ordinal = i32::try_from(device_ordinal)
+            .ok()
+            .filter(|&ordinal| ordinal < n_devices)
+            .ok_or_else(|| {
+                StorageError::Device(format!(
+                    "no CUDA device {device_ordinal}: {n_devices} device(s) present"
+                ))
+            })?;
+        let device =
+            result::device::get(ordinal).map_err(|err| driver_error("cuDeviceGet", err))?;
+        // SAFETY: `device` was returned by `cuDeviceGet`; the retain is released in `teardown`.
+        let context = unsafe { result::primary_ctx::retain(device) }
+            .map_err(|err| driver_error("cuDevicePrimaryCtxRetain", err))?;
+        let mut storage = CudaStorage {
+            ordinal: device_ordinal,
+            device,
+            context: RawContext(context),
+            options,
+            total_memory: 0,
+            supports_vmm: false,
+            granularity: 2 << 20,
+            held: 0,
+            segments: HashMap::new(),
+            reservations: BTreeMap::new(),
+            mapped: BTreeMap::new(),
+            streams: HashMap::new(),
+            next_stream: 1,
+            live_events: HashMap::new(),
+            event_pool: Vec::new(),
+            next_event: 0,
+        };
+        // From here on, dropping `storage` releases the context on any error.
+        storage.bind()?;
+        // SAFETY: `device` was returned by `cuDeviceGet`.
+        storage.total_memory = unsafe { result::device::total_mem(device) }
+            .map_err(|err| driver_error("cuDeviceTotalMem", err))?
+            as u64;
+        // SAFETY: `device` was returned by `cuDeviceGet`; the attribute exists since CUDA 10.2.
+        let vmm = unsafe {
+            result::device::get_attribute(
+                device,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
+            )
+        }
+        .map_err(|err| driver_error("cuDeviceGetAttribute", err))?;
+        if vmm != 0 {
+            let prop = storage.allocation_prop();
+            let mut granularity = 0usize;
+            // SAFETY: `granularity` and `prop` are valid for the duration of the call.
+            unsafe {
+                sys::cuMemGetAllocationGranularity(
+                    &mut granularity,
+                    &prop,
+                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                )
+            }
+            .result()
+            .map_err(|err| driver_error("cuMemGetAllocationGranularity", err))?;
+            if granularity > 0 {
+                storage.supports_vmm = true;
+                storage.granularity = granularity as u64;
+            }
+        }
+        Ok(storage)
+    }
+
+    /// The ordinal of the storage's device.
+    pub fn device_ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The device's name, e.g. "NVIDIA H200"; empty if the driver cannot say.
+    pub fn device_name(&self) -> String {
+        result::device::get_name(self.device).unwrap_or_default()
+    }
+
+    /// The settings the storage was made with.
+    pub fn options(&self) -> &CudaStorageOptions {
+        &self.options
+    }
+
+    /// Bytes of segments and mapped pages this storage holds now.
+    pub fn bytes_in_use(&self) -> u64 {
+        self.held
+    }
+
+    /// Errors met by every `CudaStorage` dropped so far in this process (a failed free, unmap,
+    /// destroy or context release). `Drop` cannot return them and never prints; use
+    /// [`CudaStorage::close`] to see the first one.
+    pub fn drop_errors() -> u64 {
+        DROP_ERRORS.load(Ordering::Relaxed)
+    }
+
+    /// Creates a non-blocking stream (`CU_STREAM_NON_BLOCKING`) and returns its id, a small
+    /// integer starting at 1.
+    pub fn new_stream(&mut self) -> Result<StreamId, StorageError> {
+        self.bind()?;
+        let raw = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(|err| driver_error("cuStreamCreate", err))?;
+        Ok(self.insert_stream(StreamEntry {
+            raw: RawStream(raw),
+            owned: true,
+        }))
+    }
+
+    /// Lends an existing stream (a `CUstream`, e.g. from cudarc's `CudaStream::cu_stream`) to the
+    /// storage under a new id. The storage never destroys it.
+    ///
+    /// # Safety
+    /// `raw_stream` must be a valid stream of this device's primary context, and it must outlive
+    /// the storage.
+    pub unsafe fn register_stream(&mut self, raw_stream: *mut c_void) -> StreamId {
+        self.insert_stream(StreamEntry {
+            raw: RawStream(raw_stream.cast()),
+            owned: false,
+        })
+    }
+
+    /// The `CUstream` behind `stream` (null for [`StreamId::DEFAULT`]), for launching work on it;
+    /// `None` for an id the storage does not know.
+    pub fn raw_stream(&self, stream: StreamId) -> Option<*mut c_void> {
+        self.stream(stream).ok().map(|raw| raw.cast())
+    }
+
+    /// Waits for the work queued on `stream` (`cuStreamSynchronize`).
+    pub fn synchronize_stream(&mut self, stream: StreamId) -> Result<(), StorageError> {
+        self.bind()?;
+        let raw = self.stream(stream)?;
+        // SAFETY: `raw` is the null stream or a live stream of the current context.
+        unsafe { result::stream::synchronize(raw) }
+            .map_err(|err| driver_error("cuStreamSynchronize", err))
+    }
+
+    /// Sets `size` bytes at `address` to `byte` (`cuMemsetD8`, ordered on the default stream).
+    /// The range must lie inside one segment or mapped range of this storage.
+    pub fn memset(&mut self, address: u64, byte: u8, size: u64) -> Result<(), StorageError> {
+        self.bind()?;
+        self.check_usable(address, size)?;
+        // SAFETY: the range lies in memory this storage holds (checked above).
+        unsafe { sys::cuMemsetD8_v2(address, byte, size as usize) }
+            .result()
+            .map_err(|err| driver_error("cuMemsetD8", err))
+    }
+
+    /// Queues a memset of `size` bytes at `address` on `stream` (`cuMemsetD8Async`); a way to
+    /// give a stream work, for tests and benchmarks.
+    pub fn memset_async(
+        &mut self,
+        stream: StreamId,
+        address: u64,
+        byte: u8,
+        size: u64,
+    ) -> Result<(), StorageError> {
+        self.bind()?;
+        self.check_usable(address, size)?;
+        let raw = self.stream(stream)?;
+        // SAFETY: the range lies in memory this storage holds (checked above) and `raw` is a
+        // stream of the current context.
+        unsafe { result::memset_d8_async(address, byte, size as usize, raw) }
+            .map_err(|err| driver_error("cuMemsetD8Async", err))
+    }
+
+    /// Copies `destination.len()` bytes from device `address` to the host (`cuMemcpyDtoH`).
+    pub fn copy_to_host(
+        &mut self,
+        address: u64,
+        destination: &mut [u8],
+    ) -> Result<(), StorageError> {
+        self.bind()?;
+        self.check_usable(address, destination.len() as u64)?;
+        // SAFETY: the device range lies in memory this storage holds (checked above) and
+        // `destination` is a valid host buffer of that length.
+        unsafe { sys::cuMemcpyDtoH_v2(destination.as_mut_ptr().cast(), address, destination.len()) }
+            .result()
+            .map_err(|err| driver_error("cuMemcpyDtoH", err))
+    }
+
+    /// Copies `source` from the host to device `address` (`cuMemcpyHtoD`).
+    pub fn copy_from_host(&mut self, address: u64, source: &[u8]) -> Result<(), StorageError> {
+        self.bind()?;
+        self.check_usable(address, source.len() as u64)?;
+        // SAFETY: the device range lies in memory this storage holds (checked above) and
+        // `source` is a valid host buffer of that length.
+        unsafe { sys::cuMemcpyHtoD_v2(address, source.as_ptr().cast(), source.len()) }
+            .result()
+            .map_err(|err| driver_error("cuMemcpyHtoD", err))
+    }
+
+    /// Releases everything the storage holds and returns the first error met, where `Drop`
+    /// would only count it.
+    pub fn close(mut self) -> Result<(), StorageError> {
+        let (_, first) = self.teardown();
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Makes the storage's context current on the calling thread.
+    fn bind(&self) -> Result<(), StorageError> {
+        // SAFETY: the context was retained in `with_options` and is released only in `teardown`.
+        unsafe { result::ctx::set_current(self.context.0) }
+            .map_err(|err| driver_error("cuCtxSetCurrent", err))
+    }
+
+    fn insert_stream(&mut self, entry: StreamEntry) -> StreamId {
+        while self.streams.contains_key(&self.next_stream) {
+            self.next_stream += 1;
+        }
+        let id = self.next_stream;
+        self.next_stream += 1;
+        self.streams.insert(id, entry);
+        StreamId(id)
+    }
+
+    fn stream(&self, stream: StreamId) -> Result<sys::CUstream, StorageError> {
+        if stream == StreamId::DEFAULT {
+            return Ok(result::stream::null());
+        }
+        self.streams
+            .get(&stream.0)
+            .map(|entry| entry.raw.0)
+            .ok_or_else(|| {
+                StorageError::InvalidRange(format!(
+                    "stream {} was not made by new_stream or register_stream",
+                    stream.0
+                ))
+            })
+    }
+
+    /// Physical memory of this device, pinned, with no shareable handle.
+    fn allocation_prop(&self) -> sys::CUmemAllocationProp {
+        sys::CUmemAllocationProp {
+            type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+            requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.device,
+            },
+            win32HandleMetaData: std::ptr::null_mut(),
+            allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+                compressionType: 0,
+                gpuDirectRDMACapable: 0,
+                usage: 0,
+                reserved: [0; 4],
+            },
+        }
+    }
+
+    fn limit(&self) -> u64 {
+        self.options.memory_limit.unwrap_or(u64::MAX)
+    }
+
+    /// Whether `[address, address + size)` lies inside one segment or a fully mapped range.
+    fn check_usable(&self, address: u64, size: u64) -> Result<(), StorageError> {
+        let end = address
+            .checked_add(size)
+            .ok_or_else(|| out_of_storage(address, size))?;
+        if size == 0 {
+            return Ok(());
+        }
+        let in_segment = self
+            .segments
+            .iter()
+            .any(|(&start, &len)| start <= address && end <= start + len);
+        if in_segment {
+            return Ok(());
+        }
+        if mapped_cover(&self.mapped, address, end).is_some() {
+            Ok(())
+        } else {
+            Err(out_of_storage(address, size))
+        }
+    }
+
+    /// Checks that a map or unmap range is page aligned and inside a reservation; returns the
+    /// reservation's start.
+    fn check_page_range(&self, what: &str, address: u64, size: u64) -> Result<u64, StorageError> {
+        if !self.supports_vmm {
+            return Err(StorageError::Unsupported);
+        }
+        if size == 0
+            || !address.is_multiple_of(self.granularity)
+            || !size.is_multiple_of(self.granularity)
+        {
+            return Err(StorageError::InvalidRange(format!(
+                "{what} of {size} bytes at {address:#x} is not aligned to {} bytes",
+                self.granularity
+            )));
+        }
+        match self.reservations.range(..=address).next_back() {
+            Some((&start, r)) if address + size <= start + r.reserved => Ok(start),
+            _ => Err(StorageError::InvalidRange(format!(
+                "{what} of {size} bytes at {address:#x} is outside any reservation"
+            ))),
+        }
+    }
+
+    /// Bytes per handle for a map of `size` bytes at `address`, in the reservation at `base`.
+    fn handle_size_for(&self, base: u64, address: u64, size: u64) -> u64 {
+        let page = self
+            .reservations
+            .get(&base)
+            .map_or(self.granularity, |r| r.page);
+        match self.options.handle_size.or(Some(page)) {
+            Some(unit)
+                if unit > self.granularity
+                    && unit.is_multiple_of(self.granularity)
+                    && (address - base).is_multiple_of(unit)
+                    && size.is_multiple_of(unit) =>
+            {
+                unit
+            }
+            _ => self.granularity,
+        }
+    }
+
+    /// Creates, maps and releases one handle of `size` bytes at `chunk`.
+    fn map_chunk(
+        &self,
+        chunk: u64,
+        size: u64,
+        prop: &sys::CUmemAllocationProp,
+    ) -> Result<(), StorageError> {
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        let requested = size;
+        let size = size as usize;
+        // SAFETY: `handle` and `prop` are valid for the call; the size is the granularity.
+        unsafe { sys::cuMemCreate(&mut handle, size, prop, 0) }
+            .result()
+            .map_err(|err| alloc_error("cuMemCreate", err, requested))?;
+        // SAFETY: `chunk` is a granularity-aligned, unmapped chunk of a reservation of this
+        // context (checked by the caller) and `handle` is a fresh allocation of that size.
+        let mapped = unsafe { sys::cuMemMap(chunk, size, 0, handle, 0) }.result();
+        // SAFETY: `handle` is live; releasing it now leaves the memory alive through the mapping
+        // (if any) and frees it when the chunk is unmapped.
+        let released = unsafe { sys::cuMemRelease(handle) }.result();
+        mapped.map_err(|err| alloc_error("cuMemMap", err, requested))?;
+        released.map_err(|err| driver_error("cuMemRelease", err))
+    }
+
+    fn unmap_chunk(&self, chunk: u64, size: u64) -> Result<(), StorageError> {
+        // SAFETY: `chunk..chunk + size` is one whole mapped handle of this context.
+        unsafe { sys::cuMemUnmap(chunk, size as usize) }
+            .result()
+            .map_err(|err| driver_error("cuMemUnmap", err))
+    }
+
+    /// Releases everything; returns the number of errors met and the first of them.
+    fn teardown(&mut self) -> (u64, Option<StorageError>) {
+        let mut n_errors = 0;
+        let mut first = None;
+        let mut note = |outcome: Result<(), StorageError>| {
+            if let Err(err) = outcome {
+                n_errors += 1;
+                first.get_or_insert(err);
+            }
+        };
+        if self.context.0.is_null() {
+            return (0, None);
+        }
+        note(self.bind());
+        note(result::ctx::synchronize().map_err(|err| driver_error("cuCtxSynchronize", err)));
+        for (_, event) in self
+            .live_events
+            .drain()
+            .chain(self.event_pool.drain(..).map(|e| (0, e)))
+        {
+            // SAFETY: every event here was created by `cuEventCreate` and is destroyed once.
+            note(
+                unsafe { result::event::destroy(event.0) }
+                    .map_err(|err| driver_error("cuEventDestroy", err)),
+            );
+        }
+        for (address, _) in self.segments.drain() {
+            // SAFETY: `address` came from `cuMemAlloc` and is freed once; the context is synced.
+            note(
+                unsafe { result::free_sync(address) }.map_err(|err| driver_error("cuMemFree", err)),
+            );
+        }
+        for (chunk, size) in std::mem::take(&mut self.mapped) {
+            note(self.unmap_chunk(chunk, size));
+        }
+        for (address, reservation) in std::mem::take(&mut self.reservations) {
+            // SAFETY: the range was reserved by `cuMemAddressReserve` and nothing in it is mapped.
+            note(
+                unsafe { sys::cuMemAddressFree(address, reservation.reserved as usize) }
+                    .result()
+                    .map_err(|err| driver_error("cuMemAddressFree", err)),
+            );
+        }
+        for (_, entry) in self.streams.drain() {
+            if entry.owned {
+                // SAFETY: the stream was created by `cuStreamCreate` and is destroyed once.
+                note(
+                    unsafe { result::stream::destroy(entry.raw.0) }
+                        .map_err(|err| driver_error("cuStreamDestroy", err)),
+                );
+            }
+        }
+        self.held = 0;
+        // SAFETY: `device` came from `cuDeviceGet` and its primary context was retained once.
+        note(
+            unsafe { result::primary_ctx::release(self.device) }
+                .map_err(|err| driver_error("cuDevicePrimaryCtxRelease", err)),
+        );
+        self.context.0 = std::ptr::null_mut();
+        (n_errors, first)
+    }
+}
+
+impl Storage for CudaStorage {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn allocate_segment(&mut self, size: u64) -> Result<u64, StorageError> {
+        if size == 0 {
+            return Err(StorageError::InvalidRange(
+                "a segment of 0 bytes".to_string(),
+            ));
+        }
+        if self.held.saturating_add(size) > self.limit() {
+            return Err(StorageError::OutOfMemory { requested: size });
+        }
+        self.bind()?;
+        let bytes =
+            usize::try_from(size).map_err(|_| StorageError::OutOfMemory { requested: size })?;
+        // SAFETY: a plain allocation of the current context; the memory is only handed out.
+        let address = unsafe { result::malloc_sync(bytes) }
+            .map_err(|err| alloc_error("cuMemAlloc", err, size))?;
+        self.segments.insert(address, size);
+        self.held += size;
+        Ok(address)
+    }
+
+    fn free_segment(&mut self, address: u64, size: u64) -> Result<(), StorageError> {
+        match self.segments.get(&address) {
+            Some(&held) if held == size => {}
+            Some(&held) => {
+                return Err(StorageError::InvalidRange(format!(
+                    "segment at {address:#x} has {held} bytes, not {size}"
+                )))
+            }
+            None => {
+                return Err(StorageError::InvalidRange(format!(
+                    "no segment at {address:#x}"
+                )))
+            }
+        }
+        self.bind()?;
+        // SAFETY: `address` came from `cuMemAlloc` of this context and is in the table, so it is
+        // freed once.
+        unsafe { result::free_sync(address) }.map_err(|err| driver_error("cuMemFree", err))?;
+        self.segments.remove(&address);
+        self.held -= size;
+        Ok(())
+    }
+
+    fn memory_info(&self) -> MemoryInfo {
+        let (free, total) = match self.bind().ok().and_then(|()| result::mem_get_info().ok()) {
+            Some((free, total)) => (free as u64, total as u64),
+            None => (0, self.total_memory),
+        };
+        match self.options.memory_limit {
+            Some(limit) => MemoryInfo {
+                free: free.min(limit.saturating_sub(self.held)),
+                total: total.min(limit),
+            },
+            None => MemoryInfo { free, total },
+        }
+    }
+
+    fn supports_expandable_segments(&self) -> bool {
+        self.supports_vmm
+    }
+
+    fn page_granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    fn reserve_address_space(&mut self, size: u64, page_size: u64) -> Result<u64, StorageError> {
+        if !self.supports_vmm {
+            return Err(StorageError::Unsupported);
+        }
+        if size == 0 {
+            return Err(StorageError::InvalidRange(
+                "a reservation of 0 bytes".to_string(),
+            ));
+        }
+        let reserved = size.div_ceil(self.granularity) * self.granularity;
+        self.bind()?;
+        let mut address: sys::CUdeviceptr = 0;
+        // SAFETY: `address` is valid for the call; the size is a multiple of the granularity.
+        unsafe { sys::cuMemAddressReserve(&mut address, reserved as usize, 0, 0, 0) }
+            .result()
+            .map_err(|err| alloc_error("cuMemAddressReserve", err, size))?;
+        let page = if page_size.is_multiple_of(self.granularity) && page_size > 0 {
+            page_size
+        } else {
+            self.granularity
+        };
+        self.reservations.insert(
+            address,
+            Reservation {
+                requested: size,
+                reserved,
+                page,
+            },
+        );
+        Ok(address)
+    }
+
+    fn release_address_space(&mut self, address: u64, size: u64) -> Result<(), StorageError> {
+        let reservation = match self.reservations.get(&address) {
+            Some(r) if r.requested == size || r.reserved == size => *r,
+            _ => {
+                return Err(StorageError::InvalidRange(format!(
+                    "no reservation of {size} bytes at {address:#x}"
+                )))
+            }
+        };
+        if self
+            .mapped
+            .range(address..address + reservation.reserved)
+            .next()
+            .is_some()
+        {
+            return Err(StorageError::InvalidRange(format!(
+                "reservation at {address:#x} still has mapped pages"
+            )));
+        }
+        self.bind()?;
+        // SAFETY: the range was reserved by `cuMemAddressReserve` and nothing in it is mapped.
+        unsafe { sys::cuMemAddressFree(address, reservation.reserved as usize) }
+            .result()
+            .map_err(|err| driver_error("cuMemAddressFree", err))?;
+        self.reservations.remove(&address);
+        Ok(())
+    }
+
+    fn map(&mut self, address: u64, size: u64) -> Result<(), StorageError> {
+        let base = self.check_page_range("map", address, size)?;
+        let overlaps_before = self
+            .mapped
+            .range(..address)
+            .next_back()
+            .is_some_and(|(&start, &len)| start + len > address);
+        if overlaps_before || self.mapped.range(address..address + size).next().is_some() {
+            return Err(StorageError::InvalidRange(format!(
+                "map of {size} bytes at {address:#x} overlaps mapped pages"
+            )));
+        }
+        if self.held.saturating_add(size) > self.limit() {
+            return Err(StorageError::OutOfMemory { requested: size });
+        }
+        self.bind()?;
+        let prop = self.allocation_prop();
+        let handle_size = self.handle_size_for(base, address, size);
+        let mut mapped_end = address;
+        let mut outcome = Ok(());
+        while mapped_end < address + size {
+            outcome = self.map_chunk(mapped_end, handle_size, &prop);
+            if outcome.is_err() {
+                break;
+            }
+            mapped_end += handle_size;
+        }
+        if outcome.is_ok() {
+            let access = sys::CUmemAccessDesc {
+                location: prop.location,
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: the whole range is mapped (above) and `access` is valid for the call.
+            outcome = unsafe { sys::cuMemSetAccess(address, size as usize, &access, 1) }
+                .result()
+                .map_err(|err| alloc_error("cuMemSetAccess", err, size));
+        }
+        if let Err(err) = outcome {
+            // Roll back: unmap what this call mapped. A failure here leaves nothing to do
+            // better than report the first error.
+            for chunk in (address..mapped_end).step_by(handle_size as usize) {
+                let _ = self.unmap_chunk(chunk, handle_size);
+            }
+            return Err(match err {
+                StorageError::OutOfMemory { .. } => StorageError::OutOfMemory { requested: size },
+                other => other,
+            });
+        }
+        self.mapped.extend(
+            (address..address + size)
+                .step_by(handle_size as usize)
+                .map(|chunk| (chunk, handle_size)),
+        );
+        self.held += size;
+        Ok(())
+    }
+
+    fn unmap(&mut self, address: u64, size: u64) -> Result<(), StorageError> {
+        self.check_page_range("unmap", address, size)?;
+        let end = address + size;
+        let cover = mapped_cover(&self.mapped, address, end).ok_or_else(|| {
+            StorageError::InvalidRange(format!(
+                "unmap of {size} bytes at {address:#x} covers pages that are not mapped"
+            ))
+        })?;
+        if cover
+            .iter()
+            .any(|&(start, len)| start < address || start + len > end)
+        {
+            return Err(StorageError::InvalidRange(format!(
+                "unmap of {size} bytes at {address:#x} cuts through a mapped handle \
+                 (handle_size is set and the range is not made of whole handles)"
+            )));
+        }
+        self.bind()?;
+        for (chunk, len) in cover {
+            self.unmap_chunk(chunk, len)?;
+            self.mapped.remove(&chunk);
+            self.held -= len;
+        }
+        Ok(())
+    }
+
+    fn record_event(&mut self, stream: StreamId) -> Result<EventId, StorageError> {
+        self.bind()?;
+        let raw_stream = self.stream(stream)?;
+        let event = match self.event_pool.pop() {
+            Some(event) => event,
+            None => RawEvent(
+                result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                    .map_err(|err| driver_error("cuEventCreate", err))?,
+            ),
+        };
+        // SAFETY: `event` and `raw_stream` are live objects of the current context.
+        if let Err(err) = unsafe { result::event::record(event.0, raw_stream) } {
+            self.event_pool.push(event);
+            return Err(driver_error("cuEventRecord", err));
+        }
+        self.next_event += 1;
+        self.live_events.insert(self.next_event, event);
+        Ok(EventId(self.next_event))
+    }
+
+    fn query_event(&mut self, event: EventId) -> Result<bool, StorageError> {
+        self.bind()?;
+        let raw = self.event(event)?;
+        // SAFETY: `raw` is a live event of the current context.
+        match unsafe { result::event::query(raw) } {
+            Ok(()) => Ok(true),
+            Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(err) => Err(driver_error("cuEventQuery", err)),
+        }
+    }
+
+    fn synchronize_event(&mut self, event: EventId) -> Result<(), StorageError> {
+        self.bind()?;
+        let raw = self.event(event)?;
+        // SAFETY: `raw` is a live event of the current context.
+        unsafe { result::event::synchronize(raw) }
+            .map_err(|err| driver_error("cuEventSynchronize", err))
+    }
+
+    fn release_event(&mut self, event: EventId) {
+        // A pending event may be recorded again: the new record replaces the old one.
+        if let Some(raw) = self.live_events.remove(&event.0) {
+            self.event_pool.push(raw);
+        }
+    }
+
+    fn synchronize_device(&mut self) -> Result<(), StorageError> {
+        self.bind()?;
+        result::ctx::synchronize().map_err(|err| driver_error("cuCtxSynchronize", err))
+    }
+}
+
+impl CudaStorage {
+    fn event(&self, event: EventId) -> Result<sys::CUevent, StorageError> {
+        self.live_events
+            .get(&event.0)
+            .map(|raw| raw.0)
+            .ok_or_else(|| StorageError::InvalidRange(format!("no live event {}", event.0)))
+    }
+}
+
+impl Drop for CudaStorage {
+    fn drop(&mut self) {
+        let (n_errors, _) = self.teardown();
+        DROP_ERRORS.fetch_add(n_errors, Ordering::Relaxed);
+    }
+}
+
+fn out_of_storage(address: u64, size: u64) -> StorageError {
+    StorageError::InvalidRange(format!(
+        "{size} bytes at {address:#x} are not inside one segment or mapped range of this storage"
+    ))
+}
+
+/// A driver error as a [`StorageError::Device`] naming the call.
+fn driver_error(call: &str, err: DriverError) -> StorageError {
+    let name = err.error_name().map(|s| s.to_string_lossy().into_owned());
+    let text = err.error_string().map(|s| s.to_string_lossy().into_owned());
+    StorageError::Device(match (name, text) {
+        (Ok(name), Ok(text)) => format!("{call} failed: {name} ({text})"),
+        _ => format!("{call} failed: CUresult {:?}", err.0),
+    })
+}
+
+/// Like [`driver_error`], but out-of-memory becomes [`StorageError::OutOfMemory`].
+fn alloc_error(call: &str, err: DriverError, requested: u64) -> StorageError {
+    if err.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        StorageError::OutOfMemory { requested }
+    } else {
+        driver_error(call, err)
+    }
+}
+
+/// The mapped handles (start → bytes) that together cover `[address, end)`, exactly or with
+/// overhang at either side, as (start, bytes); `None` if some byte of it is not mapped.
+fn mapped_cover(mapped: &BTreeMap<u64, u64>, address: u64, end: u64) -> Option<Vec<(u64, u64)>> {
+    let mut cover = Vec::new();
+    let mut cursor = address;
+    if let Some((&start, &len)) = mapped.range(..=address).next_back() {
+        if start + len > address {
+            cover.push((start, len));
+            cursor = start + len;
+        }
+    }
+    if cursor < end {
+        for (&start, &len) in mapped.range(cursor..end) {
+            if start != cursor {
+                return None;
+            }
+            cover.push((start, len));
+            cursor = start + len;
+        }
+    }
+    (cursor >= end).then_some(cover)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cover_finds_whole_and_cut_handles() {
+        // Handles at 0..10, 10..20 (units of 1 here) and 30..32.
+        let mapped: BTreeMap<u64, u64> =
+            [(0, 10), (10, 10), (30, 1), (31, 1)].into_iter().collect();
+        assert_eq!(mapped_cover(&mapped, 0, 20), Some(vec![(0, 10), (10, 10)]));
+        assert_eq!(mapped_cover(&mapped, 3, 4), Some(vec![(0, 10)]));
+        assert_eq!(mapped_cover(&mapped, 5, 15), Some(vec![(0, 10), (10, 10)]));
+        assert_eq!(mapped_cover(&mapped, 10, 20), Some(vec![(10, 10)]));
+        assert_eq!(mapped_cover(&mapped, 30, 32), Some(vec![(30, 1), (31, 1)]));
+        assert_eq!(mapped_cover(&mapped, 15, 25), None);
+        assert_eq!(mapped_cover(&mapped, 20, 21), None);
+        assert_eq!(mapped_cover(&mapped, 29, 31), None);
+        assert_eq!(mapped_cover(&BTreeMap::new(), 0, 1), None);
+    }
+}

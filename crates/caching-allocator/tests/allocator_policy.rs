@@ -1,0 +1,390 @@
+//! The caching policy against PyTorch's reference figures and its documented behaviours:
+//! the golden `allocator_rounding` sequence, the false-OOM case of pytorch issue 189504,
+//! expandable segments, OOM recovery and history.
+
+use headroom_caching_allocator::{
+    AllocError, Allocation, AllocatorConfig, BlockState, CachingAllocator, HistoryOptions,
+    HostStorage, PoolKind, SimulatedStorage, StreamId, TraceAction,
+};
+
+const MIB: u64 = 1 << 20;
+const H200_BYTES: u64 = 150_754_820_096;
+
+fn golden() -> serde_json::Value {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../testdata/golden_allocator.json"
+    );
+    let text = std::fs::read_to_string(path).expect("testdata/golden_allocator.json");
+    serde_json::from_str(&text).expect("valid JSON")
+}
+
+fn classic(storage: SimulatedStorage) -> CachingAllocator<SimulatedStorage> {
+    CachingAllocator::new(storage, AllocatorConfig::pytorch_defaults())
+}
+
+/// PyTorch's `allocated` column, step by step, and its large-pool segment layout before
+/// `empty_cache`, reproduced exactly by the classic policy.
+#[test]
+fn golden_allocator_rounding_sequence() {
+    let golden = golden();
+    let rounding = &golden["allocator_rounding"];
+    let allocator = classic(SimulatedStorage::new(H200_BYTES));
+    let mut allocations: Vec<Option<Allocation>> = Vec::new();
+    for row in rounding["rows"].as_array().unwrap() {
+        let step = row["step"].as_str().unwrap();
+        if let Some(bytes) = row["alloc_bytes"].as_u64() {
+            allocations.push(Some(allocator.allocate(bytes, StreamId::DEFAULT).unwrap()));
+        } else if let Some(index) = row["free_index"].as_u64() {
+            let allocation = allocations[index as usize].take().unwrap();
+            allocator.free(allocation).unwrap();
+        } else {
+            // PyTorch recorded the layout after the frees, then released the rest and the cache.
+            check_large_layout(&allocator, &rounding["segments_before_release"]);
+            for allocation in allocations.iter_mut().filter_map(Option::take) {
+                allocator.free(allocation).unwrap();
+            }
+            allocator.empty_cache().unwrap();
+        }
+        assert_eq!(
+            allocator.memory_allocated() as i64,
+            row["allocated"].as_i64().unwrap(),
+            "allocated after `{step}`"
+        );
+        assert_eq!(
+            allocator.max_memory_allocated() as i64,
+            row["max_allocated"].as_i64().unwrap(),
+            "max_allocated after `{step}`"
+        );
+        allocator.check_invariants().unwrap();
+    }
+    assert_eq!(allocator.memory_reserved(), 0);
+    allocator.with_storage(|storage| assert_eq!(storage.bytes_in_use(), 0));
+}
+
+/// A segment's total size and its blocks as (size, requested size, state).
+type SegmentLayout = (u64, Vec<(u64, u64, String)>);
+
+fn check_large_layout(allocator: &CachingAllocator<SimulatedStorage>, golden: &serde_json::Value) {
+    let want: Vec<SegmentLayout> = golden
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|segment| segment["segment_type"] == "large")
+        .map(|segment| {
+            let blocks = segment["blocks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| {
+                    (
+                        b["size"].as_u64().unwrap(),
+                        b["requested_size"].as_u64().unwrap(),
+                        b["state"].as_str().unwrap().to_owned(),
+                    )
+                })
+                .collect();
+            (segment["total_size"].as_u64().unwrap(), blocks)
+        })
+        .collect();
+    let have: Vec<SegmentLayout> = allocator
+        .snapshot()
+        .segments
+        .iter()
+        .filter(|segment| segment.segment_type == PoolKind::Large)
+        .map(|segment| {
+            let blocks = segment
+                .blocks
+                .iter()
+                .map(|b| (b.size, b.requested_size, b.state.name().to_owned()))
+                .collect();
+            (segment.total_size, blocks)
+        })
+        .collect();
+    assert_eq!(have, want);
+}
+
+/// pytorch/pytorch issue 189504: a block freed behind an event sits in a split segment; the
+/// device is full. PyTorch completes the event during its retry but then asks the device again
+/// and raises OOM. We search the pool again and hand the block out.
+#[test]
+fn no_oom_while_a_fitting_block_is_cached() {
+    let storage = SimulatedStorage::new(20 * MIB);
+    let events = storage.event_control();
+    let allocator = classic(storage);
+    let a = allocator.allocate(5 * MIB, StreamId::DEFAULT).unwrap();
+    let _b = allocator.allocate(5 * MIB, StreamId::DEFAULT).unwrap();
+    let _c = allocator.allocate(10 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(allocator.memory_reserved(), 20 * MIB);
+    let a_address = a.address();
+    allocator.record_stream(&a, StreamId(7)).unwrap();
+    allocator.free(a).unwrap();
+    assert_eq!(events.n_pending(), 1);
+    let snapshot = allocator.snapshot();
+    let states: Vec<BlockState> = snapshot.segments[0]
+        .blocks
+        .iter()
+        .map(|block| block.state)
+        .collect();
+    assert_eq!(
+        states,
+        [
+            BlockState::ActivePendingFree,
+            BlockState::ActiveAllocated,
+            BlockState::ActiveAllocated
+        ]
+    );
+
+    let again = allocator.allocate(5 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(again.address(), a_address);
+    let stats = allocator.memory_stats();
+    assert_eq!(stats.num_ooms, 0);
+    assert_eq!(stats.num_alloc_retries, 1);
+    assert_eq!(stats.num_sync_all_streams, 1);
+    allocator.check_invariants().unwrap();
+}
+
+/// A block used by another stream is not reused before that stream's event completes.
+#[test]
+fn record_stream_defers_reuse_until_the_event_completes() {
+    let storage = SimulatedStorage::new(H200_BYTES);
+    let events = storage.event_control();
+    let allocator = classic(storage);
+    let a = allocator.allocate(4096, StreamId::DEFAULT).unwrap();
+    let a_address = a.address();
+    allocator.record_stream(&a, StreamId(3)).unwrap();
+    allocator.free(a).unwrap();
+    assert_eq!(allocator.memory_allocated(), 0);
+    assert_eq!(allocator.memory_stats().active_bytes.all.current, 4096);
+
+    let b = allocator.allocate(4096, StreamId::DEFAULT).unwrap();
+    assert_ne!(
+        b.address(),
+        a_address,
+        "reused while stream 3 may still use it"
+    );
+    events.complete_all();
+    let c = allocator.allocate(4096, StreamId::DEFAULT).unwrap();
+    assert_eq!(c.address(), a_address);
+    assert_eq!(allocator.memory_stats().active_bytes.all.current, 8192);
+    allocator.check_invariants().unwrap();
+}
+
+/// Cached blocks are reused by their own stream only.
+#[test]
+fn blocks_are_cached_per_stream() {
+    let allocator = classic(SimulatedStorage::new(H200_BYTES));
+    let a = allocator.allocate(3 * MIB, StreamId(1)).unwrap();
+    let a_address = a.address();
+    allocator.free(a).unwrap();
+    let b = allocator.allocate(3 * MIB, StreamId(2)).unwrap();
+    assert_ne!(b.address(), a_address);
+    let c = allocator.allocate(3 * MIB, StreamId(1)).unwrap();
+    assert_eq!(c.address(), a_address);
+    assert_eq!(allocator.memory_reserved(), 40 * MIB);
+}
+
+/// The devlog's example: 8 × 16 MiB then 4 × 32 MiB. Classic segments reserve 256 MiB; an
+/// expandable segment maps 7 pages of 20 MiB and serves the second phase without new pages.
+#[test]
+fn expandable_segments_reuse_pages_across_sizes() {
+    for (config, reserved) in [
+        (AllocatorConfig::pytorch_defaults(), 256 * MIB),
+        (AllocatorConfig::default(), 140 * MIB),
+    ] {
+        let allocator = CachingAllocator::new(SimulatedStorage::new(H200_BYTES), config);
+        let first: Vec<_> = (0..8)
+            .map(|_| allocator.allocate(16 * MIB, StreamId::DEFAULT).unwrap())
+            .collect();
+        for allocation in first {
+            allocator.free(allocation).unwrap();
+        }
+        let second: Vec<_> = (0..4)
+            .map(|_| allocator.allocate(32 * MIB, StreamId::DEFAULT).unwrap())
+            .collect();
+        assert_eq!(allocator.max_memory_reserved(), reserved);
+        allocator.check_invariants().unwrap();
+        for allocation in second {
+            allocator.free(allocation).unwrap();
+        }
+        allocator.empty_cache().unwrap();
+        assert_eq!(allocator.memory_reserved(), 0);
+        allocator.with_storage(|storage| assert_eq!(storage.bytes_in_use(), 0));
+        allocator.check_invariants().unwrap();
+    }
+}
+
+/// An expandable segment is reported as one segment per contiguous mapped range, and
+/// `empty_cache` unmaps only whole free pages.
+#[test]
+fn expandable_segments_unmap_whole_free_pages() {
+    let allocator = CachingAllocator::new(
+        SimulatedStorage::new(H200_BYTES),
+        AllocatorConfig::default(),
+    );
+    assert!(allocator.uses_expandable_segments());
+    let a = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
+    let b = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
+    let c = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
+    // 90 MiB in 20 MiB pages.
+    assert_eq!(allocator.memory_reserved(), 100 * MIB);
+    assert_eq!(allocator.memory_stats().segment.all.current, 1);
+    allocator.free(b).unwrap();
+    allocator.empty_cache().unwrap();
+    // b spans [30, 60) MiB: only the page [40, 60) lies wholly inside it.
+    assert_eq!(allocator.memory_reserved(), 80 * MIB);
+    let snapshot = allocator.snapshot();
+    assert_eq!(snapshot.segments.len(), 2);
+    assert!(snapshot.segments.iter().all(|s| s.is_expandable));
+    assert_eq!(allocator.memory_stats().segment.all.current, 2);
+    // Partial pages: [30, 40) MiB before the hole and [90, 100) MiB after c.
+    assert_eq!(
+        allocator.fragmentation_stats().stranded_free_bytes,
+        20 * MIB
+    );
+    allocator.check_invariants().unwrap();
+    // A new 30 MiB request fills the hole again: [30, 40) is mapped, [40, 60) is mapped anew.
+    let d = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(d.address(), a.address() + 30 * MIB);
+    assert_eq!(allocator.memory_reserved(), 100 * MIB);
+    assert_eq!(allocator.memory_stats().segment.all.current, 1);
+    allocator.check_invariants().unwrap();
+    for allocation in [a, c, d] {
+        allocator.free(allocation).unwrap();
+    }
+    allocator.empty_cache().unwrap();
+    assert_eq!(allocator.memory_reserved(), 0);
+    allocator.check_invariants().unwrap();
+}
+
+/// Out-of-memory is a typed error with the figures, and the allocator keeps working after it.
+#[test]
+fn out_of_memory_is_an_error_and_recoverable() {
+    let allocator = CachingAllocator::new(
+        HostStorage::with_capacity(64 * MIB),
+        AllocatorConfig::default(),
+    );
+    let held: Vec<_> = (0..3)
+        .map(|_| allocator.allocate(20 * MIB, StreamId::DEFAULT).unwrap())
+        .collect();
+    let error = allocator.allocate(20 * MIB, StreamId::DEFAULT).unwrap_err();
+    let AllocError::OutOfMemory(report) = &error else {
+        panic!("expected OOM, got {error}")
+    };
+    assert_eq!(report.requested, 20 * MIB);
+    assert_eq!(report.attempted, 20 * MIB);
+    assert_eq!(report.capacity, 64 * MIB);
+    assert_eq!(report.free, 4 * MIB);
+    assert_eq!(report.allocated, 60 * MIB);
+    assert_eq!(report.reserved_unallocated, 0);
+    assert!(!report.suggest_expandable_segments);
+    assert!(error.to_string().contains("20.00 MiB"), "{error}");
+    assert_eq!(allocator.memory_stats().num_ooms, 1);
+    allocator.check_invariants().unwrap();
+
+    let mut held = held;
+    allocator.free(held.pop().unwrap()).unwrap();
+    let again = allocator.allocate(20 * MIB, StreamId::DEFAULT).unwrap();
+    allocator.free(again).unwrap();
+    for allocation in held {
+        allocator.free(allocation).unwrap();
+    }
+    allocator.empty_cache().unwrap();
+    assert_eq!(allocator.memory_reserved(), 0);
+    assert_eq!(allocator.with_storage(|storage| storage.bytes_in_use()), 0);
+}
+
+/// Freeing an address this allocator did not hand out is an error, not a corruption.
+#[test]
+fn freeing_an_unknown_address_is_an_error() {
+    let allocator = classic(SimulatedStorage::new(H200_BYTES));
+    let a = allocator.allocate(100, StreamId::DEFAULT).unwrap();
+    let address = a.address();
+    allocator.free(a).unwrap();
+    assert!(matches!(
+        allocator.free_address(address),
+        Err(AllocError::UnknownAddress { address: reported }) if reported == address
+    ));
+    assert!(matches!(
+        allocator.free_address(12345),
+        Err(AllocError::UnknownAddress { .. })
+    ));
+    allocator.check_invariants().unwrap();
+}
+
+/// History records every action with the context stack as frames, innermost first.
+#[test]
+fn history_records_actions_and_context() {
+    let storage = SimulatedStorage::new(H200_BYTES);
+    let allocator = classic(storage);
+    allocator.record_history(Some(HistoryOptions::default()));
+    let block = {
+        let _forward = allocator.push_context("forward");
+        let _layer = allocator.push_context("encoder.3");
+        allocator.allocate(3 * MIB, StreamId::DEFAULT).unwrap()
+    };
+    allocator.free(block).unwrap();
+    allocator.empty_cache().unwrap();
+    let snapshot = allocator.snapshot();
+    let trace = &snapshot.device_traces[0];
+    let actions: Vec<TraceAction> = trace.iter().map(|entry| entry.action).collect();
+    assert_eq!(
+        actions,
+        [
+            TraceAction::SegmentAlloc,
+            TraceAction::Alloc,
+            TraceAction::FreeRequested,
+            TraceAction::FreeCompleted,
+            TraceAction::SegmentFree
+        ]
+    );
+    let names: Vec<&str> = trace[1]
+        .frames
+        .iter()
+        .map(|frame| frame.name.as_str())
+        .collect();
+    assert_eq!(names, ["encoder.3", "forward"]);
+    assert_eq!(trace[1].size, 3 * MIB);
+    assert!(trace[3].frames.is_empty());
+
+    allocator.record_history(Some(HistoryOptions {
+        max_entries: 2,
+        record_context: false,
+    }));
+    for _ in 0..3 {
+        let block = allocator.allocate(512, StreamId::DEFAULT).unwrap();
+        allocator.free(block).unwrap();
+    }
+    let snapshot = allocator.snapshot();
+    assert_eq!(snapshot.device_traces[0].len(), 2);
+    let overflowed = snapshot
+        .allocator_settings
+        .iter()
+        .find(|(key, _)| key == "trace_alloc_overflowed")
+        .map(|(_, value)| value.clone());
+    assert_eq!(
+        overflowed,
+        Some(headroom_caching_allocator::Value::Bool(true))
+    );
+}
+
+/// `max_split_size_mb`: oversize blocks are never split and small requests never take them.
+#[test]
+fn max_split_size_keeps_oversize_blocks_whole() {
+    let config = AllocatorConfig::parse("expandable_segments:False,max_split_size_mb:20").unwrap();
+    let allocator = CachingAllocator::new(SimulatedStorage::new(H200_BYTES), config);
+    let big = allocator.allocate(40 * MIB, StreamId::DEFAULT).unwrap();
+    allocator.free(big).unwrap();
+    // A 5 MiB request may not take the cached 40 MiB block.
+    let small = allocator.allocate(5 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(allocator.memory_reserved(), 60 * MIB);
+    // A 30 MiB request takes it whole (within 20 MiB of rounding).
+    let mid = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(mid.size(), 40 * MIB);
+    assert_eq!(allocator.memory_stats().oversize_allocations.current, 1);
+    // The 20 MiB segment of the 5 MiB request is oversize too (size >= max_split_size).
+    assert_eq!(allocator.memory_stats().oversize_segments.current, 2);
+    allocator.free(small).unwrap();
+    allocator.free(mid).unwrap();
+    allocator.check_invariants().unwrap();
+}

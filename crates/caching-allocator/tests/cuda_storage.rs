@@ -1,0 +1,366 @@
+//! The CUDA storage alone, on a real device: segments, mapped pages, streams, events and
+//! out-of-memory. Each test skips (and passes) on a machine without a CUDA device.
+#![cfg(feature = "cuda")]
+
+use std::sync::{Mutex, MutexGuard};
+
+use headroom_caching_allocator::{
+    CudaStorage, CudaStorageOptions, Storage, StorageError, StreamId,
+};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// Tests take the device one at a time: the out-of-memory test reads the free memory and must
+/// not see another test's allocations come and go.
+static DEVICE: Mutex<()> = Mutex::new(());
+
+/// The storage on device 0 with the device lock, or `None` (after printing why) when there is no
+/// CUDA device.
+fn storage_or_skip(options: CudaStorageOptions) -> Option<(MutexGuard<'static, ()>, CudaStorage)> {
+    let guard = DEVICE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    match CudaStorage::with_options(0, options) {
+        Ok(storage) => Some((guard, storage)),
+        Err(err) => {
+            println!("skipped: no CUDA device ({err})");
+            None
+        }
+    }
+}
+
+/// A byte pattern that differs from position to position and from seed to seed.
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
+        .collect()
+}
+
+#[test]
+fn segment_write_read_free() {
+    let Some((_device, mut storage)) = storage_or_skip(CudaStorageOptions::default()) else {
+        return;
+    };
+    assert_eq!(storage.name(), "cuda");
+    println!("device: {}", storage.device_name());
+    let size = 4 * MIB;
+    let address = storage.allocate_segment(size).unwrap();
+    assert_ne!(address, 0);
+    assert_eq!(storage.bytes_in_use(), size);
+
+    storage.memset(address, 0xAB, size).unwrap();
+    let mut back = vec![0u8; size as usize];
+    storage.copy_to_host(address, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 0xAB));
+
+    let data = pattern(size as usize, 7);
+    storage.copy_from_host(address, &data).unwrap();
+    let mut back = vec![0u8; size as usize];
+    storage.copy_to_host(address, &mut back).unwrap();
+    assert_eq!(back, data);
+
+    // Outside the segment: refused before the driver sees it.
+    assert!(matches!(
+        storage.copy_to_host(address + size - 1, &mut [0u8; 2]),
+        Err(StorageError::InvalidRange(_))
+    ));
+    assert!(matches!(
+        storage.free_segment(address, size + 1),
+        Err(StorageError::InvalidRange(_))
+    ));
+    storage.free_segment(address, size).unwrap();
+    assert_eq!(storage.bytes_in_use(), 0);
+    assert!(matches!(
+        storage.free_segment(address, size),
+        Err(StorageError::InvalidRange(_))
+    ));
+    storage.close().unwrap();
+}
+
+#[test]
+fn expandable_map_write_unmap_remap() {
+    let Some((_device, mut storage)) = storage_or_skip(CudaStorageOptions::default()) else {
+        return;
+    };
+    if !storage.supports_expandable_segments() {
+        println!("skipped: the device cannot map pages");
+        return;
+    }
+    let page = storage.page_granularity();
+    assert!(
+        page.is_power_of_two() && page >= 64 * 1024,
+        "granularity {page}"
+    );
+    println!("granularity: {page}");
+    let reserved = 64 * page;
+    let base = storage
+        .reserve_address_space(reserved, storage.page_granularity())
+        .unwrap();
+    assert_eq!(base % page, 0);
+
+    // Two map calls: 8 pages, then 4 more right behind.
+    storage.map(base, 8 * page).unwrap();
+    storage.map(base + 8 * page, 4 * page).unwrap();
+    assert_eq!(storage.bytes_in_use(), 12 * page);
+    assert!(matches!(
+        storage.map(base + 4 * page, page),
+        Err(StorageError::InvalidRange(_))
+    ));
+    assert!(matches!(
+        storage.map(base + 1, page),
+        Err(StorageError::InvalidRange(_))
+    ));
+
+    // One write across both map calls.
+    let data = pattern((12 * page) as usize, 3);
+    storage.copy_from_host(base, &data).unwrap();
+    let mut back = vec![0u8; data.len()];
+    storage.copy_to_host(base, &mut back).unwrap();
+    assert_eq!(back, data);
+
+    // Unmap a range that cuts through both map calls: pages 6..10.
+    storage.unmap(base + 6 * page, 4 * page).unwrap();
+    assert_eq!(storage.bytes_in_use(), 8 * page);
+    assert!(matches!(
+        storage.unmap(base + 6 * page, page),
+        Err(StorageError::InvalidRange(_))
+    ));
+    assert!(matches!(
+        storage.copy_to_host(base + 5 * page, &mut vec![0u8; 2 * page as usize]),
+        Err(StorageError::InvalidRange(_))
+    ));
+
+    // What was kept still holds its data.
+    let mut kept = vec![0u8; (6 * page) as usize];
+    storage.copy_to_host(base, &mut kept).unwrap();
+    assert_eq!(kept, data[..(6 * page) as usize]);
+    let mut kept = vec![0u8; (2 * page) as usize];
+    storage.copy_to_host(base + 10 * page, &mut kept).unwrap();
+    assert_eq!(kept, data[(10 * page) as usize..(12 * page) as usize]);
+
+    // Map the hole again and write through it.
+    storage.map(base + 6 * page, 4 * page).unwrap();
+    let fresh = pattern((4 * page) as usize, 99);
+    storage.copy_from_host(base + 6 * page, &fresh).unwrap();
+    let mut whole = vec![0u8; (12 * page) as usize];
+    storage.copy_to_host(base, &mut whole).unwrap();
+    assert_eq!(whole[..(6 * page) as usize], data[..(6 * page) as usize]);
+    assert_eq!(whole[(6 * page) as usize..(10 * page) as usize], fresh[..]);
+    assert_eq!(whole[(10 * page) as usize..], data[(10 * page) as usize..]);
+
+    // A reservation with mapped pages cannot be released.
+    assert!(matches!(
+        storage.release_address_space(base, reserved),
+        Err(StorageError::InvalidRange(_))
+    ));
+    storage.synchronize_device().unwrap();
+    storage.unmap(base, 12 * page).unwrap();
+    assert_eq!(storage.bytes_in_use(), 0);
+    storage.release_address_space(base, reserved).unwrap();
+    storage.close().unwrap();
+}
+
+#[test]
+fn larger_handles_map_and_unmap_whole() {
+    let granularity = 2 * MIB;
+    let options = CudaStorageOptions {
+        handle_size: Some(10 * granularity),
+        ..CudaStorageOptions::default()
+    };
+    let Some((_device, mut storage)) = storage_or_skip(options) else {
+        return;
+    };
+    if !storage.supports_expandable_segments() || storage.page_granularity() != granularity {
+        println!(
+            "skipped: the device maps pages of {} bytes",
+            storage.page_granularity()
+        );
+        return;
+    }
+    let page = granularity;
+    let base = storage.reserve_address_space(64 * page, page).unwrap();
+    // 20 pages at offset 0: two handles of 10 pages.
+    storage.map(base, 20 * page).unwrap();
+    let data = pattern((20 * page) as usize, 42);
+    storage.copy_from_host(base, &data).unwrap();
+    // Cutting through a handle is refused and unmaps nothing.
+    assert!(matches!(
+        storage.unmap(base + 3 * page, page),
+        Err(StorageError::InvalidRange(_))
+    ));
+    assert!(matches!(
+        storage.unmap(base, 15 * page),
+        Err(StorageError::InvalidRange(_))
+    ));
+    assert_eq!(storage.bytes_in_use(), 20 * page);
+    let mut back = vec![0u8; data.len()];
+    storage.copy_to_host(base, &mut back).unwrap();
+    assert_eq!(back, data);
+    // Whole handles unmap.
+    storage.unmap(base + 10 * page, 10 * page).unwrap();
+    assert_eq!(storage.bytes_in_use(), 10 * page);
+    // A map that is not a multiple of the handle size gets granularity handles, which unmap
+    // one by one.
+    storage.map(base + 20 * page, 3 * page).unwrap();
+    storage.unmap(base + 21 * page, page).unwrap();
+    storage.unmap(base + 20 * page, page).unwrap();
+    storage.unmap(base + 22 * page, page).unwrap();
+    storage.unmap(base, 10 * page).unwrap();
+    assert_eq!(storage.bytes_in_use(), 0);
+    storage.release_address_space(base, 64 * page).unwrap();
+    storage.close().unwrap();
+}
+
+#[test]
+fn events_on_two_streams() {
+    let Some((_device, mut storage)) = storage_or_skip(CudaStorageOptions::default()) else {
+        return;
+    };
+    let busy = storage.new_stream().unwrap();
+    let idle = storage.new_stream().unwrap();
+    assert_ne!(busy, idle);
+    assert!(
+        busy.0 > 0 && busy.0 < 16 && idle.0 < 16,
+        "stream ids stay small"
+    );
+
+    // About 40 GB of memset (some 10 ms on an H200) queued on `busy`.
+    let size = 2 * GIB;
+    let address = storage.allocate_segment(size).unwrap();
+    for i in 0..20 {
+        storage.memset_async(busy, address, i as u8, size).unwrap();
+    }
+    let busy_event = storage.record_event(busy).unwrap();
+    let idle_event = storage.record_event(idle).unwrap();
+    assert!(
+        !storage.query_event(busy_event).unwrap(),
+        "the memsets cannot be done yet"
+    );
+    storage.synchronize_event(idle_event).unwrap();
+    assert!(storage.query_event(idle_event).unwrap());
+
+    storage.synchronize_event(busy_event).unwrap();
+    assert!(storage.query_event(busy_event).unwrap());
+    let mut last = [0u8; 16];
+    storage
+        .copy_to_host(address + size - 16, &mut last)
+        .unwrap();
+    assert_eq!(last, [19u8; 16]);
+
+    // Released events are reused, and a reused event tracks its new record.
+    storage.release_event(busy_event);
+    storage.release_event(idle_event);
+    assert!(matches!(
+        storage.query_event(busy_event),
+        Err(StorageError::InvalidRange(_))
+    ));
+    storage.memset_async(busy, address, 1, size).unwrap();
+    let again = storage.record_event(busy).unwrap();
+    storage.synchronize_stream(busy).unwrap();
+    assert!(storage.query_event(again).unwrap());
+
+    // The default stream works too; unknown streams are refused.
+    let on_default = storage.record_event(StreamId::DEFAULT).unwrap();
+    storage.synchronize_event(on_default).unwrap();
+    assert!(matches!(
+        storage.record_event(StreamId(1000)),
+        Err(StorageError::InvalidRange(_))
+    ));
+    storage.free_segment(address, size).unwrap();
+    storage.close().unwrap();
+}
+
+#[test]
+fn memory_limit_gives_out_of_memory() {
+    let limit = 64 * MIB;
+    let options = CudaStorageOptions {
+        memory_limit: Some(limit),
+        ..CudaStorageOptions::default()
+    };
+    let Some((_device, mut storage)) = storage_or_skip(options) else {
+        return;
+    };
+    let info = storage.memory_info();
+    assert_eq!(info.total, limit);
+    assert!(info.free <= limit);
+
+    let first = storage.allocate_segment(40 * MIB).unwrap();
+    assert_eq!(storage.memory_info().free, 24 * MIB);
+    assert_eq!(
+        storage.allocate_segment(40 * MIB),
+        Err(StorageError::OutOfMemory {
+            requested: 40 * MIB
+        })
+    );
+    if storage.supports_expandable_segments() {
+        let page = storage.page_granularity();
+        let base = storage.reserve_address_space(64 * page, page).unwrap();
+        assert_eq!(
+            storage.map(base, 32 * page),
+            Err(StorageError::OutOfMemory {
+                requested: 32 * page
+            })
+        );
+        storage.release_address_space(base, 64 * page).unwrap();
+    }
+    storage.free_segment(first, 40 * MIB).unwrap();
+    let second = storage.allocate_segment(40 * MIB).unwrap();
+    storage.free_segment(second, 40 * MIB).unwrap();
+    storage.close().unwrap();
+}
+
+#[test]
+fn device_out_of_memory_then_recovers() {
+    let Some((_device, mut storage)) = storage_or_skip(CudaStorageOptions::default()) else {
+        return;
+    };
+    let info = storage.memory_info();
+    assert!(info.total > 0 && info.free <= info.total);
+    let too_much = info.free + GIB;
+    assert_eq!(
+        storage.allocate_segment(too_much),
+        Err(StorageError::OutOfMemory {
+            requested: too_much
+        })
+    );
+    if storage.supports_expandable_segments() {
+        let page = storage.page_granularity();
+        let size = too_much.div_ceil(page) * page;
+        let base = storage.reserve_address_space(size, page).unwrap();
+        assert_eq!(
+            storage.map(base, size),
+            Err(StorageError::OutOfMemory { requested: size })
+        );
+        assert_eq!(
+            storage.bytes_in_use(),
+            0,
+            "a failed map leaves nothing mapped"
+        );
+        storage.release_address_space(base, size).unwrap();
+    }
+    let small = storage.allocate_segment(2 * MIB).unwrap();
+    storage.memset(small, 1, 2 * MIB).unwrap();
+    storage.free_segment(small, 2 * MIB).unwrap();
+    storage.close().unwrap();
+}
+
+#[test]
+fn storage_moves_between_threads() {
+    let Some((_device, mut storage)) = storage_or_skip(CudaStorageOptions::default()) else {
+        return;
+    };
+    let address = storage.allocate_segment(2 * MIB).unwrap();
+    let mut storage = std::thread::spawn(move || {
+        storage.memset(address, 5, 2 * MIB).unwrap();
+        storage
+    })
+    .join()
+    .unwrap();
+    let mut back = [0u8; 8];
+    storage.copy_to_host(address, &mut back).unwrap();
+    assert_eq!(back, [5u8; 8]);
+    storage.free_segment(address, 2 * MIB).unwrap();
+    drop(storage);
+    assert_eq!(CudaStorage::drop_errors(), 0);
+}

@@ -1,0 +1,164 @@
+//! `cargo xtask replay-trace`: a PyTorch allocator trace through Headroom's allocator.
+//!
+//! Reads a TSV trace (gzipped or not) or a PyTorch snapshot pickle, replays its `alloc` /
+//! `free_completed` sequence on [`SimulatedStorage`] with the settings given, and prints the
+//! figures of [`ReplayReport`] as text or one JSON object.
+
+use std::fs::File;
+use std::io::BufReader;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use headroom_caching_allocator::{
+    read_pickle, read_trace_tsv, replay_trace, trace_events_from_snapshot, write_pickle,
+    AllocatorConfig, CachingAllocator, HistoryOptions, SimulatedStorage,
+};
+
+/// An H200's memory as `cudaMemGetInfo` reports it.
+const H200_BYTES: u64 = 150_754_820_096;
+
+struct Options {
+    file: PathBuf,
+    conf: Option<String>,
+    capacity: u64,
+    json: bool,
+    snapshot: Option<PathBuf>,
+    repeat: u32,
+}
+
+fn parse(args: &[String]) -> Result<Options> {
+    let mut options = Options {
+        file: PathBuf::new(),
+        conf: None,
+        capacity: H200_BYTES,
+        json: false,
+        snapshot: None,
+        repeat: 5,
+    };
+    let mut file = None;
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--conf" => options.conf = Some(args.next().context("--conf needs a value")?.clone()),
+            "--capacity" => {
+                let value = args.next().context("--capacity needs a value")?;
+                options.capacity = value
+                    .parse()
+                    .with_context(|| format!("--capacity {value}"))?;
+            }
+            "--json" => options.json = true,
+            "--repeat" => {
+                let value = args.next().context("--repeat needs a value")?;
+                options.repeat = value.parse().with_context(|| format!("--repeat {value}"))?;
+                if options.repeat == 0 {
+                    bail!("--repeat must be at least 1");
+                }
+            }
+            "--snapshot" => {
+                options.snapshot = Some(args.next().context("--snapshot needs a path")?.into())
+            }
+            flag if flag.starts_with("--") => bail!("unknown option {flag}"),
+            path if file.is_none() => file = Some(PathBuf::from(path)),
+            extra => bail!("unexpected argument {extra}"),
+        }
+    }
+    options.file = file.context("replay-trace needs a trace file")?;
+    Ok(options)
+}
+
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let options = parse(args)?;
+    let reader = BufReader::new(
+        File::open(&options.file).with_context(|| format!("opening {}", options.file.display()))?,
+    );
+    let is_pickle = options
+        .file
+        .extension()
+        .is_some_and(|ext| ext == "pickle" || ext == "pkl");
+    let events = if is_pickle {
+        trace_events_from_snapshot(&read_pickle(reader)?)
+    } else {
+        read_trace_tsv(reader)?
+    };
+    let config = match &options.conf {
+        Some(conf) => AllocatorConfig::parse(conf)?,
+        None => AllocatorConfig::from_env()?,
+    };
+    // Throughput is the best of `repeat` replays, each on a fresh allocator (the first one also
+    // pays for page faults and cold caches); the figures other than time are identical.
+    let mut best_seconds = f64::INFINITY;
+    for _ in 1..options.repeat {
+        let allocator =
+            CachingAllocator::new(SimulatedStorage::new(options.capacity), config.clone());
+        best_seconds = best_seconds.min(replay_trace(&allocator, &events)?.seconds);
+    }
+    let allocator = CachingAllocator::new(SimulatedStorage::new(options.capacity), config);
+    if options.snapshot.is_some() {
+        allocator.record_history(Some(HistoryOptions::default()));
+    }
+    let mut report = replay_trace(&allocator, &events)?;
+    if options.snapshot.is_none() {
+        report.seconds = report.seconds.min(best_seconds);
+    }
+    let expandable = allocator.uses_expandable_segments();
+    if options.json {
+        let json = serde_json::json!({
+            "file": options.file.display().to_string(),
+            "conf": allocator.config().to_conf_string(),
+            "expandable_segments": expandable,
+            "events": report.events,
+            "allocs": report.allocs,
+            "frees": report.frees,
+            "skipped_frees": report.skipped_frees,
+            "ooms": report.ooms,
+            "peak_allocated_bytes": report.peak_allocated_bytes,
+            "peak_reserved_bytes": report.peak_reserved_bytes,
+            "peak_requested_rounded_bytes": report.peak_requested_rounded_bytes,
+            "reserved_over_requested": report.reserved_over_requested(),
+            "device_allocs": report.device_allocs,
+            "device_frees": report.device_frees,
+            "seconds": report.seconds,
+            "events_per_second": report.events_per_second(),
+            "repeat": options.repeat,
+        });
+        println!("{json}");
+    } else {
+        println!("trace                  {}", options.file.display());
+        println!(
+            "settings               {}",
+            allocator.config().to_conf_string()
+        );
+        println!("events                 {}", report.events);
+        println!(
+            "allocs / frees         {} / {} ({} frees of earlier allocations skipped, {} OOMs)",
+            report.allocs, report.frees, report.skipped_frees, report.ooms
+        );
+        println!("peak allocated         {} B", report.peak_allocated_bytes);
+        println!("peak reserved          {} B", report.peak_reserved_bytes);
+        println!(
+            "peak live (512-rounded) {} B",
+            report.peak_requested_rounded_bytes
+        );
+        println!(
+            "reserved / live        {:.4}",
+            report.reserved_over_requested()
+        );
+        println!(
+            "device allocs / frees  {} / {}",
+            report.device_allocs, report.device_frees
+        );
+        println!(
+            "events per second      {:.0} (best of {} replays)",
+            report.events_per_second(),
+            options.repeat
+        );
+    }
+    if let Some(path) = &options.snapshot {
+        let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+        write_pickle(&allocator.snapshot(), std::io::BufWriter::new(file))?;
+        if !options.json {
+            println!("snapshot written to    {}", path.display());
+        }
+    }
+    Ok(())
+}
