@@ -86,19 +86,23 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     };
     // Throughput is the best of `repeat` replays, each on a fresh allocator (the first one also
     // pays for page faults and cold caches); the figures other than time are identical.
-    let mut best_seconds = f64::INFINITY;
-    for _ in 1..options.repeat {
-        let allocator =
-            CachingAllocator::new(SimulatedStorage::new(options.capacity), config.clone());
-        best_seconds = best_seconds.min(replay_trace(&allocator, &events)?.seconds);
+    let mut report = None;
+    let mut allocator = None;
+    for _ in 0..options.repeat {
+        let fresh = CachingAllocator::new(SimulatedStorage::new(options.capacity), config.clone());
+        let run = replay_trace(&fresh, &events)?;
+        let best = report.get_or_insert_with(|| run.clone());
+        best.seconds = best.seconds.min(run.seconds);
+        allocator = Some(fresh);
     }
-    let allocator = CachingAllocator::new(SimulatedStorage::new(options.capacity), config);
+    let (Some(report), Some(mut allocator)) = (report, allocator) else {
+        bail!("--repeat must be at least 1");
+    };
     if options.snapshot.is_some() {
+        // One more replay with history recorded, for the snapshot.
+        allocator = CachingAllocator::new(SimulatedStorage::new(options.capacity), config);
         allocator.record_history(Some(HistoryOptions::default()));
-    }
-    let mut report = replay_trace(&allocator, &events)?;
-    if options.snapshot.is_none() {
-        report.seconds = report.seconds.min(best_seconds);
+        replay_trace(&allocator, &events)?;
     }
     let expandable = allocator.uses_expandable_segments();
     if options.json {

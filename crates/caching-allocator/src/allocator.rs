@@ -17,7 +17,6 @@
 //! how a storage obtains memory.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
@@ -500,7 +499,7 @@ impl<S: Storage> State<S> {
         let frames = if with_context {
             self.context.frames()
         } else {
-            Arc::from(Vec::new())
+            self.context.no_frames()
         };
         self.history.push(TraceEntry {
             action,
@@ -1360,7 +1359,7 @@ impl<S: Storage> State<S> {
         let mut heads: Vec<BlockId> = (0..self.blocks.len() as BlockId)
             .filter(|&id| {
                 let b = self.block(id);
-                b.size > 0 && b.prev == NIL && !self.free_slots.contains(&id)
+                b.size > 0 && b.prev == NIL
             })
             .collect();
         heads.sort_by_key(|&id| self.block(id).address);
@@ -1369,7 +1368,7 @@ impl<S: Storage> State<S> {
 
     fn snapshot(&self) -> Snapshot {
         let mut segments = Vec::new();
-        let empty: Frames = Arc::from(Vec::new());
+        let empty = self.context.no_frames();
         for head in self.segment_heads() {
             let mut current: Option<SegmentSnapshot> = None;
             let mut cursor = head;

@@ -60,18 +60,26 @@ impl History {
 pub(crate) struct ContextStack {
     labels: Vec<String>,
     frames: Frames,
+    /// One shared empty list, so entries without context cost no allocation.
+    empty: Frames,
 }
 
 impl Default for ContextStack {
     fn default() -> Self {
+        let empty: Frames = Arc::from(Vec::new());
         ContextStack {
             labels: Vec::new(),
-            frames: Arc::from(Vec::new()),
+            frames: empty.clone(),
+            empty,
         }
     }
 }
 
 impl ContextStack {
+    pub(crate) fn no_frames(&self) -> Frames {
+        self.empty.clone()
+    }
+
     pub(crate) fn push(&mut self, label: String) {
         self.labels.push(label);
         self.rebuild();
@@ -87,6 +95,10 @@ impl ContextStack {
     }
 
     fn rebuild(&mut self) {
+        if self.labels.is_empty() {
+            self.frames = self.empty.clone();
+            return;
+        }
         let frames: Vec<Frame> = self
             .labels
             .iter()

@@ -11,11 +11,14 @@ const MIB: u64 = 1 << 20;
 const H200_BYTES: u64 = 150_754_820_096;
 
 fn golden() -> serde_json::Value {
+    // From the crate's folder, or (a test binary carried to a GPU machine) from the repo root.
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../testdata/golden_allocator.json"
     );
-    let text = std::fs::read_to_string(path).expect("testdata/golden_allocator.json");
+    let text = std::fs::read_to_string(path)
+        .or_else(|_| std::fs::read_to_string("testdata/golden_allocator.json"))
+        .expect("testdata/golden_allocator.json");
     serde_json::from_str(&text).expect("valid JSON")
 }
 
@@ -387,4 +390,131 @@ fn max_split_size_keeps_oversize_blocks_whole() {
     allocator.free(small).unwrap();
     allocator.free(mid).unwrap();
     allocator.check_invariants().unwrap();
+}
+
+/// `per_process_memory_fraction` caps reserved memory, and with `garbage_collection_threshold`
+/// old cached blocks are released before the cap is reached.
+#[test]
+fn memory_fraction_and_garbage_collection() {
+    let capacity = 1000 * MIB;
+    let config =
+        AllocatorConfig::parse("expandable_segments:False,per_process_memory_fraction:0.5")
+            .unwrap();
+    let allocator = CachingAllocator::new(SimulatedStorage::new(capacity), config);
+    let held: Vec<_> = (0..11)
+        .map(|_| allocator.allocate(40 * MIB, StreamId::DEFAULT).unwrap())
+        .collect();
+    // 440 MiB reserved; 100 MiB more would pass the 500 MiB allowed.
+    let error = allocator
+        .allocate(100 * MIB, StreamId::DEFAULT)
+        .unwrap_err();
+    let AllocError::OutOfMemory(report) = &error else {
+        panic!("expected OOM, got {error}")
+    };
+    assert_eq!(report.allowed, Some(500 * MIB));
+    assert!(error.to_string().contains("allowed"), "{error}");
+    for allocation in held {
+        allocator.free(allocation).unwrap();
+    }
+    // The cached 40 MiB segments are released to make room, within the fraction.
+    let big = allocator.allocate(300 * MIB, StreamId::DEFAULT).unwrap();
+    assert!(allocator.memory_reserved() <= 500 * MIB);
+    allocator.free(big).unwrap();
+    allocator.check_invariants().unwrap();
+
+    let config = AllocatorConfig::parse(
+        "expandable_segments:False,per_process_memory_fraction:0.5,garbage_collection_threshold:0.6",
+    )
+    .unwrap();
+    let allocator = CachingAllocator::new(SimulatedStorage::new(capacity), config);
+    // Cache 8 × 40 MiB = 320 MiB (above 0.6 × 500 MiB = 300 MiB).
+    let held: Vec<_> = (0..8)
+        .map(|_| allocator.allocate(40 * MIB, StreamId::DEFAULT).unwrap())
+        .collect();
+    for allocation in held {
+        allocator.free(allocation).unwrap();
+    }
+    assert_eq!(allocator.memory_reserved(), 320 * MIB);
+    // A request that the cache cannot serve triggers collection first: reserved drops to the
+    // threshold before the new segment is added, with no OOM retry.
+    let other = allocator.allocate(60 * MIB, StreamId::DEFAULT).unwrap();
+    let stats = allocator.memory_stats();
+    assert_eq!(stats.num_alloc_retries, 0);
+    assert!(
+        stats.num_device_free > 0,
+        "collection released cached segments"
+    );
+    assert!(allocator.memory_reserved() <= 300 * MIB + 60 * MIB);
+    allocator.free(other).unwrap();
+    allocator.check_invariants().unwrap();
+}
+
+/// The allocator can be shared across threads whatever the storage.
+#[test]
+fn allocators_are_send_and_sync() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<CachingAllocator<HostStorage>>();
+    shareable::<CachingAllocator<SimulatedStorage>>();
+}
+
+/// A snapshot of a live allocator, as `--snapshot` writes it: a protocol-4 pickle within the
+/// viewer's opcodes, with PyTorch's keys and all three block states; Python's `pickle` reads it.
+#[test]
+fn live_snapshot_pickle_has_every_block_state_and_loads_in_python() {
+    use headroom_caching_allocator::{pickle_opcodes, read_pickle, write_pickle, VIEWER_OPCODES};
+
+    let allocator = classic(SimulatedStorage::new(H200_BYTES));
+    allocator.record_history(Some(HistoryOptions::default()));
+    let pending = allocator.allocate(4096, StreamId::DEFAULT).unwrap();
+    let freed = allocator.allocate(4096, StreamId::DEFAULT).unwrap();
+    let _kept = allocator.allocate(4096, StreamId::DEFAULT).unwrap();
+    allocator.record_stream(&pending, StreamId(5)).unwrap();
+    allocator.free(pending).unwrap();
+    allocator.free(freed).unwrap();
+    let snapshot = allocator.snapshot();
+    let mut bytes = Vec::new();
+    write_pickle(&snapshot, &mut bytes).unwrap();
+    assert_eq!(&bytes[..2], &[0x80, 4], "protocol 4");
+    let opcodes = pickle_opcodes(&bytes).unwrap();
+    assert!(
+        opcodes.iter().all(|op| VIEWER_OPCODES.contains(op)),
+        "{opcodes:?}"
+    );
+    assert_eq!(read_pickle(bytes.as_slice()).unwrap(), snapshot);
+
+    let path = std::env::temp_dir().join(format!("headroom_live_{}.pickle", std::process::id()));
+    std::fs::write(&path, &bytes).unwrap();
+    let script = "import pickle,sys\n\
+        s = pickle.load(open(sys.argv[1], 'rb'))\n\
+        print(sorted(s))\n\
+        print(sorted({b['state'] for seg in s['segments'] for b in seg['blocks']}))\n\
+        print(sorted({e['action'] for e in s['device_traces'][0]}))";
+    let output = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .arg(&path)
+        .output();
+    let _ = std::fs::remove_file(&path);
+    match output {
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+            println!("skipped the Python check: python3 is not on PATH");
+        }
+        Err(err) => panic!("running python3: {err}"),
+        Ok(output) => {
+            let stdout = String::from_utf8_lossy(&output.stdout);
+            assert!(
+                output.status.success(),
+                "{}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            assert_eq!(
+                stdout.lines().collect::<Vec<_>>(),
+                [
+                    "['allocator_settings', 'device_traces', 'external_annotations', 'segments']",
+                    "['active_allocated', 'active_pending_free', 'inactive']",
+                    "['alloc', 'free_completed', 'free_requested', 'segment_alloc']",
+                ]
+            );
+        }
+    }
 }

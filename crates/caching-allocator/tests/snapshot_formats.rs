@@ -16,10 +16,16 @@ use headroom_caching_allocator::{
 };
 use proptest::prelude::*;
 
+/// A test-data file, from the crate's folder or (a binary carried elsewhere) the repo root.
 fn testdata(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../testdata")
-        .join(name)
+        .join(name);
+    if built.exists() {
+        built
+    } else {
+        PathBuf::from("testdata").join(name)
+    }
 }
 
 fn read_vit() -> Snapshot {

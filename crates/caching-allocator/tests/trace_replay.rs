@@ -18,8 +18,10 @@ const TORCH_PEAK_RESERVED: f64 = 25_608_323_072.0;
 const PEAK_LIVE_ROUNDED: u64 = 14_851_701_760;
 
 fn testdata(name: &str) -> BufReader<File> {
+    // From the crate's folder, or (a binary carried elsewhere) from the repo root.
     let path = format!("{}/../../testdata/{name}", env!("CARGO_MANIFEST_DIR"));
-    BufReader::new(File::open(&path).unwrap_or_else(|e| panic!("{path}: {e}")))
+    let file = File::open(&path).or_else(|_| File::open(format!("testdata/{name}")));
+    BufReader::new(file.unwrap_or_else(|e| panic!("{path}: {e}")))
 }
 
 fn bert_events() -> Vec<TraceEvent> {

@@ -352,9 +352,10 @@ impl Reader {
                             .map_err(|err| err.within(format!("device_traces[{device}]")))?;
                         let mut parsed = Vec::with_capacity(entries.len());
                         for (idx, entry) in entries.into_iter().enumerate() {
-                            parsed.push(self.entry(entry).map_err(|err| {
+                            let entry = self.entry(entry).map_err(|err| {
                                 err.within(format!("device_traces[{device}][{idx}]"))
-                            })?);
+                            })?;
+                            parsed.extend(entry);
                         }
                         res.device_traces.push(parsed);
                     }
@@ -513,7 +514,9 @@ impl Reader {
         })
     }
 
-    fn entry(&mut self, value: Value) -> Conv<TraceEntry> {
+    /// A trace entry, or `None` for an action this model does not know (a newer PyTorch's
+    /// `annotate`, say): such entries are skipped, so newer snapshots still load.
+    fn entry(&mut self, value: Value) -> Conv<Option<TraceEntry>> {
         let mut action = None;
         let mut addr = None;
         let mut device_free = None;
@@ -526,10 +529,10 @@ impl Reader {
             match name.as_str() {
                 "action" => {
                     let text = string(value).map_err(at)?;
-                    let parsed = TraceAction::from_name(&text).ok_or_else(|| {
-                        ConvError::new(format!("unknown action `{text}`")).within("action")
-                    })?;
-                    action = Some(parsed);
+                    match TraceAction::from_name(&text) {
+                        Some(parsed) => action = Some(parsed),
+                        None => return Ok(None),
+                    }
                 }
                 "addr" => addr = Some(unsigned(value).map_err(at)?),
                 "device_free" => device_free = Some(unsigned(value).map_err(at)?),
@@ -546,7 +549,7 @@ impl Reader {
         } else {
             addr.or(device_free)
         };
-        Ok(TraceEntry {
+        Ok(Some(TraceEntry {
             action,
             addr: addr.ok_or_else(|| ConvError::new("missing key `addr`"))?,
             size: size.ok_or_else(|| ConvError::new("missing key `size`"))?,
@@ -556,7 +559,7 @@ impl Reader {
                 Some(frames) => frames,
                 None => self.share(Vec::new()),
             },
-        })
+        }))
     }
 
     fn frames(&mut self, value: Value) -> Conv<Frames> {
@@ -801,5 +804,36 @@ mod tests {
             .expect_err("too big")
             .to_string();
         assert!(err.contains("device_traces[0][0].device_free"), "{err}");
+    }
+
+    /// Trace entries with actions this model does not know (newer PyTorch versions add some)
+    /// are skipped, and the rest of the snapshot still loads.
+    #[test]
+    fn unknown_trace_actions_are_skipped() {
+        let entry = |action: &str| {
+            Value::Dict(vec![
+                (key("action"), Value::Str(action.to_owned())),
+                (key("addr"), Value::Int(4096)),
+                (key("size"), Value::Int(512)),
+                (key("stream"), Value::Int(0)),
+            ])
+        };
+        let value = Value::Dict(vec![
+            (key("segments"), Value::List(Vec::new())),
+            (
+                key("device_traces"),
+                Value::List(vec![Value::List(vec![
+                    entry("alloc"),
+                    entry("annotate"),
+                    entry("free_completed"),
+                ])]),
+            ),
+        ]);
+        let snapshot = snapshot_from_value(value, "pickle").expect("loads");
+        let actions: Vec<TraceAction> = snapshot.device_traces[0]
+            .iter()
+            .map(|entry| entry.action)
+            .collect();
+        assert_eq!(actions, [TraceAction::Alloc, TraceAction::FreeCompleted]);
     }
 }

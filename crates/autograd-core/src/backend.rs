@@ -1,0 +1,306 @@
+//! The backend trait: the primitives a device must run for every tensor op of the crate.
+//!
+//! # Design
+//!
+//! [`Backend`] has **23 methods**: 6 for the device and its memory (`device`, `allocate`, `free`,
+//! `memory_stats`, `write_host`, `read_host`) and 17 compute primitives. The engine and every op
+//! in `crate::ops` are written once
+//! on top of it; ops-cpu implements it now, ops-cuda later. The reasoning:
+//!
+//! - **Primitives take strided views and write into a caller-allocated output.** The core
+//!   allocates every output from the backend's caching allocator, so memory accounting lives in
+//!   one place, and the same primitive serves out-of-place ops, in-place ops (`out` is the input)
+//!   and `out=` variants. Inputs arrive already broadcast (stride-0 dims), so a backend iterates
+//!   one shape, never broadcasts.
+//! - **dtype is a run-time value** carried by each [`View`]; a backend dispatches on it and
+//!   answers [`TensorError::UnsupportedDtype`](crate::TensorError) for what it lacks.
+//! - **Op families are enums, not methods.** [`UnaryOp`], [`BinaryOp`], [`ReduceOp`] and
+//!   [`MaskedOp`] keep the trait small: a new activation is a variant, not a method to forward
+//!   through every decorator.
+//! - **A fused primitive exists only where composing primitives would cost an extra memory pass
+//!   or extra saved memory**: softmax (one read, one write, and its backward), layer norm (forward
+//!   saves only mean and rstd; backward is one pass), cross-entropy (saves one log-sum-exp per
+//!   row instead of a log-softmax matrix), dropout (mask and output in one pass). Everything else
+//!   (linear, mean, patch embedding, cat/split, pow backward, ...) is composed in `crate::ops`.
+//! - **No device types.** Views carry a [`Buffer`], whose address is a `u64`; no CUDA stream,
+//!   handle or pointer type appears here.
+//!
+//! Contract for implementors: every view passed in lies inside its buffer (the core checks this
+//! when it builds views). Output views are dense (contiguous) unless the method says otherwise;
+//! `copy`, `fill`, `scatter_add` and the in-place forms of `unary`/`binary` may write through a
+//! strided view, and an output may be the same memory as an input with the same layout.
+
+use std::sync::Arc;
+
+use headroom_caching_allocator::{Allocation, MemoryStats};
+
+use crate::buffer::Buffer;
+use crate::dtype::{DType, Device};
+use crate::error::Result;
+use crate::layout::Layout;
+
+/// A shared handle to a backend; tensors hold one through their storage.
+pub type BackendRef = Arc<dyn Backend>;
+
+/// A tensor's elements as a backend sees them: memory, layout and element type.
+#[derive(Debug, Clone, Copy)]
+pub struct View<'a> {
+    /// The storage.
+    pub buffer: &'a Buffer,
+    /// Where the elements are, in elements of `dtype`.
+    pub layout: &'a Layout,
+    /// The element type.
+    pub dtype: DType,
+}
+
+/// Elementwise functions of one tensor (some with a scalar parameter).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum UnaryOp {
+    /// `-x`
+    Neg,
+    /// `e^x`
+    Exp,
+    /// Natural logarithm.
+    Log,
+    /// Square root.
+    Sqrt,
+    /// `1 / sqrt(x)`
+    Rsqrt,
+    /// Hyperbolic tangent.
+    Tanh,
+    /// `max(x, 0)`
+    Relu,
+    /// `x * Φ(x)` with the exact normal CDF.
+    Gelu,
+    /// GELU's tanh approximation (`approximate="tanh"`).
+    GeluTanh,
+    /// `x + c`
+    AddScalar(f64),
+    /// `x * c`
+    MulScalar(f64),
+    /// `x / c`
+    DivScalar(f64),
+    /// `x ^ c`
+    PowScalar(f64),
+}
+
+/// Elementwise functions of two tensors of one shape (inputs already broadcast).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum BinaryOp {
+    /// `a + b`
+    Add,
+    /// `a - b`
+    Sub,
+    /// `a * b`
+    Mul,
+    /// `a / b`
+    Div,
+    /// `a ^ b`
+    Pow,
+    /// Gradient of relu: `a * (b > 0)` with `a` the output gradient and `b` the input.
+    ReluBackward,
+    /// Gradient of exact GELU: `a * gelu'(b)`.
+    GeluBackward,
+    /// Gradient of tanh-approximated GELU: `a * gelu_tanh'(b)`.
+    GeluTanhBackward,
+    /// Gradient of tanh from its output: `a * (1 - b²)`.
+    TanhBackward,
+    /// Gradient of sqrt from its output: `a / (2b)`.
+    SqrtBackward,
+    /// Gradient of rsqrt from its output: `-a * b³ / 2`.
+    RsqrtBackward,
+}
+
+/// Reductions over the trailing dims of a view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Sum.
+    Sum,
+    /// Arithmetic mean (sum and divide in one pass).
+    Mean,
+    /// Largest element.
+    Max,
+    /// Smallest element.
+    Min,
+}
+
+/// Elementwise functions of a tensor and a boolean mask.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MaskedOp {
+    /// `mask ? c : x` (`masked_fill`).
+    Fill(f64),
+    /// `mask ? x * c : 0` (dropout's forward and backward).
+    Scale(f64),
+}
+
+/// How cross-entropy combines the per-sample losses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    /// Mean over the samples whose target is not `ignore_index`.
+    Mean,
+    /// Sum over the samples.
+    Sum,
+}
+
+/// Inputs of the fused layer-norm forward; `x` is dense `[rows, n]` (normalised over `n`).
+#[derive(Debug, Clone, Copy)]
+pub struct LayerNormForward<'a> {
+    /// Input.
+    pub x: View<'a>,
+    /// Scale, `[n]`, if any.
+    pub weight: Option<View<'a>>,
+    /// Shift, `[n]`, if any.
+    pub bias: Option<View<'a>>,
+    /// Added to the variance.
+    pub eps: f64,
+    /// Output, like `x`.
+    pub out: View<'a>,
+    /// Per-row mean, `[rows]`, saved for backward.
+    pub mean: View<'a>,
+    /// Per-row `1/sqrt(var + eps)`, `[rows]`, saved for backward.
+    pub rstd: View<'a>,
+}
+
+/// Inputs and outputs of the fused layer-norm backward (one pass over `x` and `dy`).
+#[derive(Debug, Clone, Copy)]
+pub struct LayerNormBackward<'a> {
+    /// Output gradient, dense `[rows, n]`.
+    pub dy: View<'a>,
+    /// The forward input, dense `[rows, n]`.
+    pub x: View<'a>,
+    /// Saved per-row mean.
+    pub mean: View<'a>,
+    /// Saved per-row rstd.
+    pub rstd: View<'a>,
+    /// The forward scale, if any.
+    pub weight: Option<View<'a>>,
+    /// Input gradient, if wanted.
+    pub dx: Option<View<'a>>,
+    /// Scale gradient, if wanted.
+    pub dweight: Option<View<'a>>,
+    /// Shift gradient, if wanted.
+    pub dbias: Option<View<'a>>,
+}
+
+/// Inputs and outputs of fused cross-entropy (log-softmax + NLL over the last dim).
+#[derive(Debug, Clone, Copy)]
+pub struct CrossEntropyArgs<'a> {
+    /// Logits, dense `[rows, classes]`.
+    pub logits: View<'a>,
+    /// Class indices, `[rows]`, I64.
+    pub target: View<'a>,
+    /// Samples with this target contribute nothing.
+    pub ignore_index: i64,
+    /// How to combine per-sample losses.
+    pub reduction: Reduction,
+}
+
+/// A device that stores tensors and runs the core's primitives. See the module docs.
+pub trait Backend: Send + Sync + std::fmt::Debug {
+    /// The device this backend drives.
+    fn device(&self) -> Device;
+
+    /// Allocates `bytes` from this backend's caching allocator.
+    fn allocate(&self, bytes: u64) -> Result<Allocation>;
+
+    /// Returns an allocation. Called from `Drop`, so it cannot fail: a backend records an error
+    /// from its allocator where the user can query it, and never panics.
+    fn free(&self, allocation: Allocation);
+
+    /// The allocator's statistics (`allocated_bytes.all.current` is `memory_allocated()`).
+    fn memory_stats(&self) -> MemoryStats;
+
+    /// Copies host bytes into `dst` starting `byte_offset` bytes in.
+    fn write_host(&self, dst: &Buffer, byte_offset: usize, data: &[u8]) -> Result<()>;
+
+    /// Copies bytes of `src` starting `byte_offset` bytes in to the host.
+    fn read_host(&self, src: &Buffer, byte_offset: usize, out: &mut [u8]) -> Result<()>;
+
+    /// `dst = src` elementwise, converting dtype; `dst` may be strided, shapes are equal.
+    fn copy(&self, src: View<'_>, dst: View<'_>) -> Result<()>;
+
+    /// Sets every element of `dst` (possibly strided) to `value` converted to its dtype.
+    fn fill(&self, dst: View<'_>, value: f64) -> Result<()>;
+
+    /// `out = op(x)`; shapes and dtypes are equal.
+    fn unary(&self, op: UnaryOp, x: View<'_>, out: View<'_>) -> Result<()>;
+
+    /// `out = op(a, b)`; shapes and dtypes are equal.
+    fn binary(&self, op: BinaryOp, a: View<'_>, b: View<'_>, out: View<'_>) -> Result<()>;
+
+    /// `out = op(x, mask)`; `mask` is Bool or U8 of the same shape.
+    fn masked(&self, op: MaskedOp, x: View<'_>, mask: View<'_>, out: View<'_>) -> Result<()>;
+
+    /// Reduces the last `n_reduced` dims of `x` into dense `out`, whose shape is the leading
+    /// dims of `x`.
+    fn reduce(&self, op: ReduceOp, x: View<'_>, n_reduced: usize, out: View<'_>) -> Result<()>;
+
+    /// Max or min over the last dim of `x`, with the index (I64) of the first extreme element.
+    fn reduce_with_index(
+        &self,
+        op: ReduceOp,
+        x: View<'_>,
+        values: View<'_>,
+        indices: View<'_>,
+    ) -> Result<()>;
+
+    /// Batched matrix product over equal batch dims: `out[.., m, n] (+)= a[.., m, k] b[.., k, n]`.
+    /// Inputs may be strided (transposes are free); `accumulate` adds to `out`.
+    fn matmul(&self, a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()>;
+
+    /// Softmax (or log-softmax) of `x` along `dim` into dense `out`.
+    fn softmax(&self, x: View<'_>, dim: usize, log: bool, out: View<'_>) -> Result<()>;
+
+    /// Gradient of softmax (or log-softmax) from its output `y` and output gradient `dy`.
+    fn softmax_backward(
+        &self,
+        y: View<'_>,
+        dy: View<'_>,
+        dim: usize,
+        log: bool,
+        dx: View<'_>,
+    ) -> Result<()>;
+
+    /// Fused layer-norm forward.
+    fn layer_norm(&self, args: LayerNormForward<'_>) -> Result<()>;
+
+    /// Fused layer-norm backward.
+    fn layer_norm_backward(&self, args: LayerNormBackward<'_>) -> Result<()>;
+
+    /// Fused cross-entropy: writes the reduced loss (a 0-dim view) and each row's log-sum-exp.
+    fn cross_entropy(
+        &self,
+        args: CrossEntropyArgs<'_>,
+        loss: View<'_>,
+        lse: View<'_>,
+    ) -> Result<()>;
+
+    /// Gradient of fused cross-entropy w.r.t. the logits, scaled by the 0-dim `dloss`.
+    fn cross_entropy_backward(
+        &self,
+        args: CrossEntropyArgs<'_>,
+        lse: View<'_>,
+        dloss: View<'_>,
+        dlogits: View<'_>,
+    ) -> Result<()>;
+
+    /// `out[i][j] = x[i][index[i][j]]` along `dim` (PyTorch's `gather`); `index` is I64 with
+    /// `out`'s shape (often expanded).
+    fn gather(&self, x: View<'_>, dim: usize, index: View<'_>, out: View<'_>) -> Result<()>;
+
+    /// `dst[i][index[i][j]] += src[i][j]` along `dim` (PyTorch's `scatter_add_`).
+    fn scatter_add(&self, dst: View<'_>, dim: usize, index: View<'_>, src: View<'_>) -> Result<()>;
+
+    /// Dropout in one pass: element `i` is kept with probability `1 - p` when
+    /// `crate::random::uniform(seed, offset + i) >= p`; `out = kept ? x / (1 - p) : 0` and
+    /// `mask` (Bool) records which were kept.
+    fn dropout(
+        &self,
+        x: View<'_>,
+        p: f64,
+        seed: u64,
+        offset: u64,
+        out: View<'_>,
+        mask: View<'_>,
+    ) -> Result<()>;
+}

@@ -1,0 +1,56 @@
+//! Tensors, a define-by-run autograd engine with first-class hooks, and the backend trait that
+//! device crates implement.
+//!
+//! A [`Tensor`] is a [`Layout`] (shape, strides, offset) and a run-time [`DType`] over a shared
+//! [`Buffer`], which owns one allocation from its backend's caching allocator — so
+//! `memory_allocated()` counts every tensor, saved activation and gradient exactly. Views
+//! (reshape, permute, transpose, narrow, expand) share the buffer and its version counter.
+//!
+//! Ops (`crate::ops`) are written once over the [`Backend`] trait (see its module docs for the
+//! method count and why it is that small) and record a graph node when an input requires grad.
+//! [`Tensor::backward`] runs the graph in reverse creation order, freeing each node's saved
+//! tensors and each consumed gradient as it goes, and accumulates into leaves' `.grad`.
+//! Hooks are part of the engine, not bolted on: gradient hooks ([`Tensor::register_hook`]),
+//! post-accumulate-grad hooks ([`Tensor::register_post_accumulate_grad_hook`]) and scoped
+//! saved-tensor hooks ([`saved_tensor_hooks`]). In-place ops bump per-storage version counters,
+//! and a saved tensor that was overwritten is a [`TensorError::ModifiedInPlace`] naming the op.
+//!
+//! This crate sits on `headroom-caching-allocator` only. It knows no device API and no kernel:
+//! ops-cpu (and later ops-cuda) implement [`Backend`]; models and optimizers sit on top.
+//!
+//! Not supported yet: higher-order gradients (`create_graph`), differentiable in-place writes
+//! into views, `retain_grad` on non-leaves.
+
+mod backend;
+mod buffer;
+mod dtype;
+mod engine;
+mod error;
+mod grad_mode;
+mod graph;
+mod hooks;
+mod layout;
+mod ops;
+mod random;
+mod saved;
+mod tensor;
+
+pub use backend::{
+    Backend, BackendRef, BinaryOp, CrossEntropyArgs, LayerNormBackward, LayerNormForward, MaskedOp,
+    ReduceOp, Reduction, UnaryOp, View,
+};
+pub use buffer::{Buffer, VersionCounter};
+pub use dtype::{DType, Device};
+pub use engine::{run_backward, BackwardOptions};
+pub use error::{Result, TensorError};
+pub use grad_mode::{is_grad_enabled, no_grad, set_grad_enabled, GradModeGuard};
+pub use graph::needs_grad;
+pub use hooks::{
+    saved_tensor_hooks, GradHook, HookHandle, PackHook, Packed, PostAccumulateHook,
+    SavedTensorHooks, SavedTensorHooksGuard, UnpackHook,
+};
+pub use layout::{broadcast_shapes, contiguous_strides, normalize_dim, Dims, Layout};
+pub use ops::{cat, cross_entropy, dropout, embedding, layer_norm, patch_embedding};
+pub use random::{uniform, Generator, GeneratorState};
+pub use saved::SavedTensor;
+pub use tensor::{Element, Tensor};

@@ -1,0 +1,239 @@
+//! Matrix products: matmul (batched, broadcasting), linear and patch embedding.
+//!
+//! The backend's `matmul` takes strided operands, so transposes in backward are free views.
+//! `matmul` of an N-d tensor by a matrix folds the batch into the rows (one GEMM, and a weight
+//! gradient without a per-batch temporary), as PyTorch does. `linear` writes the bias into the
+//! output and accumulates the product onto it (addmm). Patch embedding (a convolution with
+//! stride = kernel) is a reshape/permute to patches followed by `linear`.
+
+use crate::error::{Result, TensorError};
+use crate::grad_mode::no_grad;
+use crate::graph::record;
+use crate::layout::broadcast_shapes;
+use crate::saved::SavedTensor;
+use crate::tensor::Tensor;
+
+use super::{check_float, check_same, records};
+
+impl Tensor {
+    /// Matrix product with PyTorch's rules: 1-D operands are promoted, batch dims broadcast.
+    pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
+        check_same("matmul", self, other)?;
+        check_float("matmul", self)?;
+        if self.ndim() == 0 || other.ndim() == 0 {
+            return Err(TensorError::InvalidArgument {
+                op: "matmul",
+                reason: format!(
+                    "both operands need a dim, got {:?} and {:?}",
+                    self.shape(),
+                    other.shape()
+                ),
+            });
+        }
+        if self.ndim() == 1 {
+            return self.unsqueeze(0)?.matmul(other)?.squeeze_dim(-2);
+        }
+        if other.ndim() == 1 {
+            return self.matmul(&other.unsqueeze(1)?)?.squeeze_dim(-1);
+        }
+        if self.ndim() >= 3 && other.ndim() == 2 {
+            let k = self.shape()[self.ndim() - 1];
+            let folded = self.reshape_inferred(&[-1, k as isize])?.matmul(other)?;
+            let mut shape = self.shape().to_vec();
+            *shape.last_mut().expect("ndim >= 3") = other.shape()[1];
+            return folded.reshape(&shape);
+        }
+        self.batched_matmul(other)
+    }
+
+    /// Batched product of two operands with at least two dims each.
+    fn batched_matmul(&self, other: &Tensor) -> Result<Tensor> {
+        let (lhs_nd, rhs_nd) = (self.ndim(), other.ndim());
+        let (m, k) = (self.shape()[lhs_nd - 2], self.shape()[lhs_nd - 1]);
+        let (k2, n) = (other.shape()[rhs_nd - 2], other.shape()[rhs_nd - 1]);
+        if k != k2 {
+            return Err(TensorError::ShapeMismatch {
+                op: "matmul",
+                lhs: self.shape().to_vec(),
+                rhs: other.shape().to_vec(),
+            });
+        }
+        let batch = broadcast_shapes(
+            "matmul",
+            &self.shape()[..lhs_nd - 2],
+            &other.shape()[..rhs_nd - 2],
+        )?;
+        let lhs_shape: Vec<usize> = batch.iter().copied().chain([m, k]).collect();
+        let rhs_shape: Vec<usize> = batch.iter().copied().chain([k, n]).collect();
+        let out_shape: Vec<usize> = batch.iter().copied().chain([m, n]).collect();
+        let lhs = self.alias(self.layout().expand("matmul", &lhs_shape)?);
+        let rhs = other.alias(other.layout().expand("matmul", &rhs_shape)?);
+        let res = self.new_empty(&out_shape, self.dtype())?;
+        self.backend()
+            .matmul(lhs.view(), rhs.view(), res.view(), false)?;
+        if records(&[self, other]) {
+            let saved_lhs = if other.requires_grad() {
+                Some(SavedTensor::save("matmul", self)?)
+            } else {
+                None
+            };
+            let saved_rhs = if self.requires_grad() {
+                Some(SavedTensor::save("matmul", other)?)
+            } else {
+                None
+            };
+            let (lhs_shape, rhs_shape) = (self.shape().to_vec(), other.shape().to_vec());
+            record("matmul", &[self, other], &[&res], move |grads| {
+                let grad = grads[0].as_ref().expect("one output");
+                let grad_lhs = match &saved_rhs {
+                    Some(rhs) => Some(
+                        grad.matmul(&rhs.unpack()?.transpose(-1, -2)?)?
+                            .sum_to(&lhs_shape)?,
+                    ),
+                    None => None,
+                };
+                let grad_rhs = match &saved_lhs {
+                    Some(lhs) => Some(
+                        lhs.unpack()?
+                            .transpose(-1, -2)?
+                            .matmul(grad)?
+                            .sum_to(&rhs_shape)?,
+                    ),
+                    None => None,
+                };
+                Ok(vec![grad_lhs, grad_rhs])
+            });
+        }
+        Ok(res)
+    }
+
+    /// `self @ weight^T + bias` over the last dim (`torch.nn.functional.linear`).
+    pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        check_same("linear", self, weight)?;
+        check_float("linear", self)?;
+        let in_features = *self.shape().last().unwrap_or(&0);
+        if self.ndim() == 0 || weight.ndim() != 2 || weight.shape()[1] != in_features {
+            return Err(TensorError::ShapeMismatch {
+                op: "linear",
+                lhs: self.shape().to_vec(),
+                rhs: weight.shape().to_vec(),
+            });
+        }
+        let out_features = weight.shape()[0];
+        if let Some(bias) = bias {
+            check_same("linear", self, bias)?;
+            if bias.shape() != [out_features] {
+                return Err(TensorError::ShapeMismatch {
+                    op: "linear",
+                    lhs: weight.shape().to_vec(),
+                    rhs: bias.shape().to_vec(),
+                });
+            }
+        }
+        let rows = self.numel() / in_features.max(1);
+        let (input_2d, weight_t) = {
+            let _guard = no_grad();
+            (self.reshape(&[rows, in_features])?, weight.t()?)
+        };
+        let res = self.new_empty(&[rows, out_features], self.dtype())?;
+        if let Some(bias) = bias {
+            let spread = bias.alias(bias.layout().expand("linear", &[rows, out_features])?);
+            self.backend().copy(spread.view(), res.view())?;
+        }
+        self.backend()
+            .matmul(input_2d.view(), weight_t.view(), res.view(), bias.is_some())?;
+        let mut out_shape = self.shape().to_vec();
+        *out_shape.last_mut().expect("ndim >= 1") = out_features;
+        let res = res.into_shape(&out_shape);
+        let mut inputs = vec![self, weight];
+        inputs.extend(bias);
+        if records(&inputs) {
+            let saved_input = if weight.requires_grad() {
+                Some(SavedTensor::save("linear", self)?)
+            } else {
+                None
+            };
+            let saved_weight = if self.requires_grad() {
+                Some(SavedTensor::save("linear", weight)?)
+            } else {
+                None
+            };
+            let input_shape = self.shape().to_vec();
+            let has_bias = bias.is_some();
+            record("linear", &inputs, &[&res], move |grads| {
+                let grad = grads[0].as_ref().expect("one output");
+                let grad_2d = grad.reshape(&[rows, out_features])?;
+                let grad_input = match &saved_weight {
+                    Some(weight) => Some(grad_2d.matmul(&weight.unpack()?)?.reshape(&input_shape)?),
+                    None => None,
+                };
+                let grad_weight = match &saved_input {
+                    Some(input) => Some(
+                        grad_2d
+                            .t()?
+                            .matmul(&input.unpack()?.reshape(&[rows, in_features])?)?,
+                    ),
+                    None => None,
+                };
+                let mut res = vec![grad_input, grad_weight];
+                if has_bias {
+                    res.push(Some(grad_2d.sum(&[0], false)?));
+                }
+                Ok(res)
+            });
+        }
+        Ok(res)
+    }
+}
+
+/// A convolution whose stride equals its kernel (ViT's patch embedding): `input` is
+/// `[batch, channels, height, width]`, `weight` `[out, channels, patch, patch]`; the result is
+/// `[batch, out, height / patch, width / patch]`, as `conv2d` returns it.
+pub fn patch_embedding(
+    input: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    patch: usize,
+) -> Result<Tensor> {
+    let [batch, channels, height, width] = *input.shape() else {
+        return Err(TensorError::InvalidArgument {
+            op: "patch_embedding",
+            reason: format!(
+                "input must be [batch, channels, height, width], got {:?}",
+                input.shape()
+            ),
+        });
+    };
+    let [out, weight_channels, kh, kw] = *weight.shape() else {
+        return Err(TensorError::InvalidArgument {
+            op: "patch_embedding",
+            reason: format!(
+                "weight must be [out, channels, patch, patch], got {:?}",
+                weight.shape()
+            ),
+        });
+    };
+    if weight_channels != channels
+        || kh != patch
+        || kw != patch
+        || patch == 0
+        || height % patch != 0
+        || width % patch != 0
+    {
+        return Err(TensorError::ShapeMismatch {
+            op: "patch_embedding",
+            lhs: input.shape().to_vec(),
+            rhs: weight.shape().to_vec(),
+        });
+    }
+    let (rows, cols) = (height / patch, width / patch);
+    let patches = input
+        .reshape(&[batch, channels, rows, patch, cols, patch])?
+        .permute(&[0, 2, 4, 1, 3, 5])?
+        .reshape(&[batch * rows * cols, channels * patch * patch])?;
+    let flat_weight = weight.reshape(&[out, channels * patch * patch])?;
+    patches
+        .linear(&flat_weight, bias)?
+        .reshape(&[batch, rows, cols, out])?
+        .permute(&[0, 3, 1, 2])
+}

@@ -1,0 +1,304 @@
+//! Neural-network ops with fused kernels: softmax, log-softmax, layer norm, cross-entropy and
+//! dropout.
+//!
+//! Each is one backend primitive forward and one backward, because composing them from
+//! elementwise ops and reductions would cost extra memory passes and extra saved tensors:
+//! softmax saves only its output, layer norm saves the input plus a mean and an rstd per row,
+//! cross-entropy saves one log-sum-exp per row, dropout saves a one-byte mask.
+
+use crate::backend::{CrossEntropyArgs, LayerNormBackward, LayerNormForward, MaskedOp, Reduction};
+use crate::dtype::DType;
+use crate::error::{Result, TensorError};
+use crate::grad_mode::no_grad;
+use crate::graph::record;
+use crate::layout::normalize_dim;
+use crate::random::Generator;
+use crate::saved::SavedTensor;
+use crate::tensor::Tensor;
+
+use super::{check_dtype, check_float, check_same, records};
+
+/// The dtype statistics (mean, rstd, log-sum-exp) are kept in for inputs of `dtype`.
+fn stats_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    }
+}
+
+impl Tensor {
+    fn softmax_impl(&self, dim: isize, log: bool) -> Result<Tensor> {
+        let name = if log { "log_softmax" } else { "softmax" };
+        check_float(name, self)?;
+        let dim = normalize_dim(name, dim, self.ndim())?;
+        let res = self.new_empty(self.shape(), self.dtype())?;
+        self.backend().softmax(self.view(), dim, log, res.view())?;
+        if records(&[self]) {
+            let saved = SavedTensor::save(name, &res)?;
+            record(name, &[self], &[&res], move |grads| {
+                let grad = grads[0].as_ref().expect("one output");
+                let output = saved.unpack()?;
+                let dx = grad.new_empty(grad.shape(), grad.dtype())?;
+                grad.backend()
+                    .softmax_backward(output.view(), grad.view(), dim, log, dx.view())?;
+                Ok(vec![Some(dx)])
+            });
+        }
+        Ok(res)
+    }
+
+    /// Softmax along `dim`.
+    pub fn softmax(&self, dim: isize) -> Result<Tensor> {
+        self.softmax_impl(dim, false)
+    }
+
+    /// Log-softmax along `dim`.
+    pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
+        self.softmax_impl(dim, true)
+    }
+
+    /// `mask ? value : self`, with `mask` (Bool or U8) broadcast to this tensor's shape.
+    pub fn masked_fill(&self, mask: &Tensor, value: f64) -> Result<Tensor> {
+        check_float("masked_fill", self)?;
+        if !matches!(mask.dtype(), DType::Bool | DType::U8) {
+            return Err(TensorError::UnsupportedDtype {
+                op: "masked_fill",
+                dtype: mask.dtype(),
+            });
+        }
+        let mask = mask.alias(mask.layout().expand("masked_fill", self.shape())?);
+        let res = self.new_empty(self.shape(), self.dtype())?;
+        self.backend()
+            .masked(MaskedOp::Fill(value), self.view(), mask.view(), res.view())?;
+        if records(&[self]) {
+            let saved_mask = SavedTensor::save("masked_fill", &mask)?;
+            record("masked_fill", &[self], &[&res], move |grads| {
+                let grad = grads[0].as_ref().expect("one output");
+                let mask = saved_mask.unpack()?;
+                let dx = grad.new_empty(grad.shape(), grad.dtype())?;
+                grad.backend()
+                    .masked(MaskedOp::Fill(0.0), grad.view(), mask.view(), dx.view())?;
+                Ok(vec![Some(dx)])
+            });
+        }
+        Ok(res)
+    }
+}
+
+/// Layer normalisation over the trailing `normalized_shape` dims, with optional affine
+/// parameters of that shape (`torch.nn.functional.layer_norm`).
+pub fn layer_norm(
+    input: &Tensor,
+    normalized_shape: &[usize],
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f64,
+) -> Result<Tensor> {
+    check_float("layer_norm", input)?;
+    let ndim = input.ndim();
+    if normalized_shape.is_empty()
+        || normalized_shape.len() > ndim
+        || input.shape()[ndim - normalized_shape.len()..] != *normalized_shape
+    {
+        return Err(TensorError::ShapeMismatch {
+            op: "layer_norm",
+            lhs: input.shape().to_vec(),
+            rhs: normalized_shape.to_vec(),
+        });
+    }
+    for param in weight.iter().chain(bias.iter()) {
+        check_same("layer_norm", input, param)?;
+        if param.shape() != normalized_shape {
+            return Err(TensorError::ShapeMismatch {
+                op: "layer_norm",
+                lhs: normalized_shape.to_vec(),
+                rhs: param.shape().to_vec(),
+            });
+        }
+    }
+    let n: usize = normalized_shape.iter().product();
+    let rows = input.numel() / n.max(1);
+    let dense = {
+        let _guard = no_grad();
+        input.contiguous()?.reshape(&[rows, n])?
+    };
+    let flatten = |param: Option<&Tensor>| -> Result<Option<Tensor>> {
+        let _guard = no_grad();
+        param.map(|p| p.contiguous()?.reshape(&[n])).transpose()
+    };
+    let (weight_flat, bias_flat) = (flatten(weight)?, flatten(bias)?);
+    let stats = stats_dtype(input.dtype());
+    let res = input.new_empty(&[rows, n], input.dtype())?;
+    let mean = input.new_empty(&[rows], stats)?;
+    let rstd = input.new_empty(&[rows], stats)?;
+    input.backend().layer_norm(LayerNormForward {
+        x: dense.view(),
+        weight: weight_flat.as_ref().map(Tensor::view),
+        bias: bias_flat.as_ref().map(Tensor::view),
+        eps,
+        out: res.view(),
+        mean: mean.view(),
+        rstd: rstd.view(),
+    })?;
+    let res = res.into_shape(input.shape());
+    let mut inputs = vec![input];
+    inputs.extend(weight);
+    inputs.extend(bias);
+    if records(&inputs) {
+        let saved_x = SavedTensor::save("layer_norm", &dense)?;
+        let saved_mean = SavedTensor::save("layer_norm", &mean)?;
+        let saved_rstd = SavedTensor::save("layer_norm", &rstd)?;
+        let saved_weight = match &weight_flat {
+            Some(w) => Some(SavedTensor::save("layer_norm", w)?),
+            None => None,
+        };
+        let wants = [
+            input.requires_grad(),
+            weight.is_some_and(Tensor::requires_grad),
+            bias.is_some_and(Tensor::requires_grad),
+        ];
+        let (input_shape, param_shape) = (input.shape().to_vec(), normalized_shape.to_vec());
+        let (has_weight, has_bias) = (weight.is_some(), bias.is_some());
+        record("layer_norm", &inputs, &[&res], move |grads| {
+            let grad = grads[0].as_ref().expect("one output");
+            let dy = grad.contiguous()?.reshape(&[rows, n])?;
+            let x = saved_x.unpack()?;
+            let weight = match &saved_weight {
+                Some(w) => Some(w.unpack()?),
+                None => None,
+            };
+            let dx = if wants[0] {
+                Some(x.new_empty(&[rows, n], x.dtype())?)
+            } else {
+                None
+            };
+            let dweight = if has_weight && wants[1] {
+                Some(x.new_empty(&[n], x.dtype())?)
+            } else {
+                None
+            };
+            let dbias = if has_bias && wants[2] {
+                Some(x.new_empty(&[n], x.dtype())?)
+            } else {
+                None
+            };
+            let (mean, rstd) = (saved_mean.unpack()?, saved_rstd.unpack()?);
+            x.backend().layer_norm_backward(LayerNormBackward {
+                dy: dy.view(),
+                x: x.view(),
+                mean: mean.view(),
+                rstd: rstd.view(),
+                weight: weight.as_ref().map(Tensor::view),
+                dx: dx.as_ref().map(Tensor::view),
+                dweight: dweight.as_ref().map(Tensor::view),
+                dbias: dbias.as_ref().map(Tensor::view),
+            })?;
+            let mut res = vec![dx.map(|dx| dx.into_shape(&input_shape))];
+            if has_weight {
+                res.push(dweight.map(|dw| dw.into_shape(&param_shape)));
+            }
+            if has_bias {
+                res.push(dbias.map(|db| db.into_shape(&param_shape)));
+            }
+            Ok(res)
+        });
+    }
+    Ok(res)
+}
+
+/// Cross-entropy of `logits` `[rows, classes]` against class indices `target` `[rows]` (I64):
+/// log-softmax and negative log-likelihood fused, samples whose target is `ignore_index` skipped.
+pub fn cross_entropy(
+    logits: &Tensor,
+    target: &Tensor,
+    ignore_index: i64,
+    reduction: Reduction,
+) -> Result<Tensor> {
+    check_float("cross_entropy", logits)?;
+    check_dtype("cross_entropy", target, DType::I64)?;
+    if logits.ndim() != 2 || target.shape() != [logits.shape()[0]] {
+        return Err(TensorError::ShapeMismatch {
+            op: "cross_entropy",
+            lhs: logits.shape().to_vec(),
+            rhs: target.shape().to_vec(),
+        });
+    }
+    let (dense, target) = {
+        let _guard = no_grad();
+        (logits.contiguous()?, target.contiguous()?)
+    };
+    let rows = logits.shape()[0];
+    let loss = logits.new_empty(&[], logits.dtype())?;
+    let lse = logits.new_empty(&[rows], stats_dtype(logits.dtype()))?;
+    let args = CrossEntropyArgs {
+        logits: dense.view(),
+        target: target.view(),
+        ignore_index,
+        reduction,
+    };
+    logits
+        .backend()
+        .cross_entropy(args, loss.view(), lse.view())?;
+    if records(&[logits]) {
+        let saved_logits = SavedTensor::save("cross_entropy", &dense)?;
+        let saved_target = SavedTensor::save("cross_entropy", &target)?;
+        let saved_lse = SavedTensor::save("cross_entropy", &lse)?;
+        record("cross_entropy", &[logits], &[&loss], move |grads| {
+            let grad = grads[0].as_ref().expect("one output");
+            let (logits, target, lse) = (
+                saved_logits.unpack()?,
+                saved_target.unpack()?,
+                saved_lse.unpack()?,
+            );
+            let dlogits = logits.new_empty(logits.shape(), logits.dtype())?;
+            let args = CrossEntropyArgs {
+                logits: logits.view(),
+                target: target.view(),
+                ignore_index,
+                reduction,
+            };
+            logits.backend().cross_entropy_backward(
+                args,
+                lse.view(),
+                grad.view(),
+                dlogits.view(),
+            )?;
+            Ok(vec![Some(dlogits)])
+        });
+    }
+    Ok(loss)
+}
+
+/// Dropout: in training, zeroes each element with probability `p` (drawn from `generator`) and
+/// scales the rest by `1 / (1 - p)`; otherwise returns `input` unchanged.
+pub fn dropout(input: &Tensor, p: f64, training: bool, generator: &Generator) -> Result<Tensor> {
+    check_float("dropout", input)?;
+    if !(0.0..=1.0).contains(&p) {
+        return Err(TensorError::InvalidArgument {
+            op: "dropout",
+            reason: format!("probability {p} is outside [0, 1]"),
+        });
+    }
+    if !training || p == 0.0 {
+        return Ok(input.clone());
+    }
+    let (seed, offset) = generator.advance(input.numel() as u64);
+    let res = input.new_empty(input.shape(), input.dtype())?;
+    let mask = input.new_empty(input.shape(), DType::Bool)?;
+    input
+        .backend()
+        .dropout(input.view(), p, seed, offset, res.view(), mask.view())?;
+    if records(&[input]) {
+        let saved_mask = SavedTensor::save("dropout", &mask)?;
+        let scale = if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 };
+        record("dropout", &[input], &[&res], move |grads| {
+            let grad = grads[0].as_ref().expect("one output");
+            let mask = saved_mask.unpack()?;
+            let dx = grad.new_empty(grad.shape(), grad.dtype())?;
+            grad.backend()
+                .masked(MaskedOp::Scale(scale), grad.view(), mask.view(), dx.view())?;
+            Ok(vec![Some(dx)])
+        });
+    }
+    Ok(res)
+}

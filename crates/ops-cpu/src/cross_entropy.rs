@@ -1,0 +1,149 @@
+//! Fused cross-entropy over the last dim: log-softmax and negative log-likelihood in one pass
+//! per row, saving only the row's log-sum-exp for backward.
+//!
+//! Rows are spread over rayon. Targets equal to `ignore_index` contribute no loss and no
+//! gradient, and are not counted by the mean (an all-ignored batch gives NaN, as in PyTorch).
+//! Out-of-range targets are an error, never an out-of-bounds read.
+
+use headroom_autograd_core::{CrossEntropyArgs, Reduction, Result, TensorError, View};
+use rayon::prelude::*;
+
+use crate::element::{dispatch_float, Float, Real};
+use crate::strided::HostPtr;
+
+/// Rows, classes, and the targets (validated).
+fn validate(args: &CrossEntropyArgs<'_>) -> Result<(usize, usize, Vec<i64>)> {
+    let [rows, classes] = *args.logits.layout.shape() else {
+        return Err(TensorError::InvalidArgument {
+            op: "cross_entropy",
+            reason: "logits must be [rows, classes]".into(),
+        });
+    };
+    if !args.logits.layout.is_contiguous() || args.target.layout.shape() != [rows] {
+        return Err(TensorError::ShapeMismatch {
+            op: "cross_entropy",
+            lhs: args.logits.layout.shape().to_vec(),
+            rhs: args.target.layout.shape().to_vec(),
+        });
+    }
+    let ptr = HostPtr::<i64>::new(&args.target);
+    let stride = args.target.layout.strides()[0];
+    let targets: Vec<i64> = (0..rows)
+        .map(|r| ptr.read(args.target.layout.offset() + r * stride))
+        .collect();
+    if let Some(bad) = targets
+        .iter()
+        .find(|&&t| t != args.ignore_index && (t < 0 || t as usize >= classes))
+    {
+        return Err(TensorError::InvalidArgument {
+            op: "cross_entropy",
+            reason: format!("target {bad} is out of bounds for {classes} classes"),
+        });
+    }
+    Ok((rows, classes, targets))
+}
+
+pub(crate) fn cross_entropy(
+    args: CrossEntropyArgs<'_>,
+    loss: View<'_>,
+    lse: View<'_>,
+) -> Result<()> {
+    let checked = validate(&args)?;
+    dispatch_float!(args.logits.dtype, "cross_entropy", T => dispatch_float!(lse.dtype, "cross_entropy", S => forward::<T, S>(&args, checked, loss, lse)));
+    Ok(())
+}
+
+fn forward<T: Float, S: Float>(
+    args: &CrossEntropyArgs<'_>,
+    (rows, classes, targets): (usize, usize, Vec<i64>),
+    loss: View<'_>,
+    lse: View<'_>,
+) {
+    let logits = HostPtr::<T>::new(&args.logits);
+    let x0 = args.logits.layout.offset();
+    let lse_ptr = HostPtr::<S>::new(&lse);
+    let lse0 = lse.layout.offset();
+    let per_row: Vec<Option<f64>> = (0..rows)
+        .into_par_iter()
+        .map(|row| {
+            let read = |j: usize| logits.read(x0 + row * classes + j).load().to_f64();
+            let max = (0..classes).map(read).fold(f64::NEG_INFINITY, f64::max);
+            let log_sum_exp = max
+                + (0..classes)
+                    .map(|j| (read(j) - max).exp())
+                    .sum::<f64>()
+                    .ln();
+            lse_ptr.write(lse0 + row, S::store(<S::C as Real>::from_f64(log_sum_exp)));
+            let target = targets[row];
+            (target != args.ignore_index).then(|| log_sum_exp - read(target as usize))
+        })
+        .collect();
+    let total: f64 = per_row.iter().flatten().sum();
+    let count = per_row.iter().flatten().count();
+    let value = match args.reduction {
+        Reduction::Mean => total / count as f64,
+        Reduction::Sum => total,
+    };
+    HostPtr::<T>::new(&loss).write(
+        loss.layout.offset(),
+        T::store(<T::C as Real>::from_f64(value)),
+    );
+}
+
+pub(crate) fn cross_entropy_backward(
+    args: CrossEntropyArgs<'_>,
+    lse: View<'_>,
+    dloss: View<'_>,
+    dlogits: View<'_>,
+) -> Result<()> {
+    let checked = validate(&args)?;
+    if dlogits.layout.shape() != args.logits.layout.shape() || !dlogits.layout.is_contiguous() {
+        return Err(TensorError::ShapeMismatch {
+            op: "cross_entropy_backward",
+            lhs: args.logits.layout.shape().to_vec(),
+            rhs: dlogits.layout.shape().to_vec(),
+        });
+    }
+    dispatch_float!(args.logits.dtype, "cross_entropy_backward", T => dispatch_float!(lse.dtype, "cross_entropy_backward", S => backward::<T, S>(&args, checked, lse, dloss, dlogits)));
+    Ok(())
+}
+
+fn backward<T: Float, S: Float>(
+    args: &CrossEntropyArgs<'_>,
+    (rows, classes, targets): (usize, usize, Vec<i64>),
+    lse: View<'_>,
+    dloss: View<'_>,
+    dlogits: View<'_>,
+) {
+    let logits = HostPtr::<T>::new(&args.logits);
+    let x0 = args.logits.layout.offset();
+    let lse_ptr = HostPtr::<S>::new(&lse);
+    let lse0 = lse.layout.offset();
+    let out = HostPtr::<T>::new(&dlogits);
+    let out0 = dlogits.layout.offset();
+    let grad = HostPtr::<T>::new(&dloss)
+        .read(dloss.layout.offset())
+        .load()
+        .to_f64();
+    let count = targets.iter().filter(|&&t| t != args.ignore_index).count();
+    let scale = match args.reduction {
+        Reduction::Mean => grad / count as f64,
+        Reduction::Sum => grad,
+    };
+    (0..rows).into_par_iter().for_each(|row| {
+        let target = targets[row];
+        let log_sum_exp = lse_ptr.read(lse0 + row).load().to_f64();
+        for j in 0..classes {
+            let value = if target == args.ignore_index {
+                0.0
+            } else {
+                let p = (logits.read(x0 + row * classes + j).load().to_f64() - log_sum_exp).exp();
+                (p - f64::from(u8::from(j as i64 == target))) * scale
+            };
+            out.write(
+                out0 + row * classes + j,
+                T::store(<T::C as Real>::from_f64(value)),
+            );
+        }
+    });
+}

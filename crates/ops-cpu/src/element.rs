@@ -1,0 +1,267 @@
+//! Element types as the kernels see them: storage types, their compute types, and dispatch.
+//!
+//! [`Float`] is a storage type of a floating-point dtype with the type it is computed in
+//! (f32 for f32, f16 and bf16; f64 for f64); [`Real`] is the math a compute type offers.
+//! [`Scalar`] covers all eight dtypes for copies, casts and fills, going through f64.
+//! The `dispatch_float!` and `dispatch_any!` macros turn a run-time [`DType`] into a type.
+//! Nothing here knows about layouts or threads.
+
+use half::{bf16, f16};
+use headroom_autograd_core::DType;
+
+/// Math on a compute type (f32 or f64).
+pub(crate) trait Real:
+    Copy
+    + Send
+    + Sync
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + std::ops::Neg<Output = Self>
+    + 'static
+{
+    const ZERO: Self;
+    const ONE: Self;
+    fn from_f64(value: f64) -> Self;
+    fn to_f64(self) -> f64;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn tanh(self) -> Self;
+    fn erf(self) -> Self;
+    fn powf(self, exponent: Self) -> Self;
+}
+
+impl Real for f32 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    fn from_f64(value: f64) -> Self {
+        value as f32
+    }
+    fn to_f64(self) -> f64 {
+        f64::from(self)
+    }
+    fn exp(self) -> Self {
+        f32::exp(self)
+    }
+    fn ln(self) -> Self {
+        f32::ln(self)
+    }
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
+    fn tanh(self) -> Self {
+        f32::tanh(self)
+    }
+    fn erf(self) -> Self {
+        libm::erff(self)
+    }
+    fn powf(self, exponent: Self) -> Self {
+        f32::powf(self, exponent)
+    }
+}
+
+impl Real for f64 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    fn from_f64(value: f64) -> Self {
+        value
+    }
+    fn to_f64(self) -> f64 {
+        self
+    }
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    fn ln(self) -> Self {
+        f64::ln(self)
+    }
+    fn sqrt(self) -> Self {
+        f64::sqrt(self)
+    }
+    fn tanh(self) -> Self {
+        f64::tanh(self)
+    }
+    fn erf(self) -> Self {
+        libm::erf(self)
+    }
+    fn powf(self, exponent: Self) -> Self {
+        f64::powf(self, exponent)
+    }
+}
+
+/// A floating-point storage type and the type it is computed in.
+pub(crate) trait Float: Copy + Send + Sync + 'static {
+    type C: Real;
+    fn load(self) -> Self::C;
+    fn store(value: Self::C) -> Self;
+}
+
+impl Float for f32 {
+    type C = f32;
+    fn load(self) -> f32 {
+        self
+    }
+    fn store(value: f32) -> Self {
+        value
+    }
+}
+
+impl Float for f64 {
+    type C = f64;
+    fn load(self) -> f64 {
+        self
+    }
+    fn store(value: f64) -> Self {
+        value
+    }
+}
+
+impl Float for f16 {
+    type C = f32;
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    fn store(value: f32) -> Self {
+        f16::from_f32(value)
+    }
+}
+
+impl Float for bf16 {
+    type C = f32;
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    fn store(value: f32) -> Self {
+        bf16::from_f32(value)
+    }
+}
+
+/// One byte per element, read as 0 or 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(transparent)]
+pub(crate) struct BoolByte(pub(crate) u8);
+
+/// Any storage type, converted through f64 (exact for every dtype but large i64).
+pub(crate) trait Scalar: Copy + Send + Sync + 'static {
+    fn to_f64(self) -> f64;
+    fn from_f64(value: f64) -> Self;
+}
+
+macro_rules! scalar_as {
+    ($($ty:ty),*) => {$(
+        impl Scalar for $ty {
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            fn from_f64(value: f64) -> Self {
+                value as $ty
+            }
+        }
+    )*};
+}
+scalar_as!(f32, f64, i64, i32, u8);
+
+impl Scalar for f16 {
+    fn to_f64(self) -> f64 {
+        f64::from(self)
+    }
+    fn from_f64(value: f64) -> Self {
+        f16::from_f64(value)
+    }
+}
+
+impl Scalar for bf16 {
+    fn to_f64(self) -> f64 {
+        f64::from(self)
+    }
+    fn from_f64(value: f64) -> Self {
+        bf16::from_f64(value)
+    }
+}
+
+impl Scalar for BoolByte {
+    fn to_f64(self) -> f64 {
+        f64::from(u8::from(self.0 != 0))
+    }
+    fn from_f64(value: f64) -> Self {
+        BoolByte(u8::from(value != 0.0))
+    }
+}
+
+/// Runs `$body` with `$T` bound to the storage type of a floating-point `$dtype`; other dtypes
+/// return `UnsupportedDtype` for `$op`.
+macro_rules! dispatch_float {
+    ($dtype:expr, $op:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            headroom_autograd_core::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            headroom_autograd_core::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            headroom_autograd_core::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            headroom_autograd_core::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            dtype => {
+                return Err(headroom_autograd_core::TensorError::UnsupportedDtype { op: $op, dtype })
+            }
+        }
+    };
+}
+
+/// Runs `$body` with `$T` bound to the storage type of any `$dtype`.
+macro_rules! dispatch_any {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            headroom_autograd_core::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            headroom_autograd_core::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            headroom_autograd_core::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            headroom_autograd_core::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            headroom_autograd_core::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            headroom_autograd_core::DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            headroom_autograd_core::DType::U8 => {
+                type $T = u8;
+                $body
+            }
+            headroom_autograd_core::DType::Bool => {
+                type $T = $crate::element::BoolByte;
+                $body
+            }
+        }
+    };
+}
+
+pub(crate) use {dispatch_any, dispatch_float};
+
+/// Whether `dtype` is stored in one byte read as a truth value (masks).
+pub(crate) fn is_mask(dtype: DType) -> bool {
+    matches!(dtype, DType::Bool | DType::U8)
+}

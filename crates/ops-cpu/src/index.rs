@@ -1,0 +1,141 @@
+//! Gather and scatter-add along a dim (embedding forward and backward, max backward).
+//!
+//! Index values are checked against the indexed dim before any access. Gather's outputs are
+//! independent and run in parallel; scatter-add may hit one destination from many sources, so
+//! it runs serially in row-major order (deterministic sums).
+
+use headroom_autograd_core::{DType, Result, TensorError, View};
+
+use crate::element::{dispatch_float, Float};
+use crate::strided::{for_each_run, for_each_run_serial, HostPtr};
+
+/// Checks shapes and index values; returns the strides of `data` with `dim` zeroed.
+fn prepare(
+    op: &'static str,
+    data: &View<'_>,
+    dim: usize,
+    index: &View<'_>,
+    other: &View<'_>,
+) -> Result<Vec<usize>> {
+    let nd = data.layout.ndim();
+    let fits = index.dtype == DType::I64
+        && dim < nd
+        && index.layout.ndim() == nd
+        && other.layout.shape() == index.layout.shape()
+        && (0..nd).all(|d| d == dim || index.layout.shape()[d] <= data.layout.shape()[d]);
+    if !fits {
+        return Err(TensorError::ShapeMismatch {
+            op,
+            lhs: data.layout.shape().to_vec(),
+            rhs: index.layout.shape().to_vec(),
+        });
+    }
+    let limit = data.layout.shape()[dim] as i64;
+    let ptr = HostPtr::<i64>::new(index);
+    let mut bad = None;
+    for_each_run_serial(
+        index.layout.shape(),
+        [index.layout.strides()],
+        [index.layout.offset()],
+        |o, s, len| {
+            for i in 0..len {
+                let value = ptr.read(o[0] + i * s[0]);
+                if !(0..limit).contains(&value) {
+                    bad = Some(value);
+                }
+            }
+        },
+    );
+    if let Some(value) = bad {
+        return Err(TensorError::InvalidArgument {
+            op,
+            reason: format!("index {value} is out of bounds for size {limit}"),
+        });
+    }
+    let mut strides = data.layout.strides().to_vec();
+    strides[dim] = 0;
+    Ok(strides)
+}
+
+pub(crate) fn gather(x: View<'_>, dim: usize, index: View<'_>, out: View<'_>) -> Result<()> {
+    let strides = prepare("gather", &x, dim, &index, &out)?;
+    dispatch_float!(x.dtype, "gather", T => gather_typed::<T>(x, dim, index, out, &strides));
+    Ok(())
+}
+
+fn gather_typed<T: Float>(
+    x: View<'_>,
+    dim: usize,
+    index: View<'_>,
+    out: View<'_>,
+    strides: &[usize],
+) {
+    let (from, at, to) = (
+        HostPtr::<T>::new(&x),
+        HostPtr::<i64>::new(&index),
+        HostPtr::<T>::new(&out),
+    );
+    let dim_stride = x.layout.strides()[dim];
+    for_each_run(
+        out.layout.shape(),
+        [out.layout.strides(), index.layout.strides(), strides],
+        [
+            out.layout.offset(),
+            index.layout.offset(),
+            x.layout.offset(),
+        ],
+        |o, s, len| {
+            for i in 0..len {
+                let position = at.read(o[1] + i * s[1]) as usize;
+                to.write(
+                    o[0] + i * s[0],
+                    from.read(o[2] + i * s[2] + position * dim_stride),
+                );
+            }
+        },
+    );
+}
+
+pub(crate) fn scatter_add(dst: View<'_>, dim: usize, index: View<'_>, src: View<'_>) -> Result<()> {
+    let strides = prepare("scatter_add", &dst, dim, &index, &src)?;
+    if src.dtype != dst.dtype {
+        return Err(TensorError::DtypeMismatch {
+            op: "scatter_add",
+            lhs: dst.dtype,
+            rhs: src.dtype,
+        });
+    }
+    dispatch_float!(dst.dtype, "scatter_add", T => scatter_add_typed::<T>(dst, dim, index, src, &strides));
+    Ok(())
+}
+
+fn scatter_add_typed<T: Float>(
+    dst: View<'_>,
+    dim: usize,
+    index: View<'_>,
+    src: View<'_>,
+    strides: &[usize],
+) {
+    let (to, at, from) = (
+        HostPtr::<T>::new(&dst),
+        HostPtr::<i64>::new(&index),
+        HostPtr::<T>::new(&src),
+    );
+    let dim_stride = dst.layout.strides()[dim];
+    for_each_run_serial(
+        src.layout.shape(),
+        [src.layout.strides(), index.layout.strides(), strides],
+        [
+            src.layout.offset(),
+            index.layout.offset(),
+            dst.layout.offset(),
+        ],
+        |o, s, len| {
+            for i in 0..len {
+                let target = o[2] + i * s[2] + at.read(o[1] + i * s[1]) as usize * dim_stride;
+                let sum = to.read(target).load() + from.read(o[0] + i * s[0]).load();
+                to.write(target, T::store(sum));
+            }
+        },
+    );
+}

@@ -1,0 +1,243 @@
+//! Batched GEMM through the `gemm` crate, on strided operands.
+//!
+//! Each matrix of the batch is one `gemm::gemm` call with the operands' own row and column
+//! strides, so transposed and expanded operands are never copied. A large single product uses
+//! gemm's rayon parallelism; many small ones (attention heads) are spread over rayon instead.
+//! f32, f64 and f16 go to gemm directly; bf16 is widened to f32 scratch and narrowed back.
+//! Before any call, the extent every matrix touches is checked against its buffer.
+
+use half::bf16;
+use headroom_autograd_core::{DType, Layout, Result, TensorError, View};
+use rayon::prelude::*;
+
+use crate::strided::{for_each_run_serial, HostPtr};
+
+/// Products with at least this many multiply-adds use gemm's own threads.
+const PARALLEL_GEMM_WORK: usize = 1 << 18;
+
+/// One operand: memory and where its matrices are.
+#[derive(Clone, Copy)]
+struct Operand<'a, T> {
+    ptr: HostPtr<T>,
+    layout: &'a Layout,
+}
+
+/// `out (+)= a @ b` over equal batch dims.
+pub(crate) fn matmul(a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {
+    let nd = out.layout.ndim();
+    let (sa, sb, so) = (a.layout.shape(), b.layout.shape(), out.layout.shape());
+    let fits = nd >= 2
+        && a.layout.ndim() == nd
+        && b.layout.ndim() == nd
+        && sa[..nd - 2] == so[..nd - 2]
+        && sb[..nd - 2] == so[..nd - 2]
+        && sa[nd - 2] == so[nd - 2]
+        && sb[nd - 1] == so[nd - 1]
+        && sa[nd - 1] == sb[nd - 2];
+    if !fits {
+        return Err(TensorError::ShapeMismatch {
+            op: "matmul",
+            lhs: sa.to_vec(),
+            rhs: sb.to_vec(),
+        });
+    }
+    if a.dtype != b.dtype || a.dtype != out.dtype {
+        return Err(TensorError::DtypeMismatch {
+            op: "matmul",
+            lhs: a.dtype,
+            rhs: b.dtype,
+        });
+    }
+    match a.dtype {
+        DType::F32 => batched::<f32>(op(&a), op(&b), op(&out), accumulate, 1.0, 0.0),
+        DType::F64 => batched::<f64>(op(&a), op(&b), op(&out), accumulate, 1.0, 0.0),
+        DType::F16 => batched::<gemm::f16>(
+            op(&a),
+            op(&b),
+            op(&out),
+            accumulate,
+            gemm::f16::ONE,
+            gemm::f16::ZERO,
+        ),
+        DType::BF16 => matmul_bf16(a, b, out, accumulate),
+        dtype => Err(TensorError::UnsupportedDtype {
+            op: "matmul",
+            dtype,
+        }),
+    }
+}
+
+fn op<'a, T: Copy>(view: &View<'a>) -> Operand<'a, T> {
+    Operand {
+        ptr: HostPtr::new(view),
+        layout: view.layout,
+    }
+}
+
+/// bf16: widen to f32 scratch, multiply, narrow into `out`.
+fn matmul_bf16(a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {
+    let widen = |view: &View<'_>| -> Vec<f32> {
+        let mut res = Vec::with_capacity(view.layout.numel());
+        let from = HostPtr::<bf16>::new(view);
+        for_each_run_serial(
+            view.layout.shape(),
+            [view.layout.strides()],
+            [view.layout.offset()],
+            |o, s, len| {
+                res.extend((0..len).map(|i| from.read(o[0] + i * s[0]).to_f32()));
+            },
+        );
+        res
+    };
+    let (mut lhs, mut rhs) = (widen(&a), widen(&b));
+    let mut dst = if accumulate {
+        widen(&out)
+    } else {
+        vec![0.0; out.layout.numel()]
+    };
+    let (la, lb, lo) = (
+        Layout::contiguous(a.layout.shape()),
+        Layout::contiguous(b.layout.shape()),
+        Layout::contiguous(out.layout.shape()),
+    );
+    batched::<f32>(
+        Operand {
+            ptr: HostPtr::from_slice(&mut lhs),
+            layout: &la,
+        },
+        Operand {
+            ptr: HostPtr::from_slice(&mut rhs),
+            layout: &lb,
+        },
+        Operand {
+            ptr: HostPtr::from_slice(&mut dst),
+            layout: &lo,
+        },
+        accumulate,
+        1.0,
+        0.0,
+    )?;
+    let to = HostPtr::<bf16>::new(&out);
+    let mut next = 0;
+    for_each_run_serial(
+        out.layout.shape(),
+        [out.layout.strides()],
+        [out.layout.offset()],
+        |o, s, len| {
+            for i in 0..len {
+                to.write(o[0] + i * s[0], bf16::from_f32(dst[next]));
+                next += 1;
+            }
+        },
+    );
+    Ok(())
+}
+
+/// Largest element index a `rows x cols` matrix at `base` with these strides touches.
+fn last_index(
+    base: usize,
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+) -> usize {
+    base + (rows - 1) * row_stride + (cols - 1) * col_stride
+}
+
+fn batched<T: Copy + Send + Sync + 'static>(
+    a: Operand<'_, T>,
+    b: Operand<'_, T>,
+    out: Operand<'_, T>,
+    accumulate: bool,
+    one: T,
+    zero: T,
+) -> Result<()> {
+    let nd = out.layout.ndim();
+    let (m, n, k) = (
+        out.layout.shape()[nd - 2],
+        out.layout.shape()[nd - 1],
+        a.layout.shape()[nd - 1],
+    );
+    let batch_shape = &out.layout.shape()[..nd - 2];
+    let mut bases: Vec<[usize; 3]> = Vec::new();
+    for_each_run_serial(
+        batch_shape,
+        [
+            &out.layout.strides()[..nd - 2],
+            &a.layout.strides()[..nd - 2],
+            &b.layout.strides()[..nd - 2],
+        ],
+        [out.layout.offset(), a.layout.offset(), b.layout.offset()],
+        |o, s, len| {
+            bases.extend((0..len).map(|i| [o[0] + i * s[0], o[1] + i * s[1], o[2] + i * s[2]]))
+        },
+    );
+    if m == 0 || n == 0 || bases.is_empty() {
+        return Ok(());
+    }
+    let strides = |layout: &Layout| (layout.strides()[nd - 2], layout.strides()[nd - 1]);
+    let ((o_rs, o_cs), (a_rs, a_cs), (b_rs, b_cs)) =
+        (strides(out.layout), strides(a.layout), strides(b.layout));
+    for base in &bases {
+        let mut ok = last_index(base[0], m, n, o_rs, o_cs) < out.ptr.len();
+        if k > 0 {
+            ok &= last_index(base[1], m, k, a_rs, a_cs) < a.ptr.len()
+                && last_index(base[2], k, n, b_rs, b_cs) < b.ptr.len();
+        }
+        if !ok {
+            return Err(TensorError::InvalidArgument {
+                op: "matmul",
+                reason: "an operand's layout leaves its buffer".into(),
+            });
+        }
+    }
+    let big = m * n * k >= PARALLEL_GEMM_WORK;
+    let parallelism = if big && rayon::current_num_threads() > 1 {
+        gemm::Parallelism::Rayon(rayon::current_num_threads())
+    } else {
+        gemm::Parallelism::None
+    };
+    let zero_fill = k == 0 && !accumulate;
+    let product = |base: &[usize; 3]| {
+        if zero_fill {
+            for r in 0..m {
+                for c in 0..n {
+                    out.ptr.write(base[0] + r * o_rs + c * o_cs, zero);
+                }
+            }
+            return;
+        }
+        // SAFETY: every element each matrix touches was checked to lie inside its live buffer
+        // above; `out` is dense and disjoint from `a` and `b` (fresh or caller-owned output), and
+        // distinct batches write disjoint parts of `out`.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                out.ptr.raw(base[0]),
+                o_cs as isize,
+                o_rs as isize,
+                accumulate,
+                a.ptr.raw(base[1]),
+                a_cs as isize,
+                a_rs as isize,
+                b.ptr.raw(base[2]),
+                b_cs as isize,
+                b_rs as isize,
+                one,
+                one,
+                false,
+                false,
+                false,
+                parallelism,
+            );
+        }
+    };
+    if !big && bases.len() > 1 && rayon::current_num_threads() > 1 {
+        bases.par_iter().for_each(product);
+    } else {
+        bases.iter().for_each(product);
+    }
+    Ok(())
+}

@@ -1,0 +1,160 @@
+//! Softmax and log-softmax along any dim, forward and backward, one lane at a time.
+//!
+//! A lane is the run of elements along the softmax dim; lanes are independent and spread over
+//! rayon. Each lane is read twice and written once (max, then sum of exponentials and the
+//! output), with sums in f64. Nothing here allocates.
+
+use headroom_autograd_core::{Result, TensorError, View};
+
+use crate::element::{dispatch_float, Float, Real};
+use crate::strided::{for_each_run, HostPtr};
+
+/// Shape and per-operand strides with `dim` removed, and each operand's stride along `dim`.
+fn lanes<const N: usize>(
+    views: [&View<'_>; N],
+    dim: usize,
+) -> (Vec<usize>, [Vec<usize>; N], [usize; N]) {
+    let mut shape = views[0].layout.shape().to_vec();
+    shape.remove(dim);
+    let strides = std::array::from_fn(|k| {
+        let mut res = views[k].layout.strides().to_vec();
+        res.remove(dim);
+        res
+    });
+    (
+        shape,
+        strides,
+        std::array::from_fn(|k| views[k].layout.strides()[dim]),
+    )
+}
+
+fn check(op: &'static str, views: &[&View<'_>], dim: usize) -> Result<()> {
+    let first = views[0];
+    for view in views {
+        if view.layout.shape() != first.layout.shape() {
+            return Err(TensorError::ShapeMismatch {
+                op,
+                lhs: first.layout.shape().to_vec(),
+                rhs: view.layout.shape().to_vec(),
+            });
+        }
+        if view.dtype != first.dtype {
+            return Err(TensorError::DtypeMismatch {
+                op,
+                lhs: first.dtype,
+                rhs: view.dtype,
+            });
+        }
+    }
+    if dim >= first.layout.ndim() {
+        return Err(TensorError::InvalidArgument {
+            op,
+            reason: format!("dim {dim} of shape {:?}", first.layout.shape()),
+        });
+    }
+    Ok(())
+}
+
+/// Softmax (or log-softmax) of `x` along `dim` into `out`.
+pub(crate) fn softmax(x: View<'_>, dim: usize, log: bool, out: View<'_>) -> Result<()> {
+    check("softmax", &[&x, &out], dim)?;
+    dispatch_float!(x.dtype, "softmax", T => softmax_typed::<T>(x, dim, log, out));
+    Ok(())
+}
+
+fn softmax_typed<T: Float>(x: View<'_>, dim: usize, log: bool, out: View<'_>) {
+    let (shape, strides, lane) = lanes([&out, &x], dim);
+    let len = x.layout.shape()[dim];
+    let (from, to) = (HostPtr::<T>::new(&x), HostPtr::<T>::new(&out));
+    for_each_run(
+        &shape,
+        [&strides[0], &strides[1]],
+        [out.layout.offset(), x.layout.offset()],
+        |o, s, n| {
+            for i in 0..n {
+                let (ob, xb) = (o[0] + i * s[0], o[1] + i * s[1]);
+                let max = (0..len)
+                    .map(|j| from.read(xb + j * lane[1]).load().to_f64())
+                    .fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = (0..len)
+                    .map(|j| (from.read(xb + j * lane[1]).load().to_f64() - max).exp())
+                    .sum();
+                let log_sum = sum.ln();
+                for j in 0..len {
+                    let shifted = from.read(xb + j * lane[1]).load().to_f64() - max;
+                    let value = if log {
+                        shifted - log_sum
+                    } else {
+                        shifted.exp() / sum
+                    };
+                    to.write(ob + j * lane[0], T::store(<T::C as Real>::from_f64(value)));
+                }
+            }
+        },
+    );
+}
+
+/// Gradient of softmax (or log-softmax) from the output `y` and its gradient `dy`.
+pub(crate) fn softmax_backward(
+    y: View<'_>,
+    dy: View<'_>,
+    dim: usize,
+    log: bool,
+    dx: View<'_>,
+) -> Result<()> {
+    check("softmax_backward", &[&y, &dy, &dx], dim)?;
+    dispatch_float!(y.dtype, "softmax_backward", T => softmax_backward_typed::<T>(y, dy, dim, log, dx));
+    Ok(())
+}
+
+fn softmax_backward_typed<T: Float>(
+    y: View<'_>,
+    dy: View<'_>,
+    dim: usize,
+    log: bool,
+    dx: View<'_>,
+) {
+    let (shape, strides, lane) = lanes([&dx, &y, &dy], dim);
+    let len = y.layout.shape()[dim];
+    let (out, grad, to) = (
+        HostPtr::<T>::new(&y),
+        HostPtr::<T>::new(&dy),
+        HostPtr::<T>::new(&dx),
+    );
+    let offsets = [dx.layout.offset(), y.layout.offset(), dy.layout.offset()];
+    for_each_run(
+        &shape,
+        [&strides[0], &strides[1], &strides[2]],
+        offsets,
+        |o, s, n| {
+            for i in 0..n {
+                let (db, yb, gb) = (o[0] + i * s[0], o[1] + i * s[1], o[2] + i * s[2]);
+                let read = |j: usize| {
+                    (
+                        out.read(yb + j * lane[1]).load().to_f64(),
+                        grad.read(gb + j * lane[2]).load().to_f64(),
+                    )
+                };
+                let dot: f64 = (0..len)
+                    .map(|j| {
+                        let (yv, gv) = read(j);
+                        if log {
+                            gv
+                        } else {
+                            gv * yv
+                        }
+                    })
+                    .sum();
+                for j in 0..len {
+                    let (yv, gv) = read(j);
+                    let value = if log {
+                        gv - yv.exp() * dot
+                    } else {
+                        yv * (gv - dot)
+                    };
+                    to.write(db + j * lane[0], T::store(<T::C as Real>::from_f64(value)));
+                }
+            }
+        },
+    );
+}
