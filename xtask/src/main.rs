@@ -3,6 +3,7 @@
 //! Each command is one module with a `run(args)` entry point. xtask sits on top of the library
 //! crates and may use anyhow; no library crate depends on it.
 
+mod build_kernels;
 mod replay_trace;
 mod tidy;
 
@@ -20,6 +21,9 @@ commands:
       Headroom's defaults); --capacity defaults to an H200's 150,754,820,096 bytes; events per
       second are the best of N replays (default 5); with --snapshot, history is recorded
       during the last replay and the final snapshot is written as a pickle.
+  build-kernels [--check]
+      Compiles crates/ops-cuda/kernels/*.cu to the committed PTX (installing nvcc 13.0 with pip
+      when none is found); --check only tells whether the committed PTX matches the sources.
   tidy
       Checks the house rules: `//!` headers, no utils/helpers modules, the code map.
 ";
@@ -33,6 +37,7 @@ fn main() -> Result<()> {
     let rest: Vec<String> = args.collect();
     match command.as_str() {
         "replay-trace" => replay_trace::run(&rest),
+        "build-kernels" => build_kernels::run(&rest),
         "tidy" => tidy::run(),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");

@@ -58,6 +58,14 @@ pub enum TensorError {
         /// What is wrong, with the values involved.
         reason: String,
     },
+    /// The device failed, or the backend cannot run this op on it (yet).
+    #[error("{op} on the device: {reason}")]
+    Device {
+        /// The op that was called.
+        op: &'static str,
+        /// What the device or backend reported.
+        reason: String,
+    },
     /// A tensor saved for backward was modified in place after it was saved.
     #[error(
         "{op}: a tensor saved for backward was modified by an in-place operation \

@@ -518,3 +518,40 @@ fn live_snapshot_pickle_has_every_block_state_and_loads_in_python() {
         }
     }
 }
+
+/// `memory_stats()` flattens to PyTorch's 122 keys; resetting peaks and accumulated figures
+/// behaves like `reset_peak_memory_stats` and `reset_accumulated_memory_stats`.
+#[test]
+fn statistics_flatten_and_reset_like_pytorch() {
+    let allocator = classic(SimulatedStorage::new(H200_BYTES));
+    let a = allocator.allocate(3 * MIB, StreamId::DEFAULT).unwrap();
+    let b = allocator.allocate(1000, StreamId::DEFAULT).unwrap();
+    allocator.free(a).unwrap();
+    let flat = allocator.memory_stats().to_flat_map();
+    assert_eq!(flat.len(), 122);
+    assert_eq!(flat["allocated_bytes.all.current"], 1024);
+    assert_eq!(flat["allocated_bytes.all.peak"], (3 * MIB + 1024) as i64);
+    assert_eq!(flat["allocated_bytes.large_pool.freed"], (3 * MIB) as i64);
+    assert_eq!(flat["requested_bytes.small_pool.current"], 1000);
+    assert_eq!(flat["reserved_bytes.all.current"], (22 * MIB) as i64);
+    assert_eq!(flat["segment.large_pool.current"], 1);
+    assert_eq!(
+        flat["inactive_split_bytes.small_pool.current"],
+        (2 * MIB - 1024) as i64
+    );
+    assert_eq!(flat["num_device_alloc"], 2);
+    assert_eq!(flat["max_split_size"], -1);
+
+    allocator.reset_peak_stats();
+    let stats = allocator.memory_stats();
+    assert_eq!(stats.allocated_bytes.all.peak, 1024);
+    assert_eq!(stats.allocated_bytes.all.allocated, (3 * MIB + 1024) as i64);
+    allocator.reset_accumulated_stats();
+    let stats = allocator.memory_stats();
+    assert_eq!(stats.allocated_bytes.all.allocated, 0);
+    assert_eq!(stats.allocated_bytes.all.freed, 0);
+    assert_eq!(stats.allocated_bytes.all.current, 1024);
+    assert_eq!(stats.num_device_alloc, 0);
+    allocator.free(b).unwrap();
+    assert_eq!(allocator.memory_stats().allocated_bytes.all.freed, 1024);
+}

@@ -575,7 +575,7 @@ print("python agrees")
 #[test]
 fn python_reads_our_files() {
     let snapshot = read_vit();
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let dir = std::env::temp_dir();
     let pickle_path = dir.join(format!("snapshot_formats_{}.pickle", std::process::id()));
     let json_path = dir.join(format!("snapshot_formats_{}.json", std::process::id()));
     std::fs::write(&pickle_path, pickle_bytes(&snapshot)).expect("temp file");

@@ -1,0 +1,222 @@
+// Elementwise kernels of the CUDA backend: strided copy/cast, fill, unary and binary math.
+//
+// Every kernel walks up to three strided operands of one shape (inputs already broadcast with
+// zero strides) in a grid-stride loop, computing in double for f64 and in float otherwise. Op
+// codes follow the order of autograd-core's `UnaryOp` and `BinaryOp`; the Rust side
+// (crates/ops-cuda/src/elementwise.rs) is the only caller and must stay in step with this file.
+// Built to PTX by `cargo xtask build-kernels`.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#define MAX_DIMS 8
+
+struct StridedArgs {
+    unsigned int ndim;
+    unsigned int n_operands;
+    unsigned long long numel;
+    unsigned long long shape[MAX_DIMS];
+    unsigned long long strides[3][MAX_DIMS];
+    unsigned long long offsets[3];
+};
+
+__device__ __forceinline__ void element_offsets(const StridedArgs& a, unsigned long long i,
+                                                unsigned long long off[3]) {
+    off[0] = a.offsets[0];
+    off[1] = a.offsets[1];
+    off[2] = a.offsets[2];
+    for (int d = (int)a.ndim - 1; d >= 0; --d) {
+        unsigned long long size = a.shape[d];
+        unsigned long long idx = i % size;
+        i /= size;
+        off[0] += idx * a.strides[0][d];
+        off[1] += idx * a.strides[1][d];
+        off[2] += idx * a.strides[2][d];
+    }
+}
+
+template <typename T> struct Compute { typedef float type; };
+template <> struct Compute<double> { typedef double type; };
+
+template <typename T> __device__ __forceinline__ double to_double(T x) { return (double)x; }
+template <> __device__ __forceinline__ double to_double<__half>(__half x) { return (double)__half2float(x); }
+template <> __device__ __forceinline__ double to_double<__nv_bfloat16>(__nv_bfloat16 x) { return (double)__bfloat162float(x); }
+template <> __device__ __forceinline__ double to_double<bool>(bool x) { return x ? 1.0 : 0.0; }
+
+template <typename T> __device__ __forceinline__ T from_double(double x) { return (T)x; }
+template <> __device__ __forceinline__ __half from_double<__half>(double x) { return __double2half(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_double<__nv_bfloat16>(double x) { return __double2bfloat16(x); }
+template <> __device__ __forceinline__ bool from_double<bool>(double x) { return x != 0.0; }
+
+template <typename T> __device__ __forceinline__ typename Compute<T>::type load(const T* p) {
+    return (typename Compute<T>::type)to_double(*p);
+}
+template <> __device__ __forceinline__ float load<__half>(const __half* p) { return __half2float(*p); }
+template <> __device__ __forceinline__ float load<__nv_bfloat16>(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+
+template <typename T> __device__ __forceinline__ void store(T* p, typename Compute<T>::type v) { *p = (T)v; }
+template <> __device__ __forceinline__ void store<__half>(__half* p, float v) { *p = __float2half(v); }
+template <> __device__ __forceinline__ void store<__nv_bfloat16>(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
+
+// Math in the compute type (float or double) by overload.
+__device__ __forceinline__ float m_exp(float x) { return expf(x); }
+__device__ __forceinline__ double m_exp(double x) { return exp(x); }
+__device__ __forceinline__ float m_log(float x) { return logf(x); }
+__device__ __forceinline__ double m_log(double x) { return log(x); }
+__device__ __forceinline__ float m_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double m_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float m_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double m_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float m_erf(float x) { return erff(x); }
+__device__ __forceinline__ double m_erf(double x) { return erf(x); }
+__device__ __forceinline__ float m_pow(float x, float y) { return powf(x, y); }
+__device__ __forceinline__ double m_pow(double x, double y) { return pow(x, y); }
+
+template <typename C> __device__ __forceinline__ C gelu(C x) {
+    return (C)0.5 * x * ((C)1 + m_erf(x * (C)0.70710678118654752440));
+}
+template <typename C> __device__ __forceinline__ C gelu_grad(C x) {
+    C cdf = (C)0.5 * ((C)1 + m_erf(x * (C)0.70710678118654752440));
+    C pdf = m_exp((C)-0.5 * x * x) * (C)0.3989422804014327;
+    return cdf + x * pdf;
+}
+template <typename C> __device__ __forceinline__ C gelu_tanh(C x) {
+    C inner = (C)0.7978845608028654 * (x + (C)0.044715 * x * x * x);
+    return (C)0.5 * x * ((C)1 + m_tanh(inner));
+}
+template <typename C> __device__ __forceinline__ C gelu_tanh_grad(C x) {
+    const C beta = (C)0.7978845608028654, kappa = (C)0.044715;
+    C x_sq = x * x;
+    C t = m_tanh(beta * (x + kappa * x_sq * x));
+    return (C)0.5 * ((C)1 + t) + (C)0.5 * x * ((C)1 - t * t) * beta * ((C)1 + (C)3 * kappa * x_sq);
+}
+
+template <typename C> __device__ __forceinline__ C unary_op(int op, C x, C c) {
+    switch (op) {
+        case 0: return -x;
+        case 1: return m_exp(x);
+        case 2: return m_log(x);
+        case 3: return m_sqrt(x);
+        case 4: return (C)1 / m_sqrt(x);
+        case 5: return m_tanh(x);
+        case 6: return x < (C)0 ? (C)0 : x;
+        case 7: return gelu(x);
+        case 8: return gelu_tanh(x);
+        case 9: return x + c;
+        case 10: return x * c;
+        case 11: return x / c;
+        default: return m_pow(x, c);
+    }
+}
+
+template <typename C> __device__ __forceinline__ C binary_op(int op, C a, C b) {
+    switch (op) {
+        case 0: return a + b;
+        case 1: return a - b;
+        case 2: return a * b;
+        case 3: return a / b;
+        case 4: return m_pow(a, b);
+        case 5: return b > (C)0 ? a : (C)0;
+        case 6: return a * gelu_grad(b);
+        case 7: return a * gelu_tanh_grad(b);
+        case 8: return a * ((C)1 - b * b);
+        case 9: return a / (b + b);
+        default: return -((C)0.5 * a * b * b * b);
+    }
+}
+
+#define GRID_STRIDE_LOOP(i, n) \
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < (n); \
+         i += (unsigned long long)gridDim.x * blockDim.x)
+
+template <typename T>
+__device__ void unary_kernel(int op, double scalar, const T* x, T* out, StridedArgs a) {
+    typedef typename Compute<T>::type C;
+    C c = (C)scalar;
+    GRID_STRIDE_LOOP(i, a.numel) {
+        unsigned long long off[3];
+        element_offsets(a, i, off);
+        store(out + off[0], unary_op<C>(op, load(x + off[1]), c));
+    }
+}
+
+template <typename T>
+__device__ void binary_kernel(int op, const T* x, const T* y, T* out, StridedArgs a) {
+    typedef typename Compute<T>::type C;
+    GRID_STRIDE_LOOP(i, a.numel) {
+        unsigned long long off[3];
+        element_offsets(a, i, off);
+        store(out + off[0], binary_op<C>(op, load(x + off[1]), load(y + off[2])));
+    }
+}
+
+template <typename T>
+__device__ void fill_kernel(T value, T* out, StridedArgs a) {
+    GRID_STRIDE_LOOP(i, a.numel) {
+        unsigned long long off[3];
+        element_offsets(a, i, off);
+        out[off[0]] = value;
+    }
+}
+
+template <typename S, typename D>
+__device__ void copy_kernel(const S* src, D* dst, StridedArgs a) {
+    GRID_STRIDE_LOOP(i, a.numel) {
+        unsigned long long off[3];
+        element_offsets(a, i, off);
+        dst[off[0]] = from_double<D>(to_double<S>(src[off[1]]));
+    }
+}
+
+#define FLOAT_KERNELS(T, NAME)                                                                   \
+    extern "C" __global__ void unary_##NAME(int op, double scalar, const T* x, T* out,          \
+                                            StridedArgs a) {                                    \
+        unary_kernel<T>(op, scalar, x, out, a);                                                 \
+    }                                                                                           \
+    extern "C" __global__ void binary_##NAME(int op, const T* x, const T* y, T* out,            \
+                                             StridedArgs a) {                                   \
+        binary_kernel<T>(op, x, y, out, a);                                                     \
+    }
+
+FLOAT_KERNELS(float, f32)
+FLOAT_KERNELS(double, f64)
+FLOAT_KERNELS(__half, f16)
+FLOAT_KERNELS(__nv_bfloat16, bf16)
+
+// Fill by element size: the Rust side passes the value's bit pattern.
+extern "C" __global__ void fill_b8(unsigned long long v, unsigned long long* out, StridedArgs a) { fill_kernel(v, out, a); }
+extern "C" __global__ void fill_b4(unsigned int v, unsigned int* out, StridedArgs a) { fill_kernel(v, out, a); }
+extern "C" __global__ void fill_b2(unsigned short v, unsigned short* out, StridedArgs a) { fill_kernel(v, out, a); }
+extern "C" __global__ void fill_b1(unsigned char v, unsigned char* out, StridedArgs a) { fill_kernel(v, out, a); }
+
+// Copies of equal dtypes move bits; casts go through double.
+extern "C" __global__ void copy_b8(const unsigned long long* s, unsigned long long* d, StridedArgs a) {
+    GRID_STRIDE_LOOP(i, a.numel) { unsigned long long off[3]; element_offsets(a, i, off); d[off[0]] = s[off[1]]; }
+}
+extern "C" __global__ void copy_b4(const unsigned int* s, unsigned int* d, StridedArgs a) {
+    GRID_STRIDE_LOOP(i, a.numel) { unsigned long long off[3]; element_offsets(a, i, off); d[off[0]] = s[off[1]]; }
+}
+extern "C" __global__ void copy_b2(const unsigned short* s, unsigned short* d, StridedArgs a) {
+    GRID_STRIDE_LOOP(i, a.numel) { unsigned long long off[3]; element_offsets(a, i, off); d[off[0]] = s[off[1]]; }
+}
+extern "C" __global__ void copy_b1(const unsigned char* s, unsigned char* d, StridedArgs a) {
+    GRID_STRIDE_LOOP(i, a.numel) { unsigned long long off[3]; element_offsets(a, i, off); d[off[0]] = s[off[1]]; }
+}
+
+#define CAST(S, SN, D, DN)                                                                       \
+    extern "C" __global__ void cast_##SN##_##DN(const S* s, D* d, StridedArgs a) {              \
+        copy_kernel<S, D>(s, d, a);                                                             \
+    }
+#define CASTS_FROM(S, SN)                                                                        \
+    CAST(S, SN, float, f32) CAST(S, SN, double, f64) CAST(S, SN, __half, f16)                   \
+    CAST(S, SN, __nv_bfloat16, bf16) CAST(S, SN, long long, i64) CAST(S, SN, int, i32)          \
+    CAST(S, SN, unsigned char, u8) CAST(S, SN, bool, bool)
+
+CASTS_FROM(float, f32)
+CASTS_FROM(double, f64)
+CASTS_FROM(__half, f16)
+CASTS_FROM(__nv_bfloat16, bf16)
+CASTS_FROM(long long, i64)
+CASTS_FROM(int, i32)
+CASTS_FROM(unsigned char, u8)
+CASTS_FROM(bool, bool)

@@ -1,0 +1,281 @@
+//! [`CudaBackend`]: one CUDA device, its caching allocator and its kernels.
+//!
+//! The backend owns the device's primary context (through cudarc), a
+//! `CachingAllocator<CudaStorage>` with Headroom's default settings (expandable segments) and the
+//! kernel cache. Every launch goes to the context's default stream; host transfers are
+//! synchronous. Driver failures become `TensorError::Device` naming the op.
+
+use std::sync::Arc;
+
+use cudarc::driver::{result, CudaContext, CudaStream};
+use headroom_autograd_core::{
+    Backend, BinaryOp, Buffer, CrossEntropyArgs, Device, LayerNormBackward, LayerNormForward,
+    MaskedOp, ReduceOp, Result, TensorError, UnaryOp, View,
+};
+use headroom_caching_allocator::{
+    AllocError, Allocation, AllocatorConfig, CachingAllocator, CudaStorage, MemoryStats, StreamId,
+};
+use parking_lot::Mutex;
+
+use crate::elementwise;
+use crate::error::CudaError;
+use crate::kernels::KernelCache;
+
+/// The CUDA backend of one device.
+pub struct CudaBackend {
+    pub(crate) ordinal: usize,
+    pub(crate) context: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) kernels: KernelCache,
+    allocator: CachingAllocator<CudaStorage>,
+    free_errors: Mutex<(u64, Option<AllocError>)>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("ordinal", &self.ordinal)
+            .field("allocator", &self.allocator)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaBackend {
+    /// The backend of device `ordinal`, with Headroom's default allocator settings (from
+    /// `HEADROOM_ALLOC_CONF` when set). An error, not a panic, when there is no driver or device.
+    pub fn new(ordinal: usize) -> std::result::Result<Arc<CudaBackend>, CudaError> {
+        let config = AllocatorConfig::from_env().map_err(|e| CudaError::NoDevice {
+            ordinal,
+            reason: e.to_string(),
+        })?;
+        CudaBackend::with_config(ordinal, config)
+    }
+
+    /// The backend of device `ordinal` with an explicit allocator configuration.
+    pub fn with_config(
+        ordinal: usize,
+        config: AllocatorConfig,
+    ) -> std::result::Result<Arc<CudaBackend>, CudaError> {
+        let no_device = |reason: String| CudaError::NoDevice { ordinal, reason };
+        // The storage checks for the driver first, so a machine without one gets an error here
+        // before cudarc is asked for anything.
+        let storage = CudaStorage::new(ordinal).map_err(|e| no_device(e.to_string()))?;
+        let context = CudaContext::new(ordinal).map_err(|e| no_device(e.to_string()))?;
+        let stream = context.default_stream();
+        Ok(Arc::new(CudaBackend {
+            ordinal,
+            context,
+            stream,
+            kernels: KernelCache::default(),
+            allocator: CachingAllocator::new(storage, config),
+            free_errors: Mutex::new((0, None)),
+        }))
+    }
+
+    /// The allocator, for statistics, snapshots and `empty_cache`.
+    pub fn allocator(&self) -> &CachingAllocator<CudaStorage> {
+        &self.allocator
+    }
+
+    /// Waits until every launched kernel has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| device_error("synchronize", e))
+    }
+
+    /// The number of frees that failed since creation, and the first failure.
+    pub fn free_errors(&self) -> (u64, Option<String>) {
+        let errors = self.free_errors.lock();
+        (errors.0, errors.1.as_ref().map(ToString::to_string))
+    }
+
+    pub(crate) fn bind(&self, op: &'static str) -> Result<()> {
+        self.context
+            .bind_to_thread()
+            .map_err(|e| device_error(op, e))
+    }
+}
+
+/// A driver error as the core's error type.
+pub(crate) fn device_error(op: &'static str, error: impl std::fmt::Display) -> TensorError {
+    TensorError::Device {
+        op,
+        reason: error.to_string(),
+    }
+}
+
+fn not_yet(op: &'static str) -> TensorError {
+    TensorError::Device {
+        op,
+        reason: "not implemented by the CUDA backend yet".into(),
+    }
+}
+
+fn check_transfer(op: &'static str, buffer: &Buffer, byte_offset: usize, len: usize) -> Result<()> {
+    if byte_offset + len > buffer.len_bytes() {
+        return Err(TensorError::InvalidArgument {
+            op,
+            reason: format!(
+                "{len} bytes at {byte_offset} exceed a buffer of {}",
+                buffer.len_bytes()
+            ),
+        });
+    }
+    Ok(())
+}
+
+impl Backend for CudaBackend {
+    fn device(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+
+    fn allocate(&self, bytes: u64) -> Result<Allocation> {
+        Ok(self.allocator.allocate(bytes, StreamId::DEFAULT)?)
+    }
+
+    fn free(&self, allocation: Allocation) {
+        if let Err(error) = self.allocator.free(allocation) {
+            let mut errors = self.free_errors.lock();
+            errors.0 += 1;
+            errors.1.get_or_insert(error);
+        }
+    }
+
+    fn memory_stats(&self) -> MemoryStats {
+        self.allocator.memory_stats()
+    }
+
+    fn write_host(&self, dst: &Buffer, byte_offset: usize, data: &[u8]) -> Result<()> {
+        check_transfer("write_host", dst, byte_offset, data.len())?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.bind("write_host")?;
+        // Earlier kernels may still read the destination: wait for them first.
+        self.synchronize()?;
+        // SAFETY: the destination range lies inside the live device buffer (checked above) and
+        // no kernel uses it any more (synchronized); `data` is a host slice of that length.
+        unsafe { result::memcpy_htod_sync(dst.address() + byte_offset as u64, data) }
+            .map_err(|e| device_error("write_host", e))
+    }
+
+    fn read_host(&self, src: &Buffer, byte_offset: usize, out: &mut [u8]) -> Result<()> {
+        check_transfer("read_host", src, byte_offset, out.len())?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        self.bind("read_host")?;
+        self.synchronize()?;
+        // SAFETY: the source range lies inside the live device buffer (checked above), the
+        // kernels writing it have finished (synchronized), and `out` is exclusively borrowed.
+        unsafe { result::memcpy_dtoh_sync(out, src.address() + byte_offset as u64) }
+            .map_err(|e| device_error("read_host", e))
+    }
+
+    fn copy(&self, src: View<'_>, dst: View<'_>) -> Result<()> {
+        elementwise::copy(self, src, dst)
+    }
+
+    fn fill(&self, dst: View<'_>, value: f64) -> Result<()> {
+        elementwise::fill(self, dst, value)
+    }
+
+    fn unary(&self, op: UnaryOp, x: View<'_>, out: View<'_>) -> Result<()> {
+        elementwise::unary(self, op, x, out)
+    }
+
+    fn binary(&self, op: BinaryOp, a: View<'_>, b: View<'_>, out: View<'_>) -> Result<()> {
+        elementwise::binary(self, op, a, b, out)
+    }
+
+    fn masked(&self, _op: MaskedOp, _x: View<'_>, _mask: View<'_>, _out: View<'_>) -> Result<()> {
+        Err(not_yet("masked"))
+    }
+
+    fn reduce(&self, _op: ReduceOp, _x: View<'_>, _n: usize, _out: View<'_>) -> Result<()> {
+        Err(not_yet("reduce"))
+    }
+
+    fn reduce_with_index(
+        &self,
+        _op: ReduceOp,
+        _x: View<'_>,
+        _values: View<'_>,
+        _indices: View<'_>,
+    ) -> Result<()> {
+        Err(not_yet("reduce_with_index"))
+    }
+
+    fn matmul(&self, _a: View<'_>, _b: View<'_>, _out: View<'_>, _accumulate: bool) -> Result<()> {
+        Err(not_yet("matmul"))
+    }
+
+    fn softmax(&self, _x: View<'_>, _dim: usize, _log: bool, _out: View<'_>) -> Result<()> {
+        Err(not_yet("softmax"))
+    }
+
+    fn softmax_backward(
+        &self,
+        _y: View<'_>,
+        _dy: View<'_>,
+        _dim: usize,
+        _log: bool,
+        _dx: View<'_>,
+    ) -> Result<()> {
+        Err(not_yet("softmax_backward"))
+    }
+
+    fn layer_norm(&self, _args: LayerNormForward<'_>) -> Result<()> {
+        Err(not_yet("layer_norm"))
+    }
+
+    fn layer_norm_backward(&self, _args: LayerNormBackward<'_>) -> Result<()> {
+        Err(not_yet("layer_norm_backward"))
+    }
+
+    fn cross_entropy(
+        &self,
+        _args: CrossEntropyArgs<'_>,
+        _loss: View<'_>,
+        _lse: View<'_>,
+    ) -> Result<()> {
+        Err(not_yet("cross_entropy"))
+    }
+
+    fn cross_entropy_backward(
+        &self,
+        _args: CrossEntropyArgs<'_>,
+        _lse: View<'_>,
+        _dloss: View<'_>,
+        _dlogits: View<'_>,
+    ) -> Result<()> {
+        Err(not_yet("cross_entropy_backward"))
+    }
+
+    fn gather(&self, _x: View<'_>, _dim: usize, _index: View<'_>, _out: View<'_>) -> Result<()> {
+        Err(not_yet("gather"))
+    }
+
+    fn scatter_add(
+        &self,
+        _dst: View<'_>,
+        _dim: usize,
+        _index: View<'_>,
+        _src: View<'_>,
+    ) -> Result<()> {
+        Err(not_yet("scatter_add"))
+    }
+
+    fn dropout(
+        &self,
+        _x: View<'_>,
+        _p: f64,
+        _seed: u64,
+        _offset: u64,
+        _out: View<'_>,
+        _mask: View<'_>,
+    ) -> Result<()> {
+        Err(not_yet("dropout"))
+    }
+}

@@ -1,0 +1,342 @@
+//! Launches of `kernels/elementwise.cu`: strided copy/cast, fill, unary and binary ops.
+//!
+//! Operands are described to the kernels by one `StridedArgs` (shape, per-operand strides and
+//! offsets, in elements), after merging dimensions that are contiguous in every operand so most
+//! launches see one or two dimensions. Op codes are the variant order of `UnaryOp` and
+//! `BinaryOp`, mirrored by the `switch` statements of the `.cu` file.
+
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use headroom_autograd_core::{BinaryOp, DType, Result, TensorError, UnaryOp, View};
+
+use crate::backend::{device_error, CudaBackend};
+use crate::kernels::Module;
+
+/// The kernels' dimension limit (`MAX_DIMS` in the `.cu` file).
+const MAX_DIMS: usize = 8;
+const THREADS: u32 = 256;
+/// Enough blocks to fill an H100/H200 several times over; the kernels loop over the rest.
+const MAX_BLOCKS: u64 = 132 * 32;
+
+/// `StridedArgs` of `elementwise.cu`, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct StridedArgs {
+    ndim: u32,
+    n_operands: u32,
+    numel: u64,
+    shape: [u64; MAX_DIMS],
+    strides: [[u64; MAX_DIMS]; 3],
+    offsets: [u64; 3],
+}
+
+// SAFETY: `StridedArgs` is `repr(C)`, plain integers only, and matches the layout of the struct
+// of the same name in `kernels/elementwise.cu` (u32, u32, then u64 fields: no padding).
+unsafe impl DeviceRepr for StridedArgs {}
+
+/// Describes `views` (one shape, the first being the output) to the kernels, merging dimensions
+/// that are contiguous in all of them.
+fn strided_args(op: &'static str, views: &[&View<'_>]) -> Result<StridedArgs> {
+    let shape = views[0].layout.shape();
+    for view in &views[1..] {
+        if view.layout.shape() != shape {
+            return Err(TensorError::ShapeMismatch {
+                op,
+                lhs: shape.to_vec(),
+                rhs: view.layout.shape().to_vec(),
+            });
+        }
+    }
+    // Drop size-1 dims, then merge a dim into the next when every operand steps over it as if
+    // the two were one.
+    let mut dims: Vec<(u64, [u64; 3])> = Vec::with_capacity(shape.len());
+    for (d, &size) in shape.iter().enumerate() {
+        if size == 1 {
+            continue;
+        }
+        let mut strides = [0u64; 3];
+        for (k, view) in views.iter().enumerate() {
+            strides[k] = view.layout.strides()[d] as u64;
+        }
+        if let Some((last_size, last_strides)) = dims.last_mut() {
+            let mergeable = (0..views.len()).all(|k| last_strides[k] == strides[k] * size as u64);
+            if mergeable {
+                *last_size *= size as u64;
+                *last_strides = strides;
+                continue;
+            }
+        }
+        dims.push((size as u64, strides));
+    }
+    if dims.len() > MAX_DIMS {
+        return Err(TensorError::InvalidArgument {
+            op,
+            reason: format!(
+                "{} non-mergeable dimensions; the CUDA kernels take {MAX_DIMS}",
+                dims.len()
+            ),
+        });
+    }
+    let mut args = StridedArgs {
+        ndim: dims.len() as u32,
+        n_operands: views.len() as u32,
+        numel: shape.iter().product::<usize>() as u64,
+        shape: [1; MAX_DIMS],
+        strides: [[0; MAX_DIMS]; 3],
+        offsets: [0; 3],
+    };
+    for (d, (size, strides)) in dims.iter().enumerate() {
+        args.shape[d] = *size;
+        for (operand, &stride) in args.strides.iter_mut().zip(strides) {
+            operand[d] = stride;
+        }
+    }
+    for (k, view) in views.iter().enumerate() {
+        args.offsets[k] = view.layout.offset() as u64;
+    }
+    Ok(args)
+}
+
+fn launch_config(numel: u64) -> LaunchConfig {
+    let blocks = numel.div_ceil(u64::from(THREADS)).clamp(1, MAX_BLOCKS) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn float_suffix(op: &'static str, dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        other => return Err(TensorError::UnsupportedDtype { op, dtype: other }),
+    })
+}
+
+fn any_suffix(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::I64 => "i64",
+        DType::I32 => "i32",
+        DType::U8 => "u8",
+        DType::Bool => "bool",
+    }
+}
+
+/// The kernel name `{prefix}_{suffix}` as a `'static` string (names are few and fixed).
+fn kernel_name(prefix: &str, suffix: &str) -> &'static str {
+    use std::collections::HashMap;
+    use std::sync::OnceLock;
+    static NAMES: OnceLock<parking_lot::Mutex<HashMap<String, &'static str>>> = OnceLock::new();
+    let name = format!("{prefix}_{suffix}");
+    let mut names = NAMES.get_or_init(Default::default).lock();
+    if let Some(&interned) = names.get(&name) {
+        return interned;
+    }
+    let interned: &'static str = Box::leak(name.clone().into_boxed_str());
+    names.insert(name, interned);
+    interned
+}
+
+fn device_address(view: &View<'_>) -> u64 {
+    view.buffer.address()
+}
+
+pub(crate) fn unary(backend: &CudaBackend, op: UnaryOp, x: View<'_>, out: View<'_>) -> Result<()> {
+    if x.dtype != out.dtype {
+        return Err(TensorError::DtypeMismatch {
+            op: "unary",
+            lhs: x.dtype,
+            rhs: out.dtype,
+        });
+    }
+    let suffix = float_suffix("unary", x.dtype)?;
+    let args = strided_args("unary", &[&out, &x])?;
+    if args.numel == 0 {
+        return Ok(());
+    }
+    let (code, scalar): (i32, f64) = match op {
+        UnaryOp::Neg => (0, 0.0),
+        UnaryOp::Exp => (1, 0.0),
+        UnaryOp::Log => (2, 0.0),
+        UnaryOp::Sqrt => (3, 0.0),
+        UnaryOp::Rsqrt => (4, 0.0),
+        UnaryOp::Tanh => (5, 0.0),
+        UnaryOp::Relu => (6, 0.0),
+        UnaryOp::Gelu => (7, 0.0),
+        UnaryOp::GeluTanh => (8, 0.0),
+        UnaryOp::AddScalar(c) => (9, c),
+        UnaryOp::MulScalar(c) => (10, c),
+        UnaryOp::DivScalar(c) => (11, c),
+        UnaryOp::PowScalar(c) => (12, c),
+    };
+    let (x_ptr, out_ptr) = (device_address(&x), device_address(&out));
+    let params = [
+        Param::I32(code),
+        Param::F64(scalar),
+        Param::U64(x_ptr),
+        Param::U64(out_ptr),
+    ];
+    launch(
+        backend,
+        "unary",
+        kernel_name("unary", suffix),
+        args,
+        &params,
+    )
+}
+
+pub(crate) fn binary(
+    backend: &CudaBackend,
+    op: BinaryOp,
+    a: View<'_>,
+    b: View<'_>,
+    out: View<'_>,
+) -> Result<()> {
+    for operand in [&b, &out] {
+        if operand.dtype != a.dtype {
+            return Err(TensorError::DtypeMismatch {
+                op: "binary",
+                lhs: a.dtype,
+                rhs: operand.dtype,
+            });
+        }
+    }
+    let suffix = float_suffix("binary", a.dtype)?;
+    let args = strided_args("binary", &[&out, &a, &b])?;
+    if args.numel == 0 {
+        return Ok(());
+    }
+    let code: i32 = match op {
+        BinaryOp::Add => 0,
+        BinaryOp::Sub => 1,
+        BinaryOp::Mul => 2,
+        BinaryOp::Div => 3,
+        BinaryOp::Pow => 4,
+        BinaryOp::ReluBackward => 5,
+        BinaryOp::GeluBackward => 6,
+        BinaryOp::GeluTanhBackward => 7,
+        BinaryOp::TanhBackward => 8,
+        BinaryOp::SqrtBackward => 9,
+        BinaryOp::RsqrtBackward => 10,
+    };
+    let (a_ptr, b_ptr, out_ptr) = (device_address(&a), device_address(&b), device_address(&out));
+    let params = [
+        Param::I32(code),
+        Param::U64(a_ptr),
+        Param::U64(b_ptr),
+        Param::U64(out_ptr),
+    ];
+    launch(
+        backend,
+        "binary",
+        kernel_name("binary", suffix),
+        args,
+        &params,
+    )
+}
+
+pub(crate) fn fill(backend: &CudaBackend, dst: View<'_>, value: f64) -> Result<()> {
+    let args = strided_args("fill", &[&dst])?;
+    if args.numel == 0 {
+        return Ok(());
+    }
+    let out_ptr = device_address(&dst);
+    // The value's bit pattern in the destination dtype.
+    let bits: u64 = match dst.dtype {
+        DType::F32 => u64::from((value as f32).to_bits()),
+        DType::F64 => value.to_bits(),
+        DType::F16 => u64::from(half::f16::from_f64(value).to_bits()),
+        DType::BF16 => u64::from(half::bf16::from_f64(value).to_bits()),
+        DType::I64 => value as i64 as u64,
+        DType::I32 => u64::from(value as i32 as u32),
+        DType::U8 => u64::from(value as u8),
+        DType::Bool => u64::from(value != 0.0),
+    };
+    let (name, value) = match dst.dtype.size_in_bytes() {
+        8 => ("fill_b8", Param::U64(bits)),
+        4 => ("fill_b4", Param::U32(bits as u32)),
+        2 => ("fill_b2", Param::U16(bits as u16)),
+        _ => ("fill_b1", Param::U8(bits as u8)),
+    };
+    launch(backend, "fill", name, args, &[value, Param::U64(out_ptr)])
+}
+
+pub(crate) fn copy(backend: &CudaBackend, src: View<'_>, dst: View<'_>) -> Result<()> {
+    let args = strided_args("copy", &[&dst, &src])?;
+    if args.numel == 0 {
+        return Ok(());
+    }
+    let name = if src.dtype == dst.dtype {
+        match dst.dtype.size_in_bytes() {
+            8 => "copy_b8",
+            4 => "copy_b4",
+            2 => "copy_b2",
+            _ => "copy_b1",
+        }
+    } else {
+        kernel_name(
+            &format!("cast_{}", any_suffix(src.dtype)),
+            any_suffix(dst.dtype),
+        )
+    };
+    let (src_ptr, dst_ptr) = (device_address(&src), device_address(&dst));
+    launch(
+        backend,
+        "copy",
+        name,
+        args,
+        &[Param::U64(src_ptr), Param::U64(dst_ptr)],
+    )
+}
+
+/// A scalar kernel parameter (device addresses are `U64`).
+#[derive(Debug, Clone, Copy)]
+enum Param {
+    I32(i32),
+    F64(f64),
+    U64(u64),
+    U32(u32),
+    U16(u16),
+    U8(u8),
+}
+
+/// Launches `name` on the backend's stream with `params`, then `args`, as its parameters.
+fn launch(
+    backend: &CudaBackend,
+    op: &'static str,
+    name: &'static str,
+    args: StridedArgs,
+    params: &[Param],
+) -> Result<()> {
+    backend.bind(op)?;
+    let function = backend
+        .kernels
+        .function(&backend.context, Module::Elementwise, name)
+        .map_err(|e| device_error(op, e))?;
+    let config = launch_config(args.numel);
+    let mut builder = backend.stream.launch_builder(&function);
+    for param in params {
+        match param {
+            Param::I32(v) => builder.arg(v),
+            Param::F64(v) => builder.arg(v),
+            Param::U64(v) => builder.arg(v),
+            Param::U32(v) => builder.arg(v),
+            Param::U16(v) => builder.arg(v),
+            Param::U8(v) => builder.arg(v),
+        };
+    }
+    builder.arg(&args);
+    // SAFETY: the kernel's parameters are, in order, exactly `params` (scalars and
+    // device addresses of live buffers whose views were checked to have this shape) followed by
+    // `StridedArgs`, whose layout matches the `.cu` definition; every offset the kernel computes
+    // lies inside the views' storage extents, which the core checked against the buffers.
+    unsafe { builder.launch(config) }
+        .map(|_| ())
+        .map_err(|e| device_error(op, e))
+}

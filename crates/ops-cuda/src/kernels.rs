@@ -1,0 +1,72 @@
+//! The embedded PTX modules and their lazily loaded functions.
+//!
+//! Each `kernels/*.cu` file becomes one PTX module, compiled by `cargo xtask build-kernels` and
+//! committed under `kernels/ptx/`. A module is loaded into the context the first time one of its
+//! kernels runs, and each function is looked up once and cached by name.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::Ptx;
+use parking_lot::Mutex;
+
+use crate::error::CudaError;
+
+/// The PTX modules, by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Module {
+    /// `kernels/elementwise.cu`.
+    Elementwise,
+}
+
+impl Module {
+    fn ptx(self) -> &'static str {
+        match self {
+            Module::Elementwise => include_str!("../kernels/ptx/elementwise.ptx"),
+        }
+    }
+}
+
+/// Loaded modules and looked-up functions of one context.
+#[derive(Debug, Default)]
+pub(crate) struct KernelCache {
+    modules: Mutex<HashMap<Module, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+}
+
+impl KernelCache {
+    /// The function `name` of `module`, loading the module on first use.
+    pub(crate) fn function(
+        &self,
+        context: &Arc<CudaContext>,
+        module: Module,
+        name: &'static str,
+    ) -> Result<CudaFunction, CudaError> {
+        if let Some(function) = self.functions.lock().get(name) {
+            return Ok(function.clone());
+        }
+        let loaded = {
+            let mut modules = self.modules.lock();
+            match modules.get(&module) {
+                Some(loaded) => loaded.clone(),
+                None => {
+                    let loaded = context
+                        .load_module(Ptx::from_src(module.ptx()))
+                        .map_err(|e| CudaError::Kernel {
+                            kernel: name.to_owned(),
+                            reason: e.to_string(),
+                        })?;
+                    modules.insert(module, loaded.clone());
+                    loaded
+                }
+            }
+        };
+        let function = loaded.load_function(name).map_err(|e| CudaError::Kernel {
+            kernel: name.to_owned(),
+            reason: e.to_string(),
+        })?;
+        self.functions.lock().insert(name, function.clone());
+        Ok(function)
+    }
+}

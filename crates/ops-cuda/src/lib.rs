@@ -1,0 +1,49 @@
+//! The CUDA backend: autograd-core's [`Backend`](headroom_autograd_core::Backend) on an NVIDIA
+//! GPU.
+//!
+//! [`CudaBackend`] takes every byte from a `CachingAllocator<CudaStorage>`, so
+//! `memory_allocated()` is exact on the GPU as on the host, and launches kernels compiled from
+//! `kernels/*.cu` to PTX by `cargo xtask build-kernels` (committed, embedded with `include_str!`,
+//! loaded once per backend). Work runs in order on the device's default stream, which is the
+//! allocator's `StreamId::DEFAULT`, so a freed block is never reused while a kernel may still
+//! read it.
+//!
+//! Implemented so far: device memory, host transfers, strided copy and cast, fill, and the unary
+//! and binary elementwise ops, in f32, f64, f16 and bf16 (the last two computed in f32). The
+//! other primitives (reductions, GEMM, softmax, layer norm, cross-entropy, indexing, dropout)
+//! return [`TensorError::Device`](headroom_autograd_core::TensorError) naming the op until their
+//! kernels land.
+//!
+//! Everything CUDA is behind the `cuda` feature; without it [`CudaBackend::new`] returns an error,
+//! and with it a machine without a driver gets an error too, never a panic. This crate sits on
+//! autograd-core and the caching allocator; no cudarc type appears in its public API.
+
+mod error;
+
+#[cfg(feature = "cuda")]
+mod backend;
+#[cfg(feature = "cuda")]
+mod elementwise;
+#[cfg(feature = "cuda")]
+mod kernels;
+
+pub use error::CudaError;
+
+#[cfg(feature = "cuda")]
+pub use backend::CudaBackend;
+
+/// Without the `cuda` feature: a backend that cannot be created.
+#[cfg(not(feature = "cuda"))]
+#[derive(Debug)]
+pub struct CudaBackend {
+    _never: std::convert::Infallible,
+}
+
+#[cfg(not(feature = "cuda"))]
+impl CudaBackend {
+    /// Always fails: this build has no CUDA support (enable the `cuda` feature).
+    pub fn new(ordinal: usize) -> Result<std::sync::Arc<CudaBackend>, CudaError> {
+        let _ = ordinal;
+        Err(CudaError::NotCompiled)
+    }
+}

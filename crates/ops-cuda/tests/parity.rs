@@ -1,0 +1,369 @@
+//! The CUDA backend against the CPU backend, primitive by primitive, on fresh random inputs with
+//! poisoned outputs: unary and binary ops in f32, f64, f16 and bf16 (contiguous, broadcast and
+//! transposed operands), fill, and copies between every pair of dtypes. Each test prints a skip
+//! notice (and passes) on a machine without a CUDA device.
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+
+use headroom_autograd_core::{Backend, BackendRef, BinaryOp, Buffer, DType, Layout, UnaryOp, View};
+use headroom_ops_cpu::CpuBackend;
+use headroom_ops_cuda::CudaBackend;
+
+const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
+const ALL: [DType; 8] = [
+    DType::F32,
+    DType::F64,
+    DType::F16,
+    DType::BF16,
+    DType::I64,
+    DType::I32,
+    DType::U8,
+    DType::Bool,
+];
+
+fn backends() -> Option<(BackendRef, BackendRef)> {
+    match CudaBackend::new(0) {
+        Ok(cuda) => Some((cuda as BackendRef, CpuBackend::new_ref())),
+        Err(err) => {
+            println!("skipped: {err}");
+            None
+        }
+    }
+}
+
+/// A xorshift stream in [lo, hi).
+struct Random(u64);
+
+impl Random {
+    fn next(&mut self, lo: f64, hi: f64) -> f64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        lo + (hi - lo) * ((self.0 >> 11) as f64 / (1u64 << 53) as f64)
+    }
+}
+
+fn encode(dtype: DType, values: &[f64]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(values.len() * dtype.size_in_bytes());
+    for &v in values {
+        match dtype {
+            DType::F32 => bytes.extend((v as f32).to_le_bytes()),
+            DType::F64 => bytes.extend(v.to_le_bytes()),
+            DType::F16 => bytes.extend(half::f16::from_f64(v).to_le_bytes()),
+            DType::BF16 => bytes.extend(half::bf16::from_f64(v).to_le_bytes()),
+            DType::I64 => bytes.extend((v as i64).to_le_bytes()),
+            DType::I32 => bytes.extend((v as i32).to_le_bytes()),
+            DType::U8 => bytes.push(v as u8),
+            DType::Bool => bytes.push(u8::from(v != 0.0)),
+        }
+    }
+    bytes
+}
+
+fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+    bytes
+        .chunks(dtype.size_in_bytes())
+        .map(|c| match dtype {
+            DType::F32 => f32::from_le_bytes(c.try_into().unwrap()) as f64,
+            DType::F64 => f64::from_le_bytes(c.try_into().unwrap()),
+            DType::F16 => half::f16::from_le_bytes(c.try_into().unwrap()).to_f64(),
+            DType::BF16 => half::bf16::from_le_bytes(c.try_into().unwrap()).to_f64(),
+            DType::I64 => i64::from_le_bytes(c.try_into().unwrap()) as f64,
+            DType::I32 => i32::from_le_bytes(c.try_into().unwrap()) as f64,
+            DType::U8 | DType::Bool => c[0] as f64,
+        })
+        .collect()
+}
+
+/// A buffer of `values` on `backend`.
+fn upload(backend: &BackendRef, dtype: DType, values: &[f64]) -> Buffer {
+    let bytes = encode(dtype, values);
+    let buffer = Buffer::new(backend, bytes.len()).unwrap();
+    backend.write_host(&buffer, 0, &bytes).unwrap();
+    buffer
+}
+
+/// A buffer of `n` elements poisoned with NaN (or 0x5a bytes for integer types).
+fn poisoned(backend: &BackendRef, dtype: DType, n: usize) -> Buffer {
+    let bytes = if matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16) {
+        encode(dtype, &vec![f64::NAN; n])
+    } else {
+        vec![0x5a; n * dtype.size_in_bytes()]
+    };
+    let buffer = Buffer::new(backend, bytes.len()).unwrap();
+    backend.write_host(&buffer, 0, &bytes).unwrap();
+    buffer
+}
+
+fn download(backend: &BackendRef, dtype: DType, buffer: &Buffer) -> Vec<f64> {
+    let mut bytes = vec![0u8; buffer.len_bytes()];
+    backend.read_host(buffer, 0, &mut bytes).unwrap();
+    decode(dtype, &bytes)
+}
+
+fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F64 => 1e-12,
+        DType::F32 => 1e-5,
+        _ => 1e-2,
+    }
+}
+
+/// ‖gpu − cpu‖ / ‖cpu‖ over all elements; NaN anywhere fails.
+fn check(what: &str, dtype: DType, gpu: &[f64], cpu: &[f64]) {
+    assert_eq!(gpu.len(), cpu.len());
+    assert!(
+        gpu.iter().all(|v| v.is_finite()),
+        "{what} {dtype:?}: non-finite output (unwritten?)"
+    );
+    let diff: f64 = gpu
+        .iter()
+        .zip(cpu)
+        .map(|(g, c)| (g - c) * (g - c))
+        .sum::<f64>()
+        .sqrt();
+    let norm: f64 = cpu.iter().map(|c| c * c).sum::<f64>().sqrt().max(1e-30);
+    let error = diff / norm;
+    assert!(
+        error <= tolerance(dtype),
+        "{what} {dtype:?}: relative error {error:e}"
+    );
+}
+
+const ROWS: usize = 37;
+const COLS: usize = 129;
+
+fn unary_ops() -> Vec<UnaryOp> {
+    vec![
+        UnaryOp::Neg,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Rsqrt,
+        UnaryOp::Tanh,
+        UnaryOp::Relu,
+        UnaryOp::Gelu,
+        UnaryOp::GeluTanh,
+        UnaryOp::AddScalar(0.75),
+        UnaryOp::MulScalar(-1.5),
+        UnaryOp::DivScalar(3.0),
+        UnaryOp::PowScalar(1.7),
+    ]
+}
+
+fn binary_ops() -> Vec<BinaryOp> {
+    vec![
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Pow,
+        BinaryOp::ReluBackward,
+        BinaryOp::GeluBackward,
+        BinaryOp::GeluTanhBackward,
+        BinaryOp::TanhBackward,
+        BinaryOp::SqrtBackward,
+        BinaryOp::RsqrtBackward,
+    ]
+}
+
+/// Inputs valid for every op: positive for log, sqrt and pow, negative ones for relu otherwise.
+fn input(random: &mut Random, op_needs_positive: bool, n: usize) -> Vec<f64> {
+    (0..n)
+        .map(|_| {
+            if op_needs_positive {
+                random.next(0.1, 3.0)
+            } else {
+                random.next(-3.0, 3.0)
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn unary_ops_match_the_cpu() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Random(0x9e37_79b9_7f4a_7c15);
+    let layout = Layout::contiguous(&[ROWS, COLS]);
+    // The input read transposed: a [COLS, ROWS] view of the same buffer.
+    let transposed = Layout::from_parts(&[COLS, ROWS], &[1, COLS], 0);
+    let out_t = Layout::contiguous(&[COLS, ROWS]);
+    for dtype in FLOATS {
+        for op in unary_ops() {
+            let positive = matches!(
+                op,
+                UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt | UnaryOp::PowScalar(_)
+            );
+            let values = input(&mut random, positive, ROWS * COLS);
+            for (in_layout, out_layout) in [(&layout, &layout), (&transposed, &out_t)] {
+                let mut results = Vec::new();
+                for backend in [&gpu, &cpu] {
+                    let x = upload(backend, dtype, &values);
+                    let out = poisoned(backend, dtype, ROWS * COLS);
+                    backend
+                        .unary(
+                            op,
+                            View {
+                                buffer: &x,
+                                layout: in_layout,
+                                dtype,
+                            },
+                            View {
+                                buffer: &out,
+                                layout: out_layout,
+                                dtype,
+                            },
+                        )
+                        .unwrap();
+                    results.push(download(backend, dtype, &out));
+                }
+                check(&format!("{op:?}"), dtype, &results[0], &results[1]);
+            }
+        }
+    }
+}
+
+#[test]
+fn binary_ops_with_broadcasting_match_the_cpu() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Random(0x2545_f491_4f6c_dd1d);
+    let full = Layout::contiguous(&[ROWS, COLS]);
+    // b is one row broadcast over all rows (stride 0).
+    let row_broadcast = Layout::from_parts(&[ROWS, COLS], &[0, 1], 0);
+    for dtype in FLOATS {
+        for op in binary_ops() {
+            let positive = matches!(
+                op,
+                BinaryOp::Pow | BinaryOp::SqrtBackward | BinaryOp::RsqrtBackward | BinaryOp::Div
+            );
+            let a = input(&mut random, positive, ROWS * COLS);
+            let b = input(&mut random, positive, COLS);
+            let mut results = Vec::new();
+            for backend in [&gpu, &cpu] {
+                let a_buffer = upload(backend, dtype, &a);
+                let b_buffer = upload(backend, dtype, &b);
+                let out = poisoned(backend, dtype, ROWS * COLS);
+                backend
+                    .binary(
+                        op,
+                        View {
+                            buffer: &a_buffer,
+                            layout: &full,
+                            dtype,
+                        },
+                        View {
+                            buffer: &b_buffer,
+                            layout: &row_broadcast,
+                            dtype,
+                        },
+                        View {
+                            buffer: &out,
+                            layout: &full,
+                            dtype,
+                        },
+                    )
+                    .unwrap();
+                results.push(download(backend, dtype, &out));
+            }
+            check(&format!("{op:?}"), dtype, &results[0], &results[1]);
+        }
+    }
+}
+
+#[test]
+fn fill_and_every_cast_match_the_cpu() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Random(0xd1b5_4a32_d192_ed03);
+    let n = 1000;
+    let layout = Layout::contiguous(&[n]);
+    for dtype in ALL {
+        let mut results = Vec::new();
+        for backend in [&gpu, &cpu] {
+            let out = poisoned(backend, dtype, n);
+            backend
+                .fill(
+                    View {
+                        buffer: &out,
+                        layout: &layout,
+                        dtype,
+                    },
+                    7.0,
+                )
+                .unwrap();
+            results.push(download(backend, dtype, &out));
+        }
+        assert_eq!(results[0], results[1], "fill {dtype:?}");
+        assert!(results[0]
+            .iter()
+            .all(|&v| v == if dtype == DType::Bool { 1.0 } else { 7.0 }));
+    }
+    // Whole numbers in 0..100 (and 0/1 for bool) survive every cast exactly.
+    for from in ALL {
+        let values: Vec<f64> = (0..n)
+            .map(|_| {
+                let v = random.next(0.0, 100.0).floor();
+                if from == DType::Bool {
+                    (v as u64 % 2) as f64
+                } else {
+                    v
+                }
+            })
+            .collect();
+        for to in ALL {
+            let mut results = Vec::new();
+            for backend in [&gpu, &cpu] {
+                let src = upload(backend, from, &values);
+                let dst = poisoned(backend, to, n);
+                backend
+                    .copy(
+                        View {
+                            buffer: &src,
+                            layout: &layout,
+                            dtype: from,
+                        },
+                        View {
+                            buffer: &dst,
+                            layout: &layout,
+                            dtype: to,
+                        },
+                    )
+                    .unwrap();
+                results.push(download(backend, to, &dst));
+            }
+            assert_eq!(results[0], results[1], "copy {from:?} -> {to:?}");
+        }
+    }
+}
+
+#[test]
+fn every_byte_comes_from_the_caching_allocator() {
+    let Some((gpu, _cpu)) = backends() else {
+        return;
+    };
+    let before = gpu.memory_stats().allocated_bytes.all.current;
+    let buffers: Vec<Buffer> = (1..=4)
+        .map(|k| Buffer::new(&gpu, k * 1000).unwrap())
+        .collect();
+    let after = gpu.memory_stats().allocated_bytes.all.current;
+    // 1000, 2000, 3000, 4000 bytes round to 1024, 2048, 3072, 4096.
+    assert_eq!(after - before, 10_240);
+    drop(buffers);
+    assert_eq!(gpu.memory_stats().allocated_bytes.all.current, before);
+    let unimplemented = gpu.softmax(
+        View {
+            buffer: &Buffer::new(&gpu, 16).unwrap(),
+            layout: &Layout::contiguous(&[4]),
+            dtype: DType::F32,
+        },
+        0,
+        false,
+        View {
+            buffer: &Buffer::new(&gpu, 16).unwrap(),
+            layout: &Layout::contiguous(&[4]),
+            dtype: DType::F32,
+        },
+    );
+    assert!(unimplemented.unwrap_err().to_string().contains("softmax"));
+    let _: Arc<dyn Backend> = gpu;
+}

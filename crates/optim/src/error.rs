@@ -1,0 +1,65 @@
+//! The crate's one error type.
+//!
+//! Every fallible call of the raw kernels and of the optimizers returns [`OptimError`]. Variants
+//! name the call and carry the lengths, names or values involved. Errors of the tensor layer
+//! (allocation, dtype) and of safetensors pass through unchanged.
+
+use headroom_autograd_core::TensorError;
+
+/// Everything that can go wrong when stepping, saving or loading an optimizer.
+#[derive(Debug, thiserror::Error)]
+pub enum OptimError {
+    /// Buffers handed to a kernel do not have the lengths it needs.
+    #[error("{op}: expected {expected} elements, got {got} ({detail})")]
+    LengthMismatch {
+        /// The kernel or call.
+        op: &'static str,
+        /// The length it needed.
+        expected: usize,
+        /// The length it got.
+        got: usize,
+        /// Which buffer, or more context.
+        detail: String,
+    },
+    /// An argument or hyperparameter is out of range.
+    #[error("{op}: {reason}")]
+    InvalidArgument {
+        /// The call.
+        op: &'static str,
+        /// What is wrong, with the values involved.
+        reason: String,
+    },
+    /// A tensor the optimizer must update cannot be updated by this implementation (device,
+    /// dtype, layout, or shared storage).
+    #[error("{op}: unsupported tensor: {reason}")]
+    UnsupportedTensor {
+        /// The call.
+        op: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// The optimizer has no such implementation, or the implementation cannot do what was asked
+    /// (a gradient scale for a non-fused update, for example).
+    #[error("{optimizer}: {reason}")]
+    Unsupported {
+        /// The optimizer's name.
+        optimizer: &'static str,
+        /// What is not supported.
+        reason: String,
+    },
+    /// `step_param` was called with a tensor that is in none of the optimizer's groups.
+    #[error("{optimizer}: the tensor is not a parameter of this optimizer")]
+    UnknownParameter {
+        /// The optimizer's name.
+        optimizer: &'static str,
+    },
+    /// A state dict does not fit this optimizer (missing or malformed entries).
+    #[error("state dict: {0}")]
+    StateDict(String),
+    /// A tensor operation or allocation failed.
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+    /// The safetensors encoding failed.
+    #[error("safetensors: {0}")]
+    SafeTensors(#[from] safetensors::SafeTensorError),
+}

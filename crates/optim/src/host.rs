@@ -1,0 +1,110 @@
+//! Host memory of CPU tensors as slices, so the tensor layer can run the raw kernels in place.
+//!
+//! autograd-core exposes a CPU tensor's storage as a [`Buffer`](headroom_autograd_core::Buffer)
+//! whose address is a host pointer (the CPU backend's allocator hands out host memory). This
+//! module checks device, dtype and layout and turns that address into a slice. Scratch tensors
+//! come from the same backend, so every temporary of a step shows in `memory_allocated()`.
+
+use headroom_autograd_core::{DType, Device, Element, Tensor};
+
+use crate::error::OptimError;
+
+/// Checks that `tensor` is a contiguous CPU tensor of `T`'s dtype.
+pub(crate) fn check_host<T: Element>(op: &'static str, tensor: &Tensor) -> Result<(), OptimError> {
+    if tensor.device() != Device::Cpu {
+        return Err(OptimError::UnsupportedTensor {
+            op,
+            reason: format!(
+                "{:?} tensors need the CUDA kernels (not built yet)",
+                tensor.device()
+            ),
+        });
+    }
+    if tensor.dtype() != T::DTYPE {
+        return Err(OptimError::UnsupportedTensor {
+            op,
+            reason: format!("dtype {:?}, expected {:?}", tensor.dtype(), T::DTYPE),
+        });
+    }
+    if !tensor.is_contiguous() {
+        return Err(OptimError::UnsupportedTensor {
+            op,
+            reason: format!(
+                "non-contiguous tensor (shape {:?}, strides {:?})",
+                tensor.shape(),
+                tensor.strides()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The start address and the byte range a contiguous tensor covers.
+pub(crate) fn byte_range(tensor: &Tensor) -> std::ops::Range<u64> {
+    let elem = tensor.dtype().size_in_bytes() as u64;
+    let start = tensor.buffer().address() + tensor.layout().offset() as u64 * elem;
+    start..start + tensor.numel() as u64 * elem
+}
+
+/// Checks that no two of `tensors` share memory, so mutable slices of them do not alias.
+pub(crate) fn check_disjoint(op: &'static str, tensors: &[&Tensor]) -> Result<(), OptimError> {
+    let mut ranges: Vec<_> = tensors
+        .iter()
+        .map(|t| byte_range(t))
+        .filter(|r| !r.is_empty())
+        .collect();
+    ranges.sort_by_key(|r| r.start);
+    if ranges.windows(2).any(|w| w[0].end > w[1].start) {
+        return Err(OptimError::UnsupportedTensor {
+            op,
+            reason: "parameters, gradients and state must not share memory".into(),
+        });
+    }
+    Ok(())
+}
+
+/// The elements of a CPU tensor that passed [`check_host`].
+///
+/// # Safety
+/// No mutable slice of the same memory may be alive while the returned slice is, and no other
+/// thread may write the tensor meanwhile.
+pub(crate) unsafe fn host_slice<T: Element>(tensor: &Tensor) -> &[T] {
+    debug_assert!(tensor.device() == Device::Cpu && tensor.dtype() == T::DTYPE);
+    let n = tensor.numel();
+    if n == 0 {
+        return &[];
+    }
+    let ptr = byte_range(tensor).start as *const T;
+    // SAFETY: the CPU backend's buffer address is a live host allocation of at least the
+    // tensor's extent (autograd-core checks layouts against buffers), aligned for the dtype by
+    // the allocator's 512-byte rounding, and the caller guarantees no concurrent writer.
+    unsafe { std::slice::from_raw_parts(ptr, n) }
+}
+
+/// The elements of a CPU tensor that passed [`check_host`], writable.
+///
+/// # Safety
+/// The tensor's memory must not be reachable through any other live slice (checked with
+/// [`check_disjoint`] for the tensors of one call), and no other thread may read or write it
+/// meanwhile. The tensor handle must outlive the slice.
+#[allow(clippy::mut_from_ref)]
+pub(crate) unsafe fn host_slice_mut<T: Element>(tensor: &Tensor) -> &mut [T] {
+    debug_assert!(tensor.device() == Device::Cpu && tensor.dtype() == T::DTYPE);
+    let n = tensor.numel();
+    if n == 0 {
+        return &mut [];
+    }
+    let ptr = byte_range(tensor).start as *mut T;
+    // SAFETY: as in `host_slice`; exclusivity is the caller's obligation.
+    unsafe { std::slice::from_raw_parts_mut(ptr, n) }
+}
+
+/// A zero-filled f32 state tensor shaped like `shape` on `like`'s backend.
+pub(crate) fn zeros_like_shape(like: &Tensor, shape: &[usize]) -> Result<Tensor, OptimError> {
+    Ok(Tensor::zeros(like.backend(), shape, DType::F32)?)
+}
+
+/// An uninitialised f32 scratch tensor of `len` elements on `like`'s backend.
+pub(crate) fn scratch(like: &Tensor, len: usize) -> Result<Tensor, OptimError> {
+    Ok(Tensor::empty(like.backend(), &[len], DType::F32)?)
+}

@@ -1,0 +1,227 @@
+//! bitsandbytes' 8-bit blockwise Adam (`bnb.optim.Adam8bit`, `AdamW8bit`) on host slices, and
+//! its 32-bit path for tensors under `min_8bit_size`.
+//!
+//! Per block of [`BNB_BLOCK_SIZE`] elements, one pass (`kOptimizerStatic8bit2StateBlockwise`):
+//! dequantize `s1 = qmap1[c1]·absmax1`, `s2 = qmap2[c2]·absmax2`; update
+//! `s2 = s2·β2 + (1-β2)·g·g`, `s1 = s1·β1 + (1-β1)·g` (a non-finite `g` zeroes both and leaves
+//! its parameter alone); the block's new absmax of each state; the parameter
+//! `θ += step_size · s1 / (√s2 + eps·c2)` with `c2 = √(1-β2^t)`, `step_size = -lr·c2/(1-β1^t)`,
+//! then decoupled decay `θ *= 1 - lr·wd`; finally re-quantize each state against its **new**
+//! absmax with the optimizer's nearest-code search and a sign guard that keeps a state's sign.
+//! All arithmetic is float32 as in the CUDA kernel.
+
+use super::quantization::{quantize_state_code, QuantizationMap};
+use super::{check_len, GradScaling, StepOutcome};
+use crate::error::OptimError;
+
+/// Block size of bitsandbytes' 8-bit optimizer states.
+pub const BNB_BLOCK_SIZE: usize = 256;
+
+/// Tensors with fewer elements keep 32-bit state (bitsandbytes' `min_8bit_size`).
+pub const MIN_8BIT_SIZE: usize = 4096;
+
+/// The number of absmax entries of a state of `n` elements.
+pub fn n_blocks(n: usize) -> usize {
+    n.div_ceil(BNB_BLOCK_SIZE)
+}
+
+/// 8-bit Adam's hyperparameters (bitsandbytes' `Adam8bit`; weight decay is always decoupled).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Adam8bitConfig {
+    /// Learning rate.
+    pub lr: f64,
+    /// Coefficients of the running averages.
+    pub betas: (f64, f64),
+    /// Added to the denominator (scaled by `√(1-β2^t)`).
+    pub eps: f64,
+    /// Decoupled weight decay, applied after the Adam step.
+    pub weight_decay: f64,
+}
+
+impl Adam8bitConfig {
+    /// `bnb.optim.Adam8bit`'s defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, no decay.
+    pub fn adam() -> Adam8bitConfig {
+        Adam8bitConfig {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
+    }
+
+    /// `bnb.optim.AdamW8bit`'s defaults: weight decay 1e-2.
+    pub fn adamw() -> Adam8bitConfig {
+        Adam8bitConfig {
+            weight_decay: 1e-2,
+            ..Adam8bitConfig::adam()
+        }
+    }
+}
+
+/// One parameter's buffers for an 8-bit update.
+#[derive(Debug)]
+pub struct Adam8bitBuffers<'a> {
+    /// The parameter, updated in place.
+    pub param: &'a mut [f32],
+    /// Its gradient.
+    pub grad: &'a [f32],
+    /// First-state codes (signed map), zero before the first step.
+    pub state1: &'a mut [u8],
+    /// Second-state codes (unsigned map), zero before the first step.
+    pub state2: &'a mut [u8],
+    /// Per-block scale of the first state, [`n_blocks`] entries, zero before the first step.
+    pub absmax1: &'a mut [f32],
+    /// Per-block scale of the second state.
+    pub absmax2: &'a mut [f32],
+}
+
+#[derive(Debug, Clone, Copy)]
+struct StepConsts {
+    beta1: f32,
+    beta2: f32,
+    one_minus_beta1: f32,
+    one_minus_beta2: f32,
+    correction2: f32,
+    eps: f32,
+    step_size: f32,
+    decay_factor: Option<f32>,
+}
+
+impl StepConsts {
+    fn new(cfg: &Adam8bitConfig, step: u64) -> StepConsts {
+        let (beta1, beta2) = (cfg.betas.0 as f32, cfg.betas.1 as f32);
+        let (lr, eps, wd) = (cfg.lr as f32, cfg.eps as f32, cfg.weight_decay as f32);
+        let correction1 = 1.0 - beta1.powf(step as f32);
+        let correction2 = (1.0 - beta2.powf(step as f32)).sqrt();
+        StepConsts {
+            beta1,
+            beta2,
+            one_minus_beta1: 1.0 - beta1,
+            one_minus_beta2: 1.0 - beta2,
+            correction2,
+            eps,
+            step_size: -lr * correction2 / correction1,
+            decay_factor: (wd > 0.0).then_some(1.0 - lr * wd),
+        }
+    }
+}
+
+/// The 8-bit blockwise Adam step number `step` on one parameter. `qmap1` is the signed dynamic
+/// map, `qmap2` the unsigned one. With `scaling.found_inf` set nothing is written.
+pub fn adam8bit_blockwise(
+    cfg: &Adam8bitConfig,
+    step: u64,
+    qmap1: &QuantizationMap,
+    qmap2: &QuantizationMap,
+    bufs: Adam8bitBuffers<'_>,
+    scaling: GradScaling,
+) -> Result<StepOutcome, OptimError> {
+    const OP: &str = "adam8bit_blockwise";
+    let n = bufs.param.len();
+    check_len(OP, n, bufs.grad.len(), "grad")?;
+    check_len(OP, n, bufs.state1.len(), "state1")?;
+    check_len(OP, n, bufs.state2.len(), "state2")?;
+    check_len(OP, n_blocks(n), bufs.absmax1.len(), "absmax1")?;
+    check_len(OP, n_blocks(n), bufs.absmax2.len(), "absmax2")?;
+    if scaling.skips() {
+        return Ok(StepOutcome::Skipped);
+    }
+    let c = StepConsts::new(cfg, step);
+    let mut s1 = [0f32; BNB_BLOCK_SIZE];
+    let mut s2 = [0f32; BNB_BLOCK_SIZE];
+    for ((((p, g), c1), c2), (a1, a2)) in bufs
+        .param
+        .chunks_mut(BNB_BLOCK_SIZE)
+        .zip(bufs.grad.chunks(BNB_BLOCK_SIZE))
+        .zip(bufs.state1.chunks_mut(BNB_BLOCK_SIZE))
+        .zip(bufs.state2.chunks_mut(BNB_BLOCK_SIZE))
+        .zip(bufs.absmax1.iter_mut().zip(bufs.absmax2.iter_mut()))
+    {
+        let len = p.len();
+        let (mut max1, mut max2) = (0f32, 0f32);
+        for j in 0..len {
+            let g = match scaling.grad_scale {
+                Some(scale) => g[j] / scale,
+                None => g[j],
+            };
+            if g.is_finite() {
+                let v = qmap2[usize::from(c2[j])] * *a2;
+                s2[j] = v * c.beta2 + c.one_minus_beta2 * g * g;
+                let m = qmap1[usize::from(c1[j])] * *a1;
+                s1[j] = m * c.beta1 + c.one_minus_beta1 * g;
+            } else {
+                s1[j] = 0.0;
+                s2[j] = 0.0;
+            }
+            max1 = max1.max(s1[j].abs());
+            max2 = max2.max(s2[j].abs());
+        }
+        *a1 = max1;
+        *a2 = max2;
+        for j in 0..len {
+            let g = match scaling.grad_scale {
+                Some(scale) => g[j] / scale,
+                None => g[j],
+            };
+            if g.is_finite() {
+                p[j] += c.step_size * (s1[j] / (s2[j].sqrt() + c.correction2 * c.eps));
+                if let Some(factor) = c.decay_factor {
+                    p[j] *= factor;
+                }
+            }
+        }
+        for j in 0..len {
+            let mut code1 = quantize_state_code(qmap1, true, s1[j] / max1);
+            if qmap1[usize::from(code1)].is_sign_negative() != s1[j].is_sign_negative() {
+                code1 = if s1[j] > 0.0 {
+                    code1.wrapping_add(1)
+                } else {
+                    code1.wrapping_sub(1)
+                };
+            }
+            c1[j] = code1;
+            c2[j] = quantize_state_code(qmap2, false, s2[j] / max2);
+        }
+    }
+    Ok(StepOutcome::Stepped)
+}
+
+/// bitsandbytes' 32-bit Adam (`kOptimizer32bit2State`), used for tensors under
+/// [`MIN_8BIT_SIZE`]: the same update on float32 states, decay after the step.
+pub fn adam_bnb_32bit(
+    cfg: &Adam8bitConfig,
+    step: u64,
+    param: &mut [f32],
+    grad: &[f32],
+    state1: &mut [f32],
+    state2: &mut [f32],
+    scaling: GradScaling,
+) -> Result<StepOutcome, OptimError> {
+    const OP: &str = "adam_bnb_32bit";
+    let n = param.len();
+    check_len(OP, n, grad.len(), "grad")?;
+    check_len(OP, n, state1.len(), "state1")?;
+    check_len(OP, n, state2.len(), "state2")?;
+    if scaling.skips() {
+        return Ok(StepOutcome::Skipped);
+    }
+    let c = StepConsts::new(cfg, step);
+    for (((p, &g), m), v) in param
+        .iter_mut()
+        .zip(grad)
+        .zip(state1.iter_mut())
+        .zip(state2.iter_mut())
+    {
+        let g = match scaling.grad_scale {
+            Some(scale) => g / scale,
+            None => g,
+        };
+        *m = *m * c.beta1 + c.one_minus_beta1 * g;
+        *v = *v * c.beta2 + c.one_minus_beta2 * (g * g);
+        *p += c.step_size * (*m / (v.sqrt() + c.eps * c.correction2));
+        if let Some(factor) = c.decay_factor {
+            *p *= factor;
+        }
+    }
+    Ok(StepOutcome::Stepped)
+}

@@ -1,0 +1,122 @@
+//! The raw-buffer layer: optimizer updates over host slices, usable without autograd-core.
+//!
+//! Each algorithm comes in the forms the tensor layer chooses among:
+//! - `*_single`: PyTorch's single-tensor path, op by op, each op one pass over the tensor, with
+//!   the temporaries of one parameter in a caller-provided `scratch` slice;
+//! - `*_foreach`: the same ops applied across a list of tensors in chunks whose temporaries fit
+//!   one `scratch` slice (its length is the chunk size);
+//! - `*_fused`: one pass per element, every intermediate in registers, no temporaries; it takes
+//!   a [`GradScaling`] (in-kernel unscale and skip) so a GradScaler needs no host sync.
+//!
+//! All forms apply PyTorch's float32 operations in PyTorch's order (hyperparameter arithmetic in
+//! f64, as Python does, then rounded to f32 where the tensor op receives it), so they agree with
+//! each other to the bit and with PyTorch to float32 rounding. Every kernel updates one
+//! parameter (or one list), so the per-parameter step of optimizer-in-backward is a plain call.
+//! A future CUDA layer mirrors these signatures over device slices.
+
+mod adafactor;
+mod adam;
+mod adam8bit;
+mod quantization;
+mod sgd;
+
+pub use adafactor::{
+    adafactor_fused, adafactor_scratch_len, adafactor_single, AdafactorBuffers, AdafactorConfig,
+};
+pub use adam::{
+    adam_foreach, adam_fused, adam_scratch_len, adam_single, AdamBuffers, AdamConfig, WeightDecay,
+};
+pub use adam8bit::{
+    adam8bit_blockwise, adam_bnb_32bit, n_blocks, Adam8bitBuffers, Adam8bitConfig, BNB_BLOCK_SIZE,
+    MIN_8BIT_SIZE,
+};
+pub use quantization::{
+    dequantize_blockwise, dynamic_map, quantize_blockwise, quantize_code, quantize_state_code,
+    QuantizationMap, MAP_LEN,
+};
+pub use sgd::{sgd_foreach, sgd_fused, sgd_single, SgdBuffers, SgdConfig};
+
+use crate::error::OptimError;
+
+/// Gradient unscaling and overflow skipping inside a fused or 8-bit kernel, as PyTorch's
+/// `_fused_adam_(..., grad_scale, found_inf)` does.
+///
+/// With `grad_scale` set, each gradient element is divided by it before use (the gradient
+/// buffer itself is left as it was). With `found_inf` non-zero, the kernel returns
+/// [`StepOutcome::Skipped`] without touching parameter or state, and the caller does not count
+/// the step. Both are values here; the CUDA kernels will read them from device memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GradScaling {
+    /// The loss scale the gradients carry.
+    pub grad_scale: Option<f32>,
+    /// Non-zero when some gradient overflowed this step.
+    pub found_inf: Option<f32>,
+}
+
+impl GradScaling {
+    /// No scaling and no skipping.
+    pub const NONE: GradScaling = GradScaling {
+        grad_scale: None,
+        found_inf: None,
+    };
+
+    /// Whether the kernel must skip the step.
+    pub fn skips(&self) -> bool {
+        self.found_inf.is_some_and(|flag| flag != 0.0)
+    }
+}
+
+/// What a kernel that can skip did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepOutcome {
+    /// Parameter and state were updated; the step counts.
+    Stepped,
+    /// `found_inf` was set; nothing was written.
+    Skipped,
+}
+
+/// Elements per rayon task in the fused kernels; below this a kernel runs on the calling thread.
+pub(crate) const PARALLEL_CHUNK: usize = 1 << 15;
+
+pub(crate) fn check_len(
+    op: &'static str,
+    expected: usize,
+    got: usize,
+    what: &str,
+) -> Result<(), OptimError> {
+    if expected != got {
+        return Err(OptimError::LengthMismatch {
+            op,
+            expected,
+            got,
+            detail: what.to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// PyTorch's `lerp(self, end, weight)` in float32 (`torch.lerp_`, scalar path).
+#[inline(always)]
+pub(crate) fn lerp(start: f32, end: f32, weight: f32) -> f32 {
+    if weight.abs() < 0.5 {
+        weight.mul_add(end - start, start)
+    } else {
+        (weight - 1.0).mul_add(end - start, end)
+    }
+}
+
+/// `x >= 0`, false for NaN.
+#[inline]
+pub(crate) fn non_negative(x: f64) -> bool {
+    x >= 0.0
+}
+
+/// `torch.maximum`: NaN propagates from either side.
+#[inline(always)]
+pub(crate) fn maximum(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.max(b)
+    }
+}

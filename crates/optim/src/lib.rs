@@ -1,0 +1,99 @@
+//! Optimizers for Headroom: SGD, Adam, AdamW and Adafactor with PyTorch's formulas, each as a
+//! single-tensor, foreach (multi-tensor, bounded temporaries) and fused (one pass) update, and
+//! bitsandbytes' 8-bit blockwise Adam; learning-rate schedulers; state dicts as safetensors.
+//!
+//! Two layers:
+//! - [`kernels`], the raw-buffer layer: update kernels over host slices (`&mut [f32]` params,
+//!   `&[f32]` grads, state slices). It needs no tensor type, so a trainer that owns its buffers
+//!   calls it directly; each call updates one parameter, which is also the per-parameter step
+//!   an optimizer-in-backward hook needs. The fused and 8-bit kernels take a
+//!   [`GradScaling`](kernels::GradScaling) (in-kernel unscale and overflow skip, no host sync).
+//! - The optimizer layer over autograd-core parameters: [`GroupOptimizer`] (aliases [`Sgd`],
+//!   [`Adam`], [`Adafactor`], [`Adam8bit`]) with per-group hyperparameters and a chosen
+//!   [`Implementation`], behind the object-safe [`Optimizer`] trait (`step`, `step_param`,
+//!   `zero_grad`, `state_dict`); [`LrScheduler`] drives its groups. State tensors and step
+//!   temporaries come from the parameters' caching allocator, so their bytes show in
+//!   `memory_allocated()`. The default foreach bound is [`DEFAULT_FOREACH_CHUNK`] elements
+//!   (16 MiB of f32) instead of PyTorch's one temporary per parameter.
+//!
+//! This crate sits on autograd-core (tensors, their storage) and knows no device API: the CPU
+//! layer runs the kernels on host memory; CUDA kernels with the same signatures over device
+//! slices arrive with ops-cuda.
+//!
+//! The raw layer on host slices — two Adam steps, then the 8-bit form of the same update:
+//!
+//! ```
+//! use headroom_optim::kernels::{
+//!     adam8bit_blockwise, adam_fused, dynamic_map, n_blocks, Adam8bitBuffers, Adam8bitConfig,
+//!     AdamBuffers, AdamConfig, GradScaling, StepOutcome,
+//! };
+//!
+//! let cfg = AdamConfig::adamw();
+//! let mut param = vec![1.0f32; 4];
+//! let grad = vec![0.5f32, -0.5, 1.0, 0.0];
+//! let (mut exp_avg, mut exp_avg_sq) = (vec![0.0; 4], vec![0.0; 4]);
+//! for step in 1..=2 {
+//!     let bufs = AdamBuffers {
+//!         param: &mut param,
+//!         grad: &grad,
+//!         exp_avg: &mut exp_avg,
+//!         exp_avg_sq: &mut exp_avg_sq,
+//!         max_exp_avg_sq: None,
+//!     };
+//!     assert_eq!(adam_fused(&cfg, step, bufs, GradScaling::NONE)?, StepOutcome::Stepped);
+//! }
+//! // Adam moves each coordinate by about lr against the gradient's sign.
+//! assert!((param[0] - (1.0 - 2e-3 - 2e-5)).abs() < 1e-6);
+//!
+//! // A step whose gradients overflowed is skipped inside the kernel.
+//! let skip = GradScaling { grad_scale: Some(1024.0), found_inf: Some(1.0) };
+//! let bufs = AdamBuffers {
+//!     param: &mut param,
+//!     grad: &grad,
+//!     exp_avg: &mut exp_avg,
+//!     exp_avg_sq: &mut exp_avg_sq,
+//!     max_exp_avg_sq: None,
+//! };
+//! assert_eq!(adam_fused(&cfg, 3, bufs, skip)?, StepOutcome::Skipped);
+//!
+//! // 8-bit state: u8 codes and one f32 scale per block of 256.
+//! let (qmap1, qmap2) = (dynamic_map(true), dynamic_map(false));
+//! let n = 5000;
+//! let mut param = vec![0.1f32; n];
+//! let grad: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+//! let (mut state1, mut state2) = (vec![0u8; n], vec![0u8; n]);
+//! let (mut absmax1, mut absmax2) = (vec![0.0f32; n_blocks(n)], vec![0.0f32; n_blocks(n)]);
+//! let bufs = Adam8bitBuffers {
+//!     param: &mut param,
+//!     grad: &grad,
+//!     state1: &mut state1,
+//!     state2: &mut state2,
+//!     absmax1: &mut absmax1,
+//!     absmax2: &mut absmax2,
+//! };
+//! adam8bit_blockwise(&Adam8bitConfig::adam(), 1, &qmap1, &qmap2, bufs, GradScaling::NONE)?;
+//! assert!(param.iter().zip(&grad).all(|(p, g)| *g == 0.0 || (*p < 0.1) == (*g > 0.0)));
+//! # Ok::<(), headroom_optim::OptimError>(())
+//! ```
+
+pub mod kernels;
+
+mod adafactor;
+mod adam;
+mod adam8bit;
+mod error;
+mod host;
+mod optimizer;
+mod scheduler;
+mod sgd;
+
+pub use adafactor::{Adafactor, AdafactorState};
+pub use adam::{Adam, AdamState};
+pub use adam8bit::{bnb_maps, Adam8bit, Adam8bitState};
+pub use error::OptimError;
+pub use optimizer::{
+    ForeachItem, GroupOptimizer, Implementation, NamedTensors, Optimizer, ParamGroup, UpdateRule,
+    DEFAULT_FOREACH_CHUNK,
+};
+pub use scheduler::{LrScheduler, Schedule};
+pub use sgd::{Sgd, SgdState};

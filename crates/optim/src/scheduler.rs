@@ -1,0 +1,164 @@
+//! Learning-rate schedules that drive an optimizer's groups, with PyTorch's closed forms.
+//!
+//! [`LrScheduler`] remembers each group's base learning rate when it is created, sets the
+//! learning rate of step 0 at once, and on every [`LrScheduler::step`] (once per optimizer
+//! step, after it, as in PyTorch) sets each group's rate for the next step. It works through
+//! the object-safe [`Optimizer`] trait, so one scheduler drives any algorithm.
+
+use crate::error::OptimError;
+use crate::optimizer::Optimizer;
+
+/// A schedule: the learning rate at step `t` from a group's base rate.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Schedule {
+    /// `torch.optim.lr_scheduler.LinearLR(start_factor, end_factor=1, total_iters)`: the factor
+    /// goes linearly from `start_factor` to 1 over `warmup_steps`, then stays at 1.
+    LinearWarmup {
+        /// Factor of the base rate at step 0.
+        start_factor: f64,
+        /// Steps to reach the base rate.
+        warmup_steps: u64,
+    },
+    /// `StepLR(step_size, gamma)`: `base · gamma^(t / step_size)`.
+    Step {
+        /// Steps between decays.
+        step_size: u64,
+        /// Multiplicative decay.
+        gamma: f64,
+    },
+    /// `CosineAnnealingLR(T_max, eta_min)` (closed form):
+    /// `eta_min + (base - eta_min)·(1 + cos(π·t/T_max))/2`.
+    Cosine {
+        /// Half-period in steps.
+        t_max: u64,
+        /// Floor.
+        eta_min: f64,
+    },
+    /// `OneCycleLR(max_lr, total_steps, pct_start, anneal_strategy='cos', div_factor,
+    /// final_div_factor, three_phase=False)`; the base rate is ignored.
+    OneCycle {
+        /// Peak learning rate.
+        max_lr: f64,
+        /// Length of the cycle.
+        total_steps: u64,
+        /// Fraction of the cycle spent increasing.
+        pct_start: f64,
+        /// `initial_lr = max_lr / div_factor`.
+        div_factor: f64,
+        /// `min_lr = initial_lr / final_div_factor`.
+        final_div_factor: f64,
+    },
+}
+
+impl Schedule {
+    /// One-cycle with PyTorch's defaults (pct_start 0.3, div_factor 25, final_div_factor 1e4).
+    pub fn one_cycle(max_lr: f64, total_steps: u64) -> Schedule {
+        Schedule::OneCycle {
+            max_lr,
+            total_steps,
+            pct_start: 0.3,
+            div_factor: 25.0,
+            final_div_factor: 1e4,
+        }
+    }
+
+    /// The learning rate at step `t` for a group whose base rate is `base`.
+    pub fn lr_at(&self, base: f64, t: u64) -> f64 {
+        match *self {
+            Schedule::LinearWarmup {
+                start_factor,
+                warmup_steps,
+            } => {
+                if warmup_steps == 0 {
+                    return base;
+                }
+                let progress = t.min(warmup_steps) as f64 / warmup_steps as f64;
+                base * (start_factor + (1.0 - start_factor) * progress)
+            }
+            Schedule::Step { step_size, gamma } => base * gamma.powi((t / step_size.max(1)) as i32),
+            Schedule::Cosine { t_max, eta_min } => {
+                let phase = std::f64::consts::PI * t as f64 / t_max.max(1) as f64;
+                eta_min + (base - eta_min) * (1.0 + phase.cos()) / 2.0
+            }
+            Schedule::OneCycle {
+                max_lr,
+                total_steps,
+                pct_start,
+                div_factor,
+                final_div_factor,
+            } => {
+                let initial = max_lr / div_factor;
+                let min_lr = initial / final_div_factor;
+                let end_up = pct_start * total_steps as f64 - 1.0;
+                let end_down = total_steps as f64 - 1.0;
+                let anneal = |start: f64, end: f64, pct: f64| {
+                    end + (start - end) / 2.0 * ((std::f64::consts::PI * pct).cos() + 1.0)
+                };
+                let t = t as f64;
+                if t <= end_up {
+                    anneal(initial, max_lr, t / end_up)
+                } else {
+                    anneal(max_lr, min_lr, (t - end_up) / (end_down - end_up))
+                }
+            }
+        }
+    }
+}
+
+/// Drives the learning rates of an optimizer's groups along a [`Schedule`].
+#[derive(Debug, Clone)]
+pub struct LrScheduler {
+    schedule: Schedule,
+    base_lrs: Vec<f64>,
+    last_step: u64,
+}
+
+impl LrScheduler {
+    /// Records the groups' current rates as base rates and sets the rate of step 0.
+    pub fn new(
+        schedule: Schedule,
+        optimizer: &mut dyn Optimizer,
+    ) -> Result<LrScheduler, OptimError> {
+        if let Schedule::OneCycle { total_steps, .. } = schedule {
+            if total_steps < 2 {
+                return Err(OptimError::InvalidArgument {
+                    op: "LrScheduler",
+                    reason: format!("one-cycle needs at least 2 steps, got {total_steps}"),
+                });
+            }
+        }
+        let base_lrs = (0..optimizer.n_groups()).map(|g| optimizer.lr(g)).collect();
+        let res = LrScheduler {
+            schedule,
+            base_lrs,
+            last_step: 0,
+        };
+        res.apply(optimizer);
+        Ok(res)
+    }
+
+    /// Advances one step and sets every group's rate.
+    pub fn step(&mut self, optimizer: &mut dyn Optimizer) {
+        self.last_step += 1;
+        self.apply(optimizer);
+    }
+
+    /// Steps taken so far.
+    pub fn last_step(&self) -> u64 {
+        self.last_step
+    }
+
+    /// The rates the groups have now (PyTorch's `get_last_lr()`).
+    pub fn last_lrs(&self) -> Vec<f64> {
+        self.base_lrs
+            .iter()
+            .map(|&base| self.schedule.lr_at(base, self.last_step))
+            .collect()
+    }
+
+    fn apply(&self, optimizer: &mut dyn Optimizer) {
+        for (group, lr) in self.last_lrs().into_iter().enumerate() {
+            optimizer.set_lr(group, lr);
+        }
+    }
+}
