@@ -220,3 +220,25 @@ CASTS_FROM(long long, i64)
 CASTS_FROM(int, i32)
 CASTS_FROM(unsigned char, u8)
 CASTS_FROM(bool, bool)
+
+// Masked ops: op 0 = fill (mask ? c : x), 1 = scale (mask ? x·c : 0). Operands: out, x, mask.
+template <typename T>
+__device__ void masked_kernel(int op, double c, const T* x, const unsigned char* mask, T* out, StridedArgs a) {
+    typedef typename Compute<T>::type C;
+    GRID_STRIDE_LOOP(i, a.numel) {
+        unsigned long long off[3];
+        element_offsets(a, i, off);
+        bool set = mask[off[2]] != 0;
+        C v = op == 0 ? (set ? (C)c : load(x + off[1])) : (set ? load(x + off[1]) * (C)c : (C)0);
+        store(out + off[0], v);
+    }
+}
+#define MASKED(T, N)                                                                             \
+    extern "C" __global__ void masked_##N(int op, double c, const T* x, const unsigned char* m,   \
+                                          T* out, StridedArgs a) {                               \
+        masked_kernel<T>(op, c, x, m, out, a);                                                   \
+    }
+MASKED(float, f32)
+MASKED(double, f64)
+MASKED(__half, f16)
+MASKED(__nv_bfloat16, bf16)

@@ -20,6 +20,8 @@ use parking_lot::Mutex;
 use crate::elementwise;
 use crate::error::CudaError;
 use crate::kernels::KernelCache;
+use crate::matmul::{self, BlasState};
+use crate::rows;
 
 /// The CUDA backend of one device.
 pub struct CudaBackend {
@@ -29,6 +31,17 @@ pub struct CudaBackend {
     pub(crate) kernels: KernelCache,
     allocator: CachingAllocator<CudaStorage>,
     free_errors: Mutex<(u64, Option<AllocError>)>,
+    /// cuBLAS, created on the first matrix product.
+    pub(crate) blas: Mutex<Option<BlasState>>,
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if let Some(state) = self.blas.get_mut().take() {
+            let _ = self.context.bind_to_thread();
+            state.release(self);
+        }
+    }
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -69,6 +82,7 @@ impl CudaBackend {
             kernels: KernelCache::default(),
             allocator: CachingAllocator::new(storage, config),
             free_errors: Mutex::new((0, None)),
+            blas: Mutex::new(None),
         }))
     }
 
@@ -189,12 +203,12 @@ impl Backend for CudaBackend {
         elementwise::binary(self, op, a, b, out)
     }
 
-    fn masked(&self, _op: MaskedOp, _x: View<'_>, _mask: View<'_>, _out: View<'_>) -> Result<()> {
-        Err(not_yet("masked"))
+    fn masked(&self, op: MaskedOp, x: View<'_>, mask: View<'_>, out: View<'_>) -> Result<()> {
+        elementwise::masked(self, op, x, mask, out)
     }
 
-    fn reduce(&self, _op: ReduceOp, _x: View<'_>, _n: usize, _out: View<'_>) -> Result<()> {
-        Err(not_yet("reduce"))
+    fn reduce(&self, op: ReduceOp, x: View<'_>, n_reduced: usize, out: View<'_>) -> Result<()> {
+        rows::reduce(self, op, x, n_reduced, out)
     }
 
     fn reduce_with_index(
@@ -207,31 +221,31 @@ impl Backend for CudaBackend {
         Err(not_yet("reduce_with_index"))
     }
 
-    fn matmul(&self, _a: View<'_>, _b: View<'_>, _out: View<'_>, _accumulate: bool) -> Result<()> {
-        Err(not_yet("matmul"))
+    fn matmul(&self, a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {
+        matmul::matmul(self, a, b, out, accumulate)
     }
 
-    fn softmax(&self, _x: View<'_>, _dim: usize, _log: bool, _out: View<'_>) -> Result<()> {
-        Err(not_yet("softmax"))
+    fn softmax(&self, x: View<'_>, dim: usize, log: bool, out: View<'_>) -> Result<()> {
+        rows::softmax(self, x, dim, log, out)
     }
 
     fn softmax_backward(
         &self,
-        _y: View<'_>,
-        _dy: View<'_>,
-        _dim: usize,
-        _log: bool,
-        _dx: View<'_>,
+        y: View<'_>,
+        dy: View<'_>,
+        dim: usize,
+        log: bool,
+        dx: View<'_>,
     ) -> Result<()> {
-        Err(not_yet("softmax_backward"))
+        rows::softmax_backward(self, y, dy, dim, log, dx)
     }
 
-    fn layer_norm(&self, _args: LayerNormForward<'_>) -> Result<()> {
-        Err(not_yet("layer_norm"))
+    fn layer_norm(&self, args: LayerNormForward<'_>) -> Result<()> {
+        rows::layer_norm(self, args)
     }
 
-    fn layer_norm_backward(&self, _args: LayerNormBackward<'_>) -> Result<()> {
-        Err(not_yet("layer_norm_backward"))
+    fn layer_norm_backward(&self, args: LayerNormBackward<'_>) -> Result<()> {
+        rows::layer_norm_backward(self, args)
     }
 
     fn cross_entropy(

@@ -1,4 +1,4 @@
-//! Launches of `kernels/elementwise.cu`: strided copy/cast, fill, unary and binary ops.
+//! Launches of `kernels/elementwise.cu`: strided copy/cast, fill, unary, binary and masked ops.
 //!
 //! Operands are described to the kernels by one `StridedArgs` (shape, per-operand strides and
 //! offsets, in elements), after merging dimensions that are contiguous in every operand so most
@@ -6,7 +6,7 @@
 //! `BinaryOp`, mirrored by the `switch` statements of the `.cu` file.
 
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use headroom_autograd_core::{BinaryOp, DType, Result, TensorError, UnaryOp, View};
+use headroom_autograd_core::{BinaryOp, DType, MaskedOp, Result, TensorError, UnaryOp, View};
 
 use crate::backend::{device_error, CudaBackend};
 use crate::kernels::Module;
@@ -128,12 +128,16 @@ fn any_suffix(dtype: DType) -> &'static str {
     }
 }
 
-/// The kernel name `{prefix}_{suffix}` as a `'static` string (names are few and fixed).
+/// The kernel name `{prefix}_{suffix}` as a `'static` string.
 fn kernel_name(prefix: &str, suffix: &str) -> &'static str {
+    intern(format!("{prefix}_{suffix}"))
+}
+
+/// `name` as a `'static` string; kernel names are few and fixed, so each is leaked once.
+pub(crate) fn intern(name: String) -> &'static str {
     use std::collections::HashMap;
     use std::sync::OnceLock;
     static NAMES: OnceLock<parking_lot::Mutex<HashMap<String, &'static str>>> = OnceLock::new();
-    let name = format!("{prefix}_{suffix}");
     let mut names = NAMES.get_or_init(Default::default).lock();
     if let Some(&interned) = names.get(&name) {
         return interned;
@@ -236,6 +240,51 @@ pub(crate) fn binary(
         backend,
         "binary",
         kernel_name("binary", suffix),
+        args,
+        &params,
+    )
+}
+
+pub(crate) fn masked(
+    backend: &CudaBackend,
+    op: MaskedOp,
+    x: View<'_>,
+    mask: View<'_>,
+    out: View<'_>,
+) -> Result<()> {
+    if x.dtype != out.dtype {
+        return Err(TensorError::DtypeMismatch {
+            op: "masked",
+            lhs: x.dtype,
+            rhs: out.dtype,
+        });
+    }
+    if !matches!(mask.dtype, DType::Bool | DType::U8) {
+        return Err(TensorError::UnsupportedDtype {
+            op: "masked",
+            dtype: mask.dtype,
+        });
+    }
+    let suffix = float_suffix("masked", x.dtype)?;
+    let args = strided_args("masked", &[&out, &x, &mask])?;
+    if args.numel == 0 {
+        return Ok(());
+    }
+    let (code, scalar) = match op {
+        MaskedOp::Fill(c) => (0i32, c),
+        MaskedOp::Scale(c) => (1i32, c),
+    };
+    let params = [
+        Param::I32(code),
+        Param::F64(scalar),
+        Param::U64(device_address(&x)),
+        Param::U64(device_address(&mask)),
+        Param::U64(device_address(&out)),
+    ];
+    launch(
+        backend,
+        "masked",
+        kernel_name("masked", suffix),
         args,
         &params,
     )

@@ -18,12 +18,15 @@ use crate::error::CudaError;
 pub(crate) enum Module {
     /// `kernels/elementwise.cu`.
     Elementwise,
+    /// `kernels/rows.cu`.
+    Rows,
 }
 
 impl Module {
     fn ptx(self) -> &'static str {
         match self {
             Module::Elementwise => include_str!("../kernels/ptx/elementwise.ptx"),
+            Module::Rows => include_str!("../kernels/ptx/rows.ptx"),
         }
     }
 }

@@ -350,20 +350,296 @@ fn every_byte_comes_from_the_caching_allocator() {
     assert_eq!(after - before, 10_240);
     drop(buffers);
     assert_eq!(gpu.memory_stats().allocated_bytes.all.current, before);
-    let unimplemented = gpu.softmax(
+    let (index, values) = (
+        Buffer::new(&gpu, 8).unwrap(),
+        Buffer::new(&gpu, 16).unwrap(),
+    );
+    let unimplemented = gpu.gather(
         View {
-            buffer: &Buffer::new(&gpu, 16).unwrap(),
+            buffer: &values,
             layout: &Layout::contiguous(&[4]),
             dtype: DType::F32,
         },
         0,
-        false,
         View {
-            buffer: &Buffer::new(&gpu, 16).unwrap(),
-            layout: &Layout::contiguous(&[4]),
+            buffer: &index,
+            layout: &Layout::contiguous(&[1]),
+            dtype: DType::I64,
+        },
+        View {
+            buffer: &values,
+            layout: &Layout::contiguous(&[1]),
             dtype: DType::F32,
         },
     );
-    assert!(unimplemented.unwrap_err().to_string().contains("softmax"));
+    assert!(unimplemented.unwrap_err().to_string().contains("gather"));
     let _: Arc<dyn Backend> = gpu;
+}
+
+/// Runs `f` on both backends and checks the GPU's result against the CPU's.
+fn compare(
+    what: &str,
+    dtype: DType,
+    gpu: &BackendRef,
+    cpu: &BackendRef,
+    f: impl Fn(&BackendRef) -> Vec<f64>,
+) {
+    let (on_gpu, on_cpu) = (f(gpu), f(cpu));
+    check(what, dtype, &on_gpu, &on_cpu);
+}
+
+#[test]
+fn reductions_softmax_and_masks_match_the_cpu() {
+    use headroom_autograd_core::{MaskedOp, ReduceOp};
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Random(0x1234_5678_9abc_def1);
+    let shape = [6, 7, 45];
+    let n: usize = shape.iter().product();
+    let x_layout = Layout::contiguous(&shape);
+    // x read with its last two dims swapped: [6, 45, 7] over the same memory.
+    let swapped = Layout::from_parts(&[6, 45, 7], &[7 * 45, 1, 45], 0);
+    for dtype in FLOATS {
+        let x = input(&mut random, false, n);
+        for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
+            for n_reduced in [1, 2] {
+                compare(
+                    &format!("reduce {op:?} {n_reduced}"),
+                    dtype,
+                    &gpu,
+                    &cpu,
+                    |backend| {
+                        let x_buffer = upload(backend, dtype, &x);
+                        let out_shape = &[6, 45, 7][..3 - n_reduced];
+                        let out_layout = Layout::contiguous(out_shape);
+                        let out = poisoned(backend, dtype, out_layout.numel());
+                        backend
+                            .reduce(
+                                op,
+                                View {
+                                    buffer: &x_buffer,
+                                    layout: &swapped,
+                                    dtype,
+                                },
+                                n_reduced,
+                                View {
+                                    buffer: &out,
+                                    layout: &out_layout,
+                                    dtype,
+                                },
+                            )
+                            .unwrap();
+                        download(backend, dtype, &out)
+                    },
+                );
+            }
+        }
+        let dy = input(&mut random, false, n);
+        for dim in [2, 1] {
+            for log in [false, true] {
+                compare(
+                    &format!("softmax dim {dim} log {log}"),
+                    dtype,
+                    &gpu,
+                    &cpu,
+                    |backend| {
+                        let (xb, gb) = (upload(backend, dtype, &x), upload(backend, dtype, &dy));
+                        let (y, dx) = (poisoned(backend, dtype, n), poisoned(backend, dtype, n));
+                        let view = |buffer| View {
+                            buffer,
+                            layout: &x_layout,
+                            dtype,
+                        };
+                        backend.softmax(view(&xb), dim, log, view(&y)).unwrap();
+                        backend
+                            .softmax_backward(view(&y), view(&gb), dim, log, view(&dx))
+                            .unwrap();
+                        let mut res = download(backend, dtype, &y);
+                        res.extend(download(backend, dtype, &dx));
+                        res
+                    },
+                );
+            }
+        }
+        let mask: Vec<f64> = (0..n)
+            .map(|_| (random.next(0.0, 1.0) < 0.3) as u8 as f64)
+            .collect();
+        for op in [MaskedOp::Fill(-1e4), MaskedOp::Scale(1.25)] {
+            compare(&format!("masked {op:?}"), dtype, &gpu, &cpu, |backend| {
+                let (xb, mb) = (
+                    upload(backend, dtype, &x),
+                    upload(backend, DType::Bool, &mask),
+                );
+                let out = poisoned(backend, dtype, n);
+                backend
+                    .masked(
+                        op,
+                        View {
+                            buffer: &xb,
+                            layout: &x_layout,
+                            dtype,
+                        },
+                        View {
+                            buffer: &mb,
+                            layout: &x_layout,
+                            dtype: DType::Bool,
+                        },
+                        View {
+                            buffer: &out,
+                            layout: &x_layout,
+                            dtype,
+                        },
+                    )
+                    .unwrap();
+                download(backend, dtype, &out)
+            });
+        }
+    }
+}
+
+#[test]
+fn layer_norm_forward_and_backward_match_the_cpu() {
+    use headroom_autograd_core::{LayerNormBackward, LayerNormForward};
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Random(0x0bad_cafe_f00d_d00d);
+    let (rows, width) = (23, 300);
+    let n = rows * width;
+    let layout = Layout::contiguous(&[rows, width]);
+    let row_layout = Layout::contiguous(&[rows]);
+    let param_layout = Layout::contiguous(&[width]);
+    for (dtype, stats) in [
+        (DType::F32, DType::F32),
+        (DType::F64, DType::F64),
+        (DType::F16, DType::F32),
+        (DType::BF16, DType::F32),
+    ] {
+        let x = input(&mut random, false, n);
+        let dy = input(&mut random, false, n);
+        let w = input(&mut random, false, width);
+        let b = input(&mut random, false, width);
+        compare("layer_norm", dtype, &gpu, &cpu, |backend| {
+            let (xb, gb) = (upload(backend, dtype, &x), upload(backend, dtype, &dy));
+            let (wb, bb) = (upload(backend, dtype, &w), upload(backend, dtype, &b));
+            let out = poisoned(backend, dtype, n);
+            let (mean, rstd) = (
+                poisoned(backend, stats, rows),
+                poisoned(backend, stats, rows),
+            );
+            let (dx, dw, db) = (
+                poisoned(backend, dtype, n),
+                poisoned(backend, dtype, width),
+                poisoned(backend, dtype, width),
+            );
+            let full = |buffer| View {
+                buffer,
+                layout: &layout,
+                dtype,
+            };
+            let param = |buffer| View {
+                buffer,
+                layout: &param_layout,
+                dtype,
+            };
+            let stat = |buffer| View {
+                buffer,
+                layout: &row_layout,
+                dtype: stats,
+            };
+            backend
+                .layer_norm(LayerNormForward {
+                    x: full(&xb),
+                    weight: Some(param(&wb)),
+                    bias: Some(param(&bb)),
+                    eps: 1e-5,
+                    out: full(&out),
+                    mean: stat(&mean),
+                    rstd: stat(&rstd),
+                })
+                .unwrap();
+            backend
+                .layer_norm_backward(LayerNormBackward {
+                    dy: full(&gb),
+                    x: full(&xb),
+                    mean: stat(&mean),
+                    rstd: stat(&rstd),
+                    weight: Some(param(&wb)),
+                    dx: Some(full(&dx)),
+                    dweight: Some(param(&dw)),
+                    dbias: Some(param(&db)),
+                })
+                .unwrap();
+            let mut res = download(backend, dtype, &out);
+            for buffer in [&dx, &dw, &db] {
+                res.extend(download(backend, dtype, buffer));
+            }
+            res
+        });
+    }
+}
+
+#[test]
+fn batched_matmul_on_strided_operands_matches_the_cpu() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Random(0x5eed_5eed_5eed_5eed);
+    let (batch, heads, m, k, n) = (3, 4, 33, 17, 29);
+    for dtype in FLOATS {
+        let a = input(&mut random, false, batch * heads * m * k);
+        let b = input(&mut random, false, heads * k * n);
+        let c0 = input(&mut random, false, batch * heads * m * n);
+        compare("matmul", dtype, &gpu, &cpu, |backend| {
+            let (ab, bb) = (upload(backend, dtype, &a), upload(backend, dtype, &b));
+            // a: [batch, heads, m, k] contiguous; b: [heads, k, n] broadcast over batch and
+            // read transposed from [heads, n, k] memory.
+            let a_layout = Layout::contiguous(&[batch, heads, m, k]);
+            let b_layout = Layout::from_parts(&[batch, heads, k, n], &[0, n * k, 1, k], 0);
+            let out_layout = Layout::contiguous(&[batch, heads, m, n]);
+            let out = upload(backend, dtype, &c0);
+            backend
+                .matmul(
+                    View {
+                        buffer: &ab,
+                        layout: &a_layout,
+                        dtype,
+                    },
+                    View {
+                        buffer: &bb,
+                        layout: &b_layout,
+                        dtype,
+                    },
+                    View {
+                        buffer: &out,
+                        layout: &out_layout,
+                        dtype,
+                    },
+                    true,
+                )
+                .unwrap();
+            let fresh = poisoned(backend, dtype, batch * heads * m * n);
+            backend
+                .matmul(
+                    View {
+                        buffer: &ab,
+                        layout: &a_layout,
+                        dtype,
+                    },
+                    View {
+                        buffer: &bb,
+                        layout: &b_layout,
+                        dtype,
+                    },
+                    View {
+                        buffer: &fresh,
+                        layout: &out_layout,
+                        dtype,
+                    },
+                    false,
+                )
+                .unwrap();
+            let mut res = download(backend, dtype, &out);
+            res.extend(download(backend, dtype, &fresh));
+            res
+        });
+    }
+    // The cuBLAS workspace is an allocation of the backend's own caching allocator.
+    let allocated = gpu.memory_stats().allocated_bytes.all.current;
+    assert!(allocated >= 32 << 20, "workspace not counted: {allocated}");
 }

@@ -1,0 +1,246 @@
+// Row kernels of the CUDA backend: reductions over trailing dims, softmax and log-softmax along
+// a dim (forward and backward), and layer norm (forward and backward).
+//
+// One block handles one row (a lane of the reduced or normalised elements) at a time, its
+// threads striding along the row and combining through warp shuffles and shared memory;
+// accumulation is in double for f64 and in float otherwise. The Rust side
+// (crates/ops-cuda/src/rows.rs) describes operands with the structs below, field for field.
+// Built to PTX by `cargo xtask build-kernels`.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <float.h>
+
+#define MAX_DIMS 8
+#define THREADS 256
+
+// Row r's element j of operand k is at offsets[k] + Σ outer index·outer_strides[k]
+// + Σ inner index·inner_strides[k] (inner dims are shared by all operands of a lane kernel).
+struct RowArgs {
+    unsigned int outer_ndim;
+    unsigned int inner_ndim;
+    unsigned long long rows;
+    unsigned long long len;
+    unsigned long long outer_shape[MAX_DIMS];
+    unsigned long long outer_strides[3][MAX_DIMS];
+    unsigned long long inner_shape[MAX_DIMS];
+    unsigned long long inner_strides[3][MAX_DIMS];
+    unsigned long long offsets[3];
+};
+
+__device__ __forceinline__ unsigned long long walk(unsigned long long i, unsigned int ndim,
+                                                   const unsigned long long* shape,
+                                                   const unsigned long long* strides) {
+    unsigned long long off = 0;
+    for (int d = (int)ndim - 1; d >= 0; --d) {
+        off += (i % shape[d]) * strides[d];
+        i /= shape[d];
+    }
+    return off;
+}
+
+__device__ __forceinline__ unsigned long long row_base(const RowArgs& a, int k, unsigned long long r) {
+    return a.offsets[k] + walk(r, a.outer_ndim, a.outer_shape, a.outer_strides[k]);
+}
+__device__ __forceinline__ unsigned long long inner_off(const RowArgs& a, int k, unsigned long long j) {
+    return walk(j, a.inner_ndim, a.inner_shape, a.inner_strides[k]);
+}
+
+template <typename T> struct Acc { typedef float type; };
+template <> struct Acc<double> { typedef double type; };
+
+template <typename T> __device__ __forceinline__ typename Acc<T>::type ld(const T* p) { return (typename Acc<T>::type)(*p); }
+template <> __device__ __forceinline__ float ld<__half>(const __half* p) { return __half2float(*p); }
+template <> __device__ __forceinline__ float ld<__nv_bfloat16>(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+template <typename T, typename V> __device__ __forceinline__ void st(T* p, V v) { *p = (T)v; }
+template <> __device__ __forceinline__ void st<__half, float>(__half* p, float v) { *p = __float2half(v); }
+template <> __device__ __forceinline__ void st<__nv_bfloat16, float>(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
+template <> __device__ __forceinline__ void st<__half, double>(__half* p, double v) { *p = __double2half(v); }
+template <> __device__ __forceinline__ void st<__nv_bfloat16, double>(__nv_bfloat16* p, double v) { *p = __double2bfloat16(v); }
+
+__device__ __forceinline__ float m_exp(float x) { return expf(x); }
+__device__ __forceinline__ double m_exp(double x) { return exp(x); }
+__device__ __forceinline__ float m_log(float x) { return logf(x); }
+__device__ __forceinline__ double m_log(double x) { return log(x); }
+__device__ __forceinline__ float m_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double m_sqrt(double x) { return sqrt(x); }
+
+// op: 0 sum, 1 max, 2 min.
+template <typename C> __device__ __forceinline__ C combine(int op, C a, C b) {
+    return op == 0 ? a + b : (op == 1 ? (a > b ? a : b) : (a < b ? a : b));
+}
+template <typename C> __device__ __forceinline__ C identity(int op);
+template <> __device__ __forceinline__ float identity<float>(int op) { return op == 0 ? 0.0f : (op == 1 ? -FLT_MAX * 2.0f : FLT_MAX * 2.0f); }
+template <> __device__ __forceinline__ double identity<double>(int op) { return op == 0 ? 0.0 : (op == 1 ? -DBL_MAX * 2.0 : DBL_MAX * 2.0); }
+
+// Combines `v` across the block; every thread gets the result. `scratch` holds THREADS/32 values.
+template <typename C> __device__ C block_combine(int op, C v, C* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v = combine(op, v, __shfl_xor_sync(0xffffffff, v, o));
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < THREADS / 32 ? scratch[lane] : identity<C>(op);
+    for (int o = 16; o > 0; o >>= 1) v = combine(op, v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+
+// Reduce: operand 0 = out (inner dims ignored), 1 = x. op: 0 sum, 1 mean, 2 max, 3 min.
+template <typename T> __device__ void reduce_rows(int op, const T* x, T* out, RowArgs a) {
+    typedef typename Acc<T>::type C;
+    __shared__ C scratch[THREADS / 32];
+    int kind = op == 1 ? 0 : (op == 0 ? 0 : op - 1);
+    for (unsigned long long r = blockIdx.x; r < a.rows; r += gridDim.x) {
+        unsigned long long xb = row_base(a, 1, r);
+        C acc = identity<C>(kind);
+        for (unsigned long long j = threadIdx.x; j < a.len; j += blockDim.x)
+            acc = combine(kind, acc, ld(x + xb + inner_off(a, 1, j)));
+        acc = block_combine(kind, acc, scratch);
+        if (op == 1) acc = acc / (C)a.len;
+        if (threadIdx.x == 0) st(out + row_base(a, 0, r), acc);
+    }
+}
+
+// Softmax along the inner (single) dim: operand 0 = out, 1 = x.
+template <typename T> __device__ void softmax_rows(int log_softmax, const T* x, T* out, RowArgs a) {
+    typedef typename Acc<T>::type C;
+    __shared__ C scratch[THREADS / 32];
+    for (unsigned long long r = blockIdx.x; r < a.rows; r += gridDim.x) {
+        unsigned long long ob = row_base(a, 0, r), xb = row_base(a, 1, r);
+        C mx = identity<C>(1);
+        for (unsigned long long j = threadIdx.x; j < a.len; j += blockDim.x)
+            mx = combine(1, mx, ld(x + xb + inner_off(a, 1, j)));
+        mx = block_combine(1, mx, scratch);
+        C sum = 0;
+        for (unsigned long long j = threadIdx.x; j < a.len; j += blockDim.x)
+            sum += m_exp(ld(x + xb + inner_off(a, 1, j)) - mx);
+        sum = block_combine(0, sum, scratch);
+        C log_sum = m_log(sum);
+        for (unsigned long long j = threadIdx.x; j < a.len; j += blockDim.x) {
+            C shifted = ld(x + xb + inner_off(a, 1, j)) - mx;
+            st(out + ob + inner_off(a, 0, j), log_softmax ? shifted - log_sum : m_exp(shifted) / sum);
+        }
+    }
+}
+
+// Softmax backward: operand 0 = dx, 1 = y, 2 = dy.
+template <typename T> __device__ void softmax_backward_rows(int log_softmax, const T* y, const T* dy, T* dx, RowArgs a) {
+    typedef typename Acc<T>::type C;
+    __shared__ C scratch[THREADS / 32];
+    for (unsigned long long r = blockIdx.x; r < a.rows; r += gridDim.x) {
+        unsigned long long db = row_base(a, 0, r), yb = row_base(a, 1, r), gb = row_base(a, 2, r);
+        C dot = 0;
+        for (unsigned long long j = threadIdx.x; j < a.len; j += blockDim.x) {
+            C g = ld(dy + gb + inner_off(a, 2, j));
+            dot += log_softmax ? g : g * ld(y + yb + inner_off(a, 1, j));
+        }
+        dot = block_combine(0, dot, scratch);
+        for (unsigned long long j = threadIdx.x; j < a.len; j += blockDim.x) {
+            C yv = ld(y + yb + inner_off(a, 1, j)), g = ld(dy + gb + inner_off(a, 2, j));
+            st(dx + db + inner_off(a, 0, j), log_softmax ? g - m_exp(yv) * dot : yv * (g - dot));
+        }
+    }
+}
+
+// Layer norm over dense rows of n: x, out [rows, n]; mean, rstd [rows] in S; weight/bias may be null.
+template <typename T, typename S>
+__device__ void layer_norm_rows(const T* x, const T* w, unsigned long long ws, const T* b, unsigned long long bs,
+                                T* out, S* mean_out, S* rstd_out, double eps, unsigned long long rows,
+                                unsigned long long n) {
+    typedef typename Acc<S>::type C;
+    __shared__ C scratch[THREADS / 32];
+    for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* xr = x + r * n;
+        C sum = 0;
+        for (unsigned long long j = threadIdx.x; j < n; j += blockDim.x) sum += (C)ld(xr + j);
+        C mean = block_combine(0, sum, scratch) / (C)n;
+        C sq = 0;
+        for (unsigned long long j = threadIdx.x; j < n; j += blockDim.x) { C d = (C)ld(xr + j) - mean; sq += d * d; }
+        C var = block_combine(0, sq, scratch) / (C)n;
+        C rstd = (C)1 / m_sqrt(var + (C)eps);
+        for (unsigned long long j = threadIdx.x; j < n; j += blockDim.x) {
+            C v = ((C)ld(xr + j) - mean) * rstd;
+            if (w) v *= (C)ld(w + j * ws);
+            if (b) v += (C)ld(b + j * bs);
+            st(out + r * n + j, v);
+        }
+        if (threadIdx.x == 0) { st(mean_out + r, mean); st(rstd_out + r, rstd); }
+    }
+}
+
+// Layer norm backward, input gradient: dx = rstd·(g − mean(g) − x̂·mean(g·x̂)), g = dy·w.
+template <typename T, typename S>
+__device__ void layer_norm_backward_rows(const T* dy, const T* x, const S* mean_in, const S* rstd_in, const T* w,
+                                         unsigned long long ws, T* dx, unsigned long long rows, unsigned long long n) {
+    typedef typename Acc<S>::type C;
+    __shared__ C scratch[THREADS / 32];
+    for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        C mean = (C)ld(mean_in + r), rstd = (C)ld(rstd_in + r);
+        C sg = 0, sgx = 0;
+        for (unsigned long long j = threadIdx.x; j < n; j += blockDim.x) {
+            C g = (C)ld(dy + r * n + j) * (w ? (C)ld(w + j * ws) : (C)1);
+            C xh = ((C)ld(x + r * n + j) - mean) * rstd;
+            sg += g;
+            sgx += g * xh;
+        }
+        C mean_g = block_combine(0, sg, scratch) / (C)n;
+        C mean_gx = block_combine(0, sgx, scratch) / (C)n;
+        for (unsigned long long j = threadIdx.x; j < n; j += blockDim.x) {
+            C g = (C)ld(dy + r * n + j) * (w ? (C)ld(w + j * ws) : (C)1);
+            C xh = ((C)ld(x + r * n + j) - mean) * rstd;
+            st(dx + r * n + j, rstd * (g - mean_g - xh * mean_gx));
+        }
+    }
+}
+
+// Layer norm backward, parameter gradients: one thread per column sums over the rows.
+template <typename T, typename S>
+__device__ void layer_norm_param_grads(const T* dy, const T* x, const S* mean_in, const S* rstd_in,
+                                       T* dw, unsigned long long dws, T* db, unsigned long long dbs,
+                                       unsigned long long rows, unsigned long long n) {
+    typedef typename Acc<S>::type C;
+    for (unsigned long long j = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; j < n;
+         j += (unsigned long long)gridDim.x * blockDim.x) {
+        C gw = 0, gb = 0;
+        for (unsigned long long r = 0; r < rows; ++r) {
+            C g = (C)ld(dy + r * n + j);
+            gw += g * ((C)ld(x + r * n + j) - (C)ld(mean_in + r)) * (C)ld(rstd_in + r);
+            gb += g;
+        }
+        if (dw) st(dw + j * dws, gw);
+        if (db) st(db + j * dbs, gb);
+    }
+}
+
+#define ROW_KERNELS(T, N)                                                                                  \
+    extern "C" __global__ void reduce_##N(int op, const T* x, T* out, RowArgs a) { reduce_rows<T>(op, x, out, a); } \
+    extern "C" __global__ void softmax_##N(int l, const T* x, T* out, RowArgs a) { softmax_rows<T>(l, x, out, a); } \
+    extern "C" __global__ void softmax_backward_##N(int l, const T* y, const T* dy, T* dx, RowArgs a) {       \
+        softmax_backward_rows<T>(l, y, dy, dx, a);                                                         \
+    }
+ROW_KERNELS(float, f32)
+ROW_KERNELS(double, f64)
+ROW_KERNELS(__half, f16)
+ROW_KERNELS(__nv_bfloat16, bf16)
+
+#define LN_KERNELS(T, S, N)                                                                                \
+    extern "C" __global__ void layer_norm_##N(const T* x, const T* w, unsigned long long ws, const T* b,   \
+                                              unsigned long long bs, T* out, S* mean, S* rstd, double eps,  \
+                                              unsigned long long rows, unsigned long long n) {              \
+        layer_norm_rows<T, S>(x, w, ws, b, bs, out, mean, rstd, eps, rows, n);                             \
+    }                                                                                                       \
+    extern "C" __global__ void layer_norm_backward_##N(const T* dy, const T* x, const S* mean, const S* rstd, \
+                                                       const T* w, unsigned long long ws, T* dx,             \
+                                                       unsigned long long rows, unsigned long long n) {      \
+        layer_norm_backward_rows<T, S>(dy, x, mean, rstd, w, ws, dx, rows, n);                             \
+    }                                                                                                       \
+    extern "C" __global__ void layer_norm_param_grads_##N(const T* dy, const T* x, const S* mean,          \
+                                                          const S* rstd, T* dw, unsigned long long dws,     \
+                                                          T* db, unsigned long long dbs,                    \
+                                                          unsigned long long rows, unsigned long long n) {  \
+        layer_norm_param_grads<T, S>(dy, x, mean, rstd, dw, dws, db, dbs, rows, n);                        \
+    }
+LN_KERNELS(float, float, f32_f32)
+LN_KERNELS(double, double, f64_f64)
+LN_KERNELS(__half, float, f16_f32)
+LN_KERNELS(__nv_bfloat16, float, bf16_f32)

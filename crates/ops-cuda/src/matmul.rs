@@ -1,0 +1,293 @@
+//! Batched GEMM through cuBLAS, on strided operands, with its workspace from the caching
+//! allocator.
+//!
+//! Row-major `out = a @ b` is computed as the column-major `outᵀ = bᵀ · aᵀ`, so an operand whose
+//! rows are contiguous is passed as is and a transposed one (contiguous columns) with the
+//! transpose flag: transposes cost no copy. Batch dims are merged where every operand steps
+//! through them uniformly and passed as one strided batch (stride 0 for a broadcast operand);
+//! any other batch dims are looped over. f32 and f64 compute in their own precision (no TF32
+//! unless asked for; not yet exposed), f16 and bf16 in f32.
+//!
+//! The cuBLAS handle and its 32 MiB workspace (PyTorch's size on Hopper) are created on the first
+//! product; the workspace is an allocation of the backend's caching allocator, so it shows in
+//! `memory_allocated()` as PyTorch's does.
+
+use std::ffi::c_void;
+
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use headroom_autograd_core::{DType, Result, TensorError, View};
+use headroom_caching_allocator::{Allocation, StreamId};
+
+use crate::backend::{device_error, CudaBackend};
+
+/// Bytes of cuBLAS workspace.
+const WORKSPACE_BYTES: u64 = 32 << 20;
+
+/// A cuBLAS handle and the workspace lent to it.
+#[derive(Debug)]
+pub(crate) struct BlasState {
+    handle: Handle,
+    workspace: Option<Allocation>,
+}
+
+#[derive(Debug)]
+struct Handle(blas_sys::cublasHandle_t);
+
+// SAFETY: a cuBLAS handle may be used from any thread as long as calls do not overlap; the
+// backend keeps it behind a mutex and binds its context before each call.
+unsafe impl Send for Handle {}
+
+impl BlasState {
+    /// Returns the workspace to the allocator and destroys the handle.
+    pub(crate) fn release(mut self, backend: &CudaBackend) {
+        // SAFETY: the handle was created by `create_handle` and is destroyed once, here.
+        // Errors cannot be reported from a drop; the workspace goes back either way.
+        let _ = unsafe { blas::destroy_handle(self.handle.0) };
+        if let Some(workspace) = self.workspace.take() {
+            let _ = backend.allocator().free(workspace);
+        }
+    }
+}
+
+/// One operand matrix for cuBLAS: its transpose flag, leading dimension and element address.
+#[derive(Debug, Clone, Copy)]
+struct Matrix {
+    op: blas_sys::cublasOperation_t,
+    ld: i32,
+}
+
+/// `x` (row-major `[rows, cols]` with strides `(rs, cs)`) as the column-major `xᵀ` cuBLAS wants:
+/// contiguous rows pass untransposed, contiguous columns pass with the transpose flag.
+fn as_transposed(rows: usize, cols: usize, rs: usize, cs: usize) -> Option<Matrix> {
+    if cs == 1 || cols == 1 {
+        let ld = rs.max(cols).max(1);
+        Some(Matrix {
+            op: blas_sys::cublasOperation_t::CUBLAS_OP_N,
+            ld: ld.try_into().ok()?,
+        })
+    } else if rs == 1 || rows == 1 {
+        let ld = cs.max(rows).max(1);
+        Some(Matrix {
+            op: blas_sys::cublasOperation_t::CUBLAS_OP_T,
+            ld: ld.try_into().ok()?,
+        })
+    } else {
+        None
+    }
+}
+
+fn unsupported_strides(view: &View<'_>) -> TensorError {
+    TensorError::InvalidArgument {
+        op: "matmul",
+        reason: format!(
+            "operand strides {:?} have neither contiguous rows nor contiguous columns \
+             (make it contiguous first)",
+            view.layout.strides()
+        ),
+    }
+}
+
+/// `out (+)= a @ b` over equal batch dims.
+pub(crate) fn matmul(
+    backend: &CudaBackend,
+    a: View<'_>,
+    b: View<'_>,
+    out: View<'_>,
+    accumulate: bool,
+) -> Result<()> {
+    let nd = out.layout.ndim();
+    let (sa, sb, so) = (a.layout.shape(), b.layout.shape(), out.layout.shape());
+    let fits = nd >= 2
+        && a.layout.ndim() == nd
+        && b.layout.ndim() == nd
+        && sa[..nd - 2] == so[..nd - 2]
+        && sb[..nd - 2] == so[..nd - 2]
+        && sa[nd - 2] == so[nd - 2]
+        && sb[nd - 1] == so[nd - 1]
+        && sa[nd - 1] == sb[nd - 2];
+    if !fits {
+        return Err(TensorError::ShapeMismatch {
+            op: "matmul",
+            lhs: sa.to_vec(),
+            rhs: sb.to_vec(),
+        });
+    }
+    if a.dtype != b.dtype || a.dtype != out.dtype {
+        return Err(TensorError::DtypeMismatch {
+            op: "matmul",
+            lhs: a.dtype,
+            rhs: b.dtype,
+        });
+    }
+    let (data_type, compute) = match a.dtype {
+        DType::F32 => (
+            blas_sys::cudaDataType::CUDA_R_32F,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        DType::F64 => (
+            blas_sys::cudaDataType::CUDA_R_64F,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+        ),
+        DType::F16 => (
+            blas_sys::cudaDataType::CUDA_R_16F,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        DType::BF16 => (
+            blas_sys::cudaDataType::CUDA_R_16BF,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        dtype => {
+            return Err(TensorError::UnsupportedDtype {
+                op: "matmul",
+                dtype,
+            })
+        }
+    };
+    let (m, k, n) = (so[nd - 2], sa[nd - 1], so[nd - 1]);
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let stride = |view: &View<'_>, d: usize| view.layout.strides()[d];
+    let lhs = as_transposed(m, k, stride(&a, nd - 2), stride(&a, nd - 1))
+        .ok_or_else(|| unsupported_strides(&a))?;
+    let rhs = as_transposed(k, n, stride(&b, nd - 2), stride(&b, nd - 1))
+        .ok_or_else(|| unsupported_strides(&b))?;
+    if stride(&out, nd - 1) != 1 && n != 1 {
+        return Err(unsupported_strides(&out));
+    }
+    let ldc: i32 = stride(&out, nd - 2)
+        .max(n)
+        .try_into()
+        .map_err(|_| unsupported_strides(&out))?;
+
+    // Merge batch dims that all three operands step through uniformly.
+    let mut batch: Vec<(usize, [usize; 3])> = Vec::new();
+    for (d, &size) in so[..nd - 2].iter().enumerate() {
+        if size == 1 {
+            continue;
+        }
+        let strides = [stride(&out, d), stride(&a, d), stride(&b, d)];
+        if let Some((last_size, last_strides)) = batch.last_mut() {
+            if (0..3).all(|i| last_strides[i] == strides[i] * size) {
+                *last_size *= size;
+                *last_strides = strides;
+                continue;
+            }
+        }
+        batch.push((size, strides));
+    }
+    let (inner_count, inner_strides) = batch.pop().unwrap_or((1, [0, 0, 0]));
+    let outer_count: usize = batch.iter().map(|(size, _)| size).product();
+
+    let element = a.dtype.size_in_bytes() as u64;
+    let address = |view: &View<'_>| view.buffer.address() + view.layout.offset() as u64 * element;
+    let (a0, b0, out0) = (address(&a), address(&b), address(&out));
+    let (m, n, k) = (to_int(m)?, to_int(n)?, to_int(k)?);
+    let batch_count = to_int(inner_count)?;
+    let (alpha32, beta32) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+    let (alpha64, beta64) = (1.0f64, if accumulate { 1.0f64 } else { 0.0 });
+    let (alpha, beta): (*const c_void, *const c_void) = if a.dtype == DType::F64 {
+        (
+            (&alpha64 as *const f64).cast(),
+            (&beta64 as *const f64).cast(),
+        )
+    } else {
+        (
+            (&alpha32 as *const f32).cast(),
+            (&beta32 as *const f32).cast(),
+        )
+    };
+
+    let state = backend.blas_state()?;
+    let handle = state.handle.0;
+    for outer in 0..outer_count {
+        // Offsets of this outer batch index, in elements.
+        let mut rest = outer;
+        let mut offsets = [0usize; 3];
+        for (size, strides) in batch.iter().rev() {
+            let index = rest % size;
+            rest /= size;
+            for i in 0..3 {
+                offsets[i] += index * strides[i];
+            }
+        }
+        let at = |base: u64, i: usize| base + offsets[i] as u64 * element;
+        // SAFETY: the handle is live and bound to this context's stream; every address is an
+        // element of a live buffer, and the matrices' extents (m, n, k, leading dims, batch
+        // strides) are those of views the core checked against their buffers; alpha and beta
+        // point to scalars of the compute type that outlive the call.
+        unsafe {
+            blas::gemm_strided_batched_ex(
+                handle,
+                rhs.op,
+                lhs.op,
+                n,
+                m,
+                k,
+                alpha,
+                at(b0, 2) as *const c_void,
+                data_type,
+                rhs.ld,
+                inner_strides[2] as i64,
+                at(a0, 1) as *const c_void,
+                data_type,
+                lhs.ld,
+                inner_strides[1] as i64,
+                beta,
+                at(out0, 0) as *mut c_void,
+                data_type,
+                ldc,
+                inner_strides[0] as i64,
+                batch_count,
+                compute,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| device_error("matmul", e))?;
+    }
+    drop(state);
+    Ok(())
+}
+
+fn to_int(value: usize) -> Result<i32> {
+    value.try_into().map_err(|_| TensorError::InvalidArgument {
+        op: "matmul",
+        reason: format!("dimension {value} exceeds cuBLAS's 32-bit sizes"),
+    })
+}
+
+impl CudaBackend {
+    /// The cuBLAS state, created on first use (handle on the default stream, workspace from the
+    /// caching allocator).
+    fn blas_state(&self) -> Result<parking_lot::MappedMutexGuard<'_, BlasState>> {
+        self.bind("matmul")?;
+        let mut guard = self.blas.lock();
+        if guard.is_none() {
+            let handle = blas::create_handle().map_err(|e| device_error("matmul", e))?;
+            let workspace = self
+                .allocator()
+                .allocate(WORKSPACE_BYTES, StreamId::DEFAULT)?;
+            // SAFETY: the handle was just created; the stream is the context's default stream;
+            // the workspace is a live device allocation of WORKSPACE_BYTES that the state keeps
+            // until the handle is destroyed.
+            unsafe {
+                blas::set_stream(handle, self.stream.cu_stream() as blas_sys::cudaStream_t)
+                    .map_err(|e| device_error("matmul", e))?;
+                blas_sys::cublasSetWorkspace_v2(
+                    handle,
+                    workspace.address() as *mut c_void,
+                    WORKSPACE_BYTES as usize,
+                )
+                .result()
+                .map_err(|e| device_error("matmul", e))?;
+            }
+            *guard = Some(BlasState {
+                handle: Handle(handle),
+                workspace: Some(workspace),
+            });
+        }
+        Ok(parking_lot::MutexGuard::map(guard, |state| {
+            state.as_mut().expect("created above")
+        }))
+    }
+}

@@ -1,0 +1,462 @@
+//! Launches of `kernels/rows.cu`: reductions over trailing dims, softmax along a dim (forward and
+//! backward) and layer norm (forward and backward).
+//!
+//! Operands are described by one `RowArgs`: the outer dims that pick a row, and the inner dims
+//! walked within it, with per-operand strides. One block of 256 threads handles a row at a time.
+
+use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use headroom_autograd_core::{
+    DType, LayerNormBackward, LayerNormForward, ReduceOp, Result, TensorError, View,
+};
+
+use crate::backend::{device_error, CudaBackend};
+use crate::kernels::Module;
+
+const MAX_DIMS: usize = 8;
+/// Threads per block; the kernels' `THREADS`.
+const THREADS: u32 = 256;
+const MAX_BLOCKS: u64 = 132 * 16;
+
+/// `RowArgs` of `rows.cu`, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct RowArgs {
+    outer_ndim: u32,
+    inner_ndim: u32,
+    rows: u64,
+    len: u64,
+    outer_shape: [u64; MAX_DIMS],
+    outer_strides: [[u64; MAX_DIMS]; 3],
+    inner_shape: [u64; MAX_DIMS],
+    inner_strides: [[u64; MAX_DIMS]; 3],
+    offsets: [u64; 3],
+}
+
+// SAFETY: `repr(C)`, plain integers, laid out exactly like `RowArgs` in `kernels/rows.cu`
+// (two u32 then u64 fields: no padding).
+unsafe impl DeviceRepr for RowArgs {}
+
+fn too_many_dims(op: &'static str, n: usize) -> TensorError {
+    TensorError::InvalidArgument {
+        op,
+        reason: format!("{n} dims; the CUDA kernels take {MAX_DIMS}"),
+    }
+}
+
+/// Row arguments: `outer[k]` are operand k's (shape, strides) of the dims that pick a row (the
+/// shape is the first operand's), `inner[k]` those walked within a row.
+fn row_args(
+    op: &'static str,
+    outer: &[(&[usize], &[usize])],
+    inner: &[(&[usize], &[usize])],
+    offsets: &[usize],
+) -> Result<RowArgs> {
+    let (outer_shape, inner_shape) = (outer[0].0, inner[0].0);
+    if outer_shape.len() > MAX_DIMS {
+        return Err(too_many_dims(op, outer_shape.len()));
+    }
+    if inner_shape.len() > MAX_DIMS {
+        return Err(too_many_dims(op, inner_shape.len()));
+    }
+    let mut args = RowArgs {
+        outer_ndim: outer_shape.len() as u32,
+        inner_ndim: inner_shape.len() as u32,
+        rows: outer_shape.iter().product::<usize>() as u64,
+        len: inner_shape.iter().product::<usize>() as u64,
+        outer_shape: [1; MAX_DIMS],
+        outer_strides: [[0; MAX_DIMS]; 3],
+        inner_shape: [1; MAX_DIMS],
+        inner_strides: [[0; MAX_DIMS]; 3],
+        offsets: [0; 3],
+    };
+    for (d, &size) in outer_shape.iter().enumerate() {
+        args.outer_shape[d] = size as u64;
+    }
+    for (d, &size) in inner_shape.iter().enumerate() {
+        args.inner_shape[d] = size as u64;
+    }
+    for (k, (_, strides)) in outer.iter().enumerate() {
+        for (d, &stride) in strides.iter().enumerate() {
+            args.outer_strides[k][d] = stride as u64;
+        }
+    }
+    for (k, (_, strides)) in inner.iter().enumerate() {
+        for (d, &stride) in strides.iter().enumerate() {
+            args.inner_strides[k][d] = stride as u64;
+        }
+    }
+    for (k, &offset) in offsets.iter().enumerate() {
+        args.offsets[k] = offset as u64;
+    }
+    Ok(args)
+}
+
+fn suffix(op: &'static str, dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        other => return Err(TensorError::UnsupportedDtype { op, dtype: other }),
+    })
+}
+
+fn same_dtype(op: &'static str, views: &[&View<'_>]) -> Result<()> {
+    for view in &views[1..] {
+        if view.dtype != views[0].dtype {
+            return Err(TensorError::DtypeMismatch {
+                op,
+                lhs: views[0].dtype,
+                rhs: view.dtype,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn same_shape(op: &'static str, views: &[&View<'_>]) -> Result<()> {
+    for view in &views[1..] {
+        if view.layout.shape() != views[0].layout.shape() {
+            return Err(TensorError::ShapeMismatch {
+                op,
+                lhs: views[0].layout.shape().to_vec(),
+                rhs: view.layout.shape().to_vec(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A kernel parameter.
+#[derive(Debug, Clone, Copy)]
+enum Param {
+    I32(i32),
+    U64(u64),
+    F64(f64),
+}
+
+fn launch(
+    backend: &CudaBackend,
+    op: &'static str,
+    name: String,
+    rows: u64,
+    params: &[Param],
+    args: Option<RowArgs>,
+) -> Result<()> {
+    if rows == 0 {
+        return Ok(());
+    }
+    backend.bind(op)?;
+    let name: &'static str = crate::elementwise::intern(name);
+    let function = backend
+        .kernels
+        .function(&backend.context, Module::Rows, name)
+        .map_err(|e| device_error(op, e))?;
+    let blocks = rows.clamp(1, MAX_BLOCKS) as u32;
+    let config = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut builder = backend.stream.launch_builder(&function);
+    for param in params {
+        match param {
+            Param::I32(v) => builder.arg(v),
+            Param::U64(v) => builder.arg(v),
+            Param::F64(v) => builder.arg(v),
+        };
+    }
+    if let Some(args) = &args {
+        builder.arg(args);
+    }
+    // SAFETY: the kernel's parameters are exactly `params` (scalars and device addresses of
+    // live buffers) followed by `RowArgs` where the kernel takes one; shapes and extents were
+    // checked by the caller and the core, so every offset the kernel forms is in bounds.
+    unsafe { builder.launch(config) }
+        .map(|_| ())
+        .map_err(|e| device_error(op, e))
+}
+
+pub(crate) fn reduce(
+    backend: &CudaBackend,
+    op: ReduceOp,
+    x: View<'_>,
+    n_reduced: usize,
+    out: View<'_>,
+) -> Result<()> {
+    same_dtype("reduce", &[&x, &out])?;
+    let ndim = x.layout.ndim();
+    if n_reduced > ndim || out.layout.shape() != &x.layout.shape()[..ndim - n_reduced] {
+        return Err(TensorError::ShapeMismatch {
+            op: "reduce",
+            lhs: x.layout.shape().to_vec(),
+            rhs: out.layout.shape().to_vec(),
+        });
+    }
+    let suffix = suffix("reduce", x.dtype)?;
+    let (outer_shape, inner_shape) = x.layout.shape().split_at(ndim - n_reduced);
+    let (outer_strides, inner_strides) = x.layout.strides().split_at(ndim - n_reduced);
+    if inner_shape.iter().product::<usize>() == 0 && matches!(op, ReduceOp::Max | ReduceOp::Min) {
+        return Err(TensorError::InvalidArgument {
+            op: "reduce",
+            reason: "max/min of an empty dim".into(),
+        });
+    }
+    let args = row_args(
+        "reduce",
+        &[
+            (outer_shape, out.layout.strides()),
+            (outer_shape, outer_strides),
+        ],
+        &[
+            (inner_shape, &[0; MAX_DIMS][..inner_shape.len()]),
+            (inner_shape, inner_strides),
+        ],
+        &[out.layout.offset(), x.layout.offset()],
+    )?;
+    let code = match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Mean => 1,
+        ReduceOp::Max => 2,
+        ReduceOp::Min => 3,
+    };
+    let params = [
+        Param::I32(code),
+        Param::U64(x.buffer.address()),
+        Param::U64(out.buffer.address()),
+    ];
+    launch(
+        backend,
+        "reduce",
+        format!("reduce_{suffix}"),
+        args.rows,
+        &params,
+        Some(args),
+    )
+}
+
+/// Splits `view` into (outer shape, outer strides) without `dim`, and its stride along `dim`.
+fn lanes(view: &View<'_>, dim: usize) -> (Vec<usize>, Vec<usize>, [usize; 1]) {
+    let mut shape = view.layout.shape().to_vec();
+    let mut strides = view.layout.strides().to_vec();
+    shape.remove(dim);
+    let lane = strides.remove(dim);
+    (shape, strides, [lane])
+}
+
+pub(crate) fn softmax(
+    backend: &CudaBackend,
+    x: View<'_>,
+    dim: usize,
+    log: bool,
+    out: View<'_>,
+) -> Result<()> {
+    same_dtype("softmax", &[&x, &out])?;
+    same_shape("softmax", &[&x, &out])?;
+    if dim >= x.layout.ndim() {
+        return Err(TensorError::InvalidArgument {
+            op: "softmax",
+            reason: format!("dim {dim} of shape {:?}", x.layout.shape()),
+        });
+    }
+    let suffix = suffix("softmax", x.dtype)?;
+    let len = [x.layout.shape()[dim]];
+    let (o, x_lanes) = (lanes(&out, dim), lanes(&x, dim));
+    let args = row_args(
+        "softmax",
+        &[(&o.0, &o.1), (&x_lanes.0, &x_lanes.1)],
+        &[(&len, &o.2), (&len, &x_lanes.2)],
+        &[out.layout.offset(), x.layout.offset()],
+    )?;
+    let params = [
+        Param::I32(i32::from(log)),
+        Param::U64(x.buffer.address()),
+        Param::U64(out.buffer.address()),
+    ];
+    launch(
+        backend,
+        "softmax",
+        format!("softmax_{suffix}"),
+        args.rows,
+        &params,
+        Some(args),
+    )
+}
+
+pub(crate) fn softmax_backward(
+    backend: &CudaBackend,
+    y: View<'_>,
+    dy: View<'_>,
+    dim: usize,
+    log: bool,
+    dx: View<'_>,
+) -> Result<()> {
+    same_dtype("softmax_backward", &[&y, &dy, &dx])?;
+    same_shape("softmax_backward", &[&y, &dy, &dx])?;
+    if dim >= y.layout.ndim() {
+        return Err(TensorError::InvalidArgument {
+            op: "softmax_backward",
+            reason: format!("dim {dim} of shape {:?}", y.layout.shape()),
+        });
+    }
+    let suffix = suffix("softmax_backward", y.dtype)?;
+    let len = [y.layout.shape()[dim]];
+    let (d, yl, gl) = (lanes(&dx, dim), lanes(&y, dim), lanes(&dy, dim));
+    let args = row_args(
+        "softmax_backward",
+        &[(&d.0, &d.1), (&yl.0, &yl.1), (&gl.0, &gl.1)],
+        &[(&len, &d.2), (&len, &yl.2), (&len, &gl.2)],
+        &[dx.layout.offset(), y.layout.offset(), dy.layout.offset()],
+    )?;
+    let params = [
+        Param::I32(i32::from(log)),
+        Param::U64(y.buffer.address()),
+        Param::U64(dy.buffer.address()),
+        Param::U64(dx.buffer.address()),
+    ];
+    launch(
+        backend,
+        "softmax_backward",
+        format!("softmax_backward_{suffix}"),
+        args.rows,
+        &params,
+        Some(args),
+    )
+}
+
+/// Rows and width of a dense `[.., n]` operand, and its element address (offset applied).
+fn dense_rows(op: &'static str, view: &View<'_>) -> Result<(u64, u64, u64)> {
+    if !view.layout.is_contiguous() || view.layout.ndim() == 0 {
+        return Err(TensorError::InvalidArgument {
+            op,
+            reason: format!(
+                "expects a dense operand, got strides {:?}",
+                view.layout.strides()
+            ),
+        });
+    }
+    let n = *view.layout.shape().last().unwrap_or(&1) as u64;
+    let rows = (view.layout.numel() as u64).checked_div(n).unwrap_or(0);
+    let address =
+        view.buffer.address() + (view.layout.offset() * view.dtype.size_in_bytes()) as u64;
+    Ok((rows, n, address))
+}
+
+/// Element address (offset applied) of a dense operand.
+fn address_of(op: &'static str, view: &View<'_>) -> Result<u64> {
+    dense_rows(op, view).map(|(_, _, address)| address)
+}
+
+/// An optional `[n]` parameter as (address with offset, stride), or (0, 0).
+fn optional(view: Option<View<'_>>) -> (u64, u64) {
+    view.map_or((0, 0), |v| {
+        let stride = v.layout.strides().first().copied().unwrap_or(1) as u64;
+        (
+            v.buffer.address() + (v.layout.offset() * v.dtype.size_in_bytes()) as u64,
+            stride,
+        )
+    })
+}
+
+fn stats_suffix(op: &'static str, x: DType, stats: DType) -> Result<&'static str> {
+    Ok(match (x, stats) {
+        (DType::F32, DType::F32) => "f32_f32",
+        (DType::F64, DType::F64) => "f64_f64",
+        (DType::F16, DType::F32) => "f16_f32",
+        (DType::BF16, DType::F32) => "bf16_f32",
+        (_, stats) => return Err(TensorError::UnsupportedDtype { op, dtype: stats }),
+    })
+}
+
+pub(crate) fn layer_norm(backend: &CudaBackend, args: LayerNormForward<'_>) -> Result<()> {
+    let op = "layer_norm";
+    same_shape(op, &[&args.x, &args.out])?;
+    let suffix = stats_suffix(op, args.x.dtype, args.mean.dtype)?;
+    let (rows, n, x) = dense_rows(op, &args.x)?;
+    let out = address_of(op, &args.out)?;
+    let (mean, rstd) = (address_of(op, &args.mean)?, address_of(op, &args.rstd)?);
+    let (w, ws) = optional(args.weight);
+    let (b, bs) = optional(args.bias);
+    let params = [
+        Param::U64(x),
+        Param::U64(w),
+        Param::U64(ws),
+        Param::U64(b),
+        Param::U64(bs),
+        Param::U64(out),
+        Param::U64(mean),
+        Param::U64(rstd),
+        Param::F64(args.eps),
+        Param::U64(rows),
+        Param::U64(n),
+    ];
+    launch(
+        backend,
+        op,
+        format!("layer_norm_{suffix}"),
+        rows,
+        &params,
+        None,
+    )
+}
+
+pub(crate) fn layer_norm_backward(
+    backend: &CudaBackend,
+    args: LayerNormBackward<'_>,
+) -> Result<()> {
+    let op = "layer_norm_backward";
+    same_shape(op, &[&args.x, &args.dy])?;
+    let suffix = stats_suffix(op, args.x.dtype, args.mean.dtype)?;
+    let (rows, n, x) = dense_rows(op, &args.x)?;
+    let dy = address_of(op, &args.dy)?;
+    let (mean, rstd) = (address_of(op, &args.mean)?, address_of(op, &args.rstd)?);
+    let (w, ws) = optional(args.weight);
+    if let Some(dx) = args.dx {
+        let dx = address_of(op, &dx)?;
+        let params = [
+            Param::U64(dy),
+            Param::U64(x),
+            Param::U64(mean),
+            Param::U64(rstd),
+            Param::U64(w),
+            Param::U64(ws),
+            Param::U64(dx),
+            Param::U64(rows),
+            Param::U64(n),
+        ];
+        launch(
+            backend,
+            op,
+            format!("layer_norm_backward_{suffix}"),
+            rows,
+            &params,
+            None,
+        )?;
+    }
+    if args.dweight.is_some() || args.dbias.is_some() {
+        let (dw, dws) = optional(args.dweight);
+        let (db, dbs) = optional(args.dbias);
+        let params = [
+            Param::U64(dy),
+            Param::U64(x),
+            Param::U64(mean),
+            Param::U64(rstd),
+            Param::U64(dw),
+            Param::U64(dws),
+            Param::U64(db),
+            Param::U64(dbs),
+            Param::U64(rows),
+            Param::U64(n),
+        ];
+        // One thread per column: n columns in blocks of THREADS.
+        launch(
+            backend,
+            op,
+            format!("layer_norm_param_grads_{suffix}"),
+            n.div_ceil(u64::from(THREADS)),
+            &params,
+            None,
+        )?;
+    }
+    Ok(())
+}
