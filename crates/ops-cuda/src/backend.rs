@@ -19,6 +19,7 @@ use parking_lot::Mutex;
 
 use crate::elementwise;
 use crate::error::CudaError;
+use crate::index;
 use crate::kernels::KernelCache;
 use crate::matmul::{self, BlasState};
 use crate::rows;
@@ -250,46 +251,40 @@ impl Backend for CudaBackend {
 
     fn cross_entropy(
         &self,
-        _args: CrossEntropyArgs<'_>,
-        _loss: View<'_>,
-        _lse: View<'_>,
+        args: CrossEntropyArgs<'_>,
+        loss: View<'_>,
+        lse: View<'_>,
     ) -> Result<()> {
-        Err(not_yet("cross_entropy"))
+        index::cross_entropy(self, args, loss, lse)
     }
 
     fn cross_entropy_backward(
         &self,
-        _args: CrossEntropyArgs<'_>,
-        _lse: View<'_>,
-        _dloss: View<'_>,
-        _dlogits: View<'_>,
+        args: CrossEntropyArgs<'_>,
+        lse: View<'_>,
+        dloss: View<'_>,
+        dlogits: View<'_>,
     ) -> Result<()> {
-        Err(not_yet("cross_entropy_backward"))
+        index::cross_entropy_backward(self, args, lse, dloss, dlogits)
     }
 
-    fn gather(&self, _x: View<'_>, _dim: usize, _index: View<'_>, _out: View<'_>) -> Result<()> {
-        Err(not_yet("gather"))
+    fn gather(&self, x: View<'_>, dim: usize, index: View<'_>, out: View<'_>) -> Result<()> {
+        index::gather(self, x, dim, index, out)
     }
 
-    fn scatter_add(
-        &self,
-        _dst: View<'_>,
-        _dim: usize,
-        _index: View<'_>,
-        _src: View<'_>,
-    ) -> Result<()> {
-        Err(not_yet("scatter_add"))
+    fn scatter_add(&self, dst: View<'_>, dim: usize, index: View<'_>, src: View<'_>) -> Result<()> {
+        index::scatter_add(self, dst, dim, index, src)
     }
 
     fn dropout(
         &self,
-        _x: View<'_>,
-        _p: f64,
-        _seed: u64,
-        _offset: u64,
-        _out: View<'_>,
-        _mask: View<'_>,
+        x: View<'_>,
+        p: f64,
+        seed: u64,
+        offset: u64,
+        out: View<'_>,
+        mask: View<'_>,
     ) -> Result<()> {
-        Err(not_yet("dropout"))
+        index::dropout(self, x, p, seed, offset, out, mask)
     }
 }

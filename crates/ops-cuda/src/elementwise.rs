@@ -20,10 +20,10 @@ const MAX_BLOCKS: u64 = 132 * 32;
 /// `StridedArgs` of `elementwise.cu`, field for field.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct StridedArgs {
+pub(crate) struct StridedArgs {
     ndim: u32,
     n_operands: u32,
-    numel: u64,
+    pub(crate) numel: u64,
     shape: [u64; MAX_DIMS],
     strides: [[u64; MAX_DIMS]; 3],
     offsets: [u64; 3],
@@ -35,7 +35,7 @@ unsafe impl DeviceRepr for StridedArgs {}
 
 /// Describes `views` (one shape, the first being the output) to the kernels, merging dimensions
 /// that are contiguous in all of them.
-fn strided_args(op: &'static str, views: &[&View<'_>]) -> Result<StridedArgs> {
+pub(crate) fn strided_args(op: &'static str, views: &[&View<'_>]) -> Result<StridedArgs> {
     let shape = views[0].layout.shape();
     for view in &views[1..] {
         if view.layout.shape() != shape {
@@ -96,7 +96,7 @@ fn strided_args(op: &'static str, views: &[&View<'_>]) -> Result<StridedArgs> {
     Ok(args)
 }
 
-fn launch_config(numel: u64) -> LaunchConfig {
+pub(crate) fn launch_config(numel: u64) -> LaunchConfig {
     let blocks = numel.div_ceil(u64::from(THREADS)).clamp(1, MAX_BLOCKS) as u32;
     LaunchConfig {
         grid_dim: (blocks, 1, 1),
@@ -105,7 +105,7 @@ fn launch_config(numel: u64) -> LaunchConfig {
     }
 }
 
-fn float_suffix(op: &'static str, dtype: DType) -> Result<&'static str> {
+pub(crate) fn float_suffix(op: &'static str, dtype: DType) -> Result<&'static str> {
     Ok(match dtype {
         DType::F32 => "f32",
         DType::F64 => "f64",
@@ -129,7 +129,7 @@ fn any_suffix(dtype: DType) -> &'static str {
 }
 
 /// The kernel name `{prefix}_{suffix}` as a `'static` string.
-fn kernel_name(prefix: &str, suffix: &str) -> &'static str {
+pub(crate) fn kernel_name(prefix: &str, suffix: &str) -> &'static str {
     intern(format!("{prefix}_{suffix}"))
 }
 
@@ -346,8 +346,9 @@ pub(crate) fn copy(backend: &CudaBackend, src: View<'_>, dst: View<'_>) -> Resul
 
 /// A scalar kernel parameter (device addresses are `U64`).
 #[derive(Debug, Clone, Copy)]
-enum Param {
+pub(crate) enum Param {
     I32(i32),
+    I64(i64),
     F64(f64),
     U64(u64),
     U32(u32),
@@ -355,7 +356,7 @@ enum Param {
     U8(u8),
 }
 
-/// Launches `name` on the backend's stream with `params`, then `args`, as its parameters.
+/// Launches `name` of the elementwise module with `params`, then `args`, as its parameters.
 fn launch(
     backend: &CudaBackend,
     op: &'static str,
@@ -363,16 +364,37 @@ fn launch(
     args: StridedArgs,
     params: &[Param],
 ) -> Result<()> {
+    launch_in(
+        backend,
+        Module::Elementwise,
+        op,
+        name,
+        launch_config(args.numel),
+        params,
+        Some(args),
+    )
+}
+
+/// Launches `name` of `module` with `config`, `params` and then `args` (if any) as parameters.
+pub(crate) fn launch_in(
+    backend: &CudaBackend,
+    module: Module,
+    op: &'static str,
+    name: &'static str,
+    config: LaunchConfig,
+    params: &[Param],
+    args: Option<StridedArgs>,
+) -> Result<()> {
     backend.bind(op)?;
     let function = backend
         .kernels
-        .function(&backend.context, Module::Elementwise, name)
+        .function(&backend.context, module, name)
         .map_err(|e| device_error(op, e))?;
-    let config = launch_config(args.numel);
     let mut builder = backend.stream.launch_builder(&function);
     for param in params {
         match param {
             Param::I32(v) => builder.arg(v),
+            Param::I64(v) => builder.arg(v),
             Param::F64(v) => builder.arg(v),
             Param::U64(v) => builder.arg(v),
             Param::U32(v) => builder.arg(v),
@@ -380,7 +402,9 @@ fn launch(
             Param::U8(v) => builder.arg(v),
         };
     }
-    builder.arg(&args);
+    if let Some(args) = &args {
+        builder.arg(args);
+    }
     // SAFETY: the kernel's parameters are, in order, exactly `params` (scalars and
     // device addresses of live buffers whose views were checked to have this shape) followed by
     // `StridedArgs`, whose layout matches the `.cu` definition; every offset the kernel computes

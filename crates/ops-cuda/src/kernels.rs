@@ -20,6 +20,8 @@ pub(crate) enum Module {
     Elementwise,
     /// `kernels/rows.cu`.
     Rows,
+    /// `kernels/index.cu`.
+    Index,
 }
 
 impl Module {
@@ -27,6 +29,7 @@ impl Module {
         match self {
             Module::Elementwise => include_str!("../kernels/ptx/elementwise.ptx"),
             Module::Rows => include_str!("../kernels/ptx/rows.ptx"),
+            Module::Index => include_str!("../kernels/ptx/index.ptx"),
         }
     }
 }

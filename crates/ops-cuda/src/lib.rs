@@ -8,13 +8,12 @@
 //! allocator's `StreamId::DEFAULT`, so a freed block is never reused while a kernel may still
 //! read it.
 //!
-//! Implemented so far: device memory, host transfers, strided copy and cast, fill, unary, binary
-//! and masked elementwise ops, reductions over trailing dims, softmax and log-softmax (forward and
-//! backward), layer norm (forward and backward) and batched GEMM through cuBLAS (workspace from the
-//! caching allocator), in f32, f64, f16 and bf16 (the last two computed in f32). The other
-//! primitives (cross-entropy, gather/scatter, dropout) return
-//! [`TensorError::Device`](headroom_autograd_core::TensorError) naming the op until their kernels
-//! land.
+//! Every primitive of the trait is implemented: strided copy and cast, fill, unary, binary and
+//! masked elementwise ops, reductions over trailing dims, softmax and log-softmax, layer norm,
+//! batched GEMM through cuBLAS (its workspace from the caching allocator), gather and
+//! scatter-add, fused cross-entropy and dropout (the same random stream as the CPU backend), in
+//! f32, f64, f16 and bf16 (the last two computed in f32). Out-of-range indices are typed errors,
+//! checked on the device.
 //!
 //! Everything CUDA is behind the `cuda` feature; without it [`CudaBackend::new`] returns an error,
 //! and with it a machine without a driver gets an error too, never a panic. This crate sits on
@@ -26,6 +25,8 @@ mod error;
 mod backend;
 #[cfg(feature = "cuda")]
 mod elementwise;
+#[cfg(feature = "cuda")]
+mod index;
 #[cfg(feature = "cuda")]
 mod kernels;
 #[cfg(feature = "cuda")]

@@ -350,29 +350,38 @@ fn every_byte_comes_from_the_caching_allocator() {
     assert_eq!(after - before, 10_240);
     drop(buffers);
     assert_eq!(gpu.memory_stats().allocated_bytes.all.current, before);
+    // A bad index is a typed error, checked on the device.
     let (index, values) = (
-        Buffer::new(&gpu, 8).unwrap(),
-        Buffer::new(&gpu, 16).unwrap(),
+        upload(&gpu, DType::I64, &[7.0]),
+        upload(&gpu, DType::F32, &[1.0; 4]),
     );
-    let unimplemented = gpu.gather(
-        View {
-            buffer: &values,
-            layout: &Layout::contiguous(&[4]),
-            dtype: DType::F32,
-        },
-        0,
-        View {
-            buffer: &index,
-            layout: &Layout::contiguous(&[1]),
-            dtype: DType::I64,
-        },
-        View {
-            buffer: &values,
-            layout: &Layout::contiguous(&[1]),
-            dtype: DType::F32,
-        },
+    let out = Buffer::new(&gpu, 4).unwrap();
+    let error = gpu
+        .gather(
+            View {
+                buffer: &values,
+                layout: &Layout::contiguous(&[4]),
+                dtype: DType::F32,
+            },
+            0,
+            View {
+                buffer: &index,
+                layout: &Layout::contiguous(&[1]),
+                dtype: DType::I64,
+            },
+            View {
+                buffer: &out,
+                layout: &Layout::contiguous(&[1]),
+                dtype: DType::F32,
+            },
+        )
+        .unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .contains("index 7 is out of bounds for size 4"),
+        "{error}"
     );
-    assert!(unimplemented.unwrap_err().to_string().contains("gather"));
     let _: Arc<dyn Backend> = gpu;
 }
 
@@ -642,4 +651,187 @@ fn batched_matmul_on_strided_operands_matches_the_cpu() {
     // The cuBLAS workspace is an allocation of the backend's own caching allocator.
     let allocated = gpu.memory_stats().allocated_bytes.all.current;
     assert!(allocated >= 32 << 20, "workspace not counted: {allocated}");
+}
+
+#[test]
+fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
+    use headroom_autograd_core::{CrossEntropyArgs, Reduction};
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Random(0xfeed_beef_dead_c0de);
+    let (rows, classes) = (37, 53);
+    let n = rows * classes;
+    let table = Layout::contiguous(&[rows, classes]);
+    let picks = Layout::contiguous(&[rows, 5]);
+    let targets: Vec<f64> = (0..rows)
+        .map(|r| {
+            if r % 7 == 3 {
+                -100.0
+            } else {
+                random.next(0.0, classes as f64).floor()
+            }
+        })
+        .collect();
+    let positions: Vec<f64> = (0..rows * 5)
+        .map(|_| random.next(0.0, classes as f64).floor())
+        .collect();
+    for (dtype, stats) in [
+        (DType::F32, DType::F32),
+        (DType::F64, DType::F64),
+        (DType::F16, DType::F32),
+        (DType::BF16, DType::F32),
+    ] {
+        let x = input(&mut random, false, n);
+        let src = input(&mut random, false, rows * 5);
+        compare("gather + scatter_add", dtype, &gpu, &cpu, |backend| {
+            let (xb, ib) = (
+                upload(backend, dtype, &x),
+                upload(backend, DType::I64, &positions),
+            );
+            let out = poisoned(backend, dtype, rows * 5);
+            let index = View {
+                buffer: &ib,
+                layout: &picks,
+                dtype: DType::I64,
+            };
+            backend
+                .gather(
+                    View {
+                        buffer: &xb,
+                        layout: &table,
+                        dtype,
+                    },
+                    1,
+                    index,
+                    View {
+                        buffer: &out,
+                        layout: &picks,
+                        dtype,
+                    },
+                )
+                .unwrap();
+            let (dst, sb) = (upload(backend, dtype, &x), upload(backend, dtype, &src));
+            backend
+                .scatter_add(
+                    View {
+                        buffer: &dst,
+                        layout: &table,
+                        dtype,
+                    },
+                    1,
+                    index,
+                    View {
+                        buffer: &sb,
+                        layout: &picks,
+                        dtype,
+                    },
+                )
+                .unwrap();
+            let mut res = download(backend, dtype, &out);
+            res.extend(download(backend, dtype, &dst));
+            res
+        });
+        for reduction in [Reduction::Mean, Reduction::Sum] {
+            compare(
+                &format!("cross_entropy {reduction:?}"),
+                dtype,
+                &gpu,
+                &cpu,
+                |backend| {
+                    let (xb, tb) = (
+                        upload(backend, dtype, &x),
+                        upload(backend, DType::I64, &targets),
+                    );
+                    let target_layout = Layout::contiguous(&[rows]);
+                    let args = CrossEntropyArgs {
+                        logits: View {
+                            buffer: &xb,
+                            layout: &table,
+                            dtype,
+                        },
+                        target: View {
+                            buffer: &tb,
+                            layout: &target_layout,
+                            dtype: DType::I64,
+                        },
+                        ignore_index: -100,
+                        reduction,
+                    };
+                    let scalar = Layout::contiguous(&[]);
+                    let (loss, lse) = (poisoned(backend, dtype, 1), poisoned(backend, stats, rows));
+                    let lse_view = View {
+                        buffer: &lse,
+                        layout: &target_layout,
+                        dtype: stats,
+                    };
+                    let loss_view = View {
+                        buffer: &loss,
+                        layout: &scalar,
+                        dtype,
+                    };
+                    backend.cross_entropy(args, loss_view, lse_view).unwrap();
+                    let (dloss, dlogits) =
+                        (upload(backend, dtype, &[0.75]), poisoned(backend, dtype, n));
+                    backend
+                        .cross_entropy_backward(
+                            args,
+                            lse_view,
+                            View {
+                                buffer: &dloss,
+                                layout: &scalar,
+                                dtype,
+                            },
+                            View {
+                                buffer: &dlogits,
+                                layout: &table,
+                                dtype,
+                            },
+                        )
+                        .unwrap();
+                    let mut res = download(backend, dtype, &loss);
+                    res.extend(download(backend, stats, &lse));
+                    res.extend(download(backend, dtype, &dlogits));
+                    res
+                },
+            );
+        }
+        // Dropout: the same mask on both devices, bit for bit.
+        let masks = std::cell::RefCell::new(Vec::new());
+        compare("dropout", dtype, &gpu, &cpu, |backend| {
+            let xb = upload(backend, dtype, &x);
+            let (out, mask) = (
+                poisoned(backend, dtype, n),
+                poisoned(backend, DType::Bool, n),
+            );
+            backend
+                .dropout(
+                    View {
+                        buffer: &xb,
+                        layout: &table,
+                        dtype,
+                    },
+                    0.3,
+                    42,
+                    1000,
+                    View {
+                        buffer: &out,
+                        layout: &table,
+                        dtype,
+                    },
+                    View {
+                        buffer: &mask,
+                        layout: &table,
+                        dtype: DType::Bool,
+                    },
+                )
+                .unwrap();
+            masks
+                .borrow_mut()
+                .push(download(backend, DType::Bool, &mask));
+            download(backend, dtype, &out)
+        });
+        let masks = masks.into_inner();
+        assert_eq!(masks[0], masks[1], "dropout masks differ ({dtype:?})");
+        let kept = masks[0].iter().filter(|&&m| m == 1.0).count() as f64 / n as f64;
+        assert!((kept - 0.7).abs() < 0.05, "kept {kept}");
+    }
 }

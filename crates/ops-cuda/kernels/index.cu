@@ -1,0 +1,239 @@
+// Index kernels of the CUDA backend: gather and scatter-add along a dim, fused cross-entropy
+// (forward and backward) and dropout.
+//
+// Out-of-range indices and targets are never read or written: the kernels record the first bad
+// value in an error word (initialised to all ones by the caller), which the Rust side
+// (crates/ops-cuda/src/index.rs) reads back and turns into a typed error. Dropout draws the same
+// counter-based numbers as autograd-core's `uniform(seed, counter)`, so the CPU and GPU masks
+// agree bit for bit. Built to PTX by `cargo xtask build-kernels`.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#define MAX_DIMS 8
+#define THREADS 256
+#define NO_ERROR 0xffffffffffffffffULL
+
+struct StridedArgs {
+    unsigned int ndim;
+    unsigned int n_operands;
+    unsigned long long numel;
+    unsigned long long shape[MAX_DIMS];
+    unsigned long long strides[3][MAX_DIMS];
+    unsigned long long offsets[3];
+};
+
+__device__ __forceinline__ void element_offsets(const StridedArgs& a, unsigned long long i, unsigned long long off[3]) {
+    off[0] = a.offsets[0];
+    off[1] = a.offsets[1];
+    off[2] = a.offsets[2];
+    for (int d = (int)a.ndim - 1; d >= 0; --d) {
+        unsigned long long size = a.shape[d];
+        unsigned long long idx = i % size;
+        i /= size;
+        off[0] += idx * a.strides[0][d];
+        off[1] += idx * a.strides[1][d];
+        off[2] += idx * a.strides[2][d];
+    }
+}
+
+#define GRID_STRIDE_LOOP(i, n) \
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < (n); \
+         i += (unsigned long long)gridDim.x * blockDim.x)
+
+template <typename T> struct Acc { typedef float type; };
+template <> struct Acc<double> { typedef double type; };
+template <typename T> __device__ __forceinline__ typename Acc<T>::type ld(const T* p) { return (typename Acc<T>::type)(*p); }
+template <> __device__ __forceinline__ float ld<__half>(const __half* p) { return __half2float(*p); }
+template <> __device__ __forceinline__ float ld<__nv_bfloat16>(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+template <typename T, typename V> __device__ __forceinline__ void st(T* p, V v) { *p = (T)v; }
+template <> __device__ __forceinline__ void st<__half, float>(__half* p, float v) { *p = __float2half(v); }
+template <> __device__ __forceinline__ void st<__nv_bfloat16, float>(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
+template <> __device__ __forceinline__ void st<__half, double>(__half* p, double v) { *p = __double2half(v); }
+template <> __device__ __forceinline__ void st<__nv_bfloat16, double>(__nv_bfloat16* p, double v) { *p = __double2bfloat16(v); }
+
+__device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add(double* p, double v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add(__half* p, float v) { atomicAdd(p, __float2half(v)); }
+__device__ __forceinline__ void atomic_add(__nv_bfloat16* p, float v) { atomicAdd(p, __float2bfloat16(v)); }
+
+__device__ __forceinline__ void report(unsigned long long* error, long long value) {
+    atomicCAS(error, NO_ERROR, (unsigned long long)value);
+}
+
+// Operands: 0 = out, 1 = index (i64), 2 = x with the dim's stride zeroed.
+template <typename T>
+__device__ void gather_kernel(const T* x, const long long* index, T* out, unsigned long long dim_stride,
+                              long long limit, unsigned long long* error, StridedArgs a) {
+    GRID_STRIDE_LOOP(i, a.numel) {
+        unsigned long long off[3];
+        element_offsets(a, i, off);
+        long long position = index[off[1]];
+        if (position < 0 || position >= limit) { report(error, position); continue; }
+        out[off[0]] = x[off[2] + (unsigned long long)position * dim_stride];
+    }
+}
+
+// Operands: 0 = src, 1 = index (i64), 2 = dst with the dim's stride zeroed.
+template <typename T>
+__device__ void scatter_add_kernel(T* dst, const long long* index, const T* src, unsigned long long dim_stride,
+                                   long long limit, unsigned long long* error, StridedArgs a) {
+    GRID_STRIDE_LOOP(i, a.numel) {
+        unsigned long long off[3];
+        element_offsets(a, i, off);
+        long long position = index[off[1]];
+        if (position < 0 || position >= limit) { report(error, position); continue; }
+        atomic_add(dst + off[2] + (unsigned long long)position * dim_stride, ld(src + off[0]));
+    }
+}
+
+template <typename C> __device__ C block_sum(C v, C* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = threadIdx.x % 32 < THREADS / 32 ? scratch[threadIdx.x % 32] : (C)0;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+template <typename C> __device__ C block_max(C v, C* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffff, v, o));
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = threadIdx.x % 32 < THREADS / 32 ? scratch[threadIdx.x % 32] : (C)-INFINITY;
+    for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+
+// Cross-entropy, per row of dense logits [rows, classes]: lse[row] (S), and the row's loss and
+// whether it counts into `row_loss` / `row_valid` (double / u64 scratch of `rows`).
+template <typename T, typename S>
+__device__ void ce_rows(const T* logits, const long long* target, unsigned long long target_stride,
+                        long long ignore_index, S* lse, double* row_loss, unsigned long long* row_valid,
+                        unsigned long long* error, unsigned long long rows, unsigned long long classes) {
+    __shared__ double scratch[THREADS / 32];
+    for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* x = logits + r * classes;
+        double mx = -INFINITY;
+        for (unsigned long long j = threadIdx.x; j < classes; j += blockDim.x) mx = fmax(mx, (double)ld(x + j));
+        mx = block_max(mx, scratch);
+        double sum = 0;
+        for (unsigned long long j = threadIdx.x; j < classes; j += blockDim.x) sum += exp((double)ld(x + j) - mx);
+        sum = block_sum(sum, scratch);
+        if (threadIdx.x == 0) {
+            double log_sum_exp = mx + log(sum);
+            st(lse + r, (typename Acc<S>::type)log_sum_exp);
+            long long t = target[r * target_stride];
+            bool ignored = t == ignore_index;
+            if (!ignored && (t < 0 || (unsigned long long)t >= classes)) { report(error, t); ignored = true; }
+            row_loss[r] = ignored ? 0.0 : log_sum_exp - (double)ld(x + t);
+            row_valid[r] = ignored ? 0 : 1;
+        }
+    }
+}
+
+// Sums the row losses (one block) and writes the mean or the sum into `loss`.
+template <typename T>
+__device__ void ce_total(const double* row_loss, const unsigned long long* row_valid, unsigned long long rows,
+                         int mean, T* loss) {
+    __shared__ double scratch[THREADS / 32];
+    double total = 0, count = 0;
+    for (unsigned long long r = threadIdx.x; r < rows; r += blockDim.x) { total += row_loss[r]; count += (double)row_valid[r]; }
+    total = block_sum(total, scratch);
+    count = block_sum(count, scratch);
+    if (threadIdx.x == 0) st(loss, (typename Acc<T>::type)(mean ? total / count : total));
+}
+
+// dlogits = scale·(softmax − onehot(target)), scale = dloss / count (mean) or dloss (sum).
+template <typename T, typename S>
+__device__ void ce_backward(const T* logits, const long long* target, unsigned long long target_stride,
+                            long long ignore_index, const S* lse, const T* dloss, const unsigned long long* count,
+                            int mean, T* dlogits, unsigned long long rows, unsigned long long classes) {
+    double g = (double)ld(dloss);
+    double scale = mean ? g / (double)(*count) : g;
+    GRID_STRIDE_LOOP(i, rows * classes) {
+        unsigned long long r = i / classes, j = i % classes;
+        long long t = target[r * target_stride];
+        double v = 0.0;
+        if (t != ignore_index) {
+            double p = exp((double)ld(logits + i) - (double)ld(lse + r));
+            v = scale * (p - ((long long)j == t ? 1.0 : 0.0));
+        }
+        st(dlogits + i, (typename Acc<T>::type)v);
+    }
+}
+
+__device__ __forceinline__ unsigned long long mix(unsigned long long z) {
+    z += 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+// Dropout: operands 0 = out (dense; its row-major index keys the random stream), 1 = x.
+template <typename T>
+__device__ void dropout_kernel(const T* x, T* out, unsigned char* mask, double p, unsigned long long seed,
+                               unsigned long long offset, StridedArgs a) {
+    typedef typename Acc<T>::type C;
+    C scale = p < 1.0 ? (C)(1.0 / (1.0 - p)) : (C)0;
+    unsigned long long seeded = mix(seed ^ 0x9E3779B97F4A7C15ULL);
+    GRID_STRIDE_LOOP(i, a.numel) {
+        unsigned long long off[3];
+        element_offsets(a, i, off);
+        double u = (double)(mix(seeded + offset + i) >> 40) / (double)(1ULL << 24);
+        bool keep = u >= p;
+        st(out + i, keep ? ld(x + off[1]) * scale : (C)0);
+        mask[i] = keep ? 1 : 0;
+    }
+}
+
+#define INDEX_KERNELS(T, N)                                                                                      \
+    extern "C" __global__ void gather_##N(const T* x, const long long* index, T* out, unsigned long long ds,      \
+                                          long long limit, unsigned long long* error, StridedArgs a) {           \
+        gather_kernel<T>(x, index, out, ds, limit, error, a);                                                   \
+    }                                                                                                            \
+    extern "C" __global__ void scatter_add_##N(T* dst, const long long* index, const T* src, unsigned long long ds, \
+                                               long long limit, unsigned long long* error, StridedArgs a) {      \
+        scatter_add_kernel<T>(dst, index, src, ds, limit, error, a);                                            \
+    }                                                                                                            \
+    extern "C" __global__ void ce_total_##N(const double* rl, const unsigned long long* rv, unsigned long long rows, \
+                                            int mean, T* loss) {                                                 \
+        ce_total<T>(rl, rv, rows, mean, loss);                                                                  \
+    }                                                                                                            \
+    extern "C" __global__ void dropout_##N(const T* x, T* out, unsigned char* mask, double p,                   \
+                                           unsigned long long seed, unsigned long long offset, StridedArgs a) {   \
+        dropout_kernel<T>(x, out, mask, p, seed, offset, a);                                                    \
+    }
+INDEX_KERNELS(float, f32)
+INDEX_KERNELS(double, f64)
+INDEX_KERNELS(__half, f16)
+INDEX_KERNELS(__nv_bfloat16, bf16)
+
+#define CE_KERNELS(T, S, N)                                                                                      \
+    extern "C" __global__ void ce_rows_##N(const T* logits, const long long* target, unsigned long long ts,      \
+                                           long long ignore, S* lse, double* rl, unsigned long long* rv,          \
+                                           unsigned long long* error, unsigned long long rows,                   \
+                                           unsigned long long classes) {                                         \
+        ce_rows<T, S>(logits, target, ts, ignore, lse, rl, rv, error, rows, classes);                           \
+    }                                                                                                            \
+    extern "C" __global__ void ce_backward_##N(const T* logits, const long long* target, unsigned long long ts,  \
+                                               long long ignore, const S* lse, const T* dloss,                   \
+                                               const unsigned long long* count, int mean, T* dlogits,            \
+                                               unsigned long long rows, unsigned long long classes) {            \
+        ce_backward<T, S>(logits, target, ts, ignore, lse, dloss, count, mean, dlogits, rows, classes);         \
+    }
+CE_KERNELS(float, float, f32_f32)
+CE_KERNELS(double, double, f64_f64)
+CE_KERNELS(__half, float, f16_f32)
+CE_KERNELS(__nv_bfloat16, float, bf16_f32)
+
+// Counts the targets that are not ignored (one block).
+extern "C" __global__ void ce_count(const long long* target, unsigned long long ts, long long ignore,
+                                    unsigned long long rows, unsigned long long* count) {
+    __shared__ double scratch[THREADS / 32];
+    double c = 0;
+    for (unsigned long long r = threadIdx.x; r < rows; r += blockDim.x) c += target[r * ts] != ignore ? 1.0 : 0.0;
+    c = block_sum(c, scratch);
+    if (threadIdx.x == 0) *count = (unsigned long long)c;
+}

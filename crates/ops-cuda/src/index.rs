@@ -1,0 +1,406 @@
+//! Launches of `kernels/index.cu`: gather, scatter-add, fused cross-entropy and dropout.
+//!
+//! Index and target checks happen on the device: kernels skip an out-of-range index and record
+//! it in an error word, which is read back after the launch (one small synchronous copy) and
+//! returned as `TensorError::InvalidArgument`, as the CPU backend reports it. Scratch memory
+//! (the error word, per-row losses) comes from the caching allocator and goes back to it in
+//! stream order.
+
+use cudarc::driver::{result, LaunchConfig};
+use headroom_autograd_core::{CrossEntropyArgs, DType, Reduction, Result, TensorError, View};
+use headroom_caching_allocator::{Allocation, StreamId};
+
+use crate::backend::{device_error, CudaBackend};
+use crate::elementwise::{
+    float_suffix, kernel_name, launch_config, launch_in, strided_args, Param,
+};
+use crate::kernels::Module;
+
+/// The error word's value when nothing went wrong.
+const NO_ERROR: u64 = u64::MAX;
+const THREADS: u32 = 256;
+
+/// Device scratch from the backend's allocator, freed (in stream order) when dropped.
+struct Scratch<'a> {
+    backend: &'a CudaBackend,
+    allocation: Option<Allocation>,
+}
+
+impl<'a> Scratch<'a> {
+    fn new(backend: &'a CudaBackend, bytes: u64) -> Result<Scratch<'a>> {
+        let allocation = backend
+            .allocator()
+            .allocate(bytes.max(8), StreamId::DEFAULT)?;
+        Ok(Scratch {
+            backend,
+            allocation: Some(allocation),
+        })
+    }
+
+    fn address(&self) -> u64 {
+        self.allocation.as_ref().map_or(0, Allocation::address)
+    }
+}
+
+impl Drop for Scratch<'_> {
+    fn drop(&mut self) {
+        if let Some(allocation) = self.allocation.take() {
+            // Kernels on the default stream that use it run before any later reuse.
+            let _ = self.backend.allocator().free(allocation);
+        }
+    }
+}
+
+/// A fresh error word set to [`NO_ERROR`].
+fn error_word<'a>(backend: &'a CudaBackend, op: &'static str) -> Result<Scratch<'a>> {
+    let word = Scratch::new(backend, 8)?;
+    backend.bind(op)?;
+    // SAFETY: the word is a live 8-byte device allocation owned by this call; the default
+    // stream orders the memset before the kernels that use it.
+    unsafe { result::memset_d8_async(word.address(), 0xff, 8, backend.stream.cu_stream()) }
+        .map_err(|e| device_error(op, e))?;
+    Ok(word)
+}
+
+/// Reads the error word back; `Err` naming the first out-of-range value if a kernel set it.
+fn check_error_word(
+    backend: &CudaBackend,
+    op: &'static str,
+    word: &Scratch<'_>,
+    what: impl FnOnce(i64) -> String,
+) -> Result<()> {
+    backend.synchronize()?;
+    let mut value = [0u64];
+    // SAFETY: the word is live, 8 bytes, and every kernel writing it has finished.
+    unsafe { result::memcpy_dtoh_sync(&mut value, word.address()) }
+        .map_err(|e| device_error(op, e))?;
+    if value[0] == NO_ERROR {
+        Ok(())
+    } else {
+        Err(TensorError::InvalidArgument {
+            op,
+            reason: what(value[0] as i64),
+        })
+    }
+}
+
+/// Checks a gather/scatter call's shapes; returns the data strides with the dim's zeroed.
+fn prepare(
+    op: &'static str,
+    data: &View<'_>,
+    dim: usize,
+    index: &View<'_>,
+    other: &View<'_>,
+) -> Result<Vec<usize>> {
+    let nd = data.layout.ndim();
+    let fits = index.dtype == DType::I64
+        && dim < nd
+        && index.layout.ndim() == nd
+        && other.layout.shape() == index.layout.shape()
+        && (0..nd).all(|d| d == dim || index.layout.shape()[d] <= data.layout.shape()[d]);
+    if !fits {
+        return Err(TensorError::ShapeMismatch {
+            op,
+            lhs: data.layout.shape().to_vec(),
+            rhs: index.layout.shape().to_vec(),
+        });
+    }
+    let mut strides = data.layout.strides().to_vec();
+    strides[dim] = 0;
+    Ok(strides)
+}
+
+fn index_kernel(
+    backend: &CudaBackend,
+    op: &'static str,
+    data: View<'_>,
+    dim: usize,
+    index: View<'_>,
+    other: View<'_>,
+) -> Result<()> {
+    let strides = prepare(op, &data, dim, &index, &other)?;
+    if data.dtype != other.dtype {
+        return Err(TensorError::DtypeMismatch {
+            op,
+            lhs: data.dtype,
+            rhs: other.dtype,
+        });
+    }
+    let suffix = float_suffix(op, data.dtype)?;
+    let zeroed = headroom_autograd_core::Layout::from_parts(
+        index.layout.shape(),
+        &strides,
+        data.layout.offset(),
+    );
+    let data_view = View {
+        buffer: data.buffer,
+        layout: &zeroed,
+        dtype: data.dtype,
+    };
+    let args = strided_args(op, &[&other, &index, &data_view])?;
+    if args.numel == 0 {
+        return Ok(());
+    }
+    let limit = data.layout.shape()[dim] as i64;
+    let word = error_word(backend, op)?;
+    let params = [
+        Param::U64(data.buffer.address()),
+        Param::U64(index.buffer.address()),
+        Param::U64(other.buffer.address()),
+        Param::U64(data.layout.strides()[dim] as u64),
+        Param::I64(limit),
+        Param::U64(word.address()),
+    ];
+    let name = kernel_name(op, suffix);
+    launch_in(
+        backend,
+        Module::Index,
+        op,
+        name,
+        launch_config(args.numel),
+        &params,
+        Some(args),
+    )?;
+    check_error_word(backend, op, &word, |bad| {
+        format!("index {bad} is out of bounds for size {limit}")
+    })
+}
+
+/// `out[..i..] = x[..index[..i..]..]` along `dim`.
+pub(crate) fn gather(
+    backend: &CudaBackend,
+    x: View<'_>,
+    dim: usize,
+    index: View<'_>,
+    out: View<'_>,
+) -> Result<()> {
+    index_kernel(backend, "gather", x, dim, index, out)
+}
+
+/// `dst[..index[..i..]..] += src[..i..]` along `dim` (atomic adds).
+pub(crate) fn scatter_add(
+    backend: &CudaBackend,
+    dst: View<'_>,
+    dim: usize,
+    index: View<'_>,
+    src: View<'_>,
+) -> Result<()> {
+    index_kernel(backend, "scatter_add", dst, dim, index, src)
+}
+
+fn ce_shape(args: &CrossEntropyArgs<'_>) -> Result<(u64, u64)> {
+    let [rows, classes] = *args.logits.layout.shape() else {
+        return Err(TensorError::InvalidArgument {
+            op: "cross_entropy",
+            reason: "logits must be [rows, classes]".into(),
+        });
+    };
+    if !args.logits.layout.is_contiguous()
+        || args.target.layout.shape() != [rows]
+        || args.target.dtype != DType::I64
+    {
+        return Err(TensorError::ShapeMismatch {
+            op: "cross_entropy",
+            lhs: args.logits.layout.shape().to_vec(),
+            rhs: args.target.layout.shape().to_vec(),
+        });
+    }
+    Ok((rows as u64, classes as u64))
+}
+
+fn ce_suffix(op: &'static str, logits: DType, stats: DType) -> Result<&'static str> {
+    Ok(match (logits, stats) {
+        (DType::F32, DType::F32) => "f32_f32",
+        (DType::F64, DType::F64) => "f64_f64",
+        (DType::F16, DType::F32) => "f16_f32",
+        (DType::BF16, DType::F32) => "bf16_f32",
+        (_, stats) => return Err(TensorError::UnsupportedDtype { op, dtype: stats }),
+    })
+}
+
+/// Address of a view's first element.
+fn element_address(view: &View<'_>) -> u64 {
+    view.buffer.address() + (view.layout.offset() * view.dtype.size_in_bytes()) as u64
+}
+
+fn one_block() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn row_blocks(rows: u64) -> LaunchConfig {
+    let blocks = rows.clamp(1, 132 * 16) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+pub(crate) fn cross_entropy(
+    backend: &CudaBackend,
+    args: CrossEntropyArgs<'_>,
+    loss: View<'_>,
+    lse: View<'_>,
+) -> Result<()> {
+    let op = "cross_entropy";
+    let (rows, classes) = ce_shape(&args)?;
+    let suffix = ce_suffix(op, args.logits.dtype, lse.dtype)?;
+    let total_suffix = float_suffix(op, args.logits.dtype)?;
+    let word = error_word(backend, op)?;
+    let row_loss = Scratch::new(backend, rows * 8)?;
+    let row_valid = Scratch::new(backend, rows * 8)?;
+    let params = [
+        Param::U64(element_address(&args.logits)),
+        Param::U64(element_address(&args.target)),
+        Param::U64(args.target.layout.strides()[0] as u64),
+        Param::I64(args.ignore_index),
+        Param::U64(element_address(&lse)),
+        Param::U64(row_loss.address()),
+        Param::U64(row_valid.address()),
+        Param::U64(word.address()),
+        Param::U64(rows),
+        Param::U64(classes),
+    ];
+    if rows > 0 {
+        let name = kernel_name("ce_rows", suffix);
+        launch_in(
+            backend,
+            Module::Index,
+            op,
+            name,
+            row_blocks(rows),
+            &params,
+            None,
+        )?;
+    }
+    let mean = i32::from(args.reduction == Reduction::Mean);
+    let params = [
+        Param::U64(row_loss.address()),
+        Param::U64(row_valid.address()),
+        Param::U64(rows),
+        Param::I32(mean),
+        Param::U64(element_address(&loss)),
+    ];
+    let name = kernel_name("ce_total", total_suffix);
+    launch_in(backend, Module::Index, op, name, one_block(), &params, None)?;
+    check_error_word(backend, op, &word, |bad| {
+        format!("target {bad} is out of bounds for {classes} classes")
+    })
+}
+
+pub(crate) fn cross_entropy_backward(
+    backend: &CudaBackend,
+    args: CrossEntropyArgs<'_>,
+    lse: View<'_>,
+    dloss: View<'_>,
+    dlogits: View<'_>,
+) -> Result<()> {
+    let op = "cross_entropy_backward";
+    let (rows, classes) = ce_shape(&args)?;
+    if dlogits.layout.shape() != args.logits.layout.shape() || !dlogits.layout.is_contiguous() {
+        return Err(TensorError::ShapeMismatch {
+            op,
+            lhs: args.logits.layout.shape().to_vec(),
+            rhs: dlogits.layout.shape().to_vec(),
+        });
+    }
+    let suffix = ce_suffix(op, args.logits.dtype, lse.dtype)?;
+    let count = Scratch::new(backend, 8)?;
+    let target = element_address(&args.target);
+    let target_stride = args.target.layout.strides()[0] as u64;
+    let params = [
+        Param::U64(target),
+        Param::U64(target_stride),
+        Param::I64(args.ignore_index),
+        Param::U64(rows),
+        Param::U64(count.address()),
+    ];
+    launch_in(
+        backend,
+        Module::Index,
+        op,
+        "ce_count",
+        one_block(),
+        &params,
+        None,
+    )?;
+    if rows * classes == 0 {
+        return Ok(());
+    }
+    let params = [
+        Param::U64(element_address(&args.logits)),
+        Param::U64(target),
+        Param::U64(target_stride),
+        Param::I64(args.ignore_index),
+        Param::U64(element_address(&lse)),
+        Param::U64(element_address(&dloss)),
+        Param::U64(count.address()),
+        Param::I32(i32::from(args.reduction == Reduction::Mean)),
+        Param::U64(element_address(&dlogits)),
+        Param::U64(rows),
+        Param::U64(classes),
+    ];
+    let name = kernel_name("ce_backward", suffix);
+    launch_in(
+        backend,
+        Module::Index,
+        op,
+        name,
+        launch_config(rows * classes),
+        &params,
+        None,
+    )
+}
+
+pub(crate) fn dropout(
+    backend: &CudaBackend,
+    x: View<'_>,
+    p: f64,
+    seed: u64,
+    offset: u64,
+    out: View<'_>,
+    mask: View<'_>,
+) -> Result<()> {
+    let op = "dropout";
+    let dense = |v: &View<'_>| v.layout.is_contiguous() && v.layout.offset() == 0;
+    if !dense(&out) || !dense(&mask) || out.layout.shape() != x.layout.shape() {
+        return Err(TensorError::InvalidArgument {
+            op,
+            reason: "out and mask must be fresh dense tensors of x's shape".into(),
+        });
+    }
+    if !matches!(mask.dtype, DType::Bool | DType::U8) || out.dtype != x.dtype {
+        return Err(TensorError::DtypeMismatch {
+            op,
+            lhs: x.dtype,
+            rhs: out.dtype,
+        });
+    }
+    let suffix = float_suffix(op, x.dtype)?;
+    let args = strided_args(op, &[&out, &x])?;
+    if args.numel == 0 {
+        return Ok(());
+    }
+    let params = [
+        Param::U64(x.buffer.address()),
+        Param::U64(out.buffer.address()),
+        Param::U64(mask.buffer.address()),
+        Param::F64(p),
+        Param::U64(seed),
+        Param::U64(offset),
+    ];
+    let name = kernel_name(op, suffix);
+    launch_in(
+        backend,
+        Module::Index,
+        op,
+        name,
+        launch_config(args.numel),
+        &params,
+        Some(args),
+    )
+}
