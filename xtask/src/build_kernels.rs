@@ -1,7 +1,7 @@
 //! `cargo xtask build-kernels [--check]`: compiles the CUDA backend's `.cu` files to PTX.
 //!
-//! Sources live in `crates/ops-cuda/kernels/*.cu`; the PTX goes to `crates/ops-cuda/kernels/ptx/`
-//! and is committed, so users without nvcc build and run (the crate embeds it with
+//! Sources live in `crates/<crate>/kernels/*.cu` (ops-cuda and optim); the PTX goes to the
+//! `ptx/` folder beside them and is committed, so users without nvcc build and run (the crate embeds it with
 //! `include_str!`). Target: `compute_80` PTX, which the driver compiles for the GPU at module load
 //! (sm_80 and newer, the H200 included); nothing in these kernels needs Hopper-only instructions.
 //!
@@ -45,13 +45,12 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     }
 }
 
-fn kernel_dir(root: &Path) -> PathBuf {
-    root.join("crates/ops-cuda/kernels")
-}
+/// Folders of `.cu` sources, each with its `ptx/` output and manifest.
+const KERNEL_DIRS: &[&str] = &["crates/ops-cuda/kernels", "crates/optim/kernels"];
 
-/// The `.cu` sources, sorted by name.
-fn sources(root: &Path) -> Result<Vec<PathBuf>> {
-    let mut sources: Vec<PathBuf> = std::fs::read_dir(kernel_dir(root))?
+/// The `.cu` sources of one kernel folder, sorted by name.
+fn sources(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(dir)?
         .flatten()
         .map(|entry| entry.path())
         .filter(|path| path.extension().is_some_and(|ext| ext == "cu"))
@@ -76,25 +75,20 @@ fn manifest_line(source: &Path) -> Result<String> {
     ))
 }
 
-fn manifest_path(root: &Path) -> PathBuf {
-    kernel_dir(root).join("ptx/manifest.txt")
+fn manifest_path(dir: &Path) -> PathBuf {
+    dir.join("ptx/manifest.txt")
 }
 
 /// The sources whose committed PTX does not match them (or is missing).
 fn stale_kernels(root: &Path) -> Result<Vec<String>> {
-    let manifest = std::fs::read_to_string(manifest_path(root)).unwrap_or_default();
     let mut stale = Vec::new();
-    for source in sources(root)? {
-        let line = manifest_line(&source)?;
-        let ptx = ptx_path(&source);
-        if !manifest.lines().any(|l| l == line) || !ptx.exists() {
-            stale.push(
-                source
-                    .file_name()
-                    .unwrap_or_default()
-                    .to_string_lossy()
-                    .into_owned(),
-            );
+    for dir in KERNEL_DIRS.iter().map(|dir| root.join(dir)) {
+        let manifest = std::fs::read_to_string(manifest_path(&dir)).unwrap_or_default();
+        for source in sources(&dir)? {
+            let line = manifest_line(&source)?;
+            if !manifest.lines().any(|l| l == line) || !ptx_path(&source).exists() {
+                stale.push(source.display().to_string());
+            }
         }
     }
     Ok(stale)
@@ -110,24 +104,27 @@ fn ptx_path(source: &Path) -> PathBuf {
 fn build() -> Result<()> {
     let root = project_root();
     let nvcc = find_nvcc(&root)?;
-    let mut manifest = String::new();
-    for source in sources(&root)? {
-        let ptx = ptx_path(&source);
-        println!("nvcc {} -> {}", source.display(), ptx.display());
-        let status = Command::new(&nvcc)
-            .args(NVCC_FLAGS)
-            .arg(&source)
-            .arg("-o")
-            .arg(&ptx)
-            .status()
-            .with_context(|| format!("running {}", nvcc.display()))?;
-        if !status.success() {
-            bail!("nvcc failed on {}", source.display());
+    for dir in KERNEL_DIRS.iter().map(|dir| root.join(dir)) {
+        std::fs::create_dir_all(dir.join("ptx"))?;
+        let mut manifest = String::new();
+        for source in sources(&dir)? {
+            let ptx = ptx_path(&source);
+            println!("nvcc {} -> {}", source.display(), ptx.display());
+            let status = Command::new(&nvcc)
+                .args(NVCC_FLAGS)
+                .arg(&source)
+                .arg("-o")
+                .arg(&ptx)
+                .status()
+                .with_context(|| format!("running {}", nvcc.display()))?;
+            if !status.success() {
+                bail!("nvcc failed on {}", source.display());
+            }
+            manifest.push_str(&manifest_line(&source)?);
+            manifest.push('\n');
         }
-        manifest.push_str(&manifest_line(&source)?);
-        manifest.push('\n');
+        std::fs::write(manifest_path(&dir), manifest)?;
     }
-    std::fs::write(manifest_path(&root), manifest)?;
     Ok(())
 }
 

@@ -48,8 +48,11 @@ fn copy_same<T: Copy + Send + Sync>(src: View<'_>, dst: View<'_>) {
         [dst.layout.strides(), src.layout.strides()],
         [dst.layout.offset(), src.layout.offset()],
         |b, s, len| {
+            to.check_run(b[0], s[0], len);
+            from.check_run(b[1], s[1], len);
             for i in 0..len {
-                to.write(b[0] + i * s[0], from.read(b[1] + i * s[1]));
+                // SAFETY: both runs were checked above and `i < len`.
+                unsafe { to.write_in_run(b[0], s[0], i, from.read_in_run(b[1], s[1], i)) };
             }
         },
     );
@@ -99,9 +102,14 @@ fn map1<T: Float>(x: View<'_>, out: View<'_>, f: impl Fn(T::C) -> T::C + Sync + 
         [out.layout.strides(), x.layout.strides()],
         [out.layout.offset(), x.layout.offset()],
         |b, s, len| {
+            to.check_run(b[0], s[0], len);
+            from.check_run(b[1], s[1], len);
             for i in 0..len {
-                let value = from.read(b[1] + i * s[1]).load();
-                to.write(b[0] + i * s[0], T::store(f(value)));
+                // SAFETY: both runs were checked above and `i < len`.
+                unsafe {
+                    let value = from.read_in_run(b[1], s[1], i).load();
+                    to.write_in_run(b[0], s[0], i, T::store(f(value)));
+                }
             }
         },
     );
@@ -123,12 +131,18 @@ fn map2<T: Float>(
         [out.layout.strides(), a.layout.strides(), b.layout.strides()],
         [out.layout.offset(), a.layout.offset(), b.layout.offset()],
         |o, s, len| {
+            to.check_run(o[0], s[0], len);
+            lhs.check_run(o[1], s[1], len);
+            rhs.check_run(o[2], s[2], len);
             for i in 0..len {
-                let value = f(
-                    lhs.read(o[1] + i * s[1]).load(),
-                    rhs.read(o[2] + i * s[2]).load(),
-                );
-                to.write(o[0] + i * s[0], T::store(value));
+                // SAFETY: the three runs were checked above and `i < len`.
+                unsafe {
+                    let value = f(
+                        lhs.read_in_run(o[1], s[1], i).load(),
+                        rhs.read_in_run(o[2], s[2], i).load(),
+                    );
+                    to.write_in_run(o[0], s[0], i, T::store(value));
+                }
             }
         },
     );

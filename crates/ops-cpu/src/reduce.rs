@@ -7,7 +7,7 @@
 use headroom_autograd_core::{ReduceOp, Result, TensorError, View};
 
 use crate::element::{dispatch_float, Float, Real};
-use crate::strided::{for_each_run, for_each_run_serial, HostPtr};
+use crate::strided::{for_each_run_serial, for_each_run_weighted, HostPtr};
 
 /// Outer shape, outer strides, reduced shape, reduced strides.
 type SplitDims<'a> = (&'a [usize], &'a [usize], &'a [usize], &'a [usize]);
@@ -57,10 +57,11 @@ fn reduce_typed<T: Float>(
         });
     }
     let (from, to) = (HostPtr::<T>::new(&x), HostPtr::<T>::new(&out));
-    for_each_run(
+    for_each_run_weighted(
         out.layout.shape(),
         [out.layout.strides(), outer_strides],
         [out.layout.offset(), x.layout.offset()],
+        count,
         |o, s, len| {
             for i in 0..len {
                 let mut acc = match op {
@@ -137,7 +138,7 @@ fn arg_reduce_typed<T: Float>(is_max: bool, x: View<'_>, values: View<'_>, indic
         HostPtr::<T>::new(&values),
         HostPtr::<i64>::new(&indices),
     );
-    for_each_run(
+    for_each_run_weighted(
         values.layout.shape(),
         [
             values.layout.strides(),
@@ -149,6 +150,7 @@ fn arg_reduce_typed<T: Float>(is_max: bool, x: View<'_>, values: View<'_>, indic
             indices.layout.offset(),
             x.layout.offset(),
         ],
+        lane_len,
         |o, s, len| {
             for i in 0..len {
                 let base = o[2] + i * s[2];

@@ -7,7 +7,7 @@
 use headroom_autograd_core::{Result, TensorError, View};
 
 use crate::element::{dispatch_float, Float, Real};
-use crate::strided::{for_each_run, HostPtr};
+use crate::strided::{for_each_run_weighted, HostPtr};
 
 /// Shape and per-operand strides with `dim` removed, and each operand's stride along `dim`.
 fn lanes<const N: usize>(
@@ -66,28 +66,31 @@ fn softmax_typed<T: Float>(x: View<'_>, dim: usize, log: bool, out: View<'_>) {
     let (shape, strides, lane) = lanes([&out, &x], dim);
     let len = x.layout.shape()[dim];
     let (from, to) = (HostPtr::<T>::new(&x), HostPtr::<T>::new(&out));
-    for_each_run(
+    for_each_run_weighted(
         &shape,
         [&strides[0], &strides[1]],
         [out.layout.offset(), x.layout.offset()],
+        len,
         |o, s, n| {
             for i in 0..n {
                 let (ob, xb) = (o[0] + i * s[0], o[1] + i * s[1]);
-                let max = (0..len)
-                    .map(|j| from.read(xb + j * lane[1]).load().to_f64())
-                    .fold(f64::NEG_INFINITY, f64::max);
-                let sum: f64 = (0..len)
-                    .map(|j| (from.read(xb + j * lane[1]).load().to_f64() - max).exp())
-                    .sum();
+                from.check_run(xb, lane[1], len);
+                to.check_run(ob, lane[0], len);
+                // SAFETY: both lanes were checked above and every `j < len`.
+                let read = |j: usize| unsafe { from.read_in_run(xb, lane[1], j) }.load().to_f64();
+                let max = (0..len).map(read).fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = (0..len).map(|j| (read(j) - max).exp()).sum();
                 let log_sum = sum.ln();
                 for j in 0..len {
-                    let shifted = from.read(xb + j * lane[1]).load().to_f64() - max;
+                    let shifted = read(j) - max;
                     let value = if log {
                         shifted - log_sum
                     } else {
                         shifted.exp() / sum
                     };
-                    to.write(ob + j * lane[0], T::store(<T::C as Real>::from_f64(value)));
+                    let value = T::store(<T::C as Real>::from_f64(value));
+                    // SAFETY: the lane was checked above and `j < len`.
+                    unsafe { to.write_in_run(ob, lane[0], j, value) };
                 }
             }
         },
@@ -122,18 +125,25 @@ fn softmax_backward_typed<T: Float>(
         HostPtr::<T>::new(&dx),
     );
     let offsets = [dx.layout.offset(), y.layout.offset(), dy.layout.offset()];
-    for_each_run(
+    for_each_run_weighted(
         &shape,
         [&strides[0], &strides[1], &strides[2]],
         offsets,
+        len,
         |o, s, n| {
             for i in 0..n {
                 let (db, yb, gb) = (o[0] + i * s[0], o[1] + i * s[1], o[2] + i * s[2]);
+                to.check_run(db, lane[0], len);
+                out.check_run(yb, lane[1], len);
+                grad.check_run(gb, lane[2], len);
                 let read = |j: usize| {
-                    (
-                        out.read(yb + j * lane[1]).load().to_f64(),
-                        grad.read(gb + j * lane[2]).load().to_f64(),
-                    )
+                    // SAFETY: the lanes were checked above and every `j < len`.
+                    unsafe {
+                        (
+                            out.read_in_run(yb, lane[1], j).load().to_f64(),
+                            grad.read_in_run(gb, lane[2], j).load().to_f64(),
+                        )
+                    }
                 };
                 let dot: f64 = (0..len)
                     .map(|j| {
@@ -152,7 +162,9 @@ fn softmax_backward_typed<T: Float>(
                     } else {
                         yv * (gv - dot)
                     };
-                    to.write(db + j * lane[0], T::store(<T::C as Real>::from_f64(value)));
+                    let value = T::store(<T::C as Real>::from_f64(value));
+                    // SAFETY: the lane was checked above and `j < len`.
+                    unsafe { to.write_in_run(db, lane[0], j, value) };
                 }
             }
         },

@@ -1,7 +1,8 @@
 //! Strided iteration over host memory: bounds-checked element pointers and a parallel walker.
 //!
-//! [`HostPtr`] reads and writes elements of one buffer by index, checking every index against
-//! the buffer's length, so a wrong layout is a panic, never memory corruption. [`for_each_run`]
+//! [`HostPtr`] reads and writes elements of one buffer by index, checking every index (or, in
+//! hot loops, every run once) against the buffer's length, so a wrong layout is a panic, never
+//! memory corruption. [`for_each_run`]
 //! walks N operands of one shape: it merges dims that are contiguous in every operand, then
 //! hands out runs along the innermost dim — in parallel with rayon once the work is large
 //! enough. Nothing here knows about dtypes or ops.
@@ -83,6 +84,39 @@ impl<T: Copy> HostPtr<T> {
         // host allocation of at least `len` elements, and no other thread writes this element
         // during the kernel (see the `Send` impl).
         unsafe { self.base.add(index).read() }
+    }
+
+    /// Checks once that the run of `len` elements from `base` with `stride` lies inside the
+    /// buffer, so the run's loop can use [`HostPtr::read_in_run`] / [`HostPtr::write_in_run`]
+    /// without a check per element (the hot loops of elementwise kernels).
+    #[inline]
+    pub(crate) fn check_run(self, base: usize, stride: usize, len: usize) {
+        assert!(
+            len == 0 || base + (len - 1) * stride < self.len,
+            "a run of {len} elements from {base} with stride {stride} leaves a buffer of {}",
+            self.len
+        );
+    }
+
+    /// Element `base + i * stride` of a run checked by [`HostPtr::check_run`].
+    ///
+    /// # Safety
+    /// `check_run(base, stride, len)` passed for this pointer and `i < len`.
+    #[inline(always)]
+    pub(crate) unsafe fn read_in_run(self, base: usize, stride: usize, i: usize) -> T {
+        // SAFETY: the caller checked the run, so the index is inside the live, aligned buffer;
+        // no other thread writes this element during the kernel (see the `Send` impl).
+        unsafe { self.base.add(base + i * stride).read() }
+    }
+
+    /// Sets element `base + i * stride` of a run checked by [`HostPtr::check_run`].
+    ///
+    /// # Safety
+    /// `check_run(base, stride, len)` passed for this pointer and `i < len`.
+    #[inline(always)]
+    pub(crate) unsafe fn write_in_run(self, base: usize, stride: usize, i: usize, value: T) {
+        // SAFETY: as in `read_in_run`; this run is the only writer of this element.
+        unsafe { self.base.add(base + i * stride).write(value) }
     }
 
     /// Sets element `index` of the buffer.
@@ -205,8 +239,23 @@ pub(crate) fn for_each_run<const N: usize>(
     offsets: [usize; N],
     run: impl Fn([usize; N], [usize; N], usize) + Sync + Send,
 ) {
+    for_each_run_weighted(shape, strides, offsets, 1, run);
+}
+
+/// Like [`for_each_run`] for walks whose every element costs `work_per_element` elements of
+/// work (a softmax lane, a reduced row): the walk goes parallel once the total work is large,
+/// however few elements it has.
+pub(crate) fn for_each_run_weighted<const N: usize>(
+    shape: &[usize],
+    strides: [&[usize]; N],
+    offsets: [usize; N],
+    work_per_element: usize,
+    run: impl Fn([usize; N], [usize; N], usize) + Sync + Send,
+) {
     let numel: usize = shape.iter().product();
-    let parallel = numel >= PARALLEL_THRESHOLD && rayon::current_num_threads() > 1;
+    let parallel = numel.saturating_mul(work_per_element.max(1)) >= PARALLEL_THRESHOLD
+        && numel > 1
+        && rayon::current_num_threads() > 1;
     let target_tasks = if parallel {
         4 * rayon::current_num_threads()
     } else {

@@ -39,9 +39,39 @@ impl Module {
 pub(crate) struct KernelCache {
     modules: Mutex<HashMap<Module, Arc<CudaModule>>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// Modules other crates brought (by their name), see `CudaBackend::load_kernel`.
+    external: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
 }
 
 impl KernelCache {
+    /// The function `name` of another crate's PTX module `module`, loading it on first use.
+    pub(crate) fn external_function(
+        &self,
+        context: &Arc<CudaContext>,
+        module: &'static str,
+        ptx: &'static str,
+        name: &str,
+    ) -> Result<CudaFunction, CudaError> {
+        let kernel_error = |e: cudarc::driver::DriverError| CudaError::Kernel {
+            kernel: format!("{module}::{name}"),
+            reason: e.to_string(),
+        };
+        let loaded = {
+            let mut modules = self.external.lock();
+            match modules.get(module) {
+                Some(loaded) => loaded.clone(),
+                None => {
+                    let loaded = context
+                        .load_module(Ptx::from_src(ptx))
+                        .map_err(kernel_error)?;
+                    modules.insert(module, loaded.clone());
+                    loaded
+                }
+            }
+        };
+        loaded.load_function(name).map_err(kernel_error)
+    }
+
     /// The function `name` of `module`, loading the module on first use.
     pub(crate) fn function(
         &self,

@@ -30,6 +30,8 @@ mod index;
 #[cfg(feature = "cuda")]
 mod kernels;
 #[cfg(feature = "cuda")]
+mod launch;
+#[cfg(feature = "cuda")]
 mod matmul;
 #[cfg(feature = "cuda")]
 mod rows;
@@ -38,6 +40,8 @@ pub use error::CudaError;
 
 #[cfg(feature = "cuda")]
 pub use backend::CudaBackend;
+#[cfg(feature = "cuda")]
+pub use launch::{CudaKernel, KernelArg};
 
 /// Without the `cuda` feature: a backend that cannot be created.
 #[cfg(not(feature = "cuda"))]

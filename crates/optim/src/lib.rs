@@ -78,6 +78,9 @@
 
 pub mod kernels;
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
 mod adafactor;
 mod adam;
 mod adam8bit;

@@ -122,20 +122,20 @@ impl AdamBuffers<'_> {
 /// The per-step scalars, computed as Python computes them and rounded to f32 where a tensor op
 /// receives them.
 #[derive(Debug, Clone, Copy)]
-struct StepConsts {
-    maximize: bool,
-    l2: Option<f32>,
-    decay_factor: Option<f32>,
-    one_minus_beta1: f32,
-    beta2: f32,
-    one_minus_beta2: f32,
-    bias_correction2_sqrt: f32,
-    eps: f32,
-    neg_step_size: f32,
+pub(crate) struct StepConsts {
+    pub(crate) maximize: bool,
+    pub(crate) l2: Option<f32>,
+    pub(crate) decay_factor: Option<f32>,
+    pub(crate) one_minus_beta1: f32,
+    pub(crate) beta2: f32,
+    pub(crate) one_minus_beta2: f32,
+    pub(crate) bias_correction2_sqrt: f32,
+    pub(crate) eps: f32,
+    pub(crate) neg_step_size: f32,
 }
 
 impl StepConsts {
-    fn new(cfg: &AdamConfig, step: u64) -> StepConsts {
+    pub(crate) fn new(cfg: &AdamConfig, step: u64) -> StepConsts {
         let (beta1, beta2) = cfg.betas;
         let t = step as f64;
         let bias_correction1 = 1.0 - beta1.powf(t);

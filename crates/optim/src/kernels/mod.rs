@@ -36,6 +36,9 @@ pub use quantization::{
 };
 pub use sgd::{sgd_foreach, sgd_fused, sgd_single, SgdBuffers, SgdConfig};
 
+#[cfg(feature = "cuda")]
+pub(crate) use adam::StepConsts;
+
 use crate::error::OptimError;
 
 /// Gradient unscaling and overflow skipping inside a fused or 8-bit kernel, as PyTorch's

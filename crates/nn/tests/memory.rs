@@ -1,0 +1,121 @@
+//! Memory accounting against PyTorch: the `allocated` figures of the memory-analysis seed's two
+//! examples (`testdata/golden_memory_seed.json`, PyTorch 2.11 on an H200), reproduced byte for
+//! byte by the CPU backend's caching allocator.
+//!
+//! Rows compared, and why:
+//! - `seed_two_linear`: every row (`linear1`, `linear2`, `inputs 1024x1024`, and forward+loss /
+//!   backward of both iterations). No cuBLAS workspace appears in these figures — each equals
+//!   the live tensors' sizes rounded to 512 B — so they are compared unchanged. They cover the
+//!   saved activation kept by forward (`h`, 4 MiB), the output freed as soon as `.sum()` no
+//!   longer needs it, the activation released by backward, and gradients accumulated in place.
+//! - `seed_linear_adamw`: `model`, `inputs`, `iter0 forward`, `iter0 loss`, `iter0 backward`.
+//!   PyTorch's first matrix product allocates a 32 MiB cuBLAS workspace through the caching
+//!   allocator (the jump at `iter0 forward`), and backward, which runs on autograd's device
+//!   thread with its own cuBLAS handle, a second one: `iter0 backward` is the live tensors plus
+//!   exactly 2 × 32 MiB. Our GEMM needs no workspace, so those rows are compared minus 32 MiB
+//!   (forward, loss) and 64 MiB (backward). `optimizer created` and every later row hold AdamW
+//!   state: they belong to the optimizer's tests (crates/optim).
+
+use std::sync::Arc;
+
+use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
+use headroom_nn::Linear;
+use headroom_ops_cpu::CpuBackend;
+
+/// PyTorch's cuBLAS workspace (`CUBLAS_WORKSPACE_CONFIG` default on Hopper: 32 MiB).
+const CUBLAS_WORKSPACE: i64 = 32 << 20;
+
+fn golden_rows(key: &str) -> Vec<(String, i64)> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../testdata/golden_memory_seed.json"
+    );
+    let text = std::fs::read_to_string(path).expect("testdata/golden_memory_seed.json");
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    json[key]["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| {
+            (
+                row["step"].as_str().unwrap().to_owned(),
+                row["allocated"].as_i64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn allocated(cpu: &BackendRef) -> i64 {
+    cpu.memory_stats().allocated_bytes.all.current
+}
+
+#[test]
+fn two_linears_with_accumulation_allocate_what_pytorch_allocates() {
+    let cpu = CpuBackend::new_ref();
+    let generator = Arc::new(Generator::new(0));
+    let mut measured = Vec::new();
+    let linear1 = Linear::new(&cpu, 1024, 1024, false, DType::F32, &generator).unwrap();
+    measured.push(("linear1".to_owned(), allocated(&cpu)));
+    let linear2 = Linear::new(&cpu, 1024, 1, false, DType::F32, &generator).unwrap();
+    measured.push(("linear2".to_owned(), allocated(&cpu)));
+    let x = Tensor::ones(&cpu, &[1024, 1024], DType::F32).unwrap();
+    measured.push(("inputs 1024x1024".to_owned(), allocated(&cpu)));
+    // As in Python, the new loss is computed before the old one is released.
+    let mut loss = None;
+    for iter in 0..2 {
+        let hidden = linear1.forward(&x).unwrap();
+        loss = Some(linear2.forward(&hidden).unwrap().sum_all().unwrap());
+        drop(hidden);
+        measured.push((format!("iter{iter} forward+loss"), allocated(&cpu)));
+        loss.as_ref().unwrap().backward().unwrap();
+        measured.push((format!("iter{iter} backward"), allocated(&cpu)));
+    }
+    assert_eq!(measured, golden_rows("seed_two_linear"));
+    drop((loss, x, linear1, linear2));
+    assert_eq!(allocated(&cpu), 0);
+}
+
+#[test]
+fn linear_forward_loss_and_backward_allocate_what_pytorch_allocates_without_cublas() {
+    let cpu = CpuBackend::new_ref();
+    let generator = Arc::new(Generator::new(0));
+    let golden = golden_rows("seed_linear_adamw");
+    let workspace = |step: &str| match step {
+        "iter0 forward" | "iter0 loss" => CUBLAS_WORKSPACE,
+        "iter0 backward" => 2 * CUBLAS_WORKSPACE,
+        _ => 0,
+    };
+    let expected: Vec<(String, i64)> = golden
+        .iter()
+        .filter(|(step, _)| {
+            [
+                "model",
+                "inputs",
+                "iter0 forward",
+                "iter0 loss",
+                "iter0 backward",
+            ]
+            .contains(&step.as_str())
+        })
+        .map(|(step, bytes)| (step.clone(), bytes - workspace(step)))
+        .collect();
+    assert_eq!(expected.len(), 5);
+
+    let mut measured = Vec::new();
+    let model = Linear::new(&cpu, 1024, 1024, false, DType::F32, &generator).unwrap();
+    measured.push(("model".to_owned(), allocated(&cpu)));
+    let x = Tensor::ones(&cpu, &[1024], DType::F32).unwrap();
+    measured.push(("inputs".to_owned(), allocated(&cpu)));
+    let outputs = model.forward(&x).unwrap();
+    measured.push(("iter0 forward".to_owned(), allocated(&cpu)));
+    let loss = outputs.sum_all().unwrap();
+    measured.push(("iter0 loss".to_owned(), allocated(&cpu)));
+    loss.backward().unwrap();
+    measured.push(("iter0 backward".to_owned(), allocated(&cpu)));
+    assert_eq!(measured, expected);
+    assert_eq!(
+        model.weight.grad().unwrap().shape(),
+        [1024, 1024],
+        "backward produced the weight's gradient"
+    );
+}

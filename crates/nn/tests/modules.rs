@@ -1,0 +1,132 @@
+//! Module behaviour beyond the golden models: weights survive a safetensors round trip (and a
+//! dtype change), dropout follows the training flag through a whole model, and a causal mask
+//! keeps later tokens out of earlier positions.
+
+use std::sync::Arc;
+
+use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
+use headroom_nn::{
+    causal_mask, load_weights, save_weights, Dropout, Gpt2Config, Gpt2LMHeadModel, Module,
+    MultiheadAttention, NnError, VisionTransformer, VitConfig,
+};
+use headroom_ops_cpu::CpuBackend;
+use safetensors::SafeTensors;
+
+fn values(module: &dyn Module) -> Vec<(String, Vec<f64>)> {
+    module
+        .named_parameters()
+        .into_iter()
+        .map(|(name, tensor)| (name, tensor.to_vec_f64().unwrap()))
+        .collect()
+}
+
+#[test]
+fn weights_round_trip_through_safetensors_by_name() {
+    let cpu = CpuBackend::new_ref();
+    let config = Gpt2Config::tiny();
+    let source =
+        Gpt2LMHeadModel::new(&cpu, config, DType::F64, &Arc::new(Generator::new(1))).unwrap();
+    let bytes = save_weights(&source).unwrap();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<&str> = file.names().into_iter().map(String::as_str).collect();
+    names.sort_unstable();
+    assert_eq!(names.len(), 4 + 12 * config.n_layer);
+    assert!(names.contains(&"transformer.h.1.mlp.c_fc.weight"));
+    assert_eq!(
+        file.tensor("transformer.h.0.attn.c_attn.weight")
+            .unwrap()
+            .shape(),
+        [64, 192],
+        "Conv1D weights are stored [in, out]"
+    );
+
+    let target =
+        Gpt2LMHeadModel::new(&cpu, config, DType::F64, &Arc::new(Generator::new(2))).unwrap();
+    assert_ne!(values(&target), values(&source));
+    load_weights(&target, &file, "").unwrap();
+    assert_eq!(values(&target), values(&source));
+
+    // Loading f64 weights into an f32 model converts them.
+    let narrow =
+        Gpt2LMHeadModel::new(&cpu, config, DType::F32, &Arc::new(Generator::new(3))).unwrap();
+    load_weights(&narrow, &file, "").unwrap();
+    for ((name, ours), (_, theirs)) in values(&narrow).iter().zip(values(&source).iter()) {
+        for (a, b) in ours.iter().zip(theirs) {
+            assert_eq!(*a, f64::from(*b as f32), "{name}");
+        }
+    }
+
+    // A prefix that names nothing leaves every parameter missing; the first is reported.
+    let err = load_weights(&target, &file, "model.").unwrap_err();
+    assert!(
+        matches!(&err, NnError::MissingParameter { name } if name == "transformer.wte.weight"),
+        "{err}"
+    );
+}
+
+#[test]
+fn dropout_follows_the_training_flag_through_the_model() {
+    let cpu = CpuBackend::new_ref();
+    let generator = Arc::new(Generator::new(7));
+    let dropout = Dropout::new(0.5, Arc::clone(&generator));
+    let ones = Tensor::ones(&cpu, &[4096], DType::F64).unwrap();
+    let dropped = dropout.forward(&ones).unwrap().to_vec_f64().unwrap();
+    assert!(dropped.iter().all(|&v| v == 0.0 || v == 2.0));
+    let kept = dropped.iter().filter(|&&v| v == 2.0).count();
+    assert!(
+        (1800..2300).contains(&kept),
+        "{kept} of 4096 kept at p = 0.5"
+    );
+
+    let config = VitConfig {
+        dropout: 0.5,
+        attention_dropout: 0.5,
+        ..VitConfig::tiny()
+    };
+    let mut model = VisionTransformer::new(&cpu, config, DType::F64, &generator).unwrap();
+    // The zero-initialised head makes every logit 0; give it weights so dropout shows.
+    model.head = headroom_nn::Linear::new(&cpu, 64, 10, true, DType::F64, &generator).unwrap();
+    let images = Tensor::ones(&cpu, &[1, 3, 32, 32], DType::F64).unwrap();
+    let run = |model: &VisionTransformer| model.forward(&images).unwrap().to_vec_f64().unwrap();
+    assert_ne!(run(&model), run(&model), "training: two draws differ");
+    model.set_training(false);
+    assert_eq!(run(&model), run(&model), "evaluation: deterministic");
+}
+
+#[test]
+fn a_causal_mask_keeps_later_tokens_out_of_earlier_positions() {
+    let cpu: BackendRef = CpuBackend::new_ref();
+    let generator = Arc::new(Generator::new(11));
+    let attention = MultiheadAttention::new(
+        &cpu,
+        16,
+        4,
+        Dropout::new(0.0, Arc::clone(&generator)),
+        DType::F64,
+        &generator,
+    )
+    .unwrap();
+    let mask = causal_mask(&cpu, 5).unwrap();
+    assert_eq!(
+        mask.to_vec_f64().unwrap()[..10],
+        [0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    );
+    let tokens: Vec<f64> = (0..80).map(|i| ((i * 7) % 13) as f64 / 13.0).collect();
+    let mut changed = tokens.clone();
+    changed[79] += 1.0; // the last token only
+    let run = |values: &[f64]| {
+        let x = Tensor::from_f64s(&cpu, values, &[1, 5, 16], DType::F64).unwrap();
+        attention
+            .forward(&x, Some(&mask))
+            .unwrap()
+            .to_vec_f64()
+            .unwrap()
+    };
+    let (before, after) = (run(&tokens), run(&changed));
+    assert_eq!(
+        before[..64],
+        after[..64],
+        "positions 0..4 do not see token 4"
+    );
+    assert_ne!(before[64..], after[64..], "position 4 sees itself");
+}

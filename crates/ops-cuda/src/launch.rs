@@ -1,0 +1,129 @@
+//! Kernels of other crates on this backend: load a PTX module, launch its functions.
+//!
+//! Crates with CUDA kernels of their own (the optimizers' fused and 8-bit updates) commit PTX
+//! built by `cargo xtask build-kernels` and run it here, on the backend's context and stream,
+//! with memory from its caching allocator. Arguments are plain values and device addresses, so
+//! no cudarc type crosses the crate boundary.
+
+use cudarc::driver::{result, CudaFunction, LaunchConfig, PushKernelArg};
+use headroom_autograd_core::{Result, TensorError};
+use headroom_caching_allocator::{Allocation, StreamId};
+
+use crate::backend::{device_error, CudaBackend};
+use crate::error::CudaError;
+
+/// A loaded kernel of another crate's PTX module.
+#[derive(Debug, Clone)]
+pub struct CudaKernel {
+    name: String,
+    function: CudaFunction,
+}
+
+/// One kernel argument: a scalar or a device address (`U64`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KernelArg {
+    /// `unsigned long long`, also device pointers.
+    U64(u64),
+    /// `long long`.
+    I64(i64),
+    /// `int`.
+    I32(i32),
+    /// `unsigned int`.
+    U32(u32),
+    /// `float`.
+    F32(f32),
+    /// `double`.
+    F64(f64),
+}
+
+impl CudaBackend {
+    /// Function `name` of the PTX module `module` (a `'static` name and text, loaded once per
+    /// backend).
+    pub fn load_kernel(
+        &self,
+        module: &'static str,
+        ptx: &'static str,
+        name: &str,
+    ) -> std::result::Result<CudaKernel, CudaError> {
+        self.context
+            .bind_to_thread()
+            .map_err(|e| CudaError::Kernel {
+                kernel: name.to_owned(),
+                reason: e.to_string(),
+            })?;
+        let function = self
+            .kernels
+            .external_function(&self.context, module, ptx, name)?;
+        Ok(CudaKernel {
+            name: name.to_owned(),
+            function,
+        })
+    }
+
+    /// Launches `kernel` on the backend's stream with `grid` × `block` threads, `shared_bytes`
+    /// of dynamic shared memory and `args`.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameters in number, order and type, and every device
+    /// address must point to live memory of this backend that the kernel may access as it does.
+    pub unsafe fn launch_kernel(
+        &self,
+        kernel: &CudaKernel,
+        grid: u32,
+        block: u32,
+        shared_bytes: u32,
+        args: &[KernelArg],
+    ) -> Result<()> {
+        self.bind("launch_kernel")?;
+        let config = LaunchConfig {
+            grid_dim: (grid.max(1), 1, 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: shared_bytes,
+        };
+        let mut builder = self.stream.launch_builder(&kernel.function);
+        for arg in args {
+            match arg {
+                KernelArg::U64(v) => builder.arg(v),
+                KernelArg::I64(v) => builder.arg(v),
+                KernelArg::I32(v) => builder.arg(v),
+                KernelArg::U32(v) => builder.arg(v),
+                KernelArg::F32(v) => builder.arg(v),
+                KernelArg::F64(v) => builder.arg(v),
+            };
+        }
+        // SAFETY: the caller guarantees that `args` match the kernel and address live memory.
+        unsafe { builder.launch(config) }
+            .map(|_| ())
+            .map_err(|e| TensorError::Device {
+                op: "launch_kernel",
+                reason: format!("{}: {e}", kernel.name),
+            })
+    }
+
+    /// Copies `bytes` into a new allocation of the backend's allocator (freed by the caller with
+    /// `allocator().free`).
+    pub fn upload(&self, bytes: &[u8]) -> Result<Allocation> {
+        let allocation = self
+            .allocator()
+            .allocate(bytes.len() as u64, StreamId::DEFAULT)?;
+        if !bytes.is_empty() {
+            self.bind("upload")?;
+            self.synchronize()?;
+            // SAFETY: the allocation is live, at least `bytes.len()` long and not yet shared.
+            unsafe { result::memcpy_htod_sync(allocation.address(), bytes) }
+                .map_err(|e| device_error("upload", e))?;
+        }
+        Ok(allocation)
+    }
+
+    /// Copies `out.len()` bytes at device address `address` to the host, after the queued work.
+    ///
+    /// # Safety
+    /// `address .. address + out.len()` must be live memory of this backend.
+    pub unsafe fn download(&self, address: u64, out: &mut [u8]) -> Result<()> {
+        self.bind("download")?;
+        self.synchronize()?;
+        // SAFETY: the caller guarantees the range is live device memory; queued work is done.
+        unsafe { result::memcpy_dtoh_sync(out, address) }.map_err(|e| device_error("download", e))
+    }
+}
