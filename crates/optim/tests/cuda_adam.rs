@@ -116,3 +116,102 @@ fn gpu_fused_adam_equals_the_cpu_bit_for_bit() {
         }
     }
 }
+
+#[test]
+fn gpu_8bit_adam_equals_the_cpu_bit_for_bit() {
+    use headroom_optim::bnb_maps;
+    use headroom_optim::cuda::{CudaAdam8bit, DeviceAdam8bitParam};
+    use headroom_optim::kernels::{adam8bit_blockwise, n_blocks, Adam8bitBuffers, Adam8bitConfig};
+
+    let backend = match CudaBackend::new(0) {
+        Ok(backend) => backend,
+        Err(err) => {
+            println!("skipped: {err}");
+            return;
+        }
+    };
+    let (qmap1, qmap2) = bnb_maps();
+    let sizes = [4096usize, 5000, 70_001];
+    for cfg in [Adam8bitConfig::adam(), Adam8bitConfig::adamw()] {
+        // Per parameter: param, grad, absmax1, absmax2 (f32) and state1, state2 (u8).
+        let mut floats: Vec<[Vec<f32>; 4]> = Vec::new();
+        let mut codes: Vec<[Vec<u8>; 2]> = Vec::new();
+        for (i, &n) in sizes.iter().enumerate() {
+            let i = i as u64;
+            floats.push([
+                random(i + 7, n, 2.0),
+                random(i + 70, n, 0.1),
+                vec![0.0; n_blocks(n)],
+                vec![0.0; n_blocks(n)],
+            ]);
+            codes.push([vec![0; n], vec![0; n]]);
+        }
+        let grad_scale = 512.0f32;
+        let mut device = Vec::new();
+        let mut params = Vec::new();
+        for (f, c) in floats.iter().zip(&codes) {
+            let scaled: Vec<f32> = f[1].iter().map(|g| g * grad_scale).collect();
+            let up = |data: Vec<u8>| backend.upload(&data).unwrap();
+            let uploads = [
+                up(bytes(&f[0])),
+                up(bytes(&scaled)),
+                up(c[0].clone()),
+                up(c[1].clone()),
+                up(bytes(&f[2])),
+                up(bytes(&f[3])),
+            ];
+            params.push(DeviceAdam8bitParam {
+                param: uploads[0].address(),
+                grad: uploads[1].address(),
+                state1: uploads[2].address(),
+                state2: uploads[3].address(),
+                absmax1: uploads[4].address(),
+                absmax2: uploads[5].address(),
+                len: f[0].len(),
+            });
+            device.push(uploads);
+        }
+        let scale = backend.upload(&bytes(&[grad_scale])).unwrap();
+        let inf = backend.upload(&bytes(&[1.0])).unwrap();
+        // SAFETY: every address is a live allocation of `backend` of the documented size, kept
+        // in `device` until the end of the test.
+        let adam = unsafe { CudaAdam8bit::new(backend.clone(), &params) }.unwrap();
+        for step in 1..=3 {
+            adam.step(&cfg, step, Some(scale.address()), None).unwrap();
+            adam.step(&cfg, step, Some(scale.address()), Some(inf.address()))
+                .unwrap();
+            for (f, c) in floats.iter_mut().zip(codes.iter_mut()) {
+                let [p, g, a1, a2] = f;
+                let [c1, c2] = c;
+                let bufs = Adam8bitBuffers {
+                    param: p,
+                    grad: g,
+                    state1: c1,
+                    state2: c2,
+                    absmax1: a1,
+                    absmax2: a2,
+                };
+                adam8bit_blockwise(&cfg, step, qmap1, qmap2, bufs, GradScaling::default()).unwrap();
+            }
+        }
+        for ((f, c), uploads) in floats.iter().zip(&codes).zip(&device) {
+            let expected: [(usize, Vec<u8>); 5] = [
+                (0, bytes(&f[0])),
+                (2, c[0].clone()),
+                (3, c[1].clone()),
+                (4, bytes(&f[2])),
+                (5, bytes(&f[3])),
+            ];
+            for (index, want) in expected {
+                let mut got = vec![0u8; want.len()];
+                // SAFETY: the allocation is live and holds that many bytes.
+                unsafe { backend.download(uploads[index].address(), &mut got) }.unwrap();
+                assert_eq!(got, want, "GPU and CPU differ in buffer {index} ({cfg:?})");
+            }
+        }
+        drop(adam);
+        for allocation in device.into_iter().flatten().chain([scale, inf]) {
+            backend.allocator().free(allocation).unwrap();
+        }
+    }
+}

@@ -76,19 +76,19 @@ pub struct Adam8bitBuffers<'a> {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct StepConsts {
-    beta1: f32,
-    beta2: f32,
-    one_minus_beta1: f32,
-    one_minus_beta2: f32,
-    correction2: f32,
-    eps: f32,
-    step_size: f32,
-    decay_factor: Option<f32>,
+pub(crate) struct StepConsts {
+    pub(crate) beta1: f32,
+    pub(crate) beta2: f32,
+    pub(crate) one_minus_beta1: f32,
+    pub(crate) one_minus_beta2: f32,
+    pub(crate) correction2: f32,
+    pub(crate) eps: f32,
+    pub(crate) step_size: f32,
+    pub(crate) decay_factor: Option<f32>,
 }
 
 impl StepConsts {
-    fn new(cfg: &Adam8bitConfig, step: u64) -> StepConsts {
+    pub(crate) fn new(cfg: &Adam8bitConfig, step: u64) -> StepConsts {
         let (beta1, beta2) = (cfg.betas.0 as f32, cfg.betas.1 as f32);
         let (lr, eps, wd) = (cfg.lr as f32, cfg.eps as f32, cfg.weight_decay as f32);
         let correction1 = 1.0 - beta1.powf(step as f32);

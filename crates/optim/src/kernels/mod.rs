@@ -38,6 +38,8 @@ pub use sgd::{sgd_foreach, sgd_fused, sgd_single, SgdBuffers, SgdConfig};
 
 #[cfg(feature = "cuda")]
 pub(crate) use adam::StepConsts;
+#[cfg(feature = "cuda")]
+pub(crate) use adam8bit::StepConsts as Adam8bitConsts;
 
 use crate::error::OptimError;
 
