@@ -6,7 +6,9 @@
 //! `BinaryOp`, mirrored by the `switch` statements of the `.cu` file.
 
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use headroom_autograd_core::{BinaryOp, DType, MaskedOp, Result, TensorError, UnaryOp, View};
+use headroom_autograd_core::{
+    BinaryOp, DType, Layout, MaskedOp, Result, TensorError, UnaryOp, View,
+};
 
 use crate::backend::{device_error, CudaBackend};
 use crate::kernels::Module;
@@ -36,13 +38,19 @@ unsafe impl DeviceRepr for StridedArgs {}
 /// Describes `views` (one shape, the first being the output) to the kernels, merging dimensions
 /// that are contiguous in all of them.
 pub(crate) fn strided_args(op: &'static str, views: &[&View<'_>]) -> Result<StridedArgs> {
-    let shape = views[0].layout.shape();
+    let layouts: Vec<&Layout> = views.iter().map(|view| view.layout).collect();
+    strided_layout_args(op, &layouts)
+}
+
+/// [`strided_args`] for bare layouts (the first being the output's).
+pub(crate) fn strided_layout_args(op: &'static str, views: &[&Layout]) -> Result<StridedArgs> {
+    let shape = views[0].shape();
     for view in &views[1..] {
-        if view.layout.shape() != shape {
+        if view.shape() != shape {
             return Err(TensorError::ShapeMismatch {
                 op,
                 lhs: shape.to_vec(),
-                rhs: view.layout.shape().to_vec(),
+                rhs: view.shape().to_vec(),
             });
         }
     }
@@ -55,7 +63,7 @@ pub(crate) fn strided_args(op: &'static str, views: &[&View<'_>]) -> Result<Stri
         }
         let mut strides = [0u64; 3];
         for (k, view) in views.iter().enumerate() {
-            strides[k] = view.layout.strides()[d] as u64;
+            strides[k] = view.strides()[d] as u64;
         }
         if let Some((last_size, last_strides)) = dims.last_mut() {
             let mergeable = (0..views.len()).all(|k| last_strides[k] == strides[k] * size as u64);
@@ -91,7 +99,7 @@ pub(crate) fn strided_args(op: &'static str, views: &[&View<'_>]) -> Result<Stri
         }
     }
     for (k, view) in views.iter().enumerate() {
-        args.offsets[k] = view.layout.offset() as u64;
+        args.offsets[k] = view.offset() as u64;
     }
     Ok(args)
 }
@@ -412,4 +420,33 @@ pub(crate) fn launch_in(
     unsafe { builder.launch(config) }
         .map(|_| ())
         .map_err(|e| device_error(op, e))
+}
+
+/// Copies the elements of `src_layout` at device address `src` (element size `element_bytes`)
+/// into the dense layout `dst_layout` at `dst`: for operands a library call needs contiguous.
+pub(crate) fn copy_raw(
+    backend: &CudaBackend,
+    src: u64,
+    src_layout: &Layout,
+    dst: u64,
+    dst_layout: &Layout,
+    element_bytes: usize,
+) -> Result<()> {
+    let args = strided_layout_args("copy", &[dst_layout, src_layout])?;
+    if args.numel == 0 {
+        return Ok(());
+    }
+    let name = match element_bytes {
+        8 => "copy_b8",
+        4 => "copy_b4",
+        2 => "copy_b2",
+        _ => "copy_b1",
+    };
+    launch(
+        backend,
+        "copy",
+        name,
+        args,
+        &[Param::U64(src), Param::U64(dst)],
+    )
 }

@@ -15,7 +15,7 @@
 use std::ffi::c_void;
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
-use headroom_autograd_core::{DType, Result, TensorError, View};
+use headroom_autograd_core::{DType, Layout, Result, TensorError, View};
 use headroom_caching_allocator::{Allocation, StreamId};
 
 use crate::backend::{device_error, CudaBackend};
@@ -147,15 +147,20 @@ pub(crate) fn matmul(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let stride = |view: &View<'_>, d: usize| view.layout.strides()[d];
-    let lhs = as_transposed(m, k, stride(&a, nd - 2), stride(&a, nd - 1))
+    let element = a.dtype.size_in_bytes();
+    // Operands cuBLAS cannot read in place (e.g. a fully broadcast gradient) are made dense first.
+    let (a_address, a_layout, _a_scratch) = readable(backend, &a, m, k, element)?;
+    let (b_address, b_layout, _b_scratch) = readable(backend, &b, k, n, element)?;
+    let out_layout = out.layout.clone();
+    let stride = |layout: &Layout, d: usize| layout.strides()[d];
+    let lhs = as_transposed(m, k, stride(&a_layout, nd - 2), stride(&a_layout, nd - 1))
         .ok_or_else(|| unsupported_strides(&a))?;
-    let rhs = as_transposed(k, n, stride(&b, nd - 2), stride(&b, nd - 1))
+    let rhs = as_transposed(k, n, stride(&b_layout, nd - 2), stride(&b_layout, nd - 1))
         .ok_or_else(|| unsupported_strides(&b))?;
-    if stride(&out, nd - 1) != 1 && n != 1 {
+    if stride(&out_layout, nd - 1) != 1 && n != 1 {
         return Err(unsupported_strides(&out));
     }
-    let ldc: i32 = stride(&out, nd - 2)
+    let ldc: i32 = stride(&out_layout, nd - 2)
         .max(n)
         .try_into()
         .map_err(|_| unsupported_strides(&out))?;
@@ -166,7 +171,11 @@ pub(crate) fn matmul(
         if size == 1 {
             continue;
         }
-        let strides = [stride(&out, d), stride(&a, d), stride(&b, d)];
+        let strides = [
+            stride(&out_layout, d),
+            stride(&a_layout, d),
+            stride(&b_layout, d),
+        ];
         if let Some((last_size, last_strides)) = batch.last_mut() {
             if (0..3).all(|i| last_strides[i] == strides[i] * size) {
                 *last_size *= size;
@@ -179,9 +188,9 @@ pub(crate) fn matmul(
     let (inner_count, inner_strides) = batch.pop().unwrap_or((1, [0, 0, 0]));
     let outer_count: usize = batch.iter().map(|(size, _)| size).product();
 
-    let element = a.dtype.size_in_bytes() as u64;
-    let address = |view: &View<'_>| view.buffer.address() + view.layout.offset() as u64 * element;
-    let (a0, b0, out0) = (address(&a), address(&b), address(&out));
+    let element = element as u64;
+    let out0 = out.buffer.address() + out_layout.offset() as u64 * element;
+    let (a0, b0) = (a_address, b_address);
     let (m, n, k) = (to_int(m)?, to_int(n)?, to_int(k)?);
     let batch_count = to_int(inner_count)?;
     let (alpha32, beta32) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
@@ -247,6 +256,48 @@ pub(crate) fn matmul(
     }
     drop(state);
     Ok(())
+}
+
+/// Scratch memory from the backend's allocator, returned (in stream order) when dropped.
+struct Scratch<'a> {
+    backend: &'a CudaBackend,
+    allocation: Option<Allocation>,
+}
+
+impl Drop for Scratch<'_> {
+    fn drop(&mut self) {
+        if let Some(allocation) = self.allocation.take() {
+            let _ = self.backend.allocator().free(allocation);
+        }
+    }
+}
+
+/// `view` as cuBLAS can read it: (address of its first element, layout), copying it to dense
+/// scratch when its matrices have neither contiguous rows nor contiguous columns.
+fn readable<'a>(
+    backend: &'a CudaBackend,
+    view: &View<'_>,
+    rows: usize,
+    cols: usize,
+    element: usize,
+) -> Result<(u64, Layout, Option<Scratch<'a>>)> {
+    let nd = view.layout.ndim();
+    let strides = view.layout.strides();
+    if as_transposed(rows, cols, strides[nd - 2], strides[nd - 1]).is_some() {
+        let address = view.buffer.address() + (view.layout.offset() * element) as u64;
+        return Ok((address, view.layout.clone(), None));
+    }
+    let dense = Layout::contiguous(view.layout.shape());
+    let bytes = (dense.numel() * element) as u64;
+    let allocation = backend.allocator().allocate(bytes, StreamId::DEFAULT)?;
+    let address = allocation.address();
+    let scratch = Scratch {
+        backend,
+        allocation: Some(allocation),
+    };
+    let src = view.buffer.address();
+    crate::elementwise::copy_raw(backend, src, view.layout, address, &dense, element)?;
+    Ok((address, dense, Some(scratch)))
 }
 
 fn to_int(value: usize) -> Result<i32> {

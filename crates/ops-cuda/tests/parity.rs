@@ -835,3 +835,40 @@ fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
         assert!((kept - 0.7).abs() < 0.05, "kept {kept}");
     }
 }
+
+/// An operand broadcast from one element (strides all zero, as the gradient of a sum is) has
+/// neither contiguous rows nor columns: it is made dense before cuBLAS reads it.
+#[test]
+fn matmul_with_a_fully_broadcast_operand_matches_the_cpu() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Random(0x0dd_ba11);
+    let (m, k, n) = (19, 23, 31);
+    for dtype in FLOATS {
+        let a = input(&mut random, false, m * k);
+        compare("matmul broadcast", dtype, &gpu, &cpu, |backend| {
+            let (ab, one) = (upload(backend, dtype, &a), upload(backend, dtype, &[0.5]));
+            let out = poisoned(backend, dtype, m * n);
+            backend
+                .matmul(
+                    View {
+                        buffer: &ab,
+                        layout: &Layout::contiguous(&[m, k]),
+                        dtype,
+                    },
+                    View {
+                        buffer: &one,
+                        layout: &Layout::from_parts(&[k, n], &[0, 0], 0),
+                        dtype,
+                    },
+                    View {
+                        buffer: &out,
+                        layout: &Layout::contiguous(&[m, n]),
+                        dtype,
+                    },
+                    false,
+                )
+                .unwrap();
+            download(backend, dtype, &out)
+        });
+    }
+}
