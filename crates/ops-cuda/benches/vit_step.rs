@@ -2,7 +2,8 @@
 //! and 32: median step time of 6 after 3 warm-ups, and peak allocated bytes over the timed steps
 //! — the setting of PyTorch's `sgd` anchor (whose step also includes a plain SGD update, about
 //! 0.5 ms of memory traffic at this size). Prints one JSON line per batch, or a skip notice
-//! without a CUDA device.
+//! without a CUDA device. `vit_step BATCH STEPS` runs one batch size with STEPS timed steps and
+//! one warm-up (for profilers).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,7 +24,15 @@ fn main() {
     let generator = Arc::new(Generator::new(0));
     let model =
         VisionTransformer::new(&gpu, VitConfig::vit_l_16(), DType::F32, &generator).expect("model");
-    for batch in [1usize, 32] {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let (batches, warmup, timed) = match args[..] {
+        [batch, steps, ..] => (vec![batch], 1, steps.max(1)),
+        _ => (vec![1, 32], 3, 6),
+    };
+    for batch in batches {
         let mut state = 0x2545_f491_4f6c_dd1du64;
         let pixels: Vec<f32> = (0..batch * 3 * 224 * 224)
             .map(|_| {
@@ -49,13 +58,13 @@ fn main() {
             }
             ms
         };
-        for _ in 0..3 {
+        for _ in 0..warmup {
             step();
         }
         cuda.allocator().reset_peak_stats();
-        let mut times: Vec<f64> = (0..6).map(|_| step()).collect();
+        let mut times: Vec<f64> = (0..timed).map(|_| step()).collect();
         times.sort_by(f64::total_cmp);
-        let ms = (times[2] + times[3]) / 2.0;
+        let ms = (times[(timed - 1) / 2] + times[timed / 2]) / 2.0;
         let stats = cuda.allocator().memory_stats();
         println!(
             "{{\"case\": \"vit_l16_fwd_bwd\", \"impl\": \"headroom_cuda\", \"batch\": {batch}, \"step_ms\": {ms:.1}, \"peak_allocated_bytes\": {}, \"peak_reserved_bytes\": {}, \"times_ms\": {times:?}}}",
