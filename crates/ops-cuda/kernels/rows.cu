@@ -31,6 +31,8 @@ struct RowArgs {
 __device__ __forceinline__ unsigned long long walk(unsigned long long i, unsigned int ndim,
                                                    const unsigned long long* shape,
                                                    const unsigned long long* strides) {
+    if (ndim == 0) return 0;
+    if (ndim == 1) return i * strides[0];
     unsigned long long off = 0;
     for (int d = (int)ndim - 1; d >= 0; --d) {
         off += (i % shape[d]) * strides[d];
@@ -193,19 +195,48 @@ __device__ void layer_norm_backward_rows(const T* dy, const T* x, const S* mean_
     }
 }
 
-// Layer norm backward, parameter gradients: one thread per column sums over the rows.
+// Layer norm backward, parameter gradients, in two deterministic stages. Stage 1: a 32 x 8 block
+// sums a chunk of ROWS_PER_CHUNK rows for 32 columns (coalesced across the columns) into
+// `partial` [2, n_chunks, n] (weight, bias); stage 2: one thread per column adds the chunks.
+#define ROWS_PER_CHUNK 256
 template <typename T, typename S>
-__device__ void layer_norm_param_grads(const T* dy, const T* x, const S* mean_in, const S* rstd_in,
-                                       T* dw, unsigned long long dws, T* db, unsigned long long dbs,
-                                       unsigned long long rows, unsigned long long n) {
+__device__ void layer_norm_param_partials(const T* dy, const T* x, const S* mean_in, const S* rstd_in,
+                                          typename Acc<S>::type* partial, unsigned long long rows,
+                                          unsigned long long n) {
+    typedef typename Acc<S>::type C;
+    __shared__ C sw[8][33], sb[8][33];
+    unsigned long long j = (unsigned long long)blockIdx.x * 32 + threadIdx.x;
+    unsigned long long chunk = blockIdx.y, n_chunks = gridDim.y;
+    C gw = 0, gb = 0;
+    if (j < n) {
+        unsigned long long end = min((chunk + 1) * ROWS_PER_CHUNK, rows);
+        for (unsigned long long r = chunk * ROWS_PER_CHUNK + threadIdx.y; r < end; r += 8) {
+            C g = (C)ld(dy + r * n + j);
+            gw += g * ((C)ld(x + r * n + j) - (C)ld(mean_in + r)) * (C)ld(rstd_in + r);
+            gb += g;
+        }
+    }
+    sw[threadIdx.y][threadIdx.x] = gw;
+    sb[threadIdx.y][threadIdx.x] = gb;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < n) {
+        for (int k = 1; k < 8; ++k) { gw += sw[k][threadIdx.x]; gb += sb[k][threadIdx.x]; }
+        partial[chunk * n + j] = gw;
+        partial[(n_chunks + chunk) * n + j] = gb;
+    }
+}
+
+template <typename T, typename S>
+__device__ void layer_norm_param_finish(const typename Acc<S>::type* partial, unsigned long long n_chunks,
+                                        T* dw, unsigned long long dws, T* db, unsigned long long dbs,
+                                        unsigned long long n) {
     typedef typename Acc<S>::type C;
     for (unsigned long long j = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; j < n;
          j += (unsigned long long)gridDim.x * blockDim.x) {
         C gw = 0, gb = 0;
-        for (unsigned long long r = 0; r < rows; ++r) {
-            C g = (C)ld(dy + r * n + j);
-            gw += g * ((C)ld(x + r * n + j) - (C)ld(mean_in + r)) * (C)ld(rstd_in + r);
-            gb += g;
+        for (unsigned long long c = 0; c < n_chunks; ++c) {
+            gw += partial[c * n + j];
+            gb += partial[(n_chunks + c) * n + j];
         }
         if (dw) st(dw + j * dws, gw);
         if (db) st(db + j * dbs, gb);
@@ -234,11 +265,16 @@ ROW_KERNELS(__nv_bfloat16, bf16)
                                                        unsigned long long rows, unsigned long long n) {      \
         layer_norm_backward_rows<T, S>(dy, x, mean, rstd, w, ws, dx, rows, n);                             \
     }                                                                                                       \
-    extern "C" __global__ void layer_norm_param_grads_##N(const T* dy, const T* x, const S* mean,          \
-                                                          const S* rstd, T* dw, unsigned long long dws,     \
-                                                          T* db, unsigned long long dbs,                    \
-                                                          unsigned long long rows, unsigned long long n) {  \
-        layer_norm_param_grads<T, S>(dy, x, mean, rstd, dw, dws, db, dbs, rows, n);                        \
+    extern "C" __global__ void layer_norm_param_partials_##N(const T* dy, const T* x, const S* mean,       \
+                                                             const S* rstd, Acc<S>::type* partial,           \
+                                                             unsigned long long rows, unsigned long long n) { \
+        layer_norm_param_partials<T, S>(dy, x, mean, rstd, partial, rows, n);                              \
+    }                                                                                                       \
+    extern "C" __global__ void layer_norm_param_finish_##N(const Acc<S>::type* partial,                     \
+                                                           unsigned long long n_chunks, T* dw,               \
+                                                           unsigned long long dws, T* db,                    \
+                                                           unsigned long long dbs, unsigned long long n) {   \
+        layer_norm_param_finish<T, S>(partial, n_chunks, dw, dws, db, dbs, n);                             \
     }
 LN_KERNELS(float, float, f32_f32)
 LN_KERNELS(double, double, f64_f64)

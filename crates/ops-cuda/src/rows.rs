@@ -434,29 +434,77 @@ pub(crate) fn layer_norm_backward(
         )?;
     }
     if args.dweight.is_some() || args.dbias.is_some() {
-        let (dw, dws) = optional(args.dweight);
-        let (db, dbs) = optional(args.dbias);
-        let params = [
-            Param::U64(dy),
-            Param::U64(x),
-            Param::U64(mean),
-            Param::U64(rstd),
-            Param::U64(dw),
-            Param::U64(dws),
-            Param::U64(db),
-            Param::U64(dbs),
-            Param::U64(rows),
-            Param::U64(n),
-        ];
-        // One thread per column: n columns in blocks of THREADS.
-        launch(
-            backend,
-            op,
-            format!("layer_norm_param_grads_{suffix}"),
-            n.div_ceil(u64::from(THREADS)),
-            &params,
-            None,
-        )?;
+        param_grads(backend, &args, suffix, (dy, x, mean, rstd), rows, n)?;
     }
     Ok(())
+}
+
+/// Rows per chunk of the first stage (`ROWS_PER_CHUNK` in `rows.cu`).
+const ROWS_PER_CHUNK: u64 = 256;
+
+/// Weight and bias gradients of layer norm in two deterministic stages: per-chunk column sums
+/// into scratch from the caching allocator, then one thread per column adds the chunks.
+fn param_grads(
+    backend: &CudaBackend,
+    args: &LayerNormBackward<'_>,
+    suffix: &'static str,
+    (dy, x, mean, rstd): (u64, u64, u64, u64),
+    rows: u64,
+    n: u64,
+) -> Result<()> {
+    use crate::elementwise::{launch_in, Param as EParam};
+    let op = "layer_norm_backward";
+    if rows == 0 || n == 0 {
+        return Ok(());
+    }
+    let n_chunks = rows.div_ceil(ROWS_PER_CHUNK);
+    let accumulator = if args.mean.dtype == DType::F64 { 8 } else { 4 };
+    let scratch = backend.allocator().allocate(
+        2 * n_chunks * n * accumulator,
+        headroom_caching_allocator::StreamId::DEFAULT,
+    )?;
+    let partial = scratch.address();
+    let stage1 = LaunchConfig {
+        grid_dim: (n.div_ceil(32) as u32, n_chunks as u32, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    let params = [
+        EParam::U64(dy),
+        EParam::U64(x),
+        EParam::U64(mean),
+        EParam::U64(rstd),
+        EParam::U64(partial),
+        EParam::U64(rows),
+        EParam::U64(n),
+    ];
+    let name = crate::elementwise::intern(format!("layer_norm_param_partials_{suffix}"));
+    let first = launch_in(backend, Module::Rows, op, name, stage1, &params, None);
+    let (dw, dws) = optional(args.dweight);
+    let (db, dbs) = optional(args.dbias);
+    let second = first.and_then(|()| {
+        let params = [
+            EParam::U64(partial),
+            EParam::U64(n_chunks),
+            EParam::U64(dw),
+            EParam::U64(dws),
+            EParam::U64(db),
+            EParam::U64(dbs),
+            EParam::U64(n),
+        ];
+        let config = LaunchConfig {
+            grid_dim: (
+                n.div_ceil(u64::from(THREADS)).clamp(1, MAX_BLOCKS) as u32,
+                1,
+                1,
+            ),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let name = crate::elementwise::intern(format!("layer_norm_param_finish_{suffix}"));
+        launch_in(backend, Module::Rows, op, name, config, &params, None)
+    });
+    // The scratch goes back in stream order, after the kernels that use it.
+    backend.allocator().free(scratch)?;
+    second
 }
