@@ -59,20 +59,25 @@ fn sources(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(sources)
 }
 
-/// The manifest line of one source: name, FNV-1a hash of its bytes, compiler and flags.
+/// The manifest line of one source: name, FNV-1a hash of its bytes and of the folder's `.cuh`
+/// headers (which every source may include), compiler and flags.
 fn manifest_line(source: &Path) -> Result<String> {
-    let bytes = std::fs::read(source).with_context(|| source.display().to_string())?;
+    let mut bytes = std::fs::read(source).with_context(|| source.display().to_string())?;
+    let dir = source.parent().unwrap_or(Path::new("."));
+    let mut headers: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "cuh"))
+        .collect();
+    headers.sort();
+    for header in headers {
+        bytes.extend(std::fs::read(&header).with_context(|| header.display().to_string())?);
+    }
     let hash = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
     });
-    let name = source
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or_default();
-    Ok(format!(
-        "{name} {hash:016x} {COMPILER} {}",
-        NVCC_FLAGS.join(" ")
-    ))
+    let name = source.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    Ok(format!("{name} {hash:016x} {COMPILER} {}", NVCC_FLAGS.join(" ")))
 }
 
 fn manifest_path(dir: &Path) -> PathBuf {

@@ -9,51 +9,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
-#define MAX_DIMS 8
-
-struct StridedArgs {
-    unsigned int ndim;
-    unsigned int n_operands;
-    unsigned long long numel;
-    unsigned long long shape[MAX_DIMS];
-    unsigned long long strides[3][MAX_DIMS];
-    unsigned long long offsets[3];
-};
-
-__device__ __forceinline__ void element_offsets(const StridedArgs& a, unsigned long long i,
-                                                unsigned long long off[3]) {
-    off[0] = a.offsets[0];
-    off[1] = a.offsets[1];
-    off[2] = a.offsets[2];
-    if (a.ndim <= 1) {
-        // Merged to one run (the common, contiguous case): no division at all.
-        off[0] += i * a.strides[0][0];
-        off[1] += i * a.strides[1][0];
-        off[2] += i * a.strides[2][0];
-        return;
-    }
-    if (a.numel <= 0xffffffffULL) {
-        // 32-bit division is several times cheaper than 64-bit on the GPU.
-        unsigned int j = (unsigned int)i;
-        for (int d = (int)a.ndim - 1; d >= 0; --d) {
-            unsigned int size = (unsigned int)a.shape[d];
-            unsigned int idx = j % size;
-            j /= size;
-            off[0] += idx * a.strides[0][d];
-            off[1] += idx * a.strides[1][d];
-            off[2] += idx * a.strides[2][d];
-        }
-        return;
-    }
-    for (int d = (int)a.ndim - 1; d >= 0; --d) {
-        unsigned long long size = a.shape[d];
-        unsigned long long idx = i % size;
-        i /= size;
-        off[0] += idx * a.strides[0][d];
-        off[1] += idx * a.strides[1][d];
-        off[2] += idx * a.strides[2][d];
-    }
-}
+#include "strided.cuh"
 
 template <typename T> struct Compute { typedef float type; };
 template <> struct Compute<double> { typedef double type; };
@@ -144,10 +100,6 @@ template <typename C> __device__ __forceinline__ C binary_op(int op, C a, C b) {
         default: return -((C)0.5 * a * b * b * b);
     }
 }
-
-#define GRID_STRIDE_LOOP(i, n) \
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < (n); \
-         i += (unsigned long long)gridDim.x * blockDim.x)
 
 template <typename T>
 __device__ void unary_kernel(int op, double scalar, const T* x, T* out, StridedArgs a) {

@@ -383,15 +383,18 @@ fn launch(
     )
 }
 
+/// No trailing struct argument, for [`launch_in`].
+pub(crate) const NO_ARGS: Option<u64> = None;
+
 /// Launches `name` of `module` with `config`, `params` and then `args` (if any) as parameters.
-pub(crate) fn launch_in(
+pub(crate) fn launch_in<A: DeviceRepr>(
     backend: &CudaBackend,
     module: Module,
     op: &'static str,
     name: &'static str,
     config: LaunchConfig,
     params: &[Param],
-    args: Option<StridedArgs>,
+    args: Option<A>,
 ) -> Result<()> {
     backend.bind(op)?;
     let function = backend

@@ -12,7 +12,7 @@ use headroom_caching_allocator::{Allocation, StreamId};
 
 use crate::backend::{device_error, CudaBackend};
 use crate::elementwise::{
-    float_suffix, kernel_name, launch_config, launch_in, strided_args, Param,
+    float_suffix, kernel_name, launch_config, launch_in, strided_args, Param, NO_ARGS,
 };
 use crate::kernels::Module;
 
@@ -274,7 +274,7 @@ pub(crate) fn cross_entropy(
             name,
             row_blocks(rows),
             &params,
-            None,
+            NO_ARGS,
         )?;
     }
     let mean = i32::from(args.reduction == Reduction::Mean);
@@ -286,7 +286,15 @@ pub(crate) fn cross_entropy(
         Param::U64(element_address(&loss)),
     ];
     let name = kernel_name("ce_total", total_suffix);
-    launch_in(backend, Module::Index, op, name, one_block(), &params, None)?;
+    launch_in(
+        backend,
+        Module::Index,
+        op,
+        name,
+        one_block(),
+        &params,
+        NO_ARGS,
+    )?;
     check_error_word(backend, op, &word, |bad| {
         format!("target {bad} is out of bounds for {classes} classes")
     })
@@ -326,7 +334,7 @@ pub(crate) fn cross_entropy_backward(
         "ce_count",
         one_block(),
         &params,
-        None,
+        NO_ARGS,
     )?;
     if rows * classes == 0 {
         return Ok(());
@@ -352,7 +360,7 @@ pub(crate) fn cross_entropy_backward(
         name,
         launch_config(rows * classes),
         &params,
-        None,
+        NO_ARGS,
     )
 }
 

@@ -4,12 +4,13 @@
 //! Operands are described by one `RowArgs`: the outer dims that pick a row, and the inner dims
 //! walked within it, with per-operand strides. One block of 256 threads handles a row at a time.
 
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DeviceRepr, LaunchConfig};
 use headroom_autograd_core::{
     DType, LayerNormBackward, LayerNormForward, ReduceOp, Result, TensorError, View,
 };
 
-use crate::backend::{device_error, CudaBackend};
+use crate::backend::CudaBackend;
+use crate::elementwise::{intern, launch_in, Param, NO_ARGS};
 use crate::kernels::Module;
 
 const MAX_DIMS: usize = 8;
@@ -127,14 +128,6 @@ fn same_shape(op: &'static str, views: &[&View<'_>]) -> Result<()> {
     Ok(())
 }
 
-/// A kernel parameter.
-#[derive(Debug, Clone, Copy)]
-enum Param {
-    I32(i32),
-    U64(u64),
-    F64(f64),
-}
-
 fn launch(
     backend: &CudaBackend,
     op: &'static str,
@@ -146,35 +139,20 @@ fn launch(
     if rows == 0 {
         return Ok(());
     }
-    backend.bind(op)?;
-    let name: &'static str = crate::elementwise::intern(name);
-    let function = backend
-        .kernels
-        .function(&backend.context, Module::Rows, name)
-        .map_err(|e| device_error(op, e))?;
-    let blocks = rows.clamp(1, MAX_BLOCKS) as u32;
     let config = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
+        grid_dim: (rows.clamp(1, MAX_BLOCKS) as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut builder = backend.stream.launch_builder(&function);
-    for param in params {
-        match param {
-            Param::I32(v) => builder.arg(v),
-            Param::U64(v) => builder.arg(v),
-            Param::F64(v) => builder.arg(v),
-        };
-    }
-    if let Some(args) = &args {
-        builder.arg(args);
-    }
-    // SAFETY: the kernel's parameters are exactly `params` (scalars and device addresses of
-    // live buffers) followed by `RowArgs` where the kernel takes one; shapes and extents were
-    // checked by the caller and the core, so every offset the kernel forms is in bounds.
-    unsafe { builder.launch(config) }
-        .map(|_| ())
-        .map_err(|e| device_error(op, e))
+    launch_in(
+        backend,
+        Module::Rows,
+        op,
+        intern(name),
+        config,
+        params,
+        args,
+    )
 }
 
 pub(crate) fn reduce(
@@ -452,7 +430,6 @@ fn param_grads(
     rows: u64,
     n: u64,
 ) -> Result<()> {
-    use crate::elementwise::{launch_in, Param as EParam};
     let op = "layer_norm_backward";
     if rows == 0 || n == 0 {
         return Ok(());
@@ -470,27 +447,27 @@ fn param_grads(
         shared_mem_bytes: 0,
     };
     let params = [
-        EParam::U64(dy),
-        EParam::U64(x),
-        EParam::U64(mean),
-        EParam::U64(rstd),
-        EParam::U64(partial),
-        EParam::U64(rows),
-        EParam::U64(n),
+        Param::U64(dy),
+        Param::U64(x),
+        Param::U64(mean),
+        Param::U64(rstd),
+        Param::U64(partial),
+        Param::U64(rows),
+        Param::U64(n),
     ];
-    let name = crate::elementwise::intern(format!("layer_norm_param_partials_{suffix}"));
-    let first = launch_in(backend, Module::Rows, op, name, stage1, &params, None);
+    let name = intern(format!("layer_norm_param_partials_{suffix}"));
+    let first = launch_in(backend, Module::Rows, op, name, stage1, &params, NO_ARGS);
     let (dw, dws) = optional(args.dweight);
     let (db, dbs) = optional(args.dbias);
     let second = first.and_then(|()| {
         let params = [
-            EParam::U64(partial),
-            EParam::U64(n_chunks),
-            EParam::U64(dw),
-            EParam::U64(dws),
-            EParam::U64(db),
-            EParam::U64(dbs),
-            EParam::U64(n),
+            Param::U64(partial),
+            Param::U64(n_chunks),
+            Param::U64(dw),
+            Param::U64(dws),
+            Param::U64(db),
+            Param::U64(dbs),
+            Param::U64(n),
         ];
         let config = LaunchConfig {
             grid_dim: (
@@ -501,8 +478,8 @@ fn param_grads(
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let name = crate::elementwise::intern(format!("layer_norm_param_finish_{suffix}"));
-        launch_in(backend, Module::Rows, op, name, config, &params, None)
+        let name = intern(format!("layer_norm_param_finish_{suffix}"));
+        launch_in(backend, Module::Rows, op, name, config, &params, NO_ARGS)
     });
     // The scratch goes back in stream order, after the kernels that use it.
     backend.allocator().free(scratch)?;
