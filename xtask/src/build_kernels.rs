@@ -76,8 +76,14 @@ fn manifest_line(source: &Path) -> Result<String> {
     let hash = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
     });
-    let name = source.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-    Ok(format!("{name} {hash:016x} {COMPILER} {}", NVCC_FLAGS.join(" ")))
+    let name = source
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or_default();
+    Ok(format!(
+        "{name} {hash:016x} {COMPILER} {}",
+        NVCC_FLAGS.join(" ")
+    ))
 }
 
 fn manifest_path(dir: &Path) -> PathBuf {
