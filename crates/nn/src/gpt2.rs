@@ -321,6 +321,21 @@ pub struct Gpt2LMHeadModel {
 }
 
 impl Gpt2LMHeadModel {
+    /// Loads a Hugging Face GPT-2 checkpoint: names with or without the `transformer.` prefix
+    /// (`GPT2LMHeadModel` or `GPT2Model` files), the causal-mask buffers older checkpoints carry
+    /// (`attn.bias`, `attn.masked_bias`) skipped, and a stored `lm_head.weight` skipped because
+    /// it is tied to `transformer.wte.weight`. Every parameter must be present with its shape.
+    pub fn load_hugging_face(&self, tensors: &safetensors::SafeTensors<'_>) -> Result<()> {
+        crate::weights::load_weights_renamed(self, tensors, &|name| {
+            let is_buffer = name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias");
+            if is_buffer || name == "lm_head.weight" {
+                return None;
+            }
+            let name = name.strip_prefix("transformer.").unwrap_or(name);
+            Some(format!("transformer.{name}"))
+        })
+    }
+
     /// A model initialised as Hugging Face does (up to the random numbers): N(0, 0.02²)
     /// weights and embeddings, output projections scaled by 1/sqrt(2 n_layer), zero biases.
     pub fn new(

@@ -47,4 +47,6 @@ pub use init::{parameter, Init};
 pub use layers::{Activation, Dropout, Embedding, LayerNorm, Linear, Mlp};
 pub use module::{child_name, Module};
 pub use vit::{Encoder, EncoderBlock, PatchEmbedding, VisionTransformer, VitConfig};
-pub use weights::{load_file, load_weights, read_tensor, save_file, save_weights};
+pub use weights::{
+    load_file, load_weights, load_weights_renamed, read_tensor, save_file, save_weights,
+};

@@ -7,7 +7,7 @@
 //! [`read_tensor`] reads any named tensor (inputs, reference outputs) onto a backend. This module
 //! sits on the `safetensors` crate and the [`Module`] walk; it knows no model.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use headroom_autograd_core::{no_grad, BackendRef, DType, Tensor};
@@ -68,29 +68,43 @@ pub fn read_tensor(backend: &BackendRef, tensors: &SafeTensors<'_>, name: &str) 
 /// [`NnError::MissingParameter`]; a shape that differs is an [`NnError::ParameterShape`].
 /// Nothing is written unless every check passes.
 pub fn load_weights(module: &dyn Module, tensors: &SafeTensors<'_>, prefix: &str) -> Result<()> {
+    load_weights_renamed(module, tensors, &|name| {
+        name.strip_prefix(prefix).map(str::to_owned)
+    })
+}
+
+/// [`load_weights`] with the file's names mapped to parameter names by `rename`; a tensor for
+/// which it returns `None` is not the module's (skipped). The same checks apply: every mapped
+/// name must be a parameter, every parameter must be present, shapes must match.
+pub fn load_weights_renamed(
+    module: &dyn Module,
+    tensors: &SafeTensors<'_>,
+    rename: &dyn Fn(&str) -> Option<String>,
+) -> Result<()> {
     let params = module.named_parameters();
     let known: HashSet<&str> = params.iter().map(|(name, _)| name.as_str()).collect();
-    let mut unexpected: Vec<&str> = tensors
-        .names()
-        .into_iter()
-        .filter_map(|name| name.strip_prefix(prefix))
-        .filter(|name| !known.contains(name))
-        .collect();
+    let mut by_parameter: HashMap<String, String> = HashMap::new();
+    let mut unexpected: Vec<String> = Vec::new();
+    for file_name in tensors.names() {
+        let Some(name) = rename(file_name) else {
+            continue;
+        };
+        if known.contains(name.as_str()) {
+            by_parameter.insert(name, file_name.clone());
+        } else {
+            unexpected.push(name);
+        }
+    }
     unexpected.sort_unstable();
-    if let Some(name) = unexpected.first() {
-        return Err(NnError::UnexpectedParameter {
-            name: (*name).to_owned(),
-        });
+    if let Some(name) = unexpected.into_iter().next() {
+        return Err(NnError::UnexpectedParameter { name });
     }
     let mut views = Vec::with_capacity(params.len());
     for (name, param) in &params {
-        let view = match tensors.tensor(&format!("{prefix}{name}")) {
-            Ok(view) => view,
-            Err(safetensors::SafeTensorError::TensorNotFound(_)) => {
-                return Err(NnError::MissingParameter { name: name.clone() })
-            }
-            Err(error) => return Err(error.into()),
+        let Some(file_name) = by_parameter.get(name) else {
+            return Err(NnError::MissingParameter { name: name.clone() });
         };
+        let view = tensors.tensor(file_name)?;
         if view.shape() != param.shape() {
             return Err(NnError::ParameterShape {
                 name: name.clone(),
