@@ -243,9 +243,32 @@ __device__ void layer_norm_param_finish(const typename Acc<S>::type* partial, un
     }
 }
 
+// Max or min over the last dim with its index (first occurrence; a NaN wins, as on the CPU):
+// operand 0 = values, 1 = indices (i64), 2 = x; one thread per row, walking the row serially.
+template <typename T>
+__device__ void arg_reduce_rows(int is_max, const T* x, T* values, long long* indices, RowArgs a) {
+    typedef typename Acc<T>::type C;
+    for (unsigned long long r = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; r < a.rows;
+         r += (unsigned long long)gridDim.x * blockDim.x) {
+        unsigned long long xb = row_base(a, 2, r);
+        C best = ld(x + xb);
+        unsigned long long best_idx = 0;
+        for (unsigned long long j = 1; j < a.len; ++j) {
+            C v = ld(x + xb + inner_off(a, 2, j));
+            bool better = is_max ? v > best : v < best;
+            if (!(best != best) && (better || v != v)) { best = v; best_idx = j; }
+        }
+        st(values + row_base(a, 0, r), best);
+        indices[row_base(a, 1, r)] = (long long)best_idx;
+    }
+}
+
 #define ROW_KERNELS(T, N)                                                                                  \
     extern "C" __global__ void reduce_##N(int op, const T* x, T* out, RowArgs a) { reduce_rows<T>(op, x, out, a); } \
     extern "C" __global__ void softmax_##N(int l, const T* x, T* out, RowArgs a) { softmax_rows<T>(l, x, out, a); } \
+    extern "C" __global__ void arg_reduce_##N(int m, const T* x, T* v, long long* i, RowArgs a) {             \
+        arg_reduce_rows<T>(m, x, v, i, a);                                                                 \
+    }                                                                                                      \
     extern "C" __global__ void softmax_backward_##N(int l, const T* y, const T* dy, T* dx, RowArgs a) {       \
         softmax_backward_rows<T>(l, y, dy, dx, a);                                                         \
     }

@@ -120,13 +120,6 @@ pub(crate) fn device_error(op: &'static str, error: impl std::fmt::Display) -> T
     }
 }
 
-fn not_yet(op: &'static str) -> TensorError {
-    TensorError::Device {
-        op,
-        reason: "not implemented by the CUDA backend yet".into(),
-    }
-}
-
 fn check_transfer(op: &'static str, buffer: &Buffer, byte_offset: usize, len: usize) -> Result<()> {
     if byte_offset + len > buffer.len_bytes() {
         return Err(TensorError::InvalidArgument {
@@ -214,12 +207,12 @@ impl Backend for CudaBackend {
 
     fn reduce_with_index(
         &self,
-        _op: ReduceOp,
-        _x: View<'_>,
-        _values: View<'_>,
-        _indices: View<'_>,
+        op: ReduceOp,
+        x: View<'_>,
+        values: View<'_>,
+        indices: View<'_>,
     ) -> Result<()> {
-        Err(not_yet("reduce_with_index"))
+        rows::reduce_with_index(self, op, x, values, indices)
     }
 
     fn matmul(&self, a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {

@@ -213,6 +213,93 @@ pub(crate) fn reduce(
     )
 }
 
+/// Max or min over the last dim of `x` with the index of the first such element (a NaN wins).
+pub(crate) fn reduce_with_index(
+    backend: &CudaBackend,
+    op: ReduceOp,
+    x: View<'_>,
+    values: View<'_>,
+    indices: View<'_>,
+) -> Result<()> {
+    let name = "reduce_with_index";
+    let is_max = match op {
+        ReduceOp::Max => 1,
+        ReduceOp::Min => 0,
+        other => {
+            return Err(TensorError::InvalidArgument {
+                op: name,
+                reason: format!("{other:?} has no index"),
+            })
+        }
+    };
+    same_dtype(name, &[&x, &values])?;
+    if indices.dtype != DType::I64 {
+        return Err(TensorError::UnsupportedDtype {
+            op: name,
+            dtype: indices.dtype,
+        });
+    }
+    let ndim = x.layout.ndim();
+    let outer = &x.layout.shape()[..ndim.saturating_sub(1)];
+    if ndim == 0
+        || values.layout.shape() != outer
+        || indices.layout.shape() != outer
+        || x.layout.shape()[ndim - 1] == 0
+    {
+        return Err(TensorError::ShapeMismatch {
+            op: name,
+            lhs: x.layout.shape().to_vec(),
+            rhs: values.layout.shape().to_vec(),
+        });
+    }
+    let suffix = suffix(name, x.dtype)?;
+    let lane = [x.layout.shape()[ndim - 1]];
+    let zero = [0usize];
+    let args = row_args(
+        name,
+        &[
+            (outer, values.layout.strides()),
+            (outer, indices.layout.strides()),
+            (outer, &x.layout.strides()[..ndim - 1]),
+        ],
+        &[
+            (&lane, &zero),
+            (&lane, &zero),
+            (&lane, &x.layout.strides()[ndim - 1..]),
+        ],
+        &[
+            values.layout.offset(),
+            indices.layout.offset(),
+            x.layout.offset(),
+        ],
+    )?;
+    let params = [
+        Param::I32(is_max),
+        Param::U64(x.buffer.address()),
+        Param::U64(values.buffer.address()),
+        Param::U64(indices.buffer.address()),
+    ];
+    // One thread per row: rows / THREADS blocks.
+    let blocks = args.rows.div_ceil(u64::from(THREADS));
+    let config = LaunchConfig {
+        grid_dim: (blocks.clamp(1, MAX_BLOCKS) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    if args.rows == 0 {
+        return Ok(());
+    }
+    launch_in(
+        backend,
+        Module::Rows,
+        name,
+        intern(format!("arg_reduce_{suffix}")),
+        config,
+        &params,
+        Some(args),
+    )
+}
+
 /// Splits `view` into (outer shape, outer strides) without `dim`, and its stride along `dim`.
 fn lanes(view: &View<'_>, dim: usize) -> (Vec<usize>, Vec<usize>, [usize; 1]) {
     let mut shape = view.layout.shape().to_vec();

@@ -872,3 +872,55 @@ fn matmul_with_a_fully_broadcast_operand_matches_the_cpu() {
         });
     }
 }
+
+/// Max and min over the last dim with indices: first occurrence among ties, as on the CPU.
+#[test]
+fn max_and_min_with_indices_match_the_cpu() {
+    use headroom_autograd_core::ReduceOp;
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Random(0x7777_1234_abcd_0001);
+    let (rows, lane) = (57, 33);
+    // Whole numbers 0..5: many ties.
+    let x: Vec<f64> = (0..rows * lane)
+        .map(|_| random.next(0.0, 5.0).floor())
+        .collect();
+    // Read transposed: the reduced dim is strided.
+    let x_layout = Layout::from_parts(&[rows, lane], &[1, rows], 0);
+    let out_layout = Layout::contiguous(&[rows]);
+    for dtype in FLOATS {
+        for op in [ReduceOp::Max, ReduceOp::Min] {
+            let mut results = Vec::new();
+            for backend in [&gpu, &cpu] {
+                let xb = upload(backend, dtype, &x);
+                let (values, indices) = (
+                    poisoned(backend, dtype, rows),
+                    poisoned(backend, DType::I64, rows),
+                );
+                backend
+                    .reduce_with_index(
+                        op,
+                        View {
+                            buffer: &xb,
+                            layout: &x_layout,
+                            dtype,
+                        },
+                        View {
+                            buffer: &values,
+                            layout: &out_layout,
+                            dtype,
+                        },
+                        View {
+                            buffer: &indices,
+                            layout: &out_layout,
+                            dtype: DType::I64,
+                        },
+                    )
+                    .unwrap();
+                let mut res = download(backend, dtype, &values);
+                res.extend(download(backend, DType::I64, &indices));
+                results.push(res);
+            }
+            assert_eq!(results[0], results[1], "{op:?} {dtype:?}");
+        }
+    }
+}
