@@ -36,7 +36,7 @@ use headroom_caching_allocator::{Allocation, MemoryStats};
 
 use crate::buffer::Buffer;
 use crate::dtype::{DType, Device};
-use crate::error::Result;
+use crate::error::{Result, TensorError};
 use crate::layout::Layout;
 
 /// A shared handle to a backend; tensors hold one through their storage.
@@ -193,6 +193,66 @@ pub struct CrossEntropyArgs<'a> {
     pub ignore_index: i64,
     /// How to combine per-sample losses.
     pub reduction: Reduction,
+}
+
+/// The shape and dtype rule of [`Backend::matmul`], shared by every backend: `out = a @ b` over
+/// equal batch dims, all three of one dtype. Returns `(m, k, n)`.
+pub fn matmul_dims(a: &View<'_>, b: &View<'_>, out: &View<'_>) -> Result<(usize, usize, usize)> {
+    let nd = out.layout.ndim();
+    let (sa, sb, so) = (a.layout.shape(), b.layout.shape(), out.layout.shape());
+    let fits = nd >= 2
+        && a.layout.ndim() == nd
+        && b.layout.ndim() == nd
+        && sa[..nd - 2] == so[..nd - 2]
+        && sb[..nd - 2] == so[..nd - 2]
+        && sa[nd - 2] == so[nd - 2]
+        && sb[nd - 1] == so[nd - 1]
+        && sa[nd - 1] == sb[nd - 2];
+    if !fits {
+        return Err(TensorError::ShapeMismatch {
+            op: "matmul",
+            lhs: sa.to_vec(),
+            rhs: sb.to_vec(),
+        });
+    }
+    if a.dtype != b.dtype || a.dtype != out.dtype {
+        return Err(TensorError::DtypeMismatch {
+            op: "matmul",
+            lhs: a.dtype,
+            rhs: b.dtype,
+        });
+    }
+    Ok((so[nd - 2], sa[nd - 1], so[nd - 1]))
+}
+
+/// The shape rule of [`Backend::gather`] and [`Backend::scatter_add`], shared by every backend:
+/// `index` is I64 with `data`'s rank and no larger than `data` off `dim`, and `other` (the
+/// gathered output or the scattered source) has `index`'s shape. Returns `data`'s strides with
+/// `dim`'s zeroed, which walk `data` over `index`'s shape; the index values are the backend's to
+/// check.
+pub fn index_strides(
+    op: &'static str,
+    data: &View<'_>,
+    dim: usize,
+    index: &View<'_>,
+    other: &View<'_>,
+) -> Result<Vec<usize>> {
+    let nd = data.layout.ndim();
+    let fits = index.dtype == DType::I64
+        && dim < nd
+        && index.layout.ndim() == nd
+        && other.layout.shape() == index.layout.shape()
+        && (0..nd).all(|d| d == dim || index.layout.shape()[d] <= data.layout.shape()[d]);
+    if !fits {
+        return Err(TensorError::ShapeMismatch {
+            op,
+            lhs: data.layout.shape().to_vec(),
+            rhs: index.layout.shape().to_vec(),
+        });
+    }
+    let mut strides = data.layout.strides().to_vec();
+    strides[dim] = 0;
+    Ok(strides)
 }
 
 /// A device that stores tensors and runs the core's primitives. See the module docs.

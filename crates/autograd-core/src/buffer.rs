@@ -13,7 +13,7 @@ use headroom_caching_allocator::Allocation;
 
 use crate::backend::BackendRef;
 use crate::dtype::Device;
-use crate::error::Result;
+use crate::error::{Result, TensorError};
 
 /// Counts in-place writes to one storage. Shared by the storage and by every tensor saved from
 /// it, so a saved tensor whose memory was handed to a pack hook can still be checked.
@@ -74,6 +74,23 @@ impl Buffer {
     /// Bytes usable by tensors (the request, not the allocator's rounded block size).
     pub fn len_bytes(&self) -> usize {
         self.len_bytes
+    }
+
+    /// `Ok` when `len` bytes at `byte_offset` lie inside the buffer (for host transfers).
+    pub fn check_range(&self, op: &'static str, byte_offset: usize, len: usize) -> Result<()> {
+        if byte_offset
+            .checked_add(len)
+            .is_none_or(|end| end > self.len_bytes)
+        {
+            return Err(TensorError::InvalidArgument {
+                op,
+                reason: format!(
+                    "{len} bytes at {byte_offset} exceed a buffer of {}",
+                    self.len_bytes
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// Bytes the allocator reserved for this buffer (the rounded block size).

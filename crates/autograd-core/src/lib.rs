@@ -36,8 +36,8 @@ mod saved;
 mod tensor;
 
 pub use backend::{
-    Backend, BackendRef, BinaryOp, CrossEntropyArgs, LayerNormBackward, LayerNormForward, MaskedOp,
-    ReduceOp, Reduction, UnaryOp, View,
+    index_strides, matmul_dims, Backend, BackendRef, BinaryOp, CrossEntropyArgs, LayerNormBackward,
+    LayerNormForward, MaskedOp, ReduceOp, Reduction, UnaryOp, View,
 };
 pub use buffer::{Buffer, VersionCounter};
 pub use dtype::{DType, Device};

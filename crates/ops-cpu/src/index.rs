@@ -4,7 +4,7 @@
 //! independent and run in parallel; scatter-add may hit one destination from many sources, so
 //! it runs serially in row-major order (deterministic sums).
 
-use headroom_autograd_core::{DType, Result, TensorError, View};
+use headroom_autograd_core::{index_strides, Result, TensorError, View};
 
 use crate::element::{dispatch_float, Float};
 use crate::strided::{for_each_run, for_each_run_serial, HostPtr};
@@ -17,19 +17,7 @@ fn prepare(
     index: &View<'_>,
     other: &View<'_>,
 ) -> Result<Vec<usize>> {
-    let nd = data.layout.ndim();
-    let fits = index.dtype == DType::I64
-        && dim < nd
-        && index.layout.ndim() == nd
-        && other.layout.shape() == index.layout.shape()
-        && (0..nd).all(|d| d == dim || index.layout.shape()[d] <= data.layout.shape()[d]);
-    if !fits {
-        return Err(TensorError::ShapeMismatch {
-            op,
-            lhs: data.layout.shape().to_vec(),
-            rhs: index.layout.shape().to_vec(),
-        });
-    }
+    let strides = index_strides(op, data, dim, index, other)?;
     let limit = data.layout.shape()[dim] as i64;
     let ptr = HostPtr::<i64>::new(index);
     let mut bad = None;
@@ -52,8 +40,6 @@ fn prepare(
             reason: format!("index {value} is out of bounds for size {limit}"),
         });
     }
-    let mut strides = data.layout.strides().to_vec();
-    strides[dim] = 0;
     Ok(strides)
 }
 

@@ -35,7 +35,7 @@ use std::sync::Arc;
 
 use headroom_autograd_core::{
     Backend, BackendRef, BinaryOp, Buffer, CrossEntropyArgs, Device, LayerNormBackward,
-    LayerNormForward, MaskedOp, ReduceOp, Result, TensorError, UnaryOp, View,
+    LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp, View,
 };
 use headroom_caching_allocator::{
     AllocError, Allocation, AllocatorConfig, CachingAllocator, HostStorage, MemoryStats, StreamId,
@@ -91,19 +91,6 @@ impl CpuBackend {
     }
 }
 
-fn check_host(buffer: &Buffer, byte_offset: usize, len: usize) -> Result<()> {
-    if byte_offset + len > buffer.len_bytes() {
-        return Err(TensorError::InvalidArgument {
-            op: "host transfer",
-            reason: format!(
-                "{len} bytes at {byte_offset} exceed a buffer of {}",
-                buffer.len_bytes()
-            ),
-        });
-    }
-    Ok(())
-}
-
 impl Backend for CpuBackend {
     fn device(&self) -> Device {
         Device::Cpu
@@ -126,7 +113,7 @@ impl Backend for CpuBackend {
     }
 
     fn write_host(&self, dst: &Buffer, byte_offset: usize, data: &[u8]) -> Result<()> {
-        check_host(dst, byte_offset, data.len())?;
+        dst.check_range("write_host", byte_offset, data.len())?;
         if data.is_empty() {
             return Ok(());
         }
@@ -143,7 +130,7 @@ impl Backend for CpuBackend {
     }
 
     fn read_host(&self, src: &Buffer, byte_offset: usize, out: &mut [u8]) -> Result<()> {
-        check_host(src, byte_offset, out.len())?;
+        src.check_range("read_host", byte_offset, out.len())?;
         if out.is_empty() {
             return Ok(());
         }

@@ -7,7 +7,7 @@
 //! Before any call, the extent every matrix touches is checked against its buffer.
 
 use half::bf16;
-use headroom_autograd_core::{DType, Layout, Result, TensorError, View};
+use headroom_autograd_core::{matmul_dims, DType, Layout, Result, TensorError, View};
 use rayon::prelude::*;
 
 use crate::strided::{for_each_run_serial, HostPtr};
@@ -24,30 +24,7 @@ struct Operand<'a, T> {
 
 /// `out (+)= a @ b` over equal batch dims.
 pub(crate) fn matmul(a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {
-    let nd = out.layout.ndim();
-    let (sa, sb, so) = (a.layout.shape(), b.layout.shape(), out.layout.shape());
-    let fits = nd >= 2
-        && a.layout.ndim() == nd
-        && b.layout.ndim() == nd
-        && sa[..nd - 2] == so[..nd - 2]
-        && sb[..nd - 2] == so[..nd - 2]
-        && sa[nd - 2] == so[nd - 2]
-        && sb[nd - 1] == so[nd - 1]
-        && sa[nd - 1] == sb[nd - 2];
-    if !fits {
-        return Err(TensorError::ShapeMismatch {
-            op: "matmul",
-            lhs: sa.to_vec(),
-            rhs: sb.to_vec(),
-        });
-    }
-    if a.dtype != b.dtype || a.dtype != out.dtype {
-        return Err(TensorError::DtypeMismatch {
-            op: "matmul",
-            lhs: a.dtype,
-            rhs: b.dtype,
-        });
-    }
+    matmul_dims(&a, &b, &out)?;
     match a.dtype {
         DType::F32 => batched::<f32>(op(&a), op(&b), op(&out), accumulate, 1.0, 0.0),
         DType::F64 => batched::<f64>(op(&a), op(&b), op(&out), accumulate, 1.0, 0.0),

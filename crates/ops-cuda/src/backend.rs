@@ -120,19 +120,6 @@ pub(crate) fn device_error(op: &'static str, error: impl std::fmt::Display) -> T
     }
 }
 
-fn check_transfer(op: &'static str, buffer: &Buffer, byte_offset: usize, len: usize) -> Result<()> {
-    if byte_offset + len > buffer.len_bytes() {
-        return Err(TensorError::InvalidArgument {
-            op,
-            reason: format!(
-                "{len} bytes at {byte_offset} exceed a buffer of {}",
-                buffer.len_bytes()
-            ),
-        });
-    }
-    Ok(())
-}
-
 impl Backend for CudaBackend {
     fn device(&self) -> Device {
         Device::Cuda(self.ordinal)
@@ -155,28 +142,28 @@ impl Backend for CudaBackend {
     }
 
     fn write_host(&self, dst: &Buffer, byte_offset: usize, data: &[u8]) -> Result<()> {
-        check_transfer("write_host", dst, byte_offset, data.len())?;
+        dst.check_range("write_host", byte_offset, data.len())?;
         if data.is_empty() {
             return Ok(());
         }
         self.bind("write_host")?;
-        // Earlier kernels may still read the destination: wait for them first.
-        self.synchronize()?;
-        // SAFETY: the destination range lies inside the live device buffer (checked above) and
-        // no kernel uses it any more (synchronized); `data` is a host slice of that length.
+        // SAFETY: the destination range lies inside the live device buffer (checked above);
+        // `data` is a host slice of that length. The synchronous copy runs on the legacy default
+        // stream, where every kernel runs, so it starts only after the kernels queued before it
+        // (no explicit synchronisation needed).
         unsafe { result::memcpy_htod_sync(dst.address() + byte_offset as u64, data) }
             .map_err(|e| device_error("write_host", e))
     }
 
     fn read_host(&self, src: &Buffer, byte_offset: usize, out: &mut [u8]) -> Result<()> {
-        check_transfer("read_host", src, byte_offset, out.len())?;
+        src.check_range("read_host", byte_offset, out.len())?;
         if out.is_empty() {
             return Ok(());
         }
         self.bind("read_host")?;
-        self.synchronize()?;
-        // SAFETY: the source range lies inside the live device buffer (checked above), the
-        // kernels writing it have finished (synchronized), and `out` is exclusively borrowed.
+        // SAFETY: the source range lies inside the live device buffer (checked above) and `out`
+        // is exclusively borrowed. The synchronous copy runs on the legacy default stream after
+        // the kernels queued before it, and returns once the data is on the host.
         unsafe { result::memcpy_dtoh_sync(out, src.address() + byte_offset as u64) }
             .map_err(|e| device_error("read_host", e))
     }

@@ -11,7 +11,7 @@ use headroom_autograd_core::{
 };
 
 use crate::backend::{device_error, CudaBackend};
-use crate::kernels::Module;
+use crate::kernels::{KernelName, Module};
 
 /// The kernels' dimension limit (`MAX_DIMS` in the `.cu` file).
 const MAX_DIMS: usize = 8;
@@ -136,23 +136,28 @@ fn any_suffix(dtype: DType) -> &'static str {
     }
 }
 
-/// The kernel name `{prefix}_{suffix}` as a `'static` string.
-pub(crate) fn kernel_name(prefix: &str, suffix: &str) -> &'static str {
-    intern(format!("{prefix}_{suffix}"))
+/// The family of cast kernels from `dtype` (`cast_f32`, ...), completed by the target's suffix.
+fn cast_family(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "cast_f32",
+        DType::F64 => "cast_f64",
+        DType::F16 => "cast_f16",
+        DType::BF16 => "cast_bf16",
+        DType::I64 => "cast_i64",
+        DType::I32 => "cast_i32",
+        DType::U8 => "cast_u8",
+        DType::Bool => "cast_bool",
+    }
 }
 
-/// `name` as a `'static` string; kernel names are few and fixed, so each is leaked once.
-pub(crate) fn intern(name: String) -> &'static str {
-    use std::collections::HashMap;
-    use std::sync::OnceLock;
-    static NAMES: OnceLock<parking_lot::Mutex<HashMap<String, &'static str>>> = OnceLock::new();
-    let mut names = NAMES.get_or_init(Default::default).lock();
-    if let Some(&interned) = names.get(&name) {
-        return interned;
+/// The bit-moving copy kernel for elements of `bytes` bytes.
+fn copy_kernel(bytes: usize) -> KernelName {
+    match bytes {
+        8 => ("copy_b8", ""),
+        4 => ("copy_b4", ""),
+        2 => ("copy_b2", ""),
+        _ => ("copy_b1", ""),
     }
-    let interned: &'static str = Box::leak(name.clone().into_boxed_str());
-    names.insert(name, interned);
-    interned
 }
 
 fn device_address(view: &View<'_>) -> u64 {
@@ -194,13 +199,7 @@ pub(crate) fn unary(backend: &CudaBackend, op: UnaryOp, x: View<'_>, out: View<'
         Param::U64(x_ptr),
         Param::U64(out_ptr),
     ];
-    launch(
-        backend,
-        "unary",
-        kernel_name("unary", suffix),
-        args,
-        &params,
-    )
+    launch(backend, "unary", ("unary", suffix), args, &params)
 }
 
 pub(crate) fn binary(
@@ -244,13 +243,7 @@ pub(crate) fn binary(
         Param::U64(b_ptr),
         Param::U64(out_ptr),
     ];
-    launch(
-        backend,
-        "binary",
-        kernel_name("binary", suffix),
-        args,
-        &params,
-    )
+    launch(backend, "binary", ("binary", suffix), args, &params)
 }
 
 pub(crate) fn masked(
@@ -289,13 +282,7 @@ pub(crate) fn masked(
         Param::U64(device_address(&mask)),
         Param::U64(device_address(&out)),
     ];
-    launch(
-        backend,
-        "masked",
-        kernel_name("masked", suffix),
-        args,
-        &params,
-    )
+    launch(backend, "masked", ("masked", suffix), args, &params)
 }
 
 pub(crate) fn fill(backend: &CudaBackend, dst: View<'_>, value: f64) -> Result<()> {
@@ -316,10 +303,10 @@ pub(crate) fn fill(backend: &CudaBackend, dst: View<'_>, value: f64) -> Result<(
         DType::Bool => u64::from(value != 0.0),
     };
     let (name, value) = match dst.dtype.size_in_bytes() {
-        8 => ("fill_b8", Param::U64(bits)),
-        4 => ("fill_b4", Param::U32(bits as u32)),
-        2 => ("fill_b2", Param::U16(bits as u16)),
-        _ => ("fill_b1", Param::U8(bits as u8)),
+        8 => (("fill_b8", ""), Param::U64(bits)),
+        4 => (("fill_b4", ""), Param::U32(bits as u32)),
+        2 => (("fill_b2", ""), Param::U16(bits as u16)),
+        _ => (("fill_b1", ""), Param::U8(bits as u8)),
     };
     launch(backend, "fill", name, args, &[value, Param::U64(out_ptr)])
 }
@@ -330,17 +317,9 @@ pub(crate) fn copy(backend: &CudaBackend, src: View<'_>, dst: View<'_>) -> Resul
         return Ok(());
     }
     let name = if src.dtype == dst.dtype {
-        match dst.dtype.size_in_bytes() {
-            8 => "copy_b8",
-            4 => "copy_b4",
-            2 => "copy_b2",
-            _ => "copy_b1",
-        }
+        copy_kernel(dst.dtype.size_in_bytes())
     } else {
-        kernel_name(
-            &format!("cast_{}", any_suffix(src.dtype)),
-            any_suffix(dst.dtype),
-        )
+        (cast_family(src.dtype), any_suffix(dst.dtype))
     };
     let (src_ptr, dst_ptr) = (device_address(&src), device_address(&dst));
     launch(
@@ -368,7 +347,7 @@ pub(crate) enum Param {
 fn launch(
     backend: &CudaBackend,
     op: &'static str,
-    name: &'static str,
+    name: KernelName,
     args: StridedArgs,
     params: &[Param],
 ) -> Result<()> {
@@ -391,7 +370,7 @@ pub(crate) fn launch_in<A: DeviceRepr>(
     backend: &CudaBackend,
     module: Module,
     op: &'static str,
-    name: &'static str,
+    name: KernelName,
     config: LaunchConfig,
     params: &[Param],
     args: Option<A>,
@@ -439,12 +418,7 @@ pub(crate) fn copy_raw(
     if args.numel == 0 {
         return Ok(());
     }
-    let name = match element_bytes {
-        8 => "copy_b8",
-        4 => "copy_b4",
-        2 => "copy_b2",
-        _ => "copy_b1",
-    };
+    let name = copy_kernel(element_bytes);
     launch(
         backend,
         "copy",

@@ -7,13 +7,13 @@
 //! stream order.
 
 use cudarc::driver::{result, LaunchConfig};
-use headroom_autograd_core::{CrossEntropyArgs, DType, Reduction, Result, TensorError, View};
+use headroom_autograd_core::{
+    index_strides, CrossEntropyArgs, DType, Reduction, Result, TensorError, View,
+};
 use headroom_caching_allocator::{Allocation, StreamId};
 
 use crate::backend::{device_error, CudaBackend};
-use crate::elementwise::{
-    float_suffix, kernel_name, launch_config, launch_in, strided_args, Param, NO_ARGS,
-};
+use crate::elementwise::{float_suffix, launch_config, launch_in, strided_args, Param, NO_ARGS};
 use crate::kernels::Module;
 
 /// The error word's value when nothing went wrong.
@@ -69,9 +69,10 @@ fn check_error_word(
     word: &Scratch<'_>,
     what: impl FnOnce(i64) -> String,
 ) -> Result<()> {
-    backend.synchronize()?;
+    backend.bind(op)?;
     let mut value = [0u64];
-    // SAFETY: the word is live, 8 bytes, and every kernel writing it has finished.
+    // SAFETY: the word is live and 8 bytes; the synchronous copy on the legacy default stream
+    // runs after the kernels that write it.
     unsafe { result::memcpy_dtoh_sync(&mut value, word.address()) }
         .map_err(|e| device_error(op, e))?;
     if value[0] == NO_ERROR {
@@ -84,32 +85,6 @@ fn check_error_word(
     }
 }
 
-/// Checks a gather/scatter call's shapes; returns the data strides with the dim's zeroed.
-fn prepare(
-    op: &'static str,
-    data: &View<'_>,
-    dim: usize,
-    index: &View<'_>,
-    other: &View<'_>,
-) -> Result<Vec<usize>> {
-    let nd = data.layout.ndim();
-    let fits = index.dtype == DType::I64
-        && dim < nd
-        && index.layout.ndim() == nd
-        && other.layout.shape() == index.layout.shape()
-        && (0..nd).all(|d| d == dim || index.layout.shape()[d] <= data.layout.shape()[d]);
-    if !fits {
-        return Err(TensorError::ShapeMismatch {
-            op,
-            lhs: data.layout.shape().to_vec(),
-            rhs: index.layout.shape().to_vec(),
-        });
-    }
-    let mut strides = data.layout.strides().to_vec();
-    strides[dim] = 0;
-    Ok(strides)
-}
-
 fn index_kernel(
     backend: &CudaBackend,
     op: &'static str,
@@ -118,7 +93,7 @@ fn index_kernel(
     index: View<'_>,
     other: View<'_>,
 ) -> Result<()> {
-    let strides = prepare(op, &data, dim, &index, &other)?;
+    let strides = index_strides(op, &data, dim, &index, &other)?;
     if data.dtype != other.dtype {
         return Err(TensorError::DtypeMismatch {
             op,
@@ -151,7 +126,7 @@ fn index_kernel(
         Param::I64(limit),
         Param::U64(word.address()),
     ];
-    let name = kernel_name(op, suffix);
+    let name = (op, suffix);
     launch_in(
         backend,
         Module::Index,
@@ -266,7 +241,7 @@ pub(crate) fn cross_entropy(
         Param::U64(classes),
     ];
     if rows > 0 {
-        let name = kernel_name("ce_rows", suffix);
+        let name = ("ce_rows", suffix);
         launch_in(
             backend,
             Module::Index,
@@ -285,7 +260,7 @@ pub(crate) fn cross_entropy(
         Param::I32(mean),
         Param::U64(element_address(&loss)),
     ];
-    let name = kernel_name("ce_total", total_suffix);
+    let name = ("ce_total", total_suffix);
     launch_in(
         backend,
         Module::Index,
@@ -331,7 +306,7 @@ pub(crate) fn cross_entropy_backward(
         backend,
         Module::Index,
         op,
-        "ce_count",
+        ("ce_count", ""),
         one_block(),
         &params,
         NO_ARGS,
@@ -352,7 +327,7 @@ pub(crate) fn cross_entropy_backward(
         Param::U64(rows),
         Param::U64(classes),
     ];
-    let name = kernel_name("ce_backward", suffix);
+    let name = ("ce_backward", suffix);
     launch_in(
         backend,
         Module::Index,
@@ -401,7 +376,7 @@ pub(crate) fn dropout(
         Param::U64(seed),
         Param::U64(offset),
     ];
-    let name = kernel_name(op, suffix);
+    let name = (op, suffix);
     launch_in(
         backend,
         Module::Index,

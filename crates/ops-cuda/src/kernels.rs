@@ -13,6 +13,10 @@ use parking_lot::Mutex;
 
 use crate::error::CudaError;
 
+/// A kernel's name as (family, suffix), e.g. `("unary", "f32")` for `unary_f32`, or
+/// `("copy_b4", "")`: a launch looks its function up by this pair without building a string.
+pub(crate) type KernelName = (&'static str, &'static str);
+
 /// The PTX modules, by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Module {
@@ -38,7 +42,7 @@ impl Module {
 #[derive(Debug, Default)]
 pub(crate) struct KernelCache {
     modules: Mutex<HashMap<Module, Arc<CudaModule>>>,
-    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    functions: Mutex<HashMap<KernelName, CudaFunction>>,
     /// Modules other crates brought (by their name), see `CudaBackend::load_kernel`.
     external: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
 }
@@ -77,11 +81,15 @@ impl KernelCache {
         &self,
         context: &Arc<CudaContext>,
         module: Module,
-        name: &'static str,
+        name: KernelName,
     ) -> Result<CudaFunction, CudaError> {
-        if let Some(function) = self.functions.lock().get(name) {
+        if let Some(function) = self.functions.lock().get(&name) {
             return Ok(function.clone());
         }
+        let full_name = match name {
+            (family, "") => family.to_owned(),
+            (family, suffix) => format!("{family}_{suffix}"),
+        };
         let loaded = {
             let mut modules = self.modules.lock();
             match modules.get(&module) {
@@ -90,7 +98,7 @@ impl KernelCache {
                     let loaded = context
                         .load_module(Ptx::from_src(module.ptx()))
                         .map_err(|e| CudaError::Kernel {
-                            kernel: name.to_owned(),
+                            kernel: full_name.clone(),
                             reason: e.to_string(),
                         })?;
                     modules.insert(module, loaded.clone());
@@ -98,10 +106,12 @@ impl KernelCache {
                 }
             }
         };
-        let function = loaded.load_function(name).map_err(|e| CudaError::Kernel {
-            kernel: name.to_owned(),
-            reason: e.to_string(),
-        })?;
+        let function = loaded
+            .load_function(&full_name)
+            .map_err(|e| CudaError::Kernel {
+                kernel: full_name.clone(),
+                reason: e.to_string(),
+            })?;
         self.functions.lock().insert(name, function.clone());
         Ok(function)
     }

@@ -108,8 +108,8 @@ impl CudaBackend {
             .allocate(bytes.len() as u64, StreamId::DEFAULT)?;
         if !bytes.is_empty() {
             self.bind("upload")?;
-            self.synchronize()?;
-            // SAFETY: the allocation is live, at least `bytes.len()` long and not yet shared.
+            // SAFETY: the allocation is live, at least `bytes.len()` long and not yet shared;
+            // the synchronous copy is ordered after queued kernels on the legacy default stream.
             unsafe { result::memcpy_htod_sync(allocation.address(), bytes) }
                 .map_err(|e| device_error("upload", e))?;
         }
@@ -122,8 +122,8 @@ impl CudaBackend {
     /// `address .. address + out.len()` must be live memory of this backend.
     pub unsafe fn download(&self, address: u64, out: &mut [u8]) -> Result<()> {
         self.bind("download")?;
-        self.synchronize()?;
-        // SAFETY: the caller guarantees the range is live device memory; queued work is done.
+        // SAFETY: the caller guarantees the range is live device memory; the synchronous copy
+        // on the legacy default stream runs after the queued kernels.
         unsafe { result::memcpy_dtoh_sync(out, address) }.map_err(|e| device_error("download", e))
     }
 }

@@ -15,7 +15,7 @@
 use std::ffi::c_void;
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
-use headroom_autograd_core::{DType, Layout, Result, TensorError, View};
+use headroom_autograd_core::{matmul_dims, DType, Layout, Result, TensorError, View};
 use headroom_caching_allocator::{Allocation, StreamId};
 
 use crate::backend::{device_error, CudaBackend};
@@ -95,30 +95,8 @@ pub(crate) fn matmul(
     out: View<'_>,
     accumulate: bool,
 ) -> Result<()> {
+    let (m, k, n) = matmul_dims(&a, &b, &out)?;
     let nd = out.layout.ndim();
-    let (sa, sb, so) = (a.layout.shape(), b.layout.shape(), out.layout.shape());
-    let fits = nd >= 2
-        && a.layout.ndim() == nd
-        && b.layout.ndim() == nd
-        && sa[..nd - 2] == so[..nd - 2]
-        && sb[..nd - 2] == so[..nd - 2]
-        && sa[nd - 2] == so[nd - 2]
-        && sb[nd - 1] == so[nd - 1]
-        && sa[nd - 1] == sb[nd - 2];
-    if !fits {
-        return Err(TensorError::ShapeMismatch {
-            op: "matmul",
-            lhs: sa.to_vec(),
-            rhs: sb.to_vec(),
-        });
-    }
-    if a.dtype != b.dtype || a.dtype != out.dtype {
-        return Err(TensorError::DtypeMismatch {
-            op: "matmul",
-            lhs: a.dtype,
-            rhs: b.dtype,
-        });
-    }
     let (data_type, compute) = match a.dtype {
         DType::F32 => (
             blas_sys::cudaDataType::CUDA_R_32F,
@@ -143,7 +121,6 @@ pub(crate) fn matmul(
             })
         }
     };
-    let (m, k, n) = (so[nd - 2], sa[nd - 1], so[nd - 1]);
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -167,7 +144,7 @@ pub(crate) fn matmul(
 
     // Merge batch dims that all three operands step through uniformly.
     let mut batch: Vec<(usize, [usize; 3])> = Vec::new();
-    for (d, &size) in so[..nd - 2].iter().enumerate() {
+    for (d, &size) in out.layout.shape()[..nd - 2].iter().enumerate() {
         if size == 1 {
             continue;
         }

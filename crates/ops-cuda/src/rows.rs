@@ -10,8 +10,8 @@ use headroom_autograd_core::{
 };
 
 use crate::backend::CudaBackend;
-use crate::elementwise::{intern, launch_in, Param, NO_ARGS};
-use crate::kernels::Module;
+use crate::elementwise::{launch_in, Param, NO_ARGS};
+use crate::kernels::{KernelName, Module};
 
 const MAX_DIMS: usize = 8;
 /// Threads per block; the kernels' `THREADS`.
@@ -131,7 +131,7 @@ fn same_shape(op: &'static str, views: &[&View<'_>]) -> Result<()> {
 fn launch(
     backend: &CudaBackend,
     op: &'static str,
-    name: String,
+    name: KernelName,
     rows: u64,
     params: &[Param],
     args: Option<RowArgs>,
@@ -144,15 +144,7 @@ fn launch(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    launch_in(
-        backend,
-        Module::Rows,
-        op,
-        intern(name),
-        config,
-        params,
-        args,
-    )
+    launch_in(backend, Module::Rows, op, name, config, params, args)
 }
 
 pub(crate) fn reduce(
@@ -206,7 +198,7 @@ pub(crate) fn reduce(
     launch(
         backend,
         "reduce",
-        format!("reduce_{suffix}"),
+        ("reduce", suffix),
         args.rows,
         &params,
         Some(args),
@@ -293,7 +285,7 @@ pub(crate) fn reduce_with_index(
         backend,
         Module::Rows,
         name,
-        intern(format!("arg_reduce_{suffix}")),
+        ("arg_reduce", suffix),
         config,
         &params,
         Some(args),
@@ -341,7 +333,7 @@ pub(crate) fn softmax(
     launch(
         backend,
         "softmax",
-        format!("softmax_{suffix}"),
+        ("softmax", suffix),
         args.rows,
         &params,
         Some(args),
@@ -382,7 +374,7 @@ pub(crate) fn softmax_backward(
     launch(
         backend,
         "softmax_backward",
-        format!("softmax_backward_{suffix}"),
+        ("softmax_backward", suffix),
         args.rows,
         &params,
         Some(args),
@@ -455,14 +447,7 @@ pub(crate) fn layer_norm(backend: &CudaBackend, args: LayerNormForward<'_>) -> R
         Param::U64(rows),
         Param::U64(n),
     ];
-    launch(
-        backend,
-        op,
-        format!("layer_norm_{suffix}"),
-        rows,
-        &params,
-        None,
-    )
+    launch(backend, op, ("layer_norm", suffix), rows, &params, None)
 }
 
 pub(crate) fn layer_norm_backward(
@@ -492,7 +477,7 @@ pub(crate) fn layer_norm_backward(
         launch(
             backend,
             op,
-            format!("layer_norm_backward_{suffix}"),
+            ("layer_norm_backward", suffix),
             rows,
             &params,
             None,
@@ -542,7 +527,7 @@ fn param_grads(
         Param::U64(rows),
         Param::U64(n),
     ];
-    let name = intern(format!("layer_norm_param_partials_{suffix}"));
+    let name = ("layer_norm_param_partials", suffix);
     let first = launch_in(backend, Module::Rows, op, name, stage1, &params, NO_ARGS);
     let (dw, dws) = optional(args.dweight);
     let (db, dbs) = optional(args.dbias);
@@ -565,7 +550,7 @@ fn param_grads(
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let name = intern(format!("layer_norm_param_finish_{suffix}"));
+        let name = ("layer_norm_param_finish", suffix);
         launch_in(backend, Module::Rows, op, name, config, &params, NO_ARGS)
     });
     // The scratch goes back in stream order, after the kernels that use it.
