@@ -2,8 +2,8 @@
 //!
 //! # Design
 //!
-//! [`Backend`] has **23 methods**: 6 for the device and its memory (`device`, `allocate`, `free`,
-//! `memory_stats`, `write_host`, `read_host`) and 17 compute primitives. The engine and every op
+//! [`Backend`] has **24 methods**: 7 for the device and its memory (`device`, `into_any`,
+//! `allocate`, `free`, `memory_stats`, `write_host`, `read_host`) and 17 compute primitives. The engine and every op
 //! in `crate::ops` are written once
 //! on top of it; ops-cpu implements it now, ops-cuda later. The reasoning:
 //!
@@ -259,6 +259,10 @@ pub fn index_strides(
 pub trait Backend: Send + Sync + std::fmt::Debug {
     /// The device this backend drives.
     fn device(&self) -> Device;
+
+    /// The backend as `Any`, so a crate with kernels of its own for one device (optim's CUDA
+    /// updates) can reach the concrete backend: `backend.clone().into_any().downcast::<T>()`.
+    fn into_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync>;
 
     /// Allocates `bytes` from this backend's caching allocator.
     fn allocate(&self, bytes: u64) -> Result<Allocation>;

@@ -96,6 +96,10 @@ impl Backend for CpuBackend {
         Device::Cpu
     }
 
+    fn into_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+        self
+    }
+
     fn allocate(&self, bytes: u64) -> Result<Allocation> {
         Ok(self.allocator.allocate(bytes, StreamId::DEFAULT)?)
     }

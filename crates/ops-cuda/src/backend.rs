@@ -125,6 +125,10 @@ impl Backend for CudaBackend {
         Device::Cuda(self.ordinal)
     }
 
+    fn into_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+        self
+    }
+
     fn allocate(&self, bytes: u64) -> Result<Allocation> {
         Ok(self.allocator.allocate(bytes, StreamId::DEFAULT)?)
     }
