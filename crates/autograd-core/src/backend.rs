@@ -2,8 +2,8 @@
 //!
 //! # Design
 //!
-//! [`Backend`] has **24 methods**: 7 for the device and its memory (`device`, `into_any`,
-//! `allocate`, `free`, `memory_stats`, `write_host`, `read_host`) and 17 compute primitives. The engine and every op
+//! [`Backend`] has **26 methods**: 7 for the device and its memory (`device`, `into_any`,
+//! `allocate`, `free`, `memory_stats`, `write_host`, `read_host`) and 19 compute primitives. The engine and every op
 //! in `crate::ops` are written once
 //! on top of it; ops-cpu implements it now, ops-cuda later. The reasoning:
 //!
@@ -20,7 +20,8 @@
 //! - **A fused primitive exists only where composing primitives would cost an extra memory pass
 //!   or extra saved memory**: softmax (one read, one write, and its backward), layer norm (forward
 //!   saves only mean and rstd; backward is one pass), cross-entropy (saves one log-sum-exp per
-//!   row instead of a log-softmax matrix), dropout (mask and output in one pass). Everything else
+//!   row instead of a log-softmax matrix), dropout (mask and output in one pass), attention
+//!   (saves one log-sum-exp per query instead of a `[seq, seq]` probability matrix per head). Everything else
 //!   (linear, mean, patch embedding, cat/split, pow backward, ...) is composed in `crate::ops`.
 //! - **No device types.** Views carry a [`Buffer`], whose address is a `u64`; no CUDA stream,
 //!   handle or pointer type appears here.
@@ -195,6 +196,153 @@ pub struct CrossEntropyArgs<'a> {
     pub reduction: Reduction,
 }
 
+/// Inputs and outputs of fused scaled-dot-product attention,
+/// `out = softmax(q kᵀ · scale, masked above the diagonal when causal) v`.
+///
+/// `q` is `[batch, heads, queries, head_dim]`, `k` and `v` `[batch, heads, keys, head_dim]`,
+/// `out` like `q`: strided views whose last dim is contiguous (heads are views of a packed
+/// projection, and `out` may be laid out `[batch, queries, heads, head_dim]` so merging the heads
+/// costs no copy). `lse` is dense `[batch, heads, queries]` in f32 (f64 for f64 inputs): each
+/// query's log-sum-exp of its scaled, masked scores, all backward needs besides the inputs.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionForward<'a> {
+    /// Queries.
+    pub q: View<'a>,
+    /// Keys.
+    pub k: View<'a>,
+    /// Values.
+    pub v: View<'a>,
+    /// Multiplies the scores (PyTorch's default is `1 / sqrt(head_dim)`).
+    pub scale: f64,
+    /// Key `j` is hidden from query `i` when `j > i` (requires as many queries as keys).
+    pub causal: bool,
+    /// The result, like `q`.
+    pub out: View<'a>,
+    /// Per-query log-sum-exp, saved for backward.
+    pub lse: View<'a>,
+}
+
+/// Inputs and outputs of the fused attention backward: the forward's operands, its output and
+/// log-sum-exp, the output gradient, and the three input gradients (strided like the forward's
+/// views, last dim contiguous; written, not accumulated).
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionBackward<'a> {
+    /// The forward's operands and options (`out` and `lse` are its results).
+    pub forward: AttentionForward<'a>,
+    /// Gradient of `out`.
+    pub dout: View<'a>,
+    /// Gradient of `q`.
+    pub dq: View<'a>,
+    /// Gradient of `k`.
+    pub dk: View<'a>,
+    /// Gradient of `v`.
+    pub dv: View<'a>,
+}
+
+/// Sizes of a fused attention call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionDims {
+    /// Batch size.
+    pub batch: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Query positions.
+    pub queries: usize,
+    /// Key (and value) positions.
+    pub keys: usize,
+    /// Elements per head (queries, keys and values alike).
+    pub head_dim: usize,
+}
+
+/// The shape, dtype and layout rule of [`Backend::attention`] and its backward, shared by every
+/// backend: 4-D operands of one float dtype with a contiguous last dim, `lse` dense in f32 (f64
+/// for f64), equal query and key counts when causal; `grads` (`dout`, `dq`, `dk`, `dv`) are
+/// checked against their forward counterparts.
+pub fn attention_dims(args: &AttentionForward<'_>, grads: &[View<'_>]) -> Result<AttentionDims> {
+    let op = "attention";
+    let [batch, heads, queries, head_dim] = *args.q.layout.shape() else {
+        return Err(TensorError::InvalidArgument {
+            op,
+            reason: format!(
+                "q must be [batch, heads, queries, head_dim], got {:?}",
+                args.q.layout.shape()
+            ),
+        });
+    };
+    let keys = args.k.layout.shape().get(2).copied().unwrap_or(0);
+    let mismatch = |lhs: &View<'_>, rhs: &View<'_>| TensorError::ShapeMismatch {
+        op,
+        lhs: lhs.layout.shape().to_vec(),
+        rhs: rhs.layout.shape().to_vec(),
+    };
+    let kv_shape = [batch, heads, keys, head_dim];
+    if args.k.layout.shape() != kv_shape {
+        return Err(mismatch(&args.q, &args.k));
+    }
+    if args.v.layout.shape() != kv_shape {
+        return Err(mismatch(&args.k, &args.v));
+    }
+    if args.out.layout.shape() != args.q.layout.shape() {
+        return Err(mismatch(&args.q, &args.out));
+    }
+    let stats = if args.q.dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    if args.lse.layout.shape() != [batch, heads, queries]
+        || !args.lse.layout.is_contiguous()
+        || args.lse.dtype != stats
+    {
+        return Err(TensorError::InvalidArgument {
+            op,
+            reason: format!(
+                "lse must be dense {stats:?} [{batch}, {heads}, {queries}], got {:?} {:?}",
+                args.lse.dtype,
+                args.lse.layout.shape()
+            ),
+        });
+    }
+    if args.causal && queries != keys {
+        return Err(TensorError::InvalidArgument {
+            op,
+            reason: format!(
+                "causal attention needs as many queries as keys, got {queries} and {keys}"
+            ),
+        });
+    }
+    let forward = [args.q, args.k, args.v, args.out];
+    let like = [args.q, args.q, args.k, args.v];
+    for (view, reference) in forward.iter().chain(grads).zip(forward.iter().chain(&like)) {
+        if view.layout.shape() != reference.layout.shape() {
+            return Err(mismatch(reference, view));
+        }
+        if view.dtype != args.q.dtype {
+            return Err(TensorError::DtypeMismatch {
+                op,
+                lhs: args.q.dtype,
+                rhs: view.dtype,
+            });
+        }
+        if head_dim > 1 && view.layout.strides()[3] != 1 {
+            return Err(TensorError::InvalidArgument {
+                op,
+                reason: format!(
+                    "operands need a contiguous last dim, got strides {:?}",
+                    view.layout.strides()
+                ),
+            });
+        }
+    }
+    Ok(AttentionDims {
+        batch,
+        heads,
+        queries,
+        keys,
+        head_dim,
+    })
+}
+
 /// The shape and dtype rule of [`Backend::matmul`], shared by every backend: `out = a @ b` over
 /// equal batch dims, all three of one dtype. Returns `(m, k, n)`.
 pub fn matmul_dims(a: &View<'_>, b: &View<'_>, out: &View<'_>) -> Result<(usize, usize, usize)> {
@@ -354,6 +502,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// `dst[i][index[i][j]] += src[i][j]` along `dim` (PyTorch's `scatter_add_`).
     fn scatter_add(&self, dst: View<'_>, dim: usize, index: View<'_>, src: View<'_>) -> Result<()>;
+
+    /// Fused scaled-dot-product attention: no `[queries, keys]` matrix reaches memory.
+    fn attention(&self, args: AttentionForward<'_>) -> Result<()>;
+
+    /// Gradients of fused attention, recomputing the probabilities from `lse`.
+    fn attention_backward(&self, args: AttentionBackward<'_>) -> Result<()>;
 
     /// Dropout in one pass: element `i` is kept with probability `1 - p` when
     /// `crate::random::uniform(seed, offset + i) >= p`; `out = kept ? x / (1 - p) : 0` and

@@ -36,8 +36,9 @@ mod saved;
 mod tensor;
 
 pub use backend::{
-    index_strides, matmul_dims, Backend, BackendRef, BinaryOp, CrossEntropyArgs, LayerNormBackward,
-    LayerNormForward, MaskedOp, ReduceOp, Reduction, UnaryOp, View,
+    attention_dims, index_strides, matmul_dims, AttentionBackward, AttentionDims, AttentionForward,
+    Backend, BackendRef, BinaryOp, CrossEntropyArgs, LayerNormBackward, LayerNormForward, MaskedOp,
+    ReduceOp, Reduction, UnaryOp, View,
 };
 pub use buffer::{Buffer, VersionCounter};
 pub use dtype::{DType, Device};
@@ -50,7 +51,10 @@ pub use hooks::{
     SavedTensorHooks, SavedTensorHooksGuard, UnpackHook,
 };
 pub use layout::{broadcast_shapes, contiguous_strides, normalize_dim, Dims, Layout};
-pub use ops::{cat, cross_entropy, dropout, embedding, layer_norm, patch_embedding};
+pub use ops::{
+    cat, cross_entropy, dropout, embedding, layer_norm, patch_embedding,
+    scaled_dot_product_attention,
+};
 pub use random::{uniform, Generator, GeneratorState};
 pub use saved::SavedTensor;
 pub use tensor::{Element, Tensor};

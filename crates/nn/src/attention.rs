@@ -2,12 +2,15 @@
 //! parameters (`in_proj_weight` `[3E, E]`, `in_proj_bias`, `out_proj.weight`, `out_proj.bias`),
 //! and [`attention`], the eager scaled-dot-product core it shares with GPT-2.
 //!
-//! The core is written the way PyTorch's math path and Hugging Face's `eager_attention_forward`
-//! are: `softmax(mask(q kᵀ / sqrt(d))) v`, with the mask applied by `masked_fill` to the dtype's
-//! lowest value, so the gradients are those of the reference implementations. Heads are views
-//! (reshape and permute of the projection), never copies; the batched matmuls take them strided.
+//! Without dropout on the weights and with no mask or a causal one, the core is autograd-core's
+//! fused [`scaled_dot_product_attention`] (what PyTorch's SDPA kernels do: no `[seq, seq]`
+//! matrix is stored, and its output is laid out so merging the heads is free). Otherwise it is
+//! written the way PyTorch's math path and Hugging Face's `eager_attention_forward` are:
+//! `softmax(mask(q kᵀ / sqrt(d))) v`, with the mask applied by `masked_fill` to the dtype's
+//! lowest value. Both give the reference implementations' gradients. Heads are views (reshape
+//! and permute of the projection), never copies; the kernels take them strided.
 
-use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
+use headroom_autograd_core::{scaled_dot_product_attention, BackendRef, DType, Generator, Tensor};
 
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
@@ -39,21 +42,49 @@ pub fn causal_mask(backend: &BackendRef, seq: usize) -> Result<Tensor> {
     )?)
 }
 
+/// Which scores attention hides.
+#[derive(Debug, Clone, Copy)]
+pub enum AttentionMask<'a> {
+    /// Every query sees every key.
+    None,
+    /// Query `i` sees keys `0..=i` (GPT-2's causal mask).
+    Causal,
+    /// Positions where this Bool mask (broadcast to `[batch, heads, queries, keys]`) is true
+    /// are hidden.
+    Custom(&'a Tensor),
+}
+
 /// Scaled dot-product attention of `q`, `k`, `v` (`[batch, heads, seq, head_dim]`):
-/// `softmax(q kᵀ / sqrt(head_dim))` with the positions where `mask` is true set to the dtype's
-/// lowest value before the softmax, dropout on the weights, times `v`.
+/// `softmax(q kᵀ / sqrt(head_dim))` with the positions `mask` hides set to the dtype's lowest
+/// value before the softmax, dropout on the weights, times `v`. Runs fused when the dropout is
+/// inactive and the mask is `None` or `Causal`.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    mask: Option<&Tensor>,
+    mask: AttentionMask<'_>,
     dropout: &Dropout,
 ) -> Result<Tensor> {
+    let inactive_dropout = !dropout.training || dropout.p == 0.0;
+    let mask = match mask {
+        AttentionMask::None if inactive_dropout => {
+            return Ok(scaled_dot_product_attention(q, k, v, false, None)?)
+        }
+        AttentionMask::Causal if inactive_dropout => {
+            return Ok(scaled_dot_product_attention(q, k, v, true, None)?)
+        }
+        AttentionMask::None => None,
+        AttentionMask::Causal => {
+            let seq = q.shape().get(2).copied().unwrap_or(0);
+            Some(causal_mask(q.backend(), seq)?)
+        }
+        AttentionMask::Custom(mask) => Some(mask.clone()),
+    };
     let head_dim = *q.shape().last().unwrap_or(&1);
     let scores = q
         .matmul(&k.transpose(-1, -2)?)?
         .div_scalar((head_dim as f64).sqrt())?;
-    let scores = match mask {
+    let scores = match &mask {
         Some(mask) => scores.masked_fill(mask, finfo_min(scores.dtype()))?,
         None => scores,
     };
@@ -154,8 +185,8 @@ impl MultiheadAttention {
         })
     }
 
-    /// Self-attention over `x` (`[batch, seq, embed_dim]`), optionally masked (true = blocked).
-    pub fn forward(&self, x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    /// Self-attention over `x` (`[batch, seq, embed_dim]`), masked as `mask` says.
+    pub fn forward(&self, x: &Tensor, mask: AttentionMask<'_>) -> Result<Tensor> {
         let embed_dim = self.in_proj_weight.shape()[1];
         if x.ndim() != 3 || x.shape()[2] != embed_dim {
             return Err(NnError::InvalidInput {

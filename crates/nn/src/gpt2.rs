@@ -5,15 +5,15 @@
 //! mlp.c_fc, mlp.c_proj}.*`, `transformer.ln_f.*`. `lm_head.weight` is tied to
 //! `transformer.wte.weight` and, as in PyTorch, listed once under the embedding's name. GPT-2's
 //! `Conv1D` stores its weight `[in, out]` (the transpose of `Linear`'s). The forward pass is
-//! Hugging Face's eager path: pre-norm blocks, causal mask by `masked_fill` to the dtype's
-//! lowest value, `gelu_new` (tanh GELU); [`Gpt2LMHeadModel::loss`] is its causal-LM loss,
+//! Hugging Face's: pre-norm blocks, causal attention (fused when attention dropout is inactive,
+//! else the eager `masked_fill` to the dtype's lowest value), `gelu_new` (tanh GELU); [`Gpt2LMHeadModel::loss`] is its causal-LM loss,
 //! which upcasts the logits to f32 as Hugging Face does.
 
 use std::sync::Arc;
 
 use headroom_autograd_core::{cross_entropy, BackendRef, DType, Generator, Reduction, Tensor};
 
-use crate::attention::{attention, causal_mask, merge_heads, split_heads};
+use crate::attention::{attention, merge_heads, split_heads, AttentionMask};
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
 use crate::layers::{Dropout, Embedding, LayerNorm};
@@ -142,12 +142,12 @@ pub struct Gpt2Attention {
 }
 
 impl Gpt2Attention {
-    /// `[batch, seq, n_embd]` → the same shape; `mask` is the `[seq, seq]` causal mask.
-    pub fn forward(&self, hidden: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    /// `[batch, seq, n_embd]` → the same shape, causal.
+    pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
         let width = self.c_proj.weight.shape()[0];
         let qkv = self.c_attn.forward(hidden)?.split(width, -1)?;
         let [q, k, v] = [&qkv[0], &qkv[1], &qkv[2]].map(|t| split_heads(t, self.n_head));
-        let context = attention(&q?, &k?, &v?, Some(mask), &self.attn_dropout)?;
+        let context = attention(&q?, &k?, &v?, AttentionMask::Causal, &self.attn_dropout)?;
         let out = self.c_proj.forward(&merge_heads(&context)?)?;
         self.resid_dropout.forward(&out)
     }
@@ -214,10 +214,10 @@ pub struct Gpt2Block {
 
 impl Gpt2Block {
     /// `x + attn(ln_1(x))`, then `+ mlp(ln_2(·))`.
-    pub fn forward(&self, hidden: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
         let x = self
             .attn
-            .forward(&self.ln_1.forward(hidden)?, mask)?
+            .forward(&self.ln_1.forward(hidden)?)?
             .add(hidden)?;
         let y = self.mlp.forward(&self.ln_2.forward(&x)?)?;
         Ok(y.add(&x)?)
@@ -283,9 +283,8 @@ impl Gpt2Model {
             .forward(input_ids)?
             .add(&self.wpe.forward(&position_ids)?)?;
         let mut hidden = self.drop.forward(&embeds)?;
-        let mask = causal_mask(backend, seq)?;
         for block in &self.h {
-            hidden = block.forward(&hidden, &mask)?;
+            hidden = block.forward(&hidden)?;
         }
         self.ln_f.forward(&hidden)
     }

@@ -39,7 +39,7 @@ mod vit;
 mod weights;
 
 pub use attention::{
-    attention, causal_mask, finfo_min, merge_heads, split_heads, MultiheadAttention,
+    attention, causal_mask, finfo_min, merge_heads, split_heads, AttentionMask, MultiheadAttention,
 };
 pub use error::{NnError, Result};
 pub use gpt2::{Conv1D, Gpt2Attention, Gpt2Block, Gpt2Config, Gpt2LMHeadModel, Gpt2Mlp, Gpt2Model};

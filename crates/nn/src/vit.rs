@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use headroom_autograd_core::{cat, patch_embedding, BackendRef, DType, Generator, Tensor};
 
-use crate::attention::MultiheadAttention;
+use crate::attention::{AttentionMask, MultiheadAttention};
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
 use crate::layers::{Activation, Dropout, LayerNorm, Linear, Mlp};
@@ -162,7 +162,7 @@ impl EncoderBlock {
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
         let attended = self
             .self_attention
-            .forward(&self.ln_1.forward(input)?, None)?;
+            .forward(&self.ln_1.forward(input)?, AttentionMask::None)?;
         let x = self.dropout.forward(&attended)?.add(input)?;
         let y = self.mlp.forward(&self.ln_2.forward(&x)?)?;
         Ok(x.add(&y)?)

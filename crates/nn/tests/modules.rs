@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
 use headroom_nn::{
-    causal_mask, load_weights, save_weights, Dropout, Gpt2Config, Gpt2LMHeadModel, Module,
-    MultiheadAttention, NnError, VisionTransformer, VitConfig,
+    causal_mask, load_weights, save_weights, AttentionMask, Dropout, Gpt2Config, Gpt2LMHeadModel,
+    Module, MultiheadAttention, NnError, VisionTransformer, VitConfig,
 };
 use headroom_ops_cpu::CpuBackend;
 use safetensors::SafeTensors;
@@ -114,19 +114,25 @@ fn a_causal_mask_keeps_later_tokens_out_of_earlier_positions() {
     let tokens: Vec<f64> = (0..80).map(|i| ((i * 7) % 13) as f64 / 13.0).collect();
     let mut changed = tokens.clone();
     changed[79] += 1.0; // the last token only
-    let run = |values: &[f64]| {
+    let run = |values: &[f64], mask: AttentionMask<'_>| {
         let x = Tensor::from_f64s(&cpu, values, &[1, 5, 16], DType::F64).unwrap();
-        attention
-            .forward(&x, Some(&mask))
-            .unwrap()
-            .to_vec_f64()
-            .unwrap()
+        attention.forward(&x, mask).unwrap().to_vec_f64().unwrap()
     };
-    let (before, after) = (run(&tokens), run(&changed));
-    assert_eq!(
-        before[..64],
-        after[..64],
-        "positions 0..4 do not see token 4"
+    // The masked math path and the fused causal kernel.
+    for mask in [AttentionMask::Custom(&mask), AttentionMask::Causal] {
+        let (before, after) = (run(&tokens, mask), run(&changed, mask));
+        assert_eq!(
+            before[..64],
+            after[..64],
+            "positions 0..4 do not see token 4"
+        );
+        assert_ne!(before[64..], after[64..], "position 4 sees itself");
+    }
+    let (math, fused) = (
+        run(&tokens, AttentionMask::Custom(&mask)),
+        run(&tokens, AttentionMask::Causal),
     );
-    assert_ne!(before[64..], after[64..], "position 4 sees itself");
+    for (m, f) in math.iter().zip(&fused) {
+        assert!((m - f).abs() <= 1e-14 * m.abs().max(1.0), "{m} vs {f}");
+    }
 }

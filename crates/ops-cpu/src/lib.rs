@@ -21,6 +21,7 @@
 //! # Ok::<(), headroom_autograd_core::TensorError>(())
 //! ```
 
+mod attention;
 mod cross_entropy;
 mod element;
 mod elementwise;
@@ -34,8 +35,8 @@ mod strided;
 use std::sync::Arc;
 
 use headroom_autograd_core::{
-    Backend, BackendRef, BinaryOp, Buffer, CrossEntropyArgs, Device, LayerNormBackward,
-    LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp, View,
+    AttentionBackward, AttentionForward, Backend, BackendRef, BinaryOp, Buffer, CrossEntropyArgs,
+    Device, LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp, View,
 };
 use headroom_caching_allocator::{
     AllocError, Allocation, AllocatorConfig, CachingAllocator, HostStorage, MemoryStats, StreamId,
@@ -236,6 +237,14 @@ impl Backend for CpuBackend {
 
     fn scatter_add(&self, dst: View<'_>, dim: usize, index: View<'_>, src: View<'_>) -> Result<()> {
         index::scatter_add(dst, dim, index, src)
+    }
+
+    fn attention(&self, args: AttentionForward<'_>) -> Result<()> {
+        attention::attention(args)
+    }
+
+    fn attention_backward(&self, args: AttentionBackward<'_>) -> Result<()> {
+        attention::attention_backward(args)
     }
 
     fn dropout(

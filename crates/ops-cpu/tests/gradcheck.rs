@@ -6,8 +6,8 @@
 //! input's gradient with central differences.
 
 use headroom_autograd_core::{
-    cat, cross_entropy, dropout, embedding, layer_norm, no_grad, patch_embedding, BackendRef,
-    DType, Generator, Reduction, Result, Tensor,
+    cat, cross_entropy, dropout, embedding, layer_norm, no_grad, patch_embedding,
+    scaled_dot_product_attention, BackendRef, DType, Generator, Reduction, Result, Tensor,
 };
 use headroom_ops_cpu::CpuBackend;
 
@@ -223,6 +223,44 @@ fn linear_algebra() {
         "patch embedding",
         &[input(&[2, 2, 4, 4]), input(&[3, 2, 2, 2]), input(&[3])],
         &|_, x| patch_embedding(&x[0], &x[1], Some(&x[2]), 2),
+    );
+}
+
+#[test]
+fn fused_attention() {
+    check_gradients(
+        "attention",
+        &[
+            input(&[2, 2, 3, 4]),
+            input(&[2, 2, 5, 4]),
+            input(&[2, 2, 5, 4]),
+        ],
+        &|_, x| scaled_dot_product_attention(&x[0], &x[1], &x[2], false, None),
+    );
+    check_gradients(
+        "causal attention, explicit scale",
+        &[
+            input(&[1, 2, 4, 3]),
+            input(&[1, 2, 4, 3]),
+            input(&[1, 2, 4, 3]),
+        ],
+        &|_, x| scaled_dot_product_attention(&x[0], &x[1], &x[2], true, Some(0.7)),
+    );
+    // Heads as strided views of one packed projection, as attention layers pass them.
+    check_gradients(
+        "attention of packed heads",
+        &[input(&[2, 3, 12])],
+        &|_, x| {
+            let qkv = x[0].split(4, -1)?;
+            let heads = |t: &Tensor| t.reshape(&[2, 3, 2, 2])?.permute(&[0, 2, 1, 3]);
+            scaled_dot_product_attention(
+                &heads(&qkv[0])?,
+                &heads(&qkv[1])?,
+                &heads(&qkv[2])?,
+                true,
+                None,
+            )
+        },
     );
 }
 

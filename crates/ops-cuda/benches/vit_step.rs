@@ -1,14 +1,15 @@
-//! ViT-L/16 (torchvision's configuration, fp32) forward + backward on the CUDA backend at batch 1
-//! and 32: median step time of 6 after 3 warm-ups, and peak allocated bytes over the timed steps
-//! — the setting of PyTorch's `sgd` anchor (whose step also includes a plain SGD update, about
-//! 0.5 ms of memory traffic at this size). Prints one JSON line per batch, or a skip notice
-//! without a CUDA device. `vit_step BATCH STEPS` runs one batch size with STEPS timed steps and
-//! one warm-up (for profilers).
+//! ViT-L/16 (torchvision's configuration) training steps on the CUDA backend: forward, `sum()`
+//! loss, backward, a plain SGD update (`p -= 1e-3 · g`, through tensor ops: one temporary per
+//! parameter) and `zero_grad(set_to_none)` — the protocol of PyTorch's `sgd` anchor. Median step
+//! time of 6 after 3 warm-ups and peak allocated bytes over the timed steps, fp32 at batch 1 and
+//! 32 and the whole model in bf16 at batch 32. Prints one JSON line per setting, or a skip notice
+//! without a CUDA device. `vit_step BATCH STEPS [bf16]` runs one setting with STEPS timed steps
+//! and one warm-up (for profilers).
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
+use headroom_autograd_core::{no_grad, BackendRef, DType, Generator, Tensor};
 use headroom_nn::{Module, VisionTransformer, VitConfig};
 use headroom_ops_cuda::CudaBackend;
 
@@ -21,18 +22,30 @@ fn main() {
         }
     };
     let gpu: BackendRef = cuda.clone();
-    let generator = Arc::new(Generator::new(0));
-    let model =
-        VisionTransformer::new(&gpu, VitConfig::vit_l_16(), DType::F32, &generator).expect("model");
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
-    let (batches, warmup, timed) = match args[..] {
-        [batch, steps, ..] => (vec![batch], 1, steps.max(1)),
-        _ => (vec![1, 32], 3, 6),
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let numbers: Vec<usize> = args.iter().filter_map(|a| a.parse().ok()).collect();
+    let bf16 = args.iter().any(|a| a == "bf16");
+    let (settings, warmup, timed) = match numbers[..] {
+        [batch, steps, ..] => (
+            vec![(if bf16 { DType::BF16 } else { DType::F32 }, batch)],
+            1,
+            steps.max(1),
+        ),
+        _ => (
+            vec![(DType::F32, 1), (DType::F32, 32), (DType::BF16, 32)],
+            3,
+            6,
+        ),
     };
-    for batch in batches {
+    for (dtype, batch) in settings {
+        let generator = Arc::new(Generator::new(0));
+        let model =
+            VisionTransformer::new(&gpu, VitConfig::vit_l_16(), dtype, &generator).expect("model");
+        let params: Vec<Tensor> = model
+            .named_parameters()
+            .into_iter()
+            .map(|(_, p)| p)
+            .collect();
         let mut state = 0x2545_f491_4f6c_dd1du64;
         let pixels: Vec<f32> = (0..batch * 3 * 224 * 224)
             .map(|_| {
@@ -42,7 +55,9 @@ fn main() {
                 (state >> 40) as f32 / (1u64 << 24) as f32
             })
             .collect();
-        let images = Tensor::from_slice(&gpu, &pixels, &[batch, 3, 224, 224]).expect("input");
+        let images = Tensor::from_slice(&gpu, &pixels, &[batch, 3, 224, 224])
+            .and_then(|x| x.to_dtype(dtype))
+            .expect("input");
         let step = || -> f64 {
             let start = Instant::now();
             let loss = model
@@ -51,12 +66,18 @@ fn main() {
                 .sum_all()
                 .expect("loss");
             loss.backward().expect("backward");
-            cuda.synchronize().expect("device");
-            let ms = start.elapsed().as_secs_f64() * 1e3;
-            for (_, param) in model.named_parameters() {
-                param.zero_grad(true).expect("zero_grad");
+            {
+                let _no_grad = no_grad();
+                for param in &params {
+                    let grad = param.grad().expect("every parameter has a gradient");
+                    param
+                        .sub_(&grad.mul_scalar(1e-3).expect("scale"))
+                        .expect("update");
+                    param.zero_grad(true).expect("zero_grad");
+                }
             }
-            ms
+            cuda.synchronize().expect("device");
+            start.elapsed().as_secs_f64() * 1e3
         };
         for _ in 0..warmup {
             step();
@@ -67,7 +88,7 @@ fn main() {
         let ms = (times[(timed - 1) / 2] + times[timed / 2]) / 2.0;
         let stats = cuda.allocator().memory_stats();
         println!(
-            "{{\"case\": \"vit_l16_fwd_bwd\", \"impl\": \"headroom_cuda\", \"batch\": {batch}, \"step_ms\": {ms:.1}, \"peak_allocated_bytes\": {}, \"peak_reserved_bytes\": {}, \"times_ms\": {times:?}}}",
+            "{{\"case\": \"vit_l16_sgd\", \"dtype\": \"{dtype:?}\", \"impl\": \"headroom_cuda\", \"batch\": {batch}, \"step_ms\": {ms:.1}, \"peak_allocated_bytes\": {}, \"peak_reserved_bytes\": {}, \"times_ms\": {times:?}}}",
             stats.allocated_bytes.all.peak, stats.reserved_bytes.all.peak
         );
     }

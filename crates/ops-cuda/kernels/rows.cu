@@ -7,8 +7,7 @@
 // (crates/ops-cuda/src/rows.rs) describes operands with the structs below, field for field.
 // Built to PTX by `cargo xtask build-kernels`.
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "elements.cuh"
 #include <float.h>
 
 #define MAX_DIMS 8
@@ -48,17 +47,6 @@ __device__ __forceinline__ unsigned long long inner_off(const RowArgs& a, int k,
     return walk(j, a.inner_ndim, a.inner_shape, a.inner_strides[k]);
 }
 
-template <typename T> struct Acc { typedef float type; };
-template <> struct Acc<double> { typedef double type; };
-
-template <typename T> __device__ __forceinline__ typename Acc<T>::type ld(const T* p) { return (typename Acc<T>::type)(*p); }
-template <> __device__ __forceinline__ float ld<__half>(const __half* p) { return __half2float(*p); }
-template <> __device__ __forceinline__ float ld<__nv_bfloat16>(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-template <typename T, typename V> __device__ __forceinline__ void st(T* p, V v) { *p = (T)v; }
-template <> __device__ __forceinline__ void st<__half, float>(__half* p, float v) { *p = __float2half(v); }
-template <> __device__ __forceinline__ void st<__nv_bfloat16, float>(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
-template <> __device__ __forceinline__ void st<__half, double>(__half* p, double v) { *p = __double2half(v); }
-template <> __device__ __forceinline__ void st<__nv_bfloat16, double>(__nv_bfloat16* p, double v) { *p = __double2bfloat16(v); }
 
 __device__ __forceinline__ float m_exp(float x) { return expf(x); }
 __device__ __forceinline__ double m_exp(double x) { return exp(x); }
@@ -243,6 +231,43 @@ __device__ void layer_norm_param_finish(const typename Acc<S>::type* partial, un
     }
 }
 
+// Column sums of a [rows, n] matrix with contiguous rows (`x[r * rs + j]`), the reduction a bias
+// gradient is, in the same two deterministic stages: per-chunk sums coalesced across columns into
+// `partial` [n_chunks, n], then one thread per column adds the chunks (times `scale`: 1 for a sum,
+// 1/rows for a mean).
+template <typename T>
+__device__ void column_partials(const T* x, unsigned long long rs, typename Acc<T>::type* partial,
+                                unsigned long long rows, unsigned long long n) {
+    typedef typename Acc<T>::type C;
+    __shared__ C sums[8][33];
+    unsigned long long j = (unsigned long long)blockIdx.x * 32 + threadIdx.x;
+    unsigned long long chunk = blockIdx.y;
+    C acc = 0;
+    if (j < n) {
+        unsigned long long end = min((chunk + 1) * ROWS_PER_CHUNK, rows);
+        for (unsigned long long r = chunk * ROWS_PER_CHUNK + threadIdx.y; r < end; r += 8)
+            acc += (C)ld(x + r * rs + j);
+    }
+    sums[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < n) {
+        for (int k = 1; k < 8; ++k) acc += sums[k][threadIdx.x];
+        partial[chunk * n + j] = acc;
+    }
+}
+
+template <typename T>
+__device__ void column_finish(const typename Acc<T>::type* partial, unsigned long long n_chunks, T* out,
+                              unsigned long long os, double scale, unsigned long long n) {
+    typedef typename Acc<T>::type C;
+    for (unsigned long long j = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; j < n;
+         j += (unsigned long long)gridDim.x * blockDim.x) {
+        C acc = 0;
+        for (unsigned long long c = 0; c < n_chunks; ++c) acc += partial[c * n + j];
+        st(out + j * os, acc * (C)scale);
+    }
+}
+
 // Max or min over the last dim with its index (first occurrence; a NaN wins, as on the CPU):
 // operand 0 = values, 1 = indices (i64), 2 = x; one thread per row, walking the row serially.
 template <typename T>
@@ -271,6 +296,14 @@ __device__ void arg_reduce_rows(int is_max, const T* x, T* values, long long* in
     }                                                                                                      \
     extern "C" __global__ void softmax_backward_##N(int l, const T* y, const T* dy, T* dx, RowArgs a) {       \
         softmax_backward_rows<T>(l, y, dy, dx, a);                                                         \
+    }                                                                                                      \
+    extern "C" __global__ void column_partials_##N(const T* x, unsigned long long rs, Acc<T>::type* p,    \
+                                                   unsigned long long rows, unsigned long long n) {       \
+        column_partials<T>(x, rs, p, rows, n);                                                             \
+    }                                                                                                      \
+    extern "C" __global__ void column_finish_##N(const Acc<T>::type* p, unsigned long long chunks, T* out, \
+                                                 unsigned long long os, double scale, unsigned long long n) { \
+        column_finish<T>(p, chunks, out, os, scale, n);                                                    \
     }
 ROW_KERNELS(float, f32)
 ROW_KERNELS(double, f64)

@@ -28,6 +28,15 @@ __device__ __forceinline__ void element_offsets(const StridedArgs& a, unsigned l
         off[2] += i * a.strides[2][0];
         return;
     }
+    if (a.ndim == 2 && a.numel <= 0xffffffffULL) {
+        // Two runs (a broadcast row, a transposed matrix): one 32-bit division.
+        unsigned int j = (unsigned int)i, inner = (unsigned int)a.shape[1];
+        unsigned int outer = j / inner, idx = j - outer * inner;
+        off[0] += outer * a.strides[0][0] + idx * a.strides[0][1];
+        off[1] += outer * a.strides[1][0] + idx * a.strides[1][1];
+        off[2] += outer * a.strides[2][0] + idx * a.strides[2][1];
+        return;
+    }
     if (a.numel <= 0xffffffffULL) {
         // 32-bit division is several times cheaper than 64-bit on the GPU.
         unsigned int j = (unsigned int)i;

@@ -5,18 +5,20 @@
 //! kernel cache. Every launch goes to the context's default stream; host transfers are
 //! synchronous. Driver failures become `TensorError::Device` naming the op.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{result, CudaContext, CudaStream};
 use headroom_autograd_core::{
-    Backend, BinaryOp, Buffer, CrossEntropyArgs, Device, LayerNormBackward, LayerNormForward,
-    MaskedOp, ReduceOp, Result, TensorError, UnaryOp, View,
+    AttentionBackward, AttentionForward, Backend, BinaryOp, Buffer, CrossEntropyArgs, Device,
+    LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, TensorError, UnaryOp, View,
 };
 use headroom_caching_allocator::{
     AllocError, Allocation, AllocatorConfig, CachingAllocator, CudaStorage, MemoryStats, StreamId,
 };
 use parking_lot::Mutex;
 
+use crate::attention;
 use crate::elementwise;
 use crate::error::CudaError;
 use crate::index;
@@ -34,6 +36,8 @@ pub struct CudaBackend {
     free_errors: Mutex<(u64, Option<AllocError>)>,
     /// cuBLAS, created on the first matrix product.
     pub(crate) blas: Mutex<Option<BlasState>>,
+    /// f32 matrix products may use TF32 tensor cores (off by default, as in PyTorch).
+    allow_tf32: AtomicBool,
 }
 
 impl Drop for CudaBackend {
@@ -84,12 +88,25 @@ impl CudaBackend {
             allocator: CachingAllocator::new(storage, config),
             free_errors: Mutex::new((0, None)),
             blas: Mutex::new(None),
+            allow_tf32: AtomicBool::new(false),
         }))
     }
 
     /// The allocator, for statistics, snapshots and `empty_cache`.
     pub fn allocator(&self) -> &CachingAllocator<CudaStorage> {
         &self.allocator
+    }
+
+    /// Lets f32 matrix products run on TF32 tensor cores (10-bit mantissa inputs, f32
+    /// accumulation; about 1e-3 relative error), PyTorch's `torch.backends.cuda.matmul.allow_tf32`.
+    /// Off by default: f32 products are computed in f32.
+    pub fn set_allow_tf32(&self, allow: bool) {
+        self.allow_tf32.store(allow, Ordering::Relaxed);
+    }
+
+    /// Whether f32 matrix products may use TF32 (see [`CudaBackend::set_allow_tf32`]).
+    pub fn allow_tf32(&self) -> bool {
+        self.allow_tf32.load(Ordering::Relaxed)
     }
 
     /// Waits until every launched kernel has finished.
@@ -258,6 +275,14 @@ impl Backend for CudaBackend {
 
     fn scatter_add(&self, dst: View<'_>, dim: usize, index: View<'_>, src: View<'_>) -> Result<()> {
         index::scatter_add(self, dst, dim, index, src)
+    }
+
+    fn attention(&self, args: AttentionForward<'_>) -> Result<()> {
+        attention::attention(self, args)
+    }
+
+    fn attention_backward(&self, args: AttentionBackward<'_>) -> Result<()> {
+        attention::attention_backward(self, args)
     }
 
     fn dropout(

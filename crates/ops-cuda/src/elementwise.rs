@@ -5,6 +5,7 @@
 //! launches see one or two dimensions. Op codes are the variant order of `UnaryOp` and
 //! `BinaryOp`, mirrored by the `switch` statements of the `.cu` file.
 
+use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use headroom_autograd_core::{
     BinaryOp, DType, Layout, MaskedOp, Result, TensorError, UnaryOp, View,
@@ -362,6 +363,9 @@ fn launch(
     )
 }
 
+/// Dynamic shared memory a kernel gets without opting in (48 KiB).
+const DEFAULT_SHARED_BYTES: u32 = 48 << 10;
+
 /// No trailing struct argument, for [`launch_in`].
 pub(crate) const NO_ARGS: Option<u64> = None;
 
@@ -380,6 +384,15 @@ pub(crate) fn launch_in<A: DeviceRepr>(
         .kernels
         .function(&backend.context, module, name)
         .map_err(|e| device_error(op, e))?;
+    if config.shared_mem_bytes > DEFAULT_SHARED_BYTES {
+        // Kernels asking for more than the default dynamic shared memory must opt in.
+        function
+            .set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                config.shared_mem_bytes as i32,
+            )
+            .map_err(|e| device_error(op, e))?;
+    }
     let mut builder = backend.stream.launch_builder(&function);
     for param in params {
         match param {

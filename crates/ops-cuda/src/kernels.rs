@@ -26,6 +26,8 @@ pub(crate) enum Module {
     Rows,
     /// `kernels/index.cu`.
     Index,
+    /// `kernels/attention.cu`.
+    Attention,
 }
 
 impl Module {
@@ -34,6 +36,7 @@ impl Module {
             Module::Elementwise => include_str!("../kernels/ptx/elementwise.ptx"),
             Module::Rows => include_str!("../kernels/ptx/rows.ptx"),
             Module::Index => include_str!("../kernels/ptx/index.ptx"),
+            Module::Attention => include_str!("../kernels/ptx/attention.ptx"),
         }
     }
 }

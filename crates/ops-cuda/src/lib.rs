@@ -10,9 +10,9 @@
 //!
 //! Every primitive of the trait is implemented: strided copy and cast, fill, unary, binary and
 //! masked elementwise ops, reductions over trailing dims, softmax and log-softmax, layer norm,
-//! batched GEMM through cuBLAS (its workspace from the caching allocator), gather and
-//! scatter-add, fused cross-entropy and dropout (the same random stream as the CPU backend), in
-//! f32, f64, f16 and bf16 (the last two computed in f32). Out-of-range indices are typed errors,
+//! batched GEMM through cuBLAS (its workspace from the caching allocator), fused attention,
+//! gather and scatter-add, fused cross-entropy and dropout (the same random stream as the CPU
+//! backend), in f32, f64, f16 and bf16 (the last two computed in f32). Out-of-range indices are typed errors,
 //! checked on the device.
 //!
 //! Everything CUDA is behind the `cuda` feature; without it [`CudaBackend::new`] returns an error,
@@ -21,6 +21,8 @@
 
 mod error;
 
+#[cfg(feature = "cuda")]
+mod attention;
 #[cfg(feature = "cuda")]
 mod backend;
 #[cfg(feature = "cuda")]

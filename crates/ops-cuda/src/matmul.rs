@@ -5,8 +5,8 @@
 //! rows are contiguous is passed as is and a transposed one (contiguous columns) with the
 //! transpose flag: transposes cost no copy. Batch dims are merged where every operand steps
 //! through them uniformly and passed as one strided batch (stride 0 for a broadcast operand);
-//! any other batch dims are looped over. f32 and f64 compute in their own precision (no TF32
-//! unless asked for; not yet exposed), f16 and bf16 in f32.
+//! any other batch dims are looped over. f32 and f64 compute in their own precision (TF32 only
+//! after `CudaBackend::set_allow_tf32(true)`, as in PyTorch), f16 and bf16 in f32.
 //!
 //! The cuBLAS handle and its 32 MiB workspace (PyTorch's size on Hopper) are created on the first
 //! product; the workspace is an allocation of the backend's caching allocator, so it shows in
@@ -98,6 +98,10 @@ pub(crate) fn matmul(
     let (m, k, n) = matmul_dims(&a, &b, &out)?;
     let nd = out.layout.ndim();
     let (data_type, compute) = match a.dtype {
+        DType::F32 if backend.allow_tf32() => (
+            blas_sys::cudaDataType::CUDA_R_32F,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+        ),
         DType::F32 => (
             blas_sys::cudaDataType::CUDA_R_32F,
             blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,

@@ -164,6 +164,9 @@ pub(crate) fn reduce(
         });
     }
     let suffix = suffix("reduce", x.dtype)?;
+    if let Some(columns) = column_reduction(op, &x, n_reduced, &out) {
+        return column_sums(backend, suffix, &x, &out, columns);
+    }
     let (outer_shape, inner_shape) = x.layout.shape().split_at(ndim - n_reduced);
     let (outer_strides, inner_strides) = x.layout.strides().split_at(ndim - n_reduced);
     if inner_shape.iter().product::<usize>() == 0 && matches!(op, ReduceOp::Max | ReduceOp::Min) {
@@ -489,6 +492,119 @@ pub(crate) fn layer_norm_backward(
     Ok(())
 }
 
+/// A sum or mean over the rows of a matrix with contiguous rows, seen as `x` `[n, rows]` with
+/// strides `(1, rs)` (the core permutes the reduced dim last): `(rows, n, rs, scale)`. The row
+/// kernel would read such a matrix down its columns; the column kernels read it row by row.
+fn column_reduction(
+    op: ReduceOp,
+    x: &View<'_>,
+    n_reduced: usize,
+    out: &View<'_>,
+) -> Option<(u64, u64, u64, f64)> {
+    let (shape, strides) = (x.layout.shape(), x.layout.strides());
+    let fits = matches!(op, ReduceOp::Sum | ReduceOp::Mean)
+        && shape.len() == 2
+        && n_reduced == 1
+        && strides[0] == 1
+        && strides[1] >= shape[0]
+        && shape[1] >= 64
+        && out.layout.ndim() == 1;
+    if !fits {
+        return None;
+    }
+    let rows = shape[1] as u64;
+    let scale = if op == ReduceOp::Mean {
+        1.0 / rows as f64
+    } else {
+        1.0
+    };
+    Some((rows, shape[0] as u64, strides[1] as u64, scale))
+}
+
+/// Column sums (see [`column_reduction`]) in two deterministic stages, like the layer-norm
+/// parameter gradients.
+fn column_sums(
+    backend: &CudaBackend,
+    suffix: &'static str,
+    x: &View<'_>,
+    out: &View<'_>,
+    (rows, n, rs, scale): (u64, u64, u64, f64),
+) -> Result<()> {
+    let op = "reduce";
+    if n == 0 {
+        return Ok(());
+    }
+    let element = x.dtype.size_in_bytes() as u64;
+    let n_chunks = rows.div_ceil(ROWS_PER_CHUNK);
+    let accumulator = if x.dtype == DType::F64 { 8 } else { 4 };
+    let scratch = backend.allocator().allocate(
+        n_chunks * n * accumulator,
+        headroom_caching_allocator::StreamId::DEFAULT,
+    )?;
+    let partial = scratch.address();
+    let x_address = x.buffer.address() + x.layout.offset() as u64 * element;
+    let (stage1, stage2) = column_stages(n, n_chunks);
+    let params = [
+        Param::U64(x_address),
+        Param::U64(rs),
+        Param::U64(partial),
+        Param::U64(rows),
+        Param::U64(n),
+    ];
+    let first = launch_in(
+        backend,
+        Module::Rows,
+        op,
+        ("column_partials", suffix),
+        stage1,
+        &params,
+        NO_ARGS,
+    );
+    let second = first.and_then(|()| {
+        let out_address = out.buffer.address() + out.layout.offset() as u64 * element;
+        let params = [
+            Param::U64(partial),
+            Param::U64(n_chunks),
+            Param::U64(out_address),
+            Param::U64(out.layout.strides()[0] as u64),
+            Param::F64(scale),
+            Param::U64(n),
+        ];
+        launch_in(
+            backend,
+            Module::Rows,
+            op,
+            ("column_finish", suffix),
+            stage2,
+            &params,
+            NO_ARGS,
+        )
+    });
+    // The scratch goes back in stream order, after the kernels that use it.
+    backend.allocator().free(scratch)?;
+    second
+}
+
+/// Launch shapes of two-stage column sums over `n` columns: stage 1 (32 × 8 blocks, one per 32
+/// columns and chunk of rows) and stage 2 (one thread per column).
+fn column_stages(n: u64, n_chunks: u64) -> (LaunchConfig, LaunchConfig) {
+    let stage1 = LaunchConfig {
+        grid_dim: (n.div_ceil(32) as u32, n_chunks as u32, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    let stage2 = LaunchConfig {
+        grid_dim: (
+            n.div_ceil(u64::from(THREADS)).clamp(1, MAX_BLOCKS) as u32,
+            1,
+            1,
+        ),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    (stage1, stage2)
+}
+
 /// Rows per chunk of the first stage (`ROWS_PER_CHUNK` in `rows.cu`).
 const ROWS_PER_CHUNK: u64 = 256;
 
@@ -513,11 +629,7 @@ fn param_grads(
         headroom_caching_allocator::StreamId::DEFAULT,
     )?;
     let partial = scratch.address();
-    let stage1 = LaunchConfig {
-        grid_dim: (n.div_ceil(32) as u32, n_chunks as u32, 1),
-        block_dim: (32, 8, 1),
-        shared_mem_bytes: 0,
-    };
+    let (stage1, stage2) = column_stages(n, n_chunks);
     let params = [
         Param::U64(dy),
         Param::U64(x),
@@ -541,17 +653,8 @@ fn param_grads(
             Param::U64(dbs),
             Param::U64(n),
         ];
-        let config = LaunchConfig {
-            grid_dim: (
-                n.div_ceil(u64::from(THREADS)).clamp(1, MAX_BLOCKS) as u32,
-                1,
-                1,
-            ),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let name = ("layer_norm_param_finish", suffix);
-        launch_in(backend, Module::Rows, op, name, config, &params, NO_ARGS)
+        launch_in(backend, Module::Rows, op, name, stage2, &params, NO_ARGS)
     });
     // The scratch goes back in stream order, after the kernels that use it.
     backend.allocator().free(scratch)?;

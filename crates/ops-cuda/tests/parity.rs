@@ -442,6 +442,34 @@ fn reductions_softmax_and_masks_match_the_cpu() {
                 );
             }
         }
+        // A bias gradient: the sum (and mean) over the rows of a [rows, 3] matrix, seen as
+        // [3, rows] with strides (1, 3) (the column kernels), and over a padded row stride.
+        for (cols, rs) in [(3, 3), (5, 7)] {
+            let rows = (n - 1) / rs;
+            let columns = Layout::from_parts(&[cols, rows], &[1, rs], 1);
+            for op in [ReduceOp::Sum, ReduceOp::Mean] {
+                compare(
+                    &format!("column {op:?} {cols}x{rows}"),
+                    dtype,
+                    &gpu,
+                    &cpu,
+                    |backend| {
+                        let x_buffer = upload(backend, dtype, &x);
+                        let out_layout = Layout::contiguous(&[cols]);
+                        let out = poisoned(backend, dtype, cols);
+                        let view = |buffer, layout| View {
+                            buffer,
+                            layout,
+                            dtype,
+                        };
+                        backend
+                            .reduce(op, view(&x_buffer, &columns), 1, view(&out, &out_layout))
+                            .unwrap();
+                        download(backend, dtype, &out)
+                    },
+                );
+            }
+        }
         let dy = input(&mut random, false, n);
         for dim in [2, 1] {
             for log in [false, true] {
@@ -923,4 +951,151 @@ fn max_and_min_with_indices_match_the_cpu() {
             assert_eq!(results[0], results[1], "{op:?} {dtype:?}");
         }
     }
+}
+
+#[test]
+fn fused_attention_forward_and_backward_match_the_cpu() {
+    use headroom_autograd_core::{AttentionBackward, AttentionForward};
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Random(0x5eed_a77e_0000_0001);
+    // (batch, heads, seq, head_dim, causal): every threads-per-row variant, a head dim that
+    // needs predication (80), sequences that leave partial tiles.
+    let cases = [
+        (2, 3, 37, 16, false),
+        (1, 2, 45, 32, true),
+        (2, 2, 70, 64, false),
+        (1, 3, 33, 80, true),
+        (1, 1, 9, 128, false),
+    ];
+    for (batch, heads, seq, head_dim, causal) in cases {
+        let width = heads * head_dim;
+        // q, k, v are head views of one packed [batch, seq, 3, heads, head_dim] projection;
+        // outputs and gradients are [batch, seq, heads, head_dim] viewed as [b, h, s, d].
+        let packed_n = batch * seq * 3 * width;
+        let n = batch * seq * width;
+        let head_view = |part: usize| {
+            Layout::from_parts(
+                &[batch, heads, seq, head_dim],
+                &[seq * 3 * width, head_dim, 3 * width, 1],
+                part * width,
+            )
+        };
+        let (ql, kl, vl) = (head_view(0), head_view(1), head_view(2));
+        let out_layout = Layout::from_parts(
+            &[batch, heads, seq, head_dim],
+            &[seq * width, head_dim, width, 1],
+            0,
+        );
+        let lse_layout = Layout::contiguous(&[batch, heads, seq]);
+        for dtype in FLOATS {
+            let stats = if dtype == DType::F64 {
+                DType::F64
+            } else {
+                DType::F32
+            };
+            let packed = input(&mut random, false, packed_n);
+            let dout = input(&mut random, false, n);
+            let run = |backend: &BackendRef| -> Vec<Vec<f64>> {
+                let packed = upload(backend, dtype, &packed);
+                let dout = upload(backend, dtype, &dout);
+                let out = poisoned(backend, dtype, n);
+                let lse = poisoned(backend, stats, batch * heads * seq);
+                let grads = [0; 3].map(|_| poisoned(backend, dtype, n));
+                let view = |buffer, layout| View {
+                    buffer,
+                    layout,
+                    dtype,
+                };
+                let forward = AttentionForward {
+                    q: view(&packed, &ql),
+                    k: view(&packed, &kl),
+                    v: view(&packed, &vl),
+                    scale: 1.0 / (head_dim as f64).sqrt(),
+                    causal,
+                    out: view(&out, &out_layout),
+                    lse: View {
+                        buffer: &lse,
+                        layout: &lse_layout,
+                        dtype: stats,
+                    },
+                };
+                backend.attention(forward).unwrap();
+                backend
+                    .attention_backward(AttentionBackward {
+                        forward,
+                        dout: view(&dout, &out_layout),
+                        dq: view(&grads[0], &out_layout),
+                        dk: view(&grads[1], &out_layout),
+                        dv: view(&grads[2], &out_layout),
+                    })
+                    .unwrap();
+                let mut res = vec![
+                    download(backend, dtype, &out),
+                    download(backend, stats, &lse),
+                ];
+                res.extend(grads.iter().map(|g| download(backend, dtype, g)));
+                res
+            };
+            let (on_gpu, on_cpu) = (run(&gpu), run(&cpu));
+            for (name, (g, c)) in ["out", "lse", "dq", "dk", "dv"]
+                .iter()
+                .zip(on_gpu.iter().zip(&on_cpu))
+            {
+                let what = format!(
+                    "attention {name} b{batch} h{heads} s{seq} d{head_dim} causal={causal}"
+                );
+                check(&what, dtype, g, c);
+            }
+        }
+    }
+}
+
+#[test]
+fn tf32_is_an_explicit_opt_in_within_1e_3() {
+    let Some((_, cpu)) = backends() else { return };
+    // A backend of its own, so the setting does not reach the other tests.
+    let cuda = CudaBackend::new(0).unwrap();
+    let gpu: BackendRef = cuda.clone();
+    let mut random = Random(0x7f32_7f32_7f32_7f32);
+    let (m, k, n) = (96, 512, 80);
+    let a = input(&mut random, false, m * k);
+    let b = input(&mut random, false, k * n);
+    let product = |backend: &BackendRef| {
+        let (ab, bb) = (
+            upload(backend, DType::F32, &a),
+            upload(backend, DType::F32, &b),
+        );
+        let out = poisoned(backend, DType::F32, m * n);
+        let (la, lb, lo) = (
+            Layout::contiguous(&[m, k]),
+            Layout::contiguous(&[k, n]),
+            Layout::contiguous(&[m, n]),
+        );
+        let view = |buffer, layout| View {
+            buffer,
+            layout,
+            dtype: DType::F32,
+        };
+        backend
+            .matmul(view(&ab, &la), view(&bb, &lb), view(&out, &lo), false)
+            .unwrap();
+        download(backend, DType::F32, &out)
+    };
+    let relative = |x: &[f64], y: &[f64]| {
+        let diff: f64 = x.iter().zip(y).map(|(p, q)| (p - q) * (p - q)).sum();
+        let norm: f64 = y.iter().map(|q| q * q).sum();
+        (diff / norm).sqrt()
+    };
+    let reference = product(&cpu);
+    assert!(!cuda.allow_tf32(), "TF32 is off by default");
+    let exact = relative(&product(&gpu), &reference);
+    cuda.set_allow_tf32(true);
+    let tf32 = relative(&product(&gpu), &reference);
+    cuda.set_allow_tf32(false);
+    assert!(exact <= 1e-5, "f32 product: relative error {exact:e}");
+    assert!(tf32 <= 1e-3, "TF32 product: relative error {tf32:e}");
+    assert!(
+        tf32 > 10.0 * exact,
+        "TF32 was not used: {tf32:e} vs f32 {exact:e}"
+    );
 }

@@ -7,8 +7,10 @@
 //! `elementwise` (arithmetic, activations, casts), `inplace` (`add_`, `copy_`, `out=` forms),
 //! `view` (reshape, permute, narrow, expand, contiguous), `reduce`, `linalg` (matmul, linear,
 //! patch embedding), `nn` (softmax, layer norm, cross-entropy, dropout) and `index` (embedding,
-//! gather/scatter, cat/split, masked fill). Nothing here knows how a backend computes.
+//! gather/scatter, cat/split, masked fill) and `attention` (fused scaled-dot-product attention).
+//! Nothing here knows how a backend computes.
 
+mod attention;
 mod elementwise;
 mod index;
 mod inplace;
@@ -17,6 +19,7 @@ mod nn;
 mod reduce;
 mod view;
 
+pub use attention::scaled_dot_product_attention;
 pub use index::{cat, embedding};
 pub use linalg::patch_embedding;
 pub use nn::{cross_entropy, dropout, layer_norm};

@@ -1,0 +1,202 @@
+//! Fused scaled-dot-product attention, forward and backward, one (batch, head) pair at a time.
+//!
+//! Pairs are independent and spread over rayon; each loads its queries, keys and values into f64
+//! scratch, so sums and exponentials are exact to f64 whatever the storage dtype. Forward writes
+//! the output and each query's log-sum-exp; backward recomputes the probabilities from the
+//! log-sum-exp (`Δᵢ = Σ dOᵢ·Oᵢ`, `dSᵢⱼ = Pᵢⱼ (dPᵢⱼ − Δᵢ)`), as the GPU kernels do. Scratch is
+//! host memory of one pair (`queries × keys` f64), not from the caching allocator.
+
+use headroom_autograd_core::{
+    attention_dims, AttentionBackward, AttentionDims, AttentionForward, DType, Result, View,
+};
+use rayon::prelude::*;
+
+use crate::element::{dispatch_float, Float, Real};
+use crate::strided::HostPtr;
+
+/// A `[batch, heads, rows, head_dim]` operand: where row `r` of pair `(b, h)` starts.
+#[derive(Clone, Copy)]
+struct Operand<T> {
+    ptr: HostPtr<T>,
+    offset: usize,
+    strides: [usize; 3],
+}
+
+impl<T: Float> Operand<T> {
+    fn new(view: &View<'_>) -> Operand<T> {
+        let s = view.layout.strides();
+        Operand {
+            ptr: HostPtr::new(view),
+            offset: view.layout.offset(),
+            strides: [s[0], s[1], s[2]],
+        }
+    }
+
+    fn row(&self, b: usize, h: usize, r: usize) -> usize {
+        self.offset + b * self.strides[0] + h * self.strides[1] + r * self.strides[2]
+    }
+
+    /// Rows `0..rows` of pair `(b, h)` as f64, row-major `[rows, d]`.
+    fn load(&self, b: usize, h: usize, rows: usize, d: usize) -> Vec<f64> {
+        let mut res = Vec::with_capacity(rows * d);
+        for r in 0..rows {
+            let base = self.row(b, h, r);
+            self.ptr.check_run(base, 1, d);
+            // SAFETY: the run was checked above and `c < d`.
+            res.extend((0..d).map(|c| unsafe { self.ptr.read_in_run(base, 1, c) }.load().to_f64()));
+        }
+        res
+    }
+
+    /// Writes `values` (`[rows, d]`) as rows of pair `(b, h)`.
+    fn store(&self, b: usize, h: usize, d: usize, values: &[f64]) {
+        for (r, row) in values.chunks(d.max(1)).enumerate() {
+            let base = self.row(b, h, r);
+            self.ptr.check_run(base, 1, d);
+            for (c, &value) in row.iter().enumerate() {
+                // SAFETY: the run was checked above and `c < d`; pair `(b, h)` is written by
+                // this task only.
+                unsafe {
+                    self.ptr
+                        .write_in_run(base, 1, c, T::store(<T::C as Real>::from_f64(value)))
+                };
+            }
+        }
+    }
+}
+
+/// The per-query log-sum-exp: f32, or f64 for f64 inputs.
+#[derive(Clone, Copy)]
+enum Lse {
+    F32(HostPtr<f32>),
+    F64(HostPtr<f64>),
+}
+
+impl Lse {
+    fn new(view: &View<'_>) -> Lse {
+        if view.dtype == DType::F64 {
+            Lse::F64(HostPtr::new(view))
+        } else {
+            Lse::F32(HostPtr::new(view))
+        }
+    }
+
+    fn read(self, at: usize) -> f64 {
+        match self {
+            Lse::F32(ptr) => f64::from(ptr.read(at)),
+            Lse::F64(ptr) => ptr.read(at),
+        }
+    }
+
+    fn write(self, at: usize, value: f64) {
+        match self {
+            Lse::F32(ptr) => ptr.write(at, value as f32),
+            Lse::F64(ptr) => ptr.write(at, value),
+        }
+    }
+}
+
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Scaled scores of query `i` against every visible key, and their log-sum-exp.
+fn scores(q_i: &[f64], k: &[f64], d: usize, visible: usize, scale: f64, out: &mut [f64]) -> f64 {
+    let mut max = f64::NEG_INFINITY;
+    for (j, s) in out[..visible].iter_mut().enumerate() {
+        *s = scale * dot(q_i, &k[j * d..(j + 1) * d]);
+        max = max.max(*s);
+    }
+    let sum: f64 = out[..visible].iter().map(|s| (s - max).exp()).sum();
+    max + sum.ln()
+}
+
+/// Fused attention forward.
+pub(crate) fn attention(args: AttentionForward<'_>) -> Result<()> {
+    let dims = attention_dims(&args, &[])?;
+    dispatch_float!(args.q.dtype, "attention", T => forward_typed::<T>(&args, dims));
+    Ok(())
+}
+
+fn forward_typed<T: Float>(args: &AttentionForward<'_>, dims: AttentionDims) {
+    let (q, k, v, out) = (
+        Operand::<T>::new(&args.q),
+        Operand::<T>::new(&args.k),
+        Operand::<T>::new(&args.v),
+        Operand::<T>::new(&args.out),
+    );
+    let lse_out = Lse::new(&args.lse);
+    let (sq, sk, d) = (dims.queries, dims.keys, dims.head_dim);
+    (0..dims.batch * dims.heads)
+        .into_par_iter()
+        .for_each(|pair| {
+            let (b, h) = (pair / dims.heads, pair % dims.heads);
+            let (qs, ks, vs) = (
+                q.load(b, h, sq, d),
+                k.load(b, h, sk, d),
+                v.load(b, h, sk, d),
+            );
+            let mut result = vec![0.0; sq * d];
+            let mut s = vec![0.0; sk];
+            for i in 0..sq {
+                let visible = if args.causal { i + 1 } else { sk };
+                let lse = scores(&qs[i * d..(i + 1) * d], &ks, d, visible, args.scale, &mut s);
+                let row = &mut result[i * d..(i + 1) * d];
+                for (j, &sj) in s[..visible].iter().enumerate() {
+                    let p = (sj - lse).exp();
+                    for (o, &vj) in row.iter_mut().zip(&vs[j * d..(j + 1) * d]) {
+                        *o += p * vj;
+                    }
+                }
+                lse_out.write(pair * sq + i, lse);
+            }
+            out.store(b, h, d, &result);
+        });
+}
+
+/// Fused attention backward.
+pub(crate) fn attention_backward(args: AttentionBackward<'_>) -> Result<()> {
+    let dims = attention_dims(&args.forward, &[args.dout, args.dq, args.dk, args.dv])?;
+    dispatch_float!(args.forward.q.dtype, "attention_backward", T => backward_typed::<T>(&args, dims));
+    Ok(())
+}
+
+fn backward_typed<T: Float>(args: &AttentionBackward<'_>, dims: AttentionDims) {
+    let f = &args.forward;
+    let [q, k, v, out, dout, dq, dk, dv] =
+        [f.q, f.k, f.v, f.out, args.dout, args.dq, args.dk, args.dv].map(|v| Operand::<T>::new(&v));
+    let lse_in = Lse::new(&f.lse);
+    let (sq, sk, d) = (dims.queries, dims.keys, dims.head_dim);
+    (0..dims.batch * dims.heads)
+        .into_par_iter()
+        .for_each(|pair| {
+            let (b, h) = (pair / dims.heads, pair % dims.heads);
+            let (qs, ks, vs) = (
+                q.load(b, h, sq, d),
+                k.load(b, h, sk, d),
+                v.load(b, h, sk, d),
+            );
+            let (os, dos) = (out.load(b, h, sq, d), dout.load(b, h, sq, d));
+            let (mut dqs, mut dks, mut dvs) =
+                (vec![0.0; sq * d], vec![0.0; sk * d], vec![0.0; sk * d]);
+            for i in 0..sq {
+                let visible = if f.causal { i + 1 } else { sk };
+                let lse = lse_in.read(pair * sq + i);
+                let (q_i, do_i) = (&qs[i * d..(i + 1) * d], &dos[i * d..(i + 1) * d]);
+                let delta = dot(do_i, &os[i * d..(i + 1) * d]);
+                for j in 0..visible {
+                    let (k_j, v_j) = (&ks[j * d..(j + 1) * d], &vs[j * d..(j + 1) * d]);
+                    let p = (f.scale * dot(q_i, k_j) - lse).exp();
+                    let ds = p * (dot(do_i, v_j) - delta) * f.scale;
+                    for c in 0..d {
+                        dvs[j * d + c] += p * do_i[c];
+                        dks[j * d + c] += ds * q_i[c];
+                        dqs[i * d + c] += ds * k_j[c];
+                    }
+                }
+            }
+            dq.store(b, h, d, &dqs);
+            dk.store(b, h, d, &dks);
+            dv.store(b, h, d, &dvs);
+        });
+}
