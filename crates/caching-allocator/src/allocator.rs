@@ -178,8 +178,13 @@ impl<S: Storage> CachingAllocator<S> {
         allocation: &Allocation,
         stream: StreamId,
     ) -> Result<(), AllocError> {
+        self.record_stream_address(allocation.address, stream)
+    }
+
+    /// [`CachingAllocator::record_stream`] for the allocation that starts at `address` (for
+    /// callers that keep raw addresses).
+    pub fn record_stream_address(&self, address: u64, stream: StreamId) -> Result<(), AllocError> {
         let mut state = self.state.lock();
-        let address = allocation.address;
         let id = *state
             .live
             .get(&address)
