@@ -2,8 +2,9 @@
 //!
 //! The backend owns the device's primary context (through cudarc), a
 //! `CachingAllocator<CudaStorage>` with Headroom's default settings (expandable segments) and the
-//! kernel cache. Every launch goes to the context's default stream; host transfers are
-//! synchronous. Driver failures become `TensorError::Device` naming the op.
+//! kernel cache. Every launch goes to the context's default stream; host transfers of the trait
+//! are synchronous (asynchronous copies through pinned memory are in `pinned.rs`, on the streams
+//! of `stream.rs`). Driver failures become `TensorError::Device` naming the op.
 
 use std::sync::Arc;
 
@@ -13,7 +14,8 @@ use headroom_autograd_core::{
     MaskedOp, ReduceOp, Result, TensorError, UnaryOp, View,
 };
 use headroom_caching_allocator::{
-    AllocError, Allocation, AllocatorConfig, CachingAllocator, CudaStorage, MemoryStats, StreamId,
+    AllocError, Allocation, AllocatorConfig, CachingAllocator, CudaStorage, MemoryStats,
+    PinnedHostStorage, StreamId,
 };
 use parking_lot::Mutex;
 
@@ -34,6 +36,9 @@ pub struct CudaBackend {
     free_errors: Mutex<(u64, Option<AllocError>)>,
     /// cuBLAS, created on the first matrix product.
     pub(crate) blas: Mutex<Option<BlasState>>,
+    /// Pinned host memory for asynchronous copies (`pinned.rs`). Dropped after `allocator`,
+    /// whose storage owns the streams it records events on.
+    pub(crate) pinned: CachingAllocator<PinnedHostStorage>,
 }
 
 impl Drop for CudaBackend {
@@ -74,6 +79,7 @@ impl CudaBackend {
         // The storage checks for the driver first, so a machine without one gets an error here
         // before cudarc is asked for anything.
         let storage = CudaStorage::new(ordinal).map_err(|e| no_device(e.to_string()))?;
+        let pinned = PinnedHostStorage::new(ordinal).map_err(|e| no_device(e.to_string()))?;
         let context = CudaContext::new(ordinal).map_err(|e| no_device(e.to_string()))?;
         let stream = context.default_stream();
         Ok(Arc::new(CudaBackend {
@@ -84,6 +90,7 @@ impl CudaBackend {
             allocator: CachingAllocator::new(storage, config),
             free_errors: Mutex::new((0, None)),
             blas: Mutex::new(None),
+            pinned: CachingAllocator::new(pinned, AllocatorConfig::pytorch_defaults()),
         }))
     }
 
@@ -103,6 +110,13 @@ impl CudaBackend {
     pub fn free_errors(&self) -> (u64, Option<String>) {
         let errors = self.free_errors.lock();
         (errors.0, errors.1.as_ref().map(ToString::to_string))
+    }
+
+    /// Counts a failed free (where `Drop` cannot return it); see [`CudaBackend::free_errors`].
+    pub(crate) fn note_free_error(&self, error: AllocError) {
+        let mut errors = self.free_errors.lock();
+        errors.0 += 1;
+        errors.1.get_or_insert(error);
     }
 
     pub(crate) fn bind(&self, op: &'static str) -> Result<()> {
@@ -135,9 +149,7 @@ impl Backend for CudaBackend {
 
     fn free(&self, allocation: Allocation) {
         if let Err(error) = self.allocator.free(allocation) {
-            let mut errors = self.free_errors.lock();
-            errors.0 += 1;
-            errors.1.get_or_insert(error);
+            self.note_free_error(error);
         }
     }
 
