@@ -108,13 +108,20 @@ impl Bench {
         group.finish();
         // The warm-up's calls come first; the last SAMPLES are criterion's samples.
         let measured = &samples[samples.len().saturating_sub(SAMPLES)..];
-        self.cases.push(Case {
+        let case = Case {
             family,
             name: name.to_string(),
             work,
             device_ms: median(measured.iter().map(|s| s.0)),
             host_ms: median(measured.iter().map(|s| s.1)),
-        });
+        };
+        // A line per case as it completes, so a run cut short still reports what it measured.
+        eprintln!(
+            "measured {family}/{name}: {:.1} µs device, {:.0} GB/s",
+            case.device_ms * 1e3,
+            gbps(work.bytes, case.device_ms)
+        );
+        self.cases.push(case);
     }
 
     fn tensor(&self, shape: &[usize], dtype: DType, seed: u64) -> Tensor {
