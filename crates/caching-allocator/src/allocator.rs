@@ -196,6 +196,17 @@ impl<S: Storage> CachingAllocator<S> {
         Ok(())
     }
 
+    /// The stream the live allocation starting at `address` was allocated on (whose pool its
+    /// block returns to).
+    pub fn allocation_stream(&self, address: u64) -> Result<StreamId, AllocError> {
+        let state = self.state.lock();
+        let id = *state
+            .live
+            .get(&address)
+            .ok_or(AllocError::UnknownAddress { address })?;
+        Ok(state.blocks[id as usize].stream)
+    }
+
     /// Returns all unused cached memory to the storage (`torch.cuda.empty_cache`): waits for
     /// pending frees, frees every segment with no live block and unmaps every free page of
     /// expandable segments.

@@ -23,11 +23,16 @@ fn a_block_on_the_host_stream_waits_for_a_copy_on_the_default_stream() {
 
     let staging = allocator.allocate(3000, HOST).unwrap();
     let staging_address = staging.address();
+    assert_eq!(allocator.allocation_stream(staging_address).unwrap(), HOST);
     allocator
         .record_stream_address(staging_address, StreamId::DEFAULT)
         .unwrap();
     allocator.free(staging).unwrap();
     assert_eq!(events.n_pending(), 1, "one event, on the default stream");
+    assert!(matches!(
+        allocator.allocation_stream(staging_address),
+        Err(AllocError::UnknownAddress { .. })
+    ));
 
     let early = allocator.allocate(3000, HOST).unwrap();
     assert_ne!(early.address(), staging_address, "reused during the copy");

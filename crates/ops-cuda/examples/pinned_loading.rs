@@ -1,6 +1,6 @@
 //! Double-buffered data loading through pinned memory: while the GPU computes on batch `i`, the
-//! host fills a pinned staging buffer with batch `i + 1` and a side stream copies it to the
-//! device; the compute stream waits only for that copy's event.
+//! host fills a pinned staging buffer with batch `i + 1` and a side stream copies it into a tensor
+//! allocated from that stream's pool; the compute stream waits only for that copy's event.
 //!
 //! `cargo run --release -p headroom-ops-cuda --features cuda --example pinned_loading`
 //!
@@ -72,7 +72,9 @@ fn load(
     }
     expected.push(host.iter().map(|v| f64::from(v * v)).sum::<f64>());
     let gpu: BackendRef = cuda.clone();
-    let batch = Tensor::empty(&gpu, &[BATCH_FLOATS], DType::F32)?;
+    // From the loader's pool, so the copy need not wait for kernels queued on the compute stream.
+    let batch =
+        cuda.allocate_on_stream(loader, || Tensor::empty(&gpu, &[BATCH_FLOATS], DType::F32))??;
     cuda.copy_to_tensor_async(staging, 0, &batch, loader)?;
     Ok(batch)
 }

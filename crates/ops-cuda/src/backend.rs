@@ -144,7 +144,17 @@ impl Backend for CudaBackend {
     }
 
     fn allocate(&self, bytes: u64) -> Result<Allocation> {
-        Ok(self.allocator.allocate(bytes, StreamId::DEFAULT)?)
+        let stream = crate::stream::allocation_stream(self);
+        let allocation = self.allocator.allocate(bytes, stream)?;
+        if stream != StreamId::DEFAULT {
+            // A side stream's block (`allocate_on_stream`) is used by kernels too: its reuse waits
+            // for the compute stream's work queued before its free.
+            if let Err(error) = self.allocator.record_stream(&allocation, StreamId::DEFAULT) {
+                self.free(allocation);
+                return Err(error.into());
+            }
+        }
+        Ok(allocation)
     }
 
     fn free(&self, allocation: Allocation) {

@@ -14,8 +14,13 @@
 //!   [`PinnedBuffer::as_slice`] for copies that write the buffer, [`PinnedBuffer::as_mut_slice`]
 //!   for every copy. Copies into the buffer take it `&mut`, so no host slice is alive meanwhile.
 //!
-//! Ordering between streams is the caller's, as in PyTorch: make the compute stream wait for a
-//! loading copy's event before kernels read the data, and a copy stream wait for the compute
+//! A device block of another stream's pool (the compute stream's, for every tensor allocated
+//! outside `CudaBackend::allocate_on_stream`) may still be in use by work queued there before it
+//! was freed, so a copy into it first makes its stream wait for that stream. Allocate copy
+//! destinations on the copy stream to overlap the copy with the kernels already queued.
+//!
+//! Otherwise ordering between streams is the caller's, as in PyTorch: make the compute stream wait
+//! for a loading copy's event before kernels read the data, and a copy stream wait for the compute
 //! stream before it copies what kernels wrote. A copy into a tensor does not bump the tensor's
 //! autograd version counter: copy into fresh tensors (inputs), not into tensors saved for
 //! backward.
@@ -99,7 +104,8 @@ impl CudaBackend {
     }
 
     /// Queues a copy of bytes `src_range` of `src` to `dst` at byte `dst_offset` on `stream`,
-    /// and returns at once.
+    /// and returns at once. If `dst`'s block comes from another stream's pool, `stream` first
+    /// waits for the work queued on that stream (see the module docs).
     pub fn copy_to_device_async(
         &self,
         src: &PinnedBuffer,
@@ -112,6 +118,10 @@ impl CudaBackend {
         let len = self.check_copy(OP, src, &src_range, dst, dst_offset, stream)?;
         if len == 0 {
             return Ok(());
+        }
+        let owner = self.allocator().allocation_stream(dst.address())?;
+        if owner != stream.id() {
+            stream.wait_stream(&stream.backend().stream_by_id(owner)?)?;
         }
         self.bind(OP)?;
         // SAFETY: both ranges lie inside live memory (checked above): the pinned block stays
@@ -273,15 +283,14 @@ impl PinnedBuffer {
     /// the length is not a multiple of `T`'s size (the address is 512-byte aligned).
     pub fn as_slice<T: bytemuck::Pod>(&self) -> Result<&[T]> {
         self.wait(Waiting::Writes)?;
-        let bytes = if self.len == 0 {
-            &[][..]
-        } else {
-            // SAFETY: the block is `len` (≤ its size) bytes of live pinned memory owned by this
-            // buffer; every byte was written (segments are zeroed when obtained); no copy writes
-            // it any more (waited above, and new ones need `&mut self`), and no `&mut` slice of
-            // it is alive while `&self` is borrowed.
-            unsafe { std::slice::from_raw_parts(self.address() as *const u8, self.len) }
-        };
+        if self.len == 0 {
+            return Ok(&[]);
+        }
+        // SAFETY: the block is `len` (≤ its size) bytes of live pinned memory owned by this
+        // buffer; every byte was written (segments are zeroed when obtained); no copy writes it
+        // any more (waited above, and new ones need `&mut self`), and no `&mut` slice of it is
+        // alive while `&self` is borrowed.
+        let bytes = unsafe { std::slice::from_raw_parts(self.address() as *const u8, self.len) };
         bytemuck::try_cast_slice(bytes).map_err(|e| cast_error("PinnedBuffer::as_slice", e))
     }
 
@@ -289,13 +298,12 @@ impl PinnedBuffer {
     pub fn as_mut_slice<T: bytemuck::Pod>(&mut self) -> Result<&mut [T]> {
         self.wait(Waiting::All)?;
         self.uses.get_mut().clear();
-        let bytes = if self.len == 0 {
-            &mut [][..]
-        } else {
-            // SAFETY: as in `as_slice`; in addition no copy reads it any more (waited above) and
-            // `&mut self` makes this the only slice.
-            unsafe { std::slice::from_raw_parts_mut(self.address() as *mut u8, self.len) }
-        };
+        if self.len == 0 {
+            return Ok(&mut []);
+        }
+        // SAFETY: as in `as_slice`; in addition no copy reads it any more (waited above) and
+        // `&mut self` makes this the only slice.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(self.address() as *mut u8, self.len) };
         bytemuck::try_cast_slice_mut(bytes).map_err(|e| cast_error("PinnedBuffer::as_mut_slice", e))
     }
 

@@ -12,6 +12,7 @@
 //! This module sits on the backend's context and allocator; it knows nothing about kernels or
 //! tensors, and no cudarc type leaves it.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -24,6 +25,12 @@ use crate::backend::{device_error, CudaBackend};
 
 /// Events whose destruction failed, over the whole process (`Drop` cannot return the error).
 static EVENT_DROP_ERRORS: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// Inside [`CudaBackend::allocate_on_stream`]: the backend (by address) whose allocations on
+    /// this thread come from the pool of the stream named.
+    static ALLOCATION_STREAM: Cell<Option<(usize, StreamId)>> = const { Cell::new(None) };
+}
 
 /// A `CUstream` of the backend's context.
 #[derive(Debug, Clone, Copy)]
@@ -85,6 +92,40 @@ impl CudaBackend {
             id: StreamId::DEFAULT,
             raw: RawStream(result::stream::null()),
         }
+    }
+
+    /// Runs `f` with this thread's device allocations from this backend (`Tensor::empty` and the
+    /// like inside `f`) taken from `stream`'s pool, as PyTorch does under `torch.cuda.stream(s)`.
+    ///
+    /// Allocate the destinations of side-stream copies this way. A block of the compute stream's
+    /// pool may still be in use by kernels queued before it was freed, so a copy into it first
+    /// waits for the compute stream ([`CudaBackend::copy_to_device_async`]); a block of the copy
+    /// stream's own pool need not. Blocks allocated here are also marked as used by the compute
+    /// stream, so their reuse waits for the kernels queued before they are freed.
+    pub fn allocate_on_stream<R>(&self, stream: &CudaStream, f: impl FnOnce() -> R) -> Result<R> {
+        stream.check_backend("allocate_on_stream", self)?;
+        let key = self as *const CudaBackend as usize;
+        let _restore = RestoreAllocationStream(ALLOCATION_STREAM.replace(Some((key, stream.id))));
+        Ok(f())
+    }
+
+    /// The stream `id` of this backend: the compute stream or one made by `new_stream`.
+    pub(crate) fn stream_by_id(self: &Arc<Self>, id: StreamId) -> Result<CudaStream> {
+        if id == StreamId::DEFAULT {
+            return Ok(self.compute_stream());
+        }
+        let raw = self
+            .allocator()
+            .with_storage(|storage| storage.raw_stream(id))
+            .ok_or_else(|| TensorError::Device {
+                op: "stream_by_id",
+                reason: format!("stream {} is not a stream of this backend", id.0),
+            })?;
+        Ok(CudaStream {
+            backend: Arc::clone(self),
+            id,
+            raw: RawStream(raw.cast()),
+        })
     }
 
     /// A new non-blocking side stream for copies. It does not wait for the compute stream nor
@@ -276,6 +317,25 @@ impl Drop for CudaEvent {
         if destroyed.is_err() {
             EVENT_DROP_ERRORS.fetch_add(1, Ordering::Relaxed);
         }
+    }
+}
+
+/// The stream whose pool `backend`'s allocations on this thread come from (the compute stream's
+/// outside [`CudaBackend::allocate_on_stream`]).
+pub(crate) fn allocation_stream(backend: &CudaBackend) -> StreamId {
+    match ALLOCATION_STREAM.get() {
+        Some((key, id)) if key == backend as *const CudaBackend as usize => id,
+        _ => StreamId::DEFAULT,
+    }
+}
+
+/// Puts back the allocation stream that was in force before `allocate_on_stream`, also when `f`
+/// panics.
+struct RestoreAllocationStream(Option<(usize, StreamId)>);
+
+impl Drop for RestoreAllocationStream {
+    fn drop(&mut self) {
+        ALLOCATION_STREAM.set(self.0);
     }
 }
 

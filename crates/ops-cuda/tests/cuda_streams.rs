@@ -1,7 +1,8 @@
 //! Streams, events, pinned host memory and asynchronous copies on a real device: exact pinned
 //! statistics and reuse, a random round trip through a side stream, overlap of a copy with a
-//! running kernel, no early reuse of pinned or device memory that a queued copy still uses, and
-//! typed errors for bad arguments. Each test prints a skip notice (and passes) without a device.
+//! running kernel (and no overlap where the destination may still be the kernels'), no early
+//! reuse of pinned or device memory that a queued copy or kernel still uses, and typed errors for
+//! bad arguments. Each test prints a skip notice (and passes) without a device.
 //!
 //! A test kernel that spins on the GPU's global timer (`spin_ns`, hand-written PTX below) keeps a
 //! stream busy for a known time, so what these tests assert does not depend on copy speed.
@@ -179,7 +180,8 @@ fn round_trip_through_a_side_stream_is_exact() {
     assert!(back.is_idle().unwrap());
 
     // Ranged: bytes 4000..1_004_000 of the staging buffer to byte 8192 of a device buffer, and
-    // back into the middle of a poisoned pinned buffer.
+    // back into the middle of a poisoned pinned buffer. `y` is of the compute stream's pool, so
+    // the copy waits for the compute stream, where `full` wrote it.
     let y = Tensor::full(&gpu, &[MIB], -1.0, DType::F32).unwrap();
     cuda.copy_to_device_async(&staging, 4000..1_004_000, y.buffer(), 8192, &side)
         .unwrap();
@@ -199,8 +201,9 @@ fn round_trip_through_a_side_stream_is_exact() {
         .all(|&v| v == -1.0));
 }
 
-/// A copy on a side stream finishes while a kernel still runs on the compute stream: the side
-/// stream does not wait for it. Timings are printed, not asserted.
+/// A copy on a side stream into memory of the side stream's pool finishes while a kernel still
+/// runs on the compute stream: the side stream does not wait for it. A copy into memory of the
+/// compute stream's pool waits for the kernel. Timings are printed, not asserted.
 #[test]
 fn a_copy_on_a_side_stream_overlaps_a_running_kernel() {
     let Some((_device, cuda)) = backend_or_skip(None) else {
@@ -216,7 +219,15 @@ fn a_copy_on_a_side_stream_overlaps_a_running_kernel() {
         .as_mut_slice::<f32>()
         .unwrap()
         .copy_from_slice(&data);
-    let device = Tensor::empty(&gpu, &[bytes / 4], DType::F32).unwrap();
+    let device = cuda
+        .allocate_on_stream(&side, || Tensor::empty(&gpu, &[bytes / 4], DType::F32))
+        .unwrap()
+        .unwrap();
+    let address = device.buffer().address();
+    assert_eq!(
+        cuda.allocator().allocation_stream(address).unwrap(),
+        side.id()
+    );
     // Warm up: module load, first copy.
     spin(&cuda, Duration::from_millis(1));
     cuda.copy_to_tensor_async(&staging, 0, &device, &side)
@@ -258,6 +269,29 @@ fn a_copy_on_a_side_stream_overlaps_a_running_kernel() {
     );
     assert!(kernel_seen >= kernel);
     let back = device.to_vec::<f32>().unwrap();
+    assert!(back
+        .iter()
+        .zip(&data)
+        .all(|(a, b)| a.to_bits() == b.to_bits()));
+
+    // Into a tensor of the compute stream's pool, the copy waits for the kernel.
+    let shared = Tensor::empty(&gpu, &[bytes / 4], DType::F32).unwrap();
+    assert_eq!(
+        cuda.allocator()
+            .allocation_stream(shared.buffer().address())
+            .unwrap(),
+        StreamId::DEFAULT
+    );
+    spin(&cuda, Duration::from_millis(100));
+    let kernel_done = compute.record_event().unwrap();
+    cuda.copy_to_tensor_async(&staging, 0, &shared, &side)
+        .unwrap();
+    side.record_event().unwrap().synchronize().unwrap();
+    assert!(
+        kernel_done.query().unwrap(),
+        "the copy ran beside the kernel"
+    );
+    let back = shared.to_vec::<f32>().unwrap();
     assert!(back
         .iter()
         .zip(&data)
@@ -346,6 +380,40 @@ fn blocks_of_a_copy_in_flight_are_not_reused() {
     );
     assert_eq!(device_later.buffer().address(), target_address);
     drop(outgoing);
+
+    // A block of the side stream's pool is used by kernels too: freed while a kernel is queued,
+    // it is not reused by the side stream until the kernel is done.
+    let on_side = || {
+        cuda.allocate_on_stream(&side, || Tensor::empty(&gpu, &[n], DType::F32))
+            .unwrap()
+            .unwrap()
+    };
+    let staged = on_side();
+    let staged_address = staged.buffer().address();
+    spin(&cuda, Duration::from_millis(300));
+    let _reads = staged.mul_scalar(2.0).unwrap();
+    drop(staged);
+    let next = on_side();
+    assert!(
+        !compute.query().unwrap(),
+        "the kernel ended before the allocation"
+    );
+    assert_ne!(
+        next.buffer().address(),
+        staged_address,
+        "reused while a kernel may read it"
+    );
+    compute.synchronize().unwrap();
+    let after = on_side();
+    assert_eq!(after.buffer().address(), staged_address);
+    // Outside the closure, allocations come from the compute stream's pool again.
+    let outside = Tensor::empty(&gpu, &[n], DType::F32).unwrap();
+    assert_eq!(
+        cuda.allocator()
+            .allocation_stream(outside.buffer().address())
+            .unwrap(),
+        StreamId::DEFAULT
+    );
     cuda.pinned_allocator().check_invariants().unwrap();
     cuda.allocator().check_invariants().unwrap();
 }
