@@ -23,7 +23,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use cudarc::driver::result;
 use cudarc::driver::sys;
 
-use super::driver::{alloc_error, driver_error, DeviceContext, ErrorTally, EventPool, StreamTable};
+use super::driver::{
+    admit_segment, alloc_error, check_segment, driver_error, DeviceContext, ErrorTally, EventPool,
+    StreamTable,
+};
 use super::{EventId, MemoryInfo, Storage, StorageError, StreamId};
 
 /// Errors met while a [`CudaStorage`] was dropped, over the whole process.
@@ -424,17 +427,8 @@ impl Storage for CudaStorage {
     }
 
     fn allocate_segment(&mut self, size: u64) -> Result<u64, StorageError> {
-        if size == 0 {
-            return Err(StorageError::InvalidRange(
-                "a segment of 0 bytes".to_string(),
-            ));
-        }
-        if self.held.saturating_add(size) > self.limit() {
-            return Err(StorageError::OutOfMemory { requested: size });
-        }
+        let bytes = admit_segment(size, self.held, self.limit())?;
         self.bind()?;
-        let bytes =
-            usize::try_from(size).map_err(|_| StorageError::OutOfMemory { requested: size })?;
         // SAFETY: a plain allocation of the current context; the memory is only handed out.
         let address = unsafe { result::malloc_sync(bytes) }
             .map_err(|err| alloc_error("cuMemAlloc", err, size))?;
@@ -444,19 +438,7 @@ impl Storage for CudaStorage {
     }
 
     fn free_segment(&mut self, address: u64, size: u64) -> Result<(), StorageError> {
-        match self.segments.get(&address) {
-            Some(&held) if held == size => {}
-            Some(&held) => {
-                return Err(StorageError::InvalidRange(format!(
-                    "segment at {address:#x} has {held} bytes, not {size}"
-                )))
-            }
-            None => {
-                return Err(StorageError::InvalidRange(format!(
-                    "no segment at {address:#x}"
-                )))
-            }
-        }
+        check_segment(&self.segments, address, size)?;
         self.bind()?;
         // SAFETY: `address` came from `cuMemAlloc` of this context and is in the table, so it is
         // freed once.

@@ -328,6 +328,37 @@ impl ErrorTally {
     }
 }
 
+/// Checks a new segment of `size` bytes for a storage that holds `held` of at most `limit` bytes;
+/// returns the size as a `usize`.
+pub(super) fn admit_segment(size: u64, held: u64, limit: u64) -> Result<usize, StorageError> {
+    if size == 0 {
+        return Err(StorageError::InvalidRange(
+            "a segment of 0 bytes".to_string(),
+        ));
+    }
+    if held.saturating_add(size) > limit {
+        return Err(StorageError::OutOfMemory { requested: size });
+    }
+    usize::try_from(size).map_err(|_| StorageError::OutOfMemory { requested: size })
+}
+
+/// Checks that `segments` (start → bytes) holds a segment of exactly `size` bytes at `address`.
+pub(super) fn check_segment(
+    segments: &HashMap<u64, u64>,
+    address: u64,
+    size: u64,
+) -> Result<(), StorageError> {
+    match segments.get(&address) {
+        Some(&held) if held == size => Ok(()),
+        Some(&held) => Err(StorageError::InvalidRange(format!(
+            "segment at {address:#x} has {held} bytes, not {size}"
+        ))),
+        None => Err(StorageError::InvalidRange(format!(
+            "no segment at {address:#x}"
+        ))),
+    }
+}
+
 /// A driver error as a [`StorageError::Device`] naming the call.
 pub(super) fn driver_error(call: &str, err: DriverError) -> StorageError {
     let name = err.error_name().map(|s| s.to_string_lossy().into_owned());

@@ -25,7 +25,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use cudarc::driver::result;
 use cudarc::driver::sys;
 
-use super::driver::{alloc_error, driver_error, DeviceContext, ErrorTally, EventPool, StreamTable};
+use super::driver::{
+    admit_segment, alloc_error, check_segment, driver_error, DeviceContext, ErrorTally, EventPool,
+    StreamTable,
+};
 use super::{EventId, MemoryInfo, Storage, StorageError, StreamId};
 
 /// Errors met while a [`PinnedHostStorage`] was dropped, over the whole process.
@@ -162,16 +165,7 @@ impl Storage for PinnedHostStorage {
     }
 
     fn allocate_segment(&mut self, size: u64) -> Result<u64, StorageError> {
-        if size == 0 {
-            return Err(StorageError::InvalidRange(
-                "a segment of 0 bytes".to_string(),
-            ));
-        }
-        if self.held.saturating_add(size) > self.limit() {
-            return Err(StorageError::OutOfMemory { requested: size });
-        }
-        let bytes =
-            usize::try_from(size).map_err(|_| StorageError::OutOfMemory { requested: size })?;
+        let bytes = admit_segment(size, self.held, self.limit())?;
         self.context.bind()?;
         // SAFETY: a plain allocation of the current context; the memory is only handed out.
         let ptr = unsafe { result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }
@@ -188,19 +182,7 @@ impl Storage for PinnedHostStorage {
     }
 
     fn free_segment(&mut self, address: u64, size: u64) -> Result<(), StorageError> {
-        match self.segments.get(&address) {
-            Some(&held) if held == size => {}
-            Some(&held) => {
-                return Err(StorageError::InvalidRange(format!(
-                    "pinned segment at {address:#x} has {held} bytes, not {size}"
-                )))
-            }
-            None => {
-                return Err(StorageError::InvalidRange(format!(
-                    "no pinned segment at {address:#x}"
-                )))
-            }
-        }
+        check_segment(&self.segments, address, size)?;
         self.context.bind()?;
         // SAFETY: `address` came from `cuMemHostAlloc` of this storage and is in the table, so it
         // is freed once; the policy frees a segment only when no block of it is in use or pending.
