@@ -178,8 +178,13 @@ impl<S: Storage> CachingAllocator<S> {
         allocation: &Allocation,
         stream: StreamId,
     ) -> Result<(), AllocError> {
+        self.record_stream_address(allocation.address, stream)
+    }
+
+    /// [`CachingAllocator::record_stream`] for the allocation that starts at `address` (for
+    /// callers that keep raw addresses).
+    pub fn record_stream_address(&self, address: u64, stream: StreamId) -> Result<(), AllocError> {
         let mut state = self.state.lock();
-        let address = allocation.address;
         let id = *state
             .live
             .get(&address)
@@ -189,6 +194,17 @@ impl<S: Storage> CachingAllocator<S> {
             block.stream_uses.push(stream);
         }
         Ok(())
+    }
+
+    /// The stream the live allocation starting at `address` was allocated on (whose pool its
+    /// block returns to).
+    pub fn allocation_stream(&self, address: u64) -> Result<StreamId, AllocError> {
+        let state = self.state.lock();
+        let id = *state
+            .live
+            .get(&address)
+            .ok_or(AllocError::UnknownAddress { address })?;
+        Ok(state.blocks[id as usize].stream)
     }
 
     /// Returns all unused cached memory to the storage (`torch.cuda.empty_cache`): waits for

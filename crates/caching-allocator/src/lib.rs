@@ -6,7 +6,9 @@
 //! grows expandable segments page by page and keeps every statistic of
 //! `torch.cuda.memory_stats()`. The storage ([`Storage`]) only hands out segments and maps pages:
 //! [`HostStorage`] (real host memory), [`SimulatedStorage`] (addresses only, for trace replay and
-//! tests) and, behind the `cuda` feature, `CudaStorage` (the CUDA driver API through cudarc).
+//! tests) and, behind the `cuda` feature, `CudaStorage` (the CUDA driver API through cudarc) and
+//! `PinnedHostStorage` (page-locked host memory, PyTorch's `CachingHostAllocator` with this
+//! policy).
 //!
 //! This crate sits at the bottom of Headroom: it knows nothing about tensors, autograd or
 //! kernels, and it can be used alone in any trainer that owns its buffers.
@@ -26,7 +28,8 @@
 //! ```
 //!
 //! # Crate features
-//! - `cuda`: adds `CudaStorage`. Adds capability only; the policy and its numbers do not change.
+//! - `cuda`: adds `CudaStorage` (device memory) and `PinnedHostStorage` (page-locked host memory
+//!   for asynchronous copies). Adds capability only; the policy and its numbers do not change.
 
 mod allocator;
 mod config;
@@ -57,4 +60,4 @@ pub use storage::{
 };
 
 #[cfg(feature = "cuda")]
-pub use storage::{CudaStorage, CudaStorageOptions};
+pub use storage::{CudaStorage, CudaStorageOptions, PinnedHostOptions, PinnedHostStorage};

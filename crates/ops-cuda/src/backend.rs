@@ -2,8 +2,9 @@
 //!
 //! The backend owns the device's primary context (through cudarc), a
 //! `CachingAllocator<CudaStorage>` with Headroom's default settings (expandable segments) and the
-//! kernel cache. Every launch goes to the context's default stream; host transfers are
-//! synchronous. Driver failures become `TensorError::Device` naming the op.
+//! kernel cache. Every launch goes to the context's default stream; host transfers of the trait
+//! are synchronous (asynchronous copies through pinned memory are in `pinned.rs`, on the streams
+//! of `stream.rs`). Driver failures become `TensorError::Device` naming the op.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -14,7 +15,8 @@ use headroom_autograd_core::{
     LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, TensorError, UnaryOp, View,
 };
 use headroom_caching_allocator::{
-    AllocError, Allocation, AllocatorConfig, CachingAllocator, CudaStorage, MemoryStats, StreamId,
+    AllocError, Allocation, AllocatorConfig, CachingAllocator, CudaStorage, MemoryStats,
+    PinnedHostStorage, StreamId,
 };
 use parking_lot::Mutex;
 
@@ -38,6 +40,9 @@ pub struct CudaBackend {
     pub(crate) blas: Mutex<Option<BlasState>>,
     /// f32 matrix products may use TF32 tensor cores (off by default, as in PyTorch).
     allow_tf32: AtomicBool,
+    /// Pinned host memory for asynchronous copies (`pinned.rs`). Dropped after `allocator`,
+    /// whose storage owns the streams it records events on.
+    pub(crate) pinned: CachingAllocator<PinnedHostStorage>,
 }
 
 impl Drop for CudaBackend {
@@ -78,6 +83,7 @@ impl CudaBackend {
         // The storage checks for the driver first, so a machine without one gets an error here
         // before cudarc is asked for anything.
         let storage = CudaStorage::new(ordinal).map_err(|e| no_device(e.to_string()))?;
+        let pinned = PinnedHostStorage::new(ordinal).map_err(|e| no_device(e.to_string()))?;
         let context = CudaContext::new(ordinal).map_err(|e| no_device(e.to_string()))?;
         let stream = context.default_stream();
         Ok(Arc::new(CudaBackend {
@@ -89,6 +95,7 @@ impl CudaBackend {
             free_errors: Mutex::new((0, None)),
             blas: Mutex::new(None),
             allow_tf32: AtomicBool::new(false),
+            pinned: CachingAllocator::new(pinned, AllocatorConfig::pytorch_defaults()),
         }))
     }
 
@@ -122,6 +129,13 @@ impl CudaBackend {
         (errors.0, errors.1.as_ref().map(ToString::to_string))
     }
 
+    /// Counts a failed free (where `Drop` cannot return it); see [`CudaBackend::free_errors`].
+    pub(crate) fn note_free_error(&self, error: AllocError) {
+        let mut errors = self.free_errors.lock();
+        errors.0 += 1;
+        errors.1.get_or_insert(error);
+    }
+
     pub(crate) fn bind(&self, op: &'static str) -> Result<()> {
         self.context
             .bind_to_thread()
@@ -147,14 +161,22 @@ impl Backend for CudaBackend {
     }
 
     fn allocate(&self, bytes: u64) -> Result<Allocation> {
-        Ok(self.allocator.allocate(bytes, StreamId::DEFAULT)?)
+        let stream = crate::stream::allocation_stream(self);
+        let allocation = self.allocator.allocate(bytes, stream)?;
+        if stream != StreamId::DEFAULT {
+            // A side stream's block (`allocate_on_stream`) is used by kernels too: its reuse waits
+            // for the compute stream's work queued before its free.
+            if let Err(error) = self.allocator.record_stream(&allocation, StreamId::DEFAULT) {
+                self.free(allocation);
+                return Err(error.into());
+            }
+        }
+        Ok(allocation)
     }
 
     fn free(&self, allocation: Allocation) {
         if let Err(error) = self.allocator.free(allocation) {
-            let mut errors = self.free_errors.lock();
-            errors.0 += 1;
-            errors.1.get_or_insert(error);
+            self.note_free_error(error);
         }
     }
 

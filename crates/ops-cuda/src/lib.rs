@@ -15,6 +15,11 @@
 //! backend), in f32, f64, f16 and bf16 (the last two computed in f32). Out-of-range indices are typed errors,
 //! checked on the device.
 //!
+//! Kernels run on one stream (`CudaBackend::compute_stream`); side streams
+//! (`CudaBackend::new_stream`) carry asynchronous copies between device memory and pinned host
+//! buffers (`PinnedBuffer`, from a caching allocator of page-locked memory), ordered with
+//! `CudaEvent`s. Memory used by a copy in flight is never reused early (see `pinned.rs`).
+//!
 //! Everything CUDA is behind the `cuda` feature; without it [`CudaBackend::new`] returns an error,
 //! and with it a machine without a driver gets an error too, never a panic. This crate sits on
 //! autograd-core and the caching allocator; no cudarc type appears in its public API.
@@ -36,7 +41,11 @@ mod launch;
 #[cfg(feature = "cuda")]
 mod matmul;
 #[cfg(feature = "cuda")]
+mod pinned;
+#[cfg(feature = "cuda")]
 mod rows;
+#[cfg(feature = "cuda")]
+mod stream;
 
 pub use error::CudaError;
 
@@ -44,6 +53,10 @@ pub use error::CudaError;
 pub use backend::CudaBackend;
 #[cfg(feature = "cuda")]
 pub use launch::{CudaKernel, KernelArg};
+#[cfg(feature = "cuda")]
+pub use pinned::PinnedBuffer;
+#[cfg(feature = "cuda")]
+pub use stream::{CudaEvent, CudaStream};
 
 /// Without the `cuda` feature: a backend that cannot be created.
 #[cfg(not(feature = "cuda"))]

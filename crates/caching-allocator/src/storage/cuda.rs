@@ -20,9 +20,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use cudarc::driver::result::{self, DriverError};
+use cudarc::driver::result;
 use cudarc::driver::sys;
 
+use super::driver::{
+    admit_segment, alloc_error, check_segment, driver_error, DeviceContext, ErrorTally, EventPool,
+    StreamTable,
+};
 use super::{EventId, MemoryInfo, Storage, StorageError, StreamId};
 
 /// Errors met while a [`CudaStorage`] was dropped, over the whole process.
@@ -45,38 +49,6 @@ pub struct CudaStorageOptions {
     pub handle_size: Option<u64>,
 }
 
-/// The primary context of the storage's device.
-#[derive(Debug)]
-struct RawContext(sys::CUcontext);
-
-// SAFETY: a CUDA context is not tied to the thread that retained it. Every method of
-// `CudaStorage` makes it current on the calling thread (`cuCtxSetCurrent`) before any other
-// driver call, so moving the storage to another thread is sound.
-unsafe impl Send for RawContext {}
-
-/// A stream of the storage's context.
-#[derive(Debug)]
-struct RawStream(sys::CUstream);
-
-// SAFETY: streams belong to a context, not to a thread; the context is made current before each
-// use (see `RawContext`).
-unsafe impl Send for RawStream {}
-
-/// An event of the storage's context.
-#[derive(Debug)]
-struct RawEvent(sys::CUevent);
-
-// SAFETY: events belong to a context, not to a thread; the context is made current before each
-// use (see `RawContext`).
-unsafe impl Send for RawEvent {}
-
-#[derive(Debug)]
-struct StreamEntry {
-    raw: RawStream,
-    /// Created by this storage (destroyed on drop), as opposed to lent by the caller.
-    owned: bool,
-}
-
 #[derive(Debug, Clone, Copy)]
 struct Reservation {
     /// Bytes asked for; `release_address_space` must name the same.
@@ -90,9 +62,7 @@ struct Reservation {
 /// Device memory of one CUDA device, through the driver API.
 #[derive(Debug)]
 pub struct CudaStorage {
-    ordinal: usize,
-    device: sys::CUdevice,
-    context: RawContext,
+    context: DeviceContext,
     options: CudaStorageOptions,
     total_memory: u64,
     supports_vmm: bool,
@@ -103,11 +73,8 @@ pub struct CudaStorage {
     reservations: BTreeMap<u64, Reservation>,
     /// Mapped handles: start address → bytes (the granularity or `options.handle_size`).
     mapped: BTreeMap<u64, u64>,
-    streams: HashMap<u64, StreamEntry>,
-    next_stream: u64,
-    live_events: HashMap<u64, RawEvent>,
-    event_pool: Vec<RawEvent>,
-    next_event: u64,
+    streams: StreamTable,
+    events: EventPool,
 }
 
 impl CudaStorage {
@@ -124,32 +91,10 @@ impl CudaStorage {
         device_ordinal: usize,
         options: CudaStorageOptions,
     ) -> Result<CudaStorage, StorageError> {
-        // SAFETY: only tries to open the library; calls nothing in it.
-        if !unsafe { sys::is_culib_present() } {
-            return Err(StorageError::Device(
-                "the CUDA driver library (libcuda) was not found".to_string(),
-            ));
-        }
-        result::init().map_err(|err| driver_error("cuInit", err))?;
-        let n_devices =
-            result::device::get_count().map_err(|err| driver_error("cuDeviceGetCount", err))?;
-        let ordinal = i32::try_from(device_ordinal)
-            .ok()
-            .filter(|&ordinal| ordinal < n_devices)
-            .ok_or_else(|| {
-                StorageError::Device(format!(
-                    "no CUDA device {device_ordinal}: {n_devices} device(s) present"
-                ))
-            })?;
-        let device =
-            result::device::get(ordinal).map_err(|err| driver_error("cuDeviceGet", err))?;
-        // SAFETY: `device` was returned by `cuDeviceGet`; the retain is released in `teardown`.
-        let context = unsafe { result::primary_ctx::retain(device) }
-            .map_err(|err| driver_error("cuDevicePrimaryCtxRetain", err))?;
+        let context = DeviceContext::retain(device_ordinal)?;
+        let device = context.device;
         let mut storage = CudaStorage {
-            ordinal: device_ordinal,
-            device,
-            context: RawContext(context),
+            context,
             options,
             total_memory: 0,
             supports_vmm: false,
@@ -158,11 +103,8 @@ impl CudaStorage {
             segments: HashMap::new(),
             reservations: BTreeMap::new(),
             mapped: BTreeMap::new(),
-            streams: HashMap::new(),
-            next_stream: 1,
-            live_events: HashMap::new(),
-            event_pool: Vec::new(),
-            next_event: 0,
+            streams: StreamTable::default(),
+            events: EventPool::default(),
         };
         // From here on, dropping `storage` releases the context on any error.
         storage.bind()?;
@@ -201,12 +143,12 @@ impl CudaStorage {
 
     /// The ordinal of the storage's device.
     pub fn device_ordinal(&self) -> usize {
-        self.ordinal
+        self.context.ordinal
     }
 
     /// The device's name, e.g. "NVIDIA H200"; empty if the driver cannot say.
     pub fn device_name(&self) -> String {
-        result::device::get_name(self.device).unwrap_or_default()
+        self.context.device_name()
     }
 
     /// The settings the storage was made with.
@@ -230,12 +172,7 @@ impl CudaStorage {
     /// integer starting at 1.
     pub fn new_stream(&mut self) -> Result<StreamId, StorageError> {
         self.bind()?;
-        let raw = result::stream::create(result::stream::StreamKind::NonBlocking)
-            .map_err(|err| driver_error("cuStreamCreate", err))?;
-        Ok(self.insert_stream(StreamEntry {
-            raw: RawStream(raw),
-            owned: true,
-        }))
+        self.streams.create()
     }
 
     /// Lends an existing stream (a `CUstream`, e.g. from cudarc's `CudaStream::cu_stream`) to the
@@ -245,10 +182,7 @@ impl CudaStorage {
     /// `raw_stream` must be a valid stream of this device's primary context, and it must outlive
     /// the storage.
     pub unsafe fn register_stream(&mut self, raw_stream: *mut c_void) -> StreamId {
-        self.insert_stream(StreamEntry {
-            raw: RawStream(raw_stream.cast()),
-            owned: false,
-        })
+        self.streams.lend(raw_stream.cast())
     }
 
     /// The `CUstream` behind `stream` (null for [`StreamId::DEFAULT`]), for launching work on it;
@@ -324,40 +258,16 @@ impl CudaStorage {
     /// Releases everything the storage holds and returns the first error met, where `Drop`
     /// would only count it.
     pub fn close(mut self) -> Result<(), StorageError> {
-        let (_, first) = self.teardown();
-        first.map_or(Ok(()), Err)
+        self.teardown().first.map_or(Ok(()), Err)
     }
 
     /// Makes the storage's context current on the calling thread.
     fn bind(&self) -> Result<(), StorageError> {
-        // SAFETY: the context was retained in `with_options` and is released only in `teardown`.
-        unsafe { result::ctx::set_current(self.context.0) }
-            .map_err(|err| driver_error("cuCtxSetCurrent", err))
-    }
-
-    fn insert_stream(&mut self, entry: StreamEntry) -> StreamId {
-        while self.streams.contains_key(&self.next_stream) {
-            self.next_stream += 1;
-        }
-        let id = self.next_stream;
-        self.next_stream += 1;
-        self.streams.insert(id, entry);
-        StreamId(id)
+        self.context.bind()
     }
 
     fn stream(&self, stream: StreamId) -> Result<sys::CUstream, StorageError> {
-        if stream == StreamId::DEFAULT {
-            return Ok(result::stream::null());
-        }
-        self.streams
-            .get(&stream.0)
-            .map(|entry| entry.raw.0)
-            .ok_or_else(|| {
-                StorageError::InvalidRange(format!(
-                    "stream {} was not made by new_stream or register_stream",
-                    stream.0
-                ))
-            })
+        self.streams.get(stream)
     }
 
     /// Physical memory of this device, pinned, with no shareable handle.
@@ -367,7 +277,7 @@ impl CudaStorage {
             requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
             location: sys::CUmemLocation {
                 type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: self.device,
+                id: self.context.device,
             },
             win32HandleMetaData: std::ptr::null_mut(),
             allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
@@ -479,65 +389,35 @@ impl CudaStorage {
     }
 
     /// Releases everything; returns the number of errors met and the first of them.
-    fn teardown(&mut self) -> (u64, Option<StorageError>) {
-        let mut n_errors = 0;
-        let mut first = None;
-        let mut note = |outcome: Result<(), StorageError>| {
-            if let Err(err) = outcome {
-                n_errors += 1;
-                first.get_or_insert(err);
-            }
-        };
-        if self.context.0.is_null() {
-            return (0, None);
+    fn teardown(&mut self) -> ErrorTally {
+        let mut tally = ErrorTally::default();
+        if self.context.is_released() {
+            return tally;
         }
-        note(self.bind());
-        note(result::ctx::synchronize().map_err(|err| driver_error("cuCtxSynchronize", err)));
-        for (_, event) in self
-            .live_events
-            .drain()
-            .chain(self.event_pool.drain(..).map(|e| (0, e)))
-        {
-            // SAFETY: every event here was created by `cuEventCreate` and is destroyed once.
-            note(
-                unsafe { result::event::destroy(event.0) }
-                    .map_err(|err| driver_error("cuEventDestroy", err)),
-            );
-        }
+        tally.note(self.bind());
+        tally.note(self.context.synchronize());
+        self.events.destroy_all(&mut tally);
         for (address, _) in self.segments.drain() {
             // SAFETY: `address` came from `cuMemAlloc` and is freed once; the context is synced.
-            note(
+            tally.note(
                 unsafe { result::free_sync(address) }.map_err(|err| driver_error("cuMemFree", err)),
             );
         }
         for (chunk, size) in std::mem::take(&mut self.mapped) {
-            note(self.unmap_chunk(chunk, size));
+            tally.note(self.unmap_chunk(chunk, size));
         }
         for (address, reservation) in std::mem::take(&mut self.reservations) {
             // SAFETY: the range was reserved by `cuMemAddressReserve` and nothing in it is mapped.
-            note(
+            tally.note(
                 unsafe { sys::cuMemAddressFree(address, reservation.reserved as usize) }
                     .result()
                     .map_err(|err| driver_error("cuMemAddressFree", err)),
             );
         }
-        for (_, entry) in self.streams.drain() {
-            if entry.owned {
-                // SAFETY: the stream was created by `cuStreamCreate` and is destroyed once.
-                note(
-                    unsafe { result::stream::destroy(entry.raw.0) }
-                        .map_err(|err| driver_error("cuStreamDestroy", err)),
-                );
-            }
-        }
+        self.streams.destroy_all(&mut tally);
         self.held = 0;
-        // SAFETY: `device` came from `cuDeviceGet` and its primary context was retained once.
-        note(
-            unsafe { result::primary_ctx::release(self.device) }
-                .map_err(|err| driver_error("cuDevicePrimaryCtxRelease", err)),
-        );
-        self.context.0 = std::ptr::null_mut();
-        (n_errors, first)
+        tally.note(self.context.release());
+        tally
     }
 }
 
@@ -547,17 +427,8 @@ impl Storage for CudaStorage {
     }
 
     fn allocate_segment(&mut self, size: u64) -> Result<u64, StorageError> {
-        if size == 0 {
-            return Err(StorageError::InvalidRange(
-                "a segment of 0 bytes".to_string(),
-            ));
-        }
-        if self.held.saturating_add(size) > self.limit() {
-            return Err(StorageError::OutOfMemory { requested: size });
-        }
+        let bytes = admit_segment(size, self.held, self.limit())?;
         self.bind()?;
-        let bytes =
-            usize::try_from(size).map_err(|_| StorageError::OutOfMemory { requested: size })?;
         // SAFETY: a plain allocation of the current context; the memory is only handed out.
         let address = unsafe { result::malloc_sync(bytes) }
             .map_err(|err| alloc_error("cuMemAlloc", err, size))?;
@@ -567,19 +438,7 @@ impl Storage for CudaStorage {
     }
 
     fn free_segment(&mut self, address: u64, size: u64) -> Result<(), StorageError> {
-        match self.segments.get(&address) {
-            Some(&held) if held == size => {}
-            Some(&held) => {
-                return Err(StorageError::InvalidRange(format!(
-                    "segment at {address:#x} has {held} bytes, not {size}"
-                )))
-            }
-            None => {
-                return Err(StorageError::InvalidRange(format!(
-                    "no segment at {address:#x}"
-                )))
-            }
-        }
+        check_segment(&self.segments, address, size)?;
         self.bind()?;
         // SAFETY: `address` came from `cuMemAlloc` of this context and is in the table, so it is
         // freed once.
@@ -757,68 +616,32 @@ impl Storage for CudaStorage {
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, StorageError> {
         self.bind()?;
         let raw_stream = self.stream(stream)?;
-        let event = match self.event_pool.pop() {
-            Some(event) => event,
-            None => RawEvent(
-                result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                    .map_err(|err| driver_error("cuEventCreate", err))?,
-            ),
-        };
-        // SAFETY: `event` and `raw_stream` are live objects of the current context.
-        if let Err(err) = unsafe { result::event::record(event.0, raw_stream) } {
-            self.event_pool.push(event);
-            return Err(driver_error("cuEventRecord", err));
-        }
-        self.next_event += 1;
-        self.live_events.insert(self.next_event, event);
-        Ok(EventId(self.next_event))
+        self.events.record(raw_stream)
     }
 
     fn query_event(&mut self, event: EventId) -> Result<bool, StorageError> {
         self.bind()?;
-        let raw = self.event(event)?;
-        // SAFETY: `raw` is a live event of the current context.
-        match unsafe { result::event::query(raw) } {
-            Ok(()) => Ok(true),
-            Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
-            Err(err) => Err(driver_error("cuEventQuery", err)),
-        }
+        self.events.query(event)
     }
 
     fn synchronize_event(&mut self, event: EventId) -> Result<(), StorageError> {
         self.bind()?;
-        let raw = self.event(event)?;
-        // SAFETY: `raw` is a live event of the current context.
-        unsafe { result::event::synchronize(raw) }
-            .map_err(|err| driver_error("cuEventSynchronize", err))
+        self.events.synchronize(event)
     }
 
     fn release_event(&mut self, event: EventId) {
-        // A pending event may be recorded again: the new record replaces the old one.
-        if let Some(raw) = self.live_events.remove(&event.0) {
-            self.event_pool.push(raw);
-        }
+        self.events.release(event);
     }
 
     fn synchronize_device(&mut self) -> Result<(), StorageError> {
         self.bind()?;
-        result::ctx::synchronize().map_err(|err| driver_error("cuCtxSynchronize", err))
-    }
-}
-
-impl CudaStorage {
-    fn event(&self, event: EventId) -> Result<sys::CUevent, StorageError> {
-        self.live_events
-            .get(&event.0)
-            .map(|raw| raw.0)
-            .ok_or_else(|| StorageError::InvalidRange(format!("no live event {}", event.0)))
+        self.context.synchronize()
     }
 }
 
 impl Drop for CudaStorage {
     fn drop(&mut self) {
-        let (n_errors, _) = self.teardown();
-        DROP_ERRORS.fetch_add(n_errors, Ordering::Relaxed);
+        DROP_ERRORS.fetch_add(self.teardown().count, Ordering::Relaxed);
     }
 }
 
@@ -826,25 +649,6 @@ fn out_of_storage(address: u64, size: u64) -> StorageError {
     StorageError::InvalidRange(format!(
         "{size} bytes at {address:#x} are not inside one segment or mapped range of this storage"
     ))
-}
-
-/// A driver error as a [`StorageError::Device`] naming the call.
-fn driver_error(call: &str, err: DriverError) -> StorageError {
-    let name = err.error_name().map(|s| s.to_string_lossy().into_owned());
-    let text = err.error_string().map(|s| s.to_string_lossy().into_owned());
-    StorageError::Device(match (name, text) {
-        (Ok(name), Ok(text)) => format!("{call} failed: {name} ({text})"),
-        _ => format!("{call} failed: CUresult {:?}", err.0),
-    })
-}
-
-/// Like [`driver_error`], but out-of-memory becomes [`StorageError::OutOfMemory`].
-fn alloc_error(call: &str, err: DriverError, requested: u64) -> StorageError {
-    if err.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-        StorageError::OutOfMemory { requested }
-    } else {
-        driver_error(call, err)
-    }
 }
 
 /// The mapped handles (start → bytes) that together cover `[address, end)`, exactly or with

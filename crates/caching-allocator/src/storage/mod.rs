@@ -14,18 +14,26 @@
 //! - [`SimulatedStorage`]: addresses only, nothing behind them, so a 100 GB trace replays on a
 //!   laptop; events complete only when the test says so.
 //! - `CudaStorage` (feature `cuda`): the CUDA driver API through cudarc.
+//! - `PinnedHostStorage` (feature `cuda`): page-locked host memory for asynchronous copies,
+//!   PyTorch's `CachingHostAllocator` once the policy runs over it.
 
 mod host;
 mod simulated;
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod driver;
+#[cfg(feature = "cuda")]
+mod pinned;
 
 pub use host::HostStorage;
 pub use simulated::{EventControl, SimulatedStorage};
 
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaStorage, CudaStorageOptions};
+#[cfg(feature = "cuda")]
+pub use pinned::{PinnedHostOptions, PinnedHostStorage};
 
 /// A stream of work on the device. Blocks are cached per stream: a block freed on one stream is
 /// reused only by allocations on the same stream. `StreamId(0)` is the default stream.
