@@ -159,23 +159,14 @@ impl Model {
     pub(crate) const NAMES: [&'static str; 4] = ["vit_l_16", "vit_b_16", "vit_mini", "vit_tiny"];
 
     /// The model named `name`: torchvision's `vit_l_16` and `vit_b_16`; `vit_mini`, the CPU
-    /// default (64×64 images in 16×16 patches, 6 blocks of width 256, MLP 1024, 1000 classes:
-    /// 5.3 M parameters, 17 tokens an image, so that, like ViT-L/16 at batch 1, parameters,
-    /// gradients and optimizer state dominate at batch 1 and activations at batch 32); and
-    /// `vit_tiny`, the golden tests' model (10 classes, 32×32 images), for quick checks.
+    /// default ([`VitConfig::mini`], 5.2 M parameters, 17 tokens an image, so that, like
+    /// ViT-L/16 at batch 1, parameters, gradients and optimizer state dominate at batch 1 and
+    /// activations at batch 32); and `vit_tiny`, the golden tests' model, for quick checks.
     pub(crate) fn named(name: &str) -> Result<Model> {
         let config = match name {
             "vit_l_16" => VitConfig::vit_l_16(),
             "vit_b_16" => VitConfig::vit_b_16(),
-            "vit_mini" => VitConfig {
-                image_size: 64,
-                patch_size: 16,
-                num_layers: 6,
-                num_heads: 8,
-                hidden_dim: 256,
-                mlp_dim: 1024,
-                ..VitConfig::vit_b_16()
-            },
+            "vit_mini" => VitConfig::mini(),
             "vit_tiny" => VitConfig::tiny(),
             other => bail!(
                 "unknown model `{other}` (models: {})",
@@ -228,7 +219,12 @@ pub(crate) enum Phase {
 }
 
 impl Phase {
-    pub(crate) const ALL: [Phase; 4] = [Phase::Forward, Phase::Backward, Phase::Step, Phase::ZeroGrad];
+    pub(crate) const ALL: [Phase; 4] = [
+        Phase::Forward,
+        Phase::Backward,
+        Phase::Step,
+        Phase::ZeroGrad,
+    ];
 
     /// The context label the traced step records it under.
     pub(crate) fn label(self) -> &'static str {
@@ -396,7 +392,11 @@ fn input(backend: &BackendRef, batch: usize, size: usize) -> Result<Tensor> {
             (state >> 40) as f32 / (1u64 << 24) as f32
         })
         .collect();
-    Ok(Tensor::from_slice(backend, &pixels, &[batch, 3, size, size])?)
+    Ok(Tensor::from_slice(
+        backend,
+        &pixels,
+        &[batch, 3, size, size],
+    )?)
 }
 
 /// What the traced step recorded.

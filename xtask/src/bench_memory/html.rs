@@ -86,7 +86,7 @@ fn peak_bars(group: &[&CaseResult], anchors: &Anchors) -> String {
         .unwrap_or(1)
         .max(1) as f64;
     let plot = WIDTH - LABEL - 90.0;
-    let height = 40.0 + BAR * 1.4 * group.len() as f64 + 40.0;
+    let height = 40.0 + BAR * 1.4 * group.len() as f64 + 50.0;
     let mut svg = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{WIDTH}\" height=\"{height}\">\n\
          <text x=\"0\" y=\"16\" font-weight=\"bold\">Peak allocated by component</text>\n"
@@ -132,8 +132,12 @@ fn peak_bars(group: &[&CaseResult], anchors: &Anchors) -> String {
         }
     }
     let mut x = 0.0;
-    let legend_y = height - 12.0;
+    let mut legend_y = height - 28.0;
     for ((name, _), colour) in group[0].at_peak.components().iter().zip(COMPONENT_COLOURS) {
+        if x + 16.0 + 7.0 * name.len() as f64 > WIDTH {
+            x = 0.0;
+            legend_y += 16.0;
+        }
         let _ = writeln!(
             svg,
             "<rect x=\"{x:.1}\" y=\"{:.1}\" width=\"10\" height=\"10\" fill=\"{colour}\"/>\
@@ -145,6 +149,10 @@ fn peak_bars(group: &[&CaseResult], anchors: &Anchors) -> String {
         x += 16.0 + 7.0 * name.len() as f64;
     }
     if group.iter().any(|r| pytorch(r).is_some()) {
+        if x + 110.0 > WIDTH {
+            x = 0.0;
+            legend_y += 16.0;
+        }
         let _ = writeln!(
             svg,
             "<line x1=\"{x:.1}\" x2=\"{x:.1}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"#000\" \
@@ -159,15 +167,16 @@ fn peak_bars(group: &[&CaseResult], anchors: &Anchors) -> String {
 }
 
 /// The requested bytes over the traced step, phases shaded, the peak marked; `top` scales the
-/// y axis alike for every case of a group.
+/// y axis alike for every case of a group. Each phase spans a width proportional to its events
+/// but at least [`MIN_PHASE_SHARE`] of the plot, so a step of two events stays visible.
 fn timeline_chart(r: &CaseResult, top: u64) -> String {
-    let (w, h, left, bottom) = (WIDTH, 170.0, 70.0, 22.0);
+    let (w, h, left, top_y, bottom) = (WIDTH, 180.0, 70.0, 30.0, 22.0);
     let plot_w = w - left - 10.0;
-    let plot_h = h - bottom - 24.0;
+    let plot_h = h - bottom - top_y;
     let points = &r.timeline.bytes;
     let n = points.len().max(2) - 1;
-    let x_of = |i: usize| left + i as f64 / n as f64 * plot_w;
-    let y_of = |b: u64| 24.0 + plot_h - b as f64 / top as f64 * plot_h;
+    let x_of = event_axis(&r.timeline.phase_starts, n, left, plot_w);
+    let y_of = |b: u64| top_y + plot_h - b as f64 / top as f64 * plot_h;
     let mut svg = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\">\n\
          <text x=\"0\" y=\"14\" font-weight=\"bold\">{} — requested bytes over the traced step \
@@ -180,12 +189,13 @@ fn timeline_chart(r: &CaseResult, top: u64) -> String {
         let end = starts.get(k + 1).map_or(n, |(s, _)| *s);
         let _ = writeln!(
             svg,
-            "<rect x=\"{:.1}\" y=\"24\" width=\"{:.1}\" height=\"{plot_h:.1}\" fill=\"{}\"/>\
-             <text x=\"{:.1}\" y=\"36\" fill=\"#555\">{}</text>",
+            "<rect x=\"{:.1}\" y=\"{top_y}\" width=\"{:.1}\" height=\"{plot_h:.1}\" \
+             fill=\"{}\"/><text x=\"{:.1}\" y=\"{:.1}\" fill=\"#555\">{}</text>",
             x_of(*start),
             (x_of(end) - x_of(*start)).max(0.5),
             phase_colour(*phase),
             x_of(*start) + 3.0,
+            top_y + 12.0,
             phase.label()
         );
     }
@@ -199,15 +209,25 @@ fn timeline_chart(r: &CaseResult, top: u64) -> String {
         path.trim_end()
     );
     let peak = r.timeline.peak_index;
+    let (px, py) = (x_of(peak), y_of(points[peak]));
+    let (anchor, dx) = if px > left + plot_w / 2.0 {
+        ("end", -7.0)
+    } else {
+        ("start", 7.0)
+    };
     let _ = writeln!(
         svg,
-        "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3.5\" fill=\"#e15759\"><title>peak</title></circle>\
-         <text x=\"{:.1}\" y=\"{:.1}\" fill=\"#e15759\">peak {}</text>",
-        x_of(peak),
-        y_of(points[peak]),
-        (x_of(peak) + 6.0).min(w - 110.0),
-        y_of(points[peak]) + 14.0,
-        size(points[peak])
+        "<circle cx=\"{px:.1}\" cy=\"{py:.1}\" r=\"3.5\" fill=\"#e15759\"/><text x=\"{:.1}\" \
+         y=\"{:.1}\" text-anchor=\"{anchor}\" fill=\"#e15759\">peak {} ({})</text>",
+        px + dx,
+        // Below the phase labels when the peak touches the top of the plot.
+        if py < top_y + 24.0 {
+            py + 30.0
+        } else {
+            py + 16.0
+        },
+        size(points[peak]),
+        r.at_peak.phase.map_or("-", |p| p.label())
     );
     for frac in [0.0, 0.5, 1.0] {
         let bytes = (top as f64 * frac) as u64;
@@ -228,6 +248,46 @@ fn timeline_chart(r: &CaseResult, top: u64) -> String {
     );
     svg.push_str("</svg>\n");
     svg
+}
+
+/// Smallest share of the timeline's width a phase gets.
+const MIN_PHASE_SHARE: f64 = 0.06;
+
+/// The x coordinate of each event index `0..=n`: piecewise linear, one piece per phase.
+fn event_axis(
+    phase_starts: &[(usize, Phase)],
+    n: usize,
+    left: f64,
+    width: f64,
+) -> impl Fn(usize) -> f64 {
+    let mut bounds: Vec<usize> = phase_starts.iter().map(|(s, _)| *s).collect();
+    if bounds.first() != Some(&0) {
+        bounds.insert(0, 0);
+    }
+    bounds.push(n);
+    bounds.dedup();
+    let weights: Vec<f64> = bounds
+        .windows(2)
+        .map(|w| ((w[1] - w[0]) as f64 / n.max(1) as f64).max(MIN_PHASE_SHARE))
+        .collect();
+    let total: f64 = weights.iter().sum::<f64>().max(f64::MIN_POSITIVE);
+    let mut edges = vec![left];
+    for weight in &weights {
+        edges.push(edges[edges.len() - 1] + weight / total * width);
+    }
+    move |i: usize| {
+        let k = bounds
+            .partition_point(|b| *b <= i)
+            .clamp(1, bounds.len() - 1)
+            - 1;
+        let (lo, hi) = (bounds[k], bounds[k + 1]);
+        let frac = if hi > lo {
+            (i.min(hi) - lo) as f64 / (hi - lo) as f64
+        } else {
+            0.0
+        };
+        edges[k] + frac * (edges[k + 1] - edges[k])
+    }
 }
 
 /// At most about 1,200 points: the first, the last, and each bucket's minimum and maximum in
@@ -269,6 +329,24 @@ fn escape(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::downsample;
+
+    #[test]
+    fn a_short_phase_keeps_a_visible_share_of_the_axis() {
+        use super::super::cases::Phase;
+        // 1,000 events: forward 0..400, backward 400..998, step 998..1000.
+        let starts = [
+            (0, Phase::Forward),
+            (400, Phase::Backward),
+            (998, Phase::Step),
+        ];
+        let x = super::event_axis(&starts, 1000, 0.0, 100.0);
+        assert_eq!(x(0), 0.0);
+        assert!((x(1000) - 100.0).abs() < 1e-9);
+        let xs: Vec<f64> = (0..=1000).map(&x).collect();
+        assert!(xs.windows(2).all(|w| w[0] <= w[1]), "monotonic");
+        let step_share = (x(1000) - x(998)) / 100.0;
+        assert!((step_share - 0.06 / 1.058).abs() < 1e-9, "{step_share}");
+    }
 
     #[test]
     fn downsampling_keeps_the_extremes_in_order() {

@@ -233,12 +233,8 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
         "activations: allocated after the loss minus before the forward. peak in: the phase of \
          the traced step's peak (its components are in --json and --html)."
     );
-    let mut batches: Vec<usize> = results.iter().map(|r| r.batch).collect();
-    batches.dedup();
-    for batch in batches {
-        if let Some(line) = report::finding(&results, batch) {
-            println!("finding, {line}");
-        }
+    if let Some(line) = report::finding(&results, 1) {
+        println!("the tutorial's finding, {line}");
     }
     if let Some(path) = &options.json {
         let mut document = report::document(&results, &anchors, &options.command);

@@ -128,8 +128,9 @@ pub(crate) fn markdown(results: &[CaseResult], anchors: &Anchors) -> String {
     out
 }
 
-/// The tutorial's first finding on one batch size: foreach (unbounded) peaks above single and
-/// fused, and 8-bit below every other Adam. `None` when a case it needs was not run.
+/// The tutorial's first finding, made at batch 1 where parameters, gradients and state
+/// dominate: foreach (unbounded) peaks above single and fused, and 8-bit below every other Adam.
+/// `None` when a case it needs was not run at `batch`.
 pub(crate) fn finding(results: &[CaseResult], batch: usize) -> Option<String> {
     let peak = |case: Case| {
         results

@@ -61,26 +61,34 @@ fn bench_memory_on_the_tiny_vit_reports_exact_parameter_gradient_and_state_bytes
 
     // The state bytes worked out from the model's shapes, and by hand.
     let cpu = CpuBackend::new_ref();
-    let model =
-        VisionTransformer::new(&cpu, VitConfig::tiny(), DType::F32, &Arc::new(Generator::new(0)))
-            .unwrap();
-    let sizes: Vec<u64> = model.parameters().iter().map(|p| p.numel() as u64).collect();
+    let model = VisionTransformer::new(
+        &cpu,
+        VitConfig::tiny(),
+        DType::F32,
+        &Arc::new(Generator::new(0)),
+    )
+    .unwrap();
+    let sizes: Vec<u64> = model
+        .parameters()
+        .iter()
+        .map(|p| p.numel() as u64)
+        .collect();
     assert_eq!(sizes.iter().sum::<u64>(), TINY_PARAMS);
     let eight_bit_state: u64 = sizes.iter().map(|&n| adam8bit_state_bytes(n)).sum();
     // Quantized: the patch embedding, two in-projections (12,288 each: 24,960 bytes), two
     // out-projections (4,096: 8,320) and four MLP weights (8,192: 16,640); 3,402 elements of
     // small parameters keep f32 moments (27,216 bytes).
-    assert_eq!(eight_bit_state, 24_960 * 3 + 8_320 * 2 + 16_640 * 4 + 27_216);
+    assert_eq!(
+        eight_bit_state,
+        24_960 * 3 + 8_320 * 2 + 16_640 * 4 + 27_216
+    );
 
     let document: Value =
         serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
     let cases = document["cases"].as_array().unwrap();
     assert_eq!(cases.len(), 2);
     let input_bytes = 2 * 3 * 32 * 32 * 4;
-    for (case, expected_state) in cases
-        .iter()
-        .zip([2 * 4 * TINY_PARAMS, eight_bit_state])
-    {
+    for (case, expected_state) in cases.iter().zip([2 * 4 * TINY_PARAMS, eight_bit_state]) {
         let name = case["case"].as_str().unwrap();
         assert_eq!(case["model"], "vit_tiny", "{name}");
         assert_eq!(case["batch"], 2, "{name}");
@@ -91,7 +99,10 @@ fn bench_memory_on_the_tiny_vit_reports_exact_parameter_gradient_and_state_bytes
         assert!(case["step_ms"].as_f64().unwrap() > 0.0, "{name}");
         let peak = case["peak_allocated_bytes"].as_u64().unwrap();
         let reserved = case["peak_reserved_bytes"].as_u64().unwrap();
-        assert!(reserved >= peak, "{name}: reserved {reserved} < allocated {peak}");
+        assert!(
+            reserved >= peak,
+            "{name}: reserved {reserved} < allocated {peak}"
+        );
         // Parameters, state and input stay allocated through the step; every other byte was
         // allocated by it.
         let persistent = 4 * TINY_PARAMS + expected_state + input_bytes;
@@ -108,7 +119,10 @@ fn bench_memory_on_the_tiny_vit_reports_exact_parameter_gradient_and_state_bytes
             .map(|p| p["peak_allocated_bytes"].as_u64().unwrap())
             .max()
             .unwrap();
-        assert_eq!(total, phase_peak, "{name}: components vs the allocator's peak");
+        assert_eq!(
+            total, phase_peak,
+            "{name}: components vs the allocator's peak"
+        );
         assert_eq!(at_peak["parameters"], 4 * TINY_PARAMS, "{name}");
         assert_eq!(at_peak["optimizer_state"], expected_state, "{name}");
         assert_eq!(at_peak["input_and_other"], input_bytes, "{name}");
@@ -131,14 +145,19 @@ fn bench_memory_on_the_tiny_vit_reports_exact_parameter_gradient_and_state_bytes
         );
     }
     // 8-bit Adam peaks lower than foreach Adam.
-    assert!(
-        cases[1]["peak_allocated_bytes"].as_u64() < cases[0]["peak_allocated_bytes"].as_u64()
-    );
+    assert!(cases[1]["peak_allocated_bytes"].as_u64() < cases[0]["peak_allocated_bytes"].as_u64());
 
     let html = std::fs::read_to_string(&html_path).unwrap();
-    assert_eq!(html.matches("<svg").count(), 3, "one bar chart, two timelines");
+    assert_eq!(
+        html.matches("<svg").count(),
+        3,
+        "one bar chart, two timelines"
+    );
     for external in ["<script", "src=", "href=", "<link"] {
-        assert!(!html.contains(external), "the page loads nothing: {external}");
+        assert!(
+            !html.contains(external),
+            "the page loads nothing: {external}"
+        );
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -151,7 +170,10 @@ fn the_command_line_is_checked() {
     assert_eq!(options.cases, [Case::Sgd]);
     assert_eq!((options.protocol.warmup, options.protocol.steps), (3, 6));
     assert_eq!(options.model, None);
-    let model = parse(&args(&["--model", "vit_l_16"])).unwrap().model.unwrap();
+    let model = parse(&args(&["--model", "vit_l_16"]))
+        .unwrap()
+        .model
+        .unwrap();
     assert_eq!(model, Model::named("vit_l_16").unwrap());
     for (bad, message) in [
         (&["--cases", "adam,sgd"][..], "unknown case `adam`"),

@@ -216,7 +216,10 @@ fn apply(
     };
     match current.checked_sub(size) {
         Some(next) => Ok(next),
-        None => bail!("the trace frees {size} bytes at {:#x} with {current} live", entry.addr),
+        None => bail!(
+            "the trace frees {size} bytes at {:#x} with {current} live",
+            entry.addr
+        ),
     }
 }
 
