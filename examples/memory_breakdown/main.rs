@@ -36,21 +36,21 @@ struct Row {
     peak: u64,
 }
 
-/// Runs `phase`, recording the allocated bytes after it and its peak.
-fn record(
+/// Runs `phase`, recording the allocated bytes after it and its peak; returns its value.
+fn record<T>(
     device: &Device,
     rows: &mut Vec<Row>,
-    label: String,
-    phase: impl FnOnce() -> Result<()>,
-) -> Result<()> {
+    label: &str,
+    phase: impl FnOnce() -> Result<T>,
+) -> Result<T> {
     device.reset_peak();
-    phase()?;
+    let value = phase()?;
     rows.push(Row {
-        label,
+        label: label.to_owned(),
         allocated: device.allocated(),
         peak: device.peak(),
     });
-    Ok(())
+    Ok(value)
 }
 
 fn adamw(params: Vec<Tensor>) -> Result<Adam> {
@@ -62,34 +62,38 @@ fn adamw(params: Vec<Tensor>) -> Result<Adam> {
     )?)
 }
 
-/// Forward, loss, backward, step and zero_grad of one iteration; `forward` computes the output
-/// the loss sums. The output and loss live on, as Python variables do, until the next
-/// iteration replaces them.
-fn iteration(
+/// The inputs (`make_input`), then two iterations of forward, loss, backward, step and
+/// zero_grad. The output and loss live on, as Python variables do, until the next iteration
+/// replaces them (inside the phase that computes the new one, as Python's assignment does).
+fn train(
     device: &Device,
     rows: &mut Vec<Row>,
-    iter: usize,
-    forward: &dyn Fn() -> Result<Tensor>,
+    make_input: impl FnOnce() -> Result<Tensor>,
+    forward: &dyn Fn(&Tensor) -> Result<Tensor>,
     optimizer: &mut Adam,
-    live: &mut (Option<Tensor>, Option<Tensor>),
 ) -> Result<()> {
-    record(device, rows, format!("iter{iter} forward"), || {
-        live.0 = Some(forward()?);
-        Ok(())
-    })?;
-    record(device, rows, format!("iter{iter} loss"), || {
-        live.1 = Some(live.0.as_ref().context("output")?.sum_all()?);
-        Ok(())
-    })?;
-    record(device, rows, format!("iter{iter} backward"), || {
-        Ok(live.1.as_ref().context("loss")?.backward()?)
-    })?;
-    record(device, rows, format!("iter{iter} optimizer.step"), || {
-        Ok(optimizer.step()?)
-    })?;
-    record(device, rows, format!("iter{iter} zero_grad"), || {
-        Ok(optimizer.zero_grad(true)?)
-    })
+    let input = record(device, rows, "inputs", make_input)?;
+    let (mut output, mut loss) = (None, None);
+    for iter in 0..2 {
+        record(device, rows, &format!("iter{iter} forward"), || {
+            output = Some(forward(&input)?);
+            Ok(())
+        })?;
+        record(device, rows, &format!("iter{iter} loss"), || {
+            loss = Some(output.as_ref().context("output")?.sum_all()?);
+            Ok(())
+        })?;
+        record(device, rows, &format!("iter{iter} backward"), || {
+            Ok(loss.as_ref().context("loss")?.backward()?)
+        })?;
+        record(device, rows, &format!("iter{iter} optimizer.step"), || {
+            Ok(optimizer.step()?)
+        })?;
+        record(device, rows, &format!("iter{iter} zero_grad"), || {
+            Ok(optimizer.zero_grad(true)?)
+        })?;
+    }
+    Ok(())
 }
 
 /// PyTorch's rows for the walkthrough's Linear + AdamW example.
@@ -113,36 +117,22 @@ fn linear_adamw(device: &Device) -> Result<()> {
     let backend = &device.backend;
     let generator = Arc::new(Generator::new(0));
     let mut rows = Vec::new();
-    let mut model = None;
-    record(device, &mut rows, "model".into(), || {
-        model = Some(Linear::new(
+    let model = record(device, &mut rows, "model", || {
+        Ok(Linear::new(
             backend,
             1024,
             1024,
             false,
             DType::F32,
             &generator,
-        )?);
-        Ok(())
+        )?)
     })?;
-    let model = model.context("model")?;
-    let mut optimizer = None;
-    record(device, &mut rows, "optimizer created".into(), || {
-        optimizer = Some(adamw(model.parameters())?);
-        Ok(())
+    let mut optimizer = record(device, &mut rows, "optimizer created", || {
+        adamw(model.parameters())
     })?;
-    let mut optimizer = optimizer.context("optimizer")?;
-    let mut x = None;
-    record(device, &mut rows, "inputs".into(), || {
-        x = Some(Tensor::ones(backend, &[1024], DType::F32)?);
-        Ok(())
-    })?;
-    let x = x.context("inputs")?;
-    let mut live = (None, None);
-    for iter in 0..2 {
-        let forward = || Ok(model.forward(&x)?);
-        iteration(device, &mut rows, iter, &forward, &mut optimizer, &mut live)?;
-    }
+    let ones = || Ok(Tensor::ones(backend, &[1024], DType::F32)?);
+    let forward = |x: &Tensor| Ok(model.forward(x)?);
+    train(device, &mut rows, ones, &forward, &mut optimizer)?;
 
     println!(
         "Part 1: Linear(1024, 1024, bias=False) + AdamW, input ones(1024), on {}\n",
@@ -203,30 +193,20 @@ fn vit_adamw(device: &Device) -> Result<()> {
     };
     let backend = &device.backend;
     let mut rows = Vec::new();
-    let mut model = None;
-    record(device, &mut rows, "model".into(), || {
-        model = Some(VisionTransformer::new(
+    let model = record(device, &mut rows, "model", || {
+        let generator = Arc::new(Generator::new(0));
+        Ok(VisionTransformer::new(
             backend,
             config,
             DType::F32,
-            &Arc::new(Generator::new(0)),
-        )?);
-        Ok(())
+            &generator,
+        )?)
     })?;
-    let model = model.context("model")?;
     let mut optimizer = adamw(model.parameters())?;
     let size = config.image_size;
-    let mut images = None;
-    record(device, &mut rows, "inputs".into(), || {
-        images = Some(Tensor::full(backend, &[1, 3, size, size], 0.5, DType::F32)?);
-        Ok(())
-    })?;
-    let images = images.context("inputs")?;
-    let mut live = (None, None);
-    for iter in 0..2 {
-        let forward = || Ok(model.forward(&images)?);
-        iteration(device, &mut rows, iter, &forward, &mut optimizer, &mut live)?;
-    }
+    let images = || Ok(Tensor::full(backend, &[1, 3, size, size], 0.5, DType::F32)?);
+    let forward = |x: &Tensor| Ok(model.forward(x)?);
+    train(device, &mut rows, images, &forward, &mut optimizer)?;
 
     println!(
         "Part 2: {name}, batch 1, AdamW (foreach, bounded), on {}\n",

@@ -23,61 +23,58 @@ use headroom::optim::{Adam, Adam8bit, Implementation, Optimizer, ParamGroup, Sgd
 
 use device::Device;
 
-/// One optimizer set-up.
-struct Variant {
-    label: &'static str,
-    build: fn(Vec<Tensor>) -> Result<Box<dyn Optimizer>>,
+/// The optimizer a variant builds.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    /// Adam (lr 1e-4) with this implementation.
+    Adam(Implementation),
+    /// bitsandbytes' Adam8bit (lr 1e-4).
+    Adam8bit,
+    /// SGD (lr 1e-3, no momentum), fused.
+    Sgd,
 }
 
-/// Adam with the reference's learning rate and `implementation`.
-fn adam(params: Vec<Tensor>, implementation: Implementation) -> Result<Box<dyn Optimizer>> {
-    let config = AdamConfig {
-        lr: 1e-4,
-        ..AdamConfig::adam()
-    };
-    Ok(Box::new(Adam::new(
-        vec![ParamGroup::new(params, config)],
-        implementation,
-    )?))
-}
+/// The variants, in print order.
+const VARIANTS: [(&str, Kind); 6] = [
+    (
+        "Adam, foreach (PyTorch's)",
+        Kind::Adam(Implementation::FOREACH_UNBOUNDED),
+    ),
+    (
+        "Adam, foreach bounded (16 MiB)",
+        Kind::Adam(Implementation::FOREACH),
+    ),
+    ("Adam, single tensor", Kind::Adam(Implementation::Single)),
+    ("Adam, fused", Kind::Adam(Implementation::Fused)),
+    ("Adam, 8-bit blockwise", Kind::Adam8bit),
+    ("SGD, fused (no state)", Kind::Sgd),
+];
 
-fn variants() -> [Variant; 6] {
-    [
-        Variant {
-            label: "Adam, foreach (PyTorch's)",
-            build: |p| adam(p, Implementation::FOREACH_UNBOUNDED),
-        },
-        Variant {
-            label: "Adam, foreach bounded (16 MiB)",
-            build: |p| adam(p, Implementation::FOREACH),
-        },
-        Variant {
-            label: "Adam, single tensor",
-            build: |p| adam(p, Implementation::Single),
-        },
-        Variant {
-            label: "Adam, fused",
-            build: |p| adam(p, Implementation::Fused),
-        },
-        Variant {
-            label: "Adam, 8-bit blockwise",
-            build: |p| {
-                let config = Adam8bitConfig {
-                    lr: 1e-4,
-                    ..Adam8bitConfig::adam()
-                };
-                let groups = vec![ParamGroup::new(p, config)];
-                Ok(Box::new(Adam8bit::new(groups, Implementation::EightBit)?))
-            },
-        },
-        Variant {
-            label: "SGD, fused (no state)",
-            build: |p| {
-                let groups = vec![ParamGroup::new(p, SgdConfig::new(1e-3))];
-                Ok(Box::new(Sgd::new(groups, Implementation::Fused)?))
-            },
-        },
-    ]
+fn optimizer(kind: Kind, params: Vec<Tensor>) -> Result<Box<dyn Optimizer>> {
+    Ok(match kind {
+        Kind::Adam(implementation) => {
+            let config = AdamConfig {
+                lr: 1e-4,
+                ..AdamConfig::adam()
+            };
+            Box::new(Adam::new(
+                vec![ParamGroup::new(params, config)],
+                implementation,
+            )?)
+        }
+        Kind::Adam8bit => {
+            let config = Adam8bitConfig {
+                lr: 1e-4,
+                ..Adam8bitConfig::adam()
+            };
+            let groups = vec![ParamGroup::new(params, config)];
+            Box::new(Adam8bit::new(groups, Implementation::EightBit)?)
+        }
+        Kind::Sgd => {
+            let groups = vec![ParamGroup::new(params, SgdConfig::new(1e-3))];
+            Box::new(Sgd::new(groups, Implementation::Fused)?)
+        }
+    })
 }
 
 /// What one variant measured.
@@ -87,14 +84,14 @@ struct Figures {
     transient: u64,
 }
 
-fn measure(device: &Device, config: VitConfig, variant: &Variant) -> Result<Figures> {
+fn measure(device: &Device, config: VitConfig, kind: Kind) -> Result<Figures> {
     let model = VisionTransformer::new(
         &device.backend,
         config,
         DType::F32,
         &Arc::new(Generator::new(0)),
     )?;
-    let mut optimizer = (variant.build)(model.parameters())?;
+    let mut optimizer = optimizer(kind, model.parameters())?;
     let size = config.image_size;
     let images = Tensor::full(&device.backend, &[1, 3, size, size], 0.5, DType::F32)?;
     let mut figures = Figures {
@@ -143,8 +140,8 @@ fn main() -> Result<()> {
     )?
     .num_parameters() as u64;
     let mut results = Vec::new();
-    for variant in variants() {
-        results.push((variant.label, measure(&device, config, &variant)?));
+    for (label, kind) in VARIANTS {
+        results.push((label, measure(&device, config, kind)?));
     }
 
     println!(
@@ -166,7 +163,7 @@ fn main() -> Result<()> {
         );
     }
 
-    // In the order of `variants()`.
+    // In the order of `VARIANTS`.
     let figures = |idx: usize| &results[idx].1;
     let (foreach, single, fused, eight_bit) = (figures(0), figures(2), figures(3), figures(4));
     println!(

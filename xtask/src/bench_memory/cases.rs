@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
+use headroom_autograd_core::{uniform, BackendRef, DType, Generator, Tensor};
 use headroom_caching_allocator::{CachingAllocator, HistoryOptions, Storage};
 use headroom_nn::{Module, VisionTransformer, VitConfig};
 use headroom_optim::kernels::{Adam8bitConfig, AdamConfig, SgdConfig};
@@ -380,17 +380,10 @@ pub(crate) fn tensor_bytes(tensor: &Tensor) -> u64 {
     (tensor.numel() * tensor.dtype().size_in_bytes()) as u64
 }
 
-/// `rand(batch, 3, size, size)` from a fixed xorshift stream (the values do not matter for
-/// memory or time, only their shape).
+/// `rand(batch, 3, size, size)` from autograd-core's counter-based stream (seed 0).
 fn input(backend: &BackendRef, batch: usize, size: usize) -> Result<Tensor> {
-    let mut state = 0x2545_f491_4f6c_dd1du64;
     let pixels: Vec<f32> = (0..batch * 3 * size * size)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 24) as f32
-        })
+        .map(|i| uniform(0, i as u64) as f32)
         .collect();
     Ok(Tensor::from_slice(
         backend,
