@@ -7,7 +7,9 @@
 //! fresh model and optimizer after `empty_cache`, and follows the reference protocol
 //! ([`cases`]). Output: a progress bar on stderr, a Markdown table on stdout (with PyTorch's
 //! figures and the ratios when `--pytorch anchor.jsonl` is given), `--json FILE` (one object per
-//! case under `cases`) and `--html FILE` (charts, [`html`]).
+//! case under `cases`) and `--html FILE` (charts, [`html`]). A case that fails (out of memory,
+//! an optimizer the device lacks) is reported and the others still run; the command then exits
+//! with an error.
 //!
 //! The breakdown, per case: `param_bytes`, `grad_bytes` and `state_bytes` are exact element
 //! counts × element sizes; `activation_bytes` is measured at the forward/backward boundary
@@ -195,7 +197,7 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
             }
         },
     };
-    let (results, device_name) = match cuda {
+    let (outcomes, device_name) = match cuda {
         Some(cuda) => {
             let synchronize = || Ok(cuda.synchronize()?);
             let probe = Probe {
@@ -222,6 +224,7 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
         }
     };
 
+    let Outcomes { results, failures } = outcomes;
     println!(
         "bench-memory on {} ({device_name}): warm-up {}, timed {}, sizes in decimal GB/MB\n",
         results.first().map_or("-", |r| r.device.as_str()),
@@ -236,9 +239,29 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
     if let Some(line) = report::finding(&results, 1) {
         println!("the tutorial's finding, {line}");
     }
+    for failure in &failures {
+        println!(
+            "failed: {} {} at batch {}: {}",
+            failure.model,
+            failure.case.name(),
+            failure.batch,
+            failure.error
+        );
+    }
     if let Some(path) = &options.json {
         let mut document = report::document(&results, &anchors, &options.command);
         document["device_name"] = device_name.clone().into();
+        document["failures"] = failures
+            .iter()
+            .map(|f| {
+                serde_json::json!({
+                    "case": f.case.name(),
+                    "model": f.model,
+                    "batch": f.batch,
+                    "error": f.error,
+                })
+            })
+            .collect();
         let text = serde_json::to_string_pretty(&document)?;
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
         eprintln!("bench-memory: wrote {}", path.display());
@@ -251,9 +274,12 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
     }
     eprintln!(
         "bench-memory: {} cases in {:.1} s",
-        results.len(),
+        results.len() + failures.len(),
         started.elapsed().as_secs_f64()
     );
+    if !failures.is_empty() {
+        bail!("{} of the cases failed", failures.len());
+    }
     Ok(results)
 }
 
@@ -262,7 +288,7 @@ fn run_cases<S: Storage>(
     probe: &Probe<'_, S>,
     options: &Options,
     defaults: &Defaults,
-) -> Result<Vec<CaseResult>> {
+) -> Result<Outcomes> {
     let model = match options.model {
         Some(model) => model,
         None => Model::named(defaults.model)?,
@@ -284,17 +310,48 @@ fn run_cases<S: Storage>(
         )?
         .progress_chars("=> "),
     );
-    let mut results = Vec::with_capacity(n_cases);
+    let mut run = Outcomes {
+        results: Vec::with_capacity(n_cases),
+        failures: Vec::new(),
+    };
     for &batch in &batches {
         for &case in &options.cases {
             bar.set_message(format!("{} batch {batch} {}", model.name, case.name()));
-            let result = cases::measure(probe, model, batch, case, options.protocol, &mut || {
-                bar.inc(1)
-            })
-            .with_context(|| format!("{} at batch {batch}", case.name()))?;
-            results.push(result);
+            let done = bar.position() + options.protocol.total_steps() as u64;
+            let tick = &mut || bar.inc(1);
+            match cases::measure(probe, model, batch, case, options.protocol, tick) {
+                Ok(result) => run.results.push(result),
+                Err(err) => {
+                    // Everything the case allocated was dropped with it: the next starts clean.
+                    bar.suspend(|| {
+                        eprintln!("bench-memory: {} at batch {batch}: {err:#}", case.name())
+                    });
+                    run.failures.push(Failure {
+                        case,
+                        model: model.name,
+                        batch,
+                        error: format!("{err:#}"),
+                    });
+                    bar.set_position(done);
+                }
+            }
         }
     }
     bar.finish_and_clear();
-    Ok(results)
+    Ok(run)
+}
+
+/// What the cases measured, and the cases that failed (an out-of-memory error, an optimizer
+/// the device lacks): the others still run and are reported.
+struct Outcomes {
+    results: Vec<CaseResult>,
+    failures: Vec<Failure>,
+}
+
+/// A case that returned an error.
+struct Failure {
+    case: Case,
+    model: &'static str,
+    batch: usize,
+    error: String,
 }

@@ -24,8 +24,9 @@ pub(crate) struct Anchor {
 /// PyTorch's anchors by (case, batch).
 pub(crate) type Anchors = HashMap<(String, usize), Anchor>;
 
-/// Reads an `anchor.jsonl`; lines without peak figures (the `env` line, errors, other phases)
-/// are skipped.
+/// Reads an `anchor.jsonl` (or the lines of `torch_reference.py case NAME BATCH` runs); lines
+/// that are not JSON objects (warnings) or lack peak figures (the `env` line, errors, other
+/// phases) are skipped.
 pub(crate) fn read_anchors(path: &Path) -> Result<Anchors> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -35,7 +36,7 @@ pub(crate) fn read_anchors(path: &Path) -> Result<Anchors> {
 pub(crate) fn parse_anchors(text: &str) -> Result<Anchors> {
     let mut anchors = HashMap::new();
     for (n, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
+        if !line.trim_start().starts_with('{') {
             continue;
         }
         let row: Value =

@@ -1,6 +1,6 @@
 //! `bench-memory` end to end on the CPU: the tiny ViT, two cases, one step each, checked against
-//! byte counts worked out by hand from the model's shapes; and the command line and the
-//! PyTorch anchors.
+//! byte counts worked out by hand from the model's shapes; cases that fail (out of memory) are
+//! reported without stopping the others; and the command line and the PyTorch anchors.
 
 use std::sync::Arc;
 
@@ -191,7 +191,8 @@ fn the_command_line_is_checked() {
 
 #[test]
 fn pytorch_anchors_are_read_from_torch_reference_output() {
-    let text = r#"{"case": "env", "torch": "2.11.0", "gpu": "NVIDIA H200"}
+    let text = r#"UserWarning: a line torch printed
+{"case": "env", "torch": "2.11.0", "gpu": "NVIDIA H200"}
 {"case": "adam_foreach", "batch": 1, "param_bytes": 1217000000, "first3_peak_alloc": 6200000000, "steady_peak_alloc": 6160000000, "steady_peak_reserved": 6430000000, "step_ms_median": 35.8, "step_ms_min": 35.1, "wall_s": 20.0}
 {"case": "adam8bit", "batch": 1, "error": "ModuleNotFoundError"}
 "#;
@@ -205,4 +206,52 @@ fn pytorch_anchors_are_read_from_torch_reference_output() {
     // Both foreach cases compare with PyTorch's foreach.
     assert_eq!(Case::AdamForeachUnbounded.pytorch_name(), "adam_foreach");
     assert!(report::parse_anchors("{not json").is_err());
+}
+
+#[test]
+fn failing_cases_are_reported_and_every_case_is_tried() {
+    use headroom_caching_allocator::{AllocatorConfig, CachingAllocator, HostStorage};
+
+    use super::cases::Probe;
+    use super::{run_cases, CPU_DEFAULTS};
+
+    // 1 MiB of host memory: less than one small-pool segment, so every case runs out of memory
+    // when it creates the model; each is reported, and the next one is still tried.
+    let cpu = Arc::new(CpuBackend::new(CachingAllocator::new(
+        HostStorage::with_capacity(1 << 20),
+        AllocatorConfig::default(),
+    )));
+    let synchronize = || Ok(());
+    let probe = Probe {
+        backend: cpu.clone(),
+        allocator: cpu.allocator(),
+        synchronize: &synchronize,
+        device: "cpu".into(),
+    };
+    let mut options = parse(&args(&[
+        "--model",
+        "vit_tiny",
+        "--batch",
+        "2",
+        "--cases",
+        "adam_foreach_unbounded,sgd",
+    ]))
+    .unwrap();
+    options.progress = false;
+    let outcomes = run_cases(&probe, &options, &CPU_DEFAULTS).unwrap();
+    assert!(outcomes.results.is_empty());
+    let failed: Vec<_> = outcomes
+        .failures
+        .iter()
+        .map(|f| (f.case, f.batch))
+        .collect();
+    assert_eq!(failed, [(Case::AdamForeachUnbounded, 2), (Case::Sgd, 2)]);
+    for failure in &outcomes.failures {
+        assert!(failure.error.contains("out of memory"), "{}", failure.error);
+    }
+    assert_eq!(
+        cpu.allocator().memory_allocated(),
+        0,
+        "nothing is left behind"
+    );
 }
