@@ -12,8 +12,8 @@ use anyhow::{bail, Result};
 
 const USAGE_HEAD: &str = "usage: cargo xtask <command> [options]\n\ncommands:\n";
 
-const USAGE: &str = "\
-  replay-trace FILE [--conf STRING] [--capacity BYTES] [--json] [--snapshot OUT.pickle]
+const USAGE: &str =
+    "  replay-trace FILE [--conf STRING] [--capacity BYTES] [--json] [--snapshot OUT.pickle]
                [--repeat N]
       Replays a PyTorch allocator trace (.tsv, .tsv.gz or a snapshot .pickle) through
       Headroom's caching allocator on simulated memory and prints what it measured.

@@ -18,8 +18,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use headroom_autograd_core::{uniform, BackendRef, DType, Generator, Tensor};
-use headroom_caching_allocator::{CachingAllocator, HistoryOptions, Storage};
+use headroom_caching_allocator::{CachingAllocator, HistoryOptions, HostStorage, Storage};
 use headroom_nn::{Module, VisionTransformer, VitConfig};
+use headroom_ops_cpu::CpuBackend;
 use headroom_optim::kernels::{Adam8bitConfig, AdamConfig, SgdConfig};
 use headroom_optim::{GroupOptimizer, Implementation, Optimizer, ParamGroup, UpdateRule};
 
@@ -207,6 +208,21 @@ pub(crate) struct Probe<'a, S: Storage> {
     pub(crate) synchronize: &'a dyn Fn() -> Result<()>,
     /// `cpu` or `cuda:0`.
     pub(crate) device: String,
+}
+
+impl<'a> Probe<'a, HostStorage> {
+    /// The CPU backend `cpu` (nothing to wait for).
+    pub(crate) fn cpu(cpu: &'a Arc<CpuBackend>) -> Probe<'a, HostStorage> {
+        fn ready() -> Result<()> {
+            Ok(())
+        }
+        Probe {
+            backend: cpu.clone(),
+            allocator: cpu.allocator(),
+            synchronize: &ready,
+            device: "cpu".into(),
+        }
+    }
 }
 
 /// A phase of a training step, in order.

@@ -85,8 +85,8 @@ const CPU_DEFAULTS: Defaults = Defaults {
     batches: &[1, 32],
 };
 
-pub(crate) const USAGE: &str = "\
-  bench-memory [--device auto|cpu|cuda] [--model NAME] [--batch N]... [--cases a,b,c]
+pub(crate) const USAGE: &str =
+    "  bench-memory [--device auto|cpu|cuda] [--model NAME] [--batch N]... [--cases a,b,c]
                [--warmup N] [--steps N] [--json FILE] [--html FILE] [--pytorch anchor.jsonl]
       Trains a ViT (loss = model(x).sum()) with each optimizer implementation: per case, a fresh
       model and optimizer, N warm-up steps (default 3; their peak is the first-3 peak), then N
@@ -211,13 +211,7 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
         }
         None => {
             let cpu = Arc::new(CpuBackend::default());
-            let synchronize = || Ok(());
-            let probe = Probe {
-                backend: cpu.clone(),
-                allocator: cpu.allocator(),
-                synchronize: &synchronize,
-                device: "cpu".into(),
-            };
+            let probe = Probe::cpu(&cpu);
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
             let name = format!("CPU backend, {threads} threads");
             (run_cases(&probe, options, &CPU_DEFAULTS)?, name)

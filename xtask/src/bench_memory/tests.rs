@@ -221,13 +221,7 @@ fn failing_cases_are_reported_and_every_case_is_tried() {
         HostStorage::with_capacity(1 << 20),
         AllocatorConfig::default(),
     )));
-    let synchronize = || Ok(());
-    let probe = Probe {
-        backend: cpu.clone(),
-        allocator: cpu.allocator(),
-        synchronize: &synchronize,
-        device: "cpu".into(),
-    };
+    let probe = Probe::cpu(&cpu);
     let mut options = parse(&args(&[
         "--model",
         "vit_tiny",
