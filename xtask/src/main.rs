@@ -3,17 +3,17 @@
 //! Each command is one module with a `run(args)` entry point. xtask sits on top of the library
 //! crates and may use anyhow; no library crate depends on it.
 
+mod bench_memory;
 mod build_kernels;
 mod replay_trace;
 mod tidy;
 
 use anyhow::{bail, Result};
 
-const USAGE: &str = "\
-usage: cargo xtask <command> [options]
+const USAGE_HEAD: &str = "usage: cargo xtask <command> [options]\n\ncommands:\n";
 
-commands:
-  replay-trace FILE [--conf STRING] [--capacity BYTES] [--json] [--snapshot OUT.pickle]
+const USAGE: &str =
+    "  replay-trace FILE [--conf STRING] [--capacity BYTES] [--json] [--snapshot OUT.pickle]
                [--repeat N]
       Replays a PyTorch allocator trace (.tsv, .tsv.gz or a snapshot .pickle) through
       Headroom's caching allocator on simulated memory and prints what it measured.
@@ -31,20 +31,25 @@ commands:
 fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
     let Some(command) = args.next() else {
-        print!("{USAGE}");
+        print!("{}", usage());
         return Ok(());
     };
     let rest: Vec<String> = args.collect();
     match command.as_str() {
+        "bench-memory" => bench_memory::run(&rest),
         "replay-trace" => replay_trace::run(&rest),
         "build-kernels" => build_kernels::run(&rest),
         "tidy" => tidy::run(),
         "help" | "--help" | "-h" => {
-            print!("{USAGE}");
+            print!("{}", usage());
             Ok(())
         }
-        other => bail!("unknown command `{other}`\n\n{USAGE}"),
+        other => bail!("unknown command `{other}`\n\n{}", usage()),
     }
+}
+
+fn usage() -> String {
+    format!("{USAGE_HEAD}{}{USAGE}", bench_memory::USAGE)
 }
 
 /// The workspace root (xtask lives one folder below it).

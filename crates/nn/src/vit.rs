@@ -6,7 +6,8 @@
 //! torchvision's step for step: patch embedding (a convolution with stride = kernel), class token
 //! prepended, position embedding added, pre-norm encoder blocks (LayerNorm eps 1e-6, exact GELU),
 //! final norm, the class token's row through the head. [`VitConfig`] holds the three
-//! configurations the project uses: the golden tiny model, `vit_b_16` and `vit_l_16`.
+//! configurations the project uses: the golden tiny model, `mini` (CPU benchmarks), `vit_b_16`
+//! and `vit_l_16`.
 
 use std::sync::Arc;
 
@@ -74,6 +75,23 @@ impl VitConfig {
             dropout: 0.0,
             attention_dropout: 0.0,
             layer_norm_eps: 1e-6,
+        }
+    }
+
+    /// A small ViT for benchmarks on the CPU (`cargo xtask bench-memory` without a GPU, the
+    /// optimizer examples): 64×64 images in 16×16 patches (17 tokens), 6 blocks of width 256
+    /// with 8 heads, MLP 1024, 1000 classes — 5,197,544 parameters. Like ViT-L/16 at batch 1,
+    /// parameters, gradients and optimizer state dominate its memory at batch 1; activations
+    /// do at batch 32.
+    pub fn mini() -> VitConfig {
+        VitConfig {
+            image_size: 64,
+            patch_size: 16,
+            num_layers: 6,
+            num_heads: 8,
+            hidden_dim: 256,
+            mlp_dim: 1024,
+            ..VitConfig::vit_b_16()
         }
     }
 

@@ -1,6 +1,7 @@
 //! Module behaviour beyond the golden models: weights survive a safetensors round trip (and a
-//! dtype change), dropout follows the training flag through a whole model, and a causal mask
-//! keeps later tokens out of earlier positions.
+//! dtype change), dropout follows the training flag through a whole model, a causal mask keeps
+//! later tokens out of earlier positions, and the CPU benchmark ViT (`VitConfig::mini`) has its
+//! documented size.
 
 use std::sync::Arc;
 
@@ -135,4 +136,16 @@ fn a_causal_mask_keeps_later_tokens_out_of_earlier_positions() {
     for (m, f) in math.iter().zip(&fused) {
         assert!((m - f).abs() <= 1e-14 * m.abs().max(1.0), "{m} vs {f}");
     }
+}
+
+#[test]
+fn the_mini_vit_has_the_documented_size() {
+    let cpu = CpuBackend::new_ref();
+    let config = VitConfig::mini();
+    let model =
+        VisionTransformer::new(&cpu, config, DType::F32, &Arc::new(Generator::new(0))).unwrap();
+    assert_eq!(model.num_parameters(), 5_197_544);
+    assert_eq!(config.seq_length(), 17);
+    let images = Tensor::zeros(&cpu, &[2, 3, 64, 64], DType::F32).unwrap();
+    assert_eq!(model.forward(&images).unwrap().shape(), [2, 1000]);
 }

@@ -1,0 +1,502 @@
+//! The cases of `bench-memory` and the protocol that measures one: which optimizer a case
+//! builds, the models, and one training run from a fresh model and optimizer.
+//!
+//! The protocol is `torch_reference.py`'s: input `rand(batch, 3, size, size)`, loss =
+//! `model(x).sum()`, f32 weights; the allocator's peak is reset, 3 warm-up steps from a fresh
+//! optimizer give the first-3 peak; the peak is reset again and the timed steps give the steady
+//! peak (allocated and reserved) and the step time (forward + backward + optimizer step +
+//! `zero_grad(set_to_none)`, the device synchronised before the clock is read). One more,
+//! untimed, step is traced: history is recorded under the context labels `forward`, `backward`,
+//! `step` and `zero_grad`, and the allocated bytes are sampled at each phase boundary.
+//!
+//! It sits on nn (the ViT), optim (the optimizers) and one backend's caching allocator, reached
+//! through [`Probe`]; it knows nothing about reports, files or the progress bar.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use headroom_autograd_core::{uniform, BackendRef, DType, Generator, Tensor};
+use headroom_caching_allocator::{CachingAllocator, HistoryOptions, HostStorage, Storage};
+use headroom_nn::{Module, VisionTransformer, VitConfig};
+use headroom_ops_cpu::CpuBackend;
+use headroom_optim::kernels::{Adam8bitConfig, AdamConfig, SgdConfig};
+use headroom_optim::{GroupOptimizer, Implementation, Optimizer, ParamGroup, UpdateRule};
+
+use super::timeline::{self, AtPeak, Timeline};
+
+/// One optimizer implementation under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Case {
+    /// Adam (lr 1e-4), foreach with temporaries bounded to [`headroom_optim::DEFAULT_FOREACH_CHUNK`].
+    AdamForeach,
+    /// Adam, foreach as PyTorch does it: temporaries for the whole parameter list.
+    AdamForeachUnbounded,
+    /// Adam, one parameter at a time (`foreach=False`).
+    AdamSingle,
+    /// Adam, one fused pass (`fused=True`).
+    AdamFused,
+    /// bitsandbytes' Adam8bit (lr 1e-4): 8-bit blockwise state.
+    Adam8bit,
+    /// SGD (lr 1e-3, no momentum), fused: no state, no temporaries.
+    Sgd,
+}
+
+impl Case {
+    /// Every case, in report order.
+    pub(crate) const ALL: [Case; 6] = [
+        Case::AdamForeach,
+        Case::AdamForeachUnbounded,
+        Case::AdamSingle,
+        Case::AdamFused,
+        Case::Adam8bit,
+        Case::Sgd,
+    ];
+
+    /// The case's name on the command line and in reports.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Case::AdamForeach => "adam_foreach",
+            Case::AdamForeachUnbounded => "adam_foreach_unbounded",
+            Case::AdamSingle => "adam_single",
+            Case::AdamFused => "adam_fused",
+            Case::Adam8bit => "adam8bit",
+            Case::Sgd => "sgd",
+        }
+    }
+
+    /// The case of `torch_reference.py` that computes the same update (PyTorch's foreach is
+    /// unbounded, so both foreach cases compare with it).
+    pub(crate) fn pytorch_name(self) -> &'static str {
+        match self {
+            Case::AdamForeachUnbounded => "adam_foreach",
+            other => other.name(),
+        }
+    }
+
+    /// The case named `name`.
+    pub(crate) fn parse(name: &str) -> Result<Case> {
+        Case::ALL
+            .into_iter()
+            .find(|case| case.name() == name)
+            .with_context(|| {
+                let names: Vec<_> = Case::ALL.iter().map(|c| c.name()).collect();
+                format!("unknown case `{name}` (cases: {})", names.join(", "))
+            })
+    }
+
+    fn optimizer(self, params: Vec<Tensor>) -> Result<Box<dyn BenchOptimizer>> {
+        fn build<R: UpdateRule>(
+            params: Vec<Tensor>,
+            config: R,
+            implementation: Implementation,
+        ) -> Result<Box<dyn BenchOptimizer>> {
+            let optimizer =
+                GroupOptimizer::new(vec![ParamGroup::new(params, config)], implementation)?;
+            Ok(Box::new(optimizer))
+        }
+        let adam = AdamConfig {
+            lr: 1e-4,
+            ..AdamConfig::adam()
+        };
+        match self {
+            Case::AdamForeach => build::<AdamConfig>(params, adam, Implementation::FOREACH),
+            Case::AdamForeachUnbounded => {
+                build::<AdamConfig>(params, adam, Implementation::FOREACH_UNBOUNDED)
+            }
+            Case::AdamSingle => build::<AdamConfig>(params, adam, Implementation::Single),
+            Case::AdamFused => build::<AdamConfig>(params, adam, Implementation::Fused),
+            Case::Adam8bit => {
+                let config = Adam8bitConfig {
+                    lr: 1e-4,
+                    ..Adam8bitConfig::adam()
+                };
+                build::<Adam8bitConfig>(params, config, Implementation::EightBit)
+            }
+            Case::Sgd => build::<SgdConfig>(params, SgdConfig::new(1e-3), Implementation::Fused),
+        }
+    }
+}
+
+/// An optimizer whose state can be counted.
+trait BenchOptimizer: Send {
+    fn optimizer(&mut self) -> &mut dyn Optimizer;
+    /// Bytes of every state tensor (numel × element size).
+    fn state_bytes(&self) -> u64;
+}
+
+impl<R: UpdateRule> BenchOptimizer for GroupOptimizer<R> {
+    fn optimizer(&mut self) -> &mut dyn Optimizer {
+        self
+    }
+
+    fn state_bytes(&self) -> u64 {
+        let mut bytes = 0;
+        for (g, group) in self.groups().iter().enumerate() {
+            for idx in 0..group.params.len() {
+                bytes += self
+                    .param_state(g, idx)
+                    .iter()
+                    .map(|(_, tensor)| tensor_bytes(tensor))
+                    .sum::<u64>();
+            }
+        }
+        bytes
+    }
+}
+
+/// A model of the benchmark.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Model {
+    /// Its name in reports.
+    pub(crate) name: &'static str,
+    /// torchvision's constructor arguments.
+    pub(crate) config: VitConfig,
+}
+
+impl Model {
+    /// Names accepted by `--model`.
+    pub(crate) const NAMES: [&'static str; 4] = ["vit_l_16", "vit_b_16", "vit_mini", "vit_tiny"];
+
+    /// The model named `name`: torchvision's `vit_l_16` and `vit_b_16`; `vit_mini`, the CPU
+    /// default ([`VitConfig::mini`], 5.2 M parameters, 17 tokens an image, so that, like
+    /// ViT-L/16 at batch 1, parameters, gradients and optimizer state dominate at batch 1 and
+    /// activations at batch 32); and `vit_tiny`, the golden tests' model, for quick checks.
+    pub(crate) fn named(name: &str) -> Result<Model> {
+        let config = match name {
+            "vit_l_16" => VitConfig::vit_l_16(),
+            "vit_b_16" => VitConfig::vit_b_16(),
+            "vit_mini" => VitConfig::mini(),
+            "vit_tiny" => VitConfig::tiny(),
+            other => bail!(
+                "unknown model `{other}` (models: {})",
+                Model::NAMES.join(", ")
+            ),
+        };
+        let name = Model::NAMES
+            .into_iter()
+            .find(|n| *n == name)
+            .expect("matched above");
+        Ok(Model { name, config })
+    }
+}
+
+/// How many steps of each kind a case runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Protocol {
+    /// Warm-up steps from the fresh optimizer (their peak is the first-3 peak).
+    pub(crate) warmup: usize,
+    /// Timed steps (at least 1).
+    pub(crate) steps: usize,
+}
+
+impl Protocol {
+    /// Steps one case runs, the traced one included (for the progress bar).
+    pub(crate) fn total_steps(self) -> usize {
+        self.warmup + self.steps + 1
+    }
+}
+
+/// The device under test: its backend, its allocator and how to wait for it.
+pub(crate) struct Probe<'a, S: Storage> {
+    /// The backend tensors are created on.
+    pub(crate) backend: BackendRef,
+    /// The backend's caching allocator.
+    pub(crate) allocator: &'a CachingAllocator<S>,
+    /// Waits until the device has finished every launched kernel.
+    pub(crate) synchronize: &'a dyn Fn() -> Result<()>,
+    /// `cpu` or `cuda:0`.
+    pub(crate) device: String,
+}
+
+impl<'a> Probe<'a, HostStorage> {
+    /// The CPU backend `cpu` (nothing to wait for).
+    pub(crate) fn cpu(cpu: &'a Arc<CpuBackend>) -> Probe<'a, HostStorage> {
+        fn ready() -> Result<()> {
+            Ok(())
+        }
+        Probe {
+            backend: cpu.clone(),
+            allocator: cpu.allocator(),
+            synchronize: &ready,
+            device: "cpu".into(),
+        }
+    }
+}
+
+/// A phase of a training step, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    Forward,
+    Backward,
+    Step,
+    ZeroGrad,
+}
+
+impl Phase {
+    pub(crate) const ALL: [Phase; 4] = [
+        Phase::Forward,
+        Phase::Backward,
+        Phase::Step,
+        Phase::ZeroGrad,
+    ];
+
+    /// The context label the traced step records it under.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Step => "step",
+            Phase::ZeroGrad => "zero_grad",
+        }
+    }
+}
+
+/// Allocated bytes around one phase of the traced step (exact, from the allocator).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PhaseBytes {
+    pub(crate) phase: Phase,
+    /// Allocated when the phase began.
+    pub(crate) before: u64,
+    /// Allocated when it ended.
+    pub(crate) after: u64,
+    /// The largest allocated figure during the phase.
+    pub(crate) peak: u64,
+}
+
+/// What one case measured.
+#[derive(Debug, Clone)]
+pub(crate) struct CaseResult {
+    pub(crate) case: Case,
+    pub(crate) model: &'static str,
+    pub(crate) batch: usize,
+    pub(crate) device: String,
+    /// Scalar parameters.
+    pub(crate) n_params: usize,
+    /// Σ numel × 4 over the parameters.
+    pub(crate) param_bytes: u64,
+    /// Σ numel × 4 over the gradients after backward.
+    pub(crate) grad_bytes: u64,
+    /// Σ numel × element size over the optimizer's state tensors after the steps.
+    pub(crate) state_bytes: u64,
+    /// Allocated after the forward (loss computed) minus allocated before it: what the forward
+    /// keeps for backward.
+    pub(crate) activation_bytes: u64,
+    /// Peak allocated over the warm-up steps.
+    pub(crate) first3_peak_allocated_bytes: u64,
+    /// Peak allocated over the timed steps.
+    pub(crate) peak_allocated_bytes: u64,
+    /// Peak reserved over the timed steps.
+    pub(crate) peak_reserved_bytes: u64,
+    /// Median step time (`sorted[n / 2]`, as `torch_reference.py` takes it).
+    pub(crate) step_ms: f64,
+    /// Fastest step.
+    pub(crate) step_ms_min: f64,
+    /// Every timed step, in order.
+    pub(crate) times_ms: Vec<f64>,
+    /// The traced step's phases.
+    pub(crate) phases: Vec<PhaseBytes>,
+    /// The traced step's peak allocated bytes, split by what held them.
+    pub(crate) at_peak: AtPeak,
+    /// The traced step's requested bytes after each allocator event.
+    pub(crate) timeline: Timeline,
+}
+
+/// Runs `case` on `model` at `batch` with `protocol` and measures it; `tick` is called after
+/// every step.
+pub(crate) fn measure<S: Storage>(
+    probe: &Probe<'_, S>,
+    model: Model,
+    batch: usize,
+    case: Case,
+    protocol: Protocol,
+    tick: &mut dyn FnMut(),
+) -> Result<CaseResult> {
+    let allocator = probe.allocator;
+    allocator.empty_cache()?;
+    let vit = VisionTransformer::new(
+        &probe.backend,
+        model.config,
+        DType::F32,
+        &Arc::new(Generator::new(0)),
+    )?;
+    let params = vit.parameters();
+    let n_params = params.iter().map(Tensor::numel).sum();
+    let param_bytes = params.iter().map(tensor_bytes).sum();
+    let mut optimizer = case.optimizer(params.clone())?;
+    let images = input(&probe.backend, batch, model.config.image_size)?;
+    let mut run = Run {
+        vit: &vit,
+        images: &images,
+        optimizer: optimizer.optimizer(),
+    };
+
+    (probe.synchronize)()?;
+    allocator.reset_peak_stats();
+    for _ in 0..protocol.warmup {
+        run.step()?;
+        tick();
+    }
+    (probe.synchronize)()?;
+    let first3_peak = allocator.max_memory_allocated();
+
+    allocator.reset_peak_stats();
+    let mut times_ms = Vec::with_capacity(protocol.steps);
+    for _ in 0..protocol.steps {
+        (probe.synchronize)()?;
+        let start = Instant::now();
+        run.step()?;
+        (probe.synchronize)()?;
+        times_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        tick();
+    }
+    let stats = allocator.memory_stats();
+    let mut sorted = times_ms.clone();
+    sorted.sort_by(f64::total_cmp);
+
+    let traced = run.traced_step(probe)?;
+    tick();
+    let state_bytes = optimizer.state_bytes();
+    let (timeline, at_peak) = timeline::analyse(
+        &traced.entries,
+        traced.requested_before,
+        &traced.grad_addresses,
+        timeline::Persistent {
+            parameters: param_bytes,
+            optimizer_state: state_bytes,
+        },
+        traced.peak_allocated,
+    )?;
+    let forward = traced.phases[0];
+    Ok(CaseResult {
+        case,
+        model: model.name,
+        batch,
+        device: probe.device.clone(),
+        n_params,
+        param_bytes,
+        grad_bytes: traced.grad_bytes,
+        state_bytes,
+        activation_bytes: forward.after.saturating_sub(forward.before),
+        first3_peak_allocated_bytes: first3_peak,
+        peak_allocated_bytes: stats.allocated_bytes.all.peak as u64,
+        peak_reserved_bytes: stats.reserved_bytes.all.peak as u64,
+        step_ms: sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN),
+        step_ms_min: sorted.first().copied().unwrap_or(f64::NAN),
+        times_ms,
+        phases: traced.phases,
+        at_peak,
+        timeline,
+    })
+}
+
+/// Bytes of a tensor's elements.
+pub(crate) fn tensor_bytes(tensor: &Tensor) -> u64 {
+    (tensor.numel() * tensor.dtype().size_in_bytes()) as u64
+}
+
+/// `rand(batch, 3, size, size)` from autograd-core's counter-based stream (seed 0).
+fn input(backend: &BackendRef, batch: usize, size: usize) -> Result<Tensor> {
+    let pixels: Vec<f32> = (0..batch * 3 * size * size)
+        .map(|i| uniform(0, i as u64) as f32)
+        .collect();
+    Ok(Tensor::from_slice(
+        backend,
+        &pixels,
+        &[batch, 3, size, size],
+    )?)
+}
+
+/// What the traced step recorded.
+struct Traced {
+    entries: Vec<headroom_caching_allocator::TraceEntry>,
+    requested_before: u64,
+    peak_allocated: u64,
+    phases: Vec<PhaseBytes>,
+    grad_addresses: HashSet<u64>,
+    grad_bytes: u64,
+}
+
+/// A model, its input and its optimizer: one training step at a time.
+struct Run<'a> {
+    vit: &'a VisionTransformer,
+    images: &'a Tensor,
+    optimizer: &'a mut dyn Optimizer,
+}
+
+impl Run<'_> {
+    fn step(&mut self) -> Result<()> {
+        let mut loss = None;
+        for phase in Phase::ALL {
+            self.phase(phase, &mut loss)?;
+        }
+        Ok(())
+    }
+
+    /// Runs one phase; `loss` carries the forward's result to backward, which drops it.
+    fn phase(&mut self, phase: Phase, loss: &mut Option<Tensor>) -> Result<()> {
+        match phase {
+            Phase::Forward => *loss = Some(self.vit.forward(self.images)?.sum_all()?),
+            Phase::Backward => loss.take().context("backward without a loss")?.backward()?,
+            Phase::Step => self.optimizer.step()?,
+            Phase::ZeroGrad => self.optimizer.zero_grad(true)?,
+        }
+        Ok(())
+    }
+
+    /// One step with history recorded under phase labels, and the allocated bytes and peak of
+    /// each phase (the peak is reset at each boundary, so the step's peak is their maximum).
+    fn traced_step<S: Storage>(&mut self, probe: &Probe<'_, S>) -> Result<Traced> {
+        let allocator = probe.allocator;
+        (probe.synchronize)()?;
+        let requested_before = allocator.memory_stats().requested_bytes.all.current as u64;
+        allocator.record_history(Some(HistoryOptions {
+            max_entries: 1 << 24,
+            record_context: true,
+        }));
+        let mut phases = Vec::with_capacity(Phase::ALL.len());
+        let mut loss = None;
+        let mut grads = (HashSet::new(), 0);
+        for phase in Phase::ALL {
+            let _context = allocator.push_context(phase.label());
+            allocator.reset_peak_stats();
+            let before = allocator.memory_allocated();
+            self.phase(phase, &mut loss)?;
+            phases.push(PhaseBytes {
+                phase,
+                before,
+                after: allocator.memory_allocated(),
+                peak: allocator.max_memory_allocated(),
+            });
+            if phase == Phase::Backward {
+                grads = gradients(self.vit);
+            }
+        }
+        (probe.synchronize)()?;
+        let snapshot = allocator.snapshot();
+        allocator.record_history(None);
+        let entries = snapshot.device_traces.into_iter().flatten().collect();
+        Ok(Traced {
+            entries,
+            requested_before,
+            peak_allocated: phases.iter().map(|p| p.peak).max().unwrap_or(0),
+            phases,
+            grad_addresses: grads.0,
+            grad_bytes: grads.1,
+        })
+    }
+}
+
+/// The buffer addresses of the model's gradients, and their bytes.
+fn gradients(vit: &VisionTransformer) -> (HashSet<u64>, u64) {
+    let mut addresses = HashSet::new();
+    let mut bytes = 0;
+    for param in vit.parameters() {
+        if let Some(grad) = param.grad() {
+            addresses.insert(grad.buffer().address());
+            bytes += tensor_bytes(&grad);
+        }
+    }
+    (addresses, bytes)
+}

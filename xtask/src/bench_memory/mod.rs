@@ -1,0 +1,351 @@
+//! `cargo xtask bench-memory`: trains a ViT with each optimizer implementation and reports, per
+//! case, peak allocated and reserved bytes, step time and where the memory goes.
+//!
+//! On a GPU (`CudaBackend::new(0)` succeeds): torchvision's ViT-L/16 at batch 1 and 32, the
+//! settings of PyTorch's anchors (`torch_reference.py`). Without one: the CPU backend on
+//! `vit_mini` (see [`cases::Model::named`]), a few minutes on two cores. Each case starts from a
+//! fresh model and optimizer after `empty_cache`, and follows the reference protocol
+//! ([`cases`]). Output: a progress bar on stderr, a Markdown table on stdout (with PyTorch's
+//! figures and the ratios when `--pytorch anchor.jsonl` is given), `--json FILE` (one object per
+//! case under `cases`) and `--html FILE` (charts, [`html`]). A case that fails (out of memory,
+//! an optimizer the device lacks) is reported and the others still run; the command then exits
+//! with an error.
+//!
+//! The breakdown, per case: `param_bytes`, `grad_bytes` and `state_bytes` are exact element
+//! counts × element sizes; `activation_bytes` is measured at the forward/backward boundary
+//! (allocated after the loss minus allocated before the forward: what the forward keeps for
+//! backward); and the traced step's peak is split by what held it at that moment
+//! ([`timeline`]), the components adding up to that peak exactly.
+//!
+//! Modules: [`cases`] (cases, models, protocol), [`timeline`] (history → timeline and
+//! breakdown), [`report`] (table, JSON, anchors), [`html`] (charts). This one parses the
+//! options, picks the device and drives the cases.
+
+mod cases;
+mod html;
+mod report;
+mod timeline;
+
+#[cfg(test)]
+mod tests;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use headroom_caching_allocator::Storage;
+use headroom_ops_cpu::CpuBackend;
+use headroom_ops_cuda::CudaBackend;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use cases::{Case, CaseResult, Model, Probe, Protocol};
+use report::Anchors;
+
+/// Which device `--device` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DeviceChoice {
+    /// CUDA when `CudaBackend::new(0)` succeeds, else the CPU.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+/// The parsed command line.
+#[derive(Debug, Clone)]
+struct Options {
+    device: DeviceChoice,
+    /// Empty: the device's defaults.
+    batches: Vec<usize>,
+    cases: Vec<Case>,
+    /// `None`: the device's default.
+    model: Option<Model>,
+    protocol: Protocol,
+    json: Option<PathBuf>,
+    html: Option<PathBuf>,
+    pytorch: Option<PathBuf>,
+    progress: bool,
+    /// The command line, for the JSON document.
+    command: String,
+}
+
+/// The model and batch sizes a device runs when none are given.
+struct Defaults {
+    model: &'static str,
+    batches: &'static [usize],
+}
+
+const CUDA_DEFAULTS: Defaults = Defaults {
+    model: "vit_l_16",
+    batches: &[1, 32],
+};
+
+const CPU_DEFAULTS: Defaults = Defaults {
+    model: "vit_mini",
+    batches: &[1, 32],
+};
+
+pub(crate) const USAGE: &str =
+    "  bench-memory [--device auto|cpu|cuda] [--model NAME] [--batch N]... [--cases a,b,c]
+               [--warmup N] [--steps N] [--json FILE] [--html FILE] [--pytorch anchor.jsonl]
+      Trains a ViT (loss = model(x).sum()) with each optimizer implementation: per case, a fresh
+      model and optimizer, N warm-up steps (default 3; their peak is the first-3 peak), then N
+      timed steps (default 6: steady peak allocated and reserved, median step time), then one
+      traced step (memory by phase and by component at the peak). Prints a Markdown table.
+      Device auto: CUDA when a GPU answers (ViT-L/16, batch 1 and 32), else the CPU backend
+      (vit_mini, batch 1 and 32). Models: vit_l_16, vit_b_16, vit_mini, vit_tiny. Cases
+      (default all): adam_foreach (bounded temporaries), adam_foreach_unbounded (PyTorch's),
+      adam_single, adam_fused, adam8bit, sgd. --json writes one object per case, --html
+      charts; --pytorch reads torch_reference.py's anchor.jsonl and adds PyTorch's figures.
+";
+
+/// `cargo xtask bench-memory ARGS`.
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let options = parse(args)?;
+    execute(&options).map(|_| ())
+}
+
+fn parse(args: &[String]) -> Result<Options> {
+    let mut options = Options {
+        device: DeviceChoice::Auto,
+        batches: Vec::new(),
+        cases: Case::ALL.to_vec(),
+        model: None,
+        protocol: Protocol {
+            warmup: 3,
+            steps: 6,
+        },
+        json: None,
+        html: None,
+        pytorch: None,
+        progress: true,
+        command: std::iter::once("cargo xtask bench-memory".to_owned())
+            .chain(args.iter().cloned())
+            .collect::<Vec<_>>()
+            .join(" "),
+    };
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        let mut value = || {
+            args.next()
+                .with_context(|| format!("{arg} needs a value"))
+                .cloned()
+        };
+        let number = |text: String| -> Result<usize> {
+            text.parse()
+                .with_context(|| format!("{arg} {text}: not a whole number"))
+        };
+        match arg.as_str() {
+            "--device" => {
+                options.device = match value()?.as_str() {
+                    "auto" => DeviceChoice::Auto,
+                    "cpu" => DeviceChoice::Cpu,
+                    "cuda" => DeviceChoice::Cuda,
+                    other => bail!("--device {other}: expected auto, cpu or cuda"),
+                }
+            }
+            "--model" => options.model = Some(Model::named(&value()?)?),
+            "--batch" => {
+                let batch = number(value()?)?;
+                if batch == 0 {
+                    bail!("--batch must be at least 1");
+                }
+                options.batches.push(batch);
+            }
+            "--cases" => {
+                options.cases = value()?
+                    .split(',')
+                    .filter(|name| !name.is_empty())
+                    .map(Case::parse)
+                    .collect::<Result<_>>()?;
+                if options.cases.is_empty() {
+                    bail!("--cases names no case");
+                }
+            }
+            "--warmup" => options.protocol.warmup = number(value()?)?,
+            "--steps" => {
+                options.protocol.steps = number(value()?)?;
+                if options.protocol.steps == 0 {
+                    bail!("--steps must be at least 1");
+                }
+            }
+            "--json" => options.json = Some(value()?.into()),
+            "--html" => options.html = Some(value()?.into()),
+            "--pytorch" => options.pytorch = Some(value()?.into()),
+            other => bail!("unknown option {other}\n\nusage:\n{USAGE}"),
+        }
+    }
+    Ok(options)
+}
+
+/// Runs every case the options name on the device they pick, prints the table and writes the
+/// files; returns what was measured.
+fn execute(options: &Options) -> Result<Vec<CaseResult>> {
+    let anchors = match &options.pytorch {
+        Some(path) => report::read_anchors(path)?,
+        None => Anchors::new(),
+    };
+    let started = Instant::now();
+    let cuda = match options.device {
+        DeviceChoice::Cpu => None,
+        DeviceChoice::Cuda => Some(CudaBackend::new(0).context("--device cuda")?),
+        DeviceChoice::Auto => match CudaBackend::new(0) {
+            Ok(cuda) => Some(cuda),
+            Err(err) => {
+                eprintln!("bench-memory: no CUDA device ({err}); running on the CPU backend");
+                None
+            }
+        },
+    };
+    let (outcomes, device_name) = match cuda {
+        Some(cuda) => {
+            let synchronize = || Ok(cuda.synchronize()?);
+            let probe = Probe {
+                backend: cuda.clone(),
+                allocator: cuda.allocator(),
+                synchronize: &synchronize,
+                device: "cuda:0".into(),
+            };
+            let name = cuda.allocator().with_storage(|s| s.device_name());
+            (run_cases(&probe, options, &CUDA_DEFAULTS)?, name)
+        }
+        None => {
+            let cpu = Arc::new(CpuBackend::default());
+            let probe = Probe::cpu(&cpu);
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let name = format!("CPU backend, {threads} threads");
+            (run_cases(&probe, options, &CPU_DEFAULTS)?, name)
+        }
+    };
+
+    let Outcomes { results, failures } = outcomes;
+    println!(
+        "bench-memory on {} ({device_name}): warm-up {}, timed {}, sizes in decimal GB/MB\n",
+        results.first().map_or("-", |r| r.device.as_str()),
+        options.protocol.warmup,
+        options.protocol.steps
+    );
+    println!("{}", report::markdown(&results, &anchors));
+    println!(
+        "activations: allocated after the loss minus before the forward. peak in: the phase of \
+         the traced step's peak (its components are in --json and --html)."
+    );
+    if let Some(line) = report::finding(&results, 1) {
+        println!("the tutorial's finding, {line}");
+    }
+    for failure in &failures {
+        println!(
+            "failed: {} {} at batch {}: {}",
+            failure.model,
+            failure.case.name(),
+            failure.batch,
+            failure.error
+        );
+    }
+    if let Some(path) = &options.json {
+        let mut document = report::document(&results, &anchors, &options.command);
+        document["device_name"] = device_name.clone().into();
+        document["failures"] = failures
+            .iter()
+            .map(|f| {
+                serde_json::json!({
+                    "case": f.case.name(),
+                    "model": f.model,
+                    "batch": f.batch,
+                    "error": f.error,
+                })
+            })
+            .collect();
+        let text = serde_json::to_string_pretty(&document)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("bench-memory: wrote {}", path.display());
+    }
+    if let Some(path) = &options.html {
+        let title = format!("Headroom bench-memory · {device_name}");
+        std::fs::write(path, html::page(&results, &anchors, &title))
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("bench-memory: wrote {}", path.display());
+    }
+    eprintln!(
+        "bench-memory: {} cases in {:.1} s",
+        results.len() + failures.len(),
+        started.elapsed().as_secs_f64()
+    );
+    if !failures.is_empty() {
+        bail!("{} of the cases failed", failures.len());
+    }
+    Ok(results)
+}
+
+/// Every (batch, case) of the options on `probe`'s device, under a progress bar.
+fn run_cases<S: Storage>(
+    probe: &Probe<'_, S>,
+    options: &Options,
+    defaults: &Defaults,
+) -> Result<Outcomes> {
+    let model = match options.model {
+        Some(model) => model,
+        None => Model::named(defaults.model)?,
+    };
+    let batches = if options.batches.is_empty() {
+        defaults.batches.to_vec()
+    } else {
+        options.batches.clone()
+    };
+    let n_cases = batches.len() * options.cases.len();
+    let bar = if options.progress {
+        ProgressBar::new((n_cases * options.protocol.total_steps()) as u64)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg:36} [{bar:30}] {pos}/{len} steps, {elapsed} (eta {eta})",
+        )?
+        .progress_chars("=> "),
+    );
+    let mut run = Outcomes {
+        results: Vec::with_capacity(n_cases),
+        failures: Vec::new(),
+    };
+    for &batch in &batches {
+        for &case in &options.cases {
+            bar.set_message(format!("{} batch {batch} {}", model.name, case.name()));
+            let done = bar.position() + options.protocol.total_steps() as u64;
+            let tick = &mut || bar.inc(1);
+            match cases::measure(probe, model, batch, case, options.protocol, tick) {
+                Ok(result) => run.results.push(result),
+                Err(err) => {
+                    // Everything the case allocated was dropped with it: the next starts clean.
+                    bar.suspend(|| {
+                        eprintln!("bench-memory: {} at batch {batch}: {err:#}", case.name())
+                    });
+                    run.failures.push(Failure {
+                        case,
+                        model: model.name,
+                        batch,
+                        error: format!("{err:#}"),
+                    });
+                    bar.set_position(done);
+                }
+            }
+        }
+    }
+    bar.finish_and_clear();
+    Ok(run)
+}
+
+/// What the cases measured, and the cases that failed (an out-of-memory error, an optimizer
+/// the device lacks): the others still run and are reported.
+struct Outcomes {
+    results: Vec<CaseResult>,
+    failures: Vec<Failure>,
+}
+
+/// A case that returned an error.
+struct Failure {
+    case: Case,
+    model: &'static str,
+    batch: usize,
+    error: String,
+}

@@ -1,0 +1,251 @@
+//! `bench-memory` end to end on the CPU: the tiny ViT, two cases, one step each, checked against
+//! byte counts worked out by hand from the model's shapes; cases that fail (out of memory) are
+//! reported without stopping the others; and the command line and the PyTorch anchors.
+
+use std::sync::Arc;
+
+use headroom_autograd_core::{DType, Generator};
+use headroom_nn::{Module, VisionTransformer, VitConfig};
+use headroom_ops_cpu::CpuBackend;
+use serde_json::Value;
+
+use super::cases::{Case, Model};
+use super::{execute, parse, report, DeviceChoice};
+
+/// `VitConfig::tiny()`'s parameters: class token 64, patch embedding 64·3·8·8 + 64, position
+/// embedding 17·64, two blocks of 33,472 (norms 2·128, in-projection 3·64·64 + 192,
+/// out-projection 64·64 + 64, MLP 64·128 + 128 and 128·64 + 64), final norm 128, head 64·10 + 10.
+const TINY_PARAMS: u64 = 64 + 12_288 + 64 + 1_088 + 2 * 33_472 + 128 + 650;
+
+/// bitsandbytes' 8-bit Adam state of a parameter of `n` elements: two u8 codes per element and
+/// two f32 scales per block of 256 from 4096 elements on, two f32 moments below.
+fn adam8bit_state_bytes(n: u64) -> u64 {
+    if n >= 4096 {
+        2 * n + 2 * 4 * n.div_ceil(256)
+    } else {
+        2 * 4 * n
+    }
+}
+
+fn args(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn bench_memory_on_the_tiny_vit_reports_exact_parameter_gradient_and_state_bytes() {
+    let dir = std::env::temp_dir().join(format!("headroom-bench-memory-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (json_path, html_path) = (dir.join("bench.json"), dir.join("bench.html"));
+    let mut options = parse(&args(&[
+        "--device",
+        "cpu",
+        "--model",
+        "vit_tiny",
+        "--batch",
+        "2",
+        "--cases",
+        "adam_foreach,adam8bit",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--json",
+        json_path.to_str().unwrap(),
+        "--html",
+        html_path.to_str().unwrap(),
+    ]))
+    .unwrap();
+    options.progress = false;
+    let results = execute(&options).unwrap();
+    assert_eq!(results.len(), 2);
+
+    // The state bytes worked out from the model's shapes, and by hand.
+    let cpu = CpuBackend::new_ref();
+    let model = VisionTransformer::new(
+        &cpu,
+        VitConfig::tiny(),
+        DType::F32,
+        &Arc::new(Generator::new(0)),
+    )
+    .unwrap();
+    let sizes: Vec<u64> = model
+        .parameters()
+        .iter()
+        .map(|p| p.numel() as u64)
+        .collect();
+    assert_eq!(sizes.iter().sum::<u64>(), TINY_PARAMS);
+    let eight_bit_state: u64 = sizes.iter().map(|&n| adam8bit_state_bytes(n)).sum();
+    // Quantized: the patch embedding, two in-projections (12,288 each: 24,960 bytes), two
+    // out-projections (4,096: 8,320) and four MLP weights (8,192: 16,640); 3,402 elements of
+    // small parameters keep f32 moments (27,216 bytes).
+    assert_eq!(
+        eight_bit_state,
+        24_960 * 3 + 8_320 * 2 + 16_640 * 4 + 27_216
+    );
+
+    let document: Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap()).unwrap();
+    let cases = document["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 2);
+    let input_bytes = 2 * 3 * 32 * 32 * 4;
+    for (case, expected_state) in cases.iter().zip([2 * 4 * TINY_PARAMS, eight_bit_state]) {
+        let name = case["case"].as_str().unwrap();
+        assert_eq!(case["model"], "vit_tiny", "{name}");
+        assert_eq!(case["batch"], 2, "{name}");
+        assert_eq!(case["device"], "cpu", "{name}");
+        assert_eq!(case["param_bytes"], 4 * TINY_PARAMS, "{name}");
+        assert_eq!(case["grad_bytes"], 4 * TINY_PARAMS, "{name}");
+        assert_eq!(case["state_bytes"], expected_state, "{name}");
+        assert!(case["step_ms"].as_f64().unwrap() > 0.0, "{name}");
+        let peak = case["peak_allocated_bytes"].as_u64().unwrap();
+        let reserved = case["peak_reserved_bytes"].as_u64().unwrap();
+        assert!(
+            reserved >= peak,
+            "{name}: reserved {reserved} < allocated {peak}"
+        );
+        // Parameters, state and input stay allocated through the step; every other byte was
+        // allocated by it.
+        let persistent = 4 * TINY_PARAMS + expected_state + input_bytes;
+        assert!(peak > persistent, "{name}: peak {peak}");
+
+        let traced = &case["traced_step"];
+        let at_peak = traced["at_peak"].as_object().unwrap();
+        let total: u64 = at_peak.values().map(|v| v.as_u64().unwrap()).sum();
+        assert_eq!(traced["peak_allocated_bytes"], total, "{name}");
+        let phase_peak = traced["phases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["peak_allocated_bytes"].as_u64().unwrap())
+            .max()
+            .unwrap();
+        assert_eq!(
+            total, phase_peak,
+            "{name}: components vs the allocator's peak"
+        );
+        assert_eq!(at_peak["parameters"], 4 * TINY_PARAMS, "{name}");
+        assert_eq!(at_peak["optimizer_state"], expected_state, "{name}");
+        assert_eq!(at_peak["input_and_other"], input_bytes, "{name}");
+        // The traced step's phases start where the previous ended, and zero_grad frees exactly
+        // the gradients (each its own 512-byte-rounded block).
+        let phases = traced["phases"].as_array().unwrap();
+        for pair in phases.windows(2) {
+            assert_eq!(
+                pair[0]["allocated_after_bytes"], pair[1]["allocated_before_bytes"],
+                "{name}"
+            );
+        }
+        let zero_grad = &phases[3];
+        let rounded_grads: u64 = sizes.iter().map(|n| (4 * n).div_ceil(512) * 512).sum();
+        assert_eq!(
+            zero_grad["allocated_before_bytes"].as_u64().unwrap()
+                - zero_grad["allocated_after_bytes"].as_u64().unwrap(),
+            rounded_grads,
+            "{name}"
+        );
+    }
+    // 8-bit Adam peaks lower than foreach Adam.
+    assert!(cases[1]["peak_allocated_bytes"].as_u64() < cases[0]["peak_allocated_bytes"].as_u64());
+
+    let html = std::fs::read_to_string(&html_path).unwrap();
+    assert_eq!(
+        html.matches("<svg").count(),
+        3,
+        "one bar chart, two timelines"
+    );
+    for external in ["<script", "src=", "href=", "<link"] {
+        assert!(
+            !html.contains(external),
+            "the page loads nothing: {external}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn the_command_line_is_checked() {
+    let options = parse(&args(&["--batch", "1", "--batch", "32", "--cases", "sgd"])).unwrap();
+    assert_eq!(options.device, DeviceChoice::Auto);
+    assert_eq!(options.batches, [1, 32]);
+    assert_eq!(options.cases, [Case::Sgd]);
+    assert_eq!((options.protocol.warmup, options.protocol.steps), (3, 6));
+    assert_eq!(options.model, None);
+    let model = parse(&args(&["--model", "vit_l_16"]))
+        .unwrap()
+        .model
+        .unwrap();
+    assert_eq!(model, Model::named("vit_l_16").unwrap());
+    for (bad, message) in [
+        (&["--cases", "adam,sgd"][..], "unknown case `adam`"),
+        (&["--steps", "0"], "at least 1"),
+        (&["--batch", "x"], "not a whole number"),
+        (&["--device", "tpu"], "expected auto, cpu or cuda"),
+        (&["--model", "resnet"], "unknown model"),
+        (&["--json"], "needs a value"),
+        (&["--frobnicate"], "unknown option"),
+    ] {
+        let err = parse(&args(bad)).unwrap_err();
+        assert!(format!("{err:#}").contains(message), "{bad:?}: {err:#}");
+    }
+}
+
+#[test]
+fn pytorch_anchors_are_read_from_torch_reference_output() {
+    let text = r#"UserWarning: a line torch printed
+{"case": "env", "torch": "2.11.0", "gpu": "NVIDIA H200"}
+{"case": "adam_foreach", "batch": 1, "param_bytes": 1217000000, "first3_peak_alloc": 6200000000, "steady_peak_alloc": 6160000000, "steady_peak_reserved": 6430000000, "step_ms_median": 35.8, "step_ms_min": 35.1, "wall_s": 20.0}
+{"case": "adam8bit", "batch": 1, "error": "ModuleNotFoundError"}
+"#;
+    let anchors = report::parse_anchors(text).unwrap();
+    assert_eq!(anchors.len(), 1);
+    let anchor = anchors[&("adam_foreach".to_owned(), 1)];
+    assert_eq!(anchor.steady_peak_alloc, 6_160_000_000);
+    assert_eq!(anchor.steady_peak_reserved, 6_430_000_000);
+    assert_eq!(anchor.first3_peak_alloc, 6_200_000_000);
+    assert_eq!(anchor.step_ms_median, 35.8);
+    // Both foreach cases compare with PyTorch's foreach.
+    assert_eq!(Case::AdamForeachUnbounded.pytorch_name(), "adam_foreach");
+    assert!(report::parse_anchors("{not json").is_err());
+}
+
+#[test]
+fn failing_cases_are_reported_and_every_case_is_tried() {
+    use headroom_caching_allocator::{AllocatorConfig, CachingAllocator, HostStorage};
+
+    use super::cases::Probe;
+    use super::{run_cases, CPU_DEFAULTS};
+
+    // 1 MiB of host memory: less than one small-pool segment, so every case runs out of memory
+    // when it creates the model; each is reported, and the next one is still tried.
+    let cpu = Arc::new(CpuBackend::new(CachingAllocator::new(
+        HostStorage::with_capacity(1 << 20),
+        AllocatorConfig::default(),
+    )));
+    let probe = Probe::cpu(&cpu);
+    let mut options = parse(&args(&[
+        "--model",
+        "vit_tiny",
+        "--batch",
+        "2",
+        "--cases",
+        "adam_foreach_unbounded,sgd",
+    ]))
+    .unwrap();
+    options.progress = false;
+    let outcomes = run_cases(&probe, &options, &CPU_DEFAULTS).unwrap();
+    assert!(outcomes.results.is_empty());
+    let failed: Vec<_> = outcomes
+        .failures
+        .iter()
+        .map(|f| (f.case, f.batch))
+        .collect();
+    assert_eq!(failed, [(Case::AdamForeachUnbounded, 2), (Case::Sgd, 2)]);
+    for failure in &outcomes.failures {
+        assert!(failure.error.contains("out of memory"), "{}", failure.error);
+    }
+    assert_eq!(
+        cpu.allocator().memory_allocated(),
+        0,
+        "nothing is left behind"
+    );
+}
