@@ -477,8 +477,95 @@ __device__ void attention_backward_dkdv(const T* q, const T* k, const T* v, cons
     store_rows<T, A, DC>(dv, a, OP_DV, b, h, k0, a.keys, ty, tx, dva, one);
 }
 
+// The tensor-core path of 16-bit dtypes (crates/ops-cuda/src/attention_gemm.rs): cuBLAS computes
+// the f32 score and dP matrices of a chunk of (batch, head) pairs, these kernels turn them into
+// probabilities and score gradients in the storage dtype for the next products.
+
+// Row r of `s` ([rows, sk] f32 scores of query r % sq): lse[first + r] = log Σ exp(scale · s),
+// p = exp(scale · s − lse), keys after the query hidden when causal. One warp per row.
+template <typename T>
+__device__ void attention_softmax(const float* s, T* p, float* lse, unsigned long long rows,
+                                  unsigned int sq, unsigned int sk, float scale, unsigned int causal,
+                                  unsigned long long first) {
+    const int lane = threadIdx.x & 31;
+    const float scale2 = scale * (float)LOG2E;
+    for (unsigned long long r = (blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x) >> 5; r < rows;
+         r += (gridDim.x * (unsigned long long)blockDim.x) >> 5) {
+        const float* row = s + r * sk;
+        unsigned int visible = causal ? min(sk, (unsigned int)(r % sq) + 1) : sk;
+        float m = -CUDART_INF_F;
+        for (unsigned int j = lane; j < visible; j += 32) m = max(m, row[j] * scale2);
+        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffff, m, o));
+        float sum = 0;
+        for (unsigned int j = lane; j < visible; j += 32) sum += exp2f(row[j] * scale2 - m);
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+        float l2 = m + log2f(sum);
+        if (lane == 0) lse[first + r] = l2 * (float)LN2;
+        T* out = p + r * sk;
+        for (unsigned int j = lane; j < sk; j += 32) st(out + j, j < visible ? exp2f(row[j] * scale2 - l2) : 0.0f);
+    }
+}
+
+// Elementwise over [rows, sk]: p = exp(scale · s − lse), ds = p · (dp − Δ) (zero where hidden).
+template <typename T>
+__device__ void attention_probs_backward(const float* s, const float* dp, const float* lse,
+                                         const float* delta, T* p, T* ds, unsigned long long rows,
+                                         unsigned int sq, unsigned int sk, float scale,
+                                         unsigned int causal, unsigned long long first) {
+    const float scale2 = scale * (float)LOG2E;
+    unsigned long long n = rows * sk;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += gridDim.x * (unsigned long long)blockDim.x) {
+        unsigned long long r = i / sk;
+        unsigned int key = (unsigned int)(i - r * sk);
+        bool hidden = causal && key > (unsigned int)(r % sq);
+        float prob = hidden ? 0.0f : exp2f(s[i] * scale2 - lse[first + r] * (float)LOG2E);
+        st(p + i, prob);
+        st(ds + i, prob * (dp[i] - delta[first + r]));
+    }
+}
+
+// Δ = dO·O for every query (rows of pair-major [batch, heads, queries]); one warp per row.
+template <typename T>
+__device__ void attention_delta(const T* o, const T* dout, float* delta, const AttnArgs& a) {
+    const int lane = threadIdx.x & 31;
+    unsigned long long rows = (unsigned long long)a.batch * a.heads * a.queries;
+    for (unsigned long long r = (blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x) >> 5; r < rows;
+         r += (gridDim.x * (unsigned long long)blockDim.x) >> 5) {
+        unsigned int i = (unsigned int)(r % a.queries);
+        unsigned long long pair = r / a.queries;
+        unsigned int b = (unsigned int)(pair / a.heads), h = (unsigned int)(pair % a.heads);
+        const T* op = o + row_at(a, OP_O, b, h, i);
+        const T* gp = dout + row_at(a, OP_DO, b, h, i);
+        float acc = 0;
+        for (unsigned int d = lane; d < a.head_dim; d += 32) acc += ld(op + d) * ld(gp + d);
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+        if (lane == 0) delta[r] = acc;
+    }
+}
+
+#define ATTENTION_GEMM_KERNELS(T, N)                                                                      \
+    extern "C" __global__ void attention_softmax_##N(const float* s, T* p, float* lse,                  \
+                                                     unsigned long long rows, unsigned int sq,          \
+                                                     unsigned int sk, float scale, unsigned int causal, \
+                                                     unsigned long long first) {                        \
+        attention_softmax<T>(s, p, lse, rows, sq, sk, scale, causal, first);                            \
+    }                                                                                                   \
+    extern "C" __global__ void attention_probs_backward_##N(                                            \
+        const float* s, const float* dp, const float* lse, const float* delta, T* p, T* ds,             \
+        unsigned long long rows, unsigned int sq, unsigned int sk, float scale, unsigned int causal,    \
+        unsigned long long first) {                                                                     \
+        attention_probs_backward<T>(s, dp, lse, delta, p, ds, rows, sq, sk, scale, causal, first);      \
+    }                                                                                                   \
+    extern "C" __global__ void attention_delta_##N(const T* o, const T* dout, float* delta, AttnArgs a) { \
+        attention_delta<T>(o, dout, delta, a);                                                          \
+    }
+
+ATTENTION_GEMM_KERNELS(__half, f16)
+ATTENTION_GEMM_KERNELS(__nv_bfloat16, bf16)
+
 // Kernels per dtype and column count: `attention_forward_<dtype>_<dc>` and so on; head dims up to
-// 8·DC.
+// 8·DC. f32 and f64 only: f16 and bf16 take the tensor-core path above.
 #define ATTENTION_KERNELS(T, N, DC)                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_forward_##N##_##DC(                 \
         const T* q, const T* k, const T* v, T* o, Acc<T>::type* lse, AttnArgs a) {                      \
@@ -503,5 +590,3 @@ __device__ void attention_backward_dkdv(const T* q, const T* k, const T* v, cons
 
 ATTENTION_WIDTHS(float, f32)
 ATTENTION_WIDTHS(double, f64)
-ATTENTION_WIDTHS(__half, f16)
-ATTENTION_WIDTHS(__nv_bfloat16, bf16)

@@ -1,5 +1,7 @@
 //! Fused scaled-dot-product attention on the GPU (`kernels/attention.cu`): forward, and backward
-//! as a dQ kernel (which also writes each query's `Δ = dO·O`) followed by a dK/dV kernel.
+//! as a dQ kernel (which also writes each query's `Δ = dO·O`) followed by a dK/dV kernel — for
+//! f32 and f64. f16 and bf16 take the tensor-core path of `attention_gemm.rs`, with the same
+//! saved state.
 //!
 //! Operands are `[batch, heads, rows, head_dim]` views with a contiguous head dim, described to
 //! the kernels by one `AttnArgs` (offset and batch/head/row strides per operand), so heads sliced
@@ -15,6 +17,7 @@ use headroom_autograd_core::{
 };
 use headroom_caching_allocator::StreamId;
 
+use crate::attention_gemm;
 use crate::backend::CudaBackend;
 use crate::elementwise::{launch_in, Param};
 use crate::kernels::{KernelName, Module};
@@ -37,7 +40,7 @@ struct AttnOperand {
 /// `AttnArgs` of `attention.cu`, field for field.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
-struct AttnArgs {
+pub(crate) struct AttnArgs {
     batch: u32,
     heads: u32,
     queries: u32,
@@ -71,7 +74,7 @@ fn to_u32(value: usize) -> Result<u32> {
     })
 }
 
-fn args(
+pub(crate) fn attn_args(
     dims: &AttentionDims,
     forward: &AttentionForward<'_>,
     views: &[View<'_>],
@@ -123,14 +126,6 @@ fn variant(dtype: DType, head_dim: usize) -> Result<(usize, &'static str)> {
         (DType::F64, 8) => "f64_8",
         (DType::F64, 12) => "f64_12",
         (DType::F64, _) => "f64_16",
-        (DType::F16, 4) => "f16_4",
-        (DType::F16, 8) => "f16_8",
-        (DType::F16, 12) => "f16_12",
-        (DType::F16, _) => "f16_16",
-        (DType::BF16, 4) => "bf16_4",
-        (DType::BF16, 8) => "bf16_8",
-        (DType::BF16, 12) => "bf16_12",
-        (DType::BF16, _) => "bf16_16",
         (dtype, _) => {
             return Err(TensorError::UnsupportedDtype {
                 op: "attention",
@@ -214,8 +209,11 @@ pub(crate) fn attention(backend: &CudaBackend, f: AttentionForward<'_>) -> Resul
     if dims.batch * dims.heads * dims.queries == 0 || dims.head_dim == 0 {
         return Ok(());
     }
+    if matches!(f.q.dtype, DType::F16 | DType::BF16) {
+        return attention_gemm::forward(backend, f, dims);
+    }
     let (dc, suffix) = variant(f.q.dtype, dims.head_dim)?;
-    let args = args(&dims, &f, &[f.q, f.k, f.v, f.out])?;
+    let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out])?;
     let config = config(&dims, Kernel::Forward, dc, dims.queries, f.q.dtype)?;
     let params = [f.q, f.k, f.v, f.out, f.lse].map(|v| address(&v));
     launch(
@@ -234,8 +232,11 @@ pub(crate) fn attention_backward(backend: &CudaBackend, b: AttentionBackward<'_>
     if dims.batch * dims.heads == 0 || dims.head_dim == 0 {
         return Ok(());
     }
+    if matches!(f.q.dtype, DType::F16 | DType::BF16) {
+        return attention_gemm::backward(backend, b, dims);
+    }
     let (dc, suffix) = variant(f.q.dtype, dims.head_dim)?;
-    let args = args(&dims, &f, &[f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv])?;
+    let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv])?;
     let stats = stats_bytes(f.q.dtype);
     let rows = dims.batch * dims.heads * dims.queries;
     // Δ per query, from the caching allocator, returned (in stream order) after the launches.

@@ -337,6 +337,7 @@ pub(crate) fn copy(backend: &CudaBackend, src: View<'_>, dst: View<'_>) -> Resul
 pub(crate) enum Param {
     I32(i32),
     I64(i64),
+    F32(f32),
     F64(f64),
     U64(u64),
     U32(u32),
@@ -398,6 +399,7 @@ pub(crate) fn launch_in<A: DeviceRepr>(
         match param {
             Param::I32(v) => builder.arg(v),
             Param::I64(v) => builder.arg(v),
+            Param::F32(v) => builder.arg(v),
             Param::F64(v) => builder.arg(v),
             Param::U64(v) => builder.arg(v),
             Param::U32(v) => builder.arg(v),

@@ -29,6 +29,8 @@ mod error;
 #[cfg(feature = "cuda")]
 mod attention;
 #[cfg(feature = "cuda")]
+mod attention_gemm;
+#[cfg(feature = "cuda")]
 mod backend;
 #[cfg(feature = "cuda")]
 mod elementwise;

@@ -240,9 +240,27 @@ pub(crate) fn matmul(
 }
 
 /// Scratch memory from the backend's allocator, returned (in stream order) when dropped.
-struct Scratch<'a> {
+pub(crate) struct Scratch<'a> {
     backend: &'a CudaBackend,
     allocation: Option<Allocation>,
+}
+
+impl<'a> Scratch<'a> {
+    /// `bytes` (at least one) from the backend's caching allocator.
+    pub(crate) fn new(backend: &'a CudaBackend, bytes: u64) -> Result<Scratch<'a>> {
+        let allocation = backend
+            .allocator()
+            .allocate(bytes.max(1), StreamId::DEFAULT)?;
+        Ok(Scratch {
+            backend,
+            allocation: Some(allocation),
+        })
+    }
+
+    /// The device address of the scratch memory.
+    pub(crate) fn address(&self) -> u64 {
+        self.allocation.as_ref().map_or(0, Allocation::address)
+    }
 }
 
 impl Drop for Scratch<'_> {
@@ -269,13 +287,8 @@ fn readable<'a>(
         return Ok((address, view.layout.clone(), None));
     }
     let dense = Layout::contiguous(view.layout.shape());
-    let bytes = (dense.numel() * element) as u64;
-    let allocation = backend.allocator().allocate(bytes, StreamId::DEFAULT)?;
-    let address = allocation.address();
-    let scratch = Scratch {
-        backend,
-        allocation: Some(allocation),
-    };
+    let scratch = Scratch::new(backend, (dense.numel() * element) as u64)?;
+    let address = scratch.address();
     let src = view.buffer.address();
     crate::elementwise::copy_raw(backend, src, view.layout, address, &dense, element)?;
     Ok((address, dense, Some(scratch)))
@@ -291,7 +304,7 @@ fn to_int(value: usize) -> Result<i32> {
 impl CudaBackend {
     /// The cuBLAS state, created on first use (handle on the default stream, workspace from the
     /// caching allocator).
-    fn blas_state(&self) -> Result<parking_lot::MappedMutexGuard<'_, BlasState>> {
+    pub(crate) fn blas_state(&self) -> Result<parking_lot::MappedMutexGuard<'_, BlasState>> {
         self.bind("matmul")?;
         let mut guard = self.blas.lock();
         if guard.is_none() {
@@ -322,4 +335,94 @@ impl CudaBackend {
             state.as_mut().expect("created above")
         }))
     }
+}
+
+/// One operand of [`gemm_batched`]: a column-major matrix (cuBLAS's view) at `address`, its
+/// element type, leading dimension, distance between batch entries (elements) and whether cuBLAS
+/// reads it transposed.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GemmOperand {
+    pub(crate) address: u64,
+    pub(crate) dtype: DType,
+    pub(crate) ld: usize,
+    pub(crate) batch_stride: usize,
+    pub(crate) transposed: bool,
+}
+
+fn data_type(dtype: DType) -> Result<blas_sys::cudaDataType> {
+    Ok(match dtype {
+        DType::F32 => blas_sys::cudaDataType::CUDA_R_32F,
+        DType::F64 => blas_sys::cudaDataType::CUDA_R_64F,
+        DType::F16 => blas_sys::cudaDataType::CUDA_R_16F,
+        DType::BF16 => blas_sys::cudaDataType::CUDA_R_16BF,
+        dtype => {
+            return Err(TensorError::UnsupportedDtype {
+                op: "matmul",
+                dtype,
+            })
+        }
+    })
+}
+
+/// Column-major `c[i] = alpha · op(a[i]) op(b[i]) + beta · c[i]` for `batch` entries (`m × n`
+/// results, inner dimension `k`), f32 accumulation: for kernels of this crate that chain products
+/// of 16-bit operands with f32 results (tensor cores on f16/bf16, f32 scores).
+///
+/// # Safety
+/// Every address must hold the matrices the dimensions, leading dimensions and batch strides
+/// describe, in live memory of this backend.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_batched(
+    backend: &CudaBackend,
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    a: GemmOperand,
+    b: GemmOperand,
+    beta: f32,
+    c: GemmOperand,
+    batch: usize,
+) -> Result<()> {
+    let op = |t: bool| {
+        if t {
+            blas_sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            blas_sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    let (a_type, b_type, c_type) = (
+        data_type(a.dtype)?,
+        data_type(b.dtype)?,
+        data_type(c.dtype)?,
+    );
+    let state = backend.blas_state()?;
+    // SAFETY: the handle is live and bound to the backend's stream; the caller guarantees the
+    // operands; alpha and beta are f32 scalars (the compute type's) that outlive the call.
+    unsafe {
+        blas::gemm_strided_batched_ex(
+            state.handle.0,
+            op(a.transposed),
+            op(b.transposed),
+            to_int(m)?,
+            to_int(n)?,
+            to_int(k)?,
+            (&alpha as *const f32).cast(),
+            a.address as *const c_void,
+            a_type,
+            to_int(a.ld)?,
+            a.batch_stride as i64,
+            b.address as *const c_void,
+            b_type,
+            to_int(b.ld)?,
+            b.batch_stride as i64,
+            (&beta as *const f32).cast(),
+            c.address as *mut c_void,
+            c_type,
+            to_int(c.ld)?,
+            c.batch_stride as i64,
+            to_int(batch)?,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| device_error("matmul", e))
 }
