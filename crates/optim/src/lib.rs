@@ -84,6 +84,7 @@ pub mod cuda;
 mod adafactor;
 mod adam;
 mod adam8bit;
+mod device;
 mod error;
 mod host;
 mod optimizer;
@@ -93,9 +94,10 @@ mod sgd;
 pub use adafactor::{Adafactor, AdafactorState};
 pub use adam::{Adam, AdamState};
 pub use adam8bit::{bnb_maps, Adam8bit, Adam8bitState};
+pub use device::{DeviceGradScaling, StepDevice, StepScaling};
 pub use error::OptimError;
 pub use optimizer::{
-    ForeachItem, GroupOptimizer, Implementation, NamedTensors, Optimizer, ParamGroup, UpdateRule,
+    GroupOptimizer, Implementation, NamedTensors, Optimizer, ParamGroup, StepItem, UpdateRule,
     DEFAULT_FOREACH_CHUNK,
 };
 pub use scheduler::{LrScheduler, Schedule};

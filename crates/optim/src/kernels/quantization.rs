@@ -5,8 +5,10 @@
 //! PyTorch's CPU formula, midpoints, decimal scaling, sort) so they equal bitsandbytes' tables bit
 //! for bit. Two nearest-code searches exist because bitsandbytes has two: [`quantize_code`] is
 //! `dQuantize` (used by `quantize_blockwise`), [`quantize_state_code`] is `quantize_2D` (used
-//! inside the 8-bit optimizer kernels). They differ only at the ends of the table. This module
-//! knows nothing about optimizers or tensors.
+//! inside the 8-bit optimizer kernels). They differ only at the ends of the table.
+//! [`StateCodeTable`] finds `quantize_state_code`'s codes without the search, by a bin lookup
+//! on the float's bits and at most [`CODE_BIN_THRESHOLDS`] comparisons (what the GPU kernel
+//! does). This module knows nothing about optimizers or tensors.
 
 use crate::error::OptimError;
 
@@ -162,6 +164,139 @@ fn nearest(
     res as u8
 }
 
+/// Bins of [`StateCodeTable`] per sign: |x| under 2^-23, 24 binades of 64 bins each (exponent
+/// and top six mantissa bits), and |x| of 2 or more.
+pub const CODE_BINS_PER_SIGN: usize = 1 + 24 * 64 + 1;
+
+/// Code changes a bin of [`StateCodeTable`] may hold (checked when the table is built).
+pub const CODE_BIN_THRESHOLDS: usize = 2;
+
+/// `quantize_state_code(map, signed, x)` as a lookup: the code of the smallest value of `x`'s
+/// bin, plus the number of the following code thresholds at or below `x`.
+///
+/// The binary search is a non-decreasing step function of `x`, so it is fixed by its 255
+/// thresholds (the smallest float reaching each code), found here by bisection over the ordered
+/// floats with the search itself; a bin (see [`CODE_BINS_PER_SIGN`]) holds at most
+/// [`CODE_BIN_THRESHOLDS`] of them. NaN (an all-zero block's `0 * (1/0)`) gets the search's own
+/// code for NaN. The CUDA 8-bit kernel reads these arrays from shared memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StateCodeTable {
+    /// The code of each bin's smallest value: positive bins, then negative ones.
+    pub bins: Vec<u8>,
+    /// `thresholds[k]`: the smallest float whose code exceeds `k`; NaN (never) from 255 on.
+    pub thresholds: [f32; MAP_LEN + 1],
+    /// The code of NaN.
+    pub nan_code: u8,
+}
+
+/// The bin of `x` in a [`StateCodeTable`] (the GPU kernel computes the same from the bits).
+#[inline]
+pub fn code_bin(x: f32) -> usize {
+    let bits = x.to_bits();
+    let magnitude = (bits & 0x7fff_ffff).min(0x4000_0000);
+    let bin = if magnitude < 0x3400_0000 {
+        0
+    } else {
+        ((magnitude - 0x3400_0000) >> 17) as usize + 1
+    };
+    if bits >> 31 == 1 {
+        CODE_BINS_PER_SIGN + bin
+    } else {
+        bin
+    }
+}
+
+/// Floats in value order as integers (both zeros are 0), and back.
+fn ordered_key(x: f32) -> i64 {
+    let bits = x.to_bits();
+    let magnitude = i64::from(bits & 0x7fff_ffff);
+    if bits >> 31 == 1 {
+        -magnitude
+    } else {
+        magnitude
+    }
+}
+
+fn from_ordered_key(key: i64) -> f32 {
+    let magnitude = f32::from_bits(key.unsigned_abs() as u32);
+    if key < 0 {
+        -magnitude
+    } else {
+        magnitude
+    }
+}
+
+impl StateCodeTable {
+    /// The table of `quantize_state_code(map, signed, ·)`.
+    ///
+    /// # Panics
+    /// If a bin holds more than [`CODE_BIN_THRESHOLDS`] code changes (not so for bitsandbytes'
+    /// dynamic maps; a test builds both tables and checks them against the search).
+    pub fn new(map: &QuantizationMap, signed: bool) -> StateCodeTable {
+        let code = |x: f32| quantize_state_code(map, signed, x);
+        let (lowest, highest) = (ordered_key(-2.0), ordered_key(2.0));
+        let mut thresholds = [f32::NAN; MAP_LEN + 1];
+        for (k, threshold) in thresholds.iter_mut().enumerate().take(MAP_LEN - 1) {
+            let target = k as u32 + 1;
+            if u32::from(code(from_ordered_key(highest))) < target {
+                continue;
+            }
+            // The smallest key whose code reaches `target`.
+            let (mut lo, mut hi) = (lowest, highest);
+            while hi - lo > 1 {
+                let mid = lo + (hi - lo) / 2;
+                if u32::from(code(from_ordered_key(mid))) >= target {
+                    hi = mid;
+                } else {
+                    lo = mid;
+                }
+            }
+            *threshold = from_ordered_key(hi);
+        }
+        let mut bins = vec![0u8; 2 * CODE_BINS_PER_SIGN];
+        for bin in 0..CODE_BINS_PER_SIGN {
+            // Magnitudes of the bin: [start, end) in bits.
+            let start = match bin {
+                0 => 0,
+                _ => 0x3400_0000 + ((bin as u32 - 1) << 17),
+            };
+            let end = match bin {
+                0 => 0x3400_0000,
+                b if b == CODE_BINS_PER_SIGN - 1 => 0x7f80_0001,
+                _ => start + (1 << 17),
+            };
+            let (small, large) = (f32::from_bits(start), f32::from_bits(end - 1));
+            bins[bin] = code(small);
+            bins[CODE_BINS_PER_SIGN + bin] = code(-large);
+            for (lo, hi) in [(small, large), (-large, -small)] {
+                let changes = code(hi) - code(lo);
+                assert!(
+                    usize::from(changes) <= CODE_BIN_THRESHOLDS,
+                    "bin {bin} holds {changes} code changes"
+                );
+            }
+        }
+        StateCodeTable {
+            bins,
+            thresholds,
+            nan_code: code(f32::NAN),
+        }
+    }
+
+    /// `quantize_state_code(map, signed, x)` through the table.
+    #[inline]
+    pub fn code(&self, x: f32) -> u8 {
+        if x.is_nan() {
+            return self.nan_code;
+        }
+        let base = self.bins[code_bin(x)];
+        let steps = (0..CODE_BIN_THRESHOLDS)
+            .filter(|&j| self.thresholds[usize::from(base) + j] <= x)
+            .count();
+        base + steps as u8
+    }
+}
+
 fn check_blocks(
     op: &'static str,
     n: usize,
@@ -244,4 +379,55 @@ pub fn dequantize_blockwise(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The table gives the search's code for every float near a threshold (±4096 ulps) or a bin
+    /// edge (±64), for a stride through all floats in [-2, 2], for both zeros and NaN; the search is
+    /// monotone there too.
+    #[test]
+    fn code_table_equals_the_search() {
+        for signed in [true, false] {
+            let map = dynamic_map(signed);
+            let table = StateCodeTable::new(&map, signed);
+            let check = |key: i64| {
+                let x = from_ordered_key(key);
+                let want = quantize_state_code(&map, signed, x);
+                assert_eq!(table.code(x), want, "signed {signed}, x {x:e}");
+                let next = from_ordered_key(key + 1);
+                assert!(
+                    quantize_state_code(&map, signed, next) >= want,
+                    "not monotone at {x:e}"
+                );
+            };
+            for t in table.thresholds.iter().filter(|t| !t.is_nan()) {
+                let key = ordered_key(*t);
+                (key - 4096..key + 4096).for_each(check);
+            }
+            for bin in 0..=CODE_BINS_PER_SIGN as i64 {
+                let edge = 0x3400_0000 + ((bin - 1).max(0) << 17);
+                (edge - 64..edge + 64).for_each(check);
+                (-edge - 64..-edge + 64).for_each(check);
+            }
+            let (lowest, highest) = (ordered_key(-2.0), ordered_key(2.0));
+            (lowest..highest).step_by(4099).for_each(check);
+            for x in [
+                0.0f32,
+                -0.0,
+                1.0,
+                -1.0,
+                f32::MIN_POSITIVE,
+                1.0 + f32::EPSILON,
+            ] {
+                assert_eq!(table.code(x), quantize_state_code(&map, signed, x), "{x:e}");
+            }
+            assert_eq!(
+                table.code(f32::NAN),
+                quantize_state_code(&map, signed, f32::NAN)
+            );
+        }
+    }
 }
