@@ -286,6 +286,10 @@ pub(crate) fn blocks_for(len: usize, block_elems: u64) -> u64 {
 pub(crate) const PASS_BLOCK_ELEMS: u64 = 4096;
 const PASS_THREADS: u32 = 256;
 
+/// Writes a pass piece: `(table, tensor index, element range, temporary address, first block)`.
+pub(crate) type PassPieceWriter<'a> =
+    dyn FnMut(&mut Table, usize, std::ops::Range<usize>, u64, u64) + 'a;
+
 /// One launch over a table region: its offset in the table, pieces and blocks.
 #[derive(Debug, Clone, Copy)]
 struct Region {
@@ -344,7 +348,7 @@ impl CudaDevice {
         lens: &[usize],
         chunk_len: usize,
         ops: &[i32],
-        write_piece: &mut dyn FnMut(&mut Table, usize, std::ops::Range<usize>, u64, u64),
+        write_piece: &mut PassPieceWriter<'_>,
     ) -> Result<(), OptimError> {
         let chunks = crate::kernels::foreach_chunks(lens, chunk_len)?;
         if chunks.is_empty() {
@@ -454,7 +458,7 @@ impl CudaDevice {
         lens: &[usize],
         foreach_chunk: Option<Option<usize>>,
         ops: &[i32],
-        write: &mut dyn FnMut(&mut Table, usize, std::ops::Range<usize>, u64, u64),
+        write: &mut PassPieceWriter<'_>,
     ) -> Result<(), OptimError> {
         match foreach_chunk {
             Some(chunk) => {

@@ -38,6 +38,8 @@ pub use quantization::{
 pub use sgd::{sgd_foreach, sgd_fused, sgd_single, SgdBuffers, SgdConfig};
 
 #[cfg(feature = "cuda")]
+pub(crate) use adafactor::{factors, StepConsts as AdafactorConsts};
+#[cfg(feature = "cuda")]
 pub(crate) use adam::{foreach_chunks, StepConsts};
 #[cfg(feature = "cuda")]
 pub(crate) use adam8bit::StepConsts as Adam8bitConsts;
