@@ -1,7 +1,8 @@
 //! One optimizer step on 1e9 fp32 parameters in 160 tensors of 6.25 M on a CUDA device, the
 //! setting of PyTorch's reference (`adam_step_1e9` in the project's anchors): Adam through the
-//! `Optimizer` trait on CUDA tensors as single, foreach (bounded by the default 16 MiB chunk),
-//! foreach unbounded (PyTorch's memory), fused, and 8-bit; then the raw-buffer `CudaFusedAdam`
+//! `Optimizer` trait on CUDA tensors as single, foreach (bounded by the default 16 MiB chunk, and
+//! by 8 and 4 MiB), foreach unbounded (PyTorch's memory), fused, and 8-bit; then the raw-buffer
+//! `CudaFusedAdam`
 //! and `CudaAdam8bit`. Prints one JSON line per implementation: median step time of 5 (after a
 //! first step that creates the state), effective bandwidth (28 bytes per parameter for fp32 Adam,
 //! 16 for 8-bit, as the reference counts) and the bytes a step allocates beyond what it started
@@ -82,15 +83,33 @@ fn main() {
         lr: 1e-4,
         ..AdamConfig::adam()
     };
+    // `OPTIM_BENCH_ONLY=word` runs the cases whose name holds `word` (for a profiler).
+    let only = std::env::var("OPTIM_BENCH_ONLY").unwrap_or_default();
+    let wanted = |name: &str| name.contains(only.as_str());
     for (name, implementation) in [
         ("headroom_fused_cuda", Implementation::Fused),
         ("headroom_foreach_cuda", Implementation::FOREACH),
+        (
+            "headroom_foreach_chunk2Mi_cuda",
+            Implementation::Foreach {
+                chunk: Some(1 << 21),
+            },
+        ),
+        (
+            "headroom_foreach_chunk1Mi_cuda",
+            Implementation::Foreach {
+                chunk: Some(1 << 20),
+            },
+        ),
         (
             "headroom_foreach_unbounded_cuda",
             Implementation::FOREACH_UNBOUNDED,
         ),
         ("headroom_single_cuda", Implementation::Single),
     ] {
+        if !wanted(name) {
+            continue;
+        }
         let mut adam = Adam::new(
             vec![ParamGroup::new(params.clone(), cfg.clone())],
             implementation,
@@ -106,6 +125,9 @@ fn main() {
         lr: 1e-4,
         ..Adam8bitConfig::adam()
     };
+    if !wanted("headroom_adam8bit_cuda") {
+        return;
+    }
     let mut adam8 = Adam8bit::new(
         vec![ParamGroup::new(params.clone(), cfg8.clone())],
         Implementation::EightBit,

@@ -107,7 +107,9 @@ extern "C" __global__ void adam_fused_f32(const AdamPiece* pieces, unsigned n_pi
     }
 }
 
-// The ops of the foreach and single-tensor paths, in the order they run.
+// The ops of the foreach and single-tensor paths (crates/optim/src/cuda/adam.rs launches them in
+// an order that keeps each array's reuses close together for the L2; ops on different arrays
+// commute, so every element sees the CPU's operations in the CPU's order).
 #define ADAM_GRAD 0     // tmp = -g (maximize); tmp = tmp + wd·p (L2)
 #define ADAM_DECAY 1    // p = p·(1 - lr·wd)
 #define ADAM_LERP 2     // m = lerp(m, g, 1-β1)
@@ -119,67 +121,60 @@ extern "C" __global__ void adam_fused_f32(const AdamPiece* pieces, unsigned n_pi
 #define ADAM_ADD_EPS 8  // tmp = tmp + eps
 #define ADAM_ADDCDIV 9  // p = p + (-lr/(1-β1^t))·m / tmp
 
-// Four elements per thread and iteration, so each thread has four loads in flight.
-#define PASS_LOOP(BODY)                                                              \
-    for (unsigned long long i0 = threadIdx.x; i0 < n; i0 += 4ull * blockDim.x) {    \
-        _Pragma("unroll") for (unsigned u = 0; u < 4; ++u) {                         \
-            unsigned long long i = i0 + (unsigned long long)u * blockDim.x;          \
-            if (i < n) { BODY; }                                                     \
-        }                                                                            \
-    }
-
 // One foreach op over every piece of a chunk: block b covers `block_elems` elements of its piece.
-extern "C" __global__ void adam_pass_f32(const AdamPiece* pieces, unsigned n_pieces, unsigned long long block_elems, int op) {
+extern "C" __global__ void __launch_bounds__(256, 4) adam_pass_f32(const AdamPiece* pieces, unsigned n_pieces, unsigned long long block_elems, int op) {
     const AdamPiece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
     unsigned long long start = (blockIdx.x - pc.head.first_block) * block_elems;
     if (start >= pc.head.len) return;
     unsigned long long n = min(block_elems, pc.head.len - start);
     const AdamConsts c = adam_consts(pc);
-    float* __restrict__ p = (float*)pc.param + start;
-    const float* __restrict__ g = (const float*)pc.grad + start;
-    float* __restrict__ m = (float*)pc.exp_avg + start;
-    float* __restrict__ v = (float*)pc.exp_avg_sq + start;
-    float* __restrict__ vm = pc.max_exp_avg_sq ? (float*)pc.max_exp_avg_sq + start : 0;
-    float* __restrict__ t = (float*)pc.tmp + start;
+    float* p = (float*)pc.param + start;
+    const float* g = (const float*)pc.grad + start;
+    float* m = (float*)pc.exp_avg + start;
+    float* v = (float*)pc.exp_avg_sq + start;
+    float* vm = pc.max_exp_avg_sq ? (float*)pc.max_exp_avg_sq + start : 0;
+    float* t = (float*)pc.tmp + start;
     const float* gs = (c.flags & FLAG_CHANGES_GRAD) ? t : g;
     switch (op) {
     case ADAM_GRAD:
         if (!(c.flags & FLAG_CHANGES_GRAD)) return;
-        PASS_LOOP(float x = g[i]; if (c.flags & FLAG_MAXIMIZE) x = -x;
-                  if (c.flags & FLAG_L2) x = fmaf(c.l2, p[i], x); t[i] = x)
+        pass_apply(t, g, p, 0, n, [&](float x, float pv, float) {
+            if (c.flags & FLAG_MAXIMIZE) x = -x;
+            return (c.flags & FLAG_L2) ? fmaf(c.l2, pv, x) : x;
+        });
         break;
     case ADAM_DECAY:
         if (!(c.flags & FLAG_DECAY)) return;
-        PASS_LOOP(p[i] = __fmul_rn(p[i], c.decay_factor))
+        pass_apply(p, p, 0, 0, n, [&](float pv, float, float) { return __fmul_rn(pv, c.decay_factor); });
         break;
     case ADAM_LERP:
-        PASS_LOOP(m[i] = lerp_pt(m[i], gs[i], c.one_minus_beta1))
+        pass_apply(m, m, gs, 0, n, [&](float mv, float x, float) { return lerp_pt(mv, x, c.one_minus_beta1); });
         break;
     case ADAM_MUL_V:
-        PASS_LOOP(v[i] = __fmul_rn(v[i], c.beta2))
+        pass_apply(v, v, 0, 0, n, [&](float vv, float, float) { return __fmul_rn(vv, c.beta2); });
         break;
     case ADAM_ADDCMUL:
-        PASS_LOOP(float x = gs[i]; v[i] = __fadd_rn(v[i], __fmul_rn(__fmul_rn(c.one_minus_beta2, x), x)))
+        pass_apply(v, v, gs, 0, n, [&](float vv, float x, float) {
+            return __fadd_rn(vv, __fmul_rn(__fmul_rn(c.one_minus_beta2, x), x));
+        });
         break;
     case ADAM_MAX:
         if (!vm) return;
-        PASS_LOOP(vm[i] = maximum_pt(vm[i], v[i]))
+        pass_apply(vm, vm, v, 0, n, [&](float a, float b, float) { return maximum_pt(a, b); });
         break;
     case ADAM_SQRT:
-        if (vm) {
-            PASS_LOOP(t[i] = __fsqrt_rn(vm[i]))
-        } else {
-            PASS_LOOP(t[i] = __fsqrt_rn(v[i]))
-        }
+        pass_apply(t, vm ? vm : v, 0, 0, n, [&](float x, float, float) { return __fsqrt_rn(x); });
         break;
     case ADAM_DIV:
-        PASS_LOOP(t[i] = __fdiv_rn(t[i], c.bias_correction2_sqrt))
+        pass_apply(t, t, 0, 0, n, [&](float x, float, float) { return __fdiv_rn(x, c.bias_correction2_sqrt); });
         break;
     case ADAM_ADD_EPS:
-        PASS_LOOP(t[i] = __fadd_rn(t[i], c.eps))
+        pass_apply(t, t, 0, 0, n, [&](float x, float, float) { return __fadd_rn(x, c.eps); });
         break;
     case ADAM_ADDCDIV:
-        PASS_LOOP(p[i] = __fadd_rn(p[i], __fdiv_rn(__fmul_rn(c.neg_step_size, m[i]), t[i])))
+        pass_apply(p, p, m, t, n, [&](float pv, float mv, float d) {
+            return __fadd_rn(pv, __fdiv_rn(__fmul_rn(c.neg_step_size, mv), d));
+        });
         break;
     }
 }

@@ -6,8 +6,8 @@
 // state): dequantize both states with the block's absmax, update them, take the block's new
 // absmax (a warp reduction), update the parameter, and re-quantize against the reciprocal of the
 // new absmax. The nearest-code search of bitsandbytes is replaced by its exact table form
-// (crates/optim/src/kernels/quantization.rs, StateCodeTable): the code of the value's bin plus
-// at most two threshold comparisons, all in shared memory. Warps take runs of blocks from a
+// (crates/optim/src/kernels/quantization.rs, StateCodeTable): one shared-memory entry per bin
+// of the value's bits and one integer comparison; the sign guard needs no lookup. Warps take runs of blocks from a
 // counter, so the tensor of a block is found once per run, not per block.
 //
 // The float operations are those of crates/optim/src/kernels/adam8bit.rs in the same order, with
@@ -55,31 +55,32 @@ __device__ __forceinline__ BnbConsts bnb_consts(const Bnb8Piece& pc) {
     return c;
 }
 
-// Lookup tables, one allocation (crates/optim/src/cuda/adam8bit.rs writes it): the two maps,
-// the two threshold lists (257 entries), the two NaN codes, the two bin tables (u8), then the
-// work counter (u64).
+// Lookup tables, one allocation (crates/optim/src/cuda/adam8bit.rs writes it), in 32-bit words:
+// the two maps, the signed map's code bins (both signs), the unsigned map's (positive values),
+// the two NaN codes, then the work counter (u64).
 #define MAP1 0
 #define MAP2 256
-#define THR1 512
-#define THR2 769
-#define NAN_CODES 1026
-#define BINS_PER_SIGN (1 + 24 * 64 + 1)
-#define BINS1_BYTE (1028 * 4)
-#define BINS2_BYTE (BINS1_BYTE + 2 * BINS_PER_SIGN)
-#define TABLE_WORDS ((BINS2_BYTE + 2 * BINS_PER_SIGN + 3) / 4)
+#define BINS_PER_SIGN (1 + 24 * 128 + 1)
+#define BINS1 512
+#define BINS2 (BINS1 + 2 * BINS_PER_SIGN)
+#define NAN_CODES (BINS2 + BINS_PER_SIGN)
+#define TABLE_WORDS (NAN_CODES + 2)
 
-__device__ __forceinline__ unsigned code_bin(float x) {
+// bitsandbytes' quantize_2D code of x through the table (StateCodeTable::code): the entry of
+// x's bin holds the code of the bin's smallest value and the key (low 16 mantissa bits, their
+// complement for negative x) from which the next code starts. The unsigned map's states are
+// never negative; a negative value there would be code 0, the code of bin 0.
+__device__ __forceinline__ unsigned state_code(const unsigned* bins, unsigned nan_code, bool is_signed, float x) {
     unsigned bits = __float_as_uint(x);
+    unsigned negative = bits >> 31;
     unsigned magnitude = min(bits & 0x7fffffffu, 0x40000000u);
-    unsigned bin = magnitude < 0x34000000u ? 0u : ((magnitude - 0x34000000u) >> 17) + 1u;
-    return (bits >> 31) ? BINS_PER_SIGN + bin : bin;
-}
-
-// bitsandbytes' quantize_2D code of x through the table (StateCodeTable::code).
-__device__ __forceinline__ unsigned state_code(const float* thresholds, const unsigned char* bins, unsigned nan_code,
-                                               float x) {
-    unsigned base = bins[code_bin(x)];
-    unsigned code = base + (thresholds[base] <= x) + (thresholds[base + 1] <= x);
+    unsigned bin = magnitude < 0x34000000u ? 0u : ((magnitude - 0x34000000u) >> 16) + 1u;
+    if (is_signed) bin += negative * BINS_PER_SIGN;
+    else if (negative) bin = 0;
+    unsigned entry = bins[bin];
+    unsigned low = bits & 0xffffu;
+    unsigned key = negative ? 0xffffu - low : low;
+    unsigned code = (entry & 255u) + (key >= (entry >> 8) ? 1u : 0u);
     return x != x ? nan_code : code;
 }
 
@@ -91,8 +92,8 @@ __device__ __forceinline__ float warp_max(float v) {
 // One quantization block of one tensor by one warp. Lane l holds elements 4l..4l+3 and
 // 128+4l..128+4l+3 of the block.
 __device__ __forceinline__ void qblock_update(const Bnb8Piece& pc, const BnbConsts& c, unsigned long long block,
-                                              bool scaled, float scale, const float* smem_f, const unsigned char* smem_b,
-                                              unsigned lane) {
+                                              bool scaled, float scale, const unsigned* smem_u, unsigned lane) {
+    const float* smem_f = (const float*)smem_u;
     unsigned long long base = block * QBLOCK;
     unsigned long long remaining = pc.head.len - base;
     float* p = (float*)pc.param + base;
@@ -158,7 +159,7 @@ __device__ __forceinline__ void qblock_update(const Bnb8Piece& pc, const BnbCons
     }
     float inv1 = __fdiv_rn(1.0f, max1), inv2 = __fdiv_rn(1.0f, max2);
     float eps2 = __fmul_rn(c.correction2, c.eps);
-    unsigned nan1 = __float_as_uint(smem_f[NAN_CODES]), nan2 = __float_as_uint(smem_f[NAN_CODES + 1]);
+    unsigned nan1 = smem_u[NAN_CODES], nan2 = smem_u[NAN_CODES + 1];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
         if (finite & (1u << k)) {
@@ -166,10 +167,11 @@ __device__ __forceinline__ void qblock_update(const Bnb8Piece& pc, const BnbCons
             if (c.flags & FLAG_DECAY) x = __fmul_rn(x, c.decay_factor);
             pv[k] = x;
         }
-        unsigned code1 = state_code(smem_f + THR1, smem_b + BINS1_BYTE, nan1, __fmul_rn(s1[k], inv1));
-        if ((__float_as_uint(smem_f[MAP1 + code1]) ^ __float_as_uint(s1[k])) >> 31) code1 = (s1[k] > 0.0f ? code1 + 1 : code1 - 1) & 255u;
+        unsigned code1 = state_code(smem_u + BINS1, nan1, true, __fmul_rn(s1[k], inv1));
+        // The sign guard: map1[code] is negative exactly for codes under 127.
+        if ((code1 < 127u) != (__float_as_uint(s1[k]) >> 31)) code1 = (s1[k] > 0.0f ? code1 + 1 : code1 - 1) & 255u;
         q1[k] = code1;
-        q2[k] = state_code(smem_f + THR2, smem_b + BINS2_BYTE, nan2, __fmul_rn(s2[k], inv2));
+        q2[k] = state_code(smem_u + BINS2, nan2, false, __fmul_rn(s2[k], inv2));
     }
     if (vector) {
         ((float4*)p)[lane] = make_float4(pv[0], pv[1], pv[2], pv[3]);
@@ -204,8 +206,6 @@ extern "C" __global__ void __launch_bounds__(QBLOCK, 3) adam8bit_blockwise_f32(
     __shared__ unsigned smem[TABLE_WORDS];
     for (unsigned k = threadIdx.x; k < TABLE_WORDS; k += blockDim.x) smem[k] = tables[k];
     __syncthreads();
-    const float* smem_f = (const float*)smem;
-    const unsigned char* smem_b = (const unsigned char*)smem;
     unsigned long long* counter = (unsigned long long*)(tables + TABLE_WORDS);
     unsigned lane = threadIdx.x % 32;
     for (;;) {
@@ -224,7 +224,7 @@ extern "C" __global__ void __launch_bounds__(QBLOCK, 3) adam8bit_blockwise_f32(
                 c = bnb_consts(pieces[idx]);
                 scaled = grad_scale_of(grad_scale, pieces[idx].flags, pieces[idx].grad_scale, &scale);
             }
-            qblock_update(pieces[idx], c, b - pieces[idx].head.first_block, scaled, scale, smem_f, smem_b, lane);
+            qblock_update(pieces[idx], c, b - pieces[idx].head.first_block, scaled, scale, smem, lane);
         }
     }
 }

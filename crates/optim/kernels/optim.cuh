@@ -74,3 +74,45 @@ __device__ __forceinline__ bool grad_scale_of(const float* device_scale, unsigne
     *scale = host_scale;
     return (flags & FLAG_HOST_SCALED) != 0;
 }
+
+// One foreach op over a piece: out[i] = f(a[i], b[i], c[i]) for its n elements (unused inputs
+// are null and read as 0; out may be one of the inputs). With every pointer 16-byte aligned the
+// elements go as float4, two per thread loaded before either is stored, so a thread keeps up
+// to six 16-byte loads in flight.
+template <typename F>
+__device__ __forceinline__ void pass_apply(float* out, const float* a, const float* b, const float* c,
+                                           unsigned long long n, F f) {
+    unsigned long long done = 0;
+    if (((((unsigned long long)out) | (unsigned long long)a | (unsigned long long)b | (unsigned long long)c) & 15) == 0) {
+        const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        unsigned long long n4 = n / 4;
+        for (unsigned long long i0 = threadIdx.x; i0 < n4; i0 += 2ull * blockDim.x) {
+            float4 x[2], y[2], z[2];
+#pragma unroll
+            for (unsigned u = 0; u < 2; ++u) {
+                unsigned long long i = i0 + (unsigned long long)u * blockDim.x;
+                if (i < n4) {
+                    x[u] = ((const float4*)a)[i];
+                    y[u] = b ? ((const float4*)b)[i] : zero;
+                    z[u] = c ? ((const float4*)c)[i] : zero;
+                }
+            }
+#pragma unroll
+            for (unsigned u = 0; u < 2; ++u) {
+                unsigned long long i = i0 + (unsigned long long)u * blockDim.x;
+                if (i < n4) {
+                    float4 r;
+                    r.x = f(x[u].x, y[u].x, z[u].x);
+                    r.y = f(x[u].y, y[u].y, z[u].y);
+                    r.z = f(x[u].z, y[u].z, z[u].z);
+                    r.w = f(x[u].w, y[u].w, z[u].w);
+                    ((float4*)out)[i] = r;
+                }
+            }
+        }
+        done = n4 * 4;
+    }
+    for (unsigned long long i = done + threadIdx.x; i < n; i += blockDim.x) {
+        out[i] = f(a[i], b ? b[i] : 0.0f, c ? c[i] : 0.0f);
+    }
+}

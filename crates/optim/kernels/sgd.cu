@@ -57,50 +57,43 @@ extern "C" __global__ void sgd_fused_f32(const SgdPiece* pieces, unsigned n_piec
 #define SGD_USE_BUF 3  // tmp = tmp + μ·buf (Nesterov) or buf
 #define SGD_PARAM 4    // p = p + (-lr)·tmp
 
-#define PASS_LOOP(BODY)                                                              \
-    for (unsigned long long i0 = threadIdx.x; i0 < n; i0 += 4ull * blockDim.x) {    \
-        _Pragma("unroll") for (unsigned u = 0; u < 4; ++u) {                         \
-            unsigned long long i = i0 + (unsigned long long)u * blockDim.x;          \
-            if (i < n) { BODY; }                                                     \
-        }                                                                            \
-    }
-
-extern "C" __global__ void sgd_pass_f32(const SgdPiece* pieces, unsigned n_pieces, unsigned long long block_elems, int op) {
+extern "C" __global__ void __launch_bounds__(256, 4) sgd_pass_f32(const SgdPiece* pieces, unsigned n_pieces, unsigned long long block_elems, int op) {
     const SgdPiece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
     unsigned long long start = (blockIdx.x - pc.head.first_block) * block_elems;
     if (start >= pc.head.len) return;
     unsigned long long n = min(block_elems, pc.head.len - start);
     unsigned flags = pc.flags;
     bool first = first_step(pc);
-    float* __restrict__ p = (float*)pc.param + start;
-    const float* __restrict__ g = (const float*)pc.grad + start;
-    float* __restrict__ b = pc.momentum_buffer ? (float*)pc.momentum_buffer + start : 0;
-    float* __restrict__ t = (float*)pc.tmp + start;
+    float mu = pc.momentum, omd = pc.one_minus_dampening, wd = pc.weight_decay, neg_lr = pc.neg_lr;
+    float* p = (float*)pc.param + start;
+    const float* g = (const float*)pc.grad + start;
+    float* b = pc.momentum_buffer ? (float*)pc.momentum_buffer + start : 0;
+    float* t = (float*)pc.tmp + start;
     switch (op) {
     case SGD_GRAD:
-        PASS_LOOP(float x = g[i]; if (flags & FLAG_MAXIMIZE) x = -x;
-                  if (flags & FLAG_L2) x = fmaf(pc.weight_decay, p[i], x); t[i] = x)
+        pass_apply(t, g, p, 0, n, [&](float x, float pv, float) {
+            if (flags & FLAG_MAXIMIZE) x = -x;
+            return (flags & FLAG_L2) ? fmaf(wd, pv, x) : x;
+        });
         break;
     case SGD_BUF:
         if (first) {
-            PASS_LOOP(b[i] = t[i])
+            pass_apply(b, t, 0, 0, n, [&](float x, float, float) { return x; });
         } else {
-            PASS_LOOP(b[i] = __fmul_rn(b[i], pc.momentum))
+            pass_apply(b, b, 0, 0, n, [&](float bv, float, float) { return __fmul_rn(bv, mu); });
         }
         break;
     case SGD_BUF_ADD:
         if (first) return;
-        PASS_LOOP(b[i] = __fadd_rn(b[i], __fmul_rn(pc.one_minus_dampening, t[i])))
+        pass_apply(b, b, t, 0, n, [&](float bv, float x, float) { return __fadd_rn(bv, __fmul_rn(omd, x)); });
         break;
     case SGD_USE_BUF:
-        if (flags & FLAG_NESTEROV) {
-            PASS_LOOP(t[i] = fmaf(pc.momentum, b[i], t[i]))
-        } else {
-            PASS_LOOP(t[i] = b[i])
-        }
+        pass_apply(t, t, b, 0, n, [&](float x, float bv, float) {
+            return (flags & FLAG_NESTEROV) ? fmaf(mu, bv, x) : bv;
+        });
         break;
     case SGD_PARAM:
-        PASS_LOOP(p[i] = fmaf(pc.neg_lr, t[i], p[i]))
+        pass_apply(p, p, t, 0, n, [&](float pv, float x, float) { return fmaf(neg_lr, x, pv); });
         break;
     }
 }

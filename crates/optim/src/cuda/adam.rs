@@ -113,21 +113,25 @@ fn write_piece(
         .end(PIECE_SIZE);
 }
 
-/// The pass ops `cfg` needs, in order.
+/// The pass ops `cfg` needs, in launch order: PyTorch's, except that ops on different arrays
+/// are grouped by array (v's two ops, then m's, decay just before p's update) so that a chunk's
+/// arrays are reused while they are still in the L2. Each element still sees the CPU's
+/// operations in the CPU's order.
 fn ops(cfg: &AdamConfig) -> Vec<i32> {
     let c = StepConsts::new(cfg, 1);
     let mut ops = Vec::with_capacity(10);
     if c.changes_grad() {
         ops.push(GRAD);
     }
-    if cfg.weight_decay != 0.0 && cfg.decay == WeightDecay::Decoupled {
-        ops.push(DECAY);
-    }
-    ops.extend([LERP, MUL_V, ADDCMUL]);
+    ops.extend([MUL_V, ADDCMUL, LERP]);
     if cfg.amsgrad {
         ops.push(MAX);
     }
-    ops.extend([SQRT, DIV, ADD_EPS, ADDCDIV]);
+    ops.extend([SQRT, DIV, ADD_EPS]);
+    if cfg.weight_decay != 0.0 && cfg.decay == WeightDecay::Decoupled {
+        ops.push(DECAY);
+    }
+    ops.push(ADDCDIV);
     ops
 }
 

@@ -15,7 +15,8 @@ use crate::adam8bit::{bnb_maps, Adam8bitState};
 use crate::device::StepScaling;
 use crate::error::OptimError;
 use crate::kernels::{
-    n_blocks, Adam8bitConfig, Adam8bitConsts, StateCodeTable, BNB_BLOCK_SIZE, MIN_8BIT_SIZE,
+    n_blocks, Adam8bitConfig, Adam8bitConsts, StateCodeTable, BNB_BLOCK_SIZE, CODE_BINS_PER_SIGN,
+    MIN_8BIT_SIZE,
 };
 use crate::optimizer::StepItem;
 
@@ -29,36 +30,29 @@ const GRAB: u64 = 16;
 const WARPS: u64 = 8;
 const MAX_GRID: u64 = 2048;
 /// Byte offset of the work counter in the lookup tables (`TABLE_WORDS * 4` in the kernel).
-const COUNTER_OFFSET: u64 = 10264;
+const COUNTER_OFFSET: u64 = 38944;
 
-/// The lookup tables in the kernel's layout: both maps, both threshold lists, both NaN codes,
-/// both bin tables, then the zeroed work counter.
+/// The lookup tables in the kernel's layout: both maps, the signed map's code bins (both signs),
+/// the unsigned map's (positive values only: its states are never negative), both NaN codes,
+/// then the zeroed work counter.
 pub(crate) fn code_table_bytes() -> Vec<u8> {
     let (signed, unsigned) = bnb_maps();
-    let tables = [
+    let (table1, table2) = (
         StateCodeTable::new(signed, true),
         StateCodeTable::new(unsigned, false),
-    ];
-    let mut bytes: Vec<u8> = Vec::with_capacity(COUNTER_OFFSET as usize + 8);
-    for map in [signed, unsigned] {
-        bytes.extend(map.iter().flat_map(|v| v.to_le_bytes()));
-    }
-    for table in &tables {
-        bytes.extend(table.thresholds.iter().flat_map(|v| v.to_le_bytes()));
-    }
-    for table in &tables {
-        bytes.extend(u32::from(table.nan_code).to_le_bytes());
-    }
-    for table in &tables {
-        bytes.extend(&table.bins);
-    }
+    );
+    let mut words: Vec<u32> = Vec::with_capacity(COUNTER_OFFSET as usize / 4 + 2);
+    words.extend(signed.iter().chain(unsigned.iter()).map(|v| v.to_bits()));
+    words.extend(&table1.bins);
+    words.extend(&table2.bins[..CODE_BINS_PER_SIGN]);
+    words.extend([u32::from(table1.nan_code), u32::from(table2.nan_code)]);
     assert_eq!(
-        bytes.len() as u64,
+        words.len() as u64 * 4,
         COUNTER_OFFSET,
         "8-bit lookup table layout"
     );
-    bytes.extend([0u8; 8]);
-    bytes
+    words.extend([0, 0]);
+    words.iter().flat_map(|w| w.to_le_bytes()).collect()
 }
 
 /// Writes a `Bnb8Piece` (`kernels/adam8bit.cu`): parameter, gradient, the two states and the

@@ -281,10 +281,17 @@ pub(crate) fn blocks_for(len: usize, block_elems: u64) -> u64 {
     (len as u64).div_ceil(block_elems)
 }
 
-/// Elements per block and threads per block of the foreach passes: 4 Ki elements, so a 16 MiB
-/// chunk spreads over a thousand blocks.
-pub(crate) const PASS_BLOCK_ELEMS: u64 = 4096;
+/// Threads per block of the foreach passes.
 const PASS_THREADS: u32 = 256;
+
+/// Elements per block of the foreach passes over chunks of `chunk_len` elements: about a
+/// thousand blocks per launch (a 16 MiB chunk fills the GPU once), at least 4 Ki and at most
+/// 64 Ki elements, a multiple of 2 Ki (one round of two float4 per thread).
+fn pass_block_elems(chunk_len: usize) -> u64 {
+    (chunk_len as u64 / 1024)
+        .clamp(4096, 65536)
+        .next_multiple_of(2048)
+}
 
 /// Writes a pass piece: `(table, tensor index, element range, temporary address, first block)`.
 pub(crate) type PassPieceWriter<'a> =
@@ -356,6 +363,7 @@ impl CudaDevice {
         }
         let scratch = crate::host::scratch(like, chunk_len)?;
         let scratch_base = address(&scratch);
+        let block_elems = pass_block_elems(chunk_len);
         let mut table = Table::default();
         let mut regions = Vec::with_capacity(chunks.len());
         for chunk in &chunks {
@@ -370,7 +378,7 @@ impl CudaDevice {
                     scratch_base + tmp_offset * 4,
                     first_block,
                 );
-                first_block += blocks_for(len, PASS_BLOCK_ELEMS);
+                first_block += blocks_for(len, block_elems);
                 tmp_offset += len as u64;
             }
             regions.push(Region {
@@ -385,7 +393,7 @@ impl CudaDevice {
                 let args = [
                     KernelArg::U64(base + region.offset as u64),
                     KernelArg::U32(region.n_pieces as u32),
-                    KernelArg::U64(PASS_BLOCK_ELEMS),
+                    KernelArg::U64(block_elems),
                     KernelArg::I32(op),
                 ];
                 // SAFETY: the pass kernels take these four parameters; the table region was

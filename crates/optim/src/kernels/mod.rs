@@ -31,9 +31,8 @@ pub use adam8bit::{
     MIN_8BIT_SIZE,
 };
 pub use quantization::{
-    code_bin, dequantize_blockwise, dynamic_map, quantize_blockwise, quantize_code,
-    quantize_state_code, QuantizationMap, StateCodeTable, CODE_BINS_PER_SIGN, CODE_BIN_THRESHOLDS,
-    MAP_LEN,
+    code_bin, code_key, dequantize_blockwise, dynamic_map, quantize_blockwise, quantize_code,
+    quantize_state_code, QuantizationMap, StateCodeTable, CODE_BINS_PER_SIGN, MAP_LEN,
 };
 pub use sgd::{sgd_foreach, sgd_fused, sgd_single, SgdBuffers, SgdConfig};
 
