@@ -66,21 +66,31 @@ __device__ __forceinline__ BnbConsts bnb_consts(const Bnb8Piece& pc) {
 #define NAN_CODES (BINS2 + BINS_PER_SIGN)
 #define TABLE_WORDS (NAN_CODES + 2)
 
-// bitsandbytes' quantize_2D code of x through the table (StateCodeTable::code): the entry of
-// x's bin holds the code of the bin's smallest value and the key (low 16 mantissa bits, their
-// complement for negative x) from which the next code starts. The unsigned map's states are
-// never negative; a negative value there would be code 0, the code of bin 0.
-__device__ __forceinline__ unsigned state_code(const unsigned* bins, unsigned nan_code, bool is_signed, float x) {
+// The bin of |x| from its bits: 0 under 2^-23, then 128 per binade (exponent and top seven
+// mantissa bits), the last from 2 up (StateCodeTable's code_bin, without the sign).
+__device__ __forceinline__ unsigned magnitude_bin(unsigned bits) {
+    int bin = (int)((bits & 0x7fffffffu) >> 16) - 0x33ff;
+    return (unsigned)min(max(bin, 0), BINS_PER_SIGN - 1);
+}
+
+// bitsandbytes' quantize_2D code of x through the signed map's table (StateCodeTable::code):
+// the entry of x's bin holds the code of the bin's smallest value and the key (low 16 mantissa
+// bits, their complement for negative x) from which the next code starts.
+__device__ __forceinline__ unsigned signed_code(const unsigned* bins, unsigned nan_code, float x) {
     unsigned bits = __float_as_uint(x);
-    unsigned negative = bits >> 31;
-    unsigned magnitude = min(bits & 0x7fffffffu, 0x40000000u);
-    unsigned bin = magnitude < 0x34000000u ? 0u : ((magnitude - 0x34000000u) >> 16) + 1u;
-    if (is_signed) bin += negative * BINS_PER_SIGN;
-    else if (negative) bin = 0;
-    unsigned entry = bins[bin];
-    unsigned low = bits & 0xffffu;
-    unsigned key = negative ? 0xffffu - low : low;
+    unsigned sign = (unsigned)((int)bits >> 31);
+    unsigned entry = bins[magnitude_bin(bits) + (sign & BINS_PER_SIGN)];
+    unsigned key = (bits ^ sign) & 0xffffu;
     unsigned code = (entry & 255u) + (key >= (entry >> 8) ? 1u : 0u);
+    return x != x ? nan_code : code;
+}
+
+// The same for the unsigned map, whose table holds positive bins only: a negative x takes bin 0,
+// whose code (0) is the search's code for any negative value.
+__device__ __forceinline__ unsigned unsigned_code(const unsigned* bins, unsigned nan_code, float x) {
+    unsigned bits = __float_as_uint(x);
+    unsigned entry = bins[magnitude_bin(bits) & ~(unsigned)((int)bits >> 31)];
+    unsigned code = (entry & 255u) + ((bits & 0xffffu) >= (entry >> 8) ? 1u : 0u);
     return x != x ? nan_code : code;
 }
 
@@ -89,23 +99,47 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// The buffers of the tensor a warp works on, read from its piece once per run of blocks.
+struct Tensor8 {
+    float* p;
+    const float* g;
+    unsigned char* c1;
+    unsigned char* c2;
+    float* a1;
+    float* a2;
+    unsigned long long len;
+    bool aligned;  // float4 access to p and g, 32-bit access to the codes
+};
+
+__device__ __forceinline__ Tensor8 tensor_of(const Bnb8Piece& pc) {
+    Tensor8 t;
+    t.p = (float*)pc.param;
+    t.g = (const float*)pc.grad;
+    t.c1 = (unsigned char*)pc.state1;
+    t.c2 = (unsigned char*)pc.state2;
+    t.a1 = (float*)pc.absmax1;
+    t.a2 = (float*)pc.absmax2;
+    t.len = pc.head.len;
+    t.aligned = ((pc.param | pc.grad) & 15) == 0 && ((pc.state1 | pc.state2) & 3) == 0;
+    return t;
+}
+
 // One quantization block of one tensor by one warp. Lane l holds elements 4l..4l+3 and
-// 128+4l..128+4l+3 of the block.
-__device__ __forceinline__ void qblock_update(const Bnb8Piece& pc, const BnbConsts& c, unsigned long long block,
+// 128+4l..128+4l+3 of the block. FULL: all 256 elements present and aligned (vector access, no
+// bounds checks).
+template <bool FULL>
+__device__ __forceinline__ void qblock_update(const Tensor8& t, const BnbConsts& c, unsigned long long block,
                                               bool scaled, float scale, const unsigned* smem_u, unsigned lane) {
     const float* smem_f = (const float*)smem_u;
     unsigned long long base = block * QBLOCK;
-    unsigned long long remaining = pc.head.len - base;
-    float* p = (float*)pc.param + base;
-    const float* gp = (const float*)pc.grad + base;
-    unsigned char* c1 = (unsigned char*)pc.state1 + base;
-    unsigned char* c2 = (unsigned char*)pc.state2 + base;
-    float* a1 = (float*)pc.absmax1 + block;
-    float* a2 = (float*)pc.absmax2 + block;
-    bool vector = remaining >= QBLOCK && ((pc.param | pc.grad) & 15) == 0 && ((pc.state1 | pc.state2) & 3) == 0;
+    unsigned remaining = FULL ? QBLOCK : (unsigned)min(t.len - base, (unsigned long long)QBLOCK);
+    float* p = t.p + base;
+    const float* gp = t.g + base;
+    unsigned char* c1 = t.c1 + base;
+    unsigned char* c2 = t.c2 + base;
     float g[8], pv[8];
     unsigned q1[8], q2[8];
-    if (vector) {
+    if (FULL) {
         float4 g0 = ((const float4*)gp)[lane], g1 = ((const float4*)gp)[32 + lane];
         float4 p0 = ((const float4*)p)[lane], p1 = ((const float4*)p)[32 + lane];
         unsigned w1a = ((const unsigned*)c1)[lane], w1b = ((const unsigned*)c1)[32 + lane];
@@ -130,18 +164,18 @@ __device__ __forceinline__ void qblock_update(const Bnb8Piece& pc, const BnbCons
             q2[k] = in ? c2[j] : 0u;
         }
     }
-    float old1 = *a1, old2 = *a2;
+    float old1 = t.a1[block], old2 = t.a2[block];
     float s1[8], s2[8];
     unsigned finite = 0;
     float max1 = 0.0f, max2 = 0.0f;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-        unsigned j = (k < 4 ? 0 : 128) + 4 * lane + (k & 3);
         float gk = g[k];
         if (scaled) gk = __fdiv_rn(gk, scale);
         s1[k] = 0.0f;
         s2[k] = 0.0f;
-        if (j < remaining && isfinite(gk)) {
+        bool in = FULL || (k < 4 ? 0u : 128u) + 4 * lane + (k & 3) < remaining;
+        if (in && isfinite(gk)) {
             finite |= 1u << k;
             float v = __fmul_rn(smem_f[MAP2 + q2[k]], old2);
             s2[k] = __fadd_rn(__fmul_rn(v, c.beta2), __fmul_rn(__fmul_rn(c.one_minus_beta2, gk), gk));
@@ -154,8 +188,8 @@ __device__ __forceinline__ void qblock_update(const Bnb8Piece& pc, const BnbCons
     max1 = warp_max(max1);
     max2 = warp_max(max2);
     if (lane == 0) {
-        *a1 = max1;
-        *a2 = max2;
+        t.a1[block] = max1;
+        t.a2[block] = max2;
     }
     float inv1 = __fdiv_rn(1.0f, max1), inv2 = __fdiv_rn(1.0f, max2);
     float eps2 = __fmul_rn(c.correction2, c.eps);
@@ -167,13 +201,13 @@ __device__ __forceinline__ void qblock_update(const Bnb8Piece& pc, const BnbCons
             if (c.flags & FLAG_DECAY) x = __fmul_rn(x, c.decay_factor);
             pv[k] = x;
         }
-        unsigned code1 = state_code(smem_u + BINS1, nan1, true, __fmul_rn(s1[k], inv1));
+        unsigned code1 = signed_code(smem_u + BINS1, nan1, __fmul_rn(s1[k], inv1));
         // The sign guard: map1[code] is negative exactly for codes under 127.
         if ((code1 < 127u) != (__float_as_uint(s1[k]) >> 31)) code1 = (s1[k] > 0.0f ? code1 + 1 : code1 - 1) & 255u;
         q1[k] = code1;
-        q2[k] = state_code(smem_u + BINS2, nan2, false, __fmul_rn(s2[k], inv2));
+        q2[k] = unsigned_code(smem_u + BINS2, nan2, __fmul_rn(s2[k], inv2));
     }
-    if (vector) {
+    if (FULL) {
         ((float4*)p)[lane] = make_float4(pv[0], pv[1], pv[2], pv[3]);
         ((float4*)p)[32 + lane] = make_float4(pv[4], pv[5], pv[6], pv[7]);
         ((unsigned*)c1)[lane] = q1[0] | (q1[1] << 8) | (q1[2] << 16) | (q1[3] << 24);
@@ -215,16 +249,26 @@ extern "C" __global__ void __launch_bounds__(QBLOCK, 3) adam8bit_blockwise_f32(
         if (b >= n_blocks) break;
         unsigned long long end = min(b + GRAB, n_blocks);
         unsigned idx = find_piece(pieces, n_pieces, b);
-        BnbConsts c = bnb_consts(pieces[idx]);
-        float scale;
-        bool scaled = grad_scale_of(grad_scale, pieces[idx].flags, pieces[idx].grad_scale, &scale);
-        for (; b < end; ++b) {
-            if (idx + 1 < n_pieces && pieces[idx + 1].head.first_block <= b) {
-                while (idx + 1 < n_pieces && pieces[idx + 1].head.first_block <= b) ++idx;
-                c = bnb_consts(pieces[idx]);
-                scaled = grad_scale_of(grad_scale, pieces[idx].flags, pieces[idx].grad_scale, &scale);
+        for (;;) {
+            const Bnb8Piece& pc = pieces[idx];
+            const BnbConsts c = bnb_consts(pc);
+            const Tensor8 t = tensor_of(pc);
+            float scale;
+            bool scaled = grad_scale_of(grad_scale, pc.flags, pc.grad_scale, &scale);
+            // This tensor's blocks of the run.
+            unsigned long long first = pc.head.first_block;
+            unsigned long long stop = idx + 1 < n_pieces ? min(end, pieces[idx + 1].head.first_block) : end;
+            unsigned long long full_blocks = t.aligned ? t.len / QBLOCK : 0;
+            for (; b < stop; ++b) {
+                unsigned long long block = b - first;
+                if (block < full_blocks) {
+                    qblock_update<true>(t, c, block, scaled, scale, smem, lane);
+                } else {
+                    qblock_update<false>(t, c, block, scaled, scale, smem, lane);
+                }
             }
-            qblock_update(pieces[idx], c, b - pieces[idx].head.first_block, scaled, scale, smem, lane);
+            if (b >= end) break;
+            ++idx;
         }
     }
 }

@@ -11,7 +11,8 @@ use std::sync::Arc;
 use headroom_ops_cuda::CudaBackend;
 
 use super::{
-    address, blocks_for, flags, foreach_chunk, geometry, CudaDevice, Module, PieceHead, Table,
+    address, blocks_for, flags, foreach_chunk, geometry, CudaDevice, Module, PassOps, PieceHead,
+    Table,
 };
 use crate::adam::AdamState;
 use crate::device::StepScaling;
@@ -113,25 +114,30 @@ fn write_piece(
         .end(PIECE_SIZE);
 }
 
-/// The pass ops `cfg` needs, in launch order: PyTorch's, except that ops on different arrays
-/// are grouped by array (v's two ops, then m's, decay just before p's update) so that a chunk's
-/// arrays are reused while they are still in the L2. Each element still sees the CPU's
-/// operations in the CPU's order.
-fn ops(cfg: &AdamConfig) -> Vec<i32> {
+/// The pass ops `cfg` needs, in launch order. Those that need no temporary (v's two ops and m's
+/// lerp, unless the gradient is modified into the temporary first; AMSGrad's maximum) run over
+/// whole tensors, as PyTorch runs every op; the rest chunk by chunk, decay just before p's
+/// update, so that a chunk's arrays are reused while they are still in the L2.
+fn ops(cfg: &AdamConfig) -> PassOps {
     let c = StepConsts::new(cfg, 1);
-    let mut ops = Vec::with_capacity(10);
+    let mut ops = PassOps::default();
     if c.changes_grad() {
-        ops.push(GRAD);
+        ops.whole.push(MUL_V);
+        ops.chunked.extend([GRAD, ADDCMUL, LERP]);
+        if cfg.amsgrad {
+            ops.chunked.push(MAX);
+        }
+    } else {
+        ops.whole.extend([MUL_V, ADDCMUL, LERP]);
+        if cfg.amsgrad {
+            ops.whole.push(MAX);
+        }
     }
-    ops.extend([MUL_V, ADDCMUL, LERP]);
-    if cfg.amsgrad {
-        ops.push(MAX);
-    }
-    ops.extend([SQRT, DIV, ADD_EPS]);
+    ops.chunked.extend([SQRT, DIV, ADD_EPS]);
     if cfg.weight_decay != 0.0 && cfg.decay == WeightDecay::Decoupled {
-        ops.push(DECAY);
+        ops.chunked.push(DECAY);
     }
-    ops.push(ADDCDIV);
+    ops.chunked.push(ADDCDIV);
     ops
 }
 

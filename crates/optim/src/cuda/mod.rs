@@ -344,8 +344,9 @@ impl CudaDevice {
 
     /// PyTorch's foreach passes: `ops` of `kernel` (`(table, n_pieces, block_elems, op)`), each
     /// one launch over all pieces of a chunk, over tensors of `lens` elements cut into chunks of
-    /// at most `chunk_len`; each piece's temporaries are its slice of one scratch tensor of
-    /// `chunk_len` elements allocated from `like`'s backend (freed when the passes are queued).
+    /// at most `chunk_len`; with `with_scratch`, each piece's temporaries are its slice of one
+    /// scratch tensor of `chunk_len` elements allocated from `like`'s backend (freed when the
+    /// passes are queued), else its temporary address is 0.
     /// `write_piece(table, tensor index, element range, scratch address, first block)` writes a
     /// piece's entry.
     pub(crate) fn run_passes(
@@ -353,16 +354,19 @@ impl CudaDevice {
         kernel: (Module, &'static str),
         like: &Tensor,
         lens: &[usize],
-        chunk_len: usize,
+        (chunk_len, with_scratch): (usize, bool),
         ops: &[i32],
         write_piece: &mut PassPieceWriter<'_>,
     ) -> Result<(), OptimError> {
         let chunks = crate::kernels::foreach_chunks(lens, chunk_len)?;
-        if chunks.is_empty() {
+        if chunks.is_empty() || ops.is_empty() {
             return Ok(());
         }
-        let scratch = crate::host::scratch(like, chunk_len)?;
-        let scratch_base = address(&scratch);
+        let scratch = match with_scratch {
+            true => Some(crate::host::scratch(like, chunk_len)?),
+            false => None,
+        };
+        let scratch_base = scratch.as_ref().map_or(0, address);
         let block_elems = pass_block_elems(chunk_len);
         let mut table = Table::default();
         let mut regions = Vec::with_capacity(chunks.len());
@@ -371,13 +375,11 @@ impl CudaDevice {
             let (mut first_block, mut tmp_offset) = (0u64, 0u64);
             for (idx, range) in chunk {
                 let len = range.len();
-                write_piece(
-                    &mut table,
-                    *idx,
-                    range.clone(),
-                    scratch_base + tmp_offset * 4,
-                    first_block,
-                );
+                let tmp = match scratch {
+                    Some(_) => scratch_base + tmp_offset * 4,
+                    None => 0,
+                };
+                write_piece(&mut table, *idx, range.clone(), tmp, first_block);
                 first_block += blocks_for(len, block_elems);
                 tmp_offset += len as u64;
             }
@@ -465,25 +467,42 @@ impl CudaDevice {
         like: &Tensor,
         lens: &[usize],
         foreach_chunk: Option<Option<usize>>,
-        ops: &[i32],
+        ops: &PassOps,
         write: &mut PassPieceWriter<'_>,
     ) -> Result<(), OptimError> {
+        let total: usize = lens.iter().sum();
         match foreach_chunk {
             Some(chunk) => {
-                let total: usize = lens.iter().sum();
                 let chunk_len = chunk.map_or(total, |c| c.min(total));
-                self.run_passes(kernel, like, lens, chunk_len, ops, write)
+                self.run_passes(kernel, like, lens, (total, false), &ops.whole, write)?;
+                self.run_passes(kernel, like, lens, (chunk_len, true), &ops.chunked, write)
             }
             None => {
+                let all: Vec<i32> = ops.whole.iter().chain(&ops.chunked).copied().collect();
                 for (idx, &len) in lens.iter().enumerate() {
-                    self.run_passes(kernel, like, &[len], len, ops, &mut |t, _, r, tmp, b| {
-                        write(t, idx, r, tmp, b)
-                    })?;
+                    self.run_passes(
+                        kernel,
+                        like,
+                        &[len],
+                        (len, true),
+                        &all,
+                        &mut |t, _, r, tmp, b| write(t, idx, r, tmp, b),
+                    )?;
                 }
                 Ok(())
             }
         }
     }
+}
+
+/// The ops of one foreach step, in launch order: those that need no temporary run first, each
+/// one launch over whole tensors; the others then run chunk by chunk, with the chunk's slice of
+/// the scratch. (Ops on different arrays commute, so each element still sees its operations in
+/// the CPU's order.)
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PassOps {
+    pub(crate) whole: Vec<i32>,
+    pub(crate) chunked: Vec<i32>,
 }
 
 /// The parameters of a rule's step as the CUDA side needs them.

@@ -2,7 +2,9 @@
 //! the constants and op order of `kernels/sgd.rs`. A piece's first step (the momentum buffer
 //! takes the gradient) is its step number 1, counted on the device after GradScaler skips.
 
-use super::{address, flags, foreach_chunk, geometry, CudaDevice, Module, PieceHead, Table};
+use super::{
+    address, flags, foreach_chunk, geometry, CudaDevice, Module, PassOps, PieceHead, Table,
+};
 use crate::device::StepScaling;
 use crate::error::OptimError;
 use crate::kernels::{SgdConfig, SgdConsts};
@@ -82,11 +84,13 @@ pub(crate) fn step(
             &mut |table, idx, head| write_piece(table, &c, head, spans[idx], grad_scale),
         );
     }
-    let mut ops = vec![GRAD];
+    // Every op reads or writes the temporary (the modified gradient).
+    let mut ops = PassOps::default();
+    ops.chunked.push(GRAD);
     if c.momentum.is_some() {
-        ops.extend([BUF, BUF_ADD, USE_BUF]);
+        ops.chunked.extend([BUF, BUF_ADD, USE_BUF]);
     }
-    ops.push(PARAM);
+    ops.chunked.push(PARAM);
     let lens: Vec<usize> = geometry.iter().map(|g| g.len).collect();
     device.run_unfused(
         PASS_KERNEL,
