@@ -13,7 +13,7 @@ use headroom_autograd_core::{DType, Tensor};
 
 use crate::device::{DeviceKind, StepDevice, StepScaling};
 use crate::error::OptimError;
-use crate::host::{host_slice, host_slice_mut, scratch, zeros_like_shape};
+use crate::host::{foreach_scratch, host_slice, host_slice_mut, scratch, zeros_like_shape};
 use crate::kernels::{
     adam_foreach, adam_fused, adam_scratch_len, adam_single, AdamBuffers, AdamConfig, GradScaling,
 };
@@ -145,12 +145,9 @@ fn step_on_host(
 ) -> Result<(), OptimError> {
     match implementation {
         Implementation::Foreach { chunk } => {
-            let total: usize = items.iter().map(|it| it.param.numel()).sum();
-            let len = chunk.map_or(total, |c| c.min(total));
-            let Some(first) = items.first() else {
+            let Some(tmp) = foreach_scratch(items.iter().map(|it| it.param), chunk)? else {
                 return Ok(());
             };
-            let tmp = scratch(first.param, len)?;
             // SAFETY: every item's tensors were checked by the optimizer and are distinct; the
             // scratch is a fresh tensor of this call.
             let mut bufs: Vec<(u64, AdamBuffers<'_>)> = items

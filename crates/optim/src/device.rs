@@ -4,10 +4,11 @@
 //! A [`GroupOptimizer`](crate::GroupOptimizer) picks its [`StepDevice`] once, from its first
 //! parameter, and every other parameter, gradient and state tensor must sit on the same device,
 //! be f32 and contiguous (typed errors otherwise). The rules (`sgd.rs`, `adam.rs`, ...) own their
-//! state and their step's shape (which tensors, which implementation) and ask the strategy for
-//! the kernels: `host.rs` runs `kernels/` on tensor memory as slices; `cuda/` (feature `cuda`)
-//! launches the PTX kernels on the parameters' `CudaBackend`, keeping its launch table and
-//! GradScaler skip counters here between steps. Nothing here knows an algorithm.
+//! state and their step's shape (which tensors, which implementation) and dispatch on the
+//! strategy: on the host each rule runs `kernels/` on tensor memory as slices (`host.rs`); on
+//! CUDA (feature `cuda`) `cuda/` launches the PTX kernels on the parameters' `CudaBackend`,
+//! whose launch table and GradScaler skip counters live here between steps. Nothing here knows
+//! an algorithm.
 
 use headroom_autograd_core::{DType, Device, Tensor};
 

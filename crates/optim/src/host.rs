@@ -80,3 +80,17 @@ pub(crate) fn zeros_like_shape(like: &Tensor, shape: &[usize]) -> Result<Tensor,
 pub(crate) fn scratch(like: &Tensor, len: usize) -> Result<Tensor, OptimError> {
     Ok(Tensor::empty(like.backend(), &[len], DType::F32)?)
 }
+
+/// The scratch of a host foreach step over `params`: `chunk` elements (`None`: as many as all
+/// the parameters hold), at most their total; `None` when there are no parameters.
+pub(crate) fn foreach_scratch<'a>(
+    mut params: impl Iterator<Item = &'a Tensor>,
+    chunk: Option<usize>,
+) -> Result<Option<Tensor>, OptimError> {
+    let Some(first) = params.next() else {
+        return Ok(None);
+    };
+    let total = first.numel() + params.map(Tensor::numel).sum::<usize>();
+    let len = chunk.map_or(total, |c| c.min(total));
+    Ok(Some(scratch(first, len)?))
+}

@@ -23,8 +23,9 @@
 //! the bit (Adafactor's two f64 norms to an ulp); a GradScaler on the GPU passes its scale and
 //! found-inf flag as device tensors ([`DeviceGradScaling`]): fused and 8-bit kernels read them,
 //! and a skipped step is counted on the device. Measured on an H200 (1e9 parameters, 160
-//! tensors, Adam; `benches/cuda_adam.rs`, PyTorch 2.11 in the same run): see the README's
-//! table.
+//! tensors, Adam; `benches/cuda_adam.rs`, PyTorch 2.11 in the same run): fused 7.03 ms
+//! (PyTorch 9.18), foreach 19.5 ms holding 16 MiB of temporaries (PyTorch 21.2 ms, 4.03 GB),
+//! 8-bit 5.42 ms; the workspace README has the table.
 //!
 //! This crate sits on autograd-core (tensors, their storage) and knows no device API itself:
 //! the CPU side runs `kernels` on host memory; the CUDA side (`cuda`, feature `cuda`) launches

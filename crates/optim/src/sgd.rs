@@ -10,7 +10,7 @@ use headroom_autograd_core::{DType, Tensor};
 
 use crate::device::{DeviceKind, StepDevice, StepScaling};
 use crate::error::OptimError;
-use crate::host::{host_slice, host_slice_mut, scratch, zeros_like_shape};
+use crate::host::{foreach_scratch, host_slice, host_slice_mut, scratch, zeros_like_shape};
 use crate::kernels::{sgd_foreach, sgd_fused, sgd_single, GradScaling, SgdBuffers, SgdConfig};
 use crate::optimizer::{
     take_state, GroupOptimizer, Implementation, NamedTensors, StepItem, UpdateRule,
@@ -133,12 +133,9 @@ fn step_on_host(
     // (CPU, f32, contiguous, disjoint) and owns the state tensors; the step runs on this thread.
     match implementation {
         Implementation::Foreach { chunk } => {
-            let total: usize = items.iter().map(|it| it.param.numel()).sum();
-            let len = chunk.map_or(total, |c| c.min(total));
-            let Some(first) = items.first() else {
+            let Some(tmp) = foreach_scratch(items.iter().map(|it| it.param), chunk)? else {
                 return Ok(());
             };
-            let tmp = scratch(first.param, len)?;
             let mut bufs: Vec<SgdBuffers<'_>> = items
                 .iter()
                 // SAFETY: see above.

@@ -111,10 +111,13 @@ fn cuda() -> Option<BackendRef> {
 
 /// The backends to run on: the CPU, and the CUDA device when there is one.
 fn backends() -> Vec<(&'static str, BackendRef)> {
-    let mut res = vec![("cpu", CpuBackend::new_ref())];
+    let cpu = ("cpu", CpuBackend::new_ref());
     #[cfg(feature = "cuda")]
-    res.extend(cuda().map(|backend| ("cuda", backend)));
-    res
+    return std::iter::once(cpu)
+        .chain(cuda().map(|backend| ("cuda", backend)))
+        .collect();
+    #[cfg(not(feature = "cuda"))]
+    vec![cpu]
 }
 
 /// What one run of the 5 golden steps gives: worst element-wise and tensor-wise relative

@@ -12,7 +12,7 @@
 //! - 8-bit: bitsandbytes' blockwise Adam, and its 32-bit path for small tensors.
 //!
 //! A launch reads a piece table (`table.rs`): one entry per tensor or range of one, with its
-//! addresses, length, step constants and first block. [`CudaDevice`] keeps the device buffer the
+//! addresses, length, step constants and first block. `CudaDevice` keeps the device buffer the
 //! tables are copied to (with an asynchronous copy: no host synchronisation), the lookup tables
 //! of the 8-bit codes, and a GradScaler's per-parameter skip counters. State tensors and scratch
 //! come from the parameters' backend, so `memory_allocated()` sees them.
