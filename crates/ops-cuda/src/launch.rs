@@ -116,6 +116,26 @@ impl CudaBackend {
         Ok(allocation)
     }
 
+    /// Copies `bytes` to device address `address` in stream order (after the kernels queued so
+    /// far, before those queued later) without waiting for the device: the driver stages the
+    /// pageable host bytes before returning, so `bytes` may be dropped at once. This is how
+    /// per-step launch tables reach the device without a host synchronisation.
+    ///
+    /// # Safety
+    /// `address .. address + bytes.len()` must be live memory of this backend until the copy has
+    /// run (memory freed to the backend's allocator after this call qualifies: its reuse is
+    /// stream-ordered too).
+    pub unsafe fn write_async(&self, address: u64, bytes: &[u8]) -> Result<()> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        self.bind("write_async")?;
+        // SAFETY: the caller guarantees the destination range; the source is a live host slice
+        // that the driver copies to its staging memory before returning (pageable memory).
+        unsafe { result::memcpy_htod_async(address, bytes, self.stream.cu_stream()) }
+            .map_err(|e| device_error("write_async", e))
+    }
+
     /// Copies `out.len()` bytes at device address `address` to the host, after the queued work.
     ///
     /// # Safety

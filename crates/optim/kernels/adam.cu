@@ -1,44 +1,67 @@
-// Fused Adam / AdamW on the GPU: one launch updates every parameter of a list, one pass per
-// element (read p, g, m, v; write p, m, v), with the gradient scale and found-inf flag read from
-// device memory (the GradScaler's in-kernel unscale and skip, no host synchronisation).
+// Adam / AdamW on the GPU: the fused update (one pass per element, every intermediate in
+// registers) and the foreach passes (one op of PyTorch's _multi_tensor_adam per launch, over
+// every piece of a chunk, the temporaries in the chunk's scratch). Both update many tensors per
+// launch through a piece table (see optim.cuh).
 //
 // The float operations are those of the CPU kernels in crates/optim/src/kernels/adam.rs, in the
 // same order, with rounding made explicit (__f*_rn, fmaf) so the compiler cannot contract them
-// differently: CPU and GPU results agree to the bit. The launch side is crates/optim/src/cuda.rs.
+// differently: CPU and GPU results agree to the bit. Launch side: crates/optim/src/cuda/adam.rs.
 // Built to PTX by `cargo xtask build-kernels`.
 
-struct Chunk {
-    unsigned long long param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq;  // addresses (0: none)
-    unsigned long long start, len;                                       // elements
+#include "optim.cuh"
+
+struct AdamPiece {
+    PieceHead head;
+    unsigned long long param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, tmp;  // 0: none
+    double lr, beta1, beta2;  // for the bias corrections after device-skipped steps
+    unsigned int flags;
+    float l2, decay_factor, one_minus_beta1, beta2f, one_minus_beta2, bias_correction2_sqrt, eps,
+        neg_step_size, grad_scale;
 };
+static_assert(sizeof(AdamPiece) == 144, "AdamPiece layout");
 
 struct AdamConsts {
-    int maximize, has_l2, has_decay, amsgrad;
-    float l2, decay_factor, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps,
-        neg_step_size;
+    unsigned flags;
+    float l2, decay_factor, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
 };
 
-__device__ __forceinline__ float lerp_pt(float start, float end, float weight) {
-    float diff = __fsub_rn(end, start);
-    return fabsf(weight) < 0.5f ? fmaf(weight, diff, start) : fmaf(__fsub_rn(weight, 1.0f), diff, end);
+// The piece's constants; after device-skipped steps the two step-dependent ones are recomputed
+// from the true step as the host computes them (f64, then rounded to f32).
+__device__ __forceinline__ AdamConsts adam_consts(const AdamPiece& pc) {
+    AdamConsts c;
+    c.flags = pc.flags;
+    c.l2 = pc.l2;
+    c.decay_factor = pc.decay_factor;
+    c.one_minus_beta1 = pc.one_minus_beta1;
+    c.beta2 = pc.beta2f;
+    c.one_minus_beta2 = pc.one_minus_beta2;
+    c.bias_correction2_sqrt = pc.bias_correction2_sqrt;
+    c.eps = pc.eps;
+    c.neg_step_size = pc.neg_step_size;
+    unsigned long long t = true_step(pc.head);
+    if (t != pc.head.step) {
+        double bias_correction1 = 1.0 - pow(pc.beta1, (double)t);
+        double bias_correction2 = 1.0 - pow(pc.beta2, (double)t);
+        c.bias_correction2_sqrt = (float)sqrt(bias_correction2);
+        c.neg_step_size = (float)(-(pc.lr / bias_correction1));
+    }
+    return c;
 }
 
-__device__ __forceinline__ void adam_element(const AdamConsts& c, float inv, bool scaled, float* p, float g,
+__device__ __forceinline__ void adam_element(const AdamConsts& c, bool scaled, float scale, float* p, float g,
                                              float* m, float* v, float* vmax) {
-    if (scaled) g = __fdiv_rn(g, inv);
-    if (c.maximize) g = -g;
+    if (scaled) g = __fdiv_rn(g, scale);
+    if (c.flags & FLAG_MAXIMIZE) g = -g;
     float pv = *p;
-    if (c.has_l2) g = fmaf(c.l2, pv, g);
-    if (c.has_decay) pv = __fmul_rn(pv, c.decay_factor);
+    if (c.flags & FLAG_L2) g = fmaf(c.l2, pv, g);
+    if (c.flags & FLAG_DECAY) pv = __fmul_rn(pv, c.decay_factor);
     float mv = lerp_pt(*m, g, c.one_minus_beta1);
     float vv = __fmul_rn(*v, c.beta2);
     vv = __fadd_rn(vv, __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g));
     float second = vv;
     if (vmax) {
-        float mx = *vmax;
-        mx = (vv > mx || mx != mx) ? vv : mx;
-        *vmax = mx;
-        second = mx;
+        second = maximum_pt(*vmax, vv);
+        *vmax = second;
     }
     float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(second), c.bias_correction2_sqrt), c.eps);
     pv = __fadd_rn(pv, __fdiv_rn(__fmul_rn(c.neg_step_size, mv), denom));
@@ -47,50 +70,111 @@ __device__ __forceinline__ void adam_element(const AdamConsts& c, float inv, boo
     *v = vv;
 }
 
-extern "C" __global__ void adam_fused_f32(const Chunk* chunks, int maximize, int has_l2, int has_decay,
-                                          float l2, float decay_factor, float one_minus_beta1, float beta2,
-                                          float one_minus_beta2, float bias_correction2_sqrt, float eps,
-                                          float neg_step_size, const float* grad_scale, const float* found_inf) {
-    if (found_inf && *found_inf != 0.0f) return;
-    AdamConsts c;
-    c.maximize = maximize;
-    c.has_l2 = has_l2;
-    c.has_decay = has_decay;
-    c.amsgrad = 0;
-    c.l2 = l2;
-    c.decay_factor = decay_factor;
-    c.one_minus_beta1 = one_minus_beta1;
-    c.beta2 = beta2;
-    c.one_minus_beta2 = one_minus_beta2;
-    c.bias_correction2_sqrt = bias_correction2_sqrt;
-    c.eps = eps;
-    c.neg_step_size = neg_step_size;
-    const Chunk ch = chunks[blockIdx.x];
-    bool scaled = grad_scale != 0;
-    float inv = scaled ? *grad_scale : 1.0f;
-    float* p = (float*)ch.param + ch.start;
-    const float* g = (const float*)ch.grad + ch.start;
-    float* m = (float*)ch.exp_avg + ch.start;
-    float* v = (float*)ch.exp_avg_sq + ch.start;
-    float* vm = ch.max_exp_avg_sq ? (float*)ch.max_exp_avg_sq + ch.start : 0;
-    unsigned long long n = ch.len;
-    bool aligned = ((ch.param | ch.grad | ch.exp_avg | ch.exp_avg_sq) & 15) == 0 && (ch.start & 3) == 0 && !vm;
+// Fused: block b updates `block_elems` elements of its piece in one pass.
+extern "C" __global__ void adam_fused_f32(const AdamPiece* pieces, unsigned n_pieces, unsigned long long block_elems,
+                                          const float* grad_scale, const float* found_inf) {
+    if (skip_step(pieces, n_pieces, found_inf)) return;
+    const AdamPiece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
+    const AdamConsts c = adam_consts(pc);
+    float scale;
+    bool scaled = grad_scale_of(grad_scale, pc.flags, pc.grad_scale, &scale);
+    unsigned long long start = (blockIdx.x - pc.head.first_block) * block_elems;
+    if (start >= pc.head.len) return;
+    unsigned long long n = min(block_elems, pc.head.len - start);
+    float* p = (float*)pc.param + start;
+    const float* g = (const float*)pc.grad + start;
+    float* m = (float*)pc.exp_avg + start;
+    float* v = (float*)pc.exp_avg_sq + start;
+    float* vm = pc.max_exp_avg_sq ? (float*)pc.max_exp_avg_sq + start : 0;
+    bool aligned = (((unsigned long long)p | (unsigned long long)g | (unsigned long long)m | (unsigned long long)v) & 15) == 0 && !vm;
     if (aligned) {
         unsigned long long n4 = n / 4;
         for (unsigned long long i = threadIdx.x; i < n4; i += blockDim.x) {
             float4 pp = ((float4*)p)[i], gg = ((const float4*)g)[i], mm = ((float4*)m)[i], vv = ((float4*)v)[i];
-            adam_element(c, inv, scaled, &pp.x, gg.x, &mm.x, &vv.x, 0);
-            adam_element(c, inv, scaled, &pp.y, gg.y, &mm.y, &vv.y, 0);
-            adam_element(c, inv, scaled, &pp.z, gg.z, &mm.z, &vv.z, 0);
-            adam_element(c, inv, scaled, &pp.w, gg.w, &mm.w, &vv.w, 0);
+            adam_element(c, scaled, scale, &pp.x, gg.x, &mm.x, &vv.x, 0);
+            adam_element(c, scaled, scale, &pp.y, gg.y, &mm.y, &vv.y, 0);
+            adam_element(c, scaled, scale, &pp.z, gg.z, &mm.z, &vv.z, 0);
+            adam_element(c, scaled, scale, &pp.w, gg.w, &mm.w, &vv.w, 0);
             ((float4*)p)[i] = pp;
             ((float4*)m)[i] = mm;
             ((float4*)v)[i] = vv;
         }
         for (unsigned long long i = n4 * 4 + threadIdx.x; i < n; i += blockDim.x)
-            adam_element(c, inv, scaled, p + i, g[i], m + i, v + i, 0);
+            adam_element(c, scaled, scale, p + i, g[i], m + i, v + i, 0);
     } else {
         for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x)
-            adam_element(c, inv, scaled, p + i, g[i], m + i, v + i, vm ? vm + i : 0);
+            adam_element(c, scaled, scale, p + i, g[i], m + i, v + i, vm ? vm + i : 0);
+    }
+}
+
+// The ops of the foreach and single-tensor paths (crates/optim/src/cuda/adam.rs launches them in
+// an order that keeps each array's reuses close together for the L2; ops on different arrays
+// commute, so every element sees the CPU's operations in the CPU's order).
+#define ADAM_GRAD 0     // tmp = -g (maximize); tmp = tmp + wd·p (L2)
+#define ADAM_DECAY 1    // p = p·(1 - lr·wd)
+#define ADAM_LERP 2     // m = lerp(m, g, 1-β1)
+#define ADAM_MUL_V 3    // v = v·β2
+#define ADAM_ADDCMUL 4  // v = v + (1-β2)·g·g
+#define ADAM_MAX 5      // vmax = maximum(vmax, v)
+#define ADAM_SQRT 6     // tmp = sqrt(v or vmax)
+#define ADAM_DIV 7      // tmp = tmp / sqrt(1-β2^t)
+#define ADAM_ADD_EPS 8  // tmp = tmp + eps
+#define ADAM_ADDCDIV 9  // p = p + (-lr/(1-β1^t))·m / tmp
+
+// One foreach op over every piece of a chunk: block b covers `block_elems` elements of its piece.
+extern "C" __global__ void __launch_bounds__(256, 4) adam_pass_f32(const AdamPiece* pieces, unsigned n_pieces, unsigned long long block_elems, int op) {
+    const AdamPiece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
+    unsigned long long start = (blockIdx.x - pc.head.first_block) * block_elems;
+    if (start >= pc.head.len) return;
+    unsigned long long n = min(block_elems, pc.head.len - start);
+    const AdamConsts c = adam_consts(pc);
+    float* p = (float*)pc.param + start;
+    const float* g = (const float*)pc.grad + start;
+    float* m = (float*)pc.exp_avg + start;
+    float* v = (float*)pc.exp_avg_sq + start;
+    float* vm = pc.max_exp_avg_sq ? (float*)pc.max_exp_avg_sq + start : 0;
+    float* t = (float*)pc.tmp + start;
+    const float* gs = (c.flags & FLAG_CHANGES_GRAD) ? t : g;
+    switch (op) {
+    case ADAM_GRAD:
+        if (!(c.flags & FLAG_CHANGES_GRAD)) return;
+        pass_apply(t, g, p, 0, n, [&](float x, float pv, float) {
+            if (c.flags & FLAG_MAXIMIZE) x = -x;
+            return (c.flags & FLAG_L2) ? fmaf(c.l2, pv, x) : x;
+        });
+        break;
+    case ADAM_DECAY:
+        if (!(c.flags & FLAG_DECAY)) return;
+        pass_apply(p, p, 0, 0, n, [&](float pv, float, float) { return __fmul_rn(pv, c.decay_factor); });
+        break;
+    case ADAM_LERP:
+        pass_apply(m, m, gs, 0, n, [&](float mv, float x, float) { return lerp_pt(mv, x, c.one_minus_beta1); });
+        break;
+    case ADAM_MUL_V:
+        pass_apply(v, v, 0, 0, n, [&](float vv, float, float) { return __fmul_rn(vv, c.beta2); });
+        break;
+    case ADAM_ADDCMUL:
+        pass_apply(v, v, gs, 0, n, [&](float vv, float x, float) {
+            return __fadd_rn(vv, __fmul_rn(__fmul_rn(c.one_minus_beta2, x), x));
+        });
+        break;
+    case ADAM_MAX:
+        if (!vm) return;
+        pass_apply(vm, vm, v, 0, n, [&](float a, float b, float) { return maximum_pt(a, b); });
+        break;
+    case ADAM_SQRT:
+        pass_apply(t, vm ? vm : v, 0, 0, n, [&](float x, float, float) { return __fsqrt_rn(x); });
+        break;
+    case ADAM_DIV:
+        pass_apply(t, t, 0, 0, n, [&](float x, float, float) { return __fdiv_rn(x, c.bias_correction2_sqrt); });
+        break;
+    case ADAM_ADD_EPS:
+        pass_apply(t, t, 0, 0, n, [&](float x, float, float) { return __fadd_rn(x, c.eps); });
+        break;
+    case ADAM_ADDCDIV:
+        pass_apply(p, p, m, t, n, [&](float pv, float mv, float d) {
+            return __fadd_rn(pv, __fdiv_rn(__fmul_rn(c.neg_step_size, mv), d));
+        });
+        break;
     }
 }

@@ -1,38 +1,97 @@
-// bitsandbytes' 8-bit blockwise Adam on the GPU, for a whole list of parameters in one launch.
+// bitsandbytes' 8-bit blockwise Adam on the GPU, for a whole list of parameters in one launch,
+// and its 32-bit path (f32 states) for parameters under min_8bit_size.
 //
-// One warp handles one 256-element quantization block at a time: dequantize both states
-// with the block's absmax, update them, take the block's new absmax (a warp reduction), update
-// the parameter, and re-quantize with bitsandbytes' nearest-code search and sign guard. The float
-// operations are those of crates/optim/src/kernels/adam8bit.rs in the same order, with rounding
-// made explicit, so the GPU and the CPU agree to the bit. The gradient scale and found-inf flag
-// are read from device memory. Launch side: crates/optim/src/cuda.rs.
-// Built to PTX by `cargo xtask build-kernels`.
+// 8-bit: one warp handles one 256-element quantization block at a time, each lane eight
+// elements in two runs of four (float4 loads of p and g, one 32-bit load of four codes per
+// state): dequantize both states with the block's absmax, update them, take the block's new
+// absmax (a warp reduction), update the parameter, and re-quantize against the reciprocal of the
+// new absmax. The nearest-code search of bitsandbytes is replaced by its exact table form
+// (crates/optim/src/kernels/quantization.rs, StateCodeTable): one shared-memory entry per bin
+// of the value's bits and one integer comparison; the sign guard needs no lookup. Warps take runs of blocks from a
+// counter, so the tensor of a block is found once per run, not per block.
+//
+// The float operations are those of crates/optim/src/kernels/adam8bit.rs in the same order, with
+// rounding made explicit, so the GPU and the CPU agree to the bit. Launch side:
+// crates/optim/src/cuda/adam8bit.rs. Built to PTX by `cargo xtask build-kernels`.
+
+#include "optim.cuh"
 
 #define QBLOCK 256
 
-struct Tensor8 {
-    unsigned long long param, grad, state1, state2, absmax1, absmax2;  // addresses
-    unsigned long long len, first_block;  // elements; index of its first block in the launch
+struct Bnb8Piece {
+    PieceHead head;  // 8-bit: first_block counts 256-element blocks; 32-bit: CUDA blocks
+    unsigned long long param, grad, state1, state2, absmax1, absmax2;  // absmax: 8-bit only
+    unsigned int flags;
+    float beta1, beta2, one_minus_beta1, one_minus_beta2, correction2, eps, step_size, decay_factor, grad_scale,
+        lr;
+    unsigned int pad;
+};
+static_assert(sizeof(Bnb8Piece) == 128, "Bnb8Piece layout");
+
+struct BnbConsts {
+    float beta1, beta2, one_minus_beta1, one_minus_beta2, correction2, eps, step_size, decay_factor;
+    unsigned flags;
 };
 
-__device__ __forceinline__ unsigned char quantize_code(const float* map, bool is_signed, float x) {
-    int pivot = 127, upper_pivot = 255, lower_pivot = 0;
-    float lower = is_signed ? -1.0f : 0.0f, upper = 1.0f;
-    float val = map[pivot];
-    for (int step = 64; step > 0; step >>= 1) {
-        if (x > val) { lower_pivot = pivot; lower = val; pivot += step; }
-        else { upper_pivot = pivot; upper = val; pivot -= step; }
-        val = map[pivot];
+// The piece's constants; after device-skipped steps the step-dependent ones are recomputed from
+// the true step (f32 as on the host; powf through double, within an ulp of the host's powf).
+__device__ __forceinline__ BnbConsts bnb_consts(const Bnb8Piece& pc) {
+    BnbConsts c;
+    c.beta1 = pc.beta1;
+    c.beta2 = pc.beta2;
+    c.one_minus_beta1 = pc.one_minus_beta1;
+    c.one_minus_beta2 = pc.one_minus_beta2;
+    c.correction2 = pc.correction2;
+    c.eps = pc.eps;
+    c.step_size = pc.step_size;
+    c.decay_factor = pc.decay_factor;
+    c.flags = pc.flags;
+    unsigned long long t = true_step(pc.head);
+    if (t != pc.head.step) {
+        float correction1 = __fsub_rn(1.0f, (float)pow((double)pc.beta1, (double)(float)t));
+        c.correction2 = __fsqrt_rn(__fsub_rn(1.0f, (float)pow((double)pc.beta2, (double)(float)t)));
+        c.step_size = __fdiv_rn(__fmul_rn(-pc.lr, c.correction2), correction1);
     }
-    int res;
-    if (x > val) {
-        float mid = __fmul_rn(__fadd_rn(upper, val), 0.5f);
-        res = x > mid ? upper_pivot : pivot;
-    } else {
-        float mid = __fmul_rn(__fadd_rn(lower, val), 0.5f);
-        res = x < mid ? lower_pivot : pivot;
-    }
-    return (unsigned char)res;
+    return c;
+}
+
+// Lookup tables, one allocation (crates/optim/src/cuda/adam8bit.rs writes it), in 32-bit words:
+// the two maps, the signed map's code bins (both signs), the unsigned map's (positive values),
+// the two NaN codes, then the work counter (u64).
+#define MAP1 0
+#define MAP2 256
+#define BINS_PER_SIGN (1 + 24 * 128 + 1)
+#define BINS1 512
+#define BINS2 (BINS1 + 2 * BINS_PER_SIGN)
+#define NAN_CODES (BINS2 + BINS_PER_SIGN)
+#define TABLE_WORDS (NAN_CODES + 2)
+
+// The bin of |x| from its bits: 0 under 2^-23, then 128 per binade (exponent and top seven
+// mantissa bits), the last from 2 up (StateCodeTable's code_bin, without the sign).
+__device__ __forceinline__ unsigned magnitude_bin(unsigned bits) {
+    int bin = (int)((bits & 0x7fffffffu) >> 16) - 0x33ff;
+    return (unsigned)min(max(bin, 0), BINS_PER_SIGN - 1);
+}
+
+// bitsandbytes' quantize_2D code of x through the signed map's table (StateCodeTable::code):
+// the entry of x's bin holds the code of the bin's smallest value and the key (low 16 mantissa
+// bits, their complement for negative x) from which the next code starts.
+__device__ __forceinline__ unsigned signed_code(const unsigned* bins, unsigned nan_code, float x) {
+    unsigned bits = __float_as_uint(x);
+    unsigned sign = (unsigned)((int)bits >> 31);
+    unsigned entry = bins[magnitude_bin(bits) + (sign & BINS_PER_SIGN)];
+    unsigned key = (bits ^ sign) & 0xffffu;
+    unsigned code = (entry & 255u) + (key >= (entry >> 8) ? 1u : 0u);
+    return x != x ? nan_code : code;
+}
+
+// The same for the unsigned map, whose table holds positive bins only: a negative x takes bin 0,
+// whose code (0) is the search's code for any negative value.
+__device__ __forceinline__ unsigned unsigned_code(const unsigned* bins, unsigned nan_code, float x) {
+    unsigned bits = __float_as_uint(x);
+    unsigned entry = bins[magnitude_bin(bits) & ~(unsigned)((int)bits >> 31)];
+    unsigned code = (entry & 255u) + ((bits & 0xffffu) >= (entry >> 8) ? 1u : 0u);
+    return x != x ? nan_code : code;
 }
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -40,83 +99,206 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-#define WARPS 8
-#define PER_LANE (QBLOCK / 32)
+// The buffers of the tensor a warp works on, read from its piece once per run of blocks.
+struct Tensor8 {
+    float* p;
+    const float* g;
+    unsigned char* c1;
+    unsigned char* c2;
+    float* a1;
+    float* a2;
+    unsigned long long len;
+    bool aligned;  // float4 access to p and g, 32-bit access to the codes
+};
 
-// One warp per quantization block, each lane holding 8 elements (lane, lane + 32, ...), so loads
-// coalesce, the absmax is a warp shuffle, and no block-wide barrier is needed.
-extern "C" __global__ void adam8bit_blockwise_f32(
-    const Tensor8* tensors, unsigned int n_tensors, unsigned long long n_blocks, const float* qmap1,
-    const float* qmap2, float beta1, float beta2, float one_minus_beta1, float one_minus_beta2,
-    float correction2, float eps, float step_size, int has_decay, float decay_factor,
-    const float* grad_scale, const float* found_inf) {
-    if (found_inf && *found_inf != 0.0f) return;
-    __shared__ float map1[256], map2[256];
-    for (int k = threadIdx.x; k < 256; k += blockDim.x) { map1[k] = qmap1[k]; map2[k] = qmap2[k]; }
-    __syncthreads();
-    bool scaled = grad_scale != 0;
-    float inv = scaled ? *grad_scale : 1.0f;
-    float eps2 = __fmul_rn(correction2, eps);
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (unsigned long long b = (unsigned long long)blockIdx.x * WARPS + warp; b < n_blocks;
-         b += (unsigned long long)gridDim.x * WARPS) {
-        // The tensor holding block b: the last whose first block is at most b.
-        unsigned int lo = 0, hi = n_tensors - 1;
-        while (lo < hi) {
-            unsigned int mid = (lo + hi + 1) / 2;
-            if (tensors[mid].first_block <= b) lo = mid; else hi = mid - 1;
-        }
-        const Tensor8 t = tensors[lo];
-        unsigned long long block = b - t.first_block;
-        unsigned long long base = block * QBLOCK;
-        float* p = (float*)t.param + base;
-        const float* gp = (const float*)t.grad + base;
-        unsigned char* c1 = (unsigned char*)t.state1 + base;
-        unsigned char* c2 = (unsigned char*)t.state2 + base;
-        float* a1 = (float*)t.absmax1 + block;
-        float* a2 = (float*)t.absmax2 + block;
-        unsigned long long remaining = t.len - base;
-        float old1 = *a1, old2 = *a2;
-        float s1[PER_LANE], s2[PER_LANE];
-        bool finite[PER_LANE];
-        float max1 = 0.0f, max2 = 0.0f;
+__device__ __forceinline__ Tensor8 tensor_of(const Bnb8Piece& pc) {
+    Tensor8 t;
+    t.p = (float*)pc.param;
+    t.g = (const float*)pc.grad;
+    t.c1 = (unsigned char*)pc.state1;
+    t.c2 = (unsigned char*)pc.state2;
+    t.a1 = (float*)pc.absmax1;
+    t.a2 = (float*)pc.absmax2;
+    t.len = pc.head.len;
+    t.aligned = ((pc.param | pc.grad) & 15) == 0 && ((pc.state1 | pc.state2) & 3) == 0;
+    return t;
+}
+
+// One quantization block of one tensor by one warp. Lane l holds elements 4l..4l+3 and
+// 128+4l..128+4l+3 of the block. FULL: all 256 elements present and aligned (vector access, no
+// bounds checks).
+template <bool FULL>
+__device__ __forceinline__ void qblock_update(const Tensor8& t, const BnbConsts& c, unsigned long long block,
+                                              bool scaled, float scale, const unsigned* smem_u, unsigned lane) {
+    const float* smem_f = (const float*)smem_u;
+    unsigned long long base = block * QBLOCK;
+    unsigned remaining = FULL ? QBLOCK : (unsigned)min(t.len - base, (unsigned long long)QBLOCK);
+    float* p = t.p + base;
+    const float* gp = t.g + base;
+    unsigned char* c1 = t.c1 + base;
+    unsigned char* c2 = t.c2 + base;
+    float g[8], pv[8];
+    unsigned q1[8], q2[8];
+    if (FULL) {
+        float4 g0 = ((const float4*)gp)[lane], g1 = ((const float4*)gp)[32 + lane];
+        float4 p0 = ((const float4*)p)[lane], p1 = ((const float4*)p)[32 + lane];
+        unsigned w1a = ((const unsigned*)c1)[lane], w1b = ((const unsigned*)c1)[32 + lane];
+        unsigned w2a = ((const unsigned*)c2)[lane], w2b = ((const unsigned*)c2)[32 + lane];
+        g[0] = g0.x; g[1] = g0.y; g[2] = g0.z; g[3] = g0.w; g[4] = g1.x; g[5] = g1.y; g[6] = g1.z; g[7] = g1.w;
+        pv[0] = p0.x; pv[1] = p0.y; pv[2] = p0.z; pv[3] = p0.w; pv[4] = p1.x; pv[5] = p1.y; pv[6] = p1.z; pv[7] = p1.w;
 #pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) {
-            unsigned int j = lane + 32 * k;
-            s1[k] = 0.0f;
-            s2[k] = 0.0f;
-            finite[k] = false;
+        for (int k = 0; k < 4; ++k) {
+            q1[k] = (w1a >> (8 * k)) & 255u;
+            q1[4 + k] = (w1b >> (8 * k)) & 255u;
+            q2[k] = (w2a >> (8 * k)) & 255u;
+            q2[4 + k] = (w2b >> (8 * k)) & 255u;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            unsigned j = (k < 4 ? 0 : 128) + 4 * lane + (k & 3);
+            bool in = j < remaining;
+            g[k] = in ? gp[j] : 0.0f;
+            pv[k] = in ? p[j] : 0.0f;
+            q1[k] = in ? c1[j] : 0u;
+            q2[k] = in ? c2[j] : 0u;
+        }
+    }
+    float old1 = t.a1[block], old2 = t.a2[block];
+    float s1[8], s2[8];
+    unsigned finite = 0;
+    float max1 = 0.0f, max2 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        float gk = g[k];
+        if (scaled) gk = __fdiv_rn(gk, scale);
+        s1[k] = 0.0f;
+        s2[k] = 0.0f;
+        bool in = FULL || (k < 4 ? 0u : 128u) + 4 * lane + (k & 3) < remaining;
+        if (in && isfinite(gk)) {
+            finite |= 1u << k;
+            float v = __fmul_rn(smem_f[MAP2 + q2[k]], old2);
+            s2[k] = __fadd_rn(__fmul_rn(v, c.beta2), __fmul_rn(__fmul_rn(c.one_minus_beta2, gk), gk));
+            float m = __fmul_rn(smem_f[MAP1 + q1[k]], old1);
+            s1[k] = __fadd_rn(__fmul_rn(m, c.beta1), __fmul_rn(c.one_minus_beta1, gk));
+        }
+        max1 = fmaxf(max1, fabsf(s1[k]));
+        max2 = fmaxf(max2, fabsf(s2[k]));
+    }
+    max1 = warp_max(max1);
+    max2 = warp_max(max2);
+    if (lane == 0) {
+        t.a1[block] = max1;
+        t.a2[block] = max2;
+    }
+    float inv1 = __fdiv_rn(1.0f, max1), inv2 = __fdiv_rn(1.0f, max2);
+    float eps2 = __fmul_rn(c.correction2, c.eps);
+    unsigned nan1 = smem_u[NAN_CODES], nan2 = smem_u[NAN_CODES + 1];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        if (finite & (1u << k)) {
+            float x = __fadd_rn(pv[k], __fmul_rn(c.step_size, __fdiv_rn(s1[k], __fadd_rn(__fsqrt_rn(s2[k]), eps2))));
+            if (c.flags & FLAG_DECAY) x = __fmul_rn(x, c.decay_factor);
+            pv[k] = x;
+        }
+        unsigned code1 = signed_code(smem_u + BINS1, nan1, __fmul_rn(s1[k], inv1));
+        // The sign guard: map1[code] is negative exactly for codes under 127.
+        if ((code1 < 127u) != (__float_as_uint(s1[k]) >> 31)) code1 = (s1[k] > 0.0f ? code1 + 1 : code1 - 1) & 255u;
+        q1[k] = code1;
+        q2[k] = unsigned_code(smem_u + BINS2, nan2, __fmul_rn(s2[k], inv2));
+    }
+    if (FULL) {
+        ((float4*)p)[lane] = make_float4(pv[0], pv[1], pv[2], pv[3]);
+        ((float4*)p)[32 + lane] = make_float4(pv[4], pv[5], pv[6], pv[7]);
+        ((unsigned*)c1)[lane] = q1[0] | (q1[1] << 8) | (q1[2] << 16) | (q1[3] << 24);
+        ((unsigned*)c1)[32 + lane] = q1[4] | (q1[5] << 8) | (q1[6] << 16) | (q1[7] << 24);
+        ((unsigned*)c2)[lane] = q2[0] | (q2[1] << 8) | (q2[2] << 16) | (q2[3] << 24);
+        ((unsigned*)c2)[32 + lane] = q2[4] | (q2[5] << 8) | (q2[6] << 16) | (q2[7] << 24);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            unsigned j = (k < 4 ? 0 : 128) + 4 * lane + (k & 3);
             if (j < remaining) {
-                float g = gp[j];
-                if (scaled) g = __fdiv_rn(g, inv);
-                finite[k] = isfinite(g);
-                if (finite[k]) {
-                    float v = __fmul_rn(map2[c2[j]], old2);
-                    s2[k] = __fadd_rn(__fmul_rn(v, beta2), __fmul_rn(__fmul_rn(one_minus_beta2, g), g));
-                    float m = __fmul_rn(map1[c1[j]], old1);
-                    s1[k] = __fadd_rn(__fmul_rn(m, beta1), __fmul_rn(one_minus_beta1, g));
+                p[j] = pv[k];
+                c1[j] = (unsigned char)q1[k];
+                c2[j] = (unsigned char)q2[k];
+            }
+        }
+    }
+}
+
+// Every 256-element block of every piece. Warps take GRAB consecutive blocks at a time from a
+// counter (the u64 after the tables, zeroed by the host before the launch), so the work
+// spreads evenly whatever the grid and the number of multiprocessors, and the tensor of a block
+// is looked up once per grab.
+#define GRAB 16
+
+extern "C" __global__ void __launch_bounds__(QBLOCK, 3) adam8bit_blockwise_f32(
+    const Bnb8Piece* pieces, unsigned n_pieces, unsigned long long n_blocks, unsigned* tables,
+    const float* grad_scale, const float* found_inf) {
+    if (skip_step(pieces, n_pieces, found_inf)) return;
+    __shared__ unsigned smem[TABLE_WORDS];
+    for (unsigned k = threadIdx.x; k < TABLE_WORDS; k += blockDim.x) smem[k] = tables[k];
+    __syncthreads();
+    unsigned long long* counter = (unsigned long long*)(tables + TABLE_WORDS);
+    unsigned lane = threadIdx.x % 32;
+    for (;;) {
+        unsigned long long b = 0;
+        if (lane == 0) b = atomicAdd(counter, (unsigned long long)GRAB);
+        b = __shfl_sync(0xffffffffu, b, 0);
+        if (b >= n_blocks) break;
+        unsigned long long end = min(b + GRAB, n_blocks);
+        unsigned idx = find_piece(pieces, n_pieces, b);
+        for (;;) {
+            const Bnb8Piece& pc = pieces[idx];
+            const BnbConsts c = bnb_consts(pc);
+            const Tensor8 t = tensor_of(pc);
+            float scale;
+            bool scaled = grad_scale_of(grad_scale, pc.flags, pc.grad_scale, &scale);
+            // This tensor's blocks of the run.
+            unsigned long long first = pc.head.first_block;
+            unsigned long long stop = idx + 1 < n_pieces ? min(end, pieces[idx + 1].head.first_block) : end;
+            unsigned long long full_blocks = t.aligned ? t.len / QBLOCK : 0;
+            for (; b < stop; ++b) {
+                unsigned long long block = b - first;
+                if (block < full_blocks) {
+                    qblock_update<true>(t, c, block, scaled, scale, smem, lane);
+                } else {
+                    qblock_update<false>(t, c, block, scaled, scale, smem, lane);
                 }
             }
-            max1 = fmaxf(max1, fabsf(s1[k]));
-            max2 = fmaxf(max2, fabsf(s2[k]));
+            if (b >= end) break;
+            ++idx;
         }
-        max1 = warp_max(max1);
-        max2 = warp_max(max2);
-        if (lane == 0) { *a1 = max1; *a2 = max2; }
-#pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) {
-            unsigned int j = lane + 32 * k;
-            if (j >= remaining) continue;
-            if (finite[k]) {
-                float pv = p[j];
-                pv = __fadd_rn(pv, __fmul_rn(step_size, __fdiv_rn(s1[k], __fadd_rn(__fsqrt_rn(s2[k]), eps2))));
-                if (has_decay) pv = __fmul_rn(pv, decay_factor);
-                p[j] = pv;
-            }
-            unsigned char code1 = quantize_code(map1, true, __fdiv_rn(s1[k], max1));
-            if (signbit(map1[code1]) != signbit(s1[k])) code1 = s1[k] > 0.0f ? (unsigned char)(code1 + 1) : (unsigned char)(code1 - 1);
-            c1[j] = code1;
-            c2[j] = quantize_code(map2, false, __fdiv_rn(s2[k], max2));
-        }
+    }
+}
+
+// bitsandbytes' 32-bit Adam (kOptimizer32bit2State) for parameters under min_8bit_size: block b
+// covers `block_elems` elements of its piece.
+extern "C" __global__ void adam_bnb32_f32(const Bnb8Piece* pieces, unsigned n_pieces, unsigned long long block_elems,
+                                          const float* grad_scale, const float* found_inf) {
+    if (skip_step(pieces, n_pieces, found_inf)) return;
+    const Bnb8Piece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
+    unsigned long long start = (blockIdx.x - pc.head.first_block) * block_elems;
+    if (start >= pc.head.len) return;
+    unsigned long long n = min(block_elems, pc.head.len - start);
+    const BnbConsts c = bnb_consts(pc);
+    float scale;
+    bool scaled = grad_scale_of(grad_scale, pc.flags, pc.grad_scale, &scale);
+    float eps2 = __fmul_rn(c.eps, c.correction2);
+    float* p = (float*)pc.param + start;
+    const float* g = (const float*)pc.grad + start;
+    float* m = (float*)pc.state1 + start;
+    float* v = (float*)pc.state2 + start;
+    for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
+        float gk = g[i];
+        if (scaled) gk = __fdiv_rn(gk, scale);
+        float mv = __fadd_rn(__fmul_rn(m[i], c.beta1), __fmul_rn(c.one_minus_beta1, gk));
+        float vv = __fadd_rn(__fmul_rn(v[i], c.beta2), __fmul_rn(c.one_minus_beta2, __fmul_rn(gk, gk)));
+        float x = __fadd_rn(p[i], __fmul_rn(c.step_size, __fdiv_rn(mv, __fadd_rn(__fsqrt_rn(vv), eps2))));
+        if (c.flags & FLAG_DECAY) x = __fmul_rn(x, c.decay_factor);
+        m[i] = mv;
+        v[i] = vv;
+        p[i] = x;
     }
 }

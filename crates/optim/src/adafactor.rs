@@ -11,14 +11,15 @@ use std::collections::HashMap;
 
 use headroom_autograd_core::{DType, Tensor};
 
+use crate::device::{DeviceKind, StepDevice, StepScaling};
 use crate::error::OptimError;
 use crate::host::{host_slice, host_slice_mut, scratch, zeros_like_shape};
 use crate::kernels::{
     adafactor_fused, adafactor_scratch_len, adafactor_single, AdafactorBuffers, AdafactorConfig,
-    GradScaling, StepOutcome,
+    GradScaling,
 };
 use crate::optimizer::{
-    take_state, ForeachItem, GroupOptimizer, Implementation, NamedTensors, UpdateRule,
+    take_state, GroupOptimizer, Implementation, NamedTensors, StepItem, UpdateRule,
 };
 
 /// Adafactor over parameter groups.
@@ -113,68 +114,20 @@ impl UpdateRule for AdafactorConfig {
         })
     }
 
-    fn step_one(
+    fn step(
         &self,
+        device: &mut StepDevice,
         implementation: Implementation,
-        step: u64,
-        param: &Tensor,
-        grad: &Tensor,
-        state: &mut AdafactorState,
-        scaling: GradScaling,
-    ) -> Result<StepOutcome, OptimError> {
-        // SAFETY: the optimizer checked param and grad (CPU, f32, contiguous, disjoint) and owns
-        // the state tensors; the step runs on this thread only.
-        let bufs = unsafe { buffers(param, grad, state) };
-        match implementation {
-            Implementation::Fused => adafactor_fused(self, step, bufs, scaling),
-            _ => {
-                let tmp = scratch(param, adafactor_scratch_len(param.shape()))?;
-                // SAFETY: a fresh tensor of this call, not shared.
-                adafactor_single(self, step, bufs, unsafe { host_slice_mut(&tmp) })?;
-                Ok(StepOutcome::Stepped)
-            }
-        }
-    }
-
-    fn step_foreach(
-        &self,
-        chunk: Option<usize>,
-        items: &mut [ForeachItem<'_, AdafactorState>],
+        items: &mut [StepItem<'_, AdafactorState>],
+        scaling: StepScaling<'_>,
     ) -> Result<(), OptimError> {
-        // Unbounded: every temporary is allocated before any is used, as a tensor list would.
-        let scratches = items
-            .iter()
-            .map(|it| {
-                let len = adafactor_scratch_len(it.param.shape());
-                if chunk.is_some_and(|c| len > c) {
-                    Ok(None)
-                } else if chunk.is_none() {
-                    scratch(it.param, len).map(Some)
-                } else {
-                    Ok(None)
-                }
-            })
-            .collect::<Result<Vec<_>, OptimError>>()?;
-        for (it, pre) in items.iter_mut().zip(scratches) {
-            // SAFETY: the item's tensors were checked by the optimizer and are distinct.
-            let bufs = unsafe { buffers(it.param, &it.grad, &*it.state) };
-            let len = adafactor_scratch_len(it.param.shape());
-            match (pre, chunk) {
-                (Some(tmp), _) => {
-                    // SAFETY: a fresh tensor of this call, not shared.
-                    adafactor_single(self, it.step, bufs, unsafe { host_slice_mut(&tmp) })?;
-                }
-                (None, Some(c)) if len <= c => {
-                    let tmp = scratch(it.param, len)?;
-                    // SAFETY: a fresh tensor of this call, not shared.
-                    adafactor_single(self, it.step, bufs, unsafe { host_slice_mut(&tmp) })?;
-                }
-                _ => {
-                    adafactor_fused(self, it.step, bufs, GradScaling::NONE)?;
-                }
+        match &mut device.kind {
+            DeviceKind::Host => step_on_host(self, implementation, items, scaling.host()),
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda(cuda) => {
+                crate::cuda::adafactor::step(cuda, self, implementation, items, scaling)
             }
         }
-        Ok(())
     }
 
     fn state_tensors(state: &AdafactorState) -> NamedTensors {
@@ -201,4 +154,78 @@ impl UpdateRule for AdafactorConfig {
             },
         })
     }
+}
+
+/// The host side: the `kernels` functions on the tensors' memory.
+fn step_on_host(
+    cfg: &AdafactorConfig,
+    implementation: Implementation,
+    items: &mut [StepItem<'_, AdafactorState>],
+    scaling: GradScaling,
+) -> Result<(), OptimError> {
+    match implementation {
+        Implementation::Foreach { chunk } => foreach_on_host(cfg, chunk, items),
+        Implementation::Fused => {
+            for it in items.iter() {
+                // SAFETY: the optimizer checked param and grad (CPU, f32, contiguous, disjoint)
+                // and owns the state tensors; the step runs on this thread only.
+                let bufs = unsafe { buffers(it.param, &it.grad, &*it.state) };
+                adafactor_fused(cfg, it.step, bufs, scaling)?;
+            }
+            Ok(())
+        }
+        _ => {
+            for it in items.iter() {
+                // SAFETY: as above.
+                let bufs = unsafe { buffers(it.param, &it.grad, &*it.state) };
+                let tmp = scratch(it.param, adafactor_scratch_len(it.param.shape()))?;
+                // SAFETY: a fresh tensor of this call, not shared.
+                adafactor_single(cfg, it.step, bufs, unsafe { host_slice_mut(&tmp) })?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Foreach on the host: parameters whose temporaries fit the chunk through the single form,
+/// larger ones through the fused form.
+fn foreach_on_host(
+    cfg: &AdafactorConfig,
+    chunk: Option<usize>,
+    items: &mut [StepItem<'_, AdafactorState>],
+) -> Result<(), OptimError> {
+    // Unbounded: every temporary is allocated before any is used, as a tensor list would.
+    let scratches = items
+        .iter()
+        .map(|it| {
+            let len = adafactor_scratch_len(it.param.shape());
+            if chunk.is_some_and(|c| len > c) {
+                Ok(None)
+            } else if chunk.is_none() {
+                scratch(it.param, len).map(Some)
+            } else {
+                Ok(None)
+            }
+        })
+        .collect::<Result<Vec<_>, OptimError>>()?;
+    for (it, pre) in items.iter_mut().zip(scratches) {
+        // SAFETY: the item's tensors were checked by the optimizer and are distinct.
+        let bufs = unsafe { buffers(it.param, &it.grad, &*it.state) };
+        let len = adafactor_scratch_len(it.param.shape());
+        match (pre, chunk) {
+            (Some(tmp), _) => {
+                // SAFETY: a fresh tensor of this call, not shared.
+                adafactor_single(cfg, it.step, bufs, unsafe { host_slice_mut(&tmp) })?;
+            }
+            (None, Some(c)) if len <= c => {
+                let tmp = scratch(it.param, len)?;
+                // SAFETY: a fresh tensor of this call, not shared.
+                adafactor_single(cfg, it.step, bufs, unsafe { host_slice_mut(&tmp) })?;
+            }
+            _ => {
+                adafactor_fused(cfg, it.step, bufs, GradScaling::NONE)?;
+            }
+        }
+    }
+    Ok(())
 }

@@ -4,20 +4,21 @@
 //! State per parameter: `exp_avg`, `exp_avg_sq` (and `max_exp_avg_sq` with amsgrad), f32 like
 //! the parameter, created at its first step — AdamW's first step on a 1024×1024 f32 weight adds
 //! exactly 8,388,608 bytes. Implementations: single (a temporary of one parameter), foreach
-//! (temporaries bounded by the chunk), fused (none).
+//! (temporaries bounded by the chunk), fused (none); on the CPU through `kernels`, on CUDA
+//! through `cuda/adam.rs` with the same operations.
 
 use std::collections::HashMap;
 
 use headroom_autograd_core::{DType, Tensor};
 
+use crate::device::{DeviceKind, StepDevice, StepScaling};
 use crate::error::OptimError;
-use crate::host::{host_slice, host_slice_mut, scratch, zeros_like_shape};
+use crate::host::{foreach_scratch, host_slice, host_slice_mut, scratch, zeros_like_shape};
 use crate::kernels::{
     adam_foreach, adam_fused, adam_scratch_len, adam_single, AdamBuffers, AdamConfig, GradScaling,
-    StepOutcome,
 };
 use crate::optimizer::{
-    take_state, ForeachItem, GroupOptimizer, Implementation, NamedTensors, UpdateRule,
+    take_state, GroupOptimizer, Implementation, NamedTensors, StepItem, UpdateRule,
 };
 
 /// Adam or AdamW over parameter groups.
@@ -85,48 +86,20 @@ impl UpdateRule for AdamConfig {
         })
     }
 
-    fn step_one(
+    fn step(
         &self,
+        device: &mut StepDevice,
         implementation: Implementation,
-        step: u64,
-        param: &Tensor,
-        grad: &Tensor,
-        state: &mut AdamState,
-        scaling: GradScaling,
-    ) -> Result<StepOutcome, OptimError> {
-        // SAFETY: the optimizer checked param and grad (CPU, f32, contiguous, disjoint) and owns
-        // the state tensors; the step runs on this thread only.
-        let bufs = unsafe { buffers(param, grad, state) };
-        match implementation {
-            Implementation::Fused => adam_fused(self, step, bufs, scaling),
-            _ => {
-                let tmp = scratch(param, adam_scratch_len(param.numel()))?;
-                // SAFETY: a fresh tensor of this call, not shared.
-                adam_single(self, step, bufs, unsafe { host_slice_mut(&tmp) })?;
-                Ok(StepOutcome::Stepped)
+        items: &mut [StepItem<'_, AdamState>],
+        scaling: StepScaling<'_>,
+    ) -> Result<(), OptimError> {
+        match &mut device.kind {
+            DeviceKind::Host => step_on_host(self, implementation, items, scaling.host()),
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda(cuda) => {
+                crate::cuda::adam::step(cuda, self, implementation, items, scaling)
             }
         }
-    }
-
-    fn step_foreach(
-        &self,
-        chunk: Option<usize>,
-        items: &mut [ForeachItem<'_, AdamState>],
-    ) -> Result<(), OptimError> {
-        let total: usize = items.iter().map(|it| it.param.numel()).sum();
-        let len = chunk.map_or(total, |c| c.min(total));
-        let Some(first) = items.first() else {
-            return Ok(());
-        };
-        let tmp = scratch(first.param, len)?;
-        // SAFETY: every item's tensors were checked by the optimizer and are distinct; the
-        // scratch is a fresh tensor of this call.
-        let mut bufs: Vec<(u64, AdamBuffers<'_>)> = items
-            .iter()
-            .map(|it| (it.step, unsafe { buffers(it.param, &it.grad, &*it.state) }))
-            .collect();
-        // SAFETY: as above.
-        adam_foreach(self, &mut bufs, unsafe { host_slice_mut(&tmp) })
     }
 
     fn state_tensors(state: &AdamState) -> NamedTensors {
@@ -160,5 +133,48 @@ impl UpdateRule for AdamConfig {
                 None
             },
         })
+    }
+}
+
+/// The host side: the `kernels` functions on the tensors' memory.
+fn step_on_host(
+    cfg: &AdamConfig,
+    implementation: Implementation,
+    items: &mut [StepItem<'_, AdamState>],
+    scaling: GradScaling,
+) -> Result<(), OptimError> {
+    match implementation {
+        Implementation::Foreach { chunk } => {
+            let Some(tmp) = foreach_scratch(items.iter().map(|it| it.param), chunk)? else {
+                return Ok(());
+            };
+            // SAFETY: every item's tensors were checked by the optimizer and are distinct; the
+            // scratch is a fresh tensor of this call.
+            let mut bufs: Vec<(u64, AdamBuffers<'_>)> = items
+                .iter()
+                .map(|it| (it.step, unsafe { buffers(it.param, &it.grad, &*it.state) }))
+                .collect();
+            // SAFETY: as above.
+            adam_foreach(cfg, &mut bufs, unsafe { host_slice_mut(&tmp) })
+        }
+        Implementation::Fused => {
+            for it in items.iter() {
+                // SAFETY: the optimizer checked param and grad (CPU, f32, contiguous, disjoint)
+                // and owns the state tensors; the step runs on this thread only.
+                let bufs = unsafe { buffers(it.param, &it.grad, &*it.state) };
+                adam_fused(cfg, it.step, bufs, scaling)?;
+            }
+            Ok(())
+        }
+        _ => {
+            for it in items.iter() {
+                // SAFETY: as above.
+                let bufs = unsafe { buffers(it.param, &it.grad, &*it.state) };
+                let tmp = scratch(it.param, adam_scratch_len(it.param.numel()))?;
+                // SAFETY: a fresh tensor of this call, not shared.
+                adam_single(cfg, it.step, bufs, unsafe { host_slice_mut(&tmp) })?;
+            }
+            Ok(())
+        }
     }
 }

@@ -11,6 +11,7 @@ use std::sync::OnceLock;
 
 use headroom_autograd_core::{DType, Tensor};
 
+use crate::device::{DeviceKind, StepDevice, StepScaling};
 use crate::error::OptimError;
 use crate::host::{host_slice, host_slice_mut, zeros_like_shape};
 use crate::kernels::{
@@ -18,7 +19,7 @@ use crate::kernels::{
     Adam8bitConfig, GradScaling, QuantizationMap, StepOutcome, MIN_8BIT_SIZE,
 };
 use crate::optimizer::{
-    take_state, ForeachItem, GroupOptimizer, Implementation, NamedTensors, UpdateRule,
+    take_state, GroupOptimizer, Implementation, NamedTensors, StepItem, UpdateRule,
 };
 
 /// 8-bit Adam over parameter groups.
@@ -101,64 +102,23 @@ impl UpdateRule for Adam8bitConfig {
         })
     }
 
-    fn step_one(
+    fn step(
         &self,
+        device: &mut StepDevice,
         _: Implementation,
-        step: u64,
-        param: &Tensor,
-        grad: &Tensor,
-        state: &mut Adam8bitState,
-        scaling: GradScaling,
-    ) -> Result<StepOutcome, OptimError> {
-        // SAFETY (all blocks below): the optimizer checked param and grad (CPU, f32, contiguous,
-        // disjoint) and owns the state tensors; the step runs on this thread only.
-        match state {
-            Adam8bitState::Quantized {
-                state1,
-                state2,
-                absmax1,
-                absmax2,
-            } => {
-                let (qmap1, qmap2) = bnb_maps();
-                // SAFETY: see above.
-                let bufs = unsafe {
-                    Adam8bitBuffers {
-                        param: host_slice_mut(param),
-                        grad: host_slice(grad),
-                        state1: host_slice_mut(state1),
-                        state2: host_slice_mut(state2),
-                        absmax1: host_slice_mut(absmax1),
-                        absmax2: host_slice_mut(absmax2),
-                    }
-                };
-                adam8bit_blockwise(self, step, qmap1, qmap2, bufs, scaling)
-            }
-            Adam8bitState::Full { state1, state2 } => {
-                // SAFETY: see above.
-                unsafe {
-                    adam_bnb_32bit(
-                        self,
-                        step,
-                        host_slice_mut(param),
-                        host_slice(grad),
-                        host_slice_mut(state1),
-                        host_slice_mut(state2),
-                        scaling,
-                    )
-                }
-            }
-        }
-    }
-
-    fn step_foreach(
-        &self,
-        _: Option<usize>,
-        _: &mut [ForeachItem<'_, Adam8bitState>],
+        items: &mut [StepItem<'_, Adam8bitState>],
+        scaling: StepScaling<'_>,
     ) -> Result<(), OptimError> {
-        Err(OptimError::Unsupported {
-            optimizer: Self::NAME,
-            reason: "8-bit Adam has only the EightBit implementation".into(),
-        })
+        match &mut device.kind {
+            DeviceKind::Host => {
+                for it in items.iter_mut() {
+                    step_on_host(self, it.step, it.param, &it.grad, it.state, scaling.host())?;
+                }
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda(cuda) => crate::cuda::adam8bit::step(cuda, self, items, scaling),
+        }
     }
 
     fn state_tensors(state: &Adam8bitState) -> NamedTensors {
@@ -199,5 +159,54 @@ impl UpdateRule for Adam8bitConfig {
                 absmax2: take_state(&mut tensors, "absmax2", &[n_blocks(n)], DType::F32)?,
             }
         })
+    }
+}
+
+/// The host side: the `kernels` functions on one parameter's memory.
+fn step_on_host(
+    cfg: &Adam8bitConfig,
+    step: u64,
+    param: &Tensor,
+    grad: &Tensor,
+    state: &mut Adam8bitState,
+    scaling: GradScaling,
+) -> Result<StepOutcome, OptimError> {
+    // SAFETY (all blocks below): the optimizer checked param and grad (CPU, f32, contiguous,
+    // disjoint) and owns the state tensors; the step runs on this thread only.
+    match state {
+        Adam8bitState::Quantized {
+            state1,
+            state2,
+            absmax1,
+            absmax2,
+        } => {
+            let (qmap1, qmap2) = bnb_maps();
+            // SAFETY: see above.
+            let bufs = unsafe {
+                Adam8bitBuffers {
+                    param: host_slice_mut(param),
+                    grad: host_slice(grad),
+                    state1: host_slice_mut(state1),
+                    state2: host_slice_mut(state2),
+                    absmax1: host_slice_mut(absmax1),
+                    absmax2: host_slice_mut(absmax2),
+                }
+            };
+            adam8bit_blockwise(cfg, step, qmap1, qmap2, bufs, scaling)
+        }
+        Adam8bitState::Full { state1, state2 } => {
+            // SAFETY: see above.
+            unsafe {
+                adam_bnb_32bit(
+                    cfg,
+                    step,
+                    host_slice_mut(param),
+                    host_slice(grad),
+                    host_slice_mut(state1),
+                    host_slice_mut(state2),
+                    scaling,
+                )
+            }
+        }
     }
 }

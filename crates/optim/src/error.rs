@@ -4,7 +4,7 @@
 //! name the call and carry the lengths, names or values involved. Errors of the tensor layer
 //! (allocation, dtype) and of safetensors pass through unchanged.
 
-use headroom_autograd_core::TensorError;
+use headroom_autograd_core::{DType, Device, TensorError};
 
 /// Everything that can go wrong when stepping, saving or loading an optimizer.
 #[derive(Debug, thiserror::Error)]
@@ -29,14 +29,45 @@ pub enum OptimError {
         /// What is wrong, with the values involved.
         reason: String,
     },
-    /// A tensor the optimizer must update cannot be updated by this implementation (device,
-    /// dtype, layout, or shared storage).
+    /// A tensor the optimizer must update cannot be updated (shared storage, a gradient of
+    /// another shape, a device this build cannot reach).
     #[error("{op}: unsupported tensor: {reason}")]
     UnsupportedTensor {
         /// The call.
         op: &'static str,
         /// Why.
         reason: String,
+    },
+    /// A parameter, gradient or scale tensor is not on the optimizer's device (or, on CUDA, not
+    /// of its backend).
+    #[error("{op}: a tensor on {got:?} among tensors on {expected:?}")]
+    MixedDevices {
+        /// The call.
+        op: &'static str,
+        /// The optimizer's device (its first parameter's).
+        expected: Device,
+        /// The tensor's device.
+        got: Device,
+    },
+    /// A tensor has a dtype the kernels do not take.
+    #[error("{op}: dtype {got:?}, expected {expected:?}")]
+    DType {
+        /// The call.
+        op: &'static str,
+        /// The dtype needed.
+        expected: DType,
+        /// The tensor's.
+        got: DType,
+    },
+    /// A tensor is a non-contiguous view; the kernels update contiguous memory in place.
+    #[error("{op}: non-contiguous tensor (shape {shape:?}, strides {strides:?})")]
+    NonContiguous {
+        /// The call.
+        op: &'static str,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// Its strides.
+        strides: Vec<usize>,
     },
     /// The optimizer has no such implementation, or the implementation cannot do what was asked
     /// (a gradient scale for a non-fused update, for example).

@@ -2,42 +2,14 @@
 //!
 //! autograd-core exposes a CPU tensor's storage as a [`Buffer`](headroom_autograd_core::Buffer)
 //! whose address is a host pointer (the CPU backend's allocator hands out host memory). This
-//! module checks device, dtype and layout and turns that address into a slice. Scratch tensors
-//! come from the same backend, so every temporary of a step shows in `memory_allocated()`.
+//! module turns that address into a slice for the host side of the device strategy
+//! (`device.rs` checked device, dtype and layout); the address ranges also serve the aliasing
+//! check on any device. Scratch tensors come from the parameters' backend, so every temporary of
+//! a step shows in `memory_allocated()`.
 
 use headroom_autograd_core::{DType, Device, Element, Tensor};
 
 use crate::error::OptimError;
-
-/// Checks that `tensor` is a contiguous CPU tensor of `T`'s dtype.
-pub(crate) fn check_host<T: Element>(op: &'static str, tensor: &Tensor) -> Result<(), OptimError> {
-    if tensor.device() != Device::Cpu {
-        return Err(OptimError::UnsupportedTensor {
-            op,
-            reason: format!(
-                "{:?} tensors need the CUDA kernels (not built yet)",
-                tensor.device()
-            ),
-        });
-    }
-    if tensor.dtype() != T::DTYPE {
-        return Err(OptimError::UnsupportedTensor {
-            op,
-            reason: format!("dtype {:?}, expected {:?}", tensor.dtype(), T::DTYPE),
-        });
-    }
-    if !tensor.is_contiguous() {
-        return Err(OptimError::UnsupportedTensor {
-            op,
-            reason: format!(
-                "non-contiguous tensor (shape {:?}, strides {:?})",
-                tensor.shape(),
-                tensor.strides()
-            ),
-        });
-    }
-    Ok(())
-}
 
 /// The start address and the byte range a contiguous tensor covers.
 pub(crate) fn byte_range(tensor: &Tensor) -> std::ops::Range<u64> {
@@ -63,7 +35,7 @@ pub(crate) fn check_disjoint(op: &'static str, tensors: &[&Tensor]) -> Result<()
     Ok(())
 }
 
-/// The elements of a CPU tensor that passed [`check_host`].
+/// The elements of a CPU tensor of `T` (checked by the optimizer: contiguous, this dtype).
 ///
 /// # Safety
 /// No mutable slice of the same memory may be alive while the returned slice is, and no other
@@ -81,7 +53,7 @@ pub(crate) unsafe fn host_slice<T: Element>(tensor: &Tensor) -> &[T] {
     unsafe { std::slice::from_raw_parts(ptr, n) }
 }
 
-/// The elements of a CPU tensor that passed [`check_host`], writable.
+/// The elements of a CPU tensor of `T`, writable.
 ///
 /// # Safety
 /// The tensor's memory must not be reachable through any other live slice (checked with
@@ -107,4 +79,18 @@ pub(crate) fn zeros_like_shape(like: &Tensor, shape: &[usize]) -> Result<Tensor,
 /// An uninitialised f32 scratch tensor of `len` elements on `like`'s backend.
 pub(crate) fn scratch(like: &Tensor, len: usize) -> Result<Tensor, OptimError> {
     Ok(Tensor::empty(like.backend(), &[len], DType::F32)?)
+}
+
+/// The scratch of a host foreach step over `params`: `chunk` elements (`None`: as many as all
+/// the parameters hold), at most their total; `None` when there are no parameters.
+pub(crate) fn foreach_scratch<'a>(
+    mut params: impl Iterator<Item = &'a Tensor>,
+    chunk: Option<usize>,
+) -> Result<Option<Tensor>, OptimError> {
+    let Some(first) = params.next() else {
+        return Ok(None);
+    };
+    let total = first.numel() + params.map(Tensor::numel).sum::<usize>();
+    let len = chunk.map_or(total, |c| c.min(total));
+    Ok(Some(scratch(first, len)?))
 }

@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use headroom_autograd_core::{DType, Tensor};
 use safetensors::tensor::TensorView;
 
+use crate::device::{DeviceGradScaling, StepDevice, StepScaling};
 use crate::error::OptimError;
 use crate::kernels::{GradScaling, StepOutcome};
 
@@ -67,7 +68,10 @@ impl<R> ParamGroup<R> {
 pub type NamedTensors = Vec<(&'static str, Tensor)>;
 
 /// One algorithm: its hyperparameters (the implementing type), its per-parameter state, and
-/// how to run the raw kernels on a parameter's tensors.
+/// how one step of a group's parameters is shaped (which tensors go to which kernels).
+///
+/// The kernels themselves come from the [`StepDevice`]: the host's over tensor memory, or a
+/// CUDA device's. A rule never checks devices; the optimizer did that before the call.
 pub trait UpdateRule: Clone + std::fmt::Debug + Send + 'static {
     /// The per-parameter state.
     type State: std::fmt::Debug + Send;
@@ -82,28 +86,21 @@ pub trait UpdateRule: Clone + std::fmt::Debug + Send + 'static {
     fn lr(&self) -> f64;
     /// Sets the learning rate.
     fn set_lr(&mut self, lr: f64);
-    /// Fresh state for `param`.
+    /// Fresh state for `param`, on its device.
     fn init_state(
         &self,
         implementation: Implementation,
         param: &Tensor,
     ) -> Result<Self::State, OptimError>;
-    /// Step number `step` (1-based) of one parameter with the single, fused or 8-bit form.
-    fn step_one(
+    /// One step of `items` (parameters of one group with their gradients and states, in
+    /// order) with `implementation` on `device`. Host-scaled steps that must be skipped never
+    /// get here; a device scaling reaches only the fused and 8-bit implementations.
+    fn step(
         &self,
+        device: &mut StepDevice,
         implementation: Implementation,
-        step: u64,
-        param: &Tensor,
-        grad: &Tensor,
-        state: &mut Self::State,
-        scaling: GradScaling,
-    ) -> Result<StepOutcome, OptimError>;
-    /// One foreach step over parameters of a group, temporaries bounded by `chunk` elements
-    /// (`None`: unbounded).
-    fn step_foreach(
-        &self,
-        chunk: Option<usize>,
-        items: &mut [ForeachItem<'_, Self::State>],
+        items: &mut [StepItem<'_, Self::State>],
+        scaling: StepScaling<'_>,
     ) -> Result<(), OptimError>;
     /// The state's tensors by name.
     fn state_tensors(state: &Self::State) -> NamedTensors;
@@ -115,11 +112,14 @@ pub trait UpdateRule: Clone + std::fmt::Debug + Send + 'static {
     ) -> Result<Self::State, OptimError>;
 }
 
-/// A parameter handed to [`UpdateRule::step_foreach`].
+/// A parameter handed to [`UpdateRule::step`].
 #[derive(Debug)]
-pub struct ForeachItem<'a, S> {
-    /// Step number (1-based) this update is.
+pub struct StepItem<'a, S> {
+    /// Step number (1-based) this update is, as the host counts it (steps the device skipped
+    /// under a [`DeviceGradScaling`] are subtracted by the kernels).
     pub step: u64,
+    /// The parameter's index among all parameters of the optimizer (its skip counter).
+    pub slot: usize,
     /// The parameter.
     pub param: &'a Tensor,
     /// Its gradient.
@@ -146,6 +146,10 @@ pub trait Optimizer: Send {
     }
     /// One step with in-kernel unscale and skip (fused and 8-bit implementations only).
     fn step_scaled(&mut self, scaling: GradScaling) -> Result<StepOutcome, OptimError>;
+    /// One step with the scale and found-inf flag in device memory (fused and 8-bit on CUDA):
+    /// nothing waits for the device; a skipped step is counted there and does not advance the
+    /// parameters' step numbers.
+    fn step_device_scaled(&mut self, scaling: &DeviceGradScaling) -> Result<(), OptimError>;
     /// One step of a single parameter (what an optimizer-in-backward hook calls once the
     /// parameter's gradient is final).
     fn step_param(
@@ -153,6 +157,13 @@ pub trait Optimizer: Send {
         param: &Tensor,
         scaling: GradScaling,
     ) -> Result<StepOutcome, OptimError>;
+    /// [`Optimizer::step_param`] with a device scaling (see
+    /// [`Optimizer::step_device_scaled`]).
+    fn step_param_device_scaled(
+        &mut self,
+        param: &Tensor,
+        scaling: &DeviceGradScaling,
+    ) -> Result<(), OptimError>;
     /// Clears every parameter's gradient (drops it when `set_to_none`).
     fn zero_grad(&self, set_to_none: bool) -> Result<(), OptimError>;
     /// The state (steps, state tensors, hyperparameters) as safetensors bytes.
@@ -167,22 +178,28 @@ struct ParamState<S> {
     state: S,
 }
 
-/// An optimizer of parameter groups with one [`UpdateRule`] and one [`Implementation`].
+/// An optimizer of parameter groups with one [`UpdateRule`] and one [`Implementation`], on the
+/// device of its parameters (the CPU, or a CUDA device with the `cuda` feature).
 #[derive(Debug)]
 pub struct GroupOptimizer<R: UpdateRule> {
     groups: Vec<ParamGroup<R>>,
     states: Vec<Vec<Option<ParamState<R::State>>>>,
     implementation: Implementation,
+    device: StepDevice,
 }
 
 impl<R: UpdateRule> GroupOptimizer<R> {
     /// An optimizer over `groups`. Fails on invalid hyperparameters, an implementation the rule
-    /// lacks, or parameters that are not distinct contiguous f32 CPU tensors.
+    /// lacks, or parameters that are not distinct contiguous f32 tensors of one device.
     pub fn new(
         groups: Vec<ParamGroup<R>>,
         implementation: Implementation,
     ) -> Result<GroupOptimizer<R>, OptimError> {
-        let mut all = Vec::new();
+        let all: Vec<&Tensor> = groups.iter().flat_map(|g| &g.params).collect();
+        let device = match all.first() {
+            Some(first) => StepDevice::of(R::NAME, first, all.len())?,
+            None => StepDevice::host(),
+        };
         for group in &groups {
             group.config.validate()?;
             if !group.config.supports(implementation) {
@@ -191,10 +208,9 @@ impl<R: UpdateRule> GroupOptimizer<R> {
                     reason: format!("no {implementation:?} implementation"),
                 });
             }
-            for param in &group.params {
-                crate::host::check_host::<f32>(R::NAME, param)?;
-                all.push(param);
-            }
+        }
+        for param in &all {
+            device.check(R::NAME, param)?;
         }
         crate::host::check_disjoint(R::NAME, &all)?;
         if let Implementation::Foreach { chunk: Some(0) } = implementation {
@@ -211,6 +227,7 @@ impl<R: UpdateRule> GroupOptimizer<R> {
             groups,
             states,
             implementation,
+            device,
         })
     }
 
@@ -224,9 +241,17 @@ impl<R: UpdateRule> GroupOptimizer<R> {
         &mut self.groups[group].config
     }
 
-    /// The number of steps taken by a parameter (0 before its first).
-    pub fn param_step(&self, group: usize, idx: usize) -> u64 {
-        self.states[group][idx].as_ref().map_or(0, |s| s.step)
+    /// The device the steps run on.
+    pub fn device(&self) -> &StepDevice {
+        &self.device
+    }
+
+    /// The number of steps taken by a parameter (0 before its first). After steps under a
+    /// [`DeviceGradScaling`] this reads the device's skip counts (and waits for the device).
+    pub fn param_step(&self, group: usize, idx: usize) -> Result<u64, OptimError> {
+        let host = self.states[group][idx].as_ref().map_or(0, |s| s.step);
+        let skipped = self.device.skipped_steps(self.n_slots())?[self.slot(group, idx)];
+        Ok(host - skipped)
     }
 
     /// A parameter's state tensors by name (empty before its first step).
@@ -237,9 +262,20 @@ impl<R: UpdateRule> GroupOptimizer<R> {
             .unwrap_or_default()
     }
 
-    fn check_scaling(&self, scaling: GradScaling) -> Result<(), OptimError> {
-        let scaled = scaling != GradScaling::NONE;
-        if scaled
+    fn n_slots(&self) -> usize {
+        self.groups.iter().map(|g| g.params.len()).sum()
+    }
+
+    fn slot(&self, group: usize, idx: usize) -> usize {
+        self.groups[..group]
+            .iter()
+            .map(|g| g.params.len())
+            .sum::<usize>()
+            + idx
+    }
+
+    fn check_scaling(&self, scaling: StepScaling<'_>) -> Result<(), OptimError> {
+        if scaling.is_scaled()
             && !matches!(
                 self.implementation,
                 Implementation::Fused | Implementation::EightBit
@@ -254,50 +290,87 @@ impl<R: UpdateRule> GroupOptimizer<R> {
                 ),
             });
         }
+        if let StepScaling::Device(device_scaling) = scaling {
+            self.device.check_scaling(R::NAME, device_scaling)?;
+        }
         Ok(())
     }
 
-    fn step_one_at(
+    /// One step of the parameters `which` selects in each group (those with a gradient).
+    fn step_where(
         &mut self,
-        group: usize,
-        idx: usize,
-        grad: &Tensor,
-        scaling: GradScaling,
-    ) -> Result<StepOutcome, OptimError> {
-        let param = &self.groups[group].params[idx];
-        let config = &self.groups[group].config;
-        check_grad(R::NAME, param, grad)?;
-        let slot = &mut self.states[group][idx];
-        if slot.is_none() {
-            if scaling.skips() {
-                return Ok(StepOutcome::Skipped);
+        scaling: StepScaling<'_>,
+        which: &dyn Fn(usize, usize) -> bool,
+    ) -> Result<(), OptimError> {
+        let mut slot_base = 0;
+        for group in 0..self.groups.len() {
+            let ParamGroup { params, config } = &self.groups[group];
+            let mut grads = Vec::new();
+            for (idx, param) in params.iter().enumerate() {
+                if !which(group, idx) {
+                    continue;
+                }
+                let Some(grad) = param.grad() else { continue };
+                check_grad(&self.device, param, &grad)?;
+                if self.states[group][idx].is_none() {
+                    self.states[group][idx] = Some(ParamState {
+                        step: 0,
+                        state: config.init_state(self.implementation, param)?,
+                    });
+                }
+                grads.push((idx, grad));
             }
-            *slot = Some(ParamState {
-                step: 0,
-                state: config.init_state(self.implementation, param)?,
-            });
+            let mut items = Vec::with_capacity(grads.len());
+            let mut grads = grads.into_iter().peekable();
+            for (idx, slot) in self.states[group].iter_mut().enumerate() {
+                if grads.peek().map(|(i, _)| *i) != Some(idx) {
+                    continue;
+                }
+                let (_, grad) = grads.next().expect("peeked");
+                let entry = slot.as_mut().expect("initialised above");
+                entry.step += 1;
+                items.push(StepItem {
+                    step: entry.step,
+                    slot: slot_base + idx,
+                    param: &params[idx],
+                    grad,
+                    state: &mut entry.state,
+                });
+            }
+            if !items.is_empty() {
+                config.step(&mut self.device, self.implementation, &mut items, scaling)?;
+            }
+            slot_base += params.len();
         }
-        let entry = slot.as_mut().expect("initialised above");
-        let outcome = config.step_one(
-            self.implementation,
-            entry.step + 1,
-            param,
-            grad,
-            &mut entry.state,
-            scaling,
-        )?;
-        if outcome == StepOutcome::Stepped {
-            entry.step += 1;
-        }
-        Ok(outcome)
+        Ok(())
+    }
+
+    /// The (group, index) of `param`: the same tensor, or a tensor over the same memory.
+    fn find(&self, param: &Tensor) -> Result<(usize, usize), OptimError> {
+        self.groups
+            .iter()
+            .enumerate()
+            .find_map(|(g, group)| {
+                group
+                    .params
+                    .iter()
+                    .position(|p| {
+                        p.same_tensor(param)
+                            || (crate::host::byte_range(p) == crate::host::byte_range(param)
+                                && p.device() == param.device()
+                                && p.shape() == param.shape())
+                    })
+                    .map(|idx| (g, idx))
+            })
+            .ok_or(OptimError::UnknownParameter { optimizer: R::NAME })
     }
 }
 
-fn check_grad(op: &'static str, param: &Tensor, grad: &Tensor) -> Result<(), OptimError> {
-    crate::host::check_host::<f32>(op, grad)?;
+fn check_grad(device: &StepDevice, param: &Tensor, grad: &Tensor) -> Result<(), OptimError> {
+    device.check("gradient", grad)?;
     if grad.shape() != param.shape() {
         return Err(OptimError::UnsupportedTensor {
-            op,
+            op: "gradient",
             reason: format!(
                 "gradient shape {:?} for a parameter of shape {:?}",
                 grad.shape(),
@@ -305,7 +378,7 @@ fn check_grad(op: &'static str, param: &Tensor, grad: &Tensor) -> Result<(), Opt
             ),
         });
     }
-    crate::host::check_disjoint(op, &[param, grad])
+    crate::host::check_disjoint("gradient", &[param, grad])
 }
 
 impl<R: UpdateRule> Optimizer for GroupOptimizer<R> {
@@ -330,52 +403,17 @@ impl<R: UpdateRule> Optimizer for GroupOptimizer<R> {
     }
 
     fn step_scaled(&mut self, scaling: GradScaling) -> Result<StepOutcome, OptimError> {
-        self.check_scaling(scaling)?;
+        self.check_scaling(StepScaling::Host(scaling))?;
         if scaling.skips() {
             return Ok(StepOutcome::Skipped);
         }
-        for group in 0..self.groups.len() {
-            if let Implementation::Foreach { chunk } = self.implementation {
-                let ParamGroup { params, config } = &self.groups[group];
-                let mut grads = Vec::new();
-                for (idx, param) in params.iter().enumerate() {
-                    if let Some(grad) = param.grad() {
-                        check_grad(R::NAME, param, &grad)?;
-                        if self.states[group][idx].is_none() {
-                            self.states[group][idx] = Some(ParamState {
-                                step: 0,
-                                state: config.init_state(self.implementation, param)?,
-                            });
-                        }
-                        grads.push((idx, grad));
-                    }
-                }
-                let mut items = Vec::with_capacity(grads.len());
-                let mut grads = grads.into_iter().peekable();
-                for (idx, slot) in self.states[group].iter_mut().enumerate() {
-                    if grads.peek().map(|(i, _)| *i) != Some(idx) {
-                        continue;
-                    }
-                    let (_, grad) = grads.next().expect("peeked");
-                    let entry = slot.as_mut().expect("initialised above");
-                    entry.step += 1;
-                    items.push(ForeachItem {
-                        step: entry.step,
-                        param: &params[idx],
-                        grad,
-                        state: &mut entry.state,
-                    });
-                }
-                config.step_foreach(chunk, &mut items)?;
-            } else {
-                for idx in 0..self.groups[group].params.len() {
-                    if let Some(grad) = self.groups[group].params[idx].grad() {
-                        self.step_one_at(group, idx, &grad, scaling)?;
-                    }
-                }
-            }
-        }
+        self.step_where(StepScaling::Host(scaling), &|_, _| true)?;
         Ok(StepOutcome::Stepped)
+    }
+
+    fn step_device_scaled(&mut self, scaling: &DeviceGradScaling) -> Result<(), OptimError> {
+        self.check_scaling(StepScaling::Device(scaling))?;
+        self.step_where(StepScaling::Device(scaling), &|_, _| true)
     }
 
     fn step_param(
@@ -383,48 +421,23 @@ impl<R: UpdateRule> Optimizer for GroupOptimizer<R> {
         param: &Tensor,
         scaling: GradScaling,
     ) -> Result<StepOutcome, OptimError> {
-        self.check_scaling(scaling)?;
-        let found = self.groups.iter().enumerate().find_map(|(g, group)| {
-            group
-                .params
-                .iter()
-                .position(|p| {
-                    p.same_tensor(param)
-                        || (crate::host::byte_range(p) == crate::host::byte_range(param)
-                            && p.shape() == param.shape())
-                })
-                .map(|idx| (g, idx))
-        });
-        let Some((group, idx)) = found else {
-            return Err(OptimError::UnknownParameter { optimizer: R::NAME });
-        };
-        let Some(grad) = self.groups[group].params[idx].grad() else {
+        self.check_scaling(StepScaling::Host(scaling))?;
+        let (group, idx) = self.find(param)?;
+        if scaling.skips() || self.groups[group].params[idx].grad().is_none() {
             return Ok(StepOutcome::Skipped);
-        };
-        if let Implementation::Foreach { chunk } = self.implementation {
-            // A single parameter through the foreach form.
-            let param = &self.groups[group].params[idx];
-            let config = &self.groups[group].config;
-            check_grad(R::NAME, param, &grad)?;
-            let slot = &mut self.states[group][idx];
-            if slot.is_none() {
-                *slot = Some(ParamState {
-                    step: 0,
-                    state: config.init_state(self.implementation, param)?,
-                });
-            }
-            let entry = slot.as_mut().expect("initialised above");
-            entry.step += 1;
-            let mut items = [ForeachItem {
-                step: entry.step,
-                param,
-                grad,
-                state: &mut entry.state,
-            }];
-            config.step_foreach(chunk, &mut items)?;
-            return Ok(StepOutcome::Stepped);
         }
-        self.step_one_at(group, idx, &grad, scaling)
+        self.step_where(StepScaling::Host(scaling), &|g, i| (g, i) == (group, idx))?;
+        Ok(StepOutcome::Stepped)
+    }
+
+    fn step_param_device_scaled(
+        &mut self,
+        param: &Tensor,
+        scaling: &DeviceGradScaling,
+    ) -> Result<(), OptimError> {
+        self.check_scaling(StepScaling::Device(scaling))?;
+        let (group, idx) = self.find(param)?;
+        self.step_where(StepScaling::Device(scaling), &|g, i| (g, i) == (group, idx))
     }
 
     fn zero_grad(&self, set_to_none: bool) -> Result<(), OptimError> {
@@ -444,12 +457,14 @@ impl<R: UpdateRule> Optimizer for GroupOptimizer<R> {
             format!("{:?}", self.implementation),
         );
         let mut blobs: Vec<(String, DType, Vec<usize>, Vec<u8>)> = Vec::new();
+        let skipped = self.device.skipped_steps(self.n_slots())?;
         for (g, group) in self.groups.iter().enumerate() {
             metadata.insert(format!("group.{g}.lr"), format!("{:?}", group.config.lr()));
             metadata.insert(format!("group.{g}.config"), format!("{:?}", group.config));
             for (idx, slot) in self.states[g].iter().enumerate() {
                 let Some(entry) = slot else { continue };
-                metadata.insert(format!("state.{g}.{idx}.step"), entry.step.to_string());
+                let step = entry.step - skipped[self.slot(g, idx)];
+                metadata.insert(format!("state.{g}.{idx}.step"), step.to_string());
                 for (name, tensor) in R::state_tensors(&entry.state) {
                     let bytes = match tensor.dtype() {
                         DType::F32 => tensor
@@ -546,7 +561,7 @@ impl<R: UpdateRule> Optimizer for GroupOptimizer<R> {
             states.push(group_states);
         }
         self.states = states;
-        Ok(())
+        self.device.reset_skipped_steps()
     }
 }
 

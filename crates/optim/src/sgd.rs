@@ -1,19 +1,19 @@
 //! `torch.optim.SGD` over autograd-core parameters: the [`UpdateRule`] of [`SgdConfig`].
 //!
 //! State: a momentum buffer per parameter when the momentum is non-zero, created at the first
-//! step (PyTorch clones the gradient into it then). Implementations: single, foreach, fused.
+//! step (PyTorch clones the gradient into it then). Implementations: single, foreach, fused; on
+//! the CPU through `kernels`, on CUDA through `cuda/sgd.rs`.
 
 use std::collections::HashMap;
 
 use headroom_autograd_core::{DType, Tensor};
 
+use crate::device::{DeviceKind, StepDevice, StepScaling};
 use crate::error::OptimError;
-use crate::host::{host_slice, host_slice_mut, scratch, zeros_like_shape};
-use crate::kernels::{
-    sgd_foreach, sgd_fused, sgd_single, GradScaling, SgdBuffers, SgdConfig, StepOutcome,
-};
+use crate::host::{foreach_scratch, host_slice, host_slice_mut, scratch, zeros_like_shape};
+use crate::kernels::{sgd_foreach, sgd_fused, sgd_single, GradScaling, SgdBuffers, SgdConfig};
 use crate::optimizer::{
-    take_state, ForeachItem, GroupOptimizer, Implementation, NamedTensors, UpdateRule,
+    take_state, GroupOptimizer, Implementation, NamedTensors, StepItem, UpdateRule,
 };
 
 /// SGD over parameter groups.
@@ -78,48 +78,20 @@ impl UpdateRule for SgdConfig {
         })
     }
 
-    fn step_one(
+    fn step(
         &self,
+        device: &mut StepDevice,
         implementation: Implementation,
-        step: u64,
-        param: &Tensor,
-        grad: &Tensor,
-        state: &mut SgdState,
-        scaling: GradScaling,
-    ) -> Result<StepOutcome, OptimError> {
-        // SAFETY: the optimizer checked param and grad (CPU, f32, contiguous, disjoint) and owns
-        // the state tensors; the step runs on this thread only.
-        let bufs = unsafe { buffers(param, grad, state, step) };
-        match implementation {
-            Implementation::Fused => sgd_fused(self, bufs, scaling),
-            _ => {
-                let tmp = scratch(param, param.numel())?;
-                // SAFETY: a fresh tensor of this call, not shared.
-                sgd_single(self, bufs, unsafe { host_slice_mut(&tmp) })?;
-                Ok(StepOutcome::Stepped)
+        items: &mut [StepItem<'_, SgdState>],
+        scaling: StepScaling<'_>,
+    ) -> Result<(), OptimError> {
+        match &mut device.kind {
+            DeviceKind::Host => step_on_host(self, implementation, items, scaling.host()),
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda(cuda) => {
+                crate::cuda::sgd::step(cuda, self, implementation, items, scaling)
             }
         }
-    }
-
-    fn step_foreach(
-        &self,
-        chunk: Option<usize>,
-        items: &mut [ForeachItem<'_, SgdState>],
-    ) -> Result<(), OptimError> {
-        let total: usize = items.iter().map(|it| it.param.numel()).sum();
-        let len = chunk.map_or(total, |c| c.min(total));
-        let Some(first) = items.first() else {
-            return Ok(());
-        };
-        let tmp = scratch(first.param, len)?;
-        // SAFETY: every item's tensors were checked by the optimizer and are distinct; the
-        // scratch is a fresh tensor of this call.
-        let mut bufs: Vec<SgdBuffers<'_>> = items
-            .iter()
-            .map(|it| unsafe { buffers(it.param, &it.grad, &*it.state, it.step) })
-            .collect();
-        // SAFETY: as above.
-        sgd_foreach(self, &mut bufs, unsafe { host_slice_mut(&tmp) })
     }
 
     fn state_tensors(state: &SgdState) -> NamedTensors {
@@ -147,5 +119,48 @@ impl UpdateRule for SgdConfig {
                 None
             },
         })
+    }
+}
+
+/// The host side: the `kernels` functions on the tensors' memory.
+fn step_on_host(
+    cfg: &SgdConfig,
+    implementation: Implementation,
+    items: &mut [StepItem<'_, SgdState>],
+    scaling: GradScaling,
+) -> Result<(), OptimError> {
+    // SAFETY (every `buffers` call below): the optimizer checked each item's param and grad
+    // (CPU, f32, contiguous, disjoint) and owns the state tensors; the step runs on this thread.
+    match implementation {
+        Implementation::Foreach { chunk } => {
+            let Some(tmp) = foreach_scratch(items.iter().map(|it| it.param), chunk)? else {
+                return Ok(());
+            };
+            let mut bufs: Vec<SgdBuffers<'_>> = items
+                .iter()
+                // SAFETY: see above.
+                .map(|it| unsafe { buffers(it.param, &it.grad, &*it.state, it.step) })
+                .collect();
+            // SAFETY: the scratch is a fresh tensor of this call.
+            sgd_foreach(cfg, &mut bufs, unsafe { host_slice_mut(&tmp) })
+        }
+        Implementation::Fused => {
+            for it in items.iter() {
+                // SAFETY: see above.
+                let bufs = unsafe { buffers(it.param, &it.grad, &*it.state, it.step) };
+                sgd_fused(cfg, bufs, scaling)?;
+            }
+            Ok(())
+        }
+        _ => {
+            for it in items.iter() {
+                // SAFETY: see above.
+                let bufs = unsafe { buffers(it.param, &it.grad, &*it.state, it.step) };
+                let tmp = scratch(it.param, it.param.numel())?;
+                // SAFETY: a fresh tensor of this call, not shared.
+                sgd_single(cfg, bufs, unsafe { host_slice_mut(&tmp) })?;
+            }
+            Ok(())
+        }
     }
 }

@@ -81,7 +81,7 @@ fn gpu_fused_adam_equals_the_cpu_bit_for_bit() {
         let inf = backend.upload(&bytes(&[1.0])).unwrap();
         // SAFETY: every address is a live allocation of `backend` holding `len` f32s, kept in
         // `device` until the end of the test.
-        let adam = unsafe { CudaFusedAdam::new(backend.clone(), &params) }.unwrap();
+        let mut adam = unsafe { CudaFusedAdam::new(backend.clone(), &params) }.unwrap();
         for step in 1..=3 {
             adam.step(&cfg, step, Some(scale.address()), Some(no_inf.address()))
                 .unwrap();
@@ -175,7 +175,7 @@ fn gpu_8bit_adam_equals_the_cpu_bit_for_bit() {
         let inf = backend.upload(&bytes(&[1.0])).unwrap();
         // SAFETY: every address is a live allocation of `backend` of the documented size, kept
         // in `device` until the end of the test.
-        let adam = unsafe { CudaAdam8bit::new(backend.clone(), &params) }.unwrap();
+        let mut adam = unsafe { CudaAdam8bit::new(backend.clone(), &params) }.unwrap();
         for step in 1..=3 {
             adam.step(&cfg, step, Some(scale.address()), None).unwrap();
             adam.step(&cfg, step, Some(scale.address()), Some(inf.address()))

@@ -1,11 +1,12 @@
 //! bitsandbytes 0.50.2's reference data (`bnb_golden.safetensors`): the two dynamic maps bit for
 //! bit, block-wise quantization of `qb.input` at block sizes 256 and 4096 (codes, absmax,
 //! dequantized values), and `Adam8bit` with and without weight decay over 5 steps (parameters
-//! within 1e-5 relative; final codes compared one by one, absmax within float32 rounding).
+//! within 1e-5 relative; final codes compared one by one, absmax within float32 rounding), on the
+//! CPU and, with the `cuda` feature and a device, on CUDA, bit for bit the CPU's results.
 
 use std::collections::HashMap;
 
-use headroom_autograd_core::Tensor;
+use headroom_autograd_core::{BackendRef, Tensor};
 use headroom_ops_cpu::CpuBackend;
 use headroom_optim::kernels::{
     dequantize_blockwise, dynamic_map, quantize_blockwise, Adam8bitConfig,
@@ -84,15 +85,21 @@ fn blockwise_quantization_equals_bitsandbytes() {
     }
 }
 
-fn check_adam8bit(tag: &str, config: Adam8bitConfig) {
-    let golden = load();
-    let cpu = CpuBackend::new_ref();
+/// The 5 golden steps on `backend`, checked against bitsandbytes; returns every parameter after
+/// every step and the final states' bytes.
+fn run_adam8bit(
+    golden: &HashMap<String, (Vec<usize>, Vec<u8>, safetensors::Dtype)>,
+    tag: &str,
+    config: Adam8bitConfig,
+    cpu: &BackendRef,
+) -> Vec<Vec<u8>> {
+    let mut outputs = Vec::new();
     let params: Vec<Tensor> = PARAMS
         .iter()
         .map(|p| {
             let (shape, _, _) = &golden[&format!("adam8.init.{p}")];
-            let t = Tensor::from_slice(&cpu, &f32s(&golden, &format!("adam8.init.{p}")), shape)
-                .unwrap();
+            let t =
+                Tensor::from_slice(cpu, &f32s(golden, &format!("adam8.init.{p}")), shape).unwrap();
             t.requires_grad_(true).unwrap();
             t
         })
@@ -106,13 +113,14 @@ fn check_adam8bit(tag: &str, config: Adam8bitConfig) {
     for step in 0..5 {
         for (p, param) in PARAMS.iter().zip(&params) {
             let name = format!("adam8.grad.{p}.{step}");
-            let grad = Tensor::from_slice(&cpu, &f32s(&golden, &name), &golden[&name].0).unwrap();
+            let grad = Tensor::from_slice(cpu, &f32s(golden, &name), &golden[&name].0).unwrap();
             param.set_grad(Some(grad)).unwrap();
         }
         optimizer.step().unwrap();
         for (p, param) in PARAMS.iter().zip(&params) {
-            let expected = f32s(&golden, &format!("{tag}.param.{p}.{step}"));
+            let expected = f32s(golden, &format!("{tag}.param.{p}.{step}"));
             let ours = param.to_vec::<f32>().unwrap();
+            outputs.push(ours.iter().flat_map(|v| v.to_le_bytes()).collect());
             let (mut diff_sq, mut ref_sq) = (0f64, 0f64);
             for (a, b) in ours.iter().zip(&expected) {
                 let err = f64::from((a - b).abs()) / f64::from(b.abs()).max(1e-30);
@@ -138,6 +146,7 @@ fn check_adam8bit(tag: &str, config: Adam8bitConfig) {
             let (_, data, dtype) = &golden[&name];
             if *dtype == safetensors::Dtype::U8 {
                 let ours = state[key].to_vec::<u8>().unwrap();
+                outputs.push(ours.clone());
                 let mut off_by_one = 0;
                 let mut off_more = 0;
                 for (a, b) in ours.iter().zip(data) {
@@ -158,7 +167,8 @@ fn check_adam8bit(tag: &str, config: Adam8bitConfig) {
                 );
             } else {
                 let ours = state[key].to_vec::<f32>().unwrap();
-                let expected = f32s(&golden, &name);
+                outputs.push(ours.iter().flat_map(|v| v.to_le_bytes()).collect());
+                let expected = f32s(golden, &name);
                 let err = ours
                     .iter()
                     .zip(&expected)
@@ -174,7 +184,8 @@ fn check_adam8bit(tag: &str, config: Adam8bitConfig) {
                 continue;
             }
             let ours = state[key].to_vec::<f32>().unwrap();
-            let expected = f32s(&golden, &name);
+            outputs.push(ours.iter().flat_map(|v| v.to_le_bytes()).collect());
+            let expected = f32s(golden, &name);
             let err = ours
                 .iter()
                 .zip(&expected)
@@ -184,6 +195,32 @@ fn check_adam8bit(tag: &str, config: Adam8bitConfig) {
             assert!(err <= 1e-5, "{name}: {err:e}");
         }
     }
+    outputs
+}
+
+/// The golden steps on the CPU and, with a device, on CUDA, whose parameters, codes and scales
+/// must equal the CPU's bit for bit.
+fn check_adam8bit(tag: &str, config: Adam8bitConfig) {
+    let golden = load();
+    let cpu = run_adam8bit(&golden, tag, config.clone(), &CpuBackend::new_ref());
+    #[cfg(feature = "cuda")]
+    match headroom_ops_cuda::CudaBackend::new(0) {
+        Ok(backend) => {
+            let backend: BackendRef = backend;
+            let cuda = run_adam8bit(&golden, tag, config, &backend);
+            assert_eq!(cuda.len(), cpu.len());
+            for (idx, (a, b)) in cuda.iter().zip(&cpu).enumerate() {
+                assert!(a == b, "{tag}: CUDA output {idx} differs from the CPU's");
+            }
+            println!(
+                "{tag}: CUDA equals the CPU bit for bit ({} tensors)",
+                cpu.len()
+            );
+        }
+        Err(err) => println!("{tag}: CUDA run skipped: {err}"),
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (cpu, config);
 }
 
 #[test]

@@ -85,7 +85,7 @@ pub struct AdafactorBuffers<'a> {
 }
 
 /// (batch, rows, cols) of a factored shape.
-fn factors(shape: &[usize]) -> Option<(usize, usize, usize)> {
+pub(crate) fn factors(shape: &[usize]) -> Option<(usize, usize, usize)> {
     if shape.len() < 2 {
         return None;
     }
@@ -104,15 +104,18 @@ pub fn adafactor_scratch_len(shape: &[usize]) -> usize {
     }
 }
 
+/// The per-step scalars; `alpha` needs the parameter's norm, which the CUDA kernels compute on
+/// the device from `rho` and the `eps` pair.
 #[derive(Debug, Clone, Copy)]
-struct StepConsts {
-    maximize: bool,
-    weight: f32,
-    decay_factor: Option<f32>,
-    eps1: f32,
-    eps1_sq: f32,
-    alpha: f64,
-    d: f64,
+pub(crate) struct StepConsts {
+    pub(crate) maximize: bool,
+    pub(crate) weight: f32,
+    pub(crate) decay_factor: Option<f32>,
+    pub(crate) eps1: f32,
+    pub(crate) eps1_sq: f32,
+    pub(crate) rho: f64,
+    pub(crate) alpha: f64,
+    pub(crate) d: f64,
 }
 
 fn f32_norm(values: impl Iterator<Item = f32>) -> f32 {
@@ -124,9 +127,15 @@ fn f32_norm(values: impl Iterator<Item = f32>) -> f32 {
 
 impl StepConsts {
     fn new(cfg: &AdafactorConfig, step: u64, param: &[f32]) -> StepConsts {
-        let t = step as f64;
-        let rho = cfg.lr.min(1.0 / t.sqrt());
+        let mut c = StepConsts::without_norm(cfg, step);
         let param_rms = f64::from(f32_norm(param.iter().copied())) / (param.len() as f64).sqrt();
+        c.alpha = cfg.eps.1.max(param_rms) * c.rho;
+        c
+    }
+
+    /// Everything but `alpha` (left 0).
+    pub(crate) fn without_norm(cfg: &AdafactorConfig, step: u64) -> StepConsts {
+        let t = step as f64;
         let eps1 = cfg.eps.0.unwrap_or(f64::from(f32::EPSILON));
         StepConsts {
             maximize: cfg.maximize,
@@ -135,7 +144,8 @@ impl StepConsts {
                 .then_some((1.0 - cfg.lr * cfg.weight_decay) as f32),
             eps1: eps1 as f32,
             eps1_sq: (eps1 * eps1) as f32,
-            alpha: cfg.eps.1.max(param_rms) * rho,
+            rho: cfg.lr.min(1.0 / t.sqrt()),
+            alpha: 0.0,
             d: cfg.d,
         }
     }

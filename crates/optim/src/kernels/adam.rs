@@ -155,7 +155,7 @@ impl StepConsts {
         }
     }
 
-    fn changes_grad(&self) -> bool {
+    pub(crate) fn changes_grad(&self) -> bool {
         self.maximize || self.l2.is_some()
     }
 }

@@ -8,7 +8,10 @@
 //! `θ += step_size · s1 / (√s2 + eps·c2)` with `c2 = √(1-β2^t)`, `step_size = -lr·c2/(1-β1^t)`,
 //! then decoupled decay `θ *= 1 - lr·wd`; finally re-quantize each state against its **new**
 //! absmax with the optimizer's nearest-code search and a sign guard that keeps a state's sign.
-//! All arithmetic is float32 as in the CUDA kernel.
+//! All arithmetic is float32 as in the CUDA kernel. One difference from bitsandbytes: a state is
+//! scaled by the block's reciprocal `s·(1/absmax)` rather than divided, one division per block
+//! instead of per element (codes then differ from bitsandbytes' in the rare case where the two
+//! roundings straddle a code threshold; the golden test bounds how often).
 
 use super::quantization::{quantize_state_code, QuantizationMap};
 use super::{check_len, GradScaling, StepOutcome};
@@ -170,8 +173,10 @@ pub fn adam8bit_blockwise(
                 }
             }
         }
+        // One reciprocal per block (1/0 = inf turns an all-zero block into NaN, as 0/0 would).
+        let (inv1, inv2) = (1.0 / max1, 1.0 / max2);
         for j in 0..len {
-            let mut code1 = quantize_state_code(qmap1, true, s1[j] / max1);
+            let mut code1 = quantize_state_code(qmap1, true, s1[j] * inv1);
             if qmap1[usize::from(code1)].is_sign_negative() != s1[j].is_sign_negative() {
                 code1 = if s1[j] > 0.0 {
                     code1.wrapping_add(1)
@@ -180,7 +185,7 @@ pub fn adam8bit_blockwise(
                 };
             }
             c1[j] = code1;
-            c2[j] = quantize_state_code(qmap2, false, s2[j] / max2);
+            c2[j] = quantize_state_code(qmap2, false, s2[j] * inv2);
         }
     }
     Ok(StepOutcome::Stepped)

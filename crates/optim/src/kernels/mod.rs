@@ -31,15 +31,19 @@ pub use adam8bit::{
     MIN_8BIT_SIZE,
 };
 pub use quantization::{
-    dequantize_blockwise, dynamic_map, quantize_blockwise, quantize_code, quantize_state_code,
-    QuantizationMap, MAP_LEN,
+    code_bin, code_key, dequantize_blockwise, dynamic_map, quantize_blockwise, quantize_code,
+    quantize_state_code, QuantizationMap, StateCodeTable, CODE_BINS_PER_SIGN, MAP_LEN,
 };
 pub use sgd::{sgd_foreach, sgd_fused, sgd_single, SgdBuffers, SgdConfig};
 
 #[cfg(feature = "cuda")]
-pub(crate) use adam::StepConsts;
+pub(crate) use adafactor::{factors, StepConsts as AdafactorConsts};
+#[cfg(feature = "cuda")]
+pub(crate) use adam::{foreach_chunks, StepConsts};
 #[cfg(feature = "cuda")]
 pub(crate) use adam8bit::StepConsts as Adam8bitConsts;
+#[cfg(feature = "cuda")]
+pub(crate) use sgd::StepConsts as SgdConsts;
 
 use crate::error::OptimError;
 

@@ -5,8 +5,9 @@
 //! PyTorch's CPU formula, midpoints, decimal scaling, sort) so they equal bitsandbytes' tables bit
 //! for bit. Two nearest-code searches exist because bitsandbytes has two: [`quantize_code`] is
 //! `dQuantize` (used by `quantize_blockwise`), [`quantize_state_code`] is `quantize_2D` (used
-//! inside the 8-bit optimizer kernels). They differ only at the ends of the table. This module
-//! knows nothing about optimizers or tensors.
+//! inside the 8-bit optimizer kernels). They differ only at the ends of the table.
+//! [`StateCodeTable`] finds `quantize_state_code`'s codes without the search, by one table
+//! entry per bin of the float's bits (what the GPU kernel does). This module knows nothing about optimizers or tensors.
 
 use crate::error::OptimError;
 
@@ -162,6 +163,141 @@ fn nearest(
     res as u8
 }
 
+/// Bins of [`StateCodeTable`] per sign: |x| under 2^-23, 24 binades of 128 bins each (exponent
+/// and top seven mantissa bits), and |x| of 2 or more.
+pub const CODE_BINS_PER_SIGN: usize = 1 + 24 * 128 + 1;
+
+/// A bin entry's threshold field when the bin holds no code change.
+const NO_STEP: u32 = 0x1_0000;
+
+/// `quantize_state_code(map, signed, x)` as a lookup: one 32-bit entry per bin of `x`'s bits,
+/// holding the code of the bin's smallest value and where in the bin the next code starts.
+///
+/// The binary search is a non-decreasing step function of `x` whose code changes are at least a
+/// bin apart, so a bin holds at most one (checked when the table is built). Within a bin, sign,
+/// exponent and top seven mantissa bits are fixed; the change is located by the low sixteen
+/// mantissa bits (their complement for negative values, whose order is reversed). NaN (an
+/// all-zero block's `0 * (1/0)`) gets the search's own code for NaN. The CUDA 8-bit kernel reads
+/// these entries from shared memory: one load per code instead of a search.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StateCodeTable {
+    /// Per bin (positive bins, then negative ones): the code of its smallest value in bits
+    /// 0..8, and in bits 8..25 the key (see [`code_key`]) from which values take the next code
+    /// (`0x10000`: none).
+    pub bins: Vec<u32>,
+    /// The code of NaN.
+    pub nan_code: u8,
+}
+
+/// The bin of `x` in a [`StateCodeTable`] (the GPU kernel computes the same from the bits).
+#[inline]
+pub fn code_bin(x: f32) -> usize {
+    let bits = x.to_bits();
+    let magnitude = (bits & 0x7fff_ffff).min(0x4000_0000);
+    let bin = if magnitude < 0x3400_0000 {
+        0
+    } else {
+        ((magnitude - 0x3400_0000) >> 16) as usize + 1
+    };
+    if bits >> 31 == 1 {
+        CODE_BINS_PER_SIGN + bin
+    } else {
+        bin
+    }
+}
+
+/// The position of `x` within its bin, increasing with `x`: the low sixteen mantissa bits, or
+/// their complement for a negative `x`.
+#[inline]
+pub fn code_key(x: f32) -> u32 {
+    let bits = x.to_bits();
+    let low = bits & 0xffff;
+    if bits >> 31 == 1 {
+        0xffff - low
+    } else {
+        low
+    }
+}
+
+impl StateCodeTable {
+    /// The table of `quantize_state_code(map, signed, ·)`.
+    ///
+    /// # Panics
+    /// If a bin holds more than one code change (not so for bitsandbytes' dynamic maps; a test
+    /// builds both tables and checks them against the search).
+    pub fn new(map: &QuantizationMap, signed: bool) -> StateCodeTable {
+        let code = |x: f32| quantize_state_code(map, signed, x);
+        let mut bins = vec![0u32; 2 * CODE_BINS_PER_SIGN];
+        for bin in 0..CODE_BINS_PER_SIGN {
+            // Magnitudes of the bin: [start, end) in bits.
+            let start = match bin {
+                0 => 0,
+                _ => 0x3400_0000 + ((bin as u32 - 1) << 16),
+            };
+            let end = match bin {
+                0 => 0x3400_0000,
+                b if b == CODE_BINS_PER_SIGN - 1 => 0x7f80_0001,
+                _ => start + (1 << 16),
+            };
+            for negative in [false, true] {
+                // The value at key `key` of a regular bin (keys run over the low 16 bits).
+                let at = |key: u32| {
+                    if negative {
+                        -f32::from_bits(start + (0xffff - key))
+                    } else {
+                        f32::from_bits(start + key)
+                    }
+                };
+                let (lowest, highest) = if negative {
+                    (-f32::from_bits(end - 1), -f32::from_bits(start))
+                } else {
+                    (f32::from_bits(start), f32::from_bits(end - 1))
+                };
+                let base = code(lowest);
+                let changes = code(highest) - base;
+                let step_key = match changes {
+                    0 => NO_STEP,
+                    1 if bin != 0 && bin != CODE_BINS_PER_SIGN - 1 => {
+                        // The smallest key whose code passes the base.
+                        let (mut lo, mut hi) = (0u32, 0xffffu32);
+                        while lo < hi {
+                            let mid = (lo + hi) / 2;
+                            if code(at(mid)) > base {
+                                hi = mid;
+                            } else {
+                                lo = mid + 1;
+                            }
+                        }
+                        lo
+                    }
+                    _ => panic!("bin {bin} (negative {negative}) holds {changes} code changes"),
+                };
+                let idx = if negative {
+                    CODE_BINS_PER_SIGN + bin
+                } else {
+                    bin
+                };
+                bins[idx] = u32::from(base) | (step_key << 8);
+            }
+        }
+        StateCodeTable {
+            bins,
+            nan_code: code(f32::NAN),
+        }
+    }
+
+    /// `quantize_state_code(map, signed, x)` through the table.
+    #[inline]
+    pub fn code(&self, x: f32) -> u8 {
+        if x.is_nan() {
+            return self.nan_code;
+        }
+        let entry = self.bins[code_bin(x)];
+        let base = (entry & 0xff) as u8;
+        base + u8::from(code_key(x) >= entry >> 8)
+    }
+}
+
 fn check_blocks(
     op: &'static str,
     n: usize,
@@ -244,4 +380,98 @@ pub fn dequantize_blockwise(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Floats in value order as integers (both zeros are 0), and back.
+    fn ordered_key(x: f32) -> i64 {
+        let bits = x.to_bits();
+        let magnitude = i64::from(bits & 0x7fff_ffff);
+        if bits >> 31 == 1 {
+            -magnitude
+        } else {
+            magnitude
+        }
+    }
+
+    fn from_ordered_key(key: i64) -> f32 {
+        let magnitude = f32::from_bits(key.unsigned_abs() as u32);
+        if key < 0 {
+            -magnitude
+        } else {
+            magnitude
+        }
+    }
+
+    /// The table gives the search's code for every float near a code change (±4096 ulps) or a
+    /// bin edge (±64), for a stride through all floats in [-2, 2], for both zeros and NaN; the
+    /// search is monotone there too. The signed map's negative entries are exactly its first
+    /// 127 (what the CUDA kernel's sign guard relies on).
+    #[test]
+    fn code_table_equals_the_search() {
+        for signed in [true, false] {
+            let map = dynamic_map(signed);
+            let table = StateCodeTable::new(&map, signed);
+            let check = |key: i64| {
+                let x = from_ordered_key(key);
+                let want = quantize_state_code(&map, signed, x);
+                assert_eq!(table.code(x), want, "signed {signed}, x {x:e}");
+                let next = from_ordered_key(key + 1);
+                assert!(
+                    quantize_state_code(&map, signed, next) >= want,
+                    "not monotone at {x:e}"
+                );
+            };
+            let (lowest, highest) = (ordered_key(-2.0), ordered_key(2.0));
+            // Code changes: where the search's code differs from the previous float's.
+            let mut changes = Vec::new();
+            let mut key = lowest;
+            while key < highest {
+                let step = 1 << 12;
+                let (a, b) = (
+                    from_ordered_key(key),
+                    from_ordered_key((key + step).min(highest)),
+                );
+                if quantize_state_code(&map, signed, a) != quantize_state_code(&map, signed, b) {
+                    changes.push(key + step / 2);
+                }
+                key += step;
+            }
+            assert!(changes.len() >= 200, "{} code changes found", changes.len());
+            for key in changes {
+                (key - 4096..key + 4096).for_each(check);
+            }
+            for bin in 0..=CODE_BINS_PER_SIGN as i64 {
+                let edge = 0x3400_0000 + ((bin - 1).max(0) << 16);
+                (edge - 64..edge + 64).for_each(check);
+                (-edge - 64..-edge + 64).for_each(check);
+            }
+            (lowest..highest).step_by(4099).for_each(check);
+            for x in [
+                0.0f32,
+                -0.0,
+                1.0,
+                -1.0,
+                f32::MIN_POSITIVE,
+                1.0 + f32::EPSILON,
+            ] {
+                assert_eq!(table.code(x), quantize_state_code(&map, signed, x), "{x:e}");
+            }
+            assert_eq!(
+                table.code(f32::NAN),
+                quantize_state_code(&map, signed, f32::NAN)
+            );
+        }
+        let signed = dynamic_map(true);
+        for (code, value) in signed.iter().enumerate() {
+            assert_eq!(
+                value.is_sign_negative(),
+                code < 127,
+                "entry {code}: {value}"
+            );
+        }
+    }
 }

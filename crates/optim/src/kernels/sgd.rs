@@ -99,17 +99,17 @@ impl SgdBuffers<'_> {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct StepConsts {
-    maximize: bool,
-    weight_decay: Option<f32>,
-    momentum: Option<f32>,
-    one_minus_dampening: f32,
-    nesterov: bool,
-    neg_lr: f32,
+pub(crate) struct StepConsts {
+    pub(crate) maximize: bool,
+    pub(crate) weight_decay: Option<f32>,
+    pub(crate) momentum: Option<f32>,
+    pub(crate) one_minus_dampening: f32,
+    pub(crate) nesterov: bool,
+    pub(crate) neg_lr: f32,
 }
 
 impl StepConsts {
-    fn new(cfg: &SgdConfig) -> StepConsts {
+    pub(crate) fn new(cfg: &SgdConfig) -> StepConsts {
         StepConsts {
             maximize: cfg.maximize,
             weight_decay: (cfg.weight_decay != 0.0).then_some(cfg.weight_decay as f32),

@@ -1,0 +1,278 @@
+//! bitsandbytes' 8-bit blockwise Adam on CUDA (`kernels/adam8bit.cu`): the rule's step over
+//! tensors (8-bit states, and f32 states under `MIN_8BIT_SIZE`), and [`CudaAdam8bit`] over raw
+//! device buffers.
+//!
+//! The kernel finds codes through [`StateCodeTable`]s (exactly bitsandbytes' search, without
+//! it), uploaded once per device with the two maps; warps take runs of 256-element blocks from a
+//! counter stored after the tables, which the host zeroes (asynchronously) before each launch.
+
+use std::sync::Arc;
+
+use headroom_ops_cuda::{CudaBackend, KernelArg};
+
+use super::{address, geometry, CudaDevice, Module, PieceHead, Table};
+use crate::adam8bit::{bnb_maps, Adam8bitState};
+use crate::device::StepScaling;
+use crate::error::OptimError;
+use crate::kernels::{
+    n_blocks, Adam8bitConfig, Adam8bitConsts, StateCodeTable, BNB_BLOCK_SIZE, CODE_BINS_PER_SIGN,
+    MIN_8BIT_SIZE,
+};
+use crate::optimizer::StepItem;
+
+const PIECE_SIZE: usize = 128;
+const BLOCKWISE_KERNEL: (Module, &str) = (Module::Adam8bit, "adam8bit_blockwise_f32");
+const BNB32_KERNEL: (Module, &str) = (Module::Adam8bit, "adam_bnb32_f32");
+/// Elements and threads per block of the 32-bit kernel.
+const BNB32: (u64, u32) = (4096, 256);
+/// 256-element blocks a warp takes at a time, warps per CUDA block, and the most CUDA blocks.
+const GRAB: u64 = 16;
+const WARPS: u64 = 8;
+const MAX_GRID: u64 = 2048;
+/// Byte offset of the work counter in the lookup tables (`TABLE_WORDS * 4` in the kernel).
+const COUNTER_OFFSET: u64 = 38944;
+
+/// The lookup tables in the kernel's layout: both maps, the signed map's code bins (both signs),
+/// the unsigned map's (positive values only: its states are never negative), both NaN codes,
+/// then the zeroed work counter.
+pub(crate) fn code_table_bytes() -> Vec<u8> {
+    let (signed, unsigned) = bnb_maps();
+    let (table1, table2) = (
+        StateCodeTable::new(signed, true),
+        StateCodeTable::new(unsigned, false),
+    );
+    let mut words: Vec<u32> = Vec::with_capacity(COUNTER_OFFSET as usize / 4 + 2);
+    words.extend(signed.iter().chain(unsigned.iter()).map(|v| v.to_bits()));
+    words.extend(&table1.bins);
+    words.extend(&table2.bins[..CODE_BINS_PER_SIGN]);
+    words.extend([u32::from(table1.nan_code), u32::from(table2.nan_code)]);
+    assert_eq!(
+        words.len() as u64 * 4,
+        COUNTER_OFFSET,
+        "8-bit lookup table layout"
+    );
+    words.extend([0, 0]);
+    words.iter().flat_map(|w| w.to_le_bytes()).collect()
+}
+
+/// Writes a `Bnb8Piece` (`kernels/adam8bit.cu`): parameter, gradient, the two states and the
+/// two absmax buffers (0 for f32 states).
+fn write_piece(
+    table: &mut Table,
+    cfg: &Adam8bitConfig,
+    head: PieceHead,
+    span: [u64; 6],
+    grad_scale: Option<f32>,
+) {
+    let c = Adam8bitConsts::new(cfg, head.step);
+    let piece_flags = super::flags::when(grad_scale.is_some(), super::flags::HOST_SCALED)
+        | super::flags::when(c.decay_factor.is_some(), super::flags::DECAY);
+    let entry = table.entry(head);
+    for address in span {
+        entry.u64(address);
+    }
+    entry
+        .u32(piece_flags)
+        .f32(c.beta1)
+        .f32(c.beta2)
+        .f32(c.one_minus_beta1)
+        .f32(c.one_minus_beta2)
+        .f32(c.correction2)
+        .f32(c.eps)
+        .f32(c.step_size)
+        .f32(c.decay_factor.unwrap_or(1.0))
+        .f32(grad_scale.unwrap_or(1.0))
+        .f32(cfg.lr as f32)
+        .u32(0)
+        .end(PIECE_SIZE);
+}
+
+/// One launch of the blockwise kernel over `table`'s pieces (`n_blocks` 256-element blocks).
+fn launch_blockwise(
+    device: &mut CudaDevice,
+    table: &Table,
+    n_pieces: usize,
+    n_blocks: u64,
+    (grad_scale, found_inf): (u64, u64),
+) -> Result<(), OptimError> {
+    if n_pieces == 0 {
+        return Ok(());
+    }
+    let tables = device.code_tables()?;
+    // SAFETY: the lookup tables hold the counter at COUNTER_OFFSET (8 bytes); the copy is
+    // ordered after the previous launch that used it.
+    unsafe {
+        device
+            .backend()
+            .write_async(tables + COUNTER_OFFSET, &[0u8; 8])
+    }?;
+    let base = device.write_table(table.bytes())?;
+    let args = [
+        KernelArg::U64(base),
+        KernelArg::U32(n_pieces as u32),
+        KernelArg::U64(n_blocks),
+        KernelArg::U64(tables),
+        KernelArg::U64(grad_scale),
+        KernelArg::U64(found_inf),
+    ];
+    let grid = n_blocks.div_ceil(GRAB * WARPS).clamp(1, MAX_GRID) as u32;
+    // SAFETY: `adam8bit_blockwise_f32` takes these parameters; the table was just written with
+    // live tensors of the step (or the raw layer's buffers, live by its contract), the lookup
+    // tables are owned by the device, the scale and flag are live f32s or 0.
+    unsafe {
+        device.launch(
+            BLOCKWISE_KERNEL.0,
+            BLOCKWISE_KERNEL.1,
+            grid,
+            BNB_BLOCK_SIZE as u32,
+            &args,
+        )
+    }
+}
+
+/// One step of the rule's `items` on the device: one launch for the 8-bit states, one for the
+/// f32 states of small tensors.
+pub(crate) fn step(
+    device: &mut CudaDevice,
+    cfg: &Adam8bitConfig,
+    items: &mut [StepItem<'_, Adam8bitState>],
+    scaling: StepScaling<'_>,
+) -> Result<(), OptimError> {
+    let device_scaled = matches!(scaling, StepScaling::Device(_));
+    let grad_scale = scaling.host().grad_scale;
+    let geometry = geometry(items);
+    let mut quantized = Table::default();
+    let (mut n_quantized, mut first_block) = (0, 0u64);
+    let mut full = Vec::new();
+    for (it, g) in items.iter().zip(&geometry) {
+        let (param, grad) = (address(it.param), address(&it.grad));
+        match &*it.state {
+            Adam8bitState::Quantized {
+                state1,
+                state2,
+                absmax1,
+                absmax2,
+            } => {
+                let head = PieceHead {
+                    len: g.len as u64,
+                    first_block,
+                    skipped: device.skip_counter(g.slot, device_scaled)?,
+                    step: g.step,
+                };
+                let span = [
+                    param,
+                    grad,
+                    address(state1),
+                    address(state2),
+                    address(absmax1),
+                    address(absmax2),
+                ];
+                write_piece(&mut quantized, cfg, head, span, grad_scale);
+                n_quantized += 1;
+                first_block += n_blocks(g.len) as u64;
+            }
+            Adam8bitState::Full { state1, state2 } => {
+                full.push((*g, [param, grad, address(state1), address(state2), 0, 0]));
+            }
+        }
+    }
+    let addresses = super::scaling_addresses(scaling);
+    launch_blockwise(device, &quantized, n_quantized, first_block, addresses)?;
+    let (full_geometry, full_spans): (Vec<_>, Vec<_>) = full.into_iter().unzip();
+    device.run_fused(
+        BNB32_KERNEL,
+        &full_geometry,
+        BNB32,
+        scaling,
+        &mut |t, idx, head| write_piece(t, cfg, head, full_spans[idx], grad_scale),
+    )
+}
+
+/// One parameter's device buffers for 8-bit Adam, by address: f32 parameter and gradient of
+/// `len` elements, u8 state codes of `len`, f32 absmax of `len.div_ceil(256)` blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceAdam8bitParam {
+    /// The parameter.
+    pub param: u64,
+    /// Its gradient.
+    pub grad: u64,
+    /// First-state codes (signed map).
+    pub state1: u64,
+    /// Second-state codes (unsigned map).
+    pub state2: u64,
+    /// Per-block scales of the first state.
+    pub absmax1: u64,
+    /// Per-block scales of the second state.
+    pub absmax2: u64,
+    /// Elements (at least `MIN_8BIT_SIZE`; smaller tensors keep 32-bit state in bitsandbytes).
+    pub len: usize,
+}
+
+/// bitsandbytes' 8-bit blockwise Adam over a fixed list of device buffers: one launch per step,
+/// the same kernel as the optimizer's 8-bit implementation (bit-identical to
+/// [`crate::kernels::adam8bit_blockwise`]).
+#[derive(Debug)]
+pub struct CudaAdam8bit {
+    device: CudaDevice,
+    params: Vec<DeviceAdam8bitParam>,
+}
+
+impl CudaAdam8bit {
+    /// 8-bit Adam over `params` on `backend`.
+    ///
+    /// # Safety
+    /// Every address in `params` must be live memory of `backend`'s device of the sizes
+    /// [`DeviceAdam8bitParam`] describes, for as long as this value is used, and the buffers
+    /// of different parameters must not overlap.
+    pub unsafe fn new(
+        backend: Arc<CudaBackend>,
+        params: &[DeviceAdam8bitParam],
+    ) -> Result<CudaAdam8bit, OptimError> {
+        if let Some(small) = params.iter().find(|p| p.len < MIN_8BIT_SIZE) {
+            return Err(OptimError::InvalidArgument {
+                op: "CudaAdam8bit",
+                reason: format!(
+                    "a parameter of {} elements is under min_8bit_size ({MIN_8BIT_SIZE}); \
+                     bitsandbytes keeps 32-bit state for it",
+                    small.len
+                ),
+            });
+        }
+        Ok(CudaAdam8bit {
+            device: CudaDevice::new(backend, 0),
+            params: params.to_vec(),
+        })
+    }
+
+    /// 8-bit Adam step number `step` (from 1) on every parameter; `grad_scale` and `found_inf`
+    /// as in [`super::CudaFusedAdam::step`].
+    pub fn step(
+        &mut self,
+        cfg: &Adam8bitConfig,
+        step: u64,
+        grad_scale: Option<u64>,
+        found_inf: Option<u64>,
+    ) -> Result<(), OptimError> {
+        let mut table = Table::default();
+        let mut first_block = 0;
+        for p in &self.params {
+            let head = PieceHead {
+                len: p.len as u64,
+                first_block,
+                skipped: 0,
+                step,
+            };
+            let span = [p.param, p.grad, p.state1, p.state2, p.absmax1, p.absmax2];
+            write_piece(&mut table, cfg, head, span, None);
+            first_block += n_blocks(p.len) as u64;
+        }
+        let addresses = (grad_scale.unwrap_or(0), found_inf.unwrap_or(0));
+        launch_blockwise(
+            &mut self.device,
+            &table,
+            self.params.len(),
+            first_block,
+            addresses,
+        )
+    }
+}

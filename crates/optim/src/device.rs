@@ -1,0 +1,199 @@
+//! Where a step runs: the strategy that sends each rule's update to the host kernels or to the
+//! CUDA kernels, and the checks that put a tensor on one side or the other.
+//!
+//! A [`GroupOptimizer`](crate::GroupOptimizer) picks its [`StepDevice`] once, from its first
+//! parameter, and every other parameter, gradient and state tensor must sit on the same device,
+//! be f32 and contiguous (typed errors otherwise). The rules (`sgd.rs`, `adam.rs`, ...) own their
+//! state and their step's shape (which tensors, which implementation) and dispatch on the
+//! strategy: on the host each rule runs `kernels/` on tensor memory as slices (`host.rs`); on
+//! CUDA (feature `cuda`) `cuda/` launches the PTX kernels on the parameters' `CudaBackend`,
+//! whose launch table and GradScaler skip counters live here between steps. Nothing here knows
+//! an algorithm.
+
+use headroom_autograd_core::{DType, Device, Tensor};
+
+use crate::error::OptimError;
+use crate::kernels::GradScaling;
+
+/// The device a group optimizer's steps run on: the host (the `kernels` module over tensor
+/// memory) or, with the `cuda` feature, the CUDA device of the parameters (its kernels, plus the
+/// launch table and skip counters kept between steps).
+#[derive(Debug)]
+pub struct StepDevice {
+    pub(crate) kind: DeviceKind,
+}
+
+#[derive(Debug)]
+pub(crate) enum DeviceKind {
+    Host,
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::CudaDevice),
+}
+
+/// A GradScaler's scale and found-inf flag in device memory: f32 tensors of one element on the
+/// parameters' CUDA device. The fused and 8-bit CUDA kernels read them, so a step needs no host
+/// synchronisation; with the flag set nothing is written, and the device counts the skipped step
+/// so the next bias corrections use the right step number.
+#[derive(Debug, Clone, Default)]
+pub struct DeviceGradScaling {
+    /// The loss scale the gradients carry.
+    pub grad_scale: Option<Tensor>,
+    /// Non-zero when some gradient overflowed this step.
+    pub found_inf: Option<Tensor>,
+}
+
+/// How one step's gradients are scaled: values the host holds, or tensors on the device.
+#[derive(Debug, Clone, Copy)]
+pub enum StepScaling<'a> {
+    /// Host values (any device; `found_inf` set means the step is skipped before any kernel).
+    Host(GradScaling),
+    /// Device values (CUDA, fused and 8-bit implementations).
+    Device(&'a DeviceGradScaling),
+}
+
+impl StepScaling<'_> {
+    /// Whether gradients are scaled or a skip flag is given at all.
+    pub fn is_scaled(&self) -> bool {
+        match self {
+            StepScaling::Host(scaling) => *scaling != GradScaling::NONE,
+            StepScaling::Device(scaling) => {
+                scaling.grad_scale.is_some() || scaling.found_inf.is_some()
+            }
+        }
+    }
+
+    /// The host values (`NONE` for device scaling, which only CUDA kernels read).
+    pub fn host(&self) -> GradScaling {
+        match self {
+            StepScaling::Host(scaling) => *scaling,
+            StepScaling::Device(_) => GradScaling::NONE,
+        }
+    }
+}
+
+/// Checks that `tensor` is an f32 contiguous tensor.
+fn check_layout(op: &'static str, tensor: &Tensor) -> Result<(), OptimError> {
+    if tensor.dtype() != DType::F32 {
+        return Err(OptimError::DType {
+            op,
+            expected: DType::F32,
+            got: tensor.dtype(),
+        });
+    }
+    if !tensor.is_contiguous() {
+        return Err(OptimError::NonContiguous {
+            op,
+            shape: tensor.shape().to_vec(),
+            strides: tensor.strides().to_vec(),
+        });
+    }
+    Ok(())
+}
+
+impl StepDevice {
+    /// The device of `param` (f32, contiguous), for an optimizer of `n_slots` parameters.
+    pub(crate) fn of(
+        op: &'static str,
+        param: &Tensor,
+        n_slots: usize,
+    ) -> Result<StepDevice, OptimError> {
+        check_layout(op, param)?;
+        let kind = match param.device() {
+            Device::Cpu => DeviceKind::Host,
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => DeviceKind::Cuda(crate::cuda::CudaDevice::of(op, param, n_slots)?),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => {
+                let _ = n_slots;
+                return Err(OptimError::UnsupportedTensor {
+                    op,
+                    reason: "CUDA tensors need headroom-optim's `cuda` feature".into(),
+                });
+            }
+        };
+        Ok(StepDevice { kind })
+    }
+
+    /// The device of an optimizer without parameters (nothing ever runs).
+    pub(crate) fn host() -> StepDevice {
+        StepDevice {
+            kind: DeviceKind::Host,
+        }
+    }
+
+    /// The device, as autograd-core names it.
+    pub fn device(&self) -> Device {
+        match &self.kind {
+            DeviceKind::Host => Device::Cpu,
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda(cuda) => cuda.device(),
+        }
+    }
+
+    /// Checks that `tensor` is an f32 contiguous tensor on this device (and, for CUDA, of the
+    /// same backend, whose stream and allocator the kernels use).
+    pub(crate) fn check(&self, op: &'static str, tensor: &Tensor) -> Result<(), OptimError> {
+        check_layout(op, tensor)?;
+        let same = match &self.kind {
+            DeviceKind::Host => tensor.device() == Device::Cpu,
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda(cuda) => cuda.owns(tensor),
+        };
+        if !same {
+            return Err(OptimError::MixedDevices {
+                op,
+                expected: self.device(),
+                got: tensor.device(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks a device scaling's tensors (one f32 element each, on this device), and that this
+    /// device reads them: only the CUDA kernels do.
+    pub(crate) fn check_scaling(
+        &self,
+        op: &'static str,
+        scaling: &DeviceGradScaling,
+    ) -> Result<(), OptimError> {
+        if matches!(self.kind, DeviceKind::Host) {
+            return Err(OptimError::InvalidArgument {
+                op,
+                reason: "a device gradient scale needs CUDA parameters; on the CPU pass the values"
+                    .into(),
+            });
+        }
+        for tensor in scaling.grad_scale.iter().chain(&scaling.found_inf) {
+            self.check(op, tensor)?;
+            if tensor.numel() != 1 {
+                return Err(OptimError::InvalidArgument {
+                    op,
+                    reason: format!(
+                        "a gradient scale or found-inf flag has one element, not {:?}",
+                        tensor.shape()
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The steps each parameter slot skipped on the device (GradScaler overflows seen by the
+    /// kernels); all zero on the host. Reading them waits for the device.
+    pub(crate) fn skipped_steps(&self, n_slots: usize) -> Result<Vec<u64>, OptimError> {
+        match &self.kind {
+            DeviceKind::Host => Ok(vec![0; n_slots]),
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda(cuda) => cuda.skipped_steps(n_slots),
+        }
+    }
+
+    /// Forgets the device's skip counts (after loading a state dict, whose steps are exact).
+    pub(crate) fn reset_skipped_steps(&mut self) -> Result<(), OptimError> {
+        match &mut self.kind {
+            DeviceKind::Host => Ok(()),
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda(cuda) => cuda.reset_skip_counters(),
+        }
+    }
+}

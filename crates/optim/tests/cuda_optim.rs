@@ -1,0 +1,517 @@
+//! The optimizers on CUDA tensors against the same optimizers on CPU tensors: every rule and
+//! implementation bit for bit on random data (Adafactor within a few ulps: its two norms are
+//! f64 sums in another order), host- and device-valued gradient scaling with device-counted
+//! skips, the memory each implementation promises, and typed errors for tensors a step cannot
+//! take. Prints a skip notice (and passes) without a CUDA device.
+#![cfg(feature = "cuda")]
+
+use std::sync::{Arc, OnceLock};
+
+use headroom_autograd_core::{BackendRef, DType, Device, Tensor};
+use headroom_ops_cpu::CpuBackend;
+use headroom_ops_cuda::CudaBackend;
+use headroom_optim::kernels::{
+    n_blocks, AdafactorConfig, Adam8bitConfig, AdamConfig, GradScaling, SgdConfig,
+};
+use headroom_optim::{
+    Adam, Adam8bit, DeviceGradScaling, GroupOptimizer, Implementation, OptimError, Optimizer,
+    ParamGroup, Sgd, UpdateRule,
+};
+
+/// The device shared by this binary's tests.
+fn cuda() -> Option<Arc<CudaBackend>> {
+    static CUDA: OnceLock<Option<Arc<CudaBackend>>> = OnceLock::new();
+    CUDA.get_or_init(|| match CudaBackend::new(0) {
+        Ok(backend) => Some(backend),
+        Err(err) => {
+            println!("skipped: {err}");
+            None
+        }
+    })
+    .clone()
+}
+
+fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+        })
+        .collect()
+}
+
+/// Shapes with a tail off every vector width, a tensor over a fused block (65,536 elements),
+/// a matrix, and one under 8-bit Adam's `min_8bit_size`.
+const SHAPES: [&[usize]; 4] = [&[37], &[70_001], &[300, 257], &[5000]];
+
+fn implementations() -> [Implementation; 5] {
+    [
+        Implementation::Single,
+        Implementation::FOREACH,
+        Implementation::Foreach { chunk: Some(1000) },
+        Implementation::FOREACH_UNBOUNDED,
+        Implementation::Fused,
+    ]
+}
+
+/// The params and states of one run, as bytes.
+fn snapshot<R: UpdateRule>(optimizer: &GroupOptimizer<R>, params: &[Tensor]) -> Vec<Vec<u8>> {
+    let mut res: Vec<Vec<u8>> = params
+        .iter()
+        .map(|p| bytes(&p.to_vec::<f32>().unwrap()))
+        .collect();
+    for idx in 0..params.len() {
+        for (_, tensor) in optimizer.param_state(0, idx) {
+            res.push(match tensor.dtype() {
+                DType::U8 => tensor.to_vec::<u8>().unwrap(),
+                _ => bytes(&tensor.to_vec::<f32>().unwrap()),
+            });
+        }
+    }
+    res
+}
+
+fn bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// The largest ulp distance between two snapshots (f32 buffers; u8 codes must be equal).
+fn max_ulps(a: &[Vec<u8>], b: &[Vec<u8>]) -> u32 {
+    assert_eq!(a.len(), b.len());
+    let mut worst = 0;
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.len(), y.len());
+        if x.len() % 4 != 0 {
+            assert_eq!(x, y, "codes differ");
+            continue;
+        }
+        for (u, v) in x.chunks_exact(4).zip(y.chunks_exact(4)) {
+            let u = i32::from_le_bytes([u[0], u[1], u[2], u[3]]);
+            let v = i32::from_le_bytes([v[0], v[1], v[2], v[3]]);
+            worst = worst.max(u.abs_diff(v));
+        }
+    }
+    worst
+}
+
+/// Three steps of `config` with `implementation` over random parameters and gradients of
+/// `SHAPES` on `backend`; gradients carry `grad_scale` (unscaled by the kernels) when given.
+fn run<R: UpdateRule>(
+    backend: &BackendRef,
+    config: &R,
+    implementation: Implementation,
+    grad_scale: Option<f32>,
+) -> Vec<Vec<u8>> {
+    let params: Vec<Tensor> = SHAPES
+        .iter()
+        .enumerate()
+        .map(|(i, shape)| {
+            let n = shape.iter().product();
+            Tensor::from_slice(backend, &random(i as u64 + 1, n, 2.0), shape).unwrap()
+        })
+        .collect();
+    let mut optimizer = GroupOptimizer::new(
+        vec![ParamGroup::new(params.clone(), config.clone())],
+        implementation,
+    )
+    .unwrap();
+    for step in 0..3u64 {
+        for (i, (param, shape)) in params.iter().zip(SHAPES).enumerate() {
+            let n = shape.iter().product();
+            let mut grad = random(100 * step + i as u64 + 7, n, 0.2);
+            if let Some(scale) = grad_scale {
+                grad.iter_mut().for_each(|g| *g *= scale);
+            }
+            param
+                .set_grad(Some(Tensor::from_slice(backend, &grad, shape).unwrap()))
+                .unwrap();
+        }
+        let scaling = GradScaling {
+            grad_scale,
+            found_inf: None,
+        };
+        optimizer.step_scaled(scaling).unwrap();
+    }
+    snapshot(&optimizer, &params)
+}
+
+/// Runs `config` on both devices with every implementation it has and checks the ulp distance.
+fn compare<R: UpdateRule>(name: &str, config: R, implementations: &[Implementation], ulps: u32) {
+    let Some(cuda) = cuda() else { return };
+    let cuda: BackendRef = cuda;
+    let cpu = CpuBackend::new_ref();
+    for &implementation in implementations {
+        let scales: &[Option<f32>] = match implementation {
+            Implementation::Fused | Implementation::EightBit => &[None, Some(1024.0)],
+            _ => &[None],
+        };
+        for &scale in scales {
+            let want = run(&cpu, &config, implementation, scale);
+            let got = run(&cuda, &config, implementation, scale);
+            let distance = max_ulps(&want, &got);
+            println!("{name} {implementation:?} scale {scale:?}: {distance} ulps from the CPU");
+            assert!(
+                distance <= ulps,
+                "{name} {implementation:?} scale {scale:?}: {distance} ulps"
+            );
+        }
+    }
+}
+
+#[test]
+fn sgd_on_cuda_equals_the_cpu() {
+    let configs = [
+        ("sgd", SgdConfig::new(0.1)),
+        (
+            "sgd_momentum_dampening_wd",
+            SgdConfig {
+                momentum: 0.9,
+                dampening: 0.1,
+                weight_decay: 1e-2,
+                ..SgdConfig::new(0.05)
+            },
+        ),
+        (
+            "sgd_nesterov_maximize",
+            SgdConfig {
+                momentum: 0.8,
+                nesterov: true,
+                weight_decay: 1e-3,
+                maximize: true,
+                ..SgdConfig::new(0.05)
+            },
+        ),
+    ];
+    for (name, config) in configs {
+        compare(name, config, &implementations(), 0);
+    }
+}
+
+#[test]
+fn adam_on_cuda_equals_the_cpu() {
+    let configs = [
+        ("adam", AdamConfig::adam()),
+        (
+            "adam_l2_maximize",
+            AdamConfig {
+                weight_decay: 1e-2,
+                maximize: true,
+                ..AdamConfig::adam()
+            },
+        ),
+        (
+            "adam_amsgrad",
+            AdamConfig {
+                amsgrad: true,
+                lr: 3e-3,
+                ..AdamConfig::adam()
+            },
+        ),
+        ("adamw", AdamConfig::adamw()),
+        (
+            "adamw_amsgrad_maximize",
+            AdamConfig {
+                amsgrad: true,
+                maximize: true,
+                ..AdamConfig::adamw()
+            },
+        ),
+    ];
+    for (name, config) in configs {
+        compare(name, config, &implementations(), 0);
+    }
+}
+
+#[test]
+fn adafactor_on_cuda_is_within_ulps_of_the_cpu() {
+    let configs = [
+        ("adafactor", AdafactorConfig::new()),
+        (
+            "adafactor_wd_maximize",
+            AdafactorConfig {
+                weight_decay: 1e-2,
+                maximize: true,
+                ..AdafactorConfig::new()
+            },
+        ),
+    ];
+    for (name, config) in configs {
+        compare(name, config, &implementations(), 4);
+    }
+}
+
+#[test]
+fn adam8bit_on_cuda_equals_the_cpu() {
+    for (name, config) in [
+        ("adam8bit", Adam8bitConfig::adam()),
+        ("adamw8bit", Adam8bitConfig::adamw()),
+    ] {
+        compare(name, config, &[Implementation::EightBit], 0);
+    }
+}
+
+/// A GradScaler on the device: steps 1, 3 and 4 unscale by 1024, step 2 has found-inf set. The
+/// CPU skips step 2 on the host; the CUDA kernels skip it on the device and count it, so the
+/// step numbers and the later bias corrections agree (the corrections after a skip come from the
+/// device's `pow`, within an ulp of the host's).
+fn device_scaling<R: UpdateRule>(name: &str, config: R, implementation: Implementation) {
+    let Some(cuda) = cuda() else { return };
+    let cuda_ref: BackendRef = cuda.clone();
+    let cpu = CpuBackend::new_ref();
+    let mut snapshots = Vec::new();
+    for backend in [&cpu, &cuda_ref] {
+        let params: Vec<Tensor> = SHAPES
+            .iter()
+            .enumerate()
+            .map(|(i, shape)| {
+                let n = shape.iter().product();
+                Tensor::from_slice(backend, &random(i as u64 + 3, n, 2.0), shape).unwrap()
+            })
+            .collect();
+        let mut optimizer = GroupOptimizer::new(
+            vec![ParamGroup::new(params.clone(), config.clone())],
+            implementation,
+        )
+        .unwrap();
+        for (step, overflow) in [false, true, false, false].into_iter().enumerate() {
+            for (i, (param, shape)) in params.iter().zip(SHAPES).enumerate() {
+                let n = shape.iter().product();
+                let grad: Vec<f32> = random(10 * step as u64 + i as u64, n, 0.2)
+                    .iter()
+                    .map(|g| g * 1024.0)
+                    .collect();
+                param
+                    .set_grad(Some(Tensor::from_slice(backend, &grad, shape).unwrap()))
+                    .unwrap();
+            }
+            let flag = if overflow { 1.0 } else { 0.0 };
+            if Arc::ptr_eq(backend, &cpu) {
+                let scaling = GradScaling {
+                    grad_scale: Some(1024.0),
+                    found_inf: Some(flag),
+                };
+                optimizer.step_scaled(scaling).unwrap();
+            } else {
+                let scaling = DeviceGradScaling {
+                    grad_scale: Some(Tensor::from_slice(backend, &[1024.0f32], &[1]).unwrap()),
+                    found_inf: Some(Tensor::from_slice(backend, &[flag], &[1]).unwrap()),
+                };
+                optimizer.step_device_scaled(&scaling).unwrap();
+            }
+        }
+        for idx in 0..params.len() {
+            assert_eq!(optimizer.param_step(0, idx).unwrap(), 3, "{name}");
+        }
+        snapshots.push(snapshot(&optimizer, &params));
+    }
+    let distance = max_ulps(&snapshots[0], &snapshots[1]);
+    println!("{name} {implementation:?} with a device GradScaler: {distance} ulps from the CPU");
+    assert!(distance <= 4, "{name}: {distance} ulps");
+}
+
+#[test]
+fn device_grad_scaling_skips_and_counts_on_the_device() {
+    device_scaling("adamw", AdamConfig::adamw(), Implementation::Fused);
+    device_scaling(
+        "sgd_momentum",
+        SgdConfig {
+            momentum: 0.9,
+            ..SgdConfig::new(0.1)
+        },
+        Implementation::Fused,
+    );
+    device_scaling("adam8bit", Adam8bitConfig::adam(), Implementation::EightBit);
+}
+
+fn allocated(cuda: &CudaBackend) -> u64 {
+    cuda.allocator().memory_allocated()
+}
+
+/// Bytes allocated and the peak above them during one step (after a first one that created the
+/// state and the launch table).
+fn step_memory(cuda: &CudaBackend, optimizer: &mut dyn Optimizer) -> (u64, u64) {
+    optimizer.step().unwrap();
+    cuda.synchronize().unwrap();
+    let before = allocated(cuda);
+    cuda.allocator().reset_peak_stats();
+    optimizer.step().unwrap();
+    cuda.synchronize().unwrap();
+    let peak = cuda.allocator().max_memory_allocated();
+    assert_eq!(allocated(cuda), before, "a step keeps nothing");
+    (before, peak - before)
+}
+
+fn cuda_params(cuda: &BackendRef, shapes: &[&[usize]]) -> Vec<Tensor> {
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(i, shape)| {
+            let n = shape.iter().product();
+            let t = Tensor::from_slice(cuda, &random(i as u64, n, 1.0), shape).unwrap();
+            t.set_grad(Some(
+                Tensor::from_slice(cuda, &random(i as u64 + 50, n, 1.0), shape).unwrap(),
+            ))
+            .unwrap();
+            t
+        })
+        .collect()
+}
+
+/// What each implementation promises during a step on CUDA: fused and 8-bit nothing, single one
+/// parameter's temporary, bounded foreach at most its chunk, unbounded foreach all parameters
+/// (PyTorch's foreach). State sizes are exact.
+#[test]
+fn each_implementation_holds_the_memory_it_promises() {
+    // A backend of its own: other tests' tensors stay out of its allocator's counts.
+    let Some(cuda) = cuda().and_then(|_| CudaBackend::new(0).ok()) else {
+        return;
+    };
+    let backend: BackendRef = cuda.clone();
+    // 4 Mi + 1 Mi + 1000 elements.
+    let shapes: [&[usize]; 3] = [&[2048, 2048], &[1024, 1024], &[1000]];
+    let largest = 2048 * 2048 * 4;
+    let total = (2048 * 2048 + 1024 * 1024 + 1024) * 4; // the 4000-byte tensor takes 4096
+    let cases: [(Implementation, u64); 6] = [
+        (Implementation::Fused, 0),
+        (Implementation::Single, largest),
+        (Implementation::FOREACH, 16 << 20),
+        (
+            Implementation::Foreach {
+                chunk: Some(1 << 16),
+            },
+            1 << 18,
+        ),
+        (Implementation::FOREACH_UNBOUNDED, total),
+        (
+            Implementation::Foreach {
+                chunk: Some(1 << 30),
+            },
+            total,
+        ),
+    ];
+    for (implementation, extra) in cases {
+        let params = cuda_params(&backend, &shapes);
+        let mut adam = Adam::new(
+            vec![ParamGroup::new(params.clone(), AdamConfig::adamw())],
+            implementation,
+        )
+        .unwrap();
+        let (_, peak) = step_memory(&cuda, &mut adam);
+        println!("Adam {implementation:?}: {peak} bytes during a step");
+        assert_eq!(peak, extra, "{implementation:?}");
+        for (idx, param) in params.iter().enumerate() {
+            for (name, state) in adam.param_state(0, idx) {
+                assert_eq!(state.shape(), param.shape(), "{name}");
+                assert_eq!(state.dtype(), DType::F32, "{name}");
+                assert_eq!(state.device(), param.device(), "{name}");
+            }
+        }
+        let mut sgd = Sgd::new(
+            vec![ParamGroup::new(
+                params,
+                SgdConfig {
+                    momentum: 0.9,
+                    ..SgdConfig::new(0.1)
+                },
+            )],
+            implementation,
+        )
+        .unwrap();
+        let (_, peak) = step_memory(&cuda, &mut sgd);
+        println!("SGD {implementation:?}: {peak} bytes during a step");
+        assert_eq!(peak, extra, "{implementation:?}");
+    }
+    // 8-bit: u8 codes and one f32 scale per 256 elements; f32 states under 4096 elements.
+    let params = cuda_params(&backend, &[&[300, 257], &[1000]]);
+    let mut adam8 = Adam8bit::new(
+        vec![ParamGroup::new(params.clone(), Adam8bitConfig::adam())],
+        Implementation::EightBit,
+    )
+    .unwrap();
+    let (_, peak) = step_memory(&cuda, &mut adam8);
+    assert_eq!(peak, 0);
+    let state: Vec<_> = adam8.param_state(0, 0);
+    let n = 300 * 257;
+    let expect = [
+        ("state1", DType::U8, n),
+        ("state2", DType::U8, n),
+        ("absmax1", DType::F32, n_blocks(n)),
+        ("absmax2", DType::F32, n_blocks(n)),
+    ];
+    for ((name, tensor), (want_name, dtype, numel)) in state.iter().zip(expect) {
+        assert_eq!(
+            (*name, tensor.dtype(), tensor.numel()),
+            (want_name, dtype, numel)
+        );
+        let bytes = (numel * dtype.size_in_bytes()) as u64;
+        assert_eq!(tensor.buffer().allocated_bytes(), bytes.div_ceil(512) * 512);
+    }
+    let small: Vec<_> = adam8.param_state(0, 1);
+    assert_eq!(small.len(), 2);
+    for (_, tensor) in small {
+        assert_eq!((tensor.dtype(), tensor.numel()), (DType::F32, 1000));
+    }
+}
+
+/// Tensors a CUDA optimizer cannot take give typed errors.
+#[test]
+fn mixed_devices_dtypes_and_views_are_refused() {
+    let Some(cuda) = cuda() else { return };
+    let cuda: BackendRef = cuda;
+    let cpu = CpuBackend::new_ref();
+    let on_cuda = Tensor::zeros(&cuda, &[4, 3], DType::F32).unwrap();
+    let on_cpu = Tensor::zeros(&cpu, &[4, 3], DType::F32).unwrap();
+    let group = |params: Vec<Tensor>| {
+        Adam::new(
+            vec![ParamGroup::new(params, AdamConfig::adam())],
+            Implementation::Fused,
+        )
+    };
+    let err = group(vec![on_cuda.clone(), on_cpu.clone()]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            OptimError::MixedDevices {
+                expected: Device::Cuda(0),
+                got: Device::Cpu,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let f64s = Tensor::zeros(&cuda, &[4], DType::F64).unwrap();
+    let err = group(vec![f64s]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            OptimError::DType {
+                got: DType::F64,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let view = on_cuda.t().unwrap();
+    let err = group(vec![view]).unwrap_err();
+    assert!(matches!(err, OptimError::NonContiguous { .. }), "{err}");
+    // A gradient on another device is refused at the step.
+    // (autograd-core may refuse it first.)
+    let mut adam = group(vec![on_cuda.clone()]).unwrap();
+    if on_cuda.set_grad(Some(on_cpu.clone())).is_ok() {
+        let err = adam.step().unwrap_err();
+        assert!(matches!(err, OptimError::MixedDevices { .. }), "{err}");
+    }
+    // A device scale on the CPU is refused.
+    let mut on_host = group(vec![on_cpu]).unwrap();
+    let scaling = DeviceGradScaling {
+        grad_scale: Some(Tensor::from_slice(&cuda, &[2.0f32], &[1]).unwrap()),
+        found_inf: None,
+    };
+    assert!(matches!(
+        on_host.step_device_scaled(&scaling).unwrap_err(),
+        OptimError::InvalidArgument { .. }
+    ));
+}
