@@ -1,9 +1,11 @@
 //! ViT-L/16 (torchvision's configuration) training steps on the CUDA backend: forward, `sum()`
-//! loss, backward, a plain SGD update (`p -= 1e-3 · g`, through tensor ops: one temporary per
-//! parameter) and `zero_grad(set_to_none)` — the protocol of PyTorch's `sgd` anchor. Median step
-//! time of 6 after 3 warm-ups and peak allocated bytes over the timed steps, fp32 at batch 1 and
-//! 32 and the whole model in bf16 at batch 32. Prints one JSON line per setting, or a skip notice
-//! without a CUDA device. `vit_step BATCH STEPS [bf16]` runs one setting with STEPS timed steps
+//! loss, backward, a plain SGD update (`p -= 1e-3 · g`: headroom-optim's fused SGD for f32, tensor
+//! ops with one temporary per parameter for bf16, which optim's kernels do not take) and
+//! `zero_grad(set_to_none)` — the protocol of PyTorch's `sgd` anchor. Median step
+//! time of 6 after 3 warm-ups (and the host's time to enqueue the step: when it nears the step
+//! time, the host is the bottleneck), and peak allocated bytes over the timed steps, fp32 at
+//! batch 1 and 32 and the whole model in bf16 at batch 32. Prints one JSON line per setting, or a
+//! skip notice without a CUDA device. `vit_step BATCH STEPS [bf16]` runs one setting with STEPS timed steps
 //! and one warm-up (for profilers).
 
 use std::sync::Arc;
@@ -12,6 +14,8 @@ use std::time::Instant;
 use headroom_autograd_core::{no_grad, BackendRef, DType, Generator, Tensor};
 use headroom_nn::{Module, VisionTransformer, VitConfig};
 use headroom_ops_cuda::CudaBackend;
+use headroom_optim::kernels::SgdConfig;
+use headroom_optim::{Implementation, Optimizer, ParamGroup, Sgd};
 
 fn main() {
     let cuda = match CudaBackend::new(0) {
@@ -46,6 +50,16 @@ fn main() {
             .into_iter()
             .map(|(_, p)| p)
             .collect();
+        // optim's kernels take f32 parameters; other dtypes update through tensor ops.
+        let optimizer = (dtype == DType::F32).then(|| {
+            std::cell::RefCell::new(
+                Sgd::new(
+                    vec![ParamGroup::new(params.clone(), SgdConfig::new(1e-3))],
+                    Implementation::Fused,
+                )
+                .expect("optimizer"),
+            )
+        });
         let mut state = 0x2545_f491_4f6c_dd1du64;
         let pixels: Vec<f32> = (0..batch * 3 * 224 * 224)
             .map(|_| {
@@ -58,7 +72,9 @@ fn main() {
         let images = Tensor::from_slice(&gpu, &pixels, &[batch, 3, 224, 224])
             .and_then(|x| x.to_dtype(dtype))
             .expect("input");
-        let step = || -> f64 {
+        // (wall ms, host ms): the host's share is the time to enqueue the whole step; when it
+        // is close to the wall time the step is bound by the host, not the GPU.
+        let step = || -> (f64, f64) {
             let start = Instant::now();
             let loss = model
                 .forward(&images)
@@ -66,7 +82,11 @@ fn main() {
                 .sum_all()
                 .expect("loss");
             loss.backward().expect("backward");
-            {
+            if let Some(optimizer) = &optimizer {
+                let mut optimizer = optimizer.borrow_mut();
+                optimizer.step().expect("step");
+                optimizer.zero_grad(true).expect("zero_grad");
+            } else {
                 let _no_grad = no_grad();
                 for param in &params {
                     let grad = param.grad().expect("every parameter has a gradient");
@@ -76,19 +96,22 @@ fn main() {
                     param.zero_grad(true).expect("zero_grad");
                 }
             }
+            let host = start.elapsed().as_secs_f64() * 1e3;
             cuda.synchronize().expect("device");
-            start.elapsed().as_secs_f64() * 1e3
+            (start.elapsed().as_secs_f64() * 1e3, host)
         };
         for _ in 0..warmup {
             step();
         }
         cuda.allocator().reset_peak_stats();
-        let mut times: Vec<f64> = (0..timed).map(|_| step()).collect();
+        let (mut times, mut host): (Vec<f64>, Vec<f64>) = (0..timed).map(|_| step()).unzip();
         times.sort_by(f64::total_cmp);
+        host.sort_by(f64::total_cmp);
         let ms = (times[(timed - 1) / 2] + times[timed / 2]) / 2.0;
+        let host_ms = (host[(timed - 1) / 2] + host[timed / 2]) / 2.0;
         let stats = cuda.allocator().memory_stats();
         println!(
-            "{{\"case\": \"vit_l16_sgd\", \"dtype\": \"{dtype:?}\", \"impl\": \"headroom_cuda\", \"batch\": {batch}, \"step_ms\": {ms:.1}, \"peak_allocated_bytes\": {}, \"peak_reserved_bytes\": {}, \"times_ms\": {times:?}}}",
+            "{{\"case\": \"vit_l16_sgd\", \"dtype\": \"{dtype:?}\", \"impl\": \"headroom_cuda\", \"batch\": {batch}, \"step_ms\": {ms:.1}, \"host_ms\": {host_ms:.1}, \"peak_allocated_bytes\": {}, \"peak_reserved_bytes\": {}, \"times_ms\": {times:?}}}",
             stats.allocated_bytes.all.peak, stats.reserved_bytes.all.peak
         );
     }

@@ -481,17 +481,18 @@ __device__ void attention_backward_dkdv(const T* q, const T* k, const T* v, cons
 // the f32 score and dP matrices of a chunk of (batch, head) pairs, these kernels turn them into
 // probabilities and score gradients in the storage dtype for the next products.
 
-// Row r of `s` ([rows, sk] f32 scores of query r % sq): lse[first + r] = log Σ exp(scale · s),
-// p = exp(scale · s − lse), keys after the query hidden when causal. One warp per row.
+// Row r of `s` ([rows, sk] f32 scores of query r % sq, rows `ld` apart): lse[first + r] =
+// log Σ exp(scale · s), p = exp(scale · s − lse), keys after the query hidden when causal. One warp
+// per row.
 template <typename T>
 __device__ void attention_softmax(const float* s, T* p, float* lse, unsigned long long rows,
-                                  unsigned int sq, unsigned int sk, float scale, unsigned int causal,
-                                  unsigned long long first) {
+                                  unsigned int sq, unsigned int sk, unsigned int ld, float scale,
+                                  unsigned int causal, unsigned long long first) {
     const int lane = threadIdx.x & 31;
     const float scale2 = scale * (float)LOG2E;
     for (unsigned long long r = (blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x) >> 5; r < rows;
          r += (gridDim.x * (unsigned long long)blockDim.x) >> 5) {
-        const float* row = s + r * sk;
+        const float* row = s + r * ld;
         unsigned int visible = causal ? min(sk, (unsigned int)(r % sq) + 1) : sk;
         float m = -CUDART_INF_F;
         for (unsigned int j = lane; j < visible; j += 32) m = max(m, row[j] * scale2);
@@ -501,27 +502,29 @@ __device__ void attention_softmax(const float* s, T* p, float* lse, unsigned lon
         for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
         float l2 = m + log2f(sum);
         if (lane == 0) lse[first + r] = l2 * (float)LN2;
-        T* out = p + r * sk;
+        T* out = p + r * ld;
         for (unsigned int j = lane; j < sk; j += 32) st(out + j, j < visible ? exp2f(row[j] * scale2 - l2) : 0.0f);
     }
 }
 
-// Elementwise over [rows, sk]: p = exp(scale · s − lse), ds = p · (dp − Δ) (zero where hidden).
+// Elementwise over [rows, sk] (rows `ld` apart): p = exp(scale · s − lse), ds = p · (dp − Δ)
+// (zero where hidden).
 template <typename T>
 __device__ void attention_probs_backward(const float* s, const float* dp, const float* lse,
                                          const float* delta, T* p, T* ds, unsigned long long rows,
-                                         unsigned int sq, unsigned int sk, float scale,
-                                         unsigned int causal, unsigned long long first) {
+                                         unsigned int sq, unsigned int sk, unsigned int ld,
+                                         float scale, unsigned int causal, unsigned long long first) {
     const float scale2 = scale * (float)LOG2E;
     unsigned long long n = rows * sk;
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += gridDim.x * (unsigned long long)blockDim.x) {
         unsigned long long r = i / sk;
         unsigned int key = (unsigned int)(i - r * sk);
+        unsigned long long at = r * ld + key;
         bool hidden = causal && key > (unsigned int)(r % sq);
-        float prob = hidden ? 0.0f : exp2f(s[i] * scale2 - lse[first + r] * (float)LOG2E);
-        st(p + i, prob);
-        st(ds + i, prob * (dp[i] - delta[first + r]));
+        float prob = hidden ? 0.0f : exp2f(s[at] * scale2 - lse[first + r] * (float)LOG2E);
+        st(p + at, prob);
+        st(ds + at, prob * (dp[at] - delta[first + r]));
     }
 }
 
@@ -547,15 +550,15 @@ __device__ void attention_delta(const T* o, const T* dout, float* delta, const A
 #define ATTENTION_GEMM_KERNELS(T, N)                                                                      \
     extern "C" __global__ void attention_softmax_##N(const float* s, T* p, float* lse,                  \
                                                      unsigned long long rows, unsigned int sq,          \
-                                                     unsigned int sk, float scale, unsigned int causal, \
-                                                     unsigned long long first) {                        \
-        attention_softmax<T>(s, p, lse, rows, sq, sk, scale, causal, first);                            \
+                                                     unsigned int sk, unsigned int ld, float scale,     \
+                                                     unsigned int causal, unsigned long long first) {   \
+        attention_softmax<T>(s, p, lse, rows, sq, sk, ld, scale, causal, first);                        \
     }                                                                                                   \
     extern "C" __global__ void attention_probs_backward_##N(                                            \
         const float* s, const float* dp, const float* lse, const float* delta, T* p, T* ds,             \
-        unsigned long long rows, unsigned int sq, unsigned int sk, float scale, unsigned int causal,    \
-        unsigned long long first) {                                                                     \
-        attention_probs_backward<T>(s, dp, lse, delta, p, ds, rows, sq, sk, scale, causal, first);      \
+        unsigned long long rows, unsigned int sq, unsigned int sk, unsigned int ld, float scale,        \
+        unsigned int causal, unsigned long long first) {                                                \
+        attention_probs_backward<T>(s, dp, lse, delta, p, ds, rows, sq, sk, ld, scale, causal, first);  \
     }                                                                                                   \
     extern "C" __global__ void attention_delta_##N(const T* o, const T* dout, float* delta, AttnArgs a) { \
         attention_delta<T>(o, dout, delta, a);                                                          \

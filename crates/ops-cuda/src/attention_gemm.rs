@@ -5,7 +5,7 @@
 //! The saved state is the fused kernels': q, k, v, the output and one log-sum-exp per query —
 //! backward recomputes the scores. The `[queries, keys]` matrices exist only as scratch for one
 //! chunk (scores and their gradient in f32, probabilities in the storage dtype as the next
-//! product's operand), sized so the f32 matrix of a chunk stays under 32 MiB. Strided operands
+//! product's operand), sized so the f32 matrix of a chunk stays under 64 MiB. Strided operands
 //! (heads sliced out of a packed projection) are first copied dense, so every product is one
 //! strided-batched call per chunk.
 //!
@@ -24,7 +24,13 @@ use crate::kernels::Module;
 use crate::matmul::{gemm_batched, GemmOperand, Scratch};
 
 /// Bytes of one chunk's f32 `[queries, keys]` scratch matrix at most.
-const CHUNK_BYTES: usize = 32 << 20;
+const CHUNK_BYTES: usize = 64 << 20;
+
+/// Row length of the `[queries, keys]` scratch matrices: keys rounded up to 8, so their rows are
+/// 16-byte aligned and cuBLAS picks its vectorised kernels.
+fn padded_keys(dims: &AttentionDims) -> usize {
+    dims.keys.div_ceil(8).max(1) * 8
+}
 
 /// A dense `[pairs, rows, head_dim]` copy of a `[batch, heads, rows, head_dim]` view.
 fn dense<'a>(backend: &'a CudaBackend, view: &View<'_>) -> Result<Scratch<'a>> {
@@ -76,7 +82,7 @@ fn suffix(dtype: DType) -> &'static str {
 
 /// Pairs per chunk.
 fn chunk_pairs(dims: &AttentionDims) -> usize {
-    let per_pair = (dims.queries * dims.keys * 4).max(1);
+    let per_pair = (dims.queries * padded_keys(dims) * 4).max(1);
     (CHUNK_BYTES / per_pair).clamp(1, (dims.batch * dims.heads).max(1))
 }
 
@@ -108,9 +114,9 @@ pub(crate) fn forward(
         dense(backend, &f.v)?,
     );
     let out = Scratch::new(backend, (pairs * sq * d * es) as u64)?;
-    let chunk = chunk_pairs(&dims);
-    let scores = Scratch::new(backend, (chunk * sq * sk * 4) as u64)?;
-    let probs = Scratch::new(backend, (chunk * sq * sk * es) as u64)?;
+    let (chunk, ld) = (chunk_pairs(&dims), padded_keys(&dims));
+    let scores = Scratch::new(backend, (chunk * sq * ld * 4) as u64)?;
+    let probs = Scratch::new(backend, (chunk * sq * ld * es) as u64)?;
     let lse = f.lse.buffer.address() + (f.lse.layout.offset() * 4) as u64;
     for first in (0..pairs).step_by(chunk) {
         let n = chunk.min(pairs - first);
@@ -130,7 +136,7 @@ pub(crate) fn forward(
                 operand(k0, t, d, sk, true),
                 operand(q0, t, d, sq, false),
                 0.0,
-                operand(scores.address(), DType::F32, sk, sq, false),
+                operand(scores.address(), DType::F32, ld, sq, false),
                 n,
             )?;
         }
@@ -141,6 +147,7 @@ pub(crate) fn forward(
             Param::U64((n * sq) as u64),
             Param::U32(sq as u32),
             Param::U32(sk as u32),
+            Param::U32(ld as u32),
             Param::F32(f.scale as f32),
             Param::U32(u32::from(f.causal)),
             Param::U64((first * sq) as u64),
@@ -161,7 +168,7 @@ pub(crate) fn forward(
                 (d, sq, sk),
                 1.0,
                 operand(v0, t, d, sk, false),
-                operand(probs.address(), t, sk, sq, false),
+                operand(probs.address(), t, ld, sq, false),
                 0.0,
                 operand(out0, t, d, sq, false),
                 n,
@@ -210,8 +217,8 @@ pub(crate) fn backward(
     let dq = Scratch::new(backend, (pairs * sq * d * es) as u64)?;
     let dk = Scratch::new(backend, (pairs * sk * d * es) as u64)?;
     let dv = Scratch::new(backend, (pairs * sk * d * es) as u64)?;
-    let chunk = chunk_pairs(&dims);
-    let matrix = chunk * sq * sk;
+    let (chunk, ld) = (chunk_pairs(&dims), padded_keys(&dims));
+    let matrix = chunk * sq * ld;
     let (scores, dscores) = (
         Scratch::new(backend, (matrix * 4) as u64)?,
         Scratch::new(backend, (matrix * 4) as u64)?,
@@ -238,7 +245,7 @@ pub(crate) fn backward(
                 operand(k0, t, d, sk, true),
                 operand(q0, t, d, sq, false),
                 0.0,
-                operand(scores.address(), DType::F32, sk, sq, false),
+                operand(scores.address(), DType::F32, ld, sq, false),
                 n,
             )?;
             gemm_batched(
@@ -248,7 +255,7 @@ pub(crate) fn backward(
                 operand(v0, t, d, sk, true),
                 operand(do0, t, d, sq, false),
                 0.0,
-                operand(dscores.address(), DType::F32, sk, sq, false),
+                operand(dscores.address(), DType::F32, ld, sq, false),
                 n,
             )?;
         }
@@ -262,6 +269,7 @@ pub(crate) fn backward(
             Param::U64((n * sq) as u64),
             Param::U32(sq as u32),
             Param::U32(sk as u32),
+            Param::U32(ld as u32),
             Param::F32(scale),
             Param::U32(u32::from(f.causal)),
             Param::U64((first * sq) as u64),
@@ -283,7 +291,7 @@ pub(crate) fn backward(
                 (d, sk, sq),
                 1.0,
                 operand(do0, t, d, sq, false),
-                operand(probs.address(), t, sk, sq, true),
+                operand(probs.address(), t, ld, sq, true),
                 0.0,
                 operand(dv0, t, d, sk, false),
                 n,
@@ -293,7 +301,7 @@ pub(crate) fn backward(
                 (d, sq, sk),
                 scale,
                 operand(k0, t, d, sk, false),
-                operand(dprobs.address(), t, sk, sq, false),
+                operand(dprobs.address(), t, ld, sq, false),
                 0.0,
                 operand(dq0, t, d, sq, false),
                 n,
@@ -303,7 +311,7 @@ pub(crate) fn backward(
                 (d, sk, sq),
                 scale,
                 operand(q0, t, d, sq, false),
-                operand(dprobs.address(), t, sk, sq, true),
+                operand(dprobs.address(), t, ld, sq, true),
                 0.0,
                 operand(dk0, t, d, sk, false),
                 n,
