@@ -101,6 +101,10 @@ pub(crate) const USAGE: &str =
 
 /// `cargo xtask bench-memory ARGS`.
 pub(crate) fn run(args: &[String]) -> Result<()> {
+    if args.iter().any(|arg| arg == "--help" || arg == "-h") {
+        print!("usage:\n{USAGE}");
+        return Ok(());
+    }
     let options = parse(args)?;
     execute(&options).map(|_| ())
 }
