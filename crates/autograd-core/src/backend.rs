@@ -36,7 +36,7 @@ use std::sync::Arc;
 use headroom_caching_allocator::{Allocation, MemoryStats};
 
 use crate::buffer::Buffer;
-use crate::dtype::{DType, Device};
+use crate::dtype::{stats_dtype, DType, Device};
 use crate::error::{Result, TensorError};
 use crate::layout::Layout;
 
@@ -285,11 +285,7 @@ pub fn attention_dims(args: &AttentionForward<'_>, grads: &[View<'_>]) -> Result
     if args.out.layout.shape() != args.q.layout.shape() {
         return Err(mismatch(&args.q, &args.out));
     }
-    let stats = if args.q.dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
+    let stats = stats_dtype(args.q.dtype);
     if args.lse.layout.shape() != [batch, heads, queries]
         || !args.lse.layout.is_contiguous()
         || args.lse.dtype != stats

@@ -50,3 +50,12 @@ pub enum Device {
     /// A CUDA device, by ordinal.
     Cuda(usize),
 }
+
+/// The dtype statistics (mean, rstd, log-sum-exp) are kept in for inputs of `dtype`: f64 for
+/// f64, f32 for everything else.
+pub(crate) fn stats_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    }
+}

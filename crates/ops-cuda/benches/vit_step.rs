@@ -51,14 +51,12 @@ fn main() {
             .map(|(_, p)| p)
             .collect();
         // optim's kernels take f32 parameters; other dtypes update through tensor ops.
-        let optimizer = (dtype == DType::F32).then(|| {
-            std::cell::RefCell::new(
-                Sgd::new(
-                    vec![ParamGroup::new(params.clone(), SgdConfig::new(1e-3))],
-                    Implementation::Fused,
-                )
-                .expect("optimizer"),
+        let mut optimizer = (dtype == DType::F32).then(|| {
+            Sgd::new(
+                vec![ParamGroup::new(params.clone(), SgdConfig::new(1e-3))],
+                Implementation::Fused,
             )
+            .expect("optimizer")
         });
         let mut state = 0x2545_f491_4f6c_dd1du64;
         let pixels: Vec<f32> = (0..batch * 3 * 224 * 224)
@@ -74,7 +72,7 @@ fn main() {
             .expect("input");
         // (wall ms, host ms): the host's share is the time to enqueue the whole step; when it
         // is close to the wall time the step is bound by the host, not the GPU.
-        let step = || -> (f64, f64) {
+        let mut step = || -> (f64, f64) {
             let start = Instant::now();
             let loss = model
                 .forward(&images)
@@ -82,8 +80,7 @@ fn main() {
                 .sum_all()
                 .expect("loss");
             loss.backward().expect("backward");
-            if let Some(optimizer) = &optimizer {
-                let mut optimizer = optimizer.borrow_mut();
+            if let Some(optimizer) = &mut optimizer {
                 optimizer.step().expect("step");
                 optimizer.zero_grad(true).expect("zero_grad");
             } else {

@@ -15,10 +15,9 @@ use headroom_autograd_core::{
     attention_dims, AttentionBackward, AttentionDims, AttentionForward, DType, Result, TensorError,
     View,
 };
-use headroom_caching_allocator::StreamId;
 
 use crate::attention_gemm;
-use crate::backend::CudaBackend;
+use crate::backend::{CudaBackend, Scratch};
 use crate::elementwise::{launch_in, Param};
 use crate::kernels::{KernelName, Module};
 
@@ -161,7 +160,6 @@ fn config(
         Kernel::BackwardDkDv => (4, 2, 2),
     };
     let values = row_tiles * ROWS * padded + weight_tiles * ROWS * WEIGHT_STRIDE + stats * ROWS;
-    let element = if dtype == DType::F64 { 8 } else { 4 };
     Ok(LaunchConfig {
         grid_dim: (
             to_u32(rows.div_ceil(ROWS).max(1))?,
@@ -169,10 +167,11 @@ fn config(
             1,
         ),
         block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: to_u32(values * element)?,
+        shared_mem_bytes: to_u32(values * stats_bytes(dtype))?,
     })
 }
 
+/// Bytes of one accumulator value (and statistic): 8 for f64, 4 otherwise.
 fn stats_bytes(dtype: DType) -> usize {
     if dtype == DType::F64 {
         8
@@ -240,58 +239,49 @@ pub(crate) fn attention_backward(backend: &CudaBackend, b: AttentionBackward<'_>
     let stats = stats_bytes(f.q.dtype);
     let rows = dims.batch * dims.heads * dims.queries;
     // Δ per query, from the caching allocator, returned (in stream order) after the launches.
-    let delta = backend
-        .allocator()
-        .allocate((rows.max(1) * stats) as u64, StreamId::DEFAULT)?;
+    let delta = Scratch::new(backend, (rows * stats) as u64)?;
     let delta_address = Param::U64(delta.address());
-    let launched = (|| {
-        if dims.queries > 0 {
-            let config = config(&dims, Kernel::BackwardDq, dc, dims.queries, f.q.dtype)?;
-            let params = [
-                address(&f.q),
-                address(&f.k),
-                address(&f.v),
-                address(&f.out),
-                address(&b.dout),
-                address(&f.lse),
-                address(&b.dq),
-                delta_address,
-            ];
-            launch(
-                backend,
-                "attention_backward",
-                ("attention_backward_dq", suffix),
-                config,
-                &params,
-                args,
-            )?;
-        }
-        if dims.keys > 0 {
-            let config = config(&dims, Kernel::BackwardDkDv, dc, dims.keys, f.q.dtype)?;
-            let params = [
-                address(&f.q),
-                address(&f.k),
-                address(&f.v),
-                address(&b.dout),
-                address(&f.lse),
-                delta_address,
-                address(&b.dk),
-                address(&b.dv),
-            ];
-            launch(
-                backend,
-                "attention_backward",
-                ("attention_backward_dkdv", suffix),
-                config,
-                &params,
-                args,
-            )?;
-        }
-        Ok(())
-    })();
-    backend
-        .allocator()
-        .free(delta)
-        .map_err(TensorError::Alloc)?;
-    launched
+    if dims.queries > 0 {
+        let config = config(&dims, Kernel::BackwardDq, dc, dims.queries, f.q.dtype)?;
+        let params = [
+            address(&f.q),
+            address(&f.k),
+            address(&f.v),
+            address(&f.out),
+            address(&b.dout),
+            address(&f.lse),
+            address(&b.dq),
+            delta_address,
+        ];
+        launch(
+            backend,
+            "attention_backward",
+            ("attention_backward_dq", suffix),
+            config,
+            &params,
+            args,
+        )?;
+    }
+    if dims.keys > 0 {
+        let config = config(&dims, Kernel::BackwardDkDv, dc, dims.keys, f.q.dtype)?;
+        let params = [
+            address(&f.q),
+            address(&f.k),
+            address(&f.v),
+            address(&b.dout),
+            address(&f.lse),
+            delta_address,
+            address(&b.dk),
+            address(&b.dv),
+        ];
+        launch(
+            backend,
+            "attention_backward",
+            ("attention_backward_dkdv", suffix),
+            config,
+            &params,
+            args,
+        )?;
+    }
+    Ok(())
 }

@@ -18,10 +18,10 @@ use headroom_autograd_core::{
 };
 
 use crate::attention::attn_args;
-use crate::backend::CudaBackend;
+use crate::backend::{CudaBackend, Scratch};
 use crate::elementwise::{copy_raw, launch_config, launch_in, Param, NO_ARGS};
 use crate::kernels::Module;
-use crate::matmul::{gemm_batched, GemmOperand, Scratch};
+use crate::matmul::{gemm_batched, GemmOperand};
 
 /// Bytes of one chunk's f32 `[queries, keys]` scratch matrix at most.
 const CHUNK_BYTES: usize = 64 << 20;
@@ -80,6 +80,36 @@ fn suffix(dtype: DType) -> &'static str {
     }
 }
 
+/// `[queries, keys]` f32 products `rows · keysᵀ` of `n` pairs (scores from q and k, dP from dO
+/// and v) into `out` (rows `ld` apart).
+///
+/// # Safety
+/// `keys` holds `n` dense `[sk, d]` matrices, `rows` `n` dense `[sq, d]` ones and `out` room for
+/// `n` `[sq, ld]` f32 matrices, all live memory of `backend`.
+unsafe fn row_key_products(
+    backend: &CudaBackend,
+    dims: &AttentionDims,
+    dtype: DType,
+    (keys, rows, out): (u64, u64, u64),
+    ld: usize,
+    n: usize,
+) -> Result<()> {
+    let (sq, sk, d) = (dims.queries, dims.keys, dims.head_dim);
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        gemm_batched(
+            backend,
+            (sk, sq, d),
+            1.0,
+            operand(keys, dtype, d, sk, true),
+            operand(rows, dtype, d, sq, false),
+            0.0,
+            operand(out, DType::F32, ld, sq, false),
+            n,
+        )
+    }
+}
+
 /// Pairs per chunk.
 fn chunk_pairs(dims: &AttentionDims) -> usize {
     let per_pair = (dims.queries * padded_keys(dims) * 4).max(1);
@@ -128,18 +158,7 @@ pub(crate) fn forward(
         let out0 = out.address() + (first * sq * d * es) as u64;
         // SAFETY: every operand is a dense scratch matrix of this backend holding `n` entries of
         // the sizes given (q, k, v, out copies; the chunk's score and probability matrices).
-        unsafe {
-            gemm_batched(
-                backend,
-                (sk, sq, d),
-                1.0,
-                operand(k0, t, d, sk, true),
-                operand(q0, t, d, sq, false),
-                0.0,
-                operand(scores.address(), DType::F32, ld, sq, false),
-                n,
-            )?;
-        }
+        unsafe { row_key_products(backend, &dims, t, (k0, q0, scores.address()), ld, n)? };
         let params = [
             Param::U64(scores.address()),
             Param::U64(probs.address()),
@@ -238,26 +257,8 @@ pub(crate) fn backward(
         // the sizes given.
         unsafe {
             // Scores s = q kᵀ and dP = dO vᵀ, in f32.
-            gemm_batched(
-                backend,
-                (sk, sq, d),
-                1.0,
-                operand(k0, t, d, sk, true),
-                operand(q0, t, d, sq, false),
-                0.0,
-                operand(scores.address(), DType::F32, ld, sq, false),
-                n,
-            )?;
-            gemm_batched(
-                backend,
-                (sk, sq, d),
-                1.0,
-                operand(v0, t, d, sk, true),
-                operand(do0, t, d, sq, false),
-                0.0,
-                operand(dscores.address(), DType::F32, ld, sq, false),
-                n,
-            )?;
+            row_key_products(backend, &dims, t, (k0, q0, scores.address()), ld, n)?;
+            row_key_products(backend, &dims, t, (v0, do0, dscores.address()), ld, n)?;
         }
         let params = [
             Param::U64(scores.address()),

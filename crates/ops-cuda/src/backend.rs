@@ -143,6 +143,41 @@ impl CudaBackend {
     }
 }
 
+/// Device scratch from the backend's caching allocator (at least 8 bytes), returned when
+/// dropped: in stream order, so kernels queued on the default stream that use it run before any
+/// later reuse; a failed free is recorded like [`Backend::free`]'s.
+pub(crate) struct Scratch<'a> {
+    backend: &'a CudaBackend,
+    allocation: Option<Allocation>,
+}
+
+impl<'a> Scratch<'a> {
+    pub(crate) fn new(backend: &'a CudaBackend, bytes: u64) -> Result<Scratch<'a>> {
+        let allocation = backend
+            .allocator
+            .allocate(bytes.max(8), StreamId::DEFAULT)?;
+        Ok(Scratch {
+            backend,
+            allocation: Some(allocation),
+        })
+    }
+
+    /// The device address of the scratch memory.
+    pub(crate) fn address(&self) -> u64 {
+        self.allocation.as_ref().map_or(0, Allocation::address)
+    }
+}
+
+impl Drop for Scratch<'_> {
+    fn drop(&mut self) {
+        if let Some(allocation) = self.allocation.take() {
+            if let Err(error) = self.backend.allocator.free(allocation) {
+                self.backend.note_free_error(error);
+            }
+        }
+    }
+}
+
 /// A driver error as the core's error type.
 pub(crate) fn device_error(op: &'static str, error: impl std::fmt::Display) -> TensorError {
     TensorError::Device {

@@ -385,14 +385,22 @@ pub(crate) fn launch_in<A: DeviceRepr>(
         .kernels
         .function(&backend.context, module, name)
         .map_err(|e| device_error(op, e))?;
-    if config.shared_mem_bytes > DEFAULT_SHARED_BYTES {
-        // Kernels asking for more than the default dynamic shared memory must opt in.
+    if config.shared_mem_bytes > DEFAULT_SHARED_BYTES
+        && backend
+            .kernels
+            .needs_shared_opt_in(name, config.shared_mem_bytes)
+    {
+        // Kernels asking for more than the default dynamic shared memory must opt in (once per
+        // kernel and size, not on every launch).
         function
             .set_attribute(
                 CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 config.shared_mem_bytes as i32,
             )
             .map_err(|e| device_error(op, e))?;
+        backend
+            .kernels
+            .note_shared_opt_in(name, config.shared_mem_bytes);
     }
     let mut builder = backend.stream.launch_builder(&function);
     for param in params {

@@ -10,46 +10,14 @@ use cudarc::driver::{result, LaunchConfig};
 use headroom_autograd_core::{
     index_strides, CrossEntropyArgs, DType, Reduction, Result, TensorError, View,
 };
-use headroom_caching_allocator::{Allocation, StreamId};
 
-use crate::backend::{device_error, CudaBackend};
+use crate::backend::{device_error, CudaBackend, Scratch};
 use crate::elementwise::{float_suffix, launch_config, launch_in, strided_args, Param, NO_ARGS};
 use crate::kernels::Module;
 
 /// The error word's value when nothing went wrong.
 const NO_ERROR: u64 = u64::MAX;
 const THREADS: u32 = 256;
-
-/// Device scratch from the backend's allocator, freed (in stream order) when dropped.
-struct Scratch<'a> {
-    backend: &'a CudaBackend,
-    allocation: Option<Allocation>,
-}
-
-impl<'a> Scratch<'a> {
-    fn new(backend: &'a CudaBackend, bytes: u64) -> Result<Scratch<'a>> {
-        let allocation = backend
-            .allocator()
-            .allocate(bytes.max(8), StreamId::DEFAULT)?;
-        Ok(Scratch {
-            backend,
-            allocation: Some(allocation),
-        })
-    }
-
-    fn address(&self) -> u64 {
-        self.allocation.as_ref().map_or(0, Allocation::address)
-    }
-}
-
-impl Drop for Scratch<'_> {
-    fn drop(&mut self) {
-        if let Some(allocation) = self.allocation.take() {
-            // Kernels on the default stream that use it run before any later reuse.
-            let _ = self.backend.allocator().free(allocation);
-        }
-    }
-}
 
 /// A fresh error word set to [`NO_ERROR`].
 fn error_word<'a>(backend: &'a CudaBackend, op: &'static str) -> Result<Scratch<'a>> {

@@ -48,9 +48,26 @@ pub(crate) struct KernelCache {
     functions: Mutex<HashMap<KernelName, CudaFunction>>,
     /// Modules other crates brought (by their name), see `CudaBackend::load_kernel`.
     external: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// The dynamic shared memory each kernel has opted in to, beyond the default 48 KiB.
+    shared_opt_in: Mutex<HashMap<KernelName, u32>>,
 }
 
 impl KernelCache {
+    /// Whether kernel `name` has not yet opted in to `bytes` of dynamic shared memory.
+    pub(crate) fn needs_shared_opt_in(&self, name: KernelName, bytes: u32) -> bool {
+        self.shared_opt_in
+            .lock()
+            .get(&name)
+            .is_none_or(|&done| done < bytes)
+    }
+
+    /// Records that kernel `name` opted in to `bytes` of dynamic shared memory.
+    pub(crate) fn note_shared_opt_in(&self, name: KernelName, bytes: u32) {
+        let mut opted = self.shared_opt_in.lock();
+        let done = opted.entry(name).or_insert(0);
+        *done = (*done).max(bytes);
+    }
+
     /// The function `name` of another crate's PTX module `module`, loading it on first use.
     pub(crate) fn external_function(
         &self,

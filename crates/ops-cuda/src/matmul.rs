@@ -18,7 +18,7 @@ use cudarc::cublas::{result as blas, sys as blas_sys};
 use headroom_autograd_core::{matmul_dims, DType, Layout, Result, TensorError, View};
 use headroom_caching_allocator::{Allocation, StreamId};
 
-use crate::backend::{device_error, CudaBackend};
+use crate::backend::{device_error, CudaBackend, Scratch};
 
 /// Bytes of cuBLAS workspace.
 const WORKSPACE_BYTES: u64 = 32 << 20;
@@ -237,38 +237,6 @@ pub(crate) fn matmul(
     }
     drop(state);
     Ok(())
-}
-
-/// Scratch memory from the backend's allocator, returned (in stream order) when dropped.
-pub(crate) struct Scratch<'a> {
-    backend: &'a CudaBackend,
-    allocation: Option<Allocation>,
-}
-
-impl<'a> Scratch<'a> {
-    /// `bytes` (at least one) from the backend's caching allocator.
-    pub(crate) fn new(backend: &'a CudaBackend, bytes: u64) -> Result<Scratch<'a>> {
-        let allocation = backend
-            .allocator()
-            .allocate(bytes.max(1), StreamId::DEFAULT)?;
-        Ok(Scratch {
-            backend,
-            allocation: Some(allocation),
-        })
-    }
-
-    /// The device address of the scratch memory.
-    pub(crate) fn address(&self) -> u64 {
-        self.allocation.as_ref().map_or(0, Allocation::address)
-    }
-}
-
-impl Drop for Scratch<'_> {
-    fn drop(&mut self) {
-        if let Some(allocation) = self.allocation.take() {
-            let _ = self.backend.allocator().free(allocation);
-        }
-    }
 }
 
 /// `view` as cuBLAS can read it: (address of its first element, layout), copying it to dense

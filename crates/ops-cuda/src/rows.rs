@@ -9,7 +9,7 @@ use headroom_autograd_core::{
     DType, LayerNormBackward, LayerNormForward, ReduceOp, Result, TensorError, View,
 };
 
-use crate::backend::CudaBackend;
+use crate::backend::{CudaBackend, Scratch};
 use crate::elementwise::{launch_in, Param, NO_ARGS};
 use crate::kernels::{KernelName, Module};
 
@@ -537,10 +537,8 @@ fn column_sums(
     let element = x.dtype.size_in_bytes() as u64;
     let n_chunks = rows.div_ceil(ROWS_PER_CHUNK);
     let accumulator = if x.dtype == DType::F64 { 8 } else { 4 };
-    let scratch = backend.allocator().allocate(
-        n_chunks * n * accumulator,
-        headroom_caching_allocator::StreamId::DEFAULT,
-    )?;
+    // Returned in stream order, after the kernels that use it.
+    let scratch = Scratch::new(backend, n_chunks * n * accumulator)?;
     let partial = scratch.address();
     let x_address = x.buffer.address() + x.layout.offset() as u64 * element;
     let (stage1, stage2) = column_stages(n, n_chunks);
@@ -551,7 +549,7 @@ fn column_sums(
         Param::U64(rows),
         Param::U64(n),
     ];
-    let first = launch_in(
+    launch_in(
         backend,
         Module::Rows,
         op,
@@ -559,30 +557,25 @@ fn column_sums(
         stage1,
         &params,
         NO_ARGS,
-    );
-    let second = first.and_then(|()| {
-        let out_address = out.buffer.address() + out.layout.offset() as u64 * element;
-        let params = [
-            Param::U64(partial),
-            Param::U64(n_chunks),
-            Param::U64(out_address),
-            Param::U64(out.layout.strides()[0] as u64),
-            Param::F64(scale),
-            Param::U64(n),
-        ];
-        launch_in(
-            backend,
-            Module::Rows,
-            op,
-            ("column_finish", suffix),
-            stage2,
-            &params,
-            NO_ARGS,
-        )
-    });
-    // The scratch goes back in stream order, after the kernels that use it.
-    backend.allocator().free(scratch)?;
-    second
+    )?;
+    let out_address = out.buffer.address() + out.layout.offset() as u64 * element;
+    let params = [
+        Param::U64(partial),
+        Param::U64(n_chunks),
+        Param::U64(out_address),
+        Param::U64(out.layout.strides()[0] as u64),
+        Param::F64(scale),
+        Param::U64(n),
+    ];
+    launch_in(
+        backend,
+        Module::Rows,
+        op,
+        ("column_finish", suffix),
+        stage2,
+        &params,
+        NO_ARGS,
+    )
 }
 
 /// Launch shapes of two-stage column sums over `n` columns: stage 1 (32 × 8 blocks, one per 32
@@ -624,10 +617,8 @@ fn param_grads(
     }
     let n_chunks = rows.div_ceil(ROWS_PER_CHUNK);
     let accumulator = if args.mean.dtype == DType::F64 { 8 } else { 4 };
-    let scratch = backend.allocator().allocate(
-        2 * n_chunks * n * accumulator,
-        headroom_caching_allocator::StreamId::DEFAULT,
-    )?;
+    // Returned in stream order, after the kernels that use it.
+    let scratch = Scratch::new(backend, 2 * n_chunks * n * accumulator)?;
     let partial = scratch.address();
     let (stage1, stage2) = column_stages(n, n_chunks);
     let params = [
@@ -640,23 +631,18 @@ fn param_grads(
         Param::U64(n),
     ];
     let name = ("layer_norm_param_partials", suffix);
-    let first = launch_in(backend, Module::Rows, op, name, stage1, &params, NO_ARGS);
+    launch_in(backend, Module::Rows, op, name, stage1, &params, NO_ARGS)?;
     let (dw, dws) = optional(args.dweight);
     let (db, dbs) = optional(args.dbias);
-    let second = first.and_then(|()| {
-        let params = [
-            Param::U64(partial),
-            Param::U64(n_chunks),
-            Param::U64(dw),
-            Param::U64(dws),
-            Param::U64(db),
-            Param::U64(dbs),
-            Param::U64(n),
-        ];
-        let name = ("layer_norm_param_finish", suffix);
-        launch_in(backend, Module::Rows, op, name, stage2, &params, NO_ARGS)
-    });
-    // The scratch goes back in stream order, after the kernels that use it.
-    backend.allocator().free(scratch)?;
-    second
+    let params = [
+        Param::U64(partial),
+        Param::U64(n_chunks),
+        Param::U64(dw),
+        Param::U64(dws),
+        Param::U64(db),
+        Param::U64(dbs),
+        Param::U64(n),
+    ];
+    let name = ("layer_norm_param_finish", suffix);
+    launch_in(backend, Module::Rows, op, name, stage2, &params, NO_ARGS)
 }

@@ -10,7 +10,7 @@
 //! same reason on the way back.
 
 use crate::backend::{AttentionBackward, AttentionForward};
-use crate::dtype::DType;
+use crate::dtype::stats_dtype;
 use crate::error::{Result, TensorError};
 use crate::graph::record;
 use crate::saved::SavedTensor;
@@ -95,13 +95,8 @@ pub fn scaled_dot_product_attention(
     );
     let head_dim = q.shape()[3];
     let scale = scale.unwrap_or(1.0 / (head_dim.max(1) as f64).sqrt());
-    let stats = if q.dtype() == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
     let out = heads_last_but_one(&q)?;
-    let lse = q.new_empty(&q.shape()[..3], stats)?;
+    let lse = q.new_empty(&q.shape()[..3], stats_dtype(q.dtype()))?;
     q.backend()
         .attention(forward_args([&q, &k, &v, &out, &lse], scale, causal))?;
     if records(&[&q, &k, &v]) {

@@ -7,7 +7,7 @@
 //! cross-entropy saves one log-sum-exp per row, dropout saves a one-byte mask.
 
 use crate::backend::{CrossEntropyArgs, LayerNormBackward, LayerNormForward, MaskedOp, Reduction};
-use crate::dtype::DType;
+use crate::dtype::{stats_dtype, DType};
 use crate::error::{Result, TensorError};
 use crate::grad_mode::no_grad;
 use crate::graph::record;
@@ -17,14 +17,6 @@ use crate::saved::SavedTensor;
 use crate::tensor::Tensor;
 
 use super::{check_dtype, check_float, check_same, records};
-
-/// The dtype statistics (mean, rstd, log-sum-exp) are kept in for inputs of `dtype`.
-fn stats_dtype(dtype: DType) -> DType {
-    match dtype {
-        DType::F64 => DType::F64,
-        _ => DType::F32,
-    }
-}
 
 impl Tensor {
     fn softmax_impl(&self, dim: isize, log: bool) -> Result<Tensor> {
