@@ -183,6 +183,135 @@ __device__ void layer_norm_backward_rows(const T* dy, const T* x, const S* mean_
     }
 }
 
+// Layer norm with one warp per row for float, half and bf16 rows that fit in registers: the row
+// is a whole number of 16-byte vectors, at most 32 · VPL of them, every operand 16-byte aligned
+// and the parameters dense (the Rust side checks). Each lane keeps its vectors of the row in
+// registers, so x is read once and no barrier is needed, as in PyTorch's vectorized layer norm.
+// Statistics are float.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack(const uint4& packed, float* out) {
+    const T* e = reinterpret_cast<const T*>(&packed);
+#pragma unroll
+    for (int k = 0; k < (int)(16 / sizeof(T)); ++k) out[k] = ld(e + k);
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack(const float* in) {
+    uint4 packed;
+    T* e = reinterpret_cast<T*>(&packed);
+#pragma unroll
+    for (int k = 0; k < (int)(16 / sizeof(T)); ++k) st(e + k, in[k]);
+    return packed;
+}
+
+template <typename T, int VPL>
+__device__ void layer_norm_warp(const T* x, const T* w, const T* b, T* out, float* mean_out,
+                                float* rstd_out, double eps, unsigned long long rows,
+                                unsigned long long n) {
+    constexpr int V = 16 / sizeof(T);
+    const unsigned lane = threadIdx.x & 31;
+    const unsigned long long nv = n / V;
+    const unsigned long long warps = (unsigned long long)gridDim.x * (blockDim.x >> 5);
+    for (unsigned long long r = (unsigned long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+         r < rows; r += warps) {
+        const uint4* xr = reinterpret_cast<const uint4*>(x + r * n);
+        float v[VPL][V];
+        float sum = 0.f;
+#pragma unroll
+        for (int q = 0; q < VPL; ++q) {
+            unsigned long long idx = lane + 32ull * q;
+            if (idx < nv) {
+                unpack<T>(xr[idx], v[q]);
+#pragma unroll
+                for (int k = 0; k < V; ++k) sum += v[q][k];
+            }
+        }
+        const float mean = warp_sum(sum) / (float)n;
+        float sq = 0.f;
+#pragma unroll
+        for (int q = 0; q < VPL; ++q) {
+            if (lane + 32ull * q < nv) {
+#pragma unroll
+                for (int k = 0; k < V; ++k) { float d = v[q][k] - mean; sq += d * d; }
+            }
+        }
+        const float rstd = 1.f / sqrtf(warp_sum(sq) / (float)n + (float)eps);
+        uint4* outr = reinterpret_cast<uint4*>(out + r * n);
+#pragma unroll
+        for (int q = 0; q < VPL; ++q) {
+            unsigned long long idx = lane + 32ull * q;
+            if (idx < nv) {
+                float wv[V], bv[V];
+                if (w) unpack<T>(reinterpret_cast<const uint4*>(w)[idx], wv);
+                if (b) unpack<T>(reinterpret_cast<const uint4*>(b)[idx], bv);
+#pragma unroll
+                for (int k = 0; k < V; ++k) {
+                    float y = (v[q][k] - mean) * rstd;
+                    if (w) y *= wv[k];
+                    if (b) y += bv[k];
+                    v[q][k] = y;
+                }
+                outr[idx] = pack<T>(v[q]);
+            }
+        }
+        if (lane == 0) { mean_out[r] = mean; rstd_out[r] = rstd; }
+    }
+}
+
+// The input gradient of the warp-per-row layer norm (same conditions):
+// dx = rstd·(g − mean(g) − x̂·mean(g·x̂)), g = dy·w.
+template <typename T, int VPL>
+__device__ void layer_norm_backward_warp(const T* dy, const T* x, const float* mean_in,
+                                         const float* rstd_in, const T* w, T* dx,
+                                         unsigned long long rows, unsigned long long n) {
+    constexpr int V = 16 / sizeof(T);
+    const unsigned lane = threadIdx.x & 31;
+    const unsigned long long nv = n / V;
+    const unsigned long long warps = (unsigned long long)gridDim.x * (blockDim.x >> 5);
+    for (unsigned long long r = (unsigned long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+         r < rows; r += warps) {
+        const uint4* dyr = reinterpret_cast<const uint4*>(dy + r * n);
+        const uint4* xr = reinterpret_cast<const uint4*>(x + r * n);
+        const float mean = mean_in[r], rstd = rstd_in[r];
+        float g[VPL][V], xh[VPL][V];
+        float sg = 0.f, sgx = 0.f;
+#pragma unroll
+        for (int q = 0; q < VPL; ++q) {
+            unsigned long long idx = lane + 32ull * q;
+            if (idx < nv) {
+                unpack<T>(dyr[idx], g[q]);
+                unpack<T>(xr[idx], xh[q]);
+                float wv[V];
+                if (w) unpack<T>(reinterpret_cast<const uint4*>(w)[idx], wv);
+#pragma unroll
+                for (int k = 0; k < V; ++k) {
+                    if (w) g[q][k] *= wv[k];
+                    xh[q][k] = (xh[q][k] - mean) * rstd;
+                    sg += g[q][k];
+                    sgx += g[q][k] * xh[q][k];
+                }
+            }
+        }
+        const float mean_g = warp_sum(sg) / (float)n, mean_gx = warp_sum(sgx) / (float)n;
+        uint4* dxr = reinterpret_cast<uint4*>(dx + r * n);
+#pragma unroll
+        for (int q = 0; q < VPL; ++q) {
+            unsigned long long idx = lane + 32ull * q;
+            if (idx < nv) {
+#pragma unroll
+                for (int k = 0; k < V; ++k) g[q][k] = rstd * (g[q][k] - mean_g - xh[q][k] * mean_gx);
+                dxr[idx] = pack<T>(g[q]);
+            }
+        }
+    }
+}
+
 // Layer norm backward, parameter gradients, in two deterministic stages. Stage 1: a 32 x 8 block
 // sums a chunk of ROWS_PER_CHUNK rows for 32 columns (coalesced across the columns) into
 // `partial` [2, n_chunks, n] (weight, bias); stage 2: one thread per column adds the chunks.
@@ -336,3 +465,22 @@ LN_KERNELS(float, float, f32_f32)
 LN_KERNELS(double, double, f64_f64)
 LN_KERNELS(__half, float, f16_f32)
 LN_KERNELS(__nv_bfloat16, float, bf16_f32)
+
+// Warp-per-row layer norm, by vectors per lane (1, 2, 4 or 8).
+#define LN_WARP_KERNEL(T, N, VPL)                                                                           \
+    extern "C" __global__ void layer_norm_warp##VPL##_##N(const T* x, const T* w, const T* b, T* out,       \
+                                                          float* mean, float* rstd, double eps,             \
+                                                          unsigned long long rows, unsigned long long n) {  \
+        layer_norm_warp<T, VPL>(x, w, b, out, mean, rstd, eps, rows, n);                                   \
+    }                                                                                                       \
+    extern "C" __global__ void layer_norm_backward_warp##VPL##_##N(const T* dy, const T* x, const float* mean, \
+                                                                   const float* rstd, const T* w, T* dx,    \
+                                                                   unsigned long long rows,                 \
+                                                                   unsigned long long n) {                  \
+        layer_norm_backward_warp<T, VPL>(dy, x, mean, rstd, w, dx, rows, n);                               \
+    }
+#define LN_WARP_KERNELS(T, N) \
+    LN_WARP_KERNEL(T, N, 1) LN_WARP_KERNEL(T, N, 2) LN_WARP_KERNEL(T, N, 4) LN_WARP_KERNEL(T, N, 8)
+LN_WARP_KERNELS(float, f32_f32)
+LN_WARP_KERNELS(__half, f16_f32)
+LN_WARP_KERNELS(__nv_bfloat16, bf16_f32)

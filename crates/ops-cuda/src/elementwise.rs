@@ -5,7 +5,7 @@
 //! launches see one or two dimensions. Op codes are the variant order of `UnaryOp` and
 //! `BinaryOp`, mirrored by the `switch` statements of the `.cu` file.
 
-use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::sys::{self as driver_sys, CUfunction_attribute_enum};
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use headroom_autograd_core::{
     BinaryOp, DType, Layout, MaskedOp, Result, TensorError, UnaryOp, View,
@@ -194,6 +194,28 @@ pub(crate) fn unary(backend: &CudaBackend, op: UnaryOp, x: View<'_>, out: View<'
         UnaryOp::PowScalar(c) => (12, c),
     };
     let (x_ptr, out_ptr) = (device_address(&x), device_address(&out));
+    if let Some([out_at, x_at, _]) = dense_addresses(
+        &args,
+        &[out_ptr, x_ptr],
+        x.dtype.size_in_bytes(),
+        VECTOR_ALIGNMENT,
+    ) {
+        let params = [
+            Param::I32(code),
+            Param::F64(scalar),
+            Param::U64(x_at),
+            Param::U64(out_at),
+            Param::U64(args.numel),
+        ];
+        return launch_dense(
+            backend,
+            "unary",
+            ("unary_dense", suffix),
+            &args,
+            x.dtype,
+            &params,
+        );
+    }
     let params = [
         Param::I32(code),
         Param::F64(scalar),
@@ -238,6 +260,28 @@ pub(crate) fn binary(
         BinaryOp::RsqrtBackward => 10,
     };
     let (a_ptr, b_ptr, out_ptr) = (device_address(&a), device_address(&b), device_address(&out));
+    if let Some([out_at, a_at, b_at]) = dense_addresses(
+        &args,
+        &[out_ptr, a_ptr, b_ptr],
+        a.dtype.size_in_bytes(),
+        VECTOR_ALIGNMENT,
+    ) {
+        let params = [
+            Param::I32(code),
+            Param::U64(a_at),
+            Param::U64(b_at),
+            Param::U64(out_at),
+            Param::U64(args.numel),
+        ];
+        return launch_dense(
+            backend,
+            "binary",
+            ("binary_dense", suffix),
+            &args,
+            a.dtype,
+            &params,
+        );
+    }
     let params = [
         Param::I32(code),
         Param::U64(a_ptr),
@@ -303,6 +347,11 @@ pub(crate) fn fill(backend: &CudaBackend, dst: View<'_>, value: f64) -> Result<(
         DType::U8 => u64::from(value as u8),
         DType::Bool => u64::from(value != 0.0),
     };
+    if let Some([at, _, _]) = dense_addresses(&args, &[out_ptr], dst.dtype.size_in_bytes(), 1) {
+        if dst.dtype.size_in_bytes() <= 4 {
+            return memset(backend, at, bits, dst.dtype.size_in_bytes(), args.numel);
+        }
+    }
     let (name, value) = match dst.dtype.size_in_bytes() {
         8 => (("fill_b8", ""), Param::U64(bits)),
         4 => (("fill_b4", ""), Param::U32(bits as u32)),
@@ -323,6 +372,20 @@ pub(crate) fn copy(backend: &CudaBackend, src: View<'_>, dst: View<'_>) -> Resul
         (cast_family(src.dtype), any_suffix(dst.dtype))
     };
     let (src_ptr, dst_ptr) = (device_address(&src), device_address(&dst));
+    if src.dtype == dst.dtype {
+        if let Some([dst_at, src_at, _]) =
+            dense_addresses(&args, &[dst_ptr, src_ptr], dst.dtype.size_in_bytes(), 1)
+        {
+            let bytes = args.numel * dst.dtype.size_in_bytes() as u64;
+            let disjoint = src_at + bytes <= dst_at || dst_at + bytes <= src_at;
+            if src_at == dst_at {
+                return Ok(());
+            }
+            if disjoint {
+                return copy_bytes(backend, src_at, dst_at, bytes);
+            }
+        }
+    }
     launch(
         backend,
         "copy",
@@ -330,6 +393,94 @@ pub(crate) fn copy(backend: &CudaBackend, src: View<'_>, dst: View<'_>) -> Resul
         args,
         &[Param::U64(src_ptr), Param::U64(dst_ptr)],
     )
+}
+
+/// 16-byte alignment: what the vectorised dense kernels need of every operand.
+const VECTOR_ALIGNMENT: u64 = 16;
+
+/// The operands' first-element addresses (in `args`' order, output first; elements of
+/// `element_bytes`) when each is one dense run (stride 1) starting at a multiple of `alignment`:
+/// the dense fast path's case.
+fn dense_addresses(
+    args: &StridedArgs,
+    bases: &[u64],
+    element_bytes: usize,
+    alignment: u64,
+) -> Option<[u64; 3]> {
+    if args.ndim != 1 {
+        return None;
+    }
+    let element = element_bytes as u64;
+    let mut addresses = [0u64; 3];
+    for (k, &base) in bases.iter().enumerate() {
+        let address = base + args.offsets[k] * element;
+        if args.strides[k][0] != 1 || !address.is_multiple_of(alignment) {
+            return None;
+        }
+        addresses[k] = address;
+    }
+    Some(addresses)
+}
+
+/// Launches a dense (16-byte vectorised) kernel over `args.numel` elements of `dtype`.
+fn launch_dense(
+    backend: &CudaBackend,
+    op: &'static str,
+    name: KernelName,
+    args: &StridedArgs,
+    dtype: DType,
+    params: &[Param],
+) -> Result<()> {
+    let per_thread = (16 / dtype.size_in_bytes().max(1)) as u64;
+    launch_in(
+        backend,
+        Module::Elementwise,
+        op,
+        name,
+        launch_config(args.numel.div_ceil(per_thread)),
+        params,
+        NO_ARGS,
+    )
+}
+
+/// `count` elements of `element_bytes` (1, 2 or 4) at `address` set to the low bits of `bits`, by
+/// the driver's stream-ordered memset.
+fn memset(
+    backend: &CudaBackend,
+    address: u64,
+    bits: u64,
+    element_bytes: usize,
+    count: u64,
+) -> Result<()> {
+    backend.bind("fill")?;
+    let stream = backend.stream.cu_stream();
+    let count = count as usize;
+    // SAFETY: `address .. address + count · element_bytes` is the dense destination view, which
+    // the core checked lies inside its live buffer; the memset is ordered on the backend's stream.
+    let status = unsafe {
+        match element_bytes {
+            4 => driver_sys::cuMemsetD32Async(address, bits as u32, count, stream),
+            2 => driver_sys::cuMemsetD16Async(address, bits as u16, count, stream),
+            _ => driver_sys::cuMemsetD8Async(address, bits as u8, count, stream),
+        }
+    };
+    status.result().map_err(|e| device_error("fill", e))
+}
+
+/// Copies `bytes` from `src` to `dst` (device addresses) in stream order, by the driver's copy.
+fn copy_bytes(backend: &CudaBackend, src: u64, dst: u64, bytes: u64) -> Result<()> {
+    backend.bind("copy")?;
+    // SAFETY: both ranges are dense views the core checked against their live buffers, and the
+    // caller checked that they do not overlap; the copy is ordered on the backend's stream.
+    unsafe {
+        cudarc::driver::result::memcpy_dtod_async(
+            dst,
+            src,
+            bytes as usize,
+            backend.stream.cu_stream(),
+        )
+    }
+    .map_err(|e| device_error("copy", e))
 }
 
 /// A scalar kernel parameter (device addresses are `U64`).

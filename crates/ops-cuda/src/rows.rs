@@ -418,6 +418,83 @@ fn optional(view: Option<View<'_>>) -> (u64, u64) {
     })
 }
 
+/// The warp-per-row layer-norm kernels by vectors per lane (1, 2, 4, 8): forward, backward.
+const LN_WARP_FORWARD: [&str; 4] = [
+    "layer_norm_warp1",
+    "layer_norm_warp2",
+    "layer_norm_warp4",
+    "layer_norm_warp8",
+];
+const LN_WARP_BACKWARD: [&str; 4] = [
+    "layer_norm_backward_warp1",
+    "layer_norm_backward_warp2",
+    "layer_norm_backward_warp4",
+    "layer_norm_backward_warp8",
+];
+/// Warps per block of the warp-per-row kernels.
+const ROW_WARPS: u32 = 4;
+
+/// The warp-per-row layer-norm kernel of `families` for rows of `n` elements of `dtype`, when it
+/// applies: f32, f16 or bf16 with f32 statistics, rows of whole 16-byte vectors (at most 32 · 8
+/// per row, so a lane holds at most 8), every row operand in `addresses` 16-byte aligned and
+/// every present parameter in `params` (address, stride) dense and aligned.
+fn warp_rows(
+    dtype: DType,
+    stats: DType,
+    n: u64,
+    addresses: &[u64],
+    params: &[(u64, u64)],
+    families: [&'static str; 4],
+) -> Option<&'static str> {
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || stats != DType::F32 {
+        return None;
+    }
+    let per_vector = (16 / dtype.size_in_bytes()) as u64;
+    let aligned = |address: u64| address.is_multiple_of(16);
+    let params_fit = params
+        .iter()
+        .all(|&(address, stride)| address == 0 || (stride == 1 && aligned(address)));
+    if n == 0
+        || !n.is_multiple_of(per_vector)
+        || !addresses.iter().all(|&a| aligned(a))
+        || !params_fit
+    {
+        return None;
+    }
+    let per_lane = (n / per_vector).div_ceil(32);
+    let slot = match per_lane {
+        1 => 0,
+        2 => 1,
+        3 | 4 => 2,
+        5..=8 => 3,
+        _ => return None,
+    };
+    Some(families[slot])
+}
+
+/// Launches a warp-per-row kernel over `rows` rows.
+fn launch_warp_rows(
+    backend: &CudaBackend,
+    op: &'static str,
+    name: KernelName,
+    rows: u64,
+    params: &[Param],
+) -> Result<()> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let config = LaunchConfig {
+        grid_dim: (
+            rows.div_ceil(u64::from(ROW_WARPS)).clamp(1, MAX_BLOCKS) as u32,
+            1,
+            1,
+        ),
+        block_dim: (32 * ROW_WARPS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch_in(backend, Module::Rows, op, name, config, params, NO_ARGS)
+}
+
 fn stats_suffix(op: &'static str, x: DType, stats: DType) -> Result<&'static str> {
     Ok(match (x, stats) {
         (DType::F32, DType::F32) => "f32_f32",
@@ -437,6 +514,27 @@ pub(crate) fn layer_norm(backend: &CudaBackend, args: LayerNormForward<'_>) -> R
     let (mean, rstd) = (address_of(op, &args.mean)?, address_of(op, &args.rstd)?);
     let (w, ws) = optional(args.weight);
     let (b, bs) = optional(args.bias);
+    if let Some(family) = warp_rows(
+        args.x.dtype,
+        args.mean.dtype,
+        n,
+        &[x, out],
+        &[(w, ws), (b, bs)],
+        LN_WARP_FORWARD,
+    ) {
+        let params = [
+            Param::U64(x),
+            Param::U64(w),
+            Param::U64(b),
+            Param::U64(out),
+            Param::U64(mean),
+            Param::U64(rstd),
+            Param::F64(args.eps),
+            Param::U64(rows),
+            Param::U64(n),
+        ];
+        return launch_warp_rows(backend, op, (family, suffix), rows, &params);
+    }
     let params = [
         Param::U64(x),
         Param::U64(w),
@@ -466,25 +564,46 @@ pub(crate) fn layer_norm_backward(
     let (w, ws) = optional(args.weight);
     if let Some(dx) = args.dx {
         let dx = address_of(op, &dx)?;
-        let params = [
-            Param::U64(dy),
-            Param::U64(x),
-            Param::U64(mean),
-            Param::U64(rstd),
-            Param::U64(w),
-            Param::U64(ws),
-            Param::U64(dx),
-            Param::U64(rows),
-            Param::U64(n),
-        ];
-        launch(
-            backend,
-            op,
-            ("layer_norm_backward", suffix),
-            rows,
-            &params,
-            None,
-        )?;
+        if let Some(family) = warp_rows(
+            args.x.dtype,
+            args.mean.dtype,
+            n,
+            &[dy, x, dx],
+            &[(w, ws)],
+            LN_WARP_BACKWARD,
+        ) {
+            let params = [
+                Param::U64(dy),
+                Param::U64(x),
+                Param::U64(mean),
+                Param::U64(rstd),
+                Param::U64(w),
+                Param::U64(dx),
+                Param::U64(rows),
+                Param::U64(n),
+            ];
+            launch_warp_rows(backend, op, (family, suffix), rows, &params)?;
+        } else {
+            let params = [
+                Param::U64(dy),
+                Param::U64(x),
+                Param::U64(mean),
+                Param::U64(rstd),
+                Param::U64(w),
+                Param::U64(ws),
+                Param::U64(dx),
+                Param::U64(rows),
+                Param::U64(n),
+            ];
+            launch(
+                backend,
+                op,
+                ("layer_norm_backward", suffix),
+                rows,
+                &params,
+                None,
+            )?;
+        }
     }
     if args.dweight.is_some() || args.dbias.is_some() {
         param_grads(backend, &args, suffix, (dy, x, mean, rstd), rows, n)?;

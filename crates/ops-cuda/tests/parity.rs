@@ -271,6 +271,72 @@ fn binary_ops_with_broadcasting_match_the_cpu() {
     }
 }
 
+/// One op of [`dense_runs_with_tails_and_offsets_match_the_cpu`] on `backend`: `x` and `y` read
+/// and `out` written through `layout`.
+fn run_dense_case(
+    backend: &BackendRef,
+    case: usize,
+    dtype: DType,
+    layout: &Layout,
+    (x, y, out): (&Buffer, &Buffer, &Buffer),
+) {
+    let view = |buffer| View {
+        buffer,
+        layout,
+        dtype,
+    };
+    match case {
+        0 => backend.unary(UnaryOp::Gelu, view(x), view(out)),
+        1 => backend.binary(BinaryOp::Mul, view(x), view(y), view(out)),
+        2 => backend.fill(view(out), 3.0),
+        _ => backend.copy(view(x), view(out)),
+    }
+    .unwrap();
+}
+
+/// Contiguous runs take the dense path (16-byte vector kernels, the driver's memset and copy) when
+/// their start is aligned and the strided kernels when not; lengths that are no multiple of the
+/// vector width end in a tail. Every case matches the CPU, and no element outside the view is
+/// written.
+#[test]
+fn dense_runs_with_tails_and_offsets_match_the_cpu() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Random(0x6a09_e667_f3bc_c909);
+    let n = 1003;
+    let total = n + 9;
+    for dtype in FLOATS {
+        for offset in [0, 1, 8] {
+            let layout = Layout::from_parts(&[n], &[1], offset);
+            let x = input(&mut random, false, total);
+            let y = input(&mut random, false, total);
+            for case in 0..4 {
+                let mut results = Vec::new();
+                for backend in [&gpu, &cpu] {
+                    let (xb, yb) = (upload(backend, dtype, &x), upload(backend, dtype, &y));
+                    let out = poisoned(backend, dtype, total);
+                    run_dense_case(backend, case, dtype, &layout, (&xb, &yb, &out));
+                    results.push(download(backend, dtype, &out));
+                }
+                let what = format!("dense case {case} at offset {offset}");
+                let inside = offset..offset + n;
+                check(
+                    &what,
+                    dtype,
+                    &results[0][inside.clone()],
+                    &results[1][inside],
+                );
+                let outside = (0..total).filter(|i| *i < offset || *i >= offset + n);
+                for i in outside {
+                    assert!(
+                        results[0][i].is_nan(),
+                        "{what} {dtype:?}: wrote element {i}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn fill_and_every_cast_match_the_cpu() {
     let Some((gpu, cpu)) = backends() else { return };
@@ -538,78 +604,81 @@ fn layer_norm_forward_and_backward_match_the_cpu() {
     use headroom_autograd_core::{LayerNormBackward, LayerNormForward};
     let Some((gpu, cpu)) = backends() else { return };
     let mut random = Random(0x0bad_cafe_f00d_d00d);
-    let (rows, width) = (23, 300);
-    let n = rows * width;
-    let layout = Layout::contiguous(&[rows, width]);
-    let row_layout = Layout::contiguous(&[rows]);
-    let param_layout = Layout::contiguous(&[width]);
-    for (dtype, stats) in [
-        (DType::F32, DType::F32),
-        (DType::F64, DType::F64),
-        (DType::F16, DType::F32),
-        (DType::BF16, DType::F32),
-    ] {
-        let x = input(&mut random, false, n);
-        let dy = input(&mut random, false, n);
-        let w = input(&mut random, false, width);
-        let b = input(&mut random, false, width);
-        compare("layer_norm", dtype, &gpu, &cpu, |backend| {
-            let (xb, gb) = (upload(backend, dtype, &x), upload(backend, dtype, &dy));
-            let (wb, bb) = (upload(backend, dtype, &w), upload(backend, dtype, &b));
-            let out = poisoned(backend, dtype, n);
-            let (mean, rstd) = (
-                poisoned(backend, stats, rows),
-                poisoned(backend, stats, rows),
-            );
-            let (dx, dw, db) = (
-                poisoned(backend, dtype, n),
-                poisoned(backend, dtype, width),
-                poisoned(backend, dtype, width),
-            );
-            let full = |buffer| View {
-                buffer,
-                layout: &layout,
-                dtype,
-            };
-            let param = |buffer| View {
-                buffer,
-                layout: &param_layout,
-                dtype,
-            };
-            let stat = |buffer| View {
-                buffer,
-                layout: &row_layout,
-                dtype: stats,
-            };
-            backend
-                .layer_norm(LayerNormForward {
-                    x: full(&xb),
-                    weight: Some(param(&wb)),
-                    bias: Some(param(&bb)),
-                    eps: 1e-5,
-                    out: full(&out),
-                    mean: stat(&mean),
-                    rstd: stat(&rstd),
-                })
-                .unwrap();
-            backend
-                .layer_norm_backward(LayerNormBackward {
-                    dy: full(&gb),
-                    x: full(&xb),
-                    mean: stat(&mean),
-                    rstd: stat(&rstd),
-                    weight: Some(param(&wb)),
-                    dx: Some(full(&dx)),
-                    dweight: Some(param(&dw)),
-                    dbias: Some(param(&db)),
-                })
-                .unwrap();
-            let mut res = download(backend, dtype, &out);
-            for buffer in [&dx, &dw, &db] {
-                res.extend(download(backend, dtype, buffer));
-            }
-            res
-        });
+    // Widths for the warp-per-row kernels (1, 4 and 8 vectors per lane) and for the block kernels
+    // (300 bf16/f16 elements are no whole number of vectors; 2056 are too many for a warp).
+    for (rows, width) in [(23, 300), (9, 1024), (5, 24), (3, 2056)] {
+        let n = rows * width;
+        let layout = Layout::contiguous(&[rows, width]);
+        let row_layout = Layout::contiguous(&[rows]);
+        let param_layout = Layout::contiguous(&[width]);
+        for (dtype, stats) in [
+            (DType::F32, DType::F32),
+            (DType::F64, DType::F64),
+            (DType::F16, DType::F32),
+            (DType::BF16, DType::F32),
+        ] {
+            let x = input(&mut random, false, n);
+            let dy = input(&mut random, false, n);
+            let w = input(&mut random, false, width);
+            let b = input(&mut random, false, width);
+            compare("layer_norm", dtype, &gpu, &cpu, |backend| {
+                let (xb, gb) = (upload(backend, dtype, &x), upload(backend, dtype, &dy));
+                let (wb, bb) = (upload(backend, dtype, &w), upload(backend, dtype, &b));
+                let out = poisoned(backend, dtype, n);
+                let (mean, rstd) = (
+                    poisoned(backend, stats, rows),
+                    poisoned(backend, stats, rows),
+                );
+                let (dx, dw, db) = (
+                    poisoned(backend, dtype, n),
+                    poisoned(backend, dtype, width),
+                    poisoned(backend, dtype, width),
+                );
+                let full = |buffer| View {
+                    buffer,
+                    layout: &layout,
+                    dtype,
+                };
+                let param = |buffer| View {
+                    buffer,
+                    layout: &param_layout,
+                    dtype,
+                };
+                let stat = |buffer| View {
+                    buffer,
+                    layout: &row_layout,
+                    dtype: stats,
+                };
+                backend
+                    .layer_norm(LayerNormForward {
+                        x: full(&xb),
+                        weight: Some(param(&wb)),
+                        bias: Some(param(&bb)),
+                        eps: 1e-5,
+                        out: full(&out),
+                        mean: stat(&mean),
+                        rstd: stat(&rstd),
+                    })
+                    .unwrap();
+                backend
+                    .layer_norm_backward(LayerNormBackward {
+                        dy: full(&gb),
+                        x: full(&xb),
+                        mean: stat(&mean),
+                        rstd: stat(&rstd),
+                        weight: Some(param(&wb)),
+                        dx: Some(full(&dx)),
+                        dweight: Some(param(&dw)),
+                        dbias: Some(param(&db)),
+                    })
+                    .unwrap();
+                let mut res = download(backend, dtype, &out);
+                for buffer in [&dx, &dw, &db] {
+                    res.extend(download(backend, dtype, buffer));
+                }
+                res
+            });
+        }
     }
 }
 
