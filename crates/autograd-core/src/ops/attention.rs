@@ -7,12 +7,14 @@
 //! memory-efficient and flash kernels do. The result is allocated `[batch, queries, heads,
 //! head_dim]` and returned as the `[batch, heads, queries, head_dim]` view, so merging the heads
 //! afterwards (permute + reshape) is free; the input gradients are laid out the same way for the
-//! same reason on the way back.
+//! same reason on the way back, and for a packed q/k/v projection as thirds of one gradient (see
+//! `input_grads`).
 
 use crate::backend::{AttentionBackward, AttentionForward};
 use crate::dtype::stats_dtype;
 use crate::error::{Result, TensorError};
 use crate::graph::record;
+use crate::layout::Layout;
 use crate::saved::SavedTensor;
 use crate::tensor::Tensor;
 
@@ -34,6 +36,47 @@ fn heads_last_but_one(like: &Tensor) -> Result<Tensor> {
         dense.dtype(),
         false,
     ))
+}
+
+/// Gradients for `q`, `k` and `v`. When the three are the thirds of one packed projection (a
+/// `[batch, seq, 3 · heads · head_dim]` tensor split in three and viewed as heads, as nn's attention
+/// makes them), they are the same slices of one new tensor of that shape, so the split's backward
+/// takes it whole instead of copying three gradients into one; otherwise one tensor each, laid out
+/// as [`heads_last_but_one`].
+fn input_grads(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<[Tensor; 3]> {
+    if let [batch, heads, seq, head_dim] = *q.shape() {
+        let width = heads * head_dim;
+        let packed_strides = [seq * 3 * width, head_dim, 3 * width, 1];
+        let shared = std::sync::Arc::ptr_eq(q.buffer(), k.buffer())
+            && std::sync::Arc::ptr_eq(q.buffer(), v.buffer());
+        let offset = q.layout().offset();
+        let packed = shared
+            && [k, v].iter().all(|t| t.shape() == q.shape())
+            && [q, k, v]
+                .iter()
+                .all(|t| t.layout().strides() == packed_strides.as_slice())
+            && k.layout().offset() == offset + width
+            && v.layout().offset() == offset + 2 * width;
+        if packed {
+            let grads = q.new_empty(&[batch, seq, 3 * width], q.dtype())?;
+            let third = |i: usize| {
+                let layout =
+                    Layout::from_parts(&[batch, heads, seq, head_dim], &packed_strides, i * width);
+                Tensor::from_parts(
+                    std::sync::Arc::clone(grads.buffer()),
+                    layout,
+                    q.dtype(),
+                    false,
+                )
+            };
+            return Ok([third(0), third(1), third(2)]);
+        }
+    }
+    Ok([
+        heads_last_but_one(q)?,
+        heads_last_but_one(k)?,
+        heads_last_but_one(v)?,
+    ])
 }
 
 /// The primitive's arguments for `[q, k, v, out, lse]`.
@@ -108,9 +151,7 @@ pub fn scaled_dot_product_attention(
             let dout = last_dim_contiguous(grads[0].as_ref().expect("one output"))?;
             let (q, k, v) = (q_saved.unpack()?, k_saved.unpack()?, v_saved.unpack()?);
             let (out, lse) = (out_saved.unpack()?, lse_saved.unpack()?);
-            let dq = heads_last_but_one(&q)?;
-            let dk = heads_last_but_one(&k)?;
-            let dv = heads_last_but_one(&v)?;
+            let [dq, dk, dv] = input_grads(&q, &k, &v)?;
             q.backend().attention_backward(AttentionBackward {
                 forward: forward_args([&q, &k, &v, &out, &lse], scale, causal),
                 dout: dout.view(),

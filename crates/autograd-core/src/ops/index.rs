@@ -3,7 +3,8 @@
 //! Embedding is a gather along dim 0 with the index broadcast over the embedding dim (stride 0,
 //! no copy); its backward scatter-adds the gradient rows into a zero weight gradient. `split`
 //! is one node with several outputs whose backward writes the outputs' gradients into one
-//! buffer, so it costs one gradient of the input, not one per piece.
+//! buffer, so it costs one gradient of the input, not one per piece — and no copy at all when the
+//! pieces' gradients already are adjacent slices of one buffer.
 
 use crate::dtype::DType;
 use crate::error::{Result, TensorError};
@@ -69,6 +70,9 @@ impl Tensor {
             let sizes = sizes.to_vec();
             let outputs: Vec<&Tensor> = res.iter().collect();
             record("split", &[self], &outputs, move |grads| {
+                if let Some(full) = adjacent_slices(grads, &source, dim, &sizes) {
+                    return Ok(vec![Some(full)]);
+                }
                 let first = grads
                     .iter()
                     .flatten()
@@ -106,6 +110,38 @@ impl Tensor {
             .collect();
         self.split_with_sizes(&sizes, dim)
     }
+}
+
+/// The pieces' gradients as one dense tensor of the split input's shape `source`, without a copy,
+/// when they already are its slices: views of one buffer at exactly the places `split` cut along
+/// `dim` (attention's gradients for a packed q/k/v projection are, see `ops/attention.rs`).
+fn adjacent_slices(
+    grads: &[Option<Tensor>],
+    source: &[usize],
+    dim: usize,
+    sizes: &[usize],
+) -> Option<Tensor> {
+    let first = grads.first()?.as_ref()?;
+    let dense = Layout::contiguous(source);
+    let full = Layout::from_parts(source, dense.strides(), first.layout().offset());
+    let mut start = 0;
+    for (grad, &size) in grads.iter().zip(sizes) {
+        let grad = grad.as_ref()?;
+        let same_buffer = std::sync::Arc::ptr_eq(grad.buffer(), first.buffer());
+        if !same_buffer
+            || grad.dtype() != first.dtype()
+            || *grad.layout() != full.narrow("split", dim, start, size).ok()?
+        {
+            return None;
+        }
+        start += size;
+    }
+    Some(Tensor::from_parts(
+        std::sync::Arc::clone(first.buffer()),
+        full,
+        first.dtype(),
+        false,
+    ))
 }
 
 /// Rows of `weight` `[num, dim]` picked by `indices` (I64, any shape): `[..indices, dim]`.
