@@ -320,6 +320,8 @@ fn blocks_of_a_copy_in_flight_are_not_reused() {
         .copy_from_slice(&random_f32(n, 5));
     let target = Tensor::empty(&gpu, &[n], DType::F32).unwrap();
     let (incoming_address, target_address) = (incoming.address(), target.buffer().address());
+    // Load the elementwise kernels now: compiling their module on first use can outlast a spin.
+    let _loaded = source.mul_scalar(1.0).unwrap();
     compute.synchronize().unwrap();
 
     // Hold the side stream back behind a kernel, then queue both copies on it.
