@@ -125,12 +125,7 @@ impl UpdateRule for AdamConfig {
             exp_avg: take_state(&mut tensors, "exp_avg", shape, dtype)?,
             exp_avg_sq: take_state(&mut tensors, "exp_avg_sq", shape, dtype)?,
             max_exp_avg_sq: if self.amsgrad {
-                Some(take_state(
-                    &mut tensors,
-                    "max_exp_avg_sq",
-                    shape,
-                    dtype,
-                )?)
+                Some(take_state(&mut tensors, "max_exp_avg_sq", shape, dtype)?)
             } else {
                 None
             },
@@ -164,11 +159,14 @@ fn step_host<T: ParamElement + Element>(
             let Some(tmp) = foreach_scratch(items.iter().map(|it| it.param), chunk)? else {
                 return Ok(());
             };
-            // SAFETY: every item's tensors were checked by the optimizer and are distinct; the
-            // scratch is a fresh tensor of this call.
             let mut bufs: Vec<(u64, AdamBuffers<'_, T>)> = items
                 .iter()
-                .map(|it| (it.step, unsafe { buffers::<T>(it.param, &it.grad, &*it.state) }))
+                .map(|it| {
+                    // SAFETY: every item's tensors were checked by the optimizer and are
+                    // distinct; the scratch is a fresh tensor of this call.
+                    let bufs = unsafe { buffers::<T>(it.param, &it.grad, &*it.state) };
+                    (it.step, bufs)
+                })
                 .collect();
             // SAFETY: as above.
             adam_foreach(cfg, &mut bufs, unsafe { host_slice_mut(&tmp) })

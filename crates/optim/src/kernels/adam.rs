@@ -444,7 +444,15 @@ fn fused_element_of<T: ParamElement>(
     match vmax {
         Some(vmax) => {
             let mut vmv = vmax.to_f32();
-            fused_element(c, scale, &mut pv, g.to_f32(), &mut mv, &mut vv, Some(&mut vmv));
+            fused_element(
+                c,
+                scale,
+                &mut pv,
+                g.to_f32(),
+                &mut mv,
+                &mut vv,
+                Some(&mut vmv),
+            );
             *vmax = T::from_f32(vmv);
         }
         None => fused_element(c, scale, &mut pv, g.to_f32(), &mut mv, &mut vv, None),
