@@ -1,7 +1,8 @@
 // Adam / AdamW on the GPU: the fused update (one pass per element, every intermediate in
 // registers) and the foreach passes (one op of PyTorch's _multi_tensor_adam per launch, over
 // every piece of a chunk, the temporaries in the chunk's scratch). Both update many tensors per
-// launch through a piece table (see optim.cuh).
+// launch through a piece table (see optim.cuh), for f32, bf16 and f16 parameters (`_f32`,
+// `_bf16`, `_f16`; states and temporaries of the parameter's type, arithmetic in float).
 //
 // The float operations are those of the CPU kernels in crates/optim/src/kernels/adam.rs, in the
 // same order, with rounding made explicit (__f*_rn, fmaf) so the compiler cannot contract them
@@ -70,9 +71,12 @@ __device__ __forceinline__ void adam_element(const AdamConsts& c, bool scaled, f
     *v = vv;
 }
 
-// Fused: block b updates `block_elems` elements of its piece in one pass.
-extern "C" __global__ void adam_fused_f32(const AdamPiece* pieces, unsigned n_pieces, unsigned long long block_elems,
-                                          const float* grad_scale, const float* found_inf) {
+// Fused: block b updates `block_elems` elements of its piece in one pass. Every value is loaded
+// to float, the whole update runs in float, and p, m, v (and vmax) are each stored (rounded to
+// T) once at the end, as PyTorch's fused Adam does for low-precision parameters.
+template <typename T>
+__device__ __forceinline__ void adam_fused(const AdamPiece* pieces, unsigned n_pieces, unsigned long long block_elems,
+                                           const float* grad_scale, const float* found_inf) {
     if (skip_step(pieces, n_pieces, found_inf)) return;
     const AdamPiece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
     const AdamConsts c = adam_consts(pc);
@@ -81,31 +85,46 @@ extern "C" __global__ void adam_fused_f32(const AdamPiece* pieces, unsigned n_pi
     unsigned long long start = (blockIdx.x - pc.head.first_block) * block_elems;
     if (start >= pc.head.len) return;
     unsigned long long n = min(block_elems, pc.head.len - start);
-    float* p = (float*)pc.param + start;
-    const float* g = (const float*)pc.grad + start;
-    float* m = (float*)pc.exp_avg + start;
-    float* v = (float*)pc.exp_avg_sq + start;
-    float* vm = pc.max_exp_avg_sq ? (float*)pc.max_exp_avg_sq + start : 0;
-    bool aligned = (((unsigned long long)p | (unsigned long long)g | (unsigned long long)m | (unsigned long long)v) & 15) == 0 && !vm;
+    T* p = (T*)pc.param + start;
+    const T* g = (const T*)pc.grad + start;
+    T* m = (T*)pc.exp_avg + start;
+    T* v = (T*)pc.exp_avg_sq + start;
+    T* vm = pc.max_exp_avg_sq ? (T*)pc.max_exp_avg_sq + start : 0;
+    bool aligned = (((unsigned long long)p | (unsigned long long)g | (unsigned long long)m | (unsigned long long)v) & (4 * sizeof(T) - 1)) == 0 && !vm;
+    unsigned long long done = 0;
     if (aligned) {
         unsigned long long n4 = n / 4;
         for (unsigned long long i = threadIdx.x; i < n4; i += blockDim.x) {
-            float4 pp = ((float4*)p)[i], gg = ((const float4*)g)[i], mm = ((float4*)m)[i], vv = ((float4*)v)[i];
-            adam_element(c, scaled, scale, &pp.x, gg.x, &mm.x, &vv.x, 0);
-            adam_element(c, scaled, scale, &pp.y, gg.y, &mm.y, &vv.y, 0);
-            adam_element(c, scaled, scale, &pp.z, gg.z, &mm.z, &vv.z, 0);
-            adam_element(c, scaled, scale, &pp.w, gg.w, &mm.w, &vv.w, 0);
-            ((float4*)p)[i] = pp;
-            ((float4*)m)[i] = mm;
-            ((float4*)v)[i] = vv;
+            float pp[4], gg[4], mm[4], vv[4];
+            load4(p, i, pp);
+            load4(g, i, gg);
+            load4(m, i, mm);
+            load4(v, i, vv);
+#pragma unroll
+            for (unsigned k = 0; k < 4; ++k) adam_element(c, scaled, scale, &pp[k], gg[k], &mm[k], &vv[k], 0);
+            store4(p, i, pp);
+            store4(m, i, mm);
+            store4(v, i, vv);
         }
-        for (unsigned long long i = n4 * 4 + threadIdx.x; i < n; i += blockDim.x)
-            adam_element(c, scaled, scale, p + i, g[i], m + i, v + i, 0);
-    } else {
-        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x)
-            adam_element(c, scaled, scale, p + i, g[i], m + i, v + i, vm ? vm + i : 0);
+        done = n4 * 4;
+    }
+    for (unsigned long long i = done + threadIdx.x; i < n; i += blockDim.x) {
+        float pv = to_f32(p[i]), mv = to_f32(m[i]), vv = to_f32(v[i]);
+        if (vm) {
+            float vmv = to_f32(vm[i]);
+            adam_element(c, scaled, scale, &pv, to_f32(g[i]), &mv, &vv, &vmv);
+            vm[i] = from_f32<T>(vmv);
+        } else {
+            adam_element(c, scaled, scale, &pv, to_f32(g[i]), &mv, &vv, 0);
+        }
+        p[i] = from_f32<T>(pv);
+        m[i] = from_f32<T>(mv);
+        v[i] = from_f32<T>(vv);
     }
 }
+INSTANCES(, adam_fused,
+          (const AdamPiece* pieces, unsigned n_pieces, unsigned long long block_elems, const float* grad_scale, const float* found_inf),
+          (pieces, n_pieces, block_elems, grad_scale, found_inf))
 
 // The ops of the foreach and single-tensor paths (crates/optim/src/cuda/adam.rs launches them in
 // an order that keeps each array's reuses close together for the L2; ops on different arrays
@@ -121,20 +140,23 @@ extern "C" __global__ void adam_fused_f32(const AdamPiece* pieces, unsigned n_pi
 #define ADAM_ADD_EPS 8  // tmp = tmp + eps
 #define ADAM_ADDCDIV 9  // p = p + (-lr/(1-β1^t))·m / tmp
 
-// One foreach op over every piece of a chunk: block b covers `block_elems` elements of its piece.
-extern "C" __global__ void __launch_bounds__(256, 4) adam_pass_f32(const AdamPiece* pieces, unsigned n_pieces, unsigned long long block_elems, int op) {
+// One foreach op over every piece of a chunk: block b covers `block_elems` elements of its piece;
+// each result is rounded to T (the temporary is of T, as PyTorch's foreach temporaries are of the
+// parameter's dtype).
+template <typename T>
+__device__ __forceinline__ void adam_pass(const AdamPiece* pieces, unsigned n_pieces, unsigned long long block_elems, int op) {
     const AdamPiece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
     unsigned long long start = (blockIdx.x - pc.head.first_block) * block_elems;
     if (start >= pc.head.len) return;
     unsigned long long n = min(block_elems, pc.head.len - start);
     const AdamConsts c = adam_consts(pc);
-    float* p = (float*)pc.param + start;
-    const float* g = (const float*)pc.grad + start;
-    float* m = (float*)pc.exp_avg + start;
-    float* v = (float*)pc.exp_avg_sq + start;
-    float* vm = pc.max_exp_avg_sq ? (float*)pc.max_exp_avg_sq + start : 0;
-    float* t = (float*)pc.tmp + start;
-    const float* gs = (c.flags & FLAG_CHANGES_GRAD) ? t : g;
+    T* p = (T*)pc.param + start;
+    const T* g = (const T*)pc.grad + start;
+    T* m = (T*)pc.exp_avg + start;
+    T* v = (T*)pc.exp_avg_sq + start;
+    T* vm = pc.max_exp_avg_sq ? (T*)pc.max_exp_avg_sq + start : 0;
+    T* t = (T*)pc.tmp + start;
+    const T* gs = (c.flags & FLAG_CHANGES_GRAD) ? t : g;
     switch (op) {
     case ADAM_GRAD:
         if (!(c.flags & FLAG_CHANGES_GRAD)) return;
@@ -178,3 +200,6 @@ extern "C" __global__ void __launch_bounds__(256, 4) adam_pass_f32(const AdamPie
         break;
     }
 }
+INSTANCES(__launch_bounds__(256, 4), adam_pass,
+          (const AdamPiece* pieces, unsigned n_pieces, unsigned long long block_elems, int op),
+          (pieces, n_pieces, block_elems, op))

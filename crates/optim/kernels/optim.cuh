@@ -1,5 +1,6 @@
 // What the optimizer kernels share: the piece lookup of multi-tensor launches, PyTorch's float32
-// helpers with explicit rounding, and the device-side skip accounting of a GradScaler.
+// helpers with explicit rounding, the device-side skip accounting of a GradScaler, and the
+// parameter element types (f32, bf16, f16: loaded to f32, stored rounded to nearest even).
 //
 // A launch updates a list of "pieces" (a tensor, or a range of one) described by a table in
 // device memory that the host writes before the launch (crates/optim/src/cuda/table.rs writes
@@ -8,6 +9,9 @@
 // own index.
 
 #pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 struct PieceHead {
     unsigned long long len;          // elements of the piece
@@ -75,44 +79,103 @@ __device__ __forceinline__ bool grad_scale_of(const float* device_scale, unsigne
     return (flags & FLAG_HOST_SCALED) != 0;
 }
 
-// One foreach op over a piece: out[i] = f(a[i], b[i], c[i]) for its n elements (unused inputs
-// are null and read as 0; out may be one of the inputs). With every pointer 16-byte aligned the
-// elements go as float4, two per thread loaded before either is stored, so a thread keeps up
-// to six 16-byte loads in flight.
-template <typename F>
-__device__ __forceinline__ void pass_apply(float* out, const float* a, const float* b, const float* c,
-                                           unsigned long long n, F f) {
+// Parameter element types. SGD and Adam kernels take parameters (and keep states and
+// temporaries) as float, __nv_bfloat16 or __half and compute in float, as PyTorch's opmath does:
+// a load widens exactly, a store rounds to nearest even once. NaN stores as one canonical NaN of
+// the type (the bits crates/optim/src/kernels/mod.rs's ParamElement stores), so the GPU and the
+// CPU agree to the bit.
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+    return x != x ? __ushort_as_bfloat16((unsigned short)0x7fc0) : __float2bfloat16_rn(x);
+}
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) {
+    return x != x ? __ushort_as_half((unsigned short)0x7e00) : __float2half_rn(x);
+}
+
+// A 2-byte element's bits, and the float a 2-byte element of these bits holds.
+__device__ __forceinline__ unsigned short bits16(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+__device__ __forceinline__ unsigned short bits16(__half x) { return __half_as_ushort(x); }
+template <typename T> __device__ __forceinline__ float f32_of_bits16(unsigned short bits);
+template <> __device__ __forceinline__ float f32_of_bits16<__nv_bfloat16>(unsigned short bits) {
+    return __bfloat162float(__ushort_as_bfloat16(bits));
+}
+template <> __device__ __forceinline__ float f32_of_bits16<__half>(unsigned short bits) {
+    return __half2float(__ushort_as_half(bits));
+}
+
+// Four consecutive elements (the `i`-th group of four) as floats: one 16-byte access for float,
+// one 8-byte access for the 2-byte types; the address must be aligned to four elements.
+__device__ __forceinline__ void load4(const float* a, unsigned long long i, float r[4]) {
+    float4 v = ((const float4*)a)[i];
+    r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
+}
+__device__ __forceinline__ void store4(float* a, unsigned long long i, const float r[4]) {
+    ((float4*)a)[i] = make_float4(r[0], r[1], r[2], r[3]);
+}
+template <typename T>
+__device__ __forceinline__ void load4(const T* a, unsigned long long i, float r[4]) {
+    uint2 v = ((const uint2*)a)[i];
+    r[0] = f32_of_bits16<T>((unsigned short)(v.x & 0xffffu));
+    r[1] = f32_of_bits16<T>((unsigned short)(v.x >> 16));
+    r[2] = f32_of_bits16<T>((unsigned short)(v.y & 0xffffu));
+    r[3] = f32_of_bits16<T>((unsigned short)(v.y >> 16));
+}
+template <typename T>
+__device__ __forceinline__ void store4(T* a, unsigned long long i, const float r[4]) {
+    unsigned s0 = bits16(from_f32<T>(r[0])), s1 = bits16(from_f32<T>(r[1]));
+    unsigned s2 = bits16(from_f32<T>(r[2])), s3 = bits16(from_f32<T>(r[3]));
+    ((uint2*)a)[i] = make_uint2(s0 | (s1 << 16), s2 | (s3 << 16));
+}
+
+// Declares the three instances of kernel template `name` (with `attrs` such as launch bounds):
+// `name_f32`, `name_bf16` and `name_f16`, taking `params` and passing `args` on.
+#define INSTANCES(attrs, name, params, args)                                     \
+    extern "C" __global__ void attrs name##_f32 params { name<float> args; }          \
+    extern "C" __global__ void attrs name##_bf16 params { name<__nv_bfloat16> args; } \
+    extern "C" __global__ void attrs name##_f16 params { name<__half> args; }
+
+// One foreach op over a piece: out[i] = f(a[i], b[i], c[i]) for its n elements of T, computed in
+// float (unused inputs are null and read as 0; out may be one of the inputs; the result is
+// rounded to T). With every pointer aligned to four elements, a thread loads two groups of four
+// before storing either, so it keeps up to six vector loads in flight.
+template <typename T> struct NoDeduce { typedef T type; };
+template <typename T, typename F>
+__device__ __forceinline__ void pass_apply(T* out, const typename NoDeduce<T>::type* a,
+                                           const typename NoDeduce<T>::type* b,
+                                           const typename NoDeduce<T>::type* c, unsigned long long n, F f) {
     unsigned long long done = 0;
-    if (((((unsigned long long)out) | (unsigned long long)a | (unsigned long long)b | (unsigned long long)c) & 15) == 0) {
-        const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (((((unsigned long long)out) | (unsigned long long)a | (unsigned long long)b | (unsigned long long)c) & (4 * sizeof(T) - 1)) == 0) {
         unsigned long long n4 = n / 4;
         for (unsigned long long i0 = threadIdx.x; i0 < n4; i0 += 2ull * blockDim.x) {
-            float4 x[2], y[2], z[2];
+            float x[2][4], y[2][4], z[2][4];
 #pragma unroll
             for (unsigned u = 0; u < 2; ++u) {
                 unsigned long long i = i0 + (unsigned long long)u * blockDim.x;
                 if (i < n4) {
-                    x[u] = ((const float4*)a)[i];
-                    y[u] = b ? ((const float4*)b)[i] : zero;
-                    z[u] = c ? ((const float4*)c)[i] : zero;
+                    load4(a, i, x[u]);
+                    if (b) load4(b, i, y[u]); else y[u][0] = y[u][1] = y[u][2] = y[u][3] = 0.0f;
+                    if (c) load4(c, i, z[u]); else z[u][0] = z[u][1] = z[u][2] = z[u][3] = 0.0f;
                 }
             }
 #pragma unroll
             for (unsigned u = 0; u < 2; ++u) {
                 unsigned long long i = i0 + (unsigned long long)u * blockDim.x;
                 if (i < n4) {
-                    float4 r;
-                    r.x = f(x[u].x, y[u].x, z[u].x);
-                    r.y = f(x[u].y, y[u].y, z[u].y);
-                    r.z = f(x[u].z, y[u].z, z[u].z);
-                    r.w = f(x[u].w, y[u].w, z[u].w);
-                    ((float4*)out)[i] = r;
+                    float r[4];
+#pragma unroll
+                    for (unsigned k = 0; k < 4; ++k) r[k] = f(x[u][k], y[u][k], z[u][k]);
+                    store4(out, i, r);
                 }
             }
         }
         done = n4 * 4;
     }
     for (unsigned long long i = done + threadIdx.x; i < n; i += blockDim.x) {
-        out[i] = f(a[i], b ? b[i] : 0.0f, c ? c[i] : 0.0f);
+        out[i] = from_f32<T>(f(to_f32(a[i]), b ? to_f32(b[i]) : 0.0f, c ? to_f32(c[i]) : 0.0f));
     }
 }

@@ -1,7 +1,9 @@
 // SGD with momentum, dampening, Nesterov and weight decay on the GPU: the fused update and the
 // foreach passes of PyTorch's _multi_tensor_sgd, many tensors per launch through a piece table
-// (see optim.cuh). The float operations are those of crates/optim/src/kernels/sgd.rs in the same
-// order, with explicit rounding, so CPU and GPU agree to the bit. Launch side:
+// (see optim.cuh), each for f32, bf16 and f16 parameters (`_f32`, `_bf16`, `_f16`; states of the
+// parameter's type, arithmetic in float). The float operations are those of
+// crates/optim/src/kernels/sgd.rs in the same order, with explicit rounding, so CPU and GPU agree
+// to the bit. Launch side:
 // crates/optim/src/cuda/sgd.rs. Built to PTX by `cargo xtask build-kernels`.
 
 #include "optim.cuh"
@@ -17,8 +19,11 @@ static_assert(sizeof(SgdPiece) == 88, "SgdPiece layout");
 // Whether the momentum buffer starts from the gradient (the parameter's first real step).
 __device__ __forceinline__ bool first_step(const SgdPiece& pc) { return true_step(pc.head) == 1; }
 
-extern "C" __global__ void sgd_fused_f32(const SgdPiece* pieces, unsigned n_pieces, unsigned long long block_elems,
-                                         const float* grad_scale, const float* found_inf) {
+// Fused: block b updates `block_elems` elements of its piece in one pass, in float; the momentum
+// buffer is stored (rounded to T) before the update reads it back, as PyTorch's fused SGD does.
+template <typename T>
+__device__ __forceinline__ void sgd_fused(const SgdPiece* pieces, unsigned n_pieces, unsigned long long block_elems,
+                                          const float* grad_scale, const float* found_inf) {
     if (skip_step(pieces, n_pieces, found_inf)) return;
     const SgdPiece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
     unsigned long long start = (blockIdx.x - pc.head.first_block) * block_elems;
@@ -28,28 +33,33 @@ extern "C" __global__ void sgd_fused_f32(const SgdPiece* pieces, unsigned n_piec
     bool scaled = grad_scale_of(grad_scale, pc.flags, pc.grad_scale, &scale);
     bool first = first_step(pc);
     unsigned flags = pc.flags;
-    float* p = (float*)pc.param + start;
-    const float* g = (const float*)pc.grad + start;
-    float* b = pc.momentum_buffer ? (float*)pc.momentum_buffer + start : 0;
+    T* p = (T*)pc.param + start;
+    const T* g = (const T*)pc.grad + start;
+    T* b = pc.momentum_buffer ? (T*)pc.momentum_buffer + start : 0;
     for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
-        float x = g[i];
+        float x = to_f32(g[i]);
         if (scaled) x = __fdiv_rn(x, scale);
         if (flags & FLAG_MAXIMIZE) x = -x;
-        float pv = p[i];
+        float pv = to_f32(p[i]);
         if (flags & FLAG_L2) x = fmaf(pc.weight_decay, pv, x);
         if (flags & FLAG_MOMENTUM) {
             float bv;
             if (first) {
                 bv = x;
             } else {
-                bv = __fadd_rn(__fmul_rn(b[i], pc.momentum), __fmul_rn(pc.one_minus_dampening, x));
+                bv = __fadd_rn(__fmul_rn(to_f32(b[i]), pc.momentum), __fmul_rn(pc.one_minus_dampening, x));
             }
-            b[i] = bv;
+            T stored = from_f32<T>(bv);
+            b[i] = stored;
+            bv = to_f32(stored);
             x = (flags & FLAG_NESTEROV) ? fmaf(pc.momentum, bv, x) : bv;
         }
-        p[i] = fmaf(pc.neg_lr, x, pv);
+        p[i] = from_f32<T>(fmaf(pc.neg_lr, x, pv));
     }
 }
+INSTANCES(, sgd_fused,
+          (const SgdPiece* pieces, unsigned n_pieces, unsigned long long block_elems, const float* grad_scale, const float* found_inf),
+          (pieces, n_pieces, block_elems, grad_scale, found_inf))
 
 #define SGD_GRAD 0     // tmp = -g (maximize); tmp = tmp + wd·p
 #define SGD_BUF 1      // first step: buf = tmp; else buf = buf·μ
@@ -57,7 +67,10 @@ extern "C" __global__ void sgd_fused_f32(const SgdPiece* pieces, unsigned n_piec
 #define SGD_USE_BUF 3  // tmp = tmp + μ·buf (Nesterov) or buf
 #define SGD_PARAM 4    // p = p + (-lr)·tmp
 
-extern "C" __global__ void __launch_bounds__(256, 4) sgd_pass_f32(const SgdPiece* pieces, unsigned n_pieces, unsigned long long block_elems, int op) {
+// One foreach op over every piece of a chunk, each result rounded to T (the temporary is of T, as
+// PyTorch's foreach temporaries are of the parameter's dtype).
+template <typename T>
+__device__ __forceinline__ void sgd_pass(const SgdPiece* pieces, unsigned n_pieces, unsigned long long block_elems, int op) {
     const SgdPiece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
     unsigned long long start = (blockIdx.x - pc.head.first_block) * block_elems;
     if (start >= pc.head.len) return;
@@ -65,10 +78,10 @@ extern "C" __global__ void __launch_bounds__(256, 4) sgd_pass_f32(const SgdPiece
     unsigned flags = pc.flags;
     bool first = first_step(pc);
     float mu = pc.momentum, omd = pc.one_minus_dampening, wd = pc.weight_decay, neg_lr = pc.neg_lr;
-    float* p = (float*)pc.param + start;
-    const float* g = (const float*)pc.grad + start;
-    float* b = pc.momentum_buffer ? (float*)pc.momentum_buffer + start : 0;
-    float* t = (float*)pc.tmp + start;
+    T* p = (T*)pc.param + start;
+    const T* g = (const T*)pc.grad + start;
+    T* b = pc.momentum_buffer ? (T*)pc.momentum_buffer + start : 0;
+    T* t = (T*)pc.tmp + start;
     switch (op) {
     case SGD_GRAD:
         pass_apply(t, g, p, 0, n, [&](float x, float pv, float) {
@@ -97,3 +110,6 @@ extern "C" __global__ void __launch_bounds__(256, 4) sgd_pass_f32(const SgdPiece
         break;
     }
 }
+INSTANCES(__launch_bounds__(256, 4), sgd_pass,
+          (const SgdPiece* pieces, unsigned n_pieces, unsigned long long block_elems, int op),
+          (pieces, n_pieces, block_elems, op))

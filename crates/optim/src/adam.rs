@@ -1,21 +1,22 @@
 //! `torch.optim.Adam` and `AdamW` over autograd-core parameters: the [`UpdateRule`] of
 //! [`AdamConfig`].
 //!
-//! State per parameter: `exp_avg`, `exp_avg_sq` (and `max_exp_avg_sq` with amsgrad), f32 like
-//! the parameter, created at its first step — AdamW's first step on a 1024×1024 f32 weight adds
-//! exactly 8,388,608 bytes. Implementations: single (a temporary of one parameter), foreach
+//! State per parameter: `exp_avg`, `exp_avg_sq` (and `max_exp_avg_sq` with amsgrad), of the
+//! parameter's dtype (f32, bf16 or f16; arithmetic is f32), created at its first step — AdamW's
+//! first step on a 1024×1024 f32 weight adds exactly 8,388,608 bytes, on a bf16 one 4,194,304. Implementations: single (a temporary of one parameter), foreach
 //! (temporaries bounded by the chunk), fused (none); on the CPU through `kernels`, on CUDA
 //! through `cuda/adam.rs` with the same operations.
 
 use std::collections::HashMap;
 
-use headroom_autograd_core::{DType, Tensor};
+use headroom_autograd_core::{DType, Element, Tensor};
 
 use crate::device::{DeviceKind, StepDevice, StepScaling};
 use crate::error::OptimError;
 use crate::host::{foreach_scratch, host_slice, host_slice_mut, scratch, zeros_like_shape};
 use crate::kernels::{
-    adam_foreach, adam_fused, adam_scratch_len, adam_single, AdamBuffers, AdamConfig, GradScaling,
+    adam_foreach, adam_fused, adam_scratch_len, adam_single, bf16, f16, AdamBuffers, AdamConfig,
+    GradScaling, ParamElement,
 };
 use crate::optimizer::{
     take_state, GroupOptimizer, Implementation, NamedTensors, StepItem, UpdateRule,
@@ -37,11 +38,11 @@ pub struct AdamState {
 
 /// # Safety
 /// As for SGD's `buffers`: checked, disjoint tensors used by this thread only.
-unsafe fn buffers<'a>(
+unsafe fn buffers<'a, T: ParamElement + Element>(
     param: &'a Tensor,
     grad: &'a Tensor,
     state: &'a AdamState,
-) -> AdamBuffers<'a> {
+) -> AdamBuffers<'a, T> {
     // SAFETY: forwarded from the caller.
     unsafe {
         AdamBuffers {
@@ -57,6 +58,7 @@ unsafe fn buffers<'a>(
 impl UpdateRule for AdamConfig {
     type State = AdamState;
     const NAME: &'static str = "Adam";
+    const DTYPES: &'static [DType] = &[DType::F32, DType::BF16, DType::F16];
 
     fn validate(&self) -> Result<(), OptimError> {
         AdamConfig::validate(self)
@@ -118,17 +120,12 @@ impl UpdateRule for AdamConfig {
         param: &Tensor,
         mut tensors: HashMap<String, Tensor>,
     ) -> Result<AdamState, OptimError> {
-        let shape = param.shape();
+        let (shape, dtype) = (param.shape(), param.dtype());
         Ok(AdamState {
-            exp_avg: take_state(&mut tensors, "exp_avg", shape, DType::F32)?,
-            exp_avg_sq: take_state(&mut tensors, "exp_avg_sq", shape, DType::F32)?,
+            exp_avg: take_state(&mut tensors, "exp_avg", shape, dtype)?,
+            exp_avg_sq: take_state(&mut tensors, "exp_avg_sq", shape, dtype)?,
             max_exp_avg_sq: if self.amsgrad {
-                Some(take_state(
-                    &mut tensors,
-                    "max_exp_avg_sq",
-                    shape,
-                    DType::F32,
-                )?)
+                Some(take_state(&mut tensors, "max_exp_avg_sq", shape, dtype)?)
             } else {
                 None
             },
@@ -136,8 +133,22 @@ impl UpdateRule for AdamConfig {
     }
 }
 
-/// The host side: the `kernels` functions on the tensors' memory.
+/// The host side: the `kernels` functions on the tensors' memory, for the items' dtype.
 fn step_on_host(
+    cfg: &AdamConfig,
+    implementation: Implementation,
+    items: &mut [StepItem<'_, AdamState>],
+    scaling: GradScaling,
+) -> Result<(), OptimError> {
+    match items.first().map(|it| it.param.dtype()) {
+        Some(DType::BF16) => step_host::<bf16>(cfg, implementation, items, scaling),
+        Some(DType::F16) => step_host::<f16>(cfg, implementation, items, scaling),
+        _ => step_host::<f32>(cfg, implementation, items, scaling),
+    }
+}
+
+/// [`step_on_host`] for items of element type `T`.
+fn step_host<T: ParamElement + Element>(
     cfg: &AdamConfig,
     implementation: Implementation,
     items: &mut [StepItem<'_, AdamState>],
@@ -148,20 +159,23 @@ fn step_on_host(
             let Some(tmp) = foreach_scratch(items.iter().map(|it| it.param), chunk)? else {
                 return Ok(());
             };
-            // SAFETY: every item's tensors were checked by the optimizer and are distinct; the
-            // scratch is a fresh tensor of this call.
-            let mut bufs: Vec<(u64, AdamBuffers<'_>)> = items
+            let mut bufs: Vec<(u64, AdamBuffers<'_, T>)> = items
                 .iter()
-                .map(|it| (it.step, unsafe { buffers(it.param, &it.grad, &*it.state) }))
+                .map(|it| {
+                    // SAFETY: every item's tensors were checked by the optimizer and are
+                    // distinct; the scratch is a fresh tensor of this call.
+                    let bufs = unsafe { buffers::<T>(it.param, &it.grad, &*it.state) };
+                    (it.step, bufs)
+                })
                 .collect();
             // SAFETY: as above.
             adam_foreach(cfg, &mut bufs, unsafe { host_slice_mut(&tmp) })
         }
         Implementation::Fused => {
             for it in items.iter() {
-                // SAFETY: the optimizer checked param and grad (CPU, f32, contiguous, disjoint)
+                // SAFETY: the optimizer checked param and grad (CPU, of `T`, contiguous, disjoint)
                 // and owns the state tensors; the step runs on this thread only.
-                let bufs = unsafe { buffers(it.param, &it.grad, &*it.state) };
+                let bufs = unsafe { buffers::<T>(it.param, &it.grad, &*it.state) };
                 adam_fused(cfg, it.step, bufs, scaling)?;
             }
             Ok(())
@@ -169,7 +183,7 @@ fn step_on_host(
         _ => {
             for it in items.iter() {
                 // SAFETY: as above.
-                let bufs = unsafe { buffers(it.param, &it.grad, &*it.state) };
+                let bufs = unsafe { buffers::<T>(it.param, &it.grad, &*it.state) };
                 let tmp = scratch(it.param, adam_scratch_len(it.param.numel()))?;
                 // SAFETY: a fresh tensor of this call, not shared.
                 adam_single(cfg, it.step, bufs, unsafe { host_slice_mut(&tmp) })?;

@@ -2,8 +2,8 @@
 //! CUDA kernels, and the checks that put a tensor on one side or the other.
 //!
 //! A [`GroupOptimizer`](crate::GroupOptimizer) picks its [`StepDevice`] once, from its first
-//! parameter, and every other parameter, gradient and state tensor must sit on the same device,
-//! be f32 and contiguous (typed errors otherwise). The rules (`sgd.rs`, `adam.rs`, ...) own their
+//! parameter, and every other parameter, gradient and state tensor must sit on the same device
+//! and be contiguous (typed errors otherwise; the optimizer checks dtypes against its rule). The rules (`sgd.rs`, `adam.rs`, ...) own their
 //! state and their step's shape (which tensors, which implementation) and dispatch on the
 //! strategy: on the host each rule runs `kernels/` on tensor memory as slices (`host.rs`); on
 //! CUDA (feature `cuda`) `cuda/` launches the PTX kernels on the parameters' `CudaBackend`,
@@ -71,15 +71,8 @@ impl StepScaling<'_> {
     }
 }
 
-/// Checks that `tensor` is an f32 contiguous tensor.
+/// Checks that `tensor` is contiguous.
 fn check_layout(op: &'static str, tensor: &Tensor) -> Result<(), OptimError> {
-    if tensor.dtype() != DType::F32 {
-        return Err(OptimError::DType {
-            op,
-            expected: DType::F32,
-            got: tensor.dtype(),
-        });
-    }
     if !tensor.is_contiguous() {
         return Err(OptimError::NonContiguous {
             op,
@@ -91,7 +84,7 @@ fn check_layout(op: &'static str, tensor: &Tensor) -> Result<(), OptimError> {
 }
 
 impl StepDevice {
-    /// The device of `param` (f32, contiguous), for an optimizer of `n_slots` parameters.
+    /// The device of `param` (contiguous), for an optimizer of `n_slots` parameters.
     pub(crate) fn of(
         op: &'static str,
         param: &Tensor,
@@ -130,8 +123,8 @@ impl StepDevice {
         }
     }
 
-    /// Checks that `tensor` is an f32 contiguous tensor on this device (and, for CUDA, of the
-    /// same backend, whose stream and allocator the kernels use).
+    /// Checks that `tensor` is a contiguous tensor on this device (and, for CUDA, of the same
+    /// backend, whose stream and allocator the kernels use).
     pub(crate) fn check(&self, op: &'static str, tensor: &Tensor) -> Result<(), OptimError> {
         check_layout(op, tensor)?;
         let same = match &self.kind {
@@ -165,6 +158,13 @@ impl StepDevice {
         }
         for tensor in scaling.grad_scale.iter().chain(&scaling.found_inf) {
             self.check(op, tensor)?;
+            if tensor.dtype() != DType::F32 {
+                return Err(OptimError::DType {
+                    op,
+                    expected: DType::F32,
+                    got: tensor.dtype(),
+                });
+            }
             if tensor.numel() != 1 {
                 return Err(OptimError::InvalidArgument {
                     op,

@@ -7,7 +7,7 @@
 //! check on any device. Scratch tensors come from the parameters' backend, so every temporary of
 //! a step shows in `memory_allocated()`.
 
-use headroom_autograd_core::{DType, Device, Element, Tensor};
+use headroom_autograd_core::{Device, Element, Tensor};
 
 use crate::error::OptimError;
 
@@ -71,14 +71,14 @@ pub(crate) unsafe fn host_slice_mut<T: Element>(tensor: &Tensor) -> &mut [T] {
     unsafe { std::slice::from_raw_parts_mut(ptr, n) }
 }
 
-/// A zero-filled f32 state tensor shaped like `shape` on `like`'s backend.
+/// A zero-filled state tensor of `shape` and `like`'s dtype on `like`'s backend.
 pub(crate) fn zeros_like_shape(like: &Tensor, shape: &[usize]) -> Result<Tensor, OptimError> {
-    Ok(Tensor::zeros(like.backend(), shape, DType::F32)?)
+    Ok(Tensor::zeros(like.backend(), shape, like.dtype())?)
 }
 
-/// An uninitialised f32 scratch tensor of `len` elements on `like`'s backend.
+/// An uninitialised scratch tensor of `len` elements of `like`'s dtype on `like`'s backend.
 pub(crate) fn scratch(like: &Tensor, len: usize) -> Result<Tensor, OptimError> {
-    Ok(Tensor::empty(like.backend(), &[len], DType::F32)?)
+    Ok(Tensor::empty(like.backend(), &[len], like.dtype())?)
 }
 
 /// The scratch of a host foreach step over `params`: `chunk` elements (`None`: as many as all

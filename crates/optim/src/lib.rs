@@ -17,8 +17,18 @@
 //!   (16 MiB of f32) instead of PyTorch's one temporary per parameter.
 //!
 //! Parameters may live on the CPU or, with the `cuda` feature, on a CUDA device: the optimizer
-//! takes its [`StepDevice`] from its parameters (all on one device, f32, contiguous, else a
-//! typed error) and each rule's step goes to that device's kernels. CUDA has every
+//! takes its [`StepDevice`] from its parameters (all on one device, contiguous, of a dtype the
+//! rule takes, else a typed error) and each rule's step goes to that device's kernels.
+//!
+//! SGD and Adam/AdamW take f32, bf16 and f16 parameters (a group may mix them; each dtype steps
+//! separately, as PyTorch groups by dtype), with PyTorch's semantics for low precision:
+//! gradients and states (momentum buffer, `exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`) in the
+//! parameter's dtype, so a bf16 moment takes 2 bytes per element; arithmetic in f32; each stored
+//! value rounded to nearest-even once — at the end of the element's update in the fused form, as
+//! PyTorch's fused kernels do, and after every op in the single and foreach forms, as PyTorch's
+//! op-by-op paths do ([`kernels::ParamElement`]). The CPU and CUDA kernels round alike, so they
+//! agree to the bit for bf16 and f16 too. Adafactor and 8-bit Adam take f32 parameters only (a
+//! [`OptimError::DType`] for others). CUDA has every
 //! implementation too, with the CPU's float32 operations in the CPU's order, so results agree to
 //! the bit (Adafactor's two f64 norms to an ulp); a GradScaler on the GPU passes its scale and
 //! found-inf flag as device tensors ([`DeviceGradScaling`]): fused and 8-bit kernels read them,

@@ -51,7 +51,8 @@ impl Implementation {
 /// Parameters that share hyperparameters.
 #[derive(Debug, Clone)]
 pub struct ParamGroup<R> {
-    /// The parameters (leaf tensors, f32, contiguous, on the CPU for now).
+    /// The parameters (leaf tensors, contiguous, on one device; f32, or bf16/f16 for SGD and
+    /// Adam).
     pub params: Vec<Tensor>,
     /// The group's hyperparameters; a scheduler changes its learning rate.
     pub config: R,
@@ -77,6 +78,9 @@ pub trait UpdateRule: Clone + std::fmt::Debug + Send + 'static {
     type State: std::fmt::Debug + Send;
     /// Name used in errors and state dicts.
     const NAME: &'static str;
+    /// The parameter dtypes the rule's kernels take (gradients and states are of the
+    /// parameter's dtype, or f32 for a rule that takes only f32).
+    const DTYPES: &'static [DType] = &[DType::F32];
 
     /// Checks the hyperparameters.
     fn validate(&self) -> Result<(), OptimError>;
@@ -93,7 +97,7 @@ pub trait UpdateRule: Clone + std::fmt::Debug + Send + 'static {
         param: &Tensor,
     ) -> Result<Self::State, OptimError>;
     /// One step of `items` (parameters of one group with their gradients and states, in
-    /// order) with `implementation` on `device`. Host-scaled steps that must be skipped never
+    /// order, all of one dtype) with `implementation` on `device`. Host-scaled steps that must be skipped never
     /// get here; a device scaling reaches only the fused and 8-bit implementations.
     fn step(
         &self,
@@ -196,6 +200,15 @@ impl<R: UpdateRule> GroupOptimizer<R> {
         implementation: Implementation,
     ) -> Result<GroupOptimizer<R>, OptimError> {
         let all: Vec<&Tensor> = groups.iter().flat_map(|g| &g.params).collect();
+        for param in &all {
+            if !R::DTYPES.contains(&param.dtype()) {
+                return Err(OptimError::DType {
+                    op: R::NAME,
+                    expected: DType::F32,
+                    got: param.dtype(),
+                });
+            }
+        }
         let device = match all.first() {
             Some(first) => StepDevice::of(R::NAME, first, all.len())?,
             None => StepDevice::host(),
@@ -337,8 +350,11 @@ impl<R: UpdateRule> GroupOptimizer<R> {
                     state: &mut entry.state,
                 });
             }
-            if !items.is_empty() {
-                config.step(&mut self.device, self.implementation, &mut items, scaling)?;
+            // One step per dtype, as PyTorch groups tensors by dtype (the order of parameters
+            // within a step changes no result).
+            items.sort_by_key(|it| dtype_order(it.param.dtype()));
+            for run in items.chunk_by_mut(|a, b| a.param.dtype() == b.param.dtype()) {
+                config.step(&mut self.device, self.implementation, run, scaling)?;
             }
             slot_base += params.len();
         }
@@ -366,8 +382,23 @@ impl<R: UpdateRule> GroupOptimizer<R> {
     }
 }
 
+/// A sort key that groups tensors by dtype.
+fn dtype_order(dtype: DType) -> usize {
+    [DType::F32, DType::BF16, DType::F16]
+        .iter()
+        .position(|&d| d == dtype)
+        .unwrap_or(usize::MAX)
+}
+
 fn check_grad(device: &StepDevice, param: &Tensor, grad: &Tensor) -> Result<(), OptimError> {
     device.check("gradient", grad)?;
+    if grad.dtype() != param.dtype() {
+        return Err(OptimError::DType {
+            op: "gradient",
+            expected: param.dtype(),
+            got: grad.dtype(),
+        });
+    }
     if grad.shape() != param.shape() {
         return Err(OptimError::UnsupportedTensor {
             op: "gradient",
@@ -472,6 +503,16 @@ impl<R: UpdateRule> Optimizer for GroupOptimizer<R> {
                             .iter()
                             .flat_map(|v| v.to_le_bytes())
                             .collect(),
+                        DType::BF16 => tensor
+                            .to_vec::<half::bf16>()?
+                            .iter()
+                            .flat_map(|v| v.to_le_bytes())
+                            .collect(),
+                        DType::F16 => tensor
+                            .to_vec::<half::f16>()?
+                            .iter()
+                            .flat_map(|v| v.to_le_bytes())
+                            .collect(),
                         DType::U8 => tensor.to_vec::<u8>()?,
                         other => {
                             return Err(OptimError::StateDict(format!(
@@ -493,6 +534,8 @@ impl<R: UpdateRule> Optimizer for GroupOptimizer<R> {
             .map(|(name, dtype, shape, bytes)| {
                 let dtype = match dtype {
                     DType::U8 => safetensors::Dtype::U8,
+                    DType::BF16 => safetensors::Dtype::BF16,
+                    DType::F16 => safetensors::Dtype::F16,
                     _ => safetensors::Dtype::F32,
                 };
                 Ok((name.clone(), TensorView::new(dtype, shape.clone(), bytes)?))
@@ -541,6 +584,22 @@ impl<R: UpdateRule> Optimizer for GroupOptimizer<R> {
                                 .data()
                                 .chunks_exact(4)
                                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                                .collect();
+                            Tensor::from_slice(param.backend(), &values, view.shape())?
+                        }
+                        safetensors::Dtype::BF16 => {
+                            let values: Vec<half::bf16> = view
+                                .data()
+                                .chunks_exact(2)
+                                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]))
+                                .collect();
+                            Tensor::from_slice(param.backend(), &values, view.shape())?
+                        }
+                        safetensors::Dtype::F16 => {
+                            let values: Vec<half::f16> = view
+                                .data()
+                                .chunks_exact(2)
+                                .map(|b| half::f16::from_le_bytes([b[0], b[1]]))
                                 .collect();
                             Tensor::from_slice(param.backend(), &values, view.shape())?
                         }

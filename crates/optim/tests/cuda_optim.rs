@@ -1,8 +1,9 @@
 //! The optimizers on CUDA tensors against the same optimizers on CPU tensors: every rule and
 //! implementation bit for bit on random data (Adafactor within a few ulps: its two norms are
 //! f64 sums in another order), host- and device-valued gradient scaling with device-counted
-//! skips, the memory each implementation promises, and typed errors for tensors a step cannot
-//! take. Prints a skip notice (and passes) without a CUDA device.
+//! skips, the memory each implementation promises, SGD and Adam on bf16 and f16 parameters bit for
+//! bit with the CPU (and the bf16 fused step's memory: states only), and typed errors for tensors
+//! a step cannot take. Prints a skip notice (and passes) without a CUDA device.
 #![cfg(feature = "cuda")]
 
 use std::sync::{Arc, OnceLock};
@@ -11,7 +12,7 @@ use headroom_autograd_core::{BackendRef, DType, Device, Tensor};
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
 use headroom_optim::kernels::{
-    n_blocks, AdafactorConfig, Adam8bitConfig, AdamConfig, GradScaling, SgdConfig,
+    bf16, f16, n_blocks, AdafactorConfig, Adam8bitConfig, AdamConfig, GradScaling, SgdConfig,
 };
 use headroom_optim::{
     Adam, Adam8bit, DeviceGradScaling, GroupOptimizer, Implementation, OptimError, Optimizer,
@@ -59,19 +60,48 @@ fn implementations() -> [Implementation; 5] {
 
 /// The params and states of one run, as bytes.
 fn snapshot<R: UpdateRule>(optimizer: &GroupOptimizer<R>, params: &[Tensor]) -> Vec<Vec<u8>> {
-    let mut res: Vec<Vec<u8>> = params
-        .iter()
-        .map(|p| bytes(&p.to_vec::<f32>().unwrap()))
-        .collect();
+    let mut res: Vec<Vec<u8>> = params.iter().map(raw_bytes).collect();
     for idx in 0..params.len() {
         for (_, tensor) in optimizer.param_state(0, idx) {
-            res.push(match tensor.dtype() {
-                DType::U8 => tensor.to_vec::<u8>().unwrap(),
-                _ => bytes(&tensor.to_vec::<f32>().unwrap()),
-            });
+            res.push(raw_bytes(&tensor));
         }
     }
     res
+}
+
+/// A tensor's elements as little-endian bytes.
+fn raw_bytes(tensor: &Tensor) -> Vec<u8> {
+    match tensor.dtype() {
+        DType::U8 => tensor.to_vec::<u8>().unwrap(),
+        DType::BF16 => tensor
+            .to_vec::<bf16>()
+            .unwrap()
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::F16 => tensor
+            .to_vec::<f16>()
+            .unwrap()
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        _ => bytes(&tensor.to_vec::<f32>().unwrap()),
+    }
+}
+
+/// `values` as a tensor of `dtype` (rounded on the host, to nearest-even).
+fn tensor_of(backend: &BackendRef, values: &[f32], shape: &[usize], dtype: DType) -> Tensor {
+    match dtype {
+        DType::BF16 => {
+            let values: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+            Tensor::from_slice(backend, &values, shape).unwrap()
+        }
+        DType::F16 => {
+            let values: Vec<f16> = values.iter().map(|&v| f16::from_f32(v)).collect();
+            Tensor::from_slice(backend, &values, shape).unwrap()
+        }
+        _ => Tensor::from_slice(backend, values, shape).unwrap(),
+    }
 }
 
 fn bytes(values: &[f32]) -> Vec<u8> {
@@ -98,11 +128,12 @@ fn max_ulps(a: &[Vec<u8>], b: &[Vec<u8>]) -> u32 {
 }
 
 /// Three steps of `config` with `implementation` over random parameters and gradients of
-/// `SHAPES` on `backend`; gradients carry `grad_scale` (unscaled by the kernels) when given.
+/// `SHAPES` and `dtype` on `backend`; gradients carry `grad_scale` (unscaled by the kernels) when
+/// given.
 fn run<R: UpdateRule>(
     backend: &BackendRef,
     config: &R,
-    implementation: Implementation,
+    (implementation, dtype): (Implementation, DType),
     grad_scale: Option<f32>,
 ) -> Vec<Vec<u8>> {
     let params: Vec<Tensor> = SHAPES
@@ -110,7 +141,7 @@ fn run<R: UpdateRule>(
         .enumerate()
         .map(|(i, shape)| {
             let n = shape.iter().product();
-            Tensor::from_slice(backend, &random(i as u64 + 1, n, 2.0), shape).unwrap()
+            tensor_of(backend, &random(i as u64 + 1, n, 2.0), shape, dtype)
         })
         .collect();
     let mut optimizer = GroupOptimizer::new(
@@ -126,7 +157,7 @@ fn run<R: UpdateRule>(
                 grad.iter_mut().for_each(|g| *g *= scale);
             }
             param
-                .set_grad(Some(Tensor::from_slice(backend, &grad, shape).unwrap()))
+                .set_grad(Some(tensor_of(backend, &grad, shape, dtype)))
                 .unwrap();
         }
         let scaling = GradScaling {
@@ -140,6 +171,17 @@ fn run<R: UpdateRule>(
 
 /// Runs `config` on both devices with every implementation it has and checks the ulp distance.
 fn compare<R: UpdateRule>(name: &str, config: R, implementations: &[Implementation], ulps: u32) {
+    compare_dtype(name, config, implementations, DType::F32, ulps);
+}
+
+/// [`compare`] on parameters of `dtype` (bf16 and f16 compare bytes: `ulps` must be 0).
+fn compare_dtype<R: UpdateRule>(
+    name: &str,
+    config: R,
+    implementations: &[Implementation],
+    dtype: DType,
+    ulps: u32,
+) {
     let Some(cuda) = cuda() else { return };
     let cuda: BackendRef = cuda;
     let cpu = CpuBackend::new_ref();
@@ -149,10 +191,18 @@ fn compare<R: UpdateRule>(name: &str, config: R, implementations: &[Implementati
             _ => &[None],
         };
         for &scale in scales {
-            let want = run(&cpu, &config, implementation, scale);
-            let got = run(&cuda, &config, implementation, scale);
+            let want = run(&cpu, &config, (implementation, dtype), scale);
+            let got = run(&cuda, &config, (implementation, dtype), scale);
             let distance = max_ulps(&want, &got);
-            println!("{name} {implementation:?} scale {scale:?}: {distance} ulps from the CPU");
+            if dtype != DType::F32 {
+                assert!(
+                    ulps == 0 && want == got,
+                    "{name} {dtype:?} {implementation:?}"
+                );
+            }
+            println!(
+                "{name} {dtype:?} {implementation:?} scale {scale:?}: {distance} ulps from the CPU"
+            );
             assert!(
                 distance <= ulps,
                 "{name} {implementation:?} scale {scale:?}: {distance} ulps"
@@ -222,6 +272,61 @@ fn adam_on_cuda_equals_the_cpu() {
     ];
     for (name, config) in configs {
         compare(name, config, &implementations(), 0);
+    }
+}
+
+/// SGD and Adam on bf16 and f16 parameters: states of the parameter's dtype, the same roundings
+/// on both devices, so the same bits.
+#[test]
+fn half_sgd_and_adam_on_cuda_equal_the_cpu() {
+    for dtype in [DType::BF16, DType::F16] {
+        let sgd = [
+            ("sgd", SgdConfig::new(0.1)),
+            (
+                "sgd_momentum_dampening_wd",
+                SgdConfig {
+                    momentum: 0.9,
+                    dampening: 0.1,
+                    weight_decay: 1e-2,
+                    ..SgdConfig::new(0.05)
+                },
+            ),
+            (
+                "sgd_nesterov_maximize",
+                SgdConfig {
+                    momentum: 0.8,
+                    nesterov: true,
+                    weight_decay: 1e-3,
+                    maximize: true,
+                    ..SgdConfig::new(0.05)
+                },
+            ),
+        ];
+        for (name, config) in sgd {
+            compare_dtype(name, config, &implementations(), dtype, 0);
+        }
+        let adam = [
+            (
+                "adam_l2_maximize",
+                AdamConfig {
+                    weight_decay: 1e-2,
+                    maximize: true,
+                    ..AdamConfig::adam()
+                },
+            ),
+            ("adamw", AdamConfig::adamw()),
+            (
+                "adamw_amsgrad_maximize",
+                AdamConfig {
+                    amsgrad: true,
+                    maximize: true,
+                    ..AdamConfig::adamw()
+                },
+            ),
+        ];
+        for (name, config) in adam {
+            compare_dtype(name, config, &implementations(), dtype, 0);
+        }
     }
 }
 
@@ -453,6 +558,76 @@ fn each_implementation_holds_the_memory_it_promises() {
     assert_eq!(small.len(), 2);
     for (_, tensor) in small {
         assert_eq!((tensor.dtype(), tensor.numel()), (DType::F32, 1000));
+    }
+}
+
+/// The bf16 fused step on CUDA: states of 2 bytes per element (exact bytes), nothing else during
+/// a step; bounded foreach holds its chunk of bf16 temporaries.
+#[test]
+fn bf16_fused_steps_hold_only_their_states() {
+    let Some(cuda) = cuda().and_then(|_| CudaBackend::new(0).ok()) else {
+        return;
+    };
+    let backend: BackendRef = cuda.clone();
+    let shapes: [&[usize]; 2] = [&[2048, 2048], &[1000]];
+    let n_elems: u64 = 2048 * 2048 + 1000;
+    // 2-byte states, each buffer rounded up to 512 bytes.
+    let state_bytes = 2048 * 2048 * 2 + 2048;
+    let params: Vec<Tensor> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, shape)| {
+            let n = shape.iter().product();
+            let t = tensor_of(&backend, &random(i as u64, n, 1.0), shape, DType::BF16);
+            t.set_grad(Some(tensor_of(
+                &backend,
+                &random(i as u64 + 50, n, 1.0),
+                shape,
+                DType::BF16,
+            )))
+            .unwrap();
+            t
+        })
+        .collect();
+    let sgd_config = SgdConfig {
+        momentum: 0.9,
+        ..SgdConfig::new(0.1)
+    };
+    let cases: [(Implementation, u64); 2] = [
+        (Implementation::Fused, 0),
+        (Implementation::FOREACH, n_elems.min(1 << 22) * 2),
+    ];
+    for (implementation, extra) in cases {
+        let before = allocated(&cuda);
+        let mut adam = Adam::new(
+            vec![ParamGroup::new(params.clone(), AdamConfig::adamw())],
+            implementation,
+        )
+        .unwrap();
+        let (with_state, peak) = step_memory(&cuda, &mut adam);
+        println!("bf16 Adam {implementation:?}: {peak} bytes during a step");
+        assert_eq!(peak, extra, "Adam {implementation:?}");
+        let states: u64 = (0..params.len())
+            .flat_map(|idx| adam.param_state(0, idx))
+            .map(|(name, state)| {
+                assert_eq!(state.dtype(), DType::BF16, "{name}");
+                state.buffer().allocated_bytes()
+            })
+            .sum();
+        assert_eq!(states, 2 * state_bytes);
+        assert!(with_state - before >= states);
+        drop(adam);
+        let mut sgd = Sgd::new(
+            vec![ParamGroup::new(params.clone(), sgd_config.clone())],
+            implementation,
+        )
+        .unwrap();
+        let (_, peak) = step_memory(&cuda, &mut sgd);
+        println!("bf16 SGD {implementation:?}: {peak} bytes during a step");
+        assert_eq!(peak, extra, "SGD {implementation:?}");
+        let buffer = &sgd.param_state(0, 0)[0].1;
+        assert_eq!(buffer.dtype(), DType::BF16);
+        assert_eq!(buffer.buffer().allocated_bytes(), 2048 * 2048 * 2);
     }
 }
 

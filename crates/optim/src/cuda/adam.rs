@@ -1,7 +1,9 @@
 //! Adam and AdamW on CUDA (`kernels/adam.cu`): the rule's fused, foreach and single forms over
 //! tensors, and [`CudaFusedAdam`] over raw device buffers.
 //!
-//! Each piece's constants are [`StepConsts`] of its own step, as on the CPU. The foreach ops are
+//! Parameters may be f32, bf16 or f16 (one kernel instance per dtype, states of the parameter's
+//! dtype); [`CudaFusedAdam`] takes f32 buffers. Each piece's constants are [`StepConsts`] of its
+//! own step, as on the CPU. The foreach ops are
 //! those of `kernels/adam.rs`'s `run_ops`, launched in its order; the fused kernel is its
 //! `fused_element`. A piece that a GradScaler on the device may skip carries its skip counter
 //! and the raw hyperparameters, from which the kernel recomputes the two bias corrections.
@@ -11,8 +13,8 @@ use std::sync::Arc;
 use headroom_ops_cuda::CudaBackend;
 
 use super::{
-    address, blocks_for, flags, foreach_chunk, geometry, CudaDevice, Module, PassOps, PieceHead,
-    Table,
+    address, blocks_for, flags, foreach_chunk, geometry, instance, CudaDevice, Module, PassOps,
+    PieceHead, Table,
 };
 use crate::adam::AdamState;
 use crate::device::StepScaling;
@@ -23,8 +25,10 @@ use crate::optimizer::{Implementation, StepItem};
 /// Elements per block and threads of the fused kernel.
 const FUSED: (u64, u32) = (1 << 16, 512);
 const PIECE_SIZE: usize = 144;
-const FUSED_KERNEL: (Module, &str) = (Module::Adam, "adam_fused_f32");
-const PASS_KERNEL: (Module, &str) = (Module::Adam, "adam_pass_f32");
+const FUSED_KERNELS: [&str; 3] = ["adam_fused_f32", "adam_fused_bf16", "adam_fused_f16"];
+const PASS_KERNELS: [&str; 3] = ["adam_pass_f32", "adam_pass_bf16", "adam_pass_f16"];
+/// The f32 fused kernel of [`CudaFusedAdam`].
+const FUSED_KERNEL: (Module, &str) = (Module::Adam, FUSED_KERNELS[0]);
 
 // The ops of `adam_pass_f32`, in the order they run.
 const GRAD: i32 = 0;
@@ -50,9 +54,10 @@ struct Span {
 }
 
 impl Span {
-    /// The span of elements from `start` of a parameter whose buffers start at `base`.
-    fn at(base: Span, start: usize) -> Span {
-        let offset = start as u64 * 4;
+    /// The span of elements from `start` of a parameter whose buffers (of `elem`-byte elements)
+    /// start at `base`.
+    fn at(base: Span, start: usize, elem: u64) -> Span {
+        let offset = start as u64 * elem;
         let shift = |a: u64| if a == 0 { 0 } else { a + offset };
         Span {
             param: shift(base.param),
@@ -153,12 +158,14 @@ pub(crate) fn step(
         return Ok(());
     };
     let like = first.param.clone();
+    let dtype = like.dtype();
+    let elem = dtype.size_in_bytes() as u64;
     let geometry = geometry(items);
     let spans: Vec<Span> = items.iter().map(span_of).collect();
     if implementation == Implementation::Fused {
         let grad_scale = scaling.host().grad_scale;
         return device.run_fused(
-            FUSED_KERNEL,
+            (Module::Adam, instance(dtype, FUSED_KERNELS)),
             &geometry,
             FUSED,
             scaling,
@@ -167,7 +174,7 @@ pub(crate) fn step(
     }
     let lens: Vec<usize> = geometry.iter().map(|g| g.len).collect();
     device.run_unfused(
-        PASS_KERNEL,
+        (Module::Adam, instance(dtype, PASS_KERNELS)),
         &like,
         &lens,
         foreach_chunk(implementation),
@@ -181,7 +188,7 @@ pub(crate) fn step(
             };
             let span = Span {
                 tmp,
-                ..Span::at(spans[idx], range.start)
+                ..Span::at(spans[idx], range.start, elem)
             };
             write_piece(table, cfg, head, span, None);
         },

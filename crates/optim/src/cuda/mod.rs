@@ -3,7 +3,8 @@
 //!
 //! Every rule has the implementations it has on the CPU, with the same float32 operations in the
 //! same order (the `.cu` files in `kernels/` mirror `src/kernels/*.rs` with explicit rounding), so
-//! the GPU and the CPU agree to the bit:
+//! the GPU and the CPU agree to the bit; SGD and Adam kernels come in f32, bf16 and f16 instances
+//! (states of the parameter's dtype, the same roundings as the CPU's):
 //! - fused: one pass per element, one launch for every parameter of a group;
 //! - foreach: PyTorch's op-by-op passes, each launch one op over every tensor of a chunk, the
 //!   temporaries in one scratch tensor of at most the chunk (16 MiB by default, small enough to
@@ -34,7 +35,7 @@ pub(crate) use table::{flags, PieceHead, Table};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use headroom_autograd_core::{Backend, Device, Tensor, TensorError};
+use headroom_autograd_core::{Backend, DType, Device, Tensor, TensorError};
 use headroom_caching_allocator::Allocation;
 use headroom_ops_cuda::{CudaBackend, CudaKernel, KernelArg};
 
@@ -71,6 +72,16 @@ impl Module {
             Module::Adam8bit => include_str!("../../kernels/ptx/adam8bit.ptx"),
             Module::Adafactor => include_str!("../../kernels/ptx/adafactor.ptx"),
         }
+    }
+}
+
+/// The instance of a kernel template for parameters of `dtype`, among its f32, bf16 and f16
+/// instances `names` (`kernels/optim.cuh`'s `INSTANCES`); the optimizer admits no other dtype.
+pub(crate) fn instance(dtype: DType, names: [&'static str; 3]) -> &'static str {
+    match dtype {
+        DType::BF16 => names[1],
+        DType::F16 => names[2],
+        _ => names[0],
     }
 }
 
@@ -346,7 +357,7 @@ impl CudaDevice {
     /// one launch over all pieces of a chunk, over tensors of `lens` elements cut into chunks of
     /// at most `chunk_len`; with `with_scratch`, each piece's temporaries are its slice of one
     /// scratch tensor of `chunk_len` elements allocated from `like`'s backend (freed when the
-    /// passes are queued), else its temporary address is 0.
+    /// passes are queued; of `like`'s dtype), else its temporary address is 0.
     /// `write_piece(table, tensor index, element range, scratch address, first block)` writes a
     /// piece's entry.
     pub(crate) fn run_passes(
@@ -367,6 +378,7 @@ impl CudaDevice {
             false => None,
         };
         let scratch_base = scratch.as_ref().map_or(0, address);
+        let elem = like.dtype().size_in_bytes() as u64;
         let block_elems = pass_block_elems(chunk_len);
         let mut table = Table::default();
         let mut regions = Vec::with_capacity(chunks.len());
@@ -376,7 +388,7 @@ impl CudaDevice {
             for (idx, range) in chunk {
                 let len = range.len();
                 let tmp = match scratch {
-                    Some(_) => scratch_base + tmp_offset * 4,
+                    Some(_) => scratch_base + tmp_offset * elem,
                     None => 0,
                 };
                 write_piece(&mut table, *idx, range.clone(), tmp, first_block);

@@ -1,9 +1,11 @@
 //! SGD on CUDA (`kernels/sgd.cu`): the rule's fused, foreach and single forms over tensors, with
-//! the constants and op order of `kernels/sgd.rs`. A piece's first step (the momentum buffer
+//! the constants and op order of `kernels/sgd.rs`, for f32, bf16 and f16 parameters (one kernel
+//! instance per dtype; the optimizer steps one dtype at a time). A piece's first step (the momentum buffer
 //! takes the gradient) is its step number 1, counted on the device after GradScaler skips.
 
 use super::{
-    address, flags, foreach_chunk, geometry, CudaDevice, Module, PassOps, PieceHead, Table,
+    address, flags, foreach_chunk, geometry, instance, CudaDevice, Module, PassOps, PieceHead,
+    Table,
 };
 use crate::device::StepScaling;
 use crate::error::OptimError;
@@ -13,8 +15,8 @@ use crate::sgd::SgdState;
 
 const FUSED: (u64, u32) = (4096, 256);
 const PIECE_SIZE: usize = 88;
-const FUSED_KERNEL: (Module, &str) = (Module::Sgd, "sgd_fused_f32");
-const PASS_KERNEL: (Module, &str) = (Module::Sgd, "sgd_pass_f32");
+const FUSED_KERNELS: [&str; 3] = ["sgd_fused_f32", "sgd_fused_bf16", "sgd_fused_f16"];
+const PASS_KERNELS: [&str; 3] = ["sgd_pass_f32", "sgd_pass_bf16", "sgd_pass_f16"];
 
 // The ops of `sgd_pass_f32`, in the order they run.
 const GRAD: i32 = 0;
@@ -65,6 +67,8 @@ pub(crate) fn step(
         return Ok(());
     };
     let like = first.param.clone();
+    let dtype = like.dtype();
+    let elem = dtype.size_in_bytes() as u64;
     let c = SgdConsts::new(cfg);
     let geometry = geometry(items);
     let spans: Vec<Span> = items
@@ -77,7 +81,7 @@ pub(crate) fn step(
     if implementation == Implementation::Fused {
         let grad_scale = scaling.host().grad_scale;
         return device.run_fused(
-            FUSED_KERNEL,
+            (Module::Sgd, instance(dtype, FUSED_KERNELS)),
             &geometry,
             FUSED,
             scaling,
@@ -93,13 +97,13 @@ pub(crate) fn step(
     ops.chunked.push(PARAM);
     let lens: Vec<usize> = geometry.iter().map(|g| g.len).collect();
     device.run_unfused(
-        PASS_KERNEL,
+        (Module::Sgd, instance(dtype, PASS_KERNELS)),
         &like,
         &lens,
         foreach_chunk(implementation),
         &ops,
         &mut |table, idx, range, tmp, first_block| {
-            let offset = range.start as u64 * 4;
+            let offset = range.start as u64 * elem;
             let [param, grad, buffer, _] = spans[idx];
             let buffer = if buffer == 0 { 0 } else { buffer + offset };
             let head = PieceHead {

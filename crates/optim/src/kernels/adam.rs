@@ -6,10 +6,17 @@
 //! `d = sqrt(v or v̂)`, `d = d / sqrt(1-β2^t)`, `d = d + eps`; `θ = θ + (-lr/(1-β1^t))·m / d`.
 //! The single and foreach forms materialise `g` (when changed) and `d` in the scratch slice; the
 //! fused form keeps them in registers.
+//!
+//! Parameters may be f32, bf16 or f16 ([`ParamElement`]): arithmetic in f32, states and
+//! temporaries in the parameter's type. The fused form rounds p, m, v (and v̂) once each at the
+//! end of the element's update, as PyTorch's fused Adam does; single and foreach round every op's
+//! result, as PyTorch's op-by-op Adam does.
 
 use rayon::prelude::*;
 
-use super::{check_len, lerp, maximum, non_negative, GradScaling, StepOutcome, PARALLEL_CHUNK};
+use super::{
+    check_len, lerp, maximum, non_negative, GradScaling, ParamElement, StepOutcome, PARALLEL_CHUNK,
+};
 use crate::error::OptimError;
 
 /// How weight decay enters the update.
@@ -87,22 +94,23 @@ impl AdamConfig {
     }
 }
 
-/// One parameter's buffers for an Adam update, all of the parameter's length.
+/// One parameter's buffers for an Adam update, all of the parameter's length and of element
+/// type `T` (f32, bf16 or f16).
 #[derive(Debug)]
-pub struct AdamBuffers<'a> {
+pub struct AdamBuffers<'a, T = f32> {
     /// The parameter, updated in place.
-    pub param: &'a mut [f32],
+    pub param: &'a mut [T],
     /// Its gradient.
-    pub grad: &'a [f32],
+    pub grad: &'a [T],
     /// First moment (`exp_avg`), zero before the first step.
-    pub exp_avg: &'a mut [f32],
+    pub exp_avg: &'a mut [T],
     /// Second moment (`exp_avg_sq`), zero before the first step.
-    pub exp_avg_sq: &'a mut [f32],
+    pub exp_avg_sq: &'a mut [T],
     /// `max_exp_avg_sq`, present exactly when `amsgrad` is set.
-    pub max_exp_avg_sq: Option<&'a mut [f32]>,
+    pub max_exp_avg_sq: Option<&'a mut [T]>,
 }
 
-impl AdamBuffers<'_> {
+impl<T> AdamBuffers<'_, T> {
     fn check(&self, op: &'static str, cfg: &AdamConfig) -> Result<(), OptimError> {
         let n = self.param.len();
         check_len(op, n, self.grad.len(), "grad")?;
@@ -167,11 +175,11 @@ pub fn adam_scratch_len(n: usize) -> usize {
 
 /// PyTorch's single-tensor Adam step number `step` (1 for the first) on one parameter, op by op.
 /// `scratch` holds the temporaries and must have at least `param.len()` elements.
-pub fn adam_single(
+pub fn adam_single<T: ParamElement>(
     cfg: &AdamConfig,
     step: u64,
-    bufs: AdamBuffers<'_>,
-    scratch: &mut [f32],
+    bufs: AdamBuffers<'_, T>,
+    scratch: &mut [T],
 ) -> Result<(), OptimError> {
     bufs.check("adam_single", cfg)?;
     let n = bufs.param.len();
@@ -202,10 +210,10 @@ pub fn adam_single(
 /// at most `scratch.len()` elements (a longer tensor spans several chunks), so the temporaries
 /// never exceed the scratch slice. A scratch as long as all tensors together reproduces
 /// PyTorch's behaviour (one temporary list of the size of all parameters).
-pub fn adam_foreach(
+pub fn adam_foreach<T: ParamElement>(
     cfg: &AdamConfig,
-    tensors: &mut [(u64, AdamBuffers<'_>)],
-    scratch: &mut [f32],
+    tensors: &mut [(u64, AdamBuffers<'_, T>)],
+    scratch: &mut [T],
 ) -> Result<(), OptimError> {
     for (_, bufs) in tensors.iter() {
         bufs.check("adam_foreach", cfg)?;
@@ -281,86 +289,92 @@ pub(crate) fn foreach_chunks(lens: &[usize], chunk_len: usize) -> Result<Vec<Chu
     Ok(res)
 }
 
-struct Piece<'a> {
+struct Piece<'a, T> {
     consts: StepConsts,
-    param: &'a mut [f32],
-    grad: &'a [f32],
-    exp_avg: &'a mut [f32],
-    exp_avg_sq: &'a mut [f32],
-    max_exp_avg_sq: Option<&'a mut [f32]>,
-    tmp: &'a mut [f32],
+    param: &'a mut [T],
+    grad: &'a [T],
+    exp_avg: &'a mut [T],
+    exp_avg_sq: &'a mut [T],
+    max_exp_avg_sq: Option<&'a mut [T]>,
+    tmp: &'a mut [T],
+}
+
+/// `x = f(x)` over a slice of `T`, in f32, each result rounded to `T`.
+#[inline(always)]
+fn apply<T: ParamElement>(xs: &mut [T], f: impl Fn(f32) -> f32) {
+    xs.iter_mut().for_each(|x| *x = T::from_f32(f(x.to_f32())));
+}
+
+/// `x = f(x, y)` over two slices of `T`, in f32, each result rounded to `T`.
+#[inline(always)]
+fn apply2<T: ParamElement>(xs: &mut [T], ys: &[T], f: impl Fn(f32, f32) -> f32) {
+    for (x, &y) in xs.iter_mut().zip(ys) {
+        *x = T::from_f32(f(x.to_f32(), y.to_f32()));
+    }
 }
 
 /// The op sequence of PyTorch's single-tensor and foreach paths, each op one pass over every
-/// piece.
-fn run_ops(pieces: &mut [Piece<'_>]) {
+/// piece, each result rounded to `T`.
+fn run_ops<T: ParamElement>(pieces: &mut [Piece<'_, T>]) {
     // grad = -grad; grad = grad.add(param, alpha=wd)
     for pc in pieces.iter_mut().filter(|pc| pc.consts.changes_grad()) {
         let c = pc.consts;
         for ((t, &g), &p) in pc.tmp.iter_mut().zip(pc.grad).zip(pc.param.iter()) {
-            let g = if c.maximize { -g } else { g };
-            *t = match c.l2 {
-                Some(wd) => wd.mul_add(p, g),
+            let g = if c.maximize { -g.to_f32() } else { g.to_f32() };
+            *t = T::from_f32(match c.l2 {
+                Some(wd) => wd.mul_add(p.to_f32(), g),
                 None => g,
-            };
+            });
         }
     }
     // param.mul_(1 - lr * wd)
     for pc in pieces.iter_mut() {
         if let Some(factor) = pc.consts.decay_factor {
-            pc.param.iter_mut().for_each(|p| *p *= factor);
+            apply(pc.param, |p| p * factor);
         }
     }
     // exp_avg.lerp_(grad, 1 - beta1)
     for pc in pieces.iter_mut() {
         let w = pc.consts.one_minus_beta1;
-        let grad: &[f32] = if pc.consts.changes_grad() {
+        let grad: &[T] = if pc.consts.changes_grad() {
             pc.tmp
         } else {
             pc.grad
         };
-        for (m, &g) in pc.exp_avg.iter_mut().zip(grad) {
-            *m = lerp(*m, g, w);
-        }
+        apply2(pc.exp_avg, grad, |m, g| lerp(m, g, w));
     }
     // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     for pc in pieces.iter_mut() {
         let beta2 = pc.consts.beta2;
-        pc.exp_avg_sq.iter_mut().for_each(|v| *v *= beta2);
+        apply(pc.exp_avg_sq, |v| v * beta2);
     }
     for pc in pieces.iter_mut() {
         let w = pc.consts.one_minus_beta2;
-        let grad: &[f32] = if pc.consts.changes_grad() {
+        let grad: &[T] = if pc.consts.changes_grad() {
             pc.tmp
         } else {
             pc.grad
         };
-        for (v, &g) in pc.exp_avg_sq.iter_mut().zip(grad) {
-            *v += w * g * g;
-        }
+        apply2(pc.exp_avg_sq, grad, |v, g| v + w * g * g);
     }
     // torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
     for pc in pieces.iter_mut() {
         if let Some(vmax) = pc.max_exp_avg_sq.as_deref_mut() {
-            for (vm, &v) in vmax.iter_mut().zip(pc.exp_avg_sq.iter()) {
-                *vm = maximum(*vm, v);
-            }
+            apply2(vmax, pc.exp_avg_sq, maximum);
         }
     }
     // denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
     for pc in pieces.iter_mut() {
-        let v: &[f32] = pc.max_exp_avg_sq.as_deref().unwrap_or(pc.exp_avg_sq);
-        for (t, &v) in pc.tmp.iter_mut().zip(v) {
-            *t = v.sqrt();
-        }
+        let v: &[T] = pc.max_exp_avg_sq.as_deref().unwrap_or(pc.exp_avg_sq);
+        apply2(pc.tmp, v, |_, v| v.sqrt());
     }
     for pc in pieces.iter_mut() {
         let c = pc.consts.bias_correction2_sqrt;
-        pc.tmp.iter_mut().for_each(|t| *t /= c);
+        apply(pc.tmp, |t| t / c);
     }
     for pc in pieces.iter_mut() {
         let eps = pc.consts.eps;
-        pc.tmp.iter_mut().for_each(|t| *t += eps);
+        apply(pc.tmp, |t| t + eps);
     }
     // param.addcdiv_(exp_avg, denom, value=-step_size)
     for pc in pieces.iter_mut() {
@@ -371,12 +385,13 @@ fn run_ops(pieces: &mut [Piece<'_>]) {
             .zip(pc.exp_avg.iter())
             .zip(pc.tmp.iter())
         {
-            *p += value * m / d;
+            *p = T::from_f32(p.to_f32() + value * m.to_f32() / d.to_f32());
         }
     }
 }
 
-/// One element of the fused update; every intermediate stays in registers.
+/// One element of the fused update in f32; every intermediate stays in registers. The caller
+/// loads the values and stores the results.
 #[inline(always)]
 fn fused_element(
     c: &StepConsts,
@@ -414,14 +429,47 @@ fn fused_element(
     *p += c.neg_step_size * *m / denom;
 }
 
-fn fused_range(
+/// The fused update of one element of `T`: loaded to f32, updated, each value stored once.
+#[inline(always)]
+fn fused_element_of<T: ParamElement>(
     c: &StepConsts,
     scale: Option<f32>,
-    param: &mut [f32],
-    grad: &[f32],
-    exp_avg: &mut [f32],
-    exp_avg_sq: &mut [f32],
-    max_exp_avg_sq: Option<&mut [f32]>,
+    p: &mut T,
+    g: T,
+    m: &mut T,
+    v: &mut T,
+    vmax: Option<&mut T>,
+) {
+    let (mut pv, mut mv, mut vv) = (p.to_f32(), m.to_f32(), v.to_f32());
+    match vmax {
+        Some(vmax) => {
+            let mut vmv = vmax.to_f32();
+            fused_element(
+                c,
+                scale,
+                &mut pv,
+                g.to_f32(),
+                &mut mv,
+                &mut vv,
+                Some(&mut vmv),
+            );
+            *vmax = T::from_f32(vmv);
+        }
+        None => fused_element(c, scale, &mut pv, g.to_f32(), &mut mv, &mut vv, None),
+    }
+    *p = T::from_f32(pv);
+    *m = T::from_f32(mv);
+    *v = T::from_f32(vv);
+}
+
+fn fused_range<T: ParamElement>(
+    c: &StepConsts,
+    scale: Option<f32>,
+    param: &mut [T],
+    grad: &[T],
+    exp_avg: &mut [T],
+    exp_avg_sq: &mut [T],
+    max_exp_avg_sq: Option<&mut [T]>,
 ) {
     match max_exp_avg_sq {
         Some(vmax) => {
@@ -432,7 +480,7 @@ fn fused_range(
                 .zip(exp_avg_sq.iter_mut())
                 .zip(vmax.iter_mut())
             {
-                fused_element(c, scale, p, g, m, v, Some(vm));
+                fused_element_of(c, scale, p, g, m, v, Some(vm));
             }
         }
         None => {
@@ -442,7 +490,7 @@ fn fused_range(
                 .zip(exp_avg.iter_mut())
                 .zip(exp_avg_sq.iter_mut())
             {
-                fused_element(c, scale, p, g, m, v, None);
+                fused_element_of(c, scale, p, g, m, v, None);
             }
         }
     }
@@ -451,10 +499,10 @@ fn fused_range(
 /// Fused Adam step number `step` on one parameter: one pass, no temporaries, gradients divided
 /// by `scaling.grad_scale` in the kernel, nothing written when `scaling.found_inf` is set.
 /// Large tensors are split over rayon's pool.
-pub fn adam_fused(
+pub fn adam_fused<T: ParamElement>(
     cfg: &AdamConfig,
     step: u64,
-    bufs: AdamBuffers<'_>,
+    bufs: AdamBuffers<'_, T>,
     scaling: GradScaling,
 ) -> Result<StepOutcome, OptimError> {
     bufs.check("adam_fused", cfg)?;

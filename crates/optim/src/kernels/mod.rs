@@ -10,7 +10,15 @@
 //!
 //! All forms apply PyTorch's float32 operations in PyTorch's order (hyperparameter arithmetic in
 //! f64, as Python does, then rounded to f32 where the tensor op receives it), so they agree with
-//! each other to the bit and with PyTorch to float32 rounding. Every kernel updates one
+//! each other to the bit and with PyTorch to float32 rounding.
+//!
+//! SGD and Adam also take bf16 and f16 parameters ([`ParamElement`]), as PyTorch's do: gradients,
+//! states and temporaries are of the parameter's type, arithmetic is float32 (PyTorch's
+//! "opmath"), and each stored value is rounded to nearest-even once. The fused forms round at the
+//! end of the element's update, as PyTorch's fused kernels do (SGD stores the momentum buffer
+//! before the update reads it back); the single and foreach forms round each op's result, as
+//! PyTorch's op-by-op paths do. For f32 every rounding is the identity, so f32 results are those
+//! of the f32-only kernels. Adafactor and 8-bit Adam take f32 only. Every kernel updates one
 //! parameter (or one list), so the per-parameter step of optimizer-in-backward is a plain call.
 //! A future CUDA layer mirrors these signatures over device slices.
 
@@ -36,6 +44,8 @@ pub use quantization::{
 };
 pub use sgd::{sgd_foreach, sgd_fused, sgd_single, SgdBuffers, SgdConfig};
 
+pub use half::{bf16, f16};
+
 #[cfg(feature = "cuda")]
 pub(crate) use adafactor::{factors, StepConsts as AdafactorConsts};
 #[cfg(feature = "cuda")]
@@ -45,7 +55,78 @@ pub(crate) use adam8bit::StepConsts as Adam8bitConsts;
 #[cfg(feature = "cuda")]
 pub(crate) use sgd::StepConsts as SgdConsts;
 
+use headroom_autograd_core::DType;
+
 use crate::error::OptimError;
+
+/// An element type of SGD and Adam parameters: `f32`, [`bf16`] or [`f16`]. Values are widened to
+/// f32 exactly for arithmetic and stored back rounded to nearest-even (NaN as one canonical quiet
+/// NaN, the bits the CUDA kernels store), so the host and the GPU agree to the bit.
+pub trait ParamElement: Copy + Send + Sync + std::fmt::Debug + 'static + sealed::Sealed {
+    /// The tensor dtype of this element type.
+    const DTYPE: DType;
+    /// The value as f32 (exact).
+    fn to_f32(self) -> f32;
+    /// `value` rounded to this type, to nearest-even.
+    fn from_f32(value: f32) -> Self;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+}
+
+impl ParamElement for f32 {
+    const DTYPE: DType = DType::F32;
+
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    #[inline(always)]
+    fn from_f32(value: f32) -> f32 {
+        value
+    }
+}
+
+impl ParamElement for bf16 {
+    const DTYPE: DType = DType::BF16;
+
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+
+    #[inline(always)]
+    fn from_f32(value: f32) -> bf16 {
+        if value.is_nan() {
+            bf16::from_bits(0x7fc0)
+        } else {
+            bf16::from_f32(value)
+        }
+    }
+}
+
+impl ParamElement for f16 {
+    const DTYPE: DType = DType::F16;
+
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+
+    #[inline(always)]
+    fn from_f32(value: f32) -> f16 {
+        if value.is_nan() {
+            f16::from_bits(0x7e00)
+        } else {
+            f16::from_f32(value)
+        }
+    }
+}
 
 /// Gradient unscaling and overflow skipping inside a fused or 8-bit kernel, as PyTorch's
 /// `_fused_adam_(..., grad_scale, found_inf)` does.

@@ -4,11 +4,16 @@
 //! maximizing; `g = g + wd·θ`; with momentum μ, `b = g` on the first step, else `b = b·μ`,
 //! `b = b + (1-τ)·g`; Nesterov `g = g + μ·b`, otherwise `g = b`; `θ = θ + (-lr)·g`. The buffer
 //! keeps lr outside (`b = μb + g`), unlike Sutskever's form.
+//!
+//! Parameters may be f32, bf16 or f16 ([`ParamElement`]): arithmetic in f32, the momentum buffer
+//! and temporaries in the parameter's type. The fused form rounds the buffer when it stores it
+//! and the parameter at the end (the update reads the stored buffer back, as PyTorch's fused SGD
+//! does); single and foreach round every op's result, as PyTorch's op-by-op SGD does.
 
 use rayon::prelude::*;
 
 use super::adam::foreach_chunks;
-use super::{check_len, non_negative, GradScaling, StepOutcome, PARALLEL_CHUNK};
+use super::{check_len, non_negative, GradScaling, ParamElement, StepOutcome, PARALLEL_CHUNK};
 use crate::error::OptimError;
 
 /// SGD's hyperparameters (one parameter group's).
@@ -70,20 +75,20 @@ impl SgdConfig {
     }
 }
 
-/// One parameter's buffers for an SGD update.
+/// One parameter's buffers for an SGD update, of element type `T` (f32, bf16 or f16).
 #[derive(Debug)]
-pub struct SgdBuffers<'a> {
+pub struct SgdBuffers<'a, T = f32> {
     /// The parameter, updated in place.
-    pub param: &'a mut [f32],
+    pub param: &'a mut [T],
     /// Its gradient.
-    pub grad: &'a [f32],
+    pub grad: &'a [T],
     /// The momentum buffer, present exactly when the momentum is non-zero.
-    pub momentum_buffer: Option<&'a mut [f32]>,
+    pub momentum_buffer: Option<&'a mut [T]>,
     /// Whether the momentum buffer is still uninitialised (it is then set to the gradient).
     pub first_step: bool,
 }
 
-impl SgdBuffers<'_> {
+impl<T> SgdBuffers<'_, T> {
     fn check(&self, op: &'static str, cfg: &SgdConfig) -> Result<(), OptimError> {
         let n = self.param.len();
         check_len(op, n, self.grad.len(), "grad")?;
@@ -121,41 +126,44 @@ impl StepConsts {
     }
 }
 
-/// One element: returns nothing, updates `p` and the buffer.
+/// One element: returns nothing, updates `p` and the buffer (stored, then read back, so the
+/// update uses the buffer's stored value).
 #[inline(always)]
-fn element(c: &StepConsts, first: bool, p: &mut f32, g: f32, buf: Option<&mut f32>) {
+fn element<T: ParamElement>(c: &StepConsts, first: bool, p: &mut T, g: f32, buf: Option<&mut T>) {
+    let pv = p.to_f32();
     let mut g = if c.maximize { -g } else { g };
     if let Some(wd) = c.weight_decay {
-        g = wd.mul_add(*p, g);
+        g = wd.mul_add(pv, g);
     }
     if let (Some(mu), Some(b)) = (c.momentum, buf) {
-        if first {
-            *b = g;
+        let bv = if first {
+            g
         } else {
-            *b *= mu;
-            *b += c.one_minus_dampening * g;
-        }
-        g = if c.nesterov { mu.mul_add(*b, g) } else { *b };
+            b.to_f32() * mu + c.one_minus_dampening * g
+        };
+        *b = T::from_f32(bv);
+        let bv = b.to_f32();
+        g = if c.nesterov { mu.mul_add(bv, g) } else { bv };
     }
-    *p = c.neg_lr.mul_add(g, *p);
+    *p = T::from_f32(c.neg_lr.mul_add(g, pv));
 }
 
 /// PyTorch's single-tensor SGD on one parameter, op by op; `scratch` (at least `param.len()`
 /// elements) holds the modified gradient.
-pub fn sgd_single(
+pub fn sgd_single<T: ParamElement>(
     cfg: &SgdConfig,
-    bufs: SgdBuffers<'_>,
-    scratch: &mut [f32],
+    bufs: SgdBuffers<'_, T>,
+    scratch: &mut [T],
 ) -> Result<(), OptimError> {
     sgd_foreach(cfg, &mut [bufs], scratch)
 }
 
 /// PyTorch's foreach SGD over a list of parameters in chunks of at most `scratch.len()`
 /// elements (see `adam_foreach`).
-pub fn sgd_foreach(
+pub fn sgd_foreach<T: ParamElement>(
     cfg: &SgdConfig,
-    tensors: &mut [SgdBuffers<'_>],
-    scratch: &mut [f32],
+    tensors: &mut [SgdBuffers<'_, T>],
+    scratch: &mut [T],
 ) -> Result<(), OptimError> {
     for bufs in tensors.iter() {
         bufs.check("sgd_foreach", cfg)?;
@@ -179,11 +187,11 @@ pub fn sgd_foreach(
                 .zip(&bufs.grad[range.clone()])
                 .zip(&bufs.param[range.clone()])
             {
-                let g = if c.maximize { -g } else { g };
-                *t = match c.weight_decay {
-                    Some(wd) => wd.mul_add(p, g),
+                let g = if c.maximize { -g.to_f32() } else { g.to_f32() };
+                *t = T::from_f32(match c.weight_decay {
+                    Some(wd) => wd.mul_add(p.to_f32(), g),
                     None => g,
-                };
+                });
             }
         }
         // buf = clone(grad) | buf.mul_(momentum).add_(grad, alpha=1-dampening);
@@ -196,13 +204,18 @@ pub fn sgd_foreach(
                 if first {
                     buf.copy_from_slice(tmp);
                 } else {
-                    buf.iter_mut().for_each(|b| *b *= mu);
+                    buf.iter_mut()
+                        .for_each(|b| *b = T::from_f32(b.to_f32() * mu));
                     for (b, &g) in buf.iter_mut().zip(tmp.iter()) {
-                        *b += c.one_minus_dampening * g;
+                        *b = T::from_f32(b.to_f32() + c.one_minus_dampening * g.to_f32());
                     }
                 }
                 for (t, &b) in tmp.iter_mut().zip(buf.iter()) {
-                    *t = if c.nesterov { mu.mul_add(b, *t) } else { b };
+                    *t = if c.nesterov {
+                        T::from_f32(mu.mul_add(b.to_f32(), t.to_f32()))
+                    } else {
+                        b
+                    };
                 }
             }
         }
@@ -210,7 +223,7 @@ pub fn sgd_foreach(
         for (idx, range, tmp) in pieces.iter_mut() {
             let bufs = &mut tensors[*idx];
             for (p, &g) in bufs.param[range.clone()].iter_mut().zip(tmp.iter()) {
-                *p = c.neg_lr.mul_add(g, *p);
+                *p = T::from_f32(c.neg_lr.mul_add(g.to_f32(), p.to_f32()));
             }
         }
     }
@@ -218,9 +231,9 @@ pub fn sgd_foreach(
 }
 
 /// Fused SGD on one parameter: one pass, no temporaries, in-kernel unscale and skip.
-pub fn sgd_fused(
+pub fn sgd_fused<T: ParamElement>(
     cfg: &SgdConfig,
-    bufs: SgdBuffers<'_>,
+    bufs: SgdBuffers<'_, T>,
     scaling: GradScaling,
 ) -> Result<StepOutcome, OptimError> {
     bufs.check("sgd_fused", cfg)?;
@@ -230,11 +243,11 @@ pub fn sgd_fused(
     let c = StepConsts::new(cfg);
     let scale = scaling.grad_scale;
     let first = bufs.first_step;
-    let unscale = |g: f32| match scale {
-        Some(s) => g / s,
-        None => g,
+    let unscale = |g: T| match scale {
+        Some(s) => g.to_f32() / s,
+        None => g.to_f32(),
     };
-    let run = |param: &mut [f32], grad: &[f32], buf: Option<&mut [f32]>| match buf {
+    let run = |param: &mut [T], grad: &[T], buf: Option<&mut [T]>| match buf {
         Some(buf) => {
             for ((p, &g), b) in param.iter_mut().zip(grad).zip(buf.iter_mut()) {
                 element(&c, first, p, unscale(g), Some(b));
