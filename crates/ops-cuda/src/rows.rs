@@ -626,7 +626,7 @@ fn column_reduction(
         && n_reduced == 1
         && strides[0] == 1
         && strides[1] >= shape[0]
-        && shape[1] >= 64
+        && shape[1] >= 2
         && out.layout.ndim() == 1;
     if !fits {
         return None;

@@ -509,8 +509,9 @@ fn reductions_softmax_and_masks_match_the_cpu() {
             }
         }
         // A bias gradient: the sum (and mean) over the rows of a [rows, 3] matrix, seen as
-        // [3, rows] with strides (1, 3) (the column kernels), and over a padded row stride.
-        for (cols, rs) in [(3, 3), (5, 7)] {
+        // [3, rows] with strides (1, 3) (the column kernels), over a padded row stride, and over
+        // few rows of many columns (a batch sum of a position embedding's gradient).
+        for (cols, rs) in [(3, 3), (5, 7), (100, 100)] {
             let rows = (n - 1) / rs;
             let columns = Layout::from_parts(&[cols, rows], &[1, rs], 1);
             for op in [ReduceOp::Sum, ReduceOp::Mean] {
