@@ -264,16 +264,27 @@ __device__ void layer_norm_warp(const T* x, const T* w, const T* b, T* out, floa
     }
 }
 
-// The input gradient of the warp-per-row layer norm (same conditions):
-// dx = rstd·(g − mean(g) − x̂·mean(g·x̂)), g = dy·w.
-template <typename T, int VPL>
+// The gradients of the warp-per-row layer norm (same conditions): the input's,
+// dx = rstd·(g − mean(g) − x̂·mean(g·x̂)) with g = dy·w (skipped when dx is null), and with PARAMS
+// each block's column sums of dy·x̂ and dy (the weight and bias gradients) into
+// partial [2, gridDim.x, n], for `layer_norm_param_finish` to add up: the parameter gradients
+// need no second pass over dy and x. Warps fold their sums into shared memory one after another,
+// so the result does not depend on timing.
+template <typename T, int VPL, bool PARAMS>
 __device__ void layer_norm_backward_warp(const T* dy, const T* x, const float* mean_in,
-                                         const float* rstd_in, const T* w, T* dx,
+                                         const float* rstd_in, const T* w, T* dx, float* partial,
                                          unsigned long long rows, unsigned long long n) {
     constexpr int V = 16 / sizeof(T);
     const unsigned lane = threadIdx.x & 31;
     const unsigned long long nv = n / V;
     const unsigned long long warps = (unsigned long long)gridDim.x * (blockDim.x >> 5);
+    float gw[PARAMS ? VPL : 1][V], gb[PARAMS ? VPL : 1][V];
+    if (PARAMS) {
+#pragma unroll
+        for (int q = 0; q < VPL; ++q)
+#pragma unroll
+            for (int k = 0; k < V; ++k) { gw[q][k] = 0.f; gb[q][k] = 0.f; }
+    }
     for (unsigned long long r = (unsigned long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
          r < rows; r += warps) {
         const uint4* dyr = reinterpret_cast<const uint4*>(dy + r * n);
@@ -291,13 +302,15 @@ __device__ void layer_norm_backward_warp(const T* dy, const T* x, const float* m
                 if (w) unpack<T>(reinterpret_cast<const uint4*>(w)[idx], wv);
 #pragma unroll
                 for (int k = 0; k < V; ++k) {
-                    if (w) g[q][k] *= wv[k];
                     xh[q][k] = (xh[q][k] - mean) * rstd;
+                    if (PARAMS) { gw[q][k] += g[q][k] * xh[q][k]; gb[q][k] += g[q][k]; }
+                    if (w) g[q][k] *= wv[k];
                     sg += g[q][k];
                     sgx += g[q][k] * xh[q][k];
                 }
             }
         }
+        if (!dx) continue;
         const float mean_g = warp_sum(sg) / (float)n, mean_gx = warp_sum(sgx) / (float)n;
         uint4* dxr = reinterpret_cast<uint4*>(dx + r * n);
 #pragma unroll
@@ -308,6 +321,31 @@ __device__ void layer_norm_backward_warp(const T* dy, const T* x, const float* m
                 for (int k = 0; k < V; ++k) g[q][k] = rstd * (g[q][k] - mean_g - xh[q][k] * mean_gx);
                 dxr[idx] = pack<T>(g[q]);
             }
+        }
+    }
+    if (PARAMS) {
+        extern __shared__ float folded[];  // [2, n]: weight, bias
+        const unsigned warp = threadIdx.x >> 5;
+        for (unsigned turn = 0; turn < (blockDim.x >> 5); ++turn) {
+            if (warp == turn) {
+#pragma unroll
+                for (int q = 0; q < VPL; ++q) {
+                    unsigned long long idx = lane + 32ull * q;
+                    if (idx < nv) {
+#pragma unroll
+                        for (int k = 0; k < V; ++k) {
+                            unsigned long long j = idx * V + k;
+                            folded[j] = turn == 0 ? gw[q][k] : folded[j] + gw[q][k];
+                            folded[n + j] = turn == 0 ? gb[q][k] : folded[n + j] + gb[q][k];
+                        }
+                    }
+                }
+            }
+            __syncthreads();
+        }
+        for (unsigned long long j = threadIdx.x; j < n; j += blockDim.x) {
+            partial[blockIdx.x * n + j] = folded[j];
+            partial[(gridDim.x + blockIdx.x) * n + j] = folded[n + j];
         }
     }
 }
@@ -477,10 +515,18 @@ LN_KERNELS(__nv_bfloat16, float, bf16_f32)
                                                                    const float* rstd, const T* w, T* dx,    \
                                                                    unsigned long long rows,                 \
                                                                    unsigned long long n) {                  \
-        layer_norm_backward_warp<T, VPL>(dy, x, mean, rstd, w, dx, rows, n);                               \
+        layer_norm_backward_warp<T, VPL, false>(dy, x, mean, rstd, w, dx, nullptr, rows, n);              \
     }
-#define LN_WARP_KERNELS(T, N) \
-    LN_WARP_KERNEL(T, N, 1) LN_WARP_KERNEL(T, N, 2) LN_WARP_KERNEL(T, N, 4) LN_WARP_KERNEL(T, N, 8)
+// With the parameter gradients' block sums (registers allow it up to 4 vectors per lane).
+#define LN_WARP_PARAMS_KERNEL(T, N, VPL)                                                                    \
+    extern "C" __global__ void layer_norm_backward_params_warp##VPL##_##N(                                  \
+        const T* dy, const T* x, const float* mean, const float* rstd, const T* w, T* dx, float* partial,   \
+        unsigned long long rows, unsigned long long n) {                                                    \
+        layer_norm_backward_warp<T, VPL, true>(dy, x, mean, rstd, w, dx, partial, rows, n);                \
+    }
+#define LN_WARP_KERNELS(T, N)                                                                               \
+    LN_WARP_KERNEL(T, N, 1) LN_WARP_KERNEL(T, N, 2) LN_WARP_KERNEL(T, N, 4) LN_WARP_KERNEL(T, N, 8)         \
+    LN_WARP_PARAMS_KERNEL(T, N, 1) LN_WARP_PARAMS_KERNEL(T, N, 2) LN_WARP_PARAMS_KERNEL(T, N, 4)
 LN_WARP_KERNELS(float, f32_f32)
 LN_WARP_KERNELS(__half, f16_f32)
 LN_WARP_KERNELS(__nv_bfloat16, bf16_f32)

@@ -431,21 +431,32 @@ const LN_WARP_BACKWARD: [&str; 4] = [
     "layer_norm_backward_warp4",
     "layer_norm_backward_warp8",
 ];
+/// The backward kernels that also sum the parameter gradients, by vectors per lane (1, 2, 4).
+const LN_WARP_BACKWARD_PARAMS: [&str; 3] = [
+    "layer_norm_backward_params_warp1",
+    "layer_norm_backward_params_warp2",
+    "layer_norm_backward_params_warp4",
+];
+/// Rows per block, and blocks at most, of the backward kernels that sum the parameter gradients:
+/// enough warps to stream dy and x at full speed, few enough blocks that adding their partial
+/// sums stays cheap.
+const PARAM_ROWS_PER_BLOCK: u64 = 16;
+const PARAM_BLOCKS: u64 = 264;
 /// Warps per block of the warp-per-row kernels.
 const ROW_WARPS: u32 = 4;
 
-/// The warp-per-row layer-norm kernel of `families` for rows of `n` elements of `dtype`, when it
-/// applies: f32, f16 or bf16 with f32 statistics, rows of whole 16-byte vectors (at most 32 · 8
-/// per row, so a lane holds at most 8), every row operand in `addresses` 16-byte aligned and
-/// every present parameter in `params` (address, stride) dense and aligned.
-fn warp_rows(
+/// The slot (vectors per lane 1, 2, 4 or 8 → 0..4) of the warp-per-row layer-norm kernels for
+/// rows of `n` elements of `dtype`, when they apply: f32, f16 or bf16 with f32 statistics, rows of
+/// whole 16-byte vectors (at most 32 · 8 per row, so a lane holds at most 8), every row operand in
+/// `addresses` 16-byte aligned and every present parameter in `params` (address, stride) dense and
+/// aligned.
+fn warp_slot(
     dtype: DType,
     stats: DType,
     n: u64,
     addresses: &[u64],
     params: &[(u64, u64)],
-    families: [&'static str; 4],
-) -> Option<&'static str> {
+) -> Option<usize> {
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || stats != DType::F32 {
         return None;
     }
@@ -462,14 +473,13 @@ fn warp_rows(
         return None;
     }
     let per_lane = (n / per_vector).div_ceil(32);
-    let slot = match per_lane {
-        1 => 0,
-        2 => 1,
-        3 | 4 => 2,
-        5..=8 => 3,
-        _ => return None,
-    };
-    Some(families[slot])
+    match per_lane {
+        1 => Some(0),
+        2 => Some(1),
+        3 | 4 => Some(2),
+        5..=8 => Some(3),
+        _ => None,
+    }
 }
 
 /// Launches a warp-per-row kernel over `rows` rows.
@@ -514,13 +524,12 @@ pub(crate) fn layer_norm(backend: &CudaBackend, args: LayerNormForward<'_>) -> R
     let (mean, rstd) = (address_of(op, &args.mean)?, address_of(op, &args.rstd)?);
     let (w, ws) = optional(args.weight);
     let (b, bs) = optional(args.bias);
-    if let Some(family) = warp_rows(
+    if let Some(slot) = warp_slot(
         args.x.dtype,
         args.mean.dtype,
         n,
         &[x, out],
         &[(w, ws), (b, bs)],
-        LN_WARP_FORWARD,
     ) {
         let params = [
             Param::U64(x),
@@ -533,7 +542,8 @@ pub(crate) fn layer_norm(backend: &CudaBackend, args: LayerNormForward<'_>) -> R
             Param::U64(rows),
             Param::U64(n),
         ];
-        return launch_warp_rows(backend, op, (family, suffix), rows, &params);
+        let name = (LN_WARP_FORWARD[slot], suffix);
+        return launch_warp_rows(backend, op, name, rows, &params);
     }
     let params = [
         Param::U64(x),
@@ -562,16 +572,40 @@ pub(crate) fn layer_norm_backward(
     let dy = address_of(op, &args.dy)?;
     let (mean, rstd) = (address_of(op, &args.mean)?, address_of(op, &args.rstd)?);
     let (w, ws) = optional(args.weight);
-    if let Some(dx) = args.dx {
-        let dx = address_of(op, &dx)?;
-        if let Some(family) = warp_rows(
-            args.x.dtype,
-            args.mean.dtype,
-            n,
-            &[dy, x, dx],
-            &[(w, ws)],
-            LN_WARP_BACKWARD,
-        ) {
+    let dx = args.dx.map(|dx| address_of(op, &dx)).transpose()?;
+    let wants_params = args.dweight.is_some() || args.dbias.is_some();
+    let mut row_operands = vec![dy, x];
+    row_operands.extend(dx);
+    let slot = warp_slot(args.x.dtype, args.mean.dtype, n, &row_operands, &[(w, ws)]);
+    if let (Some(slot), true) = (slot, wants_params) {
+        if let Some(&family) = LN_WARP_BACKWARD_PARAMS.get(slot) {
+            // One pass for all three gradients: block sums of the parameter gradients, then the
+            // finishing kernel adds the blocks.
+            let blocks = rows.div_ceil(PARAM_ROWS_PER_BLOCK).clamp(1, PARAM_BLOCKS);
+            let scratch = Scratch::new(backend, 2 * blocks * n * 4)?;
+            let params = [
+                Param::U64(dy),
+                Param::U64(x),
+                Param::U64(mean),
+                Param::U64(rstd),
+                Param::U64(w),
+                Param::U64(dx.unwrap_or(0)),
+                Param::U64(scratch.address()),
+                Param::U64(rows),
+                Param::U64(n),
+            ];
+            let config = LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (32 * ROW_WARPS, 1, 1),
+                shared_mem_bytes: (2 * n * 4) as u32,
+            };
+            let name = (family, suffix);
+            launch_in(backend, Module::Rows, op, name, config, &params, NO_ARGS)?;
+            return param_finish(backend, &args, suffix, scratch.address(), blocks, n);
+        }
+    }
+    if let Some(dx) = dx {
+        if let Some(slot) = slot {
             let params = [
                 Param::U64(dy),
                 Param::U64(x),
@@ -582,7 +616,8 @@ pub(crate) fn layer_norm_backward(
                 Param::U64(rows),
                 Param::U64(n),
             ];
-            launch_warp_rows(backend, op, (family, suffix), rows, &params)?;
+            let name = (LN_WARP_BACKWARD[slot], suffix);
+            launch_warp_rows(backend, op, name, rows, &params)?;
         } else {
             let params = [
                 Param::U64(dy),
@@ -605,7 +640,7 @@ pub(crate) fn layer_norm_backward(
             )?;
         }
     }
-    if args.dweight.is_some() || args.dbias.is_some() {
+    if wants_params {
         param_grads(backend, &args, suffix, (dy, x, mean, rstd), rows, n)?;
     }
     Ok(())
@@ -739,7 +774,7 @@ fn param_grads(
     // Returned in stream order, after the kernels that use it.
     let scratch = Scratch::new(backend, 2 * n_chunks * n * accumulator)?;
     let partial = scratch.address();
-    let (stage1, stage2) = column_stages(n, n_chunks);
+    let (stage1, _) = column_stages(n, n_chunks);
     let params = [
         Param::U64(dy),
         Param::U64(x),
@@ -751,6 +786,21 @@ fn param_grads(
     ];
     let name = ("layer_norm_param_partials", suffix);
     launch_in(backend, Module::Rows, op, name, stage1, &params, NO_ARGS)?;
+    param_finish(backend, args, suffix, partial, n_chunks, n)
+}
+
+/// The second stage of the layer-norm parameter gradients: adds `n_chunks` partial sums
+/// (`partial` `[2, n_chunks, n]`, weight then bias) into the gradients `args` asks for.
+fn param_finish(
+    backend: &CudaBackend,
+    args: &LayerNormBackward<'_>,
+    suffix: &'static str,
+    partial: u64,
+    n_chunks: u64,
+    n: u64,
+) -> Result<()> {
+    let op = "layer_norm_backward";
+    let (_, stage2) = column_stages(n, n_chunks);
     let (dw, dws) = optional(args.dweight);
     let (db, dbs) = optional(args.dbias);
     let params = [
