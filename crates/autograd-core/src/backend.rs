@@ -299,37 +299,17 @@ pub fn linear_dims(args: &LinearForward<'_>) -> Result<(usize, usize, usize)> {
     if weight_in != in_features {
         return Err(linear_mismatch(&args.input, &args.weight));
     }
-    let mut outputs = vec![args.out];
-    if let LinearEpilogue::Gelu { pre_activation } = args.epilogue {
-        outputs.push(pre_activation);
-    }
-    for output in &outputs {
-        if output.layout.shape() != [rows, out_features] || !output.layout.is_contiguous() {
-            return Err(TensorError::InvalidArgument {
-                op: "linear",
-                reason: format!(
-                    "outputs must be dense [{rows}, {out_features}], got shape {:?} strides {:?}",
-                    output.layout.shape(),
-                    output.layout.strides()
-                ),
-            });
-        }
-    }
     if let Some(bias) = &args.bias {
         if bias.layout.shape() != [out_features] {
             return Err(linear_mismatch(&args.weight, bias));
         }
     }
-    let operands = [args.weight].into_iter().chain(args.bias).chain(outputs);
-    for view in operands {
-        if view.dtype != args.input.dtype {
-            return Err(TensorError::DtypeMismatch {
-                op: "linear",
-                lhs: args.input.dtype,
-                rhs: view.dtype,
-            });
-        }
+    let mut outputs = vec![(args.out, vec![rows, out_features])];
+    if let LinearEpilogue::Gelu { pre_activation } = args.epilogue {
+        outputs.push((pre_activation, vec![rows, out_features]));
     }
+    let inputs = [args.input, args.weight].into_iter().chain(args.bias);
+    check_linear_operands("linear", inputs, &outputs)?;
     Ok((rows, in_features, out_features))
 }
 
@@ -346,31 +326,45 @@ pub fn linear_weight_grad_dims(args: &LinearWeightGrad<'_>) -> Result<(usize, us
     }
     let mut outputs = vec![(args.grad_weight, vec![out_features, in_features])];
     outputs.extend(args.grad_bias.map(|bias| (bias, vec![out_features])));
-    for (view, shape) in &outputs {
+    check_linear_operands("linear_weight_grad", [args.grad_out, args.input], &outputs)?;
+    Ok((rows, in_features, out_features))
+}
+
+/// Fails unless every output is dense with its expected shape and every view has the first
+/// input's dtype.
+fn check_linear_operands<'a>(
+    op: &'static str,
+    inputs: impl IntoIterator<Item = View<'a>>,
+    outputs: &[(View<'a>, Vec<usize>)],
+) -> Result<()> {
+    for (view, shape) in outputs {
         if view.layout.shape() != shape.as_slice() || !view.layout.is_contiguous() {
             return Err(TensorError::InvalidArgument {
-                op: "linear_weight_grad",
+                op,
                 reason: format!(
-                    "gradients must be dense {shape:?}, got shape {:?} strides {:?}",
+                    "outputs must be dense {shape:?}, got shape {:?} strides {:?}",
                     view.layout.shape(),
                     view.layout.strides()
                 ),
             });
         }
     }
-    let operands = [args.input]
+    let mut views = inputs
         .into_iter()
         .chain(outputs.iter().map(|(view, _)| *view));
-    for view in operands {
-        if view.dtype != args.grad_out.dtype {
+    let Some(first) = views.next() else {
+        return Ok(());
+    };
+    for view in views {
+        if view.dtype != first.dtype {
             return Err(TensorError::DtypeMismatch {
-                op: "linear_weight_grad",
-                lhs: args.grad_out.dtype,
+                op,
+                lhs: first.dtype,
                 rhs: view.dtype,
             });
         }
     }
-    Ok((rows, in_features, out_features))
+    Ok(())
 }
 
 fn linear_mismatch(lhs: &View<'_>, rhs: &View<'_>) -> TensorError {

@@ -249,7 +249,7 @@ fn run(backend: &CudaBackend, gemm: &Gemm) -> Result<bool> {
         _ => return Ok(false),
     };
     let has_bias = gemm.epilogue != Epilogue::Plain;
-    if m == 0 || n == 0 || k == 0 || (has_bias && gemm.bias % 16 != 0) {
+    if m == 0 || n == 0 || k == 0 || (has_bias && !gemm.bias.is_multiple_of(16)) {
         return Ok(false);
     }
     let tf32 = gemm.dtype == DType::F32 && backend.allow_tf32();
@@ -274,11 +274,13 @@ fn run(backend: &CudaBackend, gemm: &Gemm) -> Result<bool> {
     let Some(handle) = lt_state.handle.as_ref().map(|handle| handle.0) else {
         return Ok(false);
     };
-    if !lt_state.plans.contains_key(&key) {
-        let plan = Plan::new(handle, &key, data_type, workspace_bytes)?;
-        lt_state.plans.insert(key, plan);
-    }
-    let Some(plan) = lt_state.plans.get(&key).and_then(Option::as_ref) else {
+    let plan = match lt_state.plans.entry(key) {
+        std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
+        std::collections::hash_map::Entry::Vacant(entry) => {
+            entry.insert(Plan::new(handle, &key, data_type, workspace_bytes)?)
+        }
+    };
+    let Some(plan) = plan.as_ref() else {
         return Ok(false);
     };
     let (alpha, beta) = (1.0f32, 0.0f32);
