@@ -2,8 +2,9 @@
 //!
 //! # Design
 //!
-//! [`Backend`] has **26 methods**: 7 for the device and its memory (`device`, `into_any`,
-//! `allocate`, `free`, `memory_stats`, `write_host`, `read_host`) and 19 compute primitives. The engine and every op
+//! [`Backend`] has **28 methods**: 7 for the device and its memory (`device`, `into_any`,
+//! `allocate`, `free`, `memory_stats`, `write_host`, `read_host`) and 21 compute primitives, 2 of
+//! which (`linear`, `linear_weight_grad`) have default bodies composed of the others. The engine and every op
 //! in `crate::ops` are written once
 //! on top of it; ops-cpu implements it now, ops-cuda later. The reasoning:
 //!
@@ -21,8 +22,11 @@
 //!   or extra saved memory**: softmax (one read, one write, and its backward), layer norm (forward
 //!   saves only mean and rstd; backward is one pass), cross-entropy (saves one log-sum-exp per
 //!   row instead of a log-softmax matrix), dropout (mask and output in one pass), attention
-//!   (saves one log-sum-exp per query instead of a `[seq, seq]` probability matrix per head). Everything else
-//!   (linear, mean, patch embedding, cat/split, pow backward, ...) is composed in `crate::ops`.
+//!   (saves one log-sum-exp per query instead of a `[seq, seq]` probability matrix per head), linear
+//!   (a GEMM library adds the bias and writes the bias gradient in its epilogue, saving a pass
+//!   each way; the default bodies compose `copy`, `matmul`, `unary` and `reduce`, so a backend
+//!   without such a library implements nothing). Everything else (mean, patch embedding,
+//!   cat/split, pow backward, ...) is composed in `crate::ops`.
 //! - **No device types.** Views carry a [`Buffer`], whose address is a `u64`; no CUDA stream,
 //!   handle or pointer type appears here.
 //!
@@ -237,6 +241,188 @@ pub struct AttentionBackward<'a> {
     pub dk: View<'a>,
     /// Gradient of `v`.
     pub dv: View<'a>,
+}
+
+/// What [`Backend::linear`] applies after adding the bias.
+#[derive(Debug, Clone, Copy)]
+pub enum LinearEpilogue<'a> {
+    /// `out = input weightᵀ + bias`.
+    None,
+    /// `pre_activation = input weightᵀ + bias`, then `out = gelu(pre_activation)` with the exact
+    /// normal CDF (`torch.nn.GELU()`); `pre_activation` (dense, like `out`) is what the GELU's
+    /// backward needs.
+    Gelu {
+        /// Receives the product plus bias.
+        pre_activation: View<'a>,
+    },
+}
+
+/// Inputs and outputs of [`Backend::linear`], `out = epilogue(input weightᵀ + bias)`
+/// (`torch.nn.functional.linear`, optionally followed by GELU).
+#[derive(Debug, Clone, Copy)]
+pub struct LinearForward<'a> {
+    /// `[rows, in]`, possibly strided.
+    pub input: View<'a>,
+    /// `[out, in]` as a `Linear` layer stores it, possibly strided.
+    pub weight: View<'a>,
+    /// `[out]`, if any.
+    pub bias: Option<View<'a>>,
+    /// What follows the bias.
+    pub epilogue: LinearEpilogue<'a>,
+    /// The result, dense `[rows, out]`.
+    pub out: View<'a>,
+}
+
+/// Inputs and outputs of [`Backend::linear_weight_grad`]: `grad_weight = grad_outᵀ input` and
+/// `grad_bias` the column sums of `grad_out`, both written (not accumulated).
+#[derive(Debug, Clone, Copy)]
+pub struct LinearWeightGrad<'a> {
+    /// Gradient of the linear's output, `[rows, out]`, possibly strided.
+    pub grad_out: View<'a>,
+    /// The forward input, `[rows, in]`, possibly strided.
+    pub input: View<'a>,
+    /// Weight gradient, dense `[out, in]`.
+    pub grad_weight: View<'a>,
+    /// Bias gradient, dense `[out]`, if wanted.
+    pub grad_bias: Option<View<'a>>,
+}
+
+/// The shape and dtype rule of [`Backend::linear`], shared by every backend: 2-D `input` and
+/// `weight` with one inner size, `bias` `[out]`, `out` (and a GELU's `pre_activation`) dense
+/// `[rows, out]`, all of one dtype. Returns `(rows, in, out)`.
+pub fn linear_dims(args: &LinearForward<'_>) -> Result<(usize, usize, usize)> {
+    let (&[rows, in_features], &[out_features, weight_in]) =
+        (args.input.layout.shape(), args.weight.layout.shape())
+    else {
+        return Err(linear_mismatch(&args.input, &args.weight));
+    };
+    if weight_in != in_features {
+        return Err(linear_mismatch(&args.input, &args.weight));
+    }
+    if let Some(bias) = &args.bias {
+        if bias.layout.shape() != [out_features] {
+            return Err(linear_mismatch(&args.weight, bias));
+        }
+    }
+    let mut outputs = vec![(args.out, vec![rows, out_features])];
+    if let LinearEpilogue::Gelu { pre_activation } = args.epilogue {
+        outputs.push((pre_activation, vec![rows, out_features]));
+    }
+    let inputs = [args.input, args.weight].into_iter().chain(args.bias);
+    check_linear_operands("linear", inputs, &outputs)?;
+    Ok((rows, in_features, out_features))
+}
+
+/// The shape and dtype rule of [`Backend::linear_weight_grad`], shared by every backend.
+/// Returns `(rows, in, out)`.
+pub fn linear_weight_grad_dims(args: &LinearWeightGrad<'_>) -> Result<(usize, usize, usize)> {
+    let (&[rows, out_features], &[input_rows, in_features]) =
+        (args.grad_out.layout.shape(), args.input.layout.shape())
+    else {
+        return Err(linear_mismatch(&args.grad_out, &args.input));
+    };
+    if input_rows != rows {
+        return Err(linear_mismatch(&args.grad_out, &args.input));
+    }
+    let mut outputs = vec![(args.grad_weight, vec![out_features, in_features])];
+    outputs.extend(args.grad_bias.map(|bias| (bias, vec![out_features])));
+    check_linear_operands("linear_weight_grad", [args.grad_out, args.input], &outputs)?;
+    Ok((rows, in_features, out_features))
+}
+
+/// Fails unless every output is dense with its expected shape and every view has the first
+/// input's dtype.
+fn check_linear_operands<'a>(
+    op: &'static str,
+    inputs: impl IntoIterator<Item = View<'a>>,
+    outputs: &[(View<'a>, Vec<usize>)],
+) -> Result<()> {
+    for (view, shape) in outputs {
+        if view.layout.shape() != shape.as_slice() || !view.layout.is_contiguous() {
+            return Err(TensorError::InvalidArgument {
+                op,
+                reason: format!(
+                    "outputs must be dense {shape:?}, got shape {:?} strides {:?}",
+                    view.layout.shape(),
+                    view.layout.strides()
+                ),
+            });
+        }
+    }
+    let mut views = inputs
+        .into_iter()
+        .chain(outputs.iter().map(|(view, _)| *view));
+    let Some(first) = views.next() else {
+        return Ok(());
+    };
+    for view in views {
+        if view.dtype != first.dtype {
+            return Err(TensorError::DtypeMismatch {
+                op,
+                lhs: first.dtype,
+                rhs: view.dtype,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn linear_mismatch(lhs: &View<'_>, rhs: &View<'_>) -> TensorError {
+    TensorError::ShapeMismatch {
+        op: "linear",
+        lhs: lhs.layout.shape().to_vec(),
+        rhs: rhs.layout.shape().to_vec(),
+    }
+}
+
+/// [`Backend::linear`] composed of primitives (its default body, and a backend's fallback for
+/// cases its fused path does not take): the bias broadcast into the output, the product
+/// accumulated onto it (addmm), then the GELU into `out`.
+pub fn compose_linear<B: Backend + ?Sized>(backend: &B, args: LinearForward<'_>) -> Result<()> {
+    let (rows, _, out_features) = linear_dims(&args)?;
+    let product = match args.epilogue {
+        LinearEpilogue::None => args.out,
+        LinearEpilogue::Gelu { pre_activation } => pre_activation,
+    };
+    if let Some(bias) = &args.bias {
+        let spread = bias.layout.expand("linear", &[rows, out_features])?;
+        backend.copy(
+            View {
+                layout: &spread,
+                ..*bias
+            },
+            product,
+        )?;
+    }
+    let weight_t = args.weight.layout.permute("linear", &[1, 0])?;
+    let weight_t = View {
+        layout: &weight_t,
+        ..args.weight
+    };
+    backend.matmul(args.input, weight_t, product, args.bias.is_some())?;
+    if let LinearEpilogue::Gelu { pre_activation } = args.epilogue {
+        backend.unary(UnaryOp::Gelu, pre_activation, args.out)?;
+    }
+    Ok(())
+}
+
+/// [`Backend::linear_weight_grad`] composed of primitives (its default body, and a backend's
+/// fallback): one product for the weight, one reduction over the rows for the bias.
+pub fn compose_linear_weight_grad<B: Backend + ?Sized>(
+    backend: &B,
+    args: LinearWeightGrad<'_>,
+) -> Result<()> {
+    linear_weight_grad_dims(&args)?;
+    let grad_t = args.grad_out.layout.permute("linear", &[1, 0])?;
+    let grad_t = View {
+        layout: &grad_t,
+        ..args.grad_out
+    };
+    backend.matmul(grad_t, args.input, args.grad_weight, false)?;
+    if let Some(grad_bias) = args.grad_bias {
+        backend.reduce(ReduceOp::Sum, grad_t, 1, grad_bias)?;
+    }
+    Ok(())
 }
 
 /// Sizes of a fused attention call.
@@ -455,6 +641,18 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Batched matrix product over equal batch dims: `out[.., m, n] (+)= a[.., m, k] b[.., k, n]`.
     /// Inputs may be strided (transposes are free); `accumulate` adds to `out`.
     fn matmul(&self, a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()>;
+
+    /// `out = epilogue(input weightᵀ + bias)`: the forward of a linear layer, optionally followed
+    /// by GELU (see [`LinearForward`]). The default body is [`compose_linear`].
+    fn linear(&self, args: LinearForward<'_>) -> Result<()> {
+        compose_linear(self, args)
+    }
+
+    /// A linear layer's weight gradient and, if asked, its bias gradient in one call (see
+    /// [`LinearWeightGrad`]). The default body is [`compose_linear_weight_grad`].
+    fn linear_weight_grad(&self, args: LinearWeightGrad<'_>) -> Result<()> {
+        compose_linear_weight_grad(self, args)
+    }
 
     /// Softmax (or log-softmax) of `x` along `dim` into dense `out`.
     fn softmax(&self, x: View<'_>, dim: usize, log: bool, out: View<'_>) -> Result<()>;

@@ -36,9 +36,10 @@ mod saved;
 mod tensor;
 
 pub use backend::{
-    attention_dims, index_strides, matmul_dims, AttentionBackward, AttentionDims, AttentionForward,
-    Backend, BackendRef, BinaryOp, CrossEntropyArgs, LayerNormBackward, LayerNormForward, MaskedOp,
-    ReduceOp, Reduction, UnaryOp, View,
+    attention_dims, compose_linear, compose_linear_weight_grad, index_strides, linear_dims,
+    linear_weight_grad_dims, matmul_dims, AttentionBackward, AttentionDims, AttentionForward,
+    Backend, BackendRef, BinaryOp, CrossEntropyArgs, LayerNormBackward, LayerNormForward,
+    LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp, ReduceOp, Reduction, UnaryOp, View,
 };
 pub use buffer::{Buffer, VersionCounter};
 pub use dtype::{DType, Device};

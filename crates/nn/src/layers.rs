@@ -275,9 +275,13 @@ impl Mlp {
         })
     }
 
-    /// Applies the block.
+    /// Applies the block. With the exact GELU, the first linear and the activation are one
+    /// fused op ([`Tensor::linear_gelu`]: same values, gradients and saved tensors).
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        let hidden = self.activation.forward(&self.fc1.forward(input)?)?;
+        let hidden = match self.activation {
+            Activation::Gelu => input.linear_gelu(&self.fc1.weight, self.fc1.bias.as_ref())?,
+            activation => activation.forward(&self.fc1.forward(input)?)?,
+        };
         let hidden = self.dropout.forward(&hidden)?;
         self.dropout.forward(&self.fc2.forward(&hidden)?)
     }

@@ -550,3 +550,65 @@ fn split_and_cat_round_trip_and_split_costs_one_gradient() {
         vec![0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0]
     );
 }
+
+/// Forward values, the three gradients and the peak memory of `x.linear(w, b).gelu()` (or the
+/// fused `linear_gelu`) on a fresh backend, as raw bits.
+fn linear_gelu_run(fused: bool, dtype: DType) -> (Vec<Vec<u64>>, i64) {
+    let cpu = CpuBackend::new_ref();
+    let values = |n: usize, seed: usize| -> Vec<f64> {
+        (0..n)
+            .map(|i| (((i * 7919 + seed * 104_729) % 1009) as f64 / 1009.0 - 0.5) * 3.0)
+            .collect()
+    };
+    let make = |n: usize, seed: usize, shape: &[usize]| {
+        let t = Tensor::from_f64s(&cpu, &values(n, seed), shape, dtype).unwrap();
+        t.requires_grad_(true).unwrap();
+        t
+    };
+    let (x, w, b) = (
+        make(2 * 5 * 8, 1, &[2, 5, 8]),
+        make(12 * 8, 2, &[12, 8]),
+        make(12, 3, &[12]),
+    );
+    let out = if fused {
+        x.linear_gelu(&w, Some(&b)).unwrap()
+    } else {
+        x.linear(&w, Some(&b)).unwrap().gelu().unwrap()
+    };
+    let weights = Tensor::from_f64s(&cpu, &values(out.numel(), 4), out.shape(), dtype).unwrap();
+    out.mul(&weights)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let bits = |t: &Tensor| -> Vec<u64> {
+        t.to_vec_f64()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    let res = vec![
+        bits(&out.detach()),
+        bits(&x.grad().unwrap()),
+        bits(&w.grad().unwrap()),
+        bits(&b.grad().unwrap()),
+    ];
+    (res, cpu.memory_stats().allocated_bytes.all.peak)
+}
+
+#[test]
+fn fused_linear_gelu_equals_linear_then_gelu_to_the_bit() {
+    for dtype in [DType::F32, DType::F64, DType::BF16] {
+        let (fused, fused_peak) = linear_gelu_run(true, dtype);
+        let (unfused, unfused_peak) = linear_gelu_run(false, dtype);
+        for (what, (lhs, rhs)) in ["output", "dx", "dw", "db"]
+            .iter()
+            .zip(fused.iter().zip(&unfused))
+        {
+            assert_eq!(lhs, rhs, "{what} {dtype:?}");
+        }
+        assert_eq!(fused_peak, unfused_peak, "{dtype:?}");
+    }
+}

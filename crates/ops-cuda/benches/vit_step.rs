@@ -3,7 +3,8 @@
 //! all parameters, in f32 or, for the bf16 model, on bf16 parameters with f32 arithmetic as
 //! PyTorch's fused SGD does) and `zero_grad(set_to_none)` — the protocol of PyTorch's `sgd` anchor. Median step
 //! time of 6 after 3 warm-ups (and the host's time to enqueue the step: when it nears the step
-//! time, the host is the bottleneck), and peak allocated bytes over the timed steps, fp32 at
+//! time, the host is the bottleneck), peak allocated bytes over the timed steps and the linear
+//! layers that could not run through cuBLASLt since the start (`linear_fallbacks`), fp32 at
 //! batch 1 and 32 and the whole model in bf16 at batch 32. Prints one JSON line per setting, or a
 //! skip notice without a CUDA device. `vit_step BATCH STEPS [bf16]` runs one setting with STEPS timed steps
 //! and one warm-up (for profilers).
@@ -94,8 +95,10 @@ fn main() {
         let host_ms = (host[(timed - 1) / 2] + host[timed / 2]) / 2.0;
         let stats = cuda.allocator().memory_stats();
         println!(
-            "{{\"case\": \"vit_l16_sgd\", \"dtype\": \"{dtype:?}\", \"impl\": \"headroom_cuda\", \"batch\": {batch}, \"step_ms\": {ms:.1}, \"host_ms\": {host_ms:.1}, \"peak_allocated_bytes\": {}, \"peak_reserved_bytes\": {}, \"times_ms\": {times:?}}}",
-            stats.allocated_bytes.all.peak, stats.reserved_bytes.all.peak
+            "{{\"case\": \"vit_l16_sgd\", \"dtype\": \"{dtype:?}\", \"impl\": \"headroom_cuda\", \"batch\": {batch}, \"step_ms\": {ms:.1}, \"host_ms\": {host_ms:.1}, \"peak_allocated_bytes\": {}, \"peak_reserved_bytes\": {}, \"linear_fallbacks\": {}, \"times_ms\": {times:?}}}",
+            stats.allocated_bytes.all.peak,
+            stats.reserved_bytes.all.peak,
+            cuda.linear_fallbacks()
         );
     }
 }

@@ -12,7 +12,8 @@ use std::sync::Arc;
 use cudarc::driver::{result, CudaContext, CudaStream};
 use headroom_autograd_core::{
     AttentionBackward, AttentionForward, Backend, BinaryOp, Buffer, CrossEntropyArgs, Device,
-    LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, TensorError, UnaryOp, View,
+    LayerNormBackward, LayerNormForward, LinearForward, LinearWeightGrad, MaskedOp, ReduceOp,
+    Result, TensorError, UnaryOp, View,
 };
 use headroom_caching_allocator::{
     AllocError, Allocation, AllocatorConfig, CachingAllocator, CudaStorage, MemoryStats,
@@ -25,6 +26,7 @@ use crate::elementwise;
 use crate::error::CudaError;
 use crate::index;
 use crate::kernels::KernelCache;
+use crate::linear;
 use crate::matmul::{self, BlasState};
 use crate::rows;
 
@@ -282,6 +284,14 @@ impl Backend for CudaBackend {
 
     fn matmul(&self, a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {
         matmul::matmul(self, a, b, out, accumulate)
+    }
+
+    fn linear(&self, args: LinearForward<'_>) -> Result<()> {
+        linear::linear(self, args)
+    }
+
+    fn linear_weight_grad(&self, args: LinearWeightGrad<'_>) -> Result<()> {
+        linear::linear_weight_grad(self, args)
     }
 
     fn softmax(&self, x: View<'_>, dim: usize, log: bool, out: View<'_>) -> Result<()> {

@@ -10,7 +10,8 @@
 //!
 //! Every primitive of the trait is implemented: strided copy and cast, fill, unary, binary and
 //! masked elementwise ops, reductions over trailing dims, softmax and log-softmax, layer norm,
-//! batched GEMM through cuBLAS (its workspace from the caching allocator), fused attention,
+//! batched GEMM through cuBLAS (its workspace from the caching allocator), linear layers through
+//! cuBLASLt (bias added, and bias gradient reduced, in the GEMM's epilogue), fused attention,
 //! gather and scatter-add, fused cross-entropy and dropout (the same random stream as the CPU
 //! backend), in f32, f64, f16 and bf16 (the last two computed in f32). Out-of-range indices are typed errors,
 //! checked on the device.
@@ -40,6 +41,8 @@ mod index;
 mod kernels;
 #[cfg(feature = "cuda")]
 mod launch;
+#[cfg(feature = "cuda")]
+mod linear;
 #[cfg(feature = "cuda")]
 mod matmul;
 #[cfg(feature = "cuda")]

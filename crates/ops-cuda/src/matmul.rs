@@ -10,7 +10,7 @@
 //!
 //! The cuBLAS handle and its 32 MiB workspace (PyTorch's size on Hopper) are created on the first
 //! product; the workspace is an allocation of the backend's caching allocator, so it shows in
-//! `memory_allocated()` as PyTorch's does.
+//! `memory_allocated()` as PyTorch's does. cuBLASLt (`linear.rs`) shares it.
 
 use std::ffi::c_void;
 
@@ -19,15 +19,18 @@ use headroom_autograd_core::{matmul_dims, DType, Layout, Result, TensorError, Vi
 use headroom_caching_allocator::{Allocation, StreamId};
 
 use crate::backend::{device_error, CudaBackend, Scratch};
+use crate::linear::LtState;
 
 /// Bytes of cuBLAS workspace.
 const WORKSPACE_BYTES: u64 = 32 << 20;
 
-/// A cuBLAS handle and the workspace lent to it.
+/// A cuBLAS handle and the workspace lent to it, and cuBLASLt's state (`linear.rs`), which
+/// shares the workspace.
 #[derive(Debug)]
 pub(crate) struct BlasState {
     handle: Handle,
     workspace: Option<Allocation>,
+    lt: Option<LtState>,
 }
 
 #[derive(Debug)]
@@ -40,12 +43,36 @@ unsafe impl Send for Handle {}
 impl BlasState {
     /// Returns the workspace to the allocator and destroys the handle.
     pub(crate) fn release(mut self, backend: &CudaBackend) {
+        if let Some(lt) = self.lt.take() {
+            lt.release();
+        }
         // SAFETY: the handle was created by `create_handle` and is destroyed once, here.
         // Errors cannot be reported from a drop; the workspace goes back either way.
         let _ = unsafe { blas::destroy_handle(self.handle.0) };
         if let Some(workspace) = self.workspace.take() {
             let _ = backend.allocator().free(workspace);
         }
+    }
+}
+
+impl BlasState {
+    /// The workspace's address and size in bytes.
+    pub(crate) fn workspace(&self) -> (u64, usize) {
+        let address = self.workspace.as_ref().map_or(0, Allocation::address);
+        (address, WORKSPACE_BYTES as usize)
+    }
+
+    /// cuBLASLt's state, created on first use.
+    pub(crate) fn lt(&mut self) -> Result<&mut LtState> {
+        if self.lt.is_none() {
+            self.lt = Some(LtState::new()?);
+        }
+        Ok(self.lt.as_mut().expect("created above"))
+    }
+
+    /// cuBLASLt's state if a linear layer created it.
+    pub(crate) fn lt_if_created(&mut self) -> Option<&mut LtState> {
+        self.lt.as_mut()
     }
 }
 
@@ -297,6 +324,7 @@ impl CudaBackend {
             *guard = Some(BlasState {
                 handle: Handle(handle),
                 workspace: Some(workspace),
+                lt: None,
             });
         }
         Ok(parking_lot::MutexGuard::map(guard, |state| {

@@ -226,17 +226,30 @@ impl Tensor {
     ) -> Result<Tensor> {
         let res = self.unary_raw(op, name)?;
         if records(&[self]) {
-            let saved = SavedTensor::save(name, if save_output { &res } else { self })?;
-            record(name, &[self], &[&res], move |grads| {
-                let grad = grads[0].as_ref().expect("one output");
-                Ok(vec![Some(grad.binary_raw(
-                    grad_op,
-                    &saved.unpack()?,
-                    name,
-                )?)])
-            });
+            self.record_pointwise(name, grad_op, &res, if save_output { &res } else { self })?;
         }
         Ok(res)
+    }
+
+    /// Records `res = f(self)` for a pointwise `f` whose backward is `binary(grad_op, grad,
+    /// saved)`, with `saved` the input or the output.
+    pub(crate) fn record_pointwise(
+        &self,
+        name: &'static str,
+        grad_op: BinaryOp,
+        res: &Tensor,
+        saved: &Tensor,
+    ) -> Result<()> {
+        let saved = SavedTensor::save(name, saved)?;
+        record(name, &[self], &[res], move |grads| {
+            let grad = grads[0].as_ref().expect("one output");
+            Ok(vec![Some(grad.binary_raw(
+                grad_op,
+                &saved.unpack()?,
+                name,
+            )?)])
+        });
+        Ok(())
     }
 
     /// `e^self`.

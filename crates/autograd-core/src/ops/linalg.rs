@@ -2,10 +2,13 @@
 //!
 //! The backend's `matmul` takes strided operands, so transposes in backward are free views.
 //! `matmul` of an N-d tensor by a matrix folds the batch into the rows (one GEMM, and a weight
-//! gradient without a per-batch temporary), as PyTorch does. `linear` writes the bias into the
-//! output and accumulates the product onto it (addmm). Patch embedding (a convolution with
-//! stride = kernel) is a reshape/permute to patches followed by `linear`.
+//! gradient without a per-batch temporary), as PyTorch does. `linear` and `linear_gelu` are one
+//! `Backend::linear` call forward (bias, and GELU, in the GEMM's epilogue where the backend has
+//! one) and one `Backend::linear_weight_grad` call for the weight and bias gradients backward.
+//! Patch embedding (a convolution with stride = kernel) is a reshape/permute to patches followed
+//! by `linear`.
 
+use crate::backend::{BinaryOp, LinearEpilogue, LinearForward, LinearWeightGrad};
 use crate::error::{Result, TensorError};
 use crate::grad_mode::no_grad;
 use crate::graph::record;
@@ -109,81 +112,163 @@ impl Tensor {
 
     /// `self @ weight^T + bias` over the last dim (`torch.nn.functional.linear`).
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        check_same("linear", self, weight)?;
-        check_float("linear", self)?;
+        let (res, _) = self.linear_forward("linear", weight, bias, false)?;
+        if let Some(inputs) = self.linear_inputs(weight, bias) {
+            record_linear(&inputs, &res)?;
+        }
+        Ok(res)
+    }
+
+    /// `gelu(self @ weight^T + bias)` with the exact GELU (`torch.nn.GELU()`), the product, bias
+    /// and activation in one backend call. Values and gradients equal
+    /// `self.linear(weight, bias)?.gelu()`, and so do the saved tensors (input, weight and the
+    /// pre-activation) and the graph: a `linear` node and a `gelu` node, so backward frees the
+    /// activation's gradient and the pre-activation before the weight-gradient products run,
+    /// exactly as the unfused pair does.
+    pub fn linear_gelu(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let (res, pre_activation) = self.linear_forward("linear_gelu", weight, bias, true)?;
+        let pre_activation = pre_activation.expect("asked for");
+        if let Some(inputs) = self.linear_inputs(weight, bias) {
+            record_linear(&inputs, &pre_activation)?;
+            pre_activation.record_pointwise(
+                "gelu",
+                BinaryOp::GeluBackward,
+                &res,
+                &pre_activation,
+            )?;
+        }
+        Ok(res)
+    }
+
+    /// The operands of a linear when it records, else `None`.
+    fn linear_inputs<'a>(
+        &'a self,
+        weight: &'a Tensor,
+        bias: Option<&'a Tensor>,
+    ) -> Option<Vec<&'a Tensor>> {
+        let mut inputs = vec![self, weight];
+        inputs.extend(bias);
+        records(&inputs).then_some(inputs)
+    }
+
+    /// Checks the operands and runs [`Backend::linear`](crate::Backend::linear): the result
+    /// and, with `gelu`, the pre-activation, both shaped like `self` with `out` features last.
+    fn linear_forward(
+        &self,
+        op: &'static str,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        gelu: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        check_same(op, self, weight)?;
+        check_float(op, self)?;
         let in_features = *self.shape().last().unwrap_or(&0);
         if self.ndim() == 0 || weight.ndim() != 2 || weight.shape()[1] != in_features {
             return Err(TensorError::ShapeMismatch {
-                op: "linear",
+                op,
                 lhs: self.shape().to_vec(),
                 rhs: weight.shape().to_vec(),
             });
         }
         let out_features = weight.shape()[0];
         if let Some(bias) = bias {
-            check_same("linear", self, bias)?;
+            check_same(op, self, bias)?;
             if bias.shape() != [out_features] {
                 return Err(TensorError::ShapeMismatch {
-                    op: "linear",
+                    op,
                     lhs: weight.shape().to_vec(),
                     rhs: bias.shape().to_vec(),
                 });
             }
         }
         let rows = self.numel() / in_features.max(1);
-        let (input_2d, weight_t) = {
+        let input_2d = {
             let _guard = no_grad();
-            (self.reshape(&[rows, in_features])?, weight.t()?)
+            self.reshape(&[rows, in_features])?
+        };
+        // The pre-activation first: the unfused pair allocates the linear's output first.
+        let pre_activation = if gelu {
+            Some(self.new_empty(&[rows, out_features], self.dtype())?)
+        } else {
+            None
         };
         let res = self.new_empty(&[rows, out_features], self.dtype())?;
-        if let Some(bias) = bias {
-            let spread = bias.alias(bias.layout().expand("linear", &[rows, out_features])?);
-            self.backend().copy(spread.view(), res.view())?;
-        }
-        self.backend()
-            .matmul(input_2d.view(), weight_t.view(), res.view(), bias.is_some())?;
+        let epilogue = match &pre_activation {
+            Some(pre_activation) => LinearEpilogue::Gelu {
+                pre_activation: pre_activation.view(),
+            },
+            None => LinearEpilogue::None,
+        };
+        self.backend().linear(LinearForward {
+            input: input_2d.view(),
+            weight: weight.view(),
+            bias: bias.map(Tensor::view),
+            epilogue,
+            out: res.view(),
+        })?;
         let mut out_shape = self.shape().to_vec();
         *out_shape.last_mut().expect("ndim >= 1") = out_features;
-        let res = res.into_shape(&out_shape);
-        let mut inputs = vec![self, weight];
-        inputs.extend(bias);
-        if records(&inputs) {
-            let saved_input = if weight.requires_grad() {
-                Some(SavedTensor::save("linear", self)?)
-            } else {
-                None
-            };
-            let saved_weight = if self.requires_grad() {
-                Some(SavedTensor::save("linear", weight)?)
-            } else {
-                None
-            };
-            let input_shape = self.shape().to_vec();
-            let has_bias = bias.is_some();
-            record("linear", &inputs, &[&res], move |grads| {
-                let grad = grads[0].as_ref().expect("one output");
-                let grad_2d = grad.reshape(&[rows, out_features])?;
-                let grad_input = match &saved_weight {
-                    Some(weight) => Some(grad_2d.matmul(&weight.unpack()?)?.reshape(&input_shape)?),
-                    None => None,
+        Ok((
+            res.into_shape(&out_shape),
+            pre_activation.map(|pre_activation| pre_activation.into_shape(&out_shape)),
+        ))
+    }
+}
+
+/// Records the linear node `inputs` (input, weight, bias if any) → `res`. Backward: the input
+/// gradient is one product, the weight and bias gradients one
+/// [`Backend::linear_weight_grad`](crate::Backend::linear_weight_grad) call.
+fn record_linear(inputs: &[&Tensor], res: &Tensor) -> Result<()> {
+    let (input, weight) = (inputs[0], inputs[1]);
+    let has_bias = inputs.len() == 3;
+    let saved_input = if weight.requires_grad() {
+        Some(SavedTensor::save("linear", input)?)
+    } else {
+        None
+    };
+    let saved_weight = if input.requires_grad() {
+        Some(SavedTensor::save("linear", weight)?)
+    } else {
+        None
+    };
+    let input_shape = input.shape().to_vec();
+    let (out_features, in_features) = (weight.shape()[0], weight.shape()[1]);
+    let rows = input.numel() / in_features.max(1);
+    record("linear", inputs, &[res], move |grads| {
+        let grad = grads[0].as_ref().expect("one output");
+        let grad_2d = grad.reshape(&[rows, out_features])?;
+        let grad_input = match &saved_weight {
+            Some(weight) => Some(grad_2d.matmul(&weight.unpack()?)?.reshape(&input_shape)?),
+            None => None,
+        };
+        let (grad_weight, grad_bias) = match &saved_input {
+            Some(input) => {
+                let input_2d = input.unpack()?.reshape(&[rows, in_features])?;
+                let dtype = grad_2d.dtype();
+                let grad_weight = grad_2d.new_empty(&[out_features, in_features], dtype)?;
+                let grad_bias = if has_bias {
+                    Some(grad_2d.new_empty(&[out_features], dtype)?)
+                } else {
+                    None
                 };
-                let grad_weight = match &saved_input {
-                    Some(input) => Some(
-                        grad_2d
-                            .t()?
-                            .matmul(&input.unpack()?.reshape(&[rows, in_features])?)?,
-                    ),
-                    None => None,
-                };
-                let mut res = vec![grad_input, grad_weight];
-                if has_bias {
-                    res.push(Some(grad_2d.sum(&[0], false)?));
-                }
-                Ok(res)
-            });
+                grad_2d.backend().linear_weight_grad(LinearWeightGrad {
+                    grad_out: grad_2d.view(),
+                    input: input_2d.view(),
+                    grad_weight: grad_weight.view(),
+                    grad_bias: grad_bias.as_ref().map(Tensor::view),
+                })?;
+                (Some(grad_weight), grad_bias)
+            }
+            None if has_bias => (None, Some(grad_2d.sum(&[0], false)?)),
+            None => (None, None),
+        };
+        let mut res = vec![grad_input, grad_weight];
+        if has_bias {
+            res.push(grad_bias);
         }
         Ok(res)
-    }
+    });
+    Ok(())
 }
 
 /// A convolution whose stride equals its kernel (ViT's patch embedding): `input` is
