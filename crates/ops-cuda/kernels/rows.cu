@@ -381,18 +381,27 @@ __device__ void layer_norm_param_partials(const T* dy, const T* x, const S* mean
     }
 }
 
+// Stage 2: a 32 x 8 block adds the chunks for 32 columns, each of its 8 rows of threads taking
+// every 8th chunk (coalesced across the columns), then folds the 8 sums in a fixed order.
 template <typename T, typename S>
 __device__ void layer_norm_param_finish(const typename Acc<S>::type* partial, unsigned long long n_chunks,
                                         T* dw, unsigned long long dws, T* db, unsigned long long dbs,
                                         unsigned long long n) {
     typedef typename Acc<S>::type C;
-    for (unsigned long long j = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; j < n;
-         j += (unsigned long long)gridDim.x * blockDim.x) {
-        C gw = 0, gb = 0;
-        for (unsigned long long c = 0; c < n_chunks; ++c) {
+    __shared__ C sw[8][33], sb[8][33];
+    unsigned long long j = (unsigned long long)blockIdx.x * 32 + threadIdx.x;
+    C gw = 0, gb = 0;
+    if (j < n) {
+        for (unsigned long long c = threadIdx.y; c < n_chunks; c += 8) {
             gw += partial[c * n + j];
             gb += partial[(n_chunks + c) * n + j];
         }
+    }
+    sw[threadIdx.y][threadIdx.x] = gw;
+    sb[threadIdx.y][threadIdx.x] = gb;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < n) {
+        for (int k = 1; k < 8; ++k) { gw += sw[k][threadIdx.x]; gb += sb[k][threadIdx.x]; }
         if (dw) st(dw + j * dws, gw);
         if (db) st(db + j * dbs, gb);
     }

@@ -800,7 +800,12 @@ fn param_finish(
     n: u64,
 ) -> Result<()> {
     let op = "layer_norm_backward";
-    let (_, stage2) = column_stages(n, n_chunks);
+    // 32 columns per block, 8 threads sharing each column's chunks.
+    let stage2 = LaunchConfig {
+        grid_dim: (n.div_ceil(32) as u32, 1, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
     let (dw, dws) = optional(args.dweight);
     let (db, dbs) = optional(args.dbias);
     let params = [
