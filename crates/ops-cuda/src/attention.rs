@@ -1,7 +1,7 @@
 //! Fused scaled-dot-product attention on the GPU (`kernels/attention.cu`): forward, and backward
 //! as a dQ kernel (which also writes each query's `Δ = dO·O`) followed by a dK/dV kernel — for
-//! f32 and f64. f16 and bf16 take the tensor-core path of `attention_gemm.rs`, with the same
-//! saved state.
+//! f32 and f64. f16 and bf16 take the tensor-core kernels of `attention_tc.rs` where their
+//! alignment rule holds, else the cuBLAS path of `attention_gemm.rs`; all keep the same saved state.
 //!
 //! Operands are `[batch, heads, rows, head_dim]` views with a contiguous head dim, described to
 //! the kernels by one `AttnArgs` (offset and batch/head/row strides per operand), so heads sliced
@@ -17,6 +17,7 @@ use headroom_autograd_core::{
 };
 
 use crate::attention_gemm;
+use crate::attention_tc;
 use crate::backend::{CudaBackend, Scratch};
 use crate::elementwise::{launch_in, Param};
 use crate::kernels::{KernelName, Module};
@@ -209,7 +210,11 @@ pub(crate) fn attention(backend: &CudaBackend, f: AttentionForward<'_>) -> Resul
         return Ok(());
     }
     if matches!(f.q.dtype, DType::F16 | DType::BF16) {
-        return attention_gemm::forward(backend, f, dims);
+        return if attention_tc::fits(&dims, &[f.q, f.k, f.v, f.out]) {
+            attention_tc::forward(backend, f, dims)
+        } else {
+            attention_gemm::forward(backend, f, dims)
+        };
     }
     let (dc, suffix) = variant(f.q.dtype, dims.head_dim)?;
     let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out])?;
@@ -232,7 +237,12 @@ pub(crate) fn attention_backward(backend: &CudaBackend, b: AttentionBackward<'_>
         return Ok(());
     }
     if matches!(f.q.dtype, DType::F16 | DType::BF16) {
-        return attention_gemm::backward(backend, b, dims);
+        let views = [f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv];
+        return if attention_tc::fits(&dims, &views) {
+            attention_tc::backward(backend, b, dims)
+        } else {
+            attention_gemm::backward(backend, b, dims)
+        };
     }
     let (dc, suffix) = variant(f.q.dtype, dims.head_dim)?;
     let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv])?;

@@ -28,6 +28,8 @@ pub(crate) enum Module {
     Index,
     /// `kernels/attention.cu`.
     Attention,
+    /// `kernels/attention_tc.cu`.
+    AttentionTc,
 }
 
 impl Module {
@@ -37,6 +39,7 @@ impl Module {
             Module::Rows => include_str!("../kernels/ptx/rows.ptx"),
             Module::Index => include_str!("../kernels/ptx/index.ptx"),
             Module::Attention => include_str!("../kernels/ptx/attention.ptx"),
+            Module::AttentionTc => include_str!("../kernels/ptx/attention_tc.ptx"),
         }
     }
 }

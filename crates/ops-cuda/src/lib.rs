@@ -32,6 +32,8 @@ mod attention;
 #[cfg(feature = "cuda")]
 mod attention_gemm;
 #[cfg(feature = "cuda")]
+mod attention_tc;
+#[cfg(feature = "cuda")]
 mod backend;
 #[cfg(feature = "cuda")]
 mod elementwise;
