@@ -212,14 +212,31 @@ fn ceiling_and_copies(bench: &mut Bench, compute: &CudaStream) {
         },
     );
     let gpu = bench.gpu.clone();
+    // A dense copy through `Backend::copy` takes the driver's copy; a strided one (every other
+    // element of 4 GB: the same bytes written, twice the span read) the copy kernel.
     bench.case(
         "copy",
-        "copy_kernel_f32_2GB",
+        "copy_dense_f32_2GB",
         Work::bytes(2 * 4 * n),
         compute,
         || gpu.copy(src.view(), dst.view()).expect("copy"),
     );
-    drop((src, dst));
+    drop(src);
+    let wide = Tensor::full(&bench.gpu, &[n, 2], 1.5, DType::F32).expect("alloc");
+    let every_other = Layout::from_parts(&[n], &[2], 0);
+    let strided = View {
+        buffer: wide.buffer(),
+        layout: &every_other,
+        dtype: DType::F32,
+    };
+    bench.case(
+        "copy",
+        "copy_kernel_strided_f32_2GB",
+        Work::bytes(2 * 4 * n),
+        compute,
+        || gpu.copy(strided, dst.view()).expect("copy"),
+    );
+    drop((wide, dst));
 
     let x = bench.tensor(&[ROWS, MLP], DType::F32, 2);
     let y = bench.empty(&[ROWS, MLP], DType::BF16);

@@ -655,24 +655,52 @@ fn column_reduction(
     n_reduced: usize,
     out: &View<'_>,
 ) -> Option<(u64, u64, u64, f64)> {
+    if !matches!(op, ReduceOp::Sum | ReduceOp::Mean) || n_reduced == 0 {
+        return None;
+    }
     let (shape, strides) = (x.layout.shape(), x.layout.strides());
-    let fits = matches!(op, ReduceOp::Sum | ReduceOp::Mean)
-        && shape.len() == 2
-        && n_reduced == 1
-        && strides[0] == 1
-        && strides[1] >= shape[0]
-        && shape[1] >= 2
-        && out.layout.ndim() == 1;
+    let kept = shape.len().checked_sub(n_reduced)?;
+    // The kept dims must merge into one unit-stride run of `n` columns, the reduced dims into one
+    // run of `rows` rows `rs` apart (a batch sum of `[batch, seq, width]` merges seq and width).
+    let (n, column_stride) = merged_run(&shape[..kept], &strides[..kept])?;
+    let (rows, rs) = merged_run(&shape[kept..], &strides[kept..])?;
+    let fits = column_stride == 1 && rs >= n && rows >= 2 && out_column_stride(out).is_some();
     if !fits {
         return None;
     }
-    let rows = shape[1] as u64;
     let scale = if op == ReduceOp::Mean {
         1.0 / rows as f64
     } else {
         1.0
     };
-    Some((rows, shape[0] as u64, strides[1] as u64, scale))
+    Some((rows as u64, n as u64, rs as u64, scale))
+}
+
+/// The distance between consecutive columns of a column reduction's output: its stride when it
+/// is 1-D, 1 when it is dense; `None` otherwise.
+fn out_column_stride(out: &View<'_>) -> Option<u64> {
+    match out.layout.ndim() {
+        1 => Some(out.layout.strides()[0] as u64),
+        _ if out.layout.is_contiguous() => Some(1),
+        _ => None,
+    }
+}
+
+/// Dims (`shape`, `strides`) as one run of (elements, stride), when they are one: size-1 dims
+/// dropped, each remaining dim's stride the next one's times its size. No dims is a run of one.
+fn merged_run(shape: &[usize], strides: &[usize]) -> Option<(usize, usize)> {
+    let mut run: Option<(usize, usize)> = None;
+    for (&size, &stride) in shape.iter().zip(strides) {
+        if size == 1 {
+            continue;
+        }
+        run = match run {
+            None => Some((size, stride)),
+            Some((len, inner)) if inner == stride * size => Some((len * size, stride)),
+            Some(_) => return None,
+        };
+    }
+    Some(run.unwrap_or((1, 1)))
 }
 
 /// Column sums (see [`column_reduction`]) in two deterministic stages, like the layer-norm
@@ -717,7 +745,7 @@ fn column_sums(
         Param::U64(partial),
         Param::U64(n_chunks),
         Param::U64(out_address),
-        Param::U64(out.layout.strides()[0] as u64),
+        Param::U64(out_column_stride(out).unwrap_or(1)),
         Param::F64(scale),
         Param::U64(n),
     ];

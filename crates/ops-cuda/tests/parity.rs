@@ -541,6 +541,41 @@ fn reductions_softmax_and_masks_match_the_cpu() {
                 );
             }
         }
+        // Batch sums of x [6, 7, 45] as the core hands them over (reduced dims last): over dim 0
+        // ([7, 45, 6]: the kept dims merge into 315 columns) and over dims 0 and 1 ([45, 6, 7]:
+        // the reduced dims merge into 42 rows 45 apart).
+        for (shape, strides, n_reduced) in
+            [([7, 45, 6], [45, 1, 315], 1), ([45, 6, 7], [1, 315, 45], 2)]
+        {
+            let permuted = Layout::from_parts(&shape, &strides, 0);
+            let kept = &shape[..3 - n_reduced];
+            let out_layout = Layout::contiguous(kept);
+            let outputs: usize = kept.iter().product();
+            compare(
+                &format!("batch sum over {n_reduced} dims"),
+                dtype,
+                &gpu,
+                &cpu,
+                |backend| {
+                    let x_buffer = upload(backend, dtype, &x);
+                    let out = poisoned(backend, dtype, outputs);
+                    let view = |buffer, layout| View {
+                        buffer,
+                        layout,
+                        dtype,
+                    };
+                    backend
+                        .reduce(
+                            ReduceOp::Sum,
+                            view(&x_buffer, &permuted),
+                            n_reduced,
+                            view(&out, &out_layout),
+                        )
+                        .unwrap();
+                    download(backend, dtype, &out)
+                },
+            );
+        }
         let dy = input(&mut random, false, n);
         for dim in [2, 1] {
             for log in [false, true] {
