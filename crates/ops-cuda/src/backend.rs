@@ -45,10 +45,16 @@ pub struct CudaBackend {
     /// Pinned host memory for asynchronous copies (`pinned.rs`). Dropped after `allocator`,
     /// whose storage owns the streams it records events on.
     pub(crate) pinned: CachingAllocator<PinnedHostStorage>,
+    /// The deferred index-check slots, one error word per checked op (`index.rs`), while index
+    /// checks are deferred.
+    pub(crate) deferred_index_checks: Mutex<Option<Allocation>>,
 }
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
+        if let Some(slots) = self.deferred_index_checks.get_mut().take() {
+            self.free_quietly(slots);
+        }
         if let Some(state) = self.blas.get_mut().take() {
             let _ = self.context.bind_to_thread();
             state.release(self);
@@ -98,6 +104,7 @@ impl CudaBackend {
             blas: Mutex::new(None),
             allow_tf32: AtomicBool::new(false),
             pinned: CachingAllocator::new(pinned, AllocatorConfig::pytorch_defaults()),
+            deferred_index_checks: Mutex::new(None),
         }))
     }
 
@@ -118,17 +125,26 @@ impl CudaBackend {
         self.allow_tf32.load(Ordering::Relaxed)
     }
 
-    /// Waits until every launched kernel has finished.
+    /// Waits until every launched kernel has finished; then returns the error of a deferred index
+    /// check, if one is pending (see [`CudaBackend::set_deferred_index_checks`]).
     pub fn synchronize(&self) -> Result<()> {
         self.stream
             .synchronize()
-            .map_err(|e| device_error("synchronize", e))
+            .map_err(|e| device_error("synchronize", e))?;
+        self.take_deferred_index_error()
     }
 
     /// The number of frees that failed since creation, and the first failure.
     pub fn free_errors(&self) -> (u64, Option<String>) {
         let errors = self.free_errors.lock();
         (errors.0, errors.1.as_ref().map(ToString::to_string))
+    }
+
+    /// Returns `allocation` to the allocator, recording a failure like [`Backend::free`].
+    pub(crate) fn free_quietly(&self, allocation: Allocation) {
+        if let Err(error) = self.allocator.free(allocation) {
+            self.note_free_error(error);
+        }
     }
 
     /// Counts a failed free (where `Drop` cannot return it); see [`CudaBackend::free_errors`].
@@ -173,9 +189,7 @@ impl<'a> Scratch<'a> {
 impl Drop for Scratch<'_> {
     fn drop(&mut self) {
         if let Some(allocation) = self.allocation.take() {
-            if let Err(error) = self.backend.allocator.free(allocation) {
-                self.backend.note_free_error(error);
-            }
+            self.backend.free_quietly(allocation);
         }
     }
 }
@@ -212,9 +226,7 @@ impl Backend for CudaBackend {
     }
 
     fn free(&self, allocation: Allocation) {
-        if let Err(error) = self.allocator.free(allocation) {
-            self.note_free_error(error);
-        }
+        self.free_quietly(allocation);
     }
 
     fn memory_stats(&self) -> MemoryStats {
@@ -245,7 +257,9 @@ impl Backend for CudaBackend {
         // is exclusively borrowed. The synchronous copy runs on the legacy default stream after
         // the kernels queued before it, and returns once the data is on the host.
         unsafe { result::memcpy_dtoh_sync(out, src.address() + byte_offset as u64) }
-            .map_err(|e| device_error("read_host", e))
+            .map_err(|e| device_error("read_host", e))?;
+        // The copy waited for the queued kernels: a deferred index check has its answer.
+        self.take_deferred_index_error()
     }
 
     fn copy(&self, src: View<'_>, dst: View<'_>) -> Result<()> {

@@ -2,7 +2,8 @@
 //!
 //! Index and target checks happen on the device: kernels skip an out-of-range index and record
 //! it in an error word, which is read back after the launch (one small synchronous copy) and
-//! returned as `TensorError::InvalidArgument`, as the CPU backend reports it. Scratch memory
+//! returned as `TensorError::InvalidArgument`, as the CPU backend reports it — or, with deferred
+//! checks, kept in the backend's slots and returned by the next synchronisation. Scratch memory
 //! (the error word, per-row losses) comes from the caching allocator and goes back to it in
 //! stream order.
 
@@ -10,6 +11,7 @@ use cudarc::driver::{result, LaunchConfig};
 use headroom_autograd_core::{
     index_strides, CrossEntropyArgs, DType, Reduction, Result, TensorError, View,
 };
+use headroom_caching_allocator::StreamId;
 
 use crate::backend::{device_error, CudaBackend, Scratch};
 use crate::elementwise::{float_suffix, launch_config, launch_in, strided_args, Param, NO_ARGS};
@@ -19,24 +21,57 @@ use crate::kernels::Module;
 const NO_ERROR: u64 = u64::MAX;
 const THREADS: u32 = 256;
 
-/// A fresh error word set to [`NO_ERROR`].
-fn error_word<'a>(backend: &'a CudaBackend, op: &'static str) -> Result<Scratch<'a>> {
-    let word = Scratch::new(backend, 8)?;
-    backend.bind(op)?;
-    // SAFETY: the word is a live 8-byte device allocation owned by this call; the default
-    // stream orders the memset before the kernels that use it.
-    unsafe { result::memset_d8_async(word.address(), 0xff, 8, backend.stream.cu_stream()) }
-        .map_err(|e| device_error(op, e))?;
-    Ok(word)
+/// The ops with index or target checks, in the order of the deferred error slots.
+const CHECKED_OPS: [&str; 3] = ["gather", "scatter_add", "cross_entropy"];
+
+/// Where a launch's kernels record the first out-of-range value they skip: a fresh word read back
+/// right after the launch (immediate checks, the default), or the backend's slot for the op, read
+/// at the next synchronisation (deferred checks, [`CudaBackend::set_deferred_index_checks`]).
+enum ErrorWord<'a> {
+    Fresh(Scratch<'a>),
+    Deferred(u64),
 }
 
-/// Reads the error word back; `Err` naming the first out-of-range value if a kernel set it.
+impl ErrorWord<'_> {
+    fn address(&self) -> u64 {
+        match self {
+            ErrorWord::Fresh(word) => word.address(),
+            ErrorWord::Deferred(address) => *address,
+        }
+    }
+}
+
+/// Sets `bytes` bytes at `address` to [`NO_ERROR`]'s all-ones pattern, in stream order.
+fn clear_words(backend: &CudaBackend, op: &'static str, address: u64, bytes: usize) -> Result<()> {
+    backend.bind(op)?;
+    // SAFETY: the caller passes live device memory of this backend at least `bytes` long; the
+    // default stream orders the memset before the kernels that use it.
+    unsafe { result::memset_d8_async(address, 0xff, bytes, backend.stream.cu_stream()) }
+        .map_err(|e| device_error(op, e))
+}
+
+/// The error word for a launch of `op`.
+fn error_word<'a>(backend: &'a CudaBackend, op: &'static str) -> Result<ErrorWord<'a>> {
+    if let Some(slots) = backend.deferred_index_checks.lock().as_ref() {
+        let slot = CHECKED_OPS.iter().position(|&name| name == op).unwrap_or(0);
+        return Ok(ErrorWord::Deferred(slots.address() + 8 * slot as u64));
+    }
+    let word = Scratch::new(backend, 8)?;
+    clear_words(backend, op, word.address(), 8)?;
+    Ok(ErrorWord::Fresh(word))
+}
+
+/// Reads a fresh error word back; `Err` naming the first out-of-range value if a kernel set it.
+/// A deferred word is checked later, by [`CudaBackend::take_deferred_index_error`].
 fn check_error_word(
     backend: &CudaBackend,
     op: &'static str,
-    word: &Scratch<'_>,
+    word: &ErrorWord<'_>,
     what: impl FnOnce(i64) -> String,
 ) -> Result<()> {
+    let ErrorWord::Fresh(word) = word else {
+        return Ok(());
+    };
     backend.bind(op)?;
     let mut value = [0u64];
     // SAFETY: the word is live and 8 bytes; the synchronous copy on the legacy default stream
@@ -49,6 +84,78 @@ fn check_error_word(
         Err(TensorError::InvalidArgument {
             op,
             reason: what(value[0] as i64),
+        })
+    }
+}
+
+impl CudaBackend {
+    /// Defers the index checks of gather, scatter-add (embedding backward) and cross-entropy
+    /// (targets): instead of reading an error word back after every launch — one host
+    /// synchronisation per call, the default — the kernels record the first out-of-range value per
+    /// op in the backend's slots, and the next [`CudaBackend::synchronize`], `read_host` or
+    /// [`CudaBackend::take_deferred_index_error`] returns it as `TensorError::InvalidArgument`
+    /// (and clears it). Either way an out-of-range index is skipped, never read or written; with
+    /// deferred checks the error arrives later, as CUDA's own asynchronous errors do in PyTorch.
+    /// Switching back to immediate checks first returns any error still pending.
+    pub fn set_deferred_index_checks(&self, deferred: bool) -> Result<()> {
+        if deferred == self.deferred_index_checks.lock().is_some() {
+            return Ok(());
+        }
+        if deferred {
+            let bytes = 8 * CHECKED_OPS.len();
+            let slots = self.allocator().allocate(bytes as u64, StreamId::DEFAULT)?;
+            if let Err(error) =
+                clear_words(self, "set_deferred_index_checks", slots.address(), bytes)
+            {
+                self.free_quietly(slots);
+                return Err(error);
+            }
+            *self.deferred_index_checks.lock() = Some(slots);
+            Ok(())
+        } else {
+            let pending = self.take_deferred_index_error();
+            if let Some(slots) = self.deferred_index_checks.lock().take() {
+                self.free_quietly(slots);
+            }
+            pending
+        }
+    }
+
+    /// Whether index checks are deferred (see [`CudaBackend::set_deferred_index_checks`]).
+    pub fn deferred_index_checks(&self) -> bool {
+        self.deferred_index_checks.lock().is_some()
+    }
+
+    /// The first out-of-range index or target a deferred check recorded since the last call, as
+    /// `TensorError::InvalidArgument` naming the op; clears the record. `Ok` when checks are
+    /// immediate or nothing was out of range. Waits for the queued kernels.
+    pub fn take_deferred_index_error(&self) -> Result<()> {
+        let op = "take_deferred_index_error";
+        let guard = self.deferred_index_checks.lock();
+        let Some(slots) = guard.as_ref() else {
+            return Ok(());
+        };
+        self.bind(op)?;
+        let mut values = [NO_ERROR; CHECKED_OPS.len()];
+        // SAFETY: the slots are a live allocation of `8 · CHECKED_OPS.len()` bytes; the
+        // synchronous copy on the legacy default stream runs after the kernels that write them.
+        unsafe { result::memcpy_dtoh_sync(&mut values, slots.address()) }
+            .map_err(|e| device_error(op, e))?;
+        let Some(slot) = values.iter().position(|&v| v != NO_ERROR) else {
+            return Ok(());
+        };
+        clear_words(self, op, slots.address(), 8 * CHECKED_OPS.len())?;
+        let what = if CHECKED_OPS[slot] == "cross_entropy" {
+            "target"
+        } else {
+            "index"
+        };
+        Err(TensorError::InvalidArgument {
+            op: CHECKED_OPS[slot],
+            reason: format!(
+                "{what} {} is out of bounds (found by a deferred check; the kernel skipped it)",
+                values[slot] as i64
+            ),
         })
     }
 }

@@ -455,6 +455,86 @@ fn every_byte_comes_from_the_caching_allocator() {
     let _: Arc<dyn Backend> = gpu;
 }
 
+/// `gather(values [4], dim 0, [index])` into a one-element buffer.
+fn gather_one(
+    backend: &BackendRef,
+    values: &Buffer,
+    index: f64,
+) -> headroom_autograd_core::Result<()> {
+    let index = upload(backend, DType::I64, &[index]);
+    let out = Buffer::new(backend, 4).unwrap();
+    backend.gather(
+        View {
+            buffer: values,
+            layout: &Layout::contiguous(&[4]),
+            dtype: DType::F32,
+        },
+        0,
+        View {
+            buffer: &index,
+            layout: &Layout::contiguous(&[1]),
+            dtype: DType::I64,
+        },
+        View {
+            buffer: &out,
+            layout: &Layout::contiguous(&[1]),
+            dtype: DType::F32,
+        },
+    )
+}
+
+/// Deferred index checks: no error (and no host synchronisation) at the call, the first bad value
+/// at the next `synchronize` or `read_host`, once; switching back returns what is pending and
+/// gives the slots back to the allocator.
+#[test]
+fn deferred_index_checks_report_at_the_next_synchronisation() {
+    let cuda = match CudaBackend::new(0) {
+        Ok(cuda) => cuda,
+        Err(err) => {
+            println!("skipped: {err}");
+            return;
+        }
+    };
+    let gpu: BackendRef = cuda.clone();
+    let values = upload(&gpu, DType::F32, &[1.0, 2.0, 3.0, 4.0]);
+    let before = gpu.memory_stats().allocated_bytes.all.current;
+    cuda.set_deferred_index_checks(true).unwrap();
+    assert!(cuda.deferred_index_checks());
+    gather_one(&gpu, &values, 7.0).unwrap();
+    gather_one(&gpu, &values, 9.0).unwrap();
+    let error = cuda.synchronize().unwrap_err().to_string();
+    assert!(
+        error.contains("gather") && error.contains("index 7 "),
+        "{error}"
+    );
+    cuda.synchronize().unwrap();
+
+    gather_one(&gpu, &values, -3.0).unwrap();
+    let mut bytes = [0u8; 16];
+    let error = gpu
+        .read_host(&values, 0, &mut bytes)
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("index -3 "), "{error}");
+    gpu.read_host(&values, 0, &mut bytes).unwrap();
+    assert_eq!(decode(DType::F32, &bytes), [1.0, 2.0, 3.0, 4.0]);
+
+    gather_one(&gpu, &values, 4.0).unwrap();
+    let error = cuda
+        .set_deferred_index_checks(false)
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("index 4 "), "{error}");
+    assert!(!cuda.deferred_index_checks());
+    assert_eq!(gpu.memory_stats().allocated_bytes.all.current, before);
+    let error = gather_one(&gpu, &values, 5.0).unwrap_err().to_string();
+    assert!(
+        error.contains("index 5 is out of bounds for size 4"),
+        "{error}"
+    );
+    cuda.synchronize().unwrap();
+}
+
 /// Runs `f` on both backends and checks the GPU's result against the CPU's.
 fn compare(
     what: &str,
