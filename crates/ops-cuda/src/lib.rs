@@ -14,7 +14,8 @@
 //! cuBLASLt (bias added, and bias gradient reduced, in the GEMM's epilogue), fused attention,
 //! gather and scatter-add, fused cross-entropy and dropout (the same random stream as the CPU
 //! backend), in f32, f64, f16 and bf16 (the last two computed in f32). Out-of-range indices are typed errors,
-//! checked on the device.
+//! checked on the device: read back after each call by default, or deferred to the next
+//! synchronisation (`CudaBackend::set_deferred_index_checks`, `examples/index_checks.rs`).
 //!
 //! Kernels run on one stream (`CudaBackend::compute_stream`); side streams
 //! (`CudaBackend::new_stream`) carry asynchronous copies between device memory and pinned host
