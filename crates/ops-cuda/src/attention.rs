@@ -200,7 +200,8 @@ fn launch(
     )
 }
 
-fn address(view: &View<'_>) -> Param {
+/// A kernel parameter for `view`'s buffer (the offsets travel in `AttnArgs`).
+pub(crate) fn address(view: &View<'_>) -> Param {
     Param::U64(view.buffer.address())
 }
 

@@ -19,7 +19,7 @@ use headroom_autograd_core::{
 
 use crate::attention::attn_args;
 use crate::backend::{CudaBackend, Scratch};
-use crate::elementwise::{copy_raw, launch_config, launch_in, Param, NO_ARGS};
+use crate::elementwise::{copy_raw, element_address, launch_config, launch_in, Param, NO_ARGS};
 use crate::kernels::Module;
 use crate::matmul::{gemm_batched, GemmOperand};
 
@@ -147,7 +147,7 @@ pub(crate) fn forward(
     let (chunk, ld) = (chunk_pairs(&dims), padded_keys(&dims));
     let scores = Scratch::new(backend, (chunk * sq * ld * 4) as u64)?;
     let probs = Scratch::new(backend, (chunk * sq * ld * es) as u64)?;
-    let lse = f.lse.buffer.address() + (f.lse.layout.offset() * 4) as u64;
+    let lse = element_address(&f.lse);
     for first in (0..pairs).step_by(chunk) {
         let n = chunk.min(pairs - first);
         let (q0, k0) = (
@@ -246,7 +246,7 @@ pub(crate) fn backward(
         Scratch::new(backend, (matrix * es) as u64)?,
         Scratch::new(backend, (matrix * es) as u64)?,
     );
-    let lse = f.lse.buffer.address() + (f.lse.layout.offset() * 4) as u64;
+    let lse = element_address(&f.lse);
     let scale = f.scale as f32;
     for first in (0..pairs).step_by(chunk) {
         let n = chunk.min(pairs - first);

@@ -15,9 +15,9 @@ use headroom_autograd_core::{
     AttentionBackward, AttentionDims, AttentionForward, DType, Result, TensorError, View,
 };
 
-use crate::attention::{attn_args, AttnArgs};
+use crate::attention::{address, attn_args, AttnArgs};
 use crate::backend::{CudaBackend, Scratch};
-use crate::elementwise::{launch_in, Param};
+use crate::elementwise::{element_address, launch_in, Param};
 use crate::kernels::{KernelName, Module};
 
 /// Threads per block (`TC_THREADS` in the kernels).
@@ -116,13 +116,9 @@ fn launch(
     )
 }
 
-fn address(view: &View<'_>) -> Param {
-    Param::U64(view.buffer.address())
-}
-
 /// The log-sum-exp's first element (dense f32 `[batch, heads, queries]`).
 fn lse_address(f: &AttentionForward<'_>) -> Param {
-    Param::U64(f.lse.buffer.address() + (f.lse.layout.offset() * 4) as u64)
+    Param::U64(element_address(&f.lse))
 }
 
 /// Forward; the caller checked [`fits`] for q, k, v and out.

@@ -165,6 +165,12 @@ fn device_address(view: &View<'_>) -> u64 {
     view.buffer.address()
 }
 
+/// The device address of `view`'s first element (its buffer's address plus the layout's offset):
+/// what kernels and libraries that take one pointer per operand are given.
+pub(crate) fn element_address(view: &View<'_>) -> u64 {
+    view.buffer.address() + (view.layout.offset() * view.dtype.size_in_bytes()) as u64
+}
+
 pub(crate) fn unary(backend: &CudaBackend, op: UnaryOp, x: View<'_>, out: View<'_>) -> Result<()> {
     if x.dtype != out.dtype {
         return Err(TensorError::DtypeMismatch {
@@ -366,26 +372,22 @@ pub(crate) fn copy(backend: &CudaBackend, src: View<'_>, dst: View<'_>) -> Resul
     if args.numel == 0 {
         return Ok(());
     }
-    let name = if src.dtype == dst.dtype {
-        copy_kernel(dst.dtype.size_in_bytes())
-    } else {
-        (cast_family(src.dtype), any_suffix(dst.dtype))
-    };
     let (src_ptr, dst_ptr) = (device_address(&src), device_address(&dst));
-    if src.dtype == dst.dtype {
-        if let Some([dst_at, src_at, _]) =
-            dense_addresses(&args, &[dst_ptr, src_ptr], dst.dtype.size_in_bytes(), 1)
-        {
-            let bytes = args.numel * dst.dtype.size_in_bytes() as u64;
-            let disjoint = src_at + bytes <= dst_at || dst_at + bytes <= src_at;
+    let name = if src.dtype == dst.dtype {
+        let element = dst.dtype.size_in_bytes();
+        if let Some([dst_at, src_at, _]) = dense_addresses(&args, &[dst_ptr, src_ptr], element, 1) {
+            let bytes = args.numel * element as u64;
             if src_at == dst_at {
                 return Ok(());
             }
-            if disjoint {
+            if src_at + bytes <= dst_at || dst_at + bytes <= src_at {
                 return copy_bytes(backend, src_at, dst_at, bytes);
             }
         }
-    }
+        copy_kernel(element)
+    } else {
+        (cast_family(src.dtype), any_suffix(dst.dtype))
+    };
     launch(
         backend,
         "copy",

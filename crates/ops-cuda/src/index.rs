@@ -14,7 +14,9 @@ use headroom_autograd_core::{
 use headroom_caching_allocator::StreamId;
 
 use crate::backend::{device_error, CudaBackend, Scratch};
-use crate::elementwise::{float_suffix, launch_config, launch_in, strided_args, Param, NO_ARGS};
+use crate::elementwise::{
+    element_address, float_suffix, launch_config, launch_in, strided_args, Param, NO_ARGS,
+};
 use crate::kernels::Module;
 
 /// The error word's value when nothing went wrong.
@@ -266,11 +268,6 @@ fn ce_suffix(op: &'static str, logits: DType, stats: DType) -> Result<&'static s
         (DType::BF16, DType::F32) => "bf16_f32",
         (_, stats) => return Err(TensorError::UnsupportedDtype { op, dtype: stats }),
     })
-}
-
-/// Address of a view's first element.
-fn element_address(view: &View<'_>) -> u64 {
-    view.buffer.address() + (view.layout.offset() * view.dtype.size_in_bytes()) as u64
 }
 
 fn one_block() -> LaunchConfig {

@@ -30,6 +30,7 @@ use headroom_autograd_core::{
 };
 
 use crate::backend::{device_error, CudaBackend};
+use crate::elementwise::element_address;
 
 /// The cuBLASLt handle (absent when the library is not installed) and the plans made so far.
 #[derive(Debug)]
@@ -123,8 +124,7 @@ fn stored(view: &View<'_>) -> Option<Stored> {
     else {
         return None;
     };
-    let address =
-        view.buffer.address() + (view.layout.offset() * view.dtype.size_in_bytes()) as u64;
+    let address = element_address(view);
     if col_stride == 1 && row_stride >= cols.max(1) {
         Some(Stored {
             address,
@@ -173,7 +173,7 @@ pub(crate) fn linear(backend: &CudaBackend, args: LinearForward<'_>) -> Result<(
             } else {
                 Epilogue::Plain
             },
-            bias: args.bias.map_or(0, |bias| first_element(&bias)),
+            bias: args.bias.map_or(0, |bias| element_address(&bias)),
         }),
         _ => None,
     };
@@ -205,7 +205,7 @@ pub(crate) fn linear_weight_grad(backend: &CudaBackend, args: LinearWeightGrad<'
             b: grad_out.operand(false),
             d: dense(&args.grad_weight, in_features),
             epilogue: Epilogue::BiasGradB,
-            bias: first_element(&grad_bias),
+            bias: element_address(&grad_bias),
         }),
         // Without a bias gradient the product is cuBLAS's `matmul`, as fast.
         _ => None,
@@ -221,14 +221,10 @@ pub(crate) fn linear_weight_grad(backend: &CudaBackend, args: LinearWeightGrad<'
     }
 }
 
-fn first_element(view: &View<'_>) -> u64 {
-    view.buffer.address() + (view.layout.offset() * view.dtype.size_in_bytes()) as u64
-}
-
 /// A dense row-major `[_, cols]` output as column-major D.
 fn dense(view: &View<'_>, cols: usize) -> Operand {
     Operand {
-        address: first_element(view),
+        address: element_address(view),
         ld: cols,
         transposed: false,
     }

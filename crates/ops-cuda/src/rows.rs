@@ -10,7 +10,7 @@ use headroom_autograd_core::{
 };
 
 use crate::backend::{CudaBackend, Scratch};
-use crate::elementwise::{launch_in, Param, NO_ARGS};
+use crate::elementwise::{element_address, launch_in, Param, NO_ARGS};
 use crate::kernels::{KernelName, Module};
 
 const MAX_DIMS: usize = 8;
@@ -397,9 +397,7 @@ fn dense_rows(op: &'static str, view: &View<'_>) -> Result<(u64, u64, u64)> {
     }
     let n = *view.layout.shape().last().unwrap_or(&1) as u64;
     let rows = (view.layout.numel() as u64).checked_div(n).unwrap_or(0);
-    let address =
-        view.buffer.address() + (view.layout.offset() * view.dtype.size_in_bytes()) as u64;
-    Ok((rows, n, address))
+    Ok((rows, n, element_address(view)))
 }
 
 /// Element address (offset applied) of a dense operand.
@@ -411,10 +409,7 @@ fn address_of(op: &'static str, view: &View<'_>) -> Result<u64> {
 fn optional(view: Option<View<'_>>) -> (u64, u64) {
     view.map_or((0, 0), |v| {
         let stride = v.layout.strides().first().copied().unwrap_or(1) as u64;
-        (
-            v.buffer.address() + (v.layout.offset() * v.dtype.size_in_bytes()) as u64,
-            stride,
-        )
+        (element_address(&v), stride)
     })
 }
 
@@ -716,13 +711,12 @@ fn column_sums(
     if n == 0 {
         return Ok(());
     }
-    let element = x.dtype.size_in_bytes() as u64;
     let n_chunks = rows.div_ceil(ROWS_PER_CHUNK);
     let accumulator = if x.dtype == DType::F64 { 8 } else { 4 };
     // Returned in stream order, after the kernels that use it.
     let scratch = Scratch::new(backend, n_chunks * n * accumulator)?;
     let partial = scratch.address();
-    let x_address = x.buffer.address() + x.layout.offset() as u64 * element;
+    let x_address = element_address(x);
     let (stage1, stage2) = column_stages(n, n_chunks);
     let params = [
         Param::U64(x_address),
@@ -740,7 +734,7 @@ fn column_sums(
         &params,
         NO_ARGS,
     )?;
-    let out_address = out.buffer.address() + out.layout.offset() as u64 * element;
+    let out_address = element_address(out);
     let params = [
         Param::U64(partial),
         Param::U64(n_chunks),
