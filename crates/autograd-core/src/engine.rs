@@ -6,8 +6,11 @@
 //! (unless `retain_graph`), and the gradients it consumed are dropped too. A leaf's gradient is
 //! final once every edge into it has delivered: then its gradient hooks run, the gradient is
 //! accumulated into `.grad` (stolen when nothing else holds it, added in place otherwise), and its
-//! post-accumulate-grad hooks run. Everything runs with grad mode off. This module sits on
-//! `crate::graph` and the elementwise ops; it knows nothing about kernels.
+//! post-accumulate-grad hooks run. Everything runs with grad mode and autocast off. When the pass
+//! is over, the callbacks queued during it run, then (for an outermost pass) the thread's
+//! backward-end hooks, and the thread's save numbers (`crate::saved`) start again from 0. This
+//! module sits on `crate::graph`, `crate::hooks` and the elementwise ops; it knows nothing about
+//! kernels.
 
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
@@ -15,6 +18,8 @@ use std::sync::Arc;
 use crate::error::{Result, TensorError};
 use crate::grad_mode::no_grad;
 use crate::graph::{Edge, Node};
+use crate::hooks::{is_backward_running, BackwardPass};
+use crate::saved::reset_save_seq;
 use crate::tensor::Tensor;
 
 /// How a backward pass treats the graph.
@@ -71,9 +76,21 @@ fn leaf_key(leaf: &Tensor) -> usize {
     Arc::as_ptr(&leaf.inner) as usize
 }
 
-/// Runs backward from `roots`, each with its output gradient.
+/// Runs backward from `roots`, each with its output gradient, then the callbacks queued during
+/// the pass and, for an outermost pass, the thread's backward-end hooks.
 pub fn run_backward(roots: Vec<(Tensor, Tensor)>, retain_graph: bool) -> Result<()> {
-    let _guard = no_grad();
+    let _grad_mode = no_grad();
+    let _autocast = crate::autocast::suspend();
+    let pass = BackwardPass::start();
+    let res = run_graph(roots, retain_graph).and_then(|()| pass.finish());
+    if !is_backward_running() {
+        reset_save_seq();
+    }
+    res
+}
+
+/// The pass itself: every node and leaf reachable from `roots`.
+fn run_graph(roots: Vec<(Tensor, Tensor)>, retain_graph: bool) -> Result<()> {
     let mut node_grads: HashMap<usize, Vec<Option<Tensor>>> = HashMap::new();
     let mut leaf_grads: HashMap<usize, Tensor> = HashMap::new();
     let mut nodes: HashMap<usize, Arc<Node>> = HashMap::new();

@@ -1,20 +1,21 @@
-//! Hooks into the autograd engine: gradient hooks, post-accumulate-grad hooks and scoped
-//! saved-tensor pack/unpack hooks.
+//! Hooks into the autograd engine: gradient hooks, post-accumulate-grad hooks and backward-end
+//! callbacks.
 //!
-//! These are the seams every memory technique plugs into: gradient hooks rewrite a gradient in
-//! flight, post-accumulate-grad hooks run an optimizer step the moment a parameter's gradient
-//! is final, and saved-tensor hooks decide what a saved activation becomes between forward and
-//! backward (kept, offloaded, compressed, or dropped and recomputed). This module owns the hook
-//! types and the thread-local stack of saved-tensor hooks; the engine (`crate::engine`) and
-//! `crate::saved` call them. It knows nothing about kernels.
+//! These are seams the memory techniques plug into: gradient hooks rewrite a gradient in flight,
+//! post-accumulate-grad hooks run an optimizer step the moment a parameter's gradient is final,
+//! and backward-end callbacks run once a backward pass has finished — where an
+//! optimizer-in-backward steps its last bucket, a GradScaler updates its scale, and activation
+//! checkpointing drops what it recomputed. (Saved-tensor hooks, the fourth seam, live with the
+//! saved tensors in `crate::saved`.) This module owns the hook types, removable hook lists and the
+//! thread's stack of running backward passes; the engine (`crate::engine`) calls them. It knows
+//! nothing about kernels or about the graph.
 
-use std::any::Any;
 use std::cell::RefCell;
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
 
-use crate::error::Result;
+use crate::error::{Result, TensorError};
 use crate::tensor::Tensor;
 
 /// A gradient hook: sees a gradient, may return a replacement.
@@ -22,15 +23,6 @@ pub type GradHook = Arc<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync>
 
 /// A post-accumulate-grad hook: called with the leaf once its `.grad` is final.
 pub type PostAccumulateHook = Arc<dyn Fn(&Tensor) -> Result<()> + Send + Sync>;
-
-/// Whatever a pack hook turned a saved tensor into.
-pub type Packed = Box<dyn Any + Send + Sync>;
-
-/// A pack hook: a saved tensor in, what to keep out.
-pub type PackHook = Box<dyn Fn(Tensor) -> Result<Packed> + Send + Sync>;
-
-/// An unpack hook: what a pack hook kept in, the tensor for backward out.
-pub type UnpackHook = Box<dyn Fn(&Packed) -> Result<Tensor> + Send + Sync>;
 
 /// A list of hooks that handles can remove entries from.
 pub(crate) struct HookList<H> {
@@ -95,56 +87,106 @@ impl HookHandle {
     }
 }
 
-/// A pair of saved-tensor hooks: `pack` runs when an op saves a tensor for backward, `unpack`
-/// when backward needs it back (PyTorch's `torch.autograd.graph.saved_tensors_hooks`).
-pub struct SavedTensorHooks {
-    pub(crate) pack: PackHook,
-    pub(crate) unpack: UnpackHook,
-}
+/// A callback queued for the end of the backward pass running now: runs once, then is gone.
+pub type BackwardEndCallback = Box<dyn FnOnce() -> Result<()> + Send>;
 
-impl std::fmt::Debug for SavedTensorHooks {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SavedTensorHooks").finish_non_exhaustive()
-    }
-}
+/// A hook run at the end of every outermost backward pass on the thread that registered it.
+pub type BackwardEndHook = Arc<dyn Fn() -> Result<()> + Send + Sync>;
 
 thread_local! {
-    static SAVED_TENSOR_HOOKS: RefCell<Vec<Arc<SavedTensorHooks>>> = const { RefCell::new(Vec::new()) };
+    /// One callback queue per backward pass running on this thread, innermost last.
+    static RUNNING_BACKWARDS: RefCell<Vec<Vec<BackwardEndCallback>>> =
+        const { RefCell::new(Vec::new()) };
+    static BACKWARD_END_HOOKS: Arc<HookList<BackwardEndHook>> = Arc::default();
 }
 
-/// Installs saved-tensor hooks on this thread until the guard is dropped. Scopes nest: the
-/// innermost pair packs; each saved tensor is unpacked by the pair that packed it.
-pub fn saved_tensor_hooks(
-    pack: impl Fn(Tensor) -> Result<Packed> + Send + Sync + 'static,
-    unpack: impl Fn(&Packed) -> Result<Tensor> + Send + Sync + 'static,
-) -> SavedTensorHooksGuard {
-    let hooks = Arc::new(SavedTensorHooks {
-        pack: Box::new(pack),
-        unpack: Box::new(unpack),
-    });
-    SAVED_TENSOR_HOOKS.with(|stack| stack.borrow_mut().push(hooks));
-    let depth = SAVED_TENSOR_HOOKS.with(|stack| stack.borrow().len());
-    SavedTensorHooksGuard {
-        depth,
-        _not_send: std::marker::PhantomData,
-    }
+/// Queues `callback` to run once when the backward pass running on this thread finishes
+/// (PyTorch's `Variable._execution_engine.queue_callback`): called from a gradient hook, a
+/// post-accumulate-grad hook, an unpack hook or a backward function. Callbacks run in the order
+/// they were queued, after every node and leaf of the pass, with grad mode and autocast off; one
+/// may queue another, which runs in the same pass. If the pass fails, its queued callbacks are
+/// dropped without running. Outside a backward pass this is an error.
+pub fn queue_backward_end_callback(
+    callback: impl FnOnce() -> Result<()> + Send + 'static,
+) -> Result<()> {
+    RUNNING_BACKWARDS.with(|running| match running.borrow_mut().last_mut() {
+        Some(queue) => {
+            queue.push(Box::new(callback));
+            Ok(())
+        }
+        None => Err(TensorError::Autograd {
+            op: "queue_backward_end_callback",
+            reason: "no backward pass is running on this thread; queue callbacks from a hook \
+                     or use on_backward_end"
+                .into(),
+        }),
+    })
 }
 
-/// Pops the hooks pushed by [`saved_tensor_hooks`] when dropped.
-#[derive(Debug)]
-#[must_use = "the hooks are removed as soon as the guard is dropped"]
-pub struct SavedTensorHooksGuard {
+/// Runs `hook` at the end of every outermost backward pass on this thread (after the pass's
+/// queued callbacks) until the handle removes it. Hooks run in registration order; a nested
+/// backward (one started from inside another) does not run them.
+pub fn on_backward_end(hook: impl Fn() -> Result<()> + Send + Sync + 'static) -> HookHandle {
+    BACKWARD_END_HOOKS.with(|hooks| HookList::push(hooks, Arc::new(hook) as BackwardEndHook))
+}
+
+/// Whether a backward pass is running on this thread.
+pub fn is_backward_running() -> bool {
+    RUNNING_BACKWARDS.with(|running| !running.borrow().is_empty())
+}
+
+/// A backward pass running on this thread: its callback queue. Made by the engine when a pass
+/// starts; [`BackwardPass::finish`] runs the callbacks, dropping it unfinished discards them.
+pub(crate) struct BackwardPass {
     depth: usize,
-    _not_send: std::marker::PhantomData<*const ()>,
 }
 
-impl Drop for SavedTensorHooksGuard {
-    fn drop(&mut self) {
-        SAVED_TENSOR_HOOKS.with(|stack| stack.borrow_mut().truncate(self.depth - 1));
+impl BackwardPass {
+    /// Opens the callback queue of a new backward pass on this thread.
+    pub(crate) fn start() -> BackwardPass {
+        let depth = RUNNING_BACKWARDS.with(|running| {
+            let mut running = running.borrow_mut();
+            running.push(Vec::new());
+            running.len()
+        });
+        BackwardPass { depth }
+    }
+
+    /// Whether this is the outermost pass on the thread.
+    pub(crate) fn is_outermost(&self) -> bool {
+        self.depth == 1
+    }
+
+    /// Runs the queued callbacks (and those they queue), then, for an outermost pass, the
+    /// thread's backward-end hooks (and what they queue). The first error stops the rest.
+    pub(crate) fn finish(self) -> Result<()> {
+        let mut hooks_ran = !self.is_outermost();
+        loop {
+            let queued = RUNNING_BACKWARDS
+                .with(|running| std::mem::take(&mut running.borrow_mut()[self.depth - 1]));
+            if !queued.is_empty() {
+                for callback in queued {
+                    callback()?;
+                }
+            } else if !hooks_ran {
+                hooks_ran = true;
+                for hook in BACKWARD_END_HOOKS.with(|hooks| hooks.snapshot()) {
+                    hook()?;
+                }
+            } else {
+                return Ok(());
+            }
+        }
     }
 }
 
-/// The innermost saved-tensor hooks of this thread, if any.
-pub(crate) fn current_saved_tensor_hooks() -> Option<Arc<SavedTensorHooks>> {
-    SAVED_TENSOR_HOOKS.with(|stack| stack.borrow().last().cloned())
+impl Drop for BackwardPass {
+    fn drop(&mut self) {
+        let discarded = RUNNING_BACKWARDS.with(|running| {
+            let mut running = running.borrow_mut();
+            let discarded: Vec<_> = running.drain(self.depth - 1..).collect();
+            discarded
+        });
+        drop(discarded);
+    }
 }

@@ -21,6 +21,7 @@
 //! Not supported yet: higher-order gradients (`create_graph`), differentiable in-place writes
 //! into views, `retain_grad` on non-leaves.
 
+mod autocast;
 mod backend;
 mod buffer;
 mod dtype;
@@ -30,11 +31,16 @@ mod grad_mode;
 mod graph;
 mod hooks;
 mod layout;
+mod non_finite;
 mod ops;
 mod random;
 mod saved;
 mod tensor;
 
+pub use autocast::{
+    autocast, autocast_disabled, autocast_policy, autocast_stats, AutocastGuard, AutocastPolicy,
+    AutocastStats, CastPolicy, AUTOCAST_OPS,
+};
 pub use backend::{
     attention_dims, compose_linear, compose_linear_weight_grad, index_strides, linear_dims,
     linear_weight_grad_dims, matmul_dims, AttentionBackward, AttentionDims, AttentionForward,
@@ -48,14 +54,18 @@ pub use error::{Result, TensorError};
 pub use grad_mode::{is_grad_enabled, no_grad, set_grad_enabled, GradModeGuard};
 pub use graph::needs_grad;
 pub use hooks::{
-    saved_tensor_hooks, GradHook, HookHandle, PackHook, Packed, PostAccumulateHook,
-    SavedTensorHooks, SavedTensorHooksGuard, UnpackHook,
+    is_backward_running, on_backward_end, queue_backward_end_callback, BackwardEndCallback,
+    BackwardEndHook, GradHook, HookHandle, PostAccumulateHook,
 };
 pub use layout::{broadcast_shapes, contiguous_strides, normalize_dim, Dims, Layout};
+pub use non_finite::{found_non_finite, non_finite_check_};
 pub use ops::{
     cat, cross_entropy, dropout, embedding, layer_norm, patch_embedding,
     scaled_dot_product_attention,
 };
 pub use random::{uniform, Generator, GeneratorState};
-pub use saved::SavedTensor;
+pub use saved::{
+    saved_tensor_hooks, PackHook, Packed, SaveRole, SaveSite, SavedTensor, SavedTensorHooks,
+    SavedTensorHooksGuard, UnpackHook,
+};
 pub use tensor::{Element, Tensor};

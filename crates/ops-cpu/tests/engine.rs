@@ -180,7 +180,7 @@ fn saved_tensor_hooks_pack_once_per_saved_tensor_and_unpack_on_use() {
         // "Offload": keep the values on the host and rebuild the tensor on unpack.
         let backend = Arc::clone(&cpu);
         let _outer = saved_tensor_hooks(
-            move |tensor| {
+            move |_site, tensor| {
                 p.fetch_add(1, Ordering::SeqCst);
                 Ok(Box::new((tensor.to_vec_f64()?, tensor.shape().to_vec())) as Packed)
             },
@@ -196,7 +196,7 @@ fn saved_tensor_hooks_pack_once_per_saved_tensor_and_unpack_on_use() {
         let z = {
             let counter = Arc::clone(&inner_packs);
             let _inner = saved_tensor_hooks(
-                move |tensor| {
+                move |_site, tensor| {
                     counter.fetch_add(1, Ordering::SeqCst);
                     Ok(Box::new(tensor) as Packed)
                 },

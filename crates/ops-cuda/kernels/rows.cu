@@ -55,9 +55,9 @@ __device__ __forceinline__ double m_log(double x) { return log(x); }
 __device__ __forceinline__ float m_sqrt(float x) { return sqrtf(x); }
 __device__ __forceinline__ double m_sqrt(double x) { return sqrt(x); }
 
-// op: 0 sum, 1 max, 2 min.
+// op: 0 sum, 1 max, 2 min. Max and min propagate NaN (`a != a`), as the CPU and PyTorch do.
 template <typename C> __device__ __forceinline__ C combine(int op, C a, C b) {
-    return op == 0 ? a + b : (op == 1 ? (a > b ? a : b) : (a < b ? a : b));
+    return op == 0 ? a + b : (op == 1 ? ((a > b || a != a) ? a : b) : ((a < b || a != a) ? a : b));
 }
 template <typename C> __device__ __forceinline__ C identity(int op);
 template <> __device__ __forceinline__ float identity<float>(int op) { return op == 0 ? 0.0f : (op == 1 ? -FLT_MAX * 2.0f : FLT_MAX * 2.0f); }

@@ -10,12 +10,13 @@
 //! same reason on the way back, and for a packed q/k/v projection as thirds of one gradient (see
 //! `input_grads`).
 
+use crate::autocast::autocast_args;
 use crate::backend::{AttentionBackward, AttentionForward};
 use crate::dtype::stats_dtype;
 use crate::error::{Result, TensorError};
 use crate::graph::record;
 use crate::layout::Layout;
-use crate::saved::SavedTensor;
+use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
 
 use super::{check_float, check_same, records};
@@ -117,6 +118,9 @@ pub fn scaled_dot_product_attention(
     scale: Option<f64>,
 ) -> Result<Tensor> {
     let op = "scaled_dot_product_attention";
+    if let Some([q, k, v]) = autocast_args(op, [q, k, v])? {
+        return scaled_dot_product_attention(&q, &k, &v, causal, scale);
+    }
     check_float(op, q)?;
     check_same(op, q, k)?;
     check_same(op, q, v)?;
@@ -143,7 +147,16 @@ pub fn scaled_dot_product_attention(
     q.backend()
         .attention(forward_args([&q, &k, &v, &out, &lse], scale, causal))?;
     if records(&[&q, &k, &v]) {
-        let saved = [&q, &k, &v, &out, &lse].map(|t| SavedTensor::save(op, t));
+        let roles = [
+            SaveRole::Input(0),
+            SaveRole::Input(1),
+            SaveRole::Input(2),
+            SaveRole::Output(0),
+            SaveRole::Intermediate("lse"),
+        ];
+        let mut roles = roles.into_iter();
+        let saved = [&q, &k, &v, &out, &lse]
+            .map(|t| SavedTensor::save(op, roles.next().expect("one role per tensor"), t));
         let [q_saved, k_saved, v_saved, out_saved, lse_saved] = saved;
         let (q_saved, k_saved, v_saved) = (q_saved?, k_saved?, v_saved?);
         let (out_saved, lse_saved) = (out_saved?, lse_saved?);

@@ -5,15 +5,25 @@
 //! operand's shape ([`Tensor::sum_to`]). Functions whose derivative is cheap from the output
 //! (exp, tanh, sqrt, rsqrt, relu) save the output; the others save the input.
 
+use crate::autocast::autocast_args;
 use crate::backend::{BinaryOp, UnaryOp};
 use crate::dtype::DType;
 use crate::error::{Result, TensorError};
 use crate::graph::record;
 use crate::layout::broadcast_shapes;
-use crate::saved::SavedTensor;
+use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
 
 use super::{check_float, check_same, records};
+
+/// Which tensor a pointwise op's backward reads.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Pointwise {
+    /// The input (GELU, log: the derivative needs `x`).
+    SavesInput,
+    /// The output (exp, tanh, sqrt, rsqrt, relu: the derivative is cheap from `y`).
+    SavesOutput,
+}
 
 impl Tensor {
     /// `op(self, other)` with broadcasting, without recording.
@@ -90,6 +100,9 @@ impl Tensor {
 
     /// `self + other`.
     pub fn add(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some([lhs, rhs]) = autocast_args("add", [self, other])? {
+            return lhs.add(&rhs);
+        }
         let res = self.binary_raw(BinaryOp::Add, other, "add")?;
         if records(&[self, other]) {
             let (lhs_shape, rhs_shape) = (self.shape().to_vec(), other.shape().to_vec());
@@ -106,6 +119,9 @@ impl Tensor {
 
     /// `self - other`.
     pub fn sub(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some([lhs, rhs]) = autocast_args("sub", [self, other])? {
+            return lhs.sub(&rhs);
+        }
         let res = self.binary_raw(BinaryOp::Sub, other, "sub")?;
         if records(&[self, other]) {
             let (lhs_shape, rhs_shape) = (self.shape().to_vec(), other.shape().to_vec());
@@ -122,15 +138,18 @@ impl Tensor {
 
     /// `self * other`.
     pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some([lhs, rhs]) = autocast_args("mul", [self, other])? {
+            return lhs.mul(&rhs);
+        }
         let res = self.binary_raw(BinaryOp::Mul, other, "mul")?;
         if records(&[self, other]) {
             let saved_lhs = if other.requires_grad() {
-                Some(SavedTensor::save("mul", self)?)
+                Some(SavedTensor::save("mul", SaveRole::Input(0), self)?)
             } else {
                 None
             };
             let saved_rhs = if self.requires_grad() {
-                Some(SavedTensor::save("mul", other)?)
+                Some(SavedTensor::save("mul", SaveRole::Input(1), other)?)
             } else {
                 None
             };
@@ -153,14 +172,17 @@ impl Tensor {
 
     /// `self / other`.
     pub fn div(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some([lhs, rhs]) = autocast_args("div", [self, other])? {
+            return lhs.div(&rhs);
+        }
         let res = self.binary_raw(BinaryOp::Div, other, "div")?;
         if records(&[self, other]) {
             let saved_lhs = if other.requires_grad() {
-                Some(SavedTensor::save("div", self)?)
+                Some(SavedTensor::save("div", SaveRole::Input(0), self)?)
             } else {
                 None
             };
-            let saved_rhs = SavedTensor::save("div", other)?;
+            let saved_rhs = SavedTensor::save("div", SaveRole::Input(1), other)?;
             let (lhs_shape, rhs_shape) = (self.shape().to_vec(), other.shape().to_vec());
             record("div", &[self, other], &[&res], move |grads| {
                 let grad = grads[0].as_ref().expect("one output");
@@ -184,12 +206,19 @@ impl Tensor {
 
     /// `self ^ other` elementwise.
     pub fn pow(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some([lhs, rhs]) = autocast_args("pow", [self, other])? {
+            return lhs.pow(&rhs);
+        }
         let res = self.binary_raw(BinaryOp::Pow, other, "pow")?;
         if records(&[self, other]) {
-            let saved_lhs = SavedTensor::save("pow", self)?;
-            let saved_rhs = SavedTensor::save("pow", other)?;
+            let saved_lhs = SavedTensor::save("pow", SaveRole::Input(0), self)?;
+            let saved_rhs = SavedTensor::save("pow", SaveRole::Input(1), other)?;
             let saved_out = if other.requires_grad() {
-                Some(SavedTensor::save("pow", &res.detach())?)
+                Some(SavedTensor::save(
+                    "pow",
+                    SaveRole::Output(0),
+                    &res.detach(),
+                )?)
             } else {
                 None
             };
@@ -224,9 +253,17 @@ impl Tensor {
         grad_op: BinaryOp,
         save_output: bool,
     ) -> Result<Tensor> {
+        if let Some([input]) = autocast_args(name, [self])? {
+            return input.unary_with_backward(op, name, grad_op, save_output);
+        }
         let res = self.unary_raw(op, name)?;
         if records(&[self]) {
-            self.record_pointwise(name, grad_op, &res, if save_output { &res } else { self })?;
+            let saved = if save_output {
+                Pointwise::SavesOutput
+            } else {
+                Pointwise::SavesInput
+            };
+            self.record_pointwise(name, grad_op, &res, saved)?;
         }
         Ok(res)
     }
@@ -238,9 +275,12 @@ impl Tensor {
         name: &'static str,
         grad_op: BinaryOp,
         res: &Tensor,
-        saved: &Tensor,
+        saves: Pointwise,
     ) -> Result<()> {
-        let saved = SavedTensor::save(name, saved)?;
+        let saved = match saves {
+            Pointwise::SavesInput => SavedTensor::save(name, SaveRole::Input(0), self)?,
+            Pointwise::SavesOutput => SavedTensor::save(name, SaveRole::Output(0), res)?,
+        };
         record(name, &[self], &[res], move |grads| {
             let grad = grads[0].as_ref().expect("one output");
             Ok(vec![Some(grad.binary_raw(
@@ -347,9 +387,12 @@ impl Tensor {
 
     /// `self ^ c`.
     pub fn pow_scalar(&self, exponent: f64) -> Result<Tensor> {
+        if let Some([input]) = autocast_args("pow_scalar", [self])? {
+            return input.pow_scalar(exponent);
+        }
         let res = self.unary_raw(UnaryOp::PowScalar(exponent), "pow_scalar")?;
         if records(&[self]) {
-            let saved = SavedTensor::save("pow_scalar", self)?;
+            let saved = SavedTensor::save("pow_scalar", SaveRole::Input(0), self)?;
             record("pow_scalar", &[self], &[&res], move |grads| {
                 let grad = grads[0].as_ref().expect("one output");
                 let slope = saved

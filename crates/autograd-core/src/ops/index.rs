@@ -6,11 +6,12 @@
 //! buffer, so it costs one gradient of the input, not one per piece — and no copy at all when the
 //! pieces' gradients already are adjacent slices of one buffer.
 
+use crate::autocast::{autocast_args, autocast_inputs};
 use crate::dtype::DType;
 use crate::error::{Result, TensorError};
 use crate::graph::record;
 use crate::layout::{normalize_dim, Layout};
-use crate::saved::SavedTensor;
+use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
 
 use super::{check_device, check_dtype, check_float, check_same, records};
@@ -33,7 +34,7 @@ impl Tensor {
         self.backend()
             .gather(self.view(), dim, index.view(), res.view())?;
         if records(&[self]) {
-            let saved_index = SavedTensor::save("gather", index)?;
+            let saved_index = SavedTensor::save("gather", SaveRole::Input(1), index)?;
             let source = self.shape().to_vec();
             record("gather", &[self], &[&res], move |grads| {
                 let grad = grads[0].as_ref().expect("one output");
@@ -146,6 +147,9 @@ fn adjacent_slices(
 
 /// Rows of `weight` `[num, dim]` picked by `indices` (I64, any shape): `[..indices, dim]`.
 pub fn embedding(weight: &Tensor, indices: &Tensor) -> Result<Tensor> {
+    if let Some([weight]) = autocast_args("embedding", [weight])? {
+        return embedding(&weight, indices);
+    }
     check_float("embedding", weight)?;
     check_device("embedding", weight, indices)?;
     check_dtype("embedding", indices, DType::I64)?;
@@ -174,7 +178,7 @@ pub fn embedding(weight: &Tensor, indices: &Tensor) -> Result<Tensor> {
     shape.push(dim);
     let res = res.into_shape(&shape);
     if records(&[weight]) {
-        let saved_index = SavedTensor::save("embedding", &index)?;
+        let saved_index = SavedTensor::save("embedding", SaveRole::Input(1), &index)?;
         let source = weight.shape().to_vec();
         record("embedding", &[weight], &[&res], move |grads| {
             let grad = grads[0].as_ref().expect("one output");
@@ -191,6 +195,11 @@ pub fn embedding(weight: &Tensor, indices: &Tensor) -> Result<Tensor> {
 
 /// Joins tensors along `dim`; all other dims must agree.
 pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
+    let given: Vec<Option<&Tensor>> = tensors.iter().copied().map(Some).collect();
+    if let Some(cast) = autocast_inputs("cat", &given)? {
+        let cast: Vec<Tensor> = cast.into_iter().flatten().collect();
+        return cat(&cast.iter().collect::<Vec<_>>(), dim);
+    }
     let first = tensors
         .first()
         .ok_or_else(|| TensorError::InvalidArgument {

@@ -11,7 +11,7 @@ use crate::backend::BinaryOp;
 use crate::error::{Result, TensorError};
 use crate::graph::record;
 use crate::layout::broadcast_shapes;
-use crate::saved::SavedTensor;
+use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
 
 use super::{check_float, check_same, records};
@@ -54,12 +54,15 @@ impl Tensor {
             let old_self = match op {
                 BinaryOp::Mul | BinaryOp::Div if other.requires_grad() => Some(SavedTensor::save(
                     name,
+                    SaveRole::Intermediate("old_self"),
                     &self.to_dtype_contiguous_copy(self.dtype())?,
                 )?),
                 _ => None,
             };
             let other_saved = match op {
-                BinaryOp::Mul | BinaryOp::Div => Some(SavedTensor::save(name, other)?),
+                BinaryOp::Mul | BinaryOp::Div => {
+                    Some(SavedTensor::save(name, SaveRole::Input(1), other)?)
+                }
                 _ => None,
             };
             Some((old_self, other_saved))

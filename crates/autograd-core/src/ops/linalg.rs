@@ -8,19 +8,24 @@
 //! Patch embedding (a convolution with stride = kernel) is a reshape/permute to patches followed
 //! by `linear`.
 
+use crate::autocast::{autocast_args, autocast_inputs};
 use crate::backend::{BinaryOp, LinearEpilogue, LinearForward, LinearWeightGrad};
 use crate::error::{Result, TensorError};
 use crate::grad_mode::no_grad;
 use crate::graph::record;
 use crate::layout::broadcast_shapes;
-use crate::saved::SavedTensor;
+use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
 
+use super::elementwise::Pointwise;
 use super::{check_float, check_same, records};
 
 impl Tensor {
     /// Matrix product with PyTorch's rules: 1-D operands are promoted, batch dims broadcast.
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some([lhs, rhs]) = autocast_args("matmul", [self, other])? {
+            return lhs.matmul(&rhs);
+        }
         check_same("matmul", self, other)?;
         check_float("matmul", self)?;
         if self.ndim() == 0 || other.ndim() == 0 {
@@ -76,12 +81,12 @@ impl Tensor {
             .matmul(lhs.view(), rhs.view(), res.view(), false)?;
         if records(&[self, other]) {
             let saved_lhs = if other.requires_grad() {
-                Some(SavedTensor::save("matmul", self)?)
+                Some(SavedTensor::save("matmul", SaveRole::Input(0), self)?)
             } else {
                 None
             };
             let saved_rhs = if self.requires_grad() {
-                Some(SavedTensor::save("matmul", other)?)
+                Some(SavedTensor::save("matmul", SaveRole::Input(1), other)?)
             } else {
                 None
             };
@@ -112,6 +117,10 @@ impl Tensor {
 
     /// `self @ weight^T + bias` over the last dim (`torch.nn.functional.linear`).
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        if let Some(cast) = autocast_inputs("linear", &[Some(self), Some(weight), bias])? {
+            let (input, weight, bias) = linear_operands(cast);
+            return input.linear(&weight, bias.as_ref());
+        }
         let (res, _) = self.linear_forward("linear", weight, bias, false)?;
         if let Some(inputs) = self.linear_inputs(weight, bias) {
             record_linear(&inputs, &res)?;
@@ -126,6 +135,10 @@ impl Tensor {
     /// activation's gradient and the pre-activation before the weight-gradient products run,
     /// exactly as the unfused pair does.
     pub fn linear_gelu(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        if let Some(cast) = autocast_inputs("linear_gelu", &[Some(self), Some(weight), bias])? {
+            let (input, weight, bias) = linear_operands(cast);
+            return input.linear_gelu(&weight, bias.as_ref());
+        }
         let (res, pre_activation) = self.linear_forward("linear_gelu", weight, bias, true)?;
         let pre_activation = pre_activation.expect("asked for");
         if let Some(inputs) = self.linear_inputs(weight, bias) {
@@ -134,7 +147,7 @@ impl Tensor {
                 "gelu",
                 BinaryOp::GeluBackward,
                 &res,
-                &pre_activation,
+                Pointwise::SavesInput,
             )?;
         }
         Ok(res)
@@ -215,6 +228,15 @@ impl Tensor {
     }
 }
 
+/// The (input, weight, optional bias) of a linear op as autocast returned them.
+fn linear_operands(cast: Vec<Option<Tensor>>) -> (Tensor, Tensor, Option<Tensor>) {
+    let mut cast = cast.into_iter();
+    let mut next = || cast.next().flatten();
+    let input = next().expect("the input was given");
+    let weight = next().expect("the weight was given");
+    (input, weight, next())
+}
+
 /// Records the linear node `inputs` (input, weight, bias if any) → `res`. Backward: the input
 /// gradient is one product, the weight and bias gradients one
 /// [`Backend::linear_weight_grad`](crate::Backend::linear_weight_grad) call.
@@ -222,12 +244,12 @@ fn record_linear(inputs: &[&Tensor], res: &Tensor) -> Result<()> {
     let (input, weight) = (inputs[0], inputs[1]);
     let has_bias = inputs.len() == 3;
     let saved_input = if weight.requires_grad() {
-        Some(SavedTensor::save("linear", input)?)
+        Some(SavedTensor::save("linear", SaveRole::Input(0), input)?)
     } else {
         None
     };
     let saved_weight = if input.requires_grad() {
-        Some(SavedTensor::save("linear", weight)?)
+        Some(SavedTensor::save("linear", SaveRole::Input(1), weight)?)
     } else {
         None
     };
@@ -280,6 +302,10 @@ pub fn patch_embedding(
     bias: Option<&Tensor>,
     patch: usize,
 ) -> Result<Tensor> {
+    if let Some(cast) = autocast_inputs("patch_embedding", &[Some(input), Some(weight), bias])? {
+        let (input, weight, bias) = linear_operands(cast);
+        return patch_embedding(&input, &weight, bias.as_ref(), patch);
+    }
     let [batch, channels, height, width] = *input.shape() else {
         return Err(TensorError::InvalidArgument {
             op: "patch_embedding",

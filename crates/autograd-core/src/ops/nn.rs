@@ -6,6 +6,7 @@
 //! softmax saves only its output, layer norm saves the input plus a mean and an rstd per row,
 //! cross-entropy saves one log-sum-exp per row, dropout saves a one-byte mask.
 
+use crate::autocast::{autocast_args, autocast_inputs};
 use crate::backend::{CrossEntropyArgs, LayerNormBackward, LayerNormForward, MaskedOp, Reduction};
 use crate::dtype::{stats_dtype, DType};
 use crate::error::{Result, TensorError};
@@ -13,7 +14,7 @@ use crate::grad_mode::no_grad;
 use crate::graph::record;
 use crate::layout::normalize_dim;
 use crate::random::Generator;
-use crate::saved::SavedTensor;
+use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
 
 use super::{check_dtype, check_float, check_same, records};
@@ -21,12 +22,15 @@ use super::{check_dtype, check_float, check_same, records};
 impl Tensor {
     fn softmax_impl(&self, dim: isize, log: bool) -> Result<Tensor> {
         let name = if log { "log_softmax" } else { "softmax" };
+        if let Some([input]) = autocast_args(name, [self])? {
+            return input.softmax_impl(dim, log);
+        }
         check_float(name, self)?;
         let dim = normalize_dim(name, dim, self.ndim())?;
         let res = self.new_empty(self.shape(), self.dtype())?;
         self.backend().softmax(self.view(), dim, log, res.view())?;
         if records(&[self]) {
-            let saved = SavedTensor::save(name, &res)?;
+            let saved = SavedTensor::save(name, SaveRole::Output(0), &res)?;
             record(name, &[self], &[&res], move |grads| {
                 let grad = grads[0].as_ref().expect("one output");
                 let output = saved.unpack()?;
@@ -51,6 +55,9 @@ impl Tensor {
 
     /// `mask ? value : self`, with `mask` (Bool or U8) broadcast to this tensor's shape.
     pub fn masked_fill(&self, mask: &Tensor, value: f64) -> Result<Tensor> {
+        if let Some([input]) = autocast_args("masked_fill", [self])? {
+            return input.masked_fill(mask, value);
+        }
         check_float("masked_fill", self)?;
         if !matches!(mask.dtype(), DType::Bool | DType::U8) {
             return Err(TensorError::UnsupportedDtype {
@@ -63,7 +70,7 @@ impl Tensor {
         self.backend()
             .masked(MaskedOp::Fill(value), self.view(), mask.view(), res.view())?;
         if records(&[self]) {
-            let saved_mask = SavedTensor::save("masked_fill", &mask)?;
+            let saved_mask = SavedTensor::save("masked_fill", SaveRole::Input(1), &mask)?;
             record("masked_fill", &[self], &[&res], move |grads| {
                 let grad = grads[0].as_ref().expect("one output");
                 let mask = saved_mask.unpack()?;
@@ -86,6 +93,18 @@ pub fn layer_norm(
     bias: Option<&Tensor>,
     eps: f64,
 ) -> Result<Tensor> {
+    if let Some(cast) = autocast_inputs("layer_norm", &[Some(input), weight, bias])? {
+        let mut cast = cast.into_iter();
+        let input = cast.next().flatten().expect("the input was given");
+        let (weight, bias) = (cast.next().flatten(), cast.next().flatten());
+        return layer_norm(
+            &input,
+            normalized_shape,
+            weight.as_ref(),
+            bias.as_ref(),
+            eps,
+        );
+    }
     check_float("layer_norm", input)?;
     let ndim = input.ndim();
     if normalized_shape.is_empty()
@@ -137,11 +156,11 @@ pub fn layer_norm(
     inputs.extend(weight);
     inputs.extend(bias);
     if records(&inputs) {
-        let saved_x = SavedTensor::save("layer_norm", &dense)?;
-        let saved_mean = SavedTensor::save("layer_norm", &mean)?;
-        let saved_rstd = SavedTensor::save("layer_norm", &rstd)?;
+        let saved_x = SavedTensor::save("layer_norm", SaveRole::Input(0), &dense)?;
+        let saved_mean = SavedTensor::save("layer_norm", SaveRole::Intermediate("mean"), &mean)?;
+        let saved_rstd = SavedTensor::save("layer_norm", SaveRole::Intermediate("rstd"), &rstd)?;
         let saved_weight = match &weight_flat {
-            Some(w) => Some(SavedTensor::save("layer_norm", w)?),
+            Some(w) => Some(SavedTensor::save("layer_norm", SaveRole::Input(1), w)?),
             None => None,
         };
         let wants = [
@@ -206,6 +225,9 @@ pub fn cross_entropy(
     ignore_index: i64,
     reduction: Reduction,
 ) -> Result<Tensor> {
+    if let Some([logits]) = autocast_args("cross_entropy", [logits])? {
+        return cross_entropy(&logits, target, ignore_index, reduction);
+    }
     check_float("cross_entropy", logits)?;
     check_dtype("cross_entropy", target, DType::I64)?;
     if logits.ndim() != 2 || target.shape() != [logits.shape()[0]] {
@@ -232,9 +254,9 @@ pub fn cross_entropy(
         .backend()
         .cross_entropy(args, loss.view(), lse.view())?;
     if records(&[logits]) {
-        let saved_logits = SavedTensor::save("cross_entropy", &dense)?;
-        let saved_target = SavedTensor::save("cross_entropy", &target)?;
-        let saved_lse = SavedTensor::save("cross_entropy", &lse)?;
+        let saved_logits = SavedTensor::save("cross_entropy", SaveRole::Input(0), &dense)?;
+        let saved_target = SavedTensor::save("cross_entropy", SaveRole::Input(1), &target)?;
+        let saved_lse = SavedTensor::save("cross_entropy", SaveRole::Intermediate("lse"), &lse)?;
         record("cross_entropy", &[logits], &[&loss], move |grads| {
             let grad = grads[0].as_ref().expect("one output");
             let (logits, target, lse) = (
@@ -264,6 +286,9 @@ pub fn cross_entropy(
 /// Dropout: in training, zeroes each element with probability `p` (drawn from `generator`) and
 /// scales the rest by `1 / (1 - p)`; otherwise returns `input` unchanged.
 pub fn dropout(input: &Tensor, p: f64, training: bool, generator: &Generator) -> Result<Tensor> {
+    if let Some([input]) = autocast_args("dropout", [input])? {
+        return dropout(&input, p, training, generator);
+    }
     check_float("dropout", input)?;
     if !(0.0..=1.0).contains(&p) {
         return Err(TensorError::InvalidArgument {
@@ -281,7 +306,7 @@ pub fn dropout(input: &Tensor, p: f64, training: bool, generator: &Generator) ->
         .backend()
         .dropout(input.view(), p, seed, offset, res.view(), mask.view())?;
     if records(&[input]) {
-        let saved_mask = SavedTensor::save("dropout", &mask)?;
+        let saved_mask = SavedTensor::save("dropout", SaveRole::Intermediate("mask"), &mask)?;
         let scale = if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 };
         record("dropout", &[input], &[&res], move |grads| {
             let grad = grads[0].as_ref().expect("one output");

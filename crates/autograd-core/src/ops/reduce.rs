@@ -4,12 +4,13 @@
 //! only. Sum's backward is a free expand of the gradient; mean's divides it once; max scatters
 //! the gradient to the saved indices.
 
+use crate::autocast::autocast_args;
 use crate::backend::ReduceOp;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::graph::record;
 use crate::layout::normalize_dim;
-use crate::saved::SavedTensor;
+use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
 
 use super::{check_float, records};
@@ -54,6 +55,9 @@ impl Tensor {
 
     /// Sum over `dims` (all dims when empty).
     pub fn sum(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        if let Some([input]) = autocast_args("sum", [self])? {
+            return input.sum(dims, keepdim);
+        }
         let dims = self.reduce_dims("sum", dims)?;
         let res = self.reduce_raw(ReduceOp::Sum, "sum", &dims)?;
         let res = res.into_shape(&self.reduce_shape(&dims, keepdim));
@@ -70,6 +74,9 @@ impl Tensor {
 
     /// Mean over `dims` (all dims when empty).
     pub fn mean(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        if let Some([input]) = autocast_args("mean", [self])? {
+            return input.mean(dims, keepdim);
+        }
         let dims = self.reduce_dims("mean", dims)?;
         let res = self.reduce_raw(ReduceOp::Mean, "mean", &dims)?;
         let res = res.into_shape(&self.reduce_shape(&dims, keepdim));
@@ -98,6 +105,9 @@ impl Tensor {
 
     /// Largest element along `dim` and its index (I64, first occurrence).
     pub fn max_dim(&self, dim: isize, keepdim: bool) -> Result<(Tensor, Tensor)> {
+        if let Some([input]) = autocast_args("max", [self])? {
+            return input.max_dim(dim, keepdim);
+        }
         check_float("max", self)?;
         let dim = normalize_dim("max", dim, self.ndim())?;
         let order: Vec<usize> = (0..self.ndim())
@@ -121,7 +131,7 @@ impl Tensor {
         let values = values.into_shape(&shape);
         let indices = indices.into_shape(&shape);
         if records(&[self]) {
-            let saved_indices = SavedTensor::save("max", &indices)?;
+            let saved_indices = SavedTensor::save("max", SaveRole::Output(1), &indices)?;
             let source = self.shape().to_vec();
             let keep_shape = self.reduce_shape(&[dim], true);
             record("max", &[self], &[&values], move |grads| {
