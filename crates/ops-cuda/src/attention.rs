@@ -18,9 +18,10 @@ use headroom_autograd_core::{
 
 use crate::attention_gemm;
 use crate::attention_tc;
-use crate::backend::{CudaBackend, Scratch};
-use crate::elementwise::{launch_in, Param};
+use crate::device::CudaBackend;
 use crate::kernels::{KernelName, Module};
+use crate::launch::{launch_in, Param};
+use crate::scratch::Scratch;
 
 /// Threads per block of every attention kernel (`THREADS` in the kernels).
 const THREADS: u32 = 64;

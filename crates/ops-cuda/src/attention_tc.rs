@@ -16,9 +16,11 @@ use headroom_autograd_core::{
 };
 
 use crate::attention::{address, attn_args, AttnArgs};
-use crate::backend::{CudaBackend, Scratch};
-use crate::elementwise::{element_address, launch_in, Param};
+use crate::device::CudaBackend;
 use crate::kernels::{KernelName, Module};
+use crate::launch::{launch_in, Param};
+use crate::operands::element_address;
+use crate::scratch::Scratch;
 
 /// Threads per block (`TC_THREADS` in the kernels).
 const THREADS: u32 = 128;

@@ -9,9 +9,11 @@ use headroom_autograd_core::{
     DType, LayerNormBackward, LayerNormForward, ReduceOp, Result, TensorError, View,
 };
 
-use crate::backend::{CudaBackend, Scratch};
-use crate::elementwise::{element_address, launch_in, Param, NO_ARGS};
+use crate::device::CudaBackend;
 use crate::kernels::{KernelName, Module};
+use crate::launch::{launch_in, Param, NO_ARGS};
+use crate::operands::element_address;
+use crate::scratch::Scratch;
 
 const MAX_DIMS: usize = 8;
 /// Threads per block; the kernels' `THREADS`.

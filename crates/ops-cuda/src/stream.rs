@@ -21,7 +21,8 @@ use cudarc::driver::sys;
 use headroom_autograd_core::{Result, TensorError};
 use headroom_caching_allocator::StreamId;
 
-use crate::backend::{device_error, CudaBackend};
+use crate::device::CudaBackend;
+use crate::error::device_error;
 
 /// Events whose destruction failed, over the whole process (`Drop` cannot return the error).
 static EVENT_DROP_ERRORS: AtomicU64 = AtomicU64::new(0);
