@@ -50,10 +50,6 @@ mod stream;
 #[cfg(feature = "cuda")]
 mod attention;
 #[cfg(feature = "cuda")]
-mod attention_gemm;
-#[cfg(feature = "cuda")]
-mod attention_tc;
-#[cfg(feature = "cuda")]
 mod elementwise;
 #[cfg(feature = "cuda")]
 mod index;

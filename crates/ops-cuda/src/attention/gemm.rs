@@ -11,13 +11,17 @@
 //!
 //! cuBLAS sees row-major matrices as their column-major transposes: with `q` `[sq, d]` (rows of
 //! `d`), the score matrix `s = q kᵀ` (`[sq, sk]`) is the column-major `kᵀ·q` product, and so on.
+//!
+//! This path sits on the attention family's `args.rs` and the ground floor (the batched GEMM of
+//! `blas.rs`, the dense copies of `operands.rs`), and imports no other path; the family's entry
+//! point (`mod.rs`) sends here the f16 and bf16 problems the tensor-core kernels do not take.
 
 use cudarc::driver::LaunchConfig;
 use headroom_autograd_core::{
     AttentionBackward, AttentionDims, AttentionForward, DType, Layout, Result, View,
 };
 
-use crate::attention::attn_args;
+use super::args::attn_args;
 use crate::blas::GemmOperand;
 use crate::device::CudaBackend;
 use crate::kernels::Module;
