@@ -6,7 +6,7 @@
 //! Operands are described by one `RowArgs` (`args.rs`): the outer dims that pick a row, and the
 //! inner dims walked within it, with per-operand strides. One block of 256 threads handles a row
 //! at a time. This module is the family's entry point: it names what `backend.rs` calls, and
-//! [`reduce`] chooses between the row kernel and column sums.
+//! [`reduce()`] chooses between the row kernel and column sums.
 //!
 //! The family sits on the ground floor and imports no other family. Its rooms import `args.rs`,
 //! never each other or this module.
