@@ -15,7 +15,7 @@
 // online (running max and sum, base-2 exponentials of log2(e)-prescaled scores), the row
 // reductions are shuffles among the 8 threads of a row; backward recomputes probabilities from the
 // saved log-sum-exp. Accumulation is in double for f64 and float otherwise. The Rust side
-// (crates/ops-cuda/src/attention.rs) describes operands with `AttnArgs`, field for field.
+// (crates/ops-cuda/src/attention/args.rs) describes operands with `AttnArgs`, field for field.
 // Built to PTX by `cargo xtask build-kernels`.
 
 #include <math_constants.h>
@@ -448,7 +448,7 @@ __device__ void attention_backward_dkdv(const T* q, const T* k, const T* v, cons
     store_rows<T, A, DC>(dv, a, OP_DV, b, h, k0, a.keys, ty, tx, dva, one);
 }
 
-// The tensor-core path of 16-bit dtypes (crates/ops-cuda/src/attention_gemm.rs): cuBLAS computes
+// The tensor-core path of 16-bit dtypes (crates/ops-cuda/src/attention/gemm.rs): cuBLAS computes
 // the f32 score and dP matrices of a chunk of (batch, head) pairs, these kernels turn them into
 // probabilities and score gradients in the storage dtype for the next products.
 

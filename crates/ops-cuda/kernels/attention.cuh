@@ -1,5 +1,5 @@
 // The operand description shared by the attention kernels (attention.cu, attention_tc.cu) and
-// crates/ops-cuda/src/attention.rs (`AttnArgs`, field for field).
+// crates/ops-cuda/src/attention/args.rs (`AttnArgs`, field for field).
 
 #pragma once
 

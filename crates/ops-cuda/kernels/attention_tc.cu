@@ -17,7 +17,7 @@
 // warp's own rows of shared memory and written with 16-byte stores.
 //
 // Needs: head dims a multiple of 8 up to 128, every operand's offset and strides multiples of 8
-// elements and 16-byte aligned buffers (crates/ops-cuda/src/attention_tc.rs checks; other shapes
+// elements and 16-byte aligned buffers (crates/ops-cuda/src/attention/tensor_core.rs checks; other shapes
 // take the cuBLAS path). Built to compute_80 PTX by `cargo xtask build-kernels`.
 
 #include <math_constants.h>

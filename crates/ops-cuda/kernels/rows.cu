@@ -4,7 +4,7 @@
 // One block handles one row (a lane of the reduced or normalised elements) at a time, its
 // threads striding along the row and combining through warp shuffles and shared memory;
 // accumulation is in double for f64 and in float otherwise. The Rust side
-// (crates/ops-cuda/src/rows.rs) describes operands with the structs below, field for field.
+// (crates/ops-cuda/src/rows/args.rs) describes operands with the structs below, field for field.
 // Built to PTX by `cargo xtask build-kernels`.
 
 #include "elements.cuh"

@@ -1,7 +1,7 @@
 // Strided operands of the elementwise-style kernels: up to three operands of one shape, each with
 // its own strides and offset (in elements), and the walk from a linear index to their offsets.
 // Included by elementwise.cu and index.cu; the Rust side is `StridedArgs` in
-// crates/ops-cuda/src/elementwise.rs, field for field.
+// crates/ops-cuda/src/operands.rs, field for field.
 
 #pragma once
 
