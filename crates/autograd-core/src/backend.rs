@@ -4,9 +4,10 @@
 //!
 //! [`Backend`] has **28 methods**: 7 for the device and its memory (`device`, `into_any`,
 //! `allocate`, `free`, `memory_stats`, `write_host`, `read_host`) and 21 compute primitives, 2 of
-//! which (`linear`, `linear_weight_grad`) have default bodies composed of the others. The engine and every op
-//! in `crate::ops` are written once
-//! on top of it; ops-cpu implements it now, ops-cuda later. The reasoning:
+//! which (`linear`, `linear_weight_grad`) have default bodies composed of the others. The engine
+//! and every op in `crate::ops` are written once on top of it; ops-cpu and ops-cuda implement it.
+//! The technique seams (autocast, saved-tensor sites, backward-end callbacks, the non-finite
+//! check) added no method: they are written with these. The reasoning:
 //!
 //! - **Primitives take strided views and write into a caller-allocated output.** The core
 //!   allocates every output from the backend's caching allocator, so memory accounting lives in

@@ -10,16 +10,32 @@
 //! method count and why it is that small) and record a graph node when an input requires grad.
 //! [`Tensor::backward`] runs the graph in reverse creation order, freeing each node's saved
 //! tensors and each consumed gradient as it goes, and accumulates into leaves' `.grad`.
-//! Hooks are part of the engine, not bolted on: gradient hooks ([`Tensor::register_hook`]),
-//! post-accumulate-grad hooks ([`Tensor::register_post_accumulate_grad_hook`]) and scoped
-//! saved-tensor hooks ([`saved_tensor_hooks`]). In-place ops bump per-storage version counters,
-//! and a saved tensor that was overwritten is a [`TensorError::ModifiedInPlace`] naming the op.
+//! In-place ops bump per-storage version counters, and a saved tensor that was overwritten is a
+//! [`TensorError::ModifiedInPlace`] naming the op.
+//!
+//! # Seams for the technique crates
+//!
+//! Memory techniques (amp, checkpoint, hooks) are wrappers over these seams, never forks of the
+//! engine:
+//! - gradient hooks ([`Tensor::register_hook`]) and post-accumulate-grad hooks
+//!   ([`Tensor::register_post_accumulate_grad_hook`]): an optimizer steps a parameter the moment
+//!   its gradient is final;
+//! - saved-tensor hooks ([`saved_tensor_hooks`]): `pack` sees a [`SaveSite`] (op, role, shape,
+//!   dtype, bytes, and its number among this backward's saves) and decides what a saved
+//!   activation becomes — kept, offloaded, compressed, or dropped and recomputed; an unpack may
+//!   recompute with grad mode on;
+//! - an autocast scope ([`autocast`]): thread-local and nestable; the ops in [`AUTOCAST_OPS`] ask
+//!   an [`AutocastPolicy`] which dtype their inputs take, and a parameter is cast once per scope;
+//! - backward-end callbacks ([`queue_backward_end_callback`] for the pass running now,
+//!   [`on_backward_end`] for every pass on a thread);
+//! - a non-finite check over many tensors that leaves `found_inf` on the device
+//!   ([`non_finite_check_`]), with no host synchronisation.
 //!
 //! This crate sits on `headroom-caching-allocator` only. It knows no device API and no kernel:
-//! ops-cpu (and later ops-cuda) implement [`Backend`]; models and optimizers sit on top.
+//! ops-cpu and ops-cuda implement [`Backend`]; models, optimizers and techniques sit on top.
 //!
-//! Not supported yet: higher-order gradients (`create_graph`), differentiable in-place writes
-//! into views, `retain_grad` on non-leaves.
+//! Not supported: higher-order gradients (`create_graph`), differentiable in-place writes into
+//! views, `retain_grad` on non-leaves.
 
 mod autocast;
 mod backend;
