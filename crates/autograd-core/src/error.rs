@@ -100,6 +100,35 @@ pub enum TensorError {
     /// The allocator could not serve a tensor's storage.
     #[error("allocation failed: {0}")]
     Alloc(#[from] AllocError),
+    /// An error of code the engine called — a hook, a backward-end callback, a region being
+    /// recomputed — carried through unchanged: `source` is that code's own error, which it can
+    /// get back by downcasting.
+    #[error("{op}: {source}")]
+    Hook {
+        /// The hook or technique that failed.
+        op: &'static str,
+        /// Its error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+impl TensorError {
+    /// Wraps another crate's error for the trip through the engine (see [`TensorError::Hook`]).
+    pub fn hook(op: &'static str, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        TensorError::Hook {
+            op,
+            source: Box::new(source),
+        }
+    }
+
+    /// The wrapped error of a [`TensorError::Hook`], if it is an `E`.
+    pub fn hook_source<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        match self {
+            TensorError::Hook { source, .. } => source.downcast_ref::<E>(),
+            _ => None,
+        }
+    }
 }
 
 /// Shorthand used throughout the crate and by backends.

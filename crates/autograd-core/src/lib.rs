@@ -79,7 +79,10 @@ pub use ops::{
     cat, cross_entropy, dropout, embedding, layer_norm, patch_embedding,
     scaled_dot_product_attention,
 };
-pub use random::{uniform, Generator, GeneratorState};
+pub use random::{
+    record_draws, replay_draws, uniform, DrawRecording, DrawReplay, Generator, GeneratorState,
+    RecordedDraws,
+};
 pub use saved::{
     saved_tensor_hooks, PackHook, Packed, SaveRole, SaveSite, SavedTensor, SavedTensorHooks,
     SavedTensorHooksGuard, UnpackHook,
