@@ -14,6 +14,7 @@ use std::sync::Arc;
 use headroom_autograd_core::{cross_entropy, BackendRef, DType, Generator, Reduction, Tensor};
 
 use crate::attention::{attention, merge_heads, split_heads, AttentionMask};
+use crate::blocks::{run_block, BlockRunner};
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
 use crate::layers::{Dropout, Embedding, LayerNorm};
@@ -254,6 +255,8 @@ pub struct Gpt2Model {
     pub h: Vec<Gpt2Block>,
     /// The final norm.
     pub ln_f: LayerNorm,
+    /// Who runs the blocks (a checkpointing runner, say); `None` calls them directly.
+    pub block_runner: Option<Arc<dyn BlockRunner>>,
 }
 
 impl Gpt2Model {
@@ -283,8 +286,14 @@ impl Gpt2Model {
             .forward(input_ids)?
             .add(&self.wpe.forward(&position_ids)?)?;
         let mut hidden = self.drop.forward(&embeds)?;
-        for block in &self.h {
-            hidden = block.forward(&hidden)?;
+        for (index, block) in self.h.iter().enumerate() {
+            hidden = run_block(
+                self.block_runner.as_ref(),
+                index,
+                block,
+                Gpt2Block::forward,
+                &hidden,
+            )?;
         }
         self.ln_f.forward(&hidden)
     }
@@ -387,6 +396,7 @@ impl Gpt2LMHeadModel {
             drop: dropout(config.embd_pdrop),
             h,
             ln_f: LayerNorm::new(backend, n_embd, eps, dtype, generator)?,
+            block_runner: None,
         };
         Ok(Gpt2LMHeadModel {
             config,

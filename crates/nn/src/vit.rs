@@ -14,6 +14,7 @@ use std::sync::Arc;
 use headroom_autograd_core::{cat, patch_embedding, BackendRef, DType, Generator, Tensor};
 
 use crate::attention::{AttentionMask, MultiheadAttention};
+use crate::blocks::{run_block, BlockRunner};
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
 use crate::layers::{Activation, Dropout, LayerNorm, Linear, Mlp};
@@ -216,14 +217,22 @@ pub struct Encoder {
     pub layers: Vec<EncoderBlock>,
     /// The final norm.
     pub ln: LayerNorm,
+    /// Who runs the blocks (a checkpointing runner, say); `None` calls them directly.
+    pub block_runner: Option<Arc<dyn BlockRunner>>,
 }
 
 impl Encoder {
     /// `[batch, seq_length, hidden_dim]` → the same shape.
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
         let mut x = self.dropout.forward(&input.add(&self.pos_embedding)?)?;
-        for layer in &self.layers {
-            x = layer.forward(&x)?;
+        for (index, layer) in self.layers.iter().enumerate() {
+            x = run_block(
+                self.block_runner.as_ref(),
+                index,
+                layer,
+                EncoderBlock::forward,
+                &x,
+            )?;
         }
         self.ln.forward(&x)
     }
@@ -365,6 +374,7 @@ impl VisionTransformer {
             dropout,
             layers,
             ln: LayerNorm::new(backend, hidden_dim, config.layer_norm_eps, dtype, generator)?,
+            block_runner: None,
         };
         let head = Linear::with_init(
             backend,

@@ -84,7 +84,11 @@ fn the_non_finite_check_finds_every_kind_of_overflow_on_the_gpu() {
         bad.copy_(&Tensor::from_f64s(&gpu, &poisoned, bad.shape(), DType::F64).unwrap())
             .unwrap();
         let found = found_non_finite(&all, bad).unwrap();
-        assert_eq!(found.to_vec::<f32>().unwrap(), [1.0], "{value} in tensor {idx}");
+        assert_eq!(
+            found.to_vec::<f32>().unwrap(),
+            [1.0],
+            "{value} in tensor {idx}"
+        );
         bad.copy_(&Tensor::from_f64s(&gpu, &saved, bad.shape(), DType::F64).unwrap())
             .unwrap();
     }

@@ -1,0 +1,165 @@
+//! Checkpointing a model's blocks without editing the model, and `checkpoint_sequential`.
+//!
+//! [`CheckpointBlocks`] is an nn [`BlockRunner`]: set it as a model's block runner
+//! (`vit.encoder.block_runner`, `gpt2.transformer.block_runner`) and the chosen blocks run
+//! through [`checkpoint_with`], each keeping only its input. [`checkpoint_sequential`] is
+//! PyTorch's `checkpoint_sequential`: a chain of blocks cut into segments, every segment but the
+//! last checkpointed. This module sits on `crate::region` and nn's block seam; it knows no
+//! particular model.
+
+use std::sync::Arc;
+
+use headroom_autograd_core::{Tensor, TensorError};
+use headroom_nn::{BlockForward, BlockRunner, NnError};
+
+use crate::error::CheckpointError;
+use crate::region::{checkpoint_with, CheckpointOptions};
+
+/// Which blocks of a model a [`CheckpointBlocks`] checkpoints.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BlockSelection {
+    /// Every block.
+    All,
+    /// Blocks 0, k, 2k, ... (`Every(1)` is every block).
+    Every(usize),
+    /// The listed blocks.
+    Indices(Vec<usize>),
+}
+
+impl BlockSelection {
+    /// Whether block `index` is checkpointed.
+    pub fn contains(&self, index: usize) -> bool {
+        match self {
+            BlockSelection::All => true,
+            BlockSelection::Every(k) => *k > 0 && index % k == 0,
+            BlockSelection::Indices(indices) => indices.contains(&index),
+        }
+    }
+}
+
+/// Runs a model's blocks, checkpointing the selected ones (an nn [`BlockRunner`]).
+///
+/// ```
+/// use std::sync::Arc;
+/// use headroom_autograd_core::{DType, Generator, Tensor};
+/// use headroom_checkpoint::CheckpointBlocks;
+/// use headroom_nn::{VisionTransformer, VitConfig};
+///
+/// let cpu = headroom_ops_cpu::CpuBackend::new_ref();
+/// let generator = Arc::new(Generator::new(0));
+/// let mut vit = VisionTransformer::new(&cpu, VitConfig::tiny(), DType::F32, &generator)?;
+/// vit.encoder.block_runner = Some(Arc::new(CheckpointBlocks::all()));
+/// let images = Tensor::ones(&cpu, &[2, 3, 32, 32], DType::F32)?;
+/// vit.forward(&images)?.sum_all()?.backward()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct CheckpointBlocks {
+    /// The blocks to checkpoint.
+    pub selection: BlockSelection,
+    /// How each is checkpointed.
+    pub options: CheckpointOptions,
+}
+
+impl CheckpointBlocks {
+    /// Every block, with the default options (keep each block's input, recompute the rest).
+    pub fn all() -> CheckpointBlocks {
+        CheckpointBlocks {
+            selection: BlockSelection::All,
+            options: CheckpointOptions::default(),
+        }
+    }
+}
+
+impl BlockRunner for CheckpointBlocks {
+    fn run(
+        &self,
+        index: usize,
+        block: BlockForward,
+        input: &Tensor,
+    ) -> headroom_nn::Result<Tensor> {
+        if !self.selection.contains(index) {
+            return block(input);
+        }
+        let outputs = checkpoint_with(
+            move |inputs| Ok(vec![block(&inputs[0]).map_err(nn_to_tensor)?]),
+            std::slice::from_ref(input),
+            &self.options,
+        )
+        .map_err(checkpoint_to_nn)?;
+        Ok(outputs.into_iter().next().expect("one output"))
+    }
+}
+
+/// `NnError` → `TensorError`, for a block run inside a region.
+fn nn_to_tensor(err: NnError) -> TensorError {
+    match err {
+        NnError::Tensor(err) => err,
+        other => TensorError::hook("block", other),
+    }
+}
+
+/// `CheckpointError` → `NnError`, for a block runner's answer.
+fn checkpoint_to_nn(err: CheckpointError) -> NnError {
+    match err {
+        CheckpointError::Nn(err) => err,
+        CheckpointError::Tensor(err) => NnError::Tensor(err),
+        other => NnError::Tensor(TensorError::hook("checkpoint", other)),
+    }
+}
+
+/// Runs `blocks` one after another on `input`, cut into `segments` segments of
+/// `blocks.len() / segments` blocks: every segment but the last is checkpointed (only its input
+/// is kept), the last runs normally — PyTorch's `checkpoint_sequential`.
+pub fn checkpoint_sequential(
+    blocks: &[BlockForward],
+    segments: usize,
+    input: &Tensor,
+    options: &CheckpointOptions,
+) -> Result<Tensor, CheckpointError> {
+    if segments == 0 || segments > blocks.len().max(1) {
+        return Err(CheckpointError::InvalidArgument {
+            op: "checkpoint_sequential",
+            reason: format!(
+                "{segments} segments for {} blocks; give between 1 and the number of blocks",
+                blocks.len()
+            ),
+        });
+    }
+    let segment_size = blocks.len() / segments;
+    let mut x = input.clone();
+    let mut start = 0;
+    for _ in 0..segments - 1 {
+        let segment: Vec<BlockForward> = blocks[start..start + segment_size].to_vec();
+        let run = move |inputs: &[Tensor]| {
+            let mut y = inputs[0].clone();
+            for block in &segment {
+                y = block(&y).map_err(nn_to_tensor)?;
+            }
+            Ok(vec![y])
+        };
+        x = checkpoint_with(run, std::slice::from_ref(&x), options)?
+            .into_iter()
+            .next()
+            .expect("one output");
+        start += segment_size;
+    }
+    for block in &blocks[start..] {
+        x = block(&x)?;
+    }
+    Ok(x)
+}
+
+/// The blocks of a model as [`BlockForward`]s (for [`checkpoint_sequential`]).
+pub fn block_forwards<B: Clone + Send + Sync + 'static>(
+    blocks: &[B],
+    forward: fn(&B, &Tensor) -> headroom_nn::Result<Tensor>,
+) -> Vec<BlockForward> {
+    blocks
+        .iter()
+        .map(|block| {
+            let block = block.clone();
+            Arc::new(move |x: &Tensor| forward(&block, x)) as BlockForward
+        })
+        .collect()
+}

@@ -1,0 +1,32 @@
+//! Activation checkpointing for Headroom: keep less of the forward, recompute it in backward.
+//!
+//! [`checkpoint`] runs a region (any closure from tensors to tensors) and keeps only its inputs;
+//! when backward needs what the region's ops saved, the region runs again. It is PyTorch's
+//! non-reentrant checkpoint without its pitfalls:
+//! - inputs need not require grad (the reentrant form's "element 0 of tensors does not require
+//!   grad");
+//! - random draws are replayed, so dropout masks on recompute equal the forward's (and the
+//!   generators end where the forward left them);
+//! - a region that writes its inputs in place, a recomputation that saves other tensors than the
+//!   forward, and a recomputation with other random draws are typed [`CheckpointError`]s, never
+//!   silently wrong gradients;
+//! - regions nest, and a recomputation stops as soon as what backward still needs is rebuilt.
+//!
+//! Selective checkpointing decides per saved tensor, from the [`SaveSite`](headroom_autograd_core::SaveSite)
+//! autograd-core gives each save: a [`SavePolicy`] answers keep or recompute ([`RecomputeAll`],
+//! [`SaveMatmuls`], or a closure in [`PolicyFn`]). A model's blocks are checkpointed without
+//! editing the model by setting a [`CheckpointBlocks`] as its nn block runner;
+//! [`checkpoint_sequential`] cuts a chain of blocks into segments.
+//!
+//! This crate sits on autograd-core's seams (saved-tensor hooks, grad mode, the autocast scope,
+//! draw recording) and nn's block seam. It knows no kernel and no device.
+
+mod blocks;
+mod error;
+mod policy;
+mod region;
+
+pub use blocks::{block_forwards, checkpoint_sequential, BlockSelection, CheckpointBlocks};
+pub use error::CheckpointError;
+pub use policy::{Decision, PolicyFn, RecomputeAll, SaveMatmuls, SavePolicy};
+pub use region::{checkpoint, checkpoint_with, CheckpointOptions, Region};
