@@ -1,0 +1,460 @@
+//! Activation checkpointing on the CPU backend: training with checkpointed blocks gives the plain
+//! loop's parameters bit for bit (dropout included), f64 gradients against finite differences,
+//! exact saved bytes, early stop, nesting, and the typed errors for regions that cannot be
+//! recomputed faithfully.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use headroom_autograd_core::{
+    autocast, dropout, layer_norm, AutocastPolicy, BackendRef, CastPolicy, DType, Device,
+    Generator, Tensor,
+};
+use headroom_checkpoint::{
+    block_forwards, checkpoint, checkpoint_sequential, checkpoint_with, BlockSelection,
+    CheckpointBlocks, CheckpointError, CheckpointOptions, Decision, PolicyFn, SaveMatmuls,
+};
+use headroom_nn::{BlockRunner, EncoderBlock, Gpt2Config, VitConfig};
+use headroom_ops_cpu::CpuBackend;
+use headroom_testkit::{
+    check_technique, Batch, Baseline, Model, ModelSpec, OptimSpec, Technique, Tolerance, TrainCase,
+    TrainRun,
+};
+
+/// Checkpoints the model's blocks through its block runner, then trains as the plain loop does.
+struct Checkpointed(CheckpointBlocks);
+
+impl Technique for Checkpointed {
+    fn name(&self) -> &str {
+        "checkpointed blocks"
+    }
+
+    fn prepare(&mut self, run: &mut TrainRun) -> headroom_testkit::Result<()> {
+        let runner: Arc<dyn BlockRunner> = Arc::new(self.0.clone());
+        match &mut run.model {
+            Model::Vit(vit) => vit.encoder.block_runner = Some(runner),
+            Model::Gpt2(gpt2) => gpt2.transformer.block_runner = Some(runner),
+            Model::Mlp(_) => return Err("the MLP has no blocks".into()),
+        }
+        Ok(())
+    }
+
+    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
+        Baseline.step(run, batch)
+    }
+}
+
+fn vit_with_dropout() -> ModelSpec {
+    ModelSpec::Vit(VitConfig {
+        dropout: 0.1,
+        attention_dropout: 0.1,
+        ..VitConfig::tiny()
+    })
+}
+
+fn gpt2_with_dropout() -> ModelSpec {
+    let mut config = Gpt2Config::tiny();
+    config.embd_pdrop = 0.1;
+    config.attn_pdrop = 0.1;
+    config.resid_pdrop = 0.1;
+    ModelSpec::Gpt2 { config, seq: 16 }
+}
+
+#[test]
+fn checkpointed_training_equals_plain_training_bit_for_bit_with_dropout() {
+    let cpu = CpuBackend::new_ref();
+    let every_block = CheckpointBlocks::all();
+    let selective = CheckpointBlocks {
+        selection: BlockSelection::Every(2),
+        options: CheckpointOptions {
+            policy: Arc::new(SaveMatmuls),
+            ..CheckpointOptions::default()
+        },
+    };
+    for (name, model) in [("vit", vit_with_dropout()), ("gpt2", gpt2_with_dropout())] {
+        for blocks in [&every_block, &selective] {
+            let case = TrainCase {
+                name,
+                model,
+                dtype: DType::F32,
+                batch: 2,
+                steps: 3,
+                optimizer: OptimSpec::adamw(1e-3, 1e-2),
+                tolerance: Tolerance::Bitwise {
+                    why: "the recompute replays the forward's ops and random draws on the same \
+                          deterministic CPU kernels",
+                },
+                seed: 5,
+            };
+            let report = check_technique(&cpu, &case, &mut Checkpointed(blocks.clone()))
+                .unwrap_or_else(|err| panic!("{name} {:?}: {err}", blocks.selection));
+            assert_eq!(report.max_ulps, 0);
+            assert_eq!(report.baseline_losses, report.technique_losses);
+        }
+    }
+}
+
+fn f64_tensor(cpu: &BackendRef, values: &[f64], shape: &[usize]) -> Tensor {
+    Tensor::from_f64s(cpu, values, shape, DType::F64).unwrap()
+}
+
+/// A region with a product, a norm, a softmax and pointwise ops, as a function of `x` and `w`.
+fn region_ops(x: &Tensor, w: &Tensor) -> headroom_autograd_core::Result<Tensor> {
+    let h = x.matmul(w)?.tanh()?;
+    let n = layer_norm(&h, &[3], None, None, 1e-5)?;
+    n.softmax(-1)?.mul(&h)?.exp()?.sum_all()
+}
+
+#[test]
+fn checkpointed_gradients_match_finite_differences_in_f64() {
+    let cpu = CpuBackend::new_ref();
+    let xs: Vec<f64> = (0..8).map(|i| 0.3 * (i as f64).sin()).collect();
+    let ws: Vec<f64> = (0..12).map(|i| 0.2 * (i as f64 * 0.7).cos()).collect();
+    let x = f64_tensor(&cpu, &xs, &[2, 4]);
+    let w = f64_tensor(&cpu, &ws, &[4, 3]);
+    x.requires_grad_(true).unwrap();
+    w.requires_grad_(true).unwrap();
+    let loss = checkpoint(
+        |inputs| Ok(vec![region_ops(&inputs[0], &inputs[1])?]),
+        &[x.clone(), w.clone()],
+    )
+    .unwrap();
+    loss[0].backward().unwrap();
+    let value = |xs: &[f64], ws: &[f64]| {
+        region_ops(&f64_tensor(&cpu, xs, &[2, 4]), &f64_tensor(&cpu, ws, &[4, 3]))
+            .unwrap()
+            .item()
+            .unwrap()
+    };
+    let eps = 1e-6;
+    for (which, (values, grad)) in [(&xs, x.grad().unwrap()), (&ws, w.grad().unwrap())]
+        .into_iter()
+        .enumerate()
+    {
+        let grad = grad.to_vec_f64().unwrap();
+        for i in 0..values.len() {
+            let (mut plus, mut minus) = (values.clone(), values.clone());
+            plus[i] += eps;
+            minus[i] -= eps;
+            let numeric = if which == 0 {
+                (value(&plus, &ws) - value(&minus, &ws)) / (2.0 * eps)
+            } else {
+                (value(&xs, &plus) - value(&xs, &minus)) / (2.0 * eps)
+            };
+            assert!(
+                (grad[i] - numeric).abs() <= 1e-7 * numeric.abs().max(1.0),
+                "input {which} element {i}: {} vs {numeric}",
+                grad[i]
+            );
+        }
+    }
+}
+
+fn allocated(cpu: &BackendRef) -> i64 {
+    cpu.memory_stats().allocated_bytes.all.current
+}
+
+#[test]
+fn only_the_inputs_stay_and_the_saved_bytes_are_exact() {
+    let cpu = CpuBackend::new_ref();
+    let x = Tensor::full(&cpu, &[1024], 0.01, DType::F32).unwrap();
+    x.requires_grad_(true).unwrap();
+    let chain = |x: &Tensor| -> headroom_autograd_core::Result<Tensor> {
+        let mut y = x.clone();
+        for _ in 0..8 {
+            y = y.exp()?.mul_scalar(0.5)?;
+        }
+        Ok(y)
+    };
+    let before = allocated(&cpu);
+    let plain = chain(&x).unwrap();
+    // Each exp saves its output (4 KiB); every result of mul_scalar but the last is freed or
+    // held only as the next exp's input, which exp does not save.
+    assert_eq!(allocated(&cpu) - before, 8 * 4096 + 4096);
+    plain.sum_all().unwrap().backward().unwrap();
+    let expected = x.take_grad().unwrap().to_vec::<f32>().unwrap();
+    drop(plain);
+    let before = allocated(&cpu);
+    let out = checkpoint(move |inputs| Ok(vec![chain(&inputs[0])?]), &[x.clone()]).unwrap();
+    assert_eq!(allocated(&cpu) - before, 4096, "the output alone");
+    out[0].sum_all().unwrap().backward().unwrap();
+    assert_eq!(x.grad().unwrap().to_vec::<f32>().unwrap(), expected);
+}
+
+#[test]
+fn inputs_need_not_require_grad() {
+    let cpu = CpuBackend::new_ref();
+    let x = f64_tensor(&cpu, &[0.1, 0.2, 0.3, 0.4], &[2, 2]);
+    let w = f64_tensor(&cpu, &[1.0, -1.0, 0.5, 2.0], &[2, 2]);
+    w.requires_grad_(true).unwrap();
+    x.matmul(&w).unwrap().exp().unwrap().sum_all().unwrap().backward().unwrap();
+    let expected = w.take_grad().unwrap().to_vec_f64().unwrap();
+    let weight = w.clone();
+    let y = checkpoint(
+        move |inputs| Ok(vec![inputs[0].matmul(&weight)?.exp()?]),
+        &[x],
+    )
+    .unwrap();
+    y[0].sum_all().unwrap().backward().unwrap();
+    assert_eq!(w.grad().unwrap().to_vec_f64().unwrap(), expected);
+}
+
+#[test]
+fn the_recompute_stops_after_the_last_save_backward_needs() {
+    let cpu = CpuBackend::new_ref();
+    let x = f64_tensor(&cpu, &[0.5, 1.5], &[2]);
+    x.requires_grad_(true).unwrap();
+    let reached_the_tail = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&reached_the_tail);
+    let y = checkpoint(
+        move |inputs| {
+            let e = inputs[0].exp()?; // the region's one save
+            counter.fetch_add(1, Ordering::SeqCst);
+            Ok(vec![e.mul_scalar(3.0)?.add_scalar(1.0)?])
+        },
+        &[x.clone()],
+    )
+    .unwrap();
+    y[0].sum_all().unwrap().backward().unwrap();
+    assert_eq!(reached_the_tail.load(Ordering::SeqCst), 1, "forward only");
+    let grad = x.grad().unwrap().to_vec_f64().unwrap();
+    assert_eq!(grad, [3.0 * 0.5f64.exp(), 3.0 * 1.5f64.exp()]);
+}
+
+#[test]
+fn nested_checkpoints_give_the_plain_gradients() {
+    let cpu = CpuBackend::new_ref();
+    let x = f64_tensor(&cpu, &[0.1, -0.4, 0.9], &[3]);
+    x.requires_grad_(true).unwrap();
+    x.exp()
+        .unwrap()
+        .tanh()
+        .unwrap()
+        .exp()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let expected = x.take_grad().unwrap().to_vec_f64().unwrap();
+    let y = checkpoint(
+        |inputs| {
+            let inner = checkpoint(|xs| Ok(vec![xs[0].exp()?.tanh()?]), &[inputs[0].clone()])
+                .map_err(|err| headroom_autograd_core::TensorError::hook("inner", err))?;
+            Ok(vec![inner[0].exp()?])
+        },
+        &[x.clone()],
+    )
+    .unwrap();
+    y[0].sum_all().unwrap().backward().unwrap();
+    assert_eq!(x.grad().unwrap().to_vec_f64().unwrap(), expected);
+}
+
+#[test]
+fn recomputed_dropout_draws_the_forwards_masks_and_leaves_the_generator_alone() {
+    let cpu = CpuBackend::new_ref();
+    let generator = Arc::new(Generator::new(11));
+    let x = Tensor::full(&cpu, &[4096], 1.0, DType::F32).unwrap();
+    x.requires_grad_(true).unwrap();
+    let g = Arc::clone(&generator);
+    let y = checkpoint(
+        move |inputs| Ok(vec![dropout(&inputs[0].exp()?, 0.5, true, &g)?]),
+        &[x.clone()],
+    )
+    .unwrap();
+    let after_forward = generator.state();
+    y[0].sum_all().unwrap().backward().unwrap();
+    assert_eq!(generator.state(), after_forward);
+    // The gradient is e·2 where the forward kept the element, 0 where it dropped it.
+    let kept: Vec<bool> = y[0]
+        .to_vec::<f32>()
+        .unwrap()
+        .iter()
+        .map(|&v| v != 0.0)
+        .collect();
+    let grad = x.grad().unwrap().to_vec::<f32>().unwrap();
+    let e = 1f32.exp() * 2.0;
+    assert!(kept.iter().filter(|&&k| k).count() > 1800);
+    for (i, (&k, &g)) in kept.iter().zip(&grad).enumerate() {
+        assert_eq!(g, if k { e } else { 0.0 }, "element {i}");
+    }
+}
+
+#[test]
+fn checkpoint_sequential_equals_the_plain_chain() {
+    let cpu = CpuBackend::new_ref();
+    let generator = Arc::new(Generator::new(3));
+    let config = VitConfig {
+        num_layers: 4,
+        ..VitConfig::tiny()
+    };
+    let vit = headroom_nn::VisionTransformer::new(&cpu, config, DType::F64, &generator).unwrap();
+    let tokens = Tensor::from_f64s(
+        &cpu,
+        &(0..2 * 5 * 64).map(|i| (i as f64 * 0.37).sin()).collect::<Vec<_>>(),
+        &[2, 5, 64],
+        DType::F64,
+    )
+    .unwrap();
+    let blocks = block_forwards(&vit.encoder.layers, EncoderBlock::forward);
+    let run = |out: Tensor| {
+        out.sum_all().unwrap().backward().unwrap();
+        let grads: Vec<Vec<f64>> = vit
+            .encoder
+            .layers
+            .iter()
+            .map(|b| b.ln_1.weight.take_grad().unwrap().to_vec_f64().unwrap())
+            .collect();
+        grads
+    };
+    let mut plain = tokens.clone();
+    for block in &blocks {
+        plain = block(&plain).unwrap();
+    }
+    let expected = run(plain);
+    let options = CheckpointOptions::default();
+    let out = checkpoint_sequential(&blocks, 2, &tokens, &options).unwrap();
+    assert_eq!(run(out), expected);
+    let err = checkpoint_sequential(&blocks, 5, &tokens, &options).unwrap_err();
+    assert!(matches!(err, CheckpointError::InvalidArgument { .. }), "{err}");
+}
+
+#[test]
+fn a_region_that_cannot_be_recomputed_faithfully_is_a_typed_error() {
+    let cpu = CpuBackend::new_ref();
+    let x = f64_tensor(&cpu, &[0.5, 1.5], &[2]);
+    x.requires_grad_(true).unwrap();
+
+    // Writes its input in place.
+    let y = x.mul_scalar(2.0).unwrap();
+    let err = checkpoint(
+        |inputs| {
+            inputs[0].add_(&inputs[0].detach())?;
+            Ok(vec![inputs[0].exp()?])
+        },
+        &[y.detach()],
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, CheckpointError::RegionWritesInput { input: 0 }),
+        "{err}"
+    );
+
+    // Its input modified after the forward.
+    let input = x.exp().unwrap();
+    let out = checkpoint(|inputs| Ok(vec![inputs[0].tanh()?]), &[input.clone()]).unwrap();
+    input.mul_(&f64_tensor(&cpu, &[2.0], &[1])).unwrap();
+    let err = out[0].sum_all().unwrap().backward().unwrap_err();
+    let err = CheckpointError::Tensor(err);
+    assert!(err.to_string().contains("modified"), "{err}");
+
+    // Another op on recompute.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&calls);
+    let out = checkpoint(
+        move |inputs| {
+            let first = counter.fetch_add(1, Ordering::SeqCst) == 0;
+            Ok(vec![if first {
+                inputs[0].exp()?
+            } else {
+                inputs[0].tanh()?
+            }])
+        },
+        &[x.clone()],
+    )
+    .unwrap();
+    let err = out[0].sum_all().unwrap().backward().unwrap_err();
+    assert!(err.to_string().contains("save 0 of the recomputed region"), "{err}");
+
+    // Other random draws on recompute.
+    let generator = Arc::new(Generator::new(1));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&calls);
+    let out = checkpoint(
+        move |inputs| {
+            let first = counter.fetch_add(1, Ordering::SeqCst) == 0;
+            if !first {
+                generator.advance(7);
+            }
+            Ok(vec![dropout(&inputs[0], 0.5, true, &generator)?])
+        },
+        &[x.clone()],
+    )
+    .unwrap();
+    let err = out[0].sum_all().unwrap().backward().unwrap_err();
+    assert!(err.to_string().contains("random numbers"), "{err}");
+}
+
+#[derive(Debug)]
+struct MatmulInBf16;
+
+impl AutocastPolicy for MatmulInBf16 {
+    fn lower_precision(&self) -> DType {
+        DType::BF16
+    }
+
+    fn cast_policy(&self, op: &'static str, _device: Device) -> CastPolicy {
+        if op == "matmul" {
+            CastPolicy::LowerPrecision
+        } else {
+            CastPolicy::Keep
+        }
+    }
+}
+
+#[test]
+fn the_recompute_runs_under_the_forwards_autocast_policy() {
+    let cpu = CpuBackend::new_ref();
+    let x = Tensor::from_f64s(&cpu, &[0.25, -0.5, 1.0, 2.0], &[2, 2], DType::F32).unwrap();
+    let w = Tensor::from_f64s(&cpu, &[0.5, 1.5, -1.0, 0.75], &[2, 2], DType::F32).unwrap();
+    w.requires_grad_(true).unwrap();
+    let plain = {
+        let _scope = autocast(Arc::new(MatmulInBf16));
+        x.matmul(&w).unwrap().tanh().unwrap()
+    };
+    plain.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+    let expected = w.take_grad().unwrap().to_vec::<f32>().unwrap();
+    let weight = w.clone();
+    let out = {
+        let _scope = autocast(Arc::new(MatmulInBf16));
+        checkpoint(
+            move |inputs| Ok(vec![inputs[0].matmul(&weight)?.tanh()?]),
+            &[x.clone()],
+        )
+        .unwrap()
+    };
+    assert_eq!(out[0].dtype(), DType::BF16);
+    out[0].to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(w.grad().unwrap().to_vec::<f32>().unwrap(), expected);
+}
+
+#[test]
+fn a_policy_keeps_what_it_says_and_recomputes_the_rest() {
+    let cpu = CpuBackend::new_ref();
+    let x = Tensor::full(&cpu, &[1024], 0.01, DType::F32).unwrap();
+    x.requires_grad_(true).unwrap();
+    let keep_tanh = CheckpointOptions {
+        policy: Arc::new(PolicyFn(|site: &headroom_autograd_core::SaveSite| {
+            if site.op == "tanh" {
+                Decision::Save
+            } else {
+                Decision::Recompute
+            }
+        })),
+        ..CheckpointOptions::default()
+    };
+    let before = allocated(&cpu);
+    let out = checkpoint_with(
+        |inputs| Ok(vec![inputs[0].exp()?.tanh()?.exp()?.mul_scalar(2.0)?]),
+        &[x.clone()],
+        &keep_tanh,
+    )
+    .unwrap();
+    // The output and tanh's saved output stay; the two exps' outputs are dropped.
+    assert_eq!(allocated(&cpu) - before, 2 * 4096);
+    out[0].sum_all().unwrap().backward().unwrap();
+    let grad = x.grad().unwrap().to_vec::<f32>().unwrap();
+    let t = 0.01f32.exp().tanh();
+    let expected = 2.0 * t.exp() * (1.0 - t * t) * 0.01f32.exp();
+    assert!((grad[0] - expected).abs() <= 1e-6 * expected, "{} vs {expected}", grad[0]);
+}
