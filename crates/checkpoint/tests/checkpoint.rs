@@ -17,7 +17,7 @@ use headroom_checkpoint::{
 use headroom_nn::{BlockRunner, EncoderBlock, Gpt2Config, VitConfig};
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::{
-    check_technique, Batch, Baseline, Model, ModelSpec, OptimSpec, Technique, Tolerance, TrainCase,
+    check_technique, Baseline, Batch, Model, ModelSpec, OptimSpec, Technique, Tolerance, TrainCase,
     TrainRun,
 };
 
@@ -121,10 +121,13 @@ fn checkpointed_gradients_match_finite_differences_in_f64() {
     .unwrap();
     loss[0].backward().unwrap();
     let value = |xs: &[f64], ws: &[f64]| {
-        region_ops(&f64_tensor(&cpu, xs, &[2, 4]), &f64_tensor(&cpu, ws, &[4, 3]))
-            .unwrap()
-            .item()
-            .unwrap()
+        region_ops(
+            &f64_tensor(&cpu, xs, &[2, 4]),
+            &f64_tensor(&cpu, ws, &[4, 3]),
+        )
+        .unwrap()
+        .item()
+        .unwrap()
     };
     let eps = 1e-6;
     for (which, (values, grad)) in [(&xs, x.grad().unwrap()), (&ws, w.grad().unwrap())]
@@ -187,7 +190,14 @@ fn inputs_need_not_require_grad() {
     let x = f64_tensor(&cpu, &[0.1, 0.2, 0.3, 0.4], &[2, 2]);
     let w = f64_tensor(&cpu, &[1.0, -1.0, 0.5, 2.0], &[2, 2]);
     w.requires_grad_(true).unwrap();
-    x.matmul(&w).unwrap().exp().unwrap().sum_all().unwrap().backward().unwrap();
+    x.matmul(&w)
+        .unwrap()
+        .exp()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     let expected = w.take_grad().unwrap().to_vec_f64().unwrap();
     let weight = w.clone();
     let y = checkpoint(
@@ -291,7 +301,9 @@ fn checkpoint_sequential_equals_the_plain_chain() {
     let vit = headroom_nn::VisionTransformer::new(&cpu, config, DType::F64, &generator).unwrap();
     let tokens = Tensor::from_f64s(
         &cpu,
-        &(0..2 * 5 * 64).map(|i| (i as f64 * 0.37).sin()).collect::<Vec<_>>(),
+        &(0..2 * 5 * 64)
+            .map(|i| (i as f64 * 0.37).sin())
+            .collect::<Vec<_>>(),
         &[2, 5, 64],
         DType::F64,
     )
@@ -316,7 +328,10 @@ fn checkpoint_sequential_equals_the_plain_chain() {
     let out = checkpoint_sequential(&blocks, 2, &tokens, &options).unwrap();
     assert_eq!(run(out), expected);
     let err = checkpoint_sequential(&blocks, 5, &tokens, &options).unwrap_err();
-    assert!(matches!(err, CheckpointError::InvalidArgument { .. }), "{err}");
+    assert!(
+        matches!(err, CheckpointError::InvalidArgument { .. }),
+        "{err}"
+    );
 }
 
 #[test]
@@ -364,7 +379,10 @@ fn a_region_that_cannot_be_recomputed_faithfully_is_a_typed_error() {
     )
     .unwrap();
     let err = out[0].sum_all().unwrap().backward().unwrap_err();
-    assert!(err.to_string().contains("save 0 of the recomputed region"), "{err}");
+    assert!(
+        err.to_string().contains("save 0 of the recomputed region"),
+        "{err}"
+    );
 
     // Other random draws on recompute.
     let generator = Arc::new(Generator::new(1));
@@ -412,7 +430,13 @@ fn the_recompute_runs_under_the_forwards_autocast_policy() {
         let _scope = autocast(Arc::new(MatmulInBf16));
         x.matmul(&w).unwrap().tanh().unwrap()
     };
-    plain.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+    plain
+        .to_dtype(DType::F32)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     let expected = w.take_grad().unwrap().to_vec::<f32>().unwrap();
     let weight = w.clone();
     let out = {
@@ -424,7 +448,13 @@ fn the_recompute_runs_under_the_forwards_autocast_policy() {
         .unwrap()
     };
     assert_eq!(out[0].dtype(), DType::BF16);
-    out[0].to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+    out[0]
+        .to_dtype(DType::F32)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     assert_eq!(w.grad().unwrap().to_vec::<f32>().unwrap(), expected);
 }
 
@@ -456,5 +486,9 @@ fn a_policy_keeps_what_it_says_and_recomputes_the_rest() {
     let grad = x.grad().unwrap().to_vec::<f32>().unwrap();
     let t = 0.01f32.exp().tanh();
     let expected = 2.0 * t.exp() * (1.0 - t * t) * 0.01f32.exp();
-    assert!((grad[0] - expected).abs() <= 1e-6 * expected, "{} vs {expected}", grad[0]);
+    assert!(
+        (grad[0] - expected).abs() <= 1e-6 * expected,
+        "{} vs {expected}",
+        grad[0]
+    );
 }

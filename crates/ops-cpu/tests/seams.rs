@@ -10,13 +10,11 @@ use headroom_autograd_core::{
     autocast, autocast_disabled, autocast_stats, cat, cross_entropy, dropout, embedding,
     found_non_finite, is_grad_enabled, layer_norm, no_grad, non_finite_check_, on_backward_end,
     queue_backward_end_callback, saved_tensor_hooks, scaled_dot_product_attention,
-    set_grad_enabled, AttentionBackward, AttentionForward, AutocastPolicy, Backend, BackendRef,
-    BinaryOp, Buffer, CastPolicy, CrossEntropyArgs, DType, Device, Generator, LayerNormBackward,
-    LayerNormForward, MaskedOp, Packed, ReduceOp, Reduction, SaveRole, SaveSite, Tensor,
-    TensorError, UnaryOp, View,
+    set_grad_enabled, AutocastPolicy, BackendRef, CastPolicy, DType, Device, Generator, Packed,
+    Reduction, SaveRole, SaveSite, Tensor, TensorError,
 };
-use headroom_caching_allocator::{Allocation, MemoryStats};
 use headroom_ops_cpu::CpuBackend;
+use headroom_testkit::counting::HostReadCounter;
 
 fn leaf(cpu: &BackendRef, shape: &[usize], dtype: DType) -> Tensor {
     let n: usize = shape.iter().product();
@@ -492,192 +490,9 @@ fn a_failed_backward_drops_its_callbacks_and_a_nested_one_keeps_its_own() {
     assert!(b.grad().is_some());
 }
 
-/// The CPU backend with a count of host reads: the only way the `Backend` trait synchronises
-/// with the host.
-#[derive(Debug)]
-struct CountingBackend {
-    inner: BackendRef,
-    host_reads: AtomicU64,
-}
-
-impl Backend for CountingBackend {
-    fn device(&self) -> Device {
-        self.inner.device()
-    }
-    fn into_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
-        self
-    }
-    fn allocate(&self, bytes: u64) -> headroom_autograd_core::Result<Allocation> {
-        self.inner.allocate(bytes)
-    }
-    fn free(&self, allocation: Allocation) {
-        self.inner.free(allocation)
-    }
-    fn memory_stats(&self) -> MemoryStats {
-        self.inner.memory_stats()
-    }
-    fn write_host(
-        &self,
-        dst: &Buffer,
-        offset: usize,
-        data: &[u8],
-    ) -> headroom_autograd_core::Result<()> {
-        self.inner.write_host(dst, offset, data)
-    }
-    fn read_host(
-        &self,
-        src: &Buffer,
-        offset: usize,
-        out: &mut [u8],
-    ) -> headroom_autograd_core::Result<()> {
-        self.host_reads.fetch_add(1, Ordering::SeqCst);
-        self.inner.read_host(src, offset, out)
-    }
-    fn copy(&self, src: View<'_>, dst: View<'_>) -> headroom_autograd_core::Result<()> {
-        self.inner.copy(src, dst)
-    }
-    fn fill(&self, dst: View<'_>, value: f64) -> headroom_autograd_core::Result<()> {
-        self.inner.fill(dst, value)
-    }
-    fn unary(&self, op: UnaryOp, x: View<'_>, out: View<'_>) -> headroom_autograd_core::Result<()> {
-        self.inner.unary(op, x, out)
-    }
-    fn binary(
-        &self,
-        op: BinaryOp,
-        a: View<'_>,
-        b: View<'_>,
-        out: View<'_>,
-    ) -> headroom_autograd_core::Result<()> {
-        self.inner.binary(op, a, b, out)
-    }
-    fn masked(
-        &self,
-        op: MaskedOp,
-        x: View<'_>,
-        mask: View<'_>,
-        out: View<'_>,
-    ) -> headroom_autograd_core::Result<()> {
-        self.inner.masked(op, x, mask, out)
-    }
-    fn reduce(
-        &self,
-        op: ReduceOp,
-        x: View<'_>,
-        n_reduced: usize,
-        out: View<'_>,
-    ) -> headroom_autograd_core::Result<()> {
-        self.inner.reduce(op, x, n_reduced, out)
-    }
-    fn reduce_with_index(
-        &self,
-        op: ReduceOp,
-        x: View<'_>,
-        values: View<'_>,
-        indices: View<'_>,
-    ) -> headroom_autograd_core::Result<()> {
-        self.inner.reduce_with_index(op, x, values, indices)
-    }
-    fn matmul(
-        &self,
-        a: View<'_>,
-        b: View<'_>,
-        out: View<'_>,
-        accumulate: bool,
-    ) -> headroom_autograd_core::Result<()> {
-        self.inner.matmul(a, b, out, accumulate)
-    }
-    fn softmax(
-        &self,
-        x: View<'_>,
-        dim: usize,
-        log: bool,
-        out: View<'_>,
-    ) -> headroom_autograd_core::Result<()> {
-        self.inner.softmax(x, dim, log, out)
-    }
-    fn softmax_backward(
-        &self,
-        y: View<'_>,
-        dy: View<'_>,
-        dim: usize,
-        log: bool,
-        dx: View<'_>,
-    ) -> headroom_autograd_core::Result<()> {
-        self.inner.softmax_backward(y, dy, dim, log, dx)
-    }
-    fn layer_norm(&self, args: LayerNormForward<'_>) -> headroom_autograd_core::Result<()> {
-        self.inner.layer_norm(args)
-    }
-    fn layer_norm_backward(
-        &self,
-        args: LayerNormBackward<'_>,
-    ) -> headroom_autograd_core::Result<()> {
-        self.inner.layer_norm_backward(args)
-    }
-    fn cross_entropy(
-        &self,
-        args: CrossEntropyArgs<'_>,
-        loss: View<'_>,
-        lse: View<'_>,
-    ) -> headroom_autograd_core::Result<()> {
-        self.inner.cross_entropy(args, loss, lse)
-    }
-    fn cross_entropy_backward(
-        &self,
-        args: CrossEntropyArgs<'_>,
-        lse: View<'_>,
-        dloss: View<'_>,
-        dlogits: View<'_>,
-    ) -> headroom_autograd_core::Result<()> {
-        self.inner.cross_entropy_backward(args, lse, dloss, dlogits)
-    }
-    fn gather(
-        &self,
-        x: View<'_>,
-        dim: usize,
-        index: View<'_>,
-        out: View<'_>,
-    ) -> headroom_autograd_core::Result<()> {
-        self.inner.gather(x, dim, index, out)
-    }
-    fn scatter_add(
-        &self,
-        dst: View<'_>,
-        dim: usize,
-        index: View<'_>,
-        src: View<'_>,
-    ) -> headroom_autograd_core::Result<()> {
-        self.inner.scatter_add(dst, dim, index, src)
-    }
-    fn attention(&self, args: AttentionForward<'_>) -> headroom_autograd_core::Result<()> {
-        self.inner.attention(args)
-    }
-    fn attention_backward(
-        &self,
-        args: AttentionBackward<'_>,
-    ) -> headroom_autograd_core::Result<()> {
-        self.inner.attention_backward(args)
-    }
-    fn dropout(
-        &self,
-        x: View<'_>,
-        p: f64,
-        seed: u64,
-        offset: u64,
-        out: View<'_>,
-        mask: View<'_>,
-    ) -> headroom_autograd_core::Result<()> {
-        self.inner.dropout(x, p, seed, offset, out, mask)
-    }
-}
-
 #[test]
 fn the_non_finite_check_over_1000_tensors_never_reads_back_to_the_host() {
-    let counting = Arc::new(CountingBackend {
-        inner: CpuBackend::new_ref(),
-        host_reads: AtomicU64::new(0),
-    });
+    let counting = HostReadCounter::wrap(CpuBackend::new_ref());
     let backend: BackendRef = counting.clone();
     let dtypes = [DType::F32, DType::BF16, DType::F16];
     let tensors: Vec<Tensor> = (0..1000)
@@ -691,9 +506,9 @@ fn the_non_finite_check_over_1000_tensors_never_reads_back_to_the_host() {
     let strided = Tensor::zeros(&backend, &[4, 6], DType::F32).unwrap();
     let column = strided.narrow(1, 2, 1).unwrap();
     let all: Vec<&Tensor> = tensors.iter().chain([&empty, &column]).collect();
-    let reads_before = counting.host_reads.load(Ordering::SeqCst);
+    let reads_before = counting.host_reads();
     let clear = found_non_finite(&all, &tensors[0]).unwrap();
-    assert_eq!(counting.host_reads.load(Ordering::SeqCst), reads_before);
+    assert_eq!(counting.host_reads(), reads_before);
     assert_eq!(clear.to_vec::<f32>().unwrap(), [0.0]);
 
     for (idx, value) in [
@@ -705,11 +520,11 @@ fn the_non_finite_check_over_1000_tensors_never_reads_back_to_the_host() {
         let saved = bad.to_vec_f64().unwrap();
         let mut poisoned = saved.clone();
         poisoned[bad.numel() / 2] = value;
-        let reads_before = counting.host_reads.load(Ordering::SeqCst);
+        let reads_before = counting.host_reads();
         bad.copy_(&Tensor::from_f64s(&backend, &poisoned, bad.shape(), DType::F64).unwrap())
             .unwrap();
         let found = found_non_finite(&all, bad).unwrap();
-        assert_eq!(counting.host_reads.load(Ordering::SeqCst), reads_before);
+        assert_eq!(counting.host_reads(), reads_before);
         assert_eq!(
             found.to_vec::<f32>().unwrap(),
             [1.0],

@@ -1,7 +1,7 @@
 //! autograd-core's technique seams on the CUDA backend: max and min propagate NaN as on the CPU
 //! (the non-finite check relies on it), the non-finite check over many tensors of every float
 //! dtype, and autocast casting a linear layer's operands as explicit casts would. Each test
-//! prints a skip notice (and passes) on a machine without a CUDA device.
+//! skips with a notice on a machine without a CUDA device (fails where `HEADROOM_REQUIRE_GPU=1`).
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
@@ -12,15 +12,10 @@ use headroom_autograd_core::{
 };
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
+use headroom_testkit::gpu::cuda_or_skip;
 
 fn cuda() -> Option<BackendRef> {
-    match CudaBackend::new(0) {
-        Ok(cuda) => Some(cuda as BackendRef),
-        Err(err) => {
-            println!("skipped: {err}");
-            None
-        }
-    }
+    cuda_or_skip(CudaBackend::new(0)).map(|cuda| cuda as BackendRef)
 }
 
 #[test]

@@ -9,6 +9,7 @@
 //! - [`gpu`]: the GPU gate. A CUDA test skips with a printed notice without a device, and fails
 //!   instead where `HEADROOM_REQUIRE_GPU=1` is set (the GPU machine), so a GPU suite cannot pass
 //!   by skipping.
+//! - [`counting`]: a backend decorator counting host reads (a step with zero never synchronises).
 //! - [`inputs`]: deterministic inputs (one xorshift stream; floats, labels, byte patterns).
 //! - [`golden`]: PyTorch's golden ViT-tiny and GPT-2-tiny, run and checked on any backend.
 //! - The technique harness: a [`TrainCase`] is a training run as data (model, dtype, batch,
@@ -39,6 +40,7 @@
 //! # Ok::<(), headroom_testkit::Error>(())
 //! ```
 
+pub mod counting;
 pub mod golden;
 pub mod gpu;
 pub mod inputs;

@@ -1,0 +1,152 @@
+//! A backend decorator that counts host reads: how a test proves a step never synchronises.
+//!
+//! `Backend::read_host` is the only way autograd-core's backend trait waits for a device, so a
+//! step that calls it zero times (tensor reads, `item`, error checks that read flags) never
+//! stalls the launch queue through the trait. [`HostReadCounter`] forwards every method to the
+//! backend it wraps and counts `read_host` calls; tensors made on it live on the wrapped device.
+//! It sits on autograd-core's trait only and knows no device.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use headroom_autograd_core::{
+    AttentionBackward, AttentionForward, Backend, BackendRef, BinaryOp, Buffer, CrossEntropyArgs,
+    Device, LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp, View,
+};
+use headroom_caching_allocator::{Allocation, MemoryStats};
+
+/// A backend that counts its `read_host` calls and forwards everything to the one it wraps.
+#[derive(Debug)]
+pub struct HostReadCounter {
+    inner: BackendRef,
+    host_reads: AtomicU64,
+}
+
+impl HostReadCounter {
+    /// `inner`, counting its host reads from 0.
+    pub fn wrap(inner: BackendRef) -> Arc<HostReadCounter> {
+        Arc::new(HostReadCounter {
+            inner,
+            host_reads: AtomicU64::new(0),
+        })
+    }
+
+    /// Host reads so far.
+    pub fn host_reads(&self) -> u64 {
+        self.host_reads.load(Ordering::SeqCst)
+    }
+}
+
+impl Backend for HostReadCounter {
+    fn device(&self) -> Device {
+        self.inner.device()
+    }
+    fn into_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+        self
+    }
+    fn allocate(&self, bytes: u64) -> Result<Allocation> {
+        self.inner.allocate(bytes)
+    }
+    fn free(&self, allocation: Allocation) {
+        self.inner.free(allocation)
+    }
+    fn memory_stats(&self) -> MemoryStats {
+        self.inner.memory_stats()
+    }
+    fn write_host(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
+        self.inner.write_host(dst, offset, data)
+    }
+    fn read_host(&self, src: &Buffer, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.host_reads.fetch_add(1, Ordering::SeqCst);
+        self.inner.read_host(src, offset, out)
+    }
+    fn copy(&self, src: View<'_>, dst: View<'_>) -> Result<()> {
+        self.inner.copy(src, dst)
+    }
+    fn fill(&self, dst: View<'_>, value: f64) -> Result<()> {
+        self.inner.fill(dst, value)
+    }
+    fn unary(&self, op: UnaryOp, x: View<'_>, out: View<'_>) -> Result<()> {
+        self.inner.unary(op, x, out)
+    }
+    fn binary(&self, op: BinaryOp, a: View<'_>, b: View<'_>, out: View<'_>) -> Result<()> {
+        self.inner.binary(op, a, b, out)
+    }
+    fn masked(&self, op: MaskedOp, x: View<'_>, mask: View<'_>, out: View<'_>) -> Result<()> {
+        self.inner.masked(op, x, mask, out)
+    }
+    fn reduce(&self, op: ReduceOp, x: View<'_>, n_reduced: usize, out: View<'_>) -> Result<()> {
+        self.inner.reduce(op, x, n_reduced, out)
+    }
+    fn reduce_with_index(
+        &self,
+        op: ReduceOp,
+        x: View<'_>,
+        values: View<'_>,
+        indices: View<'_>,
+    ) -> Result<()> {
+        self.inner.reduce_with_index(op, x, values, indices)
+    }
+    fn matmul(&self, a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {
+        self.inner.matmul(a, b, out, accumulate)
+    }
+    fn softmax(&self, x: View<'_>, dim: usize, log: bool, out: View<'_>) -> Result<()> {
+        self.inner.softmax(x, dim, log, out)
+    }
+    fn softmax_backward(
+        &self,
+        y: View<'_>,
+        dy: View<'_>,
+        dim: usize,
+        log: bool,
+        dx: View<'_>,
+    ) -> Result<()> {
+        self.inner.softmax_backward(y, dy, dim, log, dx)
+    }
+    fn layer_norm(&self, args: LayerNormForward<'_>) -> Result<()> {
+        self.inner.layer_norm(args)
+    }
+    fn layer_norm_backward(&self, args: LayerNormBackward<'_>) -> Result<()> {
+        self.inner.layer_norm_backward(args)
+    }
+    fn cross_entropy(
+        &self,
+        args: CrossEntropyArgs<'_>,
+        loss: View<'_>,
+        lse: View<'_>,
+    ) -> Result<()> {
+        self.inner.cross_entropy(args, loss, lse)
+    }
+    fn cross_entropy_backward(
+        &self,
+        args: CrossEntropyArgs<'_>,
+        lse: View<'_>,
+        dloss: View<'_>,
+        dlogits: View<'_>,
+    ) -> Result<()> {
+        self.inner.cross_entropy_backward(args, lse, dloss, dlogits)
+    }
+    fn gather(&self, x: View<'_>, dim: usize, index: View<'_>, out: View<'_>) -> Result<()> {
+        self.inner.gather(x, dim, index, out)
+    }
+    fn scatter_add(&self, dst: View<'_>, dim: usize, index: View<'_>, src: View<'_>) -> Result<()> {
+        self.inner.scatter_add(dst, dim, index, src)
+    }
+    fn attention(&self, args: AttentionForward<'_>) -> Result<()> {
+        self.inner.attention(args)
+    }
+    fn attention_backward(&self, args: AttentionBackward<'_>) -> Result<()> {
+        self.inner.attention_backward(args)
+    }
+    fn dropout(
+        &self,
+        x: View<'_>,
+        p: f64,
+        seed: u64,
+        offset: u64,
+        out: View<'_>,
+        mask: View<'_>,
+    ) -> Result<()> {
+        self.inner.dropout(x, p, seed, offset, out, mask)
+    }
+}
