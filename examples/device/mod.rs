@@ -18,6 +18,7 @@ pub(crate) struct Device {
     /// `cpu` or `cuda:0`.
     pub(crate) name: &'static str,
     reset_peak: Box<dyn Fn()>,
+    synchronize: Box<dyn Fn() -> Result<()>>,
 }
 
 impl Device {
@@ -52,6 +53,12 @@ impl Device {
     pub(crate) fn reset_peak(&self) {
         (self.reset_peak)();
     }
+
+    /// Waits until the device has run everything queued (nothing to wait for on the CPU).
+    #[allow(dead_code, reason = "only the timed examples wait")]
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        (self.synchronize)()
+    }
 }
 
 fn cpu() -> Device {
@@ -61,6 +68,7 @@ fn cpu() -> Device {
         backend: cpu,
         name: "cpu",
         reset_peak: Box::new(move || allocator_owner.allocator().reset_peak_stats()),
+        synchronize: Box::new(|| Ok(())),
     }
 }
 
@@ -68,10 +76,12 @@ fn cpu() -> Device {
 fn cuda() -> Result<Device> {
     let cuda = headroom::ops_cuda::CudaBackend::new(0)?;
     let allocator_owner = cuda.clone();
+    let waiter = cuda.clone();
     Ok(Device {
         backend: cuda,
         name: "cuda:0",
         reset_peak: Box::new(move || allocator_owner.allocator().reset_peak_stats()),
+        synchronize: Box::new(move || Ok(waiter.synchronize()?)),
     })
 }
 
