@@ -178,7 +178,11 @@ fn only_the_inputs_stay_and_the_saved_bytes_are_exact() {
     let expected = x.take_grad().unwrap().to_vec::<f32>().unwrap();
     drop(plain);
     let before = allocated(&cpu);
-    let out = checkpoint(move |inputs| Ok(vec![chain(&inputs[0])?]), &[x.clone()]).unwrap();
+    let out = checkpoint(
+        move |inputs| Ok(vec![chain(&inputs[0])?]),
+        std::slice::from_ref(&x),
+    )
+    .unwrap();
     assert_eq!(allocated(&cpu) - before, 4096, "the output alone");
     out[0].sum_all().unwrap().backward().unwrap();
     assert_eq!(x.grad().unwrap().to_vec::<f32>().unwrap(), expected);
@@ -222,7 +226,7 @@ fn the_recompute_stops_after_the_last_save_backward_needs() {
             counter.fetch_add(1, Ordering::SeqCst);
             Ok(vec![e.mul_scalar(3.0)?.add_scalar(1.0)?])
         },
-        &[x.clone()],
+        std::slice::from_ref(&x),
     )
     .unwrap();
     y[0].sum_all().unwrap().backward().unwrap();
@@ -253,7 +257,7 @@ fn nested_checkpoints_give_the_plain_gradients() {
                 .map_err(|err| headroom_autograd_core::TensorError::hook("inner", err))?;
             Ok(vec![inner[0].exp()?])
         },
-        &[x.clone()],
+        std::slice::from_ref(&x),
     )
     .unwrap();
     y[0].sum_all().unwrap().backward().unwrap();
@@ -269,7 +273,7 @@ fn recomputed_dropout_draws_the_forwards_masks_and_leaves_the_generator_alone() 
     let g = Arc::clone(&generator);
     let y = checkpoint(
         move |inputs| Ok(vec![dropout(&inputs[0].exp()?, 0.5, true, &g)?]),
-        &[x.clone()],
+        std::slice::from_ref(&x),
     )
     .unwrap();
     let after_forward = generator.state();
@@ -357,7 +361,11 @@ fn a_region_that_cannot_be_recomputed_faithfully_is_a_typed_error() {
 
     // Its input modified after the forward.
     let input = x.exp().unwrap();
-    let out = checkpoint(|inputs| Ok(vec![inputs[0].tanh()?]), &[input.clone()]).unwrap();
+    let out = checkpoint(
+        |inputs| Ok(vec![inputs[0].tanh()?]),
+        std::slice::from_ref(&input),
+    )
+    .unwrap();
     input.mul_(&f64_tensor(&cpu, &[2.0], &[1])).unwrap();
     let err = out[0].sum_all().unwrap().backward().unwrap_err();
     let err = CheckpointError::Tensor(err);
@@ -375,7 +383,7 @@ fn a_region_that_cannot_be_recomputed_faithfully_is_a_typed_error() {
                 inputs[0].tanh()?
             }])
         },
-        &[x.clone()],
+        std::slice::from_ref(&x),
     )
     .unwrap();
     let err = out[0].sum_all().unwrap().backward().unwrap_err();
@@ -396,7 +404,7 @@ fn a_region_that_cannot_be_recomputed_faithfully_is_a_typed_error() {
             }
             Ok(vec![dropout(&inputs[0], 0.5, true, &generator)?])
         },
-        &[x.clone()],
+        std::slice::from_ref(&x),
     )
     .unwrap();
     let err = out[0].sum_all().unwrap().backward().unwrap_err();
@@ -443,7 +451,7 @@ fn the_recompute_runs_under_the_forwards_autocast_policy() {
         let _scope = autocast(Arc::new(MatmulInBf16));
         checkpoint(
             move |inputs| Ok(vec![inputs[0].matmul(&weight)?.tanh()?]),
-            &[x.clone()],
+            std::slice::from_ref(&x),
         )
         .unwrap()
     };
@@ -476,7 +484,7 @@ fn a_policy_keeps_what_it_says_and_recomputes_the_rest() {
     let before = allocated(&cpu);
     let out = checkpoint_with(
         |inputs| Ok(vec![inputs[0].exp()?.tanh()?.exp()?.mul_scalar(2.0)?]),
-        &[x.clone()],
+        std::slice::from_ref(&x),
         &keep_tanh,
     )
     .unwrap();
