@@ -25,7 +25,8 @@ const USAGE: &str =
       Compiles crates/ops-cuda/kernels/*.cu to the committed PTX (installing nvcc 13.0 with pip
       when none is found); --check only tells whether the committed PTX matches the sources.
   tidy
-      Checks the house rules: `//!` headers, no utils/helpers modules, the code map.
+      Checks the house rules: `//!` headers, no utils/helpers modules, the code map, crate
+      dependencies down the layers (testkit in dev-dependencies only).
 ";
 
 fn main() -> Result<()> {

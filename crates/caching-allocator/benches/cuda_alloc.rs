@@ -17,18 +17,15 @@ use headroom_caching_allocator::{
     AllocatorConfig, CachingAllocator, CudaStorage, CudaStorageOptions, Storage, StorageError,
     StreamId,
 };
+use headroom_testkit::gpu::cuda_or_skip;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 const PAIR_SIZES: [u64; 2] = [MIB, 64 * MIB];
 
 fn main() {
-    let mut storage = match CudaStorage::new(0) {
-        Ok(storage) => storage,
-        Err(err) => {
-            println!("skipped: no CUDA device ({err})");
-            return;
-        }
+    let Some(mut storage) = cuda_or_skip(CudaStorage::new(0)) else {
+        return;
     };
     println!("device: {}", storage.device_name());
     if let Err(err) = print_map_costs(&mut storage) {

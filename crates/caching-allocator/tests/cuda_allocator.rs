@@ -1,39 +1,28 @@
 //! The caching policy over `CudaStorage` on a real device: allocate, write, free, reuse, grow and
 //! shrink expandable segments, and recover from a real out-of-memory. Each test prints a skip
-//! notice (and passes) on a machine without a CUDA device.
+//! notice (and passes) on a machine without a CUDA device, and fails instead where
+//! `HEADROOM_REQUIRE_GPU=1` is set (testkit's GPU gate).
 #![cfg(feature = "cuda")]
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::MutexGuard;
 
 use headroom_caching_allocator::{
     AllocError, AllocatorConfig, CachingAllocator, CudaStorage, StreamId,
 };
+use headroom_testkit::gpu::{cuda_or_skip, exclusive_device};
+use headroom_testkit::inputs::pattern_bytes;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
-/// One test at a time on the device: the OOM test reads the free memory.
-static DEVICE: Mutex<()> = Mutex::new(());
-
+/// The allocator over device 0, holding the device (one test at a time: the OOM test reads the
+/// free memory), or `None` after the GPU gate's skip notice.
 fn allocator_or_skip(
     config: AllocatorConfig,
 ) -> Option<(MutexGuard<'static, ()>, CachingAllocator<CudaStorage>)> {
-    let guard = DEVICE
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    match CudaStorage::new(0) {
-        Ok(storage) => Some((guard, CachingAllocator::new(storage, config))),
-        Err(err) => {
-            println!("skipped: no CUDA device ({err})");
-            None
-        }
-    }
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed) ^ (i >> 9) as u8)
-        .collect()
+    let device = exclusive_device();
+    let storage = cuda_or_skip(CudaStorage::new(0))?;
+    Some((device, CachingAllocator::new(storage, config)))
 }
 
 fn write(allocator: &CachingAllocator<CudaStorage>, address: u64, bytes: &[u8]) {
@@ -65,11 +54,11 @@ fn classic_segments_allocate_write_free_reuse() {
         write(
             &allocator,
             block.address(),
-            &pattern(block.requested() as usize, index as u8),
+            &pattern_bytes(block.requested() as usize, index as u8),
         );
     }
     for (index, block) in blocks.iter().enumerate() {
-        let expected = pattern(block.requested() as usize, index as u8);
+        let expected = pattern_bytes(block.requested() as usize, index as u8);
         assert_eq!(read(&allocator, block.address(), expected.len()), expected);
     }
     // 2 MiB small segment, 20 MiB for 3 MiB, 26 MiB for 25 MiB.
@@ -111,7 +100,7 @@ fn expandable_segments_map_and_unmap_pages_keeping_data() {
         write(
             &allocator,
             block.address(),
-            &pattern(30 * MIB as usize, index as u8),
+            &pattern_bytes(30 * MIB as usize, index as u8),
         );
     }
     let mut blocks = blocks;
@@ -124,16 +113,20 @@ fn expandable_segments_map_and_unmap_pages_keeping_data() {
         "the free 20 MiB page is unmapped"
     );
     for (block, seed) in blocks.iter().zip([0u8, 2]) {
-        let expected = pattern(30 * MIB as usize, seed);
+        let expected = pattern_bytes(30 * MIB as usize, seed);
         assert_eq!(read(&allocator, block.address(), expected.len()), expected);
     }
     // The hole is mapped again for a new block, which is usable.
     let refill = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
     assert_eq!(refill.address(), blocks[0].address() + 30 * MIB);
-    write(&allocator, refill.address(), &pattern(30 * MIB as usize, 9));
+    write(
+        &allocator,
+        refill.address(),
+        &pattern_bytes(30 * MIB as usize, 9),
+    );
     assert_eq!(
         read(&allocator, refill.address(), 30 * MIB as usize),
-        pattern(30 * MIB as usize, 9)
+        pattern_bytes(30 * MIB as usize, 9)
     );
     assert_eq!(allocator.memory_reserved(), 100 * MIB);
     allocator.check_invariants().unwrap();
@@ -173,8 +166,11 @@ fn device_out_of_memory_is_an_error_and_the_allocator_goes_on() {
         assert_eq!(allocator.memory_stats().num_ooms, 1);
         // Still working: a new block and the old one are usable.
         let next = allocator.allocate(256 * MIB, StreamId::DEFAULT).unwrap();
-        write(&allocator, next.address(), &pattern(4096, 3));
-        assert_eq!(read(&allocator, next.address(), 4096), pattern(4096, 3));
+        write(&allocator, next.address(), &pattern_bytes(4096, 3));
+        assert_eq!(
+            read(&allocator, next.address(), 4096),
+            pattern_bytes(4096, 3)
+        );
         allocator.free(next).unwrap();
         allocator.free(kept).unwrap();
         allocator.empty_cache().unwrap();

@@ -1,40 +1,26 @@
 //! The CUDA storage alone, on a real device: segments, mapped pages, streams, events and
-//! out-of-memory. Each test skips (and passes) on a machine without a CUDA device.
+//! out-of-memory. Each test skips (and passes) on a machine without a CUDA device, and fails
+//! instead where `HEADROOM_REQUIRE_GPU=1` is set (testkit's GPU gate).
 #![cfg(feature = "cuda")]
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::MutexGuard;
 
 use headroom_caching_allocator::{
     CudaStorage, CudaStorageOptions, Storage, StorageError, StreamId,
 };
+use headroom_testkit::gpu::{cuda_or_skip, exclusive_device};
+use headroom_testkit::inputs::pattern_bytes;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
-/// Tests take the device one at a time: the out-of-memory test reads the free memory and must
-/// not see another test's allocations come and go.
-static DEVICE: Mutex<()> = Mutex::new(());
-
-/// The storage on device 0 with the device lock, or `None` (after printing why) when there is no
-/// CUDA device.
+/// The storage on device 0, holding the device (tests take it one at a time: the out-of-memory
+/// test reads the free memory and must not see another test's allocations come and go), or
+/// `None` after the GPU gate's skip notice.
 fn storage_or_skip(options: CudaStorageOptions) -> Option<(MutexGuard<'static, ()>, CudaStorage)> {
-    let guard = DEVICE
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    match CudaStorage::with_options(0, options) {
-        Ok(storage) => Some((guard, storage)),
-        Err(err) => {
-            println!("skipped: no CUDA device ({err})");
-            None
-        }
-    }
-}
-
-/// A byte pattern that differs from position to position and from seed to seed.
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
-        .collect()
+    let device = exclusive_device();
+    let storage = cuda_or_skip(CudaStorage::with_options(0, options))?;
+    Some((device, storage))
 }
 
 #[test]
@@ -54,7 +40,7 @@ fn segment_write_read_free() {
     storage.copy_to_host(address, &mut back).unwrap();
     assert!(back.iter().all(|&b| b == 0xAB));
 
-    let data = pattern(size as usize, 7);
+    let data = pattern_bytes(size as usize, 7);
     storage.copy_from_host(address, &data).unwrap();
     let mut back = vec![0u8; size as usize];
     storage.copy_to_host(address, &mut back).unwrap();
@@ -113,7 +99,7 @@ fn expandable_map_write_unmap_remap() {
     ));
 
     // One write across both map calls.
-    let data = pattern((12 * page) as usize, 3);
+    let data = pattern_bytes((12 * page) as usize, 3);
     storage.copy_from_host(base, &data).unwrap();
     let mut back = vec![0u8; data.len()];
     storage.copy_to_host(base, &mut back).unwrap();
@@ -141,7 +127,7 @@ fn expandable_map_write_unmap_remap() {
 
     // Map the hole again and write through it.
     storage.map(base + 6 * page, 4 * page).unwrap();
-    let fresh = pattern((4 * page) as usize, 99);
+    let fresh = pattern_bytes((4 * page) as usize, 99);
     storage.copy_from_host(base + 6 * page, &fresh).unwrap();
     let mut whole = vec![0u8; (12 * page) as usize];
     storage.copy_to_host(base, &mut whole).unwrap();
@@ -182,7 +168,7 @@ fn larger_handles_map_and_unmap_whole() {
     let base = storage.reserve_address_space(64 * page, page).unwrap();
     // 20 pages at offset 0: two handles of 10 pages.
     storage.map(base, 20 * page).unwrap();
-    let data = pattern((20 * page) as usize, 42);
+    let data = pattern_bytes((20 * page) as usize, 42);
     storage.copy_from_host(base, &data).unwrap();
     // Cutting through a handle is refused and unmaps nothing.
     assert!(matches!(

@@ -1,6 +1,7 @@
 //! Pinned host memory under the caching policy: the host-stream rule on simulated memory (runs
 //! everywhere), and `PinnedHostStorage` on a real device — zeroed segments, exact statistics and
-//! reuse, limits, stream registration. The CUDA tests skip (and pass) without a device.
+//! reuse, limits, stream registration. The CUDA tests skip (and pass) without a device, and fail
+//! instead where `HEADROOM_REQUIRE_GPU=1` is set (testkit's GPU gate).
 
 use headroom_caching_allocator::{
     AllocError, AllocatorConfig, CachingAllocator, SimulatedStorage, StreamId,
@@ -63,31 +64,24 @@ fn a_block_on_the_host_stream_waits_for_a_copy_on_the_default_stream() {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use std::sync::{Mutex, MutexGuard};
+    use std::sync::MutexGuard;
 
     use headroom_caching_allocator::{
         AllocatorConfig, CachingAllocator, CudaStorage, PinnedHostOptions, PinnedHostStorage,
         Storage, StorageError, StreamId,
     };
+    use headroom_testkit::gpu::{cuda_or_skip, exclusive_device};
 
     use super::MIB;
 
-    /// One test at a time on the device, as in `cuda_storage.rs`.
-    static DEVICE: Mutex<()> = Mutex::new(());
-
+    /// The pinned storage of device 0, holding the device (one test at a time, as in
+    /// `cuda_storage.rs`), or `None` after the GPU gate's skip notice.
     fn pinned_or_skip(
         options: PinnedHostOptions,
     ) -> Option<(MutexGuard<'static, ()>, PinnedHostStorage)> {
-        let guard = DEVICE
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        match PinnedHostStorage::with_options(0, options) {
-            Ok(storage) => Some((guard, storage)),
-            Err(err) => {
-                println!("skipped: no CUDA device ({err})");
-                None
-            }
-        }
+        let device = exclusive_device();
+        let storage = cuda_or_skip(PinnedHostStorage::with_options(0, options))?;
+        Some((device, storage))
     }
 
     #[test]

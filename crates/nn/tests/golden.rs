@@ -5,83 +5,16 @@
 //! is meaningless for entries that are zero up to rounding). ViT must agree to 1e-10; GPT-2 to
 //! 1e-5, because Hugging Face computes its loss from logits upcast to float32, so its loss and
 //! every gradient carry float32 rounding. Run with `--nocapture` to see the measured errors.
+//! The run and the comparison are testkit's `golden` module, shared with ops-cuda's float32 test
+//! on the GPU.
 
 use std::sync::Arc;
 
-use headroom_autograd_core::{cross_entropy, BackendRef, DType, Generator, Reduction, Tensor};
-use headroom_nn::{
-    load_weights, read_tensor, Gpt2Config, Gpt2LMHeadModel, Module, NnError, VisionTransformer,
-    VitConfig,
-};
+use headroom_autograd_core::{DType, Generator};
+use headroom_nn::{load_weights, Module, NnError, VisionTransformer, VitConfig};
 use headroom_ops_cpu::CpuBackend;
+use headroom_testkit::golden::{self, GoldenModel};
 use safetensors::SafeTensors;
-
-fn golden_bytes() -> Vec<u8> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../testdata/models_golden.safetensors"
-    );
-    std::fs::read(path).expect("testdata/models_golden.safetensors")
-}
-
-/// `max |ours - theirs| / max |theirs|`, after checking the shapes agree.
-fn relative_error(ours: &Tensor, theirs: &Tensor, what: &str) -> f64 {
-    let count: usize = theirs.shape().iter().product();
-    assert_eq!(
-        ours.numel(),
-        count,
-        "{what}: {:?} vs {:?}",
-        ours.shape(),
-        theirs.shape()
-    );
-    let (ours, theirs) = (ours.to_vec_f64().unwrap(), theirs.to_vec_f64().unwrap());
-    let scale = theirs.iter().fold(0.0f64, |acc, v| acc.max(v.abs()));
-    let diff = ours
-        .iter()
-        .zip(&theirs)
-        .fold(0.0f64, |acc, (a, b)| acc.max((a - b).abs()));
-    assert!(scale > 0.0, "{what}: reference is all zeros");
-    diff / scale
-}
-
-/// Compares logits, loss and every parameter's gradient; returns the worst error of each kind.
-fn check_model(
-    cpu: &BackendRef,
-    golden: &SafeTensors<'_>,
-    model: &dyn Module,
-    prefix: &str,
-    logits: &Tensor,
-    loss: &Tensor,
-    tolerance: f64,
-) -> (f64, f64, f64) {
-    let logits_err = relative_error(
-        logits,
-        &read_tensor(cpu, golden, &format!("{prefix}.logits")).unwrap(),
-        "logits",
-    );
-    let loss_err = relative_error(
-        loss,
-        &read_tensor(cpu, golden, &format!("{prefix}.loss")).unwrap(),
-        "loss",
-    );
-    let mut grad_err = 0.0f64;
-    for (name, param) in model.named_parameters() {
-        let grad = param
-            .grad()
-            .unwrap_or_else(|| panic!("{name} has no gradient"));
-        let theirs = read_tensor(cpu, golden, &format!("{prefix}.grad.{name}")).unwrap();
-        let err = relative_error(&grad, &theirs, &name);
-        assert!(err <= tolerance, "{prefix} gradient of {name}: {err:e}");
-        grad_err = grad_err.max(err);
-    }
-    println!(
-        "{prefix}: logits {logits_err:.2e}, loss {loss_err:.2e}, worst parameter gradient \
-         {grad_err:.2e} (relative)"
-    );
-    assert!(logits_err <= tolerance, "{prefix} logits: {logits_err:e}");
-    assert!(loss_err <= tolerance, "{prefix} loss: {loss_err:e}");
-    (logits_err, loss_err, grad_err)
-}
 
 /// The golden file's parameter names under `prefix`, in file order (sorted by name).
 fn golden_names(golden: &SafeTensors<'_>, prefix: &str) -> Vec<String> {
@@ -96,16 +29,10 @@ fn golden_names(golden: &SafeTensors<'_>, prefix: &str) -> Vec<String> {
 
 #[test]
 fn vit_tiny_matches_torchvision_in_float64() {
-    let bytes = golden_bytes();
-    let golden = SafeTensors::deserialize(&bytes).unwrap();
+    let bytes = golden::models_golden();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
     let cpu = CpuBackend::new_ref();
-    let model = VisionTransformer::new(
-        &cpu,
-        VitConfig::tiny(),
-        DType::F64,
-        &Arc::new(Generator::new(0)),
-    )
-    .unwrap();
+    let model = GoldenModel::VitTiny.build(&cpu, DType::F64).unwrap();
 
     // torchvision's named_parameters() order: own parameters, then children in order.
     let names: Vec<String> = model
@@ -149,29 +76,18 @@ fn vit_tiny_matches_torchvision_in_float64() {
     assert_eq!(names, expected);
     let mut sorted = names.clone();
     sorted.sort();
-    assert_eq!(sorted, golden_names(&golden, "vit.param."));
+    assert_eq!(sorted, golden_names(&file, "vit.param."));
 
-    load_weights(&model, &golden, "vit.param.").unwrap();
-    let input = read_tensor(&cpu, &golden, "vit.input").unwrap();
-    let labels = read_tensor(&cpu, &golden, "vit.labels").unwrap();
-    let logits = model.forward(&input).unwrap();
-    let loss = cross_entropy(&logits, &labels, -100, Reduction::Mean).unwrap();
-    loss.backward().unwrap();
-    check_model(&cpu, &golden, &model, "vit", &logits, &loss, 1e-10);
+    let run = golden::forward_backward(&cpu, &file, GoldenModel::VitTiny, model).unwrap();
+    golden::check(&file, &run, 1e-10);
 }
 
 #[test]
 fn gpt2_tiny_matches_hugging_face_in_float64() {
-    let bytes = golden_bytes();
-    let golden = SafeTensors::deserialize(&bytes).unwrap();
+    let bytes = golden::models_golden();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
     let cpu = CpuBackend::new_ref();
-    let model = Gpt2LMHeadModel::new(
-        &cpu,
-        Gpt2Config::tiny(),
-        DType::F64,
-        &Arc::new(Generator::new(0)),
-    )
-    .unwrap();
+    let model = GoldenModel::Gpt2Tiny.build(&cpu, DType::F64).unwrap();
 
     let names: Vec<String> = model
         .named_parameters()
@@ -197,27 +113,23 @@ fn gpt2_tiny_matches_hugging_face_in_float64() {
     );
     let mut sorted = names.clone();
     sorted.sort();
-    assert_eq!(sorted, golden_names(&golden, "gpt2.param."));
+    assert_eq!(sorted, golden_names(&file, "gpt2.param."));
 
-    load_weights(&model, &golden, "gpt2.param.").unwrap();
-    let input_ids = read_tensor(&cpu, &golden, "gpt2.input_ids").unwrap();
-    let logits = model.forward(&input_ids).unwrap();
-    let loss = model.loss(&logits, &input_ids).unwrap();
+    let run = golden::forward_backward(&cpu, &file, GoldenModel::Gpt2Tiny, model).unwrap();
     assert_eq!(
-        loss.dtype(),
+        run.loss.dtype(),
         DType::F32,
         "Hugging Face's loss is computed in float32"
     );
-    loss.backward().unwrap();
-    let (logits_err, _, _) = check_model(&cpu, &golden, &model, "gpt2", &logits, &loss, 1e-5);
+    let errors = golden::check(&file, &run, 1e-5);
     // The forward pass itself is all float64, so the logits agree far tighter than 1e-5.
-    assert!(logits_err <= 1e-12, "gpt2 logits: {logits_err:e}");
+    assert!(errors.logits <= 1e-12, "gpt2 logits: {:e}", errors.logits);
 }
 
 #[test]
 fn loading_weights_names_the_missing_extra_or_mis_shaped_parameter() {
-    let bytes = golden_bytes();
-    let golden = SafeTensors::deserialize(&bytes).unwrap();
+    let bytes = golden::models_golden();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
     let cpu = CpuBackend::new_ref();
     let generator = Arc::new(Generator::new(0));
 
@@ -227,7 +139,7 @@ fn loading_weights_names_the_missing_extra_or_mis_shaped_parameter() {
         ..VitConfig::tiny()
     };
     let model = VisionTransformer::new(&cpu, deeper, DType::F64, &generator).unwrap();
-    let err = load_weights(&model, &golden, "vit.param.").unwrap_err();
+    let err = load_weights(&model, &file, "vit.param.").unwrap_err();
     assert!(
         matches!(&err, NnError::MissingParameter { name } if name == "encoder.layers.encoder_layer_2.ln_1.weight"),
         "{err}"
@@ -239,7 +151,7 @@ fn loading_weights_names_the_missing_extra_or_mis_shaped_parameter() {
         ..VitConfig::tiny()
     };
     let model = VisionTransformer::new(&cpu, shallower, DType::F64, &generator).unwrap();
-    let err = load_weights(&model, &golden, "vit.param.").unwrap_err();
+    let err = load_weights(&model, &file, "vit.param.").unwrap_err();
     assert!(
         matches!(&err, NnError::UnexpectedParameter { name } if name == "encoder.layers.encoder_layer_1.ln_1.bias"),
         "{err}"
@@ -252,7 +164,7 @@ fn loading_weights_names_the_missing_extra_or_mis_shaped_parameter() {
     };
     let model = VisionTransformer::new(&cpu, wider, DType::F64, &generator).unwrap();
     let before = model.class_token.to_vec_f64().unwrap();
-    let err = load_weights(&model, &golden, "vit.param.").unwrap_err();
+    let err = load_weights(&model, &file, "vit.param.").unwrap_err();
     assert!(
         matches!(&err, NnError::ParameterShape { name, expected, found }
             if name == "heads.head.weight" && expected == &[20, 64] && found == &[10, 64]),

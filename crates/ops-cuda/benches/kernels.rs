@@ -23,6 +23,8 @@ use headroom_autograd_core::{
     ReduceOp, Reduction, Tensor, UnaryOp, View,
 };
 use headroom_ops_cuda::{CudaBackend, CudaStream};
+use headroom_testkit::gpu::cuda_or_skip;
+use headroom_testkit::inputs::uniform_f32;
 
 /// Tokens of a ViT-L/16 batch of 32 (196 patches and the class token).
 const ROWS: usize = 32 * 197;
@@ -127,7 +129,7 @@ impl Bench {
 
     fn tensor(&self, shape: &[usize], dtype: DType, seed: u64) -> Tensor {
         let n = shape.iter().product();
-        let f32s = Tensor::from_slice(&self.gpu, &random_f32(n, seed), shape).expect("upload");
+        let f32s = Tensor::from_slice(&self.gpu, &uniform_f32(n, seed), shape).expect("upload");
         if dtype == DType::F32 {
             return f32s;
         }
@@ -141,7 +143,7 @@ impl Bench {
     }
 
     fn indices(&self, n: usize, bound: usize, seed: u64) -> Tensor {
-        let values: Vec<i64> = random_f32(n, seed)
+        let values: Vec<i64> = uniform_f32(n, seed)
             .iter()
             .map(|v| (((v + 1.0) / 2.0) * bound as f32) as i64 % bound as i64)
             .collect();
@@ -150,12 +152,8 @@ impl Bench {
 }
 
 fn main() {
-    let cuda = match CudaBackend::new(0) {
-        Ok(backend) => backend,
-        Err(err) => {
-            println!("skipped: {err}");
-            return;
-        }
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
     };
     let criterion = Criterion::default()
         .sample_size(SAMPLES)
@@ -581,7 +579,7 @@ fn host_copies(bench: &mut Bench) {
     pinned
         .as_mut_slice::<f32>()
         .expect("slice")
-        .copy_from_slice(&random_f32(bytes / 4, 24));
+        .copy_from_slice(&uniform_f32(bytes / 4, 24));
     let mut pinned_out = cuda.pinned_host(bytes).expect("pinned");
     let up = cuda.new_stream().expect("stream");
     let down = cuda.new_stream().expect("stream");
@@ -687,19 +685,6 @@ fn median(values: impl Iterator<Item = f64>) -> f64 {
     sorted.sort_by(f64::total_cmp);
     let n = sorted.len();
     (sorted[(n - 1) / 2] + sorted[n / 2]) / 2.0
-}
-
-/// Floats from a xorshift stream in [-1, 1).
-fn random_f32(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
 }
 
 /// Fused attention on ViT-L/16's batch-32 shape, forward and backward, with q, k and v the heads of

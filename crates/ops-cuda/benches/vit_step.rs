@@ -17,14 +17,11 @@ use headroom_nn::{Module, VisionTransformer, VitConfig};
 use headroom_ops_cuda::CudaBackend;
 use headroom_optim::kernels::SgdConfig;
 use headroom_optim::{Implementation, Optimizer, ParamGroup, Sgd};
+use headroom_testkit::gpu::cuda_or_skip;
 
 fn main() {
-    let cuda = match CudaBackend::new(0) {
-        Ok(backend) => backend,
-        Err(err) => {
-            println!("skipped: {err}");
-            return;
-        }
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
     };
     let gpu: BackendRef = cuda.clone();
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -13,6 +13,8 @@ use headroom_autograd_core::{
     AttentionBackward, AttentionForward, BackendRef, DType, Layout, Result, Tensor, View,
 };
 use headroom_ops_cuda::CudaBackend;
+use headroom_testkit::gpu::cuda_or_skip;
+use headroom_testkit::inputs::uniform_f32;
 
 const BATCH: usize = 32;
 const SEQ: usize = 197;
@@ -20,21 +22,8 @@ const HEADS: usize = 16;
 const HEAD_DIM: usize = 64;
 const LAYERS: usize = 24;
 
-/// `n` values in [-1, 1) from a xorshift stream.
-fn random(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
-
 fn tensor(gpu: &BackendRef, n: usize, dtype: DType, seed: u64) -> Result<Tensor> {
-    let values = Tensor::from_slice(gpu, &random(n, seed), &[n])?;
+    let values = Tensor::from_slice(gpu, &uniform_f32(n, seed), &[n])?;
     let res = Tensor::empty(gpu, &[n], dtype)?;
     gpu.copy(values.view(), res.view())?;
     Ok(res)
@@ -54,12 +43,8 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 fn main() -> Result<()> {
-    let cuda = match CudaBackend::new(0) {
-        Ok(backend) => backend,
-        Err(err) => {
-            println!("skipped: {err}");
-            return Ok(());
-        }
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+        return Ok(());
     };
     let gpu: BackendRef = cuda.clone();
     let args: Vec<String> = std::env::args().skip(1).collect();

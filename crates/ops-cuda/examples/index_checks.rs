@@ -10,14 +10,11 @@
 
 use headroom_autograd_core::{embedding, BackendRef, DType, Result, Tensor};
 use headroom_ops_cuda::CudaBackend;
+use headroom_testkit::gpu::cuda_or_skip;
 
 fn main() -> Result<()> {
-    let cuda = match CudaBackend::new(0) {
-        Ok(backend) => backend,
-        Err(err) => {
-            println!("skipped: {err}");
-            return Ok(());
-        }
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+        return Ok(());
     };
     let gpu: BackendRef = cuda.clone();
     let table = Tensor::full(&gpu, &[8, 4], 1.0, DType::F32)?;

@@ -9,17 +9,14 @@
 
 use headroom_autograd_core::{BackendRef, DType, Result, Tensor};
 use headroom_ops_cuda::{CudaBackend, CudaStream, PinnedBuffer};
+use headroom_testkit::gpu::cuda_or_skip;
 
 const BATCH_FLOATS: usize = 4 << 20;
 const BATCHES: usize = 6;
 
 fn main() -> Result<()> {
-    let cuda = match CudaBackend::new(0) {
-        Ok(backend) => backend,
-        Err(err) => {
-            println!("skipped: {err}");
-            return Ok(());
-        }
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+        return Ok(());
     };
     let compute = cuda.compute_stream();
     let loader = cuda.new_stream()?;

@@ -1,128 +1,23 @@
 //! Launches of `kernels/elementwise.cu`: strided copy/cast, fill, unary, binary and masked ops.
 //!
-//! Operands are described to the kernels by one `StridedArgs` (shape, per-operand strides and
-//! offsets, in elements), after merging dimensions that are contiguous in every operand so most
-//! launches see one or two dimensions. Op codes are the variant order of `UnaryOp` and
-//! `BinaryOp`, mirrored by the `switch` statements of the `.cu` file.
+//! Operands are described to the kernels by one `StridedArgs` of `operands.rs` (shape,
+//! per-operand strides and offsets, in elements), after merging dimensions that are contiguous in
+//! every operand so most launches see one or two dimensions. Dense aligned operands take 16-byte
+//! vector kernels, the driver's memset for fills and its copy for same-dtype copies. Op codes are
+//! the variant order of `UnaryOp` and `BinaryOp`, mirrored by the `switch` statements of the
+//! `.cu` file.
+//!
+//! This family sits on the ground floor (`operands.rs`, `launch.rs`) and imports no other family;
+//! the dense copy other families need for library calls is the ground floor's `copy_raw`.
 
-use cudarc::driver::sys::{self as driver_sys, CUfunction_attribute_enum};
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use headroom_autograd_core::{
-    BinaryOp, DType, Layout, MaskedOp, Result, TensorError, UnaryOp, View,
-};
+use cudarc::driver::sys as driver_sys;
+use headroom_autograd_core::{BinaryOp, DType, MaskedOp, Result, TensorError, UnaryOp, View};
 
-use crate::backend::{device_error, CudaBackend};
-use crate::kernels::{KernelName, Module};
-
-/// The kernels' dimension limit (`MAX_DIMS` in the `.cu` file).
-const MAX_DIMS: usize = 8;
-const THREADS: u32 = 256;
-/// Enough blocks to fill an H100/H200 several times over; the kernels loop over the rest.
-const MAX_BLOCKS: u64 = 132 * 32;
-
-/// `StridedArgs` of `elementwise.cu`, field for field.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct StridedArgs {
-    ndim: u32,
-    n_operands: u32,
-    pub(crate) numel: u64,
-    shape: [u64; MAX_DIMS],
-    strides: [[u64; MAX_DIMS]; 3],
-    offsets: [u64; 3],
-}
-
-// SAFETY: `StridedArgs` is `repr(C)`, plain integers only, and matches the layout of the struct
-// of the same name in `kernels/elementwise.cu` (u32, u32, then u64 fields: no padding).
-unsafe impl DeviceRepr for StridedArgs {}
-
-/// Describes `views` (one shape, the first being the output) to the kernels, merging dimensions
-/// that are contiguous in all of them.
-pub(crate) fn strided_args(op: &'static str, views: &[&View<'_>]) -> Result<StridedArgs> {
-    let layouts: Vec<&Layout> = views.iter().map(|view| view.layout).collect();
-    strided_layout_args(op, &layouts)
-}
-
-/// [`strided_args`] for bare layouts (the first being the output's).
-pub(crate) fn strided_layout_args(op: &'static str, views: &[&Layout]) -> Result<StridedArgs> {
-    let shape = views[0].shape();
-    for view in &views[1..] {
-        if view.shape() != shape {
-            return Err(TensorError::ShapeMismatch {
-                op,
-                lhs: shape.to_vec(),
-                rhs: view.shape().to_vec(),
-            });
-        }
-    }
-    // Drop size-1 dims, then merge a dim into the next when every operand steps over it as if
-    // the two were one.
-    let mut dims: Vec<(u64, [u64; 3])> = Vec::with_capacity(shape.len());
-    for (d, &size) in shape.iter().enumerate() {
-        if size == 1 {
-            continue;
-        }
-        let mut strides = [0u64; 3];
-        for (k, view) in views.iter().enumerate() {
-            strides[k] = view.strides()[d] as u64;
-        }
-        if let Some((last_size, last_strides)) = dims.last_mut() {
-            let mergeable = (0..views.len()).all(|k| last_strides[k] == strides[k] * size as u64);
-            if mergeable {
-                *last_size *= size as u64;
-                *last_strides = strides;
-                continue;
-            }
-        }
-        dims.push((size as u64, strides));
-    }
-    if dims.len() > MAX_DIMS {
-        return Err(TensorError::InvalidArgument {
-            op,
-            reason: format!(
-                "{} non-mergeable dimensions; the CUDA kernels take {MAX_DIMS}",
-                dims.len()
-            ),
-        });
-    }
-    let mut args = StridedArgs {
-        ndim: dims.len() as u32,
-        n_operands: views.len() as u32,
-        numel: shape.iter().product::<usize>() as u64,
-        shape: [1; MAX_DIMS],
-        strides: [[0; MAX_DIMS]; 3],
-        offsets: [0; 3],
-    };
-    for (d, (size, strides)) in dims.iter().enumerate() {
-        args.shape[d] = *size;
-        for (operand, &stride) in args.strides.iter_mut().zip(strides) {
-            operand[d] = stride;
-        }
-    }
-    for (k, view) in views.iter().enumerate() {
-        args.offsets[k] = view.offset() as u64;
-    }
-    Ok(args)
-}
-
-pub(crate) fn launch_config(numel: u64) -> LaunchConfig {
-    let blocks = numel.div_ceil(u64::from(THREADS)).clamp(1, MAX_BLOCKS) as u32;
-    LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-pub(crate) fn float_suffix(op: &'static str, dtype: DType) -> Result<&'static str> {
-    Ok(match dtype {
-        DType::F32 => "f32",
-        DType::F64 => "f64",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        other => return Err(TensorError::UnsupportedDtype { op, dtype: other }),
-    })
-}
+use crate::device::CudaBackend;
+use crate::error::device_error;
+use crate::kernels::{float_suffix, KernelName, Module};
+use crate::launch::{launch_config, launch_in, Param, NO_ARGS};
+use crate::operands::{copy_kernel, dense_addresses, launch_strided, strided_args, StridedArgs};
 
 fn any_suffix(dtype: DType) -> &'static str {
     match dtype {
@@ -151,24 +46,8 @@ fn cast_family(dtype: DType) -> &'static str {
     }
 }
 
-/// The bit-moving copy kernel for elements of `bytes` bytes.
-fn copy_kernel(bytes: usize) -> KernelName {
-    match bytes {
-        8 => ("copy_b8", ""),
-        4 => ("copy_b4", ""),
-        2 => ("copy_b2", ""),
-        _ => ("copy_b1", ""),
-    }
-}
-
 fn device_address(view: &View<'_>) -> u64 {
     view.buffer.address()
-}
-
-/// The device address of `view`'s first element (its buffer's address plus the layout's offset):
-/// what kernels and libraries that take one pointer per operand are given.
-pub(crate) fn element_address(view: &View<'_>) -> u64 {
-    view.buffer.address() + (view.layout.offset() * view.dtype.size_in_bytes()) as u64
 }
 
 pub(crate) fn unary(backend: &CudaBackend, op: UnaryOp, x: View<'_>, out: View<'_>) -> Result<()> {
@@ -400,30 +279,6 @@ pub(crate) fn copy(backend: &CudaBackend, src: View<'_>, dst: View<'_>) -> Resul
 /// 16-byte alignment: what the vectorised dense kernels need of every operand.
 const VECTOR_ALIGNMENT: u64 = 16;
 
-/// The operands' first-element addresses (in `args`' order, output first; elements of
-/// `element_bytes`) when each is one dense run (stride 1) starting at a multiple of `alignment`:
-/// the dense fast path's case.
-fn dense_addresses(
-    args: &StridedArgs,
-    bases: &[u64],
-    element_bytes: usize,
-    alignment: u64,
-) -> Option<[u64; 3]> {
-    if args.ndim != 1 {
-        return None;
-    }
-    let element = element_bytes as u64;
-    let mut addresses = [0u64; 3];
-    for (k, &base) in bases.iter().enumerate() {
-        let address = base + args.offsets[k] * element;
-        if args.strides[k][0] != 1 || !address.is_multiple_of(alignment) {
-            return None;
-        }
-        addresses[k] = address;
-    }
-    Some(addresses)
-}
-
 /// Launches a dense (16-byte vectorised) kernel over `args.numel` elements of `dtype`.
 fn launch_dense(
     backend: &CudaBackend,
@@ -485,19 +340,6 @@ fn copy_bytes(backend: &CudaBackend, src: u64, dst: u64, bytes: u64) -> Result<(
     .map_err(|e| device_error("copy", e))
 }
 
-/// A scalar kernel parameter (device addresses are `U64`).
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Param {
-    I32(i32),
-    I64(i64),
-    F32(f32),
-    F64(f64),
-    U64(u64),
-    U32(u32),
-    U16(u16),
-    U8(u8),
-}
-
 /// Launches `name` of the elementwise module with `params`, then `args`, as its parameters.
 fn launch(
     backend: &CudaBackend,
@@ -506,100 +348,5 @@ fn launch(
     args: StridedArgs,
     params: &[Param],
 ) -> Result<()> {
-    launch_in(
-        backend,
-        Module::Elementwise,
-        op,
-        name,
-        launch_config(args.numel),
-        params,
-        Some(args),
-    )
-}
-
-/// Dynamic shared memory a kernel gets without opting in (48 KiB).
-const DEFAULT_SHARED_BYTES: u32 = 48 << 10;
-
-/// No trailing struct argument, for [`launch_in`].
-pub(crate) const NO_ARGS: Option<u64> = None;
-
-/// Launches `name` of `module` with `config`, `params` and then `args` (if any) as parameters.
-pub(crate) fn launch_in<A: DeviceRepr>(
-    backend: &CudaBackend,
-    module: Module,
-    op: &'static str,
-    name: KernelName,
-    config: LaunchConfig,
-    params: &[Param],
-    args: Option<A>,
-) -> Result<()> {
-    backend.bind(op)?;
-    let function = backend
-        .kernels
-        .function(&backend.context, module, name)
-        .map_err(|e| device_error(op, e))?;
-    if config.shared_mem_bytes > DEFAULT_SHARED_BYTES
-        && backend
-            .kernels
-            .needs_shared_opt_in(name, config.shared_mem_bytes)
-    {
-        // Kernels asking for more than the default dynamic shared memory must opt in (once per
-        // kernel and size, not on every launch).
-        function
-            .set_attribute(
-                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                config.shared_mem_bytes as i32,
-            )
-            .map_err(|e| device_error(op, e))?;
-        backend
-            .kernels
-            .note_shared_opt_in(name, config.shared_mem_bytes);
-    }
-    let mut builder = backend.stream.launch_builder(&function);
-    for param in params {
-        match param {
-            Param::I32(v) => builder.arg(v),
-            Param::I64(v) => builder.arg(v),
-            Param::F32(v) => builder.arg(v),
-            Param::F64(v) => builder.arg(v),
-            Param::U64(v) => builder.arg(v),
-            Param::U32(v) => builder.arg(v),
-            Param::U16(v) => builder.arg(v),
-            Param::U8(v) => builder.arg(v),
-        };
-    }
-    if let Some(args) = &args {
-        builder.arg(args);
-    }
-    // SAFETY: the kernel's parameters are, in order, exactly `params` (scalars and
-    // device addresses of live buffers whose views were checked to have this shape) followed by
-    // `StridedArgs`, whose layout matches the `.cu` definition; every offset the kernel computes
-    // lies inside the views' storage extents, which the core checked against the buffers.
-    unsafe { builder.launch(config) }
-        .map(|_| ())
-        .map_err(|e| device_error(op, e))
-}
-
-/// Copies the elements of `src_layout` at device address `src` (element size `element_bytes`)
-/// into the dense layout `dst_layout` at `dst`: for operands a library call needs contiguous.
-pub(crate) fn copy_raw(
-    backend: &CudaBackend,
-    src: u64,
-    src_layout: &Layout,
-    dst: u64,
-    dst_layout: &Layout,
-    element_bytes: usize,
-) -> Result<()> {
-    let args = strided_layout_args("copy", &[dst_layout, src_layout])?;
-    if args.numel == 0 {
-        return Ok(());
-    }
-    let name = copy_kernel(element_bytes);
-    launch(
-        backend,
-        "copy",
-        name,
-        args,
-        &[Param::U64(src), Param::U64(dst)],
-    )
+    launch_strided(backend, Module::Elementwise, op, name, args, params)
 }

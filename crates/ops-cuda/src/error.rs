@@ -1,4 +1,8 @@
-//! Why the CUDA backend could not be created or could not run a kernel.
+//! Why the CUDA backend could not be created or could not run a kernel, and how a driver failure
+//! becomes autograd-core's error (`device_error`, with the `cuda` feature).
+//!
+//! This module is the bottom of the ground floor: it imports nothing of this crate, so every
+//! other module, the BLAS state included, may name its errors.
 
 /// The crate's error type (ops report failures as autograd-core's `TensorError::Device`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -22,4 +26,16 @@ pub enum CudaError {
         /// What the driver said.
         reason: String,
     },
+}
+
+/// A driver error as the core's error type.
+#[cfg(feature = "cuda")]
+pub(crate) fn device_error(
+    op: &'static str,
+    error: impl std::fmt::Display,
+) -> headroom_autograd_core::TensorError {
+    headroom_autograd_core::TensorError::Device {
+        op,
+        reason: error.to_string(),
+    }
 }

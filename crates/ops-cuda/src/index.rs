@@ -5,7 +5,11 @@
 //! returned as `TensorError::InvalidArgument`, as the CPU backend reports it — or, with deferred
 //! checks, kept in the backend's slots and returned by the next synchronisation. Scratch memory
 //! (the error word, per-row losses) comes from the caching allocator and goes back to it in
-//! stream order.
+//! stream order. [`CudaBackend::synchronize`] lives here because it is where deferred checks
+//! report: it waits for the device, then returns a pending deferred error.
+//!
+//! This family sits on the ground floor (strided operands of `operands.rs`, shared with
+//! elementwise kernels there) and imports no other family.
 
 use cudarc::driver::{result, LaunchConfig};
 use headroom_autograd_core::{
@@ -13,11 +17,12 @@ use headroom_autograd_core::{
 };
 use headroom_caching_allocator::StreamId;
 
-use crate::backend::{device_error, CudaBackend, Scratch};
-use crate::elementwise::{
-    element_address, float_suffix, launch_config, launch_in, strided_args, Param, NO_ARGS,
-};
-use crate::kernels::Module;
+use crate::device::CudaBackend;
+use crate::error::device_error;
+use crate::kernels::{float_suffix, Module};
+use crate::launch::{launch_config, launch_in, Param, NO_ARGS};
+use crate::operands::{element_address, launch_strided, strided_args};
+use crate::scratch::Scratch;
 
 /// The error word's value when nothing went wrong.
 const NO_ERROR: u64 = u64::MAX;
@@ -91,6 +96,15 @@ fn check_error_word(
 }
 
 impl CudaBackend {
+    /// Waits until every launched kernel has finished; then returns the error of a deferred index
+    /// check, if one is pending (see [`CudaBackend::set_deferred_index_checks`]).
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| device_error("synchronize", e))?;
+        self.take_deferred_index_error()
+    }
+
     /// Defers the index checks of gather, scatter-add (embedding backward) and cross-entropy
     /// (targets): instead of reading an error word back after every launch — one host
     /// synchronisation per call, the default — the kernels record the first out-of-range value per
@@ -204,15 +218,7 @@ fn index_kernel(
         Param::U64(word.address()),
     ];
     let name = (op, suffix);
-    launch_in(
-        backend,
-        Module::Index,
-        op,
-        name,
-        launch_config(args.numel),
-        &params,
-        Some(args),
-    )?;
+    launch_strided(backend, Module::Index, op, name, args, &params)?;
     check_error_word(backend, op, &word, |bad| {
         format!("index {bad} is out of bounds for size {limit}")
     })
@@ -449,13 +455,5 @@ pub(crate) fn dropout(
         Param::U64(offset),
     ];
     let name = (op, suffix);
-    launch_in(
-        backend,
-        Module::Index,
-        op,
-        name,
-        launch_config(args.numel),
-        &params,
-        Some(args),
-    )
+    launch_strided(backend, Module::Index, op, name, args, &params)
 }

@@ -2,13 +2,18 @@
 //!
 //! Each `kernels/*.cu` file becomes one PTX module, compiled by `cargo xtask build-kernels` and
 //! committed under `kernels/ptx/`. A module is loaded into the context the first time one of its
-//! kernels runs, and each function is looked up once and cached by name.
+//! kernels runs, and each function is looked up once and cached by name. Kernels are named by
+//! family and dtype suffix ([`KernelName`], [`float_suffix`]).
+//!
+//! This module is ground floor: it sits on cudarc and `error.rs`, and knows nothing of the
+//! backend, of views or of what the kernels compute.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
+use headroom_autograd_core::{DType, Result, TensorError};
 use parking_lot::Mutex;
 
 use crate::error::CudaError;
@@ -16,6 +21,18 @@ use crate::error::CudaError;
 /// A kernel's name as (family, suffix), e.g. `("unary", "f32")` for `unary_f32`, or
 /// `("copy_b4", "")`: a launch looks its function up by this pair without building a string.
 pub(crate) type KernelName = (&'static str, &'static str);
+
+/// The suffix of the kernels for float `dtype` (`f32`, `f64`, `f16`, `bf16`); other dtypes are
+/// unsupported by `op`.
+pub(crate) fn float_suffix(op: &'static str, dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        other => return Err(TensorError::UnsupportedDtype { op, dtype: other }),
+    })
+}
 
 /// The PTX modules, by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

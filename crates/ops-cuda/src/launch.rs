@@ -1,16 +1,120 @@
-//! Kernels of other crates on this backend: load a PTX module, launch its functions.
+//! Launching kernels: this crate's own ([`launch_in`], with [`Param`]s and an optional argument
+//! struct), and other crates' (load a PTX module, launch its functions).
+//!
+//! Every kernel family launches through `launch_in`: it binds the context, looks the function up
+//! in the kernel cache (`kernels.rs`), opts it in to more than 48 KiB of dynamic shared memory
+//! when the launch asks for it (once per kernel and size), and queues it on the backend's stream.
+//! [`launch_config`] is the grid-stride shape most elementwise-like kernels share.
 //!
 //! Crates with CUDA kernels of their own (the optimizers' fused and 8-bit updates) commit PTX
 //! built by `cargo xtask build-kernels` and run it here, on the backend's context and stream,
 //! with memory from its caching allocator. Arguments are plain values and device addresses, so
 //! no cudarc type crosses the crate boundary.
+//!
+//! This module is ground floor: it sits on `device.rs` and `kernels.rs`, and knows no kernel
+//! family or operand layout (argument structs are opaque `DeviceRepr` values to it).
 
-use cudarc::driver::{result, CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{result, CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
 use headroom_autograd_core::{Result, TensorError};
 use headroom_caching_allocator::{Allocation, StreamId};
 
-use crate::backend::{device_error, CudaBackend};
-use crate::error::CudaError;
+use crate::device::CudaBackend;
+use crate::error::{device_error, CudaError};
+use crate::kernels::{KernelName, Module};
+
+/// Threads per block of the grid-stride launches ([`launch_config`]).
+const THREADS: u32 = 256;
+/// Enough blocks to fill an H100/H200 several times over; the kernels loop over the rest.
+const MAX_BLOCKS: u64 = 132 * 32;
+
+/// The grid-stride launch shape over `numel` elements: 256 threads a block, blocks enough to
+/// cover them up to a few waves of the device.
+pub(crate) fn launch_config(numel: u64) -> LaunchConfig {
+    let blocks = numel.div_ceil(u64::from(THREADS)).clamp(1, MAX_BLOCKS) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A scalar kernel parameter (device addresses are `U64`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Param {
+    I32(i32),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    U64(u64),
+    U32(u32),
+    U16(u16),
+    U8(u8),
+}
+
+/// Dynamic shared memory a kernel gets without opting in (48 KiB).
+const DEFAULT_SHARED_BYTES: u32 = 48 << 10;
+
+/// No trailing struct argument, for [`launch_in`].
+pub(crate) const NO_ARGS: Option<u64> = None;
+
+/// Launches `name` of `module` with `config`, `params` and then `args` (if any) as parameters.
+pub(crate) fn launch_in<A: DeviceRepr>(
+    backend: &CudaBackend,
+    module: Module,
+    op: &'static str,
+    name: KernelName,
+    config: LaunchConfig,
+    params: &[Param],
+    args: Option<A>,
+) -> Result<()> {
+    backend.bind(op)?;
+    let function = backend
+        .kernels
+        .function(&backend.context, module, name)
+        .map_err(|e| device_error(op, e))?;
+    if config.shared_mem_bytes > DEFAULT_SHARED_BYTES
+        && backend
+            .kernels
+            .needs_shared_opt_in(name, config.shared_mem_bytes)
+    {
+        // Kernels asking for more than the default dynamic shared memory must opt in (once per
+        // kernel and size, not on every launch).
+        function
+            .set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                config.shared_mem_bytes as i32,
+            )
+            .map_err(|e| device_error(op, e))?;
+        backend
+            .kernels
+            .note_shared_opt_in(name, config.shared_mem_bytes);
+    }
+    let mut builder = backend.stream.launch_builder(&function);
+    for param in params {
+        match param {
+            Param::I32(v) => builder.arg(v),
+            Param::I64(v) => builder.arg(v),
+            Param::F32(v) => builder.arg(v),
+            Param::F64(v) => builder.arg(v),
+            Param::U64(v) => builder.arg(v),
+            Param::U32(v) => builder.arg(v),
+            Param::U16(v) => builder.arg(v),
+            Param::U8(v) => builder.arg(v),
+        };
+    }
+    if let Some(args) = &args {
+        builder.arg(args);
+    }
+    // SAFETY: the kernel's parameters are, in order, exactly `params` (scalars and
+    // device addresses of live buffers whose views were checked to have this shape) followed by
+    // `args` when given (`StridedArgs`, `RowArgs`, `AttnArgs`), whose layout matches the `.cu`
+    // definition; every offset the kernel computes lies inside the views' storage extents, which
+    // the core checked against the buffers.
+    unsafe { builder.launch(config) }
+        .map(|_| ())
+        .map_err(|e| device_error(op, e))
+}
 
 /// A loaded kernel of another crate's PTX module.
 #[derive(Debug, Clone)]

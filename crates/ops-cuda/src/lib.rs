@@ -28,22 +28,31 @@
 
 mod error;
 
+// The ground floor: the device's state and what every kernel family uses. It imports no family.
 #[cfg(feature = "cuda")]
-mod attention;
+mod blas;
 #[cfg(feature = "cuda")]
-mod attention_gemm;
+mod blas_lt;
 #[cfg(feature = "cuda")]
-mod attention_tc;
-#[cfg(feature = "cuda")]
-mod backend;
-#[cfg(feature = "cuda")]
-mod elementwise;
-#[cfg(feature = "cuda")]
-mod index;
+mod device;
 #[cfg(feature = "cuda")]
 mod kernels;
 #[cfg(feature = "cuda")]
 mod launch;
+#[cfg(feature = "cuda")]
+mod operands;
+#[cfg(feature = "cuda")]
+mod scratch;
+#[cfg(feature = "cuda")]
+mod stream;
+
+// The families: each sits on the ground floor and imports no other family.
+#[cfg(feature = "cuda")]
+mod attention;
+#[cfg(feature = "cuda")]
+mod elementwise;
+#[cfg(feature = "cuda")]
+mod index;
 #[cfg(feature = "cuda")]
 mod linear;
 #[cfg(feature = "cuda")]
@@ -52,13 +61,15 @@ mod matmul;
 mod pinned;
 #[cfg(feature = "cuda")]
 mod rows;
+
+// The top floor: `impl Backend for CudaBackend`, dispatching to the families.
 #[cfg(feature = "cuda")]
-mod stream;
+mod backend;
 
 pub use error::CudaError;
 
 #[cfg(feature = "cuda")]
-pub use backend::CudaBackend;
+pub use device::CudaBackend;
 #[cfg(feature = "cuda")]
 pub use launch::{CudaKernel, KernelArg};
 #[cfg(feature = "cuda")]

@@ -8,73 +8,21 @@
 //! any other batch dims are looped over. f32 and f64 compute in their own precision (TF32 only
 //! after `CudaBackend::set_allow_tf32(true)`, as in PyTorch), f16 and bf16 in f32.
 //!
-//! The cuBLAS handle and its 32 MiB workspace (PyTorch's size on Hopper) are created on the first
-//! product; the workspace is an allocation of the backend's caching allocator, so it shows in
-//! `memory_allocated()` as PyTorch's does. cuBLASLt (`linear.rs`) shares it.
+//! The cuBLAS handle and its 32 MiB workspace (PyTorch's size on Hopper) are the ground floor's
+//! (`blas.rs`), created on the first product; the workspace is an allocation of the backend's
+//! caching allocator, so it shows in `memory_allocated()` as PyTorch's does. This family sits on
+//! the ground floor (`blas.rs`, `operands.rs`, `scratch.rs`) and imports no other family.
 
 use std::ffi::c_void;
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use headroom_autograd_core::{matmul_dims, DType, Layout, Result, TensorError, View};
-use headroom_caching_allocator::{Allocation, StreamId};
 
-use crate::backend::{device_error, CudaBackend, Scratch};
-use crate::linear::LtState;
-
-/// Bytes of cuBLAS workspace.
-const WORKSPACE_BYTES: u64 = 32 << 20;
-
-/// A cuBLAS handle and the workspace lent to it, and cuBLASLt's state (`linear.rs`), which
-/// shares the workspace.
-#[derive(Debug)]
-pub(crate) struct BlasState {
-    handle: Handle,
-    workspace: Option<Allocation>,
-    lt: Option<LtState>,
-}
-
-#[derive(Debug)]
-struct Handle(blas_sys::cublasHandle_t);
-
-// SAFETY: a cuBLAS handle may be used from any thread as long as calls do not overlap; the
-// backend keeps it behind a mutex and binds its context before each call.
-unsafe impl Send for Handle {}
-
-impl BlasState {
-    /// Returns the workspace to the allocator and destroys the handle.
-    pub(crate) fn release(mut self, backend: &CudaBackend) {
-        if let Some(lt) = self.lt.take() {
-            lt.release();
-        }
-        // SAFETY: the handle was created by `create_handle` and is destroyed once, here.
-        // Errors cannot be reported from a drop; the workspace goes back either way.
-        let _ = unsafe { blas::destroy_handle(self.handle.0) };
-        if let Some(workspace) = self.workspace.take() {
-            let _ = backend.allocator().free(workspace);
-        }
-    }
-}
-
-impl BlasState {
-    /// The workspace's address and size in bytes.
-    pub(crate) fn workspace(&self) -> (u64, usize) {
-        let address = self.workspace.as_ref().map_or(0, Allocation::address);
-        (address, WORKSPACE_BYTES as usize)
-    }
-
-    /// cuBLASLt's state, created on first use.
-    pub(crate) fn lt(&mut self) -> Result<&mut LtState> {
-        if self.lt.is_none() {
-            self.lt = Some(LtState::new()?);
-        }
-        Ok(self.lt.as_mut().expect("created above"))
-    }
-
-    /// cuBLASLt's state if a linear layer created it.
-    pub(crate) fn lt_if_created(&mut self) -> Option<&mut LtState> {
-        self.lt.as_mut()
-    }
-}
+use crate::blas::to_int;
+use crate::device::CudaBackend;
+use crate::error::device_error;
+use crate::operands::copy_raw;
+use crate::scratch::Scratch;
 
 /// One operand matrix for cuBLAS: its transpose flag, leading dimension and element address.
 #[derive(Debug, Clone, Copy)]
@@ -216,7 +164,7 @@ pub(crate) fn matmul(
     };
 
     let state = backend.blas_state()?;
-    let handle = state.handle.0;
+    let handle = state.handle();
     for outer in 0..outer_count {
         // Offsets of this outer batch index, in elements.
         let mut rest = outer;
@@ -285,140 +233,6 @@ fn readable<'a>(
     let scratch = Scratch::new(backend, (dense.numel() * element) as u64)?;
     let address = scratch.address();
     let src = view.buffer.address();
-    crate::elementwise::copy_raw(backend, src, view.layout, address, &dense, element)?;
+    copy_raw(backend, src, view.layout, address, &dense, element)?;
     Ok((address, dense, Some(scratch)))
-}
-
-fn to_int(value: usize) -> Result<i32> {
-    value.try_into().map_err(|_| TensorError::InvalidArgument {
-        op: "matmul",
-        reason: format!("dimension {value} exceeds cuBLAS's 32-bit sizes"),
-    })
-}
-
-impl CudaBackend {
-    /// The cuBLAS state, created on first use (handle on the default stream, workspace from the
-    /// caching allocator).
-    pub(crate) fn blas_state(&self) -> Result<parking_lot::MappedMutexGuard<'_, BlasState>> {
-        self.bind("matmul")?;
-        let mut guard = self.blas.lock();
-        if guard.is_none() {
-            let handle = blas::create_handle().map_err(|e| device_error("matmul", e))?;
-            let workspace = self
-                .allocator()
-                .allocate(WORKSPACE_BYTES, StreamId::DEFAULT)?;
-            // SAFETY: the handle was just created; the stream is the context's default stream;
-            // the workspace is a live device allocation of WORKSPACE_BYTES that the state keeps
-            // until the handle is destroyed.
-            unsafe {
-                blas::set_stream(handle, self.stream.cu_stream() as blas_sys::cudaStream_t)
-                    .map_err(|e| device_error("matmul", e))?;
-                blas_sys::cublasSetWorkspace_v2(
-                    handle,
-                    workspace.address() as *mut c_void,
-                    WORKSPACE_BYTES as usize,
-                )
-                .result()
-                .map_err(|e| device_error("matmul", e))?;
-            }
-            *guard = Some(BlasState {
-                handle: Handle(handle),
-                workspace: Some(workspace),
-                lt: None,
-            });
-        }
-        Ok(parking_lot::MutexGuard::map(guard, |state| {
-            state.as_mut().expect("created above")
-        }))
-    }
-}
-
-/// One operand of [`gemm_batched`]: a column-major matrix (cuBLAS's view) at `address`, its
-/// element type, leading dimension, distance between batch entries (elements) and whether cuBLAS
-/// reads it transposed.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct GemmOperand {
-    pub(crate) address: u64,
-    pub(crate) dtype: DType,
-    pub(crate) ld: usize,
-    pub(crate) batch_stride: usize,
-    pub(crate) transposed: bool,
-}
-
-fn data_type(dtype: DType) -> Result<blas_sys::cudaDataType> {
-    Ok(match dtype {
-        DType::F32 => blas_sys::cudaDataType::CUDA_R_32F,
-        DType::F64 => blas_sys::cudaDataType::CUDA_R_64F,
-        DType::F16 => blas_sys::cudaDataType::CUDA_R_16F,
-        DType::BF16 => blas_sys::cudaDataType::CUDA_R_16BF,
-        dtype => {
-            return Err(TensorError::UnsupportedDtype {
-                op: "matmul",
-                dtype,
-            })
-        }
-    })
-}
-
-/// Column-major `c[i] = alpha · op(a[i]) op(b[i]) + beta · c[i]` for `batch` entries (`m × n`
-/// results, inner dimension `k`), f32 accumulation: for kernels of this crate that chain products
-/// of 16-bit operands with f32 results (tensor cores on f16/bf16, f32 scores).
-///
-/// # Safety
-/// Every address must hold the matrices the dimensions, leading dimensions and batch strides
-/// describe, in live memory of this backend.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm_batched(
-    backend: &CudaBackend,
-    (m, n, k): (usize, usize, usize),
-    alpha: f32,
-    a: GemmOperand,
-    b: GemmOperand,
-    beta: f32,
-    c: GemmOperand,
-    batch: usize,
-) -> Result<()> {
-    let op = |t: bool| {
-        if t {
-            blas_sys::cublasOperation_t::CUBLAS_OP_T
-        } else {
-            blas_sys::cublasOperation_t::CUBLAS_OP_N
-        }
-    };
-    let (a_type, b_type, c_type) = (
-        data_type(a.dtype)?,
-        data_type(b.dtype)?,
-        data_type(c.dtype)?,
-    );
-    let state = backend.blas_state()?;
-    // SAFETY: the handle is live and bound to the backend's stream; the caller guarantees the
-    // operands; alpha and beta are f32 scalars (the compute type's) that outlive the call.
-    unsafe {
-        blas::gemm_strided_batched_ex(
-            state.handle.0,
-            op(a.transposed),
-            op(b.transposed),
-            to_int(m)?,
-            to_int(n)?,
-            to_int(k)?,
-            (&alpha as *const f32).cast(),
-            a.address as *const c_void,
-            a_type,
-            to_int(a.ld)?,
-            a.batch_stride as i64,
-            b.address as *const c_void,
-            b_type,
-            to_int(b.ld)?,
-            b.batch_stride as i64,
-            (&beta as *const f32).cast(),
-            c.address as *mut c_void,
-            c_type,
-            to_int(c.ld)?,
-            c.batch_stride as i64,
-            to_int(batch)?,
-            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }
-    .map_err(|e| device_error("matmul", e))
 }

@@ -35,7 +35,8 @@ use headroom_autograd_core::{Buffer, Result, Tensor, TensorError};
 use headroom_caching_allocator::{Allocation, CachingAllocator, PinnedHostStorage, StreamId};
 use parking_lot::Mutex;
 
-use crate::backend::{device_error, CudaBackend};
+use crate::device::CudaBackend;
+use crate::error::device_error;
 use crate::stream::{CudaEvent, CudaStream};
 
 /// Page-locked host memory from a backend's pinned caching allocator, with typed access that

@@ -9,8 +9,8 @@
 //! point in a stream: the host can query or wait for it, another stream can wait for it
 //! ([`CudaStream::wait_event`]), and two timing events give the device time between them.
 //!
-//! This module sits on the backend's context and allocator; it knows nothing about kernels or
-//! tensors, and no cudarc type leaves it.
+//! This module is ground floor: it sits on the backend's context and allocator (`device.rs`); it
+//! knows nothing about kernels or tensors, and no cudarc type leaves it.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,7 +21,8 @@ use cudarc::driver::sys;
 use headroom_autograd_core::{Result, TensorError};
 use headroom_caching_allocator::StreamId;
 
-use crate::backend::{device_error, CudaBackend};
+use crate::device::CudaBackend;
+use crate::error::device_error;
 
 /// Events whose destruction failed, over the whole process (`Drop` cannot return the error).
 static EVENT_DROP_ERRORS: AtomicU64 = AtomicU64::new(0);

@@ -2,18 +2,21 @@
 //! statistics and reuse, a random round trip through a side stream, overlap of a copy with a
 //! running kernel (and no overlap where the destination may still be the kernels'), no early
 //! reuse of pinned or device memory that a queued copy or kernel still uses, and typed errors for
-//! bad arguments. Each test prints a skip notice (and passes) without a device.
+//! bad arguments. Each test prints a skip notice (and passes) without a device, and fails instead
+//! where `HEADROOM_REQUIRE_GPU=1` is set (testkit's GPU gate).
 //!
 //! A test kernel that spins on the GPU's global timer (`spin_ns`, hand-written PTX below) keeps a
 //! stream busy for a known time, so what these tests assert does not depend on copy speed.
 #![cfg(feature = "cuda")]
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
 use headroom_autograd_core::{BackendRef, DType, Tensor, TensorError, UnaryOp};
 use headroom_caching_allocator::{AllocatorConfig, PinnedHostStorage, StreamId};
 use headroom_ops_cuda::{CudaBackend, CudaEvent, KernelArg};
+use headroom_testkit::gpu::{cuda_or_skip, exclusive_device};
+use headroom_testkit::inputs::uniform_f32;
 
 const MIB: usize = 1 << 20;
 
@@ -39,26 +42,17 @@ $L__spin:
 }
 "#;
 
-/// Tests take the device one at a time: the overlap and reuse tests reason about what runs when.
-static DEVICE: Mutex<()> = Mutex::new(());
-
+/// The backend on device 0, holding the device (tests take it one at a time: the overlap and
+/// reuse tests reason about what runs when), or `None` after the GPU gate's skip notice.
 fn backend_or_skip(
     config: Option<AllocatorConfig>,
 ) -> Option<(MutexGuard<'static, ()>, Arc<CudaBackend>)> {
-    let guard = DEVICE
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let device = exclusive_device();
     let backend = match config {
         Some(config) => CudaBackend::with_config(0, config),
         None => CudaBackend::new(0),
     };
-    match backend {
-        Ok(backend) => Some((guard, backend)),
-        Err(err) => {
-            println!("skipped: {err}");
-            None
-        }
-    }
+    Some((device, cuda_or_skip(backend)?))
 }
 
 /// Queues `spin_ns` for `duration` on the compute stream.
@@ -78,19 +72,6 @@ fn spin(backend: &CudaBackend, duration: Duration) {
             )
             .unwrap();
     }
-}
-
-/// Floats from a xorshift stream, in [-1, 1), never all zero.
-fn random_f32(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
 }
 
 #[test]
@@ -148,7 +129,7 @@ fn round_trip_through_a_side_stream_is_exact() {
     };
     let gpu: BackendRef = cuda.clone();
     let n = 2 * MIB + 3;
-    let data = random_f32(n, 7);
+    let data = uniform_f32(n, 7);
     let mut staging = cuda.pinned_host(n * 4).unwrap();
     staging
         .as_mut_slice::<f32>()
@@ -214,7 +195,7 @@ fn a_copy_on_a_side_stream_overlaps_a_running_kernel() {
     let side = cuda.new_stream().unwrap();
     let bytes = 64 * MIB;
     let mut staging = cuda.pinned_host(bytes).unwrap();
-    let data = random_f32(bytes / 4, 11);
+    let data = uniform_f32(bytes / 4, 11);
     staging
         .as_mut_slice::<f32>()
         .unwrap()
@@ -311,13 +292,13 @@ fn blocks_of_a_copy_in_flight_are_not_reused() {
     let compute = cuda.compute_stream();
     let side = cuda.new_stream().unwrap();
     let n = MIB;
-    let source = Tensor::from_slice(&gpu, &random_f32(n, 3), &[n]).unwrap();
+    let source = Tensor::from_slice(&gpu, &uniform_f32(n, 3), &[n]).unwrap();
     let mut incoming = cuda.pinned_host(n * 4).unwrap();
     let mut outgoing = cuda.pinned_host(n * 4).unwrap();
     outgoing
         .as_mut_slice::<f32>()
         .unwrap()
-        .copy_from_slice(&random_f32(n, 5));
+        .copy_from_slice(&uniform_f32(n, 5));
     let target = Tensor::empty(&gpu, &[n], DType::F32).unwrap();
     let (incoming_address, target_address) = (incoming.address(), target.buffer().address());
     // Load the elementwise kernels now: compiling their module on first use can outlast a spin.

@@ -2,7 +2,8 @@
 //! poisoned outputs: unary and binary ops in f32, f64, f16 and bf16 (contiguous, broadcast and
 //! transposed operands), fill, copies between every pair of dtypes, and linear layers through
 //! cuBLASLt (bias and GELU forward, weight and bias gradients backward, and the fallbacks). Each
-//! test prints a skip notice (and passes) on a machine without a CUDA device.
+//! test prints a skip notice (and passes) on a machine without a CUDA device, and fails instead
+//! where `HEADROOM_REQUIRE_GPU=1` is set (testkit's GPU gate).
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
@@ -13,6 +14,8 @@ use headroom_autograd_core::{
 };
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
+use headroom_testkit::gpu::cuda_or_skip;
+use headroom_testkit::inputs::Xorshift;
 
 const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 const ALL: [DType; 8] = [
@@ -26,26 +29,10 @@ const ALL: [DType; 8] = [
     DType::Bool,
 ];
 
+/// The GPU and the CPU backend, or `None` after the GPU gate's skip notice.
 fn backends() -> Option<(BackendRef, BackendRef)> {
-    match CudaBackend::new(0) {
-        Ok(cuda) => Some((cuda as BackendRef, CpuBackend::new_ref())),
-        Err(err) => {
-            println!("skipped: {err}");
-            None
-        }
-    }
-}
-
-/// A xorshift stream in [lo, hi).
-struct Random(u64);
-
-impl Random {
-    fn next(&mut self, lo: f64, hi: f64) -> f64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        lo + (hi - lo) * ((self.0 >> 11) as f64 / (1u64 << 53) as f64)
-    }
+    let cuda = cuda_or_skip(CudaBackend::new(0))?;
+    Some((cuda as BackendRef, CpuBackend::new_ref()))
 }
 
 fn encode(dtype: DType, values: &[f64]) -> Vec<u8> {
@@ -173,13 +160,13 @@ fn binary_ops() -> Vec<BinaryOp> {
 }
 
 /// Inputs valid for every op: positive for log, sqrt and pow, negative ones for relu otherwise.
-fn input(random: &mut Random, op_needs_positive: bool, n: usize) -> Vec<f64> {
+fn input(random: &mut Xorshift, op_needs_positive: bool, n: usize) -> Vec<f64> {
     (0..n)
         .map(|_| {
             if op_needs_positive {
-                random.next(0.1, 3.0)
+                random.next_f64_in(0.1, 3.0)
             } else {
-                random.next(-3.0, 3.0)
+                random.next_f64_in(-3.0, 3.0)
             }
         })
         .collect()
@@ -188,7 +175,7 @@ fn input(random: &mut Random, op_needs_positive: bool, n: usize) -> Vec<f64> {
 #[test]
 fn unary_ops_match_the_cpu() {
     let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Random(0x9e37_79b9_7f4a_7c15);
+    let mut random = Xorshift::from_state(0x9e37_79b9_7f4a_7c15);
     let layout = Layout::contiguous(&[ROWS, COLS]);
     // The input read transposed: a [COLS, ROWS] view of the same buffer.
     let transposed = Layout::from_parts(&[COLS, ROWS], &[1, COLS], 0);
@@ -231,7 +218,7 @@ fn unary_ops_match_the_cpu() {
 #[test]
 fn binary_ops_with_broadcasting_match_the_cpu() {
     let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Random(0x2545_f491_4f6c_dd1d);
+    let mut random = Xorshift::from_state(0x2545_f491_4f6c_dd1d);
     let full = Layout::contiguous(&[ROWS, COLS]);
     // b is one row broadcast over all rows (stride 0).
     let row_broadcast = Layout::from_parts(&[ROWS, COLS], &[0, 1], 0);
@@ -305,7 +292,7 @@ fn run_dense_case(
 #[test]
 fn dense_runs_with_tails_and_offsets_match_the_cpu() {
     let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Random(0x6a09_e667_f3bc_c909);
+    let mut random = Xorshift::from_state(0x6a09_e667_f3bc_c909);
     let n = 1003;
     let total = n + 9;
     for dtype in FLOATS {
@@ -344,7 +331,7 @@ fn dense_runs_with_tails_and_offsets_match_the_cpu() {
 #[test]
 fn fill_and_every_cast_match_the_cpu() {
     let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Random(0xd1b5_4a32_d192_ed03);
+    let mut random = Xorshift::from_state(0xd1b5_4a32_d192_ed03);
     let n = 1000;
     let layout = Layout::contiguous(&[n]);
     for dtype in ALL {
@@ -372,7 +359,7 @@ fn fill_and_every_cast_match_the_cpu() {
     for from in ALL {
         let values: Vec<f64> = (0..n)
             .map(|_| {
-                let v = random.next(0.0, 100.0).floor();
+                let v = random.next_f64_in(0.0, 100.0).floor();
                 if from == DType::Bool {
                     (v as u64 % 2) as f64
                 } else {
@@ -488,12 +475,8 @@ fn gather_one(
 /// gives the slots back to the allocator.
 #[test]
 fn deferred_index_checks_report_at_the_next_synchronisation() {
-    let cuda = match CudaBackend::new(0) {
-        Ok(cuda) => cuda,
-        Err(err) => {
-            println!("skipped: {err}");
-            return;
-        }
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
     };
     let gpu: BackendRef = cuda.clone();
     let values = upload(&gpu, DType::F32, &[1.0, 2.0, 3.0, 4.0]);
@@ -551,7 +534,7 @@ fn compare(
 fn reductions_softmax_and_masks_match_the_cpu() {
     use headroom_autograd_core::{MaskedOp, ReduceOp};
     let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Random(0x1234_5678_9abc_def1);
+    let mut random = Xorshift::from_state(0x1234_5678_9abc_def1);
     let shape = [6, 7, 45];
     let n: usize = shape.iter().product();
     let x_layout = Layout::contiguous(&shape);
@@ -684,7 +667,7 @@ fn reductions_softmax_and_masks_match_the_cpu() {
             }
         }
         let mask: Vec<f64> = (0..n)
-            .map(|_| (random.next(0.0, 1.0) < 0.3) as u8 as f64)
+            .map(|_| (random.next_f64_in(0.0, 1.0) < 0.3) as u8 as f64)
             .collect();
         for op in [MaskedOp::Fill(-1e4), MaskedOp::Scale(1.25)] {
             compare(&format!("masked {op:?}"), dtype, &gpu, &cpu, |backend| {
@@ -723,7 +706,7 @@ fn reductions_softmax_and_masks_match_the_cpu() {
 fn layer_norm_forward_and_backward_match_the_cpu() {
     use headroom_autograd_core::{LayerNormBackward, LayerNormForward};
     let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Random(0x0bad_cafe_f00d_d00d);
+    let mut random = Xorshift::from_state(0x0bad_cafe_f00d_d00d);
     // Widths for the warp-per-row kernels (1, 4 and 8 vectors per lane) and for the block kernels
     // (300 bf16/f16 elements are no whole number of vectors; 2056 are too many for a warp).
     for (rows, width) in [(23, 300), (9, 1024), (5, 24), (3, 2056)] {
@@ -805,7 +788,7 @@ fn layer_norm_forward_and_backward_match_the_cpu() {
 #[test]
 fn batched_matmul_on_strided_operands_matches_the_cpu() {
     let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Random(0x5eed_5eed_5eed_5eed);
+    let mut random = Xorshift::from_state(0x5eed_5eed_5eed_5eed);
     let (batch, heads, m, k, n) = (3, 4, 33, 17, 29);
     for dtype in FLOATS {
         let a = input(&mut random, false, batch * heads * m * k);
@@ -874,7 +857,7 @@ fn batched_matmul_on_strided_operands_matches_the_cpu() {
 fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
     use headroom_autograd_core::{CrossEntropyArgs, Reduction};
     let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Random(0xfeed_beef_dead_c0de);
+    let mut random = Xorshift::from_state(0xfeed_beef_dead_c0de);
     let (rows, classes) = (37, 53);
     let n = rows * classes;
     let table = Layout::contiguous(&[rows, classes]);
@@ -884,12 +867,12 @@ fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
             if r % 7 == 3 {
                 -100.0
             } else {
-                random.next(0.0, classes as f64).floor()
+                random.next_f64_in(0.0, classes as f64).floor()
             }
         })
         .collect();
     let positions: Vec<f64> = (0..rows * 5)
-        .map(|_| random.next(0.0, classes as f64).floor())
+        .map(|_| random.next_f64_in(0.0, classes as f64).floor())
         .collect();
     for (dtype, stats) in [
         (DType::F32, DType::F32),
@@ -1058,7 +1041,7 @@ fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
 #[test]
 fn matmul_with_a_fully_broadcast_operand_matches_the_cpu() {
     let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Random(0x0dd_ba11);
+    let mut random = Xorshift::from_state(0x0dd_ba11);
     let (m, k, n) = (19, 23, 31);
     for dtype in FLOATS {
         let a = input(&mut random, false, m * k);
@@ -1095,11 +1078,11 @@ fn matmul_with_a_fully_broadcast_operand_matches_the_cpu() {
 fn max_and_min_with_indices_match_the_cpu() {
     use headroom_autograd_core::ReduceOp;
     let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Random(0x7777_1234_abcd_0001);
+    let mut random = Xorshift::from_state(0x7777_1234_abcd_0001);
     let (rows, lane) = (57, 33);
     // Whole numbers 0..5: many ties.
     let x: Vec<f64> = (0..rows * lane)
-        .map(|_| random.next(0.0, 5.0).floor())
+        .map(|_| random.next_f64_in(0.0, 5.0).floor())
         .collect();
     // Read transposed: the reduced dim is strided.
     let x_layout = Layout::from_parts(&[rows, lane], &[1, rows], 0);
@@ -1146,7 +1129,7 @@ fn max_and_min_with_indices_match_the_cpu() {
 fn fused_attention_forward_and_backward_match_the_cpu() {
     use headroom_autograd_core::{AttentionBackward, AttentionForward};
     let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Random(0x5eed_a77e_0000_0001);
+    let mut random = Xorshift::from_state(0x5eed_a77e_0000_0001);
     // (batch, heads, queries, keys, head_dim, causal): every threads-per-row variant of the f32
     // kernels and padded head dim of the f16/bf16 tensor-core kernels, a head dim that needs
     // predication (80), sequences that leave partial tiles (ViT's 197, 65, a single query), more
@@ -1269,7 +1252,7 @@ fn tf32_is_an_explicit_opt_in_within_1e_3() {
     // A backend of its own, so the setting does not reach the other tests.
     let cuda = CudaBackend::new(0).unwrap();
     let gpu: BackendRef = cuda.clone();
-    let mut random = Random(0x7f32_7f32_7f32_7f32);
+    let mut random = Xorshift::from_state(0x7f32_7f32_7f32_7f32);
     let (m, k, n) = (96, 512, 80);
     let a = input(&mut random, false, m * k);
     let b = input(&mut random, false, k * n);
@@ -1324,7 +1307,7 @@ struct LinearData {
 }
 
 impl LinearData {
-    fn new(random: &mut Random, (rows, in_f, out_f): (usize, usize, usize)) -> LinearData {
+    fn new(random: &mut Xorshift, (rows, in_f, out_f): (usize, usize, usize)) -> LinearData {
         LinearData {
             dims: (rows, in_f, out_f),
             x: input(random, false, rows * in_f),
@@ -1465,7 +1448,7 @@ fn linear_with_bias_and_gelu_epilogues_matches_the_cpu() {
     let Some((_, cpu)) = backends() else { return };
     // A backend of its own, so its fallback count is this test's.
     let cuda = CudaBackend::new(0).unwrap();
-    let mut random = Random(0x11ea_11ea_11ea_11ea);
+    let mut random = Xorshift::from_state(0x11ea_11ea_11ea_11ea);
     let case = |bias, gelu, weight_transposed| LinearCase {
         bias,
         gelu,
@@ -1514,7 +1497,7 @@ fn the_cublaslt_workspace_is_an_allocation_of_the_caching_allocator() {
     // A fresh backend: its first product creates the BLAS state.
     let cuda = CudaBackend::new(0).unwrap();
     let gpu: BackendRef = cuda.clone();
-    let mut random = Random(0x3a3a_3a3a_3a3a_3a3a);
+    let mut random = Xorshift::from_state(0x3a3a_3a3a_3a3a_3a3a);
     // Every buffer a multiple of the allocator's 512-byte rounding.
     let (rows, in_f, out_f) = (128, 64, 256);
     let data = LinearData::new(&mut random, (rows, in_f, out_f));

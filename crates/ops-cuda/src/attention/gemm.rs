@@ -11,17 +11,23 @@
 //!
 //! cuBLAS sees row-major matrices as their column-major transposes: with `q` `[sq, d]` (rows of
 //! `d`), the score matrix `s = q kᵀ` (`[sq, sk]`) is the column-major `kᵀ·q` product, and so on.
+//!
+//! This path sits on the attention family's `args.rs` and the ground floor (the batched GEMM of
+//! `blas.rs`, the dense copies of `operands.rs`), and imports no other path; the family's entry
+//! point (`mod.rs`) sends here the f16 and bf16 problems the tensor-core kernels do not take.
 
 use cudarc::driver::LaunchConfig;
 use headroom_autograd_core::{
     AttentionBackward, AttentionDims, AttentionForward, DType, Layout, Result, View,
 };
 
-use crate::attention::attn_args;
-use crate::backend::{CudaBackend, Scratch};
-use crate::elementwise::{copy_raw, element_address, launch_config, launch_in, Param, NO_ARGS};
+use super::args::attn_args;
+use crate::blas::GemmOperand;
+use crate::device::CudaBackend;
 use crate::kernels::Module;
-use crate::matmul::{gemm_batched, GemmOperand};
+use crate::launch::{launch_config, launch_in, Param, NO_ARGS};
+use crate::operands::{copy_raw, element_address};
+use crate::scratch::Scratch;
 
 /// Bytes of one chunk's f32 `[queries, keys]` scratch matrix at most.
 const CHUNK_BYTES: usize = 64 << 20;
@@ -95,10 +101,10 @@ unsafe fn row_key_products(
     n: usize,
 ) -> Result<()> {
     let (sq, sk, d) = (dims.queries, dims.keys, dims.head_dim);
+    let state = backend.blas_state()?;
     // SAFETY: forwarded from the caller.
     unsafe {
-        gemm_batched(
-            backend,
+        state.gemm_batched(
             (sk, sq, d),
             1.0,
             operand(keys, dtype, d, sk, true),
@@ -182,8 +188,7 @@ pub(crate) fn forward(
         )?;
         // SAFETY: as above.
         unsafe {
-            gemm_batched(
-                backend,
+            backend.blas_state()?.gemm_batched(
                 (d, sq, sk),
                 1.0,
                 operand(v0, t, d, sk, false),
@@ -287,8 +292,7 @@ pub(crate) fn backward(
         // SAFETY: as above.
         unsafe {
             // dV = Pᵀ dO, dQ = scale · dS k, dK = scale · dSᵀ q.
-            gemm_batched(
-                backend,
+            backend.blas_state()?.gemm_batched(
                 (d, sk, sq),
                 1.0,
                 operand(do0, t, d, sq, false),
@@ -297,8 +301,7 @@ pub(crate) fn backward(
                 operand(dv0, t, d, sk, false),
                 n,
             )?;
-            gemm_batched(
-                backend,
+            backend.blas_state()?.gemm_batched(
                 (d, sq, sk),
                 scale,
                 operand(k0, t, d, sk, false),
@@ -307,8 +310,7 @@ pub(crate) fn backward(
                 operand(dq0, t, d, sq, false),
                 n,
             )?;
-            gemm_batched(
-                backend,
+            backend.blas_state()?.gemm_batched(
                 (d, sk, sq),
                 scale,
                 operand(q0, t, d, sq, false),

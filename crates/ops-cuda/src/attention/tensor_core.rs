@@ -2,23 +2,28 @@
 //! style): forward, and backward as a dQ kernel (which also writes each query's `Δ = dO·O`)
 //! followed by a dK/dV kernel.
 //!
-//! Same operands (`AttnArgs` of `attention.rs`: strided `[batch, heads, rows, head_dim]` views read
-//! in place) and same saved state (one f32 log-sum-exp per query) as the other attention paths.
+//! Same operands (`AttnArgs` of `args.rs`: strided `[batch, heads, rows, head_dim]` views read in
+//! place) and same saved state (one f32 log-sum-exp per query) as the other attention paths.
 //! The kernels move 16-byte chunks, so they take head dims that are multiples of 8 up to 128 with
-//! every operand 8-element aligned ([`fits`]); `attention.rs` sends anything else to the cuBLAS
-//! path of `attention_gemm.rs`. Blocks of 128 threads take 64 rows of one (batch, head) pair; the
-//! head dim is padded to 32, 64, 96 or 128 in shared memory. `Δ` lives in scratch from the
-//! caching allocator for the duration of the backward.
+//! every operand 8-element aligned ([`fits`]); the family's entry point (`mod.rs`) sends anything
+//! else to the cuBLAS path of `gemm.rs`. Blocks of 128 threads take 64 rows of one (batch, head)
+//! pair; the head dim is padded to 32, 64, 96 or 128 in shared memory. `Δ` lives in scratch from
+//! the caching allocator for the duration of the backward.
+//!
+//! This path sits on the attention family's `args.rs` and the ground floor, and imports no other
+//! path.
 
 use cudarc::driver::LaunchConfig;
 use headroom_autograd_core::{
     AttentionBackward, AttentionDims, AttentionForward, DType, Result, TensorError, View,
 };
 
-use crate::attention::{address, attn_args, AttnArgs};
-use crate::backend::{CudaBackend, Scratch};
-use crate::elementwise::{element_address, launch_in, Param};
+use super::args::{address, attn_args, AttnArgs};
+use crate::device::CudaBackend;
 use crate::kernels::{KernelName, Module};
+use crate::launch::{launch_in, Param};
+use crate::operands::element_address;
+use crate::scratch::Scratch;
 
 /// Threads per block (`TC_THREADS` in the kernels).
 const THREADS: u32 = 128;

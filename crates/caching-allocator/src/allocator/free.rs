@@ -1,0 +1,139 @@
+//! Freeing: a block given back by its client, merged with its free neighbours.
+//!
+//! A block that no other stream used returns to its stream's pool at once, merged with free
+//! neighbours of the same mapped state, and the statistics of active and split blocks follow.
+//! A block that other streams used (`record_stream`) records an event on each of them and waits
+//! in the pending queues instead; `stream_events` completes the free once they have all passed.
+//!
+//! It sits on the arena and pools of the parent module and on the storage's events. It must not
+//! know when events complete, nor anything of segments beyond the links of their blocks.
+
+use smallvec::SmallVec;
+
+use super::{Allocation, Block, CachingAllocator, SegmentKind, State, NIL};
+use crate::error::AllocError;
+use crate::free_index::BlockId;
+use crate::snapshot::TraceAction;
+use crate::storage::Storage;
+
+impl<S: Storage> CachingAllocator<S> {
+    /// Frees an allocation. If other streams used it ([`CachingAllocator::record_stream`]), the
+    /// block is reused only once their work recorded so far has completed.
+    pub fn free(&self, allocation: Allocation) -> Result<(), AllocError> {
+        self.free_address(allocation.address)
+    }
+
+    /// Frees the allocation that starts at `address` (for callers that keep raw addresses).
+    pub fn free_address(&self, address: u64) -> Result<(), AllocError> {
+        let mut state = self.state.lock();
+        let id = state
+            .live
+            .remove(&address)
+            .ok_or(AllocError::UnknownAddress { address })?;
+        state.free(id)
+    }
+}
+
+impl<S: Storage> State<S> {
+    fn free(&mut self, id: BlockId) -> Result<(), AllocError> {
+        let b = self.block_mut(id);
+        b.allocated = false;
+        let (pool, size, requested, address, stream) =
+            (b.pool, b.size, b.requested, b.address, b.stream);
+        self.stats.allocation.update(pool, -1);
+        self.stats.allocated_bytes.update(pool, -(size as i64));
+        if self.is_oversize(size) {
+            self.stats.oversize_allocations.update(-1);
+        }
+        self.record(TraceAction::FreeRequested, address, requested, stream);
+
+        let stream_uses = std::mem::take(&mut self.block_mut(id).stream_uses);
+        if stream_uses.is_empty() {
+            self.free_block(id);
+            return Ok(());
+        }
+        for used_stream in stream_uses {
+            let event = self.storage.record_event(used_stream)?;
+            self.block_mut(id).event_count += 1;
+            self.pending
+                .entry(used_stream)
+                .or_default()
+                .push_back((event, id));
+        }
+        Ok(())
+    }
+
+    /// Returns a block whose client and streams are done with it to its pool, merging it with
+    /// free neighbours.
+    pub(super) fn free_block(&mut self, id: BlockId) {
+        let b = self.block(id);
+        let (pool, original_size, requested, address, stream) =
+            (b.pool, b.size, b.requested, b.address, b.stream);
+        self.record(TraceAction::FreeCompleted, address, requested, stream);
+
+        let mut net_blocks = 0i64;
+        let mut net_bytes = 0i64;
+        for neighbour in [self.block(id).prev, self.block(id).next] {
+            let subsumed = self.try_merge(id, neighbour);
+            if subsumed > 0 {
+                net_blocks -= 1;
+                net_bytes -= subsumed as i64;
+            }
+        }
+        self.insert_free(id);
+        let b = self.block(id);
+        if b.segment == SegmentKind::Classic {
+            if b.is_split() {
+                net_blocks += 1;
+                net_bytes += b.size as i64;
+            }
+            self.stats.inactive_split.update(pool, net_blocks);
+            self.stats.inactive_split_bytes.update(pool, net_bytes);
+        }
+        self.stats.active.update(pool, -1);
+        self.stats
+            .active_bytes
+            .update(pool, -(original_size as i64));
+        self.stats.requested_bytes.update(pool, -(requested as i64));
+    }
+
+    /// Merges `source` into `target` if `source` is a free neighbour in the same mapped state;
+    /// returns the bytes taken over. `target` must be out of the free sets.
+    pub(super) fn try_merge(&mut self, target: BlockId, source: BlockId) -> u64 {
+        if source == NIL {
+            return 0;
+        }
+        let src = self.block(source);
+        if !src.is_available() || src.mapped != self.block(target).mapped {
+            return 0;
+        }
+        if src.mapped {
+            self.remove_free(source);
+        } else {
+            self.remove_unmapped(source);
+        }
+        let src = self.block(source);
+        let src = Block {
+            frames: None,
+            stream_uses: SmallVec::new(),
+            ..*src
+        };
+        if self.block(target).prev == source {
+            let t = self.block_mut(target);
+            t.address = src.address;
+            t.prev = src.prev;
+            if src.prev != NIL {
+                self.block_mut(src.prev).next = target;
+            }
+        } else {
+            let t = self.block_mut(target);
+            t.next = src.next;
+            if src.next != NIL {
+                self.block_mut(src.next).prev = target;
+            }
+        }
+        self.block_mut(target).size += src.size;
+        self.drop_block(source);
+        src.size
+    }
+}

@@ -1,0 +1,271 @@
+//! Allocation: PyTorch's `malloc`, from a request to the block handed out.
+//!
+//! A request is rounded (`AllocatorConfig::round_size`), routed to the small or the large pool,
+//! and served best fit from the stream's free blocks. A miss climbs the out-of-memory ladder:
+//! garbage collection, a new segment (or pages of an expandable segment), freeing cached
+//! oversize blocks, and freeing the whole cache before searching the pool again; only then is
+//! the request an [`AllocError::OutOfMemory`], with the figures of the failure. A block that is
+//! found is split by PyTorch's rules, and the statistics count the allocation.
+//!
+//! It sits on the arena and pools of the parent module and calls the steps of `stream_events`
+//! (completing pending frees), `release` (the ladder's release steps) and `expandable` (mapping
+//! pages). It must not know how those steps free or map memory, nor how a storage obtains it.
+
+use smallvec::SmallVec;
+
+use super::{round_up, Allocation, Block, CachingAllocator, SegmentKind, State, NIL, SMALL_BUFFER};
+use crate::error::{AllocError, OutOfMemoryReport};
+use crate::free_index::BlockId;
+use crate::snapshot::TraceAction;
+use crate::stats::PoolKind;
+use crate::storage::{Storage, StorageError, StreamId};
+
+/// Requests up to this size go to the small pool.
+const SMALL_SIZE: u64 = 1 << 20;
+/// Requests below this size (and above [`SMALL_SIZE`]) get a whole large-buffer segment.
+const MIN_LARGE_ALLOC: u64 = 10 << 20;
+/// Large requests are rounded up to this for their segment.
+const ROUND_LARGE: u64 = 2 << 20;
+/// Requests this large fail at once, as in PyTorch.
+const ONE_EXABYTE: u64 = 1 << 60;
+
+impl<S: Storage> CachingAllocator<S> {
+    /// Allocates `size` bytes for use on `stream`. A request of 0 bytes gets a 512-byte block.
+    ///
+    /// On failure the cache is freed and the allocation retried; only then is
+    /// [`AllocError::OutOfMemory`] returned, with the figures of the failure.
+    pub fn allocate(&self, size: u64, stream: StreamId) -> Result<Allocation, AllocError> {
+        let mut state = self.state.lock();
+        let id = state.malloc(size, stream)?;
+        let block = &state.blocks[id as usize];
+        Ok(Allocation {
+            address: block.address,
+            size: block.size,
+            requested: size,
+            stream,
+        })
+    }
+}
+
+impl<S: Storage> State<S> {
+    fn round_size(&self, size: u64) -> u64 {
+        self.config.round_size(size)
+    }
+
+    fn allocation_size(&self, size: u64) -> u64 {
+        if size <= SMALL_SIZE {
+            SMALL_BUFFER
+        } else if size < MIN_LARGE_ALLOC {
+            self.config.large_segment_size
+        } else {
+            round_up(size, ROUND_LARGE)
+        }
+    }
+
+    fn malloc(&mut self, requested: u64, stream: StreamId) -> Result<BlockId, AllocError> {
+        if requested >= ONE_EXABYTE {
+            return Err(self.out_of_memory(requested, requested));
+        }
+        self.process_events()?;
+        let size = self.round_size(requested);
+        let pool = if size <= SMALL_SIZE {
+            PoolKind::Small
+        } else {
+            PoolKind::Large
+        };
+        let alloc_size = self.allocation_size(size);
+
+        let mut found = self.get_free_block(pool, stream, size);
+        if found.is_none() {
+            self.garbage_collect()?;
+            found = self.alloc_block(pool, stream, size, alloc_size)?;
+        }
+        if found.is_none()
+            && self.config.max_split_size.is_some()
+            && self.release_available_cached_blocks(pool, stream, size)?
+        {
+            found = self.alloc_block(pool, stream, size, alloc_size)?;
+        }
+        if found.is_none() {
+            self.release_cached_blocks()?;
+            self.stats.num_alloc_retries += 1;
+            // Completing pending frees may have put a fitting block back in the pool: look
+            // there before asking the storage again (PyTorch does not; issue 189504).
+            found = self.get_free_block(pool, stream, size);
+            if found.is_none() {
+                found = self.alloc_block(pool, stream, size, alloc_size)?;
+            }
+        }
+        match found {
+            Some(id) => Ok(self.alloc_found_block(id, requested, size, stream)),
+            None => Err(self.out_of_memory(requested, alloc_size)),
+        }
+    }
+
+    fn get_free_block(&mut self, pool: PoolKind, stream: StreamId, size: u64) -> Option<BlockId> {
+        let max_split = self.config.max_split_size;
+        let non_split_rounding = self.config.max_non_split_rounding;
+        let pool = self.pool_mut(pool);
+        pool.n_searches += 1;
+        let stream_pool = pool.streams.get_mut(&stream)?;
+        let (found_size, address, id) = stream_pool.free.first_at_least(size)?;
+        if let Some(max_split) = max_split {
+            // Do not hand an oversize block to a small request, nor a much larger oversize
+            // block to an oversize request.
+            if size < max_split && found_size >= max_split {
+                return None;
+            }
+            if size >= max_split && found_size >= size + non_split_rounding {
+                return None;
+            }
+        }
+        stream_pool.free.remove(found_size, address);
+        Some(id)
+    }
+
+    fn should_split(&self, id: BlockId, size: u64) -> bool {
+        let block = self.block(id);
+        let remaining = block.size - size;
+        if block.pool == PoolKind::Small || block.segment != SegmentKind::Classic {
+            remaining >= 512
+        } else {
+            !self.is_oversize(size) && remaining > SMALL_SIZE
+        }
+    }
+
+    /// Obtains new memory for a request: a segment, or pages of an expandable segment. `None`
+    /// when the storage is out of memory (or the memory fraction is exhausted).
+    fn alloc_block(
+        &mut self,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+        alloc_size: u64,
+    ) -> Result<Option<BlockId>, AllocError> {
+        if self.expandable {
+            return self.try_allocate_expandable(pool, stream, size);
+        }
+        if let Some(allowed) = self.allowed_memory() {
+            if self.stats.reserved_bytes.all.current as u64 + alloc_size > allowed {
+                return Ok(None);
+            }
+        }
+        let address = match self.storage.allocate_segment(alloc_size) {
+            Ok(address) => address,
+            Err(StorageError::OutOfMemory { .. }) => return Ok(None),
+            Err(error) => return Err(error.into()),
+        };
+        let id = self.new_block(Block {
+            address,
+            size: alloc_size,
+            requested: 0,
+            stream,
+            pool,
+            segment: SegmentKind::Classic,
+            prev: NIL,
+            next: NIL,
+            allocated: false,
+            mapped: true,
+            event_count: 0,
+            stream_uses: SmallVec::new(),
+            gc_base: 0,
+            frames: None,
+        });
+        self.stats.segment.update(pool, 1);
+        self.stats.reserved_bytes.update(pool, alloc_size as i64);
+        self.stats.num_device_alloc += 1;
+        if self.is_oversize(alloc_size) {
+            self.stats.oversize_segments.update(1);
+        }
+        self.record(TraceAction::SegmentAlloc, address, alloc_size, stream);
+        Ok(Some(id))
+    }
+
+    fn alloc_found_block(
+        &mut self,
+        id: BlockId,
+        requested: u64,
+        size: u64,
+        stream: StreamId,
+    ) -> BlockId {
+        let already_split = self.block(id).is_split();
+        let classic = self.block(id).segment == SegmentKind::Classic;
+        let pool = self.block(id).pool;
+        if self.should_split(id, size) {
+            let block = self.block(id);
+            let next = block.next;
+            let rest = block.piece(block.address + size, block.size - size, id, next);
+            let remaining = self.new_block(rest);
+            if next != NIL {
+                self.block_mut(next).prev = remaining;
+            }
+            let b = self.block_mut(id);
+            b.next = remaining;
+            b.size = size;
+            self.insert_free(remaining);
+            if classic {
+                if already_split {
+                    self.stats.inactive_split_bytes.update(pool, -(size as i64));
+                } else {
+                    let remaining_size = self.block(remaining).size as i64;
+                    self.stats.inactive_split.update(pool, 1);
+                    self.stats.inactive_split_bytes.update(pool, remaining_size);
+                }
+            }
+        } else if already_split && classic {
+            let block_size = self.block(id).size as i64;
+            self.stats.inactive_split.update(pool, -1);
+            self.stats.inactive_split_bytes.update(pool, -block_size);
+        }
+
+        let frames = self.history.is_recording().then(|| self.context.frames());
+        let b = self.block_mut(id);
+        b.allocated = true;
+        b.requested = requested;
+        b.frames = frames;
+        let (address, block_size) = (b.address, b.size);
+        self.live.insert(address, id);
+
+        self.stats.allocation.update(pool, 1);
+        self.stats.allocated_bytes.update(pool, block_size as i64);
+        self.stats.active.update(pool, 1);
+        self.stats.active_bytes.update(pool, block_size as i64);
+        self.stats.requested_bytes.update(pool, requested as i64);
+        if self.is_oversize(block_size) {
+            self.stats.oversize_allocations.update(1);
+        }
+        self.record(TraceAction::Alloc, address, requested, stream);
+        id
+    }
+
+    fn out_of_memory(&mut self, requested: u64, attempted: u64) -> AllocError {
+        let info = self.storage.memory_info();
+        let allocated = self.stats.allocated_bytes.all.current as u64;
+        let reserved = self.stats.reserved_bytes.all.current as u64;
+        let reserved_unallocated = reserved.saturating_sub(allocated);
+        let largest_free_block = self
+            .pools
+            .iter()
+            .flat_map(|pool| pool.streams.values())
+            .filter_map(|stream_pool| stream_pool.free.last().map(|(size, _, _)| size))
+            .max()
+            .unwrap_or(0);
+        self.stats.num_ooms += 1;
+        let stream = StreamId::DEFAULT;
+        self.record(TraceAction::Oom, info.free, attempted, stream);
+        AllocError::OutOfMemory(Box::new(OutOfMemoryReport {
+            requested,
+            attempted,
+            capacity: info.total,
+            free: info.free,
+            allowed: self.allowed_memory(),
+            allocated,
+            reserved_unallocated,
+            largest_free_block,
+            suggest_expandable_segments: !self.expandable
+                && self.storage.supports_expandable_segments()
+                && reserved_unallocated >= requested,
+            storage: self.storage.name(),
+        }))
+    }
+}

@@ -1,0 +1,402 @@
+//! The caching policy: PyTorch's caching allocator over any [`Storage`].
+//!
+//! Requests are rounded to 512 bytes (or to power-of-two divisions), routed to the small pool
+//! (≤ 1 MiB) or the large pool, and served best-fit by (stream, size, address) from freed blocks.
+//! A miss obtains a new segment from the storage — 2 MiB for small requests, 20 MiB for requests
+//! under 10 MiB, the request rounded to 2 MiB otherwise — or, with expandable segments, maps just
+//! enough pages at the end of the stream's one growing segment. Blocks are split by PyTorch's
+//! rules, merged with free neighbours on free, and a block used by other streams
+//! (`record_stream`) is only reused after events recorded on those streams complete.
+//!
+//! The out-of-memory ladder is PyTorch's, with one fix: after pending frees are completed the pool
+//! is searched again, so an allocation never fails while a fitting block sits in the cache
+//! (pytorch/pytorch issue 189504).
+//!
+//! Everything lives in one [`parking_lot::Mutex`]: blocks in an arena indexed by [`BlockId`],
+//! free blocks in ordered sets per pool. This module holds the public types, the state behind
+//! the lock, the arena and its pools, and what every step shares (history records, the memory
+//! fraction, the oversize test). The steps are its submodules, one concept each: `malloc`
+//! (rounding, the search, new segments, splitting, the out-of-memory ladder), `free` (freeing
+//! and merging), `stream_events` (`record_stream` and the frees that wait for events),
+//! `release` (`empty_cache`, the ladder's release steps, garbage collection), `expandable`
+//! (mapping and unmapping the pages of expandable segments) and `introspection` (statistics,
+//! summaries, snapshots, history settings and the invariant check). A submodule uses the types
+//! here and calls only the steps its own header names; no two submodules call each other. This
+//! module knows nothing about tensors and nothing about how a storage obtains memory.
+
+mod expandable;
+mod free;
+mod introspection;
+mod malloc;
+mod release;
+mod stream_events;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use smallvec::SmallVec;
+
+use crate::config::AllocatorConfig;
+use crate::free_index::{BlockId, FreeIndex};
+use crate::history::{ContextStack, History};
+use crate::snapshot::{BlockState, Frames, TraceAction, TraceEntry};
+use crate::stats::{MemoryStats, PoolKind};
+use crate::storage::{EventId, Storage, StreamId};
+
+/// Segment size of the small pool, and page size of its expandable segments.
+const SMALL_BUFFER: u64 = 2 << 20;
+
+/// "No block" in the prev/next links.
+const NIL: BlockId = u32::MAX;
+
+/// A live allocation: the block handed out by [`CachingAllocator::allocate`]. Give it back with
+/// [`CachingAllocator::free`]; it is not `Clone`, so it cannot be freed twice.
+#[derive(Debug, PartialEq, Eq, Hash)]
+#[must_use = "an allocation that is dropped without `free` stays allocated"]
+pub struct Allocation {
+    address: u64,
+    size: u64,
+    requested: u64,
+    stream: StreamId,
+}
+
+impl Allocation {
+    /// Start address (device pointer, host pointer or simulated address).
+    pub fn address(&self) -> u64 {
+        self.address
+    }
+
+    /// Bytes reserved for it: the request rounded up, or a whole block that was not split.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Bytes the caller asked for.
+    pub fn requested(&self) -> u64 {
+        self.requested
+    }
+
+    /// The stream it was allocated on.
+    pub fn stream(&self) -> StreamId {
+        self.stream
+    }
+}
+
+/// The caching allocator: PyTorch's policy over a [`Storage`]. `Send + Sync` when the storage is
+/// `Send`; every call takes one lock.
+#[derive(Debug)]
+pub struct CachingAllocator<S: Storage> {
+    state: Mutex<State<S>>,
+    config: AllocatorConfig,
+}
+
+/// Pops the context label pushed by [`CachingAllocator::push_context`] when dropped.
+#[derive(Debug)]
+#[must_use = "the label is popped as soon as the guard is dropped"]
+pub struct ContextGuard<'a, S: Storage> {
+    allocator: &'a CachingAllocator<S>,
+}
+
+impl<S: Storage> Drop for ContextGuard<'_, S> {
+    fn drop(&mut self) {
+        self.allocator.state.lock().context.pop();
+    }
+}
+
+impl<S: Storage> CachingAllocator<S> {
+    /// An allocator over `storage`. Expandable segments are used when `config` asks for them and
+    /// the storage can map pages.
+    pub fn new(storage: S, config: AllocatorConfig) -> Self {
+        let expandable = config.expandable_segments && storage.supports_expandable_segments();
+        let stats = MemoryStats {
+            max_split_size: config.max_split_size.map_or(-1, |size| size as i64),
+            ..MemoryStats::default()
+        };
+        let state = State {
+            storage,
+            config: config.clone(),
+            expandable,
+            blocks: Vec::new(),
+            free_slots: Vec::new(),
+            pools: [Pool::default(), Pool::default()],
+            live: FxHashMap::default(),
+            pending: BTreeMap::new(),
+            expandable_segments: Vec::new(),
+            stats,
+            history: History::default(),
+            context: ContextStack::default(),
+        };
+        CachingAllocator {
+            state: Mutex::new(state),
+            config,
+        }
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &AllocatorConfig {
+        &self.config
+    }
+
+    /// Whether this allocator grows expandable segments (asked for, and the storage can map).
+    pub fn uses_expandable_segments(&self) -> bool {
+        self.state.lock().expandable
+    }
+
+    /// Runs `f` on the storage, under the allocator's lock.
+    pub fn with_storage<R>(&self, f: impl FnOnce(&mut S) -> R) -> R {
+        f(&mut self.state.lock().storage)
+    }
+}
+
+/// Whether a block is part of a classic segment or of an expandable one (by index).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SegmentKind {
+    Classic,
+    Expandable(u32),
+}
+
+#[derive(Debug, Clone)]
+struct Block {
+    address: u64,
+    size: u64,
+    requested: u64,
+    stream: StreamId,
+    pool: PoolKind,
+    segment: SegmentKind,
+    prev: BlockId,
+    next: BlockId,
+    allocated: bool,
+    mapped: bool,
+    event_count: u32,
+    stream_uses: SmallVec<[StreamId; 2]>,
+    gc_base: u64,
+    frames: Option<Frames>,
+}
+
+impl Block {
+    /// A free, unused block of the same segment, stream and mapping at `[address, address + size)`.
+    fn piece(&self, address: u64, size: u64, prev: BlockId, next: BlockId) -> Block {
+        Block {
+            address,
+            size,
+            requested: 0,
+            stream: self.stream,
+            pool: self.pool,
+            segment: self.segment,
+            prev,
+            next,
+            allocated: false,
+            mapped: self.mapped,
+            event_count: 0,
+            stream_uses: SmallVec::new(),
+            gc_base: self.gc_base,
+            frames: None,
+        }
+    }
+
+    fn is_split(&self) -> bool {
+        self.prev != NIL || self.next != NIL
+    }
+
+    fn end(&self) -> u64 {
+        self.address + self.size
+    }
+
+    /// Free for reuse or merging: not allocated, no pending events, no other stream using it.
+    fn is_available(&self) -> bool {
+        !self.allocated && self.event_count == 0 && self.stream_uses.is_empty()
+    }
+
+    fn state(&self) -> BlockState {
+        if self.allocated {
+            BlockState::ActiveAllocated
+        } else if self.event_count > 0 {
+            BlockState::ActivePendingFree
+        } else {
+            BlockState::Inactive
+        }
+    }
+}
+
+/// The cached blocks of one pool (small or large) for one stream.
+#[derive(Debug, Default)]
+struct StreamPool {
+    /// Free mapped blocks by (size, address): with the stream chosen by the map that holds
+    /// this pool, PyTorch's (stream, size, address) order.
+    free: FreeIndex,
+    /// Unmapped blocks of expandable segments by address.
+    unmapped: BTreeMap<u64, BlockId>,
+}
+
+#[derive(Debug, Default)]
+struct Pool {
+    streams: FxHashMap<StreamId, StreamPool>,
+    /// Searches so far; a free block's age is this minus its `gc_base`.
+    n_searches: u64,
+}
+
+impl Pool {
+    fn stream(&mut self, stream: StreamId) -> &mut StreamPool {
+        self.streams.entry(stream).or_default()
+    }
+
+    fn free_blocks(&self) -> impl Iterator<Item = (u64, BlockId)> + '_ {
+        self.streams
+            .values()
+            .flat_map(|pool| pool.free.iter().map(|(size, _, id)| (size, id)))
+    }
+}
+
+#[derive(Debug)]
+struct ExpandableSegment {
+    base: u64,
+    reserved: u64,
+    page: u64,
+    stream: StreamId,
+    pool: PoolKind,
+    mapped: u64,
+}
+
+#[derive(Debug)]
+struct State<S> {
+    storage: S,
+    config: AllocatorConfig,
+    expandable: bool,
+    blocks: Vec<Block>,
+    free_slots: Vec<BlockId>,
+    pools: [Pool; 2],
+    live: FxHashMap<u64, BlockId>,
+    pending: BTreeMap<StreamId, VecDeque<(EventId, BlockId)>>,
+    expandable_segments: Vec<Option<ExpandableSegment>>,
+    stats: MemoryStats,
+    history: History,
+    context: ContextStack,
+}
+
+fn pool_index(pool: PoolKind) -> usize {
+    match pool {
+        PoolKind::Small => 0,
+        PoolKind::Large => 1,
+    }
+}
+
+fn round_up(value: u64, multiple: u64) -> u64 {
+    value.div_ceil(multiple) * multiple
+}
+
+fn now_us() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
+}
+
+impl<S: Storage> State<S> {
+    // ----- arena -----
+
+    fn new_block(&mut self, block: Block) -> BlockId {
+        if let Some(id) = self.free_slots.pop() {
+            self.blocks[id as usize] = block;
+            id
+        } else {
+            self.blocks.push(block);
+            (self.blocks.len() - 1) as BlockId
+        }
+    }
+
+    fn drop_block(&mut self, id: BlockId) {
+        let block = &mut self.blocks[id as usize];
+        block.prev = NIL;
+        block.next = NIL;
+        block.size = 0;
+        block.frames = None;
+        self.free_slots.push(id);
+    }
+
+    fn block(&self, id: BlockId) -> &Block {
+        &self.blocks[id as usize]
+    }
+
+    fn block_mut(&mut self, id: BlockId) -> &mut Block {
+        &mut self.blocks[id as usize]
+    }
+
+    fn pool_mut(&mut self, pool: PoolKind) -> &mut Pool {
+        &mut self.pools[pool_index(pool)]
+    }
+
+    fn insert_free(&mut self, id: BlockId) {
+        let b = self.block(id);
+        let (size, address, pool, stream) = (b.size, b.address, b.pool, b.stream);
+        let pool = self.pool_mut(pool);
+        let n_searches = pool.n_searches;
+        pool.stream(stream).free.insert(size, address, id);
+        self.block_mut(id).gc_base = n_searches;
+    }
+
+    fn remove_free(&mut self, id: BlockId) {
+        let b = self.block(id);
+        let (size, address, pool, stream) = (b.size, b.address, b.pool, b.stream);
+        self.pool_mut(pool)
+            .stream(stream)
+            .free
+            .remove(size, address);
+    }
+
+    fn insert_unmapped(&mut self, id: BlockId) {
+        let b = self.block(id);
+        let (address, pool, stream) = (b.address, b.pool, b.stream);
+        self.pool_mut(pool)
+            .stream(stream)
+            .unmapped
+            .insert(address, id);
+    }
+
+    fn remove_unmapped(&mut self, id: BlockId) {
+        let b = self.block(id);
+        let (address, pool, stream) = (b.address, b.pool, b.stream);
+        self.pool_mut(pool).stream(stream).unmapped.remove(&address);
+    }
+
+    // ----- history -----
+
+    fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
+        if !self.history.is_recording() {
+            return;
+        }
+        let with_context = self.history.options.is_some_and(|o| o.record_context);
+        let frames = if with_context {
+            self.context.frames()
+        } else {
+            self.context.no_frames()
+        };
+        self.history.push(TraceEntry {
+            action,
+            addr,
+            size,
+            stream: stream.0,
+            time_us: now_us(),
+            frames,
+        });
+    }
+
+    // ----- sizes -----
+
+    fn is_oversize(&self, size: u64) -> bool {
+        self.config.max_split_size.is_some_and(|max| size >= max)
+    }
+
+    fn allowed_memory(&self) -> Option<u64> {
+        let fraction = self.config.per_process_memory_fraction?;
+        Some((self.storage.memory_info().total as f64 * fraction) as u64)
+    }
+
+    // ----- expandable segments -----
+
+    fn expandable_segment(&self, index: u32) -> &ExpandableSegment {
+        self.expandable_segments[index as usize]
+            .as_ref()
+            .expect("live expandable segment")
+    }
+}

@@ -1,0 +1,162 @@
+//! Releasing cached memory: `empty_cache`, the release steps of the out-of-memory ladder, and
+//! garbage collection.
+//!
+//! `empty_cache` (and the last step of the ladder) waits for every pending free, frees each
+//! classic segment with no live block and unmaps the free pages of expandable segments. With
+//! `max_split_size` set, the ladder first frees cached oversize blocks of the stream until the
+//! request is covered. Garbage collection frees the oldest cached large blocks once reserved
+//! memory passes its threshold of the allowed memory, as PyTorch does.
+//!
+//! It sits on the parent module's state, on `stream_events` (waiting for pending frees) and on
+//! `expandable` (unmapping pages, giving back address space). It must not know how blocks are
+//! found or split for a request.
+
+use super::{pool_index, CachingAllocator, SegmentKind, State};
+use crate::error::AllocError;
+use crate::free_index::BlockId;
+use crate::snapshot::TraceAction;
+use crate::stats::PoolKind;
+use crate::storage::{Storage, StreamId};
+
+impl<S: Storage> CachingAllocator<S> {
+    /// Returns all unused cached memory to the storage (`torch.cuda.empty_cache`): waits for
+    /// pending frees, frees every segment with no live block and unmaps every free page of
+    /// expandable segments.
+    pub fn empty_cache(&self) -> Result<(), AllocError> {
+        self.state.lock().release_cached_blocks()
+    }
+}
+
+impl<S: Storage> State<S> {
+    pub(super) fn release_cached_blocks(&mut self) -> Result<(), AllocError> {
+        self.synchronize_and_free_events()?;
+        for pool in [PoolKind::Large, PoolKind::Small] {
+            self.release_pool(pool)?;
+        }
+        Ok(())
+    }
+
+    fn release_pool(&mut self, pool: PoolKind) -> Result<(), AllocError> {
+        let free: Vec<BlockId> = self.pools[pool_index(pool)]
+            .free_blocks()
+            .map(|(_, id)| id)
+            .collect();
+        let mut synchronized = false;
+        for id in free {
+            match self.block(id).segment {
+                SegmentKind::Classic => {
+                    if !self.block(id).is_split() {
+                        self.release_block(id)?;
+                    }
+                }
+                SegmentKind::Expandable(segment) => {
+                    if !synchronized {
+                        // Unmapping does not wait for queued work that may still use the pages.
+                        self.storage.synchronize_device()?;
+                        synchronized = true;
+                    }
+                    self.unmap_block(id, segment)?;
+                }
+            }
+        }
+        self.release_empty_expandable_segments()
+    }
+
+    fn release_block(&mut self, id: BlockId) -> Result<(), AllocError> {
+        let b = self.block(id);
+        let (address, size, pool, stream) = (b.address, b.size, b.pool, b.stream);
+        self.storage.free_segment(address, size)?;
+        self.remove_free(id);
+        self.stats.segment.update(pool, -1);
+        self.stats.reserved_bytes.update(pool, -(size as i64));
+        self.stats.num_device_free += 1;
+        if self.is_oversize(size) {
+            self.stats.oversize_segments.update(-1);
+        }
+        self.record(TraceAction::SegmentFree, address, size, stream);
+        self.drop_block(id);
+        Ok(())
+    }
+
+    /// Frees cached oversize blocks of this stream until `size` bytes are released (PyTorch's
+    /// `release_available_cached_blocks`, used when `max_split_size` is set).
+    pub(super) fn release_available_cached_blocks(
+        &mut self,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+    ) -> Result<bool, AllocError> {
+        let Some(max_split) = self.config.max_split_size else {
+            return Ok(false);
+        };
+        let key_size = size.max(max_split);
+        let Some(stream_pool) = self.pools[pool_index(pool)].streams.get(&stream) else {
+            return Ok(false);
+        };
+        let candidates: Vec<(u64, BlockId)> = stream_pool
+            .free
+            .iter()
+            .map(|(block_size, _, id)| (block_size, id))
+            .filter(|&(block_size, id)| block_size >= max_split && !self.block(id).is_split())
+            .collect();
+        if let Some(&(_, id)) = candidates
+            .iter()
+            .find(|&&(block_size, _)| block_size >= key_size)
+        {
+            self.release_block(id)?;
+            return Ok(true);
+        }
+        // Free the largest ones until their total covers the request.
+        let mut released = 0;
+        for &(block_size, id) in candidates.iter().rev() {
+            if released >= key_size {
+                break;
+            }
+            self.release_block(id)?;
+            released += block_size;
+        }
+        Ok(released >= key_size)
+    }
+
+    fn gc_threshold(&self) -> Option<(f64, u64)> {
+        let threshold = self.config.garbage_collection_threshold?;
+        Some((threshold, self.allowed_memory()?))
+    }
+
+    /// Frees old cached large blocks once reserved memory passes the GC threshold.
+    pub(super) fn garbage_collect(&mut self) -> Result<(), AllocError> {
+        let Some((threshold, allowed)) = self.gc_threshold() else {
+            return Ok(());
+        };
+        let gc_limit = (threshold * allowed as f64) as u64;
+        let reserved = self.stats.reserved_bytes.all.current as u64;
+        if reserved <= gc_limit {
+            return Ok(());
+        }
+        let target = reserved - gc_limit;
+        let n_searches = self.pools[pool_index(PoolKind::Large)].n_searches;
+        let mut freeable: Vec<(u64, BlockId)> = self.pools[pool_index(PoolKind::Large)]
+            .free_blocks()
+            .map(|(_, id)| id)
+            .filter(|&id| {
+                let b = self.block(id);
+                !b.is_split() && b.segment == SegmentKind::Classic
+            })
+            .map(|id| (n_searches - self.block(id).gc_base, id))
+            .collect();
+        let mut reclaimed = 0;
+        while reclaimed < target && !freeable.is_empty() {
+            let mean_age =
+                freeable.iter().map(|&(age, _)| age as f64).sum::<f64>() / freeable.len() as f64;
+            let (old, young): (Vec<_>, Vec<_>) = freeable
+                .into_iter()
+                .partition(|&(age, _)| age as f64 >= mean_age);
+            for (_, id) in old {
+                reclaimed += self.block(id).size;
+                self.release_block(id)?;
+            }
+            freeable = young;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,224 @@
+//! Allocator settings: PyTorch's `PYTORCH_CUDA_ALLOC_CONF` options, from a string or a builder.
+//!
+//! [`AllocatorConfig::parse`] reads the syntax of `PYTORCH_CUDA_ALLOC_CONF`
+//! (`key:value,key:value`, with `roundup_power2_divisions` also as a list like
+//! `[256:1,512:2,1024:4,>:8]`), [`AllocatorConfig::from_env`] reads `HEADROOM_ALLOC_CONF`, and
+//! [`AllocatorConfigBuilder`] sets the same fields from code. Both go through one validation, so a
+//! config that exists is a valid one. [`AllocatorConfig::round_size`] is PyTorch's request
+//! rounding, and [`AllocatorConfig::allocator_settings`] the `allocator_settings` dict of a
+//! snapshot. The policy reads a finished config; this module knows nothing about blocks or
+//! storages.
+//!
+//! This module holds the config type, its defaults, the one validation and the snapshot's
+//! settings dict. Its submodules add to the same type, one concept each: `alloc_conf` (the
+//! string syntax, read and written back, and the environment variable), `builder` (the
+//! builder) and `rounding` (`round_size`). They use the type and the validation here; the
+//! builder also writes `raw` with `alloc_conf`'s `to_conf_string`, and no other call crosses
+//! between them.
+//!
+//! One default differs from PyTorch's: `expandable_segments` is on. PyTorch keeps it off for
+//! CUDA IPC, which this kit does not use, and it removes most fragmentation. A storage that cannot
+//! map pages ([`crate::HostStorage`]) runs the classic policy whatever this says.
+//!
+//! We are stricter than PyTorch where PyTorch silently fixes a value: `max_split_size_mb` and
+//! `max_non_split_rounding_mb` below 20 are errors (PyTorch raises them to 20), numbers must be
+//! plain decimal integers (PyTorch's `stoi` reads `20.5` as 20), and `backend:cudaMallocAsync` is
+//! refused because there is no such backend here.
+
+mod alloc_conf;
+mod builder;
+mod rounding;
+#[cfg(test)]
+mod tests;
+
+use crate::error::AllocError;
+use crate::snapshot::Value;
+
+pub use builder::AllocatorConfigBuilder;
+
+/// Name of the environment variable read by [`AllocatorConfig::from_env`].
+pub const ALLOC_CONF_ENV: &str = "HEADROOM_ALLOC_CONF";
+
+/// Number of power-of-two intervals `roundup_power2_divisions` can set (1 MiB ... 64 GiB).
+pub const ROUNDUP_INTERVALS: usize = 16;
+
+/// The allocator's settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AllocatorConfig {
+    /// Blocks at least this large are never split, and requests below it never take them
+    /// (`max_split_size_mb`, at least 20 MiB when set). `None`: unlimited.
+    pub max_split_size: Option<u64>,
+    /// How far past the request an oversize block may be and still be handed out whole
+    /// (`max_non_split_rounding_mb`, default 20 MiB).
+    pub max_non_split_rounding: u64,
+    /// Divisions per power-of-two interval, index 0 for sizes below 2 MiB, 1 for [2, 4) MiB, ...;
+    /// 0 or 1 means plain 512-byte rounding (`roundup_power2_divisions`).
+    pub roundup_power2_divisions: [u64; ROUNDUP_INTERVALS],
+    /// Free old cached blocks once reserved memory exceeds this fraction of the allowed memory
+    /// (`garbage_collection_threshold`, 0 < x < 1; needs `per_process_memory_fraction`).
+    pub garbage_collection_threshold: Option<f64>,
+    /// The fraction of device memory this allocator may reserve (`per_process_memory_fraction`).
+    pub per_process_memory_fraction: Option<f64>,
+    /// Grow segments by mapping pages instead of allocating new segments (`expandable_segments`).
+    pub expandable_segments: bool,
+    /// Size of the segment for requests between 1 MiB and 10 MiB, and the page size of the
+    /// large pool's expandable segments (`large_segment_size_mb`, default 20 MiB; a multiple of
+    /// 2 MiB and at least 10 MiB, so one segment holds any request it is used for).
+    pub large_segment_size: u64,
+    /// The string this config was parsed from, as snapshots report it.
+    pub raw: String,
+}
+
+impl Default for AllocatorConfig {
+    fn default() -> Self {
+        AllocatorConfig {
+            max_split_size: None,
+            max_non_split_rounding: 20 << 20,
+            roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
+            garbage_collection_threshold: None,
+            per_process_memory_fraction: None,
+            expandable_segments: true,
+            large_segment_size: 20 << 20,
+            raw: String::new(),
+        }
+    }
+}
+
+impl AllocatorConfig {
+    /// PyTorch's defaults exactly: classic segments, everything else as in [`Default`].
+    pub fn pytorch_defaults() -> Self {
+        AllocatorConfig {
+            expandable_segments: false,
+            ..AllocatorConfig::default()
+        }
+    }
+
+    /// The `allocator_settings` dict of a PyTorch snapshot, in PyTorch's key order.
+    ///
+    /// `max_split_size` is in bytes, or −1 when unlimited (PyTorch stores `SIZE_MAX` and casts
+    /// it to a signed 64-bit integer, which gives −1). `garbage_collection_threshold` is 0.0 when
+    /// off. The three pinned-memory and locking settings have PyTorch's default values, since
+    /// they mean nothing here. `roundup_power2_divisions` maps each interval's lower bound in MiB
+    /// ("1", "2", "4", ... "32768") to its divisions.
+    pub fn allocator_settings(&self) -> Vec<(String, Value)> {
+        let max_split_size = match self.max_split_size {
+            Some(bytes) => i64::try_from(bytes).unwrap_or(i64::MAX),
+            None => -1,
+        };
+        let roundup = self
+            .roundup_power2_divisions
+            .iter()
+            .enumerate()
+            .map(|(interval_idx, &d)| {
+                let lower_bound_mib = 1u64 << interval_idx;
+                let divisions = i64::try_from(d).unwrap_or(i64::MAX);
+                (
+                    Value::Str(lower_bound_mib.to_string()),
+                    Value::Int(divisions),
+                )
+            })
+            .collect();
+        vec![
+            (
+                "PYTORCH_CUDA_ALLOC_CONF".to_owned(),
+                Value::Str(self.raw.clone()),
+            ),
+            ("max_split_size".to_owned(), Value::Int(max_split_size)),
+            (
+                "garbage_collection_threshold".to_owned(),
+                Value::Float(self.garbage_collection_threshold.unwrap_or(0.0)),
+            ),
+            (
+                "expandable_segments".to_owned(),
+                Value::Bool(self.expandable_segments),
+            ),
+            ("pinned_num_register_threads".to_owned(), Value::Int(1)),
+            ("release_lock_on_cudamalloc".to_owned(), Value::Bool(false)),
+            (
+                "pinned_use_cuda_host_register".to_owned(),
+                Value::Bool(false),
+            ),
+            ("roundup_power2_divisions".to_owned(), Value::Dict(roundup)),
+        ]
+    }
+
+    /// The one validation behind [`AllocatorConfig::parse`] and [`AllocatorConfigBuilder::build`].
+    fn validate(&self) -> Result<(), AllocError> {
+        if let Some(max_split_size) = self.max_split_size {
+            if max_split_size < MIN_SPLIT_ROUNDING {
+                let reason = format!("must be at least 20 MiB, got {}", describe(max_split_size));
+                return Err(invalid("max_split_size_mb", reason));
+            }
+            if max_split_size < self.large_segment_size {
+                let reason = format!(
+                    "must be at least large_segment_size_mb ({}), got {}",
+                    describe(self.large_segment_size),
+                    describe(max_split_size)
+                );
+                return Err(invalid("max_split_size_mb", reason));
+            }
+        }
+        if self.max_non_split_rounding < MIN_SPLIT_ROUNDING {
+            let reason = format!(
+                "must be at least 20 MiB, got {}",
+                describe(self.max_non_split_rounding)
+            );
+            return Err(invalid("max_non_split_rounding_mb", reason));
+        }
+        for (interval_idx, &d) in self.roundup_power2_divisions.iter().enumerate() {
+            if d != 0 && !d.is_power_of_two() {
+                let reason = format!(
+                    "divisions must be a power of two or 0, got {d} for the interval from {} MiB",
+                    1u64 << interval_idx
+                );
+                return Err(invalid("roundup_power2_divisions", reason));
+            }
+        }
+        if let Some(threshold) = self.garbage_collection_threshold {
+            if !(threshold > 0.0 && threshold < 1.0) {
+                let reason = format!("must be between 0 and 1 (exclusive), got {threshold}");
+                return Err(invalid("garbage_collection_threshold", reason));
+            }
+        }
+        if let Some(fraction) = self.per_process_memory_fraction {
+            if !(fraction > 0.0 && fraction <= 1.0) {
+                let reason = format!("must be above 0 and at most 1, got {fraction}");
+                return Err(invalid("per_process_memory_fraction", reason));
+            }
+        }
+        let large_segment_size = self.large_segment_size;
+        if large_segment_size < MIN_LARGE_SEGMENT_SIZE
+            || !large_segment_size.is_multiple_of(2 << 20)
+        {
+            let reason = format!(
+                "must be an even number of MiB, at least 10, got {}",
+                describe(large_segment_size)
+            );
+            return Err(invalid("large_segment_size_mb", reason));
+        }
+        Ok(())
+    }
+}
+
+/// The smallest `max_split_size_mb` and `max_non_split_rounding_mb` (PyTorch's kLargeBuffer).
+const MIN_SPLIT_ROUNDING: u64 = 20 << 20;
+
+/// The smallest `large_segment_size_mb`: requests below 10 MiB (PyTorch's kMinLargeAlloc) are
+/// served from one segment of this size, so it must hold them.
+const MIN_LARGE_SEGMENT_SIZE: u64 = 10 << 20;
+
+fn invalid(key: &str, reason: impl Into<String>) -> AllocError {
+    AllocError::InvalidConfig {
+        key: key.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// A size for an error message: whole MiB as "N MiB", anything else in bytes.
+fn describe(bytes: u64) -> String {
+    if bytes.is_multiple_of(1 << 20) {
+        format!("{} MiB", bytes >> 20)
+    } else {
+        format!("{bytes} bytes")
+    }
+}

@@ -1,0 +1,63 @@
+//! The attention family: fused scaled-dot-product attention on the GPU, forward and backward, by
+//! three paths that keep the same saved state (q, k, v, the output and one log-sum-exp per query;
+//! backward recomputes the scores).
+//!
+//! - f32 and f64 take the register-tiled kernels of `kernels/attention.cu`
+//!   (`register_tiled.rs`).
+//! - f16 and bf16 take the FlashAttention-2-style `mma.sync` kernels of
+//!   `kernels/attention_tc.cu` (`tensor_core.rs`) when their alignment rule holds
+//!   (`tensor_core::fits`: head dims multiples of 8 up to 128, operands 8-element aligned, buffers
+//!   16-byte aligned), else cuBLAS tensor-core products over chunks of (batch, head) pairs with the
+//!   softmax and its gradient in kernels between them (`gemm.rs`).
+//!
+//! Operands are `[batch, heads, rows, head_dim]` views with a contiguous head dim, described to
+//! the kernels by one `AttnArgs` (`args.rs`: offset and batch/head/row strides per operand), so
+//! heads sliced out of a packed projection and outputs laid out `[batch, rows, heads, head_dim]`
+//! need no copy. This module is the family's entry point: it checks the dims, returns early when
+//! there is nothing to compute, and picks the path.
+//!
+//! The family sits on the ground floor and imports no other family. Its paths import `args.rs`,
+//! never each other or this module.
+
+mod args;
+mod gemm;
+mod register_tiled;
+mod tensor_core;
+
+use headroom_autograd_core::{attention_dims, AttentionBackward, AttentionForward, DType, Result};
+
+use crate::device::CudaBackend;
+
+/// Attention forward: `out` and the log-sum-exp per query.
+pub(crate) fn attention(backend: &CudaBackend, f: AttentionForward<'_>) -> Result<()> {
+    let dims = attention_dims(&f, &[])?;
+    if dims.batch * dims.heads * dims.queries == 0 || dims.head_dim == 0 {
+        return Ok(());
+    }
+    if matches!(f.q.dtype, DType::F16 | DType::BF16) {
+        return if tensor_core::fits(&dims, &[f.q, f.k, f.v, f.out]) {
+            tensor_core::forward(backend, f, dims)
+        } else {
+            gemm::forward(backend, f, dims)
+        };
+    }
+    register_tiled::forward(backend, f, dims)
+}
+
+/// Attention backward: dq, dk and dv from the saved state and the output's gradient.
+pub(crate) fn attention_backward(backend: &CudaBackend, b: AttentionBackward<'_>) -> Result<()> {
+    let f = b.forward;
+    let dims = attention_dims(&f, &[b.dout, b.dq, b.dk, b.dv])?;
+    if dims.batch * dims.heads == 0 || dims.head_dim == 0 {
+        return Ok(());
+    }
+    if matches!(f.q.dtype, DType::F16 | DType::BF16) {
+        let views = [f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv];
+        return if tensor_core::fits(&dims, &views) {
+            tensor_core::backward(backend, b, dims)
+        } else {
+            gemm::backward(backend, b, dims)
+        };
+    }
+    register_tiled::backward(backend, b, dims)
+}

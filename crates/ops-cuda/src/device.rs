@@ -1,0 +1,165 @@
+//! [`CudaBackend`]: the state of one CUDA device, which every kernel family reads.
+//!
+//! The backend owns the device's primary context (through cudarc), a
+//! `CachingAllocator<CudaStorage>` with Headroom's default settings (expandable segments), the
+//! kernel cache (`kernels.rs`), the BLAS libraries' state (`blas.rs`, created on the first
+//! product), the pinned-host allocator of `pinned.rs` and the slots of deferred index checks
+//! (`index.rs`). Every launch goes to the context's default stream. This module holds the state
+//! and its accessors: creating the backend, binding its context, returning memory, the TF32
+//! switch; the `Backend` trait is `backend.rs`, and each family adds its own methods in its file
+//! (`synchronize` is `index.rs`'s, since it is where deferred index checks report).
+//!
+//! This module is ground floor: it sits on the caching allocator, cudarc, `kernels.rs` and
+//! `blas.rs`, and knows no kernel family.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream};
+use headroom_autograd_core::Result;
+use headroom_caching_allocator::{
+    AllocError, Allocation, AllocatorConfig, CachingAllocator, CudaStorage, PinnedHostStorage,
+};
+use parking_lot::{MappedMutexGuard, Mutex, MutexGuard};
+
+use crate::blas::BlasState;
+use crate::error::{device_error, CudaError};
+use crate::kernels::KernelCache;
+
+/// The CUDA backend of one device.
+pub struct CudaBackend {
+    pub(crate) ordinal: usize,
+    pub(crate) context: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) kernels: KernelCache,
+    allocator: CachingAllocator<CudaStorage>,
+    free_errors: Mutex<(u64, Option<AllocError>)>,
+    /// cuBLAS, created on the first matrix product.
+    pub(crate) blas: Mutex<Option<BlasState>>,
+    /// f32 matrix products may use TF32 tensor cores (off by default, as in PyTorch).
+    allow_tf32: AtomicBool,
+    /// Pinned host memory for asynchronous copies (`pinned.rs`). Dropped after `allocator`,
+    /// whose storage owns the streams it records events on.
+    pub(crate) pinned: CachingAllocator<PinnedHostStorage>,
+    /// The deferred index-check slots, one error word per checked op (`index.rs`), while index
+    /// checks are deferred.
+    pub(crate) deferred_index_checks: Mutex<Option<Allocation>>,
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if let Some(slots) = self.deferred_index_checks.get_mut().take() {
+            self.free_quietly(slots);
+        }
+        if let Some(state) = self.blas.get_mut().take() {
+            let _ = self.context.bind_to_thread();
+            state.release(&self.allocator);
+        }
+    }
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("ordinal", &self.ordinal)
+            .field("allocator", &self.allocator)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaBackend {
+    /// The backend of device `ordinal`, with Headroom's default allocator settings (from
+    /// `HEADROOM_ALLOC_CONF` when set). An error, not a panic, when there is no driver or device.
+    pub fn new(ordinal: usize) -> std::result::Result<Arc<CudaBackend>, CudaError> {
+        let config = AllocatorConfig::from_env().map_err(|e| CudaError::NoDevice {
+            ordinal,
+            reason: e.to_string(),
+        })?;
+        CudaBackend::with_config(ordinal, config)
+    }
+
+    /// The backend of device `ordinal` with an explicit allocator configuration.
+    pub fn with_config(
+        ordinal: usize,
+        config: AllocatorConfig,
+    ) -> std::result::Result<Arc<CudaBackend>, CudaError> {
+        let no_device = |reason: String| CudaError::NoDevice { ordinal, reason };
+        // The storage checks for the driver first, so a machine without one gets an error here
+        // before cudarc is asked for anything.
+        let storage = CudaStorage::new(ordinal).map_err(|e| no_device(e.to_string()))?;
+        let pinned = PinnedHostStorage::new(ordinal).map_err(|e| no_device(e.to_string()))?;
+        let context = CudaContext::new(ordinal).map_err(|e| no_device(e.to_string()))?;
+        let stream = context.default_stream();
+        Ok(Arc::new(CudaBackend {
+            ordinal,
+            context,
+            stream,
+            kernels: KernelCache::default(),
+            allocator: CachingAllocator::new(storage, config),
+            free_errors: Mutex::new((0, None)),
+            blas: Mutex::new(None),
+            allow_tf32: AtomicBool::new(false),
+            pinned: CachingAllocator::new(pinned, AllocatorConfig::pytorch_defaults()),
+            deferred_index_checks: Mutex::new(None),
+        }))
+    }
+
+    /// The allocator, for statistics, snapshots and `empty_cache`.
+    pub fn allocator(&self) -> &CachingAllocator<CudaStorage> {
+        &self.allocator
+    }
+
+    /// Lets f32 matrix products run on TF32 tensor cores (10-bit mantissa inputs, f32
+    /// accumulation; about 1e-3 relative error), PyTorch's `torch.backends.cuda.matmul.allow_tf32`.
+    /// Off by default: f32 products are computed in f32.
+    pub fn set_allow_tf32(&self, allow: bool) {
+        self.allow_tf32.store(allow, Ordering::Relaxed);
+    }
+
+    /// Whether f32 matrix products may use TF32 (see [`CudaBackend::set_allow_tf32`]).
+    pub fn allow_tf32(&self) -> bool {
+        self.allow_tf32.load(Ordering::Relaxed)
+    }
+
+    /// The number of frees that failed since creation, and the first failure.
+    pub fn free_errors(&self) -> (u64, Option<String>) {
+        let errors = self.free_errors.lock();
+        (errors.0, errors.1.as_ref().map(ToString::to_string))
+    }
+
+    /// Returns `allocation` to the allocator, recording a failure like
+    /// [`Backend::free`](headroom_autograd_core::Backend::free).
+    pub(crate) fn free_quietly(&self, allocation: Allocation) {
+        if let Err(error) = self.allocator.free(allocation) {
+            self.note_free_error(error);
+        }
+    }
+
+    /// Counts a failed free (where `Drop` cannot return it); see [`CudaBackend::free_errors`].
+    pub(crate) fn note_free_error(&self, error: AllocError) {
+        let mut errors = self.free_errors.lock();
+        errors.0 += 1;
+        errors.1.get_or_insert(error);
+    }
+
+    /// Makes the backend's context current on this thread (before any driver call), naming `op`
+    /// in the error.
+    pub(crate) fn bind(&self, op: &'static str) -> Result<()> {
+        self.context
+            .bind_to_thread()
+            .map_err(|e| device_error(op, e))
+    }
+
+    /// The cuBLAS state, created on first use (handle on the default stream, workspace from the
+    /// caching allocator).
+    pub(crate) fn blas_state(&self) -> Result<MappedMutexGuard<'_, BlasState>> {
+        self.bind("matmul")?;
+        let mut guard = self.blas.lock();
+        if guard.is_none() {
+            *guard = Some(BlasState::create(&self.stream, &self.allocator)?);
+        }
+        Ok(MutexGuard::map(guard, |state| {
+            state.as_mut().expect("created above")
+        }))
+    }
+}
