@@ -52,7 +52,7 @@ impl Kind {
 const VARIANTS: [(&str, Kind); 7] = [
     (
         "Adam, foreach (PyTorch's)",
-        Kind::Adam(Implementation::FOREACH_UNBOUNDED),
+        Kind::Adam(Implementation::ForeachUnbounded),
     ),
     (
         "Adam, foreach bounded (16 MiB)",
@@ -93,7 +93,7 @@ fn optimizer(kind: Kind, params: Vec<Tensor>) -> Result<Box<dyn Optimizer>> {
                 ..Adam8bitConfig::adam()
             };
             let groups = vec![ParamGroup::new(params, config)];
-            Box::new(Adam8bit::new(groups, Implementation::EightBit)?)
+            Box::new(Adam8bit::new(groups, Implementation::Fused)?)
         }
         Kind::Sgd => {
             let groups = vec![ParamGroup::new(params, SgdConfig::new(1e-3))];

@@ -7,6 +7,7 @@
 //! for fp32 Adam, 16 for 8-bit, as the reference counts) and the bytes a step allocates beyond
 //! what it started with. Prints a skip notice without a CUDA device.
 
+use std::num::NonZeroUsize;
 use std::time::Instant;
 
 use headroom_autograd_core::{BackendRef, Tensor};
@@ -96,18 +97,18 @@ fn main() {
         (
             "headroom_foreach_chunk2Mi_cuda",
             Implementation::Foreach {
-                chunk: Some(1 << 21),
+                chunk: NonZeroUsize::new(1 << 21).unwrap(),
             },
         ),
         (
             "headroom_foreach_chunk1Mi_cuda",
             Implementation::Foreach {
-                chunk: Some(1 << 20),
+                chunk: NonZeroUsize::new(1 << 20).unwrap(),
             },
         ),
         (
             "headroom_foreach_unbounded_cuda",
-            Implementation::FOREACH_UNBOUNDED,
+            Implementation::ForeachUnbounded,
         ),
         ("headroom_single_cuda", Implementation::Single),
     ] {
@@ -134,7 +135,7 @@ fn main() {
     }
     let mut adam8 = Adam8bit::new(
         vec![ParamGroup::new(params.clone(), cfg8.clone())],
-        Implementation::EightBit,
+        Implementation::Fused,
     )
     .expect("optimizer");
     report(

@@ -1,30 +1,31 @@
-//! Where a step runs: the strategy that sends each rule's update to the host kernels or to the
+//! Where a step runs: the one place that sends a rule's update to the host kernels or to the
 //! CUDA kernels, and the checks that put a tensor on one side or the other.
 //!
 //! A [`GroupOptimizer`](crate::GroupOptimizer) picks its [`StepDevice`] once, from its first
 //! parameter, and every other parameter, gradient and state tensor must sit on the same device
-//! and be contiguous (typed errors otherwise; the optimizer checks dtypes against its rule). The rules (`sgd.rs`, `adam.rs`, ...) own their
-//! state and their step's shape (which tensors, which implementation) and dispatch on the
-//! strategy: on the host each rule runs `kernels/` on tensor memory as slices (`host.rs`); on
-//! CUDA (feature `cuda`) `cuda/` launches the PTX kernels on the parameters' `CudaBackend`,
-//! whose launch table and GradScaler skip counters live here between steps. Nothing here knows
-//! an algorithm.
+//! and be contiguous (typed errors otherwise; the optimizer checks dtypes against its rule).
+//! [`StepDevice::step`] is the only match on the device: it calls the host entry of the rule's
+//! [`RuleKernels`](crate::RuleKernels) table (the shared host driver, `driver.rs`, over tensor
+//! memory as slices, `host.rs`) or its CUDA entry (feature `cuda`: `cuda/` launches the PTX
+//! kernels on the parameters' `CudaBackend`, whose launch table and GradScaler skip counters
+//! live here between steps). Nothing here knows an algorithm.
 
 use headroom_autograd_core::{DType, Device, Tensor};
 
+use crate::driver::RuleCall;
 use crate::error::OptimError;
-use crate::kernels::GradScaling;
+use crate::optimizer::UpdateRule;
 
 /// The device a group optimizer's steps run on: the host (the `kernels` module over tensor
 /// memory) or, with the `cuda` feature, the CUDA device of the parameters (its kernels, plus the
 /// launch table and skip counters kept between steps).
 #[derive(Debug)]
 pub struct StepDevice {
-    pub(crate) kind: DeviceKind,
+    kind: DeviceKind,
 }
 
 #[derive(Debug)]
-pub(crate) enum DeviceKind {
+enum DeviceKind {
     Host,
     #[cfg(feature = "cuda")]
     Cuda(crate::cuda::CudaDevice),
@@ -40,35 +41,6 @@ pub struct DeviceGradScaling {
     pub grad_scale: Option<Tensor>,
     /// Non-zero when some gradient overflowed this step.
     pub found_inf: Option<Tensor>,
-}
-
-/// How one step's gradients are scaled: values the host holds, or tensors on the device.
-#[derive(Debug, Clone, Copy)]
-pub enum StepScaling<'a> {
-    /// Host values (any device; `found_inf` set means the step is skipped before any kernel).
-    Host(GradScaling),
-    /// Device values (CUDA, fused and 8-bit implementations).
-    Device(&'a DeviceGradScaling),
-}
-
-impl StepScaling<'_> {
-    /// Whether gradients are scaled or a skip flag is given at all.
-    pub fn is_scaled(&self) -> bool {
-        match self {
-            StepScaling::Host(scaling) => *scaling != GradScaling::NONE,
-            StepScaling::Device(scaling) => {
-                scaling.grad_scale.is_some() || scaling.found_inf.is_some()
-            }
-        }
-    }
-
-    /// The host values (`NONE` for device scaling, which only CUDA kernels read).
-    pub fn host(&self) -> GradScaling {
-        match self {
-            StepScaling::Host(scaling) => *scaling,
-            StepScaling::Device(_) => GradScaling::NONE,
-        }
-    }
 }
 
 /// Checks that `tensor` is contiguous.
@@ -140,6 +112,20 @@ impl StepDevice {
             });
         }
         Ok(())
+    }
+
+    /// One call of `rule`'s kernels on this device (the optimizer checked the call's tensors
+    /// and scaling).
+    pub(crate) fn step<R: UpdateRule>(
+        &mut self,
+        rule: &R,
+        call: RuleCall<'_, '_, R::State>,
+    ) -> Result<(), OptimError> {
+        match &mut self.kind {
+            DeviceKind::Host => (R::KERNELS.host)(rule, call),
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda(cuda) => (R::KERNELS.cuda)(rule, cuda, call),
+        }
     }
 
     /// Checks a device scaling's tensors (one f32 element each, on this device), and that this

@@ -78,8 +78,9 @@ pub enum OptimError {
         /// What is not supported.
         reason: String,
     },
-    /// `step_param` was called with a tensor that is in none of the optimizer's groups.
-    #[error("{optimizer}: the tensor is not a parameter of this optimizer")]
+    /// A tensor that is in none of the optimizer's groups, or a [`ParamId`](crate::ParamId)
+    /// the optimizer has not given out.
+    #[error("{optimizer}: not a parameter of this optimizer")]
     UnknownParameter {
         /// The optimizer's name.
         optimizer: &'static str,

@@ -71,6 +71,11 @@ pub(crate) unsafe fn host_slice_mut<T: Element>(tensor: &Tensor) -> &mut [T] {
     unsafe { std::slice::from_raw_parts_mut(ptr, n) }
 }
 
+/// A zero-filled state tensor like `param` (its shape and dtype, on its backend).
+pub(crate) fn zeros_like(param: &Tensor) -> Result<Tensor, OptimError> {
+    zeros_like_shape(param, param.shape())
+}
+
 /// A zero-filled state tensor of `shape` and `like`'s dtype on `like`'s backend.
 pub(crate) fn zeros_like_shape(like: &Tensor, shape: &[usize]) -> Result<Tensor, OptimError> {
     Ok(Tensor::zeros(like.backend(), shape, like.dtype())?)

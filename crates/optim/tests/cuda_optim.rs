@@ -6,6 +6,7 @@
 //! a step cannot take. Prints a skip notice (and passes) without a CUDA device.
 #![cfg(feature = "cuda")]
 
+use std::num::NonZeroUsize;
 use std::sync::{Arc, OnceLock};
 
 use headroom_autograd_core::{BackendRef, DType, Device, Tensor};
@@ -16,7 +17,7 @@ use headroom_optim::kernels::{
 };
 use headroom_optim::{
     Adam, Adam8bit, DeviceGradScaling, GroupOptimizer, Implementation, OptimError, Optimizer,
-    ParamGroup, Sgd, UpdateRule,
+    ParamGroup, Scaling, Sgd, StepParams, UpdateRule,
 };
 
 /// The device shared by this binary's tests.
@@ -52,8 +53,10 @@ fn implementations() -> [Implementation; 5] {
     [
         Implementation::Single,
         Implementation::FOREACH,
-        Implementation::Foreach { chunk: Some(1000) },
-        Implementation::FOREACH_UNBOUNDED,
+        Implementation::Foreach {
+            chunk: NonZeroUsize::new(1000).unwrap(),
+        },
+        Implementation::ForeachUnbounded,
         Implementation::Fused,
     ]
 }
@@ -164,7 +167,9 @@ fn run<R: UpdateRule>(
             grad_scale,
             found_inf: None,
         };
-        optimizer.step_scaled(scaling).unwrap();
+        optimizer
+            .step_with(StepParams::All, Scaling::Host(scaling))
+            .unwrap();
     }
     snapshot(&optimizer, &params)
 }
@@ -187,7 +192,7 @@ fn compare_dtype<R: UpdateRule>(
     let cpu = CpuBackend::new_ref();
     for &implementation in implementations {
         let scales: &[Option<f32>] = match implementation {
-            Implementation::Fused | Implementation::EightBit => &[None, Some(1024.0)],
+            Implementation::Fused => &[None, Some(1024.0)],
             _ => &[None],
         };
         for &scale in scales {
@@ -354,7 +359,7 @@ fn adam8bit_on_cuda_equals_the_cpu() {
         ("adam8bit", Adam8bitConfig::adam()),
         ("adamw8bit", Adam8bitConfig::adamw()),
     ] {
-        compare(name, config, &[Implementation::EightBit], 0);
+        compare(name, config, &[Implementation::Fused], 0);
     }
 }
 
@@ -398,13 +403,17 @@ fn device_scaling<R: UpdateRule>(name: &str, config: R, implementation: Implemen
                     grad_scale: Some(1024.0),
                     found_inf: Some(flag),
                 };
-                optimizer.step_scaled(scaling).unwrap();
+                optimizer
+                    .step_with(StepParams::All, Scaling::Host(scaling))
+                    .unwrap();
             } else {
                 let scaling = DeviceGradScaling {
                     grad_scale: Some(Tensor::from_slice(backend, &[1024.0f32], &[1]).unwrap()),
                     found_inf: Some(Tensor::from_slice(backend, &[flag], &[1]).unwrap()),
                 };
-                optimizer.step_device_scaled(&scaling).unwrap();
+                optimizer
+                    .step_with(StepParams::All, Scaling::Device(&scaling))
+                    .unwrap();
             }
         }
         for idx in 0..params.len() {
@@ -428,7 +437,7 @@ fn device_grad_scaling_skips_and_counts_on_the_device() {
         },
         Implementation::Fused,
     );
-    device_scaling("adam8bit", Adam8bitConfig::adam(), Implementation::EightBit);
+    device_scaling("adam8bit", Adam8bitConfig::adam(), Implementation::Fused);
 }
 
 fn allocated(cuda: &CudaBackend) -> u64 {
@@ -485,14 +494,14 @@ fn each_implementation_holds_the_memory_it_promises() {
         (Implementation::FOREACH, 16 << 20),
         (
             Implementation::Foreach {
-                chunk: Some(1 << 16),
+                chunk: NonZeroUsize::new(1 << 16).unwrap(),
             },
             1 << 18,
         ),
-        (Implementation::FOREACH_UNBOUNDED, total),
+        (Implementation::ForeachUnbounded, total),
         (
             Implementation::Foreach {
-                chunk: Some(1 << 30),
+                chunk: NonZeroUsize::new(1 << 30).unwrap(),
             },
             total,
         ),
@@ -533,7 +542,7 @@ fn each_implementation_holds_the_memory_it_promises() {
     let params = cuda_params(&backend, &[&[300, 257], &[1000]]);
     let mut adam8 = Adam8bit::new(
         vec![ParamGroup::new(params.clone(), Adam8bitConfig::adam())],
-        Implementation::EightBit,
+        Implementation::Fused,
     )
     .unwrap();
     let (_, peak) = step_memory(&cuda, &mut adam8);
@@ -686,7 +695,9 @@ fn mixed_devices_dtypes_and_views_are_refused() {
         found_inf: None,
     };
     assert!(matches!(
-        on_host.step_device_scaled(&scaling).unwrap_err(),
+        on_host
+            .step_with(StepParams::All, Scaling::Device(&scaling))
+            .unwrap_err(),
         OptimError::InvalidArgument { .. }
     ));
 }

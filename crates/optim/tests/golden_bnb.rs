@@ -106,7 +106,7 @@ fn run_adam8bit(
         .collect();
     let mut optimizer = Adam8bit::new(
         vec![ParamGroup::new(params.clone(), config)],
-        Implementation::EightBit,
+        Implementation::Fused,
     )
     .unwrap();
     let (mut worst, mut worst_norm) = (0f64, 0f64);

@@ -6,13 +6,15 @@
 //! AdamW's first-step memory from `seed_linear_adamw`.
 
 use std::collections::HashMap;
+use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex};
 
 use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_ops_cpu::CpuBackend;
 use headroom_optim::kernels::{AdafactorConfig, AdamConfig, SgdConfig, WeightDecay};
 use headroom_optim::{
-    Adafactor, Adam, GroupOptimizer, Implementation, Optimizer, ParamGroup, Sgd, UpdateRule,
+    Adafactor, Adam, GroupOptimizer, Implementation, Optimizer, ParamGroup, Scaling, Sgd,
+    StepParams, UpdateRule,
 };
 use safetensors::SafeTensors;
 
@@ -76,9 +78,11 @@ fn implementations() -> Vec<(&'static str, Implementation)> {
         // A bound smaller than a parameter: `c` spans several chunks, `a` and `b` share one.
         (
             "foreach_chunk_1000",
-            Implementation::Foreach { chunk: Some(1000) },
+            Implementation::Foreach {
+                chunk: NonZeroUsize::new(1000).unwrap(),
+            },
         ),
-        ("foreach_unbounded", Implementation::FOREACH_UNBOUNDED),
+        ("foreach_unbounded", Implementation::ForeachUnbounded),
         ("fused", Implementation::Fused),
     ]
 }
@@ -316,7 +320,7 @@ fn optimizer_in_backward_reproduces_adamw() {
         ] {
             let worst = adamw_in_backward(&golden, &backend, implementation);
             println!(
-                "adamw via step_param in backward, {implementation:?} on {device}: \
+                "adamw via step_with(Only) in backward, {implementation:?} on {device}: \
                  max relative error {worst:.3e}"
             );
             assert!(
@@ -345,15 +349,17 @@ fn adamw_in_backward(golden: &Golden, backend: &BackendRef, implementation: Impl
         .unwrap(),
     ));
     for param in &params {
+        // The handle is resolved once, at registration; the hook steps by handle.
+        let id = optimizer.lock().unwrap().param_id(param).unwrap();
         let optimizer = Arc::clone(&optimizer);
         param
             .register_post_accumulate_grad_hook(move |p| {
                 optimizer
                     .lock()
                     .unwrap()
-                    .step_param(p, Default::default())
+                    .step_with(StepParams::Only(&[id]), Scaling::None)
                     .map_err(|e| headroom_autograd_core::TensorError::InvalidArgument {
-                        op: "step_param",
+                        op: "step_with",
                         reason: e.to_string(),
                     })?;
                 p.set_grad(None)
@@ -399,10 +405,10 @@ fn adamw_first_step_adds_the_two_moments() {
     for (implementation, transient) in [
         (Implementation::Single, 4 << 20),
         (Implementation::FOREACH, 4 << 20),
-        (Implementation::FOREACH_UNBOUNDED, 4 << 20),
+        (Implementation::ForeachUnbounded, 4 << 20),
         (
             Implementation::Foreach {
-                chunk: Some(1 << 16),
+                chunk: NonZeroUsize::new(1 << 16).unwrap(),
             },
             1 << 18,
         ),

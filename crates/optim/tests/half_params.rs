@@ -4,6 +4,8 @@
 //! with each other bit for bit; states have the parameter's dtype and size; a bf16 state dict
 //! continues a run; rules that take f32 only, and gradients of another dtype, give typed errors.
 
+use std::num::NonZeroUsize;
+
 use headroom_autograd_core::{BackendRef, DType, Element, Tensor};
 use headroom_ops_cpu::CpuBackend;
 use headroom_optim::kernels::{
@@ -275,8 +277,10 @@ fn single_and_foreach_agree<T: Half, R: UpdateRule>(config: R) {
     let want = run::<T, R>(&cpu, &config, Implementation::Single);
     for implementation in [
         Implementation::FOREACH,
-        Implementation::Foreach { chunk: Some(100) },
-        Implementation::FOREACH_UNBOUNDED,
+        Implementation::Foreach {
+            chunk: NonZeroUsize::new(100).unwrap(),
+        },
+        Implementation::ForeachUnbounded,
     ] {
         let got = run::<T, R>(&cpu, &config, implementation);
         assert!(
@@ -452,7 +456,7 @@ fn f32_only_rules_and_mismatched_gradients_give_typed_errors() {
     );
     let err = Adam8bit::new(
         vec![ParamGroup::new(vec![param.clone()], Adam8bitConfig::adam())],
-        Implementation::EightBit,
+        Implementation::Fused,
     )
     .unwrap_err();
     assert!(

@@ -5,7 +5,9 @@
 use headroom_autograd_core::{DType, Tensor};
 use headroom_ops_cpu::CpuBackend;
 use headroom_optim::kernels::{AdamConfig, GradScaling, SgdConfig, StepOutcome};
-use headroom_optim::{Adam, Implementation, LrScheduler, Optimizer, ParamGroup, Schedule, Sgd};
+use headroom_optim::{
+    Adam, Implementation, LrScheduler, Optimizer, ParamGroup, Scaling, Schedule, Sgd, StepParams,
+};
 
 /// The rates PyTorch's schedulers give for base lr 1 (`scheduler.get_last_lr()` after each
 /// `step()`, starting with the value at construction).
@@ -103,7 +105,11 @@ fn fused_step_unscales_in_kernel_and_skips_on_overflow() {
             grad_scale: scale,
             found_inf: Some(0.0),
         };
-        assert_eq!(adam.step_scaled(scaling).unwrap(), StepOutcome::Stepped);
+        assert_eq!(
+            adam.step_with(StepParams::All, Scaling::Host(scaling))
+                .unwrap(),
+            StepOutcome::Stepped
+        );
         (p.to_vec::<f32>().unwrap(), adam)
     };
     let (plain, _) = run(None);
@@ -115,7 +121,11 @@ fn fused_step_unscales_in_kernel_and_skips_on_overflow() {
         grad_scale: Some(65536.0),
         found_inf: Some(1.0),
     };
-    assert_eq!(adam.step_scaled(skip).unwrap(), StepOutcome::Skipped);
+    assert_eq!(
+        adam.step_with(StepParams::All, Scaling::Host(skip))
+            .unwrap(),
+        StepOutcome::Skipped
+    );
     assert_eq!(p.to_vec::<f32>().unwrap(), unscaled);
     assert_eq!(adam.param_step(0, 0).unwrap(), 1);
     // A scale is refused by implementations that cannot apply it in the kernel.
@@ -127,5 +137,7 @@ fn fused_step_unscales_in_kernel_and_skips_on_overflow() {
         Implementation::Single,
     )
     .unwrap();
-    assert!(single.step_scaled(skip).is_err());
+    assert!(single
+        .step_with(StepParams::All, Scaling::Host(skip))
+        .is_err());
 }

@@ -103,7 +103,7 @@ impl Case {
         match self {
             Case::AdamForeach => build::<AdamConfig>(params, adam, Implementation::FOREACH),
             Case::AdamForeachUnbounded => {
-                build::<AdamConfig>(params, adam, Implementation::FOREACH_UNBOUNDED)
+                build::<AdamConfig>(params, adam, Implementation::ForeachUnbounded)
             }
             Case::AdamSingle => build::<AdamConfig>(params, adam, Implementation::Single),
             Case::AdamFused => build::<AdamConfig>(params, adam, Implementation::Fused),
@@ -112,7 +112,7 @@ impl Case {
                     lr: 1e-4,
                     ..Adam8bitConfig::adam()
                 };
-                build::<Adam8bitConfig>(params, config, Implementation::EightBit)
+                build::<Adam8bitConfig>(params, config, Implementation::Fused)
             }
             Case::Sgd => build::<SgdConfig>(params, SgdConfig::new(1e-3), Implementation::Fused),
         }

@@ -3,33 +3,40 @@
 //! keeps the update in a temporary of the parameter's size; the fused form recomputes it and
 //! keeps only per-block partial sums; foreach runs parameters whose CPU scratch fits the chunk
 //! through the single form and the rest through the fused form (unbounded: every temporary
-//! allocated first), as `adafactor.rs` does on the host.
+//! allocated first) — the host's schedule, `driver::single_or_fused`.
 //!
 //! The two norms and `α` stay on the device (a small f64 scalars tensor per parameter step), so
-//! nothing waits for the GPU. A GradScaler's device values are not supported here (Adafactor's
-//! host-valued scale is).
+//! nothing waits for the GPU. A GradScaler's device values are not read here (the rule's
+//! kernel table says so, and the optimizer refuses them before a step; Adafactor's host-valued
+//! scale is applied).
 
 use headroom_autograd_core::{DType, Tensor};
 use headroom_ops_cuda::KernelArg;
 
 use super::{address, CudaDevice, Module};
 use crate::adafactor::AdafactorState;
-use crate::device::StepScaling;
+use crate::driver::{single_or_fused, CudaEntry, RuleCall};
 use crate::error::OptimError;
 use crate::kernels::{adafactor_scratch_len, factors, AdafactorConfig, AdafactorConsts};
-use crate::optimizer::{Implementation, StepItem};
+use crate::optimizer::StepItem;
 
 const THREADS: u32 = 256;
 /// Elements per block of the two norm sums.
 const NORM_BLOCK: u64 = 16384;
 
-// Gradient flags and `af_update` modes (`kernels/adafactor.cu`).
-const SCALED: i32 = 1;
-const MAXIMIZE: i32 = 2;
-const READ_U: i32 = 1;
-const WRITE_U: i32 = 2;
-const NORM: i32 = 4;
-const APPLY: i32 = 8;
+/// The gradient flags of the kernels that read the gradient (`kernels/adafactor.cu`).
+mod grad_flags {
+    pub(super) const SCALED: i32 = 1;
+    pub(super) const MAXIMIZE: i32 = 2;
+}
+
+/// The modes of `af_update` (`kernels/adafactor.cu`).
+mod update_mode {
+    pub(super) const READ_U: i32 = 1;
+    pub(super) const WRITE_U: i32 = 2;
+    pub(super) const NORM: i32 = 4;
+    pub(super) const APPLY: i32 = 8;
+}
 
 /// Where the update lives between its norm and its write.
 enum Form<'a> {
@@ -39,52 +46,48 @@ enum Form<'a> {
     Fused,
 }
 
-/// One step of the rule's `items` on the device.
-pub(crate) fn step(
+/// The CUDA entry of Adafactor: each parameter through the single or the fused form, on the
+/// schedule the host uses (`driver::single_or_fused`); a single form's temporary is an f32
+/// tensor of the parameter's size. Its kernels take a host-valued gradient scale only.
+impl CudaEntry for AdafactorConfig {
+    const DEVICE_SCALING: bool = false;
+
+    fn cuda_step(
+        &self,
+        device: &mut CudaDevice,
+        call: RuleCall<'_, '_, AdafactorState>,
+    ) -> Result<(), OptimError> {
+        step(self, device, call)
+    }
+}
+
+fn step(
+    rule: &AdafactorConfig,
     device: &mut CudaDevice,
-    cfg: &AdafactorConfig,
-    implementation: Implementation,
-    items: &mut [StepItem<'_, AdafactorState>],
-    scaling: StepScaling<'_>,
+    call: RuleCall<'_, '_, AdafactorState>,
 ) -> Result<(), OptimError> {
-    if let StepScaling::Device(_) = scaling {
-        return Err(OptimError::Unsupported {
-            optimizer: "Adafactor",
-            reason: "a device gradient scale (pass the scale as a value)".into(),
-        });
-    }
-    let grad_scale = scaling.host().grad_scale;
-    let temporary = |it: &StepItem<'_, AdafactorState>| {
-        Tensor::empty(it.param.backend(), &[it.param.numel()], DType::F32)
-    };
-    match implementation {
-        Implementation::Fused => {
-            for it in items.iter() {
-                step_one(device, cfg, it, Form::Fused, grad_scale)?;
-            }
-        }
-        Implementation::Foreach { chunk: None } => {
-            let temporaries = items.iter().map(temporary).collect::<Result<Vec<_>, _>>()?;
-            for (it, u) in items.iter().zip(&temporaries) {
-                step_one(device, cfg, it, Form::Single(u), None)?;
-            }
-        }
-        Implementation::Foreach { chunk: Some(chunk) } => {
-            for it in items.iter() {
-                if adafactor_scratch_len(it.param.shape()) <= chunk {
-                    step_one(device, cfg, it, Form::Single(&temporary(it)?), None)?;
-                } else {
-                    step_one(device, cfg, it, Form::Fused, None)?;
-                }
-            }
-        }
-        Implementation::Single | Implementation::EightBit => {
-            for it in items.iter() {
-                step_one(device, cfg, it, Form::Single(&temporary(it)?), None)?;
-            }
-        }
-    }
-    Ok(())
+    let grad_scale = call.scaling.host().grad_scale;
+    let items = &*call.items;
+    let lens: Vec<usize> = items
+        .iter()
+        .map(|it| adafactor_scratch_len(it.param.shape()))
+        .collect();
+    single_or_fused(
+        call.implementation,
+        &lens,
+        &mut |idx| {
+            let param = items[idx].param;
+            Ok(Tensor::empty(
+                param.backend(),
+                &[param.numel()],
+                DType::F32,
+            )?)
+        },
+        &mut |idx, tmp| {
+            let form = tmp.map_or(Form::Fused, Form::Single);
+            step_one(device, rule, &items[idx], form, grad_scale)
+        },
+    )
 }
 
 fn blocks(n: u64) -> u32 {
@@ -99,6 +102,7 @@ fn step_one(
     form: Form<'_>,
     grad_scale: Option<f32>,
 ) -> Result<(), OptimError> {
+    use update_mode::{APPLY, NORM, READ_U, WRITE_U};
     use KernelArg::{F32, F64, I32, U32, U64};
     let n = it.param.numel() as u64;
     if n == 0 {
@@ -109,8 +113,15 @@ fn step_one(
     let scalars = Tensor::empty(it.param.backend(), &[2 + n_partials as usize], DType::F64)?;
     let (scalars_at, partials) = (address(&scalars), address(&scalars) + 16);
     let (p, g) = (address(it.param), address(&it.grad));
-    let flags = i32::from(grad_scale.is_some()) * SCALED + i32::from(c.maximize) * MAXIMIZE;
+    let flags = i32::from(grad_scale.is_some()) * grad_flags::SCALED
+        + i32::from(c.maximize) * grad_flags::MAXIMIZE;
     let scale = grad_scale.unwrap_or(1.0);
+    // The second-moment kernels (`af_rows`, `af_cols`, `af_variance`) take the gradient, their
+    // moment and its geometry, then the moment's weight and the gradient's scale and flags.
+    let moment_args = |head: &[KernelArg]| -> Vec<KernelArg> {
+        let tail = [F32(c.weight), F32(scale), I32(flags)];
+        [&[U64(g)], head, &tail].concat()
+    };
     let kernel = Module::Adafactor;
     // Every launch below: the arguments follow each kernel's parameters in order and type; the
     // addresses are the step's checked tensors, its state tensors and the temporaries of this
@@ -162,31 +173,14 @@ fn step_one(
                         "af_rows",
                         blocks(batch * rows),
                         THREADS,
-                        &[
-                            U64(g),
-                            U64(r),
-                            U64(batch * rows),
-                            U64(cols),
-                            F32(c.weight),
-                            F32(scale),
-                            I32(flags),
-                        ],
+                        &moment_args(&[U64(r), U64(batch * rows), U64(cols)]),
                     )?;
                     device.launch(
                         kernel,
                         "af_cols",
                         blocks(batch * cols),
                         THREADS,
-                        &[
-                            U64(g),
-                            U64(cv),
-                            U64(batch),
-                            U64(rows),
-                            U64(cols),
-                            F32(c.weight),
-                            F32(scale),
-                            I32(flags),
-                        ],
+                        &moment_args(&[U64(cv), U64(batch), U64(rows), U64(cols)]),
                     )?;
                     device.launch(
                         kernel,
@@ -208,14 +202,7 @@ fn step_one(
                         "af_variance",
                         blocks(n),
                         THREADS,
-                        &[
-                            U64(g),
-                            U64(v),
-                            U64(n),
-                            F32(c.weight),
-                            F32(scale),
-                            I32(flags),
-                        ],
+                        &moment_args(&[U64(v), U64(n)]),
                     )?;
                 }
                 (0, 0, v, 0, 1, 0)

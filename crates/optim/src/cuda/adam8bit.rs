@@ -10,15 +10,15 @@ use std::sync::Arc;
 
 use headroom_ops_cuda::{CudaBackend, KernelArg};
 
-use super::{address, geometry, CudaDevice, Module, PieceHead, Table};
+use super::{address, geometry, raw_geometry, CudaDevice, Module, PieceHead, Table};
 use crate::adam8bit::{bnb_maps, Adam8bitState};
-use crate::device::StepScaling;
+use crate::driver::{CudaEntry, RuleCall};
 use crate::error::OptimError;
 use crate::kernels::{
-    n_blocks, Adam8bitConfig, Adam8bitConsts, StateCodeTable, BNB_BLOCK_SIZE, CODE_BINS_PER_SIGN,
+    Adam8bitConfig, Adam8bitConsts, StateCodeTable, BNB_BLOCK_SIZE, CODE_BINS_PER_SIGN,
     MIN_8BIT_SIZE,
 };
-use crate::optimizer::StepItem;
+use crate::optimizer::{Scaling, StepItem};
 
 const PIECE_SIZE: usize = 128;
 const BLOCKWISE_KERNEL: (Module, &str) = (Module::Adam8bit, "adam8bit_blockwise_f32");
@@ -106,14 +106,15 @@ fn launch_blockwise(
             .backend()
             .write_async(tables + COUNTER_OFFSET, &[0u8; 8])
     }?;
-    let base = device.write_table(table.bytes())?;
+    let [table_at, n_pieces] = device.table_args(table, n_pieces)?;
+    let addresses = [n_blocks, tables, grad_scale, found_inf].map(KernelArg::U64);
     let args = [
-        KernelArg::U64(base),
-        KernelArg::U32(n_pieces as u32),
-        KernelArg::U64(n_blocks),
-        KernelArg::U64(tables),
-        KernelArg::U64(grad_scale),
-        KernelArg::U64(found_inf),
+        table_at,
+        n_pieces,
+        addresses[0],
+        addresses[1],
+        addresses[2],
+        addresses[3],
     ];
     let grid = n_blocks.div_ceil(GRAB * WARPS).clamp(1, MAX_GRID) as u32;
     // SAFETY: `adam8bit_blockwise_f32` takes these parameters; the table was just written with
@@ -130,61 +131,71 @@ fn launch_blockwise(
     }
 }
 
-/// One step of the rule's `items` on the device: one launch for the 8-bit states, one for the
-/// f32 states of small tensors.
-pub(crate) fn step(
-    device: &mut CudaDevice,
+/// The CUDA entry of 8-bit Adam (whose one implementation is fused): one launch for the 8-bit
+/// states, one for the f32 states of small tensors.
+impl CudaEntry for Adam8bitConfig {
+    fn cuda_step(
+        &self,
+        device: &mut CudaDevice,
+        call: RuleCall<'_, '_, Adam8bitState>,
+    ) -> Result<(), OptimError> {
+        let RuleCall { items, scaling, .. } = call;
+        step(self, device, items, scaling)
+    }
+}
+
+fn step(
     cfg: &Adam8bitConfig,
+    device: &mut CudaDevice,
     items: &mut [StepItem<'_, Adam8bitState>],
-    scaling: StepScaling<'_>,
+    scaling: Scaling<'_>,
 ) -> Result<(), OptimError> {
-    let device_scaled = matches!(scaling, StepScaling::Device(_));
     let grad_scale = scaling.host().grad_scale;
-    let geometry = geometry(items);
-    let mut quantized = Table::default();
-    let (mut n_quantized, mut first_block) = (0, 0u64);
-    let mut full = Vec::new();
-    for (it, g) in items.iter().zip(&geometry) {
+    let mut quantized = (Vec::new(), Vec::new());
+    let mut full = (Vec::new(), Vec::new());
+    for (it, g) in items.iter().zip(geometry(items)) {
         let (param, grad) = (address(it.param), address(&it.grad));
-        match &*it.state {
+        let (list, span) = match &*it.state {
             Adam8bitState::Quantized {
                 state1,
                 state2,
                 absmax1,
                 absmax2,
             } => {
-                let head = PieceHead {
-                    len: g.len as u64,
-                    first_block,
-                    skipped: device.skip_counter(g.slot, device_scaled)?,
-                    step: g.step,
-                };
+                let (state1, state2) = (address(state1), address(state2));
                 let span = [
                     param,
                     grad,
-                    address(state1),
-                    address(state2),
+                    state1,
+                    state2,
                     address(absmax1),
                     address(absmax2),
                 ];
-                write_piece(&mut quantized, cfg, head, span, grad_scale);
-                n_quantized += 1;
-                first_block += n_blocks(g.len) as u64;
+                (&mut quantized, span)
             }
-            Adam8bitState::Full { state1, state2 } => {
-                full.push((*g, [param, grad, address(state1), address(state2), 0, 0]));
-            }
-        }
+            Adam8bitState::Full { state1, state2 } => (
+                &mut full,
+                [param, grad, address(state1), address(state2), 0, 0],
+            ),
+        };
+        list.0.push(g);
+        list.1.push(span);
     }
+    let count_skips = matches!(scaling, Scaling::Device(_));
+    let (table, n_blocks) = device.piece_table(
+        &quantized.0,
+        BNB_BLOCK_SIZE as u64,
+        count_skips,
+        &mut |t, idx, head| write_piece(t, cfg, head, quantized.1[idx], grad_scale),
+    )?;
     let addresses = super::scaling_addresses(scaling);
-    launch_blockwise(device, &quantized, n_quantized, first_block, addresses)?;
-    let (full_geometry, full_spans): (Vec<_>, Vec<_>) = full.into_iter().unzip();
+    launch_blockwise(device, &table, quantized.0.len(), n_blocks, addresses)?;
     device.run_fused(
         BNB32_KERNEL,
-        &full_geometry,
+        &full.0,
         BNB32,
         scaling,
-        &mut |t, idx, head| write_piece(t, cfg, head, full_spans[idx], grad_scale),
+        &mut |t, idx, head| write_piece(t, cfg, head, full.1[idx], grad_scale),
     )
 }
 
@@ -253,26 +264,19 @@ impl CudaAdam8bit {
         grad_scale: Option<u64>,
         found_inf: Option<u64>,
     ) -> Result<(), OptimError> {
-        let mut table = Table::default();
-        let mut first_block = 0;
-        for p in &self.params {
-            let head = PieceHead {
-                len: p.len as u64,
-                first_block,
-                skipped: 0,
-                step,
-            };
-            let span = [p.param, p.grad, p.state1, p.state2, p.absmax1, p.absmax2];
-            write_piece(&mut table, cfg, head, span, None);
-            first_block += n_blocks(p.len) as u64;
-        }
+        let geometry = raw_geometry(self.params.iter().map(|p| p.len), step);
+        let params = &self.params;
+        let (table, n_blocks) = self.device.piece_table(
+            &geometry,
+            BNB_BLOCK_SIZE as u64,
+            false,
+            &mut |t, idx, head| {
+                let p = &params[idx];
+                let span = [p.param, p.grad, p.state1, p.state2, p.absmax1, p.absmax2];
+                write_piece(t, cfg, head, span, None);
+            },
+        )?;
         let addresses = (grad_scale.unwrap_or(0), found_inf.unwrap_or(0));
-        launch_blockwise(
-            &mut self.device,
-            &table,
-            self.params.len(),
-            first_block,
-            addresses,
-        )
+        launch_blockwise(&mut self.device, &table, params.len(), n_blocks, addresses)
     }
 }

@@ -1,22 +1,26 @@
-//! The CUDA side of the device strategy: the optimizers' kernels on device memory, and the
-//! raw-buffer layer for trainers that own their device buffers.
+//! The CUDA side of the optimizers: the rules' kernels on device memory, and the raw-buffer layer
+//! for trainers that own their device buffers.
 //!
 //! Every rule has the implementations it has on the CPU, with the same float32 operations in the
 //! same order (the `.cu` files in `kernels/` mirror `src/kernels/*.rs` with explicit rounding), so
 //! the GPU and the CPU agree to the bit; SGD and Adam kernels come in f32, bf16 and f16 instances
 //! (states of the parameter's dtype, the same roundings as the CPU's):
-//! - fused: one pass per element, one launch for every parameter of a group;
+//! - fused: one pass per element, one launch for every parameter of a call;
 //! - foreach: PyTorch's op-by-op passes, each launch one op over every tensor of a chunk, the
 //!   temporaries in one scratch tensor of at most the chunk (16 MiB by default, small enough to
 //!   stay in the H200's L2 between passes);
 //! - single: the same passes one parameter at a time, with a temporary of that parameter;
-//! - 8-bit: bitsandbytes' blockwise Adam, and its 32-bit path for small tensors.
+//! - 8-bit Adam (fused only): bitsandbytes' blockwise kernel, and its 32-bit path for small
+//!   tensors.
 //!
-//! A launch reads a piece table (`table.rs`): one entry per tensor or range of one, with its
-//! addresses, length, step constants and first block. `CudaDevice` keeps the device buffer the
-//! tables are copied to (with an asynchronous copy: no host synchronisation), the lookup tables
-//! of the 8-bit codes, and a GradScaler's per-parameter skip counters. State tensors and scratch
-//! come from the parameters' backend, so `memory_allocated()` sees them.
+//! Each rule plugs in through the driver's `CudaEntry`: SGD and Adam through
+//! `multi_tensor.rs` (one generic driver; `sgd.rs` and `adam.rs` hold only their kernel names,
+//! state addresses, pass ops and piece layouts), Adafactor and 8-bit Adam with their own entries
+//! (`adafactor.rs` on the host's per-parameter schedule, `adam8bit.rs`). A launch reads a piece table (`table.rs`): one entry per tensor or range
+//! of one, with its addresses, length, step constants and first block. `CudaDevice` keeps the
+//! device buffer the tables are copied to (with an asynchronous copy: no host synchronisation),
+//! the lookup tables of the 8-bit codes, and a GradScaler's per-parameter skip counters. State
+//! tensors and scratch come from the parameters' backend, so `memory_allocated()` sees them.
 //!
 //! [`CudaFusedAdam`] and [`CudaAdam8bit`] are the raw-buffer layer on the GPU: a trainer that owns
 //! device memory hands them the buffers' addresses once and steps them.
@@ -27,7 +31,8 @@
 pub(crate) mod adafactor;
 pub(crate) mod adam;
 pub(crate) mod adam8bit;
-pub(crate) mod sgd;
+pub(crate) mod multi_tensor;
+mod sgd;
 mod table;
 
 pub(crate) use table::{flags, PieceHead, Table};
@@ -42,9 +47,10 @@ use headroom_ops_cuda::{CudaBackend, CudaKernel, KernelArg};
 pub use adam::{CudaFusedAdam, DeviceAdamParam};
 pub use adam8bit::{CudaAdam8bit, DeviceAdam8bitParam};
 
-use crate::device::{DeviceGradScaling, StepScaling};
+use crate::device::DeviceGradScaling;
 use crate::error::OptimError;
 use crate::host::byte_range;
+use crate::optimizer::{Scaling, StepItem};
 
 /// A PTX module of this crate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -91,10 +97,10 @@ pub(crate) fn address(tensor: &Tensor) -> u64 {
 }
 
 /// The device addresses a kernel reads a GradScaler's scale and flag from (0: none).
-pub(crate) fn scaling_addresses(scaling: StepScaling<'_>) -> (u64, u64) {
+pub(crate) fn scaling_addresses(scaling: Scaling<'_>) -> (u64, u64) {
     match scaling {
-        StepScaling::Host(_) => (0, 0),
-        StepScaling::Device(DeviceGradScaling {
+        Scaling::None | Scaling::Host(_) => (0, 0),
+        Scaling::Device(DeviceGradScaling {
             grad_scale,
             found_inf,
         }) => (
@@ -195,6 +201,17 @@ impl CudaDevice {
         // read the previous table, and the copy runs after them in stream order.
         unsafe { self.backend.write_async(table.address(), bytes) }?;
         Ok(table.address())
+    }
+
+    /// Writes the table of a one-pass launch (`n_pieces` pieces) and returns the two arguments
+    /// every piece-table kernel starts with: the table's address and its number of pieces.
+    pub(crate) fn table_args(
+        &mut self,
+        table: &Table,
+        n_pieces: usize,
+    ) -> Result<[KernelArg; 2], OptimError> {
+        let base = self.write_table(table.bytes())?;
+        Ok([KernelArg::U64(base), KernelArg::U32(n_pieces as u32)])
     }
 
     /// Launches kernel `name` of `module` with `grid` blocks of `block` threads.
@@ -339,10 +356,10 @@ impl CudaDevice {
         if n_pieces == 0 {
             return Ok(());
         }
-        let base = self.write_table(table.bytes())?;
+        let [table_at, n_pieces] = self.table_args(table, n_pieces)?;
         let args = [
-            KernelArg::U64(base),
-            KernelArg::U32(n_pieces as u32),
+            table_at,
+            n_pieces,
             KernelArg::U64(block_elems),
             KernelArg::U64(grad_scale),
             KernelArg::U64(found_inf),
@@ -442,32 +459,46 @@ pub(crate) struct ItemGeometry {
 }
 
 impl CudaDevice {
-    /// The fused form: one piece per parameter (`write(table, index, head)` writes it, the
-    /// head's skip counter set when a device scaling may skip), one launch of `kernel` with
-    /// `block` = (elements, threads) per block.
-    pub(crate) fn run_fused(
+    /// The table of a one-pass launch: one piece per parameter (`write(table, index, head)`
+    /// writes it), each starting at the block after the previous one's blocks of `block_elems`
+    /// elements, its skip counter set when `count_skips` (a device scaling may skip the step);
+    /// with the launch's number of blocks.
+    pub(crate) fn piece_table(
         &mut self,
-        kernel: (Module, &'static str),
         items: &[ItemGeometry],
-        block: (u64, u32),
-        scaling: StepScaling<'_>,
+        block_elems: u64,
+        count_skips: bool,
         write: &mut dyn FnMut(&mut Table, usize, PieceHead),
-    ) -> Result<(), OptimError> {
-        let device_scaled = matches!(scaling, StepScaling::Device(_));
+    ) -> Result<(Table, u64), OptimError> {
         let mut table = Table::default();
         let mut first_block = 0;
         for (idx, item) in items.iter().enumerate() {
             let head = PieceHead {
                 len: item.len as u64,
                 first_block,
-                skipped: self.skip_counter(item.slot, device_scaled)?,
+                skipped: self.skip_counter(item.slot, count_skips)?,
                 step: item.step,
             };
             write(&mut table, idx, head);
-            first_block += blocks_for(item.len, block.0);
+            first_block += blocks_for(item.len, block_elems);
         }
+        Ok((table, first_block))
+    }
+
+    /// The fused form: one piece per parameter (`write(table, index, head)` writes it), one
+    /// launch of `kernel` with `block` = (elements, threads) per block.
+    pub(crate) fn run_fused(
+        &mut self,
+        kernel: (Module, &'static str),
+        items: &[ItemGeometry],
+        block: (u64, u32),
+        scaling: Scaling<'_>,
+        write: &mut dyn FnMut(&mut Table, usize, PieceHead),
+    ) -> Result<(), OptimError> {
+        let count_skips = matches!(scaling, Scaling::Device(_));
+        let (table, n_blocks) = self.piece_table(items, block.0, count_skips, write)?;
         let addresses = scaling_addresses(scaling);
-        self.run_elementwise(kernel, &table, items.len(), first_block, block, addresses)
+        self.run_elementwise(kernel, &table, items.len(), n_blocks, block, addresses)
     }
 
     /// The foreach form (chunks of `chunk` elements, `None`: all at once) or the single form
@@ -517,8 +548,14 @@ pub(crate) struct PassOps {
     pub(crate) chunked: Vec<i32>,
 }
 
+/// The raw-buffer layer's parameters of `lens` elements, all at step `step` (no skip counters).
+pub(crate) fn raw_geometry(lens: impl Iterator<Item = usize>, step: u64) -> Vec<ItemGeometry> {
+    lens.map(|len| ItemGeometry { len, slot: 0, step })
+        .collect()
+}
+
 /// The parameters of a rule's step as the CUDA side needs them.
-pub(crate) fn geometry<S>(items: &[crate::optimizer::StepItem<'_, S>]) -> Vec<ItemGeometry> {
+pub(crate) fn geometry<S>(items: &[StepItem<'_, S>]) -> Vec<ItemGeometry> {
     items
         .iter()
         .map(|it| ItemGeometry {
@@ -527,12 +564,4 @@ pub(crate) fn geometry<S>(items: &[crate::optimizer::StepItem<'_, S>]) -> Vec<It
             step: it.step,
         })
         .collect()
-}
-
-/// `Some(chunk)` for a foreach implementation, `None` for single.
-pub(crate) fn foreach_chunk(implementation: crate::Implementation) -> Option<Option<usize>> {
-    match implementation {
-        crate::Implementation::Foreach { chunk } => Some(chunk),
-        _ => None,
-    }
 }

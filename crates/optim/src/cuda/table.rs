@@ -19,6 +19,20 @@ pub(crate) struct PieceHead {
     pub(crate) step: u64,
 }
 
+/// One writer per field type: `table.u64(value)` appends `value` as the kernels read it (its
+/// little-endian bytes) and returns the table for the next field.
+macro_rules! field_writers {
+    ($($ty:ident),*) => {
+        $(
+            #[doc = concat!("Appends a `", stringify!($ty), "` field.")]
+            pub(crate) fn $ty(&mut self, value: $ty) -> &mut Table {
+                self.bytes.extend(value.to_le_bytes());
+                self
+            }
+        )*
+    };
+}
+
 /// The bytes of one launch's table (or of several launches' tables back to back).
 #[derive(Debug, Default)]
 pub(crate) struct Table {
@@ -36,25 +50,7 @@ impl Table {
             .u64(head.step)
     }
 
-    pub(crate) fn u64(&mut self, value: u64) -> &mut Table {
-        self.bytes.extend(value.to_le_bytes());
-        self
-    }
-
-    pub(crate) fn f64(&mut self, value: f64) -> &mut Table {
-        self.bytes.extend(value.to_le_bytes());
-        self
-    }
-
-    pub(crate) fn u32(&mut self, value: u32) -> &mut Table {
-        self.bytes.extend(value.to_le_bytes());
-        self
-    }
-
-    pub(crate) fn f32(&mut self, value: f32) -> &mut Table {
-        self.bytes.extend(value.to_le_bytes());
-        self
-    }
+    field_writers!(u64, f64, u32, f32);
 
     /// Ends the entry, which must have the kernel struct's `size`.
     pub(crate) fn end(&mut self, size: usize) {

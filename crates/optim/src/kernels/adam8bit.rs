@@ -14,7 +14,7 @@
 //! roundings straddle a code threshold; the golden test bounds how often).
 
 use super::quantization::{quantize_state_code, QuantizationMap};
-use super::{check_len, GradScaling, StepOutcome};
+use super::{check_len, non_negative, GradScaling, StepOutcome};
 use crate::error::OptimError;
 
 /// Block size of bitsandbytes' 8-bit optimizer states.
@@ -58,6 +58,22 @@ impl Adam8bitConfig {
             weight_decay: 1e-2,
             ..Adam8bitConfig::adam()
         }
+    }
+
+    /// Checks the ranges bitsandbytes checks.
+    pub fn validate(&self) -> Result<(), OptimError> {
+        if !non_negative(self.lr)
+            || !(0.0..1.0).contains(&self.betas.0)
+            || !(0.0..1.0).contains(&self.betas.1)
+            || !non_negative(self.eps)
+            || !non_negative(self.weight_decay)
+        {
+            return Err(OptimError::InvalidArgument {
+                op: "Adam8bitConfig",
+                reason: format!("invalid hyperparameters {self:?}"),
+            });
+        }
+        Ok(())
     }
 }
 

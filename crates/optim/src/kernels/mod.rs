@@ -59,7 +59,7 @@ use headroom_autograd_core::DType;
 
 use crate::error::OptimError;
 
-/// An element type of SGD and Adam parameters: `f32`, [`bf16`] or [`f16`]. Values are widened to
+/// An element type of SGD and Adam parameters: `f32`, [`bf16`] or [`f16`](struct@f16). Values are widened to
 /// f32 exactly for arithmetic and stored back rounded to nearest-even (NaN as one canonical quiet
 /// NaN, the bits the CUDA kernels store), so the host and the GPU agree to the bit.
 pub trait ParamElement: Copy + Send + Sync + std::fmt::Debug + 'static + sealed::Sealed {

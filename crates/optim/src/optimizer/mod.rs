@@ -1,0 +1,649 @@
+//! The optimizer over autograd-core parameters: the object-safe [`Optimizer`] trait, parameter
+//! handles ([`ParamId`]), what a step updates ([`StepParams`]) and how its gradients are scaled
+//! ([`Scaling`]), and [`GroupOptimizer`], which runs one [`UpdateRule`] over parameter groups.
+//!
+//! [`GroupOptimizer`] keeps one flat slot table — parameter, group, step count, state — indexed
+//! by [`ParamId`], resolved once when the optimizer is built. A step selects slots (all of them,
+//! or the handles it is given, in O(their number)), checks their gradients, creates missing
+//! state, and makes one rule call per run of parameters that share a group and a dtype (as
+//! PyTorch groups tensors by dtype). The rule call goes to the [`StepDevice`], which picks the
+//! host or the CUDA side once (`device.rs`); the rules' front ends (`sgd.rs`, `adam.rs`, ...)
+//! say only which buffers go to which kernels (`driver.rs`). State tensors and every temporary
+//! of a step are allocated from the parameters' backend, so `memory_allocated()` sees them.
+//! State dicts are in `state_dict.rs`.
+
+mod state_dict;
+
+use std::num::NonZeroUsize;
+
+use headroom_autograd_core::{DType, Tensor};
+
+use crate::device::{DeviceGradScaling, StepDevice};
+use crate::driver::{RuleCall, RuleKernels};
+use crate::error::OptimError;
+use crate::kernels::{GradScaling, StepOutcome};
+
+pub use state_dict::SavedTensors;
+
+/// Elements of temporaries the bounded foreach implementation holds at once by default:
+/// 4 Mi f32 = 16 MiB. PyTorch's foreach holds one temporary of the size of all parameters
+/// (4 GB for a 1e9-parameter model); 16 MiB keeps each op's pass long enough to stream at full
+/// memory bandwidth while staying far below the 64 MB budget of issue 5.
+pub const DEFAULT_FOREACH_CHUNK: usize = 1 << 22;
+
+/// How a rule's update runs; results agree to the bit, memory and passes differ. A rule may
+/// lack some (8-bit Adam's blockwise kernel is one pass: `Fused` only); asking for one it lacks
+/// is an [`OptimError::Unsupported`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Implementation {
+    /// One parameter at a time, op by op (temporaries of one parameter).
+    Single,
+    /// Op by op across all parameters of a group, temporaries bounded by `chunk` elements.
+    Foreach {
+        /// Elements of temporaries held at once.
+        chunk: NonZeroUsize,
+    },
+    /// Op by op across all parameters of a group at once, as PyTorch's foreach does: ~1×
+    /// the parameters' size in temporaries.
+    ForeachUnbounded,
+    /// One pass per element, no temporaries; the only implementation that takes a gradient
+    /// [`Scaling`].
+    Fused,
+}
+
+impl Implementation {
+    /// Foreach with the default bound ([`DEFAULT_FOREACH_CHUNK`] elements).
+    pub const FOREACH: Implementation = Implementation::Foreach {
+        chunk: NonZeroUsize::new(DEFAULT_FOREACH_CHUNK).expect("a non-zero constant"),
+    };
+
+    /// `Some(Some(chunk))` for bounded foreach, `Some(None)` for unbounded foreach, `None` for
+    /// the single and fused forms.
+    pub(crate) fn foreach_bound(self) -> Option<Option<usize>> {
+        match self {
+            Implementation::Foreach { chunk } => Some(Some(chunk.get())),
+            Implementation::ForeachUnbounded => Some(None),
+            Implementation::Single | Implementation::Fused => None,
+        }
+    }
+}
+
+/// Parameters that share hyperparameters.
+#[derive(Debug, Clone)]
+pub struct ParamGroup<R> {
+    /// The parameters (leaf tensors, contiguous, on one device; f32, or bf16/f16 for SGD and
+    /// Adam).
+    pub params: Vec<Tensor>,
+    /// The group's hyperparameters; a scheduler changes its learning rate.
+    pub config: R,
+}
+
+impl<R> ParamGroup<R> {
+    /// A group of `params` with `config`.
+    pub fn new(params: Vec<Tensor>, config: R) -> ParamGroup<R> {
+        ParamGroup { params, config }
+    }
+}
+
+/// A parameter's state tensors by name (`exp_avg`, `momentum_buffer`, `state1`, ...).
+pub type NamedTensors = Vec<(&'static str, Tensor)>;
+
+/// One algorithm: its hyperparameters (the implementing type), its per-parameter state, and
+/// its kernels on each device.
+///
+/// The kernels are a [`RuleKernels`] table this crate fills in for its rules (SGD, Adam,
+/// Adafactor, 8-bit Adam), so the trait is implemented here only; code outside names it as a
+/// bound (`fn run<R: UpdateRule>(config: R)`).
+pub trait UpdateRule: Clone + std::fmt::Debug + Send + 'static {
+    /// The per-parameter state.
+    type State: std::fmt::Debug + Send;
+    /// Name used in errors and state dicts.
+    const NAME: &'static str;
+    /// The rule's kernels on each device, and the parameter dtypes they take.
+    const KERNELS: RuleKernels<Self>;
+
+    /// Checks the hyperparameters.
+    fn validate(&self) -> Result<(), OptimError>;
+    /// Whether the rule has this implementation (all of them unless the rule says otherwise).
+    fn supports(&self, implementation: Implementation) -> bool {
+        let _ = implementation;
+        true
+    }
+    /// The learning rate.
+    fn lr(&self) -> f64;
+    /// Sets the learning rate.
+    fn set_lr(&mut self, lr: f64);
+    /// Fresh state for `param`, on its device.
+    fn init_state(&self, param: &Tensor) -> Result<Self::State, OptimError>;
+    /// The state's tensors by name.
+    fn state_tensors(state: &Self::State) -> NamedTensors;
+    /// State rebuilt from a state dict's tensors of one parameter.
+    fn state_from_tensors(&self, saved: &mut SavedTensors) -> Result<Self::State, OptimError>;
+}
+
+/// The [`UpdateRule`] items every rule of this crate spells the same way: its name, its kernel
+/// table (`float_kernels` or `f32_kernels`, by the dtypes it takes), its config's own
+/// `validate`, and the learning rate in its config's `lr` field.
+macro_rules! rule_items {
+    (name: $name:literal, kernels: $kernels:ident) => {
+        const NAME: &'static str = $name;
+        const KERNELS: $crate::RuleKernels<Self> = $crate::driver::$kernels();
+
+        fn validate(&self) -> Result<(), $crate::OptimError> {
+            Self::validate(self)
+        }
+
+        fn lr(&self) -> f64 {
+            self.lr
+        }
+
+        fn set_lr(&mut self, lr: f64) {
+            self.lr = lr;
+        }
+    };
+}
+
+pub(crate) use rule_items;
+
+/// A parameter's handle in one optimizer, resolved once (with [`Optimizer::param_id`] or
+/// [`Optimizer::params`]): its index in the optimizer's parameter table, in registration order.
+/// Stepping by handle costs the parameter's own work, never a search among all parameters.
+///
+/// ```
+/// use headroom_autograd_core::{DType, Tensor};
+/// use headroom_ops_cpu::CpuBackend;
+/// use headroom_optim::kernels::SgdConfig;
+/// use headroom_optim::{Implementation, Optimizer, ParamGroup, Scaling, Sgd, StepParams};
+///
+/// let cpu = CpuBackend::new_ref();
+/// let (a, b) = (
+///     Tensor::from_slice(&cpu, &[1.0f32, 2.0], &[2])?,
+///     Tensor::from_slice(&cpu, &[3.0f32], &[1])?,
+/// );
+/// let mut sgd = Sgd::new(
+///     vec![ParamGroup::new(vec![a.clone(), b.clone()], SgdConfig::new(0.5))],
+///     Implementation::Fused,
+/// )?;
+/// let id_b = sgd.param_id(&b)?; // One search, at registration.
+/// assert_eq!(id_b.index(), 1);
+/// a.set_grad(Some(Tensor::from_slice(&cpu, &[1.0f32, 1.0], &[2])?))?;
+/// b.set_grad(Some(Tensor::from_slice(&cpu, &[1.0f32], &[1])?))?;
+/// // Only `b` steps, although `a` has a gradient too.
+/// sgd.step_with(StepParams::Only(&[id_b]), Scaling::None)?;
+/// assert_eq!(b.to_vec::<f32>()?, [2.5]);
+/// assert_eq!(a.to_vec::<f32>()?, [1.0, 2.0]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ParamId(usize);
+
+impl ParamId {
+    /// The parameter's position among all of the optimizer's parameters (groups in order, then
+    /// parameters in their group's order).
+    pub fn index(self) -> usize {
+        self.0
+    }
+}
+
+/// Which parameters a step updates (those of them that have a gradient).
+///
+/// ```
+/// use headroom_autograd_core::Tensor;
+/// use headroom_ops_cpu::CpuBackend;
+/// use headroom_optim::kernels::AdamConfig;
+/// use headroom_optim::{Adam, Implementation, Optimizer, ParamGroup, Scaling, StepParams};
+///
+/// let cpu = CpuBackend::new_ref();
+/// let params: Vec<Tensor> = (0..4)
+///     .map(|i| Tensor::from_slice(&cpu, &[i as f32; 8], &[8]))
+///     .collect::<Result<_, _>>()?;
+/// let mut adam = Adam::new(
+///     vec![ParamGroup::new(params.clone(), AdamConfig::adamw())],
+///     Implementation::Fused,
+/// )?;
+/// for param in &params {
+///     param.set_grad(Some(Tensor::from_slice(&cpu, &[0.1f32; 8], &[8])?))?;
+/// }
+/// // A bucket of two parameters, in one call (as an optimizer-in-backward hook steps it).
+/// let ids: Vec<_> = adam.params().into_iter().map(|(id, _)| id).collect();
+/// adam.step_with(StepParams::Only(&ids[2..]), Scaling::None)?;
+/// assert_eq!((adam.param_step(0, 1)?, adam.param_step(0, 2)?), (0, 1));
+/// // Then everything else that has a gradient.
+/// adam.step_with(StepParams::All, Scaling::None)?;
+/// assert_eq!((adam.param_step(0, 1)?, adam.param_step(0, 2)?), (1, 2));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub enum StepParams<'a> {
+    /// Every parameter of the optimizer.
+    All,
+    /// These parameters (each at most once), by handle.
+    Only(&'a [ParamId]),
+}
+
+/// How the gradients of a step are scaled (a GradScaler's loss scale and overflow flag).
+/// Anything but `None` needs the [`Implementation::Fused`] form, whose kernels unscale each
+/// gradient element in registers and skip on overflow.
+#[derive(Debug, Clone, Copy)]
+pub enum Scaling<'a> {
+    /// The gradients are the true gradients.
+    None,
+    /// Values the host holds (any device): a set `found_inf` skips the step before any kernel
+    /// runs ([`StepOutcome::Skipped`]).
+    Host(GradScaling),
+    /// Tensors on the parameters' CUDA device: the kernels read them, so nothing waits for the
+    /// device; a skipped step is counted there and does not advance the step numbers.
+    Device(&'a DeviceGradScaling),
+}
+
+impl Scaling<'_> {
+    /// Whether gradients are scaled or a skip flag is given at all.
+    fn is_scaled(&self) -> bool {
+        match self {
+            Scaling::None => false,
+            Scaling::Host(scaling) => *scaling != GradScaling::NONE,
+            Scaling::Device(scaling) => scaling.grad_scale.is_some() || scaling.found_inf.is_some(),
+        }
+    }
+
+    /// The host values (`NONE` without scaling, and for device scaling, which only the CUDA
+    /// kernels read).
+    pub(crate) fn host(&self) -> GradScaling {
+        match self {
+            Scaling::Host(scaling) => *scaling,
+            Scaling::None | Scaling::Device(_) => GradScaling::NONE,
+        }
+    }
+}
+
+/// The object-safe optimizer interface: what schedulers, trainers, optimizer-in-backward hooks
+/// and GradScalers build on. Everything else derives from `step_with`.
+pub trait Optimizer: Send {
+    /// The algorithm's name.
+    fn name(&self) -> &'static str;
+    /// Number of parameter groups.
+    fn n_groups(&self) -> usize;
+    /// Learning rate of a group.
+    fn lr(&self, group: usize) -> f64;
+    /// Sets the learning rate of a group (what schedulers call).
+    fn set_lr(&mut self, group: usize, lr: f64);
+    /// Every parameter with its handle, in registration order.
+    fn params(&self) -> Vec<(ParamId, Tensor)>;
+    /// The handle of `param` (the same tensor, or a tensor over the same memory). It searches
+    /// all parameters: call it once per parameter, at registration.
+    fn param_id(&self, param: &Tensor) -> Result<ParamId, OptimError>;
+    /// One step of the selected parameters that have a gradient, their gradients scaled as
+    /// `scaling` says. Costs O(selected parameters) — never a pass over all of them for
+    /// [`StepParams::Only`]. [`StepOutcome::Skipped`] when a host-valued overflow flag skipped
+    /// the step (a device flag is read by the kernels, and the call returns `Stepped`).
+    fn step_with(
+        &mut self,
+        params: StepParams<'_>,
+        scaling: Scaling<'_>,
+    ) -> Result<StepOutcome, OptimError>;
+    /// One step of every parameter that has a gradient.
+    fn step(&mut self) -> Result<(), OptimError> {
+        self.step_with(StepParams::All, Scaling::None).map(|_| ())
+    }
+    /// Clears every parameter's gradient (drops it when `set_to_none`).
+    fn zero_grad(&self, set_to_none: bool) -> Result<(), OptimError>;
+    /// The state (steps, state tensors, hyperparameters) as safetensors bytes.
+    fn state_dict(&self) -> Result<Vec<u8>, OptimError>;
+    /// Restores what [`Optimizer::state_dict`] saved (same groups and parameter shapes).
+    fn load_state_dict(&mut self, bytes: &[u8]) -> Result<(), OptimError>;
+}
+
+/// A parameter's entry in the slot table.
+#[derive(Debug)]
+struct Slot<S> {
+    param: Tensor,
+    group: usize,
+    /// Steps taken, as the host counts them (device-skipped steps are subtracted on read).
+    step: u64,
+    /// Created at the parameter's first step.
+    state: Option<S>,
+}
+
+/// A parameter handed to a rule's kernels: one entry of a step.
+#[derive(Debug)]
+pub(crate) struct StepItem<'a, S> {
+    /// Step number (1-based) this update is, as the host counts it (steps the device skipped
+    /// under a [`DeviceGradScaling`] are subtracted by the kernels).
+    pub(crate) step: u64,
+    /// The parameter's slot (its [`ParamId`] index and device skip counter).
+    #[cfg_attr(
+        not(feature = "cuda"),
+        expect(dead_code, reason = "only the CUDA skip counters read it")
+    )]
+    pub(crate) slot: usize,
+    /// The parameter.
+    pub(crate) param: &'a Tensor,
+    /// Its gradient.
+    pub(crate) grad: Tensor,
+    /// Its state.
+    pub(crate) state: &'a mut S,
+}
+
+/// An optimizer of parameter groups with one [`UpdateRule`] and one [`Implementation`], on the
+/// device of its parameters (the CPU, or a CUDA device with the `cuda` feature).
+#[derive(Debug)]
+pub struct GroupOptimizer<R: UpdateRule> {
+    groups: Vec<ParamGroup<R>>,
+    /// The slot of each group's first parameter.
+    group_starts: Vec<usize>,
+    slots: Vec<Slot<R::State>>,
+    implementation: Implementation,
+    device: StepDevice,
+}
+
+impl<R: UpdateRule> GroupOptimizer<R> {
+    /// An optimizer over `groups`. Fails on invalid hyperparameters, an implementation the rule
+    /// lacks, or parameters that are not distinct contiguous tensors of one device and of a
+    /// dtype the rule takes.
+    pub fn new(
+        groups: Vec<ParamGroup<R>>,
+        implementation: Implementation,
+    ) -> Result<GroupOptimizer<R>, OptimError> {
+        let all: Vec<&Tensor> = groups.iter().flat_map(|g| &g.params).collect();
+        for param in &all {
+            if !R::KERNELS.dtypes.contains(&param.dtype()) {
+                return Err(OptimError::DType {
+                    op: R::NAME,
+                    expected: DType::F32,
+                    got: param.dtype(),
+                });
+            }
+        }
+        let device = match all.first() {
+            Some(first) => StepDevice::of(R::NAME, first, all.len())?,
+            None => StepDevice::host(),
+        };
+        for group in &groups {
+            group.config.validate()?;
+            if !group.config.supports(implementation) {
+                return Err(OptimError::Unsupported {
+                    optimizer: R::NAME,
+                    reason: format!("no {implementation:?} implementation"),
+                });
+            }
+        }
+        for param in &all {
+            device.check(R::NAME, param)?;
+        }
+        crate::host::check_disjoint(R::NAME, &all)?;
+        let mut group_starts = Vec::with_capacity(groups.len());
+        let mut slots = Vec::with_capacity(all.len());
+        for (group, g) in groups.iter().enumerate() {
+            group_starts.push(slots.len());
+            slots.extend(g.params.iter().map(|param| Slot {
+                param: param.clone(),
+                group,
+                step: 0,
+                state: None,
+            }));
+        }
+        Ok(GroupOptimizer {
+            groups,
+            group_starts,
+            slots,
+            implementation,
+            device,
+        })
+    }
+
+    /// The implementation in use.
+    pub fn implementation(&self) -> Implementation {
+        self.implementation
+    }
+
+    /// The parameter groups.
+    pub fn groups(&self) -> &[ParamGroup<R>] {
+        &self.groups
+    }
+
+    /// A group's hyperparameters, to change between steps.
+    pub fn config_mut(&mut self, group: usize) -> &mut R {
+        &mut self.groups[group].config
+    }
+
+    /// The device the steps run on.
+    pub fn device(&self) -> &StepDevice {
+        &self.device
+    }
+
+    /// The number of steps taken by parameter `idx` of group `group` (0 before its first).
+    /// After steps under a [`DeviceGradScaling`] this reads the device's skip counts (and
+    /// waits for the device).
+    pub fn param_step(&self, group: usize, idx: usize) -> Result<u64, OptimError> {
+        let slot = self.group_starts[group] + idx;
+        let skipped = self.device.skipped_steps(self.slots.len())?[slot];
+        Ok(self.slots[slot].step - skipped)
+    }
+
+    /// The state tensors of parameter `idx` of group `group`, by name (empty before its first
+    /// step).
+    pub fn param_state(&self, group: usize, idx: usize) -> NamedTensors {
+        self.slots[self.group_starts[group] + idx]
+            .state
+            .as_ref()
+            .map(R::state_tensors)
+            .unwrap_or_default()
+    }
+
+    fn check_scaling(&self, scaling: Scaling<'_>) -> Result<(), OptimError> {
+        if scaling.is_scaled() && self.implementation != Implementation::Fused {
+            return Err(OptimError::Unsupported {
+                optimizer: R::NAME,
+                reason: format!(
+                    "a gradient scale or found-inf flag needs the fused implementation, not {:?}",
+                    self.implementation
+                ),
+            });
+        }
+        if let Scaling::Device(device_scaling) = scaling {
+            self.device.check_scaling(R::NAME, device_scaling)?;
+            #[cfg(feature = "cuda")]
+            if !R::KERNELS.device_scaling {
+                return Err(OptimError::Unsupported {
+                    optimizer: R::NAME,
+                    reason: "a device gradient scale (pass the scale as a value)".into(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The slots `params` selects, ascending; typed errors for a handle this optimizer does not
+    /// have and for a handle given twice.
+    fn selected_slots(&self, params: StepParams<'_>) -> Result<Vec<usize>, OptimError> {
+        let ids = match params {
+            StepParams::All => return Ok((0..self.slots.len()).collect()),
+            StepParams::Only(ids) => ids,
+        };
+        let mut slots: Vec<usize> = ids.iter().map(|id| id.0).collect();
+        if slots.iter().any(|&slot| slot >= self.slots.len()) {
+            return Err(OptimError::UnknownParameter { optimizer: R::NAME });
+        }
+        slots.sort_unstable();
+        if slots.windows(2).any(|w| w[0] == w[1]) {
+            return Err(OptimError::InvalidArgument {
+                op: R::NAME,
+                reason: "a parameter is listed twice in one step".into(),
+            });
+        }
+        Ok(slots)
+    }
+
+    /// One step of the parameters of `selected` (ascending slots) that have a gradient: per
+    /// group, in order, their gradients are checked and missing states created, then each run of
+    /// one dtype is one rule call.
+    fn step_slots(&mut self, selected: &[usize], scaling: Scaling<'_>) -> Result<(), OptimError> {
+        let GroupOptimizer {
+            groups,
+            slots,
+            implementation,
+            device,
+            ..
+        } = self;
+        let mut with_grads: Vec<(usize, &mut Slot<R::State>, Tensor)> =
+            Vec::with_capacity(selected.len());
+        for (slot_idx, slot) in selected.iter().zip(select_mut(slots, selected)) {
+            if let Some(grad) = slot.param.grad() {
+                with_grads.push((*slot_idx, slot, grad));
+            }
+        }
+        for run in with_grads.chunk_by_mut(|a, b| a.1.group == b.1.group) {
+            let config = &groups[run[0].1.group].config;
+            for (_, slot, grad) in run.iter_mut() {
+                check_grad(device, &slot.param, grad)?;
+                if slot.state.is_none() {
+                    slot.state = Some(config.init_state(&slot.param)?);
+                }
+            }
+            let mut items: Vec<StepItem<'_, R::State>> = run
+                .iter_mut()
+                .map(|(slot_idx, slot, grad)| {
+                    let Slot {
+                        param, step, state, ..
+                    } = &mut **slot;
+                    *step += 1;
+                    StepItem {
+                        step: *step,
+                        slot: *slot_idx,
+                        param,
+                        grad: grad.clone(),
+                        state: state.as_mut().expect("created above"),
+                    }
+                })
+                .collect();
+            // One rule call per dtype, as PyTorch groups tensors by dtype (the order of
+            // parameters within a call changes no result).
+            items.sort_by_key(|it| dtype_order(it.param.dtype()));
+            for same_dtype in items.chunk_by_mut(|a, b| a.param.dtype() == b.param.dtype()) {
+                let call = RuleCall {
+                    implementation: *implementation,
+                    items: same_dtype,
+                    scaling,
+                };
+                device.step(config, call)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Mutable references to the elements of `slice` at `sorted` (ascending, distinct, in range)
+/// indices, in O(their number).
+fn select_mut<'a, T>(mut rest: &'a mut [T], sorted: &[usize]) -> Vec<&'a mut T> {
+    let mut res = Vec::with_capacity(sorted.len());
+    let mut base = 0;
+    for &idx in sorted {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(idx - base);
+        let (item, tail) = tail
+            .split_first_mut()
+            .expect("a selected index is in range");
+        res.push(item);
+        rest = tail;
+        base = idx + 1;
+    }
+    res
+}
+
+/// A sort key that groups tensors by dtype.
+fn dtype_order(dtype: DType) -> usize {
+    [DType::F32, DType::BF16, DType::F16]
+        .iter()
+        .position(|&d| d == dtype)
+        .unwrap_or(usize::MAX)
+}
+
+fn check_grad(device: &StepDevice, param: &Tensor, grad: &Tensor) -> Result<(), OptimError> {
+    device.check("gradient", grad)?;
+    if grad.dtype() != param.dtype() {
+        return Err(OptimError::DType {
+            op: "gradient",
+            expected: param.dtype(),
+            got: grad.dtype(),
+        });
+    }
+    if grad.shape() != param.shape() {
+        return Err(OptimError::UnsupportedTensor {
+            op: "gradient",
+            reason: format!(
+                "gradient shape {:?} for a parameter of shape {:?}",
+                grad.shape(),
+                param.shape()
+            ),
+        });
+    }
+    crate::host::check_disjoint("gradient", &[param, grad])
+}
+
+impl<R: UpdateRule> Optimizer for GroupOptimizer<R> {
+    fn name(&self) -> &'static str {
+        R::NAME
+    }
+
+    fn n_groups(&self) -> usize {
+        self.groups.len()
+    }
+
+    fn lr(&self, group: usize) -> f64 {
+        self.groups[group].config.lr()
+    }
+
+    fn set_lr(&mut self, group: usize, lr: f64) {
+        self.groups[group].config.set_lr(lr);
+    }
+
+    fn params(&self) -> Vec<(ParamId, Tensor)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .map(|(idx, slot)| (ParamId(idx), slot.param.clone()))
+            .collect()
+    }
+
+    fn param_id(&self, param: &Tensor) -> Result<ParamId, OptimError> {
+        self.slots
+            .iter()
+            .position(|slot| {
+                let p = &slot.param;
+                p.same_tensor(param)
+                    || (crate::host::byte_range(p) == crate::host::byte_range(param)
+                        && p.device() == param.device()
+                        && p.shape() == param.shape())
+            })
+            .map(ParamId)
+            .ok_or(OptimError::UnknownParameter { optimizer: R::NAME })
+    }
+
+    fn step_with(
+        &mut self,
+        params: StepParams<'_>,
+        scaling: Scaling<'_>,
+    ) -> Result<StepOutcome, OptimError> {
+        self.check_scaling(scaling)?;
+        let selected = self.selected_slots(params)?;
+        if scaling.host().skips() {
+            return Ok(StepOutcome::Skipped);
+        }
+        self.step_slots(&selected, scaling)?;
+        Ok(StepOutcome::Stepped)
+    }
+
+    fn zero_grad(&self, set_to_none: bool) -> Result<(), OptimError> {
+        for slot in &self.slots {
+            slot.param.zero_grad(set_to_none)?;
+        }
+        Ok(())
+    }
+
+    fn state_dict(&self) -> Result<Vec<u8>, OptimError> {
+        self.save_state()
+    }
+
+    fn load_state_dict(&mut self, bytes: &[u8]) -> Result<(), OptimError> {
+        self.load_state(bytes)
+    }
+}

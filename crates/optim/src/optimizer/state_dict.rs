@@ -1,0 +1,209 @@
+//! A group optimizer's state as safetensors bytes: every parameter's step and state tensors
+//! (keys `state.{group}.{index}.{name}`, steps and hyperparameters in the metadata), and the way
+//! back onto the parameters' backend.
+//!
+//! It sits on the optimizer's slot table (its parent module) and the rule's
+//! [`UpdateRule::state_tensors`] / [`UpdateRule::state_from_tensors`]; it knows no algorithm
+//! and no device (tensors are read and created through autograd-core).
+
+use std::collections::HashMap;
+
+use headroom_autograd_core::{DType, Element, Tensor};
+use safetensors::tensor::TensorView;
+
+use super::{GroupOptimizer, UpdateRule};
+use crate::error::OptimError;
+
+impl<R: UpdateRule> GroupOptimizer<R> {
+    /// The state (steps, state tensors, hyperparameters) as safetensors bytes.
+    pub(super) fn save_state(&self) -> Result<Vec<u8>, OptimError> {
+        let mut metadata = HashMap::new();
+        metadata.insert("optimizer".to_string(), R::NAME.to_string());
+        metadata.insert(
+            "implementation".to_string(),
+            format!("{:?}", self.implementation),
+        );
+        for (g, group) in self.groups.iter().enumerate() {
+            metadata.insert(format!("group.{g}.lr"), format!("{:?}", group.config.lr()));
+            metadata.insert(format!("group.{g}.config"), format!("{:?}", group.config));
+        }
+        let mut blobs: Vec<(String, DType, Vec<usize>, Vec<u8>)> = Vec::new();
+        let skipped = self.device.skipped_steps(self.slots.len())?;
+        for (slot_idx, slot) in self.slots.iter().enumerate() {
+            let Some(state) = &slot.state else { continue };
+            let (g, idx) = (slot.group, slot_idx - self.group_starts[slot.group]);
+            let step = slot.step - skipped[slot_idx];
+            metadata.insert(format!("state.{g}.{idx}.step"), step.to_string());
+            for (name, tensor) in R::state_tensors(state) {
+                blobs.push((
+                    format!("state.{g}.{idx}.{name}"),
+                    tensor.dtype(),
+                    tensor.shape().to_vec(),
+                    tensor_bytes(name, &tensor)?,
+                ));
+            }
+        }
+        let views = blobs
+            .iter()
+            .map(|(name, dtype, shape, bytes)| {
+                let dtype = match dtype {
+                    DType::U8 => safetensors::Dtype::U8,
+                    DType::BF16 => safetensors::Dtype::BF16,
+                    DType::F16 => safetensors::Dtype::F16,
+                    _ => safetensors::Dtype::F32,
+                };
+                Ok((name.clone(), TensorView::new(dtype, shape.clone(), bytes)?))
+            })
+            .collect::<Result<Vec<_>, OptimError>>()?;
+        Ok(safetensors::serialize(views, &Some(metadata))?)
+    }
+
+    /// Restores what [`GroupOptimizer::save_state`] saved (same groups and parameter shapes).
+    pub(super) fn load_state(&mut self, bytes: &[u8]) -> Result<(), OptimError> {
+        let (_, header) = safetensors::SafeTensors::read_metadata(bytes)?;
+        let metadata = header.metadata().clone().unwrap_or_default();
+        if metadata.get("optimizer").map(String::as_str) != Some(R::NAME) {
+            return Err(OptimError::StateDict(format!(
+                "saved by {:?}, loading into {}",
+                metadata.get("optimizer"),
+                R::NAME
+            )));
+        }
+        let tensors = safetensors::SafeTensors::deserialize(bytes)?;
+        for (g, group) in self.groups.iter_mut().enumerate() {
+            if let Some(lr) = metadata.get(&format!("group.{g}.lr")) {
+                let lr = lr
+                    .parse::<f64>()
+                    .map_err(|e| OptimError::StateDict(format!("group {g} lr {lr:?}: {e}")))?;
+                group.config.set_lr(lr);
+            }
+        }
+        let mut loaded = Vec::with_capacity(self.slots.len());
+        for (slot_idx, slot) in self.slots.iter().enumerate() {
+            let (g, idx) = (slot.group, slot_idx - self.group_starts[slot.group]);
+            let Some(step) = metadata.get(&format!("state.{g}.{idx}.step")) else {
+                loaded.push((0, None));
+                continue;
+            };
+            let step = step
+                .parse::<u64>()
+                .map_err(|e| OptimError::StateDict(format!("step {step:?}: {e}")))?;
+            let prefix = format!("state.{g}.{idx}.");
+            let mut named = HashMap::new();
+            for (name, view) in tensors.tensors() {
+                let Some(key) = name.strip_prefix(&prefix) else {
+                    continue;
+                };
+                named.insert(key.to_string(), tensor_of(&name, &view, &slot.param)?);
+            }
+            let mut saved = SavedTensors {
+                param: slot.param.clone(),
+                tensors: named,
+            };
+            let state = self.groups[g].config.state_from_tensors(&mut saved)?;
+            loaded.push((step, Some(state)));
+        }
+        for (slot, (step, state)) in self.slots.iter_mut().zip(loaded) {
+            slot.step = step;
+            slot.state = state;
+        }
+        self.device.reset_skipped_steps()
+    }
+}
+
+/// A state tensor's elements as little-endian bytes.
+fn tensor_bytes(name: &str, tensor: &Tensor) -> Result<Vec<u8>, OptimError> {
+    fn le_bytes<T: Element, const N: usize>(
+        tensor: &Tensor,
+        to_le_bytes: fn(T) -> [u8; N],
+    ) -> Result<Vec<u8>, OptimError> {
+        Ok(tensor
+            .to_vec::<T>()?
+            .into_iter()
+            .flat_map(to_le_bytes)
+            .collect())
+    }
+    match tensor.dtype() {
+        DType::F32 => le_bytes(tensor, f32::to_le_bytes),
+        DType::BF16 => le_bytes(tensor, half::bf16::to_le_bytes),
+        DType::F16 => le_bytes(tensor, half::f16::to_le_bytes),
+        DType::U8 => Ok(tensor.to_vec::<u8>()?),
+        other => Err(OptimError::StateDict(format!(
+            "state tensor {name} has dtype {other:?}"
+        ))),
+    }
+}
+
+/// A saved tensor on `param`'s backend.
+fn tensor_of(name: &str, view: &TensorView<'_>, param: &Tensor) -> Result<Tensor, OptimError> {
+    fn from_le<T: Element, const N: usize>(
+        view: &TensorView<'_>,
+        param: &Tensor,
+        from_le_bytes: fn([u8; N]) -> T,
+    ) -> Result<Tensor, OptimError> {
+        let values: Vec<T> = view
+            .data()
+            .chunks_exact(N)
+            .map(|b| from_le_bytes(b.try_into().expect("chunks of N bytes")))
+            .collect();
+        Ok(Tensor::from_slice(param.backend(), &values, view.shape())?)
+    }
+    match view.dtype() {
+        safetensors::Dtype::F32 => from_le(view, param, f32::from_le_bytes),
+        safetensors::Dtype::BF16 => from_le(view, param, half::bf16::from_le_bytes),
+        safetensors::Dtype::F16 => from_le(view, param, half::f16::from_le_bytes),
+        safetensors::Dtype::U8 => from_le(view, param, u8::from_le_bytes),
+        other => Err(OptimError::StateDict(format!("{name} has dtype {other:?}"))),
+    }
+}
+
+/// One parameter's saved state tensors by name, already on the parameter's backend; its rule
+/// takes them one by one as it rebuilds the state ([`UpdateRule::state_from_tensors`]).
+#[derive(Debug)]
+pub struct SavedTensors {
+    param: Tensor,
+    tensors: HashMap<String, Tensor>,
+}
+
+impl SavedTensors {
+    /// The parameter whose state this is.
+    pub(crate) fn param(&self) -> &Tensor {
+        &self.param
+    }
+
+    /// Takes tensor `name`, which must be of `dtype` and `shape`.
+    pub(crate) fn take(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+    ) -> Result<Tensor, OptimError> {
+        let tensor = self
+            .tensors
+            .remove(name)
+            .ok_or_else(|| OptimError::StateDict(format!("missing {name}")))?;
+        if tensor.shape() != shape || tensor.dtype() != dtype {
+            return Err(OptimError::StateDict(format!(
+                "{name} is {:?} {:?}, expected {dtype:?} {shape:?}",
+                tensor.dtype(),
+                tensor.shape()
+            )));
+        }
+        Ok(tensor)
+    }
+
+    /// Takes tensor `name`, which must be of the parameter's dtype and shape.
+    pub(crate) fn take_like(&mut self, name: &str) -> Result<Tensor, OptimError> {
+        let (shape, dtype) = (self.param.shape().to_vec(), self.param.dtype());
+        self.take(name, &shape, dtype)
+    }
+
+    /// Takes tensor `name` like [`SavedTensors::take_like`] when `kept` (an optional state).
+    pub(crate) fn take_like_if(
+        &mut self,
+        kept: bool,
+        name: &str,
+    ) -> Result<Option<Tensor>, OptimError> {
+        kept.then(|| self.take_like(name)).transpose()
+    }
+}
