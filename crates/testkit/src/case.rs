@@ -13,8 +13,8 @@ use headroom_autograd_core::{cross_entropy, BackendRef, DType, Generator, Reduct
 use headroom_nn::{
     Activation, Dropout, Gpt2Config, Gpt2LMHeadModel, Mlp, Module, VisionTransformer, VitConfig,
 };
-use headroom_optim::kernels::{AdamConfig, SgdConfig};
-use headroom_optim::{Adam, Implementation, Optimizer, ParamGroup, Sgd};
+use headroom_optim::kernels::{AdafactorConfig, Adam8bitConfig, AdamConfig, SgdConfig};
+use headroom_optim::{Adafactor, Adam, Adam8bit, Implementation, Optimizer, ParamGroup, Sgd};
 
 use crate::inputs::Xorshift;
 use crate::Result;
@@ -98,6 +98,18 @@ pub enum OptimSpec {
     Adam {
         /// Its hyperparameters.
         config: AdamConfig,
+        /// How its update is computed.
+        implementation: Implementation,
+    },
+    /// bitsandbytes' `Adam8bit` (its one form is fused).
+    Adam8bit {
+        /// Its hyperparameters.
+        config: Adam8bitConfig,
+    },
+    /// `torch.optim.Adafactor`.
+    Adafactor {
+        /// Its hyperparameters.
+        config: AdafactorConfig,
         /// How its update is computed.
         implementation: Implementation,
     },
@@ -316,7 +328,28 @@ impl OptimSpec {
         }
     }
 
-    /// The same optimizer computed another way.
+    /// bitsandbytes' `Adam8bit(lr=lr)` (blockwise 8-bit states).
+    pub fn adam8bit(lr: f64) -> OptimSpec {
+        OptimSpec::Adam8bit {
+            config: Adam8bitConfig {
+                lr,
+                ..Adam8bitConfig::adam()
+            },
+        }
+    }
+
+    /// `torch.optim.Adafactor(lr=lr)` with PyTorch's other defaults, fused.
+    pub fn adafactor(lr: f64) -> OptimSpec {
+        OptimSpec::Adafactor {
+            config: AdafactorConfig {
+                lr,
+                ..AdafactorConfig::new()
+            },
+            implementation: Implementation::Fused,
+        }
+    }
+
+    /// The same optimizer computed another way (8-bit Adam has one way: fused).
     pub fn with_implementation(self, implementation: Implementation) -> OptimSpec {
         match self {
             OptimSpec::Sgd { config, .. } => OptimSpec::Sgd {
@@ -327,6 +360,11 @@ impl OptimSpec {
                 config,
                 implementation,
             },
+            OptimSpec::Adafactor { config, .. } => OptimSpec::Adafactor {
+                config,
+                implementation,
+            },
+            eight_bit @ OptimSpec::Adam8bit { .. } => eight_bit,
         }
     }
 
@@ -335,6 +373,8 @@ impl OptimSpec {
         match self {
             OptimSpec::Sgd { config, .. } => config.lr,
             OptimSpec::Adam { config, .. } => config.lr,
+            OptimSpec::Adam8bit { config } => config.lr,
+            OptimSpec::Adafactor { config, .. } => config.lr,
         }
     }
 
@@ -343,6 +383,8 @@ impl OptimSpec {
         match &mut self {
             OptimSpec::Sgd { config, .. } => config.lr = lr,
             OptimSpec::Adam { config, .. } => config.lr = lr,
+            OptimSpec::Adam8bit { config } => config.lr = lr,
+            OptimSpec::Adafactor { config, .. } => config.lr = lr,
         }
         self
     }
@@ -361,6 +403,17 @@ impl OptimSpec {
                 config,
                 implementation,
             } => Box::new(Adam::new(
+                vec![ParamGroup::new(params, config.clone())],
+                *implementation,
+            )?),
+            OptimSpec::Adam8bit { config } => Box::new(Adam8bit::new(
+                vec![ParamGroup::new(params, config.clone())],
+                Implementation::Fused,
+            )?),
+            OptimSpec::Adafactor {
+                config,
+                implementation,
+            } => Box::new(Adafactor::new(
                 vec![ParamGroup::new(params, config.clone())],
                 *implementation,
             )?),

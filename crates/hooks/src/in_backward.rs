@@ -1,0 +1,644 @@
+//! [`InBackward`]: any optim optimizer, stepped from post-accumulate-grad hooks during backward.
+//!
+//! Each parameter gets a post-accumulate-grad hook. When its gradient is final, the hook adds
+//! the parameter to the pending bucket; a bucket is stepped as soon as it holds
+//! [`InBackwardConfig::bucket_bytes`] of gradients, with one `step_with(Only(bucket))` call (one
+//! multi-tensor launch per group and dtype on CUDA), and its gradients are freed right after. So
+//! buckets form in the order gradients become final — reverse execution order — and gradients
+//! never pile up: the peak is parameters + optimizer state + the activations live when backward
+//! starts, plus one bucket. A backward-end callback steps the last bucket.
+//!
+//! Around that core:
+//! - Gradient accumulation over `k` micro-batches: the first `k − 1` backwards leave gradients
+//!   in `.grad`, the last one steps (a parameter that got a gradient in an earlier micro-batch
+//!   but none in the last is stepped at the end of it, as the plain loop would).
+//! - An LR scheduler advanced once per optimizer step ([`InBackward::set_lr_scheduler`]).
+//! - Clipping, in two documented modes ([`ClipMode`]): exact (a first backward pass only measures
+//!   the norm, a second one updates with the coefficient), or with the previous step's norm (one
+//!   pass; the first step is unclipped).
+//! - Loss scaling for fp16 ([`InBackward::backward_scaled`]): a first pass measures `found_inf`
+//!   over every gradient on the device, the second updates through the fused kernels, which skip
+//!   the whole step when it is set — never a partial update.
+//! - A parameter that gets no gradient in a step is not updated, and is counted
+//!   ([`InBackwardStats::params_without_grad`]).
+//!
+//! It sits on autograd-core's hooks and backward-end callbacks and on optim's [`Optimizer`]
+//! trait; it knows no rule, no kernel and no device.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use headroom_autograd_core::{
+    non_finite_check_, queue_backward_end_callback, BackwardOptions, DType, Device, HookHandle,
+    Tensor, TensorError,
+};
+use headroom_optim::{
+    kernels::{GradScaling, StepOutcome},
+    DeviceGradScaling, LrScheduler, OptimError, Optimizer, ParamId, Scaling, Schedule, StepParams,
+};
+
+use crate::error::HooksError;
+use crate::norm::{self, NormType};
+use crate::registry::Claim;
+
+/// Gradient bytes a bucket collects before it is stepped by default: PyTorch DDP's 25 MiB, which
+/// keeps each fused launch long enough to stream at full bandwidth and the held gradients small.
+pub const DEFAULT_BUCKET_BYTES: u64 = 25 << 20;
+
+/// How an [`InBackward`] steps.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InBackwardConfig {
+    /// Gradient bytes collected before a bucket is stepped (0: every parameter alone).
+    pub bucket_bytes: u64,
+    /// Micro-batches per optimizer step (1: step in every backward).
+    pub accumulation: usize,
+    /// Gradient-norm clipping, if any.
+    pub clipping: Option<Clipping>,
+}
+
+impl Default for InBackwardConfig {
+    /// Buckets of [`DEFAULT_BUCKET_BYTES`], no accumulation, no clipping.
+    fn default() -> Self {
+        InBackwardConfig {
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
+            accumulation: 1,
+            clipping: None,
+        }
+    }
+}
+
+/// Global gradient-norm clipping inside backward.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Clipping {
+    /// The largest norm the update sees.
+    pub max_norm: f64,
+    /// L2 or inf.
+    pub norm: NormType,
+    /// Which norm is used.
+    pub mode: ClipMode,
+}
+
+/// Which global norm clips a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClipMode {
+    /// This step's norm, as `clip_grad_norm_` before a plain step: [`InBackward::backward`]
+    /// runs a first pass that only measures it (gradients are freed as they are measured), then
+    /// the updating pass. Costs one more backward; gradients still never pile up. With
+    /// accumulation, the last micro-batch's step waits for the end of its backward instead.
+    Exact,
+    /// The previous step's norm: one pass; each bucket is measured before it is stepped, and the
+    /// coefficient from step `t`'s total clips step `t + 1`. The first step is not clipped. A
+    /// spike is clipped one step late.
+    PreviousStep,
+}
+
+/// What an [`InBackward`] has done so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InBackwardStats {
+    /// Optimizer steps completed.
+    pub steps: u64,
+    /// Backward passes seen (micro-batches, measuring passes included).
+    pub passes: u64,
+    /// Buckets stepped.
+    pub buckets: u64,
+    /// Times a parameter had no gradient in a step and so was not updated.
+    pub params_without_grad: u64,
+}
+
+/// What the current backward pass does when a gradient is final.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// A micro-batch before the last: the gradient stays in `.grad`.
+    Accumulate,
+    /// The first of two passes: measure the norm and `found_inf`, free the gradient.
+    Measure,
+    /// Step in buckets.
+    Update,
+    /// The last micro-batch when the step needs every gradient first: step all at the end.
+    Deferred,
+}
+
+/// The optimizer and everything the hooks share.
+struct State {
+    optimizer: Box<dyn Optimizer>,
+    params: Vec<Tensor>,
+    ids: Vec<ParamId>,
+    config: InBackwardConfig,
+    scheduler: Option<LrScheduler>,
+    /// Set by `backward` for its two passes; `None` outside them.
+    armed: Option<Pass>,
+    micro_batch: usize,
+    /// Whether this pass's end callback is queued.
+    end_queued: bool,
+    /// Parameters whose hook fired in this pass.
+    fired: Vec<bool>,
+    pending: Vec<usize>,
+    pending_bytes: u64,
+    /// Norm parts of the gradients measured in this step.
+    norm_parts: Vec<Tensor>,
+    /// The coefficient clipping this step's updates.
+    clip: Option<Tensor>,
+    /// The loss scale and overflow flag of this step (`backward_scaled`).
+    scaling: Option<DeviceGradScaling>,
+    stats: InBackwardStats,
+}
+
+/// An optimizer stepped inside backward. See the module docs.
+///
+/// ```
+/// use headroom_autograd_core::{DType, Tensor};
+/// use headroom_hooks::{InBackward, InBackwardConfig};
+/// use headroom_optim::kernels::SgdConfig;
+/// use headroom_optim::{Implementation, ParamGroup, Sgd};
+///
+/// let cpu = headroom_ops_cpu::CpuBackend::new_ref();
+/// let w = Tensor::from_f64s(&cpu, &[1.0, 2.0], &[2], DType::F32)?;
+/// w.requires_grad_(true)?;
+/// let sgd = Sgd::new(vec![ParamGroup::new(vec![w.clone()], SgdConfig::new(0.5))], Implementation::Fused)?;
+/// let in_backward = InBackward::new(Box::new(sgd), InBackwardConfig::default())?;
+/// // The step happens inside backward; the gradient is freed right after it.
+/// w.mul(&w)?.sum_all()?.backward()?;
+/// assert_eq!(w.to_vec::<f32>()?, [0.0, 0.0]);
+/// assert!(w.grad().is_none());
+/// assert_eq!(in_backward.stats().steps, 1);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct InBackward {
+    state: Arc<Mutex<State>>,
+    hooks: Vec<HookHandle>,
+    _claim: Claim,
+}
+
+impl std::fmt::Debug for InBackward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = self.state.lock();
+        f.debug_struct("InBackward")
+            .field("optimizer", &state.optimizer.name())
+            .field("params", &state.params.len())
+            .field("config", &state.config)
+            .field("stats", &state.stats)
+            .finish()
+    }
+}
+
+impl InBackward {
+    /// Takes `optimizer` over: registers a post-accumulate-grad hook on each of its parameters,
+    /// which from now on are stepped inside backward. Fails if a parameter does not require grad
+    /// or is stepped in backward already.
+    pub fn new(
+        optimizer: Box<dyn Optimizer>,
+        config: InBackwardConfig,
+    ) -> Result<InBackward, HooksError> {
+        if config.accumulation == 0 {
+            return Err(HooksError::InvalidArgument {
+                op: "InBackward",
+                reason: "accumulation over 0 micro-batches; use 1 to step every backward".into(),
+            });
+        }
+        if let Some(clipping) = &config.clipping {
+            if !(clipping.max_norm.is_finite() && clipping.max_norm > 0.0) {
+                return Err(HooksError::InvalidArgument {
+                    op: "InBackward",
+                    reason: format!("max_norm {} is not a positive number", clipping.max_norm),
+                });
+            }
+        }
+        let (ids, params): (Vec<ParamId>, Vec<Tensor>) = optimizer.params().into_iter().unzip();
+        if let Some(index) = params.iter().position(|p| !p.requires_grad()) {
+            return Err(HooksError::DoesNotRequireGrad { index });
+        }
+        let claim = Claim::new(&params)?;
+        let n = params.len();
+        let state = Arc::new(Mutex::new(State {
+            optimizer,
+            params: params.clone(),
+            ids,
+            config,
+            scheduler: None,
+            armed: None,
+            micro_batch: 0,
+            end_queued: false,
+            fired: vec![false; n],
+            pending: Vec::new(),
+            pending_bytes: 0,
+            norm_parts: Vec::new(),
+            clip: None,
+            scaling: None,
+            stats: InBackwardStats::default(),
+        }));
+        let mut hooks = Vec::with_capacity(n);
+        for (index, param) in params.iter().enumerate() {
+            let state = Arc::clone(&state);
+            let hook = param.register_post_accumulate_grad_hook(move |_| {
+                gradient_final(&state, index).map_err(|err| match err {
+                    HooksError::Tensor(err) => err,
+                    other => TensorError::hook("InBackward", other),
+                })
+            })?;
+            hooks.push(hook);
+        }
+        Ok(InBackward {
+            state,
+            hooks,
+            _claim: claim,
+        })
+    }
+
+    /// Drives the learning rates with `schedule`, advanced once per optimizer step (after the
+    /// step, as PyTorch's `scheduler.step()` after `optimizer.step()`).
+    pub fn set_lr_scheduler(&self, schedule: Schedule) -> Result<(), HooksError> {
+        let mut state = self.state.lock();
+        let scheduler = LrScheduler::new(schedule, state.optimizer.as_mut())?;
+        state.scheduler = Some(scheduler);
+        Ok(())
+    }
+
+    /// Backward from `loss` (one element) with the updates inside it. A plain `loss.backward()`
+    /// does the same unless the configuration clips exactly, which needs two passes: this runs
+    /// them.
+    pub fn backward(&self, loss: &Tensor) -> Result<(), HooksError> {
+        self.run(loss, None)
+    }
+
+    /// [`InBackward::backward`] for a loss multiplied by `scale` (one f32 element on the
+    /// parameters' device; fp16 training): a first pass sets `found_inf` from every gradient,
+    /// then the updating pass unscales in the fused kernels, which skip the whole step when
+    /// `found_inf` is set. Returns `found_inf` (one f32 element, 1 when the step was skipped),
+    /// still on the device, for the scaler's update. Needs the fused implementation.
+    pub fn backward_scaled(&self, loss: &Tensor, scale: &Tensor) -> Result<Tensor, HooksError> {
+        let previous_step = matches!(
+            self.state.lock().config.clipping,
+            Some(Clipping {
+                mode: ClipMode::PreviousStep,
+                ..
+            })
+        );
+        if previous_step {
+            return Err(HooksError::InvalidArgument {
+                op: "InBackward::backward_scaled",
+                reason: "previous-step clipping would carry an overflowed step's norm into the \
+                         next step; clip with ClipMode::Exact under a loss scale"
+                    .into(),
+            });
+        }
+        let found_inf = Tensor::zeros(scale.backend(), &[1], DType::F32)?;
+        let scaling = DeviceGradScaling {
+            grad_scale: Some(scale.clone()),
+            found_inf: Some(found_inf.clone()),
+        };
+        self.run(loss, Some(scaling))?;
+        Ok(found_inf)
+    }
+
+    fn run(&self, loss: &Tensor, scaling: Option<DeviceGradScaling>) -> Result<(), HooksError> {
+        let two_passes = {
+            let mut state = self.state.lock();
+            let last = state.micro_batch + 1 == state.config.accumulation;
+            let exact = matches!(
+                state.config.clipping,
+                Some(Clipping {
+                    mode: ClipMode::Exact,
+                    ..
+                })
+            );
+            let needs_all = exact || scaling.is_some();
+            state.scaling = scaling;
+            let two_passes = last && needs_all && state.config.accumulation == 1;
+            state.armed = Some(match () {
+                _ if !last => Pass::Accumulate,
+                _ if two_passes => Pass::Measure,
+                _ if needs_all => Pass::Deferred,
+                _ => Pass::Update,
+            });
+            two_passes
+        };
+        let res = self.run_passes(loss, two_passes);
+        let mut state = self.state.lock();
+        state.armed = None;
+        state.scaling = None;
+        res
+    }
+
+    fn run_passes(&self, loss: &Tensor, two_passes: bool) -> Result<(), HooksError> {
+        if two_passes {
+            loss.backward_with(None, BackwardOptions { retain_graph: true })
+                .map_err(HooksError::from_engine)?;
+            let mut state = self.state.lock();
+            state.finish_measuring()?;
+            state.armed = Some(Pass::Update);
+        }
+        loss.backward().map_err(HooksError::from_engine)
+    }
+
+    /// What this optimizer in backward has done so far.
+    pub fn stats(&self) -> InBackwardStats {
+        self.state.lock().stats
+    }
+
+    /// The learning rate of a group.
+    pub fn lr(&self, group: usize) -> f64 {
+        self.state.lock().optimizer.lr(group)
+    }
+
+    /// The wrapped optimizer's state dict.
+    pub fn state_dict(&self) -> Result<Vec<u8>, HooksError> {
+        Ok(self.state.lock().optimizer.state_dict()?)
+    }
+
+    /// Removes the hooks and gives the optimizer back (gradients left in `.grad` stay). Fails
+    /// if called from inside a backward pass that is still using it.
+    pub fn into_optimizer(mut self) -> Result<Box<dyn Optimizer>, HooksError> {
+        for hook in std::mem::take(&mut self.hooks) {
+            hook.remove();
+        }
+        let state = Arc::clone(&self.state);
+        drop(self);
+        let state = Arc::try_unwrap(state).map_err(|_| HooksError::InvalidArgument {
+            op: "InBackward::into_optimizer",
+            reason: "a backward pass is still using it; call it after backward returns".into(),
+        })?;
+        Ok(state.into_inner().optimizer)
+    }
+}
+
+impl Drop for InBackward {
+    /// Removes the hooks: the parameters are no longer stepped in backward.
+    fn drop(&mut self) {
+        for hook in std::mem::take(&mut self.hooks) {
+            hook.remove();
+        }
+    }
+}
+
+/// The value of a one-element f32 tensor on the host.
+fn read_one(tensor: Option<&Tensor>) -> Result<Option<f32>, HooksError> {
+    Ok(match tensor {
+        Some(tensor) => Some(tensor.to_vec::<f32>()?[0]),
+        None => None,
+    })
+}
+
+/// The hook: parameter `index`'s gradient is final for this pass.
+fn gradient_final(shared: &Arc<Mutex<State>>, index: usize) -> Result<(), HooksError> {
+    let mut state = shared.lock();
+    if !state.end_queued {
+        state.end_queued = true;
+        let shared = Arc::clone(shared);
+        queue_backward_end_callback(move || {
+            pass_finished(&shared).map_err(|err| match err {
+                HooksError::Tensor(err) => err,
+                other => TensorError::hook("InBackward", other),
+            })
+        })?;
+    }
+    state.fired[index] = true;
+    match state.pass()? {
+        Pass::Accumulate | Pass::Deferred => Ok(()),
+        Pass::Measure => state.measure(index),
+        Pass::Update => {
+            let bytes = state.params[index].numel() as u64
+                * state.params[index].dtype().size_in_bytes() as u64;
+            state.pending.push(index);
+            state.pending_bytes += bytes;
+            if state.pending_bytes >= state.config.bucket_bytes {
+                state.step_pending()?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The pass's end callback: step what is left, finish the step.
+fn pass_finished(shared: &Arc<Mutex<State>>) -> Result<(), HooksError> {
+    let mut state = shared.lock();
+    state.end_queued = false;
+    state.stats.passes += 1;
+    let pass = state.pass()?;
+    let res = match pass {
+        Pass::Accumulate => {
+            state.micro_batch += 1;
+            Ok(())
+        }
+        Pass::Measure => Ok(()),
+        Pass::Update | Pass::Deferred => state.finish_step(pass),
+    };
+    state.fired.iter_mut().for_each(|fired| *fired = false);
+    res
+}
+
+impl State {
+    /// What this pass does: as `backward` armed it, else (a plain `loss.backward()`) accumulate
+    /// or update, or refuse when the configuration needs two passes.
+    fn pass(&self) -> Result<Pass, HooksError> {
+        if let Some(pass) = self.armed {
+            return Ok(pass);
+        }
+        let last = self.micro_batch + 1 == self.config.accumulation;
+        let exact = matches!(
+            self.config.clipping,
+            Some(Clipping {
+                mode: ClipMode::Exact,
+                ..
+            })
+        );
+        match () {
+            _ if !last => Ok(Pass::Accumulate),
+            _ if exact && self.config.accumulation == 1 => Err(HooksError::NeedsTwoPasses),
+            _ if exact => Ok(Pass::Deferred),
+            _ => Ok(Pass::Update),
+        }
+    }
+
+    /// First pass: the gradient's norm part and overflow flag, then free it.
+    fn measure(&mut self, index: usize) -> Result<(), HooksError> {
+        let param = self.params[index].clone();
+        let Some(grad) = param.grad() else {
+            return Ok(());
+        };
+        if let Some(clipping) = self.config.clipping {
+            self.norm_parts.push(norm::partial(&grad, clipping.norm)?);
+        }
+        if let Some(found_inf) = self.scaling.as_ref().and_then(|s| s.found_inf.as_ref()) {
+            non_finite_check_(&[&grad], found_inf)?;
+        }
+        drop(grad);
+        param.zero_grad(true)?;
+        Ok(())
+    }
+
+    /// After the measuring pass: this step's clipping coefficient.
+    fn finish_measuring(&mut self) -> Result<(), HooksError> {
+        if let Some(clipping) = self.config.clipping {
+            self.clip = self.coefficient(clipping)?;
+        }
+        Ok(())
+    }
+
+    /// The coefficient from the norm parts collected (of scaled gradients under a loss scale),
+    /// `None` when nothing was measured.
+    fn coefficient(&mut self, clipping: Clipping) -> Result<Option<Tensor>, HooksError> {
+        let parts = std::mem::take(&mut self.norm_parts);
+        if parts.is_empty() {
+            return Ok(None);
+        }
+        let mut total = norm::total(&parts, clipping.norm)?;
+        if let Some(scale) = self.scaling.as_ref().and_then(|s| s.grad_scale.as_ref()) {
+            total = total.div(&scale.reshape(&[1])?)?;
+        }
+        Ok(Some(norm::clip_coefficient(&total, clipping.max_norm)?))
+    }
+
+    /// Steps the pending bucket and frees its gradients.
+    fn step_pending(&mut self) -> Result<(), HooksError> {
+        let bucket = std::mem::take(&mut self.pending);
+        self.pending_bytes = 0;
+        if bucket.is_empty() {
+            return Ok(());
+        }
+        let grads: Vec<Tensor> = bucket
+            .iter()
+            .filter_map(|&index| self.params[index].grad())
+            .collect();
+        if let Some(Clipping {
+            norm,
+            mode: ClipMode::PreviousStep,
+            ..
+        }) = self.config.clipping
+        {
+            for grad in &grads {
+                self.norm_parts.push(norm::partial(grad, norm)?);
+            }
+        }
+        if let Some(clip) = &self.clip {
+            for grad in &grads {
+                norm::scale_in_place(grad, clip)?;
+            }
+        }
+        drop(grads);
+        let ids: Vec<ParamId> = bucket.iter().map(|&index| self.ids[index]).collect();
+        let on_host = self.params[bucket[0]].device() == Device::Cpu;
+        let host_scaling;
+        let scaling = match &self.scaling {
+            // The host kernels take the values: reading them costs the CPU nothing.
+            Some(scaling) if on_host => {
+                host_scaling = GradScaling {
+                    grad_scale: read_one(scaling.grad_scale.as_ref())?,
+                    found_inf: read_one(scaling.found_inf.as_ref())?,
+                };
+                Scaling::Host(host_scaling)
+            }
+            Some(scaling) => Scaling::Device(scaling),
+            None => Scaling::None,
+        };
+        self.optimizer.step_with(StepParams::Only(&ids), scaling)?;
+        self.stats.buckets += 1;
+        for &index in &bucket {
+            self.params[index].zero_grad(true)?;
+        }
+        Ok(())
+    }
+
+    /// The end of an updating pass: step what is left (in a deferred pass, everything, after
+    /// measuring it), advance the scheduler and the step count.
+    fn finish_step(&mut self, pass: Pass) -> Result<(), HooksError> {
+        // Parameters that got a gradient in an earlier micro-batch but none in this one.
+        let leftover: Vec<usize> = (0..self.params.len())
+            .filter(|&index| !self.fired[index] || pass == Pass::Deferred)
+            .filter(|&index| self.params[index].grad().is_some())
+            .collect();
+        let without_grad = (0..self.params.len())
+            .filter(|&index| !self.fired[index] && self.params[index].grad().is_none())
+            .count();
+        if pass == Pass::Deferred {
+            self.measure_deferred(&leftover)?;
+        }
+        self.pending.extend(leftover);
+        self.step_pending()?;
+        self.stats.params_without_grad += without_grad as u64;
+        self.stats.steps += 1;
+        self.micro_batch = 0;
+        match self.config.clipping {
+            Some(
+                clipping @ Clipping {
+                    mode: ClipMode::PreviousStep,
+                    ..
+                },
+            ) => self.clip = self.coefficient(clipping)?,
+            _ => self.clip = None,
+        }
+        if let Some(scheduler) = &mut self.scheduler {
+            scheduler.step(self.optimizer.as_mut());
+        }
+        Ok(())
+    }
+
+    /// A deferred step's measurements over every gradient, before any update.
+    fn measure_deferred(&mut self, indices: &[usize]) -> Result<(), HooksError> {
+        let grads: Vec<Tensor> = indices
+            .iter()
+            .filter_map(|&index| self.params[index].grad())
+            .collect();
+        if let Some(found_inf) = self.scaling.as_ref().and_then(|s| s.found_inf.as_ref()) {
+            let refs: Vec<&Tensor> = grads.iter().collect();
+            non_finite_check_(&refs, found_inf)?;
+        }
+        if let Some(clipping) = self.config.clipping {
+            for grad in &grads {
+                self.norm_parts.push(norm::partial(grad, clipping.norm)?);
+            }
+            self.clip = self.coefficient(clipping)?;
+        }
+        Ok(())
+    }
+}
+
+impl Optimizer for InBackward {
+    fn name(&self) -> &'static str {
+        "InBackward"
+    }
+
+    fn n_groups(&self) -> usize {
+        self.state.lock().optimizer.n_groups()
+    }
+
+    fn lr(&self, group: usize) -> f64 {
+        self.state.lock().optimizer.lr(group)
+    }
+
+    fn set_lr(&mut self, group: usize, lr: f64) {
+        self.state.lock().optimizer.set_lr(group, lr);
+    }
+
+    fn params(&self) -> Vec<(ParamId, Tensor)> {
+        self.state.lock().optimizer.params()
+    }
+
+    fn param_id(&self, param: &Tensor) -> Result<ParamId, OptimError> {
+        self.state.lock().optimizer.param_id(param)
+    }
+
+    /// Refused: the parameters are stepped inside backward.
+    fn step_with(
+        &mut self,
+        _params: StepParams<'_>,
+        _scaling: Scaling<'_>,
+    ) -> Result<StepOutcome, OptimError> {
+        Err(OptimError::Unsupported {
+            optimizer: "InBackward",
+            reason: HooksError::StepOutsideBackward.to_string(),
+        })
+    }
+
+    fn zero_grad(&self, set_to_none: bool) -> Result<(), OptimError> {
+        self.state.lock().optimizer.zero_grad(set_to_none)
+    }
+
+    fn state_dict(&self) -> Result<Vec<u8>, OptimError> {
+        self.state.lock().optimizer.state_dict()
+    }
+
+    fn load_state_dict(&mut self, bytes: &[u8]) -> Result<(), OptimError> {
+        self.state.lock().optimizer.load_state_dict(bytes)
+    }
+}

@@ -1,0 +1,457 @@
+//! The optimizer in backward on the CPU backend: the same parameters as the plain loop to the
+//! bit (every rule, every bucket size), gradient accumulation, LR trajectories, loss scaling
+//! without partial updates, gradients that never pile up, and the typed errors.
+
+use std::sync::Arc;
+
+use headroom_autograd_core::{Backend, BackendRef, DType, Tensor};
+use headroom_hooks::{HooksError, InBackward, InBackwardConfig};
+use headroom_nn::{Gpt2Config, VitConfig};
+use headroom_ops_cpu::CpuBackend;
+use headroom_optim::kernels::SgdConfig;
+use headroom_optim::{
+    Implementation, LrScheduler, OptimError, Optimizer, ParamGroup, Schedule, Sgd,
+};
+use headroom_testkit::{
+    check_technique, train, Batch, ModelSpec, OptimSpec, Technique, Tolerance, TrainCase, TrainRun,
+};
+
+/// Takes the case's optimizer into an `InBackward` and trains with its backward.
+struct StepInBackward {
+    config: InBackwardConfig,
+    in_backward: Option<InBackward>,
+    /// Micro-batches per step (the batch is cut into this many).
+    micro_batches: usize,
+}
+
+impl StepInBackward {
+    fn new(config: InBackwardConfig) -> StepInBackward {
+        let micro_batches = config.accumulation;
+        StepInBackward {
+            config,
+            in_backward: None,
+            micro_batches,
+        }
+    }
+}
+
+impl Technique for StepInBackward {
+    fn name(&self) -> &str {
+        "optimizer in backward"
+    }
+
+    fn prepare(&mut self, run: &mut TrainRun) -> headroom_testkit::Result<()> {
+        let optimizer = run.optimizer.take().ok_or("no optimizer")?;
+        self.in_backward = Some(InBackward::new(optimizer, self.config.clone())?);
+        Ok(())
+    }
+
+    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
+        let in_backward = self.in_backward.as_ref().ok_or("not prepared")?;
+        let size = batch.len() / self.micro_batches;
+        let mut last = None;
+        for micro in 0..self.micro_batches {
+            let part = batch.narrow(micro * size, size)?;
+            let loss = run.model.loss(&run.model.forward(&part.input)?, &part)?;
+            in_backward.backward(&loss)?;
+            last = Some(loss);
+        }
+        Ok(last.expect("at least one micro-batch"))
+    }
+
+    fn finish(&mut self, _run: &mut TrainRun) -> headroom_testkit::Result<()> {
+        self.in_backward = None;
+        Ok(())
+    }
+}
+
+/// The plain loop with gradient accumulation: `k` backwards, one step.
+struct Accumulate(usize);
+
+impl Technique for Accumulate {
+    fn name(&self) -> &str {
+        "plain accumulation"
+    }
+
+    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
+        let size = batch.len() / self.0;
+        let mut last = None;
+        for micro in 0..self.0 {
+            let part = batch.narrow(micro * size, size)?;
+            let loss = run.model.loss(&run.model.forward(&part.input)?, &part)?;
+            loss.backward()?;
+            last = Some(loss);
+        }
+        let optimizer = run.optimizer.as_mut().ok_or("no optimizer")?;
+        optimizer.step()?;
+        optimizer.zero_grad(true)?;
+        Ok(last.expect("at least one micro-batch"))
+    }
+}
+
+fn case(name: &'static str, model: ModelSpec, optimizer: OptimSpec, steps: usize) -> TrainCase {
+    TrainCase {
+        name,
+        model,
+        dtype: DType::F32,
+        batch: 4,
+        steps,
+        optimizer,
+        tolerance: Tolerance::Bitwise {
+            why: "each parameter's update is the same fused kernel on the same gradient, \
+                  whatever bucket it is stepped in",
+        },
+        seed: 9,
+    }
+}
+
+fn mlp() -> ModelSpec {
+    ModelSpec::Mlp {
+        width: 16,
+        hidden: 48,
+    }
+}
+
+#[test]
+fn training_in_backward_equals_the_plain_loop_bit_for_bit() {
+    let cpu = CpuBackend::new_ref();
+    let gpt2 = ModelSpec::Gpt2 {
+        config: Gpt2Config::tiny(),
+        seq: 16,
+    };
+    let cases = [
+        case(
+            "vit, AdamW",
+            ModelSpec::Vit(VitConfig::tiny()),
+            OptimSpec::adamw(1e-3, 1e-2),
+            20,
+        ),
+        case("gpt2, 8-bit Adam", gpt2, OptimSpec::adam8bit(1e-3), 20),
+        case(
+            "mlp, SGD momentum",
+            mlp(),
+            OptimSpec::sgd_momentum(1e-2, 0.9),
+            20,
+        ),
+        case("mlp, Adafactor", mlp(), OptimSpec::adafactor(1e-2), 20),
+        case(
+            "mlp, Adam single",
+            mlp(),
+            OptimSpec::adam(1e-3).with_implementation(Implementation::Single),
+            20,
+        ),
+    ];
+    for case in &cases {
+        for bucket_bytes in [0, 4096, headroom_hooks::DEFAULT_BUCKET_BYTES] {
+            let config = InBackwardConfig {
+                bucket_bytes,
+                ..InBackwardConfig::default()
+            };
+            let report = check_technique(&cpu, case, &mut StepInBackward::new(config))
+                .unwrap_or_else(|err| {
+                    panic!("{} with buckets of {bucket_bytes} B: {err}", case.name)
+                });
+            assert_eq!(report.baseline_losses, report.technique_losses);
+        }
+    }
+}
+
+/// The largest distance in ulps between two parameter sets of one model.
+fn max_ulps(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> u32 {
+    let mut worst = 0;
+    for ((name, x), (other, y)) in a.iter().zip(b) {
+        assert_eq!(name, other);
+        let (x, y) = (x.to_vec::<f32>().unwrap(), y.to_vec::<f32>().unwrap());
+        for (u, v) in x.iter().zip(&y) {
+            worst = worst.max((u.to_bits() as i64 - v.to_bits() as i64).unsigned_abs() as u32);
+        }
+    }
+    worst
+}
+
+#[test]
+fn accumulation_over_four_micro_batches_equals_plain_accumulation() {
+    let cpu = CpuBackend::new_ref();
+    for (optimizer, bound) in [
+        (OptimSpec::sgd_momentum(1e-2, 0.9), 0),
+        (OptimSpec::adamw(1e-3, 1e-2), 2),
+    ] {
+        let case = TrainCase {
+            batch: 8,
+            ..case("mlp", mlp(), optimizer, 6)
+        };
+        let plain = train(&cpu, &case, &mut Accumulate(4)).unwrap();
+        let config = InBackwardConfig {
+            accumulation: 4,
+            bucket_bytes: 2048,
+            ..InBackwardConfig::default()
+        };
+        let in_backward = train(&cpu, &case, &mut StepInBackward::new(config)).unwrap();
+        assert!(
+            max_ulps(&plain.parameters, &in_backward.parameters) <= bound,
+            "{:?}: more than {bound} ulps",
+            case.optimizer
+        );
+        assert_eq!(plain.losses, in_backward.losses);
+    }
+}
+
+fn params(cpu: &BackendRef) -> Vec<Tensor> {
+    (0..3)
+        .map(|i| {
+            let values: Vec<f64> = (0..32).map(|j| ((i * 32 + j) as f64 * 0.1).sin()).collect();
+            let t = Tensor::from_f64s(cpu, &values, &[32], DType::F32).unwrap();
+            t.requires_grad_(true).unwrap();
+            t
+        })
+        .collect()
+}
+
+fn sgd(params: Vec<Tensor>, lr: f64) -> Sgd {
+    Sgd::new(
+        vec![ParamGroup::new(params, SgdConfig::new(lr))],
+        Implementation::Fused,
+    )
+    .unwrap()
+}
+
+fn loss_of(params: &[Tensor]) -> Tensor {
+    let mut total = params[0].mul(&params[0]).unwrap().sum_all().unwrap();
+    for p in &params[1..] {
+        total = total.add(&p.mul(p).unwrap().sum_all().unwrap()).unwrap();
+    }
+    total
+}
+
+#[test]
+fn one_scheduler_drives_the_model_as_on_the_plain_optimizer() {
+    let cpu = CpuBackend::new_ref();
+    let schedules = [
+        Schedule::Step {
+            step_size: 7,
+            gamma: 0.5,
+        },
+        Schedule::Cosine {
+            t_max: 100,
+            eta_min: 1e-5,
+        },
+        Schedule::LinearWarmup {
+            start_factor: 0.1,
+            warmup_steps: 20,
+        },
+    ];
+    for schedule in schedules {
+        let mut plain = sgd(params(&cpu), 0.1);
+        let mut scheduler = LrScheduler::new(schedule.clone(), &mut plain).unwrap();
+        let mut expected = Vec::new();
+        for _ in 0..100 {
+            loss_of(
+                &plain
+                    .params()
+                    .into_iter()
+                    .map(|(_, p)| p)
+                    .collect::<Vec<_>>(),
+            )
+            .backward()
+            .unwrap();
+            plain.step().unwrap();
+            plain.zero_grad(true).unwrap();
+            scheduler.step(&mut plain);
+            expected.push(plain.lr(0));
+        }
+        let ps = params(&cpu);
+        let in_backward =
+            InBackward::new(Box::new(sgd(ps.clone(), 0.1)), InBackwardConfig::default()).unwrap();
+        in_backward.set_lr_scheduler(schedule.clone()).unwrap();
+        let mut got = Vec::new();
+        for _ in 0..100 {
+            in_backward.backward(&loss_of(&ps)).unwrap();
+            got.push(in_backward.lr(0));
+        }
+        assert_eq!(got, expected, "{schedule:?}");
+        // And the parameters followed the same rates.
+        let plain_params: Vec<Vec<f32>> = plain
+            .params()
+            .iter()
+            .map(|(_, p)| p.to_vec::<f32>().unwrap())
+            .collect();
+        let ours: Vec<Vec<f32>> = ps.iter().map(|p| p.to_vec::<f32>().unwrap()).collect();
+        assert_eq!(ours, plain_params);
+    }
+}
+
+#[test]
+fn a_scaled_loss_with_an_overflow_updates_nothing() {
+    let cpu = CpuBackend::new_ref();
+    let ps = params(&cpu);
+    let reference = params(&cpu);
+    let mut plain = sgd(reference.clone(), 0.05);
+    let in_backward =
+        InBackward::new(Box::new(sgd(ps.clone(), 0.05)), InBackwardConfig::default()).unwrap();
+    let scale = Tensor::full(&cpu, &[1], 1024.0, DType::F32).unwrap();
+    // A finite step: the gradients of 1024·loss, unscaled in the kernel, are the plain ones.
+    let found = in_backward
+        .backward_scaled(
+            &loss_of(&ps).mul(&scale.reshape(&[]).unwrap()).unwrap(),
+            &scale,
+        )
+        .unwrap();
+    assert_eq!(found.to_vec::<f32>().unwrap(), [0.0]);
+    loss_of(&reference).backward().unwrap();
+    plain.step().unwrap();
+    plain.zero_grad(true).unwrap();
+    for (p, r) in ps.iter().zip(&reference) {
+        assert_eq!(p.to_vec::<f32>().unwrap(), r.to_vec::<f32>().unwrap());
+    }
+    // An overflow in one gradient: no parameter moves, not even those stepped before it.
+    let before: Vec<Vec<f32>> = ps.iter().map(|p| p.to_vec::<f32>().unwrap()).collect();
+    let inf = Tensor::full(&cpu, &[], f64::INFINITY, DType::F32).unwrap();
+    let poisoned = loss_of(&ps)
+        .add(&ps[1].sum_all().unwrap().mul(&inf).unwrap())
+        .unwrap();
+    let found = in_backward.backward_scaled(&poisoned, &scale).unwrap();
+    assert_eq!(found.to_vec::<f32>().unwrap(), [1.0]);
+    let after: Vec<Vec<f32>> = ps.iter().map(|p| p.to_vec::<f32>().unwrap()).collect();
+    assert_eq!(after, before);
+    assert!(
+        ps.iter().all(|p| p.grad().is_none()),
+        "gradients are freed anyway"
+    );
+}
+
+fn allocated(cpu: &BackendRef) -> i64 {
+    cpu.memory_stats().allocated_bytes.all.current
+}
+
+fn peak(cpu: &Arc<CpuBackend>) -> i64 {
+    cpu.memory_stats().allocated_bytes.all.peak
+}
+
+#[test]
+fn gradients_never_pile_up() {
+    let cpu = Arc::new(CpuBackend::default());
+    let backend: BackendRef = cpu.clone();
+    // Four 256×256 weights (256 KiB each) and a batch of 4 rows.
+    let weights: Vec<Tensor> = (0..4)
+        .map(|i| {
+            let values: Vec<f64> = (0..256 * 256)
+                .map(|j| ((i + j) as f64 * 1e-3).sin() * 0.05)
+                .collect();
+            let w = Tensor::from_f64s(&backend, &values, &[256, 256], DType::F32).unwrap();
+            w.requires_grad_(true).unwrap();
+            w
+        })
+        .collect();
+    let x = Tensor::full(&backend, &[4, 256], 0.5, DType::F32).unwrap();
+    let forward = |weights: &[Tensor]| {
+        let mut h = x.clone();
+        for w in weights {
+            h = h.linear(w, None).unwrap().tanh().unwrap();
+        }
+        h.sum_all().unwrap()
+    };
+    let grad_bytes = 256 * 256 * 4;
+    // The plain loop: every gradient is alive at the end of backward.
+    let mut plain = sgd(weights.clone(), 1e-3);
+    let loss = forward(&weights);
+    let base = allocated(&backend);
+    cpu.allocator().reset_peak_stats();
+    loss.backward().unwrap();
+    let plain_peak = peak(&cpu) - base;
+    // (The activations freed during backward, a few KiB, come off the base.)
+    assert!(plain_peak > 3 * grad_bytes + grad_bytes / 2, "plain peak {plain_peak}");
+    plain.step().unwrap();
+    plain.zero_grad(true).unwrap();
+    drop(loss);
+    // In backward, buckets of one parameter: at most one weight gradient at a time.
+    let in_backward = InBackward::new(
+        Box::new(plain),
+        InBackwardConfig {
+            bucket_bytes: 0,
+            ..InBackwardConfig::default()
+        },
+    )
+    .unwrap();
+    let loss = forward(&weights);
+    let base = allocated(&backend);
+    cpu.allocator().reset_peak_stats();
+    in_backward.backward(&loss).unwrap();
+    let ours = peak(&cpu) - base;
+    assert!(
+        ours < 2 * grad_bytes,
+        "in-backward peak {ours} B above the forward's, plain {plain_peak} B"
+    );
+    assert!(weights.iter().all(|w| w.grad().is_none()));
+    assert_eq!(in_backward.stats().buckets, 4);
+}
+
+#[test]
+fn misuse_is_a_typed_error_and_unused_parameters_are_counted() {
+    let cpu = CpuBackend::new_ref();
+    let ps = params(&cpu);
+    let first =
+        InBackward::new(Box::new(sgd(ps.clone(), 0.1)), InBackwardConfig::default()).unwrap();
+    // The same parameters in a second InBackward.
+    let err =
+        InBackward::new(Box::new(sgd(ps.clone(), 0.1)), InBackwardConfig::default()).unwrap_err();
+    assert!(
+        matches!(err, HooksError::AlreadyRegistered { index: 0 }),
+        "{err}"
+    );
+    // Stepping by hand.
+    let mut first = first;
+    let err = Optimizer::step(&mut first).unwrap_err();
+    assert!(matches!(err, OptimError::Unsupported { .. }), "{err}");
+    // An unused parameter is not updated, and counted.
+    let unused_before = ps[2].to_vec::<f32>().unwrap();
+    first.backward(&loss_of(&ps[..2])).unwrap();
+    assert_eq!(ps[2].to_vec::<f32>().unwrap(), unused_before);
+    assert_eq!(first.stats().params_without_grad, 1);
+    drop(first);
+    // Dropped: the parameters can be claimed again, and are no longer stepped in backward.
+    let again = InBackward::new(Box::new(sgd(ps.clone(), 0.1)), InBackwardConfig::default());
+    assert!(again.is_ok());
+    drop(again);
+    let before = ps[0].to_vec::<f32>().unwrap();
+    loss_of(&ps).backward().unwrap();
+    assert_eq!(ps[0].to_vec::<f32>().unwrap(), before);
+    assert!(ps[0].grad().is_some());
+
+    // A parameter that does not require grad.
+    let frozen = Tensor::zeros(&cpu, &[4], DType::F32).unwrap();
+    let err = InBackward::new(
+        Box::new(sgd(vec![frozen], 0.1)),
+        InBackwardConfig::default(),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, HooksError::DoesNotRequireGrad { index: 0 }),
+        "{err}"
+    );
+    // Exact clipping needs InBackward::backward.
+    let fresh = params(&cpu);
+    let clipping = InBackward::new(
+        Box::new(sgd(fresh.clone(), 0.1)),
+        InBackwardConfig {
+            clipping: Some(headroom_hooks::Clipping {
+                max_norm: 1.0,
+                norm: headroom_hooks::NormType::L2,
+                mode: headroom_hooks::ClipMode::Exact,
+            }),
+            ..InBackwardConfig::default()
+        },
+    )
+    .unwrap();
+    let err = loss_of(&fresh).backward().unwrap_err();
+    assert!(err.to_string().contains("InBackward::backward"), "{err}");
+    drop(clipping);
+    let err = InBackward::new(
+        Box::new(sgd(params(&cpu), 0.1)),
+        InBackwardConfig {
+            accumulation: 0,
+            ..InBackwardConfig::default()
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(err, HooksError::InvalidArgument { .. }), "{err}");
+}
