@@ -359,7 +359,10 @@ fn gradients_never_pile_up() {
     loss.backward().unwrap();
     let plain_peak = peak(&cpu) - base;
     // (The activations freed during backward, a few KiB, come off the base.)
-    assert!(plain_peak > 3 * grad_bytes + grad_bytes / 2, "plain peak {plain_peak}");
+    assert!(
+        plain_peak > 3 * grad_bytes + grad_bytes / 2,
+        "plain peak {plain_peak}"
+    );
     plain.step().unwrap();
     plain.zero_grad(true).unwrap();
     drop(loss);

@@ -19,10 +19,16 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use headroom_autograd_core::{uniform, BackendRef, DType, Generator, Tensor};
 use headroom_caching_allocator::{CachingAllocator, HistoryOptions, HostStorage, Storage};
+use headroom_checkpoint::CheckpointBlocks;
+use headroom_hooks::{InBackward, InBackwardConfig, DEFAULT_BUCKET_BYTES};
 use headroom_nn::{Module, VisionTransformer, VitConfig};
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::kernels::{Adam8bitConfig, AdamConfig, SgdConfig};
-use headroom_optim::{GroupOptimizer, Implementation, Optimizer, ParamGroup, UpdateRule};
+use headroom_optim::kernels::{Adam8bitConfig, AdamConfig, SgdConfig, StepOutcome};
+use headroom_optim::{
+    GroupOptimizer, Implementation, OptimError, Optimizer, ParamGroup, ParamId, Scaling,
+    StepParams, UpdateRule,
+};
+use parking_lot::Mutex;
 
 use super::timeline::{self, AtPeak, Timeline};
 
@@ -41,17 +47,30 @@ pub(crate) enum Case {
     Adam8bit,
     /// SGD (lr 1e-3, no momentum), fused: no state, no temporaries.
     Sgd,
+    /// Fused Adam stepped inside backward (hooks' `InBackward`, buckets of 25 MiB or 1/16 of the
+    /// parameters, whichever is smaller): gradients are freed as they are used.
+    AdamInbwd,
+    /// 8-bit Adam stepped inside backward.
+    Adam8bitInbwd,
+    /// Fused Adam with every encoder block checkpointed (only block inputs kept).
+    AdamCkpt,
+    /// Fused Adam inside backward with every block checkpointed.
+    AdamInbwdCkpt,
 }
 
 impl Case {
     /// Every case, in report order.
-    pub(crate) const ALL: [Case; 6] = [
+    pub(crate) const ALL: [Case; 10] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
         Case::AdamFused,
         Case::Adam8bit,
         Case::Sgd,
+        Case::AdamInbwd,
+        Case::Adam8bitInbwd,
+        Case::AdamCkpt,
+        Case::AdamInbwdCkpt,
     ];
 
     /// The case's name on the command line and in reports.
@@ -63,7 +82,24 @@ impl Case {
             Case::AdamFused => "adam_fused",
             Case::Adam8bit => "adam8bit",
             Case::Sgd => "sgd",
+            Case::AdamInbwd => "adam_inbwd",
+            Case::Adam8bitInbwd => "adam8bit_inbwd",
+            Case::AdamCkpt => "adam_ckpt",
+            Case::AdamInbwdCkpt => "adam_inbwd_ckpt",
         }
+    }
+
+    /// Whether the optimizer steps inside backward.
+    pub(crate) fn in_backward(self) -> bool {
+        matches!(
+            self,
+            Case::AdamInbwd | Case::Adam8bitInbwd | Case::AdamInbwdCkpt
+        )
+    }
+
+    /// Whether every encoder block is checkpointed.
+    pub(crate) fn checkpointed(self) -> bool {
+        matches!(self, Case::AdamCkpt | Case::AdamInbwdCkpt)
     }
 
     /// The case of `torch_reference.py` that computes the same update (PyTorch's foreach is
@@ -94,11 +130,15 @@ impl Case {
         ) -> Result<Box<dyn BenchOptimizer>> {
             let optimizer =
                 GroupOptimizer::new(vec![ParamGroup::new(params, config)], implementation)?;
-            Ok(Box::new(optimizer))
+            Ok(Box::new(Arc::new(Mutex::new(optimizer))))
         }
         let adam = AdamConfig {
             lr: 1e-4,
             ..AdamConfig::adam()
+        };
+        let adam8bit = Adam8bitConfig {
+            lr: 1e-4,
+            ..Adam8bitConfig::adam()
         };
         match self {
             Case::AdamForeach => build::<AdamConfig>(params, adam, Implementation::FOREACH),
@@ -106,36 +146,36 @@ impl Case {
                 build::<AdamConfig>(params, adam, Implementation::ForeachUnbounded)
             }
             Case::AdamSingle => build::<AdamConfig>(params, adam, Implementation::Single),
-            Case::AdamFused => build::<AdamConfig>(params, adam, Implementation::Fused),
-            Case::Adam8bit => {
-                let config = Adam8bitConfig {
-                    lr: 1e-4,
-                    ..Adam8bitConfig::adam()
-                };
-                build::<Adam8bitConfig>(params, config, Implementation::Fused)
+            Case::AdamFused | Case::AdamInbwd | Case::AdamCkpt | Case::AdamInbwdCkpt => {
+                build::<AdamConfig>(params, adam, Implementation::Fused)
+            }
+            Case::Adam8bit | Case::Adam8bitInbwd => {
+                build::<Adam8bitConfig>(params, adam8bit, Implementation::Fused)
             }
             Case::Sgd => build::<SgdConfig>(params, SgdConfig::new(1e-3), Implementation::Fused),
         }
     }
 }
 
-/// An optimizer whose state can be counted.
+/// An optimizer whose state can be counted, shared so that an `InBackward` can step it.
 trait BenchOptimizer: Send {
-    fn optimizer(&mut self) -> &mut dyn Optimizer;
+    /// A handle that steps the optimizer (through the shared lock).
+    fn handle(&self) -> Box<dyn Optimizer>;
     /// Bytes of every state tensor (numel × element size).
     fn state_bytes(&self) -> u64;
 }
 
-impl<R: UpdateRule> BenchOptimizer for GroupOptimizer<R> {
-    fn optimizer(&mut self) -> &mut dyn Optimizer {
-        self
+impl<R: UpdateRule> BenchOptimizer for Arc<Mutex<GroupOptimizer<R>>> {
+    fn handle(&self) -> Box<dyn Optimizer> {
+        Box::new(SharedOptimizer(Arc::clone(self)))
     }
 
     fn state_bytes(&self) -> u64 {
+        let optimizer = self.lock();
         let mut bytes = 0;
-        for (g, group) in self.groups().iter().enumerate() {
+        for (g, group) in optimizer.groups().iter().enumerate() {
             for idx in 0..group.params.len() {
-                bytes += self
+                bytes += optimizer
                     .param_state(g, idx)
                     .iter()
                     .map(|(_, tensor)| tensor_bytes(tensor))
@@ -143,6 +183,56 @@ impl<R: UpdateRule> BenchOptimizer for GroupOptimizer<R> {
             }
         }
         bytes
+    }
+}
+
+/// A group optimizer behind a lock, as an [`Optimizer`]: the bench keeps one handle to count its
+/// state while the training loop (or an `InBackward`) steps through another.
+struct SharedOptimizer<R: UpdateRule>(Arc<Mutex<GroupOptimizer<R>>>);
+
+impl<R: UpdateRule> Optimizer for SharedOptimizer<R> {
+    fn name(&self) -> &'static str {
+        self.0.lock().name()
+    }
+
+    fn n_groups(&self) -> usize {
+        self.0.lock().n_groups()
+    }
+
+    fn lr(&self, group: usize) -> f64 {
+        self.0.lock().lr(group)
+    }
+
+    fn set_lr(&mut self, group: usize, lr: f64) {
+        self.0.lock().set_lr(group, lr)
+    }
+
+    fn params(&self) -> Vec<(ParamId, Tensor)> {
+        self.0.lock().params()
+    }
+
+    fn param_id(&self, param: &Tensor) -> Result<ParamId, OptimError> {
+        self.0.lock().param_id(param)
+    }
+
+    fn step_with(
+        &mut self,
+        params: StepParams<'_>,
+        scaling: Scaling<'_>,
+    ) -> Result<StepOutcome, OptimError> {
+        self.0.lock().step_with(params, scaling)
+    }
+
+    fn zero_grad(&self, set_to_none: bool) -> Result<(), OptimError> {
+        self.0.lock().zero_grad(set_to_none)
+    }
+
+    fn state_dict(&self) -> Result<Vec<u8>, OptimError> {
+        self.0.lock().state_dict()
+    }
+
+    fn load_state_dict(&mut self, bytes: &[u8]) -> Result<(), OptimError> {
+        self.0.lock().load_state_dict(bytes)
     }
 }
 
@@ -315,21 +405,35 @@ pub(crate) fn measure<S: Storage>(
 ) -> Result<CaseResult> {
     let allocator = probe.allocator;
     allocator.empty_cache()?;
-    let vit = VisionTransformer::new(
+    let mut vit = VisionTransformer::new(
         &probe.backend,
         model.config,
         DType::F32,
         &Arc::new(Generator::new(0)),
     )?;
+    if case.checkpointed() {
+        vit.encoder.block_runner = Some(Arc::new(CheckpointBlocks::all()));
+    }
     let params = vit.parameters();
     let n_params = params.iter().map(Tensor::numel).sum();
-    let param_bytes = params.iter().map(tensor_bytes).sum();
-    let mut optimizer = case.optimizer(params.clone())?;
+    let param_bytes: u64 = params.iter().map(tensor_bytes).sum();
+    let optimizer = case.optimizer(params.clone())?;
     let images = input(&probe.backend, batch, model.config.image_size)?;
+    let stepper = if case.in_backward() {
+        // Buckets of at most 1/16 of the parameters, so a small model shows what a large one
+        // does with the default 25 MiB.
+        let config = InBackwardConfig {
+            bucket_bytes: (param_bytes / 16).min(DEFAULT_BUCKET_BYTES),
+            ..InBackwardConfig::default()
+        };
+        Stepper::InBackward(InBackward::new(optimizer.handle(), config)?)
+    } else {
+        Stepper::Plain(optimizer.handle())
+    };
     let mut run = Run {
         vit: &vit,
         images: &images,
-        optimizer: optimizer.optimizer(),
+        stepper,
     };
 
     (probe.synchronize)()?;
@@ -418,11 +522,19 @@ struct Traced {
     grad_bytes: u64,
 }
 
+/// How a run steps its optimizer.
+enum Stepper {
+    /// After backward, `step()` then `zero_grad(set_to_none)`.
+    Plain(Box<dyn Optimizer>),
+    /// Inside backward; the step and zero-grad phases are empty.
+    InBackward(InBackward),
+}
+
 /// A model, its input and its optimizer: one training step at a time.
 struct Run<'a> {
     vit: &'a VisionTransformer,
     images: &'a Tensor,
-    optimizer: &'a mut dyn Optimizer,
+    stepper: Stepper,
 }
 
 impl Run<'_> {
@@ -438,9 +550,23 @@ impl Run<'_> {
     fn phase(&mut self, phase: Phase, loss: &mut Option<Tensor>) -> Result<()> {
         match phase {
             Phase::Forward => *loss = Some(self.vit.forward(self.images)?.sum_all()?),
-            Phase::Backward => loss.take().context("backward without a loss")?.backward()?,
-            Phase::Step => self.optimizer.step()?,
-            Phase::ZeroGrad => self.optimizer.zero_grad(true)?,
+            Phase::Backward => {
+                let loss = loss.take().context("backward without a loss")?;
+                match &self.stepper {
+                    Stepper::Plain(_) => loss.backward()?,
+                    Stepper::InBackward(in_backward) => in_backward.backward(&loss)?,
+                }
+            }
+            Phase::Step => {
+                if let Stepper::Plain(optimizer) = &mut self.stepper {
+                    optimizer.step()?;
+                }
+            }
+            Phase::ZeroGrad => {
+                if let Stepper::Plain(optimizer) = &self.stepper {
+                    optimizer.zero_grad(true)?;
+                }
+            }
         }
         Ok(())
     }

@@ -88,15 +88,17 @@ const CPU_DEFAULTS: Defaults = Defaults {
 pub(crate) const USAGE: &str =
     "  bench-memory [--device auto|cpu|cuda] [--model NAME] [--batch N]... [--cases a,b,c]
                [--warmup N] [--steps N] [--json FILE] [--html FILE] [--pytorch anchor.jsonl]
-      Trains a ViT (loss = model(x).sum()) with each optimizer implementation: per case, a fresh
+      Trains a ViT (loss = model(x).sum()) with each optimizer and technique: per case, a fresh
       model and optimizer, N warm-up steps (default 3; their peak is the first-3 peak), then N
       timed steps (default 6: steady peak allocated and reserved, median step time), then one
       traced step (memory by phase and by component at the peak). Prints a Markdown table.
       Device auto: CUDA when a GPU answers (ViT-L/16, batch 1 and 32), else the CPU backend
       (vit_mini, batch 1 and 32). Models: vit_l_16, vit_b_16, vit_mini, vit_tiny. Cases
       (default all): adam_foreach (bounded temporaries), adam_foreach_unbounded (PyTorch's),
-      adam_single, adam_fused, adam8bit, sgd. --json writes one object per case, --html
-      charts; --pytorch reads torch_reference.py's anchor.jsonl and adds PyTorch's figures.
+      adam_single, adam_fused, adam8bit, sgd; adam_inbwd and adam8bit_inbwd (the step inside
+      backward), adam_ckpt (every block checkpointed), adam_inbwd_ckpt (both). --json writes one
+      object per case, --html charts; --pytorch reads torch_reference.py's anchor.jsonl and adds
+      PyTorch's figures.
 ";
 
 /// `cargo xtask bench-memory ARGS`.
