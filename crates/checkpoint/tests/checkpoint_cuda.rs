@@ -1,0 +1,74 @@
+//! Checkpointed training on the CUDA backend: ViT-tiny with dropout, every block or every other
+//! block with the selective policy, gives the plain loop's parameters bit for bit (the ViT's CUDA
+//! kernels are deterministic: fixed fold orders, no atomics). Skips with a notice without a GPU
+//! (fails where `HEADROOM_REQUIRE_GPU=1`).
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+
+use headroom_autograd_core::{BackendRef, DType, Tensor};
+use headroom_checkpoint::{BlockSelection, CheckpointBlocks, CheckpointOptions, SaveMatmuls};
+use headroom_nn::{BlockRunner, VitConfig};
+use headroom_ops_cuda::CudaBackend;
+use headroom_testkit::gpu::cuda_or_skip;
+use headroom_testkit::{
+    check_technique, Baseline, Batch, Model, ModelSpec, OptimSpec, Technique, Tolerance, TrainCase,
+    TrainRun,
+};
+
+struct Checkpointed(CheckpointBlocks);
+
+impl Technique for Checkpointed {
+    fn name(&self) -> &str {
+        "checkpointed blocks"
+    }
+
+    fn prepare(&mut self, run: &mut TrainRun) -> headroom_testkit::Result<()> {
+        let Model::Vit(vit) = &mut run.model else {
+            return Err("a ViT case".into());
+        };
+        vit.encoder.block_runner = Some(Arc::new(self.0.clone()) as Arc<dyn BlockRunner>);
+        Ok(())
+    }
+
+    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
+        Baseline.step(run, batch)
+    }
+}
+
+#[test]
+fn checkpointed_vit_training_on_the_gpu_equals_plain_training_bit_for_bit() {
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
+    let cuda: BackendRef = cuda;
+    let case = TrainCase {
+        name: "vit-tiny with dropout on CUDA",
+        model: ModelSpec::Vit(VitConfig {
+            dropout: 0.1,
+            attention_dropout: 0.1,
+            ..VitConfig::tiny()
+        }),
+        dtype: DType::F32,
+        batch: 4,
+        steps: 5,
+        optimizer: OptimSpec::adamw(1e-3, 1e-2),
+        tolerance: Tolerance::Bitwise {
+            why:
+                "the recompute replays the forward's kernels and random draws, and the ViT's CUDA \
+                  kernels are deterministic",
+        },
+        seed: 3,
+    };
+    let selective = CheckpointBlocks {
+        selection: BlockSelection::Every(2),
+        options: CheckpointOptions {
+            policy: Arc::new(SaveMatmuls),
+            ..CheckpointOptions::default()
+        },
+    };
+    for blocks in [CheckpointBlocks::all(), selective] {
+        let report = check_technique(&cuda, &case, &mut Checkpointed(blocks)).unwrap();
+        assert_eq!(report.max_ulps, 0);
+    }
+}
