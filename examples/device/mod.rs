@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use headroom::autograd_core::BackendRef;
+use headroom::caching_allocator::{HistoryOptions, Snapshot};
 use headroom::ops_cpu::CpuBackend;
 
 /// A backend and what the examples ask of its allocator.
@@ -19,6 +20,8 @@ pub(crate) struct Device {
     pub(crate) name: &'static str,
     reset_peak: Box<dyn Fn()>,
     synchronize: Box<dyn Fn() -> Result<()>>,
+    record_history: Box<dyn Fn(bool)>,
+    snapshot: Box<dyn Fn() -> Snapshot>,
 }
 
 impl Device {
@@ -54,6 +57,18 @@ impl Device {
         (self.reset_peak)();
     }
 
+    /// Starts (or stops) recording the allocator's history, for [`Device::snapshot`].
+    #[allow(dead_code, reason = "only the snapshot examples record")]
+    pub(crate) fn record_history(&self, on: bool) {
+        (self.record_history)(on);
+    }
+
+    /// The allocator's snapshot: segments and the recorded history (PyTorch's format).
+    #[allow(dead_code, reason = "only the snapshot examples record")]
+    pub(crate) fn snapshot(&self) -> Snapshot {
+        (self.snapshot)()
+    }
+
     /// Waits until the device has run everything queued (nothing to wait for on the CPU).
     #[allow(dead_code, reason = "only the timed examples wait")]
     pub(crate) fn synchronize(&self) -> Result<()> {
@@ -63,25 +78,37 @@ impl Device {
 
 fn cpu() -> Device {
     let cpu = Arc::new(CpuBackend::default());
-    let allocator_owner = cpu.clone();
+    let (owner, recorder, snapshotter) = (cpu.clone(), cpu.clone(), cpu.clone());
     Device {
         backend: cpu,
         name: "cpu",
-        reset_peak: Box::new(move || allocator_owner.allocator().reset_peak_stats()),
+        reset_peak: Box::new(move || owner.allocator().reset_peak_stats()),
         synchronize: Box::new(|| Ok(())),
+        record_history: Box::new(move |on| {
+            recorder
+                .allocator()
+                .record_history(on.then(HistoryOptions::default))
+        }),
+        snapshot: Box::new(move || snapshotter.allocator().snapshot()),
     }
 }
 
 #[cfg(feature = "cuda")]
 fn cuda() -> Result<Device> {
     let cuda = headroom::ops_cuda::CudaBackend::new(0)?;
-    let allocator_owner = cuda.clone();
-    let waiter = cuda.clone();
+    let (owner, waiter, recorder, snapshotter) =
+        (cuda.clone(), cuda.clone(), cuda.clone(), cuda.clone());
     Ok(Device {
         backend: cuda,
         name: "cuda:0",
-        reset_peak: Box::new(move || allocator_owner.allocator().reset_peak_stats()),
+        reset_peak: Box::new(move || owner.allocator().reset_peak_stats()),
         synchronize: Box::new(move || Ok(waiter.synchronize()?)),
+        record_history: Box::new(move |on| {
+            recorder
+                .allocator()
+                .record_history(on.then(HistoryOptions::default))
+        }),
+        snapshot: Box::new(move || snapshotter.allocator().snapshot()),
     })
 }
 
