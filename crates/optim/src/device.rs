@@ -12,6 +12,7 @@
 
 use headroom_autograd_core::{DType, Device, Tensor};
 
+use crate::clip::NormClip;
 use crate::driver::RuleCall;
 use crate::error::OptimError;
 use crate::optimizer::UpdateRule;
@@ -125,6 +126,32 @@ impl StepDevice {
             DeviceKind::Host => (R::KERNELS.host)(rule, call),
             #[cfg(feature = "cuda")]
             DeviceKind::Cuda(cuda) => (R::KERNELS.cuda)(rule, cuda, call),
+        }
+    }
+
+    /// `clip_grad_norm_` of `grads` (checked: on this device, contiguous, disjoint, f32/bf16/f16).
+    pub(crate) fn clip_norm(
+        &mut self,
+        grads: &[Tensor],
+        clip: NormClip,
+    ) -> Result<Tensor, OptimError> {
+        match &mut self.kind {
+            DeviceKind::Host => crate::clip::host_norm(grads, clip),
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda(cuda) => crate::cuda::clip::clip_norm(cuda, grads, clip),
+        }
+    }
+
+    /// `clip_grad_value_` of `grads` (checked as for [`StepDevice::clip_norm`]).
+    pub(crate) fn clip_value(
+        &mut self,
+        grads: &[Tensor],
+        clip_value: f32,
+    ) -> Result<(), OptimError> {
+        match &mut self.kind {
+            DeviceKind::Host => crate::clip::host_value(grads, clip_value),
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda(cuda) => crate::cuda::clip::clip_value(cuda, grads, clip_value),
         }
     }
 

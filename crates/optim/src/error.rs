@@ -85,6 +85,18 @@ pub enum OptimError {
         /// The optimizer's name.
         optimizer: &'static str,
     },
+    /// `clip_grad_norm_` with `error_if_nonfinite`: the gradients' total norm is NaN or
+    /// infinite; no gradient was changed.
+    #[error(
+        "clip_grad_norm_: the total norm of order {norm_type:?} of the gradients is non-finite \
+         ({total}); no gradient was changed"
+    )]
+    NonFiniteNorm {
+        /// The norm asked for.
+        norm_type: crate::NormType,
+        /// The total norm.
+        total: f32,
+    },
     /// A state dict does not fit this optimizer (missing or malformed entries).
     #[error("state dict: {0}")]
     StateDict(String),

@@ -1,5 +1,5 @@
-//! The CUDA side of the optimizers: the rules' kernels on device memory, and the raw-buffer layer
-//! for trainers that own their device buffers.
+//! The CUDA side of the optimizers: the rules' kernels on device memory, gradient clipping's
+//! reductions, and the raw-buffer layer for trainers that own their device buffers.
 //!
 //! Every rule has the implementations it has on the CPU, with the same float32 operations in the
 //! same order (the `.cu` files in `kernels/` mirror `src/kernels/*.rs` with explicit rounding), so
@@ -16,7 +16,8 @@
 //! Each rule plugs in through the driver's `CudaEntry`: SGD and Adam through
 //! `multi_tensor.rs` (one generic driver; `sgd.rs` and `adam.rs` hold only their kernel names,
 //! state addresses, pass ops and piece layouts), Adafactor and 8-bit Adam with their own entries
-//! (`adafactor.rs` on the host's per-parameter schedule, `adam8bit.rs`). A launch reads a piece table (`table.rs`): one entry per tensor or range
+//! (`adafactor.rs` on the host's per-parameter schedule, `adam8bit.rs`). `clip.rs` launches the
+//! clipping kernels. A launch reads a piece table (`table.rs`): one entry per tensor or range
 //! of one, with its addresses, length, step constants and first block. `CudaDevice` keeps the
 //! device buffer the tables are copied to (with an asynchronous copy: no host synchronisation),
 //! the lookup tables of the 8-bit codes, and a GradScaler's per-parameter skip counters. State
@@ -31,6 +32,7 @@
 pub(crate) mod adafactor;
 pub(crate) mod adam;
 pub(crate) mod adam8bit;
+pub(crate) mod clip;
 pub(crate) mod multi_tensor;
 mod sgd;
 mod table;
@@ -59,6 +61,7 @@ pub(crate) enum Module {
     Sgd,
     Adam8bit,
     Adafactor,
+    Clip,
 }
 
 impl Module {
@@ -68,6 +71,7 @@ impl Module {
             Module::Sgd => "headroom_optim::sgd",
             Module::Adam8bit => "headroom_optim::adam8bit",
             Module::Adafactor => "headroom_optim::adafactor",
+            Module::Clip => "headroom_optim::clip",
         }
     }
 
@@ -77,6 +81,7 @@ impl Module {
             Module::Sgd => include_str!("../../kernels/ptx/sgd.ptx"),
             Module::Adam8bit => include_str!("../../kernels/ptx/adam8bit.ptx"),
             Module::Adafactor => include_str!("../../kernels/ptx/adafactor.ptx"),
+            Module::Clip => include_str!("../../kernels/ptx/clip.ptx"),
         }
     }
 }
@@ -315,7 +320,7 @@ const PASS_THREADS: u32 = 256;
 /// Elements per block of the foreach passes over chunks of `chunk_len` elements: about a
 /// thousand blocks per launch (a 16 MiB chunk fills the GPU once), at least 4 Ki and at most
 /// 64 Ki elements, a multiple of 2 Ki (one round of two float4 per thread).
-fn pass_block_elems(chunk_len: usize) -> u64 {
+pub(crate) fn pass_block_elems(chunk_len: usize) -> u64 {
     (chunk_len as u64 / 1024)
         .clamp(4096, 65536)
         .next_multiple_of(2048)
