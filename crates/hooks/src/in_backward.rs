@@ -39,8 +39,9 @@ use headroom_optim::{
 };
 
 use crate::error::HooksError;
-use crate::norm::{self, NormType};
+use crate::norm;
 use crate::registry::Claim;
+use headroom_optim::NormType;
 
 /// Gradient bytes a bucket collects before it is stepped by default: PyTorch DDP's 25 MiB, which
 /// keeps each fused launch long enough to stream at full bandwidth and the held gradients small.
@@ -135,8 +136,8 @@ struct State {
     fired: Vec<bool>,
     pending: Vec<usize>,
     pending_bytes: u64,
-    /// Norm parts of the gradients measured in this step.
-    norm_parts: Vec<Tensor>,
+    /// The norms of the gradients measured in this step, by parameter index.
+    norm_parts: Vec<(usize, Tensor)>,
     /// The coefficient clipping this step's updates.
     clip: Option<Tensor>,
     /// The loss scale and overflow flag of this step (`backward_scaled`).
@@ -457,7 +458,8 @@ impl State {
             return Ok(());
         };
         if let Some(clipping) = self.config.clipping {
-            self.norm_parts.push(norm::partial(&grad, clipping.norm)?);
+            let part = norm::gradient_norm(&param, clipping.norm)?;
+            self.norm_parts.push((index, part));
         }
         if let Some(found_inf) = self.scaling.as_ref().and_then(|s| s.found_inf.as_ref()) {
             non_finite_check_(&[&grad], found_inf)?;
@@ -478,11 +480,11 @@ impl State {
     /// The coefficient from the norm parts collected (of scaled gradients under a loss scale),
     /// `None` when nothing was measured.
     fn coefficient(&mut self, clipping: Clipping) -> Result<Option<Tensor>, HooksError> {
-        let parts = std::mem::take(&mut self.norm_parts);
+        let mut parts = std::mem::take(&mut self.norm_parts);
         if parts.is_empty() {
             return Ok(None);
         }
-        let mut total = norm::total(&parts, clipping.norm)?;
+        let mut total = norm::total(&mut parts, clipping.norm)?;
         if let Some(scale) = self.scaling.as_ref().and_then(|s| s.grad_scale.as_ref()) {
             total = total.div(&scale.reshape(&[1])?)?;
         }
@@ -506,8 +508,11 @@ impl State {
             ..
         }) = self.config.clipping
         {
-            for grad in &grads {
-                self.norm_parts.push(norm::partial(grad, norm)?);
+            for &index in &bucket {
+                if self.params[index].grad().is_some() {
+                    let part = norm::gradient_norm(&self.params[index], norm)?;
+                    self.norm_parts.push((index, part));
+                }
             }
         }
         if let Some(clip) = &self.clip {
@@ -584,8 +589,11 @@ impl State {
             non_finite_check_(&refs, found_inf)?;
         }
         if let Some(clipping) = self.config.clipping {
-            for grad in &grads {
-                self.norm_parts.push(norm::partial(grad, clipping.norm)?);
+            for &index in indices {
+                if self.params[index].grad().is_some() {
+                    let part = norm::gradient_norm(&self.params[index], clipping.norm)?;
+                    self.norm_parts.push((index, part));
+                }
             }
             self.clip = self.coefficient(clipping)?;
         }

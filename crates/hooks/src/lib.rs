@@ -30,4 +30,3 @@ pub use error::HooksError;
 pub use in_backward::{
     ClipMode, Clipping, InBackward, InBackwardConfig, InBackwardStats, DEFAULT_BUCKET_BYTES,
 };
-pub use norm::NormType;

@@ -438,7 +438,7 @@ fn misuse_is_a_typed_error_and_unused_parameters_are_counted() {
         InBackwardConfig {
             clipping: Some(headroom_hooks::Clipping {
                 max_norm: 1.0,
-                norm: headroom_hooks::NormType::L2,
+                norm: headroom_optim::NormType::L2,
                 mode: headroom_hooks::ClipMode::Exact,
             }),
             ..InBackwardConfig::default()
@@ -457,4 +457,159 @@ fn misuse_is_a_typed_error_and_unused_parameters_are_counted() {
     )
     .unwrap_err();
     assert!(matches!(err, HooksError::InvalidArgument { .. }), "{err}");
+}
+
+/// The plain loop with `clip_grad_norm_` before the step.
+struct ClipThenStep {
+    max_norm: f64,
+    norm: headroom_optim::NormType,
+}
+
+impl Technique for ClipThenStep {
+    fn name(&self) -> &str {
+        "clip_grad_norm_ then step"
+    }
+
+    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
+        let loss = run.model.loss(&run.model.forward(&batch.input)?, batch)?;
+        loss.backward()?;
+        let params = run.model.module().parameters();
+        headroom_optim::clip_grad_norm_(&params, self.max_norm, self.norm, false)?;
+        let optimizer = run.optimizer.as_mut().ok_or("no optimizer")?;
+        optimizer.step()?;
+        optimizer.zero_grad(true)?;
+        Ok(loss)
+    }
+}
+
+fn clipping(
+    max_norm: f64,
+    norm: headroom_optim::NormType,
+    mode: headroom_hooks::ClipMode,
+) -> InBackwardConfig {
+    InBackwardConfig {
+        bucket_bytes: 2048,
+        clipping: Some(headroom_hooks::Clipping {
+            max_norm,
+            norm,
+            mode,
+        }),
+        ..InBackwardConfig::default()
+    }
+}
+
+#[test]
+fn exact_clipping_in_backward_is_within_two_ulps_of_clip_grad_norm_then_step() {
+    use headroom_hooks::ClipMode;
+    use headroom_optim::NormType;
+    let cpu = CpuBackend::new_ref();
+    for (optimizer, norm, max_norm) in [
+        (OptimSpec::adamw(1e-3, 1e-2), NormType::L2, 0.05),
+        (OptimSpec::sgd_momentum(1e-2, 0.9), NormType::L2, 0.05),
+        (OptimSpec::sgd(1e-2), NormType::Inf, 0.01),
+    ] {
+        for accumulation in [1, 2] {
+            let case = TrainCase {
+                batch: 8,
+                ..case(
+                    "vit",
+                    ModelSpec::Vit(VitConfig::tiny()),
+                    optimizer.clone(),
+                    20,
+                )
+            };
+            let reference = if accumulation == 1 {
+                train(&cpu, &case, &mut ClipThenStep { max_norm, norm }).unwrap()
+            } else {
+                train(
+                    &cpu,
+                    &case,
+                    &mut ClipAccumulate {
+                        max_norm,
+                        norm,
+                        k: accumulation,
+                    },
+                )
+                .unwrap()
+            };
+            let config = InBackwardConfig {
+                accumulation,
+                ..clipping(max_norm, norm, ClipMode::Exact)
+            };
+            let ours = train(&cpu, &case, &mut StepInBackward::new(config)).unwrap();
+            let ulps = max_ulps(&reference.parameters, &ours.parameters);
+            assert!(
+                ulps <= 2,
+                "{optimizer:?} {norm:?} k={accumulation}: {ulps} ulps"
+            );
+        }
+    }
+}
+
+/// Plain accumulation over `k` micro-batches, clipped before the step.
+struct ClipAccumulate {
+    max_norm: f64,
+    norm: headroom_optim::NormType,
+    k: usize,
+}
+
+impl Technique for ClipAccumulate {
+    fn name(&self) -> &str {
+        "accumulate, clip_grad_norm_, step"
+    }
+
+    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
+        let size = batch.len() / self.k;
+        let mut last = None;
+        for micro in 0..self.k {
+            let part = batch.narrow(micro * size, size)?;
+            let loss = run.model.loss(&run.model.forward(&part.input)?, &part)?;
+            loss.backward()?;
+            last = Some(loss);
+        }
+        let params = run.model.module().parameters();
+        headroom_optim::clip_grad_norm_(&params, self.max_norm, self.norm, false)?;
+        let optimizer = run.optimizer.as_mut().ok_or("no optimizer")?;
+        optimizer.step()?;
+        optimizer.zero_grad(true)?;
+        Ok(last.expect("at least one micro-batch"))
+    }
+}
+
+#[test]
+fn previous_step_clipping_trains_like_exact_clipping() {
+    use headroom_hooks::ClipMode;
+    use headroom_optim::NormType;
+    let cpu = CpuBackend::new_ref();
+    let case = TrainCase {
+        batch: 8,
+        ..case(
+            "vit",
+            ModelSpec::Vit(VitConfig::tiny()),
+            OptimSpec::adamw(3e-3, 1e-2),
+            40,
+        )
+    };
+    let exact = train(
+        &cpu,
+        &case,
+        &mut StepInBackward::new(clipping(0.5, NormType::L2, ClipMode::Exact)),
+    )
+    .unwrap();
+    let previous = train(
+        &cpu,
+        &case,
+        &mut StepInBackward::new(clipping(0.5, NormType::L2, ClipMode::PreviousStep)),
+    )
+    .unwrap();
+    let tail = |losses: &[f64]| losses[30..].iter().sum::<f64>() / 10.0;
+    let (a, b) = (tail(&exact.losses), tail(&previous.losses));
+    println!(
+        "ViT-tiny, AdamW 3e-3, max_norm 0.5, 40 steps: mean loss of steps 30-39 exact {a:.5}, \
+         previous-step {b:.5} ({:+.2}%); first losses {:.4} / {:.4}",
+        100.0 * (b - a) / a,
+        exact.losses[0],
+        previous.losses[0]
+    );
+    assert!((b - a).abs() <= 0.02 * a.abs(), "{a} vs {b}");
 }
