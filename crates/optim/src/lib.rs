@@ -20,8 +20,10 @@
 //!   [`ParamId`] handles — [`StepParams`] — with an optional gradient [`Scaling`]), `step`,
 //!   `zero_grad` and state dicts. A handle is resolved once ([`Optimizer::param_id`]), and
 //!   stepping one parameter or one bucket costs O(its size), never a pass over all parameters
-//!   (`benches/step_param.rs`: one 64-element parameter steps in the same time in an optimizer
-//!   of 10 and of 10,000 parameters). [`LrScheduler`] drives the groups' learning rates. State
+//!   (`benches/step_param.rs`, one 64-element parameter on the CPU: fused SGD 0.63 µs with 10
+//!   parameters and 0.62 µs with 10,000, fused Adam 0.94 and 0.93 µs; the `step_param` this
+//!   replaced took 126 and 246 µs at 10,000, so a backward with a hook per parameter was
+//!   O(parameters²)). [`LrScheduler`] drives the groups' learning rates. State
 //!   tensors and step temporaries come from the parameters' caching allocator, so their bytes
 //!   show in `memory_allocated()`.
 //!
