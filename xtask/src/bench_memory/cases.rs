@@ -59,15 +59,16 @@ pub(crate) enum Case {
 }
 
 impl Case {
-    /// Every case, in report order.
+    /// Every case, in report order: pairs that differ by one technique sit next to each other
+    /// (the HTML report draws two timelines a row).
     pub(crate) const ALL: [Case; 10] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
-        Case::AdamFused,
-        Case::Adam8bit,
         Case::Sgd,
+        Case::AdamFused,
         Case::AdamInbwd,
+        Case::Adam8bit,
         Case::Adam8bitInbwd,
         Case::AdamCkpt,
         Case::AdamInbwdCkpt,

@@ -24,6 +24,8 @@ fn phase_colour(phase: Phase) -> &'static str {
 }
 
 const WIDTH: f64 = 900.0;
+/// Width of one timeline: two fit a row.
+const TIMELINE_WIDTH: f64 = 640.0;
 const LABEL: f64 = 190.0;
 const BAR: f64 = 26.0;
 
@@ -34,9 +36,11 @@ pub(crate) fn page(results: &[CaseResult], anchors: &Anchors, title: &str) -> St
         out,
         "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{t}</title>\n<style>\
          body{{font-family:sans-serif;margin:2em;color:#222}} svg text{{font-size:12px}} \
-         h2{{margin-top:2em}}</style></head><body>\n<h1>{t}</h1>\n<p>Peaks are the traced step's \
+         h2{{margin-top:2em}} .timelines{{display:grid;grid-template-columns:repeat(2,{TIMELINE_WIDTH}px);\
+         gap:8px 24px}}</style></head><body>\n<h1>{t}</h1>\n<p>Peaks are the traced step's \
          allocated bytes split by what held them at the moment of the peak; the timelines show \
-         the allocator's requested bytes after each allocation or free of that step.</p>\n",
+         the allocator's requested bytes after each allocation or free of that step, two cases a \
+         row (a case stepped in backward beside the same optimizer stepped after it).</p>\n",
         t = escape(title)
     );
     let mut groups: Vec<(&str, usize)> = Vec::new();
@@ -63,9 +67,11 @@ pub(crate) fn page(results: &[CaseResult], anchors: &Anchors, title: &str) -> St
             .max()
             .unwrap_or(1)
             .max(1);
+        out.push_str("<div class=\"timelines\">\n");
         for r in &group {
             out.push_str(&timeline_chart(r, top));
         }
+        out.push_str("</div>\n");
     }
     out.push_str("</body></html>\n");
     out
@@ -170,7 +176,7 @@ fn peak_bars(group: &[&CaseResult], anchors: &Anchors) -> String {
 /// y axis alike for every case of a group. Each phase spans a width proportional to its events
 /// but at least [`MIN_PHASE_SHARE`] of the plot, so a step of two events stays visible.
 fn timeline_chart(r: &CaseResult, top: u64) -> String {
-    let (w, h, left, top_y, bottom) = (WIDTH, 180.0, 70.0, 30.0, 22.0);
+    let (w, h, left, top_y, bottom) = (TIMELINE_WIDTH, 180.0, 70.0, 30.0, 22.0);
     let plot_w = w - left - 10.0;
     let plot_h = h - bottom - top_y;
     let points = &r.timeline.bytes;

@@ -249,3 +249,110 @@ fn failing_cases_are_reported_and_every_case_is_tried() {
         "nothing is left behind"
     );
 }
+
+/// The chromium of this machine, if one is installed.
+fn chromium() -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .flat_map(|dir| ["chromium", "chromium-browser"].map(|name| dir.join(name)))
+        .find(|candidate| candidate.is_file())
+}
+
+/// Pixels of a PNG that are not near-white.
+fn inked_pixels(png_path: &std::path::Path) -> usize {
+    let decoder = png::Decoder::new(std::io::BufReader::new(
+        std::fs::File::open(png_path).unwrap(),
+    ));
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    let channels = info.color_type.samples();
+    buf[..info.buffer_size()]
+        .chunks(channels)
+        .filter(|px| px.iter().take(3).any(|&c| c < 235))
+        .count()
+}
+
+/// Screenshots `html` in headless chromium and counts its inked pixels.
+fn rendered_ink(
+    chromium: &std::path::Path,
+    dir: &std::path::Path,
+    name: &str,
+    html: &str,
+) -> usize {
+    let page = dir.join(format!("{name}.html"));
+    let shot = dir.join(format!("{name}.png"));
+    std::fs::write(&page, html).unwrap();
+    let status = std::process::Command::new(chromium)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            "--hide-scrollbars",
+            "--window-size=940,420",
+        ])
+        .arg(format!("--user-data-dir={}", dir.join("profile").display()))
+        .arg(format!("--screenshot={}", shot.display()))
+        .arg(format!("file://{}", page.display()))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "chromium failed on {name}");
+    inked_pixels(&shot)
+}
+
+#[test]
+fn every_chart_of_the_html_report_renders_in_chromium() {
+    let Some(chromium) = chromium() else {
+        println!("skipped: chromium is not installed (apt-get install chromium)");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("headroom-bench-html-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let html_path = dir.join("bench.html");
+    let mut options = parse(&args(&[
+        "--device",
+        "cpu",
+        "--model",
+        "vit_tiny",
+        "--batch",
+        "2",
+        "--cases",
+        "adam_fused,adam_inbwd",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--html",
+        html_path.to_str().unwrap(),
+    ]))
+    .unwrap();
+    options.progress = false;
+    execute(&options).unwrap();
+    let page = std::fs::read_to_string(&html_path).unwrap();
+    let charts: Vec<&str> = page
+        .split("<svg")
+        .skip(1)
+        .map(|rest| &rest[..rest.find("</svg>").expect("closed") + "</svg>".len()])
+        .collect();
+    // The peak bars, and one timeline per case.
+    assert_eq!(charts.len(), 3);
+    let blank = rendered_ink(
+        &chromium,
+        &dir,
+        "blank",
+        "<html><body><svg width=\"900\" height=\"180\"></svg></body></html>",
+    );
+    assert!(blank < 50, "a blank chart shows {blank} inked pixels");
+    for (idx, chart) in charts.iter().enumerate() {
+        let html = format!("<html><body style=\"margin:0\"><svg{chart}</body></html>");
+        let ink = rendered_ink(&chromium, &dir, &format!("chart{idx}"), &html);
+        assert!(ink > 3000, "chart {idx} shows only {ink} inked pixels");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
