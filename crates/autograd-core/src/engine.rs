@@ -260,19 +260,11 @@ fn run_node(
     Ok(res)
 }
 
-/// Whether nothing but this handle holds `tensor` or its storage, and it is dense.
-fn is_exclusive_dense(tensor: &Tensor) -> bool {
-    Arc::strong_count(&tensor.inner) == 1
-        && Arc::strong_count(&tensor.inner.buffer) == 1
-        && tensor.is_contiguous()
-        && tensor.numel() * tensor.dtype().size_in_bytes() == tensor.buffer().len_bytes()
-}
-
 /// Sums two gradients for one slot, in place when the first is exclusively held.
 fn accumulate(existing: Option<Tensor>, grad: Tensor) -> Result<Tensor> {
     match existing {
         None => Ok(grad),
-        Some(existing) if is_exclusive_dense(&existing) => {
+        Some(existing) if existing.is_exclusive_dense() => {
             existing.add_assign_raw(&grad)?;
             Ok(existing)
         }
@@ -299,7 +291,7 @@ fn finish_leaf(leaf: &Tensor, grad: Option<Tensor>) -> Result<()> {
     match existing {
         Some(existing) => existing.add_assign_raw(&grad)?,
         None => {
-            let grad = if is_exclusive_dense(&grad) && grad.dtype() == leaf.dtype() {
+            let grad = if grad.is_exclusive_dense() && grad.dtype() == leaf.dtype() {
                 grad
             } else {
                 grad.to_dtype_contiguous_copy(leaf.dtype())?

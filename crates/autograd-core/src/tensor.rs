@@ -486,6 +486,16 @@ impl Tensor {
         Ok(HookList::push(&meta.post_accumulate_hooks, Arc::new(hook)))
     }
 
+    /// Whether nothing but this handle holds the tensor or its storage, and it is dense: then
+    /// its memory may be overwritten (the engine accumulates into such a gradient, and backward
+    /// functions write their result over such an incoming gradient).
+    pub(crate) fn is_exclusive_dense(&self) -> bool {
+        Arc::strong_count(&self.inner) == 1
+            && Arc::strong_count(&self.inner.buffer) == 1
+            && self.is_contiguous()
+            && self.numel() * self.dtype().size_in_bytes() == self.buffer().len_bytes()
+    }
+
     pub(crate) fn grad_fn(&self) -> Option<(Arc<Node>, usize)> {
         let meta = self.inner.meta.lock();
         meta.grad_fn

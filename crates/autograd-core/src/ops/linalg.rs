@@ -121,9 +121,11 @@ impl Tensor {
             let (input, weight, bias) = linear_operands(cast);
             return input.linear(&weight, bias.as_ref());
         }
+        let inputs = self.linear_inputs(weight, bias);
+        let saves = inputs.as_deref().map(LinearSaves::save).transpose()?;
         let (res, _) = self.linear_forward("linear", weight, bias, false)?;
-        if let Some(inputs) = self.linear_inputs(weight, bias) {
-            record_linear(&inputs, &res)?;
+        if let (Some(inputs), Some(saves)) = (inputs, saves) {
+            record_linear(&inputs, saves, &res);
         }
         Ok(res)
     }
@@ -139,10 +141,12 @@ impl Tensor {
             let (input, weight, bias) = linear_operands(cast);
             return input.linear_gelu(&weight, bias.as_ref());
         }
+        let inputs = self.linear_inputs(weight, bias);
+        let saves = inputs.as_deref().map(LinearSaves::save).transpose()?;
         let (res, pre_activation) = self.linear_forward("linear_gelu", weight, bias, true)?;
         let pre_activation = pre_activation.expect("asked for");
-        if let Some(inputs) = self.linear_inputs(weight, bias) {
-            record_linear(&inputs, &pre_activation)?;
+        if let (Some(inputs), Some(saves)) = (inputs, saves) {
+            record_linear(&inputs, saves, &pre_activation);
             pre_activation.record_pointwise(
                 "gelu",
                 BinaryOp::GeluBackward,
@@ -237,22 +241,43 @@ fn linear_operands(cast: Vec<Option<Tensor>>) -> (Tensor, Tensor, Option<Tensor>
     (input, weight, next())
 }
 
+/// What a linear's backward keeps: the input (for the weight gradient) and the weight (for the
+/// input gradient). They are saved before the product runs, so a recomputation that needs only
+/// them (activation checkpointing's early stop) ends before the GEMM.
+struct LinearSaves {
+    input: Option<SavedTensor>,
+    weight: Option<SavedTensor>,
+}
+
+impl LinearSaves {
+    /// Saves what the backward of the linear over `inputs` (input, weight, bias if any) needs.
+    fn save(inputs: &[&Tensor]) -> Result<LinearSaves> {
+        let (input, weight) = (inputs[0], inputs[1]);
+        Ok(LinearSaves {
+            input: if weight.requires_grad() {
+                Some(SavedTensor::save("linear", SaveRole::Input(0), input)?)
+            } else {
+                None
+            },
+            weight: if input.requires_grad() {
+                Some(SavedTensor::save("linear", SaveRole::Input(1), weight)?)
+            } else {
+                None
+            },
+        })
+    }
+}
+
 /// Records the linear node `inputs` (input, weight, bias if any) → `res`. Backward: the input
 /// gradient is one product, the weight and bias gradients one
 /// [`Backend::linear_weight_grad`](crate::Backend::linear_weight_grad) call.
-fn record_linear(inputs: &[&Tensor], res: &Tensor) -> Result<()> {
+fn record_linear(inputs: &[&Tensor], saves: LinearSaves, res: &Tensor) {
     let (input, weight) = (inputs[0], inputs[1]);
     let has_bias = inputs.len() == 3;
-    let saved_input = if weight.requires_grad() {
-        Some(SavedTensor::save("linear", SaveRole::Input(0), input)?)
-    } else {
-        None
-    };
-    let saved_weight = if input.requires_grad() {
-        Some(SavedTensor::save("linear", SaveRole::Input(1), weight)?)
-    } else {
-        None
-    };
+    let LinearSaves {
+        input: saved_input,
+        weight: saved_weight,
+    } = saves;
     let input_shape = input.shape().to_vec();
     let (out_features, in_features) = (weight.shape()[0], weight.shape()[1]);
     let rows = input.numel() / in_features.max(1);
@@ -290,7 +315,6 @@ fn record_linear(inputs: &[&Tensor], res: &Tensor) -> Result<()> {
         }
         Ok(res)
     });
-    Ok(())
 }
 
 /// A convolution whose stride equals its kernel (ViT's patch embedding): `input` is
