@@ -12,105 +12,12 @@ use headroom_optim::kernels::SgdConfig;
 use headroom_optim::{
     Implementation, LrScheduler, OptimError, Optimizer, ParamGroup, Schedule, Sgd,
 };
-use headroom_testkit::{
-    check_technique, train, Batch, ModelSpec, OptimSpec, Technique, Tolerance, TrainCase, TrainRun,
+mod techniques;
+
+use headroom_testkit::{check_technique, train, ModelSpec, OptimSpec, TrainCase};
+use techniques::{
+    case, clipping, max_ulps, mlp, Accumulate, ClipAccumulate, ClipThenStep, StepInBackward,
 };
-
-/// Takes the case's optimizer into an `InBackward` and trains with its backward.
-struct StepInBackward {
-    config: InBackwardConfig,
-    in_backward: Option<InBackward>,
-    /// Micro-batches per step (the batch is cut into this many).
-    micro_batches: usize,
-}
-
-impl StepInBackward {
-    fn new(config: InBackwardConfig) -> StepInBackward {
-        let micro_batches = config.accumulation;
-        StepInBackward {
-            config,
-            in_backward: None,
-            micro_batches,
-        }
-    }
-}
-
-impl Technique for StepInBackward {
-    fn name(&self) -> &str {
-        "optimizer in backward"
-    }
-
-    fn prepare(&mut self, run: &mut TrainRun) -> headroom_testkit::Result<()> {
-        let optimizer = run.optimizer.take().ok_or("no optimizer")?;
-        self.in_backward = Some(InBackward::new(optimizer, self.config.clone())?);
-        Ok(())
-    }
-
-    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
-        let in_backward = self.in_backward.as_ref().ok_or("not prepared")?;
-        let size = batch.len() / self.micro_batches;
-        let mut last = None;
-        for micro in 0..self.micro_batches {
-            let part = batch.narrow(micro * size, size)?;
-            let loss = run.model.loss(&run.model.forward(&part.input)?, &part)?;
-            in_backward.backward(&loss)?;
-            last = Some(loss);
-        }
-        Ok(last.expect("at least one micro-batch"))
-    }
-
-    fn finish(&mut self, _run: &mut TrainRun) -> headroom_testkit::Result<()> {
-        self.in_backward = None;
-        Ok(())
-    }
-}
-
-/// The plain loop with gradient accumulation: `k` backwards, one step.
-struct Accumulate(usize);
-
-impl Technique for Accumulate {
-    fn name(&self) -> &str {
-        "plain accumulation"
-    }
-
-    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
-        let size = batch.len() / self.0;
-        let mut last = None;
-        for micro in 0..self.0 {
-            let part = batch.narrow(micro * size, size)?;
-            let loss = run.model.loss(&run.model.forward(&part.input)?, &part)?;
-            loss.backward()?;
-            last = Some(loss);
-        }
-        let optimizer = run.optimizer.as_mut().ok_or("no optimizer")?;
-        optimizer.step()?;
-        optimizer.zero_grad(true)?;
-        Ok(last.expect("at least one micro-batch"))
-    }
-}
-
-fn case(name: &'static str, model: ModelSpec, optimizer: OptimSpec, steps: usize) -> TrainCase {
-    TrainCase {
-        name,
-        model,
-        dtype: DType::F32,
-        batch: 4,
-        steps,
-        optimizer,
-        tolerance: Tolerance::Bitwise {
-            why: "each parameter's update is the same fused kernel on the same gradient, \
-                  whatever bucket it is stepped in",
-        },
-        seed: 9,
-    }
-}
-
-fn mlp() -> ModelSpec {
-    ModelSpec::Mlp {
-        width: 16,
-        hidden: 48,
-    }
-}
 
 #[test]
 fn training_in_backward_equals_the_plain_loop_bit_for_bit() {
@@ -154,19 +61,6 @@ fn training_in_backward_equals_the_plain_loop_bit_for_bit() {
             assert_eq!(report.baseline_losses, report.technique_losses);
         }
     }
-}
-
-/// The largest distance in ulps between two parameter sets of one model.
-fn max_ulps(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> u32 {
-    let mut worst = 0;
-    for ((name, x), (other, y)) in a.iter().zip(b) {
-        assert_eq!(name, other);
-        let (x, y) = (x.to_vec::<f32>().unwrap(), y.to_vec::<f32>().unwrap());
-        for (u, v) in x.iter().zip(&y) {
-            worst = worst.max((u.to_bits() as i64 - v.to_bits() as i64).unsigned_abs() as u32);
-        }
-    }
-    worst
 }
 
 #[test]
@@ -459,45 +353,6 @@ fn misuse_is_a_typed_error_and_unused_parameters_are_counted() {
     assert!(matches!(err, HooksError::InvalidArgument { .. }), "{err}");
 }
 
-/// The plain loop with `clip_grad_norm_` before the step.
-struct ClipThenStep {
-    max_norm: f64,
-    norm: headroom_optim::NormType,
-}
-
-impl Technique for ClipThenStep {
-    fn name(&self) -> &str {
-        "clip_grad_norm_ then step"
-    }
-
-    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
-        let loss = run.model.loss(&run.model.forward(&batch.input)?, batch)?;
-        loss.backward()?;
-        let params = run.model.module().parameters();
-        headroom_optim::clip_grad_norm_(&params, self.max_norm, self.norm, false)?;
-        let optimizer = run.optimizer.as_mut().ok_or("no optimizer")?;
-        optimizer.step()?;
-        optimizer.zero_grad(true)?;
-        Ok(loss)
-    }
-}
-
-fn clipping(
-    max_norm: f64,
-    norm: headroom_optim::NormType,
-    mode: headroom_hooks::ClipMode,
-) -> InBackwardConfig {
-    InBackwardConfig {
-        bucket_bytes: 2048,
-        clipping: Some(headroom_hooks::Clipping {
-            max_norm,
-            norm,
-            mode,
-        }),
-        ..InBackwardConfig::default()
-    }
-}
-
 #[test]
 fn exact_clipping_in_backward_is_within_two_ulps_of_clip_grad_norm_then_step() {
     use headroom_hooks::ClipMode;
@@ -543,36 +398,6 @@ fn exact_clipping_in_backward_is_within_two_ulps_of_clip_grad_norm_then_step() {
                 "{optimizer:?} {norm:?} k={accumulation}: {ulps} ulps"
             );
         }
-    }
-}
-
-/// Plain accumulation over `k` micro-batches, clipped before the step.
-struct ClipAccumulate {
-    max_norm: f64,
-    norm: headroom_optim::NormType,
-    k: usize,
-}
-
-impl Technique for ClipAccumulate {
-    fn name(&self) -> &str {
-        "accumulate, clip_grad_norm_, step"
-    }
-
-    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
-        let size = batch.len() / self.k;
-        let mut last = None;
-        for micro in 0..self.k {
-            let part = batch.narrow(micro * size, size)?;
-            let loss = run.model.loss(&run.model.forward(&part.input)?, &part)?;
-            loss.backward()?;
-            last = Some(loss);
-        }
-        let params = run.model.module().parameters();
-        headroom_optim::clip_grad_norm_(&params, self.max_norm, self.norm, false)?;
-        let optimizer = run.optimizer.as_mut().ok_or("no optimizer")?;
-        optimizer.step()?;
-        optimizer.zero_grad(true)?;
-        Ok(last.expect("at least one micro-batch"))
     }
 }
 

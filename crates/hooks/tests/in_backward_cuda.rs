@@ -1,50 +1,21 @@
 //! The optimizer in backward on the CUDA backend: 20 steps of ViT-tiny give the plain loop's
-//! parameters bit for bit (fused AdamW at two bucket sizes, 8-bit Adam), and a scaled loss is
-//! unscaled in the fused kernels from device tensors, skipping the whole step on an overflow.
-//! Skips with a notice without a GPU (fails where `HEADROOM_REQUIRE_GPU=1`).
+//! parameters bit for bit (fused AdamW at two bucket sizes, 8-bit Adam), exact clipping gives
+//! `clip_grad_norm_` then a step, accumulation over four micro-batches gives plain accumulation,
+//! and a scaled loss is unscaled in the fused kernels from device tensors, skipping the whole step
+//! on an overflow. Skips with a notice without a GPU (fails where `HEADROOM_REQUIRE_GPU=1`).
 #![cfg(feature = "cuda")]
 
+mod techniques;
+
 use headroom_autograd_core::{BackendRef, DType, Tensor};
-use headroom_hooks::{InBackward, InBackwardConfig};
+use headroom_hooks::{ClipMode, InBackward, InBackwardConfig};
 use headroom_nn::VitConfig;
 use headroom_ops_cuda::CudaBackend;
 use headroom_optim::kernels::AdamConfig;
-use headroom_optim::{Adam, Implementation, Optimizer, ParamGroup};
+use headroom_optim::{Adam, Implementation, NormType, Optimizer, ParamGroup};
 use headroom_testkit::gpu::cuda_or_skip;
-use headroom_testkit::{
-    check_technique, Batch, ModelSpec, OptimSpec, Technique, Tolerance, TrainCase, TrainRun,
-};
-
-struct StepInBackward {
-    config: InBackwardConfig,
-    in_backward: Option<InBackward>,
-}
-
-impl Technique for StepInBackward {
-    fn name(&self) -> &str {
-        "optimizer in backward"
-    }
-
-    fn prepare(&mut self, run: &mut TrainRun) -> headroom_testkit::Result<()> {
-        let optimizer = run.optimizer.take().ok_or("no optimizer")?;
-        self.in_backward = Some(InBackward::new(optimizer, self.config.clone())?);
-        Ok(())
-    }
-
-    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
-        let loss = run.model.loss(&run.model.forward(&batch.input)?, batch)?;
-        self.in_backward
-            .as_ref()
-            .ok_or("not prepared")?
-            .backward(&loss)?;
-        Ok(loss)
-    }
-
-    fn finish(&mut self, _run: &mut TrainRun) -> headroom_testkit::Result<()> {
-        self.in_backward = None;
-        Ok(())
-    }
-}
+use headroom_testkit::{check_technique, train, ModelSpec, OptimSpec, Tolerance, TrainCase};
+use techniques::{clipping, max_ulps, Accumulate, ClipThenStep, StepInBackward};
 
 fn cuda() -> Option<BackendRef> {
     cuda_or_skip(CudaBackend::new(0)).map(|cuda| cuda as BackendRef)
@@ -74,13 +45,10 @@ fn twenty_steps_in_backward_on_the_gpu_equal_the_plain_loop_bit_for_bit() {
             },
             seed: 2,
         };
-        let mut technique = StepInBackward {
-            config: InBackwardConfig {
-                bucket_bytes,
-                ..InBackwardConfig::default()
-            },
-            in_backward: None,
-        };
+        let mut technique = StepInBackward::new(InBackwardConfig {
+            bucket_bytes,
+            ..InBackwardConfig::default()
+        });
         let report = check_technique(&cuda, &case, &mut technique).unwrap_or_else(|err| {
             panic!("{:?}, buckets of {bucket_bytes} B: {err}", case.optimizer)
         });
@@ -156,4 +124,60 @@ fn a_scaled_loss_is_unscaled_on_the_device_and_an_overflow_skips_the_whole_step(
         after, before,
         "no parameter moved, not even those stepped before the NaN"
     );
+}
+
+#[test]
+fn exact_clipping_and_accumulation_on_the_gpu_match_the_plain_loops() {
+    let Some(cuda) = cuda() else { return };
+    let vit = |optimizer: OptimSpec| TrainCase {
+        name: "vit-tiny on CUDA",
+        model: ModelSpec::Vit(VitConfig::tiny()),
+        dtype: DType::F32,
+        batch: 8,
+        steps: 20,
+        optimizer,
+        tolerance: Tolerance::Ulps {
+            max: 2,
+            why: "compared with train() below",
+        },
+        seed: 4,
+    };
+    for (optimizer, norm) in [
+        (OptimSpec::adamw(1e-3, 1e-2), NormType::L2),
+        (OptimSpec::sgd_momentum(1e-2, 0.9), NormType::Inf),
+    ] {
+        let case = vit(optimizer);
+        let reference = train(
+            &cuda,
+            &case,
+            &mut ClipThenStep {
+                max_norm: 0.05,
+                norm,
+            },
+        )
+        .unwrap();
+        let config = clipping(0.05, norm, ClipMode::Exact);
+        let ours = train(&cuda, &case, &mut StepInBackward::new(config)).unwrap();
+        let ulps = max_ulps(&reference.parameters, &ours.parameters);
+        assert!(
+            ulps <= 2,
+            "exact clipping, {:?}: {ulps} ulps",
+            case.optimizer
+        );
+    }
+    for optimizer in [
+        OptimSpec::sgd_momentum(1e-2, 0.9),
+        OptimSpec::adamw(1e-3, 1e-2),
+    ] {
+        let case = vit(optimizer);
+        let reference = train(&cuda, &case, &mut Accumulate(4)).unwrap();
+        let config = InBackwardConfig {
+            accumulation: 4,
+            bucket_bytes: 4096,
+            ..InBackwardConfig::default()
+        };
+        let ours = train(&cuda, &case, &mut StepInBackward::new(config)).unwrap();
+        let ulps = max_ulps(&reference.parameters, &ours.parameters);
+        assert!(ulps <= 2, "accumulation, {:?}: {ulps} ulps", case.optimizer);
+    }
 }
