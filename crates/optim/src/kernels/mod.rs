@@ -20,7 +20,8 @@
 //! PyTorch's op-by-op paths do. For f32 every rounding is the identity, so f32 results are those
 //! of the f32-only kernels. Adafactor and 8-bit Adam take f32 only. Every kernel updates one
 //! parameter (or one list), so the per-parameter step of optimizer-in-backward is a plain call.
-//! A future CUDA layer mirrors these signatures over device slices.
+//! The CUDA side (`crate::cuda`, feature `cuda`) runs the same operations in the same order on
+//! device memory.
 
 mod adafactor;
 mod adam;
