@@ -2,7 +2,7 @@
 //!
 //! Reads a TSV trace (gzipped or not) or a PyTorch snapshot pickle, replays its `alloc` /
 //! `free_completed` sequence on [`SimulatedStorage`] with the settings given, and prints the
-//! figures of [`ReplayReport`] as text or one JSON object.
+//! figures of [`headroom_caching_allocator::ReplayReport`] as text or one JSON object.
 
 use std::fs::File;
 use std::io::BufReader;
