@@ -222,6 +222,33 @@ fn run_graph(roots: Vec<(Tensor, Tensor)>, retain_graph: bool) -> Result<()> {
     Ok(())
 }
 
+thread_local! {
+    static LAST_USE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the backward function running now on this thread is its node's last use (no
+/// `retain_graph`): it may then release a saved tensor as soon as it has used it, before it
+/// allocates the rest of its gradients.
+pub(crate) fn is_last_use() -> bool {
+    LAST_USE.with(std::cell::Cell::get)
+}
+
+/// Sets [`is_last_use`] for one backward function, restoring the outer value (a backward run
+/// from inside another) when dropped.
+struct LastUse(bool);
+
+impl LastUse {
+    fn set(last: bool) -> LastUse {
+        LastUse(LAST_USE.with(|cell| cell.replace(last)))
+    }
+}
+
+impl Drop for LastUse {
+    fn drop(&mut self) {
+        LAST_USE.with(|cell| cell.set(self.0));
+    }
+}
+
 /// Calls a node's backward; without `retain_graph` the closure (and its saved tensors) is
 /// dropped before this returns.
 fn run_node(
@@ -241,13 +268,17 @@ fn run_node(
         let backward = slot
             .as_mut()
             .ok_or(TensorError::GraphFreed { op: node.name() })?;
+        let _use = LastUse::set(false);
         backward(grads)?
     } else {
         let mut backward = slot
             .take()
             .ok_or(TensorError::GraphFreed { op: node.name() })?;
         drop(slot);
-        let res = backward(grads);
+        let res = {
+            let _use = LastUse::set(true);
+            backward(grads)
+        };
         drop(backward);
         res?
     };
