@@ -93,9 +93,12 @@ pub type BackwardEndCallback = Box<dyn FnOnce() -> Result<()> + Send>;
 /// A hook run at the end of every outermost backward pass on the thread that registered it.
 pub type BackwardEndHook = Arc<dyn Fn() -> Result<()> + Send + Sync>;
 
+/// The number the next backward pass gets (process-wide, so it names a pass uniquely).
+static NEXT_PASS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 thread_local! {
-    /// One callback queue per backward pass running on this thread, innermost last.
-    static RUNNING_BACKWARDS: RefCell<Vec<Vec<BackwardEndCallback>>> =
+    /// Per backward pass running on this thread, innermost last: its number and callback queue.
+    static RUNNING_BACKWARDS: RefCell<Vec<(u64, Vec<BackwardEndCallback>)>> =
         const { RefCell::new(Vec::new()) };
     static BACKWARD_END_HOOKS: Arc<HookList<BackwardEndHook>> = Arc::default();
 }
@@ -110,7 +113,7 @@ pub fn queue_backward_end_callback(
     callback: impl FnOnce() -> Result<()> + Send + 'static,
 ) -> Result<()> {
     RUNNING_BACKWARDS.with(|running| match running.borrow_mut().last_mut() {
-        Some(queue) => {
+        Some((_, queue)) => {
             queue.push(Box::new(callback));
             Ok(())
         }
@@ -135,6 +138,13 @@ pub fn is_backward_running() -> bool {
     RUNNING_BACKWARDS.with(|running| !running.borrow().is_empty())
 }
 
+/// The number of the innermost backward pass running on this thread (unique in the process), if
+/// one is: a hook that keeps state per pass tells a new pass from the one it last saw by it, also
+/// when that one failed and never finished.
+pub fn backward_pass_id() -> Option<u64> {
+    RUNNING_BACKWARDS.with(|running| running.borrow().last().map(|(id, _)| *id))
+}
+
 /// A backward pass running on this thread: its callback queue. Made by the engine when a pass
 /// starts; [`BackwardPass::finish`] runs the callbacks, dropping it unfinished discards them.
 pub(crate) struct BackwardPass {
@@ -144,9 +154,10 @@ pub(crate) struct BackwardPass {
 impl BackwardPass {
     /// Opens the callback queue of a new backward pass on this thread.
     pub(crate) fn start() -> BackwardPass {
+        let id = NEXT_PASS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let depth = RUNNING_BACKWARDS.with(|running| {
             let mut running = running.borrow_mut();
-            running.push(Vec::new());
+            running.push((id, Vec::new()));
             running.len()
         });
         BackwardPass { depth }
@@ -163,7 +174,7 @@ impl BackwardPass {
         let mut hooks_ran = !self.is_outermost();
         loop {
             let queued = RUNNING_BACKWARDS
-                .with(|running| std::mem::take(&mut running.borrow_mut()[self.depth - 1]));
+                .with(|running| std::mem::take(&mut running.borrow_mut()[self.depth - 1].1));
             if !queued.is_empty() {
                 for callback in queued {
                     callback()?;

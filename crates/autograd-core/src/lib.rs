@@ -70,8 +70,8 @@ pub use error::{Result, TensorError};
 pub use grad_mode::{is_grad_enabled, no_grad, set_grad_enabled, GradModeGuard};
 pub use graph::needs_grad;
 pub use hooks::{
-    is_backward_running, on_backward_end, queue_backward_end_callback, BackwardEndCallback,
-    BackwardEndHook, GradHook, HookHandle, PostAccumulateHook,
+    backward_pass_id, is_backward_running, on_backward_end, queue_backward_end_callback,
+    BackwardEndCallback, BackwardEndHook, GradHook, HookHandle, PostAccumulateHook,
 };
 pub use layout::{broadcast_shapes, contiguous_strides, normalize_dim, Dims, Layout};
 pub use non_finite::{found_non_finite, non_finite_check_};

@@ -21,6 +21,9 @@
 //!   the whole step when it is set — never a partial update.
 //! - A parameter that gets no gradient in a step is not updated, and is counted
 //!   ([`InBackwardStats::params_without_grad`]).
+//! - A backward pass that fails (an error from a hook or an op) leaves the buckets it stepped
+//!   stepped and the rest of its gradients in `.grad`; the next pass starts clean (what the failed
+//!   one left pending is dropped, never stepped twice).
 //!
 //! It sits on autograd-core's hooks and backward-end callbacks and on optim's [`Optimizer`]
 //! trait; it knows no rule, no kernel and no device.
@@ -30,8 +33,8 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use headroom_autograd_core::{
-    non_finite_check_, queue_backward_end_callback, BackwardOptions, DType, Device, HookHandle,
-    Tensor, TensorError,
+    backward_pass_id, non_finite_check_, queue_backward_end_callback, BackwardOptions, DType,
+    Device, HookHandle, Tensor, TensorError,
 };
 use headroom_optim::{
     kernels::{GradScaling, StepOutcome},
@@ -130,8 +133,8 @@ struct State {
     /// Set by `backward` for its two passes; `None` outside them.
     armed: Option<Pass>,
     micro_batch: usize,
-    /// Whether this pass's end callback is queued.
-    end_queued: bool,
+    /// The backward pass this optimizer's end callback is queued for.
+    queued_pass: Option<u64>,
     /// Parameters whose hook fired in this pass.
     fired: Vec<bool>,
     pending: Vec<usize>,
@@ -219,7 +222,7 @@ impl InBackward {
             scheduler: None,
             armed: None,
             micro_batch: 0,
-            end_queued: false,
+            queued_pass: None,
             fired: vec![false; n],
             pending: Vec::new(),
             pending_bytes: 0,
@@ -383,8 +386,15 @@ fn read_one(tensor: Option<&Tensor>) -> Result<Option<f32>, HooksError> {
 /// The hook: parameter `index`'s gradient is final for this pass.
 fn gradient_final(shared: &Arc<Mutex<State>>, index: usize) -> Result<(), HooksError> {
     let mut state = shared.lock();
-    if !state.end_queued {
-        state.end_queued = true;
+    let pass = backward_pass_id();
+    if state.queued_pass != pass {
+        // A new pass. What a pass that failed left pending is dropped: its gradients stay in
+        // `.grad`, and the buckets it stepped stay stepped.
+        state.pending.clear();
+        state.pending_bytes = 0;
+        state.norm_parts.clear();
+        state.fired.iter_mut().for_each(|fired| *fired = false);
+        state.queued_pass = pass;
         let shared = Arc::clone(shared);
         queue_backward_end_callback(move || {
             pass_finished(&shared).map_err(|err| match err {
@@ -413,7 +423,7 @@ fn gradient_final(shared: &Arc<Mutex<State>>, index: usize) -> Result<(), HooksE
 /// The pass's end callback: step what is left, finish the step.
 fn pass_finished(shared: &Arc<Mutex<State>>) -> Result<(), HooksError> {
     let mut state = shared.lock();
-    state.end_queued = false;
+    state.queued_pass = None;
     state.stats.passes += 1;
     let pass = state.pass()?;
     let res = match pass {

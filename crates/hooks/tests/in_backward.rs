@@ -438,3 +438,45 @@ fn previous_step_clipping_trains_like_exact_clipping() {
     );
     assert!((b - a).abs() <= 0.02 * a.abs(), "{a} vs {b}");
 }
+
+#[test]
+fn a_failed_backward_leaves_nothing_pending_for_the_next() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let cpu = CpuBackend::new_ref();
+    let (ours, reference) = (params(&cpu), params(&cpu));
+    let in_backward = InBackward::new(
+        Box::new(sgd(ours.clone(), 0.1)),
+        InBackwardConfig::default(),
+    )
+    .unwrap();
+    let fail_once = Arc::new(AtomicBool::new(true));
+    let loss_failing_once = |ps: &[Tensor]| {
+        let last = ps[2].mul(&ps[2]).unwrap();
+        let fail = Arc::clone(&fail_once);
+        last.register_hook(move |_| {
+            if fail.swap(false, Ordering::SeqCst) {
+                return Err(headroom_autograd_core::TensorError::InvalidArgument {
+                    op: "test hook",
+                    reason: "fails once".into(),
+                });
+            }
+            Ok(None)
+        })
+        .unwrap();
+        loss_of(&ps[..2]).add(&last.sum_all().unwrap()).unwrap()
+    };
+    // The first backward fails after the first two gradients joined the pending bucket.
+    assert!(in_backward.backward(&loss_failing_once(&ours)).is_err());
+    for p in &ours {
+        p.zero_grad(true).unwrap();
+    }
+    // The next one steps every parameter once, as one plain SGD step does.
+    in_backward.backward(&loss_failing_once(&ours)).unwrap();
+    let mut plain = sgd(reference.clone(), 0.1);
+    loss_of(&reference).backward().unwrap();
+    plain.step().unwrap();
+    for (a, b) in ours.iter().zip(&reference) {
+        assert_eq!(a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+    }
+    assert_eq!(in_backward.stats().steps, 1);
+}
