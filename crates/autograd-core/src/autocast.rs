@@ -285,8 +285,3 @@ fn cast(tensor: &Tensor, dtype: DType, lower_precision: DType) -> Result<Tensor>
     });
     Ok(res)
 }
-
-/// Turns autocast off for the rest of a backward pass (the engine's).
-pub(crate) fn suspend() -> AutocastGuard {
-    autocast_disabled()
-}

@@ -80,7 +80,7 @@ fn leaf_key(leaf: &Tensor) -> usize {
 /// the pass and, for an outermost pass, the thread's backward-end hooks.
 pub fn run_backward(roots: Vec<(Tensor, Tensor)>, retain_graph: bool) -> Result<()> {
     let _grad_mode = no_grad();
-    let _autocast = crate::autocast::suspend();
+    let _autocast = crate::autocast::autocast_disabled();
     let pass = BackwardPass::start();
     let res = run_graph(roots, retain_graph).and_then(|()| pass.finish());
     if !is_backward_running() {

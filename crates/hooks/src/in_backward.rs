@@ -271,14 +271,7 @@ impl InBackward {
     /// `found_inf` is set. Returns `found_inf` (one f32 element, 1 when the step was skipped),
     /// still on the device, for the scaler's update. Needs the fused implementation.
     pub fn backward_scaled(&self, loss: &Tensor, scale: &Tensor) -> Result<Tensor, HooksError> {
-        let previous_step = matches!(
-            self.state.lock().config.clipping,
-            Some(Clipping {
-                mode: ClipMode::PreviousStep,
-                ..
-            })
-        );
-        if previous_step {
+        if self.state.lock().clip_mode() == Some(ClipMode::PreviousStep) {
             return Err(HooksError::InvalidArgument {
                 op: "InBackward::backward_scaled",
                 reason: "previous-step clipping would carry an overflowed step's norm into the \
@@ -298,24 +291,10 @@ impl InBackward {
     fn run(&self, loss: &Tensor, scaling: Option<DeviceGradScaling>) -> Result<(), HooksError> {
         let two_passes = {
             let mut state = self.state.lock();
-            let last = state.micro_batch + 1 == state.config.accumulation;
-            let exact = matches!(
-                state.config.clipping,
-                Some(Clipping {
-                    mode: ClipMode::Exact,
-                    ..
-                })
-            );
-            let needs_all = exact || scaling.is_some();
             state.scaling = scaling;
-            let two_passes = last && needs_all && state.config.accumulation == 1;
-            state.armed = Some(match () {
-                _ if !last => Pass::Accumulate,
-                _ if two_passes => Pass::Measure,
-                _ if needs_all => Pass::Deferred,
-                _ => Pass::Update,
-            });
-            two_passes
+            let pass = state.next_pass();
+            state.armed = Some(pass);
+            pass == Pass::Measure
         };
         let res = self.run_passes(loss, two_passes);
         let mut state = self.state.lock();
@@ -442,23 +421,32 @@ impl State {
     /// What this pass does: as `backward` armed it, else (a plain `loss.backward()`) accumulate
     /// or update, or refuse when the configuration needs two passes.
     fn pass(&self) -> Result<Pass, HooksError> {
-        if let Some(pass) = self.armed {
-            return Ok(pass);
+        match self.armed {
+            Some(pass) => Ok(pass),
+            None => match self.next_pass() {
+                Pass::Measure => Err(HooksError::NeedsTwoPasses),
+                pass => Ok(pass),
+            },
         }
+    }
+
+    /// What the next backward pass must do: accumulate before the last micro-batch; on the last,
+    /// measure first (one micro-batch) or defer to the end (several) when the step needs every
+    /// gradient before any update — exact clipping, or a loss scale — else update in buckets.
+    fn next_pass(&self) -> Pass {
         let last = self.micro_batch + 1 == self.config.accumulation;
-        let exact = matches!(
-            self.config.clipping,
-            Some(Clipping {
-                mode: ClipMode::Exact,
-                ..
-            })
-        );
+        let needs_all = self.clip_mode() == Some(ClipMode::Exact) || self.scaling.is_some();
         match () {
-            _ if !last => Ok(Pass::Accumulate),
-            _ if exact && self.config.accumulation == 1 => Err(HooksError::NeedsTwoPasses),
-            _ if exact => Ok(Pass::Deferred),
-            _ => Ok(Pass::Update),
+            _ if !last => Pass::Accumulate,
+            _ if needs_all && self.config.accumulation == 1 => Pass::Measure,
+            _ if needs_all => Pass::Deferred,
+            _ => Pass::Update,
         }
+    }
+
+    /// The clipping mode, if the configuration clips.
+    fn clip_mode(&self) -> Option<ClipMode> {
+        self.config.clipping.map(|clipping| clipping.mode)
     }
 
     /// First pass: the gradient's norm part and overflow flag, then free it.
