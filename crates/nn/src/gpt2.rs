@@ -281,11 +281,15 @@ impl Gpt2Model {
         let backend = input_ids.backend();
         let positions: Vec<i64> = (0..seq as i64).collect();
         let position_ids = Tensor::from_slice(backend, &positions, &[seq])?;
-        let embeds = self
-            .wte
-            .forward(input_ids)?
-            .add(&self.wpe.forward(&position_ids)?)?;
-        let mut hidden = self.drop.forward(&embeds)?;
+        // The embeddings' sum is released once dropout has used it (with p > 0 it is not what
+        // the blocks read, so it must not be held while they run).
+        let mut hidden = {
+            let embeds = self
+                .wte
+                .forward(input_ids)?
+                .add(&self.wpe.forward(&position_ids)?)?;
+            self.drop.forward(&embeds)?
+        };
         for (index, block) in self.h.iter().enumerate() {
             hidden = run_block(
                 self.block_runner.as_ref(),

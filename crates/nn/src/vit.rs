@@ -179,10 +179,15 @@ pub struct EncoderBlock {
 impl EncoderBlock {
     /// `x + attn(ln_1(x))`, then `+ mlp(ln_2(·))`.
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        let attended = self
-            .self_attention
-            .forward(&self.ln_1.forward(input)?, AttentionMask::None)?;
-        let x = self.dropout.forward(&attended)?.add(input)?;
+        // Attention's output is released before the MLP runs, as torchvision's rebinding of `x`
+        // releases it: held to the end of the function, it would add one activation-sized
+        // tensor to every block's MLP (and to the forward's peak).
+        let x = {
+            let attended = self
+                .self_attention
+                .forward(&self.ln_1.forward(input)?, AttentionMask::None)?;
+            self.dropout.forward(&attended)?.add(input)?
+        };
         let y = self.mlp.forward(&self.ln_2.forward(&x)?)?;
         Ok(x.add(&y)?)
     }
@@ -224,7 +229,14 @@ pub struct Encoder {
 impl Encoder {
     /// `[batch, seq_length, hidden_dim]` → the same shape.
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
+        self.forward_owned(input.clone())
+    }
+
+    /// [`Encoder::forward`] on an input the caller gives up: it is released once the position
+    /// embedding is added, so it is not held while the blocks run.
+    pub(crate) fn forward_owned(&self, input: Tensor) -> Result<Tensor> {
         let mut x = self.dropout.forward(&input.add(&self.pos_embedding)?)?;
+        drop(input);
         for (index, layer) in self.layers.iter().enumerate() {
             x = run_block(
                 self.block_runner.as_ref(),
@@ -407,15 +419,26 @@ impl VisionTransformer {
         }
         let batch = images.shape()[0];
         let hidden_dim = self.config.hidden_dim;
-        let patches = self.conv_proj.forward(images)?;
-        let n_patches = patches.shape()[2] * patches.shape()[3];
-        let tokens = patches
-            .reshape(&[batch, hidden_dim, n_patches])?
-            .permute(&[0, 2, 1])?;
-        let class_tokens = self.class_token.expand(&[batch, 1, hidden_dim])?;
-        let x = cat(&[&class_tokens, &tokens], 1)?;
-        let x = self.encoder.forward(&x)?;
-        let first = x.narrow(1, 0, 1)?.squeeze_dim(1)?;
+        // Each intermediate is released as soon as the next one exists (torchvision rebinds `x`):
+        // the patch grid once the tokens are concatenated, the tokens once the encoder has added
+        // its position embedding.
+        let tokens = {
+            let patches = self.conv_proj.forward(images)?;
+            let n_patches = patches.shape()[2] * patches.shape()[3];
+            let tokens = patches
+                .reshape(&[batch, hidden_dim, n_patches])?
+                .permute(&[0, 2, 1])?;
+            let class_tokens = self.class_token.expand(&[batch, 1, hidden_dim])?;
+            cat(&[&class_tokens, &tokens], 1)?
+        };
+        // The class token's row is copied out, so the head saves `[batch, hidden]` for backward
+        // rather than a view that keeps the whole `[batch, seq, hidden]` output of the final norm.
+        let first = self
+            .encoder
+            .forward_owned(tokens)?
+            .narrow(1, 0, 1)?
+            .squeeze_dim(1)?
+            .contiguous()?;
         self.head.forward(&first)
     }
 }
