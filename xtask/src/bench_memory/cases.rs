@@ -20,13 +20,13 @@ use anyhow::{bail, Context, Result};
 use headroom_autograd_core::{uniform, BackendRef, DType, Generator, Tensor};
 use headroom_caching_allocator::{CachingAllocator, HistoryOptions, HostStorage, Storage};
 use headroom_checkpoint::CheckpointBlocks;
-use headroom_hooks::{InBackward, InBackwardConfig, DEFAULT_BUCKET_BYTES};
+use headroom_hooks::{ClipMode, Clipping, InBackward, InBackwardConfig, DEFAULT_BUCKET_BYTES};
 use headroom_nn::{Module, VisionTransformer, VitConfig};
 use headroom_ops_cpu::CpuBackend;
 use headroom_optim::kernels::{Adam8bitConfig, AdamConfig, SgdConfig, StepOutcome};
 use headroom_optim::{
-    GroupOptimizer, Implementation, OptimError, Optimizer, ParamGroup, ParamId, Scaling,
-    StepParams, UpdateRule,
+    clip_grad_norm_, GroupOptimizer, Implementation, NormType, OptimError, Optimizer, ParamGroup,
+    ParamId, Scaling, StepParams, UpdateRule,
 };
 use parking_lot::Mutex;
 
@@ -56,12 +56,19 @@ pub(crate) enum Case {
     AdamCkpt,
     /// Fused Adam inside backward with every block checkpointed.
     AdamInbwdCkpt,
+    /// Fused Adam after `clip_grad_norm_(params, 1.0)` (L2): the plain loop's clipping.
+    AdamFusedClip,
+    /// Fused Adam inside backward, clipped exactly to the global L2 norm 1.0 (a first backward
+    /// pass measures the norm, a second one updates).
+    AdamInbwdClip,
+    /// Fused Adam inside backward, clipped with the previous step's global L2 norm (one pass).
+    AdamInbwdClipPrev,
 }
 
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 10] = [
+    pub(crate) const ALL: [Case; 13] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -72,6 +79,9 @@ impl Case {
         Case::Adam8bitInbwd,
         Case::AdamCkpt,
         Case::AdamInbwdCkpt,
+        Case::AdamFusedClip,
+        Case::AdamInbwdClip,
+        Case::AdamInbwdClipPrev,
     ];
 
     /// The case's name on the command line and in reports.
@@ -87,6 +97,9 @@ impl Case {
             Case::Adam8bitInbwd => "adam8bit_inbwd",
             Case::AdamCkpt => "adam_ckpt",
             Case::AdamInbwdCkpt => "adam_inbwd_ckpt",
+            Case::AdamFusedClip => "adam_fused_clip",
+            Case::AdamInbwdClip => "adam_inbwd_clip",
+            Case::AdamInbwdClipPrev => "adam_inbwd_clip_prev",
         }
     }
 
@@ -94,8 +107,21 @@ impl Case {
     pub(crate) fn in_backward(self) -> bool {
         matches!(
             self,
-            Case::AdamInbwd | Case::Adam8bitInbwd | Case::AdamInbwdCkpt
+            Case::AdamInbwd
+                | Case::Adam8bitInbwd
+                | Case::AdamInbwdCkpt
+                | Case::AdamInbwdClip
+                | Case::AdamInbwdClipPrev
         )
+    }
+
+    /// How the case clips gradients to the global L2 norm [`CLIP_MAX_NORM`], if it does.
+    pub(crate) fn clipping(self) -> Option<ClipMode> {
+        match self {
+            Case::AdamFusedClip | Case::AdamInbwdClip => Some(ClipMode::Exact),
+            Case::AdamInbwdClipPrev => Some(ClipMode::PreviousStep),
+            _ => None,
+        }
     }
 
     /// Whether every encoder block is checkpointed.
@@ -147,9 +173,13 @@ impl Case {
                 build::<AdamConfig>(params, adam, Implementation::ForeachUnbounded)
             }
             Case::AdamSingle => build::<AdamConfig>(params, adam, Implementation::Single),
-            Case::AdamFused | Case::AdamInbwd | Case::AdamCkpt | Case::AdamInbwdCkpt => {
-                build::<AdamConfig>(params, adam, Implementation::Fused)
-            }
+            Case::AdamFused
+            | Case::AdamInbwd
+            | Case::AdamCkpt
+            | Case::AdamInbwdCkpt
+            | Case::AdamFusedClip
+            | Case::AdamInbwdClip
+            | Case::AdamInbwdClipPrev => build::<AdamConfig>(params, adam, Implementation::Fused),
             Case::Adam8bit | Case::Adam8bitInbwd => {
                 build::<Adam8bitConfig>(params, adam8bit, Implementation::Fused)
             }
@@ -280,6 +310,9 @@ pub(crate) struct Protocol {
     pub(crate) warmup: usize,
     /// Timed steps (at least 1).
     pub(crate) steps: usize,
+    /// Bucket size of the in-backward cases; `None`: 1/16 of the parameters, at most hooks'
+    /// default (25 MiB).
+    pub(crate) bucket_bytes: Option<u64>,
 }
 
 impl Protocol {
@@ -421,15 +454,25 @@ pub(crate) fn measure<S: Storage>(
     let optimizer = case.optimizer(params.clone())?;
     let images = input(&probe.backend, batch, model.config.image_size)?;
     let stepper = if case.in_backward() {
-        // Buckets of at most 1/16 of the parameters, so a small model shows what a large one
-        // does with the default 25 MiB.
+        // Unless asked otherwise, buckets of at most 1/16 of the parameters, so a small model
+        // shows what a large one does with the default 25 MiB.
         let config = InBackwardConfig {
-            bucket_bytes: (param_bytes / 16).min(DEFAULT_BUCKET_BYTES),
+            bucket_bytes: protocol
+                .bucket_bytes
+                .unwrap_or((param_bytes / 16).min(DEFAULT_BUCKET_BYTES)),
+            clipping: case.clipping().map(|mode| Clipping {
+                max_norm: CLIP_MAX_NORM,
+                norm: NormType::L2,
+                mode,
+            }),
             ..InBackwardConfig::default()
         };
         Stepper::InBackward(InBackward::new(optimizer.handle(), config)?)
     } else {
-        Stepper::Plain(optimizer.handle())
+        Stepper::Plain {
+            optimizer: optimizer.handle(),
+            clip: case.clipping().map(|_| params.clone()),
+        }
     };
     let mut run = Run {
         vit: &vit,
@@ -523,10 +566,17 @@ struct Traced {
     grad_bytes: u64,
 }
 
+/// The global norm the clipping cases clip to.
+pub(crate) const CLIP_MAX_NORM: f64 = 1.0;
+
 /// How a run steps its optimizer.
 enum Stepper {
-    /// After backward, `step()` then `zero_grad(set_to_none)`.
-    Plain(Box<dyn Optimizer>),
+    /// After backward, `step()` then `zero_grad(set_to_none)`; with `clip`, the step phase
+    /// first clips those parameters' gradients to [`CLIP_MAX_NORM`] (`clip_grad_norm_`).
+    Plain {
+        optimizer: Box<dyn Optimizer>,
+        clip: Option<Vec<Tensor>>,
+    },
     /// Inside backward; the step and zero-grad phases are empty.
     InBackward(InBackward),
 }
@@ -554,17 +604,20 @@ impl Run<'_> {
             Phase::Backward => {
                 let loss = loss.take().context("backward without a loss")?;
                 match &self.stepper {
-                    Stepper::Plain(_) => loss.backward()?,
+                    Stepper::Plain { .. } => loss.backward()?,
                     Stepper::InBackward(in_backward) => in_backward.backward(&loss)?,
                 }
             }
             Phase::Step => {
-                if let Stepper::Plain(optimizer) = &mut self.stepper {
+                if let Stepper::Plain { optimizer, clip } = &mut self.stepper {
+                    if let Some(params) = clip {
+                        clip_grad_norm_(params, CLIP_MAX_NORM, NormType::L2, false)?;
+                    }
                     optimizer.step()?;
                 }
             }
             Phase::ZeroGrad => {
-                if let Stepper::Plain(optimizer) = &self.stepper {
+                if let Stepper::Plain { optimizer, .. } = &self.stepper {
                     optimizer.zero_grad(true)?;
                 }
             }

@@ -87,7 +87,8 @@ const CPU_DEFAULTS: Defaults = Defaults {
 
 pub(crate) const USAGE: &str =
     "  bench-memory [--device auto|cpu|cuda] [--model NAME] [--batch N]... [--cases a,b,c]
-               [--warmup N] [--steps N] [--json FILE] [--html FILE] [--pytorch anchor.jsonl]
+               [--warmup N] [--steps N] [--bucket-mib N] [--json FILE] [--html FILE]
+               [--pytorch anchor.jsonl]
       Trains a ViT (loss = model(x).sum()) with each optimizer and technique: per case, a fresh
       model and optimizer, N warm-up steps (default 3; their peak is the first-3 peak), then N
       timed steps (default 6: steady peak allocated and reserved, median step time), then one
@@ -96,7 +97,10 @@ pub(crate) const USAGE: &str =
       (vit_mini, batch 1 and 32). Models: vit_l_16, vit_b_16, vit_mini, vit_tiny. Cases
       (default all): adam_foreach (bounded temporaries), adam_foreach_unbounded (PyTorch's),
       adam_single, adam_fused, adam8bit, sgd; adam_inbwd and adam8bit_inbwd (the step inside
-      backward), adam_ckpt (every block checkpointed), adam_inbwd_ckpt (both). --json writes one
+      backward), adam_ckpt (every block checkpointed), adam_inbwd_ckpt (both), adam_fused_clip
+      (clip_grad_norm_ to 1.0, then the step), adam_inbwd_clip (in backward, exact clipping: a
+      measuring pass first), adam_inbwd_clip_prev (previous step's norm). --bucket-mib sets
+      the in-backward cases' bucket (default: 1/16 of the parameters, at most 25). --json writes one
       object per case, --html charts; --pytorch reads torch_reference.py's anchor.jsonl and adds
       PyTorch's figures.
 ";
@@ -120,6 +124,7 @@ fn parse(args: &[String]) -> Result<Options> {
         protocol: Protocol {
             warmup: 3,
             steps: 6,
+            bucket_bytes: None,
         },
         json: None,
         html: None,
@@ -174,6 +179,13 @@ fn parse(args: &[String]) -> Result<Options> {
                 if options.protocol.steps == 0 {
                     bail!("--steps must be at least 1");
                 }
+            }
+            "--bucket-mib" => {
+                let mib = number(value()?)?;
+                if mib == 0 {
+                    bail!("--bucket-mib must be at least 1");
+                }
+                options.protocol.bucket_bytes = Some(mib as u64 * (1 << 20));
             }
             "--json" => options.json = Some(value()?.into()),
             "--html" => options.html = Some(value()?.into()),
