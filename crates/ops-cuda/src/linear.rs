@@ -72,16 +72,19 @@ fn stored(view: &View<'_>) -> Option<Stored> {
         return None;
     };
     let address = element_address(view);
+    // The stride of a dimension of size 1 is never stepped: the tightest leading dimension is
+    // passed instead (see `matmul::as_transposed`: cuBLAS's kernels may load one stride past a
+    // single row).
     if col_stride == 1 && row_stride >= cols.max(1) {
         Some(Stored {
             address,
-            ld: row_stride,
+            ld: if rows == 1 { cols.max(1) } else { row_stride },
             holds_transpose: true,
         })
     } else if row_stride == 1 && col_stride >= rows.max(1) {
         Some(Stored {
             address,
-            ld: col_stride,
+            ld: if cols == 1 { rows.max(1) } else { col_stride },
             holds_transpose: false,
         })
     } else {

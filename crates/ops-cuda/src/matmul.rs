@@ -32,16 +32,24 @@ struct Matrix {
 }
 
 /// `x` (row-major `[rows, cols]` with strides `(rs, cs)`) as the column-major `xᵀ` cuBLAS wants:
-/// contiguous rows pass untransposed, contiguous columns pass with the transpose flag.
+/// contiguous rows pass untransposed, contiguous columns pass with the transpose flag, and
+/// anything else is `None` (the caller copies it dense).
+///
+/// The stride between the rows (or columns) becomes cuBLAS's leading dimension, so it must be at
+/// least the row's (column's) length: rows that overlap — a stride of 0 after `expand`, say —
+/// cannot be described to cuBLAS and are `None`. (Passing a larger leading dimension instead
+/// made cuBLAS read rows that do not exist: wrong results, and on the H200 reads past the
+/// buffer.) The stride of a dimension of size 1 is never stepped, so it is not passed: the
+/// leading dimension is then the tightest cuBLAS accepts.
 fn as_transposed(rows: usize, cols: usize, rs: usize, cs: usize) -> Option<Matrix> {
-    if cs == 1 || cols == 1 {
-        let ld = rs.max(cols).max(1);
+    if (cs == 1 || cols == 1) && (rows == 1 || rs >= cols.max(1)) {
+        let ld = if rows == 1 { cols } else { rs }.max(1);
         Some(Matrix {
             op: blas_sys::cublasOperation_t::CUBLAS_OP_N,
             ld: ld.try_into().ok()?,
         })
-    } else if rs == 1 || rows == 1 {
-        let ld = cs.max(rows).max(1);
+    } else if (rs == 1 || rows == 1) && (cols == 1 || cs >= rows.max(1)) {
+        let ld = if cols == 1 { rows } else { cs }.max(1);
         Some(Matrix {
             op: blas_sys::cublasOperation_t::CUBLAS_OP_T,
             ld: ld.try_into().ok()?,
@@ -235,4 +243,46 @@ fn readable<'a>(
     let src = view.buffer.address();
     copy_raw(backend, src, view.layout, address, &dense, element)?;
     Ok((address, dense, Some(scratch)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn described(rows: usize, cols: usize, rs: usize, cs: usize) -> Option<(bool, i32)> {
+        as_transposed(rows, cols, rs, cs).map(|m| {
+            let transposed = m.op == blas_sys::cublasOperation_t::CUBLAS_OP_T;
+            (transposed, m.ld)
+        })
+    }
+
+    #[test]
+    fn dense_and_transposed_matrices_pass_in_place() {
+        assert_eq!(described(3, 4, 4, 1), Some((false, 4)));
+        assert_eq!(described(3, 4, 6, 1), Some((false, 6)));
+        assert_eq!(described(3, 4, 1, 3), Some((true, 3)));
+        assert_eq!(described(3, 4, 1, 5), Some((true, 5)));
+    }
+
+    #[test]
+    fn overlapping_rows_or_columns_are_copied_first() {
+        // `expand` of one row to 1000 rows: stride 0 between rows.
+        assert_eq!(described(1000, 4, 0, 1), None);
+        // A broadcast scalar seen as a column (a `k = 1` operand of a ViT head's weight
+        // gradient at batch 1): no leading dimension describes it.
+        assert_eq!(described(1000, 1, 0, 0), None);
+        assert_eq!(described(1, 1000, 0, 0), None);
+        // Rows closer than their length overlap too.
+        assert_eq!(described(3, 4, 2, 1), None);
+        assert_eq!(described(4, 3, 1, 2), None);
+    }
+
+    #[test]
+    fn a_single_row_or_column_gets_the_tightest_leading_dimension() {
+        // One row of a larger tensor keeps that tensor's row stride, which is never stepped.
+        assert_eq!(described(1, 1024, 201_728, 1), Some((false, 1024)));
+        assert_eq!(described(1024, 1, 1, 201_728), Some((false, 1)));
+        assert_eq!(described(1024, 1, 0, 201_728), None);
+        assert_eq!(described(1000, 1, 1, 1), Some((false, 1)));
+    }
 }

@@ -1038,38 +1038,90 @@ fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
 
 /// An operand broadcast from one element (strides all zero, as the gradient of a sum is) has
 /// neither contiguous rows nor columns: it is made dense before cuBLAS reads it.
+/// Operands whose rows or columns overlap (`expand`, stride 0) cannot be described to cuBLAS by
+/// a leading dimension and are copied dense first; among them the `k = 1` product of a ViT
+/// head's weight gradient at batch 1 (`[1000, 1]` of a broadcast scalar, times one row of a
+/// larger tensor), which read past its buffer and computed garbage before.
 #[test]
-fn matmul_with_a_fully_broadcast_operand_matches_the_cpu() {
+fn matmul_with_broadcast_operands_matches_the_cpu() {
     let Some((gpu, cpu)) = backends() else { return };
     let mut random = Xorshift::from_state(0x0dd_ba11);
-    let (m, k, n) = (19, 23, 31);
-    for dtype in FLOATS {
-        let a = input(&mut random, false, m * k);
-        compare("matmul broadcast", dtype, &gpu, &cpu, |backend| {
-            let (ab, one) = (upload(backend, dtype, &a), upload(backend, dtype, &[0.5]));
-            let out = poisoned(backend, dtype, m * n);
-            backend
-                .matmul(
-                    View {
-                        buffer: &ab,
-                        layout: &Layout::contiguous(&[m, k]),
-                        dtype,
-                    },
-                    View {
-                        buffer: &one,
-                        layout: &Layout::from_parts(&[k, n], &[0, 0], 0),
-                        dtype,
-                    },
-                    View {
-                        buffer: &out,
-                        layout: &Layout::contiguous(&[m, n]),
-                        dtype,
-                    },
-                    false,
-                )
-                .unwrap();
-            download(backend, dtype, &out)
-        });
+    // (what, m, k, n, a's strides and elements, b's strides and elements)
+    type Operand = ([usize; 2], usize);
+    let cases: [(&str, usize, usize, usize, Operand, Operand); 5] = [
+        (
+            "b fully broadcast",
+            19,
+            23,
+            31,
+            ([23, 1], 19 * 23),
+            ([0, 0], 1),
+        ),
+        (
+            "b fully broadcast, k = 1",
+            19,
+            1,
+            31,
+            ([1, 1], 19),
+            ([0, 0], 1),
+        ),
+        (
+            "b's rows expanded",
+            19,
+            23,
+            31,
+            ([23, 1], 19 * 23),
+            ([0, 1], 31),
+        ),
+        (
+            "a's columns expanded",
+            19,
+            23,
+            31,
+            ([1, 0], 19),
+            ([31, 1], 23 * 31),
+        ),
+        // A head's weight gradient at batch 1: a broadcast column times one row of a larger
+        // tensor (row stride 201,728), k = 1.
+        (
+            "a broadcast, k = 1, b one row",
+            1000,
+            1,
+            64,
+            ([0, 0], 1),
+            ([4096, 1], 64),
+        ),
+    ];
+    for (what, m, k, n, (a_strides, a_len), (b_strides, b_len)) in cases {
+        for dtype in FLOATS {
+            let a = input(&mut random, false, a_len);
+            let b = input(&mut random, false, b_len);
+            compare(what, dtype, &gpu, &cpu, |backend| {
+                let (ab, bb) = (upload(backend, dtype, &a), upload(backend, dtype, &b));
+                let out = poisoned(backend, dtype, m * n);
+                backend
+                    .matmul(
+                        View {
+                            buffer: &ab,
+                            layout: &Layout::from_parts(&[m, k], &a_strides, 0),
+                            dtype,
+                        },
+                        View {
+                            buffer: &bb,
+                            layout: &Layout::from_parts(&[k, n], &b_strides, 0),
+                            dtype,
+                        },
+                        View {
+                            buffer: &out,
+                            layout: &Layout::contiguous(&[m, n]),
+                            dtype,
+                        },
+                        false,
+                    )
+                    .unwrap();
+                download(backend, dtype, &out)
+            });
+        }
     }
 }
 
