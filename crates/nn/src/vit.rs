@@ -229,12 +229,12 @@ pub struct Encoder {
 impl Encoder {
     /// `[batch, seq_length, hidden_dim]` → the same shape.
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        self.forward_owned(input.clone())
+        self.ln.forward(&self.forward_blocks(input.clone())?)
     }
 
-    /// [`Encoder::forward`] on an input the caller gives up: it is released once the position
-    /// embedding is added, so it is not held while the blocks run.
-    pub(crate) fn forward_owned(&self, input: Tensor) -> Result<Tensor> {
+    /// Everything but the final norm, on an input the caller gives up: it is released once the
+    /// position embedding is added, so it is not held while the blocks run.
+    pub(crate) fn forward_blocks(&self, input: Tensor) -> Result<Tensor> {
         let mut x = self.dropout.forward(&input.add(&self.pos_embedding)?)?;
         drop(input);
         for (index, layer) in self.layers.iter().enumerate() {
@@ -246,7 +246,7 @@ impl Encoder {
                 &x,
             )?;
         }
-        self.ln.forward(&x)
+        Ok(x)
     }
 }
 
@@ -431,14 +431,17 @@ impl VisionTransformer {
             let class_tokens = self.class_token.expand(&[batch, 1, hidden_dim])?;
             cat(&[&class_tokens, &tokens], 1)?
         };
-        // The class token's row is copied out, so the head saves `[batch, hidden]` for backward
-        // rather than a view that keeps the whole `[batch, seq, hidden]` output of the final norm.
-        let first = self
+        // Only the class token's row reaches the head, and the final norm acts on each token
+        // alone, so the row is taken first (a copy, so nothing keeps the blocks' output alive)
+        // and normed by itself: the same values as torchvision's `ln(x)[:, 0]`, without a
+        // `[batch, seq, hidden]` norm output in the forward or its gradient in backward.
+        let class_row = self
             .encoder
-            .forward_owned(tokens)?
+            .forward_blocks(tokens)?
             .narrow(1, 0, 1)?
             .squeeze_dim(1)?
-            .contiguous()?;
+            .compact()?;
+        let first = self.encoder.ln.forward(&class_row)?;
         self.head.forward(&first)
     }
 }

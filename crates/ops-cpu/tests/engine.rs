@@ -612,3 +612,34 @@ fn fused_linear_gelu_equals_linear_then_gelu_to_the_bit() {
         assert_eq!(fused_peak, unfused_peak, "{dtype:?}");
     }
 }
+
+#[test]
+fn compact_copies_a_row_out_of_its_batch_and_passes_the_gradient_back() {
+    let cpu = CpuBackend::new_ref();
+    let batch = leaf(&cpu, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[3, 2]);
+    let hidden = batch.mul(&tensor(&cpu, &[2.0], &[1])).unwrap();
+    // One row: contiguous, yet a view of the whole [3, 2] buffer.
+    let row = hidden.narrow(0, 1, 1).unwrap();
+    assert!(row.is_contiguous());
+    assert!(row.contiguous().unwrap().same_tensor(&row));
+    let compacted = row.compact().unwrap();
+    assert_eq!(compacted.buffer().len_bytes(), 2 * 8);
+    assert_eq!(compacted.to_vec::<f64>().unwrap(), [6.0, 8.0]);
+    // A tensor that owns its dense buffer is returned as it is.
+    assert!(compacted.compact().unwrap().same_tensor(&compacted));
+    // The batch's buffer is released with its last handles: the compacted row does not hold it.
+    let before = allocated(&cpu);
+    drop(hidden);
+    drop(row);
+    assert!(allocated(&cpu) < before);
+    let loss = compacted
+        .mul(&compacted)
+        .unwrap()
+        .sum(&[0, 1], false)
+        .unwrap();
+    loss.backward().unwrap();
+    assert_eq!(
+        batch.grad().unwrap().to_vec::<f64>().unwrap(),
+        [0.0, 0.0, 24.0, 32.0, 0.0, 0.0]
+    );
+}

@@ -203,6 +203,23 @@ impl Tensor {
         Ok(res)
     }
 
+    /// This tensor in a buffer of exactly its elements: itself when it already owns a dense
+    /// buffer, else a contiguous copy. Unlike [`Tensor::contiguous`], a small view of a large
+    /// buffer is copied out even when its layout is contiguous (one row of a batch, say), so that
+    /// what keeps it — an op saving it for backward — no longer keeps the whole buffer.
+    pub fn compact(&self) -> Result<Tensor> {
+        let owns_buffer = self.is_contiguous()
+            && self.layout().offset() == 0
+            && self.numel() * self.dtype().size_in_bytes() == self.buffer().len_bytes();
+        if owns_buffer {
+            return Ok(self.clone());
+        }
+        let res = self.new_empty(self.shape(), self.dtype())?;
+        self.backend().copy(self.view(), res.view())?;
+        self.record_view(&res, "compact", |grad| Ok(grad.clone()));
+        Ok(res)
+    }
+
     /// A view with an explicit layout over the same storage; for backends and tests.
     pub fn as_strided(&self, shape: &[usize], strides: &[usize], offset: usize) -> Result<Tensor> {
         let layout = Layout::from_parts(shape, strides, offset);
