@@ -46,7 +46,7 @@ pub use allocator::{Allocation, CachingAllocator, ContextGuard};
 pub use config::{AllocatorConfig, AllocatorConfigBuilder, ALLOC_CONF_ENV, ROUNDUP_INTERVALS};
 pub use error::{AllocError, OutOfMemoryReport};
 pub use history::HistoryOptions;
-pub use replay::{replay_trace, ReplayReport};
+pub use replay::{replay_trace, LiveBlock, RecordedTrace, ReplayReport, BASELINE_LABEL};
 pub use report::{format_size, memory_summary};
 pub use snapshot::{
     pickle_opcodes, read_json, read_pickle, read_trace_tsv, trace_events_from_snapshot, write_json,
