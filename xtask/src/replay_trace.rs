@@ -1,8 +1,14 @@
 //! `cargo xtask replay-trace`: a PyTorch allocator trace through Headroom's allocator.
 //!
-//! Reads a TSV trace (gzipped or not) or a PyTorch snapshot pickle, replays its `alloc` /
-//! `free_completed` sequence on [`SimulatedStorage`] with the settings given, and prints the
-//! figures of [`headroom_caching_allocator::ReplayReport`] as text or one JSON object.
+//! Reads a TSV trace (gzipped or not) or a PyTorch snapshot (pickle or JSON), replays its
+//! `alloc` / `free_completed` sequence on [`SimulatedStorage`] with the settings given, and
+//! prints the figures of [`headroom_caching_allocator::ReplayReport`] as text or one JSON
+//! object.
+//!
+//! The replay starts from the baseline, the blocks live before the recording began (see
+//! [`RecordedTrace`]): a snapshot's active blocks that its history never allocates, and, in any
+//! input, the blocks the trace frees without having allocated them. Its peaks include them, as
+//! PyTorch's do.
 
 use std::fs::File;
 use std::io::BufReader;
@@ -10,12 +16,29 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use headroom_caching_allocator::{
-    read_pickle, read_trace_tsv, replay_trace, trace_events_from_snapshot, write_pickle,
-    AllocatorConfig, CachingAllocator, HistoryOptions, SimulatedStorage,
+    read_json, read_pickle, read_trace_tsv, replay_trace, write_pickle, AllocatorConfig,
+    CachingAllocator, HistoryOptions, RecordedTrace, SimulatedStorage,
 };
 
 /// An H200's memory as `cudaMemGetInfo` reports it.
 const H200_BYTES: u64 = 150_754_820_096;
+
+/// The command's line in `cargo xtask --help`, and its `--help`.
+pub(crate) const USAGE: &str =
+    "  replay-trace FILE [--conf STRING] [--capacity BYTES] [--json] [--snapshot OUT.pickle]
+               [--repeat N]
+      Replays a PyTorch allocator trace (.tsv, .tsv.gz, or a snapshot .pickle or .json)
+      through Headroom's caching allocator on simulated memory and prints what it measured.
+      The replay starts from the baseline: the blocks live before recording began (a
+      snapshot's active blocks its history never allocates, e.g. the parameters, and the
+      blocks a trace frees without having allocated them), allocated first with their
+      requested sizes and streams; peaks include it, and the report states its bytes.
+      --conf takes PYTORCH_CUDA_ALLOC_CONF's syntax (default: HEADROOM_ALLOC_CONF, else
+      Headroom's defaults); --capacity defaults to an H200's 150,754,820,096 bytes; events per
+      second are the best of N replays (default 5); with --snapshot, history is recorded
+      during the last replay and the final snapshot is written as a pickle (the baseline
+      shows as the first allocations, labelled `live before recording`).
+";
 
 struct Options {
     file: PathBuf,
@@ -67,18 +90,19 @@ fn parse(args: &[String]) -> Result<Options> {
 }
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
+    if args.iter().any(|arg| arg == "--help" || arg == "-h") {
+        print!("usage:\n{USAGE}");
+        return Ok(());
+    }
     let options = parse(args)?;
     let reader = BufReader::new(
         File::open(&options.file).with_context(|| format!("opening {}", options.file.display()))?,
     );
-    let is_pickle = options
-        .file
-        .extension()
-        .is_some_and(|ext| ext == "pickle" || ext == "pkl");
-    let events = if is_pickle {
-        trace_events_from_snapshot(&read_pickle(reader)?)
-    } else {
-        read_trace_tsv(reader)?
+    let extension = options.file.extension().and_then(|ext| ext.to_str());
+    let trace = match extension {
+        Some("pickle" | "pkl") => RecordedTrace::from_snapshot(&read_pickle(reader)?),
+        Some("json") => RecordedTrace::from_snapshot(&read_json(reader)?),
+        _ => RecordedTrace::from_events(read_trace_tsv(reader)?),
     };
     let config = match &options.conf {
         Some(conf) => AllocatorConfig::parse(conf)?,
@@ -90,7 +114,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut allocator = None;
     for _ in 0..options.repeat {
         let fresh = CachingAllocator::new(SimulatedStorage::new(options.capacity), config.clone());
-        let run = replay_trace(&fresh, &events)?;
+        let run = replay_trace(&fresh, &trace)?;
         let best = report.get_or_insert_with(|| run.clone());
         best.seconds = best.seconds.min(run.seconds);
         allocator = Some(fresh);
@@ -102,7 +126,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         // One more replay with history recorded, for the snapshot.
         allocator = CachingAllocator::new(SimulatedStorage::new(options.capacity), config);
         allocator.record_history(Some(HistoryOptions::default()));
-        replay_trace(&allocator, &events)?;
+        replay_trace(&allocator, &trace)?;
     }
     let expandable = allocator.uses_expandable_segments();
     if options.json {
@@ -111,6 +135,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "conf": allocator.config().to_conf_string(),
             "expandable_segments": expandable,
             "events": report.events,
+            "baseline_blocks": report.baseline_blocks,
+            "baseline_freed_blocks": report.baseline_freed_blocks,
+            "baseline_bytes": report.baseline_bytes,
+            "baseline_requested_bytes": report.baseline_requested_bytes,
             "allocs": report.allocs,
             "frees": report.frees,
             "skipped_frees": report.skipped_frees,
@@ -134,10 +162,22 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         );
         println!("events                 {}", report.events);
         println!(
-            "allocs / frees         {} / {} ({} frees of earlier allocations skipped, {} OOMs)",
+            "live before recording  {} B allocated ({} blocks, {} B requested; {} of them freed \
+             by the trace)",
+            report.baseline_bytes,
+            report.baseline_blocks,
+            report.baseline_requested_bytes,
+            report.baseline_freed_blocks
+        );
+        println!(
+            "allocs / frees         {} / {} ({} frees of addresses already freed skipped, {} \
+             OOMs)",
             report.allocs, report.frees, report.skipped_frees, report.ooms
         );
-        println!("peak allocated         {} B", report.peak_allocated_bytes);
+        println!(
+            "peak allocated         {} B (the baseline included)",
+            report.peak_allocated_bytes
+        );
         println!("peak reserved          {} B", report.peak_reserved_bytes);
         println!(
             "peak live (512-rounded) {} B",
