@@ -247,9 +247,8 @@ pub fn replay_trace<S: Storage>(
     for event in &trace.events {
         match event.action {
             TraceAction::Alloc => {
-                if replay.allocate(event.addr, event.size, event.stream)? {
-                    replay.report.allocs += 1;
-                }
+                let allocated = replay.allocate(event.addr, event.size, event.stream)?;
+                replay.report.allocs += u64::from(allocated);
             }
             action if is_free(action, frees_on_request) => replay.free(event.addr)?,
             _ => {}
