@@ -72,13 +72,13 @@ impl RecordedTrace {
     /// Device 0's history of `snapshot` (as [`trace_events_from_snapshot`] reads it) with the
     /// baseline that device's segments and the history imply.
     pub fn from_snapshot(snapshot: &Snapshot) -> Self {
-        let segments: Vec<SegmentSnapshot> = snapshot
-            .segments
-            .iter()
-            .filter(|segment| segment.device == 0)
-            .cloned()
-            .collect();
-        Self::from_events_and_segments(trace_events_from_snapshot(snapshot), &segments)
+        Self::with_baseline(
+            trace_events_from_snapshot(snapshot),
+            snapshot
+                .segments
+                .iter()
+                .filter(|segment| segment.device == 0),
+        )
     }
 
     /// `events` with the baseline they and `segments` (the allocator's state at the end of the
@@ -90,6 +90,13 @@ impl RecordedTrace {
     ///   allocates was live from before the first event to the end; it is taken with its
     ///   `requested_size` (its `size` when that is 0) and its segment's stream.
     pub fn from_events_and_segments(events: Vec<TraceEvent>, segments: &[SegmentSnapshot]) -> Self {
+        Self::with_baseline(events, segments)
+    }
+
+    fn with_baseline<'a>(
+        events: Vec<TraceEvent>,
+        segments: impl IntoIterator<Item = &'a SegmentSnapshot>,
+    ) -> Self {
         let frees_on_request = frees_on_request(&events);
         let mut allocated = FxHashSet::default();
         let mut live_before = Vec::new();
