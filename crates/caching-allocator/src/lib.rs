@@ -10,6 +10,10 @@
 //! `PinnedHostStorage` (page-locked host memory, PyTorch's `CachingHostAllocator` with this
 //! policy).
 //!
+//! [`replay_trace`] runs a recorded PyTorch trace through any policy, starting from its
+//! baseline: the blocks that were live before the recording began ([`RecordedTrace`]), so a
+//! what-if's peaks count the parameters a snapshot holds but its history never allocates.
+//!
 //! This crate sits at the bottom of Headroom: it knows nothing about tensors, autograd or
 //! kernels, and it can be used alone in any trainer that owns its buffers.
 //!
