@@ -12,16 +12,7 @@ use anyhow::{bail, Result};
 
 const USAGE_HEAD: &str = "usage: cargo xtask <command> [options]\n\ncommands:\n";
 
-const USAGE: &str =
-    "  replay-trace FILE [--conf STRING] [--capacity BYTES] [--json] [--snapshot OUT.pickle]
-               [--repeat N]
-      Replays a PyTorch allocator trace (.tsv, .tsv.gz or a snapshot .pickle) through
-      Headroom's caching allocator on simulated memory and prints what it measured.
-      --conf takes PYTORCH_CUDA_ALLOC_CONF's syntax (default: HEADROOM_ALLOC_CONF, else
-      Headroom's defaults); --capacity defaults to an H200's 150,754,820,096 bytes; events per
-      second are the best of N replays (default 5); with --snapshot, history is recorded
-      during the last replay and the final snapshot is written as a pickle.
-  build-kernels [--check]
+const USAGE: &str = "  build-kernels [--check]
       Compiles crates/ops-cuda/kernels/*.cu to the committed PTX (installing nvcc 13.0 with pip
       when none is found); --check only tells whether the committed PTX matches the sources.
   tidy
@@ -50,7 +41,11 @@ fn main() -> Result<()> {
 }
 
 fn usage() -> String {
-    format!("{USAGE_HEAD}{}{USAGE}", bench_memory::USAGE)
+    format!(
+        "{USAGE_HEAD}{}{}{USAGE}",
+        bench_memory::USAGE,
+        replay_trace::USAGE
+    )
 }
 
 /// The workspace root (xtask lives one folder below it).

@@ -1,21 +1,44 @@
 //! `cargo xtask replay-trace`: a PyTorch allocator trace through Headroom's allocator.
 //!
-//! Reads a TSV trace (gzipped or not) or a PyTorch snapshot pickle, replays its `alloc` /
-//! `free_completed` sequence on [`SimulatedStorage`] with the settings given, and prints the
-//! figures of [`headroom_caching_allocator::ReplayReport`] as text or one JSON object.
+//! Reads a TSV trace (gzipped or not) or a PyTorch snapshot (pickle or JSON), replays its
+//! `alloc` / `free_completed` sequence on [`SimulatedStorage`] with the settings given, and
+//! prints the figures of [`headroom_caching_allocator::ReplayReport`] as text or one JSON
+//! object.
+//!
+//! The replay starts from the baseline, the blocks live before the recording began (see
+//! [`RecordedTrace`]): a snapshot's active blocks that its history never allocates, and, in any
+//! input, the blocks the trace frees without having allocated them. Its peaks include them, as
+//! PyTorch's do.
 
 use std::fs::File;
 use std::io::BufReader;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use headroom_caching_allocator::{
-    read_pickle, read_trace_tsv, replay_trace, trace_events_from_snapshot, write_pickle,
-    AllocatorConfig, CachingAllocator, HistoryOptions, SimulatedStorage,
+    read_json, read_pickle, read_trace_tsv, replay_trace, write_pickle, AllocatorConfig,
+    CachingAllocator, HistoryOptions, RecordedTrace, ReplayReport, SimulatedStorage,
 };
 
 /// An H200's memory as `cudaMemGetInfo` reports it.
 const H200_BYTES: u64 = 150_754_820_096;
+
+/// The command's line in `cargo xtask --help`, and its `--help`.
+pub(crate) const USAGE: &str =
+    "  replay-trace FILE [--conf STRING] [--capacity BYTES] [--json] [--snapshot OUT.pickle]
+               [--repeat N]
+      Replays a PyTorch allocator trace (.tsv, .tsv.gz, or a snapshot .pickle or .json)
+      through Headroom's caching allocator on simulated memory and prints what it measured.
+      The replay starts from the baseline: the blocks live before recording began (a
+      snapshot's active blocks its history never allocates, e.g. the parameters, and the
+      blocks a trace frees without having allocated them), allocated first with their
+      requested sizes and streams; peaks include it, and the report states its bytes.
+      --conf takes PYTORCH_CUDA_ALLOC_CONF's syntax (default: HEADROOM_ALLOC_CONF, else
+      Headroom's defaults); --capacity defaults to an H200's 150,754,820,096 bytes; events per
+      second are the best of N replays (default 5); with --snapshot, history is recorded
+      during the last replay and the final snapshot is written as a pickle (the baseline
+      shows as the first allocations, labelled `live before recording`).
+";
 
 struct Options {
     file: PathBuf,
@@ -67,65 +90,14 @@ fn parse(args: &[String]) -> Result<Options> {
 }
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
+    if args.iter().any(|arg| arg == "--help" || arg == "-h") {
+        print!("usage:\n{USAGE}");
+        return Ok(());
+    }
     let options = parse(args)?;
-    let reader = BufReader::new(
-        File::open(&options.file).with_context(|| format!("opening {}", options.file.display()))?,
-    );
-    let is_pickle = options
-        .file
-        .extension()
-        .is_some_and(|ext| ext == "pickle" || ext == "pkl");
-    let events = if is_pickle {
-        trace_events_from_snapshot(&read_pickle(reader)?)
-    } else {
-        read_trace_tsv(reader)?
-    };
-    let config = match &options.conf {
-        Some(conf) => AllocatorConfig::parse(conf)?,
-        None => AllocatorConfig::from_env()?,
-    };
-    // Throughput is the best of `repeat` replays, each on a fresh allocator (the first one also
-    // pays for page faults and cold caches); the figures other than time are identical.
-    let mut report = None;
-    let mut allocator = None;
-    for _ in 0..options.repeat {
-        let fresh = CachingAllocator::new(SimulatedStorage::new(options.capacity), config.clone());
-        let run = replay_trace(&fresh, &events)?;
-        let best = report.get_or_insert_with(|| run.clone());
-        best.seconds = best.seconds.min(run.seconds);
-        allocator = Some(fresh);
-    }
-    let (Some(report), Some(mut allocator)) = (report, allocator) else {
-        bail!("--repeat must be at least 1");
-    };
-    if options.snapshot.is_some() {
-        // One more replay with history recorded, for the snapshot.
-        allocator = CachingAllocator::new(SimulatedStorage::new(options.capacity), config);
-        allocator.record_history(Some(HistoryOptions::default()));
-        replay_trace(&allocator, &events)?;
-    }
-    let expandable = allocator.uses_expandable_segments();
+    let (report, allocator) = replay(&options)?;
     if options.json {
-        let json = serde_json::json!({
-            "file": options.file.display().to_string(),
-            "conf": allocator.config().to_conf_string(),
-            "expandable_segments": expandable,
-            "events": report.events,
-            "allocs": report.allocs,
-            "frees": report.frees,
-            "skipped_frees": report.skipped_frees,
-            "ooms": report.ooms,
-            "peak_allocated_bytes": report.peak_allocated_bytes,
-            "peak_reserved_bytes": report.peak_reserved_bytes,
-            "peak_requested_rounded_bytes": report.peak_requested_rounded_bytes,
-            "reserved_over_requested": report.reserved_over_requested(),
-            "device_allocs": report.device_allocs,
-            "device_frees": report.device_frees,
-            "seconds": report.seconds,
-            "events_per_second": report.events_per_second(),
-            "repeat": options.repeat,
-        });
-        println!("{json}");
+        println!("{}", json_report(&options, &allocator, &report));
     } else {
         println!("trace                  {}", options.file.display());
         println!(
@@ -134,10 +106,22 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         );
         println!("events                 {}", report.events);
         println!(
-            "allocs / frees         {} / {} ({} frees of earlier allocations skipped, {} OOMs)",
+            "live before recording  {} B allocated ({} blocks, {} B requested; {} of them freed \
+             by the trace)",
+            report.baseline_bytes,
+            report.baseline_blocks,
+            report.baseline_requested_bytes,
+            report.baseline_freed_blocks
+        );
+        println!(
+            "allocs / frees         {} / {} ({} frees of addresses already freed skipped, {} \
+             OOMs)",
             report.allocs, report.frees, report.skipped_frees, report.ooms
         );
-        println!("peak allocated         {} B", report.peak_allocated_bytes);
+        println!(
+            "peak allocated         {} B (the baseline included)",
+            report.peak_allocated_bytes
+        );
         println!("peak reserved          {} B", report.peak_reserved_bytes);
         println!(
             "peak live (512-rounded) {} B",
@@ -165,4 +149,149 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Reads `path` as a snapshot (`.pickle`, `.pkl`, `.json`) or a TSV trace (anything else,
+/// gzipped or not), with its baseline.
+fn read_trace(path: &Path) -> Result<RecordedTrace> {
+    let reader =
+        BufReader::new(File::open(path).with_context(|| format!("opening {}", path.display()))?);
+    let extension = path.extension().and_then(|ext| ext.to_str());
+    Ok(match extension {
+        Some("pickle" | "pkl") => RecordedTrace::from_snapshot(&read_pickle(reader)?),
+        Some("json") => RecordedTrace::from_snapshot(&read_json(reader)?),
+        _ => RecordedTrace::from_events(read_trace_tsv(reader)?),
+    })
+}
+
+/// Replays the options' trace `repeat` times and returns the report (its time the best) and
+/// the last allocator: with `--snapshot`, one that recorded the replay's history.
+fn replay(options: &Options) -> Result<(ReplayReport, CachingAllocator<SimulatedStorage>)> {
+    let trace = read_trace(&options.file)?;
+    let config = match &options.conf {
+        Some(conf) => AllocatorConfig::parse(conf)?,
+        None => AllocatorConfig::from_env()?,
+    };
+    // Throughput is the best of `repeat` replays, each on a fresh allocator (the first one also
+    // pays for page faults and cold caches); the figures other than time are identical.
+    let mut report = None;
+    let mut allocator = None;
+    for _ in 0..options.repeat {
+        let fresh = CachingAllocator::new(SimulatedStorage::new(options.capacity), config.clone());
+        let run = replay_trace(&fresh, &trace)?;
+        let best = report.get_or_insert_with(|| run.clone());
+        best.seconds = best.seconds.min(run.seconds);
+        allocator = Some(fresh);
+    }
+    let (Some(report), Some(mut allocator)) = (report, allocator) else {
+        bail!("--repeat must be at least 1");
+    };
+    if options.snapshot.is_some() {
+        // One more replay with history recorded, for the snapshot.
+        allocator = CachingAllocator::new(SimulatedStorage::new(options.capacity), config);
+        allocator.record_history(Some(HistoryOptions::default()));
+        replay_trace(&allocator, &trace)?;
+    }
+    Ok((report, allocator))
+}
+
+/// The `--json` object.
+fn json_report(
+    options: &Options,
+    allocator: &CachingAllocator<SimulatedStorage>,
+    report: &ReplayReport,
+) -> serde_json::Value {
+    serde_json::json!({
+        "file": options.file.display().to_string(),
+        "conf": allocator.config().to_conf_string(),
+        "expandable_segments": allocator.uses_expandable_segments(),
+        "events": report.events,
+        "baseline_blocks": report.baseline_blocks,
+        "baseline_freed_blocks": report.baseline_freed_blocks,
+        "baseline_bytes": report.baseline_bytes,
+        "baseline_requested_bytes": report.baseline_requested_bytes,
+        "allocs": report.allocs,
+        "frees": report.frees,
+        "skipped_frees": report.skipped_frees,
+        "ooms": report.ooms,
+        "peak_allocated_bytes": report.peak_allocated_bytes,
+        "peak_reserved_bytes": report.peak_reserved_bytes,
+        "peak_requested_rounded_bytes": report.peak_requested_rounded_bytes,
+        "reserved_over_requested": report.reserved_over_requested(),
+        "device_allocs": report.device_allocs,
+        "device_frees": report.device_frees,
+        "seconds": report.seconds,
+        "events_per_second": report.events_per_second(),
+        "repeat": options.repeat,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use headroom_caching_allocator::write_json;
+
+    use super::*;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// A snapshot reads the same from PyTorch's pickle and from our JSON, baseline included.
+    #[test]
+    fn a_json_snapshot_reads_as_its_pickle_with_the_same_baseline() {
+        let dir = std::env::temp_dir().join(format!("headroom-replay-json-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pickle = crate::project_root().join("testdata/vit_l16_b8_adam_3steps.pickle");
+        let snapshot = read_pickle(BufReader::new(File::open(&pickle).unwrap())).unwrap();
+        let json = dir.join("vit.json");
+        write_json(
+            &snapshot,
+            std::io::BufWriter::new(File::create(&json).unwrap()),
+        )
+        .unwrap();
+        let from_pickle = read_trace(&pickle).unwrap();
+        assert_eq!(from_pickle.live_before.len(), 297);
+        assert_eq!(read_trace(&json).unwrap(), from_pickle);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A TSV trace that frees a block it never allocated: the JSON report states it as the
+    /// baseline, and the peak includes it.
+    #[test]
+    fn the_json_report_states_the_baseline_of_a_tsv_trace() {
+        let dir = std::env::temp_dir().join(format!("headroom-replay-tsv-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let tsv = dir.join("trace.tsv");
+        std::fs::write(
+            &tsv,
+            "action\taddr\tsize\n\
+             alloc\t4096\t3000\n\
+             free_completed\t65536\t30000000\n\
+             free_completed\t4096\t3000\n",
+        )
+        .unwrap();
+        let options = parse(&args(&[
+            tsv.to_str().unwrap(),
+            "--conf",
+            "expandable_segments:False",
+            "--repeat",
+            "1",
+            "--json",
+        ]))
+        .unwrap();
+        let (report, allocator) = replay(&options).unwrap();
+        let json = json_report(&options, &allocator, &report);
+        // 30,000,000 bytes rounded up to 512; its segment, rounded up to 2 MiB (31,457,280 B),
+        // has more than 1 MiB left over, so the block is split and holds just that.
+        assert_eq!(json["baseline_blocks"], 1);
+        assert_eq!(json["baseline_freed_blocks"], 1);
+        assert_eq!(json["baseline_requested_bytes"], 30_000_000);
+        assert_eq!(json["baseline_bytes"], 30_000_128);
+        assert_eq!(json["peak_allocated_bytes"], 30_000_128 + 3072);
+        assert_eq!(
+            (json["allocs"].clone(), json["frees"].clone()),
+            (1.into(), 2.into())
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

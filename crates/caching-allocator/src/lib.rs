@@ -10,6 +10,10 @@
 //! `PinnedHostStorage` (page-locked host memory, PyTorch's `CachingHostAllocator` with this
 //! policy).
 //!
+//! [`replay_trace`] runs a recorded PyTorch trace through any policy, starting from its
+//! baseline: the blocks that were live before the recording began ([`RecordedTrace`]), so a
+//! what-if's peaks count the parameters a snapshot holds but its history never allocates.
+//!
 //! This crate sits at the bottom of Headroom: it knows nothing about tensors, autograd or
 //! kernels, and it can be used alone in any trainer that owns its buffers.
 //!
@@ -46,7 +50,7 @@ pub use allocator::{Allocation, CachingAllocator, ContextGuard};
 pub use config::{AllocatorConfig, AllocatorConfigBuilder, ALLOC_CONF_ENV, ROUNDUP_INTERVALS};
 pub use error::{AllocError, OutOfMemoryReport};
 pub use history::HistoryOptions;
-pub use replay::{replay_trace, ReplayReport};
+pub use replay::{replay_trace, LiveBlock, RecordedTrace, ReplayReport, BASELINE_LABEL};
 pub use report::{format_size, memory_summary};
 pub use snapshot::{
     pickle_opcodes, read_json, read_pickle, read_trace_tsv, trace_events_from_snapshot, write_json,

@@ -101,8 +101,8 @@ pub(crate) const USAGE: &str =
       (clip_grad_norm_ to 1.0, then the step), adam_inbwd_clip (in backward, exact clipping: a
       measuring pass first), adam_inbwd_clip_prev (previous step's norm). --bucket-mib sets
       the in-backward cases' bucket (default: 1/16 of the parameters, at most 25). --json writes one
-      object per case, --html charts; --pytorch reads torch_reference.py's anchor.jsonl and adds
-      PyTorch's figures.
+      object per case, --html charts (timelines by time or in event order, a toggle in the
+      page); --pytorch reads torch_reference.py's anchor.jsonl and adds PyTorch's figures.
 ";
 
 /// `cargo xtask bench-memory ARGS`.

@@ -273,13 +273,15 @@ fn inked_pixels(png_path: &std::path::Path) -> usize {
         .count()
 }
 
-/// Screenshots `html` in headless chromium and counts its inked pixels.
-fn rendered_ink(
+/// Screenshots `html` in headless chromium at `window` (width, height) and returns the PNG's
+/// path.
+fn screenshot(
     chromium: &std::path::Path,
     dir: &std::path::Path,
     name: &str,
     html: &str,
-) -> usize {
+    window: (u32, u32),
+) -> std::path::PathBuf {
     let page = dir.join(format!("{name}.html"));
     let shot = dir.join(format!("{name}.png"));
     std::fs::write(&page, html).unwrap();
@@ -293,8 +295,8 @@ fn rendered_ink(
             "--disable-sync",
             "--no-first-run",
             "--hide-scrollbars",
-            "--window-size=940,420",
         ])
+        .arg(format!("--window-size={},{}", window.0, window.1))
         .arg(format!("--user-data-dir={}", dir.join("profile").display()))
         .arg(format!("--screenshot={}", shot.display()))
         .arg(format!("file://{}", page.display()))
@@ -303,7 +305,17 @@ fn rendered_ink(
         .status()
         .unwrap();
     assert!(status.success(), "chromium failed on {name}");
-    inked_pixels(&shot)
+    shot
+}
+
+/// Screenshots `html` in headless chromium and counts its inked pixels.
+fn rendered_ink(
+    chromium: &std::path::Path,
+    dir: &std::path::Path,
+    name: &str,
+    html: &str,
+) -> usize {
+    inked_pixels(&screenshot(chromium, dir, name, html, (940, 420)))
 }
 
 #[test]
@@ -354,5 +366,53 @@ fn every_chart_of_the_html_report_renders_in_chromium() {
         let ink = rendered_ink(&chromium, &dir, &format!("chart{idx}"), &html);
         assert!(ink > 3000, "chart {idx} shows only {ink} inked pixels");
     }
+    // Each timeline's other layer, by event order, draws as much.
+    for (idx, chart) in charts.iter().enumerate().skip(1) {
+        let by_events = chart
+            .replace("class=\"by-event\" display=\"none\"", "class=\"by-event\"")
+            .replace("class=\"by-time\"", "class=\"by-time\" display=\"none\"");
+        assert_ne!(&by_events, chart, "chart {idx} has both layers");
+        let html = format!("<html><body style=\"margin:0\"><svg{by_events}</body></html>");
+        let ink = rendered_ink(&chromium, &dir, &format!("events{idx}"), &html);
+        assert!(
+            ink > 3000,
+            "chart {idx} by events shows only {ink} inked pixels"
+        );
+    }
+    // The page's toggle switches the layers: with the toggle itself hidden, the page by event
+    // order differs from the page by time over the timelines' height, not in a few pixels.
+    let hide_toggle = |html: &str| {
+        html.replace(
+            "</head>",
+            "<style>input,label{visibility:hidden}</style></head>",
+        )
+    };
+    let by_events_page = page
+        .replace("id=\"axis-time\" checked", "id=\"axis-time\"")
+        .replace("id=\"axis-events\"", "id=\"axis-events\" checked");
+    assert_ne!(by_events_page, page);
+    let rows = |name: &str, html: &str| {
+        let png = screenshot(&chromium, &dir, name, &hide_toggle(html), (1400, 1000));
+        let mut reader =
+            png::Decoder::new(std::io::BufReader::new(std::fs::File::open(png).unwrap()))
+                .read_info()
+                .unwrap();
+        let mut buf = vec![0; reader.output_buffer_size()];
+        let info = reader.next_frame(&mut buf).unwrap();
+        buf.truncate(info.buffer_size());
+        buf.chunks(info.line_size)
+            .map(<[u8]>::to_vec)
+            .collect::<Vec<_>>()
+    };
+    let (by_time, by_event) = (rows("page", &page), rows("page_events", &by_events_page));
+    let differing = by_time
+        .iter()
+        .zip(&by_event)
+        .filter(|(a, b)| a != b)
+        .count();
+    assert!(
+        differing >= 100,
+        "the toggle changes only {differing} rows of the page"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }

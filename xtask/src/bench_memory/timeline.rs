@@ -41,6 +41,10 @@ pub(crate) struct Persistent {
 pub(crate) struct Timeline {
     /// Live requested bytes before the first event, then after each client allocation or free.
     pub(crate) bytes: Vec<u64>,
+    /// When each figure of `bytes` began, in microseconds since the Unix epoch, from the
+    /// history's entries (the host's clock when the allocation or free was made; on a GPU the
+    /// kernels run later): the first event's time for the starting figure, then each event's.
+    pub(crate) time_us: Vec<i64>,
     /// Where each phase's first event stands in `bytes`, with the phase.
     pub(crate) phase_starts: Vec<(usize, Phase)>,
     /// The first index of the maximum of `bytes`.
@@ -115,6 +119,8 @@ pub(crate) fn analyse(
     let mut current = requested_before;
     let mut bytes = Vec::with_capacity(events.len() + 1);
     bytes.push(current);
+    let mut time_us = Vec::with_capacity(events.len() + 1);
+    time_us.push(events.first().map_or(0, |(entry, _)| entry.time_us));
     let mut phase_starts = Vec::new();
     for &(entry, phase) in &events {
         if let Some(phase) = phase {
@@ -124,6 +130,7 @@ pub(crate) fn analyse(
         }
         current = apply(&mut live, &mut 0, entry, phase, current)?;
         bytes.push(current);
+        time_us.push(entry.time_us);
     }
     let peak_requested = bytes.iter().copied().max().unwrap_or(current);
     let peak_index = bytes.iter().position(|b| *b == peak_requested).unwrap_or(0);
@@ -187,6 +194,7 @@ pub(crate) fn analyse(
     at_peak.allocator_rounding = rounding;
     let timeline = Timeline {
         bytes,
+        time_us,
         phase_starts,
         peak_index,
     };
@@ -272,6 +280,12 @@ mod tests {
             entry(FreeCompleted, 0x6000, 50, "step"),
             entry(FreeCompleted, 0x4000, 100, "zero_grad"),
         ];
+        // Ten microseconds apart.
+        let entries: Vec<TraceEntry> = entries
+            .into_iter()
+            .zip((1_000..).step_by(10))
+            .map(|(entry, time_us)| TraceEntry { time_us, ..entry })
+            .collect();
         let grads = HashSet::from([0x4000]);
         let persistent = Persistent {
             parameters: 100,
@@ -280,6 +294,10 @@ mod tests {
         let (timeline, at_peak) = analyse(&entries, 310, &grads, persistent, 512 * 3).unwrap();
         assert_eq!(timeline.bytes[timeline.peak_index], 500);
         assert_eq!(timeline.peak_index, 9);
+        // Each figure carries its event's time; the starting one the first event's.
+        assert_eq!(timeline.time_us.len(), timeline.bytes.len());
+        assert_eq!(timeline.time_us[..3], [1_000, 1_000, 1_010]);
+        assert_eq!(timeline.time_us[12], 1_110);
         assert_eq!(
             timeline.phase_starts,
             [
