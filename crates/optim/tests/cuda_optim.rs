@@ -12,6 +12,7 @@ use std::sync::{Arc, OnceLock};
 use headroom_autograd_core::{BackendRef, DType, Device, Tensor};
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
+use headroom_testkit::gpu::cuda_or_skip;
 use headroom_optim::kernels::{
     bf16, f16, n_blocks, AdafactorConfig, Adam8bitConfig, AdamConfig, GradScaling, SgdConfig,
 };
@@ -23,14 +24,8 @@ use headroom_optim::{
 /// The device shared by this binary's tests.
 fn cuda() -> Option<Arc<CudaBackend>> {
     static CUDA: OnceLock<Option<Arc<CudaBackend>>> = OnceLock::new();
-    CUDA.get_or_init(|| match CudaBackend::new(0) {
-        Ok(backend) => Some(backend),
-        Err(err) => {
-            println!("skipped: {err}");
-            None
-        }
-    })
-    .clone()
+    CUDA.get_or_init(|| cuda_or_skip(CudaBackend::new(0)))
+        .clone()
 }
 
 fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
@@ -480,7 +475,7 @@ fn cuda_params(cuda: &BackendRef, shapes: &[&[usize]]) -> Vec<Tensor> {
 #[test]
 fn each_implementation_holds_the_memory_it_promises() {
     // A backend of its own: other tests' tensors stay out of its allocator's counts.
-    let Some(cuda) = cuda().and_then(|_| CudaBackend::new(0).ok()) else {
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
         return;
     };
     let backend: BackendRef = cuda.clone();
@@ -574,7 +569,7 @@ fn each_implementation_holds_the_memory_it_promises() {
 /// a step; bounded foreach holds its chunk of bf16 temporaries.
 #[test]
 fn bf16_fused_steps_hold_only_their_states() {
-    let Some(cuda) = cuda().and_then(|_| CudaBackend::new(0).ok()) else {
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
         return;
     };
     let backend: BackendRef = cuda.clone();
