@@ -251,7 +251,7 @@ impl Buffer {
             Access::Read => self
                 .host_claim
                 .fetch_update(Ordering::Acquire, Ordering::Relaxed, |held| {
-                    (held < WRITER - 1).then_some(held + 1)
+                    (held < WRITER - 1).then(|| held + 1)
                 })
                 .is_ok(),
         }
