@@ -128,10 +128,10 @@ fn kernel_folder_problems(dir: &Path) -> Result<Vec<String>> {
     for source in &sources {
         let shown = source.display();
         let entry = source_entry(source)?;
-        let Some(line) = manifest
-            .lines()
-            .find(|line| line.strip_prefix(entry.as_str()).is_some_and(|rest| rest.starts_with(" ptx=")))
-        else {
+        let Some(line) = manifest.lines().find(|line| {
+            line.strip_prefix(entry.as_str())
+                .is_some_and(|rest| rest.starts_with(" ptx="))
+        }) else {
             problems.push(format!("{shown}: changed since its PTX was built"));
             continue;
         };
@@ -162,7 +162,10 @@ fn kernel_folder_problems(dir: &Path) -> Result<Vec<String>> {
     for ptx in ptx_files {
         let stem = ptx.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
         if !has_source(stem) {
-            problems.push(format!("{}: no `{stem}.cu` source builds it", ptx.display()));
+            problems.push(format!(
+                "{}: no `{stem}.cu` source builds it",
+                ptx.display()
+            ));
         }
     }
     for line in manifest.lines().filter(|line| !line.trim().is_empty()) {

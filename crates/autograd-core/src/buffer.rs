@@ -73,7 +73,9 @@ impl Buffer {
         {
             return Err(TensorError::Device {
                 op: "allocate",
-                reason: format!("the backend handed out fewer than the {len_bytes} bytes asked for"),
+                reason: format!(
+                    "the backend handed out fewer than the {len_bytes} bytes asked for"
+                ),
             });
         }
         Ok(Buffer {

@@ -215,8 +215,7 @@ fn outside(op: &'static str, view: &View<'_>) -> TensorError {
 fn same_elements(a: &Layout, b: &Layout) -> bool {
     a.offset() == b.offset()
         && a.shape() == b.shape()
-        && a
-            .shape()
+        && a.shape()
             .iter()
             .zip(a.strides().iter().zip(b.strides()))
             .all(|(&size, (sa, sb))| size <= 1 || sa == sb)
@@ -281,14 +280,38 @@ mod tests {
     #[test]
     fn internal_overlap_from_strides() {
         assert!(!layout(&[4, 3], &[3, 1], 0).may_overlap_itself());
-        assert!(!layout(&[3, 4], &[1, 3], 0).may_overlap_itself(), "transposed");
-        assert!(!layout(&[2, 3], &[10, 2], 5).may_overlap_itself(), "strided, gaps");
-        assert!(!layout(&[1, 5], &[0, 1], 0).may_overlap_itself(), "size-1 stride 0");
+        assert!(
+            !layout(&[3, 4], &[1, 3], 0).may_overlap_itself(),
+            "transposed"
+        );
+        assert!(
+            !layout(&[2, 3], &[10, 2], 5).may_overlap_itself(),
+            "strided, gaps"
+        );
+        assert!(
+            !layout(&[1, 5], &[0, 1], 0).may_overlap_itself(),
+            "size-1 stride 0"
+        );
         assert!(!layout(&[0, 5], &[0, 0], 0).may_overlap_itself(), "empty");
-        assert!(layout(&[64, 16], &[0, 1], 0).may_overlap_itself(), "expanded");
-        assert!(layout(&[4, 4], &[1, 1], 0).may_overlap_itself(), "as_strided diagonal");
-        assert!(layout(&[3, 2], &[2, 3], 0).may_overlap_itself(), "interleaved: too hard");
-        assert!(layout(&[2, 3], &[2, 1], 0).may_overlap_itself(), "rows overlap by one");
-        assert!(!layout(&[2, 3], &[3, 1], 0).may_overlap_itself(), "rows just touch");
+        assert!(
+            layout(&[64, 16], &[0, 1], 0).may_overlap_itself(),
+            "expanded"
+        );
+        assert!(
+            layout(&[4, 4], &[1, 1], 0).may_overlap_itself(),
+            "as_strided diagonal"
+        );
+        assert!(
+            layout(&[3, 2], &[2, 3], 0).may_overlap_itself(),
+            "interleaved: too hard"
+        );
+        assert!(
+            layout(&[2, 3], &[2, 1], 0).may_overlap_itself(),
+            "rows overlap by one"
+        );
+        assert!(
+            !layout(&[2, 3], &[3, 1], 0).may_overlap_itself(),
+            "rows just touch"
+        );
     }
 }

@@ -317,7 +317,11 @@ fn freeing_an_unknown_address_is_an_error() {
     let other = classic(SimulatedStorage::new(H200_BYTES));
     let mine = allocator.allocate(100, StreamId::DEFAULT).unwrap();
     let theirs = other.allocate(100, StreamId::DEFAULT).unwrap();
-    assert_eq!(mine.address(), theirs.address(), "both simulated from the same start");
+    assert_eq!(
+        mine.address(),
+        theirs.address(),
+        "both simulated from the same start"
+    );
     assert_ne!(mine.allocator(), theirs.allocator());
     assert!(matches!(
         allocator.record_stream(&theirs, StreamId(1)),

@@ -266,11 +266,16 @@ impl Backend for CpuBackend {
             .into_iter()
             .flatten()
             .collect();
-        let reads: Vec<View<'_>> = [Some(args.dy), Some(args.x), Some(args.mean), Some(args.rstd)]
-            .into_iter()
-            .chain([args.weight])
-            .flatten()
-            .collect();
+        let reads: Vec<View<'_>> = [
+            Some(args.dy),
+            Some(args.x),
+            Some(args.mean),
+            Some(args.rstd),
+        ]
+        .into_iter()
+        .chain([args.weight])
+        .flatten()
+        .collect();
         let _access = self.operands("layer_norm_backward", &writes, &reads, Aliasing::Disjoint)?;
         layer_norm::layer_norm_backward(args)
     }

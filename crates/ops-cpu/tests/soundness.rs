@@ -8,9 +8,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use headroom_autograd_core::{
-    BackendRef, DType, Layout, Overlap, Tensor, TensorError, View,
-};
+use headroom_autograd_core::{BackendRef, DType, Layout, Overlap, Tensor, TensorError, View};
 use headroom_ops_cpu::CpuBackend;
 
 fn ramp(cpu: &BackendRef, shape: &[usize]) -> Tensor {
@@ -46,7 +44,10 @@ fn writing_into_an_expanded_view_is_an_overlap_error() {
     assert_eq!(expanded.sum_all().unwrap().item().unwrap(), 0.0);
     // The backend refuses the same write when called directly.
     let direct = cpu.fill(expanded.view(), 1.0);
-    assert!(matches!(direct, Err(TensorError::Overlap { op: "fill", .. })), "{direct:?}");
+    assert!(
+        matches!(direct, Err(TensorError::Overlap { op: "fill", .. })),
+        "{direct:?}"
+    );
 }
 
 /// `x.add_(&x.t())` on 1024×1024 was accepted and left 523,767 wrong elements: the output
@@ -57,7 +58,10 @@ fn an_in_place_op_whose_input_partially_overlaps_its_output_is_an_error() {
     let x = ramp(&cpu, &[1024, 1024]);
     let before = x.to_vec::<f32>().unwrap();
     let err = x.add_(&x.t().unwrap()).unwrap_err();
-    assert!(matches!(err, TensorError::Overlap { op: "add_", .. }), "{err}");
+    assert!(
+        matches!(err, TensorError::Overlap { op: "add_", .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains("clone()"), "{err}");
     assert_eq!(x.to_vec::<f32>().unwrap(), before, "nothing written");
     // What the user is told to do gives PyTorch's answer.
@@ -66,7 +70,11 @@ fn an_in_place_op_whose_input_partially_overlaps_its_output_is_an_error() {
     let sum = x.to_vec::<f32>().unwrap();
     for (idx, &value) in sum.iter().enumerate() {
         let (row, col) = (idx / 1024, idx % 1024);
-        assert_eq!(value, (row * 1024 + col + col * 1024 + row) as f32, "{row},{col}");
+        assert_eq!(
+            value,
+            (row * 1024 + col + col * 1024 + row) as f32,
+            "{row},{col}"
+        );
     }
     // The same view in and out is the one overlap allowed.
     x.add_(&x).unwrap();
@@ -74,7 +82,10 @@ fn an_in_place_op_whose_input_partially_overlaps_its_output_is_an_error() {
     // Other writers follow the same rule: copy_, out=, a shifted row of the same storage.
     let row0 = x.narrow(0, 0, 2).unwrap();
     let row1 = x.narrow(0, 1, 2).unwrap();
-    assert!(matches!(row0.copy_(&row1), Err(TensorError::Overlap { .. })));
+    assert!(matches!(
+        row0.copy_(&row1),
+        Err(TensorError::Overlap { .. })
+    ));
     assert!(matches!(
         row1.add_out(&row1, &row0),
         Err(TensorError::Overlap { .. })
@@ -104,7 +115,10 @@ fn sizes_and_strides_that_overflow_are_typed_errors() {
     let outside = x.as_strided(&[3], &[4], 0);
     assert!(matches!(outside, Err(TensorError::InvalidArgument { .. })));
     let mismatched = x.as_strided(&[2, 2], &[1], 0);
-    assert!(matches!(mismatched, Err(TensorError::InvalidArgument { .. })));
+    assert!(matches!(
+        mismatched,
+        Err(TensorError::InvalidArgument { .. })
+    ));
 
     // `empty(&[1 << 40, 1 << 30], F32)` was accepted: the byte count overflowed.
     for shape in [&[1 << 40, 1 << 30][..], &[1 << 62, 8], &[usize::MAX, 2, 0]] {
@@ -167,17 +181,29 @@ fn a_backend_refuses_views_outside_their_buffer_and_buffers_of_another_backend()
         ..x.view()
     };
     let err = cpu.fill(past_the_end, 1.0).unwrap_err();
-    assert!(matches!(err, TensorError::InvalidArgument { op: "fill", .. }), "{err}");
+    assert!(
+        matches!(err, TensorError::InvalidArgument { op: "fill", .. }),
+        "{err}"
+    );
     let as_f64 = View {
         dtype: DType::F64,
         ..x.view()
     };
-    assert!(cpu.fill(as_f64, 1.0).is_err(), "32 bytes of f64 in a 16-byte buffer");
+    assert!(
+        cpu.fill(as_f64, 1.0).is_err(),
+        "32 bytes of f64 in a 16-byte buffer"
+    );
 
     let err = cpu.copy(foreign.view(), x.view()).unwrap_err();
-    assert!(matches!(err, TensorError::InvalidArgument { op: "copy", .. }), "{err}");
+    assert!(
+        matches!(err, TensorError::InvalidArgument { op: "copy", .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains("another backend"), "{err}");
-    assert!(x.copy_(&foreign).is_err(), "the op path reaches the same check");
+    assert!(
+        x.copy_(&foreign).is_err(),
+        "the op path reaches the same check"
+    );
     let mut out = [0u8; 4];
     assert!(cpu.read_host(foreign.buffer(), 0, &mut out).is_err());
     assert!(cpu.write_host(foreign.buffer(), 0, &out).is_err());
@@ -221,8 +247,14 @@ fn overlap_is_classified_from_layouts() {
     assert_eq!(o(&q, &k), Overlap::Disjoint);
     q.fill_(3.0).unwrap();
     k.copy_(&q).unwrap();
-    assert_eq!(k.sum_all().unwrap().item().unwrap(), 3.0 * 2.0 * 5.0 * 4.0 * 8.0);
-    assert_eq!(qkv.sum_all().unwrap().item().unwrap(), 2.0 * 3.0 * 2.0 * 5.0 * 4.0 * 8.0);
+    assert_eq!(
+        k.sum_all().unwrap().item().unwrap(),
+        3.0 * 2.0 * 5.0 * 4.0 * 8.0
+    );
+    assert_eq!(
+        qkv.sum_all().unwrap().item().unwrap(),
+        2.0 * 3.0 * 2.0 * 5.0 * 4.0 * 8.0
+    );
 }
 
 /// `Tensor` is `Send + Sync` and CPU kernels write host memory through raw pointers: two threads

@@ -376,8 +376,15 @@ fn run_case(cpu: &BackendRef, seed: u64, tally: &mut Tally) -> Result<(), String
                         };
                     }
                 };
-                check_write(res, refuse, must_accept(out, &sources), &mut model, write, tally)
-                    .map_err(context)?;
+                check_write(
+                    res,
+                    refuse,
+                    must_accept(out, &sources),
+                    &mut model,
+                    write,
+                    tally,
+                )
+                .map_err(context)?;
             }
             Op::Fill(out, value) => {
                 let refuse = must_refuse(out, &[]);
@@ -411,17 +418,14 @@ fn run_case(cpu: &BackendRef, seed: u64, tally: &mut Tally) -> Result<(), String
                     let (a, b) = (a.expanded(&out.shape), b.expanded(&out.shape));
                     let inputs = [a.clone(), b.clone()];
                     let write = |model: &mut Vec<Vec<f32>>| {
-                        let lhs: Vec<f32> =
-                            a.indices().iter().map(|&i| model[a.base][i]).collect();
-                        let rhs: Vec<f32> =
-                            b.indices().iter().map(|&i| model[b.base][i]).collect();
+                        let lhs: Vec<f32> = a.indices().iter().map(|&i| model[a.base][i]).collect();
+                        let rhs: Vec<f32> = b.indices().iter().map(|&i| model[b.base][i]).collect();
                         for (k, &i) in out.indices().iter().enumerate() {
                             model[out.base][i] = arith.apply(lhs[k], rhs[k]);
                         }
                     };
                     let (refuse, accept) = (must_refuse(out, &inputs), must_accept(out, &inputs));
-                    check_write(res, refuse, accept, &mut model, write, tally)
-                        .map_err(context)?;
+                    check_write(res, refuse, accept, &mut model, write, tally).map_err(context)?;
                 }
             }
             Op::Read(view) | Op::Sum(view) | Op::Neg(view) => {

@@ -532,7 +532,8 @@ fn gemm(bench: &mut Bench, compute: &CudaStream) {
         let q = bench.tensor(&[HEADS, SEQ, HEAD_DIM], dtype, 20);
         let k = bench.tensor(&[HEADS, SEQ, HEAD_DIM], dtype, 21);
         let v = bench.tensor(&[HEADS, SEQ, HEAD_DIM], dtype, 22);
-        let k_t = Layout::from_parts(&[HEADS, HEAD_DIM, SEQ], &[SEQ * HEAD_DIM, 1, HEAD_DIM], 0).unwrap();
+        let k_t =
+            Layout::from_parts(&[HEADS, HEAD_DIM, SEQ], &[SEQ * HEAD_DIM, 1, HEAD_DIM], 0).unwrap();
         let keys = View {
             buffer: k.buffer(),
             layout: &k_t,

@@ -170,7 +170,13 @@ impl Backend for CudaBackend {
             .flatten()
             .collect();
         let reads = [args.grad_out, args.input];
-        check(self, "linear_weight_grad", &writes, &reads, Aliasing::Disjoint)?;
+        check(
+            self,
+            "linear_weight_grad",
+            &writes,
+            &reads,
+            Aliasing::Disjoint,
+        )?;
         linear::linear_weight_grad(self, args)
     }
 
@@ -187,7 +193,13 @@ impl Backend for CudaBackend {
         log: bool,
         dx: View<'_>,
     ) -> Result<()> {
-        check(self, "softmax_backward", &[dx], &[y, dy], Aliasing::Disjoint)?;
+        check(
+            self,
+            "softmax_backward",
+            &[dx],
+            &[y, dy],
+            Aliasing::Disjoint,
+        )?;
         rows::softmax_backward(self, y, dy, dim, log, dx)
     }
 
@@ -210,7 +222,13 @@ impl Backend for CudaBackend {
             .into_iter()
             .chain(args.weight)
             .collect();
-        check(self, "layer_norm_backward", &writes, &reads, Aliasing::Disjoint)?;
+        check(
+            self,
+            "layer_norm_backward",
+            &writes,
+            &reads,
+            Aliasing::Disjoint,
+        )?;
         rows::layer_norm_backward(self, args)
     }
 
@@ -221,7 +239,13 @@ impl Backend for CudaBackend {
         lse: View<'_>,
     ) -> Result<()> {
         let reads = [args.logits, args.target];
-        check(self, "cross_entropy", &[loss, lse], &reads, Aliasing::Disjoint)?;
+        check(
+            self,
+            "cross_entropy",
+            &[loss, lse],
+            &reads,
+            Aliasing::Disjoint,
+        )?;
         index::cross_entropy(self, args, loss, lse)
     }
 
@@ -233,7 +257,13 @@ impl Backend for CudaBackend {
         dlogits: View<'_>,
     ) -> Result<()> {
         let reads = [args.logits, args.target, lse, dloss];
-        check(self, "cross_entropy_backward", &[dlogits], &reads, Aliasing::Disjoint)?;
+        check(
+            self,
+            "cross_entropy_backward",
+            &[dlogits],
+            &reads,
+            Aliasing::Disjoint,
+        )?;
         index::cross_entropy_backward(self, args, lse, dloss, dlogits)
     }
 
@@ -243,13 +273,25 @@ impl Backend for CudaBackend {
     }
 
     fn scatter_add(&self, dst: View<'_>, dim: usize, index: View<'_>, src: View<'_>) -> Result<()> {
-        check(self, "scatter_add", &[dst], &[index, src], Aliasing::Disjoint)?;
+        check(
+            self,
+            "scatter_add",
+            &[dst],
+            &[index, src],
+            Aliasing::Disjoint,
+        )?;
         index::scatter_add(self, dst, dim, index, src)
     }
 
     fn attention(&self, args: AttentionForward<'_>) -> Result<()> {
         let reads = [args.q, args.k, args.v];
-        check(self, "attention", &[args.out, args.lse], &reads, Aliasing::Disjoint)?;
+        check(
+            self,
+            "attention",
+            &[args.out, args.lse],
+            &reads,
+            Aliasing::Disjoint,
+        )?;
         attention::attention(self, args)
     }
 
@@ -257,7 +299,13 @@ impl Backend for CudaBackend {
         let f = &args.forward;
         let reads = [f.q, f.k, f.v, f.out, f.lse, args.dout];
         let writes = [args.dq, args.dk, args.dv];
-        check(self, "attention_backward", &writes, &reads, Aliasing::Disjoint)?;
+        check(
+            self,
+            "attention_backward",
+            &writes,
+            &reads,
+            Aliasing::Disjoint,
+        )?;
         attention::attention_backward(self, args)
     }
 

@@ -146,16 +146,14 @@ impl CudaBackend {
                 Ok::<_, TensorError>((id, raw))
             })
         }?;
-        // SAFETY: registering a stream frees nothing and writes no memory of an allocation.
+        // SAFETY: registering a stream frees nothing and writes no memory of an allocation. And
+        // `raw` is a stream of this device's primary context, made by the device allocator's
+        // storage, which destroys it only when the backend is dropped; the pinned allocator
+        // records events on it only while a `PinnedBuffer` (which holds the backend) is freed,
+        // and is dropped after the device allocator without recording any.
         unsafe {
-            self.pinned.with_storage_mut(|storage| {
-                // SAFETY: `raw` is a stream of this device's primary context, made by the device
-                // allocator's storage, which destroys it only when the backend is dropped; the
-                // pinned allocator records events on it only while a `PinnedBuffer` (which holds
-                // the backend) is freed, and is dropped after the device allocator without
-                // recording any.
-                unsafe { storage.register_stream(id, raw) }
-            })
+            self.pinned
+                .with_storage_mut(|storage| storage.register_stream(id, raw))
         }
         .map_err(stream_error)?;
         Ok(CudaStream {

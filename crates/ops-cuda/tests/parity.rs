@@ -1160,14 +1160,16 @@ fn fused_attention_forward_and_backward_match_the_cpu() {
                 &[batch, heads, keys, head_dim],
                 &[keys * 3 * width, head_dim, 3 * width, 1],
                 part * width,
-            ).unwrap()
+            )
+            .unwrap()
         };
         let rows_layout = |rows: usize| {
             Layout::from_parts(
                 &[batch, heads, rows, head_dim],
                 &[rows * width, head_dim, width, 1],
                 0,
-            ).unwrap()
+            )
+            .unwrap()
         };
         let packed_q = queries == keys;
         let (ql, kl, vl) = (

@@ -3,9 +3,9 @@
 #![cfg(feature = "cuda")]
 
 use headroom_ops_cuda::CudaBackend;
-use headroom_testkit::gpu::cuda_or_skip;
 use headroom_optim::cuda::{CudaFusedAdam, DeviceAdamParam};
 use headroom_optim::kernels::{adam_fused, AdamBuffers, AdamConfig, GradScaling};
+use headroom_testkit::gpu::cuda_or_skip;
 
 fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
     let mut state = seed | 1;

@@ -12,7 +12,6 @@ use std::sync::{Arc, OnceLock};
 use headroom_autograd_core::{BackendRef, DType, Device, Tensor};
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
-use headroom_testkit::gpu::cuda_or_skip;
 use headroom_optim::kernels::{
     bf16, f16, n_blocks, AdafactorConfig, Adam8bitConfig, AdamConfig, GradScaling, SgdConfig,
 };
@@ -20,6 +19,7 @@ use headroom_optim::{
     Adam, Adam8bit, DeviceGradScaling, GroupOptimizer, Implementation, OptimError, Optimizer,
     ParamGroup, Scaling, Sgd, StepParams, UpdateRule,
 };
+use headroom_testkit::gpu::cuda_or_skip;
 
 /// The device shared by this binary's tests.
 fn cuda() -> Option<Arc<CudaBackend>> {

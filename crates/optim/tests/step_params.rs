@@ -221,13 +221,22 @@ fn a_step_never_writes_a_parameter_another_thread_holds() {
     let values: Vec<f32> = (0..64).map(|i| i as f32).collect();
     let param = Tensor::from_slice(&cpu, &values, &[64]).unwrap();
     param.requires_grad_(true).unwrap();
-    param.mul(&param).unwrap().sum_all().unwrap().backward().unwrap();
+    param
+        .mul(&param)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     let group = ParamGroup::new(vec![param.clone()], SgdConfig::new(0.5));
     let mut sgd = GroupOptimizer::new(vec![group], Implementation::Fused).unwrap();
     let reader = HostAccess::claim("test", [(&**param.buffer(), Access::Read)]).unwrap();
     let err = sgd.step().unwrap_err();
     assert!(
-        matches!(err, OptimError::Tensor(TensorError::ConcurrentAccess { .. })),
+        matches!(
+            err,
+            OptimError::Tensor(TensorError::ConcurrentAccess { .. })
+        ),
         "{err}"
     );
     assert!(HostAccess::claim("test", [(&**param.buffer(), Access::Read)]).is_ok());
