@@ -13,6 +13,8 @@
 # Environment: OUT (log folder, default /tmp/gpu-allocator-check), BENCH_ARGS (extra criterion
 # arguments, default a short run), SKIP_BENCH=1 to run the tests only.
 set -uo pipefail
+# A missing GPU fails the tests instead of skipping them (testkit's gpu::cuda_or_skip).
+export HEADROOM_REQUIRE_GPU=1
 out=${OUT:-/tmp/gpu-allocator-check}
 mkdir -p "$out"
 [[ -f .gpu-bundle/run.sh ]] || { echo "no .gpu-bundle/run.sh: build the bundle first (see the header)" >&2; exit 2; }

@@ -7,8 +7,10 @@
 //!
 //! nvcc comes from `NVCC`, else a `nvcc` on `PATH`, else a virtualenv under `target/nvcc-venv`
 //! that this task creates with pip (pinned to CUDA 13.0: a CUDA 13.0 driver rejects PTX from a
-//! newer nvcc). `ptx/manifest.txt` records a hash of each source and the compiler; `--check`
-//! compares it with the sources and needs no nvcc, so a test can tell when the PTX is stale.
+//! newer nvcc). `ptx/manifest.txt` records, per source, a hash of the source (with the folder's
+//! headers), the compiler and flags, and a hash of the PTX it produced (`ptx=`). `--check`
+//! compares it with the sources and the committed PTX and needs no nvcc, so a test can tell
+//! when the PTX is stale, was edited by hand, or outlived its source.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -37,8 +39,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                 return Ok(());
             }
             bail!(
-                "stale PTX for {}: run `cargo xtask build-kernels`",
-                stale.join(", ")
+                "committed PTX out of date:\n{}\nrun `cargo xtask build-kernels`",
+                stale.join("\n")
             )
         }
         _ => bail!("usage: cargo xtask build-kernels [--check]"),
@@ -59,9 +61,17 @@ fn sources(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(sources)
 }
 
-/// The manifest line of one source: name, FNV-1a hash of its bytes and of the folder's `.cuh`
+/// FNV-1a of `bytes`: the manifest's hash (not cryptographic: it catches stale or hand-edited
+/// files, not an adversary).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// The source half of a manifest line: name, hash of the source and of the folder's `.cuh`
 /// headers (which every source may include), compiler and flags.
-fn manifest_line(source: &Path) -> Result<String> {
+fn source_entry(source: &Path) -> Result<String> {
     let mut bytes = std::fs::read(source).with_context(|| source.display().to_string())?;
     let dir = source.parent().unwrap_or(Path::new("."));
     let mut headers: Vec<PathBuf> = std::fs::read_dir(dir)?
@@ -73,16 +83,24 @@ fn manifest_line(source: &Path) -> Result<String> {
     for header in headers {
         bytes.extend(std::fs::read(&header).with_context(|| header.display().to_string())?);
     }
-    let hash = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    });
     let name = source
         .file_name()
         .and_then(|n| n.to_str())
         .unwrap_or_default();
     Ok(format!(
-        "{name} {hash:016x} {COMPILER} {}",
+        "{name} {:016x} {COMPILER} {}",
+        fnv1a(&bytes),
         NVCC_FLAGS.join(" ")
+    ))
+}
+
+/// The manifest line of one source and the PTX built from it.
+fn manifest_line(source: &Path, ptx: &Path) -> Result<String> {
+    let ptx_bytes = std::fs::read(ptx).with_context(|| ptx.display().to_string())?;
+    Ok(format!(
+        "{} ptx={:016x}",
+        source_entry(source)?,
+        fnv1a(&ptx_bytes)
     ))
 }
 
@@ -90,19 +108,77 @@ fn manifest_path(dir: &Path) -> PathBuf {
     dir.join("ptx/manifest.txt")
 }
 
-/// The sources whose committed PTX does not match them (or is missing).
+/// What is wrong with the committed PTX of every kernel folder (empty when it is up to date).
 fn stale_kernels(root: &Path) -> Result<Vec<String>> {
-    let mut stale = Vec::new();
+    let mut problems = Vec::new();
     for dir in KERNEL_DIRS.iter().map(|dir| root.join(dir)) {
-        let manifest = std::fs::read_to_string(manifest_path(&dir)).unwrap_or_default();
-        for source in sources(&dir)? {
-            let line = manifest_line(&source)?;
-            if !manifest.lines().any(|l| l == line) || !ptx_path(&source).exists() {
-                stale.push(source.display().to_string());
-            }
+        problems.extend(kernel_folder_problems(&dir)?);
+    }
+    Ok(problems)
+}
+
+/// The problems of one kernel folder: a source whose manifest entry is missing or stale (the
+/// source or its headers changed), whose PTX is missing or differs from the hash the manifest
+/// recorded when it was built (edited by hand, or rebuilt without the manifest); a PTX file or a
+/// manifest line whose source is gone.
+fn kernel_folder_problems(dir: &Path) -> Result<Vec<String>> {
+    let manifest = std::fs::read_to_string(manifest_path(dir)).unwrap_or_default();
+    let mut problems = Vec::new();
+    let sources = sources(dir)?;
+    for source in &sources {
+        let shown = source.display();
+        let entry = source_entry(source)?;
+        let Some(line) = manifest.lines().find(|line| {
+            line.strip_prefix(entry.as_str())
+                .is_some_and(|rest| rest.starts_with(" ptx="))
+        }) else {
+            problems.push(format!("{shown}: changed since its PTX was built"));
+            continue;
+        };
+        let ptx = ptx_path(source);
+        if !ptx.exists() {
+            problems.push(format!("{shown}: its PTX {} is missing", ptx.display()));
+        } else if manifest_line(source, &ptx)? != line {
+            problems.push(format!(
+                "{}: differs from the PTX the manifest recorded for {shown}",
+                ptx.display()
+            ));
         }
     }
-    Ok(stale)
+    let has_source = |stem: &str| {
+        sources
+            .iter()
+            .any(|source| source.file_stem().is_some_and(|s| s == stem))
+    };
+    let ptx_dir = dir.join("ptx");
+    let mut ptx_files: Vec<PathBuf> = std::fs::read_dir(&ptx_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "ptx"))
+        .collect();
+    ptx_files.sort();
+    for ptx in ptx_files {
+        let stem = ptx.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+        if !has_source(stem) {
+            problems.push(format!(
+                "{}: no `{stem}.cu` source builds it",
+                ptx.display()
+            ));
+        }
+    }
+    for line in manifest.lines().filter(|line| !line.trim().is_empty()) {
+        let name = line.split_whitespace().next().unwrap_or_default();
+        let stem = name.strip_suffix(".cu").unwrap_or(name);
+        if !has_source(stem) {
+            problems.push(format!(
+                "{}: names `{name}`, which is gone",
+                manifest_path(dir).display()
+            ));
+        }
+    }
+    Ok(problems)
 }
 
 fn ptx_path(source: &Path) -> PathBuf {
@@ -131,7 +207,7 @@ fn build() -> Result<()> {
             if !status.success() {
                 bail!("nvcc failed on {}", source.display());
             }
-            manifest.push_str(&manifest_line(&source)?);
+            manifest.push_str(&manifest_line(&source, &ptx)?);
             manifest.push('\n');
         }
         std::fs::write(manifest_path(&dir), manifest)?;
@@ -180,12 +256,60 @@ fn find_nvcc(root: &Path) -> Result<PathBuf> {
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     #[test]
     fn committed_ptx_matches_the_kernel_sources() {
         let stale = super::stale_kernels(&crate::project_root()).expect("kernel folder readable");
         assert!(
             stale.is_empty(),
-            "stale PTX for {stale:?}: run `cargo xtask build-kernels`"
+            "committed PTX out of date: {stale:#?}\nrun `cargo xtask build-kernels`"
         );
+    }
+
+    /// A kernel folder in a scratch directory: `a.cu` and its PTX, recorded in the manifest.
+    fn folder(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("headroom-ptx-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("ptx")).unwrap();
+        std::fs::write(dir.join("a.cu"), "__global__ void a() {}\n").unwrap();
+        std::fs::write(dir.join("ptx/a.ptx"), ".version 9.0\n.entry a {}\n").unwrap();
+        let line = super::manifest_line(&dir.join("a.cu"), &dir.join("ptx/a.ptx")).unwrap();
+        std::fs::write(super::manifest_path(&dir), format!("{line}\n")).unwrap();
+        dir
+    }
+
+    fn problems(dir: &Path) -> Vec<String> {
+        super::kernel_folder_problems(dir).unwrap()
+    }
+
+    #[test]
+    fn edited_stale_and_orphaned_ptx_are_rejected() {
+        let dir = folder("check");
+        assert_eq!(problems(&dir), Vec::<String>::new());
+
+        std::fs::write(dir.join("ptx/a.ptx"), ".version 9.0\n.entry a { ret; }\n").unwrap();
+        let edited = problems(&dir);
+        assert_eq!(edited.len(), 1, "{edited:?}");
+        assert!(edited[0].contains("differs from the PTX the manifest recorded"));
+
+        std::fs::write(dir.join("a.cu"), "__global__ void a() { }\n").unwrap();
+        let stale = problems(&dir);
+        assert_eq!(stale.len(), 1, "{stale:?}");
+        assert!(stale[0].contains("changed since its PTX was built"));
+
+        let dir = folder("orphan");
+        std::fs::write(dir.join("ptx/b.ptx"), ".version 9.0\n").unwrap();
+        let orphan = problems(&dir);
+        assert_eq!(orphan.len(), 1, "{orphan:?}");
+        assert!(orphan[0].contains("no `b.cu` source builds it"));
+
+        let dir = folder("gone");
+        std::fs::remove_file(dir.join("a.cu")).unwrap();
+        let gone = problems(&dir);
+        assert_eq!(gone.len(), 2, "{gone:?}");
+        assert!(gone[0].contains("no `a.cu` source builds it"));
+        assert!(gone[1].contains("names `a.cu`, which is gone"));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -4,6 +4,9 @@
 //! - every `.rs` file of the workspace starts with a `//!` header;
 //! - no module is named `utils`, `helpers` or `common`;
 //! - no test is marked `ignore` or `should_panic` (assert on the `Err` instead);
+//! - no test, bench or example skips for lack of a GPU by hand (matching on a device opener, or
+//!   dropping its error with `.ok()`): it asks through testkit's `gpu::cuda_or_skip`, which
+//!   `HEADROOM_REQUIRE_GPU=1` turns into a failure, so a GPU run cannot pass by skipping;
 //! - ARCHITECTURE.md has one `### crates/<name>` heading per crate folder, and no heading
 //!   for a folder that does not exist;
 //! - crate dependencies point one way, down the layers of [`LAYERS`] (what `cargo metadata`
@@ -104,6 +107,18 @@ fn check(root: &Path) -> Vec<String> {
                 problems.push(format!("{relative}: uses {banned}]"));
             }
         }
+        let harness_code = ["/tests/", "/benches/", "/examples/"]
+            .iter()
+            .any(|folder| relative.contains(folder))
+            || relative.starts_with("examples/");
+        if harness_code {
+            if let Some(line) = gpu_skip_by_hand(&text) {
+                problems.push(format!(
+                    "{relative}:{line}: skips a GPU test by hand; ask for the device through \
+                     headroom_testkit::gpu::cuda_or_skip"
+                ));
+            }
+        }
     }
     problems.extend(check_code_map(root));
     match cargo_metadata(root) {
@@ -111,6 +126,27 @@ fn check(root: &Path) -> Vec<String> {
         Err(err) => problems.push(format!("crate dependencies: {err:#}")),
     }
     problems
+}
+
+/// The first line (1-based) that opens a CUDA device and drops or matches on its error itself,
+/// the hand-made skip that `HEADROOM_REQUIRE_GPU=1` cannot turn into a failure.
+fn gpu_skip_by_hand(text: &str) -> Option<usize> {
+    const OPENERS: &[&str] = &[
+        "CudaBackend::new(",
+        "CudaBackend::with_config(",
+        "CudaStorage::new(",
+        "CudaStorage::with_options(",
+        "PinnedHostStorage::new(",
+        "PinnedHostStorage::with_options(",
+    ];
+    let position = text.lines().position(|line| {
+        let opens = OPENERS.iter().any(|opener| line.contains(opener));
+        let by_hand = [".ok()", "if let Ok(", "match "]
+            .iter()
+            .any(|pattern| line.contains(pattern));
+        opens && by_hand && !line.contains("cuda_or_skip")
+    });
+    position.map(|idx| idx + 1)
 }
 
 /// `cargo metadata` of the workspace's own packages (no dependency resolution, no network).
@@ -283,6 +319,18 @@ mod tests {
             "tidy problems:\n{}",
             problems.join("\n")
         );
+    }
+
+    #[test]
+    fn a_gpu_skip_by_hand_is_found() {
+        let by_hand = "fn cuda() {\n    match CudaBackend::new(0) {\n";
+        assert_eq!(super::gpu_skip_by_hand(by_hand), Some(2));
+        let dropped = "let Some(cuda) = cuda().and_then(|_| CudaBackend::new(0).ok()) else {";
+        assert_eq!(super::gpu_skip_by_hand(dropped), Some(1));
+        let gated = "let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {";
+        assert_eq!(super::gpu_skip_by_hand(gated), None);
+        let after_the_gate = "let other = CudaBackend::new(0).unwrap();";
+        assert_eq!(super::gpu_skip_by_hand(after_the_gate), None);
     }
 
     /// Edges against the layering, each named: up, sideways, a dev-only crate as a normal

@@ -31,10 +31,17 @@
 //! - **No device types.** Views carry a [`Buffer`], whose address is a `u64`; no CUDA stream,
 //!   handle or pointer type appears here.
 //!
-//! Contract for implementors: every view passed in lies inside its buffer (the core checks this
-//! when it builds views). Output views are dense (contiguous) unless the method says otherwise;
-//! `copy`, `fill`, `scatter_add` and the in-place forms of `unary`/`binary` may write through a
-//! strided view, and an output may be the same memory as an input with the same layout.
+//! Contract for implementors: the trait is safe and [`View`]'s fields are public, so a backend
+//! trusts no view. Before it touches memory, every primitive runs
+//! [`check_operands`](crate::check_operands) with its own allocator's id (each view inside its
+//! buffer, the buffer's memory from that allocator, no output reaching an element twice, outputs
+//! sharing memory with inputs only as the very same view of an elementwise primitive,
+//! [`Aliasing`](crate::Aliasing)), and checks `Buffer::check_owner` in the host transfers. A
+//! backend that computes on the host also claims the operands' buffers
+//! ([`claim_operands`](crate::claim_operands)) for the kernel, since tensors are `Send + Sync`.
+//! Output views are dense (contiguous) unless the method says otherwise; `copy`, `fill`,
+//! `scatter_add` and the elementwise primitives may write through a strided view, and an
+//! elementwise output may be the same view as an input.
 
 use std::sync::Arc;
 
@@ -49,6 +56,10 @@ use crate::layout::Layout;
 pub type BackendRef = Arc<dyn Backend>;
 
 /// A tensor's elements as a backend sees them: memory, layout and element type.
+///
+/// The fields are public, so a view proves nothing by existing: a backend checks it at the
+/// primitive's entry ([`check_operands`](crate::check_operands)). A view from
+/// [`Tensor::view`](crate::Tensor::view) always passes the bounds part.
 #[derive(Debug, Clone, Copy)]
 pub struct View<'a> {
     /// The storage.

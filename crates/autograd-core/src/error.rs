@@ -58,6 +58,39 @@ pub enum TensorError {
         /// What is wrong, with the values involved.
         reason: String,
     },
+    /// A size, extent or byte count computed from the arguments does not fit in `usize` (or in
+    /// what a device can address): the tensor is too large to exist.
+    #[error("{op}: {reason}; the tensor is too large")]
+    SizeOverflow {
+        /// The op that was called.
+        op: &'static str,
+        /// The sizes involved.
+        reason: String,
+    },
+    /// A write whose output reaches one element twice (an expanded, stride-0 or `as_strided`
+    /// view), or whose output shares memory with an input other than as the very same view
+    /// (PyTorch's "unsupported operation: some elements of the input tensor and the written-to
+    /// tensor refer to a single memory location").
+    #[error("{op}: {reason}; clone() the tensor (or write into a contiguous copy) first")]
+    Overlap {
+        /// The op that was called.
+        op: &'static str,
+        /// Which operands overlap and how.
+        reason: String,
+    },
+    /// Another thread is using this storage on the host in a way that excludes this call: a
+    /// write needs the storage alone, a read needs no writer. Tensors are `Send + Sync`, but two
+    /// threads may not write (or write and read) one CPU storage at the same time.
+    #[error(
+        "{op}: another thread is using the storage of {what} (a host write needs it alone, a \
+         read needs no writer); order the threads that share these tensors"
+    )]
+    ConcurrentAccess {
+        /// The op that was called.
+        op: &'static str,
+        /// The operand that was busy.
+        what: &'static str,
+    },
     /// The device failed, or the backend cannot run this op on it (yet).
     #[error("{op} on the device: {reason}")]
     Device {

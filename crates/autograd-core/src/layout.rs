@@ -23,22 +23,82 @@ pub struct Layout {
 
 impl Layout {
     /// A row-major (C-contiguous) layout of `shape` starting at element 0.
+    ///
+    /// # Panics
+    /// If the element count of `shape` overflows `usize` (in every build profile). Shapes from
+    /// user input go through [`Layout::try_contiguous`], which returns the error instead.
     pub fn contiguous(shape: &[usize]) -> Layout {
+        match Layout::try_contiguous(shape) {
+            Ok(layout) => layout,
+            Err(err) => panic!("Layout::contiguous: {err}"),
+        }
+    }
+
+    /// A row-major layout of `shape`, or [`TensorError::SizeOverflow`] when its element count
+    /// overflows `usize`.
+    pub fn try_contiguous(shape: &[usize]) -> Result<Layout> {
         Layout {
             shape: shape.into(),
             strides: contiguous_strides(shape),
             offset: 0,
         }
+        .checked("contiguous")
     }
 
-    /// A layout from its parts (the caller guarantees it stays inside its storage).
-    pub fn from_parts(shape: &[usize], strides: &[usize], offset: usize) -> Layout {
-        debug_assert_eq!(shape.len(), strides.len());
+    /// A layout from its parts: one stride per dim, sizes whose product fits in `usize`, and a
+    /// reach `offset + Σ (size - 1) · stride` that fits too. Whether it fits a particular
+    /// storage is checked where it meets one (`Tensor::as_strided`, a backend's operand check).
+    pub fn from_parts(shape: &[usize], strides: &[usize], offset: usize) -> Result<Layout> {
+        if shape.len() != strides.len() {
+            return Err(TensorError::InvalidArgument {
+                op: "as_strided",
+                reason: format!(
+                    "{} strides for a shape of {} dims ({shape:?}, {strides:?})",
+                    strides.len(),
+                    shape.len()
+                ),
+            });
+        }
         Layout {
             shape: shape.into(),
             strides: strides.into(),
             offset,
         }
+        .checked("as_strided")
+    }
+
+    /// This layout if its arithmetic fits in `usize`: the product of its sizes (a size of 0
+    /// counted as 1, so every partial product a kernel forms fits as well) and its last
+    /// element's index as if no dim were empty. Every constructor goes through here, so the
+    /// rest of the crate, and the backends, compute sizes and extents without overflow checks.
+    fn checked(self, op: &'static str) -> Result<Layout> {
+        let sizes_fit = self
+            .shape
+            .iter()
+            .try_fold(1usize, |acc, &size| acc.checked_mul(size.max(1)))
+            .is_some();
+        let reach_fits = self
+            .shape
+            .iter()
+            .zip(&self.strides)
+            .try_fold(self.offset, |last, (&size, &stride)| {
+                size.saturating_sub(1)
+                    .checked_mul(stride)
+                    .and_then(|reach| last.checked_add(reach))
+            })
+            .and_then(|last| last.checked_add(1))
+            .is_some();
+        if sizes_fit && reach_fits {
+            return Ok(self);
+        }
+        Err(TensorError::SizeOverflow {
+            op,
+            reason: format!(
+                "shape {:?} with strides {:?} and offset {} addresses more elements than usize \
+                 holds",
+                self.shape, self.strides, self.offset
+            ),
+        })
     }
 
     /// Dimension sizes.
@@ -73,16 +133,17 @@ impl Layout {
             if size != 1 && stride != expected {
                 return false;
             }
-            expected *= size;
+            expected = expected.saturating_mul(size);
         }
         true
     }
 
     /// One past the largest element index this layout touches (0 when empty).
     pub fn storage_extent(&self) -> usize {
-        if self.numel() == 0 {
+        if self.shape.contains(&0) {
             return 0;
         }
+        // The constructors checked that this sum fits.
         self.offset
             + self
                 .shape
@@ -119,12 +180,15 @@ impl Layout {
 
     /// Elements `start..start + len` of dim `dim`.
     pub fn narrow(&self, op: &'static str, dim: usize, start: usize, len: usize) -> Result<Layout> {
-        if dim >= self.ndim() || start + len > self.shape[dim] {
+        if dim >= self.ndim()
+            || start
+                .checked_add(len)
+                .is_none_or(|end| end > self.shape[dim])
+        {
             return Err(TensorError::InvalidArgument {
                 op,
                 reason: format!(
-                    "range {start}..{} of dim {dim} is outside shape {:?}",
-                    start + len,
+                    "{len} elements from {start} of dim {dim} are outside shape {:?}",
                     self.shape
                 ),
             });
@@ -159,23 +223,29 @@ impl Layout {
                 return Err(mismatch());
             }
         }
-        Ok(Layout {
+        Layout {
             shape: shape.into(),
             strides,
             offset: self.offset,
-        })
+        }
+        .checked(op)
     }
 
     /// The same elements under `shape` without copying, if strides allow it (PyTorch's
-    /// `computeStride` rule); `None` when a copy is needed.
+    /// `computeStride` rule); `None` when a copy is needed or `shape` holds another number of
+    /// elements.
     pub fn view(&self, shape: &[usize]) -> Option<Layout> {
-        debug_assert_eq!(shape.iter().product::<usize>(), self.numel());
+        if checked_numel("view", shape).ok()? != self.numel() {
+            return None;
+        }
         if self.numel() == 0 || self.ndim() == 0 {
-            return Some(Layout {
+            return Layout {
                 shape: shape.into(),
                 strides: contiguous_strides(shape),
                 offset: self.offset,
-            });
+            }
+            .checked("view")
+            .ok();
         }
         let mut new_strides = Dims::from_elem(0, shape.len());
         let mut view_d = shape.len() as isize - 1;
@@ -206,23 +276,41 @@ impl Layout {
         if view_d != -1 {
             return None;
         }
-        Some(Layout {
+        Layout {
             shape: shape.into(),
             strides: new_strides,
             offset: self.offset,
-        })
+        }
+        .checked("view")
+        .ok()
     }
 }
 
-/// Row-major strides of `shape`.
+/// Row-major strides of `shape` (saturating at `usize::MAX` for a shape whose element count
+/// overflows, which no [`Layout`] can have).
 pub fn contiguous_strides(shape: &[usize]) -> Dims {
     let mut strides = Dims::from_elem(1, shape.len());
-    let mut acc = 1;
+    let mut acc = 1usize;
     for (stride, &size) in strides.iter_mut().zip(shape).rev() {
         *stride = acc;
-        acc *= size.max(1);
+        acc = acc.saturating_mul(size.max(1));
     }
     strides
+}
+
+/// The element count of `shape`, or [`TensorError::SizeOverflow`] naming `op` when the product
+/// of its sizes (a size of 0 counted as 1) overflows `usize`.
+pub fn checked_numel(op: &'static str, shape: &[usize]) -> Result<usize> {
+    let fits = shape
+        .iter()
+        .try_fold(1usize, |acc, &size| acc.checked_mul(size.max(1)));
+    match fits {
+        Some(_) => Ok(shape.iter().product()),
+        None => Err(TensorError::SizeOverflow {
+            op,
+            reason: format!("shape {shape:?} has more elements than usize holds"),
+        }),
+    }
 }
 
 /// The shape two operands broadcast to (NumPy rules).
@@ -277,7 +365,7 @@ mod tests {
         new_shape: &[usize],
         expect: Option<&[usize]>,
     ) {
-        let layout = Layout::from_parts(shape, strides, 0);
+        let layout = Layout::from_parts(shape, strides, 0).unwrap();
         let res = layout.view(new_shape);
         assert_eq!(
             res.as_ref().map(|l| l.strides()),

@@ -49,6 +49,7 @@ mod hooks;
 mod layout;
 mod non_finite;
 mod ops;
+mod overlap;
 mod random;
 mod saved;
 mod tensor;
@@ -63,7 +64,7 @@ pub use backend::{
     Backend, BackendRef, BinaryOp, CrossEntropyArgs, LayerNormBackward, LayerNormForward,
     LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp, ReduceOp, Reduction, UnaryOp, View,
 };
-pub use buffer::{Buffer, VersionCounter};
+pub use buffer::{Access, Buffer, HostAccess, VersionCounter};
 pub use dtype::{DType, Device};
 pub use engine::{run_backward, BackwardOptions};
 pub use error::{Result, TensorError};
@@ -73,12 +74,15 @@ pub use hooks::{
     backward_pass_id, is_backward_running, on_backward_end, queue_backward_end_callback,
     BackwardEndCallback, BackwardEndHook, GradHook, HookHandle, PostAccumulateHook,
 };
-pub use layout::{broadcast_shapes, contiguous_strides, normalize_dim, Dims, Layout};
+pub use layout::{
+    broadcast_shapes, checked_numel, contiguous_strides, normalize_dim, Dims, Layout,
+};
 pub use non_finite::{found_non_finite, non_finite_check_};
 pub use ops::{
     cat, cross_entropy, dropout, embedding, layer_norm, patch_embedding,
     scaled_dot_product_attention,
 };
+pub use overlap::{check_operands, claim_operands, overlap, Aliasing, Overlap};
 pub use random::{
     record_draws, replay_draws, uniform, DrawRecording, DrawReplay, Generator, GeneratorState,
     RecordedDraws,

@@ -82,7 +82,7 @@ fn fold_group(group: &[&Tensor], dtype: DType, found_inf: &Tensor) -> Result<()>
         for (slot, op) in [(2 * idx, ReduceOp::Max), (2 * idx + 1, ReduceOp::Min)] {
             let out = Tensor::from_parts(
                 Arc::clone(extremes.buffer()),
-                Layout::from_parts(&[], &[], slot),
+                Layout::from_parts(&[], &[], slot)?,
                 dtype,
                 false,
             );

@@ -110,10 +110,18 @@ impl Tensor {
         }
     }
 
-    /// A new contiguous tensor with unspecified contents.
+    /// A new contiguous tensor with unspecified contents. A shape whose element or byte count
+    /// overflows is a [`TensorError::SizeOverflow`].
     pub fn empty(backend: &BackendRef, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let layout = Layout::contiguous(shape);
-        let buffer = Buffer::new(backend, layout.numel() * dtype.size_in_bytes())?;
+        let layout = Layout::try_contiguous(shape)?;
+        let bytes = layout
+            .numel()
+            .checked_mul(dtype.size_in_bytes())
+            .ok_or_else(|| TensorError::SizeOverflow {
+                op: "empty",
+                reason: format!("{shape:?} elements of {dtype:?} are more bytes than usize holds"),
+            })?;
+        let buffer = Buffer::new(backend, bytes)?;
         Ok(Tensor::from_parts(Arc::new(buffer), layout, dtype, false))
     }
 
@@ -145,7 +153,7 @@ impl Tensor {
         data: &[T],
         shape: &[usize],
     ) -> Result<Tensor> {
-        let numel: usize = shape.iter().product();
+        let numel = crate::layout::checked_numel("from_slice", shape)?;
         if numel != data.len() {
             return Err(TensorError::InvalidArgument {
                 op: "from_slice",

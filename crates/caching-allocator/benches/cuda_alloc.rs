@@ -36,13 +36,10 @@ fn main() {
         handle_size: Some(20 * MIB),
         ..CudaStorageOptions::default()
     };
-    match CudaStorage::with_options(0, options) {
-        Ok(mut storage) => {
-            if let Err(err) = print_large_handle_costs(&mut storage) {
-                println!("20 MiB-handle timing failed: {err}");
-            }
+    if let Some(mut storage) = cuda_or_skip(CudaStorage::with_options(0, options)) {
+        if let Err(err) = print_large_handle_costs(&mut storage) {
+            println!("20 MiB-handle timing failed: {err}");
         }
-        Err(err) => println!("20 MiB-handle timing skipped: {err}"),
     }
 
     let mut criterion = Criterion::default().configure_from_args();
@@ -264,12 +261,8 @@ fn bench_cached_pairs(criterion: &mut Criterion) {
         ("classic", AllocatorConfig::pytorch_defaults()),
         ("expandable", AllocatorConfig::default()),
     ] {
-        let storage = match CudaStorage::new(0) {
-            Ok(storage) => storage,
-            Err(err) => {
-                println!("skipped cached pairs: {err}");
-                return;
-            }
+        let Some(storage) = cuda_or_skip(CudaStorage::new(0)) else {
+            return;
         };
         let allocator = CachingAllocator::new(storage, config);
         for size in PAIR_SIZES {

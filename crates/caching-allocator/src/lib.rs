@@ -46,7 +46,7 @@ mod snapshot;
 mod stats;
 mod storage;
 
-pub use allocator::{Allocation, CachingAllocator, ContextGuard};
+pub use allocator::{Allocation, AllocatorId, CachingAllocator, ContextGuard};
 pub use config::{AllocatorConfig, AllocatorConfigBuilder, ALLOC_CONF_ENV, ROUNDUP_INTERVALS};
 pub use error::{AllocError, OutOfMemoryReport};
 pub use history::HistoryOptions;

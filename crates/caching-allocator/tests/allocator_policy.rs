@@ -304,14 +304,35 @@ fn freeing_an_unknown_address_is_an_error() {
     let a = allocator.allocate(100, StreamId::DEFAULT).unwrap();
     let address = a.address();
     allocator.free(a).unwrap();
+    // SAFETY: simulated memory, and no allocation of this allocator is live.
+    let again = unsafe { allocator.free_address(address) };
     assert!(matches!(
-        allocator.free_address(address),
+        again,
         Err(AllocError::UnknownAddress { address: reported }) if reported == address
     ));
+    // SAFETY: as above.
+    let unknown = unsafe { allocator.free_address(12345) };
+    assert!(matches!(unknown, Err(AllocError::UnknownAddress { .. })));
+    // An allocation of another allocator, even at an address this one handed out, is refused.
+    let other = classic(SimulatedStorage::new(H200_BYTES));
+    let mine = allocator.allocate(100, StreamId::DEFAULT).unwrap();
+    let theirs = other.allocate(100, StreamId::DEFAULT).unwrap();
+    assert_eq!(
+        mine.address(),
+        theirs.address(),
+        "both simulated from the same start"
+    );
+    assert_ne!(mine.allocator(), theirs.allocator());
     assert!(matches!(
-        allocator.free_address(12345),
+        allocator.record_stream(&theirs, StreamId(1)),
         Err(AllocError::UnknownAddress { .. })
     ));
+    assert!(matches!(
+        allocator.free(theirs),
+        Err(AllocError::UnknownAddress { .. })
+    ));
+    assert_eq!(allocator.memory_allocated(), mine.size());
+    allocator.free(mine).unwrap();
     allocator.check_invariants().unwrap();
 }
 

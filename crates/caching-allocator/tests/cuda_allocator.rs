@@ -26,15 +26,15 @@ fn allocator_or_skip(
 }
 
 fn write(allocator: &CachingAllocator<CudaStorage>, address: u64, bytes: &[u8]) {
-    allocator
-        .with_storage(|storage| storage.copy_from_host(address, bytes))
+    // SAFETY: the copy writes memory of an allocation this test owns and frees nothing.
+    unsafe { allocator.with_storage_mut(|storage| storage.copy_from_host(address, bytes)) }
         .unwrap();
 }
 
 fn read(allocator: &CachingAllocator<CudaStorage>, address: u64, len: usize) -> Vec<u8> {
     let mut out = vec![0u8; len];
-    allocator
-        .with_storage(|storage| storage.copy_to_host(address, &mut out))
+    // SAFETY: the copy only reads device memory and frees nothing.
+    unsafe { allocator.with_storage_mut(|storage| storage.copy_to_host(address, &mut out)) }
         .unwrap();
     out
 }

@@ -7,6 +7,13 @@
 //! rayon, and GEMM goes through the `gemm` crate on strided operands. It is the reference the
 //! CUDA backend is checked against, and the default on machines without a GPU.
 //!
+//! Every primitive starts with the same two steps (`CpuBackend::operands`): autograd-core's
+//! operand check (each view inside its buffer, whose memory came from this backend's allocator;
+//! no output reaching an element twice; outputs sharing memory with inputs only as the very same
+//! view of an elementwise primitive) and a host claim on the operands' buffers (outputs alone,
+//! inputs shared), so a kernel's threads are the only ones touching its outputs. Only then does a
+//! kernel turn a buffer's address into a pointer.
+//!
 //! This crate sits on autograd-core (the trait and views) and the caching allocator. It knows
 //! nothing about the graph: it only fills output views.
 //!
@@ -35,8 +42,9 @@ mod strided;
 use std::sync::Arc;
 
 use headroom_autograd_core::{
-    AttentionBackward, AttentionForward, Backend, BackendRef, BinaryOp, Buffer, CrossEntropyArgs,
-    Device, LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp, View,
+    check_operands, claim_operands, Access, Aliasing, AttentionBackward, AttentionForward, Backend,
+    BackendRef, BinaryOp, Buffer, CrossEntropyArgs, Device, HostAccess, LayerNormBackward,
+    LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp, View,
 };
 use headroom_caching_allocator::{
     AllocError, Allocation, AllocatorConfig, CachingAllocator, HostStorage, MemoryStats, StreamId,
@@ -90,6 +98,20 @@ impl CpuBackend {
         let errors = self.free_errors.lock();
         (errors.count, errors.first.as_ref().map(ToString::to_string))
     }
+
+    /// Checks a primitive's operands against autograd-core's rules (`check_operands`: inside
+    /// their buffers, memory of this backend's allocator, no forbidden overlap) and claims their
+    /// buffers for the kernel: what every primitive does before it touches memory.
+    fn operands<'a>(
+        &self,
+        op: &'static str,
+        writes: &[View<'a>],
+        reads: &[View<'a>],
+        aliasing: Aliasing,
+    ) -> Result<HostAccess<'a>> {
+        check_operands(self.allocator.id(), op, writes, reads, aliasing)?;
+        claim_operands(op, writes, reads)
+    }
 }
 
 impl Backend for CpuBackend {
@@ -122,8 +144,11 @@ impl Backend for CpuBackend {
         if data.is_empty() {
             return Ok(());
         }
-        // SAFETY: the range is inside the live host buffer (checked above) and `data` is a
-        // separate host slice, so the regions do not overlap.
+        dst.check_owner("write_host", self.allocator.id())?;
+        let _access = HostAccess::claim("write_host", [(dst, Access::Write)])?;
+        // SAFETY: the range is inside the live host buffer (checked above: memory of this
+        // backend's host allocator), claimed alone for this copy, and `data` is a separate host
+        // slice, so the regions do not overlap.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 data.as_ptr(),
@@ -139,8 +164,11 @@ impl Backend for CpuBackend {
         if out.is_empty() {
             return Ok(());
         }
-        // SAFETY: the range is inside the live host buffer (checked above) and `out` is a
-        // separate, exclusively borrowed host slice.
+        src.check_owner("read_host", self.allocator.id())?;
+        let _access = HostAccess::claim("read_host", [(src, Access::Read)])?;
+        // SAFETY: the range is inside the live host buffer (checked above: memory of this
+        // backend's host allocator), claimed with no writer, and `out` is a separate, exclusively
+        // borrowed host slice.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 (src.address() as *const u8).add(byte_offset),
@@ -152,26 +180,32 @@ impl Backend for CpuBackend {
     }
 
     fn copy(&self, src: View<'_>, dst: View<'_>) -> Result<()> {
+        let _access = self.operands("copy", &[dst], &[src], Aliasing::SameView)?;
         elementwise::copy(src, dst)
     }
 
     fn fill(&self, dst: View<'_>, value: f64) -> Result<()> {
+        let _access = self.operands("fill", &[dst], &[], Aliasing::SameView)?;
         elementwise::fill(dst, value)
     }
 
     fn unary(&self, op: UnaryOp, x: View<'_>, out: View<'_>) -> Result<()> {
+        let _access = self.operands("unary", &[out], &[x], Aliasing::SameView)?;
         elementwise::unary(op, x, out)
     }
 
     fn binary(&self, op: BinaryOp, a: View<'_>, b: View<'_>, out: View<'_>) -> Result<()> {
+        let _access = self.operands("binary", &[out], &[a, b], Aliasing::SameView)?;
         elementwise::binary(op, a, b, out)
     }
 
     fn masked(&self, op: MaskedOp, x: View<'_>, mask: View<'_>, out: View<'_>) -> Result<()> {
+        let _access = self.operands("masked", &[out], &[x, mask], Aliasing::SameView)?;
         elementwise::masked(op, x, mask, out)
     }
 
     fn reduce(&self, op: ReduceOp, x: View<'_>, n_reduced: usize, out: View<'_>) -> Result<()> {
+        let _access = self.operands("reduce", &[out], &[x], Aliasing::Disjoint)?;
         reduce::reduce(op, x, n_reduced, out)
     }
 
@@ -182,14 +216,22 @@ impl Backend for CpuBackend {
         values: View<'_>,
         indices: View<'_>,
     ) -> Result<()> {
+        let _access = self.operands(
+            "reduce_with_index",
+            &[values, indices],
+            &[x],
+            Aliasing::Disjoint,
+        )?;
         reduce::reduce_with_index(op, x, values, indices)
     }
 
     fn matmul(&self, a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {
+        let _access = self.operands("matmul", &[out], &[a, b], Aliasing::Disjoint)?;
         matmul::matmul(a, b, out, accumulate)
     }
 
     fn softmax(&self, x: View<'_>, dim: usize, log: bool, out: View<'_>) -> Result<()> {
+        let _access = self.operands("softmax", &[out], &[x], Aliasing::Disjoint)?;
         softmax::softmax(x, dim, log, out)
     }
 
@@ -201,14 +243,40 @@ impl Backend for CpuBackend {
         log: bool,
         dx: View<'_>,
     ) -> Result<()> {
+        let _access = self.operands("softmax_backward", &[dx], &[y, dy], Aliasing::Disjoint)?;
         softmax::softmax_backward(y, dy, dim, log, dx)
     }
 
     fn layer_norm(&self, args: LayerNormForward<'_>) -> Result<()> {
+        let reads: Vec<View<'_>> = [Some(args.x), args.weight, args.bias]
+            .into_iter()
+            .flatten()
+            .collect();
+        let _access = self.operands(
+            "layer_norm",
+            &[args.out, args.mean, args.rstd],
+            &reads,
+            Aliasing::Disjoint,
+        )?;
         layer_norm::layer_norm(args)
     }
 
     fn layer_norm_backward(&self, args: LayerNormBackward<'_>) -> Result<()> {
+        let writes: Vec<View<'_>> = [args.dx, args.dweight, args.dbias]
+            .into_iter()
+            .flatten()
+            .collect();
+        let reads: Vec<View<'_>> = [
+            Some(args.dy),
+            Some(args.x),
+            Some(args.mean),
+            Some(args.rstd),
+        ]
+        .into_iter()
+        .chain([args.weight])
+        .flatten()
+        .collect();
+        let _access = self.operands("layer_norm_backward", &writes, &reads, Aliasing::Disjoint)?;
         layer_norm::layer_norm_backward(args)
     }
 
@@ -218,6 +286,12 @@ impl Backend for CpuBackend {
         loss: View<'_>,
         lse: View<'_>,
     ) -> Result<()> {
+        let _access = self.operands(
+            "cross_entropy",
+            &[loss, lse],
+            &[args.logits, args.target],
+            Aliasing::Disjoint,
+        )?;
         cross_entropy::cross_entropy(args, loss, lse)
     }
 
@@ -228,22 +302,43 @@ impl Backend for CpuBackend {
         dloss: View<'_>,
         dlogits: View<'_>,
     ) -> Result<()> {
+        let _access = self.operands(
+            "cross_entropy_backward",
+            &[dlogits],
+            &[args.logits, args.target, lse, dloss],
+            Aliasing::Disjoint,
+        )?;
         cross_entropy::cross_entropy_backward(args, lse, dloss, dlogits)
     }
 
     fn gather(&self, x: View<'_>, dim: usize, index: View<'_>, out: View<'_>) -> Result<()> {
+        let _access = self.operands("gather", &[out], &[x, index], Aliasing::Disjoint)?;
         index::gather(x, dim, index, out)
     }
 
     fn scatter_add(&self, dst: View<'_>, dim: usize, index: View<'_>, src: View<'_>) -> Result<()> {
+        let _access = self.operands("scatter_add", &[dst], &[index, src], Aliasing::Disjoint)?;
         index::scatter_add(dst, dim, index, src)
     }
 
     fn attention(&self, args: AttentionForward<'_>) -> Result<()> {
+        let _access = self.operands(
+            "attention",
+            &[args.out, args.lse],
+            &[args.q, args.k, args.v],
+            Aliasing::Disjoint,
+        )?;
         attention::attention(args)
     }
 
     fn attention_backward(&self, args: AttentionBackward<'_>) -> Result<()> {
+        let f = &args.forward;
+        let _access = self.operands(
+            "attention_backward",
+            &[args.dq, args.dk, args.dv],
+            &[f.q, f.k, f.v, f.out, f.lse, args.dout],
+            Aliasing::Disjoint,
+        )?;
         attention::attention_backward(args)
     }
 
@@ -256,6 +351,7 @@ impl Backend for CpuBackend {
         out: View<'_>,
         mask: View<'_>,
     ) -> Result<()> {
+        let _access = self.operands("dropout", &[out, mask], &[x], Aliasing::SameView)?;
         elementwise::dropout(x, p, seed, offset, out, mask)
     }
 }

@@ -168,7 +168,7 @@ fn batched<T: Copy + Send + Sync + 'static>(
             });
         }
     }
-    let big = m * n * k >= PARALLEL_GEMM_WORK;
+    let big = m.saturating_mul(n).saturating_mul(k) >= PARALLEL_GEMM_WORK;
     let parallelism = if big && rayon::current_num_threads() > 1 {
         gemm::Parallelism::Rayon(rayon::current_num_threads())
     } else {
@@ -185,8 +185,9 @@ fn batched<T: Copy + Send + Sync + 'static>(
             return;
         }
         // SAFETY: every element each matrix touches was checked to lie inside its live buffer
-        // above; `out` is dense and disjoint from `a` and `b` (fresh or caller-owned output), and
-        // distinct batches write disjoint parts of `out`.
+        // above; the backend's entry check refused an `out` that reaches an element twice or
+        // shares memory with `a` or `b`, and claimed all three buffers for this call, so distinct
+        // batches write disjoint parts of `out` and nothing else touches it meanwhile.
         unsafe {
             gemm::gemm(
                 m,

@@ -2,7 +2,8 @@
 //!
 //! [`HostPtr`] reads and writes elements of one buffer by index, checking every index (or, in
 //! hot loops, every run once) against the buffer's length, so a wrong layout is a panic, never
-//! memory corruption. [`for_each_run`]
+//! memory corruption (the backend's entry check already refused views outside their buffers, so
+//! these checks are a second line). [`for_each_run`]
 //! walks N operands of one shape: it merges dims that are contiguous in every operand, then
 //! hands out runs along the innermost dim — in parallel with rayon once the work is large
 //! enough. Nothing here knows about dtypes or ops.
@@ -27,17 +28,26 @@ impl<T> Clone for HostPtr<T> {
 }
 impl<T> Copy for HostPtr<T> {}
 
-// SAFETY: a `HostPtr` is an address into a buffer that outlives the kernel using it (the kernel
-// borrows the `View`). Threads only touch disjoint elements, or read elements nobody writes,
-// because every kernel writes each output element from exactly one run.
+// SAFETY: a `HostPtr` addresses host memory of a buffer that outlives the kernel using it (the
+// kernel borrows the `View`), and that the backend claimed for the kernel before making it
+// (`CpuBackend::operands`: outputs alone, inputs with no writer), so no thread outside the kernel
+// touches it meanwhile. Inside the kernel, threads write disjoint elements: the same entry check
+// refused outputs that reach an element twice, outputs that share memory with each other, and
+// outputs that share memory with an input other than as the very same view; a walk hands each
+// output element to exactly one run, and an input that is the output's own view is read by the
+// run that writes it, before it writes it. Everything else is only read.
 unsafe impl<T: Send> Send for HostPtr<T> {}
 // SAFETY: as for `Send`: shared use only reads, or writes disjoint elements.
 unsafe impl<T: Sync> Sync for HostPtr<T> {}
 
 impl<T: Copy> HostPtr<T> {
     /// The elements of `view`'s buffer as `T`s (the view's dtype has `T`'s size).
+    ///
+    /// The backend checked the view first (`CpuBackend::operands`): its buffer is host memory of
+    /// this backend's allocator.
     pub(crate) fn new(view: &View<'_>) -> HostPtr<T> {
         debug_assert_eq!(view.dtype.size_in_bytes(), std::mem::size_of::<T>());
+        debug_assert!(view.buffer.len_bytes() == 0 || view.buffer.is_host_memory());
         debug_assert_eq!(
             view.buffer.address() as usize % std::mem::align_of::<T>(),
             0
@@ -92,7 +102,11 @@ impl<T: Copy> HostPtr<T> {
     #[inline]
     pub(crate) fn check_run(self, base: usize, stride: usize, len: usize) {
         assert!(
-            len == 0 || base + (len - 1) * stride < self.len,
+            len == 0
+                || (len - 1)
+                    .checked_mul(stride)
+                    .and_then(|reach| reach.checked_add(base))
+                    .is_some_and(|last| last < self.len),
             "a run of {len} elements from {base} with stride {stride} leaves a buffer of {}",
             self.len
         );

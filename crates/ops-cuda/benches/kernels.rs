@@ -221,7 +221,7 @@ fn ceiling_and_copies(bench: &mut Bench, compute: &CudaStream) {
     );
     drop(src);
     let wide = Tensor::full(&bench.gpu, &[n, 2], 1.5, DType::F32).expect("alloc");
-    let every_other = Layout::from_parts(&[n], &[2], 0);
+    let every_other = Layout::from_parts(&[n], &[2], 0).unwrap();
     let strided = View {
         buffer: wide.buffer(),
         layout: &every_other,
@@ -277,7 +277,7 @@ fn elementwise(bench: &mut Bench, compute: &CudaStream) {
         },
     );
     let bias = bench.tensor(&[MLP], DType::F32, 4);
-    let broadcast = Layout::from_parts(&[ROWS, MLP], &[0, 1], 0);
+    let broadcast = Layout::from_parts(&[ROWS, MLP], &[0, 1], 0).unwrap();
     let bias_view = View {
         buffer: bias.buffer(),
         layout: &broadcast,
@@ -312,7 +312,7 @@ fn reductions(bench: &mut Bench, compute: &CudaStream) {
         },
     );
     let column_sums = bench.empty(&[MLP], DType::F32);
-    let transposed = Layout::from_parts(&[MLP, ROWS], &[1, MLP], 0);
+    let transposed = Layout::from_parts(&[MLP, ROWS], &[1, MLP], 0).unwrap();
     let columns = View {
         buffer: x.buffer(),
         layout: &transposed,
@@ -457,7 +457,7 @@ fn indexing(bench: &mut Bench, compute: &CudaStream) {
     let n = ROWS * HIDDEN;
     let table = bench.tensor(&[vocab, HIDDEN], DType::F32, 14);
     let ids = bench.indices(ROWS, vocab, 15);
-    let expanded = Layout::from_parts(&[ROWS, HIDDEN], &[1, 0], 0);
+    let expanded = Layout::from_parts(&[ROWS, HIDDEN], &[1, 0], 0).unwrap();
     let index = View {
         buffer: ids.buffer(),
         layout: &expanded,
@@ -532,7 +532,8 @@ fn gemm(bench: &mut Bench, compute: &CudaStream) {
         let q = bench.tensor(&[HEADS, SEQ, HEAD_DIM], dtype, 20);
         let k = bench.tensor(&[HEADS, SEQ, HEAD_DIM], dtype, 21);
         let v = bench.tensor(&[HEADS, SEQ, HEAD_DIM], dtype, 22);
-        let k_t = Layout::from_parts(&[HEADS, HEAD_DIM, SEQ], &[SEQ * HEAD_DIM, 1, HEAD_DIM], 0);
+        let k_t =
+            Layout::from_parts(&[HEADS, HEAD_DIM, SEQ], &[SEQ * HEAD_DIM, 1, HEAD_DIM], 0).unwrap();
         let keys = View {
             buffer: k.buffer(),
             layout: &k_t,
@@ -708,9 +709,9 @@ fn attention(bench: &mut Bench, compute: &CudaStream) {
         let head_strides = [SEQ * 3 * width, HEAD_DIM, 3 * width, 1];
         let shape = [batch, heads, SEQ, HEAD_DIM];
         let thirds: Vec<Layout> = (0..3)
-            .map(|i| Layout::from_parts(&shape, &head_strides, i * width))
+            .map(|i| Layout::from_parts(&shape, &head_strides, i * width).unwrap())
             .collect();
-        let merged = Layout::from_parts(&shape, &[SEQ * width, HEAD_DIM, width, 1], 0);
+        let merged = Layout::from_parts(&shape, &[SEQ * width, HEAD_DIM, width, 1], 0).unwrap();
         fn view<'a>(tensor: &'a Tensor, layout: &'a Layout, dtype: DType) -> View<'a> {
             View {
                 buffer: tensor.buffer(),

@@ -80,13 +80,15 @@ fn main() -> Result<()> {
             &[SEQ * 3 * width, HEAD_DIM, 3 * width, 1],
             part * width,
         )
+        .unwrap()
     };
     let (ql, kl, vl) = (head(0), head(1), head(2));
     let rows = Layout::from_parts(
         &[BATCH, HEADS, SEQ, HEAD_DIM],
         &[SEQ * width, HEAD_DIM, width, 1],
         0,
-    );
+    )
+    .unwrap();
     let lse_layout = Layout::contiguous(&[BATCH, HEADS, SEQ]);
     let forward = AttentionForward {
         q: view(&packed, &ql, dtype),

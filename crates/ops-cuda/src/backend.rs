@@ -6,6 +6,10 @@
 //! trait are synchronous (asynchronous copies through pinned memory are in `pinned.rs`, on the
 //! streams of `stream.rs`). Driver failures become `TensorError::Device` naming the op.
 //!
+//! Every primitive first runs the ground floor's operand check (`operands::check`: views inside
+//! their buffers, memory of this device's allocator, autograd-core's overlap rules), since the
+//! kernels index with the views as given and write from many threads.
+//!
 //! This module is the top floor: it imports the families and the ground floor, and nothing
 //! imports it. The backend's state is `device.rs`; each family's own methods on `CudaBackend`
 //! live in its file.
@@ -14,9 +18,9 @@ use std::sync::Arc;
 
 use cudarc::driver::result;
 use headroom_autograd_core::{
-    AttentionBackward, AttentionForward, Backend, BinaryOp, Buffer, CrossEntropyArgs, Device,
-    LayerNormBackward, LayerNormForward, LinearForward, LinearWeightGrad, MaskedOp, ReduceOp,
-    Result, UnaryOp, View,
+    Aliasing, AttentionBackward, AttentionForward, Backend, BinaryOp, Buffer, CrossEntropyArgs,
+    Device, LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad,
+    MaskedOp, ReduceOp, Result, UnaryOp, View,
 };
 use headroom_caching_allocator::{Allocation, MemoryStats, StreamId};
 
@@ -27,6 +31,7 @@ use crate::error::device_error;
 use crate::index;
 use crate::linear;
 use crate::matmul;
+use crate::operands::check;
 use crate::rows;
 
 impl Backend for CudaBackend {
@@ -68,6 +73,7 @@ impl Backend for CudaBackend {
         if data.is_empty() {
             return Ok(());
         }
+        dst.check_owner("write_host", self.allocator().id())?;
         self.bind("write_host")?;
         // SAFETY: the destination range lies inside the live device buffer (checked above);
         // `data` is a host slice of that length. The synchronous copy runs on the legacy default
@@ -82,6 +88,7 @@ impl Backend for CudaBackend {
         if out.is_empty() {
             return Ok(());
         }
+        src.check_owner("read_host", self.allocator().id())?;
         self.bind("read_host")?;
         // SAFETY: the source range lies inside the live device buffer (checked above) and `out`
         // is exclusively borrowed. The synchronous copy runs on the legacy default stream after
@@ -93,26 +100,32 @@ impl Backend for CudaBackend {
     }
 
     fn copy(&self, src: View<'_>, dst: View<'_>) -> Result<()> {
+        check(self, "copy", &[dst], &[src], Aliasing::SameView)?;
         elementwise::copy(self, src, dst)
     }
 
     fn fill(&self, dst: View<'_>, value: f64) -> Result<()> {
+        check(self, "fill", &[dst], &[], Aliasing::SameView)?;
         elementwise::fill(self, dst, value)
     }
 
     fn unary(&self, op: UnaryOp, x: View<'_>, out: View<'_>) -> Result<()> {
+        check(self, "unary", &[out], &[x], Aliasing::SameView)?;
         elementwise::unary(self, op, x, out)
     }
 
     fn binary(&self, op: BinaryOp, a: View<'_>, b: View<'_>, out: View<'_>) -> Result<()> {
+        check(self, "binary", &[out], &[a, b], Aliasing::SameView)?;
         elementwise::binary(self, op, a, b, out)
     }
 
     fn masked(&self, op: MaskedOp, x: View<'_>, mask: View<'_>, out: View<'_>) -> Result<()> {
+        check(self, "masked", &[out], &[x, mask], Aliasing::SameView)?;
         elementwise::masked(self, op, x, mask, out)
     }
 
     fn reduce(&self, op: ReduceOp, x: View<'_>, n_reduced: usize, out: View<'_>) -> Result<()> {
+        check(self, "reduce", &[out], &[x], Aliasing::Disjoint)?;
         rows::reduce(self, op, x, n_reduced, out)
     }
 
@@ -123,22 +136,52 @@ impl Backend for CudaBackend {
         values: View<'_>,
         indices: View<'_>,
     ) -> Result<()> {
+        check(
+            self,
+            "reduce_with_index",
+            &[values, indices],
+            &[x],
+            Aliasing::Disjoint,
+        )?;
         rows::reduce_with_index(self, op, x, values, indices)
     }
 
     fn matmul(&self, a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {
+        check(self, "matmul", &[out], &[a, b], Aliasing::Disjoint)?;
         matmul::matmul(self, a, b, out, accumulate)
     }
 
     fn linear(&self, args: LinearForward<'_>) -> Result<()> {
+        let mut writes = vec![args.out];
+        if let LinearEpilogue::Gelu { pre_activation } = args.epilogue {
+            writes.push(pre_activation);
+        }
+        let reads: Vec<View<'_>> = [Some(args.input), Some(args.weight), args.bias]
+            .into_iter()
+            .flatten()
+            .collect();
+        check(self, "linear", &writes, &reads, Aliasing::Disjoint)?;
         linear::linear(self, args)
     }
 
     fn linear_weight_grad(&self, args: LinearWeightGrad<'_>) -> Result<()> {
+        let writes: Vec<View<'_>> = [Some(args.grad_weight), args.grad_bias]
+            .into_iter()
+            .flatten()
+            .collect();
+        let reads = [args.grad_out, args.input];
+        check(
+            self,
+            "linear_weight_grad",
+            &writes,
+            &reads,
+            Aliasing::Disjoint,
+        )?;
         linear::linear_weight_grad(self, args)
     }
 
     fn softmax(&self, x: View<'_>, dim: usize, log: bool, out: View<'_>) -> Result<()> {
+        check(self, "softmax", &[out], &[x], Aliasing::Disjoint)?;
         rows::softmax(self, x, dim, log, out)
     }
 
@@ -150,14 +193,42 @@ impl Backend for CudaBackend {
         log: bool,
         dx: View<'_>,
     ) -> Result<()> {
+        check(
+            self,
+            "softmax_backward",
+            &[dx],
+            &[y, dy],
+            Aliasing::Disjoint,
+        )?;
         rows::softmax_backward(self, y, dy, dim, log, dx)
     }
 
     fn layer_norm(&self, args: LayerNormForward<'_>) -> Result<()> {
+        let reads: Vec<View<'_>> = [Some(args.x), args.weight, args.bias]
+            .into_iter()
+            .flatten()
+            .collect();
+        let writes = [args.out, args.mean, args.rstd];
+        check(self, "layer_norm", &writes, &reads, Aliasing::Disjoint)?;
         rows::layer_norm(self, args)
     }
 
     fn layer_norm_backward(&self, args: LayerNormBackward<'_>) -> Result<()> {
+        let writes: Vec<View<'_>> = [args.dx, args.dweight, args.dbias]
+            .into_iter()
+            .flatten()
+            .collect();
+        let reads: Vec<View<'_>> = [args.dy, args.x, args.mean, args.rstd]
+            .into_iter()
+            .chain(args.weight)
+            .collect();
+        check(
+            self,
+            "layer_norm_backward",
+            &writes,
+            &reads,
+            Aliasing::Disjoint,
+        )?;
         rows::layer_norm_backward(self, args)
     }
 
@@ -167,6 +238,14 @@ impl Backend for CudaBackend {
         loss: View<'_>,
         lse: View<'_>,
     ) -> Result<()> {
+        let reads = [args.logits, args.target];
+        check(
+            self,
+            "cross_entropy",
+            &[loss, lse],
+            &reads,
+            Aliasing::Disjoint,
+        )?;
         index::cross_entropy(self, args, loss, lse)
     }
 
@@ -177,22 +256,56 @@ impl Backend for CudaBackend {
         dloss: View<'_>,
         dlogits: View<'_>,
     ) -> Result<()> {
+        let reads = [args.logits, args.target, lse, dloss];
+        check(
+            self,
+            "cross_entropy_backward",
+            &[dlogits],
+            &reads,
+            Aliasing::Disjoint,
+        )?;
         index::cross_entropy_backward(self, args, lse, dloss, dlogits)
     }
 
     fn gather(&self, x: View<'_>, dim: usize, index: View<'_>, out: View<'_>) -> Result<()> {
+        check(self, "gather", &[out], &[x, index], Aliasing::Disjoint)?;
         index::gather(self, x, dim, index, out)
     }
 
     fn scatter_add(&self, dst: View<'_>, dim: usize, index: View<'_>, src: View<'_>) -> Result<()> {
+        check(
+            self,
+            "scatter_add",
+            &[dst],
+            &[index, src],
+            Aliasing::Disjoint,
+        )?;
         index::scatter_add(self, dst, dim, index, src)
     }
 
     fn attention(&self, args: AttentionForward<'_>) -> Result<()> {
+        let reads = [args.q, args.k, args.v];
+        check(
+            self,
+            "attention",
+            &[args.out, args.lse],
+            &reads,
+            Aliasing::Disjoint,
+        )?;
         attention::attention(self, args)
     }
 
     fn attention_backward(&self, args: AttentionBackward<'_>) -> Result<()> {
+        let f = &args.forward;
+        let reads = [f.q, f.k, f.v, f.out, f.lse, args.dout];
+        let writes = [args.dq, args.dk, args.dv];
+        check(
+            self,
+            "attention_backward",
+            &writes,
+            &reads,
+            Aliasing::Disjoint,
+        )?;
         attention::attention_backward(self, args)
     }
 
@@ -205,6 +318,7 @@ impl Backend for CudaBackend {
         out: View<'_>,
         mask: View<'_>,
     ) -> Result<()> {
+        check(self, "dropout", &[out, mask], &[x], Aliasing::SameView)?;
         index::dropout(self, x, p, seed, offset, out, mask)
     }
 }

@@ -69,10 +69,10 @@ impl std::fmt::Debug for CudaBackend {
 
 impl CudaBackend {
     /// The backend of device `ordinal`, with Headroom's default allocator settings (from
-    /// `HEADROOM_ALLOC_CONF` when set). An error, not a panic, when there is no driver or device.
+    /// `HEADROOM_ALLOC_CONF` when set). An error, not a panic, when there is no driver or device
+    /// ([`CudaError::NoDevice`]) or the variable is malformed ([`CudaError::Config`]).
     pub fn new(ordinal: usize) -> std::result::Result<Arc<CudaBackend>, CudaError> {
-        let config = AllocatorConfig::from_env().map_err(|e| CudaError::NoDevice {
-            ordinal,
+        let config = AllocatorConfig::from_env().map_err(|e| CudaError::Config {
             reason: e.to_string(),
         })?;
         CudaBackend::with_config(ordinal, config)

@@ -18,6 +18,13 @@ pub enum CudaError {
         /// What the driver said.
         reason: String,
     },
+    /// The allocator settings (`HEADROOM_ALLOC_CONF`) are malformed: a configuration error to
+    /// fix, not a missing device (no fallback should hide it).
+    #[error("invalid allocator settings: {reason}")]
+    Config {
+        /// What the settings parser said, naming the key.
+        reason: String,
+    },
     /// Loading the embedded PTX or one of its kernels failed.
     #[error("loading kernel `{kernel}`: {reason}")]
     Kernel {

@@ -197,7 +197,7 @@ fn index_kernel(
         index.layout.shape(),
         &strides,
         data.layout.offset(),
-    );
+    )?;
     let data_view = View {
         buffer: data.buffer,
         layout: &zeroed,

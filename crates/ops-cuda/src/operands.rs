@@ -2,17 +2,33 @@
 //! `index.cu` ([`StridedArgs`]: shape, per-operand strides and offsets, in elements, after
 //! merging dimensions that are contiguous in every operand, so most launches see one or two
 //! dimensions), the dense fast path's test, a view's first-element address, and the dense copy
-//! of a strided operand for library calls that need one ([`copy_raw`]).
+//! of a strided operand for library calls that need one ([`copy_raw`]), and the operand check
+//! every primitive runs first ([`check`]).
 //!
 //! This module is ground floor: it sits on `device.rs`, `kernels.rs` and `launch.rs` (the copy
 //! launches `elementwise.cu`'s bit-moving kernels), and knows no kernel family.
 
 use cudarc::driver::DeviceRepr;
-use headroom_autograd_core::{Layout, Result, TensorError, View};
+use headroom_autograd_core::{check_operands, Aliasing, Layout, Result, TensorError, View};
 
 use crate::device::CudaBackend;
 use crate::kernels::{KernelName, Module};
 use crate::launch::{launch_config, launch_in, Param};
+
+/// Checks a primitive's operands against autograd-core's rules with this backend's allocator as
+/// their owner (`check_operands`: each view inside its buffer, memory of this device's allocator,
+/// no output reaching an element twice, no output sharing memory with another operand except as
+/// the same view of an elementwise primitive). Every primitive calls it first: the kernels index
+/// with the views as given and write outputs from many threads at once.
+pub(crate) fn check(
+    backend: &CudaBackend,
+    op: &'static str,
+    writes: &[View<'_>],
+    reads: &[View<'_>],
+    aliasing: Aliasing,
+) -> Result<()> {
+    check_operands(backend.allocator().id(), op, writes, reads, aliasing)
+}
 
 /// The kernels' dimension limit (`MAX_DIMS` in `kernels/strided.cuh`).
 const MAX_DIMS: usize = 8;
@@ -65,7 +81,8 @@ pub(crate) fn strided_layout_args(op: &'static str, views: &[&Layout]) -> Result
             strides[k] = view.strides()[d] as u64;
         }
         if let Some((last_size, last_strides)) = dims.last_mut() {
-            let mergeable = (0..views.len()).all(|k| last_strides[k] == strides[k] * size as u64);
+            let mergeable = (0..views.len())
+                .all(|k| strides[k].checked_mul(size as u64) == Some(last_strides[k]));
             if mergeable {
                 *last_size *= size as u64;
                 *last_strides = strides;

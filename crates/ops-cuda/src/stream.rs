@@ -135,24 +135,27 @@ impl CudaBackend {
     pub fn new_stream(self: &Arc<Self>) -> Result<CudaStream> {
         let stream_error =
             |e: headroom_caching_allocator::StorageError| device_error("new_stream", e);
-        let (id, raw) = self.allocator().with_storage(|storage| {
-            let id = storage.new_stream().map_err(stream_error)?;
-            let raw = storage.raw_stream(id).ok_or_else(|| TensorError::Device {
-                op: "new_stream",
-                reason: format!("the storage does not know stream {} it made", id.0),
-            })?;
-            Ok::<_, TensorError>((id, raw))
-        })?;
-        self.pinned
-            .with_storage(|storage| {
-                // SAFETY: `raw` is a stream of this device's primary context, made by the device
-                // allocator's storage, which destroys it only when the backend is dropped; the
-                // pinned allocator records events on it only while a `PinnedBuffer` (which holds
-                // the backend) is freed, and is dropped after the device allocator without
-                // recording any.
-                unsafe { storage.register_stream(id, raw) }
+        // SAFETY: making a stream frees nothing and writes no memory of an allocation.
+        let (id, raw) = unsafe {
+            self.allocator().with_storage_mut(|storage| {
+                let id = storage.new_stream().map_err(stream_error)?;
+                let raw = storage.raw_stream(id).ok_or_else(|| TensorError::Device {
+                    op: "new_stream",
+                    reason: format!("the storage does not know stream {} it made", id.0),
+                })?;
+                Ok::<_, TensorError>((id, raw))
             })
-            .map_err(stream_error)?;
+        }?;
+        // SAFETY: registering a stream frees nothing and writes no memory of an allocation. And
+        // `raw` is a stream of this device's primary context, made by the device allocator's
+        // storage, which destroys it only when the backend is dropped; the pinned allocator
+        // records events on it only while a `PinnedBuffer` (which holds the backend) is freed,
+        // and is dropped after the device allocator without recording any.
+        unsafe {
+            self.pinned
+                .with_storage_mut(|storage| storage.register_stream(id, raw))
+        }
+        .map_err(stream_error)?;
         Ok(CudaStream {
             backend: Arc::clone(self),
             id,

@@ -178,7 +178,7 @@ fn unary_ops_match_the_cpu() {
     let mut random = Xorshift::from_state(0x9e37_79b9_7f4a_7c15);
     let layout = Layout::contiguous(&[ROWS, COLS]);
     // The input read transposed: a [COLS, ROWS] view of the same buffer.
-    let transposed = Layout::from_parts(&[COLS, ROWS], &[1, COLS], 0);
+    let transposed = Layout::from_parts(&[COLS, ROWS], &[1, COLS], 0).unwrap();
     let out_t = Layout::contiguous(&[COLS, ROWS]);
     for dtype in FLOATS {
         for op in unary_ops() {
@@ -221,7 +221,7 @@ fn binary_ops_with_broadcasting_match_the_cpu() {
     let mut random = Xorshift::from_state(0x2545_f491_4f6c_dd1d);
     let full = Layout::contiguous(&[ROWS, COLS]);
     // b is one row broadcast over all rows (stride 0).
-    let row_broadcast = Layout::from_parts(&[ROWS, COLS], &[0, 1], 0);
+    let row_broadcast = Layout::from_parts(&[ROWS, COLS], &[0, 1], 0).unwrap();
     for dtype in FLOATS {
         for op in binary_ops() {
             let positive = matches!(
@@ -297,7 +297,7 @@ fn dense_runs_with_tails_and_offsets_match_the_cpu() {
     let total = n + 9;
     for dtype in FLOATS {
         for offset in [0, 1, 8] {
-            let layout = Layout::from_parts(&[n], &[1], offset);
+            let layout = Layout::from_parts(&[n], &[1], offset).unwrap();
             let x = input(&mut random, false, total);
             let y = input(&mut random, false, total);
             for case in 0..4 {
@@ -539,7 +539,7 @@ fn reductions_softmax_and_masks_match_the_cpu() {
     let n: usize = shape.iter().product();
     let x_layout = Layout::contiguous(&shape);
     // x read with its last two dims swapped: [6, 45, 7] over the same memory.
-    let swapped = Layout::from_parts(&[6, 45, 7], &[7 * 45, 1, 45], 0);
+    let swapped = Layout::from_parts(&[6, 45, 7], &[7 * 45, 1, 45], 0).unwrap();
     for dtype in FLOATS {
         let x = input(&mut random, false, n);
         for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
@@ -580,7 +580,7 @@ fn reductions_softmax_and_masks_match_the_cpu() {
         // few rows of many columns (a batch sum of a position embedding's gradient).
         for (cols, rs) in [(3, 3), (5, 7), (100, 100)] {
             let rows = (n - 1) / rs;
-            let columns = Layout::from_parts(&[cols, rows], &[1, rs], 1);
+            let columns = Layout::from_parts(&[cols, rows], &[1, rs], 1).unwrap();
             for op in [ReduceOp::Sum, ReduceOp::Mean] {
                 compare(
                     &format!("column {op:?} {cols}x{rows}"),
@@ -610,7 +610,7 @@ fn reductions_softmax_and_masks_match_the_cpu() {
         for (shape, strides, n_reduced) in
             [([7, 45, 6], [45, 1, 315], 1), ([45, 6, 7], [1, 315, 45], 2)]
         {
-            let permuted = Layout::from_parts(&shape, &strides, 0);
+            let permuted = Layout::from_parts(&shape, &strides, 0).unwrap();
             let kept = &shape[..3 - n_reduced];
             let out_layout = Layout::contiguous(kept);
             let outputs: usize = kept.iter().product();
@@ -799,7 +799,7 @@ fn batched_matmul_on_strided_operands_matches_the_cpu() {
             // a: [batch, heads, m, k] contiguous; b: [heads, k, n] broadcast over batch and
             // read transposed from [heads, n, k] memory.
             let a_layout = Layout::contiguous(&[batch, heads, m, k]);
-            let b_layout = Layout::from_parts(&[batch, heads, k, n], &[0, n * k, 1, k], 0);
+            let b_layout = Layout::from_parts(&[batch, heads, k, n], &[0, n * k, 1, k], 0).unwrap();
             let out_layout = Layout::contiguous(&[batch, heads, m, n]);
             let out = upload(backend, dtype, &c0);
             backend
@@ -1036,8 +1036,6 @@ fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
     }
 }
 
-/// An operand broadcast from one element (strides all zero, as the gradient of a sum is) has
-/// neither contiguous rows nor columns: it is made dense before cuBLAS reads it.
 /// Operands whose rows or columns overlap (`expand`, stride 0) cannot be described to cuBLAS by
 /// a leading dimension and are copied dense first; among them the `k = 1` product of a ViT
 /// head's weight gradient at batch 1 (`[1000, 1]` of a broadcast scalar, times one row of a
@@ -1103,12 +1101,12 @@ fn matmul_with_broadcast_operands_matches_the_cpu() {
                     .matmul(
                         View {
                             buffer: &ab,
-                            layout: &Layout::from_parts(&[m, k], &a_strides, 0),
+                            layout: &Layout::from_parts(&[m, k], &a_strides, 0).unwrap(),
                             dtype,
                         },
                         View {
                             buffer: &bb,
-                            layout: &Layout::from_parts(&[k, n], &b_strides, 0),
+                            layout: &Layout::from_parts(&[k, n], &b_strides, 0).unwrap(),
                             dtype,
                         },
                         View {
@@ -1137,7 +1135,7 @@ fn max_and_min_with_indices_match_the_cpu() {
         .map(|_| random.next_f64_in(0.0, 5.0).floor())
         .collect();
     // Read transposed: the reduced dim is strided.
-    let x_layout = Layout::from_parts(&[rows, lane], &[1, rows], 0);
+    let x_layout = Layout::from_parts(&[rows, lane], &[1, rows], 0).unwrap();
     let out_layout = Layout::contiguous(&[rows]);
     for dtype in FLOATS {
         for op in [ReduceOp::Max, ReduceOp::Min] {
@@ -1213,6 +1211,7 @@ fn fused_attention_forward_and_backward_match_the_cpu() {
                 &[keys * 3 * width, head_dim, 3 * width, 1],
                 part * width,
             )
+            .unwrap()
         };
         let rows_layout = |rows: usize| {
             Layout::from_parts(
@@ -1220,6 +1219,7 @@ fn fused_attention_forward_and_backward_match_the_cpu() {
                 &[rows * width, head_dim, width, 1],
                 0,
             )
+            .unwrap()
         };
         let packed_q = queries == keys;
         let (ql, kl, vl) = (
@@ -1403,7 +1403,7 @@ fn linear_case(
                 stored[i * out_f + o] = data.w[o * in_f + i];
             }
         }
-        let layout = Layout::from_parts(&[out_f, in_f], &[1, out_f], 0);
+        let layout = Layout::from_parts(&[out_f, in_f], &[1, out_f], 0).unwrap();
         (upload(backend, dtype, &stored), layout)
     } else {
         (
@@ -1415,7 +1415,7 @@ fn linear_case(
         .chain(data.b.iter().copied())
         .collect();
     let b = upload(backend, dtype, &padded);
-    let bias_layout = Layout::from_parts(&[out_f], &[1], case.bias_offset);
+    let bias_layout = Layout::from_parts(&[out_f], &[1], case.bias_offset).unwrap();
     let out_layout = Layout::contiguous(&[rows, out_f]);
     let (out, pre) = (
         poisoned(backend, dtype, rows * out_f),

@@ -62,12 +62,8 @@ fn report(name: &str, bytes_per_param: f64, (ms, extra, times): (f64, u64, Vec<f
 }
 
 fn main() {
-    let cuda = match CudaBackend::new(0) {
-        Ok(backend) => backend,
-        Err(err) => {
-            println!("skipped: {err}");
-            return;
-        }
+    let Some(cuda) = headroom_testkit::gpu::cuda_or_skip(CudaBackend::new(0)) else {
+        return;
     };
     let backend: BackendRef = cuda.clone();
     // Eight random patterns, shared out among the tensors (the values do not change the

@@ -9,8 +9,17 @@
 //! memory as slices, `host.rs`) or its CUDA entry (feature `cuda`: `cuda/` launches the PTX
 //! kernels on the parameters' `CudaBackend`, whose launch table and GradScaler skip counters
 //! live here between steps). Nothing here knows an algorithm.
+//!
+//! A host step turns tensor memory into slices, so it takes the guarantees those slices need
+//! here: every tensor's memory is host memory (`Buffer::is_host_memory`, not merely a tensor
+//! that says `Device::Cpu`), and for the whole update the step holds a host claim on every buffer
+//! it touches (`HostAccess`: parameters and state alone, gradients with no writer). Another
+//! thread's CPU op on one of those tensors during the step is a `ConcurrentAccess` error on one
+//! side, never a race.
 
-use headroom_autograd_core::{DType, Device, Tensor};
+use std::sync::Arc;
+
+use headroom_autograd_core::{Access, Buffer, DType, Device, HostAccess, Tensor};
 
 use crate::clip::NormClip;
 use crate::driver::RuleCall;
@@ -101,7 +110,20 @@ impl StepDevice {
     pub(crate) fn check(&self, op: &'static str, tensor: &Tensor) -> Result<(), OptimError> {
         check_layout(op, tensor)?;
         let same = match &self.kind {
-            DeviceKind::Host => tensor.device() == Device::Cpu,
+            DeviceKind::Host => {
+                if tensor.device() == Device::Cpu
+                    && tensor.numel() > 0
+                    && !tensor.buffer().is_host_memory()
+                {
+                    return Err(OptimError::UnsupportedTensor {
+                        op,
+                        reason: "a CPU tensor whose memory is not host memory (its backend's \
+                                 storage is not a host storage) cannot be stepped on the host"
+                            .into(),
+                    });
+                }
+                tensor.device() == Device::Cpu
+            }
             #[cfg(feature = "cuda")]
             DeviceKind::Cuda(cuda) => cuda.owns(tensor),
         };
@@ -123,7 +145,14 @@ impl StepDevice {
         call: RuleCall<'_, '_, R::State>,
     ) -> Result<(), OptimError> {
         match &mut self.kind {
-            DeviceKind::Host => (R::KERNELS.host)(rule, call),
+            DeviceKind::Host => {
+                let buffers = claimed_buffers::<R>(&call);
+                let _access = HostAccess::claim(
+                    R::NAME,
+                    buffers.iter().map(|(buffer, access)| (&**buffer, *access)),
+                )?;
+                (R::KERNELS.host)(rule, call)
+            }
             #[cfg(feature = "cuda")]
             DeviceKind::Cuda(cuda) => (R::KERNELS.cuda)(rule, cuda, call),
         }
@@ -136,7 +165,14 @@ impl StepDevice {
         clip: NormClip,
     ) -> Result<Tensor, OptimError> {
         match &mut self.kind {
-            DeviceKind::Host => crate::clip::host_norm(grads, clip),
+            DeviceKind::Host => {
+                // The norm reads the gradients, the scaling writes them.
+                let _access = HostAccess::claim(
+                    "clip_grad_norm_",
+                    grads.iter().map(|grad| (&**grad.buffer(), Access::Write)),
+                )?;
+                crate::clip::host_norm(grads, clip)
+            }
             #[cfg(feature = "cuda")]
             DeviceKind::Cuda(cuda) => crate::cuda::clip::clip_norm(cuda, grads, clip),
         }
@@ -149,7 +185,13 @@ impl StepDevice {
         clip_value: f32,
     ) -> Result<(), OptimError> {
         match &mut self.kind {
-            DeviceKind::Host => crate::clip::host_value(grads, clip_value),
+            DeviceKind::Host => {
+                let _access = HostAccess::claim(
+                    "clip_grad_value_",
+                    grads.iter().map(|grad| (&**grad.buffer(), Access::Write)),
+                )?;
+                crate::clip::host_value(grads, clip_value)
+            }
             #[cfg(feature = "cuda")]
             DeviceKind::Cuda(cuda) => crate::cuda::clip::clip_value(cuda, grads, clip_value),
         }
@@ -209,4 +251,17 @@ impl StepDevice {
             DeviceKind::Cuda(cuda) => cuda.reset_skip_counters(),
         }
     }
+}
+
+/// The buffers a host step of `call` touches: parameters and state written, gradients read.
+fn claimed_buffers<R: UpdateRule>(call: &RuleCall<'_, '_, R::State>) -> Vec<(Arc<Buffer>, Access)> {
+    let mut buffers = Vec::with_capacity(4 * call.items.len());
+    for item in call.items.iter() {
+        buffers.push((Arc::clone(item.param.buffer()), Access::Write));
+        buffers.push((Arc::clone(item.grad.buffer()), Access::Read));
+        for (_, state) in R::state_tensors(item.state) {
+            buffers.push((Arc::clone(state.buffer()), Access::Write));
+        }
+    }
+    buffers
 }

@@ -35,30 +35,34 @@ pub(crate) fn check_disjoint(op: &'static str, tensors: &[&Tensor]) -> Result<()
     Ok(())
 }
 
-/// The elements of a CPU tensor of `T` (checked by the optimizer: contiguous, this dtype).
+/// The elements of a CPU tensor of `T`.
 ///
 /// # Safety
-/// No mutable slice of the same memory may be alive while the returned slice is, and no other
-/// thread may write the tensor meanwhile.
+/// The tensor was checked by the step's device (`StepDevice::check`: host memory, contiguous)
+/// and is of `T`; no mutable slice of the same memory is alive while the returned slice is, and
+/// no other thread writes the tensor meanwhile (the step holds a read claim on its buffer,
+/// `HostAccess`).
 pub(crate) unsafe fn host_slice<T: Element>(tensor: &Tensor) -> &[T] {
     debug_assert!(tensor.device() == Device::Cpu && tensor.dtype() == T::DTYPE);
     let n = tensor.numel();
     if n == 0 {
         return &[];
     }
+    debug_assert!(tensor.buffer().is_host_memory());
     let ptr = byte_range(tensor).start as *const T;
-    // SAFETY: the CPU backend's buffer address is a live host allocation of at least the
-    // tensor's extent (autograd-core checks layouts against buffers), aligned for the dtype by
-    // the allocator's 512-byte rounding, and the caller guarantees no concurrent writer.
+    // SAFETY: the buffer is host memory (checked by the device), live while the tensor is, and
+    // holds the tensor's contiguous extent (every tensor's layout lies inside its buffer), aligned
+    // for the dtype by the allocator's 512-byte rounding; the caller guarantees no writer.
     unsafe { std::slice::from_raw_parts(ptr, n) }
 }
 
 /// The elements of a CPU tensor of `T`, writable.
 ///
 /// # Safety
-/// The tensor's memory must not be reachable through any other live slice (checked with
-/// [`check_disjoint`] for the tensors of one call), and no other thread may read or write it
-/// meanwhile. The tensor handle must outlive the slice.
+/// As for [`host_slice`], and: the tensor's memory is not reachable through any other live
+/// slice (checked with [`check_disjoint`] for the tensors of one call), and no other thread
+/// reads or writes it meanwhile (the step holds a write claim on its buffer). The tensor handle
+/// outlives the slice.
 #[allow(clippy::mut_from_ref)]
 pub(crate) unsafe fn host_slice_mut<T: Element>(tensor: &Tensor) -> &mut [T] {
     debug_assert!(tensor.device() == Device::Cpu && tensor.dtype() == T::DTYPE);
@@ -66,6 +70,7 @@ pub(crate) unsafe fn host_slice_mut<T: Element>(tensor: &Tensor) -> &mut [T] {
     if n == 0 {
         return &mut [];
     }
+    debug_assert!(tensor.buffer().is_host_memory());
     let ptr = byte_range(tensor).start as *mut T;
     // SAFETY: as in `host_slice`; exclusivity is the caller's obligation.
     unsafe { std::slice::from_raw_parts_mut(ptr, n) }

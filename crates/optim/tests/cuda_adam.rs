@@ -5,6 +5,7 @@
 use headroom_ops_cuda::CudaBackend;
 use headroom_optim::cuda::{CudaFusedAdam, DeviceAdamParam};
 use headroom_optim::kernels::{adam_fused, AdamBuffers, AdamConfig, GradScaling};
+use headroom_testkit::gpu::cuda_or_skip;
 
 fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
     let mut state = seed | 1;
@@ -24,12 +25,8 @@ fn bytes(values: &[f32]) -> Vec<u8> {
 
 #[test]
 fn gpu_fused_adam_equals_the_cpu_bit_for_bit() {
-    let backend = match CudaBackend::new(0) {
-        Ok(backend) => backend,
-        Err(err) => {
-            println!("skipped: {err}");
-            return;
-        }
+    let Some(backend) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
     };
     // Sizes cover a tail that is not a multiple of 4 and a chunk boundary (65,536 elements).
     let sizes = [37usize, 5000, 70_001];
@@ -123,12 +120,8 @@ fn gpu_8bit_adam_equals_the_cpu_bit_for_bit() {
     use headroom_optim::cuda::{CudaAdam8bit, DeviceAdam8bitParam};
     use headroom_optim::kernels::{adam8bit_blockwise, n_blocks, Adam8bitBuffers, Adam8bitConfig};
 
-    let backend = match CudaBackend::new(0) {
-        Ok(backend) => backend,
-        Err(err) => {
-            println!("skipped: {err}");
-            return;
-        }
+    let Some(backend) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
     };
     let (qmap1, qmap2) = bnb_maps();
     let sizes = [4096usize, 5000, 70_001];

@@ -19,18 +19,13 @@ use headroom_optim::{
     Adam, Adam8bit, DeviceGradScaling, GroupOptimizer, Implementation, OptimError, Optimizer,
     ParamGroup, Scaling, Sgd, StepParams, UpdateRule,
 };
+use headroom_testkit::gpu::cuda_or_skip;
 
 /// The device shared by this binary's tests.
 fn cuda() -> Option<Arc<CudaBackend>> {
     static CUDA: OnceLock<Option<Arc<CudaBackend>>> = OnceLock::new();
-    CUDA.get_or_init(|| match CudaBackend::new(0) {
-        Ok(backend) => Some(backend),
-        Err(err) => {
-            println!("skipped: {err}");
-            None
-        }
-    })
-    .clone()
+    CUDA.get_or_init(|| cuda_or_skip(CudaBackend::new(0)))
+        .clone()
 }
 
 fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
@@ -480,7 +475,7 @@ fn cuda_params(cuda: &BackendRef, shapes: &[&[usize]]) -> Vec<Tensor> {
 #[test]
 fn each_implementation_holds_the_memory_it_promises() {
     // A backend of its own: other tests' tensors stay out of its allocator's counts.
-    let Some(cuda) = cuda().and_then(|_| CudaBackend::new(0).ok()) else {
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
         return;
     };
     let backend: BackendRef = cuda.clone();
@@ -574,7 +569,7 @@ fn each_implementation_holds_the_memory_it_promises() {
 /// a step; bounded foreach holds its chunk of bf16 temporaries.
 #[test]
 fn bf16_fused_steps_hold_only_their_states() {
-    let Some(cuda) = cuda().and_then(|_| CudaBackend::new(0).ok()) else {
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
         return;
     };
     let backend: BackendRef = cuda.clone();

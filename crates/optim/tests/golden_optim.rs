@@ -103,12 +103,9 @@ fn tensor_rel_error(ours: &[f32], reference: &[f32]) -> f64 {
 fn cuda() -> Option<BackendRef> {
     use std::sync::OnceLock;
     static CUDA: OnceLock<Option<BackendRef>> = OnceLock::new();
-    CUDA.get_or_init(|| match headroom_ops_cuda::CudaBackend::new(0) {
-        Ok(backend) => Some(backend),
-        Err(err) => {
-            println!("CUDA runs skipped: {err}");
-            None
-        }
+    CUDA.get_or_init(|| {
+        headroom_testkit::gpu::cuda_or_skip(headroom_ops_cuda::CudaBackend::new(0))
+            .map(|backend| backend as BackendRef)
     })
     .clone()
 }

@@ -2,7 +2,9 @@
 //! hook calls per bucket): buckets in any order step exactly their parameters and, over a step,
 //! give the bits `step()` gives (two groups, f32 and bf16 parameters, every implementation of
 //! SGD and Adam); handles are resolved once, in registration order; an unknown or repeated
-//! handle, and an implementation a rule lacks, are typed errors.
+//! handle, and an implementation a rule lacks, are typed errors; so is a host step on a parameter
+//! another thread holds (the step writes parameters through `&mut` slices), and a gradient that
+//! shares the parameter's memory.
 
 use std::num::NonZeroUsize;
 
@@ -206,4 +208,51 @@ fn implementations_a_rule_lacks_are_typed_errors() {
         Implementation::Fused,
     );
     assert!(fused.is_ok());
+}
+
+/// A host claim held elsewhere (another thread's CPU kernel) keeps a host step off its tensors:
+/// the step fails whole with `ConcurrentAccess` and changes nothing; readers share, a writer
+/// excludes everyone.
+#[test]
+fn a_step_never_writes_a_parameter_another_thread_holds() {
+    use headroom_autograd_core::{Access, HostAccess, TensorError};
+
+    let cpu = CpuBackend::new_ref();
+    let values: Vec<f32> = (0..64).map(|i| i as f32).collect();
+    let param = Tensor::from_slice(&cpu, &values, &[64]).unwrap();
+    param.requires_grad_(true).unwrap();
+    param
+        .mul(&param)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let group = ParamGroup::new(vec![param.clone()], SgdConfig::new(0.5));
+    let mut sgd = GroupOptimizer::new(vec![group], Implementation::Fused).unwrap();
+    let reader = HostAccess::claim("test", [(&**param.buffer(), Access::Read)]).unwrap();
+    let err = sgd.step().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            OptimError::Tensor(TensorError::ConcurrentAccess { .. })
+        ),
+        "{err}"
+    );
+    assert!(HostAccess::claim("test", [(&**param.buffer(), Access::Read)]).is_ok());
+    drop(reader);
+    assert_eq!(param.to_vec::<f32>().unwrap(), values, "nothing written");
+    sgd.step().unwrap();
+    assert_eq!(param.to_vec::<f32>().unwrap()[3], 3.0 - 0.5 * 6.0);
+    let writer = HostAccess::claim("test", [(&**param.buffer(), Access::Write)]).unwrap();
+    assert!(matches!(
+        param.to_vec::<f32>(),
+        Err(TensorError::ConcurrentAccess { .. })
+    ));
+    drop(writer);
+
+    // A gradient that is the parameter's own memory would alias the `&mut` slice.
+    param.set_grad(Some(param.detach())).unwrap();
+    let err = sgd.step().unwrap_err();
+    assert!(matches!(err, OptimError::UnsupportedTensor { .. }), "{err}");
 }

@@ -209,6 +209,10 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
         DeviceChoice::Cuda => Some(CudaBackend::new(0).context("--device cuda")?),
         DeviceChoice::Auto => match CudaBackend::new(0) {
             Ok(cuda) => Some(cuda),
+            // A malformed HEADROOM_ALLOC_CONF is the user's to fix, not a reason to fall back.
+            Err(err @ headroom_ops_cuda::CudaError::Config { .. }) => {
+                return Err(err).context("--device auto");
+            }
             Err(err) => {
                 eprintln!("bench-memory: no CUDA device ({err}); running on the CPU backend");
                 None

@@ -60,17 +60,17 @@ fn input_grads(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<[Tensor; 3]> {
             && v.layout().offset() == offset + 2 * width;
         if packed {
             let grads = q.new_empty(&[batch, seq, 3 * width], q.dtype())?;
-            let third = |i: usize| {
+            let third = |i: usize| -> Result<Tensor> {
                 let layout =
-                    Layout::from_parts(&[batch, heads, seq, head_dim], &packed_strides, i * width);
-                Tensor::from_parts(
+                    Layout::from_parts(&[batch, heads, seq, head_dim], &packed_strides, i * width)?;
+                Ok(Tensor::from_parts(
                     std::sync::Arc::clone(grads.buffer()),
                     layout,
                     q.dtype(),
                     false,
-                )
+                ))
             };
-            return Ok([third(0), third(1), third(2)]);
+            return Ok([third(0)?, third(1)?, third(2)?]);
         }
     }
     Ok([

@@ -51,7 +51,10 @@ impl Tensor {
     /// Splits `dim` into consecutive pieces of the given sizes (views).
     pub fn split_with_sizes(&self, sizes: &[usize], dim: isize) -> Result<Vec<Tensor>> {
         let dim = normalize_dim("split", dim, self.ndim())?;
-        if sizes.iter().sum::<usize>() != self.shape()[dim] {
+        let total = sizes
+            .iter()
+            .try_fold(0usize, |acc, &size| acc.checked_add(size));
+        if total != Some(self.shape()[dim]) {
             return Err(TensorError::InvalidArgument {
                 op: "split",
                 reason: format!(
@@ -124,7 +127,7 @@ fn adjacent_slices(
 ) -> Option<Tensor> {
     let first = grads.first()?.as_ref()?;
     let dense = Layout::contiguous(source);
-    let full = Layout::from_parts(source, dense.strides(), first.layout().offset());
+    let full = Layout::from_parts(source, dense.strides(), first.layout().offset()).ok()?;
     let mut start = 0;
     for (grad, &size) in grads.iter().zip(sizes) {
         let grad = grad.as_ref()?;
@@ -169,7 +172,7 @@ pub fn embedding(weight: &Tensor, indices: &Tensor) -> Result<Tensor> {
         &[n, dim],
         &[1, 0],
         flat.layout().offset(),
-    ));
+    )?);
     let res = weight.new_empty(&[n, dim], weight.dtype())?;
     weight
         .backend()
@@ -220,7 +223,12 @@ pub fn cat(tensors: &[&Tensor], dim: isize) -> Result<Tensor> {
                 rhs: tensor.shape().to_vec(),
             });
         }
-        shape[dim] += tensor.shape()[dim];
+        shape[dim] = shape[dim].checked_add(tensor.shape()[dim]).ok_or_else(|| {
+            TensorError::SizeOverflow {
+                op: "cat",
+                reason: format!("the sizes of dim {dim} add up to more than usize holds"),
+            }
+        })?;
     }
     let res = first.new_empty(&shape, first.dtype())?;
     let mut start = 0;

@@ -11,6 +11,7 @@ use crate::backend::BinaryOp;
 use crate::error::{Result, TensorError};
 use crate::graph::record;
 use crate::layout::broadcast_shapes;
+use crate::overlap::{check_overlaps, Aliasing};
 use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
 
@@ -48,6 +49,13 @@ impl Tensor {
                 rhs: other.shape().to_vec(),
             });
         }
+        let rhs = other.alias(other.layout().expand(name, self.shape())?);
+        check_overlaps(
+            name,
+            &[self.view()],
+            &[self.view(), rhs.view()],
+            Aliasing::SameView,
+        )?;
         let recording = self.check_inplace(name, &[self, other])?;
         // What backward needs from before the write.
         let saved = if recording {
@@ -69,7 +77,6 @@ impl Tensor {
         } else {
             None
         };
-        let rhs = other.alias(other.layout().expand(name, self.shape())?);
         self.backend()
             .binary(op, self.view(), rhs.view(), self.view())?;
         self.buffer().bump_version();
@@ -134,6 +141,12 @@ impl Tensor {
     pub fn copy_(&self, src: &Tensor) -> Result<&Tensor> {
         super::check_device("copy_", self, src)?;
         let spread = src.alias(src.layout().expand("copy_", self.shape())?);
+        check_overlaps(
+            "copy_",
+            &[self.view()],
+            &[spread.view()],
+            Aliasing::SameView,
+        )?;
         let recording = self.check_inplace("copy_", &[self, src])? && self.dtype().is_float();
         self.backend().copy(spread.view(), self.view())?;
         self.buffer().bump_version();
@@ -152,6 +165,7 @@ impl Tensor {
 
     /// Sets every element to `value`.
     pub fn fill_(&self, value: f64) -> Result<&Tensor> {
+        check_overlaps("fill_", &[self.view()], &[], Aliasing::SameView)?;
         let recording = self.check_inplace("fill_", &[self])?;
         self.backend().fill(self.view(), value)?;
         self.buffer().bump_version();
@@ -189,6 +203,12 @@ impl Tensor {
         }
         let lhs = self.alias(self.layout().expand(name, &shape)?);
         let rhs = other.alias(other.layout().expand(name, &shape)?);
+        check_overlaps(
+            name,
+            &[out.view()],
+            &[lhs.view(), rhs.view()],
+            Aliasing::SameView,
+        )?;
         self.backend()
             .binary(op, lhs.view(), rhs.view(), out.view())?;
         out.buffer().bump_version();

@@ -14,15 +14,17 @@ use super::records;
 
 /// Resolves one `-1` in a requested shape.
 fn infer_shape(op: &'static str, shape: &[isize], numel: usize) -> Result<Vec<usize>> {
-    let known: usize = shape
+    let known = shape
         .iter()
         .filter(|&&d| d >= 0)
-        .map(|&d| d as usize)
-        .product();
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d as usize));
     let n_inferred = shape.iter().filter(|&&d| d == -1).count();
     let bad = || TensorError::InvalidArgument {
         op,
         reason: format!("shape {shape:?} is invalid for {numel} elements"),
+    };
+    let Some(known) = known else {
+        return Err(bad());
     };
     if n_inferred > 1 || shape.iter().any(|&d| d < -1) {
         return Err(bad());
@@ -37,7 +39,7 @@ fn infer_shape(op: &'static str, shape: &[isize], numel: usize) -> Result<Vec<us
             }
         })
         .collect();
-    if res.iter().product::<usize>() != numel {
+    if crate::layout::checked_numel(op, &res).ok() != Some(numel) {
         return Err(bad());
     }
     Ok(res)
@@ -61,7 +63,10 @@ impl Tensor {
 
     /// The same elements under `shape`; a view when strides allow it, else a copy.
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
-        let signed: Vec<isize> = shape.iter().map(|&d| d as isize).collect();
+        let signed: Vec<isize> = shape
+            .iter()
+            .map(|&d| isize::try_from(d).unwrap_or(-2))
+            .collect();
         self.reshape_inferred(&signed)
     }
 
@@ -82,6 +87,13 @@ impl Tensor {
     /// The same elements under `shape` without copying; an error when the strides cannot
     /// express it.
     pub fn view_shape(&self, shape: &[usize]) -> Result<Tensor> {
+        if crate::layout::checked_numel("view", shape)? != self.numel() {
+            return Err(TensorError::ShapeMismatch {
+                op: "view",
+                lhs: self.shape().to_vec(),
+                rhs: shape.to_vec(),
+            });
+        }
         let layout = self
             .layout()
             .view(shape)
@@ -93,13 +105,6 @@ impl Tensor {
                 self.strides()
             ),
             })?;
-        if layout.numel() != self.numel() {
-            return Err(TensorError::ShapeMismatch {
-                op: "view",
-                lhs: self.shape().to_vec(),
-                rhs: shape.to_vec(),
-            });
-        }
         let res = self.alias(layout);
         let source = self.shape().to_vec();
         self.record_view(&res, "view", move |grad| grad.reshape(&source));
@@ -220,16 +225,22 @@ impl Tensor {
         Ok(res)
     }
 
-    /// A view with an explicit layout over the same storage; for backends and tests.
+    /// A view with an explicit layout over the same storage; for backends and tests. A layout
+    /// whose arithmetic overflows is a [`TensorError::SizeOverflow`], one that reaches past the
+    /// storage an invalid argument. The view may reach an element twice (reading it is fine;
+    /// writing into it is a [`TensorError::Overlap`]).
     pub fn as_strided(&self, shape: &[usize], strides: &[usize], offset: usize) -> Result<Tensor> {
-        let layout = Layout::from_parts(shape, strides, offset);
-        if layout.storage_extent() * self.dtype().size_in_bytes() > self.buffer().len_bytes()
-            || shape.len() != strides.len()
-        {
+        let layout = Layout::from_parts(shape, strides, offset)?;
+        let end = layout
+            .storage_extent()
+            .checked_mul(self.dtype().size_in_bytes());
+        if end.is_none_or(|end| end > self.buffer().len_bytes()) {
             return Err(TensorError::InvalidArgument {
                 op: "as_strided",
                 reason: format!(
-                    "shape {shape:?}, strides {strides:?}, offset {offset} leave the storage"
+                    "shape {shape:?}, strides {strides:?}, offset {offset} leave the storage of \
+                     {} bytes",
+                    self.buffer().len_bytes()
                 ),
             });
         }

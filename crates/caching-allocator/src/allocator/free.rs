@@ -19,12 +19,25 @@ use crate::storage::Storage;
 impl<S: Storage> CachingAllocator<S> {
     /// Frees an allocation. If other streams used it ([`CachingAllocator::record_stream`]), the
     /// block is reused only once their work recorded so far has completed.
+    /// An allocation of another allocator is an [`AllocError::UnknownAddress`].
     pub fn free(&self, allocation: Allocation) -> Result<(), AllocError> {
-        self.free_address(allocation.address)
+        if allocation.allocator != self.id {
+            return Err(AllocError::UnknownAddress {
+                address: allocation.address,
+            });
+        }
+        // SAFETY: the `Allocation` was handed out by this allocator and is consumed here, so
+        // its owner gave it up and no other `Allocation` names the block.
+        unsafe { self.free_address(allocation.address) }
     }
 
     /// Frees the allocation that starts at `address` (for callers that keep raw addresses).
-    pub fn free_address(&self, address: u64) -> Result<(), AllocError> {
+    ///
+    /// # Safety
+    /// Nothing may read or write the allocation's memory any more, and its [`Allocation`] must
+    /// never be freed (forget it): the block goes back to the cache and the next request may get
+    /// it, so a tensor still using it would share its memory with another.
+    pub unsafe fn free_address(&self, address: u64) -> Result<(), AllocError> {
         let mut state = self.state.lock();
         let id = state
             .live

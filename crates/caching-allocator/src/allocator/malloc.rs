@@ -43,6 +43,8 @@ impl<S: Storage> CachingAllocator<S> {
             size: block.size,
             requested: size,
             stream,
+            allocator: self.id,
+            host_memory: S::HOST_MEMORY,
         })
     }
 }

@@ -60,9 +60,36 @@ pub struct Allocation {
     size: u64,
     requested: u64,
     stream: StreamId,
+    allocator: AllocatorId,
+    host_memory: bool,
+}
+
+/// Which [`CachingAllocator`] handed out an [`Allocation`]: unique among the allocators of a
+/// process. A backend compares it with its own allocator's to know that a buffer's memory is
+/// memory it can reach (host memory for the CPU backend, its device's for CUDA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AllocatorId(u64);
+
+impl AllocatorId {
+    fn next() -> AllocatorId {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        AllocatorId(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
 }
 
 impl Allocation {
+    /// The allocator that handed it out.
+    pub fn allocator(&self) -> AllocatorId {
+        self.allocator
+    }
+
+    /// Whether its bytes are host memory the process may read and write for as long as the
+    /// allocation lives (its storage is [`Storage::HOST_MEMORY`]: [`crate::HostStorage`], pinned
+    /// memory).
+    pub fn is_host_memory(&self) -> bool {
+        self.host_memory
+    }
+
     /// Start address (device pointer, host pointer or simulated address).
     pub fn address(&self) -> u64 {
         self.address
@@ -90,6 +117,7 @@ impl Allocation {
 pub struct CachingAllocator<S: Storage> {
     state: Mutex<State<S>>,
     config: AllocatorConfig,
+    id: AllocatorId,
 }
 
 /// Pops the context label pushed by [`CachingAllocator::push_context`] when dropped.
@@ -131,7 +159,13 @@ impl<S: Storage> CachingAllocator<S> {
         CachingAllocator {
             state: Mutex::new(state),
             config,
+            id: AllocatorId::next(),
         }
+    }
+
+    /// This allocator's identity, which every [`Allocation`] it hands out carries.
+    pub fn id(&self) -> AllocatorId {
+        self.id
     }
 
     /// The settings in force.
@@ -144,8 +178,19 @@ impl<S: Storage> CachingAllocator<S> {
         self.state.lock().expandable
     }
 
-    /// Runs `f` on the storage, under the allocator's lock.
-    pub fn with_storage<R>(&self, f: impl FnOnce(&mut S) -> R) -> R {
+    /// Runs `f` on the storage (read only), under the allocator's lock.
+    pub fn with_storage<R>(&self, f: impl FnOnce(&S) -> R) -> R {
+        f(&self.state.lock().storage)
+    }
+
+    /// Runs `f` on the storage with write access, under the allocator's lock.
+    ///
+    /// # Safety
+    /// `f` must not free, unmap or release anything the allocator obtained from the storage
+    /// (segments, pages, address ranges, events), nor write memory of a live allocation that its
+    /// owner does not expect to change: tensors and pinned buffers read and write that memory
+    /// with no check of their own.
+    pub unsafe fn with_storage_mut<R>(&self, f: impl FnOnce(&mut S) -> R) -> R {
         f(&mut self.state.lock().storage)
     }
 }

@@ -22,6 +22,11 @@ impl<S: Storage> CachingAllocator<S> {
         allocation: &Allocation,
         stream: StreamId,
     ) -> Result<(), AllocError> {
+        if allocation.allocator != self.id {
+            return Err(AllocError::UnknownAddress {
+                address: allocation.address,
+            });
+        }
         self.record_stream_address(allocation.address, stream)
     }
 

@@ -29,7 +29,7 @@ impl AllocatorConfig {
 /// use headroom_caching_allocator::AllocatorConfig;
 ///
 /// let config = AllocatorConfig::builder().max_split_size_mb(256).expandable_segments(false).build()?;
-/// assert_eq!(config.max_split_size, Some(256 << 20));
+/// assert_eq!(config.max_split_size(), Some(256 << 20));
 /// assert!(AllocatorConfig::builder().garbage_collection_threshold(1.5).build().is_err());
 /// # Ok::<(), headroom_caching_allocator::AllocError>(())
 /// ```

@@ -43,30 +43,35 @@ pub const ALLOC_CONF_ENV: &str = "HEADROOM_ALLOC_CONF";
 pub const ROUNDUP_INTERVALS: usize = 16;
 
 /// The allocator's settings.
+///
+/// Its fields are private: a config comes from [`AllocatorConfig::default`],
+/// [`AllocatorConfig::pytorch_defaults`], [`AllocatorConfig::parse`] / [`AllocatorConfig::from_env`]
+/// or [`AllocatorConfig::builder`], each of which validates it, so a config that exists is a
+/// valid one (no zero-sized segment pages, no division by a zero step). The accessors read it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AllocatorConfig {
     /// Blocks at least this large are never split, and requests below it never take them
     /// (`max_split_size_mb`, at least 20 MiB when set). `None`: unlimited.
-    pub max_split_size: Option<u64>,
+    pub(crate) max_split_size: Option<u64>,
     /// How far past the request an oversize block may be and still be handed out whole
     /// (`max_non_split_rounding_mb`, default 20 MiB).
-    pub max_non_split_rounding: u64,
+    pub(crate) max_non_split_rounding: u64,
     /// Divisions per power-of-two interval, index 0 for sizes below 2 MiB, 1 for [2, 4) MiB, ...;
     /// 0 or 1 means plain 512-byte rounding (`roundup_power2_divisions`).
-    pub roundup_power2_divisions: [u64; ROUNDUP_INTERVALS],
+    pub(crate) roundup_power2_divisions: [u64; ROUNDUP_INTERVALS],
     /// Free old cached blocks once reserved memory exceeds this fraction of the allowed memory
     /// (`garbage_collection_threshold`, 0 < x < 1; needs `per_process_memory_fraction`).
-    pub garbage_collection_threshold: Option<f64>,
+    pub(crate) garbage_collection_threshold: Option<f64>,
     /// The fraction of device memory this allocator may reserve (`per_process_memory_fraction`).
-    pub per_process_memory_fraction: Option<f64>,
+    pub(crate) per_process_memory_fraction: Option<f64>,
     /// Grow segments by mapping pages instead of allocating new segments (`expandable_segments`).
-    pub expandable_segments: bool,
+    pub(crate) expandable_segments: bool,
     /// Size of the segment for requests between 1 MiB and 10 MiB, and the page size of the
     /// large pool's expandable segments (`large_segment_size_mb`, default 20 MiB; a multiple of
     /// 2 MiB and at least 10 MiB, so one segment holds any request it is used for).
-    pub large_segment_size: u64,
+    pub(crate) large_segment_size: u64,
     /// The string this config was parsed from, as snapshots report it.
-    pub raw: String,
+    pub(crate) raw: String,
 }
 
 impl Default for AllocatorConfig {
@@ -85,6 +90,50 @@ impl Default for AllocatorConfig {
 }
 
 impl AllocatorConfig {
+    /// Blocks at least this large are never split, and requests below it never take them
+    /// (`max_split_size_mb`). `None`: unlimited.
+    pub fn max_split_size(&self) -> Option<u64> {
+        self.max_split_size
+    }
+
+    /// How far past the request an oversize block may be and still be handed out whole
+    /// (`max_non_split_rounding_mb`), in bytes.
+    pub fn max_non_split_rounding(&self) -> u64 {
+        self.max_non_split_rounding
+    }
+
+    /// Divisions per power-of-two interval (`roundup_power2_divisions`; index 0 for sizes below
+    /// 2 MiB, 1 for [2, 4) MiB, ...).
+    pub fn roundup_power2_divisions(&self) -> &[u64; ROUNDUP_INTERVALS] {
+        &self.roundup_power2_divisions
+    }
+
+    /// `garbage_collection_threshold`, if set.
+    pub fn garbage_collection_threshold(&self) -> Option<f64> {
+        self.garbage_collection_threshold
+    }
+
+    /// `per_process_memory_fraction`, if set.
+    pub fn per_process_memory_fraction(&self) -> Option<f64> {
+        self.per_process_memory_fraction
+    }
+
+    /// Whether expandable segments are asked for (`expandable_segments`).
+    pub fn expandable_segments(&self) -> bool {
+        self.expandable_segments
+    }
+
+    /// The large pool's segment (and expandable page) size in bytes (`large_segment_size_mb`).
+    pub fn large_segment_size(&self) -> u64 {
+        self.large_segment_size
+    }
+
+    /// The string this config was parsed from (or its builder's equivalent), as snapshots report
+    /// it.
+    pub fn raw(&self) -> &str {
+        &self.raw
+    }
+
     /// PyTorch's defaults exactly: classic segments, everything else as in [`Default`].
     pub fn pytorch_defaults() -> Self {
         AllocatorConfig {

@@ -421,7 +421,10 @@ impl CudaStorage {
     }
 }
 
-impl Storage for CudaStorage {
+// SAFETY: segments and mapped pages are device memory from the driver (`cuMemAlloc`,
+// `cuMemCreate`/`cuMemMap`), owned by this storage until freed or unmapped; it does not claim
+// host memory.
+unsafe impl Storage for CudaStorage {
     fn name(&self) -> &'static str {
         "cuda"
     }

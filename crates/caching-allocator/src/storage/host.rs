@@ -50,7 +50,12 @@ impl Default for HostStorage {
     }
 }
 
-impl Storage for HostStorage {
+// SAFETY: segments are `std::alloc` allocations of exactly the requested size and 4096-byte
+// alignment (looked up again to free them), owned by this storage until `free_segment`; it maps
+// no pages.
+unsafe impl Storage for HostStorage {
+    const HOST_MEMORY: bool = true;
+
     fn name(&self) -> &'static str {
         "host"
     }

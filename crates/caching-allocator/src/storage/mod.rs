@@ -84,7 +84,18 @@ pub enum StorageError {
 /// Addresses are plain `u64`s: device pointers for CUDA, host pointers for [`HostStorage`],
 /// invented numbers for [`SimulatedStorage`]. All sizes are in bytes and already rounded by the
 /// policy (segments to 2 MiB, pages to [`Storage::page_granularity`]).
-pub trait Storage: Send {
+///
+/// # Safety
+/// Code outside the allocator dereferences what a storage hands out, trusting this contract:
+/// a segment (or mapped page range) is memory of `size` bytes that nobody else uses until it is
+/// freed (unmapped) through this storage; segments and mapped ranges never overlap while live;
+/// and when [`Storage::HOST_MEMORY`] is true, every address is host memory the process may read
+/// and write, aligned to at least 512 bytes, for as long as the segment or mapping lives.
+pub unsafe trait Storage: Send {
+    /// Whether segments are host memory the CPU may read and write directly (the CPU backend's
+    /// and the optimizers' host kernels rely on it; see the trait's safety contract).
+    const HOST_MEMORY: bool = false;
+
     /// A short name for reports and snapshots ("host", "simulated", "cuda").
     fn name(&self) -> &'static str;
 

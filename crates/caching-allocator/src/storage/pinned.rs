@@ -159,7 +159,11 @@ impl PinnedHostStorage {
     }
 }
 
-impl Storage for PinnedHostStorage {
+// SAFETY: segments are page-locked host allocations from the driver, owned by this storage until
+// `free_segment`; it maps no pages.
+unsafe impl Storage for PinnedHostStorage {
+    const HOST_MEMORY: bool = true;
+
     fn name(&self) -> &'static str {
         "pinned"
     }

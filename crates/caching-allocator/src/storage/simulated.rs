@@ -100,7 +100,9 @@ impl SimulatedStorage {
     }
 }
 
-impl Storage for SimulatedStorage {
+// SAFETY: addresses are numbers only and it does not claim host memory; segments and mapped
+// ranges come from one bump counter and an interval table, so they never overlap.
+unsafe impl Storage for SimulatedStorage {
     fn name(&self) -> &'static str {
         "simulated"
     }

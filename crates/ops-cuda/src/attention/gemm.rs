@@ -21,7 +21,7 @@ use headroom_autograd_core::{
     AttentionBackward, AttentionDims, AttentionForward, DType, Layout, Result, View,
 };
 
-use super::args::attn_args;
+use super::args::{attn_args, to_u32};
 use crate::blas::GemmOperand;
 use crate::device::CudaBackend;
 use crate::kernels::Module;
@@ -170,9 +170,9 @@ pub(crate) fn forward(
             Param::U64(probs.address()),
             Param::U64(lse),
             Param::U64((n * sq) as u64),
-            Param::U32(sq as u32),
-            Param::U32(sk as u32),
-            Param::U32(ld as u32),
+            Param::U32(to_u32(sq)?),
+            Param::U32(to_u32(sk)?),
+            Param::U32(to_u32(ld)?),
             Param::F32(f.scale as f32),
             Param::U32(u32::from(f.causal)),
             Param::U64((first * sq) as u64),
@@ -273,9 +273,9 @@ pub(crate) fn backward(
             Param::U64(probs.address()),
             Param::U64(dprobs.address()),
             Param::U64((n * sq) as u64),
-            Param::U32(sq as u32),
-            Param::U32(sk as u32),
-            Param::U32(ld as u32),
+            Param::U32(to_u32(sq)?),
+            Param::U32(to_u32(sk)?),
+            Param::U32(to_u32(ld)?),
             Param::F32(scale),
             Param::U32(u32::from(f.causal)),
             Param::U64((first * sq) as u64),
