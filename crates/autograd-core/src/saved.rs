@@ -61,6 +61,10 @@ pub struct SaveSite {
     /// Its number among the saves of this thread since its last outermost backward finished,
     /// from 0: the same save of every training step gets the same number.
     pub seq: u64,
+    /// Whether the saved tensor is a leaf that requires grad: a parameter (a linear saves its
+    /// weight), or an input the user marked. Its memory outlives the step, so a technique that
+    /// drops saved tensors to free memory gains nothing from it (offload never copies one).
+    pub parameter: bool,
 }
 
 thread_local! {
@@ -181,6 +185,7 @@ impl SavedTensor {
                     device: tensor.device(),
                     bytes: (tensor.numel() * tensor.dtype().size_in_bytes()) as u64,
                     seq,
+                    parameter: tensor.is_leaf() && tensor.requires_grad(),
                 };
                 let _guard = no_grad();
                 let packed = (hooks.pack)(&site, alias)?;

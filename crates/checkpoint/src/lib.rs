@@ -23,10 +23,12 @@
 
 mod blocks;
 mod error;
+mod offload;
 mod policy;
 mod region;
 
 pub use blocks::{block_forwards, checkpoint_sequential, BlockSelection, CheckpointBlocks};
 pub use error::CheckpointError;
+pub use offload::{offload, OffloadBlocks, OffloadOptions, OffloadPool, OffloadStats};
 pub use policy::{Decision, PolicyFn, RecomputeAll, SaveMatmuls, SavePolicy};
 pub use region::{checkpoint, checkpoint_with, CheckpointOptions, Region};
