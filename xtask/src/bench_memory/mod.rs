@@ -57,6 +57,7 @@ struct Options {
     device: DeviceChoice,
     /// Empty: the device's defaults.
     batches: Vec<usize>,
+    /// Empty: every case the device runs.
     cases: Vec<Case>,
     /// `None`: the device's default.
     model: Option<Model>,
@@ -69,20 +70,24 @@ struct Options {
     command: String,
 }
 
-/// The model and batch sizes a device runs when none are given.
+/// The model, batch sizes and cases a device runs when none are given.
 struct Defaults {
     model: &'static str,
     batches: &'static [usize],
+    /// Whether the cases that need CUDA run.
+    cuda: bool,
 }
 
 const CUDA_DEFAULTS: Defaults = Defaults {
     model: "vit_l_16",
     batches: &[1, 32],
+    cuda: true,
 };
 
 const CPU_DEFAULTS: Defaults = Defaults {
     model: "vit_mini",
     batches: &[1, 32],
+    cuda: false,
 };
 
 pub(crate) const USAGE: &str =
@@ -94,9 +99,10 @@ pub(crate) const USAGE: &str =
       traced step (memory by phase and by component at the peak). Prints a Markdown table.
       Device auto: CUDA when a GPU answers (ViT-L/16, batch 1 and 32), else the CPU backend
       (vit_mini, batch 1 and 32). Models: vit_l_16, vit_b_16, vit_mini, vit_tiny. Cases
-      (default all): adam_foreach (bounded temporaries), adam_foreach_unbounded (PyTorch's),
-      adam_single, adam_fused, adam8bit, sgd; adam_inbwd and adam8bit_inbwd (the step inside
-      backward), adam_ckpt (every block checkpointed), adam_inbwd_ckpt (both). --json writes one
+      (default all the device runs): adam_foreach (bounded temporaries), adam_foreach_unbounded
+      (PyTorch's), adam_single, adam_fused, adam8bit, sgd; adam_inbwd and adam8bit_inbwd (the
+      step inside backward), adam_ckpt (every block checkpointed), adam_inbwd_ckpt (both),
+      adam_offload (the first 3/5 of the blocks offloaded to pinned host memory; CUDA only). --json writes one
       object per case, --html charts; --pytorch reads torch_reference.py's anchor.jsonl and adds
       PyTorch's figures.
 ";
@@ -115,7 +121,7 @@ fn parse(args: &[String]) -> Result<Options> {
     let mut options = Options {
         device: DeviceChoice::Auto,
         batches: Vec::new(),
-        cases: Case::ALL.to_vec(),
+        cases: Vec::new(),
         model: None,
         protocol: Protocol {
             warmup: 3,
@@ -298,7 +304,15 @@ fn run_cases<S: Storage>(
     } else {
         options.batches.clone()
     };
-    let n_cases = batches.len() * options.cases.len();
+    let cases: Vec<Case> = if options.cases.is_empty() {
+        Case::ALL
+            .into_iter()
+            .filter(|case| defaults.cuda || !case.needs_cuda())
+            .collect()
+    } else {
+        options.cases.clone()
+    };
+    let n_cases = batches.len() * cases.len();
     let bar = if options.progress {
         ProgressBar::new((n_cases * options.protocol.total_steps()) as u64)
     } else {
@@ -315,7 +329,7 @@ fn run_cases<S: Storage>(
         failures: Vec::new(),
     };
     for &batch in &batches {
-        for &case in &options.cases {
+        for &case in &cases {
             bar.set_message(format!("{} batch {batch} {}", model.name, case.name()));
             let done = bar.position() + options.protocol.total_steps() as u64;
             let tick = &mut || bar.inc(1);
