@@ -161,9 +161,7 @@ impl Case {
             | Case::AdamInbwd
             | Case::AdamCkpt
             | Case::AdamInbwdCkpt
-            | Case::AdamOffload => {
-                build::<AdamConfig>(params, adam, Implementation::Fused)
-            }
+            | Case::AdamOffload => build::<AdamConfig>(params, adam, Implementation::Fused),
             Case::Adam8bit | Case::Adam8bitInbwd => {
                 build::<Adam8bitConfig>(params, adam8bit, Implementation::Fused)
             }
