@@ -8,33 +8,12 @@ use headroom_autograd_core::{BackendRef, DType, Generator, Tensor, TensorError};
 use headroom_checkpoint::{
     offload, BlockSelection, CheckpointError, OffloadBlocks, OffloadOptions,
 };
-use headroom_nn::{BlockRunner, NnError, VisionTransformer, VitConfig};
+use headroom_nn::{NnError, VisionTransformer, VitConfig};
 use headroom_ops_cpu::CpuBackend;
-use headroom_testkit::{
-    check_technique, Baseline, Batch, Model, ModelSpec, OptimSpec, Technique, Tolerance, TrainCase,
-    TrainRun,
-};
+use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCase};
 
-/// Runs the model's blocks through an [`OffloadBlocks`], then trains as the plain loop does.
-struct Offloaded(OffloadBlocks);
-
-impl Technique for Offloaded {
-    fn name(&self) -> &str {
-        "offloaded blocks"
-    }
-
-    fn prepare(&mut self, run: &mut TrainRun) -> headroom_testkit::Result<()> {
-        let Model::Vit(vit) = &mut run.model else {
-            return Err("a ViT case".into());
-        };
-        vit.encoder.block_runner = Some(Arc::new(self.0.clone()) as Arc<dyn BlockRunner>);
-        Ok(())
-    }
-
-    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
-        Baseline.step(run, batch)
-    }
-}
+mod support;
+use support::RunBlocks;
 
 fn allocated(backend: &BackendRef) -> i64 {
     backend.memory_stats().allocated_bytes.all.current
@@ -113,7 +92,7 @@ fn blocks_not_selected_train_exactly_as_without_offload() {
         seed: 5,
     };
     let blocks = OffloadBlocks::new(BlockSelection::Indices(vec![]));
-    let report = check_technique(&cpu, &case, &mut Offloaded(blocks.clone())).unwrap();
+    let report = check_technique(&cpu, &case, &mut RunBlocks(Arc::new(blocks.clone()))).unwrap();
     assert_eq!(report.max_ulps, 0);
     assert_eq!(report.baseline_losses, report.technique_losses);
     let stats = blocks.options.pool.stats();

@@ -12,37 +12,14 @@ use std::time::Duration;
 
 use headroom_autograd_core::{BackendRef, DType, Generator, Tensor, TensorError};
 use headroom_checkpoint::{offload, BlockSelection, OffloadBlocks, OffloadOptions, OffloadPool};
-use headroom_nn::{BlockRunner, Gpt2Config, Module, VisionTransformer, VitConfig};
+use headroom_nn::{Gpt2Config, Module, VisionTransformer, VitConfig};
 use headroom_ops_cuda::{CudaBackend, KernelArg};
 use headroom_testkit::gpu::{cuda_or_skip, exclusive_device};
 use headroom_testkit::inputs::uniform_f32;
-use headroom_testkit::{
-    check_technique, Baseline, Batch, Model, ModelSpec, OptimSpec, Technique, Tolerance, TrainCase,
-    TrainRun,
-};
+use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCase};
 
-/// Runs the model's blocks through an [`OffloadBlocks`], then trains as the plain loop does.
-struct Offloaded(OffloadBlocks);
-
-impl Technique for Offloaded {
-    fn name(&self) -> &str {
-        "offloaded blocks"
-    }
-
-    fn prepare(&mut self, run: &mut TrainRun) -> headroom_testkit::Result<()> {
-        let runner: Arc<dyn BlockRunner> = Arc::new(self.0.clone());
-        match &mut run.model {
-            Model::Vit(vit) => vit.encoder.block_runner = Some(runner),
-            Model::Gpt2(gpt2) => gpt2.transformer.block_runner = Some(runner),
-            Model::Mlp(_) => return Err("the MLP has no blocks".into()),
-        }
-        Ok(())
-    }
-
-    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
-        Baseline.step(run, batch)
-    }
-}
+mod support;
+use support::RunBlocks;
 
 /// `spin_ns(ns)`: one thread that returns once `ns` nanoseconds of `%globaltimer` have passed
 /// (ops-cuda's stream tests use the same kernel to keep the compute stream busy).
@@ -150,7 +127,7 @@ fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
                 selection: selection.clone(),
                 options: options.clone(),
             };
-            let report = check_technique(&cuda, &case, &mut Offloaded(blocks))
+            let report = check_technique(&cuda, &case, &mut RunBlocks(Arc::new(blocks)))
                 .unwrap_or_else(|err| panic!("{name} {selection:?}: {err}"));
             assert_eq!(report.max_ulps, 0, "{name} {selection:?}");
             assert_eq!(report.baseline_losses, report.technique_losses);
@@ -246,6 +223,13 @@ fn forward_backward(vit: &VisionTransformer, images: &Tensor) {
         .unwrap();
 }
 
+fn gradients(vit: &VisionTransformer) -> Vec<Vec<f32>> {
+    vit.parameters()
+        .iter()
+        .map(|p| p.grad().unwrap().to_vec::<f32>().unwrap())
+        .collect()
+}
+
 fn vit_mini(backend: &BackendRef, options: &OffloadOptions) -> (VisionTransformer, Tensor) {
     let generator = Arc::new(Generator::new(0));
     let mut vit =
@@ -312,11 +296,7 @@ fn an_offloaded_step_never_makes_the_host_wait_for_the_device() {
     let (vit, images) = vit_mini(&backend, &options);
     forward_backward(&vit, &images);
     cuda.synchronize().unwrap();
-    let plain: Vec<Vec<f32>> = vit
-        .parameters()
-        .iter()
-        .map(|p| p.grad().unwrap().to_vec::<f32>().unwrap())
-        .collect();
+    let plain = gradients(&vit);
     vit.zero_grad(true).unwrap();
     let syncs = |cuda: &CudaBackend| {
         (

@@ -19,6 +19,12 @@
 //! was freed, so a copy into it first makes its stream wait for that stream. Allocate copy
 //! destinations on the copy stream to overlap the copy with the kernels already queued.
 //!
+//! An [`InFlight`] copy ([`CudaBackend::copy_from_tensor_in_flight`],
+//! [`CudaBackend::copy_to_tensor_in_flight`]) leaves the tensor's memory unmarked instead: it holds
+//! the tensor, and hands it back (or drops it) only after making the compute stream wait for the
+//! copy, so the memory is reusable in stream order as soon as it is freed, without the host ever
+//! seeing the copy complete (activation offload).
+//!
 //! Otherwise ordering between streams is the caller's, as in PyTorch: make the compute stream wait
 //! for a loading copy's event before kernels read the data, and a copy stream wait for the compute
 //! stream before it copies what kernels wrote. A copy into a tensor does not bump the tensor's
