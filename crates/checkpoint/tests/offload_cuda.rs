@@ -1,5 +1,6 @@
 //! Offload on the CUDA backend: training with offloaded blocks gives the plain loop's parameters
-//! bit for bit (ViT-tiny and GPT-2-tiny with dropout, whatever the prefetch and copy overlap),
+//! bit for bit (ViT-tiny with dropout, whatever the prefetch and copy overlap; GPT-2-tiny within
+//! the ulps its atomic embedding gradient varies by between two plain runs),
 //! a region's gradients equal the plain ones with exactly the expected saves offloaded, the pinned
 //! pool's bytes do not change after the first step, an offloaded step never makes the host wait
 //! for the device, and a tensor written in place after its save still fails backward with
@@ -90,12 +91,23 @@ fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
                 attention_dropout: 0.1,
                 ..VitConfig::tiny()
             }),
+            Tolerance::Bitwise {
+                why: "offload moves bytes and gives them back unchanged, and the ViT's CUDA \
+                      kernels are deterministic",
+            },
         ),
         (
             "gpt2-tiny with dropout on CUDA",
             ModelSpec::Gpt2 {
                 config: gpt2,
                 seq: 16,
+            },
+            Tolerance::Ulps {
+                max: 4,
+                why: "the token embedding's gradient is a scatter-add with atomics on CUDA, so \
+                      its additions come in another order from run to run (one element of wte \
+                      was one ulp off on the H200, every other parameter equal); offload itself \
+                      moves bytes unchanged",
             },
         ),
     ];
@@ -108,7 +120,7 @@ fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
         (BlockSelection::All, every_save(2, 64)),
         (BlockSelection::Every(2), every_save(1, 1)),
     ];
-    for (name, model) in models {
+    for (name, model, tolerance) in models {
         for (selection, options) in &settings {
             let case = TrainCase {
                 name,
@@ -117,10 +129,7 @@ fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
                 batch: 4,
                 steps: 4,
                 optimizer: OptimSpec::adamw(1e-3, 1e-2),
-                tolerance: Tolerance::Bitwise {
-                    why: "offload moves bytes and gives them back unchanged, and the models' \
-                          CUDA kernels are deterministic",
-                },
+                tolerance,
                 seed: 3,
             };
             let blocks = OffloadBlocks {
@@ -129,8 +138,10 @@ fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
             };
             let report = check_technique(&cuda, &case, &mut RunBlocks(Arc::new(blocks)))
                 .unwrap_or_else(|err| panic!("{name} {selection:?}: {err}"));
-            assert_eq!(report.max_ulps, 0, "{name} {selection:?}");
-            assert_eq!(report.baseline_losses, report.technique_losses);
+            if matches!(model, ModelSpec::Vit(_)) {
+                assert_eq!(report.max_ulps, 0, "{name} {selection:?}");
+                assert_eq!(report.baseline_losses, report.technique_losses);
+            }
             let stats = options.pool.stats();
             assert!(
                 stats.offloaded_saves > 0 && stats.bytes_to_host > 0,
@@ -197,11 +208,12 @@ fn a_regions_gradients_equal_the_plain_ones_with_exactly_its_activations_offload
     );
 
     // x (a leaf without grad), the first product (GELU's input) and GELU's output go to the
-    // host; the weights (parameters) stay.
+    // host; the second weight (a parameter) stays. The first linear saves no weight: its input
+    // needs no gradient.
     let f32_bytes = |n: usize| (n * 4) as u64;
     let activations = f32_bytes(rows * width) + 2 * f32_bytes(rows * hidden);
     assert_eq!(after_forward.offloaded_saves, 3, "{after_forward:?}");
-    assert_eq!(after_forward.kept_saves, 2, "{after_forward:?}");
+    assert_eq!(after_forward.kept_saves, 1, "{after_forward:?}");
     assert_eq!(after_forward.bytes_to_host, activations);
     let stats = options.pool.stats();
     assert_eq!(
@@ -238,8 +250,10 @@ fn vit_mini(backend: &BackendRef, options: &OffloadOptions) -> (VisionTransforme
         selection: BlockSelection::All,
         options: options.clone(),
     }));
-    let n = 8 * 3 * 32 * 32;
-    let images = Tensor::from_slice(backend, &uniform_f32(n, 7), &[8, 3, 32, 32]).unwrap();
+    let size = VitConfig::mini().image_size;
+    let shape = [8, 3, size, size];
+    let images =
+        Tensor::from_slice(backend, &uniform_f32(shape.iter().product(), 7), &shape).unwrap();
     (vit, images)
 }
 

@@ -102,9 +102,9 @@ pub(crate) const USAGE: &str =
       (default all the device runs): adam_foreach (bounded temporaries), adam_foreach_unbounded
       (PyTorch's), adam_single, adam_fused, adam8bit, sgd; adam_inbwd and adam8bit_inbwd (the
       step inside backward), adam_ckpt (every block checkpointed), adam_inbwd_ckpt (both),
-      adam_offload (the first 3/5 of the blocks offloaded to pinned host memory; CUDA only). --json writes one
-      object per case, --html charts; --pytorch reads torch_reference.py's anchor.jsonl and adds
-      PyTorch's figures.
+      adam_offload (the first 7/12 of the blocks offloaded to pinned host memory; CUDA only).
+      --json writes one object per case, --html charts; --pytorch reads torch_reference.py's
+      anchor.jsonl and adds PyTorch's figures.
 ";
 
 /// `cargo xtask bench-memory ARGS`.
