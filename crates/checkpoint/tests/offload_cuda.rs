@@ -1,6 +1,6 @@
 //! Offload on the CUDA backend: training with offloaded blocks gives the plain loop's parameters
 //! bit for bit (ViT-tiny with dropout, whatever the prefetch and copy overlap; GPT-2-tiny within
-//! the ulps its atomic embedding gradient varies by between two plain runs),
+//! what its atomic embedding gradient lets two plain runs differ by),
 //! a region's gradients equal the plain ones with exactly the expected saves offloaded, the pinned
 //! pool's bytes do not change after the first step, an offloaded step never makes the host wait
 //! for the device, and a tensor written in place after its save still fails backward with
@@ -102,12 +102,14 @@ fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
                 config: gpt2,
                 seq: 16,
             },
-            Tolerance::Ulps {
-                max: 4,
+            Tolerance::Relative {
+                max: 1e-6,
                 why: "the token embedding's gradient is a scatter-add with atomics on CUDA, so \
-                      its additions come in another order from run to run (one element of wte \
-                      was one ulp off on the H200, every other parameter equal); offload itself \
-                      moves bytes unchanged",
+                      its additions come in another order from run to run, and a last-bit \
+                      difference in one step spreads to the other parameters in the next (on the \
+                      H200, after 4 steps: one ulp of wte in one run; 10 parameters up to 4.4e-8 \
+                      relative in another); offload itself moves bytes unchanged (the ViT, \
+                      without atomics, is bitwise)",
             },
         ),
     ];
