@@ -9,7 +9,7 @@ use headroom_testkit::{Baseline, Batch, Model, Technique, TrainRun};
 
 /// Sets `0` as the model's block runner (a ViT's encoder, a GPT-2's transformer), then steps as
 /// [`Baseline`].
-pub struct RunBlocks(pub Arc<dyn BlockRunner>);
+pub(crate) struct RunBlocks(pub(crate) Arc<dyn BlockRunner>);
 
 impl Technique for RunBlocks {
     fn name(&self) -> &str {
