@@ -12,8 +12,10 @@
 //!
 //! On a GPU (built with `--features cuda`; auto, or `--cuda`): a ViT-g/14-sized model (40 blocks
 //! of width 1408, 1.0 B parameters, f32) at batch 16 with SGD and `loss = out.sum()`, the recipe's
-//! setting (its figures are fp16; mixed precision arrives with the amp crate). On the CPU:
-//! `VitConfig::mini()` at batch 16. See README.md.
+//! setting (its figures are fp16; mixed precision arrives with the amp crate), and one more row:
+//! the first 3/5 of the blocks offloaded to pinned host memory (an `OffloadBlocks` as the block
+//! runner). On the CPU: `VitConfig::mini()` at batch 16. `--only WORD` runs the baseline and the
+//! settings whose label contains WORD. See README.md.
 
 #[path = "../device/mod.rs"]
 mod device;
@@ -23,8 +25,10 @@ use std::time::Instant;
 
 use anyhow::Result;
 use headroom::autograd_core::{DType, Generator, Tensor};
-use headroom::checkpoint::{BlockSelection, CheckpointBlocks, CheckpointOptions, SaveMatmuls};
-use headroom::nn::{Module, VisionTransformer, VitConfig};
+use headroom::checkpoint::{
+    BlockSelection, CheckpointBlocks, CheckpointOptions, OffloadBlocks, OffloadOptions, SaveMatmuls,
+};
+use headroom::nn::{BlockRunner, Module, VisionTransformer, VitConfig};
 use headroom::optim::kernels::SgdConfig;
 use headroom::optim::{Implementation, Optimizer, ParamGroup, Sgd};
 
@@ -33,38 +37,58 @@ use device::Device;
 /// One way of running the blocks.
 struct Setting {
     label: &'static str,
-    runner: Option<CheckpointBlocks>,
+    runner: Option<Arc<dyn BlockRunner>>,
 }
 
-fn settings() -> Vec<Setting> {
-    let every = |selection| CheckpointBlocks {
-        selection,
-        options: CheckpointOptions::default(),
+/// The settings: with `offload` (a CUDA device), also the saved tensors of the first 3/5 of the
+/// blocks offloaded to pinned host memory, their copies overlapping the forward of the blocks
+/// after them and the prefetch three blocks ahead of backward.
+fn settings(n_blocks: usize, offload: bool) -> Vec<Setting> {
+    let every = |selection| -> Option<Arc<dyn BlockRunner>> {
+        Some(Arc::new(CheckpointBlocks {
+            selection,
+            options: CheckpointOptions::default(),
+        }))
     };
-    vec![
+    let offloaded = (n_blocks * 3).div_ceil(5);
+    let mut settings = vec![
         Setting {
             label: "no checkpointing",
             runner: None,
         },
         Setting {
             label: "checkpoint every block",
-            runner: Some(every(BlockSelection::All)),
+            runner: every(BlockSelection::All),
         },
         Setting {
             label: "checkpoint every 2nd block",
-            runner: Some(every(BlockSelection::Every(2))),
+            runner: every(BlockSelection::Every(2)),
         },
         Setting {
             label: "selective: save matmuls",
-            runner: Some(CheckpointBlocks {
+            runner: Some(Arc::new(CheckpointBlocks {
                 selection: BlockSelection::All,
                 options: CheckpointOptions {
                     policy: Arc::new(SaveMatmuls),
                     ..CheckpointOptions::default()
                 },
-            }),
+            })),
         },
-    ]
+    ];
+    if offload {
+        settings.push(Setting {
+            label: "offload first 3/5 of blocks",
+            runner: Some(Arc::new(OffloadBlocks {
+                selection: BlockSelection::Indices((0..offloaded).collect()),
+                options: OffloadOptions {
+                    release_after_blocks: n_blocks - offloaded,
+                    prefetch_blocks: 3,
+                    ..OffloadOptions::default()
+                },
+            })),
+        });
+    }
+    settings
 }
 
 /// What one setting measured.
@@ -82,9 +106,7 @@ fn measure(device: &Device, config: VitConfig, batch: usize, setting: &Setting) 
         DType::F32,
         &Arc::new(Generator::new(0)),
     )?;
-    if let Some(runner) = &setting.runner {
-        model.encoder.block_runner = Some(Arc::new(runner.clone()));
-    }
+    model.encoder.block_runner = setting.runner.clone();
     let mut sgd = Sgd::new(
         vec![ParamGroup::new(model.parameters(), SgdConfig::new(1e-4))],
         Implementation::Fused,
@@ -173,8 +195,20 @@ fn main() -> Result<()> {
         "{:<28} {:>10} {:>16} {:>10} {:>8}  last loss",
         "setting", "peak", "kept by forward", "step", "time"
     );
+    // `--only WORD`: the baseline and the settings whose label contains WORD.
+    let args: Vec<String> = std::env::args().collect();
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1));
     let mut baseline: Option<Figures> = None;
-    for setting in settings() {
+    for (i, setting) in settings(config.num_layers, device.is_cuda())
+        .into_iter()
+        .enumerate()
+    {
+        if i > 0 && only.is_some_and(|word| !setting.label.contains(word.as_str())) {
+            continue;
+        }
         let f = measure(&device, config, batch, &setting)?;
         let ratio = baseline.as_ref().map_or(1.0, |b| f.step_ms / b.step_ms);
         println!(
@@ -189,6 +223,9 @@ fn main() -> Result<()> {
         if baseline.is_none() {
             baseline = Some(f);
         }
+    }
+    if !device.is_cuda() {
+        println!("\n(offload copies saved tensors to pinned host memory: it runs with --cuda)");
     }
     Ok(())
 }

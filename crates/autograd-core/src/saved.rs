@@ -24,6 +24,7 @@ use crate::buffer::VersionCounter;
 use crate::dtype::{DType, Device};
 use crate::error::{Result, TensorError};
 use crate::grad_mode::no_grad;
+use crate::graph::Edge;
 use crate::layout::Dims;
 use crate::tensor::Tensor;
 
@@ -61,6 +62,11 @@ pub struct SaveSite {
     /// Its number among the saves of this thread since its last outermost backward finished,
     /// from 0: the same save of every training step gets the same number.
     pub seq: u64,
+    /// Whether the saved tensor's storage is a parameter's: a leaf that requires grad (a linear
+    /// saves its weight; an input the user marked counts too), or a view of one (GPT-2's `Conv1D`
+    /// saves its weight transposed). That memory outlives the step, so a technique that drops
+    /// saved tensors to free memory gains nothing from it (offload never copies one).
+    pub parameter: bool,
 }
 
 thread_local! {
@@ -137,6 +143,30 @@ pub(crate) fn current_saved_tensor_hooks() -> Option<Arc<SavedTensorHooks>> {
     SAVED_TENSOR_HOOKS.with(|stack| stack.borrow().last().cloned())
 }
 
+/// Views followed back from a saved tensor to the leaf whose storage it shares.
+const MAX_VIEW_CHAIN: usize = 16;
+
+/// Whether `tensor`'s storage is that of a leaf requiring grad: the tensor itself is one, or it is
+/// a view and following the first input of each recorded op back from it (a view op's only
+/// input) reaches such a leaf with the same storage.
+fn holds_parameter_storage(tensor: &Tensor) -> bool {
+    let Some((mut node, _)) = tensor.grad_fn() else {
+        return tensor.requires_grad();
+    };
+    if !tensor.is_view() {
+        return false;
+    }
+    for _ in 0..MAX_VIEW_CHAIN {
+        let next = match node.next().first() {
+            Some(Some(Edge::Leaf(leaf))) => return Arc::ptr_eq(leaf.buffer(), tensor.buffer()),
+            Some(Some(Edge::Node { node, .. })) => Arc::clone(node),
+            _ => return false,
+        };
+        node = next;
+    }
+    false
+}
+
 /// A tensor kept for a backward function.
 pub struct SavedTensor {
     op: &'static str,
@@ -181,6 +211,7 @@ impl SavedTensor {
                     device: tensor.device(),
                     bytes: (tensor.numel() * tensor.dtype().size_in_bytes()) as u64,
                     seq,
+                    parameter: holds_parameter_storage(tensor),
                 };
                 let _guard = no_grad();
                 let packed = (hooks.pack)(&site, alias)?;

@@ -80,6 +80,17 @@ pub enum CheckpointError {
          masks would differ); the region must make the same draws on recompute"
     )]
     RandomDrawsDiffer,
+    /// Offload was asked of tensors it cannot move: not on a CUDA device, or the crate was built
+    /// without its `cuda` feature. Nothing was kept on the device in its place.
+    #[error(
+        "offload: {reason}; offload copies saved tensors to pinned host memory with CUDA copies: \
+         run the model on a CudaBackend with headroom-checkpoint's `cuda` feature on, or use \
+         checkpoint to save memory on this device"
+    )]
+    OffloadNeedsCuda {
+        /// What is missing.
+        reason: String,
+    },
     /// An argument is out of range.
     #[error("{op}: {reason}")]
     InvalidArgument {

@@ -18,15 +18,29 @@
 //! editing the model by setting a [`CheckpointBlocks`] as its nn block runner;
 //! [`checkpoint_sequential`] cuts a chain of blocks into segments.
 //!
+//! [`offload`] and [`OffloadBlocks`] keep what a region or a model's selected blocks save, but in
+//! pinned host memory: copied on a side stream while the forward goes on, given back to the device
+//! ahead of backward (prefetch), with no host synchronisation; an [`OffloadPool`] holds the pinned
+//! memory, allocated by the first step and reused by the next. It needs a CUDA device.
+//!
 //! This crate sits on autograd-core's seams (saved-tensor hooks, grad mode, the autocast scope,
-//! draw recording) and nn's block seam. It knows no kernel and no device.
+//! draw recording) and nn's block seam. It knows no kernel; only offload reaches a device, through
+//! ops-cuda.
+//!
+//! # Crate features
+//!
+//! - `cuda`: offload's implementation on ops-cuda's backend (without it, [`offload`] and
+//!   [`OffloadBlocks`] return [`CheckpointError::OffloadNeedsCuda`]); it changes no result of
+//!   checkpointing.
 
 mod blocks;
 mod error;
+mod offload;
 mod policy;
 mod region;
 
 pub use blocks::{block_forwards, checkpoint_sequential, BlockSelection, CheckpointBlocks};
 pub use error::CheckpointError;
+pub use offload::{offload, OffloadBlocks, OffloadOptions, OffloadPool, OffloadStats};
 pub use policy::{Decision, PolicyFn, RecomputeAll, SaveMatmuls, SavePolicy};
 pub use region::{checkpoint, checkpoint_with, CheckpointOptions, Region};

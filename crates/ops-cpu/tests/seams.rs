@@ -229,6 +229,39 @@ fn save_numbers_start_again_after_each_backward() {
     assert_eq!(step(), vec![0, 1, 2, 3]);
 }
 
+#[test]
+fn a_save_says_whether_its_storage_is_a_parameters() {
+    let cpu = CpuBackend::new_ref();
+    let weight = leaf(&cpu, &[4, 3], DType::F32);
+    let conv1d_weight = leaf(&cpu, &[3, 4], DType::F32);
+    let marked_input = leaf(&cpu, &[2, 3], DType::F32);
+    let sites = sites_of(|| {
+        // An activation (saves nothing), then nn's Linear, GPT-2's Conv1D (its weight
+        // transposed: a view of the parameter), a product with a new storage made from a
+        // parameter, and an input the user marked.
+        let x = marked_input.mul_scalar(2.0).unwrap();
+        x.linear(&weight, None).unwrap();
+        x.linear(&conv1d_weight.t().unwrap(), None).unwrap();
+        let doubled = weight.mul_scalar(2.0).unwrap();
+        x.linear(&doubled.t().unwrap().t().unwrap(), None).unwrap();
+        marked_input.log().unwrap();
+    });
+    let parameter: Vec<_> = sites.iter().map(|s| (s.op, s.role, s.parameter)).collect();
+    use SaveRole::Input;
+    assert_eq!(
+        parameter,
+        [
+            ("linear", Input(0), false),
+            ("linear", Input(1), true),
+            ("linear", Input(0), false),
+            ("linear", Input(1), true),
+            ("linear", Input(0), false),
+            ("linear", Input(1), false),
+            ("log", Input(0), true),
+        ]
+    );
+}
+
 /// A policy in the shape of PyTorch's CUDA lists, for the ops these tests use.
 #[derive(Debug)]
 struct TestPolicy(DType);

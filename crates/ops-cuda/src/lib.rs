@@ -73,7 +73,7 @@ pub use device::CudaBackend;
 #[cfg(feature = "cuda")]
 pub use launch::{CudaKernel, KernelArg};
 #[cfg(feature = "cuda")]
-pub use pinned::PinnedBuffer;
+pub use pinned::{InFlight, PinnedBuffer};
 #[cfg(feature = "cuda")]
 pub use stream::{CudaEvent, CudaStream};
 

@@ -19,6 +19,12 @@
 //! was freed, so a copy into it first makes its stream wait for that stream. Allocate copy
 //! destinations on the copy stream to overlap the copy with the kernels already queued.
 //!
+//! An [`InFlight`] copy ([`CudaBackend::copy_from_tensor_in_flight`],
+//! [`CudaBackend::copy_to_tensor_in_flight`]) leaves the tensor's memory unmarked instead: it holds
+//! the tensor, and hands it back (or drops it) only after making the compute stream wait for the
+//! copy, so the memory is reusable in stream order as soon as it is freed, without the host ever
+//! seeing the copy complete (activation offload).
+//!
 //! Otherwise ordering between streams is the caller's, as in PyTorch: make the compute stream wait
 //! for a loading copy's event before kernels read the data, and a copy stream wait for the compute
 //! stream before it copies what kernels wrote. A copy into a tensor does not bump the tensor's
@@ -124,20 +130,7 @@ impl CudaBackend {
         if owner != stream.id() {
             stream.wait_stream(&stream.backend().stream_by_id(owner)?)?;
         }
-        self.bind(OP)?;
-        // SAFETY: both ranges lie inside live memory (checked above): the pinned block stays
-        // allocated until its stream's work completes (recorded below), and so does the device
-        // buffer. Host writes to the source wait for this copy (`PinnedBuffer::as_mut_slice`).
-        unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                dst.address() + dst_offset as u64,
-                (src.address() + src_range.start as u64) as *const std::ffi::c_void,
-                len,
-                stream.raw(),
-            )
-        }
-        .result()
-        .map_err(|e| device_error(OP, e))?;
+        self.queue_to_device(OP, src, src_range.start, dst, dst_offset, len, stream)?;
         self.record_copy(src, dst, stream)?;
         src.note_use(stream, false)
     }
@@ -157,20 +150,7 @@ impl CudaBackend {
         if len == 0 {
             return Ok(());
         }
-        self.bind(OP)?;
-        // SAFETY: both ranges lie inside live memory (checked above) and stay allocated until
-        // the stream's work completes (recorded below). `dst` is borrowed mutably, so no host
-        // slice of it is alive, and host access later waits for this copy.
-        unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                (dst.address() + dst_range.start as u64) as *mut std::ffi::c_void,
-                src.address() + src_offset as u64,
-                len,
-                stream.raw(),
-            )
-        }
-        .result()
-        .map_err(|e| device_error(OP, e))?;
+        self.queue_to_host(OP, src, src_offset, dst, dst_range.start, len, stream)?;
         self.record_copy(dst, src, stream)?;
         dst.note_use(stream, true)
     }
@@ -201,6 +181,137 @@ impl CudaBackend {
         let (byte_offset, len) = dense_bytes("copy_from_tensor_async", src)?;
         let dst_range = dst_offset..dst_offset.saturating_add(len);
         self.copy_to_host_async(src.buffer(), byte_offset, dst, dst_range, stream)
+    }
+
+    /// Queues a copy of the contiguous tensor `src` into `dst` from byte `dst_offset` on, on
+    /// `stream`, and lends `src` to it: the returned [`InFlight`] holds `src` until the compute
+    /// stream has been made to wait for the copy (see [`InFlight`]). The copy first waits for the
+    /// work queued so far on the compute stream (which wrote `src`) and, if `src`'s memory comes
+    /// from another stream's pool, on that stream too. Unlike [`CudaBackend::copy_from_tensor_async`],
+    /// `src`'s memory is not marked with `stream`: it is reusable as soon as it is freed, in
+    /// stream order, and never waits for the host to see the copy complete (activation offload).
+    pub fn copy_from_tensor_in_flight(
+        &self,
+        src: Tensor,
+        dst: &mut PinnedBuffer,
+        dst_offset: usize,
+        stream: &CudaStream,
+    ) -> Result<InFlight> {
+        const OP: &str = "copy_from_tensor_in_flight";
+        let (byte_offset, len) = dense_bytes(OP, &src)?;
+        let dst_range = dst_offset..dst_offset.saturating_add(len);
+        self.check_copy(OP, dst, &dst_range, src.buffer(), byte_offset, stream)?;
+        let owner = self.order_after_tensor_users(&src, stream)?;
+        if len > 0 {
+            self.queue_to_host(OP, src.buffer(), byte_offset, dst, dst_offset, len, stream)?;
+            self.pinned
+                .record_stream_address(dst.address(), stream.id())?;
+            dst.note_use(stream, true)?;
+        }
+        InFlight::after(src, owner, stream)
+    }
+
+    /// Queues a copy into the contiguous tensor `dst` (just allocated: its contents are
+    /// overwritten) from `src`, starting at byte `src_offset`, on `stream`; the returned
+    /// [`InFlight`] hands `dst` to the compute stream once the copy is done
+    /// ([`InFlight::finish`]). The copy first waits for the work queued so far on the compute
+    /// stream (a previous tenant of `dst`'s memory may still be read there) and, if `dst`'s
+    /// memory comes from another stream's pool, on that stream too. `dst`'s memory is not marked
+    /// with `stream`, as in [`CudaBackend::copy_from_tensor_in_flight`].
+    pub fn copy_to_tensor_in_flight(
+        &self,
+        src: &PinnedBuffer,
+        src_offset: usize,
+        dst: Tensor,
+        stream: &CudaStream,
+    ) -> Result<InFlight> {
+        const OP: &str = "copy_to_tensor_in_flight";
+        let (byte_offset, len) = dense_bytes(OP, &dst)?;
+        let src_range = src_offset..src_offset.saturating_add(len);
+        self.check_copy(OP, src, &src_range, dst.buffer(), byte_offset, stream)?;
+        let owner = self.order_after_tensor_users(&dst, stream)?;
+        if len > 0 {
+            self.queue_to_device(OP, src, src_offset, dst.buffer(), byte_offset, len, stream)?;
+            self.pinned
+                .record_stream_address(src.address(), stream.id())?;
+            src.note_use(stream, false)?;
+        }
+        InFlight::after(dst, owner, stream)
+    }
+
+    /// Makes `stream` wait for the work queued so far on the compute stream and on the stream
+    /// whose pool `tensor`'s memory comes from; returns that stream.
+    fn order_after_tensor_users(&self, tensor: &Tensor, stream: &CudaStream) -> Result<StreamId> {
+        let backend = stream.backend();
+        stream.wait_stream(&backend.compute_stream())?;
+        let owner = match tensor.buffer().address() {
+            0 => StreamId::DEFAULT,
+            address => self.allocator().allocation_stream(address)?,
+        };
+        if owner != StreamId::DEFAULT && owner != stream.id() {
+            stream.wait_stream(&backend.stream_by_id(owner)?)?;
+        }
+        Ok(owner)
+    }
+
+    /// Queues `len` bytes from `src` at `src_offset` to `dst` at `dst_offset` on `stream`
+    /// (ranges checked by the caller); no bookkeeping.
+    #[allow(clippy::too_many_arguments)]
+    fn queue_to_device(
+        &self,
+        op: &'static str,
+        src: &PinnedBuffer,
+        src_offset: usize,
+        dst: &Buffer,
+        dst_offset: usize,
+        len: usize,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.bind(op)?;
+        // SAFETY: both ranges lie inside live memory (checked by the caller): the pinned block
+        // stays allocated until its stream's work completes (the caller records the copy on it),
+        // and the device buffer until the copy is done (marked with the stream, or held by an
+        // `InFlight` that orders its release after the copy). Host writes to the source wait for
+        // this copy (`PinnedBuffer::as_mut_slice`).
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dst.address() + dst_offset as u64,
+                (src.address() + src_offset as u64) as *const std::ffi::c_void,
+                len,
+                stream.raw(),
+            )
+        }
+        .result()
+        .map_err(|e| device_error(op, e))
+    }
+
+    /// Queues `len` bytes from `src` at `src_offset` to `dst` at `dst_offset` on `stream`
+    /// (ranges checked by the caller); no bookkeeping.
+    #[allow(clippy::too_many_arguments)]
+    fn queue_to_host(
+        &self,
+        op: &'static str,
+        src: &Buffer,
+        src_offset: usize,
+        dst: &mut PinnedBuffer,
+        dst_offset: usize,
+        len: usize,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.bind(op)?;
+        // SAFETY: both ranges lie inside live memory (checked by the caller) and stay allocated
+        // until the copy is done (as in `queue_to_device`). `dst` is borrowed mutably, so no host
+        // slice of it is alive, and host access later waits for this copy.
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                (dst.address() + dst_offset as u64) as *mut std::ffi::c_void,
+                src.address() + src_offset as u64,
+                len,
+                stream.raw(),
+            )
+        }
+        .result()
+        .map_err(|e| device_error(op, e))
     }
 
     /// Checks that `pinned[range]` and `len` bytes of `device` at `offset` exist and that all
@@ -361,6 +472,106 @@ impl Drop for PinnedBuffer {
             if let Err(error) = self.backend.pinned.free(allocation) {
                 self.backend.note_free_error(error);
             }
+        }
+    }
+}
+
+/// A tensor that an asynchronous copy on a side stream reads or writes, handed back to the
+/// compute stream in stream order.
+///
+/// [`CudaBackend::copy_from_tensor_in_flight`] lends a tensor to a copy to the host;
+/// [`CudaBackend::copy_to_tensor_in_flight`] fills a fresh one from the host. Neither marks the
+/// tensor's memory with the copy's stream (`record_stream`). Instead [`InFlight::finish`] makes the
+/// compute stream (and the stream whose pool owns the memory, if another) wait for the copy and
+/// returns the tensor; dropping an `InFlight` does the same and drops the tensor. Every kernel
+/// queued afterwards runs after the copy — those of a later tenant of the memory too, once the
+/// tensor is freed — so the memory is reusable as soon as it is freed, and the host never waits.
+/// (Memory freed after `record_stream` is reused only once the host has seen the copy complete,
+/// which a host running ahead of the device sees late: the allocator then maps more memory.)
+///
+/// If the driver refuses the wait when an `InFlight` is dropped, the host waits for the copy
+/// instead; if that fails too, the tensor is leaked rather than reused early.
+pub struct InFlight {
+    /// `None` once finished.
+    tensor: Option<Tensor>,
+    done: CudaEvent,
+    backend: Arc<CudaBackend>,
+    /// The stream whose pool the tensor's memory comes from.
+    owner: StreamId,
+}
+
+impl std::fmt::Debug for InFlight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InFlight")
+            .field("tensor", &self.tensor)
+            .field("owner", &self.owner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl InFlight {
+    /// `tensor`, used by the copy just queued on `stream`.
+    fn after(tensor: Tensor, owner: StreamId, stream: &CudaStream) -> Result<InFlight> {
+        Ok(InFlight {
+            tensor: Some(tensor),
+            done: stream.record_event()?,
+            backend: Arc::clone(stream.backend()),
+            owner,
+        })
+    }
+
+    /// The tensor, without waiting. Kernels may read the source of a copy to the host meanwhile
+    /// (the copy only reads it too); the destination of a copy to the device holds its contents
+    /// only after [`InFlight::finish`].
+    pub fn tensor(&self) -> &Tensor {
+        self.tensor
+            .as_ref()
+            .expect("an InFlight holds its tensor until finished")
+    }
+
+    /// The event recorded right after the copy.
+    pub fn event(&self) -> &CudaEvent {
+        &self.done
+    }
+
+    /// Whether the copy has completed (a query: the host does not wait).
+    pub fn is_done(&self) -> Result<bool> {
+        self.done.query()
+    }
+
+    /// Makes the compute stream, and the stream whose pool owns the tensor's memory, wait for the
+    /// copy (the host does not wait), and returns the tensor: kernels queued from now on see the
+    /// copy complete. Drop the tensor to free its memory, reusable at once in stream order.
+    pub fn finish(mut self) -> Result<Tensor> {
+        self.order_after_copy()?;
+        Ok(self
+            .tensor
+            .take()
+            .expect("an InFlight holds its tensor until finished"))
+    }
+
+    fn order_after_copy(&self) -> Result<()> {
+        self.backend.compute_stream().wait_event(&self.done)?;
+        if self.owner != StreamId::DEFAULT {
+            self.backend
+                .stream_by_id(self.owner)?
+                .wait_event(&self.done)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let Some(tensor) = self.tensor.take() else {
+            return;
+        };
+        if self.order_after_copy().is_ok() || self.done.synchronize().is_ok() {
+            drop(tensor);
+        } else {
+            // Neither the device nor the host could be ordered after the copy: never reuse the
+            // memory it may still use.
+            std::mem::forget(tensor);
         }
     }
 }

@@ -57,6 +57,7 @@ struct Options {
     device: DeviceChoice,
     /// Empty: the device's defaults.
     batches: Vec<usize>,
+    /// Empty: every case the device runs.
     cases: Vec<Case>,
     /// `None`: the device's default.
     model: Option<Model>,
@@ -69,20 +70,24 @@ struct Options {
     command: String,
 }
 
-/// The model and batch sizes a device runs when none are given.
+/// The model, batch sizes and cases a device runs when none are given.
 struct Defaults {
     model: &'static str,
     batches: &'static [usize],
+    /// Whether the cases that need CUDA run.
+    cuda: bool,
 }
 
 const CUDA_DEFAULTS: Defaults = Defaults {
     model: "vit_l_16",
     batches: &[1, 32],
+    cuda: true,
 };
 
 const CPU_DEFAULTS: Defaults = Defaults {
     model: "vit_mini",
     batches: &[1, 32],
+    cuda: false,
 };
 
 pub(crate) const USAGE: &str =
@@ -95,14 +100,16 @@ pub(crate) const USAGE: &str =
       traced step (memory by phase and by component at the peak). Prints a Markdown table.
       Device auto: CUDA when a GPU answers (ViT-L/16, batch 1 and 32), else the CPU backend
       (vit_mini, batch 1 and 32). Models: vit_l_16, vit_b_16, vit_mini, vit_tiny. Cases
-      (default all): adam_foreach (bounded temporaries), adam_foreach_unbounded (PyTorch's),
-      adam_single, adam_fused, adam8bit, sgd; adam_inbwd and adam8bit_inbwd (the step inside
-      backward), adam_ckpt (every block checkpointed), adam_inbwd_ckpt (both), adam_fused_clip
-      (clip_grad_norm_ to 1.0, then the step), adam_inbwd_clip (in backward, exact clipping: a
-      measuring pass first), adam_inbwd_clip_prev (previous step's norm). --bucket-mib sets
-      the in-backward cases' bucket (default: 1/16 of the parameters, at most 25). --json writes one
-      object per case, --html charts (timelines by time or in event order, a toggle in the
-      page); --pytorch reads torch_reference.py's anchor.jsonl and adds PyTorch's figures.
+      (default all the device runs): adam_foreach (bounded temporaries), adam_foreach_unbounded
+      (PyTorch's), adam_single, adam_fused, adam8bit, sgd; adam_inbwd and adam8bit_inbwd (the
+      step inside backward), adam_ckpt (every block checkpointed), adam_inbwd_ckpt (both),
+      adam_offload (the first 7/12 of the blocks offloaded to pinned host memory; CUDA only),
+      adam_fused_clip (clip_grad_norm_ to 1.0, then the step), adam_inbwd_clip (in backward,
+      exact clipping: a measuring pass first), adam_inbwd_clip_prev (previous step's norm).
+      --bucket-mib sets the in-backward cases' bucket (default: 1/16 of the parameters, at most
+      25). --json writes one object per case, --html charts (timelines by time or in event
+      order, a toggle in the page); --pytorch reads torch_reference.py's anchor.jsonl and adds
+      PyTorch's figures.
 ";
 
 /// `cargo xtask bench-memory ARGS`.
@@ -119,7 +126,7 @@ fn parse(args: &[String]) -> Result<Options> {
     let mut options = Options {
         device: DeviceChoice::Auto,
         batches: Vec::new(),
-        cases: Case::ALL.to_vec(),
+        cases: Vec::new(),
         model: None,
         protocol: Protocol {
             warmup: 3,
@@ -314,7 +321,15 @@ fn run_cases<S: Storage>(
     } else {
         options.batches.clone()
     };
-    let n_cases = batches.len() * options.cases.len();
+    let cases: Vec<Case> = if options.cases.is_empty() {
+        Case::ALL
+            .into_iter()
+            .filter(|case| defaults.cuda || !case.needs_cuda())
+            .collect()
+    } else {
+        options.cases.clone()
+    };
+    let n_cases = batches.len() * cases.len();
     let bar = if options.progress {
         ProgressBar::new((n_cases * options.protocol.total_steps()) as u64)
     } else {
@@ -331,7 +346,7 @@ fn run_cases<S: Storage>(
         failures: Vec::new(),
     };
     for &batch in &batches {
-        for &case in &options.cases {
+        for &case in &cases {
             bar.set_message(format!("{} batch {batch} {}", model.name, case.name()));
             let done = bar.position() + options.protocol.total_steps() as u64;
             let tick = &mut || bar.inc(1);
