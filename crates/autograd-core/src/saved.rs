@@ -58,6 +58,10 @@ pub struct SaveSite {
     /// Bytes of its elements (`numel × dtype size`): what a hook frees by dropping it, when
     /// nothing else holds the storage.
     pub bytes: u64,
+    /// Whether it is a leaf that requires grad: a parameter (a linear saves its weight), or an
+    /// input the user marked. Such a tensor outlives backward, so a hook that moves or
+    /// compresses its save frees nothing and should keep it as it is.
+    pub is_parameter: bool,
     /// Its number among the saves of this thread since its last outermost backward finished,
     /// from 0: the same save of every training step gets the same number.
     pub seq: u64,
@@ -180,6 +184,7 @@ impl SavedTensor {
                     dtype: tensor.dtype(),
                     device: tensor.device(),
                     bytes: (tensor.numel() * tensor.dtype().size_in_bytes()) as u64,
+                    is_parameter: tensor.is_leaf() && tensor.requires_grad(),
                     seq,
                 };
                 let _guard = no_grad();

@@ -92,7 +92,7 @@ impl BlockRunner for CheckpointBlocks {
 }
 
 /// `NnError` → `TensorError`, for a block run inside a region.
-fn nn_to_tensor(err: NnError) -> TensorError {
+pub(crate) fn nn_to_tensor(err: NnError) -> TensorError {
     match err {
         NnError::Tensor(err) => err,
         other => TensorError::hook("block", other),
@@ -100,7 +100,7 @@ fn nn_to_tensor(err: NnError) -> TensorError {
 }
 
 /// `CheckpointError` → `NnError`, for a block runner's answer.
-fn checkpoint_to_nn(err: CheckpointError) -> NnError {
+pub(crate) fn checkpoint_to_nn(err: CheckpointError) -> NnError {
     match err {
         CheckpointError::Nn(err) => err,
         CheckpointError::Tensor(err) => NnError::Tensor(err),

@@ -18,15 +18,32 @@
 //! editing the model by setting a [`CheckpointBlocks`] as its nn block runner;
 //! [`checkpoint_sequential`] cuts a chain of blocks into segments.
 //!
+//! [`compress`] keeps what a region saves in 8 bits (blockwise absmax quantisation) or bf16 and
+//! restores it when backward needs it; [`CompressBlocks`] does so per model block, alone or around
+//! a checkpoint.
+//!
 //! This crate sits on autograd-core's seams (saved-tensor hooks, grad mode, the autocast scope,
-//! draw recording) and nn's block seam. It knows no kernel and no device.
+//! draw recording) and nn's block seam. It knows no device API; it knows one kernel pair, the
+//! 8-bit codec of [`compress`]: on host memory for CPU tensors, and in `kernels/compress.cu`
+//! (committed PTX, launched through ops-cuda) for CUDA tensors, behind the `cuda` feature.
+//!
+//! # Crate features
+//! - `cuda`: 8-bit compression of CUDA tensors (without it, such a save is a typed error; bf16
+//!   needs no kernel of its own) and the GPU tests. It changes no result: both codecs give the
+//!   same bits.
 
 mod blocks;
+mod compress;
 mod error;
 mod policy;
 mod region;
 
 pub use blocks::{block_forwards, checkpoint_sequential, BlockSelection, CheckpointBlocks};
+pub use compress::{
+    compress, dequantize_int8_blockwise, quantize_int8_blockwise, CodecElement,
+    CompressActivations, CompressBlocks, CompressFn, CompressOptions, CompressPolicy, Compression,
+    DEFAULT_BLOCK, DEFAULT_MIN_ELEMENTS, INT8_BLOCK_RANGE, INT8_ERROR_BOUND, INT8_LEVELS,
+};
 pub use error::CheckpointError;
 pub use policy::{Decision, PolicyFn, RecomputeAll, SaveMatmuls, SavePolicy};
 pub use region::{checkpoint, checkpoint_with, CheckpointOptions, Region};
