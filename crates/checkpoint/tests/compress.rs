@@ -184,12 +184,18 @@ fn backward_sees_the_codecs_round_trip_of_each_saved_dtype() {
                 assert!((s - g).abs() <= bound, "{dtype:?}: {g} for {s}");
             }
         }
-        // bf16: round to nearest even, relative error at most 2^-8 (f32 and f64 only).
+        // bf16: round to nearest even, relative error at most 2^-8 (f32 and f64 only; f64 is
+        // rounded to f32 first, which may add 2^-24).
         if matches!(dtype, DType::F32 | DType::F64) {
             let got = exp_saved_as_backward_sees_it(&x, Compression::Bf16);
             for (s, g) in saved.iter().zip(&got) {
-                assert!((s - g).abs() <= s.abs() * 2f64.powi(-8), "{g} for {s}");
-                assert_eq!(*g, f64::from(half::bf16::from_f64(*s).to_f32()));
+                assert!(
+                    (s - g).abs() <= s.abs() * (2f64.powi(-8) + 2f64.powi(-24)),
+                    "{g} for {s}"
+                );
+                if dtype == DType::F32 {
+                    assert_eq!(*g, f64::from(half::bf16::from_f32(*s as f32).to_f32()));
+                }
             }
         }
     }

@@ -19,7 +19,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use headroom_autograd_core::{uniform, BackendRef, DType, Generator, Tensor};
 use headroom_caching_allocator::{CachingAllocator, HistoryOptions, HostStorage, Storage};
-use headroom_checkpoint::CheckpointBlocks;
+use headroom_checkpoint::{CheckpointBlocks, CompressBlocks};
 use headroom_hooks::{InBackward, InBackwardConfig, DEFAULT_BUCKET_BYTES};
 use headroom_nn::{Module, VisionTransformer, VitConfig};
 use headroom_ops_cpu::CpuBackend;
@@ -56,12 +56,17 @@ pub(crate) enum Case {
     AdamCkpt,
     /// Fused Adam inside backward with every block checkpointed.
     AdamInbwdCkpt,
+    /// Fused Adam with every encoder block's saved activations compressed to 8 bits (checkpoint's
+    /// `CompressBlocks::all()`: no checkpointing; each op input or output a block saves, of 16 Ki
+    /// elements or more, kept as signed bytes with one f32 absmax per 256 elements and decoded in
+    /// backward; parameters, layer norm statistics and attention's log-sum-exp stay f32).
+    AdamCkpt8bit,
 }
 
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 10] = [
+    pub(crate) const ALL: [Case; 11] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -72,6 +77,7 @@ impl Case {
         Case::Adam8bitInbwd,
         Case::AdamCkpt,
         Case::AdamInbwdCkpt,
+        Case::AdamCkpt8bit,
     ];
 
     /// The case's name on the command line and in reports.
@@ -87,6 +93,7 @@ impl Case {
             Case::Adam8bitInbwd => "adam8bit_inbwd",
             Case::AdamCkpt => "adam_ckpt",
             Case::AdamInbwdCkpt => "adam_inbwd_ckpt",
+            Case::AdamCkpt8bit => "adam_ckpt8bit",
         }
     }
 
@@ -150,6 +157,7 @@ impl Case {
             Case::AdamFused | Case::AdamInbwd | Case::AdamCkpt | Case::AdamInbwdCkpt => {
                 build::<AdamConfig>(params, adam, Implementation::Fused)
             }
+            Case::AdamCkpt8bit => build::<AdamConfig>(params, adam, Implementation::Fused),
             Case::Adam8bit | Case::Adam8bitInbwd => {
                 build::<Adam8bitConfig>(params, adam8bit, Implementation::Fused)
             }
@@ -414,6 +422,9 @@ pub(crate) fn measure<S: Storage>(
     )?;
     if case.checkpointed() {
         vit.encoder.block_runner = Some(Arc::new(CheckpointBlocks::all()));
+    }
+    if case == Case::AdamCkpt8bit {
+        vit.encoder.block_runner = Some(Arc::new(CompressBlocks::all()));
     }
     let params = vit.parameters();
     let n_params = params.iter().map(Tensor::numel).sum();
