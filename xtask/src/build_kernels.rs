@@ -1,6 +1,6 @@
 //! `cargo xtask build-kernels [--check]`: compiles the CUDA backend's `.cu` files to PTX.
 //!
-//! Sources live in `crates/<crate>/kernels/*.cu` (ops-cuda and optim); the PTX goes to the
+//! Sources live in `crates/<crate>/kernels/*.cu` (ops-cuda, optim and checkpoint); the PTX goes to the
 //! `ptx/` folder beside them and is committed, so users without nvcc build and run (the crate embeds it with
 //! `include_str!`). Target: `compute_80` PTX, which the driver compiles for the GPU at module load
 //! (sm_80 and newer, the H200 included); nothing in these kernels needs Hopper-only instructions.
@@ -48,7 +48,11 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
 }
 
 /// Folders of `.cu` sources, each with its `ptx/` output and manifest.
-const KERNEL_DIRS: &[&str] = &["crates/ops-cuda/kernels", "crates/optim/kernels"];
+const KERNEL_DIRS: &[&str] = &[
+    "crates/ops-cuda/kernels",
+    "crates/optim/kernels",
+    "crates/checkpoint/kernels",
+];
 
 /// The `.cu` sources of one kernel folder, sorted by name.
 fn sources(dir: &Path) -> Result<Vec<PathBuf>> {

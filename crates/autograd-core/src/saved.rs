@@ -65,8 +65,9 @@ pub struct SaveSite {
     /// Whether the saved tensor's storage is a parameter's: a leaf that requires grad (a linear
     /// saves its weight; an input the user marked counts too), or a view of one (GPT-2's `Conv1D`
     /// saves its weight transposed). That memory outlives the step, so a technique that drops
-    /// saved tensors to free memory gains nothing from it (offload never copies one).
-    pub parameter: bool,
+    /// saved tensors to free memory gains nothing from it (offload never copies one, compression
+    /// never encodes one).
+    pub is_parameter: bool,
 }
 
 thread_local! {
@@ -211,7 +212,7 @@ impl SavedTensor {
                     device: tensor.device(),
                     bytes: (tensor.numel() * tensor.dtype().size_in_bytes()) as u64,
                     seq,
-                    parameter: holds_parameter_storage(tensor),
+                    is_parameter: holds_parameter_storage(tensor),
                 };
                 let _guard = no_grad();
                 let packed = (hooks.pack)(&site, alias)?;

@@ -23,23 +23,36 @@
 //! ahead of backward (prefetch), with no host synchronisation; an [`OffloadPool`] holds the pinned
 //! memory, allocated by the first step and reused by the next. It needs a CUDA device.
 //!
+//! [`compress`] keeps what a region saves in 8 bits (blockwise absmax quantisation) or bf16 and
+//! restores it when backward needs it; [`CompressBlocks`] does so per model block, alone or around
+//! a checkpoint.
+//!
 //! This crate sits on autograd-core's seams (saved-tensor hooks, grad mode, the autocast scope,
-//! draw recording) and nn's block seam. It knows no kernel; only offload reaches a device, through
-//! ops-cuda.
+//! draw recording) and nn's block seam. Checkpointing knows no device; offload reaches one through
+//! ops-cuda, and compression knows one kernel pair, its 8-bit codec: on host memory for CPU
+//! tensors, and in `kernels/compress.cu` (committed PTX, launched through ops-cuda) for CUDA
+//! tensors.
 //!
 //! # Crate features
 //!
 //! - `cuda`: offload's implementation on ops-cuda's backend (without it, [`offload`] and
-//!   [`OffloadBlocks`] return [`CheckpointError::OffloadNeedsCuda`]); it changes no result of
-//!   checkpointing.
+//!   [`OffloadBlocks`] return [`CheckpointError::OffloadNeedsCuda`]) and 8-bit compression of CUDA
+//!   tensors (without it, such a save is a typed error; bf16 needs no kernel of its own). It
+//!   changes no result of checkpointing, and both codecs give the same bits.
 
 mod blocks;
+mod compress;
 mod error;
 mod offload;
 mod policy;
 mod region;
 
 pub use blocks::{block_forwards, checkpoint_sequential, BlockSelection, CheckpointBlocks};
+pub use compress::{
+    compress, dequantize_int8_blockwise, quantize_int8_blockwise, CodecElement,
+    CompressActivations, CompressBlocks, CompressFn, CompressOptions, CompressPolicy, Compression,
+    DEFAULT_BLOCK, DEFAULT_MIN_ELEMENTS, INT8_BLOCK_RANGE, INT8_ERROR_BOUND, INT8_LEVELS,
+};
 pub use error::CheckpointError;
 pub use offload::{offload, OffloadBlocks, OffloadOptions, OffloadPool, OffloadStats};
 pub use policy::{Decision, PolicyFn, RecomputeAll, SaveMatmuls, SavePolicy};

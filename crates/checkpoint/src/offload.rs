@@ -255,7 +255,7 @@ fn needs_cuda(device: Device) -> CheckpointError {
 #[cfg(feature = "cuda")]
 fn offloads(site: &SaveSite, storage_bytes: usize, options: &OffloadOptions) -> bool {
     site.dtype.is_float()
-        && !site.parameter
+        && !site.is_parameter
         && storage_bytes as u64 >= options.min_bytes
         && storage_bytes % site.dtype.size_in_bytes() == 0
 }

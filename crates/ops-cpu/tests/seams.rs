@@ -205,6 +205,30 @@ fn every_op_that_saves_describes_what_it_saves() {
 }
 
 #[test]
+fn a_save_of_a_leaf_that_requires_grad_is_marked_a_parameter() {
+    let cpu = CpuBackend::new_ref();
+    let weight = leaf(&cpu, &[4, 3], DType::F32);
+    let input = leaf(&cpu, &[2, 3], DType::F32);
+    let activation = input.exp().unwrap();
+    let constant = constant(&cpu, &[1.0; 12], &[4, 3]);
+    let sites = sites_of(|| {
+        activation.linear(&weight, None).unwrap();
+        activation.linear(&constant, None).unwrap();
+    });
+    let marks: Vec<_> = sites.iter().map(|s| (s.role, s.is_parameter)).collect();
+    // The second linear saves only its weight operand (a constant needs no gradient, so the
+    // activation is not saved), which is no parameter either.
+    assert_eq!(
+        marks,
+        [
+            (SaveRole::Input(0), false),
+            (SaveRole::Input(1), true),
+            (SaveRole::Input(1), false)
+        ]
+    );
+}
+
+#[test]
 fn save_numbers_start_again_after_each_backward() {
     let cpu = CpuBackend::new_ref();
     let x = leaf(&cpu, &[3], DType::F32);
@@ -246,7 +270,10 @@ fn a_save_says_whether_its_storage_is_a_parameters() {
         x.linear(&doubled.t().unwrap().t().unwrap(), None).unwrap();
         marked_input.log().unwrap();
     });
-    let parameter: Vec<_> = sites.iter().map(|s| (s.op, s.role, s.parameter)).collect();
+    let parameter: Vec<_> = sites
+        .iter()
+        .map(|s| (s.op, s.role, s.is_parameter))
+        .collect();
     use SaveRole::Input;
     assert_eq!(
         parameter,

@@ -19,7 +19,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use headroom_autograd_core::{uniform, BackendRef, DType, Generator, Tensor};
 use headroom_caching_allocator::{CachingAllocator, HistoryOptions, HostStorage, Storage};
-use headroom_checkpoint::{BlockSelection, CheckpointBlocks, OffloadBlocks, OffloadOptions};
+use headroom_checkpoint::{
+    BlockSelection, CheckpointBlocks, CompressBlocks, OffloadBlocks, OffloadOptions,
+};
 use headroom_hooks::{ClipMode, Clipping, InBackward, InBackwardConfig, DEFAULT_BUCKET_BYTES};
 use headroom_nn::{Module, VisionTransformer, VitConfig};
 use headroom_ops_cpu::CpuBackend;
@@ -66,12 +68,17 @@ pub(crate) enum Case {
     /// Fused Adam with the saved tensors of the first 7/12 of the encoder blocks offloaded to
     /// pinned host memory ([`offload_blocks`]; CUDA only).
     AdamOffload,
+    /// Fused Adam with every encoder block's saved activations compressed to 8 bits (checkpoint's
+    /// `CompressBlocks::all()`: no checkpointing; each op input or output a block saves, of 16 Ki
+    /// elements or more, kept as signed bytes with one f32 absmax per 256 elements and decoded in
+    /// backward; parameters, layer norm statistics and attention's log-sum-exp stay f32).
+    AdamCkpt8bit,
 }
 
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 14] = [
+    pub(crate) const ALL: [Case; 15] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -86,6 +93,7 @@ impl Case {
         Case::AdamInbwdClip,
         Case::AdamInbwdClipPrev,
         Case::AdamOffload,
+        Case::AdamCkpt8bit,
     ];
 
     /// The case's name on the command line and in reports.
@@ -105,6 +113,7 @@ impl Case {
             Case::AdamInbwdClip => "adam_inbwd_clip",
             Case::AdamInbwdClipPrev => "adam_inbwd_clip_prev",
             Case::AdamOffload => "adam_offload",
+            Case::AdamCkpt8bit => "adam_ckpt8bit",
         }
     }
 
@@ -190,7 +199,8 @@ impl Case {
             | Case::AdamFusedClip
             | Case::AdamInbwdClip
             | Case::AdamInbwdClipPrev
-            | Case::AdamOffload => build::<AdamConfig>(params, adam, Implementation::Fused),
+            | Case::AdamOffload
+            | Case::AdamCkpt8bit => build::<AdamConfig>(params, adam, Implementation::Fused),
             Case::Adam8bit | Case::Adam8bitInbwd => {
                 build::<Adam8bitConfig>(params, adam8bit, Implementation::Fused)
             }
@@ -461,6 +471,9 @@ pub(crate) fn measure<S: Storage>(
     }
     if case == Case::AdamOffload {
         vit.encoder.block_runner = Some(Arc::new(offload_blocks(model.config.num_layers)));
+    }
+    if case == Case::AdamCkpt8bit {
+        vit.encoder.block_runner = Some(Arc::new(CompressBlocks::all()));
     }
     let params = vit.parameters();
     let n_params = params.iter().map(Tensor::numel).sum();
