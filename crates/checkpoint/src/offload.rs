@@ -158,6 +158,13 @@ pub struct OffloadStats {
 /// Runs `region` on `inputs` once, offloading what its ops save for backward to pinned host
 /// memory (see the module docs for which saves, and how they come back).
 ///
+/// The region is one group of the options' pool: its device memory is given back once
+/// [`OffloadOptions::release_after_blocks`] more regions (or blocks) of the same pool have run,
+/// or as soon as a later save finds its copies complete. A region offloaded on its own frees
+/// memory before backward only with `release_after_blocks: 0` (the compute stream then waits for
+/// its copies at the region's end); otherwise its storages stay on the device and backward uses
+/// them there.
+///
 /// An error, never a silent fallback, when the tensors are not on a CUDA device or the crate was
 /// built without its `cuda` feature:
 ///

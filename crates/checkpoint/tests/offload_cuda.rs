@@ -15,39 +15,17 @@ use headroom_autograd_core::{BackendRef, DType, Generator, Tensor, TensorError};
 use headroom_checkpoint::{offload, BlockSelection, OffloadBlocks, OffloadOptions, OffloadPool};
 use headroom_nn::{Gpt2Config, Module, VisionTransformer, VitConfig};
 use headroom_ops_cuda::{CudaBackend, KernelArg};
-use headroom_testkit::gpu::{cuda_or_skip, exclusive_device};
+use headroom_testkit::gpu::{cuda_or_skip, exclusive_device, SPIN_NS_PTX};
 use headroom_testkit::inputs::uniform_f32;
 use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCase};
 
 mod support;
 use support::RunBlocks;
 
-/// `spin_ns(ns)`: one thread that returns once `ns` nanoseconds of `%globaltimer` have passed
-/// (ops-cuda's stream tests use the same kernel to keep the compute stream busy).
-const SPIN_PTX: &str = r#"
-.version 7.0
-.target sm_80
-.address_size 64
-
-.visible .entry spin_ns(.param .u64 spin_ns_param_0)
-{
-    .reg .pred %p<2>;
-    .reg .b64 %rd<5>;
-
-    ld.param.u64 %rd1, [spin_ns_param_0];
-    mov.u64 %rd2, %globaltimer;
-$L__spin:
-    mov.u64 %rd3, %globaltimer;
-    sub.s64 %rd4, %rd3, %rd2;
-    setp.lt.u64 %p1, %rd4, %rd1;
-    @%p1 bra $L__spin;
-    ret;
-}
-"#;
-
+/// Queues testkit's `spin_ns` for `duration` on the compute stream.
 fn spin(cuda: &CudaBackend, duration: Duration) {
     let kernel = cuda
-        .load_kernel("offload_test_spin", SPIN_PTX, "spin_ns")
+        .load_kernel("offload_test_spin", SPIN_NS_PTX, "spin_ns")
         .unwrap();
     // SAFETY: `spin_ns` takes one u64 and touches no memory.
     unsafe {

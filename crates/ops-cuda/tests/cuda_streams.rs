@@ -5,8 +5,8 @@
 //! bad arguments. Each test prints a skip notice (and passes) without a device, and fails instead
 //! where `HEADROOM_REQUIRE_GPU=1` is set (testkit's GPU gate).
 //!
-//! A test kernel that spins on the GPU's global timer (`spin_ns`, hand-written PTX below) keeps a
-//! stream busy for a known time, so what these tests assert does not depend on copy speed.
+//! A test kernel that spins on the GPU's global timer (`spin_ns`, testkit's hand-written PTX)
+//! keeps a stream busy for a known time, so what these tests assert does not depend on copy speed.
 #![cfg(feature = "cuda")]
 
 use std::sync::{Arc, MutexGuard};
@@ -15,32 +15,10 @@ use std::time::{Duration, Instant};
 use headroom_autograd_core::{BackendRef, DType, Tensor, TensorError, UnaryOp};
 use headroom_caching_allocator::{AllocatorConfig, PinnedHostStorage, StreamId};
 use headroom_ops_cuda::{CudaBackend, CudaEvent, KernelArg};
-use headroom_testkit::gpu::{cuda_or_skip, exclusive_device};
+use headroom_testkit::gpu::{cuda_or_skip, exclusive_device, SPIN_NS_PTX};
 use headroom_testkit::inputs::uniform_f32;
 
 const MIB: usize = 1 << 20;
-
-/// `spin_ns(ns)`: one thread that returns once `ns` nanoseconds of `%globaltimer` have passed.
-const SPIN_PTX: &str = r#"
-.version 7.0
-.target sm_80
-.address_size 64
-
-.visible .entry spin_ns(.param .u64 spin_ns_param_0)
-{
-    .reg .pred %p<2>;
-    .reg .b64 %rd<5>;
-
-    ld.param.u64 %rd1, [spin_ns_param_0];
-    mov.u64 %rd2, %globaltimer;
-$L__spin:
-    mov.u64 %rd3, %globaltimer;
-    sub.s64 %rd4, %rd3, %rd2;
-    setp.lt.u64 %p1, %rd4, %rd1;
-    @%p1 bra $L__spin;
-    ret;
-}
-"#;
 
 /// The backend on device 0, holding the device (tests take it one at a time: the overlap and
 /// reuse tests reason about what runs when), or `None` after the GPU gate's skip notice.
@@ -58,7 +36,7 @@ fn backend_or_skip(
 /// Queues `spin_ns` for `duration` on the compute stream.
 fn spin(backend: &CudaBackend, duration: Duration) {
     let kernel = backend
-        .load_kernel("cuda_streams_test_spin", SPIN_PTX, "spin_ns")
+        .load_kernel("cuda_streams_test_spin", SPIN_NS_PTX, "spin_ns")
         .unwrap();
     // SAFETY: `spin_ns` takes one u64 and touches no memory.
     unsafe {

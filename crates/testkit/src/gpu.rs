@@ -13,6 +13,31 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 /// but `0` or the empty string.
 pub const REQUIRE_GPU: &str = "HEADROOM_REQUIRE_GPU";
 
+/// PTX of `spin_ns(u64 ns)`: one thread that returns once `ns` nanoseconds of the GPU's global
+/// timer have passed. A test that queues it keeps a stream busy for a known time, so what it
+/// asserts about copies and waits does not depend on how fast they are (load it with ops-cuda's
+/// `CudaBackend::load_kernel`, launch one thread).
+pub const SPIN_NS_PTX: &str = r#"
+.version 7.0
+.target sm_80
+.address_size 64
+
+.visible .entry spin_ns(.param .u64 spin_ns_param_0)
+{
+    .reg .pred %p<2>;
+    .reg .b64 %rd<5>;
+
+    ld.param.u64 %rd1, [spin_ns_param_0];
+    mov.u64 %rd2, %globaltimer;
+$L__spin:
+    mov.u64 %rd3, %globaltimer;
+    sub.s64 %rd4, %rd3, %rd2;
+    setp.lt.u64 %p1, %rd4, %rd1;
+    @%p1 bra $L__spin;
+    ret;
+}
+"#;
+
 /// Whether [`REQUIRE_GPU`] is set: a missing GPU is then a failure, not a skip.
 pub fn gpu_required() -> bool {
     std::env::var_os(REQUIRE_GPU).is_some_and(|value| !value.is_empty() && value != "0")
