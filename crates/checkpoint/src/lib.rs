@@ -18,15 +18,29 @@
 //! editing the model by setting a [`CheckpointBlocks`] as its nn block runner;
 //! [`checkpoint_sequential`] cuts a chain of blocks into segments.
 //!
+//! A memory budget instead of a choice: [`BlockPlanner`] measures a training step under each
+//! candidate strategy (keep, recompute, ...) and [`StepProfile::plan`] picks one per block, the
+//! fastest step whose predicted peak fits the budget, as a [`BlockPlan`] block runner that
+//! explains itself in a table.
+//!
 //! This crate sits on autograd-core's seams (saved-tensor hooks, grad mode, the autocast scope,
-//! draw recording) and nn's block seam. It knows no kernel and no device.
+//! draw recording) and nn's block seam. It knows no kernel and no device; the planner reads the
+//! caching allocator's statistics, and, with the `cuda` feature, times blocks with ops-cuda's
+//! events (`CudaClock`, `StepProbe::cuda`).
 
 mod blocks;
 mod error;
+mod planner;
 mod policy;
 mod region;
 
 pub use blocks::{block_forwards, checkpoint_sequential, BlockSelection, CheckpointBlocks};
 pub use error::CheckpointError;
+#[cfg(feature = "cuda")]
+pub use planner::CudaClock;
+pub use planner::{
+    AllocatorGauge, BlockCost, BlockPlan, BlockPlanner, Candidate, HostClock, MemoryGauge, Moment,
+    Prediction, RunDirectly, Segment, StepClock, StepError, StepProbe, StepProfile, TimePoint,
+};
 pub use policy::{Decision, PolicyFn, RecomputeAll, SaveMatmuls, SavePolicy};
 pub use region::{checkpoint, checkpoint_with, CheckpointOptions, Region};
