@@ -30,6 +30,7 @@ use headroom_optim::{
 };
 use parking_lot::Mutex;
 
+use super::budget_plan::{self, PlanOutcome};
 use super::timeline::{self, AtPeak, Timeline};
 
 /// One optimizer implementation under test.
@@ -56,12 +57,15 @@ pub(crate) enum Case {
     AdamCkpt,
     /// Fused Adam inside backward with every block checkpointed.
     AdamInbwdCkpt,
+    /// Fused Adam with checkpointing planned per block for a memory budget (`--budget`;
+    /// [`super::budget_plan`]).
+    AdamAuto,
 }
 
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 10] = [
+    pub(crate) const ALL: [Case; 11] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -72,6 +76,7 @@ impl Case {
         Case::Adam8bitInbwd,
         Case::AdamCkpt,
         Case::AdamInbwdCkpt,
+        Case::AdamAuto,
     ];
 
     /// The case's name on the command line and in reports.
@@ -87,6 +92,7 @@ impl Case {
             Case::Adam8bitInbwd => "adam8bit_inbwd",
             Case::AdamCkpt => "adam_ckpt",
             Case::AdamInbwdCkpt => "adam_inbwd_ckpt",
+            Case::AdamAuto => "adam_auto",
         }
     }
 
@@ -147,9 +153,11 @@ impl Case {
                 build::<AdamConfig>(params, adam, Implementation::ForeachUnbounded)
             }
             Case::AdamSingle => build::<AdamConfig>(params, adam, Implementation::Single),
-            Case::AdamFused | Case::AdamInbwd | Case::AdamCkpt | Case::AdamInbwdCkpt => {
-                build::<AdamConfig>(params, adam, Implementation::Fused)
-            }
+            Case::AdamFused
+            | Case::AdamInbwd
+            | Case::AdamCkpt
+            | Case::AdamInbwdCkpt
+            | Case::AdamAuto => build::<AdamConfig>(params, adam, Implementation::Fused),
             Case::Adam8bit | Case::Adam8bitInbwd => {
                 build::<Adam8bitConfig>(params, adam8bit, Implementation::Fused)
             }
@@ -280,6 +288,8 @@ pub(crate) struct Protocol {
     pub(crate) warmup: usize,
     /// Timed steps (at least 1).
     pub(crate) steps: usize,
+    /// The memory budget of `adam_auto`, in bytes (`None`: its default).
+    pub(crate) budget: Option<u64>,
 }
 
 impl Protocol {
@@ -392,6 +402,8 @@ pub(crate) struct CaseResult {
     pub(crate) at_peak: AtPeak,
     /// The traced step's requested bytes after each allocator event.
     pub(crate) timeline: Timeline,
+    /// `adam_auto`'s plan, predictions and uniform comparison.
+    pub(crate) plan: Option<PlanOutcome>,
 }
 
 /// Runs `case` on `model` at `batch` with `protocol` and measures it; `tick` is called after
@@ -420,6 +432,16 @@ pub(crate) fn measure<S: Storage>(
     let param_bytes: u64 = params.iter().map(tensor_bytes).sum();
     let optimizer = case.optimizer(params.clone())?;
     let images = input(&probe.backend, batch, model.config.image_size)?;
+    let mut plain_step = |vit: &VisionTransformer| plain_step(vit, &images, optimizer.as_ref());
+    let mut planned = match case {
+        Case::AdamAuto => Some(budget_plan::plan(
+            probe,
+            &mut vit,
+            protocol.budget,
+            &mut plain_step,
+        )?),
+        _ => None,
+    };
     let stepper = if case.in_backward() {
         // Buckets of at most 1/16 of the parameters, so a small model shows what a large one
         // does with the default 25 MiB.
@@ -462,6 +484,17 @@ pub(crate) fn measure<S: Storage>(
 
     let traced = run.traced_step(probe)?;
     tick();
+    drop(run);
+    if let Some((outcome, profile)) = &mut planned {
+        outcome.uniform = budget_plan::compare_uniform(
+            probe,
+            &mut vit,
+            profile,
+            outcome.budget,
+            protocol.steps,
+            &mut plain_step,
+        )?;
+    }
     let state_bytes = optimizer.state_bytes();
     let (timeline, at_peak) = timeline::analyse(
         &traced.entries,
@@ -493,7 +526,22 @@ pub(crate) fn measure<S: Storage>(
         phases: traced.phases,
         at_peak,
         timeline,
+        plan: planned.map(|(outcome, _)| outcome),
     })
+}
+
+/// One training step of `vit` with the optimizer stepped after backward.
+fn plain_step(
+    vit: &VisionTransformer,
+    images: &Tensor,
+    optimizer: &dyn BenchOptimizer,
+) -> Result<()> {
+    Run {
+        vit,
+        images,
+        stepper: Stepper::Plain(optimizer.handle()),
+    }
+    .step()
 }
 
 /// Bytes of a tensor's elements.

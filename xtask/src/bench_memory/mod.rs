@@ -21,6 +21,7 @@
 //! breakdown), [`report`] (table, JSON, anchors), [`html`] (charts). This one parses the
 //! options, picks the device and drives the cases.
 
+mod budget_plan;
 mod cases;
 mod html;
 mod report;
@@ -61,6 +62,8 @@ struct Options {
     /// `None`: the device's default.
     model: Option<Model>,
     protocol: Protocol,
+    /// `adam_auto`'s budgets (`--budget`, repeatable); empty: its default.
+    budgets: Vec<u64>,
     json: Option<PathBuf>,
     html: Option<PathBuf>,
     pytorch: Option<PathBuf>,
@@ -87,7 +90,8 @@ const CPU_DEFAULTS: Defaults = Defaults {
 
 pub(crate) const USAGE: &str =
     "  bench-memory [--device auto|cpu|cuda] [--model NAME] [--batch N]... [--cases a,b,c]
-               [--warmup N] [--steps N] [--json FILE] [--html FILE] [--pytorch anchor.jsonl]
+               [--warmup N] [--steps N] [--budget BYTES]... [--json FILE] [--html FILE]
+               [--pytorch anchor.jsonl]
       Trains a ViT (loss = model(x).sum()) with each optimizer and technique: per case, a fresh
       model and optimizer, N warm-up steps (default 3; their peak is the first-3 peak), then N
       timed steps (default 6: steady peak allocated and reserved, median step time), then one
@@ -96,7 +100,10 @@ pub(crate) const USAGE: &str =
       (vit_mini, batch 1 and 32). Models: vit_l_16, vit_b_16, vit_mini, vit_tiny. Cases
       (default all): adam_foreach (bounded temporaries), adam_foreach_unbounded (PyTorch's),
       adam_single, adam_fused, adam8bit, sgd; adam_inbwd and adam8bit_inbwd (the step inside
-      backward), adam_ckpt (every block checkpointed), adam_inbwd_ckpt (both). --json writes one
+      backward), adam_ckpt (every block checkpointed), adam_inbwd_ckpt (both), adam_auto
+      (checkpointing planned per block for --budget BYTES, repeatable; default: halfway between
+      the lowest peak the planner reaches and the peak without checkpointing; it also measures
+      uniform every-k checkpointing at the same budget). --json writes one
       object per case, --html charts; --pytorch reads torch_reference.py's anchor.jsonl and adds
       PyTorch's figures.
 ";
@@ -120,7 +127,9 @@ fn parse(args: &[String]) -> Result<Options> {
         protocol: Protocol {
             warmup: 3,
             steps: 6,
+            budget: None,
         },
+        budgets: Vec::new(),
         json: None,
         html: None,
         pytorch: None,
@@ -174,6 +183,13 @@ fn parse(args: &[String]) -> Result<Options> {
                 if options.protocol.steps == 0 {
                     bail!("--steps must be at least 1");
                 }
+            }
+            "--budget" => {
+                let text = value()?;
+                let bytes: u64 = text
+                    .parse()
+                    .with_context(|| format!("--budget {text}: not a whole number of bytes"))?;
+                options.budgets.push(bytes);
             }
             "--json" => options.json = Some(value()?.into()),
             "--html" => options.html = Some(value()?.into()),
@@ -232,6 +248,9 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
         options.protocol.steps
     );
     println!("{}", report::markdown(&results, &anchors));
+    for text in results.iter().filter_map(budget_plan::describe) {
+        println!("{text}\n");
+    }
     println!(
         "activations: allocated after the loss minus before the forward. peak in: the phase of \
          the traced step's peak (its components are in --json and --html)."
@@ -298,7 +317,28 @@ fn run_cases<S: Storage>(
     } else {
         options.batches.clone()
     };
-    let n_cases = batches.len() * options.cases.len();
+    let runs: Vec<(Case, Protocol)> = options
+        .cases
+        .iter()
+        .flat_map(|&case| {
+            let budgets: Vec<Option<u64>> = match case {
+                Case::AdamAuto if !options.budgets.is_empty() => {
+                    options.budgets.iter().copied().map(Some).collect()
+                }
+                _ => vec![None],
+            };
+            budgets.into_iter().map(move |budget| {
+                (
+                    case,
+                    Protocol {
+                        budget,
+                        ..options.protocol
+                    },
+                )
+            })
+        })
+        .collect();
+    let n_cases = batches.len() * runs.len();
     let bar = if options.progress {
         ProgressBar::new((n_cases * options.protocol.total_steps()) as u64)
     } else {
@@ -315,11 +355,11 @@ fn run_cases<S: Storage>(
         failures: Vec::new(),
     };
     for &batch in &batches {
-        for &case in &options.cases {
+        for &(case, protocol) in &runs {
             bar.set_message(format!("{} batch {batch} {}", model.name, case.name()));
             let done = bar.position() + options.protocol.total_steps() as u64;
             let tick = &mut || bar.inc(1);
-            match cases::measure(probe, model, batch, case, options.protocol, tick) {
+            match cases::measure(probe, model, batch, case, protocol, tick) {
                 Ok(result) => run.results.push(result),
                 Err(err) => {
                     // Everything the case allocated was dropped with it: the next starts clean.

@@ -102,10 +102,10 @@ impl BlockRunner for BlockPlan {
     }
 }
 
-/// Bytes as decimal MB (or GB from 10 GB on), for the table.
+/// Bytes as decimal GB from 1 GB on, else MB, for the table.
 fn size(bytes: i64) -> String {
     let value = bytes as f64;
-    if value.abs() >= 1e10 {
+    if value.abs() >= 1e9 {
         format!("{:.2} GB", value / 1e9)
     } else {
         format!("{:.1} MB", value / 1e6)
