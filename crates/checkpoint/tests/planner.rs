@@ -8,17 +8,17 @@ use std::sync::Arc;
 
 use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
 use headroom_checkpoint::{
-    BlockCost, BlockPlan, BlockPlanner, Candidate, CheckpointError, RunDirectly, Segment,
-    StepProbe, StepProfile,
+    AllocatorGauge, BlockCost, BlockPlanner, Candidate, CheckpointError, RunDirectly, Segment,
+    StepClock, StepProbe, StepProfile, TimePoint,
 };
 use headroom_nn::{BlockRunner, Module, VisionTransformer, VitConfig};
 use headroom_ops_cpu::CpuBackend;
 use headroom_optim::Optimizer;
-use headroom_testkit::{
-    check_technique, Baseline, Batch, Model, ModelSpec, OptimSpec, Technique, Tolerance, TrainCase,
-    TrainRun,
-};
+use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCase};
 use proptest::prelude::*;
+
+mod block_runner;
+use block_runner::WithRunner;
 
 /// ViT-tiny with six blocks and dropout: enough blocks for mixed plans.
 fn config() -> VitConfig {
@@ -27,6 +27,24 @@ fn config() -> VitConfig {
         dropout: 0.1,
         attention_dropout: 0.1,
         ..VitConfig::tiny()
+    }
+}
+
+/// A clock that advances a millisecond per megabyte allocated (the allocator's running sum): the
+/// work a recomputation adds shows as time, and the plans do not depend on the machine's load.
+#[derive(Debug)]
+struct AllocationClock(Arc<CpuBackend>);
+
+impl StepClock for AllocationClock {
+    fn now(&self) -> Result<TimePoint, CheckpointError> {
+        let stats = self.0.allocator().memory_stats();
+        Ok(TimePoint::from_ms(
+            stats.allocated_bytes.all.allocated as f64 / 1e6,
+        ))
+    }
+
+    fn elapsed_ms(&self, from: &TimePoint, to: &TimePoint) -> Result<f64, CheckpointError> {
+        Ok(to.as_ms().unwrap_or(0.0) - from.as_ms().unwrap_or(0.0))
     }
 }
 
@@ -70,7 +88,10 @@ impl Trainer {
     }
 
     fn profile(&mut self) -> StepProfile {
-        let probe = StepProbe::host(self.cpu.clone(), CpuBackend::allocator);
+        let probe = StepProbe {
+            memory: Arc::new(AllocatorGauge::new(self.cpu.clone(), CpuBackend::allocator)),
+            clock: Arc::new(AllocationClock(self.cpu.clone())),
+        };
         let planner = BlockPlanner::new(probe, Candidate::defaults());
         self.vit.encoder.block_runner = Some(planner.runner());
         let (vit, adam, images) = (&self.vit, &mut self.adam, &self.images);
@@ -183,27 +204,6 @@ fn profiling_a_model_whose_blocks_bypass_the_planner_is_an_error() {
     assert!(matches!(err, CheckpointError::Step(_)), "{err}");
 }
 
-/// Sets a plan as the model's block runner, then trains as the plain loop does.
-struct Planned(BlockPlan);
-
-impl Technique for Planned {
-    fn name(&self) -> &str {
-        "planned blocks"
-    }
-
-    fn prepare(&mut self, run: &mut TrainRun) -> headroom_testkit::Result<()> {
-        let Model::Vit(vit) = &mut run.model else {
-            return Err("a ViT case".into());
-        };
-        vit.encoder.block_runner = Some(Arc::new(self.0.clone()) as Arc<dyn BlockRunner>);
-        Ok(())
-    }
-
-    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
-        Baseline.step(run, batch)
-    }
-}
-
 #[test]
 fn training_under_a_plan_equals_plain_training_bit_for_bit() {
     let mut trainer = Trainer::new();
@@ -228,7 +228,7 @@ fn training_under_a_plan_equals_plain_training_bit_for_bit() {
         seed: 11,
     };
     let backend: BackendRef = trainer.cpu.clone();
-    let report = check_technique(&backend, &case, &mut Planned(plan)).unwrap();
+    let report = check_technique(&backend, &case, &mut WithRunner(Arc::new(plan))).unwrap();
     assert_eq!(report.max_ulps, 0);
     assert_eq!(report.baseline_losses, report.technique_losses);
 }

@@ -154,7 +154,7 @@ impl fmt::Display for BlockPlan {
             })
             .filter(|(n, _)| *n > 0)
             .collect();
-        counts.sort_by(|a, b| b.0.cmp(&a.0));
+        counts.sort_by_key(|count| std::cmp::Reverse(count.0));
         let counts: Vec<String> = counts
             .iter()
             .map(|(n, name)| format!("{n} {name}"))
