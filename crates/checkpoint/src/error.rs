@@ -122,6 +122,15 @@ impl CheckpointError {
         }
     }
 
+    /// This error as an [`NnError`], for a block runner's answer.
+    pub(crate) fn into_nn_error(self) -> NnError {
+        match self {
+            CheckpointError::Nn(err) => err,
+            CheckpointError::Tensor(err) => NnError::Tensor(err),
+            other => NnError::Tensor(TensorError::hook("checkpoint", other)),
+        }
+    }
+
     /// The error a tensor error carries back from the engine: a checkpoint error it wrapped, or
     /// the tensor error itself.
     pub(crate) fn from_engine(err: TensorError) -> CheckpointError {

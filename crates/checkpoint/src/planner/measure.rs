@@ -20,8 +20,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use headroom_autograd_core::{is_grad_enabled, Tensor, TensorError};
-use headroom_nn::{BlockForward, BlockRunner, NnError};
+use headroom_autograd_core::{is_grad_enabled, Tensor};
+use headroom_nn::{BlockForward, BlockRunner};
 
 use crate::blocks::CheckpointBlocks;
 use crate::error::CheckpointError;
@@ -317,7 +317,7 @@ impl BlockRunner for Dispatch {
         };
         recording
             .mark(&self.probe, MarkKind::ForwardStart(index))
-            .map_err(planner_to_nn)?;
+            .map_err(CheckpointError::into_nn_error)?;
         let output = candidate.run(index, block, input)?;
         if output.requires_grad() {
             let probe = self.probe.clone();
@@ -330,15 +330,6 @@ impl BlockRunner for Dispatch {
             })?;
         }
         Ok(output)
-    }
-}
-
-/// A planner error as a block runner's.
-fn planner_to_nn(err: CheckpointError) -> NnError {
-    match err {
-        CheckpointError::Tensor(err) => NnError::Tensor(err),
-        CheckpointError::Nn(err) => err,
-        other => NnError::Tensor(TensorError::hook("planner", other)),
     }
 }
 

@@ -10,8 +10,8 @@
 
 use std::fmt;
 
-use headroom_autograd_core::{Tensor, TensorError};
-use headroom_nn::{BlockForward, BlockRunner, NnError};
+use headroom_autograd_core::Tensor;
+use headroom_nn::{BlockForward, BlockRunner};
 
 use crate::error::CheckpointError;
 use crate::planner::profile::{Prediction, StepProfile};
@@ -94,7 +94,7 @@ impl BlockRunner for BlockPlan {
                     self.choices.len()
                 ),
             };
-            return Err(NnError::Tensor(TensorError::hook("planner", err)));
+            return Err(err.into_nn_error());
         };
         self.profile.candidates[choice]
             .runner
