@@ -86,7 +86,7 @@ impl BlockRunner for CheckpointBlocks {
             std::slice::from_ref(input),
             &self.options,
         )
-        .map_err(checkpoint_to_nn)?;
+        .map_err(CheckpointError::into_nn_error)?;
         Ok(outputs.into_iter().next().expect("one output"))
     }
 }
@@ -96,15 +96,6 @@ pub(crate) fn nn_to_tensor(err: NnError) -> TensorError {
     match err {
         NnError::Tensor(err) => err,
         other => TensorError::hook("block", other),
-    }
-}
-
-/// `CheckpointError` → `NnError`, for a block runner's answer.
-pub(crate) fn checkpoint_to_nn(err: CheckpointError) -> NnError {
-    match err {
-        CheckpointError::Nn(err) => err,
-        CheckpointError::Tensor(err) => NnError::Tensor(err),
-        other => NnError::Tensor(TensorError::hook("checkpoint", other)),
     }
 }
 

@@ -65,7 +65,7 @@ use headroom_autograd_core::{
 };
 use headroom_nn::{BlockForward, BlockRunner};
 
-use crate::blocks::{checkpoint_to_nn, nn_to_tensor, BlockSelection};
+use crate::blocks::{nn_to_tensor, BlockSelection};
 use crate::error::CheckpointError;
 use crate::region::{checkpoint_with, CheckpointOptions};
 
@@ -319,7 +319,7 @@ impl BlockRunner for CompressBlocks {
                 &self.options,
             ),
         }
-        .map_err(checkpoint_to_nn)?;
+        .map_err(CheckpointError::into_nn_error)?;
         Ok(outputs.into_iter().next().expect("one output"))
     }
 }

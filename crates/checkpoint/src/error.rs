@@ -3,7 +3,8 @@
 //! Tensor failures arrive as [`TensorError`] unchanged; the variants here are what checkpointing
 //! itself refuses: a region that writes its own inputs in place, a recomputation that does not
 //! save what the forward saved (so a gradient would be silently wrong), and random draws that
-//! could not be replayed. This module knows nothing about how a region is run.
+//! could not be replayed; and the planner's: a budget below the lowest reachable peak, a step it
+//! cannot measure. This module knows nothing about how a region is run.
 
 use headroom_autograd_core::{DType, TensorError};
 use headroom_nn::NnError;
@@ -91,6 +92,27 @@ pub enum CheckpointError {
         /// What is missing.
         reason: String,
     },
+    /// No plan's predicted peak fits the budget.
+    #[error(
+        "planner: no plan fits in {budget} bytes; the lowest peak the candidates reach is \
+         {minimum} bytes. Give a budget of at least {minimum} bytes, or a candidate that keeps \
+         less (offload, compression)"
+    )]
+    BudgetTooSmall {
+        /// The budget asked for.
+        budget: u64,
+        /// The lowest budget a plan meets.
+        minimum: u64,
+    },
+    /// The planner could not measure the step it was given.
+    #[error("planner: {reason}")]
+    Profile {
+        /// What went wrong, and what to do.
+        reason: String,
+    },
+    /// The training step the planner measures failed.
+    #[error("planner: the training step failed: {0}")]
+    Step(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// An argument is out of range.
     #[error("{op}: {reason}")]
     InvalidArgument {
@@ -108,6 +130,15 @@ impl CheckpointError {
             CheckpointError::Tensor(err) => err,
             CheckpointError::Nn(NnError::Tensor(err)) => err,
             other => TensorError::hook("checkpoint", other),
+        }
+    }
+
+    /// This error as an [`NnError`], for a block runner's answer.
+    pub(crate) fn into_nn_error(self) -> NnError {
+        match self {
+            CheckpointError::Nn(err) => err,
+            CheckpointError::Tensor(err) => NnError::Tensor(err),
+            other => NnError::Tensor(TensorError::hook("checkpoint", other)),
         }
     }
 

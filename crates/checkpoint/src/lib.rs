@@ -27,23 +27,31 @@
 //! restores it when backward needs it; [`CompressBlocks`] does so per model block, alone or around
 //! a checkpoint.
 //!
+//! A memory budget instead of a choice: [`BlockPlanner`] measures a training step under each
+//! candidate strategy (keep, recompute, ...) and [`StepProfile::plan`] picks one per block, the
+//! fastest step whose predicted peak fits the budget, as a [`BlockPlan`] block runner that
+//! explains itself in a table.
+//!
 //! This crate sits on autograd-core's seams (saved-tensor hooks, grad mode, the autocast scope,
 //! draw recording) and nn's block seam. Checkpointing knows no device; offload reaches one through
 //! ops-cuda, and compression knows one kernel pair, its 8-bit codec: on host memory for CPU
 //! tensors, and in `kernels/compress.cu` (committed PTX, launched through ops-cuda) for CUDA
-//! tensors.
+//! tensors. The planner reads the caching allocator's statistics and, with the `cuda` feature,
+//! times blocks with ops-cuda's events (`CudaClock`, `StepProbe::cuda`).
 //!
 //! # Crate features
 //!
 //! - `cuda`: offload's implementation on ops-cuda's backend (without it, [`offload`] and
 //!   [`OffloadBlocks`] return [`CheckpointError::OffloadNeedsCuda`]) and 8-bit compression of CUDA
 //!   tensors (without it, such a save is a typed error; bf16 needs no kernel of its own). It
-//!   changes no result of checkpointing, and both codecs give the same bits.
+//!   changes no result of checkpointing, and both codecs give the same bits. It also adds the
+//!   planner's CUDA clock.
 
 mod blocks;
 mod compress;
 mod error;
 mod offload;
+mod planner;
 mod policy;
 mod region;
 
@@ -55,5 +63,11 @@ pub use compress::{
 };
 pub use error::CheckpointError;
 pub use offload::{offload, OffloadBlocks, OffloadOptions, OffloadPool, OffloadStats};
+#[cfg(feature = "cuda")]
+pub use planner::CudaClock;
+pub use planner::{
+    AllocatorGauge, BlockCost, BlockPlan, BlockPlanner, Candidate, HostClock, MemoryGauge, Moment,
+    Prediction, RunDirectly, Segment, StepClock, StepError, StepProbe, StepProfile, TimePoint,
+};
 pub use policy::{Decision, PolicyFn, RecomputeAll, SaveMatmuls, SavePolicy};
 pub use region::{checkpoint, checkpoint_with, CheckpointOptions, Region};

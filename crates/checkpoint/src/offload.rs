@@ -55,7 +55,7 @@ use headroom_autograd_core::SaveSite;
 use headroom_autograd_core::{is_grad_enabled, Device, Tensor, TensorError};
 use headroom_nn::{BlockForward, BlockRunner};
 
-use crate::blocks::{checkpoint_to_nn, nn_to_tensor, BlockSelection};
+use crate::blocks::{nn_to_tensor, BlockSelection};
 use crate::error::CheckpointError;
 
 #[cfg(feature = "cuda")]
@@ -224,14 +224,14 @@ impl BlockRunner for OffloadBlocks {
         }
         let selected = self.selection.contains(index);
         if selected {
-            check_devices(std::slice::from_ref(input)).map_err(checkpoint_to_nn)?;
+            check_devices(std::slice::from_ref(input)).map_err(CheckpointError::into_nn_error)?;
         } else if !cfg!(feature = "cuda") {
             return block(input);
         }
         let outputs = run_group(&self.options, selected, || {
             Ok(vec![block(input).map_err(nn_to_tensor)?])
         })
-        .map_err(checkpoint_to_nn)?;
+        .map_err(CheckpointError::into_nn_error)?;
         Ok(outputs.into_iter().next().expect("one output"))
     }
 }

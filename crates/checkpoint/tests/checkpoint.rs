@@ -14,35 +14,12 @@ use headroom_checkpoint::{
     block_forwards, checkpoint, checkpoint_sequential, checkpoint_with, BlockSelection,
     CheckpointBlocks, CheckpointError, CheckpointOptions, Decision, PolicyFn, SaveMatmuls,
 };
-use headroom_nn::{BlockRunner, EncoderBlock, Gpt2Config, VitConfig};
+use headroom_nn::{EncoderBlock, Gpt2Config, VitConfig};
 use headroom_ops_cpu::CpuBackend;
-use headroom_testkit::{
-    check_technique, Baseline, Batch, Model, ModelSpec, OptimSpec, Technique, Tolerance, TrainCase,
-    TrainRun,
-};
+use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCase};
 
-/// Checkpoints the model's blocks through its block runner, then trains as the plain loop does.
-struct Checkpointed(CheckpointBlocks);
-
-impl Technique for Checkpointed {
-    fn name(&self) -> &str {
-        "checkpointed blocks"
-    }
-
-    fn prepare(&mut self, run: &mut TrainRun) -> headroom_testkit::Result<()> {
-        let runner: Arc<dyn BlockRunner> = Arc::new(self.0.clone());
-        match &mut run.model {
-            Model::Vit(vit) => vit.encoder.block_runner = Some(runner),
-            Model::Gpt2(gpt2) => gpt2.transformer.block_runner = Some(runner),
-            Model::Mlp(_) => return Err("the MLP has no blocks".into()),
-        }
-        Ok(())
-    }
-
-    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
-        Baseline.step(run, batch)
-    }
-}
+mod block_runner;
+use block_runner::WithRunner;
 
 fn vit_with_dropout() -> ModelSpec {
     ModelSpec::Vit(VitConfig {
@@ -86,7 +63,7 @@ fn checkpointed_training_equals_plain_training_bit_for_bit_with_dropout() {
                 },
                 seed: 5,
             };
-            let report = check_technique(&cpu, &case, &mut Checkpointed(blocks.clone()))
+            let report = check_technique(&cpu, &case, &mut WithRunner(Arc::new(blocks.clone())))
                 .unwrap_or_else(|err| panic!("{name} {:?}: {err}", blocks.selection));
             assert_eq!(report.max_ulps, 0);
             assert_eq!(report.baseline_losses, report.technique_losses);

@@ -6,35 +6,15 @@
 
 use std::sync::Arc;
 
-use headroom_autograd_core::{BackendRef, DType, Tensor};
+use headroom_autograd_core::{BackendRef, DType};
 use headroom_checkpoint::{BlockSelection, CheckpointBlocks, CheckpointOptions, SaveMatmuls};
-use headroom_nn::{BlockRunner, VitConfig};
+use headroom_nn::VitConfig;
 use headroom_ops_cuda::CudaBackend;
 use headroom_testkit::gpu::cuda_or_skip;
-use headroom_testkit::{
-    check_technique, Baseline, Batch, Model, ModelSpec, OptimSpec, Technique, Tolerance, TrainCase,
-    TrainRun,
-};
+use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCase};
 
-struct Checkpointed(CheckpointBlocks);
-
-impl Technique for Checkpointed {
-    fn name(&self) -> &str {
-        "checkpointed blocks"
-    }
-
-    fn prepare(&mut self, run: &mut TrainRun) -> headroom_testkit::Result<()> {
-        let Model::Vit(vit) = &mut run.model else {
-            return Err("a ViT case".into());
-        };
-        vit.encoder.block_runner = Some(Arc::new(self.0.clone()) as Arc<dyn BlockRunner>);
-        Ok(())
-    }
-
-    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
-        Baseline.step(run, batch)
-    }
-}
+mod block_runner;
+use block_runner::WithRunner;
 
 #[test]
 fn checkpointed_vit_training_on_the_gpu_equals_plain_training_bit_for_bit() {
@@ -68,7 +48,7 @@ fn checkpointed_vit_training_on_the_gpu_equals_plain_training_bit_for_bit() {
         },
     };
     for blocks in [CheckpointBlocks::all(), selective] {
-        let report = check_technique(&cuda, &case, &mut Checkpointed(blocks)).unwrap();
+        let report = check_technique(&cuda, &case, &mut WithRunner(Arc::new(blocks))).unwrap();
         assert_eq!(report.max_ulps, 0);
     }
 }

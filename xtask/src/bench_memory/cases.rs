@@ -32,6 +32,7 @@ use headroom_optim::{
 };
 use parking_lot::Mutex;
 
+use super::budget_plan::{self, PlanOutcome};
 use super::timeline::{self, AtPeak, Timeline};
 
 /// One optimizer implementation under test.
@@ -73,12 +74,15 @@ pub(crate) enum Case {
     /// elements or more, kept as signed bytes with one f32 absmax per 256 elements and decoded in
     /// backward; parameters, layer norm statistics and attention's log-sum-exp stay f32).
     AdamCkpt8bit,
+    /// Fused Adam with checkpointing planned per block for a memory budget (`--budget`;
+    /// [`super::budget_plan`]).
+    AdamAuto,
 }
 
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 15] = [
+    pub(crate) const ALL: [Case; 16] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -94,6 +98,7 @@ impl Case {
         Case::AdamInbwdClipPrev,
         Case::AdamOffload,
         Case::AdamCkpt8bit,
+        Case::AdamAuto,
     ];
 
     /// The case's name on the command line and in reports.
@@ -114,6 +119,7 @@ impl Case {
             Case::AdamInbwdClipPrev => "adam_inbwd_clip_prev",
             Case::AdamOffload => "adam_offload",
             Case::AdamCkpt8bit => "adam_ckpt8bit",
+            Case::AdamAuto => "adam_auto",
         }
     }
 
@@ -200,7 +206,8 @@ impl Case {
             | Case::AdamInbwdClip
             | Case::AdamInbwdClipPrev
             | Case::AdamOffload
-            | Case::AdamCkpt8bit => build::<AdamConfig>(params, adam, Implementation::Fused),
+            | Case::AdamCkpt8bit
+            | Case::AdamAuto => build::<AdamConfig>(params, adam, Implementation::Fused),
             Case::Adam8bit | Case::Adam8bitInbwd => {
                 build::<Adam8bitConfig>(params, adam8bit, Implementation::Fused)
             }
@@ -334,6 +341,8 @@ pub(crate) struct Protocol {
     /// Bucket size of the in-backward cases; `None`: 1/16 of the parameters, at most hooks'
     /// default (25 MiB).
     pub(crate) bucket_bytes: Option<u64>,
+    /// The memory budget of `adam_auto`, in bytes (`None`: its default).
+    pub(crate) budget: Option<u64>,
 }
 
 impl Protocol {
@@ -446,6 +455,8 @@ pub(crate) struct CaseResult {
     pub(crate) at_peak: AtPeak,
     /// The traced step's requested bytes after each allocator event.
     pub(crate) timeline: Timeline,
+    /// `adam_auto`'s plan, predictions and uniform comparison.
+    pub(crate) plan: Option<PlanOutcome>,
 }
 
 /// Runs `case` on `model` at `batch` with `protocol` and measures it; `tick` is called after
@@ -480,6 +491,16 @@ pub(crate) fn measure<S: Storage>(
     let param_bytes: u64 = params.iter().map(tensor_bytes).sum();
     let optimizer = case.optimizer(params.clone())?;
     let images = input(&probe.backend, batch, model.config.image_size)?;
+    let mut plain_step = |vit: &VisionTransformer| plain_step(vit, &images, optimizer.as_ref());
+    let mut planned = match case {
+        Case::AdamAuto => Some(budget_plan::plan(
+            probe,
+            &mut vit,
+            protocol.budget,
+            &mut plain_step,
+        )?),
+        _ => None,
+    };
     let stepper = if case.in_backward() {
         // Unless asked otherwise, buckets of at most 1/16 of the parameters, so a small model
         // shows what a large one does with the default 25 MiB.
@@ -532,6 +553,17 @@ pub(crate) fn measure<S: Storage>(
 
     let traced = run.traced_step(probe)?;
     tick();
+    drop(run);
+    if let Some((outcome, profile)) = &mut planned {
+        outcome.uniform = budget_plan::compare_uniform(
+            probe,
+            &mut vit,
+            profile,
+            outcome.budget,
+            protocol.steps,
+            &mut plain_step,
+        )?;
+    }
     let state_bytes = optimizer.state_bytes();
     let (timeline, at_peak) = timeline::analyse(
         &traced.entries,
@@ -563,6 +595,7 @@ pub(crate) fn measure<S: Storage>(
         phases: traced.phases,
         at_peak,
         timeline,
+        plan: planned.map(|(outcome, _)| outcome),
     })
 }
 
@@ -588,6 +621,23 @@ pub(crate) fn offload_blocks(n_blocks: usize) -> OffloadBlocks {
             ..OffloadOptions::default()
         },
     }
+}
+
+/// One training step of `vit` with the optimizer stepped after backward.
+fn plain_step(
+    vit: &VisionTransformer,
+    images: &Tensor,
+    optimizer: &dyn BenchOptimizer,
+) -> Result<()> {
+    Run {
+        vit,
+        images,
+        stepper: Stepper::Plain {
+            optimizer: optimizer.handle(),
+            clip: None,
+        },
+    }
+    .step()
 }
 
 /// Bytes of a tensor's elements.

@@ -21,6 +21,7 @@
 //! breakdown), [`report`] (table, JSON, anchors), [`html`] (charts). This one parses the
 //! options, picks the device and drives the cases.
 
+mod budget_plan;
 mod cases;
 mod html;
 mod report;
@@ -62,6 +63,8 @@ struct Options {
     /// `None`: the device's default.
     model: Option<Model>,
     protocol: Protocol,
+    /// `adam_auto`'s budgets (`--budget`, repeatable); empty: its default.
+    budgets: Vec<u64>,
     json: Option<PathBuf>,
     html: Option<PathBuf>,
     pytorch: Option<PathBuf>,
@@ -92,7 +95,8 @@ const CPU_DEFAULTS: Defaults = Defaults {
 
 pub(crate) const USAGE: &str =
     "  bench-memory [--device auto|cpu|cuda] [--model NAME] [--batch N]... [--cases a,b,c]
-               [--warmup N] [--steps N] [--bucket-mib N] [--json FILE] [--html FILE]
+               [--warmup N] [--steps N] [--bucket-mib N] [--budget BYTES]... [--json FILE]
+               [--html FILE]
                [--pytorch anchor.jsonl]
       Trains a ViT (loss = model(x).sum()) with each optimizer and technique: per case, a fresh
       model and optimizer, N warm-up steps (default 3; their peak is the first-3 peak), then N
@@ -103,7 +107,9 @@ pub(crate) const USAGE: &str =
       (default all the device runs): adam_foreach (bounded temporaries), adam_foreach_unbounded
       (PyTorch's), adam_single, adam_fused, adam8bit, sgd; adam_inbwd and adam8bit_inbwd (the
       step inside backward), adam_ckpt (every block checkpointed), adam_inbwd_ckpt (both),
-      adam_offload (the first 7/12 of the blocks offloaded to pinned host memory; CUDA only),
+      adam_auto (checkpointing planned per block for --budget BYTES, repeatable; default:
+      halfway between the lowest peak the planner reaches and the peak without checkpointing; it
+      also measures uniform every-k checkpointing at the same budget), adam_offload (the first 7/12 of the blocks offloaded to pinned host memory; CUDA only),
       adam_fused_clip (clip_grad_norm_ to 1.0, then the step), adam_inbwd_clip (in backward,
       exact clipping: a measuring pass first), adam_inbwd_clip_prev (previous step's norm).
       --bucket-mib sets the in-backward cases' bucket (default: 1/16 of the parameters, at most
@@ -132,7 +138,9 @@ fn parse(args: &[String]) -> Result<Options> {
             warmup: 3,
             steps: 6,
             bucket_bytes: None,
+            budget: None,
         },
+        budgets: Vec::new(),
         json: None,
         html: None,
         pytorch: None,
@@ -193,6 +201,13 @@ fn parse(args: &[String]) -> Result<Options> {
                     bail!("--bucket-mib must be at least 1");
                 }
                 options.protocol.bucket_bytes = Some(mib as u64 * (1 << 20));
+            }
+            "--budget" => {
+                let text = value()?;
+                let bytes: u64 = text
+                    .parse()
+                    .with_context(|| format!("--budget {text}: not a whole number of bytes"))?;
+                options.budgets.push(bytes);
             }
             "--json" => options.json = Some(value()?.into()),
             "--html" => options.html = Some(value()?.into()),
@@ -255,6 +270,9 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
         options.protocol.steps
     );
     println!("{}", report::markdown(&results, &anchors));
+    for text in results.iter().filter_map(budget_plan::describe) {
+        println!("{text}\n");
+    }
     println!(
         "activations: allocated after the loss minus before the forward. peak in: the phase of \
          the traced step's peak (its components are in --json and --html)."
@@ -329,7 +347,27 @@ fn run_cases<S: Storage>(
     } else {
         options.cases.clone()
     };
-    let n_cases = batches.len() * cases.len();
+    let runs: Vec<(Case, Protocol)> = cases
+        .iter()
+        .flat_map(|&case| {
+            let budgets: Vec<Option<u64>> = match case {
+                Case::AdamAuto if !options.budgets.is_empty() => {
+                    options.budgets.iter().copied().map(Some).collect()
+                }
+                _ => vec![None],
+            };
+            budgets.into_iter().map(move |budget| {
+                (
+                    case,
+                    Protocol {
+                        budget,
+                        ..options.protocol
+                    },
+                )
+            })
+        })
+        .collect();
+    let n_cases = batches.len() * runs.len();
     let bar = if options.progress {
         ProgressBar::new((n_cases * options.protocol.total_steps()) as u64)
     } else {
@@ -346,11 +384,11 @@ fn run_cases<S: Storage>(
         failures: Vec::new(),
     };
     for &batch in &batches {
-        for &case in &cases {
+        for &(case, protocol) in &runs {
             bar.set_message(format!("{} batch {batch} {}", model.name, case.name()));
             let done = bar.position() + options.protocol.total_steps() as u64;
             let tick = &mut || bar.inc(1);
-            match cases::measure(probe, model, batch, case, options.protocol, tick) {
+            match cases::measure(probe, model, batch, case, protocol, tick) {
                 Ok(result) => run.results.push(result),
                 Err(err) => {
                     // Everything the case allocated was dropped with it: the next starts clean.

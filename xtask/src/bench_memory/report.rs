@@ -210,6 +210,9 @@ pub(crate) fn case_json(r: &CaseResult, anchors: &Anchors) -> Value {
             "at_peak": components,
         },
     });
+    if let Some(plan) = &r.plan {
+        value["plan"] = super::budget_plan::json(plan);
+    }
     if let Some(a) = anchor(anchors, r) {
         value["pytorch"] = json!({
             "case": r.case.pytorch_name(),

@@ -175,6 +175,10 @@ fn the_command_line_is_checked() {
         .model
         .unwrap();
     assert_eq!(model, Model::named("vit_l_16").unwrap());
+    let budgets = parse(&args(&["--budget", "6000000000", "--budget", "9000000000"]))
+        .unwrap()
+        .budgets;
+    assert_eq!(budgets, [6_000_000_000, 9_000_000_000]);
     for (bad, message) in [
         (&["--cases", "adam,sgd"][..], "unknown case `adam`"),
         (&["--steps", "0"], "at least 1"),
@@ -182,11 +186,61 @@ fn the_command_line_is_checked() {
         (&["--device", "tpu"], "expected auto, cpu or cuda"),
         (&["--model", "resnet"], "unknown model"),
         (&["--json"], "needs a value"),
+        (&["--budget", "6GB"], "not a whole number of bytes"),
         (&["--frobnicate"], "unknown option"),
     ] {
         let err = parse(&args(bad)).unwrap_err();
         assert!(format!("{err:#}").contains(message), "{bad:?}: {err:#}");
     }
+}
+
+#[test]
+fn adam_auto_meets_its_budget_and_predicts_its_peak_to_the_byte_on_the_cpu() {
+    let run = |extra: &[&str]| {
+        let mut list = vec![
+            "--device",
+            "cpu",
+            "--model",
+            "vit_tiny",
+            "--batch",
+            "4",
+            "--cases",
+            "adam_auto",
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+        ];
+        list.extend_from_slice(extra);
+        let mut options = parse(&args(&list)).unwrap();
+        options.progress = false;
+        execute(&options).unwrap()
+    };
+    let results = run(&[]);
+    let r = &results[0];
+    let plan = r.plan.as_ref().unwrap();
+    assert!(!plan.budget_given);
+    assert!(plan.min_budget < plan.budget && plan.budget < plan.keep_all_peak);
+    assert_eq!(
+        plan.budget,
+        plan.min_budget + (plan.keep_all_peak - plan.min_budget) / 2
+    );
+    // The CPU allocator is deterministic: the measured peak is the predicted one.
+    assert_eq!(r.peak_allocated_bytes, plan.predicted_peak);
+    assert!(plan.predicted_peak <= plan.budget);
+    let uniform = plan.uniform.as_ref().unwrap();
+    assert_eq!(uniform.peak, uniform.predicted_peak);
+    assert!(uniform.peak <= plan.budget);
+    let text = super::budget_plan::describe(r).unwrap();
+    assert!(text.contains("predicted peak"), "{text}");
+
+    // At the lowest reachable peak, given as a budget.
+    let lowest = plan.min_budget.to_string();
+    let results = run(&["--budget", &lowest]);
+    let plan = results[0].plan.as_ref().unwrap();
+    assert!(plan.budget_given);
+    assert_eq!(results[0].peak_allocated_bytes, plan.predicted_peak);
+    assert!(plan.predicted_peak <= plan.min_budget);
 }
 
 #[test]

@@ -1,0 +1,388 @@
+//! Measuring one training step per candidate strategy, block by block.
+//!
+//! A [`BlockPlanner`] owns a dispatching block runner: set [`BlockPlanner::runner`] as the model's
+//! block runner once, then [`BlockPlanner::profile`] runs the caller's training step (forward,
+//! backward, optimizer step) once to warm up and once per [`Candidate`], with every block under
+//! that candidate. During a measured step the runner marks the start of each block's forward, and
+//! a gradient hook on each block's output marks the start of its backward (the hook runs when
+//! backward reaches the block's last op). Each mark reads the probe: allocated bytes, the peak
+//! since the previous mark, and a point in time. The stretch between two marks is a
+//! [`Segment`]; it belongs to the block whose mark opens it, so a block's forward segment runs
+//! until the next block starts (for the last block: through the model's head, the loss and the
+//! head's backward, until its own backward starts), and its backward segment until the block
+//! before it starts its backward (for the first block: through the stem's backward and the
+//! optimizer step, to the end of the step).
+//!
+//! This module sits on nn's block seam, autograd-core's gradient hooks and the probe; it knows no
+//! particular model, candidate or device.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use headroom_autograd_core::{is_grad_enabled, Tensor};
+use headroom_nn::{BlockForward, BlockRunner};
+
+use crate::blocks::CheckpointBlocks;
+use crate::error::CheckpointError;
+use crate::planner::probe::{StepProbe, TimePoint};
+use crate::planner::profile::{BlockCost, Segment, StepProfile};
+
+/// One way of running a block, as the planner sees it: a name for its tables and an nn
+/// [`BlockRunner`] that runs every block it is given that way.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    /// The name in plans and tables ("keep", "recompute", ...).
+    pub name: String,
+    /// Runs a block this way.
+    pub runner: Arc<dyn BlockRunner>,
+}
+
+impl Candidate {
+    /// A candidate named `name` that runs blocks through `runner`.
+    pub fn new(name: impl Into<String>, runner: Arc<dyn BlockRunner>) -> Candidate {
+        Candidate {
+            name: name.into(),
+            runner,
+        }
+    }
+
+    /// `keep`: the block is called directly; what its ops save stays until backward.
+    pub fn keep() -> Candidate {
+        Candidate::new("keep", Arc::new(RunDirectly))
+    }
+
+    /// `recompute`: the block is checkpointed ([`CheckpointBlocks::all`]): only its input stays,
+    /// the rest is recomputed in backward.
+    pub fn recompute() -> Candidate {
+        Candidate::new("recompute", Arc::new(CheckpointBlocks::all()))
+    }
+
+    /// The strategies the planner chooses among by default: [`Candidate::keep`] and
+    /// [`Candidate::recompute`]. Another strategy is one more `Candidate::new(name, runner)`.
+    pub fn defaults() -> Vec<Candidate> {
+        vec![Candidate::keep(), Candidate::recompute()]
+    }
+}
+
+/// Calls each block directly: the block runner of a model without one.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RunDirectly;
+
+impl BlockRunner for RunDirectly {
+    fn run(
+        &self,
+        _index: usize,
+        block: BlockForward,
+        input: &Tensor,
+    ) -> headroom_nn::Result<Tensor> {
+        block(input)
+    }
+}
+
+/// The error a training step returns to [`BlockPlanner::profile`].
+pub type StepError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Measures a model's training step under each candidate, block by block (see the module's
+/// documentation), and gives a [`StepProfile`] to plan from.
+///
+/// ```
+/// use std::sync::Arc;
+/// use headroom_autograd_core::{DType, Generator, Tensor};
+/// use headroom_checkpoint::{BlockPlanner, Candidate, StepProbe};
+/// use headroom_nn::{Module, VisionTransformer, VitConfig};
+/// use headroom_ops_cpu::CpuBackend;
+///
+/// let cpu = Arc::new(CpuBackend::default());
+/// let backend: headroom_autograd_core::BackendRef = cpu.clone();
+/// let generator = Arc::new(Generator::new(0));
+/// let mut vit = VisionTransformer::new(&backend, VitConfig::tiny(), DType::F32, &generator)?;
+/// let images = Tensor::ones(&backend, &[4, 3, 32, 32], DType::F32)?;
+///
+/// let probe = StepProbe::host(cpu.clone(), CpuBackend::allocator);
+/// let planner = BlockPlanner::new(probe, Candidate::defaults());
+/// vit.encoder.block_runner = Some(planner.runner());
+/// let profile = planner.profile(|| {
+///     vit.forward(&images)?.sum_all()?.backward()?;
+///     for p in vit.parameters() {
+///         p.zero_grad(true)?; // where the optimizer's step and zero_grad go
+///     }
+///     Ok(())
+/// })?;
+/// let budget = (profile.min_budget()? + profile.predict(&[0; 2])?.peak_bytes) / 2;
+/// let plan = profile.plan(budget)?;
+/// assert!(plan.predicted_peak() <= budget);
+/// println!("{plan}");
+/// vit.encoder.block_runner = Some(Arc::new(plan));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug)]
+pub struct BlockPlanner {
+    probe: StepProbe,
+    candidates: Vec<Candidate>,
+    dispatch: Arc<Dispatch>,
+}
+
+impl BlockPlanner {
+    /// A planner that reads `probe` and chooses among `candidates` (at least one; the first runs
+    /// the warm-up step and every block while the planner is not measuring).
+    pub fn new(probe: StepProbe, candidates: Vec<Candidate>) -> BlockPlanner {
+        let dispatch = Arc::new(Dispatch {
+            probe: probe.clone(),
+            state: Mutex::new(DispatchState {
+                candidate: candidates.first().map(|c| Arc::clone(&c.runner)),
+                recording: None,
+            }),
+        });
+        BlockPlanner {
+            probe,
+            candidates,
+            dispatch,
+        }
+    }
+
+    /// The candidates, in the order plans number them.
+    pub fn candidates(&self) -> &[Candidate] {
+        &self.candidates
+    }
+
+    /// The block runner to set on the model before [`BlockPlanner::profile`]
+    /// (`vit.encoder.block_runner`, `gpt2.transformer.block_runner`). Outside a measurement it
+    /// runs every block as the first candidate does.
+    pub fn runner(&self) -> Arc<dyn BlockRunner> {
+        Arc::clone(&self.dispatch) as Arc<dyn BlockRunner>
+    }
+
+    /// Runs `step` (one forward, backward and optimizer step of the model whose block runner is
+    /// [`BlockPlanner::runner`]) once to warm up (the optimizer's state, the libraries'
+    /// workspaces), then once per candidate with every block under it, measuring each block's
+    /// forward and backward.
+    ///
+    /// Errors: the step's own error ([`CheckpointError::Step`]); a step whose blocks did not
+    /// run through the planner's runner, or ran in another order than forward then backward
+    /// in reverse ([`CheckpointError::Profile`]).
+    pub fn profile(
+        &self,
+        mut step: impl FnMut() -> Result<(), StepError>,
+    ) -> Result<StepProfile, CheckpointError> {
+        let Some(first) = self.candidates.first() else {
+            return Err(CheckpointError::Profile {
+                reason: "no candidate strategies to choose among; give at least one (for \
+                         example Candidate::defaults())"
+                    .into(),
+            });
+        };
+        self.dispatch.select(&first.runner, None);
+        step().map_err(CheckpointError::Step)?;
+        let mut per_candidate = Vec::with_capacity(self.candidates.len());
+        let mut start_bytes = 0;
+        let mut pre = Segment::default();
+        for (index, candidate) in self.candidates.iter().enumerate() {
+            let recording = Arc::new(Recording::default());
+            self.dispatch
+                .select(&candidate.runner, Some(Arc::clone(&recording)));
+            let outcome = self.measure(&recording, &mut step);
+            self.dispatch.select(&first.runner, None);
+            let marks = outcome?;
+            let (start, step_pre, blocks) = segments(&self.probe, &candidate.name, &marks)?;
+            if index == 0 {
+                (start_bytes, pre) = (start, step_pre);
+            }
+            per_candidate.push(blocks);
+        }
+        let n_blocks = per_candidate[0].len();
+        if let Some((name, blocks)) = self
+            .candidates
+            .iter()
+            .zip(&per_candidate)
+            .find(|(_, blocks)| blocks.len() != n_blocks)
+        {
+            return Err(CheckpointError::Profile {
+                reason: format!(
+                    "the step ran {n_blocks} blocks under `{}` but {} under `{}`; every \
+                     measured step must run the same model",
+                    self.candidates[0].name,
+                    blocks.len(),
+                    name.name
+                ),
+            });
+        }
+        let blocks = (0..n_blocks)
+            .map(|block| per_candidate.iter().map(|costs| costs[block]).collect())
+            .collect();
+        Ok(StepProfile {
+            candidates: self.candidates.clone(),
+            start_bytes,
+            pre,
+            blocks,
+        })
+    }
+
+    /// One measured step: a mark before, the runner's and hooks' marks during, one after.
+    fn measure(
+        &self,
+        recording: &Arc<Recording>,
+        step: &mut impl FnMut() -> Result<(), StepError>,
+    ) -> Result<Vec<Mark>, CheckpointError> {
+        recording.mark(&self.probe, MarkKind::StepStart)?;
+        step().map_err(CheckpointError::Step)?;
+        recording.mark(&self.probe, MarkKind::StepEnd)?;
+        if let Some(err) = recording.error.lock().take() {
+            return Err(err);
+        }
+        Ok(std::mem::take(&mut *recording.marks.lock()))
+    }
+}
+
+/// What opens a segment of a measured step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MarkKind {
+    StepStart,
+    ForwardStart(usize),
+    BackwardStart(usize),
+    StepEnd,
+}
+
+/// One reading of the probe.
+#[derive(Debug)]
+struct Mark {
+    kind: MarkKind,
+    /// Allocated bytes at the mark.
+    allocated: u64,
+    /// The peak since the previous mark.
+    peak_before: u64,
+    time: TimePoint,
+}
+
+/// The marks of the step being measured.
+#[derive(Debug, Default)]
+struct Recording {
+    marks: Mutex<Vec<Mark>>,
+    /// The first error a hook met (a hook's own error would abort the user's backward).
+    error: Mutex<Option<CheckpointError>>,
+}
+
+impl Recording {
+    fn mark(&self, probe: &StepProbe, kind: MarkKind) -> Result<(), CheckpointError> {
+        let peak_before = probe.memory.take_peak();
+        let allocated = probe.memory.allocated();
+        let time = probe.clock.now()?;
+        self.marks.lock().push(Mark {
+            kind,
+            allocated,
+            peak_before,
+            time,
+        });
+        Ok(())
+    }
+}
+
+/// The planner's block runner: the selected candidate, with marks while measuring.
+#[derive(Debug)]
+struct Dispatch {
+    probe: StepProbe,
+    state: Mutex<DispatchState>,
+}
+
+#[derive(Debug)]
+struct DispatchState {
+    candidate: Option<Arc<dyn BlockRunner>>,
+    recording: Option<Arc<Recording>>,
+}
+
+impl Dispatch {
+    fn select(&self, runner: &Arc<dyn BlockRunner>, recording: Option<Arc<Recording>>) {
+        let mut state = self.state.lock();
+        state.candidate = Some(Arc::clone(runner));
+        state.recording = recording;
+    }
+}
+
+impl BlockRunner for Dispatch {
+    fn run(
+        &self,
+        index: usize,
+        block: BlockForward,
+        input: &Tensor,
+    ) -> headroom_nn::Result<Tensor> {
+        let (candidate, recording) = {
+            let state = self.state.lock();
+            (state.candidate.clone(), state.recording.clone())
+        };
+        let Some(candidate) = candidate else {
+            return block(input);
+        };
+        let Some(recording) = recording.filter(|_| is_grad_enabled()) else {
+            return candidate.run(index, block, input);
+        };
+        recording
+            .mark(&self.probe, MarkKind::ForwardStart(index))
+            .map_err(CheckpointError::into_nn_error)?;
+        let output = candidate.run(index, block, input)?;
+        if output.requires_grad() {
+            let probe = self.probe.clone();
+            let hook_recording = Arc::clone(&recording);
+            output.register_hook(move |_grad| {
+                if let Err(err) = hook_recording.mark(&probe, MarkKind::BackwardStart(index)) {
+                    hook_recording.error.lock().get_or_insert(err);
+                }
+                Ok(None)
+            })?;
+        }
+        Ok(output)
+    }
+}
+
+/// A measured step's marks as the bytes allocated when it started, the segment before the first
+/// block, and each block's forward and backward segments. The marks must be: the step's start,
+/// every block's forward start in order 0, 1, …, n − 1, every block's backward start in order
+/// n − 1, …, 0, the step's end.
+fn segments(
+    probe: &StepProbe,
+    candidate: &str,
+    marks: &[Mark],
+) -> Result<(u64, Segment, Vec<BlockCost>), CheckpointError> {
+    let n_blocks = marks
+        .iter()
+        .filter(|m| matches!(m.kind, MarkKind::ForwardStart(_)))
+        .count();
+    let expected: Vec<MarkKind> = std::iter::once(MarkKind::StepStart)
+        .chain((0..n_blocks).map(MarkKind::ForwardStart))
+        .chain((0..n_blocks).rev().map(MarkKind::BackwardStart))
+        .chain(std::iter::once(MarkKind::StepEnd))
+        .collect();
+    let got: Vec<MarkKind> = marks.iter().map(|m| m.kind).collect();
+    if n_blocks == 0 || got != expected {
+        let reason = if n_blocks == 0 {
+            format!(
+                "no block ran through the planner's runner in the step under `{candidate}`: set \
+                 BlockPlanner::runner() as the model's block runner, and run the forward with \
+                 grad mode on"
+            )
+        } else {
+            format!(
+                "the step under `{candidate}` ran its blocks as {got:?}; the planner needs each \
+                 block's forward once, in order, then each block's backward in reverse order \
+                 (one forward and one backward per step, every block's output used by the loss)"
+            )
+        };
+        return Err(CheckpointError::Profile { reason });
+    }
+    let segment = |k: usize| -> Result<Segment, CheckpointError> {
+        let (open, close) = (&marks[k], &marks[k + 1]);
+        Ok(Segment {
+            peak: close.peak_before.saturating_sub(open.allocated),
+            delta: close.allocated as i64 - open.allocated as i64,
+            ms: probe.clock.elapsed_ms(&open.time, &close.time)?,
+        })
+    };
+    let blocks = (0..n_blocks)
+        .map(|block| {
+            Ok(BlockCost {
+                forward: segment(1 + block)?,
+                backward: segment(2 * n_blocks - block)?,
+            })
+        })
+        .collect::<Result<Vec<_>, CheckpointError>>()?;
+    Ok((marks[0].allocated, segment(0)?, blocks))
+}

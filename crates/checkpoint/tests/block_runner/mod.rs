@@ -1,0 +1,31 @@
+//! The technique the checkpoint tests train with: a block runner set on the model, then the plain
+//! loop's step. Shared by the test binaries (`mod block_runner;`).
+
+use std::sync::Arc;
+
+use headroom_autograd_core::Tensor;
+use headroom_nn::BlockRunner;
+use headroom_testkit::{Baseline, Batch, Model, Technique, TrainRun};
+
+/// Sets its runner as the model's block runner (ViT or GPT-2), then trains as the plain loop does.
+pub(crate) struct WithRunner(pub(crate) Arc<dyn BlockRunner>);
+
+impl Technique for WithRunner {
+    fn name(&self) -> &str {
+        "blocks through a runner"
+    }
+
+    fn prepare(&mut self, run: &mut TrainRun) -> headroom_testkit::Result<()> {
+        let runner = Some(Arc::clone(&self.0));
+        match &mut run.model {
+            Model::Vit(vit) => vit.encoder.block_runner = runner,
+            Model::Gpt2(gpt2) => gpt2.transformer.block_runner = runner,
+            Model::Mlp(_) => return Err("the MLP has no blocks".into()),
+        }
+        Ok(())
+    }
+
+    fn step(&mut self, run: &mut TrainRun, batch: &Batch) -> headroom_testkit::Result<Tensor> {
+        Baseline.step(run, batch)
+    }
+}

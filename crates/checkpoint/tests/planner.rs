@@ -1,0 +1,372 @@
+//! The memory-budget planner on the CPU backend: a plan meets its budget on a small ViT with the
+//! allocator's exact byte counts (the prediction is the measured peak to the byte), gradients
+//! under a plan equal the plain loop's bit for bit, a budget below the lowest peak is a typed
+//! error naming that peak, and, on synthetic profiles, the plan is the brute-force optimum and is
+//! monotone in the budget (property tests).
+
+use std::sync::Arc;
+
+use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
+use headroom_checkpoint::{
+    AllocatorGauge, BlockCost, BlockPlanner, Candidate, CheckpointError, RunDirectly, Segment,
+    StepClock, StepProbe, StepProfile, TimePoint,
+};
+use headroom_nn::{BlockRunner, Module, VisionTransformer, VitConfig};
+use headroom_ops_cpu::CpuBackend;
+use headroom_optim::Optimizer;
+use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCase};
+use proptest::prelude::*;
+
+mod block_runner;
+use block_runner::WithRunner;
+
+/// ViT-tiny with six blocks and dropout: enough blocks for mixed plans.
+fn config() -> VitConfig {
+    VitConfig {
+        num_layers: 6,
+        dropout: 0.1,
+        attention_dropout: 0.1,
+        ..VitConfig::tiny()
+    }
+}
+
+/// A clock that advances a millisecond per megabyte allocated (the allocator's running sum): the
+/// work a recomputation adds shows as time, and the plans do not depend on the machine's load.
+#[derive(Debug)]
+struct AllocationClock(Arc<CpuBackend>);
+
+impl StepClock for AllocationClock {
+    fn now(&self) -> Result<TimePoint, CheckpointError> {
+        let stats = self.0.allocator().memory_stats();
+        Ok(TimePoint::from_ms(
+            stats.allocated_bytes.all.allocated as f64 / 1e6,
+        ))
+    }
+
+    fn elapsed_ms(&self, from: &TimePoint, to: &TimePoint) -> Result<f64, CheckpointError> {
+        Ok(to.as_ms().unwrap_or(0.0) - from.as_ms().unwrap_or(0.0))
+    }
+}
+
+/// A model, its Adam optimizer and its input: one training step at a time.
+struct Trainer {
+    cpu: Arc<CpuBackend>,
+    vit: VisionTransformer,
+    adam: Box<dyn Optimizer>,
+    images: Tensor,
+}
+
+impl Trainer {
+    fn new() -> Trainer {
+        let cpu = Arc::new(CpuBackend::default());
+        let backend: BackendRef = cpu.clone();
+        let vit =
+            VisionTransformer::new(&backend, config(), DType::F32, &Arc::new(Generator::new(7)))
+                .unwrap();
+        let adam = OptimSpec::adam(1e-3).build(vit.parameters()).unwrap();
+        let values: Vec<f32> = (0..8 * 3 * 32 * 32)
+            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0)
+            .collect();
+        let images = Tensor::from_slice(&backend, &values, &[8, 3, 32, 32]).unwrap();
+        Trainer {
+            cpu,
+            vit,
+            adam,
+            images,
+        }
+    }
+
+    fn step(
+        vit: &VisionTransformer,
+        adam: &mut dyn Optimizer,
+        images: &Tensor,
+    ) -> Result<(), headroom_checkpoint::StepError> {
+        vit.forward(images)?.sum_all()?.backward()?;
+        adam.step()?;
+        adam.zero_grad(true)?;
+        Ok(())
+    }
+
+    fn profile(&mut self) -> StepProfile {
+        let probe = StepProbe {
+            memory: Arc::new(AllocatorGauge::new(self.cpu.clone(), CpuBackend::allocator)),
+            clock: Arc::new(AllocationClock(self.cpu.clone())),
+        };
+        let planner = BlockPlanner::new(probe, Candidate::defaults());
+        self.vit.encoder.block_runner = Some(planner.runner());
+        let (vit, adam, images) = (&self.vit, &mut self.adam, &self.images);
+        planner
+            .profile(|| Trainer::step(vit, adam.as_mut(), images))
+            .unwrap()
+    }
+
+    /// The peak of allocated bytes over one step with `runner`, after one step to settle.
+    fn measured_peak(&mut self, runner: Arc<dyn BlockRunner>) -> u64 {
+        self.vit.encoder.block_runner = Some(runner);
+        Trainer::step(&self.vit, self.adam.as_mut(), &self.images).unwrap();
+        let allocator = self.cpu.allocator();
+        allocator.reset_peak_stats();
+        Trainer::step(&self.vit, self.adam.as_mut(), &self.images).unwrap();
+        allocator.max_memory_allocated()
+    }
+}
+
+#[test]
+fn a_plan_meets_its_budget_on_a_small_vit_and_its_predicted_peak_is_the_measured_one() {
+    let mut trainer = Trainer::new();
+    let profile = trainer.profile();
+    assert_eq!(profile.n_blocks(), 6);
+    let (keep, recompute) = (
+        profile.candidate_index("keep").unwrap(),
+        profile.candidate_index("recompute").unwrap(),
+    );
+    let keep_all = profile.predict(&[keep; 6]).unwrap();
+    let recompute_all = profile.predict(&[recompute; 6]).unwrap();
+    assert!(recompute_all.peak_bytes < keep_all.peak_bytes);
+    // The uniform predictions are the steps the profile measured, to the byte.
+    assert_eq!(
+        trainer.measured_peak(Arc::new(RunDirectly)),
+        keep_all.peak_bytes
+    );
+    assert_eq!(
+        trainer.measured_peak(Candidate::recompute().runner),
+        recompute_all.peak_bytes
+    );
+
+    let minimum = profile.min_budget().unwrap();
+    assert!(minimum <= recompute_all.peak_bytes);
+    let mut mixed_plans = 0;
+    for budget in [
+        minimum,
+        minimum + (keep_all.peak_bytes - minimum) / 3,
+        minimum + (keep_all.peak_bytes - minimum) * 2 / 3,
+        keep_all.peak_bytes,
+    ] {
+        let plan = profile.plan(budget).unwrap();
+        assert!(plan.predicted_peak() <= budget, "{plan}");
+        let n_recomputed = plan.choices().iter().filter(|&&c| c == recompute).count();
+        if (1..6).contains(&n_recomputed) {
+            mixed_plans += 1;
+        }
+        let measured = trainer.measured_peak(Arc::new(plan.clone()));
+        assert_eq!(measured, plan.predicted_peak(), "budget {budget}:\n{plan}");
+        // The table names every block's strategy and the prediction.
+        let table = plan.to_string();
+        assert_eq!(table.lines().count(), 1 + 6 + 1, "{table}");
+        assert!(
+            table.contains(&format!("({} B)", plan.predicted_peak())),
+            "{table}"
+        );
+    }
+    assert!(mixed_plans >= 1, "no budget gave a mixed plan");
+    // Without a limit, nothing is recomputed.
+    let plan = profile.plan(keep_all.peak_bytes).unwrap();
+    assert!(plan.choices().iter().all(|&c| c == keep), "{plan}");
+}
+
+#[test]
+fn a_budget_below_the_lowest_peak_is_an_error_naming_it() {
+    let mut trainer = Trainer::new();
+    let profile = trainer.profile();
+    let minimum = profile.min_budget().unwrap();
+    let plan = profile.plan(minimum).unwrap();
+    assert!(plan.predicted_peak() <= minimum);
+    match profile.plan(minimum - 1) {
+        Err(CheckpointError::BudgetTooSmall {
+            budget,
+            minimum: named,
+        }) => {
+            assert_eq!((budget, named), (minimum - 1, minimum));
+        }
+        other => panic!("expected BudgetTooSmall, got {other:?}"),
+    }
+    let message = profile.plan(1_000).unwrap_err().to_string();
+    assert!(
+        message.contains(&format!("at least {minimum} bytes")),
+        "{message}"
+    );
+}
+
+#[test]
+fn profiling_a_model_whose_blocks_bypass_the_planner_is_an_error() {
+    let mut trainer = Trainer::new();
+    let probe = StepProbe::host(trainer.cpu.clone(), CpuBackend::allocator);
+    let planner = BlockPlanner::new(probe, Candidate::defaults());
+    let (vit, adam, images) = (&trainer.vit, &mut trainer.adam, &trainer.images);
+    let err = planner
+        .profile(|| Trainer::step(vit, adam.as_mut(), images))
+        .unwrap_err();
+    assert!(
+        matches!(&err, CheckpointError::Profile { reason } if reason.contains("BlockPlanner::runner()")),
+        "{err}"
+    );
+    let err = planner.profile(|| Err("no data".into())).unwrap_err();
+    assert!(matches!(err, CheckpointError::Step(_)), "{err}");
+}
+
+#[test]
+fn training_under_a_plan_equals_plain_training_bit_for_bit() {
+    let mut trainer = Trainer::new();
+    let profile = trainer.profile();
+    let recompute = profile.candidate_index("recompute").unwrap();
+    let minimum = profile.min_budget().unwrap();
+    let keep_all = profile.predict(&[0; 6]).unwrap().peak_bytes;
+    let plan = profile.plan((minimum + keep_all) / 2).unwrap();
+    let n_recomputed = plan.choices().iter().filter(|&&c| c == recompute).count();
+    assert!((1..6).contains(&n_recomputed), "{plan}");
+    let case = TrainCase {
+        name: "vit with dropout under a plan",
+        model: ModelSpec::Vit(config()),
+        dtype: DType::F32,
+        batch: 4,
+        steps: 3,
+        optimizer: OptimSpec::adamw(1e-3, 1e-2),
+        tolerance: Tolerance::Bitwise {
+            why: "kept blocks run as without a plan, recomputed ones replay the forward's ops and \
+                  random draws on the same deterministic CPU kernels",
+        },
+        seed: 11,
+    };
+    let backend: BackendRef = trainer.cpu.clone();
+    let report = check_technique(&backend, &case, &mut WithRunner(Arc::new(plan))).unwrap();
+    assert_eq!(report.max_ulps, 0);
+    assert_eq!(report.baseline_losses, report.technique_losses);
+}
+
+/// A profile of `n` blocks under `k` candidates from drawn figures; with `constant_net`, each
+/// block leaves the same bytes over the step under every candidate (as its gradients do).
+fn synthetic(figures: &[(i64, i64, u64, u64, u64)], k: usize, constant_net: bool) -> StepProfile {
+    let candidates = (0..k)
+        .map(|c| Candidate::new(format!("c{c}"), Arc::new(RunDirectly)))
+        .collect();
+    let blocks = figures
+        .chunks(k)
+        .map(|costs| {
+            let net = costs[0].1;
+            costs
+                .iter()
+                .map(|&(forward, net_drawn, fwd_extra, bwd_extra, ms)| {
+                    let net = if constant_net { net } else { net_drawn };
+                    let backward = net - forward;
+                    BlockCost {
+                        forward: Segment {
+                            peak: forward.max(0) as u64 + fwd_extra,
+                            delta: forward,
+                            ms: ms as f64,
+                        },
+                        backward: Segment {
+                            peak: backward.max(0) as u64 + bwd_extra,
+                            delta: backward,
+                            ms: (ms / 2) as f64,
+                        },
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    StepProfile {
+        candidates,
+        start_bytes: 10_000,
+        pre: Segment {
+            peak: 300,
+            delta: 200,
+            ms: 1.0,
+        },
+        blocks,
+    }
+}
+
+/// Every choice of a candidate per block.
+fn all_choices(n: usize, k: usize) -> Vec<Vec<usize>> {
+    (0..k.pow(n as u32))
+        .map(|mut code| {
+            (0..n)
+                .map(|_| {
+                    let c = code % k;
+                    code /= k;
+                    c
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn figures(max_cells: usize) -> impl Strategy<Value = Vec<(i64, i64, u64, u64, u64)>> {
+    proptest::collection::vec(
+        (
+            -300i64..3_000,
+            0i64..1_000,
+            0u64..2_000,
+            0u64..2_000,
+            1u64..50,
+        ),
+        max_cells,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// With each block's net bytes the same under every candidate, the plan is the fastest of
+    /// all k^n choices whose predicted peak fits, and the lowest budget is the lowest peak.
+    #[test]
+    fn the_plan_is_the_brute_force_optimum(
+        n in 1usize..6,
+        k in 1usize..4,
+        cells in figures(15),
+        fraction in 0.0f64..1.2,
+    ) {
+        let profile = synthetic(&cells[..n * k], k, true);
+        let predictions: Vec<_> = all_choices(n, k)
+            .into_iter()
+            .map(|choices| profile.predict(&choices).unwrap())
+            .collect();
+        let lowest = predictions.iter().map(|p| p.peak_bytes).min().unwrap();
+        let highest = predictions.iter().map(|p| p.peak_bytes).max().unwrap();
+        prop_assert_eq!(profile.min_budget().unwrap(), lowest);
+        let budget = lowest + ((highest - lowest) as f64 * fraction) as u64;
+        let best = predictions
+            .iter()
+            .filter(|p| p.peak_bytes <= budget)
+            .map(|p| p.step_ms)
+            .fold(f64::INFINITY, f64::min);
+        let plan = profile.plan(budget).unwrap();
+        prop_assert!(plan.predicted_peak() <= budget);
+        prop_assert_eq!(plan.predicted_step_ms(), best);
+    }
+
+    /// For any profile: a plan's predicted peak is within its budget; a larger budget never gives
+    /// a slower plan; and exactly the budgets below the lowest peak fail, naming it.
+    #[test]
+    fn plans_are_monotone_in_the_budget(
+        n in 1usize..9,
+        k in 1usize..5,
+        cells in figures(32),
+        constant_net in any::<bool>(),
+        steps in proptest::collection::vec(0u64..3_000, 1..12),
+    ) {
+        let profile = synthetic(&cells[..n * k], k, constant_net);
+        let minimum = profile.min_budget().unwrap();
+        let mut budget = minimum.saturating_sub(1_000);
+        let mut previous: Option<f64> = None;
+        for step in steps {
+            budget += step;
+            match profile.plan(budget) {
+                Ok(plan) => {
+                    prop_assert!(budget >= minimum);
+                    prop_assert!(plan.predicted_peak() <= budget);
+                    if let Some(ms) = previous {
+                        prop_assert!(plan.predicted_step_ms() <= ms);
+                    }
+                    previous = Some(plan.predicted_step_ms());
+                }
+                Err(CheckpointError::BudgetTooSmall { minimum: named, .. }) => {
+                    prop_assert!(budget < minimum);
+                    prop_assert_eq!(named, minimum);
+                    prop_assert!(previous.is_none());
+                }
+                Err(other) => prop_assert!(false, "{}", other),
+            }
+        }
+    }
+}
