@@ -130,6 +130,7 @@ pub mod cuda;
 mod adafactor;
 mod adam;
 mod adam8bit;
+mod adam_stochastic;
 mod clip;
 mod device;
 mod driver;
@@ -142,6 +143,7 @@ mod sgd;
 pub use adafactor::{Adafactor, AdafactorState};
 pub use adam::{Adam, AdamState};
 pub use adam8bit::{bnb_maps, Adam8bit, Adam8bitState};
+pub use adam_stochastic::{AdamStochastic, AdamStochasticConfig};
 pub use clip::{clip_grad_norm_, clip_grad_value_, NormType};
 pub use device::{DeviceGradScaling, StepDevice};
 pub use driver::RuleKernels;
@@ -150,5 +152,5 @@ pub use optimizer::{
     GroupOptimizer, Implementation, NamedTensors, Optimizer, ParamGroup, ParamId, SavedTensors,
     Scaling, StepParams, UpdateRule, DEFAULT_FOREACH_CHUNK,
 };
-pub use scheduler::{LrScheduler, Schedule};
+pub use scheduler::{LrScheduler, Schedule, SkipFlag};
 pub use sgd::{Sgd, SgdState};
