@@ -9,15 +9,22 @@
 //! untimed, step is traced: history is recorded under the context labels `forward`, `backward`,
 //! `step` and `zero_grad`, and the allocated bytes are sampled at each phase boundary.
 //!
-//! It sits on nn (the ViT), optim (the optimizers) and one backend's caching allocator, reached
-//! through [`Probe`]; it knows nothing about reports, files or the progress bar.
+//! Mixed-precision cases (`adam_bf16`, `adam_fp16`, `adam_inbwd_ckpt_bf16`) run the forward under
+//! amp's autocast policy (PyTorch's CUDA lists), `loss = model(x).float().sum()` as the reference
+//! script does, and fp16 scales the loss with amp's GradScaler; the bytes autocast's cast cache
+//! holds at the end of the forward (the half copies of the weights) are reported.
+//!
+//! It sits on nn (the ViT), optim (the optimizers), the technique crates and one backend's caching
+//! allocator, reached through [`Probe`]; it knows nothing about reports, files or the progress
+//! bar.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use headroom_autograd_core::{uniform, BackendRef, DType, Generator, Tensor};
+use headroom_amp::{AmpPolicy, GradScaler, GradScalerConfig};
+use headroom_autograd_core::{autocast_stats, uniform, BackendRef, DType, Generator, Tensor};
 use headroom_caching_allocator::{CachingAllocator, HistoryOptions, HostStorage, Storage};
 use headroom_checkpoint::CheckpointBlocks;
 use headroom_hooks::{InBackward, InBackwardConfig, DEFAULT_BUCKET_BYTES};
@@ -56,12 +63,19 @@ pub(crate) enum Case {
     AdamCkpt,
     /// Fused Adam inside backward with every block checkpointed.
     AdamInbwdCkpt,
+    /// Fused Adam with the forward under bf16 autocast.
+    AdamBf16,
+    /// Fused Adam with the forward under f16 autocast and the loss scaled by a GradScaler (the
+    /// kernels unscale and skip; no host read).
+    AdamFp16,
+    /// Fused Adam inside backward, every block checkpointed, the forward under bf16 autocast.
+    AdamInbwdCkptBf16,
 }
 
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 10] = [
+    pub(crate) const ALL: [Case; 13] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -72,6 +86,9 @@ impl Case {
         Case::Adam8bitInbwd,
         Case::AdamCkpt,
         Case::AdamInbwdCkpt,
+        Case::AdamBf16,
+        Case::AdamFp16,
+        Case::AdamInbwdCkptBf16,
     ];
 
     /// The case's name on the command line and in reports.
@@ -87,6 +104,9 @@ impl Case {
             Case::Adam8bitInbwd => "adam8bit_inbwd",
             Case::AdamCkpt => "adam_ckpt",
             Case::AdamInbwdCkpt => "adam_inbwd_ckpt",
+            Case::AdamBf16 => "adam_bf16",
+            Case::AdamFp16 => "adam_fp16",
+            Case::AdamInbwdCkptBf16 => "adam_inbwd_ckpt_bf16",
         }
     }
 
@@ -94,13 +114,30 @@ impl Case {
     pub(crate) fn in_backward(self) -> bool {
         matches!(
             self,
-            Case::AdamInbwd | Case::Adam8bitInbwd | Case::AdamInbwdCkpt
+            Case::AdamInbwd | Case::Adam8bitInbwd | Case::AdamInbwdCkpt | Case::AdamInbwdCkptBf16
         )
     }
 
     /// Whether every encoder block is checkpointed.
     pub(crate) fn checkpointed(self) -> bool {
-        matches!(self, Case::AdamCkpt | Case::AdamInbwdCkpt)
+        matches!(
+            self,
+            Case::AdamCkpt | Case::AdamInbwdCkpt | Case::AdamInbwdCkptBf16
+        )
+    }
+
+    /// The autocast dtype of the forward, if any.
+    pub(crate) fn autocast(self) -> Option<DType> {
+        match self {
+            Case::AdamBf16 | Case::AdamInbwdCkptBf16 => Some(DType::BF16),
+            Case::AdamFp16 => Some(DType::F16),
+            _ => None,
+        }
+    }
+
+    /// Whether the loss is scaled by a GradScaler (f16).
+    pub(crate) fn loss_scaled(self) -> bool {
+        self == Case::AdamFp16
     }
 
     /// The case of `torch_reference.py` that computes the same update (PyTorch's foreach is
@@ -147,9 +184,13 @@ impl Case {
                 build::<AdamConfig>(params, adam, Implementation::ForeachUnbounded)
             }
             Case::AdamSingle => build::<AdamConfig>(params, adam, Implementation::Single),
-            Case::AdamFused | Case::AdamInbwd | Case::AdamCkpt | Case::AdamInbwdCkpt => {
-                build::<AdamConfig>(params, adam, Implementation::Fused)
-            }
+            Case::AdamFused
+            | Case::AdamInbwd
+            | Case::AdamCkpt
+            | Case::AdamInbwdCkpt
+            | Case::AdamBf16
+            | Case::AdamFp16
+            | Case::AdamInbwdCkptBf16 => build::<AdamConfig>(params, adam, Implementation::Fused),
             Case::Adam8bit | Case::Adam8bitInbwd => {
                 build::<Adam8bitConfig>(params, adam8bit, Implementation::Fused)
             }
@@ -374,6 +415,9 @@ pub(crate) struct CaseResult {
     /// Allocated after the forward (loss computed) minus allocated before it: what the forward
     /// keeps for backward.
     pub(crate) activation_bytes: u64,
+    /// Bytes of the half copies of the weights autocast's cast cache held at the end of the
+    /// traced forward (0 without autocast).
+    pub(crate) cast_cache_bytes: u64,
     /// Peak allocated over the warm-up steps.
     pub(crate) first3_peak_allocated_bytes: u64,
     /// Peak allocated over the timed steps.
@@ -420,7 +464,10 @@ pub(crate) fn measure<S: Storage>(
     let param_bytes: u64 = params.iter().map(tensor_bytes).sum();
     let optimizer = case.optimizer(params.clone())?;
     let images = input(&probe.backend, batch, model.config.image_size)?;
-    let stepper = if case.in_backward() {
+    let stepper = if case.loss_scaled() {
+        let scaler = GradScaler::new(optimizer.handle(), GradScalerConfig::default())?;
+        Stepper::Scaled(scaler)
+    } else if case.in_backward() {
         // Buckets of at most 1/16 of the parameters, so a small model shows what a large one
         // does with the default 25 MiB.
         let config = InBackwardConfig {
@@ -431,10 +478,13 @@ pub(crate) fn measure<S: Storage>(
     } else {
         Stepper::Plain(optimizer.handle())
     };
+    let policy = case.autocast().map(AmpPolicy::torch_cuda).transpose()?;
     let mut run = Run {
         vit: &vit,
         images: &images,
         stepper,
+        policy,
+        cast_cache_bytes: 0,
     };
 
     (probe.synchronize)()?;
@@ -484,6 +534,7 @@ pub(crate) fn measure<S: Storage>(
         grad_bytes: traced.grad_bytes,
         state_bytes,
         activation_bytes: forward.after.saturating_sub(forward.before),
+        cast_cache_bytes: run.cast_cache_bytes,
         first3_peak_allocated_bytes: first3_peak,
         peak_allocated_bytes: stats.allocated_bytes.all.peak as u64,
         peak_reserved_bytes: stats.reserved_bytes.all.peak as u64,
@@ -529,6 +580,8 @@ enum Stepper {
     Plain(Box<dyn Optimizer>),
     /// Inside backward; the step and zero-grad phases are empty.
     InBackward(InBackward),
+    /// A GradScaler: backward of the scaled loss, then its step and update.
+    Scaled(GradScaler<Box<dyn Optimizer>>),
 }
 
 /// A model, its input and its optimizer: one training step at a time.
@@ -536,6 +589,10 @@ struct Run<'a> {
     vit: &'a VisionTransformer,
     images: &'a Tensor,
     stepper: Stepper,
+    /// The forward's autocast policy, if any.
+    policy: Option<AmpPolicy>,
+    /// The cast cache's bytes at the end of the last forward.
+    cast_cache_bytes: u64,
 }
 
 impl Run<'_> {
@@ -550,24 +607,33 @@ impl Run<'_> {
     /// Runs one phase; `loss` carries the forward's result to backward, which drops it.
     fn phase(&mut self, phase: Phase, loss: &mut Option<Tensor>) -> Result<()> {
         match phase {
-            Phase::Forward => *loss = Some(self.vit.forward(self.images)?.sum_all()?),
+            Phase::Forward => {
+                let _autocast = self.policy.as_ref().map(AmpPolicy::enter);
+                let output = self.vit.forward(self.images)?;
+                *loss = Some(output.to_dtype(DType::F32)?.sum_all()?);
+                self.cast_cache_bytes = autocast_stats().cached_bytes;
+            }
             Phase::Backward => {
                 let loss = loss.take().context("backward without a loss")?;
-                match &self.stepper {
+                match &mut self.stepper {
                     Stepper::Plain(_) => loss.backward()?,
                     Stepper::InBackward(in_backward) => in_backward.backward(&loss)?,
+                    Stepper::Scaled(scaler) => scaler.scale(&loss)?.backward()?,
                 }
             }
-            Phase::Step => {
-                if let Stepper::Plain(optimizer) = &mut self.stepper {
-                    optimizer.step()?;
+            Phase::Step => match &mut self.stepper {
+                Stepper::Plain(optimizer) => optimizer.step()?,
+                Stepper::Scaled(scaler) => {
+                    scaler.step()?;
+                    scaler.update()?;
                 }
-            }
-            Phase::ZeroGrad => {
-                if let Stepper::Plain(optimizer) = &self.stepper {
-                    optimizer.zero_grad(true)?;
-                }
-            }
+                Stepper::InBackward(_) => {}
+            },
+            Phase::ZeroGrad => match &self.stepper {
+                Stepper::Plain(optimizer) => optimizer.zero_grad(true)?,
+                Stepper::Scaled(scaler) => scaler.zero_grad(true)?,
+                Stepper::InBackward(_) => {}
+            },
         }
         Ok(())
     }
