@@ -13,8 +13,8 @@
 //!
 //! On a GPU (built with `--features cuda`; auto, or `--cuda`): torchvision's ViT-L/16 at batch
 //! 32, the setting of PyTorch's reference measurements. On the CPU: `VitConfig::mini()` at batch
-//! 8 (the CPU computes f16 and bf16 in f32, so half precision is no faster there). See
-//! README.md.
+//! 8 (the CPU computes f16 and bf16 in f32, so half precision is no faster there). Settings can be
+//! picked by name (`o0 bf16 o1 o2 o3 sr`, all by default). See README.md.
 
 #[path = "../device/mod.rs"]
 mod device;
@@ -68,6 +68,18 @@ impl Setting {
             Setting::MasterWeights => "fp16 + f32 master weights (O2)",
             Setting::PureBf16 => "pure bf16 (O3)",
             Setting::StochasticRounding => "bf16 + stochastic rounding",
+        }
+    }
+
+    /// The name that selects the setting on the command line.
+    fn key(self) -> &'static str {
+        match self {
+            Setting::Float32 => "o0",
+            Setting::AutocastBf16 => "bf16",
+            Setting::AutocastFp16 => "o1",
+            Setting::MasterWeights => "o2",
+            Setting::PureBf16 => "o3",
+            Setting::StochasticRounding => "sr",
         }
     }
 
@@ -222,7 +234,7 @@ fn measure(device: &Device, config: VitConfig, batch: usize, setting: Setting) -
     }
     // After zero_grad: parameters, optimizer state, master copies and the input (subtracted). A
     // gradient is one more parameter's worth of the model's dtype.
-    let persistent = device.allocated() - base - image_bytes;
+    let persistent = device.allocated().saturating_sub(base + image_bytes);
     let grads = (n_params * dtype.size_in_bytes()) as u64;
     figures.state_per_param = (persistent + grads) as f64 / n_params as f64;
     Ok(figures)
@@ -264,8 +276,15 @@ fn main() -> Result<()> {
         "{:<32} {:>10} {:>16} {:>8} {:>11} {:>10} {:>7}  last loss",
         "setting", "peak", "kept by forward", "B/param", "cast cache", "step", "time"
     );
+    let picked: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
     let mut baseline: Option<f64> = None;
-    for setting in Setting::ALL {
+    for setting in Setting::ALL
+        .into_iter()
+        .filter(|s| picked.is_empty() || picked.iter().any(|p| p == s.key()))
+    {
         let f = measure(&device, config, batch, setting)?;
         let ratio = f.step_ms / *baseline.get_or_insert(f.step_ms);
         println!(

@@ -751,7 +751,7 @@ fn mixed_devices_dtypes_and_views_are_refused() {
         let err = adam.step().unwrap_err();
         assert!(matches!(err, OptimError::MixedDevices { .. }), "{err}");
     }
-    // A device scale on the CPU is refused.
+    // A device scale on another device than the parameters' is refused.
     let mut on_host = group(vec![on_cpu]).unwrap();
     let scaling = DeviceGradScaling {
         grad_scale: Some(Tensor::from_slice(&cuda, &[2.0f32], &[1]).unwrap()),
@@ -761,6 +761,6 @@ fn mixed_devices_dtypes_and_views_are_refused() {
         on_host
             .step_with(StepParams::All, Scaling::Device(&scaling))
             .unwrap_err(),
-        OptimError::InvalidArgument { .. }
+        OptimError::MixedDevices { .. }
     ));
 }
