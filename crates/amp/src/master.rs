@@ -265,7 +265,7 @@ impl<O: Optimizer> Optimizer for MasterWeights<O> {
             tensors.push((format!("master_weights.{i}"), raw));
         }
         let count = [("master_weights.count", self.masters.len().to_string())];
-        Ok(write_state(&inner, &count, tensors).map_err(OptimError::from)?)
+        write_state(&inner, &count, tensors).map_err(OptimError::from)
     }
 
     /// Restores the wrapped optimizer and the masters, and rounds the masters into the model.

@@ -41,11 +41,7 @@ pub(crate) fn write_state(
         merged.insert((*key).to_string(), value.clone());
     }
     let saved = SafeTensors::deserialize(inner)?;
-    let mut views: Vec<(String, TensorView<'_>)> = saved
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| (name, view))
-        .collect();
+    let mut views: Vec<(String, TensorView<'_>)> = saved.tensors();
     for (name, raw) in &tensors {
         views.push((
             name.clone(),
