@@ -5,6 +5,7 @@
 //! package only re-exports them under one name and hosts the workspace's examples and benches.
 //! It holds no logic of its own and must never grow any: a technique lives in its crate.
 
+pub use headroom_amp as amp;
 pub use headroom_autograd_core as autograd_core;
 pub use headroom_caching_allocator as caching_allocator;
 pub use headroom_checkpoint as checkpoint;

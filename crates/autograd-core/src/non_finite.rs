@@ -8,7 +8,10 @@
 //! (a finite tensor has finite extremes; an infinity is an extreme, and both backends' max and min
 //! propagate NaN); then the slots times zero, summed (0, or NaN when any slot was not finite),
 //! folded into the flag by comparisons. So two reductions per tensor and a handful of one-element
-//! ops per dtype, and no memory beyond two elements per tensor. A backend with a multi-tensor
+//! ops per dtype, and little memory: two elements per tensor, and one partial per row of a large
+//! tensor, which is reduced as rows of [`ROW_LEN`] elements and then across the rows (a backend
+//! reduces one row per block, so a whole multi-million-element gradient reduced as one row would
+//! run on one block). A backend with a multi-tensor
 //! kernel of its own can do the same in one pass; this is the portable form. This module knows no
 //! kernel and no device.
 
@@ -74,6 +77,40 @@ pub fn found_non_finite(tensors: &[&Tensor], like: &Tensor) -> Result<Tensor> {
     Ok(found_inf)
 }
 
+/// Elements per row when a large tensor is reduced in two stages.
+const ROW_LEN: usize = 4096;
+
+/// Tensors of at least this many elements are reduced in two stages.
+const SPLIT_FROM: usize = 1 << 15;
+
+/// The max or min (`op`) of every element of `tensor` into the one-element view `out`: directly,
+/// or for a large contiguous tensor as rows of [`ROW_LEN`] (and its tail) into partials, then
+/// across them.
+fn reduce_extreme(tensor: &Tensor, op: ReduceOp, out: &Tensor) -> Result<()> {
+    let backend = out.backend();
+    let n = tensor.numel();
+    if n < SPLIT_FROM || !tensor.is_contiguous() {
+        return backend.reduce(op, tensor.view(), tensor.ndim(), out.view());
+    }
+    let flat = tensor.reshape(&[n])?;
+    let (rows, tail) = (n / ROW_LEN, n % ROW_LEN);
+    let partials = Tensor::empty(backend, &[rows + usize::from(tail > 0)], tensor.dtype())?;
+    let body = flat
+        .narrow(0, 0, rows * ROW_LEN)?
+        .reshape(&[rows, ROW_LEN])?;
+    backend.reduce(op, body.view(), 1, partials.narrow(0, 0, rows)?.view())?;
+    if tail > 0 {
+        let last = partials.narrow(0, rows, 1)?.reshape(&[])?;
+        backend.reduce(
+            op,
+            flat.narrow(0, rows * ROW_LEN, tail)?.view(),
+            1,
+            last.view(),
+        )?;
+    }
+    backend.reduce(op, partials.view(), 1, out.view())
+}
+
 /// Folds the tensors of one dtype into the flag.
 fn fold_group(group: &[&Tensor], dtype: DType, found_inf: &Tensor) -> Result<()> {
     let backend = found_inf.backend();
@@ -86,7 +123,7 @@ fn fold_group(group: &[&Tensor], dtype: DType, found_inf: &Tensor) -> Result<()>
                 dtype,
                 false,
             );
-            backend.reduce(op, tensor.view(), tensor.ndim(), out.view())?;
+            reduce_extreme(tensor, op, &out)?;
         }
     }
     // 0 when every extreme is finite, NaN otherwise (0 · ±inf and 0 · NaN are NaN).

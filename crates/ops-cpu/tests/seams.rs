@@ -550,6 +550,43 @@ fn a_failed_backward_drops_its_callbacks_and_a_nested_one_keeps_its_own() {
     assert!(b.grad().is_some());
 }
 
+/// Large tensors are reduced as rows and then across them (with a tail that fills no row): an
+/// infinity or NaN anywhere — in a row, in the tail — is found, and a clean one is not.
+#[test]
+fn the_non_finite_check_finds_values_in_the_rows_and_tail_of_large_tensors() {
+    let cpu = CpuBackend::new_ref();
+    for (n, dtype) in [
+        (100_003, DType::F32),
+        (3 * 4096 * 5, DType::BF16),
+        (1 << 15, DType::F16),
+    ] {
+        let values: Vec<f64> = (0..n).map(|j| (j as f64 * 0.01).sin()).collect();
+        let clean = Tensor::from_f64s(&cpu, &values, &[n], dtype).unwrap();
+        assert_eq!(
+            found_non_finite(&[&clean], &clean)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap(),
+            [0.0]
+        );
+        for (at, value) in [
+            (0, f64::NAN),
+            (n / 2, f64::INFINITY),
+            (n - 1, f64::NEG_INFINITY),
+        ] {
+            let mut poisoned = values.clone();
+            poisoned[at] = value;
+            let bad = Tensor::from_f64s(&cpu, &poisoned, &[n], dtype).unwrap();
+            let found = found_non_finite(&[&clean, &bad], &clean).unwrap();
+            assert_eq!(
+                found.to_vec::<f32>().unwrap(),
+                [1.0],
+                "{value} at {at} of {n}"
+            );
+        }
+    }
+}
+
 #[test]
 fn the_non_finite_check_over_1000_tensors_never_reads_back_to_the_host() {
     let counting = HostReadCounter::wrap(CpuBackend::new_ref());

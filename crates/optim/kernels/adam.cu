@@ -126,6 +126,74 @@ INSTANCES(, adam_fused,
           (const AdamPiece* pieces, unsigned n_pieces, unsigned long long block_elems, const float* grad_scale, const float* found_inf),
           (pieces, n_pieces, block_elems, grad_scale, found_inf))
 
+// Stochastic rounding (crates/optim/src/kernels/stochastic.rs computes the same bits): splitmix64
+// over a key of (seed, parameter index, true step) and the element's index gives 16 random bits,
+// added to the f32 bits below the bf16 cut, so the kept half rounds up with the probability of
+// the dropped fraction.
+#define GOLDEN_GAMMA 0x9e3779b97f4a7c15ull
+
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ unsigned long long stochastic_key(unsigned long long seed, unsigned long long index,
+                                                             unsigned long long step) {
+    return mix64(seed ^ mix64((index << 32) ^ step));
+}
+
+__device__ __forceinline__ unsigned stochastic_bits(unsigned long long key, unsigned long long i) {
+    return (unsigned)(mix64(key + (i + 1) * GOLDEN_GAMMA) >> 48);
+}
+
+__device__ __forceinline__ __nv_bfloat16 round_bf16_stochastic(float x, unsigned random) {
+    if (!isfinite(x)) return from_f32<__nv_bfloat16>(x);
+    unsigned bits = (__float_as_uint(x) + (random & 0xffffu)) & 0xffff0000u;
+    return __ushort_as_bfloat16((unsigned short)(bits >> 16));
+}
+
+// An AdamPiece whose parameter is bf16 and whose moments are f32, with the seed and the
+// parameter's index that key its random stream.
+struct AdamStochasticPiece : AdamPiece {
+    unsigned long long seed, param_index;
+};
+static_assert(sizeof(AdamStochasticPiece) == 160, "AdamStochasticPiece layout");
+
+// Fused Adam on bf16 parameters with f32 moments: the update of adam_fused in float, the new
+// parameter rounded stochastically, element i of a piece with stochastic_bits(key, i).
+extern "C" __global__ void adam_fused_stochastic_bf16(const AdamStochasticPiece* pieces, unsigned n_pieces,
+                                                      unsigned long long block_elems, const float* grad_scale,
+                                                      const float* found_inf) {
+    if (skip_step(pieces, n_pieces, found_inf)) return;
+    const AdamStochasticPiece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
+    const AdamConsts c = adam_consts(pc);
+    float scale;
+    bool scaled = grad_scale_of(grad_scale, pc.flags, pc.grad_scale, &scale);
+    unsigned long long start = (blockIdx.x - pc.head.first_block) * block_elems;
+    if (start >= pc.head.len) return;
+    unsigned long long n = min(block_elems, pc.head.len - start);
+    unsigned long long key = stochastic_key(pc.seed, pc.param_index, true_step(pc.head));
+    __nv_bfloat16* p = (__nv_bfloat16*)pc.param + start;
+    const __nv_bfloat16* g = (const __nv_bfloat16*)pc.grad + start;
+    float* m = (float*)pc.exp_avg + start;
+    float* v = (float*)pc.exp_avg_sq + start;
+    float* vm = pc.max_exp_avg_sq ? (float*)pc.max_exp_avg_sq + start : 0;
+    for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
+        float pv = to_f32(p[i]), mv = m[i], vv = v[i];
+        if (vm) {
+            float vmv = vm[i];
+            adam_element(c, scaled, scale, &pv, to_f32(g[i]), &mv, &vv, &vmv);
+            vm[i] = vmv;
+        } else {
+            adam_element(c, scaled, scale, &pv, to_f32(g[i]), &mv, &vv, 0);
+        }
+        p[i] = round_bf16_stochastic(pv, stochastic_bits(key, start + i));
+        m[i] = mv;
+        v[i] = vv;
+    }
+}
+
 // The ops of the foreach and single-tensor paths (crates/optim/src/cuda/adam.rs launches them in
 // an order that keeps each array's reuses close together for the L2; ops on different arrays
 // commute, so every element sees the CPU's operations in the CPU's order).

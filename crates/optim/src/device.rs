@@ -24,6 +24,7 @@ use headroom_autograd_core::{Access, Buffer, DType, Device, HostAccess, Tensor};
 use crate::clip::NormClip;
 use crate::driver::RuleCall;
 use crate::error::OptimError;
+use crate::kernels::GradScaling;
 use crate::optimizer::UpdateRule;
 
 /// The device a group optimizer's steps run on: the host (the `kernels` module over tensor
@@ -42,9 +43,10 @@ enum DeviceKind {
 }
 
 /// A GradScaler's scale and found-inf flag in device memory: f32 tensors of one element on the
-/// parameters' CUDA device. The fused and 8-bit CUDA kernels read them, so a step needs no host
+/// parameters' device. The fused and 8-bit CUDA kernels read them, so a step needs no host
 /// synchronisation; with the flag set nothing is written, and the device counts the skipped step
-/// so the next bias corrections use the right step number.
+/// so the next bias corrections use the right step number. On the CPU the host kernels read the
+/// two values in place (host memory: no transfer, nothing to wait for).
 #[derive(Debug, Clone, Default)]
 pub struct DeviceGradScaling {
     /// The loss scale the gradients carry.
@@ -204,13 +206,6 @@ impl StepDevice {
         op: &'static str,
         scaling: &DeviceGradScaling,
     ) -> Result<(), OptimError> {
-        if matches!(self.kind, DeviceKind::Host) {
-            return Err(OptimError::InvalidArgument {
-                op,
-                reason: "a device gradient scale needs CUDA parameters; on the CPU pass the values"
-                    .into(),
-            });
-        }
         for tensor in scaling.grad_scale.iter().chain(&scaling.found_inf) {
             self.check(op, tensor)?;
             if tensor.dtype() != DType::F32 {
@@ -231,6 +226,43 @@ impl StepDevice {
             }
         }
         Ok(())
+    }
+
+    /// A device scaling's values where the host kernels run: on the CPU its one-element
+    /// tensors are host memory, read in place (no transfer, nothing to wait for); `None` on a
+    /// CUDA device, whose kernels read the tensors themselves.
+    pub(crate) fn host_values(&self, scaling: &DeviceGradScaling) -> Option<GradScaling> {
+        match self.kind {
+            DeviceKind::Host => {
+                let read = |tensor: &Option<Tensor>| {
+                    tensor.as_ref().map(|tensor| {
+                        // SAFETY: `check_scaling` checked a contiguous one-element f32 CPU
+                        // tensor; nothing writes it while the step runs on this thread.
+                        unsafe { crate::host::host_slice::<f32>(tensor)[0] }
+                    })
+                };
+                Some(GradScaling {
+                    grad_scale: read(&scaling.grad_scale),
+                    found_inf: read(&scaling.found_inf),
+                })
+            }
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda(_) => None,
+        }
+    }
+
+    /// Whether a rule whose CUDA kernels read device scaling when `cuda_reads` does on this
+    /// device: the host kernels always take it (as values read in place).
+    #[cfg_attr(
+        not(feature = "cuda"),
+        expect(unused_variables, reason = "only a CUDA device asks the rule")
+    )]
+    pub(crate) fn takes_device_scaling(&self, cuda_reads: bool) -> bool {
+        match self.kind {
+            DeviceKind::Host => true,
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda(_) => cuda_reads,
+        }
     }
 
     /// The steps each parameter slot skipped on the device (GradScaler overflows seen by the

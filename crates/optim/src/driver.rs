@@ -7,7 +7,8 @@
 //!   of its tensors), its single and fused kernels, and its foreach kernel if it has one;
 //! - on CUDA, [`CudaEntry`]: its entry under `cuda/` (`cuda/multi_tensor.rs` is the entry of
 //!   every rule whose kernels are a fused kernel and foreach passes over piece tables);
-//! - its [`RuleKernels`] table, [`float_kernels`] or [`f32_kernels`] by the dtypes it takes:
+//! - its [`RuleKernels`] table, [`float_kernels`], [`f32_kernels`] or [`bf16_kernels`] by the
+//!   dtypes it takes:
 //!   the host and CUDA entries [`StepDevice`](crate::StepDevice) calls (the only place
 //!   that matches on the device), the host's being the drivers here for its element types.
 //!
@@ -91,6 +92,18 @@ where
     RuleKernels {
         dtypes: &[DType::F32, DType::BF16, DType::F16],
         host: host_step_floats::<R>,
+        #[cfg(feature = "cuda")]
+        cuda: R::cuda_step,
+        #[cfg(feature = "cuda")]
+        device_scaling: R::DEVICE_SCALING,
+    }
+}
+
+/// The kernels of a rule of bf16 parameters.
+pub(crate) const fn bf16_kernels<R: HostKernels<bf16> + CudaEntry>() -> RuleKernels<R> {
+    RuleKernels {
+        dtypes: &[DType::BF16],
+        host: host_step::<bf16, R>,
         #[cfg(feature = "cuda")]
         cuda: R::cuda_step,
         #[cfg(feature = "cuda")]

@@ -50,12 +50,18 @@
 //! value rounded to nearest-even once — at the end of the element's update in the fused form, as
 //! PyTorch's fused kernels do, and after every op in the single and foreach forms, as PyTorch's
 //! op-by-op paths do ([`kernels::ParamElement`]). The CPU and CUDA kernels round alike, so they
-//! agree to the bit for bf16 and f16 too. Adafactor and 8-bit Adam take f32 parameters only (a
+//! agree to the bit for bf16 and f16 too. [`AdamStochastic`] trains bf16 parameters without an
+//! f32 master copy: f32 moments, the updated value rounded stochastically with seeded
+//! counter-based bits ([`kernels::round_bf16_stochastic`]), 12 bytes per parameter, the CPU and
+//! CUDA bit-equal. Adafactor and 8-bit Adam take f32 parameters only (a
 //! [`OptimError::DType`] for others). CUDA has every
 //! implementation too, with the CPU's float32 operations in the CPU's order, so results agree to
 //! the bit (Adafactor's two f64 norms to an ulp); a GradScaler on the GPU passes its scale and
 //! found-inf flag as device tensors ([`DeviceGradScaling`]): fused and 8-bit kernels read them,
-//! and a skipped step is counted on the device. Measured on an H200 (1e9 parameters, 160
+//! and a skipped step is counted on the device. On the CPU the host kernels read those tensors in
+//! place, so a GradScaler passes device tensors on either device
+//! ([`Optimizer::takes_device_scaling`]); a step's [`SkipFlag`] tells an [`LrScheduler`] not to
+//! advance past a skipped step. Measured on an H200 (1e9 parameters, 160
 //! tensors, Adam; `benches/cuda_adam.rs`, PyTorch 2.11 in the same run): fused 7.03 ms
 //! (PyTorch 9.18), foreach 19.5 ms holding 16 MiB of temporaries (PyTorch 21.2 ms, 4.03 GB),
 //! 8-bit 5.42 ms; the workspace README has the table.
@@ -130,6 +136,7 @@ pub mod cuda;
 mod adafactor;
 mod adam;
 mod adam8bit;
+mod adam_stochastic;
 mod clip;
 mod device;
 mod driver;
@@ -142,6 +149,7 @@ mod sgd;
 pub use adafactor::{Adafactor, AdafactorState};
 pub use adam::{Adam, AdamState};
 pub use adam8bit::{bnb_maps, Adam8bit, Adam8bitState};
+pub use adam_stochastic::{AdamStochastic, AdamStochasticConfig};
 pub use clip::{clip_grad_norm_, clip_grad_value_, NormType};
 pub use device::{DeviceGradScaling, StepDevice};
 pub use driver::RuleKernels;
@@ -150,5 +158,5 @@ pub use optimizer::{
     GroupOptimizer, Implementation, NamedTensors, Optimizer, ParamGroup, ParamId, SavedTensors,
     Scaling, StepParams, UpdateRule, DEFAULT_FOREACH_CHUNK,
 };
-pub use scheduler::{LrScheduler, Schedule};
+pub use scheduler::{LrScheduler, Schedule, SkipFlag};
 pub use sgd::{Sgd, SgdState};

@@ -4,9 +4,37 @@
 //! learning rate of step 0 at once, and on every [`LrScheduler::step`] (once per optimizer
 //! step, after it, as in PyTorch) sets each group's rate for the next step. It works through
 //! the object-safe [`Optimizer`] trait, so one scheduler drives any algorithm.
+//!
+//! A step a GradScaler skipped (its gradients overflowed) did not happen, so the schedule must
+//! not advance past it: [`LrScheduler::step_unless_skipped`] takes the step's [`SkipFlag`].
+//! PyTorch's schedulers advance regardless and cannot tell (pytorch issues 67590, 152279).
+
+use headroom_autograd_core::Tensor;
 
 use crate::error::OptimError;
 use crate::optimizer::Optimizer;
+
+/// Whether an optimizer step was skipped because its gradients overflowed: known on the host,
+/// or a one-element f32 flag (non-zero: skipped) still on the device, where a GradScaler that
+/// never synchronises leaves it.
+#[derive(Debug, Clone)]
+pub enum SkipFlag {
+    /// The host knows.
+    Known(bool),
+    /// The device knows: reading it waits for the step to finish.
+    OnDevice(Tensor),
+}
+
+impl SkipFlag {
+    /// Whether the step was skipped; a flag on the device is read (one host read, which waits
+    /// for the device to reach the step).
+    pub fn read(&self) -> Result<bool, OptimError> {
+        match self {
+            SkipFlag::Known(skipped) => Ok(*skipped),
+            SkipFlag::OnDevice(flag) => Ok(flag.to_vec_f64()?.first().is_some_and(|v| *v != 0.0)),
+        }
+    }
+}
 
 /// A schedule: the learning rate at step `t` from a group's base rate.
 #[derive(Debug, Clone, PartialEq)]
@@ -141,6 +169,21 @@ impl LrScheduler {
     pub fn step(&mut self, optimizer: &mut dyn Optimizer) {
         self.last_step += 1;
         self.apply(optimizer);
+    }
+
+    /// Advances one step, as [`LrScheduler::step`], unless `skipped` says the optimizer step
+    /// was skipped; returns whether it advanced. A flag still on the device is read here, which
+    /// waits for the device to finish the step: pass [`SkipFlag::Known`] where the host knows.
+    pub fn step_unless_skipped(
+        &mut self,
+        optimizer: &mut dyn Optimizer,
+        skipped: &SkipFlag,
+    ) -> Result<bool, OptimError> {
+        if skipped.read()? {
+            return Ok(false);
+        }
+        self.step(optimizer);
+        Ok(true)
     }
 
     /// Steps taken so far.

@@ -2,7 +2,8 @@
 //! implementation bit for bit on random data (Adafactor within a few ulps: its two norms are
 //! f64 sums in another order), host- and device-valued gradient scaling with device-counted
 //! skips, the memory each implementation promises, SGD and Adam on bf16 and f16 parameters bit for
-//! bit with the CPU (and the bf16 fused step's memory: states only), and typed errors for tensors
+//! bit with the CPU (and the bf16 fused step's memory: states only), bf16 Adam with stochastic
+//! rounding bit for bit with the CPU (device-skipped steps included), and typed errors for tensors
 //! a step cannot take. Prints a skip notice (and passes) without a CUDA device.
 #![cfg(feature = "cuda")]
 
@@ -16,8 +17,8 @@ use headroom_optim::kernels::{
     bf16, f16, n_blocks, AdafactorConfig, Adam8bitConfig, AdamConfig, GradScaling, SgdConfig,
 };
 use headroom_optim::{
-    Adam, Adam8bit, DeviceGradScaling, GroupOptimizer, Implementation, OptimError, Optimizer,
-    ParamGroup, Scaling, Sgd, StepParams, UpdateRule,
+    Adam, Adam8bit, AdamStochastic, AdamStochasticConfig, DeviceGradScaling, GroupOptimizer,
+    Implementation, OptimError, Optimizer, ParamGroup, Scaling, Sgd, StepParams, UpdateRule,
 };
 use headroom_testkit::gpu::cuda_or_skip;
 
@@ -328,6 +329,68 @@ fn half_sgd_and_adam_on_cuda_equal_the_cpu() {
             compare_dtype(name, config, &implementations(), dtype, 0);
         }
     }
+}
+
+/// bf16 Adam with stochastic rounding: the same random bits and the same roundings on both
+/// devices, with and without a gradient scale, and with steps a device GradScaler skips (the
+/// random stream follows the true step).
+#[test]
+fn stochastic_adam_on_cuda_equals_the_cpu() {
+    let config = AdamStochasticConfig::new(AdamConfig::adamw(), 42);
+    compare_dtype(
+        "adam_stochastic",
+        config.clone(),
+        &[Implementation::Fused],
+        DType::BF16,
+        0,
+    );
+    let Some(cuda) = cuda() else { return };
+    let cuda_ref: BackendRef = cuda;
+    let cpu = CpuBackend::new_ref();
+    let mut snapshots = Vec::new();
+    for backend in [&cpu, &cuda_ref] {
+        let params: Vec<Tensor> = SHAPES
+            .iter()
+            .enumerate()
+            .map(|(i, shape)| {
+                let n = shape.iter().product();
+                tensor_of(backend, &random(i as u64 + 3, n, 2.0), shape, DType::BF16)
+            })
+            .collect();
+        let mut optimizer = AdamStochastic::new(
+            vec![ParamGroup::new(params.clone(), config.clone())],
+            Implementation::Fused,
+        )
+        .unwrap();
+        for (step, overflow) in [false, true, false, false].into_iter().enumerate() {
+            for (i, (param, shape)) in params.iter().zip(SHAPES).enumerate() {
+                let n = shape.iter().product();
+                let grad: Vec<f32> = random(10 * step as u64 + i as u64, n, 0.2)
+                    .iter()
+                    .map(|g| g * 1024.0)
+                    .collect();
+                param
+                    .set_grad(Some(tensor_of(backend, &grad, shape, DType::BF16)))
+                    .unwrap();
+            }
+            let flag = if overflow { 1.0f32 } else { 0.0 };
+            let scaling = DeviceGradScaling {
+                grad_scale: Some(Tensor::from_slice(backend, &[1024.0f32], &[1]).unwrap()),
+                found_inf: Some(Tensor::from_slice(backend, &[flag], &[1]).unwrap()),
+            };
+            optimizer
+                .step_with(StepParams::All, Scaling::Device(&scaling))
+                .unwrap();
+        }
+        for idx in 0..params.len() {
+            assert_eq!(optimizer.param_step(0, idx).unwrap(), 3);
+        }
+        snapshots.push(snapshot(&optimizer, &params));
+    }
+    assert!(
+        snapshots[0] == snapshots[1],
+        "stochastic Adam with a device GradScaler differs between the CPU and CUDA"
+    );
 }
 
 #[test]
@@ -683,7 +746,7 @@ fn mixed_devices_dtypes_and_views_are_refused() {
         let err = adam.step().unwrap_err();
         assert!(matches!(err, OptimError::MixedDevices { .. }), "{err}");
     }
-    // A device scale on the CPU is refused.
+    // A device scale on another device than the parameters' is refused.
     let mut on_host = group(vec![on_cpu]).unwrap();
     let scaling = DeviceGradScaling {
         grad_scale: Some(Tensor::from_slice(&cuda, &[2.0f32], &[1]).unwrap()),
@@ -693,6 +756,6 @@ fn mixed_devices_dtypes_and_views_are_refused() {
         on_host
             .step_with(StepParams::All, Scaling::Device(&scaling))
             .unwrap_err(),
-        OptimError::InvalidArgument { .. }
+        OptimError::MixedDevices { .. }
     ));
 }

@@ -9,15 +9,22 @@
 //! untimed, step is traced: history is recorded under the context labels `forward`, `backward`,
 //! `step` and `zero_grad`, and the allocated bytes are sampled at each phase boundary.
 //!
-//! It sits on nn (the ViT), optim (the optimizers) and one backend's caching allocator, reached
-//! through [`Probe`]; it knows nothing about reports, files or the progress bar.
+//! Mixed-precision cases (`adam_bf16`, `adam_fp16`, `adam_inbwd_ckpt_bf16`) run the forward under
+//! amp's autocast policy (PyTorch's CUDA lists), `loss = model(x).float().sum()` as the reference
+//! script does, and fp16 scales the loss with amp's GradScaler; the bytes autocast's cast cache
+//! holds at the end of the forward (the half copies of the weights) are reported.
+//!
+//! It sits on nn (the ViT), optim (the optimizers), the technique crates and one backend's caching
+//! allocator, reached through [`Probe`]; it knows nothing about reports, files or the progress
+//! bar.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use headroom_autograd_core::{uniform, BackendRef, DType, Generator, Tensor};
+use headroom_amp::{AmpPolicy, GradScaler, GradScalerConfig};
+use headroom_autograd_core::{autocast_stats, uniform, BackendRef, DType, Generator, Tensor};
 use headroom_caching_allocator::{CachingAllocator, HistoryOptions, HostStorage, Storage};
 use headroom_checkpoint::{
     BlockSelection, CheckpointBlocks, CompressBlocks, OffloadBlocks, OffloadOptions,
@@ -77,12 +84,19 @@ pub(crate) enum Case {
     /// Fused Adam with checkpointing planned per block for a memory budget (`--budget`;
     /// [`super::budget_plan`]).
     AdamAuto,
+    /// Fused Adam with the forward under bf16 autocast.
+    AdamBf16,
+    /// Fused Adam with the forward under f16 autocast and the loss scaled by a GradScaler (the
+    /// kernels unscale and skip; no host read).
+    AdamFp16,
+    /// Fused Adam inside backward, every block checkpointed, the forward under bf16 autocast.
+    AdamInbwdCkptBf16,
 }
 
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 16] = [
+    pub(crate) const ALL: [Case; 19] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -99,6 +113,9 @@ impl Case {
         Case::AdamOffload,
         Case::AdamCkpt8bit,
         Case::AdamAuto,
+        Case::AdamBf16,
+        Case::AdamFp16,
+        Case::AdamInbwdCkptBf16,
     ];
 
     /// The case's name on the command line and in reports.
@@ -120,6 +137,9 @@ impl Case {
             Case::AdamOffload => "adam_offload",
             Case::AdamCkpt8bit => "adam_ckpt8bit",
             Case::AdamAuto => "adam_auto",
+            Case::AdamBf16 => "adam_bf16",
+            Case::AdamFp16 => "adam_fp16",
+            Case::AdamInbwdCkptBf16 => "adam_inbwd_ckpt_bf16",
         }
     }
 
@@ -132,6 +152,7 @@ impl Case {
                 | Case::AdamInbwdCkpt
                 | Case::AdamInbwdClip
                 | Case::AdamInbwdClipPrev
+                | Case::AdamInbwdCkptBf16
         )
     }
 
@@ -146,7 +167,24 @@ impl Case {
 
     /// Whether every encoder block is checkpointed.
     pub(crate) fn checkpointed(self) -> bool {
-        matches!(self, Case::AdamCkpt | Case::AdamInbwdCkpt)
+        matches!(
+            self,
+            Case::AdamCkpt | Case::AdamInbwdCkpt | Case::AdamInbwdCkptBf16
+        )
+    }
+
+    /// The autocast dtype of the forward, if any.
+    pub(crate) fn autocast(self) -> Option<DType> {
+        match self {
+            Case::AdamBf16 | Case::AdamInbwdCkptBf16 => Some(DType::BF16),
+            Case::AdamFp16 => Some(DType::F16),
+            _ => None,
+        }
+    }
+
+    /// Whether the loss is scaled by a GradScaler (f16).
+    pub(crate) fn loss_scaled(self) -> bool {
+        self == Case::AdamFp16
     }
 
     /// Whether the case runs on a CUDA device only (offload copies to pinned host memory).
@@ -207,7 +245,10 @@ impl Case {
             | Case::AdamInbwdClipPrev
             | Case::AdamOffload
             | Case::AdamCkpt8bit
-            | Case::AdamAuto => build::<AdamConfig>(params, adam, Implementation::Fused),
+            | Case::AdamAuto
+            | Case::AdamBf16
+            | Case::AdamFp16
+            | Case::AdamInbwdCkptBf16 => build::<AdamConfig>(params, adam, Implementation::Fused),
             Case::Adam8bit | Case::Adam8bitInbwd => {
                 build::<Adam8bitConfig>(params, adam8bit, Implementation::Fused)
             }
@@ -437,6 +478,9 @@ pub(crate) struct CaseResult {
     /// Allocated after the forward (loss computed) minus allocated before it: what the forward
     /// keeps for backward.
     pub(crate) activation_bytes: u64,
+    /// Bytes of the half copies of the weights autocast's cast cache held at the end of the
+    /// traced forward (0 without autocast).
+    pub(crate) cast_cache_bytes: u64,
     /// Peak allocated over the warm-up steps.
     pub(crate) first3_peak_allocated_bytes: u64,
     /// Peak allocated over the timed steps.
@@ -501,7 +545,10 @@ pub(crate) fn measure<S: Storage>(
         )?),
         _ => None,
     };
-    let stepper = if case.in_backward() {
+    let stepper = if case.loss_scaled() {
+        let scaler = GradScaler::new(optimizer.handle(), GradScalerConfig::default())?;
+        Stepper::Scaled(scaler)
+    } else if case.in_backward() {
         // Unless asked otherwise, buckets of at most 1/16 of the parameters, so a small model
         // shows what a large one does with the default 25 MiB.
         let config = InBackwardConfig {
@@ -522,10 +569,13 @@ pub(crate) fn measure<S: Storage>(
             clip: case.clipping().map(|_| params.clone()),
         }
     };
+    let policy = case.autocast().map(AmpPolicy::torch_cuda).transpose()?;
     let mut run = Run {
         vit: &vit,
         images: &images,
         stepper,
+        policy,
+        cast_cache_bytes: 0,
     };
 
     (probe.synchronize)()?;
@@ -553,6 +603,7 @@ pub(crate) fn measure<S: Storage>(
 
     let traced = run.traced_step(probe)?;
     tick();
+    let cast_cache_bytes = run.cast_cache_bytes;
     drop(run);
     if let Some((outcome, profile)) = &mut planned {
         outcome.uniform = budget_plan::compare_uniform(
@@ -586,6 +637,7 @@ pub(crate) fn measure<S: Storage>(
         grad_bytes: traced.grad_bytes,
         state_bytes,
         activation_bytes: forward.after.saturating_sub(forward.before),
+        cast_cache_bytes,
         first3_peak_allocated_bytes: first3_peak,
         peak_allocated_bytes: stats.allocated_bytes.all.peak as u64,
         peak_reserved_bytes: stats.reserved_bytes.all.peak as u64,
@@ -636,6 +688,8 @@ fn plain_step(
             optimizer: optimizer.handle(),
             clip: None,
         },
+        policy: None,
+        cast_cache_bytes: 0,
     }
     .step()
 }
@@ -680,6 +734,8 @@ enum Stepper {
     },
     /// Inside backward; the step and zero-grad phases are empty.
     InBackward(InBackward),
+    /// A GradScaler: backward of the scaled loss, then its step and update.
+    Scaled(GradScaler<Box<dyn Optimizer>>),
 }
 
 /// A model, its input and its optimizer: one training step at a time.
@@ -687,6 +743,10 @@ struct Run<'a> {
     vit: &'a VisionTransformer,
     images: &'a Tensor,
     stepper: Stepper,
+    /// The forward's autocast policy, if any.
+    policy: Option<AmpPolicy>,
+    /// The cast cache's bytes at the end of the last forward.
+    cast_cache_bytes: u64,
 }
 
 impl Run<'_> {
@@ -701,27 +761,38 @@ impl Run<'_> {
     /// Runs one phase; `loss` carries the forward's result to backward, which drops it.
     fn phase(&mut self, phase: Phase, loss: &mut Option<Tensor>) -> Result<()> {
         match phase {
-            Phase::Forward => *loss = Some(self.vit.forward(self.images)?.sum_all()?),
+            Phase::Forward => {
+                let _autocast = self.policy.as_ref().map(AmpPolicy::enter);
+                let output = self.vit.forward(self.images)?;
+                *loss = Some(output.to_dtype(DType::F32)?.sum_all()?);
+                self.cast_cache_bytes = autocast_stats().cached_bytes;
+            }
             Phase::Backward => {
                 let loss = loss.take().context("backward without a loss")?;
-                match &self.stepper {
+                match &mut self.stepper {
                     Stepper::Plain { .. } => loss.backward()?,
                     Stepper::InBackward(in_backward) => in_backward.backward(&loss)?,
+                    Stepper::Scaled(scaler) => scaler.scale(&loss)?.backward()?,
                 }
             }
-            Phase::Step => {
-                if let Stepper::Plain { optimizer, clip } = &mut self.stepper {
+            Phase::Step => match &mut self.stepper {
+                Stepper::Plain { optimizer, clip } => {
                     if let Some(params) = clip {
                         clip_grad_norm_(params, CLIP_MAX_NORM, NormType::L2, false)?;
                     }
                     optimizer.step()?;
                 }
-            }
-            Phase::ZeroGrad => {
-                if let Stepper::Plain { optimizer, .. } = &self.stepper {
-                    optimizer.zero_grad(true)?;
+                Stepper::Scaled(scaler) => {
+                    scaler.step()?;
+                    scaler.update()?;
                 }
-            }
+                Stepper::InBackward(_) => {}
+            },
+            Phase::ZeroGrad => match &self.stepper {
+                Stepper::Plain { optimizer, .. } => optimizer.zero_grad(true)?,
+                Stepper::Scaled(scaler) => scaler.zero_grad(true)?,
+                Stepper::InBackward(_) => {}
+            },
         }
         Ok(())
     }

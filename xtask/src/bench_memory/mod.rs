@@ -274,7 +274,8 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
         println!("{text}\n");
     }
     println!(
-        "activations: allocated after the loss minus before the forward. peak in: the phase of \
+        "activations: allocated after the loss minus before the forward. cast cache: the half \
+         copies of the weights autocast holds at the end of the forward. peak in: the phase of \
          the traced step's peak (its components are in --json and --html)."
     );
     if let Some(line) = report::finding(&results, 1) {

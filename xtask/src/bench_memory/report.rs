@@ -82,12 +82,12 @@ pub(crate) fn markdown(results: &[CaseResult], anchors: &Anchors) -> String {
     let with_pytorch = results.iter().any(|r| anchor(anchors, r).is_some());
     let mut out = String::from(
         "| model | batch | case | peak alloc | peak reserved | first-3 peak | step ms | \
-         params | grads | opt state | activations | peak in |",
+         params | grads | opt state | activations | cast cache | peak in |",
     );
     if with_pytorch {
         out.push_str(" PyTorch peak | peak ratio | PyTorch ms | time ratio |");
     }
-    out.push_str("\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    out.push_str("\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
     if with_pytorch {
         out.push_str("---:|---:|---:|---:|");
     }
@@ -95,7 +95,7 @@ pub(crate) fn markdown(results: &[CaseResult], anchors: &Anchors) -> String {
     for r in results {
         let _ = write!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} | {} |",
             r.model,
             r.batch,
             r.case.name(),
@@ -107,6 +107,7 @@ pub(crate) fn markdown(results: &[CaseResult], anchors: &Anchors) -> String {
             size(r.grad_bytes),
             size(r.state_bytes),
             size(r.activation_bytes),
+            size(r.cast_cache_bytes),
             r.at_peak.phase.map_or("-", |p| p.label()),
         );
         if with_pytorch {
@@ -203,6 +204,7 @@ pub(crate) fn case_json(r: &CaseResult, anchors: &Anchors) -> Value {
         "grad_bytes": r.grad_bytes,
         "state_bytes": r.state_bytes,
         "activation_bytes": r.activation_bytes,
+        "cast_cache_bytes": r.cast_cache_bytes,
         "traced_step": {
             "phases": phases,
             "peak_phase": r.at_peak.phase.map(|p| p.label()),

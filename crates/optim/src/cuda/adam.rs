@@ -6,17 +6,23 @@
 //! own step, as on the CPU. The foreach ops are those of `kernels/adam.rs`'s `run_ops`,
 //! launched in its order; the fused kernel is its `fused_element`. A piece that a GradScaler on
 //! the device may skip carries its skip counter and the raw hyperparameters, from which the
-//! kernel recomputes the two bias corrections.
+//! kernel recomputes the two bias corrections. [`AdamStochasticConfig`]'s entry launches the
+//! stochastic-rounding kernel (bf16 parameters, f32 moments) with the same pieces, each extended
+//! by the seed and the parameter's index.
 
 use std::sync::Arc;
 
 use headroom_ops_cuda::CudaBackend;
 
 use super::multi_tensor::{PieceKernels, Span};
-use super::{address, flags, raw_geometry, CudaDevice, Module, PassOps, PieceHead, Table};
+use super::{
+    address, flags, geometry, raw_geometry, CudaDevice, Module, PassOps, PieceHead, Table,
+};
 use crate::adam::AdamState;
+use crate::driver::{CudaEntry, RuleCall};
 use crate::error::OptimError;
 use crate::kernels::{AdamConfig, StepConsts, WeightDecay};
+use crate::AdamStochasticConfig;
 
 const PIECE_SIZE: usize = 144;
 /// The f32 fused kernel of [`CudaFusedAdam`].
@@ -67,6 +73,20 @@ impl PieceKernels for AdamConfig {
 
     /// Writes an `AdamPiece` (`kernels/adam.cu`).
     fn write_piece(&self, table: &mut Table, head: PieceHead, span: Span, grad_scale: Option<f32>) {
+        self.write_fields(table, head, span, grad_scale)
+            .end(PIECE_SIZE);
+    }
+}
+
+impl AdamConfig {
+    /// The fields of an `AdamPiece`, left open for a struct that extends it.
+    fn write_fields<'t>(
+        &self,
+        table: &'t mut Table,
+        head: PieceHead,
+        span: Span,
+        grad_scale: Option<f32>,
+    ) -> &'t mut Table {
         let c = StepConsts::new(self, head.step);
         let piece_flags = flags::when(grad_scale.is_some(), flags::HOST_SCALED)
             | flags::when(c.maximize, flags::MAXIMIZE)
@@ -95,7 +115,51 @@ impl PieceKernels for AdamConfig {
             .f32(c.eps)
             .f32(c.neg_step_size)
             .f32(grad_scale.unwrap_or(1.0))
-            .end(PIECE_SIZE);
+    }
+}
+
+/// The size of an `AdamStochasticPiece` (`kernels/adam.cu`): an `AdamPiece`, the seed and the
+/// parameter's index.
+const STOCHASTIC_PIECE_SIZE: usize = PIECE_SIZE + 16;
+/// The kernel of [`AdamStochasticConfig`] (bf16 parameters, f32 moments).
+const STOCHASTIC_KERNEL: (Module, &str) = (Module::Adam, "adam_fused_stochastic_bf16");
+
+impl CudaEntry for AdamStochasticConfig {
+    /// One fused launch for every parameter of the call; each piece carries the seed and the
+    /// parameter's index, from which the kernel derives the random stream of its true step.
+    fn cuda_step(
+        &self,
+        device: &mut CudaDevice,
+        call: RuleCall<'_, '_, AdamState>,
+    ) -> Result<(), OptimError> {
+        let RuleCall { items, scaling, .. } = call;
+        if items.is_empty() {
+            return Ok(());
+        }
+        let geometry = geometry(items);
+        let spans: Vec<Span> = items
+            .iter()
+            .map(|it| Span {
+                param: address(it.param),
+                grad: address(&it.grad),
+                states: AdamConfig::state_addresses(it.state),
+                tmp: 0,
+            })
+            .collect();
+        let grad_scale = scaling.host().grad_scale;
+        device.run_fused(
+            STOCHASTIC_KERNEL,
+            &geometry,
+            AdamConfig::FUSED_BLOCK,
+            scaling,
+            &mut |table, idx, head| {
+                self.adam
+                    .write_fields(table, head, spans[idx], grad_scale)
+                    .u64(self.seed)
+                    .u64(geometry[idx].slot as u64)
+                    .end(STOCHASTIC_PIECE_SIZE);
+            },
+        )
     }
 }
 

@@ -11,13 +11,20 @@
 //! temporaries in the parameter's type. The fused form rounds p, m, v (and v̂) once each at the
 //! end of the element's update, as PyTorch's fused Adam does; single and foreach round every op's
 //! result, as PyTorch's op-by-op Adam does.
+//!
+//! [`adam_fused_stochastic`] is the fused update of bf16 parameters with f32 moments whose new
+//! value is rounded stochastically ([`round_bf16_stochastic`]): 12 bytes per parameter (2 for
+//! it, 2 for its gradient, 8 for the moments) where a bf16 model with an f32 master copy needs
+//! 16, with small updates kept on average instead of lost to rounding.
 
 use rayon::prelude::*;
 
 use super::{
-    check_len, lerp, maximum, non_negative, GradScaling, ParamElement, StepOutcome, PARALLEL_CHUNK,
+    check_len, lerp, maximum, non_negative, round_bf16_stochastic, stochastic_bits, GradScaling,
+    ParamElement, StepOutcome, PARALLEL_CHUNK,
 };
 use crate::error::OptimError;
+use half::bf16;
 
 /// How weight decay enters the update.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -532,6 +539,122 @@ pub fn adam_fused<T: ParamElement>(
             .zip(vmax.par_chunks_mut(PARALLEL_CHUNK))
             .for_each(|((((p, g), m), v), vm)| fused_range(&c, scale, p, g, m, v, Some(vm))),
         None => base.for_each(|(((p, g), m), v)| fused_range(&c, scale, p, g, m, v, None)),
+    }
+    Ok(StepOutcome::Stepped)
+}
+
+/// One bf16 parameter's buffers for [`adam_fused_stochastic`]: the moments are f32.
+#[derive(Debug)]
+pub struct AdamStochasticBuffers<'a> {
+    /// The parameter, updated in place.
+    pub param: &'a mut [bf16],
+    /// Its gradient.
+    pub grad: &'a [bf16],
+    /// First moment, zero before the first step.
+    pub exp_avg: &'a mut [f32],
+    /// Second moment, zero before the first step.
+    pub exp_avg_sq: &'a mut [f32],
+    /// `max_exp_avg_sq`, present exactly when `amsgrad` is set.
+    pub max_exp_avg_sq: Option<&'a mut [f32]>,
+}
+
+/// Elements `base..base + param.len()` of a stochastic-rounding update.
+#[allow(clippy::too_many_arguments)]
+fn fused_stochastic_range(
+    c: &StepConsts,
+    scale: Option<f32>,
+    key: u64,
+    base: usize,
+    param: &mut [bf16],
+    grad: &[bf16],
+    exp_avg: &mut [f32],
+    exp_avg_sq: &mut [f32],
+    mut max_exp_avg_sq: Option<&mut [f32]>,
+) {
+    for (i, ((p, &g), (m, v))) in param
+        .iter_mut()
+        .zip(grad)
+        .zip(exp_avg.iter_mut().zip(exp_avg_sq.iter_mut()))
+        .enumerate()
+    {
+        let mut pv = p.to_f32();
+        let vmax = max_exp_avg_sq.as_deref_mut().map(|vmax| &mut vmax[i]);
+        fused_element(c, scale, &mut pv, g.to_f32(), m, v, vmax);
+        *p = round_bf16_stochastic(pv, stochastic_bits(key, (base + i) as u64));
+    }
+}
+
+/// Fused Adam step number `step` on one bf16 parameter with f32 moments: the update is the f32
+/// arithmetic of [`adam_fused`], and the new parameter is rounded to bf16 stochastically, element
+/// `i` with [`stochastic_bits`]`(key, i)` (`key` from [`stochastic_key`](super::stochastic_key)
+/// of the seed, the parameter's index and the step). Gradients are divided by
+/// `scaling.grad_scale`; nothing is written when `scaling.found_inf` is set. The CUDA kernel
+/// computes the same bits.
+pub fn adam_fused_stochastic(
+    cfg: &AdamConfig,
+    step: u64,
+    key: u64,
+    bufs: AdamStochasticBuffers<'_>,
+    scaling: GradScaling,
+) -> Result<StepOutcome, OptimError> {
+    let op = "adam_fused_stochastic";
+    let n = bufs.param.len();
+    check_len(op, n, bufs.grad.len(), "grad")?;
+    check_len(op, n, bufs.exp_avg.len(), "exp_avg")?;
+    check_len(op, n, bufs.exp_avg_sq.len(), "exp_avg_sq")?;
+    match (&bufs.max_exp_avg_sq, cfg.amsgrad) {
+        (Some(vmax), true) => check_len(op, n, vmax.len(), "max_exp_avg_sq")?,
+        (None, false) => {}
+        _ => {
+            return Err(OptimError::InvalidArgument {
+                op,
+                reason: "max_exp_avg_sq must be given exactly when amsgrad is set".into(),
+            })
+        }
+    }
+    if scaling.skips() {
+        return Ok(StepOutcome::Skipped);
+    }
+    let c = StepConsts::new(cfg, step);
+    let scale = scaling.grad_scale;
+    let AdamStochasticBuffers {
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        max_exp_avg_sq,
+    } = bufs;
+    if n < 2 * PARALLEL_CHUNK {
+        fused_stochastic_range(
+            &c,
+            scale,
+            key,
+            0,
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            max_exp_avg_sq,
+        );
+        return Ok(StepOutcome::Stepped);
+    }
+    let base = param
+        .par_chunks_mut(PARALLEL_CHUNK)
+        .zip(grad.par_chunks(PARALLEL_CHUNK))
+        .zip(exp_avg.par_chunks_mut(PARALLEL_CHUNK))
+        .zip(exp_avg_sq.par_chunks_mut(PARALLEL_CHUNK))
+        .enumerate();
+    match max_exp_avg_sq {
+        Some(vmax) => base.zip(vmax.par_chunks_mut(PARALLEL_CHUNK)).for_each(
+            |((idx, (((p, g), m), v)), vm)| {
+                let start = idx * PARALLEL_CHUNK;
+                fused_stochastic_range(&c, scale, key, start, p, g, m, v, Some(vm))
+            },
+        ),
+        None => base.for_each(|(idx, (((p, g), m), v))| {
+            let start = idx * PARALLEL_CHUNK;
+            fused_stochastic_range(&c, scale, key, start, p, g, m, v, None)
+        }),
     }
     Ok(StepOutcome::Stepped)
 }

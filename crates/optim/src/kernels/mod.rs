@@ -28,12 +28,14 @@ mod adam;
 mod adam8bit;
 mod quantization;
 mod sgd;
+mod stochastic;
 
 pub use adafactor::{
     adafactor_fused, adafactor_scratch_len, adafactor_single, AdafactorBuffers, AdafactorConfig,
 };
 pub use adam::{
-    adam_foreach, adam_fused, adam_scratch_len, adam_single, AdamBuffers, AdamConfig, WeightDecay,
+    adam_foreach, adam_fused, adam_fused_stochastic, adam_scratch_len, adam_single, AdamBuffers,
+    AdamConfig, AdamStochasticBuffers, WeightDecay,
 };
 pub use adam8bit::{
     adam8bit_blockwise, adam_bnb_32bit, n_blocks, Adam8bitBuffers, Adam8bitConfig, BNB_BLOCK_SIZE,
@@ -44,6 +46,7 @@ pub use quantization::{
     quantize_state_code, QuantizationMap, StateCodeTable, CODE_BINS_PER_SIGN, MAP_LEN,
 };
 pub use sgd::{sgd_foreach, sgd_fused, sgd_single, SgdBuffers, SgdConfig};
+pub use stochastic::{round_bf16_stochastic, stochastic_bits, stochastic_key};
 
 pub use half::{bf16, f16};
 

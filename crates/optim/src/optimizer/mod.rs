@@ -231,8 +231,9 @@ pub enum Scaling<'a> {
     /// Values the host holds (any device): a set `found_inf` skips the step before any kernel
     /// runs ([`StepOutcome::Skipped`]).
     Host(GradScaling),
-    /// Tensors on the parameters' CUDA device: the kernels read them, so nothing waits for the
-    /// device; a skipped step is counted there and does not advance the step numbers.
+    /// Tensors on the parameters' device: the CUDA kernels read them, so nothing waits for the
+    /// device, and a skipped step is counted there and does not advance the step numbers; on the
+    /// CPU the host kernels read the values in place (host memory) and a skip is as for `Host`.
     Device(&'a DeviceGradScaling),
 }
 
@@ -275,7 +276,8 @@ pub trait Optimizer: Send {
     /// One step of the selected parameters that have a gradient, their gradients scaled as
     /// `scaling` says. Costs O(selected parameters) — never a pass over all of them for
     /// [`StepParams::Only`]. [`StepOutcome::Skipped`] when a host-valued overflow flag skipped
-    /// the step (a device flag is read by the kernels, and the call returns `Stepped`).
+    /// the step (a CUDA device's flag is read by the kernels, and the call returns `Stepped`;
+    /// on the CPU a device flag is a host value, and a set one returns `Skipped`).
     fn step_with(
         &mut self,
         params: StepParams<'_>,
@@ -285,12 +287,64 @@ pub trait Optimizer: Send {
     fn step(&mut self) -> Result<(), OptimError> {
         self.step_with(StepParams::All, Scaling::None).map(|_| ())
     }
+    /// Whether [`Optimizer::step_with`] takes a [`Scaling::Device`]: its kernels divide the
+    /// gradients by a scale and skip an overflowed step themselves, reading both from device
+    /// tensors, so a GradScaler hands them its scale and flag instead of unscaling the gradients
+    /// and reading the flag on the host (PyTorch's `_step_supports_amp_scaling`). `false` unless
+    /// the optimizer says otherwise.
+    fn takes_device_scaling(&self) -> bool {
+        false
+    }
     /// Clears every parameter's gradient (drops it when `set_to_none`).
     fn zero_grad(&self, set_to_none: bool) -> Result<(), OptimError>;
     /// The state (steps, state tensors, hyperparameters) as safetensors bytes.
     fn state_dict(&self) -> Result<Vec<u8>, OptimError>;
     /// Restores what [`Optimizer::state_dict`] saved (same groups and parameter shapes).
     fn load_state_dict(&mut self, bytes: &[u8]) -> Result<(), OptimError>;
+}
+
+/// A boxed optimizer is an optimizer (so decorators and trainers take `Box<dyn Optimizer>`).
+impl<O: Optimizer + ?Sized> Optimizer for Box<O> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn n_groups(&self) -> usize {
+        (**self).n_groups()
+    }
+    fn lr(&self, group: usize) -> f64 {
+        (**self).lr(group)
+    }
+    fn set_lr(&mut self, group: usize, lr: f64) {
+        (**self).set_lr(group, lr)
+    }
+    fn params(&self) -> Vec<(ParamId, Tensor)> {
+        (**self).params()
+    }
+    fn param_id(&self, param: &Tensor) -> Result<ParamId, OptimError> {
+        (**self).param_id(param)
+    }
+    fn step_with(
+        &mut self,
+        params: StepParams<'_>,
+        scaling: Scaling<'_>,
+    ) -> Result<StepOutcome, OptimError> {
+        (**self).step_with(params, scaling)
+    }
+    fn step(&mut self) -> Result<(), OptimError> {
+        (**self).step()
+    }
+    fn takes_device_scaling(&self) -> bool {
+        (**self).takes_device_scaling()
+    }
+    fn zero_grad(&self, set_to_none: bool) -> Result<(), OptimError> {
+        (**self).zero_grad(set_to_none)
+    }
+    fn state_dict(&self) -> Result<Vec<u8>, OptimError> {
+        (**self).state_dict()
+    }
+    fn load_state_dict(&mut self, bytes: &[u8]) -> Result<(), OptimError> {
+        (**self).load_state_dict(bytes)
+    }
 }
 
 /// A parameter's entry in the slot table.
@@ -310,11 +364,7 @@ pub(crate) struct StepItem<'a, S> {
     /// Step number (1-based) this update is, as the host counts it (steps the device skipped
     /// under a [`DeviceGradScaling`] are subtracted by the kernels).
     pub(crate) step: u64,
-    /// The parameter's slot (its [`ParamId`] index and device skip counter).
-    #[cfg_attr(
-        not(feature = "cuda"),
-        expect(dead_code, reason = "only the CUDA skip counters read it")
-    )]
+    /// The parameter's slot (its [`ParamId`] index, device skip counter and random stream).
     pub(crate) slot: usize,
     /// The parameter.
     pub(crate) param: &'a Tensor,
@@ -349,7 +399,7 @@ impl<R: UpdateRule> GroupOptimizer<R> {
             if !R::KERNELS.dtypes.contains(&param.dtype()) {
                 return Err(OptimError::DType {
                     op: R::NAME,
-                    expected: DType::F32,
+                    expected: R::KERNELS.dtypes[0],
                     got: param.dtype(),
                 });
             }
@@ -625,11 +675,28 @@ impl<R: UpdateRule> Optimizer for GroupOptimizer<R> {
     ) -> Result<StepOutcome, OptimError> {
         self.check_scaling(scaling)?;
         let selected = self.selected_slots(params)?;
+        // On the CPU a device scaling's tensors are host memory: the host kernels take their
+        // values, read in place.
+        let scaling = match scaling {
+            Scaling::Device(device_scaling) => self
+                .device
+                .host_values(device_scaling)
+                .map_or(scaling, Scaling::Host),
+            other => other,
+        };
         if scaling.host().skips() {
             return Ok(StepOutcome::Skipped);
         }
         self.step_slots(&selected, scaling)?;
         Ok(StepOutcome::Stepped)
+    }
+
+    fn takes_device_scaling(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        let cuda_reads = R::KERNELS.device_scaling;
+        #[cfg(not(feature = "cuda"))]
+        let cuda_reads = false;
+        self.implementation == Implementation::Fused && self.device.takes_device_scaling(cuda_reads)
     }
 
     fn zero_grad(&self, set_to_none: bool) -> Result<(), OptimError> {

@@ -1,0 +1,50 @@
+//! Stochastic rounding of f32 to bf16 with a seeded, counter-based random stream that the CPU
+//! and the CUDA kernels (`kernels/adam.cu`) compute alike, so both round every element the same
+//! way.
+//!
+//! Rounding to nearest loses an update smaller than half a bf16 ulp of the parameter every time;
+//! rounding up with probability equal to the discarded fraction keeps it on average (the rounded
+//! value's expectation is the f32 value), which is what lets bf16 parameters train without an
+//! f32 master copy. The 16 random bits of an element come from splitmix64 over a key (seed,
+//! parameter index, step) and the element's index: no state, the same bits on any device and in
+//! any order of evaluation, a different stream for every parameter and step.
+
+use half::bf16;
+
+use super::ParamElement;
+
+/// splitmix64's increment (the golden ratio's 64-bit fraction).
+const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// splitmix64's output function.
+#[inline(always)]
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The key of the random stream of parameter `param_index` at step `step` (counted from 1)
+/// under `seed`.
+pub fn stochastic_key(seed: u64, param_index: u64, step: u64) -> u64 {
+    mix64(seed ^ mix64((param_index << 32) ^ step))
+}
+
+/// The 16 random bits element `index` of the stream `key` rounds with (in the low bits).
+#[inline(always)]
+pub fn stochastic_bits(key: u64, index: u64) -> u32 {
+    (mix64(key.wrapping_add(index.wrapping_add(1).wrapping_mul(GOLDEN_GAMMA))) >> 48) as u32
+}
+
+/// `value` rounded to bf16 up (in magnitude) with probability equal to the fraction of a bf16
+/// ulp it drops, given 16 uniform random bits: the discarded low half of the f32 bits plus the
+/// random bits carries into the kept half exactly that often. NaN and ±infinity round as to
+/// nearest (one canonical NaN); a finite value may round up to infinity, as to nearest can.
+#[inline(always)]
+pub fn round_bf16_stochastic(value: f32, random: u32) -> bf16 {
+    if !value.is_finite() {
+        return <bf16 as ParamElement>::from_f32(value);
+    }
+    let bits = value.to_bits().wrapping_add(random & 0xffff) & 0xffff_0000;
+    bf16::from_bits((bits >> 16) as u16)
+}

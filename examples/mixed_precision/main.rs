@@ -1,0 +1,303 @@
+//! Recipe 2 of the project's references (mixed precision on a large ViT), the Headroom way: the
+//! same training step (forward, `loss = out.float().sum()`, backward, AdamW, `zero_grad`) in f32,
+//! under bf16 autocast, under f16 autocast with a GradScaler, as apex O2 (an f16 model with f32
+//! master weights in the optimizer, dynamic loss scale), as apex O3 (a pure half model), and as a
+//! bf16 model with stochastic rounding and no master copy. For each: the peak allocated memory,
+//! what the forward keeps for backward, the bytes per parameter of the model state (parameter,
+//! gradient, optimizer state, master copy), the half weights autocast caches during a forward,
+//! the fastest step, and the last loss.
+//!
+//! The settings come from amp: `AmpTraining` for the opt levels, `AmpPolicy` (PyTorch's CUDA
+//! autocast lists) for bf16 autocast, `AdamStochastic` from optim for stochastic rounding. The
+//! GradScaler never reads its scale or overflow flag back to the host.
+//!
+//! On a GPU (built with `--features cuda`; auto, or `--cuda`): torchvision's ViT-L/16 at batch
+//! 32, the setting of PyTorch's reference measurements. On the CPU: `VitConfig::mini()` at batch
+//! 8 (the CPU computes f16 and bf16 in f32, so half precision is no faster there). Settings can be
+//! picked by name (`o0 bf16 o1 o2 o3 sr`, all by default). See README.md.
+
+#[path = "../device/mod.rs"]
+mod device;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Result;
+use headroom::amp::{AmpPolicy, AmpTraining, OptLevel};
+use headroom::autograd_core::{autocast_stats, DType, Generator, Tensor};
+use headroom::nn::{Module, VisionTransformer, VitConfig};
+use headroom::optim::kernels::AdamConfig;
+use headroom::optim::{
+    Adam, AdamStochastic, AdamStochasticConfig, Implementation, Optimizer, ParamGroup,
+};
+
+use device::Device;
+
+/// One way of training.
+#[derive(Debug, Clone, Copy)]
+enum Setting {
+    /// An f32 model, no autocast (apex O0).
+    Float32,
+    /// An f32 model, the forward under bf16 autocast, no loss scale.
+    AutocastBf16,
+    /// An f32 model, f16 autocast and a GradScaler (apex O1, PyTorch's native AMP).
+    AutocastFp16,
+    /// An f16 model, f32 master weights, a GradScaler (apex O2).
+    MasterWeights,
+    /// A pure bf16 model (apex O3 with bf16: states in bf16, no scale).
+    PureBf16,
+    /// A bf16 model, f32 moments, stochastic rounding, no master copy.
+    StochasticRounding,
+}
+
+impl Setting {
+    const ALL: [Setting; 6] = [
+        Setting::Float32,
+        Setting::AutocastBf16,
+        Setting::AutocastFp16,
+        Setting::MasterWeights,
+        Setting::PureBf16,
+        Setting::StochasticRounding,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Setting::Float32 => "fp32 (O0)",
+            Setting::AutocastBf16 => "autocast bf16",
+            Setting::AutocastFp16 => "autocast fp16 + GradScaler (O1)",
+            Setting::MasterWeights => "fp16 + f32 master weights (O2)",
+            Setting::PureBf16 => "pure bf16 (O3)",
+            Setting::StochasticRounding => "bf16 + stochastic rounding",
+        }
+    }
+
+    /// The name that selects the setting on the command line.
+    fn key(self) -> &'static str {
+        match self {
+            Setting::Float32 => "o0",
+            Setting::AutocastBf16 => "bf16",
+            Setting::AutocastFp16 => "o1",
+            Setting::MasterWeights => "o2",
+            Setting::PureBf16 => "o3",
+            Setting::StochasticRounding => "sr",
+        }
+    }
+
+    fn model_dtype(self) -> DType {
+        match self {
+            Setting::Float32 | Setting::AutocastBf16 | Setting::AutocastFp16 => DType::F32,
+            Setting::MasterWeights => DType::F16,
+            Setting::PureBf16 | Setting::StochasticRounding => DType::BF16,
+        }
+    }
+}
+
+/// The training step of a setting: autocast scope, loss scaling, optimizer.
+enum Trainer {
+    Level(AmpTraining),
+    Autocast(AmpPolicy, Adam),
+    Stochastic(AdamStochastic),
+}
+
+fn adamw() -> AdamConfig {
+    AdamConfig {
+        lr: 1e-4,
+        ..AdamConfig::adamw()
+    }
+}
+
+fn adam(params: Vec<Tensor>) -> Result<Box<dyn Optimizer>, headroom::optim::OptimError> {
+    let groups = vec![ParamGroup::new(params, adamw())];
+    Ok(Box::new(Adam::new(groups, Implementation::Fused)?))
+}
+
+impl Trainer {
+    fn new(setting: Setting, params: Vec<Tensor>) -> Result<Trainer> {
+        let level = |level, half| -> Result<Trainer> {
+            Ok(Trainer::Level(AmpTraining::new(
+                level,
+                half,
+                params.clone(),
+                adam,
+            )?))
+        };
+        match setting {
+            Setting::Float32 => level(OptLevel::O0, DType::BF16),
+            Setting::AutocastFp16 => level(OptLevel::O1, DType::F16),
+            Setting::MasterWeights => level(OptLevel::O2, DType::F16),
+            Setting::PureBf16 => level(OptLevel::O3, DType::BF16),
+            Setting::AutocastBf16 => {
+                let groups = vec![ParamGroup::new(params, adamw())];
+                Ok(Trainer::Autocast(
+                    AmpPolicy::torch_cuda(DType::BF16)?,
+                    Adam::new(groups, Implementation::Fused)?,
+                ))
+            }
+            Setting::StochasticRounding => {
+                let config = AdamStochasticConfig::new(adamw(), 0);
+                let groups = vec![ParamGroup::new(params, config)];
+                Ok(Trainer::Stochastic(AdamStochastic::new(
+                    groups,
+                    Implementation::Fused,
+                )?))
+            }
+        }
+    }
+
+    /// Forward, loss, backward, step, zero_grad; returns the loss, what the forward kept and
+    /// the cast cache's bytes at the end of the forward.
+    fn step(
+        &mut self,
+        device: &Device,
+        model: &VisionTransformer,
+        images: &Tensor,
+    ) -> Result<(Tensor, u64, u64)> {
+        let before = device.allocated();
+        let (loss, cache) = {
+            let _autocast = match self {
+                Trainer::Level(amp) => amp.autocast(),
+                Trainer::Autocast(policy, _) => Some(policy.enter()),
+                Trainer::Stochastic(_) => None,
+            };
+            let loss = model.forward(images)?.to_dtype(DType::F32)?.sum_all()?;
+            (loss, autocast_stats().cached_bytes)
+        };
+        let kept = device.allocated() - before;
+        match self {
+            Trainer::Level(amp) => {
+                amp.backward(&loss)?;
+                amp.step()?;
+                amp.zero_grad()?;
+            }
+            Trainer::Autocast(_, optimizer) => {
+                loss.backward()?;
+                optimizer.step()?;
+                optimizer.zero_grad(true)?;
+            }
+            Trainer::Stochastic(optimizer) => {
+                loss.backward()?;
+                optimizer.step()?;
+                optimizer.zero_grad(true)?;
+            }
+        }
+        Ok((loss, kept, cache))
+    }
+}
+
+/// What one setting measured.
+struct Figures {
+    peak: u64,
+    kept: u64,
+    state_per_param: f64,
+    cast_cache: u64,
+    step_ms: f64,
+    loss: f32,
+}
+
+fn measure(device: &Device, config: VitConfig, batch: usize, setting: Setting) -> Result<Figures> {
+    device.synchronize()?;
+    let base = device.allocated();
+    let dtype = setting.model_dtype();
+    let model =
+        VisionTransformer::new(&device.backend, config, dtype, &Arc::new(Generator::new(0)))?;
+    let n_params = model.num_parameters();
+    let mut trainer = Trainer::new(setting, model.parameters())?;
+    let size = config.image_size;
+    let values: Vec<f64> = (0..batch * 3 * size * size)
+        .map(|i| ((i * 7919) % 1000) as f64 / 1000.0)
+        .collect();
+    let images = Tensor::from_f64s(&device.backend, &values, &[batch, 3, size, size], dtype)?;
+    let image_bytes = (images.numel() * dtype.size_in_bytes()) as u64;
+    let (warmup, timed) = (2, 3);
+    let mut figures = Figures {
+        peak: 0,
+        kept: 0,
+        state_per_param: 0.0,
+        cast_cache: 0,
+        step_ms: f64::INFINITY,
+        loss: 0.0,
+    };
+    for step in 0..warmup + timed {
+        device.synchronize()?;
+        device.reset_peak();
+        let start = Instant::now();
+        let (loss, kept, cache) = trainer.step(device, &model, &images)?;
+        device.synchronize()?;
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        figures.loss = loss.to_vec::<f32>()?[0];
+        if step >= warmup {
+            figures.step_ms = figures.step_ms.min(ms);
+            figures.peak = figures.peak.max(device.peak());
+            figures.kept = kept;
+            figures.cast_cache = cache;
+        }
+    }
+    // After zero_grad: parameters, optimizer state, master copies and the input (subtracted). A
+    // gradient is one more parameter's worth of the model's dtype.
+    let persistent = device.allocated().saturating_sub(base + image_bytes);
+    let grads = (n_params * dtype.size_in_bytes()) as u64;
+    figures.state_per_param = (persistent + grads) as f64 / n_params as f64;
+    Ok(figures)
+}
+
+fn gb(bytes: u64) -> String {
+    if bytes >= 1_000_000_000 {
+        format!("{:.2} GB", bytes as f64 / 1e9)
+    } else {
+        format!("{:.1} MB", bytes as f64 / 1e6)
+    }
+}
+
+fn main() -> Result<()> {
+    let device = Device::from_args()?;
+    let (name, config, batch) = if device.is_cuda() {
+        ("ViT-L/16", VitConfig::vit_l_16(), 32)
+    } else {
+        ("ViT mini", VitConfig::mini(), 8)
+    };
+    let n_params = VisionTransformer::new(
+        &device.backend,
+        config,
+        DType::F32,
+        &Arc::new(Generator::new(0)),
+    )?
+    .num_parameters();
+    // The BLAS workspace is allocated by the first matrix product: before any setting's
+    // figures, so that none counts it.
+    let warm = Tensor::ones(&device.backend, &[8, 8], DType::F32)?;
+    drop(warm.matmul(&warm)?);
+    println!(
+        "{name} ({:.3} B parameters) at batch {batch} on {}, AdamW (fused), loss = \
+         out.float().sum(); fastest of 3 steps after 2 warm-ups\n",
+        n_params as f64 / 1e9,
+        device.name
+    );
+    println!(
+        "{:<32} {:>10} {:>16} {:>8} {:>11} {:>10} {:>7}  last loss",
+        "setting", "peak", "kept by forward", "B/param", "cast cache", "step", "time"
+    );
+    let picked: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let mut baseline: Option<f64> = None;
+    for setting in Setting::ALL
+        .into_iter()
+        .filter(|s| picked.is_empty() || picked.iter().any(|p| p == s.key()))
+    {
+        let f = measure(&device, config, batch, setting)?;
+        let ratio = f.step_ms / *baseline.get_or_insert(f.step_ms);
+        println!(
+            "{:<32} {:>10} {:>16} {:>8.1} {:>11} {:>7.1} ms {:>6.2}x  {}",
+            setting.label(),
+            gb(f.peak),
+            gb(f.kept),
+            f.state_per_param,
+            gb(f.cast_cache),
+            f.step_ms,
+            ratio,
+            f.loss
+        );
+    }
+    Ok(())
+}
