@@ -155,7 +155,12 @@ fn exp_saved_as_backward_sees_it(x: &Tensor, compression: Compression) -> Vec<f6
     };
     let leaf = x.detach();
     leaf.requires_grad_(true).unwrap();
-    let y = compress(|xs| Ok(vec![xs[0].exp()?]), &[leaf.clone()], &options).unwrap();
+    let y = compress(
+        |xs| Ok(vec![xs[0].exp()?]),
+        std::slice::from_ref(&leaf),
+        &options,
+    )
+    .unwrap();
     y[0].sum_all().unwrap().backward().unwrap();
     leaf.grad().unwrap().to_vec_f64().unwrap()
 }
@@ -201,14 +206,16 @@ fn backward_sees_the_codecs_round_trip_of_each_saved_dtype() {
     }
 }
 
+/// A block's forward.
+type BlockFn<'a> = &'a dyn Fn(&[Tensor]) -> Vec<Tensor>;
+
+/// Runs a block on an input (plainly, or as a region).
+type RunBlock<'a> = dyn Fn(BlockFn<'_>, &Tensor) -> Tensor + 'a;
+
 /// `blocks` MLP blocks (`x + fc2(gelu(fc1(x)))`, width 512, hidden 1024) on a batch of 64 rows,
 /// each block a region run by `run`; the caller's input is released after the first block, as a
 /// model's loop releases each block's input.
-fn mlp_stack(
-    cpu: &BackendRef,
-    blocks: usize,
-    run: &dyn Fn(&dyn Fn(&[Tensor]) -> Vec<Tensor>, &Tensor) -> Tensor,
-) -> (Tensor, Vec<Tensor>) {
+fn mlp_stack(cpu: &BackendRef, blocks: usize, run: &RunBlock) -> (Tensor, Vec<Tensor>) {
     let weights: Vec<(Tensor, Tensor)> = (0..blocks as u64)
         .map(|i| {
             let w1 = Tensor::from_slice(cpu, &uniform(1024 * 512, 0.04, 2 * i), &[1024, 512]);
@@ -244,21 +251,16 @@ fn uniform(n: usize, scale: f32, seed: u64) -> Vec<f32> {
 fn activation_bytes_are_exact_and_under_three_tenths_of_f32() {
     let cpu = CpuBackend::new_ref();
     let blocks = 4;
-    let plain = |block: &dyn Fn(&[Tensor]) -> Vec<Tensor>, x: &Tensor| {
-        block(std::slice::from_ref(x)).remove(0)
-    };
+    let plain = |block: BlockFn<'_>, x: &Tensor| block(std::slice::from_ref(x)).remove(0);
     let options = CompressOptions::default();
-    let compressed = |block: &dyn Fn(&[Tensor]) -> Vec<Tensor>, x: &Tensor| {
+    let compressed = |block: BlockFn<'_>, x: &Tensor| {
         compress(|xs| Ok(block(xs)), std::slice::from_ref(x), &options)
             .unwrap()
             .remove(0)
     };
     let mut kept = Vec::new();
     let mut grads = Vec::new();
-    for run in [
-        &plain as &dyn Fn(&dyn Fn(&[Tensor]) -> Vec<Tensor>, &Tensor) -> Tensor,
-        &compressed,
-    ] {
+    for run in [&plain as &RunBlock, &compressed] {
         let before = allocated(&cpu);
         let (out, params) = mlp_stack(&cpu, blocks, run);
         let param_bytes: i64 = params.iter().map(|p| (p.numel() * 4) as i64).sum();
@@ -332,7 +334,7 @@ fn parameters_integers_and_small_saves_are_kept_whatever_the_policy_says() {
             let h = xs[0].linear(&w2, None)?; // saves x (a parameter here) and w
             Ok(vec![dropout(&h, 0.5, true, &g2)?.tanh()?]) // a Bool mask, tanh's output
         },
-        &[x.clone()],
+        std::slice::from_ref(&x),
         &everything,
     )
     .unwrap();
@@ -424,7 +426,7 @@ fn two_saves_of_one_span_share_one_compressed_copy_and_views_keep_their_strides(
             let n = e.narrow(1, 0, 32)?; // a strided view: encoded from a copy
             Ok(vec![t.mul(&w2)?.sum_all()?.add(&n.mul(&v2)?.sum_all()?)?])
         },
-        &[x.clone()],
+        std::slice::from_ref(&x),
         &options,
     )
     .unwrap();

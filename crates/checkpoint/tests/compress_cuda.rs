@@ -34,7 +34,7 @@ fn exp_as_backward_sees_it(x: &Tensor, compression: Compression) -> Vec<f64> {
     leaf.requires_grad_(true).unwrap();
     let y = compress(
         |xs| Ok(vec![xs[0].exp()?]),
-        &[leaf.clone()],
+        std::slice::from_ref(&leaf),
         &options(compression),
     )
     .unwrap();
@@ -120,7 +120,7 @@ fn encoded_bytes_on_the_gpu_are_the_allocators_and_bf16_is_a_cast() {
         let before = cuda.memory_stats().allocated_bytes.all.current;
         let y = compress(
             |xs| Ok(vec![xs[0].exp()?.tanh()?]),
-            &[x.clone()],
+            std::slice::from_ref(&x),
             &options(compression),
         )
         .unwrap();
