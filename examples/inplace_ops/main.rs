@@ -1,7 +1,8 @@
 //! `x = x + f(x)` three ways — out of place, in place (`add_`) and into a preallocated output
 //! (`add_out`, PyTorch's `out=`) — with the bytes each costs, read from the CPU backend's caching
-//! allocator, and what happens to backward when an in-place write overwrites a tensor autograd
-//! saved. See README.md for the command and the expected output.
+//! allocator, what happens to backward when an in-place write overwrites a tensor autograd
+//! saved, and the writes refused because their output overlaps an input or itself. See README.md
+//! for the command and the expected output.
 
 use std::sync::Arc;
 
@@ -131,6 +132,32 @@ fn main() -> Result<()> {
         let h = h.add(&h.tanh()?)?;
         h.sum_all()?.backward()?;
         println!("g = exp(w), out of place: backward ok");
+    }
+
+    println!("\noverlap: writes whose output shares memory with an input are refused\n");
+
+    // 6. `x += x.t()` reads elements the same call already overwrote: refused, as in PyTorch,
+    //    and so is a write into an expanded view (one element reached by many indices). The same
+    //    view in and out (`x += x`) is fine, and so is a contiguous copy of the transpose.
+    {
+        let _guard = no_grad();
+        let x = input(&cpu)?;
+        match x.add_(&x.t()?) {
+            Err(error @ TensorError::Overlap { .. }) => println!("x.add_(x.t()):\n  {error}"),
+            other => anyhow::bail!("expected an Overlap error, got {other:?}"),
+        }
+        let row = x.narrow(0, 0, 1)?.expand(&[ROWS, COLS])?;
+        match row.fill_(0.0) {
+            Err(error @ TensorError::Overlap { .. }) => {
+                println!("x[0].expand(..).fill_(0):\n  {error}")
+            }
+            other => anyhow::bail!("expected an Overlap error, got {other:?}"),
+        }
+        let step = measure(&backend, || {
+            x.add_(&x.t()?.contiguous()?)?;
+            Ok(())
+        })?;
+        report("x.add_(x.t().contiguous())", &step);
     }
     Ok(())
 }

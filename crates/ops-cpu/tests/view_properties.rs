@@ -486,9 +486,10 @@ fn check_write(
             Ok(())
         }
         Err(TensorError::Overlap { .. }) if !accept => {
-            match refuse {
-                true => tally.refused += 1,
-                false => tally.refused_too_hard += 1,
+            if refuse {
+                tally.refused += 1;
+            } else {
+                tally.refused_too_hard += 1;
             }
             Ok(())
         }

@@ -48,6 +48,31 @@ pub const ROUNDUP_INTERVALS: usize = 16;
 /// [`AllocatorConfig::pytorch_defaults`], [`AllocatorConfig::parse`] / [`AllocatorConfig::from_env`]
 /// or [`AllocatorConfig::builder`], each of which validates it, so a config that exists is a
 /// valid one (no zero-sized segment pages, no division by a zero step). The accessors read it.
+///
+/// ```
+/// use headroom_caching_allocator::AllocatorConfig;
+///
+/// assert!(AllocatorConfig::builder().large_segment_size_mb(0).build().is_err());
+/// assert_eq!(AllocatorConfig::default().large_segment_size(), 20 << 20);
+/// ```
+///
+/// A hand-built config, which could hold a zero page size, does not compile:
+///
+/// ```compile_fail
+/// use headroom_caching_allocator::AllocatorConfig;
+///
+/// let config = AllocatorConfig {
+///     large_segment_size: 0,
+///     ..AllocatorConfig::default()
+/// };
+/// ```
+///
+/// ```compile_fail
+/// use headroom_caching_allocator::AllocatorConfig;
+///
+/// let mut config = AllocatorConfig::default();
+/// config.large_segment_size = 0;
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct AllocatorConfig {
     /// Blocks at least this large are never split, and requests below it never take them
