@@ -6,7 +6,7 @@
 //!   ([`AutocastLists`]), applied through autograd-core's autocast seam, overridable per list or
 //!   per op. Matrix products and attention run in f16 or bf16, softmax, norms, losses and
 //!   `exp`/`log` in f32, mixed inputs in the widest dtype: the output dtype of every op Headroom
-//!   has equals PyTorch's (`tests/autocast_parity.rs` against PyTorch's own table). Each f32
+//!   has equals PyTorch's (`tests/autocast.rs` against PyTorch's own table). Each f32
 //!   parameter is cast once per autocast region; the copies are freed when it ends
 //!   (autograd-core's cast cache, whose bytes `autocast_stats` reports).
 //! - **GradScaler** ([`GradScaler`]): PyTorch's semantics and state dict, as a decorator over any
