@@ -39,7 +39,7 @@ pub struct StepDevice {
 enum DeviceKind {
     Host,
     #[cfg(feature = "cuda")]
-    Cuda(crate::cuda::CudaDevice),
+    Cuda(Box<crate::cuda::CudaDevice>),
 }
 
 /// A GradScaler's scale and found-inf flag in device memory: f32 tensors of one element on the
@@ -78,7 +78,7 @@ impl StepDevice {
         let kind = match param.device() {
             Device::Cpu => DeviceKind::Host,
             #[cfg(feature = "cuda")]
-            Device::Cuda(_) => DeviceKind::Cuda(crate::cuda::CudaDevice::of(op, param, n_slots)?),
+            Device::Cuda(_) => DeviceKind::Cuda(Box::new(crate::cuda::CudaDevice::of(op, param, n_slots)?)),
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(_) => {
                 let _ = n_slots;
