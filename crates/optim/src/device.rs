@@ -78,7 +78,9 @@ impl StepDevice {
         let kind = match param.device() {
             Device::Cpu => DeviceKind::Host,
             #[cfg(feature = "cuda")]
-            Device::Cuda(_) => DeviceKind::Cuda(Box::new(crate::cuda::CudaDevice::of(op, param, n_slots)?)),
+            Device::Cuda(_) => {
+                DeviceKind::Cuda(Box::new(crate::cuda::CudaDevice::of(op, param, n_slots)?))
+            }
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(_) => {
                 let _ = n_slots;
