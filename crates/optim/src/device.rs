@@ -37,8 +37,9 @@ pub struct StepDevice {
 #[derive(Debug)]
 enum DeviceKind {
     Host,
+    /// Boxed: the device's launch table and counters are far larger than the host's nothing.
     #[cfg(feature = "cuda")]
-    Cuda(crate::cuda::CudaDevice),
+    Cuda(Box<crate::cuda::CudaDevice>),
 }
 
 /// A GradScaler's scale and found-inf flag in device memory: f32 tensors of one element on the
@@ -76,7 +77,9 @@ impl StepDevice {
         let kind = match param.device() {
             Device::Cpu => DeviceKind::Host,
             #[cfg(feature = "cuda")]
-            Device::Cuda(_) => DeviceKind::Cuda(crate::cuda::CudaDevice::of(op, param, n_slots)?),
+            Device::Cuda(_) => {
+                DeviceKind::Cuda(Box::new(crate::cuda::CudaDevice::of(op, param, n_slots)?))
+            }
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(_) => {
                 let _ = n_slots;
