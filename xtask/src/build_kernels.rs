@@ -136,7 +136,10 @@ fn kernel_folder_problems(dir: &Path) -> Result<Vec<String>> {
             line.strip_prefix(entry.as_str())
                 .is_some_and(|rest| rest.starts_with(" ptx="))
         }) else {
-            problems.push(format!("{shown}: changed since its PTX was built"));
+            problems.push(format!(
+                "{shown}: no manifest entry for it as it is (it or a header changed since its \
+                 PTX was built, or the entry has no PTX hash)"
+            ));
             continue;
         };
         let ptx = ptx_path(source);
@@ -300,7 +303,7 @@ mod tests {
         std::fs::write(dir.join("a.cu"), "__global__ void a() { }\n").unwrap();
         let stale = problems(&dir);
         assert_eq!(stale.len(), 1, "{stale:?}");
-        assert!(stale[0].contains("changed since its PTX was built"));
+        assert!(stale[0].contains("no manifest entry for it as it is"));
 
         let dir = folder("orphan");
         std::fs::write(dir.join("ptx/b.ptx"), ".version 9.0\n").unwrap();

@@ -38,6 +38,7 @@ pub struct StepDevice {
 #[derive(Debug)]
 enum DeviceKind {
     Host,
+    /// Boxed: the device's launch table and counters are far larger than the host's nothing.
     #[cfg(feature = "cuda")]
     Cuda(Box<crate::cuda::CudaDevice>),
 }
