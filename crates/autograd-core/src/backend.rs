@@ -46,6 +46,7 @@
 use std::sync::Arc;
 
 use headroom_caching_allocator::{Allocation, MemoryStats};
+use smallvec::SmallVec;
 
 use crate::buffer::Buffer;
 use crate::dtype::{stats_dtype, DType, Device};
@@ -297,6 +298,109 @@ pub struct LinearWeightGrad<'a> {
     pub grad_weight: View<'a>,
     /// Bias gradient, dense `[out]`, if wanted.
     pub grad_bias: Option<View<'a>>,
+}
+
+/// What a fused primitive writes and reads, as [`check_operands`](crate::check_operands) and
+/// [`claim_operands`](crate::claim_operands) take them: one list per argument struct, so every
+/// backend checks the same views (optional ones included when present).
+#[derive(Debug, Clone, Default)]
+pub struct Operands<'a> {
+    /// The outputs (written, possibly also read).
+    pub writes: SmallVec<[View<'a>; 4]>,
+    /// The inputs (only read).
+    pub reads: SmallVec<[View<'a>; 8]>,
+}
+
+impl<'a> LayerNormForward<'a> {
+    /// `out`, `mean` and `rstd` written; `x`, `weight` and `bias` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands {
+            writes: [self.out, self.mean, self.rstd].into_iter().collect(),
+            reads: [Some(self.x), self.weight, self.bias]
+                .into_iter()
+                .flatten()
+                .collect(),
+        }
+    }
+}
+
+impl<'a> LayerNormBackward<'a> {
+    /// The wanted gradients written; `dy`, `x`, `mean`, `rstd` and `weight` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands {
+            writes: [self.dx, self.dweight, self.dbias]
+                .into_iter()
+                .flatten()
+                .collect(),
+            reads: [
+                Some(self.dy),
+                Some(self.x),
+                Some(self.mean),
+                Some(self.rstd),
+            ]
+            .into_iter()
+            .chain([self.weight])
+            .flatten()
+            .collect(),
+        }
+    }
+}
+
+impl<'a> AttentionForward<'a> {
+    /// `out` and `lse` written; `q`, `k` and `v` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands {
+            writes: [self.out, self.lse].into_iter().collect(),
+            reads: [self.q, self.k, self.v].into_iter().collect(),
+        }
+    }
+}
+
+impl<'a> AttentionBackward<'a> {
+    /// `dq`, `dk` and `dv` written; the forward's operands, output and log-sum-exp and `dout`
+    /// read.
+    pub fn operands(&self) -> Operands<'a> {
+        let f = &self.forward;
+        Operands {
+            writes: [self.dq, self.dk, self.dv].into_iter().collect(),
+            reads: [f.q, f.k, f.v, f.out, f.lse, self.dout]
+                .into_iter()
+                .collect(),
+        }
+    }
+}
+
+impl<'a> LinearForward<'a> {
+    /// `out` (and a GELU's `pre_activation`) written; `input`, `weight` and `bias` read.
+    pub fn operands(&self) -> Operands<'a> {
+        let pre_activation = match self.epilogue {
+            LinearEpilogue::None => None,
+            LinearEpilogue::Gelu { pre_activation } => Some(pre_activation),
+        };
+        Operands {
+            writes: [Some(self.out), pre_activation]
+                .into_iter()
+                .flatten()
+                .collect(),
+            reads: [Some(self.input), Some(self.weight), self.bias]
+                .into_iter()
+                .flatten()
+                .collect(),
+        }
+    }
+}
+
+impl<'a> LinearWeightGrad<'a> {
+    /// `grad_weight` (and `grad_bias`) written; `grad_out` and `input` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands {
+            writes: [Some(self.grad_weight), self.grad_bias]
+                .into_iter()
+                .flatten()
+                .collect(),
+            reads: [self.grad_out, self.input].into_iter().collect(),
+        }
+    }
 }
 
 /// The shape and dtype rule of [`Backend::linear`], shared by every backend: 2-D `input` and

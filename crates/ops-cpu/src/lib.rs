@@ -248,35 +248,19 @@ impl Backend for CpuBackend {
     }
 
     fn layer_norm(&self, args: LayerNormForward<'_>) -> Result<()> {
-        let reads: Vec<View<'_>> = [Some(args.x), args.weight, args.bias]
-            .into_iter()
-            .flatten()
-            .collect();
-        let _access = self.operands(
-            "layer_norm",
-            &[args.out, args.mean, args.rstd],
-            &reads,
-            Aliasing::Disjoint,
-        )?;
+        let ops = args.operands();
+        let _access = self.operands("layer_norm", &ops.writes, &ops.reads, Aliasing::Disjoint)?;
         layer_norm::layer_norm(args)
     }
 
     fn layer_norm_backward(&self, args: LayerNormBackward<'_>) -> Result<()> {
-        let writes: Vec<View<'_>> = [args.dx, args.dweight, args.dbias]
-            .into_iter()
-            .flatten()
-            .collect();
-        let reads: Vec<View<'_>> = [
-            Some(args.dy),
-            Some(args.x),
-            Some(args.mean),
-            Some(args.rstd),
-        ]
-        .into_iter()
-        .chain([args.weight])
-        .flatten()
-        .collect();
-        let _access = self.operands("layer_norm_backward", &writes, &reads, Aliasing::Disjoint)?;
+        let ops = args.operands();
+        let _access = self.operands(
+            "layer_norm_backward",
+            &ops.writes,
+            &ops.reads,
+            Aliasing::Disjoint,
+        )?;
         layer_norm::layer_norm_backward(args)
     }
 
@@ -322,21 +306,17 @@ impl Backend for CpuBackend {
     }
 
     fn attention(&self, args: AttentionForward<'_>) -> Result<()> {
-        let _access = self.operands(
-            "attention",
-            &[args.out, args.lse],
-            &[args.q, args.k, args.v],
-            Aliasing::Disjoint,
-        )?;
+        let ops = args.operands();
+        let _access = self.operands("attention", &ops.writes, &ops.reads, Aliasing::Disjoint)?;
         attention::attention(args)
     }
 
     fn attention_backward(&self, args: AttentionBackward<'_>) -> Result<()> {
-        let f = &args.forward;
+        let ops = args.operands();
         let _access = self.operands(
             "attention_backward",
-            &[args.dq, args.dk, args.dv],
-            &[f.q, f.k, f.v, f.out, f.lse, args.dout],
+            &ops.writes,
+            &ops.reads,
             Aliasing::Disjoint,
         )?;
         attention::attention_backward(args)

@@ -19,8 +19,8 @@ use std::sync::Arc;
 use cudarc::driver::result;
 use headroom_autograd_core::{
     Aliasing, AttentionBackward, AttentionForward, Backend, BinaryOp, Buffer, CrossEntropyArgs,
-    Device, LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad,
-    MaskedOp, ReduceOp, Result, UnaryOp, View,
+    Device, LayerNormBackward, LayerNormForward, LinearForward, LinearWeightGrad, MaskedOp,
+    ReduceOp, Result, UnaryOp, View,
 };
 use headroom_caching_allocator::{Allocation, MemoryStats, StreamId};
 
@@ -152,29 +152,18 @@ impl Backend for CudaBackend {
     }
 
     fn linear(&self, args: LinearForward<'_>) -> Result<()> {
-        let mut writes = vec![args.out];
-        if let LinearEpilogue::Gelu { pre_activation } = args.epilogue {
-            writes.push(pre_activation);
-        }
-        let reads: Vec<View<'_>> = [Some(args.input), Some(args.weight), args.bias]
-            .into_iter()
-            .flatten()
-            .collect();
-        check(self, "linear", &writes, &reads, Aliasing::Disjoint)?;
+        let ops = args.operands();
+        check(self, "linear", &ops.writes, &ops.reads, Aliasing::Disjoint)?;
         linear::linear(self, args)
     }
 
     fn linear_weight_grad(&self, args: LinearWeightGrad<'_>) -> Result<()> {
-        let writes: Vec<View<'_>> = [Some(args.grad_weight), args.grad_bias]
-            .into_iter()
-            .flatten()
-            .collect();
-        let reads = [args.grad_out, args.input];
+        let ops = args.operands();
         check(
             self,
             "linear_weight_grad",
-            &writes,
-            &reads,
+            &ops.writes,
+            &ops.reads,
             Aliasing::Disjoint,
         )?;
         linear::linear_weight_grad(self, args)
@@ -204,29 +193,24 @@ impl Backend for CudaBackend {
     }
 
     fn layer_norm(&self, args: LayerNormForward<'_>) -> Result<()> {
-        let reads: Vec<View<'_>> = [Some(args.x), args.weight, args.bias]
-            .into_iter()
-            .flatten()
-            .collect();
-        let writes = [args.out, args.mean, args.rstd];
-        check(self, "layer_norm", &writes, &reads, Aliasing::Disjoint)?;
+        let ops = args.operands();
+        check(
+            self,
+            "layer_norm",
+            &ops.writes,
+            &ops.reads,
+            Aliasing::Disjoint,
+        )?;
         rows::layer_norm(self, args)
     }
 
     fn layer_norm_backward(&self, args: LayerNormBackward<'_>) -> Result<()> {
-        let writes: Vec<View<'_>> = [args.dx, args.dweight, args.dbias]
-            .into_iter()
-            .flatten()
-            .collect();
-        let reads: Vec<View<'_>> = [args.dy, args.x, args.mean, args.rstd]
-            .into_iter()
-            .chain(args.weight)
-            .collect();
+        let ops = args.operands();
         check(
             self,
             "layer_norm_backward",
-            &writes,
-            &reads,
+            &ops.writes,
+            &ops.reads,
             Aliasing::Disjoint,
         )?;
         rows::layer_norm_backward(self, args)
@@ -284,26 +268,24 @@ impl Backend for CudaBackend {
     }
 
     fn attention(&self, args: AttentionForward<'_>) -> Result<()> {
-        let reads = [args.q, args.k, args.v];
+        let ops = args.operands();
         check(
             self,
             "attention",
-            &[args.out, args.lse],
-            &reads,
+            &ops.writes,
+            &ops.reads,
             Aliasing::Disjoint,
         )?;
         attention::attention(self, args)
     }
 
     fn attention_backward(&self, args: AttentionBackward<'_>) -> Result<()> {
-        let f = &args.forward;
-        let reads = [f.q, f.k, f.v, f.out, f.lse, args.dout];
-        let writes = [args.dq, args.dk, args.dv];
+        let ops = args.operands();
         check(
             self,
             "attention_backward",
-            &writes,
-            &reads,
+            &ops.writes,
+            &ops.reads,
             Aliasing::Disjoint,
         )?;
         attention::attention_backward(self, args)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs compute-sanitizer over the test binaries of a GPU bundle: memcheck on every binary, then
+# racecheck on the binaries named in RACECHECK (default: overlap_cuda, whose small shared-memory
+# kernels racecheck can afford). A missing GPU fails the tests instead of skipping them.
+#
+# Build the bundle here (no GPU needed), from the workspace root:
+#   ../shared/tools/gpu-bundle.sh -- -p headroom-ops-cuda --features cuda
+# Then, on the GPU machine, from the workspace root, with .gpu-bundle carried:
+#   bash scripts/gpu-sanitize.sh
+# Environment: OUT (log folder, default /tmp/gpu-sanitize), RACECHECK (space-separated binary
+# names), LIMIT (seconds per sanitizer run, default 300).
+set -uo pipefail
+export HEADROOM_REQUIRE_GPU=1
+out=${OUT:-/tmp/gpu-sanitize}
+limit=${LIMIT:-300}
+mkdir -p "$out"
+[[ -d .gpu-bundle/bin ]] || { echo "no .gpu-bundle/bin: build the bundle first (see the header)" >&2; exit 2; }
+failed=0
+run() { # tool binary
+  local name; name=$(basename "$2")
+  timeout "$limit" compute-sanitizer --tool "$1" --error-exitcode 86 --print-limit 20 "$2" \
+    > "$out/$1_$name.log" 2>&1
+  local rc=$?
+  (( rc != 0 )) && failed=$((failed + 1))
+  echo "$1 $name: rc=$rc $(grep -E '^test result' "$out/$1_$name.log" | tail -1) |" \
+    "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Device not supported' "$out/$1_$name.log" | tail -1)"
+}
+for t in .gpu-bundle/bin/*; do
+  case $(basename "$t") in xtask*) continue ;; esac
+  run memcheck "$t"
+done
+for name in ${RACECHECK:-overlap_cuda}; do
+  for t in .gpu-bundle/bin/"$name"-*; do
+    [[ -e $t ]] && run racecheck "$t"
+  done
+done
+echo "$failed sanitizer run(s) failed; logs in $out"
+[[ $failed == 0 ]]
