@@ -62,9 +62,10 @@ pub(crate) enum Case {
     AdamInbwd,
     /// 8-bit Adam stepped inside backward.
     Adam8bitInbwd,
-    /// Fused Adam with every encoder block checkpointed (only block inputs kept).
+    /// Fused Adam with every encoder block but the last checkpointed (only block inputs kept;
+    /// `CheckpointBlocks::all_but_last`).
     AdamCkpt,
-    /// Fused Adam inside backward with every block checkpointed.
+    /// Fused Adam inside backward with every block but the last checkpointed.
     AdamInbwdCkpt,
     /// Fused Adam after `clip_grad_norm_(params, 1.0)` (L2): the plain loop's clipping.
     AdamFusedClip,
@@ -165,7 +166,7 @@ impl Case {
         }
     }
 
-    /// Whether every encoder block is checkpointed.
+    /// Whether the encoder blocks are checkpointed (every one but the last).
     pub(crate) fn checkpointed(self) -> bool {
         matches!(
             self,
@@ -522,7 +523,9 @@ pub(crate) fn measure<S: Storage>(
         &Arc::new(Generator::new(0)),
     )?;
     if case.checkpointed() {
-        vit.encoder.block_runner = Some(Arc::new(CheckpointBlocks::all()));
+        vit.encoder.block_runner = Some(Arc::new(CheckpointBlocks::all_but_last(
+            model.config.num_layers,
+        )));
     }
     if case == Case::AdamOffload {
         vit.encoder.block_runner = Some(Arc::new(offload_blocks(model.config.num_layers)));

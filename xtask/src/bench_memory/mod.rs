@@ -106,7 +106,8 @@ pub(crate) const USAGE: &str =
       (vit_mini, batch 1 and 32). Models: vit_l_16, vit_b_16, vit_mini, vit_tiny. Cases
       (default all the device runs): adam_foreach (bounded temporaries), adam_foreach_unbounded
       (PyTorch's), adam_single, adam_fused, adam8bit, sgd; adam_inbwd and adam8bit_inbwd (the
-      step inside backward), adam_ckpt (every block checkpointed), adam_inbwd_ckpt (both),
+      step inside backward), adam_ckpt (every block but the last checkpointed: recomputing
+      the last would free nothing), adam_inbwd_ckpt (both),
       adam_auto (checkpointing planned per block for --budget BYTES, repeatable; default:
       halfway between the lowest peak the planner reaches and the peak without checkpointing; it
       also measures uniform every-k checkpointing at the same budget), adam_offload (the first 7/12 of the blocks offloaded to pinned host memory; CUDA only),
