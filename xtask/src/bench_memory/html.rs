@@ -91,9 +91,7 @@ pub(crate) fn page(results: &[CaseResult], anchors: &Anchors, title: &str) -> St
 /// black tick where known.
 fn peak_bars(group: &[&CaseResult], anchors: &Anchors) -> String {
     let pytorch = |r: &CaseResult| {
-        anchors
-            .get(&(r.case.pytorch_name().to_owned(), r.batch))
-            .map(|a| a.steady_peak_alloc)
+        super::report::anchor(anchors, r).map(|a| a.steady_peak_alloc)
     };
     let top = group
         .iter()
