@@ -105,14 +105,6 @@ impl Model {
             Arch::Gpt2 { config, .. } => config.n_layer,
         }
     }
-
-    /// `batch` in words: images, or rows of `seq` tokens.
-    pub(crate) fn describe_batch(&self, batch: usize) -> String {
-        match self.arch {
-            Arch::Vit(_) => format!("batch {batch}"),
-            Arch::Gpt2 { seq, .. } => format!("batch {batch} × {seq} tokens"),
-        }
-    }
 }
 
 /// A model built on a backend.
