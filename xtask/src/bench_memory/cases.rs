@@ -1,9 +1,10 @@
 //! The cases of `bench-memory` and the protocol that measures one: which optimizer a case
-//! builds, the models, and one training run from a fresh model and optimizer.
+//! builds, and one training run from a fresh model and optimizer ([`Training`], [`Run`]).
 //!
 //! The protocol is `torch_reference.py`'s: input `rand(batch, 3, size, size)`, loss =
-//! `model(x).sum()`, f32 weights; the allocator's peak is reset, 3 warm-up steps from a fresh
-//! optimizer give the first-3 peak; the peak is reset again and the timed steps give the steady
+//! `model(x).sum()` (GPT-2: random tokens and Hugging Face's causal-LM loss, [`super::models`]),
+//! f32 weights (bf16 for `fwd_bwd_bf16`, whose steps stop after backward, as `fwd_bwd`'s do);
+//! the allocator's peak is reset, 3 warm-up steps from a fresh optimizer give the first-3 peak; the peak is reset again and the timed steps give the steady
 //! peak (allocated and reserved) and the step time (forward + backward + optimizer step +
 //! `zero_grad(set_to_none)`, the device synchronised before the clock is read). One more,
 //! untimed, step is traced: history is recorded under the context labels `forward`, `backward`,

@@ -12,9 +12,7 @@ use anyhow::{bail, Result};
 use headroom_autograd_core::{
     cross_entropy, uniform, BackendRef, DType, Generator, Reduction, Tensor,
 };
-use headroom_nn::{
-    BlockRunner, Gpt2Config, Gpt2LMHeadModel, Module, VisionTransformer, VitConfig,
-};
+use headroom_nn::{BlockRunner, Gpt2Config, Gpt2LMHeadModel, Module, VisionTransformer, VitConfig};
 
 /// A model of the benchmark.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -118,12 +116,12 @@ impl Net {
     pub(crate) fn new(backend: &BackendRef, model: Model, dtype: DType) -> Result<Net> {
         let generator = Arc::new(Generator::new(0));
         Ok(match model.arch {
-            Arch::Vit(config) => Net::Vit(VisionTransformer::new(
-                backend, config, dtype, &generator,
-            )?),
-            Arch::Gpt2 { config, .. } => Net::Gpt2(Gpt2LMHeadModel::new(
-                backend, config, dtype, &generator,
-            )?),
+            Arch::Vit(config) => {
+                Net::Vit(VisionTransformer::new(backend, config, dtype, &generator)?)
+            }
+            Arch::Gpt2 { config, .. } => {
+                Net::Gpt2(Gpt2LMHeadModel::new(backend, config, dtype, &generator)?)
+            }
         })
     }
 
@@ -143,12 +141,20 @@ impl Net {
         }
     }
 
-    /// The forward and the loss: `model(x).float().sum()` for a ViT, Hugging Face's causal-LM
-    /// loss (logits in f32, mean over the predicted positions) for GPT-2.
+    /// The forward and the loss: `model(x).float().sum()` for a ViT (the images cast to the
+    /// parameters' dtype), Hugging Face's causal-LM loss (logits in f32, mean over the predicted
+    /// positions) for GPT-2.
     pub(crate) fn loss(&self, input: &Input) -> Result<Tensor> {
         match (self, input) {
             (Net::Vit(vit), Input::Images(images)) => {
-                Ok(vit.forward(images)?.to_dtype(DType::F32)?.sum_all()?)
+                // A half-precision model takes its images in its own dtype (`x.bfloat16()`).
+                let dtype = vit.parameters().first().map_or(DType::F32, Tensor::dtype);
+                let output = if dtype == images.dtype() {
+                    vit.forward(images)?
+                } else {
+                    vit.forward(&images.to_dtype(dtype)?)?
+                };
+                Ok(output.to_dtype(DType::F32)?.sum_all()?)
             }
             (Net::Gpt2(gpt2), Input::Tokens { ids, targets }) => {
                 let logits = gpt2.forward(ids)?;
@@ -158,7 +164,12 @@ impl Net {
                 let logits = logits
                     .to_dtype(DType::F32)?
                     .reshape(&[batch * seq, vocab])?;
-                Ok(cross_entropy(&logits, targets, IGNORE_INDEX, Reduction::Mean)?)
+                Ok(cross_entropy(
+                    &logits,
+                    targets,
+                    IGNORE_INDEX,
+                    Reduction::Mean,
+                )?)
             }
             _ => bail!("the input does not match the model"),
         }

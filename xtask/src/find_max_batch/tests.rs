@@ -15,7 +15,11 @@ use crate::bench_memory::cases::{Case, Probe, Protocol, Training};
 use crate::bench_memory::models::{Arch, Input, Model};
 
 /// A memory curve: `fixed + per_sample × batch` bytes reserved, out of memory above `cap`.
-fn linear(fixed: u64, per_sample: u64, cap: u64) -> impl FnMut(usize) -> anyhow::Result<Option<Peaks>> {
+fn linear(
+    fixed: u64,
+    per_sample: u64,
+    cap: u64,
+) -> impl FnMut(usize) -> anyhow::Result<Option<Peaks>> {
     move |batch| {
         let reserved = fixed + per_sample * batch as u64;
         Ok((reserved <= cap).then_some(Peaks {
@@ -32,7 +36,8 @@ fn the_search_finds_the_exact_largest_batch_of_linear_curves() {
     for per_sample in [1u64 << 20, 7_777_777, 277_000_000, 3 << 30, 20 << 30] {
         for fixed in [0u64, 4_900_000_000, 20 << 30] {
             let expected = ((cap - fixed.min(cap)) / per_sample) as usize;
-            let (found, probes) = search(cap, 1 << 20, &mut linear(fixed, per_sample, cap)).unwrap();
+            let (found, probes) =
+                search(cap, 1 << 20, &mut linear(fixed, per_sample, cap)).unwrap();
             assert_eq!(found, expected, "fixed {fixed}, per sample {per_sample}");
             // Doubling takes log2(found) + 2 probes; the guided bisection a few more.
             let doubling = (usize::BITS - found.leading_zeros()) as usize + 1;
@@ -63,7 +68,11 @@ fn the_search_is_exact_on_curves_the_line_mispredicts() {
         let bits = (usize::BITS - threshold.leading_zeros()) as usize;
         assert!(probes.len() <= 3 * bits + 2, "{threshold}: {probes:?}");
         let mut kneed = |batch: usize| -> anyhow::Result<Option<Peaks>> {
-            let reserved = if batch < 100 { batch * 10 } else { batch * batch };
+            let reserved = if batch < 100 {
+                batch * 10
+            } else {
+                batch * batch
+            };
             Ok((batch <= threshold).then_some(Peaks {
                 allocated: reserved as u64,
                 reserved: reserved as u64,
@@ -83,7 +92,8 @@ fn the_search_stops_at_the_limit_and_reports_when_nothing_fits() {
     let (found, probes) = search(10, 100, &mut linear(11, 1, 10)).unwrap();
     assert_eq!((found, probes.len()), (0, 1));
     // An error other than a misfit stops the search.
-    let mut failing = |_: usize| -> anyhow::Result<Option<Peaks>> { anyhow::bail!("a kernel failed") };
+    let mut failing =
+        |_: usize| -> anyhow::Result<Option<Peaks>> { anyhow::bail!("a kernel failed") };
     assert!(search(10, 100, &mut failing).is_err());
 }
 
@@ -150,7 +160,10 @@ fn cpu_searches_under_a_cap_are_exact_and_leave_the_allocator_as_they_found_it()
         assert!(found.peak_allocated_bytes <= cap, "{name}");
         assert_eq!(probe.allocator.memory_allocated(), 0, "{name}");
         assert!(fresh_step_fits(model, case, cap, found.max_batch), "{name}");
-        assert!(!fresh_step_fits(model, case, cap, found.max_batch + 1), "{name}");
+        assert!(
+            !fresh_step_fits(model, case, cap, found.max_batch + 1),
+            "{name}"
+        );
     }
 }
 
@@ -175,7 +188,9 @@ fn out_of_memory_is_recognised_through_the_error_chain_and_nothing_else_is() {
     let err = Input::new(&probe.backend, model, 1000).err().unwrap();
     assert!(is_out_of_memory(&err), "{err:#}");
     assert!(is_out_of_memory(&err.context("a probe")));
-    assert!(!is_out_of_memory(&anyhow::anyhow!("out of memory (a message, not the type)")));
+    assert!(!is_out_of_memory(&anyhow::anyhow!(
+        "out of memory (a message, not the type)"
+    )));
     let shape = Model::named("gpt2").unwrap().with_seq(4096).err().unwrap();
     assert!(!is_out_of_memory(&shape));
 }
