@@ -36,7 +36,6 @@ use parking_lot::Mutex;
 
 use crate::error::PluginError;
 use crate::global::{self, DevicePlugin};
-use crate::on_plugin;
 
 static LAST_ERROR: Mutex<Option<String>> = Mutex::new(None);
 
@@ -79,10 +78,14 @@ fn c_string(text: String) -> *mut c_char {
 /// `stream` is a `cudaStream_t` of `device` (null: the legacy default stream) that stays valid
 /// for the rest of the process, as PyTorch's streams do.
 #[no_mangle]
-pub unsafe extern "C" fn headroom_alloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
+pub unsafe extern "C" fn headroom_alloc(
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
     let result = self::device(device).and_then(|plugin| {
         // SAFETY: the stream outlives the allocator by the caller's contract.
-        on_plugin!(plugin, p => unsafe { p.allocate(size.max(0) as u64, stream as usize) })
+        unsafe { plugin.allocate(size.max(0) as u64, stream as usize) }
     });
     match result {
         Ok(address) => address as *mut c_void,
@@ -99,8 +102,13 @@ pub unsafe extern "C" fn headroom_alloc(size: isize, device: c_int, stream: *mut
 /// ignored). A pointer this allocator did not hand out is counted as an error
 /// (`headroom_last_error`) and otherwise ignored.
 #[no_mangle]
-pub extern "C" fn headroom_free(ptr: *mut c_void, _size: isize, device: c_int, _stream: *mut c_void) {
-    let result = self::device(device).and_then(|plugin| on_plugin!(plugin, p => p.free(ptr as u64)));
+pub extern "C" fn headroom_free(
+    ptr: *mut c_void,
+    _size: isize,
+    device: c_int,
+    _stream: *mut c_void,
+) {
+    let result = self::device(device).and_then(|plugin| plugin.free(ptr as u64));
     if let Err(error) = result {
         fail(error);
     }
@@ -111,10 +119,14 @@ pub extern "C" fn headroom_free(ptr: *mut c_void, _size: isize, device: c_int, _
 /// # Safety
 /// As [`headroom_alloc`]: `stream` is a stream of `device` valid for the rest of the process.
 #[no_mangle]
-pub unsafe extern "C" fn headroom_record_stream(ptr: *mut c_void, device: c_int, stream: *mut c_void) -> c_int {
+pub unsafe extern "C" fn headroom_record_stream(
+    ptr: *mut c_void,
+    device: c_int,
+    stream: *mut c_void,
+) -> c_int {
     status(self::device(device).and_then(|plugin| {
         // SAFETY: forwarded from the caller.
-        on_plugin!(plugin, p => unsafe { p.record_stream(ptr as u64, stream as usize) })
+        unsafe { plugin.record_stream(ptr as u64, stream as usize) }
     }))
 }
 
@@ -144,15 +156,13 @@ pub extern "C" fn headroom_is_in_use() -> c_int {
 /// Releases the cached blocks of `device` that no allocation uses (`torch.cuda.empty_cache()`).
 #[no_mangle]
 pub extern "C" fn headroom_empty_cache(device: c_int) -> c_int {
-    status(self::device(device).and_then(|plugin| {
-        on_plugin!(plugin, p => p.allocator().empty_cache().map_err(PluginError::from))
-    }))
+    status(self::device(device).and_then(|plugin| plugin.empty_cache()))
 }
 
 /// Resets the peaks of `device`'s statistics to their current values.
 #[no_mangle]
 pub extern "C" fn headroom_reset_peak_stats(device: c_int) -> c_int {
-    status(self::device(device).map(|plugin| on_plugin!(plugin, p => p.allocator().reset_peak_stats())))
+    status(self::device(device).map(|plugin| plugin.reset_peak_stats()))
 }
 
 /// `device`'s statistics as a JSON object of `torch.cuda.memory_stats()`'s flat keys; null on
@@ -160,7 +170,7 @@ pub extern "C" fn headroom_reset_peak_stats(device: c_int) -> c_int {
 #[no_mangle]
 pub extern "C" fn headroom_memory_stats_json(device: c_int) -> *mut c_char {
     match self::device(device) {
-        Ok(plugin) => c_string(on_plugin!(plugin, p => p.memory_stats_json())),
+        Ok(plugin) => c_string(plugin.memory_stats_json()),
         Err(error) => {
             fail(error);
             std::ptr::null_mut()
@@ -173,7 +183,7 @@ pub extern "C" fn headroom_memory_stats_json(device: c_int) -> *mut c_char {
 #[no_mangle]
 pub extern "C" fn headroom_memory_summary(device: c_int, abbreviated: c_int) -> *mut c_char {
     match self::device(device) {
-        Ok(plugin) => c_string(on_plugin!(plugin, p => p.memory_summary(abbreviated != 0))),
+        Ok(plugin) => c_string(plugin.memory_summary(abbreviated != 0)),
         Err(error) => {
             fail(error);
             std::ptr::null_mut()
@@ -184,7 +194,11 @@ pub extern "C" fn headroom_memory_summary(device: c_int, abbreviated: c_int) -> 
 /// Starts (`enabled` ≠ 0, keeping at most `max_entries` events; 0: the default) or stops
 /// recording `device`'s allocation history for snapshots.
 #[no_mangle]
-pub extern "C" fn headroom_record_history(device: c_int, enabled: c_int, max_entries: u64) -> c_int {
+pub extern "C" fn headroom_record_history(
+    device: c_int,
+    enabled: c_int,
+    max_entries: u64,
+) -> c_int {
     let options = (enabled != 0).then(|| HistoryOptions {
         max_entries: if max_entries == 0 {
             HistoryOptions::default().max_entries
@@ -193,7 +207,7 @@ pub extern "C" fn headroom_record_history(device: c_int, enabled: c_int, max_ent
         },
         record_context: true,
     });
-    status(self::device(device).map(|plugin| on_plugin!(plugin, p => p.record_history(options))))
+    status(self::device(device).map(|plugin| plugin.record_history(options)))
 }
 
 /// Writes `device`'s snapshot to `path` as a pickle that PyTorch's memory viewer opens.
@@ -207,7 +221,7 @@ pub unsafe extern "C" fn headroom_snapshot(device: c_int, path: *const c_char) -
         Ok(path) => path,
         Err(error) => return fail(error),
     };
-    status(self::device(device).and_then(|plugin| on_plugin!(plugin, p => p.write_snapshot(Path::new(path)))))
+    status(self::device(device).and_then(|plugin| plugin.write_snapshot(Path::new(path))))
 }
 
 /// Copies the last error message (UTF-8, NUL-terminated, cut to fit) into `buf` of `len` bytes

@@ -8,9 +8,10 @@
 //!
 //! This module sits on `plugin.rs`; it knows nothing about C strings or Python.
 
+use std::path::Path;
 use std::sync::OnceLock;
 
-use headroom_caching_allocator::{AllocatorConfig, HostStorage};
+use headroom_caching_allocator::{AllocatorConfig, HistoryOptions, HostStorage};
 use parking_lot::Mutex;
 
 use crate::error::PluginError;
@@ -112,16 +113,74 @@ pub enum DevicePlugin<'a> {
 }
 
 /// Calls `$body` with `$plugin` bound to the device's plugin, whichever its storage.
-#[macro_export]
-#[doc(hidden)]
 macro_rules! on_plugin {
     ($device:expr, $plugin:ident => $body:expr) => {
         match $device {
-            $crate::DevicePlugin::Host($plugin) => $body,
+            DevicePlugin::Host($plugin) => $body,
             #[cfg(feature = "cuda")]
-            $crate::DevicePlugin::Cuda($plugin) => $body,
+            DevicePlugin::Cuda($plugin) => $body,
         }
     };
+}
+
+impl DevicePlugin<'_> {
+    /// [`Plugin::allocate`].
+    ///
+    /// # Safety
+    /// As [`Plugin::allocate`]: the raw stream must outlive the allocator.
+    pub unsafe fn allocate(self, size: u64, raw_stream: usize) -> Result<u64, PluginError> {
+        // SAFETY: forwarded from the caller.
+        on_plugin!(self, p => unsafe { p.allocate(size, raw_stream) })
+    }
+
+    /// [`Plugin::free`].
+    pub fn free(self, address: u64) -> Result<(), PluginError> {
+        on_plugin!(self, p => p.free(address))
+    }
+
+    /// [`Plugin::record_stream`].
+    ///
+    /// # Safety
+    /// As [`Plugin::record_stream`]: the raw stream must outlive the allocator.
+    pub unsafe fn record_stream(self, address: u64, raw_stream: usize) -> Result<(), PluginError> {
+        // SAFETY: forwarded from the caller.
+        on_plugin!(self, p => unsafe { p.record_stream(address, raw_stream) })
+    }
+
+    /// [`Plugin::memory_stats_json`].
+    pub fn memory_stats_json(self) -> String {
+        on_plugin!(self, p => p.memory_stats_json())
+    }
+
+    /// [`Plugin::memory_summary`].
+    pub fn memory_summary(self, abbreviated: bool) -> String {
+        on_plugin!(self, p => p.memory_summary(abbreviated))
+    }
+
+    /// [`Plugin::record_history`].
+    pub fn record_history(self, options: Option<HistoryOptions>) {
+        on_plugin!(self, p => p.record_history(options))
+    }
+
+    /// [`Plugin::write_snapshot`].
+    pub fn write_snapshot(self, path: &Path) -> Result<(), PluginError> {
+        on_plugin!(self, p => p.write_snapshot(path))
+    }
+
+    /// The caching allocator's `empty_cache`.
+    pub fn empty_cache(self) -> Result<(), PluginError> {
+        on_plugin!(self, p => p.allocator().empty_cache().map_err(PluginError::from))
+    }
+
+    /// The caching allocator's `reset_peak_stats`.
+    pub fn reset_peak_stats(self) {
+        on_plugin!(self, p => p.allocator().reset_peak_stats())
+    }
+
+    /// Allocations handed out and not yet freed.
+    pub fn live_allocations(self) -> usize {
+        on_plugin!(self, p => p.live_allocations())
+    }
 }
 
 /// The plugin of device `ordinal`, freezing the settings on the first call and creating the

@@ -49,9 +49,7 @@ impl StreamSource for headroom_caching_allocator::CudaStorage {
     unsafe fn lend_stream(allocator: &CachingAllocator<Self>, raw: usize, _: u64) -> StreamId {
         // SAFETY: lending a stream frees nothing and writes no memory of an allocation; the
         // caller guarantees the stream is valid for the allocator's life.
-        unsafe {
-            allocator.with_storage_mut(|storage| storage.register_stream(raw as *mut _))
-        }
+        unsafe { allocator.with_storage_mut(|storage| storage.register_stream(raw as *mut _)) }
     }
 }
 

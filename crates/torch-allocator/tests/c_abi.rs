@@ -35,7 +35,11 @@ fn the_c_abi_serves_pytorchs_calls_on_host_memory() {
     };
     // A bad key is refused with its name, before anything is frozen.
     assert_eq!(conf("max_split_sise_mb:64"), -1);
-    assert!(last_error().unwrap().contains("max_split_sise_mb"), "{:?}", last_error());
+    assert!(
+        last_error().unwrap().contains("max_split_sise_mb"),
+        "{:?}",
+        last_error()
+    );
     assert_eq!(headroom_is_in_use(), 0);
     assert_eq!(conf("expandable_segments:False"), 0);
     assert_eq!(headroom_use_host_memory(1 << 30), 0);
@@ -60,21 +64,37 @@ fn the_c_abi_serves_pytorchs_calls_on_host_memory() {
 
     let s = stats(0);
     // 1000 → 1024 (512-rounded), 3 MiB, 4096: exact bytes, three blocks.
-    assert_eq!(stat(&s, "allocated_bytes.all.current"), 1024 + (3 << 20) + 4096);
-    assert_eq!(stat(&s, "requested_bytes.all.current"), 1000 + (3 << 20) + 4096);
+    assert_eq!(
+        stat(&s, "allocated_bytes.all.current"),
+        1024 + (3 << 20) + 4096
+    );
+    assert_eq!(
+        stat(&s, "requested_bytes.all.current"),
+        1000 + (3 << 20) + 4096
+    );
     assert_eq!(stat(&s, "allocation.all.current"), 3);
     // Small pool: one 2 MiB segment per stream; large: one 20 MiB segment (classic policy).
-    assert_eq!(stat(&s, "reserved_bytes.all.current"), 2 * (2 << 20) + (20 << 20));
+    assert_eq!(
+        stat(&s, "reserved_bytes.all.current"),
+        2 * (2 << 20) + (20 << 20)
+    );
 
     // Settings are frozen now.
     assert_eq!(conf("expandable_segments:True"), -1);
-    assert!(last_error().unwrap().contains("before the first"), "{:?}", last_error());
+    assert!(
+        last_error().unwrap().contains("before the first"),
+        "{:?}",
+        last_error()
+    );
 
     // `record_stream` on a live block; an unknown address is an error naming it.
     // SAFETY: host memory ignores the stream handle.
     assert_eq!(unsafe { headroom_record_stream(a, 0, side) }, 0);
     // SAFETY: as above.
-    assert_eq!(unsafe { headroom_record_stream(0x10 as *mut c_void, 0, side) }, -1);
+    assert_eq!(
+        unsafe { headroom_record_stream(0x10 as *mut c_void, 0, side) },
+        -1
+    );
     assert!(last_error().unwrap().contains("0x10"), "{:?}", last_error());
 
     assert_eq!(headroom_record_history(0, 1, 0), 0);
@@ -82,17 +102,27 @@ fn the_c_abi_serves_pytorchs_calls_on_host_memory() {
     headroom_free(c, 4096, 0, side);
     let s = stats(0);
     assert_eq!(stat(&s, "allocated_bytes.all.current"), 1024);
-    assert_eq!(stat(&s, "allocated_bytes.all.peak"), 1024 + (3 << 20) + 4096);
+    assert_eq!(
+        stat(&s, "allocated_bytes.all.peak"),
+        1024 + (3 << 20) + 4096
+    );
     assert_eq!(headroom_reset_peak_stats(0), 0);
     assert_eq!(stat(&stats(0), "allocated_bytes.all.peak"), 1024);
     // Freeing twice is an error, not a crash.
     headroom_free(b, 3 << 20, 0, std::ptr::null_mut());
-    assert!(last_error().unwrap().contains("not a live allocation"), "{:?}", last_error());
+    assert!(
+        last_error().unwrap().contains("not a live allocation"),
+        "{:?}",
+        last_error()
+    );
 
     let summary = headroom_memory_summary(0, 0);
     assert!(!summary.is_null());
     // SAFETY: a string this library returned, freed once below.
-    let text = unsafe { CStr::from_ptr(summary) }.to_str().unwrap().to_owned();
+    let text = unsafe { CStr::from_ptr(summary) }
+        .to_str()
+        .unwrap()
+        .to_owned();
     // SAFETY: returned by `headroom_memory_summary`, not freed before.
     unsafe { headroom_string_free(summary) };
     assert!(text.contains("PyTorch CUDA memory summary"), "{text}");
@@ -101,7 +131,12 @@ fn the_c_abi_serves_pytorchs_calls_on_host_memory() {
     let path = std::env::temp_dir().join(format!("headroom_c_abi_{}.pickle", std::process::id()));
     let c_path = CString::new(path.to_str().unwrap()).unwrap();
     // SAFETY: a NUL-terminated path.
-    assert_eq!(unsafe { headroom_snapshot(0, c_path.as_ptr()) }, 0, "{:?}", last_error());
+    assert_eq!(
+        unsafe { headroom_snapshot(0, c_path.as_ptr()) },
+        0,
+        "{:?}",
+        last_error()
+    );
     let snapshot = read_pickle(std::fs::File::open(&path).unwrap()).unwrap();
     std::fs::remove_file(&path).unwrap();
     let frees = snapshot.device_traces[0]
@@ -118,5 +153,9 @@ fn the_c_abi_serves_pytorchs_calls_on_host_memory() {
 
     // A device ordinal out of range is an error naming it.
     assert!(headroom_memory_stats_json(-1).is_null());
-    assert!(last_error().unwrap().contains("device -1"), "{:?}", last_error());
+    assert!(
+        last_error().unwrap().contains("device -1"),
+        "{:?}",
+        last_error()
+    );
 }
