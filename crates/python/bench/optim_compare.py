@@ -65,12 +65,14 @@ def ulps(a, b):
 
 
 def compare(m1, m2):
-    ps1, ps2 = list(m1.parameters()), list(m2.parameters())
+    named = list(m1.named_parameters())
+    ps1, ps2 = [p for _, p in named], list(m2.parameters())
     equal = sum(int(torch.equal(a, b)) for a, b in zip(ps1, ps2))
     return {
+        "differing_tensors": [n for (n, a), b in zip(named, ps2) if not torch.equal(a, b)][:8],
         "tensors_bitwise_equal": f"{equal}/{len(ps1)}",
         "elements_differing": int(sum(int((a != b).sum()) for a, b in zip(ps1, ps2))),
-        "max_abs_diff": float(max(float((a - b).abs().max()) for a, b in zip(ps1, ps2))),
+        "max_abs_diff": float(max(float((a - b).abs().max().detach()) for a, b in zip(ps1, ps2))),
         "max_ulps": max(ulps(a, b) for a, b in zip(ps1, ps2)),
     }
 

@@ -35,8 +35,9 @@ struct Settings {
     source: Source,
 }
 
-/// The state once frozen.
+/// The state once frozen. One value per process (a static), so the variants' sizes do not matter.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 enum Backend {
     Host(Plugin<HostStorage>),
     #[cfg(feature = "cuda")]

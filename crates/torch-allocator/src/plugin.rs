@@ -158,7 +158,7 @@ impl<S: StreamSource> Plugin<S> {
         self.allocator.record_history(options);
     }
 
-    /// Writes the allocator's snapshot as a pickle that https://pytorch.org/memory_viz opens.
+    /// Writes the allocator's snapshot as a pickle that <https://pytorch.org/memory_viz> opens.
     pub fn write_snapshot(&self, path: &Path) -> Result<(), PluginError> {
         let io = headroom_caching_allocator::AllocError::Io;
         let mut writer = BufWriter::new(std::fs::File::create(path).map_err(io)?);

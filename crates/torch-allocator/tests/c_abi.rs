@@ -91,10 +91,8 @@ fn the_c_abi_serves_pytorchs_calls_on_host_memory() {
     // SAFETY: host memory ignores the stream handle.
     assert_eq!(unsafe { headroom_record_stream(a, 0, side) }, 0);
     // SAFETY: as above.
-    assert_eq!(
-        unsafe { headroom_record_stream(0x10 as *mut c_void, 0, side) },
-        -1
-    );
+    let unknown = unsafe { headroom_record_stream(0x10 as *mut c_void, 0, side) };
+    assert_eq!(unknown, -1);
     assert!(last_error().unwrap().contains("0x10"), "{:?}", last_error());
 
     assert_eq!(headroom_record_history(0, 1, 0), 0);
@@ -131,12 +129,8 @@ fn the_c_abi_serves_pytorchs_calls_on_host_memory() {
     let path = std::env::temp_dir().join(format!("headroom_c_abi_{}.pickle", std::process::id()));
     let c_path = CString::new(path.to_str().unwrap()).unwrap();
     // SAFETY: a NUL-terminated path.
-    assert_eq!(
-        unsafe { headroom_snapshot(0, c_path.as_ptr()) },
-        0,
-        "{:?}",
-        last_error()
-    );
+    let written = unsafe { headroom_snapshot(0, c_path.as_ptr()) };
+    assert_eq!(written, 0, "{:?}", last_error());
     let snapshot = read_pickle(std::fs::File::open(&path).unwrap()).unwrap();
     std::fs::remove_file(&path).unwrap();
     let frees = snapshot.device_traces[0]

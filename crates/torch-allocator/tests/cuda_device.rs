@@ -6,7 +6,7 @@
 use std::ffi::{c_void, CStr};
 
 use headroom_caching_allocator::CudaStorage;
-use headroom_testkit::cuda_or_skip;
+use headroom_testkit::gpu::cuda_or_skip;
 use headroom_torch_allocator::abi::*;
 use headroom_torch_allocator::last_error;
 

@@ -19,6 +19,9 @@ __all__ = ["Adam", "AdamW", "Adam8bit", "AdamW8bit"]
 
 MIN_8BIT_SIZE = 4096
 BLOCK_SIZE = 256
+# bitsandbytes' state keys that keep their dtype, and the key its state_dict() nests them under.
+_RAW_KEYS = ("state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2")
+_BNB_WRAPPED = "__bnb_optimizer_quant_state__"
 
 
 def _check_param(p, who):
@@ -239,6 +242,24 @@ class _Adam8bitBase(_HeadroomOptimizer):
     @staticmethod
     def _step_value(step):
         return int(step)
+
+    def load_state_dict(self, state_dict):
+        """Loads a state dict of this class or of ``bitsandbytes.optim.Adam8bit``/``AdamW8bit``
+        (whose quantization tensors sit under ``__bnb_optimizer_quant_state__``). The 8-bit codes,
+        maps and absmax keep their dtypes (torch's loader would cast them to the parameter's)."""
+        state, held = {}, {}
+        for pid, saved in state_dict["state"].items():
+            saved = dict(saved)
+            saved.update(saved.pop(_BNB_WRAPPED, {}))
+            held[pid] = {k: saved.pop(k) for k in _RAW_KEYS if k in saved}
+            state[pid] = saved
+        super().load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params):
+            for key, value in held.get(pid, {}).items():
+                self.state[p][key] = value.to(p.device, copy=True)
+        self._groups.clear()
 
     def _qmaps(self, device):
         maps = self._maps.get(device)
