@@ -19,8 +19,8 @@ use headroom_testkit::gpu::{cuda_or_skip, exclusive_device, SPIN_NS_PTX};
 use headroom_testkit::inputs::uniform_f32;
 use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCase};
 
-mod support;
-use support::RunBlocks;
+mod block_runner;
+use block_runner::WithRunner;
 
 /// Queues testkit's `spin_ns` for `duration` on the compute stream.
 fn spin(cuda: &CudaBackend, duration: Duration) {
@@ -120,7 +120,7 @@ fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
                 selection: selection.clone(),
                 options: options.clone(),
             };
-            let report = check_technique(&cuda, &case, &mut RunBlocks(Arc::new(blocks)))
+            let report = check_technique(&cuda, &case, &mut WithRunner(Arc::new(blocks)))
                 .unwrap_or_else(|err| panic!("{name} {selection:?}: {err}"));
             if matches!(model, ModelSpec::Vit(_)) {
                 assert_eq!(report.max_ulps, 0, "{name} {selection:?}");
