@@ -141,6 +141,7 @@ mod clip;
 mod device;
 mod driver;
 mod error;
+mod grad_scale;
 mod host;
 mod optimizer;
 mod scheduler;
@@ -154,6 +155,7 @@ pub use clip::{clip_grad_norm_, clip_grad_value_, NormType};
 pub use device::{DeviceGradScaling, StepDevice};
 pub use driver::RuleKernels;
 pub use error::OptimError;
+pub use grad_scale::non_finite_check_and_unscale_;
 pub use optimizer::{
     GroupOptimizer, Implementation, NamedTensors, Optimizer, ParamGroup, ParamId, SavedTensors,
     Scaling, StepParams, UpdateRule, DEFAULT_FOREACH_CHUNK,
