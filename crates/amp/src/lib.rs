@@ -23,8 +23,9 @@
 //!   12 bytes per parameter instead of O2's 16 — seeded and reproducible, the CPU and CUDA
 //!   kernels equal to the bit.
 //!
-//! It sits on autograd-core (the autocast seam, `non_finite_check_`, tensor ops) and optim (the
-//! `Optimizer` trait, device scaling, `SkipFlag`); it knows no kernel and no device. The
+//! It sits on autograd-core (the autocast seam, tensor ops) and optim (the `Optimizer` trait,
+//! device scaling, `SkipFlag`, the multi-tensor overflow check `non_finite_check_and_unscale_`);
+//! it knows no kernel and no device. The
 //! `cuda` feature only lets the tests run on ops-cuda's backend.
 //!
 //! ```

@@ -12,7 +12,8 @@
 //!
 //! Nothing here waits for the device when the wrapped optimizer takes device scaling
 //! ([`Optimizer::takes_device_scaling`]: fused SGD, Adam, AdamW, 8-bit Adam): `found_inf` is
-//! computed on the device without unscaling ([`found_non_finite`]), the kernels divide each
+//! computed on the device without unscaling (optim's [`non_finite_check_and_unscale_`], on CUDA
+//! one launch per gradient dtype whatever the number of gradients), the kernels divide each
 //! gradient by the scale and skip the whole step on overflow (the device counts it, so bias
 //! corrections stay right), and `update` is a handful of one-element device ops — no host read
 //! in a whole step. Other optimizers get PyTorch's non-fused path: `unscale_`, then one read of
@@ -24,14 +25,15 @@
 //! backoff factor, the growth factor and 1 (selected by 0/1 flags, so no rounding), as PyTorch's
 //! `amp_update_scale_` computes it; the tracker is an f32 integer (exact up to the 2^22 that
 //! [`GradScalerConfig`] allows as a growth interval). This module knows no kernel: it is composed
-//! of autograd-core's ops and backend primitives, so it runs on any backend.
+//! of autograd-core's ops and backend primitives and optim's overflow check (which falls back to
+//! autograd-core's portable `non_finite_check_` where it has no kernels), so it runs on any
+//! backend.
 
-use headroom_autograd_core::{
-    found_non_finite, no_grad, non_finite_check_, BinaryOp, DType, Device, Tensor,
-};
+use headroom_autograd_core::{no_grad, BinaryOp, DType, Device, Tensor};
 use headroom_optim::kernels::StepOutcome;
 use headroom_optim::{
-    DeviceGradScaling, OptimError, Optimizer, ParamId, Scaling, SkipFlag, StepParams,
+    non_finite_check_and_unscale_, DeviceGradScaling, OptimError, Optimizer, ParamId, Scaling,
+    SkipFlag, StepParams,
 };
 
 use crate::error::AmpError;
@@ -284,13 +286,10 @@ impl<O: Optimizer> GradScaler<O> {
         let _no_grad = no_grad();
         let grads = self.grads();
         let found_inf = Tensor::zeros(scale.backend(), &[1], DType::F32)?;
-        non_finite_check_(&grads.iter().collect::<Vec<_>>(), &found_inf)?;
         let inv_scale = Tensor::ones(scale.backend(), &[], DType::F64)?
             .div(&scale.to_dtype(DType::F64)?)?
             .to_dtype(DType::F32)?;
-        for grad in &grads {
-            unscale_grad(grad, &inv_scale)?;
-        }
+        non_finite_check_and_unscale_(&grads, &found_inf, Some(&inv_scale))?;
         self.found_inf = Some(found_inf);
         self.stage = Stage::Unscaled;
         Ok(())
@@ -313,9 +312,9 @@ impl<O: Optimizer> GradScaler<O> {
             let grad_scale = match self.stage {
                 Stage::Ready => {
                     let _no_grad = no_grad();
-                    let grads = self.grads();
-                    let refs: Vec<&Tensor> = grads.iter().collect();
-                    self.found_inf = Some(found_non_finite(&refs, &scale)?.reshape(&[1])?);
+                    let found_inf = Tensor::zeros(scale.backend(), &[1], DType::F32)?;
+                    non_finite_check_and_unscale_(&self.grads(), &found_inf, None)?;
+                    self.found_inf = Some(found_inf);
                     Some(scale)
                 }
                 // The gradients are unscaled already: only the flag.
@@ -436,23 +435,6 @@ impl<O: Optimizer> GradScaler<O> {
         self.stage = Stage::Ready;
         Ok(())
     }
-}
-
-/// `grad × inv_scale` in place, in f32 arithmetic (f16/bf16 widened, rounded back once).
-fn unscale_grad(grad: &Tensor, inv_scale: &Tensor) -> Result<(), AmpError> {
-    match grad.dtype() {
-        DType::F32 => {
-            grad.mul_(inv_scale)?;
-        }
-        DType::F64 => {
-            grad.mul_(&inv_scale.to_dtype(DType::F64)?)?;
-        }
-        _ => {
-            let unscaled = grad.to_dtype(DType::F32)?.mul(inv_scale)?;
-            grad.copy_(&unscaled)?;
-        }
-    }
-    Ok(())
 }
 
 /// 1 where `x > 0`, else 0 (also for NaN): the backend's relu-gradient primitive on ones.

@@ -12,8 +12,9 @@
 //! tensor, which is reduced as rows of [`ROW_LEN`] elements and then across the rows (a backend
 //! reduces one row per block, so a whole multi-million-element gradient reduced as one row would
 //! run on one block). A backend with a multi-tensor
-//! kernel of its own can do the same in one pass; this is the portable form. This module knows no
-//! kernel and no device.
+//! kernel of its own can do the same in one pass (headroom-optim's
+//! `non_finite_check_and_unscale_` does on CUDA, and falls back to this function elsewhere); this
+//! is the portable form. This module knows no kernel and no device.
 
 use std::sync::Arc;
 

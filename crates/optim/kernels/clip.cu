@@ -16,12 +16,6 @@
 
 #include "optim.cuh"
 
-struct ClipPiece {
-    PieceHead head;            // len, first_block (skipped and step unused)
-    unsigned long long grad;   // the gradient's address
-};
-static_assert(sizeof(ClipPiece) == 40, "ClipPiece layout");
-
 #define CLIP_THREADS 256
 #define CLIP_NORM_2 0
 #define CLIP_NORM_INF 1
@@ -56,44 +50,21 @@ __device__ double clip_block_reduce(double v, int norm_type) {
     return s[0];
 }
 
-// The elements of `block` (numbered across every piece of the table): the start of its range of
-// its piece's gradient, and how many there are (0 past the piece's end).
-template <typename T>
-__device__ __forceinline__ unsigned long long clip_block(const ClipPiece* pieces, unsigned n_pieces,
-                                                         unsigned long long block_elems, unsigned long long block,
-                                                         T** g) {
-    const ClipPiece& pc = pieces[find_piece(pieces, n_pieces, block)];
-    unsigned long long start = (block - pc.head.first_block) * block_elems;
-    *g = (T*)pc.grad + start;
-    return start < pc.head.len ? min(block_elems, pc.head.len - start) : 0;
-}
-
 // partials[block_base + b] = the reduction of block b's elements (blocks are numbered across every
 // piece of the table, `block_base` being the first block of this launch's pieces).
 template <typename T>
-__device__ __forceinline__ void clip_partials(const ClipPiece* pieces, unsigned n_pieces, unsigned long long block_elems,
+__device__ __forceinline__ void clip_partials(const GradPiece* pieces, unsigned n_pieces, unsigned long long block_elems,
                                               unsigned long long block_base, int norm_type, double* partials) {
     unsigned long long block = block_base + blockIdx.x;
     T* g;
-    unsigned long long n = clip_block(pieces, n_pieces, block_elems, block, &g);
+    unsigned long long n = grad_block(pieces, n_pieces, block_elems, block, &g);
     double acc = 0.0;
-    unsigned long long done = 0;
-    if ((((unsigned long long)g) & (4 * sizeof(T) - 1)) == 0) {
-        unsigned long long n4 = n / 4;
-        for (unsigned long long i = threadIdx.x; i < n4; i += CLIP_THREADS) {
-            float v[4];
-            load4(g, i, v);
-#pragma unroll
-            for (unsigned k = 0; k < 4; ++k) acc = clip_term(acc, v[k], norm_type);
-        }
-        done = n4 * 4;
-    }
-    for (unsigned long long i = done + threadIdx.x; i < n; i += CLIP_THREADS) acc = clip_term(acc, to_f32(g[i]), norm_type);
+    read_each<CLIP_THREADS>(g, n, [&](float x) { acc = clip_term(acc, x, norm_type); });
     double r = clip_block_reduce(acc, norm_type);
     if (threadIdx.x == 0) partials[block] = r;
 }
 INSTANCES(__launch_bounds__(CLIP_THREADS), clip_partials,
-          (const ClipPiece* pieces, unsigned n_pieces, unsigned long long block_elems, unsigned long long block_base,
+          (const GradPiece* pieces, unsigned n_pieces, unsigned long long block_elems, unsigned long long block_base,
            int norm_type, double* partials),
           (pieces, n_pieces, block_elems, block_base, norm_type, partials))
 
@@ -108,7 +79,7 @@ __device__ __forceinline__ float clip_coef(float max_norm, float total) {
 // partials in block order; then thread 0 combines them in piece order into *total and the clamped
 // coefficient *coef. `n_blocks` is the table's number of blocks (the last piece's end).
 extern "C" __global__ void __launch_bounds__(CLIP_THREADS)
-clip_finish(const ClipPiece* pieces, unsigned n_pieces, unsigned long long n_blocks, int norm_type, float max_norm,
+clip_finish(const GradPiece* pieces, unsigned n_pieces, unsigned long long n_blocks, int norm_type, float max_norm,
             const double* partials, double* piece_norms, float* total, float* coef) {
     for (unsigned p = threadIdx.x; p < n_pieces; p += CLIP_THREADS) {
         unsigned long long first = pieces[p].head.first_block;
@@ -133,28 +104,28 @@ clip_finish(const ClipPiece* pieces, unsigned n_pieces, unsigned long long n_blo
 
 // Every element of the launch's pieces times *coef, in float, rounded to T.
 template <typename T>
-__device__ __forceinline__ void clip_scale(const ClipPiece* pieces, unsigned n_pieces, unsigned long long block_elems,
+__device__ __forceinline__ void clip_scale(const GradPiece* pieces, unsigned n_pieces, unsigned long long block_elems,
                                            unsigned long long block_base, const float* coef) {
     T* g;
-    unsigned long long n = clip_block(pieces, n_pieces, block_elems, block_base + blockIdx.x, &g);
+    unsigned long long n = grad_block(pieces, n_pieces, block_elems, block_base + blockIdx.x, &g);
     float c = *coef;
     pass_apply(g, g, 0, 0, n, [&](float x, float, float) { return __fmul_rn(x, c); });
 }
 INSTANCES(__launch_bounds__(CLIP_THREADS), clip_scale,
-          (const ClipPiece* pieces, unsigned n_pieces, unsigned long long block_elems, unsigned long long block_base,
+          (const GradPiece* pieces, unsigned n_pieces, unsigned long long block_elems, unsigned long long block_base,
            const float* coef),
           (pieces, n_pieces, block_elems, block_base, coef))
 
 // clip_grad_value_: every element clamped to [lo, hi] (the bounds already rounded to T, as
 // PyTorch converts a clamp's scalar bounds to the tensor's type), NaN staying NaN.
 template <typename T>
-__device__ __forceinline__ void clip_value(const ClipPiece* pieces, unsigned n_pieces, unsigned long long block_elems,
+__device__ __forceinline__ void clip_value(const GradPiece* pieces, unsigned n_pieces, unsigned long long block_elems,
                                            unsigned long long block_base, float lo, float hi) {
     T* g;
-    unsigned long long n = clip_block(pieces, n_pieces, block_elems, block_base + blockIdx.x, &g);
+    unsigned long long n = grad_block(pieces, n_pieces, block_elems, block_base + blockIdx.x, &g);
     pass_apply(g, g, 0, 0, n, [&](float x, float, float) { return x != x ? x : fminf(fmaxf(x, lo), hi); });
 }
 INSTANCES(__launch_bounds__(CLIP_THREADS), clip_value,
-          (const ClipPiece* pieces, unsigned n_pieces, unsigned long long block_elems, unsigned long long block_base,
+          (const GradPiece* pieces, unsigned n_pieces, unsigned long long block_elems, unsigned long long block_base,
            float lo, float hi),
           (pieces, n_pieces, block_elems, block_base, lo, hi))

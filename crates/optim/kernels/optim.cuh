@@ -43,6 +43,26 @@ __device__ __forceinline__ unsigned find_piece(const Piece* pieces, unsigned n_p
     return lo;
 }
 
+// A gradient of a launch that treats every gradient alike (clipping, the overflow check): the
+// header (len, first_block; skipped and step unused) and the gradient's address.
+struct GradPiece {
+    PieceHead head;
+    unsigned long long grad;
+};
+static_assert(sizeof(GradPiece) == 40, "GradPiece layout");
+
+// The elements of `block` (numbered across every piece of the table): the start of its range of
+// its piece's gradient, and how many there are (0 past the piece's end).
+template <typename T>
+__device__ __forceinline__ unsigned long long grad_block(const GradPiece* pieces, unsigned n_pieces,
+                                                         unsigned long long block_elems, unsigned long long block,
+                                                         T** g) {
+    const GradPiece& pc = pieces[find_piece(pieces, n_pieces, block)];
+    unsigned long long start = (block - pc.head.first_block) * block_elems;
+    *g = (T*)pc.grad + start;
+    return start < pc.head.len ? min(block_elems, pc.head.len - start) : 0;
+}
+
 // With the found-inf flag set, block 0 counts one skipped step for every piece that has a
 // counter, and every block returns true (nothing else is written).
 template <typename Piece>
@@ -130,6 +150,25 @@ __device__ __forceinline__ void store4(T* a, unsigned long long i, const float r
     unsigned s0 = bits16(from_f32<T>(r[0])), s1 = bits16(from_f32<T>(r[1]));
     unsigned s2 = bits16(from_f32<T>(r[2])), s3 = bits16(from_f32<T>(r[3]));
     ((uint2*)a)[i] = make_uint2(s0 | (s1 << 16), s2 | (s3 << 16));
+}
+
+// Every element of a thread's share of `a` (n elements of T, over blocks of THREADS threads)
+// read once as float, f(x) for each, in a fixed order: four at a time with one vector load where
+// `a` is aligned to four elements, then the rest one by one.
+template <unsigned THREADS, typename T, typename F>
+__device__ __forceinline__ void read_each(const T* a, unsigned long long n, F f) {
+    unsigned long long done = 0;
+    if ((((unsigned long long)a) & (4 * sizeof(T) - 1)) == 0) {
+        unsigned long long n4 = n / 4;
+        for (unsigned long long i = threadIdx.x; i < n4; i += THREADS) {
+            float v[4];
+            load4(a, i, v);
+#pragma unroll
+            for (unsigned k = 0; k < 4; ++k) f(v[k]);
+        }
+        done = n4 * 4;
+    }
+    for (unsigned long long i = done + threadIdx.x; i < n; i += THREADS) f(to_f32(a[i]));
 }
 
 // Declares the three instances of kernel template `name` (with `attrs` such as launch bounds):

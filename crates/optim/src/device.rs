@@ -202,6 +202,26 @@ impl StepDevice {
         }
     }
 
+    /// A GradScaler's overflow check of `grads` (and their unscaling by `inv_scale`) with this
+    /// device's own kernels (checked by `grad_scale.rs`: contiguous f32, bf16 and f16 tensors of
+    /// this device); `false` where it has none (the host: the caller composes it of tensor ops).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(crate) fn non_finite_check(
+        &mut self,
+        grads: &[Tensor],
+        found_inf: &Tensor,
+        inv_scale: Option<&Tensor>,
+    ) -> Result<bool, OptimError> {
+        match &mut self.kind {
+            DeviceKind::Host => Ok(false),
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda(cuda) => {
+                crate::cuda::grad_scale::non_finite_check(cuda, grads, found_inf, inv_scale)?;
+                Ok(true)
+            }
+        }
+    }
+
     /// Checks a device scaling's tensors (one f32 element each, on this device), and that this
     /// device reads them: only the CUDA kernels do.
     pub(crate) fn check_scaling(

@@ -42,6 +42,9 @@
 //! gradients, the norm and the coefficient staying in device memory: no host synchronisation
 //! unless `error_if_nonfinite` asks for the norm). On PyTorch's golden data the total norm is
 //! within an ulp of both PyTorch's CPU and CUDA results and the clipped gradients within 2 ulps.
+//! A GradScaler's overflow check, [`non_finite_check_and_unscale_`] (PyTorch's
+//! `_amp_foreach_non_finite_check_and_unscale_`), is one CUDA launch per gradient dtype, its flag
+//! left in device memory.
 //!
 //! SGD and Adam/AdamW take f32, bf16 and f16 parameters (a group may mix them; each dtype steps
 //! separately, as PyTorch groups by dtype), with PyTorch's semantics for low precision:
@@ -141,6 +144,7 @@ mod clip;
 mod device;
 mod driver;
 mod error;
+mod grad_scale;
 mod host;
 mod optimizer;
 mod scheduler;
@@ -154,6 +158,7 @@ pub use clip::{clip_grad_norm_, clip_grad_value_, NormType};
 pub use device::{DeviceGradScaling, StepDevice};
 pub use driver::RuleKernels;
 pub use error::OptimError;
+pub use grad_scale::non_finite_check_and_unscale_;
 pub use optimizer::{
     GroupOptimizer, Implementation, NamedTensors, Optimizer, ParamGroup, ParamId, SavedTensors,
     Scaling, StepParams, UpdateRule, DEFAULT_FOREACH_CHUNK,

@@ -17,7 +17,8 @@
 //! `multi_tensor.rs` (one generic driver; `sgd.rs` and `adam.rs` hold only their kernel names,
 //! state addresses, pass ops and piece layouts), Adafactor and 8-bit Adam with their own entries
 //! (`adafactor.rs` on the host's per-parameter schedule, `adam8bit.rs`). `clip.rs` launches the
-//! clipping kernels. A launch reads a piece table (`table.rs`): one entry per tensor or range
+//! clipping kernels and `grad_scale.rs` a GradScaler's overflow check (and unscale), both over a
+//! table of gradients (`grads.rs`). A launch reads a piece table (`table.rs`): one entry per tensor or range
 //! of one, with its addresses, length, step constants and first block. `CudaDevice` keeps the
 //! device buffer the tables are copied to (with an asynchronous copy: no host synchronisation),
 //! the lookup tables of the 8-bit codes, and a GradScaler's per-parameter skip counters. State
@@ -33,6 +34,8 @@ pub(crate) mod adafactor;
 pub(crate) mod adam;
 pub(crate) mod adam8bit;
 pub(crate) mod clip;
+pub(crate) mod grad_scale;
+mod grads;
 pub(crate) mod multi_tensor;
 mod sgd;
 mod table;
@@ -62,6 +65,7 @@ pub(crate) enum Module {
     Adam8bit,
     Adafactor,
     Clip,
+    GradScale,
 }
 
 impl Module {
@@ -72,6 +76,7 @@ impl Module {
             Module::Adam8bit => "headroom_optim::adam8bit",
             Module::Adafactor => "headroom_optim::adafactor",
             Module::Clip => "headroom_optim::clip",
+            Module::GradScale => "headroom_optim::grad_scale",
         }
     }
 
@@ -82,6 +87,7 @@ impl Module {
             Module::Adam8bit => include_str!("../../kernels/ptx/adam8bit.ptx"),
             Module::Adafactor => include_str!("../../kernels/ptx/adafactor.ptx"),
             Module::Clip => include_str!("../../kernels/ptx/clip.ptx"),
+            Module::GradScale => include_str!("../../kernels/ptx/grad_scale.ptx"),
         }
     }
 }
