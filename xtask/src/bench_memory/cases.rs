@@ -610,6 +610,7 @@ pub(crate) fn measure<S: Storage>(
             probe,
             &mut vit,
             profile,
+            &outcome.strategies,
             outcome.budget,
             protocol.steps,
             &mut plain_step,

@@ -107,9 +107,10 @@ pub(crate) const USAGE: &str =
       (default all the device runs): adam_foreach (bounded temporaries), adam_foreach_unbounded
       (PyTorch's), adam_single, adam_fused, adam8bit, sgd; adam_inbwd and adam8bit_inbwd (the
       step inside backward), adam_ckpt (every block checkpointed), adam_inbwd_ckpt (both),
-      adam_auto (checkpointing planned per block for --budget BYTES, repeatable; default:
-      halfway between the lowest peak the planner reaches and the peak without checkpointing; it
-      also measures uniform every-k checkpointing at the same budget), adam_offload (the first 7/12 of the blocks offloaded to pinned host memory; CUDA only),
+      adam_auto (per block keep, recompute, 8-bit compression or, on a GPU, offload, planned
+      for --budget BYTES, repeatable; default: halfway between the lowest peak the planner
+      reaches and the peak without checkpointing; it also measures uniform every-k
+      checkpointing at the same budget, alternating with the plan), adam_offload (the first 7/12 of the blocks offloaded to pinned host memory; CUDA only),
       adam_fused_clip (clip_grad_norm_ to 1.0, then the step), adam_inbwd_clip (in backward,
       exact clipping: a measuring pass first), adam_inbwd_clip_prev (previous step's norm).
       --bucket-mib sets the in-backward cases' bucket (default: 1/16 of the parameters, at most
