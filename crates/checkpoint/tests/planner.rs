@@ -300,7 +300,9 @@ fn vit_like(n: usize, offload_ms: f64) -> StepProfile {
             delta: 20 * MB,
             ms: 2.0,
         },
-        blocks: (0..n).map(|_| strategies.iter().map(cost).collect()).collect(),
+        blocks: (0..n)
+            .map(|_| strategies.iter().map(cost).collect())
+            .collect(),
     }
 }
 

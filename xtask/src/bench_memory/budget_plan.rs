@@ -289,7 +289,10 @@ pub(crate) fn describe(r: &CaseResult) -> Option<String> {
             None => counts.push((1, name)),
         }
     }
-    let counts: Vec<String> = counts.iter().map(|(n, name)| format!("{n} {name}")).collect();
+    let counts: Vec<String> = counts
+        .iter()
+        .map(|(n, name)| format!("{n} {name}"))
+        .collect();
     let mut text = format!(
         "{} {} batch {}: budget {} ({} B{}); lowest reachable {}, no checkpointing {} \
          (predicted)\n  plan: {} of {} blocks; peak {} measured / {} predicted \

@@ -391,7 +391,14 @@ fn run_cases<S: Storage>(
             let done = bar.position() + options.protocol.total_steps() as u64;
             let tick = &mut || bar.inc(1);
             match cases::measure(probe, model, batch, case, protocol, tick) {
-                Ok(result) => run.results.push(result),
+                Ok(result) => {
+                    // A planned case's plan as soon as it is measured (on stderr; stdout has
+                    // them all at the end), so a run cut short still shows the ones done.
+                    if let Some(text) = budget_plan::describe(&result) {
+                        bar.suspend(|| eprintln!("{text}\n"));
+                    }
+                    run.results.push(result);
+                }
                 Err(err) => {
                     // Everything the case allocated was dropped with it: the next starts clean.
                     bar.suspend(|| {

@@ -95,7 +95,10 @@ impl Candidate {
     /// (`release_after_blocks: 0`: the compute stream waits there for the block's copies, which
     /// overlap the rest of the block's forward) and its copies back start when backward reaches
     /// it (`prefetch_blocks: 0`). A block offloaded this way keeps almost nothing on the device,
-    /// and its time is its copies' time beyond what its own compute hides. Copies that overlap
+    /// and its time is its copies' time beyond what its own compute hides. Its peak inside the
+    /// block depends on the copies' timing (a save finding an earlier copy complete gives that
+    /// memory back at once), so a prediction with it is as close as two steps' timings are; the
+    /// highest of [`BlockPlanner::measured_steps`] rounds is the safe side. Copies that overlap
     /// later blocks (`OffloadBlocks` with `release_after_blocks` > 0, as the `adam_offload`
     /// bench case runs it) hold one block's memory through the next blocks' segments, which no
     /// per-block choice can describe; use them as a whole-model runner instead.
@@ -485,7 +488,11 @@ fn segments(
 fn combine(rounds: &[Vec<BlockCost>], block: usize) -> BlockCost {
     let first = rounds[0][block];
     let segment = |pick: fn(&BlockCost) -> &Segment| Segment {
-        peak: rounds.iter().map(|r| pick(&r[block]).peak).max().unwrap_or(0),
+        peak: rounds
+            .iter()
+            .map(|r| pick(&r[block]).peak)
+            .max()
+            .unwrap_or(0),
         delta: pick(&first).delta,
         ms: median(rounds.iter().map(|r| pick(&r[block]).ms).collect()),
     };
