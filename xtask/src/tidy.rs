@@ -32,6 +32,7 @@ const LAYERS: &[&[&str]] = &[
         "headroom-ops-cuda",
         "headroom-nn",
         "headroom-optim",
+        "headroom-torch-allocator",
     ],
     // testkit sits with the techniques: it may use everything below, and no technique, so every
     // technique crate can test itself with it.
@@ -41,7 +42,7 @@ const LAYERS: &[&[&str]] = &[
         "headroom-hooks",
         "headroom-testkit",
     ],
-    &["headroom", "xtask"],
+    &["headroom", "headroom-python", "xtask"],
 ];
 
 /// The dependencies allowed within one layer, each with its reason.

@@ -29,12 +29,13 @@ use headroom_checkpoint::{
     BlockPlanner, BlockSelection, Candidate, CheckpointBlocks, CheckpointOptions, Compression,
     StepProbe, StepProfile,
 };
-use headroom_nn::{BlockRunner, VisionTransformer};
+use headroom_nn::BlockRunner;
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
 use serde_json::{json, Value};
 
 use super::cases::{CaseResult, Probe};
+use super::models::Net;
 use super::report::size;
 
 /// What the planner decided and predicted for one `adam_auto` run.
@@ -103,9 +104,9 @@ fn step_probe<S: Storage>(probe: &Probe<'_, S>) -> Result<StepProbe> {
 /// runner; returns the outcome (without the uniform comparison) and the profile.
 pub(crate) fn plan<S: Storage>(
     probe: &Probe<'_, S>,
-    vit: &mut VisionTransformer,
+    vit: &mut Net,
     budget: Option<u64>,
-    step: &mut dyn FnMut(&VisionTransformer) -> Result<()>,
+    step: &mut dyn FnMut(&Net) -> Result<()>,
 ) -> Result<(PlanOutcome, StepProfile)> {
     let cuda = probe.device.starts_with("cuda");
     let candidates = if cuda {
@@ -116,9 +117,9 @@ pub(crate) fn plan<S: Storage>(
         candidates
     };
     let planner = BlockPlanner::new(step_probe(probe)?, candidates);
-    vit.encoder.block_runner = Some(planner.runner());
+    vit.set_block_runner(Some(planner.runner()));
     let profile = {
-        let vit: &VisionTransformer = vit;
+        let vit: &Net = vit;
         planner.profile(|| step(vit).map_err(Into::into))?
     };
     let keep = profile
@@ -144,7 +145,7 @@ pub(crate) fn plan<S: Storage>(
         exact_only,
         uniform: None,
     };
-    vit.encoder.block_runner = Some(Arc::new(plan));
+    vit.set_block_runner(Some(Arc::new(plan)));
     Ok((outcome, profile))
 }
 
@@ -179,12 +180,12 @@ fn exact_only(profile: &StepProfile, budget: u64) -> Result<Option<(f64, usize)>
 /// plan that is `vit`'s block runner (see the module's documentation); `None` when no k fits.
 pub(crate) fn compare_uniform<S: Storage>(
     probe: &Probe<'_, S>,
-    vit: &mut VisionTransformer,
+    vit: &mut Net,
     profile: &StepProfile,
     plan_strategies: &[String],
     budget: u64,
     steps: usize,
-    step: &mut dyn FnMut(&VisionTransformer) -> Result<()>,
+    step: &mut dyn FnMut(&Net) -> Result<()>,
 ) -> Result<Option<Uniform>> {
     let (keep, recompute) = (
         profile
@@ -194,11 +195,11 @@ pub(crate) fn compare_uniform<S: Storage>(
             .candidate_index("recompute")
             .context("a recompute candidate")?,
     );
-    let plan_runner = vit
-        .encoder
-        .block_runner
-        .clone()
-        .context("the plan as the encoder's block runner")?;
+    let plan_runner = match vit {
+        Net::Vit(vit) => vit.encoder.block_runner.clone(),
+        Net::Gpt2(gpt2) => gpt2.transformer.block_runner.clone(),
+    }
+    .context("the plan as the model's block runner")?;
     let n = profile.n_blocks();
     let mut options = Vec::new();
     for every in 1..=n {
@@ -217,7 +218,7 @@ pub(crate) fn compare_uniform<S: Storage>(
             selection: BlockSelection::Every(every),
             options: CheckpointOptions::default(),
         });
-        vit.encoder.block_runner = Some(Arc::clone(&uniform));
+        vit.set_block_runner(Some(Arc::clone(&uniform)));
         // One step whose peak is the uniform runner's (the step after a change of runner is
         // the steady one: what a step allocates is freed by its end).
         (probe.synchronize)()?;
@@ -232,7 +233,7 @@ pub(crate) fn compare_uniform<S: Storage>(
         let (mut plan_ms, mut uniform_ms) = (Vec::new(), Vec::new());
         for _ in 0..steps.max(1) {
             for (runner, times) in [(&plan_runner, &mut plan_ms), (&uniform, &mut uniform_ms)] {
-                vit.encoder.block_runner = Some(Arc::clone(runner));
+                vit.set_block_runner(Some(Arc::clone(runner)));
                 (probe.synchronize)()?;
                 probe.allocator.reset_peak_stats();
                 let start = Instant::now();
@@ -244,7 +245,7 @@ pub(crate) fn compare_uniform<S: Storage>(
                 }
             }
         }
-        vit.encoder.block_runner = Some(Arc::clone(&plan_runner));
+        vit.set_block_runner(Some(Arc::clone(&plan_runner)));
         plan_ms.sort_by(f64::total_cmp);
         uniform_ms.sort_by(f64::total_cmp);
         return Ok(Some(Uniform {
@@ -265,7 +266,7 @@ pub(crate) fn compare_uniform<S: Storage>(
             over_budget,
         }));
     }
-    vit.encoder.block_runner = Some(plan_runner);
+    vit.set_block_runner(Some(plan_runner));
     Ok(None)
 }
 
