@@ -4,8 +4,12 @@
 //! products saved and recomputes the rest), printing for each the peak allocated memory, what the
 //! forward keeps for backward, and the step time. Then the same with each block's saved
 //! activations compressed (8 bits, bf16, and 8-bit block inputs of checkpointed blocks), and
-//! what compression does to training: 200 steps of a small ViT on a learnable task, the loss
-//! with and without it.
+//! the planner at a budget: `BlockPlanner` measures one step per strategy (keep, recompute,
+//! 8-bit compression), `StepProfile::plan` picks one per block for a budget halfway between the
+//! lowest peak it can reach and the peak without checkpointing, the example prints the plan's
+//! table, trains under it and prints the measured peak and step time beside the predicted ones.
+//! `--accuracy` instead trains a small ViT for 200 steps on a learnable task, the loss with and
+//! without compression.
 //!
 //! Blocks are checkpointed without editing the model: a `CheckpointBlocks` becomes the encoder's
 //! block runner. Unlike `torch.utils.checkpoint`'s reentrant form, the input needs no
@@ -18,7 +22,7 @@
 //! setting (its figures are fp16; mixed precision arrives with the amp crate), and one more row:
 //! the first 3/5 of the blocks offloaded to pinned host memory (an `OffloadBlocks` as the block
 //! runner). On the CPU: `VitConfig::mini()` at batch 16. `--only WORD` runs the baseline and the
-//! settings whose label contains WORD. See README.md.
+//! settings whose label contains WORD (`--only planner`: the planner alone). See README.md.
 
 #[path = "../device/mod.rs"]
 mod device;
@@ -26,15 +30,16 @@ mod device;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{bail, Context, Result};
 use headroom::autograd_core::{
     cross_entropy, no_grad, uniform, BackendRef, DType, Generator, Reduction, Tensor,
 };
 use headroom::checkpoint::{
-    BlockSelection, CheckpointBlocks, CheckpointOptions, CompressBlocks, CompressOptions,
-    Compression, OffloadBlocks, OffloadOptions, SaveMatmuls,
+    BlockPlanner, BlockSelection, Candidate, CheckpointBlocks, CheckpointOptions, CompressBlocks,
+    CompressOptions, Compression, OffloadBlocks, OffloadOptions, SaveMatmuls, StepProbe,
 };
 use headroom::nn::{BlockRunner, Module, VisionTransformer, VitConfig};
+use headroom::ops_cpu::CpuBackend;
 use headroom::optim::kernels::{AdamConfig, SgdConfig};
 use headroom::optim::{Adam, Implementation, Optimizer, ParamGroup, Sgd};
 
@@ -132,15 +137,21 @@ struct Figures {
     loss: f32,
 }
 
-fn measure(device: &Device, config: VitConfig, batch: usize, setting: &Setting) -> Result<Figures> {
+/// A fresh model (seed 0, `setting`'s runner), its SGD and the input: what every setting trains.
+fn setup(
+    device: &Device,
+    config: VitConfig,
+    batch: usize,
+    runner: Option<Arc<dyn BlockRunner>>,
+) -> Result<(VisionTransformer, Sgd, Tensor)> {
     let mut model = VisionTransformer::new(
         &device.backend,
         config,
         DType::F32,
         &Arc::new(Generator::new(0)),
     )?;
-    model.encoder.block_runner = setting.runner.clone();
-    let mut sgd = Sgd::new(
+    model.encoder.block_runner = runner;
+    let sgd = Sgd::new(
         vec![ParamGroup::new(model.parameters(), SgdConfig::new(1e-4))],
         Implementation::Fused,
     )?;
@@ -154,6 +165,22 @@ fn measure(device: &Device, config: VitConfig, batch: usize, setting: &Setting) 
         &[batch, 3, size, size],
         DType::F32,
     )?;
+    Ok((model, sgd, images))
+}
+
+fn measure(device: &Device, config: VitConfig, batch: usize, setting: &Setting) -> Result<Figures> {
+    let (model, mut sgd, images) = setup(device, config, batch, setting.runner.clone())?;
+    timed_steps(device, &model, &mut sgd, &images)
+}
+
+/// 2 warm-up steps, then 3 timed ones: the highest peak, what the forward keeps, the fastest
+/// step and the last loss.
+fn timed_steps(
+    device: &Device,
+    model: &VisionTransformer,
+    sgd: &mut Sgd,
+    images: &Tensor,
+) -> Result<Figures> {
     let (warmup, timed) = (2, 3);
     let mut figures = Figures {
         peak: 0,
@@ -166,7 +193,7 @@ fn measure(device: &Device, config: VitConfig, batch: usize, setting: &Setting) 
         device.reset_peak();
         let start = Instant::now();
         let before = device.allocated();
-        let loss = model.forward(&images)?.sum_all()?;
+        let loss = model.forward(images)?.sum_all()?;
         let kept = device.allocated() - before;
         loss.backward()?;
         sgd.step()?;
@@ -181,6 +208,88 @@ fn measure(device: &Device, config: VitConfig, batch: usize, setting: &Setting) 
         }
     }
     Ok(figures)
+}
+
+/// The planner's probe of the example's device: the allocator's bytes, and CUDA events or the
+/// host's clock.
+fn step_probe(device: &Device) -> Result<StepProbe> {
+    let any = device.backend.clone().into_any();
+    #[cfg(feature = "cuda")]
+    let any = match any.downcast::<headroom::ops_cuda::CudaBackend>() {
+        Ok(cuda) => return Ok(StepProbe::cuda(&cuda)),
+        Err(any) => any,
+    };
+    match any.downcast::<CpuBackend>() {
+        Ok(cpu) => Ok(StepProbe::host(cpu, CpuBackend::allocator)),
+        Err(_) => bail!("the planner's probe knows the CPU and CUDA backends"),
+    }
+}
+
+/// The planner at a budget: it measures one step per strategy (keep, recompute, 8-bit
+/// compression) on a fresh model, plans for the budget halfway between the lowest peak it can
+/// reach and the peak without checkpointing, prints the plan's table, then trains under the plan
+/// and prints the measured peak and time beside the predicted ones.
+fn planner_section(device: &Device, config: VitConfig, batch: usize) -> Result<()> {
+    let (mut model, mut sgd, images) = setup(device, config, batch, None)?;
+    let candidates = vec![
+        Candidate::keep(),
+        Candidate::recompute(),
+        Candidate::compress(Compression::default()),
+    ];
+    // CUDA events time a block's work on the device; the host's clock on a CPU shared with other
+    // work is noisier, so there each block's time is the median of three steps.
+    let rounds = if device.is_cuda() { 1 } else { 3 };
+    let planner = BlockPlanner::new(step_probe(device)?, candidates).measured_steps(rounds);
+    model.encoder.block_runner = Some(planner.runner());
+    let profile = {
+        let (model, sgd) = (&model, &mut sgd);
+        // The step `timed_steps` runs (the loss a variable, the logits freed before backward):
+        // the prediction is the peak of the step it measured.
+        planner.profile(|| {
+            let loss = model.forward(&images)?.sum_all()?;
+            loss.backward()?;
+            sgd.step()?;
+            sgd.zero_grad(true)?;
+            Ok(())
+        })?
+    };
+    let n = profile.n_blocks();
+    let predicted = |name: &str| -> Result<u64> {
+        let index = profile
+            .candidate_index(name)
+            .context("a candidate of the list")?;
+        Ok(profile.predict(&vec![index; n])?.peak_bytes)
+    };
+    let (keep_all, recompute_all) = (predicted("keep")?, predicted("recompute")?);
+    let lowest = profile.min_budget()?;
+    let budget = lowest + (keep_all - lowest) / 2;
+    let plan = profile.plan(budget)?;
+    println!(
+        "\nThe planner: {rounds} measured step(s) per strategy (keep, recompute, \
+         compress-int8), then the fastest plan within {} (halfway between the lowest peak a plan \
+         reaches, {}, and no checkpointing's {}; every block recomputed: {}; all predicted)\n\n\
+         {plan}\n",
+        gb(budget),
+        gb(lowest),
+        gb(keep_all),
+        gb(recompute_all),
+    );
+    let predicted_peak = plan.predicted_peak();
+    let predicted_ms = plan.predicted_step_ms();
+    model.encoder.block_runner = Some(Arc::new(plan));
+    let f = timed_steps(device, &model, &mut sgd, &images)?;
+    println!(
+        "trained under the plan: peak {} B measured, {} B predicted ({:.4}; budget {} B); step \
+         {:.1} ms measured (fastest of 3), {:.1} ms predicted ({:.3})",
+        f.peak,
+        predicted_peak,
+        f.peak as f64 / predicted_peak as f64,
+        budget,
+        f.step_ms,
+        predicted_ms,
+        f.step_ms / predicted_ms,
+    );
+    Ok(())
 }
 
 fn gb(bytes: u64) -> String {
@@ -227,22 +336,27 @@ fn main() -> Result<()> {
         n_params as f64 / 1e9,
         device.name
     );
-    println!(
-        "{:<28} {:>10} {:>16} {:>10} {:>8}  last loss",
-        "setting", "peak", "kept by forward", "step", "time"
-    );
     // `--only WORD`: the baseline and the settings whose label contains WORD.
     let args: Vec<String> = std::env::args().collect();
     let only = args
         .iter()
         .position(|a| a == "--only")
         .and_then(|i| args.get(i + 1));
+    // `--only planner`: the planner alone (its profile measures the step without checkpointing).
+    let planner_only = only.is_some_and(|word| word == "planner");
+    if !planner_only {
+        println!(
+            "{:<28} {:>10} {:>16} {:>10} {:>8}  last loss",
+            "setting", "peak", "kept by forward", "step", "time"
+        );
+    }
     let mut baseline: Option<Figures> = None;
     for (i, setting) in settings(config.num_layers, device.is_cuda())
         .into_iter()
         .enumerate()
     {
-        if i > 0 && only.is_some_and(|word| !setting.label.contains(word.as_str())) {
+        let skipped = only.is_some_and(|word| !setting.label.contains(word.as_str()));
+        if planner_only || (i > 0 && skipped) {
             continue;
         }
         let f = measure(&device, config, batch, &setting)?;
@@ -260,8 +374,11 @@ fn main() -> Result<()> {
             baseline = Some(f);
         }
     }
-    if !device.is_cuda() {
+    if !device.is_cuda() && !planner_only {
         println!("\n(offload copies saved tensors to pinned host memory: it runs with --cuda)");
+    }
+    if only.is_none_or(|word| "planner".contains(word.as_str())) {
+        planner_section(&device, config, batch)?;
     }
     Ok(())
 }

@@ -28,9 +28,9 @@
 //! a checkpoint.
 //!
 //! A memory budget instead of a choice: [`BlockPlanner`] measures a training step under each
-//! candidate strategy (keep, recompute, ...) and [`StepProfile::plan`] picks one per block, the
-//! fastest step whose predicted peak fits the budget, as a [`BlockPlan`] block runner that
-//! explains itself in a table.
+//! candidate strategy (keep, recompute, compress, offload) and [`StepProfile::plan`] picks one
+//! per block, the fastest step whose predicted peak fits the budget, as a [`BlockPlan`] block
+//! runner that explains itself in a table.
 //!
 //! This crate sits on autograd-core's seams (saved-tensor hooks, grad mode, the autocast scope,
 //! draw recording) and nn's block seam. Checkpointing knows no device; offload reaches one through

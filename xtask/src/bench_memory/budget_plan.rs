@@ -1,15 +1,21 @@
 //! The `adam_auto` case: checkpointing planned for a memory budget, and the uniform
 //! checkpointing it must beat.
 //!
-//! Before the protocol's steps, checkpoint's `BlockPlanner` measures one training step per
-//! candidate (keep, recompute) on the fresh model and optimizer, after one warm-up step, and
-//! plans for `--budget` bytes: without one, halfway between the lowest peak the planner can reach
-//! and the peak of no checkpointing (both predicted from the same measurement). The plan is set as
-//! the encoder's block runner and the protocol measures it as any case. Then, on the same model
-//! and optimizer, uniform checkpointing (every k-th block, `CheckpointBlocks::Every(k)`) at the
-//! fastest k whose predicted peak fits the budget runs one settling step and the timed steps; if
-//! its measured peak exceeds the budget, the next k is tried. The report prints the plan's table,
-//! the predicted and measured figures, and the uniform comparison.
+//! Before the protocol's steps, checkpoint's `BlockPlanner` measures the training step under
+//! each candidate on the fresh model and optimizer (one warm-up step each, then one measured step
+//! each): keep, recompute and 8-bit compression, and on a GPU offload to pinned host memory too
+//! (`Candidate::cuda_defaults`). It plans for `--budget` bytes: without one, halfway between the
+//! lowest peak the planner can reach and the peak of no checkpointing (both predicted from the
+//! same measurement). The plan is set as the encoder's block runner and the protocol measures it
+//! as any case. From the same profile, the report also gives the plan of the two exact
+//! candidates alone (keep and recompute), predicted only.
+//!
+//! Then, on the same model and optimizer, uniform checkpointing (every k-th block,
+//! `CheckpointBlocks::Every(k)`) at the fastest k whose predicted peak fits the budget runs one
+//! step whose peak is checked against the budget (if it exceeds it, the next k is tried), and
+//! then the plan and the uniform runner alternate, one step each, `--steps` times: the ratio of
+//! their median step times is what the report gives, so a drift of the GPU's speed during the
+//! case falls on both alike. When the plan is the uniform choice itself, the report says so.
 //!
 //! It sits on checkpoint's planner, nn's ViT and the probe of `cases`; the step itself is the
 //! caller's.
@@ -20,9 +26,10 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use headroom_caching_allocator::Storage;
 use headroom_checkpoint::{
-    BlockPlanner, BlockSelection, Candidate, CheckpointBlocks, CheckpointOptions, StepProbe,
-    StepProfile,
+    BlockPlanner, BlockSelection, Candidate, CheckpointBlocks, CheckpointOptions, Compression,
+    StepProbe, StepProfile,
 };
+use headroom_nn::BlockRunner;
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
 use serde_json::{json, Value};
@@ -48,23 +55,35 @@ pub(crate) struct PlanOutcome {
     pub(crate) strategies: Vec<String>,
     /// The plan's table.
     pub(crate) table: String,
+    /// The fastest plan of keep and recompute alone within the budget, from the same profile
+    /// (predicted only): its step time and its recomputed blocks.
+    pub(crate) exact_only: Option<(f64, usize)>,
     /// Uniform checkpointing within the same budget, measured.
     pub(crate) uniform: Option<Uniform>,
 }
 
-/// Uniform checkpointing (every k-th block) measured at the plan's budget.
+/// Uniform checkpointing (every k-th block) measured at the plan's budget, alternating with the
+/// plan.
 #[derive(Debug, Clone)]
 pub(crate) struct Uniform {
     pub(crate) every: usize,
     pub(crate) n_recomputed: usize,
     pub(crate) predicted_peak: u64,
     pub(crate) predicted_step_ms: f64,
-    /// Peak allocated over its timed steps.
+    /// Peak allocated over its steps.
     pub(crate) peak: u64,
-    /// Median step time.
+    /// Median of its alternated steps.
     pub(crate) step_ms: f64,
-    /// Fastest step.
+    /// Its fastest step.
     pub(crate) step_ms_min: f64,
+    /// Median of the plan's steps, alternated with the uniform ones.
+    pub(crate) plan_step_ms: f64,
+    /// The plan's fastest alternated step.
+    pub(crate) plan_step_ms_min: f64,
+    /// Steps each ran, alternating.
+    pub(crate) pairs: usize,
+    /// The plan chose exactly the uniform configuration.
+    pub(crate) same_choices: bool,
     /// Every k tried before, with its measured peak over the budget.
     pub(crate) over_budget: Vec<(usize, u64)>,
 }
@@ -89,7 +108,15 @@ pub(crate) fn plan<S: Storage>(
     budget: Option<u64>,
     step: &mut dyn FnMut(&Net) -> Result<()>,
 ) -> Result<(PlanOutcome, StepProfile)> {
-    let planner = BlockPlanner::new(step_probe(probe)?, Candidate::defaults());
+    let cuda = probe.device.starts_with("cuda");
+    let candidates = if cuda {
+        Candidate::cuda_defaults()
+    } else {
+        let mut candidates = Candidate::defaults();
+        candidates.push(Candidate::compress(Compression::default()));
+        candidates
+    };
+    let planner = BlockPlanner::new(step_probe(probe)?, candidates);
     vit.set_block_runner(Some(planner.runner()));
     let profile = {
         let vit: &Net = vit;
@@ -103,6 +130,7 @@ pub(crate) fn plan<S: Storage>(
     let budget_given = budget.is_some();
     let budget = budget.unwrap_or(min_budget + keep_all_peak.saturating_sub(min_budget) / 2);
     let plan = profile.plan(budget)?;
+    let exact_only = exact_only(&profile, budget)?;
     let outcome = PlanOutcome {
         budget,
         budget_given,
@@ -114,18 +142,47 @@ pub(crate) fn plan<S: Storage>(
             .map(|i| plan.strategy(i).unwrap_or("?").to_owned())
             .collect(),
         table: plan.to_string(),
+        exact_only,
         uniform: None,
     };
     vit.set_block_runner(Some(Arc::new(plan)));
     Ok((outcome, profile))
 }
 
-/// Measures uniform checkpointing at the fastest k that fits `budget` (see the module's
-/// documentation); `None` when no k fits.
+/// The fastest plan of keep and recompute alone within `budget`, from `profile`'s columns of
+/// those two: its predicted step time and recomputed blocks; `None` when none fits.
+fn exact_only(profile: &StepProfile, budget: u64) -> Result<Option<(f64, usize)>> {
+    let columns: Vec<usize> = ["keep", "recompute"]
+        .iter()
+        .filter_map(|name| profile.candidate_index(name))
+        .collect();
+    let subset = StepProfile {
+        candidates: columns
+            .iter()
+            .map(|&c| profile.candidates[c].clone())
+            .collect(),
+        blocks: profile
+            .blocks
+            .iter()
+            .map(|costs| columns.iter().map(|&c| costs[c]).collect())
+            .collect(),
+        ..profile.clone()
+    };
+    Ok(subset.plan(budget).ok().map(|plan| {
+        let recomputed = (0..subset.n_blocks())
+            .filter(|&i| plan.strategy(i) == Some("recompute"))
+            .count();
+        (plan.predicted_step_ms(), recomputed)
+    }))
+}
+
+/// Measures uniform checkpointing at the fastest k that fits `budget`, alternating with the
+/// plan that is `vit`'s block runner (see the module's documentation); `None` when no k fits.
 pub(crate) fn compare_uniform<S: Storage>(
     probe: &Probe<'_, S>,
     vit: &mut Net,
     profile: &StepProfile,
+    plan_strategies: &[String],
     budget: u64,
     steps: usize,
     step: &mut dyn FnMut(&Net) -> Result<()>,
@@ -138,6 +195,11 @@ pub(crate) fn compare_uniform<S: Storage>(
             .candidate_index("recompute")
             .context("a recompute candidate")?,
     );
+    let plan_runner = match vit {
+        Net::Vit(vit) => vit.encoder.block_runner.clone(),
+        Net::Gpt2(gpt2) => gpt2.transformer.block_runner.clone(),
+    }
+    .context("the plan as the model's block runner")?;
     let n = profile.n_blocks();
     let mut options = Vec::new();
     for every in 1..=n {
@@ -152,49 +214,89 @@ pub(crate) fn compare_uniform<S: Storage>(
     options.sort_by(|a, b| a.2.step_ms.total_cmp(&b.2.step_ms));
     let mut over_budget = Vec::new();
     for (every, choices, prediction) in options {
-        vit.set_block_runner(Some(Arc::new(CheckpointBlocks {
+        let uniform: Arc<dyn BlockRunner> = Arc::new(CheckpointBlocks {
             selection: BlockSelection::Every(every),
             options: CheckpointOptions::default(),
-        })));
-        let vit: &Net = vit;
-        step(vit)?;
+        });
+        vit.set_block_runner(Some(Arc::clone(&uniform)));
+        // One step whose peak is the uniform runner's (the step after a change of runner is
+        // the steady one: what a step allocates is freed by its end).
         (probe.synchronize)()?;
         probe.allocator.reset_peak_stats();
-        let mut times_ms = Vec::with_capacity(steps);
-        for _ in 0..steps {
-            (probe.synchronize)()?;
-            let start = Instant::now();
-            step(vit)?;
-            (probe.synchronize)()?;
-            times_ms.push(start.elapsed().as_secs_f64() * 1e3);
-        }
-        let peak = probe.allocator.max_memory_allocated();
+        step(vit)?;
+        (probe.synchronize)()?;
+        let mut peak = probe.allocator.max_memory_allocated();
         if peak > budget {
             over_budget.push((every, peak));
             continue;
         }
-        times_ms.sort_by(f64::total_cmp);
+        let (mut plan_ms, mut uniform_ms) = (Vec::new(), Vec::new());
+        for _ in 0..steps.max(1) {
+            for (runner, times) in [(&plan_runner, &mut plan_ms), (&uniform, &mut uniform_ms)] {
+                vit.set_block_runner(Some(Arc::clone(runner)));
+                (probe.synchronize)()?;
+                probe.allocator.reset_peak_stats();
+                let start = Instant::now();
+                step(vit)?;
+                (probe.synchronize)()?;
+                times.push(start.elapsed().as_secs_f64() * 1e3);
+                if Arc::ptr_eq(runner, &uniform) {
+                    peak = peak.max(probe.allocator.max_memory_allocated());
+                }
+            }
+        }
+        vit.set_block_runner(Some(Arc::clone(&plan_runner)));
+        plan_ms.sort_by(f64::total_cmp);
+        uniform_ms.sort_by(f64::total_cmp);
         return Ok(Some(Uniform {
             every,
             n_recomputed: choices.iter().filter(|&&c| c == recompute).count(),
             predicted_peak: prediction.peak_bytes,
             predicted_step_ms: prediction.step_ms,
             peak,
-            step_ms: times_ms[times_ms.len() / 2],
-            step_ms_min: times_ms[0],
+            step_ms: median(&uniform_ms),
+            step_ms_min: uniform_ms[0],
+            plan_step_ms: median(&plan_ms),
+            plan_step_ms_min: plan_ms[0],
+            pairs: plan_ms.len(),
+            same_choices: choices
+                .iter()
+                .map(|&c| profile.candidates[c].name.as_str())
+                .eq(plan_strategies.iter().map(String::as_str)),
             over_budget,
         }));
     }
+    vit.set_block_runner(Some(plan_runner));
     Ok(None)
+}
+
+/// The median of sorted `values` (the mean of the middle two for an even count).
+fn median(sorted: &[f64]) -> f64 {
+    let n = sorted.len();
+    if n % 2 == 1 {
+        sorted[n / 2]
+    } else {
+        (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
+    }
 }
 
 /// The report's lines on a planned case: the plan's figures, the uniform comparison, the table.
 pub(crate) fn describe(r: &CaseResult) -> Option<String> {
     let plan = r.plan.as_ref()?;
-    let n_recomputed = plan.strategies.iter().filter(|s| *s == "recompute").count();
+    let mut counts: Vec<(usize, &str)> = Vec::new();
+    for name in &plan.strategies {
+        match counts.iter_mut().find(|(_, n)| *n == name.as_str()) {
+            Some((count, _)) => *count += 1,
+            None => counts.push((1, name)),
+        }
+    }
+    let counts: Vec<String> = counts
+        .iter()
+        .map(|(n, name)| format!("{n} {name}"))
+        .collect();
     let mut text = format!(
         "{} {} batch {}: budget {} ({} B{}); lowest reachable {}, no checkpointing {} \
-         (predicted)\n  plan: {} of {} blocks recomputed; peak {} measured / {} predicted \
+         (predicted)\n  plan: {} of {} blocks; peak {} measured / {} predicted \
          ({:.4}); step {:.1} ms measured / {:.1} ms predicted\n",
         r.case.name(),
         r.model,
@@ -208,7 +310,7 @@ pub(crate) fn describe(r: &CaseResult) -> Option<String> {
         },
         size(plan.min_budget),
         size(plan.keep_all_peak),
-        n_recomputed,
+        counts.join(", "),
         plan.strategies.len(),
         size(r.peak_allocated_bytes),
         size(plan.predicted_peak),
@@ -216,6 +318,16 @@ pub(crate) fn describe(r: &CaseResult) -> Option<String> {
         r.step_ms,
         plan.predicted_step_ms,
     );
+    match plan.exact_only {
+        Some((ms, recomputed)) => {
+            text += &format!(
+                "  keep and recompute alone: {recomputed} recomputed, {ms:.1} ms predicted \
+                 (plan / that {:.3}, predicted)\n",
+                plan.predicted_step_ms / ms
+            );
+        }
+        None => text += "  keep and recompute alone: no plan within the budget\n",
+    }
     match &plan.uniform {
         Some(u) => {
             for (every, peak) in &u.over_budget {
@@ -225,15 +337,25 @@ pub(crate) fn describe(r: &CaseResult) -> Option<String> {
                 );
             }
             text += &format!(
-                "  uniform every {} ({} recomputed): peak {} measured / {} predicted; step {:.1} \
-                 ms measured / {:.1} ms predicted; plan / uniform step time {:.3}\n",
+                "  uniform every {} ({} recomputed): peak {} measured / {} predicted; {:.1} ms \
+                 predicted\n  alternating {} steps each: plan {:.1} ms, uniform {:.1} ms \
+                 (medians; fastest {:.1} / {:.1}); plan / uniform step time {:.4}{}\n",
                 u.every,
                 u.n_recomputed,
                 size(u.peak),
                 size(u.predicted_peak),
-                u.step_ms,
                 u.predicted_step_ms,
-                r.step_ms / u.step_ms,
+                u.pairs,
+                u.plan_step_ms,
+                u.step_ms,
+                u.plan_step_ms_min,
+                u.step_ms_min,
+                u.plan_step_ms / u.step_ms,
+                if u.same_choices {
+                    " (the plan is this uniform choice)"
+                } else {
+                    ""
+                },
             );
         }
         None => text += "  uniform checkpointing: no every-k fits the budget\n",
@@ -253,6 +375,10 @@ pub(crate) fn json(plan: &PlanOutcome) -> Value {
         "predicted_step_ms": plan.predicted_step_ms,
         "strategies": plan.strategies,
         "table": plan.table,
+        "exact_only": plan.exact_only.map(|(ms, recomputed)| json!({
+            "predicted_step_ms": ms,
+            "n_recomputed": recomputed,
+        })),
         "uniform": plan.uniform.as_ref().map(|u| json!({
             "every": u.every,
             "n_recomputed": u.n_recomputed,
@@ -261,6 +387,10 @@ pub(crate) fn json(plan: &PlanOutcome) -> Value {
             "peak_allocated_bytes": u.peak,
             "step_ms": u.step_ms,
             "step_ms_min": u.step_ms_min,
+            "plan_step_ms": u.plan_step_ms,
+            "plan_step_ms_min": u.plan_step_ms_min,
+            "alternated_steps": u.pairs,
+            "same_choices": u.same_choices,
             "over_budget": u.over_budget.iter().map(|(every, peak)| json!({"every": every, "peak_allocated_bytes": peak})).collect::<Vec<_>>(),
         })),
     })

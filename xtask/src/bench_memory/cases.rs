@@ -646,6 +646,7 @@ pub(crate) fn measure<S: Storage>(
             probe,
             &mut training.net,
             profile,
+            &outcome.strategies,
             outcome.budget,
             protocol.steps,
             &mut plain_step,

@@ -113,9 +113,10 @@ pub(crate) const USAGE: &str =
       (PyTorch's), adam_single, adam_fused, adam8bit, sgd; adam_inbwd and adam8bit_inbwd (the
       step inside backward), adam_ckpt (every block but the last checkpointed: recomputing
       the last would free nothing), adam_inbwd_ckpt (both),
-      adam_auto (checkpointing planned per block for --budget BYTES, repeatable; default:
-      halfway between the lowest peak the planner reaches and the peak without checkpointing; it
-      also measures uniform every-k checkpointing at the same budget), adam_offload (the first 7/12 of the blocks offloaded to pinned host memory; CUDA only),
+      adam_auto (per block keep, recompute, 8-bit compression or, on a GPU, offload, planned
+      for --budget BYTES, repeatable; default: halfway between the lowest peak the planner
+      reaches and the peak without checkpointing; it also measures uniform every-k
+      checkpointing at the same budget, alternating with the plan), adam_offload (the first 7/12 of the blocks offloaded to pinned host memory; CUDA only),
       adam_fused_clip (clip_grad_norm_ to 1.0, then the step), adam_inbwd_clip (in backward,
       exact clipping: a measuring pass first), adam_inbwd_clip_prev (previous step's norm),
       fwd_bwd and fwd_bwd_bf16 (forward and backward only; the second with the whole model in
@@ -404,7 +405,14 @@ fn run_cases<S: Storage>(
             let done = bar.position() + options.protocol.total_steps() as u64;
             let tick = &mut || bar.inc(1);
             match cases::measure(probe, model, batch, case, protocol, tick) {
-                Ok(result) => run.results.push(result),
+                Ok(result) => {
+                    // A planned case's plan as soon as it is measured (on stderr; stdout has
+                    // them all at the end), so a run cut short still shows the ones done.
+                    if let Some(text) = budget_plan::describe(&result) {
+                        bar.suspend(|| eprintln!("{text}\n"));
+                    }
+                    run.results.push(result);
+                }
                 Err(err) => {
                     // Everything the case allocated was dropped with it: the next starts clean.
                     bar.suspend(|| {

@@ -2,19 +2,26 @@
 //!
 //! A [`BlockPlanner`] owns a dispatching block runner: set [`BlockPlanner::runner`] as the model's
 //! block runner once, then [`BlockPlanner::profile`] runs the caller's training step (forward,
-//! backward, optimizer step) once to warm up and once per [`Candidate`], with every block under
-//! that candidate. During a measured step the runner marks the start of each block's forward, and
-//! a gradient hook on each block's output marks the start of its backward (the hook runs when
+//! backward, optimizer step) once per [`Candidate`] to warm it up (what a strategy allocates on
+//! first use: offload's pinned pool, a kernel module, a library's workspace), then, for each of
+//! [`BlockPlanner::measured_steps`] rounds, once per candidate with every block under that
+//! candidate (the candidates alternate, so a drift of the machine's speed falls on all of them
+//! alike). During a measured step the runner marks the start of each block's forward, and a
+//! gradient hook on each block's output marks the start of its backward (the hook runs when
 //! backward reaches the block's last op). Each mark reads the probe: allocated bytes, the peak
 //! since the previous mark, and a point in time. The stretch between two marks is a
 //! [`Segment`]; it belongs to the block whose mark opens it, so a block's forward segment runs
 //! until the next block starts (for the last block: through the model's head, the loss and the
 //! head's backward, until its own backward starts), and its backward segment until the block
 //! before it starts its backward (for the first block: through the stem's backward and the
-//! optimizer step, to the end of the step).
+//! optimizer step, to the end of the step). Over the rounds, a segment's time is the median of
+//! its times, its peak the highest of its peaks, and its delta the first round's (the allocator
+//! counts what a step holds, the same every step for the strategies here).
 //!
 //! This module sits on nn's block seam, autograd-core's gradient hooks and the probe; it knows no
-//! particular model, candidate or device.
+//! particular model or device. The candidates it names ([`Candidate::keep`],
+//! [`Candidate::recompute`], [`Candidate::compress`], [`Candidate::offload`]) are the crate's block
+//! runners, configured so that each keeps the consequences of its choice inside its own block.
 
 use std::sync::Arc;
 
@@ -23,8 +30,10 @@ use parking_lot::Mutex;
 use headroom_autograd_core::{is_grad_enabled, Tensor};
 use headroom_nn::{BlockForward, BlockRunner};
 
-use crate::blocks::CheckpointBlocks;
+use crate::blocks::{BlockSelection, CheckpointBlocks};
+use crate::compress::{CompressBlocks, CompressOptions, Compression};
 use crate::error::CheckpointError;
+use crate::offload::{OffloadBlocks, OffloadOptions, OffloadPool};
 use crate::planner::probe::{StepProbe, TimePoint};
 use crate::planner::profile::{BlockCost, Segment, StepProfile};
 
@@ -58,10 +67,74 @@ impl Candidate {
         Candidate::new("recompute", Arc::new(CheckpointBlocks::all()))
     }
 
+    /// `compress-int8` or `compress-bf16`: what the block saves for backward is kept encoded
+    /// ([`CompressBlocks`] with the default policy: op inputs and outputs of 16 Ki elements or
+    /// more, 0.254× of f32 in 8 bits, 0.5× in bf16) and decoded when backward needs it. Lossy:
+    /// gradients move within the codec's error (see `compress`), so it is not in
+    /// [`Candidate::defaults`].
+    pub fn compress(compression: Compression) -> Candidate {
+        let name = match compression {
+            Compression::Int8Blockwise { .. } => "compress-int8",
+            Compression::Bf16 => "compress-bf16",
+        };
+        Candidate::new(
+            name,
+            Arc::new(CompressBlocks {
+                selection: BlockSelection::All,
+                options: CompressOptions::new(compression),
+                checkpoint: None,
+            }),
+        )
+    }
+
+    /// `offload`: what the block saves goes to `pool`'s pinned host memory
+    /// ([`OffloadBlocks`]; CUDA only) and comes back when backward reaches the block.
+    ///
+    /// Configured so that the block's device memory is its own business, as the planner's
+    /// prediction needs: its device memory is given back at the end of its own forward
+    /// (`release_after_blocks: 0`: the compute stream waits there for the block's copies, which
+    /// overlap the rest of the block's forward) and its copies back start when backward reaches
+    /// it (`prefetch_blocks: 0`). A block offloaded this way keeps almost nothing on the device,
+    /// and its time is its copies' time beyond what its own compute hides. Its peak inside the
+    /// block depends on the copies' timing (a save finding an earlier copy complete gives that
+    /// memory back at once), so a prediction with it is as close as two steps' timings are; the
+    /// highest of [`BlockPlanner::measured_steps`] rounds is the safe side. Copies that overlap
+    /// later blocks (`OffloadBlocks` with `release_after_blocks` > 0, as the `adam_offload`
+    /// bench case runs it) hold one block's memory through the next blocks' segments, which no
+    /// per-block choice can describe; use them as a whole-model runner instead.
+    pub fn offload(pool: OffloadPool) -> Candidate {
+        Candidate::new(
+            "offload",
+            Arc::new(OffloadBlocks {
+                selection: BlockSelection::All,
+                options: OffloadOptions {
+                    release_after_blocks: 0,
+                    prefetch_blocks: 0,
+                    pool,
+                    ..OffloadOptions::default()
+                },
+            }),
+        )
+    }
+
     /// The strategies the planner chooses among by default: [`Candidate::keep`] and
-    /// [`Candidate::recompute`]. Another strategy is one more `Candidate::new(name, runner)`.
+    /// [`Candidate::recompute`], both exact (training under any plan of them equals plain
+    /// training bit for bit). Another strategy is one more `Candidate::new(name, runner)`.
     pub fn defaults() -> Vec<Candidate> {
         vec![Candidate::keep(), Candidate::recompute()]
+    }
+
+    /// The strategies for a model on a CUDA device: [`Candidate::defaults`], then 8-bit
+    /// compression ([`Candidate::compress`], lossy) and offload to a new pool
+    /// ([`Candidate::offload`]). On another device the offload candidate's step fails with
+    /// [`CheckpointError::OffloadNeedsCuda`]; there, use `defaults()` and `compress`.
+    pub fn cuda_defaults() -> Vec<Candidate> {
+        vec![
+            Candidate::keep(),
+            Candidate::recompute(),
+            Candidate::compress(Compression::default()),
+            Candidate::offload(OffloadPool::new()),
+        ]
     }
 }
 
@@ -121,6 +194,7 @@ pub struct BlockPlanner {
     probe: StepProbe,
     candidates: Vec<Candidate>,
     dispatch: Arc<Dispatch>,
+    rounds: usize,
 }
 
 impl BlockPlanner {
@@ -138,7 +212,16 @@ impl BlockPlanner {
             probe,
             candidates,
             dispatch,
+            rounds: 1,
         }
+    }
+
+    /// Measures `rounds` steps per candidate (at least 1; 1 unless set), alternating the
+    /// candidates: each segment's time is then the median of its times, which a slow step (a
+    /// clock boost ending, another process) does not move.
+    pub fn measured_steps(mut self, rounds: usize) -> BlockPlanner {
+        self.rounds = rounds.max(1);
+        self
     }
 
     /// The candidates, in the order plans number them.
@@ -154,9 +237,10 @@ impl BlockPlanner {
     }
 
     /// Runs `step` (one forward, backward and optimizer step of the model whose block runner is
-    /// [`BlockPlanner::runner`]) once to warm up (the optimizer's state, the libraries'
-    /// workspaces), then once per candidate with every block under it, measuring each block's
-    /// forward and backward.
+    /// [`BlockPlanner::runner`]) once per candidate to warm up (the optimizer's state, the
+    /// libraries' workspaces, what a candidate allocates on first use), then
+    /// [`BlockPlanner::measured_steps`] times per candidate, alternating, with every block under
+    /// it, measuring each block's forward and backward.
     ///
     /// Errors: the step's own error ([`CheckpointError::Step`]); a step whose blocks did not
     /// run through the planner's runner, or ran in another order than forward then backward
@@ -172,29 +256,37 @@ impl BlockPlanner {
                     .into(),
             });
         };
-        self.dispatch.select(&first.runner, None);
-        step().map_err(CheckpointError::Step)?;
-        let mut per_candidate = Vec::with_capacity(self.candidates.len());
+        for candidate in &self.candidates {
+            self.dispatch.select(&candidate.runner, None);
+            let warmed = step().map_err(CheckpointError::Step);
+            self.dispatch.select(&first.runner, None);
+            warmed?;
+        }
+        // Per candidate, per round: the blocks' costs.
+        let mut measured: Vec<Vec<Vec<BlockCost>>> = vec![Vec::new(); self.candidates.len()];
         let mut start_bytes = 0;
         let mut pre = Segment::default();
-        for (index, candidate) in self.candidates.iter().enumerate() {
-            let recording = Arc::new(Recording::default());
-            self.dispatch
-                .select(&candidate.runner, Some(Arc::clone(&recording)));
-            let outcome = self.measure(&recording, &mut step);
-            self.dispatch.select(&first.runner, None);
-            let marks = outcome?;
-            let (start, step_pre, blocks) = segments(&self.probe, &candidate.name, &marks)?;
-            if index == 0 {
-                (start_bytes, pre) = (start, step_pre);
+        for round in 0..self.rounds {
+            for (index, candidate) in self.candidates.iter().enumerate() {
+                let recording = Arc::new(Recording::default());
+                self.dispatch
+                    .select(&candidate.runner, Some(Arc::clone(&recording)));
+                let outcome = self.measure(&recording, &mut step);
+                self.dispatch.select(&first.runner, None);
+                let marks = outcome?;
+                let (start, step_pre, blocks) = segments(&self.probe, &candidate.name, &marks)?;
+                if round == 0 && index == 0 {
+                    (start_bytes, pre) = (start, step_pre);
+                }
+                measured[index].push(blocks);
             }
-            per_candidate.push(blocks);
         }
-        let n_blocks = per_candidate[0].len();
+        let n_blocks = measured[0][0].len();
         if let Some((name, blocks)) = self
             .candidates
             .iter()
-            .zip(&per_candidate)
+            .zip(&measured)
+            .flat_map(|(candidate, rounds)| rounds.iter().map(move |r| (candidate, r)))
             .find(|(_, blocks)| blocks.len() != n_blocks)
         {
             return Err(CheckpointError::Profile {
@@ -207,6 +299,10 @@ impl BlockPlanner {
                 ),
             });
         }
+        let per_candidate: Vec<Vec<BlockCost>> = measured
+            .iter()
+            .map(|rounds| (0..n_blocks).map(|block| combine(rounds, block)).collect())
+            .collect();
         let blocks = (0..n_blocks)
             .map(|block| per_candidate.iter().map(|costs| costs[block]).collect())
             .collect();
@@ -385,4 +481,34 @@ fn segments(
         })
         .collect::<Result<Vec<_>, CheckpointError>>()?;
     Ok((marks[0].allocated, segment(0)?, blocks))
+}
+
+/// Block `block`'s cost over the rounds: the first round's deltas, the highest peaks and the
+/// median times.
+fn combine(rounds: &[Vec<BlockCost>], block: usize) -> BlockCost {
+    let first = rounds[0][block];
+    let segment = |pick: fn(&BlockCost) -> &Segment| Segment {
+        peak: rounds
+            .iter()
+            .map(|r| pick(&r[block]).peak)
+            .max()
+            .unwrap_or(0),
+        delta: pick(&first).delta,
+        ms: median(rounds.iter().map(|r| pick(&r[block]).ms).collect()),
+    };
+    BlockCost {
+        forward: segment(|cost| &cost.forward),
+        backward: segment(|cost| &cost.backward),
+    }
+}
+
+/// The median of `values` (the mean of the middle two for an even count).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => values[n / 2],
+        _ => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
 }

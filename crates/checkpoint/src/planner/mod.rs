@@ -15,9 +15,14 @@
 //! runner; its `Display` is a table that explains it.
 //!
 //! Candidates are nn [`BlockRunner`](headroom_nn::BlockRunner)s with a name: `keep` calls the
-//! block directly ([`RunDirectly`]), `recompute` checkpoints it ([`CheckpointBlocks`](crate::CheckpointBlocks));
-//! any other runner that handles one block at a time (offload, compression) is one more
-//! `Candidate::new(name, runner)`, measured the same way, with no model of its own to write.
+//! block directly ([`RunDirectly`]), `recompute` checkpoints it
+//! ([`CheckpointBlocks`](crate::CheckpointBlocks)), `compress-int8` / `compress-bf16` keep its
+//! saves encoded ([`CompressBlocks`](crate::CompressBlocks)), `offload` keeps them in pinned
+//! host memory ([`OffloadBlocks`](crate::OffloadBlocks), CUDA only, its device memory given back
+//! at the end of the block's own forward). [`Candidate::defaults`] are the two exact ones;
+//! [`Candidate::cuda_defaults`] adds 8-bit compression and offload. Any other runner that
+//! handles one block at a time is one more `Candidate::new(name, runner)`, measured the same
+//! way, with no model of its own to write.
 //!
 //! This module sits on nn's block seam, autograd-core's hooks and the caching allocator's
 //! statistics; it knows no model and, outside `probe.rs`'s CUDA clock, no device.
