@@ -1,0 +1,2 @@
+//! `headroom-launch`: starts the ranks of one data-parallel job on this host.
+fn main() {}
