@@ -146,6 +146,15 @@ impl ShardedHandle {
     }
 }
 
+/// What a reduce does with the model's gradients once packed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Gradients {
+    /// Leave them in `.grad` (a plain step: the caller clears them).
+    Keep,
+    /// Free them (in backward: InBackward would free them after the step anyway).
+    Free,
+}
+
 /// The state the optimizer and its end-of-pass callback share.
 struct Engine {
     comm: Arc<dyn Communicator>,
@@ -297,27 +306,45 @@ impl Engine {
     }
 
     /// Reduce-scatters the bucket's gradients: each shard's `.grad` becomes its part of the
-    /// average over ranks.
-    fn reduce(&mut self, bucket: &[usize]) -> Result<(), DistributedError> {
+    /// average over ranks. The model's gradients are kept (ZeRO-1) or freed as soon as they are
+    /// packed (ZeRO-2).
+    fn reduce(&mut self, bucket: &[usize], gradients: Gradients) -> Result<(), DistributedError> {
         let _no_grad = no_grad();
         let world_size = self.layout.world_size;
         let dtype = self.layout.params[bucket[0]].dtype;
         let width: usize = bucket.iter().map(|&i| self.layout.params[i].chunk).sum();
         let backend = self.params[bucket[0]].backend().clone();
-        let rows = Tensor::zeros(&backend, &[world_size, width], dtype)?;
-        let mut offset = 0;
-        for &index in bucket {
-            let shard = self.layout.params[index];
-            if let Some(grad) = self.params[index].grad() {
-                let flat = grad.contiguous()?.reshape(&[shard.numel])?;
-                scatter_rows(&flat, &rows, offset, &shard)?;
-            }
-            offset += shard.chunk;
-        }
         let reduced = Tensor::empty(&backend, &[width], dtype)?;
-        self.comm
-            .reduce_scatter(&rows.reshape(&[world_size * width])?, &reduced, ReduceOp::Sum)?;
-        drop(rows);
+        if let Some(index) = self.whole(bucket) {
+            // One parameter that splits evenly: its gradient is the rows already.
+            if let Some(grad) = self.params[index].grad() {
+                let flat = grad.contiguous()?.reshape(&[self.layout.params[index].numel])?;
+                if gradients == Gradients::Free {
+                    self.params[index].set_grad(None)?;
+                }
+                self.comm.reduce_scatter(&flat, &reduced, ReduceOp::Sum)?;
+            }
+        } else {
+            let rows = Tensor::zeros(&backend, &[world_size, width], dtype)?;
+            let mut offset = 0;
+            for &index in bucket {
+                let shard = self.layout.params[index];
+                if let Some(grad) = self.params[index].grad() {
+                    let flat = grad.contiguous()?.reshape(&[shard.numel])?;
+                    scatter_rows(&flat, &rows, offset, &shard)?;
+                    if gradients == Gradients::Free {
+                        drop((grad, flat));
+                        self.params[index].set_grad(None)?;
+                    }
+                }
+                offset += shard.chunk;
+            }
+            self.comm.reduce_scatter(
+                &rows.reshape(&[world_size * width])?,
+                &reduced,
+                ReduceOp::Sum,
+            )?;
+        }
         if world_size > 1 {
             let factor = Tensor::full(&backend, &[1], 1.0 / world_size as f64, dtype)?;
             reduced.mul_(&factor)?;
@@ -347,6 +374,16 @@ impl Engine {
         let dtype = self.layout.params[bucket[0]].dtype;
         let width: usize = bucket.iter().map(|&i| self.layout.params[i].chunk).sum();
         let backend = self.params[bucket[0]].backend().clone();
+        if let Some(index) = self.whole(bucket) {
+            // One parameter that splits evenly, its shard a view at offset `rank × chunk`: an
+            // all-gather in place (NCCL's in-place form), straight into the parameter.
+            let target = self.params[index]
+                .detach()
+                .reshape(&[self.layout.params[index].numel])?;
+            self.comm.all_gather(&self.shards[index], &target)?;
+            self.stats.buckets_gathered += 1;
+            return Ok(());
+        }
         let local = Tensor::empty(&backend, &[width], dtype)?;
         let mut offset = 0;
         for &index in bucket {
@@ -367,6 +404,15 @@ impl Engine {
         }
         self.stats.buckets_gathered += 1;
         Ok(())
+    }
+
+    /// The parameter of a bucket of one parameter whose elements split evenly over the ranks
+    /// (its rows are its own memory, so no packing is needed).
+    fn whole(&self, bucket: &[usize]) -> Option<usize> {
+        match *bucket {
+            [index] if self.layout.is_view(index, self.layout.world_size - 1) => Some(index),
+            _ => None,
+        }
     }
 
     /// Scales the shard gradients of `indices` by the coefficient of the global norm.
@@ -415,7 +461,7 @@ impl Engine {
         match self.config.clipping {
             Some(clipping) => {
                 for bucket in &buckets {
-                    self.reduce(bucket)?;
+                    self.reduce(bucket, Gradients::Keep)?;
                 }
                 self.clip(indices, clipping)?;
                 for bucket in &buckets {
@@ -424,7 +470,7 @@ impl Engine {
             }
             None => {
                 for bucket in &buckets {
-                    self.reduce(bucket)?;
+                    self.reduce(bucket, Gradients::Keep)?;
                     self.update(bucket)?;
                 }
             }
@@ -441,7 +487,7 @@ impl Engine {
         shared: &Arc<Mutex<Engine>>,
     ) -> Result<(), DistributedError> {
         for bucket in self.buckets(indices, u64::MAX) {
-            self.reduce(&bucket)?;
+            self.reduce(&bucket, Gradients::Free)?;
             if self.config.clipping.is_some() {
                 self.held.push(bucket);
             } else {
