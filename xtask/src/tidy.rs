@@ -41,6 +41,8 @@ const LAYERS: &[&[&str]] = &[
         "headroom-hooks",
         "headroom-testkit",
     ],
+    // Data parallelism drives hooks' in-backward buckets.
+    &["headroom-distributed"],
     &["headroom", "xtask"],
 ];
 
