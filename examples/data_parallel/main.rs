@@ -264,13 +264,20 @@ impl Model {
         }
     }
 
-    /// The mean loss over examples `first..first + n` of step `step`'s global batch.
-    fn loss(&self, kind: ModelKind, backend: &BackendRef, step: usize, first: usize, n: usize) -> Result<Tensor> {
+    /// Examples `first..first + n` of step `step`'s global batch: the input and the target.
+    fn batch(
+        kind: ModelKind,
+        backend: &BackendRef,
+        step: usize,
+        first: usize,
+        n: usize,
+    ) -> Result<(Tensor, Tensor)> {
         // Example `i` of step `step` is drawn from its own stream, so a rank draws only its own.
         let values = |per_example: usize, modulus: Option<u64>| -> Vec<f64> {
             (first..first + n)
                 .flat_map(|i| {
-                    let mut state = (step as u64 + 1) * 0x9e37_79b9_7f4a_7c15 ^ (i as u64 + 1) * 0xbf58_476d_1ce4_e5b9;
+                    let mut state = ((step as u64 + 1) * 0x9e37_79b9_7f4a_7c15)
+                        ^ ((i as u64 + 1) * 0xbf58_476d_1ce4_e5b9);
                     (0..per_example)
                         .map(move |_| {
                             state ^= state << 13;
@@ -285,21 +292,29 @@ impl Model {
                 })
                 .collect()
         };
-        Ok(match (self, kind) {
-            (Model::Vit(vit), ModelKind::Vit(config)) => {
+        Ok(match kind {
+            ModelKind::Vit(config) => {
                 let side = config.image_size;
                 let images = values(3 * side * side, None);
                 let labels = values(1, Some(config.num_classes as u64));
-                let input = Tensor::from_f64s(backend, &images, &[n, 3, side, side], DType::F32)?;
-                let target = Tensor::from_f64s(backend, &labels, &[n], DType::I64)?;
-                cross_entropy(&vit.forward(&input)?, &target, -100, Reduction::Mean)?
+                (
+                    Tensor::from_f64s(backend, &images, &[n, 3, side, side], DType::F32)?,
+                    Tensor::from_f64s(backend, &labels, &[n], DType::I64)?,
+                )
             }
-            (Model::Gpt2(gpt2), ModelKind::Gpt2 { config, seq }) => {
+            ModelKind::Gpt2 { config, seq } => {
                 let ids = values(seq, Some(config.vocab_size as u64));
                 let input = Tensor::from_f64s(backend, &ids, &[n, seq], DType::I64)?;
-                gpt2.loss(&gpt2.forward(&input)?, &input)?
+                (input.clone(), input)
             }
-            _ => bail!("the model does not match its kind"),
+        })
+    }
+
+    /// The mean loss of the model on a batch.
+    fn loss(&self, (input, target): &(Tensor, Tensor)) -> Result<Tensor> {
+        Ok(match self {
+            Model::Vit(vit) => cross_entropy(&vit.forward(input)?, target, -100, Reduction::Mean)?,
+            Model::Gpt2(gpt2) => gpt2.loss(&gpt2.forward(input)?, target)?,
         })
     }
 }
@@ -363,11 +378,15 @@ fn train(
             (device.synchronize)()?;
             (device.reset_peak)();
         }
+        // The data is made before the clock starts: the step is what is timed.
+        let batches = (0..accumulate)
+            .map(|micro| Model::batch(args.model, backend, step, (rank + micro) * args.batch, args.batch))
+            .collect::<Result<Vec<_>>>()?;
+        (device.synchronize)()?;
         let start_comm = comm.as_ref().map(|c| c.stats()).unwrap_or_default();
         let start = Instant::now();
-        for micro in 0..accumulate {
-            let first = (rank + micro) * args.batch;
-            let mut loss = model.loss(args.model, backend, step, first, args.batch)?;
+        for batch in &batches {
+            let mut loss = model.loss(batch)?;
             if accumulate > 1 {
                 loss = loss.mul_scalar(1.0 / accumulate as f64)?;
             }
@@ -427,7 +446,7 @@ fn print_json(args: &Args, stage: Stage, world_size: usize, rank: usize, report:
     println!(
         "{{\"stage\":\"{}\",\"model\":\"{}\",\"world_size\":{world_size},\"rank\":{rank},\
          \"per_rank_batch\":{},\"steps\":{},\"step_ms_median\":{:.3},\"peak_allocated\":{},\
-         \"param_bytes\":{},\"state_bytes\":{},\"reduce_scatter_bytes\":{},\
+         \"accumulate\":{},\"param_bytes\":{},\"state_bytes\":{},\"reduce_scatter_bytes\":{},\
          \"all_gather_bytes\":{},\"all_reduce_bytes\":{},\"checksum\":\"{:016x}\"}}",
         format!("{stage:?}").to_lowercase(),
         args.model_name,
@@ -435,6 +454,7 @@ fn print_json(args: &Args, stage: Stage, world_size: usize, rank: usize, report:
         args.steps,
         report.step_ms,
         report.peak,
+        args.accumulate.unwrap_or(1),
         report.param_bytes,
         report.state_bytes,
         report.step_comm.reduce_scatter.bytes,

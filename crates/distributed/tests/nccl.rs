@@ -1,0 +1,156 @@
+//! The NCCL communicator on two GPUs of one host (features `nccl` and `cuda`; skipped without two
+//! GPUs or libnccl, failing instead under `HEADROOM_REQUIRE_GPU=1`): each collective's values,
+//! and ZeRO-2 on two ranks against one GPU training on the same global batch, bitwise (a sum of
+//! two values is the same in any order, and `1/2` is exact, as on the CPU).
+#![cfg(all(feature = "nccl", feature = "cuda"))]
+
+use std::sync::Arc;
+
+use headroom_autograd_core::{BackendRef, DType, Tensor};
+use headroom_distributed::{
+    nccl_unique_id, Communicator, NcclComm, ReduceOp, ShardConfig, ShardedOptimizer, UniqueId,
+};
+use headroom_hooks::InBackwardConfig;
+use headroom_ops_cuda::CudaBackend;
+use headroom_optim::kernels::AdamConfig;
+use headroom_optim::{Adam, Implementation, Optimizer, ParamGroup};
+use headroom_testkit::gpu::cuda_or_skip;
+use headroom_testkit::inputs::Xorshift;
+use headroom_testkit::ModelSpec;
+
+const SPEC: ModelSpec = ModelSpec::Mlp {
+    width: 61,
+    hidden: 200,
+};
+const STEPS: usize = 20;
+const PER_RANK: usize = 8;
+
+fn adam() -> AdamConfig {
+    AdamConfig {
+        lr: 1e-2,
+        ..AdamConfig::adamw()
+    }
+}
+
+/// Two GPUs and a group id, or `None` (skipped).
+fn two_gpus() -> Option<([Arc<CudaBackend>; 2], UniqueId)> {
+    let first = cuda_or_skip(CudaBackend::new(0))?;
+    let second = cuda_or_skip(CudaBackend::new(1))?;
+    let id = cuda_or_skip(nccl_unique_id())?;
+    Some(([first, second], id))
+}
+
+/// `f` on both ranks, each on its own thread with its GPU and communicator.
+fn on_ranks<T: Send>(
+    gpus: &[Arc<CudaBackend>; 2],
+    id: UniqueId,
+    f: impl Fn(Arc<dyn Communicator>, BackendRef) -> T + Sync,
+) -> Vec<T> {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let (f, backend) = (&f, gpus[rank].clone());
+                scope.spawn(move || {
+                    let comm = NcclComm::new(rank, rank, 2, &id).unwrap();
+                    f(Arc::new(comm), backend)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn collectives_on_two_gpus() {
+    let Some((gpus, id)) = two_gpus() else { return };
+    let results = on_ranks(&gpus, id, |comm, gpu| {
+        let r = comm.rank() as f64;
+        let t = |values: &[f64]| Tensor::from_f64s(&gpu, values, &[values.len()], DType::F32).unwrap();
+        let sum = t(&[r, 10.0 * r]);
+        comm.all_reduce(&sum, ReduceOp::Sum).unwrap();
+        let scattered = t(&[0.0, 0.0]);
+        comm.reduce_scatter(&t(&[r, r + 1.0, r + 2.0, r + 3.0]), &scattered, ReduceOp::Sum)
+            .unwrap();
+        let gathered = t(&[0.0; 4]);
+        comm.all_gather(&t(&[r, -r]), &gathered).unwrap();
+        let broadcast = t(&[r; 2]);
+        comm.broadcast(&broadcast, 1).unwrap();
+        comm.barrier().unwrap();
+        [sum, scattered, gathered, broadcast].map(|t| t.to_vec::<f32>().unwrap())
+    });
+    for [sum, _, gathered, broadcast] in results.iter().cloned() {
+        assert_eq!(sum, [1.0, 10.0]);
+        assert_eq!(gathered, [0.0, -0.0, 1.0, -1.0]);
+        assert_eq!(broadcast, [1.0, 1.0]);
+    }
+    assert_eq!(results[0][1], [1.0, 3.0]);
+    assert_eq!(results[1][1], [5.0, 7.0]);
+}
+
+fn batch(backend: &BackendRef, step: usize) -> headroom_testkit::Batch {
+    let mut random = Xorshift::new(1000 + step as u64);
+    SPEC.batch(backend, DType::F32, 2 * PER_RANK, &mut random).unwrap()
+}
+
+#[test]
+fn zero2_on_two_gpus_trains_to_one_gpu_bitwise() {
+    let Some((gpus, id)) = two_gpus() else { return };
+    let ranks = on_ranks(&gpus, id, |comm, gpu| {
+        let model = SPEC.build(&gpu, DType::F32, 7).unwrap();
+        let params = model.module().parameters();
+        let rank = comm.rank();
+        let in_backward = ShardedOptimizer::new(
+            vec![ParamGroup::new(params.clone(), adam())],
+            Implementation::Fused,
+            comm,
+            ShardConfig {
+                bucket_bytes: 0,
+                clipping: None,
+            },
+        )
+        .unwrap()
+        .into_in_backward(InBackwardConfig {
+            bucket_bytes: 64 << 10,
+            accumulation: 1,
+            clipping: None,
+        })
+        .unwrap();
+        for step in 0..STEPS {
+            let part = batch(&gpu, step).narrow(rank * PER_RANK, PER_RANK).unwrap();
+            let loss = model.loss(&model.forward(&part.input).unwrap(), &part).unwrap();
+            in_backward.backward(&loss).unwrap();
+        }
+        params
+            .iter()
+            .map(|p| p.to_vec::<f32>().unwrap())
+            .collect::<Vec<_>>()
+    });
+    let gpu: BackendRef = gpus[0].clone();
+    let model = SPEC.build(&gpu, DType::F32, 7).unwrap();
+    let params = model.module().parameters();
+    let mut adam = Adam::new(
+        vec![ParamGroup::new(params.clone(), adam())],
+        Implementation::Fused,
+    )
+    .unwrap();
+    for step in 0..STEPS {
+        let global = batch(&gpu, step);
+        for rank in 0..2 {
+            let part = global.narrow(rank * PER_RANK, PER_RANK).unwrap();
+            let loss = model.loss(&model.forward(&part.input).unwrap(), &part).unwrap();
+            loss.mul_scalar(0.5).unwrap().backward().unwrap();
+        }
+        adam.step().unwrap();
+        adam.zero_grad(true).unwrap();
+    }
+    let expected: Vec<Vec<f32>> = params.iter().map(|p| p.to_vec::<f32>().unwrap()).collect();
+    for (rank, trained) in ranks.iter().enumerate() {
+        for (index, (ours, theirs)) in trained.iter().zip(&expected).enumerate() {
+            let first = ours
+                .iter()
+                .zip(theirs)
+                .position(|(a, b)| a.to_bits() != b.to_bits());
+            assert!(first.is_none(), "rank {rank}, parameter {index}, element {first:?}");
+        }
+    }
+}
