@@ -105,7 +105,9 @@ fn main() -> Result<()> {
     }
     if args.cuda {
         if args.stages != [Stage::Single] {
-            bail!("on GPUs, start the ranks with headroom-launch (see --help); alone, --stage single");
+            bail!(
+                "on GPUs, start the ranks with headroom-launch (see --help); alone, --stage single"
+            );
         }
         let world = args.accumulate.unwrap_or(1);
         let device = gpu(0)?;
@@ -125,7 +127,14 @@ fn cpu_comparison(args: &Args) -> Result<()> {
     );
     println!(
         "{:<8} {:>6} {:>14} {:>14} {:>11} {:>16} {:>16} {:>12}",
-        "stage", "rank", "state B", "peak B", "step ms", "reduce-scatter B", "all-gather B", "max |Δ|"
+        "stage",
+        "rank",
+        "state B",
+        "peak B",
+        "step ms",
+        "reduce-scatter B",
+        "all-gather B",
+        "max |Δ|"
     );
     let accumulate = args.accumulate.unwrap_or(n);
     let reference = train(args, &host(), None, accumulate)?;
@@ -248,12 +257,18 @@ impl Model {
     fn new(kind: ModelKind, backend: &BackendRef) -> Result<Model> {
         let generator = Arc::new(Generator::new(0));
         Ok(match kind {
-            ModelKind::Vit(config) => {
-                Model::Vit(VisionTransformer::new(backend, config, DType::F32, &generator)?)
-            }
-            ModelKind::Gpt2 { config, .. } => {
-                Model::Gpt2(Gpt2LMHeadModel::new(backend, config, DType::F32, &generator)?)
-            }
+            ModelKind::Vit(config) => Model::Vit(VisionTransformer::new(
+                backend,
+                config,
+                DType::F32,
+                &generator,
+            )?),
+            ModelKind::Gpt2 { config, .. } => Model::Gpt2(Gpt2LMHeadModel::new(
+                backend,
+                config,
+                DType::F32,
+                &generator,
+            )?),
         })
     }
 
@@ -380,7 +395,15 @@ fn train(
         }
         // The data is made before the clock starts: the step is what is timed.
         let batches = (0..accumulate)
-            .map(|micro| Model::batch(args.model, backend, step, (rank + micro) * args.batch, args.batch))
+            .map(|micro| {
+                Model::batch(
+                    args.model,
+                    backend,
+                    step,
+                    (rank + micro) * args.batch,
+                    args.batch,
+                )
+            })
             .collect::<Result<Vec<_>>>()?;
         (device.synchronize)()?;
         let start_comm = comm.as_ref().map(|c| c.stats()).unwrap_or_default();
@@ -434,12 +457,14 @@ fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
 
 /// FNV-1a over the parameters' bits: equal checksums are (almost surely) equal bits.
 fn checksum(params: &[Vec<f32>]) -> u64 {
-    params.iter().flatten().fold(0xcbf2_9ce4_8422_2325, |hash, v| {
-        v.to_bits()
-            .to_le_bytes()
-            .iter()
-            .fold(hash, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
-    })
+    params
+        .iter()
+        .flatten()
+        .fold(0xcbf2_9ce4_8422_2325, |hash, v| {
+            v.to_bits().to_le_bytes().iter().fold(hash, |h, &b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            })
+        })
 }
 
 fn print_json(args: &Args, stage: Stage, world_size: usize, rank: usize, report: &Report) {
@@ -485,7 +510,9 @@ fn parse() -> Result<Option<Args>> {
     let (mut stages, mut accumulate, mut bucket_mib, mut cuda, mut dump) =
         (None, None, None, false, None);
     let value = |flag: &str, it: &mut std::slice::Iter<'_, String>| -> Result<String> {
-        it.next().cloned().with_context(|| format!("{flag} needs a value"))
+        it.next()
+            .cloned()
+            .with_context(|| format!("{flag} needs a value"))
     };
     while let Some(arg) = it.next() {
         match arg.as_str() {

@@ -159,7 +159,9 @@ pub(crate) fn check_buffers(
                 ),
             });
         }
-        if tensor.dtype() != dtype || !matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16) {
+        if tensor.dtype() != dtype
+            || !matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+        {
             return Err(DistributedError::InvalidArgument {
                 op,
                 reason: format!(

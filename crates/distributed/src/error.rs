@@ -83,9 +83,10 @@ impl DistributedError {
             OptimError::Tensor(TensorError::Hook { op, source }) => {
                 match source.downcast::<DistributedError>() {
                     Ok(inner) => *inner,
-                    Err(source) => {
-                        DistributedError::Optim(OptimError::Tensor(TensorError::Hook { op, source }))
-                    }
+                    Err(source) => DistributedError::Optim(OptimError::Tensor(TensorError::Hook {
+                        op,
+                        source,
+                    })),
                 }
             }
             other => DistributedError::Optim(other),

@@ -145,7 +145,11 @@ impl InProcessComm {
         };
         // The previous collective's posts are still being read.
         while exchange.reading {
-            if shared.changed.wait_until(&mut exchange, deadline).timed_out() {
+            if shared
+                .changed
+                .wait_until(&mut exchange, deadline)
+                .timed_out()
+            {
                 return Err(timeout(call));
             }
         }
@@ -157,7 +161,11 @@ impl InProcessComm {
             shared.changed.notify_all();
         }
         while !(exchange.reading && exchange.call == call) {
-            if shared.changed.wait_until(&mut exchange, deadline).timed_out() {
+            if shared
+                .changed
+                .wait_until(&mut exchange, deadline)
+                .timed_out()
+            {
                 return Err(timeout(call));
             }
         }
@@ -234,7 +242,10 @@ impl Communicator for InProcessComm {
         })?;
         let chunk = n_bytes / self.world_size;
         let range = self.rank * chunk..(self.rank + 1) * chunk;
-        let inputs: Vec<&[u8]> = posts.iter().map(|post| &post.bytes[range.clone()]).collect();
+        let inputs: Vec<&[u8]> = posts
+            .iter()
+            .map(|post| &post.bytes[range.clone()])
+            .collect();
         write_bytes(output, &reduce(dtype, op, &inputs))?;
         self.record(Collective::ReduceScatter, n_bytes);
         Ok(())

@@ -143,12 +143,18 @@ pub(crate) fn scatter_rows(
     if full > 0 {
         rows.narrow(0, 0, full)?
             .narrow(1, offset, shard.chunk)?
-            .copy_(&source.narrow(0, 0, full * shard.chunk)?.reshape(&[full, shard.chunk])?)?;
+            .copy_(
+                &source
+                    .narrow(0, 0, full * shard.chunk)?
+                    .reshape(&[full, shard.chunk])?,
+            )?;
     }
     if rest > 0 {
-        rows.narrow(0, full, 1)?
-            .narrow(1, offset, rest)?
-            .copy_(&source.narrow(0, full * shard.chunk, rest)?.reshape(&[1, rest])?)?;
+        rows.narrow(0, full, 1)?.narrow(1, offset, rest)?.copy_(
+            &source
+                .narrow(0, full * shard.chunk, rest)?
+                .reshape(&[1, rest])?,
+        )?;
     }
     Ok(())
 }

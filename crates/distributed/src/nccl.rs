@@ -114,7 +114,9 @@ impl NcclComm {
                 if unsafe { result::comm_destroy(comm) }.is_err() {
                     DROP_ERRORS.fetch_add(1, Ordering::Relaxed);
                 }
-                return Err(DistributedError::Nccl(format!("cuMemAlloc of 4 bytes: {err:?}")));
+                return Err(DistributedError::Nccl(format!(
+                    "cuMemAlloc of 4 bytes: {err:?}"
+                )));
             }
         };
         Ok(NcclComm {
@@ -228,21 +230,26 @@ impl Communicator for NcclComm {
             self.address("reduce_scatter", output)?,
         );
         let bytes = input.numel() * dtype.size_in_bytes();
-        self.call("ncclReduceScatter", Collective::ReduceScatter, bytes, |comm| {
-            // SAFETY: both tensors are live and contiguous on this GPU, `input` of
-            // `world_size × output.numel()` elements (checked above).
-            unsafe {
-                result::reduce_scatter(
-                    src as *const _,
-                    dst as *mut _,
-                    output.numel(),
-                    nccl_dtype(dtype),
-                    nccl_op(op),
-                    comm,
-                    std::ptr::null_mut(),
-                )
-            }
-        })
+        self.call(
+            "ncclReduceScatter",
+            Collective::ReduceScatter,
+            bytes,
+            |comm| {
+                // SAFETY: both tensors are live and contiguous on this GPU, `input` of
+                // `world_size × output.numel()` elements (checked above).
+                unsafe {
+                    result::reduce_scatter(
+                        src as *const _,
+                        dst as *mut _,
+                        output.numel(),
+                        nccl_dtype(dtype),
+                        nccl_op(op),
+                        comm,
+                        std::ptr::null_mut(),
+                    )
+                }
+            },
+        )
     }
 
     fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<(), DistributedError> {

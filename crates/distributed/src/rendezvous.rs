@@ -82,18 +82,23 @@ impl RankEnv {
         let Ok(rank) = std::env::var(ENV_RANK) else {
             return Ok(None);
         };
-        let number = |name: &'static str, value: Option<String>| -> Result<usize, DistributedError> {
-            let value = value.or_else(|| std::env::var(name).ok()).ok_or_else(|| {
-                DistributedError::InvalidArgument {
-                    op: "RankEnv::from_env",
-                    reason: format!("{ENV_RANK} is set but {name} is not; start ranks with headroom-launch"),
-                }
-            })?;
-            value.parse().map_err(|_| DistributedError::InvalidArgument {
-                op: "RankEnv::from_env",
-                reason: format!("{name}={value:?} is not a number"),
-            })
-        };
+        let number =
+            |name: &'static str, value: Option<String>| -> Result<usize, DistributedError> {
+                let value = value.or_else(|| std::env::var(name).ok()).ok_or_else(|| {
+                    DistributedError::InvalidArgument {
+                        op: "RankEnv::from_env",
+                        reason: format!(
+                            "{ENV_RANK} is set but {name} is not; start ranks with headroom-launch"
+                        ),
+                    }
+                })?;
+                value
+                    .parse()
+                    .map_err(|_| DistributedError::InvalidArgument {
+                        op: "RankEnv::from_env",
+                        reason: format!("{name}={value:?} is not a number"),
+                    })
+            };
         let env = RankEnv {
             rank: number(ENV_RANK, Some(rank))?,
             world_size: number(ENV_WORLD_SIZE, None)?,
@@ -150,7 +155,8 @@ impl FileRendezvous {
     /// Writes `id` (rank 0): to a temporary name beside the file, then renamed over it.
     pub fn publish(&self, id: &UniqueId) -> Result<(), DistributedError> {
         let temporary = self.path.with_extension("partial");
-        std::fs::write(&temporary, id.as_bytes()).map_err(|err| self.io("writing", &temporary, err))?;
+        std::fs::write(&temporary, id.as_bytes())
+            .map_err(|err| self.io("writing", &temporary, err))?;
         std::fs::rename(&temporary, &self.path).map_err(|err| self.io("renaming", &temporary, err))
     }
 

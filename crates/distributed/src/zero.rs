@@ -17,9 +17,10 @@
 //!   memory. Accumulating micro-batches is backwards without a step: no communication at all.
 //! - **ZeRO-2** (gradients sharded too): inside backward, through hooks' [`InBackward`]
 //!   ([`ShardedOptimizer::into_in_backward`]). Each bucket InBackward steps with
-//!   `step_with(Only(bucket))` as its gradients become final is reduce-scattered at once, and
-//!   InBackward frees the full gradients right after: a rank never holds more than a bucket of
-//!   full gradients. Without clipping the bucket's shards are updated and all-gathered at once;
+//!   `step_with(Only(bucket))` as its gradients become final is reduce-scattered at once, each
+//!   full gradient freed as soon as it is packed: a rank never holds more than a bucket of full
+//!   gradients. A bucket of one parameter that the ranks divide needs no packing: its gradient is
+//!   reduce-scattered as it is, and the parameter all-gathered in place. Without clipping the bucket's shards are updated and all-gathered at once;
 //!   with clipping the shards' gradients (`1 / world_size` of the gradients) are held until the
 //!   end of the pass, where the exact global norm is taken and every held bucket updated and
 //!   gathered. InBackward's accumulation makes its first `k − 1` passes no-sync micro-steps
@@ -130,7 +131,9 @@ pub struct ShardedHandle {
 
 impl std::fmt::Debug for ShardedHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShardedHandle").field("stats", &self.stats()).finish()
+        f.debug_struct("ShardedHandle")
+            .field("stats", &self.stats())
+            .finish()
     }
 }
 
@@ -233,7 +236,11 @@ impl ShardedOptimizer {
         let inner: Box<dyn Optimizer> =
             Box::new(GroupOptimizer::<R>::new(shard_groups, implementation)?);
         let inner_ids: Vec<ParamId> = inner.params().into_iter().map(|(id, _)| id).collect();
-        let index_of = inner_ids.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+        let index_of = inner_ids
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| (id, i))
+            .collect();
         Ok(ShardedOptimizer {
             engine: Arc::new(Mutex::new(Engine {
                 comm,
@@ -268,7 +275,10 @@ impl ShardedOptimizer {
     /// buckets reduce-scattered as its gradients become final. `config` sets the buckets and
     /// the accumulation (no-sync micro-steps); it must not clip — InBackward would measure this
     /// rank's local gradients — so clip with [`ShardConfig::clipping`] instead.
-    pub fn into_in_backward(self, config: InBackwardConfig) -> Result<InBackward, DistributedError> {
+    pub fn into_in_backward(
+        self,
+        config: InBackwardConfig,
+    ) -> Result<InBackward, DistributedError> {
         if config.clipping.is_some() {
             return Err(DistributedError::InvalidArgument {
                 op: "ShardedOptimizer::into_in_backward",
@@ -318,7 +328,9 @@ impl Engine {
         if let Some(index) = self.whole(bucket) {
             // One parameter that splits evenly: its gradient is the rows already.
             if let Some(grad) = self.params[index].grad() {
-                let flat = grad.contiguous()?.reshape(&[self.layout.params[index].numel])?;
+                let flat = grad
+                    .contiguous()?
+                    .reshape(&[self.layout.params[index].numel])?;
                 if gradients == Gradients::Free {
                     self.params[index].set_grad(None)?;
                 }

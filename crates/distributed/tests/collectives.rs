@@ -44,7 +44,8 @@ fn each_collective_gives_its_definition() {
         // reduce_scatter: rank r's input is [r; 6]; each receives two sums of 0+1+2.
         let input = tensor(cpu, &[r, r + 1.0, r, r + 1.0, r, r + 1.0]);
         let scattered = Tensor::zeros(cpu, &[2], DType::F32).unwrap();
-        comm.reduce_scatter(&input, &scattered, ReduceOp::Sum).unwrap();
+        comm.reduce_scatter(&input, &scattered, ReduceOp::Sum)
+            .unwrap();
         // all_gather: every rank's [r, -r], by rank.
         let gathered = Tensor::zeros(cpu, &[6], DType::F32).unwrap();
         comm.all_gather(&tensor(cpu, &[r, -r]), &gathered).unwrap();
@@ -131,7 +132,14 @@ fn a_missing_rank_times_out_instead_of_hanging() {
     let comm = Arc::new(ranks.remove(0));
     let err = comm.barrier().unwrap_err();
     assert!(
-        matches!(err, DistributedError::Timeout { rank: 0, call: 0, .. }),
+        matches!(
+            err,
+            DistributedError::Timeout {
+                rank: 0,
+                call: 0,
+                ..
+            }
+        ),
         "{err}"
     );
 }
@@ -149,6 +157,8 @@ fn bad_buffers_are_refused() {
     let err = comm.all_reduce(&ints, ReduceOp::Sum).unwrap_err();
     assert!(err.to_string().contains("float dtype"), "{err}");
     let out = Tensor::zeros(&cpu, &[4], DType::F32).unwrap();
-    let err = comm.all_gather(&square.reshape(&[6]).unwrap(), &out).unwrap_err();
+    let err = comm
+        .all_gather(&square.reshape(&[6]).unwrap(), &out)
+        .unwrap_err();
     assert!(err.to_string().contains("chunks"), "{err}");
 }

@@ -14,12 +14,22 @@ fn launch(args: &[&str]) -> std::process::Output {
 fn two_ranks_read_the_id_rank_0_published() {
     let out = launch(&["--nproc", "2", "--check"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let mut lines: Vec<&str> = stdout.lines().collect();
     lines.sort();
     assert_eq!(lines.len(), 2, "{stdout}");
-    assert!(lines[0].starts_with("rank 0 of 2 (local 0): id "), "{stdout}");
-    assert!(lines[1].starts_with("rank 1 of 2 (local 1): id "), "{stdout}");
+    assert!(
+        lines[0].starts_with("rank 0 of 2 (local 0): id "),
+        "{stdout}"
+    );
+    assert!(
+        lines[1].starts_with("rank 1 of 2 (local 1): id "),
+        "{stdout}"
+    );
     let id = |line: &str| line.rsplit(' ').next().unwrap().to_string();
     assert_eq!(id(lines[0]), id(lines[1]));
     assert_eq!(id(lines[0]).len(), 32);

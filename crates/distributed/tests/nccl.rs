@@ -65,12 +65,17 @@ fn collectives_on_two_gpus() {
     let Some((gpus, id)) = two_gpus() else { return };
     let results = on_ranks(&gpus, id, |comm, gpu| {
         let r = comm.rank() as f64;
-        let t = |values: &[f64]| Tensor::from_f64s(&gpu, values, &[values.len()], DType::F32).unwrap();
+        let t =
+            |values: &[f64]| Tensor::from_f64s(&gpu, values, &[values.len()], DType::F32).unwrap();
         let sum = t(&[r, 10.0 * r]);
         comm.all_reduce(&sum, ReduceOp::Sum).unwrap();
         let scattered = t(&[0.0, 0.0]);
-        comm.reduce_scatter(&t(&[r, r + 1.0, r + 2.0, r + 3.0]), &scattered, ReduceOp::Sum)
-            .unwrap();
+        comm.reduce_scatter(
+            &t(&[r, r + 1.0, r + 2.0, r + 3.0]),
+            &scattered,
+            ReduceOp::Sum,
+        )
+        .unwrap();
         let gathered = t(&[0.0; 4]);
         comm.all_gather(&t(&[r, -r]), &gathered).unwrap();
         let broadcast = t(&[r; 2]);
@@ -89,7 +94,8 @@ fn collectives_on_two_gpus() {
 
 fn batch(backend: &BackendRef, step: usize) -> headroom_testkit::Batch {
     let mut random = Xorshift::new(1000 + step as u64);
-    SPEC.batch(backend, DType::F32, 2 * PER_RANK, &mut random).unwrap()
+    SPEC.batch(backend, DType::F32, 2 * PER_RANK, &mut random)
+        .unwrap()
 }
 
 #[test]
@@ -117,7 +123,9 @@ fn zero2_on_two_gpus_trains_to_one_gpu_bitwise() {
         .unwrap();
         for step in 0..STEPS {
             let part = batch(&gpu, step).narrow(rank * PER_RANK, PER_RANK).unwrap();
-            let loss = model.loss(&model.forward(&part.input).unwrap(), &part).unwrap();
+            let loss = model
+                .loss(&model.forward(&part.input).unwrap(), &part)
+                .unwrap();
             in_backward.backward(&loss).unwrap();
         }
         params
@@ -137,7 +145,9 @@ fn zero2_on_two_gpus_trains_to_one_gpu_bitwise() {
         let global = batch(&gpu, step);
         for rank in 0..2 {
             let part = global.narrow(rank * PER_RANK, PER_RANK).unwrap();
-            let loss = model.loss(&model.forward(&part.input).unwrap(), &part).unwrap();
+            let loss = model
+                .loss(&model.forward(&part.input).unwrap(), &part)
+                .unwrap();
             loss.mul_scalar(0.5).unwrap().backward().unwrap();
         }
         adam.step().unwrap();
@@ -150,7 +160,10 @@ fn zero2_on_two_gpus_trains_to_one_gpu_bitwise() {
                 .iter()
                 .zip(theirs)
                 .position(|(a, b)| a.to_bits() != b.to_bits());
-            assert!(first.is_none(), "rank {rank}, parameter {index}, element {first:?}");
+            assert!(
+                first.is_none(),
+                "rank {rank}, parameter {index}, element {first:?}"
+            );
         }
     }
 }

@@ -107,7 +107,9 @@ fn reference(run: Run) -> Vec<Vec<f32>> {
             let batch = global_batch(run.spec, &cpu, run.world_size, step, micro);
             for rank in 0..run.world_size {
                 let part = batch.narrow(rank * PER_RANK, PER_RANK).unwrap();
-                let loss = model.loss(&model.forward(&part.input).unwrap(), &part).unwrap();
+                let loss = model
+                    .loss(&model.forward(&part.input).unwrap(), &part)
+                    .unwrap();
                 loss.mul_scalar(scale).unwrap().backward().unwrap();
             }
         }
@@ -166,7 +168,9 @@ fn train_rank(run: Run, comm: Arc<dyn Communicator>) -> RankResult {
             }
             let batch = global_batch(run.spec, &cpu, run.world_size, step, micro);
             let part = batch.narrow(rank * PER_RANK, PER_RANK).unwrap();
-            let mut loss = model.loss(&model.forward(&part.input).unwrap(), &part).unwrap();
+            let mut loss = model
+                .loss(&model.forward(&part.input).unwrap(), &part)
+                .unwrap();
             if run.accumulation > 1 {
                 loss = loss.mul_scalar(1.0 / run.accumulation as f64).unwrap();
             }
@@ -207,10 +211,9 @@ fn max_relative(ours: &[Vec<f32>], reference: &[Vec<f32>]) -> f64 {
         .zip(reference)
         .map(|(a, b)| {
             let scale = b.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
-            let diff = a
-                .iter()
-                .zip(b)
-                .fold(0f64, |m, (&x, &y)| m.max((f64::from(x) - f64::from(y)).abs()));
+            let diff = a.iter().zip(b).fold(0f64, |m, (&x, &y)| {
+                m.max((f64::from(x) - f64::from(y)).abs())
+            });
             diff / scale
         })
         .fold(0.0, f64::max)
@@ -289,7 +292,11 @@ fn accumulation_micro_steps_communicate_nothing() {
         };
         let (ones, twos) = (train(zero1), train(zero2));
         for result in ones.iter().chain(&twos) {
-            assert_eq!(result.micro_steps, CommStats::default(), "{world_size} ranks");
+            assert_eq!(
+                result.micro_steps,
+                CommStats::default(),
+                "{world_size} ranks"
+            );
             let padded = result.layout.padded_bytes();
             assert_eq!(result.last_step.reduce_scatter.bytes, padded);
             assert_eq!(result.last_step.all_gather.bytes, padded);
@@ -297,7 +304,10 @@ fn accumulation_micro_steps_communicate_nothing() {
         // The same sums in the same order: each rank accumulates its micro-batches, then the
         // ranks are reduced.
         for (one, two) in ones.iter().zip(&twos) {
-            assert_eq!(one.params, two.params, "ZeRO-1 and ZeRO-2, {world_size} ranks");
+            assert_eq!(
+                one.params, two.params,
+                "ZeRO-1 and ZeRO-2, {world_size} ranks"
+            );
         }
         // The single rank sums the micro-batch gradients one after another instead of per rank
         // first: a rounding apart per element per step, which Adam's normalisation carries
@@ -322,7 +332,10 @@ fn clipping_is_the_global_norm_across_ranks() {
             ..zero1
         };
         let expected = reference(zero1);
-        let unclipped = reference(Run { clip: None, ..zero1 });
+        let unclipped = reference(Run {
+            clip: None,
+            ..zero1
+        });
         // The bound is low enough to clip: clipping changes the trained parameters.
         assert!(max_relative(&unclipped, &expected) > 1e-3);
         for run in [zero1, zero2] {
@@ -425,8 +438,9 @@ fn zero2_holds_a_shard_of_the_state_and_gradients() {
                                 let values: Vec<f64> = (0..SIDE * SIDE)
                                     .map(|j| ((i + j) as f64 * 1e-3).sin() * 0.05)
                                     .collect();
-                                let w = Tensor::from_f64s(&backend, &values, &[SIDE, SIDE], DType::F32)
-                                    .unwrap();
+                                let w =
+                                    Tensor::from_f64s(&backend, &values, &[SIDE, SIDE], DType::F32)
+                                        .unwrap();
                                 w.requires_grad_(true).unwrap();
                                 w
                             })
@@ -486,7 +500,10 @@ fn zero2_holds_a_shard_of_the_state_and_gradients() {
             // Adam's two moments per shard, exactly: 1/world_size of the replicated state, and
             // no shard copies (every shard is a view of its weight).
             assert_eq!(memory.state, N_WEIGHTS as i64 * 2 * shard_bytes);
-            assert_eq!(memory.start, params + memory.state + memory.activations + block(4 * SIDE as u64 * 4));
+            assert_eq!(
+                memory.start,
+                params + memory.state + memory.activations + block(4 * SIDE as u64 * 4)
+            );
             // The target: parameters + (gradients + state) / N + activations + one bucket (the
             // input batch, 4 KiB, counted with the activations).
             let replicated_state = 2 * params;
@@ -521,7 +538,10 @@ fn misuse_is_a_typed_error() {
         },
     )
     .unwrap_err();
-    assert!(matches!(err, DistributedError::InvalidArgument { .. }), "{err}");
+    assert!(
+        matches!(err, DistributedError::InvalidArgument { .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains("element-wise"), "{err}");
     let _ = Adafactor::new(
         vec![ParamGroup::new(vec![w.clone()], AdafactorConfig::default())],
@@ -561,5 +581,8 @@ fn one_rank_is_the_plain_optimizer() {
         clip: None,
     };
     assert_bitwise(run);
-    let _: &Model = &run.spec.build(&CpuBackend::new_ref(), DType::F32, 0).unwrap();
+    let _: &Model = &run
+        .spec
+        .build(&CpuBackend::new_ref(), DType::F32, 0)
+        .unwrap();
 }

@@ -96,11 +96,7 @@ fn parse(args: &[String]) -> Result<Option<Options>, String> {
             "--nnodes" => options.nnodes = number("--nnodes", it.next())?,
             "--node-rank" => options.node_rank = number("--node-rank", it.next())?,
             "--rendezvous" => {
-                options.rendezvous = Some(
-                    it.next()
-                        .ok_or("--rendezvous needs a path")?
-                        .into(),
-                )
+                options.rendezvous = Some(it.next().ok_or("--rendezvous needs a path")?.into())
             }
             "--check" => options.check = true,
             "--" => {
@@ -164,7 +160,10 @@ fn launch(options: Options) -> Result<i32, String> {
         let me = std::env::current_exe().map_err(|err| format!("finding this program: {err}"))?;
         (me.into_os_string(), vec![RANK_CHECK.to_string()])
     } else {
-        (options.program[0].clone().into(), options.program[1..].to_vec())
+        (
+            options.program[0].clone().into(),
+            options.program[1..].to_vec(),
+        )
     };
     let world_size = options.nnodes * nproc;
     let mut children: Vec<(usize, Child)> = Vec::with_capacity(nproc);
