@@ -148,7 +148,7 @@ fn cpu_comparison(args: &Args) -> Result<()> {
         single_row(&reference);
     }
     for &stage in args.stages.iter().filter(|&&s| s != Stage::Single) {
-        let ranks = InProcessGroup::new(n)?;
+        let ranks = InProcessGroup::ranks(n)?;
         let reports: Vec<Result<Report>> = std::thread::scope(|scope| {
             let handles: Vec<_> = ranks
                 .into_iter()

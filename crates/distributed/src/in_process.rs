@@ -33,7 +33,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 /// use headroom_autograd_core::{DType, Tensor};
 /// use headroom_distributed::{Communicator, InProcessGroup, ReduceOp};
 ///
-/// let ranks = InProcessGroup::new(2)?;
+/// let ranks = InProcessGroup::ranks(2)?;
 /// let sums: Vec<Vec<f32>> = std::thread::scope(|scope| {
 ///     let handles: Vec<_> = ranks
 ///         .into_iter()
@@ -58,18 +58,18 @@ pub struct InProcessGroup;
 impl InProcessGroup {
     /// The `world_size` ranks of a new group, rank order, waiting at most [`DEFAULT_TIMEOUT`] for
     /// each other. Move each to its own thread.
-    pub fn new(world_size: usize) -> Result<Vec<InProcessComm>, DistributedError> {
-        InProcessGroup::with_timeout(world_size, DEFAULT_TIMEOUT)
+    pub fn ranks(world_size: usize) -> Result<Vec<InProcessComm>, DistributedError> {
+        InProcessGroup::ranks_with_timeout(world_size, DEFAULT_TIMEOUT)
     }
 
-    /// [`InProcessGroup::new`] with another timeout.
-    pub fn with_timeout(
+    /// [`InProcessGroup::ranks`] with another timeout.
+    pub fn ranks_with_timeout(
         world_size: usize,
         timeout: Duration,
     ) -> Result<Vec<InProcessComm>, DistributedError> {
         if world_size == 0 {
             return Err(DistributedError::InvalidArgument {
-                op: "InProcessGroup::new",
+                op: "InProcessGroup::ranks",
                 reason: "a group of 0 ranks; use 1 or more".into(),
             });
         }

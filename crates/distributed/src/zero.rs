@@ -97,7 +97,7 @@ pub struct ShardStats {
 /// use headroom_optim::kernels::SgdConfig;
 /// use headroom_optim::{Implementation, Optimizer, ParamGroup};
 ///
-/// let ranks = InProcessGroup::new(2)?;
+/// let ranks = InProcessGroup::ranks(2)?;
 /// let results: Vec<Vec<f32>> = std::thread::scope(|scope| {
 ///     let handles: Vec<_> = ranks.into_iter().map(|comm| scope.spawn(move || {
 ///         let cpu = headroom_ops_cpu::CpuBackend::new_ref();
@@ -306,7 +306,9 @@ impl Engine {
             });
             if fits {
                 bytes += size;
-                buckets.last_mut().map(|bucket| bucket.push(index));
+                if let Some(bucket) = buckets.last_mut() {
+                    bucket.push(index);
+                }
             } else {
                 bytes = size;
                 buckets.push(vec![index]);

@@ -34,7 +34,7 @@ fn tensor(backend: &BackendRef, values: &[f32]) -> Tensor {
 
 #[test]
 fn each_collective_gives_its_definition() {
-    let results = on_ranks(InProcessGroup::new(3).unwrap(), |comm, cpu| {
+    let results = on_ranks(InProcessGroup::ranks(3).unwrap(), |comm, cpu| {
         let r = comm.rank() as f32;
         // all_reduce: sum and max of [r, 10 r].
         let sum = tensor(cpu, &[r, 10.0 * r]);
@@ -84,7 +84,7 @@ fn each_collective_gives_its_definition() {
 fn reductions_sum_in_rank_order_on_every_rank() {
     // (1 + 1e8) − 1e8 is 0 in f32, 1 + (1e8 − 1e8) is 1: the order shows.
     let values = [1.0f32, 1e8, -1e8];
-    let results = on_ranks(InProcessGroup::new(3).unwrap(), |comm, cpu| {
+    let results = on_ranks(InProcessGroup::ranks(3).unwrap(), |comm, cpu| {
         let t = tensor(cpu, &[values[comm.rank()]]);
         comm.all_reduce(&t, ReduceOp::Sum).unwrap();
         t.to_vec::<f32>().unwrap()[0]
@@ -93,7 +93,7 @@ fn reductions_sum_in_rank_order_on_every_rank() {
     assert_eq!((values[0] + values[1]) + values[2], 0.0);
     assert_eq!(values[0] + (values[1] + values[2]), 1.0);
     // bf16 sums in f32 and rounds once: 256 + 1 + 1 is 258, exactly a bf16.
-    let results = on_ranks(InProcessGroup::new(3).unwrap(), |comm, cpu| {
+    let results = on_ranks(InProcessGroup::ranks(3).unwrap(), |comm, cpu| {
         let value = [256.0, 1.0, 1.0][comm.rank()];
         let t = Tensor::from_f64s(cpu, &[value], &[1], DType::BF16).unwrap();
         comm.all_reduce(&t, ReduceOp::Sum).unwrap();
@@ -104,7 +104,7 @@ fn reductions_sum_in_rank_order_on_every_rank() {
 
 #[test]
 fn ranks_that_disagree_get_a_typed_error() {
-    let results = on_ranks(InProcessGroup::new(2).unwrap(), |comm, cpu| {
+    let results = on_ranks(InProcessGroup::ranks(2).unwrap(), |comm, cpu| {
         let n = 2 + comm.rank();
         let t = Tensor::zeros(cpu, &[n], DType::F32).unwrap();
         comm.all_reduce(&t, ReduceOp::Sum).unwrap_err()
@@ -127,7 +127,7 @@ fn ranks_that_disagree_get_a_typed_error() {
 
 #[test]
 fn a_missing_rank_times_out_instead_of_hanging() {
-    let mut ranks = InProcessGroup::with_timeout(2, Duration::from_millis(200)).unwrap();
+    let mut ranks = InProcessGroup::ranks_with_timeout(2, Duration::from_millis(200)).unwrap();
     let _absent = ranks.pop();
     let comm = Arc::new(ranks.remove(0));
     let err = comm.barrier().unwrap_err();
@@ -146,7 +146,7 @@ fn a_missing_rank_times_out_instead_of_hanging() {
 
 #[test]
 fn bad_buffers_are_refused() {
-    let mut ranks = InProcessGroup::new(1).unwrap();
+    let mut ranks = InProcessGroup::ranks(1).unwrap();
     let comm = ranks.remove(0);
     let cpu = CpuBackend::new_ref();
     let square = Tensor::zeros(&cpu, &[2, 3], DType::F32).unwrap();

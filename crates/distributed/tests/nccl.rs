@@ -83,10 +83,10 @@ fn collectives_on_two_gpus() {
         comm.barrier().unwrap();
         [sum, scattered, gathered, broadcast].map(|t| t.to_vec::<f32>().unwrap())
     });
-    for [sum, _, gathered, broadcast] in results.iter().cloned() {
-        assert_eq!(sum, [1.0, 10.0]);
-        assert_eq!(gathered, [0.0, -0.0, 1.0, -1.0]);
-        assert_eq!(broadcast, [1.0, 1.0]);
+    for [sum, _, gathered, broadcast] in &results {
+        assert_eq!(*sum, [1.0, 10.0]);
+        assert_eq!(*gathered, [0.0, -0.0, 1.0, -1.0]);
+        assert_eq!(*broadcast, [1.0, 1.0]);
     }
     assert_eq!(results[0][1], [1.0, 3.0]);
     assert_eq!(results[1][1], [5.0, 7.0]);

@@ -195,7 +195,7 @@ fn train_rank(run: Run, comm: Arc<dyn Communicator>) -> RankResult {
 
 /// Every rank of `run` on its own thread.
 fn train(run: Run) -> Vec<RankResult> {
-    let ranks = InProcessGroup::new(run.world_size).unwrap();
+    let ranks = InProcessGroup::ranks(run.world_size).unwrap();
     std::thread::scope(|scope| {
         let handles: Vec<_> = ranks
             .into_iter()
@@ -425,7 +425,7 @@ fn zero2_holds_a_shard_of_the_state_and_gradients() {
     const N_WEIGHTS: usize = 4;
     const SIDE: usize = 256;
     for world_size in [2, 4] {
-        let ranks = InProcessGroup::new(world_size).unwrap();
+        let ranks = InProcessGroup::ranks(world_size).unwrap();
         let measured: Vec<StepMemory> = std::thread::scope(|scope| {
             let handles: Vec<_> = ranks
                 .into_iter()
@@ -523,7 +523,7 @@ fn zero2_holds_a_shard_of_the_state_and_gradients() {
 
 #[test]
 fn misuse_is_a_typed_error() {
-    let mut ranks = InProcessGroup::new(1).unwrap();
+    let mut ranks = InProcessGroup::ranks(1).unwrap();
     let comm: Arc<dyn Communicator> = Arc::new(ranks.remove(0));
     let cpu = CpuBackend::new_ref();
     let w = Tensor::ones(&cpu, &[4, 4], DType::F32).unwrap();

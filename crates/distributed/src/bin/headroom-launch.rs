@@ -105,7 +105,7 @@ fn parse(args: &[String]) -> Result<Option<Options>, String> {
             other => return Err(format!("unknown argument {other:?} (see --help)")),
         }
     }
-    if options.check == !options.program.is_empty() {
+    if options.check != options.program.is_empty() {
         return Err("give either --check or `-- PROGRAM [ARGS...]` (see --help)".into());
     }
     if options.nnodes == 0 || options.node_rank >= options.nnodes {
