@@ -7,8 +7,11 @@
 //! writes the model in place and nothing is copied; a shard that reaches into the padding (the
 //! last rank's, when `world_size` does not divide `n`) is a tensor of its own of `chunk`
 //! elements. Splitting per parameter, not per flat bucket, keeps every shard inside one parameter
-//! group and one dtype, and an element-wise rule (SGD, Adam, AdamW, 8-bit Adam) updates a shard
-//! exactly as it would update those elements of the whole parameter.
+//! group and one dtype, and an element-wise rule (SGD, Adam, AdamW) updates a shard exactly as it
+//! would update those elements of the whole parameter. 8-bit Adam quantizes its state in blocks
+//! of 256 elements counted from the start of each tensor: where `chunk` is a multiple of 256 its
+//! blocks on a shard are the whole parameter's (bitwise the same training; a test holds it),
+//! elsewhere the blocks straddle differently (the same algorithm on other block boundaries).
 //!
 //! A bucket of parameters `p₁ … p_k` travels as one buffer of `world_size` rows of
 //! `C = Σ chunkᵢ` elements, row `r` holding row `r` of each parameter in bucket order: a
