@@ -1,7 +1,8 @@
-//! The NCCL communicator on two GPUs of one host (features `nccl` and `cuda`; skipped without two
-//! GPUs or libnccl, failing instead under `HEADROOM_REQUIRE_GPU=1`): each collective's values,
-//! and ZeRO-2 on two ranks against one GPU training on the same global batch, bitwise (a sum of
-//! two values is the same in any order, and `1/2` is exact, as on the CPU).
+//! The NCCL communicator on the GPUs of one host, one rank per GPU — two when there are two, else
+//! one (features `nccl` and `cuda`; skipped without a GPU or libnccl, failing instead under
+//! `HEADROOM_REQUIRE_GPU=1`): each collective's values, and ZeRO-2 against one GPU training on
+//! the same global batch, bitwise (a sum of two values is the same in any order, and `1/2` is
+//! exact, as on the CPU).
 #![cfg(all(feature = "nccl", feature = "cuda"))]
 
 use std::sync::Arc;
@@ -32,26 +33,28 @@ fn adam() -> AdamConfig {
     }
 }
 
-/// Two GPUs and a group id, or `None` (skipped).
-fn two_gpus() -> Option<([Arc<CudaBackend>; 2], UniqueId)> {
-    let first = cuda_or_skip(CudaBackend::new(0))?;
-    let second = cuda_or_skip(CudaBackend::new(1))?;
+/// The first two GPUs (or the one there is) and a group id, or `None` (skipped).
+fn gpus() -> Option<(Vec<Arc<CudaBackend>>, UniqueId)> {
+    let mut gpus = vec![cuda_or_skip(CudaBackend::new(0))?];
+    // A second GPU makes the group two ranks; without one, the group is one rank.
+    gpus.extend(CudaBackend::new(1).ok());
     let id = cuda_or_skip(nccl_unique_id())?;
-    Some(([first, second], id))
+    Some((gpus, id))
 }
 
-/// `f` on both ranks, each on its own thread with its GPU and communicator.
+/// `f` on every rank, each on its own thread with its GPU and communicator.
 fn on_ranks<T: Send>(
-    gpus: &[Arc<CudaBackend>; 2],
+    gpus: &[Arc<CudaBackend>],
     id: UniqueId,
     f: impl Fn(Arc<dyn Communicator>, BackendRef) -> T + Sync,
 ) -> Vec<T> {
+    let n = gpus.len();
     std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..2)
+        let handles: Vec<_> = (0..n)
             .map(|rank| {
                 let (f, backend) = (&f, gpus[rank].clone());
                 scope.spawn(move || {
-                    let comm = NcclComm::new(rank, rank, 2, &id).unwrap();
+                    let comm = NcclComm::new(rank, rank, n, &id).unwrap();
                     f(Arc::new(comm), backend)
                 })
             })
@@ -61,8 +64,9 @@ fn on_ranks<T: Send>(
 }
 
 #[test]
-fn collectives_on_two_gpus() {
-    let Some((gpus, id)) = two_gpus() else { return };
+fn collectives_on_the_gpus() {
+    let Some((gpus, id)) = gpus() else { return };
+    let n = gpus.len();
     let results = on_ranks(&gpus, id, |comm, gpu| {
         let r = comm.rank() as f64;
         let t =
@@ -71,25 +75,31 @@ fn collectives_on_two_gpus() {
         comm.all_reduce(&sum, ReduceOp::Sum).unwrap();
         let scattered = t(&[0.0, 0.0]);
         comm.reduce_scatter(
-            &t(&[r, r + 1.0, r + 2.0, r + 3.0]),
+            &t(&[r, r + 1.0, r + 2.0, r + 3.0][..2 * n]),
             &scattered,
             ReduceOp::Sum,
         )
         .unwrap();
-        let gathered = t(&[0.0; 4]);
+        let gathered = t(&vec![0.0; 2 * n]);
         comm.all_gather(&t(&[r, -r]), &gathered).unwrap();
         let broadcast = t(&[r; 2]);
-        comm.broadcast(&broadcast, 1).unwrap();
+        comm.broadcast(&broadcast, n - 1).unwrap();
         comm.barrier().unwrap();
         [sum, scattered, gathered, broadcast].map(|t| t.to_vec::<f32>().unwrap())
     });
-    for [sum, _, gathered, broadcast] in &results {
-        assert_eq!(*sum, [1.0, 10.0]);
-        assert_eq!(*gathered, [0.0, -0.0, 1.0, -1.0]);
-        assert_eq!(*broadcast, [1.0, 1.0]);
+    // Rank r contributes [r, 10 r], [r, r + 1, r + 2, r + 3] (two chunks), [r, -r], [r, r].
+    let top = (n - 1) as f32;
+    let (sum, chunks): (Vec<f32>, [[f32; 2]; 2]) = match n {
+        1 => (vec![0.0, 0.0], [[0.0, 1.0], [0.0, 0.0]]),
+        _ => (vec![1.0, 10.0], [[1.0, 3.0], [5.0, 7.0]]),
+    };
+    let gathered: Vec<f32> = (0..n).flat_map(|r| [r as f32, -(r as f32)]).collect();
+    for (rank, [got_sum, scattered, got_gathered, broadcast]) in results.iter().enumerate() {
+        assert_eq!(*got_sum, sum);
+        assert_eq!(*scattered, chunks[rank]);
+        assert_eq!(*got_gathered, gathered);
+        assert_eq!(*broadcast, [top, top]);
     }
-    assert_eq!(results[0][1], [1.0, 3.0]);
-    assert_eq!(results[1][1], [5.0, 7.0]);
 }
 
 fn batch(backend: &BackendRef, step: usize) -> headroom_testkit::Batch {
@@ -99,8 +109,9 @@ fn batch(backend: &BackendRef, step: usize) -> headroom_testkit::Batch {
 }
 
 #[test]
-fn zero2_on_two_gpus_trains_to_one_gpu_bitwise() {
-    let Some((gpus, id)) = two_gpus() else { return };
+fn zero2_on_the_gpus_trains_to_one_gpu_bitwise() {
+    let Some((gpus, id)) = gpus() else { return };
+    let n = gpus.len();
     let ranks = on_ranks(&gpus, id, |comm, gpu| {
         let model = SPEC.build(&gpu, DType::F32, 7).unwrap();
         let params = model.module().parameters();
@@ -143,12 +154,15 @@ fn zero2_on_two_gpus_trains_to_one_gpu_bitwise() {
     .unwrap();
     for step in 0..STEPS {
         let global = batch(&gpu, step);
-        for rank in 0..2 {
+        for rank in 0..n {
             let part = global.narrow(rank * PER_RANK, PER_RANK).unwrap();
-            let loss = model
+            let mut loss = model
                 .loss(&model.forward(&part.input).unwrap(), &part)
                 .unwrap();
-            loss.mul_scalar(0.5).unwrap().backward().unwrap();
+            if n > 1 {
+                loss = loss.mul_scalar(0.5).unwrap();
+            }
+            loss.backward().unwrap();
         }
         adam.step().unwrap();
         adam.zero_grad(true).unwrap();
