@@ -5,6 +5,7 @@
 
 mod bench_memory;
 mod build_kernels;
+mod find_max_batch;
 mod replay_trace;
 mod tidy;
 
@@ -30,6 +31,7 @@ fn main() -> Result<()> {
     match command.as_str() {
         "bench-memory" => bench_memory::run(&rest),
         "replay-trace" => replay_trace::run(&rest),
+        "find-max-batch" => find_max_batch::run(&rest),
         "build-kernels" => build_kernels::run(&rest),
         "tidy" => tidy::run(),
         "help" | "--help" | "-h" => {
@@ -42,8 +44,9 @@ fn main() -> Result<()> {
 
 fn usage() -> String {
     format!(
-        "{USAGE_HEAD}{}{}{USAGE}",
+        "{USAGE_HEAD}{}{}{}{USAGE}",
         bench_memory::USAGE,
+        find_max_batch::USAGE,
         replay_trace::USAGE
     )
 }

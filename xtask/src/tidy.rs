@@ -32,6 +32,7 @@ const LAYERS: &[&[&str]] = &[
         "headroom-ops-cuda",
         "headroom-nn",
         "headroom-optim",
+        "headroom-torch-allocator",
     ],
     // testkit sits with the techniques: it may use everything below, and no technique, so every
     // technique crate can test itself with it.
@@ -43,7 +44,7 @@ const LAYERS: &[&[&str]] = &[
     ],
     // Data parallelism drives hooks' in-backward buckets.
     &["headroom-distributed"],
-    &["headroom", "xtask"],
+    &["headroom", "headroom-python", "xtask"],
 ];
 
 /// The dependencies allowed within one layer, each with its reason.

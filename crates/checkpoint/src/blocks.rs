@@ -24,6 +24,8 @@ pub enum BlockSelection {
     Every(usize),
     /// The listed blocks.
     Indices(Vec<usize>),
+    /// Blocks `0..n`.
+    First(usize),
 }
 
 impl BlockSelection {
@@ -33,6 +35,7 @@ impl BlockSelection {
             BlockSelection::All => true,
             BlockSelection::Every(k) => *k > 0 && index % k == 0,
             BlockSelection::Indices(indices) => indices.contains(&index),
+            BlockSelection::First(n) => index < *n,
         }
     }
 }
@@ -66,6 +69,18 @@ impl CheckpointBlocks {
     pub fn all() -> CheckpointBlocks {
         CheckpointBlocks {
             selection: BlockSelection::All,
+            options: CheckpointOptions::default(),
+        }
+    }
+
+    /// Every block of a model of `num_blocks` but the last, with the default options. The last
+    /// block's backward comes right after its forward, so recomputing it would free nothing: its
+    /// saved tensors live across the head alone either way, and the block inputs kept for the
+    /// others make up the same peak. It saves one block's recomputation for the same memory
+    /// (PyTorch's `checkpoint_sequential` leaves its last segment alone for the same reason).
+    pub fn all_but_last(num_blocks: usize) -> CheckpointBlocks {
+        CheckpointBlocks {
+            selection: BlockSelection::First(num_blocks.saturating_sub(1)),
             options: CheckpointOptions::default(),
         }
     }

@@ -477,3 +477,83 @@ fn a_policy_keeps_what_it_says_and_recomputes_the_rest() {
         grad[0]
     );
 }
+
+/// Counts the calls of every block it runs, then hands the block to `inner`.
+#[derive(Debug)]
+struct CountingRunner {
+    inner: CheckpointBlocks,
+    calls: Arc<AtomicUsize>,
+}
+
+impl headroom_nn::BlockRunner for CountingRunner {
+    fn run(
+        &self,
+        index: usize,
+        block: headroom_nn::BlockForward,
+        input: &Tensor,
+    ) -> headroom_nn::Result<Tensor> {
+        let calls = Arc::clone(&self.calls);
+        let counted: headroom_nn::BlockForward = Arc::new(move |x| {
+            calls.fetch_add(1, Ordering::Relaxed);
+            block(x)
+        });
+        self.inner.run(index, counted, input)
+    }
+}
+
+#[test]
+fn leaving_the_last_block_alone_saves_its_recompute_for_the_same_peak() {
+    let config = VitConfig::mini();
+    let blocks = config.num_layers;
+    let mut results = Vec::new();
+    for runner in [
+        CheckpointBlocks::all(),
+        CheckpointBlocks::all_but_last(blocks),
+    ] {
+        let cpu = Arc::new(CpuBackend::default());
+        let backend: BackendRef = cpu.clone();
+        let mut vit = headroom_nn::VisionTransformer::new(
+            &backend,
+            config.clone(),
+            DType::F32,
+            &Arc::new(Generator::new(0)),
+        )
+        .unwrap();
+        let calls = Arc::new(AtomicUsize::new(0));
+        vit.encoder.block_runner = Some(Arc::new(CountingRunner {
+            inner: runner,
+            calls: Arc::clone(&calls),
+        }));
+        let images = Tensor::full(&backend, &[4, 3, 64, 64], 0.25, DType::F32).unwrap();
+        cpu.allocator().reset_peak_stats();
+        vit.forward(&images)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let peak = backend.memory_stats().allocated_bytes.all.peak;
+        let grads: Vec<Vec<f32>> = headroom_nn::Module::parameters(&vit)
+            .iter()
+            .map(|p| p.grad().unwrap().to_vec::<f32>().unwrap())
+            .collect();
+        results.push((calls.load(Ordering::Relaxed), peak, grads));
+    }
+    let (all_calls, all_peak, all_grads) = &results[0];
+    let (but_last_calls, but_last_peak, but_last_grads) = &results[1];
+    assert_eq!(
+        *all_calls,
+        2 * blocks,
+        "a forward and a recompute per block"
+    );
+    assert_eq!(
+        *but_last_calls,
+        2 * blocks - 1,
+        "the last block is not recomputed"
+    );
+    assert!(
+        but_last_peak <= all_peak,
+        "peak {but_last_peak} B leaving the last block alone, {all_peak} B checkpointing it"
+    );
+    assert_eq!(but_last_grads, all_grads);
+}

@@ -12,8 +12,8 @@ use headroom_nn::{NnError, VisionTransformer, VitConfig};
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCase};
 
-mod support;
-use support::RunBlocks;
+mod block_runner;
+use block_runner::WithRunner;
 
 fn allocated(backend: &BackendRef) -> i64 {
     backend.memory_stats().allocated_bytes.all.current
@@ -92,7 +92,7 @@ fn blocks_not_selected_train_exactly_as_without_offload() {
         seed: 5,
     };
     let blocks = OffloadBlocks::new(BlockSelection::Indices(vec![]));
-    let report = check_technique(&cpu, &case, &mut RunBlocks(Arc::new(blocks.clone()))).unwrap();
+    let report = check_technique(&cpu, &case, &mut WithRunner(Arc::new(blocks.clone()))).unwrap();
     assert_eq!(report.max_ulps, 0);
     assert_eq!(report.baseline_losses, report.technique_losses);
     let stats = blocks.options.pool.stats();

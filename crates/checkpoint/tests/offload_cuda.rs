@@ -19,8 +19,8 @@ use headroom_testkit::gpu::{cuda_or_skip, exclusive_device, SPIN_NS_PTX};
 use headroom_testkit::inputs::uniform_f32;
 use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCase};
 
-mod support;
-use support::RunBlocks;
+mod block_runner;
+use block_runner::WithRunner;
 
 /// Queues testkit's `spin_ns` for `duration` on the compute stream.
 fn spin(cuda: &CudaBackend, duration: Duration) {
@@ -73,6 +73,7 @@ fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
                 why: "offload moves bytes and gives them back unchanged, and the ViT's CUDA \
                       kernels are deterministic",
             },
+            OptimSpec::adamw(1e-3, 1e-2),
         ),
         (
             "gpt2-tiny with dropout on CUDA",
@@ -81,14 +82,17 @@ fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
                 seq: 16,
             },
             Tolerance::Relative {
-                max: 1e-6,
+                max: 1e-5,
                 why: "the token embedding's gradient is a scatter-add with atomics on CUDA, so \
-                      its additions come in another order from run to run, and a last-bit \
-                      difference in one step spreads to the other parameters in the next (on the \
-                      H200, after 4 steps: one ulp of wte in one run; 10 parameters up to 4.4e-8 \
-                      relative in another); offload itself moves bytes unchanged (the ViT, \
-                      without atomics, is bitwise)",
+                      its additions come in another order from run to run (on the H200, after 4 \
+                      steps: one ulp of wte in one run; 10 parameters up to 4.4e-8 relative in \
+                      another). SGD keeps such a difference proportional; Adam's normalisation \
+                      turns it into a whole step wherever a gradient is near zero (seen: 1.1e-4 \
+                      relative on an attention bias after 4 AdamW steps), so GPT-2 trains with \
+                      SGD here. Offload itself moves bytes unchanged (the ViT, without atomics, \
+                      is bitwise with AdamW)",
             },
+            OptimSpec::sgd_momentum(1e-2, 0.9),
         ),
     ];
     // Copies back from the host (given back at each block's end, no prefetch or one block
@@ -100,7 +104,7 @@ fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
         (BlockSelection::All, every_save(2, 64)),
         (BlockSelection::Every(2), every_save(1, 1)),
     ];
-    for (name, model, tolerance) in models {
+    for (name, model, tolerance, optimizer) in models {
         for (selection, options) in &settings {
             let case = TrainCase {
                 name,
@@ -108,7 +112,7 @@ fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
                 dtype: DType::F32,
                 batch: 4,
                 steps: 4,
-                optimizer: OptimSpec::adamw(1e-3, 1e-2),
+                optimizer: optimizer.clone(),
                 tolerance,
                 seed: 3,
             };
@@ -116,7 +120,7 @@ fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
                 selection: selection.clone(),
                 options: options.clone(),
             };
-            let report = check_technique(&cuda, &case, &mut RunBlocks(Arc::new(blocks)))
+            let report = check_technique(&cuda, &case, &mut WithRunner(Arc::new(blocks)))
                 .unwrap_or_else(|err| panic!("{name} {selection:?}: {err}"));
             if matches!(model, ModelSpec::Vit(_)) {
                 assert_eq!(report.max_ulps, 0, "{name} {selection:?}");

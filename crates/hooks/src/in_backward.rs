@@ -1,9 +1,10 @@
 //! [`InBackward`]: any optim optimizer, stepped from post-accumulate-grad hooks during backward.
 //!
 //! Each parameter gets a post-accumulate-grad hook. When its gradient is final, the hook adds
-//! the parameter to the pending bucket; a bucket is stepped as soon as it holds
-//! [`InBackwardConfig::bucket_bytes`] of gradients, with one `step_with(Only(bucket))` call (one
-//! multi-tensor launch per group and dtype on CUDA), and its gradients are freed right after. So
+//! the parameter to the pending bucket; a bucket is stepped as soon as the next gradient would
+//! take it past [`InBackwardConfig::bucket_bytes`] (the next one expected from the order the
+//! hooks fired in the last pass), with one `step_with(Only(bucket))` call (one multi-tensor launch
+//! per group and dtype on CUDA), and its gradients are freed right after. So
 //! buckets form in the order gradients become final — reverse execution order — and gradients
 //! never pile up: the peak is parameters + optimizer state + the activations live when backward
 //! starts, plus one bucket. A backward-end callback steps the last bucket.
@@ -53,7 +54,8 @@ pub const DEFAULT_BUCKET_BYTES: u64 = 25 << 20;
 /// How an [`InBackward`] steps.
 #[derive(Debug, Clone, PartialEq)]
 pub struct InBackwardConfig {
-    /// Gradient bytes collected before a bucket is stepped (0: every parameter alone).
+    /// The most gradient bytes a bucket holds: it is stepped before the next gradient would take
+    /// it past this (0: every parameter alone; a gradient larger than this is a bucket alone).
     pub bucket_bytes: u64,
     /// Micro-batches per optimizer step (1: step in every backward).
     pub accumulation: usize,
@@ -137,6 +139,11 @@ struct State {
     queued_pass: Option<u64>,
     /// Parameters whose hook fired in this pass.
     fired: Vec<bool>,
+    /// The order the hooks fired in, in this pass so far.
+    firing: Vec<usize>,
+    /// The parameter expected after each one, from the last complete pass's firing order (before
+    /// the first: reverse registration order, how a model's parameters usually come back).
+    expected_next: Vec<Option<usize>>,
     pending: Vec<usize>,
     pending_bytes: u64,
     /// The norms of the gradients measured in this step, by parameter index.
@@ -224,6 +231,8 @@ impl InBackward {
             micro_batch: 0,
             queued_pass: None,
             fired: vec![false; n],
+            firing: Vec::with_capacity(n),
+            expected_next: (0..n).map(|index| index.checked_sub(1)).collect(),
             pending: Vec::new(),
             pending_bytes: 0,
             norm_parts: Vec::new(),
@@ -373,6 +382,7 @@ fn gradient_final(shared: &Arc<Mutex<State>>, index: usize) -> Result<(), HooksE
         state.pending_bytes = 0;
         state.norm_parts.clear();
         state.fired.iter_mut().for_each(|fired| *fired = false);
+        state.firing.clear();
         state.queued_pass = pass;
         let shared = Arc::clone(shared);
         queue_backward_end_callback(move || {
@@ -383,15 +393,19 @@ fn gradient_final(shared: &Arc<Mutex<State>>, index: usize) -> Result<(), HooksE
         })?;
     }
     state.fired[index] = true;
+    state.firing.push(index);
     match state.pass()? {
         Pass::Accumulate | Pass::Deferred => Ok(()),
         Pass::Measure => state.measure(index),
         Pass::Update => {
-            let bytes = state.params[index].numel() as u64
-                * state.params[index].dtype().size_in_bytes() as u64;
+            let bytes = state.param_bytes(index);
             state.pending.push(index);
             state.pending_bytes += bytes;
-            if state.pending_bytes >= state.config.bucket_bytes {
+            // Step before the next gradient would take the bucket past its size, so that no more
+            // than `bucket_bytes` of gradients wait at once (a bucket that overshoots holds one
+            // more gradient, up to a whole weight matrix, at the moment memory is tightest).
+            let next_bytes = state.expected_next[index].map_or(0, |next| state.param_bytes(next));
+            if state.pending_bytes + next_bytes > state.config.bucket_bytes {
                 state.step_pending()?;
             }
             Ok(())
@@ -413,11 +427,28 @@ fn pass_finished(shared: &Arc<Mutex<State>>) -> Result<(), HooksError> {
         Pass::Measure => Ok(()),
         Pass::Update | Pass::Deferred => state.finish_step(pass),
     };
+    state.learn_firing_order();
     state.fired.iter_mut().for_each(|fired| *fired = false);
     res
 }
 
 impl State {
+    fn param_bytes(&self, index: usize) -> u64 {
+        self.params[index].numel() as u64 * self.params[index].dtype().size_in_bytes() as u64
+    }
+
+    /// After a complete pass, the order its hooks fired in predicts the next pass's.
+    fn learn_firing_order(&mut self) {
+        if self.firing.is_empty() {
+            return;
+        }
+        self.expected_next.iter_mut().for_each(|next| *next = None);
+        for pair in self.firing.windows(2) {
+            self.expected_next[pair[0]] = Some(pair[1]);
+        }
+        self.firing.clear();
+    }
+
     /// What this pass does: as `backward` armed it, else (a plain `loss.backward()`) accumulate
     /// or update, or refuse when the configuration needs two passes.
     fn pass(&self) -> Result<Pass, HooksError> {

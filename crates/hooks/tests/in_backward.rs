@@ -280,6 +280,33 @@ fn gradients_never_pile_up() {
     );
     assert!(weights.iter().all(|w| w.grad().is_none()));
     assert_eq!(in_backward.stats().buckets, 4);
+    drop(in_backward);
+    // A bucket is stepped before the next gradient would take it past its size: with room for
+    // one and a half gradients, never two at once (the pass before teaches the firing order);
+    // with room for exactly two, buckets of two.
+    for (bucket_bytes, buckets_per_pass) in [(grad_bytes * 3 / 2, 4), (2 * grad_bytes, 2)] {
+        let in_backward = InBackward::new(
+            Box::new(sgd(weights.clone(), 1e-3)),
+            InBackwardConfig {
+                bucket_bytes: bucket_bytes as u64,
+                ..InBackwardConfig::default()
+            },
+        )
+        .unwrap();
+        for pass in 1..=2u64 {
+            let loss = forward(&weights);
+            let base = allocated(&backend);
+            cpu.allocator().reset_peak_stats();
+            in_backward.backward(&loss).unwrap();
+            let ours = peak(&cpu) - base;
+            let held = if buckets_per_pass == 4 { 1 } else { 2 };
+            assert!(
+                ours < (held + 1) * grad_bytes,
+                "bucket {bucket_bytes} B, pass {pass}: peak {ours} B above the forward's"
+            );
+            assert_eq!(in_backward.stats().buckets, buckets_per_pass * pass);
+        }
+    }
 }
 
 #[test]

@@ -73,6 +73,50 @@ impl Gpt2Config {
             resid_pdrop: 0.1,
         }
     }
+
+    /// GPT-2 medium (355M parameters): Hugging Face's `gpt2-medium` config (width 1024, 24
+    /// layers, 16 heads).
+    pub fn gpt2_medium() -> Gpt2Config {
+        Gpt2Config {
+            n_embd: 1024,
+            n_layer: 24,
+            n_head: 16,
+            ..Gpt2Config::gpt2()
+        }
+    }
+
+    /// GPT-2 large (774M parameters): Hugging Face's `gpt2-large` config (width 1280, 36
+    /// layers, 20 heads).
+    pub fn gpt2_large() -> Gpt2Config {
+        Gpt2Config {
+            n_embd: 1280,
+            n_layer: 36,
+            n_head: 20,
+            ..Gpt2Config::gpt2()
+        }
+    }
+
+    /// The config of a Hugging Face model name: `gpt2`, `gpt2-medium` or `gpt2-large`.
+    pub fn named(name: &str) -> Option<Gpt2Config> {
+        match name {
+            "gpt2" => Some(Gpt2Config::gpt2()),
+            "gpt2-medium" => Some(Gpt2Config::gpt2_medium()),
+            "gpt2-large" => Some(Gpt2Config::gpt2_large()),
+            _ => None,
+        }
+    }
+
+    /// The same model with every dropout probability 0 (Hugging Face's `attn_pdrop=0,
+    /// resid_pdrop=0, embd_pdrop=0`): the forward is deterministic and attention takes the
+    /// fused path in training mode.
+    pub fn without_dropout(self) -> Gpt2Config {
+        Gpt2Config {
+            embd_pdrop: 0.0,
+            attn_pdrop: 0.0,
+            resid_pdrop: 0.0,
+            ..self
+        }
+    }
 }
 
 /// GPT-2's `Conv1D`: `y = x W + b` with `weight` stored `[in, out]`.

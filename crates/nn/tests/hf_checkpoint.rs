@@ -88,3 +88,39 @@ fn a_checkpoint_missing_a_parameter_names_it() {
         "{err}"
     );
 }
+
+/// Parameters of a GPT-2 config, `lm_head` tied: embeddings, per block two layer norms, the
+/// q/k/v and output projections and the two MLP layers, and the final layer norm.
+fn gpt2_parameters(config: Gpt2Config) -> usize {
+    let (d, layers) = (config.n_embd, config.n_layer);
+    (config.vocab_size + config.n_positions) * d + layers * (12 * d * d + 13 * d) + 2 * d
+}
+
+#[test]
+fn the_named_gpt2_configs_have_hugging_faces_parameter_counts() {
+    // `sum(p.numel() for p in GPT2LMHeadModel(AutoConfig.from_pretrained(name)).parameters())`.
+    for (name, parameters) in [
+        ("gpt2", 124_439_808),
+        ("gpt2-medium", 354_823_168),
+        ("gpt2-large", 774_030_080),
+    ] {
+        let config = Gpt2Config::named(name).unwrap();
+        assert_eq!(gpt2_parameters(config), parameters, "{name}");
+    }
+    assert_eq!(Gpt2Config::named("gpt2-xl"), None);
+    // The formula is the model's: the golden tiny model counts the same.
+    let tiny = Gpt2LMHeadModel::new(
+        &CpuBackend::new_ref(),
+        Gpt2Config::tiny(),
+        DType::F32,
+        &Arc::new(Generator::new(0)),
+    )
+    .unwrap();
+    let counted: usize = tiny.parameters().iter().map(|p| p.numel()).sum();
+    assert_eq!(counted, gpt2_parameters(Gpt2Config::tiny()));
+    let quiet = Gpt2Config::gpt2().without_dropout();
+    assert_eq!(
+        (quiet.embd_pdrop, quiet.attn_pdrop, quiet.resid_pdrop),
+        (0.0, 0.0, 0.0)
+    );
+}

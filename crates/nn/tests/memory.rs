@@ -119,3 +119,52 @@ fn linear_forward_loss_and_backward_allocate_what_pytorch_allocates_without_cubl
         "backward produced the weight's gradient"
     );
 }
+
+/// The patch embedding of an image that needs no gradient keeps the image, not a patch copy of
+/// it: between forward and backward it holds only its output, and its gradients equal those of
+/// the same embedding over an image that needs one (whose patch copy must be kept).
+#[test]
+fn the_patch_embedding_keeps_the_image_not_a_patch_copy() {
+    let cpu = CpuBackend::new_ref();
+    let values: Vec<f64> = (0..2 * 3 * 32 * 32)
+        .map(|i| ((i * 7919) % 1000) as f64 / 500.0 - 1.0)
+        .collect();
+    let embedding = |image_needs_grad: bool| {
+        let weight = Tensor::from_f64s(
+            &cpu,
+            &(0..64 * 3 * 8 * 8)
+                .map(|i| ((i * 104729) % 997) as f64 / 4985.0 - 0.1)
+                .collect::<Vec<_>>(),
+            &[64, 3, 8, 8],
+            DType::F32,
+        )
+        .unwrap();
+        let bias = Tensor::zeros(&cpu, &[64], DType::F32).unwrap();
+        weight.requires_grad_(true).unwrap();
+        bias.requires_grad_(true).unwrap();
+        let image = Tensor::from_f64s(&cpu, &values, &[2, 3, 32, 32], DType::F32).unwrap();
+        image.requires_grad_(image_needs_grad).unwrap();
+        let before = allocated(&cpu);
+        let out = headroom_nn::PatchEmbedding {
+            weight: weight.clone(),
+            bias: bias.clone(),
+        }
+        .forward(&image)
+        .unwrap();
+        let held = allocated(&cpu) - before;
+        out.mul(&out)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let grads = [&weight, &bias].map(|t| t.grad().unwrap().to_vec::<f32>().unwrap());
+        (held, grads)
+    };
+    let (held_copy, grads_copy) = embedding(true);
+    let (held_image, grads_image) = embedding(false);
+    // Output [2, 64, 4, 4] f32 = 4 KiB; the patch copy [32, 192] f32 = 24 KiB.
+    assert_eq!(held_image, 2 * 64 * 4 * 4 * 4);
+    assert_eq!(held_copy, held_image + 32 * 192 * 4);
+    assert_eq!(grads_image, grads_copy);
+}

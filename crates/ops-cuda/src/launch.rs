@@ -39,6 +39,23 @@ pub(crate) fn launch_config(numel: u64) -> LaunchConfig {
     }
 }
 
+/// A grid of `x × y × z` blocks, checked against CUDA's limits (2³¹ − 1 blocks along x, 65 535
+/// along y and z): a launch beyond them is a typed error naming `op`, never a truncated grid.
+pub(crate) fn checked_grid(op: &'static str, x: u64, y: u64, z: u64) -> Result<(u32, u32, u32)> {
+    const MAX_X: u64 = (1 << 31) - 1;
+    const MAX_YZ: u64 = 65_535;
+    if x > MAX_X || y > MAX_YZ || z > MAX_YZ {
+        return Err(TensorError::InvalidArgument {
+            op,
+            reason: format!(
+                "a launch of {x} × {y} × {z} blocks is beyond CUDA's grid limits \
+                 (2^31 − 1 × 65 535 × 65 535); split the tensor into smaller pieces"
+            ),
+        });
+    }
+    Ok((x as u32, y as u32, z as u32))
+}
+
 /// A scalar kernel parameter (device addresses are `U64`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Param {

@@ -208,3 +208,161 @@ fn gpu_8bit_adam_equals_the_cpu_bit_for_bit() {
         }
     }
 }
+
+/// The framework path (`step_buffers`): gradients in a new buffer every step, as torch's are
+/// after `zero_grad(set_to_none=True)`, and a small tensor stepped by bitsandbytes' 32-bit
+/// kernel beside an 8-bit one — each bit for bit against the CPU.
+#[test]
+fn gpu_step_buffers_follow_moving_gradients_bit_for_bit() {
+    use headroom_optim::bnb_maps;
+    use headroom_optim::cuda::{CudaAdam8bit, DeviceAdam8bitParam};
+    use headroom_optim::kernels::{
+        adam8bit_blockwise, adam_bnb_32bit, n_blocks, Adam8bitBuffers, Adam8bitConfig,
+    };
+
+    let Some(backend) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
+    let down = |address: u64, len: usize| {
+        let mut got = vec![0u8; len];
+        // SAFETY: the callers pass live allocations of at least `len` bytes.
+        unsafe { backend.download(address, &mut got) }.unwrap();
+        got
+    };
+
+    // Fused AdamW, 5000 elements, a fresh gradient buffer per step.
+    let cfg = AdamConfig {
+        weight_decay: 0.01,
+        ..AdamConfig::adamw()
+    };
+    let n = 5000;
+    let (mut p, mut m, mut v) = (random(3, n, 2.0), vec![0.0f32; n], vec![0.0f32; n]);
+    let state: Vec<_> = [&p, &m, &v]
+        .iter()
+        .map(|values| backend.upload(&bytes(values)).unwrap())
+        .collect();
+    // SAFETY: no buffers yet; each step names its own.
+    let mut adam = unsafe { CudaFusedAdam::new(backend.clone(), &[]) }.unwrap();
+    for step in 1..=3u64 {
+        let g = random(step * 11, n, 1.0);
+        let grad = backend.upload(&bytes(&g)).unwrap();
+        let param = DeviceAdamParam {
+            param: state[0].address(),
+            grad: grad.address(),
+            exp_avg: state[1].address(),
+            exp_avg_sq: state[2].address(),
+            max_exp_avg_sq: None,
+            len: n,
+        };
+        // SAFETY: live f32 buffers of `n` elements, kept until the download below waits.
+        unsafe { adam.step_buffers(&cfg, step, &[param], (None, None)) }.unwrap();
+        let bufs = AdamBuffers {
+            param: &mut p,
+            grad: &g,
+            exp_avg: &mut m,
+            exp_avg_sq: &mut v,
+            max_exp_avg_sq: None,
+        };
+        adam_fused(&cfg, step, bufs, GradScaling::default()).unwrap();
+        assert_eq!(down(state[0].address(), n * 4), bytes(&p), "step {step}");
+        backend.allocator().free(grad).unwrap();
+    }
+    drop(adam);
+
+    // 8-bit Adam over one 8-bit tensor (5000) and one 32-bit tensor (1000).
+    let cfg = Adam8bitConfig::adam();
+    let (qmap1, qmap2) = bnb_maps();
+    let (big, small) = (5000usize, 1000usize);
+    let (mut pb, mut c1, mut c2) = (random(5, big, 2.0), vec![0u8; big], vec![0u8; big]);
+    let (mut a1, mut a2) = (vec![0.0f32; n_blocks(big)], vec![0.0f32; n_blocks(big)]);
+    let (mut ps, mut s1, mut s2) = (
+        random(6, small, 2.0),
+        vec![0.0f32; small],
+        vec![0.0f32; small],
+    );
+    let up = |data: Vec<u8>| backend.upload(&data).unwrap();
+    let buffers = [
+        up(bytes(&pb)),
+        up(c1.clone()),
+        up(c2.clone()),
+        up(bytes(&a1)),
+        up(bytes(&a2)),
+        up(bytes(&ps)),
+        up(bytes(&s1)),
+        up(bytes(&s2)),
+    ];
+    // SAFETY: no buffers yet; each step names its own.
+    let mut adam = unsafe { CudaAdam8bit::new(backend.clone(), &[]) }.unwrap();
+    for step in 1..=3u64 {
+        let (gb, gs) = (random(step * 13, big, 0.1), random(step * 17, small, 0.1));
+        let (grad_b, grad_s) = (up(bytes(&gb)), up(bytes(&gs)));
+        let params = [
+            DeviceAdam8bitParam {
+                param: buffers[0].address(),
+                grad: grad_b.address(),
+                state1: buffers[1].address(),
+                state2: buffers[2].address(),
+                absmax1: buffers[3].address(),
+                absmax2: buffers[4].address(),
+                len: big,
+            },
+            DeviceAdam8bitParam {
+                param: buffers[5].address(),
+                grad: grad_s.address(),
+                state1: buffers[6].address(),
+                state2: buffers[7].address(),
+                absmax1: 0,
+                absmax2: 0,
+                len: small,
+            },
+        ];
+        // SAFETY: live buffers of the documented sizes (f32 states for the small tensor), kept
+        // until the downloads below wait for the launches.
+        unsafe { adam.step_buffers(&cfg, step, &params, (None, None)) }.unwrap();
+        let bufs = Adam8bitBuffers {
+            param: &mut pb,
+            grad: &gb,
+            state1: &mut c1,
+            state2: &mut c2,
+            absmax1: &mut a1,
+            absmax2: &mut a2,
+        };
+        adam8bit_blockwise(&cfg, step, qmap1, qmap2, bufs, GradScaling::default()).unwrap();
+        adam_bnb_32bit(
+            &cfg,
+            step,
+            &mut ps,
+            &gs,
+            &mut s1,
+            &mut s2,
+            GradScaling::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            down(buffers[0].address(), big * 4),
+            bytes(&pb),
+            "8-bit, step {step}"
+        );
+        assert_eq!(
+            down(buffers[1].address(), big),
+            c1,
+            "8-bit codes, step {step}"
+        );
+        assert_eq!(
+            down(buffers[5].address(), small * 4),
+            bytes(&ps),
+            "32-bit, step {step}"
+        );
+        assert_eq!(
+            down(buffers[6].address(), small * 4),
+            bytes(&s1),
+            "32-bit m, step {step}"
+        );
+        backend.allocator().free(grad_b).unwrap();
+        backend.allocator().free(grad_s).unwrap();
+    }
+    drop(adam);
+    for allocation in state.into_iter().chain(buffers) {
+        backend.allocator().free(allocation).unwrap();
+    }
+}

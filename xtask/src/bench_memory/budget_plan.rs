@@ -23,12 +23,12 @@ use headroom_checkpoint::{
     BlockPlanner, BlockSelection, Candidate, CheckpointBlocks, CheckpointOptions, StepProbe,
     StepProfile,
 };
-use headroom_nn::VisionTransformer;
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
 use serde_json::{json, Value};
 
 use super::cases::{CaseResult, Probe};
+use super::models::Net;
 use super::report::size;
 
 /// What the planner decided and predicted for one `adam_auto` run.
@@ -85,14 +85,14 @@ fn step_probe<S: Storage>(probe: &Probe<'_, S>) -> Result<StepProbe> {
 /// runner; returns the outcome (without the uniform comparison) and the profile.
 pub(crate) fn plan<S: Storage>(
     probe: &Probe<'_, S>,
-    vit: &mut VisionTransformer,
+    vit: &mut Net,
     budget: Option<u64>,
-    step: &mut dyn FnMut(&VisionTransformer) -> Result<()>,
+    step: &mut dyn FnMut(&Net) -> Result<()>,
 ) -> Result<(PlanOutcome, StepProfile)> {
     let planner = BlockPlanner::new(step_probe(probe)?, Candidate::defaults());
-    vit.encoder.block_runner = Some(planner.runner());
+    vit.set_block_runner(Some(planner.runner()));
     let profile = {
-        let vit: &VisionTransformer = vit;
+        let vit: &Net = vit;
         planner.profile(|| step(vit).map_err(Into::into))?
     };
     let keep = profile
@@ -116,7 +116,7 @@ pub(crate) fn plan<S: Storage>(
         table: plan.to_string(),
         uniform: None,
     };
-    vit.encoder.block_runner = Some(Arc::new(plan));
+    vit.set_block_runner(Some(Arc::new(plan)));
     Ok((outcome, profile))
 }
 
@@ -124,11 +124,11 @@ pub(crate) fn plan<S: Storage>(
 /// documentation); `None` when no k fits.
 pub(crate) fn compare_uniform<S: Storage>(
     probe: &Probe<'_, S>,
-    vit: &mut VisionTransformer,
+    vit: &mut Net,
     profile: &StepProfile,
     budget: u64,
     steps: usize,
-    step: &mut dyn FnMut(&VisionTransformer) -> Result<()>,
+    step: &mut dyn FnMut(&Net) -> Result<()>,
 ) -> Result<Option<Uniform>> {
     let (keep, recompute) = (
         profile
@@ -152,11 +152,11 @@ pub(crate) fn compare_uniform<S: Storage>(
     options.sort_by(|a, b| a.2.step_ms.total_cmp(&b.2.step_ms));
     let mut over_budget = Vec::new();
     for (every, choices, prediction) in options {
-        vit.encoder.block_runner = Some(Arc::new(CheckpointBlocks {
+        vit.set_block_runner(Some(Arc::new(CheckpointBlocks {
             selection: BlockSelection::Every(every),
             options: CheckpointOptions::default(),
-        }));
-        let vit: &VisionTransformer = vit;
+        })));
+        let vit: &Net = vit;
         step(vit)?;
         (probe.synchronize)()?;
         probe.allocator.reset_peak_stats();

@@ -1,9 +1,10 @@
 //! The cases of `bench-memory` and the protocol that measures one: which optimizer a case
-//! builds, the models, and one training run from a fresh model and optimizer.
+//! builds, and one training run from a fresh model and optimizer ([`Training`], [`Run`]).
 //!
 //! The protocol is `torch_reference.py`'s: input `rand(batch, 3, size, size)`, loss =
-//! `model(x).sum()`, f32 weights; the allocator's peak is reset, 3 warm-up steps from a fresh
-//! optimizer give the first-3 peak; the peak is reset again and the timed steps give the steady
+//! `model(x).sum()` (GPT-2: random tokens and Hugging Face's causal-LM loss, [`super::models`]),
+//! f32 weights (bf16 for `fwd_bwd_bf16`, whose steps stop after backward, as `fwd_bwd`'s do);
+//! the allocator's peak is reset, 3 warm-up steps from a fresh optimizer give the first-3 peak; the peak is reset again and the timed steps give the steady
 //! peak (allocated and reserved) and the step time (forward + backward + optimizer step +
 //! `zero_grad(set_to_none)`, the device synchronised before the clock is read). One more,
 //! untimed, step is traced: history is recorded under the context labels `forward`, `backward`,
@@ -22,15 +23,14 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use headroom_amp::{AmpPolicy, GradScaler, GradScalerConfig};
-use headroom_autograd_core::{autocast_stats, uniform, BackendRef, DType, Generator, Tensor};
+use headroom_autograd_core::{autocast_stats, BackendRef, DType, Tensor};
 use headroom_caching_allocator::{CachingAllocator, HistoryOptions, HostStorage, Storage};
 use headroom_checkpoint::{
     BlockSelection, CheckpointBlocks, CompressBlocks, OffloadBlocks, OffloadOptions,
 };
 use headroom_hooks::{ClipMode, Clipping, InBackward, InBackwardConfig, DEFAULT_BUCKET_BYTES};
-use headroom_nn::{Module, VisionTransformer, VitConfig};
 use headroom_ops_cpu::CpuBackend;
 use headroom_optim::kernels::{Adam8bitConfig, AdamConfig, SgdConfig, StepOutcome};
 use headroom_optim::{
@@ -40,6 +40,8 @@ use headroom_optim::{
 use parking_lot::Mutex;
 
 use super::budget_plan::{self, PlanOutcome};
+pub(crate) use super::models::Model;
+use super::models::{Input, Net};
 use super::timeline::{self, AtPeak, Timeline};
 
 /// One optimizer implementation under test.
@@ -62,9 +64,10 @@ pub(crate) enum Case {
     AdamInbwd,
     /// 8-bit Adam stepped inside backward.
     Adam8bitInbwd,
-    /// Fused Adam with every encoder block checkpointed (only block inputs kept).
+    /// Fused Adam with every encoder block but the last checkpointed (only block inputs kept;
+    /// `CheckpointBlocks::all_but_last`).
     AdamCkpt,
-    /// Fused Adam inside backward with every block checkpointed.
+    /// Fused Adam inside backward with every block but the last checkpointed.
     AdamInbwdCkpt,
     /// Fused Adam after `clip_grad_norm_(params, 1.0)` (L2): the plain loop's clipping.
     AdamFusedClip,
@@ -91,12 +94,16 @@ pub(crate) enum Case {
     AdamFp16,
     /// Fused Adam inside backward, every block checkpointed, the forward under bf16 autocast.
     AdamInbwdCkptBf16,
+    /// Forward and backward only (no optimizer step; gradients set to none after), f32.
+    FwdBwd,
+    /// Forward and backward only, the whole model in bf16 (`model.bfloat16()`).
+    FwdBwdBf16,
 }
 
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 19] = [
+    pub(crate) const ALL: [Case; 21] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -116,6 +123,8 @@ impl Case {
         Case::AdamBf16,
         Case::AdamFp16,
         Case::AdamInbwdCkptBf16,
+        Case::FwdBwd,
+        Case::FwdBwdBf16,
     ];
 
     /// The case's name on the command line and in reports.
@@ -140,6 +149,8 @@ impl Case {
             Case::AdamBf16 => "adam_bf16",
             Case::AdamFp16 => "adam_fp16",
             Case::AdamInbwdCkptBf16 => "adam_inbwd_ckpt_bf16",
+            Case::FwdBwd => "fwd_bwd",
+            Case::FwdBwdBf16 => "fwd_bwd_bf16",
         }
     }
 
@@ -165,7 +176,7 @@ impl Case {
         }
     }
 
-    /// Whether every encoder block is checkpointed.
+    /// Whether the encoder blocks are checkpointed (every one but the last).
     pub(crate) fn checkpointed(self) -> bool {
         matches!(
             self,
@@ -180,6 +191,19 @@ impl Case {
             Case::AdamFp16 => Some(DType::F16),
             _ => None,
         }
+    }
+
+    /// The dtype of the model's parameters.
+    pub(crate) fn param_dtype(self) -> DType {
+        match self {
+            Case::FwdBwdBf16 => DType::BF16,
+            _ => DType::F32,
+        }
+    }
+
+    /// Whether the case steps no optimizer (forward and backward only).
+    pub(crate) fn forward_backward_only(self) -> bool {
+        matches!(self, Case::FwdBwd | Case::FwdBwdBf16)
     }
 
     /// Whether the loss is scaled by a GradScaler (f16).
@@ -252,7 +276,10 @@ impl Case {
             Case::Adam8bit | Case::Adam8bitInbwd => {
                 build::<Adam8bitConfig>(params, adam8bit, Implementation::Fused)
             }
-            Case::Sgd => build::<SgdConfig>(params, SgdConfig::new(1e-3), Implementation::Fused),
+            // The forward-and-backward cases never step: their SGD only sets gradients to none.
+            Case::Sgd | Case::FwdBwd | Case::FwdBwdBf16 => {
+                build::<SgdConfig>(params, SgdConfig::new(1e-3), Implementation::Fused)
+            }
         }
     }
 }
@@ -333,42 +360,6 @@ impl<R: UpdateRule> Optimizer for SharedOptimizer<R> {
 
     fn load_state_dict(&mut self, bytes: &[u8]) -> Result<(), OptimError> {
         self.0.lock().load_state_dict(bytes)
-    }
-}
-
-/// A model of the benchmark.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Model {
-    /// Its name in reports.
-    pub(crate) name: &'static str,
-    /// torchvision's constructor arguments.
-    pub(crate) config: VitConfig,
-}
-
-impl Model {
-    /// Names accepted by `--model`.
-    pub(crate) const NAMES: [&'static str; 4] = ["vit_l_16", "vit_b_16", "vit_mini", "vit_tiny"];
-
-    /// The model named `name`: torchvision's `vit_l_16` and `vit_b_16`; `vit_mini`, the CPU
-    /// default ([`VitConfig::mini`], 5.2 M parameters, 17 tokens an image, so that, like
-    /// ViT-L/16 at batch 1, parameters, gradients and optimizer state dominate at batch 1 and
-    /// activations at batch 32); and `vit_tiny`, the golden tests' model, for quick checks.
-    pub(crate) fn named(name: &str) -> Result<Model> {
-        let config = match name {
-            "vit_l_16" => VitConfig::vit_l_16(),
-            "vit_b_16" => VitConfig::vit_b_16(),
-            "vit_mini" => VitConfig::mini(),
-            "vit_tiny" => VitConfig::tiny(),
-            other => bail!(
-                "unknown model `{other}` (models: {})",
-                Model::NAMES.join(", ")
-            ),
-        };
-        let name = Model::NAMES
-            .into_iter()
-            .find(|n| *n == name)
-            .expect("matched above");
-        Ok(Model { name, config })
     }
 }
 
@@ -503,6 +494,98 @@ pub(crate) struct CaseResult {
     pub(crate) plan: Option<PlanOutcome>,
 }
 
+/// A case's model and optimizer, built once: [`Training::run`] trains it on one input.
+pub(crate) struct Training {
+    pub(crate) net: Net,
+    optimizer: Box<dyn BenchOptimizer>,
+    /// Scalar parameters.
+    pub(crate) n_params: usize,
+    /// Σ numel × element size over the parameters.
+    pub(crate) param_bytes: u64,
+}
+
+impl Training {
+    /// `model` with `case`'s parameter dtype, block runner and optimizer (no state yet).
+    pub(crate) fn new<S: Storage>(
+        probe: &Probe<'_, S>,
+        model: Model,
+        case: Case,
+    ) -> Result<Training> {
+        let mut net = Net::new(&probe.backend, model, case.param_dtype())?;
+        if case.checkpointed() {
+            net.set_block_runner(Some(Arc::new(CheckpointBlocks::all_but_last(
+                model.n_blocks(),
+            ))));
+        }
+        if case == Case::AdamOffload {
+            net.set_block_runner(Some(Arc::new(offload_blocks(model.n_blocks()))));
+        }
+        if case == Case::AdamCkpt8bit {
+            net.set_block_runner(Some(Arc::new(CompressBlocks::all())));
+        }
+        let params = net.parameters();
+        let n_params = params.iter().map(Tensor::numel).sum();
+        let param_bytes = params.iter().map(tensor_bytes).sum();
+        let optimizer = case.optimizer(params)?;
+        Ok(Training {
+            net,
+            optimizer,
+            n_params,
+            param_bytes,
+        })
+    }
+
+    /// The training loop of `case` on `input`: a fresh stepper (in-backward hooks, GradScaler)
+    /// around the optimizer, whose state persists.
+    pub(crate) fn run<'a>(
+        &'a self,
+        input: &'a Input,
+        case: Case,
+        protocol: Protocol,
+    ) -> Result<Run<'a>> {
+        let stepper = if case.loss_scaled() {
+            let scaler = GradScaler::new(self.optimizer.handle(), GradScalerConfig::default())?;
+            Stepper::Scaled(scaler)
+        } else if case.in_backward() {
+            // Unless asked otherwise, buckets of at most 1/16 of the parameters, so a small model
+            // shows what a large one does with the default 25 MiB.
+            let config = InBackwardConfig {
+                bucket_bytes: protocol
+                    .bucket_bytes
+                    .unwrap_or((self.param_bytes / 16).min(DEFAULT_BUCKET_BYTES)),
+                clipping: case.clipping().map(|mode| Clipping {
+                    max_norm: CLIP_MAX_NORM,
+                    norm: NormType::L2,
+                    mode,
+                }),
+                ..InBackwardConfig::default()
+            };
+            Stepper::InBackward(InBackward::new(self.optimizer.handle(), config)?)
+        } else if case.forward_backward_only() {
+            Stepper::NoStep {
+                optimizer: self.optimizer.handle(),
+            }
+        } else {
+            Stepper::Plain {
+                optimizer: self.optimizer.handle(),
+                clip: case.clipping().map(|_| self.net.parameters()),
+            }
+        };
+        Ok(Run {
+            net: &self.net,
+            input,
+            stepper,
+            policy: case.autocast().map(AmpPolicy::torch_cuda).transpose()?,
+            cast_cache_bytes: 0,
+        })
+    }
+
+    /// Sets every gradient to none (what an interrupted step left behind).
+    pub(crate) fn clear_grads(&self) -> Result<()> {
+        Ok(self.optimizer.handle().zero_grad(true)?)
+    }
+}
+
 /// Runs `case` on `model` at `batch` with `protocol` and measures it; `tick` is called after
 /// every step.
 pub(crate) fn measure<S: Storage>(
@@ -515,68 +598,21 @@ pub(crate) fn measure<S: Storage>(
 ) -> Result<CaseResult> {
     let allocator = probe.allocator;
     allocator.empty_cache()?;
-    let mut vit = VisionTransformer::new(
-        &probe.backend,
-        model.config,
-        DType::F32,
-        &Arc::new(Generator::new(0)),
-    )?;
-    if case.checkpointed() {
-        vit.encoder.block_runner = Some(Arc::new(CheckpointBlocks::all()));
-    }
-    if case == Case::AdamOffload {
-        vit.encoder.block_runner = Some(Arc::new(offload_blocks(model.config.num_layers)));
-    }
-    if case == Case::AdamCkpt8bit {
-        vit.encoder.block_runner = Some(Arc::new(CompressBlocks::all()));
-    }
-    let params = vit.parameters();
-    let n_params = params.iter().map(Tensor::numel).sum();
-    let param_bytes: u64 = params.iter().map(tensor_bytes).sum();
-    let optimizer = case.optimizer(params.clone())?;
-    let images = input(&probe.backend, batch, model.config.image_size)?;
-    let mut plain_step = |vit: &VisionTransformer| plain_step(vit, &images, optimizer.as_ref());
+    let mut training = Training::new(probe, model, case)?;
+    let input = Input::new(&probe.backend, model, batch)?;
+    let (n_params, param_bytes) = (training.n_params, training.param_bytes);
+    let optimizer = &training.optimizer;
+    let mut plain_step = |net: &Net| plain_step(net, &input, optimizer.as_ref());
     let mut planned = match case {
         Case::AdamAuto => Some(budget_plan::plan(
             probe,
-            &mut vit,
+            &mut training.net,
             protocol.budget,
             &mut plain_step,
         )?),
         _ => None,
     };
-    let stepper = if case.loss_scaled() {
-        let scaler = GradScaler::new(optimizer.handle(), GradScalerConfig::default())?;
-        Stepper::Scaled(scaler)
-    } else if case.in_backward() {
-        // Unless asked otherwise, buckets of at most 1/16 of the parameters, so a small model
-        // shows what a large one does with the default 25 MiB.
-        let config = InBackwardConfig {
-            bucket_bytes: protocol
-                .bucket_bytes
-                .unwrap_or((param_bytes / 16).min(DEFAULT_BUCKET_BYTES)),
-            clipping: case.clipping().map(|mode| Clipping {
-                max_norm: CLIP_MAX_NORM,
-                norm: NormType::L2,
-                mode,
-            }),
-            ..InBackwardConfig::default()
-        };
-        Stepper::InBackward(InBackward::new(optimizer.handle(), config)?)
-    } else {
-        Stepper::Plain {
-            optimizer: optimizer.handle(),
-            clip: case.clipping().map(|_| params.clone()),
-        }
-    };
-    let policy = case.autocast().map(AmpPolicy::torch_cuda).transpose()?;
-    let mut run = Run {
-        vit: &vit,
-        images: &images,
-        stepper,
-        policy,
-        cast_cache_bytes: 0,
-    };
+    let mut run = training.run(&input, case, protocol)?;
 
     (probe.synchronize)()?;
     allocator.reset_peak_stats();
@@ -608,14 +644,14 @@ pub(crate) fn measure<S: Storage>(
     if let Some((outcome, profile)) = &mut planned {
         outcome.uniform = budget_plan::compare_uniform(
             probe,
-            &mut vit,
+            &mut training.net,
             profile,
             outcome.budget,
             protocol.steps,
             &mut plain_step,
         )?;
     }
-    let state_bytes = optimizer.state_bytes();
+    let state_bytes = training.optimizer.state_bytes();
     let (timeline, at_peak) = timeline::analyse(
         &traced.entries,
         traced.requested_before,
@@ -675,15 +711,11 @@ pub(crate) fn offload_blocks(n_blocks: usize) -> OffloadBlocks {
     }
 }
 
-/// One training step of `vit` with the optimizer stepped after backward.
-fn plain_step(
-    vit: &VisionTransformer,
-    images: &Tensor,
-    optimizer: &dyn BenchOptimizer,
-) -> Result<()> {
+/// One training step of `net` with the optimizer stepped after backward.
+fn plain_step(net: &Net, input: &Input, optimizer: &dyn BenchOptimizer) -> Result<()> {
     Run {
-        vit,
-        images,
+        net,
+        input,
         stepper: Stepper::Plain {
             optimizer: optimizer.handle(),
             clip: None,
@@ -697,18 +729,6 @@ fn plain_step(
 /// Bytes of a tensor's elements.
 pub(crate) fn tensor_bytes(tensor: &Tensor) -> u64 {
     (tensor.numel() * tensor.dtype().size_in_bytes()) as u64
-}
-
-/// `rand(batch, 3, size, size)` from autograd-core's counter-based stream (seed 0).
-fn input(backend: &BackendRef, batch: usize, size: usize) -> Result<Tensor> {
-    let pixels: Vec<f32> = (0..batch * 3 * size * size)
-        .map(|i| uniform(0, i as u64) as f32)
-        .collect();
-    Ok(Tensor::from_slice(
-        backend,
-        &pixels,
-        &[batch, 3, size, size],
-    )?)
 }
 
 /// What the traced step recorded.
@@ -734,14 +754,16 @@ enum Stepper {
     },
     /// Inside backward; the step and zero-grad phases are empty.
     InBackward(InBackward),
+    /// No step: `zero_grad(set_to_none)` after backward.
+    NoStep { optimizer: Box<dyn Optimizer> },
     /// A GradScaler: backward of the scaled loss, then its step and update.
     Scaled(GradScaler<Box<dyn Optimizer>>),
 }
 
 /// A model, its input and its optimizer: one training step at a time.
-struct Run<'a> {
-    vit: &'a VisionTransformer,
-    images: &'a Tensor,
+pub(crate) struct Run<'a> {
+    net: &'a Net,
+    input: &'a Input,
     stepper: Stepper,
     /// The forward's autocast policy, if any.
     policy: Option<AmpPolicy>,
@@ -750,7 +772,8 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
-    fn step(&mut self) -> Result<()> {
+    /// One training step: forward, backward, optimizer step, `zero_grad(set_to_none)`.
+    pub(crate) fn step(&mut self) -> Result<()> {
         let mut loss = None;
         for phase in Phase::ALL {
             self.phase(phase, &mut loss)?;
@@ -763,14 +786,13 @@ impl Run<'_> {
         match phase {
             Phase::Forward => {
                 let _autocast = self.policy.as_ref().map(AmpPolicy::enter);
-                let output = self.vit.forward(self.images)?;
-                *loss = Some(output.to_dtype(DType::F32)?.sum_all()?);
+                *loss = Some(self.net.loss(self.input)?);
                 self.cast_cache_bytes = autocast_stats().cached_bytes;
             }
             Phase::Backward => {
                 let loss = loss.take().context("backward without a loss")?;
                 match &mut self.stepper {
-                    Stepper::Plain { .. } => loss.backward()?,
+                    Stepper::Plain { .. } | Stepper::NoStep { .. } => loss.backward()?,
                     Stepper::InBackward(in_backward) => in_backward.backward(&loss)?,
                     Stepper::Scaled(scaler) => scaler.scale(&loss)?.backward()?,
                 }
@@ -786,10 +808,12 @@ impl Run<'_> {
                     scaler.step()?;
                     scaler.update()?;
                 }
-                Stepper::InBackward(_) => {}
+                Stepper::InBackward(_) | Stepper::NoStep { .. } => {}
             },
             Phase::ZeroGrad => match &self.stepper {
-                Stepper::Plain { optimizer, .. } => optimizer.zero_grad(true)?,
+                Stepper::Plain { optimizer, .. } | Stepper::NoStep { optimizer } => {
+                    optimizer.zero_grad(true)?
+                }
                 Stepper::Scaled(scaler) => scaler.zero_grad(true)?,
                 Stepper::InBackward(_) => {}
             },
@@ -822,7 +846,7 @@ impl Run<'_> {
                 peak: allocator.max_memory_allocated(),
             });
             if phase == Phase::Backward {
-                grads = gradients(self.vit);
+                grads = gradients(self.net);
             }
         }
         (probe.synchronize)()?;
@@ -841,10 +865,10 @@ impl Run<'_> {
 }
 
 /// The buffer addresses of the model's gradients, and their bytes.
-fn gradients(vit: &VisionTransformer) -> (HashSet<u64>, u64) {
+fn gradients(net: &Net) -> (HashSet<u64>, u64) {
     let mut addresses = HashSet::new();
     let mut bytes = 0;
-    for param in vit.parameters() {
+    for param in net.parameters() {
         if let Some(grad) = param.grad() {
             addresses.insert(grad.buffer().address());
             bytes += tensor_bytes(&grad);

@@ -90,11 +90,7 @@ pub(crate) fn page(results: &[CaseResult], anchors: &Anchors, title: &str) -> St
 /// Stacked horizontal bars of the peak's components, one per case, with PyTorch's peak as a
 /// black tick where known.
 fn peak_bars(group: &[&CaseResult], anchors: &Anchors) -> String {
-    let pytorch = |r: &CaseResult| {
-        anchors
-            .get(&(r.case.pytorch_name().to_owned(), r.batch))
-            .map(|a| a.steady_peak_alloc)
-    };
+    let pytorch = |r: &CaseResult| super::report::anchor(anchors, r).map(|a| a.steady_peak_alloc);
     let top = group
         .iter()
         .map(|r| r.at_peak.total().max(pytorch(r).unwrap_or(0)))

@@ -22,8 +22,9 @@
 //! options, picks the device and drives the cases.
 
 mod budget_plan;
-mod cases;
+pub(crate) mod cases;
 mod html;
+pub(crate) mod models;
 mod report;
 mod timeline;
 
@@ -62,6 +63,8 @@ struct Options {
     cases: Vec<Case>,
     /// `None`: the device's default.
     model: Option<Model>,
+    /// A language model's tokens a row (`--seq`); `None`: its full context.
+    seq: Option<usize>,
     protocol: Protocol,
     /// `adam_auto`'s budgets (`--budget`, repeatable); empty: its default.
     budgets: Vec<u64>,
@@ -94,24 +97,29 @@ const CPU_DEFAULTS: Defaults = Defaults {
 };
 
 pub(crate) const USAGE: &str =
-    "  bench-memory [--device auto|cpu|cuda] [--model NAME] [--batch N]... [--cases a,b,c]
+    "  bench-memory [--device auto|cpu|cuda] [--model NAME] [--seq N] [--batch N]... [--cases a,b,c]
                [--warmup N] [--steps N] [--bucket-mib N] [--budget BYTES]... [--json FILE]
                [--html FILE]
                [--pytorch anchor.jsonl]
-      Trains a ViT (loss = model(x).sum()) with each optimizer and technique: per case, a fresh
+      Trains a model (ViT: loss = model(x).sum(); GPT-2: Hugging Face's causal-LM loss on --seq
+      random tokens a row, default 1024, dropout off) with each optimizer and technique: per case, a fresh
       model and optimizer, N warm-up steps (default 3; their peak is the first-3 peak), then N
       timed steps (default 6: steady peak allocated and reserved, median step time), then one
       traced step (memory by phase and by component at the peak). Prints a Markdown table.
       Device auto: CUDA when a GPU answers (ViT-L/16, batch 1 and 32), else the CPU backend
-      (vit_mini, batch 1 and 32). Models: vit_l_16, vit_b_16, vit_mini, vit_tiny. Cases
+      (vit_mini, batch 1 and 32). Models: vit_l_16, vit_b_16, vit_mini, vit_tiny, gpt2,
+      gpt2-medium, gpt2-large. Cases
       (default all the device runs): adam_foreach (bounded temporaries), adam_foreach_unbounded
       (PyTorch's), adam_single, adam_fused, adam8bit, sgd; adam_inbwd and adam8bit_inbwd (the
-      step inside backward), adam_ckpt (every block checkpointed), adam_inbwd_ckpt (both),
+      step inside backward), adam_ckpt (every block but the last checkpointed: recomputing
+      the last would free nothing), adam_inbwd_ckpt (both),
       adam_auto (checkpointing planned per block for --budget BYTES, repeatable; default:
       halfway between the lowest peak the planner reaches and the peak without checkpointing; it
       also measures uniform every-k checkpointing at the same budget), adam_offload (the first 7/12 of the blocks offloaded to pinned host memory; CUDA only),
       adam_fused_clip (clip_grad_norm_ to 1.0, then the step), adam_inbwd_clip (in backward,
-      exact clipping: a measuring pass first), adam_inbwd_clip_prev (previous step's norm).
+      exact clipping: a measuring pass first), adam_inbwd_clip_prev (previous step's norm),
+      fwd_bwd and fwd_bwd_bf16 (forward and backward only; the second with the whole model in
+      bf16).
       --bucket-mib sets the in-backward cases' bucket (default: 1/16 of the parameters, at most
       25). --json writes one object per case, --html charts (timelines by time or in event
       order, a toggle in the page); --pytorch reads torch_reference.py's anchor.jsonl and adds
@@ -134,6 +142,7 @@ fn parse(args: &[String]) -> Result<Options> {
         batches: Vec::new(),
         cases: Vec::new(),
         model: None,
+        seq: None,
         protocol: Protocol {
             warmup: 3,
             steps: 6,
@@ -171,6 +180,7 @@ fn parse(args: &[String]) -> Result<Options> {
                 }
             }
             "--model" => options.model = Some(Model::named(&value()?)?),
+            "--seq" => options.seq = Some(number(value()?)?),
             "--batch" => {
                 let batch = number(value()?)?;
                 if batch == 0 {
@@ -334,6 +344,10 @@ fn run_cases<S: Storage>(
     let model = match options.model {
         Some(model) => model,
         None => Model::named(defaults.model)?,
+    };
+    let model = match options.seq {
+        Some(seq) => model.with_seq(seq)?,
+        None => model,
     };
     let batches = if options.batches.is_empty() {
         defaults.batches.to_vec()

@@ -21,8 +21,12 @@ pub(crate) struct Anchor {
     pub(crate) step_ms_median: f64,
 }
 
-/// PyTorch's anchors by (case, batch).
-pub(crate) type Anchors = HashMap<(String, usize), Anchor>;
+/// PyTorch's anchors by (model, case, batch).
+pub(crate) type Anchors = HashMap<(String, String, usize), Anchor>;
+
+/// The model of an anchor line without a `model` key (`torch_reference.py` measured only
+/// ViT-L/16).
+const ANCHOR_DEFAULT_MODEL: &str = "vit_l_16";
 
 /// Reads an `anchor.jsonl` (or the lines of `torch_reference.py case NAME BATCH` runs); lines
 /// that are not JSON objects (warnings) or lack peak figures (the `env` line, errors, other
@@ -51,8 +55,9 @@ pub(crate) fn parse_anchors(text: &str) -> Result<Anchors> {
         ) else {
             continue;
         };
+        let model = row["model"].as_str().unwrap_or(ANCHOR_DEFAULT_MODEL);
         anchors.insert(
-            (case.to_owned(), batch as usize),
+            (model.to_owned(), case.to_owned(), batch as usize),
             Anchor {
                 first3_peak_alloc: bytes("first3_peak_alloc").unwrap_or(0),
                 steady_peak_alloc: peak,
@@ -64,8 +69,13 @@ pub(crate) fn parse_anchors(text: &str) -> Result<Anchors> {
     Ok(anchors)
 }
 
-fn anchor<'a>(anchors: &'a Anchors, result: &CaseResult) -> Option<&'a Anchor> {
-    anchors.get(&(result.case.pytorch_name().to_owned(), result.batch))
+/// PyTorch's figures for the model, case and batch of `result`.
+pub(crate) fn anchor<'a>(anchors: &'a Anchors, result: &CaseResult) -> Option<&'a Anchor> {
+    anchors.get(&(
+        result.model.to_owned(),
+        result.case.pytorch_name().to_owned(),
+        result.batch,
+    ))
 }
 
 /// Bytes as decimal GB (the anchors' unit) when at least 1 GB, else MB.

@@ -252,7 +252,7 @@ fn pytorch_anchors_are_read_from_torch_reference_output() {
 "#;
     let anchors = report::parse_anchors(text).unwrap();
     assert_eq!(anchors.len(), 1);
-    let anchor = anchors[&("adam_foreach".to_owned(), 1)];
+    let anchor = anchors[&("vit_l_16".to_owned(), "adam_foreach".to_owned(), 1)];
     assert_eq!(anchor.steady_peak_alloc, 6_160_000_000);
     assert_eq!(anchor.steady_peak_reserved, 6_430_000_000);
     assert_eq!(anchor.first3_peak_alloc, 6_200_000_000);

@@ -269,6 +269,31 @@ impl LinearSaves {
     }
 }
 
+/// A linear's weight gradient `grad_2d^T @ input_2d` (`[out, in]`) and, with `has_bias`, its bias
+/// gradient (the column sums of `grad_2d`), in one
+/// [`Backend::linear_weight_grad`](crate::Backend::linear_weight_grad) call.
+fn weight_grads(
+    grad_2d: &Tensor,
+    input_2d: &Tensor,
+    has_bias: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (out_features, in_features) = (grad_2d.shape()[1], input_2d.shape()[1]);
+    let dtype = grad_2d.dtype();
+    let grad_weight = grad_2d.new_empty(&[out_features, in_features], dtype)?;
+    let grad_bias = if has_bias {
+        Some(grad_2d.new_empty(&[out_features], dtype)?)
+    } else {
+        None
+    };
+    grad_2d.backend().linear_weight_grad(LinearWeightGrad {
+        grad_out: grad_2d.view(),
+        input: input_2d.view(),
+        grad_weight: grad_weight.view(),
+        grad_bias: grad_bias.as_ref().map(Tensor::view),
+    })?;
+    Ok((grad_weight, grad_bias))
+}
+
 /// Records the linear node `inputs` (input, weight, bias if any) → `res`. Backward: the input
 /// gradient is one product, the weight and bias gradients one
 /// [`Backend::linear_weight_grad`](crate::Backend::linear_weight_grad) call.
@@ -291,19 +316,7 @@ fn record_linear(inputs: &[&Tensor], saves: LinearSaves, res: &Tensor) {
         let (grad_weight, grad_bias) = match &saved_input {
             Some(input) => {
                 let input_2d = input.unpack()?.reshape(&[rows, in_features])?;
-                let dtype = grad_2d.dtype();
-                let grad_weight = grad_2d.new_empty(&[out_features, in_features], dtype)?;
-                let grad_bias = if has_bias {
-                    Some(grad_2d.new_empty(&[out_features], dtype)?)
-                } else {
-                    None
-                };
-                grad_2d.backend().linear_weight_grad(LinearWeightGrad {
-                    grad_out: grad_2d.view(),
-                    input: input_2d.view(),
-                    grad_weight: grad_weight.view(),
-                    grad_bias: grad_bias.as_ref().map(Tensor::view),
-                })?;
+                let (grad_weight, grad_bias) = weight_grads(&grad_2d, &input_2d, has_bias)?;
                 (Some(grad_weight), grad_bias)
             }
             None if has_bias => (None, Some(grad_2d.sum(&[0], false)?)),
@@ -369,13 +382,74 @@ pub fn patch_embedding(
         });
     }
     let (rows, cols) = (height / patch, width / patch);
-    let patches = input
-        .reshape(&[batch, channels, rows, patch, cols, patch])?
-        .permute(&[0, 2, 4, 1, 3, 5])?
-        .reshape(&[batch * rows * cols, channels * patch * patch])?;
+    let patches_of = move |image: &Tensor| {
+        image
+            .reshape(&[batch, channels, rows, patch, cols, patch])?
+            .permute(&[0, 2, 4, 1, 3, 5])?
+            .reshape(&[batch * rows * cols, channels * patch * patch])
+    };
     let flat_weight = weight.reshape(&[out, channels * patch * patch])?;
-    patches
-        .linear(&flat_weight, bias)?
+    let product = if input.requires_grad() {
+        patches_of(input)?.linear(&flat_weight, bias)?
+    } else {
+        patch_product_saving_the_image(input, &flat_weight, bias, patches_of)?
+    };
+    product
         .reshape(&[batch, rows, cols, out])?
         .permute(&[0, 3, 1, 2])
+}
+
+/// The patch product `patches_of(image) @ weight^T + bias` for an image that needs no gradient.
+/// The linear it stands for would save the patch copy of the image, as large as the image and
+/// alive from the start of the forward to the end of backward; this saves the image itself
+/// (which its caller holds anyway) and builds the copy again, for the weight gradient only,
+/// when backward reaches it. Values and gradients are the linear's.
+fn patch_product_saving_the_image(
+    image: &Tensor,
+    flat_weight: &Tensor,
+    bias: Option<&Tensor>,
+    patches_of: impl Fn(&Tensor) -> Result<Tensor> + Send + 'static,
+) -> Result<Tensor> {
+    let mut inputs = vec![flat_weight];
+    inputs.extend(bias);
+    if !records(&inputs) {
+        return patches_of(image)?.linear(flat_weight, bias);
+    }
+    let mut saved_image = Some(SavedTensor::save(
+        "patch_embedding",
+        SaveRole::Input(0),
+        image,
+    )?);
+    let res = {
+        let _no_grad = no_grad();
+        patches_of(image)?.linear(flat_weight, bias)?
+    };
+    let out_features = flat_weight.shape()[0];
+    let rows = res.numel() / out_features.max(1);
+    let has_bias = bias.is_some();
+    record("patch_embedding", &inputs, &[&res], move |grads| {
+        let grad = grads[0].as_ref().expect("one output");
+        let grad_2d = grad.reshape(&[rows, out_features])?;
+        let image = saved_image
+            .as_ref()
+            .ok_or(TensorError::GraphFreed {
+                op: "patch_embedding",
+            })?
+            .unpack()?;
+        let patches = {
+            let _no_grad = no_grad();
+            patches_of(&image)?
+        };
+        drop(image);
+        if is_last_use() {
+            saved_image = None;
+        }
+        let (grad_weight, grad_bias) = weight_grads(&grad_2d, &patches, has_bias)?;
+        let mut res = vec![Some(grad_weight)];
+        if has_bias {
+            res.push(grad_bias);
+        }
+        Ok(res)
+    });
+    Ok(res)
 }

@@ -1,5 +1,6 @@
 //! The technique the checkpoint tests train with: a block runner set on the model, then the plain
-//! loop's step. Shared by the test binaries (`mod block_runner;`).
+//! loop's step. Shared by the test binaries (`mod block_runner;`): checkpointing, offload and the
+//! planner.
 
 use std::sync::Arc;
 

@@ -11,7 +11,7 @@ use headroom_autograd_core::{Result, TensorError, View};
 
 use crate::device::CudaBackend;
 use crate::kernels::{KernelName, Module};
-use crate::launch::{launch_in, Param};
+use crate::launch::{checked_grid, launch_in, Param};
 
 /// The kernels' dimension limit of the outer and inner dims (`MAX_DIMS` in `rows.cu`).
 pub(crate) const MAX_DIMS: usize = 8;
@@ -145,9 +145,13 @@ pub(crate) fn launch(
 
 /// Launch shapes of two-stage column sums over `n` columns: stage 1 (32 × 8 blocks, one per 32
 /// columns and chunk of rows) and stage 2 (one thread per column).
-pub(crate) fn column_stages(n: u64, n_chunks: u64) -> (LaunchConfig, LaunchConfig) {
+pub(crate) fn column_stages(
+    op: &'static str,
+    n: u64,
+    n_chunks: u64,
+) -> Result<(LaunchConfig, LaunchConfig)> {
     let stage1 = LaunchConfig {
-        grid_dim: (n.div_ceil(32) as u32, n_chunks as u32, 1),
+        grid_dim: checked_grid(op, n.div_ceil(32), n_chunks, 1)?,
         block_dim: (32, 8, 1),
         shared_mem_bytes: 0,
     };
@@ -160,7 +164,21 @@ pub(crate) fn column_stages(n: u64, n_chunks: u64) -> (LaunchConfig, LaunchConfi
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    (stage1, stage2)
+    Ok((stage1, stage2))
+}
+
+/// The bytes of a scratch buffer of `factors` multiplied, checked: an overflow is a typed error
+/// naming `op`, never a short buffer.
+pub(crate) fn scratch_bytes(op: &'static str, factors: &[u64]) -> Result<u64> {
+    factors
+        .iter()
+        .try_fold(1u64, |bytes, &factor| bytes.checked_mul(factor))
+        .ok_or_else(|| TensorError::SizeOverflow {
+            op,
+            reason: format!(
+                "a scratch buffer of {factors:?} (their product in bytes) overflows u64"
+            ),
+        })
 }
 
 /// Rows per chunk of the first stage (`ROWS_PER_CHUNK` in `rows.cu`).

@@ -8,7 +8,7 @@
 
 use headroom_autograd_core::{DType, ReduceOp, Result, View};
 
-use super::args::{column_stages, ROWS_PER_CHUNK};
+use super::args::{column_stages, scratch_bytes, ROWS_PER_CHUNK};
 use crate::device::CudaBackend;
 use crate::kernels::Module;
 use crate::launch::{launch_in, Param, NO_ARGS};
@@ -87,11 +87,11 @@ pub(crate) fn column_sums(
     }
     let n_chunks = rows.div_ceil(ROWS_PER_CHUNK);
     let accumulator = if x.dtype == DType::F64 { 8 } else { 4 };
+    let (stage1, stage2) = column_stages(op, n, n_chunks)?;
     // Returned in stream order, after the kernels that use it.
-    let scratch = Scratch::new(backend, n_chunks * n * accumulator)?;
+    let scratch = Scratch::new(backend, scratch_bytes(op, &[n_chunks, n, accumulator])?)?;
     let partial = scratch.address();
     let x_address = element_address(x);
-    let (stage1, stage2) = column_stages(n, n_chunks);
     let params = [
         Param::U64(x_address),
         Param::U64(rs),

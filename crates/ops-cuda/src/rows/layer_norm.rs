@@ -11,10 +11,10 @@ use headroom_autograd_core::{
     DType, LayerNormBackward, LayerNormForward, Result, TensorError, View,
 };
 
-use super::args::{column_stages, launch, same_shape, MAX_BLOCKS, ROWS_PER_CHUNK};
+use super::args::{column_stages, launch, same_shape, scratch_bytes, MAX_BLOCKS, ROWS_PER_CHUNK};
 use crate::device::CudaBackend;
 use crate::kernels::{KernelName, Module};
-use crate::launch::{launch_in, Param, NO_ARGS};
+use crate::launch::{checked_grid, launch_in, Param, NO_ARGS};
 use crate::operands::element_address;
 use crate::scratch::Scratch;
 
@@ -291,10 +291,10 @@ fn param_grads(
     }
     let n_chunks = rows.div_ceil(ROWS_PER_CHUNK);
     let accumulator = if args.mean.dtype == DType::F64 { 8 } else { 4 };
+    let (stage1, _) = column_stages(op, n, n_chunks)?;
     // Returned in stream order, after the kernels that use it.
-    let scratch = Scratch::new(backend, 2 * n_chunks * n * accumulator)?;
+    let scratch = Scratch::new(backend, scratch_bytes(op, &[2, n_chunks, n, accumulator])?)?;
     let partial = scratch.address();
-    let (stage1, _) = column_stages(n, n_chunks);
     let params = [
         Param::U64(dy),
         Param::U64(x),
@@ -322,7 +322,7 @@ fn param_finish(
     let op = "layer_norm_backward";
     // 32 columns per block, 8 threads sharing each column's chunks.
     let stage2 = LaunchConfig {
-        grid_dim: (n.div_ceil(32) as u32, 1, 1),
+        grid_dim: checked_grid(op, n.div_ceil(32), 1, 1)?,
         block_dim: (32, 8, 1),
         shared_mem_bytes: 0,
     };

@@ -226,6 +226,48 @@ impl CudaFusedAdam {
         grad_scale: Option<u64>,
         found_inf: Option<u64>,
     ) -> Result<(), OptimError> {
+        self.launch(cfg, step, grad_scale, found_inf)
+    }
+
+    /// [`CudaFusedAdam::step`] over `params` given for this step alone, for a caller whose
+    /// buffers move between steps (a framework's gradients, reallocated after `zero_grad`):
+    /// one launch on the backend's stream (the legacy default stream), nothing copied. The
+    /// buffers given at creation are replaced by `params`.
+    ///
+    /// # Safety
+    /// As [`CudaFusedAdam::new`], for `params`: live f32 buffers of `len` elements on the
+    /// backend's device until the launch completes, not overlapping between parameters, and
+    /// every parameter with an AMSGrad buffer or none.
+    pub unsafe fn step_buffers(
+        &mut self,
+        cfg: &AdamConfig,
+        step: u64,
+        params: &[DeviceAdamParam],
+        (grad_scale, found_inf): (Option<u64>, Option<u64>),
+    ) -> Result<(), OptimError> {
+        self.params.clear();
+        self.params.extend_from_slice(params);
+        self.amsgrad = cfg.amsgrad;
+        if !params
+            .iter()
+            .all(|p| p.max_exp_avg_sq.is_some() == cfg.amsgrad)
+        {
+            return Err(OptimError::InvalidArgument {
+                op: "CudaFusedAdam::step_buffers",
+                reason: "with amsgrad every parameter needs an AMSGrad buffer, without it none"
+                    .into(),
+            });
+        }
+        self.launch(cfg, step, grad_scale, found_inf)
+    }
+
+    fn launch(
+        &mut self,
+        cfg: &AdamConfig,
+        step: u64,
+        grad_scale: Option<u64>,
+        found_inf: Option<u64>,
+    ) -> Result<(), OptimError> {
         if cfg.amsgrad != self.amsgrad {
             return Err(OptimError::InvalidArgument {
                 op: "CudaFusedAdam::step",

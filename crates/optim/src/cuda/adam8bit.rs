@@ -264,6 +264,57 @@ impl CudaAdam8bit {
         grad_scale: Option<u64>,
         found_inf: Option<u64>,
     ) -> Result<(), OptimError> {
+        self.launch(cfg, step, (grad_scale, found_inf))
+    }
+
+    /// [`CudaAdam8bit::step`] over `params` given for this step alone (a framework's
+    /// gradients move between steps), with bitsandbytes' rule for small tensors: a parameter
+    /// of fewer than `MIN_8BIT_SIZE` elements has f32 states (`state1`, `state2` of `len`
+    /// f32s; its absmax addresses are ignored) and steps in bitsandbytes' 32-bit kernel. At most
+    /// two launches (8-bit, 32-bit) on the backend's stream; nothing copied. The buffers given at
+    /// creation are replaced by the 8-bit ones of `params`.
+    ///
+    /// # Safety
+    /// As [`CudaAdam8bit::new`] for `params`, the small ones' states being f32 buffers of `len`
+    /// elements, all live until the launches complete.
+    pub unsafe fn step_buffers(
+        &mut self,
+        cfg: &Adam8bitConfig,
+        step: u64,
+        params: &[DeviceAdam8bitParam],
+        scaling: (Option<u64>, Option<u64>),
+    ) -> Result<(), OptimError> {
+        let (small, large): (Vec<_>, Vec<_>) = params.iter().partition(|p| p.len < MIN_8BIT_SIZE);
+        self.params = large;
+        self.launch(cfg, step, scaling)?;
+        if small.is_empty() {
+            return Ok(());
+        }
+        let geometry = raw_geometry(small.iter().map(|p| p.len), step);
+        let (table, n_blocks) =
+            self.device
+                .piece_table(&geometry, BNB32.0, false, &mut |t, idx, head| {
+                    let p = &small[idx];
+                    let span = [p.param, p.grad, p.state1, p.state2, 0, 0];
+                    write_piece(t, cfg, head, span, None);
+                })?;
+        let addresses = (scaling.0.unwrap_or(0), scaling.1.unwrap_or(0));
+        self.device.run_elementwise(
+            BNB32_KERNEL,
+            &table,
+            small.len(),
+            n_blocks,
+            BNB32,
+            addresses,
+        )
+    }
+
+    fn launch(
+        &mut self,
+        cfg: &Adam8bitConfig,
+        step: u64,
+        (grad_scale, found_inf): (Option<u64>, Option<u64>),
+    ) -> Result<(), OptimError> {
         let geometry = raw_geometry(self.params.iter().map(|p| p.len), step);
         let params = &self.params;
         let (table, n_blocks) = self.device.piece_table(

@@ -1,0 +1,153 @@
+"""Headroom's caching allocator as PyTorch's pluggable CUDA allocator.
+
+Call ``use_allocator()`` before anything allocates CUDA memory (before the model moves to the
+GPU). PyTorch then allocates and frees through Headroom's policy: expandable segments by
+default, PyTorch's classic policy with ``conf="expandable_segments:False"``; ``conf`` takes
+``PYTORCH_CUDA_ALLOC_CONF``'s syntax, ``per_process_memory_fraction`` included.
+
+PyTorch's Python API sets no other hook of a pluggable allocator, so under it
+``torch.cuda.memory_stats()``/``memory_allocated()``/``reset_peak_memory_stats()`` raise and
+``torch.cuda.empty_cache()``, ``Tensor.record_stream()`` and ``set_per_process_memory_fraction()``
+do nothing. Use the functions here instead. Across streams: memory is reused in the order of the
+stream it was allocated on, as with PyTorch's allocator; a tensor used on another stream must be
+kept alive until that stream is done with it, or marked with ``record_stream(tensor, stream)``.
+"""
+
+import json as _json
+
+from . import _native
+
+__all__ = [
+    "use_allocator",
+    "is_active",
+    "settings",
+    "memory_stats",
+    "memory_summary",
+    "max_memory_reserved",
+    "max_memory_allocated",
+    "reset_peak_memory_stats",
+    "empty_cache",
+    "record_memory_history",
+    "snapshot",
+    "record_stream",
+]
+
+_active = False
+_conf = ""
+
+
+class AllocatorError(RuntimeError):
+    """The allocator cannot be installed or used as asked."""
+
+
+def use_allocator(conf=""):
+    """Makes Headroom's allocator PyTorch's CUDA allocator, with settings ``conf``.
+
+    Must run before the first CUDA allocation of the process (before CUDA is initialised):
+    otherwise ``AllocatorError``. A bad setting raises ``ValueError`` naming the key. Calling it
+    again with the same ``conf`` does nothing.
+    """
+    global _active, _conf
+    import torch
+
+    if _active:
+        if conf != _conf:
+            raise AllocatorError(
+                f"headroom's allocator is already in use with conf={_conf!r}; settings can "
+                "only be chosen once, before the first CUDA allocation"
+            )
+        return
+    if torch.cuda.is_initialized():
+        raise AllocatorError(
+            "CUDA is already initialised in this process, so PyTorch's own allocator is in "
+            "use; call headroom.cuda.use_allocator() before the first CUDA allocation (before "
+            "moving a model or tensor to the GPU)"
+        )
+    _native.configure(conf)
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(
+        _native.__file__, "headroom_alloc", "headroom_free"
+    )
+    try:
+        torch.cuda.memory.change_current_allocator(allocator)
+    except RuntimeError as error:
+        raise AllocatorError(
+            "PyTorch refused to swap its allocator (it has already allocated CUDA memory); "
+            f"call headroom.cuda.use_allocator() first thing in the program: {error}"
+        ) from error
+    _active, _conf = True, conf
+
+
+def is_active():
+    """Whether ``use_allocator`` installed Headroom's allocator in this process."""
+    return _active
+
+
+def settings():
+    """The allocator's settings, every one written out (``PYTORCH_CUDA_ALLOC_CONF`` syntax)."""
+    return _native.settings()
+
+
+def _device_index(device):
+    if device is None:
+        import torch
+
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    index = getattr(device, "index", None)
+    if index is None:
+        import torch
+
+        device = torch.device(device)
+        return device.index if device.index is not None else torch.cuda.current_device()
+    return index
+
+
+def memory_stats(device=None):
+    """Every statistic of ``torch.cuda.memory_stats()`` (same flat keys), from Headroom's allocator."""
+    return _json.loads(_native.memory_stats_json(_device_index(device)))
+
+
+def max_memory_reserved(device=None):
+    """Peak bytes reserved (``reserved_bytes.all.peak``)."""
+    return memory_stats(device)["reserved_bytes.all.peak"]
+
+
+def max_memory_allocated(device=None):
+    """Peak bytes allocated (``allocated_bytes.all.peak``)."""
+    return memory_stats(device)["allocated_bytes.all.peak"]
+
+
+def memory_summary(device=None, abbreviated=False):
+    """``torch.cuda.memory_summary()``'s table, with Headroom's fragmentation lines."""
+    return _native.memory_summary(_device_index(device), abbreviated)
+
+
+def reset_peak_memory_stats(device=None):
+    """Resets the peaks to the current values."""
+    _native.reset_peak_stats(_device_index(device))
+
+
+def empty_cache(device=None):
+    """Releases cached memory no tensor uses (``torch.cuda.empty_cache()``)."""
+    _native.empty_cache(_device_index(device))
+
+
+def record_memory_history(enabled=True, max_entries=0, device=None):
+    """Starts (or stops) recording allocation history for ``snapshot``."""
+    _native.record_history(_device_index(device), bool(enabled), int(max_entries))
+
+
+def snapshot(path, device=None):
+    """Writes a snapshot pickle that https://pytorch.org/memory_viz opens."""
+    _native.snapshot(_device_index(device), str(path))
+
+
+def record_stream(tensor, stream):
+    """``tensor.record_stream(stream)`` for Headroom's allocator: the tensor's block is reused
+    only after the work queued on ``stream`` up to its free has completed. ``stream`` must live
+    for the rest of the process (PyTorch's streams do)."""
+    if not tensor.is_cuda:
+        raise ValueError("record_stream needs a CUDA tensor")
+    storage = tensor.untyped_storage()
+    _native.record_stream(storage.data_ptr(), tensor.device.index, stream.cuda_stream)

@@ -1,0 +1,29 @@
+//! The native half of the `headroom` Python package (`headroom._native`): the allocator's C ABI
+//! linked into the extension itself, so PyTorch's `CUDAPluggableAllocator` loads this very file
+//! and Python reads the same allocator's statistics; and the fused and 8-bit Adam steps over raw
+//! device pointers that `headroom.optim` hands over.
+//!
+//! Two modules: `allocator.rs` wraps headroom-torch-allocator's process-wide state (settings,
+//! statistics, summaries, snapshots, `record_stream`); `optim.rs` holds one
+//! headroom-optim raw-buffer optimizer per Python optimizer and steps it on the pointers of
+//! torch's tensors, on torch's current stream (which must be the legacy default stream, where
+//! headroom-ops-cuda launches). Python-side checks (device, dtype, contiguity) are in
+//! `python/headroom/optim.py`; this side checks what it can see (null pointers, lengths, the
+//! stream) and turns every error into a Python exception with the crate's message.
+//!
+//! This crate sits on the top layer: headroom-torch-allocator, headroom-optim (feature `cuda`)
+//! and headroom-ops-cuda; it knows nothing of PyTorch's C++ and links no libtorch.
+
+mod allocator;
+mod optim;
+
+use pyo3::prelude::*;
+
+/// The extension module `headroom._native`.
+#[pymodule]
+#[pyo3(name = "_native")]
+fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    allocator::register(m)?;
+    optim::register(m)?;
+    Ok(())
+}

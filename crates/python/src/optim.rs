@@ -1,0 +1,253 @@
+//! `headroom._native`'s optimizer steps: [`FusedAdam`] (Adam and AdamW) and [`Adam8bit`]
+//! (bitsandbytes' blockwise 8-bit Adam), each one headroom-optim raw-buffer optimizer stepping
+//! the device pointers of torch's tensors in place, with no copies: one launch for every
+//! parameter of a call (8-bit: one more for the 32-bit states of small tensors).
+//!
+//! Launches go to headroom-ops-cuda's stream, the legacy default stream, which is torch's
+//! default stream (`torch.cuda.current_stream().cuda_stream == 0`); a call from any other
+//! stream is refused with a `ValueError`, since the kernels would not be ordered after the
+//! gradients' producers. One `CudaBackend` per device is shared by all optimizers (its own
+//! small allocations — the launch table, the 8-bit lookup tables — come from its allocator).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use headroom_ops_cuda::CudaBackend;
+use headroom_optim::cuda::{CudaAdam8bit, CudaFusedAdam, DeviceAdam8bitParam, DeviceAdamParam};
+use headroom_optim::kernels::{Adam8bitConfig, AdamConfig, WeightDecay};
+use headroom_optim::OptimError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<FusedAdam>()?;
+    m.add_class::<Adam8bit>()?;
+    m.add_function(wrap_pyfunction!(bnb_maps, m)?)?;
+    Ok(())
+}
+
+fn optim_error(error: OptimError) -> PyErr {
+    PyRuntimeError::new_err(error.to_string())
+}
+
+/// The shared backend of device `ordinal`.
+fn backend(ordinal: usize) -> PyResult<Arc<CudaBackend>> {
+    static BACKENDS: OnceLock<Mutex<HashMap<usize, Arc<CudaBackend>>>> = OnceLock::new();
+    let mut backends = BACKENDS
+        .get_or_init(Default::default)
+        .lock()
+        .map_err(|_| PyRuntimeError::new_err("a previous step panicked"))?;
+    if let Some(backend) = backends.get(&ordinal) {
+        return Ok(Arc::clone(backend));
+    }
+    let backend = CudaBackend::new(ordinal).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+    backends.insert(ordinal, Arc::clone(&backend));
+    Ok(backend)
+}
+
+fn check_stream(stream: u64) -> PyResult<()> {
+    match stream {
+        0 => Ok(()),
+        _ => Err(PyValueError::new_err(
+            "headroom optimizers step on torch's default stream; call step() outside \
+             `with torch.cuda.stream(...)` (or synchronise that stream with the default one first)",
+        )),
+    }
+}
+
+/// Checks that every list has `n` entries and no address is null.
+fn check_lists(lists: &[(&str, &[u64])], n: usize) -> PyResult<()> {
+    for (name, list) in lists {
+        if list.len() != n {
+            return Err(PyValueError::new_err(format!(
+                "`{name}` has {} entries for {n} parameters",
+                list.len()
+            )));
+        }
+        if list.contains(&0) {
+            return Err(PyValueError::new_err(format!(
+                "`{name}` holds a null device pointer (an empty or CPU tensor?)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Fused Adam/AdamW over f32 device buffers.
+#[pyclass(unsendable)]
+pub(crate) struct FusedAdam {
+    inner: CudaFusedAdam,
+    params: Vec<DeviceAdamParam>,
+}
+
+#[pymethods]
+impl FusedAdam {
+    #[new]
+    fn new(device: usize) -> PyResult<FusedAdam> {
+        // SAFETY: no buffers yet; each step names its own.
+        let inner = unsafe { CudaFusedAdam::new(backend(device)?, &[]) }.map_err(optim_error)?;
+        Ok(FusedAdam {
+            inner,
+            params: Vec::new(),
+        })
+    }
+
+    /// One step of every parameter at step number `step`: `hyper` = (lr, beta1, beta2, eps,
+    /// weight_decay); `decoupled` for AdamW.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (stream, step, hyper, decoupled, maximize, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lens, grad_scale=None, found_inf=None))]
+    fn step(
+        &mut self,
+        stream: u64,
+        step: u64,
+        hyper: (f64, f64, f64, f64, f64),
+        decoupled: bool,
+        maximize: bool,
+        params: Vec<u64>,
+        grads: Vec<u64>,
+        exp_avgs: Vec<u64>,
+        exp_avg_sqs: Vec<u64>,
+        max_exp_avg_sqs: Option<Vec<u64>>,
+        lens: Vec<usize>,
+        grad_scale: Option<u64>,
+        found_inf: Option<u64>,
+    ) -> PyResult<()> {
+        check_stream(stream)?;
+        let n = lens.len();
+        let mut lists = vec![
+            ("params", &params[..]),
+            ("grads", &grads[..]),
+            ("exp_avgs", &exp_avgs[..]),
+            ("exp_avg_sqs", &exp_avg_sqs[..]),
+        ];
+        if let Some(max) = &max_exp_avg_sqs {
+            lists.push(("max_exp_avg_sqs", &max[..]));
+        }
+        check_lists(&lists, n)?;
+        let (lr, beta1, beta2, eps, weight_decay) = hyper;
+        let cfg = AdamConfig {
+            lr,
+            betas: (beta1, beta2),
+            eps,
+            weight_decay,
+            decay: if decoupled {
+                WeightDecay::Decoupled
+            } else {
+                WeightDecay::L2
+            },
+            amsgrad: max_exp_avg_sqs.is_some(),
+            maximize,
+        };
+        self.params.clear();
+        self.params.extend((0..n).map(|i| DeviceAdamParam {
+            param: params[i],
+            grad: grads[i],
+            exp_avg: exp_avgs[i],
+            exp_avg_sq: exp_avg_sqs[i],
+            max_exp_avg_sq: max_exp_avg_sqs.as_ref().map(|m| m[i]),
+            len: lens[i],
+        }));
+        // SAFETY: `headroom.optim` passes the data pointers of live, contiguous f32 CUDA tensors
+        // of `lens` elements on this optimizer's device (checked there), which it keeps alive
+        // across the call; torch's default stream is the stream of the launch (checked above),
+        // so the kernels run after the gradients are written and before anything reads them.
+        unsafe {
+            self.inner
+                .step_buffers(&cfg, step, &self.params, (grad_scale, found_inf))
+        }
+        .map_err(optim_error)
+    }
+}
+
+/// bitsandbytes' 8-bit blockwise Adam (and its 32-bit path under 4096 elements) over device
+/// buffers.
+#[pyclass(unsendable)]
+pub(crate) struct Adam8bit {
+    inner: CudaAdam8bit,
+    params: Vec<DeviceAdam8bitParam>,
+}
+
+#[pymethods]
+impl Adam8bit {
+    #[new]
+    fn new(device: usize) -> PyResult<Adam8bit> {
+        // SAFETY: no buffers yet; each step names its own.
+        let inner = unsafe { CudaAdam8bit::new(backend(device)?, &[]) }.map_err(optim_error)?;
+        Ok(Adam8bit {
+            inner,
+            params: Vec::new(),
+        })
+    }
+
+    /// One step of every parameter at step number `step`: `hyper` = (lr, beta1, beta2, eps,
+    /// weight_decay). Parameters under 4096 elements have f32 states and absmax pointers of 0.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (stream, step, hyper, params, grads, state1, state2, absmax1, absmax2, lens, grad_scale=None, found_inf=None))]
+    fn step(
+        &mut self,
+        stream: u64,
+        step: u64,
+        hyper: (f64, f64, f64, f64, f64),
+        params: Vec<u64>,
+        grads: Vec<u64>,
+        state1: Vec<u64>,
+        state2: Vec<u64>,
+        absmax1: Vec<u64>,
+        absmax2: Vec<u64>,
+        lens: Vec<usize>,
+        grad_scale: Option<u64>,
+        found_inf: Option<u64>,
+    ) -> PyResult<()> {
+        check_stream(stream)?;
+        let n = lens.len();
+        check_lists(
+            &[
+                ("params", &params[..]),
+                ("grads", &grads[..]),
+                ("state1", &state1[..]),
+                ("state2", &state2[..]),
+            ],
+            n,
+        )?;
+        if absmax1.len() != n || absmax2.len() != n {
+            return Err(PyValueError::new_err(
+                "absmax lists must have one entry per parameter",
+            ));
+        }
+        let (lr, beta1, beta2, eps, weight_decay) = hyper;
+        let cfg = Adam8bitConfig {
+            lr,
+            betas: (beta1, beta2),
+            eps,
+            weight_decay,
+        };
+        cfg.validate()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        self.params.clear();
+        self.params.extend((0..n).map(|i| DeviceAdam8bitParam {
+            param: params[i],
+            grad: grads[i],
+            state1: state1[i],
+            state2: state2[i],
+            absmax1: absmax1[i],
+            absmax2: absmax2[i],
+            len: lens[i],
+        }));
+        // SAFETY: as `FusedAdam::step`: live contiguous f32 parameters and gradients, u8 states
+        // and f32 absmax of bitsandbytes' sizes (f32 states under 4096 elements), on this
+        // device, stepped on torch's default stream.
+        unsafe {
+            self.inner
+                .step_buffers(&cfg, step, &self.params, (grad_scale, found_inf))
+        }
+        .map_err(optim_error)
+    }
+}
+
+/// bitsandbytes' two 256-entry quantization maps (signed `dynamic`, unsigned `udynamic`), as
+/// its `qmap1` and `qmap2` state hold them.
+#[pyfunction]
+fn bnb_maps() -> (Vec<f32>, Vec<f32>) {
+    let (signed, unsigned) = headroom_optim::bnb_maps();
+    (signed.to_vec(), unsigned.to_vec())
+}

@@ -1,0 +1,266 @@
+"""PyTorch's side of `cargo xtask bench-memory`: the same cases on the same models, measured with
+PyTorch's reference protocol, written as the `anchor.jsonl` that `bench-memory --pytorch` reads.
+
+Models: torchvision's ViTs (`loss = model(x).sum()` on `rand(batch, 3, 224, 224)`; autocast cases
+`model(x).float().sum()`) and Hugging Face's GPT-2 family (`GPT2LMHeadModel` with
+`attn_implementation="sdpa"`, dropout off, `use_cache=False`, random init; `loss =
+model(input_ids=ids, labels=ids).loss` on `--seq` random tokens a row).
+
+Protocol per case: a fresh model and optimizer; the peak is reset, 3 warm-up steps give the
+first-3 peak; the peak is reset again and 6 steps timed with CUDA events give the steady peak
+(allocated and reserved) and the median step time. Each case runs in its own process unless
+`--in-process` (then `gc.collect()` and `empty_cache()` between cases).
+
+Usage:
+    python3 scripts/pytorch/bench_reference.py --out anchor.jsonl                 # ViT-L/16, batch 1 and 32, every case
+    python3 scripts/pytorch/bench_reference.py --model gpt2 --seq 1024 --batch 8 \\
+        --cases fwd_bwd,fwd_bwd_bf16,adam_fused --out anchor.jsonl
+then `cargo xtask bench-memory ... --pytorch anchor.jsonl` with the same model, batches and cases.
+
+Case names are bench-memory's. `adam8bit` needs bitsandbytes (its line reports the error
+without it); bench-memory's cases with no PyTorch counterpart (`adam_foreach_unbounded` is
+`adam_foreach` here, `adam8bit_inbwd`, `adam_inbwd_clip`, `adam_inbwd_clip_prev`,
+`adam_ckpt8bit`, `adam_auto`) are not offered.
+"""
+import argparse
+import contextlib
+import gc
+import json
+import math
+import subprocess
+import sys
+import time
+
+# bench-memory's cases that PyTorch has.
+CASES = [
+    'adam_foreach', 'adam_single', 'sgd', 'adam_fused', 'adam_inbwd', 'adam8bit', 'adam_ckpt',
+    'adam_inbwd_ckpt', 'adam_fused_clip', 'adam_offload', 'adam_bf16', 'adam_fp16',
+    'adam_inbwd_ckpt_bf16', 'fwd_bwd', 'fwd_bwd_bf16',
+]
+VIT_MODELS = {'vit_l_16', 'vit_b_16'}
+GPT2_MODELS = {  # Hugging Face's configs: (n_embd, n_layer, n_head)
+    'gpt2': (768, 12, 12),
+    'gpt2-medium': (1024, 24, 16),
+    'gpt2-large': (1280, 36, 20),
+}
+
+
+def build_model(model_name, case):
+    """The model on the GPU, its blocks checkpointed or offloaded as the case says."""
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    if model_name in VIT_MODELS:
+        from torchvision import models
+        model = getattr(models, model_name)(weights=None)
+        blocks = model.encoder.layers
+    elif model_name in GPT2_MODELS:
+        from transformers import AutoModelForCausalLM, GPT2Config
+        n_embd, n_layer, n_head = GPT2_MODELS[model_name]
+        config = GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head, attn_pdrop=0.0,
+                            resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation='sdpa')
+        blocks = model.transformer.h
+    else:
+        raise SystemExit(f'unknown model {model_name} (models: vit_l_16, vit_b_16, gpt2, '
+                         'gpt2-medium, gpt2-large)')
+
+    class Checkpointed(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+    class Offloaded(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return self.inner(*args, **kwargs)
+
+    n = len(blocks)
+    if 'ckpt' in case:
+        for i in range(n):
+            blocks[i] = Checkpointed(blocks[i])
+    if case == 'adam_offload':
+        # bench-memory's offload_blocks: the first 7/12 of the blocks.
+        for i in range(math.ceil(7 * n / 12)):
+            blocks[i] = Offloaded(blocks[i])
+    model = model.cuda()
+    if case == 'fwd_bwd_bf16':
+        model = model.bfloat16()
+    return model
+
+
+def build_case(case, model_name, seq):
+    """A case's model and optimizer: `(step(batch_input), make_input(batch), zero_grad())`."""
+    import torch
+
+    model = build_model(model_name, case)
+    params = list(model.parameters())
+    amp = torch.bfloat16 if 'bf16' in case and case != 'fwd_bwd_bf16' else None
+    scaler = None
+    if 'fp16' in case:
+        amp = torch.float16
+        scaler = torch.amp.GradScaler('cuda')
+    opt = None
+    if case.startswith('adam8bit'):
+        import bitsandbytes as bnb
+        opt = bnb.optim.Adam8bit(params, lr=1e-4)
+    elif case == 'sgd':
+        opt = torch.optim.SGD(params, lr=1e-3)
+    elif case.startswith('fwd_bwd'):
+        opt = None
+    elif 'inbwd' in case:
+        # The tutorial's optimizer in backward: one Adam(foreach=False) per parameter.
+        per_param = {p: torch.optim.Adam([p], lr=1e-4, foreach=False) for p in params}
+
+        def hook(p):
+            per_param[p].step()
+            per_param[p].zero_grad()
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(hook)
+    elif case == 'adam_single':
+        opt = torch.optim.Adam(params, lr=1e-4, foreach=False)
+    elif case == 'adam_foreach':
+        opt = torch.optim.Adam(params, lr=1e-4)  # foreach on CUDA by default
+    else:
+        opt = torch.optim.Adam(params, lr=1e-4, fused=True)
+    clip = case == 'adam_fused_clip'
+    language = model_name in GPT2_MODELS
+    dtype = torch.bfloat16 if case == 'fwd_bwd_bf16' else torch.float32
+
+    def make_input(batch):
+        if language:
+            return torch.randint(0, model.config.vocab_size, (batch, seq), device='cuda')
+        return torch.rand(batch, 3, 224, 224, device='cuda', dtype=dtype)
+
+    def loss_of(x):
+        if language:
+            return model(input_ids=x, labels=x).loss
+        out = model(x)
+        return out.float().sum() if out.dtype != torch.float32 else out.sum()
+
+    def step(x):
+        autocast = (torch.autocast('cuda', dtype=amp) if amp is not None
+                    else contextlib.nullcontext())
+        with autocast:
+            loss = loss_of(x)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            return
+        loss.backward()
+        del loss
+        if opt is not None:
+            if clip:
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+        zero_grad()
+
+    def zero_grad():
+        for p in params:
+            p.grad = None
+
+    return step, make_input, zero_grad, sum(p.numel() * p.element_size() for p in params)
+
+
+def run_case(case, model_name, batch, seq, warmup=3, steps=6):
+    """PyTorch's reference protocol for one case: one anchor line."""
+    import torch
+
+    step, make_input, _, param_bytes = build_case(case, model_name, seq)
+    x = make_input(batch)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup):
+        step(x)
+    torch.cuda.synchronize()
+    first3_peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(x)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    row = dict(case=case, model=model_name, batch=batch, param_bytes=param_bytes,
+               first3_peak_alloc=first3_peak,
+               steady_peak_alloc=torch.cuda.max_memory_allocated(),
+               steady_peak_reserved=torch.cuda.max_memory_reserved(),
+               step_ms_median=times[len(times) // 2], step_ms_min=times[0], times_ms=times)
+    if model_name in GPT2_MODELS:
+        row['seq'] = seq
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--model', default='vit_l_16')
+    parser.add_argument('--seq', type=int, default=1024, help='tokens a row (GPT-2)')
+    parser.add_argument('--batch', type=int, action='append',
+                        help='repeatable; default 1 and 32')
+    parser.add_argument('--cases', default=','.join(CASES))
+    parser.add_argument('--warmup', type=int, default=3)
+    parser.add_argument('--steps', type=int, default=6)
+    parser.add_argument('--out', default='anchor.jsonl', help='appended to')
+    parser.add_argument('--in-process', action='store_true',
+                        help='run every case in this process (faster; peaks after empty_cache)')
+    parser.add_argument('--one', action='store_true', help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    cases = [c for c in args.cases.split(',') if c]
+    for case in cases:
+        if case not in CASES:
+            raise SystemExit(f'unknown case {case} (cases: {", ".join(CASES)})')
+    batches = args.batch or [1, 32]
+    if args.one:
+        print(json.dumps(run_case(cases[0], args.model, batches[0], args.seq, args.warmup,
+                                  args.steps)))
+        return
+    import torch
+    with open(args.out, 'a') as out:
+        def emit(row):
+            print(json.dumps(row), flush=True)
+            out.write(json.dumps(row) + '\n')
+            out.flush()
+
+        emit(dict(case='env', torch=torch.__version__, gpu=torch.cuda.get_device_name(0),
+                  model=args.model))
+        for batch in batches:
+            for case in cases:
+                started = time.time()
+                if args.in_process:
+                    try:
+                        row = run_case(case, args.model, batch, args.seq, args.warmup, args.steps)
+                    except Exception as ex:  # reported, the other cases still run
+                        row = dict(case=case, model=args.model, batch=batch, error=repr(ex)[:300])
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                else:
+                    command = [sys.executable, __file__, '--one', '--model', args.model,
+                               '--seq', str(args.seq), '--batch', str(batch), '--cases', case,
+                               '--warmup', str(args.warmup), '--steps', str(args.steps)]
+                    done = subprocess.run(command, capture_output=True, text=True)
+                    lines = [l for l in done.stdout.splitlines() if l.startswith('{')]
+                    row = (json.loads(lines[-1]) if lines else
+                           dict(case=case, model=args.model, batch=batch,
+                                error=done.stderr[-300:]))
+                row['wall_s'] = round(time.time() - started, 1)
+                emit(row)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,228 @@
+//! The models `bench-memory` and `find-max-batch` train, their inputs and their losses:
+//! torchvision's ViTs (`loss = model(x).sum()` on `rand(batch, 3, size, size)`) and Hugging
+//! Face's GPT-2 family (`GPT2LMHeadModel` without dropout, the causal-LM loss on `seq` random
+//! tokens a row).
+//!
+//! It sits on nn (the models) and autograd-core (tensors, the loss); it knows nothing about
+//! optimizers, cases, reports or devices.
+
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use headroom_autograd_core::{
+    cross_entropy, uniform, BackendRef, DType, Generator, Reduction, Tensor,
+};
+use headroom_nn::{BlockRunner, Gpt2Config, Gpt2LMHeadModel, Module, VisionTransformer, VitConfig};
+
+/// A model of the benchmark.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Model {
+    /// Its name in reports.
+    pub(crate) name: &'static str,
+    /// What it is built from.
+    pub(crate) arch: Arch,
+}
+
+/// A model's architecture and, for a language model, its sequence length.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Arch {
+    /// torchvision's constructor arguments.
+    Vit(VitConfig),
+    /// Hugging Face's config (dropout off) and the tokens of each row.
+    Gpt2 { config: Gpt2Config, seq: usize },
+}
+
+impl Model {
+    /// Names accepted by `--model`.
+    pub(crate) const NAMES: [&'static str; 7] = [
+        "vit_l_16",
+        "vit_b_16",
+        "vit_mini",
+        "vit_tiny",
+        "gpt2",
+        "gpt2-medium",
+        "gpt2-large",
+    ];
+
+    /// The model named `name`: torchvision's `vit_l_16` and `vit_b_16`; `vit_mini`, the CPU
+    /// default ([`VitConfig::mini`], 5.2 M parameters, 17 tokens an image, so that, like
+    /// ViT-L/16 at batch 1, parameters, gradients and optimizer state dominate at batch 1 and
+    /// activations at batch 32); `vit_tiny`, the golden tests' model, for quick checks; and
+    /// Hugging Face's `gpt2`, `gpt2-medium` and `gpt2-large` without dropout (so attention takes
+    /// the fused path, as `attn_implementation="sdpa"` does), at their full 1024 positions
+    /// until [`Model::with_seq`].
+    pub(crate) fn named(name: &str) -> Result<Model> {
+        let arch = match name {
+            "vit_l_16" => Arch::Vit(VitConfig::vit_l_16()),
+            "vit_b_16" => Arch::Vit(VitConfig::vit_b_16()),
+            "vit_mini" => Arch::Vit(VitConfig::mini()),
+            "vit_tiny" => Arch::Vit(VitConfig::tiny()),
+            other => match Gpt2Config::named(other) {
+                Some(config) => Arch::Gpt2 {
+                    config: config.without_dropout(),
+                    seq: config.n_positions,
+                },
+                None => bail!(
+                    "unknown model `{other}` (models: {})",
+                    Model::NAMES.join(", ")
+                ),
+            },
+        };
+        let name = Model::NAMES
+            .into_iter()
+            .find(|n| *n == name)
+            .expect("matched above");
+        Ok(Model { name, arch })
+    }
+
+    /// The language model with `seq` tokens a row (`--seq`).
+    pub(crate) fn with_seq(self, seq: usize) -> Result<Model> {
+        let Arch::Gpt2 { config, .. } = self.arch else {
+            bail!(
+                "--seq is for language models (gpt2, gpt2-medium, gpt2-large), not {}",
+                self.name
+            );
+        };
+        if seq < 2 || seq > config.n_positions {
+            bail!(
+                "--seq {seq}: {} takes 2 to {} tokens a row",
+                self.name,
+                config.n_positions
+            );
+        }
+        Ok(Model {
+            arch: Arch::Gpt2 { config, seq },
+            ..self
+        })
+    }
+
+    /// Its blocks (encoder blocks or transformer layers).
+    pub(crate) fn n_blocks(&self) -> usize {
+        match self.arch {
+            Arch::Vit(config) => config.num_layers,
+            Arch::Gpt2 { config, .. } => config.n_layer,
+        }
+    }
+}
+
+/// A model built on a backend.
+pub(crate) enum Net {
+    Vit(VisionTransformer),
+    Gpt2(Gpt2LMHeadModel),
+}
+
+impl Net {
+    /// `model` with `dtype` parameters, initialised from seed 0.
+    pub(crate) fn new(backend: &BackendRef, model: Model, dtype: DType) -> Result<Net> {
+        let generator = Arc::new(Generator::new(0));
+        Ok(match model.arch {
+            Arch::Vit(config) => {
+                Net::Vit(VisionTransformer::new(backend, config, dtype, &generator)?)
+            }
+            Arch::Gpt2 { config, .. } => {
+                Net::Gpt2(Gpt2LMHeadModel::new(backend, config, dtype, &generator)?)
+            }
+        })
+    }
+
+    /// The parameters, in `named_parameters()` order.
+    pub(crate) fn parameters(&self) -> Vec<Tensor> {
+        match self {
+            Net::Vit(vit) => vit.parameters(),
+            Net::Gpt2(gpt2) => gpt2.parameters(),
+        }
+    }
+
+    /// Runs the blocks through `runner` (checkpointing, offload, compression, a plan).
+    pub(crate) fn set_block_runner(&mut self, runner: Option<Arc<dyn BlockRunner>>) {
+        match self {
+            Net::Vit(vit) => vit.encoder.block_runner = runner,
+            Net::Gpt2(gpt2) => gpt2.transformer.block_runner = runner,
+        }
+    }
+
+    /// The forward and the loss: `model(x).float().sum()` for a ViT (the images cast to the
+    /// parameters' dtype), Hugging Face's causal-LM loss (logits in f32, mean over the predicted
+    /// positions) for GPT-2.
+    pub(crate) fn loss(&self, input: &Input) -> Result<Tensor> {
+        match (self, input) {
+            (Net::Vit(vit), Input::Images(images)) => {
+                // A half-precision model takes its images in its own dtype (`x.bfloat16()`).
+                let dtype = vit.parameters().first().map_or(DType::F32, Tensor::dtype);
+                let output = if dtype == images.dtype() {
+                    vit.forward(images)?
+                } else {
+                    vit.forward(&images.to_dtype(dtype)?)?
+                };
+                Ok(output.to_dtype(DType::F32)?.sum_all()?)
+            }
+            (Net::Gpt2(gpt2), Input::Tokens { ids, targets }) => {
+                let logits = gpt2.forward(ids)?;
+                let [batch, seq, vocab] = *logits.shape() else {
+                    bail!("GPT-2 logits of shape {:?}", logits.shape());
+                };
+                let logits = logits
+                    .to_dtype(DType::F32)?
+                    .reshape(&[batch * seq, vocab])?;
+                Ok(cross_entropy(
+                    &logits,
+                    targets,
+                    IGNORE_INDEX,
+                    Reduction::Mean,
+                )?)
+            }
+            _ => bail!("the input does not match the model"),
+        }
+    }
+}
+
+/// The label Hugging Face's loss skips (the last position of each row predicts nothing).
+const IGNORE_INDEX: i64 = -100;
+
+/// One batch of a model's input.
+pub(crate) enum Input {
+    /// `rand(batch, 3, size, size)`.
+    Images(Tensor),
+    /// Token ids `[batch, seq]` and the targets `[batch × seq]` (each position's next token,
+    /// [`IGNORE_INDEX`] at the end of a row), shifted on the host so the loss reads nothing back.
+    Tokens { ids: Tensor, targets: Tensor },
+}
+
+impl Input {
+    /// `model`'s input at `batch` from autograd-core's counter-based stream (seed 0): uniform
+    /// pixels, or uniform token ids.
+    pub(crate) fn new(backend: &BackendRef, model: Model, batch: usize) -> Result<Input> {
+        match model.arch {
+            Arch::Vit(config) => {
+                let size = config.image_size;
+                let pixels: Vec<f32> = (0..batch * 3 * size * size)
+                    .map(|i| uniform(0, i as u64) as f32)
+                    .collect();
+                Ok(Input::Images(Tensor::from_slice(
+                    backend,
+                    &pixels,
+                    &[batch, 3, size, size],
+                )?))
+            }
+            Arch::Gpt2 { config, seq } => {
+                let vocab = config.vocab_size;
+                let ids: Vec<i64> = (0..batch * seq)
+                    .map(|i| ((uniform(0, i as u64) * vocab as f64) as usize).min(vocab - 1) as i64)
+                    .collect();
+                let targets: Vec<i64> = (0..batch * seq)
+                    .map(|i| {
+                        if i % seq + 1 < seq {
+                            ids[i + 1]
+                        } else {
+                            IGNORE_INDEX
+                        }
+                    })
+                    .collect();
+                Ok(Input::Tokens {
+                    ids: Tensor::from_slice(backend, &ids, &[batch, seq])?,
+                    targets: Tensor::from_slice(backend, &targets, &[batch * seq])?,
+                })
+            }
+        }
+    }
+}

@@ -1,0 +1,632 @@
+//! `cargo xtask find-max-batch`: the largest batch each `bench-memory` case trains at under a
+//! memory cap that the allocator enforces (`per_process_memory_fraction`, as PyTorch's
+//! `torch.cuda.set_per_process_memory_fraction`).
+//!
+//! Per case, one model and optimizer are built; a step at batch 1 creates the optimizer's state,
+//! and the allocated bytes after it are the case's baseline. Each probe is one training step at
+//! one batch (input built, forward, backward, step, `zero_grad(set_to_none)`): it fits, or
+//! fails with the allocator's typed out-of-memory error (`AllocError::OutOfMemory`, found in the
+//! error's chain), which is caught; any other error stops the command. After every probe the
+//! gradients are set to none, the cache is emptied (each probe starts from the same state, as
+//! the recipe's `empty_cache` does) and the allocator must hold exactly the baseline's bytes:
+//! otherwise the probe leaked, and the command fails naming it. The search ([`search`]) doubles
+//! the batch until a probe runs out of memory, then bisects between the largest batch that fit
+//! and the smallest that did not, splitting where the measured reserved peaks (linear in the
+//! batch) reach the cap, and at the midpoint whenever such a split removed less than half of
+//! the interval. The result is exact: the largest batch fits and the next one does not.
+//!
+//! It sits on `bench_memory`'s models, cases and training loop and on the backends' caching
+//! allocators; it knows nothing about how `bench-memory` reports.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use headroom_autograd_core::TensorError;
+use headroom_caching_allocator::{
+    AllocError, AllocatorConfig, CachingAllocator, CudaStorage, HostStorage, Storage,
+    ALLOC_CONF_ENV,
+};
+use headroom_ops_cpu::CpuBackend;
+use headroom_ops_cuda::CudaBackend;
+use serde_json::{json, Value};
+
+use crate::bench_memory::cases::{Case, Probe, Protocol, Training};
+use crate::bench_memory::models::{Input, Model};
+
+pub(crate) const USAGE: &str =
+    "  find-max-batch [--device auto|cpu|cuda] [--model NAME] [--seq N] [--cases a,b,c]
+                 [--memory-cap-mb N] [--max-batch N] [--json FILE] [--pytorch FILE]
+      The largest batch each bench-memory case trains at (one step: forward, backward, optimizer
+      step) under a cap of N MiB that the allocator enforces (per_process_memory_fraction;
+      default 24576 on CUDA, 128 on the CPU). Doubling until out of memory, then bisection; every
+      out-of-memory error is caught and the allocator must come back to the case's baseline
+      bytes. Default model: vit_l_16 on CUDA, vit_mini on the CPU (--seq: tokens a row for
+      gpt2, gpt2-medium, gpt2-large). Cases: bench-memory's, adam_auto excepted (default all the
+      device runs). --json writes one object per case (case, max_batch, peak_allocated_bytes
+      at that batch, ooms, seconds, every probe); --pytorch reads the JSON lines of
+      scripts/pytorch/find_max_batch.py and adds PyTorch's figures.
+";
+
+/// Default caps in MiB.
+const CUDA_DEFAULT_CAP_MIB: u64 = 24 << 10;
+const CPU_DEFAULT_CAP_MIB: u64 = 128;
+
+/// The parsed command line.
+#[derive(Debug, Clone)]
+struct Options {
+    device: Device,
+    model: Option<Model>,
+    seq: Option<usize>,
+    /// Empty: every case the device runs.
+    cases: Vec<Case>,
+    cap_mib: Option<u64>,
+    /// No probe goes above this batch.
+    max_batch: usize,
+    json: Option<PathBuf>,
+    pytorch: Option<PathBuf>,
+    command: String,
+}
+
+/// Which device `--device` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Device {
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+/// `cargo xtask find-max-batch ARGS`.
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    if args.iter().any(|arg| arg == "--help" || arg == "-h") {
+        print!("usage:\n{USAGE}");
+        return Ok(());
+    }
+    execute(&parse(args)?).map(|_| ())
+}
+
+fn parse(args: &[String]) -> Result<Options> {
+    let mut options = Options {
+        device: Device::Auto,
+        model: None,
+        seq: None,
+        cases: Vec::new(),
+        cap_mib: None,
+        max_batch: 1 << 16,
+        json: None,
+        pytorch: None,
+        command: std::iter::once("cargo xtask find-max-batch".to_owned())
+            .chain(args.iter().cloned())
+            .collect::<Vec<_>>()
+            .join(" "),
+    };
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        let mut value = || {
+            args.next()
+                .with_context(|| format!("{arg} needs a value"))
+                .cloned()
+        };
+        let positive = |text: String| -> Result<usize> {
+            match text.parse::<usize>() {
+                Ok(n) if n > 0 => Ok(n),
+                _ => bail!("{arg} {text}: expected a whole number of at least 1"),
+            }
+        };
+        match arg.as_str() {
+            "--device" => {
+                options.device = match value()?.as_str() {
+                    "auto" => Device::Auto,
+                    "cpu" => Device::Cpu,
+                    "cuda" => Device::Cuda,
+                    other => bail!("--device {other}: expected auto, cpu or cuda"),
+                }
+            }
+            "--model" => options.model = Some(Model::named(&value()?)?),
+            "--seq" => options.seq = Some(positive(value()?)?),
+            "--cases" => {
+                options.cases = value()?
+                    .split(',')
+                    .filter(|name| !name.is_empty())
+                    .map(Case::parse)
+                    .collect::<Result<_>>()?;
+                if options.cases.is_empty() {
+                    bail!("--cases names no case");
+                }
+                if options.cases.contains(&Case::AdamAuto) {
+                    bail!(
+                        "adam_auto plans checkpointing for a byte budget, not a batch: \
+                         leave it out of --cases (bench-memory --budget measures it)"
+                    );
+                }
+            }
+            "--memory-cap-mb" => options.cap_mib = Some(positive(value()?)? as u64),
+            "--max-batch" => options.max_batch = positive(value()?)?,
+            "--json" => options.json = Some(value()?.into()),
+            "--pytorch" => options.pytorch = Some(value()?.into()),
+            other => bail!("unknown option {other}\n\nusage:\n{USAGE}"),
+        }
+    }
+    Ok(options)
+}
+
+/// What the search found for one case.
+#[derive(Debug, Clone)]
+pub(crate) struct Found {
+    pub(crate) case: Case,
+    pub(crate) model: &'static str,
+    /// The largest batch that fits (0: not even batch 1).
+    pub(crate) max_batch: usize,
+    /// Peak allocated and reserved bytes of the step at `max_batch`.
+    pub(crate) peak_allocated_bytes: u64,
+    pub(crate) peak_reserved_bytes: u64,
+    /// That step's time (one step on an emptied cache).
+    pub(crate) step_ms: f64,
+    /// Probes that ran out of memory.
+    pub(crate) ooms: usize,
+    /// Every probe, in order.
+    pub(crate) probes: Vec<Probed>,
+    /// Wall time of the whole search, model building included.
+    pub(crate) seconds: f64,
+}
+
+/// One probe's outcome.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Probed {
+    pub(crate) batch: usize,
+    /// `None`: out of memory.
+    pub(crate) peaks: Option<Peaks>,
+}
+
+/// The peaks and time of a step that fit.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Peaks {
+    pub(crate) allocated: u64,
+    pub(crate) reserved: u64,
+    pub(crate) step_ms: f64,
+}
+
+/// Runs the search for every case on the device the options pick and prints the table.
+fn execute(options: &Options) -> Result<Vec<Found>> {
+    let started = Instant::now();
+    let pytorch = match &options.pytorch {
+        Some(path) => read_pytorch(path)?,
+        None => Vec::new(),
+    };
+    let cuda = match options.device {
+        Device::Cpu => false,
+        Device::Cuda => true,
+        Device::Auto => CudaStorage::new(0).is_ok(),
+    };
+    let cap_mib = options.cap_mib.unwrap_or(if cuda {
+        CUDA_DEFAULT_CAP_MIB
+    } else {
+        CPU_DEFAULT_CAP_MIB
+    });
+    let cap = cap_mib << 20;
+    let (found, device_name) = if cuda {
+        let total = CudaStorage::new(0)
+            .context("--device cuda")?
+            .memory_info()
+            .total;
+        ensure!(
+            cap <= total,
+            "--memory-cap-mb {cap_mib}: the device has only {} MiB",
+            total >> 20
+        );
+        let config = capped_config(cap as f64 / total as f64)?;
+        let backend = CudaBackend::with_config(0, config).context("--device cuda")?;
+        let synchronize = || Ok(backend.synchronize()?);
+        let probe = Probe {
+            backend: backend.clone(),
+            allocator: backend.allocator(),
+            synchronize: &synchronize,
+            device: "cuda:0".into(),
+        };
+        let name = backend.allocator().with_storage(|s| s.device_name());
+        (search_cases(&probe, options, "vit_l_16", true, cap)?, name)
+    } else {
+        let allocator = CachingAllocator::new(
+            HostStorage::with_capacity(cap),
+            AllocatorConfig::from_env()?,
+        );
+        let cpu = Arc::new(CpuBackend::new(allocator));
+        let probe = Probe::cpu(&cpu);
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let name = format!("CPU backend, {threads} threads");
+        (search_cases(&probe, options, "vit_mini", false, cap)?, name)
+    };
+    println!(
+        "find-max-batch on {device_name}: cap {cap_mib} MiB ({cap} B), one step a probe, sizes in \
+         decimal GB\n"
+    );
+    println!("{}", markdown(&found, &pytorch));
+    let seconds = started.elapsed().as_secs_f64();
+    if let Some(path) = &options.json {
+        let document = json!({
+            "tool": "cargo xtask find-max-batch",
+            "command": options.command,
+            "device_name": device_name,
+            "memory_cap_bytes": cap,
+            "seconds": seconds,
+            "cases": found.iter().map(|f| case_json(f, &pytorch)).collect::<Vec<_>>(),
+        });
+        let text = serde_json::to_string_pretty(&document)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("find-max-batch: wrote {}", path.display());
+    }
+    eprintln!("find-max-batch: {} cases in {seconds:.1} s", found.len());
+    Ok(found)
+}
+
+/// `HEADROOM_ALLOC_CONF`'s settings with `per_process_memory_fraction` set to `fraction`.
+fn capped_config(fraction: f64) -> Result<AllocatorConfig> {
+    let base = std::env::var(ALLOC_CONF_ENV).unwrap_or_default();
+    if base.contains("per_process_memory_fraction") {
+        bail!("{ALLOC_CONF_ENV} sets per_process_memory_fraction: give the cap as --memory-cap-mb");
+    }
+    let conf = if base.trim().is_empty() {
+        format!("per_process_memory_fraction:{fraction}")
+    } else {
+        format!("{base},per_process_memory_fraction:{fraction}")
+    };
+    AllocatorConfig::parse(&conf).with_context(|| format!("allocator settings `{conf}`"))
+}
+
+fn search_cases<S: Storage>(
+    probe: &Probe<'_, S>,
+    options: &Options,
+    default_model: &str,
+    cuda: bool,
+    cap: u64,
+) -> Result<Vec<Found>> {
+    let model = match options.model {
+        Some(model) => model,
+        None => Model::named(default_model)?,
+    };
+    let model = match options.seq {
+        Some(seq) => model.with_seq(seq)?,
+        None => model,
+    };
+    let cases: Vec<Case> = if options.cases.is_empty() {
+        Case::ALL
+            .into_iter()
+            .filter(|case| *case != Case::AdamAuto && (cuda || !case.needs_cuda()))
+            .collect()
+    } else {
+        options.cases.clone()
+    };
+    let mut found = Vec::with_capacity(cases.len());
+    // What the allocator holds between cases: the backend's own buffers (cuBLAS's workspace,
+    // made by the first case's first product) and nothing of any case.
+    let mut resting = None;
+    for case in cases {
+        let result = find_max_batch(probe, model, case, cap, options.max_batch)?;
+        let held = probe.allocator.memory_allocated();
+        let expected = *resting.get_or_insert(held);
+        ensure!(
+            held == expected,
+            "{} {} left {held} B allocated, the case before it {expected} B",
+            model.name,
+            case.name()
+        );
+        eprintln!(
+            "find-max-batch: {} {}: max batch {} ({} OOMs, {:.1} s)",
+            model.name,
+            case.name(),
+            result.max_batch,
+            result.ooms,
+            result.seconds
+        );
+        found.push(result);
+    }
+    Ok(found)
+}
+
+/// The largest batch `case` trains `model` at on `probe`'s device, whose allocator is capped at
+/// `cap` bytes; no probe above `max_batch`.
+pub(crate) fn find_max_batch<S: Storage>(
+    probe: &Probe<'_, S>,
+    model: Model,
+    case: Case,
+    cap: u64,
+    max_batch: usize,
+) -> Result<Found> {
+    let started = Instant::now();
+    let allocator = probe.allocator;
+    allocator.empty_cache()?;
+    let (max, probes) = {
+        let training = Training::new(probe, model, case)
+            .with_context(|| format!("{} {}: building the model", model.name, case.name()))?;
+        let mut baseline = None;
+        let mut step =
+            |batch: usize| -> Result<Option<Peaks>> {
+                let outcome = probe_batch(probe, &training, model, case, batch);
+                // Whatever the step left (gradients of an interrupted backward) goes; the cache too.
+                training.clear_grads()?;
+                (probe.synchronize)()?;
+                allocator.empty_cache()?;
+                let peaks = match outcome {
+                    Ok(peaks) => Some(peaks),
+                    Err(err) if is_out_of_memory(&err) => None,
+                    Err(err) => {
+                        return Err(err.context(format!(
+                            "{} {} at batch {batch}",
+                            model.name,
+                            case.name()
+                        )))
+                    }
+                };
+                let now = allocator.memory_allocated();
+                let expected = *baseline.get_or_insert(now);
+                ensure!(
+                now == expected,
+                "{} {} at batch {batch} ({}) leaked: the allocator holds {now} B after the probe, \
+                 {expected} B before",
+                model.name,
+                case.name(),
+                if peaks.is_some() { "fit" } else { "out of memory" },
+            );
+                Ok(peaks)
+            };
+        search(cap, max_batch, &mut step)?
+    };
+    let at_max = probes.iter().find(|p| p.batch == max).and_then(|p| p.peaks);
+    Ok(Found {
+        case,
+        model: model.name,
+        max_batch: max,
+        peak_allocated_bytes: at_max.map_or(0, |p| p.allocated),
+        peak_reserved_bytes: at_max.map_or(0, |p| p.reserved),
+        step_ms: at_max.map_or(f64::NAN, |p| p.step_ms),
+        ooms: probes.iter().filter(|p| p.peaks.is_none()).count(),
+        probes,
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+/// One training step of `case` at `batch`: its peaks and time, or the error it stopped with.
+fn probe_batch<S: Storage>(
+    probe: &Probe<'_, S>,
+    training: &Training,
+    model: Model,
+    case: Case,
+    batch: usize,
+) -> Result<Peaks> {
+    let protocol = Protocol {
+        warmup: 0,
+        steps: 1,
+        bucket_bytes: None,
+        budget: None,
+    };
+    let input = Input::new(&probe.backend, model, batch)?;
+    (probe.synchronize)()?;
+    probe.allocator.reset_peak_stats();
+    let start = Instant::now();
+    training.run(&input, case, protocol)?.step()?;
+    (probe.synchronize)()?;
+    Ok(Peaks {
+        allocated: probe.allocator.max_memory_allocated(),
+        reserved: probe.allocator.max_memory_reserved(),
+        step_ms: start.elapsed().as_secs_f64() * 1e3,
+    })
+}
+
+/// Whether `err` is the allocator's out-of-memory error, wherever it sits in the chain (an op's
+/// `TensorError::Alloc`, an nn or optimizer error around it, a hook's error inside backward).
+pub(crate) fn is_out_of_memory(err: &anyhow::Error) -> bool {
+    err.chain().any(|cause| {
+        matches!(
+            cause.downcast_ref::<AllocError>(),
+            Some(AllocError::OutOfMemory(_))
+        ) || matches!(
+            cause.downcast_ref::<TensorError>(),
+            Some(TensorError::Alloc(AllocError::OutOfMemory(_)))
+        )
+    })
+}
+
+/// The largest batch in `1..=max_batch` for which `fits` returns peaks, given that the
+/// allocator is capped at `cap` bytes; and every probe, in order. Doubling from 1 until a probe
+/// runs out of memory (or `max_batch` fits), then bisection of [largest fit, smallest misfit]:
+/// the split is where the line through the two largest fitting probes' reserved peaks reaches
+/// `cap`, kept strictly inside the interval, and the midpoint after a split that removed less
+/// than half of it. Exact when `fits` is monotone: the result fits and the next batch does not.
+pub(crate) fn search(
+    cap: u64,
+    max_batch: usize,
+    fits: &mut dyn FnMut(usize) -> Result<Option<Peaks>>,
+) -> Result<(usize, Vec<Probed>)> {
+    let mut probes: Vec<Probed> = Vec::new();
+    let mut probe = |batch: usize, probes: &mut Vec<Probed>| -> Result<bool> {
+        let peaks = fits(batch)?;
+        probes.push(Probed { batch, peaks });
+        Ok(peaks.is_some())
+    };
+    // Doubling: `lo` fits, `hi` (if any) does not.
+    let mut lo = 0;
+    let mut hi = None;
+    let mut batch = 1;
+    while batch <= max_batch {
+        if probe(batch, &mut probes)? {
+            lo = batch;
+            if batch == max_batch {
+                break;
+            }
+            batch = (batch * 2).min(max_batch);
+        } else {
+            hi = Some(batch);
+            break;
+        }
+    }
+    let Some(mut hi) = hi else {
+        return Ok((lo, probes));
+    };
+    let mut halve = false;
+    while hi - lo > 1 {
+        let width = hi - lo;
+        let split = match (halve, predicted(&probes, cap)) {
+            (false, Some(guess)) => guess.clamp(lo + 1, hi - 1),
+            _ => lo + width / 2,
+        };
+        let guided = !halve;
+        if probe(split, &mut probes)? {
+            lo = split;
+        } else {
+            hi = split;
+        }
+        // A guided split that left more than half the interval: the next one is the midpoint.
+        halve = guided && 2 * (hi - lo) > width;
+    }
+    Ok((lo, probes))
+}
+
+/// The batch at which the line through the two largest fitting probes' reserved peaks reaches
+/// `cap` (rounded down); `None` with fewer than two, or peaks that do not grow with the batch.
+fn predicted(probes: &[Probed], cap: u64) -> Option<usize> {
+    let mut fitting: Vec<(usize, u64)> = probes
+        .iter()
+        .filter_map(|p| p.peaks.map(|peaks| (p.batch, peaks.reserved)))
+        .collect();
+    fitting.sort_unstable();
+    let [.., (b1, r1), (b2, r2)] = fitting[..] else {
+        return None;
+    };
+    if r2 <= r1 {
+        return None;
+    }
+    let per_sample = (r2 - r1) as f64 / (b2 - b1) as f64;
+    let room = cap.saturating_sub(r2) as f64;
+    Some(b2 + (room / per_sample).floor() as usize)
+}
+
+/// PyTorch's result for one case (a line of `scripts/pytorch/find_max_batch.py`'s output).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct TorchFound {
+    pub(crate) model: String,
+    pub(crate) case: String,
+    pub(crate) max_batch: usize,
+    pub(crate) peak_allocated_bytes: u64,
+    pub(crate) ooms: usize,
+    pub(crate) seconds: f64,
+}
+
+fn read_pytorch(path: &std::path::Path) -> Result<Vec<TorchFound>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    parse_pytorch(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// The JSON lines with a `case` and a `max_batch` (others, and lines that are not JSON objects,
+/// are skipped); `model` defaults to `vit_l_16`.
+pub(crate) fn parse_pytorch(text: &str) -> Result<Vec<TorchFound>> {
+    let mut found = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if !line.trim_start().starts_with('{') {
+            continue;
+        }
+        let row: Value =
+            serde_json::from_str(line).with_context(|| format!("line {} is not JSON", n + 1))?;
+        let (Some(case), Some(max_batch)) = (row["case"].as_str(), row["max_batch"].as_u64())
+        else {
+            continue;
+        };
+        found.push(TorchFound {
+            model: row["model"].as_str().unwrap_or("vit_l_16").to_owned(),
+            case: case.to_owned(),
+            max_batch: max_batch as usize,
+            peak_allocated_bytes: row["peak_allocated_bytes"].as_u64().unwrap_or(0),
+            ooms: row["ooms"].as_u64().unwrap_or(0) as usize,
+            seconds: row["seconds"].as_f64().unwrap_or(f64::NAN),
+        });
+    }
+    Ok(found)
+}
+
+fn torch_for<'a>(pytorch: &'a [TorchFound], found: &Found) -> Option<&'a TorchFound> {
+    pytorch
+        .iter()
+        .find(|t| t.model == found.model && t.case == found.case.pytorch_name())
+}
+
+fn gb(bytes: u64) -> String {
+    format!("{:.2}", bytes as f64 / 1e9)
+}
+
+/// The Markdown table: one row per case, PyTorch's columns when any case has its figures.
+pub(crate) fn markdown(found: &[Found], pytorch: &[TorchFound]) -> String {
+    let with_pytorch = found.iter().any(|f| torch_for(pytorch, f).is_some());
+    let mut out = String::from(
+        "| model | case | max batch | peak alloc GB | peak reserved GB | step ms | OOMs | probes | s |",
+    );
+    if with_pytorch {
+        out.push_str(
+            " PyTorch max batch | PyTorch peak GB | PyTorch OOMs | PyTorch s | ours / PyTorch |",
+        );
+    }
+    out.push('\n');
+    out.push_str(&"|---".repeat(if with_pytorch { 14 } else { 9 }));
+    out.push_str("|\n");
+    for f in found {
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {:.1} | {} | {} | {:.1} |",
+            f.model,
+            f.case.name(),
+            f.max_batch,
+            gb(f.peak_allocated_bytes),
+            gb(f.peak_reserved_bytes),
+            f.step_ms,
+            f.ooms,
+            f.probes.len(),
+            f.seconds
+        ));
+        if with_pytorch {
+            match torch_for(pytorch, f) {
+                Some(t) => out.push_str(&format!(
+                    " {} | {} | {} | {:.1} | {:.2} |",
+                    t.max_batch,
+                    gb(t.peak_allocated_bytes),
+                    t.ooms,
+                    t.seconds,
+                    f.max_batch as f64 / t.max_batch as f64
+                )),
+                None => out.push_str(" - | - | - | - | - |"),
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+fn case_json(f: &Found, pytorch: &[TorchFound]) -> Value {
+    let mut value = json!({
+        "case": f.case.name(),
+        "model": f.model,
+        "max_batch": f.max_batch,
+        "peak_allocated_bytes": f.peak_allocated_bytes,
+        "peak_reserved_bytes": f.peak_reserved_bytes,
+        "step_ms": f.step_ms,
+        "ooms": f.ooms,
+        "seconds": f.seconds,
+        "probes": f.probes.iter().map(|p| json!({
+            "batch": p.batch,
+            "fits": p.peaks.is_some(),
+            "peak_allocated_bytes": p.peaks.map(|x| x.allocated),
+            "peak_reserved_bytes": p.peaks.map(|x| x.reserved),
+        })).collect::<Vec<_>>(),
+    });
+    if let Some(t) = torch_for(pytorch, f) {
+        value["pytorch"] = json!({
+            "case": t.case,
+            "max_batch": t.max_batch,
+            "peak_allocated_bytes": t.peak_allocated_bytes,
+            "ooms": t.ooms,
+            "seconds": t.seconds,
+        });
+    }
+    value
+}
+
+#[cfg(test)]
+mod tests;
