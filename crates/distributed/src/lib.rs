@@ -26,7 +26,7 @@
 //! (`crate::rendezvous` documents the multi-host path).
 //!
 //! # Crate features
-//! - `nccl`: adds `NcclComm`, `nccl_unique_id` and `nccl_available` (API only; results are the
+//! - `nccl`: adds `NcclComm`, `nccl_unique_id`, `nccl_available` and `visible_gpus` (API only; results are the
 //!   collectives' whichever communicator runs them). Builds without NCCL installed.
 //! - `cuda`: lets the tests run on ops-cuda's backend; adds no API.
 //!
@@ -47,7 +47,7 @@ pub use error::DistributedError;
 pub use in_process::{InProcessComm, InProcessGroup, DEFAULT_TIMEOUT};
 pub use layout::{ParamShard, ShardLayout};
 #[cfg(feature = "nccl")]
-pub use nccl::{nccl_available, nccl_unique_id, NcclComm};
+pub use nccl::{nccl_available, nccl_unique_id, visible_gpus, NcclComm};
 pub use rendezvous::{
     FileRendezvous, RankEnv, UniqueId, DEFAULT_WAIT, ENV_LOCAL_RANK, ENV_RANK, ENV_RENDEZVOUS,
     ENV_WORLD_SIZE,

@@ -33,6 +33,21 @@ pub fn nccl_available() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
+/// The GPUs this process sees (`cuDeviceGetCount`, after `CUDA_VISIBLE_DEVICES`): one rank each
+/// on a host. An error where no CUDA driver is installed.
+pub fn visible_gpus() -> Result<usize, DistributedError> {
+    // SAFETY: opening the driver library by name runs its initialisers, which have no
+    // preconditions.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(DistributedError::Nccl(
+            "no CUDA driver (libcuda) on this machine".into(),
+        ));
+    }
+    let count = CudaContext::device_count()
+        .map_err(|err| DistributedError::Nccl(format!("cuDeviceGetCount: {err:?}")))?;
+    Ok(usize::try_from(count).unwrap_or(0))
+}
+
 /// A new NCCL unique id (`ncclGetUniqueId`), for rank 0 to publish to the others.
 pub fn nccl_unique_id() -> Result<UniqueId, DistributedError> {
     check_available()?;

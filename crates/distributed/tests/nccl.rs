@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_distributed::{
-    nccl_unique_id, Communicator, NcclComm, ReduceOp, ShardConfig, ShardedOptimizer, UniqueId,
+    nccl_unique_id, visible_gpus, Communicator, NcclComm, ReduceOp, ShardConfig, ShardedOptimizer,
+    UniqueId,
 };
 use headroom_hooks::InBackwardConfig;
 use headroom_ops_cuda::CudaBackend;
@@ -37,7 +38,9 @@ fn adam() -> AdamConfig {
 fn gpus() -> Option<(Vec<Arc<CudaBackend>>, UniqueId)> {
     let mut gpus = vec![cuda_or_skip(CudaBackend::new(0))?];
     // A second GPU makes the group two ranks; without one, the group is one rank.
-    gpus.extend(CudaBackend::new(1).ok());
+    if visible_gpus().unwrap() >= 2 {
+        gpus.push(cuda_or_skip(CudaBackend::new(1))?);
+    }
     let id = cuda_or_skip(nccl_unique_id())?;
     Some((gpus, id))
 }

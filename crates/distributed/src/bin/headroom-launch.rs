@@ -120,8 +120,13 @@ fn parse(args: &[String]) -> Result<Option<Options>, String> {
     Ok(Some(options))
 }
 
-/// The GPUs this process sees.
+/// The GPUs this process sees: the driver's count with the `nccl` feature, else
+/// `CUDA_VISIBLE_DEVICES` or `nvidia-smi -L`.
 fn visible_gpus() -> Result<usize, String> {
+    #[cfg(feature = "nccl")]
+    if let Ok(n) = headroom_distributed::visible_gpus() {
+        return Ok(n);
+    }
     if let Ok(devices) = std::env::var("CUDA_VISIBLE_DEVICES") {
         return Ok(devices.split(',').filter(|d| !d.trim().is_empty()).count());
     }
