@@ -9,6 +9,7 @@ pub use headroom_amp as amp;
 pub use headroom_autograd_core as autograd_core;
 pub use headroom_caching_allocator as caching_allocator;
 pub use headroom_checkpoint as checkpoint;
+pub use headroom_distributed as distributed;
 pub use headroom_hooks as hooks;
 pub use headroom_nn as nn;
 pub use headroom_ops_cpu as ops_cpu;

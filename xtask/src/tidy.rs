@@ -42,6 +42,8 @@ const LAYERS: &[&[&str]] = &[
         "headroom-hooks",
         "headroom-testkit",
     ],
+    // Data parallelism drives hooks' in-backward buckets.
+    &["headroom-distributed"],
     &["headroom", "headroom-python", "xtask"],
 ];
 
