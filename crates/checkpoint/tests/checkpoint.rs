@@ -514,7 +514,7 @@ fn leaving_the_last_block_alone_saves_its_recompute_for_the_same_peak() {
         let backend: BackendRef = cpu.clone();
         let mut vit = headroom_nn::VisionTransformer::new(
             &backend,
-            config.clone(),
+            config,
             DType::F32,
             &Arc::new(Generator::new(0)),
         )
