@@ -13,9 +13,12 @@
 
 use smallvec::SmallVec;
 
-use super::{round_up, Allocation, Block, CachingAllocator, SegmentKind, State, NIL, SMALL_BUFFER};
+use super::{
+    pool_index, round_up, Allocation, Block, CachingAllocator, SegmentKind, State, NIL,
+    SMALL_BUFFER,
+};
 use crate::error::{AllocError, OutOfMemoryReport};
-use crate::free_index::BlockId;
+use crate::free_index::{BlockId, FreeIndex};
 use crate::snapshot::TraceAction;
 use crate::stats::PoolKind;
 use crate::storage::{Storage, StorageError, StreamId};
@@ -107,10 +110,14 @@ impl<S: Storage> State<S> {
     fn get_free_block(&mut self, pool: PoolKind, stream: StreamId, size: u64) -> Option<BlockId> {
         let max_split = self.config.max_split_size;
         let non_split_rounding = self.config.max_non_split_rounding;
-        let pool = self.pool_mut(pool);
-        pool.n_searches += 1;
-        let stream_pool = pool.streams.get_mut(&stream)?;
-        let (found_size, address, id) = stream_pool.free.first_at_least(size)?;
+        let pool_idx = pool_index(pool);
+        self.pools[pool_idx].n_searches += 1;
+        let stream_pool = self.pools[pool_idx].streams.get(&stream)?;
+        let (found_size, address, id) = if self.expandable {
+            self.best_expandable_fit(&stream_pool.free, size)?
+        } else {
+            stream_pool.free.first_at_least(size)?
+        };
         if let Some(max_split) = max_split {
             // Do not hand an oversize block to a small request, nor a much larger oversize
             // block to an oversize request.
@@ -121,8 +128,39 @@ impl<S: Storage> State<S> {
                 return None;
             }
         }
-        stream_pool.free.remove(found_size, address);
+        self.pools[pool_idx]
+            .stream(stream)
+            .free
+            .remove(found_size, address);
         Some(id)
+    }
+
+    /// PyTorch's best fit among blocks of expandable segments: a block followed by unmapped
+    /// space counts as the size it could grow to, so from the smallest fitting block the search
+    /// moves on while the next block's grown size is smaller. A request then does not take the
+    /// free block at the end of a segment (which could grow for a larger one) when another fits.
+    fn best_expandable_fit(&self, free: &FreeIndex, size: u64) -> Option<(u64, u64, BlockId)> {
+        let expandable_size = |id: BlockId| {
+            let block = self.block(id);
+            let next = block.next;
+            block.size
+                + if next != NIL && !self.block(next).mapped {
+                    self.block(next).size
+                } else {
+                    0
+                }
+        };
+        let mut candidates = free.iter_at_least(size);
+        let mut best = candidates.next()?;
+        let mut best_size = expandable_size(best.2);
+        for next in candidates {
+            let next_size = expandable_size(next.2);
+            if next_size >= best_size {
+                break;
+            }
+            (best, best_size) = (next, next_size);
+        }
+        Some(best)
     }
 
     fn should_split(&self, id: BlockId, size: u64) -> bool {
