@@ -50,7 +50,10 @@ pub use allocator::{Allocation, AllocatorId, CachingAllocator, ContextGuard};
 pub use config::{AllocatorConfig, AllocatorConfigBuilder, ALLOC_CONF_ENV, ROUNDUP_INTERVALS};
 pub use error::{AllocError, OutOfMemoryReport};
 pub use history::HistoryOptions;
-pub use replay::{replay_trace, LiveBlock, RecordedTrace, ReplayReport, BASELINE_LABEL};
+pub use replay::{
+    replay_trace, replay_trace_at_recorded_addresses, LiveBlock, RecordedTrace, ReplayReport,
+    BASELINE_LABEL,
+};
 pub use report::{format_size, memory_summary};
 pub use snapshot::{
     pickle_opcodes, read_json, read_pickle, read_trace_tsv, trace_events_from_snapshot, write_json,
@@ -59,8 +62,8 @@ pub use snapshot::{
 };
 pub use stats::{FragmentationStats, MemoryStats, PoolKind, Stat, StatArray};
 pub use storage::{
-    EventControl, EventId, HostStorage, MemoryInfo, SimulatedStorage, Storage, StorageError,
-    StreamId,
+    EventControl, EventId, HostStorage, MemoryInfo, SegmentPlacement, SimulatedStorage, Storage,
+    StorageError, StreamId,
 };
 
 #[cfg(feature = "cuda")]

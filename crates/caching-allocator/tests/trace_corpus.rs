@@ -18,7 +18,7 @@ use std::io::BufReader;
 use std::path::PathBuf;
 
 use headroom_caching_allocator::{
-    read_trace_tsv, replay_trace, AllocatorConfig, CachingAllocator, RecordedTrace, ReplayReport,
+    read_trace_tsv, replay_trace_at_recorded_addresses, AllocatorConfig, CachingAllocator, RecordedTrace, ReplayReport,
     SimulatedStorage,
 };
 use serde_json::Value;
@@ -85,7 +85,7 @@ fn corpus() -> Vec<CorpusTrace> {
 
 fn replay(config: AllocatorConfig, trace: &RecordedTrace) -> ReplayReport {
     let allocator = CachingAllocator::new(SimulatedStorage::new(H200_BYTES), config);
-    let report = replay_trace(&allocator, trace).expect("replay");
+    let report = replay_trace_at_recorded_addresses(&allocator, trace).expect("replay");
     allocator
         .check_invariants()
         .expect("consistent after replay");
@@ -131,6 +131,8 @@ fn every_corpus_trace_meets_the_figures() {
         );
         let classic = replay(AllocatorConfig::pytorch_defaults(), &trace);
         let default = replay(AllocatorConfig::default(), &trace);
+        let torch_es = replay(AllocatorConfig::pytorch_expandable(), &trace);
+        println!("EXACT {} classic {} vs {} | torch_es {} vs {} | alloc cl {} vs {} | alloc def {} vs {} | tes alloc {}", entry.name, classic.peak_reserved_bytes, entry.classic.reserved, torch_es.peak_reserved_bytes, entry.expandable.reserved, classic.peak_allocated_bytes, entry.classic.allocated, default.peak_allocated_bytes, entry.expandable.allocated, torch_es.peak_allocated_bytes);
         for (policy, report) in [("classic", &classic), ("default", &default)] {
             check(
                 report.events == entry.events,
@@ -200,6 +202,10 @@ fn every_corpus_trace_meets_the_figures() {
             classic.reserved_over_requested(),
             default.peak_reserved_bytes as f64 / entry.expandable.reserved as f64,
             over_live,
+        );
+        println!(
+            "    maps/unmaps: default {}/{}, classic segments {}",
+            default.device_allocs, default.device_frees, classic.device_allocs
         );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
