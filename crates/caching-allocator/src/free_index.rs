@@ -116,7 +116,10 @@ impl FreeIndex {
 
     /// The entries with a size of at least `size`, in (size, address) order: the first is
     /// [`FreeIndex::first_at_least`]'s.
-    pub(crate) fn iter_at_least(&self, size: u64) -> impl Iterator<Item = (u64, u64, BlockId)> + '_ {
+    pub(crate) fn iter_at_least(
+        &self,
+        size: u64,
+    ) -> impl Iterator<Item = (u64, u64, BlockId)> + '_ {
         let bin = bin_of(size);
         let first = self.bins.get(bin).map_or(&[][..], |entries| {
             &entries[entries.partition_point(|&(s, _, _)| s < size)..]

@@ -1,14 +1,18 @@
-//! The trace corpus (`testdata/traces/corpus.json`): every trace replayed through the classic
-//! policy and the default one, against the figures PyTorch 2.11 reported for the same run on an
-//! H200 with `expandable_segments:False` and with `True`.
+//! The trace corpus (`testdata/traces/corpus.json`): every trace replayed through PyTorch's two
+//! policies and the default one, against the figures PyTorch 2.11 reported for the same run on an
+//! H200 with `expandable_segments:False` and with `True` (`scripts/traces/record.py`).
 //!
 //! For every trace:
-//! - the replay reads every event, frees nothing twice, runs out of memory nowhere, and its peak
-//!   of live requests (each rounded up to 512 B) is the one the recording script computed;
-//! - the classic policy reserves within ±0.5% of PyTorch's classic figure, and its peak
-//!   allocated is within 0.1% of PyTorch's;
+//! - the replay reads every event, frees nothing twice, runs out of memory nowhere, starts from
+//!   nothing (the recording began before the first allocation), and its peak of live requests
+//!   (each rounded up to 512 B) is the one the recording script computed;
+//! - the classic policy (`expandable_segments:False`), with its segments placed at the recorded
+//!   addresses, reaches PyTorch's classic peak reserved and peak allocated to the byte (the issue
+//!   asks for ±0.5% and 0.1%);
+//! - PyTorch's expandable policy ([`AllocatorConfig::pytorch_expandable`]) reaches PyTorch's
+//!   expandable peak reserved and peak allocated to the byte;
 //! - the default policy reserves at most 1.01× the rounded live peak and no more than PyTorch's
-//!   expandable segments did, and its peak allocated is within 0.1% of PyTorch's expandable run.
+//!   expandable segments did, and its peak allocated is PyTorch's expandable one.
 //!
 //! The test prints the table (`-- --nocapture`) and checks every trace before failing, so a
 //! failure shows the whole corpus.
@@ -18,13 +22,16 @@ use std::io::BufReader;
 use std::path::PathBuf;
 
 use headroom_caching_allocator::{
-    read_trace_tsv, replay_trace_at_recorded_addresses, AllocatorConfig, CachingAllocator, RecordedTrace, ReplayReport,
-    SimulatedStorage,
+    read_trace_tsv, replay_trace_at_recorded_addresses, AllocatorConfig, CachingAllocator,
+    RecordedTrace, ReplayReport, SimulatedStorage,
 };
 use serde_json::Value;
 
 /// An H200's memory as `cudaMemGetInfo` reports it.
 const H200_BYTES: u64 = 150_754_820_096;
+
+/// The default policy's bound on peak reserved over the rounded live peak.
+const DEFAULT_OVER_LIVE: f64 = 1.01;
 
 fn testdata_dir() -> PathBuf {
     // From the crate's folder, or (a binary carried elsewhere) from the repo root.
@@ -47,9 +54,19 @@ struct CorpusTrace {
 }
 
 /// `torch.cuda.memory_stats()`'s peaks for one run.
+#[derive(Debug, PartialEq)]
 struct TorchFigures {
     allocated: u64,
     reserved: u64,
+}
+
+impl TorchFigures {
+    fn of(report: &ReplayReport) -> TorchFigures {
+        TorchFigures {
+            allocated: report.peak_allocated_bytes,
+            reserved: report.peak_reserved_bytes,
+        }
+    }
 }
 
 fn corpus() -> Vec<CorpusTrace> {
@@ -102,38 +119,39 @@ fn every_corpus_trace_meets_the_figures() {
     assert!(corpus.len() >= 8, "the corpus has {} traces", corpus.len());
     let mut failures = Vec::new();
     println!(
-        "{:<34} {:>7} {:>15} {:>15} {:>15} {:>15} {:>7} {:>7} {:>7} {:>7} {:>7}",
+        "{:<33} {:>7} {:>14} {:>14} {:>14} {:>14} {:>14} {:>7} {:>7} {:>7}",
         "trace",
         "events",
-        "torch alloc",
         "live (512)",
         "torch classic",
         "torch ES",
-        "t.cl/L",
-        "t.ES/L",
-        "ours.cl",
-        "ours",
-        "ours/L"
+        "ours classic",
+        "ours default",
+        "ES/L",
+        "ours/L",
+        "ours/ES"
     );
     for entry in &corpus {
-        let file = File::open(&entry.file)
-            .unwrap_or_else(|e| panic!("{}: {e}", entry.file.display()));
+        let file =
+            File::open(&entry.file).unwrap_or_else(|e| panic!("{}: {e}", entry.file.display()));
         let trace = RecordedTrace::from_events(read_trace_tsv(BufReader::new(file)).expect("TSV"));
         let mut check = |ok: bool, what: String| {
             if !ok {
                 failures.push(format!("{}: {what}", entry.name));
             }
         };
-        // Recording began before anything was allocated: no baseline.
         check(
             trace.live_before.is_empty(),
             format!("{} blocks live before recording", trace.live_before.len()),
         );
         let classic = replay(AllocatorConfig::pytorch_defaults(), &trace);
+        let torch_expandable = replay(AllocatorConfig::pytorch_expandable(), &trace);
         let default = replay(AllocatorConfig::default(), &trace);
-        let torch_es = replay(AllocatorConfig::pytorch_expandable(), &trace);
-        println!("EXACT {} classic {} vs {} | torch_es {} vs {} | alloc cl {} vs {} | alloc def {} vs {} | tes alloc {}", entry.name, classic.peak_reserved_bytes, entry.classic.reserved, torch_es.peak_reserved_bytes, entry.expandable.reserved, classic.peak_allocated_bytes, entry.classic.allocated, default.peak_allocated_bytes, entry.expandable.allocated, torch_es.peak_allocated_bytes);
-        for (policy, report) in [("classic", &classic), ("default", &default)] {
+        for (policy, report) in [
+            ("classic", &classic),
+            ("PyTorch's expandable", &torch_expandable),
+            ("default", &default),
+        ] {
             check(
                 report.events == entry.events,
                 format!("{policy}: {} events, not {}", report.events, entry.events),
@@ -153,30 +171,32 @@ fn every_corpus_trace_meets_the_figures() {
                 ),
             );
         }
-        let classic_reserved = ratio(classic.peak_reserved_bytes, entry.classic.reserved);
         check(
-            (classic_reserved - 1.0).abs() <= 0.005,
+            TorchFigures::of(&classic) == entry.classic,
             format!(
-                "classic reserves {} B, {classic_reserved:.5}× PyTorch's {} B",
-                classic.peak_reserved_bytes, entry.classic.reserved
+                "classic reaches {:?}, PyTorch {:?}",
+                TorchFigures::of(&classic),
+                entry.classic
             ),
         );
-        for (policy, report, torch) in [
-            ("classic", &classic, &entry.classic),
-            ("default", &default, &entry.expandable),
-        ] {
-            let allocated = ratio(report.peak_allocated_bytes, torch.allocated);
-            check(
-                (allocated - 1.0).abs() <= 0.001,
-                format!(
-                    "{policy}: peak allocated {} B is {allocated:.5}× PyTorch's {} B",
-                    report.peak_allocated_bytes, torch.allocated
-                ),
-            );
-        }
+        check(
+            TorchFigures::of(&torch_expandable) == entry.expandable,
+            format!(
+                "PyTorch's expandable policy reaches {:?}, PyTorch {:?}",
+                TorchFigures::of(&torch_expandable),
+                entry.expandable
+            ),
+        );
+        check(
+            default.peak_allocated_bytes == entry.expandable.allocated,
+            format!(
+                "default: peak allocated {} B, PyTorch's expandable run {} B",
+                default.peak_allocated_bytes, entry.expandable.allocated
+            ),
+        );
         let over_live = default.reserved_over_requested();
         check(
-            over_live <= 1.01,
+            over_live <= DEFAULT_OVER_LIVE,
             format!(
                 "default reserves {} B, {over_live:.5}× the live peak",
                 default.peak_reserved_bytes
@@ -190,22 +210,17 @@ fn every_corpus_trace_meets_the_figures() {
             ),
         );
         println!(
-            "{:<34} {:>7} {:>15} {:>15} {:>15} {:>15} {:>7.4} {:>7.4} {:>7.4} {:>7.4} {:>7.4}",
+            "{:<33} {:>7} {:>14} {:>14} {:>14} {:>14} {:>14} {:>7.4} {:>7.4} {:>7.4}",
             entry.name,
             entry.events,
-            entry.classic.allocated,
             entry.peak_live_rounded,
             entry.classic.reserved,
             entry.expandable.reserved,
-            ratio(entry.classic.reserved, entry.peak_live_rounded),
+            classic.peak_reserved_bytes,
+            default.peak_reserved_bytes,
             ratio(entry.expandable.reserved, entry.peak_live_rounded),
-            classic.reserved_over_requested(),
-            default.peak_reserved_bytes as f64 / entry.expandable.reserved as f64,
             over_live,
-        );
-        println!(
-            "    maps/unmaps: default {}/{}, classic segments {}",
-            default.device_allocs, default.device_frees, classic.device_allocs
+            ratio(default.peak_reserved_bytes, entry.expandable.reserved),
         );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

@@ -13,7 +13,7 @@
 use smallvec::SmallVec;
 
 use super::{
-    pool_index, round_up, Block, ExpandableSegment, SegmentKind, State, NIL, SMALL_BUFFER,
+    pool_index, round_up, Block, ExpandableSegment, Run, SegmentKind, State, NIL, SMALL_BUFFER,
 };
 use crate::error::AllocError;
 use crate::free_index::BlockId;
@@ -22,12 +22,16 @@ use crate::stats::PoolKind;
 use crate::storage::{Storage, StorageError, StreamId};
 
 impl<S: Storage> State<S> {
-    pub(super) fn try_allocate_expandable(
+    /// The run of blocks a request of `size` bytes would take in the stream's expandable segment
+    /// of `pool` (created if the stream has none): the first unmapped block, in address order,
+    /// that with the available block before it and those after it holds `size` bytes once
+    /// mapped. `None` when no run is large enough.
+    pub(super) fn expandable_run(
         &mut self,
         pool: PoolKind,
         stream: StreamId,
         size: u64,
-    ) -> Result<Option<BlockId>, AllocError> {
+    ) -> Result<Option<Run>, AllocError> {
         if !self
             .expandable_segments
             .iter()
@@ -36,38 +40,9 @@ impl<S: Storage> State<S> {
         {
             self.create_expandable_segment(pool, stream)?;
         }
-        let Some(run) = self.find_run(pool, stream, size) else {
+        let Some(stream_pool) = self.pools[pool_index(pool)].streams.get(&stream) else {
             return Ok(None);
         };
-        if self.config.reclaim_free_pages {
-            let to_map = self.bytes_to_map(&run, size);
-            let reserved = self.stats.reserved_bytes.all.current as u64;
-            let high_water = self.stats.reserved_bytes.all.peak as u64;
-            if reserved + to_map > high_water {
-                let reclaimed = self.reclaim_free_pages(reserved + to_map - high_water, &run)?;
-                if reclaimed > 0 {
-                    // Unmapping may have merged blocks next to the run, and freed pages in holes
-                    // that now fit the request lower down: choose again.
-                    let Some(run) = self.find_run(pool, stream, size) else {
-                        return Ok(None);
-                    };
-                    return self.map_block(&run, size);
-                }
-            }
-        }
-        self.map_block(&run, size)
-    }
-
-    /// The first run of available blocks (in address order of the unmapped blocks, each with
-    /// an available block before it) of the stream's expandable segments of `pool` that holds
-    /// `size` bytes once its unmapped pages are mapped.
-    fn find_run(
-        &self,
-        pool: PoolKind,
-        stream: StreamId,
-        size: u64,
-    ) -> Option<SmallVec<[BlockId; 4]>> {
-        let stream_pool = self.pools[pool_index(pool)].streams.get(&stream)?;
         for &unmapped in stream_pool.unmapped.values() {
             let prev = self.block(unmapped).prev;
             let start = if prev != NIL && self.block(prev).is_available() {
@@ -75,7 +50,7 @@ impl<S: Storage> State<S> {
             } else {
                 unmapped
             };
-            let mut run = SmallVec::<[BlockId; 4]>::new();
+            let mut run = Run::new();
             let mut bytes = 0;
             let mut cursor = start;
             while bytes < size && cursor != NIL && self.block(cursor).is_available() {
@@ -84,14 +59,14 @@ impl<S: Storage> State<S> {
                 cursor = self.block(cursor).next;
             }
             if bytes >= size {
-                return Some(run);
+                return Ok(Some(run));
             }
         }
-        None
+        Ok(None)
     }
 
     /// Bytes [`State::map_block`] would map for the first `size` bytes of `run`.
-    fn bytes_to_map(&self, run: &[BlockId], size: u64) -> u64 {
+    pub(super) fn bytes_to_map(&self, run: &[BlockId], size: u64) -> u64 {
         let start = self.block(run[0]);
         let SegmentKind::Expandable(segment) = start.segment else {
             return 0;
@@ -101,56 +76,21 @@ impl<S: Storage> State<S> {
         run.iter()
             .map(|&id| self.block(id))
             .filter(|b| !b.mapped)
-            .map(|b| b.end().min(region_end).saturating_sub(b.address))
+            .map(|b| b.end().min(region_end) - b.address)
             .sum()
     }
 
-    /// Unmaps the whole pages of free blocks of expandable segments (any pool, any stream),
-    /// those with the most pages first, until `bytes` are released; blocks of `keep` are left
-    /// alone. Returns the bytes released (0 when no free block holds a whole page).
-    ///
-    /// This is what keeps the default policy's reserved memory at the live bytes: a request that
-    /// would raise reserved memory above its peak is served by moving pages out of the holes
-    /// between live blocks instead of adding new ones.
-    fn reclaim_free_pages(&mut self, bytes: u64, keep: &[BlockId]) -> Result<u64, AllocError> {
-        let mut candidates: Vec<(u64, BlockId, u32)> = Vec::new();
-        for pool in &self.pools {
-            for stream_pool in pool.streams.values() {
-                for (_, _, id) in stream_pool.free.iter() {
-                    let block = self.block(id);
-                    let SegmentKind::Expandable(segment) = block.segment else {
-                        continue;
-                    };
-                    if !block.is_available() || keep.contains(&id) {
-                        continue;
-                    }
-                    let s = self.expandable_segment(segment);
-                    let start = s.base + round_up(block.address - s.base, s.page);
-                    let end = s.base + (block.end() - s.base) / s.page * s.page;
-                    if end > start {
-                        candidates.push((end - start, id, segment));
-                    }
-                }
-            }
-        }
-        if candidates.is_empty() {
-            return Ok(0);
-        }
-        // Largest first; by address among equals, so that the choice is deterministic.
-        candidates.sort_unstable_by_key(|&(pages, id, _)| {
-            (std::cmp::Reverse(pages), self.block(id).address)
-        });
-        // Unmapping does not wait for queued work that may still use the pages.
-        self.storage.synchronize_device()?;
-        let mut released = 0;
-        for (pages, id, segment) in candidates {
-            if released >= bytes {
-                break;
-            }
-            self.unmap_block(id, segment)?;
-            released += pages;
-        }
-        Ok(released)
+    /// The whole pages inside block `id` of an expandable segment, in bytes, and the segment's
+    /// index: what [`State::unmap_block`] would unmap. `None` for a block of a classic segment.
+    pub(super) fn whole_pages(&self, id: BlockId) -> Option<(u64, u32)> {
+        let block = self.block(id);
+        let SegmentKind::Expandable(segment) = block.segment else {
+            return None;
+        };
+        let s = self.expandable_segment(segment);
+        let start = s.base + round_up(block.address - s.base, s.page);
+        let end = s.base + (block.end() - s.base) / s.page * s.page;
+        Some((end.saturating_sub(start), segment))
     }
 
     fn create_expandable_segment(
@@ -199,7 +139,11 @@ impl<S: Storage> State<S> {
     /// of one expandable segment) need, and merges the run into one free mapped block, returned
     /// out of the free set. `None` if the storage ran out of memory (what was mapped stays
     /// cached as a free block).
-    fn map_block(&mut self, run: &[BlockId], size: u64) -> Result<Option<BlockId>, AllocError> {
+    pub(super) fn map_block(
+        &mut self,
+        run: &[BlockId],
+        size: u64,
+    ) -> Result<Option<BlockId>, AllocError> {
         let start = run[0];
         let SegmentKind::Expandable(segment) = self.block(start).segment else {
             unreachable!("map_block on a classic segment")

@@ -183,7 +183,7 @@ impl<S: Storage> State<S> {
         alloc_size: u64,
     ) -> Result<Option<BlockId>, AllocError> {
         if self.expandable {
-            return self.try_allocate_expandable(pool, stream, size);
+            return self.alloc_expandable(pool, stream, size);
         }
         if let Some(allowed) = self.allowed_memory() {
             if self.stats.reserved_bytes.all.current as u64 + alloc_size > allowed {
@@ -219,6 +219,52 @@ impl<S: Storage> State<S> {
         }
         self.record(TraceAction::SegmentAlloc, address, alloc_size, stream);
         Ok(Some(id))
+    }
+
+    /// Pages for a request of an expandable segment: the run of available blocks it takes,
+    /// with the pages it lacks mapped. With `reclaim_free_pages`, when mapping them would raise
+    /// reserved memory above its peak, the device is waited for (completing pending frees too)
+    /// and whole free pages elsewhere are unmapped first, as many as the excess; the run is then
+    /// chosen again, since a hole may now hold the request lower down.
+    fn alloc_expandable(
+        &mut self,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+    ) -> Result<Option<BlockId>, AllocError> {
+        let Some(mut run) = self.expandable_run(pool, stream, size)? else {
+            return Ok(None);
+        };
+        if self.config.reclaim_free_pages
+            && self.raises_reserved_peak(&run, size)
+            && self.reclaimable_bytes(&run) > 0
+        {
+            self.synchronize_and_free_events()?;
+            self.storage.synchronize_device()?;
+            // Completed frees may have merged blocks of the run with their neighbours.
+            let Some(fresh) = self.expandable_run(pool, stream, size)? else {
+                return Ok(None);
+            };
+            run = fresh;
+            let to_map = self.bytes_to_map(&run, size);
+            let reserved = self.stats.reserved_bytes.all.current as u64;
+            let peak = self.stats.reserved_bytes.all.peak as u64;
+            if reserved + to_map > peak {
+                self.reclaim_free_pages(reserved + to_map - peak, &run)?;
+                let Some(fresh) = self.expandable_run(pool, stream, size)? else {
+                    return Ok(None);
+                };
+                run = fresh;
+            }
+        }
+        self.map_block(&run, size)
+    }
+
+    /// Whether mapping the pages `run` lacks for `size` bytes raises reserved memory above its
+    /// peak.
+    fn raises_reserved_peak(&self, run: &[BlockId], size: u64) -> bool {
+        let reserved = self.stats.reserved_bytes.all.current as u64;
+        reserved + self.bytes_to_map(run, size) > self.stats.reserved_bytes.all.peak as u64
     }
 
     fn alloc_found_block(

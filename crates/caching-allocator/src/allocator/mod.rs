@@ -51,6 +51,10 @@ const SMALL_BUFFER: u64 = 2 << 20;
 /// "No block" in the prev/next links.
 const NIL: BlockId = u32::MAX;
 
+/// Adjacent available blocks of one expandable segment that a request will take once their
+/// unmapped pages are mapped.
+type Run = SmallVec<[BlockId; 4]>;
+
 /// A live allocation: the block handed out by [`CachingAllocator::allocate`]. Give it back with
 /// [`CachingAllocator::free`]; it is not `Clone`, so it cannot be freed twice.
 #[derive(Debug, PartialEq, Eq, Hash)]
