@@ -13,6 +13,9 @@
 //! [`replay_trace`] runs a recorded PyTorch trace through any policy, starting from its
 //! baseline: the blocks that were live before the recording began ([`RecordedTrace`]), so a
 //! what-if's peaks count the parameters a snapshot holds but its history never allocates.
+//! [`replay_trace_at_recorded_addresses`] also places segments where the recording's device
+//! did, so PyTorch's own policies ([`AllocatorConfig::pytorch_defaults`],
+//! [`AllocatorConfig::pytorch_expandable`]) replay its runs to the byte.
 //!
 //! This crate sits at the bottom of Headroom: it knows nothing about tensors, autograd or
 //! kernels, and it can be used alone in any trainer that owns its buffers.

@@ -1,8 +1,11 @@
 //! Expandable segments: one reserved range of addresses per stream and pool, grown and shrunk
 //! by mapping and unmapping pages.
 //!
-//! A request that misses the pool maps just enough pages after the available blocks at the end
-//! of the stream's segment, and the run becomes one free mapped block. Releasing unmaps the
+//! A request that misses the pool takes a run of available blocks: the first unmapped range (by
+//! address: the segment's end, or a hole whose pages were unmapped) with the available block
+//! before it and those after it, once mapped, hold the request. Just enough pages are mapped and
+//! the run becomes one free mapped block. The page size is 2 MiB in the small pool and
+//! `expandable_page_size` in the large one. Releasing unmaps the
 //! whole pages inside free blocks, keeping any partial pages at their ends mapped, and gives
 //! back the address space of a segment with nothing mapped. Unmapped ranges are blocks too, kept
 //! in the pool's unmapped set by address, so the segment stays one linked list of blocks.

@@ -5,7 +5,10 @@
 //! garbage collection, a new segment (or pages of an expandable segment), freeing cached
 //! oversize blocks, and freeing the whole cache before searching the pool again; only then is
 //! the request an [`AllocError::OutOfMemory`], with the figures of the failure. A block that is
-//! found is split by PyTorch's rules, and the statistics count the allocation.
+//! found is split by PyTorch's rules, and the statistics count the allocation. With expandable
+//! segments, best fit is PyTorch's (a block at a segment's end counts as what it could grow
+//! to), and a request that maps pages above the reserved peak first has free pages reclaimed
+//! (`reclaim_free_pages`).
 //!
 //! It sits on the arena and pools of the parent module and calls the steps of `stream_events`
 //! (completing pending frees), `release` (the ladder's release steps) and `expandable` (mapping
