@@ -92,6 +92,28 @@ def vit_b16_batch_change(device, tiny):
     _vit(device, tiny, "vit_b_16", [16, 96, 48], [3, 3, 2], torch.optim.AdamW)
 
 
+def _train_lm(model, vocab_size, device, steps, draw_shape, bf16_autocast=False):
+    """Trains a language model on random token ids (labels = inputs) with AdamW: `steps` steps,
+    each of the (batch, sequence length) that `draw_shape()` returns."""
+    import contextlib
+
+    import torch
+
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(steps):
+        batch, seq = draw_shape()
+        ids = torch.randint(0, vocab_size, (batch, seq), device=device)
+        autocast = (torch.autocast(device_type=device, dtype=torch.bfloat16) if bf16_autocast
+                    else contextlib.nullcontext())
+        with autocast:
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del out, ids
+
+
 def bert_varlen(device, tiny):
     import torch
     from transformers import BertConfig, BertForMaskedLM
@@ -104,19 +126,12 @@ def bert_varlen(device, tiny):
                             intermediate_size=64)
     with torch.device(device):
         model = BertForMaskedLM(config)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for _ in range(3 if tiny else 30):
-        batch = random.choice([8, 16, 24])
-        seq = random.randint(32, 512)
-        if tiny:
-            batch, seq = 2, seq // 16
-        ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del out, ids
+
+    def shape():
+        batch, seq = random.choice([8, 16, 24]), random.randint(32, 512)
+        return (2, seq // 16) if tiny else (batch, seq)
+
+    _train_lm(model, config.vocab_size, device, 3 if tiny else 30, shape)
 
 
 def gpt2_medium_varlen(device, tiny):
@@ -132,19 +147,12 @@ def gpt2_medium_varlen(device, tiny):
         config = GPT2Config(n_embd=1024, n_layer=24, n_head=16)
     with torch.device(device):
         model = GPT2LMHeadModel(config)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for _ in range(3 if tiny else 16):
+
+    def shape():
         seq = random.randint(64, 1024)
-        batch = 8
-        if tiny:
-            batch, seq = 2, seq // 32
-        ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del out, ids
+        return (2, seq // 32) if tiny else (8, seq)
+
+    _train_lm(model, config.vocab_size, device, 3 if tiny else 16, shape)
 
 
 def _llama_config(tiny, layers):
@@ -169,20 +177,12 @@ def llama_bf16_ckpt(device, tiny):
     with torch.device(device):
         model = LlamaForCausalLM(config)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for _ in range(3 if tiny else 8):
+
+    def shape():
         seq = random.randint(512, 2048)
-        batch = 4
-        if tiny:
-            batch, seq = 2, seq // 64
-        ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
-        with torch.autocast(device_type=device, dtype=torch.bfloat16):
-            out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del out, ids
+        return (2, seq // 64) if tiny else (4, seq)
+
+    _train_lm(model, config.vocab_size, device, 3 if tiny else 8, shape, bf16_autocast=True)
 
 
 def llama_generate(device, tiny):
@@ -413,7 +413,7 @@ def record_all(outdir, names, budget_gb, timeout_s):
 
 
 def dry_run(names):
-    import torch
+    import traceback
 
     failed = []
     for name in names:
@@ -421,12 +421,9 @@ def dry_run(names):
         try:
             WORKLOADS[name][0]("cpu", True)
             print(f"ok {name} {time.time() - started:.1f} s", flush=True)
-        except Exception as error:  # noqa: BLE001 - report every workload, then fail
-            import traceback
-
+        except Exception:  # noqa: BLE001 - report every workload, then fail
             traceback.print_exc()
             failed.append(name)
-    del torch
     return 1 if failed else 0
 
 

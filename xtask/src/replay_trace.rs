@@ -231,9 +231,9 @@ fn print_corpus(testdata: &Path) -> Result<()> {
         "torch classic",
         "torch ES",
         "ours default",
-        "ours cl.",
-        "torch ES",
-        "ours",
+        "cl./L",
+        "ES/L",
+        "ours/L",
         "ours/ES"
     );
     for entry in traces {
@@ -243,9 +243,9 @@ fn print_corpus(testdata: &Path) -> Result<()> {
                 .with_context(|| format!("{}: a trace without `{key}`", path.display()))
         };
         let figure = |mode: &str, key: &str| {
-            entry["pytorch"][mode][key].as_u64().with_context(|| {
-                format!("{}: no pytorch.{mode}.{key} for a trace", path.display())
-            })
+            entry["pytorch"][mode][key]
+                .as_u64()
+                .with_context(|| format!("{}: no pytorch.{mode}.{key} for a trace", path.display()))
         };
         let file = testdata.join(field("file")?);
         let trace = read_trace(&file)?;
@@ -273,8 +273,9 @@ fn print_corpus(testdata: &Path) -> Result<()> {
         );
     }
     println!(
-        "ratios: peak reserved over the peak of live requests rounded to 512 B (live); ours/ES: \
-         the default policy's peak reserved over PyTorch's with expandable segments"
+        "L: the peak of live requests rounded to 512 B (live); cl./L: the classic policy's peak \
+         reserved over it (PyTorch's to the byte), ES/L: PyTorch's expandable segments', ours/L: \
+         the default policy's; ours/ES: the default's peak reserved over PyTorch's expandable"
     );
     Ok(())
 }

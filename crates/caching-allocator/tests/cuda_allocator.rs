@@ -7,7 +7,7 @@
 use std::sync::MutexGuard;
 
 use headroom_caching_allocator::{
-    AllocError, AllocatorConfig, CachingAllocator, CudaStorage, StreamId,
+    AllocError, Allocation, AllocatorConfig, CachingAllocator, CudaStorage, StreamId,
 };
 use headroom_testkit::gpu::{cuda_or_skip, exclusive_device};
 use headroom_testkit::inputs::pattern_bytes;
@@ -37,6 +37,39 @@ fn read(allocator: &CachingAllocator<CudaStorage>, address: u64, len: usize) -> 
     unsafe { allocator.with_storage_mut(|storage| storage.copy_to_host(address, &mut out)) }
         .unwrap();
     out
+}
+
+/// Writes the pattern of `seed` over the bytes `block` asked for.
+fn fill(allocator: &CachingAllocator<CudaStorage>, block: &Allocation, seed: u8) {
+    let bytes = pattern_bytes(block.requested() as usize, seed);
+    write(allocator, block.address(), &bytes);
+}
+
+/// Whether `block` still holds the pattern of `seed` that [`fill`] wrote.
+fn holds(allocator: &CachingAllocator<CudaStorage>, block: &Allocation, seed: u8) -> bool {
+    let len = block.requested() as usize;
+    read(allocator, block.address(), len) == pattern_bytes(len, seed)
+}
+
+/// Three blocks of `size` bytes, filled with the patterns of seeds 0, 1 and 2.
+fn filled_blocks(allocator: &CachingAllocator<CudaStorage>, size: u64) -> Vec<Allocation> {
+    let blocks: Vec<_> = (0..3)
+        .map(|_| allocator.allocate(size, StreamId::DEFAULT).unwrap())
+        .collect();
+    for (block, seed) in blocks.iter().zip(0..) {
+        fill(allocator, block, seed);
+    }
+    blocks
+}
+
+/// Frees `blocks`, empties the cache and checks that every byte went back to the device.
+fn free_all(allocator: &CachingAllocator<CudaStorage>, blocks: Vec<Allocation>) {
+    for block in blocks {
+        allocator.free(block).unwrap();
+    }
+    allocator.empty_cache().unwrap();
+    assert_eq!(allocator.memory_reserved(), 0);
+    assert_eq!(allocator.with_storage(|storage| storage.bytes_in_use()), 0);
 }
 
 #[test]
@@ -95,18 +128,8 @@ fn expandable_segments_map_and_unmap_pages_keeping_data() {
         allocator.uses_expandable_segments(),
         "the H200 supports virtual memory management"
     );
-    let blocks: Vec<_> = (0..3)
-        .map(|_| allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap())
-        .collect();
+    let mut blocks = filled_blocks(&allocator, 30 * MIB);
     assert_eq!(allocator.memory_reserved(), 100 * MIB);
-    for (index, block) in blocks.iter().enumerate() {
-        write(
-            &allocator,
-            block.address(),
-            &pattern_bytes(30 * MIB as usize, index as u8),
-        );
-    }
-    let mut blocks = blocks;
     let middle = blocks.remove(1);
     allocator.free(middle).unwrap();
     allocator.empty_cache().unwrap();
@@ -115,31 +138,16 @@ fn expandable_segments_map_and_unmap_pages_keeping_data() {
         80 * MIB,
         "the free 20 MiB page is unmapped"
     );
-    for (block, seed) in blocks.iter().zip([0u8, 2]) {
-        let expected = pattern_bytes(30 * MIB as usize, seed);
-        assert_eq!(read(&allocator, block.address(), expected.len()), expected);
-    }
+    assert!(holds(&allocator, &blocks[0], 0) && holds(&allocator, &blocks[1], 2));
     // The hole is mapped again for a new block, which is usable.
     let refill = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
     assert_eq!(refill.address(), blocks[0].address() + 30 * MIB);
-    write(
-        &allocator,
-        refill.address(),
-        &pattern_bytes(30 * MIB as usize, 9),
-    );
-    assert_eq!(
-        read(&allocator, refill.address(), 30 * MIB as usize),
-        pattern_bytes(30 * MIB as usize, 9)
-    );
+    fill(&allocator, &refill, 9);
+    assert!(holds(&allocator, &refill, 9));
     assert_eq!(allocator.memory_reserved(), 100 * MIB);
     allocator.check_invariants().unwrap();
     blocks.push(refill);
-    for block in blocks {
-        allocator.free(block).unwrap();
-    }
-    allocator.empty_cache().unwrap();
-    assert_eq!(allocator.memory_reserved(), 0);
-    assert_eq!(allocator.with_storage(|storage| storage.bytes_in_use()), 0);
+    free_all(&allocator, blocks);
 }
 
 #[test]
@@ -192,17 +200,8 @@ fn default_policy_moves_free_pages_keeping_data() {
         return;
     };
     assert!(allocator.uses_expandable_segments());
-    let mut blocks: Vec<_> = (0..3)
-        .map(|_| allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap())
-        .collect();
+    let mut blocks = filled_blocks(&allocator, 30 * MIB);
     assert_eq!(allocator.memory_reserved(), 90 * MIB);
-    for (index, block) in blocks.iter().enumerate() {
-        write(
-            &allocator,
-            block.address(),
-            &pattern_bytes(30 * MIB as usize, index as u8),
-        );
-    }
     let middle = blocks.remove(1);
     let hole = middle.address();
     allocator.free(middle).unwrap();
@@ -211,39 +210,16 @@ fn default_policy_moves_free_pages_keeping_data() {
     assert_eq!(allocator.memory_reserved(), 100 * MIB);
     assert_eq!(allocator.max_memory_reserved(), 100 * MIB);
     assert_eq!(allocator.memory_stats().num_device_free, 1, "one unmap");
-    write(
-        &allocator,
-        moved.address(),
-        &pattern_bytes(40 * MIB as usize, 7),
-    );
-    for (block, seed) in blocks.iter().zip([0u8, 2]) {
-        let expected = pattern_bytes(30 * MIB as usize, seed);
-        assert_eq!(read(&allocator, block.address(), expected.len()), expected);
-    }
+    fill(&allocator, &moved, 7);
+    assert!(holds(&allocator, &blocks[0], 0) && holds(&allocator, &blocks[1], 2));
     let refill = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
     assert_eq!(refill.address(), hole);
-    write(
-        &allocator,
-        refill.address(),
-        &pattern_bytes(30 * MIB as usize, 9),
-    );
-    assert_eq!(
-        read(&allocator, refill.address(), 30 * MIB as usize),
-        pattern_bytes(30 * MIB as usize, 9)
-    );
-    assert_eq!(
-        read(&allocator, moved.address(), 40 * MIB as usize),
-        pattern_bytes(40 * MIB as usize, 7)
-    );
+    fill(&allocator, &refill, 9);
+    assert!(holds(&allocator, &refill, 9) && holds(&allocator, &moved, 7));
     assert_eq!(allocator.max_memory_reserved(), 130 * MIB);
     allocator.check_invariants().unwrap();
     blocks.extend([moved, refill]);
-    for block in blocks {
-        allocator.free(block).unwrap();
-    }
-    allocator.empty_cache().unwrap();
-    assert_eq!(allocator.memory_reserved(), 0);
-    assert_eq!(allocator.with_storage(|storage| storage.bytes_in_use()), 0);
+    free_all(&allocator, blocks);
 }
 
 /// Corpus traces replayed on the device: real segments, real page mapping. The expandable
@@ -279,8 +255,7 @@ fn corpus_traces_replay_on_the_device_as_simulated() {
             ("pytorch_expandable", AllocatorConfig::pytorch_expandable()),
             ("default", AllocatorConfig::default()),
         ] {
-            let simulated =
-                CachingAllocator::new(SimulatedStorage::new(capacity), config.clone());
+            let simulated = CachingAllocator::new(SimulatedStorage::new(capacity), config.clone());
             let expected = replay_trace(&simulated, &trace).unwrap();
             let storage = cuda_or_skip(CudaStorage::new(0)).expect("the device answered above");
             let allocator = CachingAllocator::new(storage, config);

@@ -171,22 +171,16 @@ fn every_corpus_trace_meets_the_figures() {
                 ),
             );
         }
-        check(
-            TorchFigures::of(&classic) == entry.classic,
-            format!(
-                "classic reaches {:?}, PyTorch {:?}",
-                TorchFigures::of(&classic),
-                entry.classic
-            ),
-        );
-        check(
-            TorchFigures::of(&torch_expandable) == entry.expandable,
-            format!(
-                "PyTorch's expandable policy reaches {:?}, PyTorch {:?}",
-                TorchFigures::of(&torch_expandable),
-                entry.expandable
-            ),
-        );
+        for (policy, report, torch) in [
+            ("classic", &classic, &entry.classic),
+            ("PyTorch's expandable", &torch_expandable, &entry.expandable),
+        ] {
+            let ours = TorchFigures::of(report);
+            check(
+                ours == *torch,
+                format!("{policy} policy reaches {ours:?}, PyTorch {torch:?}"),
+            );
+        }
         check(
             default.peak_allocated_bytes == entry.expandable.allocated,
             format!(
