@@ -16,9 +16,13 @@
 //! builder also writes `raw` with `alloc_conf`'s `to_conf_string`, and no other call crosses
 //! between them.
 //!
-//! One default differs from PyTorch's: `expandable_segments` is on. PyTorch keeps it off for
-//! CUDA IPC, which this kit does not use, and it removes most fragmentation. A storage that cannot
-//! map pages ([`crate::HostStorage`]) runs the classic policy whatever this says.
+//! Defaults that differ from PyTorch's: `expandable_segments` is on (PyTorch keeps it off for
+//! CUDA IPC, which this kit does not use, and it removes most fragmentation), with two settings
+//! of Headroom's own, 2 MiB pages in the large pool (`expandable_page_size_mb`; PyTorch maps
+//! 20 MiB) and `reclaim_free_pages` on (PyTorch has no such step).
+//! [`AllocatorConfig::pytorch_defaults`] and [`AllocatorConfig::pytorch_expandable`] are
+//! PyTorch's two policies. A storage that cannot map pages ([`crate::HostStorage`]) runs the
+//! classic policy whatever this says.
 //!
 //! We are stricter than PyTorch where PyTorch silently fixes a value: `max_split_size_mb` and
 //! `max_non_split_rounding_mb` below 20 are errors (PyTorch raises them to 20), numbers must be
