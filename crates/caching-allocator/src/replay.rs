@@ -225,6 +225,25 @@ pub fn replay_trace<S: Storage>(
 ///
 /// Recorded addresses are device addresses: they do not say where pages of an expandable
 /// segment go, so an expandable policy replays as with [`replay_trace`].
+///
+/// ```
+/// use headroom_caching_allocator::{
+///     read_trace_tsv, replay_trace_at_recorded_addresses, AllocatorConfig, CachingAllocator,
+///     RecordedTrace, SimulatedStorage,
+/// };
+///
+/// // One 3,000,000-byte request that PyTorch served from a new segment at 0x7fec_1a80_0000.
+/// let tsv = "action\taddr\tsize\nalloc\t140652033605632\t3000000\n";
+/// let trace = RecordedTrace::from_events(read_trace_tsv(tsv.as_bytes())?);
+/// let allocator = CachingAllocator::new(
+///     SimulatedStorage::new(1 << 34),
+///     AllocatorConfig::pytorch_defaults(),
+/// );
+/// let report = replay_trace_at_recorded_addresses(&allocator, &trace)?;
+/// assert_eq!(report.peak_reserved_bytes, 20 << 20);
+/// assert_eq!(allocator.snapshot().segments[0].address, 0x7fec_1a80_0000);
+/// # Ok::<(), headroom_caching_allocator::AllocError>(())
+/// ```
 pub fn replay_trace_at_recorded_addresses(
     allocator: &CachingAllocator<SimulatedStorage>,
     trace: &RecordedTrace,
