@@ -3,7 +3,10 @@
 //! Reads a TSV trace (gzipped or not) or a PyTorch snapshot (pickle or JSON), replays its
 //! `alloc` / `free_completed` sequence on [`SimulatedStorage`] with the settings given, and
 //! prints the figures of [`headroom_caching_allocator::ReplayReport`] as text or one JSON
-//! object.
+//! object. Segments are placed at the recorded addresses where they fit
+//! ([`replay_trace_at_recorded_addresses`]), so the classic policy replays PyTorch's classic run
+//! to the byte. `--corpus` replays every trace of `testdata/traces/corpus.json` through
+//! PyTorch's two policies and the default one and prints them against PyTorch's figures.
 //!
 //! The replay starts from the baseline, the blocks live before the recording began (see
 //! [`RecordedTrace`]): a snapshot's active blocks that its history never allocates, and, in any
@@ -16,8 +19,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use headroom_caching_allocator::{
-    read_json, read_pickle, read_trace_tsv, replay_trace, write_pickle, AllocatorConfig,
-    CachingAllocator, HistoryOptions, RecordedTrace, ReplayReport, SimulatedStorage,
+    read_json, read_pickle, read_trace_tsv, replay_trace_at_recorded_addresses, write_pickle,
+    AllocatorConfig, CachingAllocator, HistoryOptions, RecordedTrace, ReplayReport,
+    SimulatedStorage,
 };
 
 /// An H200's memory as `cudaMemGetInfo` reports it.
@@ -27,8 +31,10 @@ const H200_BYTES: u64 = 150_754_820_096;
 pub(crate) const USAGE: &str =
     "  replay-trace FILE [--conf STRING] [--capacity BYTES] [--json] [--snapshot OUT.pickle]
                [--repeat N]
+  replay-trace --corpus
       Replays a PyTorch allocator trace (.tsv, .tsv.gz, or a snapshot .pickle or .json)
       through Headroom's caching allocator on simulated memory and prints what it measured.
+      Segments land at the recorded addresses where they fit, as the device placed them.
       The replay starts from the baseline: the blocks live before recording began (a
       snapshot's active blocks its history never allocates, e.g. the parameters, and the
       blocks a trace frees without having allocated them), allocated first with their
@@ -38,6 +44,10 @@ pub(crate) const USAGE: &str =
       second are the best of N replays (default 5); with --snapshot, history is recorded
       during the last replay and the final snapshot is written as a pickle (the baseline
       shows as the first allocations, labelled `live before recording`).
+      --corpus replays every trace of testdata/traces/corpus.json (recorded by
+      scripts/traces/record.py) through PyTorch's classic and expandable policies and the
+      default one, and prints each peak reserved next to PyTorch's, with the ratios to the
+      peak of live requests rounded to 512 B.
 ";
 
 struct Options {
@@ -93,6 +103,12 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if args.iter().any(|arg| arg == "--help" || arg == "-h") {
         print!("usage:\n{USAGE}");
         return Ok(());
+    }
+    if args.first().is_some_and(|arg| arg == "--corpus") {
+        if args.len() > 1 {
+            bail!("--corpus takes no other argument");
+        }
+        return print_corpus(&crate::project_root().join("testdata"));
     }
     let options = parse(args)?;
     let (report, allocator) = replay(&options)?;
@@ -178,7 +194,7 @@ fn replay(options: &Options) -> Result<(ReplayReport, CachingAllocator<Simulated
     let mut allocator = None;
     for _ in 0..options.repeat {
         let fresh = CachingAllocator::new(SimulatedStorage::new(options.capacity), config.clone());
-        let run = replay_trace(&fresh, &trace)?;
+        let run = replay_trace_at_recorded_addresses(&fresh, &trace)?;
         let best = report.get_or_insert_with(|| run.clone());
         best.seconds = best.seconds.min(run.seconds);
         allocator = Some(fresh);
@@ -190,9 +206,78 @@ fn replay(options: &Options) -> Result<(ReplayReport, CachingAllocator<Simulated
         // One more replay with history recorded, for the snapshot.
         allocator = CachingAllocator::new(SimulatedStorage::new(options.capacity), config);
         allocator.record_history(Some(HistoryOptions::default()));
-        replay_trace(&allocator, &trace)?;
+        replay_trace_at_recorded_addresses(&allocator, &trace)?;
     }
     Ok((report, allocator))
+}
+
+/// `--corpus`: every trace of `testdata/traces/corpus.json` through PyTorch's classic and
+/// expandable policies and the default one, one row each, against PyTorch's figures.
+fn print_corpus(testdata: &Path) -> Result<()> {
+    let path = testdata.join("traces/corpus.json");
+    let manifest: serde_json::Value = serde_json::from_reader(BufReader::new(
+        File::open(&path).with_context(|| format!("opening {}", path.display()))?,
+    ))
+    .with_context(|| format!("reading {}", path.display()))?;
+    let traces = manifest["traces"]
+        .as_array()
+        .with_context(|| format!("{}: no `traces` list", path.display()))?;
+    println!(
+        "{:<33} {:>7} {:>15} {:>15} {:>15} {:>15} {:>15} {:>8} {:>8} {:>8} {:>8}",
+        "trace",
+        "events",
+        "peak allocated",
+        "live (512)",
+        "torch classic",
+        "torch ES",
+        "ours default",
+        "cl./L",
+        "ES/L",
+        "ours/L",
+        "ours/ES"
+    );
+    for entry in traces {
+        let field = |key: &str| {
+            entry[key]
+                .as_str()
+                .with_context(|| format!("{}: a trace without `{key}`", path.display()))
+        };
+        let figure = |mode: &str, key: &str| {
+            entry["pytorch"][mode][key]
+                .as_u64()
+                .with_context(|| format!("{}: no pytorch.{mode}.{key} for a trace", path.display()))
+        };
+        let file = testdata.join(field("file")?);
+        let trace = read_trace(&file)?;
+        let replay = |config: AllocatorConfig| -> Result<ReplayReport> {
+            let allocator = CachingAllocator::new(SimulatedStorage::new(H200_BYTES), config);
+            Ok(replay_trace_at_recorded_addresses(&allocator, &trace)?)
+        };
+        let classic = replay(AllocatorConfig::pytorch_defaults())?;
+        let default = replay(AllocatorConfig::default())?;
+        let live = default.peak_requested_rounded_bytes as f64;
+        let torch_es = figure("expandable", "peak_reserved_bytes")?;
+        println!(
+            "{:<33} {:>7} {:>15} {:>15} {:>15} {:>15} {:>15} {:>8.4} {:>8.4} {:>8.4} {:>8.4}",
+            field("name")?,
+            default.events,
+            figure("classic", "peak_allocated_bytes")?,
+            default.peak_requested_rounded_bytes,
+            figure("classic", "peak_reserved_bytes")?,
+            torch_es,
+            default.peak_reserved_bytes,
+            classic.peak_reserved_bytes as f64 / live,
+            torch_es as f64 / live,
+            default.peak_reserved_bytes as f64 / live,
+            default.peak_reserved_bytes as f64 / torch_es as f64,
+        );
+    }
+    println!(
+        "L: the peak of live requests rounded to 512 B (live); cl./L: the classic policy's peak \
+         reserved over it (PyTorch's to the byte), ES/L: PyTorch's expandable segments', ours/L: \
+         the default policy's; ours/ES: the default's peak reserved over PyTorch's expandable"
+    );
+    Ok(())
 }
 
 /// The `--json` object.

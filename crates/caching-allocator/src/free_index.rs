@@ -114,6 +114,25 @@ impl FreeIndex {
         self.bins[next].first().copied()
     }
 
+    /// The entries with a size of at least `size`, in (size, address) order: the first is
+    /// [`FreeIndex::first_at_least`]'s.
+    pub(crate) fn iter_at_least(
+        &self,
+        size: u64,
+    ) -> impl Iterator<Item = (u64, u64, BlockId)> + '_ {
+        let bin = bin_of(size);
+        let first = self.bins.get(bin).map_or(&[][..], |entries| {
+            &entries[entries.partition_point(|&(s, _, _)| s < size)..]
+        });
+        let later = std::iter::successors(self.next_occupied(bin + 1), |&at| {
+            self.next_occupied(at + 1)
+        });
+        first
+            .iter()
+            .copied()
+            .chain(later.flat_map(|at| self.bins[at].iter().copied()))
+    }
+
     /// The largest entry.
     pub(crate) fn last(&self) -> Option<(u64, u64, BlockId)> {
         let word = self.summary.checked_ilog2()? as usize;
@@ -184,6 +203,10 @@ mod tests {
                 let want = reference.range((query, 0)..).next().copied();
                 let have = index.first_at_least(query).map(|(s, a, _)| (s, a));
                 prop_assert_eq!(have, want);
+                let have_all: Vec<(u64, u64)> =
+                    index.iter_at_least(query).map(|(s, a, _)| (s, a)).collect();
+                let want_all: Vec<(u64, u64)> = reference.range((query, 0)..).copied().collect();
+                prop_assert_eq!(have_all, want_all);
                 prop_assert_eq!(index.last().map(|(s, a, _)| (s, a)), reference.last().copied());
                 prop_assert_eq!(index.len(), reference.len());
             }

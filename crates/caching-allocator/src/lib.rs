@@ -13,6 +13,9 @@
 //! [`replay_trace`] runs a recorded PyTorch trace through any policy, starting from its
 //! baseline: the blocks that were live before the recording began ([`RecordedTrace`]), so a
 //! what-if's peaks count the parameters a snapshot holds but its history never allocates.
+//! [`replay_trace_at_recorded_addresses`] also places segments where the recording's device
+//! did, so PyTorch's own policies ([`AllocatorConfig::pytorch_defaults`],
+//! [`AllocatorConfig::pytorch_expandable`]) replay its runs to the byte.
 //!
 //! This crate sits at the bottom of Headroom: it knows nothing about tensors, autograd or
 //! kernels, and it can be used alone in any trainer that owns its buffers.
@@ -50,7 +53,10 @@ pub use allocator::{Allocation, AllocatorId, CachingAllocator, ContextGuard};
 pub use config::{AllocatorConfig, AllocatorConfigBuilder, ALLOC_CONF_ENV, ROUNDUP_INTERVALS};
 pub use error::{AllocError, OutOfMemoryReport};
 pub use history::HistoryOptions;
-pub use replay::{replay_trace, LiveBlock, RecordedTrace, ReplayReport, BASELINE_LABEL};
+pub use replay::{
+    replay_trace, replay_trace_at_recorded_addresses, LiveBlock, RecordedTrace, ReplayReport,
+    BASELINE_LABEL,
+};
 pub use report::{format_size, memory_summary};
 pub use snapshot::{
     pickle_opcodes, read_json, read_pickle, read_trace_tsv, trace_events_from_snapshot, write_json,
@@ -59,8 +65,8 @@ pub use snapshot::{
 };
 pub use stats::{FragmentationStats, MemoryStats, PoolKind, Stat, StatArray};
 pub use storage::{
-    EventControl, EventId, HostStorage, MemoryInfo, SimulatedStorage, Storage, StorageError,
-    StreamId,
+    EventControl, EventId, HostStorage, MemoryInfo, SegmentPlacement, SimulatedStorage, Storage,
+    StorageError, StreamId,
 };
 
 #[cfg(feature = "cuda")]

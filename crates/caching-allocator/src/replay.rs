@@ -34,7 +34,7 @@ use crate::error::AllocError;
 use crate::snapshot::{
     trace_events_from_snapshot, BlockState, SegmentSnapshot, Snapshot, TraceAction, TraceEvent,
 };
-use crate::storage::{Storage, StreamId};
+use crate::storage::{SegmentPlacement, SimulatedStorage, Storage, StreamId};
 
 /// The context label the baseline's allocations carry in a replay's recorded history (their
 /// frame in PyTorch's viewer).
@@ -213,9 +213,54 @@ pub fn replay_trace<S: Storage>(
     allocator: &CachingAllocator<S>,
     trace: &RecordedTrace,
 ) -> Result<ReplayReport, AllocError> {
+    replay_placed(allocator, trace, None)
+}
+
+/// [`replay_trace`] on simulated memory whose segments land where the recording's did: before
+/// each allocation the storage is told the address at which the recorded allocator's block came
+/// out ([`SegmentPlacement`]), and a segment the allocation obtains starts there when the range
+/// is free. A policy that takes a new segment for the same request as the recorded one (the
+/// classic policy replaying PyTorch's classic run) then sees the device's addresses, which
+/// decide best fit among blocks of equal size; other segments are placed as usual.
+///
+/// Recorded addresses are device addresses: they do not say where pages of an expandable
+/// segment go, so an expandable policy replays as with [`replay_trace`].
+///
+/// ```
+/// use headroom_caching_allocator::{
+///     read_trace_tsv, replay_trace_at_recorded_addresses, AllocatorConfig, CachingAllocator,
+///     RecordedTrace, SimulatedStorage,
+/// };
+///
+/// // One 3,000,000-byte request that PyTorch served from a new segment at 0x7fec_1a80_0000.
+/// let tsv = "action\taddr\tsize\nalloc\t140652033605632\t3000000\n";
+/// let trace = RecordedTrace::from_events(read_trace_tsv(tsv.as_bytes())?);
+/// let allocator = CachingAllocator::new(
+///     SimulatedStorage::new(1 << 34),
+///     AllocatorConfig::pytorch_defaults(),
+/// );
+/// let report = replay_trace_at_recorded_addresses(&allocator, &trace)?;
+/// assert_eq!(report.peak_reserved_bytes, 20 << 20);
+/// assert_eq!(allocator.snapshot().segments[0].address, 0x7fec_1a80_0000);
+/// # Ok::<(), headroom_caching_allocator::AllocError>(())
+/// ```
+pub fn replay_trace_at_recorded_addresses(
+    allocator: &CachingAllocator<SimulatedStorage>,
+    trace: &RecordedTrace,
+) -> Result<ReplayReport, AllocError> {
+    let placement = allocator.with_storage(SimulatedStorage::segment_placement);
+    replay_placed(allocator, trace, Some(&placement))
+}
+
+fn replay_placed<S: Storage>(
+    allocator: &CachingAllocator<S>,
+    trace: &RecordedTrace,
+    placement: Option<&SegmentPlacement>,
+) -> Result<ReplayReport, AllocError> {
     let frees_on_request = frees_on_request(&trace.events);
     let mut replay = Replay {
         allocator,
+        placement,
         live: FxHashMap::default(),
         requested_rounded: 0,
         report: ReplayReport {
@@ -293,6 +338,8 @@ fn is_free(action: TraceAction, frees_on_request: bool) -> bool {
 /// The replay's running state: the trace's live blocks by recorded address.
 struct Replay<'a, S: Storage> {
     allocator: &'a CachingAllocator<S>,
+    /// Where to tell the storage the recorded address of each allocation.
+    placement: Option<&'a SegmentPlacement>,
     live: FxHashMap<u64, Allocation>,
     /// Σ of the live requests, each rounded up to 512 bytes.
     requested_rounded: u64,
@@ -308,7 +355,14 @@ impl<S: Storage> Replay<'_, S> {
             self.requested_rounded -= rounded_request(previous.requested());
             self.allocator.free(previous)?;
         }
-        match self.allocator.allocate(size, StreamId(stream)) {
+        if let Some(placement) = self.placement {
+            placement.place_next_at(addr);
+        }
+        let result = self.allocator.allocate(size, StreamId(stream));
+        if let Some(placement) = self.placement {
+            placement.clear();
+        }
+        match result {
             Ok(allocation) => {
                 self.requested_rounded += rounded_request(size);
                 self.report.peak_requested_rounded_bytes = self

@@ -188,12 +188,14 @@ fn blocks_are_cached_per_stream() {
 }
 
 /// The devlog's example: 8 × 16 MiB then 4 × 32 MiB. Classic segments reserve 256 MiB; an
-/// expandable segment maps 7 pages of 20 MiB and serves the second phase without new pages.
+/// expandable segment maps 7 pages of 20 MiB (PyTorch's) or 64 pages of 2 MiB (the default) and
+/// serves the second phase without new pages.
 #[test]
 fn expandable_segments_reuse_pages_across_sizes() {
     for (config, reserved) in [
         (AllocatorConfig::pytorch_defaults(), 256 * MIB),
-        (AllocatorConfig::default(), 140 * MIB),
+        (AllocatorConfig::pytorch_expandable(), 140 * MIB),
+        (AllocatorConfig::default(), 128 * MIB),
     ] {
         let allocator = CachingAllocator::new(SimulatedStorage::new(H200_BYTES), config);
         let first: Vec<_> = (0..8)
@@ -217,13 +219,53 @@ fn expandable_segments_reuse_pages_across_sizes() {
     }
 }
 
+/// A request that fits no free block and would raise reserved memory above its peak takes the
+/// whole free pages between live blocks (unmapped there, mapped where it needs them) instead:
+/// PyTorch's expandable segments grow to 140 MiB here (d ends at 130 MiB, in 20 MiB pages), the
+/// default stays at 100 MiB.
+#[test]
+fn expandable_segments_move_free_pages_before_growing() {
+    for (config, peak, unmaps) in [
+        (AllocatorConfig::pytorch_expandable(), 140 * MIB, 0),
+        (AllocatorConfig::default(), 100 * MIB, 1),
+    ] {
+        let allocator = CachingAllocator::new(SimulatedStorage::new(H200_BYTES), config);
+        let a = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
+        let b = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
+        let c = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
+        allocator.free(b).unwrap();
+        // 40 MiB fit neither the 30 MiB hole nor what is mapped after c.
+        let d = allocator.allocate(40 * MIB, StreamId::DEFAULT).unwrap();
+        assert_eq!(allocator.max_memory_reserved(), peak);
+        assert_eq!(allocator.memory_stats().num_device_free, unmaps);
+        allocator.check_invariants().unwrap();
+        if unmaps > 0 {
+            // The hole is unmapped: 100 MiB of pages back 100 MiB of live blocks, in two
+            // mapped ranges.
+            assert_eq!(allocator.memory_reserved(), 100 * MIB);
+            assert_eq!(allocator.memory_stats().segment.all.current, 2);
+            assert_eq!(d.address(), c.address() + 30 * MIB);
+        }
+        // A later 30 MiB request maps the hole again, below the peak.
+        let e = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
+        assert_eq!(e.address(), a.address() + 30 * MIB);
+        allocator.check_invariants().unwrap();
+        for allocation in [a, c, d, e] {
+            allocator.free(allocation).unwrap();
+        }
+        allocator.empty_cache().unwrap();
+        assert_eq!(allocator.memory_reserved(), 0);
+        allocator.check_invariants().unwrap();
+    }
+}
+
 /// An expandable segment is reported as one segment per contiguous mapped range, and
-/// `empty_cache` unmaps only whole free pages.
+/// `empty_cache` unmaps only whole free pages (here PyTorch's pages of 20 MiB).
 #[test]
 fn expandable_segments_unmap_whole_free_pages() {
     let allocator = CachingAllocator::new(
         SimulatedStorage::new(H200_BYTES),
-        AllocatorConfig::default(),
+        AllocatorConfig::pytorch_expandable(),
     );
     assert!(allocator.uses_expandable_segments());
     let a = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();

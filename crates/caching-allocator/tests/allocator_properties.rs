@@ -1,6 +1,7 @@
 //! Property tests of the caching policy: 10,000 random sequences of alloc / free /
-//! record_stream / event completion / empty_cache under three configurations, and a stress test
-//! from 8 threads that writes through every block it holds.
+//! record_stream / event completion / empty_cache under four configurations (PyTorch's classic
+//! and expandable policies, the default, classic with `max_split_size` and rounding), and a
+//! stress test from 8 threads that writes through every block it holds.
 //!
 //! After every operation: no two live blocks overlap, no new block overlaps a block whose free
 //! still waits on another stream, every statistic equals its recomputation from the blocks
@@ -45,6 +46,7 @@ fn config(index: usize) -> AllocatorConfig {
     match index {
         0 => AllocatorConfig::pytorch_defaults(),
         1 => AllocatorConfig::default(),
+        2 => AllocatorConfig::pytorch_expandable(),
         _ => AllocatorConfig::parse(
             "expandable_segments:False,max_split_size_mb:24,roundup_power2_divisions:4",
         )
@@ -183,7 +185,7 @@ proptest! {
 
     #[test]
     fn random_sequences_keep_every_invariant(
-        config_index in 0usize..3,
+        config_index in 0usize..4,
         ops in prop::collection::vec(op(), 1..40),
     ) {
         run_sequence(config_index, &ops)?;

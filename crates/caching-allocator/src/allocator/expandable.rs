@@ -1,8 +1,11 @@
 //! Expandable segments: one reserved range of addresses per stream and pool, grown and shrunk
 //! by mapping and unmapping pages.
 //!
-//! A request that misses the pool maps just enough pages after the available blocks at the end
-//! of the stream's segment, and the run becomes one free mapped block. Releasing unmaps the
+//! A request that misses the pool takes a run of available blocks: the first unmapped range (by
+//! address: the segment's end, or a hole whose pages were unmapped) with the available block
+//! before it and those after it, once mapped, hold the request. Just enough pages are mapped and
+//! the run becomes one free mapped block. The page size is 2 MiB in the small pool and
+//! `expandable_page_size` in the large one. Releasing unmaps the
 //! whole pages inside free blocks, keeping any partial pages at their ends mapped, and gives
 //! back the address space of a segment with nothing mapped. Unmapped ranges are blocks too, kept
 //! in the pool's unmapped set by address, so the segment stays one linked list of blocks.
@@ -13,7 +16,7 @@
 use smallvec::SmallVec;
 
 use super::{
-    pool_index, round_up, Block, ExpandableSegment, SegmentKind, State, NIL, SMALL_BUFFER,
+    pool_index, round_up, Block, ExpandableSegment, Run, SegmentKind, State, NIL, SMALL_BUFFER,
 };
 use crate::error::AllocError;
 use crate::free_index::BlockId;
@@ -22,12 +25,16 @@ use crate::stats::PoolKind;
 use crate::storage::{Storage, StorageError, StreamId};
 
 impl<S: Storage> State<S> {
-    pub(super) fn try_allocate_expandable(
+    /// The run of blocks a request of `size` bytes would take in the stream's expandable segment
+    /// of `pool` (created if the stream has none): the first unmapped block, in address order,
+    /// that with the available block before it and those after it holds `size` bytes once
+    /// mapped. `None` when no run is large enough.
+    pub(super) fn expandable_run(
         &mut self,
         pool: PoolKind,
         stream: StreamId,
         size: u64,
-    ) -> Result<Option<BlockId>, AllocError> {
+    ) -> Result<Option<Run>, AllocError> {
         if !self
             .expandable_segments
             .iter()
@@ -36,19 +43,17 @@ impl<S: Storage> State<S> {
         {
             self.create_expandable_segment(pool, stream)?;
         }
-        let candidates: Vec<BlockId> = self.pools[pool_index(pool)]
-            .streams
-            .get(&stream)
-            .map(|stream_pool| stream_pool.unmapped.values().copied().collect())
-            .unwrap_or_default();
-        for unmapped in candidates {
+        let Some(stream_pool) = self.pools[pool_index(pool)].streams.get(&stream) else {
+            return Ok(None);
+        };
+        for &unmapped in stream_pool.unmapped.values() {
             let prev = self.block(unmapped).prev;
             let start = if prev != NIL && self.block(prev).is_available() {
                 prev
             } else {
                 unmapped
             };
-            let mut run = SmallVec::<[BlockId; 4]>::new();
+            let mut run = Run::new();
             let mut bytes = 0;
             let mut cursor = start;
             while bytes < size && cursor != NIL && self.block(cursor).is_available() {
@@ -57,10 +62,38 @@ impl<S: Storage> State<S> {
                 cursor = self.block(cursor).next;
             }
             if bytes >= size {
-                return self.map_block(&run, size);
+                return Ok(Some(run));
             }
         }
         Ok(None)
+    }
+
+    /// Bytes [`State::map_block`] would map for the first `size` bytes of `run`.
+    pub(super) fn bytes_to_map(&self, run: &[BlockId], size: u64) -> u64 {
+        let start = self.block(run[0]);
+        let SegmentKind::Expandable(segment) = start.segment else {
+            return 0;
+        };
+        let s = self.expandable_segment(segment);
+        let region_end = s.base + round_up(start.address + size - s.base, s.page);
+        run.iter()
+            .map(|&id| self.block(id))
+            .filter(|b| !b.mapped)
+            .map(|b| b.end().min(region_end) - b.address)
+            .sum()
+    }
+
+    /// The whole pages inside block `id` of an expandable segment, in bytes, and the segment's
+    /// index: what [`State::unmap_block`] would unmap. `None` for a block of a classic segment.
+    pub(super) fn whole_pages(&self, id: BlockId) -> Option<(u64, u32)> {
+        let block = self.block(id);
+        let SegmentKind::Expandable(segment) = block.segment else {
+            return None;
+        };
+        let s = self.expandable_segment(segment);
+        let start = s.base + round_up(block.address - s.base, s.page);
+        let end = s.base + (block.end() - s.base) / s.page * s.page;
+        Some((end.saturating_sub(start), segment))
     }
 
     fn create_expandable_segment(
@@ -70,7 +103,7 @@ impl<S: Storage> State<S> {
     ) -> Result<(), AllocError> {
         let page = match pool {
             PoolKind::Small => SMALL_BUFFER,
-            PoolKind::Large => self.config.large_segment_size,
+            PoolKind::Large => self.config.expandable_page_size,
         };
         let page = round_up(page, self.storage.page_granularity());
         let total = self.storage.memory_info().total;
@@ -109,7 +142,11 @@ impl<S: Storage> State<S> {
     /// of one expandable segment) need, and merges the run into one free mapped block, returned
     /// out of the free set. `None` if the storage ran out of memory (what was mapped stays
     /// cached as a free block).
-    fn map_block(&mut self, run: &[BlockId], size: u64) -> Result<Option<BlockId>, AllocError> {
+    pub(super) fn map_block(
+        &mut self,
+        run: &[BlockId],
+        size: u64,
+    ) -> Result<Option<BlockId>, AllocError> {
         let start = run[0];
         let SegmentKind::Expandable(segment) = self.block(start).segment else {
             unreachable!("map_block on a classic segment")

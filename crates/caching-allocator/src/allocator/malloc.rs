@@ -5,7 +5,10 @@
 //! garbage collection, a new segment (or pages of an expandable segment), freeing cached
 //! oversize blocks, and freeing the whole cache before searching the pool again; only then is
 //! the request an [`AllocError::OutOfMemory`], with the figures of the failure. A block that is
-//! found is split by PyTorch's rules, and the statistics count the allocation.
+//! found is split by PyTorch's rules, and the statistics count the allocation. With expandable
+//! segments, best fit is PyTorch's (a block at a segment's end counts as what it could grow
+//! to), and a request that maps pages above the reserved peak first has free pages reclaimed
+//! (`reclaim_free_pages`).
 //!
 //! It sits on the arena and pools of the parent module and calls the steps of `stream_events`
 //! (completing pending frees), `release` (the ladder's release steps) and `expandable` (mapping
@@ -13,9 +16,12 @@
 
 use smallvec::SmallVec;
 
-use super::{round_up, Allocation, Block, CachingAllocator, SegmentKind, State, NIL, SMALL_BUFFER};
+use super::{
+    pool_index, round_up, Allocation, Block, CachingAllocator, SegmentKind, State, NIL,
+    SMALL_BUFFER,
+};
 use crate::error::{AllocError, OutOfMemoryReport};
-use crate::free_index::BlockId;
+use crate::free_index::{BlockId, FreeIndex};
 use crate::snapshot::TraceAction;
 use crate::stats::PoolKind;
 use crate::storage::{Storage, StorageError, StreamId};
@@ -107,10 +113,14 @@ impl<S: Storage> State<S> {
     fn get_free_block(&mut self, pool: PoolKind, stream: StreamId, size: u64) -> Option<BlockId> {
         let max_split = self.config.max_split_size;
         let non_split_rounding = self.config.max_non_split_rounding;
-        let pool = self.pool_mut(pool);
-        pool.n_searches += 1;
-        let stream_pool = pool.streams.get_mut(&stream)?;
-        let (found_size, address, id) = stream_pool.free.first_at_least(size)?;
+        let pool_idx = pool_index(pool);
+        self.pools[pool_idx].n_searches += 1;
+        let stream_pool = self.pools[pool_idx].streams.get(&stream)?;
+        let (found_size, address, id) = if self.expandable {
+            self.best_expandable_fit(&stream_pool.free, size)?
+        } else {
+            stream_pool.free.first_at_least(size)?
+        };
         if let Some(max_split) = max_split {
             // Do not hand an oversize block to a small request, nor a much larger oversize
             // block to an oversize request.
@@ -121,8 +131,39 @@ impl<S: Storage> State<S> {
                 return None;
             }
         }
-        stream_pool.free.remove(found_size, address);
+        self.pools[pool_idx]
+            .stream(stream)
+            .free
+            .remove(found_size, address);
         Some(id)
+    }
+
+    /// PyTorch's best fit among blocks of expandable segments: a block followed by unmapped
+    /// space counts as the size it could grow to, so from the smallest fitting block the search
+    /// moves on while the next block's grown size is smaller. A request then does not take the
+    /// free block at the end of a segment (which could grow for a larger one) when another fits.
+    fn best_expandable_fit(&self, free: &FreeIndex, size: u64) -> Option<(u64, u64, BlockId)> {
+        let expandable_size = |id: BlockId| {
+            let block = self.block(id);
+            let next = block.next;
+            block.size
+                + if next != NIL && !self.block(next).mapped {
+                    self.block(next).size
+                } else {
+                    0
+                }
+        };
+        let mut candidates = free.iter_at_least(size);
+        let mut best = candidates.next()?;
+        let mut best_size = expandable_size(best.2);
+        for next in candidates {
+            let next_size = expandable_size(next.2);
+            if next_size >= best_size {
+                break;
+            }
+            (best, best_size) = (next, next_size);
+        }
+        Some(best)
     }
 
     fn should_split(&self, id: BlockId, size: u64) -> bool {
@@ -145,7 +186,7 @@ impl<S: Storage> State<S> {
         alloc_size: u64,
     ) -> Result<Option<BlockId>, AllocError> {
         if self.expandable {
-            return self.try_allocate_expandable(pool, stream, size);
+            return self.alloc_expandable(pool, stream, size);
         }
         if let Some(allowed) = self.allowed_memory() {
             if self.stats.reserved_bytes.all.current as u64 + alloc_size > allowed {
@@ -181,6 +222,52 @@ impl<S: Storage> State<S> {
         }
         self.record(TraceAction::SegmentAlloc, address, alloc_size, stream);
         Ok(Some(id))
+    }
+
+    /// Pages for a request of an expandable segment: the run of available blocks it takes,
+    /// with the pages it lacks mapped. With `reclaim_free_pages`, when mapping them would raise
+    /// reserved memory above its peak, the device is waited for (completing pending frees too)
+    /// and whole free pages elsewhere are unmapped first, as many as the excess; the run is then
+    /// chosen again, since a hole may now hold the request lower down.
+    fn alloc_expandable(
+        &mut self,
+        pool: PoolKind,
+        stream: StreamId,
+        size: u64,
+    ) -> Result<Option<BlockId>, AllocError> {
+        let Some(mut run) = self.expandable_run(pool, stream, size)? else {
+            return Ok(None);
+        };
+        if self.config.reclaim_free_pages
+            && self.raises_reserved_peak(&run, size)
+            && self.reclaimable_bytes(&run) > 0
+        {
+            self.synchronize_and_free_events()?;
+            self.storage.synchronize_device()?;
+            // Completed frees may have merged blocks of the run with their neighbours.
+            let Some(fresh) = self.expandable_run(pool, stream, size)? else {
+                return Ok(None);
+            };
+            run = fresh;
+            let to_map = self.bytes_to_map(&run, size);
+            let reserved = self.stats.reserved_bytes.all.current as u64;
+            let peak = self.stats.reserved_bytes.all.peak as u64;
+            if reserved + to_map > peak {
+                self.reclaim_free_pages(reserved + to_map - peak, &run)?;
+                let Some(fresh) = self.expandable_run(pool, stream, size)? else {
+                    return Ok(None);
+                };
+                run = fresh;
+            }
+        }
+        self.map_block(&run, size)
+    }
+
+    /// Whether mapping the pages `run` lacks for `size` bytes raises reserved memory above its
+    /// peak.
+    fn raises_reserved_peak(&self, run: &[BlockId], size: u64) -> bool {
+        let reserved = self.stats.reserved_bytes.all.current as u64;
+        reserved + self.bytes_to_map(run, size) > self.stats.reserved_bytes.all.peak as u64
     }
 
     fn alloc_found_block(

@@ -4,7 +4,10 @@
 //! (≤ 1 MiB) or the large pool, and served best-fit by (stream, size, address) from freed blocks.
 //! A miss obtains a new segment from the storage — 2 MiB for small requests, 20 MiB for requests
 //! under 10 MiB, the request rounded to 2 MiB otherwise — or, with expandable segments, maps just
-//! enough pages at the end of the stream's one growing segment. Blocks are split by PyTorch's
+//! enough pages at the end of the stream's one growing segment (or in a hole left by unmapped
+//! pages). By default, mapping that would raise reserved memory above its peak first unmaps the
+//! whole free pages between live blocks, so pages move rather than add up; PyTorch never does
+//! this (`AllocatorConfig::reclaim_free_pages`). Blocks are split by PyTorch's
 //! rules, merged with free neighbours on free, and a block used by other streams
 //! (`record_stream`) is only reused after events recorded on those streams complete.
 //!
@@ -16,10 +19,12 @@
 //! free blocks in ordered sets per pool. This module holds the public types, the state behind
 //! the lock, the arena and its pools, and what every step shares (history records, the memory
 //! fraction, the oversize test). The steps are its submodules, one concept each: `malloc`
-//! (rounding, the search, new segments, splitting, the out-of-memory ladder), `free` (freeing
+//! (rounding, the search, new segments, when to reclaim pages, splitting, the out-of-memory
+//! ladder), `free` (freeing
 //! and merging), `stream_events` (`record_stream` and the frees that wait for events),
-//! `release` (`empty_cache`, the ladder's release steps, garbage collection), `expandable`
-//! (mapping and unmapping the pages of expandable segments) and `introspection` (statistics,
+//! `release` (`empty_cache`, the ladder's release steps, garbage collection, which free pages to
+//! reclaim), `expandable` (the run of blocks a request takes, mapping and unmapping the pages
+//! of expandable segments) and `introspection` (statistics,
 //! summaries, snapshots, history settings and the invariant check). A submodule uses the types
 //! here and calls only the steps its own header names; no two submodules call each other. This
 //! module knows nothing about tensors and nothing about how a storage obtains memory.
@@ -50,6 +55,10 @@ const SMALL_BUFFER: u64 = 2 << 20;
 
 /// "No block" in the prev/next links.
 const NIL: BlockId = u32::MAX;
+
+/// Adjacent available blocks of one expandable segment that a request will take once their
+/// unmapped pages are mapped.
+type Run = SmallVec<[BlockId; 4]>;
 
 /// A live allocation: the block handed out by [`CachingAllocator::allocate`]. Give it back with
 /// [`CachingAllocator::free`]; it is not `Clone`, so it cannot be freed twice.

@@ -5,7 +5,9 @@
 //! classic segment with no live block and unmaps the free pages of expandable segments. With
 //! `max_split_size` set, the ladder first frees cached oversize blocks of the stream until the
 //! request is covered. Garbage collection frees the oldest cached large blocks once reserved
-//! memory passes its threshold of the allowed memory, as PyTorch does.
+//! memory passes its threshold of the allowed memory, as PyTorch does. Reclaiming
+//! (`reclaim_free_pages`, Headroom's) unmaps the whole free pages of expandable segments, the
+//! largest runs first, until a given number of bytes is released.
 //!
 //! It sits on the parent module's state, on `stream_events` (waiting for pending frees) and on
 //! `expandable` (unmapping pages, giving back address space). It must not know how blocks are
@@ -116,6 +118,66 @@ impl<S: Storage> State<S> {
             released += block_size;
         }
         Ok(released >= key_size)
+    }
+
+    /// Bytes of whole pages in the available blocks of expandable segments (any pool, any
+    /// stream) outside `keep`: what [`State::reclaim_free_pages`] could release.
+    pub(super) fn reclaimable_bytes(&self, keep: &[BlockId]) -> u64 {
+        self.reclaim_candidates(keep)
+            .iter()
+            .map(|&(bytes, _, _)| bytes)
+            .sum()
+    }
+
+    /// Unmaps the whole pages of available blocks of expandable segments (any pool, any
+    /// stream), those with the most pages first, until `bytes` are released; the blocks of
+    /// `keep` are left alone. Returns the bytes released. The caller has waited for the device
+    /// (`synchronize_device`): unmapping does not wait for queued work that may still use the
+    /// pages.
+    ///
+    /// This is how the default policy keeps reserved memory at the live bytes: `malloc` calls
+    /// it when a request would raise reserved memory above its peak, so pages move out of the
+    /// holes between live blocks to where the request needs them instead of being added.
+    pub(super) fn reclaim_free_pages(
+        &mut self,
+        bytes: u64,
+        keep: &[BlockId],
+    ) -> Result<u64, AllocError> {
+        let mut candidates = self.reclaim_candidates(keep);
+        // Largest first; by address among equals, so that the choice is deterministic.
+        candidates.sort_unstable_by_key(|&(pages, id, _)| {
+            (std::cmp::Reverse(pages), self.block(id).address)
+        });
+        let mut released = 0;
+        for (pages, id, segment) in candidates {
+            if released >= bytes {
+                break;
+            }
+            self.unmap_block(id, segment)?;
+            released += pages;
+        }
+        Ok(released)
+    }
+
+    /// (whole-page bytes, block, segment) of every available block of an expandable segment
+    /// outside `keep` that holds a whole page.
+    fn reclaim_candidates(&self, keep: &[BlockId]) -> Vec<(u64, BlockId, u32)> {
+        let mut candidates = Vec::new();
+        for pool in &self.pools {
+            for stream_pool in pool.streams.values() {
+                for (_, _, id) in stream_pool.free.iter() {
+                    if keep.contains(&id) || !self.block(id).is_available() {
+                        continue;
+                    }
+                    if let Some((pages, segment)) = self.whole_pages(id) {
+                        if pages > 0 {
+                            candidates.push((pages, id, segment));
+                        }
+                    }
+                }
+            }
+        }
+        candidates
     }
 
     fn gc_threshold(&self) -> Option<(f64, u64)> {

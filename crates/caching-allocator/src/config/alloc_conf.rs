@@ -29,6 +29,10 @@ impl AllocatorConfig {
     /// - `expandable_segments`: `True`/`true` or `False`/`false`;
     /// - `large_segment_size_mb`: an even number of MiB, at least 10 (and at most
     ///   `max_split_size_mb` when that is set);
+    /// - `expandable_page_size_mb`: an even number of MiB, at least 2 (Headroom's; PyTorch maps
+    ///   20 MiB pages);
+    /// - `reclaim_free_pages`: `True`/`true` or `False`/`false` (Headroom's; PyTorch does not
+    ///   reclaim);
     /// - `backend`: only `native`; `cudaMallocAsync` is refused;
     /// - accepted and ignored, as they concern PyTorch's locking, pinned host memory or graph
     ///   capture: `release_lock_on_cudamalloc`, `throw_on_cudamalloc_oom`,
@@ -114,6 +118,18 @@ impl AllocatorConfig {
             "large_segment_size_mb:{}",
             self.large_segment_size >> 20
         ));
+        items.push(format!(
+            "expandable_page_size_mb:{}",
+            self.expandable_page_size >> 20
+        ));
+        items.push(format!(
+            "reclaim_free_pages:{}",
+            if self.reclaim_free_pages {
+                "True"
+            } else {
+                "False"
+            }
+        ));
         items.join(",")
     }
 }
@@ -171,6 +187,8 @@ fn apply_option(config: &mut AllocatorConfig, key: &str, value: &str) -> Result<
         "max_split_size_mb" => config.max_split_size = Some(parse_mib(key, value)?),
         "max_non_split_rounding_mb" => config.max_non_split_rounding = parse_mib(key, value)?,
         "large_segment_size_mb" => config.large_segment_size = parse_mib(key, value)?,
+        "expandable_page_size_mb" => config.expandable_page_size = parse_mib(key, value)?,
+        "reclaim_free_pages" => config.reclaim_free_pages = parse_bool(key, value)?,
         "roundup_power2_divisions" => {
             parse_roundup_power2_divisions(value, &mut config.roundup_power2_divisions)?
         }
@@ -180,16 +198,7 @@ fn apply_option(config: &mut AllocatorConfig, key: &str, value: &str) -> Result<
         "per_process_memory_fraction" => {
             config.per_process_memory_fraction = Some(parse_f64(key, value)?)
         }
-        "expandable_segments" => {
-            config.expandable_segments = match value {
-                "True" | "true" => true,
-                "False" | "false" => false,
-                _ => {
-                    let reason = format!("expected True or False, got `{value}`");
-                    return Err(invalid(key, reason));
-                }
-            }
-        }
+        "expandable_segments" => config.expandable_segments = parse_bool(key, value)?,
         "backend" => match value {
             "native" => {}
             "cudaMallocAsync" => {
@@ -209,6 +218,17 @@ fn parse_u64(key: &str, value: &str) -> Result<u64, AllocError> {
     value
         .parse()
         .map_err(|_| invalid(key, format!("expected a whole number, got `{value}`")))
+}
+
+fn parse_bool(key: &str, value: &str) -> Result<bool, AllocError> {
+    match value {
+        "True" | "true" => Ok(true),
+        "False" | "false" => Ok(false),
+        _ => Err(invalid(
+            key,
+            format!("expected True or False, got `{value}`"),
+        )),
+    }
 }
 
 fn parse_f64(key: &str, value: &str) -> Result<f64, AllocError> {

@@ -98,6 +98,22 @@ impl AllocatorConfigBuilder {
         self
     }
 
+    /// Sets `expandable_page_size_mb`, the large pool's expandable page size (an even number,
+    /// at least 2).
+    pub fn expandable_page_size_mb(mut self, mib: u64) -> Self {
+        if let Some(bytes) = self.mib_to_bytes("expandable_page_size_mb", mib) {
+            self.config.expandable_page_size = bytes;
+        }
+        self
+    }
+
+    /// Turns `reclaim_free_pages` on or off: whether expandable segments move free pages out of
+    /// the holes between live blocks before reserved memory passes its peak.
+    pub fn reclaim_free_pages(mut self, on: bool) -> Self {
+        self.config.reclaim_free_pages = on;
+        self
+    }
+
     /// Checks the settings as [`AllocatorConfig::parse`] does and returns the config.
     pub fn build(self) -> Result<AllocatorConfig, AllocError> {
         if let Some(key) = self.overflowed {

@@ -16,9 +16,13 @@
 //! builder also writes `raw` with `alloc_conf`'s `to_conf_string`, and no other call crosses
 //! between them.
 //!
-//! One default differs from PyTorch's: `expandable_segments` is on. PyTorch keeps it off for
-//! CUDA IPC, which this kit does not use, and it removes most fragmentation. A storage that cannot
-//! map pages ([`crate::HostStorage`]) runs the classic policy whatever this says.
+//! Defaults that differ from PyTorch's: `expandable_segments` is on (PyTorch keeps it off for
+//! CUDA IPC, which this kit does not use, and it removes most fragmentation), with two settings
+//! of Headroom's own, 2 MiB pages in the large pool (`expandable_page_size_mb`; PyTorch maps
+//! 20 MiB) and `reclaim_free_pages` on (PyTorch has no such step).
+//! [`AllocatorConfig::pytorch_defaults`] and [`AllocatorConfig::pytorch_expandable`] are
+//! PyTorch's two policies. A storage that cannot map pages ([`crate::HostStorage`]) runs the
+//! classic policy whatever this says.
 //!
 //! We are stricter than PyTorch where PyTorch silently fixes a value: `max_split_size_mb` and
 //! `max_non_split_rounding_mb` below 20 are errors (PyTorch raises them to 20), numbers must be
@@ -91,10 +95,18 @@ pub struct AllocatorConfig {
     pub(crate) per_process_memory_fraction: Option<f64>,
     /// Grow segments by mapping pages instead of allocating new segments (`expandable_segments`).
     pub(crate) expandable_segments: bool,
-    /// Size of the segment for requests between 1 MiB and 10 MiB, and the page size of the
-    /// large pool's expandable segments (`large_segment_size_mb`, default 20 MiB; a multiple of
-    /// 2 MiB and at least 10 MiB, so one segment holds any request it is used for).
+    /// Size of the segment for requests between 1 MiB and 10 MiB with classic segments
+    /// (`large_segment_size_mb`, default 20 MiB; a multiple of 2 MiB and at least 10 MiB, so one
+    /// segment holds any request it is used for).
     pub(crate) large_segment_size: u64,
+    /// Page size of the large pool's expandable segments (`expandable_page_size_mb`, default
+    /// 2 MiB, the CUDA mapping granularity; PyTorch maps 20 MiB pages). The small pool's pages
+    /// are 2 MiB.
+    pub(crate) expandable_page_size: u64,
+    /// With expandable segments, a request that would raise reserved memory above its peak is
+    /// first given the whole free pages between live blocks, unmapped and mapped where it needs
+    /// them (`reclaim_free_pages`, default on; PyTorch has no such step).
+    pub(crate) reclaim_free_pages: bool,
     /// The string this config was parsed from, as snapshots report it.
     pub(crate) raw: String,
 }
@@ -109,6 +121,8 @@ impl Default for AllocatorConfig {
             per_process_memory_fraction: None,
             expandable_segments: true,
             large_segment_size: 20 << 20,
+            expandable_page_size: 2 << 20,
+            reclaim_free_pages: true,
             raw: String::new(),
         }
     }
@@ -148,9 +162,21 @@ impl AllocatorConfig {
         self.expandable_segments
     }
 
-    /// The large pool's segment (and expandable page) size in bytes (`large_segment_size_mb`).
+    /// The large pool's classic segment size in bytes (`large_segment_size_mb`).
     pub fn large_segment_size(&self) -> u64 {
         self.large_segment_size
+    }
+
+    /// The page size of the large pool's expandable segments in bytes
+    /// (`expandable_page_size_mb`).
+    pub fn expandable_page_size(&self) -> u64 {
+        self.expandable_page_size
+    }
+
+    /// Whether expandable segments move free pages out of the holes between live blocks before
+    /// reserved memory passes its peak (`reclaim_free_pages`).
+    pub fn reclaim_free_pages(&self) -> bool {
+        self.reclaim_free_pages
     }
 
     /// The string this config was parsed from (or its builder's equivalent), as snapshots report
@@ -163,6 +189,17 @@ impl AllocatorConfig {
     pub fn pytorch_defaults() -> Self {
         AllocatorConfig {
             expandable_segments: false,
+            ..AllocatorConfig::default()
+        }
+    }
+
+    /// PyTorch's policy with `expandable_segments:True`: large-pool pages of 20 MiB and no
+    /// reclaiming of free pages (`expandable_page_size_mb:20,reclaim_free_pages:False`).
+    pub fn pytorch_expandable() -> Self {
+        AllocatorConfig {
+            expandable_segments: true,
+            expandable_page_size: 20 << 20,
+            reclaim_free_pages: false,
             ..AllocatorConfig::default()
         }
     }
@@ -269,6 +306,14 @@ impl AllocatorConfig {
                 describe(large_segment_size)
             );
             return Err(invalid("large_segment_size_mb", reason));
+        }
+        let page = self.expandable_page_size;
+        if page == 0 || !page.is_multiple_of(2 << 20) {
+            let reason = format!(
+                "must be an even number of MiB, at least 2, got {}",
+                describe(page)
+            );
+            return Err(invalid("expandable_page_size_mb", reason));
         }
         Ok(())
     }

@@ -52,7 +52,8 @@ fn parses_every_option() {
     let conf = " max_split_size_mb : 128 , max_non_split_rounding_mb:64,\
                 roundup_power2_divisions:4, garbage_collection_threshold:0.6,\
                 per_process_memory_fraction:0.5,expandable_segments:False,\
-                large_segment_size_mb:12,backend:native,";
+                large_segment_size_mb:12,expandable_page_size_mb:20,reclaim_free_pages:False,\
+                backend:native,";
     let config = parse_ok(conf);
     assert_eq!(
         config,
@@ -64,12 +65,16 @@ fn parses_every_option() {
             per_process_memory_fraction: Some(0.5),
             expandable_segments: false,
             large_segment_size: 12 * MIB,
+            expandable_page_size: 20 * MIB,
+            reclaim_free_pages: false,
             raw: conf.to_owned(),
         }
     );
     assert!(parse_ok("expandable_segments:true").expandable_segments);
     assert!(parse_ok("expandable_segments:True").expandable_segments);
     assert!(!parse_ok("expandable_segments:false").expandable_segments);
+    assert!(parse_ok("reclaim_free_pages:true").reclaim_free_pages);
+    assert!(!parse_ok("reclaim_free_pages:false").reclaim_free_pages);
     assert_eq!(
         parse_ok("per_process_memory_fraction:1").per_process_memory_fraction,
         Some(1.0)
@@ -163,6 +168,9 @@ fn invalid_values_name_their_key() {
         ("expandable_segments:", "expandable_segments"),
         ("large_segment_size_mb:8", "large_segment_size_mb"),
         ("large_segment_size_mb:21", "large_segment_size_mb"),
+        ("expandable_page_size_mb:0", "expandable_page_size_mb"),
+        ("expandable_page_size_mb:3", "expandable_page_size_mb"),
+        ("reclaim_free_pages:maybe", "reclaim_free_pages"),
         ("backend:cudaMallocAsync", "backend"),
         ("backend:other", "backend"),
         ("expandable_segments", "expandable_segments"),
@@ -229,6 +237,7 @@ fn conf_string_round_trips() {
     let configs = [
         AllocatorConfig::default(),
         AllocatorConfig::pytorch_defaults(),
+        AllocatorConfig::pytorch_expandable(),
         parse_ok("max_split_size_mb:512,garbage_collection_threshold:0.8,per_process_memory_fraction:0.3333333333333333"),
         parse_ok("roundup_power2_divisions:[256:1,512:2,1024:4,>:8],large_segment_size_mb:32"),
         parse_ok("roundup_power2_divisions:[2:4,64:2]"),
@@ -252,7 +261,16 @@ fn conf_string_round_trips() {
     }
     assert_eq!(
         AllocatorConfig::default().to_conf_string(),
-        "max_non_split_rounding_mb:20,expandable_segments:True,large_segment_size_mb:20"
+        "max_non_split_rounding_mb:20,expandable_segments:True,large_segment_size_mb:20,\
+         expandable_page_size_mb:2,reclaim_free_pages:True"
+    );
+    assert_eq!(
+        parse_ok("expandable_segments:True,expandable_page_size_mb:20,reclaim_free_pages:False"),
+        AllocatorConfig {
+            raw: "expandable_segments:True,expandable_page_size_mb:20,reclaim_free_pages:False"
+                .to_owned(),
+            ..AllocatorConfig::pytorch_expandable()
+        }
     );
 }
 
@@ -266,6 +284,8 @@ fn builder_matches_parse() {
         .per_process_memory_fraction(0.5)
         .expandable_segments(false)
         .large_segment_size_mb(12)
+        .expandable_page_size_mb(20)
+        .reclaim_free_pages(false)
         .build();
     let built = match built {
         Ok(config) => config,
@@ -323,6 +343,10 @@ fn builder_applies_the_same_validation() {
         (
             AllocatorConfig::builder().large_segment_size_mb(u64::MAX),
             "large_segment_size_mb",
+        ),
+        (
+            AllocatorConfig::builder().expandable_page_size_mb(5),
+            "expandable_page_size_mb",
         ),
     ];
     for (builder, expected_key) in cases {

@@ -28,7 +28,7 @@ mod driver;
 mod pinned;
 
 pub use host::HostStorage;
-pub use simulated::{EventControl, SimulatedStorage};
+pub use simulated::{EventControl, SegmentPlacement, SimulatedStorage};
 
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaStorage, CudaStorageOptions};

@@ -7,6 +7,7 @@
 //! is not mapped is an error here as it is on a GPU.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -49,6 +50,37 @@ impl EventControl {
     }
 }
 
+/// A handle that tells a simulated storage where to put its next segment, as the device did in
+/// a recording: a trace replay names the address at which the recorded allocator's block came
+/// out, which is its segment's start when that allocation obtained a new segment. Clone it
+/// before handing the storage to an allocator.
+#[derive(Debug, Clone, Default)]
+pub struct SegmentPlacement {
+    /// The address for the next segment; 0 for none.
+    next: Arc<AtomicU64>,
+}
+
+impl SegmentPlacement {
+    /// The next segment starts at `address` if the whole segment fits there (nothing else
+    /// occupies the range); otherwise the storage places it as usual. Holds until the next
+    /// segment allocation, or [`SegmentPlacement::clear`].
+    pub fn place_next_at(&self, address: u64) {
+        self.next.store(address, Ordering::Relaxed);
+    }
+
+    /// Forgets the address given by [`SegmentPlacement::place_next_at`].
+    pub fn clear(&self) {
+        self.next.store(0, Ordering::Relaxed);
+    }
+
+    fn take(&self) -> Option<u64> {
+        match self.next.swap(0, Ordering::Relaxed) {
+            0 => None,
+            address => Some(address),
+        }
+    }
+}
+
 /// Device memory that exists only as addresses and byte counts.
 #[derive(Debug)]
 pub struct SimulatedStorage {
@@ -56,10 +88,11 @@ pub struct SimulatedStorage {
     page_granularity: u64,
     in_use: u64,
     next_address: u64,
-    segments: HashMap<u64, u64>,
+    segments: BTreeMap<u64, u64>,
     reservations: BTreeMap<u64, u64>,
     mapped: BTreeMap<u64, u64>,
     events: EventControl,
+    placement: SegmentPlacement,
 }
 
 impl SimulatedStorage {
@@ -70,11 +103,17 @@ impl SimulatedStorage {
             page_granularity: SEGMENT_ALIGN,
             in_use: 0,
             next_address: FIRST_ADDRESS,
-            segments: HashMap::new(),
+            segments: BTreeMap::new(),
             reservations: BTreeMap::new(),
             mapped: BTreeMap::new(),
             events: EventControl::default(),
+            placement: SegmentPlacement::default(),
         }
+    }
+
+    /// The handle that places this storage's next segment.
+    pub fn segment_placement(&self) -> SegmentPlacement {
+        self.placement.clone()
     }
 
     /// The handle that completes this storage's events.
@@ -88,10 +127,30 @@ impl SimulatedStorage {
     }
 
     fn take_address_range(&mut self, size: u64) -> u64 {
+        // Leave a gap after each range so that adjacent segments are never contiguous by
+        // accident; skip ranges a placed segment took.
+        let span = size.div_ceil(SEGMENT_ALIGN) * SEGMENT_ALIGN + SEGMENT_ALIGN;
+        while let Some(end) = self.occupied_until(self.next_address, span) {
+            self.next_address = end.div_ceil(SEGMENT_ALIGN) * SEGMENT_ALIGN + SEGMENT_ALIGN;
+        }
         let address = self.next_address;
-        // Leave a gap after each range so that adjacent segments are never contiguous by accident.
-        self.next_address += size.div_ceil(SEGMENT_ALIGN) * SEGMENT_ALIGN + SEGMENT_ALIGN;
+        self.next_address += span;
         address
+    }
+
+    /// The end of a segment or reservation that overlaps `[address, address + size)`, if any.
+    fn occupied_until(&self, address: u64, size: u64) -> Option<u64> {
+        let end = address.checked_add(size)?;
+        [&self.segments, &self.reservations]
+            .into_iter()
+            .filter_map(|ranges| {
+                ranges
+                    .range(..end)
+                    .next_back()
+                    .map(|(&start, &len)| start + len)
+                    .filter(|&range_end| range_end > address)
+            })
+            .max()
     }
 
     fn reservation_containing(&self, address: u64, size: u64) -> Option<(u64, u64)> {
@@ -111,7 +170,16 @@ unsafe impl Storage for SimulatedStorage {
         if size == 0 || self.in_use.saturating_add(size) > self.capacity {
             return Err(StorageError::OutOfMemory { requested: size });
         }
-        let address = self.take_address_range(size);
+        let address = match self.placement.take() {
+            Some(address)
+                if address.is_multiple_of(512)
+                    && address.checked_add(size).is_some()
+                    && self.occupied_until(address, size).is_none() =>
+            {
+                address
+            }
+            _ => self.take_address_range(size),
+        };
         self.segments.insert(address, size);
         self.in_use += size;
         Ok(address)

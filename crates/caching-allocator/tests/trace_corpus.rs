@@ -1,0 +1,221 @@
+//! The trace corpus (`testdata/traces/corpus.json`): every trace replayed through PyTorch's two
+//! policies and the default one, against the figures PyTorch 2.11 reported for the same run on an
+//! H200 with `expandable_segments:False` and with `True` (`scripts/traces/record.py`).
+//!
+//! For every trace:
+//! - the replay reads every event, frees nothing twice, runs out of memory nowhere, starts from
+//!   nothing (the recording began before the first allocation), and its peak of live requests
+//!   (each rounded up to 512 B) is the one the recording script computed;
+//! - the classic policy (`expandable_segments:False`), with its segments placed at the recorded
+//!   addresses, reaches PyTorch's classic peak reserved and peak allocated to the byte (the issue
+//!   asks for ±0.5% and 0.1%);
+//! - PyTorch's expandable policy ([`AllocatorConfig::pytorch_expandable`]) reaches PyTorch's
+//!   expandable peak reserved and peak allocated to the byte;
+//! - the default policy reserves at most 1.01× the rounded live peak and no more than PyTorch's
+//!   expandable segments did, and its peak allocated is PyTorch's expandable one.
+//!
+//! The test prints the table (`-- --nocapture`) and checks every trace before failing, so a
+//! failure shows the whole corpus.
+
+use std::fs::File;
+use std::io::BufReader;
+use std::path::PathBuf;
+
+use headroom_caching_allocator::{
+    read_trace_tsv, replay_trace_at_recorded_addresses, AllocatorConfig, CachingAllocator,
+    RecordedTrace, ReplayReport, SimulatedStorage,
+};
+use serde_json::Value;
+
+/// An H200's memory as `cudaMemGetInfo` reports it.
+const H200_BYTES: u64 = 150_754_820_096;
+
+/// The default policy's bound on peak reserved over the rounded live peak.
+const DEFAULT_OVER_LIVE: f64 = 1.01;
+
+fn testdata_dir() -> PathBuf {
+    // From the crate's folder, or (a binary carried elsewhere) from the repo root.
+    let from_crate = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata");
+    if from_crate.is_dir() {
+        from_crate
+    } else {
+        PathBuf::from("testdata")
+    }
+}
+
+/// One trace of the manifest with PyTorch's figures.
+struct CorpusTrace {
+    name: String,
+    file: PathBuf,
+    events: u64,
+    peak_live_rounded: u64,
+    classic: TorchFigures,
+    expandable: TorchFigures,
+}
+
+/// `torch.cuda.memory_stats()`'s peaks for one run.
+#[derive(Debug, PartialEq)]
+struct TorchFigures {
+    allocated: u64,
+    reserved: u64,
+}
+
+impl TorchFigures {
+    fn of(report: &ReplayReport) -> TorchFigures {
+        TorchFigures {
+            allocated: report.peak_allocated_bytes,
+            reserved: report.peak_reserved_bytes,
+        }
+    }
+}
+
+fn corpus() -> Vec<CorpusTrace> {
+    let dir = testdata_dir();
+    let path = dir.join("traces/corpus.json");
+    let manifest: Value = serde_json::from_reader(BufReader::new(
+        File::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    ))
+    .expect("valid manifest");
+    let number = |value: &Value, key: &str| {
+        value[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("manifest: `{key}` is not a number in {value}"))
+    };
+    let figures = |value: &Value| TorchFigures {
+        allocated: number(value, "peak_allocated_bytes"),
+        reserved: number(value, "peak_reserved_bytes"),
+    };
+    manifest["traces"]
+        .as_array()
+        .expect("a list of traces")
+        .iter()
+        .map(|trace| CorpusTrace {
+            name: trace["name"].as_str().expect("a name").to_owned(),
+            file: dir.join(trace["file"].as_str().expect("a file")),
+            events: number(trace, "events"),
+            peak_live_rounded: number(trace, "peak_live_rounded_bytes"),
+            classic: figures(&trace["pytorch"]["classic"]),
+            expandable: figures(&trace["pytorch"]["expandable"]),
+        })
+        .collect()
+}
+
+fn replay(config: AllocatorConfig, trace: &RecordedTrace) -> ReplayReport {
+    let allocator = CachingAllocator::new(SimulatedStorage::new(H200_BYTES), config);
+    let report = replay_trace_at_recorded_addresses(&allocator, trace).expect("replay");
+    allocator
+        .check_invariants()
+        .expect("consistent after replay");
+    report
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    a as f64 / b as f64
+}
+
+#[test]
+fn every_corpus_trace_meets_the_figures() {
+    let corpus = corpus();
+    assert!(corpus.len() >= 8, "the corpus has {} traces", corpus.len());
+    let mut failures = Vec::new();
+    println!(
+        "{:<33} {:>7} {:>14} {:>14} {:>14} {:>14} {:>14} {:>7} {:>7} {:>7}",
+        "trace",
+        "events",
+        "live (512)",
+        "torch classic",
+        "torch ES",
+        "ours classic",
+        "ours default",
+        "ES/L",
+        "ours/L",
+        "ours/ES"
+    );
+    for entry in &corpus {
+        let file =
+            File::open(&entry.file).unwrap_or_else(|e| panic!("{}: {e}", entry.file.display()));
+        let trace = RecordedTrace::from_events(read_trace_tsv(BufReader::new(file)).expect("TSV"));
+        let mut check = |ok: bool, what: String| {
+            if !ok {
+                failures.push(format!("{}: {what}", entry.name));
+            }
+        };
+        check(
+            trace.live_before.is_empty(),
+            format!("{} blocks live before recording", trace.live_before.len()),
+        );
+        let classic = replay(AllocatorConfig::pytorch_defaults(), &trace);
+        let torch_expandable = replay(AllocatorConfig::pytorch_expandable(), &trace);
+        let default = replay(AllocatorConfig::default(), &trace);
+        for (policy, report) in [
+            ("classic", &classic),
+            ("PyTorch's expandable", &torch_expandable),
+            ("default", &default),
+        ] {
+            check(
+                report.events == entry.events,
+                format!("{policy}: {} events, not {}", report.events, entry.events),
+            );
+            check(
+                (report.skipped_frees, report.ooms) == (0, 0),
+                format!(
+                    "{policy}: {} skipped frees, {} OOMs",
+                    report.skipped_frees, report.ooms
+                ),
+            );
+            check(
+                report.peak_requested_rounded_bytes == entry.peak_live_rounded,
+                format!(
+                    "{policy}: live peak {} B, not {} B",
+                    report.peak_requested_rounded_bytes, entry.peak_live_rounded
+                ),
+            );
+        }
+        for (policy, report, torch) in [
+            ("classic", &classic, &entry.classic),
+            ("PyTorch's expandable", &torch_expandable, &entry.expandable),
+        ] {
+            let ours = TorchFigures::of(report);
+            check(
+                ours == *torch,
+                format!("{policy} policy reaches {ours:?}, PyTorch {torch:?}"),
+            );
+        }
+        check(
+            default.peak_allocated_bytes == entry.expandable.allocated,
+            format!(
+                "default: peak allocated {} B, PyTorch's expandable run {} B",
+                default.peak_allocated_bytes, entry.expandable.allocated
+            ),
+        );
+        let over_live = default.reserved_over_requested();
+        check(
+            over_live <= DEFAULT_OVER_LIVE,
+            format!(
+                "default reserves {} B, {over_live:.5}× the live peak",
+                default.peak_reserved_bytes
+            ),
+        );
+        check(
+            default.peak_reserved_bytes <= entry.expandable.reserved,
+            format!(
+                "default reserves {} B, more than PyTorch's expandable segments ({} B)",
+                default.peak_reserved_bytes, entry.expandable.reserved
+            ),
+        );
+        println!(
+            "{:<33} {:>7} {:>14} {:>14} {:>14} {:>14} {:>14} {:>7.4} {:>7.4} {:>7.4}",
+            entry.name,
+            entry.events,
+            entry.peak_live_rounded,
+            entry.classic.reserved,
+            entry.expandable.reserved,
+            classic.peak_reserved_bytes,
+            default.peak_reserved_bytes,
+            ratio(entry.expandable.reserved, entry.peak_live_rounded),
+            over_live,
+            ratio(default.peak_reserved_bytes, entry.expandable.reserved),
+        );
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
