@@ -259,6 +259,52 @@ fn expandable_segments_move_free_pages_before_growing() {
     }
 }
 
+/// Resetting the peak statistics is a measurement: it does not change what the allocator does
+/// next. Reclaiming free pages keeps reserved memory under the most it has ever been, not under
+/// the statistics' peak since the last reset (which a training loop resets every step: keeping
+/// to that, the default waited for the device and moved pages in every step).
+#[test]
+fn resetting_the_peak_statistics_changes_no_decision() {
+    let run = |reset: bool| {
+        let allocator = CachingAllocator::new(
+            SimulatedStorage::new(H200_BYTES),
+            AllocatorConfig::default(),
+        );
+        let a = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
+        let b = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
+        let c = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
+        let x = allocator.allocate(60 * MIB, StreamId::DEFAULT).unwrap();
+        allocator.free(x).unwrap();
+        allocator.free(b).unwrap();
+        allocator.empty_cache().unwrap();
+        assert_eq!(allocator.memory_reserved(), 60 * MIB);
+        if reset {
+            allocator.reset_peak_stats();
+        }
+        // 30 MiB mapped again in b's place, then a free mapped hole there.
+        let g = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
+        allocator.free(g).unwrap();
+        // 40 MiB fit no hole: mapping them after c reaches 130 MiB, under the 150 MiB reserved
+        // before, so no page moves and nothing waits.
+        let before = allocator.memory_stats();
+        let h = allocator.allocate(40 * MIB, StreamId::DEFAULT).unwrap();
+        let after = allocator.memory_stats();
+        allocator.check_invariants().unwrap();
+        let figures = (
+            allocator.memory_reserved(),
+            after.num_device_free - before.num_device_free,
+            after.num_sync_all_streams - before.num_sync_all_streams,
+            h.address() - a.address(),
+        );
+        for allocation in [a, c, h] {
+            allocator.free(allocation).unwrap();
+        }
+        figures
+    };
+    assert_eq!(run(false), (130 * MIB, 0, 0, 90 * MIB));
+    assert_eq!(run(true), run(false));
+}
+
 /// An expandable segment is reported as one segment per contiguous mapped range, and
 /// `empty_cache` unmaps only whole free pages (here PyTorch's pages of 20 MiB).
 #[test]

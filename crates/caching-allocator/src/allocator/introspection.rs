@@ -42,9 +42,12 @@ impl<S: Storage> CachingAllocator<S> {
         self.state.lock().stats.reserved_bytes.all.peak as u64
     }
 
-    /// Sets every peak to its current value.
+    /// Sets every peak to its current value. Only the statistics: what the allocator does next
+    /// does not depend on it (reclaiming free pages keeps to the highest reserved figure ever).
     pub fn reset_peak_stats(&self) {
-        self.state.lock().stats.reset_peak();
+        let mut state = self.state.lock();
+        state.reserved_high_water = state.reserved_ceiling();
+        state.stats.reset_peak();
     }
 
     /// Zeroes cumulative sums and counters.

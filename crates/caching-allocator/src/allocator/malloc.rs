@@ -251,7 +251,7 @@ impl<S: Storage> State<S> {
             run = fresh;
             let to_map = self.bytes_to_map(&run, size);
             let reserved = self.stats.reserved_bytes.all.current as u64;
-            let peak = self.stats.reserved_bytes.all.peak as u64;
+            let peak = self.reserved_ceiling();
             if reserved + to_map > peak {
                 self.reclaim_free_pages(reserved + to_map - peak, &run)?;
                 let Some(fresh) = self.expandable_run(pool, stream, size)? else {
@@ -263,11 +263,18 @@ impl<S: Storage> State<S> {
         self.map_block(&run, size)
     }
 
-    /// Whether mapping the pages `run` lacks for `size` bytes raises reserved memory above its
-    /// peak.
+    /// Whether mapping the pages `run` lacks for `size` bytes raises reserved memory above the
+    /// most it has ever been.
     fn raises_reserved_peak(&self, run: &[BlockId], size: u64) -> bool {
         let reserved = self.stats.reserved_bytes.all.current as u64;
-        reserved + self.bytes_to_map(run, size) > self.stats.reserved_bytes.all.peak as u64
+        reserved + self.bytes_to_map(run, size) > self.reserved_ceiling()
+    }
+
+    /// The most bytes ever reserved at once: the statistics' peak, or what it was before a
+    /// `reset_peak_stats`.
+    pub(super) fn reserved_ceiling(&self) -> u64 {
+        self.reserved_high_water
+            .max(self.stats.reserved_bytes.all.peak as u64)
     }
 
     fn alloc_found_block(

@@ -162,6 +162,7 @@ impl<S: Storage> CachingAllocator<S> {
             pending: BTreeMap::new(),
             expandable_segments: Vec::new(),
             stats,
+            reserved_high_water: 0,
             history: History::default(),
             context: ContextStack::default(),
         };
@@ -325,6 +326,10 @@ struct State<S> {
     pending: BTreeMap<StreamId, VecDeque<(EventId, BlockId)>>,
     expandable_segments: Vec<Option<ExpandableSegment>>,
     stats: MemoryStats,
+    /// The most bytes ever reserved at once, which `reset_peak_stats` leaves alone: reclaiming
+    /// free pages keeps reserved memory under this, so a reset of the statistics (a measurement)
+    /// never changes what the allocator does.
+    reserved_high_water: u64,
     history: History,
     context: ContextStack,
 }
