@@ -67,7 +67,8 @@ pub(crate) enum Case {
     /// Fused Adam with every encoder block but the last checkpointed (only block inputs kept;
     /// `CheckpointBlocks::all_but_last`).
     AdamCkpt,
-    /// Fused Adam inside backward with every block but the last checkpointed.
+    /// Fused Adam inside backward with every block checkpointed (the last one too: leaving it
+    /// alone would put the peak at the end of the forward).
     AdamInbwdCkpt,
     /// Fused Adam after `clip_grad_norm_(params, 1.0)` (L2): the plain loop's clipping.
     AdamFusedClip,
@@ -176,7 +177,7 @@ impl Case {
         }
     }
 
-    /// Whether the encoder blocks are checkpointed (every one but the last).
+    /// Whether the encoder blocks are checkpointed (with the plain step every one but the last).
     pub(crate) fn checkpointed(self) -> bool {
         matches!(
             self,
@@ -513,9 +514,16 @@ impl Training {
     ) -> Result<Training> {
         let mut net = Net::new(&probe.backend, model, case.param_dtype())?;
         if case.checkpointed() {
-            net.set_block_runner(Some(Arc::new(CheckpointBlocks::all_but_last(
-                model.n_blocks(),
-            ))));
+            // With the plain step the peak is at the end of backward, where leaving the last
+            // block alone costs nothing and saves its recompute. Stepping in backward, no
+            // gradients pile up and the last block's saved tensors would set the peak at the end
+            // of the forward instead: there every block is recomputed.
+            let blocks = if case.in_backward() {
+                CheckpointBlocks::all()
+            } else {
+                CheckpointBlocks::all_but_last(model.n_blocks())
+            };
+            net.set_block_runner(Some(Arc::new(blocks)));
         }
         if case == Case::AdamOffload {
             net.set_block_runner(Some(Arc::new(offload_blocks(model.n_blocks()))));

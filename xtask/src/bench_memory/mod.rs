@@ -112,7 +112,7 @@ pub(crate) const USAGE: &str =
       (default all the device runs): adam_foreach (bounded temporaries), adam_foreach_unbounded
       (PyTorch's), adam_single, adam_fused, adam8bit, sgd; adam_inbwd and adam8bit_inbwd (the
       step inside backward), adam_ckpt (every block but the last checkpointed: recomputing
-      the last would free nothing), adam_inbwd_ckpt (both),
+      the last would free nothing), adam_inbwd_ckpt (in backward, every block checkpointed),
       adam_auto (per block keep, recompute, 8-bit compression or, on a GPU, offload, planned
       for --budget BYTES, repeatable; default: halfway between the lowest peak the planner
       reaches and the peak without checkpointing; it also measures uniform every-k
