@@ -223,7 +223,7 @@ fn print_corpus(testdata: &Path) -> Result<()> {
         .as_array()
         .with_context(|| format!("{}: no `traces` list", path.display()))?;
     println!(
-        "{:<33} {:>7} {:>15} {:>15} {:>15} {:>15} {:>15} {:>8} {:>8} {:>8} {:>8}",
+        "{:<33} {:>7} {:>15} {:>15} {:>15} {:>15} {:>15} {:>8} {:>8} {:>8} {:>8} {:>8}",
         "trace",
         "events",
         "peak allocated",
@@ -234,7 +234,8 @@ fn print_corpus(testdata: &Path) -> Result<()> {
         "cl./L",
         "ES/L",
         "ours/L",
-        "ours/ES"
+        "ours/ES",
+        "recl./L"
     );
     for entry in traces {
         let field = |key: &str| {
@@ -255,10 +256,11 @@ fn print_corpus(testdata: &Path) -> Result<()> {
         };
         let classic = replay(AllocatorConfig::pytorch_defaults())?;
         let default = replay(AllocatorConfig::default())?;
+        let reclaiming = replay(AllocatorConfig::reclaiming())?;
         let live = default.peak_requested_rounded_bytes as f64;
         let torch_es = figure("expandable", "peak_reserved_bytes")?;
         println!(
-            "{:<33} {:>7} {:>15} {:>15} {:>15} {:>15} {:>15} {:>8.4} {:>8.4} {:>8.4} {:>8.4}",
+            "{:<33} {:>7} {:>15} {:>15} {:>15} {:>15} {:>15} {:>8.4} {:>8.4} {:>8.4} {:>8.4} {:>8.4}",
             field("name")?,
             default.events,
             figure("classic", "peak_allocated_bytes")?,
@@ -270,12 +272,14 @@ fn print_corpus(testdata: &Path) -> Result<()> {
             torch_es as f64 / live,
             default.peak_reserved_bytes as f64 / live,
             default.peak_reserved_bytes as f64 / torch_es as f64,
+            reclaiming.peak_reserved_bytes as f64 / live,
         );
     }
     println!(
         "L: the peak of live requests rounded to 512 B (live); cl./L: the classic policy's peak \
          reserved over it (PyTorch's to the byte), ES/L: PyTorch's expandable segments', ours/L: \
-         the default policy's; ours/ES: the default's peak reserved over PyTorch's expandable"
+         the default policy's; ours/ES: the default's peak reserved over PyTorch's expandable; \
+         recl./L: AllocatorConfig::reclaiming()'s over the live peak"
     );
     Ok(())
 }

@@ -1,5 +1,5 @@
 //! The trace corpus (`testdata/traces/corpus.json`): every trace replayed through PyTorch's two
-//! policies and the default one, against the figures PyTorch 2.11 reported for the same run on an
+//! policies, the default one and [`AllocatorConfig::reclaiming`], against the figures PyTorch 2.11 reported for the same run on an
 //! H200 with `expandable_segments:False` and with `True` (`scripts/traces/record.py`).
 //!
 //! For every trace:
@@ -11,8 +11,9 @@
 //!   asks for ±0.5% and 0.1%);
 //! - PyTorch's expandable policy ([`AllocatorConfig::pytorch_expandable`]) reaches PyTorch's
 //!   expandable peak reserved and peak allocated to the byte;
-//! - the default policy reserves at most 1.01× the rounded live peak and no more than PyTorch's
-//!   expandable segments did, and its peak allocated is PyTorch's expandable one.
+//! - the default policy (2 MiB pages) and `reclaiming()` reserve no more than PyTorch's
+//!   expandable segments did, and their peak allocated is PyTorch's expandable one;
+//! - `reclaiming()` reserves at most 1.01× the rounded live peak.
 //!
 //! The test prints the table (`-- --nocapture`) and checks every trace before failing, so a
 //! failure shows the whole corpus.
@@ -30,8 +31,8 @@ use serde_json::Value;
 /// An H200's memory as `cudaMemGetInfo` reports it.
 const H200_BYTES: u64 = 150_754_820_096;
 
-/// The default policy's bound on peak reserved over the rounded live peak.
-const DEFAULT_OVER_LIVE: f64 = 1.01;
+/// `reclaiming()`'s bound on peak reserved over the rounded live peak.
+const RECLAIMING_OVER_LIVE: f64 = 1.01;
 
 fn testdata_dir() -> PathBuf {
     // From the crate's folder, or (a binary carried elsewhere) from the repo root.
@@ -119,7 +120,7 @@ fn every_corpus_trace_meets_the_figures() {
     assert!(corpus.len() >= 8, "the corpus has {} traces", corpus.len());
     let mut failures = Vec::new();
     println!(
-        "{:<33} {:>7} {:>14} {:>14} {:>14} {:>14} {:>14} {:>7} {:>7} {:>7}",
+        "{:<33} {:>7} {:>14} {:>14} {:>14} {:>14} {:>14} {:>14} {:>7} {:>7} {:>7} {:>7}",
         "trace",
         "events",
         "live (512)",
@@ -127,9 +128,11 @@ fn every_corpus_trace_meets_the_figures() {
         "torch ES",
         "ours classic",
         "ours default",
+        "reclaiming",
         "ES/L",
-        "ours/L",
-        "ours/ES"
+        "def/L",
+        "recl/L",
+        "recl/ES"
     );
     for entry in &corpus {
         let file =
@@ -147,10 +150,12 @@ fn every_corpus_trace_meets_the_figures() {
         let classic = replay(AllocatorConfig::pytorch_defaults(), &trace);
         let torch_expandable = replay(AllocatorConfig::pytorch_expandable(), &trace);
         let default = replay(AllocatorConfig::default(), &trace);
+        let reclaiming = replay(AllocatorConfig::reclaiming(), &trace);
         for (policy, report) in [
             ("classic", &classic),
             ("PyTorch's expandable", &torch_expandable),
             ("default", &default),
+            ("reclaiming", &reclaiming),
         ] {
             check(
                 report.events == entry.events,
@@ -181,30 +186,32 @@ fn every_corpus_trace_meets_the_figures() {
                 format!("{policy} policy reaches {ours:?}, PyTorch {torch:?}"),
             );
         }
+        for (policy, report) in [("default", &default), ("reclaiming", &reclaiming)] {
+            check(
+                report.peak_allocated_bytes == entry.expandable.allocated,
+                format!(
+                    "{policy}: peak allocated {} B, PyTorch's expandable run {} B",
+                    report.peak_allocated_bytes, entry.expandable.allocated
+                ),
+            );
+            check(
+                report.peak_reserved_bytes <= entry.expandable.reserved,
+                format!(
+                    "{policy} reserves {} B, more than PyTorch's expandable segments ({} B)",
+                    report.peak_reserved_bytes, entry.expandable.reserved
+                ),
+            );
+        }
+        let over_live = reclaiming.reserved_over_requested();
         check(
-            default.peak_allocated_bytes == entry.expandable.allocated,
+            over_live <= RECLAIMING_OVER_LIVE,
             format!(
-                "default: peak allocated {} B, PyTorch's expandable run {} B",
-                default.peak_allocated_bytes, entry.expandable.allocated
-            ),
-        );
-        let over_live = default.reserved_over_requested();
-        check(
-            over_live <= DEFAULT_OVER_LIVE,
-            format!(
-                "default reserves {} B, {over_live:.5}× the live peak",
-                default.peak_reserved_bytes
-            ),
-        );
-        check(
-            default.peak_reserved_bytes <= entry.expandable.reserved,
-            format!(
-                "default reserves {} B, more than PyTorch's expandable segments ({} B)",
-                default.peak_reserved_bytes, entry.expandable.reserved
+                "reclaiming reserves {} B, {over_live:.5}× the live peak",
+                reclaiming.peak_reserved_bytes
             ),
         );
         println!(
-            "{:<33} {:>7} {:>14} {:>14} {:>14} {:>14} {:>14} {:>7.4} {:>7.4} {:>7.4}",
+            "{:<33} {:>7} {:>14} {:>14} {:>14} {:>14} {:>14} {:>14} {:>7.4} {:>7.4} {:>7.4} {:>7.4}",
             entry.name,
             entry.events,
             entry.peak_live_rounded,
@@ -212,9 +219,11 @@ fn every_corpus_trace_meets_the_figures() {
             entry.expandable.reserved,
             classic.peak_reserved_bytes,
             default.peak_reserved_bytes,
+            reclaiming.peak_reserved_bytes,
             ratio(entry.expandable.reserved, entry.peak_live_rounded),
+            default.reserved_over_requested(),
             over_live,
-            ratio(default.peak_reserved_bytes, entry.expandable.reserved),
+            ratio(reclaiming.peak_reserved_bytes, entry.expandable.reserved),
         );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

@@ -105,7 +105,8 @@ pub struct AllocatorConfig {
     pub(crate) expandable_page_size: u64,
     /// With expandable segments, a request that would raise reserved memory above its peak is
     /// first given the whole free pages between live blocks, unmapped and mapped where it needs
-    /// them (`reclaim_free_pages`, default on; PyTorch has no such step).
+    /// them (`reclaim_free_pages`, default off: see [`AllocatorConfig::reclaiming`]; PyTorch has
+    /// no such step).
     pub(crate) reclaim_free_pages: bool,
     /// The string this config was parsed from, as snapshots report it.
     pub(crate) raw: String,
@@ -122,7 +123,7 @@ impl Default for AllocatorConfig {
             expandable_segments: true,
             large_segment_size: 20 << 20,
             expandable_page_size: 2 << 20,
-            reclaim_free_pages: true,
+            reclaim_free_pages: false,
             raw: String::new(),
         }
     }
@@ -189,6 +190,20 @@ impl AllocatorConfig {
     pub fn pytorch_defaults() -> Self {
         AllocatorConfig {
             expandable_segments: false,
+            ..AllocatorConfig::default()
+        }
+    }
+
+    /// The default with free pages reclaimed (`reclaim_free_pages:True`): the least reserved
+    /// memory of the policies here (at most 1.0093× the peak of live requests on the trace
+    /// corpus, where PyTorch's expandable segments reach 1.0353×), paid for in device waits and
+    /// page moves. A reclaim waits for the device; in a training loop whose steps keep moving
+    /// pages between the same holes, that is several waits a step (ViT-L/16 fused Adam on an
+    /// H200: 57.2 ms a step at batch 1 against 21.2 ms without, 290.7 ms against 285.6 ms at
+    /// batch 32), so it is an opt-in for runs bound by memory, not the default.
+    pub fn reclaiming() -> Self {
+        AllocatorConfig {
+            reclaim_free_pages: true,
             ..AllocatorConfig::default()
         }
     }

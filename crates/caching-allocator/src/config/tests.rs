@@ -262,7 +262,7 @@ fn conf_string_round_trips() {
     assert_eq!(
         AllocatorConfig::default().to_conf_string(),
         "max_non_split_rounding_mb:20,expandable_segments:True,large_segment_size_mb:20,\
-         expandable_page_size_mb:2,reclaim_free_pages:True"
+         expandable_page_size_mb:2,reclaim_free_pages:False"
     );
     assert_eq!(
         parse_ok("expandable_segments:True,expandable_page_size_mb:20,reclaim_free_pages:False"),
