@@ -198,9 +198,10 @@ impl AllocatorConfig {
     /// memory of the policies here (at most 1.0093× the peak of live requests on the trace
     /// corpus, where PyTorch's expandable segments reach 1.0353×), paid for in device waits and
     /// page moves. A reclaim waits for the device; in a training loop whose steps keep moving
-    /// pages between the same holes, that is several waits a step (ViT-L/16 fused Adam on an
-    /// H200: 57.2 ms a step at batch 1 against 21.2 ms without, 290.7 ms against 285.6 ms at
-    /// batch 32), so it is an opt-in for runs bound by memory, not the default.
+    /// pages between the same holes, that can be several waits a step (ViT-L/16 fused Adam on an
+    /// H200 with this as the default: 57.2 ms a step at batch 1, against 21.2 ms at the commit
+    /// before it; 290.7 against 285.6 ms at batch 32), so it is an opt-in for runs bound by
+    /// memory, not the default.
     pub fn reclaiming() -> Self {
         AllocatorConfig {
             reclaim_free_pages: true,
