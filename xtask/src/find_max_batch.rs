@@ -34,6 +34,7 @@ use serde_json::{json, Value};
 
 use crate::bench_memory::cases::{Case, Probe, Protocol, Training};
 use crate::bench_memory::models::{Input, Model};
+use crate::bench_memory::DeviceChoice;
 
 pub(crate) const USAGE: &str =
     "  find-max-batch [--device auto|cpu|cuda] [--model NAME] [--seq N] [--cases a,b,c]
@@ -56,7 +57,7 @@ const CPU_DEFAULT_CAP_MIB: u64 = 128;
 /// The parsed command line.
 #[derive(Debug, Clone)]
 struct Options {
-    device: Device,
+    device: DeviceChoice,
     model: Option<Model>,
     seq: Option<usize>,
     /// Empty: every case the device runs.
@@ -67,14 +68,6 @@ struct Options {
     json: Option<PathBuf>,
     pytorch: Option<PathBuf>,
     command: String,
-}
-
-/// Which device `--device` asks for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Device {
-    Auto,
-    Cpu,
-    Cuda,
 }
 
 /// `cargo xtask find-max-batch ARGS`.
@@ -88,7 +81,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
 
 fn parse(args: &[String]) -> Result<Options> {
     let mut options = Options {
-        device: Device::Auto,
+        device: DeviceChoice::Auto,
         model: None,
         seq: None,
         cases: Vec::new(),
@@ -115,14 +108,7 @@ fn parse(args: &[String]) -> Result<Options> {
             }
         };
         match arg.as_str() {
-            "--device" => {
-                options.device = match value()?.as_str() {
-                    "auto" => Device::Auto,
-                    "cpu" => Device::Cpu,
-                    "cuda" => Device::Cuda,
-                    other => bail!("--device {other}: expected auto, cpu or cuda"),
-                }
-            }
+            "--device" => options.device = DeviceChoice::parse(&value()?)?,
             "--model" => options.model = Some(Model::named(&value()?)?),
             "--seq" => options.seq = Some(positive(value()?)?),
             "--cases" => {
@@ -195,9 +181,9 @@ fn execute(options: &Options) -> Result<Vec<Found>> {
         None => Vec::new(),
     };
     let cuda = match options.device {
-        Device::Cpu => false,
-        Device::Cuda => true,
-        Device::Auto => CudaStorage::new(0).is_ok(),
+        DeviceChoice::Cpu => false,
+        DeviceChoice::Cuda => true,
+        DeviceChoice::Auto => CudaStorage::new(0).is_ok(),
     };
     let cap_mib = options.cap_mib.unwrap_or(if cuda {
         CUDA_DEFAULT_CAP_MIB

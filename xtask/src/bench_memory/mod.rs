@@ -44,13 +44,25 @@ use indicatif::{ProgressBar, ProgressStyle};
 use cases::{Case, CaseResult, Model, Probe, Protocol};
 use report::Anchors;
 
-/// Which device `--device` asks for.
+/// Which device `--device` asks for (bench-memory's and find-max-batch's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum DeviceChoice {
-    /// CUDA when `CudaBackend::new(0)` succeeds, else the CPU.
+pub(crate) enum DeviceChoice {
+    /// CUDA when a device answers, else the CPU.
     Auto,
     Cpu,
     Cuda,
+}
+
+impl DeviceChoice {
+    /// `--device`'s value: `auto`, `cpu` or `cuda`.
+    pub(crate) fn parse(text: &str) -> Result<DeviceChoice> {
+        Ok(match text {
+            "auto" => DeviceChoice::Auto,
+            "cpu" => DeviceChoice::Cpu,
+            "cuda" => DeviceChoice::Cuda,
+            other => bail!("--device {other}: expected auto, cpu or cuda"),
+        })
+    }
 }
 
 /// The parsed command line.
@@ -172,14 +184,7 @@ fn parse(args: &[String]) -> Result<Options> {
                 .with_context(|| format!("{arg} {text}: not a whole number"))
         };
         match arg.as_str() {
-            "--device" => {
-                options.device = match value()?.as_str() {
-                    "auto" => DeviceChoice::Auto,
-                    "cpu" => DeviceChoice::Cpu,
-                    "cuda" => DeviceChoice::Cuda,
-                    other => bail!("--device {other}: expected auto, cpu or cuda"),
-                }
-            }
+            "--device" => options.device = DeviceChoice::parse(&value()?)?,
             "--model" => options.model = Some(Model::named(&value()?)?),
             "--seq" => options.seq = Some(number(value()?)?),
             "--batch" => {

@@ -9,7 +9,7 @@ use headroom_nn::Gpt2Config;
 use headroom_ops_cpu::CpuBackend;
 
 use super::{
-    find_max_batch, is_out_of_memory, markdown, parse, parse_pytorch, search, Device, Peaks,
+    find_max_batch, is_out_of_memory, markdown, parse, parse_pytorch, search, DeviceChoice, Peaks,
 };
 use crate::bench_memory::cases::{Case, Probe, Protocol, Training};
 use crate::bench_memory::models::{Arch, Input, Model};
@@ -211,7 +211,7 @@ fn the_command_line_and_pytorchs_lines_are_read() {
         "24576",
     ]))
     .unwrap();
-    assert_eq!(options.device, Device::Cpu);
+    assert_eq!(options.device, DeviceChoice::Cpu);
     assert_eq!(options.cases, [Case::AdamFused, Case::FwdBwd]);
     assert_eq!((options.seq, options.cap_mib), (Some(256), Some(24576)));
     for (bad, message) in [
