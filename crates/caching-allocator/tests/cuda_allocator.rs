@@ -190,13 +190,13 @@ fn device_out_of_memory_is_an_error_and_the_allocator_goes_on() {
     }
 }
 
-/// The default policy (2 MiB pages, reclaiming): a request that fits no hole and would raise
-/// reserved memory above its peak moves the hole's pages to the end of the segment. The live
-/// blocks keep their data, the new block and a later one in the hole are usable, and the 40 MiB
-/// block raises reserved memory by only the 10 MiB it needs beyond the hole's pages.
+/// Reclaiming (`AllocatorConfig::reclaiming()`: 2 MiB pages): a request that fits no hole and
+/// would raise reserved memory above its peak moves the hole's pages to the end of the segment.
+/// The live blocks keep their data, the new block and a later one in the hole are usable, and the
+/// 40 MiB block raises reserved memory by only the 10 MiB it needs beyond the hole's pages.
 #[test]
-fn default_policy_moves_free_pages_keeping_data() {
-    let Some((_device, allocator)) = allocator_or_skip(AllocatorConfig::default()) else {
+fn reclaiming_moves_free_pages_keeping_data() {
+    let Some((_device, allocator)) = allocator_or_skip(AllocatorConfig::reclaiming()) else {
         return;
     };
     assert!(allocator.uses_expandable_segments());
@@ -254,6 +254,7 @@ fn corpus_traces_replay_on_the_device_as_simulated() {
             ("classic", AllocatorConfig::pytorch_defaults()),
             ("pytorch_expandable", AllocatorConfig::pytorch_expandable()),
             ("default", AllocatorConfig::default()),
+            ("reclaiming", AllocatorConfig::reclaiming()),
         ] {
             let simulated = CachingAllocator::new(SimulatedStorage::new(capacity), config.clone());
             let expected = replay_trace(&simulated, &trace).unwrap();

@@ -1,5 +1,6 @@
-//! cuBLAS's state of one device: its handle, the 32 MiB workspace lent to it (PyTorch's size on
-//! Hopper), cuBLASLt's state (`blas_lt.rs`, which shares the workspace), and the batched GEMM
+//! cuBLAS's state of one device: its handle, the workspace lent to it (32 MiB, PyTorch's size on
+//! Hopper, unless `CUBLAS_WORKSPACE_CONFIG` says otherwise, read as PyTorch reads it), cuBLASLt's
+//! state (`blas_lt.rs`, which shares the workspace), and the batched GEMM
 //! that kernel families chain ([`BlasState::gemm_batched`]).
 //!
 //! The state is created on the first product (`CudaBackend::blas_state` in `device.rs`), on the
@@ -20,8 +21,44 @@ use headroom_caching_allocator::{Allocation, CachingAllocator, CudaStorage, Stre
 use crate::blas_lt::LtState;
 use crate::error::device_error;
 
-/// Bytes of cuBLAS workspace.
-const WORKSPACE_BYTES: u64 = 32 << 20;
+/// Bytes of cuBLAS workspace unless `CUBLAS_WORKSPACE_CONFIG` sets them.
+const DEFAULT_WORKSPACE_BYTES: u64 = 32 << 20;
+
+/// The environment variable PyTorch and cuBLAS read for the workspace: `:SIZE_KIB:COUNT`
+/// entries, for example `:4096:8` (8 buffers of 4096 KiB: 32 MiB).
+const WORKSPACE_VARIABLE: &str = "CUBLAS_WORKSPACE_CONFIG";
+
+/// The workspace bytes a `CUBLAS_WORKSPACE_CONFIG` value asks for: the sum of its entries'
+/// `SIZE_KIB × COUNT` KiB, as PyTorch sizes its cuBLAS workspace. `None` when it is malformed.
+pub(crate) fn workspace_bytes_from_config(config: &str) -> Option<u64> {
+    let fields: Vec<&str> = config.split(':').collect();
+    let (empty, pairs) = fields.split_first()?;
+    if !empty.is_empty() || pairs.is_empty() || pairs.len() % 2 != 0 {
+        return None;
+    }
+    pairs.chunks(2).try_fold(0u64, |total, pair| {
+        let kib: u64 = pair[0].trim().parse().ok()?;
+        let count: u64 = pair[1].trim().parse().ok()?;
+        total.checked_add(kib.checked_mul(count)?.checked_mul(1024)?)
+    })
+}
+
+/// The workspace size: `CUBLAS_WORKSPACE_CONFIG` when set, else 32 MiB; a malformed value is
+/// an error that names the expected form.
+fn workspace_bytes() -> Result<u64> {
+    match std::env::var(WORKSPACE_VARIABLE) {
+        Err(_) => Ok(DEFAULT_WORKSPACE_BYTES),
+        Ok(value) => {
+            workspace_bytes_from_config(&value).ok_or_else(|| TensorError::InvalidArgument {
+                op: "matmul",
+                reason: format!(
+                "{WORKSPACE_VARIABLE}={value:?} is not of the form :SIZE_KIB:COUNT (for example \
+                 :4096:8 for 32 MiB); fix or unset it"
+            ),
+            })
+        }
+    }
+}
 
 /// A cuBLAS handle and the workspace lent to it, and cuBLASLt's state (`blas_lt.rs`), which
 /// shares the workspace.
@@ -29,6 +66,7 @@ const WORKSPACE_BYTES: u64 = 32 << 20;
 pub(crate) struct BlasState {
     handle: Handle,
     workspace: Option<Allocation>,
+    workspace_bytes: u64,
     lt: Option<LtState>,
 }
 
@@ -45,10 +83,11 @@ impl BlasState {
         stream: &CudaStream,
         allocator: &CachingAllocator<CudaStorage>,
     ) -> Result<BlasState> {
+        let workspace_bytes = workspace_bytes()?;
         let handle = blas::create_handle().map_err(|e| device_error("matmul", e))?;
-        let workspace = allocator.allocate(WORKSPACE_BYTES, StreamId::DEFAULT)?;
+        let workspace = allocator.allocate(workspace_bytes, StreamId::DEFAULT)?;
         // SAFETY: the handle was just created; the stream is the context's default stream;
-        // the workspace is a live device allocation of WORKSPACE_BYTES that the state keeps
+        // the workspace is a live device allocation of `workspace_bytes` that the state keeps
         // until the handle is destroyed.
         unsafe {
             blas::set_stream(handle, stream.cu_stream() as blas_sys::cudaStream_t)
@@ -56,7 +95,7 @@ impl BlasState {
             blas_sys::cublasSetWorkspace_v2(
                 handle,
                 workspace.address() as *mut c_void,
-                WORKSPACE_BYTES as usize,
+                workspace_bytes as usize,
             )
             .result()
             .map_err(|e| device_error("matmul", e))?;
@@ -64,6 +103,7 @@ impl BlasState {
         Ok(BlasState {
             handle: Handle(handle),
             workspace: Some(workspace),
+            workspace_bytes,
             lt: None,
         })
     }
@@ -89,7 +129,7 @@ impl BlasState {
     /// The workspace's address and size in bytes.
     pub(crate) fn workspace(&self) -> (u64, usize) {
         let address = self.workspace.as_ref().map_or(0, Allocation::address);
-        (address, WORKSPACE_BYTES as usize)
+        (address, self.workspace_bytes as usize)
     }
 
     /// cuBLASLt's state, created on first use.
@@ -201,4 +241,29 @@ pub(crate) fn to_int(value: usize) -> Result<i32> {
         op: "matmul",
         reason: format!("dimension {value} exceeds cuBLAS's 32-bit sizes"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::workspace_bytes_from_config;
+
+    #[test]
+    fn workspace_config_reads_as_pytorch_reads_it() {
+        assert_eq!(workspace_bytes_from_config(":4096:8"), Some(32 << 20));
+        assert_eq!(
+            workspace_bytes_from_config(":4096:2:16:8"),
+            Some((8 << 20) + (128 << 10))
+        );
+        assert_eq!(workspace_bytes_from_config(":0:0"), Some(0));
+        for bad in [
+            "",
+            "4096:8",
+            ":4096",
+            ":a:8",
+            ":4096:8:",
+            ":99999999999999999:999999",
+        ] {
+            assert_eq!(workspace_bytes_from_config(bad), None, "{bad:?}");
+        }
+    }
 }

@@ -16,7 +16,8 @@ use headroom_ops_cuda::CudaBackend;
 
 use super::multi_tensor::{PieceKernels, Span};
 use super::{
-    address, flags, geometry, raw_geometry, CudaDevice, Module, PassOps, PieceHead, Table,
+    address, flags, fused_block_elems, geometry, raw_geometry, CudaDevice, Module, PassOps,
+    PieceHead, Table,
 };
 use crate::adam::AdamState;
 use crate::driver::{CudaEntry, RuleCall};
@@ -276,7 +277,11 @@ impl CudaFusedAdam {
         }
         let geometry = raw_geometry(self.params.iter().map(|p| p.len), step);
         let params = &self.params;
-        let block = AdamConfig::FUSED_BLOCK;
+        let total_len = self.params.iter().map(|p| p.len).sum();
+        let block = (
+            fused_block_elems(total_len, AdamConfig::FUSED_BLOCK),
+            AdamConfig::FUSED_BLOCK.1,
+        );
         let (table, n_blocks) =
             self.device
                 .piece_table(&geometry, block.0, false, &mut |t, idx, head| {

@@ -320,6 +320,19 @@ pub(crate) fn blocks_for(len: usize, block_elems: u64) -> u64 {
     (len as u64).div_ceil(block_elems)
 }
 
+/// Elements per block of a fused launch over `total_len` elements whose kernel takes at most
+/// `max_elems` a block with `threads` threads: about a thousand blocks when the launch is small
+/// (a bucket of an in-backward step: at `max_elems` a 4 Mi-element bucket would fill half of an
+/// H200's multiprocessors, each block streaming alone), never above `max_elems`, a multiple of
+/// four elements a thread (one float4 each, so that every block starts aligned). The update is
+/// elementwise, so the split changes no result.
+pub(crate) fn fused_block_elems(total_len: usize, (max_elems, threads): (u64, u32)) -> u64 {
+    let round = 4 * u64::from(threads);
+    (total_len as u64 / 1024)
+        .next_multiple_of(round)
+        .clamp(round, max_elems.max(round))
+}
+
 /// Threads per block of the foreach passes.
 const PASS_THREADS: u32 = 256;
 
@@ -497,7 +510,8 @@ impl CudaDevice {
     }
 
     /// The fused form: one piece per parameter (`write(table, index, head)` writes it), one
-    /// launch of `kernel` with `block` = (elements, threads) per block.
+    /// launch of `kernel` with `block` = (most elements, threads) per block (fewer elements a
+    /// block for a small launch: [`fused_block_elems`]).
     pub(crate) fn run_fused(
         &mut self,
         kernel: (Module, &'static str),
@@ -506,6 +520,8 @@ impl CudaDevice {
         scaling: Scaling<'_>,
         write: &mut dyn FnMut(&mut Table, usize, PieceHead),
     ) -> Result<(), OptimError> {
+        let total_len = items.iter().map(|item| item.len).sum();
+        let block = (fused_block_elems(total_len, block), block.1);
         let count_skips = matches!(scaling, Scaling::Device(_));
         let (table, n_blocks) = self.piece_table(items, block.0, count_skips, write)?;
         let addresses = scaling_addresses(scaling);
@@ -575,4 +591,25 @@ pub(crate) fn geometry<S>(items: &[StepItem<'_, S>]) -> Vec<ItemGeometry> {
             step: it.step,
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fused_block_elems;
+
+    /// A whole model keeps the kernel's largest block; a bucket of an in-backward step gets
+    /// about a thousand blocks; every size is whole float4 rounds of the block's threads.
+    #[test]
+    fn fused_blocks_shrink_for_small_launches_only() {
+        let adam = (1 << 16, 512);
+        assert_eq!(fused_block_elems(304_000_000, adam), 1 << 16);
+        // ViT-L/16's fc2 weight and biases: 684 blocks instead of 65.
+        let bucket = 4 * 1024 * 1024 + 5120;
+        let elems = fused_block_elems(bucket, adam);
+        assert_eq!(elems, 6144);
+        assert_eq!((bucket as u64).div_ceil(elems), 684);
+        assert_eq!(fused_block_elems(10, adam), 2048);
+        assert_eq!(fused_block_elems(10, (4096, 256)), 1024);
+        assert_eq!(fused_block_elems(1 << 30, (4096, 256)), 4096);
+    }
 }
