@@ -557,3 +557,72 @@ fn leaving_the_last_block_alone_saves_its_recompute_for_the_same_peak() {
     );
     assert_eq!(but_last_grads, all_grads);
 }
+
+/// Records the shape of each block's input, then hands the block to `inner`.
+#[derive(Debug)]
+struct ShapeRecorder {
+    inner: CheckpointBlocks,
+    shapes: Arc<parking_lot::Mutex<Vec<Vec<usize>>>>,
+}
+
+impl headroom_nn::BlockRunner for ShapeRecorder {
+    fn run(
+        &self,
+        index: usize,
+        block: headroom_nn::BlockForward,
+        input: &Tensor,
+    ) -> headroom_nn::Result<Tensor> {
+        self.shapes.lock().push(input.shape().to_vec());
+        self.inner.run(index, block, input)
+    }
+}
+
+/// A ViT's block 0, for a runner, is the embedding and the first encoder block, from the images:
+/// with every block checkpointed the forward leaves one `[batch, seq, hidden]` activation per
+/// block but the first (whose input, the images, the caller holds anyway), and nothing else that
+/// grows with the blocks.
+#[test]
+fn a_checkpointed_vit_keeps_the_images_for_block_zero_not_its_tokens() {
+    let (batch, seq, hidden) = (4, 17, 256);
+    let mut retained = Vec::new();
+    for num_layers in [1, 6] {
+        let cpu = Arc::new(CpuBackend::default());
+        let backend: BackendRef = cpu.clone();
+        let config = VitConfig {
+            num_layers,
+            ..VitConfig::mini()
+        };
+        let mut vit = headroom_nn::VisionTransformer::new(
+            &backend,
+            config,
+            DType::F32,
+            &Arc::new(Generator::new(0)),
+        )
+        .unwrap();
+        let shapes = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        vit.encoder.block_runner = Some(Arc::new(ShapeRecorder {
+            inner: CheckpointBlocks::all(),
+            shapes: Arc::clone(&shapes),
+        }));
+        let images = Tensor::full(&backend, &[batch, 3, 64, 64], 0.25, DType::F32).unwrap();
+        let before = allocated(&backend);
+        let loss = vit.forward(&images).unwrap().sum_all().unwrap();
+        retained.push(allocated(&backend) - before);
+        let mut expected = vec![vec![batch, 3, 64, 64]];
+        expected.extend(std::iter::repeat_n(
+            vec![batch, seq, hidden],
+            num_layers - 1,
+        ));
+        assert_eq!(*shapes.lock(), expected, "{num_layers} blocks");
+        loss.backward().unwrap();
+    }
+    let activation = (batch * seq * hidden * 4) as i64;
+    assert_eq!(retained[1] - retained[0], 5 * activation);
+    // One block: what the head keeps (the class rows, the norm's statistics, the logits), no
+    // activation of the sequence.
+    assert!(
+        retained[0] < activation,
+        "{} B kept by a one-block model",
+        retained[0]
+    );
+}

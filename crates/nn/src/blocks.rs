@@ -5,8 +5,11 @@
 //! [`Encoder`](crate::Encoder), GPT-2's [`Gpt2Model`](crate::Gpt2Model)) run each block through
 //! an optional [`BlockRunner`]: without one, a block is called directly; with one, the runner gets
 //! the block's index and its forward as a [`BlockForward`] it may call now and again later (a
-//! checkpoint calls it again in backward). The runner lives in the technique's crate; this module
-//! only says how a block is handed over, and knows nothing about what a runner does.
+//! checkpoint calls it again in backward). A ViT hands over its embedding with the first block
+//! (block 0 takes the images), so that a runner that keeps block 0's input keeps the images the
+//! patch embedding needs anyway rather than a sequence activation. The runner lives in the
+//! technique's crate; this module only says how a block is handed over, and knows nothing about
+//! what a runner does.
 
 use std::sync::Arc;
 

@@ -235,9 +235,18 @@ impl Encoder {
     /// Everything but the final norm, on an input the caller gives up: it is released once the
     /// position embedding is added, so it is not held while the blocks run.
     pub(crate) fn forward_blocks(&self, input: Tensor) -> Result<Tensor> {
-        let mut x = self.dropout.forward(&input.add(&self.pos_embedding)?)?;
-        drop(input);
-        for (index, layer) in self.layers.iter().enumerate() {
+        let x = self.add_positions(input)?;
+        self.run_blocks(x, 0)
+    }
+
+    /// `dropout(tokens + pos_embedding)`; the tokens are released.
+    fn add_positions(&self, tokens: Tensor) -> Result<Tensor> {
+        self.dropout.forward(&tokens.add(&self.pos_embedding)?)
+    }
+
+    /// The blocks from `first` on, each through the runner when there is one.
+    fn run_blocks(&self, mut x: Tensor, first: usize) -> Result<Tensor> {
+        for (index, layer) in self.layers.iter().enumerate().skip(first) {
             x = run_block(
                 self.block_runner.as_ref(),
                 index,
@@ -248,6 +257,45 @@ impl Encoder {
         }
         Ok(x)
     }
+}
+
+/// What a block runner gets as block 0 of a [`VisionTransformer`]: the embedding (patches, class
+/// token, position embedding) and the first encoder block, from the images. A runner that
+/// checkpoints or offloads block 0 then keeps the images, which the patch embedding's weight
+/// gradient keeps anyway, instead of a `[batch, seq, hidden]` activation (25.8 MB at ViT-L/16
+/// batch 32); recomputing the embedding is one small product.
+#[derive(Debug, Clone)]
+struct EmbeddingAndFirstBlock {
+    class_token: Tensor,
+    conv_proj: PatchEmbedding,
+    encoder: Encoder,
+}
+
+impl EmbeddingAndFirstBlock {
+    fn forward(&self, images: &Tensor) -> Result<Tensor> {
+        let tokens = embed_patches(&self.conv_proj, &self.class_token, images)?;
+        let x = self.encoder.add_positions(tokens)?;
+        self.encoder.layers[0].forward(&x)
+    }
+}
+
+/// `[batch, 3, h, w]` images to `[batch, 1 + patches, hidden]` tokens, the class token first.
+/// Each intermediate is released as soon as the next one exists (torchvision rebinds `x`): the
+/// patch grid once the tokens are concatenated.
+fn embed_patches(
+    conv_proj: &PatchEmbedding,
+    class_token: &Tensor,
+    images: &Tensor,
+) -> Result<Tensor> {
+    let batch = images.shape()[0];
+    let hidden_dim = class_token.shape()[2];
+    let patches = conv_proj.forward(images)?;
+    let n_patches = patches.shape()[2] * patches.shape()[3];
+    let tokens = patches
+        .reshape(&[batch, hidden_dim, n_patches])?
+        .permute(&[0, 2, 1])?;
+    let class_tokens = class_token.expand(&[batch, 1, hidden_dim])?;
+    Ok(cat(&[&class_tokens, &tokens], 1)?)
 }
 
 impl Module for Encoder {
@@ -417,30 +465,35 @@ impl VisionTransformer {
                 ),
             });
         }
-        let batch = images.shape()[0];
-        let hidden_dim = self.config.hidden_dim;
-        // Each intermediate is released as soon as the next one exists (torchvision rebinds `x`):
-        // the patch grid once the tokens are concatenated, the tokens once the encoder has added
-        // its position embedding.
-        let tokens = {
-            let patches = self.conv_proj.forward(images)?;
-            let n_patches = patches.shape()[2] * patches.shape()[3];
-            let tokens = patches
-                .reshape(&[batch, hidden_dim, n_patches])?
-                .permute(&[0, 2, 1])?;
-            let class_tokens = self.class_token.expand(&[batch, 1, hidden_dim])?;
-            cat(&[&class_tokens, &tokens], 1)?
+        // With a block runner, block 0 is the embedding and the first encoder block, from the
+        // images (`EmbeddingAndFirstBlock`); without one the tokens are released once the
+        // encoder has added its position embedding.
+        let hidden = match &self.encoder.block_runner {
+            Some(runner) if !self.encoder.layers.is_empty() => {
+                let first = EmbeddingAndFirstBlock {
+                    class_token: self.class_token.clone(),
+                    conv_proj: self.conv_proj.clone(),
+                    encoder: self.encoder.clone(),
+                };
+                let x = run_block(
+                    Some(runner),
+                    0,
+                    &first,
+                    EmbeddingAndFirstBlock::forward,
+                    images,
+                )?;
+                self.encoder.run_blocks(x, 1)?
+            }
+            _ => {
+                let tokens = embed_patches(&self.conv_proj, &self.class_token, images)?;
+                self.encoder.forward_blocks(tokens)?
+            }
         };
         // Only the class token's row reaches the head, and the final norm acts on each token
         // alone, so the row is taken first (a copy, so nothing keeps the blocks' output alive)
         // and normed by itself: the same values as torchvision's `ln(x)[:, 0]`, without a
         // `[batch, seq, hidden]` norm output in the forward or its gradient in backward.
-        let class_row = self
-            .encoder
-            .forward_blocks(tokens)?
-            .narrow(1, 0, 1)?
-            .squeeze_dim(1)?
-            .compact()?;
+        let class_row = hidden.narrow(1, 0, 1)?.squeeze_dim(1)?.compact()?;
         let first = self.encoder.ln.forward(&class_row)?;
         self.head.forward(&first)
     }
