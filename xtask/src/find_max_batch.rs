@@ -10,10 +10,10 @@
 //! gradients are set to none, the cache is emptied (each probe starts from the same state, as
 //! the recipe's `empty_cache` does) and the allocator must hold exactly the baseline's bytes:
 //! otherwise the probe leaked, and the command fails naming it. The search ([`search`]) doubles
-//! the batch until a probe runs out of memory, then bisects between the largest batch that fit
-//! and the smallest that did not, splitting where the measured reserved peaks (linear in the
-//! batch) reach the cap, and at the midpoint whenever such a split removed less than half of
-//! the interval. The result is exact: the largest batch fits and the next one does not.
+//! the batch through the small, cheap batches, then probes where the measured reserved peaks
+//! (linear in the batch) reach the cap, gallops from there until the largest batch that fits
+//! and the smallest that does not are bracketed, and bisects the rest. The result is exact: the
+//! largest batch fits and the next one does not.
 //!
 //! It sits on `bench_memory`'s models, cases and training loop and on the backends' caching
 //! allocators; it knows nothing about how `bench-memory` reports.
@@ -41,7 +41,7 @@ pub(crate) const USAGE: &str =
                  [--memory-cap-mb N] [--max-batch N] [--json FILE] [--pytorch FILE]
       The largest batch each bench-memory case trains at (one step: forward, backward, optimizer
       step) under a cap of N MiB that the allocator enforces (per_process_memory_fraction;
-      default 24576 on CUDA, 128 on the CPU). Doubling until out of memory, then bisection; every
+      default 24576 on CUDA, 128 on the CPU). Doubling through batch 16, a probe where the measured peaks reach the cap, then galloping and bisection; every
       out-of-memory error is caught and the allocator must come back to the case's baseline
       bytes. Default model: vit_l_16 on CUDA, vit_mini on the CPU (--seq: tokens a row for
       gpt2, gpt2-medium, gpt2-large). Cases: bench-memory's, adam_auto excepted (default all the
@@ -413,12 +413,30 @@ pub(crate) fn is_out_of_memory(err: &anyhow::Error) -> bool {
     })
 }
 
+/// Batches are doubled up to this one before the line through the measured peaks is trusted:
+/// small probes are cheap, and the line through two of them predicts the large one.
+const DOUBLING_UP_TO: usize = 16;
+
+/// The most a predicted probe multiplies the largest batch that fit; past it the line is drawn
+/// again through the new probe.
+const MAX_JUMP: usize = 8;
+
 /// The largest batch in `1..=max_batch` for which `fits` returns peaks, given that the
-/// allocator is capped at `cap` bytes; and every probe, in order. Doubling from 1 until a probe
-/// runs out of memory (or `max_batch` fits), then bisection of [largest fit, smallest misfit]:
-/// the split is where the line through the two largest fitting probes' reserved peaks reaches
-/// `cap`, kept strictly inside the interval, and the midpoint after a split that removed less
-/// than half of it. Exact when `fits` is monotone: the result fits and the next batch does not.
+/// allocator is capped at `cap` bytes; and every probe, in order.
+///
+/// The probes at large batches are the costly ones (a step's time grows with the batch), so the
+/// search spends as few as it can there:
+/// 1. doubling from 1 up to [`DOUBLING_UP_TO`] (or the first batch that does not fit);
+/// 2. one probe where the line through the two largest fitting probes' reserved peaks reaches
+///    `cap` (at most [`MAX_JUMP`] times the largest fit; then a new line and another jump);
+/// 3. from it, when it fits, galloping up by 1, 2, 4, ... while probes fit; when it does not,
+///    one probe below it;
+/// 4. bisection of what is left.
+///
+/// With a well-predicted line that is two probes at the answer (it fits, the next batch does
+/// not); an underestimate by `d` batches costs about `2 log2(d)` more, an overestimate one more
+/// probe and a bisection. Exact when `fits` is
+/// monotone: the result fits and the next batch does not.
 pub(crate) fn search(
     cap: u64,
     max_batch: usize,
@@ -430,40 +448,73 @@ pub(crate) fn search(
         probes.push(Probed { batch, peaks });
         Ok(peaks.is_some())
     };
-    // Doubling: `lo` fits, `hi` (if any) does not.
+    // 1. Doubling through the small batches: `lo` fits, `hi` (if any) does not.
     let mut lo = 0;
     let mut hi = None;
     let mut batch = 1;
     while batch <= max_batch {
-        if probe(batch, &mut probes)? {
-            lo = batch;
-            if batch == max_batch {
-                break;
-            }
-            batch = (batch * 2).min(max_batch);
-        } else {
+        if !probe(batch, &mut probes)? {
             hi = Some(batch);
             break;
         }
+        lo = batch;
+        if batch == max_batch || (batch >= DOUBLING_UP_TO && predicted(&probes, cap).is_some()) {
+            break;
+        }
+        batch = (batch * 2).min(max_batch);
     }
-    let Some(mut hi) = hi else {
+    // The largest batch that may still fit.
+    let top = hi.map_or(max_batch, |hi| hi - 1);
+    if lo == top {
+        return Ok((lo, probes));
+    }
+    // 2. Where the line reaches the cap (twice the largest fit when there is no line), at most
+    // `MAX_JUMP` times the largest fit: a line through small batches may be far off.
+    let mut step = 1;
+    loop {
+        let guess = predicted(&probes, cap).unwrap_or(2 * lo);
+        let capped = guess > MAX_JUMP * lo;
+        let start = guess.min(MAX_JUMP * lo).clamp(lo + 1, top);
+        // 3. Galloping away from it until the answer is bracketed.
+        if probe(start, &mut probes)? {
+            lo = start;
+            if capped && lo < top {
+                // A new line through this probe, then another jump.
+                continue;
+            }
+            while lo < top {
+                let next = (lo + step).min(top);
+                if !probe(next, &mut probes)? {
+                    hi = Some(next);
+                    break;
+                }
+                lo = next;
+                step *= 2;
+            }
+        } else {
+            // One below (the line is usually off by one at most), else bisection from there.
+            hi = Some(start);
+            if start - 1 > lo {
+                if probe(start - 1, &mut probes)? {
+                    lo = start - 1;
+                } else {
+                    hi = Some(start - 1);
+                }
+            }
+        }
+        break;
+    }
+    let Some(mut hi) = hi.filter(|_| lo < top) else {
         return Ok((lo, probes));
     };
-    let mut halve = false;
+    // 4. Bisection.
     while hi - lo > 1 {
-        let width = hi - lo;
-        let split = match (halve, predicted(&probes, cap)) {
-            (false, Some(guess)) => guess.clamp(lo + 1, hi - 1),
-            _ => lo + width / 2,
-        };
-        let guided = !halve;
-        if probe(split, &mut probes)? {
-            lo = split;
+        let mid = lo + (hi - lo) / 2;
+        if probe(mid, &mut probes)? {
+            lo = mid;
         } else {
-            hi = split;
+            hi = mid;
         }
-        // A guided split that left more than half the interval: the next one is the midpoint.
-        halve = guided && 2 * (hi - lo) > width;
     }
     Ok((lo, probes))
 }
