@@ -112,14 +112,7 @@ fn parse(args: &[String]) -> Result<Options> {
             "--model" => options.model = Some(Model::named(&value()?)?),
             "--seq" => options.seq = Some(positive(value()?)?),
             "--cases" => {
-                options.cases = value()?
-                    .split(',')
-                    .filter(|name| !name.is_empty())
-                    .map(Case::parse)
-                    .collect::<Result<_>>()?;
-                if options.cases.is_empty() {
-                    bail!("--cases names no case");
-                }
+                options.cases = Case::parse_list(&value()?)?;
                 if options.cases.contains(&Case::AdamAuto) {
                     bail!(
                         "adam_auto plans checkpointing for a byte budget, not a batch: \

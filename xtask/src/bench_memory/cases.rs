@@ -23,7 +23,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use headroom_amp::{AmpPolicy, GradScaler, GradScalerConfig};
 use headroom_autograd_core::{autocast_stats, BackendRef, DType, Tensor};
 use headroom_caching_allocator::{CachingAllocator, HistoryOptions, HostStorage, Storage};
@@ -235,6 +235,19 @@ impl Case {
                 let names: Vec<_> = Case::ALL.iter().map(|c| c.name()).collect();
                 format!("unknown case `{name}` (cases: {})", names.join(", "))
             })
+    }
+
+    /// The cases of a `--cases a,b,c` list (at least one).
+    pub(crate) fn parse_list(list: &str) -> Result<Vec<Case>> {
+        let cases = list
+            .split(',')
+            .filter(|name| !name.is_empty())
+            .map(Case::parse)
+            .collect::<Result<Vec<_>>>()?;
+        if cases.is_empty() {
+            bail!("--cases names no case");
+        }
+        Ok(cases)
     }
 
     fn optimizer(self, params: Vec<Tensor>) -> Result<Box<dyn BenchOptimizer>> {

@@ -194,16 +194,7 @@ fn parse(args: &[String]) -> Result<Options> {
                 }
                 options.batches.push(batch);
             }
-            "--cases" => {
-                options.cases = value()?
-                    .split(',')
-                    .filter(|name| !name.is_empty())
-                    .map(Case::parse)
-                    .collect::<Result<_>>()?;
-                if options.cases.is_empty() {
-                    bail!("--cases names no case");
-                }
-            }
+            "--cases" => options.cases = Case::parse_list(&value()?)?,
             "--warmup" => options.protocol.warmup = number(value()?)?,
             "--steps" => {
                 options.protocol.steps = number(value()?)?;
