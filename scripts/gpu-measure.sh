@@ -14,7 +14,8 @@
 #          (scripts/pytorch/bench_reference.py) in the same run, as --pytorch reads them
 # gpt2     GPT-2 small, batch 8 × 1024 tokens, forward + backward in f32 and bf16, both sides
 # fmb      find-max-batch under a 24 GiB cap, PyTorch's side first
-# planner  adam_auto at five budgets between full checkpointing and none (ViT-L/16, batch 32)
+# planner  adam_auto at five budgets evenly between adam_ckpt's peak (5,324,016,128 B) and
+#          adam_fused's (13,683,924,992 B) at 91ab5d2 (ViT-L/16, batch 32)
 # reclaim  bench-memory with the default allocator against AllocatorConfig::reclaiming()
 #
 # Output: OUT (default /tmp/gpu-measure) gets one log per phase and the JSON files.
@@ -62,7 +63,7 @@ for phase in "$@"; do
       step fmb_ours "$xtask" find-max-batch --device cuda --memory-cap-mb 24576 \
         --pytorch "$out/fmb_torch.jsonl" --json "$out/fmb.json" ;;
     planner)
-      for budget in 6757000000 8162000000 9566000000 10971000000 12376000000; do
+      for budget in 6717334272 8110652416 9503970560 10897288704 12290606848; do
         step "planner_$budget" "$xtask" bench-memory --device cuda --batch 32 --cases adam_auto \
           --budget "$budget" --json "$out/planner_$budget.json"
       done ;;
