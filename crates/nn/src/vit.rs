@@ -241,7 +241,7 @@ impl Encoder {
 
     /// `dropout(tokens + pos_embedding)`; the tokens are released.
     fn add_positions(&self, tokens: Tensor) -> Result<Tensor> {
-        self.dropout.forward(&tokens.add(&self.pos_embedding)?)
+        add_positions(&self.pos_embedding, &self.dropout, tokens)
     }
 
     /// The blocks from `first` on, each through the runner when there is one.
@@ -268,15 +268,22 @@ impl Encoder {
 struct EmbeddingAndFirstBlock {
     class_token: Tensor,
     conv_proj: PatchEmbedding,
-    encoder: Encoder,
+    pos_embedding: Tensor,
+    dropout: Dropout,
+    layer: EncoderBlock,
 }
 
 impl EmbeddingAndFirstBlock {
     fn forward(&self, images: &Tensor) -> Result<Tensor> {
         let tokens = embed_patches(&self.conv_proj, &self.class_token, images)?;
-        let x = self.encoder.add_positions(tokens)?;
-        self.encoder.layers[0].forward(&x)
+        let x = add_positions(&self.pos_embedding, &self.dropout, tokens)?;
+        self.layer.forward(&x)
     }
+}
+
+/// `dropout(tokens + pos_embedding)`; the tokens are released.
+fn add_positions(pos_embedding: &Tensor, dropout: &Dropout, tokens: Tensor) -> Result<Tensor> {
+    dropout.forward(&tokens.add(pos_embedding)?)
 }
 
 /// `[batch, 3, h, w]` images to `[batch, 1 + patches, hidden]` tokens, the class token first.
@@ -473,7 +480,9 @@ impl VisionTransformer {
                 let first = EmbeddingAndFirstBlock {
                     class_token: self.class_token.clone(),
                     conv_proj: self.conv_proj.clone(),
-                    encoder: self.encoder.clone(),
+                    pos_embedding: self.encoder.pos_embedding.clone(),
+                    dropout: self.encoder.dropout.clone(),
+                    layer: self.encoder.layers[0].clone(),
                 };
                 let x = run_block(
                     Some(runner),
