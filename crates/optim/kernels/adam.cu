@@ -126,6 +126,100 @@ INSTANCES(, adam_fused,
           (const AdamPiece* pieces, unsigned n_pieces, unsigned long long block_elems, const float* grad_scale, const float* found_inf),
           (pieces, n_pieces, block_elems, grad_scale, found_inf))
 
+// PyTorch 2.11's own fused kernel (`torch.optim.Adam/AdamW(fused=True)`, ATen's
+// fused_adam_utils.cuh), for callers that must agree with it to the bit rather than with the
+// op-by-op Adam above: every hyperparameter rounded to float first, the bias corrections from
+// the device's powf of the step as a float, the moments as two fmas each, the decays contracted
+// into an fma (what nvcc emits for `param -= lr * weight_decay * param` and
+// `grad += param * weight_decay`), and `param -= step_size * exp_avg / denom` in float. f32 only.
+struct AdamTorchPiece {
+    PieceHead head;
+    unsigned long long param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq;  // 0: none
+    unsigned int flags;
+    float lr, beta1, beta2, weight_decay, eps;
+};
+static_assert(sizeof(AdamTorchPiece) == 96, "AdamTorchPiece layout");
+
+// One element; `g` is the gradient already divided by the GradScaler's scale, if any.
+__device__ __forceinline__ void adam_torch_element(const AdamTorchPiece& c, float step_size, float bias_correction2_sqrt,
+                                                   float neg_lr_wd, float* p, float g, float* m, float* v, float* vmax) {
+    if (c.flags & FLAG_MAXIMIZE) g = -g;
+    float pv = *p;
+    if (c.flags & FLAG_L2) g = __fmaf_rn(pv, c.weight_decay, g);
+    if (c.flags & FLAG_DECAY) pv = __fmaf_rn(neg_lr_wd, pv, pv);
+    float mv = __fmaf_rn(c.beta1, *m, __fmaf_rn(-c.beta1, g, g));
+    float gg = __fmul_rn(g, g);
+    float vv = __fmaf_rn(c.beta2, *v, __fmaf_rn(-c.beta2, gg, gg));
+    float second = vv;
+    if (vmax) {
+        second = (*vmax < vv) ? vv : *vmax;  // std::max(max_exp_avg_sq, exp_avg_sq)
+        *vmax = second;
+    }
+    float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(second), bias_correction2_sqrt), c.eps);
+    *p = __fsub_rn(pv, __fdiv_rn(__fmul_rn(step_size, mv), denom));
+    *m = mv;
+    *v = vv;
+}
+
+extern "C" __global__ void adam_fused_torch_f32(const AdamTorchPiece* pieces, unsigned n_pieces,
+                                                unsigned long long block_elems, const float* grad_scale,
+                                                const float* found_inf) {
+    if (skip_step(pieces, n_pieces, found_inf)) return;
+    const AdamTorchPiece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
+    unsigned long long start = (blockIdx.x - pc.head.first_block) * block_elems;
+    if (start >= pc.head.len) return;
+    unsigned long long n = min(block_elems, pc.head.len - start);
+    float step = (float)true_step(pc.head);
+    float bias_correction1 = __fsub_rn(1.0f, powf(pc.beta1, step));
+    float bias_correction2_sqrt = __fsqrt_rn(__fsub_rn(1.0f, powf(pc.beta2, step)));
+    float step_size = __fdiv_rn(pc.lr, bias_correction1);
+    float neg_lr_wd = -__fmul_rn(pc.lr, pc.weight_decay);
+    // With a GradScaler's scale, the gradient is divided by it and stored back unscaled, as
+    // PyTorch's fused step leaves it.
+    const bool scaled = grad_scale != 0;
+    const float scale = scaled ? *grad_scale : 1.0f;
+    float* p = (float*)pc.param + start;
+    float* g = (float*)pc.grad + start;
+    float* m = (float*)pc.exp_avg + start;
+    float* v = (float*)pc.exp_avg_sq + start;
+    float* vm = pc.max_exp_avg_sq ? (float*)pc.max_exp_avg_sq + start : 0;
+    unsigned long long done = 0;
+    if (!vm && ((((unsigned long long)p | (unsigned long long)g | (unsigned long long)m | (unsigned long long)v) & 15) == 0)) {
+        unsigned long long n4 = n / 4;
+        for (unsigned long long i = threadIdx.x; i < n4; i += blockDim.x) {
+            float pp[4], gg[4], mm[4], vv[4];
+            load4(p, i, pp);
+            load4(g, i, gg);
+            load4(m, i, mm);
+            load4(v, i, vv);
+            if (scaled) {
+#pragma unroll
+                for (unsigned k = 0; k < 4; ++k) gg[k] = __fdiv_rn(gg[k], scale);
+                store4(g, i, gg);
+            }
+#pragma unroll
+            for (unsigned k = 0; k < 4; ++k)
+                adam_torch_element(pc, step_size, bias_correction2_sqrt, neg_lr_wd, &pp[k], gg[k], &mm[k], &vv[k], 0);
+            store4(p, i, pp);
+            store4(m, i, mm);
+            store4(v, i, vv);
+        }
+        done = n4 * 4;
+    }
+    for (unsigned long long i = done + threadIdx.x; i < n; i += blockDim.x) {
+        float pv = p[i], gv = g[i], mv = m[i], vv = v[i], vmv = vm ? vm[i] : 0.0f;
+        if (scaled) {
+            gv = __fdiv_rn(gv, scale);
+            g[i] = gv;
+        }
+        adam_torch_element(pc, step_size, bias_correction2_sqrt, neg_lr_wd, &pv, gv, &mv, &vv, vm ? &vmv : 0);
+        p[i] = pv;
+        m[i] = mv;
+        v[i] = vv;
+        if (vm) vm[i] = vmv;
+    }
+}
+
 // Stochastic rounding (crates/optim/src/kernels/stochastic.rs computes the same bits): splitmix64
 // over a key of (seed, parameter index, true step) and the element's index gives 16 random bits,
 // added to the f32 bits below the bf16 cut, so the kept half rounds up with the probability of

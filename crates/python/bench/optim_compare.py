@@ -1,5 +1,5 @@
 """headroom.optim against bitsandbytes' Adam8bit and torch's fused AdamW on ViT-L/16's
-parameters with gradients of one batch-1 step: state bytes, the optimizer step timed alone
+parameters with gradients of one batch-1 step (fused Adam with L2 decay and AMSGrad too): state bytes, the optimizer step timed alone
 (median of synchronised steps), parameters after 20 steps (bitwise and in ulps), and state-dict
 interop both ways. Prints one JSON object per comparison.
 
@@ -82,12 +82,22 @@ torch_model, _, torch_ms = run(lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_
 ours_model, ours_opt, ours_ms = run(lambda ps: headroom.optim.AdamW(ps, lr=1e-3, weight_decay=1e-2))
 print(json.dumps({"case": "adamw_fused", "torch_ms": torch_ms, "headroom_ms": ours_ms,
                   "ratio": ours_ms / torch_ms, **compare(torch_model, ours_model)}), flush=True)
+del torch_model, ours_model
+# Adam with L2 weight decay, and AMSGrad, against torch's fused kernel.
+for case, kwargs in (("adam_l2_fused", dict(weight_decay=1e-2)), ("adamw_amsgrad_fused", dict(amsgrad=True))):
+    cls = torch.optim.Adam if case.startswith("adam_l2") else torch.optim.AdamW
+    ours_cls = headroom.optim.Adam if case.startswith("adam_l2") else headroom.optim.AdamW
+    torch_model, _, torch_ms = run(lambda ps: cls(ps, lr=1e-3, fused=True, **kwargs))
+    ours_model, _, ours_ms = run(lambda ps: ours_cls(ps, lr=1e-3, **kwargs))
+    print(json.dumps({"case": case, "torch_ms": torch_ms, "headroom_ms": ours_ms,
+                      "ratio": ours_ms / torch_ms, **compare(torch_model, ours_model)}), flush=True)
+    del torch_model, ours_model
 sd = ours_opt.state_dict()
 reload = torch.optim.AdamW(list(fresh().parameters()), lr=1e-3, fused=True)
 reload.load_state_dict(sd)
 print(json.dumps({"case": "adamw_state_dict_into_torch", "ok": True,
                   "state_keys": sorted(sd["state"][0].keys()), "step": float(sd["state"][0]["step"])}), flush=True)
-del torch_model, ours_model, ours_opt, reload, sd
+del ours_opt, reload, sd
 
 try:
     import bitsandbytes as bnb

@@ -13,9 +13,9 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, headroom; print('torch', torch.__version__)"
 timeout 40 python3 "$DIR/checks.py" 2>&1 | tee "$OUT/checks.log"
 for alloc in native expandable headroom; do
-  timeout 60 python3 "$DIR/train.py" --model vit --alloc $alloc --steps "$STEPS" 2>&1 | grep -v Warning | tee -a "$OUT/train.jsonl"
+  timeout 150 python3 "$DIR/train.py" --model vit --alloc $alloc --steps "$STEPS" 2>&1 | grep -v Warning | tee -a "$OUT/train.jsonl"
 done
-timeout 60 python3 "$DIR/optim_compare.py" 2>&1 | tee "$OUT/optim.jsonl"
+timeout 120 python3 "$DIR/optim_compare.py" 2>&1 | tee "$OUT/optim.jsonl"
 for alloc in native expandable headroom; do
-  timeout 40 python3 "$DIR/train.py" --model gpt2 --alloc $alloc --steps "$STEPS" 2>&1 | grep -v Warning | tee -a "$OUT/train.jsonl"
+  timeout 90 python3 "$DIR/train.py" --model gpt2 --alloc $alloc --steps "$STEPS" 2>&1 | grep -v Warning | tee -a "$OUT/train.jsonl"
 done

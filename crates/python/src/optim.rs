@@ -1,4 +1,5 @@
-//! `headroom._native`'s optimizer steps: [`FusedAdam`] (Adam and AdamW) and [`Adam8bit`]
+//! `headroom._native`'s optimizer steps: [`FusedAdam`] (Adam and AdamW, in the arithmetic of
+//! PyTorch's own fused kernel, [`FusedAdamMath::Torch`]) and [`Adam8bit`]
 //! (bitsandbytes' blockwise 8-bit Adam), each one headroom-optim raw-buffer optimizer stepping
 //! the device pointers of torch's tensors in place, with no copies: one launch for every
 //! parameter of a call (8-bit: one more for the 32-bit states of small tensors).
@@ -13,7 +14,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use headroom_ops_cuda::CudaBackend;
-use headroom_optim::cuda::{CudaAdam8bit, CudaFusedAdam, DeviceAdam8bitParam, DeviceAdamParam};
+use headroom_optim::cuda::{
+    CudaAdam8bit, CudaFusedAdam, DeviceAdam8bitParam, DeviceAdamParam, FusedAdamMath,
+};
 use headroom_optim::kernels::{Adam8bitConfig, AdamConfig, WeightDecay};
 use headroom_optim::OptimError;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -85,7 +88,9 @@ impl FusedAdam {
     #[new]
     fn new(device: usize) -> PyResult<FusedAdam> {
         // SAFETY: no buffers yet; each step names its own.
-        let inner = unsafe { CudaFusedAdam::new(backend(device)?, &[]) }.map_err(optim_error)?;
+        let inner = unsafe { CudaFusedAdam::new(backend(device)?, &[]) }
+            .map_err(optim_error)?
+            .with_math(FusedAdamMath::Torch);
         Ok(FusedAdam {
             inner,
             params: Vec::new(),

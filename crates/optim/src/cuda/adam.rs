@@ -28,6 +28,9 @@ use crate::AdamStochasticConfig;
 const PIECE_SIZE: usize = 144;
 /// The f32 fused kernel of [`CudaFusedAdam`].
 const FUSED_KERNEL: (Module, &str) = (Module::Adam, AdamConfig::FUSED_KERNELS[0]);
+/// The kernel of [`FusedAdamMath::Torch`] and the size of its `AdamTorchPiece`.
+const TORCH_KERNEL: (Module, &str) = (Module::Adam, "adam_fused_torch_f32");
+const TORCH_PIECE_SIZE: usize = 96;
 
 impl PieceKernels for AdamConfig {
     const MODULE: Module = Module::Adam;
@@ -80,6 +83,30 @@ impl PieceKernels for AdamConfig {
 }
 
 impl AdamConfig {
+    /// Writes an `AdamTorchPiece` (`kernels/adam.cu`): the hyperparameters rounded to f32, as
+    /// PyTorch's fused kernel takes them; the kernel derives the step's constants itself.
+    fn write_torch_piece(&self, table: &mut Table, head: PieceHead, span: Span) {
+        let decays = self.weight_decay != 0.0;
+        let piece_flags = flags::when(self.maximize, flags::MAXIMIZE)
+            | flags::when(decays && self.decay == WeightDecay::L2, flags::L2)
+            | flags::when(decays && self.decay == WeightDecay::Decoupled, flags::DECAY);
+        let [exp_avg, exp_avg_sq, max_exp_avg_sq] = span.states;
+        table
+            .entry(head)
+            .u64(span.param)
+            .u64(span.grad)
+            .u64(exp_avg)
+            .u64(exp_avg_sq)
+            .u64(max_exp_avg_sq)
+            .u32(piece_flags)
+            .f32(self.lr as f32)
+            .f32(self.betas.0 as f32)
+            .f32(self.betas.1 as f32)
+            .f32(self.weight_decay as f32)
+            .f32(self.eps as f32)
+            .end(TORCH_PIECE_SIZE);
+    }
+
     /// The fields of an `AdamPiece`, left open for a struct that extends it.
     fn write_fields<'t>(
         &self,
@@ -181,14 +208,31 @@ pub struct DeviceAdamParam {
     pub len: usize,
 }
 
-/// Fused Adam over a fixed list of device buffers: one launch per step for the whole list, the
-/// same kernel as the optimizer's fused implementation (bit-identical to
-/// [`crate::kernels::adam_fused`]).
+/// The arithmetic of a [`CudaFusedAdam`] step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FusedAdamMath {
+    /// PyTorch's op-by-op Adam (`_single_tensor_adam`, `foreach=True`) in one pass: the kernel of
+    /// the optimizer's fused implementation, bit-identical to [`crate::kernels::adam_fused`] and
+    /// to the CPU.
+    #[default]
+    OpByOp,
+    /// PyTorch 2.11's own fused kernel (`torch.optim.Adam(fused=True)`, `AdamW(fused=True)`),
+    /// for a caller that must agree with it to the bit: hyperparameters rounded to f32, the
+    /// bias corrections from the device's `powf` of the step, the moments as two fmas each,
+    /// weight decay contracted into an fma. With a device `grad_scale`, the gradients are left
+    /// divided by it, as PyTorch's fused step leaves them.
+    Torch,
+}
+
+/// Fused Adam over a fixed list of device buffers: one launch per step for the whole list, with
+/// the arithmetic of [`FusedAdamMath`] (by default the optimizer's fused implementation,
+/// bit-identical to [`crate::kernels::adam_fused`]).
 #[derive(Debug)]
 pub struct CudaFusedAdam {
     device: CudaDevice,
     params: Vec<DeviceAdamParam>,
     amsgrad: bool,
+    math: FusedAdamMath,
 }
 
 impl CudaFusedAdam {
@@ -213,7 +257,14 @@ impl CudaFusedAdam {
             device: CudaDevice::new(backend, 0),
             params: params.to_vec(),
             amsgrad,
+            math: FusedAdamMath::default(),
         })
+    }
+
+    /// The same optimizer stepping with `math`.
+    pub fn with_math(mut self, math: FusedAdamMath) -> CudaFusedAdam {
+        self.math = math;
+        self
     }
 
     /// Adam step number `step` (counted from 1) on every parameter. `grad_scale` and
@@ -282,6 +333,7 @@ impl CudaFusedAdam {
             fused_block_elems(total_len, AdamConfig::FUSED_BLOCK),
             AdamConfig::FUSED_BLOCK.1,
         );
+        let math = self.math;
         let (table, n_blocks) =
             self.device
                 .piece_table(&geometry, block.0, false, &mut |t, idx, head| {
@@ -294,12 +346,19 @@ impl CudaFusedAdam {
                         states,
                         tmp: 0,
                     };
-                    cfg.write_piece(t, head, span, None);
+                    match math {
+                        FusedAdamMath::OpByOp => cfg.write_piece(t, head, span, None),
+                        FusedAdamMath::Torch => cfg.write_torch_piece(t, head, span),
+                    }
                 })?;
         let addresses = (grad_scale.unwrap_or(0), found_inf.unwrap_or(0));
         let n_pieces = params.len();
+        let kernel = match math {
+            FusedAdamMath::OpByOp => FUSED_KERNEL,
+            FusedAdamMath::Torch => TORCH_KERNEL,
+        };
         self.device
-            .run_elementwise(FUSED_KERNEL, &table, n_pieces, n_blocks, block, addresses)
+            .run_elementwise(kernel, &table, n_pieces, n_blocks, block, addresses)
     }
 }
 

@@ -49,7 +49,7 @@ use headroom_autograd_core::{Backend, DType, Device, Tensor, TensorError};
 use headroom_caching_allocator::Allocation;
 use headroom_ops_cuda::{CudaBackend, CudaKernel, KernelArg};
 
-pub use adam::{CudaFusedAdam, DeviceAdamParam};
+pub use adam::{CudaFusedAdam, DeviceAdamParam, FusedAdamMath};
 pub use adam8bit::{CudaAdam8bit, DeviceAdam8bitParam};
 
 use crate::device::DeviceGradScaling;

@@ -1,6 +1,7 @@
 """Headroom's fused and 8-bit optimizers as ``torch.optim.Optimizer`` subclasses.
 
-``Adam``, ``AdamW`` (fused: one kernel launch per step for every parameter) and ``Adam8bit``,
+``Adam``, ``AdamW`` (fused: one kernel launch per step for every parameter, in the arithmetic of
+PyTorch's own ``fused=True`` kernel, so the same bits) and ``Adam8bit``,
 ``AdamW8bit`` (bitsandbytes' blockwise 8-bit Adam, bit for bit; its state dicts load both ways)
 run Headroom's CUDA kernels on the parameters' and gradients' own device memory, on torch's
 default stream, and keep their state in torch tensors under PyTorch's (or bitsandbytes') keys,
@@ -118,7 +119,8 @@ class _HeadroomOptimizer(torch.optim.Optimizer):
         """One step of every parameter with a gradient. ``grad_scale``/``found_inf``: a
         GradScaler's device tensors, read in the kernel (divide by the scale; write nothing when
         the flag is non-zero, though the step is counted: ``torch.amp.GradScaler.step`` never
-        passes them, it skips ``step()`` itself)."""
+        passes them, it skips ``step()`` itself). ``Adam``/``AdamW`` leave the gradients divided
+        by the scale, as torch's fused step does."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -209,13 +211,15 @@ class _FusedAdam(_HeadroomOptimizer):
 
 
 class Adam(_FusedAdam):
-    """``torch.optim.Adam(fused=True)``'s update (L2 weight decay) in one Headroom launch."""
+    """``torch.optim.Adam(fused=True)``'s update (L2 weight decay) in one Headroom launch, with
+    its kernel's arithmetic (float hyperparameters, fma moments): the same bits."""
 
     _who = "headroom.optim.Adam"
 
 
 class AdamW(_FusedAdam):
-    """``torch.optim.AdamW(fused=True)``'s update (decoupled weight decay) in one Headroom launch."""
+    """``torch.optim.AdamW(fused=True)``'s update (decoupled weight decay) in one Headroom launch,
+    with its kernel's arithmetic: the same bits."""
 
     _who = "headroom.optim.AdamW"
     _decoupled = True
