@@ -233,10 +233,10 @@ impl<S: Storage> State<S> {
     /// frees too) and whole free pages elsewhere are unmapped first, as many as the excess; the
     /// run is then chosen again, since a hole may now hold the request lower down.
     ///
-    /// With `reclaim_settles`, a reclaim that live memory at no new high asks for (a reshuffle:
-    /// the same live bytes, laid out so that they need more pages) raises the ceiling by half
-    /// the excess, so a loop whose steps keep reshuffling stops after a few steps; a reclaim for
-    /// a new live high leaves it alone.
+    /// With `reclaim_settles`, each reclaim also raises the ceiling by half its excess: a loop
+    /// whose steps keep moving pages between the same holes needs more pages than the ceiling
+    /// for its layout, and after a few steps the ceiling holds it, so the loop stops waiting.
+    /// The ceiling only rises, so every reclaim makes the next one less likely.
     fn alloc_expandable(
         &mut self,
         pool: PoolKind,
@@ -262,7 +262,7 @@ impl<S: Storage> State<S> {
             let ceiling = self.reclaim_ceiling(size);
             if reserved + to_map > ceiling {
                 let excess = reserved + to_map - ceiling;
-                if self.config.reclaim_settles && !self.raises_live_peak(size) {
+                if self.config.reclaim_settles {
                     self.reclaim_allowance = ceiling + excess / 2;
                 }
                 self.reclaim_free_pages(excess, &run)?;
@@ -296,11 +296,6 @@ impl<S: Storage> State<S> {
         reserved
             .max(self.reclaim_allowance)
             .max(live + live / RECLAIM_SLACK_DIVISOR)
-    }
-
-    /// Whether allocating `size` bytes takes allocated memory above the most it has ever been.
-    fn raises_live_peak(&self, size: u64) -> bool {
-        self.stats.allocated_bytes.all.current as u64 + size > self.allocated_ceiling()
     }
 
     /// The most bytes ever reserved at once: the statistics' peak, or what it was before a

@@ -6,8 +6,8 @@
 //! under 10 MiB, the request rounded to 2 MiB otherwise — or, with expandable segments, maps just
 //! enough pages at the end of the stream's one growing segment (or in a hole left by unmapped
 //! pages). By default, mapping that would raise reserved memory above its ceiling first unmaps
-//! the whole free pages between live blocks, so pages move rather than add up, and the ceiling
-//! backs off when the moves only reshuffle the same live bytes, so repeated steps settle;
+//! the whole free pages between live blocks, so pages move rather than add up, and each such
+//! move raises the ceiling a little, so repeated steps settle;
 //! PyTorch never does this (`AllocatorConfig::reclaim_free_pages`,
 //! `AllocatorConfig::reclaim_settles`). Blocks are split by PyTorch's
 //! rules, merged with free neighbours on free, and a block used by other streams
@@ -338,7 +338,7 @@ struct State<S> {
     /// same reason): the live peak that settling reclaims measure their slack against.
     allocated_high_water: u64,
     /// With `reclaim_settles`: reserved bytes a request may map up to without a reclaim, raised
-    /// by each reclaim that reshuffles live bytes at no new high.
+    /// by each reclaim.
     reclaim_allowance: u64,
     history: History,
     context: ContextStack,

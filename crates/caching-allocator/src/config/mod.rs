@@ -107,11 +107,10 @@ pub struct AllocatorConfig {
     /// first given the whole free pages between live blocks, unmapped and mapped where it needs
     /// them (`reclaim_free_pages`, default on; PyTorch has no such step).
     pub(crate) reclaim_free_pages: bool,
-    /// Whether reclaiming settles (`reclaim_settles`, default on): the ceiling leaves 0.5% of the
-    /// live peak as slack, and each reclaim that live memory at no new high asks for (a
-    /// reshuffle of the same bytes) raises it by half the bytes it moved, so a loop of identical
-    /// steps stops moving pages after a few steps. Off, the ceiling is the most ever reserved,
-    /// at every request ([`AllocatorConfig::reclaiming`]).
+    /// Whether reclaiming settles (`reclaim_settles`, default on): the reclaim ceiling is at
+    /// least the live peak plus 0.5%, and each reclaim raises it by half the bytes it had to
+    /// find, so a loop of identical steps stops moving pages after a few steps. Off, the ceiling
+    /// is the most ever reserved, at every request ([`AllocatorConfig::reclaiming`]).
     pub(crate) reclaim_settles: bool,
     /// The string this config was parsed from, as snapshots report it.
     pub(crate) raw: String,
@@ -186,8 +185,8 @@ impl AllocatorConfig {
         self.reclaim_free_pages
     }
 
-    /// Whether reclaiming settles in a loop of identical steps: a ceiling with slack, raised by
-    /// the reclaims that only reshuffle the same live bytes (`reclaim_settles`).
+    /// Whether reclaiming settles in a loop of identical steps: a ceiling with slack over the
+    /// live peak, raised by every reclaim (`reclaim_settles`).
     pub fn reclaim_settles(&self) -> bool {
         self.reclaim_settles
     }
