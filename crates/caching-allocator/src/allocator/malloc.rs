@@ -283,8 +283,8 @@ impl<S: Storage> State<S> {
     }
 
     /// Reserved bytes a request of `size` bytes may map up to without reclaiming: the most ever
-    /// reserved and, with `reclaim_settles`, also the allowance the reshuffles so far have
-    /// earned and the live peak (this request included) plus 0.5%.
+    /// reserved and, with `reclaim_settles`, also the allowance earlier reclaims have raised and
+    /// the live peak (this request included) plus 0.5%.
     fn reclaim_ceiling(&self, size: u64) -> u64 {
         let reserved = self.reserved_ceiling();
         if !self.config.reclaim_settles {
