@@ -7,7 +7,7 @@
 #       --exclude headroom-python --exclude headroom-distributed
 # or copy `cargo test --release --no-run` executables and target/release/xtask there yourself).
 #
-#   bash scripts/gpu-measure.sh PHASE...      PHASE: tests vit gpt2 fmb planner reclaim
+#   bash scripts/gpu-measure.sh PHASE...      PHASE: tests vit gpt2 fmb planner reclaim noreclaim
 #
 # tests    every test binary with HEADROOM_REQUIRE_GPU=1 (a skip is a failure)
 # vit      bench-memory, ViT-L/16 at batch 1 and 32, every case, then PyTorch's cases
@@ -17,6 +17,8 @@
 # planner  adam_auto at five budgets evenly between adam_ckpt's peak (5,324,016,128 B) and
 #          adam_fused's (13,683,924,992 B) at 91ab5d2 (ViT-L/16, batch 32)
 # reclaim  bench-memory with the default allocator against AllocatorConfig::reclaiming()
+# noreclaim the same cases without reclaiming (reclaim_free_pages:False, the default before
+#          reclaim_settles)
 #
 # Output: OUT (default /tmp/gpu-measure) gets one log per phase and the JSON files.
 set -uo pipefail
@@ -71,9 +73,14 @@ for phase in "$@"; do
       cases=adam_fused,adam_inbwd,adam_ckpt
       step reclaim_default "$xtask" bench-memory --device cuda --batch 1 --batch 32 \
         --cases $cases --json "$out/reclaim_default.json"
-      HEADROOM_ALLOC_CONF=reclaim_free_pages:True step reclaim_on "$xtask" bench-memory \
-        --device cuda --batch 1 --batch 32 --cases $cases --json "$out/reclaim_on.json" ;;
-    *) echo "unknown phase $phase (tests vit gpt2 fmb planner reclaim)" >&2; exit 2 ;;
+      HEADROOM_ALLOC_CONF=reclaim_free_pages:True,reclaim_settles:False step reclaim_on \
+        "$xtask" bench-memory --device cuda --batch 1 --batch 32 --cases $cases \
+        --json "$out/reclaim_on.json" ;;
+    noreclaim)
+      HEADROOM_ALLOC_CONF=reclaim_free_pages:False step reclaim_off "$xtask" bench-memory \
+        --device cuda --batch 1 --batch 32 --cases adam_fused,adam_inbwd,adam_ckpt \
+        --json "$out/reclaim_off.json" ;;
+    *) echo "unknown phase $phase (tests vit gpt2 fmb planner reclaim noreclaim)" >&2; exit 2 ;;
   esac
 done
 echo "$failed step(s) failed; logs in $out"

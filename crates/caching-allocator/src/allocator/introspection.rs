@@ -43,10 +43,12 @@ impl<S: Storage> CachingAllocator<S> {
     }
 
     /// Sets every peak to its current value. Only the statistics: what the allocator does next
-    /// does not depend on it (reclaiming free pages keeps to the highest reserved figure ever).
+    /// does not depend on it (reclaiming free pages measures against the highest reserved and
+    /// allocated figures ever).
     pub fn reset_peak_stats(&self) {
         let mut state = self.state.lock();
         state.reserved_high_water = state.reserved_ceiling();
+        state.allocated_high_water = state.allocated_ceiling();
         state.stats.reset_peak();
     }
 

@@ -7,8 +7,8 @@
 //! the request an [`AllocError::OutOfMemory`], with the figures of the failure. A block that is
 //! found is split by PyTorch's rules, and the statistics count the allocation. With expandable
 //! segments, best fit is PyTorch's (a block at a segment's end counts as what it could grow
-//! to), and a request that maps pages above the reserved peak first has free pages reclaimed
-//! (`reclaim_free_pages`).
+//! to), and a request that maps pages above the reclaim ceiling first has free pages reclaimed
+//! (`reclaim_free_pages`; how the ceiling settles: `reclaim_settles`).
 //!
 //! It sits on the arena and pools of the parent module and calls the steps of `stream_events`
 //! (completing pending frees), `release` (the ladder's release steps) and `expandable` (mapping
@@ -34,6 +34,9 @@ const MIN_LARGE_ALLOC: u64 = 10 << 20;
 const ROUND_LARGE: u64 = 2 << 20;
 /// Requests this large fail at once, as in PyTorch.
 const ONE_EXABYTE: u64 = 1 << 60;
+/// With `reclaim_settles`, the reclaim ceiling is at least the live peak plus this fraction of
+/// it (1/200: 0.5%), so that layouts drifting by less never wait for the device.
+const RECLAIM_SLACK_DIVISOR: u64 = 200;
 
 impl<S: Storage> CachingAllocator<S> {
     /// Allocates `size` bytes for use on `stream`. A request of 0 bytes gets a 512-byte block.
@@ -226,9 +229,14 @@ impl<S: Storage> State<S> {
 
     /// Pages for a request of an expandable segment: the run of available blocks it takes,
     /// with the pages it lacks mapped. With `reclaim_free_pages`, when mapping them would raise
-    /// reserved memory above its peak, the device is waited for (completing pending frees too)
-    /// and whole free pages elsewhere are unmapped first, as many as the excess; the run is then
-    /// chosen again, since a hole may now hold the request lower down.
+    /// reserved memory above the reclaim ceiling, the device is waited for (completing pending
+    /// frees too) and whole free pages elsewhere are unmapped first, as many as the excess; the
+    /// run is then chosen again, since a hole may now hold the request lower down.
+    ///
+    /// With `reclaim_settles`, each reclaim also raises the ceiling by half its excess: a loop
+    /// whose steps keep moving pages between the same holes needs more pages than the ceiling
+    /// for its layout, and after a few steps the ceiling holds it, so the loop stops waiting.
+    /// The ceiling only rises, so every reclaim makes the next one less likely.
     fn alloc_expandable(
         &mut self,
         pool: PoolKind,
@@ -239,7 +247,7 @@ impl<S: Storage> State<S> {
             return Ok(None);
         };
         if self.config.reclaim_free_pages
-            && self.raises_reserved_peak(&run, size)
+            && self.raises_reclaim_ceiling(&run, size)
             && self.reclaimable_bytes(&run) > 0
         {
             self.synchronize_and_free_events()?;
@@ -251,9 +259,13 @@ impl<S: Storage> State<S> {
             run = fresh;
             let to_map = self.bytes_to_map(&run, size);
             let reserved = self.stats.reserved_bytes.all.current as u64;
-            let peak = self.reserved_ceiling();
-            if reserved + to_map > peak {
-                self.reclaim_free_pages(reserved + to_map - peak, &run)?;
+            let ceiling = self.reclaim_ceiling(size);
+            if reserved + to_map > ceiling {
+                let excess = reserved + to_map - ceiling;
+                if self.config.reclaim_settles {
+                    self.reclaim_allowance = ceiling + excess / 2;
+                }
+                self.reclaim_free_pages(excess, &run)?;
                 let Some(fresh) = self.expandable_run(pool, stream, size)? else {
                     return Ok(None);
                 };
@@ -264,10 +276,26 @@ impl<S: Storage> State<S> {
     }
 
     /// Whether mapping the pages `run` lacks for `size` bytes raises reserved memory above the
-    /// most it has ever been.
-    fn raises_reserved_peak(&self, run: &[BlockId], size: u64) -> bool {
+    /// reclaim ceiling.
+    fn raises_reclaim_ceiling(&self, run: &[BlockId], size: u64) -> bool {
         let reserved = self.stats.reserved_bytes.all.current as u64;
-        reserved + self.bytes_to_map(run, size) > self.reserved_ceiling()
+        reserved + self.bytes_to_map(run, size) > self.reclaim_ceiling(size)
+    }
+
+    /// Reserved bytes a request of `size` bytes may map up to without reclaiming: the most ever
+    /// reserved and, with `reclaim_settles`, also the allowance earlier reclaims have raised and
+    /// the live peak (this request included) plus 0.5%.
+    fn reclaim_ceiling(&self, size: u64) -> u64 {
+        let reserved = self.reserved_ceiling();
+        if !self.config.reclaim_settles {
+            return reserved;
+        }
+        let live = self
+            .allocated_ceiling()
+            .max(self.stats.allocated_bytes.all.current as u64 + size);
+        reserved
+            .max(self.reclaim_allowance)
+            .max(live + live / RECLAIM_SLACK_DIVISOR)
     }
 
     /// The most bytes ever reserved at once: the statistics' peak, or what it was before a
@@ -275,6 +303,13 @@ impl<S: Storage> State<S> {
     pub(super) fn reserved_ceiling(&self) -> u64 {
         self.reserved_high_water
             .max(self.stats.reserved_bytes.all.peak as u64)
+    }
+
+    /// The most bytes ever allocated at once: the statistics' peak, or what it was before a
+    /// `reset_peak_stats`.
+    pub(super) fn allocated_ceiling(&self) -> u64 {
+        self.allocated_high_water
+            .max(self.stats.allocated_bytes.all.peak as u64)
     }
 
     fn alloc_found_block(

@@ -5,9 +5,11 @@
 //! A miss obtains a new segment from the storage — 2 MiB for small requests, 20 MiB for requests
 //! under 10 MiB, the request rounded to 2 MiB otherwise — or, with expandable segments, maps just
 //! enough pages at the end of the stream's one growing segment (or in a hole left by unmapped
-//! pages). By default, mapping that would raise reserved memory above its peak first unmaps the
-//! whole free pages between live blocks, so pages move rather than add up; PyTorch never does
-//! this (`AllocatorConfig::reclaim_free_pages`). Blocks are split by PyTorch's
+//! pages). By default, mapping that would raise reserved memory above its ceiling first unmaps
+//! the whole free pages between live blocks, so pages move rather than add up, and each such
+//! move raises the ceiling a little, so repeated steps settle;
+//! PyTorch never does this (`AllocatorConfig::reclaim_free_pages`,
+//! `AllocatorConfig::reclaim_settles`). Blocks are split by PyTorch's
 //! rules, merged with free neighbours on free, and a block used by other streams
 //! (`record_stream`) is only reused after events recorded on those streams complete.
 //!
@@ -163,6 +165,8 @@ impl<S: Storage> CachingAllocator<S> {
             expandable_segments: Vec::new(),
             stats,
             reserved_high_water: 0,
+            allocated_high_water: 0,
+            reclaim_allowance: 0,
             history: History::default(),
             context: ContextStack::default(),
         };
@@ -330,6 +334,12 @@ struct State<S> {
     /// free pages keeps reserved memory under this, so a reset of the statistics (a measurement)
     /// never changes what the allocator does.
     reserved_high_water: u64,
+    /// The most bytes ever allocated at once, which `reset_peak_stats` leaves alone (for the
+    /// same reason): the live peak that settling reclaims measure their slack against.
+    allocated_high_water: u64,
+    /// With `reclaim_settles`: reserved bytes a request may map up to without a reclaim, raised
+    /// by each reclaim.
+    reclaim_allowance: u64,
     history: History,
     context: ContextStack,
 }

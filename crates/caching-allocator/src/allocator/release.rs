@@ -135,9 +135,10 @@ impl<S: Storage> State<S> {
     /// (`synchronize_device`): unmapping does not wait for queued work that may still use the
     /// pages.
     ///
-    /// This is how the default policy keeps reserved memory at the live bytes: `malloc` calls
-    /// it when a request would raise reserved memory above its peak, so pages move out of the
-    /// holes between live blocks to where the request needs them instead of being added.
+    /// This is how the default policy keeps reserved memory near the live bytes: `malloc` calls
+    /// it when a request would raise reserved memory above the reclaim ceiling, so pages move
+    /// out of the holes between live blocks to where the request needs them instead of being
+    /// added.
     pub(super) fn reclaim_free_pages(
         &mut self,
         bytes: u64,

@@ -33,6 +33,8 @@ impl AllocatorConfig {
     ///   20 MiB pages);
     /// - `reclaim_free_pages`: `True`/`true` or `False`/`false` (Headroom's; PyTorch does not
     ///   reclaim);
+    /// - `reclaim_settles`: `True`/`true` or `False`/`false` (Headroom's: whether reclaiming
+    ///   leaves slack and backs off so that repeated steps stop moving pages);
     /// - `backend`: only `native`; `cudaMallocAsync` is refused;
     /// - accepted and ignored, as they concern PyTorch's locking, pinned host memory or graph
     ///   capture: `release_lock_on_cudamalloc`, `throw_on_cudamalloc_oom`,
@@ -130,6 +132,14 @@ impl AllocatorConfig {
                 "False"
             }
         ));
+        items.push(format!(
+            "reclaim_settles:{}",
+            if self.reclaim_settles {
+                "True"
+            } else {
+                "False"
+            }
+        ));
         items.join(",")
     }
 }
@@ -189,6 +199,7 @@ fn apply_option(config: &mut AllocatorConfig, key: &str, value: &str) -> Result<
         "large_segment_size_mb" => config.large_segment_size = parse_mib(key, value)?,
         "expandable_page_size_mb" => config.expandable_page_size = parse_mib(key, value)?,
         "reclaim_free_pages" => config.reclaim_free_pages = parse_bool(key, value)?,
+        "reclaim_settles" => config.reclaim_settles = parse_bool(key, value)?,
         "roundup_power2_divisions" => {
             parse_roundup_power2_divisions(value, &mut config.roundup_power2_divisions)?
         }

@@ -108,9 +108,16 @@ impl AllocatorConfigBuilder {
     }
 
     /// Turns `reclaim_free_pages` on or off: whether expandable segments move free pages out of
-    /// the holes between live blocks before reserved memory passes its peak.
+    /// the holes between live blocks before reserved memory passes its ceiling.
     pub fn reclaim_free_pages(mut self, on: bool) -> Self {
         self.config.reclaim_free_pages = on;
+        self
+    }
+
+    /// Turns `reclaim_settles` on or off: whether reclaiming leaves slack and backs off, so that
+    /// a loop of identical steps stops moving pages.
+    pub fn reclaim_settles(mut self, on: bool) -> Self {
+        self.config.reclaim_settles = on;
         self
     }
 

@@ -17,9 +17,9 @@
 //! between them.
 //!
 //! Defaults that differ from PyTorch's: `expandable_segments` is on (PyTorch keeps it off for
-//! CUDA IPC, which this kit does not use, and it removes most fragmentation), with two settings
+//! CUDA IPC, which this kit does not use, and it removes most fragmentation), with three settings
 //! of Headroom's own, 2 MiB pages in the large pool (`expandable_page_size_mb`; PyTorch maps
-//! 20 MiB) and `reclaim_free_pages` on (PyTorch has no such step).
+//! 20 MiB), `reclaim_free_pages` on and `reclaim_settles` on (PyTorch has no such step).
 //! [`AllocatorConfig::pytorch_defaults`] and [`AllocatorConfig::pytorch_expandable`] are
 //! PyTorch's two policies. A storage that cannot map pages ([`crate::HostStorage`]) runs the
 //! classic policy whatever this says.
@@ -103,11 +103,15 @@ pub struct AllocatorConfig {
     /// 2 MiB, the CUDA mapping granularity; PyTorch maps 20 MiB pages). The small pool's pages
     /// are 2 MiB.
     pub(crate) expandable_page_size: u64,
-    /// With expandable segments, a request that would raise reserved memory above its peak is
+    /// With expandable segments, a request that would raise reserved memory above its ceiling is
     /// first given the whole free pages between live blocks, unmapped and mapped where it needs
-    /// them (`reclaim_free_pages`, default off: see [`AllocatorConfig::reclaiming`]; PyTorch has
-    /// no such step).
+    /// them (`reclaim_free_pages`, default on; PyTorch has no such step).
     pub(crate) reclaim_free_pages: bool,
+    /// Whether reclaiming settles (`reclaim_settles`, default on): the reclaim ceiling is at
+    /// least the live peak plus 0.5%, and each reclaim raises it by half the bytes it had to
+    /// find, so a loop of identical steps stops moving pages after a few steps. Off, the ceiling
+    /// is the most ever reserved, at every request ([`AllocatorConfig::reclaiming`]).
+    pub(crate) reclaim_settles: bool,
     /// The string this config was parsed from, as snapshots report it.
     pub(crate) raw: String,
 }
@@ -123,7 +127,8 @@ impl Default for AllocatorConfig {
             expandable_segments: true,
             large_segment_size: 20 << 20,
             expandable_page_size: 2 << 20,
-            reclaim_free_pages: false,
+            reclaim_free_pages: true,
+            reclaim_settles: true,
             raw: String::new(),
         }
     }
@@ -175,9 +180,15 @@ impl AllocatorConfig {
     }
 
     /// Whether expandable segments move free pages out of the holes between live blocks before
-    /// reserved memory passes its peak (`reclaim_free_pages`).
+    /// reserved memory passes its ceiling (`reclaim_free_pages`).
     pub fn reclaim_free_pages(&self) -> bool {
         self.reclaim_free_pages
+    }
+
+    /// Whether reclaiming settles in a loop of identical steps: a ceiling with slack over the
+    /// live peak, raised by every reclaim (`reclaim_settles`).
+    pub fn reclaim_settles(&self) -> bool {
+        self.reclaim_settles
     }
 
     /// The string this config was parsed from (or its builder's equivalent), as snapshots report
@@ -194,17 +205,18 @@ impl AllocatorConfig {
         }
     }
 
-    /// The default with free pages reclaimed (`reclaim_free_pages:True`): the least reserved
-    /// memory of the policies here (at most 1.0093× the peak of live requests on the trace
-    /// corpus, where PyTorch's expandable segments reach 1.0353×), paid for in device waits and
-    /// page moves. A reclaim waits for the device; in a training loop whose steps keep moving
-    /// pages between the same holes, that can be several waits a step (ViT-L/16 fused Adam on an
-    /// H200 with this as the default: 57.2 ms a step at batch 1, against 21.2 ms at the commit
-    /// before it; 290.7 against 285.6 ms at batch 32), so it is an opt-in for runs bound by
-    /// memory, not the default.
+    /// The default with reclaiming that never settles (`reclaim_settles:False`): every request
+    /// that would raise reserved memory above the most it has ever been waits for the device and
+    /// moves free pages first. The least reserved memory of the policies here (at most 1.0093×
+    /// the peak of live requests on the trace corpus, where PyTorch's expandable segments reach
+    /// 1.0353×), paid for in device waits and page moves: in a training loop whose steps keep
+    /// moving pages between the same holes, that is several waits every step (ViT-L/16 fused
+    /// Adam on an H200: 53.79 ms a step at batch 1, against 21.58 ms without reclaiming), so it
+    /// is an opt-in for runs bound by memory, not the default.
     pub fn reclaiming() -> Self {
         AllocatorConfig {
             reclaim_free_pages: true,
+            reclaim_settles: false,
             ..AllocatorConfig::default()
         }
     }

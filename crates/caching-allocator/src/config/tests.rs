@@ -53,7 +53,7 @@ fn parses_every_option() {
                 roundup_power2_divisions:4, garbage_collection_threshold:0.6,\
                 per_process_memory_fraction:0.5,expandable_segments:False,\
                 large_segment_size_mb:12,expandable_page_size_mb:20,reclaim_free_pages:False,\
-                backend:native,";
+                reclaim_settles:False,backend:native,";
     let config = parse_ok(conf);
     assert_eq!(
         config,
@@ -67,6 +67,7 @@ fn parses_every_option() {
             large_segment_size: 12 * MIB,
             expandable_page_size: 20 * MIB,
             reclaim_free_pages: false,
+            reclaim_settles: false,
             raw: conf.to_owned(),
         }
     );
@@ -75,6 +76,15 @@ fn parses_every_option() {
     assert!(!parse_ok("expandable_segments:false").expandable_segments);
     assert!(parse_ok("reclaim_free_pages:true").reclaim_free_pages);
     assert!(!parse_ok("reclaim_free_pages:false").reclaim_free_pages);
+    assert!(parse_ok("reclaim_settles:True").reclaim_settles);
+    assert!(!parse_ok("reclaim_settles:false").reclaim_settles);
+    assert_eq!(
+        parse_ok("reclaim_settles:False"),
+        AllocatorConfig {
+            raw: "reclaim_settles:False".to_owned(),
+            ..AllocatorConfig::reclaiming()
+        }
+    );
     assert_eq!(
         parse_ok("per_process_memory_fraction:1").per_process_memory_fraction,
         Some(1.0)
@@ -171,6 +181,7 @@ fn invalid_values_name_their_key() {
         ("expandable_page_size_mb:0", "expandable_page_size_mb"),
         ("expandable_page_size_mb:3", "expandable_page_size_mb"),
         ("reclaim_free_pages:maybe", "reclaim_free_pages"),
+        ("reclaim_settles:1", "reclaim_settles"),
         ("backend:cudaMallocAsync", "backend"),
         ("backend:other", "backend"),
         ("expandable_segments", "expandable_segments"),
@@ -262,7 +273,7 @@ fn conf_string_round_trips() {
     assert_eq!(
         AllocatorConfig::default().to_conf_string(),
         "max_non_split_rounding_mb:20,expandable_segments:True,large_segment_size_mb:20,\
-         expandable_page_size_mb:2,reclaim_free_pages:False"
+         expandable_page_size_mb:2,reclaim_free_pages:True,reclaim_settles:True"
     );
     assert_eq!(
         parse_ok("expandable_segments:True,expandable_page_size_mb:20,reclaim_free_pages:False"),
@@ -286,6 +297,7 @@ fn builder_matches_parse() {
         .large_segment_size_mb(12)
         .expandable_page_size_mb(20)
         .reclaim_free_pages(false)
+        .reclaim_settles(false)
         .build();
     let built = match built {
         Ok(config) => config,
