@@ -414,21 +414,28 @@ const DOUBLING_UP_TO: usize = 16;
 /// again through the new probe.
 const MAX_JUMP: usize = 8;
 
+/// The first aimed probe's place between the largest fit and the line's answer: a little below
+/// the line, so that it fits and the line through it can be trusted.
+const AIM_BELOW: f64 = 0.97;
+
+/// Aimed probes (each with the probe above it when it fits) before galloping or bisection.
+const AIM_ROUNDS: usize = 4;
+
 /// The largest batch in `1..=max_batch` for which `fits` returns peaks, given that the
 /// allocator is capped at `cap` bytes; and every probe, in order.
 ///
 /// The probes at large batches are the costly ones (a step's time grows with the batch), so the
 /// search spends as few as it can there:
 /// 1. doubling from 1 up to [`DOUBLING_UP_TO`] (or the first batch that does not fit);
-/// 2. one probe where the line through the two largest fitting probes' reserved peaks reaches
-///    `cap` (at most [`MAX_JUMP`] times the largest fit; then a new line and another jump);
-/// 3. from it, when it fits, galloping up by 1, 2, 4, ... while probes fit; when it does not,
-///    one probe below it;
-/// 4. bisection of what is left.
+/// 2. jumps of at most [`MAX_JUMP`] times the largest fit towards a little below where the line
+///    through the two largest fitting probes' reserved peaks reaches `cap`;
+/// 3. aiming: one probe [`AIM_BELOW`] of the way to where the line reaches the cap, then, while
+///    probes fit, one at the line through them and one above it (at most [`AIM_ROUNDS`]);
+/// 4. galloping up (when nothing above is known not to fit), then bisection of what is left.
 ///
-/// With a well-predicted line that is two probes at the answer (it fits, the next batch does
-/// not); an underestimate by `d` batches costs about `2 log2(d)` more, an overestimate one more
-/// probe and a bisection. Exact when `fits` is
+/// The probes near the answer are the costly ones (a step's time grows with the batch); with a
+/// line that is right within 3%, they are three or four: the aimed probe, the one at the new
+/// line, and the one above it. Exact when `fits` is
 /// monotone: the result fits and the next batch does not.
 pub(crate) fn search(
     cap: u64,
@@ -461,41 +468,72 @@ pub(crate) fn search(
     if lo == top {
         return Ok((lo, probes));
     }
-    // 2. Where the line reaches the cap (twice the largest fit when there is no line), at most
-    // `MAX_JUMP` times the largest fit: a line through small batches may be far off.
-    let mut step = 1;
+    // 2. Jumps along the line through the two largest fits (twice the largest fit when there is
+    // no line), at most `MAX_JUMP` times the largest fit: a line through small batches may be
+    // far off.
+    let mut hi = hi;
     loop {
-        let guess = predicted(&probes, cap).unwrap_or(2 * lo);
-        let capped = guess > MAX_JUMP * lo;
-        let start = guess.min(MAX_JUMP * lo).clamp(lo + 1, top);
-        // 3. Galloping away from it until the answer is bracketed.
-        if probe(start, &mut probes)? {
-            lo = start;
-            if capped && lo < top {
-                // A new line through this probe, then another jump.
-                continue;
-            }
-            while lo < top {
-                let next = (lo + step).min(top);
-                if !probe(next, &mut probes)? {
-                    hi = Some(next);
-                    break;
-                }
-                lo = next;
-                step *= 2;
-            }
-        } else {
-            // One below (the line is usually off by one at most), else bisection from there.
-            hi = Some(start);
-            if start - 1 > lo {
-                if probe(start - 1, &mut probes)? {
-                    lo = start - 1;
-                } else {
-                    hi = Some(start - 1);
-                }
-            }
+        if aimed(&probes, cap, lo) <= MAX_JUMP * lo {
+            break;
         }
-        break;
+        let at = (MAX_JUMP * lo).clamp(lo + 1, top);
+        if !probe(at, &mut probes)? {
+            hi = Some(at);
+            break;
+        }
+        lo = at;
+        if lo == top {
+            return Ok((lo, probes));
+        }
+    }
+    // 3. Aiming: a probe a little below where the line reaches the cap (a line through small
+    // batches overshoots as often as not, and a probe that does not fit tells nothing about
+    // the slope), then, when it fits, at the line through it, which is close to the answer
+    // and usually exact: the answer is found by the probe there and the one above it. At
+    // most `AIM_ROUNDS` rounds; a probe that does not fit ends them (bisection follows).
+    for round in 0..AIM_ROUNDS {
+        let upper = hi.map_or(top, |hi| hi - 1);
+        if lo >= upper {
+            break;
+        }
+        let aim = if round == 0 {
+            aimed(&probes, cap, lo)
+        } else {
+            predicted(&probes, cap).unwrap_or(2 * lo)
+        };
+        let at = aim.clamp(lo + 1, upper);
+        if !probe(at, &mut probes)? {
+            // The line overshoots: bisection between the last fit and this probe.
+            hi = Some(at);
+            break;
+        }
+        lo = at;
+        // The aimed probe below the line: the line through it aims next.
+        if at == upper || round == 0 {
+            continue;
+        }
+        if !probe(at + 1, &mut probes)? {
+            hi = Some(at + 1);
+            break;
+        }
+        lo = at + 1;
+    }
+    let top = hi.map_or(top, |hi| hi - 1);
+    if lo >= top {
+        return Ok((lo, probes));
+    }
+    // Galloping up while probes fit, when nothing above is known not to.
+    if hi.is_none() {
+        let mut step = 1;
+        while lo < top {
+            let next = (lo + step).min(top);
+            if !probe(next, &mut probes)? {
+                hi = Some(next);
+                break;
+            }
+            lo = next;
+            step *= 2;
+        }
     }
     let Some(mut hi) = hi.filter(|_| lo < top) else {
         return Ok((lo, probes));
@@ -510,6 +548,13 @@ pub(crate) fn search(
         }
     }
     Ok((lo, probes))
+}
+
+/// [`AIM_BELOW`] of the way from `lo` (the largest fit) to where the line reaches `cap` (twice
+/// `lo` when there is no line).
+fn aimed(probes: &[Probed], cap: u64, lo: usize) -> usize {
+    let guess = predicted(probes, cap).unwrap_or(2 * lo);
+    lo + (guess.saturating_sub(lo) as f64 * AIM_BELOW) as usize
 }
 
 /// The batch at which the line through the two largest fitting probes' reserved peaks reaches

@@ -137,7 +137,10 @@ fn torch_math_equals_torch_fused_adam_bit_for_bit() {
                 .zip(expected)
                 .filter(|(g, e)| **g != e.to_le_bytes())
                 .count();
-            assert_eq!(differing, 0, "{name}: {key} differs from torch in {differing} of {n} elements");
+            assert_eq!(
+                differing, 0,
+                "{name}: {key} differs from torch in {differing} of {n} elements"
+            );
         }
     }
 }
