@@ -471,7 +471,6 @@ pub(crate) fn search(
     // 2. Jumps along the line through the two largest fits (twice the largest fit when there is
     // no line), at most `MAX_JUMP` times the largest fit: a line through small batches may be
     // far off.
-    let mut hi = hi;
     loop {
         if aimed(&probes, cap, lo) <= MAX_JUMP * lo {
             break;
