@@ -37,6 +37,23 @@ use crate::operands::check;
 use crate::profile::describe;
 use crate::rows;
 
+impl CudaBackend {
+    /// Runs `primitive`, bracketed by timing events labelled `label()` while an op profile runs
+    /// (`profile.rs`).
+    fn timed<T>(
+        &self,
+        label: impl FnOnce() -> String,
+        primitive: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        if !self.profiler.is_active() {
+            return primitive();
+        }
+        self.bind("op_profile")?;
+        self.profiler
+            .timed(self.stream.cu_stream(), label, primitive)
+    }
+}
+
 impl Backend for CudaBackend {
     fn device(&self) -> Device {
         Device::Cuda(self.ordinal)

@@ -25,7 +25,7 @@ use parking_lot::{MappedMutexGuard, Mutex, MutexGuard};
 use crate::blas::BlasState;
 use crate::error::{device_error, CudaError};
 use crate::kernels::KernelCache;
-use crate::profile::OpProfiler;
+use crate::profile::{OpProfiler, OpTiming};
 
 /// The CUDA backend of one device.
 pub struct CudaBackend {
@@ -152,6 +152,21 @@ impl CudaBackend {
         self.context
             .bind_to_thread()
             .map_err(|e| device_error(op, e))
+    }
+
+    /// Starts recording the device time of every primitive (dropping a profile not finished);
+    /// see `profile.rs`.
+    pub fn start_op_profile(&self) -> Result<()> {
+        self.bind("op_profile")?;
+        self.profiler.start();
+        Ok(())
+    }
+
+    /// Stops recording, waits for the device and returns each primitive's time since
+    /// [`CudaBackend::start_op_profile`], in launch order.
+    pub fn finish_op_profile(&self) -> Result<Vec<OpTiming>> {
+        self.bind("op_profile")?;
+        self.profiler.finish()
     }
 
     /// The cuBLAS state, created on first use (handle on the default stream, workspace from the

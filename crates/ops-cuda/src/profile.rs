@@ -1,14 +1,17 @@
 //! The op profile: device time of every `Backend` primitive, for finding where a step's time goes.
 //!
-//! While a profile runs ([`CudaBackend::start_op_profile`]), each primitive of `backend.rs` is
-//! bracketed by two timing events on the compute stream, and the span is kept with a label (the
-//! primitive, its dtype, its shape, its op kind). [`CudaBackend::finish_op_profile`] waits for
-//! the device, reads every span's milliseconds and returns them in launch order. A span holds
-//! every kernel and library call of one primitive, and nothing else: the device's idle time
-//! between primitives (host overhead, synchronisations) is what the step's wall time has beyond
-//! the spans' sum. Off (the default), a primitive pays one relaxed atomic load.
+//! While a profile runs (`CudaBackend::start_op_profile`), each primitive of `backend.rs` is
+//! bracketed by two timing events on the compute stream ([`OpProfiler::timed`]), and the span is
+//! kept with a label (the primitive, its op kind, its operands' dtypes and shapes).
+//! `CudaBackend::finish_op_profile` waits for the last span to end, reads every span's
+//! milliseconds and returns them in launch order. A span holds every kernel and library call of
+//! one primitive (and of the primitives it runs through the `Backend` trait, which have spans of
+//! their own): the device's idle time between primitives (host overhead, synchronisations) is
+//! what the step's wall time has beyond the spans' sum. Off (the default), a primitive pays one
+//! relaxed atomic load.
 //!
-//! This module is ground floor: it sits on cudarc and `device.rs`, and knows no kernel family.
+//! This module is ground floor: it sits on cudarc and `error.rs`; the caller binds the context
+//! and names the stream.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -16,13 +19,12 @@ use cudarc::driver::{result, sys};
 use headroom_autograd_core::{Result, View};
 use parking_lot::Mutex;
 
-use crate::device::CudaBackend;
 use crate::error::device_error;
 
 /// The device time of one primitive.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OpTiming {
-    /// The primitive, its dtype and shape (`linear bf16 [8192, 768]·[2304, 768]ᵀ`, say).
+    /// The primitive and its operands (`linear f32[8192, 768]·f32[2304, 768]ᵀ +bias`, say).
     pub label: String,
     /// Milliseconds between the events around it.
     pub ms: f64,
@@ -45,91 +47,19 @@ struct Span {
 // SAFETY: the events are plain driver handles, used under the spans' mutex only.
 unsafe impl Send for Span {}
 
-impl OpProfiler {
-    fn is_active(&self) -> bool {
-        self.active.load(Ordering::Relaxed)
-    }
-}
-
-/// A recorded timing event on the backend's stream.
-fn record(backend: &CudaBackend) -> Result<sys::CUevent> {
-    let event = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
-        .map_err(|e| device_error("op_profile", e))?;
-    // SAFETY: the event was just created in the bound context and the stream is the backend's.
-    unsafe { result::event::record(event, backend.stream.cu_stream()) }
-        .map_err(|e| device_error("op_profile", e))?;
-    Ok(event)
-}
-
 /// `f32[8192, 768]`: a view's dtype and shape, for labels.
 pub(crate) fn describe(view: &View<'_>) -> String {
     format!("{:?}{:?}", view.dtype, view.layout.shape()).to_lowercase()
 }
 
-impl CudaBackend {
-    /// Starts recording the device time of every primitive (dropping a profile not finished).
-    pub fn start_op_profile(&self) -> Result<()> {
-        self.discard_spans()?;
-        self.profiler.active.store(true, Ordering::Relaxed);
-        Ok(())
-    }
-
-    /// Stops recording, waits for the device and returns each primitive's time since
-    /// [`CudaBackend::start_op_profile`], in launch order.
-    pub fn finish_op_profile(&self) -> Result<Vec<OpTiming>> {
-        self.profiler.active.store(false, Ordering::Relaxed);
-        self.synchronize()?;
-        let spans = std::mem::take(&mut *self.profiler.spans.lock());
-        self.bind("op_profile")?;
-        let mut timings = Vec::with_capacity(spans.len());
-        let mut failed = None;
-        for span in spans {
-            // SAFETY: both events were recorded on the stream that was just synchronised.
-            let elapsed = unsafe { result::event::elapsed(span.start, span.end) };
-            destroy(&span);
-            match elapsed {
-                Ok(ms) => timings.push(OpTiming {
-                    label: span.label,
-                    ms: f64::from(ms),
-                }),
-                Err(e) => failed = failed.or(Some(device_error("op_profile", e))),
-            }
-        }
-        match failed {
-            Some(error) => Err(error),
-            None => Ok(timings),
-        }
-    }
-
-    /// Runs `primitive`, bracketed by timing events labelled `label()` while a profile runs.
-    pub(crate) fn timed<T>(
-        &self,
-        label: impl FnOnce() -> String,
-        primitive: impl FnOnce() -> Result<T>,
-    ) -> Result<T> {
-        if !self.profiler.is_active() {
-            return primitive();
-        }
-        self.bind("op_profile")?;
-        let start = record(self)?;
-        let result = primitive();
-        let end = record(self)?;
-        self.profiler.spans.lock().push(Span {
-            label: label(),
-            start,
-            end,
-        });
-        result
-    }
-
-    fn discard_spans(&self) -> Result<()> {
-        let spans = std::mem::take(&mut *self.profiler.spans.lock());
-        if !spans.is_empty() {
-            self.bind("op_profile")?;
-            spans.iter().for_each(destroy);
-        }
-        Ok(())
-    }
+/// A timing event recorded on `stream` (the context bound).
+fn record(stream: sys::CUstream) -> Result<sys::CUevent> {
+    let event = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+        .map_err(|e| device_error("op_profile", e))?;
+    // SAFETY: the event was just created in the bound context; the caller names a live stream of
+    // it.
+    unsafe { result::event::record(event, stream) }.map_err(|e| device_error("op_profile", e))?;
+    Ok(event)
 }
 
 fn destroy(span: &Span) {
@@ -138,5 +68,71 @@ fn destroy(span: &Span) {
     unsafe {
         let _ = result::event::destroy(span.start);
         let _ = result::event::destroy(span.end);
+    }
+}
+
+impl OpProfiler {
+    /// Whether a profile runs.
+    pub(crate) fn is_active(&self) -> bool {
+        self.active.load(Ordering::Relaxed)
+    }
+
+    /// Starts recording, dropping the spans of a profile not finished (the context bound).
+    pub(crate) fn start(&self) {
+        let spans = std::mem::take(&mut *self.spans.lock());
+        spans.iter().for_each(destroy);
+        self.active.store(true, Ordering::Relaxed);
+    }
+
+    /// Runs `primitive` between two timing events on `stream`, kept as a span labelled
+    /// `label()` (the context bound, a profile running).
+    pub(crate) fn timed<T>(
+        &self,
+        stream: sys::CUstream,
+        label: impl FnOnce() -> String,
+        primitive: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        let start = record(stream)?;
+        let result = primitive();
+        let end = record(stream)?;
+        self.spans.lock().push(Span {
+            label: label(),
+            start,
+            end,
+        });
+        result
+    }
+
+    /// Stops recording, waits for the last span to end (spans end in stream order) and returns
+    /// each span's milliseconds in launch order (the context bound).
+    pub(crate) fn finish(&self) -> Result<Vec<OpTiming>> {
+        self.active.store(false, Ordering::Relaxed);
+        let spans = std::mem::take(&mut *self.spans.lock());
+        let waited = match spans.last() {
+            // SAFETY: the event was recorded on the stream and is destroyed only below.
+            Some(last) => unsafe { result::event::synchronize(last.end) }
+                .map_err(|e| device_error("op_profile", e)),
+            None => Ok(()),
+        };
+        let mut timings = Vec::with_capacity(spans.len());
+        let mut failed = waited.err();
+        for span in spans {
+            if failed.is_none() {
+                // SAFETY: both events were recorded on the stream before the last span's end,
+                // which has completed.
+                match unsafe { result::event::elapsed(span.start, span.end) } {
+                    Ok(ms) => timings.push(OpTiming {
+                        label: span.label.clone(),
+                        ms: f64::from(ms),
+                    }),
+                    Err(e) => failed = Some(device_error("op_profile", e)),
+                }
+            }
+            destroy(&span);
+        }
+        match failed {
+            Some(error) => Err(error),
+            None => Ok(timings),
+        }
     }
 }
