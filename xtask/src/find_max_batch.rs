@@ -202,6 +202,7 @@ fn execute(options: &Options) -> Result<Vec<Found>> {
             allocator: backend.allocator(),
             synchronize: &synchronize,
             device: "cuda:0".into(),
+            profile_ops: None,
         };
         let name = backend.allocator().with_storage(|s| s.device_name());
         (search_cases(&probe, options, "vit_l_16", true, cap)?, name)
@@ -378,6 +379,7 @@ fn probe_batch<S: Storage>(
         steps: 1,
         bucket_bytes: None,
         budget: None,
+        op_profile: false,
     };
     let input = Input::new(&probe.backend, model, batch)?;
     (probe.synchronize)()?;

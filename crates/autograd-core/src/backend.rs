@@ -790,6 +790,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn layer_norm_backward(&self, args: LayerNormBackward<'_>) -> Result<()>;
 
     /// Fused cross-entropy: writes the reduced loss (a 0-dim view) and each row's log-sum-exp.
+    /// The loss has the logits' dtype, or f32 for f16 and bf16 logits ([`crate::cross_entropy_f32`]).
     fn cross_entropy(
         &self,
         args: CrossEntropyArgs<'_>,
@@ -797,7 +798,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         lse: View<'_>,
     ) -> Result<()>;
 
-    /// Gradient of fused cross-entropy w.r.t. the logits, scaled by the 0-dim `dloss`.
+    /// Gradient of fused cross-entropy w.r.t. the logits, scaled by the 0-dim `dloss` (of the
+    /// loss's dtype: the logits', or f32 for f16 and bf16 logits).
     fn cross_entropy_backward(
         &self,
         args: CrossEntropyArgs<'_>,

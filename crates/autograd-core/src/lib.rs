@@ -80,7 +80,7 @@ pub use layout::{
 };
 pub use non_finite::{found_non_finite, non_finite_check_};
 pub use ops::{
-    cat, cross_entropy, dropout, embedding, layer_norm, patch_embedding,
+    cat, cross_entropy, cross_entropy_f32, dropout, embedding, layer_norm, patch_embedding,
     scaled_dot_product_attention,
 };
 pub use overlap::{check_operands, claim_operands, overlap, Aliasing, Overlap};

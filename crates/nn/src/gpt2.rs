@@ -7,11 +7,12 @@
 //! `Conv1D` stores its weight `[in, out]` (the transpose of `Linear`'s). The forward pass is
 //! Hugging Face's: pre-norm blocks, causal attention (fused when attention dropout is inactive,
 //! else the eager `masked_fill` to the dtype's lowest value), `gelu_new` (tanh GELU); [`Gpt2LMHeadModel::loss`] is its causal-LM loss,
-//! which upcasts the logits to f32 as Hugging Face does.
+//! which upcasts the logits to f32 as Hugging Face does (inside the fused loss, without an f32
+//! copy of the logits).
 
 use std::sync::Arc;
 
-use headroom_autograd_core::{cross_entropy, BackendRef, DType, Generator, Reduction, Tensor};
+use headroom_autograd_core::{cross_entropy_f32, BackendRef, DType, Generator, Reduction, Tensor};
 
 use crate::attention::{attention, merge_heads, split_heads, AttentionMask};
 use crate::blocks::{run_block, BlockRunner};
@@ -493,10 +494,9 @@ impl Gpt2LMHeadModel {
             })
             .collect();
         let target = Tensor::from_slice(logits.backend(), &shifted, &[batch * seq])?;
-        let logits = logits
-            .to_dtype(DType::F32)?
-            .reshape(&[batch * seq, vocab])?;
-        Ok(cross_entropy(
+        // The f32 upcast happens inside the fused loss: f16/bf16 logits are not copied to f32.
+        let logits = logits.reshape(&[batch * seq, vocab])?;
+        Ok(cross_entropy_f32(
             &logits,
             &target,
             ignore_index,

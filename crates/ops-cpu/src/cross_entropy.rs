@@ -5,7 +5,7 @@
 //! gradient, and are not counted by the mean (an all-ignored batch gives NaN, as in PyTorch).
 //! Out-of-range targets are an error, never an out-of-bounds read.
 
-use headroom_autograd_core::{CrossEntropyArgs, Reduction, Result, TensorError, View};
+use headroom_autograd_core::{CrossEntropyArgs, DType, Reduction, Result, TensorError, View};
 use rayon::prelude::*;
 
 use crate::element::{dispatch_float, Float, Real};
@@ -49,16 +49,45 @@ pub(crate) fn cross_entropy(
     lse: View<'_>,
 ) -> Result<()> {
     let checked = validate(&args)?;
-    dispatch_float!(args.logits.dtype, "cross_entropy", T => dispatch_float!(lse.dtype, "cross_entropy", S => forward::<T, S>(&args, checked, loss, lse)));
+    check_loss_dtype("cross_entropy", &args, &loss)?;
+    let value = dispatch_float!(args.logits.dtype, "cross_entropy", T => dispatch_float!(lse.dtype, "cross_entropy", S => forward::<T, S>(&args, checked, lse)));
+    dispatch_float!(loss.dtype, "cross_entropy", L => write_scalar::<L>(&loss, value));
     Ok(())
 }
 
+fn write_scalar<L: Float>(view: &View<'_>, value: f64) {
+    HostPtr::<L>::new(view).write(
+        view.layout.offset(),
+        L::store(<L::C as Real>::from_f64(value)),
+    );
+}
+
+fn read_scalar<L: Float>(view: &View<'_>) -> f64 {
+    HostPtr::<L>::new(view)
+        .read(view.layout.offset())
+        .load()
+        .to_f64()
+}
+
+/// The loss (or its gradient) has the logits' dtype, or f32 for f16 and bf16 logits.
+fn check_loss_dtype(op: &'static str, args: &CrossEntropyArgs<'_>, loss: &View<'_>) -> Result<()> {
+    let upcast = matches!(args.logits.dtype, DType::F16 | DType::BF16) && loss.dtype == DType::F32;
+    if loss.dtype == args.logits.dtype || upcast {
+        Ok(())
+    } else {
+        Err(TensorError::UnsupportedDtype {
+            op,
+            dtype: loss.dtype,
+        })
+    }
+}
+
+/// Writes each row's log-sum-exp; returns the reduced loss.
 fn forward<T: Float, S: Float>(
     args: &CrossEntropyArgs<'_>,
     (rows, classes, targets): (usize, usize, Vec<i64>),
-    loss: View<'_>,
     lse: View<'_>,
-) {
+) -> f64 {
     let logits = HostPtr::<T>::new(&args.logits);
     let x0 = args.logits.layout.offset();
     let lse_ptr = HostPtr::<S>::new(&lse);
@@ -80,14 +109,10 @@ fn forward<T: Float, S: Float>(
         .collect();
     let total: f64 = per_row.iter().flatten().sum();
     let count = per_row.iter().flatten().count();
-    let value = match args.reduction {
+    match args.reduction {
         Reduction::Mean => total / count as f64,
         Reduction::Sum => total,
-    };
-    HostPtr::<T>::new(&loss).write(
-        loss.layout.offset(),
-        T::store(<T::C as Real>::from_f64(value)),
-    );
+    }
 }
 
 pub(crate) fn cross_entropy_backward(
@@ -104,7 +129,10 @@ pub(crate) fn cross_entropy_backward(
             rhs: dlogits.layout.shape().to_vec(),
         });
     }
-    dispatch_float!(args.logits.dtype, "cross_entropy_backward", T => dispatch_float!(lse.dtype, "cross_entropy_backward", S => backward::<T, S>(&args, checked, lse, dloss, dlogits)));
+    check_loss_dtype("cross_entropy_backward", &args, &dloss)?;
+    let grad =
+        dispatch_float!(dloss.dtype, "cross_entropy_backward", L => read_scalar::<L>(&dloss));
+    dispatch_float!(args.logits.dtype, "cross_entropy_backward", T => dispatch_float!(lse.dtype, "cross_entropy_backward", S => backward::<T, S>(&args, checked, lse, grad, dlogits)));
     Ok(())
 }
 
@@ -112,7 +140,7 @@ fn backward<T: Float, S: Float>(
     args: &CrossEntropyArgs<'_>,
     (rows, classes, targets): (usize, usize, Vec<i64>),
     lse: View<'_>,
-    dloss: View<'_>,
+    grad: f64,
     dlogits: View<'_>,
 ) {
     let logits = HostPtr::<T>::new(&args.logits);
@@ -121,10 +149,6 @@ fn backward<T: Float, S: Float>(
     let lse0 = lse.layout.offset();
     let out = HostPtr::<T>::new(&dlogits);
     let out0 = dlogits.layout.offset();
-    let grad = HostPtr::<T>::new(&dloss)
-        .read(dloss.layout.offset())
-        .load()
-        .to_f64();
     let count = targets.iter().filter(|&&t| t != args.ignore_index).count();
     let scale = match args.reduction {
         Reduction::Mean => grad / count as f64,

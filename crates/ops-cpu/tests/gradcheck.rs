@@ -6,8 +6,9 @@
 //! input's gradient with central differences.
 
 use headroom_autograd_core::{
-    cat, cross_entropy, dropout, embedding, layer_norm, no_grad, patch_embedding,
-    scaled_dot_product_attention, BackendRef, DType, Generator, Reduction, Result, Tensor,
+    cat, cross_entropy, cross_entropy_f32, dropout, embedding, layer_norm, no_grad,
+    patch_embedding, scaled_dot_product_attention, BackendRef, DType, Generator, Reduction, Result,
+    Tensor,
 };
 use headroom_ops_cpu::CpuBackend;
 
@@ -410,4 +411,37 @@ fn inplace_ops_in_the_graph() {
         t.copy_(&x[1])?;
         t.mul(&x[0])
     });
+}
+
+/// `cross_entropy_f32` of f16/bf16 logits is `cross_entropy` of their f32 copy: the same f32 loss,
+/// and the same gradient once the copy's backward rounds it to the logits' dtype.
+#[test]
+fn cross_entropy_f32_is_the_loss_of_the_upcast_logits() {
+    let cpu = CpuBackend::new_ref();
+    let (rows, classes) = (6, 11);
+    let target = i64s(&cpu, &[1, -100, 10, 0, 5, 7], &[rows]);
+    for dtype in [DType::BF16, DType::F16] {
+        let run = |upcast_inside: bool| {
+            let logits = Tensor::from_f64s(
+                &cpu,
+                &values(rows * classes, -4.0, 4.0, 9),
+                &[rows, classes],
+                dtype,
+            )
+            .unwrap();
+            logits.requires_grad_(true).unwrap();
+            let loss = if upcast_inside {
+                cross_entropy_f32(&logits, &target, -100, Reduction::Mean).unwrap()
+            } else {
+                let copy = logits.to_dtype(DType::F32).unwrap();
+                cross_entropy(&copy, &target, -100, Reduction::Mean).unwrap()
+            };
+            assert_eq!(loss.dtype(), DType::F32);
+            loss.backward().unwrap();
+            let grad = logits.grad().unwrap();
+            assert_eq!(grad.dtype(), dtype);
+            (loss.to_vec_f64().unwrap(), grad.to_vec_f64().unwrap())
+        };
+        assert_eq!(run(true), run(false), "{dtype:?}");
+    }
 }

@@ -448,6 +448,127 @@ __device__ void attention_backward_dkdv(const T* q, const T* k, const T* v, cons
     store_rows<T, A, DC>(dv, a, OP_DV, b, h, k0, a.keys, ty, tx, dva, one);
 }
 
+// The backward in one pass over the keys (opt-in, f32 and f64): `attention_backward_delta_zero`
+// writes Δ and zeroes dQ, then `attention_backward_fused` takes 32 keys like the dK/dV kernel and
+// also adds each streamed query tile's dQ share, scale · dSᵀ·K, into dQ with atomics — five
+// tile products per key and query tile instead of the two kernels' seven (no recomputed scores
+// and dP for dQ), at the price of atomic adds (and a summation order that varies from run to run).
+
+// Δ = dO·O per query (rows of pair-major [batch, heads, queries]) and dQ's row set to zero; one
+// warp per row.
+template <typename T>
+__device__ void attention_backward_delta_zero(const T* o, const T* dout, typename Acc<T>::type* delta, T* dq,
+                                              const AttnArgs& a) {
+    typedef typename Acc<T>::type A;
+    const int lane = threadIdx.x & 31;
+    unsigned long long rows = (unsigned long long)a.batch * a.heads * a.queries;
+    for (unsigned long long r = (blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x) >> 5; r < rows;
+         r += (gridDim.x * (unsigned long long)blockDim.x) >> 5) {
+        unsigned int i = (unsigned int)(r % a.queries);
+        unsigned long long pair = r / a.queries;
+        unsigned int b = (unsigned int)(pair / a.heads), h = (unsigned int)(pair % a.heads);
+        const T* op = o + row_at(a, OP_O, b, h, i);
+        const T* gp = dout + row_at(a, OP_DO, b, h, i);
+        T* qp = dq + row_at(a, OP_DQ, b, h, i);
+        A acc = 0;
+        for (unsigned int d = lane; d < a.head_dim; d += 32) {
+            acc += ld(op + d) * ld(gp + d);
+            qp[d] = (T)0;
+        }
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+        if (lane == 0) delta[r] = acc;
+    }
+}
+
+// dK and dV of 32 keys as `attention_backward_dkdv`, plus their share of dQ, added atomically
+// into the zeroed dQ.
+template <typename T, int DC>
+__device__ void attention_backward_fused(const T* q, const T* k, const T* v, const T* dout,
+                                         const typename Acc<T>::type* lse,
+                                         const typename Acc<T>::type* delta, T* dq, T* dk, T* dv,
+                                         const AttnArgs& a) {
+    typedef typename Acc<T>::type A;
+    constexpr int DP = 8 * DC, PS = DP + 4;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* ks = (A*)smem_raw;      // [32][PS]
+    A* vs = ks + BK * PS;      // [32][PS]
+    A* qs = vs + BK * PS;      // [32][PS]
+    A* dos = qs + BQ * PS;     // [32][PS]
+    A* ps = dos + BQ * PS;     // [32][WS]
+    A* dss = ps + BQ * WS;     // [32][WS]
+    A* dsq = dss + BQ * WS;    // [32][WS]: dS by key, query slots (for dQ)
+    A* lses = dsq + BK * WS;   // [32]
+    A* deltas = lses + BQ;     // [32]
+    const unsigned int b = blockIdx.y / a.heads, h = blockIdx.y % a.heads;
+    const int tx = threadIdx.x & 7, ty = threadIdx.x >> 3;
+    const unsigned int k0 = blockIdx.x * BK;
+    const unsigned long long stats = (unsigned long long)blockIdx.y * a.queries;
+    load_rows<T, A, DP>(k, a, OP_K, b, h, k0, a.keys, (A)1, ks);
+    load_rows<T, A, DP>(v, a, OP_V, b, h, k0, a.keys, (A)1, vs);
+    const A scale2 = (A)(a.scale * LOG2E);
+    const A scale = (A)a.scale;
+    A dka[4][DC], dva[4][DC];
+    zero(dka);
+    zero(dva);
+    const unsigned int first = a.causal ? k0 / BQ * BQ : 0;
+    for (unsigned int q0 = first; q0 < a.queries; q0 += BQ) {
+        __syncthreads();
+        load_rows<T, A, DP>(q, a, OP_Q, b, h, q0, a.queries, (A)1, qs);
+        load_rows<T, A, DP>(dout, a, OP_DO, b, h, q0, a.queries, (A)1, dos);
+        for (int i = threadIdx.x; i < BQ; i += THREADS) {
+            bool in = q0 + i < a.queries;
+            lses[i] = in ? lse[stats + q0 + i] * (A)LOG2E : (A)0;
+            deltas[i] = in ? delta[stats + q0 + i] : (A)0;
+        }
+        __syncthreads();
+        A s[4][4], dp[4][4];
+        zero(s);
+        zero(dp);
+        tile_product<A, DP>(ks, qs, ty, tx, s);
+        tile_product<A, DP>(vs, dos, ty, tx, dp);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            unsigned int query = q0 + tx + 8 * c;
+            A l2 = lses[tx + 8 * c], dl = deltas[tx + 8 * c];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                unsigned int key = k0 + ty + 8 * r;
+                bool hidden = query >= a.queries || key >= a.keys || (a.causal && key > query);
+                A p = hidden ? (A)0 : m_exp2(s[r][c] * scale2 - l2);
+                s[r][c] = p;
+                dp[r][c] = p * (dp[r][c] - dl);
+            }
+        }
+        store_weights(ps, ty, tx, s);
+        store_weights(dss, ty, tx, dp);
+        store_weights_transposed(dsq, ty, tx, dp);
+        __syncthreads();
+        weighted_rows<A, DC>(ps, dos, ty, tx, dva);
+        weighted_rows<A, DC>(dss, qs, ty, tx, dka);
+        // This key tile's share of dQ for queries q0 + ty + 8r: Σ_key dS[key][query] · K[key].
+        A dqa[4][DC];
+        zero(dqa);
+        weighted_rows<A, DC>(dsq, ks, ty, tx, dqa);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            unsigned int row = q0 + ty + 8 * r;
+            if (row >= a.queries) continue;
+            T* base = dq + row_at(a, OP_DQ, b, h, row);
+#pragma unroll
+            for (int i = 0; i < DC / 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    int d = tx * 4 + 32 * i + j;
+                    if (d < (int)a.head_dim) atomicAdd(base + d, (T)(dqa[r][4 * i + j] * scale));
+                }
+        }
+    }
+    const A mul_k[4] = {scale, scale, scale, scale};
+    const A one[4] = {(A)1, (A)1, (A)1, (A)1};
+    store_rows<T, A, DC>(dk, a, OP_DK, b, h, k0, a.keys, ty, tx, dka, mul_k);
+    store_rows<T, A, DC>(dv, a, OP_DV, b, h, k0, a.keys, ty, tx, dva, one);
+}
+
 // The tensor-core path of 16-bit dtypes (crates/ops-cuda/src/attention/gemm.rs): cuBLAS computes
 // the f32 score and dP matrices of a chunk of (batch, head) pairs, these kernels turn them into
 // probabilities and score gradients in the storage dtype for the next products.
@@ -554,6 +675,11 @@ ATTENTION_GEMM_KERNELS(__nv_bfloat16, bf16)
         const T* q, const T* k, const T* v, const T* dout, const Acc<T>::type* lse,                     \
         const Acc<T>::type* delta, T* dk, T* dv, AttnArgs a) {                                          \
         attention_backward_dkdv<T, DC>(q, k, v, dout, lse, delta, dk, dv, a);                           \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_fused_##N##_##DC(          \
+        const T* q, const T* k, const T* v, const T* dout, const Acc<T>::type* lse,                     \
+        const Acc<T>::type* delta, T* dq, T* dk, T* dv, AttnArgs a) {                                   \
+        attention_backward_fused<T, DC>(q, k, v, dout, lse, delta, dq, dk, dv, a);                      \
     }
 
 #define ATTENTION_WIDTHS(T, N)   \
@@ -564,3 +690,11 @@ ATTENTION_GEMM_KERNELS(__nv_bfloat16, bf16)
 
 ATTENTION_WIDTHS(float, f32)
 ATTENTION_WIDTHS(double, f64)
+
+#define ATTENTION_DELTA_ZERO(T, N)                                                                       \
+    extern "C" __global__ void attention_backward_delta_zero_##N(const T* o, const T* dout,             \
+                                                                 Acc<T>::type* delta, T* dq, AttnArgs a) { \
+        attention_backward_delta_zero<T>(o, dout, delta, dq, a);                                        \
+    }
+ATTENTION_DELTA_ZERO(float, f32)
+ATTENTION_DELTA_ZERO(double, f64)

@@ -69,28 +69,70 @@ template <typename C> __device__ C block_max(C v, C* scratch) {
     return v;
 }
 
+__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+__device__ __forceinline__ float log_acc(float x) { return logf(x); }
+__device__ __forceinline__ double log_acc(double x) { return log(x); }
+
+// Folds the pair (m2, s2) into the running log-sum-exp state (m, s): s is Σ exp(x − m) over the
+// values seen, m their maximum (−∞ and 0 before any).
+template <typename C> __device__ __forceinline__ void lse_merge(C& m, C& s, C m2, C s2) {
+    C mx = fmax(m, m2);
+    if (mx == (C)-INFINITY) return;
+    s = s * exp_acc(m - mx) + s2 * exp_acc(m2 - mx);
+    m = mx;
+}
+
+// The block's merged (max, sum) state, in every thread.
+template <typename C> __device__ void block_lse(C& m, C& s, C* scratch_m, C* scratch_s) {
+    for (int o = 16; o > 0; o >>= 1) {
+        C m2 = __shfl_xor_sync(0xffffffff, m, o), s2 = __shfl_xor_sync(0xffffffff, s, o);
+        lse_merge(m, s, m2, s2);
+    }
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) { scratch_m[threadIdx.x / 32] = m; scratch_s[threadIdx.x / 32] = s; }
+    __syncthreads();
+    bool live = threadIdx.x % 32 < THREADS / 32;
+    m = live ? scratch_m[threadIdx.x % 32] : (C)-INFINITY;
+    s = live ? scratch_s[threadIdx.x % 32] : (C)0;
+    for (int o = 16; o > 0; o >>= 1) {
+        C m2 = __shfl_xor_sync(0xffffffff, m, o), s2 = __shfl_xor_sync(0xffffffff, s, o);
+        lse_merge(m, s, m2, s2);
+    }
+}
+
 // Cross-entropy, per row of dense logits [rows, classes]: lse[row] (S), and the row's loss and
-// whether it counts into `row_loss` / `row_valid` (double / u64 scratch of `rows`).
+// whether it counts into `row_loss` / `row_valid` (double / u64 scratch of `rows`). One block a
+// row, one pass over it: each thread keeps an online (max, Σ exp) pair in the accumulation type
+// (float, double for f64: PyTorch's log-softmax accumulates f32, f16 and bf16 in float), merged
+// across the block at the end.
 template <typename T, typename S>
 __device__ void ce_rows(const T* logits, const long long* target, unsigned long long target_stride,
                         long long ignore_index, S* lse, double* row_loss, unsigned long long* row_valid,
                         unsigned long long* error, unsigned long long rows, unsigned long long classes) {
-    __shared__ double scratch[THREADS / 32];
+    typedef typename Acc<T>::type C;
+    __shared__ C scratch_m[THREADS / 32], scratch_s[THREADS / 32];
     for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* x = logits + r * classes;
-        double mx = -INFINITY;
-        for (unsigned long long j = threadIdx.x; j < classes; j += blockDim.x) mx = fmax(mx, (double)ld(x + j));
-        mx = block_max(mx, scratch);
-        double sum = 0;
-        for (unsigned long long j = threadIdx.x; j < classes; j += blockDim.x) sum += exp((double)ld(x + j) - mx);
-        sum = block_sum(sum, scratch);
+        C m = (C)-INFINITY, s = 0;
+#pragma unroll 4
+        for (unsigned long long j = threadIdx.x; j < classes; j += blockDim.x) {
+            C v = ld(x + j);
+            if (v > m) {
+                s = s * exp_acc(m - v) + (C)1;
+                m = v;
+            } else {
+                s += exp_acc(v - m);
+            }
+        }
+        block_lse(m, s, scratch_m, scratch_s);
         if (threadIdx.x == 0) {
-            double log_sum_exp = mx + log(sum);
+            C log_sum_exp = m + log_acc(s);
             st(lse + r, (typename Acc<S>::type)log_sum_exp);
             long long t = target[r * target_stride];
             bool ignored = t == ignore_index;
             if (!ignored && (t < 0 || (unsigned long long)t >= classes)) { report(error, t); ignored = true; }
-            row_loss[r] = ignored ? 0.0 : log_sum_exp - (double)ld(x + t);
+            row_loss[r] = ignored ? 0.0 : (double)(log_sum_exp - ld(x + t));
             row_valid[r] = ignored ? 0 : 1;
         }
     }
@@ -108,22 +150,30 @@ __device__ void ce_total(const double* row_loss, const unsigned long long* row_v
     if (threadIdx.x == 0) st(loss, (typename Acc<T>::type)(mean ? total / count : total));
 }
 
-// dlogits = scale·(softmax − onehot(target)), scale = dloss / count (mean) or dloss (sum).
-template <typename T, typename S>
+// dlogits = scale·(softmax − onehot(target)), scale = dloss / count (mean) or dloss (sum), in the
+// accumulation type; one block a row. `dloss` is G: the logits' type, or f32 for the loss of
+// f16/bf16 logits computed in f32 (`cross_entropy` of upcast logits without the f32 copy).
+template <typename T, typename S, typename G>
 __device__ void ce_backward(const T* logits, const long long* target, unsigned long long target_stride,
-                            long long ignore_index, const S* lse, const T* dloss, const unsigned long long* count,
+                            long long ignore_index, const S* lse, const G* dloss, const unsigned long long* count,
                             int mean, T* dlogits, unsigned long long rows, unsigned long long classes) {
+    typedef typename Acc<T>::type C;
     double g = (double)ld(dloss);
-    double scale = mean ? g / (double)(*count) : g;
-    GRID_STRIDE_LOOP(i, rows * classes) {
-        unsigned long long r = i / classes, j = i % classes;
+    C scale = (C)(mean ? g / (double)(*count) : g);
+    for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* x = logits + r * classes;
+        T* dx = dlogits + r * classes;
         long long t = target[r * target_stride];
-        double v = 0.0;
-        if (t != ignore_index) {
-            double p = exp((double)ld(logits + i) - (double)ld(lse + r));
-            v = scale * (p - ((long long)j == t ? 1.0 : 0.0));
+        if (t == ignore_index) {
+            for (unsigned long long j = threadIdx.x; j < classes; j += blockDim.x) st(dx + j, (C)0);
+            continue;
         }
-        st(dlogits + i, (typename Acc<T>::type)v);
+        C log_sum_exp = (C)ld(lse + r);
+#pragma unroll 4
+        for (unsigned long long j = threadIdx.x; j < classes; j += blockDim.x) {
+            C p = exp_acc(ld(x + j) - log_sum_exp);
+            st(dx + j, scale * ((long long)j == t ? p - (C)1 : p));
+        }
     }
 }
 
@@ -184,12 +234,24 @@ INDEX_KERNELS(__nv_bfloat16, bf16)
                                                long long ignore, const S* lse, const T* dloss,                   \
                                                const unsigned long long* count, int mean, T* dlogits,            \
                                                unsigned long long rows, unsigned long long classes) {            \
-        ce_backward<T, S>(logits, target, ts, ignore, lse, dloss, count, mean, dlogits, rows, classes);         \
+        ce_backward<T, S, T>(logits, target, ts, ignore, lse, dloss, count, mean, dlogits, rows, classes);      \
     }
 CE_KERNELS(float, float, f32_f32)
 CE_KERNELS(double, double, f64_f64)
 CE_KERNELS(__half, float, f16_f32)
 CE_KERNELS(__nv_bfloat16, float, bf16_f32)
+
+// The backward of an f32 loss of f16/bf16 logits (`_gf32`: the loss gradient is f32).
+#define CE_UPCAST_KERNELS(T, N)                                                                                  \
+    extern "C" __global__ void ce_backward_##N##_gf32(const T* logits, const long long* target,                 \
+                                                      unsigned long long ts, long long ignore, const float* lse, \
+                                                      const float* dloss, const unsigned long long* count,       \
+                                                      int mean, T* dlogits, unsigned long long rows,            \
+                                                      unsigned long long classes) {                             \
+        ce_backward<T, float, float>(logits, target, ts, ignore, lse, dloss, count, mean, dlogits, rows, classes); \
+    }
+CE_UPCAST_KERNELS(__half, f16_f32)
+CE_UPCAST_KERNELS(__nv_bfloat16, bf16_f32)
 
 // Counts the targets that are not ignored (one block).
 extern "C" __global__ void ce_count(const long long* target, unsigned long long ts, long long ignore,

@@ -8,7 +8,9 @@
 //!
 //! Every primitive first runs the ground floor's operand check (`operands::check`: views inside
 //! their buffers, memory of this device's allocator, autograd-core's overlap rules), since the
-//! kernels index with the views as given and write from many threads.
+//! kernels index with the views as given and write from many threads, then runs inside
+//! `CudaBackend::timed`, which brackets it with timing events while an op profile runs
+//! (`profile.rs`).
 //!
 //! This module is the top floor: it imports the families and the ground floor, and nothing
 //! imports it. The backend's state is `device.rs`; each family's own methods on `CudaBackend`
@@ -19,8 +21,8 @@ use std::sync::Arc;
 use cudarc::driver::result;
 use headroom_autograd_core::{
     Aliasing, AttentionBackward, AttentionForward, Backend, BinaryOp, Buffer, CrossEntropyArgs,
-    Device, LayerNormBackward, LayerNormForward, LinearForward, LinearWeightGrad, MaskedOp,
-    ReduceOp, Result, UnaryOp, View,
+    Device, LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad,
+    MaskedOp, ReduceOp, Result, UnaryOp, View,
 };
 use headroom_caching_allocator::{Allocation, MemoryStats, StreamId};
 
@@ -32,7 +34,25 @@ use crate::index;
 use crate::linear;
 use crate::matmul;
 use crate::operands::check;
+use crate::profile::describe;
 use crate::rows;
+
+impl CudaBackend {
+    /// Runs `primitive`, bracketed by timing events labelled `label()` while an op profile runs
+    /// (`profile.rs`).
+    fn timed<T>(
+        &self,
+        label: impl FnOnce() -> String,
+        primitive: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        if !self.profiler.is_active() {
+            return primitive();
+        }
+        self.bind("op_profile")?;
+        self.profiler
+            .timed(self.stream.cu_stream(), label, primitive)
+    }
+}
 
 impl Backend for CudaBackend {
     fn device(&self) -> Device {
@@ -101,32 +121,50 @@ impl Backend for CudaBackend {
 
     fn copy(&self, src: View<'_>, dst: View<'_>) -> Result<()> {
         check(self, "copy", &[dst], &[src], Aliasing::SameView)?;
-        elementwise::copy(self, src, dst)
+        self.timed(
+            || format!("copy {}→{}", describe(&src), describe(&dst)),
+            || elementwise::copy(self, src, dst),
+        )
     }
 
     fn fill(&self, dst: View<'_>, value: f64) -> Result<()> {
         check(self, "fill", &[dst], &[], Aliasing::SameView)?;
-        elementwise::fill(self, dst, value)
+        self.timed(
+            || format!("fill {}", describe(&dst)),
+            || elementwise::fill(self, dst, value),
+        )
     }
 
     fn unary(&self, op: UnaryOp, x: View<'_>, out: View<'_>) -> Result<()> {
         check(self, "unary", &[out], &[x], Aliasing::SameView)?;
-        elementwise::unary(self, op, x, out)
+        self.timed(
+            || format!("unary {op:?} {}", describe(&x)),
+            || elementwise::unary(self, op, x, out),
+        )
     }
 
     fn binary(&self, op: BinaryOp, a: View<'_>, b: View<'_>, out: View<'_>) -> Result<()> {
         check(self, "binary", &[out], &[a, b], Aliasing::SameView)?;
-        elementwise::binary(self, op, a, b, out)
+        self.timed(
+            || format!("binary {op:?} {} {}", describe(&a), describe(&b)),
+            || elementwise::binary(self, op, a, b, out),
+        )
     }
 
     fn masked(&self, op: MaskedOp, x: View<'_>, mask: View<'_>, out: View<'_>) -> Result<()> {
         check(self, "masked", &[out], &[x, mask], Aliasing::SameView)?;
-        elementwise::masked(self, op, x, mask, out)
+        self.timed(
+            || format!("masked {op:?} {}", describe(&x)),
+            || elementwise::masked(self, op, x, mask, out),
+        )
     }
 
     fn reduce(&self, op: ReduceOp, x: View<'_>, n_reduced: usize, out: View<'_>) -> Result<()> {
         check(self, "reduce", &[out], &[x], Aliasing::Disjoint)?;
-        rows::reduce(self, op, x, n_reduced, out)
+        self.timed(
+            || format!("reduce {op:?} {} → {}", describe(&x), describe(&out)),
+            || rows::reduce(self, op, x, n_reduced, out),
+        )
     }
 
     fn reduce_with_index(
@@ -143,18 +181,36 @@ impl Backend for CudaBackend {
             &[x],
             Aliasing::Disjoint,
         )?;
-        rows::reduce_with_index(self, op, x, values, indices)
+        self.timed(
+            || format!("reduce_with_index {op:?} {}", describe(&x)),
+            || rows::reduce_with_index(self, op, x, values, indices),
+        )
     }
 
     fn matmul(&self, a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {
         check(self, "matmul", &[out], &[a, b], Aliasing::Disjoint)?;
-        matmul::matmul(self, a, b, out, accumulate)
+        self.timed(
+            || format!("matmul {}·{}", describe(&a), describe(&b)),
+            || matmul::matmul(self, a, b, out, accumulate),
+        )
     }
 
     fn linear(&self, args: LinearForward<'_>) -> Result<()> {
         let ops = args.operands();
         check(self, "linear", &ops.writes, &ops.reads, Aliasing::Disjoint)?;
-        linear::linear(self, args)
+        self.timed(
+            || {
+                let gelu = matches!(args.epilogue, LinearEpilogue::Gelu { .. });
+                format!(
+                    "linear {}·{}ᵀ{}{}",
+                    describe(&args.input),
+                    describe(&args.weight),
+                    if args.bias.is_some() { " +bias" } else { "" },
+                    if gelu { " gelu" } else { "" }
+                )
+            },
+            || linear::linear(self, args),
+        )
     }
 
     fn linear_weight_grad(&self, args: LinearWeightGrad<'_>) -> Result<()> {
@@ -166,12 +222,29 @@ impl Backend for CudaBackend {
             &ops.reads,
             Aliasing::Disjoint,
         )?;
-        linear::linear_weight_grad(self, args)
+        self.timed(
+            || {
+                format!(
+                    "linear_weight_grad {}ᵀ·{}{}",
+                    describe(&args.grad_out),
+                    describe(&args.input),
+                    if args.grad_bias.is_some() {
+                        " +bias"
+                    } else {
+                        ""
+                    }
+                )
+            },
+            || linear::linear_weight_grad(self, args),
+        )
     }
 
     fn softmax(&self, x: View<'_>, dim: usize, log: bool, out: View<'_>) -> Result<()> {
         check(self, "softmax", &[out], &[x], Aliasing::Disjoint)?;
-        rows::softmax(self, x, dim, log, out)
+        self.timed(
+            || format!("softmax log={log} {}", describe(&x)),
+            || rows::softmax(self, x, dim, log, out),
+        )
     }
 
     fn softmax_backward(
@@ -189,7 +262,10 @@ impl Backend for CudaBackend {
             &[y, dy],
             Aliasing::Disjoint,
         )?;
-        rows::softmax_backward(self, y, dy, dim, log, dx)
+        self.timed(
+            || format!("softmax_backward log={log} {}", describe(&y)),
+            || rows::softmax_backward(self, y, dy, dim, log, dx),
+        )
     }
 
     fn layer_norm(&self, args: LayerNormForward<'_>) -> Result<()> {
@@ -201,7 +277,10 @@ impl Backend for CudaBackend {
             &ops.reads,
             Aliasing::Disjoint,
         )?;
-        rows::layer_norm(self, args)
+        self.timed(
+            || format!("layer_norm {}", describe(&args.x)),
+            || rows::layer_norm(self, args),
+        )
     }
 
     fn layer_norm_backward(&self, args: LayerNormBackward<'_>) -> Result<()> {
@@ -213,7 +292,10 @@ impl Backend for CudaBackend {
             &ops.reads,
             Aliasing::Disjoint,
         )?;
-        rows::layer_norm_backward(self, args)
+        self.timed(
+            || format!("layer_norm_backward {}", describe(&args.x)),
+            || rows::layer_norm_backward(self, args),
+        )
     }
 
     fn cross_entropy(
@@ -230,7 +312,10 @@ impl Backend for CudaBackend {
             &reads,
             Aliasing::Disjoint,
         )?;
-        index::cross_entropy(self, args, loss, lse)
+        self.timed(
+            || format!("cross_entropy {}", describe(&args.logits)),
+            || index::cross_entropy(self, args, loss, lse),
+        )
     }
 
     fn cross_entropy_backward(
@@ -248,12 +333,18 @@ impl Backend for CudaBackend {
             &reads,
             Aliasing::Disjoint,
         )?;
-        index::cross_entropy_backward(self, args, lse, dloss, dlogits)
+        self.timed(
+            || format!("cross_entropy_backward {}", describe(&args.logits)),
+            || index::cross_entropy_backward(self, args, lse, dloss, dlogits),
+        )
     }
 
     fn gather(&self, x: View<'_>, dim: usize, index: View<'_>, out: View<'_>) -> Result<()> {
         check(self, "gather", &[out], &[x, index], Aliasing::Disjoint)?;
-        index::gather(self, x, dim, index, out)
+        self.timed(
+            || format!("gather {} {}", describe(&x), describe(&index)),
+            || index::gather(self, x, dim, index, out),
+        )
     }
 
     fn scatter_add(&self, dst: View<'_>, dim: usize, index: View<'_>, src: View<'_>) -> Result<()> {
@@ -264,7 +355,10 @@ impl Backend for CudaBackend {
             &[index, src],
             Aliasing::Disjoint,
         )?;
-        index::scatter_add(self, dst, dim, index, src)
+        self.timed(
+            || format!("scatter_add {} {}", describe(&dst), describe(&src)),
+            || index::scatter_add(self, dst, dim, index, src),
+        )
     }
 
     fn attention(&self, args: AttentionForward<'_>) -> Result<()> {
@@ -276,7 +370,10 @@ impl Backend for CudaBackend {
             &ops.reads,
             Aliasing::Disjoint,
         )?;
-        attention::attention(self, args)
+        self.timed(
+            || format!("attention causal={} {}", args.causal, describe(&args.q)),
+            || attention::attention(self, args),
+        )
     }
 
     fn attention_backward(&self, args: AttentionBackward<'_>) -> Result<()> {
@@ -288,7 +385,13 @@ impl Backend for CudaBackend {
             &ops.reads,
             Aliasing::Disjoint,
         )?;
-        attention::attention_backward(self, args)
+        self.timed(
+            || {
+                let f = &args.forward;
+                format!("attention_backward causal={} {}", f.causal, describe(&f.q))
+            },
+            || attention::attention_backward(self, args),
+        )
     }
 
     fn dropout(
@@ -301,6 +404,9 @@ impl Backend for CudaBackend {
         mask: View<'_>,
     ) -> Result<()> {
         check(self, "dropout", &[out, mask], &[x], Aliasing::SameView)?;
-        index::dropout(self, x, p, seed, offset, out, mask)
+        self.timed(
+            || format!("dropout {}", describe(&x)),
+            || index::dropout(self, x, p, seed, offset, out, mask),
+        )
     }
 }

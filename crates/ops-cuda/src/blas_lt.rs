@@ -5,7 +5,9 @@
 //! plus the algorithm its heuristic chose, cached under everything that choice depends on
 //! ([`PlanKey`]: dtype, compute type, epilogue, transposes, sizes, leading dimensions, pointer
 //! alignment classes), so the heuristic is asked once per shape; a problem it has no algorithm
-//! for is remembered as such and not asked again. The state lives inside `blas.rs`'s `BlasState`
+//! for is remembered as such and not asked again. With `HEADROOM_GEMM_TUNING=1` a plan keeps the
+//! heuristic's first few algorithms, and the linear layers time them on the plan's first problem
+//! and keep the fastest (PyTorch's TunableOp, for these products). The state lives inside `blas.rs`'s `BlasState`
 //! (behind the backend's BLAS mutex) and shares its workspace.
 //!
 //! This module is ground floor: it imports only `error.rs`, knows nothing of `CudaBackend`, views
@@ -27,6 +29,8 @@ pub(crate) struct LtState {
     /// `None` marks a problem cuBLASLt has no algorithm for (it is not asked again).
     plans: HashMap<PlanKey, Option<Plan>>,
     fallbacks: u64,
+    /// Whether plans time the heuristic's candidates ([`TUNING_VARIABLE`]).
+    tuning: bool,
 }
 
 #[derive(Debug)]
@@ -36,6 +40,15 @@ struct LtHandle(lt_sys::cublasLtHandle_t);
 // thread at a time (the state sits behind the backend's BLAS mutex).
 unsafe impl Send for LtState {}
 
+/// Algorithms asked of the heuristic per problem when tuning (see [`TUNING_VARIABLE`]).
+const TUNING_CANDIDATES: usize = 8;
+
+/// Set to `1`, the environment variable that makes each plan time the heuristic's first
+/// [`TUNING_CANDIDATES`] algorithms on its first problem and keep the fastest (PyTorch's
+/// `PYTORCH_TUNABLEOP_ENABLED`, for cuBLASLt's products). Every candidate computes the same
+/// product in the same compute type (true f32 stays f32); only the kernel differs.
+pub(crate) const TUNING_VARIABLE: &str = "HEADROOM_GEMM_TUNING";
+
 /// A matrix description plus the algorithm the heuristic chose for it.
 #[derive(Debug)]
 pub(crate) struct Plan {
@@ -43,6 +56,9 @@ pub(crate) struct Plan {
     /// Layouts of A, B and D (C is D).
     pub(crate) layouts: [lt_sys::cublasLtMatrixLayout_t; 3],
     pub(crate) algo: lt_sys::cublasLtMatmulAlgo_t,
+    /// The heuristic's other algorithms, best first, still to be timed against `algo` (empty
+    /// unless tuning; emptied once timed).
+    pub(crate) untimed: Vec<lt_sys::cublasLtMatmulAlgo_t>,
 }
 
 /// Everything the chosen algorithm depends on.
@@ -86,6 +102,7 @@ impl Plan {
         key: &PlanKey,
         data_type: lt_sys::cudaDataType,
         workspace_bytes: usize,
+        candidates: usize,
     ) -> Result<Option<Plan>> {
         let failed = |e: lt::CublasError| device_error("linear", e);
         let compute = if key.tf32 {
@@ -109,6 +126,7 @@ impl Plan {
             desc,
             layouts: [std::ptr::null_mut(); 3],
             algo: lt_sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+            untimed: Vec::new(),
         };
         // From here on, dropping `plan` releases what was created.
         plan.layouts[0] = stored(&key.a, m, k).map_err(failed)?;
@@ -180,7 +198,9 @@ impl Plan {
                 })
             });
             let heuristic = configured.and_then(|()| {
-                lt::get_matmul_algo_heuristic(
+                let mut results = vec![std::mem::zeroed(); candidates.max(1)];
+                let mut returned = 0;
+                lt_sys::cublasLtMatmulAlgoGetHeuristic(
                     handle,
                     plan.desc,
                     plan.layouts[0],
@@ -188,18 +208,33 @@ impl Plan {
                     plan.layouts[2],
                     plan.layouts[2],
                     preference,
+                    results.len() as i32,
+                    results.as_mut_ptr(),
+                    &mut returned,
                 )
+                .result()?;
+                results.truncate(returned.max(0) as usize);
+                Ok(results)
             });
             lt::destroy_matmul_pref(preference).map_err(failed)?;
             heuristic
         };
-        match heuristic {
-            Ok(result) => {
-                plan.algo = result.algo;
+        let usable: Vec<lt_sys::cublasLtMatmulAlgo_t> = match heuristic {
+            Ok(results) => results
+                .into_iter()
+                .filter(|result| result.state == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+                .map(|result| result.algo)
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        match usable.split_first() {
+            Some((best, others)) => {
+                plan.algo = *best;
+                plan.untimed = others.to_vec();
                 Ok(Some(plan))
             }
             // No algorithm for this problem (or one the library rejects): compose instead.
-            Err(_) => Ok(None),
+            None => Ok(None),
         }
     }
 }
@@ -236,6 +271,7 @@ impl LtState {
             handle,
             plans: HashMap::new(),
             fallbacks: 0,
+            tuning: std::env::var(TUNING_VARIABLE).is_ok_and(|value| value == "1"),
         })
     }
 
@@ -247,17 +283,22 @@ impl LtState {
         key: PlanKey,
         data_type: lt_sys::cudaDataType,
         workspace_bytes: usize,
-    ) -> Result<Option<(lt_sys::cublasLtHandle_t, &Plan)>> {
+    ) -> Result<Option<(lt_sys::cublasLtHandle_t, &mut Plan)>> {
         let Some(handle) = self.handle.as_ref().map(|handle| handle.0) else {
             return Ok(None);
         };
+        let candidates = if self.tuning { TUNING_CANDIDATES } else { 1 };
         let plan = match self.plans.entry(key) {
             std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
-            std::collections::hash_map::Entry::Vacant(entry) => {
-                entry.insert(Plan::new(handle, &key, data_type, workspace_bytes)?)
-            }
+            std::collections::hash_map::Entry::Vacant(entry) => entry.insert(Plan::new(
+                handle,
+                &key,
+                data_type,
+                workspace_bytes,
+                candidates,
+            )?),
         };
-        Ok(plan.as_ref().map(|plan| (handle, plan)))
+        Ok(plan.as_mut().map(|plan| (handle, plan)))
     }
 
     /// How many linear-layer calls ran composed instead of through a plan (see

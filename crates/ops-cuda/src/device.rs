@@ -9,8 +9,8 @@
 //! switch; the `Backend` trait is `backend.rs`, and each family adds its own methods in its file
 //! (`synchronize` is `index.rs`'s, since it is where deferred index checks report).
 //!
-//! This module is ground floor: it sits on the caching allocator, cudarc, `kernels.rs` and
-//! `blas.rs`, and knows no kernel family.
+//! This module is ground floor: it sits on the caching allocator, cudarc, `kernels.rs`,
+//! `blas.rs` and `profile.rs`, and knows no kernel family.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -25,6 +25,7 @@ use parking_lot::{MappedMutexGuard, Mutex, MutexGuard};
 use crate::blas::BlasState;
 use crate::error::{device_error, CudaError};
 use crate::kernels::KernelCache;
+use crate::profile::{OpProfiler, OpTiming};
 
 /// The CUDA backend of one device.
 pub struct CudaBackend {
@@ -44,6 +45,8 @@ pub struct CudaBackend {
     /// The deferred index-check slots, one error word per checked op (`index.rs`), while index
     /// checks are deferred.
     pub(crate) deferred_index_checks: Mutex<Option<Allocation>>,
+    /// The op profile's spans while one runs (`profile.rs`).
+    pub(crate) profiler: OpProfiler,
 }
 
 impl Drop for CudaBackend {
@@ -101,6 +104,7 @@ impl CudaBackend {
             allow_tf32: AtomicBool::new(false),
             pinned: CachingAllocator::new(pinned, AllocatorConfig::pytorch_defaults()),
             deferred_index_checks: Mutex::new(None),
+            profiler: OpProfiler::default(),
         }))
     }
 
@@ -148,6 +152,21 @@ impl CudaBackend {
         self.context
             .bind_to_thread()
             .map_err(|e| device_error(op, e))
+    }
+
+    /// Starts recording the device time of every primitive (dropping a profile not finished);
+    /// see `profile.rs`.
+    pub fn start_op_profile(&self) -> Result<()> {
+        self.bind("op_profile")?;
+        self.profiler.start();
+        Ok(())
+    }
+
+    /// Stops recording, waits for the device and returns each primitive's time since
+    /// [`CudaBackend::start_op_profile`], in launch order.
+    pub fn finish_op_profile(&self) -> Result<Vec<OpTiming>> {
+        self.bind("op_profile")?;
+        self.profiler.finish()
     }
 
     /// The cuBLAS state, created on first use (handle on the default stream, workspace from the

@@ -20,7 +20,7 @@ use headroom_caching_allocator::StreamId;
 use crate::device::CudaBackend;
 use crate::error::device_error;
 use crate::kernels::{float_suffix, Module};
-use crate::launch::{launch_config, launch_in, Param, NO_ARGS};
+use crate::launch::{launch_in, Param, NO_ARGS};
 use crate::operands::{element_address, launch_strided, strided_args};
 use crate::scratch::Scratch;
 
@@ -276,6 +276,17 @@ fn ce_suffix(op: &'static str, logits: DType, stats: DType) -> Result<&'static s
     })
 }
 
+/// Whether the loss (or its gradient) `loss` of `logits` is f32 while the logits are f16 or bf16
+/// (the loss of upcast logits, computed without the f32 copy); otherwise it must have the logits'
+/// dtype.
+fn upcast_loss(op: &'static str, logits: DType, loss: DType) -> Result<bool> {
+    match (logits, loss) {
+        (logits, loss) if logits == loss => Ok(false),
+        (DType::F16 | DType::BF16, DType::F32) => Ok(true),
+        (_, loss) => Err(TensorError::UnsupportedDtype { op, dtype: loss }),
+    }
+}
+
 fn one_block() -> LaunchConfig {
     LaunchConfig {
         grid_dim: (1, 1, 1),
@@ -302,7 +313,8 @@ pub(crate) fn cross_entropy(
     let op = "cross_entropy";
     let (rows, classes) = ce_shape(&args)?;
     let suffix = ce_suffix(op, args.logits.dtype, lse.dtype)?;
-    let total_suffix = float_suffix(op, args.logits.dtype)?;
+    upcast_loss(op, args.logits.dtype, loss.dtype)?;
+    let total_suffix = float_suffix(op, loss.dtype)?;
     let word = error_word(backend, op)?;
     let row_loss = Scratch::new(backend, rows * 8)?;
     let row_valid = Scratch::new(backend, rows * 8)?;
@@ -369,7 +381,14 @@ pub(crate) fn cross_entropy_backward(
             rhs: dlogits.layout.shape().to_vec(),
         });
     }
-    let suffix = ce_suffix(op, args.logits.dtype, lse.dtype)?;
+    let suffix = match (
+        ce_suffix(op, args.logits.dtype, lse.dtype)?,
+        upcast_loss(op, args.logits.dtype, dloss.dtype)?,
+    ) {
+        ("f16_f32", true) => "f16_f32_gf32",
+        ("bf16_f32", true) => "bf16_f32_gf32",
+        (suffix, _) => suffix,
+    };
     let count = Scratch::new(backend, 8)?;
     let target = element_address(&args.target);
     let target_stride = args.target.layout.strides()[0] as u64;
@@ -411,7 +430,7 @@ pub(crate) fn cross_entropy_backward(
         Module::Index,
         op,
         name,
-        launch_config(rows * classes),
+        row_blocks(rows),
         &params,
         NO_ARGS,
     )

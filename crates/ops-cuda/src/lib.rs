@@ -42,6 +42,8 @@ mod launch;
 #[cfg(feature = "cuda")]
 mod operands;
 #[cfg(feature = "cuda")]
+mod profile;
+#[cfg(feature = "cuda")]
 mod scratch;
 #[cfg(feature = "cuda")]
 mod stream;
@@ -74,6 +76,8 @@ pub use device::CudaBackend;
 pub use launch::{CudaKernel, KernelArg};
 #[cfg(feature = "cuda")]
 pub use pinned::{InFlight, PinnedBuffer};
+#[cfg(feature = "cuda")]
+pub use profile::OpTiming;
 #[cfg(feature = "cuda")]
 pub use stream::{CudaEvent, CudaStream};
 

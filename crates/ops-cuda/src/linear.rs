@@ -25,12 +25,13 @@
 use std::ffi::c_void;
 
 use cudarc::cublaslt::{result as lt, sys as lt_sys};
+use cudarc::driver::{result, sys};
 use headroom_autograd_core::{
     compose_linear, compose_linear_weight_grad, linear_dims, linear_weight_grad_dims, Backend,
     DType, LinearEpilogue, LinearForward, LinearWeightGrad, Result, UnaryOp, View,
 };
 
-use crate::blas_lt::{Epilogue, OperandKey, PlanKey};
+use crate::blas_lt::{Epilogue, OperandKey, Plan, PlanKey};
 use crate::device::CudaBackend;
 use crate::error::device_error;
 use crate::operands::element_address;
@@ -221,16 +222,11 @@ fn run(backend: &CudaBackend, gemm: &Gemm) -> Result<bool> {
         return Ok(false);
     };
     let (alpha, beta) = (1.0f32, 0.0f32);
-    // SAFETY: the descriptor, layouts and algorithm were made for exactly this problem (the key
-    // holds every size, leading dimension, transpose and alignment class); every address is an
-    // element of a live view the core checked against its buffer, with the extents the layouts
-    // describe (D is dense, C is D with beta 0); the bias (bias gradient) has D's row count,
-    // contiguous and 16-byte aligned; the workspace is the BLAS state's live allocation of
-    // `workspace_bytes`, used by one library at a time on this one stream; alpha and beta are
-    // f32 scalars (the scale type) that outlive the call.
-    unsafe {
-        if has_bias {
-            let bias = gemm.bias as *const c_void;
+    if has_bias {
+        let bias = gemm.bias as *const c_void;
+        // SAFETY: the descriptor is the plan's live one; the attribute is a device pointer, of
+        // the size cuBLASLt documents, read during the call.
+        unsafe {
             lt::set_matmul_desc_attribute(
                 plan.desc,
                 lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
@@ -239,27 +235,95 @@ fn run(backend: &CudaBackend, gemm: &Gemm) -> Result<bool> {
             )
             .map_err(|e| device_error("linear", e))?;
         }
-        lt::matmul(
-            handle,
-            plan.desc,
-            (&alpha as *const f32).cast(),
-            (&beta as *const f32).cast(),
-            gemm.a.address as *const c_void,
-            plan.layouts[0],
-            gemm.b.address as *const c_void,
-            plan.layouts[1],
-            gemm.d.address as *const c_void,
-            plan.layouts[2],
-            gemm.d.address as *mut c_void,
-            plan.layouts[2],
-            &plan.algo,
-            workspace as *mut c_void,
-            workspace_bytes,
-            stream,
-        )
-        .map_err(|e| device_error("linear", e))?;
     }
+    let matmul = |plan: &Plan, algo: &lt_sys::cublasLtMatmulAlgo_t| {
+        // SAFETY: the descriptor, layouts and algorithm were made for exactly this problem (the
+        // key holds every size, leading dimension, transpose and alignment class); every address
+        // is an element of a live view the core checked against its buffer, with the extents the
+        // layouts describe (D is dense, C is D with beta 0); the bias (bias gradient) has D's row
+        // count, contiguous and 16-byte aligned; the workspace is the BLAS state's live
+        // allocation of `workspace_bytes`, used by one library at a time on this one stream;
+        // alpha and beta are f32 scalars (the scale type) that outlive the call.
+        unsafe {
+            lt::matmul(
+                handle,
+                plan.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                gemm.a.address as *const c_void,
+                plan.layouts[0],
+                gemm.b.address as *const c_void,
+                plan.layouts[1],
+                gemm.d.address as *const c_void,
+                plan.layouts[2],
+                gemm.d.address as *mut c_void,
+                plan.layouts[2],
+                algo,
+                workspace as *mut c_void,
+                workspace_bytes,
+                stream,
+            )
+        }
+        .map_err(|e| device_error("linear", e))
+    };
+    if !plan.untimed.is_empty() {
+        // Beta is 0, so each candidate only overwrites D (and the bias gradient): timing them on
+        // the real operands changes nothing the final product does not write again.
+        let candidates: Vec<_> = std::iter::once(plan.algo)
+            .chain(std::mem::take(&mut plan.untimed))
+            .collect();
+        let mut best: Option<(f32, lt_sys::cublasLtMatmulAlgo_t)> = None;
+        for algo in candidates {
+            if let Some(ms) = time_candidate(backend, || {
+                (0..TUNING_REPEATS).try_for_each(|_| matmul(plan, &algo))
+            })? {
+                if best.is_none_or(|(fastest, _)| ms < fastest) {
+                    best = Some((ms, algo));
+                }
+            }
+        }
+        if let Some((_, algo)) = best {
+            plan.algo = algo;
+        }
+    }
+    matmul(plan, &plan.algo)?;
     Ok(true)
+}
+
+/// Runs of each candidate algorithm when tuning (the first warms it up as much as it times it).
+const TUNING_REPEATS: usize = 3;
+
+/// Device milliseconds `launch` takes, or `None` when it fails (a candidate the library rejects
+/// at run time is skipped, not an error).
+fn time_candidate(
+    backend: &CudaBackend,
+    launch: impl FnOnce() -> Result<()>,
+) -> Result<Option<f32>> {
+    let event = || {
+        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+            .map_err(|e| device_error("linear", e))?;
+        // SAFETY: the event was just created in the bound context; the stream is the backend's.
+        unsafe { result::event::record(event, backend.stream.cu_stream()) }
+            .map_err(|e| device_error("linear", e))?;
+        Ok::<_, headroom_autograd_core::TensorError>(event)
+    };
+    let start = event()?;
+    let launched = launch();
+    let end = event()?;
+    // SAFETY: both events were recorded on the backend's stream above; the end event is waited
+    // for before the elapsed time is read, and each is destroyed once, here.
+    let elapsed = unsafe {
+        let elapsed = result::event::synchronize(end)
+            .and_then(|()| result::event::elapsed(start, end))
+            .map_err(|e| device_error("linear", e));
+        let _ = result::event::destroy(start);
+        let _ = result::event::destroy(end);
+        elapsed
+    };
+    match launched {
+        Ok(()) => Ok(Some(elapsed?)),
+        Err(_) => Ok(None),
+    }
 }
 
 impl CudaBackend {

@@ -1036,6 +1036,121 @@ fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
     }
 }
 
+/// Fused cross-entropy forward and backward of `[rows, classes]` logits with the loss (and its
+/// gradient) in `loss_dtype`: the loss, the log-sum-exps and the logits' gradient, read back.
+fn cross_entropy_run(
+    backend: &BackendRef,
+    (dtype, loss_dtype): (DType, DType),
+    (rows, classes): (usize, usize),
+    logits: &[f64],
+    targets: &[f64],
+) -> Vec<f64> {
+    use headroom_autograd_core::{CrossEntropyArgs, Reduction};
+    let table = Layout::contiguous(&[rows, classes]);
+    let target_layout = Layout::contiguous(&[rows]);
+    let scalar = Layout::contiguous(&[]);
+    let (xb, tb) = (
+        upload(backend, dtype, logits),
+        upload(backend, DType::I64, targets),
+    );
+    let args = CrossEntropyArgs {
+        logits: View {
+            buffer: &xb,
+            layout: &table,
+            dtype,
+        },
+        target: View {
+            buffer: &tb,
+            layout: &target_layout,
+            dtype: DType::I64,
+        },
+        ignore_index: -100,
+        reduction: Reduction::Mean,
+    };
+    let stats = if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let (loss, lse) = (
+        poisoned(backend, loss_dtype, 1),
+        poisoned(backend, stats, rows),
+    );
+    let lse_view = View {
+        buffer: &lse,
+        layout: &target_layout,
+        dtype: stats,
+    };
+    let loss_view = View {
+        buffer: &loss,
+        layout: &scalar,
+        dtype: loss_dtype,
+    };
+    backend.cross_entropy(args, loss_view, lse_view).unwrap();
+    let dloss = upload(backend, loss_dtype, &[0.75]);
+    let dlogits = poisoned(backend, dtype, rows * classes);
+    backend
+        .cross_entropy_backward(
+            args,
+            lse_view,
+            View {
+                buffer: &dloss,
+                layout: &scalar,
+                dtype: loss_dtype,
+            },
+            View {
+                buffer: &dlogits,
+                layout: &table,
+                dtype,
+            },
+        )
+        .unwrap();
+    let mut res = download(backend, loss_dtype, &loss);
+    res.extend(download(backend, stats, &lse));
+    // The gradient of a mean over many classes is small: scaled up so it weighs in the norm as
+    // much as the loss.
+    res.extend(
+        download(backend, dtype, &dlogits)
+            .iter()
+            .map(|g| g * (rows * classes) as f64),
+    );
+    res
+}
+
+/// Rows as wide as GPT-2's vocabulary (the kernels accumulate f32 logits in f32, as PyTorch's
+/// log-softmax does), and the f32 loss of f16 and bf16 logits (`cross_entropy_f32`: f32 loss and
+/// loss gradient, the logits' gradient in their dtype).
+#[test]
+fn cross_entropy_of_wide_rows_and_upcast_losses_match_the_cpu() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Xorshift::from_state(0x0ddc_1a55_e5e5_c0de);
+    for (rows, classes) in [(6, 50257), (37, 53)] {
+        let targets: Vec<f64> = (0..rows)
+            .map(|r| {
+                if r % 5 == 3 {
+                    -100.0
+                } else {
+                    random.next_f64_in(0.0, classes as f64).floor()
+                }
+            })
+            .collect();
+        let logits: Vec<f64> = (0..rows * classes)
+            .map(|_| random.next_f64_in(-8.0, 8.0))
+            .collect();
+        for dtypes in [
+            (DType::F32, DType::F32),
+            (DType::F64, DType::F64),
+            (DType::BF16, DType::F32),
+            (DType::F16, DType::F32),
+        ] {
+            let what = format!("cross_entropy {rows}×{classes}, loss {:?}", dtypes.1);
+            compare(&what, dtypes.0, &gpu, &cpu, |backend| {
+                cross_entropy_run(backend, dtypes, (rows, classes), &logits, &targets)
+            });
+        }
+    }
+}
+
 /// Operands whose rows or columns overlap (`expand`, stride 0) cannot be described to cuBLAS by
 /// a leading dimension and are copied dense first; among them the `k = 1` product of a ViT
 /// head's weight gradient at batch 1 (`[1000, 1]` of a broadcast scalar, times one row of a

@@ -389,6 +389,8 @@ pub(crate) struct Protocol {
     pub(crate) bucket_bytes: Option<u64>,
     /// The memory budget of `adam_auto`, in bytes (`None`: its default).
     pub(crate) budget: Option<u64>,
+    /// After the timed steps, one more step with the device's op profile, printed as a table.
+    pub(crate) op_profile: bool,
 }
 
 impl Protocol {
@@ -408,7 +410,14 @@ pub(crate) struct Probe<'a, S: Storage> {
     pub(crate) synchronize: &'a dyn Fn() -> Result<()>,
     /// `cpu` or `cuda:0`.
     pub(crate) device: String,
+    /// Runs the step it is given under the device's op profile and returns each primitive's
+    /// label and device milliseconds (`None`: the device has no op profile).
+    pub(crate) profile_ops: Option<&'a ProfileOps<'a>>,
 }
+
+/// What [`Probe::profile_ops`] is.
+pub(crate) type ProfileOps<'a> =
+    dyn Fn(&mut dyn FnMut() -> Result<()>) -> Result<Vec<(String, f64)>> + 'a;
 
 impl<'a> Probe<'a, HostStorage> {
     /// The CPU backend `cpu` (nothing to wait for).
@@ -421,6 +430,7 @@ impl<'a> Probe<'a, HostStorage> {
             allocator: cpu.allocator(),
             synchronize: &ready,
             device: "cpu".into(),
+            profile_ops: None,
         }
     }
 }
@@ -655,6 +665,13 @@ pub(crate) fn measure<S: Storage>(
         tick();
     }
     let stats = allocator.memory_stats();
+    if let (true, Some(profile_ops)) = (protocol.op_profile, probe.profile_ops) {
+        (probe.synchronize)()?;
+        let start = Instant::now();
+        let timings = profile_ops(&mut || run.step())?;
+        let wall_ms = start.elapsed().as_secs_f64() * 1e3;
+        println!("{}", op_profile_table(case.name(), wall_ms, &timings));
+    }
     let mut sorted = times_ms.clone();
     sorted.sort_by(f64::total_cmp);
 
@@ -897,4 +914,33 @@ fn gradients(net: &Net) -> (HashSet<u64>, u64) {
         }
     }
     (addresses, bytes)
+}
+
+/// The op profile of one step as a Markdown table: device time per label (summed over its
+/// calls), largest first, and the step's wall time beside the sum of its primitives' spans.
+pub(crate) fn op_profile_table(case: &str, wall_ms: f64, timings: &[(String, f64)]) -> String {
+    let mut by_label: Vec<(&str, usize, f64)> = Vec::new();
+    let mut index = std::collections::HashMap::new();
+    for (label, ms) in timings {
+        let slot = *index.entry(label.as_str()).or_insert_with(|| {
+            by_label.push((label.as_str(), 0, 0.0));
+            by_label.len() - 1
+        });
+        by_label[slot].1 += 1;
+        by_label[slot].2 += ms;
+    }
+    by_label.sort_by(|a, b| b.2.total_cmp(&a.2));
+    let total: f64 = timings.iter().map(|(_, ms)| ms).sum();
+    let mut text = format!(
+        "op profile, {case}: {} primitives, {total:.2} ms on the device inside them, step wall time \
+         {wall_ms:.2} ms (events around every primitive)\n\n| ms | % | calls | primitive |\n|---:|---:|---:|---|\n",
+        timings.len()
+    );
+    for (label, calls, ms) in by_label {
+        text += &format!(
+            "| {ms:.3} | {:.1} | {calls} | {label} |\n",
+            100.0 * ms / total.max(1e-9)
+        );
+    }
+    text
 }

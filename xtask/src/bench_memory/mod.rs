@@ -111,7 +111,7 @@ const CPU_DEFAULTS: Defaults = Defaults {
 pub(crate) const USAGE: &str =
     "  bench-memory [--device auto|cpu|cuda] [--model NAME] [--seq N] [--batch N]... [--cases a,b,c]
                [--warmup N] [--steps N] [--bucket-mib N] [--budget BYTES]... [--json FILE]
-               [--html FILE]
+               [--html FILE] [--op-profile]
                [--pytorch anchor.jsonl]
       Trains a model (ViT: loss = model(x).sum(); GPT-2: Hugging Face's causal-LM loss on --seq
       random tokens a row, default 1024, dropout off) with each optimizer and technique: per case, a fresh
@@ -136,7 +136,8 @@ pub(crate) const USAGE: &str =
       --bucket-mib sets the in-backward cases' bucket (default: 1/16 of the parameters, at most
       25). --json writes one object per case, --html charts (timelines by time or in event
       order, a toggle in the page); --pytorch reads torch_reference.py's anchor.jsonl and adds
-      PyTorch's figures.
+      PyTorch's figures. --op-profile (CUDA) runs one more step per case with timing events
+      around every backend primitive and prints its device time by primitive.
 ";
 
 /// `cargo xtask bench-memory ARGS`.
@@ -161,6 +162,7 @@ fn parse(args: &[String]) -> Result<Options> {
             steps: 6,
             bucket_bytes: None,
             budget: None,
+            op_profile: false,
         },
         budgets: Vec::new(),
         json: None,
@@ -196,6 +198,7 @@ fn parse(args: &[String]) -> Result<Options> {
             }
             "--cases" => options.cases = Case::parse_list(&value()?)?,
             "--warmup" => options.protocol.warmup = number(value()?)?,
+            "--op-profile" => options.protocol.op_profile = true,
             "--steps" => {
                 options.protocol.steps = number(value()?)?;
                 if options.protocol.steps == 0 {
@@ -251,11 +254,19 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
     let (outcomes, device_name) = match cuda {
         Some(cuda) => {
             let synchronize = || Ok(cuda.synchronize()?);
+            let profile_ops = |step: &mut dyn FnMut() -> Result<()>| {
+                cuda.start_op_profile()?;
+                let stepped = step();
+                let timings = cuda.finish_op_profile()?;
+                stepped?;
+                Ok(timings.into_iter().map(|t| (t.label, t.ms)).collect())
+            };
             let probe = Probe {
                 backend: cuda.clone(),
                 allocator: cuda.allocator(),
                 synchronize: &synchronize,
                 device: "cuda:0".into(),
+                profile_ops: Some(&profile_ops),
             };
             let name = cuda.allocator().with_storage(|s| s.device_name());
             (run_cases(&probe, options, &CUDA_DEFAULTS)?, name)

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use headroom_autograd_core::{
-    cross_entropy, uniform, BackendRef, DType, Generator, Reduction, Tensor,
+    cross_entropy_f32, uniform, BackendRef, DType, Generator, Reduction, Tensor,
 };
 use headroom_nn::{BlockRunner, Gpt2Config, Gpt2LMHeadModel, Module, VisionTransformer, VitConfig};
 
@@ -161,10 +161,9 @@ impl Net {
                 let [batch, seq, vocab] = *logits.shape() else {
                     bail!("GPT-2 logits of shape {:?}", logits.shape());
                 };
-                let logits = logits
-                    .to_dtype(DType::F32)?
-                    .reshape(&[batch * seq, vocab])?;
-                Ok(cross_entropy(
+                // Upcast to f32 inside the fused loss (no f32 copy of the logits).
+                let logits = logits.reshape(&[batch * seq, vocab])?;
+                Ok(cross_entropy_f32(
                     &logits,
                     targets,
                     IGNORE_INDEX,

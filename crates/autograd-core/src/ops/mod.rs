@@ -22,7 +22,7 @@ mod view;
 pub use attention::scaled_dot_product_attention;
 pub use index::{cat, embedding};
 pub use linalg::patch_embedding;
-pub use nn::{cross_entropy, dropout, layer_norm};
+pub use nn::{cross_entropy, cross_entropy_f32, dropout, layer_norm};
 
 use std::sync::Arc;
 

@@ -229,6 +229,47 @@ pub fn cross_entropy(
         return cross_entropy(&logits, target, ignore_index, reduction);
     }
     check_float("cross_entropy", logits)?;
+    fused_cross_entropy(logits, target, ignore_index, reduction, logits.dtype())
+}
+
+/// `cross_entropy(&logits.to_dtype(F32)?, ..)` — the loss of logits upcast to f32, as Hugging
+/// Face's causal-LM loss takes it — without the f32 copy of the logits: f16 and bf16 logits are
+/// read as they are (the kernels compute in f32 either way, so the upcast is exact), the loss is
+/// f32, and the logits' gradient is written once in their dtype (the rounding the cast's
+/// backward applies). Other dtypes are upcast (or cast) to f32 first.
+pub fn cross_entropy_f32(
+    logits: &Tensor,
+    target: &Tensor,
+    ignore_index: i64,
+    reduction: Reduction,
+) -> Result<Tensor> {
+    if let Some([logits]) = autocast_args("cross_entropy", [logits])? {
+        return cross_entropy_f32(&logits, target, ignore_index, reduction);
+    }
+    check_float("cross_entropy", logits)?;
+    match logits.dtype() {
+        DType::F16 | DType::BF16 => {
+            fused_cross_entropy(logits, target, ignore_index, reduction, DType::F32)
+        }
+        DType::F32 => cross_entropy(logits, target, ignore_index, reduction),
+        _ => cross_entropy(
+            &logits.to_dtype(DType::F32)?,
+            target,
+            ignore_index,
+            reduction,
+        ),
+    }
+}
+
+/// The fused cross-entropy with its loss in `loss_dtype` (the logits' dtype, or f32 for f16 and
+/// bf16 logits).
+fn fused_cross_entropy(
+    logits: &Tensor,
+    target: &Tensor,
+    ignore_index: i64,
+    reduction: Reduction,
+    loss_dtype: DType,
+) -> Result<Tensor> {
     check_dtype("cross_entropy", target, DType::I64)?;
     if logits.ndim() != 2 || target.shape() != [logits.shape()[0]] {
         return Err(TensorError::ShapeMismatch {
@@ -242,7 +283,7 @@ pub fn cross_entropy(
         (logits.contiguous()?, target.contiguous()?)
     };
     let rows = logits.shape()[0];
-    let loss = logits.new_empty(&[], logits.dtype())?;
+    let loss = logits.new_empty(&[], loss_dtype)?;
     let lse = logits.new_empty(&[rows], stats_dtype(logits.dtype()))?;
     let args = CrossEntropyArgs {
         logits: dense.view(),

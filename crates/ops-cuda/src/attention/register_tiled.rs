@@ -6,8 +6,15 @@
 //! head columns of the output tile in registers (`dc` = 4, 8, 12 or 16: head dims up to 128).
 //! `Δ` lives in scratch from the caching allocator for the duration of the backward.
 //!
+//! With `HEADROOM_ATTENTION_FUSED_BACKWARD=1` ([`FUSED_BACKWARD_VARIABLE`]) the backward is one
+//! pass over the keys instead: a kernel writes `Δ` and zeroes dQ, then each 32-key block computes
+//! its dK and dV and adds its share of dQ atomically (five tile products per key and query tile
+//! instead of seven; dQ's summation order then varies between runs).
+//!
 //! This path sits on the attention family's `args.rs` and the ground floor, and imports no other
 //! path; the family's entry point (`mod.rs`) sends f32 and f64 here.
+
+use std::sync::OnceLock;
 
 use cudarc::driver::LaunchConfig;
 use headroom_autograd_core::{
@@ -60,12 +67,21 @@ fn variant(dtype: DType, head_dim: usize) -> Result<(usize, &'static str)> {
     Ok((dc, suffix))
 }
 
-/// The three attention kernels (their shared-memory maps differ).
+/// Set to `1`: the one-pass backward with atomic dQ (see the module docs).
+pub(crate) const FUSED_BACKWARD_VARIABLE: &str = "HEADROOM_ATTENTION_FUSED_BACKWARD";
+
+fn fused_backward() -> bool {
+    static FUSED: OnceLock<bool> = OnceLock::new();
+    *FUSED.get_or_init(|| std::env::var(FUSED_BACKWARD_VARIABLE).is_ok_and(|value| value == "1"))
+}
+
+/// The tiled attention kernels (their shared-memory maps differ).
 #[derive(Debug, Clone, Copy)]
 enum Kernel {
     Forward,
     BackwardDq,
     BackwardDkDv,
+    BackwardFused,
 }
 
 /// The launch shape of `kernel` over `rows` rows per (batch, head) pair.
@@ -83,6 +99,7 @@ fn config(
         Kernel::Forward => (3, 1, 0),
         Kernel::BackwardDq => (4, 1, 2),
         Kernel::BackwardDkDv => (4, 2, 2),
+        Kernel::BackwardFused => (4, 3, 2),
     };
     let values = row_tiles * ROWS * padded + weight_tiles * ROWS * WEIGHT_STRIDE + stats * ROWS;
     Ok(LaunchConfig {
@@ -160,6 +177,9 @@ pub(crate) fn backward(
     // Δ per query, from the caching allocator, returned (in stream order) after the launches.
     let delta = Scratch::new(backend, (rows * stats) as u64)?;
     let delta_address = Param::U64(delta.address());
+    if fused_backward() {
+        return fused(backend, b, dims, (dc, suffix), args, delta_address);
+    }
     if dims.queries > 0 {
         let config = config(&dims, Kernel::BackwardDq, dc, dims.queries, f.q.dtype)?;
         let params = [
@@ -197,6 +217,69 @@ pub(crate) fn backward(
             backend,
             "attention_backward",
             ("attention_backward_dkdv", suffix),
+            config,
+            &params,
+            args,
+        )?;
+    }
+    Ok(())
+}
+
+/// The one-pass backward: `Δ` and a zeroed dQ, then dK, dV and dQ's shares per 32-key block.
+fn fused(
+    backend: &CudaBackend,
+    b: AttentionBackward<'_>,
+    dims: AttentionDims,
+    (dc, suffix): (usize, &'static str),
+    args: AttnArgs,
+    delta_address: Param,
+) -> Result<()> {
+    let f = b.forward;
+    let rows = dims.batch * dims.heads * dims.queries;
+    if rows > 0 {
+        // One warp per query row, two warps a block.
+        let config = LaunchConfig {
+            grid_dim: (to_u32(rows.div_ceil(2))?, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let delta_suffix = if f.q.dtype == DType::F64 {
+            "f64"
+        } else {
+            "f32"
+        };
+        let params = [
+            address(&f.out),
+            address(&b.dout),
+            delta_address,
+            address(&b.dq),
+        ];
+        launch(
+            backend,
+            "attention_backward",
+            ("attention_backward_delta_zero", delta_suffix),
+            config,
+            &params,
+            args,
+        )?;
+    }
+    if dims.keys > 0 {
+        let config = config(&dims, Kernel::BackwardFused, dc, dims.keys, f.q.dtype)?;
+        let params = [
+            address(&f.q),
+            address(&f.k),
+            address(&f.v),
+            address(&b.dout),
+            address(&f.lse),
+            delta_address,
+            address(&b.dq),
+            address(&b.dk),
+            address(&b.dv),
+        ];
+        launch(
+            backend,
+            "attention_backward",
+            ("attention_backward_fused", suffix),
             config,
             &params,
             args,
