@@ -39,7 +39,7 @@ fn the_search_finds_the_exact_largest_batch_of_linear_curves() {
             let (found, probes) =
                 search(cap, 1 << 20, &mut linear(fixed, per_sample, cap)).unwrap();
             assert_eq!(found, expected, "fixed {fixed}, per sample {per_sample}");
-            // Doubling through 16, jumps of at most 8 times the largest fit, the aimed probe 3%
+            // Doubling through 16, jumps of at most 8 times the largest fit, the aimed probe 10%
             // below the line, then the line's batch and the next one: the costly probes (their
             // time grows with the batch) are the three near the answer, with the jumps'
             // geometric sum below half of it.
@@ -76,10 +76,10 @@ fn a_line_that_misses_by_a_few_percent_costs_few_probes_near_the_answer() {
         let (found, probes) = search(cap, 1 << 20, &mut curve).unwrap();
         let expected = (1..).take_while(|&b| reserved(b) <= cap).last().unwrap() as usize;
         assert_eq!(found, expected);
-        // Off by 3% (within the aim): the jump, the aimed probe, the line's batch and the one
-        // above it. Off by 14%: bisection from the last small fit.
+        // Off by 3%: the jump, the aimed probe, the line's batch and the one above it. Off by
+        // 14%: an aimed probe that does not fit, one below it, then the same.
         let large = probes.iter().filter(|p| p.batch > found / 2).count();
-        let most = if extra == 1_000_000 { 4 } else { 12 };
+        let most = if extra == 1_000_000 { 4 } else { 7 };
         assert!(
             large <= most,
             "{large} probes above {}: {probes:?}",
