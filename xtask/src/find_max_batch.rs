@@ -378,6 +378,7 @@ fn probe_batch<S: Storage>(
         steps: 1,
         bucket_bytes: None,
         budget: None,
+        record_events: false,
     };
     let input = Input::new(&probe.backend, model, batch)?;
     (probe.synchronize)()?;

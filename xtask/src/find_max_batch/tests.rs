@@ -123,6 +123,7 @@ fn fresh_step_fits(model: Model, case: Case, cap: u64, batch: usize) -> bool {
         steps: 1,
         bucket_bytes: None,
         budget: None,
+        record_events: false,
     };
     let one = Input::new(&probe.backend, model, 1).unwrap();
     training.run(&one, case, protocol).unwrap().step().unwrap();
