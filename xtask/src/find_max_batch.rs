@@ -380,6 +380,7 @@ fn probe_batch<S: Storage>(
         bucket_bytes: None,
         budget: None,
         op_profile: false,
+        record_events: false,
     };
     let input = Input::new(&probe.backend, model, batch)?;
     (probe.synchronize)()?;

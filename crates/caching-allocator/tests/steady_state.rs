@@ -1,4 +1,4 @@
-//! Loops of identical steps: one steady step of a corpus trace replayed twenty times on
+//! Loops of identical steps: one steady step of a trace replayed twenty times on
 //! `SimulatedStorage`, counting per step the pages mapped and unmapped and the waits for the
 //! device (`num_sync_all_streams`), which on a GPU are what a step pays the allocator for.
 //!
@@ -7,11 +7,20 @@
 //! allocated and what was live before it. The trace up to the step (the first step, optimizer
 //! state included) is replayed once first.
 //!
+//! The loops are five corpus traces' and bench-memory's own: ViT-L/16 at batch 1 with fused
+//! Adam, the step in backward and checkpointing, recorded on the CPU backend by `cargo xtask
+//! bench-memory --trace` (their step 2 repeated: the bench's third warm-up step, then its timed
+//! steps). At batch 1 most activations are small-pool blocks and the gradients large ones, so
+//! each forward fills the small pool and each backward the large one.
+//!
 //! For every loop:
-//! - the default policy settles: after its warm-up steps no step maps, unmaps or waits;
-//! - `reclaiming()` does not on the four vision loops: it still moves pages between the same
-//!   holes in the last steps, waiting for the device each time (why it is not the default);
-//! - the default's peak reserved over the loop stays within 1.5% of the live peak;
+//! - the default policy settles: after its warm-up steps no step maps, unmaps or waits (the
+//!   bench loops by their step 4, the first one bench-memory times);
+//! - `reclaiming()` does not on six of them: it still moves pages between the same holes in
+//!   the last steps, waiting for the device each time (why it is not the default);
+//! - the default's peak reserved over the loop stays within its bound of the live peak (1.5%
+//!   on the corpus loops, 4.5% on the bench loops, whose settled layout without any reclaiming
+//!   is already 0.4% to 2.6% over it);
 //! - the default still settles when live memory creeps up by a small block every step (a new
 //!   live high every step, as when a loop keeps a little history).
 //!
@@ -33,54 +42,102 @@ const H200_BYTES: u64 = 150_754_820_096;
 /// Steps replayed after the trace's start.
 const N_STEPS: usize = 20;
 
-/// Steps the default may take to settle; every later step maps, unmaps and waits for nothing.
+/// Steps of a corpus loop the default may take to settle; every later step maps, unmaps and
+/// waits for nothing.
 const WARM_UP_STEPS: usize = 6;
+
+/// Steps of a bench loop the default may take to settle: the loop starts at bench-memory's step
+/// 2, and its step 4 (the first timed one) must map, unmap and wait for nothing.
+const BENCH_WARM_UP_STEPS: usize = 2;
 
 /// The last steps of a loop, where `reclaiming()` is checked for waits.
 const LAST_STEPS: usize = 5;
 
-/// The default's bound on peak reserved over the live peak in a loop.
+/// The default's bound on peak reserved over the live peak in a corpus loop.
 const SETTLED_OVER_LIVE: f64 = 1.015;
 
-/// A corpus trace and the events of one of its steady steps, `[start, end)`.
+/// The default's bound on peak reserved over the live peak in a bench loop.
+const BENCH_SETTLED_OVER_LIVE: f64 = 1.045;
+
+/// A trace and the events of one of its steady steps, `[start, end)`.
 struct Workload {
     file: &'static str,
     start: usize,
     end: usize,
     /// Whether `reclaiming()` still waits for the device in the last [`LAST_STEPS`] steps.
     reclaiming_churns: bool,
+    /// Steps the default may take to settle.
+    warm_up_steps: usize,
+    /// The default's bound on peak reserved over the live peak.
+    over_live: f64,
 }
 
-const WORKLOADS: [Workload; 5] = [
+const WORKLOADS: [Workload; 8] = [
     Workload {
         file: "vit_l16_b32_adam_3steps.tsv.gz",
         start: 4_850,
         end: 8_808,
         reclaiming_churns: true,
+        warm_up_steps: WARM_UP_STEPS,
+        over_live: SETTLED_OVER_LIVE,
     },
     Workload {
         file: "vit_l16_b8_adam_3steps.tsv.gz",
         start: 4_850,
         end: 8_808,
         reclaiming_churns: true,
+        warm_up_steps: WARM_UP_STEPS,
+        over_live: SETTLED_OVER_LIVE,
     },
     Workload {
         file: "vit_b16_batch_change_adamw.tsv.gz",
         start: 6_498,
         end: 8_512,
         reclaiming_churns: true,
+        warm_up_steps: WARM_UP_STEPS,
+        over_live: SETTLED_OVER_LIVE,
     },
     Workload {
         file: "resnet50_sgd_b128_5steps.tsv.gz",
         start: 2_198,
         end: 3_910,
         reclaiming_churns: true,
+        warm_up_steps: WARM_UP_STEPS,
+        over_live: SETTLED_OVER_LIVE,
     },
     Workload {
         file: "llama_bf16_ckpt_adamw_8steps.tsv.gz",
         start: 6_825,
         end: 13_183,
         reclaiming_churns: false,
+        warm_up_steps: WARM_UP_STEPS,
+        over_live: SETTLED_OVER_LIVE,
+    },
+    // bench-memory's loops (testdata/README.md): building the model, step 1 (the optimizer's
+    // state), then step 2 repeated.
+    Workload {
+        file: "bench_vit_l16_b1_adam_fused.tsv.gz",
+        start: 2_567,
+        end: 4_245,
+        reclaiming_churns: true,
+        warm_up_steps: BENCH_WARM_UP_STEPS,
+        over_live: BENCH_SETTLED_OVER_LIVE,
+    },
+    Workload {
+        file: "bench_vit_l16_b1_adam_inbwd.tsv.gz",
+        start: 2_567,
+        end: 4_245,
+        reclaiming_churns: false,
+        warm_up_steps: BENCH_WARM_UP_STEPS,
+        over_live: BENCH_SETTLED_OVER_LIVE,
+    },
+    Workload {
+        file: "bench_vit_l16_b1_adam_ckpt.tsv.gz",
+        start: 3_173,
+        end: 5_457,
+        reclaiming_churns: true,
+        warm_up_steps: BENCH_WARM_UP_STEPS,
+        over_live: BENCH_SETTLED_OVER_LIVE,
     },
 ];
 
@@ -245,15 +302,15 @@ fn the_default_settles_in_a_loop_of_identical_steps() {
         println!("  reclaiming()        {}", describe(&reclaiming));
         println!("  no reclaim          {}", describe(&no_reclaim));
 
-        let late = &default.steps[WARM_UP_STEPS..];
+        let late = &default.steps[workload.warm_up_steps..];
         if late.iter().any(|&counts| counts != settled) {
             failures.push(format!(
-                "{}: the default still maps, unmaps or waits after {WARM_UP_STEPS} steps",
-                workload.file
+                "{}: the default still maps, unmaps or waits after {} steps",
+                workload.file, workload.warm_up_steps
             ));
         }
         let over_live = default.peak_reserved as f64 / default.peak_live as f64;
-        if over_live > SETTLED_OVER_LIVE {
+        if over_live > workload.over_live {
             failures.push(format!(
                 "{}: the default reserves {over_live:.4}× the live peak",
                 workload.file
@@ -282,13 +339,13 @@ fn the_default_settles_when_live_memory_creeps() {
         let events = events(workload.file);
         let default = replay_loop(AllocatorConfig::default(), &events, workload, 4 << 10);
         println!("{}: default {}", workload.file, describe(&default));
-        if default.steps[WARM_UP_STEPS..]
+        if default.steps[workload.warm_up_steps..]
             .iter()
             .any(|counts| counts.unmaps > 0 || counts.syncs > 0)
         {
             failures.push(format!(
-                "{}: the default still unmaps or waits after {WARM_UP_STEPS} steps",
-                workload.file
+                "{}: the default still unmaps or waits after {} steps",
+                workload.file, workload.warm_up_steps
             ));
         }
     }

@@ -26,7 +26,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use headroom_amp::{AmpPolicy, GradScaler, GradScalerConfig};
 use headroom_autograd_core::{autocast_stats, BackendRef, DType, Tensor};
-use headroom_caching_allocator::{CachingAllocator, HistoryOptions, HostStorage, Storage};
+use headroom_caching_allocator::{
+    CachingAllocator, HistoryOptions, HostStorage, Snapshot, Storage, TraceAction, TraceEvent,
+};
 use headroom_checkpoint::{
     BlockSelection, CheckpointBlocks, CompressBlocks, OffloadBlocks, OffloadOptions,
 };
@@ -391,6 +393,9 @@ pub(crate) struct Protocol {
     pub(crate) budget: Option<u64>,
     /// After the timed steps, one more step with the device's op profile, printed as a table.
     pub(crate) op_profile: bool,
+    /// Whether the allocator's events are recorded from the model's creation to the end of the
+    /// timed steps ([`CaseResult::events`], `--trace`).
+    pub(crate) record_events: bool,
 }
 
 impl Protocol {
@@ -516,6 +521,10 @@ pub(crate) struct CaseResult {
     pub(crate) timeline: Timeline,
     /// `adam_auto`'s plan, predictions and uniform comparison.
     pub(crate) plan: Option<PlanOutcome>,
+    /// With [`Protocol::record_events`], the allocations and completed frees from the model's
+    /// creation to the end of the timed steps, each with its step (0: building the model and
+    /// optimizer, then 1 to warm-up + timed steps); empty otherwise.
+    pub(crate) events: Vec<(usize, TraceEvent)>,
 }
 
 /// A case's model and optimizer, built once: [`Training::run`] trains it on one input.
@@ -629,6 +638,13 @@ pub(crate) fn measure<S: Storage>(
 ) -> Result<CaseResult> {
     let allocator = probe.allocator;
     allocator.empty_cache()?;
+    if protocol.record_events {
+        allocator.record_history(Some(HistoryOptions {
+            max_entries: 1 << 26,
+            record_context: true,
+        }));
+    }
+    let step_label = |step: usize| format!("step {step}");
     let mut training = Training::new(probe, model, case)?;
     let input = Input::new(&probe.backend, model, batch)?;
     let (n_params, param_bytes) = (training.n_params, training.param_bytes);
@@ -647,7 +663,10 @@ pub(crate) fn measure<S: Storage>(
 
     (probe.synchronize)()?;
     allocator.reset_peak_stats();
-    for _ in 0..protocol.warmup {
+    for step in 1..=protocol.warmup {
+        let _context = protocol
+            .record_events
+            .then(|| allocator.push_context(&step_label(step)));
         run.step()?;
         tick();
     }
@@ -656,7 +675,10 @@ pub(crate) fn measure<S: Storage>(
 
     allocator.reset_peak_stats();
     let mut times_ms = Vec::with_capacity(protocol.steps);
-    for _ in 0..protocol.steps {
+    for step in protocol.warmup + 1..=protocol.warmup + protocol.steps {
+        let _context = protocol
+            .record_events
+            .then(|| allocator.push_context(&step_label(step)));
         (probe.synchronize)()?;
         let start = Instant::now();
         run.step()?;
@@ -674,6 +696,13 @@ pub(crate) fn measure<S: Storage>(
     }
     let mut sorted = times_ms.clone();
     sorted.sort_by(f64::total_cmp);
+    let events = if protocol.record_events {
+        let events = recorded_events(&allocator.snapshot());
+        allocator.record_history(None);
+        events
+    } else {
+        Vec::new()
+    };
 
     let traced = run.traced_step(probe)?;
     tick();
@@ -723,7 +752,38 @@ pub(crate) fn measure<S: Storage>(
         at_peak,
         timeline,
         plan: planned.map(|(outcome, _)| outcome),
+        events,
     })
+}
+
+/// The allocations and completed frees of `snapshot`'s history, each with the step its
+/// context label names (0 outside a step).
+fn recorded_events(snapshot: &Snapshot) -> Vec<(usize, TraceEvent)> {
+    snapshot
+        .device_traces
+        .iter()
+        .flatten()
+        .filter(|entry| {
+            matches!(
+                entry.action,
+                TraceAction::Alloc | TraceAction::FreeCompleted
+            )
+        })
+        .map(|entry| {
+            let step = entry
+                .frames
+                .iter()
+                .find_map(|frame| frame.name.strip_prefix("step ")?.parse().ok())
+                .unwrap_or(0);
+            let event = TraceEvent {
+                action: entry.action,
+                addr: entry.addr,
+                size: entry.size,
+                stream: entry.stream,
+            };
+            (step, event)
+        })
+        .collect()
 }
 
 /// `adam_offload`'s runner: the saved tensors of the first 7/12 of the blocks (14 of ViT-L/16's

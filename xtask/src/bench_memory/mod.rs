@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use headroom_caching_allocator::Storage;
+use headroom_caching_allocator::{Storage, TraceEvent};
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -83,6 +83,8 @@ struct Options {
     json: Option<PathBuf>,
     html: Option<PathBuf>,
     pytorch: Option<PathBuf>,
+    /// `--trace DIR`: each case's allocator events are written there.
+    trace: Option<PathBuf>,
     progress: bool,
     /// The command line, for the JSON document.
     command: String,
@@ -112,7 +114,7 @@ pub(crate) const USAGE: &str =
     "  bench-memory [--device auto|cpu|cuda] [--model NAME] [--seq N] [--batch N]... [--cases a,b,c]
                [--warmup N] [--steps N] [--bucket-mib N] [--budget BYTES]... [--json FILE]
                [--html FILE] [--op-profile]
-               [--pytorch anchor.jsonl]
+               [--pytorch anchor.jsonl] [--trace DIR]
       Trains a model (ViT: loss = model(x).sum(); GPT-2: Hugging Face's causal-LM loss on --seq
       random tokens a row, default 1024, dropout off) with each optimizer and technique: per case, a fresh
       model and optimizer, N warm-up steps (default 3; their peak is the first-3 peak), then N
@@ -137,7 +139,10 @@ pub(crate) const USAGE: &str =
       25). --json writes one object per case, --html charts (timelines by time or in event
       order, a toggle in the page); --pytorch reads torch_reference.py's anchor.jsonl and adds
       PyTorch's figures. --op-profile (CUDA) runs one more step per case with timing events
-      around every backend primitive and prints its device time by primitive.
+      around every backend primitive and prints its device time by primitive. --trace writes
+      each case's allocations and completed frees, from the model's creation to the end of the
+      timed steps, to DIR/MODEL_bBATCH_CASE.tsv (the columns of a replayable trace, and
+      `step`: 0 while building, then each step's number).
 ";
 
 /// `cargo xtask bench-memory ARGS`.
@@ -163,11 +168,13 @@ fn parse(args: &[String]) -> Result<Options> {
             bucket_bytes: None,
             budget: None,
             op_profile: false,
+            record_events: false,
         },
         budgets: Vec::new(),
         json: None,
         html: None,
         pytorch: None,
+        trace: None,
         progress: true,
         command: std::iter::once("cargo xtask bench-memory".to_owned())
             .chain(args.iter().cloned())
@@ -222,6 +229,10 @@ fn parse(args: &[String]) -> Result<Options> {
             "--json" => options.json = Some(value()?.into()),
             "--html" => options.html = Some(value()?.into()),
             "--pytorch" => options.pytorch = Some(value()?.into()),
+            "--trace" => {
+                options.trace = Some(value()?.into());
+                options.protocol.record_events = true;
+            }
             other => bail!("unknown option {other}\n\nusage:\n{USAGE}"),
         }
     }
@@ -326,6 +337,19 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
         eprintln!("bench-memory: wrote {}", path.display());
     }
+    if let Some(dir) = &options.trace {
+        for result in &results {
+            let path = dir.join(format!(
+                "{}_b{}_{}.tsv",
+                result.model,
+                result.batch,
+                result.case.name()
+            ));
+            std::fs::write(&path, events_tsv(&result.events))
+                .with_context(|| format!("writing {}", path.display()))?;
+            eprintln!("bench-memory: wrote {}", path.display());
+        }
+    }
     if let Some(path) = &options.html {
         let title = format!("Headroom bench-memory · {device_name}");
         std::fs::write(path, html::page(&results, &anchors, &title))
@@ -341,6 +365,21 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
         bail!("{} of the cases failed", failures.len());
     }
     Ok(results)
+}
+
+/// A case's recorded events as a trace file's TSV, with their step in a last column.
+fn events_tsv(events: &[(usize, TraceEvent)]) -> String {
+    let mut text = String::from("action\taddr\tsize\tstream\tstep\n");
+    for (step, event) in events {
+        text += &format!(
+            "{}\t{}\t{}\t{}\t{step}\n",
+            event.action.name(),
+            event.addr,
+            event.size,
+            event.stream
+        );
+    }
+    text
 }
 
 /// Every (batch, case) of the options on `probe`'s device, under a progress bar.

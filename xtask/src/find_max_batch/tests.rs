@@ -155,6 +155,7 @@ fn fresh_step_fits(model: Model, case: Case, cap: u64, batch: usize) -> bool {
         bucket_bytes: None,
         budget: None,
         op_profile: false,
+        record_events: false,
     };
     let one = Input::new(&probe.backend, model, 1).unwrap();
     training.run(&one, case, protocol).unwrap().step().unwrap();

@@ -8,7 +8,8 @@
 //! found is split by PyTorch's rules, and the statistics count the allocation. With expandable
 //! segments, best fit is PyTorch's (a block at a segment's end counts as what it could grow
 //! to), and a request that maps pages above the reclaim ceiling first has free pages reclaimed
-//! (`reclaim_free_pages`; how the ceiling settles: `reclaim_settles`).
+//! (`reclaim_free_pages`; how the ceiling settles, and a pool gets back the pages it lent to the
+//! other one: `reclaim_settles`).
 //!
 //! It sits on the arena and pools of the parent module and calls the steps of `stream_events`
 //! (completing pending frees), `release` (the ladder's release steps) and `expandable` (mapping
@@ -37,6 +38,11 @@ const ONE_EXABYTE: u64 = 1 << 60;
 /// With `reclaim_settles`, the reclaim ceiling is at least the live peak plus this fraction of
 /// it (1/200: 0.5%), so that layouts drifting by less never wait for the device.
 const RECLAIM_SLACK_DIVISOR: u64 = 200;
+/// With `reclaim_settles`, a reclaim raises the ceiling by half its excess but by at least this
+/// many of the large pool's pages (or the whole excess, when less): halving alone leaves a
+/// step that lacks the same bytes each time lacking half as many the next time, and the time
+/// after, without end.
+const RECLAIM_MIN_RAISE_PAGES: u64 = 2;
 
 impl<S: Storage> CachingAllocator<S> {
     /// Allocates `size` bytes for use on `stream`. A request of 0 bytes gets a 512-byte block.
@@ -233,10 +239,14 @@ impl<S: Storage> State<S> {
     /// frees too) and whole free pages elsewhere are unmapped first, as many as the excess; the
     /// run is then chosen again, since a hole may now hold the request lower down.
     ///
-    /// With `reclaim_settles`, each reclaim also raises the ceiling by half its excess: a loop
-    /// whose steps keep moving pages between the same holes needs more pages than the ceiling
-    /// for its layout, and after a few steps the ceiling holds it, so the loop stops waiting.
-    /// The ceiling only rises, so every reclaim makes the next one less likely.
+    /// With `reclaim_settles`, each reclaim also raises the ceiling by half its excess (at least
+    /// [`RECLAIM_MIN_RAISE_PAGES`] pages): a loop whose steps keep moving pages between the same
+    /// holes needs more pages than the ceiling for its layout, and after a few steps the ceiling
+    /// holds it, so the loop stops waiting. And a pool whose free pages a reclaim gave to the
+    /// other pool gets them back first: the ceiling rises by up to what it lent, with no wait
+    /// (a loop whose forward fills the small pool and whose backward fills the large one would
+    /// otherwise move pages from one to the other and back in every step). The ceiling only
+    /// rises, so every reclaim makes the next one less likely.
     fn alloc_expandable(
         &mut self,
         pool: PoolKind,
@@ -246,6 +256,9 @@ impl<S: Storage> State<S> {
         let Some(mut run) = self.expandable_run(pool, stream, size)? else {
             return Ok(None);
         };
+        if self.config.reclaim_free_pages && self.config.reclaim_settles {
+            self.take_back_lent_pages(pool, &run, size);
+        }
         if self.config.reclaim_free_pages
             && self.raises_reclaim_ceiling(&run, size)
             && self.reclaimable_bytes(&run) > 0
@@ -263,9 +276,10 @@ impl<S: Storage> State<S> {
             if reserved + to_map > ceiling {
                 let excess = reserved + to_map - ceiling;
                 if self.config.reclaim_settles {
-                    self.reclaim_allowance = ceiling + excess / 2;
+                    let min_raise = RECLAIM_MIN_RAISE_PAGES * self.config.expandable_page_size;
+                    self.reclaim_allowance = ceiling + (excess / 2).max(min_raise.min(excess));
                 }
-                self.reclaim_free_pages(excess, &run)?;
+                self.reclaim_free_pages(excess, &run, pool)?;
                 let Some(fresh) = self.expandable_run(pool, stream, size)? else {
                     return Ok(None);
                 };
@@ -273,6 +287,24 @@ impl<S: Storage> State<S> {
             }
         }
         self.map_block(&run, size)
+    }
+
+    /// With `reclaim_settles`: when mapping the pages `run` lacks for `size` bytes would raise
+    /// reserved memory above the reclaim ceiling and reclaims for the other pool took pages from
+    /// `pool`, raises the allowance by as much of the excess as `pool` lent (and counts that
+    /// much as given back).
+    fn take_back_lent_pages(&mut self, pool: PoolKind, run: &[BlockId], size: u64) {
+        let lent = self.reclaim_lent[pool_index(pool)];
+        if lent == 0 {
+            return;
+        }
+        let wanted = self.stats.reserved_bytes.all.current as u64 + self.bytes_to_map(run, size);
+        let ceiling = self.reclaim_ceiling(size);
+        let back = wanted.saturating_sub(ceiling).min(lent);
+        if back > 0 {
+            self.reclaim_lent[pool_index(pool)] -= back;
+            self.reclaim_allowance = ceiling + back;
+        }
     }
 
     /// Whether mapping the pages `run` lacks for `size` bytes raises reserved memory above the

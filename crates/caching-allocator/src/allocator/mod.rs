@@ -7,7 +7,8 @@
 //! enough pages at the end of the stream's one growing segment (or in a hole left by unmapped
 //! pages). By default, mapping that would raise reserved memory above its ceiling first unmaps
 //! the whole free pages between live blocks, so pages move rather than add up, and each such
-//! move raises the ceiling a little, so repeated steps settle;
+//! move raises the ceiling a little (a pool that gets back pages it lent to the other pool
+//! raises it by as much), so repeated steps settle;
 //! PyTorch never does this (`AllocatorConfig::reclaim_free_pages`,
 //! `AllocatorConfig::reclaim_settles`). Blocks are split by PyTorch's
 //! rules, merged with free neighbours on free, and a block used by other streams
@@ -167,6 +168,7 @@ impl<S: Storage> CachingAllocator<S> {
             reserved_high_water: 0,
             allocated_high_water: 0,
             reclaim_allowance: 0,
+            reclaim_lent: [0, 0],
             history: History::default(),
             context: ContextStack::default(),
         };
@@ -340,6 +342,12 @@ struct State<S> {
     /// With `reclaim_settles`: reserved bytes a request may map up to without a reclaim, raised
     /// by each reclaim.
     reclaim_allowance: u64,
+    /// With `reclaim_settles`, by pool ([`pool_index`]): the bytes of free pages that reclaims
+    /// for the other pool's requests unmapped from this one, not yet given back. A pool that
+    /// needs pages above the reclaim ceiling gets back up to this much ceiling before anything
+    /// is reclaimed for it, so pages that a loop's steps move from one pool to the other and
+    /// back move once.
+    reclaim_lent: [u64; 2],
     history: History,
     context: ContextStack,
 }

@@ -7,7 +7,8 @@
 //! request is covered. Garbage collection frees the oldest cached large blocks once reserved
 //! memory passes its threshold of the allowed memory, as PyTorch does. Reclaiming
 //! (`reclaim_free_pages`, Headroom's) unmaps the whole free pages of expandable segments, the
-//! largest runs first, until a given number of bytes is released.
+//! largest runs first, until a given number of bytes is released; with `reclaim_settles` it
+//! counts the pages it takes from the other pool than the request's as lent by that pool.
 //!
 //! It sits on the parent module's state, on `stream_events` (waiting for pending frees) and on
 //! `expandable` (unmapping pages, giving back address space). It must not know how blocks are
@@ -139,10 +140,15 @@ impl<S: Storage> State<S> {
     /// it when a request would raise reserved memory above the reclaim ceiling, so pages move
     /// out of the holes between live blocks to where the request needs them instead of being
     /// added.
+    ///
+    /// With `reclaim_settles`, the pages taken from the other pool than `pool` (the request's)
+    /// are counted as lent by that pool (`reclaim_lent`): when it needs pages above the ceiling
+    /// again, it gets that much ceiling back without a reclaim.
     pub(super) fn reclaim_free_pages(
         &mut self,
         bytes: u64,
         keep: &[BlockId],
+        pool: PoolKind,
     ) -> Result<u64, AllocError> {
         let mut candidates = self.reclaim_candidates(keep);
         // Largest first; by address among equals, so that the choice is deterministic.
@@ -154,7 +160,11 @@ impl<S: Storage> State<S> {
             if released >= bytes {
                 break;
             }
+            let from = self.block(id).pool;
             self.unmap_block(id, segment)?;
+            if self.config.reclaim_settles && from != pool {
+                self.reclaim_lent[pool_index(from)] += pages;
+            }
             released += pages;
         }
         Ok(released)

@@ -108,9 +108,11 @@ pub struct AllocatorConfig {
     /// them (`reclaim_free_pages`, default on; PyTorch has no such step).
     pub(crate) reclaim_free_pages: bool,
     /// Whether reclaiming settles (`reclaim_settles`, default on): the reclaim ceiling is at
-    /// least the live peak plus 0.5%, and each reclaim raises it by half the bytes it had to
-    /// find, so a loop of identical steps stops moving pages after a few steps. Off, the ceiling
-    /// is the most ever reserved, at every request ([`AllocatorConfig::reclaiming`]).
+    /// least the live peak plus 0.5%, each reclaim raises it by half the bytes it had to find
+    /// (at least two pages), and a pool gets back the pages reclaims took from it for the other
+    /// pool without a reclaim, so a loop of identical steps stops moving pages after a few
+    /// steps. Off, the ceiling is the most ever reserved, at every request
+    /// ([`AllocatorConfig::reclaiming`]).
     pub(crate) reclaim_settles: bool,
     /// The string this config was parsed from, as snapshots report it.
     pub(crate) raw: String,
@@ -186,7 +188,8 @@ impl AllocatorConfig {
     }
 
     /// Whether reclaiming settles in a loop of identical steps: a ceiling with slack over the
-    /// live peak, raised by every reclaim (`reclaim_settles`).
+    /// live peak, raised by every reclaim and by the pages a pool takes back from the other
+    /// (`reclaim_settles`).
     pub fn reclaim_settles(&self) -> bool {
         self.reclaim_settles
     }
