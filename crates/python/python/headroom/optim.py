@@ -1,7 +1,8 @@
 """Headroom's fused and 8-bit optimizers as ``torch.optim.Optimizer`` subclasses.
 
 ``Adam``, ``AdamW`` (fused: one kernel launch per step for every parameter, in the arithmetic of
-PyTorch's own ``fused=True`` kernel, so the same bits) and ``Adam8bit``,
+PyTorch's own ``fused=True`` kernel, so the same bits; Adam's L2 weight decay within a few ulps)
+and ``Adam8bit``,
 ``AdamW8bit`` (bitsandbytes' blockwise 8-bit Adam, bit for bit; its state dicts load both ways)
 run Headroom's CUDA kernels on the parameters' and gradients' own device memory, on torch's
 default stream, and keep their state in torch tensors under PyTorch's (or bitsandbytes') keys,
@@ -212,7 +213,8 @@ class _FusedAdam(_HeadroomOptimizer):
 
 class Adam(_FusedAdam):
     """``torch.optim.Adam(fused=True)``'s update (L2 weight decay) in one Headroom launch, with
-    its kernel's arithmetic (float hyperparameters, fma moments): the same bits."""
+    its kernel's arithmetic (float hyperparameters, fma moments): the same bits without weight
+    decay; with it, within a few ulps (the L2 term is not yet reproduced to the bit)."""
 
     _who = "headroom.optim.Adam"
 
