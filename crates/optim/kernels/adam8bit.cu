@@ -11,8 +11,11 @@
 // counter, so the tensor of a block is found once per run, not per block.
 //
 // The float operations are those of crates/optim/src/kernels/adam8bit.rs in the same order, with
-// rounding made explicit, so the GPU and the CPU agree to the bit. Launch side:
-// crates/optim/src/cuda/adam8bit.rs. Built to PTX by `cargo xtask build-kernels`.
+// rounding made explicit, so the GPU and the CPU agree to the bit. Pieces flagged FLAG_BNB_ARITH
+// instead run the arithmetic of bitsandbytes' own CUDA build (the instructions its fast-math
+// build executes on sm_90: approximate lg2/ex2/sqrt/reciprocal, its fma contractions, denormals
+// flushed), which no CPU reproduces: GPU only, to agree with bitsandbytes to the bit. Launch
+// side: crates/optim/src/cuda/adam8bit.rs. Built to PTX by `cargo xtask build-kernels`.
 
 #include "optim.cuh"
 
@@ -23,10 +26,23 @@ struct Bnb8Piece {
     unsigned long long param, grad, state1, state2, absmax1, absmax2;  // absmax: 8-bit only
     unsigned int flags;
     float beta1, beta2, one_minus_beta1, one_minus_beta2, correction2, eps, step_size, decay_factor, grad_scale,
-        lr;
-    unsigned int pad;
+        lr, weight_decay;
 };
 static_assert(sizeof(Bnb8Piece) == 128, "Bnb8Piece layout");
+
+// bitsandbytes' fast-math instructions, as PTX pins them (each is one SASS instruction on sm_90:
+// MUFU.LG2, MUFU.EX2, MUFU.SQRT, MUFU.RCP, and FMUL/FADD/FFMA with .FTZ).
+__device__ __forceinline__ float lg2_ftz(float x) { float r; asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r; }
+__device__ __forceinline__ float ex2_ftz(float x) { float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r; }
+__device__ __forceinline__ float sqrt_ftz(float x) { float r; asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r; }
+__device__ __forceinline__ float rcp_ftz(float x) { float r; asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r; }
+__device__ __forceinline__ float mul_ftz(float a, float b) { float r; asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float add_ftz(float a, float b) { float r; asm("add.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float fma_ftz(float a, float b, float c) {
+    float r;
+    asm("fma.rn.ftz.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+    return r;
+}
 
 struct BnbConsts {
     float beta1, beta2, one_minus_beta1, one_minus_beta2, correction2, eps, step_size, decay_factor;
@@ -47,7 +63,18 @@ __device__ __forceinline__ BnbConsts bnb_consts(const Bnb8Piece& pc) {
     c.decay_factor = pc.decay_factor;
     c.flags = pc.flags;
     unsigned long long t = true_step(pc.head);
-    if (t != pc.head.step) {
+    if (pc.flags & FLAG_BNB_ARITH) {
+        // bitsandbytes' step constants, on the device as its kernels take them: __powf as
+        // ex2(step · lg2(β)), the square root and the division approximate, the decay an fma.
+        float step = (float)(int)t;
+        float pow1 = ex2_ftz(mul_ftz(step, lg2_ftz(pc.beta1)));
+        float pow2 = ex2_ftz(mul_ftz(step, lg2_ftz(pc.beta2)));
+        c.one_minus_beta1 = add_ftz(1.0f, -pc.beta1);
+        c.one_minus_beta2 = add_ftz(1.0f, -pc.beta2);
+        c.correction2 = sqrt_ftz(add_ftz(1.0f, -pow2));
+        c.step_size = mul_ftz(mul_ftz(c.correction2, pc.lr), -rcp_ftz(add_ftz(1.0f, -pow1)));
+        c.decay_factor = fma_ftz(-pc.lr, pc.weight_decay, 1.0f);
+    } else if (t != pc.head.step) {
         float correction1 = __fsub_rn(1.0f, (float)pow((double)pc.beta1, (double)(float)t));
         c.correction2 = __fsqrt_rn(__fsub_rn(1.0f, (float)pow((double)pc.beta2, (double)(float)t)));
         c.step_size = __fdiv_rn(__fmul_rn(-pc.lr, c.correction2), correction1);
@@ -177,10 +204,19 @@ __device__ __forceinline__ void qblock_update(const Tensor8& t, const BnbConsts&
         bool in = FULL || (k < 4 ? 0u : 128u) + 4 * lane + (k & 3) < remaining;
         if (in && isfinite(gk)) {
             finite |= 1u << k;
-            float v = __fmul_rn(smem_f[MAP2 + q2[k]], old2);
-            s2[k] = __fadd_rn(__fmul_rn(v, c.beta2), __fmul_rn(__fmul_rn(c.one_minus_beta2, gk), gk));
-            float m = __fmul_rn(smem_f[MAP1 + q1[k]], old1);
-            s1[k] = __fadd_rn(__fmul_rn(m, c.beta1), __fmul_rn(c.one_minus_beta1, gk));
+            if (c.flags & FLAG_BNB_ARITH) {
+                // kOptimizerStatic8bit2StateBlockwise: s1 = fma(g, 1-β1, s1·β1),
+                // s2 = fma(g, (1-β2)·g, s2·β2).
+                float v = mul_ftz(old2, smem_f[MAP2 + q2[k]]);
+                s2[k] = fma_ftz(gk, mul_ftz(c.one_minus_beta2, gk), mul_ftz(v, c.beta2));
+                float m = mul_ftz(old1, smem_f[MAP1 + q1[k]]);
+                s1[k] = fma_ftz(gk, c.one_minus_beta1, mul_ftz(m, c.beta1));
+            } else {
+                float v = __fmul_rn(smem_f[MAP2 + q2[k]], old2);
+                s2[k] = __fadd_rn(__fmul_rn(v, c.beta2), __fmul_rn(__fmul_rn(c.one_minus_beta2, gk), gk));
+                float m = __fmul_rn(smem_f[MAP1 + q1[k]], old1);
+                s1[k] = __fadd_rn(__fmul_rn(m, c.beta1), __fmul_rn(c.one_minus_beta1, gk));
+            }
         }
         max1 = fmaxf(max1, fabsf(s1[k]));
         max2 = fmaxf(max2, fabsf(s2[k]));
@@ -191,21 +227,30 @@ __device__ __forceinline__ void qblock_update(const Tensor8& t, const BnbConsts&
         t.a1[block] = max1;
         t.a2[block] = max2;
     }
-    float inv1 = __fdiv_rn(1.0f, max1), inv2 = __fdiv_rn(1.0f, max2);
+    const bool bnb = (c.flags & FLAG_BNB_ARITH) != 0;
+    float inv1 = bnb ? rcp_ftz(max1) : __fdiv_rn(1.0f, max1), inv2 = bnb ? rcp_ftz(max2) : __fdiv_rn(1.0f, max2);
     float eps2 = __fmul_rn(c.correction2, c.eps);
     unsigned nan1 = smem_u[NAN_CODES], nan2 = smem_u[NAN_CODES + 1];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
         if (finite & (1u << k)) {
-            float x = __fadd_rn(pv[k], __fmul_rn(c.step_size, __fdiv_rn(s1[k], __fadd_rn(__fsqrt_rn(s2[k]), eps2))));
-            if (c.flags & FLAG_DECAY) x = __fmul_rn(x, c.decay_factor);
+            float x;
+            if (bnb) {
+                // p = fma(step_size, s1·rcp(fma(c2, eps, sqrt(s2))), p), then p·(1 - lr·wd).
+                float r = rcp_ftz(fma_ftz(c.correction2, c.eps, sqrt_ftz(s2[k])));
+                x = fma_ftz(c.step_size, mul_ftz(r, s1[k]), pv[k]);
+                if (c.flags & FLAG_DECAY) x = mul_ftz(c.decay_factor, x);
+            } else {
+                x = __fadd_rn(pv[k], __fmul_rn(c.step_size, __fdiv_rn(s1[k], __fadd_rn(__fsqrt_rn(s2[k]), eps2))));
+                if (c.flags & FLAG_DECAY) x = __fmul_rn(x, c.decay_factor);
+            }
             pv[k] = x;
         }
-        unsigned code1 = signed_code(smem_u + BINS1, nan1, __fmul_rn(s1[k], inv1));
+        unsigned code1 = signed_code(smem_u + BINS1, nan1, bnb ? mul_ftz(inv1, s1[k]) : __fmul_rn(s1[k], inv1));
         // The sign guard: map1[code] is negative exactly for codes under 127.
         if ((code1 < 127u) != (__float_as_uint(s1[k]) >> 31)) code1 = (s1[k] > 0.0f ? code1 + 1 : code1 - 1) & 255u;
         q1[k] = code1;
-        q2[k] = unsigned_code(smem_u + BINS2, nan2, __fmul_rn(s2[k], inv2));
+        q2[k] = unsigned_code(smem_u + BINS2, nan2, bnb ? mul_ftz(inv2, s2[k]) : __fmul_rn(s2[k], inv2));
     }
     if (FULL) {
         ((float4*)p)[lane] = make_float4(pv[0], pv[1], pv[2], pv[3]);
@@ -290,6 +335,23 @@ extern "C" __global__ void adam_bnb32_f32(const Bnb8Piece* pieces, unsigned n_pi
     const float* g = (const float*)pc.grad + start;
     float* m = (float*)pc.state1 + start;
     float* v = (float*)pc.state2 + start;
+    if (c.flags & FLAG_BNB_ARITH) {
+        // kOptimizer32bit2State: s2 = fma(s2, β2, (1-β2)·(g·g)), s1 = fma(s1, β1, g·(1-β1)),
+        // p = fma(step_size, s1·rcp(fma(c2, eps, sqrt(s2))), p), then p·(1 - lr·wd).
+        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
+            float gk = g[i];
+            if (scaled) gk = __fdiv_rn(gk, scale);
+            float vv = fma_ftz(v[i], c.beta2, mul_ftz(c.one_minus_beta2, mul_ftz(gk, gk)));
+            float r = rcp_ftz(fma_ftz(c.correction2, c.eps, sqrt_ftz(vv)));
+            float mv = fma_ftz(m[i], c.beta1, mul_ftz(gk, c.one_minus_beta1));
+            float x = fma_ftz(c.step_size, mul_ftz(mv, r), p[i]);
+            if (c.flags & FLAG_DECAY) x = mul_ftz(c.decay_factor, x);
+            m[i] = mv;
+            v[i] = vv;
+            p[i] = x;
+        }
+        return;
+    }
     for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
         float gk = g[i];
         if (scaled) gk = __fdiv_rn(gk, scale);

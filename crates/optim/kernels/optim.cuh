@@ -31,6 +31,7 @@ struct PieceHead {
 #define FLAG_CHANGES_GRAD 16u  // the foreach passes keep the modified gradient in tmp
 #define FLAG_MOMENTUM 32u
 #define FLAG_NESTEROV 64u
+#define FLAG_BNB_ARITH 128u    // 8-bit Adam: bitsandbytes' fast-math arithmetic (adam8bit.cu)
 
 // The index of the piece holding block `block`: pieces are sorted by first_block.
 template <typename Piece>

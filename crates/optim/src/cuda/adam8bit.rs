@@ -55,6 +55,21 @@ pub(crate) fn code_table_bytes() -> Vec<u8> {
     words.iter().flat_map(|w| w.to_le_bytes()).collect()
 }
 
+/// The arithmetic of an 8-bit Adam step on the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Adam8bitMath {
+    /// bitsandbytes' operations in its source's order, each rounded correctly: the same bits on
+    /// the CPU ([`crate::kernels::adam8bit_blockwise`]) and the GPU, within 3e-5 of
+    /// bitsandbytes' own step.
+    #[default]
+    Portable,
+    /// The instructions bitsandbytes 0.50's CUDA build executes (it is compiled with fast math):
+    /// `powf` as `ex2(step · lg2(β))`, approximate square root and reciprocal, its fused
+    /// multiply-adds, denormals flushed, in the same order, so the same bits as
+    /// `bitsandbytes.optim.Adam8bit` on the same GPU. GPU only: no CPU has these instructions.
+    Bitsandbytes,
+}
+
 /// Writes a `Bnb8Piece` (`kernels/adam8bit.cu`): parameter, gradient, the two states and the
 /// two absmax buffers (0 for f32 states).
 fn write_piece(
@@ -63,10 +78,15 @@ fn write_piece(
     head: PieceHead,
     span: [u64; 6],
     grad_scale: Option<f32>,
+    math: Adam8bitMath,
 ) {
     let c = Adam8bitConsts::new(cfg, head.step);
     let piece_flags = super::flags::when(grad_scale.is_some(), super::flags::HOST_SCALED)
-        | super::flags::when(c.decay_factor.is_some(), super::flags::DECAY);
+        | super::flags::when(c.decay_factor.is_some(), super::flags::DECAY)
+        | super::flags::when(
+            math == Adam8bitMath::Bitsandbytes,
+            super::flags::BNB_ARITH,
+        );
     let entry = table.entry(head);
     for address in span {
         entry.u64(address);
@@ -83,7 +103,7 @@ fn write_piece(
         .f32(c.decay_factor.unwrap_or(1.0))
         .f32(grad_scale.unwrap_or(1.0))
         .f32(cfg.lr as f32)
-        .u32(0)
+        .f32(cfg.weight_decay as f32)
         .end(PIECE_SIZE);
 }
 
@@ -186,7 +206,16 @@ fn step(
         &quantized.0,
         BNB_BLOCK_SIZE as u64,
         count_skips,
-        &mut |t, idx, head| write_piece(t, cfg, head, quantized.1[idx], grad_scale),
+        &mut |t, idx, head| {
+            write_piece(
+                t,
+                cfg,
+                head,
+                quantized.1[idx],
+                grad_scale,
+                Adam8bitMath::Portable,
+            )
+        },
     )?;
     let addresses = super::scaling_addresses(scaling);
     launch_blockwise(device, &table, quantized.0.len(), n_blocks, addresses)?;
@@ -195,7 +224,16 @@ fn step(
         &full.0,
         BNB32,
         scaling,
-        &mut |t, idx, head| write_piece(t, cfg, head, full.1[idx], grad_scale),
+        &mut |t, idx, head| {
+            write_piece(
+                t,
+                cfg,
+                head,
+                full.1[idx],
+                grad_scale,
+                Adam8bitMath::Portable,
+            )
+        },
     )
 }
 
@@ -220,12 +258,13 @@ pub struct DeviceAdam8bitParam {
 }
 
 /// bitsandbytes' 8-bit blockwise Adam over a fixed list of device buffers: one launch per step,
-/// the same kernel as the optimizer's 8-bit implementation (bit-identical to
-/// [`crate::kernels::adam8bit_blockwise`]).
+/// the same kernel as the optimizer's 8-bit implementation, in the arithmetic of
+/// [`Adam8bitMath`] (by default bit-identical to [`crate::kernels::adam8bit_blockwise`]).
 #[derive(Debug)]
 pub struct CudaAdam8bit {
     device: CudaDevice,
     params: Vec<DeviceAdam8bitParam>,
+    math: Adam8bitMath,
 }
 
 impl CudaAdam8bit {
@@ -252,7 +291,14 @@ impl CudaAdam8bit {
         Ok(CudaAdam8bit {
             device: CudaDevice::new(backend, 0),
             params: params.to_vec(),
+            math: Adam8bitMath::default(),
         })
+    }
+
+    /// The same optimizer stepping with `math`.
+    pub fn with_math(mut self, math: Adam8bitMath) -> CudaAdam8bit {
+        self.math = math;
+        self
     }
 
     /// 8-bit Adam step number `step` (from 1) on every parameter; `grad_scale` and `found_inf`
@@ -291,12 +337,13 @@ impl CudaAdam8bit {
             return Ok(());
         }
         let geometry = raw_geometry(small.iter().map(|p| p.len), step);
+        let math = self.math;
         let (table, n_blocks) =
             self.device
                 .piece_table(&geometry, BNB32.0, false, &mut |t, idx, head| {
                     let p = &small[idx];
                     let span = [p.param, p.grad, p.state1, p.state2, 0, 0];
-                    write_piece(t, cfg, head, span, None);
+                    write_piece(t, cfg, head, span, None, math);
                 })?;
         let addresses = (scaling.0.unwrap_or(0), scaling.1.unwrap_or(0));
         self.device.run_elementwise(
@@ -317,6 +364,7 @@ impl CudaAdam8bit {
     ) -> Result<(), OptimError> {
         let geometry = raw_geometry(self.params.iter().map(|p| p.len), step);
         let params = &self.params;
+        let math = self.math;
         let (table, n_blocks) = self.device.piece_table(
             &geometry,
             BNB_BLOCK_SIZE as u64,
@@ -324,7 +372,7 @@ impl CudaAdam8bit {
             &mut |t, idx, head| {
                 let p = &params[idx];
                 let span = [p.param, p.grad, p.state1, p.state2, p.absmax1, p.absmax2];
-                write_piece(t, cfg, head, span, None);
+                write_piece(t, cfg, head, span, None, math);
             },
         )?;
         let addresses = (grad_scale.unwrap_or(0), found_inf.unwrap_or(0));

@@ -50,7 +50,7 @@ use headroom_caching_allocator::Allocation;
 use headroom_ops_cuda::{CudaBackend, CudaKernel, KernelArg};
 
 pub use adam::{CudaFusedAdam, DeviceAdamParam, FusedAdamMath};
-pub use adam8bit::{CudaAdam8bit, DeviceAdam8bitParam};
+pub use adam8bit::{Adam8bitMath, CudaAdam8bit, DeviceAdam8bitParam};
 
 use crate::device::DeviceGradScaling;
 use crate::error::OptimError;

@@ -80,6 +80,8 @@ pub(crate) mod flags {
     pub(crate) const CHANGES_GRAD: u32 = 16;
     pub(crate) const MOMENTUM: u32 = 32;
     pub(crate) const NESTEROV: u32 = 64;
+    /// 8-bit Adam in bitsandbytes' own (fast-math) arithmetic (`Adam8bitMath::Bitsandbytes`).
+    pub(crate) const BNB_ARITH: u32 = 128;
 
     /// `flag` when `on`, else 0.
     pub(crate) fn when(on: bool, flag: u32) -> u32 {
