@@ -116,18 +116,29 @@ fn check(tag: &str, cfg: Adam8bitConfig) {
         let keys: &[(&str, usize, usize)] = if *len < MIN_8BIT_SIZE {
             &[("state1", 1, 4), ("state2", 2, 4)]
         } else {
-            &[("state1", 1, 1), ("state2", 2, 1), ("absmax1", 3, 4), ("absmax2", 4, 4)]
+            &[
+                ("state1", 1, 1),
+                ("state2", 2, 1),
+                ("absmax1", 3, 4),
+                ("absmax2", 4, 4),
+            ]
         };
         for &(key, index, width) in keys {
             let expected = &golden[&format!("{tag}.final.{p}.{key}")];
             let n = differing(&down(b[index].address(), expected.len()), expected, width);
-            println!("{tag}: final {p}.{key}: {n} of {} differ", expected.len() / width);
+            println!(
+                "{tag}: final {p}.{key}: {n} of {} differ",
+                expected.len() / width
+            );
             if n != 0 {
                 failures.push(format!("final {p}.{key}: {n}"));
             }
         }
     }
-    assert!(failures.is_empty(), "{tag} against bitsandbytes: {failures:?}");
+    assert!(
+        failures.is_empty(),
+        "{tag} against bitsandbytes: {failures:?}"
+    );
 }
 
 #[test]

@@ -83,10 +83,7 @@ fn write_piece(
     let c = Adam8bitConsts::new(cfg, head.step);
     let piece_flags = super::flags::when(grad_scale.is_some(), super::flags::HOST_SCALED)
         | super::flags::when(c.decay_factor.is_some(), super::flags::DECAY)
-        | super::flags::when(
-            math == Adam8bitMath::Bitsandbytes,
-            super::flags::BNB_ARITH,
-        );
+        | super::flags::when(math == Adam8bitMath::Bitsandbytes, super::flags::BNB_ARITH);
     let entry = table.entry(head);
     for address in span {
         entry.u64(address);
