@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use headroom_ops_cuda::CudaBackend;
 use headroom_optim::cuda::{
-    CudaAdam8bit, CudaFusedAdam, DeviceAdam8bitParam, DeviceAdamParam, FusedAdamMath,
+    Adam8bitMath, CudaAdam8bit, CudaFusedAdam, DeviceAdam8bitParam, DeviceAdamParam, FusedAdamMath,
 };
 use headroom_optim::kernels::{Adam8bitConfig, AdamConfig, WeightDecay};
 use headroom_optim::OptimError;
@@ -174,10 +174,20 @@ pub(crate) struct Adam8bit {
 
 #[pymethods]
 impl Adam8bit {
+    /// `bitsandbytes_arithmetic`: step with bitsandbytes' own (fast-math) instructions,
+    /// `Adam8bitMath::Bitsandbytes`, instead of the portable arithmetic.
     #[new]
-    fn new(device: usize) -> PyResult<Adam8bit> {
+    #[pyo3(signature = (device, bitsandbytes_arithmetic=false))]
+    fn new(device: usize, bitsandbytes_arithmetic: bool) -> PyResult<Adam8bit> {
+        let math = if bitsandbytes_arithmetic {
+            Adam8bitMath::Bitsandbytes
+        } else {
+            Adam8bitMath::Portable
+        };
         // SAFETY: no buffers yet; each step names its own.
-        let inner = unsafe { CudaAdam8bit::new(backend(device)?, &[]) }.map_err(optim_error)?;
+        let inner = unsafe { CudaAdam8bit::new(backend(device)?, &[]) }
+            .map_err(optim_error)?
+            .with_math(math);
         Ok(Adam8bit {
             inner,
             params: Vec::new(),

@@ -3,7 +3,8 @@
 ``Adam``, ``AdamW`` (fused: one kernel launch per step for every parameter, in the arithmetic of
 PyTorch's own ``fused=True`` kernel, so the same bits; Adam's L2 weight decay within a few ulps)
 and ``Adam8bit``,
-``AdamW8bit`` (bitsandbytes' blockwise 8-bit Adam, bit for bit; its state dicts load both ways)
+``AdamW8bit`` (bitsandbytes' blockwise 8-bit Adam within 3e-5 a step, or with its own fast-math
+instructions; its state dicts load both ways)
 run Headroom's CUDA kernels on the parameters' and gradients' own device memory, on torch's
 default stream, and keep their state in torch tensors under PyTorch's (or bitsandbytes') keys,
 so ``state_dict()``, LR schedulers and ``torch.amp.GradScaler`` work as usual.
@@ -89,8 +90,11 @@ class _HeadroomOptimizer(torch.optim.Optimizer):
         index = device.index if device.index is not None else torch.cuda.current_device()
         kernel = self._kernels.get(index)
         if kernel is None:
-            kernel = self._kernels[index] = self._native_class(index)
+            kernel = self._kernels[index] = self._native_class(index, *self._native_args())
         return kernel
+
+    def _native_args(self):
+        return ()
 
     def _sync_steps(self):
         for cache in self._groups.values():
@@ -232,9 +236,10 @@ class _Adam8bitBase(_HeadroomOptimizer):
     _default_decay = 0.0
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None,
-                 min_8bit_size=MIN_8BIT_SIZE):
+                 min_8bit_size=MIN_8BIT_SIZE, *, bitsandbytes_arithmetic=False):
         if weight_decay is None:
             weight_decay = self._default_decay
+        self._bnb_arithmetic = bool(bitsandbytes_arithmetic)
         if min_8bit_size != MIN_8BIT_SIZE:
             raise ValueError(f"{self._who}: only bitsandbytes' default min_8bit_size=4096 is supported")
         if not 0.0 <= lr:
@@ -248,6 +253,9 @@ class _Adam8bitBase(_HeadroomOptimizer):
     @staticmethod
     def _step_value(step):
         return int(step)
+
+    def _native_args(self):
+        return (self._bnb_arithmetic,)
 
     def load_state_dict(self, state_dict):
         """Loads a state dict of this class or of ``bitsandbytes.optim.Adam8bit``/``AdamW8bit``
@@ -331,7 +339,10 @@ class _Adam8bitBase(_HeadroomOptimizer):
 
 class Adam8bit(_Adam8bitBase):
     """``bitsandbytes.optim.Adam8bit`` (blockwise, 256-element blocks, 32-bit state under 4096
-    elements), its update bit for bit and its state dict keys."""
+    elements) and its state dict keys. Its update in bitsandbytes' operations, each rounded
+    correctly: within 3e-5 of bitsandbytes' own step, whose fast-math build rounds some of them
+    approximately; ``bitsandbytes_arithmetic=True`` runs those approximate instructions instead
+    (not yet checked on a GPU against bitsandbytes)."""
 
     _who = "headroom.optim.Adam8bit"
 
