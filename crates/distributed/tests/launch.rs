@@ -43,7 +43,10 @@ fn each_rank_gets_its_environment_and_a_failure_is_the_job_s() {
         "--",
         "sh",
         "-c",
-        "echo $HEADROOM_RANK $HEADROOM_WORLD_SIZE $HEADROOM_LOCAL_RANK; exit $((HEADROOM_RANK == 2 ? 7 : 0))",
+        // Rank 2 fails, which stops the job: it waits first, so that the other ranks have
+        // printed before the launcher ends them (without it, a loaded machine lost rank 1's line).
+        "echo $HEADROOM_RANK $HEADROOM_WORLD_SIZE $HEADROOM_LOCAL_RANK; \
+         if [ $HEADROOM_RANK = 2 ]; then sleep 3; exit 7; fi",
     ]);
     assert_eq!(out.status.code(), Some(7));
     let stdout = String::from_utf8_lossy(&out.stdout);
