@@ -8,6 +8,7 @@
 # or copy `cargo test --release --no-run` executables and target/release/xtask there yourself).
 #
 #   bash scripts/gpu-measure.sh PHASE...      PHASE: tests vit gpt2 fmb planner reclaim noreclaim
+#                                                    plugin
 #
 # tests    every test binary with HEADROOM_REQUIRE_GPU=1 (a skip is a failure)
 # vit      bench-memory, ViT-L/16 at batch 1 and 32, every case, then PyTorch's cases
@@ -19,6 +20,10 @@
 # reclaim  bench-memory with the default allocator against AllocatorConfig::reclaiming()
 # noreclaim the same cases without reclaiming (reclaim_free_pages:False, the default before
 #          reclaim_settles)
+# plugin   the `headroom` wheel in PyTorch trainers (crates/python/bench/run.sh, 200 steps a run):
+#          PLUGIN_DIR holds the wheel (maturin build --release -m crates/python/Cargo.toml) and
+#          bnb.tar.xz (bitsandbytes 0.50 for --target install), copied beside run.sh's scripts.
+#          With PLUGIN_DIR set, fmb's PyTorch side finds bitsandbytes too (its adam8bit case).
 #
 # Output: OUT (default /tmp/gpu-measure) gets one log per phase and the JSON files.
 set -uo pipefail
@@ -28,7 +33,12 @@ mkdir -p "$out"
 bin=.gpu-bundle/bin
 xtask=$bin/xtask
 [[ -x $xtask ]] || { echo "no $xtask: build the bundle first (see the header)" >&2; exit 2; }
-(( $# > 0 )) || { sed -n '2,21p' "$0"; exit 2; }
+(( $# > 0 )) || { sed -n '2,26p' "$0"; exit 2; }
+if [[ -n ${PLUGIN_DIR:-} && -f $PLUGIN_DIR/bnb.tar.xz ]]; then
+  mkdir -p /tmp/headroom-site
+  python3 -c "import bitsandbytes" 2>/dev/null || tar xJf "$PLUGIN_DIR/bnb.tar.xz" -C /tmp/headroom-site
+  export PYTHONPATH=/tmp/headroom-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 failed=0
 step() { # name command...
   local name=$1; shift
@@ -80,7 +90,12 @@ for phase in "$@"; do
       HEADROOM_ALLOC_CONF=reclaim_free_pages:False step reclaim_off "$xtask" bench-memory \
         --device cuda --batch 1 --batch 32 --cases adam_fused,adam_inbwd,adam_ckpt \
         --json "$out/reclaim_off.json" ;;
-    *) echo "unknown phase $phase (tests vit gpt2 fmb planner reclaim noreclaim)" >&2; exit 2 ;;
+    plugin)
+      [[ -n ${PLUGIN_DIR:-} ]] || { echo "plugin: set PLUGIN_DIR (see the header)" >&2; exit 2; }
+      cp crates/python/bench/*.py crates/python/bench/run.sh "$PLUGIN_DIR"/
+      export OUT=$out
+      step plugin bash "$PLUGIN_DIR/run.sh" "$PLUGIN_DIR" 200 ;;
+    *) echo "unknown phase $phase (tests vit gpt2 fmb planner reclaim noreclaim plugin)" >&2; exit 2 ;;
   esac
 done
 echo "$failed step(s) failed; logs in $out"
