@@ -46,7 +46,8 @@ pub(crate) const USAGE: &str =
       bytes. Default model: vit_l_16 on CUDA, vit_mini on the CPU (--seq: tokens a row for
       gpt2, gpt2-medium, gpt2-large). Cases: bench-memory's, adam_auto excepted (default all the
       device runs). --json writes one object per case (case, max_batch, peak_allocated_bytes
-      at that batch, ooms, seconds, every probe); --pytorch reads the JSON lines of
+      at that batch, ooms, seconds, every probe), rewritten after each case (`complete` is
+      true once every case ran); --pytorch reads the JSON lines of
       scripts/pytorch/find_max_batch.py and adds PyTorch's figures.
 ";
 
@@ -205,7 +206,10 @@ fn execute(options: &Options) -> Result<Vec<Found>> {
             profile_ops: None,
         };
         let name = backend.allocator().with_storage(|s| s.device_name());
-        (search_cases(&probe, options, "vit_l_16", true, cap)?, name)
+        let found = search_cases(&probe, options, "vit_l_16", true, cap, &mut |found| {
+            write_json(options, &name, cap, started, found, &pytorch, false)
+        })?;
+        (found, name)
     } else {
         let allocator = CachingAllocator::new(
             HostStorage::with_capacity(cap),
@@ -215,29 +219,50 @@ fn execute(options: &Options) -> Result<Vec<Found>> {
         let probe = Probe::cpu(&cpu);
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let name = format!("CPU backend, {threads} threads");
-        (search_cases(&probe, options, "vit_mini", false, cap)?, name)
+        let found = search_cases(&probe, options, "vit_mini", false, cap, &mut |found| {
+            write_json(options, &name, cap, started, found, &pytorch, false)
+        })?;
+        (found, name)
     };
     println!(
         "find-max-batch on {device_name}: cap {cap_mib} MiB ({cap} B), one step a probe, sizes in \
          decimal GB\n"
     );
     println!("{}", markdown(&found, &pytorch));
-    let seconds = started.elapsed().as_secs_f64();
+    write_json(options, &device_name, cap, started, &found, &pytorch, true)?;
     if let Some(path) = &options.json {
-        let document = json!({
-            "tool": "cargo xtask find-max-batch",
-            "command": options.command,
-            "device_name": device_name,
-            "memory_cap_bytes": cap,
-            "seconds": seconds,
-            "cases": found.iter().map(|f| case_json(f, &pytorch)).collect::<Vec<_>>(),
-        });
-        let text = serde_json::to_string_pretty(&document)?;
-        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
         eprintln!("find-max-batch: wrote {}", path.display());
     }
+    let seconds = started.elapsed().as_secs_f64();
     eprintln!("find-max-batch: {} cases in {seconds:.1} s", found.len());
     Ok(found)
+}
+
+/// Writes `--json`'s document for the cases `found` so far (`complete`: every case asked for);
+/// rewritten after each case, so a run that is stopped early leaves the cases it finished.
+fn write_json(
+    options: &Options,
+    device_name: &str,
+    cap: u64,
+    started: Instant,
+    found: &[Found],
+    pytorch: &[TorchFound],
+    complete: bool,
+) -> Result<()> {
+    let Some(path) = &options.json else {
+        return Ok(());
+    };
+    let document = json!({
+        "tool": "cargo xtask find-max-batch",
+        "command": options.command,
+        "device_name": device_name,
+        "memory_cap_bytes": cap,
+        "seconds": started.elapsed().as_secs_f64(),
+        "complete": complete,
+        "cases": found.iter().map(|f| case_json(f, pytorch)).collect::<Vec<_>>(),
+    });
+    let text = serde_json::to_string_pretty(&document)?;
+    std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
 }
 
 /// `HEADROOM_ALLOC_CONF`'s settings with `per_process_memory_fraction` set to `fraction`.
@@ -254,12 +279,14 @@ fn capped_config(fraction: f64) -> Result<AllocatorConfig> {
     AllocatorConfig::parse(&conf).with_context(|| format!("allocator settings `{conf}`"))
 }
 
+/// Every case asked for, in order; `after_each` sees the results so far after each case.
 fn search_cases<S: Storage>(
     probe: &Probe<'_, S>,
     options: &Options,
     default_model: &str,
     cuda: bool,
     cap: u64,
+    after_each: &mut dyn FnMut(&[Found]) -> Result<()>,
 ) -> Result<Vec<Found>> {
     let model = match options.model {
         Some(model) => model,
@@ -300,6 +327,7 @@ fn search_cases<S: Storage>(
             result.seconds
         );
         found.push(result);
+        after_each(&found)?;
     }
     Ok(found)
 }

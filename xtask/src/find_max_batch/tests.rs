@@ -9,7 +9,8 @@ use headroom_nn::Gpt2Config;
 use headroom_ops_cpu::CpuBackend;
 
 use super::{
-    find_max_batch, is_out_of_memory, markdown, parse, parse_pytorch, search, DeviceChoice, Peaks,
+    execute, find_max_batch, is_out_of_memory, markdown, parse, parse_pytorch, search,
+    DeviceChoice, Peaks,
 };
 use crate::bench_memory::cases::{Case, Probe, Protocol, Training};
 use crate::bench_memory::models::{Arch, Input, Model};
@@ -286,4 +287,39 @@ fn the_command_line_and_pytorchs_lines_are_read() {
         table.contains("| vit_l_16 | adam_fused | 71 | 25.00 | 25.50 | 650.0 | 2 | 0 | 12.0 | 67 | 24.00 | 2 | 30.5 | 1.06 |"),
         "{table}"
     );
+}
+
+#[test]
+fn the_json_is_written_after_every_case() {
+    // Two cases on the CPU under a small cap: the document names both, and says it is complete
+    // (written after each case, so a run stopped early would leave the first one, incomplete).
+    let path = std::env::temp_dir().join(format!("fmb-json-{}.json", std::process::id()));
+    let args: Vec<String> = [
+        "--device",
+        "cpu",
+        "--model",
+        "vit_tiny",
+        "--cases",
+        "sgd,adam_fused",
+        "--memory-cap-mb",
+        "64",
+        "--max-batch",
+        "8",
+        "--json",
+        path.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let found = execute(&parse(&args).unwrap()).unwrap();
+    let document: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(document["complete"], true);
+    let cases = document["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 2);
+    for (case, f) in cases.iter().zip(&found) {
+        assert_eq!(case["case"], f.case.name());
+        assert_eq!(case["max_batch"], f.max_batch);
+    }
 }
