@@ -10,9 +10,9 @@
 //! gradients are set to none, the cache is emptied (each probe starts from the same state, as
 //! the recipe's `empty_cache` does) and the allocator must hold exactly the baseline's bytes:
 //! otherwise the probe leaked, and the command fails naming it. The search ([`search`]) doubles
-//! the batch through the small, cheap batches, then probes where the measured reserved peaks
-//! (linear in the batch) reach the cap, gallops from there until the largest batch that fits
-//! and the smallest that does not are bracketed, and bisects the rest. The result is exact: the
+//! the batch through the small, cheap batches, then probes where the line through the measured
+//! allocated peaks (linear in the batch) reaches the cap, gallops from there until the largest
+//! batch that fits and the smallest that does not are bracketed, and bisects the rest. The result is exact: the
 //! largest batch fits and the next one does not.
 //!
 //! It sits on `bench_memory`'s models, cases and training loop and on the backends' caching
@@ -41,8 +41,9 @@ pub(crate) const USAGE: &str =
                  [--memory-cap-mb N] [--max-batch N] [--json FILE] [--pytorch FILE]
       The largest batch each bench-memory case trains at (one step: forward, backward, optimizer
       step) under a cap of N MiB that the allocator enforces (per_process_memory_fraction;
-      default 24576 on CUDA, 128 on the CPU). Doubling through batch 16, a probe where the measured peaks reach the cap, then galloping and bisection; every
-      out-of-memory error is caught and the allocator must come back to the case's baseline
+      default 24576 on CUDA, 128 on the CPU). Doubling through batch 16, a probe where the
+      line through the measured allocated peaks reaches the cap, then galloping and bisection;
+      every out-of-memory error is caught and the allocator must come back to the case's baseline
       bytes. Default model: vit_l_16 on CUDA, vit_mini on the CPU (--seq: tokens a row for
       gpt2, gpt2-medium, gpt2-large). Cases: bench-memory's, adam_auto excepted (default all the
       device runs). --json writes one object per case (case, max_batch, peak_allocated_bytes
@@ -147,6 +148,10 @@ pub(crate) struct Found {
     pub(crate) ooms: usize,
     /// Every probe, in order.
     pub(crate) probes: Vec<Probed>,
+    /// Each probe's wall time in seconds (input, step, clean-up), in the order of `probes`.
+    pub(crate) probe_seconds: Vec<f64>,
+    /// Wall time of building the model and optimizer.
+    pub(crate) build_seconds: f64,
     /// Wall time of the whole search, model building included.
     pub(crate) seconds: f64,
 }
@@ -344,12 +349,15 @@ pub(crate) fn find_max_batch<S: Storage>(
     let started = Instant::now();
     let allocator = probe.allocator;
     allocator.empty_cache()?;
-    let (max, probes) = {
+    let mut probe_seconds = Vec::new();
+    let (build_seconds, (max, probes)) = {
         let training = Training::new(probe, model, case)
             .with_context(|| format!("{} {}: building the model", model.name, case.name()))?;
+        let build_seconds = started.elapsed().as_secs_f64();
         let mut baseline = None;
         let mut step =
             |batch: usize| -> Result<Option<Peaks>> {
+                let probe_started = Instant::now();
                 let outcome = probe_batch(probe, &training, model, case, batch);
                 // Whatever the step left (gradients of an interrupted backward) goes; the cache too.
                 training.clear_grads()?;
@@ -376,9 +384,10 @@ pub(crate) fn find_max_batch<S: Storage>(
                 case.name(),
                 if peaks.is_some() { "fit" } else { "out of memory" },
             );
+                probe_seconds.push(probe_started.elapsed().as_secs_f64());
                 Ok(peaks)
             };
-        search(cap, max_batch, &mut step)?
+        (build_seconds, search(cap, max_batch, &mut step)?)
     };
     let at_max = probes.iter().find(|p| p.batch == max).and_then(|p| p.peaks);
     Ok(Found {
@@ -390,6 +399,8 @@ pub(crate) fn find_max_batch<S: Storage>(
         step_ms: at_max.map_or(f64::NAN, |p| p.step_ms),
         ooms: probes.iter().filter(|p| p.peaks.is_none()).count(),
         probes,
+        probe_seconds,
+        build_seconds,
         seconds: started.elapsed().as_secs_f64(),
     })
 }
@@ -445,13 +456,23 @@ const DOUBLING_UP_TO: usize = 16;
 /// again through the new probe.
 const MAX_JUMP: usize = 8;
 
-/// An aimed probe's place between the largest fit and the line's answer (or the smallest batch
-/// known not to fit): below the line by more than the line through small batches misses by
-/// (3% of the batch on ViT-L/16's checkpointed cases), so that it fits and the line through
-/// it can be trusted.
-const AIM_BELOW: f64 = 0.9;
+/// A line that reaches the cap within this multiple of the largest batch that fit is probed
+/// where it says. Further out it is aimed below ([`AIM_BELOW`]): on ViT-L/16 (H200, 24 GiB cap)
+/// the line through batches 16 and 128 of the checkpointed cases reaches 6.6 to 6.9 times out
+/// and overshoots by 11 to 25% (the memory a sample costs grows with the batch there), while the
+/// plain cases' line through 8 and 16 reaches 4.4 times out and is exact.
+const DIRECT_REACH: usize = 5;
 
-/// Aimed probes (each with the probe above it when it fits) before galloping or bisection.
+/// An aimed probe's place between the largest fit and a far line's answer (or the smallest batch
+/// known not to fit): below by more than such a line misses, so that the probe fits and the line
+/// through it can be trusted.
+const AIM_BELOW: f64 = 0.7;
+
+/// After a probe at a near line's answer that did not fit, galloping down starts with this
+/// share of the line's reach past the largest fit.
+const GALLOP_DOWN_SHARE: usize = 64;
+
+/// Aimed probes before galloping and bisection.
 const AIM_ROUNDS: usize = 4;
 
 /// The largest batch in `1..=max_batch` for which `fits` returns peaks, given that the
@@ -460,17 +481,18 @@ const AIM_ROUNDS: usize = 4;
 /// The probes at large batches are the costly ones (a step's time grows with the batch), so the
 /// search spends as few as it can there:
 /// 1. doubling from 1 up to [`DOUBLING_UP_TO`] (or the first batch that does not fit);
-/// 2. jumps of at most [`MAX_JUMP`] times the largest fit towards a little below where the line
-///    through the two largest fitting probes' reserved peaks reaches `cap`;
-/// 3. aiming: one probe [`AIM_BELOW`] of the way to where the line reaches the cap, then, while
-///    probes fit, one at the line through them and one above it; after a probe that does not
-///    fit, [`AIM_BELOW`] of the way to it again (at most [`AIM_ROUNDS`] probes);
-/// 4. galloping up (when nothing above is known not to fit), then bisection of what is left.
+/// 2. jumps of at most [`MAX_JUMP`] times the largest fit towards where the line through the
+///    measured peaks ([`predicted`]) reaches `cap`;
+/// 3. aiming: a line that reaches the cap within [`DIRECT_REACH`] times the largest fit is
+///    probed at its answer; a line that reaches further is probed [`AIM_BELOW`] of the way to
+///    it, and after a probe there (fit or not) the line is drawn again (at most [`AIM_ROUNDS`]
+///    probes);
+/// 4. after a probe at the line's answer, galloping away from it (up by 1, 2, 4... when it fit;
+///    down when it did not, from a first step of 1/[`GALLOP_DOWN_SHARE`] of the line's reach)
+///    until the answer is bracketed, then bisection.
 ///
-/// The probes near the answer are the costly ones (a step's time grows with the batch); with a
-/// line that is right within 10%, they are three: the aimed probe, the one at the new line, and
-/// the one above it. Exact when `fits` is
-/// monotone: the result fits and the next batch does not.
+/// With a line that is right to a batch or two, the costly probes are the line's and one or
+/// two next to it. Exact when `fits` is monotone: the result fits and the next batch does not.
 pub(crate) fn search(
     cap: u64,
     max_batch: usize,
@@ -502,9 +524,8 @@ pub(crate) fn search(
     if lo == top {
         return Ok((lo, probes));
     }
-    // 2. Jumps along the line through the two largest fits (twice the largest fit when there is
-    // no line), at most `MAX_JUMP` times the largest fit: a line through small batches may be
-    // far off.
+    // 2. Jumps along the line (twice the largest fit when there is no line), at most `MAX_JUMP`
+    // times the largest fit: a line through small batches may be far off.
     loop {
         if aim_below(lo, predicted(&probes, cap).unwrap_or(2 * lo)) <= MAX_JUMP * lo {
             break;
@@ -519,42 +540,59 @@ pub(crate) fn search(
             return Ok((lo, probes));
         }
     }
-    // 3. Aiming: a probe a little below where the line reaches the cap (a line through small
-    // batches overshoots as often as it undershoots, and a probe that does not fit tells nothing
-    // about the slope), then, when it fits, at the line through it, which is close to the answer
-    // and usually exact: the answer is found by the probe there and the one above it. After a
-    // probe that does not fit, the next aims below again, between the last fit and it. At most
-    // `AIM_ROUNDS` rounds, then galloping or bisection.
-    let mut below = true;
+    // 3. Aiming. A probe at a near line's answer ends the aiming: the answer is next to it. A far
+    // line is aimed below, because it overshoots as often as it undershoots and a probe that
+    // does not fit tells nothing about the slope; the next line goes through that probe.
+    // `at_line`: the last probe was at a near line's answer, and whether it fit.
+    let mut at_line = None;
+    // How far the last line reached past the largest fit.
+    let mut reach = 0;
     for _ in 0..AIM_ROUNDS {
         let upper = hi.map_or(top, |hi| hi - 1);
         if lo >= upper {
             break;
         }
-        let line = predicted(&probes, cap).unwrap_or(2 * lo).min(upper);
-        let at = if below { aim_below(lo, line) } else { line }.clamp(lo + 1, upper);
-        if !probe(at, &mut probes)? {
+        let line = predicted(&probes, cap).unwrap_or(2 * lo);
+        let near = line <= DIRECT_REACH * lo;
+        let at = if near {
+            line
+        } else {
+            aim_below(lo, line.min(upper))
+        }
+        .clamp(lo + 1, upper);
+        reach = at - lo;
+        let fit = probe(at, &mut probes)?;
+        if fit {
+            lo = at;
+        } else {
             hi = Some(at);
-            below = true;
-            continue;
         }
-        lo = at;
-        if below || at == upper {
-            below = false;
-            continue;
-        }
-        if !probe(at + 1, &mut probes)? {
-            hi = Some(at + 1);
+        if near {
+            at_line = Some(fit);
             break;
         }
-        lo = at + 1;
     }
     let top = hi.map_or(top, |hi| hi - 1);
     if lo >= top {
         return Ok((lo, probes));
     }
-    // Galloping up while probes fit, when nothing above is known not to.
-    if hi.is_none() {
+    // 4. Galloping away from the line's answer (or up from the largest fit when nothing above is
+    // known not to fit), then bisection.
+    if at_line == Some(false) {
+        // A line misses by a share of how far it reached: the first step down is 1/64 of that.
+        let mut step = (reach / GALLOP_DOWN_SHARE).max(1);
+        while let Some(next) = hi
+            .and_then(|hi| hi.checked_sub(step))
+            .filter(|&next| next > lo)
+        {
+            if probe(next, &mut probes)? {
+                lo = next;
+                break;
+            }
+            hi = Some(next);
+            step *= 2;
+        }
+    } else if at_line == Some(true) || hi.is_none() {
         let mut step = 1;
         while lo < top {
             let next = (lo + step).min(top);
@@ -566,10 +604,9 @@ pub(crate) fn search(
             step *= 2;
         }
     }
-    let Some(mut hi) = hi.filter(|_| lo < top) else {
+    let Some(mut hi) = hi.filter(|&hi| lo + 1 < hi) else {
         return Ok((lo, probes));
     };
-    // 4. Bisection.
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
         if probe(mid, &mut probes)? {
@@ -586,22 +623,37 @@ fn aim_below(lo: usize, line: usize) -> usize {
     lo + (line.saturating_sub(lo) as f64 * AIM_BELOW) as usize
 }
 
-/// The batch at which the line through the two largest fitting probes' reserved peaks reaches
-/// `cap` (rounded down); `None` with fewer than two, or peaks that do not grow with the batch.
+/// The smallest share of the largest fitting batch by which the line's other point lies below it:
+/// peaks of neighbouring batches differ by little more than the allocator's rounding, which
+/// makes their slope noise.
+const LINE_SPAN: f64 = 0.9;
+
+/// The batch at which the line through two fitting probes' allocated peaks reaches `cap`
+/// (rounded down): the largest fit and the largest one at most [`LINE_SPAN`] of its batch (the
+/// largest below it when none is that far). `None` with fewer than two fits, or peaks that do
+/// not grow with the batch.
+///
+/// Allocated peaks, not reserved ones: they are linear in the batch, while what the allocator
+/// reserves over them varies from probe to probe with where its free pages lie (on ViT-L/16
+/// under a 24 GiB cap, 20 MB to 470 MB), and the allocator moves free pages before it fails.
 fn predicted(probes: &[Probed], cap: u64) -> Option<usize> {
     let mut fitting: Vec<(usize, u64)> = probes
         .iter()
-        .filter_map(|p| p.peaks.map(|peaks| (p.batch, peaks.reserved)))
+        .filter_map(|p| p.peaks.map(|peaks| (p.batch, peaks.allocated)))
         .collect();
     fitting.sort_unstable();
-    let [.., (b1, r1), (b2, r2)] = fitting[..] else {
-        return None;
-    };
-    if r2 <= r1 {
+    fitting.dedup_by_key(|(batch, _)| *batch);
+    let (&(b2, a2), below) = fitting.split_last()?;
+    let &(b1, a1) = below
+        .iter()
+        .rev()
+        .find(|(b, _)| (*b as f64) <= LINE_SPAN * b2 as f64)
+        .or(below.last())?;
+    if a2 <= a1 {
         return None;
     }
-    let per_sample = (r2 - r1) as f64 / (b2 - b1) as f64;
-    let room = cap.saturating_sub(r2) as f64;
+    let per_sample = (a2 - a1) as f64 / (b2 - b1) as f64;
+    let room = cap.saturating_sub(a2) as f64;
     Some(b2 + (room / per_sample).floor() as usize)
 }
 
@@ -713,9 +765,11 @@ fn case_json(f: &Found, pytorch: &[TorchFound]) -> Value {
         "step_ms": f.step_ms,
         "ooms": f.ooms,
         "seconds": f.seconds,
-        "probes": f.probes.iter().map(|p| json!({
+        "build_seconds": f.build_seconds,
+        "probes": f.probes.iter().zip(f.probe_seconds.iter().map(Some).chain(std::iter::repeat(None))).map(|(p, seconds)| json!({
             "batch": p.batch,
             "fits": p.peaks.is_some(),
+            "seconds": seconds,
             "peak_allocated_bytes": p.peaks.map(|x| x.allocated),
             "peak_reserved_bytes": p.peaks.map(|x| x.reserved),
         })).collect::<Vec<_>>(),

@@ -149,3 +149,40 @@ fn the_mini_vit_has_the_documented_size() {
     let images = Tensor::zeros(&cpu, &[2, 3, 64, 64], DType::F32).unwrap();
     assert_eq!(model.forward(&images).unwrap().shape(), [2, 1000]);
 }
+
+#[test]
+fn parameters_drawn_across_threads_equal_the_sequential_draws() {
+    use headroom_autograd_core::uniform;
+    use headroom_nn::{parameter, Init};
+    let cpu = CpuBackend::new_ref();
+    // Large enough to be split across rayon's threads; each element must still be the
+    // closed-form draw of its own index.
+    let numel = 200_003;
+    let generator = Generator::new(11);
+    generator.advance(5);
+    let normal = Init::Normal {
+        mean: 0.5,
+        std: 0.02,
+    };
+    let drawn = parameter(&cpu, &[numel], DType::F32, normal, &generator).unwrap();
+    let uniform_bf16 = Init::Uniform {
+        low: -0.1,
+        high: 0.3,
+    };
+    let drawn_bf16 = parameter(&cpu, &[numel], DType::BF16, uniform_bf16, &generator).unwrap();
+    assert_eq!(generator.state().offset, 5 + 3 * numel as u64);
+    let normal_at = |i: u64| {
+        let u1 = 1.0 - uniform(11, 5 + 2 * i);
+        let u2 = uniform(11, 5 + 2 * i + 1);
+        0.5 + 0.02 * (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    };
+    let want: Vec<f64> = (0..numel as u64)
+        .map(|i| normal_at(i) as f32 as f64)
+        .collect();
+    assert_eq!(drawn.to_vec_f64().unwrap(), want);
+    let offset = 5 + 2 * numel as u64;
+    let want_bf16: Vec<f64> = (0..numel as u64)
+        .map(|i| half::bf16::from_f64(-0.1 + 0.4 * uniform(11, offset + i)).to_f64())
+        .collect();
+    assert_eq!(drawn_bf16.to_vec_f64().unwrap(), want_bf16);
+}

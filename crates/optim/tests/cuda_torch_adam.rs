@@ -132,10 +132,12 @@ fn torch_math_equals_torch_fused_adam_bit_for_bit() {
             checks.push(("max_exp_avg_sq", 3));
         }
         // Adam with L2 decay (`grad += param * weight_decay`) is the one configuration this
-        // kernel does not reproduce to the bit: on the H200 at 2485050 the parameter was 84 of
-        // 1,027 elements apart, by up to 28 ulps, after 20 steps of weight decay 0.1 (neither
-        // contraction of that line matches; a CPU model of both is in the issue notes). It is
-        // held to 1e-5 relative until found. Every other configuration is bit for bit.
+        // kernel does not reproduce to the bit: on the H200 (2485050, 120128b) the parameter
+        // was 84 of 1,027 elements apart, by up to 28 ulps, after 20 steps of weight decay 0.1,
+        // and exp_avg 122 (205 ulps on an element near zero); neither contraction of that line
+        // matches, nor the decay in double. Measured against each tensor's largest magnitude
+        // the differences are below 9e-8 (a CPU model of the kernel gives the same elements):
+        // it is held to 1e-6 of that until found. Every other configuration is bit for bit.
         let l2 = cfg.decay == WeightDecay::L2 && cfg.weight_decay != 0.0;
         for (key, index) in checks {
             let expected = golden.get(&format!("{name}.{key}.{STEPS}"));
@@ -157,17 +159,21 @@ fn torch_math_equals_torch_fused_adam_bit_for_bit() {
                 .map(|(&g, &e)| ulps(g, e))
                 .max()
                 .unwrap_or(0);
-            let worst_relative = got
+            let scale = expected
+                .iter()
+                .map(|e| f64::from(*e).abs())
+                .fold(0.0, f64::max);
+            let worst_of_scale = got
                 .iter()
                 .zip(expected)
-                .map(|(&g, &e)| (f64::from(g) - f64::from(e)).abs() / f64::from(e).abs().max(1e-30))
+                .map(|(&g, &e)| (f64::from(g) - f64::from(e)).abs() / scale.max(1e-30))
                 .fold(0.0, f64::max);
             println!(
                 "{name}: {key}: {differing} of {n} elements differ, at most {worst_ulps} ulps \
-                 ({worst_relative:.2e} relative)"
+                 ({worst_of_scale:.2e} of the largest magnitude)"
             );
             let ok = if l2 {
-                worst_relative <= 1e-5
+                worst_of_scale <= 1e-6
             } else {
                 differing == 0
             };

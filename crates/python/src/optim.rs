@@ -175,9 +175,10 @@ pub(crate) struct Adam8bit {
 #[pymethods]
 impl Adam8bit {
     /// `bitsandbytes_arithmetic`: step with bitsandbytes' own (fast-math) instructions,
-    /// `Adam8bitMath::Bitsandbytes`, instead of the portable arithmetic.
+    /// `Adam8bitMath::Bitsandbytes` (the default, bitwise equal to bitsandbytes), or with the
+    /// portable, correctly rounded arithmetic.
     #[new]
-    #[pyo3(signature = (device, bitsandbytes_arithmetic=false))]
+    #[pyo3(signature = (device, bitsandbytes_arithmetic=true))]
     fn new(device: usize, bitsandbytes_arithmetic: bool) -> PyResult<Adam8bit> {
         let math = if bitsandbytes_arithmetic {
             Adam8bitMath::Bitsandbytes

