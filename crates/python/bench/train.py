@@ -2,7 +2,7 @@
 under PyTorch's native allocator, its expandable segments, or Headroom's allocator; prints one
 JSON line: losses (as float bits), median step ms, peak reserved and allocated bytes.
 
-    python3 train.py --model vit|gpt2 --alloc native|expandable|headroom --steps 200
+    python3 train.py --model vit|gpt2 --alloc native|expandable|headroom --steps 200 [--conf S]
 """
 
 import argparse
@@ -16,6 +16,7 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("--model", choices=["vit", "gpt2"], required=True)
 parser.add_argument("--alloc", choices=["native", "expandable", "headroom"], required=True)
 parser.add_argument("--steps", type=int, default=200)
+parser.add_argument("--conf", default="", help="settings for headroom.cuda.use_allocator (--alloc headroom)")
 args = parser.parse_args()
 
 if args.alloc == "expandable":
@@ -27,7 +28,7 @@ import torch  # noqa: E402
 if args.alloc == "headroom":
     import headroom.cuda
 
-    headroom.cuda.use_allocator()
+    headroom.cuda.use_allocator(args.conf)
 
 # Every op deterministic (PyTorch raises where one has no deterministic kernel), so that two runs
 # differ only by their allocator: with warn_only=True, SDPA's memory-efficient backward (the fp32
@@ -85,13 +86,16 @@ for step in range(args.steps):
 if args.alloc == "headroom":
     stats = headroom.cuda.memory_stats()
     peak_reserved, peak_alloc = stats["reserved_bytes.all.peak"], stats["allocated_bytes.all.peak"]
+    counters = {k: v for k, v in stats.items() if k.startswith("num_")}
 else:
+    counters = {k: v for k, v in torch.cuda.memory_stats().items() if k.startswith("num_")}
     peak_reserved, peak_alloc = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
 timed = sorted(times[3:]) if len(times) > 3 else sorted(times)
 print(json.dumps({
     "model": args.model, "alloc": args.alloc, "steps": args.steps,
     "median_step_ms": timed[len(timed) // 2], "mean_step_ms": sum(timed) / len(timed),
     "peak_reserved": peak_reserved, "peak_allocated": peak_alloc, "loss_bits": losses,
+    "conf": args.conf, "counters": counters, "times_ms": [round(t, 3) for t in times],
     "last_loss": struct.unpack("<f", struct.pack("<I", losses[-1]))[0],
 }))
 sys.stdout.flush()
