@@ -12,8 +12,8 @@
 //! otherwise the probe leaked, and the command fails naming it. The search ([`search`]) doubles
 //! the batch through the small, cheap batches, then probes where the line through the measured
 //! allocated peaks (linear in the batch) reaches the cap, gallops from there until the largest
-//! batch that fits and the smallest that does not are bracketed, and bisects the rest. The result is exact: the
-//! largest batch fits and the next one does not.
+//! batch that fits and the smallest that does not are bracketed, and bisects the rest. The
+//! result is exact: the largest batch fits and the next one does not.
 //!
 //! It sits on `bench_memory`'s models, cases and training loop and on the backends' caching
 //! allocators; it knows nothing about how `bench-memory` reports.
@@ -579,7 +579,7 @@ pub(crate) fn search(
     // 4. Galloping away from the line's answer (or up from the largest fit when nothing above is
     // known not to fit), then bisection.
     if at_line == Some(false) {
-        // A line misses by a share of how far it reached: the first step down is 1/64 of that.
+        // A line misses by a share of how far it reached: the first step down is that share.
         let mut step = (reach / GALLOP_DOWN_SHARE).max(1);
         while let Some(next) = hi
             .and_then(|hi| hi.checked_sub(step))
