@@ -66,7 +66,9 @@ pub enum Adam8bitMath {
     /// The instructions bitsandbytes 0.50's CUDA build executes (it is compiled with fast math):
     /// `powf` as `ex2(step · lg2(β))`, approximate square root and reciprocal, its fused
     /// multiply-adds, denormals flushed, in the same order, so the same bits as
-    /// `bitsandbytes.optim.Adam8bit` on the same GPU. GPU only: no CPU has these instructions.
+    /// `bitsandbytes.optim.Adam8bit` on the same GPU (on an H200 against bitsandbytes 0.50.2:
+    /// every ViT-L/16 parameter after 20 steps, and `tests/cuda_bnb_adam8bit.rs`'s golden data).
+    /// GPU only: no CPU has these instructions.
     Bitsandbytes,
 }
 
