@@ -708,3 +708,58 @@ fn statistics_flatten_and_reset_like_pytorch() {
     allocator.free(b).unwrap();
     assert_eq!(allocator.memory_stats().allocated_bytes.all.freed, 1024);
 }
+
+/// The default policy's reclaim waits for the device only when a page it moves may still be in
+/// use: pages of blocks freed before a free-epoch mark that has passed (every 64 frees, an
+/// event on each stream) move at once, those of a block freed since wait, as before.
+#[test]
+fn reclaims_move_pages_the_device_is_done_with_without_waiting() {
+    for marks_passed in [true, false] {
+        let storage = SimulatedStorage::new(H200_BYTES);
+        let events = storage.event_control();
+        let allocator = CachingAllocator::new(storage, AllocatorConfig::default());
+        let stream = StreamId::DEFAULT;
+        // A small block stays live, so that the small pool's page is never wholly free.
+        let small_live = allocator.allocate(4096, stream).unwrap();
+        let a = allocator.allocate(64 * MIB, stream).unwrap();
+        let b = allocator.allocate(64 * MIB, stream).unwrap();
+        allocator.free(a).unwrap();
+        // 64 frees close the free epoch in which `a` was freed.
+        for _ in 0..64 {
+            let small = allocator.allocate(4096, stream).unwrap();
+            allocator.free(small).unwrap();
+        }
+        assert!(events.n_pending() >= 1, "no mark was recorded");
+        if marks_passed {
+            events.complete_all();
+        }
+        let reserved = allocator.memory_reserved();
+        // 96 MiB fits no free block, and mapping it would take reserved memory 65 MiB over the
+        // ceiling (the new live peak, 160 MiB, plus 0.5%): `a`'s 64 MiB of pages move.
+        let c = allocator.allocate(96 * MIB, stream).unwrap();
+        let stats = allocator.memory_stats();
+        assert_eq!(
+            stats.num_sync_all_streams,
+            if marks_passed { 0 } else { 1 },
+            "marks passed: {marks_passed}"
+        );
+        assert!(
+            allocator.memory_reserved() < reserved + 96 * MIB,
+            "no pages moved: {} B reserved",
+            allocator.memory_reserved()
+        );
+        allocator.check_invariants().unwrap();
+        allocator.free(b).unwrap();
+        allocator.free(c).unwrap();
+        allocator.free(small_live).unwrap();
+    }
+    // PyTorch's policies record no marks.
+    let storage = SimulatedStorage::new(H200_BYTES);
+    let events = storage.event_control();
+    let allocator = CachingAllocator::new(storage, AllocatorConfig::pytorch_expandable());
+    for _ in 0..200 {
+        let small = allocator.allocate(4096, StreamId::DEFAULT).unwrap();
+        allocator.free(small).unwrap();
+    }
+    assert_eq!(events.n_pending(), 0);
+}

@@ -133,6 +133,7 @@ impl<S: Storage> State<S> {
             stream_uses: SmallVec::new(),
             gc_base: 0,
             frames: None,
+            freed_in: self.epochs.current(),
         });
         self.insert_unmapped(id);
         Ok(())

@@ -93,7 +93,9 @@ impl<S: Storage> State<S> {
                 net_bytes -= subsumed as i64;
             }
         }
+        self.block_mut(id).freed_in = self.epochs.current();
         self.insert_free(id);
+        self.count_free_in_epoch();
         let b = self.block(id);
         if b.segment == SegmentKind::Classic {
             if b.is_split() {
@@ -145,7 +147,9 @@ impl<S: Storage> State<S> {
                 self.block_mut(src.next).prev = target;
             }
         }
-        self.block_mut(target).size += src.size;
+        let t = self.block_mut(target);
+        t.size += src.size;
+        t.freed_in = t.freed_in.max(src.freed_in);
         self.drop_block(source);
         src.size
     }

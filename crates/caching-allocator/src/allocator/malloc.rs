@@ -222,6 +222,7 @@ impl<S: Storage> State<S> {
             stream_uses: SmallVec::new(),
             gc_base: 0,
             frames: None,
+            freed_in: self.epochs.current(),
         });
         self.stats.segment.update(pool, 1);
         self.stats.reserved_bytes.update(pool, alloc_size as i64);
@@ -263,13 +264,21 @@ impl<S: Storage> State<S> {
             && self.raises_reclaim_ceiling(&run, size)
             && self.reclaimable_bytes(&run) > 0
         {
-            self.synchronize_and_free_events()?;
-            self.storage.synchronize_device()?;
-            // Completed frees may have merged blocks of the run with their neighbours.
-            let Some(fresh) = self.expandable_run(pool, stream, size)? else {
-                return Ok(None);
-            };
-            run = fresh;
+            // The device is waited for only when it must be: when frees wait for other streams'
+            // events (completing them can merge blocks and change the choice), or when a page
+            // the reclaim takes belongs to a block freed in an epoch that has not passed
+            // ([`super::free_epochs`]). Otherwise the same pages move at once.
+            self.note_passed_marks();
+            let mut waited = false;
+            if self.pending.values().any(|queue| !queue.is_empty()) {
+                self.wait_for_device()?;
+                waited = true;
+                // Completed frees may have merged blocks of the run with their neighbours.
+                let Some(fresh) = self.expandable_run(pool, stream, size)? else {
+                    return Ok(None);
+                };
+                run = fresh;
+            }
             let to_map = self.bytes_to_map(&run, size);
             let reserved = self.stats.reserved_bytes.all.current as u64;
             let ceiling = self.reclaim_ceiling(size);
@@ -279,7 +288,14 @@ impl<S: Storage> State<S> {
                     let min_raise = RECLAIM_MIN_RAISE_PAGES * self.config.expandable_page_size;
                     self.reclaim_allowance = ceiling + (excess / 2).max(min_raise.min(excess));
                 }
-                self.reclaim_free_pages(excess, &run, pool)?;
+                let selection = self.reclaim_selection(excess, &run);
+                let ready = selection
+                    .iter()
+                    .all(|&(_, id, _)| self.epochs.has_passed(self.block(id).freed_in));
+                if !waited && !ready {
+                    self.wait_for_device()?;
+                }
+                self.reclaim_free_pages(&selection, pool)?;
                 let Some(fresh) = self.expandable_run(pool, stream, size)? else {
                     return Ok(None);
                 };
@@ -287,6 +303,15 @@ impl<S: Storage> State<S> {
             }
         }
         self.map_block(&run, size)
+    }
+
+    /// Waits for every stream's work and completes every pending free: after it, every free
+    /// page can be unmapped.
+    fn wait_for_device(&mut self) -> Result<(), AllocError> {
+        self.synchronize_and_free_events()?;
+        self.storage.synchronize_device()?;
+        self.note_device_idle();
+        Ok(())
     }
 
     /// With `reclaim_settles`: when mapping the pages `run` lacks for `size` bytes would raise

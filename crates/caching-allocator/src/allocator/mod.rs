@@ -27,13 +27,16 @@
 //! and merging), `stream_events` (`record_stream` and the frees that wait for events),
 //! `release` (`empty_cache`, the ladder's release steps, garbage collection, which free pages to
 //! reclaim), `expandable` (the run of blocks a request takes, mapping and unmapping the pages
-//! of expandable segments) and `introspection` (statistics,
-//! summaries, snapshots, history settings and the invariant check). A submodule uses the types
-//! here and calls only the steps its own header names; no two submodules call each other. This
+//! of expandable segments), `free_epochs` (which free pages the device is done with: `free`
+//! counts into it, reclaims read it, waits for the device reset it) and `introspection`
+//! (statistics, summaries, snapshots, history settings and the invariant check). A submodule
+//! uses the types here and calls only the steps its own header names; apart from
+//! `free_epochs`, which the others call, no two submodules call each other. This
 //! module knows nothing about tensors and nothing about how a storage obtains memory.
 
 mod expandable;
 mod free;
+mod free_epochs;
 mod introspection;
 mod malloc;
 mod release;
@@ -52,6 +55,7 @@ use crate::history::{ContextStack, History};
 use crate::snapshot::{BlockState, Frames, TraceAction, TraceEntry};
 use crate::stats::{MemoryStats, PoolKind};
 use crate::storage::{EventId, Storage, StreamId};
+use free_epochs::FreeEpochs;
 
 /// Segment size of the small pool, and page size of its expandable segments.
 const SMALL_BUFFER: u64 = 2 << 20;
@@ -169,6 +173,7 @@ impl<S: Storage> CachingAllocator<S> {
             allocated_high_water: 0,
             reclaim_allowance: 0,
             reclaim_lent: [0, 0],
+            epochs: FreeEpochs::new(),
             history: History::default(),
             context: ContextStack::default(),
         };
@@ -234,6 +239,8 @@ struct Block {
     stream_uses: SmallVec<[StreamId; 2]>,
     gc_base: u64,
     frames: Option<Frames>,
+    /// The free epoch ([`free_epochs`]) in which the block was last freed, or made.
+    freed_in: u64,
 }
 
 impl Block {
@@ -254,6 +261,7 @@ impl Block {
             stream_uses: SmallVec::new(),
             gc_base: self.gc_base,
             frames: None,
+            freed_in: self.freed_in,
         }
     }
 
@@ -348,6 +356,8 @@ struct State<S> {
     /// is reclaimed for it, so pages that a loop's steps move from one pool to the other and
     /// back move once.
     reclaim_lent: [u64; 2],
+    /// With `reclaim_free_pages`: the epochs of frees, and which the device is done with.
+    epochs: FreeEpochs,
     history: History,
     context: ContextStack,
 }

@@ -56,6 +56,7 @@ impl<S: Storage> State<S> {
                     if !synchronized {
                         // Unmapping does not wait for queued work that may still use the pages.
                         self.storage.synchronize_device()?;
+                        self.note_device_idle();
                         synchronized = true;
                     }
                     self.unmap_block(id, segment)?;
@@ -130,11 +131,34 @@ impl<S: Storage> State<S> {
             .sum()
     }
 
-    /// Unmaps the whole pages of available blocks of expandable segments (any pool, any
-    /// stream), those with the most pages first, until `bytes` are released; the blocks of
-    /// `keep` are left alone. Returns the bytes released. The caller has waited for the device
-    /// (`synchronize_device`): unmapping does not wait for queued work that may still use the
-    /// pages.
+    /// The blocks whose whole pages a reclaim of `bytes` unmaps, as (whole-page bytes, block,
+    /// segment): available blocks of expandable segments (any pool, any stream) outside `keep`,
+    /// those with the most pages first (by address among equals, so that the choice is
+    /// deterministic), until their pages cover `bytes`.
+    pub(super) fn reclaim_selection(
+        &self,
+        bytes: u64,
+        keep: &[BlockId],
+    ) -> Vec<(u64, BlockId, u32)> {
+        let mut candidates = self.reclaim_candidates(keep);
+        candidates.sort_unstable_by_key(|&(pages, id, _)| {
+            (std::cmp::Reverse(pages), self.block(id).address)
+        });
+        let mut released = 0;
+        candidates
+            .into_iter()
+            .take_while(|&(pages, _, _)| {
+                let more = released < bytes;
+                released += pages;
+                more
+            })
+            .collect()
+    }
+
+    /// Unmaps the whole pages of the blocks of `selection` ([`State::reclaim_selection`]).
+    /// Returns the bytes released. Unmapping does not wait for queued work that may still use
+    /// the pages: the caller has waited for the device (`synchronize_device`), or every block
+    /// of the selection was freed in a free epoch that has passed ([`super::free_epochs`]).
     ///
     /// This is how the default policy keeps reserved memory near the live bytes: `malloc` calls
     /// it when a request would raise reserved memory above the reclaim ceiling, so pages move
@@ -146,20 +170,11 @@ impl<S: Storage> State<S> {
     /// again, it gets that much ceiling back without a reclaim.
     pub(super) fn reclaim_free_pages(
         &mut self,
-        bytes: u64,
-        keep: &[BlockId],
+        selection: &[(u64, BlockId, u32)],
         pool: PoolKind,
     ) -> Result<u64, AllocError> {
-        let mut candidates = self.reclaim_candidates(keep);
-        // Largest first; by address among equals, so that the choice is deterministic.
-        candidates.sort_unstable_by_key(|&(pages, id, _)| {
-            (std::cmp::Reverse(pages), self.block(id).address)
-        });
         let mut released = 0;
-        for (pages, id, segment) in candidates {
-            if released >= bytes {
-                break;
-            }
+        for &(pages, id, segment) in selection {
             let from = self.block(id).pool;
             self.unmap_block(id, segment)?;
             if self.config.reclaim_settles && from != pool {
