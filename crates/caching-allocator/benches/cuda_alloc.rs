@@ -3,7 +3,8 @@
 //! one stream), and the caching allocator over `CudaStorage`. Before the criterion groups it
 //! prints what mapping and unmapping pages costs (the expandable-segment path) for 2 MiB, 20 MiB
 //! and 2 GiB, with one handle per granularity chunk (what `CudaStorage` does) and with one handle
-//! for the whole range (the lower bound).
+//! for the whole range (the lower bound); then what each driver call of a map costs, and whether
+//! threads that map in parallel go faster.
 //!
 //! Run: `cargo bench -p headroom-caching-allocator --features cuda --bench cuda_alloc`.
 //! Without a CUDA device it prints a skip notice and exits with success.
@@ -14,8 +15,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, Throughput};
 use cudarc::driver::{result, sys, CudaContext};
 use headroom_caching_allocator::{
-    AllocatorConfig, CachingAllocator, CudaStorage, CudaStorageOptions, Storage, StorageError,
-    StreamId,
+    AllocatorConfig, CachingAllocator, CudaStorage, MappingUnits, Storage, StorageError, StreamId,
 };
 use headroom_testkit::gpu::cuda_or_skip;
 
@@ -32,14 +32,14 @@ fn main() {
         println!("map/unmap timing failed: {err}");
     }
     drop(storage);
-    let options = CudaStorageOptions {
-        handle_size: Some(20 * MIB),
-        ..CudaStorageOptions::default()
-    };
-    if let Some(mut storage) = cuda_or_skip(CudaStorage::with_options(0, options)) {
+    if let Some(mut storage) = cuda_or_skip(CudaStorage::new(0)) {
         if let Err(err) = print_large_handle_costs(&mut storage) {
             println!("20 MiB-handle timing failed: {err}");
         }
+    }
+
+    if let Err(err) = print_handle_phase_costs() {
+        println!("handle phase timing failed: {err}");
     }
 
     let mut criterion = Criterion::default().configure_from_args();
@@ -63,7 +63,7 @@ fn print_map_costs(storage: &mut CudaStorage) -> Result<(), StorageError> {
     }
     let granularity = storage.page_granularity();
     let reserved = 4 * GIB;
-    let base = storage.reserve_address_space(reserved, granularity)?;
+    let base = storage.reserve_address_space(reserved, MappingUnits::pages(granularity))?;
     println!("granularity: {granularity} bytes");
     println!(
         "{:>8} {:>8} {:>14} {:>14} {:>16} {:>16}",
@@ -100,14 +100,14 @@ fn print_map_costs(storage: &mut CudaStorage) -> Result<(), StorageError> {
     storage.release_address_space(base, reserved)
 }
 
-/// Times `map` + `unmap` through a storage whose `handle_size` is 20 MiB (PyTorch's large-pool
-/// page, one handle each).
+/// Times `map` + `unmap` of a reservation mapped in 20 MiB pages (PyTorch's large-pool page),
+/// one handle each.
 fn print_large_handle_costs(storage: &mut CudaStorage) -> Result<(), StorageError> {
     if !storage.supports_expandable_segments() {
         return Ok(());
     }
     let reserved = 4 * GIB;
-    let base = storage.reserve_address_space(reserved, 20 * MIB)?;
+    let base = storage.reserve_address_space(reserved, MappingUnits::pages(20 * MIB))?;
     println!(
         "{:>8} {:>8} {:>14} {:>14}  (20 MiB pages, one handle each)",
         "size", "handles", "map us", "unmap us"
@@ -189,6 +189,154 @@ fn single_handle_map_unmap(
         check("cuMemRelease", sys::cuMemRelease(handle))?;
     }
     Ok((map, start.elapsed()))
+}
+
+/// What each driver call of a 2 GiB map in 2 MiB handles costs (all `cuMemCreate`s, then all
+/// `cuMemMap`s, all `cuMemRelease`s, one `cuMemSetAccess`, all `cuMemUnmap`s), and the same map
+/// done by 1, 2, 4 and 8 threads that each create, map and release their share: whether the
+/// driver serves handles in parallel.
+fn print_handle_phase_costs() -> Result<(), StorageError> {
+    const HANDLES: usize = 1024;
+    const HANDLE: usize = 2 << 20;
+    let device =
+        |what: &str, err: &dyn std::fmt::Display| StorageError::Device(format!("{what}: {err}"));
+    let context = CudaContext::new(0).map_err(|e| device("context", &e))?;
+    context.bind_to_thread().map_err(|e| device("bind", &e))?;
+    let check = |call: &str, outcome: sys::CUresult| outcome.result().map_err(|e| device(call, &e));
+    let location = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: 0,
+    };
+    let prop = device_prop();
+    let access = sys::CUmemAccessDesc {
+        location,
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    let bytes = HANDLES * HANDLE;
+    let mut base: sys::CUdeviceptr = 0;
+    // SAFETY: `base` is valid for the call; the size is a multiple of the granularity.
+    check("cuMemAddressReserve", unsafe {
+        sys::cuMemAddressReserve(&mut base, bytes, 0, 0, 0)
+    })?;
+    let per_handle = |start: Instant| start.elapsed().as_secs_f64() * 1e6 / HANDLES as f64;
+    for round in 0..2 {
+        let mut handles = vec![0 as sys::CUmemGenericAllocationHandle; HANDLES];
+        let start = Instant::now();
+        for handle in &mut handles {
+            // SAFETY: `handle` and `prop` are valid for the call.
+            check("cuMemCreate", unsafe {
+                sys::cuMemCreate(handle, HANDLE, &prop, 0)
+            })?;
+        }
+        let create = per_handle(start);
+        let start = Instant::now();
+        for (i, &handle) in handles.iter().enumerate() {
+            let chunk = base + (i * HANDLE) as u64;
+            // SAFETY: the chunk lies in the reservation above, unmapped; the handle is live.
+            check("cuMemMap", unsafe {
+                sys::cuMemMap(chunk, HANDLE, 0, handle, 0)
+            })?;
+        }
+        let map = per_handle(start);
+        let start = Instant::now();
+        for &handle in &handles {
+            // SAFETY: each handle is live and mapped; the mapping keeps its memory.
+            check("cuMemRelease", unsafe { sys::cuMemRelease(handle) })?;
+        }
+        let release = per_handle(start);
+        let start = Instant::now();
+        // SAFETY: the whole range is mapped above.
+        check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(base, bytes, &access, 1)
+        })?;
+        let set_access = per_handle(start);
+        context.synchronize().map_err(|e| device("sync", &e))?;
+        let start = Instant::now();
+        for i in 0..HANDLES {
+            // SAFETY: each chunk is one whole mapping made above.
+            check("cuMemUnmap", unsafe {
+                sys::cuMemUnmap(base + (i * HANDLE) as u64, HANDLE)
+            })?;
+        }
+        let unmap = per_handle(start);
+        println!(
+            "2 MiB handles x{HANDLES} (round {round}), us per handle: create {create:.1}, map \
+             {map:.1}, release {release:.1}, set access (once) {set_access:.2}, unmap {unmap:.1}"
+        );
+    }
+    for threads in [1usize, 2, 4, 8] {
+        let start = Instant::now();
+        let outcome: Result<(), StorageError> = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|t| {
+                    let context = context.clone();
+                    scope.spawn(move || -> Result<(), StorageError> {
+                        context.bind_to_thread().map_err(|e| device("bind", &e))?;
+                        let prop = device_prop();
+                        for i in (t..HANDLES).step_by(threads) {
+                            let chunk = base + (i * HANDLE) as u64;
+                            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+                            // SAFETY: as above: a fresh handle mapped into an unmapped chunk of
+                            // the reservation, released once mapped.
+                            unsafe {
+                                check(
+                                    "cuMemCreate",
+                                    sys::cuMemCreate(&mut handle, HANDLE, &prop, 0),
+                                )?;
+                                check("cuMemMap", sys::cuMemMap(chunk, HANDLE, 0, handle, 0))?;
+                                check("cuMemRelease", sys::cuMemRelease(handle))?;
+                            }
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .try_for_each(|w| w.join().expect("worker panicked"))
+        });
+        outcome?;
+        // SAFETY: the whole range is mapped by the workers.
+        check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(base, bytes, &access, 1)
+        })?;
+        let total = start.elapsed().as_secs_f64() * 1e3;
+        context.synchronize().map_err(|e| device("sync", &e))?;
+        let start = Instant::now();
+        for i in 0..HANDLES {
+            // SAFETY: each chunk is one whole mapping made by a worker.
+            check("cuMemUnmap", unsafe {
+                sys::cuMemUnmap(base + (i * HANDLE) as u64, HANDLE)
+            })?;
+        }
+        println!(
+            "2 GiB as {HANDLES} handles by {threads} thread(s): map {total:.1} ms, unmap {:.1} ms",
+            start.elapsed().as_secs_f64() * 1e3
+        );
+    }
+    // SAFETY: the reservation was made above and nothing in it is mapped.
+    check("cuMemAddressFree", unsafe {
+        sys::cuMemAddressFree(base, bytes)
+    })
+}
+
+/// Pinned device memory of device 0, as `CudaStorage` asks for it.
+fn device_prop() -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: 0,
+        },
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
 }
 
 /// `cuMemAlloc` + `cuMemFree`, and `cuMemAllocAsync` + `cuMemFreeAsync` on one stream.

@@ -65,8 +65,8 @@ pub use snapshot::{
 };
 pub use stats::{FragmentationStats, MemoryStats, PoolKind, Stat, StatArray};
 pub use storage::{
-    EventControl, EventId, HostStorage, MemoryInfo, SegmentPlacement, SimulatedStorage, Storage,
-    StorageError, StreamId,
+    EventControl, EventId, HostStorage, MappingUnits, MemoryInfo, SegmentPlacement,
+    SimulatedStorage, Storage, StorageError, StreamId,
 };
 
 #[cfg(feature = "cuda")]

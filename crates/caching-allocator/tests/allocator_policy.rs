@@ -763,3 +763,46 @@ fn reclaims_move_pages_the_device_is_done_with_without_waiting() {
     }
     assert_eq!(events.n_pending(), 0);
 }
+
+/// With `expandable_handle_size_mb:32`, each map is backed by handles of up to 32 MiB and only
+/// whole handles come back: the allocator asks the storage what it can release and keeps the
+/// rest mapped, cached and usable.
+#[test]
+fn larger_handles_give_back_only_whole_handles() {
+    for (max_handle, reserved_after_release) in [(None, 10 * MIB), (Some(32), 32 * MIB)] {
+        let mut config = AllocatorConfig::builder();
+        if let Some(mib) = max_handle {
+            config = config.expandable_handle_size_mb(mib);
+        }
+        let config = config.build().unwrap();
+        let allocator = CachingAllocator::new(SimulatedStorage::new(H200_BYTES), config);
+        // 100 MiB: handles of 32, 32, 32 and 4 MiB (or fifty of 2 MiB).
+        let a = allocator.allocate(100 * MIB, StreamId::DEFAULT).unwrap();
+        assert_eq!(allocator.memory_reserved(), 100 * MIB);
+        let base = a.address();
+        allocator.free(a).unwrap();
+        let b = allocator.allocate(10 * MIB, StreamId::DEFAULT).unwrap();
+        assert_eq!(b.address(), base);
+        // The free [10, 100) MiB: with 32 MiB handles, [10, 32) shares a handle with b.
+        allocator.empty_cache().unwrap();
+        assert_eq!(
+            allocator.memory_reserved(),
+            reserved_after_release,
+            "{max_handle:?}"
+        );
+        allocator.check_invariants().unwrap();
+        // 22 MiB more fits right after b: in what stayed mapped, or in pages mapped anew.
+        let maps = allocator.memory_stats().num_device_alloc;
+        let c = allocator.allocate(22 * MIB, StreamId::DEFAULT).unwrap();
+        assert_eq!(c.address(), base + 10 * MIB);
+        let new_maps = allocator.memory_stats().num_device_alloc - maps;
+        assert_eq!(new_maps, i64::from(max_handle.is_none()), "{max_handle:?}");
+        for allocation in [b, c] {
+            allocator.free(allocation).unwrap();
+        }
+        allocator.empty_cache().unwrap();
+        assert_eq!(allocator.memory_reserved(), 0);
+        assert_eq!(allocator.with_storage(|s| s.bytes_in_use()), 0);
+        allocator.check_invariants().unwrap();
+    }
+}

@@ -1,6 +1,7 @@
 //! Property tests of the caching policy: 10,000 random sequences of alloc / free /
-//! record_stream / event completion / empty_cache under four configurations (PyTorch's classic
-//! and expandable policies, the default, classic with `max_split_size` and rounding), and a
+//! record_stream / event completion / empty_cache under five configurations (PyTorch's classic
+//! and expandable policies, the default, classic with `max_split_size` and rounding, and the
+//! default with physical handles of up to 8 MiB, which unmap only whole), and a
 //! stress test from 8 threads that writes through every block it holds.
 //!
 //! After every operation: no two live blocks overlap, no new block overlaps a block whose free
@@ -47,6 +48,10 @@ fn config(index: usize) -> AllocatorConfig {
         0 => AllocatorConfig::pytorch_defaults(),
         1 => AllocatorConfig::default(),
         2 => AllocatorConfig::pytorch_expandable(),
+        4 => AllocatorConfig::builder()
+            .expandable_handle_size_mb(8)
+            .build()
+            .expect("valid config"),
         _ => AllocatorConfig::parse(
             "expandable_segments:False,max_split_size_mb:24,roundup_power2_divisions:4",
         )
@@ -185,7 +190,7 @@ proptest! {
 
     #[test]
     fn random_sequences_keep_every_invariant(
-        config_index in 0usize..4,
+        config_index in 0usize..5,
         ops in prop::collection::vec(op(), 1..40),
     ) {
         run_sequence(config_index, &ops)?;

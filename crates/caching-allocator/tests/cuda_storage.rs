@@ -6,7 +6,7 @@
 use std::sync::MutexGuard;
 
 use headroom_caching_allocator::{
-    CudaStorage, CudaStorageOptions, Storage, StorageError, StreamId,
+    CudaStorage, CudaStorageOptions, MappingUnits, Storage, StorageError, StreamId,
 };
 use headroom_testkit::gpu::{cuda_or_skip, exclusive_device};
 use headroom_testkit::inputs::pattern_bytes;
@@ -81,7 +81,7 @@ fn expandable_map_write_unmap_remap() {
     println!("granularity: {page}");
     let reserved = 64 * page;
     let base = storage
-        .reserve_address_space(reserved, storage.page_granularity())
+        .reserve_address_space(reserved, MappingUnits::pages(storage.page_granularity()))
         .unwrap();
     assert_eq!(base % page, 0);
 
@@ -150,11 +150,7 @@ fn expandable_map_write_unmap_remap() {
 #[test]
 fn larger_handles_map_and_unmap_whole() {
     let granularity = 2 * MIB;
-    let options = CudaStorageOptions {
-        handle_size: Some(10 * granularity),
-        ..CudaStorageOptions::default()
-    };
-    let Some((_device, mut storage)) = storage_or_skip(options) else {
+    let Some((_device, mut storage)) = storage_or_skip(CudaStorageOptions::default()) else {
         return;
     };
     if !storage.supports_expandable_segments() || storage.page_granularity() != granularity {
@@ -165,34 +161,47 @@ fn larger_handles_map_and_unmap_whole() {
         return;
     }
     let page = granularity;
-    let base = storage.reserve_address_space(64 * page, page).unwrap();
-    // 20 pages at offset 0: two handles of 10 pages.
-    storage.map(base, 20 * page).unwrap();
-    let data = pattern_bytes((20 * page) as usize, 42);
+    let base = storage
+        .reserve_address_space(
+            64 * page,
+            MappingUnits {
+                page,
+                max_handle: 10 * page,
+            },
+        )
+        .unwrap();
+    // 23 pages at offset 0: two handles of 10 pages, then one of 3.
+    storage.map(base, 23 * page).unwrap();
+    let data = pattern_bytes((23 * page) as usize, 42);
     storage.copy_from_host(base, &data).unwrap();
+    assert_eq!(
+        storage.releasable_range(base + page, base + 23 * page),
+        (base + 10 * page, base + 23 * page)
+    );
+    assert_eq!(
+        storage.releasable_range(base + page, base + 19 * page),
+        (base + 10 * page, base + 10 * page)
+    );
     // Cutting through a handle is refused and unmaps nothing.
-    assert!(matches!(
-        storage.unmap(base + 3 * page, page),
-        Err(StorageError::InvalidRange(_))
-    ));
-    assert!(matches!(
-        storage.unmap(base, 15 * page),
-        Err(StorageError::InvalidRange(_))
-    ));
-    assert_eq!(storage.bytes_in_use(), 20 * page);
+    for (start, pages) in [(3, 1), (0, 15), (20, 2)] {
+        assert!(matches!(
+            storage.unmap(base + start * page, pages * page),
+            Err(StorageError::InvalidRange(_))
+        ));
+    }
+    assert_eq!(storage.bytes_in_use(), 23 * page);
     let mut back = vec![0u8; data.len()];
     storage.copy_to_host(base, &mut back).unwrap();
     assert_eq!(back, data);
-    // Whole handles unmap.
-    storage.unmap(base + 10 * page, 10 * page).unwrap();
+    // Whole handles unmap, alone or together; the rest keeps its data.
+    storage.unmap(base + 10 * page, 13 * page).unwrap();
     assert_eq!(storage.bytes_in_use(), 10 * page);
-    // A map that is not a multiple of the handle size gets granularity handles, which unmap
-    // one by one.
-    storage.map(base + 20 * page, 3 * page).unwrap();
-    storage.unmap(base + 21 * page, page).unwrap();
-    storage.unmap(base + 20 * page, page).unwrap();
-    storage.unmap(base + 22 * page, page).unwrap();
-    storage.unmap(base, 10 * page).unwrap();
+    let mut front = vec![0u8; (10 * page) as usize];
+    storage.copy_to_host(base, &mut front).unwrap();
+    assert_eq!(front, data[..front.len()]);
+    // The freed range maps again, in handles of its own.
+    storage.map(base + 10 * page, 4 * page).unwrap();
+    storage.unmap(base, 14 * page).unwrap();
     assert_eq!(storage.bytes_in_use(), 0);
     storage.release_address_space(base, 64 * page).unwrap();
     storage.close().unwrap();
@@ -281,7 +290,9 @@ fn memory_limit_gives_out_of_memory() {
     );
     if storage.supports_expandable_segments() {
         let page = storage.page_granularity();
-        let base = storage.reserve_address_space(64 * page, page).unwrap();
+        let base = storage
+            .reserve_address_space(64 * page, MappingUnits::pages(page))
+            .unwrap();
         assert_eq!(
             storage.map(base, 32 * page),
             Err(StorageError::OutOfMemory {
@@ -313,7 +324,9 @@ fn device_out_of_memory_then_recovers() {
     if storage.supports_expandable_segments() {
         let page = storage.page_granularity();
         let size = too_much.div_ceil(page) * page;
-        let base = storage.reserve_address_space(size, page).unwrap();
+        let base = storage
+            .reserve_address_space(size, MappingUnits::pages(page))
+            .unwrap();
         assert_eq!(
             storage.map(base, size),
             Err(StorageError::OutOfMemory { requested: size })

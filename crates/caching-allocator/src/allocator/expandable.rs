@@ -6,7 +6,8 @@
 //! before it and those after it, once mapped, hold the request. Just enough pages are mapped and
 //! the run becomes one free mapped block. The page size is 2 MiB in the small pool and
 //! `expandable_page_size` in the large one. Releasing unmaps the
-//! whole pages inside free blocks, keeping any partial pages at their ends mapped, and gives
+//! whole pages inside free blocks (those the storage can release: whole handles), keeping any
+//! partial pages at their ends mapped, and gives
 //! back the address space of a segment with nothing mapped. Unmapped ranges are blocks too, kept
 //! in the pool's unmapped set by address, so the segment stays one linked list of blocks.
 //!
@@ -22,7 +23,7 @@ use crate::error::AllocError;
 use crate::free_index::BlockId;
 use crate::snapshot::TraceAction;
 use crate::stats::PoolKind;
-use crate::storage::{Storage, StorageError, StreamId};
+use crate::storage::{MappingUnits, Storage, StorageError, StreamId};
 
 impl<S: Storage> State<S> {
     /// The run of blocks a request of `size` bytes would take in the stream's expandable segment
@@ -86,14 +87,25 @@ impl<S: Storage> State<S> {
     /// The whole pages inside block `id` of an expandable segment, in bytes, and the segment's
     /// index: what [`State::unmap_block`] would unmap. `None` for a block of a classic segment.
     pub(super) fn whole_pages(&self, id: BlockId) -> Option<(u64, u32)> {
-        let block = self.block(id);
-        let SegmentKind::Expandable(segment) = block.segment else {
+        let SegmentKind::Expandable(segment) = self.block(id).segment else {
             return None;
         };
+        let (start, end) = self.releasable_pages(id, segment);
+        Some((end - start, segment))
+    }
+
+    /// The whole pages inside block `id` of expandable segment `segment` that the storage can
+    /// release (whole handles), as `[start, end)`; empty when there are none.
+    fn releasable_pages(&self, id: BlockId, segment: u32) -> (u64, u64) {
         let s = self.expandable_segment(segment);
+        let block = self.block(id);
         let start = s.base + round_up(block.address - s.base, s.page);
         let end = s.base + (block.end() - s.base) / s.page * s.page;
-        Some((end.saturating_sub(start), segment))
+        if start >= end || !block.mapped {
+            return (start, start);
+        }
+        let (start, end) = self.storage.releasable_range(start, end);
+        (start, end.max(start))
     }
 
     fn create_expandable_segment(
@@ -101,14 +113,19 @@ impl<S: Storage> State<S> {
         pool: PoolKind,
         stream: StreamId,
     ) -> Result<(), AllocError> {
-        let page = match pool {
-            PoolKind::Small => SMALL_BUFFER,
-            PoolKind::Large => self.config.expandable_page_size,
+        let (page, max_handle) = match pool {
+            PoolKind::Small => (SMALL_BUFFER, SMALL_BUFFER),
+            PoolKind::Large => (
+                self.config.expandable_page_size,
+                self.config.expandable_handle_size,
+            ),
         };
         let page = round_up(page, self.storage.page_granularity());
+        let max_handle = max_handle.max(page) / page * page;
         let total = self.storage.memory_info().total;
         let reserved = round_up(total / 8 * 9, page);
-        let base = self.storage.reserve_address_space(reserved, page)?;
+        let units = MappingUnits { page, max_handle };
+        let base = self.storage.reserve_address_space(reserved, units)?;
         let index = self.expandable_segments.len() as u32;
         self.expandable_segments.push(Some(ExpandableSegment {
             base,
@@ -241,16 +258,12 @@ impl<S: Storage> State<S> {
         Ok(true)
     }
 
-    /// Unmaps the whole pages inside free block `id`, leaving any partial pages at its ends as
-    /// free mapped blocks.
+    /// Unmaps the whole pages inside free block `id` that the storage can release, leaving the
+    /// rest at its ends (partial pages, parts of handles that reach outside it) as free mapped
+    /// blocks.
     pub(super) fn unmap_block(&mut self, id: BlockId, segment: u32) -> Result<(), AllocError> {
-        let (base, page) = {
-            let s = self.expandable_segment(segment);
-            (s.base, s.page)
-        };
         let b = self.block(id).clone();
-        let start = base + round_up(b.address - base, page);
-        let end = base + (b.end() - base) / page * page;
+        let (start, end) = self.releasable_pages(id, segment);
         if start >= end {
             return Ok(());
         }

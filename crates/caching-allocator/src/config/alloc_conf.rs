@@ -31,6 +31,8 @@ impl AllocatorConfig {
     ///   `max_split_size_mb` when that is set);
     /// - `expandable_page_size_mb`: an even number of MiB, at least 2 (Headroom's; PyTorch maps
     ///   20 MiB pages);
+    /// - `expandable_handle_size_mb`: an even number of MiB, at least 2 (Headroom's: the most one
+    ///   physical handle backs in the large pool; larger map faster and unmap only whole);
     /// - `reclaim_free_pages`: `True`/`true` or `False`/`false` (Headroom's; PyTorch does not
     ///   reclaim);
     /// - `reclaim_settles`: `True`/`true` or `False`/`false` (Headroom's: whether reclaiming
@@ -125,6 +127,10 @@ impl AllocatorConfig {
             self.expandable_page_size >> 20
         ));
         items.push(format!(
+            "expandable_handle_size_mb:{}",
+            self.expandable_handle_size >> 20
+        ));
+        items.push(format!(
             "reclaim_free_pages:{}",
             if self.reclaim_free_pages {
                 "True"
@@ -198,6 +204,7 @@ fn apply_option(config: &mut AllocatorConfig, key: &str, value: &str) -> Result<
         "max_non_split_rounding_mb" => config.max_non_split_rounding = parse_mib(key, value)?,
         "large_segment_size_mb" => config.large_segment_size = parse_mib(key, value)?,
         "expandable_page_size_mb" => config.expandable_page_size = parse_mib(key, value)?,
+        "expandable_handle_size_mb" => config.expandable_handle_size = parse_mib(key, value)?,
         "reclaim_free_pages" => config.reclaim_free_pages = parse_bool(key, value)?,
         "reclaim_settles" => config.reclaim_settles = parse_bool(key, value)?,
         "roundup_power2_divisions" => {

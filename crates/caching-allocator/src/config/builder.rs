@@ -107,6 +107,15 @@ impl AllocatorConfigBuilder {
         self
     }
 
+    /// Sets `expandable_handle_size_mb`, the most one physical handle backs in the large pool's
+    /// expandable segments (an even number, at least 2).
+    pub fn expandable_handle_size_mb(mut self, mib: u64) -> Self {
+        if let Some(bytes) = self.mib_to_bytes("expandable_handle_size_mb", mib) {
+            self.config.expandable_handle_size = bytes;
+        }
+        self
+    }
+
     /// Turns `reclaim_free_pages` on or off: whether expandable segments move free pages out of
     /// the holes between live blocks before reserved memory passes its ceiling.
     pub fn reclaim_free_pages(mut self, on: bool) -> Self {

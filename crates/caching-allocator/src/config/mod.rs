@@ -103,6 +103,11 @@ pub struct AllocatorConfig {
     /// 2 MiB, the CUDA mapping granularity; PyTorch maps 20 MiB pages). The small pool's pages
     /// are 2 MiB.
     pub(crate) expandable_page_size: u64,
+    /// The most bytes one physical handle backs in the large pool's expandable segments
+    /// (`expandable_handle_size_mb`, default 2 MiB: one handle per page). Larger handles take
+    /// fewer driver calls to map (each costs about 40 µs on an H200, whatever its size), but
+    /// only whole handles can be unmapped, so reclaims and `empty_cache` give back less.
+    pub(crate) expandable_handle_size: u64,
     /// With expandable segments, a request that would raise reserved memory above its ceiling is
     /// first given the whole free pages between live blocks, unmapped and mapped where it needs
     /// them (`reclaim_free_pages`, default on; PyTorch has no such step).
@@ -129,6 +134,7 @@ impl Default for AllocatorConfig {
             expandable_segments: true,
             large_segment_size: 20 << 20,
             expandable_page_size: 2 << 20,
+            expandable_handle_size: 2 << 20,
             reclaim_free_pages: true,
             reclaim_settles: true,
             raw: String::new(),
@@ -179,6 +185,12 @@ impl AllocatorConfig {
     /// (`expandable_page_size_mb`).
     pub fn expandable_page_size(&self) -> u64 {
         self.expandable_page_size
+    }
+
+    /// The most bytes one physical handle backs in the large pool's expandable segments
+    /// (`expandable_handle_size_mb`).
+    pub fn expandable_handle_size(&self) -> u64 {
+        self.expandable_handle_size
     }
 
     /// Whether expandable segments move free pages out of the holes between live blocks before
@@ -345,6 +357,14 @@ impl AllocatorConfig {
                 describe(page)
             );
             return Err(invalid("expandable_page_size_mb", reason));
+        }
+        let handle = self.expandable_handle_size;
+        if handle == 0 || !handle.is_multiple_of(2 << 20) {
+            let reason = format!(
+                "must be an even number of MiB, at least 2, got {}",
+                describe(handle)
+            );
+            return Err(invalid("expandable_handle_size_mb", reason));
         }
         Ok(())
     }

@@ -53,7 +53,7 @@ fn parses_every_option() {
                 roundup_power2_divisions:4, garbage_collection_threshold:0.6,\
                 per_process_memory_fraction:0.5,expandable_segments:False,\
                 large_segment_size_mb:12,expandable_page_size_mb:20,reclaim_free_pages:False,\
-                reclaim_settles:False,backend:native,";
+                expandable_handle_size_mb:40,reclaim_settles:False,backend:native,";
     let config = parse_ok(conf);
     assert_eq!(
         config,
@@ -66,6 +66,7 @@ fn parses_every_option() {
             expandable_segments: false,
             large_segment_size: 12 * MIB,
             expandable_page_size: 20 * MIB,
+            expandable_handle_size: 40 * MIB,
             reclaim_free_pages: false,
             reclaim_settles: false,
             raw: conf.to_owned(),
@@ -180,6 +181,8 @@ fn invalid_values_name_their_key() {
         ("large_segment_size_mb:21", "large_segment_size_mb"),
         ("expandable_page_size_mb:0", "expandable_page_size_mb"),
         ("expandable_page_size_mb:3", "expandable_page_size_mb"),
+        ("expandable_handle_size_mb:0", "expandable_handle_size_mb"),
+        ("expandable_handle_size_mb:33", "expandable_handle_size_mb"),
         ("reclaim_free_pages:maybe", "reclaim_free_pages"),
         ("reclaim_settles:1", "reclaim_settles"),
         ("backend:cudaMallocAsync", "backend"),
@@ -273,7 +276,8 @@ fn conf_string_round_trips() {
     assert_eq!(
         AllocatorConfig::default().to_conf_string(),
         "max_non_split_rounding_mb:20,expandable_segments:True,large_segment_size_mb:20,\
-         expandable_page_size_mb:2,reclaim_free_pages:True,reclaim_settles:True"
+         expandable_page_size_mb:2,expandable_handle_size_mb:2,reclaim_free_pages:True,\
+         reclaim_settles:True"
     );
     assert_eq!(
         parse_ok("expandable_segments:True,expandable_page_size_mb:20,reclaim_free_pages:False"),
@@ -296,6 +300,7 @@ fn builder_matches_parse() {
         .expandable_segments(false)
         .large_segment_size_mb(12)
         .expandable_page_size_mb(20)
+        .expandable_handle_size_mb(40)
         .reclaim_free_pages(false)
         .reclaim_settles(false)
         .build();
@@ -359,6 +364,10 @@ fn builder_applies_the_same_validation() {
         (
             AllocatorConfig::builder().expandable_page_size_mb(5),
             "expandable_page_size_mb",
+        ),
+        (
+            AllocatorConfig::builder().expandable_handle_size_mb(3),
+            "expandable_handle_size_mb",
         ),
     ];
     for (builder, expected_key) in cases {

@@ -1,11 +1,12 @@
 //! Device memory from the CUDA driver API, through cudarc.
 //!
 //! Segments are `cuMemAlloc` allocations. Expandable segments use the virtual memory management
-//! calls: `cuMemAddressReserve` for the address space, then one `cuMemCreate` handle per
-//! [`Storage::page_granularity`] chunk (2 MiB on an H200), mapped with `cuMemMap` and opened
-//! with `cuMemSetAccess`. One handle per chunk is what lets [`Storage::unmap`] release any
-//! page-aligned sub-range of earlier maps: CUDA unmaps only whole mappings, and the allocator
-//! unmaps the free pages inside a segment wherever they fall. Each handle is released right after
+//! calls: `cuMemAddressReserve` for the address space, then `cuMemCreate` handles mapped with
+//! `cuMemMap` and opened with `cuMemSetAccess`. By default each allocator page (2 MiB on an
+//! H200) is its own handle, which lets [`Storage::unmap`] release any page-aligned sub-range of
+//! earlier maps: CUDA unmaps only whole mappings, and the allocator unmaps the free pages inside
+//! a segment wherever they fall. A reservation's [`MappingUnits::max_handle`] trades that for
+//! fewer driver calls; the handle bookkeeping is `super::handles`. Each handle is released right after
 //! it is mapped, so the mapping alone keeps the memory alive and unmapping frees it.
 //!
 //! Streams and events are real: `StreamId(0)` is the context's legacy default stream, other ids
@@ -27,7 +28,8 @@ use super::driver::{
     admit_segment, alloc_error, check_segment, driver_error, DeviceContext, ErrorTally, EventPool,
     StreamTable,
 };
-use super::{EventId, MemoryInfo, Storage, StorageError, StreamId};
+use super::handles::{plan_handles, HandleRun, HandleTable};
+use super::{EventId, MappingUnits, MemoryInfo, Storage, StorageError, StreamId};
 
 /// Errors met while a [`CudaStorage`] was dropped, over the whole process.
 static DROP_ERRORS: AtomicU64 = AtomicU64::new(0);
@@ -39,14 +41,6 @@ pub struct CudaStorageOptions {
     /// beyond it fail with [`StorageError::OutOfMemory`] without asking the driver, and
     /// [`Storage::memory_info`] reports it as the total. `None`: the card's real memory.
     pub memory_limit: Option<u64>,
-    /// Back mapped pages with handles of this many bytes (a multiple of the granularity) where a
-    /// [`Storage::map`] call's offset in its reservation and its size are multiples of it; other
-    /// calls, and `None`, use one handle per granularity chunk. Fewer handles map and unmap
-    /// faster (on an H200, one 2 MiB handle costs about as much as one 20 MiB handle), but an
-    /// [`Storage::unmap`] must then release whole handles: one that cuts through a handle fails
-    /// with [`StorageError::InvalidRange`] and leaves everything mapped. Set it to the policy's
-    /// large-pool page (20 MiB) only when the policy maps and unmaps whole pages.
-    pub handle_size: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -55,8 +49,8 @@ struct Reservation {
     requested: u64,
     /// Bytes reserved from the driver: `requested` rounded up to the granularity.
     reserved: u64,
-    /// The page size the allocator maps this reservation in: one handle per page.
-    page: u64,
+    /// How the allocator maps this reservation.
+    units: MappingUnits,
 }
 
 /// Device memory of one CUDA device, through the driver API.
@@ -71,8 +65,8 @@ pub struct CudaStorage {
     held: u64,
     segments: HashMap<u64, u64>,
     reservations: BTreeMap<u64, Reservation>,
-    /// Mapped handles: start address → bytes (the granularity or `options.handle_size`).
-    mapped: BTreeMap<u64, u64>,
+    /// Mapped handles.
+    mapped: HandleTable,
     streams: StreamTable,
     events: EventPool,
 }
@@ -102,7 +96,7 @@ impl CudaStorage {
             held: 0,
             segments: HashMap::new(),
             reservations: BTreeMap::new(),
-            mapped: BTreeMap::new(),
+            mapped: HandleTable::default(),
             streams: StreamTable::default(),
             events: EventPool::default(),
         };
@@ -308,7 +302,7 @@ impl CudaStorage {
         if in_segment {
             return Ok(());
         }
-        if mapped_cover(&self.mapped, address, end).is_some() {
+        if self.mapped.covers(address, end) {
             Ok(())
         } else {
             Err(out_of_storage(address, size))
@@ -338,23 +332,13 @@ impl CudaStorage {
         }
     }
 
-    /// Bytes per handle for a map of `size` bytes at `address`, in the reservation at `base`.
-    fn handle_size_for(&self, base: u64, address: u64, size: u64) -> u64 {
-        let page = self
+    /// The handles for a map of `size` bytes at `address`, in the reservation at `base`.
+    fn plan_map(&self, base: u64, address: u64, size: u64) -> Vec<HandleRun> {
+        let units = self
             .reservations
             .get(&base)
-            .map_or(self.granularity, |r| r.page);
-        match self.options.handle_size.or(Some(page)) {
-            Some(unit)
-                if unit > self.granularity
-                    && unit.is_multiple_of(self.granularity)
-                    && (address - base).is_multiple_of(unit)
-                    && size.is_multiple_of(unit) =>
-            {
-                unit
-            }
-            _ => self.granularity,
-        }
+            .map_or(MappingUnits::pages(self.granularity), |r| r.units);
+        plan_handles(base, units, self.granularity, address, size)
     }
 
     /// Creates, maps and releases one handle of `size` bytes at `chunk`.
@@ -403,8 +387,10 @@ impl CudaStorage {
                 unsafe { result::free_sync(address) }.map_err(|err| driver_error("cuMemFree", err)),
             );
         }
-        for (chunk, size) in std::mem::take(&mut self.mapped) {
-            tally.note(self.unmap_chunk(chunk, size));
+        for run in self.mapped.take_all() {
+            for (chunk, size) in run.handles() {
+                tally.note(self.unmap_chunk(chunk, size));
+            }
         }
         for (address, reservation) in std::mem::take(&mut self.reservations) {
             // SAFETY: the range was reserved by `cuMemAddressReserve` and nothing in it is mapped.
@@ -473,7 +459,11 @@ unsafe impl Storage for CudaStorage {
         self.granularity
     }
 
-    fn reserve_address_space(&mut self, size: u64, page_size: u64) -> Result<u64, StorageError> {
+    fn reserve_address_space(
+        &mut self,
+        size: u64,
+        units: MappingUnits,
+    ) -> Result<u64, StorageError> {
         if !self.supports_vmm {
             return Err(StorageError::Unsupported);
         }
@@ -489,17 +479,24 @@ unsafe impl Storage for CudaStorage {
         unsafe { sys::cuMemAddressReserve(&mut address, reserved as usize, 0, 0, 0) }
             .result()
             .map_err(|err| alloc_error("cuMemAddressReserve", err, size))?;
-        let page = if page_size.is_multiple_of(self.granularity) && page_size > 0 {
-            page_size
+        // A page or handle that is not whole granules falls back to one handle per granule.
+        let granules = |bytes: u64| bytes > 0 && bytes.is_multiple_of(self.granularity);
+        let page = if granules(units.page) {
+            units.page
         } else {
             self.granularity
+        };
+        let max_handle = if granules(units.max_handle) && units.max_handle >= page {
+            units.max_handle
+        } else {
+            page
         };
         self.reservations.insert(
             address,
             Reservation {
                 requested: size,
                 reserved,
-                page,
+                units: MappingUnits { page, max_handle },
             },
         );
         Ok(address)
@@ -516,9 +513,7 @@ unsafe impl Storage for CudaStorage {
         };
         if self
             .mapped
-            .range(address..address + reservation.reserved)
-            .next()
-            .is_some()
+            .overlaps(address, address + reservation.reserved)
         {
             return Err(StorageError::InvalidRange(format!(
                 "reservation at {address:#x} still has mapped pages"
@@ -535,12 +530,7 @@ unsafe impl Storage for CudaStorage {
 
     fn map(&mut self, address: u64, size: u64) -> Result<(), StorageError> {
         let base = self.check_page_range("map", address, size)?;
-        let overlaps_before = self
-            .mapped
-            .range(..address)
-            .next_back()
-            .is_some_and(|(&start, &len)| start + len > address);
-        if overlaps_before || self.mapped.range(address..address + size).next().is_some() {
+        if self.mapped.overlaps(address, address + size) {
             return Err(StorageError::InvalidRange(format!(
                 "map of {size} bytes at {address:#x} overlaps mapped pages"
             )));
@@ -550,15 +540,17 @@ unsafe impl Storage for CudaStorage {
         }
         self.bind()?;
         let prop = self.allocation_prop();
-        let handle_size = self.handle_size_for(base, address, size);
-        let mut mapped_end = address;
+        let runs = self.plan_map(base, address, size);
+        let mut mapped = Vec::new();
         let mut outcome = Ok(());
-        while mapped_end < address + size {
-            outcome = self.map_chunk(mapped_end, handle_size, &prop);
-            if outcome.is_err() {
-                break;
+        'runs: for run in &runs {
+            for (chunk, bytes) in run.handles() {
+                outcome = self.map_chunk(chunk, bytes, &prop);
+                if outcome.is_err() {
+                    break 'runs;
+                }
+                mapped.push((chunk, bytes));
             }
-            mapped_end += handle_size;
         }
         if outcome.is_ok() {
             let access = sys::CUmemAccessDesc {
@@ -573,19 +565,17 @@ unsafe impl Storage for CudaStorage {
         if let Err(err) = outcome {
             // Roll back: unmap what this call mapped. A failure here leaves nothing to do
             // better than report the first error.
-            for chunk in (address..mapped_end).step_by(handle_size as usize) {
-                let _ = self.unmap_chunk(chunk, handle_size);
+            for (chunk, bytes) in mapped {
+                let _ = self.unmap_chunk(chunk, bytes);
             }
             return Err(match err {
                 StorageError::OutOfMemory { .. } => StorageError::OutOfMemory { requested: size },
                 other => other,
             });
         }
-        self.mapped.extend(
-            (address..address + size)
-                .step_by(handle_size as usize)
-                .map(|chunk| (chunk, handle_size)),
-        );
+        for run in runs {
+            self.mapped.insert(run);
+        }
         self.held += size;
         Ok(())
     }
@@ -593,27 +583,28 @@ unsafe impl Storage for CudaStorage {
     fn unmap(&mut self, address: u64, size: u64) -> Result<(), StorageError> {
         self.check_page_range("unmap", address, size)?;
         let end = address + size;
-        let cover = mapped_cover(&self.mapped, address, end).ok_or_else(|| {
+        let pieces = self.mapped.whole_handles(address, end).map_err(|reason| {
             StorageError::InvalidRange(format!(
-                "unmap of {size} bytes at {address:#x} covers pages that are not mapped"
+                "unmap of {size} bytes at {address:#x} is not whole mapped handles ({reason}); \
+                 ask releasable_range for the part that is"
             ))
         })?;
-        if cover
-            .iter()
-            .any(|&(start, len)| start < address || start + len > end)
-        {
-            return Err(StorageError::InvalidRange(format!(
-                "unmap of {size} bytes at {address:#x} cuts through a mapped handle \
-                 (handle_size is set and the range is not made of whole handles)"
-            )));
-        }
         self.bind()?;
-        for (chunk, len) in cover {
-            self.unmap_chunk(chunk, len)?;
-            self.mapped.remove(&chunk);
-            self.held -= len;
+        for (chunk, bytes) in pieces.iter().flat_map(HandleRun::handles) {
+            if let Err(err) = self.unmap_chunk(chunk, bytes) {
+                // What was unmapped before the failure is gone; the rest stays mapped.
+                self.mapped.remove(address, chunk);
+                self.held -= chunk - address;
+                return Err(err);
+            }
         }
+        self.mapped.remove(address, end);
+        self.held -= size;
         Ok(())
+    }
+
+    fn releasable_range(&self, address: u64, end: u64) -> (u64, u64) {
+        self.mapped.releasable(address, end)
     }
 
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, StorageError> {
@@ -652,48 +643,4 @@ fn out_of_storage(address: u64, size: u64) -> StorageError {
     StorageError::InvalidRange(format!(
         "{size} bytes at {address:#x} are not inside one segment or mapped range of this storage"
     ))
-}
-
-/// The mapped handles (start → bytes) that together cover `[address, end)`, exactly or with
-/// overhang at either side, as (start, bytes); `None` if some byte of it is not mapped.
-fn mapped_cover(mapped: &BTreeMap<u64, u64>, address: u64, end: u64) -> Option<Vec<(u64, u64)>> {
-    let mut cover = Vec::new();
-    let mut cursor = address;
-    if let Some((&start, &len)) = mapped.range(..=address).next_back() {
-        if start + len > address {
-            cover.push((start, len));
-            cursor = start + len;
-        }
-    }
-    if cursor < end {
-        for (&start, &len) in mapped.range(cursor..end) {
-            if start != cursor {
-                return None;
-            }
-            cover.push((start, len));
-            cursor = start + len;
-        }
-    }
-    (cursor >= end).then_some(cover)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cover_finds_whole_and_cut_handles() {
-        // Handles at 0..10, 10..20 (units of 1 here) and 30..32.
-        let mapped: BTreeMap<u64, u64> =
-            [(0, 10), (10, 10), (30, 1), (31, 1)].into_iter().collect();
-        assert_eq!(mapped_cover(&mapped, 0, 20), Some(vec![(0, 10), (10, 10)]));
-        assert_eq!(mapped_cover(&mapped, 3, 4), Some(vec![(0, 10)]));
-        assert_eq!(mapped_cover(&mapped, 5, 15), Some(vec![(0, 10), (10, 10)]));
-        assert_eq!(mapped_cover(&mapped, 10, 20), Some(vec![(10, 10)]));
-        assert_eq!(mapped_cover(&mapped, 30, 32), Some(vec![(30, 1), (31, 1)]));
-        assert_eq!(mapped_cover(&mapped, 15, 25), None);
-        assert_eq!(mapped_cover(&mapped, 20, 21), None);
-        assert_eq!(mapped_cover(&mapped, 29, 31), None);
-        assert_eq!(mapped_cover(&BTreeMap::new(), 0, 1), None);
-    }
 }

@@ -17,6 +17,7 @@
 //! - `PinnedHostStorage` (feature `cuda`): page-locked host memory for asynchronous copies,
 //!   PyTorch's `CachingHostAllocator` once the policy runs over it.
 
+mod handles;
 mod host;
 mod simulated;
 
@@ -56,6 +57,28 @@ pub struct MemoryInfo {
     pub free: u64,
     /// Bytes the device has in all.
     pub total: u64,
+}
+
+/// How the allocator maps a reservation: in whole pages of `page` bytes (a multiple of
+/// [`Storage::page_granularity`]), which a storage may back with physical handles of up to
+/// `max_handle` bytes (a multiple of `page`; `page` itself for one handle per page). Fewer
+/// handles map faster; only whole handles unmap ([`Storage::releasable_range`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MappingUnits {
+    /// Bytes per page.
+    pub page: u64,
+    /// The most bytes one physical handle backs.
+    pub max_handle: u64,
+}
+
+impl MappingUnits {
+    /// Pages of `page` bytes, one handle each.
+    pub fn pages(page: u64) -> MappingUnits {
+        MappingUnits {
+            page,
+            max_handle: page,
+        }
+    }
 }
 
 /// Why a storage could not do what it was asked.
@@ -121,11 +144,15 @@ pub unsafe trait Storage: Send {
 
     /// Reserves `size` bytes of address space with nothing mapped (`cuMemAddressReserve`).
     ///
-    /// The allocator maps and unmaps this reservation only in whole pages of `page_size` bytes
-    /// (a multiple of [`Storage::page_granularity`]) aligned to the reservation's start, so a
-    /// storage may back each page with one physical allocation.
-    fn reserve_address_space(&mut self, size: u64, page_size: u64) -> Result<u64, StorageError> {
-        let _ = (size, page_size);
+    /// The allocator maps and unmaps this reservation only in whole pages of `units.page` bytes
+    /// aligned to the reservation's start, so a storage may back each page with one physical
+    /// allocation, or a map's pages with handles of up to `units.max_handle` bytes.
+    fn reserve_address_space(
+        &mut self,
+        size: u64,
+        units: MappingUnits,
+    ) -> Result<u64, StorageError> {
+        let _ = (size, units);
         Err(StorageError::Unsupported)
     }
 
@@ -143,10 +170,19 @@ pub unsafe trait Storage: Send {
     }
 
     /// Releases the physical memory behind `[address, address + size)`, which was mapped by one
-    /// or more earlier [`Storage::map`] calls on page boundaries.
+    /// or more earlier [`Storage::map`] calls on page boundaries and is made of whole handles
+    /// (see [`Storage::releasable_range`]).
     fn unmap(&mut self, address: u64, size: u64) -> Result<(), StorageError> {
         let _ = (address, size);
         Err(StorageError::Unsupported)
+    }
+
+    /// The largest part of `[address, end)` (page aligned, mapped) that [`Storage::unmap`] can
+    /// release: the range shrunk to the edges of the physical handles behind it, empty
+    /// (`start >= end`) when no whole handle lies inside. A storage with one handle per page
+    /// returns the range as it is.
+    fn releasable_range(&self, address: u64, end: u64) -> (u64, u64) {
+        (address, end)
     }
 
     /// Records an event on `stream` after the work queued so far (`cudaEventRecord`).

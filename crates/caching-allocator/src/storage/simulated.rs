@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::{EventId, MemoryInfo, Storage, StorageError, StreamId};
+use super::handles::{plan_handles, HandleTable};
+use super::{EventId, MappingUnits, MemoryInfo, Storage, StorageError, StreamId};
 
 /// First address handed out; non-zero so that a zero address is always a bug.
 const FIRST_ADDRESS: u64 = 0x7f00_0000_0000;
@@ -90,7 +91,9 @@ pub struct SimulatedStorage {
     next_address: u64,
     segments: BTreeMap<u64, u64>,
     reservations: BTreeMap<u64, u64>,
-    mapped: BTreeMap<u64, u64>,
+    /// How each reservation (by start) is mapped.
+    reservation_units: HashMap<u64, MappingUnits>,
+    mapped: HandleTable,
     events: EventControl,
     placement: SegmentPlacement,
 }
@@ -105,7 +108,8 @@ impl SimulatedStorage {
             next_address: FIRST_ADDRESS,
             segments: BTreeMap::new(),
             reservations: BTreeMap::new(),
-            mapped: BTreeMap::new(),
+            reservation_units: HashMap::new(),
+            mapped: HandleTable::default(),
             events: EventControl::default(),
             placement: SegmentPlacement::default(),
         }
@@ -216,9 +220,14 @@ unsafe impl Storage for SimulatedStorage {
         self.page_granularity
     }
 
-    fn reserve_address_space(&mut self, size: u64, _page_size: u64) -> Result<u64, StorageError> {
+    fn reserve_address_space(
+        &mut self,
+        size: u64,
+        units: MappingUnits,
+    ) -> Result<u64, StorageError> {
         let address = self.take_address_range(size);
         self.reservations.insert(address, size);
+        self.reservation_units.insert(address, units);
         Ok(address)
     }
 
@@ -228,12 +237,13 @@ unsafe impl Storage for SimulatedStorage {
                 "no reservation of {size} bytes at {address:#x}"
             )));
         }
-        if self.mapped.range(address..address + size).next().is_some() {
+        if self.mapped.overlaps(address, address + size) {
             return Err(StorageError::InvalidRange(format!(
                 "reservation at {address:#x} still has mapped pages"
             )));
         }
         self.reservations.remove(&address);
+        self.reservation_units.remove(&address);
         Ok(())
     }
 
@@ -246,17 +256,12 @@ unsafe impl Storage for SimulatedStorage {
                 "map of {size} bytes at {address:#x} is not page aligned"
             )));
         }
-        if self.reservation_containing(address, size).is_none() {
+        let Some((base, _)) = self.reservation_containing(address, size) else {
             return Err(StorageError::InvalidRange(format!(
                 "map of {size} bytes at {address:#x} is outside any reservation"
             )));
-        }
-        let overlaps_before = self
-            .mapped
-            .range(..address)
-            .next_back()
-            .is_some_and(|(&start, &len)| start + len > address);
-        if overlaps_before || self.mapped.range(address..address + size).next().is_some() {
+        };
+        if self.mapped.overlaps(address, address + size) {
             return Err(StorageError::InvalidRange(format!(
                 "map of {size} bytes at {address:#x} overlaps mapped pages"
             )));
@@ -264,45 +269,28 @@ unsafe impl Storage for SimulatedStorage {
         if self.in_use.saturating_add(size) > self.capacity {
             return Err(StorageError::OutOfMemory { requested: size });
         }
-        self.mapped.insert(address, size);
+        let units = self.reservation_units[&base];
+        for run in plan_handles(base, units, self.page_granularity, address, size) {
+            self.mapped.insert(run);
+        }
         self.in_use += size;
         Ok(())
     }
 
     fn unmap(&mut self, address: u64, size: u64) -> Result<(), StorageError> {
-        // The range must be covered exactly by whole earlier mappings, split where needed.
         let end = address + size;
-        let mut cursor = address;
-        let mut pieces = Vec::new();
-        if let Some((&start, &len)) = self.mapped.range(..=address).next_back() {
-            if start < address && start + len > address {
-                pieces.push((start, len));
-                cursor = (start + len).min(end);
-            }
-        }
-        for (&start, &len) in self.mapped.range(cursor..end) {
-            if start != cursor {
-                break;
-            }
-            pieces.push((start, len));
-            cursor = (start + len).min(end);
-        }
-        if cursor != end {
-            return Err(StorageError::InvalidRange(format!(
-                "unmap of {size} bytes at {address:#x} covers pages that are not mapped"
-            )));
-        }
-        for (start, len) in pieces {
-            self.mapped.remove(&start);
-            if start < address {
-                self.mapped.insert(start, address - start);
-            }
-            if start + len > end {
-                self.mapped.insert(end, start + len - end);
-            }
-        }
+        self.mapped.whole_handles(address, end).map_err(|reason| {
+            StorageError::InvalidRange(format!(
+                "unmap of {size} bytes at {address:#x} is not whole mapped handles: {reason}"
+            ))
+        })?;
+        self.mapped.remove(address, end);
         self.in_use -= size;
         Ok(())
+    }
+
+    fn releasable_range(&self, address: u64, end: u64) -> (u64, u64) {
+        self.mapped.releasable(address, end)
     }
 
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, StorageError> {
