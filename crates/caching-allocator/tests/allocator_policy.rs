@@ -769,7 +769,9 @@ fn reclaims_move_pages_the_device_is_done_with_without_waiting() {
 /// rest mapped, cached and usable.
 #[test]
 fn larger_handles_give_back_only_whole_handles() {
-    for (max_handle, reserved_after_release) in [(None, 10 * MIB), (Some(32), 32 * MIB)] {
+    for (max_handle, handles, reserved_after_release) in
+        [(None, 50, 10 * MIB), (Some(32), 4, 32 * MIB)]
+    {
         let mut config = AllocatorConfig::builder();
         if let Some(mib) = max_handle {
             config = config.expandable_handle_size_mb(mib);
@@ -779,6 +781,7 @@ fn larger_handles_give_back_only_whole_handles() {
         // 100 MiB: handles of 32, 32, 32 and 4 MiB (or fifty of 2 MiB).
         let a = allocator.allocate(100 * MIB, StreamId::DEFAULT).unwrap();
         assert_eq!(allocator.memory_reserved(), 100 * MIB);
+        assert_eq!(allocator.with_storage(|s| s.handles_mapped()), handles);
         let base = a.address();
         allocator.free(a).unwrap();
         let b = allocator.allocate(10 * MIB, StreamId::DEFAULT).unwrap();

@@ -51,11 +51,30 @@ enum Backend {
 static SETTINGS: Mutex<Option<Settings>> = Mutex::new(None);
 static BACKEND: OnceLock<Backend> = OnceLock::new();
 
+/// The plugin's settings before [`configure`]: Headroom's allocator defaults, with the large
+/// pool's pages mapped in physical handles of up to 32 MiB (`expandable_handle_size_mb:32`)
+/// instead of one per 2 MiB page.
+///
+/// Each handle costs about 90 µs of driver calls on an H200 (create, set access, unmap), so a
+/// training run that grows to 15 GB in its first steps spent about 130 ms more than PyTorch's
+/// native allocator on each of them with 2 MiB handles, and as much again in the reclaims that
+/// move pages; with 32 MiB handles those steps take native's time (GPT-2 small on
+/// variable-length batches, `crates/python/bench`). Only whole handles unmap, so reclaims find
+/// less: replayed, the trace corpus reserves up to 2.9% more than with 2 MiB handles
+/// (`tests/trace_corpus.rs`). `expandable_handle_size_mb:2` gives that back.
+pub fn plugin_defaults() -> AllocatorConfig {
+    AllocatorConfig::builder()
+        .expandable_handle_size_mb(32)
+        .build()
+        .expect("32 MiB is a valid handle size")
+}
+
 /// Sets the allocator's settings from `PYTORCH_CUDA_ALLOC_CONF`'s syntax (e.g.
-/// `"expandable_segments:False,max_split_size_mb:512"`; empty: Headroom's defaults). Fails with
-/// [`PluginError::AlreadyInUse`] once the allocator has been reached, and names a bad key.
+/// `"expandable_segments:False,max_split_size_mb:512"`), over [`plugin_defaults`] (empty: those).
+/// Fails with [`PluginError::AlreadyInUse`] once the allocator has been reached, and names a bad
+/// key.
 pub fn configure(conf: &str) -> Result<(), PluginError> {
-    let config = AllocatorConfig::parse(conf)?;
+    let config = plugin_defaults().with_conf(conf)?;
     set(|settings| settings.config = config)
 }
 
@@ -81,7 +100,7 @@ pub fn settings() -> String {
         None => SETTINGS
             .lock()
             .as_ref()
-            .map_or_else(AllocatorConfig::default, |s| s.config.clone())
+            .map_or_else(plugin_defaults, |s| s.config.clone())
             .to_conf_string(),
     }
 }
@@ -98,7 +117,7 @@ fn set(change: impl FnOnce(&mut Settings)) -> Result<(), PluginError> {
 
 fn default_settings() -> Settings {
     Settings {
-        config: AllocatorConfig::default(),
+        config: plugin_defaults(),
         source: Source::Cuda,
     }
 }

@@ -46,7 +46,8 @@ mod plugin;
 
 pub use error::PluginError;
 pub use global::{
-    configure, is_in_use, settings, use_host_memory, with_device, DevicePlugin, MAX_DEVICES,
+    configure, is_in_use, plugin_defaults, settings, use_host_memory, with_device, DevicePlugin,
+    MAX_DEVICES,
 };
 pub use plugin::{Plugin, StreamSource};
 

@@ -48,9 +48,16 @@ impl AllocatorConfig {
     /// Any other key, a missing value or a value out of range is
     /// [`AllocError::InvalidConfig`] naming the key. `raw` keeps `conf` as given.
     pub fn parse(conf: &str) -> Result<AllocatorConfig, AllocError> {
+        AllocatorConfig::default().with_conf(conf)
+    }
+
+    /// `conf`'s settings ([`AllocatorConfig::parse`]'s syntax and checks) over these ones rather
+    /// than over the defaults: how a program with defaults of its own (the PyTorch plugin's)
+    /// reads a user's string. `raw` keeps `conf` as given.
+    pub fn with_conf(&self, conf: &str) -> Result<AllocatorConfig, AllocError> {
         let mut config = AllocatorConfig {
             raw: conf.to_owned(),
-            ..AllocatorConfig::default()
+            ..self.clone()
         };
         for item in split_items(conf) {
             let item = item.trim();

@@ -507,3 +507,25 @@ fn from_env_reads_headroom_alloc_conf() {
         matches!(not_unicode, Err(AllocError::InvalidConfig { key, .. }) if key == ALLOC_CONF_ENV)
     );
 }
+
+#[test]
+fn a_conf_applies_over_other_defaults() {
+    let base = AllocatorConfig::builder()
+        .expandable_handle_size_mb(32)
+        .build()
+        .unwrap();
+    let config = base.with_conf("max_split_size_mb:512").unwrap();
+    assert_eq!(config.expandable_handle_size(), 32 * MIB);
+    assert_eq!(config.max_split_size, Some(512 * MIB));
+    assert_eq!(config.raw, "max_split_size_mb:512");
+    let back = base.with_conf("expandable_handle_size_mb:2").unwrap();
+    assert_eq!(back.expandable_handle_size(), 2 * MIB);
+    assert!(matches!(
+        base.with_conf("expandable_handle_size_mb:7"),
+        Err(AllocError::InvalidConfig { .. })
+    ));
+    assert_eq!(
+        AllocatorConfig::parse("").unwrap(),
+        AllocatorConfig::default()
+    );
+}

@@ -94,6 +94,8 @@ pub struct SimulatedStorage {
     /// How each reservation (by start) is mapped.
     reservation_units: HashMap<u64, MappingUnits>,
     mapped: HandleTable,
+    /// Handles created by maps so far.
+    handles_mapped: u64,
     events: EventControl,
     placement: SegmentPlacement,
 }
@@ -110,6 +112,7 @@ impl SimulatedStorage {
             reservations: BTreeMap::new(),
             reservation_units: HashMap::new(),
             mapped: HandleTable::default(),
+            handles_mapped: 0,
             events: EventControl::default(),
             placement: SegmentPlacement::default(),
         }
@@ -123,6 +126,12 @@ impl SimulatedStorage {
     /// The handle that completes this storage's events.
     pub fn event_control(&self) -> EventControl {
         self.events.clone()
+    }
+
+    /// Physical handles that maps have created so far: on a GPU each is a `cuMemCreate` and
+    /// its share of `cuMemSetAccess`, the cost of mapping (see [`MappingUnits`]).
+    pub fn handles_mapped(&self) -> u64 {
+        self.handles_mapped
     }
 
     /// Bytes of segments and mapped pages currently held.
@@ -271,6 +280,7 @@ unsafe impl Storage for SimulatedStorage {
         }
         let units = self.reservation_units[&base];
         for run in plan_handles(base, units, self.page_granularity, address, size) {
+            self.handles_mapped += run.bytes / run.handle;
             self.mapped.insert(run);
         }
         self.in_use += size;

@@ -13,6 +13,8 @@ from headroom import _native
 
 
 def main():
+    # The plugin's own default: 32 MiB physical handles, kept under a user's other settings.
+    assert "expandable_handle_size_mb:32" in headroom.cuda.settings(), headroom.cuda.settings()
     try:
         _native.configure("max_split_sise_mb:64")
     except ValueError as error:
@@ -54,7 +56,9 @@ def main():
     frees = [e for e in snap["device_traces"][0] if e["action"] == "free_requested"]
     assert len(frees) == 2, snap["device_traces"]
     assert len(_native.bnb_maps()[0]) == 256
-    assert "expandable_segments:False" in headroom.cuda.settings()
+    settings = headroom.cuda.settings()
+    assert "expandable_segments:False" in settings, settings
+    assert "expandable_handle_size_mb:32" in settings, settings
     print("headroom wheel without torch: ok")
 
 
