@@ -52,21 +52,23 @@ static SETTINGS: Mutex<Option<Settings>> = Mutex::new(None);
 static BACKEND: OnceLock<Backend> = OnceLock::new();
 
 /// The plugin's settings before [`configure`]: Headroom's allocator defaults, with the large
-/// pool's pages mapped in physical handles of up to 32 MiB (`expandable_handle_size_mb:32`)
+/// pool's pages mapped in physical handles of up to 8 MiB (`expandable_handle_size_mb:8`)
 /// instead of one per 2 MiB page.
 ///
 /// Each handle costs about 90 µs of driver calls on an H200 (create, set access, unmap), so a
 /// training run that grows to 15 GB in its first steps spent about 130 ms more than PyTorch's
-/// native allocator on each of them with 2 MiB handles, and as much again in the reclaims that
-/// move pages; with 32 MiB handles those steps take native's time (GPT-2 small on
-/// variable-length batches, `crates/python/bench`). Only whole handles unmap, so reclaims find
-/// less: replayed, the trace corpus reserves up to 2.9% more than with 2 MiB handles
-/// (`tests/trace_corpus.rs`). `expandable_handle_size_mb:2` gives that back.
+/// native allocator on each of those steps with 2 MiB handles, and about 400 ms in the reclaims
+/// that move pages (GPT-2 small on variable-length batches, `crates/python/bench`). Only whole
+/// handles unmap, so reclaims find less: replayed, the trace corpus reserves up to 0.9% more
+/// with 8 MiB handles than with 2 MiB ones and up to 2.9% more with 32 MiB ones
+/// (`caching-allocator/tests/trace_corpus.rs`); on the H200, ViT-L/16 at batch 32 reserved more
+/// than PyTorch's expandable segments with 32 MiB handles. `expandable_handle_size_mb:2` gives
+/// the rest back.
 pub fn plugin_defaults() -> AllocatorConfig {
     AllocatorConfig::builder()
-        .expandable_handle_size_mb(32)
+        .expandable_handle_size_mb(8)
         .build()
-        .expect("32 MiB is a valid handle size")
+        .expect("8 MiB is a valid handle size")
 }
 
 /// Sets the allocator's settings from `PYTORCH_CUDA_ALLOC_CONF`'s syntax (e.g.

@@ -5,9 +5,10 @@ GPU). PyTorch then allocates and frees through Headroom's policy: expandable seg
 default, PyTorch's classic policy with ``conf="expandable_segments:False"``; ``conf`` takes
 ``PYTORCH_CUDA_ALLOC_CONF``'s syntax, ``per_process_memory_fraction`` included, plus Headroom's
 keys. One default differs from the Rust crate's: pages are mapped in physical handles of up to
-32 MiB (``expandable_handle_size_mb:32``), which makes the steps where memory grows as fast as
-with PyTorch's native allocator; ``expandable_handle_size_mb:2`` maps one handle per 2 MiB page,
-which lets reclaims give back a little more memory (up to 3% of the peak in our traces).
+8 MiB (``expandable_handle_size_mb:8``), a quarter of the driver calls that make the steps where
+memory grows slower than with PyTorch's native allocator; ``expandable_handle_size_mb:2`` maps one
+handle per 2 MiB page, which lets reclaims give back a little more memory (up to 0.9% of the peak
+in our traces).
 
 PyTorch's Python API sets no other hook of a pluggable allocator, so under it
 ``torch.cuda.memory_stats()``/``memory_allocated()``/``reset_peak_memory_stats()`` raise and

@@ -13,8 +13,8 @@ from headroom import _native
 
 
 def main():
-    # The plugin's own default: 32 MiB physical handles, kept under a user's other settings.
-    assert "expandable_handle_size_mb:32" in headroom.cuda.settings(), headroom.cuda.settings()
+    # The plugin's own default: 8 MiB physical handles, kept under a user's other settings.
+    assert "expandable_handle_size_mb:8" in headroom.cuda.settings(), headroom.cuda.settings()
     try:
         _native.configure("max_split_sise_mb:64")
     except ValueError as error:
@@ -58,7 +58,7 @@ def main():
     assert len(_native.bnb_maps()[0]) == 256
     settings = headroom.cuda.settings()
     assert "expandable_segments:False" in settings, settings
-    assert "expandable_handle_size_mb:32" in settings, settings
+    assert "expandable_handle_size_mb:8" in settings, settings
     print("headroom wheel without torch: ok")
 
 
