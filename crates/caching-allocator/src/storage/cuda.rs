@@ -6,8 +6,8 @@
 //! H200) is its own handle, which lets [`Storage::unmap`] release any page-aligned sub-range of
 //! earlier maps: CUDA unmaps only whole mappings, and the allocator unmaps the free pages inside
 //! a segment wherever they fall. A reservation's [`MappingUnits::max_handle`] trades that for
-//! fewer driver calls; the handle bookkeeping is `super::handles`. Each handle is released right after
-//! it is mapped, so the mapping alone keeps the memory alive and unmapping frees it.
+//! fewer driver calls; the handle bookkeeping is `super::handles`. Each handle is released right
+//! after it is mapped, so the mapping alone keeps the memory alive and unmapping frees it.
 //!
 //! Streams and events are real: `StreamId(0)` is the context's legacy default stream, other ids
 //! are streams made by [`CudaStorage::new_stream`] or lent by [`CudaStorage::register_stream`].
