@@ -122,7 +122,11 @@ fn parse(args: &[String]) -> Result<Options> {
                     );
                 }
             }
-            "--memory-cap-mb" => options.cap_mib = Some(positive(value()?)? as u64),
+            "--memory-cap-mb" => {
+                let mib = positive(value()?)? as u64;
+                crate::mib_to_bytes("--memory-cap-mb", mib)?;
+                options.cap_mib = Some(mib);
+            }
             "--max-batch" => options.max_batch = positive(value()?)?,
             "--json" => options.json = Some(value()?.into()),
             "--pytorch" => options.pytorch = Some(value()?.into()),
@@ -189,7 +193,7 @@ fn execute(options: &Options) -> Result<Vec<Found>> {
     } else {
         CPU_DEFAULT_CAP_MIB
     });
-    let cap = cap_mib << 20;
+    let cap = crate::mib_to_bytes("--memory-cap-mb", cap_mib)?;
     let (found, device_name) = if cuda {
         let total = CudaStorage::new(0)
             .context("--device cuda")?

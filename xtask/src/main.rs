@@ -7,6 +7,7 @@ mod bench_memory;
 mod build_kernels;
 mod find_max_batch;
 mod replay_trace;
+mod tables;
 mod tidy;
 
 use anyhow::{bail, Result};
@@ -33,6 +34,7 @@ fn main() -> Result<()> {
         "replay-trace" => replay_trace::run(&rest),
         "find-max-batch" => find_max_batch::run(&rest),
         "build-kernels" => build_kernels::run(&rest),
+        "tables" => tables::run(&rest),
         "tidy" => tidy::run(),
         "help" | "--help" | "-h" => {
             print!("{}", usage());
@@ -44,10 +46,11 @@ fn main() -> Result<()> {
 
 fn usage() -> String {
     format!(
-        "{USAGE_HEAD}{}{}{}{USAGE}",
+        "{USAGE_HEAD}{}{}{}{}{USAGE}",
         bench_memory::USAGE,
         find_max_batch::USAGE,
-        replay_trace::USAGE
+        replay_trace::USAGE,
+        tables::USAGE
     )
 }
 
@@ -57,4 +60,16 @@ fn project_root() -> std::path::PathBuf {
         .parent()
         .expect("xtask sits inside the workspace")
         .to_path_buf()
+}
+
+/// `mib` MiB in bytes, for the option `flag`: an error naming the flag where the bytes would not
+/// fit in a `u64` (a wrapped product would silently become a tiny cap or a zero bucket).
+fn mib_to_bytes(flag: &str, mib: u64) -> Result<u64> {
+    match mib.checked_mul(1 << 20) {
+        Some(bytes) => Ok(bytes),
+        None => bail!(
+            "{flag} {mib}: too large to count in bytes (at most {} MiB)",
+            u64::MAX >> 20
+        ),
+    }
 }

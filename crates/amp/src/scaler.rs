@@ -93,14 +93,25 @@ impl GradScalerConfig {
                 self.growth_interval
             ));
         }
-        if !(self.init_scale > 0.0 && (self.init_scale as f32).is_finite()) {
-            return bad(format!(
-                "the initial scale must be a positive finite f32, got {}",
-                self.init_scale
-            ));
-        }
-        Ok(())
+        check_scale("the initial scale", self.init_scale)
     }
+}
+
+/// Checks a scale that enters the device from the host (the settings, [`GradScaler::update_to`],
+/// a loaded state): the f32 it becomes must be positive and normal. Zero would turn every
+/// parameter into NaN in one step; a subnormal scale's inverse overflows to infinity.
+fn check_scale(what: &str, scale: f64) -> Result<(), AmpError> {
+    let as_f32 = scale as f32;
+    if as_f32 > 0.0 && as_f32.is_normal() {
+        return Ok(());
+    }
+    Err(AmpError::InvalidScalerConfig {
+        reason: format!(
+            "{what} must be a positive normal f32 ({:e} to {:e}), got {scale:e} (as f32: {as_f32:e})",
+            f32::MIN_POSITIVE,
+            f32::MAX
+        ),
+    })
 }
 
 /// A GradScaler's state: PyTorch's `state_dict()` keys (`scale`, `growth_factor`,
@@ -376,11 +387,7 @@ impl<O: Optimizer> GradScaler<O> {
             return Ok(());
         }
         let scale = self.scale_or_err()?;
-        if !(new_scale > 0.0 && new_scale.is_finite()) {
-            return Err(AmpError::InvalidScalerConfig {
-                reason: format!("a scale must be positive and finite, got {new_scale}"),
-            });
-        }
+        check_scale("a new scale", f64::from(new_scale))?;
         scale.backend().fill(scale.view(), f64::from(new_scale))?;
         self.found_inf = None;
         self.stage = Stage::Ready;
@@ -421,6 +428,15 @@ impl<O: Optimizer> GradScaler<O> {
             ..self.config
         };
         config.validate()?;
+        if state.growth_tracker > MAX_GROWTH_INTERVAL {
+            return Err(AmpError::InvalidScalerConfig {
+                reason: format!(
+                    "the growth tracker must be at most {MAX_GROWTH_INTERVAL} (it is an f32 \
+                     integer on the device), got {}",
+                    state.growth_tracker
+                ),
+            });
+        }
         self.config = config;
         match (&self.scale, &self.growth_tracker) {
             (Some(scale), Some(tracker)) => {

@@ -276,6 +276,86 @@ fn misuse_is_a_typed_error() {
     }
 }
 
+/// Every scale that enters the device from the host is a positive normal f32: an f64 setting
+/// that rounds to 0 (1e-50), a subnormal (1e-40), zero, a negative, NaN or infinity is a typed
+/// error from the settings, `update_to` and a loaded state alike; so is a growth tracker too
+/// large to be an exact f32 integer. Before the check, `init_scale: 1e-50` made the scale 0 and
+/// one step turned every parameter into NaN.
+#[test]
+fn every_scale_that_enters_the_device_is_a_positive_normal_f32() {
+    let bad_scales = [1e-50, 1e-40, 0.0, -1.0, f64::NAN, f64::INFINITY, 1e39];
+    for init_scale in bad_scales {
+        let sgd = Sgd::new(vec![], Implementation::Fused).unwrap();
+        let config = GradScalerConfig {
+            init_scale,
+            ..GradScalerConfig::default()
+        };
+        let err = GradScaler::new(sgd, config).unwrap_err();
+        assert!(
+            matches!(&err, AmpError::InvalidScalerConfig { reason } if reason.contains("positive normal f32")),
+            "init_scale {init_scale:e}: {err}"
+        );
+    }
+    let smallest_normal = GradScalerConfig {
+        init_scale: f64::from(f32::MIN_POSITIVE),
+        ..GradScalerConfig::default()
+    };
+    smallest_normal.validate().unwrap();
+
+    let cpu = CpuBackend::new_ref();
+    let p = Tensor::ones(&cpu, &[4], DType::F32).unwrap();
+    p.requires_grad_(true).unwrap();
+    let sgd = Sgd::new(
+        vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(0.1))],
+        Implementation::Fused,
+    )
+    .unwrap();
+    let mut scaler = GradScaler::new(sgd, GradScalerConfig::default()).unwrap();
+    scaler
+        .scale(&p.sum_all().unwrap())
+        .unwrap()
+        .backward()
+        .unwrap();
+    for new_scale in [1e-40f32, 0.0, -2.0, f32::NAN, f32::INFINITY] {
+        let err = scaler.update_to(new_scale).unwrap_err();
+        assert!(
+            matches!(err, AmpError::InvalidScalerConfig { .. }),
+            "update_to({new_scale:e}): {err}"
+        );
+    }
+    assert_eq!(
+        scaler.get_scale().unwrap(),
+        65536.0,
+        "a refused scale changed nothing"
+    );
+    let good = scaler.state().unwrap();
+    for state in [
+        GradScalerState {
+            scale: 1e-39,
+            ..good
+        },
+        GradScalerState { scale: 0.0, ..good },
+        GradScalerState {
+            growth_tracker: u32::MAX,
+            ..good
+        },
+    ] {
+        let err = scaler.load_state(state).unwrap_err();
+        assert!(
+            matches!(err, AmpError::InvalidScalerConfig { .. }),
+            "{state:?}: {err}"
+        );
+    }
+    assert_eq!(
+        scaler.state().unwrap(),
+        good,
+        "a refused state changed nothing"
+    );
+    scaler.step().unwrap();
+    scaler.update().unwrap();
+    assert_eq!(p.to_vec::<f32>().unwrap(), vec![0.9f32; 4]);
+}
+
 /// A step skipped on overflow is not counted by a scheduler that takes the step's flag: after 5
 /// steps of which 2 overflowed, a step schedule of size 2 has decayed once, not twice.
 #[test]

@@ -571,13 +571,39 @@ fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
 /// The 8-bit codec on CPU tensors, over their host memory, in parallel chunks of blocks.
 mod host {
     use half::{bf16, f16};
-    use headroom_autograd_core::{DType, Element, Tensor};
+    use headroom_autograd_core::{Access, DType, Element, HostAccess, Tensor};
 
     use super::codec::{dequantize_blocks, quantize_blocks, CodecElement};
     use super::*;
 
     /// Blocks per parallel task.
     const BLOCKS_PER_TASK: usize = 64;
+
+    /// Claims the buffers a codec pass touches (`read` shared, `written` alone) after checking
+    /// that each is host memory: a CPU tensor of a backend whose storage is not host memory
+    /// (a simulated device) has addresses nothing may dereference.
+    fn claim<'a>(
+        op: &'static str,
+        read: &[&'a Tensor],
+        written: &[&'a Tensor],
+    ) -> Result<HostAccess<'a>, CheckpointError> {
+        let all = read.iter().map(|t| (*t, Access::Read));
+        let all = all.chain(written.iter().map(|t| (*t, Access::Write)));
+        for (tensor, _) in all.clone() {
+            if tensor.numel() > 0 && !tensor.buffer().is_host_memory() {
+                return Err(CheckpointError::InvalidArgument {
+                    op,
+                    reason: "a CPU tensor whose memory is not host memory (its backend's storage \
+                             is not a host storage) cannot be compressed on the host"
+                        .into(),
+                });
+            }
+        }
+        Ok(HostAccess::claim(
+            op,
+            all.map(|(tensor, access)| (&**tensor.buffer(), access)),
+        )?)
+    }
 
     /// The elements of a contiguous CPU tensor.
     ///
@@ -615,14 +641,16 @@ mod host {
         codes: &Tensor,
         absmax: &Tensor,
     ) -> Result<(), CheckpointError> {
+        let _access = claim("compress", &[x], &[codes, absmax])?;
         fn run<T: Element + CodecElement>(
             x: &Tensor,
             block: usize,
             codes: &Tensor,
             absmax: &Tensor,
         ) {
-            // SAFETY: `codes` and `absmax` were just allocated (no other handle reaches them)
-            // and `x` is a different storage, read only; all three outlive the slices.
+            // SAFETY: host memory (checked), claimed above: `x` shared, `codes` and `absmax`
+            // alone (a conflicting claim would have failed), so no other thread writes `x` or
+            // touches the outputs while the slices live; all three outlive them.
             let (x, codes, absmax) = unsafe {
                 (
                     elements::<T>(x),
@@ -653,14 +681,16 @@ mod host {
         block: usize,
         out: &Tensor,
     ) -> Result<(), CheckpointError> {
+        let _access = claim("decompress", &[codes, absmax], &[out])?;
         fn run<T: Element + CodecElement>(
             codes: &Tensor,
             absmax: &Tensor,
             block: usize,
             out: &Tensor,
         ) {
-            // SAFETY: `out` was just allocated (no other handle reaches it); `codes` and
-            // `absmax` are other storages, never written after encoding; all outlive the slices.
+            // SAFETY: host memory (checked), claimed above: `codes` and `absmax` shared, `out`
+            // alone, so nothing writes what the slices read or reaches what they write; all
+            // outlive the slices.
             let (codes, absmax, out) = unsafe {
                 (
                     elements::<u8>(codes),

@@ -616,3 +616,43 @@ fn a_checkpointed_block_keeps_only_its_input_compressed() {
         grad[0]
     );
 }
+
+/// The host codec claims what it touches, as every host computation does (ARCHITECTURE's claim
+/// model): while another holder writes an activation's buffer, compressing that activation is
+/// `TensorError::ConcurrentAccess` instead of a read racing the write; once the writer lets go
+/// the same save compresses and decodes exactly as the codec says.
+#[test]
+fn the_host_codec_claims_what_it_reads_and_writes() {
+    use headroom_autograd_core::{Access, HostAccess, SavedTensor};
+
+    let cpu = CpuBackend::new_ref();
+    let values: Vec<f32> = (0..1 << 16)
+        .map(|i| ((i % 97) as f32 - 48.0) * 0.01)
+        .collect();
+    let x = Tensor::from_slice(&cpu, &values, &[values.len()]).unwrap();
+    let options = CompressOptions::new(Compression::Int8Blockwise { block: 256 });
+    let outcomes = compress(
+        |xs| {
+            let writer = HostAccess::claim("a writer", [(&**xs[0].buffer(), Access::Write)])?;
+            let blocked = SavedTensor::save("test", SaveRole::Input(0), &xs[0]).map(|_| ());
+            drop(writer);
+            let saved = SavedTensor::save("test", SaveRole::Input(0), &xs[0])?;
+            let decoded = saved.unpack()?.to_vec::<f32>()?;
+            let blocked = match blocked {
+                Err(TensorError::ConcurrentAccess { op: "compress", .. }) => "refused".to_owned(),
+                other => format!("{other:?}"),
+            };
+            Ok(vec![
+                Tensor::from_slice(&cpu, &decoded, &[decoded.len()])?,
+                Tensor::from_slice(&cpu, blocked.as_bytes(), &[blocked.len()])?,
+            ])
+        },
+        &[x],
+        &options,
+    )
+    .unwrap();
+    let message = String::from_utf8(outcomes[1].to_vec::<u8>().unwrap()).unwrap();
+    assert_eq!(message, "refused");
+    let (_, _, expected) = round_trip(&values, 256);
+    assert_eq!(outcomes[0].to_vec::<f32>().unwrap(), expected);
+}

@@ -139,13 +139,26 @@ pub trait Communicator: Send + Sync + std::fmt::Debug {
     fn stats(&self) -> CommStats;
 }
 
+/// The two buffers of a reduce-scatter or all-gather: `big` holds `world_size` chunks of
+/// `small`'s size, and this rank's chunk is chunk `rank`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Chunks<'a> {
+    pub(crate) big: &'a Tensor,
+    pub(crate) small: &'a Tensor,
+    pub(crate) world_size: usize,
+    pub(crate) rank: usize,
+}
+
 /// Checks the buffers of a collective as every communicator must: contiguous, one float dtype,
-/// and `big` holding `world_size` times the elements of `small` (for reduce-scatter and
-/// all-gather; pass `None` for the others). Returns the buffer's dtype.
+/// and for reduce-scatter and all-gather (`chunks`; `None` for the others) `big` holding
+/// `world_size` times the elements of `small`, the two either disjoint or in NCCL's in-place
+/// layout (`small` is exactly this rank's chunk of `big`): NCCL defines no other overlap, and
+/// the in-process communicator refuses the same so that CPU tests see what NCCL would do.
+/// Returns the buffers' dtype.
 pub(crate) fn check_buffers(
     op: &'static str,
     tensors: &[&Tensor],
-    chunks: Option<(&Tensor, &Tensor, usize)>,
+    chunks: Option<Chunks<'_>>,
 ) -> Result<DType, DistributedError> {
     let dtype = tensors[0].dtype();
     for tensor in tensors {
@@ -172,7 +185,13 @@ pub(crate) fn check_buffers(
             });
         }
     }
-    if let Some((big, small, world_size)) = chunks {
+    if let Some(Chunks {
+        big,
+        small,
+        world_size,
+        rank,
+    }) = chunks
+    {
         if big.numel() != small.numel() * world_size {
             return Err(DistributedError::InvalidArgument {
                 op,
@@ -183,6 +202,27 @@ pub(crate) fn check_buffers(
                 ),
             });
         }
+        let (big_bytes, small_bytes) = (byte_range(big), byte_range(small));
+        let overlap = big_bytes.start < small_bytes.end && small_bytes.start < big_bytes.end;
+        let chunk_bytes = small_bytes.end - small_bytes.start;
+        let in_place = small_bytes.start == big_bytes.start + rank as u64 * chunk_bytes;
+        if overlap && !in_place {
+            return Err(DistributedError::InvalidArgument {
+                op,
+                reason: format!(
+                    "the input and output overlap other than in place (rank {rank}'s chunk of \
+                     the larger buffer is exactly the smaller one); use disjoint buffers or \
+                     that layout"
+                ),
+            });
+        }
     }
     Ok(dtype)
+}
+
+/// The device (or host) bytes `tensor` spans: contiguous, so its elements are one range.
+fn byte_range(tensor: &Tensor) -> std::ops::Range<u64> {
+    let elem = tensor.dtype().size_in_bytes() as u64;
+    let start = tensor.buffer().address() + tensor.layout().offset() as u64 * elem;
+    start..start + tensor.numel() as u64 * elem
 }

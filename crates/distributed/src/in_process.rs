@@ -20,11 +20,15 @@ use std::time::{Duration, Instant};
 use headroom_autograd_core::{DType, Tensor};
 use parking_lot::{Condvar, Mutex};
 
-use crate::comm::{check_buffers, Collective, CommStats, Communicator, ReduceOp};
+use crate::comm::{check_buffers, Chunks, Collective, CommStats, Communicator, ReduceOp};
 use crate::error::DistributedError;
 
 /// How long a rank waits for the others at a collective by default.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The most ranks an in-process group holds: each is a thread of this process (and NCCL's own
+/// groups are rarely larger).
+pub const MAX_RANKS: usize = 4096;
 
 /// Makes the ranks of an in-process group.
 ///
@@ -67,10 +71,12 @@ impl InProcessGroup {
         world_size: usize,
         timeout: Duration,
     ) -> Result<Vec<InProcessComm>, DistributedError> {
-        if world_size == 0 {
+        if !(1..=MAX_RANKS).contains(&world_size) {
             return Err(DistributedError::InvalidArgument {
                 op: "InProcessGroup::ranks",
-                reason: "a group of 0 ranks; use 1 or more".into(),
+                reason: format!(
+                    "a group of {world_size} ranks; use 1 to {MAX_RANKS} (each rank is a thread)"
+                ),
             });
         }
         let shared = Arc::new(Shared {
@@ -232,7 +238,12 @@ impl Communicator for InProcessComm {
         let dtype = check_buffers(
             "reduce_scatter",
             &[input, output],
-            Some((input, output, self.world_size)),
+            Some(Chunks {
+                big: input,
+                small: output,
+                world_size: self.world_size,
+                rank: self.rank,
+            }),
         )?;
         let bytes = read_bytes(input)?;
         let n_bytes = bytes.len();
@@ -255,7 +266,12 @@ impl Communicator for InProcessComm {
         let dtype = check_buffers(
             "all_gather",
             &[input, output],
-            Some((output, input, self.world_size)),
+            Some(Chunks {
+                big: output,
+                small: input,
+                world_size: self.world_size,
+                rank: self.rank,
+            }),
         )?;
         let posts = self.exchange(Post {
             call: format!("all_gather({dtype:?} × {})", input.numel()),

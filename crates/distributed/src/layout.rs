@@ -53,12 +53,18 @@ pub struct ShardLayout {
 }
 
 impl ShardLayout {
-    /// The layout of `params` over `world_size` ranks, seen from `rank`.
+    /// The layout of `params` over `world_size` ranks, seen from `rank` (below `world_size`).
     pub fn new(
         params: &[Tensor],
         rank: usize,
         world_size: usize,
     ) -> Result<ShardLayout, DistributedError> {
+        if rank >= world_size {
+            return Err(DistributedError::InvalidArgument {
+                op: "ShardLayout::new",
+                reason: format!("rank {rank} of a group of {world_size} ranks"),
+            });
+        }
         let params = params
             .iter()
             .enumerate()

@@ -44,7 +44,7 @@ mod zero;
 
 pub use comm::{Collective, CollectiveCount, CommStats, Communicator, ReduceOp};
 pub use error::DistributedError;
-pub use in_process::{InProcessComm, InProcessGroup, DEFAULT_TIMEOUT};
+pub use in_process::{InProcessComm, InProcessGroup, DEFAULT_TIMEOUT, MAX_RANKS};
 pub use layout::{ParamShard, ShardLayout};
 #[cfg(feature = "nccl")]
 pub use nccl::{nccl_available, nccl_unique_id, visible_gpus, NcclComm};

@@ -19,7 +19,7 @@ use cudarc::nccl::{result, sys};
 use headroom_autograd_core::{DType, Device, Tensor};
 use parking_lot::Mutex;
 
-use crate::comm::{check_buffers, Collective, CommStats, Communicator, ReduceOp};
+use crate::comm::{check_buffers, Chunks, Collective, CommStats, Communicator, ReduceOp};
 use crate::error::DistributedError;
 use crate::rendezvous::UniqueId;
 
@@ -238,7 +238,12 @@ impl Communicator for NcclComm {
         let dtype = check_buffers(
             "reduce_scatter",
             &[input, output],
-            Some((input, output, self.world_size)),
+            Some(Chunks {
+                big: input,
+                small: output,
+                world_size: self.world_size,
+                rank: self.rank,
+            }),
         )?;
         let (src, dst) = (
             self.address("reduce_scatter", input)?,
@@ -271,7 +276,12 @@ impl Communicator for NcclComm {
         let dtype = check_buffers(
             "all_gather",
             &[input, output],
-            Some((output, input, self.world_size)),
+            Some(Chunks {
+                big: output,
+                small: input,
+                world_size: self.world_size,
+                rank: self.rank,
+            }),
         )?;
         let (src, dst) = (
             self.address("all_gather", input)?,

@@ -10,10 +10,9 @@
 //! `--rendezvous` path on a file system every host mounts (NFS, Lustre): global ranks are
 //! `node_rank × nproc + local_rank`, rank 0 (on node 0) publishes the id there and every other
 //! rank reads it from there; NCCL then connects the hosts by itself (set `NCCL_SOCKET_IFNAME` to
-//! the interface they share). Without a shared file system, a TCP rendezvous does the same job:
-//! rank 0 listens on `MASTER_ADDR:MASTER_PORT`, answers each connection with the 128 bytes, and
-//! the other ranks connect until it answers; only the exchange of the id differs, not the
-//! training. Only the single-host path is tested here.
+//! the interface they share). There is no rendezvous without a shared file system: hosts that
+//! share none must copy the id file themselves (or run a rendezvous of their own that writes it)
+//! before the other ranks time out. Only the single-host path is tested here.
 //!
 //! This module knows nothing about NCCL or tensors: the id is opaque bytes.
 

@@ -162,3 +162,50 @@ fn bad_buffers_are_refused() {
         .unwrap_err();
     assert!(err.to_string().contains("chunks"), "{err}");
 }
+
+/// Reduce-scatter and all-gather take disjoint buffers or NCCL's in-place layout (the smaller
+/// buffer is exactly this rank's chunk of the larger); any other overlap is a typed error, as
+/// NCCL leaves it undefined. Before the check the in-process group copied its way through any
+/// overlap, so CPU tests could not see what NCCL would corrupt.
+#[test]
+fn overlapping_buffers_are_refused_unless_in_place() {
+    let ranks = InProcessGroup::ranks(2).unwrap();
+    let outcomes = on_ranks(ranks, |comm, cpu| {
+        let rank = comm.rank();
+        let big = tensor(cpu, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]);
+        // In place: rank r's chunk of `big` (elements 4r..4r+4).
+        let own = big.narrow(0, 4 * rank, 4).unwrap();
+        // Overlapping, shifted by one element from the rank's chunk.
+        let shifted = big.narrow(0, if rank == 0 { 1 } else { 3 }, 4).unwrap();
+        let bad_scatter = comm
+            .reduce_scatter(&big, &shifted, ReduceOp::Sum)
+            .unwrap_err();
+        let bad_gather = comm.all_gather(&shifted, &big).unwrap_err();
+        comm.reduce_scatter(&big, &own, ReduceOp::Sum).unwrap();
+        let scattered = own.to_vec::<f32>().unwrap();
+        let gathered = tensor(cpu, &[0.0; 8]);
+        let mine = gathered.narrow(0, 4 * rank, 4).unwrap();
+        mine.copy_(&tensor(cpu, &[10.0 * (rank + 1) as f32; 4]))
+            .unwrap();
+        comm.all_gather(&mine, &gathered).unwrap();
+        (
+            bad_scatter,
+            bad_gather,
+            scattered,
+            gathered.to_vec::<f32>().unwrap(),
+        )
+    });
+    for (rank, (bad_scatter, bad_gather, scattered, gathered)) in outcomes.into_iter().enumerate() {
+        for err in [bad_scatter, bad_gather] {
+            assert!(
+                matches!(err, DistributedError::InvalidArgument { .. })
+                    && err.to_string().contains("overlap"),
+                "rank {rank}: {err}"
+            );
+        }
+        // Both ranks hold 1..8: the sum of chunk r is twice it.
+        let chunk: Vec<f32> = (0..4).map(|i| 2.0 * (4 * rank + i + 1) as f32).collect();
+        assert_eq!(scattered, chunk, "rank {rank}");
+        assert_eq!(gathered, [10.0, 10.0, 10.0, 10.0, 20.0, 20.0, 20.0, 20.0]);
+    }
+}

@@ -288,6 +288,17 @@ impl InBackward {
                     .into(),
             });
         }
+        if scale.dtype() != DType::F32 || scale.numel() != 1 || !scale.is_contiguous() {
+            return Err(HooksError::InvalidArgument {
+                op: "InBackward::backward_scaled",
+                reason: format!(
+                    "the loss scale is one f32 element on the parameters' device (a GradScaler's \
+                     scale tensor), got {:?} of shape {:?}",
+                    scale.dtype(),
+                    scale.shape()
+                ),
+            });
+        }
         let found_inf = Tensor::zeros(scale.backend(), &[1], DType::F32)?;
         let scaling = DeviceGradScaling {
             grad_scale: Some(scale.clone()),

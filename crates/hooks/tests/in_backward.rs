@@ -213,6 +213,40 @@ fn a_scaled_loss_with_an_overflow_updates_nothing() {
     );
 }
 
+/// The loss scale is one f32 element, as on CUDA: a 2-element or f64 scale is a typed error
+/// before anything runs (the CPU path used to read element 0 of whatever it was given), and the
+/// parameters and gradients are left as they were.
+#[test]
+fn a_loss_scale_that_is_not_one_f32_is_refused() {
+    let cpu = CpuBackend::new_ref();
+    let ps = params(&cpu);
+    let before: Vec<Vec<f32>> = ps.iter().map(|p| p.to_vec::<f32>().unwrap()).collect();
+    let in_backward =
+        InBackward::new(Box::new(sgd(ps.clone(), 0.05)), InBackwardConfig::default()).unwrap();
+    for scale in [
+        Tensor::from_slice(&cpu, &[1024.0f64, 7.0], &[2]).unwrap(),
+        Tensor::from_slice(&cpu, &[1024.0f64], &[1]).unwrap(),
+        Tensor::from_slice(&cpu, &[1024.0f32, 1024.0], &[2]).unwrap(),
+    ] {
+        let err = in_backward
+            .backward_scaled(&loss_of(&ps), &scale)
+            .unwrap_err();
+        assert!(
+            matches!(err, HooksError::InvalidArgument { .. }),
+            "{:?} {:?}: {err}",
+            scale.dtype(),
+            scale.shape()
+        );
+    }
+    let after: Vec<Vec<f32>> = ps.iter().map(|p| p.to_vec::<f32>().unwrap()).collect();
+    assert_eq!(after, before);
+    assert_eq!(
+        in_backward.stats(),
+        Default::default(),
+        "nothing was stepped"
+    );
+}
+
 fn allocated(cpu: &BackendRef) -> i64 {
     cpu.memory_stats().allocated_bytes.all.current
 }

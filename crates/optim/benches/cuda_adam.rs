@@ -181,18 +181,14 @@ fn main() {
     report(
         "headroom_raw_fused_cuda",
         28.0,
-        time_steps(&cuda, &mut |t| {
-            fused.step(&cfg, t, None, None).expect("step")
-        }),
+        time_steps(&cuda, &mut |t| fused.step(&cfg, t, None).expect("step")),
     );
     // SAFETY: as above.
     let mut eight = unsafe { CudaAdam8bit::new(cuda.clone(), &raw8) }.expect("kernel");
     report(
         "headroom_raw_adam8bit_cuda",
         16.0,
-        time_steps(&cuda, &mut |t| {
-            eight.step(&cfg8, t, None, None).expect("step")
-        }),
+        time_steps(&cuda, &mut |t| eight.step(&cfg8, t, None).expect("step")),
     );
     drop((fused, eight, state));
 }

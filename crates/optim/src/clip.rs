@@ -57,7 +57,8 @@ pub(crate) struct NormClip {
 ///
 /// With `error_if_nonfinite`, a NaN or infinite total norm is an [`OptimError::NonFiniteNorm`]
 /// and no gradient changes; on CUDA that one check reads the norm (a host synchronisation),
-/// otherwise nothing waits for the device. Errors: no parameters, a non-finite `max_norm`,
+/// otherwise nothing waits for the device. Errors: no parameters, a negative or non-finite
+/// `max_norm`,
 /// gradients on different devices, of another dtype than f32, bf16 and f16, non-contiguous, or
 /// sharing memory.
 ///
@@ -91,10 +92,13 @@ pub fn clip_grad_norm_(
     error_if_nonfinite: bool,
 ) -> Result<Tensor, OptimError> {
     const OP: &str = "clip_grad_norm_";
-    if !max_norm.is_finite() {
+    if !(max_norm.is_finite() && max_norm >= 0.0) {
         return Err(OptimError::InvalidArgument {
             op: OP,
-            reason: format!("a non-finite max_norm {max_norm}"),
+            reason: format!(
+                "max_norm must be finite and at least 0, got {max_norm} (a negative bound would \
+                 flip every gradient's sign)"
+            ),
         });
     }
     let Some((mut device, grads)) = gradients(OP, params)? else {

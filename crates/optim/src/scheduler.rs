@@ -90,6 +90,70 @@ impl Schedule {
         }
     }
 
+    /// Checks the settings as PyTorch's schedulers do, and what PyTorch leaves to arithmetic:
+    /// a warmup factor in (0, 1]; a finite, non-negative decay and floor; one-cycle's
+    /// `pct_start` in [0, 1], a finite non-negative peak, positive finite divisors and at least
+    /// 2 steps. Anything else would give negative, infinite or NaN rates.
+    pub fn validate(&self) -> Result<(), OptimError> {
+        let bad = |reason: String| {
+            Err(OptimError::InvalidArgument {
+                op: "LrScheduler",
+                reason,
+            })
+        };
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        let non_negative = |x: f64| x.is_finite() && x >= 0.0;
+        match *self {
+            Schedule::LinearWarmup { start_factor, .. } => {
+                if !(start_factor > 0.0 && start_factor <= 1.0) {
+                    return bad(format!(
+                        "the warmup's start factor must be in (0, 1], got {start_factor}"
+                    ));
+                }
+            }
+            Schedule::Step { gamma, .. } => {
+                if !non_negative(gamma) {
+                    return bad(format!("gamma must be finite and at least 0, got {gamma}"));
+                }
+            }
+            Schedule::Cosine { eta_min, .. } => {
+                if !non_negative(eta_min) {
+                    return bad(format!(
+                        "eta_min must be finite and at least 0, got {eta_min}"
+                    ));
+                }
+            }
+            Schedule::OneCycle {
+                max_lr,
+                total_steps,
+                pct_start,
+                div_factor,
+                final_div_factor,
+            } => {
+                if total_steps < 2 {
+                    return bad(format!(
+                        "one-cycle needs at least 2 steps, got {total_steps}"
+                    ));
+                }
+                if !(0.0..=1.0).contains(&pct_start) {
+                    return bad(format!("pct_start must be in [0, 1], got {pct_start}"));
+                }
+                if !non_negative(max_lr) {
+                    return bad(format!(
+                        "max_lr must be finite and at least 0, got {max_lr}"
+                    ));
+                }
+                if !positive(div_factor) || !positive(final_div_factor) {
+                    return bad(format!(
+                        "div_factor and final_div_factor must be finite and above 0, got \
+                         {div_factor} and {final_div_factor}"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The learning rate at step `t` for a group whose base rate is `base`.
     pub fn lr_at(&self, base: f64, t: u64) -> f64 {
         match *self {
@@ -147,14 +211,7 @@ impl LrScheduler {
         schedule: Schedule,
         optimizer: &mut dyn Optimizer,
     ) -> Result<LrScheduler, OptimError> {
-        if let Schedule::OneCycle { total_steps, .. } = schedule {
-            if total_steps < 2 {
-                return Err(OptimError::InvalidArgument {
-                    op: "LrScheduler",
-                    reason: format!("one-cycle needs at least 2 steps, got {total_steps}"),
-                });
-            }
-        }
+        schedule.validate()?;
         let base_lrs = (0..optimizer.n_groups()).map(|g| optimizer.lr(g)).collect();
         let res = LrScheduler {
             schedule,

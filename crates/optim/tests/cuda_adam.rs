@@ -2,9 +2,13 @@
 //! and the found-inf skip. Prints a skip notice (and passes) without a CUDA device.
 #![cfg(feature = "cuda")]
 
+use std::sync::Arc;
+
+use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_ops_cuda::CudaBackend;
 use headroom_optim::cuda::{CudaFusedAdam, DeviceAdamParam};
 use headroom_optim::kernels::{adam_fused, AdamBuffers, AdamConfig, GradScaling};
+use headroom_optim::{DeviceGradScaling, OptimError};
 use headroom_testkit::gpu::cuda_or_skip;
 
 fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
@@ -21,6 +25,20 @@ fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
 
 fn bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// A GradScaler's scale (and flag) as one-element f32 tensors of `backend`.
+fn scaling(
+    backend: &Arc<CudaBackend>,
+    grad_scale: f32,
+    found_inf: Option<f32>,
+) -> DeviceGradScaling {
+    let backend: BackendRef = backend.clone();
+    let one = |value: f32| Tensor::from_slice(&backend, &[value], &[1]).unwrap();
+    DeviceGradScaling {
+        grad_scale: Some(one(grad_scale)),
+        found_inf: found_inf.map(one),
+    }
 }
 
 #[test]
@@ -73,18 +91,15 @@ fn gpu_fused_adam_equals_the_cpu_bit_for_bit() {
             });
             device.push(uploads);
         }
-        let scale = backend.upload(&bytes(&[grad_scale])).unwrap();
-        let no_inf = backend.upload(&bytes(&[0.0])).unwrap();
-        let inf = backend.upload(&bytes(&[1.0])).unwrap();
+        let clean = scaling(&backend, grad_scale, Some(0.0));
+        let overflowed = scaling(&backend, grad_scale, Some(1.0));
         // SAFETY: every address is a live allocation of `backend` holding `len` f32s, kept in
         // `device` until the end of the test.
         let mut adam = unsafe { CudaFusedAdam::new(backend.clone(), &params) }.unwrap();
         for step in 1..=3 {
-            adam.step(&cfg, step, Some(scale.address()), Some(no_inf.address()))
-                .unwrap();
+            adam.step(&cfg, step, Some(&clean)).unwrap();
             // An overflowed step changes nothing.
-            adam.step(&cfg, step, Some(scale.address()), Some(inf.address()))
-                .unwrap();
+            adam.step(&cfg, step, Some(&overflowed)).unwrap();
             for buffers in &mut host {
                 let [p, g, m, v] = buffers;
                 let bufs = AdamBuffers {
@@ -108,7 +123,7 @@ fn gpu_fused_adam_equals_the_cpu_bit_for_bit() {
             }
         }
         drop(adam);
-        for allocation in device.into_iter().flatten().chain([scale, no_inf, inf]) {
+        for allocation in device.into_iter().flatten() {
             backend.allocator().free(allocation).unwrap();
         }
     }
@@ -164,15 +179,14 @@ fn gpu_8bit_adam_equals_the_cpu_bit_for_bit() {
             });
             device.push(uploads);
         }
-        let scale = backend.upload(&bytes(&[grad_scale])).unwrap();
-        let inf = backend.upload(&bytes(&[1.0])).unwrap();
+        let scaled = scaling(&backend, grad_scale, None);
+        let overflowed = scaling(&backend, grad_scale, Some(1.0));
         // SAFETY: every address is a live allocation of `backend` of the documented size, kept
         // in `device` until the end of the test.
         let mut adam = unsafe { CudaAdam8bit::new(backend.clone(), &params) }.unwrap();
         for step in 1..=3 {
-            adam.step(&cfg, step, Some(scale.address()), None).unwrap();
-            adam.step(&cfg, step, Some(scale.address()), Some(inf.address()))
-                .unwrap();
+            adam.step(&cfg, step, Some(&scaled)).unwrap();
+            adam.step(&cfg, step, Some(&overflowed)).unwrap();
             for (f, c) in floats.iter_mut().zip(codes.iter_mut()) {
                 let [p, g, a1, a2] = f;
                 let [c1, c2] = c;
@@ -203,7 +217,7 @@ fn gpu_8bit_adam_equals_the_cpu_bit_for_bit() {
             }
         }
         drop(adam);
-        for allocation in device.into_iter().flatten().chain([scale, inf]) {
+        for allocation in device.into_iter().flatten() {
             backend.allocator().free(allocation).unwrap();
         }
     }
@@ -363,6 +377,142 @@ fn gpu_step_buffers_follow_moving_gradients_bit_for_bit() {
     }
     drop(adam);
     for allocation in state.into_iter().chain(buffers) {
+        backend.allocator().free(allocation).unwrap();
+    }
+}
+
+/// The raw layer's safe `step` takes a GradScaler's values as tensors and checks them: of this
+/// backend, f32, one element each; anything else is a typed error before any launch.
+#[test]
+fn gpu_raw_step_checks_the_scaling_tensors() {
+    use headroom_optim::cuda::CudaAdam8bit;
+    use headroom_optim::kernels::Adam8bitConfig;
+
+    let Some(backend) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
+    let cuda: BackendRef = backend.clone();
+    let cpu: BackendRef = headroom_ops_cpu::CpuBackend::new_ref();
+    // SAFETY: no buffers: `step` launches over none.
+    let mut adam = unsafe { CudaFusedAdam::new(backend.clone(), &[]) }.unwrap();
+    // SAFETY: as above.
+    let mut eight = unsafe { CudaAdam8bit::new(backend.clone(), &[]) }.unwrap();
+    let cases = [
+        (
+            "on the CPU",
+            Tensor::from_slice(&cpu, &[1.0f32], &[1]).unwrap(),
+        ),
+        ("f64", Tensor::from_slice(&cuda, &[1.0f64], &[1]).unwrap()),
+        (
+            "two elements",
+            Tensor::from_slice(&cuda, &[1.0f32, 2.0], &[2]).unwrap(),
+        ),
+    ];
+    for (what, tensor) in cases {
+        for as_flag in [false, true] {
+            let scaling = if as_flag {
+                DeviceGradScaling {
+                    grad_scale: None,
+                    found_inf: Some(tensor.clone()),
+                }
+            } else {
+                DeviceGradScaling {
+                    grad_scale: Some(tensor.clone()),
+                    found_inf: None,
+                }
+            };
+            let fused = adam.step(&AdamConfig::adam(), 1, Some(&scaling));
+            let blockwise = eight.step(&Adam8bitConfig::adam(), 1, Some(&scaling));
+            for outcome in [fused, blockwise] {
+                let err = outcome.expect_err(what);
+                let typed = match what {
+                    "on the CPU" => matches!(err, OptimError::MixedDevices { .. }),
+                    "f64" => matches!(
+                        err,
+                        OptimError::DType {
+                            expected: DType::F32,
+                            got: DType::F64,
+                            ..
+                        }
+                    ),
+                    _ => matches!(err, OptimError::InvalidArgument { .. }),
+                };
+                assert!(typed, "{what} (flag: {as_flag}): {err:?}");
+            }
+        }
+    }
+}
+
+/// `step_buffers` does not keep its buffers: a later safe `step` launches over the buffers
+/// given at creation (here none), never over a framework's buffers of an earlier step, which
+/// may have been freed since. Overlapping or null buffers are refused before any launch.
+#[test]
+fn gpu_step_buffers_keep_nothing_and_refuse_overlaps() {
+    let Some(backend) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
+    let n = 1000;
+    let cfg = AdamConfig::adamw();
+    let state: Vec<_> = [
+        random(7, n, 1.0),
+        random(8, n, 1.0),
+        vec![0.0; n],
+        vec![0.0; n],
+    ]
+    .iter()
+    .map(|values| backend.upload(&bytes(values)).unwrap())
+    .collect();
+    let param = DeviceAdamParam {
+        param: state[0].address(),
+        grad: state[1].address(),
+        exp_avg: state[2].address(),
+        exp_avg_sq: state[3].address(),
+        max_exp_avg_sq: None,
+        len: n,
+    };
+    // SAFETY: no buffers at creation.
+    let mut adam = unsafe { CudaFusedAdam::new(backend.clone(), &[]) }.unwrap();
+    // SAFETY: live f32 buffers of `n` elements, kept until the end of the test.
+    unsafe { adam.step_buffers(&cfg, 1, &[param], (None, None)) }.unwrap();
+    let mut after_one = vec![0u8; n * 4];
+    // SAFETY: a live allocation of `n` f32s.
+    unsafe { backend.download(state[0].address(), &mut after_one) }.unwrap();
+    for step in 2..=4 {
+        adam.step(&cfg, step, None).unwrap();
+    }
+    let mut after_safe_steps = vec![0u8; n * 4];
+    // SAFETY: as above.
+    unsafe { backend.download(state[0].address(), &mut after_safe_steps) }.unwrap();
+    assert_eq!(
+        after_safe_steps, after_one,
+        "a safe step touched the buffers of an earlier step_buffers"
+    );
+
+    let shared_state = DeviceAdamParam {
+        exp_avg: state[2].address() + 16,
+        ..param
+    };
+    let twice = [
+        param,
+        DeviceAdamParam {
+            param: state[3].address(),
+            ..shared_state
+        },
+    ];
+    let null = DeviceAdamParam {
+        exp_avg: 0,
+        ..param
+    };
+    for params in [&twice[..], &[null][..]] {
+        // SAFETY: refused before any launch (checked below).
+        let err = unsafe { adam.step_buffers(&cfg, 2, params, (None, None)) }.unwrap_err();
+        assert!(matches!(err, OptimError::InvalidArgument { .. }), "{err:?}");
+        // SAFETY: as above: `new` checks the same.
+        let err = unsafe { CudaFusedAdam::new(backend.clone(), params) }.unwrap_err();
+        assert!(matches!(err, OptimError::InvalidArgument { .. }), "{err:?}");
+    }
+    drop(adam);
+    for allocation in state {
         backend.allocator().free(allocation).unwrap();
     }
 }

@@ -72,7 +72,8 @@ fn c_string(text: String) -> *mut c_char {
 }
 
 /// Allocates `size` bytes on `device` for work on `stream` (PyTorch's `alloc_fn`). Returns null
-/// for 0 bytes, and on failure (message in `headroom_last_error` and on standard error).
+/// for 0 bytes, and on failure — out of memory, a negative size, a bad device — with the message
+/// in `headroom_last_error` and on standard error.
 ///
 /// # Safety
 /// `stream` is a `cudaStream_t` of `device` (null: the legacy default stream) that stays valid
@@ -83,10 +84,13 @@ pub unsafe extern "C" fn headroom_alloc(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    let result = self::device(device).and_then(|plugin| {
-        // SAFETY: the stream outlives the allocator by the caller's contract.
-        unsafe { plugin.allocate(size.max(0) as u64, stream as usize) }
-    });
+    let result = u64::try_from(size)
+        .map_err(|_| PluginError::NegativeSize { size: size as i64 })
+        .and_then(|size| Ok((size, self::device(device)?)))
+        .and_then(|(size, plugin)| {
+            // SAFETY: the stream outlives the allocator by the caller's contract.
+            unsafe { plugin.allocate(size, stream as usize) }
+        });
     match result {
         Ok(address) => address as *mut c_void,
         Err(error) => {
@@ -133,7 +137,7 @@ pub unsafe extern "C" fn headroom_record_stream(
 /// Sets the settings (`PYTORCH_CUDA_ALLOC_CONF`'s syntax) before the first allocation.
 ///
 /// # Safety
-/// `conf` is a NUL-terminated string.
+/// `conf` is null (refused: `headroom_last_error` says so) or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn headroom_configure(conf: *const c_char) -> c_int {
     // SAFETY: forwarded from the caller.
@@ -213,7 +217,7 @@ pub extern "C" fn headroom_record_history(
 /// Writes `device`'s snapshot to `path` as a pickle that PyTorch's memory viewer opens.
 ///
 /// # Safety
-/// `path` is a NUL-terminated string.
+/// `path` is null (refused: `headroom_last_error` says so) or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn headroom_snapshot(device: c_int, path: *const c_char) -> c_int {
     // SAFETY: forwarded from the caller.

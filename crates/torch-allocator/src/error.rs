@@ -27,6 +27,12 @@ pub enum PluginError {
          feature or call headroom_use_host_memory() for host memory"
     )]
     NoCuda,
+    /// `headroom_alloc` was asked for a negative number of bytes (PyTorch passes a `ssize_t`).
+    #[error("cannot allocate a negative number of bytes ({size})")]
+    NegativeSize {
+        /// The size given.
+        size: i64,
+    },
     /// A string argument was not valid UTF-8 or was null.
     #[error("argument `{name}` must be a non-null UTF-8 C string")]
     BadString {

@@ -217,7 +217,8 @@ fn parse(args: &[String]) -> Result<Options> {
                 if mib == 0 {
                     bail!("--bucket-mib must be at least 1");
                 }
-                options.protocol.bucket_bytes = Some(mib as u64 * (1 << 20));
+                options.protocol.bucket_bytes =
+                    Some(crate::mib_to_bytes("--bucket-mib", mib as u64)?);
             }
             "--budget" => {
                 let text = value()?;

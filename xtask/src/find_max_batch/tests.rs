@@ -266,6 +266,11 @@ fn the_command_line_and_pytorchs_lines_are_read() {
     for (bad, message) in [
         (&["--cases", "adam_auto"][..], "adam_auto plans"),
         (&["--memory-cap-mb", "0"], "at least 1"),
+        // 2^44 + 1 MiB used to wrap to a 1 MiB cap.
+        (
+            &["--memory-cap-mb", "17592186044417"],
+            "--memory-cap-mb 17592186044417: too large to count in bytes",
+        ),
         (&["--seq"], "needs a value"),
         (&["--batch", "3"], "unknown option"),
     ] {

@@ -190,6 +190,12 @@ impl Tensor {
     pub fn flatten(&self, start: isize, end: isize) -> Result<Tensor> {
         let start = normalize_dim("flatten", start, self.ndim())?;
         let end = normalize_dim("flatten", end, self.ndim())?;
+        if start > end {
+            return Err(TensorError::InvalidArgument {
+                op: "flatten",
+                reason: format!("start dim {start} comes after end dim {end}"),
+            });
+        }
         let shape = self.shape();
         let mut res: Vec<usize> = shape[..start].to_vec();
         res.push(shape[start..=end].iter().product());

@@ -27,12 +27,12 @@ impl AllocatorConfig {
     /// - `garbage_collection_threshold`: 0 < x < 1;
     /// - `per_process_memory_fraction`: 0 < x ≤ 1;
     /// - `expandable_segments`: `True`/`true` or `False`/`false`;
-    /// - `large_segment_size_mb`: an even number of MiB, at least 10 (and at most
+    /// - `large_segment_size_mb`: an even number of MiB, 10 to 1,048,576 (1 TiB; and at most
     ///   `max_split_size_mb` when that is set);
-    /// - `expandable_page_size_mb`: an even number of MiB, at least 2 (Headroom's; PyTorch maps
-    ///   20 MiB pages);
-    /// - `expandable_handle_size_mb`: an even number of MiB, at least 2 (Headroom's: the most one
-    ///   physical handle backs in the large pool; larger map faster and unmap only whole);
+    /// - `expandable_page_size_mb`: an even number of MiB, 2 to 1,048,576 (Headroom's; PyTorch
+    ///   maps 20 MiB pages);
+    /// - `expandable_handle_size_mb`: an even number of MiB, 2 to 1,048,576 (Headroom's: the most
+    ///   one physical handle backs in the large pool; larger map faster and unmap only whole);
     /// - `reclaim_free_pages`: `True`/`true` or `False`/`false` (Headroom's; PyTorch does not
     ///   reclaim);
     /// - `reclaim_settles`: `True`/`true` or `False`/`false` (Headroom's: whether reclaiming

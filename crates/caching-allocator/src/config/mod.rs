@@ -340,31 +340,33 @@ impl AllocatorConfig {
                 return Err(invalid("per_process_memory_fraction", reason));
             }
         }
-        let large_segment_size = self.large_segment_size;
-        if large_segment_size < MIN_LARGE_SEGMENT_SIZE
-            || !large_segment_size.is_multiple_of(2 << 20)
-        {
-            let reason = format!(
-                "must be an even number of MiB, at least 10, got {}",
-                describe(large_segment_size)
-            );
-            return Err(invalid("large_segment_size_mb", reason));
-        }
-        let page = self.expandable_page_size;
-        if page == 0 || !page.is_multiple_of(2 << 20) {
-            let reason = format!(
-                "must be an even number of MiB, at least 2, got {}",
-                describe(page)
-            );
-            return Err(invalid("expandable_page_size_mb", reason));
-        }
-        let handle = self.expandable_handle_size;
-        if handle == 0 || !handle.is_multiple_of(2 << 20) {
-            let reason = format!(
-                "must be an even number of MiB, at least 2, got {}",
-                describe(handle)
-            );
-            return Err(invalid("expandable_handle_size_mb", reason));
+        let sizes = [
+            (
+                "large_segment_size_mb",
+                self.large_segment_size,
+                MIN_LARGE_SEGMENT_SIZE,
+            ),
+            (
+                "expandable_page_size_mb",
+                self.expandable_page_size,
+                2 << 20,
+            ),
+            (
+                "expandable_handle_size_mb",
+                self.expandable_handle_size,
+                2 << 20,
+            ),
+        ];
+        for (key, size, least) in sizes {
+            if size < least || size > MAX_UNIT_SIZE || !size.is_multiple_of(2 << 20) {
+                let reason = format!(
+                    "must be an even number of MiB, at least {} and at most {}, got {}",
+                    least >> 20,
+                    MAX_UNIT_SIZE >> 20,
+                    describe(size)
+                );
+                return Err(invalid(key, reason));
+            }
         }
         Ok(())
     }
@@ -372,6 +374,12 @@ impl AllocatorConfig {
 
 /// The smallest `max_split_size_mb` and `max_non_split_rounding_mb` (PyTorch's kLargeBuffer).
 const MIN_SPLIT_ROUNDING: u64 = 20 << 20;
+
+/// The largest `large_segment_size_mb`, `expandable_page_size_mb` and
+/// `expandable_handle_size_mb`: 1 TiB, above any GPU's memory, so that every sum and round-up of
+/// sizes the policy computes stays far inside `u64` (a larger page overflowed the round-up of a
+/// request: a panic in a debug build, a meaningless storage error in release).
+const MAX_UNIT_SIZE: u64 = 1 << 40;
 
 /// The smallest `large_segment_size_mb`: requests below 10 MiB (PyTorch's kMinLargeAlloc) are
 /// served from one segment of this size, so it must hold them.

@@ -183,6 +183,20 @@ fn invalid_values_name_their_key() {
         ("expandable_page_size_mb:3", "expandable_page_size_mb"),
         ("expandable_handle_size_mb:0", "expandable_handle_size_mb"),
         ("expandable_handle_size_mb:33", "expandable_handle_size_mb"),
+        // Above 1 TiB: these used to pass and overflow the policy's round-ups.
+        ("large_segment_size_mb:1048578", "large_segment_size_mb"),
+        (
+            "expandable_page_size_mb:17592186044414",
+            "expandable_page_size_mb",
+        ),
+        (
+            "expandable_handle_size_mb:1048578",
+            "expandable_handle_size_mb",
+        ),
+        (
+            "expandable_page_size_mb:17592186044416",
+            "expandable_page_size_mb",
+        ),
         ("reclaim_free_pages:maybe", "reclaim_free_pages"),
         ("reclaim_settles:1", "reclaim_settles"),
         ("backend:cudaMallocAsync", "backend"),
@@ -528,4 +542,29 @@ fn a_conf_applies_over_other_defaults() {
         AllocatorConfig::parse("").unwrap(),
         AllocatorConfig::default()
     );
+}
+
+/// The largest unit sizes are accepted, and an allocator with them answers a request with a
+/// typed out-of-memory error on a small device, not an overflow.
+#[test]
+fn the_largest_unit_sizes_are_accepted_and_do_not_overflow() {
+    use crate::{CachingAllocator, SimulatedStorage, StreamId};
+
+    for conf in [
+        "expandable_page_size_mb:1048576,expandable_handle_size_mb:1048576",
+        "expandable_segments:False,large_segment_size_mb:1048576",
+    ] {
+        let config = parse_ok(conf);
+        let allocator = CachingAllocator::new(SimulatedStorage::new(1 << 30), config);
+        // A small request fits the 2 MiB small pool; 3 MiB needs a 1 TiB page or segment.
+        let small = allocator.allocate(1, StreamId::DEFAULT).unwrap();
+        allocator.free(small).unwrap();
+        for size in [3 << 20, u64::MAX / 2] {
+            let outcome = allocator.allocate(size, StreamId::DEFAULT);
+            assert!(
+                matches!(outcome, Err(crate::AllocError::OutOfMemory(_))),
+                "`{conf}`, {size} bytes: {outcome:?}"
+            );
+        }
+    }
 }

@@ -16,14 +16,14 @@ use headroom_ops_cuda::CudaBackend;
 
 use super::multi_tensor::{PieceKernels, Span};
 use super::{
-    address, flags, fused_block_elems, geometry, raw_geometry, CudaDevice, Module, PassOps,
-    PieceHead, Table,
+    address, check_disjoint, checked_scaling_addresses, flags, fused_block_elems, geometry,
+    raw_geometry, CudaDevice, Module, PassOps, PieceHead, Table,
 };
 use crate::adam::AdamState;
 use crate::driver::{CudaEntry, RuleCall};
 use crate::error::OptimError;
-use crate::kernels::{AdamConfig, StepConsts, WeightDecay};
-use crate::AdamStochasticConfig;
+use crate::kernels::{check_step, AdamConfig, StepConsts, WeightDecay};
+use crate::{AdamStochasticConfig, DeviceGradScaling};
 
 const PIECE_SIZE: usize = 144;
 /// The f32 fused kernel of [`CudaFusedAdam`].
@@ -253,6 +253,7 @@ impl CudaFusedAdam {
                 reason: "either every parameter or none has an AMSGrad buffer".into(),
             });
         }
+        check_disjoint("CudaFusedAdam", written_ranges(params))?;
         Ok(CudaFusedAdam {
             device: CudaDevice::new(backend, 0),
             params: params.to_vec(),
@@ -267,29 +268,47 @@ impl CudaFusedAdam {
         self
     }
 
-    /// Adam step number `step` (counted from 1) on every parameter. `grad_scale` and
-    /// `found_inf` are device addresses of one f32 each (the GradScaler's): gradients are divided
-    /// by the scale, and nothing is written when the flag is non-zero (the caller does not count
-    /// such a step).
+    /// Adam step number `step` (counted from 1) on every buffer given at creation. With
+    /// `scaling`, a GradScaler's scale and found-inf flag in device memory (one-element f32
+    /// tensors of this optimizer's backend, checked): gradients are divided by the scale, and
+    /// nothing is written when the flag is non-zero (the caller does not count such a step).
+    /// The tensors are borrowed for the call; the allocator frees their memory in stream order,
+    /// after the launch.
     pub fn step(
         &mut self,
         cfg: &AdamConfig,
         step: u64,
-        grad_scale: Option<u64>,
-        found_inf: Option<u64>,
+        scaling: Option<&DeviceGradScaling>,
     ) -> Result<(), OptimError> {
-        self.launch(cfg, step, grad_scale, found_inf)
+        if cfg.amsgrad != self.amsgrad {
+            return Err(OptimError::InvalidArgument {
+                op: "CudaFusedAdam::step",
+                reason: "amsgrad differs from the buffers given at creation".into(),
+            });
+        }
+        let addresses = checked_scaling_addresses(&self.device, "CudaFusedAdam::step", scaling)?;
+        launch_fused(
+            &mut self.device,
+            self.math,
+            cfg,
+            step,
+            &self.params,
+            addresses,
+        )
     }
 
     /// [`CudaFusedAdam::step`] over `params` given for this step alone, for a caller whose
     /// buffers move between steps (a framework's gradients, reallocated after `zero_grad`):
     /// one launch on the backend's stream (the legacy default stream), nothing copied. The
-    /// buffers given at creation are replaced by `params`.
+    /// buffers given at creation are kept for [`CudaFusedAdam::step`]; `params` are not.
+    /// `scaling` holds the device addresses of a GradScaler's scale and found-inf flag (one
+    /// f32 each), or `None` for each.
     ///
     /// # Safety
     /// As [`CudaFusedAdam::new`], for `params`: live f32 buffers of `len` elements on the
     /// backend's device until the launch completes, not overlapping between parameters, and
-    /// every parameter with an AMSGrad buffer or none.
+    /// every parameter with an AMSGrad buffer or none; each address of `scaling` a live f32 of
+    /// the backend's device until the launch completes.
     pub unsafe fn step_buffers(
         &mut self,
         cfg: &AdamConfig,
@@ -297,9 +316,6 @@ impl CudaFusedAdam {
         params: &[DeviceAdamParam],
         (grad_scale, found_inf): (Option<u64>, Option<u64>),
     ) -> Result<(), OptimError> {
-        self.params.clear();
-        self.params.extend_from_slice(params);
-        self.amsgrad = cfg.amsgrad;
         if !params
             .iter()
             .all(|p| p.max_exp_avg_sq.is_some() == cfg.amsgrad)
@@ -310,56 +326,72 @@ impl CudaFusedAdam {
                     .into(),
             });
         }
-        self.launch(cfg, step, grad_scale, found_inf)
+        check_disjoint("CudaFusedAdam::step_buffers", written_ranges(params))?;
+        launch_fused(
+            &mut self.device,
+            self.math,
+            cfg,
+            step,
+            params,
+            (grad_scale.unwrap_or(0), found_inf.unwrap_or(0)),
+        )
     }
+}
 
-    fn launch(
-        &mut self,
-        cfg: &AdamConfig,
-        step: u64,
-        grad_scale: Option<u64>,
-        found_inf: Option<u64>,
-    ) -> Result<(), OptimError> {
-        if cfg.amsgrad != self.amsgrad {
-            return Err(OptimError::InvalidArgument {
-                op: "CudaFusedAdam::step",
-                reason: "amsgrad differs from the buffers given at creation".into(),
-            });
-        }
-        let geometry = raw_geometry(self.params.iter().map(|p| p.len), step);
-        let params = &self.params;
-        let total_len = self.params.iter().map(|p| p.len).sum();
-        let block = (
-            fused_block_elems(total_len, AdamConfig::FUSED_BLOCK),
-            AdamConfig::FUSED_BLOCK.1,
-        );
-        let math = self.math;
-        let (table, n_blocks) =
-            self.device
-                .piece_table(&geometry, block.0, false, &mut |t, idx, head| {
-                    let p = &params[idx];
-                    let states = [p.exp_avg, p.exp_avg_sq, p.max_exp_avg_sq.unwrap_or(0)];
-                    let (param, grad) = (p.param, p.grad);
-                    let span = Span {
-                        param,
-                        grad,
-                        states,
-                        tmp: 0,
-                    };
-                    match math {
-                        FusedAdamMath::OpByOp => cfg.write_piece(t, head, span, None),
-                        FusedAdamMath::Torch => cfg.write_torch_piece(t, head, span),
-                    }
-                })?;
-        let addresses = (grad_scale.unwrap_or(0), found_inf.unwrap_or(0));
-        let n_pieces = params.len();
-        let kernel = match math {
-            FusedAdamMath::OpByOp => FUSED_KERNEL,
-            FusedAdamMath::Torch => TORCH_KERNEL,
-        };
-        self.device
-            .run_elementwise(kernel, &table, n_pieces, n_blocks, block, addresses)
-    }
+/// The byte ranges of a fused step's buffers, per parameter: the parameter, its gradient (which
+/// [`FusedAdamMath::Torch`] writes when scaled) and its states, all f32.
+fn written_ranges(params: &[DeviceAdamParam]) -> impl Iterator<Item = (u64, u64)> + '_ {
+    params.iter().flat_map(|p| {
+        let bytes = p.len as u64 * 4;
+        let states = [p.exp_avg, p.exp_avg_sq];
+        [p.param, p.grad]
+            .into_iter()
+            .chain(states)
+            .chain(p.max_exp_avg_sq)
+            .map(move |address| (address, bytes))
+    })
+}
+
+/// One launch of `math`'s kernel over `params` (each with an AMSGrad buffer exactly when
+/// `cfg.amsgrad`: checked by the callers), reading the scale and flag at `addresses` (0: none).
+fn launch_fused(
+    device: &mut CudaDevice,
+    math: FusedAdamMath,
+    cfg: &AdamConfig,
+    step: u64,
+    params: &[DeviceAdamParam],
+    addresses: (u64, u64),
+) -> Result<(), OptimError> {
+    cfg.validate()?;
+    check_step("CudaFusedAdam", step)?;
+    let geometry = raw_geometry(params.iter().map(|p| p.len), step);
+    let total_len = params.iter().map(|p| p.len).sum();
+    let block = (
+        fused_block_elems(total_len, AdamConfig::FUSED_BLOCK),
+        AdamConfig::FUSED_BLOCK.1,
+    );
+    let (table, n_blocks) =
+        device.piece_table(&geometry, block.0, false, &mut |t, idx, head| {
+            let p = &params[idx];
+            let states = [p.exp_avg, p.exp_avg_sq, p.max_exp_avg_sq.unwrap_or(0)];
+            let (param, grad) = (p.param, p.grad);
+            let span = Span {
+                param,
+                grad,
+                states,
+                tmp: 0,
+            };
+            match math {
+                FusedAdamMath::OpByOp => cfg.write_piece(t, head, span, None),
+                FusedAdamMath::Torch => cfg.write_torch_piece(t, head, span),
+            }
+        })?;
+    let n_pieces = params.len();
+    let kernel = match math {
+        FusedAdamMath::OpByOp => FUSED_KERNEL,
+        FusedAdamMath::Torch => TORCH_KERNEL,
+    };
+    device.run_elementwise(kernel, &table, n_pieces, n_blocks, block, addresses)
 }
 
 // The ops of `adam_pass_f32`, in the order they run.

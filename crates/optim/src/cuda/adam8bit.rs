@@ -10,15 +10,19 @@ use std::sync::Arc;
 
 use headroom_ops_cuda::{CudaBackend, KernelArg};
 
-use super::{address, geometry, raw_geometry, CudaDevice, Module, PieceHead, Table};
+use super::{
+    address, check_disjoint, checked_scaling_addresses, geometry, raw_geometry, CudaDevice, Module,
+    PieceHead, Table,
+};
 use crate::adam8bit::{bnb_maps, Adam8bitState};
 use crate::driver::{CudaEntry, RuleCall};
 use crate::error::OptimError;
 use crate::kernels::{
-    Adam8bitConfig, Adam8bitConsts, StateCodeTable, BNB_BLOCK_SIZE, CODE_BINS_PER_SIGN,
+    check_step, Adam8bitConfig, Adam8bitConsts, StateCodeTable, BNB_BLOCK_SIZE, CODE_BINS_PER_SIGN,
     MIN_8BIT_SIZE,
 };
 use crate::optimizer::{Scaling, StepItem};
+use crate::DeviceGradScaling;
 
 const PIECE_SIZE: usize = 128;
 const BLOCKWISE_KERNEL: (Module, &str) = (Module::Adam8bit, "adam8bit_blockwise_f32");
@@ -287,6 +291,7 @@ impl CudaAdam8bit {
                 ),
             });
         }
+        check_disjoint("CudaAdam8bit", buffer_ranges(params))?;
         Ok(CudaAdam8bit {
             device: CudaDevice::new(backend, 0),
             params: params.to_vec(),
@@ -300,16 +305,23 @@ impl CudaAdam8bit {
         self
     }
 
-    /// 8-bit Adam step number `step` (from 1) on every parameter; `grad_scale` and `found_inf`
-    /// as in [`super::CudaFusedAdam::step`].
+    /// 8-bit Adam step number `step` (from 1) on every buffer given at creation; `scaling` as
+    /// in [`super::CudaFusedAdam::step`] (checked one-element f32 tensors of this backend).
     pub fn step(
         &mut self,
         cfg: &Adam8bitConfig,
         step: u64,
-        grad_scale: Option<u64>,
-        found_inf: Option<u64>,
+        scaling: Option<&DeviceGradScaling>,
     ) -> Result<(), OptimError> {
-        self.launch(cfg, step, (grad_scale, found_inf))
+        let addresses = checked_scaling_addresses(&self.device, "CudaAdam8bit::step", scaling)?;
+        launch_8bit(
+            &mut self.device,
+            self.math,
+            cfg,
+            step,
+            &self.params,
+            addresses,
+        )
     }
 
     /// [`CudaAdam8bit::step`] over `params` given for this step alone (a framework's
@@ -317,11 +329,13 @@ impl CudaAdam8bit {
     /// of fewer than `MIN_8BIT_SIZE` elements has f32 states (`state1`, `state2` of `len`
     /// f32s; its absmax addresses are ignored) and steps in bitsandbytes' 32-bit kernel. At most
     /// two launches (8-bit, 32-bit) on the backend's stream; nothing copied. The buffers given at
-    /// creation are replaced by the 8-bit ones of `params`.
+    /// creation are kept for [`CudaAdam8bit::step`]; `params` are not. `scaling` holds the
+    /// device addresses of a GradScaler's scale and found-inf flag (one f32 each), or `None`.
     ///
     /// # Safety
     /// As [`CudaAdam8bit::new`] for `params`, the small ones' states being f32 buffers of `len`
-    /// elements, all live until the launches complete.
+    /// elements, all live until the launches complete; each address of `scaling` a live f32 of
+    /// the backend's device until the launches complete.
     pub unsafe fn step_buffers(
         &mut self,
         cfg: &Adam8bitConfig,
@@ -329,9 +343,12 @@ impl CudaAdam8bit {
         params: &[DeviceAdam8bitParam],
         scaling: (Option<u64>, Option<u64>),
     ) -> Result<(), OptimError> {
+        check_disjoint("CudaAdam8bit::step_buffers", buffer_ranges(params))?;
+        cfg.validate()?;
+        check_step("CudaAdam8bit::step_buffers", step)?;
+        let addresses = (scaling.0.unwrap_or(0), scaling.1.unwrap_or(0));
         let (small, large): (Vec<_>, Vec<_>) = params.iter().partition(|p| p.len < MIN_8BIT_SIZE);
-        self.params = large;
-        self.launch(cfg, step, scaling)?;
+        launch_8bit(&mut self.device, self.math, cfg, step, &large, addresses)?;
         if small.is_empty() {
             return Ok(());
         }
@@ -344,7 +361,6 @@ impl CudaAdam8bit {
                     let span = [p.param, p.grad, p.state1, p.state2, 0, 0];
                     write_piece(t, cfg, head, span, None, math);
                 })?;
-        let addresses = (scaling.0.unwrap_or(0), scaling.1.unwrap_or(0));
         self.device.run_elementwise(
             BNB32_KERNEL,
             &table,
@@ -354,27 +370,53 @@ impl CudaAdam8bit {
             addresses,
         )
     }
+}
 
-    fn launch(
-        &mut self,
-        cfg: &Adam8bitConfig,
-        step: u64,
-        (grad_scale, found_inf): (Option<u64>, Option<u64>),
-    ) -> Result<(), OptimError> {
-        let geometry = raw_geometry(self.params.iter().map(|p| p.len), step);
-        let params = &self.params;
-        let math = self.math;
-        let (table, n_blocks) = self.device.piece_table(
-            &geometry,
-            BNB_BLOCK_SIZE as u64,
-            false,
-            &mut |t, idx, head| {
-                let p = &params[idx];
-                let span = [p.param, p.grad, p.state1, p.state2, p.absmax1, p.absmax2];
-                write_piece(t, cfg, head, span, None, math);
-            },
-        )?;
-        let addresses = (grad_scale.unwrap_or(0), found_inf.unwrap_or(0));
-        launch_blockwise(&mut self.device, &table, params.len(), n_blocks, addresses)
-    }
+/// The byte ranges of an 8-bit step's buffers, per parameter: f32 parameter and gradient, the
+/// two states (u8 codes, or f32 under `MIN_8BIT_SIZE`) and, for codes, the two absmax arrays.
+fn buffer_ranges(params: &[DeviceAdam8bitParam]) -> impl Iterator<Item = (u64, u64)> + '_ {
+    params.iter().flat_map(|p| {
+        let len = p.len as u64;
+        let small = p.len < MIN_8BIT_SIZE;
+        let state_bytes = if small { len * 4 } else { len };
+        let absmax_bytes = if small {
+            0
+        } else {
+            len.div_ceil(BNB_BLOCK_SIZE as u64) * 4
+        };
+        [
+            (p.param, len * 4),
+            (p.grad, len * 4),
+            (p.state1, state_bytes),
+            (p.state2, state_bytes),
+            (p.absmax1, absmax_bytes),
+            (p.absmax2, absmax_bytes),
+        ]
+    })
+}
+
+/// One blockwise launch over `params` (all of at least `MIN_8BIT_SIZE` elements), reading the
+/// scale and flag at `addresses` (0: none).
+fn launch_8bit(
+    device: &mut CudaDevice,
+    math: Adam8bitMath,
+    cfg: &Adam8bitConfig,
+    step: u64,
+    params: &[DeviceAdam8bitParam],
+    addresses: (u64, u64),
+) -> Result<(), OptimError> {
+    cfg.validate()?;
+    check_step("CudaAdam8bit", step)?;
+    let geometry = raw_geometry(params.iter().map(|p| p.len), step);
+    let (table, n_blocks) = device.piece_table(
+        &geometry,
+        BNB_BLOCK_SIZE as u64,
+        false,
+        &mut |t, idx, head| {
+            let p = &params[idx];
+            let span = [p.param, p.grad, p.state1, p.state2, p.absmax1, p.absmax2];
+            write_piece(t, cfg, head, span, None, math);
+        },
+    )?;
+    launch_blockwise(device, &table, params.len(), n_blocks, addresses)
 }

@@ -121,6 +121,75 @@ pub(crate) fn scaling_addresses(scaling: Scaling<'_>) -> (u64, u64) {
     }
 }
 
+/// The device addresses of a GradScaler's scale and flag for a raw-buffer step (0: none),
+/// after checking each tensor as the optimizers do: one contiguous f32 element of `device`'s
+/// backend, whose stream the launch runs on (so the allocator frees it after the launch).
+pub(crate) fn checked_scaling_addresses(
+    device: &CudaDevice,
+    op: &'static str,
+    scaling: Option<&DeviceGradScaling>,
+) -> Result<(u64, u64), OptimError> {
+    let Some(scaling) = scaling else {
+        return Ok((0, 0));
+    };
+    for tensor in scaling.grad_scale.iter().chain(&scaling.found_inf) {
+        if !device.owns(tensor) {
+            return Err(OptimError::MixedDevices {
+                op,
+                expected: device.device(),
+                got: tensor.device(),
+            });
+        }
+        if tensor.dtype() != DType::F32 {
+            return Err(OptimError::DType {
+                op,
+                expected: DType::F32,
+                got: tensor.dtype(),
+            });
+        }
+        if tensor.numel() != 1 || !tensor.is_contiguous() {
+            return Err(OptimError::InvalidArgument {
+                op,
+                reason: format!(
+                    "a gradient scale or found-inf flag is one f32 element, not {:?}",
+                    tensor.shape()
+                ),
+            });
+        }
+    }
+    Ok(scaling_addresses(Scaling::Device(scaling)))
+}
+
+/// Checks that the byte ranges `(address, bytes)` a raw-buffer launch writes are not null and
+/// do not overlap (two parameters sharing a state buffer would race in the kernel).
+pub(crate) fn check_disjoint(
+    op: &'static str,
+    ranges: impl Iterator<Item = (u64, u64)>,
+) -> Result<(), OptimError> {
+    let mut ranges: Vec<(u64, u64)> = ranges.filter(|&(_, bytes)| bytes > 0).collect();
+    if ranges.iter().any(|&(address, _)| address == 0) {
+        return Err(OptimError::InvalidArgument {
+            op,
+            reason: "a buffer of a non-empty parameter has the null address".into(),
+        });
+    }
+    ranges.sort_unstable();
+    for pair in ranges.windows(2) {
+        let (first, second) = (pair[0], pair[1]);
+        if first.0.saturating_add(first.1) > second.0 {
+            return Err(OptimError::InvalidArgument {
+                op,
+                reason: format!(
+                    "the buffers at {:#x} ({} bytes) and {:#x} ({} bytes) overlap; every \
+                     parameter and state buffer a step writes must be its own memory",
+                    first.0, first.1, second.0, second.1
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 fn device_error(op: &'static str, error: impl std::fmt::Display) -> OptimError {
     OptimError::Tensor(TensorError::Device {
         op,

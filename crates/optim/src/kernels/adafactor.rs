@@ -11,7 +11,9 @@
 //! PyTorch does; [`adafactor_fused`] recomputes `U` in two passes and keeps only the per-row and
 //! per-column means (O(rows + cols)).
 
-use super::{check_len, lerp, non_negative, GradScaling, StepOutcome};
+use super::{
+    check_host_scaling, check_len, check_step, lerp, non_negative, GradScaling, StepOutcome,
+};
 use crate::error::OptimError;
 
 /// Adafactor's hyperparameters (one parameter group's).
@@ -47,15 +49,24 @@ impl AdafactorConfig {
 
     /// Checks the ranges PyTorch checks.
     pub fn validate(&self) -> Result<(), OptimError> {
+        let bad = |reason: String| {
+            Err(OptimError::InvalidArgument {
+                op: "AdafactorConfig",
+                reason,
+            })
+        };
         if !non_negative(self.lr) || !non_negative(-self.beta2_decay) || !non_negative(self.d - 1.0)
         {
-            return Err(OptimError::InvalidArgument {
-                op: "AdafactorConfig",
-                reason: format!(
-                    "invalid lr {}, beta2_decay {} or d {}",
-                    self.lr, self.beta2_decay, self.d
-                ),
-            });
+            return bad(format!(
+                "invalid lr {}, beta2_decay {} or d {}",
+                self.lr, self.beta2_decay, self.d
+            ));
+        }
+        if !self.eps.0.is_none_or(non_negative) || !non_negative(self.eps.1) {
+            return bad(format!("invalid eps {:?}", self.eps));
+        }
+        if !non_negative(self.weight_decay) {
+            return bad(format!("invalid weight_decay {}", self.weight_decay));
         }
         Ok(())
     }
@@ -248,6 +259,7 @@ pub fn adafactor_single(
     scratch: &mut [f32],
 ) -> Result<(), OptimError> {
     check("adafactor_single", &bufs)?;
+    check_step("adafactor_single", step)?;
     let need = adafactor_scratch_len(bufs.shape);
     if scratch.len() < need {
         return Err(OptimError::LengthMismatch {
@@ -325,6 +337,8 @@ pub fn adafactor_fused(
     scaling: GradScaling,
 ) -> Result<StepOutcome, OptimError> {
     check("adafactor_fused", &bufs)?;
+    check_step("adafactor_fused", step)?;
+    check_host_scaling("adafactor_fused", scaling)?;
     if scaling.skips() {
         return Ok(StepOutcome::Skipped);
     }

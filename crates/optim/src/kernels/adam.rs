@@ -20,8 +20,8 @@
 use rayon::prelude::*;
 
 use super::{
-    check_len, lerp, maximum, non_negative, round_bf16_stochastic, stochastic_bits, GradScaling,
-    ParamElement, StepOutcome, PARALLEL_CHUNK,
+    check_host_scaling, check_len, check_step, lerp, maximum, non_negative, round_bf16_stochastic,
+    stochastic_bits, GradScaling, ParamElement, StepOutcome, PARALLEL_CHUNK,
 };
 use crate::error::OptimError;
 use half::bf16;
@@ -189,6 +189,7 @@ pub fn adam_single<T: ParamElement>(
     scratch: &mut [T],
 ) -> Result<(), OptimError> {
     bufs.check("adam_single", cfg)?;
+    check_step("adam_single", step)?;
     let n = bufs.param.len();
     if scratch.len() < n {
         return Err(OptimError::LengthMismatch {
@@ -222,8 +223,9 @@ pub fn adam_foreach<T: ParamElement>(
     tensors: &mut [(u64, AdamBuffers<'_, T>)],
     scratch: &mut [T],
 ) -> Result<(), OptimError> {
-    for (_, bufs) in tensors.iter() {
+    for (step, bufs) in tensors.iter() {
         bufs.check("adam_foreach", cfg)?;
+        check_step("adam_foreach", *step)?;
     }
     let lens: Vec<usize> = tensors.iter().map(|(_, b)| b.param.len()).collect();
     for chunk in foreach_chunks(&lens, scratch.len())? {
@@ -513,6 +515,8 @@ pub fn adam_fused<T: ParamElement>(
     scaling: GradScaling,
 ) -> Result<StepOutcome, OptimError> {
     bufs.check("adam_fused", cfg)?;
+    check_step("adam_fused", step)?;
+    check_host_scaling("adam_fused", scaling)?;
     if scaling.skips() {
         return Ok(StepOutcome::Skipped);
     }
@@ -598,6 +602,8 @@ pub fn adam_fused_stochastic(
     scaling: GradScaling,
 ) -> Result<StepOutcome, OptimError> {
     let op = "adam_fused_stochastic";
+    check_step(op, step)?;
+    check_host_scaling(op, scaling)?;
     let n = bufs.param.len();
     check_len(op, n, bufs.grad.len(), "grad")?;
     check_len(op, n, bufs.exp_avg.len(), "exp_avg")?;

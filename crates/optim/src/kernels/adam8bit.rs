@@ -14,7 +14,7 @@
 //! roundings straddle a code threshold; the golden test bounds how often).
 
 use super::quantization::{quantize_state_code, QuantizationMap};
-use super::{check_len, non_negative, GradScaling, StepOutcome};
+use super::{check_host_scaling, check_len, check_step, non_negative, GradScaling, StepOutcome};
 use crate::error::OptimError;
 
 /// Block size of bitsandbytes' 8-bit optimizer states.
@@ -136,6 +136,8 @@ pub fn adam8bit_blockwise(
     scaling: GradScaling,
 ) -> Result<StepOutcome, OptimError> {
     const OP: &str = "adam8bit_blockwise";
+    check_step(OP, step)?;
+    check_host_scaling(OP, scaling)?;
     let n = bufs.param.len();
     check_len(OP, n, bufs.grad.len(), "grad")?;
     check_len(OP, n, bufs.state1.len(), "state1")?;
@@ -219,6 +221,8 @@ pub fn adam_bnb_32bit(
     scaling: GradScaling,
 ) -> Result<StepOutcome, OptimError> {
     const OP: &str = "adam_bnb_32bit";
+    check_step(OP, step)?;
+    check_host_scaling(OP, scaling)?;
     let n = param.len();
     check_len(OP, n, grad.len(), "grad")?;
     check_len(OP, n, state1.len(), "state1")?;

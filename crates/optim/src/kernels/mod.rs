@@ -199,6 +199,30 @@ pub(crate) fn lerp(start: f32, end: f32, weight: f32) -> f32 {
     }
 }
 
+/// Checks a step number: steps count from 1 (step 0's bias correction `1 - beta^0` is 0, and
+/// every parameter would become NaN).
+pub(crate) fn check_step(op: &'static str, step: u64) -> Result<(), OptimError> {
+    if step == 0 {
+        return Err(OptimError::InvalidArgument {
+            op,
+            reason: "steps count from 1, got step 0".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Checks a host-valued gradient scale: a positive normal f32 (0 would turn every parameter
+/// into NaN, a subnormal scale's inverse overflows, a negative one would flip the update).
+pub(crate) fn check_host_scaling(op: &'static str, scaling: GradScaling) -> Result<(), OptimError> {
+    match scaling.grad_scale {
+        Some(scale) if !(scale > 0.0 && scale.is_normal()) => Err(OptimError::InvalidArgument {
+            op,
+            reason: format!("a gradient scale must be a positive normal f32, got {scale:e}"),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// `x >= 0`, false for NaN.
 #[inline]
 pub(crate) fn non_negative(x: f64) -> bool {

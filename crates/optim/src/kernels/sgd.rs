@@ -13,7 +13,10 @@
 use rayon::prelude::*;
 
 use super::adam::foreach_chunks;
-use super::{check_len, non_negative, GradScaling, ParamElement, StepOutcome, PARALLEL_CHUNK};
+use super::{
+    check_host_scaling, check_len, non_negative, GradScaling, ParamElement, StepOutcome,
+    PARALLEL_CHUNK,
+};
 use crate::error::OptimError;
 
 /// SGD's hyperparameters (one parameter group's).
@@ -237,6 +240,7 @@ pub fn sgd_fused<T: ParamElement>(
     scaling: GradScaling,
 ) -> Result<StepOutcome, OptimError> {
     bufs.check("sgd_fused", cfg)?;
+    check_host_scaling("sgd_fused", scaling)?;
     if scaling.skips() {
         return Ok(StepOutcome::Skipped);
     }

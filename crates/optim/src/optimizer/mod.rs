@@ -465,9 +465,27 @@ impl<R: UpdateRule> GroupOptimizer<R> {
     /// After steps under a [`DeviceGradScaling`] this reads the device's skip counts (and
     /// waits for the device).
     pub fn param_step(&self, group: usize, idx: usize) -> Result<u64, OptimError> {
-        let slot = self.group_starts[group] + idx;
+        let slot = self.slot_of(group, idx)?;
         let skipped = self.device.skipped_steps(self.slots.len())?[slot];
         Ok(self.slots[slot].step - skipped)
+    }
+
+    /// The slot of parameter `idx` of group `group`, or a typed error naming what is out of
+    /// range.
+    fn slot_of(&self, group: usize, idx: usize) -> Result<usize, OptimError> {
+        let Some(group_params) = self.groups.get(group).map(|g| g.params.len()) else {
+            return Err(OptimError::InvalidArgument {
+                op: R::NAME,
+                reason: format!("group {group} of {}", self.groups.len()),
+            });
+        };
+        if idx >= group_params {
+            return Err(OptimError::InvalidArgument {
+                op: R::NAME,
+                reason: format!("parameter {idx} of group {group}, which has {group_params}"),
+            });
+        }
+        Ok(self.group_starts[group] + idx)
     }
 
     /// The state tensors of parameter `idx` of group `group`, by name (empty before its first
@@ -489,6 +507,9 @@ impl<R: UpdateRule> GroupOptimizer<R> {
                     self.implementation
                 ),
             });
+        }
+        if let Scaling::Host(host_scaling) = scaling {
+            crate::kernels::check_host_scaling(R::NAME, host_scaling)?;
         }
         if let Scaling::Device(device_scaling) = scaling {
             self.device.check_scaling(R::NAME, device_scaling)?;
