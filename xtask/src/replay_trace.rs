@@ -31,7 +31,7 @@ const H200_BYTES: u64 = 150_754_820_096;
 pub(crate) const USAGE: &str =
     "  replay-trace FILE [--conf STRING] [--capacity BYTES] [--json] [--snapshot OUT.pickle]
                [--repeat N]
-  replay-trace --corpus
+  replay-trace --corpus [--json]
       Replays a PyTorch allocator trace (.tsv, .tsv.gz, or a snapshot .pickle or .json)
       through Headroom's caching allocator on simulated memory and prints what it measured.
       Segments land at the recorded addresses where they fit, as the device placed them.
@@ -47,7 +47,10 @@ pub(crate) const USAGE: &str =
       --corpus replays every trace of testdata/traces/corpus.json (recorded by
       scripts/traces/record.py) through PyTorch's classic and expandable policies and the
       default one, and prints each peak reserved next to PyTorch's, with the ratios to the
-      peak of live requests rounded to 512 B.
+      peak of live requests rounded to 512 B; with --json, one JSON line per trace: PyTorch's
+      figures and each replay's report, waits and physical handles (classic, PyTorch's
+      expandable, the default, reclaiming(), the default with 8 and 32 MiB handles), what
+      the allocator README's corpus tables render from (`cargo xtask tables`).
 ";
 
 struct Options {
@@ -105,10 +108,12 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         return Ok(());
     }
     if args.first().is_some_and(|arg| arg == "--corpus") {
-        if args.len() > 1 {
-            bail!("--corpus takes no other argument");
-        }
-        return print_corpus(&crate::project_root().join("testdata"));
+        let testdata = crate::project_root().join("testdata");
+        return match &args[1..] {
+            [] => print_corpus(&testdata),
+            [json] if json == "--json" => print_corpus_json(&testdata),
+            _ => bail!("--corpus takes only --json"),
+        };
     }
     let options = parse(args)?;
     let (report, allocator) = replay(&options)?;
@@ -130,7 +135,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             report.baseline_freed_blocks
         );
         println!(
-            "allocs / frees         {} / {} ({} frees of addresses already freed skipped, {} \
+            "allocs / frees         {} / {} ({} frees of addresses already freed left out, {} \
              OOMs)",
             report.allocs, report.frees, report.skipped_frees, report.ooms
         );
@@ -281,6 +286,69 @@ fn print_corpus(testdata: &Path) -> Result<()> {
          the default policy's; ours/ES: the default's peak reserved over PyTorch's expandable; \
          recl./L: AllocatorConfig::reclaiming()'s over the live peak"
     );
+    Ok(())
+}
+
+/// `--corpus --json`: one line per trace of `testdata/traces/corpus.json`, with the manifest's
+/// figures (PyTorch's) and, per policy, the replay's report, its waits for the device
+/// (`num_sync_all_streams`) and the physical handles its maps created.
+fn print_corpus_json(testdata: &Path) -> Result<()> {
+    let path = testdata.join("traces/corpus.json");
+    let manifest: serde_json::Value = serde_json::from_reader(BufReader::new(
+        File::open(&path).with_context(|| format!("opening {}", path.display()))?,
+    ))
+    .with_context(|| format!("reading {}", path.display()))?;
+    let traces = manifest["traces"]
+        .as_array()
+        .with_context(|| format!("{}: no `traces` list", path.display()))?;
+    let with_handles = |mib: u64| -> Result<AllocatorConfig> {
+        Ok(AllocatorConfig::builder()
+            .expandable_handle_size_mb(mib)
+            .build()?)
+    };
+    let policies = [
+        ("classic", AllocatorConfig::pytorch_defaults()),
+        ("pytorch_expandable", AllocatorConfig::pytorch_expandable()),
+        ("default", AllocatorConfig::default()),
+        ("reclaiming", AllocatorConfig::reclaiming()),
+        ("default_8mib_handles", with_handles(8)?),
+        ("default_32mib_handles", with_handles(32)?),
+    ];
+    for entry in traces {
+        let file = entry["file"]
+            .as_str()
+            .with_context(|| format!("{}: a trace without `file`", path.display()))?;
+        let trace = read_trace(&testdata.join(file))?;
+        let mut replays = serde_json::Map::new();
+        for (policy, config) in &policies {
+            let allocator =
+                CachingAllocator::new(SimulatedStorage::new(H200_BYTES), config.clone());
+            let report = replay_trace_at_recorded_addresses(&allocator, &trace)?;
+            let options = Options {
+                file: Path::new("testdata").join(file),
+                conf: None,
+                capacity: H200_BYTES,
+                json: true,
+                snapshot: None,
+                repeat: 1,
+            };
+            let mut value = json_report(&options, &allocator, &report);
+            value["waits"] = allocator.memory_stats().num_sync_all_streams.into();
+            value["handles"] = allocator
+                .with_storage(|storage| storage.handles_mapped())
+                .into();
+            replays.insert((*policy).to_owned(), value);
+        }
+        let line = serde_json::json!({
+            "name": entry["name"],
+            "file": file,
+            "events": entry["events"],
+            "peak_live_rounded_bytes": entry["peak_live_rounded_bytes"],
+            "pytorch": entry["pytorch"],
+            "replays": replays,
+        });
+        println!("{line}");
+    }
     Ok(())
 }
 

@@ -4,14 +4,17 @@
 //! - every `.rs` file of the workspace starts with a `//!` header;
 //! - no module is named `utils`, `helpers` or `common`;
 //! - no test is marked `ignore` or `should_panic` (assert on the `Err` instead);
-//! - no test, bench or example skips for lack of a GPU by hand (matching on a device opener, or
-//!   dropping its error with `.ok()`): it asks through testkit's `gpu::cuda_or_skip`, which
-//!   `HEADROOM_REQUIRE_GPU=1` turns into a failure, so a GPU run cannot pass by skipping;
+//! - no test, bench, example or xtask code skips by hand (a literal with the word `skipped`, a
+//!   device opener whose result it matches on or drops, see [`gpu_skips`]): it skips through
+//!   testkit's gate (`headroom_testkit::gpu`), which `HEADROOM_REQUIRE_GPU=1` turns into a
+//!   failure, so a GPU run cannot pass by skipping;
 //! - ARCHITECTURE.md has one `### crates/<name>` heading per crate folder, and no heading
 //!   for a folder that does not exist;
 //! - crate dependencies point one way, down the layers of [`LAYERS`] (what `cargo metadata`
 //!   reports of each package's `[dependencies]` and `[build-dependencies]`), and the dev-only
-//!   crates of [`DEV_ONLY`] appear in `[dev-dependencies]` only.
+//!   crates of [`DEV_ONLY`] appear in `[dev-dependencies]` only;
+//! - every Markdown table of the READMEs sits in a `<!-- table: … -->` block, rendered from a
+//!   committed raw result and current, or marked pending or prose (`crate::tables`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -20,6 +23,8 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 use crate::project_root;
+
+mod gpu_skips;
 
 /// The workspace's packages by layer, lowest first. A package depends only on packages of lower
 /// layers (ARCHITECTURE.md's bird's-eye view draws the same stack). Planned crates are listed so
@@ -82,7 +87,7 @@ pub(crate) fn run() -> Result<()> {
 fn check(root: &Path) -> Vec<String> {
     let mut problems = Vec::new();
     let mut files = Vec::new();
-    for folder in ["crates", "xtask", "examples", "benches", "src"] {
+    for folder in ["crates", "xtask", "examples", "benches", "src", "tests"] {
         collect_rust_files(&root.join(folder), &mut files);
     }
     for file in &files {
@@ -110,46 +115,22 @@ fn check(root: &Path) -> Vec<String> {
                 problems.push(format!("{relative}: uses {banned}]"));
             }
         }
-        let harness_code = ["/tests/", "/benches/", "/examples/"]
-            .iter()
-            .any(|folder| relative.contains(folder))
-            || relative.starts_with("examples/");
-        if harness_code {
-            if let Some(line) = gpu_skip_by_hand(&text) {
+        if let Some(scope) = gpu_skips::scope(file.strip_prefix(root).unwrap_or(file)) {
+            for (line, what) in gpu_skips::skips_by_hand(&text, scope) {
                 problems.push(format!(
-                    "{relative}:{line}: skips a GPU test by hand; ask for the device through \
-                     headroom_testkit::gpu::cuda_or_skip"
+                    "{relative}:{line}: {what}; skip through headroom_testkit::gpu \
+                     (cuda_or_skip, skip, gpus_or_skip)"
                 ));
             }
         }
     }
     problems.extend(check_code_map(root));
+    problems.extend(crate::tables::tidy_problems(root));
     match cargo_metadata(root) {
         Ok(metadata) => problems.extend(check_dependency_layers(&metadata)),
         Err(err) => problems.push(format!("crate dependencies: {err:#}")),
     }
     problems
-}
-
-/// The first line (1-based) that opens a CUDA device and drops or matches on its error itself,
-/// the hand-made skip that `HEADROOM_REQUIRE_GPU=1` cannot turn into a failure.
-fn gpu_skip_by_hand(text: &str) -> Option<usize> {
-    const OPENERS: &[&str] = &[
-        "CudaBackend::new(",
-        "CudaBackend::with_config(",
-        "CudaStorage::new(",
-        "CudaStorage::with_options(",
-        "PinnedHostStorage::new(",
-        "PinnedHostStorage::with_options(",
-    ];
-    let position = text.lines().position(|line| {
-        let opens = OPENERS.iter().any(|opener| line.contains(opener));
-        let by_hand = [".ok()", "if let Ok(", "match "]
-            .iter()
-            .any(|pattern| line.contains(pattern));
-        opens && by_hand && !line.contains("cuda_or_skip")
-    });
-    position.map(|idx| idx + 1)
 }
 
 /// `cargo metadata` of the workspace's own packages (no dependency resolution, no network).
@@ -322,18 +303,6 @@ mod tests {
             "tidy problems:\n{}",
             problems.join("\n")
         );
-    }
-
-    #[test]
-    fn a_gpu_skip_by_hand_is_found() {
-        let by_hand = "fn cuda() {\n    match CudaBackend::new(0) {\n";
-        assert_eq!(super::gpu_skip_by_hand(by_hand), Some(2));
-        let dropped = "let Some(cuda) = cuda().and_then(|_| CudaBackend::new(0).ok()) else {";
-        assert_eq!(super::gpu_skip_by_hand(dropped), Some(1));
-        let gated = "let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {";
-        assert_eq!(super::gpu_skip_by_hand(gated), None);
-        let after_the_gate = "let other = CudaBackend::new(0).unwrap();";
-        assert_eq!(super::gpu_skip_by_hand(after_the_gate), None);
     }
 
     /// Edges against the layering, each named: up, sideways, a dev-only crate as a normal

@@ -650,7 +650,7 @@ fn live_snapshot_pickle_has_every_block_state_and_loads_in_python() {
     let _ = std::fs::remove_file(&path);
     match output {
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
-            println!("skipped the Python check: python3 is not on PATH");
+            headroom_testkit::gpu::skip("python3 is not on PATH");
         }
         Err(err) => panic!("running python3: {err}"),
         Ok(output) => {

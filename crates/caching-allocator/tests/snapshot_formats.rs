@@ -596,7 +596,7 @@ fn python_reads_our_files() {
     let _ = std::fs::remove_file(&json_path);
     match output {
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
-            eprintln!("skipped: python3 is not on PATH");
+            headroom_testkit::gpu::skip("python3 is not on PATH");
         }
         Err(err) => panic!("running python3: {err}"),
         Ok(output) => {

@@ -208,7 +208,7 @@ fn every_corpus_trace_meets_the_figures() {
             check(
                 (report.skipped_frees, report.ooms) == (0, 0),
                 format!(
-                    "{policy}: {} skipped frees, {} OOMs",
+                    "{policy}: {} frees not replayed, {} OOMs",
                     report.skipped_frees, report.ooms
                 ),
             );

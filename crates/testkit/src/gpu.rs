@@ -1,7 +1,22 @@
-//! The GPU gate. A CUDA test, bench or example asks for its device through [`cuda_or_skip`]:
-//! without a device it prints `skipped: <test>: <why>` and passes, so `cargo test` runs anywhere;
-//! with [`REQUIRE_GPU`] set (the GPU machine sets `HEADROOM_REQUIRE_GPU=1`) it fails instead,
-//! so a GPU suite cannot pass by skipping.
+//! The gate: the one way a test, bench or example skips. It asks for its device through
+//! [`cuda_or_skip`], for what else it needs through [`skip`] (a device capability such as
+//! mapping pages, a tool such as python3) and for more than one GPU through [`gpus_or_skip`].
+//! Without what it needs it prints `skipped: <test>: <why>` and passes, so `cargo test` runs
+//! anywhere; with [`REQUIRE_GPU`] set (the GPU machine sets `HEADROOM_REQUIRE_GPU=1`) it fails
+//! instead, so a GPU suite cannot pass by skipping. xtask's tidy test holds that no harness code
+//! prints a skip line of its own or matches on a device opener's error.
+//!
+//! The rules on the GPU machine:
+//! - Under [`REQUIRE_GPU`] nothing skips, for any reason: a capability the device lacks is a
+//!   failure too (an H200 maps 2 MiB pages, so a test that needs them must run there), and so is
+//!   a missing tool.
+//! - A test that needs N GPUs asks [`gpus_or_skip`]: with fewer visible it skips, or fails under
+//!   [`REQUIRE_GPU`]. So a run on one GPU with [`REQUIRE_GPU`] set must leave the multi-GPU test
+//!   binaries out, by name and visibly, never by letting them skip: `scripts/gpu-measure.sh`
+//!   runs the one-GPU suite and names what it leaves out (distributed's `nccl`, the one
+//!   multi-GPU test binary), and `scripts/gpu-data-parallel.sh` runs `nccl` on two GPUs.
+//! - The scripts fail a run whose output holds the word `skipped` at all (a skip line that did
+//!   not come through the gate), so harness code never prints that word itself.
 //!
 //! The gate is generic over what was opened (a `CudaBackend`, a `CudaStorage`, a
 //! `PinnedHostStorage`) and over its error, so it needs no CUDA crate itself.
@@ -9,8 +24,8 @@
 use std::fmt::Display;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-/// The environment variable that turns a skip for lack of a GPU into a failure: set to anything
-/// but `0` or the empty string.
+/// The environment variable that turns a skip into a failure: set to anything but `0` or the
+/// empty string.
 pub const REQUIRE_GPU: &str = "HEADROOM_REQUIRE_GPU";
 
 /// PTX of `spin_ns(u64 ns)`: one thread that returns once `ns` nanoseconds of the GPU's global
@@ -38,7 +53,7 @@ $L__spin:
 }
 "#;
 
-/// Whether [`REQUIRE_GPU`] is set: a missing GPU is then a failure, not a skip.
+/// Whether [`REQUIRE_GPU`] is set: a skip is then a failure.
 pub fn gpu_required() -> bool {
     std::env::var_os(REQUIRE_GPU).is_some_and(|value| !value.is_empty() && value != "0")
 }
@@ -50,7 +65,35 @@ pub fn gpu_required() -> bool {
 /// executable's name in a bench or example.
 #[track_caller]
 pub fn cuda_or_skip<T, E: Display>(made: Result<T, E>) -> Option<T> {
-    gate(made, gpu_required())
+    match made {
+        Ok(opened) => Some(opened),
+        Err(err) => {
+            skip_or_fail(&err, gpu_required());
+            None
+        }
+    }
+}
+
+/// Skips for any other reason the test cannot run (`why`: "the device cannot map pages",
+/// "python3 is not on PATH"): prints `skipped: <test>: <why>`, after which the caller returns —
+/// unless [`gpu_required`], when it panics naming the test and `why`.
+#[track_caller]
+pub fn skip(why: impl Display) {
+    skip_or_fail(&why, gpu_required());
+}
+
+/// Whether `visible` GPUs are enough for a test that needs `needed`; if not, after printing
+/// `skipped: <test>: needs <needed> GPUs, <visible> visible` — unless [`gpu_required`], when it
+/// panics instead (a run on fewer GPUs must leave the test out, see the module header).
+#[track_caller]
+pub fn gpus_or_skip(needed: usize, visible: usize) -> bool {
+    match gpus_shortfall(needed, visible) {
+        Some(why) => {
+            skip_or_fail(&why, gpu_required());
+            false
+        }
+        None => true,
+    }
 }
 
 /// Holds the device for one test at a time within a test binary, for tests that reason about
@@ -61,18 +104,30 @@ pub fn exclusive_device() -> MutexGuard<'static, ()> {
     DEVICE.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Why `visible` GPUs are too few for a test that needs `needed`, or `None`.
+fn gpus_shortfall(needed: usize, visible: usize) -> Option<String> {
+    (visible < needed).then(|| format!("needs {needed} GPUs, {visible} visible"))
+}
+
+/// Prints the skip line for `why`, or under [`REQUIRE_GPU`] panics instead.
 #[track_caller]
-fn gate<T, E: Display>(made: Result<T, E>, required: bool) -> Option<T> {
-    match made {
-        Ok(opened) => Some(opened),
-        Err(err) if required => panic!(
-            "{}: {REQUIRE_GPU} is set, so a missing GPU is a failure: {err}",
-            running()
-        ),
-        Err(err) => {
-            println!("skipped: {}: {err}", running());
-            None
-        }
+fn skip_or_fail(why: &dyn Display, required: bool) {
+    match skip_line_or_failure(why, required) {
+        Ok(line) => println!("{line}"),
+        Err(failure) => panic!("{failure}"),
+    }
+}
+
+/// `skipped: <test>: <why>`, the one skip line of the workspace; or, when `required`, the
+/// message of the failure that replaces it.
+fn skip_line_or_failure(why: &dyn Display, required: bool) -> Result<String, String> {
+    let test = running();
+    if required {
+        Err(format!(
+            "{test}: {REQUIRE_GPU} is set, so a skip is a failure: {why}"
+        ))
+    } else {
+        Ok(format!("skipped: {test}: {why}"))
     }
 }
 
@@ -95,24 +150,49 @@ fn running() -> String {
 
 #[cfg(test)]
 mod tests {
+    //! What the gate prints or fails with, computed without printing: a skip line in a passing
+    //! test's output would fail the GPU scripts, which read it (`--show-output`).
+
     use super::*;
 
     #[test]
     fn an_opened_device_passes_through() {
-        assert_eq!(gate(Ok::<_, String>(3), false), Some(3));
-        assert_eq!(gate(Ok::<_, String>(3), true), Some(3));
+        assert_eq!(cuda_or_skip(Ok::<_, String>(3)), Some(3));
     }
 
     #[test]
-    fn a_missing_device_skips_unless_required() {
-        assert_eq!(gate(Err::<u8, _>("no CUDA driver"), false), None);
-        let required = std::panic::catch_unwind(|| gate(Err::<u8, _>("no CUDA driver"), true));
-        let message = required.expect_err("a required GPU must fail");
-        let message = message.downcast_ref::<String>().expect("a formatted panic");
+    fn a_skip_prints_its_line_or_fails_when_required() {
         assert_eq!(
-            message,
-            "gpu::tests::a_missing_device_skips_unless_required: HEADROOM_REQUIRE_GPU is set, so \
-             a missing GPU is a failure: no CUDA driver"
+            skip_line_or_failure(&"no CUDA driver", false),
+            Ok(
+                "skipped: gpu::tests::a_skip_prints_its_line_or_fails_when_required: no CUDA \
+                driver"
+                    .to_owned()
+            )
         );
+        assert_eq!(
+            skip_line_or_failure(&"the device cannot map pages", true),
+            Err(
+                "gpu::tests::a_skip_prints_its_line_or_fails_when_required: HEADROOM_REQUIRE_GPU \
+                 is set, so a skip is a failure: the device cannot map pages"
+                    .to_owned()
+            )
+        );
+    }
+
+    #[test]
+    fn fewer_gpus_than_needed_are_a_shortfall() {
+        assert_eq!(gpus_shortfall(2, 2), None);
+        assert_eq!(gpus_shortfall(2, 8), None);
+        assert_eq!(gpus_shortfall(1, 1), None);
+        assert_eq!(
+            gpus_shortfall(2, 1).as_deref(),
+            Some("needs 2 GPUs, 1 visible")
+        );
+        assert_eq!(
+            gpus_shortfall(2, 0).as_deref(),
+            Some("needs 2 GPUs, 0 visible")
+        );
+        assert!(gpus_or_skip(2, 2));
     }
 }

@@ -182,6 +182,11 @@ fn the_command_line_is_checked() {
     for (bad, message) in [
         (&["--cases", "adam,sgd"][..], "unknown case `adam`"),
         (&["--steps", "0"], "at least 1"),
+        // 2^44 MiB used to wrap to a bucket of 0 bytes.
+        (
+            &["--bucket-mib", "17592186044416"],
+            "--bucket-mib 17592186044416: too large to count in bytes",
+        ),
         (&["--batch", "x"], "not a whole number"),
         (&["--device", "tpu"], "expected auto, cpu or cuda"),
         (&["--model", "resnet"], "unknown model"),
@@ -375,7 +380,7 @@ fn rendered_ink(
 #[test]
 fn every_chart_of_the_html_report_renders_in_chromium() {
     let Some(chromium) = chromium() else {
-        println!("skipped: chromium is not installed (apt-get install chromium)");
+        headroom_testkit::gpu::skip("chromium is not installed (apt-get install chromium)");
         return;
     };
     let dir = std::env::temp_dir().join(format!("headroom-bench-html-{}", std::process::id()));

@@ -1,0 +1,644 @@
+//! Tidy's skip check: harness code skips only through testkit's gate (`headroom_testkit::gpu`:
+//! `cuda_or_skip`, `skip`, `gpus_or_skip`), which `HEADROOM_REQUIRE_GPU=1` turns into a failure,
+//! so a GPU run cannot pass by skipping. Two things are skips by hand:
+//!
+//! - a string literal with the word `skipped` in it: the gate prints the workspace's one skip
+//!   line (`skipped: <test>: <why>`), and the GPU scripts fail a run whose output holds the word,
+//!   so harness code never prints it (`println!`, `eprintln!`, `format!`, any way);
+//! - a device opener ([`OPENERS`]: `CudaBackend::new`, `CudaContext::new`, `visible_gpus`, ...)
+//!   whose `Result` the statement that opens it matches on (`match`, `if let Ok/Err`,
+//!   `let Ok(..) = .. else`, `matches!`) or drops (`let _ =`, `.ok()`, `.is_err()`,
+//!   `.unwrap_or..`, `for .. in`, ...), however many lines the statement takes; or that it binds to a
+//!   variable which a later statement of the same block matches on or drops.
+//!
+//! The file is lexed first (comments, strings, raw strings and char literals told apart from
+//! code), so a statement is read whole across lines and text in a comment or literal is not
+//! code.
+//!
+//! Harness code is every file under a `tests`, `benches` or `examples` folder, where both rules
+//! apply, and xtask, whose output the GPU scripts read: there the literal rule applies to every
+//! file, the opener rule to its tests only (`--device auto` falls back to the CPU when no device
+//! answers, by design). The gate itself (`crates/testkit/src/gpu.rs`) and this file, whose tests
+//! hold hand-made skips as data, are not harness code.
+//!
+//! It sits on the text of one file and its path. It must not know the other tidy rules.
+
+use std::path::{Component, Path};
+
+/// Calls that open a CUDA device, a CUDA context, a NCCL group, or count the GPUs: the calls
+/// whose error means "no device here".
+const OPENERS: &[&str] = &[
+    "CudaBackend::new(",
+    "CudaBackend::with_config(",
+    "CudaStorage::new(",
+    "CudaStorage::with_options(",
+    "PinnedHostStorage::new(",
+    "PinnedHostStorage::with_options(",
+    "CudaContext::new(",
+    "CudaContext::device_count(",
+    "NcclComm::new(",
+    "nccl_unique_id(",
+    "visible_gpus(",
+];
+
+/// Methods of a `Result` that let its error go without a failure.
+const DROPPERS: &[&str] = &[
+    "ok",
+    "err",
+    "is_ok",
+    "is_err",
+    "is_ok_and",
+    "is_err_and",
+    "unwrap_or",
+    "unwrap_or_else",
+    "unwrap_or_default",
+    "map_or",
+    "map_or_else",
+    "or",
+    "or_else",
+    "iter",
+    "into_iter",
+];
+
+/// What ends a `Result` in a failure on its error: past one of these, the chain is about
+/// something else.
+const CONSUMERS: &[&str] = &["?", "unwrap", "expect", "unwrap_err", "expect_err"];
+
+/// How a file is checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Scope {
+    /// A test, bench or example (or one of xtask's tests): both rules.
+    Harness,
+    /// xtask's own code: the literal rule only.
+    Xtask,
+}
+
+/// How `relative` (a path from the workspace root) is checked, or `None` for code that is not
+/// harness code.
+pub(super) fn scope(relative: &Path) -> Option<Scope> {
+    let parts: Vec<&str> = relative
+        .components()
+        .filter_map(|part| match part {
+            Component::Normal(name) => name.to_str(),
+            _ => None,
+        })
+        .collect();
+    let in_folder = |names: &[&str]| {
+        parts[..parts.len().saturating_sub(1)]
+            .iter()
+            .any(|part| names.contains(part))
+    };
+    if parts.first() == Some(&"xtask") {
+        if parts.ends_with(&["tidy", "gpu_skips.rs"]) {
+            return None;
+        }
+        let test_file = in_folder(&["tests"]) || parts.last() == Some(&"tests.rs");
+        return Some(if test_file {
+            Scope::Harness
+        } else {
+            Scope::Xtask
+        });
+    }
+    in_folder(&["tests", "benches", "examples"]).then_some(Scope::Harness)
+}
+
+/// The skips by hand in `text`, as (line, what), in order of line.
+pub(super) fn skips_by_hand(text: &str, scope: Scope) -> Vec<(usize, &'static str)> {
+    let lexed = Lexed::new(text);
+    let mut found: Vec<(usize, &'static str)> = lexed
+        .strings
+        .iter()
+        .filter(|(_, contents)| has_word(contents, "skipped"))
+        .map(|&(line, _)| {
+            (
+                line,
+                "prints a skip line by hand (a literal with `skipped`)",
+            )
+        })
+        .collect();
+    if scope == Scope::Harness {
+        let code = lexed.code.as_bytes();
+        for opener in OPENERS {
+            for (start, _) in lexed.code.match_indices(opener) {
+                if start > 0 && is_ident(code[start - 1]) {
+                    continue;
+                }
+                let end = closing_paren(code, start + opener.len() - 1);
+                if let Some(what) = judge(code, start, end, 0) {
+                    found.push((lexed.line_of(start), what));
+                }
+            }
+        }
+    }
+    found.sort();
+    found.dedup();
+    found
+}
+
+/// Whether the `Result` of the expression at `start..end` of `code` (an opener's call, or a
+/// variable holding its `Result`) is matched on or dropped: by its own statement, or through
+/// the variable that statement binds it to (followed `depth` times so far).
+fn judge(code: &[u8], start: usize, end: usize, depth: usize) -> Option<&'static str> {
+    const MATCHED: &str = "matches on a device opener's result by hand";
+    const DROPPED: &str = "drops a device opener's error by hand";
+    let (methods, after) = method_chain(code, end);
+    let consumed = methods.iter().position(|m| CONSUMERS.contains(&m.as_str()));
+    let live = &methods[..consumed.unwrap_or(methods.len())];
+    if live.iter().any(|m| DROPPERS.contains(&m.as_str())) {
+        return Some(DROPPED);
+    }
+    if consumed.is_some() {
+        return None;
+    }
+    let statement = String::from_utf8_lossy(&code[statement_start(code, start)..start]);
+    let before = statement.trim();
+    if before.contains("cuda_or_skip(") {
+        return None;
+    }
+    if has_word(before, "match") || before.contains("matches!(") || binds_ok_or_err(before) {
+        return Some(MATCHED);
+    }
+    let iterated = has_word(before, "for") && before.ends_with(" in");
+    if before == "let _ =" || iterated {
+        return Some(DROPPED);
+    }
+    let ends_statement = code.get(skip_space(code, after)) == Some(&b';');
+    match bound_variable(before) {
+        Some(variable) if ends_statement && depth < 2 => uses_in_block(code, after, variable)
+            .into_iter()
+            .find_map(|(use_start, use_end)| judge(code, use_start, use_end, depth + 1)),
+        _ => None,
+    }
+}
+
+/// `IDENT` of a statement start `let IDENT =`, `let mut IDENT =` or `let IDENT: TYPE =`.
+fn bound_variable(before: &str) -> Option<&str> {
+    let binding = before.strip_prefix("let ")?.strip_suffix('=')?;
+    if binding.ends_with(['=', '<', '>', '!']) {
+        return None;
+    }
+    let binding = binding.trim_start();
+    let binding = binding.strip_prefix("mut ").unwrap_or(binding).trim_start();
+    let name_len = binding.bytes().take_while(|&b| is_ident(b)).count();
+    let (name, rest) = binding.split_at(name_len);
+    let rest = rest.trim();
+    let typed_or_plain = rest.is_empty() || rest.starts_with(':');
+    (!name.is_empty() && name != "_" && typed_or_plain).then_some(name)
+}
+
+/// Whether `before` binds a pattern `Ok(..)` or `Err(..)` with `let` (`if let`, `while let`,
+/// `let .. else`).
+fn binds_ok_or_err(before: &str) -> bool {
+    word_positions(before, "let").any(|at| {
+        let rest = before[at + 3..].trim_start();
+        ["Ok", "Err"].iter().any(|variant| {
+            rest.strip_prefix(variant)
+                .is_some_and(|tail| tail.trim_start().starts_with('('))
+        })
+    })
+}
+
+/// Where each use of `variable` starts and ends, from `from` to the end of the block it is in
+/// (or a new binding of the same name).
+fn uses_in_block(code: &[u8], from: usize, variable: &str) -> Vec<(usize, usize)> {
+    let text = String::from_utf8_lossy(code);
+    let mut depth = 0i32;
+    let mut block_end = code.len();
+    for (i, &byte) in code.iter().enumerate().skip(from) {
+        match byte {
+            b'{' => depth += 1,
+            b'}' => {
+                depth -= 1;
+                if depth < 0 {
+                    block_end = i;
+                    break;
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut uses = Vec::new();
+    for at in word_positions(&text[from..block_end], variable).map(|at| at + from) {
+        let before = text[..at].trim_end();
+        if before.ends_with("let") || before.ends_with("let mut") {
+            break;
+        }
+        if before.ends_with('.') || before.ends_with("::") {
+            continue;
+        }
+        uses.push((at, at + variable.len()));
+    }
+    uses
+}
+
+/// Where the statement holding the expression that starts at `start` starts: after the last
+/// `;`, `{` or `}` before it that no enclosing parenthesis or bracket hides.
+fn statement_start(code: &[u8], start: usize) -> usize {
+    let mut depth = 0usize;
+    for i in (0..start).rev() {
+        match code[i] {
+            b')' | b']' => depth += 1,
+            b'(' | b'[' => depth = depth.saturating_sub(1),
+            b';' | b'{' | b'}' if depth == 0 => return i + 1,
+            _ => {}
+        }
+    }
+    0
+}
+
+/// The methods called on the value that ends at `at` (`.name(..)`, `.name`, and `?` written
+/// as a method), and where the chain ends.
+fn method_chain(code: &[u8], mut at: usize) -> (Vec<String>, usize) {
+    let mut methods = Vec::new();
+    loop {
+        let next = skip_space(code, at);
+        match code.get(next) {
+            Some(b'?') => {
+                methods.push("?".to_owned());
+                at = next + 1;
+            }
+            Some(b'.') if code.get(next + 1) != Some(&b'.') => {
+                let name_start = skip_space(code, next + 1);
+                let name_len = code[name_start..]
+                    .iter()
+                    .take_while(|&&b| is_ident(b))
+                    .count();
+                if name_len == 0 {
+                    return (methods, at);
+                }
+                let name = &code[name_start..name_start + name_len];
+                methods.push(String::from_utf8_lossy(name).into_owned());
+                at = name_start + name_len;
+                let mut call = skip_space(code, at);
+                if code[call..].starts_with(b"::<") {
+                    call = closing(code, call + 2, b'<', b'>');
+                    call = skip_space(code, call);
+                }
+                if code.get(call) == Some(&b'(') {
+                    at = closing_paren(code, call);
+                }
+            }
+            _ => return (methods, at),
+        }
+    }
+}
+
+/// Just past the `)` that closes the `(` at `open`.
+fn closing_paren(code: &[u8], open: usize) -> usize {
+    closing(code, open, b'(', b')')
+}
+
+/// Just past the `close` that closes the `open` at `at`, or the end of the code.
+fn closing(code: &[u8], at: usize, open: u8, close: u8) -> usize {
+    let mut depth = 0usize;
+    for (i, &byte) in code.iter().enumerate().skip(at) {
+        if byte == open {
+            depth += 1;
+        } else if byte == close {
+            depth -= 1;
+            if depth == 0 {
+                return i + 1;
+            }
+        }
+    }
+    code.len()
+}
+
+fn skip_space(code: &[u8], mut at: usize) -> usize {
+    while code.get(at).is_some_and(u8::is_ascii_whitespace) {
+        at += 1;
+    }
+    at
+}
+
+fn is_ident(byte: u8) -> bool {
+    byte.is_ascii_alphanumeric() || byte == b'_' || byte >= 0x80
+}
+
+/// Where `word` (ASCII) stands as a whole word in `text`, ignoring case.
+fn word_positions<'a>(text: &'a str, word: &'a str) -> impl Iterator<Item = usize> + 'a {
+    let bytes = text.as_bytes();
+    let lower = text.to_ascii_lowercase();
+    let word = word.to_ascii_lowercase();
+    let positions: Vec<usize> = lower
+        .match_indices(&word)
+        .map(|(at, _)| at)
+        .filter(|&at| {
+            let clear_before = at == 0 || !is_ident(bytes[at - 1]);
+            let clear_after = bytes.get(at + word.len()).is_none_or(|&b| !is_ident(b));
+            clear_before && clear_after
+        })
+        .collect();
+    positions.into_iter()
+}
+
+fn has_word(text: &str, word: &str) -> bool {
+    word_positions(text, word).next().is_some()
+}
+
+/// A Rust file told apart into code and literals.
+struct Lexed {
+    /// The text with the insides of comments and literals blanked (each byte a space, newlines
+    /// kept), so that offsets and lines are the text's and only code is left to read.
+    code: String,
+    /// Each string literal (plain, byte, C or raw): its line and its contents as written.
+    strings: Vec<(usize, String)>,
+    /// Where each line starts.
+    line_starts: Vec<usize>,
+}
+
+impl Lexed {
+    fn new(text: &str) -> Lexed {
+        let bytes = text.as_bytes();
+        let mut code = bytes.to_vec();
+        let mut strings = Vec::new();
+        let line_starts: Vec<usize> = std::iter::once(0)
+            .chain(text.match_indices('\n').map(|(at, _)| at + 1))
+            .collect();
+        let line_of = |at: usize| line_starts.partition_point(|&start| start <= at);
+        let blank = |code: &mut Vec<u8>, from: usize, to: usize| {
+            for byte in &mut code[from..to.min(bytes.len())] {
+                if *byte != b'\n' {
+                    *byte = b' ';
+                }
+            }
+        };
+        let mut i = 0;
+        while i < bytes.len() {
+            let rest = &bytes[i..];
+            let after_ident = i > 0 && is_ident(bytes[i - 1]);
+            if rest.starts_with(b"//") {
+                let end = rest
+                    .iter()
+                    .position(|&b| b == b'\n')
+                    .map_or(bytes.len(), |n| i + n);
+                blank(&mut code, i, end);
+                i = end;
+            } else if rest.starts_with(b"/*") {
+                let end = block_comment_end(bytes, i);
+                blank(&mut code, i, end);
+                i = end;
+            } else if let Some((open, hashes)) = raw_string_open(bytes, i, after_ident) {
+                let close = [b"\"".as_slice(), &vec![b'#'; hashes]].concat();
+                let contents_end = bytes[open..]
+                    .windows(close.len())
+                    .position(|window| window == close.as_slice())
+                    .map_or(bytes.len(), |n| open + n);
+                strings.push((line_of(i), text[open..contents_end].to_owned()));
+                blank(&mut code, open, contents_end);
+                i = contents_end + close.len();
+            } else if bytes[i] == b'"' {
+                let mut end = i + 1;
+                while end < bytes.len() && bytes[end] != b'"' {
+                    end += if bytes[end] == b'\\' { 2 } else { 1 };
+                }
+                let end = end.min(bytes.len());
+                strings.push((line_of(i), text[i + 1..end].to_owned()));
+                blank(&mut code, i + 1, end);
+                i = end + 1;
+            } else if bytes[i] == b'\'' {
+                match char_literal_end(text, i) {
+                    Some(end) => {
+                        blank(&mut code, i + 1, end - 1);
+                        i = end;
+                    }
+                    None => i += 1,
+                }
+            } else {
+                i += 1;
+            }
+        }
+        Lexed {
+            code: String::from_utf8(code).expect("blanking keeps UTF-8"),
+            strings,
+            line_starts,
+        }
+    }
+
+    /// The line (1-based) of byte `at`.
+    fn line_of(&self, at: usize) -> usize {
+        self.line_starts.partition_point(|&start| start <= at)
+    }
+}
+
+/// Just past the `*/` that closes the (nested) block comment opening at `at`.
+fn block_comment_end(bytes: &[u8], at: usize) -> usize {
+    let mut depth = 0usize;
+    let mut i = at;
+    while i + 1 < bytes.len() {
+        match &bytes[i..i + 2] {
+            b"/*" => {
+                depth += 1;
+                i += 2;
+            }
+            b"*/" => {
+                depth -= 1;
+                i += 2;
+                if depth == 0 {
+                    return i;
+                }
+            }
+            _ => i += 1,
+        }
+    }
+    bytes.len()
+}
+
+/// For a raw string literal starting at `at` (`r"`, `r#"`, `br#"`, `cr"`, ...): where its
+/// contents start and how many `#` close it.
+fn raw_string_open(bytes: &[u8], at: usize, after_ident: bool) -> Option<(usize, usize)> {
+    if after_ident {
+        return None;
+    }
+    let rest = &bytes[at..];
+    let prefix = [b"r".as_slice(), b"br", b"cr"]
+        .into_iter()
+        .find(|prefix| rest.starts_with(prefix))?;
+    let hashes = rest[prefix.len()..]
+        .iter()
+        .take_while(|&&b| b == b'#')
+        .count();
+    let quote = at + prefix.len() + hashes;
+    (bytes.get(quote) == Some(&b'"')).then_some((quote + 1, hashes))
+}
+
+/// Just past a char literal whose `'` is at `at`, or `None` for a lifetime or label.
+fn char_literal_end(text: &str, at: usize) -> Option<usize> {
+    let bytes = text.as_bytes();
+    if bytes.get(at + 1) == Some(&b'\\') {
+        let close = bytes[at + 3..].iter().position(|&b| b == b'\'')?;
+        return Some(at + 3 + close + 1);
+    }
+    let inside = text[at + 1..].chars().next()?;
+    let close = at + 1 + inside.len_utf8();
+    (bytes.get(close) == Some(&b'\'')).then_some(close + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::{scope, skips_by_hand, Scope};
+
+    const MATCHED: &str = "matches on a device opener's result by hand";
+    const DROPPED: &str = "drops a device opener's error by hand";
+    const PRINTED: &str = "prints a skip line by hand (a literal with `skipped`)";
+
+    fn found(text: &str) -> Vec<(usize, &'static str)> {
+        skips_by_hand(text, Scope::Harness)
+    }
+
+    /// The bench's skip before the fix: a `match` over three lines, and its hand-made line.
+    #[test]
+    fn a_match_across_lines_on_a_context_is_found() {
+        let text = r#"fn bench_driver_pairs(criterion: &mut Criterion) {
+    let context = match
+        CudaContext::new(0)
+    {
+        Ok(context) => context,
+        Err(err) => {
+            println!("skipped driver pairs: {err}");
+            return;
+        }
+    };
+}"#;
+        assert_eq!(found(text), [(3, MATCHED), (7, PRINTED)]);
+    }
+
+    #[test]
+    fn hand_made_skip_lines_are_found_anywhere() {
+        let text = r#"
+        println!("skipped: the device cannot map pages");
+        eprintln!("Skipped: python3 is not on PATH");
+        None => println!("{tag}: CUDA run skipped"),
+        let line = format!(
+            "{} skipped",
+            name
+        );
+        "#;
+        assert_eq!(
+            found(text),
+            [(2, PRINTED), (3, PRINTED), (4, PRINTED), (6, PRINTED)]
+        );
+        // xtask's own code: the literal rule holds too.
+        assert_eq!(
+            skips_by_hand(r#"println!("skipped: chromium is missing");"#, Scope::Xtask),
+            [(1, PRINTED)]
+        );
+    }
+
+    #[test]
+    fn results_matched_in_the_opening_statement_are_found() {
+        let cases = [
+            "if let Err(err) = CudaBackend::new(0) {\n    return;\n}",
+            "if let Ok(storage) = CudaStorage::with_options(0, options) {}",
+            "let Ok(backend) =\n    CudaBackend::new(0)\nelse {\n    return;\n};",
+            "let Ok(gpus) = headroom_distributed::visible_gpus() else { return };",
+            "assert!(matches!(NcclComm::new(0, 0, 1, &id), Err(_)));",
+            "while let Err(_) = PinnedHostStorage::new() {}",
+            "x = match CudaStorage::new(0).map_err(|e| e.to_string()) {",
+        ];
+        for text in cases {
+            assert_eq!(found(text)[0].1, MATCHED, "{text}");
+        }
+        assert_eq!(found(cases[2]), [(2, MATCHED)]);
+    }
+
+    #[test]
+    fn errors_dropped_in_the_opening_statement_are_found() {
+        let cases = [
+            "let backend = CudaBackend::new(0)\n    .ok();",
+            "let Some(cuda) = cuda().and_then(|_| CudaBackend::new(0).ok()) else {",
+            "if CudaStorage::new(0).is_err() { return; }",
+            "let cuda = CudaContext::new(0).map_err(|e| e.to_string()).is_ok();",
+            "let count = visible_gpus().unwrap_or(0);",
+            "let _ = CudaBackend::new(0);",
+            "for backend in CudaBackend::new(0) {}",
+        ];
+        for text in cases {
+            assert_eq!(found(text)[0].1, DROPPED, "{text}");
+        }
+        assert_eq!(found(cases[0]), [(1, DROPPED)]);
+    }
+
+    #[test]
+    fn a_result_bound_then_matched_is_found() {
+        let text = "let made = CudaStorage::new(0);\nlet other = 1;\nmatch made {\n    Err(_) => \
+                    return,\n    Ok(s) => s,\n};";
+        assert_eq!(found(text), [(1, MATCHED)]);
+        let dropped = "let made: Result<_, _> = CudaBackend::new(0);\nif made.is_err() { return }";
+        assert_eq!(found(dropped), [(1, DROPPED)]);
+    }
+
+    #[test]
+    fn the_gate_and_failures_pass() {
+        let cases = [
+            "let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {",
+            "let Some(storage) = cuda_or_skip(\n    CudaStorage::with_options(0, options),\n) else {",
+            "let other = CudaBackend::new(0).unwrap();",
+            "let context = CudaContext::new(0).map_err(|e| device(\"context\", &e))?;",
+            // Opened and expected to fail: a malformed configuration, not a skip.
+            "let res = CudaBackend::new(0);\nmatch saved {\n    Some(v) => set(v),\n    None => \
+             remove(),\n}\nlet err = res.expect_err(\"a malformed HEADROOM_ALLOC_CONF\");",
+            // The opener sits in an arm of a match on something else; the gate takes the result.
+            "let backend = match config {\n    Some(config) => CudaBackend::with_config(0, config),\n    \
+             None => CudaBackend::new(0),\n};\nSome((device, cuda_or_skip(backend)?))",
+            "if cuda_or_skip(CudaStorage::new(0)).is_none() {\n    return;\n}",
+            "let gpus = (0..2).map(|o| cuda_or_skip(CudaBackend::new(o))).collect::<Option<Vec<_>>>()?;",
+            "if !gpus_or_skip(2, cuda_or_skip(visible_gpus())?) { return None; }",
+            "let storage = cuda_or_skip(CudaStorage::new(0)).expect(\"the device answered above\");",
+        ];
+        for text in cases {
+            assert_eq!(found(text), [], "{text}");
+        }
+    }
+
+    /// Comments, identifiers, keys and the insides of other literals are not skip lines or
+    /// code.
+    #[test]
+    fn comments_and_literals_are_not_code() {
+        let text = r####"//! Each test skips (and is skipped) without a device.
+/* match CudaBackend::new(0) { /* nested */ Err(_) => println!("skipped") } */
+let skipped = scaler.step().unwrap();
+let key = "skipped_frees";
+let quote = '"'; let lifetime: &'static str = "fine";
+let raw = r#"a "quoted" match CudaBackend::new(0) {"#;
+let url = "http://example.com"; // skipped
+let escaped = "a \"quote\" and a \\";
+let bytes = br"raw bytes";
+println!("{}", 'x');
+"####;
+        assert_eq!(found(text), []);
+        let after_all_that = format!("{text}println!(\"skipped: {{why}}\");\n");
+        assert_eq!(found(&after_all_that), [(11, PRINTED)]);
+    }
+
+    #[test]
+    fn harness_code_is_tests_benches_examples_and_xtask() {
+        let cases = [
+            (
+                "crates/caching-allocator/tests/cuda_storage.rs",
+                Some(Scope::Harness),
+            ),
+            (
+                "crates/caching-allocator/benches/cuda_alloc.rs",
+                Some(Scope::Harness),
+            ),
+            (
+                "crates/ops-cuda/examples/pinned_loading.rs",
+                Some(Scope::Harness),
+            ),
+            ("benches/allocator.rs", Some(Scope::Harness)),
+            ("examples/device/mod.rs", Some(Scope::Harness)),
+            ("xtask/src/bench_memory/tests.rs", Some(Scope::Harness)),
+            ("xtask/src/find_max_batch.rs", Some(Scope::Xtask)),
+            ("xtask/src/tidy/gpu_skips.rs", None),
+            ("crates/testkit/src/gpu.rs", None),
+            ("crates/caching-allocator/src/allocator/malloc.rs", None),
+            ("src/lib.rs", None),
+        ];
+        for (path, expected) in cases {
+            assert_eq!(scope(Path::new(path)), expected, "{path}");
+        }
+    }
+}
