@@ -7,9 +7,11 @@
 //! statistics, summaries, snapshots, `record_stream`); `optim.rs` holds one
 //! headroom-optim raw-buffer optimizer per Python optimizer and steps it on the pointers of
 //! torch's tensors, on torch's current stream (which must be the legacy default stream, where
-//! headroom-ops-cuda launches). Python-side checks (device, dtype, contiguity) are in
-//! `python/headroom/optim.py`; this side checks what it can see (null pointers, lengths, the
-//! stream) and turns every error into a Python exception with the crate's message.
+//! headroom-ops-cuda launches). Python-side checks (every tensor's device, dtype, size and
+//! contiguity against its parameter, every step) are in `python/headroom/optim.py`; this side
+//! checks what it can see (null pointers, lengths, the stream, that a stream given to
+//! `record_stream` is one of PyTorch's own) and turns every error into a Python exception with
+//! the crate's message. Reading the allocator's statistics never freezes its settings.
 //!
 //! This crate sits on the top layer: headroom-torch-allocator, headroom-optim (feature `cuda`)
 //! and headroom-ops-cuda; it knows nothing of PyTorch's C++ and links no libtorch.

@@ -153,9 +153,16 @@ impl FusedAdam {
             len: lens[i],
         }));
         // SAFETY: `headroom.optim` passes the data pointers of live, contiguous f32 CUDA tensors
-        // of `lens` elements on this optimizer's device (checked there), which it keeps alive
-        // across the call; torch's default stream is the stream of the launch (checked above),
-        // so the kernels run after the gradients are written and before anything reads them.
+        // of `lens` elements on this optimizer's device, which it keeps alive across the call:
+        // its `_LaunchPlan` checks every parameter (CUDA, f32, contiguous, one device, no two
+        // sharing memory) and every state tensor against its parameter (dtype, device, shape,
+        // contiguity) whenever the lists are built, and before each step compares each
+        // parameter's (data_ptr, dtype, numel, device, contiguity) and the states' pointers
+        // with what they were built from (rebuilding or raising on a change) and checks each
+        // gradient's dtype, device, numel and contiguity against its parameter, and
+        // `grad_scale`/`found_inf` (one f32 each on this device). Torch's default stream is the
+        // stream of the launch (checked above), so the kernels run after the gradients are
+        // written and before anything reads them.
         unsafe {
             self.inner
                 .step_buffers(&cfg, step, &self.params, (grad_scale, found_inf))
@@ -249,9 +256,11 @@ impl Adam8bit {
             absmax2: absmax2[i],
             len: lens[i],
         }));
-        // SAFETY: as `FusedAdam::step`: live contiguous f32 parameters and gradients, u8 states
-        // and f32 absmax of bitsandbytes' sizes (f32 states under 4096 elements), on this
-        // device, stepped on torch's default stream.
+        // SAFETY: as `FusedAdam::step`, checked the same way by `headroom.optim`: live
+        // contiguous f32 parameters and gradients, u8 states of the parameter's shape and f32
+        // absmax of one entry per 256-element block (f32 states and absmax pointers of 0 under
+        // 4096 elements, which the kernel does not read), on this device, stepped on torch's
+        // default stream.
         unsafe {
             self.inner
                 .step_buffers(&cfg, step, &self.params, (grad_scale, found_inf))

@@ -1,18 +1,46 @@
 """Headroom's fused and 8-bit optimizers as ``torch.optim.Optimizer`` subclasses.
 
 ``Adam``, ``AdamW`` (fused: one kernel launch per step for every parameter, in the arithmetic of
-PyTorch's own ``fused=True`` kernel, so the same bits; Adam's L2 weight decay within a few ulps)
-and ``Adam8bit``,
-``AdamW8bit`` (bitsandbytes' blockwise 8-bit Adam within 3e-5 a step, or with its own fast-math
-instructions; its state dicts load both ways)
-run Headroom's CUDA kernels on the parameters' and gradients' own device memory, on torch's
-default stream, and keep their state in torch tensors under PyTorch's (or bitsandbytes') keys,
-so ``state_dict()``, LR schedulers and ``torch.amp.GradScaler`` work as usual.
+PyTorch's own ``fused=True`` kernel: ``AdamW`` gives the same bits; ``Adam``'s L2 weight decay
+is not yet bit for bit, see ``Adam``) and ``Adam8bit``, ``AdamW8bit`` (bitsandbytes' blockwise
+8-bit Adam within 3e-5 a step, or with its own fast-math instructions; its state dicts load both
+ways) run Headroom's CUDA kernels on the parameters' and gradients' own device memory, on
+torch's default stream, and keep their state in torch tensors under PyTorch's (or
+bitsandbytes') keys, so ``state_dict()``, LR schedulers and ``torch.amp.GradScaler`` work as
+usual.
 
-Parameters must be contiguous float32 CUDA tensors; anything else raises at construction
-(``TypeError`` for a device or dtype, ``ValueError`` for a layout). ``step()`` must run on
-torch's default stream (a ``ValueError`` otherwise).
+The kernels write through raw device pointers, so every tensor is checked before its pointer is
+handed over. What raises (before anything is launched, so a step that raises changes nothing):
+
+- a parameter that is not a CUDA tensor, or not float32: ``TypeError``; not contiguous, or a
+  group on several devices, or two parameters sharing memory: ``ValueError`` — at construction
+  and again at any step after it changed (``model.half()``, ``model.cpu()``, ``p.data = ...``);
+- a gradient of another dtype, or sparse: ``TypeError``; on another device than its parameter,
+  of another number of elements, or not contiguous: ``ValueError`` — at every step;
+- a state tensor (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``; 8-bit: ``state1``,
+  ``state2``, ``absmax1``, ``absmax2``) that is missing or of another shape than its parameter
+  (or than its block count): ``ValueError``; of another dtype: ``TypeError``; on another device
+  or not contiguous: ``ValueError`` — whenever the launch lists are built: at the first step,
+  after ``load_state_dict``, when the set of parameters with gradients changes, and when a
+  parameter's or a state tensor's storage, dtype, size or device changed since the last step.
+  (PyTorch's fused kernels raise ``RuntimeError`` for the same mismatches; the typed errors here
+  follow this module's construction checks.) A state dict of another model with the same group
+  sizes but other shapes, or with parameters permuted inside a group, raises here instead of
+  writing past a buffer;
+- ``grad_scale``/``found_inf`` that are not one-element float32 tensors on the group's device:
+  ``TypeError`` for the type or dtype, ``ValueError`` for the device or size;
+- ``step()`` off torch's default stream: ``ValueError``.
+
+Per step the optimizers compare, for every parameter, its ``(data_ptr, dtype, numel, device,
+contiguity)`` and its gradient's with what the lists were built from, and the state tensors'
+pointers: a parameter given new storage of the same kind (``p.data = ...``) is stepped in its
+new storage. Entries of ``optimizer.state`` replaced by hand are read when the lists are next
+built (the lists keep the tensors they point into alive meanwhile); ``load_state_dict`` is the
+way to change state.
 """
+
+import operator
+from itertools import repeat
 
 import torch
 
@@ -26,27 +54,53 @@ BLOCK_SIZE = 256
 _RAW_KEYS = ("state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2")
 _BNB_WRAPPED = "__bnb_optimizer_quant_state__"
 
+# Unbound tensor methods, mapped over lists in the per-step comparisons.
+_data_ptr = torch.Tensor.data_ptr
+_numel = torch.Tensor.numel
+_device_index = torch.Tensor.get_device
+_is_contiguous = torch.Tensor.is_contiguous
+_dtype = operator.attrgetter("dtype")
+_grad = operator.attrgetter("grad")
 
-def _check_param(p, who):
+
+def _check_param(p, who, device_type="cuda"):
+    """Raises unless ``p`` is a contiguous float32 tensor on a ``device_type`` device."""
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{who}: parameters must be tensors, got {type(p).__name__}")
-    if p.device.type != "cuda":
+    if p.device.type != device_type:
         raise TypeError(
-            f"{who}: a parameter on {p.device}; headroom optimizers step CUDA tensors "
-            "(move the model to the GPU before creating the optimizer)"
+            f"{who}: a parameter on {p.device}; headroom optimizers step {device_type.upper()} "
+            "tensors (move the model to the GPU before creating the optimizer, and keep it there)"
         )
     if p.dtype != torch.float32:
-        raise TypeError(f"{who}: a parameter of dtype {p.dtype}; only torch.float32 is supported")
-    if p.is_sparse or not p.is_contiguous():
+        raise TypeError(
+            f"{who}: a parameter of dtype {p.dtype}; only torch.float32 is supported (a model "
+            "cast after the optimizer was created, e.g. model.half(), cannot be stepped)"
+        )
+    if p.layout != torch.strided or not p.is_contiguous():
         raise ValueError(
             f"{who}: a non-contiguous parameter of shape {tuple(p.shape)}; make it contiguous "
-            "(p.data = p.data.contiguous()) before creating the optimizer"
+            "(p.data = p.data.contiguous()) before stepping"
         )
 
 
 def _check_grad(p, g, who):
-    if g.is_sparse:
-        raise TypeError(f"{who}: sparse gradients are not supported")
+    """Raises unless gradient ``g`` can be read as ``p``'s: float32, dense, contiguous, on
+    ``p``'s device, with ``p``'s number of elements."""
+    if g.layout != torch.strided:
+        raise TypeError(f"{who}: {g.layout} gradients are not supported")
+    if g.dtype != torch.float32:
+        raise TypeError(
+            f"{who}: a gradient of dtype {g.dtype} for a float32 parameter of shape "
+            f"{tuple(p.shape)}; the kernel reads float32 gradients"
+        )
+    if g.device != p.device:
+        raise ValueError(f"{who}: a gradient on {g.device} for a parameter on {p.device}")
+    if g.numel() != p.numel():
+        raise ValueError(
+            f"{who}: a gradient of shape {tuple(g.shape)} for a parameter of shape "
+            f"{tuple(p.shape)}"
+        )
     if not g.is_contiguous():
         raise ValueError(
             f"{who}: a non-contiguous gradient of shape {tuple(g.shape)}; headroom steps raw "
@@ -54,36 +108,163 @@ def _check_grad(p, g, who):
         )
 
 
-def _stream(device):
-    return torch.cuda.current_stream(device).cuda_stream
+def _check_state(p, state, key, dtype, shape, who):
+    """``state[key]``, checked to be a contiguous ``dtype`` tensor of ``shape`` on ``p``'s
+    device (``ValueError``; ``TypeError`` for a non-tensor or another dtype)."""
+    t = state.get(key)
+    if t is None:
+        raise ValueError(
+            f"{who}: the state of a parameter of shape {tuple(p.shape)} has no {key!r} (a state "
+            "dict of another optimizer, or edited by hand?)"
+        )
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{who}: state {key!r} is a {type(t).__name__}, not a tensor")
+    if t.dtype != dtype:
+        raise TypeError(
+            f"{who}: state {key!r} of a parameter of shape {tuple(p.shape)} is {t.dtype}; "
+            f"the kernel needs {dtype}"
+        )
+    if t.device != p.device:
+        raise ValueError(
+            f"{who}: state {key!r} is on {t.device}, its parameter on {p.device}; load the state "
+            "dict after moving the model (Optimizer.load_state_dict moves it to the parameters)"
+        )
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(
+            f"{who}: state {key!r} has shape {tuple(t.shape)}, its parameter needs "
+            f"{tuple(shape)} (a state dict of another model, or parameters in another order?)"
+        )
+    if t.layout != torch.strided or not t.is_contiguous():
+        raise ValueError(f"{who}: state {key!r} of shape {tuple(t.shape)} is not contiguous")
+    return t
 
 
-def _scaling(grad_scale, found_inf):
+def _check_disjoint(tensors, what, who):
+    """Raises ``ValueError`` when two of ``tensors`` share bytes (the kernel steps each buffer
+    from its own threads; two parameters on one storage would race)."""
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+        for i, t in enumerate(tensors)
+        if t.numel() > 0
+    )
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+        if start < end:
+            a, b = tensors[i], tensors[j]
+            raise ValueError(
+                f"{who}: {what} of shapes {tuple(a.shape)} and {tuple(b.shape)} share memory "
+                "(one tensor listed twice, or views of one storage); each needs its own"
+            )
+
+
+def _check_scaler_tensor(t, name, device, who):
+    """``t.data_ptr()``, or None for None: a GradScaler's one-element float32 tensor on
+    ``device``."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{who}: {name} must be a tensor, got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{who}: {name} must be float32, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{who}: {name} is on {t.device}, the parameters on {device}")
+    if t.numel() != 1:
+        raise ValueError(f"{who}: {name} must have one element, got shape {tuple(t.shape)}")
+    return t.data_ptr()
+
+
+class _LaunchPlan:
+    """One parameter group's launch lists: the device pointers of the parameters with gradients
+    and of their states, built after every tensor was checked, with what they were built from
+    (each parameter's data pointer, dtype, size, device and contiguity; the state tensors, kept
+    alive by this plan, and their pointers) for the per-step comparison, and the step counts:
+    each parameter's at the build plus the steps taken since (``taken``), launched as one
+    launch per distinct count (``launches``: the count at the build and the parameters with it;
+    empty parameters count their steps but have no memory to launch on)."""
+
+    __slots__ = (
+        "params", "device", "signature", "lens", "states", "state_ptrs", "lists", "steps",
+        "taken", "launches", "grad_dtypes", "grad_devices", "amsgrad",
+    )
+
+    def __init__(self, params, lists, states, steps, amsgrad=False):
+        self.params = params
+        self.device = params[0].device
+        self.signature = _signature(params)
+        self.lens = self.signature[2]
+        self.lists = lists
+        self.states = states
+        self.state_ptrs = list(map(_data_ptr, states))
+        self.steps = steps
+        self.taken = 0
+        self.amsgrad = amsgrad
+        launchable = [i for i, n in enumerate(self.lens) if n > 0]
+        self.launches = [
+            (base, [i for i in launchable if steps[i] == base]) for base in sorted(set(steps))
+        ]
+        self.grad_dtypes = [torch.float32] * len(params)
+        self.grad_devices = self.signature[3]
+
+    def still_valid(self, params):
+        """Whether ``params`` are the same objects, each still of the storage, dtype, size,
+        device and layout the lists were built from, and the states' storage unmoved."""
+        old = self.params
+        return (
+            len(old) == len(params)
+            and all(map(operator.is_, old, params))
+            and _signature(params) == self.signature
+            and list(map(_data_ptr, self.states)) == self.state_ptrs
+        )
+
+    def grad_pointers(self, grads, who):
+        """The gradients' data pointers, after checking each against its parameter."""
+        try:
+            ok = (
+                list(map(_dtype, grads)) == self.grad_dtypes
+                and list(map(_numel, grads)) == self.lens
+                and list(map(_device_index, grads)) == self.grad_devices
+                and all(map(_is_contiguous, grads))
+            )
+        except RuntimeError:
+            ok = False
+        if not ok:
+            for p, g in zip(self.params, grads):
+                _check_grad(p, g, who)
+        return list(map(_data_ptr, grads))
+
+
+def _signature(tensors):
+    """Each tensor's data pointer, dtype, size, device index and contiguity, as five lists."""
     return (
-        None if grad_scale is None else grad_scale.data_ptr(),
-        None if found_inf is None else found_inf.data_ptr(),
+        list(map(_data_ptr, tensors)),
+        list(map(_dtype, tensors)),
+        list(map(_numel, tensors)),
+        list(map(_device_index, tensors)),
+        list(map(_is_contiguous, tensors)),
     )
 
 
 class _HeadroomOptimizer(torch.optim.Optimizer):
-    """What both families share: parameter checks, per-group launch lists cached between
-    steps (rebuilt when the set of parameters with gradients changes), step counts kept as
-    Python ints and written to ``state['step']`` when a state dict is taken."""
+    """What both families share: parameter checks, per-group launch plans cached between steps
+    (rebuilt, every tensor checked again, when a parameter, a gradient set or a state changes),
+    step counts kept as Python ints and written to ``state['step']`` when a state dict is
+    taken."""
 
     _who = "headroom.optim"
+    # The device type parameters must be on (the kernels are CUDA's).
+    _device_type = "cuda"
 
     def __init__(self, params, defaults):
         self._kernels = {}
-        self._groups = {}
+        self._plans = {}
         super().__init__(params, defaults)
         self.register_state_dict_pre_hook(lambda opt: opt._sync_steps())
-        self.register_load_state_dict_post_hook(lambda opt: opt._groups.clear())
+        self.register_load_state_dict_post_hook(lambda opt: opt._plans.clear())
 
     def add_param_group(self, param_group):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for p in params:
-            _check_param(p, self._who)
+            _check_param(p, self._who, self._device_type)
         super().add_param_group(param_group)
 
     def _kernel(self, device):
@@ -93,65 +274,106 @@ class _HeadroomOptimizer(torch.optim.Optimizer):
             kernel = self._kernels[index] = self._native_class(index, *self._native_args())
         return kernel
 
+    def _stream(self, device):
+        """The raw handle of the stream the kernels would run on (must be 0, the default)."""
+        stream = torch.cuda.current_stream(device).cuda_stream
+        if stream != 0:
+            raise ValueError(
+                "headroom optimizers step on torch's default stream; call step() outside "
+                "`with torch.cuda.stream(...)` (or synchronise that stream with the default "
+                "one first)"
+            )
+        return stream
+
     def _native_args(self):
         return ()
 
     def _sync_steps(self):
-        for cache in self._groups.values():
-            for p, step in zip(cache["params"], cache["steps"]):
-                self.state[p]["step"] = self._step_value(step)
+        for plan in self._plans.values():
+            for p, step in zip(plan.params, plan.steps):
+                self.state[p]["step"] = self._step_value(step + plan.taken)
 
-    def _cache(self, index, params):
-        cache = self._groups.get(index)
-        if cache is not None and cache["params"] == params:
-            return cache
+    def _plan(self, index, group, params):
+        """The group's launch plan for ``params``: the cached one while nothing it was built
+        from changed, else a new one, every parameter and state checked."""
+        plan = self._plans.get(index)
+        if plan is not None and plan.still_valid(params) and self._plan_matches_group(plan, group):
+            return plan
         self._sync_steps()
+        self._plans.pop(index, None)
+        for p in params:
+            _check_param(p, self._who, self._device_type)
         device = params[0].device
         if any(p.device != device for p in params):
             raise ValueError(f"{self._who}: a parameter group spans several devices")
         for p in params:
             if len(self.state[p]) == 0:
                 self._init_state(p)
-        cache = self._build(params)
-        cache["params"] = params
-        cache["device"] = device
-        cache["steps"] = [int(self.state[p]["step"]) for p in params]
-        self._groups[index] = cache
-        return cache
+        steps = [self._saved_step(p) for p in params]
+        plan = self._build(group, params, steps)
+        _check_disjoint(params + plan.states, "parameters or states", self._who)
+        self._plans[index] = plan
+        return plan
+
+    def _plan_matches_group(self, plan, group):
+        return True
+
+    def _saved_step(self, p):
+        step = self.state[p].get("step")
+        if step is None:
+            raise ValueError(
+                f"{self._who}: the state of a parameter of shape {tuple(p.shape)} has no 'step' "
+                "(a state dict of another optimizer, or edited by hand?)"
+            )
+        return int(step)
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale=None, found_inf=None):
         """One step of every parameter with a gradient. ``grad_scale``/``found_inf``: a
-        GradScaler's device tensors, read in the kernel (divide by the scale; write nothing when
-        the flag is non-zero, though the step is counted: ``torch.amp.GradScaler.step`` never
-        passes them, it skips ``step()`` itself). ``Adam``/``AdamW`` leave the gradients divided
-        by the scale, as torch's fused step does."""
+        GradScaler's one-element float32 device tensors, read in the kernel (divide by the
+        scale; write nothing when the flag is non-zero, though the step is counted:
+        ``torch.amp.GradScaler.step`` never passes them, it skips ``step()`` itself).
+        ``Adam``/``AdamW`` leave the gradients divided by the scale, as torch's fused step does.
+        Every check runs before the first launch: a step that raises changes nothing."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        launches = []
         for index, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if p.grad is not None]
+            params = list(group["params"])
+            grad_tensors = list(map(_grad, params))
+            if not all(map(operator.is_not, grad_tensors, repeat(None))):
+                params = [p for p, g in zip(params, grad_tensors) if g is not None]
+                grad_tensors = [g for g in grad_tensors if g is not None]
             if not params:
                 continue
-            cache = self._cache(index, params)
-            grads = []
-            for p in params:
-                g = p.grad
-                if not g.is_contiguous() or g.is_sparse:
-                    _check_grad(p, g, self._who)
-                grads.append(g.data_ptr())
-            steps = cache["steps"]
-            for i in range(len(steps)):
-                steps[i] += 1
-            first = steps[0]
-            if all(s == first for s in steps):
-                self._launch(group, cache, grads, first, range(len(params)), grad_scale, found_inf)
-            else:
-                for value in sorted(set(steps)):
-                    which = [i for i, s in enumerate(steps) if s == value]
-                    self._launch(group, cache, grads, value, which, grad_scale, found_inf)
+            plan = self._plan(index, group, params)
+            grads = plan.grad_pointers(grad_tensors, self._who)
+            if grad_scale is not None:
+                # The scale is divided out of the gradients in place: no two may share memory.
+                _check_disjoint(grad_tensors, "gradients", self._who)
+            stream = self._stream(plan.device)
+            scaling = (
+                _check_scaler_tensor(grad_scale, "grad_scale", plan.device, self._who),
+                _check_scaler_tensor(found_inf, "found_inf", plan.device, self._who),
+            )
+            launches.append((group, plan, grads, stream, scaling))
+        for group, plan, grads, stream, scaling in launches:
+            taken = plan.taken + 1
+            for base, which in plan.launches:
+                self._launch(group, plan, grads, stream, base + taken, which, scaling)
+            plan.taken = taken
         return loss
+
+
+def _pick(values, which, n):
+    return values if len(which) == n else [values[i] for i in which]
+
+
+def _lr(group):
+    lr = group["lr"]
+    return float(lr) if not isinstance(lr, torch.Tensor) else lr.item()
 
 
 class _FusedAdam(_HeadroomOptimizer):
@@ -184,41 +406,49 @@ class _FusedAdam(_HeadroomOptimizer):
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def _build(self, params):
-        states = [self.state[p] for p in params]
-        return {
-            "p": [p.data_ptr() for p in params],
-            "m": [s["exp_avg"].data_ptr() for s in states],
-            "v": [s["exp_avg_sq"].data_ptr() for s in states],
-            "states": states,
-            "lens": [p.numel() for p in params],
-        }
+    def _plan_matches_group(self, plan, group):
+        return plan.amsgrad == bool(group["amsgrad"])
 
-    def _launch(self, group, cache, grads, step, which, grad_scale, found_inf):
-        max_sq = None
-        if group["amsgrad"]:
-            for s, p in zip(cache["states"], cache["params"]):
-                if "max_exp_avg_sq" not in s:
-                    s["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            max_sq = [s["max_exp_avg_sq"].data_ptr() for s in cache["states"]]
-        pick = (lambda xs: xs) if len(which) == len(grads) else (lambda xs: [xs[i] for i in which])
+    def _build(self, group, params, steps):
+        amsgrad = bool(group["amsgrad"])
+        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+        checked = {key: [] for key in keys}
+        for p in params:
+            state = self.state[p]
+            if amsgrad and "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            for key in keys:
+                checked[key].append(_check_state(p, state, key, torch.float32, p.shape, self._who))
+        lists = {key: list(map(_data_ptr, ts)) for key, ts in checked.items()}
+        states = [t for ts in checked.values() for t in ts]
+        return _LaunchPlan(params, lists, states, steps, amsgrad)
+
+    def _launch(self, group, plan, grads, stream, step, which, scaling):
+        if not which:
+            return
+        n = len(plan.params)
+        lists = plan.lists
+        max_sq = lists.get("max_exp_avg_sq")
         beta1, beta2 = group["betas"]
-        lr = group["lr"]
-        lr = float(lr) if not isinstance(lr, torch.Tensor) else lr.item()
-        self._kernel(cache["device"]).step(
-            _stream(cache["device"]), step,
-            (lr, float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"])),
+        self._kernel(plan.device).step(
+            stream, step,
+            (_lr(group), float(beta1), float(beta2), float(group["eps"]),
+             float(group["weight_decay"])),
             self._decoupled, bool(group["maximize"]),
-            pick(cache["p"]), pick(grads), pick(cache["m"]), pick(cache["v"]),
-            None if max_sq is None else pick(max_sq), pick(cache["lens"]),
-            *_scaling(grad_scale, found_inf),
+            _pick(plan.signature[0], which, n), _pick(grads, which, n),
+            _pick(lists["exp_avg"], which, n), _pick(lists["exp_avg_sq"], which, n),
+            None if max_sq is None else _pick(max_sq, which, n), _pick(plan.lens, which, n),
+            *scaling,
         )
 
 
 class Adam(_FusedAdam):
     """``torch.optim.Adam(fused=True)``'s update (L2 weight decay) in one Headroom launch, with
     its kernel's arithmetic (float hyperparameters, fma moments): the same bits without weight
-    decay; with it, within a few ulps (the L2 term is not yet reproduced to the bit)."""
+    decay. With it, not yet bit for bit: after 20 steps of ViT-L/16 (weight decay 1e-2), 18 of
+    its 296 tensors equal torch's to the bit and the rest are at most 1.5e-4 apart; against
+    ``testdata/torch_fused_adam_golden.safetensors`` (20 steps, weight decay 0.1) the parameter
+    stays within 9e-8 of its largest magnitude."""
 
     _who = "headroom.optim.Adam"
 
@@ -260,7 +490,8 @@ class _Adam8bitBase(_HeadroomOptimizer):
     def load_state_dict(self, state_dict):
         """Loads a state dict of this class or of ``bitsandbytes.optim.Adam8bit``/``AdamW8bit``
         (whose quantization tensors sit under ``__bnb_optimizer_quant_state__``). The 8-bit codes,
-        maps and absmax keep their dtypes (torch's loader would cast them to the parameter's)."""
+        maps and absmax keep their dtypes (torch's loader would cast them to the parameter's).
+        Their sizes are checked at the next step."""
         state, held = {}, {}
         for pid, saved in state_dict["state"].items():
             saved = dict(saved)
@@ -273,7 +504,7 @@ class _Adam8bitBase(_HeadroomOptimizer):
         for pid, p in zip(saved_ids, params):
             for key, value in held.get(pid, {}).items():
                 self.state[p][key] = value.to(p.device, copy=True)
-        self._groups.clear()
+        self._plans.clear()
 
     def _qmaps(self, device):
         maps = self._maps.get(device)
@@ -301,39 +532,44 @@ class _Adam8bitBase(_HeadroomOptimizer):
         state["absmax1"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
         state["absmax2"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
 
-    def _build(self, params):
-        states = [self.state[p] for p in params]
-        for p, s in zip(params, states):
+    def _build(self, group, params, steps):
+        lists = {key: [] for key in ("state1", "state2", "absmax1", "absmax2")}
+        states = []
+        for p in params:
+            state = self.state[p]
             small = p.numel() < MIN_8BIT_SIZE
+            # bitsandbytes' layout: f32 moments under 4096 elements, else u8 codes and one f32
+            # absmax per 256-element block.
             want = torch.float32 if small else torch.uint8
             for key in ("state1", "state2"):
-                t = s[key]
-                if t.dtype != want or t.device != p.device or not t.is_contiguous() or t.numel() != p.numel():
-                    raise ValueError(
-                        f"{self._who}: state {key!r} of a parameter of {p.numel()} elements is "
-                        f"{t.dtype} {tuple(t.shape)} on {t.device}; bitsandbytes' layout needs "
-                        f"{want} with one entry per element on the parameter's device"
-                    )
-        return {
-            "p": [p.data_ptr() for p in params],
-            "s1": [s["state1"].data_ptr() for s in states],
-            "s2": [s["state2"].data_ptr() for s in states],
-            "a1": [s["absmax1"].data_ptr() if "absmax1" in s else 0 for s in states],
-            "a2": [s["absmax2"].data_ptr() if "absmax2" in s else 0 for s in states],
-            "lens": [p.numel() for p in params],
-        }
+                t = _check_state(p, state, key, want, p.shape, self._who)
+                lists[key].append(t.data_ptr())
+                states.append(t)
+            for key in ("absmax1", "absmax2"):
+                if small:
+                    lists[key].append(0)
+                    continue
+                blocks = (p.numel() + BLOCK_SIZE - 1) // BLOCK_SIZE
+                t = _check_state(p, state, key, torch.float32, (blocks,), self._who)
+                lists[key].append(t.data_ptr())
+                states.append(t)
+        return _LaunchPlan(params, lists, states, steps)
 
-    def _launch(self, group, cache, grads, step, which, grad_scale, found_inf):
-        pick = (lambda xs: xs) if len(which) == len(grads) else (lambda xs: [xs[i] for i in which])
+    def _launch(self, group, plan, grads, stream, step, which, scaling):
+        if not which:
+            return
+        n = len(plan.params)
+        lists = plan.lists
         beta1, beta2 = group["betas"][:2]
-        lr = group["lr"]
-        lr = float(lr) if not isinstance(lr, torch.Tensor) else lr.item()
-        self._kernel(cache["device"]).step(
-            _stream(cache["device"]), step,
-            (lr, float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"])),
-            pick(cache["p"]), pick(grads), pick(cache["s1"]), pick(cache["s2"]),
-            pick(cache["a1"]), pick(cache["a2"]), pick(cache["lens"]),
-            *_scaling(grad_scale, found_inf),
+        self._kernel(plan.device).step(
+            stream, step,
+            (_lr(group), float(beta1), float(beta2), float(group["eps"]),
+             float(group["weight_decay"])),
+            _pick(plan.signature[0], which, n), _pick(grads, which, n),
+            _pick(lists["state1"], which, n), _pick(lists["state2"], which, n),
+            _pick(lists["absmax1"], which, n), _pick(lists["absmax2"], which, n),
+            _pick(plan.lens, which, n),
+            *scaling,
         )
 
 

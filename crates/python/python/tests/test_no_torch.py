@@ -1,6 +1,8 @@
-"""What the wheel does without torch or a GPU (CI): it imports, and the allocator it carries
-serves host memory through the same C functions PyTorch would call, with exact statistics,
-a summary, a snapshot pickle and clear errors. Run: python3 test_no_torch.py"""
+"""What the wheel does without torch or a GPU (CI): it imports; statistics read before the first
+allocation report an allocator that has served nothing and leave its settings open; a stream
+given to record_stream is never taken as a bare integer; and the allocator it carries serves
+host memory through the same C functions PyTorch would call, with exact statistics, a summary,
+a snapshot pickle and clear errors. Run: python3 test_no_torch.py"""
 
 import ctypes
 import json
@@ -12,7 +14,51 @@ import headroom
 from headroom import _native
 
 
+def statistics_before_first_allocation():
+    """Reading statistics before anything was allocated answers an allocator that has served
+    nothing and leaves the settings open (it used to freeze them, so that use_allocator(conf)
+    then failed with "already serves allocations")."""
+    cuda = headroom.cuda
+    assert _native.memory_stats_json(0) is None
+    assert _native.memory_summary(0) is None
+    assert _native.reset_peak_stats(0) is False
+    assert _native.empty_cache(0) is False
+    assert cuda.memory_stats(0) == {}
+    assert cuda.memory_stats() == {}  # device=None: no CUDA (nor torch) is touched
+    assert cuda.max_memory_reserved(0) == 0 and cuda.max_memory_allocated() == 0
+    assert "served no allocation" in cuda.memory_summary(0), cuda.memory_summary(0)
+    cuda.reset_peak_memory_stats(0)
+    cuda.empty_cache()
+    cuda.record_memory_history(device=0)  # kept for use_allocator()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "empty.pickle")
+        assert _native.snapshot(0, path) is False and not os.path.exists(path)
+        cuda.snapshot(path, 0)
+        with open(path, "rb") as f:
+            snap = pickle.load(f)
+    assert snap["segments"] == [] and snap["device_traces"] == [[]], snap
+    assert not _native.is_in_use()
+    # A stream given to record_stream is never taken as a bare integer: the native function
+    # wants a torch.cuda.Stream (without torch, importing torch.cuda fails first).
+    for stream in (0xDEAD0, None):
+        try:
+            _native.record_stream(0x1000, 0, stream)
+        except (TypeError, ImportError):
+            pass
+        else:
+            raise AssertionError(f"record_stream accepted {stream!r} as a stream")
+    try:
+        cuda.record_stream(object(), 0xDEAD0)
+    except ValueError as error:
+        assert "CUDA tensor" in str(error), error
+    else:
+        raise AssertionError("record_stream accepted a non-tensor")
+    assert not _native.is_in_use()
+    cuda._pending_history.clear()
+
+
 def main():
+    statistics_before_first_allocation()
     # The plugin's own default: 8 MiB physical handles, kept under a user's other settings.
     assert "expandable_handle_size_mb:8" in headroom.cuda.settings(), headroom.cuda.settings()
     try:
