@@ -10,9 +10,14 @@
 #   bash scripts/gpu-measure.sh PHASE...      PHASE: tests vit gpt2 fmb planner reclaim noreclaim
 #                                                    plugin
 #
-# tests    every test binary with HEADROOM_REQUIRE_GPU=1 (a skip is a failure)
-# vit      bench-memory, ViT-L/16 at batch 1 and 32, every case, then PyTorch's cases
-#          (scripts/pytorch/bench_reference.py) in the same run, as --pytorch reads them
+# tests    every test binary with HEADROOM_REQUIRE_GPU=1 (a skip is a failure), with
+#          --show-output so that what passing tests print reaches the log. The multi-GPU test
+#          binaries (multi_gpu_tests below: distributed's nccl) are left out by name, saying
+#          so: under HEADROOM_REQUIRE_GPU=1 a test that sees fewer GPUs than it needs fails, and
+#          scripts/gpu-data-parallel.sh runs them on two GPUs
+# vit      bench-memory, ViT-L/16 at batch 1 and 32, every case but adam_auto (the planner's
+#          phase), then PyTorch's cases (scripts/pytorch/bench_reference.py) in the same run, as
+#          --pytorch reads them
 # gpt2     GPT-2 small, batch 8 × 1024 tokens, forward + backward in f32 and bf16, both sides
 # fmb      find-max-batch under a 24 GiB cap, PyTorch's side first
 # planner  adam_auto at five budgets evenly between adam_ckpt's peak (5,324,016,128 B) and
@@ -25,44 +30,106 @@
 #          bnb.tar.xz (bitsandbytes 0.50 for --target install), copied beside run.sh's scripts.
 #          With PLUGIN_DIR set, fmb's PyTorch side finds bitsandbytes too (its adam8bit case).
 #
-# Output: OUT (default /tmp/gpu-measure) gets one log per phase and the JSON files.
+# Every step fails when its log holds the word `skipped` on any line: only testkit's gate
+# prints it (`skipped: <test>: <why>`, a panic instead under HEADROOM_REQUIRE_GPU=1), and
+# xtask's tidy test keeps it out of every other literal of tests, benches, examples and xtask,
+# so a run cannot pass by skipping in any way.
+#
+# Output: OUT (default results/<date>-<commit>/ under the workspace root, results/README.md)
+# gets one log per step, the JSON files and meta.json: the GPU's name and driver, the versions of
+# PyTorch, transformers and bitsandbytes, the commit (git rev-parse --short HEAD, else COMMIT:
+# the device machine's copy may have no .git), the date and this command. Commit the folder;
+# `cargo xtask tables` renders the README tables from it.
 set -uo pipefail
 export HEADROOM_REQUIRE_GPU=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-out=${OUT:-/tmp/gpu-measure}
-mkdir -p "$out"
+commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
+[[ -n $commit ]] || { echo "no git metadata: set COMMIT to the sources' short hash" >&2; exit 2; }
+out=${OUT:-results/$(date -u +%F)-$commit}
 bin=.gpu-bundle/bin
 xtask=$bin/xtask
-[[ -x $xtask ]] || { echo "no $xtask: build the bundle first (see the header)" >&2; exit 2; }
-(( $# > 0 )) || { sed -n '2,26p' "$0"; exit 2; }
+# Every phase but `tests` runs the release xtask.
+for phase in "$@"; do
+  [[ $phase == tests || -x $xtask ]] ||
+    { echo "no $xtask for phase $phase: build the bundle first (see the header)" >&2; exit 2; }
+done
+vit_cases=adam_foreach,adam_foreach_unbounded,adam_single,sgd,adam_fused,adam_inbwd,adam8bit
+vit_cases+=,adam8bit_inbwd,adam_ckpt,adam_inbwd_ckpt,adam_fused_clip,adam_inbwd_clip
+vit_cases+=,adam_inbwd_clip_prev,adam_offload,adam_ckpt8bit,adam_bf16,adam_fp16
+vit_cases+=,adam_inbwd_ckpt_bf16,fwd_bwd,fwd_bwd_bf16
+(( $# > 0 )) || { sed -n '2,35p' "$0"; exit 2; }
 if [[ -n ${PLUGIN_DIR:-} && -f $PLUGIN_DIR/bnb.tar.xz ]]; then
   mkdir -p /tmp/headroom-site
   python3 -c "import bitsandbytes" 2>/dev/null || tar xJf "$PLUGIN_DIR/bnb.tar.xz" -C /tmp/headroom-site
   export PYTHONPATH=/tmp/headroom-site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# The folder's provenance (results/README.md), read before the steps run: the machine and the
+# libraries they use. A second call into the same folder adds its command.
+mkdir -p "$out"
+python3 - "$out/meta.json" "$commit" "bash scripts/gpu-measure.sh $*" <<'META' ||
+import datetime, importlib, json, os, subprocess, sys
+path, commit, command = sys.argv[1:4]
+def gpus(field):  # one value per GPU; none when nvidia-smi fails
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=True).stdout
+        return [line.strip() for line in out.splitlines() if line.strip()]
+    except (OSError, subprocess.CalledProcessError):
+        return []
+def distinct(values):
+    return ", ".join(sorted(set(values))) or "unknown (nvidia-smi failed)"
+def version(module):
+    try:
+        return importlib.import_module(module).__version__
+    except Exception as err:
+        return f"not importable ({type(err).__name__})"
+meta = json.load(open(path)) if os.path.exists(path) else {}
+commands = meta.get("commands", [])
+commands.append(command)
+meta.update({
+    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+    "commit": commit,
+    "machine": {"gpu": distinct(gpus("name")), "driver": distinct(gpus("driver_version")),
+                "gpus": len(gpus("name")), "host": os.uname().nodename},
+    "versions": {"python": sys.version.split()[0], "torch": version("torch"),
+                 "transformers": version("transformers"), "bitsandbytes": version("bitsandbytes")},
+    "command": "; ".join(commands),
+    "commands": commands,
+})
+json.dump(meta, open(path, "w"), indent=2)
+META
+  { echo "could not write $out/meta.json" >&2; exit 2; }
+# Test binaries that need more than one GPU (testkit's gpus_or_skip): not run by this script.
+multi_gpu_tests="nccl"
 failed=0
 step() { # name command...
   local name=$1; shift
   local start=$SECONDS
   "$@" > "$out/$name.log" 2>&1
   local rc=$?
-  (( rc != 0 )) && failed=$((failed + 1))
-  echo "$name: rc=$rc, $((SECONDS - start)) s"
+  local skips
+  skips=$(grep -c -w skipped "$out/$name.log")
+  (( rc != 0 || skips > 0 )) && failed=$((failed + 1))
+  echo "$name: rc=$rc, $skips skip line(s), $((SECONDS - start)) s"
+  (( skips > 0 )) && grep -n -w -m 5 skipped "$out/$name.log" | sed 's/^/  /'
 }
 for phase in "$@"; do
   case $phase in
     tests)
       for t in "$bin"/*; do
-        case $(basename "$t") in xtask*) continue ;; esac
-        step "test_$(basename "$t" | sed 's/-[0-9a-f]*$//')" "$t"
-      done
-      grep -l "skipped: no CUDA" "$out"/test_*.log && failed=$((failed + 1)) ;;
+        name=$(basename "$t" | sed 's/-[0-9a-f]*$//')
+        case $name in xtask*) continue ;; esac
+        if [[ " $multi_gpu_tests " == *" $name "* ]]; then
+          echo "test_$name: not run here: it needs two GPUs (scripts/gpu-data-parallel.sh)"
+          continue
+        fi
+        step "test_$name" "$t" --show-output
+      done ;;
     vit)
-      step vit_ours "$xtask" bench-memory --device cuda --batch 1 --batch 32 --json "$out/vit.json"
+      # Every case but adam_auto (the planner phase measures it at its budgets).
+      step vit_ours "$xtask" bench-memory --device cuda --batch 1 --batch 32 \
+        --cases "$vit_cases" --json "$out/vit.json"
       step vit_torch python3 scripts/pytorch/bench_reference.py --batch 1 --batch 32 \
-        --out "$out/anchor_vit.jsonl"
-      step vit_table "$xtask" bench-memory --device cuda --batch 32 \
-        --cases adam_fused,adam_ckpt,adam_inbwd_ckpt,adam_bf16,adam_fp16 \
-        --pytorch "$out/anchor_vit.jsonl" --json "$out/vit_again.json" ;;
+        --out "$out/anchor_vit.jsonl" ;;
     gpt2)
       step gpt2_torch python3 scripts/pytorch/bench_reference.py --in-process --model gpt2 \
         --seq 1024 --batch 8 --cases fwd_bwd,fwd_bwd_bf16,adam_fused --out "$out/anchor_gpt2.jsonl"
