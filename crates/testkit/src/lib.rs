@@ -6,11 +6,13 @@
 //! crate, so the CPU and CUDA backends, the allocator and the technique crates can all use it in
 //! their tests. It knows no technique: techniques bring themselves to it.
 //!
-//! - [`gpu`]: the GPU gate. A CUDA test skips with a printed notice without a device, and fails
-//!   instead where `HEADROOM_REQUIRE_GPU=1` is set (the GPU machine), so a GPU suite cannot pass
-//!   by skipping.
+//! - [`gpu`]: the gate, the one way a test skips. A CUDA test skips with a printed notice
+//!   without a device (or a capability, or the GPUs it needs), and fails instead where
+//!   `HEADROOM_REQUIRE_GPU=1` is set (the GPU machine), so a GPU suite cannot pass by skipping.
 //! - [`counting`]: a backend decorator counting host reads (a step with zero never synchronises).
 //! - [`inputs`]: deterministic inputs (one xorshift stream; floats, labels, byte patterns).
+//! - [`misuse`]: the misuse suites' checker (named cases, each a typed error or a checked
+//!   result; a panic fails; known bugs must fail).
 //! - [`golden`]: PyTorch's golden ViT-tiny and GPT-2-tiny, run and checked on any backend.
 //! - The technique harness: a [`TrainCase`] is a training run as data (model, dtype, batch,
 //!   steps, optimizer, tolerance with its reason, seed). A [`Technique`] changes the training
@@ -44,6 +46,7 @@ pub mod counting;
 pub mod golden;
 pub mod gpu;
 pub mod inputs;
+pub mod misuse;
 
 mod case;
 mod harness;
