@@ -35,7 +35,7 @@
 # xtask's tidy test keeps it out of every other literal of tests, benches, examples and xtask,
 # so a run cannot pass by skipping in any way.
 #
-# Output: OUT (default results/<date>-<commit>/ under the workspace root, results/README.md)
+# Output: RESULTS (default results/<date>-<commit>/ under the workspace root, results/README.md)
 # gets one log per step, the JSON files and meta.json: the GPU's name and driver, the versions of
 # PyTorch, transformers and bitsandbytes, the commit (git rev-parse --short HEAD, else COMMIT:
 # the device machine's copy may have no .git), the date and this command. Commit the folder;
@@ -43,8 +43,9 @@
 set -uo pipefail
 export HEADROOM_REQUIRE_GPU=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
+export COMMIT=$commit
 [[ -n $commit ]] || { echo "no git metadata: set COMMIT to the sources' short hash" >&2; exit 2; }
-out=${OUT:-results/$(date -u +%F)-$commit}
+out=${RESULTS:-results/$(date -u +%F)-$commit}
 bin=.gpu-bundle/bin
 xtask=$bin/xtask
 # Every phase but `tests` runs the release xtask.

@@ -137,9 +137,10 @@ pub(crate) const USAGE: &str =
       bf16).
       --bucket-mib sets the in-backward cases' bucket (default: 1/16 of the parameters, at most
       25). --json writes one object per case, --html charts (timelines by time or in event
-      order, a toggle in the page); --pytorch reads torch_reference.py's anchor.jsonl and adds
-      PyTorch's figures. --op-profile (CUDA) runs one more step per case with timing events
-      around every backend primitive and prints its device time by primitive. --trace writes
+      order, a toggle in the page); --pytorch reads the anchor.jsonl of
+      scripts/pytorch/bench_reference.py and adds PyTorch's figures. --op-profile (CUDA) runs
+      one more step per case with timing events around every backend primitive and prints its
+      device time by primitive. --trace writes
       each case's allocations and completed frees, from the model's creation to the end of the
       timed steps, to DIR/MODEL_bBATCH_CASE.tsv (the columns of a replayable trace, and
       `step`: 0 while building, then each step's number).

@@ -248,10 +248,15 @@ pub(crate) fn document(results: &[CaseResult], anchors: &Anchors, command: &str)
     })
 }
 
+/// The measured sources' commit: `COMMIT` where the caller knows it (scripts/gpu-measure.sh sets
+/// it on a machine whose copy of the tree has no git metadata of its own), else `git rev-parse`
+/// in the working directory (not the build machine's checkout, which a carried binary names).
 fn revision() -> String {
+    if let Some(commit) = std::env::var("COMMIT").ok().filter(|c| !c.is_empty()) {
+        return commit;
+    }
     std::process::Command::new("git")
         .args(["rev-parse", "--short=12", "HEAD"])
-        .current_dir(crate::project_root())
         .output()
         .ok()
         .filter(|out| out.status.success())

@@ -51,8 +51,15 @@ pub(super) const KINDS: &[Kind] = &[
     Kind {
         name: "bench-memory-pytorch",
         reads: "`cargo xtask bench-memory --json` (gpu-measure.sh's vit.json), and PyTorch's \
-                anchor.jsonl unless its cases carry PyTorch's figures (--pytorch)",
+                anchor.jsonl files (a later file's line for a case wins) unless its cases carry \
+                PyTorch's figures (--pytorch)",
         render: bench_memory_pytorch,
+    },
+    Kind {
+        name: "bench-memory-planner",
+        reads: "`cargo xtask bench-memory --cases adam_auto --budget B --json` files, one per \
+                budget (gpu-measure.sh's planner phase)",
+        render: bench_memory_planner,
     },
     Kind {
         name: "bench-memory-allocators",
@@ -592,9 +599,16 @@ fn pytorch_figures(case: &Value, anchors: Option<&[Value]>) -> Result<Option<(u6
 /// bytes and median step, `—` where PyTorch has no such case.
 fn bench_memory_pytorch(files: &[ResultFile]) -> Result<Vec<String>> {
     let (bench, anchors) = match files {
+        [] => bail!("reads a bench-memory JSON and, optionally, anchor.jsonl files"),
         [bench] => (bench, None),
-        [bench, anchors] => (bench, Some(json_lines(anchors)?)),
-        _ => bail!("reads a bench-memory JSON and, optionally, an anchor.jsonl"),
+        [bench, anchor_files @ ..] => {
+            // A later file's line for the same case wins: it measured again.
+            let mut anchors = Vec::new();
+            for file in anchor_files.iter().rev() {
+                anchors.extend(json_lines(file)?);
+            }
+            (bench, Some(anchors))
+        }
     };
     let mut lines = vec![
         "| batch | case | peak alloc (B) | PyTorch (B) | step ms | PyTorch ms |".to_owned(),
@@ -609,6 +623,67 @@ fn bench_memory_pytorch(files: &[ResultFile]) -> Result<Vec<String>> {
             torch.map_or("—".into(), |(bytes, _)| thousands(bytes)),
             format!("{:.2}", number(&case, "step_ms")?),
             torch.map_or("—".into(), |(_, ms)| format!("{ms:.2}")),
+        ]));
+    }
+    Ok(lines)
+}
+
+/// The planner (`adam_auto`) at each budget: its plan in words, measured and predicted peak and
+/// step, and uniform every-k checkpointing at the same budget, measured in alternation.
+fn bench_memory_planner(files: &[ResultFile]) -> Result<Vec<String>> {
+    if files.is_empty() {
+        bail!("reads one or more bench-memory JSON files of adam_auto");
+    }
+    let mut lines = vec![
+        "| budget (B) | plan | peak (B) | predicted (B) | step ms | predicted ms | uniform: every k, \
+         recomputed | uniform peak (B) | uniform ms | plan / uniform |"
+            .to_owned(),
+        "|---:|---|---:|---:|---:|---:|---|---:|---:|---:|".to_owned(),
+    ];
+    let mut cases = Vec::new();
+    for file in files {
+        for case in bench_memory_cases(file)? {
+            if case["plan"].is_object() {
+                cases.push((file.path.as_str(), case));
+            }
+        }
+    }
+    cases.sort_by_key(|(_, case)| case["plan"]["budget_bytes"].as_u64());
+    for (path, case) in &cases {
+        let plan = &case["plan"];
+        let uniform = &plan["uniform"];
+        let strategies = plan["strategies"]
+            .as_array()
+            .with_context(|| format!("{path}: a plan without strategies"))?;
+        let mut counts: Vec<(String, usize)> = Vec::new();
+        for strategy in strategies {
+            let name = strategy.as_str().unwrap_or("?").to_owned();
+            match counts.iter_mut().find(|(seen, _)| *seen == name) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((name, 1)),
+            }
+        }
+        let words: Vec<String> = counts
+            .iter()
+            .map(|(name, n)| format!("{n} {name}"))
+            .collect();
+        let plan_ms = number(uniform, "plan_step_ms")?;
+        let uniform_ms = number(uniform, "step_ms")?;
+        lines.push(row(&[
+            thousands(count(plan, "budget_bytes")?),
+            words.join(", "),
+            thousands(count(case, "peak_allocated_bytes")?),
+            thousands(count(plan, "predicted_peak_bytes")?),
+            format!("{plan_ms:.1}"),
+            format!("{:.1}", number(plan, "predicted_step_ms")?),
+            format!(
+                "{}: {}",
+                count(uniform, "every")?,
+                count(uniform, "n_recomputed")?
+            ),
+            thousands(count(uniform, "peak_allocated_bytes")?),
+            format!("{uniform_ms:.1}"),
+            format!("{:.3}", plan_ms / uniform_ms),
         ]));
     }
     Ok(lines)

@@ -490,3 +490,64 @@ fn tidy_checks_the_readmes_and_benchmarks_only() {
         ]
     );
 }
+
+/// With two anchor files the later file's line for a case wins (it measured again).
+#[test]
+fn a_later_anchor_file_wins() {
+    let bench = r#"{"cases": [{"case": "adam_fused", "model": "vit_l_16", "batch": 1,
+        "peak_allocated_bytes": 10, "step_ms": 2.0, "step_ms_min": 2.0}]}"#;
+    let line = |ms: f64| {
+        format!(
+            "{{\"case\": \"adam_fused\", \"batch\": 1, \"steady_peak_alloc\": 11, \
+             \"step_ms_median\": {ms}}}\n"
+        )
+    };
+    let table = super::kinds::render(
+        "bench-memory-pytorch",
+        &[
+            result_file("results/x/vit.json", bench),
+            result_file("results/x/a.jsonl", &line(36.9)),
+            result_file("results/x/b.jsonl", &line(53.7)),
+        ],
+    )
+    .unwrap();
+    assert_eq!(table[2], "| 1 | adam_fused | 10 | 11 | 2.00 | 53.70 |");
+}
+
+/// The planner's runs, one row per budget in budget order: the plan in words, measured and
+/// predicted figures, uniform checkpointing at the same budget and the ratio of the steps.
+#[test]
+fn planner_runs_render_by_budget() {
+    let run = |budget: u64, strategies: &str, plan_ms: f64| {
+        format!(
+            r#"{{"cases": [{{"case": "adam_auto", "batch": 32, "peak_allocated_bytes": {peak},
+            "plan": {{"budget_bytes": {budget}, "predicted_peak_bytes": {peak},
+            "predicted_step_ms": 290.04, "strategies": [{strategies}],
+            "uniform": {{"every": 2, "n_recomputed": 12, "peak_allocated_bytes": 9000,
+            "plan_step_ms": {plan_ms}, "step_ms": 300.0}}}}}}]}}"#,
+            peak = budget - 100
+        )
+    };
+    let table = super::kinds::render(
+        "bench-memory-planner",
+        &[
+            result_file(
+                "results/x/planner_2.json",
+                &run(20000, r#""keep", "compress-int8", "keep""#, 291.0),
+            ),
+            result_file(
+                "results/x/planner_1.json",
+                &run(10000, r#""recompute""#, 297.0),
+            ),
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        &table[2..],
+        [
+            "| 10,000 | 1 recompute | 9,900 | 9,900 | 297.0 | 290.0 | 2: 12 | 9,000 | 300.0 | 0.990 |",
+            "| 20,000 | 2 keep, 1 compress-int8 | 19,900 | 19,900 | 291.0 | 290.0 | 2: 12 | 9,000 | \
+             300.0 | 0.970 |",
+        ]
+    );
+}
