@@ -45,8 +45,8 @@ use headroom_optim::kernels::{
 };
 use headroom_optim::{
     clip_grad_norm_, clip_grad_value_, Adafactor, Adam, Adam8bit, AdamStochastic,
-    AdamStochasticConfig, Implementation, LrScheduler, NormType, OptimError, Optimizer, ParamGroup,
-    Scaling, Schedule, Sgd, StepParams,
+    AdamStochasticConfig, DeviceGradScaling, Implementation, LossScaler, LrScheduler, NormType,
+    OptimError, Optimizer, ParamGroup, Scaling, Schedule, Sgd, StepParams,
 };
 use headroom_testkit::misuse::{check_misuse, MisuseCase};
 
@@ -2027,34 +2027,34 @@ fn optim_cases() -> Vec<Case> {
 // headroom-amp
 
 fn amp_cases() -> Vec<Case> {
-    /// A GradScaler over SGD (fused) of one parameter `p`, a scaled loss backwarded.
-    fn scaled() -> Result<(GradScaler<Sgd>, Tensor), Box<dyn Error + Send + Sync>> {
+    /// A GradScaler and SGD (fused) of one parameter `p`, a scaled loss backwarded.
+    #[allow(clippy::type_complexity)]
+    fn scaled() -> Result<(GradScaler, Sgd, Tensor), Box<dyn Error + Send + Sync>> {
         let cpu = CpuBackend::new_ref();
         let p = param(&cpu, &[1.0; 4])?;
         let sgd = Sgd::new(
             vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(0.1))],
             Implementation::Fused,
         )?;
-        let mut scaler = GradScaler::new(sgd, GradScalerConfig::default())?;
+        let mut scaler = GradScaler::new(GradScalerConfig::default())?;
         scaler.scale(&p.sum_all()?)?.backward()?;
-        Ok((scaler, p))
+        Ok((scaler, sgd, p))
     }
-    /// A scaler over SGD in the single form (no device scaling: `unscale_` then `step`).
-    fn scaled_single() -> Result<GradScaler<Sgd>, Box<dyn Error + Send + Sync>> {
+    /// A scaler and SGD in the single form (no device scaling: `unscale_` then `step`).
+    fn scaled_single() -> Result<(GradScaler, Sgd), Box<dyn Error + Send + Sync>> {
         let cpu = CpuBackend::new_ref();
         let p = param(&cpu, &[1.0; 4])?;
         let sgd = Sgd::new(
             vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(0.1))],
             Implementation::Single,
         )?;
-        let mut scaler = GradScaler::new(sgd, GradScalerConfig::default())?;
+        let mut scaler = GradScaler::new(GradScalerConfig::default())?;
         scaler.scale(&p.sum_all()?)?.backward()?;
-        Ok(scaler)
+        Ok((scaler, sgd))
     }
     fn config_refused(config: GradScalerConfig) -> Outcome {
-        let sgd = one_param_group(SgdConfig::new(0.1), Implementation::Fused)?;
         expect_err!(
-            GradScaler::new(sgd, config),
+            GradScaler::new(config),
             AmpError::InvalidScalerConfig { .. }
         )
     }
@@ -2115,7 +2115,7 @@ fn amp_cases() -> Vec<Case> {
         Case {
             name: "update_to_0_is_invalid_scaler_config_and_keeps_the_scale",
             run: || {
-                let (mut scaler, _) = scaled()?;
+                let (mut scaler, _, _) = scaled()?;
                 let res = expect_err!(scaler.update_to(0.0), AmpError::InvalidScalerConfig { .. });
                 res.and_then(|()| expect_eq(scaler.get_scale()?, 65536.0))
             },
@@ -2123,7 +2123,7 @@ fn amp_cases() -> Vec<Case> {
         Case {
             name: "update_to_a_subnormal_scale_is_invalid_scaler_config",
             run: || {
-                let (mut scaler, _) = scaled()?;
+                let (mut scaler, _, _) = scaled()?;
                 expect_err!(
                     scaler.update_to(1e-40),
                     AmpError::InvalidScalerConfig { .. }
@@ -2133,41 +2133,40 @@ fn amp_cases() -> Vec<Case> {
         Case {
             name: "update_to_before_any_scale_is_not_scaled",
             run: || {
-                let sgd = one_param_group(SgdConfig::new(0.1), Implementation::Fused)?;
-                let mut scaler = GradScaler::new(sgd, GradScalerConfig::default())?;
+                let mut scaler = GradScaler::new(GradScalerConfig::default())?;
                 expect_err!(scaler.update_to(1024.0), AmpError::NotScaled)
             },
         },
         Case {
             name: "step_before_any_scale_is_not_scaled",
             run: || {
-                let sgd = one_param_group(SgdConfig::new(0.1), Implementation::Fused)?;
-                let mut scaler = GradScaler::new(sgd, GradScalerConfig::default())?;
-                expect_err!(scaler.step(), AmpError::NotScaled)
+                let mut sgd = one_param_group(SgdConfig::new(0.1), Implementation::Fused)?;
+                let mut scaler = GradScaler::new(GradScalerConfig::default())?;
+                expect_err!(scaler.step(&mut sgd), AmpError::NotScaled)
             },
         },
         Case {
             name: "unscale_twice_is_already_unscaled",
             run: || {
-                let (mut scaler, _) = scaled()?;
-                scaler.unscale_()?;
-                expect_err!(scaler.unscale_(), AmpError::AlreadyUnscaled)
+                let (mut scaler, sgd, _) = scaled()?;
+                scaler.unscale_(&sgd)?;
+                expect_err!(scaler.unscale_(&sgd), AmpError::AlreadyUnscaled)
             },
         },
         Case {
             name: "unscale_after_step_is_unscale_after_step",
             run: || {
-                let mut scaler = scaled_single()?;
-                scaler.step()?;
-                expect_err!(scaler.unscale_(), AmpError::UnscaleAfterStep)
+                let (mut scaler, mut sgd) = scaled_single()?;
+                scaler.step(&mut sgd)?;
+                expect_err!(scaler.unscale_(&sgd), AmpError::UnscaleAfterStep)
             },
         },
         Case {
             name: "step_twice_is_step_twice_and_updates_once",
             run: || {
-                let (mut scaler, p) = scaled()?;
-                scaler.step()?;
-                let res = expect_err!(scaler.step(), AmpError::StepTwice);
+                let (mut scaler, mut sgd, p) = scaled()?;
+                scaler.step(&mut sgd)?;
+                let res = expect_err!(scaler.step(&mut sgd), AmpError::StepTwice);
                 // One SGD step of lr 0.1 on a gradient of ones.
                 res.and_then(|()| expect_eq(p.to_vec::<f32>()?, vec![0.9; 4]))
             },
@@ -2175,14 +2174,14 @@ fn amp_cases() -> Vec<Case> {
         Case {
             name: "update_without_step_is_update_without_check",
             run: || {
-                let (mut scaler, _) = scaled()?;
+                let (mut scaler, _, _) = scaled()?;
                 expect_err!(scaler.update(), AmpError::UpdateWithoutCheck)
             },
         },
         Case {
             name: "load_state_with_growth_tracker_u32_max_is_invalid_scaler_config",
             run: || {
-                let (mut scaler, _) = scaled()?;
+                let (mut scaler, _, _) = scaled()?;
                 let state = scaler.state()?;
                 let res = expect_err!(
                     scaler.load_state(headroom_amp::GradScalerState {
@@ -2197,7 +2196,7 @@ fn amp_cases() -> Vec<Case> {
         Case {
             name: "load_state_with_scale_0_is_invalid_scaler_config",
             run: || {
-                let (mut scaler, _) = scaled()?;
+                let (mut scaler, _, _) = scaled()?;
                 let state = scaler.state()?;
                 expect_err!(
                     scaler.load_state(headroom_amp::GradScalerState {
@@ -2281,6 +2280,27 @@ fn hooks_cases() -> Vec<Case> {
         )?;
         Ok((InBackward::new(Box::new(sgd), config)?, p))
     }
+    /// A loss scaler of another crate that opens its steps with `scale` (anything at all) and
+    /// a one-element flag.
+    #[derive(Debug)]
+    struct OddScaler {
+        scale: Tensor,
+    }
+    impl LossScaler for OddScaler {
+        fn scale_loss(&mut self, loss: &Tensor) -> Result<Tensor, OptimError> {
+            Ok(loss.clone())
+        }
+        fn begin_step(&mut self) -> Result<Option<DeviceGradScaling>, OptimError> {
+            let found_inf = Tensor::zeros(self.scale.backend(), &[1], DType::F32)?;
+            Ok(Some(DeviceGradScaling {
+                grad_scale: Some(self.scale.clone()),
+                found_inf: Some(found_inf),
+            }))
+        }
+        fn end_step(&mut self, _: &DeviceGradScaling) -> Result<(), OptimError> {
+            Ok(())
+        }
+    }
     fn exact_clipping() -> InBackwardConfig {
         InBackwardConfig {
             clipping: Some(Clipping {
@@ -2298,7 +2318,7 @@ fn hooks_cases() -> Vec<Case> {
                 let (in_backward, p) = in_backward(InBackwardConfig::default())?;
                 let scale = Tensor::full(p.backend(), &[2], 1024.0, DType::F32)?;
                 let res = expect_err!(
-                    in_backward.backward_scaled(&p.sum_all()?, &scale),
+                    in_backward.backward_scaled(&p.sum_all()?, &mut OddScaler { scale }),
                     HooksError::InvalidArgument {
                         op: "InBackward::backward_scaled",
                         ..
@@ -2313,7 +2333,7 @@ fn hooks_cases() -> Vec<Case> {
                 let (in_backward, p) = in_backward(InBackwardConfig::default())?;
                 let scale = Tensor::full(p.backend(), &[1], 1024.0, DType::F64)?;
                 expect_err!(
-                    in_backward.backward_scaled(&p.sum_all()?, &scale),
+                    in_backward.backward_scaled(&p.sum_all()?, &mut OddScaler { scale }),
                     HooksError::InvalidArgument {
                         op: "InBackward::backward_scaled",
                         ..
@@ -2332,9 +2352,9 @@ fn hooks_cases() -> Vec<Case> {
                     }),
                     ..InBackwardConfig::default()
                 })?;
-                let scale = Tensor::full(p.backend(), &[1], 1024.0, DType::F32)?;
+                let mut scaler = GradScaler::new(GradScalerConfig::default())?;
                 expect_err!(
-                    in_backward.backward_scaled(&p.sum_all()?, &scale),
+                    in_backward.backward_scaled(&p.sum_all()?, &mut scaler),
                     HooksError::InvalidArgument { .. }
                 )
             },
@@ -2354,16 +2374,19 @@ fn hooks_cases() -> Vec<Case> {
             },
         },
         Case {
-            name: "stepping_an_in_backward_by_hand_is_unsupported_and_changes_nothing",
+            // Stepping an InBackward by hand no longer compiles (it is not an Optimizer); a
+            // scaler that is disabled makes a scaled backward a plain one.
+            name: "backward_scaled_with_a_disabled_scaler_steps_unscaled",
             run: || {
-                let (mut in_backward, p) = in_backward(InBackwardConfig::default())?;
-                p.set_grad(Some(Tensor::ones(p.backend(), &[4], DType::F32)?))?;
-                let res = expect_err!(
-                    in_backward.step(),
-                    OptimError::Unsupported { optimizer: "InBackward", .. },
-                    naming "steps inside backward"
-                );
-                res.and_then(|()| expect_eq(p.to_vec::<f32>()?, vec![1.0; 4]))
+                let (in_backward, p) = in_backward(InBackwardConfig::default())?;
+                let mut scaler = GradScaler::new(GradScalerConfig {
+                    enabled: false,
+                    ..GradScalerConfig::default()
+                })?;
+                let skipped = in_backward.backward_scaled(&p.sum_all()?, &mut scaler)?;
+                // One SGD step of lr 0.1 on a gradient of ones.
+                expect_eq(skipped.read()?, false)
+                    .and_then(|()| expect_eq(p.to_vec::<f32>()?, vec![0.9; 4]))
             },
         },
         Case {

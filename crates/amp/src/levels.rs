@@ -139,7 +139,8 @@ pub struct AmpTraining {
     level: OptLevel,
     properties: OptLevelProperties,
     policy: Option<AmpPolicy>,
-    optimizer: GradScaler<Box<dyn Optimizer>>,
+    optimizer: Box<dyn Optimizer>,
+    scaler: GradScaler,
 }
 
 impl std::fmt::Debug for AmpTraining {
@@ -148,7 +149,7 @@ impl std::fmt::Debug for AmpTraining {
             .field("level", &self.level)
             .field("properties", &self.properties)
             .field("optimizer", &self.optimizer.name())
-            .field("scaler", self.optimizer.config())
+            .field("scaler", self.scaler.config())
             .finish_non_exhaustive()
     }
 }
@@ -192,7 +193,8 @@ impl AmpTraining {
             level,
             properties,
             policy,
-            optimizer: GradScaler::new(inner, config)?,
+            optimizer: inner,
+            scaler: GradScaler::new(config)?,
         })
     }
 
@@ -218,14 +220,14 @@ impl AmpTraining {
 
     /// Backward of the loss, scaled when the level scales it.
     pub fn backward(&mut self, loss: &Tensor) -> Result<(), AmpError> {
-        self.optimizer.scale(loss)?.backward()?;
+        self.scaler.scale(loss)?.backward()?;
         Ok(())
     }
 
     /// The optimizer step (skipped on overflow) and the scale's update.
     pub fn step(&mut self) -> Result<SkipFlag, AmpError> {
-        let skipped = self.optimizer.step()?;
-        self.optimizer.update()?;
+        let skipped = self.scaler.step(self.optimizer.as_mut())?;
+        self.scaler.update()?;
         Ok(skipped)
     }
 
@@ -236,12 +238,18 @@ impl AmpTraining {
     }
 
     /// The loss scaler (disabled at O0 and O3).
-    pub fn scaler(&self) -> &GradScaler<Box<dyn Optimizer>> {
-        &self.optimizer
+    pub fn scaler(&self) -> &GradScaler {
+        &self.scaler
     }
 
-    /// The loss scaler, to unscale before clipping or to step it by hand.
-    pub fn scaler_mut(&mut self) -> &mut GradScaler<Box<dyn Optimizer>> {
-        &mut self.optimizer
+    /// The optimizer the level steps (over the f32 masters at O2).
+    pub fn optimizer(&self) -> &dyn Optimizer {
+        self.optimizer.as_ref()
+    }
+
+    /// The scaler and the optimizer, to unscale before clipping or to step them by hand
+    /// (`scaler.unscale_(optimizer)`, `scaler.step(optimizer)`, `scaler.update()`).
+    pub fn scaler_and_optimizer(&mut self) -> (&mut GradScaler, &mut dyn Optimizer) {
+        (&mut self.scaler, self.optimizer.as_mut())
     }
 }

@@ -9,10 +9,12 @@
 //!   has equals PyTorch's (`tests/autocast.rs` against PyTorch's own table). Each f32
 //!   parameter is cast once per autocast region; the copies are freed when it ends
 //!   (autograd-core's cast cache, whose bytes `autocast_stats` reports).
-//! - **GradScaler** ([`GradScaler`]): PyTorch's semantics and state dict, as a decorator over any
-//!   optim `Optimizer`. With an optimizer whose kernels take a device scale (fused SGD, Adam,
-//!   AdamW, 8-bit Adam) a whole step — overflow check, unscale, step or skip, scale update —
-//!   reads nothing back to the host. f16 and bf16 gradients are unscaled in f32 arithmetic
+//! - **GradScaler** ([`GradScaler`]): PyTorch's semantics and state dict, a loss-scale provider
+//!   (optim's `LossScaler`) rather than a wrapper: `scaler.step(&mut optimizer)` in the plain
+//!   loop, or handed to hooks' `InBackward::backward_scaled` (and through it to a sharded
+//!   optimizer), so fp16 works wherever an f32 step does. With an optimizer whose kernels take a
+//!   device scale (fused SGD, Adam, AdamW, 8-bit Adam) a whole step — overflow check, unscale,
+//!   step or skip, scale update — reads nothing back to the host. f16 and bf16 gradients are unscaled in f32 arithmetic
 //!   (PyTorch refuses them), unscaling twice in a step is [`AmpError::AlreadyUnscaled`], and the
 //!   step's [`SkipFlag`](headroom_optim::SkipFlag) tells an LR scheduler not to advance.
 //! - **Master weights** ([`MasterWeights`]): apex O2's f32 copy of a half model, held by the
@@ -38,8 +40,8 @@
 //! let cpu = CpuBackend::new_ref();
 //! let w = Tensor::full(&cpu, &[8, 8], 0.1, DType::F32)?;
 //! w.requires_grad_(true)?;
-//! let adam = Adam::new(vec![ParamGroup::new(vec![w.clone()], AdamConfig::adamw())], Implementation::Fused)?;
-//! let mut scaler = GradScaler::new(adam, GradScalerConfig::default())?;
+//! let mut adam = Adam::new(vec![ParamGroup::new(vec![w.clone()], AdamConfig::adamw())], Implementation::Fused)?;
+//! let mut scaler = GradScaler::new(GradScalerConfig::default())?;
 //! let policy = AmpPolicy::torch_cuda(DType::BF16)?;
 //! let x = Tensor::ones(&cpu, &[4, 8], DType::F32)?;
 //!
@@ -52,7 +54,7 @@
 //! };
 //! assert_eq!(autocast_stats().cached_bytes, 0); // freed when the region ended
 //! scaler.scale(&loss)?.backward()?;
-//! let skipped = scaler.step()?;
+//! let skipped = scaler.step(&mut adam)?;
 //! scaler.update()?;
 //! assert!(!skipped.read()?);
 //! # Ok::<(), Box<dyn std::error::Error>>(())

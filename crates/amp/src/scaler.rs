@@ -1,5 +1,7 @@
-//! PyTorch's `GradScaler` as a decorator over any optim [`Optimizer`], with its scale, growth
-//! tracker and overflow flag kept on the device.
+//! PyTorch's `GradScaler`, with its scale, growth tracker and overflow flag kept on the device:
+//! a loss-scale provider (optim's [`LossScaler`]) that any step driver takes — the plain loop
+//! through [`GradScaler::step`], an optimizer in backward, a sharded optimizer — never an
+//! optimizer itself, so it stacks with every one of them.
 //!
 //! The sequence is PyTorch's (`torch/amp/grad_scaler.py`): [`GradScaler::scale`] multiplies the
 //! loss by the scale (2^16 at first); [`GradScaler::unscale_`] sets `found_inf` from the gradients
@@ -10,7 +12,7 @@
 //! either way), and keeps it if the doubled scale is not finite. Misuse is a typed error:
 //! unscaling twice in one step, unscaling after the step, stepping twice before an update.
 //!
-//! Nothing here waits for the device when the wrapped optimizer takes device scaling
+//! Nothing here waits for the device when the stepped optimizer takes device scaling
 //! ([`Optimizer::takes_device_scaling`]: fused SGD, Adam, AdamW, 8-bit Adam): `found_inf` is
 //! computed on the device without unscaling (optim's [`non_finite_check_and_unscale_`], on CUDA
 //! one launch per gradient dtype whatever the number of gradients), the kernels divide each
@@ -32,7 +34,7 @@
 use headroom_autograd_core::{no_grad, BinaryOp, DType, Device, Tensor};
 use headroom_optim::kernels::StepOutcome;
 use headroom_optim::{
-    non_finite_check_and_unscale_, DeviceGradScaling, OptimError, Optimizer, ParamId, Scaling,
+    non_finite_check_and_unscale_, DeviceGradScaling, LossScaler, OptimError, Optimizer, Scaling,
     SkipFlag, StepParams,
 };
 
@@ -138,11 +140,11 @@ enum Stage {
     Stepped,
 }
 
-/// PyTorch's GradScaler over an optimizer `O` (any [`Optimizer`], boxed or not).
-///
-/// Used directly it is PyTorch's sequence: `scaler.scale(&loss)?.backward()`, optionally
-/// `scaler.unscale_()` (to clip), `scaler.step()`, `scaler.update()`. Used as an [`Optimizer`]
-/// (a trainer that only calls `step`), one `step` is the scaler's `step` and `update`.
+/// PyTorch's GradScaler: PyTorch's sequence in the plain loop, `scaler.scale(&loss)?.backward()`,
+/// optionally `scaler.unscale_(&optimizer)` (to clip), `scaler.step(&mut optimizer)`,
+/// `scaler.update()`; or a [`LossScaler`] handed to another step driver (hooks'
+/// `InBackward::backward_scaled`, which runs the same sequence inside backward). One scaler
+/// serves one optimizer's steps.
 ///
 /// ```
 /// use headroom_amp::{GradScaler, GradScalerConfig};
@@ -155,11 +157,12 @@ enum Stage {
 /// let p = Tensor::ones(&cpu, &[4], DType::F32)?;
 /// p.requires_grad_(true)?;
 /// let sgd = Sgd::new(vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(0.1))], Implementation::Fused)?;
-/// let mut scaler = GradScaler::new(sgd, GradScalerConfig::default())?;
+/// let mut sgd = sgd;
+/// let mut scaler = GradScaler::new(GradScalerConfig::default())?;
 ///
 /// let loss = p.sum_all()?;
 /// scaler.scale(&loss)?.backward()?; // gradients of 65536 · loss
-/// let skipped = scaler.step()?;     // the fused kernel divides by the scale
+/// let skipped = scaler.step(&mut sgd)?; // the fused kernel divides by the scale
 /// scaler.update()?;
 /// assert!(!skipped.read()?);
 /// assert_eq!(p.to_vec::<f32>()?, vec![0.9f32; 4]);
@@ -167,8 +170,7 @@ enum Stage {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug)]
-pub struct GradScaler<O> {
-    inner: O,
+pub struct GradScaler {
     config: GradScalerConfig,
     /// The scale, `[]` f32 on the loss's device (created by the first `scale`).
     scale: Option<Tensor>,
@@ -182,12 +184,11 @@ pub struct GradScaler<O> {
     last_skip: Option<SkipFlag>,
 }
 
-impl<O: Optimizer> GradScaler<O> {
-    /// A scaler over `inner` (checked settings).
-    pub fn new(inner: O, config: GradScalerConfig) -> Result<GradScaler<O>, AmpError> {
+impl GradScaler {
+    /// A scaler with `config` (checked settings).
+    pub fn new(config: GradScalerConfig) -> Result<GradScaler, AmpError> {
         config.validate()?;
         Ok(GradScaler {
-            inner,
             config,
             scale: None,
             growth_tracker: None,
@@ -206,21 +207,6 @@ impl<O: Optimizer> GradScaler<O> {
     /// Whether the scaler scales at all.
     pub fn is_enabled(&self) -> bool {
         self.config.enabled
-    }
-
-    /// The wrapped optimizer.
-    pub fn inner(&self) -> &O {
-        &self.inner
-    }
-
-    /// The wrapped optimizer, to change its settings (step it through the scaler).
-    pub fn inner_mut(&mut self) -> &mut O {
-        &mut self.inner
-    }
-
-    /// The wrapped optimizer, back.
-    pub fn into_inner(self) -> O {
-        self.inner
     }
 
     /// The scale tensor (`[]` f32 on the device), once [`GradScaler::scale`] created it.
@@ -271,9 +257,9 @@ impl<O: Optimizer> GradScaler<O> {
         self.scale.clone().ok_or(AmpError::NotScaled)
     }
 
-    /// The gradients of the wrapped optimizer's parameters.
-    fn grads(&self) -> Vec<Tensor> {
-        self.inner
+    /// The gradients of `optimizer`'s parameters.
+    fn grads(optimizer: &dyn Optimizer) -> Vec<Tensor> {
+        optimizer
             .params()
             .iter()
             .filter_map(|(_, param)| param.grad())
@@ -283,8 +269,9 @@ impl<O: Optimizer> GradScaler<O> {
     /// Unscales the gradients in place (× `1 / scale`, with `1 / scale` computed in f64 and
     /// rounded to f32, as PyTorch does) and records in `found_inf` whether any was NaN or
     /// infinite before unscaling. f16 and bf16 gradients are widened to f32, multiplied, and
-    /// rounded back once. Call it at most once per step, before `step` (to clip, say).
-    pub fn unscale_(&mut self) -> Result<(), AmpError> {
+    /// rounded back once. Call it at most once per step, before `step` (to clip, say), with the
+    /// optimizer `step` will step.
+    pub fn unscale_(&mut self, optimizer: &dyn Optimizer) -> Result<(), AmpError> {
         if !self.config.enabled {
             return Ok(());
         }
@@ -295,7 +282,7 @@ impl<O: Optimizer> GradScaler<O> {
         }
         let scale = self.scale_or_err()?;
         let _no_grad = no_grad();
-        let grads = self.grads();
+        let grads = GradScaler::grads(optimizer);
         let found_inf = Tensor::zeros(scale.backend(), &[1], DType::F32)?;
         let inv_scale = Tensor::ones(scale.backend(), &[], DType::F64)?
             .div(&scale.to_dtype(DType::F64)?)?
@@ -306,25 +293,25 @@ impl<O: Optimizer> GradScaler<O> {
         Ok(())
     }
 
-    /// Steps the wrapped optimizer unless the gradients overflowed, and says whether it was
-    /// skipped. With device scaling the kernels unscale and skip (the flag stays on the device,
-    /// nothing waits); otherwise the gradients are unscaled (unless `unscale_` did it) and the
-    /// flag is read once, as PyTorch's non-fused path does.
-    pub fn step(&mut self) -> Result<SkipFlag, AmpError> {
+    /// Steps `optimizer` unless the gradients overflowed, and says whether it was skipped.
+    /// With device scaling the kernels unscale and skip (the flag stays on the device, nothing
+    /// waits); otherwise the gradients are unscaled (unless `unscale_` did it) and the flag is
+    /// read once, as PyTorch's non-fused path does.
+    pub fn step(&mut self, optimizer: &mut dyn Optimizer) -> Result<SkipFlag, AmpError> {
         if !self.config.enabled {
-            self.inner.step()?;
+            optimizer.step()?;
             return Ok(SkipFlag::Known(false));
         }
         if self.stage == Stage::Stepped {
             return Err(AmpError::StepTwice);
         }
         let scale = self.scale_or_err()?;
-        let flag = if self.inner.takes_device_scaling() {
+        let flag = if optimizer.takes_device_scaling() {
             let grad_scale = match self.stage {
                 Stage::Ready => {
                     let _no_grad = no_grad();
                     let found_inf = Tensor::zeros(scale.backend(), &[1], DType::F32)?;
-                    non_finite_check_and_unscale_(&self.grads(), &found_inf, None)?;
+                    non_finite_check_and_unscale_(&GradScaler::grads(optimizer), &found_inf, None)?;
                     self.found_inf = Some(found_inf);
                     Some(scale)
                 }
@@ -339,9 +326,7 @@ impl<O: Optimizer> GradScaler<O> {
                 grad_scale,
                 found_inf: Some(found_inf.clone()),
             };
-            let outcome = self
-                .inner
-                .step_with(StepParams::All, Scaling::Device(&scaling))?;
+            let outcome = optimizer.step_with(StepParams::All, Scaling::Device(&scaling))?;
             match found_inf.device() {
                 // The host kernels read the flag in place: the outcome says it.
                 Device::Cpu => SkipFlag::Known(outcome == StepOutcome::Skipped),
@@ -349,12 +334,12 @@ impl<O: Optimizer> GradScaler<O> {
             }
         } else {
             if self.stage == Stage::Ready {
-                self.unscale_()?;
+                self.unscale_(optimizer)?;
             }
             let found_inf = self.found_inf.as_ref().expect("set by unscale_");
             let skipped = found_inf.item()? != 0.0;
             if !skipped {
-                self.inner.step_with(StepParams::All, Scaling::None)?;
+                optimizer.step_with(StepParams::All, Scaling::None)?;
             }
             SkipFlag::Known(skipped)
         };
@@ -497,62 +482,59 @@ fn update_scale(
     Ok(())
 }
 
-impl<O: Optimizer> Optimizer for GradScaler<O> {
-    fn name(&self) -> &'static str {
-        self.inner.name()
+/// The provider side: what an optimizer in backward or any other step driver asks of a scaler.
+impl LossScaler for GradScaler {
+    fn scale_loss(&mut self, loss: &Tensor) -> Result<Tensor, OptimError> {
+        Ok(self.scale(loss)?)
     }
 
-    fn n_groups(&self) -> usize {
-        self.inner.n_groups()
-    }
-
-    fn lr(&self, group: usize) -> f64 {
-        self.inner.lr(group)
-    }
-
-    fn set_lr(&mut self, group: usize, lr: f64) {
-        self.inner.set_lr(group, lr);
-    }
-
-    fn params(&self) -> Vec<(ParamId, Tensor)> {
-        self.inner.params()
-    }
-
-    fn param_id(&self, param: &Tensor) -> Result<ParamId, OptimError> {
-        self.inner.param_id(param)
-    }
-
-    /// The scaler's `step` and `update`, for every parameter (an overflow anywhere skips them
-    /// all), with the scaler's own scaling. `Skipped` when the host knows the step was skipped.
-    fn step_with(
-        &mut self,
-        params: StepParams<'_>,
-        scaling: Scaling<'_>,
-    ) -> Result<StepOutcome, OptimError> {
-        if !matches!(params, StepParams::All) || !matches!(scaling, Scaling::None) {
-            return Err(OptimError::Unsupported {
-                optimizer: "GradScaler",
-                reason: "a GradScaler steps every parameter at once, with its own scale (step \
-                         a subset, or with a scaling, through the wrapped optimizer)"
-                    .into(),
-            });
+    /// The scale and a zeroed flag beside it. Refused when the step is already open (unscaled
+    /// or stepped and not updated) or nothing was scaled yet.
+    fn begin_step(&mut self) -> Result<Option<DeviceGradScaling>, OptimError> {
+        if !self.config.enabled {
+            return Ok(None);
         }
-        let flag = self.step()?;
-        self.update()?;
-        Ok(match flag {
-            SkipFlag::Known(true) => StepOutcome::Skipped,
-            SkipFlag::Known(false) | SkipFlag::OnDevice(_) => StepOutcome::Stepped,
-        })
+        match self.stage {
+            Stage::Unscaled => return Err(AmpError::AlreadyUnscaled.into()),
+            Stage::Stepped => return Err(AmpError::StepTwice.into()),
+            Stage::Ready => {}
+        }
+        let scale = self.scale_or_err()?;
+        let found_inf = Tensor::zeros(scale.backend(), &[1], DType::F32).map_err(AmpError::from)?;
+        self.found_inf = Some(found_inf.clone());
+        self.stage = Stage::Stepped;
+        Ok(Some(DeviceGradScaling {
+            grad_scale: Some(scale),
+            found_inf: Some(found_inf),
+        }))
     }
 
-    fn zero_grad(&self, set_to_none: bool) -> Result<(), OptimError> {
-        self.inner.zero_grad(set_to_none)
+    fn end_step(&mut self, scaling: &DeviceGradScaling) -> Result<(), OptimError> {
+        if !self.config.enabled {
+            return Ok(());
+        }
+        let open = self.found_inf.as_ref();
+        let same = match (open, scaling.found_inf.as_ref()) {
+            (Some(open), Some(given)) => open.same_tensor(given),
+            _ => false,
+        };
+        if !same {
+            return Err(AmpError::UpdateWithoutCheck.into());
+        }
+        let found_inf = scaling.found_inf.clone().expect("compared above");
+        self.last_skip = Some(match found_inf.device() {
+            Device::Cpu => SkipFlag::Known(found_inf.item().map_err(AmpError::from)? != 0.0),
+            Device::Cuda(_) => SkipFlag::OnDevice(found_inf),
+        });
+        Ok(self.update()?)
     }
+}
 
-    /// The wrapped optimizer's state dict, with the scaler's state in its metadata
-    /// (`grad_scaler.*`).
-    fn state_dict(&self) -> Result<Vec<u8>, OptimError> {
-        let inner = self.inner.state_dict()?;
+impl GradScaler {
+    /// `optimizer`'s state dict with the scaler's state in its metadata (`grad_scaler.*`, the
+    /// keys of PyTorch's `GradScaler.state_dict()`), one file for both.
+    pub fn state_dict(&self, optimizer: &dyn Optimizer) -> Result<Vec<u8>, AmpError> {
+        let inner = optimizer.state_dict()?;
         let state = self.state()?;
         let metadata = [
             ("grad_scaler.scale", format!("{:?}", state.scale)),
@@ -573,10 +555,15 @@ impl<O: Optimizer> Optimizer for GradScaler<O> {
                 state.growth_tracker.to_string(),
             ),
         ];
-        Ok(write_state(&inner, &metadata, Vec::new())?)
+        write_state(&inner, &metadata, Vec::new())
     }
 
-    fn load_state_dict(&mut self, bytes: &[u8]) -> Result<(), OptimError> {
+    /// Restores what [`GradScaler::state_dict`] saved: `optimizer`'s state and the scaler's.
+    pub fn load_state_dict(
+        &mut self,
+        optimizer: &mut dyn Optimizer,
+        bytes: &[u8],
+    ) -> Result<(), AmpError> {
         let saved = read_state(bytes, "grad_scaler.")?;
         let get = |key: &str| -> Result<String, AmpError> {
             saved
@@ -597,8 +584,7 @@ impl<O: Optimizer> Optimizer for GradScaler<O> {
             growth_interval: parse("growth_interval")? as u32,
             growth_tracker: parse("_growth_tracker")? as u32,
         };
-        self.inner.load_state_dict(&saved.inner)?;
-        self.load_state(state)?;
-        Ok(())
+        optimizer.load_state_dict(&saved.inner)?;
+        self.load_state(state)
     }
 }

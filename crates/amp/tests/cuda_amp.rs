@@ -36,7 +36,7 @@ fn the_golden_sequence_is_reproduced_on_cuda() {
         let p = Tensor::ones(&backend, &[4], DType::F32).unwrap();
         p.requires_grad_(true).unwrap();
         let c = Tensor::from_slice(&backend, &[1.0f32, 2.0, 3.0, 4.0], &[4]).unwrap();
-        let sgd = Sgd::new(
+        let mut sgd = Sgd::new(
             vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(0.1))],
             implementation,
         )
@@ -45,16 +45,16 @@ fn the_golden_sequence_is_reproduced_on_cuda() {
             growth_interval: 3,
             ..GradScalerConfig::default()
         };
-        let mut scaler = GradScaler::new(sgd, config).unwrap();
+        let mut scaler = GradScaler::new(config).unwrap();
         for step in golden["steps"].as_array().unwrap() {
             let mut loss = p.mul(&c).unwrap().sum_all().unwrap();
             if step["inf_in_loss"].as_bool().unwrap() {
                 loss = loss.mul_scalar(f64::INFINITY).unwrap();
             }
             scaler.scale(&loss).unwrap().backward().unwrap();
-            let skipped = scaler.step().unwrap();
+            let skipped = scaler.step(&mut sgd).unwrap();
             scaler.update().unwrap();
-            scaler.zero_grad(true).unwrap();
+            sgd.zero_grad(true).unwrap();
             let at = format!("{implementation:?} step {}", step["step"]);
             assert_eq!(
                 f64::from(scaler.get_scale().unwrap()),
@@ -127,30 +127,30 @@ fn a_scaled_fused_step_never_waits_for_the_device() {
         ..Gpt2Config::tiny()
     };
     let model = Gpt2LMHeadModel::new(&backend, config, DType::F32, &generator).unwrap();
-    let adam = Adam::new(
+    let mut adam = Adam::new(
         vec![ParamGroup::new(model.parameters(), AdamConfig::adamw())],
         Implementation::Fused,
     )
     .unwrap();
-    let mut scaler = GradScaler::new(adam, GradScalerConfig::default()).unwrap();
+    let mut scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
     let ids: Vec<i64> = (0..2 * 16).map(|i| (i * 7) % 128).collect();
     let input = Tensor::from_slice(&backend, &ids, &[2, 16]).unwrap();
     // The loss of a whole sequence without the host-side label shift of `loss`.
-    let backward = |scaler: &mut GradScaler<Adam>, overflow: bool| {
+    let backward = |scaler: &mut GradScaler, overflow: bool| {
         let mut loss = model.forward(&input).unwrap().mean_all().unwrap();
         if overflow {
             loss = loss.mul_scalar(f64::INFINITY).unwrap();
         }
         scaler.scale(&loss).unwrap().backward().unwrap();
     };
-    let step = |scaler: &mut GradScaler<Adam>| {
-        let skipped = scaler.step().unwrap();
+    let step = |scaler: &mut GradScaler, adam: &mut Adam| {
+        let skipped = scaler.step(adam).unwrap();
         scaler.update().unwrap();
-        scaler.zero_grad(true).unwrap();
+        adam.zero_grad(true).unwrap();
         skipped
     };
     backward(&mut scaler, false);
-    step(&mut scaler); // first step: states and skip counters are created
+    step(&mut scaler, &mut adam); // first step: states and skip counters are created
     let stream = cuda.compute_stream();
     let a = Tensor::full(&backend, &[4096, 4096], 1e-3, DType::F32).unwrap();
     let busy = |what: &str, run: &mut dyn FnMut()| -> bool {
@@ -184,7 +184,7 @@ fn a_scaled_fused_step_never_waits_for_the_device() {
         let waited = busy(
             "GradScaler step + update + zero_grad (fused Adam)",
             &mut || {
-                flags.push(step(&mut scaler));
+                flags.push(step(&mut scaler, &mut adam));
             },
         );
         assert!(!waited, "a scaled fused step waited for the device");
@@ -198,7 +198,7 @@ fn a_scaled_fused_step_never_waits_for_the_device() {
         "whole step (forward, scaled backward, step, update)",
         &mut || {
             backward(&mut scaler, false);
-            step(&mut scaler);
+            step(&mut scaler, &mut adam);
         },
     );
     cuda.set_deferred_index_checks(false).unwrap();

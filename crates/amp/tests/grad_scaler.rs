@@ -37,7 +37,7 @@ fn the_golden_sequence_is_reproduced_exactly() {
         let p = Tensor::ones(&cpu, &[4], DType::F32).unwrap();
         p.requires_grad_(true).unwrap();
         let c = Tensor::from_slice(&cpu, &[1.0f32, 2.0, 3.0, 4.0], &[4]).unwrap();
-        let sgd = Sgd::new(
+        let mut sgd = Sgd::new(
             vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(0.1))],
             implementation,
         )
@@ -49,7 +49,7 @@ fn the_golden_sequence_is_reproduced_exactly() {
             growth_interval: golden["growth_interval"].as_u64().unwrap() as u32,
             enabled: true,
         };
-        let mut scaler = GradScaler::new(sgd, config).unwrap();
+        let mut scaler = GradScaler::new(config).unwrap();
         for step in golden["steps"].as_array().unwrap() {
             let before = p.to_vec::<f32>().unwrap();
             let mut loss = p.mul(&c).unwrap().sum_all().unwrap();
@@ -57,9 +57,9 @@ fn the_golden_sequence_is_reproduced_exactly() {
                 loss = loss.mul_scalar(f64::INFINITY).unwrap();
             }
             scaler.scale(&loss).unwrap().backward().unwrap();
-            let skipped = scaler.step().unwrap();
+            let skipped = scaler.step(&mut sgd).unwrap();
             scaler.update().unwrap();
-            scaler.zero_grad(true).unwrap();
+            sgd.zero_grad(true).unwrap();
             let at = format!("{implementation:?} step {}", step["step"]);
             assert_eq!(
                 f64::from(scaler.get_scale().unwrap()),
@@ -113,22 +113,22 @@ fn a_fused_step_reads_nothing_back_to_the_host() {
         let counter = HostReadCounter::wrap(CpuBackend::new_ref());
         let backend: BackendRef = counter.clone();
         let model = mlp(&backend);
-        let adam = Adam::new(
+        let mut adam = Adam::new(
             vec![ParamGroup::new(model.parameters(), AdamConfig::adamw())],
             implementation,
         )
         .unwrap();
-        let mut scaler = GradScaler::new(adam, GradScalerConfig::default()).unwrap();
+        let mut scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
         let x = Tensor::full(&backend, &[8, 32], 0.5, DType::F32).unwrap();
-        let step = |scaler: &mut GradScaler<Adam>, overflow: bool| {
+        let mut step = |scaler: &mut GradScaler, overflow: bool| {
             let mut loss = model.forward(&x).unwrap().sum_all().unwrap();
             if overflow {
                 loss = loss.mul_scalar(f64::INFINITY).unwrap();
             }
             scaler.scale(&loss).unwrap().backward().unwrap();
-            scaler.step().unwrap();
+            scaler.step(&mut adam).unwrap();
             scaler.update().unwrap();
-            scaler.zero_grad(true).unwrap();
+            adam.zero_grad(true).unwrap();
         };
         step(&mut scaler, false);
         let before = counter.host_reads();
@@ -177,7 +177,7 @@ fn half_gradients_are_unscaled_in_f32() {
             .iter()
             .map(|&v| v as f32)
             .collect();
-        let sgd = Sgd::new(
+        let mut sgd = Sgd::new(
             vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(1.0))],
             Implementation::Single,
         )
@@ -187,14 +187,14 @@ fn half_gradients_are_unscaled_in_f32() {
             init_scale: 3.0,
             ..GradScalerConfig::default()
         };
-        let mut scaler = GradScaler::new(sgd, config).unwrap();
+        let mut scaler = GradScaler::new(config).unwrap();
         let loss = p.to_dtype(DType::F32).unwrap().sum_all().unwrap();
         scaler.scale(&loss).unwrap(); // creates the scale
         p.set_grad(Some(
             Tensor::from_f64s(&cpu, &grad_values, &[n], dtype).unwrap(),
         ))
         .unwrap();
-        scaler.unscale_().unwrap();
+        scaler.unscale_(&sgd).unwrap();
         let got: Vec<f32> = p
             .grad()
             .unwrap()
@@ -206,7 +206,7 @@ fn half_gradients_are_unscaled_in_f32() {
         assert_eq!(got, expected_unscaled(&exact, 3.0, dtype), "{dtype:?}");
         assert_eq!(scaler.found_inf().unwrap().to_vec::<f32>().unwrap(), [0.0]);
         // The step runs on the unscaled f16/bf16 gradient: p = -g / 3.
-        assert!(!scaler.step().unwrap().read().unwrap());
+        assert!(!scaler.step(&mut sgd).unwrap().read().unwrap());
         scaler.update().unwrap();
 
         // An infinite f16/bf16 gradient: flagged, skipped, scale backed off.
@@ -217,7 +217,7 @@ fn half_gradients_are_unscaled_in_f32() {
             Tensor::from_f64s(&cpu, &with_inf, &[n], dtype).unwrap(),
         ))
         .unwrap();
-        assert!(scaler.step().unwrap().read().unwrap(), "{dtype:?}");
+        assert!(scaler.step(&mut sgd).unwrap().read().unwrap(), "{dtype:?}");
         scaler.update().unwrap();
         assert_eq!(p.to_vec_f64().unwrap(), before);
         assert_eq!(scaler.get_scale().unwrap(), 1.5);
@@ -230,26 +230,29 @@ fn misuse_is_a_typed_error() {
     let cpu = CpuBackend::new_ref();
     let p = Tensor::ones(&cpu, &[4], DType::F32).unwrap();
     p.requires_grad_(true).unwrap();
-    let sgd = Sgd::new(
+    let mut sgd = Sgd::new(
         vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(0.1))],
         Implementation::Fused,
     )
     .unwrap();
-    let mut scaler = GradScaler::new(sgd, GradScalerConfig::default()).unwrap();
-    assert!(matches!(scaler.unscale_(), Err(AmpError::NotScaled)));
+    let mut scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
+    assert!(matches!(scaler.unscale_(&sgd), Err(AmpError::NotScaled)));
     assert!(matches!(scaler.update(), Err(AmpError::UpdateWithoutCheck)));
     scaler
         .scale(&p.sum_all().unwrap())
         .unwrap()
         .backward()
         .unwrap();
-    scaler.unscale_().unwrap();
-    let twice = scaler.unscale_().unwrap_err();
+    scaler.unscale_(&sgd).unwrap();
+    let twice = scaler.unscale_(&sgd).unwrap_err();
     assert!(matches!(twice, AmpError::AlreadyUnscaled));
     assert!(twice.to_string().contains("once per step"), "{twice}");
-    scaler.step().unwrap();
-    assert!(matches!(scaler.unscale_(), Err(AmpError::UnscaleAfterStep)));
-    assert!(matches!(scaler.step(), Err(AmpError::StepTwice)));
+    scaler.step(&mut sgd).unwrap();
+    assert!(matches!(
+        scaler.unscale_(&sgd),
+        Err(AmpError::UnscaleAfterStep)
+    ));
+    assert!(matches!(scaler.step(&mut sgd), Err(AmpError::StepTwice)));
     scaler.update().unwrap();
     // Unscaled once before the step: the step does not divide again.
     assert_eq!(p.to_vec::<f32>().unwrap(), vec![0.9f32; 4]);
@@ -268,9 +271,8 @@ fn misuse_is_a_typed_error() {
             ..GradScalerConfig::default()
         },
     ] {
-        let sgd = Sgd::new(vec![], Implementation::Fused).unwrap();
         assert!(matches!(
-            GradScaler::new(sgd, bad),
+            GradScaler::new(bad),
             Err(AmpError::InvalidScalerConfig { .. })
         ));
     }
@@ -285,12 +287,11 @@ fn misuse_is_a_typed_error() {
 fn every_scale_that_enters_the_device_is_a_positive_normal_f32() {
     let bad_scales = [1e-50, 1e-40, 0.0, -1.0, f64::NAN, f64::INFINITY, 1e39];
     for init_scale in bad_scales {
-        let sgd = Sgd::new(vec![], Implementation::Fused).unwrap();
         let config = GradScalerConfig {
             init_scale,
             ..GradScalerConfig::default()
         };
-        let err = GradScaler::new(sgd, config).unwrap_err();
+        let err = GradScaler::new(config).unwrap_err();
         assert!(
             matches!(&err, AmpError::InvalidScalerConfig { reason } if reason.contains("positive normal f32")),
             "init_scale {init_scale:e}: {err}"
@@ -305,12 +306,12 @@ fn every_scale_that_enters_the_device_is_a_positive_normal_f32() {
     let cpu = CpuBackend::new_ref();
     let p = Tensor::ones(&cpu, &[4], DType::F32).unwrap();
     p.requires_grad_(true).unwrap();
-    let sgd = Sgd::new(
+    let mut sgd = Sgd::new(
         vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(0.1))],
         Implementation::Fused,
     )
     .unwrap();
-    let mut scaler = GradScaler::new(sgd, GradScalerConfig::default()).unwrap();
+    let mut scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
     scaler
         .scale(&p.sum_all().unwrap())
         .unwrap()
@@ -351,7 +352,7 @@ fn every_scale_that_enters_the_device_is_a_positive_normal_f32() {
         good,
         "a refused state changed nothing"
     );
-    scaler.step().unwrap();
+    scaler.step(&mut sgd).unwrap();
     scaler.update().unwrap();
     assert_eq!(p.to_vec::<f32>().unwrap(), vec![0.9f32; 4]);
 }
@@ -363,17 +364,17 @@ fn schedulers_do_not_count_skipped_steps() {
     let cpu = CpuBackend::new_ref();
     let p = Tensor::ones(&cpu, &[4], DType::F32).unwrap();
     p.requires_grad_(true).unwrap();
-    let sgd = Sgd::new(
+    let mut sgd = Sgd::new(
         vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(1.0))],
         Implementation::Fused,
     )
     .unwrap();
-    let mut scaler = GradScaler::new(sgd, GradScalerConfig::default()).unwrap();
+    let mut scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
     let schedule = Schedule::Step {
         step_size: 2,
         gamma: 0.5,
     };
-    let mut scheduler = LrScheduler::new(schedule, scaler.inner_mut()).unwrap();
+    let mut scheduler = LrScheduler::new(schedule, &mut sgd).unwrap();
     let mut advanced = Vec::new();
     for overflow in [false, true, false, true, false] {
         let mut loss = p.mul_scalar(1e-3).unwrap().sum_all().unwrap();
@@ -381,23 +382,17 @@ fn schedulers_do_not_count_skipped_steps() {
             loss = loss.mul_scalar(f64::INFINITY).unwrap();
         }
         scaler.scale(&loss).unwrap().backward().unwrap();
-        let skipped = scaler.step().unwrap();
+        let skipped = scaler.step(&mut sgd).unwrap();
         scaler.update().unwrap();
-        scaler.zero_grad(true).unwrap();
-        advanced.push(
-            scheduler
-                .step_unless_skipped(scaler.inner_mut(), &skipped)
-                .unwrap(),
-        );
+        sgd.zero_grad(true).unwrap();
+        advanced.push(scheduler.step_unless_skipped(&mut sgd, &skipped).unwrap());
     }
     assert_eq!(advanced, [true, false, true, false, true]);
     assert_eq!(scheduler.last_step(), 3);
-    assert_eq!(scaler.inner().lr(0), 0.5);
+    assert_eq!(sgd.lr(0), 0.5);
     // A flag still on the device is read when the scheduler needs it.
     let on_device = SkipFlag::OnDevice(Tensor::ones(&cpu, &[1], DType::F32).unwrap());
-    assert!(!scheduler
-        .step_unless_skipped(scaler.inner_mut(), &on_device)
-        .unwrap());
+    assert!(!scheduler.step_unless_skipped(&mut sgd, &on_device).unwrap());
 }
 
 /// The state dict carries PyTorch's keys and the wrapped optimizer's state: a scaler restored
@@ -407,7 +402,7 @@ fn the_state_dict_round_trips() {
     let run = |steps: usize, restore: Option<&[u8]>| {
         let cpu = CpuBackend::new_ref();
         let model = mlp(&cpu);
-        let adam = Adam::new(
+        let mut adam = Adam::new(
             vec![ParamGroup::new(model.parameters(), AdamConfig::adamw())],
             Implementation::Fused,
         )
@@ -416,12 +411,12 @@ fn the_state_dict_round_trips() {
             growth_interval: 2,
             ..GradScalerConfig::default()
         };
-        let mut scaler = GradScaler::new(adam, config).unwrap();
+        let mut scaler = GradScaler::new(config).unwrap();
         let x = Tensor::full(&cpu, &[8, 32], 0.5, DType::F32).unwrap();
         if let Some(bytes) = restore {
             // The state of 3 steps, loaded into a fresh model's optimizer after copying the
             // parameters over is not needed: the test compares optimizer and scaler state.
-            scaler.load_state_dict(bytes).unwrap();
+            scaler.load_state_dict(&mut adam, bytes).unwrap();
         }
         for i in 0..steps {
             let mut loss = model.forward(&x).unwrap().sum_all().unwrap();
@@ -429,11 +424,11 @@ fn the_state_dict_round_trips() {
                 loss = loss.mul_scalar(f64::INFINITY).unwrap();
             }
             scaler.scale(&loss).unwrap().backward().unwrap();
-            scaler.step().unwrap();
+            scaler.step(&mut adam).unwrap();
             scaler.update().unwrap();
-            scaler.zero_grad(true).unwrap();
+            adam.zero_grad(true).unwrap();
         }
-        (scaler.state().unwrap(), scaler.state_dict().unwrap())
+        (scaler.state().unwrap(), scaler.state_dict(&adam).unwrap())
     };
     let (state, bytes) = run(4, None);
     assert_eq!(
@@ -478,7 +473,7 @@ fn the_state_dict_round_trips() {
 /// The technique of the harness: scale, backward, step, update (optionally under autocast).
 struct Scaled {
     policy: Option<AmpPolicy>,
-    scaler: Option<GradScaler<Box<dyn Optimizer>>>,
+    scaler: Option<(GradScaler, Box<dyn Optimizer>)>,
 }
 
 impl Technique for Scaled {
@@ -491,7 +486,7 @@ impl Technique for Scaled {
 
     fn prepare(&mut self, run: &mut TrainRun) -> headroom_testkit::Result<()> {
         let optimizer = run.optimizer.take().expect("the case's optimizer");
-        self.scaler = Some(GradScaler::new(optimizer, GradScalerConfig::default())?);
+        self.scaler = Some((GradScaler::new(GradScalerConfig::default())?, optimizer));
         Ok(())
     }
 
@@ -501,11 +496,11 @@ impl Technique for Scaled {
             let output = run.model.forward(&batch.input)?;
             run.model.loss(&output, batch)?
         };
-        let scaler = self.scaler.as_mut().expect("prepared");
+        let (scaler, optimizer) = self.scaler.as_mut().expect("prepared");
         scaler.scale(&loss)?.backward()?;
-        scaler.step()?;
+        scaler.step(optimizer.as_mut())?;
         scaler.update()?;
-        scaler.zero_grad(true)?;
+        optimizer.zero_grad(true)?;
         Ok(loss)
     }
 }

@@ -31,10 +31,17 @@
 //! and the coefficient `min(1, max_norm / (total + 1e-6))` is PyTorch's. It equals the norm of the
 //! global gradient up to the order of the float sums (parts per shard instead of per parameter).
 //!
+//! Loss scaling (fp16): a step's scaling (from amp's `GradScaler::step`, or hooks'
+//! `InBackward::backward_scaled` with any optim `LossScaler`) reaches the shards' fused kernels,
+//! which divide by the scale and skip on overflow. Each rank's overflow flag covers its own
+//! gradients, so the flags are first all-reduced to their maximum — once per step, before any
+//! shard is updated — and every rank skips or steps together; a clipped step's global norm is
+//! divided by the scale, as a single rank's is.
+//!
 //! Requirements: the rule is element-wise (Adafactor's factored statistics need whole rows and
 //! are refused); every rank has gradients for the same parameters and steps the same buckets in
 //! the same order (the same model and graph on every rank, as DDP without
-//! `find_unused_parameters`); no loss scaling (an overflow flag would have to be agreed first).
+//! `find_unused_parameters`); under a loss scale, the fused implementation.
 //!
 //! It sits on the [`Communicator`] trait, optim's [`Optimizer`] trait and hooks' [`InBackward`];
 //! it knows no transport, kernel or device.
@@ -48,8 +55,8 @@ use headroom_autograd_core::{
 use headroom_hooks::{InBackward, InBackwardConfig};
 use headroom_optim::kernels::StepOutcome;
 use headroom_optim::{
-    clip_grad_norm_, GroupOptimizer, Implementation, NormType, OptimError, Optimizer, ParamGroup,
-    ParamId, Scaling, StepParams, UpdateRule,
+    clip_grad_norm_, DeviceGradScaling, GroupOptimizer, Implementation, NormType, OptimError,
+    Optimizer, ParamGroup, ParamId, Scaling, StepParams, UpdateRule,
 };
 use parking_lot::Mutex;
 
@@ -176,6 +183,12 @@ struct Engine {
     held: Vec<Vec<usize>>,
     /// The backward pass the end callback is queued for.
     queued_pass: Option<u64>,
+    /// The current step's loss scaling, its overflow flag agreed across ranks.
+    scaling: Option<DeviceGradScaling>,
+    /// The backward pass whose overflow flag was agreed (reduced once per pass).
+    agreed_pass: Option<u64>,
+    /// Whether the last update skipped (its flag was set).
+    skipped: bool,
     stats: ShardStats,
 }
 
@@ -253,6 +266,9 @@ impl ShardedOptimizer {
                 config,
                 held: Vec::new(),
                 queued_pass: None,
+                scaling: None,
+                agreed_pass: None,
+                skipped: false,
                 stats: ShardStats::default(),
             })),
         })
@@ -377,9 +393,15 @@ impl Engine {
     /// rank's parameters.
     fn update(&mut self, bucket: &[usize]) -> Result<(), DistributedError> {
         let ids: Vec<ParamId> = bucket.iter().map(|&i| self.inner_ids[i]).collect();
-        self.inner
-            .step_with(StepParams::Only(&ids), Scaling::None)
+        let scaling = match &self.scaling {
+            Some(scaling) => Scaling::Device(scaling),
+            None => Scaling::None,
+        };
+        let outcome = self
+            .inner
+            .step_with(StepParams::Only(&ids), scaling)
             .map_err(DistributedError::from_optim)?;
+        self.skipped = outcome == StepOutcome::Skipped;
         for &index in bucket {
             self.shards[index].set_grad(None)?;
         }
@@ -454,6 +476,12 @@ impl Engine {
                 local
             }
         };
+        // The shards' gradients carry the loss scale: the norm of the true gradients is the
+        // norm over the scale, as a single rank's loss-scaled clipping takes it.
+        let total = match self.scaling.as_ref().and_then(|s| s.grad_scale.as_ref()) {
+            Some(scale) => total.div(&scale.reshape(&[1])?)?,
+            None => total,
+        };
         let coefficient = clip_coefficient(&total, clipping.max_norm)?;
         for shard in &shards {
             if let Some(grad) = shard.grad() {
@@ -465,6 +493,41 @@ impl Engine {
             }
         }
         self.stats.norms += 1;
+        Ok(())
+    }
+
+    /// The step's scaling, its overflow flag agreed across ranks: each rank's flag covers its
+    /// own gradients, so the flags are all-reduced to their maximum before any shard is updated —
+    /// in backward once per pass (every bucket of the pass shares the flag), outside it at each
+    /// step. Host values become one-element tensors on the parameters' backend.
+    fn agree(&mut self, scaling: Scaling<'_>, pass: Option<u64>) -> Result<(), DistributedError> {
+        let _no_grad = no_grad();
+        // A flag of the caller's (device scaling) is reduced in place once per pass: every
+        // bucket of the pass shares it. Host values are this call's alone: reduced every call.
+        let shared_flag = matches!(scaling, Scaling::Device(_));
+        let scaling = match scaling {
+            Scaling::None => None,
+            Scaling::Host(values) if values.grad_scale.is_none() && values.found_inf.is_none() => {
+                None
+            }
+            Scaling::Host(values) => {
+                let backend = self.params[0].backend().clone();
+                let one = |value: f32| Tensor::full(&backend, &[1], f64::from(value), DType::F32);
+                Some(DeviceGradScaling {
+                    grad_scale: values.grad_scale.map(one).transpose()?,
+                    found_inf: Some(one(values.found_inf.unwrap_or(0.0))?),
+                })
+            }
+            Scaling::Device(scaling) => Some(scaling.clone()),
+        };
+        let agreed_already = shared_flag && pass.is_some() && self.agreed_pass == pass;
+        if let Some(found_inf) = scaling.as_ref().and_then(|s| s.found_inf.as_ref()) {
+            if !agreed_already {
+                self.comm.all_reduce(found_inf, ReduceOp::Max)?;
+                self.agreed_pass = pass;
+            }
+        }
+        self.scaling = scaling;
         Ok(())
     }
 
@@ -594,20 +657,13 @@ impl Optimizer for ShardedOptimizer {
     /// `All` (a plain step, ZeRO-1): every gradient reduce-scattered in buckets, clipped,
     /// updated and gathered. `Only(bucket)` inside backward (from InBackward, ZeRO-2): that
     /// bucket reduce-scattered now, updated now or at the end of the pass. `Only` outside
-    /// backward: those parameters as a whole step (refused when clipping, which needs them all).
+    /// backward: those parameters as a whole step (clipped over them). Under a loss scale the
+    /// ranks' overflow flags are agreed first; `Skipped` when the host knows the step skipped.
     fn step_with(
         &mut self,
         params: StepParams<'_>,
         scaling: Scaling<'_>,
     ) -> Result<StepOutcome, OptimError> {
-        if !matches!(scaling, Scaling::None) {
-            return Err(OptimError::Unsupported {
-                optimizer: "ShardedOptimizer",
-                reason: "loss scaling across ranks needs the ranks' overflow flags agreed first, \
-                         which is not implemented; train in f32 or bf16"
-                    .into(),
-            });
-        }
         let shared = Arc::clone(&self.engine);
         let mut engine = shared.lock();
         let indices: Vec<usize> = match params {
@@ -632,27 +688,34 @@ impl Optimizer for ShardedOptimizer {
         if with_grad.is_empty() {
             return Ok(StepOutcome::Stepped);
         }
-        let res = match (params, backward_pass_id()) {
+        let pass = backward_pass_id();
+        engine
+            .agree(scaling, pass)
+            .map_err(DistributedError::into_optim)?;
+        engine.skipped = false;
+        let res = match (params, pass) {
             (StepParams::Only(_), Some(pass)) => {
                 engine.bucket_in_backward(&with_grad, pass, &shared)
             }
-            (StepParams::Only(_), None) if engine.config.clipping.is_some() => {
-                Err(DistributedError::InvalidArgument {
-                    op: "ShardedOptimizer::step_with",
-                    reason: "clipping needs every gradient before any update; step all \
-                             parameters (step()) outside backward"
-                        .into(),
-                })
-            }
             _ => {
-                // A step outside backward: reverse order, as gradients become final.
+                // A step outside backward (of every parameter, or of those given, clipped over
+                // them): reverse order, as gradients become final.
                 let mut order = with_grad;
                 order.reverse();
                 engine.step_all(&order)
             }
         };
         res.map_err(DistributedError::into_optim)?;
-        Ok(StepOutcome::Stepped)
+        Ok(match engine.skipped {
+            true => StepOutcome::Skipped,
+            false => StepOutcome::Stepped,
+        })
+    }
+
+    /// Yes: the shards' fused kernels take the scale and flag, after the ranks' flags are
+    /// agreed.
+    fn takes_device_scaling(&self) -> bool {
+        true
     }
 
     fn zero_grad(&self, set_to_none: bool) -> Result<(), OptimError> {

@@ -12,6 +12,7 @@
 
 use std::sync::Arc;
 
+use headroom_amp::{GradScaler, GradScalerConfig};
 use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_distributed::{
     CollectiveCount, CommStats, Communicator, DistributedError, InProcessGroup, ShardClipping,
@@ -61,7 +62,13 @@ struct Run {
     stage: Stage,
     accumulation: usize,
     clip: Option<f64>,
+    /// fp16-style loss scaling (amp's GradScaler, 2^16 at first) with the last rank's loss
+    /// overflowing at [`OVERFLOW_STEP`], so that every rank must skip that step together.
+    scaled: bool,
 }
+
+/// The step whose last-rank loss is infinite in a scaled run.
+const OVERFLOW_STEP: usize = 3;
 
 /// What one rank ends with.
 #[derive(Debug)]
@@ -102,6 +109,11 @@ fn reference(run: Run) -> Vec<Vec<f32>> {
     )
     .unwrap();
     let scale = 1.0 / (run.world_size * run.accumulation) as f64;
+    let mut scaler = GradScaler::new(GradScalerConfig {
+        enabled: run.scaled,
+        ..GradScalerConfig::default()
+    })
+    .unwrap();
     for step in 0..STEPS {
         for micro in 0..run.accumulation {
             let batch = global_batch(run.spec, &cpu, run.world_size, step, micro);
@@ -110,16 +122,28 @@ fn reference(run: Run) -> Vec<Vec<f32>> {
                 let loss = model
                     .loss(&model.forward(&part.input).unwrap(), &part)
                     .unwrap();
-                loss.mul_scalar(scale).unwrap().backward().unwrap();
+                let loss = overflow_if_due(run, step, rank, loss);
+                let loss = loss.mul_scalar(scale).unwrap();
+                scaler.scale(&loss).unwrap().backward().unwrap();
             }
         }
         if let Some(max_norm) = run.clip {
+            scaler.unscale_(&adam).unwrap();
             clip_grad_norm_(&params, max_norm, NormType::L2, false).unwrap();
         }
-        adam.step().unwrap();
+        scaler.step(&mut adam).unwrap();
+        scaler.update().unwrap();
         adam.zero_grad(true).unwrap();
     }
     values(&params)
+}
+
+/// `loss`, made infinite on the last rank at [`OVERFLOW_STEP`] of a scaled run.
+fn overflow_if_due(run: Run, step: usize, rank: usize, loss: Tensor) -> Tensor {
+    match run.scaled && step == OVERFLOW_STEP && rank + 1 == run.world_size {
+        true => loss.mul_scalar(f64::INFINITY).unwrap(),
+        false => loss,
+    }
 }
 
 /// One rank's training.
@@ -160,6 +184,11 @@ fn train_rank(run: Run, comm: Arc<dyn Communicator>) -> RankResult {
         ),
     };
     let (mut last_step, mut micro_steps) = (CommStats::default(), CommStats::default());
+    let mut scaler = GradScaler::new(GradScalerConfig {
+        enabled: run.scaled,
+        ..GradScalerConfig::default()
+    })
+    .unwrap();
     for step in 0..STEPS {
         let start = comm.stats();
         for micro in 0..run.accumulation {
@@ -174,13 +203,18 @@ fn train_rank(run: Run, comm: Arc<dyn Communicator>) -> RankResult {
             if run.accumulation > 1 {
                 loss = loss.mul_scalar(1.0 / run.accumulation as f64).unwrap();
             }
+            let loss = overflow_if_due(run, step, rank, loss);
             match &driver {
-                Driver::Plain(_) => loss.backward().unwrap(),
+                Driver::Plain(_) => scaler.scale(&loss).unwrap().backward().unwrap(),
+                Driver::InBackward(in_backward) if run.scaled => {
+                    in_backward.backward_scaled(&loss, &mut scaler).unwrap();
+                }
                 Driver::InBackward(in_backward) => in_backward.backward(&loss).unwrap(),
             }
         }
         if let Driver::Plain(optimizer) = &mut driver {
-            optimizer.step().unwrap();
+            scaler.step(optimizer).unwrap();
+            scaler.update().unwrap();
             optimizer.zero_grad(true).unwrap();
         }
         last_step = comm.stats().since(&start);
@@ -246,6 +280,7 @@ fn zero1_trains_to_single_rank_bitwise_on_2_and_4_ranks() {
             stage: Stage::Zero1,
             accumulation: 1,
             clip: None,
+            scaled: false,
         });
     }
 }
@@ -259,6 +294,7 @@ fn zero2_trains_to_single_rank_bitwise_on_2_and_4_ranks() {
             stage: Stage::Zero2 { bucket_bytes },
             accumulation: 1,
             clip: None,
+            scaled: false,
         });
     }
 }
@@ -273,7 +309,62 @@ fn zero2_trains_vit_tiny_to_single_rank_bitwise() {
         },
         accumulation: 1,
         clip: None,
+        scaled: false,
     });
+}
+
+/// fp16-style loss scaling stacks with ZeRO-1 (amp's GradScaler stepping the sharded optimizer)
+/// and ZeRO-2 (the same scaler handed to InBackward's `backward_scaled`): the parameters equal
+/// single-rank training under the same scaler bit for bit, on 2 and 4 ranks — including a step
+/// where only the last rank's gradients overflow, which every rank skips (the ranks' flags are
+/// agreed before any shard is updated). With clipping, the global norm of the scaled shards over
+/// the scale is the unscaled norm (a power-of-two scale): the ranks agree to the bit and stay
+/// within the clipping test's bound of single-rank training.
+#[test]
+fn loss_scaling_trains_to_single_rank_bitwise_under_zero1_and_zero2() {
+    for world_size in [2, 4] {
+        let zero1 = Run {
+            spec: MLP,
+            world_size,
+            stage: Stage::Zero1,
+            accumulation: 1,
+            clip: None,
+            scaled: true,
+        };
+        assert_bitwise(zero1);
+        assert_bitwise(Run {
+            stage: Stage::Zero2 { bucket_bytes: 2048 },
+            ..zero1
+        });
+    }
+    let clipped = Run {
+        spec: MLP,
+        world_size: 2,
+        stage: Stage::Zero1,
+        accumulation: 1,
+        clip: Some(0.05),
+        scaled: true,
+    };
+    let expected = reference(clipped);
+    let results = train(clipped);
+    for result in &results {
+        assert_eq!(result.params, results[0].params, "ranks agree to the bit");
+        let err = max_relative(&result.params, &expected);
+        assert!(err < 1e-6, "relative error {err:e}");
+    }
+    // The overflowed step was skipped: unscaled training differs from scaled training.
+    let plain = Run {
+        clip: None,
+        scaled: false,
+        ..clipped
+    };
+    assert_ne!(
+        reference(plain),
+        reference(Run {
+            scaled: true,
+            ..plain
+        })
+    );
 }
 
 #[test]
@@ -285,6 +376,7 @@ fn accumulation_micro_steps_communicate_nothing() {
             stage: Stage::Zero1,
             accumulation: 3,
             clip: None,
+            scaled: false,
         };
         let zero2 = Run {
             stage: Stage::Zero2 { bucket_bytes: 2048 },
@@ -326,6 +418,7 @@ fn clipping_is_the_global_norm_across_ranks() {
             stage: Stage::Zero1,
             accumulation: 1,
             clip: Some(0.05),
+            scaled: false,
         };
         let zero2 = Run {
             stage: Stage::Zero2 { bucket_bytes: 2048 },
@@ -366,6 +459,7 @@ fn a_step_moves_what_plain_data_parallel_moves() {
             stage: Stage::Zero2 { bucket_bytes: 2048 },
             accumulation: 1,
             clip: None,
+            scaled: false,
         });
         let layout = &results[0].layout;
         // The MLP: 13×30 + 30 + 30×13 + 13 = 823 f32 parameters.
@@ -579,6 +673,7 @@ fn one_rank_is_the_plain_optimizer() {
         stage: Stage::Zero2 { bucket_bytes: 2048 },
         accumulation: 1,
         clip: None,
+        scaled: false,
     };
     assert_bitwise(run);
     let _: &Model = &run
@@ -717,6 +812,7 @@ fn accumulation_and_clipping_together() {
         stage: Stage::Zero1,
         accumulation: 2,
         clip: Some(0.05),
+        scaled: false,
     };
     let zero2 = Run {
         stage: Stage::Zero2 { bucket_bytes: 2048 },

@@ -17,17 +17,19 @@
 //! - Clipping, in two documented modes ([`ClipMode`]): exact (a first backward pass only measures
 //!   the norm, a second one updates with the coefficient), or with the previous step's norm (one
 //!   pass; the first step is unclipped).
-//! - Loss scaling for fp16 ([`InBackward::backward_scaled`]): a first pass measures `found_inf`
-//!   over every gradient on the device, the second updates through the fused kernels, which skip
-//!   the whole step when it is set — never a partial update.
+//! - Loss scaling for fp16 ([`InBackward::backward_scaled`], with any optim [`LossScaler`], such
+//!   as amp's `GradScaler`): a first pass measures `found_inf` over every gradient on the device,
+//!   the second updates through the fused kernels, which skip the whole step when it is set —
+//!   never a partial update.
 //! - A parameter that gets no gradient in a step is not updated, and is counted
 //!   ([`InBackwardStats::params_without_grad`]).
 //! - A backward pass that fails (an error from a hook or an op) leaves the buckets it stepped
 //!   stepped and the rest of its gradients in `.grad`; the next pass starts clean (what the failed
 //!   one left pending is dropped, never stepped twice).
 //!
-//! It sits on autograd-core's hooks and backward-end callbacks and on optim's [`Optimizer`]
-//! trait; it knows no rule, no kernel and no device.
+//! It is not an [`Optimizer`] itself (the steps happen inside backward, so nothing is left for
+//! a `step` to do): it owns one. It sits on autograd-core's hooks and backward-end callbacks and
+//! on optim's [`Optimizer`] and [`LossScaler`] traits; it knows no rule, no kernel and no device.
 
 use std::sync::Arc;
 
@@ -38,8 +40,8 @@ use headroom_autograd_core::{
     Device, HookHandle, Tensor, TensorError,
 };
 use headroom_optim::{
-    kernels::{GradScaling, StepOutcome},
-    DeviceGradScaling, LrScheduler, OptimError, Optimizer, ParamId, Scaling, Schedule, StepParams,
+    DeviceGradScaling, LossScaler, LrScheduler, Optimizer, ParamId, Scaling, Schedule, SkipFlag,
+    StepParams,
 };
 
 use crate::error::HooksError;
@@ -274,12 +276,18 @@ impl InBackward {
         self.run(loss, None)
     }
 
-    /// [`InBackward::backward`] for a loss multiplied by `scale` (one f32 element on the
-    /// parameters' device; fp16 training): a first pass sets `found_inf` from every gradient,
-    /// then the updating pass unscales in the fused kernels, which skip the whole step when
-    /// `found_inf` is set. Returns `found_inf` (one f32 element, 1 when the step was skipped),
-    /// still on the device, for the scaler's update. Needs the fused implementation.
-    pub fn backward_scaled(&self, loss: &Tensor, scale: &Tensor) -> Result<Tensor, HooksError> {
+    /// [`InBackward::backward`] under a loss scale (fp16 training): `scaler` scales `loss` and
+    /// opens the step ([`LossScaler::begin_step`]); a first pass sets the step's overflow flag
+    /// from every gradient, then the updating pass unscales in the fused kernels, which skip the
+    /// whole step when the flag is set — never a partial update; then `scaler` updates its scale
+    /// from the flag ([`LossScaler::end_step`]). Returns whether the step was skipped: known on
+    /// the CPU, still on the device on CUDA (nothing waits). A disabled scaler makes it a plain
+    /// [`InBackward::backward`]. Needs the fused implementation.
+    pub fn backward_scaled(
+        &self,
+        loss: &Tensor,
+        scaler: &mut dyn LossScaler,
+    ) -> Result<SkipFlag, HooksError> {
         if self.state.lock().clip_mode() == Some(ClipMode::PreviousStep) {
             return Err(HooksError::InvalidArgument {
                 op: "InBackward::backward_scaled",
@@ -288,24 +296,19 @@ impl InBackward {
                     .into(),
             });
         }
-        if scale.dtype() != DType::F32 || scale.numel() != 1 || !scale.is_contiguous() {
-            return Err(HooksError::InvalidArgument {
-                op: "InBackward::backward_scaled",
-                reason: format!(
-                    "the loss scale is one f32 element on the parameters' device (a GradScaler's \
-                     scale tensor), got {:?} of shape {:?}",
-                    scale.dtype(),
-                    scale.shape()
-                ),
-            });
-        }
-        let found_inf = Tensor::zeros(scale.backend(), &[1], DType::F32)?;
-        let scaling = DeviceGradScaling {
-            grad_scale: Some(scale.clone()),
-            found_inf: Some(found_inf.clone()),
+        let scaled = scaler.scale_loss(loss)?;
+        let Some(scaling) = scaler.begin_step()? else {
+            self.run(&scaled, None)?;
+            return Ok(SkipFlag::Known(false));
         };
-        self.run(loss, Some(scaling))?;
-        Ok(found_inf)
+        check_scaling(&scaling)?;
+        self.run(&scaled, Some(scaling.clone()))?;
+        scaler.end_step(&scaling)?;
+        let found_inf = scaling.found_inf.expect("checked by check_scaling");
+        Ok(match found_inf.device() {
+            Device::Cpu => SkipFlag::Known(found_inf.item()? != 0.0),
+            Device::Cuda(_) => SkipFlag::OnDevice(found_inf),
+        })
     }
 
     fn run(&self, loss: &Tensor, scaling: Option<DeviceGradScaling>) -> Result<(), HooksError> {
@@ -374,12 +377,26 @@ impl Drop for InBackward {
     }
 }
 
-/// The value of a one-element f32 tensor on the host.
-fn read_one(tensor: Option<&Tensor>) -> Result<Option<f32>, HooksError> {
-    Ok(match tensor {
-        Some(tensor) => Some(tensor.to_vec::<f32>()?[0]),
-        None => None,
-    })
+/// Checks what a [`LossScaler`] opened: a scale of one f32 element and an overflow flag, as the
+/// fused kernels read them (a scaler of another crate could hand anything).
+fn check_scaling(scaling: &DeviceGradScaling) -> Result<(), HooksError> {
+    let one_f32 = |tensor: &Tensor| {
+        tensor.dtype() == DType::F32 && tensor.numel() == 1 && tensor.is_contiguous()
+    };
+    match (&scaling.grad_scale, &scaling.found_inf) {
+        (Some(scale), Some(found_inf)) if one_f32(scale) && one_f32(found_inf) => Ok(()),
+        _ => {
+            Err(HooksError::InvalidArgument {
+                op: "InBackward::backward_scaled",
+                reason: format!(
+                "a loss scaler opened a step without a one-element f32 scale and overflow flag \
+                 ({:?}, {:?})",
+                scaling.grad_scale.as_ref().map(|t| (t.dtype(), t.shape().to_vec())),
+                scaling.found_inf.as_ref().map(|t| (t.dtype(), t.shape().to_vec()))
+            ),
+            })
+        }
+    }
 }
 
 /// The hook: parameter `index`'s gradient is final for this pass.
@@ -562,17 +579,8 @@ impl State {
         }
         drop(grads);
         let ids: Vec<ParamId> = bucket.iter().map(|&index| self.ids[index]).collect();
-        let on_host = self.params[bucket[0]].device() == Device::Cpu;
-        let host_scaling;
+        // On the CPU the host kernels read the scale and flag in place; on CUDA the kernels do.
         let scaling = match &self.scaling {
-            // The host kernels take the values: reading them costs the CPU nothing.
-            Some(scaling) if on_host => {
-                host_scaling = GradScaling {
-                    grad_scale: read_one(scaling.grad_scale.as_ref())?,
-                    found_inf: read_one(scaling.found_inf.as_ref())?,
-                };
-                Scaling::Host(host_scaling)
-            }
             Some(scaling) => Scaling::Device(scaling),
             None => Scaling::None,
         };
@@ -638,55 +646,5 @@ impl State {
             self.clip = self.coefficient(clipping)?;
         }
         Ok(())
-    }
-}
-
-impl Optimizer for InBackward {
-    fn name(&self) -> &'static str {
-        "InBackward"
-    }
-
-    fn n_groups(&self) -> usize {
-        self.state.lock().optimizer.n_groups()
-    }
-
-    fn lr(&self, group: usize) -> f64 {
-        self.state.lock().optimizer.lr(group)
-    }
-
-    fn set_lr(&mut self, group: usize, lr: f64) {
-        self.state.lock().optimizer.set_lr(group, lr);
-    }
-
-    fn params(&self) -> Vec<(ParamId, Tensor)> {
-        self.state.lock().optimizer.params()
-    }
-
-    fn param_id(&self, param: &Tensor) -> Result<ParamId, OptimError> {
-        self.state.lock().optimizer.param_id(param)
-    }
-
-    /// Refused: the parameters are stepped inside backward.
-    fn step_with(
-        &mut self,
-        _params: StepParams<'_>,
-        _scaling: Scaling<'_>,
-    ) -> Result<StepOutcome, OptimError> {
-        Err(OptimError::Unsupported {
-            optimizer: "InBackward",
-            reason: HooksError::StepOutsideBackward.to_string(),
-        })
-    }
-
-    fn zero_grad(&self, set_to_none: bool) -> Result<(), OptimError> {
-        self.state.lock().optimizer.zero_grad(set_to_none)
-    }
-
-    fn state_dict(&self) -> Result<Vec<u8>, OptimError> {
-        self.state.lock().optimizer.state_dict()
-    }
-
-    fn load_state_dict(&mut self, bytes: &[u8]) -> Result<(), OptimError> {
-        self.state.lock().optimizer.load_state_dict(bytes)
     }
 }

@@ -10,13 +10,15 @@ use headroom_nn::{Gpt2Config, VitConfig};
 use headroom_ops_cpu::CpuBackend;
 use headroom_optim::kernels::SgdConfig;
 use headroom_optim::{
-    Implementation, LrScheduler, OptimError, Optimizer, ParamGroup, Schedule, Sgd,
+    DeviceGradScaling, Implementation, LossScaler, LrScheduler, OptimError, Optimizer, ParamGroup,
+    Schedule, Sgd, SkipFlag,
 };
 mod techniques;
 
 use headroom_testkit::{check_technique, train, ModelSpec, OptimSpec, TrainCase};
 use techniques::{
-    case, clipping, max_ulps, mlp, Accumulate, ClipAccumulate, ClipThenStep, StepInBackward,
+    case, clipping, max_ulps, mlp, Accumulate, ClipAccumulate, ClipThenStep, FixedScale,
+    StepInBackward,
 };
 
 #[test]
@@ -182,15 +184,12 @@ fn a_scaled_loss_with_an_overflow_updates_nothing() {
     let mut plain = sgd(reference.clone(), 0.05);
     let in_backward =
         InBackward::new(Box::new(sgd(ps.clone(), 0.05)), InBackwardConfig::default()).unwrap();
-    let scale = Tensor::full(&cpu, &[1], 1024.0, DType::F32).unwrap();
+    let mut scaler = FixedScale::new(&ps[0], 1024.0);
     // A finite step: the gradients of 1024·loss, unscaled in the kernel, are the plain ones.
-    let found = in_backward
-        .backward_scaled(
-            &loss_of(&ps).mul(&scale.reshape(&[]).unwrap()).unwrap(),
-            &scale,
-        )
+    let skipped = in_backward
+        .backward_scaled(&loss_of(&ps), &mut scaler)
         .unwrap();
-    assert_eq!(found.to_vec::<f32>().unwrap(), [0.0]);
+    assert!(matches!(skipped, SkipFlag::Known(false)));
     loss_of(&reference).backward().unwrap();
     plain.step().unwrap();
     plain.zero_grad(true).unwrap();
@@ -203,8 +202,10 @@ fn a_scaled_loss_with_an_overflow_updates_nothing() {
     let poisoned = loss_of(&ps)
         .add(&ps[1].sum_all().unwrap().mul(&inf).unwrap())
         .unwrap();
-    let found = in_backward.backward_scaled(&poisoned, &scale).unwrap();
-    assert_eq!(found.to_vec::<f32>().unwrap(), [1.0]);
+    let skipped = in_backward.backward_scaled(&poisoned, &mut scaler).unwrap();
+    assert!(matches!(skipped, SkipFlag::Known(true)));
+    let flags: Vec<Vec<f32>> = scaler.closed.iter().map(|f| f.to_vec().unwrap()).collect();
+    assert_eq!(flags, [[0.0], [1.0]], "each step closed with its own flag");
     let after: Vec<Vec<f32>> = ps.iter().map(|p| p.to_vec::<f32>().unwrap()).collect();
     assert_eq!(after, before);
     assert!(
@@ -213,9 +214,31 @@ fn a_scaled_loss_with_an_overflow_updates_nothing() {
     );
 }
 
-/// The loss scale is one f32 element, as on CUDA: a 2-element or f64 scale is a typed error
-/// before anything runs (the CPU path used to read element 0 of whatever it was given), and the
-/// parameters and gradients are left as they were.
+/// A loss scaler that opens its steps with whatever scale it was given, and leaves the loss as
+/// it is (so only the scale's check can refuse it).
+#[derive(Debug)]
+struct OddScale(Tensor);
+
+impl LossScaler for OddScale {
+    fn scale_loss(&mut self, loss: &Tensor) -> Result<Tensor, OptimError> {
+        Ok(loss.clone())
+    }
+
+    fn begin_step(&mut self) -> Result<Option<DeviceGradScaling>, OptimError> {
+        Ok(Some(DeviceGradScaling {
+            grad_scale: Some(self.0.clone()),
+            found_inf: Some(Tensor::zeros(self.0.backend(), &[1], DType::F32)?),
+        }))
+    }
+
+    fn end_step(&mut self, _: &DeviceGradScaling) -> Result<(), OptimError> {
+        Ok(())
+    }
+}
+
+/// The loss scale a scaler opens a step with is one f32 element, as on CUDA: a 2-element or f64
+/// scale is a typed error before anything runs (the CPU path used to read element 0 of whatever
+/// it was given), and the parameters and gradients are left as they were.
 #[test]
 fn a_loss_scale_that_is_not_one_f32_is_refused() {
     let cpu = CpuBackend::new_ref();
@@ -229,7 +252,7 @@ fn a_loss_scale_that_is_not_one_f32_is_refused() {
         Tensor::from_slice(&cpu, &[1024.0f32, 1024.0], &[2]).unwrap(),
     ] {
         let err = in_backward
-            .backward_scaled(&loss_of(&ps), &scale)
+            .backward_scaled(&loss_of(&ps), &mut OddScale(scale.clone()))
             .unwrap_err();
         assert!(
             matches!(err, HooksError::InvalidArgument { .. }),
@@ -356,10 +379,7 @@ fn misuse_is_a_typed_error_and_unused_parameters_are_counted() {
         matches!(err, HooksError::AlreadyRegistered { index: 0 }),
         "{err}"
     );
-    // Stepping by hand.
-    let mut first = first;
-    let err = Optimizer::step(&mut first).unwrap_err();
-    assert!(matches!(err, OptimError::Unsupported { .. }), "{err}");
+    // Stepping by hand does not compile: an InBackward is not an Optimizer.
     // An unused parameter is not updated, and counted.
     let unused_before = ps[2].to_vec::<f32>().unwrap();
     first.backward(&loss_of(&ps[..2])).unwrap();

@@ -12,10 +12,10 @@ use headroom_hooks::{ClipMode, InBackward, InBackwardConfig};
 use headroom_nn::VitConfig;
 use headroom_ops_cuda::CudaBackend;
 use headroom_optim::kernels::AdamConfig;
-use headroom_optim::{Adam, Implementation, NormType, Optimizer, ParamGroup};
+use headroom_optim::{Adam, Implementation, NormType, Optimizer, ParamGroup, SkipFlag};
 use headroom_testkit::gpu::cuda_or_skip;
 use headroom_testkit::{check_technique, train, ModelSpec, OptimSpec, Tolerance, TrainCase};
-use techniques::{clipping, max_ulps, Accumulate, ClipThenStep, StepInBackward};
+use techniques::{clipping, max_ulps, Accumulate, ClipThenStep, FixedScale, StepInBackward};
 
 fn cuda() -> Option<BackendRef> {
     cuda_or_skip(CudaBackend::new(0)).map(|cuda| cuda as BackendRef)
@@ -98,14 +98,16 @@ fn a_scaled_loss_is_unscaled_on_the_device_and_an_overflow_skips_the_whole_step(
         },
     )
     .unwrap();
-    let scale = Tensor::full(&cuda, &[1], 65536.0, DType::F32).unwrap();
+    let mut scaler = FixedScale::new(&ours[0], 65536.0);
     for _ in 0..3 {
-        let scaled = loss_of(&ours).mul(&scale.reshape(&[]).unwrap()).unwrap();
-        let found_inf = in_backward.backward_scaled(&scaled, &scale).unwrap();
+        let skipped = in_backward
+            .backward_scaled(&loss_of(&ours), &mut scaler)
+            .unwrap();
         loss_of(&reference).backward().unwrap();
         plain.step().unwrap();
         plain.zero_grad(true).unwrap();
-        assert_eq!(found_inf.to_vec::<f32>().unwrap(), [0.0]);
+        assert!(matches!(skipped, SkipFlag::OnDevice(_)), "nothing waits");
+        assert!(!skipped.read().unwrap());
     }
     for (a, b) in ours.iter().zip(&reference) {
         assert_eq!(a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
@@ -114,11 +116,10 @@ fn a_scaled_loss_is_unscaled_on_the_device_and_an_overflow_skips_the_whole_step(
     let nan = Tensor::full(&cuda, &[], f64::NAN, DType::F32).unwrap();
     let poisoned = loss_of(&ours)
         .add(&ours[2].sum_all().unwrap().mul(&nan).unwrap())
-        .unwrap()
-        .mul(&scale.reshape(&[]).unwrap())
         .unwrap();
-    let found_inf = in_backward.backward_scaled(&poisoned, &scale).unwrap();
-    assert_eq!(found_inf.to_vec::<f32>().unwrap(), [1.0]);
+    let skipped = in_backward.backward_scaled(&poisoned, &mut scaler).unwrap();
+    assert!(skipped.read().unwrap());
+    assert_eq!(scaler.closed.len(), 4);
     let after: Vec<Vec<f32>> = ours.iter().map(|p| p.to_vec::<f32>().unwrap()).collect();
     assert_eq!(
         after, before,

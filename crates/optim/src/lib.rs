@@ -146,6 +146,7 @@ mod driver;
 mod error;
 mod grad_scale;
 mod host;
+mod loss_scaler;
 mod optimizer;
 mod scheduler;
 mod sgd;
@@ -159,6 +160,7 @@ pub use device::{DeviceGradScaling, StepDevice};
 pub use driver::RuleKernels;
 pub use error::OptimError;
 pub use grad_scale::non_finite_check_and_unscale_;
+pub use loss_scaler::LossScaler;
 pub use optimizer::{
     GroupOptimizer, Implementation, NamedTensors, Optimizer, ParamGroup, ParamId, SavedTensors,
     Scaling, StepParams, UpdateRule, DEFAULT_FOREACH_CHUNK,

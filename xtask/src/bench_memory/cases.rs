@@ -584,8 +584,11 @@ impl Training {
         protocol: Protocol,
     ) -> Result<Run<'a>> {
         let stepper = if case.loss_scaled() {
-            let scaler = GradScaler::new(self.optimizer.handle(), GradScalerConfig::default())?;
-            Stepper::Scaled(scaler)
+            let scaler = GradScaler::new(GradScalerConfig::default())?;
+            Stepper::Scaled {
+                optimizer: self.optimizer.handle(),
+                scaler,
+            }
         } else if case.in_backward() {
             // Unless asked otherwise, buckets of at most 1/16 of the parameters, so a small model
             // shows what a large one does with the default 25 MiB.
@@ -855,8 +858,11 @@ enum Stepper {
     InBackward(InBackward),
     /// No step: `zero_grad(set_to_none)` after backward.
     NoStep { optimizer: Box<dyn Optimizer> },
-    /// A GradScaler: backward of the scaled loss, then its step and update.
-    Scaled(GradScaler<Box<dyn Optimizer>>),
+    /// A GradScaler: backward of the scaled loss, then its step of the optimizer and update.
+    Scaled {
+        optimizer: Box<dyn Optimizer>,
+        scaler: GradScaler,
+    },
 }
 
 /// A model, its input and its optimizer: one training step at a time.
@@ -893,7 +899,7 @@ impl Run<'_> {
                 match &mut self.stepper {
                     Stepper::Plain { .. } | Stepper::NoStep { .. } => loss.backward()?,
                     Stepper::InBackward(in_backward) => in_backward.backward(&loss)?,
-                    Stepper::Scaled(scaler) => scaler.scale(&loss)?.backward()?,
+                    Stepper::Scaled { scaler, .. } => scaler.scale(&loss)?.backward()?,
                 }
             }
             Phase::Step => match &mut self.stepper {
@@ -903,8 +909,8 @@ impl Run<'_> {
                     }
                     optimizer.step()?;
                 }
-                Stepper::Scaled(scaler) => {
-                    scaler.step()?;
+                Stepper::Scaled { optimizer, scaler } => {
+                    scaler.step(optimizer.as_mut())?;
                     scaler.update()?;
                 }
                 Stepper::InBackward(_) | Stepper::NoStep { .. } => {}
@@ -913,7 +919,7 @@ impl Run<'_> {
                 Stepper::Plain { optimizer, .. } | Stepper::NoStep { optimizer } => {
                     optimizer.zero_grad(true)?
                 }
-                Stepper::Scaled(scaler) => scaler.zero_grad(true)?,
+                Stepper::Scaled { optimizer, .. } => optimizer.zero_grad(true)?,
                 Stepper::InBackward(_) => {}
             },
         }

@@ -190,3 +190,44 @@ impl Technique for ClipAccumulate {
         Ok(last.expect("at least one micro-batch"))
     }
 }
+
+/// A loss scaler of a fixed scale (no growth, no backoff), as the tests of `backward_scaled`
+/// need one without amp: the scale on `like`'s backend, a fresh overflow flag per step, and the
+/// flags of the steps it closed.
+#[derive(Debug)]
+pub(crate) struct FixedScale {
+    pub(crate) scale: Tensor,
+    pub(crate) closed: Vec<Tensor>,
+}
+
+impl FixedScale {
+    pub(crate) fn new(like: &Tensor, scale: f64) -> FixedScale {
+        FixedScale {
+            scale: Tensor::full(like.backend(), &[], scale, DType::F32).unwrap(),
+            closed: Vec::new(),
+        }
+    }
+}
+
+impl headroom_optim::LossScaler for FixedScale {
+    fn scale_loss(&mut self, loss: &Tensor) -> Result<Tensor, headroom_optim::OptimError> {
+        Ok(loss.to_dtype(DType::F32)?.mul(&self.scale)?)
+    }
+
+    fn begin_step(
+        &mut self,
+    ) -> Result<Option<headroom_optim::DeviceGradScaling>, headroom_optim::OptimError> {
+        Ok(Some(headroom_optim::DeviceGradScaling {
+            grad_scale: Some(self.scale.clone()),
+            found_inf: Some(Tensor::zeros(self.scale.backend(), &[1], DType::F32)?),
+        }))
+    }
+
+    fn end_step(
+        &mut self,
+        scaling: &headroom_optim::DeviceGradScaling,
+    ) -> Result<(), headroom_optim::OptimError> {
+        self.closed.extend(scaling.found_inf.clone());
+        Ok(())
+    }
+}
