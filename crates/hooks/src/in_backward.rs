@@ -281,8 +281,10 @@ impl InBackward {
     /// from every gradient, then the updating pass unscales in the fused kernels, which skip the
     /// whole step when the flag is set — never a partial update; then `scaler` updates its scale
     /// from the flag ([`LossScaler::end_step`]). Returns whether the step was skipped: known on
-    /// the CPU, still on the device on CUDA (nothing waits). A disabled scaler makes it a plain
-    /// [`InBackward::backward`]. Needs the fused implementation.
+    /// the CPU, still on the device on CUDA (nothing waits). With accumulation, a micro-batch
+    /// before the last only backwards its scaled loss (`Known(false)`: no step), and the last one
+    /// opens, runs and closes the scaler's step over every accumulated gradient. A disabled
+    /// scaler makes it a plain [`InBackward::backward`]. Needs the fused implementation.
     pub fn backward_scaled(
         &self,
         loss: &Tensor,
@@ -297,6 +299,16 @@ impl InBackward {
             });
         }
         let scaled = scaler.scale_loss(loss)?;
+        let steps_now = {
+            let state = self.state.lock();
+            state.micro_batch + 1 == state.config.accumulation
+        };
+        if !steps_now {
+            // A micro-batch before the last: scaled gradients accumulate; the step, and with it
+            // the scaler's, comes with the last one.
+            self.run(&scaled, None)?;
+            return Ok(SkipFlag::Known(false));
+        }
         let Some(scaling) = scaler.begin_step()? else {
             self.run(&scaled, None)?;
             return Ok(SkipFlag::Known(false));
