@@ -38,7 +38,7 @@ use headroom::checkpoint::{
     BlockPlanner, BlockSelection, Candidate, CheckpointBlocks, CheckpointOptions, CompressBlocks,
     CompressOptions, Compression, OffloadBlocks, OffloadOptions, SaveMatmuls, StepProbe,
 };
-use headroom::nn::{BlockRunner, Module, VisionTransformer, VitConfig};
+use headroom::nn::{BlockRunner, BlockStack, Module, VisionTransformer, VitConfig};
 use headroom::ops_cpu::CpuBackend;
 use headroom::optim::kernels::{AdamConfig, SgdConfig};
 use headroom::optim::{Adam, Implementation, Optimizer, ParamGroup, Sgd};
@@ -150,7 +150,7 @@ fn setup(
         DType::F32,
         &Arc::new(Generator::new(0)),
     )?;
-    model.encoder.block_runner = runner;
+    model.set_block_runner(runner);
     let sgd = Sgd::new(
         vec![ParamGroup::new(model.parameters(), SgdConfig::new(1e-4))],
         Implementation::Fused,
@@ -240,7 +240,7 @@ fn planner_section(device: &Device, config: VitConfig, batch: usize) -> Result<(
     // work is noisier, so there each block's time is the median of three steps.
     let rounds = if device.is_cuda() { 1 } else { 3 };
     let planner = BlockPlanner::new(step_probe(device)?, candidates).measured_steps(rounds);
-    model.encoder.block_runner = Some(planner.runner());
+    model.set_block_runner(Some(planner.runner()));
     let profile = {
         let (model, sgd) = (&model, &mut sgd);
         // The step `timed_steps` runs (the loss a variable, the logits freed before backward):
@@ -276,7 +276,7 @@ fn planner_section(device: &Device, config: VitConfig, batch: usize) -> Result<(
     );
     let predicted_peak = plan.predicted_peak();
     let predicted_ms = plan.predicted_step_ms();
-    model.encoder.block_runner = Some(Arc::new(plan));
+    model.set_block_runner(Some(Arc::new(plan)));
     let f = timed_steps(device, &model, &mut sgd, &images)?;
     println!(
         "trained under the plan: peak {} B measured, {} B predicted ({:.4}; budget {} B); step \
@@ -446,7 +446,7 @@ fn accuracy(backend: &BackendRef) -> Result<()> {
     for setting in runs {
         let mut model =
             VisionTransformer::new(backend, config, DType::F32, &Arc::new(Generator::new(0)))?;
-        model.encoder.block_runner = setting.runner.clone();
+        model.set_block_runner(setting.runner.clone());
         let adam = AdamConfig {
             lr: 1e-4,
             ..AdamConfig::adam()

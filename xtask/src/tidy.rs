@@ -1,7 +1,8 @@
 //! `cargo xtask tidy`: the house rules that a compiler does not check, also run by
 //! `cargo test` (see the test at the bottom), so CI enforces them.
 //!
-//! - every `.rs` file of the workspace starts with a `//!` header;
+//! - every `.rs` file of the workspace starts with a `//!` header and has at most 800 lines
+//!   (see [`file_length`]);
 //! - no module is named `utils`, `helpers` or `common`;
 //! - no test is marked `ignore` or `should_panic` (assert on the `Err` instead);
 //! - no test, bench, example or xtask code skips by hand (a literal with the word `skipped`, a
@@ -24,6 +25,7 @@ use serde_json::Value;
 
 use crate::project_root;
 
+mod file_length;
 mod gpu_skips;
 
 /// The workspace's packages by layer, lowest first. A package depends only on packages of lower
@@ -124,6 +126,7 @@ fn check(root: &Path) -> Vec<String> {
             }
         }
     }
+    problems.extend(file_length::check(root, &files));
     problems.extend(check_code_map(root));
     problems.extend(crate::tables::tidy_problems(root));
     match cargo_metadata(root) {

@@ -1,11 +1,11 @@
 //! Checkpointing a model's blocks without editing the model, and `checkpoint_sequential`.
 //!
 //! [`CheckpointBlocks`] is an nn [`BlockRunner`]: set it as a model's block runner
-//! (`vit.encoder.block_runner`, `gpt2.transformer.block_runner`) and the chosen blocks run
-//! through [`checkpoint_with`], each keeping only its input. [`checkpoint_sequential`] is
-//! PyTorch's `checkpoint_sequential`: a chain of blocks cut into segments, every segment but the
-//! last checkpointed. This module sits on `crate::region` and nn's block seam; it knows no
-//! particular model.
+//! ([`BlockStack::set_block_runner`](headroom_nn::BlockStack::set_block_runner), the same on
+//! ViT, GPT-2 or any model with blocks) and the chosen blocks run through [`checkpoint_with`],
+//! each keeping only its input. [`checkpoint_sequential`] is PyTorch's `checkpoint_sequential`:
+//! a chain of blocks cut into segments, every segment but the last checkpointed. This module
+//! sits on `crate::region` and nn's block seam; it knows no particular model.
 
 use std::sync::Arc;
 
@@ -40,20 +40,33 @@ impl BlockSelection {
     }
 }
 
-/// Runs a model's blocks, checkpointing the selected ones (an nn [`BlockRunner`]).
+/// Runs a model's blocks, checkpointing the selected ones (an nn [`BlockRunner`]), attached to
+/// any model with blocks through
+/// [`BlockStack::set_block_runner`](headroom_nn::BlockStack::set_block_runner):
 ///
 /// ```
 /// use std::sync::Arc;
 /// use headroom_autograd_core::{DType, Generator, Tensor};
 /// use headroom_checkpoint::CheckpointBlocks;
-/// use headroom_nn::{VisionTransformer, VitConfig};
+/// use headroom_nn::{BlockStack, Gpt2Config, Gpt2LMHeadModel, VisionTransformer, VitConfig};
+///
+/// /// Checkpoints every block but the last, whatever the model.
+/// fn checkpoint_blocks(model: &mut impl BlockStack) {
+///     let runner = CheckpointBlocks::all_but_last(model.n_blocks());
+///     model.set_block_runner(Some(Arc::new(runner)));
+/// }
 ///
 /// let cpu = headroom_ops_cpu::CpuBackend::new_ref();
 /// let generator = Arc::new(Generator::new(0));
 /// let mut vit = VisionTransformer::new(&cpu, VitConfig::tiny(), DType::F32, &generator)?;
-/// vit.encoder.block_runner = Some(Arc::new(CheckpointBlocks::all()));
+/// let mut gpt2 = Gpt2LMHeadModel::new(&cpu, Gpt2Config::tiny(), DType::F32, &generator)?;
+/// checkpoint_blocks(&mut vit);
+/// checkpoint_blocks(&mut gpt2);
+///
 /// let images = Tensor::ones(&cpu, &[2, 3, 32, 32], DType::F32)?;
 /// vit.forward(&images)?.sum_all()?.backward()?;
+/// let ids = Tensor::from_slice(&cpu, &[1i64, 2, 3, 4], &[2, 2])?;
+/// gpt2.loss(&gpt2.forward(&ids)?, &ids)?.backward()?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone)]

@@ -261,12 +261,12 @@ pub fn compress(
 /// use std::sync::Arc;
 /// use headroom_autograd_core::{DType, Generator, Tensor};
 /// use headroom_checkpoint::CompressBlocks;
-/// use headroom_nn::{VisionTransformer, VitConfig};
+/// use headroom_nn::{BlockStack, VisionTransformer, VitConfig};
 ///
 /// let cpu = headroom_ops_cpu::CpuBackend::new_ref();
 /// let generator = Arc::new(Generator::new(0));
 /// let mut vit = VisionTransformer::new(&cpu, VitConfig::tiny(), DType::F32, &generator)?;
-/// vit.encoder.block_runner = Some(Arc::new(CompressBlocks::all()));
+/// vit.set_block_runner(Some(Arc::new(CompressBlocks::all())));
 /// let images = Tensor::ones(&cpu, &[2, 3, 32, 32], DType::F32)?;
 /// vit.forward(&images)?.sum_all()?.backward()?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())

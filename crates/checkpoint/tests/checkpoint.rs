@@ -14,7 +14,7 @@ use headroom_checkpoint::{
     block_forwards, checkpoint, checkpoint_sequential, checkpoint_with, BlockSelection,
     CheckpointBlocks, CheckpointError, CheckpointOptions, Decision, PolicyFn, SaveMatmuls,
 };
-use headroom_nn::{EncoderBlock, Gpt2Config, VitConfig};
+use headroom_nn::{BlockStack, EncoderBlock, Gpt2Config, VitConfig};
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCase};
 
@@ -520,10 +520,10 @@ fn leaving_the_last_block_alone_saves_its_recompute_for_the_same_peak() {
         )
         .unwrap();
         let calls = Arc::new(AtomicUsize::new(0));
-        vit.encoder.block_runner = Some(Arc::new(CountingRunner {
+        vit.set_block_runner(Some(Arc::new(CountingRunner {
             inner: runner,
             calls: Arc::clone(&calls),
-        }));
+        })));
         let images = Tensor::full(&backend, &[4, 3, 64, 64], 0.25, DType::F32).unwrap();
         cpu.allocator().reset_peak_stats();
         vit.forward(&images)
@@ -600,10 +600,10 @@ fn a_checkpointed_vit_keeps_the_images_for_block_zero_not_its_tokens() {
         )
         .unwrap();
         let shapes = Arc::new(parking_lot::Mutex::new(Vec::new()));
-        vit.encoder.block_runner = Some(Arc::new(ShapeRecorder {
+        vit.set_block_runner(Some(Arc::new(ShapeRecorder {
             inner: CheckpointBlocks::all(),
             shapes: Arc::clone(&shapes),
-        }));
+        })));
         let images = Tensor::full(&backend, &[batch, 3, 64, 64], 0.25, DType::F32).unwrap();
         let before = allocated(&backend);
         let loss = vit.forward(&images).unwrap().sum_all().unwrap();

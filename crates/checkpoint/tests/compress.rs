@@ -14,7 +14,7 @@ use headroom_checkpoint::{
     CheckpointOptions, CompressActivations, CompressBlocks, CompressFn, CompressOptions,
     CompressPolicy, Compression, INT8_ERROR_BOUND,
 };
-use headroom_nn::{BlockRunner, Module, VitConfig};
+use headroom_nn::{BlockRunner, BlockStack, Module, VitConfig};
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::inputs::{uniform_f32, Xorshift};
 use headroom_testkit::{Model, ModelSpec};
@@ -503,7 +503,7 @@ fn vit_gradients(cpu: &BackendRef, runner: Option<Arc<dyn BlockRunner>>) -> (f64
     let Model::Vit(mut vit) = spec.build(cpu, DType::F32, 11).unwrap() else {
         unreachable!("a ViT spec builds a ViT")
     };
-    vit.encoder.block_runner = runner;
+    vit.set_block_runner(runner);
     // torchvision's head starts at zero, which would leave every other gradient zero.
     let head = &vit.head.weight;
     let values = uniform(head.numel(), 0.1, 7);

@@ -13,7 +13,7 @@ use headroom_checkpoint::{
     compress, dequantize_int8_blockwise, quantize_int8_blockwise, CodecElement,
     CompressActivations, CompressBlocks, CompressOptions, Compression,
 };
-use headroom_nn::{Module, VisionTransformer, VitConfig};
+use headroom_nn::{BlockStack, Module, VisionTransformer, VitConfig};
 use headroom_ops_cuda::CudaBackend;
 use headroom_testkit::gpu::cuda_or_skip;
 use headroom_testkit::inputs::uniform_f32;
@@ -151,7 +151,7 @@ fn vit_gradients_with_compressed_blocks_on_the_gpu_stay_close_to_plain_ones() {
     let gradients = |runner: Option<CompressBlocks>| -> Vec<Vec<f32>> {
         let generator = Arc::new(headroom_autograd_core::Generator::new(11));
         let mut vit = VisionTransformer::new(&cuda, config, DType::F32, &generator).unwrap();
-        vit.encoder.block_runner = runner.map(|r| Arc::new(r) as _);
+        vit.set_block_runner(runner.map(|r| Arc::new(r) as _));
         // torchvision's head starts at zero, which would leave every other gradient zero.
         let head = &vit.head.weight;
         let values = uniform_f32(head.numel(), 7);

@@ -8,7 +8,7 @@ use headroom_autograd_core::{BackendRef, DType, Generator, Tensor, TensorError};
 use headroom_checkpoint::{
     offload, BlockSelection, CheckpointError, OffloadBlocks, OffloadOptions,
 };
-use headroom_nn::{NnError, VisionTransformer, VitConfig};
+use headroom_nn::{BlockStack, NnError, VisionTransformer, VitConfig};
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCase};
 
@@ -55,9 +55,9 @@ fn offloading_cpu_tensors_is_a_typed_error_that_says_what_to_do() {
     // The same through a model's block runner: the first selected block fails the forward.
     let generator = Arc::new(Generator::new(0));
     let mut vit = VisionTransformer::new(&cpu, VitConfig::tiny(), DType::F32, &generator).unwrap();
-    vit.encoder.block_runner = Some(Arc::new(OffloadBlocks::new(BlockSelection::Indices(vec![
-        1,
-    ]))));
+    vit.set_block_runner(Some(Arc::new(OffloadBlocks::new(BlockSelection::Indices(
+        vec![1],
+    )))));
     let images = Tensor::ones(&cpu, &[2, 3, 32, 32], DType::F32).unwrap();
     let err = vit.forward(&images).unwrap_err();
     let NnError::Tensor(TensorError::Hook { source, .. }) = &err else {

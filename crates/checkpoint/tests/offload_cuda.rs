@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use headroom_autograd_core::{BackendRef, DType, Generator, Tensor, TensorError};
 use headroom_checkpoint::{offload, BlockSelection, OffloadBlocks, OffloadOptions, OffloadPool};
-use headroom_nn::{Gpt2Config, Module, VisionTransformer, VitConfig};
+use headroom_nn::{BlockStack, Gpt2Config, Module, VisionTransformer, VitConfig};
 use headroom_ops_cuda::{CudaBackend, KernelArg};
 use headroom_testkit::gpu::{cuda_or_skip, exclusive_device, SPIN_NS_PTX};
 use headroom_testkit::inputs::uniform_f32;
@@ -230,10 +230,10 @@ fn vit_mini(backend: &BackendRef, options: &OffloadOptions) -> (VisionTransforme
     let generator = Arc::new(Generator::new(0));
     let mut vit =
         VisionTransformer::new(backend, VitConfig::mini(), DType::F32, &generator).unwrap();
-    vit.encoder.block_runner = Some(Arc::new(OffloadBlocks {
+    vit.set_block_runner(Some(Arc::new(OffloadBlocks {
         selection: BlockSelection::All,
         options: options.clone(),
-    }));
+    })));
     let size = VitConfig::mini().image_size;
     let shape = [8, 3, size, size];
     let images =

@@ -16,7 +16,7 @@ use headroom_checkpoint::{
     AllocatorGauge, BlockCost, BlockPlanner, Candidate, CheckpointError, Compression, RunDirectly,
     Segment, StepClock, StepProbe, StepProfile, TimePoint,
 };
-use headroom_nn::{BlockForward, BlockRunner, Module, VisionTransformer, VitConfig};
+use headroom_nn::{BlockForward, BlockRunner, BlockStack, Module, VisionTransformer, VitConfig};
 use headroom_ops_cpu::CpuBackend;
 use headroom_optim::Optimizer;
 use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCase};
@@ -103,7 +103,7 @@ impl Trainer {
             clock: Arc::new(AllocationClock(self.cpu.clone())),
         };
         let planner = BlockPlanner::new(probe, candidates).measured_steps(rounds);
-        self.vit.encoder.block_runner = Some(planner.runner());
+        self.vit.set_block_runner(Some(planner.runner()));
         let (vit, adam, images) = (&self.vit, &mut self.adam, &self.images);
         planner
             .profile(|| Trainer::step(vit, adam.as_mut(), images))
@@ -112,7 +112,7 @@ impl Trainer {
 
     /// The peak of allocated bytes over one step with `runner`, after one step to settle.
     fn measured_peak(&mut self, runner: Arc<dyn BlockRunner>) -> u64 {
-        self.vit.encoder.block_runner = Some(runner);
+        self.vit.set_block_runner(Some(runner));
         Trainer::step(&self.vit, self.adam.as_mut(), &self.images).unwrap();
         let allocator = self.cpu.allocator();
         allocator.reset_peak_stats();

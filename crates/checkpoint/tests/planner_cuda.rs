@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
 use headroom_checkpoint::{BlockPlanner, Candidate, StepError, StepProbe};
-use headroom_nn::{BlockRunner, Module, VisionTransformer, VitConfig};
+use headroom_nn::{BlockRunner, BlockStack, Module, VisionTransformer, VitConfig};
 use headroom_ops_cuda::CudaBackend;
 use headroom_optim::Optimizer;
 use headroom_testkit::gpu::{cuda_or_skip, exclusive_device};
@@ -59,7 +59,7 @@ fn plans_with_offload_and_compression_meet_their_budgets_on_the_gpu() {
     let images = Tensor::from_slice(&backend, &values, &[32, 3, 64, 64]).unwrap();
 
     let planner = BlockPlanner::new(StepProbe::cuda(&cuda), Candidate::cuda_defaults());
-    vit.encoder.block_runner = Some(planner.runner());
+    vit.set_block_runner(Some(planner.runner()));
     let profile = {
         let (vit, adam) = (&vit, &mut adam);
         planner
@@ -73,7 +73,7 @@ fn plans_with_offload_and_compression_meet_their_budgets_on_the_gpu() {
 
     let allocator = cuda.allocator();
     let mut measured_peak = |runner: Arc<dyn BlockRunner>| -> u64 {
-        vit.encoder.block_runner = Some(runner);
+        vit.set_block_runner(Some(runner));
         step(&vit, adam.as_mut(), &images).unwrap();
         cuda.synchronize().unwrap();
         allocator.reset_peak_stats();

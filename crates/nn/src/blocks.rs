@@ -2,8 +2,10 @@
 //!
 //! Activation checkpointing, offload and a memory planner act per transformer block, and must
 //! not need the model's code edited to do so. So the models with a stack of blocks (ViT's
-//! [`Encoder`](crate::Encoder), GPT-2's [`Gpt2Model`](crate::Gpt2Model)) run each block through
-//! an optional [`BlockRunner`]: without one, a block is called directly; with one, the runner gets
+//! [`Encoder`](crate::Encoder), GPT-2's [`Gpt2Model`](crate::Gpt2Model), and the models around
+//! them) are each a [`BlockStack`]: the one way to attach a runner, the same on every model, so
+//! code that attaches a technique takes any model with blocks. Each block runs through the
+//! optional [`BlockRunner`]: without one, a block is called directly; with one, the runner gets
 //! the block's index and its forward as a [`BlockForward`] it may call now and again later (a
 //! checkpoint calls it again in backward). A ViT hands over its embedding with the first block
 //! (block 0 takes the images), so that a runner that keeps block 0's input keeps the images the
@@ -26,6 +28,76 @@ pub type BlockForward = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
 pub trait BlockRunner: Send + Sync + std::fmt::Debug {
     /// The output of block `index` (from 0, in forward order) on `input`.
     fn run(&self, index: usize, block: BlockForward, input: &Tensor) -> Result<Tensor>;
+}
+
+/// A model with a stack of blocks that a [`BlockRunner`] can take over: the one way to attach a
+/// technique (checkpointing, offload, a planner's plan) to ViT, GPT-2 or any other model with
+/// blocks, so code that attaches one is generic over the model.
+///
+/// ```
+/// use std::sync::{Arc, Mutex};
+/// use headroom_autograd_core::{DType, Generator, Tensor};
+/// use headroom_nn::{
+///     BlockForward, BlockRunner, BlockStack, Gpt2Config, Gpt2LMHeadModel, VisionTransformer,
+///     VitConfig,
+/// };
+///
+/// /// Runs each block directly and notes its index.
+/// #[derive(Debug, Default)]
+/// struct Trace(Mutex<Vec<usize>>);
+///
+/// impl BlockRunner for Trace {
+///     fn run(
+///         &self,
+///         index: usize,
+///         block: BlockForward,
+///         input: &Tensor,
+///     ) -> headroom_nn::Result<Tensor> {
+///         self.0.lock().unwrap().push(index);
+///         block(input)
+///     }
+/// }
+///
+/// /// Attaches one runner to any model with blocks.
+/// fn trace_blocks(model: &mut impl BlockStack) -> Arc<Trace> {
+///     let trace = Arc::new(Trace::default());
+///     model.set_block_runner(Some(Arc::clone(&trace) as Arc<dyn BlockRunner>));
+///     trace
+/// }
+///
+/// let cpu = headroom_ops_cpu::CpuBackend::new_ref();
+/// let generator = Arc::new(Generator::new(0));
+/// let mut vit = VisionTransformer::new(&cpu, VitConfig::tiny(), DType::F32, &generator)?;
+/// let mut gpt2 = Gpt2LMHeadModel::new(&cpu, Gpt2Config::tiny(), DType::F32, &generator)?;
+///
+/// let vit_trace = trace_blocks(&mut vit);
+/// vit.forward(&Tensor::ones(&cpu, &[1, 3, 32, 32], DType::F32)?)?;
+/// let expected: Vec<usize> = (0..vit.n_blocks()).collect();
+/// assert_eq!(*vit_trace.0.lock().unwrap(), expected);
+///
+/// let gpt2_trace = trace_blocks(&mut gpt2);
+/// gpt2.forward(&Tensor::from_slice(&cpu, &[1i64, 2, 3], &[1, 3])?)?;
+/// let expected: Vec<usize> = (0..gpt2.n_blocks()).collect();
+/// assert_eq!(*gpt2_trace.0.lock().unwrap(), expected);
+///
+/// gpt2.set_block_runner(None);
+/// assert!(gpt2.block_runner().is_none());
+/// # Ok::<(), headroom_nn::NnError>(())
+/// ```
+///
+/// headroom-checkpoint's `CheckpointBlocks` shows the same generic function attaching
+/// activation checkpointing to both models.
+pub trait BlockStack {
+    /// How many blocks a runner is handed per forward, indexed from 0 in forward order.
+    fn n_blocks(&self) -> usize;
+
+    /// Who runs the blocks; `None` when they are called directly.
+    fn block_runner(&self) -> Option<&Arc<dyn BlockRunner>>;
+
+    /// Sets who runs the blocks from the next forward on; `None` calls them directly again. The
+    /// same call on every model with blocks (the trait's example attaches one runner to a ViT
+    /// and a GPT-2 through one generic function).
+    fn set_block_runner(&mut self, runner: Option<Arc<dyn BlockRunner>>);
 }
 
 /// Calls `block` on `input` through `runner` when there is one, else directly.

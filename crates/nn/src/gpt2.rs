@@ -15,7 +15,7 @@ use std::sync::Arc;
 use headroom_autograd_core::{cross_entropy_f32, BackendRef, DType, Generator, Reduction, Tensor};
 
 use crate::attention::{attention, merge_heads, split_heads, AttentionMask};
-use crate::blocks::{run_block, BlockRunner};
+use crate::blocks::{run_block, BlockRunner, BlockStack};
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
 use crate::layers::{Dropout, Embedding, LayerNorm};
@@ -300,8 +300,9 @@ pub struct Gpt2Model {
     pub h: Vec<Gpt2Block>,
     /// The final norm.
     pub ln_f: LayerNorm,
-    /// Who runs the blocks (a checkpointing runner, say); `None` calls them directly.
-    pub block_runner: Option<Arc<dyn BlockRunner>>,
+    /// Who runs the blocks (a checkpointing runner, say); `None` calls them directly. Set
+    /// through [`BlockStack`], on the body or on its [`Gpt2LMHeadModel`].
+    block_runner: Option<Arc<dyn BlockRunner>>,
 }
 
 impl Gpt2Model {
@@ -345,6 +346,20 @@ impl Gpt2Model {
             )?;
         }
         self.ln_f.forward(&hidden)
+    }
+}
+
+impl BlockStack for Gpt2Model {
+    fn n_blocks(&self) -> usize {
+        self.h.len()
+    }
+
+    fn block_runner(&self) -> Option<&Arc<dyn BlockRunner>> {
+        self.block_runner.as_ref()
+    }
+
+    fn set_block_runner(&mut self, runner: Option<Arc<dyn BlockRunner>>) {
+        self.block_runner = runner;
     }
 }
 
@@ -502,6 +517,21 @@ impl Gpt2LMHeadModel {
             ignore_index,
             Reduction::Mean,
         )?)
+    }
+}
+
+/// The blocks of its body (`transformer.h`).
+impl BlockStack for Gpt2LMHeadModel {
+    fn n_blocks(&self) -> usize {
+        self.transformer.n_blocks()
+    }
+
+    fn block_runner(&self) -> Option<&Arc<dyn BlockRunner>> {
+        self.transformer.block_runner()
+    }
+
+    fn set_block_runner(&mut self, runner: Option<Arc<dyn BlockRunner>>) {
+        self.transformer.set_block_runner(runner);
     }
 }
 

@@ -14,8 +14,9 @@
 //! and has no backward of its own (the ops record the graph). Models are plain structs with
 //! public fields; there is no module registry and no hooks of its own (hooks are the engine's).
 //! One seam is nn's: the models with a stack of blocks run each block through an optional
-//! [`BlockRunner`] (`Encoder::block_runner`, `Gpt2Model::block_runner`), so activation
-//! checkpointing or a memory planner can take the blocks over without editing the model.
+//! [`BlockRunner`], attached the same way on every such model ([`BlockStack::set_block_runner`]),
+//! so activation checkpointing or a memory planner can take the blocks over without editing the
+//! model, and code that attaches one takes any model with blocks.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -45,7 +46,7 @@ mod weights;
 pub use attention::{
     attention, causal_mask, finfo_min, merge_heads, split_heads, AttentionMask, MultiheadAttention,
 };
-pub use blocks::{BlockForward, BlockRunner};
+pub use blocks::{BlockForward, BlockRunner, BlockStack};
 pub use error::{NnError, Result};
 pub use gpt2::{Conv1D, Gpt2Attention, Gpt2Block, Gpt2Config, Gpt2LMHeadModel, Gpt2Mlp, Gpt2Model};
 pub use init::{parameter, Init};

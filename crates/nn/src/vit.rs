@@ -14,7 +14,7 @@ use std::sync::Arc;
 use headroom_autograd_core::{cat, patch_embedding, BackendRef, DType, Generator, Tensor};
 
 use crate::attention::{AttentionMask, MultiheadAttention};
-use crate::blocks::{run_block, BlockRunner};
+use crate::blocks::{run_block, BlockRunner, BlockStack};
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
 use crate::layers::{Activation, Dropout, LayerNorm, Linear, Mlp};
@@ -222,8 +222,9 @@ pub struct Encoder {
     pub layers: Vec<EncoderBlock>,
     /// The final norm.
     pub ln: LayerNorm,
-    /// Who runs the blocks (a checkpointing runner, say); `None` calls them directly.
-    pub block_runner: Option<Arc<dyn BlockRunner>>,
+    /// Who runs the blocks (a checkpointing runner, say); `None` calls them directly. Set
+    /// through [`BlockStack`], on the encoder or on its [`VisionTransformer`].
+    block_runner: Option<Arc<dyn BlockRunner>>,
 }
 
 impl Encoder {
@@ -303,6 +304,20 @@ fn embed_patches(
         .permute(&[0, 2, 1])?;
     let class_tokens = class_token.expand(&[batch, 1, hidden_dim])?;
     Ok(cat(&[&class_tokens, &tokens], 1)?)
+}
+
+impl BlockStack for Encoder {
+    fn n_blocks(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn block_runner(&self) -> Option<&Arc<dyn BlockRunner>> {
+        self.block_runner.as_ref()
+    }
+
+    fn set_block_runner(&mut self, runner: Option<Arc<dyn BlockRunner>>) {
+        self.block_runner = runner;
+    }
 }
 
 impl Module for Encoder {
@@ -505,6 +520,22 @@ impl VisionTransformer {
         let class_row = hidden.narrow(1, 0, 1)?.squeeze_dim(1)?.compact()?;
         let first = self.encoder.ln.forward(&class_row)?;
         self.head.forward(&first)
+    }
+}
+
+/// The encoder's blocks, block 0 handed over with the embedding in front of it (from the images):
+/// a runner that keeps block 0's input keeps the images rather than a sequence activation.
+impl BlockStack for VisionTransformer {
+    fn n_blocks(&self) -> usize {
+        self.encoder.n_blocks()
+    }
+
+    fn block_runner(&self) -> Option<&Arc<dyn BlockRunner>> {
+        self.encoder.block_runner()
+    }
+
+    fn set_block_runner(&mut self, runner: Option<Arc<dyn BlockRunner>>) {
+        self.encoder.set_block_runner(runner);
     }
 }
 

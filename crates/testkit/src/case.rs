@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use headroom_autograd_core::{cross_entropy, BackendRef, DType, Generator, Reduction, Tensor};
 use headroom_nn::{
-    Activation, Dropout, Gpt2Config, Gpt2LMHeadModel, Mlp, Module, VisionTransformer, VitConfig,
+    Activation, BlockStack, Dropout, Gpt2Config, Gpt2LMHeadModel, Mlp, Module, VisionTransformer,
+    VitConfig,
 };
 use headroom_optim::kernels::{AdafactorConfig, Adam8bitConfig, AdamConfig, SgdConfig};
 use headroom_optim::{Adafactor, Adam, Adam8bit, Implementation, Optimizer, ParamGroup, Sgd};
@@ -63,8 +64,9 @@ pub enum ModelSpec {
     },
 }
 
-/// What a case builds from a [`ModelSpec`]. Techniques that change the forward pass (activation
-/// checkpointing, autocast) match on it to reach the blocks.
+/// What a case builds from a [`ModelSpec`]. Techniques that run the blocks their way (activation
+/// checkpointing, offload) reach them through [`Model::blocks_mut`]; others that change the
+/// forward pass (autocast) match on it.
 #[derive(Debug)]
 pub enum Model {
     /// A [`ModelSpec::Vit`].
@@ -246,6 +248,16 @@ impl Model {
             Model::Vit(vit) => vit,
             Model::Gpt2(gpt2) => gpt2,
             Model::Mlp(mlp) => mlp,
+        }
+    }
+
+    /// The model's stack of blocks, where a technique attaches its block runner; `None` for the
+    /// MLP, which has no blocks.
+    pub fn blocks_mut(&mut self) -> Option<&mut dyn BlockStack> {
+        match self {
+            Model::Vit(vit) => Some(vit),
+            Model::Gpt2(gpt2) => Some(gpt2),
+            Model::Mlp(_) => None,
         }
     }
 }

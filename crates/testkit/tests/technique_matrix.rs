@@ -159,11 +159,10 @@ fn attach(model: &mut Model, saves: Saves) {
             ..CompressBlocks::all()
         })),
     };
-    match model {
-        Model::Vit(vit) => vit.encoder.block_runner = runner,
-        Model::Gpt2(gpt2) => gpt2.transformer.block_runner = runner,
-        Model::Mlp(_) => unreachable!("the matrix trains models with blocks"),
-    }
+    model
+        .blocks_mut()
+        .expect("the matrix trains models with blocks")
+        .set_block_runner(runner);
 }
 
 /// The rule over `params`, or its ZeRO-2 shards over `comm`, inside an `InBackward`.

@@ -29,7 +29,7 @@ use headroom_checkpoint::{
     BlockPlanner, BlockSelection, Candidate, CheckpointBlocks, CheckpointOptions, Compression,
     StepProbe, StepProfile,
 };
-use headroom_nn::BlockRunner;
+use headroom_nn::{BlockRunner, BlockStack};
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
 use serde_json::{json, Value};
@@ -196,8 +196,8 @@ pub(crate) fn compare_uniform<S: Storage>(
             .context("a recompute candidate")?,
     );
     let plan_runner = match vit {
-        Net::Vit(vit) => vit.encoder.block_runner.clone(),
-        Net::Gpt2(gpt2) => gpt2.transformer.block_runner.clone(),
+        Net::Vit(vit) => vit.block_runner().cloned(),
+        Net::Gpt2(gpt2) => gpt2.block_runner().cloned(),
     }
     .context("the plan as the model's block runner")?;
     let n = profile.n_blocks();

@@ -12,7 +12,9 @@ use anyhow::{bail, Result};
 use headroom_autograd_core::{
     cross_entropy_f32, uniform, BackendRef, DType, Generator, Reduction, Tensor,
 };
-use headroom_nn::{BlockRunner, Gpt2Config, Gpt2LMHeadModel, Module, VisionTransformer, VitConfig};
+use headroom_nn::{
+    BlockRunner, BlockStack, Gpt2Config, Gpt2LMHeadModel, Module, VisionTransformer, VitConfig,
+};
 use rayon::prelude::*;
 
 /// A model of the benchmark.
@@ -137,8 +139,8 @@ impl Net {
     /// Runs the blocks through `runner` (checkpointing, offload, compression, a plan).
     pub(crate) fn set_block_runner(&mut self, runner: Option<Arc<dyn BlockRunner>>) {
         match self {
-            Net::Vit(vit) => vit.encoder.block_runner = runner,
-            Net::Gpt2(gpt2) => gpt2.transformer.block_runner = runner,
+            Net::Vit(vit) => vit.set_block_runner(runner),
+            Net::Gpt2(gpt2) => gpt2.set_block_runner(runner),
         }
     }
 

@@ -1,8 +1,8 @@
 //! JSON snapshots: the structure of PyTorch's snapshot pickles, as JSON, which the newest memory
 //! viewer parses before trying its unpickler.
 //!
-//! It sits on [`Value`] and the snapshot conversions of `convert` (writing is a `convert::Sink`
-//! that streams); it knows nothing of pickles.
+//! It sits on [`Value`] and the snapshot conversions of `sink` (writing is a `sink::Sink` that
+//! streams) and `from_value`; it knows nothing of pickles.
 //! Tuples become arrays; dict keys must be strings in JSON, so int, bool and `None` keys are
 //! written as Python's `json` module writes them (`"7"`, `"true"`, `"null"`) and other keys are
 //! an error, as are NaN and infinite floats (JSON has no spelling for them).
@@ -13,8 +13,9 @@
 
 use std::io::{BufWriter, Read, Write};
 
-use super::convert::{self, Container, Scalar, Sink};
+use super::from_value;
 use super::pickle::MAX_DEPTH;
+use super::sink::{self, Container, Scalar, Sink};
 use super::{Snapshot, Value};
 use crate::error::AllocError;
 
@@ -23,20 +24,20 @@ use crate::error::AllocError;
 /// Fails with [`AllocError::Format`] when an unsigned field is 2^63 or more or a float is not
 /// finite, and with [`AllocError::Io`] when writing fails.
 pub fn write_json(snapshot: &Snapshot, writer: impl Write) -> Result<(), AllocError> {
-    write_with(writer, |json| convert::emit_snapshot(snapshot, json))
+    write_with(writer, |json| sink::emit_snapshot(snapshot, json))
 }
 
 /// Reads a JSON snapshot: one written by [`write_json`], or PyTorch's snapshot dumped with
 /// Python's `json` module.
 pub fn read_json(reader: impl Read) -> Result<Snapshot, AllocError> {
     let value = read_value_json(reader)?;
-    convert::snapshot_from_value(value, "json")
+    from_value::snapshot_from_value(value, "json")
 }
 
 /// Writes any [`Value`] as compact JSON.
 #[cfg(test)]
 pub(super) fn write_value_json(value: &Value, writer: impl Write) -> Result<(), AllocError> {
-    write_with(writer, |json| convert::emit_value(value, json))
+    write_with(writer, |json| sink::emit_value(value, json))
 }
 
 /// Reads one JSON document into a [`Value`]: objects become dicts with string keys (in the

@@ -9,12 +9,13 @@
 //! - `json`: the same structure as JSON (the newest viewer parses JSON first);
 //! - `trace_file`: PyTorch allocator traces as TSV (optionally gzipped).
 //!
-//! [`Value`] is the dynamic value both file formats map to; the typed model converts to and from
-//! it, so neither format knows the other.
+//! [`Value`] is the dynamic value both file formats map to; the typed model streams into a
+//! writer's `sink` and is read `from_value`, so neither format knows the other.
 
-mod convert;
+mod from_value;
 mod json;
 mod pickle;
+mod sink;
 mod trace_file;
 
 use std::sync::Arc;

@@ -163,7 +163,7 @@ pub type StepError = Box<dyn std::error::Error + Send + Sync>;
 /// use std::sync::Arc;
 /// use headroom_autograd_core::{DType, Generator, Tensor};
 /// use headroom_checkpoint::{BlockPlanner, Candidate, StepProbe};
-/// use headroom_nn::{Module, VisionTransformer, VitConfig};
+/// use headroom_nn::{BlockStack, Module, VisionTransformer, VitConfig};
 /// use headroom_ops_cpu::CpuBackend;
 ///
 /// let cpu = Arc::new(CpuBackend::default());
@@ -174,7 +174,7 @@ pub type StepError = Box<dyn std::error::Error + Send + Sync>;
 ///
 /// let probe = StepProbe::host(cpu.clone(), CpuBackend::allocator);
 /// let planner = BlockPlanner::new(probe, Candidate::defaults());
-/// vit.encoder.block_runner = Some(planner.runner());
+/// vit.set_block_runner(Some(planner.runner()));
 /// let profile = planner.profile(|| {
 ///     vit.forward(&images)?.sum_all()?.backward()?;
 ///     for p in vit.parameters() {
@@ -186,7 +186,7 @@ pub type StepError = Box<dyn std::error::Error + Send + Sync>;
 /// let plan = profile.plan(budget)?;
 /// assert!(plan.predicted_peak() <= budget);
 /// println!("{plan}");
-/// vit.encoder.block_runner = Some(Arc::new(plan));
+/// vit.set_block_runner(Some(Arc::new(plan)));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug)]
@@ -230,8 +230,8 @@ impl BlockPlanner {
     }
 
     /// The block runner to set on the model before [`BlockPlanner::profile`]
-    /// (`vit.encoder.block_runner`, `gpt2.transformer.block_runner`). Outside a measurement it
-    /// runs every block as the first candidate does.
+    /// ([`BlockStack::set_block_runner`](headroom_nn::BlockStack::set_block_runner)). Outside a
+    /// measurement it runs every block as the first candidate does.
     pub fn runner(&self) -> Arc<dyn BlockRunner> {
         Arc::clone(&self.dispatch) as Arc<dyn BlockRunner>
     }

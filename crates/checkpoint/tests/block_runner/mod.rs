@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use headroom_autograd_core::Tensor;
 use headroom_nn::BlockRunner;
-use headroom_testkit::{Baseline, Batch, Model, Technique, TrainRun};
+use headroom_testkit::{Baseline, Batch, Technique, TrainRun};
 
 /// Sets its runner as the model's block runner (ViT or GPT-2), then trains as the plain loop does.
 pub(crate) struct WithRunner(pub(crate) Arc<dyn BlockRunner>);
@@ -17,12 +17,8 @@ impl Technique for WithRunner {
     }
 
     fn prepare(&mut self, run: &mut TrainRun) -> headroom_testkit::Result<()> {
-        let runner = Some(Arc::clone(&self.0));
-        match &mut run.model {
-            Model::Vit(vit) => vit.encoder.block_runner = runner,
-            Model::Gpt2(gpt2) => gpt2.transformer.block_runner = runner,
-            Model::Mlp(_) => return Err("the MLP has no blocks".into()),
-        }
+        let blocks = run.model.blocks_mut().ok_or("the MLP has no blocks")?;
+        blocks.set_block_runner(Some(Arc::clone(&self.0)));
         Ok(())
     }
 

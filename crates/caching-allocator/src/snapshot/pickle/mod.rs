@@ -1,10 +1,11 @@
 //! Pickle files: a protocol-4 writer that uses only the opcodes PyTorch's memory viewer reads, and
 //! a reader for the plain-data pickles Python writes at protocols 2–5.
 //!
-//! It sits on [`Value`] alone; the snapshot's structure belongs to `convert`, so nothing here
-//! knows about segments or traces. It must not know Python classes either: opcodes that would
-//! import or call Python code on load (`GLOBAL`, `STACK_GLOBAL`, `REDUCE`, `NEWOBJ`, `BUILD`, ...)
-//! are refused with a typed error naming the opcode and its offset, never interpreted.
+//! It sits on [`Value`] alone; the snapshot's structure belongs to `sink` and `from_value`, so
+//! nothing here knows about segments or traces. It must not know Python classes either: opcodes
+//! that would import or call Python code on load (`GLOBAL`, `STACK_GLOBAL`, `REDUCE`, `NEWOBJ`,
+//! `BUILD`, ...) are refused with a typed error naming the opcode and its offset, never
+//! interpreted.
 //!
 //! This module holds the entry points, the viewer's opcode list and the nesting limit both
 //! directions share. Its submodules are one concept each: `op` (Python's opcodes, their names
@@ -24,7 +25,7 @@ use std::io::{Read, Write};
 use self::instr::Ops;
 use self::reader::Unpickler;
 use self::writer::write_with;
-use super::convert;
+use super::{from_value, sink};
 use super::{Snapshot, Value};
 use crate::error::AllocError;
 
@@ -74,14 +75,14 @@ pub(super) const MAX_DEPTH: usize = 512;
 /// Fails with [`AllocError::Format`] when an unsigned field is 2^63 or more (a pickle integer the
 /// viewer reads has at most 8 bytes, signed), and with [`AllocError::Io`] when writing fails.
 pub fn write_pickle(snapshot: &Snapshot, writer: impl Write) -> Result<(), AllocError> {
-    write_with(writer, |pickler| convert::emit_snapshot(snapshot, pickler))
+    write_with(writer, |pickler| sink::emit_snapshot(snapshot, pickler))
 }
 
 /// Reads a snapshot pickle: PyTorch's own (`torch.cuda.memory._dump_snapshot`, or `pickle.dump`
 /// of `_snapshot()` at any protocol from 2 to 5) or one written by [`write_pickle`].
 pub fn read_pickle(reader: impl Read) -> Result<Snapshot, AllocError> {
     let value = read_value_pickle(reader)?;
-    convert::snapshot_from_value(value, "pickle")
+    from_value::snapshot_from_value(value, "pickle")
 }
 
 /// Writes any [`Value`] as a protocol-4 pickle that uses only [`VIEWER_OPCODES`].
@@ -90,7 +91,7 @@ pub fn read_pickle(reader: impl Read) -> Result<Snapshot, AllocError> {
 /// [`MAX_DEPTH`].
 #[cfg(test)]
 pub(super) fn write_value_pickle(value: &Value, writer: impl Write) -> Result<(), AllocError> {
-    write_with(writer, |pickler| convert::emit_value(value, pickler))
+    write_with(writer, |pickler| sink::emit_value(value, pickler))
 }
 
 /// Reads a pickle of plain data (`None`, bools, ints, floats, strings, lists, tuples, dicts, sets)

@@ -7,14 +7,14 @@
 //! everything `pickle` writes except self-referencing containers; those are refused.
 //!
 //! It sits on the instruction walker of `instr` and the opcodes of `op`. It must not know the
-//! snapshot's structure, which `convert` reads from the value, nor how pickles are written.
+//! snapshot's structure, which `from_value` reads from the value, nor how pickles are written.
 
 use std::collections::{HashMap, HashSet};
 
 use super::instr::{Instr, Ops};
 use super::{format_error, op, MAX_DEPTH};
 use crate::error::AllocError;
-use crate::snapshot::convert::value_kind;
+use crate::snapshot::from_value::value_kind;
 use crate::snapshot::Value;
 
 /// One stack entry of the reader.

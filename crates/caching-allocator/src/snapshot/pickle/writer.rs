@@ -1,4 +1,4 @@
-//! The protocol-4 writer, streaming from `convert`'s [`Sink`] into pickle opcodes.
+//! The protocol-4 writer, streaming from `sink`'s [`Sink`] into pickle opcodes.
 //!
 //! The writer follows Python's `pickle` for the same data: `PROTO 4`, 64 KiB `FRAME`s, the
 //! smallest integer opcode that fits, `APPENDS`/`SETITEMS` in batches of 1000, and strings
@@ -7,8 +7,8 @@
 //! writes any shared object, so every unpickler (the viewer's included) reads it; no other
 //! container is shared. It writes only the viewer's opcodes.
 //!
-//! It sits on the opcodes of `op` and on `convert`'s sink. It must not know the snapshot's
-//! structure, which `convert` streams into it, nor how pickles are read.
+//! It sits on the opcodes of `op` and on `sink`'s [`Sink`]. It must not know the snapshot's
+//! structure, which `sink` streams into it, nor how pickles are read.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use super::{format_error, op, MAX_DEPTH};
 use crate::error::AllocError;
-use crate::snapshot::convert::{self, Container, Scalar, Sink};
+use crate::snapshot::sink::{self, Container, Scalar, Sink};
 use crate::snapshot::{Frame, Frames};
 
 /// Python's framer commits a frame once it holds this many bytes.
@@ -118,7 +118,7 @@ impl<'v, W: Write> Sink<'v> for Pickler<'v, W> {
     /// Python's pickle does for any object it meets twice.
     fn frames(&mut self, frames: &'v Frames) -> Result<(), AllocError> {
         if frames.is_empty() {
-            return convert::emit_frames(frames, self);
+            return sink::emit_frames(frames, self);
         }
         let address = Arc::as_ptr(frames).cast::<Frame>() as usize;
         if let Some(&idx) = self.shared_frames.get(&address) {
@@ -133,7 +133,7 @@ impl<'v, W: Write> Sink<'v> for Pickler<'v, W> {
         }
         self.open(Container::List, frames.len(), memoize)?;
         for frame in frames.iter() {
-            convert::emit_frame(frame, self)?;
+            sink::emit_frame(frame, self)?;
         }
         self.end()
     }

@@ -1,0 +1,279 @@
+//! Element-wise primitives on the GPU against the CPU: every unary and binary op in f32, f64,
+//! f16 and bf16 on contiguous, broadcast and transposed operands; the dense path (vector
+//! kernels, the driver's memset and copy) against the strided one, with tails and unaligned
+//! starts, writing nothing outside the view; fill and copies between every pair of dtypes.
+
+use headroom_autograd_core::{BackendRef, BinaryOp, Buffer, DType, Layout, UnaryOp, View};
+use headroom_testkit::inputs::Xorshift;
+
+use crate::{backends, check, download, input, poisoned, upload, FLOATS};
+
+const ALL: [DType; 8] = [
+    DType::F32,
+    DType::F64,
+    DType::F16,
+    DType::BF16,
+    DType::I64,
+    DType::I32,
+    DType::U8,
+    DType::Bool,
+];
+
+const ROWS: usize = 37;
+
+const COLS: usize = 129;
+
+fn unary_ops() -> Vec<UnaryOp> {
+    vec![
+        UnaryOp::Neg,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Rsqrt,
+        UnaryOp::Tanh,
+        UnaryOp::Relu,
+        UnaryOp::Gelu,
+        UnaryOp::GeluTanh,
+        UnaryOp::AddScalar(0.75),
+        UnaryOp::MulScalar(-1.5),
+        UnaryOp::DivScalar(3.0),
+        UnaryOp::PowScalar(1.7),
+    ]
+}
+
+fn binary_ops() -> Vec<BinaryOp> {
+    vec![
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Pow,
+        BinaryOp::ReluBackward,
+        BinaryOp::GeluBackward,
+        BinaryOp::GeluTanhBackward,
+        BinaryOp::TanhBackward,
+        BinaryOp::SqrtBackward,
+        BinaryOp::RsqrtBackward,
+    ]
+}
+
+#[test]
+fn unary_ops_match_the_cpu() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Xorshift::from_state(0x9e37_79b9_7f4a_7c15);
+    let layout = Layout::contiguous(&[ROWS, COLS]);
+    // The input read transposed: a [COLS, ROWS] view of the same buffer.
+    let transposed = Layout::from_parts(&[COLS, ROWS], &[1, COLS], 0).unwrap();
+    let out_t = Layout::contiguous(&[COLS, ROWS]);
+    for dtype in FLOATS {
+        for op in unary_ops() {
+            let positive = matches!(
+                op,
+                UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt | UnaryOp::PowScalar(_)
+            );
+            let values = input(&mut random, positive, ROWS * COLS);
+            for (in_layout, out_layout) in [(&layout, &layout), (&transposed, &out_t)] {
+                let mut results = Vec::new();
+                for backend in [&gpu, &cpu] {
+                    let x = upload(backend, dtype, &values);
+                    let out = poisoned(backend, dtype, ROWS * COLS);
+                    backend
+                        .unary(
+                            op,
+                            View {
+                                buffer: &x,
+                                layout: in_layout,
+                                dtype,
+                            },
+                            View {
+                                buffer: &out,
+                                layout: out_layout,
+                                dtype,
+                            },
+                        )
+                        .unwrap();
+                    results.push(download(backend, dtype, &out));
+                }
+                check(&format!("{op:?}"), dtype, &results[0], &results[1]);
+            }
+        }
+    }
+}
+
+#[test]
+fn binary_ops_with_broadcasting_match_the_cpu() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Xorshift::from_state(0x2545_f491_4f6c_dd1d);
+    let full = Layout::contiguous(&[ROWS, COLS]);
+    // b is one row broadcast over all rows (stride 0).
+    let row_broadcast = Layout::from_parts(&[ROWS, COLS], &[0, 1], 0).unwrap();
+    for dtype in FLOATS {
+        for op in binary_ops() {
+            let positive = matches!(
+                op,
+                BinaryOp::Pow | BinaryOp::SqrtBackward | BinaryOp::RsqrtBackward | BinaryOp::Div
+            );
+            let a = input(&mut random, positive, ROWS * COLS);
+            let b = input(&mut random, positive, COLS);
+            let mut results = Vec::new();
+            for backend in [&gpu, &cpu] {
+                let a_buffer = upload(backend, dtype, &a);
+                let b_buffer = upload(backend, dtype, &b);
+                let out = poisoned(backend, dtype, ROWS * COLS);
+                backend
+                    .binary(
+                        op,
+                        View {
+                            buffer: &a_buffer,
+                            layout: &full,
+                            dtype,
+                        },
+                        View {
+                            buffer: &b_buffer,
+                            layout: &row_broadcast,
+                            dtype,
+                        },
+                        View {
+                            buffer: &out,
+                            layout: &full,
+                            dtype,
+                        },
+                    )
+                    .unwrap();
+                results.push(download(backend, dtype, &out));
+            }
+            check(&format!("{op:?}"), dtype, &results[0], &results[1]);
+        }
+    }
+}
+
+/// One op of [`dense_runs_with_tails_and_offsets_match_the_cpu`] on `backend`: `x` and `y` read
+/// and `out` written through `layout`.
+fn run_dense_case(
+    backend: &BackendRef,
+    case: usize,
+    dtype: DType,
+    layout: &Layout,
+    (x, y, out): (&Buffer, &Buffer, &Buffer),
+) {
+    let view = |buffer| View {
+        buffer,
+        layout,
+        dtype,
+    };
+    match case {
+        0 => backend.unary(UnaryOp::Gelu, view(x), view(out)),
+        1 => backend.binary(BinaryOp::Mul, view(x), view(y), view(out)),
+        2 => backend.fill(view(out), 3.0),
+        _ => backend.copy(view(x), view(out)),
+    }
+    .unwrap();
+}
+
+/// Contiguous runs take the dense path (16-byte vector kernels, the driver's memset and copy) when
+/// their start is aligned and the strided kernels when not; lengths that are no multiple of the
+/// vector width end in a tail. Every case matches the CPU, and no element outside the view is
+/// written.
+#[test]
+fn dense_runs_with_tails_and_offsets_match_the_cpu() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Xorshift::from_state(0x6a09_e667_f3bc_c909);
+    let n = 1003;
+    let total = n + 9;
+    for dtype in FLOATS {
+        for offset in [0, 1, 8] {
+            let layout = Layout::from_parts(&[n], &[1], offset).unwrap();
+            let x = input(&mut random, false, total);
+            let y = input(&mut random, false, total);
+            for case in 0..4 {
+                let mut results = Vec::new();
+                for backend in [&gpu, &cpu] {
+                    let (xb, yb) = (upload(backend, dtype, &x), upload(backend, dtype, &y));
+                    let out = poisoned(backend, dtype, total);
+                    run_dense_case(backend, case, dtype, &layout, (&xb, &yb, &out));
+                    results.push(download(backend, dtype, &out));
+                }
+                let what = format!("dense case {case} at offset {offset}");
+                let inside = offset..offset + n;
+                check(
+                    &what,
+                    dtype,
+                    &results[0][inside.clone()],
+                    &results[1][inside],
+                );
+                let outside = (0..total).filter(|i| *i < offset || *i >= offset + n);
+                for i in outside {
+                    assert!(
+                        results[0][i].is_nan(),
+                        "{what} {dtype:?}: wrote element {i}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn fill_and_every_cast_match_the_cpu() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Xorshift::from_state(0xd1b5_4a32_d192_ed03);
+    let n = 1000;
+    let layout = Layout::contiguous(&[n]);
+    for dtype in ALL {
+        let mut results = Vec::new();
+        for backend in [&gpu, &cpu] {
+            let out = poisoned(backend, dtype, n);
+            backend
+                .fill(
+                    View {
+                        buffer: &out,
+                        layout: &layout,
+                        dtype,
+                    },
+                    7.0,
+                )
+                .unwrap();
+            results.push(download(backend, dtype, &out));
+        }
+        assert_eq!(results[0], results[1], "fill {dtype:?}");
+        assert!(results[0]
+            .iter()
+            .all(|&v| v == if dtype == DType::Bool { 1.0 } else { 7.0 }));
+    }
+    // Whole numbers in 0..100 (and 0/1 for bool) survive every cast exactly.
+    for from in ALL {
+        let values: Vec<f64> = (0..n)
+            .map(|_| {
+                let v = random.next_f64_in(0.0, 100.0).floor();
+                if from == DType::Bool {
+                    (v as u64 % 2) as f64
+                } else {
+                    v
+                }
+            })
+            .collect();
+        for to in ALL {
+            let mut results = Vec::new();
+            for backend in [&gpu, &cpu] {
+                let src = upload(backend, from, &values);
+                let dst = poisoned(backend, to, n);
+                backend
+                    .copy(
+                        View {
+                            buffer: &src,
+                            layout: &layout,
+                            dtype: from,
+                        },
+                        View {
+                            buffer: &dst,
+                            layout: &layout,
+                            dtype: to,
+                        },
+                    )
+                    .unwrap();
+                results.push(download(backend, to, &dst));
+            }
+            assert_eq!(results[0], results[1], "copy {from:?} -> {to:?}");
+        }
+    }
+}

@@ -1,0 +1,214 @@
+//! Matrix products through cuBLAS against the CPU: batched products of strided operands (with the
+//! workspace counted by the caching allocator), operands that overlap (`expand`, stride 0) copied
+//! dense first, and TF32 as an explicit opt-in within 1e-3.
+
+use headroom_autograd_core::{BackendRef, DType, Layout, View};
+use headroom_ops_cuda::CudaBackend;
+use headroom_testkit::inputs::Xorshift;
+
+use crate::{backends, compare, download, input, poisoned, upload, FLOATS};
+
+#[test]
+fn batched_matmul_on_strided_operands_matches_the_cpu() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Xorshift::from_state(0x5eed_5eed_5eed_5eed);
+    let (batch, heads, m, k, n) = (3, 4, 33, 17, 29);
+    for dtype in FLOATS {
+        let a = input(&mut random, false, batch * heads * m * k);
+        let b = input(&mut random, false, heads * k * n);
+        let c0 = input(&mut random, false, batch * heads * m * n);
+        compare("matmul", dtype, &gpu, &cpu, |backend| {
+            let (ab, bb) = (upload(backend, dtype, &a), upload(backend, dtype, &b));
+            // a: [batch, heads, m, k] contiguous; b: [heads, k, n] broadcast over batch and
+            // read transposed from [heads, n, k] memory.
+            let a_layout = Layout::contiguous(&[batch, heads, m, k]);
+            let b_layout = Layout::from_parts(&[batch, heads, k, n], &[0, n * k, 1, k], 0).unwrap();
+            let out_layout = Layout::contiguous(&[batch, heads, m, n]);
+            let out = upload(backend, dtype, &c0);
+            backend
+                .matmul(
+                    View {
+                        buffer: &ab,
+                        layout: &a_layout,
+                        dtype,
+                    },
+                    View {
+                        buffer: &bb,
+                        layout: &b_layout,
+                        dtype,
+                    },
+                    View {
+                        buffer: &out,
+                        layout: &out_layout,
+                        dtype,
+                    },
+                    true,
+                )
+                .unwrap();
+            let fresh = poisoned(backend, dtype, batch * heads * m * n);
+            backend
+                .matmul(
+                    View {
+                        buffer: &ab,
+                        layout: &a_layout,
+                        dtype,
+                    },
+                    View {
+                        buffer: &bb,
+                        layout: &b_layout,
+                        dtype,
+                    },
+                    View {
+                        buffer: &fresh,
+                        layout: &out_layout,
+                        dtype,
+                    },
+                    false,
+                )
+                .unwrap();
+            let mut res = download(backend, dtype, &out);
+            res.extend(download(backend, dtype, &fresh));
+            res
+        });
+    }
+    // The cuBLAS workspace is an allocation of the backend's own caching allocator.
+    let allocated = gpu.memory_stats().allocated_bytes.all.current;
+    assert!(allocated >= 32 << 20, "workspace not counted: {allocated}");
+}
+
+/// Operands whose rows or columns overlap (`expand`, stride 0) cannot be described to cuBLAS by
+/// a leading dimension and are copied dense first; among them the `k = 1` product of a ViT
+/// head's weight gradient at batch 1 (`[1000, 1]` of a broadcast scalar, times one row of a
+/// larger tensor), which read past its buffer and computed garbage before.
+#[test]
+fn matmul_with_broadcast_operands_matches_the_cpu() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Xorshift::from_state(0x0dd_ba11);
+    // (what, m, k, n, a's strides and elements, b's strides and elements)
+    type Operand = ([usize; 2], usize);
+    let cases: [(&str, usize, usize, usize, Operand, Operand); 5] = [
+        (
+            "b fully broadcast",
+            19,
+            23,
+            31,
+            ([23, 1], 19 * 23),
+            ([0, 0], 1),
+        ),
+        (
+            "b fully broadcast, k = 1",
+            19,
+            1,
+            31,
+            ([1, 1], 19),
+            ([0, 0], 1),
+        ),
+        (
+            "b's rows expanded",
+            19,
+            23,
+            31,
+            ([23, 1], 19 * 23),
+            ([0, 1], 31),
+        ),
+        (
+            "a's columns expanded",
+            19,
+            23,
+            31,
+            ([1, 0], 19),
+            ([31, 1], 23 * 31),
+        ),
+        // A head's weight gradient at batch 1: a broadcast column times one row of a larger
+        // tensor (row stride 201,728), k = 1.
+        (
+            "a broadcast, k = 1, b one row",
+            1000,
+            1,
+            64,
+            ([0, 0], 1),
+            ([4096, 1], 64),
+        ),
+    ];
+    for (what, m, k, n, (a_strides, a_len), (b_strides, b_len)) in cases {
+        for dtype in FLOATS {
+            let a = input(&mut random, false, a_len);
+            let b = input(&mut random, false, b_len);
+            compare(what, dtype, &gpu, &cpu, |backend| {
+                let (ab, bb) = (upload(backend, dtype, &a), upload(backend, dtype, &b));
+                let out = poisoned(backend, dtype, m * n);
+                backend
+                    .matmul(
+                        View {
+                            buffer: &ab,
+                            layout: &Layout::from_parts(&[m, k], &a_strides, 0).unwrap(),
+                            dtype,
+                        },
+                        View {
+                            buffer: &bb,
+                            layout: &Layout::from_parts(&[k, n], &b_strides, 0).unwrap(),
+                            dtype,
+                        },
+                        View {
+                            buffer: &out,
+                            layout: &Layout::contiguous(&[m, n]),
+                            dtype,
+                        },
+                        false,
+                    )
+                    .unwrap();
+                download(backend, dtype, &out)
+            });
+        }
+    }
+}
+
+#[test]
+fn tf32_is_an_explicit_opt_in_within_1e_3() {
+    let Some((_, cpu)) = backends() else { return };
+    // A backend of its own, so the setting does not reach the other tests.
+    let cuda = CudaBackend::new(0).unwrap();
+    let gpu: BackendRef = cuda.clone();
+    let mut random = Xorshift::from_state(0x7f32_7f32_7f32_7f32);
+    let (m, k, n) = (96, 512, 80);
+    let a = input(&mut random, false, m * k);
+    let b = input(&mut random, false, k * n);
+    let product = |backend: &BackendRef| {
+        let (ab, bb) = (
+            upload(backend, DType::F32, &a),
+            upload(backend, DType::F32, &b),
+        );
+        let out = poisoned(backend, DType::F32, m * n);
+        let (la, lb, lo) = (
+            Layout::contiguous(&[m, k]),
+            Layout::contiguous(&[k, n]),
+            Layout::contiguous(&[m, n]),
+        );
+        let view = |buffer, layout| View {
+            buffer,
+            layout,
+            dtype: DType::F32,
+        };
+        backend
+            .matmul(view(&ab, &la), view(&bb, &lb), view(&out, &lo), false)
+            .unwrap();
+        download(backend, DType::F32, &out)
+    };
+    let relative = |x: &[f64], y: &[f64]| {
+        let diff: f64 = x.iter().zip(y).map(|(p, q)| (p - q) * (p - q)).sum();
+        let norm: f64 = y.iter().map(|q| q * q).sum();
+        (diff / norm).sqrt()
+    };
+    let reference = product(&cpu);
+    assert!(!cuda.allow_tf32(), "TF32 is off by default");
+    let exact = relative(&product(&gpu), &reference);
+    cuda.set_allow_tf32(true);
+    let tf32 = relative(&product(&gpu), &reference);
+    cuda.set_allow_tf32(false);
+    assert!(exact <= 1e-5, "f32 product: relative error {exact:e}");
+    assert!(tf32 <= 1e-3, "TF32 product: relative error {tf32:e}");
+    assert!(
+        tf32 > 10.0 * exact,
+        "TF32 was not used: {tf32:e} vs f32 {exact:e}"
+    );
+}
