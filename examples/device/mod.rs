@@ -43,6 +43,7 @@ impl Device {
     }
 
     /// Bytes allocated now.
+    #[allow(dead_code, reason = "the combined example reads only peaks")]
     pub(crate) fn allocated(&self) -> u64 {
         self.backend.memory_stats().allocated_bytes.all.current as u64
     }
