@@ -13,7 +13,7 @@
 #   cargo build --release --features cuda,nccl --example data_parallel
 #   cargo build --release -p headroom-distributed --features nccl --bin headroom-launch
 #   CARGO_PROFILE_RELEASE_DEBUG=0 cargo test --release --no-run -p headroom-distributed \
-#     --features nccl,cuda --test nccl --message-format=json  # copy the executable it lists
+#     --features nccl --test nccl --message-format=json  # copy the executable it lists
 #   mkdir -p .gpu-bench/zero && cp target/release/examples/data_parallel \
 #     target/release/headroom-launch .gpu-bench/zero/ && cp <nccl test exe> .gpu-bench/zero/nccl_test
 #   strip .gpu-bench/zero/*; cp scripts/gpu-data-parallel.sh scripts/torch_data_parallel.py .gpu-bench/zero/

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU figures of the README, ours beside PyTorch's in the same run, in phases that each fit
 # a ten-minute slot. Run on the GPU machine from the workspace root, with the test binaries and a
-# release xtask in .gpu-bundle/bin (build them where cargo is, no GPU needed:
-#   cargo build --release -p xtask
-#   ../shared/tools/gpu-bundle.sh --bin target/release/xtask -- --workspace --all-features \
-#       --exclude headroom-python --exclude headroom-distributed
-# or copy `cargo test --release --no-run` executables and target/release/xtask there yourself).
+# release headroom-bench (the binary `cargo xtask bench-memory` runs) in .gpu-bundle/bin (build
+# them where cargo is, no GPU needed:
+#   cargo build --release -p headroom-bench
+#   ../shared/tools/gpu-bundle.sh --bin target/release/headroom-bench -- --workspace \
+#       --all-features --exclude headroom-python --exclude headroom-distributed \
+#       --exclude headroom-bench --exclude xtask
+# or copy `cargo test --release --no-run` executables and target/release/headroom-bench there
+# yourself).
 #
 #   bash scripts/gpu-measure.sh PHASE...      PHASE: tests vit gpt2 fmb planner reclaim noreclaim
 #                                                    plugin
@@ -32,8 +35,8 @@
 #
 # Every step fails when its log holds the word `skipped` on any line: only testkit's gate
 # prints it (`skipped: <test>: <why>`, a panic instead under HEADROOM_REQUIRE_GPU=1), and
-# xtask's tidy test keeps it out of every other literal of tests, benches, examples and xtask,
-# so a run cannot pass by skipping in any way.
+# xtask's tidy test keeps it out of every other literal of tests, benches, examples, xtask and
+# headroom-bench, so a run cannot pass by skipping in any way.
 #
 # Output: RESULTS (default results/<date>-<commit>/ under the workspace root, results/README.md)
 # gets one log per step, the JSON files and meta.json: the GPU's name and driver, the versions of
@@ -47,17 +50,17 @@ export COMMIT=$commit
 [[ -n $commit ]] || { echo "no git metadata: set COMMIT to the sources' short hash" >&2; exit 2; }
 out=${RESULTS:-results/$(date -u +%F)-$commit}
 bin=.gpu-bundle/bin
-xtask=$bin/xtask
-# Every phase but `tests` runs the release xtask.
+bench=$bin/headroom-bench
+# Every phase but `tests` runs the release headroom-bench.
 for phase in "$@"; do
-  [[ $phase == tests || -x $xtask ]] ||
-    { echo "no $xtask for phase $phase: build the bundle first (see the header)" >&2; exit 2; }
+  [[ $phase == tests || -x $bench ]] ||
+    { echo "no $bench for phase $phase: build the bundle first (see the header)" >&2; exit 2; }
 done
 vit_cases=adam_foreach,adam_foreach_unbounded,adam_single,sgd,adam_fused,adam_inbwd,adam8bit
 vit_cases+=,adam8bit_inbwd,adam_ckpt,adam_inbwd_ckpt,adam_fused_clip,adam_inbwd_clip
 vit_cases+=,adam_inbwd_clip_prev,adam_offload,adam_ckpt8bit,adam_bf16,adam_fp16
 vit_cases+=,adam_inbwd_ckpt_bf16,fwd_bwd,fwd_bwd_bf16
-(( $# > 0 )) || { sed -n '2,35p' "$0"; exit 2; }
+(( $# > 0 )) || { sed -n '2,39p' "$0"; exit 2; }
 if [[ -n ${PLUGIN_DIR:-} && -f $PLUGIN_DIR/bnb.tar.xz ]]; then
   mkdir -p /tmp/headroom-site
   python3 -c "import bitsandbytes" 2>/dev/null || tar xJf "$PLUGIN_DIR/bnb.tar.xz" -C /tmp/headroom-site
@@ -118,7 +121,8 @@ for phase in "$@"; do
     tests)
       for t in "$bin"/*; do
         name=$(basename "$t" | sed 's/-[0-9a-f]*$//')
-        case $name in xtask*) continue ;; esac
+        # The tools, and their tests wherever a bundle holds them (CPU tests, which CI runs).
+        case $name in xtask* | headroom-bench | headroom_bench*) continue ;; esac
         if [[ " $multi_gpu_tests " == *" $name "* ]]; then
           echo "test_$name: not run here: it needs two GPUs (scripts/gpu-data-parallel.sh)"
           continue
@@ -127,35 +131,35 @@ for phase in "$@"; do
       done ;;
     vit)
       # Every case but adam_auto (the planner phase measures it at its budgets).
-      step vit_ours "$xtask" bench-memory --device cuda --batch 1 --batch 32 \
+      step vit_ours "$bench" bench-memory --device cuda --batch 1 --batch 32 \
         --cases "$vit_cases" --json "$out/vit.json"
       step vit_torch python3 scripts/pytorch/bench_reference.py --batch 1 --batch 32 \
         --out "$out/anchor_vit.jsonl" ;;
     gpt2)
       step gpt2_torch python3 scripts/pytorch/bench_reference.py --in-process --model gpt2 \
         --seq 1024 --batch 8 --cases fwd_bwd,fwd_bwd_bf16,adam_fused --out "$out/anchor_gpt2.jsonl"
-      step gpt2_ours "$xtask" bench-memory --device cuda --model gpt2 --seq 1024 --batch 8 \
+      step gpt2_ours "$bench" bench-memory --device cuda --model gpt2 --seq 1024 --batch 8 \
         --cases fwd_bwd,fwd_bwd_bf16,adam_fused --pytorch "$out/anchor_gpt2.jsonl" \
         --json "$out/gpt2.json" ;;
     fmb)
       step fmb_torch python3 scripts/pytorch/find_max_batch.py --memory-cap-mb 24576 \
         --out "$out/fmb_torch.jsonl"
-      step fmb_ours "$xtask" find-max-batch --device cuda --memory-cap-mb 24576 \
+      step fmb_ours "$bench" find-max-batch --device cuda --memory-cap-mb 24576 \
         --pytorch "$out/fmb_torch.jsonl" --json "$out/fmb.json" ;;
     planner)
       for budget in 6717334272 8110652416 9503970560 10897288704 12290606848; do
-        step "planner_$budget" "$xtask" bench-memory --device cuda --batch 32 --cases adam_auto \
+        step "planner_$budget" "$bench" bench-memory --device cuda --batch 32 --cases adam_auto \
           --budget "$budget" --json "$out/planner_$budget.json"
       done ;;
     reclaim)
       cases=adam_fused,adam_inbwd,adam_ckpt
-      step reclaim_default "$xtask" bench-memory --device cuda --batch 1 --batch 32 \
+      step reclaim_default "$bench" bench-memory --device cuda --batch 1 --batch 32 \
         --cases $cases --json "$out/reclaim_default.json"
       HEADROOM_ALLOC_CONF=reclaim_free_pages:True,reclaim_settles:False step reclaim_on \
-        "$xtask" bench-memory --device cuda --batch 1 --batch 32 --cases $cases \
+        "$bench" bench-memory --device cuda --batch 1 --batch 32 --cases $cases \
         --json "$out/reclaim_on.json" ;;
     noreclaim)
-      HEADROOM_ALLOC_CONF=reclaim_free_pages:False step reclaim_off "$xtask" bench-memory \
+      HEADROOM_ALLOC_CONF=reclaim_free_pages:False step reclaim_off "$bench" bench-memory \
         --device cuda --batch 1 --batch 32 --cases adam_fused,adam_inbwd,adam_ckpt \
         --json "$out/reclaim_off.json" ;;
     plugin)

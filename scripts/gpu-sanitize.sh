@@ -35,7 +35,7 @@ run() { # tool binary
 }
 for t in .gpu-bundle/bin/*; do
   name=$(basename "$t" | sed 's/-[0-9a-f]*$//')
-  case $name in xtask*) continue ;; esac
+  case $name in xtask* | headroom-bench | headroom_bench*) continue ;; esac
   if [[ " $multi_gpu_tests " == *" $name "* ]]; then
     echo "$name: not run here: it needs two GPUs (scripts/gpu-data-parallel.sh)"
     continue

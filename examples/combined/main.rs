@@ -72,7 +72,10 @@ fn main() -> Result<()> {
         describe(&config),
         device.name
     );
-    println!("{:<62} {:>11} {:>10} {:>9}", "setting", "peak", "step", "loss");
+    println!(
+        "{:<62} {:>11} {:>10} {:>9}",
+        "setting", "peak", "step", "loss"
+    );
     let mut plain_peak = None;
     for (name, setting) in SETTINGS {
         let measured = train(&device, &config, batch, steps, setting)?;
@@ -81,7 +84,10 @@ fn main() -> Result<()> {
                 plain_peak = Some(measured.peak);
                 String::new()
             }
-            Some(plain) => format!(" ({:.2}x the plain peak)", measured.peak as f64 / plain as f64),
+            Some(plain) => format!(
+                " ({:.2}x the plain peak)",
+                measured.peak as f64 / plain as f64
+            ),
         };
         println!(
             "{name:<62} {:>8.1} MB {:>7.1} ms {:>9.4}{ratio}",

@@ -1,12 +1,13 @@
 //! Workspace tasks, run as `cargo xtask <command>` (the alias lives in `.cargo/config.toml`).
 //!
-//! Each command is one module with a `run(args)` entry point. xtask sits on top of the library
-//! crates and may use anyhow; no library crate depends on it.
+//! Each task is one module with a `run(args)` entry point. The measurements (`bench-memory`,
+//! `find-max-batch`, `replay-trace`) live in `crates/bench`: [`measurements`] hands them to its
+//! binary, built in release, so that xtask itself stays small and builds in debug (`tidy` and
+//! `tables` compile no CUDA code). xtask sits on top of the library crates and may use anyhow; no
+//! library crate depends on it.
 
-mod bench_memory;
 mod build_kernels;
-mod find_max_batch;
-mod replay_trace;
+mod measurements;
 mod tables;
 mod tidy;
 
@@ -29,10 +30,10 @@ fn main() -> Result<()> {
         return Ok(());
     };
     let rest: Vec<String> = args.collect();
+    if measurements::COMMANDS.contains(&command.as_str()) {
+        return measurements::run(&command, &rest);
+    }
     match command.as_str() {
-        "bench-memory" => bench_memory::run(&rest),
-        "replay-trace" => replay_trace::run(&rest),
-        "find-max-batch" => find_max_batch::run(&rest),
         "build-kernels" => build_kernels::run(&rest),
         "tables" => tables::run(&rest),
         "tidy" => tidy::run(),
@@ -46,10 +47,8 @@ fn main() -> Result<()> {
 
 fn usage() -> String {
     format!(
-        "{USAGE_HEAD}{}{}{}{}{USAGE}",
-        bench_memory::USAGE,
-        find_max_batch::USAGE,
-        replay_trace::USAGE,
+        "{USAGE_HEAD}{}{}{USAGE}",
+        measurements::USAGE,
         tables::USAGE
     )
 }
@@ -60,16 +59,4 @@ fn project_root() -> std::path::PathBuf {
         .parent()
         .expect("xtask sits inside the workspace")
         .to_path_buf()
-}
-
-/// `mib` MiB in bytes, for the option `flag`: an error naming the flag where the bytes would not
-/// fit in a `u64` (a wrapped product would silently become a tiny cap or a zero bucket).
-fn mib_to_bytes(flag: &str, mib: u64) -> Result<u64> {
-    match mib.checked_mul(1 << 20) {
-        Some(bytes) => Ok(bytes),
-        None => bail!(
-            "{flag} {mib}: too large to count in bytes (at most {} MiB)",
-            u64::MAX >> 20
-        ),
-    }
 }

@@ -5,10 +5,10 @@
 //!   (see [`file_length`]);
 //! - no module is named `utils`, `helpers` or `common`;
 //! - no test is marked `ignore` or `should_panic` (assert on the `Err` instead);
-//! - no test, bench, example or xtask code skips by hand (a literal with the word `skipped`, a
-//!   device opener whose result it matches on or drops, see [`gpu_skips`]): it skips through
-//!   testkit's gate (`headroom_testkit::gpu`), which `HEADROOM_REQUIRE_GPU=1` turns into a
-//!   failure, so a GPU run cannot pass by skipping;
+//! - no test, bench, example, xtask or headroom-bench code skips by hand (a literal with the word
+//!   `skipped`, a device opener whose result it matches on or drops, see [`gpu_skips`]): it skips
+//!   through testkit's gate (`headroom_testkit::gpu`), which `HEADROOM_REQUIRE_GPU=1` turns into
+//!   a failure, so a GPU run cannot pass by skipping;
 //! - ARCHITECTURE.md has one `### crates/<name>` heading per crate folder, and no heading
 //!   for a folder that does not exist;
 //! - crate dependencies point one way, down the layers of [`LAYERS`] (what `cargo metadata`
@@ -51,7 +51,8 @@ const LAYERS: &[&[&str]] = &[
     ],
     // Data parallelism drives hooks' in-backward buckets.
     &["headroom-distributed"],
-    &["headroom", "headroom-python", "xtask"],
+    // The measurements (headroom-bench) and the workspace tasks sit on everything.
+    &["headroom", "headroom-bench", "headroom-python", "xtask"],
 ];
 
 /// The dependencies allowed within one layer, each with its reason.

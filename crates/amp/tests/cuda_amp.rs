@@ -5,7 +5,6 @@
 //! least halves, bf16 autocast ends within 1% of f32, and bf16 with stochastic rounding and no
 //! master copy within 1% of O2 master weights. Prints a skip notice (and passes) without a CUDA device; fails
 //! instead where `HEADROOM_REQUIRE_GPU=1`.
-#![cfg(feature = "cuda")]
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -1,11 +1,11 @@
-//! The NCCL communicator on two GPUs of one host, one rank per GPU (features `nccl` and `cuda`):
+//! The NCCL communicator on two GPUs of one host, one rank per GPU (feature `nccl`):
 //! each collective's values, and ZeRO-2 against one GPU training on the same global batch,
 //! bitwise (a sum of two values is the same in any order, and `1/2` is exact, as on the CPU).
 //!
 //! It needs two GPUs: with fewer (or without libnccl) each test skips through testkit's gate,
 //! and fails instead under `HEADROOM_REQUIRE_GPU=1`. So the one-GPU suite leaves this binary out
 //! by name (`scripts/gpu-measure.sh`), and `scripts/gpu-data-parallel.sh` runs it on two.
-#![cfg(all(feature = "nccl", feature = "cuda"))]
+#![cfg(feature = "nccl")]
 
 use std::sync::Arc;
 

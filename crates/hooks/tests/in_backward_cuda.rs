@@ -3,7 +3,6 @@
 //! `clip_grad_norm_` then a step, accumulation over four micro-batches gives plain accumulation,
 //! and a scaled loss is unscaled in the fused kernels from device tensors, skipping the whole step
 //! on an overflow. Skips with a notice without a GPU (fails where `HEADROOM_REQUIRE_GPU=1`).
-#![cfg(feature = "cuda")]
 
 mod techniques;
 

@@ -58,7 +58,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         [] => false,
         [flag] if flag == "--check" => true,
         [flag] if flag == "--help" || flag == "-h" => {
-            print!("usage:\n{USAGE}\nkinds (xtask/src/tables/kinds.rs), and what each reads:\n");
+            print!("usage:\n{USAGE}\nkinds (xtask/src/tables/kinds/), and what each reads:\n");
             for kind in kinds::KINDS {
                 println!("  {:<24} {}", kind.name, kind.reads);
             }

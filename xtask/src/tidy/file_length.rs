@@ -12,13 +12,11 @@ use std::path::{Path, PathBuf};
 /// The most lines a `.rs` file may have.
 const MAX_LINES: usize = 800;
 
-/// Files over the limit that other branches of issue 28 split (autograd-core's `Backend`,
-/// optim's CUDA tests, bench-memory's cases, the tables' kinds), relative to the workspace root.
+/// Files over the limit that another branch of issue 28 splits (autograd-core's `Backend`,
+/// optim's CUDA tests), relative to the workspace root.
 const AWAITING_SPLIT: &[&str] = &[
     "crates/autograd-core/src/backend.rs",
     "crates/optim/tests/cuda_optim.rs",
-    "xtask/src/bench_memory/cases.rs",
-    "xtask/src/tables/kinds.rs",
 ];
 
 /// Every file of `files` (under `root`) over the limit and not awaiting its split, named with its

@@ -16,9 +16,9 @@
 //! code.
 //!
 //! Harness code is every file under a `tests`, `benches` or `examples` folder, where both rules
-//! apply, and xtask, whose output the GPU scripts read: there the literal rule applies to every
-//! file, the opener rule to its tests only (`--device auto` falls back to the CPU when no device
-//! answers, by design). The gate itself (`crates/testkit/src/gpu.rs`) and this file, whose tests
+//! apply, and the tools, xtask and headroom-bench (`crates/bench`), whose output the GPU scripts
+//! read: there the literal rule applies to every file, the opener rule to their tests only
+//! (`--device auto` falls back to the CPU when no device answers, by design). The gate itself (`crates/testkit/src/gpu.rs`) and this file, whose tests
 //! hold hand-made skips as data, are not harness code.
 //!
 //! It sits on the text of one file and its path. It must not know the other tidy rules.
@@ -67,10 +67,10 @@ const CONSUMERS: &[&str] = &["?", "unwrap", "expect", "unwrap_err", "expect_err"
 /// How a file is checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Scope {
-    /// A test, bench or example (or one of xtask's tests): both rules.
+    /// A test, bench or example (or one of the tools' tests): both rules.
     Harness,
-    /// xtask's own code: the literal rule only.
-    Xtask,
+    /// The tools' own code (xtask's, headroom-bench's): the literal rule only.
+    Tool,
 }
 
 /// How `relative` (a path from the workspace root) is checked, or `None` for code that is not
@@ -88,15 +88,15 @@ pub(super) fn scope(relative: &Path) -> Option<Scope> {
             .iter()
             .any(|part| names.contains(part))
     };
-    if parts.first() == Some(&"xtask") {
-        if parts.ends_with(&["tidy", "gpu_skips.rs"]) {
+    if parts.first() == Some(&"xtask") || parts.starts_with(&["crates", "bench"]) {
+        if parts.ends_with(&["xtask", "src", "tidy", "gpu_skips.rs"]) {
             return None;
         }
         let test_file = in_folder(&["tests"]) || parts.last() == Some(&"tests.rs");
         return Some(if test_file {
             Scope::Harness
         } else {
-            Scope::Xtask
+            Scope::Tool
         });
     }
     in_folder(&["tests", "benches", "examples"]).then_some(Scope::Harness)
@@ -520,9 +520,9 @@ mod tests {
             found(text),
             [(2, PRINTED), (3, PRINTED), (4, PRINTED), (6, PRINTED)]
         );
-        // xtask's own code: the literal rule holds too.
+        // A tool's own code: the literal rule holds too.
         assert_eq!(
-            skips_by_hand(r#"println!("skipped: chromium is missing");"#, Scope::Xtask),
+            skips_by_hand(r#"println!("skipped: chromium is missing");"#, Scope::Tool),
             [(1, PRINTED)]
         );
     }
@@ -614,7 +614,7 @@ println!("{}", 'x');
     }
 
     #[test]
-    fn harness_code_is_tests_benches_examples_and_xtask() {
+    fn harness_code_is_tests_benches_examples_and_the_tools() {
         let cases = [
             (
                 "crates/caching-allocator/tests/cuda_storage.rs",
@@ -630,8 +630,17 @@ println!("{}", 'x');
             ),
             ("benches/allocator.rs", Some(Scope::Harness)),
             ("examples/device/mod.rs", Some(Scope::Harness)),
-            ("xtask/src/bench_memory/tests.rs", Some(Scope::Harness)),
-            ("xtask/src/find_max_batch.rs", Some(Scope::Xtask)),
+            (
+                "crates/bench/src/bench_memory/tests.rs",
+                Some(Scope::Harness),
+            ),
+            (
+                "crates/bench/src/find_max_batch/tests.rs",
+                Some(Scope::Harness),
+            ),
+            ("crates/bench/src/find_max_batch.rs", Some(Scope::Tool)),
+            ("xtask/src/measurements.rs", Some(Scope::Tool)),
+            ("xtask/src/tables/tests.rs", Some(Scope::Harness)),
             ("xtask/src/tidy/gpu_skips.rs", None),
             ("crates/testkit/src/gpu.rs", None),
             ("crates/caching-allocator/src/allocator/malloc.rs", None),

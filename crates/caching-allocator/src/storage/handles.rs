@@ -32,7 +32,8 @@ impl HandleRun {
         self.start + self.bytes
     }
 
-    /// The handles of this run, as (start, bytes).
+    /// The handles of this run, as (start, bytes): the CUDA storage creates and releases each.
+    #[cfg(any(feature = "cuda", test))]
     pub(crate) fn handles(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         (self.start..self.end())
             .step_by(self.handle as usize)
@@ -99,7 +100,9 @@ impl HandleTable {
             .is_some_and(|(_, run)| run.end() > address)
     }
 
-    /// Whether every byte of `[address, end)` is mapped.
+    /// Whether every byte of `[address, end)` is mapped (the CUDA storage checks a memset's or
+    /// a copy's range with it).
+    #[cfg(any(feature = "cuda", test))]
     pub(crate) fn covers(&self, address: u64, end: u64) -> bool {
         let mut cursor = address;
         while cursor < end {
@@ -185,7 +188,8 @@ impl HandleTable {
         }
     }
 
-    /// Every run, emptying the table.
+    /// Every run, emptying the table (the CUDA storage, at teardown).
+    #[cfg(any(feature = "cuda", test))]
     pub(crate) fn take_all(&mut self) -> Vec<HandleRun> {
         std::mem::take(&mut self.runs).into_values().collect()
     }

@@ -9,7 +9,8 @@ use headroom_nn::{Module, VisionTransformer, VitConfig};
 use headroom_ops_cpu::CpuBackend;
 use serde_json::Value;
 
-use super::cases::{Case, Model};
+use super::cases::Case;
+use super::models::Model;
 use super::{execute, parse, report, DeviceChoice};
 
 /// `VitConfig::tiny()`'s parameters: class token 64, patch embedding 64·3·8·8 + 64, position
@@ -271,7 +272,7 @@ fn pytorch_anchors_are_read_from_torch_reference_output() {
 fn failing_cases_are_reported_and_every_case_is_tried() {
     use headroom_caching_allocator::{AllocatorConfig, CachingAllocator, HostStorage};
 
-    use super::cases::Probe;
+    use super::training::Probe;
     use super::{run_cases, CPU_DEFAULTS};
 
     // 1 MiB of host memory: less than one small-pool segment, so every case runs out of memory

@@ -3,9 +3,9 @@
 //!
 //! On a GPU (`CudaBackend::new(0)` succeeds): torchvision's ViT-L/16 at batch 1 and 32, the
 //! settings of PyTorch's anchors (`torch_reference.py`). Without one: the CPU backend on
-//! `vit_mini` (see [`cases::Model::named`]), a few minutes on two cores. Each case starts from a
+//! `vit_mini` (see [`models::Model::named`]), a few minutes on two cores. Each case starts from a
 //! fresh model and optimizer after `empty_cache`, and follows the reference protocol
-//! ([`cases`]). Output: a progress bar on stderr, a Markdown table on stdout (with PyTorch's
+//! ([`measure`]). Output: a progress bar on stderr, a Markdown table on stdout (with PyTorch's
 //! figures and the ratios when `--pytorch anchor.jsonl` is given), `--json FILE` (one object per
 //! case under `cases`) and `--html FILE` (charts, [`html`]). A case that fails (out of memory,
 //! an optimizer the device lacks) is reported and the others still run; the command then exits
@@ -17,16 +17,20 @@
 //! backward); and the traced step's peak is split by what held it at that moment
 //! ([`timeline`]), the components adding up to that peak exactly.
 //!
-//! Modules: [`cases`] (cases, models, protocol), [`timeline`] (history → timeline and
-//! breakdown), [`report`] (table, JSON, anchors), [`html`] (charts). This one parses the
-//! options, picks the device and drives the cases.
+//! Modules: [`cases`] (what each case trains with), [`models`] (the models and their input),
+//! [`training`] (one training run), [`measure`] (the protocol that measures a case),
+//! [`budget_plan`] (`adam_auto`'s plan), [`timeline`] (history → timeline and breakdown),
+//! [`report`] (table, JSON, anchors), [`html`] (charts). This one parses the options, picks the
+//! device and drives the cases.
 
 mod budget_plan;
 pub(crate) mod cases;
 mod html;
+pub(crate) mod measure;
 pub(crate) mod models;
 mod report;
 mod timeline;
+pub(crate) mod training;
 
 #[cfg(test)]
 mod tests;
@@ -41,8 +45,11 @@ use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use cases::{Case, CaseResult, Model, Probe, Protocol};
+use cases::Case;
+use measure::{CaseResult, Protocol};
+use models::Model;
 use report::Anchors;
+use training::Probe;
 
 /// Which device `--device` asks for (bench-memory's and find-max-batch's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -452,7 +459,7 @@ fn run_cases<S: Storage>(
             bar.set_message(format!("{} batch {batch} {}", model.name, case.name()));
             let done = bar.position() + options.protocol.total_steps() as u64;
             let tick = &mut || bar.inc(1);
-            match cases::measure(probe, model, batch, case, protocol, tick) {
+            match measure::measure(probe, model, batch, case, protocol, tick) {
                 Ok(result) => {
                     // A planned case's plan as soon as it is measured (on stderr; stdout has
                     // them all at the end), so a run cut short still shows the ones done.

@@ -10,7 +10,8 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
-use super::cases::{Case, CaseResult};
+use super::cases::Case;
+use super::measure::CaseResult;
 
 /// PyTorch's figures for one case of `torch_reference.py` (one line of its `anchor.jsonl`).
 #[derive(Debug, Clone, Copy, PartialEq)]

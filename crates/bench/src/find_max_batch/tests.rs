@@ -12,8 +12,10 @@ use super::{
     execute, find_max_batch, is_out_of_memory, markdown, parse, parse_pytorch, search,
     DeviceChoice, Peaks,
 };
-use crate::bench_memory::cases::{Case, Probe, Protocol, Training};
+use crate::bench_memory::cases::Case;
+use crate::bench_memory::measure::Protocol;
 use crate::bench_memory::models::{Arch, Input, Model};
+use crate::bench_memory::training::{Probe, Training};
 
 /// A memory curve: `fixed + per_sample × batch` bytes reserved, out of memory above `cap`.
 fn linear(

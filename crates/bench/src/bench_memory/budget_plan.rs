@@ -34,9 +34,10 @@ use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
 use serde_json::{json, Value};
 
-use super::cases::{CaseResult, Probe};
+use super::measure::CaseResult;
 use super::models::Net;
 use super::report::size;
+use super::training::Probe;
 
 /// What the planner decided and predicted for one `adam_auto` run.
 #[derive(Debug, Clone)]

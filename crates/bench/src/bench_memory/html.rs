@@ -8,8 +8,9 @@
 
 use std::fmt::Write as _;
 
-use super::cases::{CaseResult, Phase};
+use super::measure::CaseResult;
 use super::report::{size, Anchors};
+use super::training::Phase;
 
 /// Colours of the peak's components, in [`super::timeline::AtPeak::components`] order.
 const COMPONENT_COLOURS: [&str; 8] = [
@@ -446,7 +447,7 @@ mod tests {
 
     #[test]
     fn a_short_phase_keeps_a_visible_share_of_the_axis() {
-        use super::super::cases::Phase;
+        use super::super::training::Phase;
         // 1,000 events: forward 0..400, backward 400..998, step 998..1000.
         let starts = [
             (0, Phase::Forward),

@@ -32,8 +32,10 @@ use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
 use serde_json::{json, Value};
 
-use crate::bench_memory::cases::{Case, Probe, Protocol, Training};
+use crate::bench_memory::cases::Case;
+use crate::bench_memory::measure::Protocol;
 use crate::bench_memory::models::{Input, Model};
+use crate::bench_memory::training::{Probe, Training};
 use crate::bench_memory::DeviceChoice;
 
 pub(crate) const USAGE: &str =

@@ -25,7 +25,7 @@ use std::collections::{HashMap, HashSet};
 use anyhow::{bail, Result};
 use headroom_caching_allocator::{TraceAction, TraceEntry};
 
-use super::cases::Phase;
+use super::training::Phase;
 
 /// Bytes held from before the traced step, known exactly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,355 @@
+//! The cases of `bench-memory`: what each one trains with (optimizer and implementation,
+//! in-backward stepping, clipping, checkpointing, offload, compression, autocast, loss scaling,
+//! parameter dtype), their names on the command line and PyTorch's, and the optimizer a case
+//! builds ([`BenchOptimizer`]: one that can count its state while the training loop steps it).
+//!
+//! It sits on optim (the optimizers) and hooks' clipping modes; it knows nothing about models,
+//! devices, the protocol or reports.
+
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use headroom_autograd_core::{DType, Tensor};
+use headroom_hooks::ClipMode;
+use headroom_optim::kernels::{Adam8bitConfig, AdamConfig, SgdConfig, StepOutcome};
+use headroom_optim::{
+    GroupOptimizer, Implementation, OptimError, Optimizer, ParamGroup, ParamId, Scaling,
+    StepParams, UpdateRule,
+};
+use parking_lot::Mutex;
+
+use super::training::tensor_bytes;
+
+/// One optimizer implementation under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Case {
+    /// Adam (lr 1e-4), foreach with temporaries bounded to [`headroom_optim::DEFAULT_FOREACH_CHUNK`].
+    AdamForeach,
+    /// Adam, foreach as PyTorch does it: temporaries for the whole parameter list.
+    AdamForeachUnbounded,
+    /// Adam, one parameter at a time (`foreach=False`).
+    AdamSingle,
+    /// Adam, one fused pass (`fused=True`).
+    AdamFused,
+    /// bitsandbytes' Adam8bit (lr 1e-4): 8-bit blockwise state.
+    Adam8bit,
+    /// SGD (lr 1e-3, no momentum), fused: no state, no temporaries.
+    Sgd,
+    /// Fused Adam stepped inside backward (hooks' `InBackward`, buckets of 25 MiB or 1/16 of the
+    /// parameters, whichever is smaller): gradients are freed as they are used.
+    AdamInbwd,
+    /// 8-bit Adam stepped inside backward.
+    Adam8bitInbwd,
+    /// Fused Adam with every encoder block but the last checkpointed (only block inputs kept;
+    /// `CheckpointBlocks::all_but_last`).
+    AdamCkpt,
+    /// Fused Adam inside backward with every block checkpointed (the last one too: leaving it
+    /// alone would put the peak at the end of the forward).
+    AdamInbwdCkpt,
+    /// Fused Adam after `clip_grad_norm_(params, 1.0)` (L2): the plain loop's clipping.
+    AdamFusedClip,
+    /// Fused Adam inside backward, clipped exactly to the global L2 norm 1.0 (a first backward
+    /// pass measures the norm, a second one updates).
+    AdamInbwdClip,
+    /// Fused Adam inside backward, clipped with the previous step's global L2 norm (one pass).
+    AdamInbwdClipPrev,
+    /// Fused Adam with the saved tensors of the first 7/12 of the encoder blocks offloaded to
+    /// pinned host memory ([`super::training::offload_blocks`]; CUDA only).
+    AdamOffload,
+    /// Fused Adam with every encoder block's saved activations compressed to 8 bits (checkpoint's
+    /// `CompressBlocks::all()`: no checkpointing; each op input or output a block saves, of 16 Ki
+    /// elements or more, kept as signed bytes with one f32 absmax per 256 elements and decoded in
+    /// backward; parameters, layer norm statistics and attention's log-sum-exp stay f32).
+    AdamCkpt8bit,
+    /// Fused Adam with checkpointing planned per block for a memory budget (`--budget`;
+    /// [`super::budget_plan`]).
+    AdamAuto,
+    /// Fused Adam with the forward under bf16 autocast.
+    AdamBf16,
+    /// Fused Adam with the forward under f16 autocast and the loss scaled by a GradScaler (the
+    /// kernels unscale and skip; no host read).
+    AdamFp16,
+    /// Fused Adam inside backward, every block checkpointed, the forward under bf16 autocast.
+    AdamInbwdCkptBf16,
+    /// Forward and backward only (no optimizer step; gradients set to none after), f32.
+    FwdBwd,
+    /// Forward and backward only, the whole model in bf16 (`model.bfloat16()`).
+    FwdBwdBf16,
+}
+
+impl Case {
+    /// Every case, in report order: pairs that differ by one technique sit next to each other
+    /// (the HTML report draws two timelines a row).
+    pub(crate) const ALL: [Case; 21] = [
+        Case::AdamForeach,
+        Case::AdamForeachUnbounded,
+        Case::AdamSingle,
+        Case::Sgd,
+        Case::AdamFused,
+        Case::AdamInbwd,
+        Case::Adam8bit,
+        Case::Adam8bitInbwd,
+        Case::AdamCkpt,
+        Case::AdamInbwdCkpt,
+        Case::AdamFusedClip,
+        Case::AdamInbwdClip,
+        Case::AdamInbwdClipPrev,
+        Case::AdamOffload,
+        Case::AdamCkpt8bit,
+        Case::AdamAuto,
+        Case::AdamBf16,
+        Case::AdamFp16,
+        Case::AdamInbwdCkptBf16,
+        Case::FwdBwd,
+        Case::FwdBwdBf16,
+    ];
+
+    /// The case's name on the command line and in reports.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Case::AdamForeach => "adam_foreach",
+            Case::AdamForeachUnbounded => "adam_foreach_unbounded",
+            Case::AdamSingle => "adam_single",
+            Case::AdamFused => "adam_fused",
+            Case::Adam8bit => "adam8bit",
+            Case::Sgd => "sgd",
+            Case::AdamInbwd => "adam_inbwd",
+            Case::Adam8bitInbwd => "adam8bit_inbwd",
+            Case::AdamCkpt => "adam_ckpt",
+            Case::AdamInbwdCkpt => "adam_inbwd_ckpt",
+            Case::AdamFusedClip => "adam_fused_clip",
+            Case::AdamInbwdClip => "adam_inbwd_clip",
+            Case::AdamInbwdClipPrev => "adam_inbwd_clip_prev",
+            Case::AdamOffload => "adam_offload",
+            Case::AdamCkpt8bit => "adam_ckpt8bit",
+            Case::AdamAuto => "adam_auto",
+            Case::AdamBf16 => "adam_bf16",
+            Case::AdamFp16 => "adam_fp16",
+            Case::AdamInbwdCkptBf16 => "adam_inbwd_ckpt_bf16",
+            Case::FwdBwd => "fwd_bwd",
+            Case::FwdBwdBf16 => "fwd_bwd_bf16",
+        }
+    }
+
+    /// Whether the optimizer steps inside backward.
+    pub(crate) fn in_backward(self) -> bool {
+        matches!(
+            self,
+            Case::AdamInbwd
+                | Case::Adam8bitInbwd
+                | Case::AdamInbwdCkpt
+                | Case::AdamInbwdClip
+                | Case::AdamInbwdClipPrev
+                | Case::AdamInbwdCkptBf16
+        )
+    }
+
+    /// How the case clips gradients to the global L2 norm [`super::training::CLIP_MAX_NORM`], if it does.
+    pub(crate) fn clipping(self) -> Option<ClipMode> {
+        match self {
+            Case::AdamFusedClip | Case::AdamInbwdClip => Some(ClipMode::Exact),
+            Case::AdamInbwdClipPrev => Some(ClipMode::PreviousStep),
+            _ => None,
+        }
+    }
+
+    /// Whether the encoder blocks are checkpointed (with the plain step every one but the last).
+    pub(crate) fn checkpointed(self) -> bool {
+        matches!(
+            self,
+            Case::AdamCkpt | Case::AdamInbwdCkpt | Case::AdamInbwdCkptBf16
+        )
+    }
+
+    /// The autocast dtype of the forward, if any.
+    pub(crate) fn autocast(self) -> Option<DType> {
+        match self {
+            Case::AdamBf16 | Case::AdamInbwdCkptBf16 => Some(DType::BF16),
+            Case::AdamFp16 => Some(DType::F16),
+            _ => None,
+        }
+    }
+
+    /// The dtype of the model's parameters.
+    pub(crate) fn param_dtype(self) -> DType {
+        match self {
+            Case::FwdBwdBf16 => DType::BF16,
+            _ => DType::F32,
+        }
+    }
+
+    /// Whether the case steps no optimizer (forward and backward only).
+    pub(crate) fn forward_backward_only(self) -> bool {
+        matches!(self, Case::FwdBwd | Case::FwdBwdBf16)
+    }
+
+    /// Whether the loss is scaled by a GradScaler (f16).
+    pub(crate) fn loss_scaled(self) -> bool {
+        self == Case::AdamFp16
+    }
+
+    /// Whether the case runs on a CUDA device only (offload copies to pinned host memory).
+    pub(crate) fn needs_cuda(self) -> bool {
+        self == Case::AdamOffload
+    }
+
+    /// The case of `torch_reference.py` that computes the same update (PyTorch's foreach is
+    /// unbounded, so both foreach cases compare with it).
+    pub(crate) fn pytorch_name(self) -> &'static str {
+        match self {
+            Case::AdamForeachUnbounded => "adam_foreach",
+            other => other.name(),
+        }
+    }
+
+    /// The case named `name`.
+    pub(crate) fn parse(name: &str) -> Result<Case> {
+        Case::ALL
+            .into_iter()
+            .find(|case| case.name() == name)
+            .with_context(|| {
+                let names: Vec<_> = Case::ALL.iter().map(|c| c.name()).collect();
+                format!("unknown case `{name}` (cases: {})", names.join(", "))
+            })
+    }
+
+    /// The cases of a `--cases a,b,c` list (at least one).
+    pub(crate) fn parse_list(list: &str) -> Result<Vec<Case>> {
+        let cases = list
+            .split(',')
+            .filter(|name| !name.is_empty())
+            .map(Case::parse)
+            .collect::<Result<Vec<_>>>()?;
+        if cases.is_empty() {
+            bail!("--cases names no case");
+        }
+        Ok(cases)
+    }
+
+    /// The optimizer the case steps, over `params`, with no state yet.
+    pub(super) fn optimizer(self, params: Vec<Tensor>) -> Result<Box<dyn BenchOptimizer>> {
+        fn build<R: UpdateRule>(
+            params: Vec<Tensor>,
+            config: R,
+            implementation: Implementation,
+        ) -> Result<Box<dyn BenchOptimizer>> {
+            let optimizer =
+                GroupOptimizer::new(vec![ParamGroup::new(params, config)], implementation)?;
+            Ok(Box::new(Arc::new(Mutex::new(optimizer))))
+        }
+        let adam = AdamConfig {
+            lr: 1e-4,
+            ..AdamConfig::adam()
+        };
+        let adam8bit = Adam8bitConfig {
+            lr: 1e-4,
+            ..Adam8bitConfig::adam()
+        };
+        match self {
+            Case::AdamForeach => build::<AdamConfig>(params, adam, Implementation::FOREACH),
+            Case::AdamForeachUnbounded => {
+                build::<AdamConfig>(params, adam, Implementation::ForeachUnbounded)
+            }
+            Case::AdamSingle => build::<AdamConfig>(params, adam, Implementation::Single),
+            Case::AdamFused
+            | Case::AdamInbwd
+            | Case::AdamCkpt
+            | Case::AdamInbwdCkpt
+            | Case::AdamFusedClip
+            | Case::AdamInbwdClip
+            | Case::AdamInbwdClipPrev
+            | Case::AdamOffload
+            | Case::AdamCkpt8bit
+            | Case::AdamAuto
+            | Case::AdamBf16
+            | Case::AdamFp16
+            | Case::AdamInbwdCkptBf16 => build::<AdamConfig>(params, adam, Implementation::Fused),
+            Case::Adam8bit | Case::Adam8bitInbwd => {
+                build::<Adam8bitConfig>(params, adam8bit, Implementation::Fused)
+            }
+            // The forward-and-backward cases never step: their SGD only sets gradients to none.
+            Case::Sgd | Case::FwdBwd | Case::FwdBwdBf16 => {
+                build::<SgdConfig>(params, SgdConfig::new(1e-3), Implementation::Fused)
+            }
+        }
+    }
+}
+
+/// An optimizer whose state can be counted, shared so that an `InBackward` can step it.
+pub(super) trait BenchOptimizer: Send {
+    /// A handle that steps the optimizer (through the shared lock).
+    fn handle(&self) -> Box<dyn Optimizer>;
+    /// Bytes of every state tensor (numel × element size).
+    fn state_bytes(&self) -> u64;
+}
+
+impl<R: UpdateRule> BenchOptimizer for Arc<Mutex<GroupOptimizer<R>>> {
+    fn handle(&self) -> Box<dyn Optimizer> {
+        Box::new(SharedOptimizer(Arc::clone(self)))
+    }
+
+    fn state_bytes(&self) -> u64 {
+        let optimizer = self.lock();
+        let mut bytes = 0;
+        for (g, group) in optimizer.groups().iter().enumerate() {
+            for idx in 0..group.params.len() {
+                bytes += optimizer
+                    .param_state(g, idx)
+                    .iter()
+                    .map(|(_, tensor)| tensor_bytes(tensor))
+                    .sum::<u64>();
+            }
+        }
+        bytes
+    }
+}
+
+/// A group optimizer behind a lock, as an [`Optimizer`]: the bench keeps one handle to count its
+/// state while the training loop (or an `InBackward`) steps through another.
+struct SharedOptimizer<R: UpdateRule>(Arc<Mutex<GroupOptimizer<R>>>);
+
+impl<R: UpdateRule> Optimizer for SharedOptimizer<R> {
+    fn name(&self) -> &'static str {
+        self.0.lock().name()
+    }
+
+    fn n_groups(&self) -> usize {
+        self.0.lock().n_groups()
+    }
+
+    fn lr(&self, group: usize) -> f64 {
+        self.0.lock().lr(group)
+    }
+
+    fn set_lr(&mut self, group: usize, lr: f64) {
+        self.0.lock().set_lr(group, lr)
+    }
+
+    fn params(&self) -> Vec<(ParamId, Tensor)> {
+        self.0.lock().params()
+    }
+
+    fn param_id(&self, param: &Tensor) -> Result<ParamId, OptimError> {
+        self.0.lock().param_id(param)
+    }
+
+    fn step_with(
+        &mut self,
+        params: StepParams<'_>,
+        scaling: Scaling<'_>,
+    ) -> Result<StepOutcome, OptimError> {
+        self.0.lock().step_with(params, scaling)
+    }
+
+    fn zero_grad(&self, set_to_none: bool) -> Result<(), OptimError> {
+        self.0.lock().zero_grad(set_to_none)
+    }
+
+    fn state_dict(&self) -> Result<Vec<u8>, OptimError> {
+        self.0.lock().state_dict()
+    }
+
+    fn load_state_dict(&mut self, bytes: &[u8]) -> Result<(), OptimError> {
+        self.0.lock().load_state_dict(bytes)
+    }
+}

@@ -1,0 +1,273 @@
+//! The tables of `crates/caching-allocator/README.md`: the trace corpus and the physical handles
+//! (`cargo xtask replay-trace --corpus --json`), and the steady-state loops (what
+//! `crates/caching-allocator/tests/steady_state.rs` prints).
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+
+use super::{count, json_lines, one_file, row, text, thousands, ResultFile};
+
+/// The corpus traces' names in words (`testdata/traces/corpus.json`'s `name`).
+fn trace_label(name: &str) -> &str {
+    match name {
+        "bert_varlen_adamw_30steps" => "BERT, variable lengths (shared)",
+        "vit_l16_b8_adam_3steps" => "ViT-L/16, batch 8",
+        "vit_l16_b32_adam_3steps" => "ViT-L/16, batch 32",
+        "vit_b16_batch_change_adamw" => "ViT-B/16, batch 16 → 96 → 48",
+        "bert_varlen_adamw_30steps_seed0" => "BERT, variable lengths (our recording)",
+        "gpt2_medium_varlen_adamw_16steps" => "GPT-2 medium, variable lengths",
+        "llama_bf16_ckpt_adamw_8steps" => "Llama 0.9B, bf16 autocast, checkpointing",
+        "llama_generate_kvcache" => "Llama generation, growing KV cache",
+        "resnet50_sgd_b128_5steps" => "ResNet-50, batch 128, SGD",
+        other => other,
+    }
+}
+
+/// One policy's replay of a corpus line.
+fn replay<'a>(trace: &'a Value, policy: &str) -> Result<&'a Value> {
+    let value = &trace["replays"][policy];
+    if value.is_null() {
+        bail!("no `{policy}` replay of {}", trace["name"]);
+    }
+    Ok(value)
+}
+
+/// `crates/caching-allocator/README.md`'s corpus table: per trace, PyTorch's figures, the
+/// replays' peak reserved bytes with their ratio to the 512-rounded live peak (the default
+/// replay's), the default's and `reclaiming()`'s against PyTorch's expandable segments, and
+/// their waits for the device.
+pub(super) fn allocator_corpus(files: &[ResultFile]) -> Result<Vec<String>> {
+    let traces = json_lines(one_file(files)?)?;
+    let mut lines = vec![
+        "| trace | events | PyTorch peak allocated | live (512-rounded) | PyTorch classic | \
+         PyTorch expandable | ours classic | ours default | default / PyTorch expandable | ours \
+         `reclaiming()` | `reclaiming()` / PyTorch expandable | waits: default, `reclaiming()` |"
+            .to_owned(),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|".to_owned(),
+    ];
+    for trace in &traces {
+        let classic = replay(trace, "classic")?;
+        let default = replay(trace, "default")?;
+        let reclaiming = replay(trace, "reclaiming")?;
+        let live = count(default, "peak_requested_rounded_bytes")?;
+        let torch_classic = &trace["pytorch"]["classic"];
+        let torch_expandable = count(&trace["pytorch"]["expandable"], "peak_reserved_bytes")?;
+        let over_live =
+            |bytes: u64| format!("{} ({:.4})", thousands(bytes), bytes as f64 / live as f64);
+        let over_expandable = |bytes: u64| format!("{:.4}", bytes as f64 / torch_expandable as f64);
+        let default_reserved = count(default, "peak_reserved_bytes")?;
+        let reclaiming_reserved = count(reclaiming, "peak_reserved_bytes")?;
+        lines.push(row(&[
+            trace_label(text(trace, "name")?).to_owned(),
+            thousands(count(default, "events")?),
+            thousands(count(torch_classic, "peak_allocated_bytes")?),
+            thousands(live),
+            over_live(count(torch_classic, "peak_reserved_bytes")?),
+            over_live(torch_expandable),
+            over_live(count(classic, "peak_reserved_bytes")?),
+            over_live(default_reserved),
+            over_expandable(default_reserved),
+            over_live(reclaiming_reserved),
+            over_expandable(reclaiming_reserved),
+            format!(
+                "{}, {}",
+                count(default, "waits")?,
+                count(reclaiming, "waits")?
+            ),
+        ]));
+    }
+    Ok(lines)
+}
+
+/// `crates/caching-allocator/README.md`'s handle table: per trace, the physical handles the
+/// default's maps created with handles of up to 2 (one per page), 8 and 32 MiB, and the peak
+/// reserved of the larger handles over the 2 MiB one's.
+pub(super) fn allocator_handles(files: &[ResultFile]) -> Result<Vec<String>> {
+    let traces = json_lines(one_file(files)?)?;
+    let mut lines = vec![
+        "| trace | handles, 2 MiB | 8 MiB | 32 MiB | peak reserved over 2 MiB handles', 8 MiB | \
+         32 MiB |"
+            .to_owned(),
+        "|---|---:|---:|---:|---:|---:|".to_owned(),
+    ];
+    for trace in &traces {
+        let default = replay(trace, "default")?;
+        let eight = replay(trace, "default_8mib_handles")?;
+        let thirty_two = replay(trace, "default_32mib_handles")?;
+        let reserved = count(default, "peak_reserved_bytes")? as f64;
+        let over = |value: &Value| -> Result<String> {
+            Ok(format!(
+                "{:.4}",
+                count(value, "peak_reserved_bytes")? as f64 / reserved
+            ))
+        };
+        lines.push(row(&[
+            trace_label(text(trace, "name")?).to_owned(),
+            thousands(count(default, "handles")?),
+            thousands(count(eight, "handles")?),
+            thousands(count(thirty_two, "handles")?),
+            over(eight)?,
+            over(thirty_two)?,
+        ]));
+    }
+    Ok(lines)
+}
+
+/// The loops of `tests/steady_state.rs` in words, by trace file.
+fn loop_label(file: &str) -> &str {
+    match file {
+        "vit_l16_b32_adam_3steps.tsv.gz" => "ViT-L/16 batch 32, Adam",
+        "vit_l16_b8_adam_3steps.tsv.gz" => "ViT-L/16 batch 8, Adam",
+        "vit_b16_batch_change_adamw.tsv.gz" => "ViT-B/16 batch 48, AdamW",
+        "resnet50_sgd_b128_5steps.tsv.gz" => "ResNet-50 batch 128, SGD",
+        "llama_bf16_ckpt_adamw_8steps.tsv.gz" => "Llama 0.9B bf16, checkpointed",
+        "bench_vit_l16_b1_adam_fused.tsv.gz" => "bench-memory ViT-L/16 batch 1, fused Adam",
+        "bench_vit_l16_b1_adam_inbwd.tsv.gz" => "bench-memory, step in backward",
+        "bench_vit_l16_b1_adam_ckpt.tsv.gz" => "bench-memory, checkpointed",
+        other => other,
+    }
+}
+
+/// One policy's loop: peak reserved over the live peak, and maps / unmaps / waits per step.
+struct LoopSeries {
+    over_live: f64,
+    steps: Vec<[u64; 3]>,
+}
+
+impl LoopSeries {
+    /// Parses `1.0079× live; maps/unmaps/waits per step: 58/30/9 2/2/1 ...`.
+    fn parse(text: &str) -> Result<LoopSeries> {
+        let (ratio, steps) = text
+            .split_once("× live; maps/unmaps/waits per step:")
+            .with_context(|| format!("not a loop line: `{text}`"))?;
+        let over_live = ratio
+            .trim()
+            .parse()
+            .with_context(|| format!("`{ratio}` is no ratio"))?;
+        let steps = steps
+            .split_whitespace()
+            .map(|step| {
+                let counts: Vec<u64> = step
+                    .split('/')
+                    .map(str::parse)
+                    .collect::<Result<_, _>>()
+                    .with_context(|| format!("`{step}` is not maps/unmaps/waits"))?;
+                <[u64; 3]>::try_from(counts)
+                    .map_err(|_| anyhow::anyhow!("`{step}` is not maps/unmaps/waits"))
+            })
+            .collect::<Result<_>>()?;
+        Ok(LoopSeries { over_live, steps })
+    }
+
+    /// The 1-based step from which every step maps, unmaps and waits for nothing, if the loop
+    /// ends that way.
+    fn settled_from(&self) -> Option<usize> {
+        let busy = self.steps.iter().rposition(|step| *step != [0, 0, 0]);
+        match busy {
+            None => Some(1),
+            Some(idx) if idx + 1 < self.steps.len() => Some(idx + 2),
+            Some(_) => None,
+        }
+    }
+
+    /// Every step until the loop settles, then `then 0/0/0`.
+    fn first_steps(&self) -> String {
+        let shown = self
+            .settled_from()
+            .map_or(self.steps.len(), |from| from - 1);
+        let mut parts: Vec<String> = self.steps[..shown]
+            .iter()
+            .map(|[maps, unmaps, waits]| format!("{maps}/{unmaps}/{waits}"))
+            .collect();
+        if shown < self.steps.len() {
+            parts.push("then 0/0/0".into());
+        }
+        parts.join(", ")
+    }
+
+    /// `0/0/0 from step N` when the loop settles, else the range of each count over the steps
+    /// from `first` (1-based) on: `3–4/4–9/2`.
+    fn late_steps(&self, first: usize) -> String {
+        if let Some(from) = self.settled_from() {
+            return format!("0/0/0 from step {from}");
+        }
+        let late = &self.steps[(first - 1).min(self.steps.len())..];
+        (0..3)
+            .map(|which| {
+                let low = late.iter().map(|step| step[which]).min().unwrap_or(0);
+                let high = late.iter().map(|step| step[which]).max().unwrap_or(0);
+                if low == high {
+                    low.to_string()
+                } else {
+                    format!("{low}–{high}")
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("/")
+    }
+}
+
+/// `crates/caching-allocator/README.md`'s loop table, from what `tests/steady_state.rs` prints
+/// for each loop (a line naming the trace, then one line per policy): the default's steps until
+/// it settles, `reclaiming()`'s from step 7 (after the six warm-up steps the test allows the
+/// default), and no reclaiming's, each with its peak reserved over the live peak.
+pub(super) fn allocator_steady_state(files: &[ResultFile]) -> Result<Vec<String>> {
+    /// The first step of `reclaiming()`'s column: the test's warm-up steps, plus one.
+    const LATE_FROM: usize = 7;
+    let file = one_file(files)?;
+    let mut loops: Vec<(String, Vec<(String, LoopSeries)>)> = Vec::new();
+    for line in file.text.lines() {
+        let trimmed = line.trim();
+        if let Some(rest) = line.strip_prefix("  ") {
+            let Some((policy, series)) = rest.split_once("  ") else {
+                continue;
+            };
+            let Some((_, policies)) = loops.last_mut() else {
+                bail!("{}: `{trimmed}` before any trace", file.path);
+            };
+            let series = LoopSeries::parse(series.trim())
+                .with_context(|| format!("{}: `{trimmed}`", file.path))?;
+            policies.push((policy.trim().to_owned(), series));
+        } else if let Some(trace) = trimmed.split_whitespace().last() {
+            // A trace's line (after the test harness's `test … ...` when it is the first).
+            if trace.ends_with(".tsv.gz") && !trimmed.contains(": ") {
+                loops.push((trace.to_owned(), Vec::new()));
+            }
+        }
+    }
+    if loops.is_empty() {
+        bail!("{}: no loop", file.path);
+    }
+    let mut lines = vec![
+        "| loop (steady step × 20) | default: first steps, then every step | peak reserved / live \
+         | `reclaiming()`: each of steps 7–20 | peak / live | no reclaim \
+         (`reclaim_free_pages:False`) |"
+            .to_owned(),
+        "|---|---|---|---|---|---|".to_owned(),
+    ];
+    for (trace, policies) in &loops {
+        let policy = |name: &str| -> Result<&LoopSeries> {
+            policies
+                .iter()
+                .find(|(policy, _)| policy == name)
+                .map(|(_, series)| series)
+                .with_context(|| format!("{}: no `{name}` loop for {trace}", file.path))
+        };
+        let default = policy("default")?;
+        let reclaiming = policy("reclaiming()")?;
+        let no_reclaim = policy("no reclaim")?;
+        lines.push(row(&[
+            loop_label(trace).to_owned(),
+            default.first_steps(),
+            format!("{:.4}", default.over_live),
+            reclaiming.late_steps(LATE_FROM),
+            format!("{:.4}", reclaiming.over_live),
+            format!(
+                "{}, {:.4}",
+                no_reclaim.late_steps(LATE_FROM),
+                no_reclaim.over_live
+            ),
+        ]));
+    }
+    Ok(lines)
+}

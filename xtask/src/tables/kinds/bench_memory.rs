@@ -1,0 +1,234 @@
+//! The tables of `bench-memory`'s JSON (`cargo xtask bench-memory --json`): each case beside
+//! PyTorch's anchors, the planner at each budget, and the same cases under different allocator
+//! settings.
+//!
+//! It knows bench-memory's case names only as far as matching PyTorch's anchors needs
+//! ([`pytorch_case`]); a test holds that against headroom-bench's own cases.
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+
+use super::{count, json_lines, number, row, text, thousands, ResultFile};
+
+/// The `cases` of a `cargo xtask bench-memory --json` document.
+fn bench_memory_cases(file: &ResultFile) -> Result<Vec<Value>> {
+    let document: Value = serde_json::from_str(&file.text)
+        .with_context(|| format!("{}: not a JSON document", file.path))?;
+    document["cases"]
+        .as_array()
+        .cloned()
+        .with_context(|| format!("{}: no `cases` (not bench-memory's --json)", file.path))
+}
+
+/// The case of `torch_reference.py` that the bench-memory case `case` is compared with: the
+/// same name, but for `adam_foreach_unbounded`, which compares with PyTorch's foreach (unbounded
+/// too) as `adam_foreach` does. headroom-bench's `bench_memory_case_names` says the same; the
+/// test below holds the two equal.
+fn pytorch_case(case: &str) -> &str {
+    match case {
+        "adam_foreach_unbounded" => "adam_foreach",
+        other => other,
+    }
+}
+
+/// PyTorch's figures for one bench-memory case: from `anchors` (anchor.jsonl's lines) when
+/// given, matched as bench-memory matches them (model, PyTorch's name of the case, batch), else
+/// the case's own `pytorch` object.
+fn pytorch_figures(case: &Value, anchors: Option<&[Value]>) -> Result<Option<(u64, f64)>> {
+    let Some(anchors) = anchors else {
+        let own = &case["pytorch"];
+        if own.is_null() {
+            return Ok(None);
+        }
+        return Ok(Some((
+            number(own, "steady_peak_alloc")? as u64,
+            number(own, "step_ms_median")?,
+        )));
+    };
+    let name = pytorch_case(text(case, "case")?);
+    let model = text(case, "model")?;
+    let batch = count(case, "batch")?;
+    let found = anchors.iter().find(|anchor| {
+        anchor["case"] == name
+            && anchor["batch"].as_u64() == Some(batch)
+            // Anchors without a model are torch_reference.py's ViT-L/16 (bench-memory's rule).
+            && anchor["model"].as_str().unwrap_or("vit_l_16") == model
+            && anchor["steady_peak_alloc"].is_number()
+    });
+    found
+        .map(|anchor| {
+            Ok((
+                number(anchor, "steady_peak_alloc")? as u64,
+                number(anchor, "step_ms_median")?,
+            ))
+        })
+        .transpose()
+}
+
+/// Every case of a bench-memory run beside PyTorch's case of the same name: peak allocated
+/// bytes and median step, `—` where PyTorch has no such case.
+pub(super) fn bench_memory_pytorch(files: &[ResultFile]) -> Result<Vec<String>> {
+    let (bench, anchors) = match files {
+        [] => bail!("reads a bench-memory JSON and, optionally, anchor.jsonl files"),
+        [bench] => (bench, None),
+        [bench, anchor_files @ ..] => {
+            // A later file's line for the same case wins: it measured again.
+            let mut anchors = Vec::new();
+            for file in anchor_files.iter().rev() {
+                anchors.extend(json_lines(file)?);
+            }
+            (bench, Some(anchors))
+        }
+    };
+    let mut lines = vec![
+        "| batch | case | peak alloc (B) | PyTorch (B) | step ms | PyTorch ms |".to_owned(),
+        "|---:|---|---:|---:|---:|---:|".to_owned(),
+    ];
+    for case in bench_memory_cases(bench)? {
+        let torch = pytorch_figures(&case, anchors.as_deref())?;
+        lines.push(row(&[
+            count(&case, "batch")?.to_string(),
+            text(&case, "case")?.to_owned(),
+            thousands(count(&case, "peak_allocated_bytes")?),
+            torch.map_or("—".into(), |(bytes, _)| thousands(bytes)),
+            format!("{:.2}", number(&case, "step_ms")?),
+            torch.map_or("—".into(), |(_, ms)| format!("{ms:.2}")),
+        ]));
+    }
+    Ok(lines)
+}
+
+/// The planner (`adam_auto`) at each budget: its plan in words, measured and predicted peak and
+/// step, and uniform every-k checkpointing at the same budget, measured in alternation.
+pub(super) fn bench_memory_planner(files: &[ResultFile]) -> Result<Vec<String>> {
+    if files.is_empty() {
+        bail!("reads one or more bench-memory JSON files of adam_auto");
+    }
+    let mut lines = vec![
+        "| budget (B) | plan | peak (B) | predicted (B) | step ms | predicted ms | uniform: every k, \
+         recomputed | uniform peak (B) | uniform ms | plan / uniform |"
+            .to_owned(),
+        "|---:|---|---:|---:|---:|---:|---|---:|---:|---:|".to_owned(),
+    ];
+    let mut cases = Vec::new();
+    for file in files {
+        for case in bench_memory_cases(file)? {
+            if case["plan"].is_object() {
+                cases.push((file.path.as_str(), case));
+            }
+        }
+    }
+    cases.sort_by_key(|(_, case)| case["plan"]["budget_bytes"].as_u64());
+    for (path, case) in &cases {
+        let plan = &case["plan"];
+        let uniform = &plan["uniform"];
+        let strategies = plan["strategies"]
+            .as_array()
+            .with_context(|| format!("{path}: a plan without strategies"))?;
+        let mut counts: Vec<(String, usize)> = Vec::new();
+        for strategy in strategies {
+            let name = strategy.as_str().unwrap_or("?").to_owned();
+            match counts.iter_mut().find(|(seen, _)| *seen == name) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((name, 1)),
+            }
+        }
+        let words: Vec<String> = counts
+            .iter()
+            .map(|(name, n)| format!("{n} {name}"))
+            .collect();
+        let plan_ms = number(uniform, "plan_step_ms")?;
+        let uniform_ms = number(uniform, "step_ms")?;
+        lines.push(row(&[
+            thousands(count(plan, "budget_bytes")?),
+            words.join(", "),
+            thousands(count(case, "peak_allocated_bytes")?),
+            thousands(count(plan, "predicted_peak_bytes")?),
+            format!("{plan_ms:.1}"),
+            format!("{:.1}", number(plan, "predicted_step_ms")?),
+            format!(
+                "{}: {}",
+                count(uniform, "every")?,
+                count(uniform, "n_recomputed")?
+            ),
+            thousands(count(uniform, "peak_allocated_bytes")?),
+            format!("{uniform_ms:.1}"),
+            format!("{:.3}", plan_ms / uniform_ms),
+        ]));
+    }
+    Ok(lines)
+}
+
+/// A column's name for a bench-memory run under some allocator settings, from its file's name
+/// (gpu-measure.sh's reclaim phases).
+fn allocator_settings_label(path: &str) -> String {
+    let stem = path
+        .rsplit('/')
+        .next()
+        .unwrap_or(path)
+        .trim_end_matches(".json");
+    match stem {
+        "reclaim_default" => "default".to_owned(),
+        "reclaim_on" => "`reclaiming()`".to_owned(),
+        "reclaim_off" => "`reclaim_free_pages:False`".to_owned(),
+        other => format!("`{other}`"),
+    }
+}
+
+/// The same bench-memory cases under different allocator settings, one column per file: median
+/// step (fastest step) and peak reserved bytes.
+pub(super) fn bench_memory_allocators(files: &[ResultFile]) -> Result<Vec<String>> {
+    if files.len() < 2 {
+        bail!(
+            "reads two or more bench-memory JSON files, given {}",
+            files.len()
+        );
+    }
+    let runs = files
+        .iter()
+        .map(bench_memory_cases)
+        .collect::<Result<Vec<_>>>()?;
+    let labels: Vec<String> = files
+        .iter()
+        .map(|file| allocator_settings_label(&file.path))
+        .collect();
+    let mut lines = vec![
+        format!("| batch | case | {} |", labels.join(" | ")),
+        format!("|---:|---|{}", "---|".repeat(files.len())),
+    ];
+    for case in &runs[0] {
+        let (name, batch) = (text(case, "case")?, count(case, "batch")?);
+        let mut cells = vec![batch.to_string(), name.to_owned()];
+        for (file, run) in files.iter().zip(&runs) {
+            let same = run
+                .iter()
+                .find(|other| other["case"] == name && other["batch"].as_u64() == Some(batch))
+                .with_context(|| format!("{}: no {name} at batch {batch}", file.path))?;
+            cells.push(format!(
+                "{:.2} ms ({:.2}), {} B",
+                number(same, "step_ms")?,
+                number(same, "step_ms_min")?,
+                thousands(count(same, "peak_reserved_bytes")?)
+            ));
+        }
+        lines.push(row(&cells));
+    }
+    Ok(lines)
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every case headroom-bench runs matches PyTorch's case of the name it writes beside it.
+    #[test]
+    fn pytorch_cases_are_the_ones_headroom_bench_names() {
+        let cases = headroom_bench::bench_memory_case_names();
+        assert_eq!(cases.len(), 21);
+        for (case, pytorch) in cases {
+            assert_eq!(super::pytorch_case(case), pytorch, "{case}");
+        }
+        assert_eq!(
+            super::pytorch_case("adam_foreach_unbounded"),
+            "adam_foreach"
+        );
+    }
+}

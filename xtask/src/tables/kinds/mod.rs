@@ -1,0 +1,194 @@
+//! The kinds of table: each a function that renders a Markdown table (lines without
+//! indentation) from raw results files, named by `<!-- table: KIND FILE... -->`.
+//!
+//! A kind reads the files as their tool wrote them (the JSON lines of `crates/python/bench` and
+//! of `cargo xtask replay-trace --corpus --json`, bench-memory's JSON, a test's stdout) and
+//! computes every figure it shows from them; the only text of its own is labels (a trace's or a
+//! model's name in words) and, for `nn-golden`, the bound its test holds each model to. It sits
+//! on serde_json and knows nothing of markers or documents. A new kind is one function, in the
+//! module of the tool whose results it reads ([`python`], [`nn`], [`bench_memory`],
+//! [`allocator`]), and one entry of [`KINDS`]; this module holds the reading and formatting they
+//! share.
+
+mod allocator;
+mod bench_memory;
+mod nn;
+mod python;
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+
+/// A raw results file: its path (relative to the workspace root), its text and its provenance
+/// (`meta`, see `results/README.md`).
+pub(super) struct ResultFile {
+    pub(super) path: String,
+    pub(super) text: String,
+    pub(super) meta: Value,
+}
+
+/// A kind of table and what it reads.
+pub(super) struct Kind {
+    pub(super) name: &'static str,
+    pub(super) reads: &'static str,
+    render: fn(&[ResultFile]) -> Result<Vec<String>>,
+}
+
+pub(super) const KINDS: &[Kind] = &[
+    Kind {
+        name: "python-training",
+        reads: "crates/python/bench's train.py JSON lines (run.sh's train.jsonl)",
+        render: python::python_training,
+    },
+    Kind {
+        name: "python-handles",
+        reads: "train.py JSON lines of GPT-2 runs with expandable_handle_size_mb 2, 8 and 32",
+        render: python::python_handles,
+    },
+    Kind {
+        name: "python-optim",
+        reads: "crates/python/bench's optim_compare.py JSON lines (run.sh's optim.jsonl)",
+        render: python::python_optim,
+    },
+    Kind {
+        name: "nn-golden",
+        reads:
+            "the stdout of crates/nn/tests/golden.rs (`cargo test --test golden -- --nocapture`)",
+        render: nn::nn_golden,
+    },
+    Kind {
+        name: "bench-memory-pytorch",
+        reads: "`cargo xtask bench-memory --json` (gpu-measure.sh's vit.json), and PyTorch's \
+                anchor.jsonl files (a later file's line for a case wins) unless its cases carry \
+                PyTorch's figures (--pytorch)",
+        render: bench_memory::bench_memory_pytorch,
+    },
+    Kind {
+        name: "bench-memory-planner",
+        reads: "`cargo xtask bench-memory --cases adam_auto --budget B --json` files, one per \
+                budget (gpu-measure.sh's planner phase)",
+        render: bench_memory::bench_memory_planner,
+    },
+    Kind {
+        name: "bench-memory-allocators",
+        reads: "`cargo xtask bench-memory --json` files of the same cases under different \
+                allocator settings (gpu-measure.sh's reclaim_default, reclaim_on, reclaim_off)",
+        render: bench_memory::bench_memory_allocators,
+    },
+    Kind {
+        name: "allocator-corpus",
+        reads: "`cargo xtask replay-trace --corpus --json`",
+        render: allocator::allocator_corpus,
+    },
+    Kind {
+        name: "allocator-steady-state",
+        reads: "the stdout of crates/caching-allocator/tests/steady_state.rs \
+                (`cargo test --test steady_state -- --nocapture --test-threads 1`)",
+        render: allocator::allocator_steady_state,
+    },
+    Kind {
+        name: "allocator-handles",
+        reads: "`cargo xtask replay-trace --corpus --json`",
+        render: allocator::allocator_handles,
+    },
+];
+
+/// The kind named `name`, or an error listing the kinds.
+pub(super) fn find(name: &str) -> Result<&'static Kind> {
+    KINDS
+        .iter()
+        .find(|kind| kind.name == name)
+        .with_context(|| {
+            format!(
+                "no table kind `{name}` (kinds: {})",
+                KINDS
+                    .iter()
+                    .map(|kind| kind.name)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        })
+}
+
+/// Renders the table of the kind named `name` from `files`.
+pub(super) fn render(name: &str, files: &[ResultFile]) -> Result<Vec<String>> {
+    let kind = find(name)?;
+    (kind.render)(files).with_context(|| format!("`{name}` ({})", kind.reads))
+}
+
+/// The one file a kind reads.
+fn one_file(files: &[ResultFile]) -> Result<&ResultFile> {
+    match files {
+        [file] => Ok(file),
+        _ => bail!("reads one file, given {}", files.len()),
+    }
+}
+
+/// The JSON objects of a JSON-lines file: every line that starts with `{`, but a `{"meta": …}`
+/// line (other lines are the tool's log, which the raw output keeps).
+fn json_lines(file: &ResultFile) -> Result<Vec<Value>> {
+    let mut values = Vec::new();
+    for (idx, line) in file.text.lines().enumerate() {
+        if !line.starts_with('{') {
+            continue;
+        }
+        let value: Value = serde_json::from_str(line)
+            .with_context(|| format!("{}:{}: not JSON", file.path, idx + 1))?;
+        if value.get("meta").is_none() {
+            values.push(value);
+        }
+    }
+    Ok(values)
+}
+
+fn number(value: &Value, key: &str) -> Result<f64> {
+    value[key]
+        .as_f64()
+        .with_context(|| format!("no number `{key}` in {}", brief(value)))
+}
+
+fn count(value: &Value, key: &str) -> Result<u64> {
+    value[key]
+        .as_u64()
+        .with_context(|| format!("no count `{key}` in {}", brief(value)))
+}
+
+fn text<'a>(value: &'a Value, key: &str) -> Result<&'a str> {
+    value[key]
+        .as_str()
+        .with_context(|| format!("no string `{key}` in {}", brief(value)))
+}
+
+/// The start of a JSON value, for an error message.
+fn brief(value: &Value) -> String {
+    let text = value.to_string();
+    match text.char_indices().nth(80) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text,
+    }
+}
+
+/// `15592325120` → `15,592,325,120`.
+pub(super) fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (idx, digit) in digits.chars().enumerate() {
+        if idx > 0 && (digits.len() - idx).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(digit);
+    }
+    out
+}
+
+/// A row of cells: `| a | b |`, an empty cell as `| |`.
+fn row(cells: &[String]) -> String {
+    let mut line = "|".to_owned();
+    for cell in cells {
+        if !cell.is_empty() {
+            line.push(' ');
+            line.push_str(cell);
+        }
+        line.push_str(" |");
+    }
+    line
+}
