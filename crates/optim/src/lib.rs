@@ -29,12 +29,13 @@
 //!
 //! Parameters may live on the CPU or, with the `cuda` feature, on a CUDA device: the optimizer
 //! takes its [`StepDevice`] from its parameters (all on one device, contiguous, of a dtype the
-//! rule takes, else a typed error), and the device is chosen in one place: `StepDevice` calls
-//! the host or the CUDA entry of the rule's [`RuleKernels`]. The rules' front ends (`sgd.rs`,
-//! `adam.rs`, `adafactor.rs`, `adam8bit.rs`, and their CUDA pieces in `cuda/`) say only which
-//! buffers go to which kernels; one shared driver (`driver.rs`, `cuda/multi_tensor.rs`) does the
-//! element-type dispatch, the scratch of the single and foreach forms, the chunking and the
-//! per-parameter schedule.
+//! rule takes, else a typed error), and the device is chosen in one place: `StepDevice` calls the
+//! rule's host entry ([`UpdateRule::host_step`]) or its CUDA entry ([`CudaKernels`]`::cuda_step`),
+//! trait methods all the way down. The rules' front ends (`sgd.rs`, `adam.rs`, `adafactor.rs`,
+//! `adam8bit.rs`, and their CUDA pieces in `cuda/`) say only which buffers go to which kernels;
+//! one shared driver per device (`driver.rs`, `cuda/multi_tensor.rs`) does the element-type
+//! dispatch, the scratch of the single and foreach forms, the chunking and the per-parameter
+//! schedule.
 //!
 //! Gradient clipping: [`clip_grad_norm_`] (norms 2 and inf, `error_if_nonfinite`, the total norm
 //! returned as a device tensor) and [`clip_grad_value_`], with PyTorch 2.11's semantics, over
@@ -72,6 +73,21 @@
 //! This crate sits on autograd-core (tensors, their storage) and knows no device API itself:
 //! the CPU side runs `kernels` on host memory; the CUDA side (`cuda`, feature `cuda`) launches
 //! PTX built from `kernels/*.cu` through headroom-ops-cuda's backend.
+//!
+//! Modules import one way, down these layers (bottom first; a module imports from its own layer
+//! or lower ones, never in a cycle — `tests/module_layers.rs` reads the sources and holds it):
+//! 0. `clip::norm` — what a gradient clip is (its norm type, PyTorch's coefficient).
+//! 1. `error` — the crate's one error type (it names the norm type).
+//! 2. `kernels` — the raw-buffer layer: updates over host slices, no tensors.
+//! 3. `step`, `host`, `cuda::table` — the step vocabulary; tensors as host slices; piece tables.
+//! 4. `cuda::launch`, `clip::host` — launches on a CUDA device; clipping on the host.
+//! 5. `rule`, `cuda::grads`, `cuda::clip`, `cuda::grad_scale` — what a rule is; CUDA clipping.
+//! 6. `driver`, `cuda::multi_tensor`, `device` — the drivers rules plug into; where steps run.
+//! 7. `optimizer` — `GroupOptimizer` over parameter groups, the `Optimizer` trait, state dicts.
+//! 8. `sgd`, `adam`, `adam_stochastic`, `adafactor`, `adam8bit` — the rules' front ends.
+//! 9. `clip`, `grad_scale`, `scheduler` — public clipping, overflow check, schedulers.
+//! 10. `cuda` — the rules' CUDA pieces (each implements `CudaKernels` for its front end's
+//!     state) and the raw-buffer CUDA layer.
 //!
 //! Crate features: `cuda` adds the CUDA device (capability only; results are the CPU's).
 //!
@@ -147,21 +163,25 @@ mod error;
 mod grad_scale;
 mod host;
 mod optimizer;
+mod rule;
 mod scheduler;
 mod sgd;
+mod step;
 
 pub use adafactor::{Adafactor, AdafactorState};
 pub use adam::{Adam, AdamState};
 pub use adam8bit::{bnb_maps, Adam8bit, Adam8bitState};
 pub use adam_stochastic::{AdamStochastic, AdamStochasticConfig};
 pub use clip::{clip_grad_norm_, clip_grad_value_, NormType};
-pub use device::{DeviceGradScaling, StepDevice};
-pub use driver::RuleKernels;
+pub use device::StepDevice;
 pub use error::OptimError;
 pub use grad_scale::non_finite_check_and_unscale_;
-pub use optimizer::{
-    GroupOptimizer, Implementation, NamedTensors, Optimizer, ParamGroup, ParamId, SavedTensors,
-    Scaling, StepParams, UpdateRule, DEFAULT_FOREACH_CHUNK,
-};
+pub use kernels::{AdafactorConfig, Adam8bitConfig, AdamConfig, SgdConfig, WeightDecay};
+pub use optimizer::{GroupOptimizer, Optimizer, ParamGroup};
+pub use rule::{CudaKernels, SavedTensors, UpdateRule};
 pub use scheduler::{LrScheduler, Schedule, SkipFlag};
 pub use sgd::{Sgd, SgdState};
+pub use step::{
+    DeviceGradScaling, Implementation, NamedTensors, ParamId, Scaling, StepParams,
+    DEFAULT_FOREACH_CHUNK,
+};
