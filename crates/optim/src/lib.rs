@@ -37,6 +37,13 @@
 //! dispatch, the scratch of the single and foreach forms, the chunking and the per-parameter
 //! schedule.
 //!
+//! A rule of your own is an [`ElementwiseRule`]: the update of one element in f32, the names of
+//! its state tensors and its constants per step. `GroupOptimizer::<YourRule>` then runs it with
+//! every implementation on the host (f32, bf16 and f16 parameters, states of their dtype, each
+//! value rounded once), with state dicts and schedulers, and on CUDA with a PTX kernel you supply
+//! ([`ElementKernel`], reading a table of [`ElementPiece`]s); `examples/custom_rule` writes Lion
+//! and checks it against a hand-written loop, bit for bit.
+//!
 //! Gradient clipping: [`clip_grad_norm_`] (norms 2 and inf, `error_if_nonfinite`, the total norm
 //! returned as a device tensor) and [`clip_grad_value_`], with PyTorch 2.11's semantics, over
 //! f32, bf16 and f16 gradients on the CPU (f64 sums) or CUDA (three launches for any number of
@@ -84,7 +91,7 @@
 //! 5. `rule`, `cuda::grads`, `cuda::clip`, `cuda::grad_scale` — what a rule is; CUDA clipping.
 //! 6. `driver`, `cuda::multi_tensor`, `device` — the drivers rules plug into; where steps run.
 //! 7. `optimizer` — `GroupOptimizer` over parameter groups, the `Optimizer` trait, state dicts.
-//! 8. `sgd`, `adam`, `adam_stochastic`, `adafactor`, `adam8bit` — the rules' front ends.
+//! 8. `sgd`, `adam`, `adam_stochastic`, `adafactor`, `adam8bit`, `elementwise` — rule front ends.
 //! 9. `clip`, `grad_scale`, `scheduler` — public clipping, overflow check, schedulers.
 //! 10. `cuda` — the rules' CUDA pieces (each implements `CudaKernels` for its front end's
 //!     state) and the raw-buffer CUDA layer.
@@ -159,6 +166,7 @@ mod adam_stochastic;
 mod clip;
 mod device;
 mod driver;
+mod elementwise;
 mod error;
 mod grad_scale;
 mod host;
@@ -174,6 +182,10 @@ pub use adam8bit::{bnb_maps, Adam8bit, Adam8bitState};
 pub use adam_stochastic::{AdamStochastic, AdamStochasticConfig};
 pub use clip::{clip_grad_norm_, clip_grad_value_, NormType};
 pub use device::StepDevice;
+pub use elementwise::{
+    ElementKernel, ElementPiece, ElementwiseRule, ElementwiseState, KERNEL_CONSTS,
+    MAX_ELEMENT_STATES,
+};
 pub use error::OptimError;
 pub use grad_scale::non_finite_check_and_unscale_;
 pub use kernels::{AdafactorConfig, Adam8bitConfig, AdamConfig, SgdConfig, WeightDecay};

@@ -6,7 +6,9 @@
 //! [`CudaKernels`]`::cuda_step` on a CUDA device ([`StepDevice`](crate::StepDevice) picks one) —
 //! so go-to-definition leads from a step to every rule's entry. A rule of this crate implements
 //! `UpdateRule` in its front end (`sgd.rs`, `adam.rs`, ...: its state, and its host entry
-//! calling the shared host driver, `driver.rs`) and `CudaKernels` in its CUDA piece (`cuda/`).
+//! calling the shared host driver, `driver.rs`) and `CudaKernels` in its CUDA piece (`cuda/`). A
+//! rule of the user's own is an [`ElementwiseRule`](crate::ElementwiseRule), which gets both
+//! through blanket implementations.
 //!
 //! It sits on the step vocabulary (`step.rs`) and, with the `cuda` feature, names the CUDA
 //! device a CUDA entry launches on (`cuda/launch.rs`); it knows no algorithm.
@@ -23,8 +25,10 @@ use crate::step::{Implementation, NamedTensors, RuleCall};
 /// supertrait) on CUDA.
 ///
 /// Implemented by this crate's rules (SGD, Adam, Adafactor, 8-bit Adam, stochastic-rounding
-/// Adam), whose entries take this crate's step types. Code outside names `UpdateRule` as a bound
-/// (`fn run<R: UpdateRule>(config: R)`).
+/// Adam) and, through a blanket implementation, by every
+/// [`ElementwiseRule`](crate::ElementwiseRule): a rule of your own implements that trait (its
+/// per-element update), not this one, whose entries take this crate's step types. Code outside
+/// names `UpdateRule` as a bound (`fn run<R: UpdateRule>(config: R)`).
 pub trait UpdateRule:
     Clone + std::fmt::Debug + Send + 'static + CudaKernels<<Self as UpdateRule>::State>
 {

@@ -19,7 +19,7 @@ use crate::error::OptimError;
 use crate::host::byte_range;
 use crate::step::{DeviceGradScaling, Scaling, StepItem};
 
-/// A PTX module of this crate.
+/// A PTX module: one of this crate's, or a user's (an `ElementwiseRule`'s kernel).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Module {
     Adam,
@@ -28,6 +28,11 @@ pub(crate) enum Module {
     Adafactor,
     Clip,
     GradScale,
+    /// PTX text under a name unique in the process.
+    User {
+        name: &'static str,
+        ptx: &'static str,
+    },
 }
 
 impl Module {
@@ -39,6 +44,7 @@ impl Module {
             Module::Adafactor => "headroom_optim::adafactor",
             Module::Clip => "headroom_optim::clip",
             Module::GradScale => "headroom_optim::grad_scale",
+            Module::User { name, .. } => name,
         }
     }
 
@@ -50,6 +56,7 @@ impl Module {
             Module::Adafactor => include_str!("../../kernels/ptx/adafactor.ptx"),
             Module::Clip => include_str!("../../kernels/ptx/clip.ptx"),
             Module::GradScale => include_str!("../../kernels/ptx/grad_scale.ptx"),
+            Module::User { ptx, .. } => ptx,
         }
     }
 }

@@ -16,8 +16,9 @@
 //! Each rule plugs in by implementing [`CudaKernels`](crate::rule::CudaKernels) for its state:
 //! SGD and Adam through `multi_tensor.rs` (one generic driver; `sgd.rs` and `adam.rs` hold only
 //! their kernel names, state addresses, pass ops and piece layouts), Adafactor and 8-bit Adam with
-//! their own entries (`adafactor.rs` on the host's per-parameter schedule, `adam8bit.rs`).
-//! `clip.rs` launches the clipping kernels and `grad_scale.rs` a GradScaler's
+//! their own entries (`adafactor.rs` on the host's per-parameter schedule, `adam8bit.rs`), a
+//! user's [`ElementwiseRule`](crate::ElementwiseRule) through `elementwise.rs` (its own PTX, one
+//! fused launch). `clip.rs` launches the clipping kernels and `grad_scale.rs` a GradScaler's
 //! overflow check (and unscale), both over a table of gradients (`grads.rs`). Every launch goes
 //! through `launch.rs`: a launch reads a piece table (`table.rs`) — one entry per tensor or range
 //! of one, with its addresses, length, step constants and first block — that `CudaDevice` copies
@@ -39,6 +40,7 @@ mod adafactor;
 mod adam;
 mod adam8bit;
 pub(crate) mod clip;
+mod elementwise;
 pub(crate) mod grad_scale;
 mod grads;
 pub(crate) mod launch;
