@@ -40,8 +40,7 @@ use headroom::checkpoint::{
 };
 use headroom::nn::{BlockRunner, Module, VisionTransformer, VitConfig};
 use headroom::ops_cpu::CpuBackend;
-use headroom::optim::kernels::{AdamConfig, SgdConfig};
-use headroom::optim::{Adam, Implementation, Optimizer, ParamGroup, Sgd};
+use headroom::optim::{Adam, AdamConfig, Implementation, Optimizer, ParamGroup, Sgd, SgdConfig};
 
 use device::Device;
 

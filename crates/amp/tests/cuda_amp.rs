@@ -14,9 +14,9 @@ use headroom_amp::{AmpPolicy, GradScaler, GradScalerConfig, MasterWeights};
 use headroom_autograd_core::{found_non_finite, BackendRef, DType, Generator, Tensor};
 use headroom_nn::{Gpt2Config, Gpt2LMHeadModel, Module};
 use headroom_ops_cuda::CudaBackend;
-use headroom_optim::kernels::{AdamConfig, SgdConfig};
 use headroom_optim::{
-    Adam, AdamStochastic, AdamStochasticConfig, Implementation, Optimizer, ParamGroup, Sgd,
+    Adam, AdamConfig, AdamStochastic, AdamStochasticConfig, Implementation, Optimizer, ParamGroup,
+    Sgd, SgdConfig,
 };
 use headroom_testkit::gpu::{cuda_or_skip, exclusive_device};
 

@@ -20,9 +20,9 @@ use headroom_distributed::{
 use headroom_hooks::{InBackward, InBackwardConfig};
 use headroom_nn::VitConfig;
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::kernels::{AdafactorConfig, AdamConfig};
 use headroom_optim::{
-    clip_grad_norm_, Adafactor, Adam, Implementation, NormType, Optimizer, ParamGroup,
+    clip_grad_norm_, Adafactor, AdafactorConfig, Adam, AdamConfig, Implementation, NormType,
+    Optimizer, ParamGroup,
 };
 use headroom_testkit::inputs::Xorshift;
 use headroom_testkit::{Batch, Model, ModelSpec};
@@ -626,8 +626,7 @@ fn chain_loss(weights: &[Tensor], step: usize, first: usize, n: usize) -> Tensor
 
 #[test]
 fn zero2_steps_8_bit_adam_shards_like_the_whole_weights() {
-    use headroom_optim::kernels::Adam8bitConfig;
-    use headroom_optim::Adam8bit;
+    use headroom_optim::{Adam8bit, Adam8bitConfig};
     let config = Adam8bitConfig {
         lr: 1e-3,
         ..Adam8bitConfig::adamw()

@@ -8,9 +8,8 @@ use headroom_autograd_core::{Backend, BackendRef, DType, Tensor};
 use headroom_hooks::{HooksError, InBackward, InBackwardConfig};
 use headroom_nn::{Gpt2Config, VitConfig};
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::kernels::SgdConfig;
 use headroom_optim::{
-    Implementation, LrScheduler, OptimError, Optimizer, ParamGroup, Schedule, Sgd,
+    Implementation, LrScheduler, OptimError, Optimizer, ParamGroup, Schedule, Sgd, SgdConfig,
 };
 mod techniques;
 

@@ -67,7 +67,9 @@ pub type NamedTensors = Vec<(&'static str, Tensor)>;
 /// ```
 /// use headroom_autograd_core::{DType, Tensor};
 /// use headroom_ops_cpu::CpuBackend;
-/// use headroom_optim::{Implementation, Optimizer, ParamGroup, Scaling, Sgd, SgdConfig, StepParams};
+/// use headroom_optim::{
+///     Implementation, Optimizer, ParamGroup, Scaling, Sgd, SgdConfig, StepParams,
+/// };
 ///
 /// let cpu = CpuBackend::new_ref();
 /// let (a, b) = (
@@ -104,7 +106,9 @@ impl ParamId {
 /// ```
 /// use headroom_autograd_core::Tensor;
 /// use headroom_ops_cpu::CpuBackend;
-/// use headroom_optim::{Adam, AdamConfig, Implementation, Optimizer, ParamGroup, Scaling, StepParams};
+/// use headroom_optim::{
+///     Adam, AdamConfig, Implementation, Optimizer, ParamGroup, Scaling, StepParams,
+/// };
 ///
 /// let cpu = CpuBackend::new_ref();
 /// let params: Vec<Tensor> = (0..4)

@@ -14,13 +14,11 @@ use std::sync::{Arc, OnceLock};
 use headroom_autograd_core::{BackendRef, DType, Device, Tensor};
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
-use headroom_optim::kernels::{
-    bf16, f16, n_blocks, AdafactorConfig, Adam8bitConfig, AdamConfig, GradScaling, SgdConfig,
-};
+use headroom_optim::kernels::{bf16, f16, n_blocks, GradScaling};
 use headroom_optim::{
-    non_finite_check_and_unscale_, Adam, Adam8bit, AdamStochastic, AdamStochasticConfig,
-    DeviceGradScaling, GroupOptimizer, Implementation, OptimError, Optimizer, ParamGroup, Scaling,
-    Sgd, StepParams, UpdateRule,
+    non_finite_check_and_unscale_, AdafactorConfig, Adam, Adam8bit, Adam8bitConfig, AdamConfig,
+    AdamStochastic, AdamStochasticConfig, DeviceGradScaling, GroupOptimizer, Implementation,
+    OptimError, Optimizer, ParamGroup, Scaling, Sgd, SgdConfig, StepParams, UpdateRule,
 };
 use headroom_testkit::gpu::cuda_or_skip;
 

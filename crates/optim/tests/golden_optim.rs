@@ -11,10 +11,9 @@ use std::sync::{Arc, Mutex};
 
 use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::kernels::{AdafactorConfig, AdamConfig, SgdConfig, WeightDecay};
 use headroom_optim::{
-    Adafactor, Adam, GroupOptimizer, Implementation, Optimizer, ParamGroup, Scaling, Sgd,
-    StepParams, UpdateRule,
+    Adafactor, AdafactorConfig, Adam, AdamConfig, GroupOptimizer, Implementation, Optimizer,
+    ParamGroup, Scaling, Sgd, SgdConfig, StepParams, UpdateRule, WeightDecay,
 };
 use safetensors::SafeTensors;
 

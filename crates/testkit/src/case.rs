@@ -13,8 +13,10 @@ use headroom_autograd_core::{cross_entropy, BackendRef, DType, Generator, Reduct
 use headroom_nn::{
     Activation, Dropout, Gpt2Config, Gpt2LMHeadModel, Mlp, Module, VisionTransformer, VitConfig,
 };
-use headroom_optim::kernels::{AdafactorConfig, Adam8bitConfig, AdamConfig, SgdConfig};
-use headroom_optim::{Adafactor, Adam, Adam8bit, Implementation, Optimizer, ParamGroup, Sgd};
+use headroom_optim::{
+    Adafactor, AdafactorConfig, Adam, Adam8bit, Adam8bitConfig, AdamConfig, Implementation,
+    Optimizer, ParamGroup, Sgd, SgdConfig,
+};
 
 use crate::inputs::Xorshift;
 use crate::Result;

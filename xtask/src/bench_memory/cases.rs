@@ -34,10 +34,10 @@ use headroom_checkpoint::{
 };
 use headroom_hooks::{ClipMode, Clipping, InBackward, InBackwardConfig, DEFAULT_BUCKET_BYTES};
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::kernels::{Adam8bitConfig, AdamConfig, SgdConfig, StepOutcome};
+use headroom_optim::kernels::StepOutcome;
 use headroom_optim::{
-    clip_grad_norm_, GroupOptimizer, Implementation, NormType, OptimError, Optimizer, ParamGroup,
-    ParamId, Scaling, StepParams, UpdateRule,
+    clip_grad_norm_, Adam8bitConfig, AdamConfig, GroupOptimizer, Implementation, NormType,
+    OptimError, Optimizer, ParamGroup, ParamId, Scaling, SgdConfig, StepParams, UpdateRule,
 };
 use parking_lot::Mutex;
 
