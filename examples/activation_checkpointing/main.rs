@@ -219,7 +219,7 @@ fn step_probe(device: &Device) -> Result<StepProbe> {
         Err(any) => any,
     };
     match any.downcast::<CpuBackend>() {
-        Ok(cpu) => Ok(StepProbe::host(cpu, CpuBackend::allocator)),
+        Ok(cpu) => Ok(StepProbe::host(cpu)),
         Err(_) => bail!("the planner's probe knows the CPU and CUDA backends"),
     }
 }

@@ -27,7 +27,7 @@ use anyhow::{bail, Context, Result};
 use headroom_amp::{AmpPolicy, GradScaler, GradScalerConfig};
 use headroom_autograd_core::{autocast_stats, BackendRef, DType, Tensor};
 use headroom_caching_allocator::{
-    CachingAllocator, HistoryOptions, HostStorage, Snapshot, Storage, TraceAction, TraceEvent,
+    AllocatorView, HistoryOptions, Snapshot, TraceAction, TraceEvent,
 };
 use headroom_checkpoint::{
     BlockSelection, CheckpointBlocks, CompressBlocks, OffloadBlocks, OffloadOptions,
@@ -405,14 +405,11 @@ impl Protocol {
     }
 }
 
-/// The device under test: its backend, its allocator and how to wait for it.
-pub(crate) struct Probe<'a, S: Storage> {
+/// The device under test: its backend (whose `allocator_view` and `synchronize` are what a
+/// measurement reads and waits for), its name and its op profile.
+pub(crate) struct Probe<'a> {
     /// The backend tensors are created on.
     pub(crate) backend: BackendRef,
-    /// The backend's caching allocator.
-    pub(crate) allocator: &'a CachingAllocator<S>,
-    /// Waits until the device has finished every launched kernel.
-    pub(crate) synchronize: &'a dyn Fn() -> Result<()>,
     /// `cpu` or `cuda:0`.
     pub(crate) device: String,
     /// Runs the step it is given under the device's op profile and returns each primitive's
@@ -424,19 +421,19 @@ pub(crate) struct Probe<'a, S: Storage> {
 pub(crate) type ProfileOps<'a> =
     dyn Fn(&mut dyn FnMut() -> Result<()>) -> Result<Vec<(String, f64)>> + 'a;
 
-impl<'a> Probe<'a, HostStorage> {
-    /// The CPU backend `cpu` (nothing to wait for).
-    pub(crate) fn cpu(cpu: &'a Arc<CpuBackend>) -> Probe<'a, HostStorage> {
-        fn ready() -> Result<()> {
-            Ok(())
-        }
+impl Probe<'_> {
+    /// The CPU backend `cpu`.
+    pub(crate) fn cpu(cpu: &Arc<CpuBackend>) -> Probe<'static> {
         Probe {
             backend: cpu.clone(),
-            allocator: cpu.allocator(),
-            synchronize: &ready,
             device: "cpu".into(),
             profile_ops: None,
         }
+    }
+
+    /// The backend's caching allocator.
+    pub(crate) fn allocator(&self) -> &dyn AllocatorView {
+        self.backend.allocator_view()
     }
 }
 
@@ -539,11 +536,7 @@ pub(crate) struct Training {
 
 impl Training {
     /// `model` with `case`'s parameter dtype, block runner and optimizer (no state yet).
-    pub(crate) fn new<S: Storage>(
-        probe: &Probe<'_, S>,
-        model: Model,
-        case: Case,
-    ) -> Result<Training> {
+    pub(crate) fn new(probe: &Probe<'_>, model: Model, case: Case) -> Result<Training> {
         let mut net = Net::new(&probe.backend, model, case.param_dtype())?;
         if case.checkpointed() {
             // With the plain step the peak is at the end of backward, where leaving the last
@@ -628,15 +621,15 @@ impl Training {
 
 /// Runs `case` on `model` at `batch` with `protocol` and measures it; `tick` is called after
 /// every step.
-pub(crate) fn measure<S: Storage>(
-    probe: &Probe<'_, S>,
+pub(crate) fn measure(
+    probe: &Probe<'_>,
     model: Model,
     batch: usize,
     case: Case,
     protocol: Protocol,
     tick: &mut dyn FnMut(),
 ) -> Result<CaseResult> {
-    let allocator = probe.allocator;
+    let allocator = probe.allocator();
     allocator.empty_cache()?;
     if protocol.record_events {
         allocator.record_history(Some(HistoryOptions {
@@ -661,7 +654,7 @@ pub(crate) fn measure<S: Storage>(
     };
     let mut run = training.run(&input, case, protocol)?;
 
-    (probe.synchronize)()?;
+    probe.backend.synchronize()?;
     allocator.reset_peak_stats();
     for step in 1..=protocol.warmup {
         let _context = protocol
@@ -670,7 +663,7 @@ pub(crate) fn measure<S: Storage>(
         run.step()?;
         tick();
     }
-    (probe.synchronize)()?;
+    probe.backend.synchronize()?;
     let first3_peak = allocator.max_memory_allocated();
 
     allocator.reset_peak_stats();
@@ -679,16 +672,16 @@ pub(crate) fn measure<S: Storage>(
         let _context = protocol
             .record_events
             .then(|| allocator.push_context(&step_label(step)));
-        (probe.synchronize)()?;
+        probe.backend.synchronize()?;
         let start = Instant::now();
         run.step()?;
-        (probe.synchronize)()?;
+        probe.backend.synchronize()?;
         times_ms.push(start.elapsed().as_secs_f64() * 1e3);
         tick();
     }
     let stats = allocator.memory_stats();
     if let (true, Some(profile_ops)) = (protocol.op_profile, probe.profile_ops) {
-        (probe.synchronize)()?;
+        probe.backend.synchronize()?;
         let start = Instant::now();
         let timings = profile_ops(&mut || run.step())?;
         let wall_ms = start.elapsed().as_secs_f64() * 1e3;
@@ -922,9 +915,9 @@ impl Run<'_> {
 
     /// One step with history recorded under phase labels, and the allocated bytes and peak of
     /// each phase (the peak is reset at each boundary, so the step's peak is their maximum).
-    fn traced_step<S: Storage>(&mut self, probe: &Probe<'_, S>) -> Result<Traced> {
-        let allocator = probe.allocator;
-        (probe.synchronize)()?;
+    fn traced_step(&mut self, probe: &Probe<'_>) -> Result<Traced> {
+        let allocator = probe.allocator();
+        probe.backend.synchronize()?;
         let requested_before = allocator.memory_stats().requested_bytes.all.current as u64;
         allocator.record_history(Some(HistoryOptions {
             max_entries: 1 << 24,
@@ -948,7 +941,7 @@ impl Run<'_> {
                 grads = gradients(self.net);
             }
         }
-        (probe.synchronize)()?;
+        probe.backend.synchronize()?;
         let snapshot = allocator.snapshot();
         allocator.record_history(None);
         let entries = snapshot.device_traces.into_iter().flatten().collect();
