@@ -33,6 +33,10 @@ impl HandleRun {
     }
 
     /// The handles of this run, as (start, bytes).
+    #[cfg_attr(
+        not(feature = "cuda"),
+        allow(dead_code, reason = "CudaStorage's, and the tests'")
+    )]
     pub(crate) fn handles(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         (self.start..self.end())
             .step_by(self.handle as usize)
@@ -100,6 +104,10 @@ impl HandleTable {
     }
 
     /// Whether every byte of `[address, end)` is mapped.
+    #[cfg_attr(
+        not(feature = "cuda"),
+        allow(dead_code, reason = "CudaStorage's, and the tests'")
+    )]
     pub(crate) fn covers(&self, address: u64, end: u64) -> bool {
         let mut cursor = address;
         while cursor < end {
@@ -186,6 +194,10 @@ impl HandleTable {
     }
 
     /// Every run, emptying the table.
+    #[cfg_attr(
+        not(feature = "cuda"),
+        allow(dead_code, reason = "CudaStorage's, and the tests'")
+    )]
     pub(crate) fn take_all(&mut self) -> Vec<HandleRun> {
         std::mem::take(&mut self.runs).into_values().collect()
     }
