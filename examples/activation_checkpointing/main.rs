@@ -40,8 +40,7 @@ use headroom::checkpoint::{
 };
 use headroom::nn::{BlockRunner, BlockStack, Module, VisionTransformer, VitConfig};
 use headroom::ops_cpu::CpuBackend;
-use headroom::optim::kernels::{AdamConfig, SgdConfig};
-use headroom::optim::{Adam, Implementation, Optimizer, ParamGroup, Sgd};
+use headroom::optim::{Adam, AdamConfig, Implementation, Optimizer, ParamGroup, Sgd, SgdConfig};
 
 use device::Device;
 
@@ -220,7 +219,7 @@ fn step_probe(device: &Device) -> Result<StepProbe> {
         Err(any) => any,
     };
     match any.downcast::<CpuBackend>() {
-        Ok(cpu) => Ok(StepProbe::host(cpu, CpuBackend::allocator)),
+        Ok(cpu) => Ok(StepProbe::host(cpu)),
         Err(_) => bail!("the planner's probe knows the CPU and CUDA backends"),
     }
 }

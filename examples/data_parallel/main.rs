@@ -28,8 +28,7 @@ use headroom::distributed::{
 use headroom::hooks::{InBackward, InBackwardConfig};
 use headroom::nn::{Gpt2Config, Gpt2LMHeadModel, Module, VisionTransformer, VitConfig};
 use headroom::ops_cpu::CpuBackend;
-use headroom::optim::kernels::AdamConfig;
-use headroom::optim::{Adam, Implementation, Optimizer, ParamGroup};
+use headroom::optim::{Adam, AdamConfig, Implementation, Optimizer, ParamGroup};
 
 const HELP: &str = "\
 data_parallel: ZeRO-1 / ZeRO-2 data parallelism against single-rank training

@@ -2,8 +2,8 @@
 //!
 //! The CPU by default. `--cuda` asks for the GPU (the example built with `--features cuda`),
 //! `--cpu` insists on the CPU; with neither, the GPU is used when the build has CUDA and a device
-//! answers. Allocated and peak bytes come from the backend's allocator through the `Backend`
-//! trait, the same on both; only resetting the peak needs the concrete backend.
+//! answers. Everything asked of the allocator (bytes, peaks, history, snapshots) and the wait go
+//! through the `Backend` trait (`allocator_view`, `synchronize`), the same on both.
 
 use std::sync::Arc;
 
@@ -18,10 +18,6 @@ pub(crate) struct Device {
     pub(crate) backend: BackendRef,
     /// `cpu` or `cuda:0`.
     pub(crate) name: &'static str,
-    reset_peak: Box<dyn Fn()>,
-    synchronize: Box<dyn Fn() -> Result<()>>,
-    record_history: Box<dyn Fn(bool)>,
-    snapshot: Box<dyn Fn() -> Snapshot>,
 }
 
 impl Device {
@@ -45,71 +41,51 @@ impl Device {
     /// Bytes allocated now.
     #[allow(dead_code, reason = "the combined example reads only peaks")]
     pub(crate) fn allocated(&self) -> u64 {
-        self.backend.memory_stats().allocated_bytes.all.current as u64
+        self.backend.allocator_view().memory_allocated()
     }
 
     /// The most bytes allocated since the last [`Device::reset_peak`].
     pub(crate) fn peak(&self) -> u64 {
-        self.backend.memory_stats().allocated_bytes.all.peak as u64
+        self.backend.allocator_view().max_memory_allocated()
     }
 
     /// Starts a new peak from the bytes allocated now.
     pub(crate) fn reset_peak(&self) {
-        (self.reset_peak)();
+        self.backend.allocator_view().reset_peak_stats();
     }
 
     /// Starts (or stops) recording the allocator's history, for [`Device::snapshot`].
     #[allow(dead_code, reason = "only the snapshot examples record")]
     pub(crate) fn record_history(&self, on: bool) {
-        (self.record_history)(on);
+        let options = on.then(HistoryOptions::default);
+        self.backend.allocator_view().record_history(options);
     }
 
     /// The allocator's snapshot: segments and the recorded history (PyTorch's format).
     #[allow(dead_code, reason = "only the snapshot examples record")]
     pub(crate) fn snapshot(&self) -> Snapshot {
-        (self.snapshot)()
+        self.backend.allocator_view().snapshot()
     }
 
     /// Waits until the device has run everything queued (nothing to wait for on the CPU).
     #[allow(dead_code, reason = "only the timed examples wait")]
     pub(crate) fn synchronize(&self) -> Result<()> {
-        (self.synchronize)()
+        Ok(self.backend.synchronize()?)
     }
 }
 
 fn cpu() -> Device {
-    let cpu = Arc::new(CpuBackend::default());
-    let (owner, recorder, snapshotter) = (cpu.clone(), cpu.clone(), cpu.clone());
     Device {
-        backend: cpu,
+        backend: Arc::new(CpuBackend::default()),
         name: "cpu",
-        reset_peak: Box::new(move || owner.allocator().reset_peak_stats()),
-        synchronize: Box::new(|| Ok(())),
-        record_history: Box::new(move |on| {
-            recorder
-                .allocator()
-                .record_history(on.then(HistoryOptions::default))
-        }),
-        snapshot: Box::new(move || snapshotter.allocator().snapshot()),
     }
 }
 
 #[cfg(feature = "cuda")]
 fn cuda() -> Result<Device> {
-    let cuda = headroom::ops_cuda::CudaBackend::new(0)?;
-    let (owner, waiter, recorder, snapshotter) =
-        (cuda.clone(), cuda.clone(), cuda.clone(), cuda.clone());
     Ok(Device {
-        backend: cuda,
+        backend: headroom::ops_cuda::CudaBackend::new(0)?,
         name: "cuda:0",
-        reset_peak: Box::new(move || owner.allocator().reset_peak_stats()),
-        synchronize: Box::new(move || Ok(waiter.synchronize()?)),
-        record_history: Box::new(move |on| {
-            recorder
-                .allocator()
-                .record_history(on.then(HistoryOptions::default))
-        }),
-        snapshot: Box::new(move || snapshotter.allocator().snapshot()),
     })
 }
 

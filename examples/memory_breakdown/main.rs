@@ -19,8 +19,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use headroom::autograd_core::{DType, Generator, Tensor};
 use headroom::nn::{Linear, Module, VisionTransformer, VitConfig};
-use headroom::optim::kernels::AdamConfig;
-use headroom::optim::{Adam, Implementation, Optimizer, ParamGroup};
+use headroom::optim::{Adam, AdamConfig, Implementation, Optimizer, ParamGroup};
 
 use device::Device;
 

@@ -26,9 +26,8 @@ use anyhow::Result;
 use headroom::amp::{AmpPolicy, AmpTraining, OptLevel};
 use headroom::autograd_core::{autocast_stats, DType, Generator, Tensor};
 use headroom::nn::{Module, VisionTransformer, VitConfig};
-use headroom::optim::kernels::AdamConfig;
 use headroom::optim::{
-    Adam, AdamStochastic, AdamStochasticConfig, Implementation, Optimizer, ParamGroup,
+    Adam, AdamConfig, AdamStochastic, AdamStochasticConfig, Implementation, Optimizer, ParamGroup,
 };
 
 use device::Device;

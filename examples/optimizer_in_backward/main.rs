@@ -30,8 +30,9 @@ use headroom::autograd_core::{DType, Generator, Tensor};
 use headroom::caching_allocator::{write_pickle, Snapshot, TraceAction};
 use headroom::hooks::{InBackward, InBackwardConfig, DEFAULT_BUCKET_BYTES};
 use headroom::nn::{Module, VisionTransformer, VitConfig};
-use headroom::optim::kernels::{Adam8bitConfig, AdamConfig};
-use headroom::optim::{Adam, Adam8bit, Implementation, Optimizer, ParamGroup};
+use headroom::optim::{
+    Adam, Adam8bit, Adam8bitConfig, AdamConfig, Implementation, Optimizer, ParamGroup,
+};
 
 use device::Device;
 

@@ -19,8 +19,10 @@ use std::sync::Arc;
 use anyhow::Result;
 use headroom::autograd_core::{DType, Generator, Tensor};
 use headroom::nn::{Module, VisionTransformer, VitConfig};
-use headroom::optim::kernels::{Adam8bitConfig, AdamConfig, SgdConfig};
-use headroom::optim::{Adam, Adam8bit, Implementation, Optimizer, ParamGroup, Sgd};
+use headroom::optim::{
+    Adam, Adam8bit, Adam8bitConfig, AdamConfig, Implementation, Optimizer, ParamGroup, Sgd,
+    SgdConfig,
+};
 
 use device::Device;
 

@@ -114,8 +114,7 @@ impl OptLevel {
 /// use headroom_amp::{AmpTraining, OptLevel};
 /// use headroom_autograd_core::{DType, Tensor};
 /// use headroom_ops_cpu::CpuBackend;
-/// use headroom_optim::kernels::AdamConfig;
-/// use headroom_optim::{Adam, Implementation, Optimizer, ParamGroup};
+/// use headroom_optim::{Adam, AdamConfig, Implementation, Optimizer, ParamGroup};
 ///
 /// let cpu = CpuBackend::new_ref();
 /// let w = Tensor::full(&cpu, &[3, 4], 0.5, DType::BF16)?; // O2: the model is half

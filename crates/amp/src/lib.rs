@@ -34,8 +34,7 @@
 //! use headroom_amp::{AmpPolicy, GradScaler, GradScalerConfig};
 //! use headroom_autograd_core::{autocast_stats, DType, Tensor};
 //! use headroom_ops_cpu::CpuBackend;
-//! use headroom_optim::kernels::AdamConfig;
-//! use headroom_optim::{Adam, Implementation, ParamGroup};
+//! use headroom_optim::{Adam, AdamConfig, Implementation, ParamGroup};
 //!
 //! let cpu = CpuBackend::new_ref();
 //! let w = Tensor::full(&cpu, &[8, 8], 0.1, DType::F32)?;

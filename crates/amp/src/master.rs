@@ -34,8 +34,7 @@ pub const DEFAULT_MASTER_BUCKET_BYTES: u64 = 25 << 20;
 /// use headroom_amp::MasterWeights;
 /// use headroom_autograd_core::{DType, Tensor};
 /// use headroom_ops_cpu::CpuBackend;
-/// use headroom_optim::kernels::SgdConfig;
-/// use headroom_optim::{Implementation, Optimizer, ParamGroup, Sgd};
+/// use headroom_optim::{Implementation, Optimizer, ParamGroup, Sgd, SgdConfig};
 ///
 /// let cpu = CpuBackend::new_ref();
 /// let p = Tensor::ones(&cpu, &[4], DType::BF16)?;

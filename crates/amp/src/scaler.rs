@@ -150,8 +150,7 @@ enum Stage {
 /// use headroom_amp::{GradScaler, GradScalerConfig};
 /// use headroom_autograd_core::{DType, Tensor};
 /// use headroom_ops_cpu::CpuBackend;
-/// use headroom_optim::kernels::SgdConfig;
-/// use headroom_optim::{Implementation, ParamGroup, Sgd};
+/// use headroom_optim::{Implementation, ParamGroup, Sgd, SgdConfig};
 ///
 /// let cpu = CpuBackend::new_ref();
 /// let p = Tensor::ones(&cpu, &[4], DType::F32)?;

@@ -13,20 +13,18 @@ use headroom_amp::{AmpPolicy, GradScaler, GradScalerConfig, MasterWeights};
 use headroom_autograd_core::{found_non_finite, BackendRef, DType, Generator, Tensor};
 use headroom_nn::{Gpt2Config, Gpt2LMHeadModel, Module};
 use headroom_ops_cuda::CudaBackend;
-use headroom_optim::kernels::{AdamConfig, SgdConfig};
 use headroom_optim::{
-    Adam, AdamStochastic, AdamStochasticConfig, Implementation, Optimizer, ParamGroup, Sgd,
+    Adam, AdamConfig, AdamStochastic, AdamStochasticConfig, Implementation, Optimizer, ParamGroup,
+    Sgd, SgdConfig,
 };
 use headroom_testkit::gpu::{cuda_or_skip, exclusive_device};
-
-fn cuda() -> Option<Arc<CudaBackend>> {
-    cuda_or_skip(CudaBackend::new(0))
-}
 
 /// The golden sequence of `testdata/grad_scaler_golden.json` on CUDA tensors.
 #[test]
 fn the_golden_sequence_is_reproduced_on_cuda() {
-    let Some(cuda) = cuda() else { return };
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
     let backend: BackendRef = cuda;
     let file: serde_json::Value =
         serde_json::from_str(include_str!("../../../testdata/grad_scaler_golden.json")).unwrap();
@@ -81,7 +79,9 @@ fn the_golden_sequence_is_reproduced_on_cuda() {
 /// infinity or NaN in a row or in the tail, and nothing in a clean tensor.
 #[test]
 fn the_overflow_check_finds_values_in_large_tensors_on_cuda() {
-    let Some(cuda) = cuda() else { return };
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
     let backend: BackendRef = cuda;
     for (n, dtype) in [
         (100_003, DType::F32),
@@ -117,7 +117,9 @@ fn the_overflow_check_finds_values_in_large_tensors_on_cuda() {
 /// with the backend's index checks deferred, is timed the same way and reported.
 #[test]
 fn a_scaled_fused_step_never_waits_for_the_device() {
-    let Some(cuda) = cuda() else { return };
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
     let _device = exclusive_device();
     let backend: BackendRef = cuda.clone();
     let generator = Arc::new(Generator::new(1));
@@ -345,7 +347,9 @@ fn final_loss(losses: &[f64]) -> f64 {
 
 #[test]
 fn gpt2_small_shaped_runs_agree_within_one_percent() {
-    let Some(cuda) = cuda() else { return };
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
     let _device = exclusive_device();
     let backend: BackendRef = cuda.clone();
     let mut finals = Vec::new();

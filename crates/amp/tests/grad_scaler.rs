@@ -11,9 +11,9 @@ use headroom_amp::{AmpError, AmpPolicy, GradScaler, GradScalerConfig, GradScaler
 use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
 use headroom_nn::{Activation, Dropout, Mlp, Module, VitConfig};
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::kernels::{AdamConfig, SgdConfig};
 use headroom_optim::{
-    Adam, Implementation, LrScheduler, Optimizer, ParamGroup, Schedule, Sgd, SkipFlag,
+    Adam, AdamConfig, Implementation, LrScheduler, Optimizer, ParamGroup, Schedule, Sgd, SgdConfig,
+    SkipFlag,
 };
 use headroom_testkit::counting::HostReadCounter;
 use headroom_testkit::{

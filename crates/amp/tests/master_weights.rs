@@ -11,8 +11,7 @@ use headroom_amp::{
 use headroom_autograd_core::{cross_entropy, BackendRef, DType, Generator, Reduction, Tensor};
 use headroom_nn::{Activation, Dropout, Mlp, Module};
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::kernels::AdamConfig;
-use headroom_optim::{Adam, Implementation, Optimizer, ParamGroup};
+use headroom_optim::{Adam, AdamConfig, Implementation, Optimizer, ParamGroup};
 
 fn mlp(backend: &BackendRef, dtype: DType, seed: u64) -> Mlp {
     let generator = Arc::new(Generator::new(seed));

@@ -208,11 +208,8 @@ fn execute(options: &Options) -> Result<Vec<Found>> {
         );
         let config = capped_config(cap as f64 / total as f64)?;
         let backend = CudaBackend::with_config(0, config).context("--device cuda")?;
-        let synchronize = || Ok(backend.synchronize()?);
         let probe = Probe {
             backend: backend.clone(),
-            allocator: backend.allocator(),
-            synchronize: &synchronize,
             device: "cuda:0".into(),
             profile_ops: None,
         };
@@ -291,8 +288,8 @@ fn capped_config(fraction: f64) -> Result<AllocatorConfig> {
 }
 
 /// Every case asked for, in order; `after_each` sees the results so far after each case.
-fn search_cases<S: Storage>(
-    probe: &Probe<'_, S>,
+fn search_cases(
+    probe: &Probe<'_>,
     options: &Options,
     default_model: &str,
     cuda: bool,
@@ -321,7 +318,7 @@ fn search_cases<S: Storage>(
     let mut resting = None;
     for case in cases {
         let result = find_max_batch(probe, model, case, cap, options.max_batch)?;
-        let held = probe.allocator.memory_allocated();
+        let held = probe.allocator().memory_allocated();
         let expected = *resting.get_or_insert(held);
         ensure!(
             held == expected,
@@ -345,15 +342,15 @@ fn search_cases<S: Storage>(
 
 /// The largest batch `case` trains `model` at on `probe`'s device, whose allocator is capped at
 /// `cap` bytes; no probe above `max_batch`.
-pub(crate) fn find_max_batch<S: Storage>(
-    probe: &Probe<'_, S>,
+pub(crate) fn find_max_batch(
+    probe: &Probe<'_>,
     model: Model,
     case: Case,
     cap: u64,
     max_batch: usize,
 ) -> Result<Found> {
     let started = Instant::now();
-    let allocator = probe.allocator;
+    let allocator = probe.allocator();
     allocator.empty_cache()?;
     let mut probe_seconds = Vec::new();
     let (build_seconds, (max, probes)) = {
@@ -367,7 +364,7 @@ pub(crate) fn find_max_batch<S: Storage>(
                 let outcome = probe_batch(probe, &training, model, case, batch);
                 // Whatever the step left (gradients of an interrupted backward) goes; the cache too.
                 training.clear_grads()?;
-                (probe.synchronize)()?;
+                probe.backend.synchronize()?;
                 allocator.empty_cache()?;
                 let peaks = match outcome {
                     Ok(peaks) => Some(peaks),
@@ -412,8 +409,8 @@ pub(crate) fn find_max_batch<S: Storage>(
 }
 
 /// One training step of `case` at `batch`: its peaks and time, or the error it stopped with.
-fn probe_batch<S: Storage>(
-    probe: &Probe<'_, S>,
+fn probe_batch(
+    probe: &Probe<'_>,
     training: &Training,
     model: Model,
     case: Case,
@@ -428,14 +425,14 @@ fn probe_batch<S: Storage>(
         record_events: false,
     };
     let input = Input::new(&probe.backend, model, batch)?;
-    (probe.synchronize)()?;
-    probe.allocator.reset_peak_stats();
+    probe.backend.synchronize()?;
+    probe.allocator().reset_peak_stats();
     let start = Instant::now();
     training.run(&input, case, protocol)?.step()?;
-    (probe.synchronize)()?;
+    probe.backend.synchronize()?;
     Ok(Peaks {
-        allocated: probe.allocator.max_memory_allocated(),
-        reserved: probe.allocator.max_memory_reserved(),
+        allocated: probe.allocator().max_memory_allocated(),
+        reserved: probe.allocator().max_memory_reserved(),
         step_ms: start.elapsed().as_secs_f64() * 1e3,
     })
 }

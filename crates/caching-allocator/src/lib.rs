@@ -48,6 +48,7 @@ mod report;
 mod snapshot;
 mod stats;
 mod storage;
+mod view;
 
 pub use allocator::{Allocation, AllocatorId, CachingAllocator, ContextGuard};
 pub use config::{AllocatorConfig, AllocatorConfigBuilder, ALLOC_CONF_ENV, ROUNDUP_INTERVALS};
@@ -68,6 +69,7 @@ pub use storage::{
     EventControl, EventId, HostStorage, MappingUnits, MemoryInfo, SegmentPlacement,
     SimulatedStorage, Storage, StorageError, StreamId,
 };
+pub use view::AllocatorView;
 
 #[cfg(feature = "cuda")]
 pub use storage::{CudaStorage, CudaStorageOptions, PinnedHostOptions, PinnedHostStorage};

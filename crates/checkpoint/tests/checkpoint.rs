@@ -20,6 +20,7 @@ use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCa
 
 mod block_runner;
 use block_runner::WithRunner;
+use headroom_testkit::memory::allocated;
 
 fn vit_with_dropout() -> ModelSpec {
     ModelSpec::Vit(VitConfig {
@@ -128,10 +129,6 @@ fn checkpointed_gradients_match_finite_differences_in_f64() {
             );
         }
     }
-}
-
-fn allocated(cpu: &BackendRef) -> i64 {
-    cpu.memory_stats().allocated_bytes.all.current
 }
 
 #[test]

@@ -17,12 +17,9 @@ use headroom_checkpoint::{
 use headroom_nn::{BlockRunner, BlockStack, Module, VitConfig};
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::inputs::{uniform_f32, Xorshift};
+use headroom_testkit::memory::allocated;
 use headroom_testkit::{Model, ModelSpec};
 use proptest::prelude::*;
-
-fn allocated(cpu: &BackendRef) -> i64 {
-    cpu.memory_stats().allocated_bytes.all.current
-}
 
 /// The codes and absmax of `x` in blocks of `block`, computed in f64: `absmax = max |x|`,
 /// `code = round_half_even(x / absmax * 127)`.

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use headroom_autograd_core::{BackendRef, DType, Generator, Tensor, TensorError};
+use headroom_autograd_core::{DType, Generator, Tensor, TensorError};
 use headroom_checkpoint::{
     offload, BlockSelection, CheckpointError, OffloadBlocks, OffloadOptions,
 };
@@ -14,10 +14,7 @@ use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCa
 
 mod block_runner;
 use block_runner::WithRunner;
-
-fn allocated(backend: &BackendRef) -> i64 {
-    backend.memory_stats().allocated_bytes.all.current
-}
+use headroom_testkit::memory::allocated;
 
 #[test]
 fn offloading_cpu_tensors_is_a_typed_error_that_says_what_to_do() {

@@ -99,7 +99,7 @@ impl Trainer {
     /// The profile of `candidates`, each measured `rounds` times.
     fn profile_with(&mut self, candidates: Vec<Candidate>, rounds: usize) -> StepProfile {
         let probe = StepProbe {
-            memory: Arc::new(AllocatorGauge::new(self.cpu.clone(), CpuBackend::allocator)),
+            memory: Arc::new(AllocatorGauge::new(self.cpu.clone())),
             clock: Arc::new(AllocationClock(self.cpu.clone())),
         };
         let planner = BlockPlanner::new(probe, candidates).measured_steps(rounds);
@@ -371,7 +371,7 @@ fn a_budget_below_the_lowest_peak_is_an_error_naming_it() {
 #[test]
 fn profiling_a_model_whose_blocks_bypass_the_planner_is_an_error() {
     let mut trainer = Trainer::new();
-    let probe = StepProbe::host(trainer.cpu.clone(), CpuBackend::allocator);
+    let probe = StepProbe::host(trainer.cpu.clone());
     let planner = BlockPlanner::new(probe, Candidate::defaults());
     let (vit, adam, images) = (&trainer.vit, &mut trainer.adam, &trainer.images);
     let err = planner

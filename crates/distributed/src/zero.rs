@@ -101,8 +101,7 @@ pub struct ShardStats {
 /// use std::sync::Arc;
 /// use headroom_autograd_core::{DType, Tensor};
 /// use headroom_distributed::{Communicator, InProcessGroup, ShardConfig, ShardedOptimizer};
-/// use headroom_optim::kernels::SgdConfig;
-/// use headroom_optim::{Implementation, Optimizer, ParamGroup};
+/// use headroom_optim::{Implementation, Optimizer, ParamGroup, SgdConfig};
 ///
 /// let ranks = InProcessGroup::ranks(2)?;
 /// let results: Vec<Vec<f32>> = std::thread::scope(|scope| {

@@ -16,8 +16,7 @@ use headroom_distributed::{
 };
 use headroom_hooks::InBackwardConfig;
 use headroom_ops_cuda::CudaBackend;
-use headroom_optim::kernels::AdamConfig;
-use headroom_optim::{Adam, Implementation, Optimizer, ParamGroup};
+use headroom_optim::{Adam, AdamConfig, Implementation, Optimizer, ParamGroup};
 use headroom_testkit::gpu::{cuda_or_skip, gpus_or_skip};
 use headroom_testkit::inputs::Xorshift;
 use headroom_testkit::ModelSpec;

@@ -22,9 +22,9 @@ use headroom_distributed::{
 use headroom_hooks::{InBackward, InBackwardConfig};
 use headroom_nn::VitConfig;
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::kernels::{AdafactorConfig, AdamConfig};
 use headroom_optim::{
-    clip_grad_norm_, Adafactor, Adam, Implementation, NormType, Optimizer, ParamGroup,
+    clip_grad_norm_, Adafactor, AdafactorConfig, Adam, AdamConfig, Implementation, NormType,
+    Optimizer, ParamGroup,
 };
 use headroom_testkit::inputs::Xorshift;
 use headroom_testkit::{Batch, Model, ModelSpec};

@@ -162,8 +162,7 @@ struct State {
 /// ```
 /// use headroom_autograd_core::{DType, Tensor};
 /// use headroom_hooks::{InBackward, InBackwardConfig};
-/// use headroom_optim::kernels::SgdConfig;
-/// use headroom_optim::{Implementation, ParamGroup, Sgd};
+/// use headroom_optim::{Implementation, ParamGroup, Sgd, SgdConfig};
 ///
 /// let cpu = headroom_ops_cpu::CpuBackend::new_ref();
 /// let w = Tensor::from_f64s(&cpu, &[1.0, 2.0], &[2], DType::F32)?;

@@ -4,20 +4,20 @@
 
 use std::sync::Arc;
 
-use headroom_autograd_core::{Backend, BackendRef, DType, Tensor};
+use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_hooks::{HooksError, InBackward, InBackwardConfig};
 use headroom_nn::{Gpt2Config, VitConfig};
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::kernels::SgdConfig;
 use headroom_optim::{
     DeviceGradScaling, Implementation, LossScaler, LrScheduler, OptimError, Optimizer, ParamGroup,
-    Schedule, Sgd, SkipFlag,
+    Schedule, Sgd, SgdConfig, SkipFlag,
 };
 mod techniques;
 
+use headroom_testkit::memory::{allocated, peak};
 use headroom_testkit::{check_technique, train, ModelSpec, OptimSpec, TrainCase};
 use techniques::{
-    case, clipping, max_ulps, mlp, Accumulate, ClipAccumulate, ClipThenStep, FixedScale,
+    case, clipping, mlp, parameter_ulps, Accumulate, ClipAccumulate, ClipThenStep, FixedScale,
     StepInBackward,
 };
 
@@ -84,7 +84,7 @@ fn accumulation_over_four_micro_batches_equals_plain_accumulation() {
         };
         let in_backward = train(&cpu, &case, &mut StepInBackward::new(config)).unwrap();
         assert!(
-            max_ulps(&plain.parameters, &in_backward.parameters) <= bound,
+            parameter_ulps(&plain.parameters, &in_backward.parameters) <= bound,
             "{:?}: more than {bound} ulps",
             case.optimizer
         );
@@ -268,14 +268,6 @@ fn a_loss_scale_that_is_not_one_f32_is_refused() {
         Default::default(),
         "nothing was stepped"
     );
-}
-
-fn allocated(cpu: &BackendRef) -> i64 {
-    cpu.memory_stats().allocated_bytes.all.current
-}
-
-fn peak(cpu: &Arc<CpuBackend>) -> i64 {
-    cpu.memory_stats().allocated_bytes.all.peak
 }
 
 #[test]
@@ -473,7 +465,7 @@ fn exact_clipping_in_backward_is_within_two_ulps_of_clip_grad_norm_then_step() {
                 ..clipping(max_norm, norm, ClipMode::Exact)
             };
             let ours = train(&cpu, &case, &mut StepInBackward::new(config)).unwrap();
-            let ulps = max_ulps(&reference.parameters, &ours.parameters);
+            let ulps = parameter_ulps(&reference.parameters, &ours.parameters);
             assert!(
                 ulps <= 2,
                 "{optimizer:?} {norm:?} k={accumulation}: {ulps} ulps"

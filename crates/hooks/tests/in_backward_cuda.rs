@@ -10,19 +10,16 @@ use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_hooks::{ClipMode, InBackward, InBackwardConfig};
 use headroom_nn::VitConfig;
 use headroom_ops_cuda::CudaBackend;
-use headroom_optim::kernels::AdamConfig;
-use headroom_optim::{Adam, Implementation, NormType, Optimizer, ParamGroup, SkipFlag};
-use headroom_testkit::gpu::cuda_or_skip;
+use headroom_optim::{Adam, AdamConfig, Implementation, NormType, Optimizer, ParamGroup, SkipFlag};
+use headroom_testkit::gpu::backend_or_skip;
 use headroom_testkit::{check_technique, train, ModelSpec, OptimSpec, Tolerance, TrainCase};
-use techniques::{clipping, max_ulps, Accumulate, ClipThenStep, FixedScale, StepInBackward};
-
-fn cuda() -> Option<BackendRef> {
-    cuda_or_skip(CudaBackend::new(0)).map(|cuda| cuda as BackendRef)
-}
+use techniques::{clipping, parameter_ulps, Accumulate, ClipThenStep, FixedScale, StepInBackward};
 
 #[test]
 fn twenty_steps_in_backward_on_the_gpu_equal_the_plain_loop_bit_for_bit() {
-    let Some(cuda) = cuda() else { return };
+    let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
     for (optimizer, bucket_bytes) in [
         (OptimSpec::adamw(1e-3, 1e-2), 4096),
         (
@@ -86,7 +83,9 @@ fn loss_of(params: &[Tensor]) -> Tensor {
 
 #[test]
 fn a_scaled_loss_is_unscaled_on_the_device_and_an_overflow_skips_the_whole_step() {
-    let Some(cuda) = cuda() else { return };
+    let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
     let (ours, reference) = (weights(&cuda), weights(&cuda));
     let mut plain = adam(reference.clone());
     let in_backward = InBackward::new(
@@ -128,7 +127,9 @@ fn a_scaled_loss_is_unscaled_on_the_device_and_an_overflow_skips_the_whole_step(
 
 #[test]
 fn exact_clipping_and_accumulation_on_the_gpu_match_the_plain_loops() {
-    let Some(cuda) = cuda() else { return };
+    let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
     let vit = |optimizer: OptimSpec| TrainCase {
         name: "vit-tiny on CUDA",
         model: ModelSpec::Vit(VitConfig::tiny()),
@@ -158,7 +159,7 @@ fn exact_clipping_and_accumulation_on_the_gpu_match_the_plain_loops() {
         .unwrap();
         let config = clipping(0.05, norm, ClipMode::Exact);
         let ours = train(&cuda, &case, &mut StepInBackward::new(config)).unwrap();
-        let ulps = max_ulps(&reference.parameters, &ours.parameters);
+        let ulps = parameter_ulps(&reference.parameters, &ours.parameters);
         assert!(
             ulps <= 2,
             "exact clipping, {:?}: {ulps} ulps",
@@ -177,7 +178,7 @@ fn exact_clipping_and_accumulation_on_the_gpu_match_the_plain_loops() {
             ..InBackwardConfig::default()
         };
         let ours = train(&cuda, &case, &mut StepInBackward::new(config)).unwrap();
-        let ulps = max_ulps(&reference.parameters, &ours.parameters);
+        let ulps = parameter_ulps(&reference.parameters, &ours.parameters);
         assert!(ulps <= 2, "accumulation, {:?}: {ulps} ulps", case.optimizer);
     }
 }

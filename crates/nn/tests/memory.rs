@@ -18,9 +18,10 @@
 
 use std::sync::Arc;
 
-use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
+use headroom_autograd_core::{DType, Generator, Tensor};
 use headroom_nn::Linear;
 use headroom_ops_cpu::CpuBackend;
+use headroom_testkit::memory::allocated;
 
 /// PyTorch's cuBLAS workspace (`CUBLAS_WORKSPACE_CONFIG` default on Hopper: 32 MiB).
 const CUBLAS_WORKSPACE: i64 = 32 << 20;
@@ -43,10 +44,6 @@ fn golden_rows(key: &str) -> Vec<(String, i64)> {
             )
         })
         .collect()
-}
-
-fn allocated(cpu: &BackendRef) -> i64 {
-    cpu.memory_stats().allocated_bytes.all.current
 }
 
 #[test]

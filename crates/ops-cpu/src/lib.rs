@@ -47,7 +47,7 @@ use headroom_autograd_core::{
     LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp, View,
 };
 use headroom_caching_allocator::{
-    AllocError, Allocation, AllocatorConfig, CachingAllocator, HostStorage, MemoryStats, StreamId,
+    AllocError, Allocation, AllocatorConfig, AllocatorView, CachingAllocator, HostStorage, StreamId,
 };
 use parking_lot::Mutex;
 
@@ -135,8 +135,13 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn memory_stats(&self) -> MemoryStats {
-        self.allocator.memory_stats()
+    fn allocator_view(&self) -> &dyn AllocatorView {
+        &self.allocator
+    }
+
+    /// Nothing to wait for: every primitive has finished when it returns.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
     }
 
     fn write_host(&self, dst: &Buffer, byte_offset: usize, data: &[u8]) -> Result<()> {

@@ -8,7 +8,9 @@ use headroom_autograd_core::{
     dropout, no_grad, saved_tensor_hooks, BackendRef, BackwardOptions, DType, Generator, Packed,
     Tensor, TensorError,
 };
+use headroom_caching_allocator::HistoryOptions;
 use headroom_ops_cpu::CpuBackend;
+use headroom_testkit::memory::allocated;
 
 fn tensor(cpu: &BackendRef, values: &[f64], shape: &[usize]) -> Tensor {
     Tensor::from_f64s(cpu, values, shape, DType::F64).unwrap()
@@ -18,10 +20,6 @@ fn leaf(cpu: &BackendRef, values: &[f64], shape: &[usize]) -> Tensor {
     let res = tensor(cpu, values, shape);
     res.requires_grad_(true).unwrap();
     res
-}
-
-fn allocated(cpu: &BackendRef) -> i64 {
-    cpu.memory_stats().allocated_bytes.all.current
 }
 
 #[test]
@@ -642,4 +640,44 @@ fn compact_copies_a_row_out_of_its_batch_and_passes_the_gradient_back() {
         batch.grad().unwrap().to_vec::<f64>().unwrap(),
         [0.0, 0.0, 24.0, 32.0, 0.0, 0.0]
     );
+}
+
+/// The CPU backend's allocator seen through the trait: what tensors hold, the peak and its
+/// reset, history with context labels, emptying the cache; `synchronize` has nothing to wait
+/// for.
+#[test]
+fn the_allocator_view_reads_and_resets_what_tensors_hold() {
+    let cpu = CpuBackend::new_ref();
+    let view = cpu.allocator_view();
+    view.record_history(Some(HistoryOptions {
+        max_entries: 64,
+        record_context: true,
+    }));
+    assert_eq!(view.memory_allocated(), 0);
+    let tensor = {
+        let _label = view.push_context("made here");
+        Tensor::zeros(&cpu, &[1000], DType::F32).unwrap()
+    };
+    assert_eq!(view.memory_allocated(), 4096); // 4000 bytes, rounded to 512
+    assert_eq!(view.memory_reserved(), 2 << 20); // one small-pool segment
+    drop(tensor);
+    assert_eq!(view.memory_allocated(), 0);
+    assert_eq!(view.max_memory_allocated(), 4096);
+    assert_eq!(cpu.memory_stats().allocated_bytes.all.peak, 4096);
+    view.reset_peak_stats();
+    assert_eq!(view.max_memory_allocated(), 0);
+    let labelled = view
+        .snapshot()
+        .device_traces
+        .into_iter()
+        .flatten()
+        .filter(|entry| entry.frames.iter().any(|frame| frame.name == "made here"))
+        .count();
+    assert!(labelled >= 1, "the allocation carries its context label");
+    view.empty_cache().unwrap();
+    assert_eq!(
+        (view.memory_reserved(), view.max_memory_reserved()),
+        (0, 2 << 20)
+    );
+    cpu.synchronize().unwrap();
 }

@@ -15,6 +15,7 @@ use headroom_autograd_core::{
 };
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::counting::HostReadCounter;
+use headroom_testkit::memory::allocated;
 
 fn leaf(cpu: &BackendRef, shape: &[usize], dtype: DType) -> Tensor {
     let n: usize = shape.iter().product();
@@ -312,10 +313,6 @@ impl AutocastPolicy for TestPolicy {
     }
 }
 
-fn allocated(cpu: &BackendRef) -> i64 {
-    cpu.memory_stats().allocated_bytes.all.current
-}
-
 #[test]
 fn autocast_casts_by_policy_and_caches_each_parameter_once_per_scope() {
     let cpu = CpuBackend::new_ref();
@@ -585,6 +582,20 @@ fn the_non_finite_check_finds_values_in_the_rows_and_tail_of_large_tensors() {
             );
         }
     }
+}
+
+#[test]
+fn the_read_counter_counts_a_wait_for_the_device_as_a_read() {
+    let counting = HostReadCounter::wrap(CpuBackend::new_ref());
+    let backend: BackendRef = counting.clone();
+    let tensor = Tensor::zeros(&backend, &[3], DType::F32).unwrap();
+    assert_eq!(counting.host_reads(), 0);
+    backend.synchronize().unwrap();
+    assert_eq!(counting.host_reads(), 1);
+    assert_eq!(tensor.to_vec::<f32>().unwrap(), [0.0; 3]);
+    assert_eq!(counting.host_reads(), 2);
+    // The allocator seen through the decorator is the wrapped backend's.
+    assert_eq!(backend.allocator_view().memory_allocated(), 512);
 }
 
 #[test]

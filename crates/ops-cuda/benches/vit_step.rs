@@ -15,8 +15,7 @@ use std::time::Instant;
 use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
 use headroom_nn::{Module, VisionTransformer, VitConfig};
 use headroom_ops_cuda::CudaBackend;
-use headroom_optim::kernels::SgdConfig;
-use headroom_optim::{Implementation, Optimizer, ParamGroup, Sgd};
+use headroom_optim::{Implementation, Optimizer, ParamGroup, Sgd, SgdConfig};
 use headroom_testkit::gpu::cuda_or_skip;
 
 fn main() {

@@ -24,7 +24,7 @@ use headroom_autograd_core::{
     Device, LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad,
     MaskedOp, ReduceOp, Result, UnaryOp, View,
 };
-use headroom_caching_allocator::{Allocation, MemoryStats, StreamId};
+use headroom_caching_allocator::{Allocation, AllocatorView, StreamId};
 
 use crate::attention;
 use crate::device::CudaBackend;
@@ -84,8 +84,12 @@ impl Backend for CudaBackend {
         self.free_quietly(allocation);
     }
 
-    fn memory_stats(&self) -> MemoryStats {
-        self.allocator().memory_stats()
+    fn allocator_view(&self) -> &dyn AllocatorView {
+        self.allocator()
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        CudaBackend::synchronize(self)
     }
 
     fn write_host(&self, dst: &Buffer, byte_offset: usize, data: &[u8]) -> Result<()> {

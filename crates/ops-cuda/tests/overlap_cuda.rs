@@ -16,7 +16,7 @@ use headroom_autograd_core::{
 };
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::{CudaBackend, CudaError};
-use headroom_testkit::gpu::cuda_or_skip;
+use headroom_testkit::gpu::backend_or_skip;
 
 /// Held while a test reads or changes `HEADROOM_ALLOC_CONF` (opening a backend reads it).
 fn environment() -> MutexGuard<'static, ()> {
@@ -24,9 +24,10 @@ fn environment() -> MutexGuard<'static, ()> {
     ENV.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// The device, opened while no test changes the environment it reads.
 fn cuda() -> Option<BackendRef> {
     let _env = environment();
-    cuda_or_skip(CudaBackend::new(0)).map(|cuda| cuda as BackendRef)
+    backend_or_skip(CudaBackend::new(0))
 }
 
 fn values(n: usize, seed: usize) -> Vec<f32> {

@@ -12,15 +12,13 @@ use headroom_autograd_core::{
 };
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
-use headroom_testkit::gpu::cuda_or_skip;
-
-fn cuda() -> Option<BackendRef> {
-    cuda_or_skip(CudaBackend::new(0)).map(|cuda| cuda as BackendRef)
-}
+use headroom_testkit::gpu::backend_or_skip;
 
 #[test]
 fn max_and_min_propagate_nan_as_on_the_cpu() {
-    let Some(gpu) = cuda() else { return };
+    let Some(gpu) = backend_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
     let cpu = CpuBackend::new_ref();
     for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
         // Rows of 700 with a NaN at the start, the middle and the end of different rows, an
@@ -55,7 +53,9 @@ fn max_and_min_propagate_nan_as_on_the_cpu() {
 
 #[test]
 fn the_non_finite_check_finds_every_kind_of_overflow_on_the_gpu() {
-    let Some(gpu) = cuda() else { return };
+    let Some(gpu) = backend_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
     let dtypes = [DType::F32, DType::BF16, DType::F16];
     let tensors: Vec<Tensor> = (0..1000)
         .map(|i| {
@@ -107,7 +107,9 @@ impl AutocastPolicy for LinearInBf16 {
 
 #[test]
 fn autocast_runs_a_linear_in_bf16_like_explicit_casts() {
-    let Some(gpu) = cuda() else { return };
+    let Some(gpu) = backend_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
     let values: Vec<f64> = (0..64 * 96).map(|i| ((i * 7) as f64).sin()).collect();
     let x = Tensor::from_f64s(&gpu, &values[..32 * 96], &[32, 96], DType::F32).unwrap();
     let w = Tensor::from_f64s(&gpu, &values[..64 * 96], &[64, 96], DType::F32).unwrap();

@@ -13,8 +13,10 @@ use std::time::Instant;
 use headroom_autograd_core::{BackendRef, Tensor};
 use headroom_ops_cuda::CudaBackend;
 use headroom_optim::cuda::{CudaAdam8bit, CudaFusedAdam, DeviceAdam8bitParam, DeviceAdamParam};
-use headroom_optim::kernels::{n_blocks, Adam8bitConfig, AdamConfig};
-use headroom_optim::{Adam, Adam8bit, Implementation, Optimizer, ParamGroup};
+use headroom_optim::kernels::n_blocks;
+use headroom_optim::{
+    Adam, Adam8bit, Adam8bitConfig, AdamConfig, Implementation, Optimizer, ParamGroup,
+};
 
 const N_TENSORS: usize = 160;
 const PER_TENSOR: usize = 6_250_000;

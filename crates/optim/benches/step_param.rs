@@ -12,9 +12,9 @@
 use criterion::Criterion;
 use headroom_autograd_core::{BackendRef, Tensor};
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::kernels::{AdamConfig, SgdConfig};
 use headroom_optim::{
-    GroupOptimizer, Implementation, Optimizer, ParamGroup, Scaling, StepParams, UpdateRule,
+    AdamConfig, GroupOptimizer, Implementation, Optimizer, ParamGroup, Scaling, SgdConfig,
+    StepParams, UpdateRule,
 };
 
 /// Elements of each parameter.

@@ -12,15 +12,15 @@
 
 use headroom_autograd_core::{DType, Tensor};
 
-use crate::driver::{Form, HostKernels};
+use crate::driver::{host_step, Form, HostKernels};
 use crate::error::OptimError;
 use crate::host::{host_slice, host_slice_mut, zeros_like, zeros_like_shape};
 use crate::kernels::{
     adafactor_fused, adafactor_scratch_len, adafactor_single, AdafactorBuffers, AdafactorConfig,
 };
-use crate::optimizer::{
-    rule_items, GroupOptimizer, NamedTensors, SavedTensors, StepItem, UpdateRule,
-};
+use crate::optimizer::GroupOptimizer;
+use crate::rule::{rule_items, SavedTensors, UpdateRule};
+use crate::step::{NamedTensors, StepItem};
 
 /// Adafactor over parameter groups.
 pub type Adafactor = GroupOptimizer<AdafactorConfig>;
@@ -56,7 +56,7 @@ fn factored_shapes(shape: &[usize]) -> Option<(Vec<usize>, Vec<usize>)> {
 
 impl UpdateRule for AdafactorConfig {
     type State = AdafactorState;
-    rule_items!(name: "Adafactor", kernels: f32_kernels);
+    rule_items!(name: "Adafactor", dtypes: &[DType::F32], host: host_step::<f32, _>);
 
     fn state_tensors(state: &AdafactorState) -> NamedTensors {
         match state {

@@ -11,15 +11,15 @@
 
 use headroom_autograd_core::{Element, Tensor};
 
-use crate::driver::{Form, HostKernels};
+use crate::driver::{host_step_floats, Form, HostKernels, FLOATS};
 use crate::error::OptimError;
 use crate::host::{host_slice, host_slice_mut, zeros_like};
 use crate::kernels::{
     adam_foreach, adam_fused, adam_single, AdamBuffers, AdamConfig, ParamElement,
 };
-use crate::optimizer::{
-    rule_items, GroupOptimizer, NamedTensors, SavedTensors, StepItem, UpdateRule,
-};
+use crate::optimizer::GroupOptimizer;
+use crate::rule::{rule_items, SavedTensors, UpdateRule};
+use crate::step::{NamedTensors, StepItem};
 
 /// Adam or AdamW over parameter groups.
 pub type Adam = GroupOptimizer<AdamConfig>;
@@ -37,7 +37,7 @@ pub struct AdamState {
 
 impl UpdateRule for AdamConfig {
     type State = AdamState;
-    rule_items!(name: "Adam", kernels: float_kernels);
+    rule_items!(name: "Adam", dtypes: FLOATS, host: host_step_floats);
 
     fn state_tensors(state: &AdamState) -> NamedTensors {
         let mut res = vec![

@@ -12,16 +12,16 @@ use std::sync::OnceLock;
 
 use headroom_autograd_core::{DType, Tensor};
 
-use crate::driver::{Form, HostKernels};
+use crate::driver::{host_step, Form, HostKernels};
 use crate::error::OptimError;
 use crate::host::{host_slice, host_slice_mut, zeros_like, zeros_like_shape};
 use crate::kernels::{
     adam8bit_blockwise, adam_bnb_32bit, dynamic_map, n_blocks, Adam8bitBuffers, Adam8bitConfig,
     QuantizationMap, MIN_8BIT_SIZE,
 };
-use crate::optimizer::{
-    rule_items, GroupOptimizer, Implementation, NamedTensors, SavedTensors, StepItem, UpdateRule,
-};
+use crate::optimizer::GroupOptimizer;
+use crate::rule::{rule_items, SavedTensors, UpdateRule};
+use crate::step::{Implementation, NamedTensors, StepItem};
 
 /// 8-bit Adam over parameter groups.
 pub type Adam8bit = GroupOptimizer<Adam8bitConfig>;
@@ -57,7 +57,7 @@ pub fn bnb_maps() -> &'static (QuantizationMap, QuantizationMap) {
 
 impl UpdateRule for Adam8bitConfig {
     type State = Adam8bitState;
-    rule_items!(name: "Adam8bit", kernels: f32_kernels);
+    rule_items!(name: "Adam8bit", dtypes: &[DType::F32], host: host_step::<f32, _>);
 
     fn supports(&self, implementation: Implementation) -> bool {
         implementation == Implementation::Fused

@@ -14,15 +14,15 @@
 use headroom_autograd_core::{DType, Tensor};
 
 use crate::adam::AdamState;
-use crate::driver::{Form, HostKernels};
+use crate::driver::{host_step, Form, HostKernels};
 use crate::error::OptimError;
 use crate::host::{host_slice, host_slice_mut};
 use crate::kernels::{
     adam_fused_stochastic, bf16, stochastic_key, AdamConfig, AdamStochasticBuffers,
 };
-use crate::optimizer::{
-    GroupOptimizer, Implementation, NamedTensors, SavedTensors, StepItem, UpdateRule,
-};
+use crate::optimizer::GroupOptimizer;
+use crate::rule::{SavedTensors, UpdateRule};
+use crate::step::{Implementation, NamedTensors, RuleCall, StepItem};
 
 /// Adam or AdamW over bf16 parameters with stochastic rounding.
 pub type AdamStochastic = GroupOptimizer<AdamStochasticConfig>;
@@ -51,7 +51,7 @@ impl AdamStochasticConfig {
 impl UpdateRule for AdamStochasticConfig {
     type State = AdamState;
     const NAME: &'static str = "AdamStochastic";
-    const KERNELS: crate::RuleKernels<Self> = crate::driver::bf16_kernels();
+    const DTYPES: &'static [DType] = &[DType::BF16];
 
     fn validate(&self) -> Result<(), OptimError> {
         self.adam.validate()
@@ -80,6 +80,10 @@ impl UpdateRule for AdamStochasticConfig {
 
     fn state_tensors(state: &AdamState) -> NamedTensors {
         AdamConfig::state_tensors(state)
+    }
+
+    fn host_step(&self, call: RuleCall<'_, '_, AdamState>) -> Result<(), OptimError> {
+        host_step::<bf16, _>(self, call)
     }
 
     fn state_from_tensors(&self, saved: &mut SavedTensors) -> Result<AdamState, OptimError> {

@@ -4,11 +4,13 @@
 //! A [`GroupOptimizer`](crate::GroupOptimizer) picks its [`StepDevice`] once, from its first
 //! parameter, and every other parameter, gradient and state tensor must sit on the same device
 //! and be contiguous (typed errors otherwise; the optimizer checks dtypes against its rule).
-//! [`StepDevice::step`] is the only match on the device: it calls the host entry of the rule's
-//! [`RuleKernels`](crate::RuleKernels) table (the shared host driver, `driver.rs`, over tensor
-//! memory as slices, `host.rs`) or its CUDA entry (feature `cuda`: `cuda/` launches the PTX
-//! kernels on the parameters' `CudaBackend`, whose launch table and GradScaler skip counters
-//! live here between steps). Nothing here knows an algorithm.
+//! [`StepDevice::step`] is the only match on the device: it calls the rule's host entry,
+//! [`UpdateRule::host_step`] (the shared host driver, `driver.rs`, over tensor memory as slices,
+//! `host.rs`), or its CUDA entry, [`CudaKernels`](crate::rule::CudaKernels)`::cuda_step` (feature
+//! `cuda`: `cuda/` launches the PTX kernels on the parameters' `CudaBackend`, whose launch table
+//! and GradScaler skip counters live here between steps). Gradient clipping and a GradScaler's
+//! overflow check pick their side here the same way (`clip/host.rs` or `cuda/clip.rs`,
+//! `cuda/grad_scale.rs`). Nothing here knows an algorithm.
 //!
 //! A host step turns tensor memory into slices, so it takes the guarantees those slices need
 //! here: every tensor's memory is host memory (`Buffer::is_host_memory`, not merely a tensor
@@ -21,11 +23,12 @@ use std::sync::Arc;
 
 use headroom_autograd_core::{Access, Buffer, DType, Device, HostAccess, Tensor};
 
-use crate::clip::NormClip;
-use crate::driver::RuleCall;
+use crate::clip::host::{host_norm, host_value};
+use crate::clip::norm::NormClip;
 use crate::error::OptimError;
 use crate::kernels::GradScaling;
-use crate::optimizer::UpdateRule;
+use crate::rule::UpdateRule;
+use crate::step::{DeviceGradScaling, RuleCall};
 
 /// The device a group optimizer's steps run on: the host (the `kernels` module over tensor
 /// memory) or, with the `cuda` feature, the CUDA device of the parameters (its kernels, plus the
@@ -40,20 +43,7 @@ enum DeviceKind {
     Host,
     /// Boxed: the device's launch table and counters are far larger than the host's nothing.
     #[cfg(feature = "cuda")]
-    Cuda(Box<crate::cuda::CudaDevice>),
-}
-
-/// A GradScaler's scale and found-inf flag in device memory: f32 tensors of one element on the
-/// parameters' device. The fused and 8-bit CUDA kernels read them, so a step needs no host
-/// synchronisation; with the flag set nothing is written, and the device counts the skipped step
-/// so the next bias corrections use the right step number. On the CPU the host kernels read the
-/// two values in place (host memory: no transfer, nothing to wait for).
-#[derive(Debug, Clone, Default)]
-pub struct DeviceGradScaling {
-    /// The loss scale the gradients carry.
-    pub grad_scale: Option<Tensor>,
-    /// Non-zero when some gradient overflowed this step.
-    pub found_inf: Option<Tensor>,
+    Cuda(Box<crate::cuda::launch::CudaDevice>),
 }
 
 /// Checks that `tensor` is contiguous.
@@ -80,7 +70,8 @@ impl StepDevice {
             Device::Cpu => DeviceKind::Host,
             #[cfg(feature = "cuda")]
             Device::Cuda(_) => {
-                DeviceKind::Cuda(Box::new(crate::cuda::CudaDevice::of(op, param, n_slots)?))
+                let device = crate::cuda::launch::CudaDevice::of(op, param, n_slots)?;
+                DeviceKind::Cuda(Box::new(device))
             }
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(_) => {
@@ -156,10 +147,10 @@ impl StepDevice {
                     R::NAME,
                     buffers.iter().map(|(buffer, access)| (&**buffer, *access)),
                 )?;
-                (R::KERNELS.host)(rule, call)
+                rule.host_step(call)
             }
             #[cfg(feature = "cuda")]
-            DeviceKind::Cuda(cuda) => (R::KERNELS.cuda)(rule, cuda, call),
+            DeviceKind::Cuda(cuda) => rule.cuda_step(cuda, call),
         }
     }
 
@@ -176,7 +167,7 @@ impl StepDevice {
                     "clip_grad_norm_",
                     grads.iter().map(|grad| (&**grad.buffer(), Access::Write)),
                 )?;
-                crate::clip::host_norm(grads, clip)
+                host_norm(grads, clip)
             }
             #[cfg(feature = "cuda")]
             DeviceKind::Cuda(cuda) => crate::cuda::clip::clip_norm(cuda, grads, clip),
@@ -195,7 +186,7 @@ impl StepDevice {
                     "clip_grad_value_",
                     grads.iter().map(|grad| (&**grad.buffer(), Access::Write)),
                 )?;
-                crate::clip::host_value(grads, clip_value)
+                host_value(grads, clip_value)
             }
             #[cfg(feature = "cuda")]
             DeviceKind::Cuda(cuda) => crate::cuda::clip::clip_value(cuda, grads, clip_value),

@@ -1,16 +1,11 @@
-//! The one step driver the rules plug into: what is the same for every rule — element-type
+//! The host driver every rule's host entry runs: what is the same for every rule — element-type
 //! dispatch, the scratch of the single and foreach forms, chunking, which form each parameter
 //! takes — written once, with each rule supplying only its pieces.
 //!
-//! A rule's pieces are:
-//! - on the host, [`HostKernels`] for each element type it takes: a parameter's buffers (slices
-//!   of its tensors), its single and fused kernels, and its foreach kernel if it has one;
-//! - on CUDA, [`CudaEntry`]: its entry under `cuda/` (`cuda/multi_tensor.rs` is the entry of
-//!   every rule whose kernels are a fused kernel and foreach passes over piece tables);
-//! - its [`RuleKernels`] table, [`float_kernels`], [`f32_kernels`] or [`bf16_kernels`] by the
-//!   dtypes it takes:
-//!   the host and CUDA entries [`StepDevice`](crate::StepDevice) calls (the only place
-//!   that matches on the device), the host's being the drivers here for its element types.
+//! A rule's host pieces are [`HostKernels`] for each element type it takes: a parameter's
+//! buffers (slices of its tensors), its single and fused kernels, and its foreach kernel if it
+//! has one. Its [`UpdateRule::host_step`] is [`host_step_floats`] (f32, bf16 and f16 parameters)
+//! or [`host_step`] of its one element type.
 //!
 //! [`single_or_fused`] is the per-parameter schedule shared by both devices for rules without a
 //! foreach kernel (Adafactor, whose update needs whole-tensor norms). Nothing here knows an
@@ -21,116 +16,8 @@ use headroom_autograd_core::{DType, Element, Tensor};
 use crate::error::OptimError;
 use crate::host::{foreach_scratch, host_slice_mut, scratch};
 use crate::kernels::{bf16, f16, GradScaling, ParamElement};
-use crate::optimizer::{Implementation, Scaling, StepItem, UpdateRule};
-
-/// One rule call: parameters of one group and one dtype with their gradients and states, the
-/// implementation, and how the gradients are scaled (checked by the optimizer; a host-valued
-/// skip never gets here).
-#[derive(Debug)]
-pub(crate) struct RuleCall<'c, 'a, S> {
-    pub(crate) implementation: Implementation,
-    pub(crate) items: &'c mut [StepItem<'a, S>],
-    pub(crate) scaling: Scaling<'c>,
-}
-
-/// The host entry of a rule.
-pub(crate) type HostStep<R> =
-    for<'c, 'a> fn(&R, RuleCall<'c, 'a, <R as UpdateRule>::State>) -> Result<(), OptimError>;
-
-/// The CUDA entry of a rule.
-#[cfg(feature = "cuda")]
-pub(crate) type CudaStep<R> = for<'d, 'c, 'a> fn(
-    &R,
-    &'d mut crate::cuda::CudaDevice,
-    RuleCall<'c, 'a, <R as UpdateRule>::State>,
-) -> Result<(), OptimError>;
-
-/// A rule's CUDA side: its entry (`cuda/`), and whether its kernels read a GradScaler's device
-/// tensors.
-#[cfg(feature = "cuda")]
-pub(crate) trait CudaEntry: UpdateRule {
-    /// Whether the kernels read a [`DeviceGradScaling`](crate::DeviceGradScaling).
-    const DEVICE_SCALING: bool = true;
-
-    /// One rule call on `device`.
-    fn cuda_step(
-        &self,
-        device: &mut crate::cuda::CudaDevice,
-        call: RuleCall<'_, '_, Self::State>,
-    ) -> Result<(), OptimError>;
-}
-
-/// Without the `cuda` feature a rule has no CUDA side to supply.
-#[cfg(not(feature = "cuda"))]
-pub(crate) trait CudaEntry {}
-
-#[cfg(not(feature = "cuda"))]
-impl<R> CudaEntry for R {}
-
-/// A rule's kernels on each device: the parameter dtypes they take, and the entries of the
-/// shared drivers this crate instantiates for the rule (opaque: only this crate's rules have
-/// kernels). [`StepDevice`](crate::StepDevice) calls the entry of its device.
-pub struct RuleKernels<R: UpdateRule> {
-    /// The parameter dtypes (gradients and states are of the parameter's dtype, or f32 for a
-    /// rule that takes only f32).
-    pub(crate) dtypes: &'static [DType],
-    /// The host side (`kernels/` over tensor memory).
-    pub(crate) host: HostStep<R>,
-    /// The CUDA side (`cuda/`).
-    #[cfg(feature = "cuda")]
-    pub(crate) cuda: CudaStep<R>,
-    /// Whether the CUDA kernels read a GradScaler's device tensors.
-    #[cfg(feature = "cuda")]
-    pub(crate) device_scaling: bool,
-}
-
-/// The kernels of a rule of f32, bf16 and f16 parameters.
-pub(crate) const fn float_kernels<R>() -> RuleKernels<R>
-where
-    R: HostKernels<f32> + HostKernels<bf16> + HostKernels<f16> + CudaEntry,
-{
-    RuleKernels {
-        dtypes: &[DType::F32, DType::BF16, DType::F16],
-        host: host_step_floats::<R>,
-        #[cfg(feature = "cuda")]
-        cuda: R::cuda_step,
-        #[cfg(feature = "cuda")]
-        device_scaling: R::DEVICE_SCALING,
-    }
-}
-
-/// The kernels of a rule of bf16 parameters.
-pub(crate) const fn bf16_kernels<R: HostKernels<bf16> + CudaEntry>() -> RuleKernels<R> {
-    RuleKernels {
-        dtypes: &[DType::BF16],
-        host: host_step::<bf16, R>,
-        #[cfg(feature = "cuda")]
-        cuda: R::cuda_step,
-        #[cfg(feature = "cuda")]
-        device_scaling: R::DEVICE_SCALING,
-    }
-}
-
-/// The kernels of a rule of f32 parameters.
-pub(crate) const fn f32_kernels<R: HostKernels<f32> + CudaEntry>() -> RuleKernels<R> {
-    RuleKernels {
-        dtypes: &[DType::F32],
-        host: host_step::<f32, R>,
-        #[cfg(feature = "cuda")]
-        cuda: R::cuda_step,
-        #[cfg(feature = "cuda")]
-        device_scaling: R::DEVICE_SCALING,
-    }
-}
-
-impl<R: UpdateRule> std::fmt::Debug for RuleKernels<R> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RuleKernels")
-            .field("rule", &R::NAME)
-            .field("dtypes", &self.dtypes)
-            .finish_non_exhaustive()
-    }
-}
+use crate::rule::UpdateRule;
+use crate::step::{Implementation, RuleCall, StepItem};
 
 /// How one parameter's kernel call runs.
 #[derive(Debug)]
@@ -177,8 +64,15 @@ pub(crate) trait HostKernels<T: ParamElement + Element>: UpdateRule {
     }
 }
 
+/// The parameter dtypes of [`host_step_floats`]: a rule's [`UpdateRule::DTYPES`] when it takes
+/// them all.
+pub(crate) const FLOATS: &[DType] = &[DType::F32, DType::BF16, DType::F16];
+
 /// The host entry of a rule of f32, bf16 and f16 parameters: [`host_step`] for the items' type.
-fn host_step_floats<R>(rule: &R, call: RuleCall<'_, '_, R::State>) -> Result<(), OptimError>
+pub(crate) fn host_step_floats<R>(
+    rule: &R,
+    call: RuleCall<'_, '_, R::State>,
+) -> Result<(), OptimError>
 where
     R: HostKernels<f32> + HostKernels<bf16> + HostKernels<f16>,
 {
@@ -192,7 +86,7 @@ where
 /// The host entry of a rule for items of element type `T`: one scratch of the chunk (at most
 /// all the items' elements) for a foreach kernel, else each parameter through the single form
 /// (a scratch of its own) or the fused form.
-fn host_step<T: ParamElement + Element, R: HostKernels<T>>(
+pub(crate) fn host_step<T: ParamElement + Element, R: HostKernels<T>>(
     rule: &R,
     call: RuleCall<'_, '_, R::State>,
 ) -> Result<(), OptimError> {
@@ -214,14 +108,21 @@ fn host_step<T: ParamElement + Element, R: HostKernels<T>>(
     single_or_fused(
         implementation,
         &lens,
-        &mut |idx| scratch(items[idx].param, lens[idx]),
+        // A rule whose single form needs no scratch (an element-wise rule) gets none.
+        &mut |idx| {
+            let len = lens[idx];
+            (len > 0)
+                .then(|| scratch(items[idx].param, len))
+                .transpose()
+        },
         &mut |idx, tmp| {
             let it = &items[idx];
             // SAFETY: as above, for this item alone.
             let bufs = unsafe { R::buffers(it) };
             let form = match tmp {
                 // SAFETY: a fresh scratch tensor of this call, of `T`, used by this call only.
-                Some(tmp) => Form::Single(unsafe { host_slice_mut(tmp) }),
+                Some(Some(tmp)) => Form::Single(unsafe { host_slice_mut(tmp) }),
+                Some(None) => Form::Single(&mut []),
                 None => Form::Fused(scaling),
             };
             rule.run(bufs, form)

@@ -93,7 +93,7 @@ pub enum OptimError {
     )]
     NonFiniteNorm {
         /// The norm asked for.
-        norm_type: crate::NormType,
+        norm_type: crate::clip::norm::NormType,
         /// The total norm.
         total: f32,
     },

@@ -29,12 +29,20 @@
 //!
 //! Parameters may live on the CPU or, with the `cuda` feature, on a CUDA device: the optimizer
 //! takes its [`StepDevice`] from its parameters (all on one device, contiguous, of a dtype the
-//! rule takes, else a typed error), and the device is chosen in one place: `StepDevice` calls
-//! the host or the CUDA entry of the rule's [`RuleKernels`]. The rules' front ends (`sgd.rs`,
-//! `adam.rs`, `adafactor.rs`, `adam8bit.rs`, and their CUDA pieces in `cuda/`) say only which
-//! buffers go to which kernels; one shared driver (`driver.rs`, `cuda/multi_tensor.rs`) does the
-//! element-type dispatch, the scratch of the single and foreach forms, the chunking and the
-//! per-parameter schedule.
+//! rule takes, else a typed error), and the device is chosen in one place: `StepDevice` calls the
+//! rule's host entry ([`UpdateRule::host_step`]) or its CUDA entry ([`CudaKernels`]`::cuda_step`),
+//! trait methods all the way down. The rules' front ends (`sgd.rs`, `adam.rs`, `adafactor.rs`,
+//! `adam8bit.rs`, and their CUDA pieces in `cuda/`) say only which buffers go to which kernels;
+//! one shared driver per device (`driver.rs`, `cuda/multi_tensor.rs`) does the element-type
+//! dispatch, the scratch of the single and foreach forms, the chunking and the per-parameter
+//! schedule.
+//!
+//! A rule of your own is an [`ElementwiseRule`]: the update of one element in f32, the names of
+//! its state tensors and its constants per step. `GroupOptimizer::<YourRule>` then runs it with
+//! every implementation on the host (f32, bf16 and f16 parameters, states of their dtype, each
+//! value rounded once), with state dicts and schedulers, and on CUDA with a PTX kernel you supply
+//! ([`ElementKernel`], reading a table of [`ElementPiece`]s); `examples/custom_rule` writes Lion
+//! and checks it against a hand-written loop, bit for bit.
 //!
 //! Gradient clipping: [`clip_grad_norm_`] (norms 2 and inf, `error_if_nonfinite`, the total norm
 //! returned as a device tensor) and [`clip_grad_value_`], with PyTorch 2.11's semantics, over
@@ -72,6 +80,22 @@
 //! This crate sits on autograd-core (tensors, their storage) and knows no device API itself:
 //! the CPU side runs `kernels` on host memory; the CUDA side (`cuda`, feature `cuda`) launches
 //! PTX built from `kernels/*.cu` through headroom-ops-cuda's backend.
+//!
+//! Modules import one way, down these layers (bottom first; a module imports from its own layer
+//! or lower ones, never in a cycle — `tests/module_layers.rs` reads the sources and holds it):
+//! 0. `clip::norm` — what a gradient clip is (its norm type, PyTorch's coefficient).
+//! 1. `error` — the crate's one error type (it names the norm type).
+//! 2. `kernels` — the raw-buffer layer: updates over host slices, no tensors.
+//! 3. `step`, `host`, `cuda::table` — the step vocabulary; tensors as host slices; piece tables.
+//! 4. `cuda::launch`, `clip::host` — launches on a CUDA device; clipping on the host.
+//! 5. `rule`, `loss_scaler`, `cuda::grads`, `cuda::clip`, `cuda::grad_scale` — what a rule is;
+//!    what a loss scale provides; CUDA clipping.
+//! 6. `driver`, `cuda::multi_tensor`, `device` — the drivers rules plug into; where steps run.
+//! 7. `optimizer` — `GroupOptimizer` over parameter groups, the `Optimizer` trait, state dicts.
+//! 8. `sgd`, `adam`, `adam_stochastic`, `adafactor`, `adam8bit`, `elementwise` — rule front ends.
+//! 9. `clip`, `grad_scale`, `scheduler` — public clipping, overflow check, schedulers.
+//! 10. `cuda` — the rules' CUDA pieces (each implements `CudaKernels` for its front end's
+//!     state) and the raw-buffer CUDA layer.
 //!
 //! Crate features: `cuda` adds the CUDA device (capability only; results are the CPU's).
 //!
@@ -143,27 +167,36 @@ mod adam_stochastic;
 mod clip;
 mod device;
 mod driver;
+mod elementwise;
 mod error;
 mod grad_scale;
 mod host;
 mod loss_scaler;
 mod optimizer;
+mod rule;
 mod scheduler;
 mod sgd;
+mod step;
 
 pub use adafactor::{Adafactor, AdafactorState};
 pub use adam::{Adam, AdamState};
 pub use adam8bit::{bnb_maps, Adam8bit, Adam8bitState};
 pub use adam_stochastic::{AdamStochastic, AdamStochasticConfig};
 pub use clip::{clip_grad_norm_, clip_grad_value_, NormType};
-pub use device::{DeviceGradScaling, StepDevice};
-pub use driver::RuleKernels;
+pub use device::StepDevice;
+pub use elementwise::{
+    ElementKernel, ElementPiece, ElementwiseRule, ElementwiseState, KERNEL_CONSTS,
+    MAX_ELEMENT_STATES,
+};
 pub use error::OptimError;
 pub use grad_scale::non_finite_check_and_unscale_;
+pub use kernels::{AdafactorConfig, Adam8bitConfig, AdamConfig, SgdConfig, WeightDecay};
 pub use loss_scaler::LossScaler;
-pub use optimizer::{
-    GroupOptimizer, Implementation, NamedTensors, Optimizer, ParamGroup, ParamId, SavedTensors,
-    Scaling, StepParams, UpdateRule, DEFAULT_FOREACH_CHUNK,
-};
+pub use optimizer::{GroupOptimizer, Optimizer, ParamGroup};
+pub use rule::{CudaKernels, SavedTensors, UpdateRule};
 pub use scheduler::{LrScheduler, Schedule, SkipFlag};
 pub use sgd::{Sgd, SgdState};
+pub use step::{
+    DeviceGradScaling, Implementation, NamedTensors, ParamId, Scaling, StepParams,
+    DEFAULT_FOREACH_CHUNK,
+};

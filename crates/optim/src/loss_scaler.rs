@@ -20,8 +20,8 @@
 
 use headroom_autograd_core::Tensor;
 
-use crate::device::DeviceGradScaling;
 use crate::error::OptimError;
+use crate::step::DeviceGradScaling;
 
 /// A source of loss scaling for training steps (PyTorch's `GradScaler` without the optimizer).
 ///

@@ -9,13 +9,13 @@
 
 use headroom_autograd_core::{Element, Tensor};
 
-use crate::driver::{Form, HostKernels};
+use crate::driver::{host_step_floats, Form, HostKernels, FLOATS};
 use crate::error::OptimError;
 use crate::host::{host_slice, host_slice_mut, zeros_like};
 use crate::kernels::{sgd_foreach, sgd_fused, sgd_single, ParamElement, SgdBuffers, SgdConfig};
-use crate::optimizer::{
-    rule_items, GroupOptimizer, NamedTensors, SavedTensors, StepItem, UpdateRule,
-};
+use crate::optimizer::GroupOptimizer;
+use crate::rule::{rule_items, SavedTensors, UpdateRule};
+use crate::step::{NamedTensors, StepItem};
 
 /// SGD over parameter groups.
 pub type Sgd = GroupOptimizer<SgdConfig>;
@@ -29,7 +29,7 @@ pub struct SgdState {
 
 impl UpdateRule for SgdConfig {
     type State = SgdState;
-    rule_items!(name: "SGD", kernels: float_kernels);
+    rule_items!(name: "SGD", dtypes: FLOATS, host: host_step_floats);
 
     fn state_tensors(state: &SgdState) -> NamedTensors {
         state

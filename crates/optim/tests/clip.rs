@@ -13,6 +13,7 @@ use headroom_ops_cpu::CpuBackend;
 use headroom_optim::kernels::{bf16, f16};
 use headroom_optim::{clip_grad_norm_, clip_grad_value_, NormType, OptimError};
 use headroom_testkit::golden::testdata;
+use headroom_testkit::ulps::max_ulps;
 use safetensors::SafeTensors;
 
 const NAMES: [&str; 3] = ["a", "b", "c"];
@@ -83,22 +84,6 @@ impl Golden {
 fn grad_f32(param: &Tensor) -> Vec<f32> {
     let grad = param.grad().unwrap();
     grad.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap()
-}
-
-/// The largest distance between two f32 slices in ulps (equal NaNs count as 0).
-fn max_ulps(ours: &[f32], theirs: &[f32]) -> u32 {
-    assert_eq!(ours.len(), theirs.len());
-    ours.iter()
-        .zip(theirs)
-        .map(|(a, b)| {
-            if a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()) {
-                0
-            } else {
-                (a.to_bits() as i32).abs_diff(b.to_bits() as i32)
-            }
-        })
-        .max()
-        .unwrap_or(0)
 }
 
 fn norm_types() -> [(&'static str, NormType); 2] {
@@ -353,15 +338,13 @@ fn many_tensors_of_mixed_dtypes_clip_in_one_call() {
 mod cuda {
     use super::*;
     use headroom_ops_cuda::CudaBackend;
-    use headroom_testkit::gpu::cuda_or_skip;
-
-    fn cuda() -> Option<BackendRef> {
-        cuda_or_skip(CudaBackend::new(0)).map(|backend| backend as BackendRef)
-    }
+    use headroom_testkit::gpu::backend_or_skip;
 
     #[test]
     fn clip_grad_norm_matches_pytorch_and_the_cpu_on_cuda() {
-        let Some(cuda) = cuda() else { return };
+        let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
+            return;
+        };
         let on_cuda = check_norm_goldens(&cuda, "cuda");
         let on_cpu = check_norm_goldens(&CpuBackend::new_ref(), "cpu");
         for (gpu, host) in on_cuda.iter().zip(&on_cpu) {
@@ -372,19 +355,25 @@ mod cuda {
 
     #[test]
     fn clip_grad_value_matches_pytorch_on_cuda() {
-        let Some(cuda) = cuda() else { return };
+        let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
+            return;
+        };
         check_value_goldens(&cuda, "cuda");
     }
 
     #[test]
     fn a_nonfinite_norm_is_a_typed_error_on_cuda() {
-        let Some(cuda) = cuda() else { return };
+        let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
+            return;
+        };
         check_nonfinite(&cuda);
     }
 
     #[test]
     fn bf16_gradients_are_rounded_once_on_cuda() {
-        let Some(cuda) = cuda() else { return };
+        let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
+            return;
+        };
         check_bf16(&cuda);
     }
 
@@ -392,7 +381,9 @@ mod cuda {
     /// gradients within an ulp of the CPU's (of their dtype; equal where the norms are equal).
     #[test]
     fn many_tensors_of_mixed_dtypes_agree_with_the_cpu() {
-        let Some(cuda) = cuda() else { return };
+        let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
+            return;
+        };
         let cpu = CpuBackend::new_ref();
         for (name, norm_type) in norm_types() {
             let (gpu_total, gpu_grads) = many_tensors(&cuda, norm_type);
@@ -412,7 +403,9 @@ mod cuda {
     /// Gradients on two devices are refused before anything changes.
     #[test]
     fn mixed_devices_are_refused() {
-        let Some(cuda) = cuda() else { return };
+        let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
+            return;
+        };
         let cpu = CpuBackend::new_ref();
         let on_cuda = Tensor::zeros(&cuda, &[2], DType::F32).unwrap();
         on_cuda

@@ -386,7 +386,7 @@ fn gpu_step_buffers_follow_moving_gradients_bit_for_bit() {
 #[test]
 fn gpu_raw_step_checks_the_scaling_tensors() {
     use headroom_optim::cuda::CudaAdam8bit;
-    use headroom_optim::kernels::Adam8bitConfig;
+    use headroom_optim::Adam8bitConfig;
 
     let Some(backend) = cuda_or_skip(CudaBackend::new(0)) else {
         return;

@@ -9,7 +9,8 @@ use std::collections::HashMap;
 
 use headroom_ops_cuda::CudaBackend;
 use headroom_optim::cuda::{Adam8bitMath, CudaAdam8bit, DeviceAdam8bitParam};
-use headroom_optim::kernels::{n_blocks, Adam8bitConfig, MIN_8BIT_SIZE};
+use headroom_optim::kernels::{n_blocks, MIN_8BIT_SIZE};
+use headroom_optim::Adam8bitConfig;
 use headroom_testkit::gpu::cuda_or_skip;
 use safetensors::SafeTensors;
 

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 
 use headroom_ops_cuda::CudaBackend;
 use headroom_optim::cuda::{CudaFusedAdam, DeviceAdamParam, FusedAdamMath};
-use headroom_optim::kernels::{AdamConfig, WeightDecay};
+use headroom_optim::{AdamConfig, WeightDecay};
 use headroom_testkit::gpu::cuda_or_skip;
 use safetensors::SafeTensors;
 

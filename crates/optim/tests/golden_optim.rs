@@ -11,11 +11,12 @@ use std::sync::{Arc, Mutex};
 
 use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::kernels::{AdafactorConfig, AdamConfig, SgdConfig, WeightDecay};
 use headroom_optim::{
-    Adafactor, Adam, GroupOptimizer, Implementation, Optimizer, ParamGroup, Scaling, Sgd,
-    StepParams, UpdateRule,
+    Adafactor, AdafactorConfig, Adam, AdamConfig, GroupOptimizer, Implementation, Optimizer,
+    ParamGroup, Scaling, Sgd, SgdConfig, StepParams, UpdateRule, WeightDecay,
 };
+use headroom_testkit::memory::allocated;
+use headroom_testkit::ulps::max_ulps;
 use safetensors::SafeTensors;
 
 const PARAMS: [&str; 3] = ["a", "b", "c"];
@@ -98,24 +99,15 @@ fn tensor_rel_error(ours: &[f32], reference: &[f32]) -> f64 {
     (diff / norm).sqrt()
 }
 
-/// The CUDA backend shared by this binary's tests, or `None` (with a notice) without a device.
-#[cfg(feature = "cuda")]
-fn cuda() -> Option<BackendRef> {
-    use std::sync::OnceLock;
-    static CUDA: OnceLock<Option<BackendRef>> = OnceLock::new();
-    CUDA.get_or_init(|| {
-        headroom_testkit::gpu::cuda_or_skip(headroom_ops_cuda::CudaBackend::new(0))
-            .map(|backend| backend as BackendRef)
-    })
-    .clone()
-}
-
 /// The backends to run on: the CPU, and the CUDA device when there is one.
 fn backends() -> Vec<(&'static str, BackendRef)> {
     let cpu = ("cpu", CpuBackend::new_ref());
     #[cfg(feature = "cuda")]
     return std::iter::once(cpu)
-        .chain(cuda().map(|backend| ("cuda", backend)))
+        .chain(
+            headroom_testkit::gpu::shared_or_skip(|| headroom_ops_cuda::CudaBackend::new(0))
+                .map(|backend| ("cuda", backend as BackendRef)),
+        )
         .collect();
     #[cfg(not(feature = "cuda"))]
     vec![cpu]
@@ -176,16 +168,6 @@ fn run_config<R: UpdateRule>(
     run
 }
 
-/// The largest distance in units in the last place between two runs' values.
-fn max_ulps(a: &[Vec<f32>], b: &[Vec<f32>]) -> u32 {
-    a.iter()
-        .flatten()
-        .zip(b.iter().flatten())
-        .map(|(x, y)| (x.to_bits() as i32).abs_diff(y.to_bits() as i32))
-        .max()
-        .unwrap_or(0)
-}
-
 /// How a config's agreement is judged.
 #[derive(Clone, Copy, PartialEq)]
 enum Check {
@@ -223,7 +205,7 @@ fn check_all<R: UpdateRule>(name: &str, config: R, check: Check, cuda_ulps: u32)
             match &cpu_params {
                 None => cpu_params = Some(run.params),
                 Some(cpu) => {
-                    let ulps = max_ulps(cpu, &run.params);
+                    let ulps = max_ulps(&cpu.concat(), &run.params.concat());
                     println!("{name} {imp_name} {device}: {ulps} ulps from the CPU");
                     assert!(ulps <= cuda_ulps, "{name} {imp_name} {device}: {ulps} ulps");
                 }
@@ -383,10 +365,6 @@ fn adamw_in_backward(golden: &Golden, backend: &BackendRef, implementation: Impl
         }
     }
     worst
-}
-
-fn allocated(cpu: &CpuBackend) -> i64 {
-    cpu.allocator().memory_stats().allocated_bytes.all.current
 }
 
 /// `seed_linear_adamw` in golden.json: `iter0 backward` 75,506,176 B → `iter0 optimizer.step`

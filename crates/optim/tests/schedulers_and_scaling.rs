@@ -4,9 +4,10 @@
 
 use headroom_autograd_core::{DType, Tensor};
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::kernels::{AdamConfig, GradScaling, SgdConfig, StepOutcome};
+use headroom_optim::kernels::{GradScaling, StepOutcome};
 use headroom_optim::{
-    Adam, Implementation, LrScheduler, Optimizer, ParamGroup, Scaling, Schedule, Sgd, StepParams,
+    Adam, AdamConfig, Implementation, LrScheduler, Optimizer, ParamGroup, Scaling, Schedule, Sgd,
+    SgdConfig, StepParams,
 };
 
 /// The rates PyTorch's schedulers give for base lr 1 (`scheduler.get_last_lr()` after each

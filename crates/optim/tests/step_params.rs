@@ -10,10 +10,10 @@ use std::num::NonZeroUsize;
 
 use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::kernels::{bf16, Adam8bitConfig, AdamConfig, SgdConfig};
+use headroom_optim::kernels::bf16;
 use headroom_optim::{
-    Adam, Adam8bit, GroupOptimizer, Implementation, OptimError, Optimizer, ParamGroup, Scaling,
-    StepParams, UpdateRule,
+    Adam, Adam8bit, Adam8bitConfig, AdamConfig, GroupOptimizer, Implementation, OptimError,
+    Optimizer, ParamGroup, Scaling, SgdConfig, StepParams, UpdateRule,
 };
 use headroom_testkit::inputs::uniform_f32;
 

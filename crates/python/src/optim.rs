@@ -17,8 +17,7 @@ use headroom_ops_cuda::CudaBackend;
 use headroom_optim::cuda::{
     Adam8bitMath, CudaAdam8bit, CudaFusedAdam, DeviceAdam8bitParam, DeviceAdamParam, FusedAdamMath,
 };
-use headroom_optim::kernels::{Adam8bitConfig, AdamConfig, WeightDecay};
-use headroom_optim::OptimError;
+use headroom_optim::{Adam8bitConfig, AdamConfig, OptimError, WeightDecay};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 

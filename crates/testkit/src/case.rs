@@ -14,8 +14,10 @@ use headroom_nn::{
     Activation, BlockStack, Dropout, Gpt2Config, Gpt2LMHeadModel, Mlp, Module, VisionTransformer,
     VitConfig,
 };
-use headroom_optim::kernels::{AdafactorConfig, Adam8bitConfig, AdamConfig, SgdConfig};
-use headroom_optim::{Adafactor, Adam, Adam8bit, Implementation, Optimizer, ParamGroup, Sgd};
+use headroom_optim::{
+    Adafactor, AdafactorConfig, Adam, Adam8bit, Adam8bitConfig, AdamConfig, Implementation,
+    Optimizer, ParamGroup, Sgd, SgdConfig,
+};
 
 use crate::inputs::Xorshift;
 use crate::Result;

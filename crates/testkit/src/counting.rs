@@ -1,9 +1,11 @@
 //! A backend decorator that counts host reads: how a test proves a step never synchronises.
 //!
-//! `Backend::read_host` is the only way autograd-core's backend trait waits for a device, so a
-//! step that calls it zero times (tensor reads, `item`, error checks that read flags) never
-//! stalls the launch queue through the trait. [`HostReadCounter`] forwards every method to the
-//! backend it wraps and counts `read_host` calls; tensors made on it live on the wrapped device.
+//! `Backend::read_host` and `Backend::synchronize` are the only ways autograd-core's backend
+//! trait waits for a device, so a step that calls them zero times (tensor reads, `item`, error
+//! checks that read flags, explicit waits) never stalls the launch queue through the trait.
+//! [`HostReadCounter`] forwards every method to the backend it wraps and counts both calls as
+//! host reads (a wait is a read of the device's progress); tensors made on it live on the
+//! wrapped device.
 //! It sits on autograd-core's trait only and knows no device.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,9 +15,10 @@ use headroom_autograd_core::{
     AttentionBackward, AttentionForward, Backend, BackendRef, BinaryOp, Buffer, CrossEntropyArgs,
     Device, LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp, View,
 };
-use headroom_caching_allocator::{Allocation, MemoryStats};
+use headroom_caching_allocator::{Allocation, AllocatorView};
 
-/// A backend that counts its `read_host` calls and forwards everything to the one it wraps.
+/// A backend that counts its `read_host` and `synchronize` calls and forwards everything to the
+/// one it wraps.
 #[derive(Debug)]
 pub struct HostReadCounter {
     inner: BackendRef,
@@ -31,7 +34,7 @@ impl HostReadCounter {
         })
     }
 
-    /// Host reads so far.
+    /// Host reads (`read_host` and `synchronize` calls) so far.
     pub fn host_reads(&self) -> u64 {
         self.host_reads.load(Ordering::SeqCst)
     }
@@ -50,8 +53,12 @@ impl Backend for HostReadCounter {
     fn free(&self, allocation: Allocation) {
         self.inner.free(allocation)
     }
-    fn memory_stats(&self) -> MemoryStats {
-        self.inner.memory_stats()
+    fn allocator_view(&self) -> &dyn AllocatorView {
+        self.inner.allocator_view()
+    }
+    fn synchronize(&self) -> Result<()> {
+        self.host_reads.fetch_add(1, Ordering::SeqCst);
+        self.inner.synchronize()
     }
     fn write_host(&self, dst: &Buffer, offset: usize, data: &[u8]) -> Result<()> {
         self.inner.write_host(dst, offset, data)

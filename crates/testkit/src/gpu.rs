@@ -19,10 +19,15 @@
 //!   not come through the gate), so harness code never prints that word itself.
 //!
 //! The gate is generic over what was opened (a `CudaBackend`, a `CudaStorage`, a
-//! `PinnedHostStorage`) and over its error, so it needs no CUDA crate itself.
+//! `PinnedHostStorage`) and over its error, so it needs no CUDA crate itself. A test asks for
+//! its backend in one call: [`backend_or_skip`] gives the `BackendRef` tensors take,
+//! [`shared_or_skip`] a device opened once per test binary.
 
+use std::any::{Any, TypeId};
 use std::fmt::Display;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use headroom_autograd_core::{Backend, BackendRef};
 
 /// The environment variable that turns a skip into a failure: set to anything but `0` or the
 /// empty string.
@@ -72,6 +77,46 @@ pub fn cuda_or_skip<T, E: Display>(made: Result<T, E>) -> Option<T> {
             None
         }
     }
+}
+
+/// [`cuda_or_skip`] of a backend, as the `BackendRef` tensors take:
+/// `backend_or_skip(CudaBackend::new(0))`.
+#[track_caller]
+pub fn backend_or_skip<B: Backend + 'static, E: Display>(
+    made: Result<Arc<B>, E>,
+) -> Option<BackendRef> {
+    cuda_or_skip(made).map(|backend| backend as BackendRef)
+}
+
+/// What `open` opens, opened once per test binary (one per type `T`) and shared by every test
+/// that asks: the first call opens it and keeps the result, later calls get a clone. Without it,
+/// each call passes the kept error through [`cuda_or_skip`] (a skip line per test, or under
+/// [`REQUIRE_GPU`] a failure). For tests that may share a device's backend; one that counts its
+/// allocator's bytes opens a backend of its own.
+#[track_caller]
+pub fn shared_or_skip<T, E>(open: impl FnOnce() -> Result<T, E>) -> Option<T>
+where
+    T: Clone + Send + Sync + 'static,
+    E: Display,
+{
+    type Opened = (TypeId, Box<dyn Any + Send + Sync>);
+    static OPENED: Mutex<Vec<Opened>> = Mutex::new(Vec::new());
+    let mut opened = OPENED.lock().unwrap_or_else(PoisonError::into_inner);
+    let at = match opened.iter().position(|(id, _)| *id == TypeId::of::<T>()) {
+        Some(at) => at,
+        None => {
+            let result: Result<T, String> = open().map_err(|err| err.to_string());
+            opened.push((TypeId::of::<T>(), Box::new(result)));
+            opened.len() - 1
+        }
+    };
+    let result = opened[at]
+        .1
+        .downcast_ref::<Result<T, String>>()
+        .expect("kept under its type's id")
+        .clone();
+    drop(opened);
+    cuda_or_skip(result)
 }
 
 /// Skips for any other reason the test cannot run (`why`: "the device cannot map pages",
@@ -158,6 +203,19 @@ mod tests {
     #[test]
     fn an_opened_device_passes_through() {
         assert_eq!(cuda_or_skip(Ok::<_, String>(3)), Some(3));
+    }
+
+    #[test]
+    fn a_shared_device_is_opened_once_per_type() {
+        let opened = std::sync::atomic::AtomicU32::new(0);
+        let open = || {
+            opened.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok::<_, String>(7u16)
+        };
+        assert_eq!(shared_or_skip(open), Some(7));
+        assert_eq!(shared_or_skip(open), Some(7));
+        assert_eq!(shared_or_skip(|| Ok::<_, String>(8u8)), Some(8));
+        assert_eq!(opened.load(std::sync::atomic::Ordering::SeqCst), 1);
     }
 
     #[test]

@@ -11,6 +11,8 @@
 //!   `HEADROOM_REQUIRE_GPU=1` is set (the GPU machine), so a GPU suite cannot pass by skipping.
 //! - [`counting`]: a backend decorator counting host reads (a step with zero never synchronises).
 //! - [`inputs`]: deterministic inputs (one xorshift stream; floats, labels, byte patterns).
+//! - [`memory`]: a backend's allocated bytes and their peak, as tests read them.
+//! - [`ulps`]: the distance between two f32 results in units in the last place.
 //! - [`misuse`]: the misuse suites' checker (named cases, each a typed error or a checked
 //!   result; a panic fails; known bugs must fail).
 //! - [`golden`]: PyTorch's golden ViT-tiny and GPT-2-tiny, run and checked on any backend.
@@ -46,7 +48,9 @@ pub mod counting;
 pub mod golden;
 pub mod gpu;
 pub mod inputs;
+pub mod memory;
 pub mod misuse;
+pub mod ulps;
 
 mod case;
 mod harness;

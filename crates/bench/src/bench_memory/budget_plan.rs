@@ -24,7 +24,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use headroom_caching_allocator::Storage;
 use headroom_checkpoint::{
     BlockPlanner, BlockSelection, Candidate, CheckpointBlocks, CheckpointOptions, Compression,
     StepProbe, StepProfile,
@@ -90,21 +89,21 @@ pub(crate) struct Uniform {
 }
 
 /// The planner's probe of the device `probe` runs on.
-fn step_probe<S: Storage>(probe: &Probe<'_, S>) -> Result<StepProbe> {
+fn step_probe(probe: &Probe<'_>) -> Result<StepProbe> {
     let any = probe.backend.clone().into_any();
     if let Ok(cuda) = any.clone().downcast::<CudaBackend>() {
         return Ok(StepProbe::cuda(&cuda));
     }
     match any.downcast::<CpuBackend>() {
-        Ok(cpu) => Ok(StepProbe::host(cpu, CpuBackend::allocator)),
+        Ok(cpu) => Ok(StepProbe::host(cpu)),
         Err(_) => bail!("adam_auto: the planner knows the CPU and CUDA backends only"),
     }
 }
 
 /// Profiles `vit`'s step, plans for `budget` (or the default) and sets the plan as its block
 /// runner; returns the outcome (without the uniform comparison) and the profile.
-pub(crate) fn plan<S: Storage>(
-    probe: &Probe<'_, S>,
+pub(crate) fn plan(
+    probe: &Probe<'_>,
     vit: &mut Net,
     budget: Option<u64>,
     step: &mut dyn FnMut(&Net) -> Result<()>,
@@ -179,8 +178,8 @@ fn exact_only(profile: &StepProfile, budget: u64) -> Result<Option<(f64, usize)>
 
 /// Measures uniform checkpointing at the fastest k that fits `budget`, alternating with the
 /// plan that is `vit`'s block runner (see the module's documentation); `None` when no k fits.
-pub(crate) fn compare_uniform<S: Storage>(
-    probe: &Probe<'_, S>,
+pub(crate) fn compare_uniform(
+    probe: &Probe<'_>,
     vit: &mut Net,
     profile: &StepProfile,
     plan_strategies: &[String],
@@ -222,11 +221,11 @@ pub(crate) fn compare_uniform<S: Storage>(
         vit.set_block_runner(Some(Arc::clone(&uniform)));
         // One step whose peak is the uniform runner's (the step after a change of runner is
         // the steady one: what a step allocates is freed by its end).
-        (probe.synchronize)()?;
-        probe.allocator.reset_peak_stats();
+        probe.backend.synchronize()?;
+        probe.allocator().reset_peak_stats();
         step(vit)?;
-        (probe.synchronize)()?;
-        let mut peak = probe.allocator.max_memory_allocated();
+        probe.backend.synchronize()?;
+        let mut peak = probe.allocator().max_memory_allocated();
         if peak > budget {
             over_budget.push((every, peak));
             continue;
@@ -235,14 +234,14 @@ pub(crate) fn compare_uniform<S: Storage>(
         for _ in 0..steps.max(1) {
             for (runner, times) in [(&plan_runner, &mut plan_ms), (&uniform, &mut uniform_ms)] {
                 vit.set_block_runner(Some(Arc::clone(runner)));
-                (probe.synchronize)()?;
-                probe.allocator.reset_peak_stats();
+                probe.backend.synchronize()?;
+                probe.allocator().reset_peak_stats();
                 let start = Instant::now();
                 step(vit)?;
-                (probe.synchronize)()?;
+                probe.backend.synchronize()?;
                 times.push(start.elapsed().as_secs_f64() * 1e3);
                 if Arc::ptr_eq(runner, &uniform) {
-                    peak = peak.max(probe.allocator.max_memory_allocated());
+                    peak = peak.max(probe.allocator().max_memory_allocated());
                 }
             }
         }

@@ -13,7 +13,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use headroom_caching_allocator::{HistoryOptions, Snapshot, Storage, TraceAction, TraceEvent};
+use headroom_caching_allocator::{HistoryOptions, Snapshot, TraceAction, TraceEvent};
 
 use super::budget_plan::{self, PlanOutcome};
 use super::cases::Case;
@@ -96,15 +96,15 @@ pub(crate) struct CaseResult {
 
 /// Runs `case` on `model` at `batch` with `protocol` and measures it; `tick` is called after
 /// every step.
-pub(crate) fn measure<S: Storage>(
-    probe: &Probe<'_, S>,
+pub(crate) fn measure(
+    probe: &Probe<'_>,
     model: Model,
     batch: usize,
     case: Case,
     protocol: Protocol,
     tick: &mut dyn FnMut(),
 ) -> Result<CaseResult> {
-    let allocator = probe.allocator;
+    let allocator = probe.allocator();
     allocator.empty_cache()?;
     if protocol.record_events {
         allocator.record_history(Some(HistoryOptions {
@@ -129,7 +129,7 @@ pub(crate) fn measure<S: Storage>(
     };
     let mut run = training.run(&input, case, protocol)?;
 
-    (probe.synchronize)()?;
+    probe.backend.synchronize()?;
     allocator.reset_peak_stats();
     for step in 1..=protocol.warmup {
         let _context = protocol
@@ -138,7 +138,7 @@ pub(crate) fn measure<S: Storage>(
         run.step()?;
         tick();
     }
-    (probe.synchronize)()?;
+    probe.backend.synchronize()?;
     let first3_peak = allocator.max_memory_allocated();
 
     allocator.reset_peak_stats();
@@ -147,16 +147,16 @@ pub(crate) fn measure<S: Storage>(
         let _context = protocol
             .record_events
             .then(|| allocator.push_context(&step_label(step)));
-        (probe.synchronize)()?;
+        probe.backend.synchronize()?;
         let start = Instant::now();
         run.step()?;
-        (probe.synchronize)()?;
+        probe.backend.synchronize()?;
         times_ms.push(start.elapsed().as_secs_f64() * 1e3);
         tick();
     }
     let stats = allocator.memory_stats();
     if let (true, Some(profile_ops)) = (protocol.op_profile, probe.profile_ops) {
-        (probe.synchronize)()?;
+        probe.backend.synchronize()?;
         let start = Instant::now();
         let timings = profile_ops(&mut || run.step())?;
         let wall_ms = start.elapsed().as_secs_f64() * 1e3;

@@ -40,7 +40,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use headroom_caching_allocator::{Storage, TraceEvent};
+use headroom_caching_allocator::TraceEvent;
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -273,7 +273,6 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
     };
     let (outcomes, device_name) = match cuda {
         Some(cuda) => {
-            let synchronize = || Ok(cuda.synchronize()?);
             let profile_ops = |step: &mut dyn FnMut() -> Result<()>| {
                 cuda.start_op_profile()?;
                 let stepped = step();
@@ -283,8 +282,6 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
             };
             let probe = Probe {
                 backend: cuda.clone(),
-                allocator: cuda.allocator(),
-                synchronize: &synchronize,
                 device: "cuda:0".into(),
                 profile_ops: Some(&profile_ops),
             };
@@ -392,11 +389,7 @@ fn events_tsv(events: &[(usize, TraceEvent)]) -> String {
 }
 
 /// Every (batch, case) of the options on `probe`'s device, under a progress bar.
-fn run_cases<S: Storage>(
-    probe: &Probe<'_, S>,
-    options: &Options,
-    defaults: &Defaults,
-) -> Result<Outcomes> {
+fn run_cases(probe: &Probe<'_>, options: &Options, defaults: &Defaults) -> Result<Outcomes> {
     let model = match options.model {
         Some(model) => model,
         None => Model::named(defaults.model)?,

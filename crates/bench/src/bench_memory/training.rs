@@ -19,7 +19,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use headroom_amp::{AmpPolicy, GradScaler, GradScalerConfig};
 use headroom_autograd_core::{autocast_stats, BackendRef, Tensor};
-use headroom_caching_allocator::{CachingAllocator, HistoryOptions, HostStorage, Storage};
+use headroom_caching_allocator::{AllocatorView, HistoryOptions};
 use headroom_checkpoint::{
     BlockSelection, CheckpointBlocks, CompressBlocks, OffloadBlocks, OffloadOptions,
 };
@@ -31,14 +31,11 @@ use super::cases::{BenchOptimizer, Case};
 use super::measure::Protocol;
 use super::models::{Input, Model, Net};
 
-/// The device under test: its backend, its allocator and how to wait for it.
-pub(crate) struct Probe<'a, S: Storage> {
+/// The device under test: its backend (whose `allocator_view` and `synchronize` are what a
+/// measurement reads and waits for), its name and its op profile.
+pub(crate) struct Probe<'a> {
     /// The backend tensors are created on.
     pub(crate) backend: BackendRef,
-    /// The backend's caching allocator.
-    pub(crate) allocator: &'a CachingAllocator<S>,
-    /// Waits until the device has finished every launched kernel.
-    pub(crate) synchronize: &'a dyn Fn() -> Result<()>,
     /// `cpu` or `cuda:0`.
     pub(crate) device: String,
     /// Runs the step it is given under the device's op profile and returns each primitive's
@@ -50,19 +47,19 @@ pub(crate) struct Probe<'a, S: Storage> {
 pub(crate) type ProfileOps<'a> =
     dyn Fn(&mut dyn FnMut() -> Result<()>) -> Result<Vec<(String, f64)>> + 'a;
 
-impl<'a> Probe<'a, HostStorage> {
-    /// The CPU backend `cpu` (nothing to wait for).
-    pub(crate) fn cpu(cpu: &'a Arc<CpuBackend>) -> Probe<'a, HostStorage> {
-        fn ready() -> Result<()> {
-            Ok(())
-        }
+impl Probe<'_> {
+    /// The CPU backend `cpu`.
+    pub(crate) fn cpu(cpu: &Arc<CpuBackend>) -> Probe<'static> {
         Probe {
             backend: cpu.clone(),
-            allocator: cpu.allocator(),
-            synchronize: &ready,
             device: "cpu".into(),
             profile_ops: None,
         }
+    }
+
+    /// The backend's caching allocator.
+    pub(crate) fn allocator(&self) -> &dyn AllocatorView {
+        self.backend.allocator_view()
     }
 }
 
@@ -118,11 +115,7 @@ pub(crate) struct Training {
 
 impl Training {
     /// `model` with `case`'s parameter dtype, block runner and optimizer (no state yet).
-    pub(crate) fn new<S: Storage>(
-        probe: &Probe<'_, S>,
-        model: Model,
-        case: Case,
-    ) -> Result<Training> {
+    pub(crate) fn new(probe: &Probe<'_>, model: Model, case: Case) -> Result<Training> {
         let mut net = Net::new(&probe.backend, model, case.param_dtype())?;
         if case.checkpointed() {
             // With the plain step the peak is at the end of backward, where leaving the last
@@ -347,9 +340,9 @@ impl Run<'_> {
 
     /// One step with history recorded under phase labels, and the allocated bytes and peak of
     /// each phase (the peak is reset at each boundary, so the step's peak is their maximum).
-    pub(super) fn traced_step<S: Storage>(&mut self, probe: &Probe<'_, S>) -> Result<Traced> {
-        let allocator = probe.allocator;
-        (probe.synchronize)()?;
+    pub(super) fn traced_step(&mut self, probe: &Probe<'_>) -> Result<Traced> {
+        let allocator = probe.allocator();
+        probe.backend.synchronize()?;
         let requested_before = allocator.memory_stats().requested_bytes.all.current as u64;
         allocator.record_history(Some(HistoryOptions {
             max_entries: 1 << 24,
@@ -373,7 +366,7 @@ impl Run<'_> {
                 grads = gradients(self.net);
             }
         }
-        (probe.synchronize)()?;
+        probe.backend.synchronize()?;
         let snapshot = allocator.snapshot();
         allocator.record_history(None);
         let entries = snapshot.device_traces.into_iter().flatten().collect();

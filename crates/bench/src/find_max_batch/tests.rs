@@ -171,7 +171,7 @@ fn fresh_step_fits(model: Model, case: Case, cap: u64, batch: usize) -> bool {
     let one = Input::new(&probe.backend, model, 1).unwrap();
     training.run(&one, case, protocol).unwrap().step().unwrap();
     drop(one);
-    probe.allocator.empty_cache().unwrap();
+    probe.allocator().empty_cache().unwrap();
     let result = Input::new(&probe.backend, model, batch)
         .and_then(|input| training.run(&input, case, protocol)?.step());
     match result {
@@ -209,7 +209,7 @@ fn cpu_searches_under_a_cap_are_exact_and_leave_the_allocator_as_they_found_it()
         assert!(found.max_batch >= 2, "{name}: {found:?}");
         assert!(found.ooms >= 1, "{name}");
         assert!(found.peak_allocated_bytes <= cap, "{name}");
-        assert_eq!(probe.allocator.memory_allocated(), 0, "{name}");
+        assert_eq!(probe.allocator().memory_allocated(), 0, "{name}");
         assert!(fresh_step_fits(model, case, cap, found.max_batch), "{name}");
         assert!(
             !fresh_step_fits(model, case, cap, found.max_batch + 1),

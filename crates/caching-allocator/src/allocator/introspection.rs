@@ -82,7 +82,7 @@ impl<S: Storage> CachingAllocator<S> {
     /// Pushes a context label (`forward`, `encoder.3`, ...) until the guard is dropped. While
     /// history is recorded, allocations carry the stack of labels as their frames. The stack
     /// belongs to the allocator, not to a thread.
-    pub fn push_context(&self, label: &str) -> ContextGuard<'_, S> {
+    pub fn push_context(&self, label: &str) -> ContextGuard<'_> {
         self.state.lock().context.push(label.to_owned());
         ContextGuard { allocator: self }
     }

@@ -136,16 +136,33 @@ pub struct CachingAllocator<S: Storage> {
     id: AllocatorId,
 }
 
-/// Pops the context label pushed by [`CachingAllocator::push_context`] when dropped.
-#[derive(Debug)]
+/// Pops the context label pushed by [`CachingAllocator::push_context`] (or
+/// [`AllocatorView::push_context`](crate::AllocatorView::push_context)) when dropped.
 #[must_use = "the label is popped as soon as the guard is dropped"]
-pub struct ContextGuard<'a, S: Storage> {
-    allocator: &'a CachingAllocator<S>,
+pub struct ContextGuard<'a> {
+    allocator: &'a dyn PopContext,
 }
 
-impl<S: Storage> Drop for ContextGuard<'_, S> {
+impl std::fmt::Debug for ContextGuard<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ContextGuard").finish_non_exhaustive()
+    }
+}
+
+impl Drop for ContextGuard<'_> {
     fn drop(&mut self) {
-        self.allocator.state.lock().context.pop();
+        self.allocator.pop_context();
+    }
+}
+
+/// What a [`ContextGuard`] does when dropped, whatever the allocator's storage.
+trait PopContext {
+    fn pop_context(&self);
+}
+
+impl<S: Storage> PopContext for CachingAllocator<S> {
+    fn pop_context(&self) {
+        self.state.lock().context.pop();
     }
 }
 

@@ -172,7 +172,7 @@ pub type StepError = Box<dyn std::error::Error + Send + Sync>;
 /// let mut vit = VisionTransformer::new(&backend, VitConfig::tiny(), DType::F32, &generator)?;
 /// let images = Tensor::ones(&backend, &[4, 3, 32, 32], DType::F32)?;
 ///
-/// let probe = StepProbe::host(cpu.clone(), CpuBackend::allocator);
+/// let probe = StepProbe::host(cpu.clone());
 /// let planner = BlockPlanner::new(probe, Candidate::defaults());
 /// vit.set_block_runner(Some(planner.runner()));
 /// let profile = planner.profile(|| {

@@ -2,21 +2,21 @@
 //! peak, and a clock.
 //!
 //! A [`StepProbe`] is a [`MemoryGauge`] (the caching allocator's allocated bytes, and the peak
-//! since the last reading, which starts a new one) and a [`StepClock`] (points in the device's
+//! since the last reading, which starts a new one — read through the backend's allocator view) and a [`StepClock`] (points in the device's
 //! timeline and the milliseconds between two). On the CPU the clock is the host's
 //! ([`HostClock`]): CPU kernels finish before they return. On a GPU, behind the `cuda` feature, it
 //! records timing events on the compute stream ([`CudaClock`]), so a block's time is the device's
 //! time for the work queued between two marks, not the host's time to queue it. Memory needs no
 //! device wait: the allocator counts bytes on the host, in stream order.
 //!
-//! This module sits on the caching allocator's statistics and, with `cuda`, on ops-cuda's streams
-//! and events; it knows nothing about blocks, candidates or plans.
+//! This module sits on autograd-core's backend trait (its allocator view) and, with `cuda`, on
+//! ops-cuda's streams and events; it knows nothing about blocks, candidates or plans.
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
-use headroom_caching_allocator::{CachingAllocator, Storage};
+use headroom_autograd_core::BackendRef;
 
 use crate::error::CheckpointError;
 
@@ -29,45 +29,28 @@ pub trait MemoryGauge: Send + Sync + fmt::Debug {
     fn take_peak(&self) -> u64;
 }
 
-/// A [`MemoryGauge`] over the caching allocator a backend owns (its `allocator()`).
-///
-/// `AllocatorGauge::new(cpu.clone(), CpuBackend::allocator)` reads the CPU backend's allocator;
-/// [`StepProbe::cuda`] makes the CUDA backend's. Reading the peak resets the allocator's peak
-/// statistics, so measure before, not during, a measurement of your own.
-pub struct AllocatorGauge<T, S: Storage> {
-    owner: Arc<T>,
-    allocator: fn(&T) -> &CachingAllocator<S>,
+/// A [`MemoryGauge`] over a backend's caching allocator (`Backend::allocator_view`): the same
+/// on every device. Reading the peak resets the allocator's peak statistics, so measure before,
+/// not during, a measurement of your own.
+#[derive(Debug)]
+pub struct AllocatorGauge {
+    backend: BackendRef,
 }
 
-impl<T, S: Storage> AllocatorGauge<T, S> {
-    /// The gauge of `allocator(&owner)`.
-    pub fn new(owner: Arc<T>, allocator: fn(&T) -> &CachingAllocator<S>) -> AllocatorGauge<T, S> {
-        AllocatorGauge { owner, allocator }
-    }
-
-    fn allocator(&self) -> &CachingAllocator<S> {
-        (self.allocator)(&self.owner)
+impl AllocatorGauge {
+    /// The gauge of `backend`'s allocator.
+    pub fn new(backend: BackendRef) -> AllocatorGauge {
+        AllocatorGauge { backend }
     }
 }
 
-impl<T, S: Storage> fmt::Debug for AllocatorGauge<T, S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("AllocatorGauge")
-            .field("allocated", &self.allocator().memory_allocated())
-            .finish_non_exhaustive()
-    }
-}
-
-impl<T: Send + Sync, S: Storage> MemoryGauge for AllocatorGauge<T, S>
-where
-    CachingAllocator<S>: Sync,
-{
+impl MemoryGauge for AllocatorGauge {
     fn allocated(&self) -> u64 {
-        self.allocator().memory_allocated()
+        self.backend.allocator_view().memory_allocated()
     }
 
     fn take_peak(&self) -> u64 {
-        let allocator = self.allocator();
+        let allocator = self.backend.allocator_view();
         let peak = allocator.max_memory_allocated();
         allocator.reset_peak_stats();
         peak
@@ -181,16 +164,11 @@ pub struct StepProbe {
 }
 
 impl StepProbe {
-    /// A probe of a backend whose kernels run on the host (the CPU's): its allocator's bytes
-    /// (`StepProbe::host(cpu.clone(), CpuBackend::allocator)`) and the host's clock.
-    pub fn host<T, S>(owner: Arc<T>, allocator: fn(&T) -> &CachingAllocator<S>) -> StepProbe
-    where
-        T: Send + Sync + 'static,
-        S: Storage + 'static,
-        CachingAllocator<S>: Sync,
-    {
+    /// A probe of a backend whose kernels finish before they return (the CPU's): its
+    /// allocator's bytes (`StepProbe::host(cpu.clone())`) and the host's clock.
+    pub fn host(backend: BackendRef) -> StepProbe {
         StepProbe {
-            memory: Arc::new(AllocatorGauge::new(owner, allocator)),
+            memory: Arc::new(AllocatorGauge::new(backend)),
             clock: Arc::new(HostClock),
         }
     }
@@ -199,10 +177,7 @@ impl StepProbe {
     #[cfg(feature = "cuda")]
     pub fn cuda(backend: &Arc<headroom_ops_cuda::CudaBackend>) -> StepProbe {
         StepProbe {
-            memory: Arc::new(AllocatorGauge::new(
-                Arc::clone(backend),
-                headroom_ops_cuda::CudaBackend::allocator,
-            )),
+            memory: Arc::new(AllocatorGauge::new(backend.clone())),
             clock: Arc::new(CudaClock::new(backend)),
         }
     }

@@ -6,6 +6,7 @@
 
 use headroom_autograd_core::{DType, Tensor};
 use headroom_hooks::{InBackward, InBackwardConfig};
+use headroom_testkit::ulps::max_ulps;
 use headroom_testkit::{Batch, ModelSpec, OptimSpec, Technique, Tolerance, TrainCase, TrainRun};
 
 /// Takes the case's optimizer into an `InBackward` and trains with its backward.
@@ -110,14 +111,12 @@ pub(crate) fn mlp() -> ModelSpec {
 }
 
 /// The largest distance in ulps between two parameter sets of one model.
-pub(crate) fn max_ulps(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> u32 {
+pub(crate) fn parameter_ulps(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> u32 {
     let mut worst = 0;
     for ((name, x), (other, y)) in a.iter().zip(b) {
         assert_eq!(name, other);
         let (x, y) = (x.to_vec::<f32>().unwrap(), y.to_vec::<f32>().unwrap());
-        for (u, v) in x.iter().zip(&y) {
-            worst = worst.max((u.to_bits() as i64 - v.to_bits() as i64).unsigned_abs() as u32);
-        }
+        worst = worst.max(max_ulps(&x, &y));
     }
     worst
 }

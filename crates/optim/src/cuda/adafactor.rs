@@ -13,12 +13,13 @@
 use headroom_autograd_core::{DType, Tensor};
 use headroom_ops_cuda::KernelArg;
 
-use super::{address, CudaDevice, Module};
+use super::launch::{address, CudaDevice, Module};
 use crate::adafactor::AdafactorState;
-use crate::driver::{single_or_fused, CudaEntry, RuleCall};
+use crate::driver::single_or_fused;
 use crate::error::OptimError;
 use crate::kernels::{adafactor_scratch_len, factors, AdafactorConfig, AdafactorConsts};
-use crate::optimizer::StepItem;
+use crate::rule::CudaKernels;
+use crate::step::{RuleCall, StepItem};
 
 const THREADS: u32 = 256;
 /// Elements per block of the two norm sums.
@@ -49,8 +50,8 @@ enum Form<'a> {
 /// The CUDA entry of Adafactor: each parameter through the single or the fused form, on the
 /// schedule the host uses (`driver::single_or_fused`); a single form's temporary is an f32
 /// tensor of the parameter's size. Its kernels take a host-valued gradient scale only.
-impl CudaEntry for AdafactorConfig {
-    const DEVICE_SCALING: bool = false;
+impl CudaKernels<AdafactorState> for AdafactorConfig {
+    const READS_DEVICE_SCALING: bool = false;
 
     fn cuda_step(
         &self,

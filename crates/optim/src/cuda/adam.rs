@@ -14,16 +14,18 @@ use std::sync::Arc;
 
 use headroom_ops_cuda::CudaBackend;
 
-use super::multi_tensor::{PieceKernels, Span};
-use super::{
-    address, check_disjoint, checked_scaling_addresses, flags, fused_block_elems, geometry,
-    raw_geometry, CudaDevice, Module, PassOps, PieceHead, Table,
+use super::launch::{
+    address, check_disjoint, checked_scaling_addresses, fused_block_elems, geometry, raw_geometry,
+    CudaDevice, Module, PassOps,
 };
+use super::multi_tensor::{self, PieceKernels, Span};
+use super::table::{flags, PieceHead, Table};
 use crate::adam::AdamState;
-use crate::driver::{CudaEntry, RuleCall};
+use crate::adam_stochastic::AdamStochasticConfig;
 use crate::error::OptimError;
 use crate::kernels::{check_step, AdamConfig, StepConsts, WeightDecay};
-use crate::{AdamStochasticConfig, DeviceGradScaling};
+use crate::rule::CudaKernels;
+use crate::step::{DeviceGradScaling, RuleCall};
 
 const PIECE_SIZE: usize = 144;
 /// The f32 fused kernel of [`CudaFusedAdam`].
@@ -31,6 +33,16 @@ const FUSED_KERNEL: (Module, &str) = (Module::Adam, AdamConfig::FUSED_KERNELS[0]
 /// The kernel of [`FusedAdamMath::Torch`] and the size of its `AdamTorchPiece`.
 const TORCH_KERNEL: (Module, &str) = (Module::Adam, "adam_fused_torch_f32");
 const TORCH_PIECE_SIZE: usize = 96;
+
+impl CudaKernels<AdamState> for AdamConfig {
+    fn cuda_step(
+        &self,
+        device: &mut CudaDevice,
+        call: RuleCall<'_, '_, AdamState>,
+    ) -> Result<(), OptimError> {
+        multi_tensor::step(self, device, call)
+    }
+}
 
 impl PieceKernels for AdamConfig {
     const MODULE: Module = Module::Adam;
@@ -152,7 +164,7 @@ const STOCHASTIC_PIECE_SIZE: usize = PIECE_SIZE + 16;
 /// The kernel of [`AdamStochasticConfig`] (bf16 parameters, f32 moments).
 const STOCHASTIC_KERNEL: (Module, &str) = (Module::Adam, "adam_fused_stochastic_bf16");
 
-impl CudaEntry for AdamStochasticConfig {
+impl CudaKernels<AdamState> for AdamStochasticConfig {
     /// One fused launch for every parameter of the call; each piece carries the seed and the
     /// parameter's index, from which the kernel derives the random stream of its true step.
     fn cuda_step(

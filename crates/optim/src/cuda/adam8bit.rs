@@ -10,19 +10,19 @@ use std::sync::Arc;
 
 use headroom_ops_cuda::{CudaBackend, KernelArg};
 
-use super::{
-    address, check_disjoint, checked_scaling_addresses, geometry, raw_geometry, CudaDevice, Module,
-    PieceHead, Table,
+use super::launch::{
+    address, check_disjoint, checked_scaling_addresses, geometry, raw_geometry, scaling_addresses,
+    CudaDevice, Module,
 };
+use super::table::{flags, PieceHead, Table};
 use crate::adam8bit::{bnb_maps, Adam8bitState};
-use crate::driver::{CudaEntry, RuleCall};
 use crate::error::OptimError;
 use crate::kernels::{
     check_step, Adam8bitConfig, Adam8bitConsts, StateCodeTable, BNB_BLOCK_SIZE, CODE_BINS_PER_SIGN,
     MIN_8BIT_SIZE,
 };
-use crate::optimizer::{Scaling, StepItem};
-use crate::DeviceGradScaling;
+use crate::rule::CudaKernels;
+use crate::step::{DeviceGradScaling, RuleCall, Scaling, StepItem};
 
 const PIECE_SIZE: usize = 128;
 const BLOCKWISE_KERNEL: (Module, &str) = (Module::Adam8bit, "adam8bit_blockwise_f32");
@@ -39,7 +39,7 @@ const COUNTER_OFFSET: u64 = 38944;
 /// The lookup tables in the kernel's layout: both maps, the signed map's code bins (both signs),
 /// the unsigned map's (positive values only: its states are never negative), both NaN codes,
 /// then the zeroed work counter.
-pub(crate) fn code_table_bytes() -> Vec<u8> {
+fn code_table_bytes() -> Vec<u8> {
     let (signed, unsigned) = bnb_maps();
     let (table1, table2) = (
         StateCodeTable::new(signed, true),
@@ -87,9 +87,9 @@ fn write_piece(
     math: Adam8bitMath,
 ) {
     let c = Adam8bitConsts::new(cfg, head.step);
-    let piece_flags = super::flags::when(grad_scale.is_some(), super::flags::HOST_SCALED)
-        | super::flags::when(c.decay_factor.is_some(), super::flags::DECAY)
-        | super::flags::when(math == Adam8bitMath::Bitsandbytes, super::flags::BNB_ARITH);
+    let piece_flags = flags::when(grad_scale.is_some(), flags::HOST_SCALED)
+        | flags::when(c.decay_factor.is_some(), flags::DECAY)
+        | flags::when(math == Adam8bitMath::Bitsandbytes, flags::BNB_ARITH);
     let entry = table.entry(head);
     for address in span {
         entry.u64(address);
@@ -121,7 +121,7 @@ fn launch_blockwise(
     if n_pieces == 0 {
         return Ok(());
     }
-    let tables = device.code_tables()?;
+    let tables = device.code_tables(code_table_bytes)?;
     // SAFETY: the lookup tables hold the counter at COUNTER_OFFSET (8 bytes); the copy is
     // ordered after the previous launch that used it.
     unsafe {
@@ -156,7 +156,7 @@ fn launch_blockwise(
 
 /// The CUDA entry of 8-bit Adam (whose one implementation is fused): one launch for the 8-bit
 /// states, one for the f32 states of small tensors.
-impl CudaEntry for Adam8bitConfig {
+impl CudaKernels<Adam8bitState> for Adam8bitConfig {
     fn cuda_step(
         &self,
         device: &mut CudaDevice,
@@ -220,7 +220,7 @@ fn step(
             )
         },
     )?;
-    let addresses = super::scaling_addresses(scaling);
+    let addresses = scaling_addresses(scaling);
     launch_blockwise(device, &table, quantized.0.len(), n_blocks, addresses)?;
     device.run_fused(
         BNB32_KERNEL,
@@ -306,7 +306,8 @@ impl CudaAdam8bit {
     }
 
     /// 8-bit Adam step number `step` (from 1) on every buffer given at creation; `scaling` as
-    /// in [`super::CudaFusedAdam::step`] (checked one-element f32 tensors of this backend).
+    /// in [`CudaFusedAdam::step`](crate::cuda::CudaFusedAdam::step) (checked one-element f32
+    /// tensors of this backend).
     pub fn step(
         &mut self,
         cfg: &Adam8bitConfig,

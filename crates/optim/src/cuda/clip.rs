@@ -6,14 +6,14 @@
 //!
 //! The gradients are pieces of one table (`grads.rs`: one run per element type, the blocks
 //! numbered across the whole table), so the partials of every run land in one array that the
-//! finishing kernel reads piece by piece. The clip's semantics and its checks are `clip.rs`'s.
+//! finishing kernel reads piece by piece. The clip's semantics and its checks are `clip/mod.rs`'s.
 
 use headroom_autograd_core::{DType, Tensor};
 use headroom_ops_cuda::KernelArg;
 
 use super::grads::{grad_table, launch_runs, Run, THREADS};
-use super::{address, CudaDevice, Module};
-use crate::clip::{check_finite, NormClip, NormType};
+use super::launch::{address, CudaDevice, Module};
+use crate::clip::norm::{NormClip, NormType};
 use crate::error::OptimError;
 
 const PARTIALS_KERNELS: [&str; 3] = [
@@ -24,7 +24,7 @@ const PARTIALS_KERNELS: [&str; 3] = [
 const SCALE_KERNELS: [&str; 3] = ["clip_scale_f32", "clip_scale_bf16", "clip_scale_f16"];
 const VALUE_KERNELS: [&str; 3] = ["clip_value_f32", "clip_value_bf16", "clip_value_f16"];
 
-/// `clip_grad_norm_` of `grads` (checked by `clip.rs`) on `device`.
+/// `clip_grad_norm_` of `grads` (checked by `clip/mod.rs`) on `device`.
 pub(crate) fn clip_norm(
     device: &mut CudaDevice,
     grads: &[Tensor],
@@ -74,7 +74,13 @@ pub(crate) fn clip_norm(
     if clip.error_if_nonfinite {
         // The one host synchronisation: PyTorch reads the norm here too, before any gradient
         // changes.
-        check_finite(clip, total.to_vec::<f32>()?[0])?;
+        let total = total.to_vec::<f32>()?[0];
+        if clip.rejects(total) {
+            return Err(OptimError::NonFiniteNorm {
+                norm_type: clip.norm_type,
+                total,
+            });
+        }
     }
     let scale_tail = |_: &Run| vec![KernelArg::U64(coef)];
     // SAFETY: the scaling kernels take a gradient table and the coefficient's address, which
@@ -93,7 +99,7 @@ pub(crate) fn clip_norm(
     Ok(total)
 }
 
-/// `clip_grad_value_` of `grads` (checked by `clip.rs`) on `device`.
+/// `clip_grad_value_` of `grads` (checked by `clip/mod.rs`) on `device`.
 pub(crate) fn clip_value(
     device: &mut CudaDevice,
     grads: &[Tensor],

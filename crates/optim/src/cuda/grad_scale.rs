@@ -7,7 +7,7 @@ use headroom_autograd_core::Tensor;
 use headroom_ops_cuda::KernelArg;
 
 use super::grads::{grad_table, launch_runs, Run};
-use super::{address, CudaDevice, Module};
+use super::launch::{address, CudaDevice, Module};
 use crate::error::OptimError;
 
 const CHECK_KERNELS: [&str; 3] = [

@@ -10,7 +10,8 @@
 use headroom_autograd_core::{DType, Tensor};
 use headroom_ops_cuda::KernelArg;
 
-use super::{address, instance, pass_block_elems, CudaDevice, ItemGeometry, Module, Table};
+use super::launch::{address, instance, pass_block_elems, CudaDevice, ItemGeometry, Module};
+use super::table::Table;
 use crate::error::OptimError;
 
 /// Bytes of a `GradPiece`.

@@ -4,13 +4,15 @@
 //! (chunked foreach, or single: one parameter at a time), written once.
 //!
 //! A rule plugs in through [`PieceKernels`]: its kernel names, its state's addresses, its pass
-//! ops and how it writes a piece (`cuda/sgd.rs`, `cuda/adam.rs`). The launches themselves are
-//! [`CudaDevice`]'s (`run_fused`, `run_unfused`); nothing here knows an algorithm.
+//! ops and how it writes a piece (`cuda/sgd.rs`, `cuda/adam.rs`), whose `CudaKernels::cuda_step`
+//! calls [`step`]. The launches themselves are [`CudaDevice`]'s (`run_fused`, `run_unfused`);
+//! nothing here knows an algorithm.
 
-use super::{address, geometry, instance, CudaDevice, Module, PassOps, PieceHead, Table};
-use crate::driver::{CudaEntry, RuleCall};
+use super::launch::{address, geometry, instance, CudaDevice, Module, PassOps};
+use super::table::{PieceHead, Table};
 use crate::error::OptimError;
-use crate::optimizer::{Implementation, UpdateRule};
+use crate::rule::UpdateRule;
+use crate::step::{Implementation, RuleCall};
 
 /// The addresses of one piece (a parameter, or a range of one): parameter, gradient, up to
 /// three state buffers and the temporary (0: none).
@@ -56,19 +58,9 @@ pub(crate) trait PieceKernels: UpdateRule {
     fn write_piece(&self, table: &mut Table, head: PieceHead, span: Span, grad_scale: Option<f32>);
 }
 
-/// The CUDA entry of every [`PieceKernels`] rule: one fused launch for all of a call's
-/// parameters, or the passes.
-impl<R: PieceKernels> CudaEntry for R {
-    fn cuda_step(
-        &self,
-        device: &mut CudaDevice,
-        call: RuleCall<'_, '_, R::State>,
-    ) -> Result<(), OptimError> {
-        step(self, device, call)
-    }
-}
-
-fn step<R: PieceKernels>(
+/// The CUDA entry of a [`PieceKernels`] rule (its `CudaKernels::cuda_step`): one fused launch for
+/// all of a call's parameters, or the passes.
+pub(crate) fn step<R: PieceKernels>(
     rule: &R,
     device: &mut CudaDevice,
     call: RuleCall<'_, '_, R::State>,

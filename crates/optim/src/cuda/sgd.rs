@@ -4,12 +4,26 @@
 //! first step (the momentum buffer takes the gradient) is its step number 1, counted on the
 //! device after GradScaler skips.
 
-use super::multi_tensor::{PieceKernels, Span};
-use super::{address, flags, Module, PassOps, PieceHead, Table};
+use super::launch::{address, CudaDevice, Module, PassOps};
+use super::multi_tensor::{self, PieceKernels, Span};
+use super::table::{flags, PieceHead, Table};
+use crate::error::OptimError;
 use crate::kernels::{SgdConfig, SgdConsts};
+use crate::rule::CudaKernels;
 use crate::sgd::SgdState;
+use crate::step::RuleCall;
 
 const PIECE_SIZE: usize = 88;
+
+impl CudaKernels<SgdState> for SgdConfig {
+    fn cuda_step(
+        &self,
+        device: &mut CudaDevice,
+        call: RuleCall<'_, '_, SgdState>,
+    ) -> Result<(), OptimError> {
+        multi_tensor::step(self, device, call)
+    }
+}
 
 impl PieceKernels for SgdConfig {
     const MODULE: Module = Module::Sgd;

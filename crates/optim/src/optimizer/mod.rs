@@ -1,72 +1,27 @@
-//! The optimizer over autograd-core parameters: the object-safe [`Optimizer`] trait, parameter
-//! handles ([`ParamId`]), what a step updates ([`StepParams`]) and how its gradients are scaled
-//! ([`Scaling`]), and [`GroupOptimizer`], which runs one [`UpdateRule`] over parameter groups.
+//! The optimizer over autograd-core parameters: the object-safe [`Optimizer`] trait, and
+//! [`GroupOptimizer`], which runs one [`UpdateRule`] over parameter groups. The words of a step
+//! — parameter handles ([`ParamId`]), what a step updates ([`StepParams`]), how its gradients are
+//! scaled ([`Scaling`]) — are the step vocabulary's (`step.rs`); what a rule is, `rule.rs`'s.
 //!
 //! [`GroupOptimizer`] keeps one flat slot table — parameter, group, step count, state — indexed
 //! by [`ParamId`], resolved once when the optimizer is built. A step selects slots (all of them,
 //! or the handles it is given, in O(their number)), checks their gradients, creates missing
 //! state, and makes one rule call per run of parameters that share a group and a dtype (as
 //! PyTorch groups tensors by dtype). The rule call goes to the [`StepDevice`], which picks the
-//! host or the CUDA side once (`device.rs`); the rules' front ends (`sgd.rs`, `adam.rs`, ...)
-//! say only which buffers go to which kernels (`driver.rs`). State tensors and every temporary
+//! host or the CUDA side once (`device.rs`) and calls the rule's entry there; the rules' front
+//! ends (`sgd.rs`, `adam.rs`, ...) say only which buffers go to which kernels (`driver.rs`). State tensors and every temporary
 //! of a step are allocated from the parameters' backend, so `memory_allocated()` sees them.
 //! State dicts are in `state_dict.rs`.
 
 mod state_dict;
 
-use std::num::NonZeroUsize;
-
 use headroom_autograd_core::{DType, Tensor};
 
-use crate::device::{DeviceGradScaling, StepDevice};
-use crate::driver::{RuleCall, RuleKernels};
+use crate::device::StepDevice;
 use crate::error::OptimError;
-use crate::kernels::{GradScaling, StepOutcome};
-
-pub use state_dict::SavedTensors;
-
-/// Elements of temporaries the bounded foreach implementation holds at once by default:
-/// 4 Mi f32 = 16 MiB. PyTorch's foreach holds one temporary of the size of all parameters
-/// (4 GB for a 1e9-parameter model); 16 MiB keeps each op's pass long enough to stream at full
-/// memory bandwidth while staying far below the 64 MB budget of issue 5.
-pub const DEFAULT_FOREACH_CHUNK: usize = 1 << 22;
-
-/// How a rule's update runs; results agree to the bit, memory and passes differ. A rule may
-/// lack some (8-bit Adam's blockwise kernel is one pass: `Fused` only); asking for one it lacks
-/// is an [`OptimError::Unsupported`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Implementation {
-    /// One parameter at a time, op by op (temporaries of one parameter).
-    Single,
-    /// Op by op across all parameters of a group, temporaries bounded by `chunk` elements.
-    Foreach {
-        /// Elements of temporaries held at once.
-        chunk: NonZeroUsize,
-    },
-    /// Op by op across all parameters of a group at once, as PyTorch's foreach does: ~1×
-    /// the parameters' size in temporaries.
-    ForeachUnbounded,
-    /// One pass per element, no temporaries; the only implementation that takes a gradient
-    /// [`Scaling`].
-    Fused,
-}
-
-impl Implementation {
-    /// Foreach with the default bound ([`DEFAULT_FOREACH_CHUNK`] elements).
-    pub const FOREACH: Implementation = Implementation::Foreach {
-        chunk: NonZeroUsize::new(DEFAULT_FOREACH_CHUNK).expect("a non-zero constant"),
-    };
-
-    /// `Some(Some(chunk))` for bounded foreach, `Some(None)` for unbounded foreach, `None` for
-    /// the single and fused forms.
-    pub(crate) fn foreach_bound(self) -> Option<Option<usize>> {
-        match self {
-            Implementation::Foreach { chunk } => Some(Some(chunk.get())),
-            Implementation::ForeachUnbounded => Some(None),
-            Implementation::Single | Implementation::Fused => None,
-        }
-    }
-}
+use crate::kernels::StepOutcome;
+use crate::rule::UpdateRule;
+use crate::step::{Implementation, NamedTensors, ParamId, RuleCall, Scaling, StepItem, StepParams};
 
 /// Parameters that share hyperparameters.
 #[derive(Debug, Clone)]
@@ -82,178 +37,6 @@ impl<R> ParamGroup<R> {
     /// A group of `params` with `config`.
     pub fn new(params: Vec<Tensor>, config: R) -> ParamGroup<R> {
         ParamGroup { params, config }
-    }
-}
-
-/// A parameter's state tensors by name (`exp_avg`, `momentum_buffer`, `state1`, ...).
-pub type NamedTensors = Vec<(&'static str, Tensor)>;
-
-/// One algorithm: its hyperparameters (the implementing type), its per-parameter state, and
-/// its kernels on each device.
-///
-/// The kernels are a [`RuleKernels`] table this crate fills in for its rules (SGD, Adam,
-/// Adafactor, 8-bit Adam), so the trait is implemented here only; code outside names it as a
-/// bound (`fn run<R: UpdateRule>(config: R)`).
-pub trait UpdateRule: Clone + std::fmt::Debug + Send + 'static {
-    /// The per-parameter state.
-    type State: std::fmt::Debug + Send;
-    /// Name used in errors and state dicts.
-    const NAME: &'static str;
-    /// The rule's kernels on each device, and the parameter dtypes they take.
-    const KERNELS: RuleKernels<Self>;
-
-    /// Checks the hyperparameters.
-    fn validate(&self) -> Result<(), OptimError>;
-    /// Whether the rule has this implementation (all of them unless the rule says otherwise).
-    fn supports(&self, implementation: Implementation) -> bool {
-        let _ = implementation;
-        true
-    }
-    /// The learning rate.
-    fn lr(&self) -> f64;
-    /// Sets the learning rate.
-    fn set_lr(&mut self, lr: f64);
-    /// Fresh state for `param`, on its device.
-    fn init_state(&self, param: &Tensor) -> Result<Self::State, OptimError>;
-    /// The state's tensors by name.
-    fn state_tensors(state: &Self::State) -> NamedTensors;
-    /// State rebuilt from a state dict's tensors of one parameter.
-    fn state_from_tensors(&self, saved: &mut SavedTensors) -> Result<Self::State, OptimError>;
-}
-
-/// The [`UpdateRule`] items every rule of this crate spells the same way: its name, its kernel
-/// table (`float_kernels` or `f32_kernels`, by the dtypes it takes), its config's own
-/// `validate`, and the learning rate in its config's `lr` field.
-macro_rules! rule_items {
-    (name: $name:literal, kernels: $kernels:ident) => {
-        const NAME: &'static str = $name;
-        const KERNELS: $crate::RuleKernels<Self> = $crate::driver::$kernels();
-
-        fn validate(&self) -> Result<(), $crate::OptimError> {
-            Self::validate(self)
-        }
-
-        fn lr(&self) -> f64 {
-            self.lr
-        }
-
-        fn set_lr(&mut self, lr: f64) {
-            self.lr = lr;
-        }
-    };
-}
-
-pub(crate) use rule_items;
-
-/// A parameter's handle in one optimizer, resolved once (with [`Optimizer::param_id`] or
-/// [`Optimizer::params`]): its index in the optimizer's parameter table, in registration order.
-/// Stepping by handle costs the parameter's own work, never a search among all parameters.
-///
-/// ```
-/// use headroom_autograd_core::{DType, Tensor};
-/// use headroom_ops_cpu::CpuBackend;
-/// use headroom_optim::kernels::SgdConfig;
-/// use headroom_optim::{Implementation, Optimizer, ParamGroup, Scaling, Sgd, StepParams};
-///
-/// let cpu = CpuBackend::new_ref();
-/// let (a, b) = (
-///     Tensor::from_slice(&cpu, &[1.0f32, 2.0], &[2])?,
-///     Tensor::from_slice(&cpu, &[3.0f32], &[1])?,
-/// );
-/// let mut sgd = Sgd::new(
-///     vec![ParamGroup::new(vec![a.clone(), b.clone()], SgdConfig::new(0.5))],
-///     Implementation::Fused,
-/// )?;
-/// let id_b = sgd.param_id(&b)?; // One search, at registration.
-/// assert_eq!(id_b.index(), 1);
-/// a.set_grad(Some(Tensor::from_slice(&cpu, &[1.0f32, 1.0], &[2])?))?;
-/// b.set_grad(Some(Tensor::from_slice(&cpu, &[1.0f32], &[1])?))?;
-/// // Only `b` steps, although `a` has a gradient too.
-/// sgd.step_with(StepParams::Only(&[id_b]), Scaling::None)?;
-/// assert_eq!(b.to_vec::<f32>()?, [2.5]);
-/// assert_eq!(a.to_vec::<f32>()?, [1.0, 2.0]);
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ParamId(usize);
-
-impl ParamId {
-    /// The parameter's position among all of the optimizer's parameters (groups in order, then
-    /// parameters in their group's order).
-    pub fn index(self) -> usize {
-        self.0
-    }
-}
-
-/// Which parameters a step updates (those of them that have a gradient).
-///
-/// ```
-/// use headroom_autograd_core::Tensor;
-/// use headroom_ops_cpu::CpuBackend;
-/// use headroom_optim::kernels::AdamConfig;
-/// use headroom_optim::{Adam, Implementation, Optimizer, ParamGroup, Scaling, StepParams};
-///
-/// let cpu = CpuBackend::new_ref();
-/// let params: Vec<Tensor> = (0..4)
-///     .map(|i| Tensor::from_slice(&cpu, &[i as f32; 8], &[8]))
-///     .collect::<Result<_, _>>()?;
-/// let mut adam = Adam::new(
-///     vec![ParamGroup::new(params.clone(), AdamConfig::adamw())],
-///     Implementation::Fused,
-/// )?;
-/// for param in &params {
-///     param.set_grad(Some(Tensor::from_slice(&cpu, &[0.1f32; 8], &[8])?))?;
-/// }
-/// // A bucket of two parameters, in one call (as an optimizer-in-backward hook steps it).
-/// let ids: Vec<_> = adam.params().into_iter().map(|(id, _)| id).collect();
-/// adam.step_with(StepParams::Only(&ids[2..]), Scaling::None)?;
-/// assert_eq!((adam.param_step(0, 1)?, adam.param_step(0, 2)?), (0, 1));
-/// // Then everything else that has a gradient.
-/// adam.step_with(StepParams::All, Scaling::None)?;
-/// assert_eq!((adam.param_step(0, 1)?, adam.param_step(0, 2)?), (1, 2));
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-#[derive(Debug, Clone, Copy)]
-pub enum StepParams<'a> {
-    /// Every parameter of the optimizer.
-    All,
-    /// These parameters (each at most once), by handle.
-    Only(&'a [ParamId]),
-}
-
-/// How the gradients of a step are scaled (a GradScaler's loss scale and overflow flag).
-/// Anything but `None` needs the [`Implementation::Fused`] form, whose kernels unscale each
-/// gradient element in registers and skip on overflow.
-#[derive(Debug, Clone, Copy)]
-pub enum Scaling<'a> {
-    /// The gradients are the true gradients.
-    None,
-    /// Values the host holds (any device): a set `found_inf` skips the step before any kernel
-    /// runs ([`StepOutcome::Skipped`]).
-    Host(GradScaling),
-    /// Tensors on the parameters' device: the CUDA kernels read them, so nothing waits for the
-    /// device, and a skipped step is counted there and does not advance the step numbers; on the
-    /// CPU the host kernels read the values in place (host memory) and a skip is as for `Host`.
-    Device(&'a DeviceGradScaling),
-}
-
-impl Scaling<'_> {
-    /// Whether gradients are scaled or a skip flag is given at all.
-    fn is_scaled(&self) -> bool {
-        match self {
-            Scaling::None => false,
-            Scaling::Host(scaling) => *scaling != GradScaling::NONE,
-            Scaling::Device(scaling) => scaling.grad_scale.is_some() || scaling.found_inf.is_some(),
-        }
-    }
-
-    /// The host values (`NONE` without scaling, and for device scaling, which only the CUDA
-    /// kernels read).
-    pub(crate) fn host(&self) -> GradScaling {
-        match self {
-            Scaling::Host(scaling) => *scaling,
-            Scaling::None | Scaling::Device(_) => GradScaling::NONE,
-        }
     }
 }
 
@@ -358,22 +141,6 @@ struct Slot<S> {
     state: Option<S>,
 }
 
-/// A parameter handed to a rule's kernels: one entry of a step.
-#[derive(Debug)]
-pub(crate) struct StepItem<'a, S> {
-    /// Step number (1-based) this update is, as the host counts it (steps the device skipped
-    /// under a [`DeviceGradScaling`] are subtracted by the kernels).
-    pub(crate) step: u64,
-    /// The parameter's slot (its [`ParamId`] index, device skip counter and random stream).
-    pub(crate) slot: usize,
-    /// The parameter.
-    pub(crate) param: &'a Tensor,
-    /// Its gradient.
-    pub(crate) grad: Tensor,
-    /// Its state.
-    pub(crate) state: &'a mut S,
-}
-
 /// An optimizer of parameter groups with one [`UpdateRule`] and one [`Implementation`], on the
 /// device of its parameters (the CPU, or a CUDA device with the `cuda` feature).
 #[derive(Debug)]
@@ -396,10 +163,10 @@ impl<R: UpdateRule> GroupOptimizer<R> {
     ) -> Result<GroupOptimizer<R>, OptimError> {
         let all: Vec<&Tensor> = groups.iter().flat_map(|g| &g.params).collect();
         for param in &all {
-            if !R::KERNELS.dtypes.contains(&param.dtype()) {
+            if !R::DTYPES.contains(&param.dtype()) {
                 return Err(OptimError::DType {
                     op: R::NAME,
-                    expected: R::KERNELS.dtypes[0],
+                    expected: R::DTYPES[0],
                     got: param.dtype(),
                 });
             }
@@ -462,7 +229,7 @@ impl<R: UpdateRule> GroupOptimizer<R> {
     }
 
     /// The number of steps taken by parameter `idx` of group `group` (0 before its first).
-    /// After steps under a [`DeviceGradScaling`] this reads the device's skip counts (and
+    /// After steps under a [`DeviceGradScaling`](crate::DeviceGradScaling) this reads the device's skip counts (and
     /// waits for the device).
     pub fn param_step(&self, group: usize, idx: usize) -> Result<u64, OptimError> {
         let slot = self.slot_of(group, idx)?;
@@ -514,7 +281,7 @@ impl<R: UpdateRule> GroupOptimizer<R> {
         if let Scaling::Device(device_scaling) = scaling {
             self.device.check_scaling(R::NAME, device_scaling)?;
             #[cfg(feature = "cuda")]
-            if !R::KERNELS.device_scaling {
+            if !<R as crate::rule::CudaKernels<R::State>>::READS_DEVICE_SCALING {
                 return Err(OptimError::Unsupported {
                     optimizer: R::NAME,
                     reason: "a device gradient scale (pass the scale as a value)".into(),
@@ -714,7 +481,7 @@ impl<R: UpdateRule> Optimizer for GroupOptimizer<R> {
 
     fn takes_device_scaling(&self) -> bool {
         #[cfg(feature = "cuda")]
-        let cuda_reads = R::KERNELS.device_scaling;
+        let cuda_reads = <R as crate::rule::CudaKernels<R::State>>::READS_DEVICE_SCALING;
         #[cfg(not(feature = "cuda"))]
         let cuda_reads = false;
         self.implementation == Implementation::Fused && self.device.takes_device_scaling(cuda_reads)

@@ -2,7 +2,7 @@
 //! (keys `state.{group}.{index}.{name}`, steps and hyperparameters in the metadata), and the way
 //! back onto the parameters' backend.
 //!
-//! It sits on the optimizer's slot table (its parent module) and the rule's
+//! It sits on the optimizer's slot table (its parent module) and the rule's (`rule.rs`)
 //! [`UpdateRule::state_tensors`] / [`UpdateRule::state_from_tensors`]; it knows no algorithm
 //! and no device (tensors are read and created through autograd-core).
 
@@ -11,8 +11,9 @@ use std::collections::HashMap;
 use headroom_autograd_core::{DType, Element, Tensor};
 use safetensors::tensor::TensorView;
 
-use super::{GroupOptimizer, UpdateRule};
+use super::GroupOptimizer;
 use crate::error::OptimError;
+use crate::rule::{SavedTensors, UpdateRule};
 
 impl<R: UpdateRule> GroupOptimizer<R> {
     /// The state (steps, state tensors, hyperparameters) as safetensors bytes.
@@ -96,10 +97,7 @@ impl<R: UpdateRule> GroupOptimizer<R> {
                 };
                 named.insert(key.to_string(), tensor_of(&name, &view, &slot.param)?);
             }
-            let mut saved = SavedTensors {
-                param: slot.param.clone(),
-                tensors: named,
-            };
+            let mut saved = SavedTensors::new(slot.param.clone(), named);
             let state = self.groups[g].config.state_from_tensors(&mut saved)?;
             loaded.push((step, Some(state)));
         }
@@ -154,56 +152,5 @@ fn tensor_of(name: &str, view: &TensorView<'_>, param: &Tensor) -> Result<Tensor
         safetensors::Dtype::F16 => from_le(view, param, half::f16::from_le_bytes),
         safetensors::Dtype::U8 => from_le(view, param, u8::from_le_bytes),
         other => Err(OptimError::StateDict(format!("{name} has dtype {other:?}"))),
-    }
-}
-
-/// One parameter's saved state tensors by name, already on the parameter's backend; its rule
-/// takes them one by one as it rebuilds the state ([`UpdateRule::state_from_tensors`]).
-#[derive(Debug)]
-pub struct SavedTensors {
-    param: Tensor,
-    tensors: HashMap<String, Tensor>,
-}
-
-impl SavedTensors {
-    /// The parameter whose state this is.
-    pub(crate) fn param(&self) -> &Tensor {
-        &self.param
-    }
-
-    /// Takes tensor `name`, which must be of `dtype` and `shape`.
-    pub(crate) fn take(
-        &mut self,
-        name: &str,
-        shape: &[usize],
-        dtype: DType,
-    ) -> Result<Tensor, OptimError> {
-        let tensor = self
-            .tensors
-            .remove(name)
-            .ok_or_else(|| OptimError::StateDict(format!("missing {name}")))?;
-        if tensor.shape() != shape || tensor.dtype() != dtype {
-            return Err(OptimError::StateDict(format!(
-                "{name} is {:?} {:?}, expected {dtype:?} {shape:?}",
-                tensor.dtype(),
-                tensor.shape()
-            )));
-        }
-        Ok(tensor)
-    }
-
-    /// Takes tensor `name`, which must be of the parameter's dtype and shape.
-    pub(crate) fn take_like(&mut self, name: &str) -> Result<Tensor, OptimError> {
-        let (shape, dtype) = (self.param.shape().to_vec(), self.param.dtype());
-        self.take(name, &shape, dtype)
-    }
-
-    /// Takes tensor `name` like [`SavedTensors::take_like`] when `kept` (an optional state).
-    pub(crate) fn take_like_if(
-        &mut self,
-        kept: bool,
-        name: &str,
-    ) -> Result<Option<Tensor>, OptimError> {
-        kept.then(|| self.take_like(name)).transpose()
     }
 }

@@ -1,0 +1,361 @@
+//! The words of the backend trait: [`View`] (a tensor's elements as a primitive sees them), the
+//! op families ([`UnaryOp`], [`BinaryOp`], [`ReduceOp`], [`MaskedOp`]), and the argument structs
+//! of the fused primitives (layer norm, cross-entropy, attention, linear), each with the
+//! [`Operands`] a backend checks and claims.
+//!
+//! It sits on buffers, layouts and dtypes; it knows no backend and no shape rule (`dims.rs`).
+
+use smallvec::SmallVec;
+
+use crate::buffer::Buffer;
+use crate::dtype::DType;
+use crate::layout::Layout;
+
+/// A tensor's elements as a backend sees them: memory, layout and element type.
+///
+/// The fields are public, so a view proves nothing by existing: a backend checks it at the
+/// primitive's entry ([`check_operands`](crate::check_operands)). A view from
+/// [`Tensor::view`](crate::Tensor::view) always passes the bounds part.
+#[derive(Debug, Clone, Copy)]
+pub struct View<'a> {
+    /// The storage.
+    pub buffer: &'a Buffer,
+    /// Where the elements are, in elements of `dtype`.
+    pub layout: &'a Layout,
+    /// The element type.
+    pub dtype: DType,
+}
+
+/// Elementwise functions of one tensor (some with a scalar parameter).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum UnaryOp {
+    /// `-x`
+    Neg,
+    /// `e^x`
+    Exp,
+    /// Natural logarithm.
+    Log,
+    /// Square root.
+    Sqrt,
+    /// `1 / sqrt(x)`
+    Rsqrt,
+    /// Hyperbolic tangent.
+    Tanh,
+    /// `max(x, 0)`
+    Relu,
+    /// `x * Φ(x)` with the exact normal CDF.
+    Gelu,
+    /// GELU's tanh approximation (`approximate="tanh"`).
+    GeluTanh,
+    /// `x + c`
+    AddScalar(f64),
+    /// `x * c`
+    MulScalar(f64),
+    /// `x / c`
+    DivScalar(f64),
+    /// `x ^ c`
+    PowScalar(f64),
+}
+
+/// Elementwise functions of two tensors of one shape (inputs already broadcast).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum BinaryOp {
+    /// `a + b`
+    Add,
+    /// `a - b`
+    Sub,
+    /// `a * b`
+    Mul,
+    /// `a / b`
+    Div,
+    /// `a ^ b`
+    Pow,
+    /// Gradient of relu: `a * (b > 0)` with `a` the output gradient and `b` the input.
+    ReluBackward,
+    /// Gradient of exact GELU: `a * gelu'(b)`.
+    GeluBackward,
+    /// Gradient of tanh-approximated GELU: `a * gelu_tanh'(b)`.
+    GeluTanhBackward,
+    /// Gradient of tanh from its output: `a * (1 - b²)`.
+    TanhBackward,
+    /// Gradient of sqrt from its output: `a / (2b)`.
+    SqrtBackward,
+    /// Gradient of rsqrt from its output: `-a * b³ / 2`.
+    RsqrtBackward,
+}
+
+/// Reductions over the trailing dims of a view.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Sum.
+    Sum,
+    /// Arithmetic mean (sum and divide in one pass).
+    Mean,
+    /// Largest element.
+    Max,
+    /// Smallest element.
+    Min,
+}
+
+/// Elementwise functions of a tensor and a boolean mask.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MaskedOp {
+    /// `mask ? c : x` (`masked_fill`).
+    Fill(f64),
+    /// `mask ? x * c : 0` (dropout's forward and backward).
+    Scale(f64),
+}
+
+/// How cross-entropy combines the per-sample losses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    /// Mean over the samples whose target is not `ignore_index`.
+    Mean,
+    /// Sum over the samples.
+    Sum,
+}
+
+/// Inputs of the fused layer-norm forward; `x` is dense `[rows, n]` (normalised over `n`).
+#[derive(Debug, Clone, Copy)]
+pub struct LayerNormForward<'a> {
+    /// Input.
+    pub x: View<'a>,
+    /// Scale, `[n]`, if any.
+    pub weight: Option<View<'a>>,
+    /// Shift, `[n]`, if any.
+    pub bias: Option<View<'a>>,
+    /// Added to the variance.
+    pub eps: f64,
+    /// Output, like `x`.
+    pub out: View<'a>,
+    /// Per-row mean, `[rows]`, saved for backward.
+    pub mean: View<'a>,
+    /// Per-row `1/sqrt(var + eps)`, `[rows]`, saved for backward.
+    pub rstd: View<'a>,
+}
+
+/// Inputs and outputs of the fused layer-norm backward (one pass over `x` and `dy`).
+#[derive(Debug, Clone, Copy)]
+pub struct LayerNormBackward<'a> {
+    /// Output gradient, dense `[rows, n]`.
+    pub dy: View<'a>,
+    /// The forward input, dense `[rows, n]`.
+    pub x: View<'a>,
+    /// Saved per-row mean.
+    pub mean: View<'a>,
+    /// Saved per-row rstd.
+    pub rstd: View<'a>,
+    /// The forward scale, if any.
+    pub weight: Option<View<'a>>,
+    /// Input gradient, if wanted.
+    pub dx: Option<View<'a>>,
+    /// Scale gradient, if wanted.
+    pub dweight: Option<View<'a>>,
+    /// Shift gradient, if wanted.
+    pub dbias: Option<View<'a>>,
+}
+
+/// Inputs and outputs of fused cross-entropy (log-softmax + NLL over the last dim).
+#[derive(Debug, Clone, Copy)]
+pub struct CrossEntropyArgs<'a> {
+    /// Logits, dense `[rows, classes]`.
+    pub logits: View<'a>,
+    /// Class indices, `[rows]`, I64.
+    pub target: View<'a>,
+    /// Samples with this target contribute nothing.
+    pub ignore_index: i64,
+    /// How to combine per-sample losses.
+    pub reduction: Reduction,
+}
+
+/// Inputs and outputs of fused scaled-dot-product attention,
+/// `out = softmax(q kᵀ · scale, masked above the diagonal when causal) v`.
+///
+/// `q` is `[batch, heads, queries, head_dim]`, `k` and `v` `[batch, heads, keys, head_dim]`,
+/// `out` like `q`: strided views whose last dim is contiguous (heads are views of a packed
+/// projection, and `out` may be laid out `[batch, queries, heads, head_dim]` so merging the heads
+/// costs no copy). `lse` is dense `[batch, heads, queries]` in f32 (f64 for f64 inputs): each
+/// query's log-sum-exp of its scaled, masked scores, all backward needs besides the inputs.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionForward<'a> {
+    /// Queries.
+    pub q: View<'a>,
+    /// Keys.
+    pub k: View<'a>,
+    /// Values.
+    pub v: View<'a>,
+    /// Multiplies the scores (PyTorch's default is `1 / sqrt(head_dim)`).
+    pub scale: f64,
+    /// Key `j` is hidden from query `i` when `j > i` (requires as many queries as keys).
+    pub causal: bool,
+    /// The result, like `q`.
+    pub out: View<'a>,
+    /// Per-query log-sum-exp, saved for backward.
+    pub lse: View<'a>,
+}
+
+/// Inputs and outputs of the fused attention backward: the forward's operands, its output and
+/// log-sum-exp, the output gradient, and the three input gradients (strided like the forward's
+/// views, last dim contiguous; written, not accumulated).
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionBackward<'a> {
+    /// The forward's operands and options (`out` and `lse` are its results).
+    pub forward: AttentionForward<'a>,
+    /// Gradient of `out`.
+    pub dout: View<'a>,
+    /// Gradient of `q`.
+    pub dq: View<'a>,
+    /// Gradient of `k`.
+    pub dk: View<'a>,
+    /// Gradient of `v`.
+    pub dv: View<'a>,
+}
+
+/// What [`Backend::linear`](super::Backend::linear) applies after adding the bias.
+#[derive(Debug, Clone, Copy)]
+pub enum LinearEpilogue<'a> {
+    /// `out = input weightᵀ + bias`.
+    None,
+    /// `pre_activation = input weightᵀ + bias`, then `out = gelu(pre_activation)` with the exact
+    /// normal CDF (`torch.nn.GELU()`); `pre_activation` (dense, like `out`) is what the GELU's
+    /// backward needs.
+    Gelu {
+        /// Receives the product plus bias.
+        pre_activation: View<'a>,
+    },
+}
+
+/// Inputs and outputs of [`Backend::linear`](super::Backend::linear),
+/// `out = epilogue(input weightᵀ + bias)` (`torch.nn.functional.linear`, optionally followed by
+/// GELU).
+#[derive(Debug, Clone, Copy)]
+pub struct LinearForward<'a> {
+    /// `[rows, in]`, possibly strided.
+    pub input: View<'a>,
+    /// `[out, in]` as a `Linear` layer stores it, possibly strided.
+    pub weight: View<'a>,
+    /// `[out]`, if any.
+    pub bias: Option<View<'a>>,
+    /// What follows the bias.
+    pub epilogue: LinearEpilogue<'a>,
+    /// The result, dense `[rows, out]`.
+    pub out: View<'a>,
+}
+
+/// Inputs and outputs of [`Backend::linear_weight_grad`](super::Backend::linear_weight_grad):
+/// `grad_weight = grad_outᵀ input` and `grad_bias` the column sums of `grad_out`, both written
+/// (not accumulated).
+#[derive(Debug, Clone, Copy)]
+pub struct LinearWeightGrad<'a> {
+    /// Gradient of the linear's output, `[rows, out]`, possibly strided.
+    pub grad_out: View<'a>,
+    /// The forward input, `[rows, in]`, possibly strided.
+    pub input: View<'a>,
+    /// Weight gradient, dense `[out, in]`.
+    pub grad_weight: View<'a>,
+    /// Bias gradient, dense `[out]`, if wanted.
+    pub grad_bias: Option<View<'a>>,
+}
+
+/// What a fused primitive writes and reads, as [`check_operands`](crate::check_operands) and
+/// [`claim_operands`](crate::claim_operands) take them: one list per argument struct, so every
+/// backend checks the same views (optional ones included when present).
+#[derive(Debug, Clone, Default)]
+pub struct Operands<'a> {
+    /// The outputs (written, possibly also read).
+    pub writes: SmallVec<[View<'a>; 4]>,
+    /// The inputs (only read).
+    pub reads: SmallVec<[View<'a>; 8]>,
+}
+
+impl<'a> LayerNormForward<'a> {
+    /// `out`, `mean` and `rstd` written; `x`, `weight` and `bias` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands {
+            writes: [self.out, self.mean, self.rstd].into_iter().collect(),
+            reads: [Some(self.x), self.weight, self.bias]
+                .into_iter()
+                .flatten()
+                .collect(),
+        }
+    }
+}
+
+impl<'a> LayerNormBackward<'a> {
+    /// The wanted gradients written; `dy`, `x`, `mean`, `rstd` and `weight` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands {
+            writes: [self.dx, self.dweight, self.dbias]
+                .into_iter()
+                .flatten()
+                .collect(),
+            reads: [
+                Some(self.dy),
+                Some(self.x),
+                Some(self.mean),
+                Some(self.rstd),
+            ]
+            .into_iter()
+            .chain([self.weight])
+            .flatten()
+            .collect(),
+        }
+    }
+}
+
+impl<'a> AttentionForward<'a> {
+    /// `out` and `lse` written; `q`, `k` and `v` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands {
+            writes: [self.out, self.lse].into_iter().collect(),
+            reads: [self.q, self.k, self.v].into_iter().collect(),
+        }
+    }
+}
+
+impl<'a> AttentionBackward<'a> {
+    /// `dq`, `dk` and `dv` written; the forward's operands, output and log-sum-exp and `dout`
+    /// read.
+    pub fn operands(&self) -> Operands<'a> {
+        let f = &self.forward;
+        Operands {
+            writes: [self.dq, self.dk, self.dv].into_iter().collect(),
+            reads: [f.q, f.k, f.v, f.out, f.lse, self.dout]
+                .into_iter()
+                .collect(),
+        }
+    }
+}
+
+impl<'a> LinearForward<'a> {
+    /// `out` (and a GELU's `pre_activation`) written; `input`, `weight` and `bias` read.
+    pub fn operands(&self) -> Operands<'a> {
+        let pre_activation = match self.epilogue {
+            LinearEpilogue::None => None,
+            LinearEpilogue::Gelu { pre_activation } => Some(pre_activation),
+        };
+        Operands {
+            writes: [Some(self.out), pre_activation]
+                .into_iter()
+                .flatten()
+                .collect(),
+            reads: [Some(self.input), Some(self.weight), self.bias]
+                .into_iter()
+                .flatten()
+                .collect(),
+        }
+    }
+}
+
+impl<'a> LinearWeightGrad<'a> {
+    /// `grad_weight` (and `grad_bias`) written; `grad_out` and `input` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands {
+            writes: [Some(self.grad_weight), self.grad_bias]
+                .into_iter()
+                .flatten()
+                .collect(),
+            reads: [self.grad_out, self.input].into_iter().collect(),
+        }
+    }
+}

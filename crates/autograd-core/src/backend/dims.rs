@@ -1,0 +1,310 @@
+//! The shape, dtype and layout rules of the fused primitives that every backend shares (linear,
+//! attention, matmul, gather/scatter), and the default bodies of the composed ones
+//! (`compose_linear`, `compose_linear_weight_grad`): a backend checks its arguments with these
+//! before it touches memory, and falls back on the compositions where it has no fused path.
+//!
+//! It sits on the argument structs (`args.rs`) and the trait (`mod.rs`) whose primitives the
+//! compositions call.
+
+use super::args::{AttentionForward, LinearEpilogue, LinearForward, LinearWeightGrad, View};
+use super::{Backend, ReduceOp, UnaryOp};
+use crate::dtype::{stats_dtype, DType};
+use crate::error::{Result, TensorError};
+
+/// The shape and dtype rule of [`Backend::linear`], shared by every backend: 2-D `input` and
+/// `weight` with one inner size, `bias` `[out]`, `out` (and a GELU's `pre_activation`) dense
+/// `[rows, out]`, all of one dtype. Returns `(rows, in, out)`.
+pub fn linear_dims(args: &LinearForward<'_>) -> Result<(usize, usize, usize)> {
+    let (&[rows, in_features], &[out_features, weight_in]) =
+        (args.input.layout.shape(), args.weight.layout.shape())
+    else {
+        return Err(linear_mismatch(&args.input, &args.weight));
+    };
+    if weight_in != in_features {
+        return Err(linear_mismatch(&args.input, &args.weight));
+    }
+    if let Some(bias) = &args.bias {
+        if bias.layout.shape() != [out_features] {
+            return Err(linear_mismatch(&args.weight, bias));
+        }
+    }
+    let mut outputs = vec![(args.out, vec![rows, out_features])];
+    if let LinearEpilogue::Gelu { pre_activation } = args.epilogue {
+        outputs.push((pre_activation, vec![rows, out_features]));
+    }
+    let inputs = [args.input, args.weight].into_iter().chain(args.bias);
+    check_linear_operands("linear", inputs, &outputs)?;
+    Ok((rows, in_features, out_features))
+}
+
+/// The shape and dtype rule of [`Backend::linear_weight_grad`], shared by every backend.
+/// Returns `(rows, in, out)`.
+pub fn linear_weight_grad_dims(args: &LinearWeightGrad<'_>) -> Result<(usize, usize, usize)> {
+    let (&[rows, out_features], &[input_rows, in_features]) =
+        (args.grad_out.layout.shape(), args.input.layout.shape())
+    else {
+        return Err(linear_mismatch(&args.grad_out, &args.input));
+    };
+    if input_rows != rows {
+        return Err(linear_mismatch(&args.grad_out, &args.input));
+    }
+    let mut outputs = vec![(args.grad_weight, vec![out_features, in_features])];
+    outputs.extend(args.grad_bias.map(|bias| (bias, vec![out_features])));
+    check_linear_operands("linear_weight_grad", [args.grad_out, args.input], &outputs)?;
+    Ok((rows, in_features, out_features))
+}
+
+/// Fails unless every output is dense with its expected shape and every view has the first
+/// input's dtype.
+fn check_linear_operands<'a>(
+    op: &'static str,
+    inputs: impl IntoIterator<Item = View<'a>>,
+    outputs: &[(View<'a>, Vec<usize>)],
+) -> Result<()> {
+    for (view, shape) in outputs {
+        if view.layout.shape() != shape.as_slice() || !view.layout.is_contiguous() {
+            return Err(TensorError::InvalidArgument {
+                op,
+                reason: format!(
+                    "outputs must be dense {shape:?}, got shape {:?} strides {:?}",
+                    view.layout.shape(),
+                    view.layout.strides()
+                ),
+            });
+        }
+    }
+    let mut views = inputs
+        .into_iter()
+        .chain(outputs.iter().map(|(view, _)| *view));
+    let Some(first) = views.next() else {
+        return Ok(());
+    };
+    for view in views {
+        if view.dtype != first.dtype {
+            return Err(TensorError::DtypeMismatch {
+                op,
+                lhs: first.dtype,
+                rhs: view.dtype,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn linear_mismatch(lhs: &View<'_>, rhs: &View<'_>) -> TensorError {
+    TensorError::ShapeMismatch {
+        op: "linear",
+        lhs: lhs.layout.shape().to_vec(),
+        rhs: rhs.layout.shape().to_vec(),
+    }
+}
+
+/// [`Backend::linear`] composed of primitives (its default body, and a backend's fallback for
+/// cases its fused path does not take): the bias broadcast into the output, the product
+/// accumulated onto it (addmm), then the GELU into `out`.
+pub fn compose_linear<B: Backend + ?Sized>(backend: &B, args: LinearForward<'_>) -> Result<()> {
+    let (rows, _, out_features) = linear_dims(&args)?;
+    let product = match args.epilogue {
+        LinearEpilogue::None => args.out,
+        LinearEpilogue::Gelu { pre_activation } => pre_activation,
+    };
+    if let Some(bias) = &args.bias {
+        let spread = bias.layout.expand("linear", &[rows, out_features])?;
+        backend.copy(
+            View {
+                layout: &spread,
+                ..*bias
+            },
+            product,
+        )?;
+    }
+    let weight_t = args.weight.layout.permute("linear", &[1, 0])?;
+    let weight_t = View {
+        layout: &weight_t,
+        ..args.weight
+    };
+    backend.matmul(args.input, weight_t, product, args.bias.is_some())?;
+    if let LinearEpilogue::Gelu { pre_activation } = args.epilogue {
+        backend.unary(UnaryOp::Gelu, pre_activation, args.out)?;
+    }
+    Ok(())
+}
+
+/// [`Backend::linear_weight_grad`] composed of primitives (its default body, and a backend's
+/// fallback): one product for the weight, one reduction over the rows for the bias.
+pub fn compose_linear_weight_grad<B: Backend + ?Sized>(
+    backend: &B,
+    args: LinearWeightGrad<'_>,
+) -> Result<()> {
+    linear_weight_grad_dims(&args)?;
+    let grad_t = args.grad_out.layout.permute("linear", &[1, 0])?;
+    let grad_t = View {
+        layout: &grad_t,
+        ..args.grad_out
+    };
+    backend.matmul(grad_t, args.input, args.grad_weight, false)?;
+    if let Some(grad_bias) = args.grad_bias {
+        backend.reduce(ReduceOp::Sum, grad_t, 1, grad_bias)?;
+    }
+    Ok(())
+}
+
+/// Sizes of a fused attention call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionDims {
+    /// Batch size.
+    pub batch: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Query positions.
+    pub queries: usize,
+    /// Key (and value) positions.
+    pub keys: usize,
+    /// Elements per head (queries, keys and values alike).
+    pub head_dim: usize,
+}
+
+/// The shape, dtype and layout rule of [`Backend::attention`] and its backward, shared by every
+/// backend: 4-D operands of one float dtype with a contiguous last dim, `lse` dense in f32 (f64
+/// for f64), equal query and key counts when causal; `grads` (`dout`, `dq`, `dk`, `dv`) are
+/// checked against their forward counterparts.
+pub fn attention_dims(args: &AttentionForward<'_>, grads: &[View<'_>]) -> Result<AttentionDims> {
+    let op = "attention";
+    let [batch, heads, queries, head_dim] = *args.q.layout.shape() else {
+        return Err(TensorError::InvalidArgument {
+            op,
+            reason: format!(
+                "q must be [batch, heads, queries, head_dim], got {:?}",
+                args.q.layout.shape()
+            ),
+        });
+    };
+    let keys = args.k.layout.shape().get(2).copied().unwrap_or(0);
+    let mismatch = |lhs: &View<'_>, rhs: &View<'_>| TensorError::ShapeMismatch {
+        op,
+        lhs: lhs.layout.shape().to_vec(),
+        rhs: rhs.layout.shape().to_vec(),
+    };
+    let kv_shape = [batch, heads, keys, head_dim];
+    if args.k.layout.shape() != kv_shape {
+        return Err(mismatch(&args.q, &args.k));
+    }
+    if args.v.layout.shape() != kv_shape {
+        return Err(mismatch(&args.k, &args.v));
+    }
+    if args.out.layout.shape() != args.q.layout.shape() {
+        return Err(mismatch(&args.q, &args.out));
+    }
+    let stats = stats_dtype(args.q.dtype);
+    if args.lse.layout.shape() != [batch, heads, queries]
+        || !args.lse.layout.is_contiguous()
+        || args.lse.dtype != stats
+    {
+        return Err(TensorError::InvalidArgument {
+            op,
+            reason: format!(
+                "lse must be dense {stats:?} [{batch}, {heads}, {queries}], got {:?} {:?}",
+                args.lse.dtype,
+                args.lse.layout.shape()
+            ),
+        });
+    }
+    if args.causal && queries != keys {
+        return Err(TensorError::InvalidArgument {
+            op,
+            reason: format!(
+                "causal attention needs as many queries as keys, got {queries} and {keys}"
+            ),
+        });
+    }
+    let forward = [args.q, args.k, args.v, args.out];
+    let like = [args.q, args.q, args.k, args.v];
+    for (view, reference) in forward.iter().chain(grads).zip(forward.iter().chain(&like)) {
+        if view.layout.shape() != reference.layout.shape() {
+            return Err(mismatch(reference, view));
+        }
+        if view.dtype != args.q.dtype {
+            return Err(TensorError::DtypeMismatch {
+                op,
+                lhs: args.q.dtype,
+                rhs: view.dtype,
+            });
+        }
+        if head_dim > 1 && view.layout.strides()[3] != 1 {
+            return Err(TensorError::InvalidArgument {
+                op,
+                reason: format!(
+                    "operands need a contiguous last dim, got strides {:?}",
+                    view.layout.strides()
+                ),
+            });
+        }
+    }
+    Ok(AttentionDims {
+        batch,
+        heads,
+        queries,
+        keys,
+        head_dim,
+    })
+}
+
+/// The shape and dtype rule of [`Backend::matmul`], shared by every backend: `out = a @ b` over
+/// equal batch dims, all three of one dtype. Returns `(m, k, n)`.
+pub fn matmul_dims(a: &View<'_>, b: &View<'_>, out: &View<'_>) -> Result<(usize, usize, usize)> {
+    let nd = out.layout.ndim();
+    let (sa, sb, so) = (a.layout.shape(), b.layout.shape(), out.layout.shape());
+    let fits = nd >= 2
+        && a.layout.ndim() == nd
+        && b.layout.ndim() == nd
+        && sa[..nd - 2] == so[..nd - 2]
+        && sb[..nd - 2] == so[..nd - 2]
+        && sa[nd - 2] == so[nd - 2]
+        && sb[nd - 1] == so[nd - 1]
+        && sa[nd - 1] == sb[nd - 2];
+    if !fits {
+        return Err(TensorError::ShapeMismatch {
+            op: "matmul",
+            lhs: sa.to_vec(),
+            rhs: sb.to_vec(),
+        });
+    }
+    if a.dtype != b.dtype || a.dtype != out.dtype {
+        return Err(TensorError::DtypeMismatch {
+            op: "matmul",
+            lhs: a.dtype,
+            rhs: b.dtype,
+        });
+    }
+    Ok((so[nd - 2], sa[nd - 1], so[nd - 1]))
+}
+
+/// The shape rule of [`Backend::gather`] and [`Backend::scatter_add`], shared by every backend:
+/// `index` is I64 with `data`'s rank and no larger than `data` off `dim`, and `other` (the
+/// gathered output or the scattered source) has `index`'s shape. Returns `data`'s strides with
+/// `dim`'s zeroed, which walk `data` over `index`'s shape; the index values are the backend's to
+/// check.
+pub fn index_strides(
+    op: &'static str,
+    data: &View<'_>,
+    dim: usize,
+    index: &View<'_>,
+    other: &View<'_>,
+) -> Result<Vec<usize>> {
+    let nd = data.layout.ndim();
+    let fits = index.dtype == DType::I64
+        && dim < nd
+        && index.layout.ndim() == nd
+        && other.layout.shape() == index.layout.shape()
+        && (0..nd).all(|d| d == dim || index.layout.shape()[d] <= data.layout.shape()[d]);
+    if !fits {
+        return Err(TensorError::ShapeMismatch {
+            op,
+            lhs: data.layout.shape().to_vec(),
+            rhs: index.layout.shape().to_vec(),
+        });
+    }
+    let mut strides = data.layout.strides().to_vec();
+    strides[dim] = 0;
+    Ok(strides)
+}
