@@ -10,7 +10,8 @@
 //!   through testkit's gate (`headroom_testkit::gpu`), which `HEADROOM_REQUIRE_GPU=1` turns into
 //!   a failure, so a GPU run cannot pass by skipping;
 //! - ARCHITECTURE.md has one `### crates/<name>` heading per crate folder, and no heading
-//!   for a folder that does not exist;
+//!   for a folder that does not exist; it has at most 30,000 characters and names every source
+//!   file of a crate or xtask over 100 lines (see [`code_map`]);
 //! - crate dependencies point one way, down the layers of [`LAYERS`] (what `cargo metadata`
 //!   reports of each package's `[dependencies]` and `[build-dependencies]`), and the dev-only
 //!   crates of [`DEV_ONLY`] appear in `[dev-dependencies]` only;
@@ -25,6 +26,7 @@ use serde_json::Value;
 
 use crate::project_root;
 
+mod code_map;
 mod file_length;
 mod gpu_skips;
 
@@ -129,6 +131,7 @@ fn check(root: &Path) -> Vec<String> {
     }
     problems.extend(file_length::check(root, &files));
     problems.extend(check_code_map(root));
+    problems.extend(code_map::check(root, &files));
     problems.extend(crate::tables::tidy_problems(root));
     match cargo_metadata(root) {
         Ok(metadata) => problems.extend(check_dependency_layers(&metadata)),

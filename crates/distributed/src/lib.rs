@@ -28,7 +28,8 @@
 //! # Crate features
 //! - `nccl`: adds `NcclComm`, `nccl_unique_id`, `nccl_available` and `visible_gpus` (API only; results are the
 //!   collectives' whichever communicator runs them). Builds without NCCL installed.
-//! - `cuda`: lets the tests run on ops-cuda's backend; adds no API.
+//! - no `cuda` feature: the GPU tests take ops-cuda with `cuda` as a dev-dependency and skip
+//!   through testkit's gate without a device.
 //!
 //! It sits on autograd-core's tensors and backward callbacks, optim's `Optimizer` trait and
 //! hooks' `InBackward`; it knows no kernel, and the device only through the communicator.
