@@ -214,7 +214,9 @@ fn check_all<R: UpdateRule>(
     }
 }
 
-/// Each golden config, on the CPU and on `cuda` if given.
+// Each golden config, checked on the CPU and on `cuda` if given: a CPU test below, and a GPU
+// test of `on_cuda`.
+
 fn golden_adam(cuda: Option<&BackendRef>) {
     check_all("adam", AdamConfig::adam(), Check::ElementWise, 0, cuda);
 }
@@ -554,64 +556,59 @@ fn state_dict_round_trip_continues_the_golden_run() {
 mod on_cuda {
     use super::*;
 
-    fn cuda() -> Option<BackendRef> {
-        headroom_testkit::gpu::shared_or_skip(|| headroom_ops_cuda::CudaBackend::new(0))
-            .map(|backend| backend as BackendRef)
+    /// Runs `check` with the device, opened once for the binary.
+    fn with_cuda(check: fn(Option<&BackendRef>)) {
+        let cuda = headroom_testkit::gpu::shared_or_skip(|| headroom_ops_cuda::CudaBackend::new(0));
+        if let Some(cuda) = cuda {
+            check(Some(&(cuda as BackendRef)));
+        }
     }
 
     #[test]
     #[ignore = "needs a CUDA device"]
     fn adam_matches_pytorch_and_the_cpu() {
-        let Some(cuda) = cuda() else { return };
-        golden_adam(Some(&cuda));
+        with_cuda(golden_adam);
     }
 
     #[test]
     #[ignore = "needs a CUDA device"]
     fn adam_l2_matches_pytorch_and_the_cpu() {
-        let Some(cuda) = cuda() else { return };
-        golden_adam_l2(Some(&cuda));
+        with_cuda(golden_adam_l2);
     }
 
     #[test]
     #[ignore = "needs a CUDA device"]
     fn adam_amsgrad_matches_pytorch_and_the_cpu() {
-        let Some(cuda) = cuda() else { return };
-        golden_adam_amsgrad(Some(&cuda));
+        with_cuda(golden_adam_amsgrad);
     }
 
     #[test]
     #[ignore = "needs a CUDA device"]
     fn adamw_matches_pytorch_and_the_cpu() {
-        let Some(cuda) = cuda() else { return };
-        golden_adamw(Some(&cuda));
+        with_cuda(golden_adamw);
     }
 
     #[test]
     #[ignore = "needs a CUDA device"]
     fn sgd_momentum_matches_pytorch_and_the_cpu() {
-        let Some(cuda) = cuda() else { return };
-        golden_sgd_momentum(Some(&cuda));
+        with_cuda(golden_sgd_momentum);
     }
 
     #[test]
     #[ignore = "needs a CUDA device"]
     fn sgd_nesterov_matches_pytorch_and_the_cpu() {
-        let Some(cuda) = cuda() else { return };
-        golden_sgd_nesterov(Some(&cuda));
+        with_cuda(golden_sgd_nesterov);
     }
 
     #[test]
     #[ignore = "needs a CUDA device"]
     fn adafactor_matches_pytorch_and_the_cpu() {
-        let Some(cuda) = cuda() else { return };
-        golden_adafactor(Some(&cuda));
+        with_cuda(golden_adafactor);
     }
 
     #[test]
     #[ignore = "needs a CUDA device"]
     fn optimizer_in_backward_reproduces_adamw() {
-        let Some(cuda) = cuda() else { return };
-        adamw_in_backward_on(Some(&cuda));
+        with_cuda(adamw_in_backward_on);
     }
 }
