@@ -2,11 +2,11 @@
 //! [`cuda_or_skip`], for what else it needs through [`skip`] (a device capability such as
 //! mapping pages, a tool such as python3) and for more than one GPU through [`gpus_or_skip`].
 //!
-//! A test that asks for a device is marked `#[ignore = "needs a CUDA device"]` ([`IGNORE_REASON`]),
-//! so `cargo test` on a machine without one counts it ignored, with that reason, instead of
-//! passing it; the GPU machine runs it with `--include-ignored`. xtask's tidy holds that every
-//! test that asks for a device carries the mark and no other test does, and that no harness code
-//! prints a skip line of its own or matches on a device opener's error.
+//! A test that asks for a device is marked `#[ignore = "needs a CUDA device"]`
+//! ([`IGNORE_REASON`]), so `cargo test` on a machine without one counts it ignored, with that
+//! reason, instead of passing it; the GPU machine runs it with `--include-ignored`. xtask's tidy
+//! holds that every test that asks for a device carries the mark and no other test does, and
+//! that no harness code prints a skip line of its own or matches on a device opener's error.
 //!
 //! Without what it needs, the gate prints `skipped: <test>: <why>` and the test passes: in a run
 //! with `--include-ignored` on a machine without a device, in a bench or an example, and for
@@ -196,7 +196,7 @@ enum Strictness {
 fn no_device(why: &dyn Display) {
     let strictness = if gpu_required() {
         Strictness::GpuRequired
-    } else if in_a_test() && !includes_ignored(std::env::args()) {
+    } else if in_a_test() && !includes_ignored(std::env::args_os()) {
         Strictness::Unmarked
     } else {
         Strictness::Skips
@@ -223,16 +223,18 @@ fn skip_line_or_failure(why: &dyn Display, strictness: Strictness) -> Result<Str
             "{test}: {REQUIRE_GPU} is set, so a skip is a failure: {why}"
         )),
         Strictness::Unmarked => Err(format!(
-            "{test} asks for a CUDA device but is not marked #[ignore = \"{IGNORE_REASON}\"], so \
-             without one it would pass (run it with --include-ignored): {why}"
+            "{test} asks for a CUDA device but is not marked #[ignore = \"{IGNORE_REASON}\"]: \
+             without a device it would pass as ok; mark it (the GPU machine runs it with \
+             --include-ignored): {why}"
         )),
     }
 }
 
 /// Whether a test binary's arguments include the ignored tests (`--include-ignored`,
 /// `--ignored`).
-fn includes_ignored(mut args: impl Iterator<Item = String>) -> bool {
-    args.any(|arg| arg == "--include-ignored" || arg == "--ignored")
+fn includes_ignored<A: AsRef<std::ffi::OsStr>>(args: impl IntoIterator<Item = A>) -> bool {
+    args.into_iter()
+        .any(|arg| arg.as_ref() == "--include-ignored" || arg.as_ref() == "--ignored")
 }
 
 /// Whether a test harness runs this thread: libtest names each test's thread after the test.
@@ -306,8 +308,9 @@ mod tests {
             skip_line_or_failure(&"no CUDA driver", Strictness::Unmarked),
             Err(
                 "gpu::tests::a_skip_prints_its_line_or_fails_when_required_or_unmarked asks for \
-                 a CUDA device but is not marked #[ignore = \"needs a CUDA device\"], so without \
-                 one it would pass (run it with --include-ignored): no CUDA driver"
+                 a CUDA device but is not marked #[ignore = \"needs a CUDA device\"]: without a \
+                 device it would pass as ok; mark it (the GPU machine runs it with \
+                 --include-ignored): no CUDA driver"
                     .to_owned()
             )
         );
@@ -317,25 +320,15 @@ mod tests {
     /// stand among the other arguments; a test filter that merely contains the word does not.
     #[test]
     fn a_run_includes_the_ignored_tests_by_its_flags() {
-        let args = |list: &[&str]| {
-            list.iter()
-                .map(|arg| (*arg).to_owned())
-                .collect::<Vec<_>>()
-                .into_iter()
-        };
-        assert!(includes_ignored(args(&["binary", "--include-ignored"])));
-        assert!(includes_ignored(args(&[
+        assert!(includes_ignored(["binary", "--include-ignored"]));
+        assert!(includes_ignored([
             "binary",
             "filter",
             "--show-output",
             "--ignored"
-        ])));
-        assert!(!includes_ignored(args(&["binary"])));
-        assert!(!includes_ignored(args(&[
-            "binary",
-            "include-ignored",
-            "--exact"
-        ])));
+        ]));
+        assert!(!includes_ignored(["binary"]));
+        assert!(!includes_ignored(["binary", "include-ignored", "--exact"]));
     }
 
     /// libtest names each test's thread after the test, which is how the gate knows a test asked.
