@@ -105,8 +105,9 @@ pub(super) const KINDS: &[Kind] = &[
     },
     Kind {
         name: "allocator-pairs",
-        reads: "the stdout of benches/allocator.rs and crates/caching-allocator/benches/\
-                cuda_alloc.rs run with --bench (gpu-measure.sh's allocator.txt, cuda_alloc.txt)",
+        reads: "the stdout of the `allocator` bench (host and simulated storage) and of \
+                crates/caching-allocator/benches/cuda_alloc.rs, run with --bench (gpu-measure.sh's \
+                allocator.txt, cuda_alloc.txt)",
         render: allocator::allocator_pairs,
     },
     Kind {
