@@ -24,6 +24,19 @@ pub struct Llama3RopeScaling {
     pub original_max_position_embeddings: usize,
 }
 
+impl Llama3RopeScaling {
+    /// Meta's Llama 3 scaling with `factor`: low-frequency factor 1, high-frequency factor 4,
+    /// original context 8192 (Llama 3.1 uses factor 8, Llama 3.2 factor 32).
+    pub fn llama_3(factor: f64) -> Llama3RopeScaling {
+        Llama3RopeScaling {
+            factor,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        }
+    }
+}
+
 /// The hyperparameters of a Llama-family model (Hugging Face's `LlamaConfig`; Qwen2 is the same
 /// model with q/k/v biases).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -76,12 +89,7 @@ impl LlamaConfig {
             head_dim: 16,
             rms_norm_eps: 1e-5,
             rope_theta: 500_000.0,
-            rope_scaling: Some(Llama3RopeScaling {
-                factor: 8.0,
-                low_freq_factor: 1.0,
-                high_freq_factor: 4.0,
-                original_max_position_embeddings: 8192,
-            }),
+            rope_scaling: Some(Llama3RopeScaling::llama_3(8.0)),
             max_position_embeddings: 64,
             tie_word_embeddings: false,
             qkv_bias: false,
@@ -116,12 +124,7 @@ impl LlamaConfig {
             head_dim: 64,
             rms_norm_eps: 1e-5,
             rope_theta: 500_000.0,
-            rope_scaling: Some(Llama3RopeScaling {
-                factor: 32.0,
-                low_freq_factor: 1.0,
-                high_freq_factor: 4.0,
-                original_max_position_embeddings: 8192,
-            }),
+            rope_scaling: Some(Llama3RopeScaling::llama_3(32.0)),
             max_position_embeddings: 131_072,
             tie_word_embeddings: true,
             qkv_bias: false,
@@ -145,25 +148,13 @@ impl LlamaConfig {
     /// heads of 128, 8 key/value heads, untied head, rotary scaling factor 8.
     pub fn llama_3_1_8b() -> LlamaConfig {
         LlamaConfig {
-            vocab_size: 128_256,
             hidden_size: 4096,
             intermediate_size: 14_336,
             num_hidden_layers: 32,
-            num_attention_heads: 32,
-            num_key_value_heads: 8,
             head_dim: 128,
-            rms_norm_eps: 1e-5,
-            rope_theta: 500_000.0,
-            rope_scaling: Some(Llama3RopeScaling {
-                factor: 8.0,
-                low_freq_factor: 1.0,
-                high_freq_factor: 4.0,
-                original_max_position_embeddings: 8192,
-            }),
-            max_position_embeddings: 131_072,
+            rope_scaling: Some(Llama3RopeScaling::llama_3(8.0)),
             tie_word_embeddings: false,
-            qkv_bias: false,
-            initializer_range: 0.02,
+            ..LlamaConfig::llama_3_2_1b()
         }
     }
 
