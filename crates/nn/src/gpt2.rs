@@ -12,10 +12,11 @@
 
 use std::sync::Arc;
 
-use headroom_autograd_core::{cross_entropy_f32, BackendRef, DType, Generator, Reduction, Tensor};
+use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
 
 use crate::attention::{attention, merge_heads, split_heads, AttentionMask};
 use crate::blocks::{run_block, BlockRunner, BlockStack};
+use crate::causal_lm::causal_lm_loss;
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
 use crate::layers::{Dropout, Embedding, LayerNorm};
@@ -478,45 +479,7 @@ impl Gpt2LMHeadModel {
     /// position `t` predicting token `t + 1`, mean over the `batch × (seq - 1)` predictions
     /// (labels of -100 are skipped).
     pub fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
-        let [batch, seq, vocab] = *logits.shape() else {
-            return Err(NnError::InvalidInput {
-                module: "Gpt2LMHeadModel",
-                reason: format!(
-                    "expected logits [batch, seq, vocab], got {:?}",
-                    logits.shape()
-                ),
-            });
-        };
-        if labels.shape() != [batch, seq] {
-            return Err(NnError::InvalidInput {
-                module: "Gpt2LMHeadModel",
-                reason: format!(
-                    "labels {:?} do not match logits {:?}",
-                    labels.shape(),
-                    logits.shape()
-                ),
-            });
-        }
-        let ignore_index = -100;
-        let labels = labels.to_vec::<i64>()?;
-        let shifted: Vec<i64> = (0..batch * seq)
-            .map(|idx| {
-                if idx % seq + 1 < seq {
-                    labels[idx + 1]
-                } else {
-                    ignore_index
-                }
-            })
-            .collect();
-        let target = Tensor::from_slice(logits.backend(), &shifted, &[batch * seq])?;
-        // The f32 upcast happens inside the fused loss: f16/bf16 logits are not copied to f32.
-        let logits = logits.reshape(&[batch * seq, vocab])?;
-        Ok(cross_entropy_f32(
-            &logits,
-            &target,
-            ignore_index,
-            Reduction::Mean,
-        )?)
+        causal_lm_loss("Gpt2LMHeadModel", logits, labels)
     }
 }
 

@@ -1,5 +1,5 @@
-//! Modules with PyTorch's parameter names, and the two reference models: torchvision's
-//! `VisionTransformer` and Hugging Face's GPT-2.
+//! Modules with PyTorch's parameter names, and the reference models: torchvision's
+//! `VisionTransformer`, and Hugging Face's GPT-2 and Llama family (Llama 3, Qwen2).
 //!
 //! A [`Module`] owns its parameters (leaf [`Tensor`](headroom_autograd_core::Tensor)s that require grad) and walks them by
 //! name in PyTorch's `named_parameters()` order, so weights load from and save to safetensors
@@ -8,7 +8,10 @@
 //! [`Dropout`], [`MultiheadAttention`], [`Mlp`]. Models: [`VisionTransformer`] ([`VitConfig`]:
 //! the golden tiny model, `vit_b_16`, `vit_l_16`) and [`Gpt2LMHeadModel`] ([`Gpt2Config`];
 //! `Conv1D` weights stored `[in, out]`, `lm_head` tied to `wte`). Tests check both, in float64,
-//! against PyTorch's logits, loss and every parameter's gradient.
+//! against PyTorch's logits, loss and every parameter's gradient. [`LlamaForCausalLM`]
+//! ([`LlamaConfig`]: the tiny golden Llama and Qwen2, Llama-3.2-1B/3B and Llama-3.1-8B shapes)
+//! has RMSNorm, rotary embeddings with Llama 3's scaling, grouped-query attention and a SwiGLU
+//! MLP, composed from autograd-core's ops.
 //!
 //! This crate sits on autograd-core's ops and is generic over its `Backend`: it names no device
 //! and has no backward of its own (the ops record the graph). Models are plain structs with
@@ -35,10 +38,12 @@
 
 mod attention;
 mod blocks;
+mod causal_lm;
 mod error;
 mod gpt2;
 mod init;
 mod layers;
+mod llama;
 mod module;
 mod vit;
 mod weights;
@@ -51,6 +56,10 @@ pub use error::{NnError, Result};
 pub use gpt2::{Conv1D, Gpt2Attention, Gpt2Block, Gpt2Config, Gpt2LMHeadModel, Gpt2Mlp, Gpt2Model};
 pub use init::{parameter, Init};
 pub use layers::{Activation, Dropout, Embedding, LayerNorm, Linear, Mlp};
+pub use llama::{
+    apply_rotary, repeat_kv, Llama3RopeScaling, LlamaAttention, LlamaConfig, LlamaDecoderLayer,
+    LlamaForCausalLM, LlamaMlp, LlamaModel, LlamaRmsNorm, RotaryEmbedding,
+};
 pub use module::{child_name, Module};
 pub use vit::{Encoder, EncoderBlock, PatchEmbedding, VisionTransformer, VitConfig};
 pub use weights::{

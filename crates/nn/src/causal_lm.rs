@@ -1,0 +1,56 @@
+//! Hugging Face's causal-LM loss (`ForCausalLMLoss`), the one GPT-2 and the Llama family share:
+//! the logits upcast to f32, position `t` predicting label `t + 1`, the mean over the
+//! `batch × (seq - 1)` predictions, labels of -100 skipped. This module knows no model; each
+//! model's `loss` names itself in the errors.
+
+use headroom_autograd_core::{cross_entropy_f32, Reduction, Tensor};
+
+use crate::error::{NnError, Result};
+
+/// The causal-LM loss of `logits` `[batch, seq, vocab]` against `labels` `[batch, seq]` (I64),
+/// errors naming `module`.
+pub(crate) fn causal_lm_loss(
+    module: &'static str,
+    logits: &Tensor,
+    labels: &Tensor,
+) -> Result<Tensor> {
+    let [batch, seq, vocab] = *logits.shape() else {
+        return Err(NnError::InvalidInput {
+            module,
+            reason: format!(
+                "expected logits [batch, seq, vocab], got {:?}",
+                logits.shape()
+            ),
+        });
+    };
+    if labels.shape() != [batch, seq] {
+        return Err(NnError::InvalidInput {
+            module,
+            reason: format!(
+                "labels {:?} do not match logits {:?}",
+                labels.shape(),
+                logits.shape()
+            ),
+        });
+    }
+    let ignore_index = -100;
+    let labels = labels.to_vec::<i64>()?;
+    let shifted: Vec<i64> = (0..batch * seq)
+        .map(|idx| {
+            if idx % seq + 1 < seq {
+                labels[idx + 1]
+            } else {
+                ignore_index
+            }
+        })
+        .collect();
+    let target = Tensor::from_slice(logits.backend(), &shifted, &[batch * seq])?;
+    // The f32 upcast happens inside the fused loss: f16/bf16 logits are not copied to f32.
+    let logits = logits.reshape(&[batch * seq, vocab])?;
+    Ok(cross_entropy_f32(
+        &logits,
+        &target,
+        ignore_index,
+        Reduction::Mean,
+    )?)
+}

@@ -1,0 +1,225 @@
+//! One Llama decoder layer and its parts, as Hugging Face writes them: [`LlamaRmsNorm`],
+//! [`LlamaAttention`] (grouped-query, rotary, causal), [`LlamaMlp`] (SwiGLU) and
+//! [`LlamaDecoderLayer`] (pre-norm, two residual branches).
+//!
+//! Everything is composed from autograd-core's ops, so backward is the ops' own: RMSNorm is
+//! `x * rsqrt(mean(x²) + eps)` in f32 for f16/bf16 inputs (Hugging Face's upcast) and in the
+//! input's dtype otherwise (Hugging Face's `.to(float32)` would also round an f64 model to f32;
+//! keeping f64 exact lets the whole model be checked by finite differences), SiLU is
+//! `x · (1 + tanh(x / 2)) / 2` (the logistic function through tanh, whose derivative is finite
+//! everywhere), attention repeats each key/value head for its group of query heads
+//! (`repeat_kv`) and runs autograd-core's fused causal attention, which keeps a log-sum-exp per
+//! query rather than the probabilities. Fused kernels for these pieces are pending (issue 30).
+//! This module knows nothing about the model around a layer or how its blocks are run.
+
+use headroom_autograd_core::{scaled_dot_product_attention, DType, Tensor};
+
+use super::rope::apply_rotary;
+use crate::attention::merge_heads;
+use crate::error::{NnError, Result};
+use crate::layers::Linear;
+use crate::module::{child_name, Module};
+
+/// Root-mean-square normalisation with a scale (Hugging Face's `LlamaRMSNorm`): `weight *
+/// (x * rsqrt(mean(x², -1) + eps))`, computed in f32 for f16 and bf16 inputs.
+#[derive(Debug, Clone)]
+pub struct LlamaRmsNorm {
+    /// Scale, `[dim]`, initialised to ones.
+    pub weight: Tensor,
+    /// Added to the mean square.
+    pub eps: f64,
+}
+
+impl LlamaRmsNorm {
+    /// Normalises over the last dim; the result has the weight's dtype.
+    pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
+        let input_dtype = hidden.dtype();
+        let compute_dtype = match input_dtype {
+            DType::F16 | DType::BF16 => DType::F32,
+            other => other,
+        };
+        let x = hidden.to_dtype(compute_dtype)?;
+        let variance = x.pow_scalar(2.0)?.mean(&[-1], true)?;
+        let normed = x.mul(&variance.add_scalar(self.eps)?.rsqrt()?)?;
+        let normed = normed
+            .to_dtype(input_dtype)?
+            .to_dtype(self.weight.dtype())?;
+        Ok(self.weight.mul(&normed)?)
+    }
+}
+
+impl Module for LlamaRmsNorm {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(&str, &Tensor)) {
+        visit(&child_name(prefix, "weight"), &self.weight);
+    }
+
+    fn set_training(&mut self, _training: bool) {}
+}
+
+/// Grouped-query causal self-attention with rotary embeddings (`LlamaAttention`, and
+/// `Qwen2Attention` when q, k and v have biases).
+#[derive(Debug, Clone)]
+pub struct LlamaAttention {
+    /// `hidden → heads · head_dim`.
+    pub q_proj: Linear,
+    /// `hidden → kv_heads · head_dim`.
+    pub k_proj: Linear,
+    /// `hidden → kv_heads · head_dim`.
+    pub v_proj: Linear,
+    /// `heads · head_dim → hidden`, no bias.
+    pub o_proj: Linear,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads; each serves `num_heads / num_key_value_heads` query heads.
+    pub num_key_value_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+}
+
+impl LlamaAttention {
+    /// `[batch, seq, hidden]` → the same shape, causal, with the rotary tables `cos` and `sin`
+    /// (`[seq, head_dim]`) applied to queries and keys.
+    pub fn forward(&self, hidden: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let [batch, seq, _] = *hidden.shape() else {
+            return Err(NnError::InvalidInput {
+                module: "LlamaAttention",
+                reason: format!("expected [batch, seq, hidden], got {:?}", hidden.shape()),
+            });
+        };
+        let heads = |proj: &Linear, n_heads: usize| -> Result<Tensor> {
+            Ok(proj
+                .forward(hidden)?
+                .reshape(&[batch, seq, n_heads, self.head_dim])?
+                .permute(&[0, 2, 1, 3])?)
+        };
+        let q = apply_rotary(&heads(&self.q_proj, self.num_heads)?, cos, sin)?;
+        let k = apply_rotary(&heads(&self.k_proj, self.num_key_value_heads)?, cos, sin)?;
+        let v = heads(&self.v_proj, self.num_key_value_heads)?;
+        let n_rep = self.num_heads / self.num_key_value_heads;
+        let (k, v) = (repeat_kv(&k, n_rep)?, repeat_kv(&v, n_rep)?);
+        let context = scaled_dot_product_attention(&q, &k, &v, true, None)?;
+        self.o_proj.forward(&merge_heads(&context)?)
+    }
+}
+
+/// `[batch, kv_heads, seq, head_dim]` → `[batch, kv_heads · n_rep, seq, head_dim]`, each head
+/// repeated `n_rep` times in a row (Hugging Face's `repeat_kv`, `repeat_interleave` on dim 1);
+/// the tensor itself when `n_rep` is 1.
+pub fn repeat_kv(x: &Tensor, n_rep: usize) -> Result<Tensor> {
+    if n_rep == 1 {
+        return Ok(x.clone());
+    }
+    let [batch, kv_heads, seq, head_dim] = *x.shape() else {
+        return Err(NnError::InvalidInput {
+            module: "repeat_kv",
+            reason: format!(
+                "expected [batch, heads, seq, head_dim], got {:?}",
+                x.shape()
+            ),
+        });
+    };
+    Ok(x.unsqueeze(2)?
+        .expand(&[batch, kv_heads, n_rep, seq, head_dim])?
+        .reshape(&[batch, kv_heads * n_rep, seq, head_dim])?)
+}
+
+impl Module for LlamaAttention {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(&str, &Tensor)) {
+        for (name, proj) in [
+            ("q_proj", &self.q_proj),
+            ("k_proj", &self.k_proj),
+            ("v_proj", &self.v_proj),
+            ("o_proj", &self.o_proj),
+        ] {
+            proj.visit_parameters(&child_name(prefix, name), visit);
+        }
+    }
+
+    fn set_training(&mut self, _training: bool) {}
+}
+
+/// The SwiGLU feed-forward block (`LlamaMLP`): `down_proj(silu(gate_proj(x)) * up_proj(x))`,
+/// no biases.
+#[derive(Debug, Clone)]
+pub struct LlamaMlp {
+    /// `hidden → intermediate`, through SiLU.
+    pub gate_proj: Linear,
+    /// `hidden → intermediate`.
+    pub up_proj: Linear,
+    /// `intermediate → hidden`.
+    pub down_proj: Linear,
+}
+
+impl LlamaMlp {
+    /// Applies the block.
+    pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
+        let gate = silu(&self.gate_proj.forward(hidden)?)?;
+        self.down_proj
+            .forward(&gate.mul(&self.up_proj.forward(hidden)?)?)
+    }
+}
+
+/// `x · sigmoid(x)`, the logistic function written `(1 + tanh(x / 2)) / 2`.
+fn silu(x: &Tensor) -> Result<Tensor> {
+    let sigmoid = x
+        .mul_scalar(0.5)?
+        .tanh()?
+        .add_scalar(1.0)?
+        .mul_scalar(0.5)?;
+    Ok(x.mul(&sigmoid)?)
+}
+
+impl Module for LlamaMlp {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(&str, &Tensor)) {
+        for (name, proj) in [
+            ("gate_proj", &self.gate_proj),
+            ("up_proj", &self.up_proj),
+            ("down_proj", &self.down_proj),
+        ] {
+            proj.visit_parameters(&child_name(prefix, name), visit);
+        }
+    }
+
+    fn set_training(&mut self, _training: bool) {}
+}
+
+/// One pre-norm decoder layer (`LlamaDecoderLayer`).
+#[derive(Debug, Clone)]
+pub struct LlamaDecoderLayer {
+    /// Grouped-query attention.
+    pub self_attn: LlamaAttention,
+    /// SwiGLU MLP.
+    pub mlp: LlamaMlp,
+    /// Norm before attention.
+    pub input_layernorm: LlamaRmsNorm,
+    /// Norm before the MLP.
+    pub post_attention_layernorm: LlamaRmsNorm,
+}
+
+impl LlamaDecoderLayer {
+    /// `x + attn(norm(x))`, then `+ mlp(norm(·))`, with the rotary tables of the sequence.
+    pub fn forward(&self, hidden: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let attended = self
+            .self_attn
+            .forward(&self.input_layernorm.forward(hidden)?, cos, sin)?;
+        let hidden = hidden.add(&attended)?;
+        let mlp_out = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&hidden)?)?;
+        Ok(hidden.add(&mlp_out)?)
+    }
+}
+
+impl Module for LlamaDecoderLayer {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(&str, &Tensor)) {
+        self.self_attn
+            .visit_parameters(&child_name(prefix, "self_attn"), visit);
+        self.mlp.visit_parameters(&child_name(prefix, "mlp"), visit);
+        self.input_layernorm
+            .visit_parameters(&child_name(prefix, "input_layernorm"), visit);
+        self.post_attention_layernorm
+            .visit_parameters(&child_name(prefix, "post_attention_layernorm"), visit);
+    }
+
+    fn set_training(&mut self, _training: bool) {}
+}

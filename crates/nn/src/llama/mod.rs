@@ -1,0 +1,289 @@
+//! Hugging Face's `LlamaForCausalLM` (and `Qwen2ForCausalLM`, the same model with q/k/v
+//! biases), with its structure and parameter names.
+//!
+//! Names, as `named_parameters()` yields them: `model.embed_tokens.weight`,
+//! `model.layers.<i>.self_attn.{q,k,v,o}_proj.weight` (and `.bias` of q, k, v under
+//! [`LlamaConfig::qkv_bias`]), `model.layers.<i>.mlp.{gate,up,down}_proj.weight`,
+//! `model.layers.<i>.{input_layernorm,post_attention_layernorm}.weight`, `model.norm.weight`,
+//! then `lm_head.weight` unless the head is tied to the embedding (then, as in PyTorch and in
+//! Hugging Face's safetensors files, it is not listed). The forward pass is Hugging Face's:
+//! embedding, pre-norm decoder layers sharing one rotary table per forward, final RMSNorm, the
+//! head; [`LlamaForCausalLM::loss`] is its causal-LM loss (logits upcast to f32). Weights are
+//! initialised as `_init_weights` does: N(0, `initializer_range`²) matrices and embedding, zero
+//! biases, unit norms. The layers are a [`BlockStack`], so checkpointing, offload and planners
+//! attach as they do to GPT-2.
+//!
+//! `config.rs` holds the shapes and their checks, `rope.rs` the rotary embedding, `block.rs` a
+//! decoder layer; this file assembles the model and knows nothing of a layer's inside.
+
+mod block;
+mod config;
+mod rope;
+
+use std::sync::Arc;
+
+use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
+
+pub use block::{repeat_kv, LlamaAttention, LlamaDecoderLayer, LlamaMlp, LlamaRmsNorm};
+pub use config::{Llama3RopeScaling, LlamaConfig};
+pub use rope::{apply_rotary, RotaryEmbedding};
+
+use crate::blocks::{run_block, BlockRunner, BlockStack};
+use crate::causal_lm::causal_lm_loss;
+use crate::error::{NnError, Result};
+use crate::init::{parameter, Init};
+use crate::layers::{Embedding, Linear};
+use crate::module::{child_name, Module};
+
+/// Embedding, decoder layers and final norm (`LlamaModel`, the `model` of the causal LM).
+#[derive(Debug, Clone)]
+pub struct LlamaModel {
+    /// Token embedding, `[vocab_size, hidden_size]`.
+    pub embed_tokens: Embedding,
+    /// The decoder layers, named `layers.<i>`.
+    pub layers: Vec<LlamaDecoderLayer>,
+    /// The final norm.
+    pub norm: LlamaRmsNorm,
+    /// The rotary frequencies every layer shares (a buffer, not a parameter).
+    pub rotary_emb: RotaryEmbedding,
+    /// Who runs the layers; `None` calls them directly. Set through [`BlockStack`].
+    block_runner: Option<Arc<dyn BlockRunner>>,
+}
+
+/// A decoder layer with the rotary tables of one forward: what a [`BlockRunner`] is handed, so
+/// a runner that calls it again (a checkpoint in backward) reuses the same tables.
+#[derive(Debug, Clone)]
+struct LayerAtPositions {
+    layer: LlamaDecoderLayer,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl LayerAtPositions {
+    fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.layer.forward(hidden, &self.cos, &self.sin)
+    }
+}
+
+impl LlamaModel {
+    /// Hidden states `[batch, seq, hidden_size]` of token ids `[batch, seq]` (I64).
+    pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let [_, seq] = *input_ids.shape() else {
+            return Err(NnError::InvalidInput {
+                module: "LlamaModel",
+                reason: format!(
+                    "expected input ids [batch, seq], got {:?}",
+                    input_ids.shape()
+                ),
+            });
+        };
+        let mut hidden = self.embed_tokens.forward(input_ids)?;
+        let (cos, sin) = self
+            .rotary_emb
+            .cos_sin(input_ids.backend(), seq, hidden.dtype())?;
+        for (index, layer) in self.layers.iter().enumerate() {
+            let at_positions = LayerAtPositions {
+                layer: layer.clone(),
+                cos: cos.clone(),
+                sin: sin.clone(),
+            };
+            hidden = run_block(
+                self.block_runner.as_ref(),
+                index,
+                &at_positions,
+                LayerAtPositions::forward,
+                &hidden,
+            )?;
+        }
+        self.norm.forward(&hidden)
+    }
+}
+
+impl BlockStack for LlamaModel {
+    fn n_blocks(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn block_runner(&self) -> Option<&Arc<dyn BlockRunner>> {
+        self.block_runner.as_ref()
+    }
+
+    fn set_block_runner(&mut self, runner: Option<Arc<dyn BlockRunner>>) {
+        self.block_runner = runner;
+    }
+}
+
+impl Module for LlamaModel {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(&str, &Tensor)) {
+        self.embed_tokens
+            .visit_parameters(&child_name(prefix, "embed_tokens"), visit);
+        let layers = child_name(prefix, "layers");
+        for (layer_idx, layer) in self.layers.iter().enumerate() {
+            layer.visit_parameters(&child_name(&layers, &layer_idx.to_string()), visit);
+        }
+        self.norm
+            .visit_parameters(&child_name(prefix, "norm"), visit);
+    }
+
+    fn set_training(&mut self, _training: bool) {}
+}
+
+/// A Llama-family language model (`LlamaForCausalLM`; `Qwen2ForCausalLM` with
+/// [`LlamaConfig::qkv_bias`]).
+#[derive(Debug, Clone)]
+pub struct LlamaForCausalLM {
+    /// The hyperparameters it was built with.
+    pub config: LlamaConfig,
+    /// The body (`model.*`).
+    pub model: LlamaModel,
+    /// The head, `[vocab_size, hidden_size]`; `None` when tied to `model.embed_tokens`.
+    pub lm_head: Option<Linear>,
+}
+
+impl LlamaForCausalLM {
+    /// A model of `config` (checked by [`LlamaConfig::validate`]) initialised as Hugging Face
+    /// does, up to the random numbers: N(0, `initializer_range`²) weights and embedding, zero
+    /// biases, norms of ones.
+    pub fn new(
+        backend: &BackendRef,
+        config: LlamaConfig,
+        dtype: DType,
+        generator: &Generator,
+    ) -> Result<LlamaForCausalLM> {
+        config.validate()?;
+        let LlamaConfig {
+            vocab_size,
+            hidden_size: hidden,
+            intermediate_size,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps,
+            initializer_range: std,
+            ..
+        } = config;
+        let weights = Init::Normal { mean: 0.0, std };
+        let linear = |[in_features, out_features]: [usize; 2], bias: bool| {
+            let bias = bias.then_some(Init::Constant(0.0));
+            Linear::with_init(
+                backend,
+                [in_features, out_features],
+                weights,
+                bias,
+                dtype,
+                generator,
+            )
+        };
+        let norm = || -> Result<LlamaRmsNorm> {
+            Ok(LlamaRmsNorm {
+                weight: parameter(backend, &[hidden], dtype, Init::Constant(1.0), generator)?,
+                eps: rms_norm_eps,
+            })
+        };
+        let embed_tokens = Embedding::new(backend, vocab_size, hidden, std, dtype, generator)?;
+        let (q_width, kv_width) = (
+            num_attention_heads * head_dim,
+            num_key_value_heads * head_dim,
+        );
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        for _ in 0..config.num_hidden_layers {
+            layers.push(LlamaDecoderLayer {
+                self_attn: LlamaAttention {
+                    q_proj: linear([hidden, q_width], config.qkv_bias)?,
+                    k_proj: linear([hidden, kv_width], config.qkv_bias)?,
+                    v_proj: linear([hidden, kv_width], config.qkv_bias)?,
+                    o_proj: linear([q_width, hidden], false)?,
+                    num_heads: num_attention_heads,
+                    num_key_value_heads,
+                    head_dim,
+                },
+                mlp: LlamaMlp {
+                    gate_proj: linear([hidden, intermediate_size], false)?,
+                    up_proj: linear([hidden, intermediate_size], false)?,
+                    down_proj: linear([intermediate_size, hidden], false)?,
+                },
+                input_layernorm: norm()?,
+                post_attention_layernorm: norm()?,
+            });
+        }
+        let model = LlamaModel {
+            embed_tokens,
+            layers,
+            norm: norm()?,
+            rotary_emb: RotaryEmbedding::new(&config),
+            block_runner: None,
+        };
+        let lm_head = if config.tie_word_embeddings {
+            None
+        } else {
+            Some(linear([hidden, vocab_size], false)?)
+        };
+        Ok(LlamaForCausalLM {
+            config,
+            model,
+            lm_head,
+        })
+    }
+
+    /// The head's weight: `lm_head.weight`, or the embedding's when tied.
+    pub fn lm_head_weight(&self) -> &Tensor {
+        match &self.lm_head {
+            Some(head) => &head.weight,
+            None => &self.model.embed_tokens.weight,
+        }
+    }
+
+    /// Logits `[batch, seq, vocab_size]` of token ids `[batch, seq]` (I64).
+    pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let hidden = self.model.forward(input_ids)?;
+        Ok(hidden.linear(self.lm_head_weight(), None)?)
+    }
+
+    /// Hugging Face's causal-LM loss with `labels` `[batch, seq]` (usually the input ids): the
+    /// logits upcast to f32, position `t` predicting label `t + 1`, mean over the
+    /// `batch × (seq - 1)` predictions (labels of -100 are skipped). The loss is f32.
+    pub fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
+        causal_lm_loss("LlamaForCausalLM", logits, labels)
+    }
+
+    /// Loads a Hugging Face checkpoint of this model (`model.safetensors` of a
+    /// `LlamaForCausalLM` or `Qwen2ForCausalLM`): the names as they are, a stored
+    /// `lm_head.weight` skipped when the head is tied (some files carry it anyway), and the
+    /// `rotary_emb.inv_freq` buffers of older files skipped. Every parameter must be present
+    /// with its shape (see [`load_weights`](crate::load_weights)).
+    pub fn load_hugging_face(&self, tensors: &safetensors::SafeTensors<'_>) -> Result<()> {
+        let tied = self.lm_head.is_none();
+        crate::weights::load_weights_renamed(self, tensors, &|name| {
+            let skipped =
+                name.ends_with(".rotary_emb.inv_freq") || (tied && name == "lm_head.weight");
+            (!skipped).then(|| name.to_owned())
+        })
+    }
+}
+
+/// The layers of its body (`model.layers`).
+impl BlockStack for LlamaForCausalLM {
+    fn n_blocks(&self) -> usize {
+        self.model.n_blocks()
+    }
+
+    fn block_runner(&self) -> Option<&Arc<dyn BlockRunner>> {
+        self.model.block_runner()
+    }
+
+    fn set_block_runner(&mut self, runner: Option<Arc<dyn BlockRunner>>) {
+        self.model.set_block_runner(runner);
+    }
+}
+
+impl Module for LlamaForCausalLM {
+    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(&str, &Tensor)) {
+        self.model
+            .visit_parameters(&child_name(prefix, "model"), visit);
+        if let Some(head) = &self.lm_head {
+            head.visit_parameters(&child_name(prefix, "lm_head"), visit);
+        }
+    }
+
+    fn set_training(&mut self, _training: bool) {}
+}
