@@ -4,8 +4,9 @@
 //! `testdata/README.md`).
 //!
 //! Errors are measured per tensor as `max |ours - theirs| / max |theirs|` (testkit's
-//! `relative_error`, as the ViT and GPT-2 golden tests do). The bound is GPT-2's, 1e-5, for
-//! every tensor: Hugging Face's float64 model rounds to float32 in its RMSNorm
+//! `relative_error`, as the ViT and GPT-2 golden tests do). The bound is 1e-6 for every tensor
+//! (issue 30's; measured on the committed file: logits 2.8e-7 and 2.9e-7, worst gradient 4.4e-7
+//! and 7.4e-7 for Llama and Qwen2): Hugging Face's float64 model rounds to float32 in its RMSNorm
 //! (`.to(torch.float32)`), its rotary tables, eager attention's softmax and the loss
 //! (`logits.float()`), so the logits as well as the loss and the gradients carry float32
 //! rounding; ours rounds only the rotary tables and the loss. The rotary frequencies themselves
@@ -19,8 +20,8 @@ use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::golden::relative_error;
 use safetensors::SafeTensors;
 
-/// Float32 rounding through a two-layer model, as GPT-2's golden test allows.
-const TOLERANCE: f64 = 1e-5;
+/// Float32 rounding through a two-layer model (see the file's docs).
+const TOLERANCE: f64 = 1e-6;
 
 /// The bytes of `testdata/llama_golden.safetensors`, or a failure saying how to make it.
 fn golden_file() -> Vec<u8> {
