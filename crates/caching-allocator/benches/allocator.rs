@@ -1,9 +1,9 @@
 //! Latency of a cached allocate + free pair, on host and simulated storage, with classic and
 //! expandable segments. The CUDA comparison (against cuMemAlloc and cuMemAllocAsync) lives in
-//! `crates/caching-allocator/benches/cuda_alloc.rs`.
+//! `cuda_alloc.rs` beside this file.
 
 use criterion::{BenchmarkId, Criterion};
-use headroom::caching_allocator::{
+use headroom_caching_allocator::{
     AllocatorConfig, CachingAllocator, HostStorage, SimulatedStorage, Storage, StreamId,
 };
 
