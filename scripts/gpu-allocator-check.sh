@@ -10,6 +10,8 @@
 # (the bench lives in bench/, not bin/, so that run.sh does not run it as a test).
 # Then, on the GPU machine, from the workspace root, with .gpu-bundle carried:
 #   bash scripts/gpu-allocator-check.sh [TEST_FILTER]
+# Each binary runs with --include-ignored (the GPU tests are marked
+# #[ignore = "needs a CUDA device"]); a libtest summary that counts an ignored test fails the run.
 # Environment: OUT (log folder, default /tmp/gpu-allocator-check), BENCH_ARGS (extra criterion
 # arguments, default a short run), SKIP_BENCH=1 to run the tests only.
 set -uo pipefail
@@ -22,8 +24,10 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv 2>&1 | tee "$out/gpu.txt"
 
 echo "== tests"
-bash .gpu-bundle/run.sh "$@" --nocapture 2>&1 | tee "$out/tests.log"
+bash .gpu-bundle/run.sh "$@" --include-ignored --nocapture 2>&1 | tee "$out/tests.log"
 tests_rc=${PIPESTATUS[0]}
+ignored=$(grep -E 'test result:' "$out/tests.log" | grep -c -v ' 0 ignored;')
+(( ignored == 0 )) || { echo "$ignored test binaries left ignored tests out"; tests_rc=1; }
 # Every binary's full output in one file ($OUT brings back at most 8 files).
 for log in .gpu-bundle/logs/*.log; do
   [[ -f $log ]] || continue

@@ -7,7 +7,8 @@
 #   - per-GPU peak allocated, step time (median of steps 4..20), bytes reduce-scattered and
 #     all-gathered per step (counted by the communicator);
 #   - one GPU's step at the same per-GPU batch, ours and PyTorch's, for the scaling target;
-#   - the crate's NCCL tests (two GPUs, HEADROOM_REQUIRE_GPU=1).
+#   - the crate's NCCL tests (two GPUs, HEADROOM_REQUIRE_GPU=1, --include-ignored: they are
+#     marked #[ignore = "needs a CUDA device"]; a summary that counts an ignored test fails).
 #
 # Build here (no GPU needed), from the workspace root, into .gpu-bench/zero/:
 #   cargo build --release --features cuda,nccl --example data_parallel
@@ -49,7 +50,10 @@ record() { # label, command...
 }
 
 if [[ -x "$here/nccl_test" ]]; then
-  record nccl_tests "$here/nccl_test" --test-threads 1
+  record nccl_tests "$here/nccl_test" --include-ignored --test-threads 1
+  if grep -E '^test result:' "$out/nccl_tests.out" | grep -q -v ' 0 ignored;'; then
+    failed=$((failed + 1)); echo "   nccl_tests left ignored tests out" | tee -a "$out/log"
+  fi
 fi
 
 for model in ${MODELS:-vit-l16 gpt2-medium}; do

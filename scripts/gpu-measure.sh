@@ -13,11 +13,13 @@
 #   bash scripts/gpu-measure.sh PHASE...      PHASE: tests vit gpt2 fmb planner reclaim noreclaim
 #                                                    plugin
 #
-# tests    every test binary with HEADROOM_REQUIRE_GPU=1 (a skip is a failure), with
-#          --show-output so that what passing tests print reaches the log. The multi-GPU test
-#          binaries (multi_gpu_tests below: distributed's nccl) are left out by name, saying
-#          so: under HEADROOM_REQUIRE_GPU=1 a test that sees fewer GPUs than it needs fails, and
-#          scripts/gpu-data-parallel.sh runs them on two GPUs
+# tests    every test binary with --include-ignored (the GPU tests are marked
+#          #[ignore = "needs a CUDA device"], so a plain run leaves them out) and
+#          HEADROOM_REQUIRE_GPU=1 (a skip is a failure), with --show-output so that what passing
+#          tests print reaches the log. The multi-GPU test binaries (multi_gpu_tests below:
+#          distributed's nccl) are left out by name, saying so: under HEADROOM_REQUIRE_GPU=1 a
+#          test that sees fewer GPUs than it needs fails, and scripts/gpu-data-parallel.sh runs
+#          them on two GPUs
 # vit      bench-memory, ViT-L/16 at batch 1 and 32, every case but adam_auto (the planner's
 #          phase), then PyTorch's cases (scripts/pytorch/bench_reference.py) in the same run, as
 #          --pytorch reads them
@@ -36,7 +38,8 @@
 # Every step fails when its log holds the word `skipped` on any line: only testkit's gate
 # prints it (`skipped: <test>: <why>`, a panic instead under HEADROOM_REQUIRE_GPU=1), and
 # xtask's tidy test keeps it out of every other literal of tests, benches, examples, xtask and
-# headroom-bench, so a run cannot pass by skipping in any way.
+# headroom-bench, so a run cannot pass by skipping in any way. It fails too when a libtest
+# summary (`test result: ...`) counts an ignored test: a GPU test left out of the run.
 #
 # Output: RESULTS (default results/<date>-<commit>/ under the workspace root, results/README.md)
 # gets one log per step, the JSON files and meta.json: the GPU's name and driver, the versions of
@@ -60,7 +63,7 @@ vit_cases=adam_foreach,adam_foreach_unbounded,adam_single,sgd,adam_fused,adam_in
 vit_cases+=,adam8bit_inbwd,adam_ckpt,adam_inbwd_ckpt,adam_fused_clip,adam_inbwd_clip
 vit_cases+=,adam_inbwd_clip_prev,adam_offload,adam_ckpt8bit,adam_bf16,adam_fp16
 vit_cases+=,adam_inbwd_ckpt_bf16,fwd_bwd,fwd_bwd_bf16
-(( $# > 0 )) || { sed -n '2,39p' "$0"; exit 2; }
+(( $# > 0 )) || { sed -n '2,42p' "$0"; exit 2; }
 if [[ -n ${PLUGIN_DIR:-} && -f $PLUGIN_DIR/bnb.tar.xz ]]; then
   mkdir -p /tmp/headroom-site
   python3 -c "import bitsandbytes" 2>/dev/null || tar xJf "$PLUGIN_DIR/bnb.tar.xz" -C /tmp/headroom-site
@@ -110,11 +113,16 @@ step() { # name command...
   local start=$SECONDS
   "$@" > "$out/$name.log" 2>&1
   local rc=$?
-  local skips
+  local skips ignored
   skips=$(grep -c -w skipped "$out/$name.log")
-  (( rc != 0 || skips > 0 )) && failed=$((failed + 1))
-  echo "$name: rc=$rc, $skips skip line(s), $((SECONDS - start)) s"
+  # libtest summaries that count an ignored test (" 0 ignored;" is the only clean count).
+  ignored=$(grep -E '^test result:' "$out/$name.log" | grep -c -v ' 0 ignored;')
+  (( rc != 0 || skips > 0 || ignored > 0 )) && failed=$((failed + 1))
+  echo "$name: rc=$rc, $skips skip line(s), $ignored summary(ies) with ignored tests," \
+    "$((SECONDS - start)) s"
   (( skips > 0 )) && grep -n -w -m 5 skipped "$out/$name.log" | sed 's/^/  /'
+  (( ignored > 0 )) && grep -n -E '^test result:' "$out/$name.log" | grep -v ' 0 ignored;' |
+    sed 's/^/  /'
 }
 for phase in "$@"; do
   case $phase in
@@ -127,7 +135,7 @@ for phase in "$@"; do
           echo "test_$name: not run here: it needs two GPUs (scripts/gpu-data-parallel.sh)"
           continue
         fi
-        step "test_$name" "$t" --show-output
+        step "test_$name" "$t" --include-ignored --show-output
       done ;;
     vit)
       # Every case but adam_auto (the planner phase measures it at its budgets).

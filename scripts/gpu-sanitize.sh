@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Runs compute-sanitizer over the test binaries of a GPU bundle: memcheck on every binary, then
 # racecheck on the binaries named in RACECHECK (default: overlap_cuda, whose small shared-memory
-# kernels racecheck can afford). A missing GPU fails the tests instead of skipping them, and a
-# run whose output holds the word `skipped` (with --show-output, what passing tests print too)
-# fails as well, as in scripts/gpu-measure.sh; the multi-GPU test binaries (distributed's nccl)
-# are left out by name, saying so.
+# kernels racecheck can afford). Each binary runs with --include-ignored (the GPU tests are
+# marked #[ignore = "needs a CUDA device"]). A missing GPU fails the tests instead of skipping
+# them, and a run whose output holds the word `skipped` (with --show-output, what passing tests
+# print too) or whose libtest summary counts an ignored test fails as well, as in
+# scripts/gpu-measure.sh; the multi-GPU test binaries (distributed's nccl) are left out by name,
+# saying so.
 #
 # Build the bundle here (no GPU needed), from the workspace root:
 #   ../shared/tools/gpu-bundle.sh -- -p headroom-ops-cuda --features cuda
@@ -25,11 +27,12 @@ run() { # tool binary
   local name; name=$(basename "$2")
   local log="$out/$1_$name.log"
   timeout "$limit" compute-sanitizer --tool "$1" --error-exitcode 86 --print-limit 20 "$2" \
-    --show-output > "$log" 2>&1
+    --include-ignored --show-output > "$log" 2>&1
   local rc=$?
-  local skips
+  local skips ignored
   skips=$(grep -c -w skipped "$log")
-  (( rc != 0 || skips > 0 )) && failed=$((failed + 1))
+  ignored=$(grep -E '^test result:' "$log" | grep -c -v ' 0 ignored;')
+  (( rc != 0 || skips > 0 || ignored > 0 )) && failed=$((failed + 1))
   echo "$1 $name: rc=$rc, $skips skip line(s) $(grep -E '^test result' "$log" | tail -1) |" \
     "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Device not supported' "$log" | tail -1)"
 }

@@ -4,6 +4,26 @@
 //! least as fast as PyTorch. Each crate stands alone (`headroom-caching-allocator`, ...); this
 //! package only re-exports them under one name and hosts the workspace's examples and benches.
 //! It holds no logic of its own and must never grow any: a technique lives in its crate.
+//!
+//! ```
+//! use headroom::autograd_core::{DType, Tensor};
+//! use headroom::hooks::{InBackward, InBackwardConfig};
+//! use headroom::optim::{Adam, AdamConfig, Implementation, ParamGroup};
+//!
+//! let cpu = headroom::ops_cpu::CpuBackend::new_ref();
+//! let w = Tensor::full(&cpu, &[4, 4], 0.1, DType::F32)?;
+//! w.requires_grad_(true)?;
+//! let groups = vec![ParamGroup::new(vec![w.clone()], AdamConfig::adamw())];
+//! let adamw = Adam::new(groups, Implementation::Fused)?;
+//! // Fused AdamW stepped inside backward: the gradient is freed as soon as it has been used.
+//! let in_backward = InBackward::new(Box::new(adamw), InBackwardConfig::default())?;
+//! let x = Tensor::ones(&cpu, &[2, 4], DType::F32)?;
+//! in_backward.backward(&x.linear(&w, None)?.sum_all()?)?;
+//! assert!(w.grad().is_none());
+//! assert_eq!(in_backward.stats().steps, 1);
+//! assert!(w.to_vec::<f32>()?.iter().all(|&v| v < 0.1)); // every gradient was positive
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 pub use headroom_amp as amp;
 pub use headroom_autograd_core as autograd_core;

@@ -4,13 +4,17 @@
 //! - every `.rs` file of the workspace starts with a `//!` header and has at most 800 lines
 //!   (see [`file_length`]);
 //! - no module is named `utils`, `helpers` or `common`;
-//! - no test is marked `ignore` or `should_panic` (assert on the `Err` instead);
+//! - no test is marked `should_panic` (assert on the `Err` instead);
+//! - a test that needs a CUDA device is marked `#[ignore = "needs a CUDA device"]` and no other
+//!   test is ignored, so `cargo test` without a device counts it ignored, never `ok` (see
+//!   [`gpu_ignore`]);
 //! - no test, bench, example, xtask or headroom-bench code skips by hand (a literal with the word
 //!   `skipped`, a device opener whose result it matches on or drops, see [`gpu_skips`]): it skips
 //!   through testkit's gate (`headroom_testkit::gpu`), which `HEADROOM_REQUIRE_GPU=1` turns into
 //!   a failure, so a GPU run cannot pass by skipping;
 //! - ARCHITECTURE.md has one `### crates/<name>` heading per crate folder, and no heading
-//!   for a folder that does not exist;
+//!   for a folder that does not exist; it has at most 30,000 characters and names every source
+//!   file of a crate or xtask over 100 lines (see [`code_map`]);
 //! - crate dependencies point one way, down the layers of [`LAYERS`] (what `cargo metadata`
 //!   reports of each package's `[dependencies]` and `[build-dependencies]`), and the dev-only
 //!   crates of [`DEV_ONLY`] appear in `[dev-dependencies]` only;
@@ -25,8 +29,11 @@ use serde_json::Value;
 
 use crate::project_root;
 
+mod code_map;
 mod file_length;
+mod gpu_ignore;
 mod gpu_skips;
+mod rust_text;
 
 /// The workspace's packages by layer, lowest first. A package depends only on packages of lower
 /// layers (ARCHITECTURE.md's bird's-eye view draws the same stack). Planned crates are listed so
@@ -113,10 +120,9 @@ fn check(root: &Path) -> Vec<String> {
         if ["utils", "helpers", "common"].contains(&stem) {
             problems.push(format!("{relative}: name the module after its concept"));
         }
-        for banned in [concat!("#[", "ignore"), concat!("#[", "should_panic")] {
-            if text.contains(banned) {
-                problems.push(format!("{relative}: uses {banned}]"));
-            }
+        let banned = concat!("#[", "should_panic");
+        if text.contains(banned) {
+            problems.push(format!("{relative}: uses {banned}]"));
         }
         if let Some(scope) = gpu_skips::scope(file.strip_prefix(root).unwrap_or(file)) {
             for (line, what) in gpu_skips::skips_by_hand(&text, scope) {
@@ -128,7 +134,9 @@ fn check(root: &Path) -> Vec<String> {
         }
     }
     problems.extend(file_length::check(root, &files));
+    problems.extend(gpu_ignore::check(root, &files));
     problems.extend(check_code_map(root));
+    problems.extend(code_map::check(root, &files));
     problems.extend(crate::tables::tidy_problems(root));
     match cargo_metadata(root) {
         Ok(metadata) => problems.extend(check_dependency_layers(&metadata)),

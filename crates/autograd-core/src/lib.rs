@@ -36,6 +36,46 @@
 //!
 //! Not supported: higher-order gradients (`create_graph`), differentiable in-place writes into
 //! views, `retain_grad` on non-leaves.
+//!
+//! # Example
+//!
+//! On the CPU backend (`headroom-ops-cpu`): two of the seams, a saved-tensor hook that sees what
+//! each op keeps for backward and a post-accumulate-grad hook that sees each final gradient.
+//!
+//! ```
+//! use std::sync::{Arc, Mutex};
+//! use headroom_autograd_core::{saved_tensor_hooks, Packed, SaveRole, Tensor};
+//!
+//! let cpu = headroom_ops_cpu::CpuBackend::new_ref();
+//! let w = Tensor::from_slice(&cpu, &[1.0f32, -2.0, 3.0], &[3])?;
+//! w.requires_grad_(true)?;
+//! let x = Tensor::from_slice(&cpu, &[0.5f32, 0.25, 2.0], &[3])?;
+//!
+//! let saves = Arc::new(Mutex::new(Vec::new()));
+//! let loss = {
+//!     let saves = Arc::clone(&saves);
+//!     let _hooks = saved_tensor_hooks(
+//!         move |site, tensor| {
+//!             saves.lock().unwrap().push((site.op, site.role, site.bytes));
+//!             Ok(Box::new(tensor) as Packed) // kept as it is
+//!         },
+//!         |packed| Ok(packed.downcast_ref::<Tensor>().unwrap().clone()),
+//!     );
+//!     w.mul(&x)?.sum_all()? // Σ w·x
+//! };
+//! // `mul` keeps the input its gradient needs: x (3 × f32), for w's gradient.
+//! assert_eq!(*saves.lock().unwrap(), [("mul", SaveRole::Input(1), 12)]);
+//!
+//! let grads = Arc::new(Mutex::new(Vec::new()));
+//! let seen = Arc::clone(&grads);
+//! let _hook = w.register_post_accumulate_grad_hook(move |param| {
+//!     seen.lock().unwrap().push(param.grad().unwrap().to_vec::<f32>()?);
+//!     Ok(())
+//! })?;
+//! loss.backward()?;
+//! assert_eq!(*grads.lock().unwrap(), [vec![0.5, 0.25, 2.0]]);
+//! # Ok::<(), headroom_autograd_core::TensorError>(())
+//! ```
 
 mod autocast;
 mod backend;

@@ -1,8 +1,8 @@
 //! The CUDA storage alone, on a real device: segments, mapped pages, streams, events and
-//! out-of-memory. Each test skips (and passes) on a machine without a CUDA device, or whose
-//! device cannot map pages (of 2 MiB, for the large-handle test), and fails instead where
-//! `HEADROOM_REQUIRE_GPU=1` is set (testkit's gate): an H200 maps 2 MiB pages, so on the GPU
-//! machine every test runs.
+//! out-of-memory. Each test needs a CUDA device: marked `#[ignore = "needs a CUDA device"]`, it
+//! runs with `--include-ignored`. On a device that cannot map pages (of 2 MiB, for the
+//! large-handle test) it skips, or fails where `HEADROOM_REQUIRE_GPU=1` is set (testkit's gate):
+//! an H200 maps 2 MiB pages, so on the GPU machine every test runs.
 #![cfg(feature = "cuda")]
 
 use std::sync::MutexGuard;
@@ -26,6 +26,7 @@ fn storage_or_skip(options: CudaStorageOptions) -> Option<(MutexGuard<'static, (
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn segment_write_read_free() {
     let Some((_device, mut storage)) = storage_or_skip(CudaStorageOptions::default()) else {
         return;
@@ -67,6 +68,7 @@ fn segment_write_read_free() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn expandable_map_write_unmap_remap() {
     let Some((_device, mut storage)) = storage_or_skip(CudaStorageOptions::default()) else {
         return;
@@ -150,6 +152,7 @@ fn expandable_map_write_unmap_remap() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn larger_handles_map_and_unmap_whole() {
     let granularity = 2 * MIB;
     let Some((_device, mut storage)) = storage_or_skip(CudaStorageOptions::default()) else {
@@ -210,6 +213,7 @@ fn larger_handles_map_and_unmap_whole() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn events_on_two_streams() {
     let Some((_device, mut storage)) = storage_or_skip(CudaStorageOptions::default()) else {
         return;
@@ -269,6 +273,7 @@ fn events_on_two_streams() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn memory_limit_gives_out_of_memory() {
     let limit = 64 * MIB;
     let options = CudaStorageOptions {
@@ -311,6 +316,7 @@ fn memory_limit_gives_out_of_memory() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn device_out_of_memory_then_recovers() {
     let Some((_device, mut storage)) = storage_or_skip(CudaStorageOptions::default()) else {
         return;
@@ -350,6 +356,7 @@ fn device_out_of_memory_then_recovers() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn storage_moves_between_threads() {
     let Some((_device, mut storage)) = storage_or_skip(CudaStorageOptions::default()) else {
         return;

@@ -33,7 +33,7 @@ impl BlockSelection {
     pub fn contains(&self, index: usize) -> bool {
         match self {
             BlockSelection::All => true,
-            BlockSelection::Every(k) => *k > 0 && index % k == 0,
+            BlockSelection::Every(k) => *k > 0 && index.is_multiple_of(*k),
             BlockSelection::Indices(indices) => indices.contains(&index),
             BlockSelection::First(n) => index < *n,
         }

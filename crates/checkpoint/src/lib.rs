@@ -46,6 +46,63 @@
 //!   tensors (without it, such a save is a typed error; bf16 needs no kernel of its own). It
 //!   changes no result of checkpointing, and both codecs give the same bits. It also adds the
 //!   planner's CUDA clock.
+//!
+//! # Example
+//!
+//! A region keeps only its output, and backward recomputes it for the same gradient; a model's
+//! blocks are checkpointed by attaching a runner:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use headroom_autograd_core::{DType, Generator, Tensor};
+//! use headroom_checkpoint::{checkpoint, CheckpointBlocks};
+//! use headroom_nn::{BlockStack, Module, VisionTransformer, VitConfig};
+//!
+//! let cpu = headroom_ops_cpu::CpuBackend::new_ref();
+//! let allocated = || cpu.memory_stats().allocated_bytes.all.current;
+//!
+//! // Eight `exp`s: run plainly, each keeps its output (4 KiB) for backward.
+//! let region = |x: &Tensor| -> headroom_autograd_core::Result<Tensor> {
+//!     let mut y = x.clone();
+//!     for _ in 0..8 {
+//!         y = y.exp()?.mul_scalar(0.5)?;
+//!     }
+//!     Ok(y)
+//! };
+//! let x = Tensor::full(&cpu, &[1024], 0.01, DType::F32)?;
+//! x.requires_grad_(true)?;
+//! let before = allocated();
+//! let plain = region(&x)?;
+//! assert_eq!(allocated() - before, 8 * 4096 + 4096);
+//! plain.sum_all()?.backward()?;
+//! let expected = x.take_grad().unwrap().to_vec::<f32>()?;
+//! drop(plain);
+//!
+//! // Checkpointed: only the output stays until backward runs the region again.
+//! let before = allocated();
+//! let out = checkpoint(move |inputs| Ok(vec![region(&inputs[0])?]), &[x.clone()])?;
+//! assert_eq!(allocated() - before, 4096);
+//! out[0].sum_all()?.backward()?;
+//! assert_eq!(x.grad().unwrap().to_vec::<f32>()?, expected);
+//!
+//! // A model's blocks, the model unedited: every block but the last is checkpointed, and the
+//! // gradients equal the plain model's bit for bit.
+//! let vit = || {
+//!     let generator = Arc::new(Generator::new(0)); // the same weights each time
+//!     VisionTransformer::new(&cpu, VitConfig::tiny(), DType::F32, &generator)
+//! };
+//! let (plain, mut checkpointed) = (vit()?, vit()?);
+//! let runner = CheckpointBlocks::all_but_last(checkpointed.n_blocks());
+//! checkpointed.set_block_runner(Some(Arc::new(runner)));
+//! let images = Tensor::ones(&cpu, &[2, 3, 32, 32], DType::F32)?;
+//! plain.forward(&images)?.sum_all()?.backward()?;
+//! checkpointed.forward(&images)?.sum_all()?.backward()?;
+//! let grads = |model: &VisionTransformer| -> Result<Vec<Vec<f32>>, _> {
+//!     model.parameters().iter().map(|p| p.grad().unwrap().to_vec::<f32>()).collect()
+//! };
+//! assert_eq!(grads(&plain)?, grads(&checkpointed)?);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod blocks;
 mod compress;

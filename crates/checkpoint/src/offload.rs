@@ -264,7 +264,7 @@ fn offloads(site: &SaveSite, storage_bytes: usize, options: &OffloadOptions) -> 
     site.dtype.is_float()
         && !site.is_parameter
         && storage_bytes as u64 >= options.min_bytes
-        && storage_bytes % site.dtype.size_in_bytes() == 0
+        && storage_bytes.is_multiple_of(site.dtype.size_in_bytes())
 }
 
 /// Runs `run` as one group of the pool: offloading its saves if `offload`, keeping them (and

@@ -1,8 +1,8 @@
 //! Compression of saved activations on the CUDA backend: the 8-bit kernels give the host
 //! codec's bits (every element dtype, block sizes, lengths that end inside a group of four,
 //! zero and non-finite blocks), the encoded bytes are the allocator's, and a ViT's gradients with
-//! compressed blocks stay within the CPU test's tolerance of plain ones. Skips with a notice
-//! without a GPU (fails where `HEADROOM_REQUIRE_GPU=1`).
+//! compressed blocks stay within the CPU test's tolerance of plain ones. Each test is marked
+//! `#[ignore = "needs a CUDA device"]`: it runs with `--include-ignored`.
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
@@ -54,6 +54,7 @@ fn host_round_trip<T: CodecElement>(saved: &[f64], block: usize, of: fn(f64) -> 
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn the_cuda_kernels_give_the_host_codecs_bits() {
     let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
         return;
@@ -102,6 +103,7 @@ fn the_cuda_kernels_give_the_host_codecs_bits() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn encoded_bytes_on_the_gpu_are_the_allocators_and_bf16_is_a_cast() {
     let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
         return;
@@ -140,6 +142,7 @@ fn encoded_bytes_on_the_gpu_are_the_allocators_and_bf16_is_a_cast() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn vit_gradients_with_compressed_blocks_on_the_gpu_stay_close_to_plain_ones() {
     let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
         return;

@@ -4,8 +4,8 @@
 //! a region's gradients equal the plain ones with exactly the expected saves offloaded, the pinned
 //! pool's bytes do not change after the first step, an offloaded step never makes the host wait
 //! for the device, and a tensor written in place after its save still fails backward with
-//! autograd's version error. Skips with a notice without a GPU (fails where
-//! `HEADROOM_REQUIRE_GPU=1`).
+//! autograd's version error. Each test is marked `#[ignore = "needs a CUDA
+//! device"]`: it runs with `--include-ignored`.
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
@@ -51,6 +51,7 @@ fn every_save(prefetch_blocks: usize, release_after_blocks: usize) -> OffloadOpt
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
     let _device = exclusive_device();
     let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
@@ -144,6 +145,7 @@ fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn a_regions_gradients_equal_the_plain_ones_with_exactly_its_activations_offloaded() {
     let _device = exclusive_device();
     let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
@@ -242,6 +244,7 @@ fn vit_mini(backend: &BackendRef, options: &OffloadOptions) -> (VisionTransforme
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn the_pinned_pool_is_allocated_by_the_first_step_and_reused_byte_for_byte() {
     let _device = exclusive_device();
     let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
@@ -282,6 +285,7 @@ fn the_pinned_pool_is_allocated_by_the_first_step_and_reused_byte_for_byte() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn an_offloaded_step_never_makes_the_host_wait_for_the_device() {
     let _device = exclusive_device();
     let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
@@ -337,6 +341,7 @@ fn an_offloaded_step_never_makes_the_host_wait_for_the_device() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn a_tensor_written_in_place_after_its_save_fails_backward_with_the_version_error() {
     let _device = exclusive_device();
     let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {

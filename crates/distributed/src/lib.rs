@@ -28,10 +28,65 @@
 //! # Crate features
 //! - `nccl`: adds `NcclComm`, `nccl_unique_id`, `nccl_available` and `visible_gpus` (API only; results are the
 //!   collectives' whichever communicator runs them). Builds without NCCL installed.
-//! - `cuda`: lets the tests run on ops-cuda's backend; adds no API.
+//! - no `cuda` feature: the GPU tests take ops-cuda with `cuda` as a dev-dependency and skip
+//!   through testkit's gate without a device.
 //!
 //! It sits on autograd-core's tensors and backward callbacks, optim's `Optimizer` trait and
 //! hooks' `InBackward`; it knows no kernel, and the device only through the communicator.
+//!
+//! # Example
+//!
+//! ZeRO-2 on two ranks (threads): each holds AdamW's state for half of the parameter, and both
+//! end where one process stepping on the mean gradient ends:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use headroom_autograd_core::{DType, Tensor};
+//! use headroom_distributed::{Communicator, InProcessGroup, ShardConfig, ShardedOptimizer};
+//! use headroom_hooks::InBackwardConfig;
+//! use headroom_optim::{Adam, AdamConfig, Implementation, Optimizer, ParamGroup};
+//!
+//! type Error = Box<dyn std::error::Error + Send + Sync>;
+//! let inputs = [[1.0f32, 2.0, 3.0, 4.0], [3.0, 2.0, 1.0, 0.0]]; // one example per rank
+//! let train_rank = |comm: headroom_distributed::InProcessComm| -> Result<_, Error> {
+//!     let cpu = headroom_ops_cpu::CpuBackend::new_ref();
+//!     let w = Tensor::full(&cpu, &[4], 0.5, DType::F32)?;
+//!     w.requires_grad_(true)?;
+//!     let x = Tensor::from_slice(&cpu, &inputs[comm.rank()], &[4])?;
+//!     let groups = vec![ParamGroup::new(vec![w.clone()], AdamConfig::adamw())];
+//!     let config = ShardConfig { bucket_bytes: 1 << 20, clipping: None };
+//!     let sharded = ShardedOptimizer::new(groups, Implementation::Fused, Arc::new(comm), config)?;
+//!     let shard = sharded.shards()[0].numel();
+//!     // Gradients are reduce-scattered inside backward, bucket by bucket, then freed.
+//!     let in_backward = sharded.into_in_backward(InBackwardConfig::default())?;
+//!     for _ in 0..3 {
+//!         in_backward.backward(&w.mul(&x)?.sum_all()?)?;
+//!     }
+//!     Ok((w.to_vec::<f32>()?, shard))
+//! };
+//! let ranks = InProcessGroup::ranks(2)?;
+//! let trained = std::thread::scope(|scope| {
+//!     let threads: Vec<_> =
+//!         ranks.into_iter().map(|comm| scope.spawn(move || train_rank(comm))).collect();
+//!     threads.into_iter().map(|thread| thread.join().unwrap()).collect::<Result<Vec<_>, _>>()
+//! })?;
+//!
+//! let cpu = headroom_ops_cpu::CpuBackend::new_ref();
+//! let w = Tensor::full(&cpu, &[4], 0.5, DType::F32)?;
+//! w.requires_grad_(true)?;
+//! let mean_input = Tensor::from_slice(&cpu, &[2.0f32; 4], &[4])?;
+//! let groups = vec![ParamGroup::new(vec![w.clone()], AdamConfig::adamw())];
+//! let mut adamw = Adam::new(groups, Implementation::Fused)?;
+//! for _ in 0..3 {
+//!     w.mul(&mean_input)?.sum_all()?.backward()?;
+//!     adamw.step()?;
+//!     adamw.zero_grad(true)?;
+//! }
+//! for (params, shard) in trained {
+//!     assert_eq!((params, shard), (w.to_vec::<f32>()?, 2));
+//! }
+//! # Ok::<(), Error>(())
+//! ```
 
 mod comm;
 mod error;

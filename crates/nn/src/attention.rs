@@ -146,7 +146,7 @@ impl MultiheadAttention {
         dtype: DType,
         generator: &Generator,
     ) -> Result<MultiheadAttention> {
-        if num_heads == 0 || embed_dim % num_heads != 0 {
+        if num_heads == 0 || !embed_dim.is_multiple_of(num_heads) {
             return Err(NnError::InvalidConfig {
                 reason: format!("{num_heads} heads do not divide an embedding of {embed_dim}"),
             });

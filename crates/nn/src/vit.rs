@@ -118,7 +118,7 @@ impl VitConfig {
     }
 
     fn validate(&self) -> Result<()> {
-        if self.patch_size == 0 || self.image_size % self.patch_size != 0 {
+        if self.patch_size == 0 || !self.image_size.is_multiple_of(self.patch_size) {
             return Err(NnError::InvalidConfig {
                 reason: format!(
                     "patch size {} does not divide image size {}",

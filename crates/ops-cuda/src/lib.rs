@@ -25,6 +25,36 @@
 //! Everything CUDA is behind the `cuda` feature; without it [`CudaBackend::new`] returns an error,
 //! and with it a machine without a driver gets an error too, never a panic. This crate sits on
 //! autograd-core and the caching allocator; no cudarc type appears in its public API.
+//!
+//! # Example
+//!
+//! The GPU when the build has CUDA and a device answers, else the CPU backend: code written over
+//! autograd-core's `BackendRef` runs unchanged on either, with the same results.
+//!
+//! ```
+//! use headroom_autograd_core::{BackendRef, DType, Tensor};
+//! use headroom_ops_cuda::{CudaBackend, CudaError};
+//!
+//! fn gpu_or_cpu() -> Result<BackendRef, CudaError> {
+//!     #[cfg(not(feature = "cuda"))]
+//!     assert_eq!(CudaBackend::new(0).unwrap_err(), CudaError::NotCompiled);
+//!     #[cfg(feature = "cuda")]
+//!     match CudaBackend::new(0) {
+//!         Ok(cuda) => return Ok(cuda),
+//!         // No driver or no GPU here; a malformed HEADROOM_ALLOC_CONF is an error to fix.
+//!         Err(CudaError::NoDevice { .. }) => {}
+//!         Err(other) => return Err(other),
+//!     }
+//!     Ok(headroom_ops_cpu::CpuBackend::new_ref())
+//! }
+//!
+//! let backend = gpu_or_cpu()?;
+//! let x = Tensor::from_slice(&backend, &[1.0f32, 2.0, 3.0], &[3])?;
+//! x.requires_grad_(true)?;
+//! x.mul(&x)?.sum_all()?.backward()?;
+//! assert_eq!(x.grad().unwrap().to_vec::<f32>()?, [2.0, 4.0, 6.0]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod error;
 

@@ -341,6 +341,7 @@ mod cuda {
     use headroom_testkit::gpu::backend_or_skip;
 
     #[test]
+    #[ignore = "needs a CUDA device"]
     fn clip_grad_norm_matches_pytorch_and_the_cpu_on_cuda() {
         let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
             return;
@@ -354,6 +355,7 @@ mod cuda {
     }
 
     #[test]
+    #[ignore = "needs a CUDA device"]
     fn clip_grad_value_matches_pytorch_on_cuda() {
         let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
             return;
@@ -362,6 +364,7 @@ mod cuda {
     }
 
     #[test]
+    #[ignore = "needs a CUDA device"]
     fn a_nonfinite_norm_is_a_typed_error_on_cuda() {
         let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
             return;
@@ -370,6 +373,7 @@ mod cuda {
     }
 
     #[test]
+    #[ignore = "needs a CUDA device"]
     fn bf16_gradients_are_rounded_once_on_cuda() {
         let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
             return;
@@ -380,6 +384,7 @@ mod cuda {
     /// 60 tensors of three dtypes in one call: the norm within an ulp of the CPU's, the clipped
     /// gradients within an ulp of the CPU's (of their dtype; equal where the norms are equal).
     #[test]
+    #[ignore = "needs a CUDA device"]
     fn many_tensors_of_mixed_dtypes_agree_with_the_cpu() {
         let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
             return;
@@ -402,6 +407,7 @@ mod cuda {
 
     /// Gradients on two devices are refused before anything changes.
     #[test]
+    #[ignore = "needs a CUDA device"]
     fn mixed_devices_are_refused() {
         let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
             return;

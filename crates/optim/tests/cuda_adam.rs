@@ -1,5 +1,5 @@
 //! Fused Adam on the GPU against the CPU's fused kernel: bit for bit, with gradient unscaling
-//! and the found-inf skip. Prints a skip notice (and passes) without a CUDA device.
+//! and the found-inf skip. Each test is marked `#[ignore = "needs a CUDA device"]`.
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
@@ -42,6 +42,7 @@ fn scaling(
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn gpu_fused_adam_equals_the_cpu_bit_for_bit() {
     let Some(backend) = cuda_or_skip(CudaBackend::new(0)) else {
         return;
@@ -130,6 +131,7 @@ fn gpu_fused_adam_equals_the_cpu_bit_for_bit() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn gpu_8bit_adam_equals_the_cpu_bit_for_bit() {
     use headroom_optim::bnb_maps;
     use headroom_optim::cuda::{CudaAdam8bit, DeviceAdam8bitParam};
@@ -227,6 +229,7 @@ fn gpu_8bit_adam_equals_the_cpu_bit_for_bit() {
 /// after `zero_grad(set_to_none=True)`, and a small tensor stepped by bitsandbytes' 32-bit
 /// kernel beside an 8-bit one — each bit for bit against the CPU.
 #[test]
+#[ignore = "needs a CUDA device"]
 fn gpu_step_buffers_follow_moving_gradients_bit_for_bit() {
     use headroom_optim::bnb_maps;
     use headroom_optim::cuda::{CudaAdam8bit, DeviceAdam8bitParam};
@@ -384,6 +387,7 @@ fn gpu_step_buffers_follow_moving_gradients_bit_for_bit() {
 /// The raw layer's safe `step` takes a GradScaler's values as tensors and checks them: of this
 /// backend, f32, one element each; anything else is a typed error before any launch.
 #[test]
+#[ignore = "needs a CUDA device"]
 fn gpu_raw_step_checks_the_scaling_tensors() {
     use headroom_optim::cuda::CudaAdam8bit;
     use headroom_optim::Adam8bitConfig;
@@ -447,6 +451,7 @@ fn gpu_raw_step_checks_the_scaling_tensors() {
 /// given at creation (here none), never over a framework's buffers of an earlier step, which
 /// may have been freed since. Overlapping or null buffers are refused before any launch.
 #[test]
+#[ignore = "needs a CUDA device"]
 fn gpu_step_buffers_keep_nothing_and_refuse_overlaps() {
     let Some(backend) = cuda_or_skip(CudaBackend::new(0)) else {
         return;

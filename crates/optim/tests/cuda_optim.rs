@@ -4,8 +4,8 @@
 //! skips, SGD and Adam on bf16 and f16 parameters bit for bit with the CPU, bf16 Adam with
 //! stochastic rounding bit for bit with the CPU (device-skipped steps included), and typed errors
 //! for tensors a step cannot take. The memory each implementation holds is
-//! `cuda_optim_memory.rs`'s, a GradScaler's overflow check `cuda_overflow_check.rs`'s. Prints a
-//! skip notice (and passes) without a CUDA device.
+//! `cuda_optim_memory.rs`'s, a GradScaler's overflow check `cuda_overflow_check.rs`'s. Each test
+//! is marked `#[ignore = "needs a CUDA device"]`: it runs with `--include-ignored`.
 #![cfg(feature = "cuda")]
 
 mod cuda_tensors;
@@ -164,6 +164,7 @@ fn compare_dtype<R: UpdateRule>(
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn sgd_on_cuda_equals_the_cpu() {
     let configs = [
         ("sgd", SgdConfig::new(0.1)),
@@ -193,6 +194,7 @@ fn sgd_on_cuda_equals_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn adam_on_cuda_equals_the_cpu() {
     let configs = [
         ("adam", AdamConfig::adam()),
@@ -230,6 +232,7 @@ fn adam_on_cuda_equals_the_cpu() {
 /// SGD and Adam on bf16 and f16 parameters: states of the parameter's dtype, the same roundings
 /// on both devices, so the same bits.
 #[test]
+#[ignore = "needs a CUDA device"]
 fn half_sgd_and_adam_on_cuda_equal_the_cpu() {
     for dtype in [DType::BF16, DType::F16] {
         let sgd = [
@@ -286,6 +289,7 @@ fn half_sgd_and_adam_on_cuda_equal_the_cpu() {
 /// devices, with and without a gradient scale, and with steps a device GradScaler skips (the
 /// random stream follows the true step).
 #[test]
+#[ignore = "needs a CUDA device"]
 fn stochastic_adam_on_cuda_equals_the_cpu() {
     let config = AdamStochasticConfig::new(AdamConfig::adamw(), 42);
     compare_dtype(
@@ -347,6 +351,7 @@ fn stochastic_adam_on_cuda_equals_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn adafactor_on_cuda_is_within_ulps_of_the_cpu() {
     let configs = [
         ("adafactor", AdafactorConfig::new()),
@@ -365,6 +370,7 @@ fn adafactor_on_cuda_is_within_ulps_of_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn adam8bit_on_cuda_equals_the_cpu() {
     for (name, config) in [
         ("adam8bit", Adam8bitConfig::adam()),
@@ -440,6 +446,7 @@ fn device_scaling<R: UpdateRule>(name: &str, config: R, implementation: Implemen
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn device_grad_scaling_skips_and_counts_on_the_device() {
     device_scaling("adamw", AdamConfig::adamw(), Implementation::Fused);
     device_scaling(
@@ -455,6 +462,7 @@ fn device_grad_scaling_skips_and_counts_on_the_device() {
 
 /// Tensors a CUDA optimizer cannot take give typed errors.
 #[test]
+#[ignore = "needs a CUDA device"]
 fn mixed_devices_dtypes_and_views_are_refused() {
     let Some(cuda) = shared_or_skip(|| CudaBackend::new(0)) else {
         return;

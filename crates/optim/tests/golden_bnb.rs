@@ -2,7 +2,8 @@
 //! bit, block-wise quantization of `qb.input` at block sizes 256 and 4096 (codes, absmax,
 //! dequantized values), and `Adam8bit` with and without weight decay over 5 steps (parameters
 //! within 1e-5 relative; final codes compared one by one, absmax within float32 rounding), on the
-//! CPU and, with the `cuda` feature and a device, on CUDA, bit for bit the CPU's results.
+//! CPU and, in the GPU tests of `on_cuda` (`cuda` feature; ignored unless run with
+//! `--include-ignored`), on CUDA, bit for bit the CPU's results.
 
 use std::collections::HashMap;
 
@@ -198,42 +199,62 @@ fn run_adam8bit(
     outputs
 }
 
-/// The golden steps on the CPU and, with a device, on CUDA, whose parameters, codes and scales
+/// The golden steps on the CPU and, given `cuda`, on CUDA, whose parameters, codes and scales
 /// must equal the CPU's bit for bit.
-fn check_adam8bit(tag: &str, config: Adam8bitConfig) {
+fn check_adam8bit(tag: &str, config: Adam8bitConfig, cuda: Option<&BackendRef>) {
     let golden = load();
     let cpu = run_adam8bit(&golden, tag, config.clone(), &CpuBackend::new_ref());
-    #[cfg(feature = "cuda")]
-    if let Some(backend) =
-        headroom_testkit::gpu::cuda_or_skip(headroom_ops_cuda::CudaBackend::new(0))
-    {
-        let backend: BackendRef = backend;
-        let cuda = run_adam8bit(&golden, tag, config, &backend);
-        assert_eq!(cuda.len(), cpu.len());
-        for (idx, (a, b)) in cuda.iter().zip(&cpu).enumerate() {
-            assert!(a == b, "{tag}: CUDA output {idx} differs from the CPU's");
-        }
-        println!(
-            "{tag}: CUDA equals the CPU bit for bit ({} tensors)",
-            cpu.len()
-        );
+    let Some(backend) = cuda else { return };
+    let cuda = run_adam8bit(&golden, tag, config, backend);
+    assert_eq!(cuda.len(), cpu.len());
+    for (idx, (a, b)) in cuda.iter().zip(&cpu).enumerate() {
+        assert!(a == b, "{tag}: CUDA output {idx} differs from the CPU's");
     }
-    #[cfg(not(feature = "cuda"))]
-    let _ = (cpu, config);
+    println!(
+        "{tag}: CUDA equals the CPU bit for bit ({} tensors)",
+        cpu.len()
+    );
+}
+
+/// `Adam8bit` with weight decay.
+fn with_weight_decay() -> Adam8bitConfig {
+    Adam8bitConfig {
+        weight_decay: 0.01,
+        ..Adam8bitConfig::adam()
+    }
 }
 
 #[test]
 fn adam8bit_matches_bitsandbytes() {
-    check_adam8bit("adam8bit", Adam8bitConfig::adam());
+    check_adam8bit("adam8bit", Adam8bitConfig::adam(), None);
 }
 
 #[test]
 fn adam8bit_with_weight_decay_matches_bitsandbytes() {
-    check_adam8bit(
-        "adam8bit_wd",
-        Adam8bitConfig {
-            weight_decay: 0.01,
-            ..Adam8bitConfig::adam()
-        },
-    );
+    check_adam8bit("adam8bit_wd", with_weight_decay(), None);
+}
+
+/// The golden steps on the CUDA device, bit for bit the CPU's.
+#[cfg(feature = "cuda")]
+mod on_cuda {
+    use super::*;
+
+    fn cuda() -> Option<BackendRef> {
+        headroom_testkit::gpu::cuda_or_skip(headroom_ops_cuda::CudaBackend::new(0))
+            .map(|backend| backend as BackendRef)
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn adam8bit_matches_bitsandbytes_and_the_cpu() {
+        let Some(cuda) = cuda() else { return };
+        check_adam8bit("adam8bit", Adam8bitConfig::adam(), Some(&cuda));
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn adam8bit_with_weight_decay_matches_bitsandbytes_and_the_cpu() {
+        let Some(cuda) = cuda() else { return };
+        check_adam8bit("adam8bit_wd", with_weight_decay(), Some(&cuda));
+    }
 }

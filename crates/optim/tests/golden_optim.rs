@@ -1,7 +1,8 @@
 //! Every config of PyTorch's `optim_golden.safetensors` (adam, adam_l2, adam_amsgrad, adamw,
 //! sgd_momentum, sgd_nesterov, adafactor) reproduced by the single, foreach (bounded, tightly
-//! bounded, unbounded) and fused implementations on the CPU and, with the `cuda` feature and a
-//! device, on CUDA (bit for bit the CPU's results), all 5 steps, within 1e-6 relative;
+//! bounded, unbounded) and fused implementations on the CPU and, in the GPU tests of `on_cuda`
+//! (`cuda` feature; ignored unless run with `--include-ignored`), on CUDA, bit for bit the CPU's
+//! results, all 5 steps, within 1e-6 relative;
 //! plus the per-parameter step driven by a post-accumulate-grad hook, state-dict round trips and
 //! AdamW's first-step memory from `seed_linear_adamw`.
 
@@ -99,18 +100,11 @@ fn tensor_rel_error(ours: &[f32], reference: &[f32]) -> f64 {
     (diff / norm).sqrt()
 }
 
-/// The backends to run on: the CPU, and the CUDA device when there is one.
-fn backends() -> Vec<(&'static str, BackendRef)> {
-    let cpu = ("cpu", CpuBackend::new_ref());
-    #[cfg(feature = "cuda")]
-    return std::iter::once(cpu)
-        .chain(
-            headroom_testkit::gpu::shared_or_skip(|| headroom_ops_cuda::CudaBackend::new(0))
-                .map(|backend| ("cuda", backend as BackendRef)),
-        )
-        .collect();
-    #[cfg(not(feature = "cuda"))]
-    vec![cpu]
+/// The backends to run on: the CPU, then `cuda` where a GPU test gives it.
+fn backends(cuda: Option<&BackendRef>) -> Vec<(&'static str, BackendRef)> {
+    std::iter::once(("cpu", CpuBackend::new_ref()))
+        .chain(cuda.map(|cuda| ("cuda", cuda.clone())))
+        .collect()
 }
 
 /// What one run of the 5 golden steps gives: worst element-wise and tensor-wise relative
@@ -179,14 +173,20 @@ enum Check {
     TensorWise,
 }
 
-/// Runs every implementation on every backend; each must meet the tolerance, and a CUDA run
-/// must equal the CPU's bit for bit (Adafactor: within `cuda_ulps`, its norms being f64 sums in
-/// another order).
-fn check_all<R: UpdateRule>(name: &str, config: R, check: Check, cuda_ulps: u32) {
+/// Runs every implementation on the CPU and on `cuda` if given; each must meet the tolerance,
+/// and a CUDA run must equal the CPU's bit for bit (Adafactor: within `cuda_ulps`, its norms
+/// being f64 sums in another order).
+fn check_all<R: UpdateRule>(
+    name: &str,
+    config: R,
+    check: Check,
+    cuda_ulps: u32,
+    cuda: Option<&BackendRef>,
+) {
     let golden = Golden::load();
     for (imp_name, implementation) in implementations() {
         let mut cpu_params = None;
-        for (device, backend) in backends() {
+        for (device, backend) in backends(cuda) {
             let run = run_config(&golden, name, config.clone(), implementation, &backend);
             let (err, tensor_err) = (run.worst, run.worst_tensor);
             println!(
@@ -214,75 +214,96 @@ fn check_all<R: UpdateRule>(name: &str, config: R, check: Check, cuda_ulps: u32)
     }
 }
 
+// Each golden config, checked on the CPU and on `cuda` if given: a CPU test below, and a GPU
+// test of `on_cuda`.
+
+fn golden_adam(cuda: Option<&BackendRef>) {
+    check_all("adam", AdamConfig::adam(), Check::ElementWise, 0, cuda);
+}
+
+fn golden_adam_l2(cuda: Option<&BackendRef>) {
+    let config = AdamConfig {
+        weight_decay: 1e-2,
+        ..AdamConfig::adam()
+    };
+    check_all("adam_l2", config, Check::ElementWise, 0, cuda);
+}
+
+fn golden_adam_amsgrad(cuda: Option<&BackendRef>) {
+    let config = AdamConfig {
+        amsgrad: true,
+        ..AdamConfig::adam()
+    };
+    check_all("adam_amsgrad", config, Check::ElementWise, 0, cuda);
+}
+
+fn golden_adamw(cuda: Option<&BackendRef>) {
+    let config = AdamConfig::adamw();
+    assert_eq!(config.decay, WeightDecay::Decoupled);
+    check_all("adamw", config, Check::ElementWise, 0, cuda);
+}
+
+fn golden_sgd_momentum(cuda: Option<&BackendRef>) {
+    let config = SgdConfig {
+        momentum: 0.9,
+        weight_decay: 1e-4,
+        ..SgdConfig::new(1e-2)
+    };
+    check_all("sgd_momentum", config, Check::ElementWise, 0, cuda);
+}
+
+fn golden_sgd_nesterov(cuda: Option<&BackendRef>) {
+    let config = SgdConfig {
+        momentum: 0.9,
+        nesterov: true,
+        ..SgdConfig::new(1e-2)
+    };
+    check_all("sgd_nesterov", config, Check::ElementWise, 0, cuda);
+}
+
+fn golden_adafactor(cuda: Option<&BackendRef>) {
+    check_all(
+        "adafactor",
+        AdafactorConfig::new(),
+        Check::TensorWise,
+        4,
+        cuda,
+    );
+}
+
 #[test]
 fn adam_matches_pytorch() {
-    check_all("adam", AdamConfig::adam(), Check::ElementWise, 0);
+    golden_adam(None);
 }
 
 #[test]
 fn adam_l2_matches_pytorch() {
-    check_all(
-        "adam_l2",
-        AdamConfig {
-            weight_decay: 1e-2,
-            ..AdamConfig::adam()
-        },
-        Check::ElementWise,
-        0,
-    );
+    golden_adam_l2(None);
 }
 
 #[test]
 fn adam_amsgrad_matches_pytorch() {
-    check_all(
-        "adam_amsgrad",
-        AdamConfig {
-            amsgrad: true,
-            ..AdamConfig::adam()
-        },
-        Check::ElementWise,
-        0,
-    );
+    golden_adam_amsgrad(None);
 }
 
 #[test]
 fn adamw_matches_pytorch() {
-    let config = AdamConfig::adamw();
-    assert_eq!(config.decay, WeightDecay::Decoupled);
-    check_all("adamw", config, Check::ElementWise, 0);
+    golden_adamw(None);
 }
 
 #[test]
 fn sgd_momentum_matches_pytorch() {
-    check_all(
-        "sgd_momentum",
-        SgdConfig {
-            momentum: 0.9,
-            weight_decay: 1e-4,
-            ..SgdConfig::new(1e-2)
-        },
-        Check::ElementWise,
-        0,
-    );
+    golden_sgd_momentum(None);
 }
 
 #[test]
 fn sgd_nesterov_matches_pytorch() {
-    check_all(
-        "sgd_nesterov",
-        SgdConfig {
-            momentum: 0.9,
-            nesterov: true,
-            ..SgdConfig::new(1e-2)
-        },
-        Check::ElementWise,
-        0,
-    );
+    golden_sgd_nesterov(None);
 }
 
 #[test]
 fn adafactor_matches_pytorch() {
-    check_all("adafactor", AdafactorConfig::new(), Check::TensorWise, 4);
+    golden_adafactor(None);
 }
 
 /// The per-parameter entry point, called from a post-accumulate-grad hook during backward
@@ -290,8 +311,13 @@ fn adafactor_matches_pytorch() {
 /// hook steps and frees it.
 #[test]
 fn optimizer_in_backward_reproduces_adamw() {
+    adamw_in_backward_on(None);
+}
+
+/// Optimizer-in-backward with every implementation, on the CPU and on `cuda` if given.
+fn adamw_in_backward_on(cuda: Option<&BackendRef>) {
     let golden = Golden::load();
-    for (device, backend) in backends() {
+    for (device, backend) in backends(cuda) {
         for implementation in [
             Implementation::Fused,
             Implementation::Single,
@@ -522,4 +548,67 @@ fn state_dict_round_trip_continues_the_golden_run() {
     assert!(adafactor
         .load_state_dict(&sgd.state_dict().unwrap())
         .is_err());
+}
+
+/// The golden runs on the CUDA device: within the tolerance of PyTorch, and bit for bit the
+/// CPU's (Adafactor within 4 ulps).
+#[cfg(feature = "cuda")]
+mod on_cuda {
+    use super::*;
+
+    /// Runs `check` with the device, opened once for the binary.
+    fn with_cuda(check: fn(Option<&BackendRef>)) {
+        let cuda = headroom_testkit::gpu::shared_or_skip(|| headroom_ops_cuda::CudaBackend::new(0));
+        if let Some(cuda) = cuda {
+            check(Some(&(cuda as BackendRef)));
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn adam_matches_pytorch_and_the_cpu() {
+        with_cuda(golden_adam);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn adam_l2_matches_pytorch_and_the_cpu() {
+        with_cuda(golden_adam_l2);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn adam_amsgrad_matches_pytorch_and_the_cpu() {
+        with_cuda(golden_adam_amsgrad);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn adamw_matches_pytorch_and_the_cpu() {
+        with_cuda(golden_adamw);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn sgd_momentum_matches_pytorch_and_the_cpu() {
+        with_cuda(golden_sgd_momentum);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn sgd_nesterov_matches_pytorch_and_the_cpu() {
+        with_cuda(golden_sgd_nesterov);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn adafactor_matches_pytorch_and_the_cpu() {
+        with_cuda(golden_adafactor);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn optimizer_in_backward_reproduces_adamw() {
+        with_cuda(adamw_in_backward_on);
+    }
 }

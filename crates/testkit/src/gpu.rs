@@ -1,12 +1,24 @@
 //! The gate: the one way a test, bench or example skips. It asks for its device through
 //! [`cuda_or_skip`], for what else it needs through [`skip`] (a device capability such as
 //! mapping pages, a tool such as python3) and for more than one GPU through [`gpus_or_skip`].
-//! Without what it needs it prints `skipped: <test>: <why>` and passes, so `cargo test` runs
-//! anywhere; with [`REQUIRE_GPU`] set (the GPU machine sets `HEADROOM_REQUIRE_GPU=1`) it fails
-//! instead, so a GPU suite cannot pass by skipping. xtask's tidy test holds that no harness code
-//! prints a skip line of its own or matches on a device opener's error.
+//!
+//! A test that asks for a device is marked `#[ignore = "needs a CUDA device"]`
+//! ([`IGNORE_REASON`]), so `cargo test` on a machine without one counts it ignored, with that
+//! reason, instead of passing it; the GPU machine runs it with `--include-ignored`. xtask's tidy
+//! holds that every test that asks for a device carries the mark and no other test does, and
+//! that no harness code prints a skip line of its own or matches on a device opener's error.
+//!
+//! Without what it needs, the gate prints `skipped: <test>: <why>` and the test passes: in a run
+//! with `--include-ignored` on a machine without a device, in a bench or an example, and for
+//! [`skip`]'s reasons anywhere. Two runs fail instead:
+//! - with [`REQUIRE_GPU`] set (the GPU machine sets `HEADROOM_REQUIRE_GPU=1`), so a GPU suite
+//!   cannot pass by skipping;
+//! - a test that finds no device in a run that left the ignored tests out: it asked for a device
+//!   without the mark, and would otherwise pass as `ok` (what tidy's reading missed).
 //!
 //! The rules on the GPU machine:
+//! - Test binaries run with `--include-ignored`, and a run that reports an ignored test fails
+//!   (the scripts check libtest's `test result` line), so no GPU test is left out unseen.
 //! - Under [`REQUIRE_GPU`] nothing skips, for any reason: a capability the device lacks is a
 //!   failure too (an H200 maps 2 MiB pages, so a test that needs them must run there), and so is
 //!   a missing tool.
@@ -32,6 +44,11 @@ use headroom_autograd_core::{Backend, BackendRef};
 /// The environment variable that turns a skip into a failure: set to anything but `0` or the
 /// empty string.
 pub const REQUIRE_GPU: &str = "HEADROOM_REQUIRE_GPU";
+
+/// The reason of the one `ignore` attribute of the workspace, on every test that asks for a
+/// device: `#[ignore = "needs a CUDA device"]` (an attribute cannot take a constant; xtask's tidy
+/// checks the literal).
+pub const IGNORE_REASON: &str = "needs a CUDA device";
 
 /// PTX of `spin_ns(u64 ns)`: one thread that returns once `ns` nanoseconds of the GPU's global
 /// timer have passed. A test that queues it keeps a stream busy for a known time, so what it
@@ -64,7 +81,8 @@ pub fn gpu_required() -> bool {
 }
 
 /// What `made` opened, or `None` after printing `skipped: <test>: <err>` — unless
-/// [`gpu_required`], when it panics naming the test and the error.
+/// [`gpu_required`], or in a test run that left the ignored tests out (the test is not marked
+/// `#[ignore = "needs a CUDA device"]`), when it panics naming the test and the error.
 ///
 /// `<test>` is the running test's name (libtest names each test's thread after it), or the
 /// executable's name in a bench or example.
@@ -73,7 +91,7 @@ pub fn cuda_or_skip<T, E: Display>(made: Result<T, E>) -> Option<T> {
     match made {
         Ok(opened) => Some(opened),
         Err(err) => {
-            skip_or_fail(&err, gpu_required());
+            no_device(&err);
             None
         }
     }
@@ -124,17 +142,23 @@ where
 /// unless [`gpu_required`], when it panics naming the test and `why`.
 #[track_caller]
 pub fn skip(why: impl Display) {
-    skip_or_fail(&why, gpu_required());
+    let strictness = if gpu_required() {
+        Strictness::GpuRequired
+    } else {
+        Strictness::Skips
+    };
+    skip_or_fail(&why, strictness);
 }
 
 /// Whether `visible` GPUs are enough for a test that needs `needed`; if not, after printing
-/// `skipped: <test>: needs <needed> GPUs, <visible> visible` — unless [`gpu_required`], when it
-/// panics instead (a run on fewer GPUs must leave the test out, see the module header).
+/// `skipped: <test>: needs <needed> GPUs, <visible> visible` — unless [`gpu_required`] (a run on
+/// fewer GPUs must leave the test out, see the module header) or the run left the ignored tests
+/// out, when it panics instead.
 #[track_caller]
 pub fn gpus_or_skip(needed: usize, visible: usize) -> bool {
     match gpus_shortfall(needed, visible) {
         Some(why) => {
-            skip_or_fail(&why, gpu_required());
+            no_device(&why);
             false
         }
         None => true,
@@ -154,26 +178,70 @@ fn gpus_shortfall(needed: usize, visible: usize) -> Option<String> {
     (visible < needed).then(|| format!("needs {needed} GPUs, {visible} visible"))
 }
 
-/// Prints the skip line for `why`, or under [`REQUIRE_GPU`] panics instead.
+/// What a skip is in this run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Strictness {
+    /// It prints its line and the caller passes.
+    Skips,
+    /// [`REQUIRE_GPU`] is set: it fails.
+    GpuRequired,
+    /// A test asked for a device in a run that left the ignored tests out: it is not marked, and
+    /// fails.
+    Unmarked,
+}
+
+/// Prints the skip line for a missing device, or panics where a skip is a failure: under
+/// [`REQUIRE_GPU`], or in a test of a run that left the ignored tests out.
 #[track_caller]
-fn skip_or_fail(why: &dyn Display, required: bool) {
-    match skip_line_or_failure(why, required) {
+fn no_device(why: &dyn Display) {
+    let strictness = if gpu_required() {
+        Strictness::GpuRequired
+    } else if in_a_test() && !includes_ignored(std::env::args_os()) {
+        Strictness::Unmarked
+    } else {
+        Strictness::Skips
+    };
+    skip_or_fail(why, strictness);
+}
+
+/// Prints the skip line for `why`, or panics where a skip is a failure.
+#[track_caller]
+fn skip_or_fail(why: &dyn Display, strictness: Strictness) {
+    match skip_line_or_failure(why, strictness) {
         Ok(line) => println!("{line}"),
         Err(failure) => panic!("{failure}"),
     }
 }
 
-/// `skipped: <test>: <why>`, the one skip line of the workspace; or, when `required`, the
-/// message of the failure that replaces it.
-fn skip_line_or_failure(why: &dyn Display, required: bool) -> Result<String, String> {
+/// `skipped: <test>: <why>`, the one skip line of the workspace; or the message of the failure
+/// that replaces it.
+fn skip_line_or_failure(why: &dyn Display, strictness: Strictness) -> Result<String, String> {
     let test = running();
-    if required {
-        Err(format!(
+    match strictness {
+        Strictness::Skips => Ok(format!("skipped: {test}: {why}")),
+        Strictness::GpuRequired => Err(format!(
             "{test}: {REQUIRE_GPU} is set, so a skip is a failure: {why}"
-        ))
-    } else {
-        Ok(format!("skipped: {test}: {why}"))
+        )),
+        Strictness::Unmarked => Err(format!(
+            "{test} asks for a CUDA device but is not marked #[ignore = \"{IGNORE_REASON}\"]: \
+             without a device it would pass as ok; mark it (the GPU machine runs it with \
+             --include-ignored): {why}"
+        )),
     }
+}
+
+/// Whether a test binary's arguments include the ignored tests (`--include-ignored`,
+/// `--ignored`).
+fn includes_ignored<A: AsRef<std::ffi::OsStr>>(args: impl IntoIterator<Item = A>) -> bool {
+    args.into_iter()
+        .any(|arg| arg.as_ref() == "--include-ignored" || arg.as_ref() == "--ignored")
+}
+
+/// Whether a test harness runs this thread: libtest names each test's thread after the test.
+fn in_a_test() -> bool {
+    std::thread::current()
+        .name()
+        .is_some_and(|name| name != "main")
 }
 
 /// The running test's name, or the executable's outside a test harness.
@@ -219,22 +287,58 @@ mod tests {
     }
 
     #[test]
-    fn a_skip_prints_its_line_or_fails_when_required() {
+    fn a_skip_prints_its_line_or_fails_when_required_or_unmarked() {
         assert_eq!(
-            skip_line_or_failure(&"no CUDA driver", false),
+            skip_line_or_failure(&"no CUDA driver", Strictness::Skips),
             Ok(
-                "skipped: gpu::tests::a_skip_prints_its_line_or_fails_when_required: no CUDA \
-                driver"
+                "skipped: gpu::tests::a_skip_prints_its_line_or_fails_when_required_or_unmarked: \
+                 no CUDA driver"
                     .to_owned()
             )
         );
         assert_eq!(
-            skip_line_or_failure(&"the device cannot map pages", true),
+            skip_line_or_failure(&"the device cannot map pages", Strictness::GpuRequired),
             Err(
-                "gpu::tests::a_skip_prints_its_line_or_fails_when_required: HEADROOM_REQUIRE_GPU \
-                 is set, so a skip is a failure: the device cannot map pages"
+                "gpu::tests::a_skip_prints_its_line_or_fails_when_required_or_unmarked: \
+                 HEADROOM_REQUIRE_GPU is set, so a skip is a failure: the device cannot map pages"
                     .to_owned()
             )
+        );
+        assert_eq!(
+            skip_line_or_failure(&"no CUDA driver", Strictness::Unmarked),
+            Err(
+                "gpu::tests::a_skip_prints_its_line_or_fails_when_required_or_unmarked asks for \
+                 a CUDA device but is not marked #[ignore = \"needs a CUDA device\"]: without a \
+                 device it would pass as ok; mark it (the GPU machine runs it with \
+                 --include-ignored): no CUDA driver"
+                    .to_owned()
+            )
+        );
+    }
+
+    /// A run includes the ignored tests with `--include-ignored` or `--ignored`, wherever they
+    /// stand among the other arguments; a test filter that merely contains the word does not.
+    #[test]
+    fn a_run_includes_the_ignored_tests_by_its_flags() {
+        assert!(includes_ignored(["binary", "--include-ignored"]));
+        assert!(includes_ignored([
+            "binary",
+            "filter",
+            "--show-output",
+            "--ignored"
+        ]));
+        assert!(!includes_ignored(["binary"]));
+        assert!(!includes_ignored(["binary", "include-ignored", "--exact"]));
+    }
+
+    /// libtest names each test's thread after the test, which is how the gate knows a test asked.
+    #[test]
+    fn a_test_runs_on_a_thread_named_after_it() {
+        assert!(in_a_test());
+        let name = std::thread::current().name().map(str::to_owned);
+        assert_eq!(
+            name.as_deref(),
+            Some("gpu::tests::a_test_runs_on_a_thread_named_after_it")
         );
     }
 

@@ -6,9 +6,11 @@
 //! crate, so the CPU and CUDA backends, the allocator and the technique crates can all use it in
 //! their tests. It knows no technique: techniques bring themselves to it.
 //!
-//! - [`gpu`]: the gate, the one way a test skips. A CUDA test skips with a printed notice
-//!   without a device (or a capability, or the GPUs it needs), and fails instead where
-//!   `HEADROOM_REQUIRE_GPU=1` is set (the GPU machine), so a GPU suite cannot pass by skipping.
+//! - [`gpu`]: the gate, the one way a test skips. A CUDA test is marked
+//!   `#[ignore = "needs a CUDA device"]`, so `cargo test` without a device counts it ignored;
+//!   run with `--include-ignored`, it skips with a printed notice without a device (or a
+//!   capability, or the GPUs it needs), and fails instead where `HEADROOM_REQUIRE_GPU=1` is set
+//!   (the GPU machine), so a GPU suite cannot pass by skipping.
 //! - [`counting`]: a backend decorator counting host reads (a step with zero never synchronises).
 //! - [`inputs`]: deterministic inputs (one xorshift stream; floats, labels, byte patterns).
 //! - [`memory`]: a backend's allocated bytes and their peak, as tests read them.

@@ -38,6 +38,41 @@
 //! - `cuda`: device memory (`CudaStorage`). Without it the allocator serves only host memory
 //!   ([`use_host_memory`]), which is how CI drives the C ABI without a GPU. Adds capability
 //!   only.
+//!
+//! # Example
+//!
+//! The C ABI as PyTorch calls it, served from host memory (no GPU needed):
+//!
+//! ```
+//! use std::ffi::{c_void, CStr};
+//! use headroom_torch_allocator::abi::{
+//!     headroom_alloc, headroom_free, headroom_memory_stats_json, headroom_string_free,
+//! };
+//!
+//! // Settings are taken before the first allocation and frozen by it.
+//! headroom_torch_allocator::configure("expandable_segments:False")?;
+//! headroom_torch_allocator::use_host_memory(None)?;
+//!
+//! let stream: *mut c_void = std::ptr::null_mut(); // PyTorch's default stream
+//! // `torch.empty(250, device="cuda")`: 1000 bytes on device 0.
+//! // SAFETY: host memory never dereferences the stream handle.
+//! let block = unsafe { headroom_alloc(1000, 0, stream) };
+//! assert!(!block.is_null());
+//!
+//! let json = headroom_memory_stats_json(0);
+//! // SAFETY: a string this library returned, read before it is freed below.
+//! let stats: serde_json::Value = serde_json::from_str(unsafe { CStr::from_ptr(json) }.to_str()?)?;
+//! // SAFETY: returned by `headroom_memory_stats_json` and freed once.
+//! unsafe { headroom_string_free(json) };
+//! assert_eq!(stats["requested_bytes.all.current"], 1000);
+//! assert_eq!(stats["allocated_bytes.all.current"], 1024); // rounded to 512, as PyTorch does
+//! assert_eq!(stats["reserved_bytes.all.current"], 2 << 20); // one small-pool segment
+//!
+//! headroom_free(block, 1000, 0, stream);
+//! assert_eq!(headroom_torch_allocator::with_device(0)?.live_allocations(), 0);
+//! assert!(headroom_torch_allocator::configure("expandable_segments:True").is_err());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 pub mod abi;
 mod error;

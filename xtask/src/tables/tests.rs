@@ -546,3 +546,28 @@ fn planner_runs_render_by_budget() {
         ]
     );
 }
+
+/// The CUDA storage's replay lines, one row per trace, a column per policy in a fixed order.
+#[test]
+fn cuda_replay_lines_render_by_trace_and_policy() {
+    let log = "running 5 tests\n\
+        t classic: peak reserved 9 B, peak allocated 8 B, 3 maps or segments, 0 unmaps or frees, 0.5 s on the device (0.1 s simulated)\n\
+        t pytorch_expandable: peak reserved 9 B, peak allocated 7 B, 2 maps or segments, 0 unmaps or frees, 0.6 s on the device (0.1 s simulated)\n\
+        t default: peak reserved 9 B, peak allocated 1234 B, 4 maps or segments, 1 unmaps or frees, 0.7 s on the device (0.1 s simulated)\n\
+        t reclaiming: peak reserved 9 B, peak allocated 7 B, 5 maps or segments, 2 unmaps or frees, 0.8 s on the device (0.1 s simulated)\n\
+        test ok\n";
+    let table = super::kinds::render(
+        "allocator-cuda-replay",
+        &[result_file("results/x/tests/test_cuda_allocator.log", log)],
+    )
+    .unwrap();
+    assert_eq!(
+        table,
+        [
+            "| trace (peak allocated) | classic | PyTorch's expandable | default | `reclaiming()` |",
+            "|---|---|---|---|---|",
+            "| t (1,234 B) | 0.5 s, 3 maps, 0 unmaps | 0.6 s, 2 maps, 0 unmaps | 0.7 s, 4 maps, 1 \
+             unmaps | 0.8 s, 5 maps, 2 unmaps |",
+        ]
+    );
+}

@@ -7,6 +7,7 @@ use headroom_testkit::inputs::Xorshift;
 use crate::{backends, check, download, input, poisoned, upload, FLOATS};
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn fused_attention_forward_and_backward_match_the_cpu() {
     use headroom_autograd_core::{AttentionBackward, AttentionForward};
     let Some((gpu, cpu)) = backends() else { return };

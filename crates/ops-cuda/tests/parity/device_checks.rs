@@ -11,6 +11,7 @@ use headroom_testkit::gpu::cuda_or_skip;
 use crate::{backends, decode, upload};
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn every_byte_comes_from_the_caching_allocator() {
     let Some((gpu, _cpu)) = backends() else {
         return;
@@ -91,6 +92,7 @@ fn gather_one(
 /// at the next `synchronize` or `read_host`, once; switching back returns what is pending and
 /// gives the slots back to the allocator.
 #[test]
+#[ignore = "needs a CUDA device"]
 fn deferred_index_checks_report_at_the_next_synchronisation() {
     let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
         return;

@@ -58,6 +58,7 @@ fn binary_ops() -> Vec<BinaryOp> {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn unary_ops_match_the_cpu() {
     let Some((gpu, cpu)) = backends() else { return };
     let mut random = Xorshift::from_state(0x9e37_79b9_7f4a_7c15);
@@ -101,6 +102,7 @@ fn unary_ops_match_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn binary_ops_with_broadcasting_match_the_cpu() {
     let Some((gpu, cpu)) = backends() else { return };
     let mut random = Xorshift::from_state(0x2545_f491_4f6c_dd1d);
@@ -175,6 +177,7 @@ fn run_dense_case(
 /// vector width end in a tail. Every case matches the CPU, and no element outside the view is
 /// written.
 #[test]
+#[ignore = "needs a CUDA device"]
 fn dense_runs_with_tails_and_offsets_match_the_cpu() {
     let Some((gpu, cpu)) = backends() else { return };
     let mut random = Xorshift::from_state(0x6a09_e667_f3bc_c909);
@@ -214,6 +217,7 @@ fn dense_runs_with_tails_and_offsets_match_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn fill_and_every_cast_match_the_cpu() {
     let Some((gpu, cpu)) = backends() else { return };
     let mut random = Xorshift::from_state(0xd1b5_4a32_d192_ed03);

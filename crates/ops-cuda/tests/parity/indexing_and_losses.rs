@@ -8,6 +8,7 @@ use headroom_testkit::inputs::Xorshift;
 use crate::{backends, compare, download, input, poisoned, upload};
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
     use headroom_autograd_core::{CrossEntropyArgs, Reduction};
     let Some((gpu, cpu)) = backends() else { return };
@@ -275,6 +276,7 @@ fn cross_entropy_run(
 /// log-softmax does), and the f32 loss of f16 and bf16 logits (`cross_entropy_f32`: f32 loss and
 /// loss gradient, the logits' gradient in their dtype).
 #[test]
+#[ignore = "needs a CUDA device"]
 fn cross_entropy_of_wide_rows_and_upcast_losses_match_the_cpu() {
     let Some((gpu, cpu)) = backends() else { return };
     let mut random = Xorshift::from_state(0x0ddc_1a55_e5e5_c0de);

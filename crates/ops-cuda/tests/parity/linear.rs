@@ -160,6 +160,7 @@ fn check_linear(
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn linear_with_bias_and_gelu_epilogues_matches_the_cpu() {
     let Some((_, cpu)) = backends() else { return };
     // A backend of its own, so its fallback count is this test's.
@@ -208,6 +209,7 @@ fn linear_with_bias_and_gelu_epilogues_matches_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn the_cublaslt_workspace_is_an_allocation_of_the_caching_allocator() {
     let Some((_, cpu)) = backends() else { return };
     // A fresh backend: its first product creates the BLAS state.

@@ -9,6 +9,7 @@ use headroom_testkit::inputs::Xorshift;
 use crate::{backends, compare, download, input, poisoned, upload, FLOATS};
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn batched_matmul_on_strided_operands_matches_the_cpu() {
     let Some((gpu, cpu)) = backends() else { return };
     let mut random = Xorshift::from_state(0x5eed_5eed_5eed_5eed);
@@ -81,6 +82,7 @@ fn batched_matmul_on_strided_operands_matches_the_cpu() {
 /// head's weight gradient at batch 1 (`[1000, 1]` of a broadcast scalar, times one row of a
 /// larger tensor), which read past its buffer and computed garbage before.
 #[test]
+#[ignore = "needs a CUDA device"]
 fn matmul_with_broadcast_operands_matches_the_cpu() {
     let Some((gpu, cpu)) = backends() else { return };
     let mut random = Xorshift::from_state(0x0dd_ba11);
@@ -164,6 +166,7 @@ fn matmul_with_broadcast_operands_matches_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn tf32_is_an_explicit_opt_in_within_1e_3() {
     let Some((_, cpu)) = backends() else { return };
     // A backend of its own, so the setting does not reach the other tests.

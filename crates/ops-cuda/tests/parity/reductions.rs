@@ -7,6 +7,7 @@ use headroom_testkit::inputs::Xorshift;
 use crate::{backends, compare, download, input, poisoned, upload, FLOATS};
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn reductions_softmax_and_masks_match_the_cpu() {
     use headroom_autograd_core::{MaskedOp, ReduceOp};
     let Some((gpu, cpu)) = backends() else { return };
@@ -179,6 +180,7 @@ fn reductions_softmax_and_masks_match_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA device"]
 fn layer_norm_forward_and_backward_match_the_cpu() {
     use headroom_autograd_core::{LayerNormBackward, LayerNormForward};
     let Some((gpu, cpu)) = backends() else { return };
@@ -263,6 +265,7 @@ fn layer_norm_forward_and_backward_match_the_cpu() {
 
 /// Max and min over the last dim with indices: first occurrence among ties, as on the CPU.
 #[test]
+#[ignore = "needs a CUDA device"]
 fn max_and_min_with_indices_match_the_cpu() {
     use headroom_autograd_core::ReduceOp;
     let Some((gpu, cpu)) = backends() else { return };

@@ -271,3 +271,87 @@ pub(super) fn allocator_steady_state(files: &[ResultFile]) -> Result<Vec<String>
     }
     Ok(lines)
 }
+
+/// The CUDA storage replaying two corpus traces on the device (the stdout of
+/// `crates/caching-allocator/tests/cuda_allocator.rs`, gpu-measure's tests phase): per trace and
+/// policy, the device time of every map or segment and every unmap or free, and their counts;
+/// each trace with the default policy's peak allocated bytes.
+pub(super) fn allocator_cuda_replay(files: &[ResultFile]) -> Result<Vec<String>> {
+    let file = one_file(files)?;
+    const POLICIES: [(&str, &str); 4] = [
+        ("classic", "classic"),
+        ("pytorch_expandable", "PyTorch's expandable"),
+        ("default", "default"),
+        ("reclaiming", "`reclaiming()`"),
+    ];
+    // (trace, policy) → "0.082 s, 506 maps, 0 unmaps"
+    let mut cells: Vec<(String, String, String, u64)> = Vec::new();
+    for line in file.text.lines() {
+        let Some((head, rest)) = line.split_once(": peak reserved ") else {
+            continue;
+        };
+        let Some((trace, policy)) = head.split_once(' ') else {
+            continue;
+        };
+        // `<reserved> B, peak allocated <n> B, <m> maps or segments, <u> unmaps or frees,
+        // <s> s on the device (...)`
+        let parts: Vec<&str> = rest.split(", ").collect();
+        let number = |index: usize, prefix: &str, suffix: &str| -> Result<String> {
+            parts
+                .get(index)
+                .and_then(|part| part.strip_prefix(prefix))
+                .and_then(|part| part.split(suffix).next())
+                .map(|value| value.trim().to_owned())
+                .with_context(|| format!("{}: not a replay line: `{line}`", file.path))
+        };
+        let allocated: u64 = number(1, "peak allocated ", " B")?.parse()?;
+        let maps = number(2, "", " maps or segments")?;
+        let unmaps = number(3, "", " unmaps or frees")?;
+        let seconds = number(4, "", " s on the device")?;
+        cells.push((
+            trace.to_owned(),
+            policy.to_owned(),
+            format!("{seconds} s, {maps} maps, {unmaps} unmaps"),
+            allocated,
+        ));
+    }
+    if cells.is_empty() {
+        bail!(
+            "{}: no replay lines (`<trace> <policy>: peak reserved ...`)",
+            file.path
+        );
+    }
+    let mut traces: Vec<&str> = Vec::new();
+    for (trace, ..) in &cells {
+        if !traces.contains(&trace.as_str()) {
+            traces.push(trace);
+        }
+    }
+    let header: Vec<&str> = POLICIES.iter().map(|(_, label)| *label).collect();
+    let mut lines = vec![
+        format!("| trace (peak allocated) | {} |", header.join(" | ")),
+        format!("|---|{}", "---|".repeat(POLICIES.len())),
+    ];
+    for trace in traces {
+        let mut row_cells = Vec::new();
+        let mut allocated = 0;
+        for (policy, _) in POLICIES {
+            let cell = cells
+                .iter()
+                .find(|(t, p, ..)| t == trace && p == policy)
+                .with_context(|| format!("{}: no {policy} line for {trace}", file.path))?;
+            if policy == "default" {
+                allocated = cell.3;
+            }
+            row_cells.push(cell.2.clone());
+        }
+        let mut all = vec![format!(
+            "{} ({} B)",
+            trace_label(trace),
+            thousands(allocated)
+        )];
+        all.extend(row_cells);
+        lines.push(row(&all));
+    }
+    Ok(lines)
+}

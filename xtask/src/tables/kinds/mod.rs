@@ -80,6 +80,12 @@ pub(super) const KINDS: &[Kind] = &[
         render: allocator::allocator_corpus,
     },
     Kind {
+        name: "allocator-cuda-replay",
+        reads: "the stdout of crates/caching-allocator/tests/cuda_allocator.rs on a GPU \
+                (gpu-measure.sh's tests phase, `--show-output`)",
+        render: allocator::allocator_cuda_replay,
+    },
+    Kind {
         name: "allocator-steady-state",
         reads: "the stdout of crates/caching-allocator/tests/steady_state.rs \
                 (`cargo test --test steady_state -- --nocapture --test-threads 1`)",
