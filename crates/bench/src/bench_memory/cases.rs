@@ -234,7 +234,44 @@ impl Case {
 
     /// Whether the case runs on a CUDA device only (offload copies to pinned host memory).
     pub(crate) fn needs_cuda(self) -> bool {
-        self == Case::AdamOffload
+        self.why_cuda().is_some()
+    }
+
+    /// Why the case needs a CUDA device; `None` when the CPU runs it too.
+    pub(crate) fn why_cuda(self) -> Option<&'static str> {
+        match self {
+            Case::AdamOffload => Some(
+                "it offloads activations to pinned host memory over CUDA copies, which the CPU \
+                 backend has no use for",
+            ),
+            _ => None,
+        }
+    }
+
+    /// `Ok` unless `cases` (from `--cases`) name a case that needs CUDA and `cuda` is false:
+    /// then an error naming every such case and why, before anything runs.
+    pub(crate) fn refuse_cuda_only(cases: &[Case], cuda: bool) -> Result<()> {
+        let refused: Vec<Case> = cases
+            .iter()
+            .copied()
+            .filter(|case| case.needs_cuda())
+            .collect();
+        if cuda || refused.is_empty() {
+            return Ok(());
+        }
+        let names: Vec<&str> = refused.iter().map(|case| case.name()).collect();
+        let reasons: Vec<String> = refused
+            .iter()
+            .filter_map(|case| Some(format!("{}: {}", case.name(), case.why_cuda()?)))
+            .collect();
+        anyhow::bail!(
+            "--cases {}: {} a CUDA device ({}), and this run is on the CPU backend (--device \
+             cpu, or no CUDA device answered); leave {} out of --cases, or run on a GPU",
+            names.join(","),
+            if refused.len() == 1 { "needs" } else { "need" },
+            reasons.join("; "),
+            if refused.len() == 1 { "it" } else { "them" },
+        )
     }
 
     /// The case of `torch_reference.py` that computes the same update (PyTorch's foreach is

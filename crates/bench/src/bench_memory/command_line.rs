@@ -9,7 +9,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 
 use super::cases::Case;
@@ -247,14 +247,7 @@ impl Options {
     /// The (batch, cases) the options run on a device with `defaults`; an error, before any
     /// case runs, for a case named on `--cases` that the device cannot run.
     pub(crate) fn runs(&self, defaults: &Defaults) -> Result<Vec<(usize, Vec<Case>)>> {
-        let cuda_only = self.cases.iter().find(|case| case.needs_cuda());
-        if let (Some(case), false) = (cuda_only, defaults.cuda) {
-            bail!(
-                "--cases {}: needs a CUDA device, and this run is on the CPU backend (--device \
-                 cpu, or no CUDA device answered)",
-                case.name()
-            );
-        }
+        Case::refuse_cuda_only(&self.cases, defaults.cuda)?;
         let asked = |defaults_cases: &[Case]| -> Vec<Case> {
             if !self.cases.is_empty() {
                 self.cases.clone()

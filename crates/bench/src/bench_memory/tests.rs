@@ -338,9 +338,12 @@ fn the_devices_defaults_and_what_the_options_change() {
 fn cuda_only_cases_are_refused_on_the_cpu_up_front() {
     let options = parse(&args(&["--cases", "sgd,adam_offload"])).unwrap();
     let err = options.runs(&CPU_DEFAULTS).unwrap_err().to_string();
-    assert!(
-        err.starts_with("--cases adam_offload: needs a CUDA device"),
-        "{err}"
+    assert_eq!(
+        err,
+        "--cases adam_offload: needs a CUDA device (adam_offload: it offloads activations to \
+         pinned host memory over CUDA copies, which the CPU backend has no use for), and this \
+         run is on the CPU backend (--device cpu, or no CUDA device answered); leave it out of \
+         --cases, or run on a GPU"
     );
     assert_eq!(
         options.runs(&CUDA_DEFAULTS).unwrap(),

@@ -1,9 +1,9 @@
 //! Latency of a cached allocate + free pair, on host and simulated storage, with classic and
 //! expandable segments. The CUDA comparison (against cuMemAlloc and cuMemAllocAsync) lives in
-//! `cuda_alloc.rs` beside this file.
+//! `crates/caching-allocator/benches/cuda_alloc.rs`.
 
 use criterion::{BenchmarkId, Criterion};
-use headroom_caching_allocator::{
+use headroom::caching_allocator::{
     AllocatorConfig, CachingAllocator, HostStorage, SimulatedStorage, Storage, StreamId,
 };
 
