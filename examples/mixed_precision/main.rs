@@ -5,8 +5,8 @@
 //! bf16 model with stochastic rounding and no master copy. For each: the peak allocated memory,
 //! what the forward keeps for backward, the bytes per parameter of the model state (parameter,
 //! gradient, optimizer state, master copy), the half weights autocast caches during a forward,
-//! the fastest step, and the last loss; then, for a setting whose steps overflowed in f16 and
-//! were skipped, a note saying how many (all of them leave the model untrained).
+//! the fastest step, and the last loss; then, for a setting whose steps overflowed in f16 (the
+//! GradScaler drops their updates), a note saying how many (all of them: the model is untrained).
 //!
 //! The settings come from amp: `AmpTraining` for the opt levels, `AmpPolicy` (PyTorch's CUDA
 //! autocast lists) for bf16 autocast, `AdamStochastic` from optim for stochastic rounding. The
@@ -197,8 +197,8 @@ struct Figures {
     cast_cache: u64,
     step_ms: f64,
     loss: f32,
-    /// Steps skipped because their gradients overflowed, of `steps`.
-    skipped: usize,
+    /// Steps whose gradients overflowed (their update dropped), of `steps`.
+    overflowed: usize,
     steps: usize,
 }
 
@@ -224,7 +224,7 @@ fn measure(device: &Device, config: VitConfig, batch: usize, setting: Setting) -
         cast_cache: 0,
         step_ms: f64::INFINITY,
         loss: 0.0,
-        skipped: 0,
+        overflowed: 0,
         steps: warmup + timed,
     };
     for step in 0..warmup + timed {
@@ -234,7 +234,7 @@ fn measure(device: &Device, config: VitConfig, batch: usize, setting: Setting) -
         let (loss, kept, cache, skipped) = trainer.step(device, &model, &images)?;
         device.synchronize()?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
-        figures.skipped += usize::from(skipped.read()?);
+        figures.overflowed += usize::from(skipped.read()?);
         figures.loss = loss.to_vec::<f32>()?[0];
         if step >= warmup {
             figures.step_ms = figures.step_ms.min(ms);
@@ -251,19 +251,20 @@ fn measure(device: &Device, config: VitConfig, batch: usize, setting: Setting) -
     Ok(figures)
 }
 
-/// What a setting's skipped steps mean for its row; `None` when no step was skipped.
-fn skip_note(setting: Setting, f: &Figures) -> Option<String> {
-    match f.skipped {
+/// What a setting's overflowed steps mean for its row; `None` when every update was applied.
+/// (The word the GPU scripts watch for is not printed: an overflow is the GradScaler working.)
+fn overflow_note(setting: Setting, f: &Figures) -> Option<String> {
+    match f.overflowed {
         0 => None,
         n if n == f.steps => Some(format!(
-            "{}: every one of its {n} steps overflowed in f16 and was skipped (the loss scale \
-             halved each time), so its weights never moved: its loss is the untrained model's \
-             and its step time is that of a step that skips the update.",
+            "{}: every one of its {n} steps overflowed in f16, so the GradScaler dropped every \
+             update (and halved the loss scale each time): its weights never moved, its loss is \
+             the untrained model's, and its step time is that of a step without an update.",
             setting.label()
         )),
         n => Some(format!(
-            "{}: {n} of its {} steps overflowed in f16 and were skipped (the loss scale halved \
-             each time).",
+            "{}: {n} of its {} steps overflowed in f16; the GradScaler dropped their updates \
+             (and halved the loss scale each time).",
             setting.label(),
             f.steps
         )),
@@ -329,7 +330,7 @@ fn main() -> Result<()> {
             ratio,
             f.loss
         );
-        if let Some(note) = skip_note(setting, &f) {
+        if let Some(note) = overflow_note(setting, &f) {
             notes.push(note);
         }
     }

@@ -34,6 +34,8 @@ pub(crate) struct Defaults {
     pub(crate) model: &'static str,
     /// Per batch, its cases; an empty list: every case the device runs.
     pub(crate) runs: &'static [(usize, &'static [Case])],
+    /// Timed steps a case when `--steps` is not given.
+    pub(crate) steps: usize,
     /// Whether the cases that need CUDA run.
     pub(crate) cuda: bool,
 }
@@ -41,14 +43,16 @@ pub(crate) struct Defaults {
 pub(crate) const CUDA_DEFAULTS: Defaults = Defaults {
     model: "vit_l_16",
     runs: &[(1, &[]), (32, &[])],
+    steps: 6,
     cuda: true,
 };
 
 /// On the CPU, a selection that runs in about a minute on two cores: at batch 1, where
 /// parameters, gradients and optimizer state dominate, the optimizer implementations of the
 /// tutorial's finding ([`super::report::finding`]); at batch 32, where activations dominate, the
-/// techniques that trade them for time (in backward, checkpointing, the planner). `--all-cases`
-/// runs every case at both.
+/// techniques that trade them for time (in backward, checkpointing, the planner); 3 timed steps
+/// a case (a median of 3 is enough where no PyTorch figure is compared). `--all-cases` runs
+/// every case at both.
 pub(crate) const CPU_DEFAULTS: Defaults = Defaults {
     model: "vit_mini",
     runs: &[
@@ -72,6 +76,7 @@ pub(crate) const CPU_DEFAULTS: Defaults = Defaults {
             ],
         ),
     ],
+    steps: 3,
     cuda: false,
 };
 
@@ -107,7 +112,12 @@ impl Defaults {
                 }
             })
             .collect();
-        format!("{}, {}", self.model, runs.join("; "))
+        format!(
+            "{}, {}; {} timed steps a case",
+            self.model,
+            runs.join("; "),
+            self.steps
+        )
     }
 }
 
@@ -138,9 +148,10 @@ pub(crate) struct Args {
     /// Warm-up steps from the fresh optimizer (their peak is the first-3 peak).
     #[arg(long, value_name = "N", default_value_t = 3)]
     warmup: usize,
-    /// Timed steps: steady peak allocated and reserved, median step time.
-    #[arg(long, value_name = "N", default_value_t = 6, value_parser = crate::at_least_one)]
-    steps: usize,
+    /// Timed steps: steady peak allocated and reserved, median step time (default: the
+    /// device's, below).
+    #[arg(long, value_name = "N", value_parser = crate::at_least_one)]
+    steps: Option<usize>,
     /// The in-backward cases' bucket in MiB (default: 1/16 of the parameters, at most 25).
     #[arg(long, value_name = "N", value_parser = crate::at_least_one)]
     bucket_mib: Option<usize>,
@@ -182,7 +193,10 @@ pub(crate) struct Options {
     pub(crate) model: Option<Model>,
     /// A language model's tokens a row (`--seq`); `None`: its full context.
     pub(crate) seq: Option<usize>,
+    /// The protocol; its `steps` is `--steps`, else CUDA's default until [`Options::on_device`]
+    /// gives the device's.
     pub(crate) protocol: Protocol,
+    pub(crate) steps_given: bool,
     /// `adam_auto`'s budgets (`--budget`, repeatable); empty: its default.
     pub(crate) budgets: Vec<u64>,
     pub(crate) json: Option<PathBuf>,
@@ -215,12 +229,13 @@ impl Options {
             seq: args.seq,
             protocol: Protocol {
                 warmup: args.warmup,
-                steps: args.steps,
+                steps: args.steps.unwrap_or(CUDA_DEFAULTS.steps),
                 bucket_bytes,
                 budget: None,
                 op_profile: args.op_profile,
                 record_events: args.trace.is_some(),
             },
+            steps_given: args.steps.is_some(),
             budgets: args.budgets,
             json: args.json,
             html: args.html,
@@ -242,6 +257,16 @@ impl Options {
             output_paths::check_folder("--trace", dir)?;
         }
         Ok(())
+    }
+
+    /// The options on a device with `defaults`: the protocol's timed steps are its default
+    /// unless `--steps` was given.
+    pub(crate) fn on_device(&self, defaults: &Defaults) -> Options {
+        let mut options = self.clone();
+        if !self.steps_given {
+            options.protocol.steps = defaults.steps;
+        }
+        options
     }
 
     /// The (batch, cases) the options run on a device with `defaults`; an error, before any

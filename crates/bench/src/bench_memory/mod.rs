@@ -83,8 +83,9 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
             }
         },
     };
-    let (outcomes, device_name) = match cuda {
+    let (outcomes, device_name, protocol) = match cuda {
         Some(cuda) => {
+            let options = &options.on_device(&CUDA_DEFAULTS);
             let runs = options.runs(&CUDA_DEFAULTS)?;
             let profile_ops = |step: &mut dyn FnMut() -> Result<()>| {
                 cuda.start_op_profile()?;
@@ -99,16 +100,19 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
                 profile_ops: Some(&profile_ops),
             };
             let name = cuda.allocator().with_storage(|s| s.device_name());
-            (run_cases(&probe, options, &CUDA_DEFAULTS, &runs)?, name)
+            let outcomes = run_cases(&probe, options, &CUDA_DEFAULTS, &runs)?;
+            (outcomes, name, options.protocol)
         }
         None => {
+            let options = &options.on_device(&CPU_DEFAULTS);
             let runs = options.runs(&CPU_DEFAULTS)?;
             let allocator = CachingAllocator::new(HostStorage::new(), allocator_config);
             let cpu = Arc::new(CpuBackend::new(allocator));
             let probe = Probe::cpu(&cpu);
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
             let name = format!("CPU backend, {threads} threads");
-            (run_cases(&probe, options, &CPU_DEFAULTS, &runs)?, name)
+            let outcomes = run_cases(&probe, options, &CPU_DEFAULTS, &runs)?;
+            (outcomes, name, options.protocol)
         }
     };
 
@@ -116,8 +120,8 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
     println!(
         "bench-memory on {} ({device_name}): warm-up {}, timed {}, sizes in decimal GB/MB\n",
         results.first().map_or("-", |r| r.device.as_str()),
-        options.protocol.warmup,
-        options.protocol.steps
+        protocol.warmup,
+        protocol.steps
     );
     println!("{}", report::markdown(&results, &anchors));
     for text in results.iter().filter_map(budget_plan::describe) {

@@ -294,6 +294,12 @@ fn the_devices_defaults_and_what_the_options_change() {
             ),
         ]
     );
+    // Timed steps: 3 on the CPU, 6 on CUDA, unless --steps says.
+    assert_eq!(plain.on_device(&CPU_DEFAULTS).protocol.steps, 3);
+    assert_eq!(plain.on_device(&CUDA_DEFAULTS).protocol.steps, 6);
+    let five = parse(&args(&["--steps", "5"])).unwrap();
+    assert_eq!(five.on_device(&CPU_DEFAULTS).protocol.steps, 5);
+    assert_eq!(five.on_device(&CUDA_DEFAULTS).protocol.steps, 5);
     let cuda = plain.runs(&CUDA_DEFAULTS).unwrap();
     let every: Vec<Case> = Case::ALL.to_vec();
     assert_eq!(cuda, [(1, every.clone()), (32, every.clone())]);
