@@ -115,7 +115,7 @@ fn execute(options: &Options) -> Result<Vec<Found>> {
     let cap = crate::mib_to_bytes("--memory-cap-mb", cap_mib)?;
     let (found, device_name) = if cuda {
         let total = CudaStorage::new(0)
-            .context("--device cuda")?
+            .context("--device cuda (--device cpu runs on the CPU backend; auto picks)")?
             .memory_info()
             .total;
         ensure!(
@@ -124,7 +124,8 @@ fn execute(options: &Options) -> Result<Vec<Found>> {
             total >> 20
         );
         let config = capped_config(cap as f64 / total as f64)?;
-        let backend = CudaBackend::with_config(0, config).context("--device cuda")?;
+        let backend = CudaBackend::with_config(0, config)
+            .context("--device cuda (--device cpu runs on the CPU backend; auto picks)")?;
         let probe = Probe {
             backend: backend.clone(),
             device: "cuda:0".into(),

@@ -90,9 +90,16 @@ fn project_root() -> std::path::PathBuf {
 /// before any measurement: a malformed value is an error that names the variable and its value,
 /// never a reason to fall back to another device.
 fn allocator_config_from_env() -> Result<AllocatorConfig> {
-    AllocatorConfig::from_env().with_context(|| match std::env::var_os(ALLOC_CONF_ENV) {
-        Some(value) => format!("{ALLOC_CONF_ENV}={value:?}"),
-        None => ALLOC_CONF_ENV.to_owned(),
+    AllocatorConfig::from_env().map_err(|err| {
+        let variable = match std::env::var_os(ALLOC_CONF_ENV) {
+            Some(value) => format!("{ALLOC_CONF_ENV}={value:?}"),
+            None => ALLOC_CONF_ENV.to_owned(),
+        };
+        anyhow::anyhow!(
+            "{variable}: {:#}; fix or unset {ALLOC_CONF_ENV} (PYTORCH_CUDA_ALLOC_CONF's syntax, \
+             e.g. expandable_segments:True,max_split_size_mb:512)",
+            anyhow::Error::new(err)
+        )
     })
 }
 

@@ -14,7 +14,12 @@ use anyhow::{Context, Result};
 
 /// Checks that `flag`'s file `path` can be written (see the module's documentation).
 pub(crate) fn check_file(flag: &str, path: &Path) -> Result<()> {
-    let context = || format!("{flag} {}: cannot write there", path.display());
+    let context = || {
+        format!(
+            "{flag} {}: cannot write there (give a path in a writable folder)",
+            path.display()
+        )
+    };
     if let Some(folder) = path
         .parent()
         .filter(|folder| !folder.as_os_str().is_empty())
@@ -35,7 +40,12 @@ pub(crate) fn check_file(flag: &str, path: &Path) -> Result<()> {
 
 /// Checks that files can be written in `flag`'s folder `dir` (created when missing).
 pub(crate) fn check_folder(flag: &str, dir: &Path) -> Result<()> {
-    let context = || format!("{flag} {}: cannot write there", dir.display());
+    let context = || {
+        format!(
+            "{flag} {}: cannot write there (give a writable folder)",
+            dir.display()
+        )
+    };
     std::fs::create_dir_all(dir).with_context(context)?;
     let probe = dir.join(format!(".headroom-write-check-{}", std::process::id()));
     std::fs::write(&probe, b"").with_context(context)?;

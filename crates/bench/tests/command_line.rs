@@ -2,7 +2,8 @@
 //! exits 0; a mistake found before measuring (a malformed `HEADROOM_ALLOC_CONF`, an output path
 //! that cannot be written, a CUDA-only case on the CPU) is one line, `error: ...`, naming the
 //! variable or flag at fault, with exit status 1, no backtrace even under `RUST_BACKTRACE=1`,
-//! and nothing measured (no device line, no table); a malformed option is clap's error, exit 2.
+//! and nothing measured (no device line, no table); a malformed option is clap's error, exit 2;
+//! a planned case's report is printed once.
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -73,7 +74,20 @@ fn a_malformed_alloc_conf_is_named_before_any_device() {
         &run(&["bench-memory"], Some("bogus_key:1")),
         "error: HEADROOM_ALLOC_CONF=\"bogus_key:1\": ",
     );
-    assert!(line.contains("bogus_key"), "{line}");
+    assert_eq!(
+        line,
+        "error: HEADROOM_ALLOC_CONF=\"bogus_key:1\": invalid allocator setting `bogus_key`: \
+         unknown option; fix or unset HEADROOM_ALLOC_CONF (PYTORCH_CUDA_ALLOC_CONF's syntax, \
+         e.g. expandable_segments:True,max_split_size_mb:512)"
+    );
+    let line = one_line_error(
+        &run(&["bench-memory"], Some("max_split_size_mb:abc")),
+        "error: HEADROOM_ALLOC_CONF=\"max_split_size_mb:abc\": ",
+    );
+    assert!(
+        line.contains("`max_split_size_mb`: expected a whole number, got `abc`"),
+        "{line}"
+    );
     one_line_error(
         &run(&["find-max-batch", "--device", "cpu"], Some("bogus_key:1")),
         "error: HEADROOM_ALLOC_CONF=\"bogus_key:1\": ",
@@ -89,15 +103,15 @@ fn an_unwritable_output_fails_before_any_work() {
     let json = json.to_str().unwrap();
     one_line_error(
         &run(&["bench-memory", "--json", json], None),
-        &format!("error: --json {json}: cannot write there: "),
+        &format!("error: --json {json}: cannot write there (give a path in a writable folder): "),
     );
     one_line_error(
         &run(&["bench-memory", "--device", "cpu", "--html", json], None),
-        &format!("error: --html {json}: cannot write there: "),
+        &format!("error: --html {json}: cannot write there (give a path in a writable folder): "),
     );
     one_line_error(
         &run(&["find-max-batch", "--device", "cpu", "--json", json], None),
-        &format!("error: --json {json}: cannot write there: "),
+        &format!("error: --json {json}: cannot write there (give a path in a writable folder): "),
     );
     let trace = dir.join("trace.tsv");
     std::fs::write(&trace, "action\taddr\tsize\nalloc\t0\t512\n").unwrap();
@@ -106,7 +120,9 @@ fn an_unwritable_output_fails_before_any_work() {
             &["replay-trace", trace.to_str().unwrap(), "--snapshot", json],
             None,
         ),
-        &format!("error: --snapshot {json}: cannot write there: "),
+        &format!(
+            "error: --snapshot {json}: cannot write there (give a path in a writable folder): "
+        ),
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -145,4 +161,35 @@ fn a_malformed_option_is_clap_s_error_naming_it() {
         assert!(stderr.contains(flag), "{args:?}: {stderr}");
         assert_eq!(text(&output.stdout), "");
     }
+}
+
+/// A planned case's report (its plan, its table) is printed once, on stdout, with the table of
+/// cases; stderr carries only the progress and the closing line.
+#[test]
+fn the_plan_is_reported_once() {
+    let output = run(
+        &[
+            "bench-memory",
+            "--device",
+            "cpu",
+            "--model",
+            "vit_tiny",
+            "--batch",
+            "4",
+            "--cases",
+            "adam_auto",
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+        ],
+        None,
+    );
+    let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    let heading = "adam_auto vit_tiny batch 4: budget ";
+    assert_eq!(stdout.matches(heading).count(), 1, "{stdout}");
+    assert_eq!(stdout.matches("block  strategy").count(), 1, "{stdout}");
+    assert!(!stderr.contains(heading), "{stderr}");
+    assert!(!stderr.contains("block  strategy"), "{stderr}");
 }

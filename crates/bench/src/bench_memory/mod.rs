@@ -74,7 +74,10 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
     let allocator_config = crate::allocator_config_from_env()?;
     let cuda = match options.device {
         DeviceChoice::Cpu => None,
-        DeviceChoice::Cuda => Some(CudaBackend::new(0).context("--device cuda")?),
+        DeviceChoice::Cuda => Some(
+            CudaBackend::new(0)
+                .context("--device cuda (--device cpu runs on the CPU backend; auto picks)")?,
+        ),
         DeviceChoice::Auto => match CudaBackend::new(0) {
             Ok(cuda) => Some(cuda),
             Err(err) => {

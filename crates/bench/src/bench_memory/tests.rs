@@ -413,6 +413,37 @@ fn adam_auto_meets_its_budget_and_predicts_its_peak_to_the_byte_on_the_cpu() {
     assert!(plan.predicted_peak <= plan.min_budget);
 }
 
+/// A measurement more than 10% off its prediction gets a line with the likely cause; within
+/// 10%, nothing.
+#[test]
+fn predictions_more_than_10_percent_off_are_flagged_with_a_cause() {
+    use super::budget_plan::prediction_flags;
+
+    assert_eq!(
+        prediction_flags("plan", (109, 100), (90.5, 100.0), false),
+        ""
+    );
+    assert_eq!(
+        prediction_flags("plan", (100, 100), (150.0, 100.0), false),
+        "  ! plan: step time 1.50x its prediction, more than 10% off; likely cause: timing noise \
+         (the profile times each strategy over few steps, and other work on the machine shifts \
+         them; more --steps, or a quieter machine, narrow it)\n"
+    );
+    assert_eq!(
+        prediction_flags("uniform", (120, 100), (100.0, 100.0), false),
+        "  ! uniform: peak 1.20x its prediction, more than 10% off; likely cause: the measured \
+         steps allocate differently from the profiled one (a block's memory depends on its \
+         neighbours' strategies, which the prediction assumes it does not)\n"
+    );
+    let offload = prediction_flags("plan", (80, 100), (100.0, 100.0), true);
+    assert!(
+        offload.starts_with(
+            "  ! plan: peak 0.80x its prediction, more than 10% off; likely cause: offload's"
+        ),
+        "{offload}"
+    );
+}
+
 #[test]
 fn pytorch_anchors_are_read_from_torch_reference_output() {
     let text = r#"UserWarning: a line torch printed
