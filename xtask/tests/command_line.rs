@@ -17,7 +17,10 @@ fn run(args: &[&str]) -> Output {
 fn help_exits_0_and_runs_nothing() {
     for args in [
         &["--help"][..],
+        &["-h"],
         &["tidy", "--help"],
+        &["tidy", "-h"],
+        &["build-kernels", "-h"],
         &["tables", "--help"],
         &["build-kernels", "--help"],
         &["help", "bench-memory"],

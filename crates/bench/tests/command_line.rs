@@ -54,6 +54,9 @@ fn every_commands_help_exits_0_on_stdout() {
         &["bench-memory", "--help"],
         &["find-max-batch", "--help"],
         &["replay-trace", "--help"],
+        &["bench-memory", "-h"],
+        &["find-max-batch", "-h"],
+        &["replay-trace", "-h"],
         &["help", "bench-memory"],
     ] {
         let output = run(args, None);

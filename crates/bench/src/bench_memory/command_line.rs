@@ -9,7 +9,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 
 use super::cases::Case;
@@ -47,7 +47,7 @@ pub(crate) const CUDA_DEFAULTS: Defaults = Defaults {
     cuda: true,
 };
 
-/// On the CPU, a selection that runs in about a minute on two cores: at batch 1, where
+/// On the CPU, a selection that runs in under a minute on two idle cores: at batch 1, where
 /// parameters, gradients and optimizer state dominate, the optimizer implementations of the
 /// tutorial's finding ([`super::report::finding`]); at batch 32, where activations dominate, the
 /// techniques that trade them for time (in backward, checkpointing, the planner); 3 timed steps
@@ -270,9 +270,17 @@ impl Options {
     }
 
     /// The (batch, cases) the options run on a device with `defaults`; an error, before any
-    /// case runs, for a case named on `--cases` that the device cannot run.
+    /// case runs, for a case named on `--cases` or an option (`--op-profile`) that the device
+    /// cannot run.
     pub(crate) fn runs(&self, defaults: &Defaults) -> Result<Vec<(usize, Vec<Case>)>> {
         Case::refuse_cuda_only(&self.cases, defaults.cuda)?;
+        if self.protocol.op_profile && !defaults.cuda {
+            bail!(
+                "--op-profile: it times every backend primitive with CUDA events, and this run is \
+                 on the CPU backend (--device cpu, or no CUDA device answered); leave it out, or \
+                 run on a GPU"
+            );
+        }
         let asked = |defaults_cases: &[Case]| -> Vec<Case> {
             if !self.cases.is_empty() {
                 self.cases.clone()
@@ -330,9 +338,9 @@ fn long_about() -> String {
 /// What `--help` says after the options: the devices' defaults.
 fn defaults_help() -> String {
     format!(
-        "Defaults:\n  CUDA: {}\n  CPU:  {} (about a minute on two cores; --all-cases runs every \
-         case at both batches, a few minutes)\n  The cases that need CUDA ({}) are refused on \
-         the CPU before anything runs.",
+        "Defaults:\n  CUDA: {}\n  CPU:  {} (under a minute on two idle cores; --all-cases runs \
+         every case at both batches, several minutes)\n  The cases that need CUDA ({}) and \
+         --op-profile are refused on the CPU before anything runs.",
         CUDA_DEFAULTS.describe(),
         CPU_DEFAULTS.describe(),
         Case::ALL

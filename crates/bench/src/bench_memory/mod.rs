@@ -4,7 +4,7 @@
 //! On a GPU (`CudaBackend::new(0)` succeeds): torchvision's ViT-L/16 at batch 1 and 32, every
 //! case, the settings of PyTorch's anchors (`torch_reference.py`). Without one: the CPU backend
 //! on `vit_mini` (see [`models::Model::named`]), a selection of the cases at batch 1 and 32 that
-//! runs in about a minute on two cores (`--all-cases`: every case; [`command_line`]). Each case
+//! runs in under a minute on two idle cores (`--all-cases`: every case; [`command_line`]). Each case
 //! starts from a
 //! fresh model and optimizer after `empty_cache`, and follows the reference protocol
 //! ([`measure`]). Output: a progress bar on stderr, a Markdown table on stdout (with PyTorch's

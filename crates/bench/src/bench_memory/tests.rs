@@ -358,6 +358,13 @@ fn cuda_only_cases_are_refused_on_the_cpu_up_front() {
             (32, vec![Case::Sgd, Case::AdamOffload])
         ]
     );
+    let profile = parse(&args(&["--op-profile"])).unwrap();
+    assert_eq!(
+        profile.runs(&CPU_DEFAULTS).unwrap_err().to_string(),
+        "--op-profile: it times every backend primitive with CUDA events, and this run is on the \
+         CPU backend (--device cpu, or no CUDA device answered); leave it out, or run on a GPU"
+    );
+    assert!(profile.runs(&CUDA_DEFAULTS).is_ok());
     let mut options = parse(&args(&["--device", "cpu", "--cases", "adam_offload"])).unwrap();
     options.progress = false;
     let err = execute(&options).unwrap_err().to_string();
