@@ -8,8 +8,8 @@
 //! (the cases, the models, the devices). This crate's binary (`headroom-bench <command>
 //! [options]`) parses it and runs it; `cargo xtask <command>` builds that binary in release and
 //! runs it, so what is timed is optimised code. A command checks what it can before it measures
-//! anything: the output paths it will write ([`output_paths`]), `HEADROOM_ALLOC_CONF`
-//! ([`allocator_config_from_env`]), cases the device cannot run.
+//! anything: the output paths it will write (`output_paths.rs`), `HEADROOM_ALLOC_CONF`
+//! (`allocator_config_from_env`), cases the device cannot run.
 //!
 //! It sits on top of the library crates (models, optimizers, techniques, both backends with CUDA
 //! compiled in) and may use anyhow; no library crate depends on it. It knows nothing about the
@@ -24,7 +24,7 @@ mod replay_trace;
 #[cfg(test)]
 mod cli_tests;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
 use headroom_caching_allocator::{AllocatorConfig, ALLOC_CONF_ENV};
 

@@ -4,12 +4,11 @@
 //! On a GPU (`CudaBackend::new(0)` succeeds): torchvision's ViT-L/16 at batch 1 and 32, every
 //! case, the settings of PyTorch's anchors (`torch_reference.py`). Without one: the CPU backend
 //! on `vit_mini` (see [`models::Model::named`]), a selection of the cases at batch 1 and 32 that
-//! runs in under a minute on two idle cores (`--all-cases`: every case; [`command_line`]). Each case
-//! starts from a
-//! fresh model and optimizer after `empty_cache`, and follows the reference protocol
-//! ([`measure`]). Output: a progress bar on stderr, a Markdown table on stdout (with PyTorch's
-//! figures and the ratios when `--pytorch anchor.jsonl` is given), `--json FILE` (one object per
-//! case under `cases`) and `--html FILE` (charts, [`html`]). A case that fails (out of memory,
+//! runs in under a minute on two idle cores (`--all-cases`: every case; [`command_line`]). Each
+//! case starts from a fresh model and optimizer after `empty_cache`, and follows the reference
+//! protocol ([`measure`]). Output: a progress bar on stderr, a Markdown table on stdout (with
+//! PyTorch's figures and the ratios when `--pytorch anchor.jsonl` is given), `--json FILE` (one
+//! object per case under `cases`) and `--html FILE` (charts, [`html`]). A case that fails (out of memory,
 //! an optimizer the device lacks) is reported and the others still run; the command then exits
 //! with an error.
 //!
