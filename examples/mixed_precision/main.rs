@@ -259,9 +259,7 @@ fn overflow_note(setting: Setting, f: &Figures) -> Option<String> {
         n if n == f.steps => Some(format!(
             "{}: every one of its {n} steps overflowed in f16, so the GradScaler dropped every \
              update (and halved the loss scale each time): its weights never moved, its loss is \
-             the untrained model's, no optimizer state was ever made (so its peak and bytes per \
-             parameter leave the state out), and its step time is that of a step without an \
-             update.",
+             the untrained model's, and its step time is that of a step without an update.",
             setting.label()
         )),
         n => Some(format!(

@@ -43,7 +43,7 @@ pub(crate) struct Args {
     /// else Headroom's defaults).
     #[arg(long, value_name = "STRING")]
     conf: Option<String>,
-    /// The simulated device's bytes (default: an H200's 150,754,820,096).
+    /// The simulated device's bytes (the default is an H200's).
     #[arg(long, value_name = "BYTES", default_value_t = H200_BYTES)]
     capacity: u64,
     /// Prints one JSON object (with --corpus, one JSON line per trace).
