@@ -8,10 +8,22 @@
 #       --all-features --exclude headroom-python --exclude headroom-distributed \
 #       --exclude headroom-bench --exclude xtask
 # or copy `cargo test --release --no-run` executables and target/release/headroom-bench there
-# yourself).
+# yourself). The bench phases run bench executables from .gpu-bundle/benches (BENCHES overrides
+# it; not bin/, whose every binary the tests phase runs as a test), found by name as
+# NAME-<hash> (vit_step, cuda_adam, cuda_alloc, allocator, cpu_vit, cpu_gemm); build them after
+# the bundle (gpu-bundle.sh empties .gpu-bundle):
+#   mkdir -p .gpu-bundle/benches && CARGO_PROFILE_BENCH_DEBUG=0 cargo bench --no-run \
+#       -p headroom-ops-cuda -p headroom-optim -p headroom-caching-allocator -p headroom-nn \
+#       -p headroom-ops-cpu -p headroom \
+#       --features headroom-ops-cuda/cuda,headroom-optim/cuda,headroom-caching-allocator/cuda \
+#       --bench vit_step --bench cuda_adam --bench cuda_alloc --bench allocator \
+#       --bench cpu_vit --bench cpu_gemm 2>&1 | tee .gpu-bundle/benches.log |
+#     sed -n 's/^ *Executable .*(\(.*\))$/\1/p' | xargs -I{} cp {} .gpu-bundle/benches/ &&
+#     strip .gpu-bundle/benches/*
+# (cpu-benches needs only cpu_vit and cpu_gemm, and no GPU: it runs on any machine.)
 #
 #   bash scripts/gpu-measure.sh PHASE...      PHASE: tests vit gpt2 fmb planner reclaim noreclaim
-#                                                    plugin
+#                                                    plugin benches allocator-benches cpu-benches
 #
 # tests    every test binary with --include-ignored (the GPU tests are marked
 #          #[ignore = "needs a CUDA device"], so a plain run leaves them out) and
@@ -34,6 +46,21 @@
 #          PLUGIN_DIR holds the wheel (maturin build --release -m crates/python/Cargo.toml) and
 #          bnb.tar.xz (bitsandbytes 0.50 for --target install), copied beside run.sh's scripts.
 #          With PLUGIN_DIR set, fmb's PyTorch side finds bitsandbytes too (its adam8bit case).
+# benches  the CUDA benches that print JSON lines, each beside PyTorch's side of its setting:
+#          crates/ops-cuda/benches/vit_step.rs (ViT-L/16 SGD steps, fp32 at batch 1 and 32, the
+#          bf16 model at batch 32; vit_step.jsonl) and bench_reference.py's sgd at batch 1 and 32
+#          and sgd_bf16_model at 32 (anchor_vit_step.jsonl); crates/optim/benches/cuda_adam.rs
+#          (Adam on 1e9 parameters; cuda_adam.jsonl) and scripts/pytorch/adam_step_1e9.py
+#          (adam_step_1e9_torch.jsonl; its bitsandbytes line needs PLUGIN_DIR as fmb's does).
+#          About 5 minutes
+# allocator-benches  the cached allocate + free pair (criterion, --bench): on CUDA, with the
+#          driver's own pairs and the driver call costs it prints first
+#          (crates/caching-allocator/benches/cuda_alloc.rs; cuda_alloc.txt), and on host and
+#          simulated storage on this machine's CPU (the workspace's allocator bench;
+#          allocator.txt). About 3 minutes
+# cpu-benches  the CPU backend's criterion benches (crates/nn/benches/cpu_vit.rs,
+#          crates/ops-cpu/benches/cpu_gemm.rs; cpu_vit.txt, cpu_gemm.txt): no GPU needed, and
+#          meta.json names the CPU
 #
 # Every step fails when its log holds the word `skipped` on any line: only testkit's gate
 # prints it (`skipped: <test>: <why>`, a panic instead under HEADROOM_REQUIRE_GPU=1), and
@@ -41,11 +68,15 @@
 # headroom-bench, so a run cannot pass by skipping in any way. It fails too when a libtest
 # summary (`test result: ...`) counts an ignored test: a GPU test left out of the run.
 #
+# A bench step's stdout is its results file too (beside the step's log, which keeps stdout and
+# stderr); criterion keeps its baselines in a temporary CRITERION_HOME, so it prints no
+# comparison with an earlier run.
+#
 # Output: RESULTS (default results/<date>-<commit>/ under the workspace root, results/README.md)
-# gets one log per step, the JSON files and meta.json: the GPU's name and driver, the versions of
-# PyTorch, transformers and bitsandbytes, the commit (git rev-parse --short HEAD, else COMMIT:
-# the device machine's copy may have no .git), the date and this command. Commit the folder;
-# `cargo xtask tables` renders the README tables from it.
+# gets one log per step, the JSON files and meta.json: the GPU's name and driver, the CPU, the
+# versions of PyTorch, transformers and bitsandbytes, the commit (git rev-parse --short HEAD,
+# else COMMIT: the device machine's copy may have no .git), the date and this command. Commit
+# the folder; `cargo xtask tables` renders the README tables from it.
 set -uo pipefail
 export HEADROOM_REQUIRE_GPU=1 NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
@@ -54,8 +85,32 @@ export COMMIT=$commit
 out=${RESULTS:-results/$(date -u +%F)-$commit}
 bin=.gpu-bundle/bin
 bench=$bin/headroom-bench
-# Every phase but `tests` runs the release headroom-bench.
+benches=${BENCHES:-.gpu-bundle/benches}
+# The bench executable NAME-<hash> (cargo's name for it) or NAME in $benches, if exactly one.
+bench_exe() {
+  local exe exes=()
+  for exe in "$benches/$1"-[0-9a-f]* "$benches/$1"; do
+    [[ -f $exe && -x $exe && $exe != *.d ]] && exes+=("$exe")
+  done
+  (( ${#exes[@]} == 1 )) && echo "${exes[0]}"
+}
+# The bench executables each bench phase runs.
+bench_names() {
+  case $1 in
+    benches) echo vit_step cuda_adam ;;
+    allocator-benches) echo cuda_alloc allocator ;;
+    cpu-benches) echo cpu_vit cpu_gemm ;;
+  esac
+}
+# Every phase but `tests` and the bench phases runs the release headroom-bench.
 for phase in "$@"; do
+  if [[ $phase == *benches ]]; then
+    for name in $(bench_names "$phase"); do
+      [[ -n $(bench_exe "$name") ]] || { echo "no single $benches/$name-<hash> for phase" \
+        "$phase: build the bench executables first (see the header)" >&2; exit 2; }
+    done
+    continue
+  fi
   [[ $phase == tests || -x $bench ]] ||
     { echo "no $bench for phase $phase: build the bundle first (see the header)" >&2; exit 2; }
 done
@@ -63,7 +118,7 @@ vit_cases=adam_foreach,adam_foreach_unbounded,adam_single,sgd,adam_fused,adam_in
 vit_cases+=,adam8bit_inbwd,adam_ckpt,adam_inbwd_ckpt,adam_fused_clip,adam_inbwd_clip
 vit_cases+=,adam_inbwd_clip_prev,adam_offload,adam_ckpt8bit,adam_bf16,adam_fp16
 vit_cases+=,adam_inbwd_ckpt_bf16,fwd_bwd,fwd_bwd_bf16
-(( $# > 0 )) || { sed -n '2,42p' "$0"; exit 2; }
+(( $# > 0 )) || { awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 2; }
 if [[ -n ${PLUGIN_DIR:-} && -f $PLUGIN_DIR/bnb.tar.xz ]]; then
   mkdir -p /tmp/headroom-site
   python3 -c "import bitsandbytes" 2>/dev/null || tar xJf "$PLUGIN_DIR/bnb.tar.xz" -C /tmp/headroom-site
@@ -73,7 +128,7 @@ fi
 # libraries they use. A second call into the same folder adds its command.
 mkdir -p "$out"
 python3 - "$out/meta.json" "$commit" "bash scripts/gpu-measure.sh $*" <<'META' ||
-import datetime, importlib, json, os, subprocess, sys
+import datetime, importlib, json, os, platform, subprocess, sys
 path, commit, command = sys.argv[1:4]
 def gpus(field):  # one value per GPU; none when nvidia-smi fails
     try:
@@ -84,6 +139,15 @@ def gpus(field):  # one value per GPU; none when nvidia-smi fails
         return []
 def distinct(values):
     return ", ".join(sorted(set(values))) or "unknown (nvidia-smi failed)"
+def cpu():  # the CPU's model name (/proc/cpuinfo on Linux)
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 def version(module):
     try:
         return importlib.import_module(module).__version__
@@ -96,7 +160,8 @@ meta.update({
     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
     "commit": commit,
     "machine": {"gpu": distinct(gpus("name")), "driver": distinct(gpus("driver_version")),
-                "gpus": len(gpus("name")), "host": os.uname().nodename},
+                "gpus": len(gpus("name")), "host": os.uname().nodename,
+                "cpu": cpu(), "cpus": os.cpu_count()},
     "versions": {"python": sys.version.split()[0], "torch": version("torch"),
                  "transformers": version("transformers"), "bitsandbytes": version("bitsandbytes")},
     "command": "; ".join(commands),
@@ -124,6 +189,15 @@ step() { # name command...
   (( ignored > 0 )) && grep -n -E '^test result:' "$out/$name.log" | grep -v ' 0 ignored;' |
     sed 's/^/  /'
 }
+# A step whose stdout is also $out/FILE, the raw result a table reads: bench_step NAME FILE
+# command... (the step's log keeps stdout and stderr, and its checks hold).
+bench_step() {
+  local name=$1 file=$2; shift 2
+  # shellcheck disable=SC2016 # the inner shell expands its own arguments
+  step "$name" bash -o pipefail -c '"${@:2}" | tee "$1"' _ "$out/$file" "$@"
+}
+criterion_home=$(mktemp -d)
+export CRITERION_HOME=$criterion_home
 for phase in "$@"; do
   case $phase in
     tests)
@@ -175,8 +249,25 @@ for phase in "$@"; do
       cp crates/python/bench/*.py crates/python/bench/run.sh "$PLUGIN_DIR"/
       export OUT=$out
       step plugin bash "$PLUGIN_DIR/run.sh" "$PLUGIN_DIR" 200 ;;
-    *) echo "unknown phase $phase (tests vit gpt2 fmb planner reclaim noreclaim plugin)" >&2; exit 2 ;;
+    benches)
+      bench_step vit_step vit_step.jsonl "$(bench_exe vit_step)"
+      step vit_step_torch python3 scripts/pytorch/bench_reference.py --batch 1 --batch 32 \
+        --cases sgd --out "$out/anchor_vit_step.jsonl"
+      step vit_step_torch_bf16 python3 scripts/pytorch/bench_reference.py --batch 32 \
+        --cases sgd_bf16_model --out "$out/anchor_vit_step.jsonl"
+      bench_step cuda_adam cuda_adam.jsonl "$(bench_exe cuda_adam)"
+      step adam_step_1e9_torch python3 scripts/pytorch/adam_step_1e9.py \
+        --out "$out/adam_step_1e9_torch.jsonl" ;;
+    allocator-benches)
+      bench_step cuda_alloc cuda_alloc.txt "$(bench_exe cuda_alloc)" --bench
+      bench_step allocator allocator.txt "$(bench_exe allocator)" --bench ;;
+    cpu-benches)
+      bench_step cpu_vit cpu_vit.txt "$(bench_exe cpu_vit)" --bench
+      bench_step cpu_gemm cpu_gemm.txt "$(bench_exe cpu_gemm)" --bench ;;
+    *) echo "unknown phase $phase (tests vit gpt2 fmb planner reclaim noreclaim plugin benches" \
+         "allocator-benches cpu-benches)" >&2; exit 2 ;;
   esac
 done
+rm -rf "$criterion_home"
 echo "$failed step(s) failed; logs in $out"
 (( failed == 0 ))

@@ -35,3 +35,9 @@ pub use headroom_nn as nn;
 pub use headroom_ops_cpu as ops_cpu;
 pub use headroom_ops_cuda as ops_cuda;
 pub use headroom_optim as optim;
+
+/// The workspace README's Rust blocks, compiled and run as doc tests so that the loop it shows
+/// stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -13,6 +13,7 @@ first-3 peak; the peak is reset again and 6 steps timed with CUDA events give th
 
 Usage:
     python3 scripts/pytorch/bench_reference.py --out anchor.jsonl                 # ViT-L/16, batch 1 and 32, every case
+    python3 scripts/pytorch/bench_reference.py --batch 32 --cases sgd_bf16_model --out anchor_vit_step.jsonl
     python3 scripts/pytorch/bench_reference.py --model gpt2 --seq 1024 --batch 8 \\
         --cases fwd_bwd,fwd_bwd_bf16,adam_fused --out anchor.jsonl
 then `cargo xtask bench-memory ... --pytorch anchor.jsonl` with the same model, batches and cases.
@@ -20,7 +21,10 @@ then `cargo xtask bench-memory ... --pytorch anchor.jsonl` with the same model, 
 Case names are bench-memory's. `adam8bit` needs bitsandbytes (its line reports the error
 without it); bench-memory's cases with no PyTorch counterpart (`adam_foreach_unbounded` is
 `adam_foreach` here, `adam8bit_inbwd`, `adam_inbwd_clip`, `adam_inbwd_clip_prev`,
-`adam_ckpt8bit`, `adam_auto`) are not offered.
+`adam_ckpt8bit`, `adam_auto`) are not offered. `sgd_bf16_model` is no bench-memory case but
+PyTorch's side of `crates/ops-cuda/benches/vit_step.rs`'s bf16 setting: `model.bfloat16()` (bf16
+parameters, input and activations, no autocast) with the default SGD at lr 1e-3; it runs only
+when `--cases` names it.
 """
 import argparse
 import contextlib
@@ -37,6 +41,10 @@ CASES = [
     'adam_inbwd_ckpt', 'adam_fused_clip', 'adam_offload', 'adam_bf16', 'adam_fp16',
     'adam_inbwd_ckpt_bf16', 'fwd_bwd', 'fwd_bwd_bf16',
 ]
+# Cases of other benches, run when --cases names them (not by default, not by find_max_batch.py).
+OTHER_CASES = ['sgd_bf16_model']
+# Cases whose whole model is bf16 (`model.bfloat16()`), without autocast.
+BF16_MODEL_CASES = {'fwd_bwd_bf16', 'sgd_bf16_model'}
 VIT_MODELS = {'vit_l_16', 'vit_b_16'}
 GPT2_MODELS = {  # Hugging Face's configs: (n_embd, n_layer, n_head)
     'gpt2': (768, 12, 12),
@@ -93,7 +101,7 @@ def build_model(model_name, case):
         for i in range(math.ceil(7 * n / 12)):
             blocks[i] = Offloaded(blocks[i])
     model = model.cuda()
-    if case == 'fwd_bwd_bf16':
+    if case in BF16_MODEL_CASES:
         model = model.bfloat16()
     return model
 
@@ -104,7 +112,7 @@ def build_case(case, model_name, seq):
 
     model = build_model(model_name, case)
     params = list(model.parameters())
-    amp = torch.bfloat16 if 'bf16' in case and case != 'fwd_bwd_bf16' else None
+    amp = torch.bfloat16 if 'bf16' in case and case not in BF16_MODEL_CASES else None
     scaler = None
     if 'fp16' in case:
         amp = torch.float16
@@ -113,7 +121,7 @@ def build_case(case, model_name, seq):
     if case.startswith('adam8bit'):
         import bitsandbytes as bnb
         opt = bnb.optim.Adam8bit(params, lr=1e-4)
-    elif case == 'sgd':
+    elif case in ('sgd', 'sgd_bf16_model'):
         opt = torch.optim.SGD(params, lr=1e-3)
     elif case.startswith('fwd_bwd'):
         opt = None
@@ -135,7 +143,7 @@ def build_case(case, model_name, seq):
         opt = torch.optim.Adam(params, lr=1e-4, fused=True)
     clip = case == 'adam_fused_clip'
     language = model_name in GPT2_MODELS
-    dtype = torch.bfloat16 if case == 'fwd_bwd_bf16' else torch.float32
+    dtype = torch.bfloat16 if case in BF16_MODEL_CASES else torch.float32
 
     def make_input(batch):
         if language:
@@ -223,8 +231,8 @@ def main():
     args = parser.parse_args()
     cases = [c for c in args.cases.split(',') if c]
     for case in cases:
-        if case not in CASES:
-            raise SystemExit(f'unknown case {case} (cases: {", ".join(CASES)})')
+        if case not in CASES + OTHER_CASES:
+            raise SystemExit(f'unknown case {case} (cases: {", ".join(CASES + OTHER_CASES)})')
     batches = args.batch or [1, 32]
     if args.one:
         print(json.dumps(run_case(cases[0], args.model, batches[0], args.seq, args.warmup,

@@ -1,10 +1,13 @@
 //! The tables of `crates/caching-allocator/README.md`: the trace corpus and the physical handles
 //! (`cargo xtask replay-trace --corpus --json`), and the steady-state loops (what
-//! `crates/caching-allocator/tests/steady_state.rs` prints).
+//! `crates/caching-allocator/tests/steady_state.rs` prints), the cached allocate + free pair
+//! (criterion's estimates of `benches/allocator.rs` and `benches/cuda_alloc.rs`) and the driver
+//! calls of a map (what `benches/cuda_alloc.rs` prints before its criterion groups).
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
+use super::criterion::{estimates, Estimate};
 use super::{count, json_lines, one_file, row, text, thousands, ResultFile};
 
 /// The corpus traces' names in words (`testdata/traces/corpus.json`'s `name`).
@@ -354,4 +357,250 @@ pub(super) fn allocator_cuda_replay(files: &[ResultFile]) -> Result<Vec<String>>
         lines.push(row(&all));
     }
     Ok(lines)
+}
+
+/// The pair table's rows: a label (`{device}` stands for cuda_alloc's device) and the criterion
+/// id its sizes extend (`ID/BYTES`).
+const PAIR_ROWS: &[(&str, &str)] = &[
+    (
+        "host, classic (device machine CPU)",
+        "alloc_free_pair/host_classic",
+    ),
+    (
+        "simulated, classic (device machine CPU)",
+        "alloc_free_pair/simulated_classic",
+    ),
+    (
+        "simulated, expandable (device machine CPU)",
+        "alloc_free_pair/simulated_expandable",
+    ),
+    (
+        "CUDA on {device}, classic",
+        "cached_pair/CachingAllocator_classic",
+    ),
+    (
+        "CUDA on {device}, expandable",
+        "cached_pair/CachingAllocator_expandable",
+    ),
+    (
+        "`cuMemAlloc` + `cuMemFree` on {device}",
+        "driver_pair/cuMemAlloc_cuMemFree",
+    ),
+    (
+        "`cuMemAllocAsync` + `cuMemFreeAsync` on {device}",
+        "driver_pair/cuMemAllocAsync_cuMemFreeAsync",
+    ),
+];
+
+/// The pair table's columns: (heading, bytes).
+const PAIR_SIZES: [(&str, u64); 3] = [("4 KiB", 4096), ("1 MiB", 1 << 20), ("64 MiB", 64 << 20)];
+
+/// The device `benches/cuda_alloc.rs` ran on: its first line, `device: NAME`.
+fn cuda_device(files: &[ResultFile]) -> Option<&str> {
+    files
+        .iter()
+        .flat_map(|file| file.text.lines())
+        .find_map(|line| line.strip_prefix("device: "))
+        .map(str::trim)
+}
+
+/// A cached allocate + free pair in ns (criterion's estimate), per storage and size, from the
+/// stdout of `benches/allocator.rs` (host and simulated storage) and of `benches/cuda_alloc.rs`
+/// (the caching allocator on CUDA, and the driver's own pairs); `—` where a size is not
+/// measured.
+pub(super) fn allocator_pairs(files: &[ResultFile]) -> Result<Vec<String>> {
+    if files.is_empty() {
+        bail!("reads the stdout of benches/allocator.rs and of benches/cuda_alloc.rs");
+    }
+    let all: Vec<Estimate> = files
+        .iter()
+        .map(estimates)
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .flatten()
+        .collect();
+    let device = cuda_device(files);
+    let mut lines = vec![
+        format!(
+            "| storage | {} |",
+            PAIR_SIZES.map(|(heading, _)| heading).join(" | ")
+        ),
+        format!("|---|{}", "---:|".repeat(PAIR_SIZES.len())),
+    ];
+    for (label, id) in PAIR_ROWS {
+        let cells: Vec<Option<f64>> = PAIR_SIZES
+            .iter()
+            .map(|(_, bytes)| {
+                let wanted = format!("{id}/{bytes}");
+                all.iter()
+                    .find(|estimate| estimate.id == wanted)
+                    .map(|estimate| estimate.mid_ns)
+            })
+            .collect();
+        if cells.iter().all(Option::is_none) {
+            continue;
+        }
+        let label = if label.contains("{device}") {
+            let device = device.with_context(|| {
+                format!("`{id}` is measured but no file names its device (`device: NAME`)")
+            })?;
+            label.replace("{device}", device)
+        } else {
+            label.to_string()
+        };
+        let mut row_cells = vec![label];
+        row_cells.extend(cells.iter().map(|ns| match ns {
+            Some(ns) => thousands(ns.round() as u64),
+            None => "—".to_owned(),
+        }));
+        lines.push(row(&row_cells));
+    }
+    if lines.len() == 2 {
+        bail!("no estimate of a pair (ids alloc_free_pair/…, cached_pair/…, driver_pair/…)");
+    }
+    Ok(lines)
+}
+
+/// The driver calls of a 2 GiB map in 2 MiB handles, as benches/cuda_alloc.rs names them in its
+/// `us per handle:` lines: (the name there, the row's label).
+const DRIVER_CALLS: &[(&str, &str)] = &[
+    ("create", "`cuMemCreate`"),
+    ("map", "`cuMemMap`"),
+    ("release", "`cuMemRelease` (the mapping keeps the memory)"),
+    (
+        "set access (once)",
+        "`cuMemSetAccess`, one call over the whole range",
+    ),
+    ("unmap", "`cuMemUnmap`"),
+];
+
+/// What each driver call of a 2 GiB map costs per 2 MiB handle, from benches/cuda_alloc.rs's
+/// lines `2 MiB handles x1024 (round N), us per handle: create A, map B, …`: the range over its
+/// rounds (one figure where they agree to 0.1 µs).
+pub(super) fn allocator_driver_calls(files: &[ResultFile]) -> Result<Vec<String>> {
+    let file = one_file(files)?;
+    let rounds: Vec<Vec<(&str, f64)>> = file
+        .text
+        .lines()
+        .filter(|line| line.starts_with("2 MiB handles x"))
+        .filter_map(|line| line.split_once("us per handle: "))
+        .map(|(_, calls)| {
+            calls
+                .split(", ")
+                .map(|call| {
+                    let (name, value) = call
+                        .rsplit_once(' ')
+                        .with_context(|| format!("{}: `{call}` is not NAME VALUE", file.path))?;
+                    let value = value
+                        .parse()
+                        .with_context(|| format!("{}: `{value}` in `{call}`", file.path))?;
+                    Ok((name, value))
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<_>>()?;
+    if rounds.is_empty() {
+        bail!("{}: no `2 MiB handles x… us per handle:` line", file.path);
+    }
+    let mut lines = vec![
+        "| driver call, per 2 MiB handle of a 2 GiB map | µs |".to_owned(),
+        "|---|---:|".to_owned(),
+    ];
+    for (name, label) in DRIVER_CALLS {
+        let values = rounds
+            .iter()
+            .map(|round| {
+                round
+                    .iter()
+                    .find(|(found, _)| found == name)
+                    .map(|(_, value)| *value)
+                    .with_context(|| format!("{}: a round without `{name}`", file.path))
+            })
+            .collect::<Result<Vec<f64>>>()?;
+        let low = format!(
+            "{:.1}",
+            values.iter().copied().fold(f64::INFINITY, f64::min)
+        );
+        let high = format!(
+            "{:.1}",
+            values.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+        );
+        let figure = if low == high {
+            low
+        } else {
+            format!("{low}–{high}")
+        };
+        lines.push(row(&[label.to_string(), figure]));
+    }
+    Ok(lines)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{fixture, render};
+
+    const CUDA_ALLOC: &str = "\
+device: NVIDIA H200
+granularity: 2097152 bytes
+2 MiB handles x1024 (round 0), us per handle: create 13.5, map 1.7, release 0.1, set access \
+(once) 36.51, unmap 40.7
+2 MiB handles x1024 (round 1), us per handle: create 13.2, map 1.1, release 0.1, set access \
+(once) 34.93, unmap 40.5
+2 GiB as 1024 handles by 1 thread(s): map 54.3 ms, unmap 40.1 ms
+driver_pair/cuMemAlloc_cuMemFree/1048576
+                        time:   [73.512 µs 73.995 µs 74.480 µs]
+                        thrpt:  [13.426 Kelem/s 13.514 Kelem/s 13.603 Kelem/s]
+cached_pair/CachingAllocator_expandable/67108864
+                        time:   [281.20 ns 282.49 ns 283.90 ns]
+";
+
+    /// Host and simulated rows from allocator.rs's estimates, CUDA rows from cuda_alloc.rs's
+    /// with its device in the label; ns rounded, `—` for a size not measured, rows without any
+    /// estimate left out.
+    #[test]
+    fn pairs_render_by_storage_and_size() {
+        let host = "alloc_free_pair/host_classic/4096\n                        time:   [377.01 ns \
+                    379.45 ns 381.20 ns]\nalloc_free_pair/host_classic/67108864\n      \
+                    time:   [181.5 ns 182.49 ns 183.0 ns]\n";
+        let table = render(
+            "allocator-pairs",
+            &[
+                fixture("results/x/allocator.txt", host),
+                fixture("results/x/cuda_alloc.txt", CUDA_ALLOC),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            table,
+            [
+                "| storage | 4 KiB | 1 MiB | 64 MiB |",
+                "|---|---:|---:|---:|",
+                "| host, classic (device machine CPU) | 379 | — | 182 |",
+                "| CUDA on NVIDIA H200, expandable | — | — | 282 |",
+                "| `cuMemAlloc` + `cuMemFree` on NVIDIA H200 | — | 73,995 | — |",
+            ]
+        );
+    }
+
+    /// Each call's range over the rounds, one figure where they agree.
+    #[test]
+    fn driver_calls_render_as_ranges_over_the_rounds() {
+        let table = render(
+            "allocator-driver-calls",
+            &[fixture("results/x/cuda_alloc.txt", CUDA_ALLOC)],
+        )
+        .unwrap();
+        assert_eq!(
+            table,
+            [
+                "| driver call, per 2 MiB handle of a 2 GiB map | µs |",
+                "|---|---:|",
+                "| `cuMemCreate` | 13.2–13.5 |",
+                "| `cuMemMap` | 1.1–1.7 |",
+                "| `cuMemRelease` (the mapping keeps the memory) | 0.1 |",
+                "| `cuMemSetAccess`, one call over the whole range | 34.9–36.5 |",
+                "| `cuMemUnmap` | 40.5–40.7 |",
+            ]
+        );
+    }
 }

@@ -24,7 +24,7 @@ fn bench_memory_cases(file: &ResultFile) -> Result<Vec<Value>> {
 /// same name, but for `adam_foreach_unbounded`, which compares with PyTorch's foreach (unbounded
 /// too) as `adam_foreach` does. headroom-bench's `bench_memory_case_names` says the same; the
 /// test below holds the two equal.
-fn pytorch_case(case: &str) -> &str {
+pub(super) fn pytorch_case(case: &str) -> &str {
     match case {
         "adam_foreach_unbounded" => "adam_foreach",
         other => other,

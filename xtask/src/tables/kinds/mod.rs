@@ -7,11 +7,14 @@
 //! model's name in words) and, for `nn-golden`, the bound its test holds each model to. It sits
 //! on serde_json and knows nothing of markers or documents. A new kind is one function, in the
 //! module of the tool whose results it reads ([`python`], [`nn`], [`bench_memory`],
-//! [`allocator`]), and one entry of [`KINDS`]; this module holds the reading and formatting they
-//! share.
+//! [`find_max_batch`], [`allocator`], [`cuda_benches`], [`criterion`]), and one entry of
+//! [`KINDS`]; this module holds the reading and formatting they share.
 
 mod allocator;
 mod bench_memory;
+mod criterion;
+mod cuda_benches;
+mod find_max_batch;
 mod nn;
 mod python;
 
@@ -75,6 +78,45 @@ pub(super) const KINDS: &[Kind] = &[
         render: bench_memory::bench_memory_allocators,
     },
     Kind {
+        name: "find-max-batch",
+        reads: "`cargo xtask find-max-batch --json` (gpu-measure.sh's fmb.json) and, optionally, \
+                scripts/pytorch/find_max_batch.py's JSON lines (fmb_torch.jsonl)",
+        render: find_max_batch::find_max_batch,
+    },
+    Kind {
+        name: "vit-step",
+        reads: "the JSON lines of crates/ops-cuda/benches/vit_step.rs (gpu-measure.sh's \
+                vit_step.jsonl) and bench_reference.py's sgd and sgd_bf16_model lines \
+                (anchor_vit_step.jsonl)",
+        render: cuda_benches::vit_step,
+    },
+    Kind {
+        name: "adam-step-1e9",
+        reads: "the JSON lines of crates/optim/benches/cuda_adam.rs (gpu-measure.sh's \
+                cuda_adam.jsonl) and scripts/pytorch/adam_step_1e9.py's \
+                (adam_step_1e9_torch.jsonl)",
+        render: cuda_benches::adam_step_1e9,
+    },
+    Kind {
+        name: "criterion",
+        reads: "the stdout of criterion bench binaries run with --bench (gpu-measure.sh's \
+                cpu-benches phase: cpu_vit.txt, cpu_gemm.txt)",
+        render: criterion::criterion,
+    },
+    Kind {
+        name: "allocator-pairs",
+        reads: "the stdout of the `allocator` bench (host and simulated storage) and of \
+                crates/caching-allocator/benches/cuda_alloc.rs, run with --bench (gpu-measure.sh's \
+                allocator.txt, cuda_alloc.txt)",
+        render: allocator::allocator_pairs,
+    },
+    Kind {
+        name: "allocator-driver-calls",
+        reads: "the stdout of crates/caching-allocator/benches/cuda_alloc.rs (gpu-measure.sh's \
+                cuda_alloc.txt)",
+        render: allocator::allocator_driver_calls,
+    },
+    Kind {
         name: "allocator-corpus",
         reads: "`cargo xtask replay-trace --corpus --json`",
         render: allocator::allocator_corpus,
@@ -119,6 +161,17 @@ pub(super) fn find(name: &str) -> Result<&'static Kind> {
 pub(super) fn render(name: &str, files: &[ResultFile]) -> Result<Vec<String>> {
     let kind = find(name)?;
     (kind.render)(files).with_context(|| format!("`{name}` ({})", kind.reads))
+}
+
+/// A results file for a kind's test: `text` under `path`, without provenance (the kinds do not
+/// read it).
+#[cfg(test)]
+fn fixture(path: &str, text: &str) -> ResultFile {
+    ResultFile {
+        path: path.to_owned(),
+        text: text.to_owned(),
+        meta: Value::Null,
+    }
 }
 
 /// The one file a kind reads.

@@ -1,0 +1,303 @@
+//! The tables of the crates' CUDA benches that print JSON lines, beside PyTorch's side of the
+//! same setting: ViT-L/16 SGD steps (`crates/ops-cuda/benches/vit_step.rs`, against
+//! `scripts/pytorch/bench_reference.py`'s `sgd` and `sgd_bf16_model`) and one Adam step on 1e9
+//! parameters (`crates/optim/benches/cuda_adam.rs`, against `scripts/pytorch/adam_step_1e9.py`).
+//!
+//! It knows the benches' settings and implementations by the names they print, and gives each
+//! its label in words; an implementation it has no label for is an error, so a renamed one
+//! cannot drop out of the table unseen.
+
+use anyhow::{bail, Result};
+use serde_json::Value;
+
+use super::{count, json_lines, number, row, text, ResultFile};
+
+/// Bytes in decimal gigabytes: `11.37 GB`.
+fn gigabytes(bytes: f64) -> String {
+    format!("{:.2} GB", bytes / 1e9)
+}
+
+/// ViT-L/16 steps with SGD: per setting vit_step prints (fp32 at batch 1 and 32, the bf16 model
+/// at batch 32), its median step and peak allocated bytes beside PyTorch's (`sgd` for fp32,
+/// `sgd_bf16_model` for the bf16 model; the same batch, ViT-L/16); `—` where PyTorch has none.
+pub(super) fn vit_step(files: &[ResultFile]) -> Result<Vec<String>> {
+    let (ours, pytorch) = match files {
+        [ours, pytorch] => (json_lines(ours)?, json_lines(pytorch)?),
+        _ => bail!(
+            "reads vit_step's JSON lines and bench_reference.py's, given {} files",
+            files.len()
+        ),
+    };
+    let mut lines = vec![
+        "| setting | Headroom step | peak alloc | PyTorch step | PyTorch peak |".to_owned(),
+        "|---|---:|---:|---:|---:|".to_owned(),
+    ];
+    for setting in ours.iter().filter(|line| line["case"] == "vit_l16_sgd") {
+        let batch = count(setting, "batch")?;
+        let (label, torch_case) = match text(setting, "dtype")? {
+            "F32" => ("fp32", "sgd"),
+            "BF16" => ("bf16 model", "sgd_bf16_model"),
+            other => bail!("{}: no label for dtype `{other}`", files[0].path),
+        };
+        let torch = pytorch.iter().find(|line| {
+            line["case"] == torch_case
+                && line["batch"].as_u64() == Some(batch)
+                && line["model"].as_str().unwrap_or("vit_l_16") == "vit_l_16"
+                && line["step_ms_median"].is_number()
+        });
+        let (torch_ms, torch_peak) = match torch {
+            Some(torch) => (
+                format!("{:.1} ms", number(torch, "step_ms_median")?),
+                gigabytes(number(torch, "steady_peak_alloc")?),
+            ),
+            None => ("—".to_owned(), "—".to_owned()),
+        };
+        lines.push(row(&[
+            format!("{label}, batch {batch}"),
+            format!("{:.1} ms", number(setting, "step_ms")?),
+            gigabytes(number(setting, "peak_allocated_bytes")?),
+            torch_ms,
+            torch_peak,
+        ]));
+    }
+    if lines.len() == 2 {
+        bail!("{}: no `vit_l16_sgd` line", files[0].path);
+    }
+    Ok(lines)
+}
+
+/// Adam at 1e9 parameters, one row per implementation: (label, cuda_adam's `impl`, PyTorch's
+/// `impl` in adam_step_1e9.py where it has that implementation).
+const ADAM_IMPLEMENTATIONS: &[(&str, &str, Option<&str>)] = &[
+    ("fused", "headroom_fused_cuda", Some("torch_fused")),
+    (
+        "foreach (bounded, 16 MiB chunk)",
+        "headroom_foreach_cuda",
+        Some("torch_foreach"),
+    ),
+    (
+        "foreach (bounded, 8 MiB chunk)",
+        "headroom_foreach_chunk2Mi_cuda",
+        None,
+    ),
+    (
+        "foreach (bounded, 4 MiB chunk)",
+        "headroom_foreach_chunk1Mi_cuda",
+        None,
+    ),
+    ("foreach unbounded", "headroom_foreach_unbounded_cuda", None),
+    ("single", "headroom_single_cuda", Some("torch_single")),
+    (
+        "8-bit blockwise (bitsandbytes' update)",
+        "headroom_adam8bit_cuda",
+        Some("bitsandbytes_adam8bit"),
+    ),
+    (
+        "fused, raw buffers (`CudaFusedAdam`)",
+        "headroom_raw_fused_cuda",
+        None,
+    ),
+    (
+        "8-bit, raw buffers (`CudaAdam8bit`)",
+        "headroom_raw_adam8bit_cuda",
+        None,
+    ),
+];
+
+/// The bytes a step allocated beyond its start, in decimal units: `+0 B`, `+16.8 MB`,
+/// `+4.03 GB`.
+fn extra_bytes(bytes: u64) -> String {
+    let value = bytes as f64;
+    if bytes < 1_000 {
+        format!("+{bytes} B")
+    } else if bytes < 1_000_000 {
+        format!("+{:.1} kB", value / 1e3)
+    } else if bytes < 1_000_000_000 {
+        format!("+{:.1} MB", value / 1e6)
+    } else {
+        format!("+{:.2} GB", value / 1e9)
+    }
+}
+
+/// One implementation's cell: median step and extra bytes, `not measured (WHY)` for a line
+/// that reports an error (PyTorch's bitsandbytes where it is not installed).
+fn adam_cell(line: &Value) -> Result<String> {
+    if let Some(error) = line["error"].as_str() {
+        let why = error.split(['(', ':']).next().unwrap_or(error).trim();
+        return Ok(format!("not measured ({why})"));
+    }
+    Ok(format!(
+        "{:.2} ms, {}",
+        number(line, "ms")?,
+        extra_bytes(count(line, "step_extra_bytes")?)
+    ))
+}
+
+/// The `adam_step_1e9` lines of a file by `impl`, every one of them known to
+/// [`ADAM_IMPLEMENTATIONS`] on the side `known` picks.
+fn adam_lines<'a>(
+    file: &ResultFile,
+    lines: &'a [Value],
+    known: impl Fn(&str) -> bool,
+) -> Result<Vec<(&'a str, &'a Value)>> {
+    let mut found = Vec::new();
+    for line in lines.iter().filter(|line| line["case"] == "adam_step_1e9") {
+        let name = text(line, "impl")?;
+        if !known(name) {
+            bail!(
+                "{}: no row for the implementation `{name}` (xtask's ADAM_IMPLEMENTATIONS)",
+                file.path
+            );
+        }
+        found.push((name, line));
+    }
+    Ok(found)
+}
+
+/// Adam at 1e9 parameters: per implementation, the median of 5 steps and the bytes a step
+/// allocates beyond its start, ours beside PyTorch's; `—` where a side has no such
+/// implementation or did not print it.
+pub(super) fn adam_step_1e9(files: &[ResultFile]) -> Result<Vec<String>> {
+    let [ours_file, pytorch_file] = files else {
+        bail!(
+            "reads cuda_adam's JSON lines and adam_step_1e9.py's, given {} files",
+            files.len()
+        );
+    };
+    let (ours_values, pytorch_values) = (json_lines(ours_file)?, json_lines(pytorch_file)?);
+    let ours = adam_lines(ours_file, &ours_values, |name| {
+        ADAM_IMPLEMENTATIONS
+            .iter()
+            .any(|(_, ours, _)| *ours == name)
+    })?;
+    let pytorch = adam_lines(pytorch_file, &pytorch_values, |name| {
+        ADAM_IMPLEMENTATIONS
+            .iter()
+            .any(|(_, _, torch)| *torch == Some(name))
+    })?;
+    if ours.is_empty() {
+        bail!("{}: no `adam_step_1e9` line", ours_file.path);
+    }
+    let cell = |lines: &[(&str, &Value)], name: Option<&str>| -> Result<String> {
+        match lines.iter().find(|(found, _)| Some(*found) == name) {
+            Some((_, line)) => adam_cell(line),
+            None => Ok("—".to_owned()),
+        }
+    };
+    let mut lines = vec![
+        "| implementation | Headroom | PyTorch |".to_owned(),
+        "|---|---|---|".to_owned(),
+    ];
+    for (label, ours_name, torch_name) in ADAM_IMPLEMENTATIONS {
+        let (ours_cell, torch_cell) = (cell(&ours, Some(ours_name))?, cell(&pytorch, *torch_name)?);
+        if ours_cell == "—" && torch_cell == "—" {
+            continue;
+        }
+        lines.push(row(&[label.to_string(), ours_cell, torch_cell]));
+    }
+    Ok(lines)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{fixture, render};
+
+    /// vit_step's settings in its order beside bench_reference.py's `sgd` (fp32) and
+    /// `sgd_bf16_model` lines of the same batch; its `env` line and other cases match nothing.
+    #[test]
+    fn vit_steps_render_beside_pytorch_sgd() {
+        let ours = "{\"case\": \"vit_l16_sgd\", \"dtype\": \"F32\", \"impl\": \"headroom_cuda\", \
+             \"batch\": 1, \"step_ms\": 20.24, \"host_ms\": 9.1, \"peak_allocated_bytes\": \
+             2470000000, \"linear_fallbacks\": 0}\n\
+             {\"case\": \"vit_l16_sgd\", \"dtype\": \"BF16\", \"batch\": 32, \"step_ms\": 30.9, \
+             \"peak_allocated_bytes\": 5714000000}\n";
+        let torch = "{\"case\": \"env\", \"torch\": \"2.11.0\", \"model\": \"vit_l_16\"}\n\
+             {\"case\": \"sgd\", \"model\": \"vit_l_16\", \"batch\": 32, \"step_ms_median\": 298.1, \
+             \"steady_peak_alloc\": 12060000000}\n\
+             {\"case\": \"sgd\", \"model\": \"vit_l_16\", \"batch\": 1, \"step_ms_median\": 37.14, \
+             \"steady_peak_alloc\": 2514000000}\n\
+             {\"case\": \"adam_fused\", \"model\": \"vit_l_16\", \"batch\": 32, \
+             \"step_ms_median\": 1.0, \"steady_peak_alloc\": 1}\n";
+        let table = render(
+            "vit-step",
+            &[
+                fixture("results/x/vit_step.jsonl", ours),
+                fixture("results/x/anchor_vit_step.jsonl", torch),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            table,
+            [
+                "| setting | Headroom step | peak alloc | PyTorch step | PyTorch peak |",
+                "|---|---:|---:|---:|---:|",
+                "| fp32, batch 1 | 20.2 ms | 2.47 GB | 37.1 ms | 2.51 GB |",
+                "| bf16 model, batch 32 | 30.9 ms | 5.71 GB | — | — |",
+            ]
+        );
+    }
+
+    /// Implementations in the table's order, each side's median and extra bytes, PyTorch's
+    /// bitsandbytes line that reports an error as not measured, and rows neither side printed
+    /// left out.
+    #[test]
+    fn adam_steps_render_by_implementation() {
+        let line = |name: &str, ms: f64, extra: u64| {
+            format!(
+                "{{\"case\": \"adam_step_1e9\", \"impl\": \"{name}\", \"ms\": {ms}, \"GBps\": 1.0, \
+                 \"step_extra_bytes\": {extra}, \"times_ms\": [{ms}]}}\n"
+            )
+        };
+        let ours = line("headroom_foreach_cuda", 19.48, 16_777_216)
+            + &line("headroom_fused_cuda", 7.031, 0)
+            + &line("headroom_foreach_unbounded_cuda", 19.484, 4_000_000_000);
+        let torch = line("torch_fused", 9.18, 512)
+            + &line("torch_foreach", 21.16, 4_026_531_840)
+            + &line("torch_single", 18.55, 75_497_472)
+            + "{\"case\": \"adam_step_1e9\", \"impl\": \"bitsandbytes_adam8bit\", \"error\": \
+               \"ModuleNotFoundError(\\\"No module named 'bitsandbytes'\\\")\"}\n";
+        let table = render(
+            "adam-step-1e9",
+            &[
+                fixture("results/x/cuda_adam.jsonl", &ours),
+                fixture("results/x/adam_step_1e9_torch.jsonl", &torch),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            table,
+            [
+                "| implementation | Headroom | PyTorch |",
+                "|---|---|---|",
+                "| fused | 7.03 ms, +0 B | 9.18 ms, +512 B |",
+                "| foreach (bounded, 16 MiB chunk) | 19.48 ms, +16.8 MB | 21.16 ms, +4.03 GB |",
+                "| foreach unbounded | 19.48 ms, +4.00 GB | — |",
+                "| single | — | 18.55 ms, +75.5 MB |",
+                "| 8-bit blockwise (bitsandbytes' update) | — | not measured \
+                 (ModuleNotFoundError) |",
+            ]
+        );
+    }
+
+    /// An implementation without a row is an error naming it, not a row left out.
+    #[test]
+    fn an_unknown_adam_implementation_is_an_error() {
+        let ours = "{\"case\": \"adam_step_1e9\", \"impl\": \"headroom_new_cuda\", \"ms\": 1.0, \
+                    \"step_extra_bytes\": 0}\n";
+        let err = render(
+            "adam-step-1e9",
+            &[
+                fixture("results/x/cuda_adam.jsonl", ours),
+                fixture("results/x/adam_step_1e9_torch.jsonl", ""),
+            ],
+        )
+        .unwrap_err();
+        assert!(
+            format!("{err:#}").ends_with(
+                "results/x/cuda_adam.jsonl: no row for the implementation `headroom_new_cuda` \
+                 (xtask's ADAM_IMPLEMENTATIONS)"
+            ),
+            "{err:#}"
+        );
+    }
+}
