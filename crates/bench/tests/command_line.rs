@@ -170,24 +170,10 @@ fn a_malformed_option_is_clap_s_error_naming_it() {
 /// cases; stderr carries only the progress and the closing line.
 #[test]
 fn the_plan_is_reported_once() {
-    let output = run(
-        &[
-            "bench-memory",
-            "--device",
-            "cpu",
-            "--model",
-            "vit_tiny",
-            "--batch",
-            "4",
-            "--cases",
-            "adam_auto",
-            "--warmup",
-            "1",
-            "--steps",
-            "1",
-        ],
-        None,
-    );
+    let command = "bench-memory --device cpu --model vit_tiny --batch 4 --cases adam_auto \
+                   --warmup 1 --steps 1";
+    let words: Vec<&str> = command.split_whitespace().collect();
+    let output = run(&words, None);
     let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
     assert_eq!(output.status.code(), Some(0), "{stderr}");
     let heading = "adam_auto vit_tiny batch 4: budget ";
