@@ -55,6 +55,8 @@ pub(crate) struct PlanOutcome {
     pub(crate) strategies: Vec<String>,
     /// The plan's table.
     pub(crate) table: String,
+    /// Which lossy strategies the plan takes and why; `None` when every block's is exact.
+    pub(crate) lossy: Option<String>,
     /// The fastest plan of keep and recompute alone within the budget, from the same profile
     /// (predicted only): its step time and its recomputed blocks.
     pub(crate) exact_only: Option<(f64, usize)>,
@@ -142,6 +144,7 @@ pub(crate) fn plan(
             .map(|i| plan.strategy(i).unwrap_or("?").to_owned())
             .collect(),
         table: plan.to_string(),
+        lossy: plan.lossy_explanation(),
         exact_only,
         uniform: None,
     };
@@ -430,6 +433,7 @@ pub(crate) fn json(plan: &PlanOutcome) -> Value {
         "predicted_step_ms": plan.predicted_step_ms,
         "strategies": plan.strategies,
         "table": plan.table,
+        "lossy": plan.lossy,
         "exact_only": plan.exact_only.map(|(ms, recomputed)| json!({
             "predicted_step_ms": ms,
             "n_recomputed": recomputed,
