@@ -5,7 +5,8 @@
 //! bf16 model with stochastic rounding and no master copy. For each: the peak allocated memory,
 //! what the forward keeps for backward, the bytes per parameter of the model state (parameter,
 //! gradient, optimizer state, master copy), the half weights autocast caches during a forward,
-//! the fastest step, and the last loss.
+//! the fastest step, and the last loss; then, for a setting whose steps overflowed in f16 (the
+//! GradScaler drops their updates), a note saying how many (all of them: the model is untrained).
 //!
 //! The settings come from amp: `AmpTraining` for the opt levels, `AmpPolicy` (PyTorch's CUDA
 //! autocast lists) for bf16 autocast, `AdamStochastic` from optim for stochastic rounding. The
@@ -28,6 +29,7 @@ use headroom::autograd_core::{autocast_stats, DType, Generator, Tensor};
 use headroom::nn::{Module, VisionTransformer, VitConfig};
 use headroom::optim::{
     Adam, AdamConfig, AdamStochastic, AdamStochasticConfig, Implementation, Optimizer, ParamGroup,
+    SkipFlag,
 };
 
 use device::Device;
@@ -143,14 +145,15 @@ impl Trainer {
         }
     }
 
-    /// Forward, loss, backward, step, zero_grad; returns the loss, what the forward kept and
-    /// the cast cache's bytes at the end of the forward.
+    /// Forward, loss, backward, step, zero_grad; returns the loss, what the forward kept, the
+    /// cast cache's bytes at the end of the forward, and whether the step was skipped (a flag the
+    /// caller reads once the step's time is taken: a GradScaler leaves it on the device).
     fn step(
         &mut self,
         device: &Device,
         model: &VisionTransformer,
         images: &Tensor,
-    ) -> Result<(Tensor, u64, u64)> {
+    ) -> Result<(Tensor, u64, u64, SkipFlag)> {
         let before = device.allocated();
         let (loss, cache) = {
             let _autocast = match self {
@@ -162,24 +165,27 @@ impl Trainer {
             (loss, autocast_stats().cached_bytes)
         };
         let kept = device.allocated() - before;
-        match self {
+        let skipped = match self {
             Trainer::Level(amp) => {
                 amp.backward(&loss)?;
-                amp.step()?;
+                let skipped = amp.step()?;
                 amp.zero_grad()?;
+                skipped
             }
             Trainer::Autocast(_, optimizer) => {
                 loss.backward()?;
                 optimizer.step()?;
                 optimizer.zero_grad(true)?;
+                SkipFlag::Known(false)
             }
             Trainer::Stochastic(optimizer) => {
                 loss.backward()?;
                 optimizer.step()?;
                 optimizer.zero_grad(true)?;
+                SkipFlag::Known(false)
             }
-        }
-        Ok((loss, kept, cache))
+        };
+        Ok((loss, kept, cache, skipped))
     }
 }
 
@@ -191,6 +197,9 @@ struct Figures {
     cast_cache: u64,
     step_ms: f64,
     loss: f32,
+    /// Steps whose gradients overflowed (their update dropped), of `steps`.
+    overflowed: usize,
+    steps: usize,
 }
 
 fn measure(device: &Device, config: VitConfig, batch: usize, setting: Setting) -> Result<Figures> {
@@ -215,14 +224,17 @@ fn measure(device: &Device, config: VitConfig, batch: usize, setting: Setting) -
         cast_cache: 0,
         step_ms: f64::INFINITY,
         loss: 0.0,
+        overflowed: 0,
+        steps: warmup + timed,
     };
     for step in 0..warmup + timed {
         device.synchronize()?;
         device.reset_peak();
         let start = Instant::now();
-        let (loss, kept, cache) = trainer.step(device, &model, &images)?;
+        let (loss, kept, cache, skipped) = trainer.step(device, &model, &images)?;
         device.synchronize()?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
+        figures.overflowed += usize::from(skipped.read()?);
         figures.loss = loss.to_vec::<f32>()?[0];
         if step >= warmup {
             figures.step_ms = figures.step_ms.min(ms);
@@ -237,6 +249,26 @@ fn measure(device: &Device, config: VitConfig, batch: usize, setting: Setting) -
     let grads = (n_params * dtype.size_in_bytes()) as u64;
     figures.state_per_param = (persistent + grads) as f64 / n_params as f64;
     Ok(figures)
+}
+
+/// What a setting's overflowed steps mean for its row; `None` when every update was applied.
+/// (The word the GPU scripts watch for is not printed: an overflow is the GradScaler working.)
+fn overflow_note(setting: Setting, f: &Figures) -> Option<String> {
+    match f.overflowed {
+        0 => None,
+        n if n == f.steps => Some(format!(
+            "{}: every one of its {n} steps overflowed in f16, so the GradScaler dropped every \
+             update (and halved the loss scale each time): its weights never moved, its loss is \
+             the untrained model's, and its step time is that of a step without an update.",
+            setting.label()
+        )),
+        n => Some(format!(
+            "{}: {n} of its {} steps overflowed in f16; the GradScaler dropped their updates \
+             (and halved the loss scale each time).",
+            setting.label(),
+            f.steps
+        )),
+    }
 }
 
 fn gb(bytes: u64) -> String {
@@ -280,6 +312,7 @@ fn main() -> Result<()> {
         .filter(|a| !a.starts_with("--"))
         .collect();
     let mut baseline: Option<f64> = None;
+    let mut notes = Vec::new();
     for setting in Setting::ALL
         .into_iter()
         .filter(|s| picked.is_empty() || picked.iter().any(|p| p == s.key()))
@@ -297,6 +330,12 @@ fn main() -> Result<()> {
             ratio,
             f.loss
         );
+        if let Some(note) = overflow_note(setting, &f) {
+            notes.push(note);
+        }
+    }
+    for note in notes {
+        println!("\n{note}");
     }
     Ok(())
 }

@@ -11,9 +11,10 @@
 //! 3. 8-bit Adam inside backward: the state shrinks too.
 //!
 //! Printed per variant: the peak allocated over three steps and the fastest step. Written to the
-//! output folder (first argument, default `optimizer_in_backward_out`): `standard.pickle` and
-//! `in_backward.pickle` (the third step's allocator history, for https://pytorch.org/memory_viz)
-//! and `timeline.html` (allocated bytes over that step, both loops side by side). On a GPU (built
+//! output folder (first argument, default `target/example-output/optimizer_in_backward` in the
+//! workspace): `standard.pickle` and `in_backward.pickle` (the third step's allocator history,
+//! for https://pytorch.org/memory_viz) and `timeline.html` (allocated bytes over that step, both
+//! loops side by side). On a GPU (built
 //! with `--features cuda`; auto, or `--cuda`): torchvision's ViT-L/16 at batch 1, the tutorial's
 //! setting; on the CPU, `VitConfig::mini()`. See README.md.
 
@@ -25,7 +26,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use headroom::autograd_core::{DType, Generator, Tensor};
 use headroom::caching_allocator::{write_pickle, Snapshot, TraceAction};
 use headroom::hooks::{InBackward, InBackwardConfig, DEFAULT_BUCKET_BYTES};
@@ -214,13 +215,23 @@ fn gb(bytes: u64) -> String {
     }
 }
 
+/// Where the files go when no folder is named: under the workspace's `target/`, beside what
+/// cargo builds (ignored by git, removed by `cargo clean`).
+fn default_out_dir() -> String {
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/target/example-output/optimizer_in_backward"
+    )
+    .to_owned()
+}
+
 fn main() -> Result<()> {
     let device = Device::from_args()?;
     let out = std::env::args()
         .skip(1)
         .find(|a| !a.starts_with("--"))
-        .unwrap_or_else(|| "optimizer_in_backward_out".into());
-    std::fs::create_dir_all(&out)?;
+        .unwrap_or_else(default_out_dir);
+    std::fs::create_dir_all(&out).with_context(|| format!("OUT_DIR {out}: cannot create it"))?;
     let (name, config) = if device.is_cuda() {
         ("ViT-L/16", VitConfig::vit_l_16())
     } else {

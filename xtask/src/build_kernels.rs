@@ -29,22 +29,26 @@ const PINNED_PACKAGES: &[&str] = &[
 ];
 const COMPILER: &str = "nvcc 13.0.88";
 
-pub(crate) fn run(args: &[String]) -> Result<()> {
-    match args {
-        [] => build(),
-        [flag] if flag == "--check" => {
-            let stale = stale_kernels(&project_root())?;
-            if stale.is_empty() {
-                println!("build-kernels: committed PTX is up to date");
-                return Ok(());
-            }
-            bail!(
-                "committed PTX out of date:\n{}\nrun `cargo xtask build-kernels`",
-                stale.join("\n")
-            )
-        }
-        _ => bail!("usage: cargo xtask build-kernels [--check]"),
+/// `cargo xtask build-kernels --help`'s description.
+pub(crate) const LONG_ABOUT: &str = "Compiles crates/*/kernels/*.cu to the committed PTX.\n\n\
+     nvcc comes from NVCC, else a nvcc on PATH, else a virtualenv under target/nvcc-venv that \
+     this task creates with pip (pinned to CUDA 13.0). --check only tells whether the committed \
+     PTX matches the sources (no nvcc needed).";
+
+/// `cargo xtask build-kernels [--check]`.
+pub(crate) fn run(check: bool) -> Result<()> {
+    if !check {
+        return build();
     }
+    let stale = stale_kernels(&project_root())?;
+    if stale.is_empty() {
+        println!("build-kernels: committed PTX is up to date");
+        return Ok(());
+    }
+    bail!(
+        "committed PTX out of date:\n{}\nrun `cargo xtask build-kernels`",
+        stale.join("\n")
+    )
 }
 
 /// Folders of `.cu` sources, each with its `ptx/` output and manifest.

@@ -5,8 +5,9 @@
 //! run exits. So `cargo xtask tidy` and `cargo xtask tables` build no model, optimizer or CUDA
 //! code, while what a measurement times is optimised code.
 //!
-//! It knows the commands' names and one line about each; their options are headroom-bench's
-//! (`cargo xtask <command> --help`).
+//! It knows the commands' names and one line about each (`cargo xtask --help`); their options
+//! are headroom-bench's, and `cargo xtask <command> --help` is passed on to it like any other
+//! argument, so the help printed is the binary's own.
 
 use std::process::Command;
 
@@ -14,21 +15,25 @@ use anyhow::{Context, Result};
 
 use crate::project_root;
 
-/// The commands headroom-bench's binary runs.
-pub(crate) const COMMANDS: [&str; 3] = ["bench-memory", "find-max-batch", "replay-trace"];
+/// A measurement's arguments, passed on untouched (`--help` among them).
+#[derive(Debug, clap::Args)]
+pub(crate) struct Forwarded {
+    /// headroom-bench's options for the command.
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "OPTIONS"
+    )]
+    pub(crate) args: Vec<String>,
+}
 
-/// Their lines in `cargo xtask --help`.
-pub(crate) const USAGE: &str = "  bench-memory [options]
-      Peak allocated and reserved bytes, where the memory goes and step time, per optimizer and
-      technique, on a ViT or GPT-2, beside PyTorch's figures (--pytorch).
-  find-max-batch [options]
-      The largest batch each bench-memory case trains at under a memory cap.
-  replay-trace FILE [options] | replay-trace --corpus [--json]
-      A PyTorch allocator trace through Headroom's caching allocator on simulated memory.
-    These three are crates/bench's binary (headroom-bench), built in release with CUDA compiled
-    in (a GPU is used when one answers); `cargo xtask <command> --help` lists a command's
-    options.
-";
+/// What `cargo xtask help <command>` says of the measurement `command`'s options.
+pub(crate) fn forwarded_help(command: &str) -> String {
+    format!(
+        "Its options are headroom-bench's (crates/bench): `cargo xtask {command} --help` builds \
+         that binary in release and prints them."
+    )
+}
 
 /// Runs `command` with `args` through headroom-bench's binary, in release; exits with its status
 /// when it fails (it has printed its error).
@@ -97,13 +102,25 @@ mod tests {
         assert!(pairs.contains(&["--manifest-path", manifest.as_str()]));
     }
 
-    /// xtask forwards exactly the commands headroom-bench's binary knows.
+    /// xtask forwards exactly the commands headroom-bench's binary knows, each with its help
+    /// flag left to headroom-bench.
     #[test]
     fn the_forwarded_commands_are_headroom_benchs() {
-        let theirs: Vec<&str> = headroom_bench::Command::ALL
-            .iter()
-            .map(|command| command.name())
+        use clap::CommandFactory;
+
+        let names = |command: clap::Command| -> Vec<String> {
+            command
+                .get_subcommands()
+                .filter(|sub| sub.get_name() != "help")
+                .map(|sub| sub.get_name().to_owned())
+                .collect()
+        };
+        let theirs = names(headroom_bench::Cli::command());
+        let ours: Vec<String> = crate::Cli::command()
+            .get_subcommands()
+            .filter(|sub| sub.is_disable_help_flag_set())
+            .map(|sub| sub.get_name().to_owned())
             .collect();
-        assert_eq!(super::COMMANDS.to_vec(), theirs);
+        assert_eq!(ours, theirs);
     }
 }

@@ -15,10 +15,12 @@
 //! batch that fits and the smallest that does not are bracketed, and bisects the rest. The
 //! result is exact: the largest batch fits and the next one does not.
 //!
-//! It sits on `bench_memory`'s models, cases and training loop and on the backends' caching
-//! allocators; it knows nothing about how `bench-memory` reports.
+//! Its options are [`command_line`]'s. It sits on `bench_memory`'s models, cases and training
+//! loop and on the backends' caching allocators; it knows nothing about how `bench-memory`
+//! reports.
 
-use std::path::PathBuf;
+mod command_line;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -37,105 +39,17 @@ use crate::bench_memory::measure::Protocol;
 use crate::bench_memory::models::{Input, Model};
 use crate::bench_memory::training::{Probe, Training};
 use crate::bench_memory::DeviceChoice;
+use crate::output_paths;
+pub(crate) use command_line::Args;
+use command_line::{Options, CPU_DEFAULT_CAP_MIB, CUDA_DEFAULT_CAP_MIB};
 
-pub(crate) const USAGE: &str =
-    "  find-max-batch [--device auto|cpu|cuda] [--model NAME] [--seq N] [--cases a,b,c]
-                 [--memory-cap-mb N] [--max-batch N] [--json FILE] [--pytorch FILE]
-      The largest batch each bench-memory case trains at (one step: forward, backward, optimizer
-      step) under a cap of N MiB that the allocator enforces (per_process_memory_fraction;
-      default 24576 on CUDA, 128 on the CPU). Doubling through batch 16, a probe where the
-      line through the measured allocated peaks reaches the cap, then galloping and bisection;
-      every out-of-memory error is caught and the allocator must come back to the case's baseline
-      bytes. Default model: vit_l_16 on CUDA, vit_mini on the CPU (--seq: tokens a row for
-      gpt2, gpt2-medium, gpt2-large). Cases: bench-memory's, adam_auto excepted (default all the
-      device runs). --json writes one object per case (case, max_batch, peak_allocated_bytes
-      at that batch, ooms, seconds, every probe), rewritten after each case (`complete` is
-      true once every case ran); --pytorch reads the JSON lines of
-      scripts/pytorch/find_max_batch.py and adds PyTorch's figures.
-";
-
-/// Default caps in MiB.
-const CUDA_DEFAULT_CAP_MIB: u64 = 24 << 10;
-const CPU_DEFAULT_CAP_MIB: u64 = 128;
-
-/// The parsed command line.
-#[derive(Debug, Clone)]
-struct Options {
-    device: DeviceChoice,
-    model: Option<Model>,
-    seq: Option<usize>,
-    /// Empty: every case the device runs.
-    cases: Vec<Case>,
-    cap_mib: Option<u64>,
-    /// No probe goes above this batch.
-    max_batch: usize,
-    json: Option<PathBuf>,
-    pytorch: Option<PathBuf>,
-    command: String,
-}
-
-/// `cargo xtask find-max-batch ARGS`.
-pub(crate) fn run(args: &[String]) -> Result<()> {
-    if args.iter().any(|arg| arg == "--help" || arg == "-h") {
-        print!("usage:\n{USAGE}");
-        return Ok(());
+/// `cargo xtask find-max-batch ARGS`: checks the output path, then searches.
+pub(crate) fn run(args: Args, command: String) -> Result<()> {
+    let options = Options::new(args, command)?;
+    if let Some(path) = &options.json {
+        output_paths::check_file("--json", path)?;
     }
-    execute(&parse(args)?).map(|_| ())
-}
-
-fn parse(args: &[String]) -> Result<Options> {
-    let mut options = Options {
-        device: DeviceChoice::Auto,
-        model: None,
-        seq: None,
-        cases: Vec::new(),
-        cap_mib: None,
-        max_batch: 1 << 16,
-        json: None,
-        pytorch: None,
-        command: std::iter::once("cargo xtask find-max-batch".to_owned())
-            .chain(args.iter().cloned())
-            .collect::<Vec<_>>()
-            .join(" "),
-    };
-    let mut args = args.iter();
-    while let Some(arg) = args.next() {
-        let mut value = || {
-            args.next()
-                .with_context(|| format!("{arg} needs a value"))
-                .cloned()
-        };
-        let positive = |text: String| -> Result<usize> {
-            match text.parse::<usize>() {
-                Ok(n) if n > 0 => Ok(n),
-                _ => bail!("{arg} {text}: expected a whole number of at least 1"),
-            }
-        };
-        match arg.as_str() {
-            "--device" => options.device = DeviceChoice::parse(&value()?)?,
-            "--model" => options.model = Some(Model::named(&value()?)?),
-            "--seq" => options.seq = Some(positive(value()?)?),
-            "--cases" => {
-                options.cases = Case::parse_list(&value()?)?;
-                if options.cases.contains(&Case::AdamAuto) {
-                    bail!(
-                        "adam_auto plans checkpointing for a byte budget, not a batch: \
-                         leave it out of --cases (bench-memory --budget measures it)"
-                    );
-                }
-            }
-            "--memory-cap-mb" => {
-                let mib = positive(value()?)? as u64;
-                crate::mib_to_bytes("--memory-cap-mb", mib)?;
-                options.cap_mib = Some(mib);
-            }
-            "--max-batch" => options.max_batch = positive(value()?)?,
-            "--json" => options.json = Some(value()?.into()),
-            "--pytorch" => options.pytorch = Some(value()?.into()),
-            other => bail!("unknown option {other}\n\nusage:\n{USAGE}"),
-        }
-    }
-    Ok(options)
+    execute(&options).map(|_| ())
 }
 
 /// What the search found for one case.
@@ -185,11 +99,14 @@ fn execute(options: &Options) -> Result<Vec<Found>> {
         Some(path) => read_pytorch(path)?,
         None => Vec::new(),
     };
+    // Read before any device: a malformed value names the variable, on the CPU too.
+    let allocator_config = crate::allocator_config_from_env()?;
     let cuda = match options.device {
         DeviceChoice::Cpu => false,
         DeviceChoice::Cuda => true,
         DeviceChoice::Auto => CudaStorage::new(0).is_ok(),
     };
+    let cases = cases_to_search(options, cuda)?;
     let cap_mib = options.cap_mib.unwrap_or(if cuda {
         CUDA_DEFAULT_CAP_MIB
     } else {
@@ -198,7 +115,7 @@ fn execute(options: &Options) -> Result<Vec<Found>> {
     let cap = crate::mib_to_bytes("--memory-cap-mb", cap_mib)?;
     let (found, device_name) = if cuda {
         let total = CudaStorage::new(0)
-            .context("--device cuda")?
+            .context("--device cuda (--device cpu runs on the CPU backend; auto picks)")?
             .memory_info()
             .total;
         ensure!(
@@ -207,27 +124,25 @@ fn execute(options: &Options) -> Result<Vec<Found>> {
             total >> 20
         );
         let config = capped_config(cap as f64 / total as f64)?;
-        let backend = CudaBackend::with_config(0, config).context("--device cuda")?;
+        let backend = CudaBackend::with_config(0, config)
+            .context("--device cuda (--device cpu runs on the CPU backend; auto picks)")?;
         let probe = Probe {
             backend: backend.clone(),
             device: "cuda:0".into(),
             profile_ops: None,
         };
         let name = backend.allocator().with_storage(|s| s.device_name());
-        let found = search_cases(&probe, options, "vit_l_16", true, cap, &mut |found| {
+        let found = search_cases(&probe, options, "vit_l_16", &cases, cap, &mut |found| {
             write_json(options, &name, cap, started, found, &pytorch, false)
         })?;
         (found, name)
     } else {
-        let allocator = CachingAllocator::new(
-            HostStorage::with_capacity(cap),
-            AllocatorConfig::from_env()?,
-        );
+        let allocator = CachingAllocator::new(HostStorage::with_capacity(cap), allocator_config);
         let cpu = Arc::new(CpuBackend::new(allocator));
         let probe = Probe::cpu(&cpu);
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let name = format!("CPU backend, {threads} threads");
-        let found = search_cases(&probe, options, "vit_mini", false, cap, &mut |found| {
+        let found = search_cases(&probe, options, "vit_mini", &cases, cap, &mut |found| {
             write_json(options, &name, cap, started, found, &pytorch, false)
         })?;
         (found, name)
@@ -287,12 +202,25 @@ fn capped_config(fraction: f64) -> Result<AllocatorConfig> {
     AllocatorConfig::parse(&conf).with_context(|| format!("allocator settings `{conf}`"))
 }
 
-/// Every case asked for, in order; `after_each` sees the results so far after each case.
+/// The cases the options ask for, on CUDA or on the CPU: an error, before any search, for a
+/// case the CPU cannot run.
+fn cases_to_search(options: &Options, cuda: bool) -> Result<Vec<Case>> {
+    if options.cases.is_empty() {
+        return Ok(Case::ALL
+            .into_iter()
+            .filter(|case| *case != Case::AdamAuto && (cuda || !case.needs_cuda()))
+            .collect());
+    }
+    Case::refuse_cuda_only(&options.cases, cuda)?;
+    Ok(options.cases.clone())
+}
+
+/// `cases` in order; `after_each` sees the results so far after each case.
 fn search_cases(
     probe: &Probe<'_>,
     options: &Options,
     default_model: &str,
-    cuda: bool,
+    cases: &[Case],
     cap: u64,
     after_each: &mut dyn FnMut(&[Found]) -> Result<()>,
 ) -> Result<Vec<Found>> {
@@ -304,19 +232,11 @@ fn search_cases(
         Some(seq) => model.with_seq(seq)?,
         None => model,
     };
-    let cases: Vec<Case> = if options.cases.is_empty() {
-        Case::ALL
-            .into_iter()
-            .filter(|case| *case != Case::AdamAuto && (cuda || !case.needs_cuda()))
-            .collect()
-    } else {
-        options.cases.clone()
-    };
     let mut found = Vec::with_capacity(cases.len());
     // What the allocator holds between cases: the backend's own buffers (cuBLAS's workspace,
     // made by the first case's first product) and nothing of any case.
     let mut resting = None;
-    for case in cases {
+    for &case in cases {
         let result = find_max_batch(probe, model, case, cap, options.max_batch)?;
         let held = probe.allocator().memory_allocated();
         let expected = *resting.get_or_insert(held);

@@ -1,77 +1,71 @@
-//! Headroom's measurements, one [`Command`] each: `bench-memory` (peak memory, where it goes and
+//! Headroom's measurements, one subcommand each: `bench-memory` (peak memory, where it goes and
 //! step time, per optimizer and technique, beside PyTorch's figures), `find-max-batch` (the
 //! largest batch each case trains at under a memory cap) and `replay-trace` (a PyTorch allocator
 //! trace through Headroom's allocator on simulated memory).
 //!
-//! Each command is one module with its usage text and a `run(args)` entry point, called by this
-//! crate's binary (`headroom-bench <command> [options]`), which `cargo xtask <command>` builds in
-//! release and runs, so what is timed is optimised code. It sits on top of the library crates
-//! (models, optimizers, techniques, both backends with CUDA compiled in) and may use anyhow; no
-//! library crate depends on it. It knows nothing about the workspace's other tasks (xtask's
-//! `tidy`, `tables`, `build-kernels`), which read the JSON it writes from files only.
+//! The command line is [`Cli`], declared with clap: each command's options are one `Args`
+//! struct in its module, and its `--help` is generated from the same tables its errors name
+//! (the cases, the models, the devices). This crate's binary (`headroom-bench <command>
+//! [options]`) parses it and runs it; `cargo xtask <command>` builds that binary in release and
+//! runs it, so what is timed is optimised code. A command checks what it can before it measures
+//! anything: the output paths it will write (`output_paths.rs`), `HEADROOM_ALLOC_CONF`
+//! (`allocator_config_from_env`), cases the device cannot run.
+//!
+//! It sits on top of the library crates (models, optimizers, techniques, both backends with CUDA
+//! compiled in) and may use anyhow; no library crate depends on it. It knows nothing about the
+//! workspace's other tasks (xtask's `tidy`, `tables`, `build-kernels`), which read the JSON it
+//! writes from files only.
 
 mod bench_memory;
 mod find_max_batch;
+mod output_paths;
 mod replay_trace;
 
-use anyhow::{bail, Result};
+#[cfg(test)]
+mod cli_tests;
 
-/// One measurement, by its command name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Command {
-    /// `bench-memory`: trains a model with each optimizer and technique and reports, per case,
-    /// peak allocated and reserved bytes, step time and where the memory goes.
-    BenchMemory,
-    /// `find-max-batch`: the largest batch each bench-memory case trains at under a memory cap
-    /// the allocator enforces.
-    FindMaxBatch,
-    /// `replay-trace`: a PyTorch allocator trace through Headroom's caching allocator on
-    /// simulated memory.
-    ReplayTrace,
+use anyhow::{bail, Result};
+use clap::{Parser, Subcommand};
+use headroom_caching_allocator::{AllocatorConfig, ALLOC_CONF_ENV};
+
+/// `headroom-bench <command> [options]`: the command line of this crate's binary.
+#[derive(Debug, Parser)]
+#[command(
+    name = "headroom-bench",
+    about = "Headroom's measurements (also run as `cargo xtask <command> [options]`)",
+    // `cargo xtask bench-memory ...` is how most people run it: the usage line says both.
+    override_usage = "headroom-bench <COMMAND> [OPTIONS]\n       cargo xtask <COMMAND> [OPTIONS]"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
 }
 
-impl Command {
-    /// Every command, in the order the usage lists them.
-    pub const ALL: [Command; 3] = [
-        Command::BenchMemory,
-        Command::FindMaxBatch,
-        Command::ReplayTrace,
-    ];
+/// One measurement and its options.
+#[derive(Debug, Subcommand)]
+enum Command {
+    BenchMemory(bench_memory::Args),
+    FindMaxBatch(find_max_batch::Args),
+    ReplayTrace(replay_trace::Args),
+}
 
-    /// The command's name on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            Command::BenchMemory => "bench-memory",
-            Command::FindMaxBatch => "find-max-batch",
-            Command::ReplayTrace => "replay-trace",
+impl Cli {
+    /// Runs the command that was parsed. `command_line` is what the JSON documents record as the
+    /// command (e.g. `cargo xtask bench-memory --batch 1`).
+    pub fn run(self, command_line: String) -> Result<()> {
+        match self.command {
+            Command::BenchMemory(args) => bench_memory::run(args, command_line),
+            Command::FindMaxBatch(args) => find_max_batch::run(args, command_line),
+            Command::ReplayTrace(args) => replay_trace::run(args),
         }
     }
+}
 
-    /// The command named `name`, if there is one.
-    pub fn named(name: &str) -> Option<Command> {
-        Command::ALL
-            .into_iter()
-            .find(|command| command.name() == name)
-    }
-
-    /// The command's options and what it does, as its `--help` prints them (indented, for a
-    /// list of commands).
-    pub fn usage(self) -> &'static str {
-        match self {
-            Command::BenchMemory => bench_memory::USAGE,
-            Command::FindMaxBatch => find_max_batch::USAGE,
-            Command::ReplayTrace => replay_trace::USAGE,
-        }
-    }
-
-    /// Runs the command with `args` (what follows its name on the command line).
-    pub fn run(self, args: &[String]) -> Result<()> {
-        match self {
-            Command::BenchMemory => bench_memory::run(args),
-            Command::FindMaxBatch => find_max_batch::run(args),
-            Command::ReplayTrace => replay_trace::run(args),
-        }
-    }
+/// `headroom-bench` followed by `words`, parsed as the binary parses its command line.
+#[cfg(test)]
+fn parse_command_line(words: &[&str]) -> Result<Command, clap::Error> {
+    Cli::try_parse_from(std::iter::once("headroom-bench").chain(words.iter().copied()))
+        .map(|cli| cli.command)
 }
 
 /// Every bench-memory case, in report order, as (its name, the name of `torch_reference.py`'s
@@ -92,6 +86,23 @@ fn project_root() -> std::path::PathBuf {
         .to_path_buf()
 }
 
+/// The allocator settings of `HEADROOM_ALLOC_CONF` (Headroom's defaults when it is unset), read
+/// before any measurement: a malformed value is an error that names the variable and its value,
+/// never a reason to fall back to another device.
+fn allocator_config_from_env() -> Result<AllocatorConfig> {
+    AllocatorConfig::from_env().map_err(|err| {
+        let variable = match std::env::var_os(ALLOC_CONF_ENV) {
+            Some(value) => format!("{ALLOC_CONF_ENV}={value:?}"),
+            None => ALLOC_CONF_ENV.to_owned(),
+        };
+        anyhow::anyhow!(
+            "{variable}: {:#}; fix or unset {ALLOC_CONF_ENV} (PYTORCH_CUDA_ALLOC_CONF's syntax, \
+             e.g. expandable_segments:True,max_split_size_mb:512)",
+            anyhow::Error::new(err)
+        )
+    })
+}
+
 /// `mib` MiB in bytes, for the option `flag`: an error naming the flag where the bytes would not
 /// fit in a `u64` (a wrapped product would silently become a tiny cap or a zero bucket).
 fn mib_to_bytes(flag: &str, mib: u64) -> Result<u64> {
@@ -101,5 +112,14 @@ fn mib_to_bytes(flag: &str, mib: u64) -> Result<u64> {
             "{flag} {mib}: too large to count in bytes (at most {} MiB)",
             u64::MAX >> 20
         ),
+    }
+}
+
+/// A whole number of at least 1, for clap's value parsers (`--batch`, `--steps`, ...).
+fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".to_owned()),
+        Ok(n) => Ok(n),
+        Err(err) => Err(format!("not a whole number ({err})")),
     }
 }

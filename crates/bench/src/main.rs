@@ -1,37 +1,26 @@
-//! `headroom-bench <command> [options]`: the measurements of [`headroom_bench`], one command each
-//! ([`Command`]). `cargo xtask bench-memory | find-max-batch | replay-trace` builds this binary
-//! in release and runs it with the same arguments; on a GPU machine without cargo it runs alone
-//! (`scripts/gpu-measure.sh`).
+//! `headroom-bench <command> [options]`: the measurements of [`headroom_bench`], one subcommand
+//! each ([`headroom_bench::Cli`]). `cargo xtask bench-memory | find-max-batch | replay-trace`
+//! builds this binary in release and runs it with the same arguments; on a GPU machine without
+//! cargo it runs alone (`scripts/gpu-measure.sh`).
+//!
+//! `--help` prints to stdout and exits 0; a mistake on the command line is clap's message and
+//! exit status 2; an error while running is one line, `error: ` and the error's chain, and exit
+//! status 1, with no backtrace (whatever `RUST_BACKTRACE` says).
 
-use anyhow::{bail, Result};
-use headroom_bench::Command;
+use std::process::ExitCode;
 
-fn main() -> Result<()> {
-    let mut args = std::env::args().skip(1);
-    let Some(name) = args.next() else {
-        print!("{}", usage());
-        return Ok(());
-    };
-    let rest: Vec<String> = args.collect();
-    if let Some(command) = Command::named(&name) {
-        return command.run(&rest);
-    }
-    match name.as_str() {
-        "help" | "--help" | "-h" => {
-            print!("{}", usage());
-            Ok(())
+use clap::Parser;
+use headroom_bench::Cli;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let arguments: Vec<String> = std::env::args().skip(1).collect();
+    let command_line = format!("cargo xtask {}", arguments.join(" "));
+    match cli.run(command_line) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
         }
-        other => bail!("unknown command `{other}`\n\n{}", usage()),
     }
-}
-
-fn usage() -> String {
-    let mut text =
-        "usage: headroom-bench <command> [options] (or cargo xtask <command> [options])\n\
-                    \ncommands:\n"
-            .to_owned();
-    for command in Command::ALL {
-        text += command.usage();
-    }
-    text
 }

@@ -24,35 +24,58 @@ use headroom_caching_allocator::{
     SimulatedStorage,
 };
 
+use crate::output_paths;
+
 /// An H200's memory as `cudaMemGetInfo` reports it.
 const H200_BYTES: u64 = 150_754_820_096;
 
-/// The command's line in `cargo xtask --help`, and its `--help`.
-pub(crate) const USAGE: &str =
-    "  replay-trace FILE [--conf STRING] [--capacity BYTES] [--json] [--snapshot OUT.pickle]
-               [--repeat N]
-  replay-trace --corpus [--json]
-      Replays a PyTorch allocator trace (.tsv, .tsv.gz, or a snapshot .pickle or .json)
-      through Headroom's caching allocator on simulated memory and prints what it measured.
-      Segments land at the recorded addresses where they fit, as the device placed them.
-      The replay starts from the baseline: the blocks live before recording began (a
-      snapshot's active blocks its history never allocates, e.g. the parameters, and the
-      blocks a trace frees without having allocated them), allocated first with their
-      requested sizes and streams; peaks include it, and the report states its bytes.
-      --conf takes PYTORCH_CUDA_ALLOC_CONF's syntax (default: HEADROOM_ALLOC_CONF, else
-      Headroom's defaults); --capacity defaults to an H200's 150,754,820,096 bytes; events per
-      second are the best of N replays (default 5); with --snapshot, history is recorded
-      during the last replay and the final snapshot is written as a pickle (the baseline
-      shows as the first allocations, labelled `live before recording`).
-      --corpus replays every trace of testdata/traces/corpus.json (recorded by
-      scripts/traces/record.py) through PyTorch's classic and expandable policies and the
-      default one, and prints each peak reserved next to PyTorch's, with the ratios to the
-      peak of live requests rounded to 512 B; with --json, one JSON line per trace: PyTorch's
-      figures and each replay's report, waits and physical handles (classic, PyTorch's
-      expandable, the default, reclaiming(), the default with 8 and 32 MiB handles), what
-      the allocator README's corpus tables render from (`cargo xtask tables`).
-";
+/// A PyTorch allocator trace through Headroom's caching allocator on simulated memory.
+#[derive(Debug, Clone, clap::Args)]
+#[command(long_about = LONG_ABOUT)]
+pub(crate) struct Args {
+    /// The trace: .tsv, .tsv.gz, or a snapshot .pickle or .json.
+    #[arg(value_name = "FILE", required_unless_present = "corpus")]
+    file: Option<PathBuf>,
+    /// Replays every trace of testdata/traces/corpus.json instead (see below).
+    #[arg(long, conflicts_with_all = ["file", "conf", "capacity", "snapshot", "repeat"])]
+    corpus: bool,
+    /// Allocator settings in PYTORCH_CUDA_ALLOC_CONF's syntax (default: HEADROOM_ALLOC_CONF,
+    /// else Headroom's defaults).
+    #[arg(long, value_name = "STRING")]
+    conf: Option<String>,
+    /// The simulated device's bytes (the default is an H200's).
+    #[arg(long, value_name = "BYTES", default_value_t = H200_BYTES)]
+    capacity: u64,
+    /// Prints one JSON object (with --corpus, one JSON line per trace).
+    #[arg(long)]
+    json: bool,
+    /// Records history during one more replay and writes the final snapshot as a pickle (the
+    /// baseline shows as the first allocations, labelled `live before recording`).
+    #[arg(long, value_name = "OUT.pickle")]
+    snapshot: Option<PathBuf>,
+    /// Events per second are the best of N replays.
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    repeat: u32,
+}
 
+const LONG_ABOUT: &str = "A PyTorch allocator trace through Headroom's caching allocator on \
+     simulated memory.\n\n\
+     Replays a PyTorch allocator trace (.tsv, .tsv.gz, or a snapshot .pickle or .json) through \
+     Headroom's caching allocator on simulated memory and prints what it measured. Segments \
+     land at the recorded addresses where they fit, as the device placed them. The replay \
+     starts from the baseline: the blocks live before recording began (a snapshot's active \
+     blocks its history never allocates, e.g. the parameters, and the blocks a trace frees \
+     without having allocated them), allocated first with their requested sizes and streams; \
+     peaks include it, and the report states its bytes.\n\n\
+     --corpus replays every trace of testdata/traces/corpus.json (recorded by \
+     scripts/traces/record.py) through PyTorch's classic and expandable policies and the \
+     default one, and prints each peak reserved next to PyTorch's, with the ratios to the peak \
+     of live requests rounded to 512 B; with --json, one JSON line per trace: PyTorch's figures \
+     and each replay's report, waits and physical handles (classic, PyTorch's expandable, the \
+     default, reclaiming(), the default with 8 and 32 MiB handles), what the allocator \
+     README's corpus tables render from (`cargo xtask tables`).";
+
+/// The options of one trace's replay.
 struct Options {
     file: PathBuf,
     conf: Option<String>,
@@ -62,60 +85,34 @@ struct Options {
     repeat: u32,
 }
 
-fn parse(args: &[String]) -> Result<Options> {
-    let mut options = Options {
-        file: PathBuf::new(),
-        conf: None,
-        capacity: H200_BYTES,
-        json: false,
-        snapshot: None,
-        repeat: 5,
-    };
-    let mut file = None;
-    let mut args = args.iter();
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--conf" => options.conf = Some(args.next().context("--conf needs a value")?.clone()),
-            "--capacity" => {
-                let value = args.next().context("--capacity needs a value")?;
-                options.capacity = value
-                    .parse()
-                    .with_context(|| format!("--capacity {value}"))?;
-            }
-            "--json" => options.json = true,
-            "--repeat" => {
-                let value = args.next().context("--repeat needs a value")?;
-                options.repeat = value.parse().with_context(|| format!("--repeat {value}"))?;
-                if options.repeat == 0 {
-                    bail!("--repeat must be at least 1");
-                }
-            }
-            "--snapshot" => {
-                options.snapshot = Some(args.next().context("--snapshot needs a path")?.into())
-            }
-            flag if flag.starts_with("--") => bail!("unknown option {flag}"),
-            path if file.is_none() => file = Some(PathBuf::from(path)),
-            extra => bail!("unexpected argument {extra}"),
-        }
+impl Options {
+    /// The options of `args`, which name a trace (not `--corpus`).
+    fn new(args: Args) -> Result<Options> {
+        Ok(Options {
+            file: args.file.context("replay-trace needs a trace file")?,
+            conf: args.conf,
+            capacity: args.capacity,
+            json: args.json,
+            snapshot: args.snapshot,
+            repeat: args.repeat,
+        })
     }
-    options.file = file.context("replay-trace needs a trace file")?;
-    Ok(options)
 }
 
-pub(crate) fn run(args: &[String]) -> Result<()> {
-    if args.iter().any(|arg| arg == "--help" || arg == "-h") {
-        print!("usage:\n{USAGE}");
-        return Ok(());
-    }
-    if args.first().is_some_and(|arg| arg == "--corpus") {
+/// `cargo xtask replay-trace ARGS`.
+pub(crate) fn run(args: Args) -> Result<()> {
+    if args.corpus {
         let testdata = crate::project_root().join("testdata");
-        return match &args[1..] {
-            [] => print_corpus(&testdata),
-            [json] if json == "--json" => print_corpus_json(&testdata),
-            _ => bail!("--corpus takes only --json"),
+        return if args.json {
+            print_corpus_json(&testdata)
+        } else {
+            print_corpus(&testdata)
         };
     }
-    let options = parse(args)?;
+    let options = Options::new(args)?;
+    if let Some(path) = &options.snapshot {
+        output_paths::check_file("--snapshot", path)?;
+    }
     let (report, allocator) = replay(&options)?;
     if options.json {
         println!("{}", json_report(&options, &allocator, &report));
@@ -190,8 +187,8 @@ fn read_trace(path: &Path) -> Result<RecordedTrace> {
 fn replay(options: &Options) -> Result<(ReplayReport, CachingAllocator<SimulatedStorage>)> {
     let trace = read_trace(&options.file)?;
     let config = match &options.conf {
-        Some(conf) => AllocatorConfig::parse(conf)?,
-        None => AllocatorConfig::from_env()?,
+        Some(conf) => AllocatorConfig::parse(conf).with_context(|| format!("--conf {conf:?}"))?,
+        None => crate::allocator_config_from_env()?,
     };
     // Throughput is the best of `repeat` replays, each on a fresh allocator (the first one also
     // pays for page faults and cold caches); the figures other than time are identical.
@@ -389,8 +386,51 @@ mod tests {
 
     use super::*;
 
-    fn args(list: &[&str]) -> Vec<String> {
-        list.iter().map(|s| s.to_string()).collect()
+    /// `replay-trace` with `words` after it, parsed as the binary parses it.
+    fn parse(words: &[&str]) -> Result<Options> {
+        let words: Vec<&str> = std::iter::once("replay-trace")
+            .chain(words.iter().copied())
+            .collect();
+        match crate::parse_command_line(&words)? {
+            crate::Command::ReplayTrace(args) => Options::new(args),
+            other => bail!("parsed as {other:?}"),
+        }
+    }
+
+    /// A trace file or `--corpus`, not both; `--repeat` at least 1.
+    #[test]
+    fn the_command_line_names_a_trace_or_the_corpus() {
+        let options = parse(&["trace.tsv", "--repeat", "2", "--capacity", "4096"]).unwrap();
+        assert_eq!(options.file, PathBuf::from("trace.tsv"));
+        assert_eq!((options.repeat, options.capacity), (2, 4096));
+        for (bad, message) in [
+            (
+                &[][..],
+                "the following required arguments were not provided",
+            ),
+            (&["a.tsv", "--corpus"], "cannot be used with"),
+            (&["--corpus", "--repeat", "2"], "cannot be used with"),
+            (
+                &["a.tsv", "--repeat", "0"],
+                "invalid value '0' for '--repeat <N>'",
+            ),
+            (&["a.tsv", "b.tsv"], "unexpected argument 'b.tsv'"),
+        ] {
+            let err = format!("{:#}", parse(bad).err().unwrap());
+            assert!(err.contains(message), "{bad:?}: {err}");
+        }
+        let corpus = crate::parse_command_line(&["replay-trace", "--corpus", "--json"]).unwrap();
+        assert!(
+            matches!(
+                corpus,
+                crate::Command::ReplayTrace(Args {
+                    corpus: true,
+                    json: true,
+                    ..
+                })
+            ),
+            "{corpus:?}"
+        );
     }
 
     /// A snapshot reads the same from PyTorch's pickle and from our JSON, baseline included.
@@ -427,14 +467,14 @@ mod tests {
              free_completed\t4096\t3000\n",
         )
         .unwrap();
-        let options = parse(&args(&[
+        let options = parse(&[
             tsv.to_str().unwrap(),
             "--conf",
             "expandable_segments:False",
             "--repeat",
             "1",
             "--json",
-        ]))
+        ])
         .unwrap();
         let (report, allocator) = replay(&options).unwrap();
         let json = json_report(&options, &allocator, &report);

@@ -36,16 +36,24 @@ use serde_json::Value;
 use blocks::{Block, Source};
 use kinds::ResultFile;
 
-/// The command's lines in `cargo xtask --help`, and its `--help`.
-pub(crate) const USAGE: &str = "  tables [--check]
-      Renders each measured table of README.md, crates/*/README.md and examples/*/README.md
-      from its committed raw result: a table sits between `<!-- table: KIND FILE... -->` and
-      `<!-- /table -->`, KIND rendering it from FILEs under results/ (results/README.md); a
-      `pending PHASE...` block keeps a table measured before raw results were kept, with a line
-      naming the scripts/gpu-measure.sh phases that measure it again; a `prose` block holds a
-      table without figures. --check changes nothing and fails naming each stale block (tidy
-      runs it).
-";
+/// `cargo xtask tables --help`'s description.
+pub(crate) const LONG_ABOUT: &str = "Renders each measured table of README.md, BENCHMARKS.md, \
+     crates/*/README.md and examples/*/README.md from its committed raw result.\n\n\
+     A table sits between `<!-- table: KIND FILE... -->` and `<!-- /table -->`, KIND rendering it \
+     from FILEs under results/ (results/README.md); a `pending PHASE...` block keeps a table \
+     measured before raw results were kept, with a line naming the scripts/gpu-measure.sh phases \
+     that measure it again; a `prose` block holds a table without figures. --check changes \
+     nothing and fails naming each stale block (tidy runs it).";
+
+/// What `cargo xtask tables --help` says after the options: each kind and what it reads, from
+/// the kinds' table.
+pub(crate) fn kinds_help() -> String {
+    let mut text = "Kinds (xtask/src/tables/kinds/), and what each reads:".to_owned();
+    for kind in kinds::KINDS {
+        text += &format!("\n  {:<24} {}", kind.name, kind.reads);
+    }
+    text
+}
 
 /// The sentence the pending line starts with; a pending block's own line is recognised by it.
 const UNSOURCED: &str = "_Unsourced:";
@@ -53,22 +61,8 @@ const UNSOURCED: &str = "_Unsourced:";
 /// Where the phases of a pending block are looked up.
 const GPU_MEASURE: &str = "scripts/gpu-measure.sh";
 
-pub(crate) fn run(args: &[String]) -> Result<()> {
-    let check = match args {
-        [] => false,
-        [flag] if flag == "--check" => true,
-        [flag] if flag == "--help" || flag == "-h" => {
-            print!("usage:\n{USAGE}\nkinds (xtask/src/tables/kinds/), and what each reads:\n");
-            for kind in kinds::KINDS {
-                println!("  {:<24} {}", kind.name, kind.reads);
-            }
-            return Ok(());
-        }
-        _ => bail!(
-            "unexpected argument(s) `{}` (usage: cargo xtask tables [--check])",
-            args.join(" ")
-        ),
-    };
+/// `cargo xtask tables [--check]`: rewrites the stale blocks, or with `check` fails naming them.
+pub(crate) fn run(check: bool) -> Result<()> {
     let root = crate::project_root();
     let mut problems = Vec::new();
     let mut stale = Vec::new();

@@ -55,6 +55,8 @@ pub(crate) struct PlanOutcome {
     pub(crate) strategies: Vec<String>,
     /// The plan's table.
     pub(crate) table: String,
+    /// Which lossy strategies the plan takes and why; `None` when every block's is exact.
+    pub(crate) lossy: Option<String>,
     /// The fastest plan of keep and recompute alone within the budget, from the same profile
     /// (predicted only): its step time and its recomputed blocks.
     pub(crate) exact_only: Option<(f64, usize)>,
@@ -142,6 +144,7 @@ pub(crate) fn plan(
             .map(|i| plan.strategy(i).unwrap_or("?").to_owned())
             .collect(),
         table: plan.to_string(),
+        lossy: plan.lossy_explanation(),
         exact_only,
         uniform: None,
     };
@@ -318,6 +321,13 @@ pub(crate) fn describe(r: &CaseResult) -> Option<String> {
         r.step_ms,
         plan.predicted_step_ms,
     );
+    let offloads = plan.strategies.iter().any(|name| name == "offload");
+    text += &prediction_flags(
+        "plan",
+        (r.peak_allocated_bytes, plan.predicted_peak),
+        (r.step_ms, plan.predicted_step_ms),
+        offloads,
+    );
     match plan.exact_only {
         Some((ms, recomputed)) => {
             text += &format!(
@@ -360,8 +370,56 @@ pub(crate) fn describe(r: &CaseResult) -> Option<String> {
         }
         None => text += "  uniform checkpointing: no every-k fits the budget\n",
     }
+    if let Some(u) = &plan.uniform {
+        text += &prediction_flags(
+            "uniform",
+            (u.peak, u.predicted_peak),
+            (u.step_ms, u.predicted_step_ms),
+            false,
+        );
+    }
     text += &plan.table;
     Some(text)
+}
+
+/// How far a measurement may be from its prediction before the report flags it.
+const PREDICTION_TOLERANCE: f64 = 0.10;
+
+/// A line per figure of `what` (peak bytes, step time; each as measured and predicted) more than
+/// 10% off its prediction, with its likely cause; empty when both are within 10%. `offloads`:
+/// whether the runner offloads (its peak depends on when the copies finish).
+pub(crate) fn prediction_flags(
+    what: &str,
+    (peak, predicted_peak): (u64, u64),
+    (step_ms, predicted_step_ms): (f64, f64),
+    offloads: bool,
+) -> String {
+    let off = |measured: f64, predicted: f64| -> Option<f64> {
+        let ratio = measured / predicted;
+        (predicted > 0.0 && (ratio - 1.0).abs() > PREDICTION_TOLERANCE).then_some(ratio)
+    };
+    let mut text = String::new();
+    if let Some(ratio) = off(peak as f64, predicted_peak as f64) {
+        let cause = if offloads {
+            "offload's device memory is given back when its copies finish, which happened at \
+             other times than in the profiled step"
+        } else {
+            "the measured steps allocate differently from the profiled one (a block's memory \
+             depends on its neighbours' strategies, which the prediction assumes it does not)"
+        };
+        text += &format!(
+            "  ! {what}: peak {ratio:.2}x its prediction, more than 10% off; likely cause: \
+             {cause}\n"
+        );
+    }
+    if let Some(ratio) = off(step_ms, predicted_step_ms) {
+        text += &format!(
+            "  ! {what}: step time {ratio:.2}x its prediction, more than 10% off; likely cause: \
+             timing noise (the profile times each strategy over few steps, and other work on \
+             the machine shifts them; more --steps, or a quieter machine, narrow it)\n"
+        );
+    }
+    text
 }
 
 /// The plan of a planned case as JSON.
@@ -375,6 +433,7 @@ pub(crate) fn json(plan: &PlanOutcome) -> Value {
         "predicted_step_ms": plan.predicted_step_ms,
         "strategies": plan.strategies,
         "table": plan.table,
+        "lossy": plan.lossy,
         "exact_only": plan.exact_only.map(|(ms, recomputed)| json!({
             "predicted_step_ms": ms,
             "n_recomputed": recomputed,

@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use headroom_autograd_core::{DType, Tensor};
 use headroom_hooks::ClipMode;
 use headroom_optim::kernels::{Adam8bitConfig, AdamConfig, SgdConfig, StepOutcome};
@@ -131,6 +131,50 @@ impl Case {
         }
     }
 
+    /// What the case trains with, in a line: its entry in `--help`'s list of cases.
+    pub(crate) fn summary(self) -> &'static str {
+        match self {
+            Case::AdamForeach => "Adam, foreach with bounded temporaries",
+            Case::AdamForeachUnbounded => {
+                "Adam, foreach with temporaries for every parameter (PyTorch's)"
+            }
+            Case::AdamSingle => "Adam, one parameter at a time",
+            Case::AdamFused => "Adam, one fused pass",
+            Case::Adam8bit => "bitsandbytes' 8-bit Adam (blockwise 8-bit state)",
+            Case::Sgd => "SGD, fused, no momentum: no state",
+            Case::AdamInbwd => "fused Adam stepped inside backward (gradients freed as used)",
+            Case::Adam8bitInbwd => "8-bit Adam stepped inside backward",
+            Case::AdamCkpt => {
+                "fused Adam, every block but the last checkpointed (recomputing the last would \
+                 free nothing)"
+            }
+            Case::AdamInbwdCkpt => "fused Adam inside backward, every block checkpointed",
+            Case::AdamFusedClip => "fused Adam after clip_grad_norm_ to 1.0",
+            Case::AdamInbwdClip => {
+                "fused Adam inside backward, clipped exactly (a measuring pass first)"
+            }
+            Case::AdamInbwdClipPrev => {
+                "fused Adam inside backward, clipped with the previous step's norm"
+            }
+            Case::AdamOffload => {
+                "fused Adam, the first 7/12 of the blocks' saves offloaded to pinned host memory \
+                 (CUDA only)"
+            }
+            Case::AdamCkpt8bit => "fused Adam, every block's saves compressed to 8 bits (lossy)",
+            Case::AdamAuto => {
+                "fused Adam, per block keep, recompute, 8-bit compression or (CUDA) offload, \
+                 planned for --budget; measured beside uniform every-k checkpointing"
+            }
+            Case::AdamBf16 => "fused Adam, the forward under bf16 autocast",
+            Case::AdamFp16 => "fused Adam, f16 autocast and a GradScaler",
+            Case::AdamInbwdCkptBf16 => {
+                "fused Adam inside backward, every block checkpointed, bf16 autocast"
+            }
+            Case::FwdBwd => "forward and backward only, f32",
+            Case::FwdBwdBf16 => "forward and backward only, the whole model in bf16",
+        }
+    }
+
     /// Whether the optimizer steps inside backward.
     pub(crate) fn in_backward(self) -> bool {
         matches!(
@@ -190,7 +234,44 @@ impl Case {
 
     /// Whether the case runs on a CUDA device only (offload copies to pinned host memory).
     pub(crate) fn needs_cuda(self) -> bool {
-        self == Case::AdamOffload
+        self.why_cuda().is_some()
+    }
+
+    /// Why the case needs a CUDA device; `None` when the CPU runs it too.
+    pub(crate) fn why_cuda(self) -> Option<&'static str> {
+        match self {
+            Case::AdamOffload => Some(
+                "it offloads activations to pinned host memory over CUDA copies, which the CPU \
+                 backend has no use for",
+            ),
+            _ => None,
+        }
+    }
+
+    /// `Ok` unless `cases` (from `--cases`) name a case that needs CUDA and `cuda` is false:
+    /// then an error naming every such case and why, before anything runs.
+    pub(crate) fn refuse_cuda_only(cases: &[Case], cuda: bool) -> Result<()> {
+        let refused: Vec<Case> = cases
+            .iter()
+            .copied()
+            .filter(|case| case.needs_cuda())
+            .collect();
+        if cuda || refused.is_empty() {
+            return Ok(());
+        }
+        let names: Vec<&str> = refused.iter().map(|case| case.name()).collect();
+        let reasons: Vec<String> = refused
+            .iter()
+            .filter_map(|case| Some(format!("{}: {}", case.name(), case.why_cuda()?)))
+            .collect();
+        anyhow::bail!(
+            "--cases {}: {} a CUDA device ({}), and this run is on the CPU backend (--device \
+             cpu, or no CUDA device answered); leave {} out of --cases, or run on a GPU",
+            names.join(","),
+            if refused.len() == 1 { "needs" } else { "need" },
+            reasons.join("; "),
+            if refused.len() == 1 { "it" } else { "them" },
+        )
     }
 
     /// The case of `torch_reference.py` that computes the same update (PyTorch's foreach is
@@ -211,19 +292,6 @@ impl Case {
                 let names: Vec<_> = Case::ALL.iter().map(|c| c.name()).collect();
                 format!("unknown case `{name}` (cases: {})", names.join(", "))
             })
-    }
-
-    /// The cases of a `--cases a,b,c` list (at least one).
-    pub(crate) fn parse_list(list: &str) -> Result<Vec<Case>> {
-        let cases = list
-            .split(',')
-            .filter(|name| !name.is_empty())
-            .map(Case::parse)
-            .collect::<Result<Vec<_>>>()?;
-        if cases.is_empty() {
-            bail!("--cases names no case");
-        }
-        Ok(cases)
     }
 
     /// The optimizer the case steps, over `params`, with no state yet.
@@ -272,6 +340,18 @@ impl Case {
                 build::<SgdConfig>(params, SgdConfig::new(1e-3), Implementation::Fused)
             }
         }
+    }
+}
+
+/// `--cases`' values: every case by its name, with its summary (clap's help lists them, and its
+/// error for an unknown name names them).
+impl clap::ValueEnum for Case {
+    fn value_variants<'a>() -> &'a [Case] {
+        &Case::ALL
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(clap::builder::PossibleValue::new(self.name()).help(self.summary()))
     }
 }
 

@@ -10,8 +10,10 @@ use headroom_ops_cpu::CpuBackend;
 use serde_json::Value;
 
 use super::cases::Case;
+use super::command_line::{Options, CPU_DEFAULTS, CUDA_DEFAULTS};
 use super::models::Model;
-use super::{execute, parse, report, DeviceChoice};
+use super::{execute, report, DeviceChoice};
+use crate::Command;
 
 /// `VitConfig::tiny()`'s parameters: class token 64, patch embedding 64·3·8·8 + 64, position
 /// embedding 17·64, two blocks of 33,472 (norms 2·128, in-projection 3·64·64 + 192,
@@ -30,6 +32,17 @@ fn adam8bit_state_bytes(n: u64) -> u64 {
 
 fn args(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| s.to_string()).collect()
+}
+
+/// `bench-memory` with `list` after it, parsed as the binary parses it.
+fn parse(list: &[String]) -> anyhow::Result<Options> {
+    let words: Vec<&str> = std::iter::once("bench-memory")
+        .chain(list.iter().map(String::as_str))
+        .collect();
+    match crate::parse_command_line(&words)? {
+        Command::BenchMemory(args) => Options::new(args, "test".to_owned()),
+        other => anyhow::bail!("parsed as {other:?}"),
+    }
 }
 
 #[test]
@@ -181,23 +194,181 @@ fn the_command_line_is_checked() {
         .budgets;
     assert_eq!(budgets, [6_000_000_000, 9_000_000_000]);
     for (bad, message) in [
-        (&["--cases", "adam,sgd"][..], "unknown case `adam`"),
-        (&["--steps", "0"], "at least 1"),
+        (
+            &["--cases", "adam,sgd"][..],
+            "invalid value 'adam' for '--cases <CASE>'",
+        ),
+        (&["--steps", "0"], "must be at least 1"),
         // 2^44 MiB used to wrap to a bucket of 0 bytes.
         (
             &["--bucket-mib", "17592186044416"],
             "--bucket-mib 17592186044416: too large to count in bytes",
         ),
         (&["--batch", "x"], "not a whole number"),
-        (&["--device", "tpu"], "expected auto, cpu or cuda"),
-        (&["--model", "resnet"], "unknown model"),
-        (&["--json"], "needs a value"),
-        (&["--budget", "6GB"], "not a whole number of bytes"),
-        (&["--frobnicate"], "unknown option"),
+        (&["--batch", "1,0"], "invalid value '0' for '--batch <N>'"),
+        (&["--device", "tpu"], "[possible values: auto, cpu, cuda]"),
+        (
+            &["--model", "resnet"],
+            "invalid value 'resnet' for '--model <MODEL>'",
+        ),
+        (&["--json"], "a value is required for '--json <FILE>'"),
+        (
+            &["--budget", "6GB"],
+            "invalid value '6GB' for '--budget <BYTES>'",
+        ),
+        (&["--frobnicate"], "unexpected argument '--frobnicate'"),
+        (&["--all-cases", "--cases", "sgd"], "cannot be used with"),
+        (
+            &["--model", "vit_mini", "--seq", "64"],
+            "--seq is for language models",
+        ),
     ] {
         let err = parse(&args(bad)).unwrap_err();
         assert!(format!("{err:#}").contains(message), "{bad:?}: {err:#}");
     }
+}
+
+/// Every list takes commas, repeated flags, or both, in the order given.
+#[test]
+fn lists_take_commas_or_repeated_flags() {
+    let commas = parse(&args(&[
+        "--batch",
+        "1,32",
+        "--cases",
+        "sgd,adam_fused",
+        "--budget",
+        "6000000000,9000000000",
+    ]))
+    .unwrap();
+    let repeated = parse(&args(&[
+        "--batch",
+        "1",
+        "--batch",
+        "32",
+        "--cases",
+        "sgd",
+        "--cases",
+        "adam_fused",
+        "--budget",
+        "6000000000",
+        "--budget",
+        "9000000000",
+    ]))
+    .unwrap();
+    for options in [&commas, &repeated] {
+        assert_eq!(options.batches, [1, 32]);
+        assert_eq!(options.cases, [Case::Sgd, Case::AdamFused]);
+        assert_eq!(options.budgets, [6_000_000_000, 9_000_000_000]);
+    }
+    let mixed = parse(&args(&["--batch", "8,16", "--batch", "4"])).unwrap();
+    assert_eq!(mixed.batches, [8, 16, 4]);
+}
+
+/// Without batches or cases, the CPU runs its selection (the finding's optimizers at batch 1,
+/// the activation techniques at 32) and CUDA every case at both; batches given take the union
+/// of the selection; `--all-cases` takes every case the device runs.
+#[test]
+fn the_devices_defaults_and_what_the_options_change() {
+    let names = |runs: &[(usize, Vec<Case>)]| -> Vec<(usize, Vec<&str>)> {
+        runs.iter()
+            .map(|(batch, cases)| (*batch, cases.iter().map(|case| case.name()).collect()))
+            .collect()
+    };
+    let plain = parse(&[]).unwrap();
+    assert_eq!(
+        names(&plain.runs(&CPU_DEFAULTS).unwrap()),
+        [
+            (
+                1,
+                vec![
+                    "adam_foreach",
+                    "adam_foreach_unbounded",
+                    "adam_single",
+                    "adam_fused",
+                    "adam8bit"
+                ]
+            ),
+            (
+                32,
+                vec!["adam_fused", "adam_inbwd", "adam_ckpt", "adam_auto"]
+            ),
+        ]
+    );
+    // Timed steps: 3 on the CPU, 6 on CUDA, unless --steps says.
+    assert_eq!(plain.on_device(&CPU_DEFAULTS).protocol.steps, 3);
+    assert_eq!(plain.on_device(&CUDA_DEFAULTS).protocol.steps, 6);
+    let five = parse(&args(&["--steps", "5"])).unwrap();
+    assert_eq!(five.on_device(&CPU_DEFAULTS).protocol.steps, 5);
+    assert_eq!(five.on_device(&CUDA_DEFAULTS).protocol.steps, 5);
+    let cuda = plain.runs(&CUDA_DEFAULTS).unwrap();
+    let every: Vec<Case> = Case::ALL.to_vec();
+    assert_eq!(cuda, [(1, every.clone()), (32, every.clone())]);
+
+    let batches = parse(&args(&["--batch", "8"])).unwrap();
+    assert_eq!(
+        names(&batches.runs(&CPU_DEFAULTS).unwrap()),
+        [(
+            8,
+            vec![
+                "adam_foreach",
+                "adam_foreach_unbounded",
+                "adam_single",
+                "adam_fused",
+                "adam_inbwd",
+                "adam8bit",
+                "adam_ckpt",
+                "adam_auto"
+            ]
+        )]
+    );
+    let all = parse(&args(&["--all-cases"])).unwrap();
+    let on_the_cpu: Vec<Case> = every
+        .iter()
+        .copied()
+        .filter(|case| *case != Case::AdamOffload)
+        .collect();
+    assert_eq!(
+        all.runs(&CPU_DEFAULTS).unwrap(),
+        [(1, on_the_cpu.clone()), (32, on_the_cpu)]
+    );
+    let named = parse(&args(&["--cases", "sgd", "--batch", "2,4"])).unwrap();
+    assert_eq!(
+        named.runs(&CPU_DEFAULTS).unwrap(),
+        [(2, vec![Case::Sgd]), (4, vec![Case::Sgd])]
+    );
+}
+
+/// A case that needs CUDA, named on the CPU, is refused before any case runs, naming it; on
+/// CUDA it runs.
+#[test]
+fn cuda_only_cases_are_refused_on_the_cpu_up_front() {
+    let options = parse(&args(&["--cases", "sgd,adam_offload"])).unwrap();
+    let err = options.runs(&CPU_DEFAULTS).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "--cases adam_offload: needs a CUDA device (adam_offload: it offloads activations to \
+         pinned host memory over CUDA copies, which the CPU backend has no use for), and this \
+         run is on the CPU backend (--device cpu, or no CUDA device answered); leave it out of \
+         --cases, or run on a GPU"
+    );
+    assert_eq!(
+        options.runs(&CUDA_DEFAULTS).unwrap(),
+        [
+            (1, vec![Case::Sgd, Case::AdamOffload]),
+            (32, vec![Case::Sgd, Case::AdamOffload])
+        ]
+    );
+    let profile = parse(&args(&["--op-profile"])).unwrap();
+    assert_eq!(
+        profile.runs(&CPU_DEFAULTS).unwrap_err().to_string(),
+        "--op-profile: it times every backend primitive with CUDA events, and this run is on the \
+         CPU backend (--device cpu, or no CUDA device answered); leave it out, or run on a GPU"
+    );
+    assert!(profile.runs(&CUDA_DEFAULTS).is_ok());
+    let mut options = parse(&args(&["--device", "cpu", "--cases", "adam_offload"])).unwrap();
+    options.progress = false;
+    let err = execute(&options).unwrap_err().to_string();
+    assert!(err.starts_with("--cases adam_offload"), "{err}");
 }
 
 #[test]
@@ -249,6 +420,37 @@ fn adam_auto_meets_its_budget_and_predicts_its_peak_to_the_byte_on_the_cpu() {
     assert!(plan.predicted_peak <= plan.min_budget);
 }
 
+/// A measurement more than 10% off its prediction gets a line with the likely cause; within
+/// 10%, nothing.
+#[test]
+fn predictions_more_than_10_percent_off_are_flagged_with_a_cause() {
+    use super::budget_plan::prediction_flags;
+
+    assert_eq!(
+        prediction_flags("plan", (109, 100), (90.5, 100.0), false),
+        ""
+    );
+    assert_eq!(
+        prediction_flags("plan", (100, 100), (150.0, 100.0), false),
+        "  ! plan: step time 1.50x its prediction, more than 10% off; likely cause: timing noise \
+         (the profile times each strategy over few steps, and other work on the machine shifts \
+         them; more --steps, or a quieter machine, narrow it)\n"
+    );
+    assert_eq!(
+        prediction_flags("uniform", (120, 100), (100.0, 100.0), false),
+        "  ! uniform: peak 1.20x its prediction, more than 10% off; likely cause: the measured \
+         steps allocate differently from the profiled one (a block's memory depends on its \
+         neighbours' strategies, which the prediction assumes it does not)\n"
+    );
+    let offload = prediction_flags("plan", (80, 100), (100.0, 100.0), true);
+    assert!(
+        offload.starts_with(
+            "  ! plan: peak 0.80x its prediction, more than 10% off; likely cause: offload's"
+        ),
+        "{offload}"
+    );
+}
+
 #[test]
 fn pytorch_anchors_are_read_from_torch_reference_output() {
     let text = r#"UserWarning: a line torch printed
@@ -272,8 +474,8 @@ fn pytorch_anchors_are_read_from_torch_reference_output() {
 fn failing_cases_are_reported_and_every_case_is_tried() {
     use headroom_caching_allocator::{AllocatorConfig, CachingAllocator, HostStorage};
 
+    use super::run_cases;
     use super::training::Probe;
-    use super::{run_cases, CPU_DEFAULTS};
 
     // 1 MiB of host memory: less than one small-pool segment, so every case runs out of memory
     // when it creates the model; each is reported, and the next one is still tried.
@@ -292,7 +494,8 @@ fn failing_cases_are_reported_and_every_case_is_tried() {
     ]))
     .unwrap();
     options.progress = false;
-    let outcomes = run_cases(&probe, &options, &CPU_DEFAULTS).unwrap();
+    let runs = options.runs(&CPU_DEFAULTS).unwrap();
+    let outcomes = run_cases(&probe, &options, &CPU_DEFAULTS, &runs).unwrap();
     assert!(outcomes.results.is_empty());
     let failed: Vec<_> = outcomes
         .failures

@@ -9,13 +9,28 @@ use headroom_nn::Gpt2Config;
 use headroom_ops_cpu::CpuBackend;
 
 use super::{
-    execute, find_max_batch, is_out_of_memory, markdown, parse, parse_pytorch, search,
-    DeviceChoice, Peaks,
+    execute, find_max_batch, is_out_of_memory, markdown, parse_pytorch, search, DeviceChoice,
+    Options, Peaks,
 };
 use crate::bench_memory::cases::Case;
 use crate::bench_memory::measure::Protocol;
 use crate::bench_memory::models::{Arch, Input, Model};
 use crate::bench_memory::training::{Probe, Training};
+
+fn args(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+/// `find-max-batch` with `list` after it, parsed as the binary parses it.
+fn parse(list: &[String]) -> anyhow::Result<Options> {
+    let words: Vec<&str> = std::iter::once("find-max-batch")
+        .chain(list.iter().map(String::as_str))
+        .collect();
+    match crate::parse_command_line(&words)? {
+        crate::Command::FindMaxBatch(args) => Options::new(args, "test".to_owned()),
+        other => anyhow::bail!("parsed as {other:?}"),
+    }
+}
 
 /// A memory curve: `fixed + per_sample × batch` bytes reserved, out of memory above `cap`.
 fn linear(
@@ -248,7 +263,6 @@ fn out_of_memory_is_recognised_through_the_error_chain_and_nothing_else_is() {
 
 #[test]
 fn the_command_line_and_pytorchs_lines_are_read() {
-    let args = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     let options = parse(&args(&[
         "--device",
         "cpu",
@@ -265,16 +279,25 @@ fn the_command_line_and_pytorchs_lines_are_read() {
     assert_eq!(options.device, DeviceChoice::Cpu);
     assert_eq!(options.cases, [Case::AdamFused, Case::FwdBwd]);
     assert_eq!((options.seq, options.cap_mib), (Some(256), Some(24576)));
+    assert_eq!(
+        parse(&args(&["--cases", "sgd", "--cases", "adam_fused,fwd_bwd"]))
+            .unwrap()
+            .cases,
+        [Case::Sgd, Case::AdamFused, Case::FwdBwd]
+    );
     for (bad, message) in [
-        (&["--cases", "adam_auto"][..], "adam_auto plans"),
+        (
+            &["--cases", "adam_auto"][..],
+            "invalid value 'adam_auto' for '--cases <CASE>'",
+        ),
         (&["--memory-cap-mb", "0"], "at least 1"),
         // 2^44 + 1 MiB used to wrap to a 1 MiB cap.
         (
             &["--memory-cap-mb", "17592186044417"],
             "--memory-cap-mb 17592186044417: too large to count in bytes",
         ),
-        (&["--seq"], "needs a value"),
-        (&["--batch", "3"], "unknown option"),
+        (&["--seq"], "a value is required for '--seq <N>'"),
+        (&["--batch", "3"], "unexpected argument '--batch'"),
     ] {
         let err = format!("{:#}", parse(&args(bad)).unwrap_err());
         assert!(err.contains(message), "{bad:?}: {err}");
@@ -339,6 +362,17 @@ fn the_json_is_written_after_every_case() {
         assert_eq!(case["case"], f.case.name());
         assert_eq!(case["max_batch"], f.max_batch);
     }
+}
+
+/// A case that needs CUDA is refused on the CPU before any search, naming it.
+#[test]
+fn cuda_only_cases_are_refused_on_the_cpu_before_searching() {
+    let options = parse(&args(&["--device", "cpu", "--cases", "sgd,adam_offload"])).unwrap();
+    let err = execute(&options).unwrap_err().to_string();
+    assert!(
+        err.starts_with("--cases adam_offload: needs a CUDA device"),
+        "{err}"
+    );
 }
 #[test]
 fn the_h200_curves_cost_two_probes_past_batch_16_when_the_line_is_near() {

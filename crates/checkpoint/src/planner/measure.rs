@@ -45,14 +45,21 @@ pub struct Candidate {
     pub name: String,
     /// Runs a block this way.
     pub runner: Arc<dyn BlockRunner>,
+    /// Whether training under it differs from plain training (compression does; keep, recompute
+    /// and offload do not). [`StepProfile::plan`] takes a lossy candidate only where no plan of
+    /// the exact ones fits the budget or it makes the step clearly faster
+    /// ([`LOSSY_MIN_GAIN`](crate::LOSSY_MIN_GAIN)), and its plan says which.
+    pub lossy: bool,
 }
 
 impl Candidate {
-    /// A candidate named `name` that runs blocks through `runner`.
+    /// An exact candidate named `name` that runs blocks through `runner` (set
+    /// [`Candidate::lossy`] for one that changes the gradients).
     pub fn new(name: impl Into<String>, runner: Arc<dyn BlockRunner>) -> Candidate {
         Candidate {
             name: name.into(),
             runner,
+            lossy: false,
         }
     }
 
@@ -69,7 +76,8 @@ impl Candidate {
 
     /// `compress-int8` or `compress-bf16`: what the block saves for backward is kept encoded
     /// ([`CompressBlocks`] with the default policy: op inputs and outputs of 16 Ki elements or
-    /// more, 0.254× of f32 in 8 bits, 0.5× in bf16) and decoded when backward needs it. Lossy:
+    /// more, 0.254× of f32 in 8 bits, 0.5× in bf16) and decoded when backward needs it. Lossy
+    /// ([`Candidate::lossy`]):
     /// gradients move within the codec's error (see `compress`), so it is not in
     /// [`Candidate::defaults`].
     pub fn compress(compression: Compression) -> Candidate {
@@ -77,14 +85,17 @@ impl Candidate {
             Compression::Int8Blockwise { .. } => "compress-int8",
             Compression::Bf16 => "compress-bf16",
         };
-        Candidate::new(
-            name,
-            Arc::new(CompressBlocks {
-                selection: BlockSelection::All,
-                options: CompressOptions::new(compression),
-                checkpoint: None,
-            }),
-        )
+        Candidate {
+            lossy: true,
+            ..Candidate::new(
+                name,
+                Arc::new(CompressBlocks {
+                    selection: BlockSelection::All,
+                    options: CompressOptions::new(compression),
+                    checkpoint: None,
+                }),
+            )
+        }
     }
 
     /// `offload`: what the block saves goes to `pool`'s pinned host memory

@@ -10,7 +10,8 @@
 //! what each block keeps until its backward, the transient of its forward and of its backward
 //! (a recomputation included), and the gradients as they accumulate. [`StepProfile::plan`] then
 //! finds the fastest choice within a budget by a dynamic programme over the blocks (see
-//! `search.rs` for why it is exact and monotone in the budget), or says which budget is the
+//! `search.rs` for why it is exact and monotone in the budget), of the exact candidates unless a
+//! lossy one is needed or clearly faster ([`LossyReason`]), or says which budget is the
 //! lowest reachable ([`CheckpointError::BudgetTooSmall`]). The [`BlockPlan`] is an nn block
 //! runner; its `Display` is a table that explains it.
 //!
@@ -34,8 +35,9 @@ mod profile;
 mod search;
 
 pub use measure::{BlockPlanner, Candidate, RunDirectly, StepError};
-pub use plan::BlockPlan;
+pub use plan::{BlockPlan, LossyReason};
 #[cfg(feature = "cuda")]
 pub use probe::CudaClock;
 pub use probe::{AllocatorGauge, HostClock, MemoryGauge, StepClock, StepProbe, TimePoint};
 pub use profile::{BlockCost, Moment, Prediction, Segment, StepProfile};
+pub use search::LOSSY_MIN_GAIN;

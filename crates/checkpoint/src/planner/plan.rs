@@ -23,6 +23,24 @@ pub struct BlockPlan {
     budget: u64,
     choices: Vec<usize>,
     prediction: Prediction,
+    lossy_reason: Option<LossyReason>,
+}
+
+/// Why a plan takes a lossy candidate ([`Candidate::lossy`](crate::Candidate::lossy)) for some
+/// blocks rather than an exact one.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LossyReason {
+    /// No plan of the exact candidates fits the budget.
+    NoExactPlanFits {
+        /// The lowest peak the exact candidates reach (`None`: there are none).
+        exact_minimum: Option<u64>,
+    },
+    /// The fastest exact plan within the budget is slower by more than
+    /// [`LOSSY_MIN_GAIN`](crate::LOSSY_MIN_GAIN) of its step time.
+    Faster {
+        /// That exact plan's predicted step time, in milliseconds.
+        exact_step_ms: f64,
+    },
 }
 
 impl BlockPlan {
@@ -31,6 +49,7 @@ impl BlockPlan {
         profile: StepProfile,
         budget: u64,
         choices: Vec<usize>,
+        lossy_reason: Option<LossyReason>,
     ) -> Result<BlockPlan, CheckpointError> {
         let prediction = profile.predict(&choices)?;
         Ok(BlockPlan {
@@ -38,7 +57,52 @@ impl BlockPlan {
             budget,
             choices,
             prediction,
+            lossy_reason,
         })
+    }
+
+    /// Why the plan takes a lossy candidate; `None` when every block's candidate is exact.
+    pub fn lossy_reason(&self) -> Option<LossyReason> {
+        self.lossy_reason
+    }
+
+    /// The reason of [`BlockPlan::lossy_reason`] in a sentence, for reports: which lossy
+    /// candidates the plan takes, on how many blocks, and why.
+    pub fn lossy_explanation(&self) -> Option<String> {
+        let reason = self.lossy_reason?;
+        let mut lossy: Vec<(&str, usize)> = Vec::new();
+        for &c in &self.choices {
+            let candidate = &self.profile.candidates[c];
+            if !candidate.lossy {
+                continue;
+            }
+            match lossy.iter_mut().find(|(name, _)| *name == candidate.name) {
+                Some((_, n)) => *n += 1,
+                None => lossy.push((candidate.name.as_str(), 1)),
+            }
+        }
+        let taken: Vec<String> = lossy
+            .iter()
+            .map(|(name, n)| format!("{name} on {n} block{}", if *n == 1 { "" } else { "s" }))
+            .collect();
+        let why = match reason {
+            LossyReason::NoExactPlanFits {
+                exact_minimum: Some(minimum),
+            } => format!(
+                "no plan of exact strategies fits the budget (their lowest peak is {}, {minimum} B)",
+                size(minimum as i64)
+            ),
+            LossyReason::NoExactPlanFits {
+                exact_minimum: None,
+            } => "no exact strategy is a candidate".to_owned(),
+            LossyReason::Faster { exact_step_ms } => format!(
+                "{:.1} ms predicted against {exact_step_ms:.1} ms for the fastest exact plan \
+                 within the budget ({:.0}% faster)",
+                self.prediction.step_ms,
+                (1.0 - self.prediction.step_ms / exact_step_ms) * 100.0
+            ),
+        };
+        Some(format!("lossy: {}, because {why}", taken.join(", ")))
     }
 
     /// The budget the plan was made for, in bytes.
@@ -169,6 +233,10 @@ impl fmt::Display for BlockPlan {
             size(self.budget as i64),
             self.budget,
             self.prediction.step_ms,
-        )
+        )?;
+        match self.lossy_explanation() {
+            Some(explanation) => write!(f, "\n{explanation}"),
+            None => Ok(()),
+        }
     }
 }

@@ -1,4 +1,13 @@
-//! Choosing a candidate per block: the fastest step whose predicted peak fits a budget.
+//! Choosing a candidate per block: the fastest step whose predicted peak fits a budget, exact
+//! candidates preferred over lossy ones.
+//!
+//! Lossy candidates ([`Candidate::lossy`](crate::Candidate::lossy), compression) change what
+//! training computes, so a plan takes one only when it must or when it pays: when no plan of the
+//! exact candidates fits the budget, or when the fastest plan of all is faster than the fastest
+//! exact one by more than [`LOSSY_MIN_GAIN`] of its step time (less is within a step's timing
+//! noise: at small batches a compressor that finds nothing large enough to encode measures as
+//! fast as keeping, and must not be chosen for that). The plan records which
+//! ([`LossyReason`]).
 //!
 //! The peak constraints of a plan are, per block `i` under candidate `c` (with `F(i)` the
 //! forward deltas of the blocks before `i`, and `entry` the bytes allocated when block 0 starts):
@@ -17,7 +26,8 @@
 //! whole blocks), coarsened when their span would take more than 2^20 steps; that bounds the
 //! front and keeps every rounding on the safe side.
 //!
-//! Monotone in the budget, by construction: a larger budget removes no transition, so every
+//! Monotone in the budget, by construction (within one set of candidates; the exact-first
+//! preference may trade up to [`LOSSY_MIN_GAIN`] of step time for exactness at a larger budget): a larger budget removes no transition, so every
 //! state reachable under a smaller budget is reachable or dominated under a larger one, and the
 //! least time never grows. The lowest achievable peak is the least budget that has a plan,
 //! found by bisection over this monotone feasibility.
@@ -25,32 +35,71 @@
 //! This module is arithmetic on a [`StepProfile`]; it runs nothing.
 
 use crate::error::CheckpointError;
-use crate::planner::plan::BlockPlan;
+use crate::planner::plan::{BlockPlan, LossyReason};
 use crate::planner::profile::StepProfile;
 
 /// Prefixes take at most this many grid steps over their span.
 const GRID_STEPS: i64 = 1 << 20;
 
+/// The share of the fastest exact plan's step time a lossy plan must save to be chosen over it
+/// (5%).
+pub const LOSSY_MIN_GAIN: f64 = 0.05;
+
 impl StepProfile {
     /// The fastest plan (least predicted step time) whose predicted peak is at most
-    /// `budget_bytes`; with a table that explains it (its `Display`).
+    /// `budget_bytes`, of the exact candidates where one fits and a lossy plan is not faster by
+    /// more than [`LOSSY_MIN_GAIN`]; with a table that explains it (its `Display`) and, when it
+    /// takes a lossy candidate, why ([`BlockPlan::lossy_reason`]).
     ///
     /// Errors: [`CheckpointError::BudgetTooSmall`], naming the lowest peak a plan reaches, when
     /// the budget is below it.
     pub fn plan(&self, budget_bytes: u64) -> Result<BlockPlan, CheckpointError> {
-        let search = Search::new(self)?;
-        match search.solve(clamp(budget_bytes)) {
-            Some(choices) => BlockPlan::new(self.clone(), budget_bytes, choices),
-            None => Err(CheckpointError::BudgetTooSmall {
+        let every = Search::new(self, |_| true)?;
+        let budget = clamp(budget_bytes);
+        let Some(fastest) = every.solve(budget) else {
+            return Err(CheckpointError::BudgetTooSmall {
                 budget: budget_bytes,
-                minimum: search.min_budget(),
-            }),
+                minimum: every.min_budget(),
+            });
+        };
+        let takes_lossy = fastest.iter().any(|&c| self.candidates[c].lossy);
+        if !takes_lossy {
+            return BlockPlan::new(self.clone(), budget_bytes, fastest, None);
         }
+        let Some(exact) = self.exact_search()? else {
+            let reason = LossyReason::NoExactPlanFits {
+                exact_minimum: None,
+            };
+            return BlockPlan::new(self.clone(), budget_bytes, fastest, Some(reason));
+        };
+        let reason = match exact.solve(budget) {
+            None => LossyReason::NoExactPlanFits {
+                exact_minimum: Some(exact.min_budget()),
+            },
+            Some(choices) => {
+                let exact_step_ms = self.predict(&choices)?.step_ms;
+                let lossy_step_ms = self.predict(&fastest)?.step_ms;
+                if lossy_step_ms >= exact_step_ms * (1.0 - LOSSY_MIN_GAIN) {
+                    return BlockPlan::new(self.clone(), budget_bytes, choices, None);
+                }
+                LossyReason::Faster { exact_step_ms }
+            }
+        };
+        BlockPlan::new(self.clone(), budget_bytes, fastest, Some(reason))
     }
 
     /// The lowest budget [`StepProfile::plan`] meets: the least peak any plan reaches.
     pub fn min_budget(&self) -> Result<u64, CheckpointError> {
-        Ok(Search::new(self)?.min_budget())
+        Ok(Search::new(self, |_| true)?.min_budget())
+    }
+
+    /// The search over the exact candidates alone; `None` when every candidate is lossy.
+    fn exact_search(&self) -> Result<Option<Search<'_>>, CheckpointError> {
+        if self.candidates.iter().all(|candidate| candidate.lossy) {
+            return Ok(None);
+        }
+        let exact: Vec<bool> = self.candidates.iter().map(|c| !c.lossy).collect();
+        Search::new(self, |c| exact[c]).map(Some)
     }
 }
 
@@ -78,13 +127,19 @@ struct Search<'a> {
     entry: i64,
     /// The highest allocated bytes before the first block.
     floor: i64,
-    /// `later_net[i]`: the largest `net` over the candidates, summed over blocks `i..`.
+    /// Per candidate, whether the search may take it.
+    allowed: Vec<bool>,
+    /// `later_net[i]`: the largest `net` over the allowed candidates, summed over blocks `i..`.
     later_net: Vec<i64>,
     grid: i64,
 }
 
 impl<'a> Search<'a> {
-    fn new(profile: &'a StepProfile) -> Result<Search<'a>, CheckpointError> {
+    /// The search over the candidates `allowed` accepts (by index; at least one).
+    fn new(
+        profile: &'a StepProfile,
+        allowed: impl Fn(usize) -> bool,
+    ) -> Result<Search<'a>, CheckpointError> {
         if profile.n_blocks() == 0 {
             return Err(CheckpointError::InvalidArgument {
                 op: "StepProfile::plan",
@@ -94,10 +149,17 @@ impl<'a> Search<'a> {
             });
         }
         profile.check_choices(&vec![0; profile.n_blocks()])?;
+        let allowed: Vec<bool> = (0..profile.candidates.len()).map(allowed).collect();
         let start = profile.start_bytes as i64;
         let mut later_net = vec![0; profile.n_blocks() + 1];
         for (i, costs) in profile.blocks.iter().enumerate().rev() {
-            let most = costs.iter().map(|c| c.net()).max().unwrap_or(0);
+            let most = costs
+                .iter()
+                .zip(&allowed)
+                .filter(|(_, &allowed)| allowed)
+                .map(|(c, _)| c.net())
+                .max()
+                .unwrap_or(0);
             later_net[i] = later_net[i + 1] + most;
         }
         let span: i64 = profile
@@ -120,6 +182,7 @@ impl<'a> Search<'a> {
             profile,
             entry: start + profile.pre.delta,
             floor: start + profile.pre.peak as i64,
+            allowed,
             later_net,
             grid: unit * (span / unit / GRID_STEPS + 1),
         })
@@ -152,6 +215,9 @@ impl<'a> Search<'a> {
             let mut next = Vec::new();
             for (parent, state) in layers[i].iter().enumerate() {
                 for (choice, cost) in costs.iter().enumerate() {
+                    if !self.allowed[choice] {
+                        continue;
+                    }
                     let forward_top = self.entry + state.kept + cost.forward.peak as i64;
                     let kept = self.round_up(state.kept + cost.forward.delta);
                     let backward_top =
