@@ -2,7 +2,7 @@
 //! cross-entropy forward and backward (rows as wide as GPT-2's vocabulary, f32 losses of f16 and
 //! bf16 logits) and dropout.
 
-use headroom_autograd_core::{BackendRef, DType, Layout, View};
+use headroom_autograd_core::{BackendRef, DType, DropoutDraw, Layout, View};
 use headroom_testkit::inputs::Xorshift;
 
 use crate::{backends, compare, download, input, poisoned, upload};
@@ -164,9 +164,11 @@ fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
                         layout: &table,
                         dtype,
                     },
-                    0.3,
-                    42,
-                    1000,
+                    DropoutDraw {
+                        p: 0.3,
+                        seed: 42,
+                        offset: 1000,
+                    },
                     View {
                         buffer: &out,
                         layout: &table,
