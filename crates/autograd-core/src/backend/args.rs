@@ -1,7 +1,7 @@
 //! The words of the backend trait: [`View`] (a tensor's elements as a primitive sees them), the
 //! op families ([`UnaryOp`], [`BinaryOp`], [`ReduceOp`], [`MaskedOp`]), and the argument structs
-//! of the fused primitives (layer norm, cross-entropy, attention, linear, dropout's draw), each with the
-//! [`Operands`] a backend checks and claims.
+//! of the fused primitives (layer norm, cross-entropy, attention, linear), each with the
+//! [`Operands`] a backend checks and claims, and [`DropoutDraw`], which elements dropout keeps.
 //!
 //! It sits on buffers, layouts and dtypes; it knows no backend and no shape rule (`dims.rs`).
 
