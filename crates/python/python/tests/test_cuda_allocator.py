@@ -14,39 +14,7 @@ import subprocess
 import sys
 import textwrap
 
-try:
-    import pytest
-except ImportError:
-    pytest = None
-
-REQUIRE_GPU = os.environ.get("HEADROOM_REQUIRE_GPU") == "1"
-
-
-class Skipped(Exception):
-    """A case that cannot run here (raised only when pytest is absent)."""
-
-
-def skip(reason):
-    if pytest is not None:
-        pytest.skip(reason)
-    raise Skipped(reason)
-
-
-try:
-    import torch
-except ImportError:
-    torch = None
-    if REQUIRE_GPU:
-        raise RuntimeError("HEADROOM_REQUIRE_GPU=1, but torch is not installed")
-    if pytest is not None:
-        pytest.skip("torch is not installed", allow_module_level=True)
-
-
-def need_gpu():
-    if torch is None or not torch.cuda.is_available():
-        if REQUIRE_GPU:
-            raise AssertionError("HEADROOM_REQUIRE_GPU=1, but CUDA is not available")
-        skip("no CUDA device")
+from torch_gate import REQUIRE_GPU, Skipped, need_gpu, pytest, torch
 
 
 def run_fresh(code):

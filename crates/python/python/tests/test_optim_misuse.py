@@ -28,32 +28,7 @@ import random
 import sys
 import warnings
 
-try:
-    import pytest
-except ImportError:  # run as a script without pytest
-    pytest = None
-
-REQUIRE_GPU = os.environ.get("HEADROOM_REQUIRE_GPU") == "1"
-
-
-class Skipped(Exception):
-    """A case that cannot run here (raised only when pytest is absent)."""
-
-
-def skip(reason):
-    if pytest is not None:
-        pytest.skip(reason)
-    raise Skipped(reason)
-
-
-try:
-    import torch
-except ImportError:
-    torch = None
-    if REQUIRE_GPU:
-        raise RuntimeError("HEADROOM_REQUIRE_GPU=1, but torch is not installed")
-    if pytest is not None:
-        pytest.skip("torch is not installed", allow_module_level=True)
+from torch_gate import REQUIRE_GPU, Skipped, need_gpu, pytest, skip, torch
 
 if torch is not None:
     import torch.optim.adam as torch_adam
@@ -196,10 +171,7 @@ class Rig:
     def __init__(self, name):
         self.name = name
         if name == "cuda":
-            if torch is None or not torch.cuda.is_available():
-                if REQUIRE_GPU:
-                    raise AssertionError("HEADROOM_REQUIRE_GPU=1, but CUDA is not available")
-                skip("no CUDA device")
+            need_gpu()
             self.device = torch.device("cuda", torch.cuda.current_device())
             self.AdamW, self.Adam = hopt.AdamW, hopt.Adam
             self.Adam8bit, self.AdamW8bit = hopt.Adam8bit, hopt.AdamW8bit
