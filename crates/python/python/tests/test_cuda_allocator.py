@@ -14,7 +14,7 @@ import subprocess
 import sys
 import textwrap
 
-from torch_gate import REQUIRE_GPU, Skipped, need_gpu, pytest, torch
+from torch_gate import main, need_gpu, torch
 
 
 def run_fresh(code):
@@ -153,30 +153,11 @@ def test_record_stream_under_pytorchs_allocator_is_tensor_record_stream():
     """)
 
 
-def _run_without_pytest():
-    passed = failed = skipped = 0
-    for name, fn in sorted(globals().items()):
-        if not name.startswith("test_") or not callable(fn):
-            continue
-        try:
-            fn()
-        except Skipped as reason:
-            skipped += 1
-            print(f"SKIP {name}: {reason}")
-        except Exception as error:  # noqa: BLE001
-            failed += 1
-            print(f"FAIL {name}: {type(error).__name__}: {error}")
-        else:
-            passed += 1
-            print(f"ok   {name}")
-    print(f"{passed} passed, {failed} failed, {skipped} skipped")
-    return 1 if failed else 0
+def _cases():
+    """Every test of this file, for ``torch_gate.run_cases``."""
+    return [(name, fn) for name, fn in sorted(globals().items())
+            if name.startswith("test_") and callable(fn)]
 
 
 if __name__ == "__main__":
-    if torch is None:
-        print("torch is not installed: nothing to run")
-        sys.exit(1 if REQUIRE_GPU else 0)
-    if pytest is not None:
-        sys.exit(pytest.main([__file__, "-q"]))
-    sys.exit(_run_without_pytest())
+    sys.exit(main(__file__, _cases))

@@ -23,12 +23,13 @@ fails instead. ``run_memcheck.sh`` beside it runs it under ``compute-sanitizer``
 """
 
 import copy
+import functools
 import os
 import random
 import sys
 import warnings
 
-from torch_gate import REQUIRE_GPU, Skipped, need_gpu, pytest, skip, torch
+from torch_gate import main, need_gpu, pytest, skip, torch
 
 if torch is not None:
     import torch.optim.adam as torch_adam
@@ -939,35 +940,20 @@ if torch is not None and pytest is not None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_without_pytest():
+def _cases():
+    """Every test of this file, once per rig where it takes one, for ``torch_gate.run_cases``."""
     import inspect
 
-    passed = failed = skipped = 0
+    res = []
     for name, fn in sorted(globals().items()):
         if not name.startswith("test_") or not callable(fn):
             continue
-        names = inspect.signature(fn).parameters
-        for rig_name in RIG_NAMES if "rig_name" in names else (None,):
-            label = f"{name}[{rig_name}]" if rig_name else name
-            try:
-                fn(rig_name) if rig_name else fn()
-            except Skipped as reason:
-                skipped += 1
-                print(f"SKIP {label}: {reason}")
-            except Exception as error:  # noqa: BLE001
-                failed += 1
-                print(f"FAIL {label}: {type(error).__name__}: {error}")
-            else:
-                passed += 1
-                print(f"ok   {label}")
-    print(f"{passed} passed, {failed} failed, {skipped} skipped")
-    return 1 if failed else 0
+        if "rig_name" in inspect.signature(fn).parameters:
+            res.extend((f"{name}[{rig}]", functools.partial(fn, rig)) for rig in RIG_NAMES)
+        else:
+            res.append((name, fn))
+    return res
 
 
 if __name__ == "__main__":
-    if torch is None:
-        print("torch is not installed: nothing to run")
-        sys.exit(1 if REQUIRE_GPU else 0)
-    if pytest is not None:
-        sys.exit(pytest.main([__file__, "-q"]))
-    sys.exit(_run_without_pytest())
+    sys.exit(main(__file__, _cases))
