@@ -305,16 +305,7 @@ fn main() -> Result<()> {
         return accuracy(&device.backend);
     }
     let (name, config, batch) = if device.is_cuda() {
-        let vit_g = VitConfig {
-            image_size: 224,
-            patch_size: 14,
-            num_layers: 40,
-            num_heads: 16,
-            hidden_dim: 1408,
-            mlp_dim: 6144,
-            ..VitConfig::vit_l_16()
-        };
-        ("ViT-g/14-sized", vit_g, 16)
+        ("ViT-g/14-sized", VitConfig::vit_g_14(), 16)
     } else {
         ("ViT mini", VitConfig::mini(), 16)
     };

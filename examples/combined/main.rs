@@ -63,7 +63,7 @@ fn main() -> Result<()> {
     let device = Device::from_args()?;
     let steps = parse_steps()?;
     let (config, batch) = if device.is_cuda() {
-        (vit_g14_shaped(), 8)
+        (VitConfig::vit_g_14(), 8)
     } else {
         (VitConfig::mini(), 4)
     };
@@ -110,21 +110,6 @@ fn parse_steps() -> Result<usize> {
                 _ => bail!("--steps {text}: expected a whole number of at least 1"),
             }
         }
-    }
-}
-
-/// torchvision's ViT-g/14 shape at 224 pixels (40 blocks of width 1408, MLP 6144): about 1 B
-/// parameters.
-fn vit_g14_shaped() -> VitConfig {
-    VitConfig {
-        image_size: 224,
-        patch_size: 14,
-        num_layers: 40,
-        num_heads: 16,
-        hidden_dim: 1408,
-        mlp_dim: 6144,
-        num_classes: 1000,
-        ..VitConfig::vit_l_16()
     }
 }
 

@@ -10,7 +10,7 @@ use headroom_ops_cpu::CpuBackend;
 use headroom_optim::kernels::SgdConfig;
 use headroom_optim::{Implementation, ParamGroup, Sgd};
 
-use crate::{expect_eq, expect_err, one_param_group, param, Case, Outcome};
+use crate::{expect_eq, expect_err, one_param_group, param, sgd_over, Case, Outcome};
 
 pub(crate) fn cases() -> Vec<Case> {
     /// A GradScaler and SGD (fused) of one parameter `p`, a scaled loss backwarded.
@@ -18,10 +18,7 @@ pub(crate) fn cases() -> Vec<Case> {
     fn scaled() -> Result<(GradScaler, Sgd, Tensor), Box<dyn Error + Send + Sync>> {
         let cpu = CpuBackend::new_ref();
         let p = param(&cpu, &[1.0; 4])?;
-        let sgd = Sgd::new(
-            vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(0.1))],
-            Implementation::Fused,
-        )?;
+        let sgd = sgd_over(vec![p.clone()], Implementation::Fused)?;
         let mut scaler = GradScaler::new(GradScalerConfig::default())?;
         scaler.scale(&p.sum_all()?)?.backward()?;
         Ok((scaler, sgd, p))
@@ -30,10 +27,7 @@ pub(crate) fn cases() -> Vec<Case> {
     fn scaled_single() -> Result<(GradScaler, Sgd), Box<dyn Error + Send + Sync>> {
         let cpu = CpuBackend::new_ref();
         let p = param(&cpu, &[1.0; 4])?;
-        let sgd = Sgd::new(
-            vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(0.1))],
-            Implementation::Single,
-        )?;
+        let sgd = sgd_over(vec![p.clone()], Implementation::Single)?;
         let mut scaler = GradScaler::new(GradScalerConfig::default())?;
         scaler.scale(&p.sum_all()?)?.backward()?;
         Ok((scaler, sgd))

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use headroom_autograd_core::{BackendRef, DType, Tensor};
+use headroom_autograd_core::{DType, Tensor};
 use headroom_distributed::{
     Communicator, DistributedError, FileRendezvous, InProcessComm, InProcessGroup, ReduceOp,
     ShardClipping, ShardConfig, ShardLayout, ShardedOptimizer, UniqueId,
@@ -17,26 +17,6 @@ use headroom_optim::kernels::{AdafactorConfig, AdamConfig, SgdConfig};
 use headroom_optim::{Implementation, NormType, ParamGroup};
 
 use crate::{expect_eq, expect_err, f32s, param, temp_path, Case, Outcome};
-
-/// Runs `f` on every rank of `ranks`, each on its own thread with its own backend.
-fn on_ranks<T: Send>(
-    ranks: Vec<InProcessComm>,
-    f: impl Fn(&InProcessComm, &BackendRef) -> T + Sync,
-) -> Vec<T> {
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = ranks
-            .into_iter()
-            .map(|comm| {
-                let f = &f;
-                scope.spawn(move || f(&comm, &CpuBackend::new_ref()))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("a rank panicked"))
-            .collect()
-    })
-}
 
 /// The one rank of a group of one.
 fn solo() -> Result<InProcessComm, DistributedError> {
@@ -71,29 +51,37 @@ pub(crate) fn cases() -> Vec<Case> {
             run: || {
                 // Each rank's output is the chunk of its input that belongs to the other rank:
                 // it overlaps the input other than in NCCL's in-place layout.
-                all_ok(on_ranks(InProcessGroup::ranks(2)?, |comm, cpu| {
-                    let input = Tensor::ones(cpu, &[4], DType::F32)?;
-                    let other = 1 - comm.rank();
-                    let output = input.narrow(0, 2 * other, 2)?;
-                    expect_err!(
-                        comm.reduce_scatter(&input, &output, ReduceOp::Sum),
-                        DistributedError::InvalidArgument { op: "reduce_scatter", .. },
-                        naming "overlap"
-                    )
-                }))
+                all_ok(InProcessGroup::run_on_threads(
+                    InProcessGroup::ranks(2)?,
+                    |comm| {
+                        let cpu = &CpuBackend::new_ref();
+                        let input = Tensor::ones(cpu, &[4], DType::F32)?;
+                        let other = 1 - comm.rank();
+                        let output = input.narrow(0, 2 * other, 2)?;
+                        expect_err!(
+                            comm.reduce_scatter(&input, &output, ReduceOp::Sum),
+                            DistributedError::InvalidArgument { op: "reduce_scatter", .. },
+                            naming "overlap"
+                        )
+                    },
+                ))
             },
         },
         Case {
             name: "reduce_scatter_in_nccls_in_place_layout_sums_each_chunk",
             run: || {
-                all_ok(on_ranks(InProcessGroup::ranks(2)?, |comm, cpu| {
-                    let r = comm.rank() as f32;
-                    let input = f32s(cpu, &[r, r + 1.0, 10.0 * r, 10.0 * r + 1.0], &[4])?;
-                    let output = input.narrow(0, 2 * comm.rank(), 2)?;
-                    comm.reduce_scatter(&input, &output, ReduceOp::Sum)?;
-                    let expected = [vec![1.0, 3.0], vec![10.0, 12.0]][comm.rank()].clone();
-                    expect_eq(output.to_vec::<f32>()?, expected)
-                }))
+                all_ok(InProcessGroup::run_on_threads(
+                    InProcessGroup::ranks(2)?,
+                    |comm| {
+                        let cpu = &CpuBackend::new_ref();
+                        let r = comm.rank() as f32;
+                        let input = f32s(cpu, &[r, r + 1.0, 10.0 * r, 10.0 * r + 1.0], &[4])?;
+                        let output = input.narrow(0, 2 * comm.rank(), 2)?;
+                        comm.reduce_scatter(&input, &output, ReduceOp::Sum)?;
+                        let expected = [vec![1.0, 3.0], vec![10.0, 12.0]][comm.rank()].clone();
+                        expect_eq(output.to_vec::<f32>()?, expected)
+                    },
+                ))
             },
         },
         Case {
@@ -174,7 +162,8 @@ pub(crate) fn cases() -> Vec<Case> {
         Case {
             name: "ranks_reducing_different_sizes_is_mismatch",
             run: || {
-                let outcomes = on_ranks(InProcessGroup::ranks(2)?, |comm, cpu| {
+                let outcomes = InProcessGroup::run_on_threads(InProcessGroup::ranks(2)?, |comm| {
+                    let cpu = &CpuBackend::new_ref();
                     let t = Tensor::zeros(cpu, &[2 + comm.rank()], DType::F32)?;
                     expect_err!(
                         comm.all_reduce(&t, ReduceOp::Sum),

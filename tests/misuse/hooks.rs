@@ -7,22 +7,16 @@ use headroom_amp::{GradScaler, GradScalerConfig};
 use headroom_autograd_core::{DType, Tensor};
 use headroom_hooks::{ClipMode, Clipping, HooksError, InBackward, InBackwardConfig};
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::kernels::SgdConfig;
-use headroom_optim::{
-    DeviceGradScaling, Implementation, LossScaler, NormType, OptimError, ParamGroup, Sgd,
-};
+use headroom_optim::{DeviceGradScaling, Implementation, LossScaler, NormType, OptimError};
 
-use crate::{expect_eq, expect_err, f32s, param, Case};
+use crate::{expect_eq, expect_err, f32s, param, sgd_over, Case};
 
 pub(crate) fn cases() -> Vec<Case> {
     /// An InBackward over fused SGD of one parameter, with `config`.
     fn in_backward(config: InBackwardConfig) -> Result<(InBackward, Tensor), HooksError> {
         let cpu = CpuBackend::new_ref();
         let p = param(&cpu, &[1.0; 4])?;
-        let sgd = Sgd::new(
-            vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(0.1))],
-            Implementation::Fused,
-        )?;
+        let sgd = sgd_over(vec![p.clone()], Implementation::Fused)?;
         Ok((InBackward::new(Box::new(sgd), config)?, p))
     }
     /// A loss scaler of another crate that opens its steps with `scale` (anything at all) and
@@ -108,10 +102,7 @@ pub(crate) fn cases() -> Vec<Case> {
             name: "a_parameter_registered_twice_is_already_registered",
             run: || {
                 let (_first, p) = in_backward(InBackwardConfig::default())?;
-                let sgd = Sgd::new(
-                    vec![ParamGroup::new(vec![p], SgdConfig::new(0.1))],
-                    Implementation::Fused,
-                )?;
+                let sgd = sgd_over(vec![p], Implementation::Fused)?;
                 expect_err!(
                     InBackward::new(Box::new(sgd), InBackwardConfig::default()),
                     HooksError::AlreadyRegistered { index: 0 }
@@ -139,10 +130,7 @@ pub(crate) fn cases() -> Vec<Case> {
             run: || {
                 let cpu = CpuBackend::new_ref();
                 let p = f32s(&cpu, &[1.0; 4], &[4])?;
-                let sgd = Sgd::new(
-                    vec![ParamGroup::new(vec![p], SgdConfig::new(0.1))],
-                    Implementation::Fused,
-                )?;
+                let sgd = sgd_over(vec![p], Implementation::Fused)?;
                 expect_err!(
                     InBackward::new(Box::new(sgd), InBackwardConfig::default()),
                     HooksError::DoesNotRequireGrad { index: 0 }

@@ -27,7 +27,8 @@ use std::error::Error;
 
 use headroom_autograd_core::{BackendRef, DType, Tensor, TensorError};
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::{Implementation, OptimError, ParamGroup};
+use headroom_optim::kernels::SgdConfig;
+use headroom_optim::{Implementation, OptimError, ParamGroup, Sgd};
 use headroom_testkit::misuse::{check_misuse, MisuseCase};
 
 /// What a case returns: `Ok` when the API answered as it must, else what it did instead. Setup
@@ -139,6 +140,14 @@ fn one_param_group<R: headroom_optim::UpdateRule>(
     let cpu = CpuBackend::new_ref();
     let p = param(&cpu, &[1.0; 4])?;
     headroom_optim::GroupOptimizer::new(vec![ParamGroup::new(vec![p], config)], implementation)
+}
+
+/// SGD of learning rate 0.1 in `implementation` over `params` (one group).
+fn sgd_over(params: Vec<Tensor>, implementation: Implementation) -> Result<Sgd, OptimError> {
+    Sgd::new(
+        vec![ParamGroup::new(params, SgdConfig::new(0.1))],
+        implementation,
+    )
 }
 
 /// A path in the temporary directory, unique to this process and `name`.

@@ -44,6 +44,12 @@ fn tiny_gpt2() -> Result<Gpt2LMHeadModel, NnError> {
     )
 }
 
+/// A ViT of `config` on a CPU backend of its own.
+fn vit(config: VitConfig) -> Result<VisionTransformer, NnError> {
+    let cpu = CpuBackend::new_ref();
+    VisionTransformer::new(&cpu, config, DType::F32, &Arc::new(Generator::new(0)))
+}
+
 pub(crate) fn cases() -> Vec<Case> {
     fn token_ids_refused(ids: &[i64], shape: &[usize]) -> Outcome {
         let model = tiny_gpt2()?;
@@ -120,14 +126,9 @@ pub(crate) fn cases() -> Vec<Case> {
         Case {
             name: "vit_on_images_of_another_size_is_invalid_input",
             run: || {
-                let cpu = CpuBackend::new_ref();
-                let vit = VisionTransformer::new(
-                    &cpu,
-                    VitConfig::tiny(),
-                    DType::F32,
-                    &Arc::new(Generator::new(0)),
-                )?;
-                let images = Tensor::zeros(&cpu, &[1, 3, 48, 48], DType::F32)?;
+                let vit = vit(VitConfig::tiny())?;
+                let cpu = vit.class_token.backend();
+                let images = Tensor::zeros(cpu, &[1, 3, 48, 48], DType::F32)?;
                 expect_err!(
                     vit.forward(&images),
                     NnError::InvalidInput { module: "VisionTransformer", .. },
@@ -138,17 +139,11 @@ pub(crate) fn cases() -> Vec<Case> {
         Case {
             name: "vit_whose_heads_do_not_divide_the_width_is_invalid_config",
             run: || {
-                let cpu = CpuBackend::new_ref();
                 expect_err!(
-                    VisionTransformer::new(
-                        &cpu,
-                        VitConfig {
-                            num_heads: 5,
-                            ..VitConfig::tiny()
-                        },
-                        DType::F32,
-                        &Arc::new(Generator::new(0)),
-                    ),
+                    vit(VitConfig {
+                        num_heads: 5,
+                        ..VitConfig::tiny()
+                    }),
                     NnError::InvalidConfig { .. }
                 )
             },
@@ -156,17 +151,11 @@ pub(crate) fn cases() -> Vec<Case> {
         Case {
             name: "vit_whose_patch_does_not_divide_the_image_is_invalid_config",
             run: || {
-                let cpu = CpuBackend::new_ref();
                 expect_err!(
-                    VisionTransformer::new(
-                        &cpu,
-                        VitConfig {
-                            patch_size: 7,
-                            ..VitConfig::tiny()
-                        },
-                        DType::F32,
-                        &Arc::new(Generator::new(0)),
-                    ),
+                    vit(VitConfig {
+                        patch_size: 7,
+                        ..VitConfig::tiny()
+                    }),
                     NnError::InvalidConfig { .. }
                 )
             },

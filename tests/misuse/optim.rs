@@ -15,7 +15,9 @@ use headroom_optim::{
     Scaling, Schedule, Sgd, StepParams,
 };
 
-use crate::{expect_eq, expect_err, f32s, one_param_group, param, param_with_grad, Case, Outcome};
+use crate::{
+    expect_eq, expect_err, f32s, one_param_group, param, param_with_grad, sgd_over, Case, Outcome,
+};
 
 pub(crate) fn cases() -> Vec<Case> {
     /// `config` refused by the optimizer's constructor, the error naming `op` (its config type).
@@ -267,10 +269,7 @@ pub(crate) fn cases() -> Vec<Case> {
                 let cpu = CpuBackend::new_ref();
                 let p = Tensor::zeros(&cpu, &[2, 3], DType::F32)?.t()?;
                 expect_err!(
-                    Sgd::new(
-                        vec![ParamGroup::new(vec![p], SgdConfig::new(0.1))],
-                        Implementation::Fused
-                    ),
+                    sgd_over(vec![p], Implementation::Fused),
                     OptimError::NonContiguous { shape, .. } if shape == &[3, 2]
                 )
             },
@@ -281,10 +280,7 @@ pub(crate) fn cases() -> Vec<Case> {
                 let cpu = CpuBackend::new_ref();
                 let p = param(&cpu, &[1.0; 4])?;
                 expect_err!(
-                    Sgd::new(
-                        vec![ParamGroup::new(vec![p.clone(), p], SgdConfig::new(0.1))],
-                        Implementation::Fused
-                    ),
+                    sgd_over(vec![p.clone(), p], Implementation::Fused),
                     OptimError::UnsupportedTensor { op: "SGD", .. }
                 )
             },
@@ -296,10 +292,7 @@ pub(crate) fn cases() -> Vec<Case> {
                 let whole = Tensor::zeros(&cpu, &[8], DType::F32)?;
                 let (a, b) = (whole.narrow(0, 0, 5)?, whole.narrow(0, 3, 5)?);
                 expect_err!(
-                    Sgd::new(
-                        vec![ParamGroup::new(vec![a, b], SgdConfig::new(0.1))],
-                        Implementation::Fused
-                    ),
+                    sgd_over(vec![a, b], Implementation::Fused),
                     OptimError::UnsupportedTensor { op: "SGD", .. }
                 )
             },

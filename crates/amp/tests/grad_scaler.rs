@@ -26,6 +26,22 @@ fn golden() -> serde_json::Value {
     file["grad_scaler"].clone()
 }
 
+/// A parameter of four ones that requires grad, and SGD over it at `lr`.
+fn four_ones_and_sgd(
+    backend: &BackendRef,
+    lr: f64,
+    implementation: Implementation,
+) -> (Tensor, Sgd) {
+    let p = Tensor::ones(backend, &[4], DType::F32).unwrap();
+    p.requires_grad_(true).unwrap();
+    let sgd = Sgd::new(
+        vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(lr))],
+        implementation,
+    )
+    .unwrap();
+    (p, sgd)
+}
+
 /// PyTorch's sequence (growth interval 3, overflows at steps 4, 8 and 9), on the fused path
 /// (the kernel divides by the scale, the flag read in place) and on the unscale-then-read path:
 /// every scale and every parameter bit equal.
@@ -34,14 +50,8 @@ fn the_golden_sequence_is_reproduced_exactly() {
     let golden = golden();
     for implementation in [Implementation::Fused, Implementation::Single] {
         let cpu = CpuBackend::new_ref();
-        let p = Tensor::ones(&cpu, &[4], DType::F32).unwrap();
-        p.requires_grad_(true).unwrap();
+        let (p, mut sgd) = four_ones_and_sgd(&cpu, 0.1, implementation);
         let c = Tensor::from_slice(&cpu, &[1.0f32, 2.0, 3.0, 4.0], &[4]).unwrap();
-        let mut sgd = Sgd::new(
-            vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(0.1))],
-            implementation,
-        )
-        .unwrap();
         let config = GradScalerConfig {
             init_scale: golden["init_scale"].as_f64().unwrap(),
             growth_factor: golden["growth_factor"].as_f64().unwrap(),
@@ -228,21 +238,12 @@ fn half_gradients_are_unscaled_in_f32() {
 #[test]
 fn misuse_is_a_typed_error() {
     let cpu = CpuBackend::new_ref();
-    let p = Tensor::ones(&cpu, &[4], DType::F32).unwrap();
-    p.requires_grad_(true).unwrap();
-    let mut sgd = Sgd::new(
-        vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(0.1))],
-        Implementation::Fused,
-    )
-    .unwrap();
+    let (p, mut sgd) = four_ones_and_sgd(&cpu, 0.1, Implementation::Fused);
     let mut scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
     assert!(matches!(scaler.unscale_(&sgd), Err(AmpError::NotScaled)));
     assert!(matches!(scaler.update(), Err(AmpError::UpdateWithoutCheck)));
-    scaler
-        .scale(&p.sum_all().unwrap())
-        .unwrap()
-        .backward()
-        .unwrap();
+    let loss = p.sum_all().unwrap();
+    scaler.scale(&loss).unwrap().backward().unwrap();
     scaler.unscale_(&sgd).unwrap();
     let twice = scaler.unscale_(&sgd).unwrap_err();
     assert!(matches!(twice, AmpError::AlreadyUnscaled));
@@ -304,19 +305,10 @@ fn every_scale_that_enters_the_device_is_a_positive_normal_f32() {
     smallest_normal.validate().unwrap();
 
     let cpu = CpuBackend::new_ref();
-    let p = Tensor::ones(&cpu, &[4], DType::F32).unwrap();
-    p.requires_grad_(true).unwrap();
-    let mut sgd = Sgd::new(
-        vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(0.1))],
-        Implementation::Fused,
-    )
-    .unwrap();
+    let (p, mut sgd) = four_ones_and_sgd(&cpu, 0.1, Implementation::Fused);
     let mut scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
-    scaler
-        .scale(&p.sum_all().unwrap())
-        .unwrap()
-        .backward()
-        .unwrap();
+    let loss = p.sum_all().unwrap();
+    scaler.scale(&loss).unwrap().backward().unwrap();
     for new_scale in [1e-40f32, 0.0, -2.0, f32::NAN, f32::INFINITY] {
         let err = scaler.update_to(new_scale).unwrap_err();
         assert!(
@@ -362,13 +354,7 @@ fn every_scale_that_enters_the_device_is_a_positive_normal_f32() {
 #[test]
 fn schedulers_do_not_count_skipped_steps() {
     let cpu = CpuBackend::new_ref();
-    let p = Tensor::ones(&cpu, &[4], DType::F32).unwrap();
-    p.requires_grad_(true).unwrap();
-    let mut sgd = Sgd::new(
-        vec![ParamGroup::new(vec![p.clone()], SgdConfig::new(1.0))],
-        Implementation::Fused,
-    )
-    .unwrap();
+    let (p, mut sgd) = four_ones_and_sgd(&cpu, 1.0, Implementation::Fused);
     let mut scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
     let schedule = Schedule::Step {
         step_size: 2,

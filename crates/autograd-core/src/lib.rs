@@ -101,9 +101,9 @@ pub use autocast::{
 pub use backend::{
     attention_dims, compose_linear, compose_linear_weight_grad, index_strides, linear_dims,
     linear_weight_grad_dims, matmul_dims, AttentionBackward, AttentionDims, AttentionForward,
-    Backend, BackendRef, BinaryOp, CrossEntropyArgs, LayerNormBackward, LayerNormForward,
-    LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp, Operands, ReduceOp, Reduction,
-    UnaryOp, View,
+    Backend, BackendRef, BinaryOp, CrossEntropyArgs, DropoutDraw, LayerNormBackward,
+    LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp, Operands,
+    ReduceOp, Reduction, UnaryOp, View,
 };
 pub use buffer::{Access, Buffer, HostAccess, VersionCounter};
 pub use dtype::{DType, Device};

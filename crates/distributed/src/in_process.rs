@@ -37,21 +37,12 @@ pub const MAX_RANKS: usize = 4096;
 /// use headroom_autograd_core::{DType, Tensor};
 /// use headroom_distributed::{Communicator, InProcessGroup, ReduceOp};
 ///
-/// let ranks = InProcessGroup::ranks(2)?;
-/// let sums: Vec<Vec<f32>> = std::thread::scope(|scope| {
-///     let handles: Vec<_> = ranks
-///         .into_iter()
-///         .map(|comm| {
-///             scope.spawn(move || {
-///                 let cpu = headroom_ops_cpu::CpuBackend::new_ref();
-///                 let value = comm.rank() as f64 + 1.0;
-///                 let t = Tensor::full(&cpu, &[3], value, DType::F32).unwrap();
-///                 comm.all_reduce(&t, ReduceOp::Sum).unwrap();
-///                 t.to_vec::<f32>().unwrap()
-///             })
-///         })
-///         .collect();
-///     handles.into_iter().map(|h| h.join().unwrap()).collect()
+/// let sums = InProcessGroup::run_on_threads(InProcessGroup::ranks(2)?, |comm| {
+///     let cpu = headroom_ops_cpu::CpuBackend::new_ref();
+///     let value = comm.rank() as f64 + 1.0;
+///     let t = Tensor::full(&cpu, &[3], value, DType::F32).unwrap();
+///     comm.all_reduce(&t, ReduceOp::Sum).unwrap();
+///     t.to_vec::<f32>().unwrap()
 /// });
 /// assert_eq!(sums, [[3.0; 3], [3.0; 3]]);
 /// # Ok::<(), headroom_distributed::DistributedError>(())
@@ -64,6 +55,29 @@ impl InProcessGroup {
     /// each other. Move each to its own thread.
     pub fn ranks(world_size: usize) -> Result<Vec<InProcessComm>, DistributedError> {
         InProcessGroup::ranks_with_timeout(world_size, DEFAULT_TIMEOUT)
+    }
+
+    /// Runs `f` on each of `ranks`, each on its own scoped thread, and returns the results in
+    /// rank order. A rank that panics panics the caller with its payload, once every thread has
+    /// ended (the others' collectives time out without it).
+    pub fn run_on_threads<T: Send>(
+        ranks: Vec<InProcessComm>,
+        f: impl Fn(InProcessComm) -> T + Sync,
+    ) -> Vec<T> {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = ranks
+                .into_iter()
+                .map(|comm| {
+                    let f = &f;
+                    scope.spawn(move || f(comm))
+                })
+                .collect();
+            let results: Vec<_> = handles.into_iter().map(|h| h.join()).collect();
+            results
+                .into_iter()
+                .map(|result| result.unwrap_or_else(|payload| std::panic::resume_unwind(payload)))
+                .collect()
+        })
     }
 
     /// [`InProcessGroup::ranks`] with another timeout.

@@ -6,27 +6,9 @@ use std::time::Duration;
 
 use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_distributed::{
-    CollectiveCount, CommStats, Communicator, DistributedError, InProcessComm, InProcessGroup,
-    ReduceOp,
+    CollectiveCount, CommStats, Communicator, DistributedError, InProcessGroup, ReduceOp,
 };
 use headroom_ops_cpu::CpuBackend;
-
-/// Runs `f` on every rank of a new group of `n`, each on its own thread with its own backend.
-fn on_ranks<T: Send>(
-    ranks: Vec<InProcessComm>,
-    f: impl Fn(&InProcessComm, &BackendRef) -> T + Sync,
-) -> Vec<T> {
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = ranks
-            .into_iter()
-            .map(|comm| {
-                let f = &f;
-                scope.spawn(move || f(&comm, &CpuBackend::new_ref()))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
-}
 
 fn tensor(backend: &BackendRef, values: &[f32]) -> Tensor {
     Tensor::from_slice(backend, values, &[values.len()]).unwrap()
@@ -34,7 +16,8 @@ fn tensor(backend: &BackendRef, values: &[f32]) -> Tensor {
 
 #[test]
 fn each_collective_gives_its_definition() {
-    let results = on_ranks(InProcessGroup::ranks(3).unwrap(), |comm, cpu| {
+    let results = InProcessGroup::run_on_threads(InProcessGroup::ranks(3).unwrap(), |comm| {
+        let cpu = &CpuBackend::new_ref();
         let r = comm.rank() as f32;
         // all_reduce: sum and max of [r, 10 r].
         let sum = tensor(cpu, &[r, 10.0 * r]);
@@ -84,7 +67,8 @@ fn each_collective_gives_its_definition() {
 fn reductions_sum_in_rank_order_on_every_rank() {
     // (1 + 1e8) − 1e8 is 0 in f32, 1 + (1e8 − 1e8) is 1: the order shows.
     let values = [1.0f32, 1e8, -1e8];
-    let results = on_ranks(InProcessGroup::ranks(3).unwrap(), |comm, cpu| {
+    let results = InProcessGroup::run_on_threads(InProcessGroup::ranks(3).unwrap(), |comm| {
+        let cpu = &CpuBackend::new_ref();
         let t = tensor(cpu, &[values[comm.rank()]]);
         comm.all_reduce(&t, ReduceOp::Sum).unwrap();
         t.to_vec::<f32>().unwrap()[0]
@@ -93,7 +77,8 @@ fn reductions_sum_in_rank_order_on_every_rank() {
     assert_eq!((values[0] + values[1]) + values[2], 0.0);
     assert_eq!(values[0] + (values[1] + values[2]), 1.0);
     // bf16 sums in f32 and rounds once: 256 + 1 + 1 is 258, exactly a bf16.
-    let results = on_ranks(InProcessGroup::ranks(3).unwrap(), |comm, cpu| {
+    let results = InProcessGroup::run_on_threads(InProcessGroup::ranks(3).unwrap(), |comm| {
+        let cpu = &CpuBackend::new_ref();
         let value = [256.0, 1.0, 1.0][comm.rank()];
         let t = Tensor::from_f64s(cpu, &[value], &[1], DType::BF16).unwrap();
         comm.all_reduce(&t, ReduceOp::Sum).unwrap();
@@ -104,7 +89,8 @@ fn reductions_sum_in_rank_order_on_every_rank() {
 
 #[test]
 fn ranks_that_disagree_get_a_typed_error() {
-    let results = on_ranks(InProcessGroup::ranks(2).unwrap(), |comm, cpu| {
+    let results = InProcessGroup::run_on_threads(InProcessGroup::ranks(2).unwrap(), |comm| {
+        let cpu = &CpuBackend::new_ref();
         let n = 2 + comm.rank();
         let t = Tensor::zeros(cpu, &[n], DType::F32).unwrap();
         comm.all_reduce(&t, ReduceOp::Sum).unwrap_err()
@@ -170,7 +156,8 @@ fn bad_buffers_are_refused() {
 #[test]
 fn overlapping_buffers_are_refused_unless_in_place() {
     let ranks = InProcessGroup::ranks(2).unwrap();
-    let outcomes = on_ranks(ranks, |comm, cpu| {
+    let outcomes = InProcessGroup::run_on_threads(ranks, |comm| {
+        let cpu = &CpuBackend::new_ref();
         let rank = comm.rank();
         let big = tensor(cpu, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]);
         // In place: rank r's chunk of `big` (elements 4r..4r+4).

@@ -8,19 +8,20 @@
 //! name (`scripts/gpu-measure.sh`), and `scripts/gpu-data-parallel.sh` runs it on two.
 #![cfg(feature = "nccl")]
 
+mod zero2;
+
 use std::sync::Arc;
 
 use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_distributed::{
-    nccl_unique_id, visible_gpus, Communicator, NcclComm, ReduceOp, ShardConfig, ShardedOptimizer,
-    UniqueId,
+    nccl_unique_id, visible_gpus, Communicator, NcclComm, ReduceOp, UniqueId,
 };
-use headroom_hooks::InBackwardConfig;
 use headroom_ops_cuda::CudaBackend;
 use headroom_optim::{Adam, AdamConfig, Implementation, Optimizer, ParamGroup};
 use headroom_testkit::gpu::{cuda_or_skip, gpus_or_skip};
 use headroom_testkit::inputs::Xorshift;
 use headroom_testkit::ModelSpec;
+use zero2::zero2_in_backward;
 
 const SPEC: ModelSpec = ModelSpec::Mlp {
     width: 61,
@@ -125,22 +126,7 @@ fn zero2_on_the_gpus_trains_to_one_gpu_bitwise() {
         let model = SPEC.build(&gpu, DType::F32, 7).unwrap();
         let params = model.module().parameters();
         let rank = comm.rank();
-        let in_backward = ShardedOptimizer::new(
-            vec![ParamGroup::new(params.clone(), adam())],
-            Implementation::Fused,
-            comm,
-            ShardConfig {
-                bucket_bytes: 0,
-                clipping: None,
-            },
-        )
-        .unwrap()
-        .into_in_backward(InBackwardConfig {
-            bucket_bytes: 64 << 10,
-            accumulation: 1,
-            clipping: None,
-        })
-        .unwrap();
+        let in_backward = zero2_in_backward(params.clone(), adam(), comm, 64 << 10);
         for step in 0..STEPS {
             let part = batch(&gpu, step).narrow(rank * PER_RANK, PER_RANK).unwrap();
             let loss = model

@@ -11,6 +11,8 @@
 //! the same bits; the shards' update is the element-wise rule on the same elements. Hence
 //! bitwise.
 
+mod zero2;
+
 use std::sync::Arc;
 
 use headroom_amp::{GradScaler, GradScalerConfig};
@@ -28,6 +30,7 @@ use headroom_optim::{
 };
 use headroom_testkit::inputs::Xorshift;
 use headroom_testkit::{Batch, Model, ModelSpec};
+use zero2::zero2_in_backward;
 
 const STEPS: usize = 20;
 /// Examples per rank per micro-batch.
@@ -66,6 +69,20 @@ struct Run {
     /// fp16-style loss scaling (amp's GradScaler, 2^16 at first) with the last rank's loss
     /// overflowing at [`OVERFLOW_STEP`], so that every rank must skip that step together.
     scaled: bool,
+}
+
+impl Run {
+    /// The MLP on `world_size` ranks under `stage`: one micro-step, no clipping, no scaling.
+    fn plain(world_size: usize, stage: Stage) -> Run {
+        Run {
+            spec: MLP,
+            world_size,
+            stage,
+            accumulation: 1,
+            clip: None,
+            scaled: false,
+        }
+    }
 }
 
 /// The step whose last-rank loss is infinite in a scaled run.
@@ -275,28 +292,14 @@ fn assert_bitwise(run: Run) {
 #[test]
 fn zero1_trains_to_single_rank_bitwise_on_2_and_4_ranks() {
     for world_size in [2, 4] {
-        assert_bitwise(Run {
-            spec: MLP,
-            world_size,
-            stage: Stage::Zero1,
-            accumulation: 1,
-            clip: None,
-            scaled: false,
-        });
+        assert_bitwise(Run::plain(world_size, Stage::Zero1));
     }
 }
 
 #[test]
 fn zero2_trains_to_single_rank_bitwise_on_2_and_4_ranks() {
     for (world_size, bucket_bytes) in [(2, 0), (2, 2048), (4, 1 << 20)] {
-        assert_bitwise(Run {
-            spec: MLP,
-            world_size,
-            stage: Stage::Zero2 { bucket_bytes },
-            accumulation: 1,
-            clip: None,
-            scaled: false,
-        });
+        assert_bitwise(Run::plain(world_size, Stage::Zero2 { bucket_bytes }));
     }
 }
 
@@ -304,13 +307,12 @@ fn zero2_trains_to_single_rank_bitwise_on_2_and_4_ranks() {
 fn zero2_trains_vit_tiny_to_single_rank_bitwise() {
     assert_bitwise(Run {
         spec: ModelSpec::Vit(VitConfig::tiny()),
-        world_size: 2,
-        stage: Stage::Zero2 {
-            bucket_bytes: 16 << 10,
-        },
-        accumulation: 1,
-        clip: None,
-        scaled: false,
+        ..Run::plain(
+            2,
+            Stage::Zero2 {
+                bucket_bytes: 16 << 10,
+            },
+        )
     });
 }
 
@@ -325,12 +327,8 @@ fn zero2_trains_vit_tiny_to_single_rank_bitwise() {
 fn loss_scaling_trains_to_single_rank_bitwise_under_zero1_and_zero2() {
     for world_size in [2, 4] {
         let zero1 = Run {
-            spec: MLP,
-            world_size,
-            stage: Stage::Zero1,
-            accumulation: 1,
-            clip: None,
             scaled: true,
+            ..Run::plain(world_size, Stage::Zero1)
         };
         assert_bitwise(zero1);
         assert_bitwise(Run {
@@ -339,12 +337,9 @@ fn loss_scaling_trains_to_single_rank_bitwise_under_zero1_and_zero2() {
         });
     }
     let clipped = Run {
-        spec: MLP,
-        world_size: 2,
-        stage: Stage::Zero1,
-        accumulation: 1,
         clip: Some(0.05),
         scaled: true,
+        ..Run::plain(2, Stage::Zero1)
     };
     let expected = reference(clipped);
     let results = train(clipped);
@@ -372,12 +367,8 @@ fn loss_scaling_trains_to_single_rank_bitwise_under_zero1_and_zero2() {
 fn accumulation_micro_steps_communicate_nothing() {
     for world_size in [2, 4] {
         let zero1 = Run {
-            spec: MLP,
-            world_size,
-            stage: Stage::Zero1,
             accumulation: 3,
-            clip: None,
-            scaled: false,
+            ..Run::plain(world_size, Stage::Zero1)
         };
         let zero2 = Run {
             stage: Stage::Zero2 { bucket_bytes: 2048 },
@@ -414,12 +405,8 @@ fn accumulation_micro_steps_communicate_nothing() {
 fn clipping_is_the_global_norm_across_ranks() {
     for world_size in [2, 4] {
         let zero1 = Run {
-            spec: MLP,
-            world_size,
-            stage: Stage::Zero1,
-            accumulation: 1,
             clip: Some(0.05),
-            scaled: false,
+            ..Run::plain(world_size, Stage::Zero1)
         };
         let zero2 = Run {
             stage: Stage::Zero2 { bucket_bytes: 2048 },
@@ -454,14 +441,7 @@ fn clipping_is_the_global_norm_across_ranks() {
 #[test]
 fn a_step_moves_what_plain_data_parallel_moves() {
     for world_size in [2, 4] {
-        let results = train(Run {
-            spec: MLP,
-            world_size,
-            stage: Stage::Zero2 { bucket_bytes: 2048 },
-            accumulation: 1,
-            clip: None,
-            scaled: false,
-        });
+        let results = train(Run::plain(world_size, Stage::Zero2 { bucket_bytes: 2048 }));
         let layout = &results[0].layout;
         // The MLP: 13×30 + 30 + 30×13 + 13 = 823 f32 parameters.
         let param_bytes: u64 = layout.params.iter().map(|p| p.numel as u64 * 4).sum();
@@ -551,22 +531,8 @@ fn zero2_holds_a_shard_of_the_state_and_gradients() {
                         };
                         let allocated = || backend.memory_stats().allocated_bytes.all.current;
                         let before = allocated();
-                        let in_backward = ShardedOptimizer::new(
-                            vec![ParamGroup::new(weights.clone(), adamw())],
-                            Implementation::Fused,
-                            Arc::new(comm),
-                            ShardConfig {
-                                bucket_bytes: 0,
-                                clipping: None,
-                            },
-                        )
-                        .unwrap()
-                        .into_in_backward(InBackwardConfig {
-                            bucket_bytes: 0,
-                            accumulation: 1,
-                            clipping: None,
-                        })
-                        .unwrap();
+                        let in_backward =
+                            zero2_in_backward(weights.clone(), adamw(), Arc::new(comm), 0);
                         in_backward.backward(&forward()).unwrap();
                         let after_first = allocated();
                         let loss = forward();
@@ -668,14 +634,7 @@ fn misuse_is_a_typed_error() {
 
 #[test]
 fn one_rank_is_the_plain_optimizer() {
-    let run = Run {
-        spec: MLP,
-        world_size: 1,
-        stage: Stage::Zero2 { bucket_bytes: 2048 },
-        accumulation: 1,
-        clip: None,
-        scaled: false,
-    };
+    let run = Run::plain(1, Stage::Zero2 { bucket_bytes: 2048 });
     assert_bitwise(run);
     let _: &Model = &run
         .spec
@@ -686,12 +645,9 @@ fn one_rank_is_the_plain_optimizer() {
 #[test]
 fn accumulation_and_clipping_together() {
     let zero1 = Run {
-        spec: MLP,
-        world_size: 2,
-        stage: Stage::Zero1,
         accumulation: 2,
         clip: Some(0.05),
-        scaled: false,
+        ..Run::plain(2, Stage::Zero1)
     };
     let zero2 = Run {
         stage: Stage::Zero2 { bucket_bytes: 2048 },

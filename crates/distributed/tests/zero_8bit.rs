@@ -3,14 +3,16 @@
 //! blockwise statistics are those of the same elements of the whole weight, and 20 steps equal
 //! single-rank training bit for bit.
 
+mod zero2;
+
 use std::sync::Arc;
 
 use headroom_autograd_core::{BackendRef, DType, Tensor};
-use headroom_distributed::{Communicator, InProcessGroup, ShardConfig, ShardedOptimizer};
-use headroom_hooks::InBackwardConfig;
+use headroom_distributed::{Communicator, InProcessGroup};
 use headroom_ops_cpu::CpuBackend;
 use headroom_optim::{Implementation, Optimizer, ParamGroup};
 use headroom_testkit::inputs::Xorshift;
+use zero2::zero2_in_backward;
 
 const STEPS: usize = 20;
 /// Examples per rank.
@@ -103,22 +105,8 @@ fn zero2_steps_8_bit_adam_shards_like_the_whole_weights() {
                         let cpu = CpuBackend::new_ref();
                         let weights = chain(&cpu);
                         let rank = comm.rank();
-                        let in_backward = ShardedOptimizer::new(
-                            vec![ParamGroup::new(weights.clone(), config)],
-                            Implementation::Fused,
-                            Arc::new(comm),
-                            ShardConfig {
-                                bucket_bytes: 0,
-                                clipping: None,
-                            },
-                        )
-                        .unwrap()
-                        .into_in_backward(InBackwardConfig {
-                            bucket_bytes: 300 << 10,
-                            accumulation: 1,
-                            clipping: None,
-                        })
-                        .unwrap();
+                        let in_backward =
+                            zero2_in_backward(weights.clone(), config, Arc::new(comm), 300 << 10);
                         // As for the single rank: what the steps add (the state).
                         let before = cpu.memory_stats().allocated_bytes.all.current;
                         for step in 0..STEPS {

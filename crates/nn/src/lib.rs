@@ -6,7 +6,7 @@
 //! files by the names PyTorch uses ([`load_weights`], [`save_weights`]) and an optimizer sees
 //! parameters in PyTorch's order. Layers: [`Linear`], [`LayerNorm`], [`Embedding`],
 //! [`Dropout`], [`MultiheadAttention`], [`Mlp`]. Models: [`VisionTransformer`] ([`VitConfig`]:
-//! the golden tiny model, `vit_b_16`, `vit_l_16`) and [`Gpt2LMHeadModel`] ([`Gpt2Config`];
+//! the golden tiny model, `vit_b_16`, `vit_l_16`, `vit_g_14`) and [`Gpt2LMHeadModel`] ([`Gpt2Config`];
 //! `Conv1D` weights stored `[in, out]`, `lm_head` tied to `wte`). Tests check both, in float64,
 //! against PyTorch's logits, loss and every parameter's gradient. [`LlamaForCausalLM`]
 //! ([`LlamaConfig`]: the tiny golden Llama and Qwen2, Llama-3.2-1B/3B and Llama-3.1-8B shapes)

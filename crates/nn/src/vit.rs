@@ -5,9 +5,9 @@
 //! mlp.0, mlp.3}.*`, `encoder.ln.*`, `heads.head.{weight,bias}`. The forward pass is
 //! torchvision's step for step: patch embedding (a convolution with stride = kernel), class token
 //! prepended, position embedding added, pre-norm encoder blocks (LayerNorm eps 1e-6, exact GELU),
-//! final norm, the class token's row through the head. [`VitConfig`] holds the three
-//! configurations the project uses: the golden tiny model, `mini` (CPU benchmarks), `vit_b_16`
-//! and `vit_l_16`.
+//! final norm, the class token's row through the head. [`VitConfig`] holds the configurations
+//! the project uses: the golden tiny model, `mini` (CPU benchmarks), `vit_b_16`, `vit_l_16` and
+//! `vit_g_14` (the GPU examples' 1B-parameter model).
 
 use std::sync::Arc;
 
@@ -109,6 +109,19 @@ impl VitConfig {
             dropout: 0.0,
             attention_dropout: 0.0,
             layer_norm_eps: 1e-6,
+        }
+    }
+
+    /// ViT-g/14's shape (Zhai et al., "Scaling Vision Transformers"; torchvision has no such
+    /// builder) at 224 pixels: 40 blocks of width 1408 with 16 heads, MLP 6144, 1000 classes,
+    /// about 1.0B parameters; the rest as [`VitConfig::vit_l_16`].
+    pub fn vit_g_14() -> VitConfig {
+        VitConfig {
+            patch_size: 14,
+            num_layers: 40,
+            hidden_dim: 1408,
+            mlp_dim: 6144,
+            ..VitConfig::vit_l_16()
         }
     }
 

@@ -4,7 +4,7 @@
 //! the dtype's compute type (f32 for f16/bf16). Ops are matched once per call, outside the
 //! loops, so every inner loop is a monomorphised closure. Nothing here allocates.
 
-use headroom_autograd_core::{BinaryOp, MaskedOp, Result, TensorError, UnaryOp, View};
+use headroom_autograd_core::{BinaryOp, DropoutDraw, MaskedOp, Result, TensorError, UnaryOp, View};
 
 use crate::element::{dispatch_any, dispatch_float, is_mask, BoolByte, Float, Real, Scalar};
 use crate::strided::{for_each_run, HostPtr};
@@ -308,14 +308,7 @@ fn masked_typed<T: Float>(op: MaskedOp, x: View<'_>, mask: View<'_>, out: View<'
 
 /// Dropout forward; `out` and `mask` are dense, so an element's offset in `out` is its
 /// row-major index, which keys the random stream.
-pub(crate) fn dropout(
-    x: View<'_>,
-    p: f64,
-    seed: u64,
-    offset: u64,
-    out: View<'_>,
-    mask: View<'_>,
-) -> Result<()> {
+pub(crate) fn dropout(x: View<'_>, draw: DropoutDraw, out: View<'_>, mask: View<'_>) -> Result<()> {
     check_shapes("dropout", &x, &out)?;
     check_shapes("dropout", &x, &mask)?;
     if !out.layout.is_contiguous()
@@ -328,24 +321,17 @@ pub(crate) fn dropout(
             reason: "out and mask must be fresh dense tensors".into(),
         });
     }
-    dispatch_float!(x.dtype, "dropout", T => dropout_typed::<T>(x, p, seed, offset, out, mask));
+    dispatch_float!(x.dtype, "dropout", T => dropout_typed::<T>(x, draw, out, mask));
     Ok(())
 }
 
-fn dropout_typed<T: Float>(
-    x: View<'_>,
-    p: f64,
-    seed: u64,
-    offset: u64,
-    out: View<'_>,
-    mask: View<'_>,
-) {
+fn dropout_typed<T: Float>(x: View<'_>, draw: DropoutDraw, out: View<'_>, mask: View<'_>) {
     let (from, to, flags) = (
         HostPtr::<T>::new(&x),
         HostPtr::<T>::new(&out),
         HostPtr::<BoolByte>::new(&mask),
     );
-    let scale = <T::C as Real>::from_f64(if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 });
+    let scale = <T::C as Real>::from_f64(draw.scale());
     let dense = headroom_autograd_core::contiguous_strides(out.layout.shape());
     for_each_run(
         out.layout.shape(),
@@ -354,7 +340,7 @@ fn dropout_typed<T: Float>(
         |o, s, len| {
             for i in 0..len {
                 let index = o[0] + i * s[0];
-                let keep = headroom_autograd_core::uniform(seed, offset + index as u64) >= p;
+                let keep = draw.keeps(index as u64);
                 let value = if keep {
                     from.read(o[1] + i * s[1]).load() * scale
                 } else {

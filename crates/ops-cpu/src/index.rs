@@ -9,16 +9,10 @@ use headroom_autograd_core::{index_strides, Result, TensorError, View};
 use crate::element::{dispatch_float, Float};
 use crate::strided::{for_each_run, for_each_run_serial, HostPtr};
 
-/// Checks shapes and index values; returns the strides of `data` with `dim` zeroed.
-fn prepare(
-    op: &'static str,
-    data: &View<'_>,
-    dim: usize,
-    index: &View<'_>,
-    other: &View<'_>,
-) -> Result<Vec<usize>> {
-    let strides = index_strides(op, data, dim, index, other)?;
-    let limit = data.layout.shape()[dim] as i64;
+/// Checks that every value of `index` (I64, shape-checked by [`index_strides`]) is in
+/// `0..size`, the size of the indexed dim.
+fn check_index_values(op: &'static str, index: &View<'_>, size: usize) -> Result<()> {
+    let limit = size as i64;
     let ptr = HostPtr::<i64>::new(index);
     let mut bad = None;
     for_each_run_serial(
@@ -40,11 +34,12 @@ fn prepare(
             reason: format!("index {value} is out of bounds for size {limit}"),
         });
     }
-    Ok(strides)
+    Ok(())
 }
 
 pub(crate) fn gather(x: View<'_>, dim: usize, index: View<'_>, out: View<'_>) -> Result<()> {
-    let strides = prepare("gather", &x, dim, &index, &out)?;
+    let strides = index_strides("gather", &x, dim, &index, &out)?;
+    check_index_values("gather", &index, x.layout.shape()[dim])?;
     dispatch_float!(x.dtype, "gather", T => gather_typed::<T>(x, dim, index, out, &strides));
     Ok(())
 }
@@ -83,7 +78,8 @@ fn gather_typed<T: Float>(
 }
 
 pub(crate) fn scatter_add(dst: View<'_>, dim: usize, index: View<'_>, src: View<'_>) -> Result<()> {
-    let strides = prepare("scatter_add", &dst, dim, &index, &src)?;
+    let strides = index_strides("scatter_add", &dst, dim, &index, &src)?;
+    check_index_values("scatter_add", &index, dst.layout.shape()[dim])?;
     if src.dtype != dst.dtype {
         return Err(TensorError::DtypeMismatch {
             op: "scatter_add",

@@ -43,8 +43,8 @@ use std::sync::Arc;
 
 use headroom_autograd_core::{
     check_operands, claim_operands, Access, Aliasing, AttentionBackward, AttentionForward, Backend,
-    BackendRef, BinaryOp, Buffer, CrossEntropyArgs, Device, HostAccess, LayerNormBackward,
-    LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp, View,
+    BackendRef, BinaryOp, Buffer, CrossEntropyArgs, Device, DropoutDraw, HostAccess,
+    LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp, View,
 };
 use headroom_caching_allocator::{
     AllocError, Allocation, AllocatorConfig, AllocatorView, CachingAllocator, HostStorage, StreamId,
@@ -327,16 +327,8 @@ impl Backend for CpuBackend {
         attention::attention_backward(args)
     }
 
-    fn dropout(
-        &self,
-        x: View<'_>,
-        p: f64,
-        seed: u64,
-        offset: u64,
-        out: View<'_>,
-        mask: View<'_>,
-    ) -> Result<()> {
+    fn dropout(&self, x: View<'_>, draw: DropoutDraw, out: View<'_>, mask: View<'_>) -> Result<()> {
         let _access = self.operands("dropout", &[out, mask], &[x], Aliasing::SameView)?;
-        elementwise::dropout(x, p, seed, offset, out, mask)
+        elementwise::dropout(x, draw, out, mask)
     }
 }

@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
 use headroom_autograd_core::{
-    BackendRef, BinaryOp, CrossEntropyArgs, DType, LayerNormBackward, LayerNormForward, Layout,
-    ReduceOp, Reduction, Tensor, UnaryOp, View,
+    BackendRef, BinaryOp, CrossEntropyArgs, DType, DropoutDraw, LayerNormBackward,
+    LayerNormForward, Layout, ReduceOp, Reduction, Tensor, UnaryOp, View,
 };
 use headroom_ops_cuda::{CudaBackend, CudaStream};
 use headroom_testkit::gpu::cuda_or_skip;
@@ -498,7 +498,12 @@ fn indexing(bench: &mut Bench, compute: &CudaStream) {
         compute,
         || {
             offset += n as u64;
-            gpu.dropout(x.view(), 0.1, 17, offset, out.view(), mask.view())
+            let draw = DropoutDraw {
+                p: 0.1,
+                seed: 17,
+                offset,
+            };
+            gpu.dropout(x.view(), draw, out.view(), mask.view())
                 .expect("dropout")
         },
     );

@@ -21,8 +21,8 @@ use std::sync::Arc;
 use cudarc::driver::result;
 use headroom_autograd_core::{
     Aliasing, AttentionBackward, AttentionForward, Backend, BinaryOp, Buffer, CrossEntropyArgs,
-    Device, LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad,
-    MaskedOp, ReduceOp, Result, UnaryOp, View,
+    Device, DropoutDraw, LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward,
+    LinearWeightGrad, MaskedOp, ReduceOp, Result, UnaryOp, View,
 };
 use headroom_caching_allocator::{Allocation, AllocatorView, StreamId};
 
@@ -398,19 +398,11 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn dropout(
-        &self,
-        x: View<'_>,
-        p: f64,
-        seed: u64,
-        offset: u64,
-        out: View<'_>,
-        mask: View<'_>,
-    ) -> Result<()> {
+    fn dropout(&self, x: View<'_>, draw: DropoutDraw, out: View<'_>, mask: View<'_>) -> Result<()> {
         check(self, "dropout", &[out, mask], &[x], Aliasing::SameView)?;
         self.timed(
             || format!("dropout {}", describe(&x)),
-            || index::dropout(self, x, p, seed, offset, out, mask),
+            || index::dropout(self, x, draw, out, mask),
         )
     }
 }

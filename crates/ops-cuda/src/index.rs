@@ -13,7 +13,7 @@
 
 use cudarc::driver::{result, LaunchConfig};
 use headroom_autograd_core::{
-    index_strides, CrossEntropyArgs, DType, Reduction, Result, TensorError, View,
+    index_strides, CrossEntropyArgs, DType, DropoutDraw, Reduction, Result, TensorError, View,
 };
 use headroom_caching_allocator::StreamId;
 
@@ -439,9 +439,7 @@ pub(crate) fn cross_entropy_backward(
 pub(crate) fn dropout(
     backend: &CudaBackend,
     x: View<'_>,
-    p: f64,
-    seed: u64,
-    offset: u64,
+    draw: DropoutDraw,
     out: View<'_>,
     mask: View<'_>,
 ) -> Result<()> {
@@ -469,9 +467,9 @@ pub(crate) fn dropout(
         Param::U64(x.buffer.address()),
         Param::U64(out.buffer.address()),
         Param::U64(mask.buffer.address()),
-        Param::F64(p),
-        Param::U64(seed),
-        Param::U64(offset),
+        Param::F64(draw.p),
+        Param::U64(draw.seed),
+        Param::U64(draw.offset),
     ];
     let name = (op, suffix);
     launch_strided(backend, Module::Index, op, name, args, &params)

@@ -10,16 +10,14 @@ use headroom_optim::cuda::{CudaFusedAdam, DeviceAdamParam};
 use headroom_optim::kernels::{adam_fused, AdamBuffers, AdamConfig, GradScaling};
 use headroom_optim::{DeviceGradScaling, OptimError};
 use headroom_testkit::gpu::cuda_or_skip;
+use headroom_testkit::inputs::Xorshift;
 
+/// `n` values uniform in `[-scale/2, scale/2)` from the xorshift stream that starts at state
+/// `seed | 1`.
 fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    let mut state = seed | 1;
+    let mut stream = Xorshift::from_state(seed | 1);
     (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-        })
+        .map(|_| stream.next_signed_f32() * 0.5 * scale)
         .collect()
 }
 

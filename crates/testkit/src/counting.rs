@@ -13,7 +13,8 @@ use std::sync::Arc;
 
 use headroom_autograd_core::{
     AttentionBackward, AttentionForward, Backend, BackendRef, BinaryOp, Buffer, CrossEntropyArgs,
-    Device, LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp, View,
+    Device, DropoutDraw, LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp,
+    View,
 };
 use headroom_caching_allocator::{Allocation, AllocatorView};
 
@@ -145,15 +146,7 @@ impl Backend for HostReadCounter {
     fn attention_backward(&self, args: AttentionBackward<'_>) -> Result<()> {
         self.inner.attention_backward(args)
     }
-    fn dropout(
-        &self,
-        x: View<'_>,
-        p: f64,
-        seed: u64,
-        offset: u64,
-        out: View<'_>,
-        mask: View<'_>,
-    ) -> Result<()> {
-        self.inner.dropout(x, p, seed, offset, out, mask)
+    fn dropout(&self, x: View<'_>, draw: DropoutDraw, out: View<'_>, mask: View<'_>) -> Result<()> {
+        self.inner.dropout(x, draw, out, mask)
     }
 }

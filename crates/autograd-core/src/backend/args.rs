@@ -1,7 +1,7 @@
 //! The words of the backend trait: [`View`] (a tensor's elements as a primitive sees them), the
 //! op families ([`UnaryOp`], [`BinaryOp`], [`ReduceOp`], [`MaskedOp`]), and the argument structs
 //! of the fused primitives (layer norm, cross-entropy, attention, linear), each with the
-//! [`Operands`] a backend checks and claims.
+//! [`Operands`] a backend checks and claims, and [`DropoutDraw`], which elements dropout keeps.
 //!
 //! It sits on buffers, layouts and dtypes; it knows no backend and no shape rule (`dims.rs`).
 
@@ -153,6 +153,34 @@ pub struct LayerNormBackward<'a> {
     pub dweight: Option<View<'a>>,
     /// Shift gradient, if wanted.
     pub dbias: Option<View<'a>>,
+}
+
+/// Which elements [`Backend::dropout`](super::Backend::dropout) keeps: element `i` (in row-major
+/// order) is kept when [`uniform`](crate::uniform)`(seed, offset + i) >= p`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DropoutDraw {
+    /// The probability of zeroing an element, in `[0, 1]`.
+    pub p: f64,
+    /// The generator's seed.
+    pub seed: u64,
+    /// The counter of element 0.
+    pub offset: u64,
+}
+
+impl DropoutDraw {
+    /// Whether element `index` (row-major) is kept.
+    pub fn keeps(&self, index: u64) -> bool {
+        crate::random::uniform(self.seed, self.offset + index) >= self.p
+    }
+
+    /// What a kept element is multiplied by: `1 / (1 - p)`, or 0 when `p` is 1 (nothing is kept).
+    pub fn scale(&self) -> f64 {
+        if self.p < 1.0 {
+            1.0 / (1.0 - self.p)
+        } else {
+            0.0
+        }
+    }
 }
 
 /// Inputs and outputs of fused cross-entropy (log-softmax + NLL over the last dim).

@@ -59,9 +59,9 @@ use crate::dtype::Device;
 use crate::error::Result;
 
 pub use args::{
-    AttentionBackward, AttentionForward, BinaryOp, CrossEntropyArgs, LayerNormBackward,
-    LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp, Operands,
-    ReduceOp, Reduction, UnaryOp, View,
+    AttentionBackward, AttentionForward, BinaryOp, CrossEntropyArgs, DropoutDraw,
+    LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp,
+    Operands, ReduceOp, Reduction, UnaryOp, View,
 };
 pub use dims::{
     attention_dims, compose_linear, compose_linear_weight_grad, index_strides, linear_dims,
@@ -204,16 +204,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Gradients of fused attention, recomputing the probabilities from `lse`.
     fn attention_backward(&self, args: AttentionBackward<'_>) -> Result<()>;
 
-    /// Dropout in one pass: element `i` is kept with probability `1 - p` when
-    /// `crate::random::uniform(seed, offset + i) >= p`; `out = kept ? x / (1 - p) : 0` and
-    /// `mask` (Bool) records which were kept.
-    fn dropout(
-        &self,
-        x: View<'_>,
-        p: f64,
-        seed: u64,
-        offset: u64,
-        out: View<'_>,
-        mask: View<'_>,
-    ) -> Result<()>;
+    /// Dropout in one pass: element `i` is kept when [`DropoutDraw::keeps`] it (probability
+    /// `1 - p`); `out = kept ? x * draw.scale() : 0` and `mask` (Bool) records which were kept.
+    fn dropout(&self, x: View<'_>, draw: DropoutDraw, out: View<'_>, mask: View<'_>) -> Result<()>;
 }

@@ -7,7 +7,9 @@
 //! cross-entropy saves one log-sum-exp per row, dropout saves a one-byte mask.
 
 use crate::autocast::{autocast_args, autocast_inputs};
-use crate::backend::{CrossEntropyArgs, LayerNormBackward, LayerNormForward, MaskedOp, Reduction};
+use crate::backend::{
+    CrossEntropyArgs, DropoutDraw, LayerNormBackward, LayerNormForward, MaskedOp, Reduction,
+};
 use crate::dtype::{stats_dtype, DType};
 use crate::error::{Result, TensorError};
 use crate::grad_mode::no_grad;
@@ -343,12 +345,13 @@ pub fn dropout(input: &Tensor, p: f64, training: bool, generator: &Generator) ->
     let (seed, offset) = generator.advance(input.numel() as u64);
     let res = input.new_empty(input.shape(), input.dtype())?;
     let mask = input.new_empty(input.shape(), DType::Bool)?;
+    let draw = DropoutDraw { p, seed, offset };
     input
         .backend()
-        .dropout(input.view(), p, seed, offset, res.view(), mask.view())?;
+        .dropout(input.view(), draw, res.view(), mask.view())?;
     if records(&[input]) {
         let saved_mask = SavedTensor::save("dropout", SaveRole::Intermediate("mask"), &mask)?;
-        let scale = if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 };
+        let scale = draw.scale();
         record("dropout", &[input], &[&res], move |grads| {
             let grad = grads[0].as_ref().expect("one output");
             let mask = saved_mask.unpack()?;

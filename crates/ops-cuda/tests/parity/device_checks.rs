@@ -4,11 +4,11 @@
 
 use std::sync::Arc;
 
-use headroom_autograd_core::{Backend, BackendRef, Buffer, DType, Layout, View};
+use headroom_autograd_core::{Backend, BackendRef, Buffer, DType, Layout};
 use headroom_ops_cuda::CudaBackend;
 use headroom_testkit::gpu::cuda_or_skip;
 
-use crate::{backends, decode, upload};
+use crate::{backends, decode, upload, view};
 
 #[test]
 #[ignore = "needs a CUDA device"]
@@ -26,31 +26,8 @@ fn every_byte_comes_from_the_caching_allocator() {
     drop(buffers);
     assert_eq!(gpu.memory_stats().allocated_bytes.all.current, before);
     // A bad index is a typed error, checked on the device.
-    let (index, values) = (
-        upload(&gpu, DType::I64, &[7.0]),
-        upload(&gpu, DType::F32, &[1.0; 4]),
-    );
-    let out = Buffer::new(&gpu, 4).unwrap();
-    let error = gpu
-        .gather(
-            View {
-                buffer: &values,
-                layout: &Layout::contiguous(&[4]),
-                dtype: DType::F32,
-            },
-            0,
-            View {
-                buffer: &index,
-                layout: &Layout::contiguous(&[1]),
-                dtype: DType::I64,
-            },
-            View {
-                buffer: &out,
-                layout: &Layout::contiguous(&[1]),
-                dtype: DType::F32,
-            },
-        )
-        .unwrap_err();
+    let values = upload(&gpu, DType::F32, &[1.0; 4]);
+    let error = gather_one(&gpu, &values, 7.0).unwrap_err();
     assert!(
         error
             .to_string()
@@ -69,22 +46,10 @@ fn gather_one(
     let index = upload(backend, DType::I64, &[index]);
     let out = Buffer::new(backend, 4).unwrap();
     backend.gather(
-        View {
-            buffer: values,
-            layout: &Layout::contiguous(&[4]),
-            dtype: DType::F32,
-        },
+        view(values, &Layout::contiguous(&[4]), DType::F32),
         0,
-        View {
-            buffer: &index,
-            layout: &Layout::contiguous(&[1]),
-            dtype: DType::I64,
-        },
-        View {
-            buffer: &out,
-            layout: &Layout::contiguous(&[1]),
-            dtype: DType::F32,
-        },
+        view(&index, &Layout::contiguous(&[1]), DType::I64),
+        view(&out, &Layout::contiguous(&[1]), DType::F32),
     )
 }
 

@@ -6,7 +6,7 @@
 use headroom_autograd_core::{BackendRef, BinaryOp, Buffer, DType, Layout, UnaryOp, View};
 use headroom_testkit::inputs::Xorshift;
 
-use crate::{backends, check, download, input, poisoned, upload, FLOATS};
+use crate::{backends, check, download, input, poisoned, upload, view, FLOATS};
 
 const ALL: [DType; 8] = [
     DType::F32,
@@ -81,16 +81,8 @@ fn unary_ops_match_the_cpu() {
                     backend
                         .unary(
                             op,
-                            View {
-                                buffer: &x,
-                                layout: in_layout,
-                                dtype,
-                            },
-                            View {
-                                buffer: &out,
-                                layout: out_layout,
-                                dtype,
-                            },
+                            view(&x, in_layout, dtype),
+                            view(&out, out_layout, dtype),
                         )
                         .unwrap();
                     results.push(download(backend, dtype, &out));
@@ -125,21 +117,9 @@ fn binary_ops_with_broadcasting_match_the_cpu() {
                 backend
                     .binary(
                         op,
-                        View {
-                            buffer: &a_buffer,
-                            layout: &full,
-                            dtype,
-                        },
-                        View {
-                            buffer: &b_buffer,
-                            layout: &row_broadcast,
-                            dtype,
-                        },
-                        View {
-                            buffer: &out,
-                            layout: &full,
-                            dtype,
-                        },
+                        view(&a_buffer, &full, dtype),
+                        view(&b_buffer, &row_broadcast, dtype),
+                        view(&out, &full, dtype),
                     )
                     .unwrap();
                 results.push(download(backend, dtype, &out));
@@ -227,16 +207,7 @@ fn fill_and_every_cast_match_the_cpu() {
         let mut results = Vec::new();
         for backend in [&gpu, &cpu] {
             let out = poisoned(backend, dtype, n);
-            backend
-                .fill(
-                    View {
-                        buffer: &out,
-                        layout: &layout,
-                        dtype,
-                    },
-                    7.0,
-                )
-                .unwrap();
+            backend.fill(view(&out, &layout, dtype), 7.0).unwrap();
             results.push(download(backend, dtype, &out));
         }
         assert_eq!(results[0], results[1], "fill {dtype:?}");
@@ -262,18 +233,7 @@ fn fill_and_every_cast_match_the_cpu() {
                 let src = upload(backend, from, &values);
                 let dst = poisoned(backend, to, n);
                 backend
-                    .copy(
-                        View {
-                            buffer: &src,
-                            layout: &layout,
-                            dtype: from,
-                        },
-                        View {
-                            buffer: &dst,
-                            layout: &layout,
-                            dtype: to,
-                        },
-                    )
+                    .copy(view(&src, &layout, from), view(&dst, &layout, to))
                     .unwrap();
                 results.push(download(backend, to, &dst));
             }

@@ -2,10 +2,10 @@
 //! cross-entropy forward and backward (rows as wide as GPT-2's vocabulary, f32 losses of f16 and
 //! bf16 logits) and dropout.
 
-use headroom_autograd_core::{BackendRef, DType, Layout, View};
+use headroom_autograd_core::{BackendRef, DType, DropoutDraw, Layout};
 use headroom_testkit::inputs::Xorshift;
 
-use crate::{backends, compare, download, input, poisoned, upload};
+use crate::{backends, compare, download, input, poisoned, upload, view};
 
 #[test]
 #[ignore = "needs a CUDA device"]
@@ -43,42 +43,22 @@ fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
                 upload(backend, DType::I64, &positions),
             );
             let out = poisoned(backend, dtype, rows * 5);
-            let index = View {
-                buffer: &ib,
-                layout: &picks,
-                dtype: DType::I64,
-            };
+            let index = view(&ib, &picks, DType::I64);
             backend
                 .gather(
-                    View {
-                        buffer: &xb,
-                        layout: &table,
-                        dtype,
-                    },
+                    view(&xb, &table, dtype),
                     1,
                     index,
-                    View {
-                        buffer: &out,
-                        layout: &picks,
-                        dtype,
-                    },
+                    view(&out, &picks, dtype),
                 )
                 .unwrap();
             let (dst, sb) = (upload(backend, dtype, &x), upload(backend, dtype, &src));
             backend
                 .scatter_add(
-                    View {
-                        buffer: &dst,
-                        layout: &table,
-                        dtype,
-                    },
+                    view(&dst, &table, dtype),
                     1,
                     index,
-                    View {
-                        buffer: &sb,
-                        layout: &picks,
-                        dtype,
-                    },
+                    view(&sb, &picks, dtype),
                 )
                 .unwrap();
             let mut res = download(backend, dtype, &out);
@@ -98,31 +78,15 @@ fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
                     );
                     let target_layout = Layout::contiguous(&[rows]);
                     let args = CrossEntropyArgs {
-                        logits: View {
-                            buffer: &xb,
-                            layout: &table,
-                            dtype,
-                        },
-                        target: View {
-                            buffer: &tb,
-                            layout: &target_layout,
-                            dtype: DType::I64,
-                        },
+                        logits: view(&xb, &table, dtype),
+                        target: view(&tb, &target_layout, DType::I64),
                         ignore_index: -100,
                         reduction,
                     };
                     let scalar = Layout::contiguous(&[]);
                     let (loss, lse) = (poisoned(backend, dtype, 1), poisoned(backend, stats, rows));
-                    let lse_view = View {
-                        buffer: &lse,
-                        layout: &target_layout,
-                        dtype: stats,
-                    };
-                    let loss_view = View {
-                        buffer: &loss,
-                        layout: &scalar,
-                        dtype,
-                    };
+                    let lse_view = view(&lse, &target_layout, stats);
+                    let loss_view = view(&loss, &scalar, dtype);
                     backend.cross_entropy(args, loss_view, lse_view).unwrap();
                     let (dloss, dlogits) =
                         (upload(backend, dtype, &[0.75]), poisoned(backend, dtype, n));
@@ -130,16 +94,8 @@ fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
                         .cross_entropy_backward(
                             args,
                             lse_view,
-                            View {
-                                buffer: &dloss,
-                                layout: &scalar,
-                                dtype,
-                            },
-                            View {
-                                buffer: &dlogits,
-                                layout: &table,
-                                dtype,
-                            },
+                            view(&dloss, &scalar, dtype),
+                            view(&dlogits, &table, dtype),
                         )
                         .unwrap();
                     let mut res = download(backend, dtype, &loss);
@@ -159,24 +115,14 @@ fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
             );
             backend
                 .dropout(
-                    View {
-                        buffer: &xb,
-                        layout: &table,
-                        dtype,
+                    view(&xb, &table, dtype),
+                    DropoutDraw {
+                        p: 0.3,
+                        seed: 42,
+                        offset: 1000,
                     },
-                    0.3,
-                    42,
-                    1000,
-                    View {
-                        buffer: &out,
-                        layout: &table,
-                        dtype,
-                    },
-                    View {
-                        buffer: &mask,
-                        layout: &table,
-                        dtype: DType::Bool,
-                    },
+                    view(&out, &table, dtype),
+                    view(&mask, &table, DType::Bool),
                 )
                 .unwrap();
             masks
@@ -209,16 +155,8 @@ fn cross_entropy_run(
         upload(backend, DType::I64, targets),
     );
     let args = CrossEntropyArgs {
-        logits: View {
-            buffer: &xb,
-            layout: &table,
-            dtype,
-        },
-        target: View {
-            buffer: &tb,
-            layout: &target_layout,
-            dtype: DType::I64,
-        },
+        logits: view(&xb, &table, dtype),
+        target: view(&tb, &target_layout, DType::I64),
         ignore_index: -100,
         reduction: Reduction::Mean,
     };
@@ -231,16 +169,8 @@ fn cross_entropy_run(
         poisoned(backend, loss_dtype, 1),
         poisoned(backend, stats, rows),
     );
-    let lse_view = View {
-        buffer: &lse,
-        layout: &target_layout,
-        dtype: stats,
-    };
-    let loss_view = View {
-        buffer: &loss,
-        layout: &scalar,
-        dtype: loss_dtype,
-    };
+    let lse_view = view(&lse, &target_layout, stats);
+    let loss_view = view(&loss, &scalar, loss_dtype);
     backend.cross_entropy(args, loss_view, lse_view).unwrap();
     let dloss = upload(backend, loss_dtype, &[0.75]);
     let dlogits = poisoned(backend, dtype, rows * classes);
@@ -248,16 +178,8 @@ fn cross_entropy_run(
         .cross_entropy_backward(
             args,
             lse_view,
-            View {
-                buffer: &dloss,
-                layout: &scalar,
-                dtype: loss_dtype,
-            },
-            View {
-                buffer: &dlogits,
-                layout: &table,
-                dtype,
-            },
+            view(&dloss, &scalar, loss_dtype),
+            view(&dlogits, &table, dtype),
         )
         .unwrap();
     let mut res = download(backend, loss_dtype, &loss);

@@ -17,7 +17,7 @@ mod linear;
 mod matmul;
 mod reductions;
 
-use headroom_autograd_core::{BackendRef, Buffer, DType};
+use headroom_autograd_core::{BackendRef, Buffer, DType, Layout, View};
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
 use headroom_testkit::gpu::cuda_or_skip;
@@ -81,6 +81,15 @@ fn poisoned(backend: &BackendRef, dtype: DType, n: usize) -> Buffer {
     let buffer = Buffer::new(backend, bytes.len()).unwrap();
     backend.write_host(&buffer, 0, &bytes).unwrap();
     buffer
+}
+
+/// `buffer`'s elements of `dtype` where `layout` puts them.
+fn view<'a>(buffer: &'a Buffer, layout: &'a Layout, dtype: DType) -> View<'a> {
+    View {
+        buffer,
+        layout,
+        dtype,
+    }
 }
 
 fn download(backend: &BackendRef, dtype: DType, buffer: &Buffer) -> Vec<f64> {

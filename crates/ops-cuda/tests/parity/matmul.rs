@@ -6,7 +6,7 @@ use headroom_autograd_core::{BackendRef, DType, Layout, View};
 use headroom_ops_cuda::CudaBackend;
 use headroom_testkit::inputs::Xorshift;
 
-use crate::{backends, compare, download, input, poisoned, upload, FLOATS};
+use crate::{backends, compare, download, input, poisoned, upload, view, FLOATS};
 
 #[test]
 #[ignore = "needs a CUDA device"]
@@ -28,42 +28,18 @@ fn batched_matmul_on_strided_operands_matches_the_cpu() {
             let out = upload(backend, dtype, &c0);
             backend
                 .matmul(
-                    View {
-                        buffer: &ab,
-                        layout: &a_layout,
-                        dtype,
-                    },
-                    View {
-                        buffer: &bb,
-                        layout: &b_layout,
-                        dtype,
-                    },
-                    View {
-                        buffer: &out,
-                        layout: &out_layout,
-                        dtype,
-                    },
+                    view(&ab, &a_layout, dtype),
+                    view(&bb, &b_layout, dtype),
+                    view(&out, &out_layout, dtype),
                     true,
                 )
                 .unwrap();
             let fresh = poisoned(backend, dtype, batch * heads * m * n);
             backend
                 .matmul(
-                    View {
-                        buffer: &ab,
-                        layout: &a_layout,
-                        dtype,
-                    },
-                    View {
-                        buffer: &bb,
-                        layout: &b_layout,
-                        dtype,
-                    },
-                    View {
-                        buffer: &fresh,
-                        layout: &out_layout,
-                        dtype,
-                    },
+                    view(&ab, &a_layout, dtype),
+                    view(&bb, &b_layout, dtype),
+                    view(&fresh, &out_layout, dtype),
                     false,
                 )
                 .unwrap();
@@ -141,21 +117,17 @@ fn matmul_with_broadcast_operands_matches_the_cpu() {
                 let out = poisoned(backend, dtype, m * n);
                 backend
                     .matmul(
-                        View {
-                            buffer: &ab,
-                            layout: &Layout::from_parts(&[m, k], &a_strides, 0).unwrap(),
+                        view(
+                            &ab,
+                            &Layout::from_parts(&[m, k], &a_strides, 0).unwrap(),
                             dtype,
-                        },
-                        View {
-                            buffer: &bb,
-                            layout: &Layout::from_parts(&[k, n], &b_strides, 0).unwrap(),
+                        ),
+                        view(
+                            &bb,
+                            &Layout::from_parts(&[k, n], &b_strides, 0).unwrap(),
                             dtype,
-                        },
-                        View {
-                            buffer: &out,
-                            layout: &Layout::contiguous(&[m, n]),
-                            dtype,
-                        },
+                        ),
+                        view(&out, &Layout::contiguous(&[m, n]), dtype),
                         false,
                     )
                     .unwrap();

@@ -1,10 +1,10 @@
 //! Reductions on the GPU against the CPU: sum, mean, max and min (with indices, the first of
 //! ties), softmax, masked fill and scale, and layer norm forward and backward.
 
-use headroom_autograd_core::{DType, Layout, View};
+use headroom_autograd_core::{DType, Layout};
 use headroom_testkit::inputs::Xorshift;
 
-use crate::{backends, compare, download, input, poisoned, upload, FLOATS};
+use crate::{backends, compare, download, input, poisoned, upload, view, FLOATS};
 
 #[test]
 #[ignore = "needs a CUDA device"]
@@ -34,17 +34,9 @@ fn reductions_softmax_and_masks_match_the_cpu() {
                         backend
                             .reduce(
                                 op,
-                                View {
-                                    buffer: &x_buffer,
-                                    layout: &swapped,
-                                    dtype,
-                                },
+                                view(&x_buffer, &swapped, dtype),
                                 n_reduced,
-                                View {
-                                    buffer: &out,
-                                    layout: &out_layout,
-                                    dtype,
-                                },
+                                view(&out, &out_layout, dtype),
                             )
                             .unwrap();
                         download(backend, dtype, &out)
@@ -68,13 +60,13 @@ fn reductions_softmax_and_masks_match_the_cpu() {
                         let x_buffer = upload(backend, dtype, &x);
                         let out_layout = Layout::contiguous(&[cols]);
                         let out = poisoned(backend, dtype, cols);
-                        let view = |buffer, layout| View {
-                            buffer,
-                            layout,
-                            dtype,
-                        };
                         backend
-                            .reduce(op, view(&x_buffer, &columns), 1, view(&out, &out_layout))
+                            .reduce(
+                                op,
+                                view(&x_buffer, &columns, dtype),
+                                1,
+                                view(&out, &out_layout, dtype),
+                            )
                             .unwrap();
                         download(backend, dtype, &out)
                     },
@@ -99,17 +91,12 @@ fn reductions_softmax_and_masks_match_the_cpu() {
                 |backend| {
                     let x_buffer = upload(backend, dtype, &x);
                     let out = poisoned(backend, dtype, outputs);
-                    let view = |buffer, layout| View {
-                        buffer,
-                        layout,
-                        dtype,
-                    };
                     backend
                         .reduce(
                             ReduceOp::Sum,
-                            view(&x_buffer, &permuted),
+                            view(&x_buffer, &permuted, dtype),
                             n_reduced,
-                            view(&out, &out_layout),
+                            view(&out, &out_layout, dtype),
                         )
                         .unwrap();
                     download(backend, dtype, &out)
@@ -127,14 +114,10 @@ fn reductions_softmax_and_masks_match_the_cpu() {
                     |backend| {
                         let (xb, gb) = (upload(backend, dtype, &x), upload(backend, dtype, &dy));
                         let (y, dx) = (poisoned(backend, dtype, n), poisoned(backend, dtype, n));
-                        let view = |buffer| View {
-                            buffer,
-                            layout: &x_layout,
-                            dtype,
-                        };
-                        backend.softmax(view(&xb), dim, log, view(&y)).unwrap();
+                        let dense = |buffer| view(buffer, &x_layout, dtype);
+                        backend.softmax(dense(&xb), dim, log, dense(&y)).unwrap();
                         backend
-                            .softmax_backward(view(&y), view(&gb), dim, log, view(&dx))
+                            .softmax_backward(dense(&y), dense(&gb), dim, log, dense(&dx))
                             .unwrap();
                         let mut res = download(backend, dtype, &y);
                         res.extend(download(backend, dtype, &dx));
@@ -156,21 +139,9 @@ fn reductions_softmax_and_masks_match_the_cpu() {
                 backend
                     .masked(
                         op,
-                        View {
-                            buffer: &xb,
-                            layout: &x_layout,
-                            dtype,
-                        },
-                        View {
-                            buffer: &mb,
-                            layout: &x_layout,
-                            dtype: DType::Bool,
-                        },
-                        View {
-                            buffer: &out,
-                            layout: &x_layout,
-                            dtype,
-                        },
+                        view(&xb, &x_layout, dtype),
+                        view(&mb, &x_layout, DType::Bool),
+                        view(&out, &x_layout, dtype),
                     )
                     .unwrap();
                 download(backend, dtype, &out)
@@ -215,21 +186,9 @@ fn layer_norm_forward_and_backward_match_the_cpu() {
                     poisoned(backend, dtype, width),
                     poisoned(backend, dtype, width),
                 );
-                let full = |buffer| View {
-                    buffer,
-                    layout: &layout,
-                    dtype,
-                };
-                let param = |buffer| View {
-                    buffer,
-                    layout: &param_layout,
-                    dtype,
-                };
-                let stat = |buffer| View {
-                    buffer,
-                    layout: &row_layout,
-                    dtype: stats,
-                };
+                let full = |buffer| view(buffer, &layout, dtype);
+                let param = |buffer| view(buffer, &param_layout, dtype);
+                let stat = |buffer| view(buffer, &row_layout, stats);
                 backend
                     .layer_norm(LayerNormForward {
                         x: full(&xb),
@@ -290,21 +249,9 @@ fn max_and_min_with_indices_match_the_cpu() {
                 backend
                     .reduce_with_index(
                         op,
-                        View {
-                            buffer: &xb,
-                            layout: &x_layout,
-                            dtype,
-                        },
-                        View {
-                            buffer: &values,
-                            layout: &out_layout,
-                            dtype,
-                        },
-                        View {
-                            buffer: &indices,
-                            layout: &out_layout,
-                            dtype: DType::I64,
-                        },
+                        view(&xb, &x_layout, dtype),
+                        view(&values, &out_layout, dtype),
+                        view(&indices, &out_layout, DType::I64),
                     )
                     .unwrap();
                 let mut res = download(backend, dtype, &values);

@@ -23,7 +23,7 @@ use super::table::{flags, PieceHead, Table};
 use crate::adam::AdamState;
 use crate::adam_stochastic::AdamStochasticConfig;
 use crate::error::OptimError;
-use crate::kernels::{check_step, AdamConfig, StepConsts, WeightDecay};
+use crate::kernels::{AdamConfig, StepConsts, WeightDecay};
 use crate::rule::CudaKernels;
 use crate::step::{DeviceGradScaling, RuleCall};
 
@@ -375,8 +375,7 @@ fn launch_fused(
     addresses: (u64, u64),
 ) -> Result<(), OptimError> {
     cfg.validate()?;
-    check_step("CudaFusedAdam", step)?;
-    let geometry = raw_geometry(params.iter().map(|p| p.len), step);
+    let geometry = raw_geometry("CudaFusedAdam", params.iter().map(|p| p.len), step)?;
     let total_len = params.iter().map(|p| p.len).sum();
     let block = (
         fused_block_elems(total_len, AdamConfig::FUSED_BLOCK),

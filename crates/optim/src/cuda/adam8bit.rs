@@ -353,7 +353,8 @@ impl CudaAdam8bit {
         if small.is_empty() {
             return Ok(());
         }
-        let geometry = raw_geometry(small.iter().map(|p| p.len), step);
+        let op = "CudaAdam8bit::step_buffers";
+        let geometry = raw_geometry(op, small.iter().map(|p| p.len), step)?;
         let math = self.math;
         let (table, n_blocks) =
             self.device
@@ -407,8 +408,7 @@ fn launch_8bit(
     addresses: (u64, u64),
 ) -> Result<(), OptimError> {
     cfg.validate()?;
-    check_step("CudaAdam8bit", step)?;
-    let geometry = raw_geometry(params.iter().map(|p| p.len), step);
+    let geometry = raw_geometry("CudaAdam8bit", params.iter().map(|p| p.len), step)?;
     let (table, n_blocks) = device.piece_table(
         &geometry,
         BNB_BLOCK_SIZE as u64,

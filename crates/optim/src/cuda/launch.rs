@@ -17,6 +17,7 @@ use headroom_ops_cuda::{CudaBackend, CudaKernel, KernelArg};
 use super::table::{PieceHead, Table};
 use crate::error::OptimError;
 use crate::host::byte_range;
+use crate::kernels::check_step;
 use crate::step::{DeviceGradScaling, Scaling, StepItem};
 
 /// A PTX module: one of this crate's, or a user's (an `ElementwiseRule`'s kernel).
@@ -619,10 +620,17 @@ pub(crate) struct PassOps {
     pub(crate) chunked: Vec<i32>,
 }
 
-/// The raw-buffer layer's parameters of `lens` elements, all at step `step` (no skip counters).
-pub(crate) fn raw_geometry(lens: impl Iterator<Item = usize>, step: u64) -> Vec<ItemGeometry> {
-    lens.map(|len| ItemGeometry { len, slot: 0, step })
-        .collect()
+/// The raw-buffer layer's parameters of `lens` elements, all at step `step` (no skip counters),
+/// once `step` is checked ([`check_step`]).
+pub(crate) fn raw_geometry(
+    op: &'static str,
+    lens: impl Iterator<Item = usize>,
+    step: u64,
+) -> Result<Vec<ItemGeometry>, OptimError> {
+    check_step(op, step)?;
+    Ok(lens
+        .map(|len| ItemGeometry { len, slot: 0, step })
+        .collect())
 }
 
 /// The parameters of a rule's step as the CUDA side needs them.

@@ -4,17 +4,13 @@
 
 use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_optim::kernels::{bf16, f16};
+use headroom_testkit::inputs::Xorshift;
 
-/// `n` values uniform in `[-scale/2, scale/2)` from an xorshift stream seeded by `seed`.
+/// `n` values uniform in `[-scale/2, scale/2)` from testkit's xorshift stream of `seed`.
 pub(crate) fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut stream = Xorshift::new(seed);
     (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-        })
+        .map(|_| stream.next_signed_f32() * 0.5 * scale)
         .collect()
 }
 

@@ -14,39 +14,7 @@ import subprocess
 import sys
 import textwrap
 
-try:
-    import pytest
-except ImportError:
-    pytest = None
-
-REQUIRE_GPU = os.environ.get("HEADROOM_REQUIRE_GPU") == "1"
-
-
-class Skipped(Exception):
-    """A case that cannot run here (raised only when pytest is absent)."""
-
-
-def skip(reason):
-    if pytest is not None:
-        pytest.skip(reason)
-    raise Skipped(reason)
-
-
-try:
-    import torch
-except ImportError:
-    torch = None
-    if REQUIRE_GPU:
-        raise RuntimeError("HEADROOM_REQUIRE_GPU=1, but torch is not installed")
-    if pytest is not None:
-        pytest.skip("torch is not installed", allow_module_level=True)
-
-
-def need_gpu():
-    if torch is None or not torch.cuda.is_available():
-        if REQUIRE_GPU:
-            raise AssertionError("HEADROOM_REQUIRE_GPU=1, but CUDA is not available")
-        skip("no CUDA device")
+from torch_gate import main, need_gpu, torch
 
 
 def run_fresh(code):
@@ -185,30 +153,11 @@ def test_record_stream_under_pytorchs_allocator_is_tensor_record_stream():
     """)
 
 
-def _run_without_pytest():
-    passed = failed = skipped = 0
-    for name, fn in sorted(globals().items()):
-        if not name.startswith("test_") or not callable(fn):
-            continue
-        try:
-            fn()
-        except Skipped as reason:
-            skipped += 1
-            print(f"SKIP {name}: {reason}")
-        except Exception as error:  # noqa: BLE001
-            failed += 1
-            print(f"FAIL {name}: {type(error).__name__}: {error}")
-        else:
-            passed += 1
-            print(f"ok   {name}")
-    print(f"{passed} passed, {failed} failed, {skipped} skipped")
-    return 1 if failed else 0
+def _cases():
+    """Every test of this file, for ``torch_gate.run_cases``."""
+    return [(name, fn) for name, fn in sorted(globals().items())
+            if name.startswith("test_") and callable(fn)]
 
 
 if __name__ == "__main__":
-    if torch is None:
-        print("torch is not installed: nothing to run")
-        sys.exit(1 if REQUIRE_GPU else 0)
-    if pytest is not None:
-        sys.exit(pytest.main([__file__, "-q"]))
-    sys.exit(_run_without_pytest())
+    sys.exit(main(__file__, _cases))

@@ -23,37 +23,13 @@ fails instead. ``run_memcheck.sh`` beside it runs it under ``compute-sanitizer``
 """
 
 import copy
+import functools
 import os
 import random
 import sys
 import warnings
 
-try:
-    import pytest
-except ImportError:  # run as a script without pytest
-    pytest = None
-
-REQUIRE_GPU = os.environ.get("HEADROOM_REQUIRE_GPU") == "1"
-
-
-class Skipped(Exception):
-    """A case that cannot run here (raised only when pytest is absent)."""
-
-
-def skip(reason):
-    if pytest is not None:
-        pytest.skip(reason)
-    raise Skipped(reason)
-
-
-try:
-    import torch
-except ImportError:
-    torch = None
-    if REQUIRE_GPU:
-        raise RuntimeError("HEADROOM_REQUIRE_GPU=1, but torch is not installed")
-    if pytest is not None:
-        pytest.skip("torch is not installed", allow_module_level=True)
+from torch_gate import main, need_gpu, pytest, skip, torch
 
 if torch is not None:
     import torch.optim.adam as torch_adam
@@ -196,10 +172,7 @@ class Rig:
     def __init__(self, name):
         self.name = name
         if name == "cuda":
-            if torch is None or not torch.cuda.is_available():
-                if REQUIRE_GPU:
-                    raise AssertionError("HEADROOM_REQUIRE_GPU=1, but CUDA is not available")
-                skip("no CUDA device")
+            need_gpu()
             self.device = torch.device("cuda", torch.cuda.current_device())
             self.AdamW, self.Adam = hopt.AdamW, hopt.Adam
             self.Adam8bit, self.AdamW8bit = hopt.Adam8bit, hopt.AdamW8bit
@@ -277,6 +250,15 @@ def assert_unchanged(params, before):
         assert torch.equal(p.detach().to(b.dtype), b), f"parameter {i} changed by a step that raised"
 
 
+def assert_step_refused(rig, opt, params, exc, *words):
+    """``opt.step()`` raises ``exc`` (its message naming ``words``) and leaves ``params`` as they
+    were, once the device has finished."""
+    before = snapshot(params)
+    raises(exc, opt.step, *words)
+    rig.sync()
+    assert_unchanged(params, before)
+
+
 def raises(exc, fn, *words):
     try:
         fn()
@@ -324,10 +306,7 @@ def test_state_dict_of_other_model_same_count_shapes_differ(rig_name):
     opt.load_state_dict(donor.state_dict())
     for p in mine:
         p.grad = torch.ones_like(p)
-    before = snapshot(mine)
-    raises(ValueError, opt.step, "exp_avg", "shape")
-    rig.sync()
-    assert_unchanged(mine, before)
+    assert_step_refused(rig, opt, mine, ValueError, "exp_avg", "shape")
 
 
 def test_state_dict_of_other_model_same_total_numel_differs(rig_name):
@@ -356,10 +335,7 @@ def test_state_dict_permuted_within_group_raises(rig_name):
     opt.step()
     permuted = rig.AdamW([b, w])
     permuted.load_state_dict(opt.state_dict())
-    before = snapshot([w, b])
-    raises(ValueError, permuted.step, "shape")
-    rig.sync()
-    assert_unchanged([w, b], before)
+    assert_step_refused(rig, permuted, [w, b], ValueError, "shape")
 
 
 def test_state_dict_permuted_same_shapes_steps_like_torch(rig_name):
@@ -560,10 +536,7 @@ def test_float16_gradient_of_float32_parameter_raises_type_error(rig_name):
     p.grad = torch.ones_like(p)
     opt.step()
     set_grad_any_dtype(p, torch.ones(8, dtype=torch.half, device=rig.device))
-    before = snapshot([p])
-    raises(TypeError, opt.step, "gradient of dtype torch.float16")
-    rig.sync()
-    assert_unchanged([p], before)
+    assert_step_refused(rig, opt, [p], TypeError, "gradient of dtype torch.float16")
 
 
 def test_gradient_resized_through_data_raises_value_error(rig_name):
@@ -743,10 +716,7 @@ def test_failed_group_leaves_every_group_unstepped(rig_name):
     opt = rig.AdamW([{"params": [a]}, {"params": [b]}])
     a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
     b.data = b.data.half()
-    before = snapshot([a])
-    raises(TypeError, opt.step, "float16")
-    rig.sync()
-    assert_unchanged([a], before)
+    assert_step_refused(rig, opt, [a], TypeError, "float16")
     assert len(opt.state[a]) == 0 or int(opt.state_dict()["state"][0]["step"]) == 0
 
 
@@ -779,10 +749,7 @@ def test_8bit_missing_absmax_raises_value_error(rig_name):
     sd = opt.state_dict()
     del sd["state"][0]["absmax1"]
     opt.load_state_dict(sd)
-    before = snapshot([p])
-    raises(ValueError, opt.step, "absmax1")
-    rig.sync()
-    assert_unchanged([p], before)
+    assert_step_refused(rig, opt, [p], ValueError, "absmax1")
 
 
 def test_8bit_absmax_of_wrong_size_raises_value_error(rig_name):
@@ -905,10 +872,7 @@ def _episode(pair, rng, episode):
             state["exp_avg"].data = torch.zeros(p.numel() + 1, device=rig.device)
             undo = lambda: setattr(state["exp_avg"], "data", kept)  # noqa: E731
             expected, undo_data = ValueError, False
-        before = snapshot(pair.ours_params)
-        raises(expected, pair.ours.step)
-        rig.sync()
-        assert_unchanged(pair.ours_params, before)
+        assert_step_refused(rig, pair.ours, pair.ours_params, expected)
         # Undo: the parameter back to float32 / contiguous (the same values as the reference's),
         # the reference's state reloaded.
         if undo_data:
@@ -967,35 +931,20 @@ if torch is not None and pytest is not None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_without_pytest():
+def _cases():
+    """Every test of this file, once per rig where it takes one, for ``torch_gate.run_cases``."""
     import inspect
 
-    passed = failed = skipped = 0
+    res = []
     for name, fn in sorted(globals().items()):
         if not name.startswith("test_") or not callable(fn):
             continue
-        names = inspect.signature(fn).parameters
-        for rig_name in RIG_NAMES if "rig_name" in names else (None,):
-            label = f"{name}[{rig_name}]" if rig_name else name
-            try:
-                fn(rig_name) if rig_name else fn()
-            except Skipped as reason:
-                skipped += 1
-                print(f"SKIP {label}: {reason}")
-            except Exception as error:  # noqa: BLE001
-                failed += 1
-                print(f"FAIL {label}: {type(error).__name__}: {error}")
-            else:
-                passed += 1
-                print(f"ok   {label}")
-    print(f"{passed} passed, {failed} failed, {skipped} skipped")
-    return 1 if failed else 0
+        if "rig_name" in inspect.signature(fn).parameters:
+            res.extend((f"{name}[{rig}]", functools.partial(fn, rig)) for rig in RIG_NAMES)
+        else:
+            res.append((name, fn))
+    return res
 
 
 if __name__ == "__main__":
-    if torch is None:
-        print("torch is not installed: nothing to run")
-        sys.exit(1 if REQUIRE_GPU else 0)
-    if pytest is not None:
-        sys.exit(pytest.main([__file__, "-q"]))
-    sys.exit(_run_without_pytest())
+    sys.exit(main(__file__, _cases))
