@@ -39,7 +39,6 @@
 mod attention;
 mod blocks;
 mod causal_lm;
-pub use causal_lm::{next_token_targets, IGNORE_INDEX};
 mod error;
 mod gpt2;
 mod init;
