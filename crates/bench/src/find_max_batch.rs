@@ -336,14 +336,7 @@ fn probe_batch(
     case: Case,
     batch: usize,
 ) -> Result<Peaks> {
-    let protocol = Protocol {
-        warmup: 0,
-        steps: 1,
-        bucket_bytes: None,
-        budget: None,
-        op_profile: false,
-        record_events: false,
-    };
+    let protocol = Protocol::ONE_STEP;
     let input = Input::new(&probe.backend, model, batch)?;
     probe.backend.synchronize()?;
     probe.allocator().reset_peak_stats();

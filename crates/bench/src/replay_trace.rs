@@ -213,17 +213,24 @@ fn replay(options: &Options) -> Result<(ReplayReport, CachingAllocator<Simulated
     Ok((report, allocator))
 }
 
-/// `--corpus`: every trace of `testdata/traces/corpus.json` through PyTorch's classic and
-/// expandable policies and the default one, one row each, against PyTorch's figures.
-fn print_corpus(testdata: &Path) -> Result<()> {
+/// The path of `testdata/traces/corpus.json` and its `traces` list (each entry a trace's file
+/// and PyTorch's figures).
+fn corpus_traces(testdata: &Path) -> Result<(PathBuf, Vec<serde_json::Value>)> {
     let path = testdata.join("traces/corpus.json");
-    let manifest: serde_json::Value = serde_json::from_reader(BufReader::new(
+    let mut manifest: serde_json::Value = serde_json::from_reader(BufReader::new(
         File::open(&path).with_context(|| format!("opening {}", path.display()))?,
     ))
     .with_context(|| format!("reading {}", path.display()))?;
-    let traces = manifest["traces"]
-        .as_array()
-        .with_context(|| format!("{}: no `traces` list", path.display()))?;
+    match manifest["traces"].take() {
+        serde_json::Value::Array(traces) => Ok((path, traces)),
+        _ => bail!("{}: no `traces` list", path.display()),
+    }
+}
+
+/// `--corpus`: every trace of `testdata/traces/corpus.json` through PyTorch's classic and
+/// expandable policies and the default one, one row each, against PyTorch's figures.
+fn print_corpus(testdata: &Path) -> Result<()> {
+    let (path, traces) = corpus_traces(testdata)?;
     println!(
         "{:<33} {:>7} {:>15} {:>15} {:>15} {:>15} {:>15} {:>8} {:>8} {:>8} {:>8} {:>8}",
         "trace",
@@ -239,7 +246,7 @@ fn print_corpus(testdata: &Path) -> Result<()> {
         "ours/ES",
         "recl./L"
     );
-    for entry in traces {
+    for entry in &traces {
         let field = |key: &str| {
             entry[key]
                 .as_str()
@@ -290,14 +297,7 @@ fn print_corpus(testdata: &Path) -> Result<()> {
 /// figures (PyTorch's) and, per policy, the replay's report, its waits for the device
 /// (`num_sync_all_streams`) and the physical handles its maps created.
 fn print_corpus_json(testdata: &Path) -> Result<()> {
-    let path = testdata.join("traces/corpus.json");
-    let manifest: serde_json::Value = serde_json::from_reader(BufReader::new(
-        File::open(&path).with_context(|| format!("opening {}", path.display()))?,
-    ))
-    .with_context(|| format!("reading {}", path.display()))?;
-    let traces = manifest["traces"]
-        .as_array()
-        .with_context(|| format!("{}: no `traces` list", path.display()))?;
+    let (path, traces) = corpus_traces(testdata)?;
     let with_handles = |mib: u64| -> Result<AllocatorConfig> {
         Ok(AllocatorConfig::builder()
             .expandable_handle_size_mb(mib)
@@ -311,7 +311,7 @@ fn print_corpus_json(testdata: &Path) -> Result<()> {
         ("default_8mib_handles", with_handles(8)?),
         ("default_32mib_handles", with_handles(32)?),
     ];
-    for entry in traces {
+    for entry in &traces {
         let file = entry["file"]
             .as_str()
             .with_context(|| format!("{}: a trace without `file`", path.display()))?;

@@ -7,6 +7,23 @@ use headroom_autograd_core::{cross_entropy_f32, Reduction, Tensor};
 
 use crate::error::{NnError, Result};
 
+/// The label Hugging Face's loss skips.
+pub const IGNORE_INDEX: i64 = -100;
+
+/// What each position of `labels` (rows of `seq`, flattened) predicts: the next label in its row,
+/// and `ignore_index` at a row's last position (causal-LM loss's shift, done on the host).
+pub fn next_token_targets(labels: &[i64], seq: usize, ignore_index: i64) -> Vec<i64> {
+    (0..labels.len())
+        .map(|idx| {
+            if idx % seq + 1 < seq {
+                labels[idx + 1]
+            } else {
+                ignore_index
+            }
+        })
+        .collect()
+}
+
 /// The causal-LM loss of `logits` `[batch, seq, vocab]` against `labels` `[batch, seq]` (I64),
 /// errors naming `module`.
 pub(crate) fn causal_lm_loss(
@@ -33,24 +50,14 @@ pub(crate) fn causal_lm_loss(
             ),
         });
     }
-    let ignore_index = -100;
-    let labels = labels.to_vec::<i64>()?;
-    let shifted: Vec<i64> = (0..batch * seq)
-        .map(|idx| {
-            if idx % seq + 1 < seq {
-                labels[idx + 1]
-            } else {
-                ignore_index
-            }
-        })
-        .collect();
+    let shifted = next_token_targets(&labels.to_vec::<i64>()?, seq, IGNORE_INDEX);
     let target = Tensor::from_slice(logits.backend(), &shifted, &[batch * seq])?;
     // The f32 upcast happens inside the fused loss: f16/bf16 logits are not copied to f32.
     let logits = logits.reshape(&[batch * seq, vocab])?;
     Ok(cross_entropy_f32(
         &logits,
         &target,
-        ignore_index,
+        IGNORE_INDEX,
         Reduction::Mean,
     )?)
 }

@@ -39,6 +39,7 @@
 mod attention;
 mod blocks;
 mod causal_lm;
+pub use causal_lm::{next_token_targets, IGNORE_INDEX};
 mod error;
 mod gpt2;
 mod init;

@@ -41,6 +41,16 @@ pub(crate) struct Protocol {
 }
 
 impl Protocol {
+    /// One step and nothing else: find-max-batch's probe of a batch.
+    pub(crate) const ONE_STEP: Protocol = Protocol {
+        warmup: 0,
+        steps: 1,
+        bucket_bytes: None,
+        budget: None,
+        op_profile: false,
+        record_events: false,
+    };
+
     /// Steps one case runs, the traced one included (for the progress bar).
     pub(crate) fn total_steps(self) -> usize {
         self.warmup + self.steps + 1

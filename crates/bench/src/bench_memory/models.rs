@@ -178,8 +178,8 @@ impl Net {
     }
 }
 
-/// The label Hugging Face's loss skips (the last position of each row predicts nothing).
-const IGNORE_INDEX: i64 = -100;
+// The label Hugging Face's loss skips (the last position of each row predicts nothing).
+use headroom_nn::IGNORE_INDEX;
 
 /// One batch of a model's input.
 pub(crate) enum Input {
@@ -215,15 +215,7 @@ impl Input {
                 let ids: Vec<i64> = (0..batch * seq)
                     .map(|i| ((uniform(0, i as u64) * vocab as f64) as usize).min(vocab - 1) as i64)
                     .collect();
-                let targets: Vec<i64> = (0..batch * seq)
-                    .map(|i| {
-                        if i % seq + 1 < seq {
-                            ids[i + 1]
-                        } else {
-                            IGNORE_INDEX
-                        }
-                    })
-                    .collect();
+                let targets = headroom_nn::next_token_targets(&ids, seq, IGNORE_INDEX);
                 Ok(Input::Tokens {
                     ids: Tensor::from_slice(backend, &ids, &[batch, seq])?,
                     targets: Tensor::from_slice(backend, &targets, &[batch * seq])?,

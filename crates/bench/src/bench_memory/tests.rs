@@ -34,6 +34,19 @@ fn args(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| s.to_string()).collect()
 }
 
+/// `bench-memory` on the CPU's tiny ViT at `batch`, one warm-up and one timed step of `cases`,
+/// with `extra` flags, parsed and without a progress bar.
+fn tiny_vit_on_the_cpu(batch: &str, cases: &str, extra: &[&str]) -> Options {
+    let mut list = vec![
+        "--device", "cpu", "--model", "vit_tiny", "--batch", batch, "--cases", cases, "--warmup",
+        "1", "--steps", "1",
+    ];
+    list.extend_from_slice(extra);
+    let mut options = parse(&args(&list)).unwrap();
+    options.progress = false;
+    options
+}
+
 /// `bench-memory` with `list` after it, parsed as the binary parses it.
 fn parse(list: &[String]) -> anyhow::Result<Options> {
     let words: Vec<&str> = std::iter::once("bench-memory")
@@ -50,26 +63,16 @@ fn bench_memory_on_the_tiny_vit_reports_exact_parameter_gradient_and_state_bytes
     let dir = std::env::temp_dir().join(format!("headroom-bench-memory-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (json_path, html_path) = (dir.join("bench.json"), dir.join("bench.html"));
-    let mut options = parse(&args(&[
-        "--device",
-        "cpu",
-        "--model",
-        "vit_tiny",
-        "--batch",
+    let options = tiny_vit_on_the_cpu(
         "2",
-        "--cases",
         "adam_foreach,adam8bit",
-        "--warmup",
-        "1",
-        "--steps",
-        "1",
-        "--json",
-        json_path.to_str().unwrap(),
-        "--html",
-        html_path.to_str().unwrap(),
-    ]))
-    .unwrap();
-    options.progress = false;
+        &[
+            "--json",
+            json_path.to_str().unwrap(),
+            "--html",
+            html_path.to_str().unwrap(),
+        ],
+    );
     let results = execute(&options).unwrap();
     assert_eq!(results.len(), 2);
 
@@ -373,26 +376,7 @@ fn cuda_only_cases_are_refused_on_the_cpu_up_front() {
 
 #[test]
 fn adam_auto_meets_its_budget_and_predicts_its_peak_to_the_byte_on_the_cpu() {
-    let run = |extra: &[&str]| {
-        let mut list = vec![
-            "--device",
-            "cpu",
-            "--model",
-            "vit_tiny",
-            "--batch",
-            "4",
-            "--cases",
-            "adam_auto",
-            "--warmup",
-            "1",
-            "--steps",
-            "1",
-        ];
-        list.extend_from_slice(extra);
-        let mut options = parse(&args(&list)).unwrap();
-        options.progress = false;
-        execute(&options).unwrap()
-    };
+    let run = |extra: &[&str]| execute(&tiny_vit_on_the_cpu("4", "adam_auto", extra)).unwrap();
     let results = run(&[]);
     let r = &results[0];
     let plan = r.plan.as_ref().unwrap();
@@ -590,24 +574,11 @@ fn every_chart_of_the_html_report_renders_in_chromium() {
     let dir = std::env::temp_dir().join(format!("headroom-bench-html-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let html_path = dir.join("bench.html");
-    let mut options = parse(&args(&[
-        "--device",
-        "cpu",
-        "--model",
-        "vit_tiny",
-        "--batch",
+    let options = tiny_vit_on_the_cpu(
         "2",
-        "--cases",
         "adam_fused,adam_inbwd",
-        "--warmup",
-        "1",
-        "--steps",
-        "1",
-        "--html",
-        html_path.to_str().unwrap(),
-    ]))
-    .unwrap();
-    options.progress = false;
+        &["--html", html_path.to_str().unwrap()],
+    );
     execute(&options).unwrap();
     let page = std::fs::read_to_string(&html_path).unwrap();
     let charts: Vec<&str> = page

@@ -175,14 +175,7 @@ fn fresh_step_fits(model: Model, case: Case, cap: u64, batch: usize) -> bool {
     let cpu = capped_cpu(cap);
     let probe = Probe::cpu(&cpu);
     let training = Training::new(&probe, model, case).unwrap();
-    let protocol = Protocol {
-        warmup: 0,
-        steps: 1,
-        bucket_bytes: None,
-        budget: None,
-        op_profile: false,
-        record_events: false,
-    };
+    let protocol = Protocol::ONE_STEP;
     let one = Input::new(&probe.backend, model, 1).unwrap();
     training.run(&one, case, protocol).unwrap().step().unwrap();
     drop(one);
