@@ -11,6 +11,7 @@ use headroom_optim::kernels::SgdConfig;
 use headroom_optim::{Implementation, ParamGroup, Sgd};
 
 use crate::{expect_eq, expect_err, one_param_group, param, sgd_over, Case, Outcome};
+use headroom_testkit::misuse_cases;
 
 pub(crate) fn cases() -> Vec<Case> {
     /// A GradScaler and SGD (fused) of one parameter `p`, a scaled loss backwarded.
@@ -44,204 +45,139 @@ pub(crate) fn cases() -> Vec<Case> {
             ..GradScalerConfig::default()
         })
     }
-    vec![
-        Case {
-            name: "grad_scaler_with_init_scale_1e_50_is_invalid_scaler_config",
-            run: || init_scale_refused(1e-50),
+    misuse_cases![
+        grad_scaler_with_init_scale_1e_50_is_invalid_scaler_config => init_scale_refused(1e-50),
+        grad_scaler_with_subnormal_init_scale_1e_40_is_invalid_scaler_config =>
+            init_scale_refused(1e-40),
+        grad_scaler_with_init_scale_0_is_invalid_scaler_config => init_scale_refused(0.0),
+        grad_scaler_with_nan_init_scale_is_invalid_scaler_config => init_scale_refused(f64::NAN),
+        grad_scaler_with_init_scale_past_f32_is_invalid_scaler_config => init_scale_refused(1e39),
+        grad_scaler_with_growth_factor_1_is_invalid_scaler_config => {
+            config_refused(GradScalerConfig {
+                growth_factor: 1.0,
+                ..GradScalerConfig::default()
+            })
         },
-        Case {
-            name: "grad_scaler_with_subnormal_init_scale_1e_40_is_invalid_scaler_config",
-            run: || init_scale_refused(1e-40),
+        grad_scaler_with_backoff_factor_0_is_invalid_scaler_config => {
+            config_refused(GradScalerConfig {
+                backoff_factor: 0.0,
+                ..GradScalerConfig::default()
+            })
         },
-        Case {
-            name: "grad_scaler_with_init_scale_0_is_invalid_scaler_config",
-            run: || init_scale_refused(0.0),
+        grad_scaler_with_growth_interval_0_is_invalid_scaler_config => {
+            config_refused(GradScalerConfig {
+                growth_interval: 0,
+                ..GradScalerConfig::default()
+            })
         },
-        Case {
-            name: "grad_scaler_with_nan_init_scale_is_invalid_scaler_config",
-            run: || init_scale_refused(f64::NAN),
+        update_to_0_is_invalid_scaler_config_and_keeps_the_scale => {
+            let (mut scaler, _, _) = scaled()?;
+            let res = expect_err!(scaler.update_to(0.0), AmpError::InvalidScalerConfig { .. });
+            res.and_then(|()| expect_eq(scaler.get_scale()?, 65536.0))
         },
-        Case {
-            name: "grad_scaler_with_init_scale_past_f32_is_invalid_scaler_config",
-            run: || init_scale_refused(1e39),
+        update_to_a_subnormal_scale_is_invalid_scaler_config => {
+            let (mut scaler, _, _) = scaled()?;
+            expect_err!(
+                scaler.update_to(1e-40),
+                AmpError::InvalidScalerConfig { .. }
+            )
         },
-        Case {
-            name: "grad_scaler_with_growth_factor_1_is_invalid_scaler_config",
-            run: || {
-                config_refused(GradScalerConfig {
-                    growth_factor: 1.0,
-                    ..GradScalerConfig::default()
-                })
-            },
+        update_to_before_any_scale_is_not_scaled => {
+            let mut scaler = GradScaler::new(GradScalerConfig::default())?;
+            expect_err!(scaler.update_to(1024.0), AmpError::NotScaled)
         },
-        Case {
-            name: "grad_scaler_with_backoff_factor_0_is_invalid_scaler_config",
-            run: || {
-                config_refused(GradScalerConfig {
-                    backoff_factor: 0.0,
-                    ..GradScalerConfig::default()
-                })
-            },
+        step_before_any_scale_is_not_scaled => {
+            let mut sgd = one_param_group(SgdConfig::new(0.1), Implementation::Fused)?;
+            let mut scaler = GradScaler::new(GradScalerConfig::default())?;
+            expect_err!(scaler.step(&mut sgd), AmpError::NotScaled)
         },
-        Case {
-            name: "grad_scaler_with_growth_interval_0_is_invalid_scaler_config",
-            run: || {
-                config_refused(GradScalerConfig {
-                    growth_interval: 0,
-                    ..GradScalerConfig::default()
-                })
-            },
+        unscale_twice_is_already_unscaled => {
+            let (mut scaler, sgd, _) = scaled()?;
+            scaler.unscale_(&sgd)?;
+            expect_err!(scaler.unscale_(&sgd), AmpError::AlreadyUnscaled)
         },
-        Case {
-            name: "update_to_0_is_invalid_scaler_config_and_keeps_the_scale",
-            run: || {
-                let (mut scaler, _, _) = scaled()?;
-                let res = expect_err!(scaler.update_to(0.0), AmpError::InvalidScalerConfig { .. });
-                res.and_then(|()| expect_eq(scaler.get_scale()?, 65536.0))
-            },
+        unscale_after_step_is_unscale_after_step => {
+            let (mut scaler, mut sgd) = scaled_single()?;
+            scaler.step(&mut sgd)?;
+            expect_err!(scaler.unscale_(&sgd), AmpError::UnscaleAfterStep)
         },
-        Case {
-            name: "update_to_a_subnormal_scale_is_invalid_scaler_config",
-            run: || {
-                let (mut scaler, _, _) = scaled()?;
-                expect_err!(
-                    scaler.update_to(1e-40),
-                    AmpError::InvalidScalerConfig { .. }
+        step_twice_is_step_twice_and_updates_once => {
+            let (mut scaler, mut sgd, p) = scaled()?;
+            scaler.step(&mut sgd)?;
+            let res = expect_err!(scaler.step(&mut sgd), AmpError::StepTwice);
+            // One SGD step of lr 0.1 on a gradient of ones.
+            res.and_then(|()| expect_eq(p.to_vec::<f32>()?, vec![0.9; 4]))
+        },
+        update_without_step_is_update_without_check => {
+            let (mut scaler, _, _) = scaled()?;
+            expect_err!(scaler.update(), AmpError::UpdateWithoutCheck)
+        },
+        load_state_with_growth_tracker_u32_max_is_invalid_scaler_config => {
+            let (mut scaler, _, _) = scaled()?;
+            let state = scaler.state()?;
+            let res = expect_err!(
+                scaler.load_state(headroom_amp::GradScalerState {
+                    growth_tracker: u32::MAX,
+                    ..state
+                }),
+                AmpError::InvalidScalerConfig { .. }
+            );
+            res.and_then(|()| expect_eq(scaler.state()?, state))
+        },
+        load_state_with_scale_0_is_invalid_scaler_config => {
+            let (mut scaler, _, _) = scaled()?;
+            let state = scaler.state()?;
+            expect_err!(
+                scaler.load_state(headroom_amp::GradScalerState {
+                    scale: 0.0,
+                    ..state
+                }),
+                AmpError::InvalidScalerConfig { .. }
+            )
+        },
+        autocast_policy_in_f32_is_not_half => {
+            expect_err!(
+                AmpPolicy::torch_cuda(DType::F32),
+                AmpError::NotHalf {
+                    dtype: DType::F32,
+                    ..
+                }
+            )
+        },
+        autocast_override_of_an_unknown_op_is_unknown_op_naming_it => {
+            expect_err!(
+                AmpPolicy::torch_cuda(DType::BF16)?.with_override("conv9d", CastPolicy::Keep),
+                AmpError::UnknownOp { op } if op == "conv9d",
+                naming "conv9d"
+            )
+        },
+        master_weights_of_an_f32_parameter_is_parameter_dtype => {
+            let cpu = CpuBackend::new_ref();
+            let half = Tensor::ones(&cpu, &[2], DType::BF16)?;
+            let full = Tensor::ones(&cpu, &[2], DType::F32)?;
+            let build = |masters: Vec<Tensor>| {
+                Sgd::new(
+                    vec![ParamGroup::new(masters, SgdConfig::new(0.1))],
+                    Implementation::Fused,
                 )
-            },
+            };
+            expect_err!(
+                MasterWeights::new(vec![half, full], build),
+                AmpError::ParameterDType {
+                    index: 1,
+                    got: DType::F32,
+                    ..
+                }
+            )
         },
-        Case {
-            name: "update_to_before_any_scale_is_not_scaled",
-            run: || {
-                let mut scaler = GradScaler::new(GradScalerConfig::default())?;
-                expect_err!(scaler.update_to(1024.0), AmpError::NotScaled)
-            },
-        },
-        Case {
-            name: "step_before_any_scale_is_not_scaled",
-            run: || {
-                let mut sgd = one_param_group(SgdConfig::new(0.1), Implementation::Fused)?;
-                let mut scaler = GradScaler::new(GradScalerConfig::default())?;
-                expect_err!(scaler.step(&mut sgd), AmpError::NotScaled)
-            },
-        },
-        Case {
-            name: "unscale_twice_is_already_unscaled",
-            run: || {
-                let (mut scaler, sgd, _) = scaled()?;
-                scaler.unscale_(&sgd)?;
-                expect_err!(scaler.unscale_(&sgd), AmpError::AlreadyUnscaled)
-            },
-        },
-        Case {
-            name: "unscale_after_step_is_unscale_after_step",
-            run: || {
-                let (mut scaler, mut sgd) = scaled_single()?;
-                scaler.step(&mut sgd)?;
-                expect_err!(scaler.unscale_(&sgd), AmpError::UnscaleAfterStep)
-            },
-        },
-        Case {
-            name: "step_twice_is_step_twice_and_updates_once",
-            run: || {
-                let (mut scaler, mut sgd, p) = scaled()?;
-                scaler.step(&mut sgd)?;
-                let res = expect_err!(scaler.step(&mut sgd), AmpError::StepTwice);
-                // One SGD step of lr 0.1 on a gradient of ones.
-                res.and_then(|()| expect_eq(p.to_vec::<f32>()?, vec![0.9; 4]))
-            },
-        },
-        Case {
-            name: "update_without_step_is_update_without_check",
-            run: || {
-                let (mut scaler, _, _) = scaled()?;
-                expect_err!(scaler.update(), AmpError::UpdateWithoutCheck)
-            },
-        },
-        Case {
-            name: "load_state_with_growth_tracker_u32_max_is_invalid_scaler_config",
-            run: || {
-                let (mut scaler, _, _) = scaled()?;
-                let state = scaler.state()?;
-                let res = expect_err!(
-                    scaler.load_state(headroom_amp::GradScalerState {
-                        growth_tracker: u32::MAX,
-                        ..state
-                    }),
-                    AmpError::InvalidScalerConfig { .. }
-                );
-                res.and_then(|()| expect_eq(scaler.state()?, state))
-            },
-        },
-        Case {
-            name: "load_state_with_scale_0_is_invalid_scaler_config",
-            run: || {
-                let (mut scaler, _, _) = scaled()?;
-                let state = scaler.state()?;
-                expect_err!(
-                    scaler.load_state(headroom_amp::GradScalerState {
-                        scale: 0.0,
-                        ..state
-                    }),
-                    AmpError::InvalidScalerConfig { .. }
-                )
-            },
-        },
-        Case {
-            name: "autocast_policy_in_f32_is_not_half",
-            run: || {
-                expect_err!(
-                    AmpPolicy::torch_cuda(DType::F32),
-                    AmpError::NotHalf {
-                        dtype: DType::F32,
-                        ..
-                    }
-                )
-            },
-        },
-        Case {
-            name: "autocast_override_of_an_unknown_op_is_unknown_op_naming_it",
-            run: || {
-                expect_err!(
-                    AmpPolicy::torch_cuda(DType::BF16)?.with_override("conv9d", CastPolicy::Keep),
-                    AmpError::UnknownOp { op } if op == "conv9d",
-                    naming "conv9d"
-                )
-            },
-        },
-        Case {
-            name: "master_weights_of_an_f32_parameter_is_parameter_dtype",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let half = Tensor::ones(&cpu, &[2], DType::BF16)?;
-                let full = Tensor::ones(&cpu, &[2], DType::F32)?;
-                let build = |masters: Vec<Tensor>| {
-                    Sgd::new(
-                        vec![ParamGroup::new(masters, SgdConfig::new(0.1))],
-                        Implementation::Fused,
-                    )
-                };
-                expect_err!(
-                    MasterWeights::new(vec![half, full], build),
-                    AmpError::ParameterDType {
-                        index: 1,
-                        got: DType::F32,
-                        ..
-                    }
-                )
-            },
-        },
-        Case {
-            name: "opt_level_with_an_f32_half_dtype_is_not_half",
-            run: || {
-                expect_err!(
-                    OptLevel::O2.properties(DType::F32),
-                    AmpError::NotHalf {
-                        dtype: DType::F32,
-                        ..
-                    }
-                )
-            },
+        opt_level_with_an_f32_half_dtype_is_not_half => {
+            expect_err!(
+                OptLevel::O2.properties(DType::F32),
+                AmpError::NotHalf {
+                    dtype: DType::F32,
+                    ..
+                }
+            )
         },
     ]
 }

@@ -7,181 +7,143 @@ use headroom_autograd_core::{Access, BackwardOptions, DType, HostAccess, Tensor,
 use headroom_ops_cpu::CpuBackend;
 
 use crate::{expect_eq, expect_err, f32s, param, Case};
+use headroom_testkit::misuse_cases;
 
 pub(crate) fn cases() -> Vec<Case> {
-    vec![
-        Case {
-            name: "backward_of_a_non_scalar_without_a_gradient_is_autograd_error",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let x = param(&cpu, &[1.0, 2.0])?;
-                expect_err!(
-                    x.exp()?.backward(),
-                    TensorError::Autograd { op: "backward", .. },
-                    naming "one-element"
-                )
-            },
+    misuse_cases![
+        backward_of_a_non_scalar_without_a_gradient_is_autograd_error => {
+            let cpu = CpuBackend::new_ref();
+            let x = param(&cpu, &[1.0, 2.0])?;
+            expect_err!(
+                x.exp()?.backward(),
+                TensorError::Autograd { op: "backward", .. },
+                naming "one-element"
+            )
         },
-        Case {
-            name: "backward_with_a_gradient_of_another_shape_is_shape_mismatch",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let x = param(&cpu, &[1.0, 2.0])?;
-                let gradient = Tensor::ones(&cpu, &[3], DType::F32)?;
-                expect_err!(
-                    x.exp()?.backward_with(
-                        Some(gradient),
-                        BackwardOptions {
-                            retain_graph: false
-                        }
-                    ),
-                    TensorError::ShapeMismatch { op: "backward", .. }
-                )
-            },
-        },
-        Case {
-            name: "backward_of_a_tensor_that_does_not_require_grad_is_autograd_error",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let x = f32s(&cpu, &[1.0, 2.0], &[2])?;
-                expect_err!(x.sum_all()?.backward(), TensorError::Autograd { .. })
-            },
-        },
-        Case {
-            name: "writing_a_saved_tensor_in_place_then_backward_is_modified_in_place",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let x = param(&cpu, &[0.5, 1.0])?;
-                let y = x.exp()?; // saves its output
-                y.add_(&f32s(&cpu, &[1.0], &[1])?)?;
-                expect_err!(
-                    y.sum_all()?.backward(),
-                    TensorError::ModifiedInPlace {
-                        op: "exp",
-                        saved_version: 0,
-                        current_version: 1
+        backward_with_a_gradient_of_another_shape_is_shape_mismatch => {
+            let cpu = CpuBackend::new_ref();
+            let x = param(&cpu, &[1.0, 2.0])?;
+            let gradient = Tensor::ones(&cpu, &[3], DType::F32)?;
+            expect_err!(
+                x.exp()?.backward_with(
+                    Some(gradient),
+                    BackwardOptions {
+                        retain_graph: false
                     }
-                )
-            },
+                ),
+                TensorError::ShapeMismatch { op: "backward", .. }
+            )
         },
-        Case {
-            name: "backward_twice_without_retain_graph_is_graph_freed",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let x = param(&cpu, &[0.5, 1.0])?;
-                let loss = x.exp()?.sum_all()?;
-                loss.backward()?;
-                expect_err!(loss.backward(), TensorError::GraphFreed { .. })
-            },
+        backward_of_a_tensor_that_does_not_require_grad_is_autograd_error => {
+            let cpu = CpuBackend::new_ref();
+            let x = f32s(&cpu, &[1.0, 2.0], &[2])?;
+            expect_err!(x.sum_all()?.backward(), TensorError::Autograd { .. })
         },
-        Case {
-            name: "in_place_write_to_a_leaf_that_requires_grad_is_autograd_error",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let x = param(&cpu, &[0.5, 1.0])?;
-                expect_err!(x.fill_(0.0), TensorError::Autograd { op: "fill_", .. })
-            },
+        writing_a_saved_tensor_in_place_then_backward_is_modified_in_place => {
+            let cpu = CpuBackend::new_ref();
+            let x = param(&cpu, &[0.5, 1.0])?;
+            let y = x.exp()?; // saves its output
+            y.add_(&f32s(&cpu, &[1.0], &[1])?)?;
+            expect_err!(
+                y.sum_all()?.backward(),
+                TensorError::ModifiedInPlace {
+                    op: "exp",
+                    saved_version: 0,
+                    current_version: 1
+                }
+            )
         },
-        Case {
-            name: "requires_grad_on_an_integer_tensor_is_unsupported_dtype",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let ids = Tensor::from_slice(&cpu, &[1i64, 2], &[2])?;
-                expect_err!(
-                    ids.requires_grad_(true),
-                    TensorError::UnsupportedDtype {
-                        op: "requires_grad_",
-                        dtype: DType::I64
-                    }
-                )
-            },
+        backward_twice_without_retain_graph_is_graph_freed => {
+            let cpu = CpuBackend::new_ref();
+            let x = param(&cpu, &[0.5, 1.0])?;
+            let loss = x.exp()?.sum_all()?;
+            loss.backward()?;
+            expect_err!(loss.backward(), TensorError::GraphFreed { .. })
         },
-        Case {
-            name: "requires_grad_on_a_non_leaf_is_autograd_error",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let y = param(&cpu, &[1.0])?.exp()?;
-                expect_err!(
-                    y.requires_grad_(false),
-                    TensorError::Autograd {
-                        op: "requires_grad_",
-                        ..
-                    }
-                )
-            },
+        in_place_write_to_a_leaf_that_requires_grad_is_autograd_error => {
+            let cpu = CpuBackend::new_ref();
+            let x = param(&cpu, &[0.5, 1.0])?;
+            expect_err!(x.fill_(0.0), TensorError::Autograd { op: "fill_", .. })
         },
-        Case {
-            name: "set_grad_of_another_shape_is_shape_mismatch",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let x = param(&cpu, &[1.0, 2.0])?;
-                expect_err!(
-                    x.set_grad(Some(Tensor::ones(&cpu, &[3], DType::F32)?)),
-                    TensorError::ShapeMismatch { op: "set_grad", .. }
-                )
-            },
+        requires_grad_on_an_integer_tensor_is_unsupported_dtype => {
+            let cpu = CpuBackend::new_ref();
+            let ids = Tensor::from_slice(&cpu, &[1i64, 2], &[2])?;
+            expect_err!(
+                ids.requires_grad_(true),
+                TensorError::UnsupportedDtype {
+                    op: "requires_grad_",
+                    dtype: DType::I64
+                }
+            )
         },
-        Case {
-            name: "an_op_writing_a_buffer_claimed_by_a_reader_is_concurrent_access",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let x = Tensor::zeros(&cpu, &[4], DType::F32)?;
-                let reading = HostAccess::claim("reader", [(&**x.buffer(), Access::Read)])?;
-                let res = expect_err!(
-                    x.fill_(1.0),
-                    TensorError::ConcurrentAccess {
-                        op: "fill",
-                        what: "an output"
-                    }
-                );
-                drop(reading);
-                // Released: the write goes through and nothing was half-written before.
-                res.and_then(|()| {
-                    expect_eq(x.to_vec::<f32>()?, vec![0.0; 4])?;
-                    x.fill_(1.0)?;
-                    expect_eq(x.to_vec::<f32>()?, vec![1.0; 4])
-                })
-            },
+        requires_grad_on_a_non_leaf_is_autograd_error => {
+            let cpu = CpuBackend::new_ref();
+            let y = param(&cpu, &[1.0])?.exp()?;
+            expect_err!(
+                y.requires_grad_(false),
+                TensorError::Autograd {
+                    op: "requires_grad_",
+                    ..
+                }
+            )
         },
-        Case {
-            name: "an_op_reading_a_buffer_claimed_by_a_writer_is_concurrent_access",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let x = Tensor::zeros(&cpu, &[4], DType::F32)?;
-                let _writing = HostAccess::claim("writer", [(&**x.buffer(), Access::Write)])?;
-                expect_err!(
-                    x.exp(),
-                    TensorError::ConcurrentAccess {
-                        what: "an input",
-                        ..
-                    }
-                )
-            },
+        set_grad_of_another_shape_is_shape_mismatch => {
+            let cpu = CpuBackend::new_ref();
+            let x = param(&cpu, &[1.0, 2.0])?;
+            expect_err!(
+                x.set_grad(Some(Tensor::ones(&cpu, &[3], DType::F32)?)),
+                TensorError::ShapeMismatch { op: "set_grad", .. }
+            )
         },
-        Case {
-            name: "set_grad_of_another_dtype_is_dtype_mismatch",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let x = param(&cpu, &[1.0, 2.0])?;
-                expect_err!(
-                    x.set_grad(Some(Tensor::ones(&cpu, &[2], DType::F64)?)),
-                    TensorError::DtypeMismatch { op: "set_grad", .. }
-                )
-            },
+        an_op_writing_a_buffer_claimed_by_a_reader_is_concurrent_access => {
+            let cpu = CpuBackend::new_ref();
+            let x = Tensor::zeros(&cpu, &[4], DType::F32)?;
+            let reading = HostAccess::claim("reader", [(&**x.buffer(), Access::Read)])?;
+            let res = expect_err!(
+                x.fill_(1.0),
+                TensorError::ConcurrentAccess {
+                    op: "fill",
+                    what: "an output"
+                }
+            );
+            drop(reading);
+            // Released: the write goes through and nothing was half-written before.
+            res.and_then(|()| {
+                expect_eq(x.to_vec::<f32>()?, vec![0.0; 4])?;
+                x.fill_(1.0)?;
+                expect_eq(x.to_vec::<f32>()?, vec![1.0; 4])
+            })
         },
-        Case {
-            name: "register_hook_on_a_tensor_without_grad_is_autograd_error",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let x = Tensor::ones(&cpu, &[2], DType::F32)?;
-                expect_err!(
-                    x.register_hook(|_| Ok(None)),
-                    TensorError::Autograd {
-                        op: "register_hook",
-                        ..
-                    }
-                )
-            },
+        an_op_reading_a_buffer_claimed_by_a_writer_is_concurrent_access => {
+            let cpu = CpuBackend::new_ref();
+            let x = Tensor::zeros(&cpu, &[4], DType::F32)?;
+            let _writing = HostAccess::claim("writer", [(&**x.buffer(), Access::Write)])?;
+            expect_err!(
+                x.exp(),
+                TensorError::ConcurrentAccess {
+                    what: "an input",
+                    ..
+                }
+            )
+        },
+        set_grad_of_another_dtype_is_dtype_mismatch => {
+            let cpu = CpuBackend::new_ref();
+            let x = param(&cpu, &[1.0, 2.0])?;
+            expect_err!(
+                x.set_grad(Some(Tensor::ones(&cpu, &[2], DType::F64)?)),
+                TensorError::DtypeMismatch { op: "set_grad", .. }
+            )
+        },
+        register_hook_on_a_tensor_without_grad_is_autograd_error => {
+            let cpu = CpuBackend::new_ref();
+            let x = Tensor::ones(&cpu, &[2], DType::F32)?;
+            expect_err!(
+                x.register_hook(|_| Ok(None)),
+                TensorError::Autograd {
+                    op: "register_hook",
+                    ..
+                }
+            )
         },
     ]
 }

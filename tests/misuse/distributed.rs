@@ -17,6 +17,7 @@ use headroom_optim::kernels::{AdafactorConfig, AdamConfig, SgdConfig};
 use headroom_optim::{Implementation, NormType, ParamGroup};
 
 use crate::{expect_eq, expect_err, f32s, param, temp_path, Case, Outcome};
+use headroom_testkit::misuse_cases;
 
 /// The one rank of a group of one.
 fn solo() -> Result<InProcessComm, DistributedError> {
@@ -36,309 +37,252 @@ pub(crate) fn cases() -> Vec<Case> {
             Err(failures.join("; ").into())
         }
     }
-    vec![
-        Case {
-            name: "group_of_0_ranks_is_invalid_argument",
-            run: || {
-                expect_err!(
-                    InProcessGroup::ranks(0),
-                    DistributedError::InvalidArgument { .. }
-                )
-            },
+    misuse_cases![
+        group_of_0_ranks_is_invalid_argument => {
+            expect_err!(
+                InProcessGroup::ranks(0),
+                DistributedError::InvalidArgument { .. }
+            )
         },
-        Case {
-            name: "reduce_scatter_into_another_ranks_chunk_is_invalid_argument",
-            run: || {
-                // Each rank's output is the chunk of its input that belongs to the other rank:
-                // it overlaps the input other than in NCCL's in-place layout.
-                all_ok(InProcessGroup::run_on_threads(
-                    InProcessGroup::ranks(2)?,
-                    |comm| {
-                        let cpu = &CpuBackend::new_ref();
-                        let input = Tensor::ones(cpu, &[4], DType::F32)?;
-                        let other = 1 - comm.rank();
-                        let output = input.narrow(0, 2 * other, 2)?;
-                        expect_err!(
-                            comm.reduce_scatter(&input, &output, ReduceOp::Sum),
-                            DistributedError::InvalidArgument { op: "reduce_scatter", .. },
-                            naming "overlap"
-                        )
-                    },
-                ))
-            },
-        },
-        Case {
-            name: "reduce_scatter_in_nccls_in_place_layout_sums_each_chunk",
-            run: || {
-                all_ok(InProcessGroup::run_on_threads(
-                    InProcessGroup::ranks(2)?,
-                    |comm| {
-                        let cpu = &CpuBackend::new_ref();
-                        let r = comm.rank() as f32;
-                        let input = f32s(cpu, &[r, r + 1.0, 10.0 * r, 10.0 * r + 1.0], &[4])?;
-                        let output = input.narrow(0, 2 * comm.rank(), 2)?;
-                        comm.reduce_scatter(&input, &output, ReduceOp::Sum)?;
-                        let expected = [vec![1.0, 3.0], vec![10.0, 12.0]][comm.rank()].clone();
-                        expect_eq(output.to_vec::<f32>()?, expected)
-                    },
-                ))
-            },
-        },
-        Case {
-            name: "all_gather_from_a_partly_overlapping_input_is_invalid_argument",
-            run: || {
-                let comm = solo()?;
-                let cpu = CpuBackend::new_ref();
-                let whole = Tensor::zeros(&cpu, &[4], DType::F32)?;
-                let (input, output) = (whole.narrow(0, 1, 3)?, whole.narrow(0, 0, 3)?);
-                expect_err!(
-                    comm.all_gather(&input, &output),
-                    DistributedError::InvalidArgument {
-                        op: "all_gather",
-                        ..
-                    }
-                )
-            },
-        },
-        Case {
-            name: "reduce_scatter_of_sizes_that_do_not_divide_is_invalid_argument",
-            run: || {
-                let comm = solo()?;
-                let cpu = CpuBackend::new_ref();
-                let input = Tensor::zeros(&cpu, &[3], DType::F32)?;
-                let output = Tensor::zeros(&cpu, &[2], DType::F32)?;
-                expect_err!(
-                    comm.reduce_scatter(&input, &output, ReduceOp::Sum),
-                    DistributedError::InvalidArgument {
-                        op: "reduce_scatter",
-                        ..
-                    }
-                )
-            },
-        },
-        Case {
-            name: "broadcast_from_a_root_out_of_range_is_invalid_argument",
-            run: || {
-                let comm = solo()?;
-                let cpu = CpuBackend::new_ref();
-                let t = Tensor::zeros(&cpu, &[2], DType::F32)?;
-                expect_err!(
-                    comm.broadcast(&t, 1),
-                    DistributedError::InvalidArgument { op: "broadcast", .. },
-                    naming "root 1"
-                )
-            },
-        },
-        Case {
-            name: "all_reduce_of_an_integer_tensor_is_invalid_argument",
-            run: || {
-                let comm = solo()?;
-                let cpu = CpuBackend::new_ref();
-                let t = Tensor::from_slice(&cpu, &[1i64, 2], &[2])?;
-                expect_err!(
-                    comm.all_reduce(&t, ReduceOp::Sum),
-                    DistributedError::InvalidArgument {
-                        op: "all_reduce",
-                        ..
-                    }
-                )
-            },
-        },
-        Case {
-            name: "all_reduce_of_a_non_contiguous_tensor_is_invalid_argument",
-            run: || {
-                let comm = solo()?;
-                let cpu = CpuBackend::new_ref();
-                let t = Tensor::zeros(&cpu, &[2, 3], DType::F32)?.t()?;
-                expect_err!(
-                    comm.all_reduce(&t, ReduceOp::Sum),
-                    DistributedError::InvalidArgument {
-                        op: "all_reduce",
-                        ..
-                    }
-                )
-            },
-        },
-        Case {
-            name: "ranks_reducing_different_sizes_is_mismatch",
-            run: || {
-                let outcomes = InProcessGroup::run_on_threads(InProcessGroup::ranks(2)?, |comm| {
+        reduce_scatter_into_another_ranks_chunk_is_invalid_argument => {
+            // Each rank's output is the chunk of its input that belongs to the other rank:
+            // it overlaps the input other than in NCCL's in-place layout.
+            all_ok(InProcessGroup::run_on_threads(
+                InProcessGroup::ranks(2)?,
+                |comm| {
                     let cpu = &CpuBackend::new_ref();
-                    let t = Tensor::zeros(cpu, &[2 + comm.rank()], DType::F32)?;
+                    let input = Tensor::ones(cpu, &[4], DType::F32)?;
+                    let other = 1 - comm.rank();
+                    let output = input.narrow(0, 2 * other, 2)?;
                     expect_err!(
-                        comm.all_reduce(&t, ReduceOp::Sum),
-                        DistributedError::Mismatch { rank: 1, .. }
+                        comm.reduce_scatter(&input, &output, ReduceOp::Sum),
+                        DistributedError::InvalidArgument { op: "reduce_scatter", .. },
+                        naming "overlap"
                     )
-                });
-                all_ok(outcomes)
-            },
+                },
+            ))
         },
-        Case {
-            name: "a_rank_that_never_arrives_is_timeout",
-            run: || {
-                let mut ranks = InProcessGroup::ranks_with_timeout(2, Duration::from_millis(50))?;
-                let absent = ranks.pop();
-                let res = expect_err!(
-                    ranks[0].barrier(),
-                    DistributedError::Timeout {
-                        rank: 0,
-                        call: 0,
-                        ..
-                    }
-                );
-                drop(absent);
-                res
-            },
+        reduce_scatter_in_nccls_in_place_layout_sums_each_chunk => {
+            all_ok(InProcessGroup::run_on_threads(
+                InProcessGroup::ranks(2)?,
+                |comm| {
+                    let cpu = &CpuBackend::new_ref();
+                    let r = comm.rank() as f32;
+                    let input = f32s(cpu, &[r, r + 1.0, 10.0 * r, 10.0 * r + 1.0], &[4])?;
+                    let output = input.narrow(0, 2 * comm.rank(), 2)?;
+                    comm.reduce_scatter(&input, &output, ReduceOp::Sum)?;
+                    let expected = [vec![1.0, 3.0], vec![10.0, 12.0]][comm.rank()].clone();
+                    expect_eq(output.to_vec::<f32>()?, expected)
+                },
+            ))
         },
-        Case {
-            name: "sharded_adafactor_is_invalid_argument",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let p = param(&cpu, &[1.0; 4])?;
+        all_gather_from_a_partly_overlapping_input_is_invalid_argument => {
+            let comm = solo()?;
+            let cpu = CpuBackend::new_ref();
+            let whole = Tensor::zeros(&cpu, &[4], DType::F32)?;
+            let (input, output) = (whole.narrow(0, 1, 3)?, whole.narrow(0, 0, 3)?);
+            expect_err!(
+                comm.all_gather(&input, &output),
+                DistributedError::InvalidArgument {
+                    op: "all_gather",
+                    ..
+                }
+            )
+        },
+        reduce_scatter_of_sizes_that_do_not_divide_is_invalid_argument => {
+            let comm = solo()?;
+            let cpu = CpuBackend::new_ref();
+            let input = Tensor::zeros(&cpu, &[3], DType::F32)?;
+            let output = Tensor::zeros(&cpu, &[2], DType::F32)?;
+            expect_err!(
+                comm.reduce_scatter(&input, &output, ReduceOp::Sum),
+                DistributedError::InvalidArgument {
+                    op: "reduce_scatter",
+                    ..
+                }
+            )
+        },
+        broadcast_from_a_root_out_of_range_is_invalid_argument => {
+            let comm = solo()?;
+            let cpu = CpuBackend::new_ref();
+            let t = Tensor::zeros(&cpu, &[2], DType::F32)?;
+            expect_err!(
+                comm.broadcast(&t, 1),
+                DistributedError::InvalidArgument { op: "broadcast", .. },
+                naming "root 1"
+            )
+        },
+        all_reduce_of_an_integer_tensor_is_invalid_argument => {
+            let comm = solo()?;
+            let cpu = CpuBackend::new_ref();
+            let t = Tensor::from_slice(&cpu, &[1i64, 2], &[2])?;
+            expect_err!(
+                comm.all_reduce(&t, ReduceOp::Sum),
+                DistributedError::InvalidArgument {
+                    op: "all_reduce",
+                    ..
+                }
+            )
+        },
+        all_reduce_of_a_non_contiguous_tensor_is_invalid_argument => {
+            let comm = solo()?;
+            let cpu = CpuBackend::new_ref();
+            let t = Tensor::zeros(&cpu, &[2, 3], DType::F32)?.t()?;
+            expect_err!(
+                comm.all_reduce(&t, ReduceOp::Sum),
+                DistributedError::InvalidArgument {
+                    op: "all_reduce",
+                    ..
+                }
+            )
+        },
+        ranks_reducing_different_sizes_is_mismatch => {
+            let outcomes = InProcessGroup::run_on_threads(InProcessGroup::ranks(2)?, |comm| {
+                let cpu = &CpuBackend::new_ref();
+                let t = Tensor::zeros(cpu, &[2 + comm.rank()], DType::F32)?;
                 expect_err!(
-                    ShardedOptimizer::new(
-                        vec![ParamGroup::new(vec![p], AdafactorConfig::new())],
-                        Implementation::Fused,
-                        Arc::new(solo()?),
-                        ShardConfig {
-                            bucket_bytes: 1 << 20,
-                            clipping: None
-                        },
-                    ),
-                    DistributedError::InvalidArgument {
-                        op: "ShardedOptimizer::new",
-                        ..
-                    }
+                    comm.all_reduce(&t, ReduceOp::Sum),
+                    DistributedError::Mismatch { rank: 1, .. }
                 )
-            },
+            });
+            all_ok(outcomes)
         },
-        Case {
-            name: "sharded_clipping_to_a_negative_norm_is_invalid_argument",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let p = param(&cpu, &[1.0; 4])?;
-                expect_err!(
-                    ShardedOptimizer::new(
-                        vec![ParamGroup::new(vec![p], AdamConfig::adamw())],
-                        Implementation::Fused,
-                        Arc::new(solo()?),
-                        ShardConfig {
-                            bucket_bytes: 1 << 20,
-                            clipping: Some(ShardClipping {
-                                max_norm: -1.0,
-                                norm: NormType::L2
-                            })
-                        },
-                    ),
-                    DistributedError::InvalidArgument {
-                        op: "ShardedOptimizer::new",
-                        ..
-                    }
-                )
-            },
+        a_rank_that_never_arrives_is_timeout => {
+            let mut ranks = InProcessGroup::ranks_with_timeout(2, Duration::from_millis(50))?;
+            let absent = ranks.pop();
+            let res = expect_err!(
+                ranks[0].barrier(),
+                DistributedError::Timeout {
+                    rank: 0,
+                    call: 0,
+                    ..
+                }
+            );
+            drop(absent);
+            res
         },
-        Case {
-            name: "sharded_optimizer_into_in_backward_with_clipping_is_invalid_argument",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let p = param(&cpu, &[1.0; 4])?;
-                let sharded = ShardedOptimizer::new(
-                    vec![ParamGroup::new(vec![p], SgdConfig::new(0.1))],
+        sharded_adafactor_is_invalid_argument => {
+            let cpu = CpuBackend::new_ref();
+            let p = param(&cpu, &[1.0; 4])?;
+            expect_err!(
+                ShardedOptimizer::new(
+                    vec![ParamGroup::new(vec![p], AdafactorConfig::new())],
                     Implementation::Fused,
                     Arc::new(solo()?),
                     ShardConfig {
                         bucket_bytes: 1 << 20,
-                        clipping: None,
+                        clipping: None
                     },
-                )?;
-                expect_err!(
-                    sharded.into_in_backward(InBackwardConfig {
-                        clipping: Some(Clipping {
-                            max_norm: 1.0,
-                            norm: NormType::L2,
-                            mode: ClipMode::Exact
-                        }),
-                        ..InBackwardConfig::default()
+                ),
+                DistributedError::InvalidArgument {
+                    op: "ShardedOptimizer::new",
+                    ..
+                }
+            )
+        },
+        sharded_clipping_to_a_negative_norm_is_invalid_argument => {
+            let cpu = CpuBackend::new_ref();
+            let p = param(&cpu, &[1.0; 4])?;
+            expect_err!(
+                ShardedOptimizer::new(
+                    vec![ParamGroup::new(vec![p], AdamConfig::adamw())],
+                    Implementation::Fused,
+                    Arc::new(solo()?),
+                    ShardConfig {
+                        bucket_bytes: 1 << 20,
+                        clipping: Some(ShardClipping {
+                            max_norm: -1.0,
+                            norm: NormType::L2
+                        })
+                    },
+                ),
+                DistributedError::InvalidArgument {
+                    op: "ShardedOptimizer::new",
+                    ..
+                }
+            )
+        },
+        sharded_optimizer_into_in_backward_with_clipping_is_invalid_argument => {
+            let cpu = CpuBackend::new_ref();
+            let p = param(&cpu, &[1.0; 4])?;
+            let sharded = ShardedOptimizer::new(
+                vec![ParamGroup::new(vec![p], SgdConfig::new(0.1))],
+                Implementation::Fused,
+                Arc::new(solo()?),
+                ShardConfig {
+                    bucket_bytes: 1 << 20,
+                    clipping: None,
+                },
+            )?;
+            expect_err!(
+                sharded.into_in_backward(InBackwardConfig {
+                    clipping: Some(Clipping {
+                        max_norm: 1.0,
+                        norm: NormType::L2,
+                        mode: ClipMode::Exact
                     }),
-                    DistributedError::InvalidArgument { .. }
-                )
-            },
+                    ..InBackwardConfig::default()
+                }),
+                DistributedError::InvalidArgument { .. }
+            )
         },
-        Case {
-            name: "group_of_usize_max_ranks_is_invalid_argument",
-            run: || {
-                expect_err!(
-                    InProcessGroup::ranks(usize::MAX),
-                    DistributedError::InvalidArgument {
-                        op: "InProcessGroup::ranks",
-                        ..
-                    }
-                )
-            },
+        group_of_usize_max_ranks_is_invalid_argument => {
+            expect_err!(
+                InProcessGroup::ranks(usize::MAX),
+                DistributedError::InvalidArgument {
+                    op: "InProcessGroup::ranks",
+                    ..
+                }
+            )
         },
-        Case {
-            name: "rendezvous_never_published_is_io_after_the_wait",
-            run: || {
-                let rendezvous = FileRendezvous::new(&temp_path("never_published"));
-                expect_err!(
-                    rendezvous.wait(Duration::from_millis(30)),
-                    DistributedError::Io {
-                        what: "waiting for",
-                        ..
-                    }
-                )
-            },
+        rendezvous_never_published_is_io_after_the_wait => {
+            let rendezvous = FileRendezvous::new(&temp_path("never_published"));
+            expect_err!(
+                rendezvous.wait(Duration::from_millis(30)),
+                DistributedError::Io {
+                    what: "waiting for",
+                    ..
+                }
+            )
         },
-        Case {
-            name: "rendezvous_file_of_5_bytes_is_io_naming_its_length",
-            run: || {
-                let path = temp_path("short_rendezvous");
-                std::fs::write(&path, b"hello")?;
-                let res = FileRendezvous::new(&path).wait(Duration::from_millis(30));
-                let _ = std::fs::remove_file(&path);
-                expect_err!(res, DistributedError::Io { what: "reading", .. }, naming "5 bytes")
-            },
+        rendezvous_file_of_5_bytes_is_io_naming_its_length => {
+            let path = temp_path("short_rendezvous");
+            std::fs::write(&path, b"hello")?;
+            let res = FileRendezvous::new(&path).wait(Duration::from_millis(30));
+            let _ = std::fs::remove_file(&path);
+            expect_err!(res, DistributedError::Io { what: "reading", .. }, naming "5 bytes")
         },
-        Case {
-            name: "rendezvous_published_into_a_missing_directory_is_io",
-            run: || {
-                let path = temp_path("no_such_dir").join("id");
-                expect_err!(
-                    FileRendezvous::new(&path).publish(&UniqueId::from_bytes(b"id")),
-                    DistributedError::Io {
-                        what: "writing",
-                        ..
-                    }
-                )
-            },
+        rendezvous_published_into_a_missing_directory_is_io => {
+            let path = temp_path("no_such_dir").join("id");
+            expect_err!(
+                FileRendezvous::new(&path).publish(&UniqueId::from_bytes(b"id")),
+                DistributedError::Io {
+                    what: "writing",
+                    ..
+                }
+            )
         },
-        Case {
-            name: "shard_layout_over_0_ranks_is_invalid_argument",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let p = param(&cpu, &[1.0; 4])?;
-                expect_err!(
-                    ShardLayout::new(&[p], 0, 0),
-                    DistributedError::InvalidArgument {
-                        op: "ShardLayout::new",
-                        ..
-                    }
-                )
-            },
+        shard_layout_over_0_ranks_is_invalid_argument => {
+            let cpu = CpuBackend::new_ref();
+            let p = param(&cpu, &[1.0; 4])?;
+            expect_err!(
+                ShardLayout::new(&[p], 0, 0),
+                DistributedError::InvalidArgument {
+                    op: "ShardLayout::new",
+                    ..
+                }
+            )
         },
-        Case {
-            name: "shard_layout_of_a_rank_outside_the_group_is_invalid_argument",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let p = param(&cpu, &[1.0; 4])?;
-                expect_err!(
-                    ShardLayout::new(&[p], 2, 2),
-                    DistributedError::InvalidArgument {
-                        op: "ShardLayout::new",
-                        ..
-                    }
-                )
-            },
+        shard_layout_of_a_rank_outside_the_group_is_invalid_argument => {
+            let cpu = CpuBackend::new_ref();
+            let p = param(&cpu, &[1.0; 4])?;
+            expect_err!(
+                ShardLayout::new(&[p], 2, 2),
+                DistributedError::InvalidArgument {
+                    op: "ShardLayout::new",
+                    ..
+                }
+            )
         },
     ]
 }

@@ -10,6 +10,7 @@ use headroom_ops_cpu::CpuBackend;
 use headroom_optim::{DeviceGradScaling, Implementation, LossScaler, NormType, OptimError};
 
 use crate::{expect_eq, expect_err, f32s, param, sgd_over, Case};
+use headroom_testkit::misuse_cases;
 
 pub(crate) fn cases() -> Vec<Case> {
     /// An InBackward over fused SGD of one parameter, with `config`.
@@ -50,128 +51,101 @@ pub(crate) fn cases() -> Vec<Case> {
             ..InBackwardConfig::default()
         }
     }
-    vec![
-        Case {
-            name: "backward_scaled_with_a_two_element_scale_is_invalid_argument",
-            run: || {
-                let (in_backward, p) = in_backward(InBackwardConfig::default())?;
-                let scale = Tensor::full(p.backend(), &[2], 1024.0, DType::F32)?;
-                let res = expect_err!(
-                    in_backward.backward_scaled(&p.sum_all()?, &mut OddScaler { scale }),
-                    HooksError::InvalidArgument {
-                        op: "InBackward::backward_scaled",
-                        ..
-                    }
-                );
-                res.and_then(|()| expect_eq(p.to_vec::<f32>()?, vec![1.0; 4]))
-            },
+    misuse_cases![
+        backward_scaled_with_a_two_element_scale_is_invalid_argument => {
+            let (in_backward, p) = in_backward(InBackwardConfig::default())?;
+            let scale = Tensor::full(p.backend(), &[2], 1024.0, DType::F32)?;
+            let res = expect_err!(
+                in_backward.backward_scaled(&p.sum_all()?, &mut OddScaler { scale }),
+                HooksError::InvalidArgument {
+                    op: "InBackward::backward_scaled",
+                    ..
+                }
+            );
+            res.and_then(|()| expect_eq(p.to_vec::<f32>()?, vec![1.0; 4]))
         },
-        Case {
-            name: "backward_scaled_with_an_f64_scale_is_invalid_argument",
-            run: || {
-                let (in_backward, p) = in_backward(InBackwardConfig::default())?;
-                let scale = Tensor::full(p.backend(), &[1], 1024.0, DType::F64)?;
-                expect_err!(
-                    in_backward.backward_scaled(&p.sum_all()?, &mut OddScaler { scale }),
-                    HooksError::InvalidArgument {
-                        op: "InBackward::backward_scaled",
-                        ..
-                    }
-                )
-            },
+        backward_scaled_with_an_f64_scale_is_invalid_argument => {
+            let (in_backward, p) = in_backward(InBackwardConfig::default())?;
+            let scale = Tensor::full(p.backend(), &[1], 1024.0, DType::F64)?;
+            expect_err!(
+                in_backward.backward_scaled(&p.sum_all()?, &mut OddScaler { scale }),
+                HooksError::InvalidArgument {
+                    op: "InBackward::backward_scaled",
+                    ..
+                }
+            )
         },
-        Case {
-            name: "backward_scaled_with_previous_step_clipping_is_invalid_argument",
-            run: || {
-                let (in_backward, p) = in_backward(InBackwardConfig {
-                    clipping: Some(Clipping {
-                        max_norm: 1.0,
-                        norm: NormType::L2,
-                        mode: ClipMode::PreviousStep,
-                    }),
+        backward_scaled_with_previous_step_clipping_is_invalid_argument => {
+            let (in_backward, p) = in_backward(InBackwardConfig {
+                clipping: Some(Clipping {
+                    max_norm: 1.0,
+                    norm: NormType::L2,
+                    mode: ClipMode::PreviousStep,
+                }),
+                ..InBackwardConfig::default()
+            })?;
+            let mut scaler = GradScaler::new(GradScalerConfig::default())?;
+            expect_err!(
+                in_backward.backward_scaled(&p.sum_all()?, &mut scaler),
+                HooksError::InvalidArgument { .. }
+            )
+        },
+        a_parameter_registered_twice_is_already_registered => {
+            let (_first, p) = in_backward(InBackwardConfig::default())?;
+            let sgd = sgd_over(vec![p], Implementation::Fused)?;
+            expect_err!(
+                InBackward::new(Box::new(sgd), InBackwardConfig::default()),
+                HooksError::AlreadyRegistered { index: 0 }
+            )
+        },
+        // Stepping an InBackward by hand no longer compiles (it is not an Optimizer); a
+        // scaler that is disabled makes a scaled backward a plain one.
+        backward_scaled_with_a_disabled_scaler_steps_unscaled => {
+            let (in_backward, p) = in_backward(InBackwardConfig::default())?;
+            let mut scaler = GradScaler::new(GradScalerConfig {
+                enabled: false,
+                ..GradScalerConfig::default()
+            })?;
+            let skipped = in_backward.backward_scaled(&p.sum_all()?, &mut scaler)?;
+            // One SGD step of lr 0.1 on a gradient of ones.
+            expect_eq(skipped.read()?, false)
+                .and_then(|()| expect_eq(p.to_vec::<f32>()?, vec![0.9; 4]))
+        },
+        in_backward_of_a_parameter_without_grad_is_does_not_require_grad => {
+            let cpu = CpuBackend::new_ref();
+            let p = f32s(&cpu, &[1.0; 4], &[4])?;
+            let sgd = sgd_over(vec![p], Implementation::Fused)?;
+            expect_err!(
+                InBackward::new(Box::new(sgd), InBackwardConfig::default()),
+                HooksError::DoesNotRequireGrad { index: 0 }
+            )
+        },
+        in_backward_accumulating_0_micro_batches_is_invalid_argument => {
+            expect_err!(
+                in_backward(InBackwardConfig {
+                    accumulation: 0,
                     ..InBackwardConfig::default()
-                })?;
-                let mut scaler = GradScaler::new(GradScalerConfig::default())?;
-                expect_err!(
-                    in_backward.backward_scaled(&p.sum_all()?, &mut scaler),
-                    HooksError::InvalidArgument { .. }
-                )
-            },
+                }),
+                HooksError::InvalidArgument { .. }
+            )
         },
-        Case {
-            name: "a_parameter_registered_twice_is_already_registered",
-            run: || {
-                let (_first, p) = in_backward(InBackwardConfig::default())?;
-                let sgd = sgd_over(vec![p], Implementation::Fused)?;
-                expect_err!(
-                    InBackward::new(Box::new(sgd), InBackwardConfig::default()),
-                    HooksError::AlreadyRegistered { index: 0 }
-                )
-            },
+        in_backward_clipping_to_nan_is_invalid_argument => {
+            let mut config = exact_clipping();
+            if let Some(clipping) = &mut config.clipping {
+                clipping.max_norm = f64::NAN;
+            }
+            expect_err!(in_backward(config), HooksError::InvalidArgument { .. })
         },
-        Case {
-            // Stepping an InBackward by hand no longer compiles (it is not an Optimizer); a
-            // scaler that is disabled makes a scaled backward a plain one.
-            name: "backward_scaled_with_a_disabled_scaler_steps_unscaled",
-            run: || {
-                let (in_backward, p) = in_backward(InBackwardConfig::default())?;
-                let mut scaler = GradScaler::new(GradScalerConfig {
-                    enabled: false,
-                    ..GradScalerConfig::default()
-                })?;
-                let skipped = in_backward.backward_scaled(&p.sum_all()?, &mut scaler)?;
-                // One SGD step of lr 0.1 on a gradient of ones.
-                expect_eq(skipped.read()?, false)
-                    .and_then(|()| expect_eq(p.to_vec::<f32>()?, vec![0.9; 4]))
-            },
-        },
-        Case {
-            name: "in_backward_of_a_parameter_without_grad_is_does_not_require_grad",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                let p = f32s(&cpu, &[1.0; 4], &[4])?;
-                let sgd = sgd_over(vec![p], Implementation::Fused)?;
-                expect_err!(
-                    InBackward::new(Box::new(sgd), InBackwardConfig::default()),
-                    HooksError::DoesNotRequireGrad { index: 0 }
-                )
-            },
-        },
-        Case {
-            name: "in_backward_accumulating_0_micro_batches_is_invalid_argument",
-            run: || {
-                expect_err!(
-                    in_backward(InBackwardConfig {
-                        accumulation: 0,
-                        ..InBackwardConfig::default()
-                    }),
-                    HooksError::InvalidArgument { .. }
-                )
-            },
-        },
-        Case {
-            name: "in_backward_clipping_to_nan_is_invalid_argument",
-            run: || {
-                let mut config = exact_clipping();
-                if let Some(clipping) = &mut config.clipping {
-                    clipping.max_norm = f64::NAN;
-                }
-                expect_err!(in_backward(config), HooksError::InvalidArgument { .. })
-            },
-        },
-        Case {
-            name: "plain_backward_under_exact_clipping_is_needs_two_passes",
-            run: || {
-                let (_in_backward, p) = in_backward(exact_clipping())?;
-                let err = match p.sum_all()?.backward() {
-                    Ok(()) => return Err("expected NeedsTwoPasses, got Ok".into()),
-                    Err(err) => err,
-                };
-                match err.hook_source::<HooksError>() {
-                    Some(HooksError::NeedsTwoPasses) => expect_eq(p.to_vec::<f32>()?, vec![1.0; 4]),
-                    _ => Err(format!("expected NeedsTwoPasses, got {err:?}").into()),
-                }
-            },
+        plain_backward_under_exact_clipping_is_needs_two_passes => {
+            let (_in_backward, p) = in_backward(exact_clipping())?;
+            let err = match p.sum_all()?.backward() {
+                Ok(()) => return Err("expected NeedsTwoPasses, got Ok".into()),
+                Err(err) => err,
+            };
+            match err.hook_source::<HooksError>() {
+                Some(HooksError::NeedsTwoPasses) => expect_eq(p.to_vec::<f32>()?, vec![1.0; 4]),
+                _ => Err(format!("expected NeedsTwoPasses, got {err:?}").into()),
+            }
         },
     ]
 }

@@ -12,6 +12,7 @@ use headroom_nn::{
 use headroom_ops_cpu::CpuBackend;
 
 use crate::{expect_err, temp_path, Case, Outcome};
+use headroom_testkit::misuse_cases;
 
 /// Saves `saved` to a file and loads it into `into`, removing the file.
 fn load_through_file(saved: &Linear, into: &Linear, name: &str) -> Result<(), NnError> {
@@ -61,178 +62,134 @@ pub(crate) fn cases() -> Vec<Case> {
             naming "out of bounds"
         )
     }
-    vec![
-        Case {
-            name: "loading_weights_without_a_bias_is_missing_parameter_naming_it",
-            run: || {
-                expect_err!(
-                    load_through_file(&linear(4, 2, false)?, &linear(4, 2, true)?, "nobias"),
-                    NnError::MissingParameter { name } if name == "bias",
-                    naming "bias"
-                )
-            },
+    misuse_cases![
+        loading_weights_without_a_bias_is_missing_parameter_naming_it => {
+            expect_err!(
+                load_through_file(&linear(4, 2, false)?, &linear(4, 2, true)?, "nobias"),
+                NnError::MissingParameter { name } if name == "bias",
+                naming "bias"
+            )
         },
-        Case {
-            name: "loading_a_weight_of_another_shape_is_parameter_shape",
-            run: || {
-                expect_err!(
-                    load_through_file(&linear(4, 2, true)?, &linear(4, 3, true)?, "shape"),
-                    NnError::ParameterShape { name, expected, found }
-                        if name == "weight" && expected == &[3, 4] && found == &[2, 4]
-                )
-            },
+        loading_a_weight_of_another_shape_is_parameter_shape => {
+            expect_err!(
+                load_through_file(&linear(4, 2, true)?, &linear(4, 3, true)?, "shape"),
+                NnError::ParameterShape { name, expected, found }
+                    if name == "weight" && expected == &[3, 4] && found == &[2, 4]
+            )
         },
-        Case {
-            name: "loading_weights_with_an_extra_tensor_is_unexpected_parameter",
-            run: || {
-                expect_err!(
-                    load_through_file(&linear(4, 2, true)?, &linear(4, 2, false)?, "extra"),
-                    NnError::UnexpectedParameter { name } if name == "bias"
-                )
-            },
+        loading_weights_with_an_extra_tensor_is_unexpected_parameter => {
+            expect_err!(
+                load_through_file(&linear(4, 2, true)?, &linear(4, 2, false)?, "extra"),
+                NnError::UnexpectedParameter { name } if name == "bias"
+            )
         },
-        Case {
-            name: "loading_a_file_of_garbage_is_a_safetensors_error",
-            run: || {
-                let path = temp_path("garbage.safetensors");
-                std::fs::write(&path, b"\xff\xff\xff\xff\xff\xff\xff\x7fgarbage")?;
-                let res = load_file(&linear(4, 2, true)?, &path, "");
-                let _ = std::fs::remove_file(&path);
-                expect_err!(res, NnError::Safetensors(_))
-            },
+        loading_a_file_of_garbage_is_a_safetensors_error => {
+            let path = temp_path("garbage.safetensors");
+            std::fs::write(&path, b"\xff\xff\xff\xff\xff\xff\xff\x7fgarbage")?;
+            let res = load_file(&linear(4, 2, true)?, &path, "");
+            let _ = std::fs::remove_file(&path);
+            expect_err!(res, NnError::Safetensors(_))
         },
-        Case {
-            name: "loading_a_missing_file_is_io_naming_the_path",
-            run: || {
-                let path = temp_path("does_not_exist.safetensors");
-                expect_err!(
-                    load_file(&linear(4, 2, true)?, &path, ""),
-                    NnError::Io { .. },
-                    naming "does_not_exist"
-                )
-            },
+        loading_a_missing_file_is_io_naming_the_path => {
+            let path = temp_path("does_not_exist.safetensors");
+            expect_err!(
+                load_file(&linear(4, 2, true)?, &path, ""),
+                NnError::Io { .. },
+                naming "does_not_exist"
+            )
         },
-        Case {
-            name: "linear_on_an_input_of_another_width_is_shape_mismatch",
-            run: || {
-                let layer = linear(4, 2, true)?;
-                let x = Tensor::ones(layer.weight.backend(), &[3, 5], DType::F32)?;
-                expect_err!(
-                    layer.forward(&x),
-                    NnError::Tensor(TensorError::ShapeMismatch { .. })
-                )
-            },
+        linear_on_an_input_of_another_width_is_shape_mismatch => {
+            let layer = linear(4, 2, true)?;
+            let x = Tensor::ones(layer.weight.backend(), &[3, 5], DType::F32)?;
+            expect_err!(
+                layer.forward(&x),
+                NnError::Tensor(TensorError::ShapeMismatch { .. })
+            )
         },
-        Case {
-            name: "vit_on_images_of_another_size_is_invalid_input",
-            run: || {
-                let vit = vit(VitConfig::tiny())?;
-                let cpu = vit.class_token.backend();
-                let images = Tensor::zeros(cpu, &[1, 3, 48, 48], DType::F32)?;
-                expect_err!(
-                    vit.forward(&images),
-                    NnError::InvalidInput { module: "VisionTransformer", .. },
-                    naming "[1, 3, 48, 48]"
-                )
-            },
+        vit_on_images_of_another_size_is_invalid_input => {
+            let vit = vit(VitConfig::tiny())?;
+            let cpu = vit.class_token.backend();
+            let images = Tensor::zeros(cpu, &[1, 3, 48, 48], DType::F32)?;
+            expect_err!(
+                vit.forward(&images),
+                NnError::InvalidInput { module: "VisionTransformer", .. },
+                naming "[1, 3, 48, 48]"
+            )
         },
-        Case {
-            name: "vit_whose_heads_do_not_divide_the_width_is_invalid_config",
-            run: || {
-                expect_err!(
-                    vit(VitConfig {
-                        num_heads: 5,
-                        ..VitConfig::tiny()
-                    }),
-                    NnError::InvalidConfig { .. }
-                )
-            },
+        vit_whose_heads_do_not_divide_the_width_is_invalid_config => {
+            expect_err!(
+                vit(VitConfig {
+                    num_heads: 5,
+                    ..VitConfig::tiny()
+                }),
+                NnError::InvalidConfig { .. }
+            )
         },
-        Case {
-            name: "vit_whose_patch_does_not_divide_the_image_is_invalid_config",
-            run: || {
-                expect_err!(
-                    vit(VitConfig {
-                        patch_size: 7,
-                        ..VitConfig::tiny()
-                    }),
-                    NnError::InvalidConfig { .. }
-                )
-            },
+        vit_whose_patch_does_not_divide_the_image_is_invalid_config => {
+            expect_err!(
+                vit(VitConfig {
+                    patch_size: 7,
+                    ..VitConfig::tiny()
+                }),
+                NnError::InvalidConfig { .. }
+            )
         },
-        Case {
-            name: "gpt2_with_a_token_id_at_the_vocabulary_size_is_invalid_argument",
-            run: || token_ids_refused(&[1, 128], &[1, 2]),
+        gpt2_with_a_token_id_at_the_vocabulary_size_is_invalid_argument =>
+            token_ids_refused(&[1, 128], &[1, 2]),
+        gpt2_with_a_negative_token_id_is_invalid_argument => token_ids_refused(&[1, -1], &[1, 2]),
+        gpt2_longer_than_its_positions_is_invalid_input => {
+            let model = tiny_gpt2()?;
+            let ids = Tensor::from_slice(
+                model.transformer.wte.weight.backend(),
+                &[1i64; 65],
+                &[1, 65],
+            )?;
+            expect_err!(
+                model.forward(&ids),
+                NnError::InvalidInput { module: "Gpt2Model", .. },
+                naming "64 positions"
+            )
         },
-        Case {
-            name: "gpt2_with_a_negative_token_id_is_invalid_argument",
-            run: || token_ids_refused(&[1, -1], &[1, 2]),
+        gpt2_on_float_token_ids_is_dtype_mismatch => {
+            let model = tiny_gpt2()?;
+            let ids =
+                Tensor::ones(model.transformer.wte.weight.backend(), &[1, 2], DType::F32)?;
+            expect_err!(
+                model.forward(&ids),
+                NnError::Tensor(TensorError::DtypeMismatch {
+                    op: "embedding",
+                    lhs: DType::I64,
+                    rhs: DType::F32
+                })
+            )
         },
-        Case {
-            name: "gpt2_longer_than_its_positions_is_invalid_input",
-            run: || {
-                let model = tiny_gpt2()?;
-                let ids = Tensor::from_slice(
-                    model.transformer.wte.weight.backend(),
-                    &[1i64; 65],
-                    &[1, 65],
-                )?;
-                expect_err!(
-                    model.forward(&ids),
-                    NnError::InvalidInput { module: "Gpt2Model", .. },
-                    naming "64 positions"
-                )
-            },
+        gpt2_whose_heads_do_not_divide_the_width_is_invalid_config => {
+            let cpu = CpuBackend::new_ref();
+            expect_err!(
+                Gpt2LMHeadModel::new(
+                    &cpu,
+                    Gpt2Config {
+                        n_head: 0,
+                        ..Gpt2Config::tiny()
+                    },
+                    DType::F32,
+                    &Arc::new(Generator::new(0)),
+                ),
+                NnError::InvalidConfig { .. }
+            )
         },
-        Case {
-            name: "gpt2_on_float_token_ids_is_dtype_mismatch",
-            run: || {
-                let model = tiny_gpt2()?;
-                let ids =
-                    Tensor::ones(model.transformer.wte.weight.backend(), &[1, 2], DType::F32)?;
-                expect_err!(
-                    model.forward(&ids),
-                    NnError::Tensor(TensorError::DtypeMismatch {
-                        op: "embedding",
-                        lhs: DType::I64,
-                        rhs: DType::F32
-                    })
-                )
-            },
-        },
-        Case {
-            name: "gpt2_whose_heads_do_not_divide_the_width_is_invalid_config",
-            run: || {
-                let cpu = CpuBackend::new_ref();
-                expect_err!(
-                    Gpt2LMHeadModel::new(
-                        &cpu,
-                        Gpt2Config {
-                            n_head: 0,
-                            ..Gpt2Config::tiny()
-                        },
-                        DType::F32,
-                        &Arc::new(Generator::new(0)),
-                    ),
-                    NnError::InvalidConfig { .. }
-                )
-            },
-        },
-        Case {
-            name: "gpt2_loss_of_labels_of_another_shape_is_invalid_input",
-            run: || {
-                let model = tiny_gpt2()?;
-                let cpu = model.transformer.wte.weight.backend().clone();
-                let logits = Tensor::zeros(&cpu, &[1, 4, 128], DType::F32)?;
-                let labels = Tensor::from_slice(&cpu, &[1i64, 2, 3], &[1, 3])?;
-                expect_err!(
-                    model.loss(&logits, &labels),
-                    NnError::InvalidInput {
-                        module: "Gpt2LMHeadModel",
-                        ..
-                    }
-                )
-            },
+        gpt2_loss_of_labels_of_another_shape_is_invalid_input => {
+            let model = tiny_gpt2()?;
+            let cpu = model.transformer.wte.weight.backend().clone();
+            let logits = Tensor::zeros(&cpu, &[1, 4, 128], DType::F32)?;
+            let labels = Tensor::from_slice(&cpu, &[1i64, 2, 3], &[1, 3])?;
+            expect_err!(
+                model.loss(&logits, &labels),
+                NnError::InvalidInput {
+                    module: "Gpt2LMHeadModel",
+                    ..
+                }
+            )
         },
     ]
 }

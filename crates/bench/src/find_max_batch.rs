@@ -384,6 +384,11 @@ const DIRECT_REACH: usize = 5;
 /// through it can be trusted.
 const AIM_BELOW: f64 = 0.7;
 
+/// [`AIM_BELOW`] of the way from `lo` (the largest fit) to `line`.
+fn aim_below(lo: usize, line: usize) -> usize {
+    lo + (line.saturating_sub(lo) as f64 * AIM_BELOW) as usize
+}
+
 /// After a probe at a near line's answer that did not fit, galloping down starts with this
 /// share of the line's reach past the largest fit.
 const GALLOP_DOWN_SHARE: usize = 64;
@@ -532,11 +537,6 @@ pub(crate) fn search(
         }
     }
     Ok((lo, probes))
-}
-
-/// [`AIM_BELOW`] of the way from `lo` (the largest fit) to `line`.
-fn aim_below(lo: usize, line: usize) -> usize {
-    lo + (line.saturating_sub(lo) as f64 * AIM_BELOW) as usize
 }
 
 /// The smallest share of the largest fitting batch by which the line's other point lies below it:

@@ -119,3 +119,46 @@ where
         }
     }
 }
+
+/// Implements [`BlockStack`] for a model: `blocks: field` over its own blocks (the `Vec` field
+/// named, the runner in its `block_runner` field), `through: field` by delegating to the inner
+/// stack in the field named (a model around an encoder or decoder).
+macro_rules! impl_block_stack {
+    ($model:ty, blocks: $blocks:ident) => {
+        impl $crate::blocks::BlockStack for $model {
+            fn n_blocks(&self) -> usize {
+                self.$blocks.len()
+            }
+
+            fn block_runner(&self) -> Option<&std::sync::Arc<dyn $crate::blocks::BlockRunner>> {
+                self.block_runner.as_ref()
+            }
+
+            fn set_block_runner(
+                &mut self,
+                runner: Option<std::sync::Arc<dyn $crate::blocks::BlockRunner>>,
+            ) {
+                self.block_runner = runner;
+            }
+        }
+    };
+    ($model:ty, through: $inner:ident) => {
+        impl $crate::blocks::BlockStack for $model {
+            fn n_blocks(&self) -> usize {
+                $crate::blocks::BlockStack::n_blocks(&self.$inner)
+            }
+
+            fn block_runner(&self) -> Option<&std::sync::Arc<dyn $crate::blocks::BlockRunner>> {
+                $crate::blocks::BlockStack::block_runner(&self.$inner)
+            }
+
+            fn set_block_runner(
+                &mut self,
+                runner: Option<std::sync::Arc<dyn $crate::blocks::BlockRunner>>,
+            ) {
+                $crate::blocks::BlockStack::set_block_runner(&mut self.$inner, runner);
+            }
+        }
+    };
+}
+pub(crate) use impl_block_stack;

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
 
 use crate::attention::{attention, merge_heads, split_heads, AttentionMask};
-use crate::blocks::{run_block, BlockRunner, BlockStack};
+use crate::blocks::{impl_block_stack, run_block, BlockRunner};
 use crate::causal_lm::causal_lm_loss;
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
@@ -302,7 +302,7 @@ pub struct Gpt2Model {
     /// The final norm.
     pub ln_f: LayerNorm,
     /// Who runs the blocks (a checkpointing runner, say); `None` calls them directly. Set
-    /// through [`BlockStack`], on the body or on its [`Gpt2LMHeadModel`].
+    /// through [`BlockStack`](crate::BlockStack), on the body or on its [`Gpt2LMHeadModel`].
     block_runner: Option<Arc<dyn BlockRunner>>,
 }
 
@@ -350,19 +350,7 @@ impl Gpt2Model {
     }
 }
 
-impl BlockStack for Gpt2Model {
-    fn n_blocks(&self) -> usize {
-        self.h.len()
-    }
-
-    fn block_runner(&self) -> Option<&Arc<dyn BlockRunner>> {
-        self.block_runner.as_ref()
-    }
-
-    fn set_block_runner(&mut self, runner: Option<Arc<dyn BlockRunner>>) {
-        self.block_runner = runner;
-    }
-}
+impl_block_stack!(Gpt2Model, blocks: h);
 
 impl Module for Gpt2Model {
     fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(&str, &Tensor)) {
@@ -483,20 +471,8 @@ impl Gpt2LMHeadModel {
     }
 }
 
-/// The blocks of its body (`transformer.h`).
-impl BlockStack for Gpt2LMHeadModel {
-    fn n_blocks(&self) -> usize {
-        self.transformer.n_blocks()
-    }
-
-    fn block_runner(&self) -> Option<&Arc<dyn BlockRunner>> {
-        self.transformer.block_runner()
-    }
-
-    fn set_block_runner(&mut self, runner: Option<Arc<dyn BlockRunner>>) {
-        self.transformer.set_block_runner(runner);
-    }
-}
+// The blocks of its body (`transformer.h`).
+impl_block_stack!(Gpt2LMHeadModel, through: transformer);
 
 impl Module for Gpt2LMHeadModel {
     fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(&str, &Tensor)) {

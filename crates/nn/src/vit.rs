@@ -14,7 +14,7 @@ use std::sync::Arc;
 use headroom_autograd_core::{cat, patch_embedding, BackendRef, DType, Generator, Tensor};
 
 use crate::attention::{AttentionMask, MultiheadAttention};
-use crate::blocks::{run_block, BlockRunner, BlockStack};
+use crate::blocks::{impl_block_stack, run_block, BlockRunner};
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
 use crate::layers::{Activation, Dropout, LayerNorm, Linear, Mlp};
@@ -236,7 +236,7 @@ pub struct Encoder {
     /// The final norm.
     pub ln: LayerNorm,
     /// Who runs the blocks (a checkpointing runner, say); `None` calls them directly. Set
-    /// through [`BlockStack`], on the encoder or on its [`VisionTransformer`].
+    /// through [`BlockStack`](crate::BlockStack), on the encoder or on its [`VisionTransformer`].
     block_runner: Option<Arc<dyn BlockRunner>>,
 }
 
@@ -319,19 +319,7 @@ fn embed_patches(
     Ok(cat(&[&class_tokens, &tokens], 1)?)
 }
 
-impl BlockStack for Encoder {
-    fn n_blocks(&self) -> usize {
-        self.layers.len()
-    }
-
-    fn block_runner(&self) -> Option<&Arc<dyn BlockRunner>> {
-        self.block_runner.as_ref()
-    }
-
-    fn set_block_runner(&mut self, runner: Option<Arc<dyn BlockRunner>>) {
-        self.block_runner = runner;
-    }
-}
+impl_block_stack!(Encoder, blocks: layers);
 
 impl Module for Encoder {
     fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(&str, &Tensor)) {
@@ -536,21 +524,9 @@ impl VisionTransformer {
     }
 }
 
-/// The encoder's blocks, block 0 handed over with the embedding in front of it (from the images):
-/// a runner that keeps block 0's input keeps the images rather than a sequence activation.
-impl BlockStack for VisionTransformer {
-    fn n_blocks(&self) -> usize {
-        self.encoder.n_blocks()
-    }
-
-    fn block_runner(&self) -> Option<&Arc<dyn BlockRunner>> {
-        self.encoder.block_runner()
-    }
-
-    fn set_block_runner(&mut self, runner: Option<Arc<dyn BlockRunner>>) {
-        self.encoder.set_block_runner(runner);
-    }
-}
+// The encoder's blocks, block 0 handed over with the embedding in front of it (from the images):
+// a runner that keeps block 0's input keeps the images rather than a sequence activation.
+impl_block_stack!(VisionTransformer, through: encoder);
 
 impl Module for VisionTransformer {
     fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(&str, &Tensor)) {

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use headroom_autograd_core::{
     cross_entropy, no_grad, BackendRef, DType, Generator, Reduction, Tensor,
 };
+use headroom_nn::Result as NnResult;
 use headroom_nn::{
     apply_rotary, load_weights, save_weights, BlockForward, BlockRunner, BlockStack,
     Llama3RopeScaling, LlamaConfig, LlamaForCausalLM, Module, NnError, RotaryEmbedding,
@@ -424,12 +425,7 @@ fn gradients_match_central_differences_in_f64() {
 struct RunTwice(Mutex<Vec<usize>>);
 
 impl BlockRunner for RunTwice {
-    fn run(
-        &self,
-        index: usize,
-        block: BlockForward,
-        input: &Tensor,
-    ) -> headroom_nn::Result<Tensor> {
+    fn run(&self, index: usize, block: BlockForward, input: &Tensor) -> NnResult<Tensor> {
         self.0.lock().unwrap().push(index);
         let replay = {
             let _guard = no_grad();

@@ -176,11 +176,11 @@ impl Schedule {
                 max_lr,
                 total_steps,
                 pct_start,
-                div_factor,
-                final_div_factor,
+                div_factor: initial_div,
+                final_div_factor: final_div,
             } => {
-                let initial = max_lr / div_factor;
-                let min_lr = initial / final_div_factor;
+                let initial = max_lr / initial_div;
+                let min_lr = initial / final_div;
                 let end_up = pct_start * total_steps as f64 - 1.0;
                 let end_down = total_steps as f64 - 1.0;
                 let anneal = |start: f64, end: f64, pct: f64| {

@@ -18,6 +18,7 @@
 //! - [`misuse`]: the misuse suites' checker (named cases, each a typed error or a checked
 //!   result; a panic fails; known bugs must fail).
 //! - [`golden`]: PyTorch's golden ViT-tiny and GPT-2-tiny, run and checked on any backend.
+//! - [`llama_golden`]: Hugging Face's golden tiny Llama and Qwen2, run on any backend and dtype.
 //! - The technique harness: a [`TrainCase`] is a training run as data (model, dtype, batch,
 //!   steps, optimizer, tolerance with its reason, seed). A [`Technique`] changes the training
 //!   step (optimizer-in-backward, activation checkpointing, autocast with a GradScaler);
@@ -50,6 +51,7 @@ pub mod counting;
 pub mod golden;
 pub mod gpu;
 pub mod inputs;
+pub mod llama_golden;
 pub mod memory;
 pub mod misuse;
 pub mod ulps;

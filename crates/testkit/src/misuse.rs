@@ -19,6 +19,35 @@ pub struct MisuseCase<E> {
     pub run: fn() -> Result<(), E>,
 }
 
+/// A table of [`MisuseCase`]s, one `name => check` row each: the name is the case's (an
+/// identifier, so a row reads as a sentence: `adam_with_negative_lr_is_invalid_argument =>
+/// refused(..)`), the check an expression (a block where it needs statements) returning the
+/// case's outcome.
+///
+/// ```
+/// use headroom_testkit::misuse::{check_misuse, MisuseCase};
+/// use headroom_testkit::misuse_cases;
+///
+/// let cases: Vec<MisuseCase<String>> = misuse_cases![
+///     parsing_a_word_as_a_number_is_an_error => match "seven".parse::<u32>() {
+///         Err(_) => Ok(()),
+///         Ok(n) => Err(format!("parsed {n}")),
+///     },
+///     zero_has_no_inverse => {
+///         let inverse = 1u32.checked_div(0);
+///         if inverse.is_none() { Ok(()) } else { Err("divided by zero".to_owned()) }
+///     },
+/// ];
+/// assert_eq!(cases[1].name, "zero_has_no_inverse");
+/// check_misuse(&cases, &[], 2);
+/// ```
+#[macro_export]
+macro_rules! misuse_cases {
+    ($($name:ident => $check:expr),* $(,)?) => {
+        vec![$($crate::misuse::MisuseCase { name: stringify!($name), run: || $check }),*]
+    };
+}
+
 /// Runs every case in table order, each under `catch_unwind`, and panics once naming every
 /// failure: a case not in `known_bugs` that fails or panics, or one in it that passes (its bug
 /// was fixed). Also panics on duplicate names, on a known bug that names no case, and on fewer

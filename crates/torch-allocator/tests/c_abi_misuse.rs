@@ -15,6 +15,7 @@
 use std::ffi::{c_char, c_void, CStr, CString};
 
 use headroom_testkit::misuse::{check_misuse, MisuseCase};
+use headroom_testkit::misuse_cases;
 use headroom_torch_allocator::abi::*;
 use headroom_torch_allocator::{last_error, MAX_DEVICES};
 
@@ -186,427 +187,274 @@ fn snapshot_on(device: i32) -> bool {
 
 /// The cases, in the order they must run: the allocator's state carries from one to the next.
 fn cases() -> Vec<Case> {
-    vec![
+    misuse_cases![
         // Before anything is frozen: bad settings and bad arguments change nothing.
-        Case {
-            name: "configure_null_is_refused_naming_conf",
-            run: || {
-                // SAFETY: null is the one non-string `headroom_configure` reads (as an error).
-                let (status, message) =
-                    with_last_error(|| unsafe { headroom_configure(std::ptr::null()) });
-                expect_eq(status, -1, "status")?;
-                names(&message, &["`conf`", "non-null UTF-8"])
-            },
+        configure_null_is_refused_naming_conf => {
+            // SAFETY: null is the one non-string `headroom_configure` reads (as an error).
+            let (status, message) =
+                with_last_error(|| unsafe { headroom_configure(std::ptr::null()) });
+            expect_eq(status, -1, "status")?;
+            names(&message, &["`conf`", "non-null UTF-8"])
         },
-        Case {
-            name: "configure_invalid_utf8_is_refused_naming_conf",
-            run: || {
-                let bytes: [u8; 4] = [0xff, 0xfe, b'x', 0];
-                // SAFETY: a NUL-terminated string (of bytes that are not UTF-8).
-                let (status, message) = with_last_error(|| unsafe {
-                    headroom_configure(bytes.as_ptr().cast::<c_char>())
-                });
-                expect_eq(status, -1, "status")?;
-                names(&message, &["`conf`"])
-            },
+        configure_invalid_utf8_is_refused_naming_conf => {
+            let bytes: [u8; 4] = [0xff, 0xfe, b'x', 0];
+            // SAFETY: a NUL-terminated string (of bytes that are not UTF-8).
+            let (status, message) = with_last_error(|| unsafe {
+                headroom_configure(bytes.as_ptr().cast::<c_char>())
+            });
+            expect_eq(status, -1, "status")?;
+            names(&message, &["`conf`"])
         },
-        Case {
-            name: "configure_misspelt_key_is_refused_naming_it",
-            run: || {
-                let (status, message) = with_last_error(|| configure("max_split_sise_mb:64"));
-                expect_eq(status, -1, "status")?;
-                names(&message, &["max_split_sise_mb"])
-            },
+        configure_misspelt_key_is_refused_naming_it => {
+            let (status, message) = with_last_error(|| configure("max_split_sise_mb:64"));
+            expect_eq(status, -1, "status")?;
+            names(&message, &["max_split_sise_mb"])
         },
-        Case {
-            name: "configure_page_size_above_1_tib_is_refused_naming_its_key",
-            run: || {
-                let (status, message) =
-                    with_last_error(|| configure("expandable_page_size_mb:1048578"));
-                expect_eq(status, -1, "status")?;
-                names(&message, &["expandable_page_size_mb", "1048578"])
-            },
+        configure_page_size_above_1_tib_is_refused_naming_its_key => {
+            let (status, message) =
+                with_last_error(|| configure("expandable_page_size_mb:1048578"));
+            expect_eq(status, -1, "status")?;
+            names(&message, &["expandable_page_size_mb", "1048578"])
         },
-        Case {
-            name: "configure_memory_fraction_of_2_is_refused_naming_its_key",
-            run: || {
-                let (status, message) =
-                    with_last_error(|| configure("per_process_memory_fraction:2"));
-                expect_eq(status, -1, "status")?;
-                names(&message, &["per_process_memory_fraction"])
-            },
+        configure_memory_fraction_of_2_is_refused_naming_its_key => {
+            let (status, message) =
+                with_last_error(|| configure("per_process_memory_fraction:2"));
+            expect_eq(status, -1, "status")?;
+            names(&message, &["per_process_memory_fraction"])
         },
-        Case {
-            name: "configure_cuda_malloc_async_is_refused_naming_backend",
-            run: || {
-                let (status, message) = with_last_error(|| configure("backend:cudaMallocAsync"));
-                expect_eq(status, -1, "status")?;
-                names(&message, &["backend"])
-            },
+        configure_cuda_malloc_async_is_refused_naming_backend => {
+            let (status, message) = with_last_error(|| configure("backend:cudaMallocAsync"));
+            expect_eq(status, -1, "status")?;
+            names(&message, &["backend"])
         },
-        Case {
-            name: "alloc_of_a_negative_size_is_null_naming_the_size",
-            run: || {
-                let (ptr, message) = with_last_error(|| alloc(-1, 0));
-                expect_eq(ptr.is_null(), true, "null")?;
-                names(&message, &["negative", "(-1)"])
-            },
+        alloc_of_a_negative_size_is_null_naming_the_size => {
+            let (ptr, message) = with_last_error(|| alloc(-1, 0));
+            expect_eq(ptr.is_null(), true, "null")?;
+            names(&message, &["negative", "(-1)"])
         },
-        Case {
-            name: "alloc_of_isize_min_bytes_is_null_naming_the_size",
-            run: || {
-                let (ptr, message) = with_last_error(|| alloc(isize::MIN, 0));
-                expect_eq(ptr.is_null(), true, "null")?;
-                names(&message, &["negative", &isize::MIN.to_string()])
-            },
+        alloc_of_isize_min_bytes_is_null_naming_the_size => {
+            let (ptr, message) = with_last_error(|| alloc(isize::MIN, 0));
+            expect_eq(ptr.is_null(), true, "null")?;
+            names(&message, &["negative", &isize::MIN.to_string()])
         },
-        Case {
-            name: "alloc_on_device_minus_1_is_null_naming_it",
-            run: || bad_ordinal(-1, alloc_on),
+        alloc_on_device_minus_1_is_null_naming_it => bad_ordinal(-1, alloc_on),
+        alloc_on_device_1000_is_null_naming_it => bad_ordinal(1000, alloc_on),
+        alloc_on_device_max_devices_is_null_naming_it => bad_ordinal(MAX_DEVICES as i32, alloc_on),
+        free_on_device_minus_1_is_an_error_naming_it => bad_ordinal(-1, free_on),
+        free_on_device_1000_is_an_error_naming_it => bad_ordinal(1000, free_on),
+        record_stream_on_device_minus_1_is_refused_naming_it => bad_ordinal(-1, record_stream_on),
+        record_stream_on_device_1000_is_refused_naming_it => bad_ordinal(1000, record_stream_on),
+        empty_cache_on_device_minus_1_is_refused_naming_it => bad_ordinal(-1, empty_cache_on),
+        empty_cache_on_device_1000_is_refused_naming_it => bad_ordinal(1000, empty_cache_on),
+        reset_peak_stats_on_device_minus_1_is_refused_naming_it =>
+            bad_ordinal(-1, reset_peak_stats_on),
+        reset_peak_stats_on_device_1000_is_refused_naming_it =>
+            bad_ordinal(1000, reset_peak_stats_on),
+        memory_stats_on_device_minus_1_is_null_naming_it => bad_ordinal(-1, memory_stats_on),
+        memory_stats_on_device_1000_is_null_naming_it => bad_ordinal(1000, memory_stats_on),
+        memory_summary_on_device_minus_1_is_null_naming_it => bad_ordinal(-1, memory_summary_on),
+        memory_summary_on_device_1000_is_null_naming_it => bad_ordinal(1000, memory_summary_on),
+        record_history_on_device_minus_1_is_refused_naming_it => bad_ordinal(-1, record_history_on),
+        record_history_on_device_1000_is_refused_naming_it => bad_ordinal(1000, record_history_on),
+        snapshot_on_device_minus_1_is_refused_naming_it => bad_ordinal(-1, snapshot_on),
+        snapshot_on_device_1000_is_refused_naming_it => bad_ordinal(1000, snapshot_on),
+        snapshot_to_a_null_path_is_refused_naming_path => {
+            // SAFETY: null is the one non-string `headroom_snapshot` reads (as an error).
+            let (status, message) =
+                with_last_error(|| unsafe { headroom_snapshot(0, std::ptr::null()) });
+            expect_eq(status, -1, "status")?;
+            names(&message, &["`path`"])
         },
-        Case {
-            name: "alloc_on_device_1000_is_null_naming_it",
-            run: || bad_ordinal(1000, alloc_on),
+        snapshot_to_an_invalid_utf8_path_is_refused_naming_path => {
+            let bytes: [u8; 3] = [0xc3, 0x28, 0];
+            // SAFETY: a NUL-terminated string (of bytes that are not UTF-8).
+            let (status, message) = with_last_error(|| unsafe {
+                headroom_snapshot(0, bytes.as_ptr().cast::<c_char>())
+            });
+            expect_eq(status, -1, "status")?;
+            names(&message, &["`path`"])
         },
-        Case {
-            name: "alloc_on_device_max_devices_is_null_naming_it",
-            run: || bad_ordinal(MAX_DEVICES as i32, alloc_on),
+        string_free_of_null_is_harmless => {
+            // SAFETY: null is allowed (a no-op).
+            let ((), message) =
+                with_last_error(|| unsafe { headroom_string_free(std::ptr::null_mut()) });
+            no_error(&message)
         },
-        Case {
-            name: "free_on_device_minus_1_is_an_error_naming_it",
-            run: || bad_ordinal(-1, free_on),
+        last_error_into_a_1_byte_buffer_writes_only_the_nul_and_returns_the_length => {
+            sentinel();
+            let full = last_error().unwrap_or_default();
+            let mut buf = [0x55u8; 4];
+            // SAFETY: `buf` has 1 writable byte (of 4).
+            let len = unsafe { headroom_last_error(buf.as_mut_ptr().cast(), 1) };
+            expect_eq(len, full.len(), "returned length")?;
+            expect_eq(buf, [0, 0x55, 0x55, 0x55], "buffer")
         },
-        Case {
-            name: "free_on_device_1000_is_an_error_naming_it",
-            run: || bad_ordinal(1000, free_on),
+        last_error_into_a_short_buffer_is_cut_and_nul_terminated => {
+            sentinel();
+            let full = last_error().unwrap_or_default();
+            let mut buf = [0x55u8; 8];
+            // SAFETY: `buf` has 7 writable bytes (of 8).
+            let len = unsafe { headroom_last_error(buf.as_mut_ptr().cast(), 7) };
+            expect_eq(len, full.len(), "returned length")?;
+            let mut expected = [0x55u8; 8];
+            expected[..6].copy_from_slice(&full.as_bytes()[..6]);
+            expected[6] = 0;
+            expect_eq(buf, expected, "buffer")
         },
-        Case {
-            name: "record_stream_on_device_minus_1_is_refused_naming_it",
-            run: || bad_ordinal(-1, record_stream_on),
-        },
-        Case {
-            name: "record_stream_on_device_1000_is_refused_naming_it",
-            run: || bad_ordinal(1000, record_stream_on),
-        },
-        Case {
-            name: "empty_cache_on_device_minus_1_is_refused_naming_it",
-            run: || bad_ordinal(-1, empty_cache_on),
-        },
-        Case {
-            name: "empty_cache_on_device_1000_is_refused_naming_it",
-            run: || bad_ordinal(1000, empty_cache_on),
-        },
-        Case {
-            name: "reset_peak_stats_on_device_minus_1_is_refused_naming_it",
-            run: || bad_ordinal(-1, reset_peak_stats_on),
-        },
-        Case {
-            name: "reset_peak_stats_on_device_1000_is_refused_naming_it",
-            run: || bad_ordinal(1000, reset_peak_stats_on),
-        },
-        Case {
-            name: "memory_stats_on_device_minus_1_is_null_naming_it",
-            run: || bad_ordinal(-1, memory_stats_on),
-        },
-        Case {
-            name: "memory_stats_on_device_1000_is_null_naming_it",
-            run: || bad_ordinal(1000, memory_stats_on),
-        },
-        Case {
-            name: "memory_summary_on_device_minus_1_is_null_naming_it",
-            run: || bad_ordinal(-1, memory_summary_on),
-        },
-        Case {
-            name: "memory_summary_on_device_1000_is_null_naming_it",
-            run: || bad_ordinal(1000, memory_summary_on),
-        },
-        Case {
-            name: "record_history_on_device_minus_1_is_refused_naming_it",
-            run: || bad_ordinal(-1, record_history_on),
-        },
-        Case {
-            name: "record_history_on_device_1000_is_refused_naming_it",
-            run: || bad_ordinal(1000, record_history_on),
-        },
-        Case {
-            name: "snapshot_on_device_minus_1_is_refused_naming_it",
-            run: || bad_ordinal(-1, snapshot_on),
-        },
-        Case {
-            name: "snapshot_on_device_1000_is_refused_naming_it",
-            run: || bad_ordinal(1000, snapshot_on),
-        },
-        Case {
-            name: "snapshot_to_a_null_path_is_refused_naming_path",
-            run: || {
-                // SAFETY: null is the one non-string `headroom_snapshot` reads (as an error).
-                let (status, message) =
-                    with_last_error(|| unsafe { headroom_snapshot(0, std::ptr::null()) });
-                expect_eq(status, -1, "status")?;
-                names(&message, &["`path`"])
-            },
-        },
-        Case {
-            name: "snapshot_to_an_invalid_utf8_path_is_refused_naming_path",
-            run: || {
-                let bytes: [u8; 3] = [0xc3, 0x28, 0];
-                // SAFETY: a NUL-terminated string (of bytes that are not UTF-8).
-                let (status, message) = with_last_error(|| unsafe {
-                    headroom_snapshot(0, bytes.as_ptr().cast::<c_char>())
-                });
-                expect_eq(status, -1, "status")?;
-                names(&message, &["`path`"])
-            },
-        },
-        Case {
-            name: "string_free_of_null_is_harmless",
-            run: || {
-                // SAFETY: null is allowed (a no-op).
-                let ((), message) =
-                    with_last_error(|| unsafe { headroom_string_free(std::ptr::null_mut()) });
-                no_error(&message)
-            },
-        },
-        Case {
-            name: "last_error_into_a_1_byte_buffer_writes_only_the_nul_and_returns_the_length",
-            run: || {
-                sentinel();
-                let full = last_error().unwrap_or_default();
-                let mut buf = [0x55u8; 4];
-                // SAFETY: `buf` has 1 writable byte (of 4).
-                let len = unsafe { headroom_last_error(buf.as_mut_ptr().cast(), 1) };
-                expect_eq(len, full.len(), "returned length")?;
-                expect_eq(buf, [0, 0x55, 0x55, 0x55], "buffer")
-            },
-        },
-        Case {
-            name: "last_error_into_a_short_buffer_is_cut_and_nul_terminated",
-            run: || {
-                sentinel();
-                let full = last_error().unwrap_or_default();
-                let mut buf = [0x55u8; 8];
-                // SAFETY: `buf` has 7 writable bytes (of 8).
-                let len = unsafe { headroom_last_error(buf.as_mut_ptr().cast(), 7) };
-                expect_eq(len, full.len(), "returned length")?;
-                let mut expected = [0x55u8; 8];
-                expected[..6].copy_from_slice(&full.as_bytes()[..6]);
-                expected[6] = 0;
-                expect_eq(buf, expected, "buffer")
-            },
-        },
-        Case {
-            name: "bad_calls_before_the_first_allocation_freeze_nothing",
-            run: || expect_eq(headroom_is_in_use(), 0, "headroom_is_in_use"),
-        },
-        Case {
-            name: "host_memory_and_classic_segments_are_accepted_before_the_first_allocation",
-            run: || {
-                expect_eq(headroom_use_host_memory(CAPACITY), 0, "use_host_memory")?;
-                expect_eq(configure("expandable_segments:False"), 0, "configure")?;
-                expect_eq(headroom_is_in_use(), 0, "headroom_is_in_use")
-            },
+        bad_calls_before_the_first_allocation_freeze_nothing =>
+            expect_eq(headroom_is_in_use(), 0, "headroom_is_in_use"),
+        host_memory_and_classic_segments_are_accepted_before_the_first_allocation => {
+            expect_eq(headroom_use_host_memory(CAPACITY), 0, "use_host_memory")?;
+            expect_eq(configure("expandable_segments:False"), 0, "configure")?;
+            expect_eq(headroom_is_in_use(), 0, "headroom_is_in_use")
         },
         // The first allocation freezes the settings.
-        Case {
-            name: "alloc_of_0_bytes_is_null_without_an_error",
-            run: || {
-                let (ptr, message) = with_last_error(|| alloc(0, 0));
-                expect_eq(ptr.is_null(), true, "null")?;
-                no_error(&message)?;
-                expect_eq(headroom_is_in_use(), 1, "headroom_is_in_use")
-            },
+        alloc_of_0_bytes_is_null_without_an_error => {
+            let (ptr, message) = with_last_error(|| alloc(0, 0));
+            expect_eq(ptr.is_null(), true, "null")?;
+            no_error(&message)?;
+            expect_eq(headroom_is_in_use(), 1, "headroom_is_in_use")
         },
-        Case {
-            name: "configure_after_the_first_allocation_is_already_in_use",
-            run: || {
-                let (status, message) = with_last_error(|| configure("expandable_segments:True"));
-                expect_eq(status, -1, "status")?;
-                names(
-                    &message,
-                    &["already serves allocations", "before the first"],
-                )
-            },
+        configure_after_the_first_allocation_is_already_in_use => {
+            let (status, message) = with_last_error(|| configure("expandable_segments:True"));
+            expect_eq(status, -1, "status")?;
+            names(
+                &message,
+                &["already serves allocations", "before the first"],
+            )
         },
-        Case {
-            name: "use_host_memory_after_the_first_allocation_is_already_in_use",
-            run: || {
-                let (status, message) = with_last_error(|| headroom_use_host_memory(1 << 20));
-                expect_eq(status, -1, "status")?;
-                names(&message, &["already serves allocations"])
-            },
+        use_host_memory_after_the_first_allocation_is_already_in_use => {
+            let (status, message) = with_last_error(|| headroom_use_host_memory(1 << 20));
+            expect_eq(status, -1, "status")?;
+            names(&message, &["already serves allocations"])
         },
-        Case {
-            name: "a_refused_configure_after_freezing_keeps_the_settings",
-            run: || {
-                let settings = headroom_torch_allocator::settings();
-                if settings.contains("expandable_segments:False") {
-                    Ok(())
-                } else {
-                    Err(format!("the settings changed: {settings}"))
-                }
-            },
+        a_refused_configure_after_freezing_keeps_the_settings => {
+            let settings = headroom_torch_allocator::settings();
+            if settings.contains("expandable_segments:False") {
+                Ok(())
+            } else {
+                Err(format!("the settings changed: {settings}"))
+            }
         },
-        Case {
-            name: "alloc_past_the_host_capacity_is_null_naming_out_of_memory",
-            run: || {
-                let (ptr, message) = with_last_error(|| alloc(128 << 20, 0));
-                expect_eq(ptr.is_null(), true, "null")?;
-                names(&message, &["out of memory", "128.00 MiB"])?;
-                expect_eq(stat("allocated_bytes.all.current")?, 0, "allocated bytes")
-            },
+        alloc_past_the_host_capacity_is_null_naming_out_of_memory => {
+            let (ptr, message) = with_last_error(|| alloc(128 << 20, 0));
+            expect_eq(ptr.is_null(), true, "null")?;
+            names(&message, &["out of memory", "128.00 MiB"])?;
+            expect_eq(stat("allocated_bytes.all.current")?, 0, "allocated bytes")
         },
-        Case {
-            name: "alloc_of_isize_max_bytes_is_null_naming_out_of_memory",
-            run: || {
-                let (ptr, message) = with_last_error(|| alloc(isize::MAX, 0));
-                expect_eq(ptr.is_null(), true, "null")?;
-                names(&message, &["out of memory"])
-            },
+        alloc_of_isize_max_bytes_is_null_naming_out_of_memory => {
+            let (ptr, message) = with_last_error(|| alloc(isize::MAX, 0));
+            expect_eq(ptr.is_null(), true, "null")?;
+            names(&message, &["out of memory"])
         },
-        Case {
-            name: "alloc_on_the_last_device_ordinal_is_served",
-            run: || {
-                let ptr = alloc(4096, MAX_DEVICES as i32 - 1);
-                if ptr.is_null() {
-                    return Err(format!("refused: {:?}", last_error()));
-                }
-                headroom_free(ptr, 4096, MAX_DEVICES as i32 - 1, std::ptr::null_mut());
-                expect_eq(stat("allocated_bytes.all.current")?, 0, "allocated bytes")
-            },
+        alloc_on_the_last_device_ordinal_is_served => {
+            let ptr = alloc(4096, MAX_DEVICES as i32 - 1);
+            if ptr.is_null() {
+                return Err(format!("refused: {:?}", last_error()));
+            }
+            headroom_free(ptr, 4096, MAX_DEVICES as i32 - 1, std::ptr::null_mut());
+            expect_eq(stat("allocated_bytes.all.current")?, 0, "allocated bytes")
         },
-        Case {
-            name: "free_of_a_pointer_never_handed_out_is_an_error_naming_it",
-            run: || {
-                let ((), message) = with_last_error(|| {
-                    headroom_free(0x10 as *mut c_void, 16, 0, std::ptr::null_mut())
-                });
-                names(&message, &["0x10", "not a live allocation"])
-            },
+        free_of_a_pointer_never_handed_out_is_an_error_naming_it => {
+            let ((), message) = with_last_error(|| {
+                headroom_free(0x10 as *mut c_void, 16, 0, std::ptr::null_mut())
+            });
+            names(&message, &["0x10", "not a live allocation"])
         },
-        Case {
-            name: "free_of_null_is_a_no_op",
-            run: || {
-                let ((), message) = with_last_error(|| {
-                    headroom_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut())
-                });
-                no_error(&message)
-            },
+        free_of_null_is_a_no_op => {
+            let ((), message) = with_last_error(|| {
+                headroom_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut())
+            });
+            no_error(&message)
         },
-        Case {
-            name: "free_inside_a_live_allocation_is_an_error_and_frees_nothing",
-            run: || {
-                let ptr = alloc(4096, 0);
-                if ptr.is_null() {
-                    return Err(format!("setup: {:?}", last_error()));
-                }
-                let inside = ptr.cast::<u8>().wrapping_add(256).cast::<c_void>();
-                let ((), message) =
-                    with_last_error(|| headroom_free(inside, 4096, 0, std::ptr::null_mut()));
-                let res = names(&message, &["not a live allocation"]).and_then(|()| {
-                    expect_eq(
-                        stat("allocated_bytes.all.current")?,
-                        4096,
-                        "allocated bytes",
-                    )
-                });
-                headroom_free(ptr, 4096, 0, std::ptr::null_mut());
-                res
-            },
-        },
-        Case {
-            name: "free_twice_is_an_error_the_second_time_and_counts_one_free",
-            run: || {
-                let ptr = alloc(4096, 0);
-                if ptr.is_null() {
-                    return Err(format!("setup: {:?}", last_error()));
-                }
-                let ((), first) =
-                    with_last_error(|| headroom_free(ptr, 4096, 0, std::ptr::null_mut()));
-                no_error(&first)?;
-                let ((), second) =
-                    with_last_error(|| headroom_free(ptr, 4096, 0, std::ptr::null_mut()));
-                names(&second, &["not a live allocation"])?;
-                expect_eq(stat("allocated_bytes.all.current")?, 0, "allocated bytes")?;
+        free_inside_a_live_allocation_is_an_error_and_frees_nothing => {
+            let ptr = alloc(4096, 0);
+            if ptr.is_null() {
+                return Err(format!("setup: {:?}", last_error()));
+            }
+            let inside = ptr.cast::<u8>().wrapping_add(256).cast::<c_void>();
+            let ((), message) =
+                with_last_error(|| headroom_free(inside, 4096, 0, std::ptr::null_mut()));
+            let res = names(&message, &["not a live allocation"]).and_then(|()| {
                 expect_eq(
-                    stat("allocation.all.freed")?,
-                    stat("allocation.all.allocated")?,
-                    "frees",
+                    stat("allocated_bytes.all.current")?,
+                    4096,
+                    "allocated bytes",
                 )
-            },
+            });
+            headroom_free(ptr, 4096, 0, std::ptr::null_mut());
+            res
         },
-        Case {
-            name: "record_stream_on_a_pointer_never_handed_out_is_refused_naming_it",
-            run: || {
-                // SAFETY: the null stream; host memory never dereferences it.
-                let (status, message) = with_last_error(|| unsafe {
-                    headroom_record_stream(0x20 as *mut c_void, 0, std::ptr::null_mut())
-                });
-                expect_eq(status, -1, "status")?;
-                names(&message, &["0x20"])
-            },
+        free_twice_is_an_error_the_second_time_and_counts_one_free => {
+            let ptr = alloc(4096, 0);
+            if ptr.is_null() {
+                return Err(format!("setup: {:?}", last_error()));
+            }
+            let ((), first) =
+                with_last_error(|| headroom_free(ptr, 4096, 0, std::ptr::null_mut()));
+            no_error(&first)?;
+            let ((), second) =
+                with_last_error(|| headroom_free(ptr, 4096, 0, std::ptr::null_mut()));
+            names(&second, &["not a live allocation"])?;
+            expect_eq(stat("allocated_bytes.all.current")?, 0, "allocated bytes")?;
+            expect_eq(
+                stat("allocation.all.freed")?,
+                stat("allocation.all.allocated")?,
+                "frees",
+            )
         },
-        Case {
-            name: "record_stream_on_null_is_refused",
-            run: || {
-                // SAFETY: the null stream; host memory never dereferences it.
-                let (status, message) = with_last_error(|| unsafe {
-                    headroom_record_stream(std::ptr::null_mut(), 0, std::ptr::null_mut())
-                });
-                expect_eq(status, -1, "status")?;
-                names(&message, &["not a live allocation"])
-            },
+        record_stream_on_a_pointer_never_handed_out_is_refused_naming_it => {
+            // SAFETY: the null stream; host memory never dereferences it.
+            let (status, message) = with_last_error(|| unsafe {
+                headroom_record_stream(0x20 as *mut c_void, 0, std::ptr::null_mut())
+            });
+            expect_eq(status, -1, "status")?;
+            names(&message, &["0x20"])
         },
-        Case {
-            name: "record_stream_on_a_freed_pointer_is_refused",
-            run: || {
-                let ptr = alloc(4096, 0);
-                if ptr.is_null() {
-                    return Err(format!("setup: {:?}", last_error()));
-                }
-                headroom_free(ptr, 4096, 0, std::ptr::null_mut());
-                // SAFETY: the null stream; host memory never dereferences it.
-                let (status, message) = with_last_error(|| unsafe {
-                    headroom_record_stream(ptr, 0, std::ptr::null_mut())
-                });
-                expect_eq(status, -1, "status")?;
-                names(&message, &["not a live allocation"])
-            },
+        record_stream_on_null_is_refused => {
+            // SAFETY: the null stream; host memory never dereferences it.
+            let (status, message) = with_last_error(|| unsafe {
+                headroom_record_stream(std::ptr::null_mut(), 0, std::ptr::null_mut())
+            });
+            expect_eq(status, -1, "status")?;
+            names(&message, &["not a live allocation"])
         },
-        Case {
-            name: "snapshot_into_a_missing_directory_is_refused_as_io",
-            run: || {
-                let path = temp_path("no_such_dir").join("snapshot.pickle");
-                let (status, message) = with_last_error(|| snapshot(0, &path.to_string_lossy()));
-                expect_eq(status, -1, "status")?;
-                names(&message, &["i/o error"])
-            },
+        record_stream_on_a_freed_pointer_is_refused => {
+            let ptr = alloc(4096, 0);
+            if ptr.is_null() {
+                return Err(format!("setup: {:?}", last_error()));
+            }
+            headroom_free(ptr, 4096, 0, std::ptr::null_mut());
+            // SAFETY: the null stream; host memory never dereferences it.
+            let (status, message) = with_last_error(|| unsafe {
+                headroom_record_stream(ptr, 0, std::ptr::null_mut())
+            });
+            expect_eq(status, -1, "status")?;
+            names(&message, &["not a live allocation"])
         },
-        Case {
-            name: "snapshot_onto_a_directory_is_refused_as_io",
-            run: || {
-                let dir = std::env::temp_dir();
-                let (status, message) = with_last_error(|| snapshot(0, &dir.to_string_lossy()));
-                expect_eq(status, -1, "status")?;
-                names(&message, &["i/o error"])
-            },
+        snapshot_into_a_missing_directory_is_refused_as_io => {
+            let path = temp_path("no_such_dir").join("snapshot.pickle");
+            let (status, message) = with_last_error(|| snapshot(0, &path.to_string_lossy()));
+            expect_eq(status, -1, "status")?;
+            names(&message, &["i/o error"])
         },
-        Case {
-            name: "record_history_of_u64_max_entries_is_accepted_and_stops",
-            run: || {
-                expect_eq(headroom_record_history(0, 1, u64::MAX), 0, "start")?;
-                let ptr = alloc(1000, 0);
-                headroom_free(ptr, 1000, 0, std::ptr::null_mut());
-                expect_eq(headroom_record_history(0, 0, 0), 0, "stop")
-            },
+        snapshot_onto_a_directory_is_refused_as_io => {
+            let dir = std::env::temp_dir();
+            let (status, message) = with_last_error(|| snapshot(0, &dir.to_string_lossy()));
+            expect_eq(status, -1, "status")?;
+            names(&message, &["i/o error"])
         },
-        Case {
-            name: "after_all_misuse_the_books_are_exact",
-            run: || {
-                expect_eq(stat("allocated_bytes.all.current")?, 0, "allocated bytes")?;
-                expect_eq(stat("allocation.all.current")?, 0, "allocations")?;
-                expect_eq(headroom_empty_cache(0), 0, "empty_cache")?;
-                expect_eq(stat("reserved_bytes.all.current")?, 0, "reserved bytes")
-            },
+        record_history_of_u64_max_entries_is_accepted_and_stops => {
+            expect_eq(headroom_record_history(0, 1, u64::MAX), 0, "start")?;
+            let ptr = alloc(1000, 0);
+            headroom_free(ptr, 1000, 0, std::ptr::null_mut());
+            expect_eq(headroom_record_history(0, 0, 0), 0, "stop")
+        },
+        after_all_misuse_the_books_are_exact => {
+            expect_eq(stat("allocated_bytes.all.current")?, 0, "allocated bytes")?;
+            expect_eq(stat("allocation.all.current")?, 0, "allocations")?;
+            expect_eq(headroom_empty_cache(0), 0, "empty_cache")?;
+            expect_eq(stat("reserved_bytes.all.current")?, 0, "reserved bytes")
         },
     ]
 }

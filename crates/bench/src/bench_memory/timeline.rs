@@ -242,6 +242,7 @@ mod tests {
     use std::sync::Arc;
 
     use headroom_caching_allocator::{Frame, TraceAction, TraceEntry};
+    use TraceAction::{Alloc, FreeCompleted};
 
     use super::*;
 
@@ -260,26 +261,43 @@ mod tests {
         }
     }
 
+    /// `events` (action, address, bytes) labelled with `phase`.
+    fn in_phase(phase: &str, events: &[(TraceAction, u64, u64)]) -> Vec<TraceEntry> {
+        let in_phase =
+            |&(action, addr, size): &(TraceAction, u64, u64)| entry(action, addr, size, phase);
+        events.iter().map(in_phase).collect()
+    }
+
+    /// Both tests' start: forward saves 50 and 30 bytes, backward makes a 7-byte temporary and
+    /// a 100-byte gradient.
+    fn saves_and_a_gradient() -> Vec<TraceEntry> {
+        [
+            in_phase("forward", &[(Alloc, 0x1000, 50), (Alloc, 0x2000, 30)]),
+            in_phase("backward", &[(Alloc, 0x3000, 7), (Alloc, 0x4000, 100)]),
+        ]
+        .concat()
+    }
+
     #[test]
     fn the_peak_is_split_by_phase_and_adds_up_to_the_allocated_peak() {
-        use TraceAction::{Alloc, FreeCompleted};
         // Baseline: 100 parameters + 200 state + 10 input. Forward saves 50 and 30; backward
         // makes a 7-byte temporary and a 100-byte gradient, frees the 30 and the temporary;
         // the step allocates a 40-byte temporary (the peak: 310 + 50 + 100 + 40 = 500).
         let entries = [
-            entry(Alloc, 0x1000, 50, "forward"),
-            entry(Alloc, 0x2000, 30, "forward"),
-            entry(Alloc, 0x3000, 7, "backward"),
-            entry(Alloc, 0x4000, 100, "backward"),
-            entry(FreeCompleted, 0x2000, 30, "backward"),
-            entry(FreeCompleted, 0x3000, 7, "backward"),
-            entry(FreeCompleted, 0x1000, 50, "backward"),
-            entry(Alloc, 0x5000, 40, "step"),
-            entry(Alloc, 0x6000, 50, "step"),
-            entry(FreeCompleted, 0x5000, 40, "step"),
-            entry(FreeCompleted, 0x6000, 50, "step"),
-            entry(FreeCompleted, 0x4000, 100, "zero_grad"),
-        ];
+            saves_and_a_gradient(),
+            in_phase(
+                "backward",
+                &[(FreeCompleted, 0x2000, 30), (FreeCompleted, 0x3000, 7)],
+            ),
+            in_phase("backward", &[(FreeCompleted, 0x1000, 50)]),
+            in_phase("step", &[(Alloc, 0x5000, 40), (Alloc, 0x6000, 50)]),
+            in_phase(
+                "step",
+                &[(FreeCompleted, 0x5000, 40), (FreeCompleted, 0x6000, 50)],
+            ),
+            in_phase("zero_grad", &[(FreeCompleted, 0x4000, 100)]),
+        ]
+        .concat();
         // Ten microseconds apart.
         let entries: Vec<TraceEntry> = entries
             .into_iter()
@@ -326,19 +344,20 @@ mod tests {
 
     #[test]
     fn a_backward_peak_separates_gradients_from_temporaries_and_activations() {
-        use TraceAction::{Alloc, FreeCompleted};
         // The peak falls in backward (after the 0x4000 allocation): 10 + 50 + 30 + 7 + 100.
         // 0x3000 is freed later in backward and reused by a gradient: it is a temporary.
         let entries = [
-            entry(Alloc, 0x1000, 50, "forward"),
-            entry(Alloc, 0x2000, 30, "forward"),
-            entry(Alloc, 0x3000, 7, "backward"),
-            entry(Alloc, 0x4000, 100, "backward"),
-            entry(FreeCompleted, 0x3000, 7, "backward"),
-            entry(Alloc, 0x3000, 7, "backward"),
-            entry(FreeCompleted, 0x2000, 30, "backward"),
-            entry(FreeCompleted, 0x1000, 50, "backward"),
-        ];
+            saves_and_a_gradient(),
+            in_phase(
+                "backward",
+                &[(FreeCompleted, 0x3000, 7), (Alloc, 0x3000, 7)],
+            ),
+            in_phase(
+                "backward",
+                &[(FreeCompleted, 0x2000, 30), (FreeCompleted, 0x1000, 50)],
+            ),
+        ]
+        .concat();
         let grads = HashSet::from([0x3000, 0x4000]);
         let persistent = Persistent {
             parameters: 10,

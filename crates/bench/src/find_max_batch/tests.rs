@@ -406,6 +406,17 @@ fn the_h200_curves_cost_two_probes_past_batch_16_when_the_line_is_near() {
 /// Every fitting probe of one case: its batch and peak allocated bytes.
 type FittingPeaks = &'static [(usize, u64)];
 
+/// The fused step's peaks by batch (`adam_fused` and `adam_fused_clip` alike).
+const ADAM_FUSED_PEAKS: FittingPeaks = &[
+    (1, 4903448576),
+    (2, 4909769216),
+    (4, 4956926464),
+    (8, 6199595520),
+    (16, 8692711936),
+    (64, 23682260992),
+    (70, 25556942848),
+];
+
 /// ViT-L/16 on the H200 under a 24 GiB cap (find-max-batch at 120128b, 2026-12-01): per case,
 /// the largest batch that fit and every fitting probe's batch and peak allocated bytes.
 const H200_VIT_L16: &[(&str, usize, FittingPeaks)] = &[
@@ -463,19 +474,7 @@ const H200_VIT_L16: &[(&str, usize, FittingPeaks)] = &[
             (78, 25621917696),
         ],
     ),
-    (
-        "adam_fused",
-        70,
-        &[
-            (1, 4903448576),
-            (2, 4909769216),
-            (4, 4956926464),
-            (8, 6199595520),
-            (16, 8692711936),
-            (64, 23682260992),
-            (70, 25556942848),
-        ],
-    ),
+    ("adam_fused", 70, ADAM_FUSED_PEAKS),
     (
         "adam_inbwd",
         70,
@@ -543,19 +542,8 @@ const H200_VIT_L16: &[(&str, usize, FittingPeaks)] = &[
             (687, 25750441472),
         ],
     ),
-    (
-        "adam_fused_clip",
-        70,
-        &[
-            (1, 4903448576),
-            (2, 4909769216),
-            (4, 4956926464),
-            (8, 6199595520),
-            (16, 8692711936),
-            (64, 23682260992),
-            (70, 25556942848),
-        ],
-    ),
+    // Clipping the fused step's gradients costs no byte at any probed batch.
+    ("adam_fused_clip", 70, ADAM_FUSED_PEAKS),
     (
         "adam_inbwd_clip",
         69,

@@ -10,7 +10,7 @@
 //! embedding, pre-norm decoder layers sharing one rotary table per forward, final RMSNorm, the
 //! head; [`LlamaForCausalLM::loss`] is its causal-LM loss (logits upcast to f32). Weights are
 //! initialised as `_init_weights` does: N(0, `initializer_range`²) matrices and embedding, zero
-//! biases, unit norms. The layers are a [`BlockStack`], so checkpointing, offload and planners
+//! biases, unit norms. The layers are a [`BlockStack`](crate::BlockStack), so checkpointing, offload and planners
 //! attach as they do to GPT-2.
 //!
 //! `config.rs` holds the shapes and their checks, `rope.rs` the rotary embedding, `block.rs` a
@@ -28,7 +28,7 @@ pub use block::{repeat_kv, LlamaAttention, LlamaDecoderLayer, LlamaMlp, LlamaRms
 pub use config::{Llama3RopeScaling, LlamaConfig};
 pub use rope::{apply_rotary, RotaryEmbedding};
 
-use crate::blocks::{run_block, BlockRunner, BlockStack};
+use crate::blocks::{impl_block_stack, run_block, BlockRunner};
 use crate::causal_lm::causal_lm_loss;
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
@@ -46,7 +46,7 @@ pub struct LlamaModel {
     pub norm: LlamaRmsNorm,
     /// The rotary frequencies every layer shares (a buffer, not a parameter).
     pub rotary_emb: RotaryEmbedding,
-    /// Who runs the layers; `None` calls them directly. Set through [`BlockStack`].
+    /// Who runs the layers; `None` calls them directly. Set through [`BlockStack`](crate::BlockStack).
     block_runner: Option<Arc<dyn BlockRunner>>,
 }
 
@@ -99,19 +99,7 @@ impl LlamaModel {
     }
 }
 
-impl BlockStack for LlamaModel {
-    fn n_blocks(&self) -> usize {
-        self.layers.len()
-    }
-
-    fn block_runner(&self) -> Option<&Arc<dyn BlockRunner>> {
-        self.block_runner.as_ref()
-    }
-
-    fn set_block_runner(&mut self, runner: Option<Arc<dyn BlockRunner>>) {
-        self.block_runner = runner;
-    }
-}
+impl_block_stack!(LlamaModel, blocks: layers);
 
 impl Module for LlamaModel {
     fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(&str, &Tensor)) {
@@ -261,20 +249,8 @@ impl LlamaForCausalLM {
     }
 }
 
-/// The layers of its body (`model.layers`).
-impl BlockStack for LlamaForCausalLM {
-    fn n_blocks(&self) -> usize {
-        self.model.n_blocks()
-    }
-
-    fn block_runner(&self) -> Option<&Arc<dyn BlockRunner>> {
-        self.model.block_runner()
-    }
-
-    fn set_block_runner(&mut self, runner: Option<Arc<dyn BlockRunner>>) {
-        self.model.set_block_runner(runner);
-    }
-}
+// The layers of its body (`model.layers`).
+impl_block_stack!(LlamaForCausalLM, through: model);
 
 impl Module for LlamaForCausalLM {
     fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(&str, &Tensor)) {

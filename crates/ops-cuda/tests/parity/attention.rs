@@ -2,16 +2,16 @@
 //! on the GPU against the CPU.
 
 use headroom_autograd_core::{BackendRef, DType, Layout, View};
-use headroom_testkit::inputs::Xorshift;
 
-use crate::{backends, check, download, input, poisoned, upload, FLOATS};
+use crate::{check, download, input, poisoned, seeded_backends, upload, FLOATS};
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn fused_attention_forward_and_backward_match_the_cpu() {
     use headroom_autograd_core::{AttentionBackward, AttentionForward};
-    let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Xorshift::from_state(0x5eed_a77e_0000_0001);
+    let Some((gpu, cpu, mut random)) = seeded_backends(0x5eed_a77e_0000_0001) else {
+        return;
+    };
     // (batch, heads, queries, keys, head_dim, causal): every threads-per-row variant of the f32
     // kernels and padded head dim of the f16/bf16 tensor-core kernels, a head dim that needs
     // predication (80), sequences that leave partial tiles (ViT's 197, 65, a single query), more

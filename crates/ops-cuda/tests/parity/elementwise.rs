@@ -4,9 +4,8 @@
 //! starts, writing nothing outside the view; fill and copies between every pair of dtypes.
 
 use headroom_autograd_core::{BackendRef, BinaryOp, Buffer, DType, Layout, UnaryOp, View};
-use headroom_testkit::inputs::Xorshift;
 
-use crate::{backends, check, download, input, poisoned, upload, view, FLOATS};
+use crate::{check, download, input, poisoned, seeded_backends, upload, view, FLOATS};
 
 const ALL: [DType; 8] = [
     DType::F32,
@@ -60,8 +59,9 @@ fn binary_ops() -> Vec<BinaryOp> {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn unary_ops_match_the_cpu() {
-    let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Xorshift::from_state(0x9e37_79b9_7f4a_7c15);
+    let Some((gpu, cpu, mut random)) = seeded_backends(0x9e37_79b9_7f4a_7c15) else {
+        return;
+    };
     let layout = Layout::contiguous(&[ROWS, COLS]);
     // The input read transposed: a [COLS, ROWS] view of the same buffer.
     let transposed = Layout::from_parts(&[COLS, ROWS], &[1, COLS], 0).unwrap();
@@ -96,8 +96,9 @@ fn unary_ops_match_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn binary_ops_with_broadcasting_match_the_cpu() {
-    let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Xorshift::from_state(0x2545_f491_4f6c_dd1d);
+    let Some((gpu, cpu, mut random)) = seeded_backends(0x2545_f491_4f6c_dd1d) else {
+        return;
+    };
     let full = Layout::contiguous(&[ROWS, COLS]);
     // b is one row broadcast over all rows (stride 0).
     let row_broadcast = Layout::from_parts(&[ROWS, COLS], &[0, 1], 0).unwrap();
@@ -159,8 +160,9 @@ fn run_dense_case(
 #[test]
 #[ignore = "needs a CUDA device"]
 fn dense_runs_with_tails_and_offsets_match_the_cpu() {
-    let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Xorshift::from_state(0x6a09_e667_f3bc_c909);
+    let Some((gpu, cpu, mut random)) = seeded_backends(0x6a09_e667_f3bc_c909) else {
+        return;
+    };
     let n = 1003;
     let total = n + 9;
     for dtype in FLOATS {
@@ -199,8 +201,9 @@ fn dense_runs_with_tails_and_offsets_match_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn fill_and_every_cast_match_the_cpu() {
-    let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Xorshift::from_state(0xd1b5_4a32_d192_ed03);
+    let Some((gpu, cpu, mut random)) = seeded_backends(0xd1b5_4a32_d192_ed03) else {
+        return;
+    };
     let n = 1000;
     let layout = Layout::contiguous(&[n]);
     for dtype in ALL {

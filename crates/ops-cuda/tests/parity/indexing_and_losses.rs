@@ -3,16 +3,16 @@
 //! bf16 logits) and dropout.
 
 use headroom_autograd_core::{BackendRef, DType, DropoutDraw, Layout};
-use headroom_testkit::inputs::Xorshift;
 
-use crate::{backends, compare, download, input, poisoned, upload, view};
+use crate::{compare, download, input, poisoned, seeded_backends, upload, view, WITH_STATS_DTYPE};
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
     use headroom_autograd_core::{CrossEntropyArgs, Reduction};
-    let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Xorshift::from_state(0xfeed_beef_dead_c0de);
+    let Some((gpu, cpu, mut random)) = seeded_backends(0xfeed_beef_dead_c0de) else {
+        return;
+    };
     let (rows, classes) = (37, 53);
     let n = rows * classes;
     let table = Layout::contiguous(&[rows, classes]);
@@ -29,12 +29,7 @@ fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
     let positions: Vec<f64> = (0..rows * 5)
         .map(|_| random.next_f64_in(0.0, classes as f64).floor())
         .collect();
-    for (dtype, stats) in [
-        (DType::F32, DType::F32),
-        (DType::F64, DType::F64),
-        (DType::F16, DType::F32),
-        (DType::BF16, DType::F32),
-    ] {
+    for (dtype, stats) in WITH_STATS_DTYPE {
         let x = input(&mut random, false, n);
         let src = input(&mut random, false, rows * 5);
         compare("gather + scatter_add", dtype, &gpu, &cpu, |backend| {
@@ -200,8 +195,9 @@ fn cross_entropy_run(
 #[test]
 #[ignore = "needs a CUDA device"]
 fn cross_entropy_of_wide_rows_and_upcast_losses_match_the_cpu() {
-    let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Xorshift::from_state(0x0ddc_1a55_e5e5_c0de);
+    let Some((gpu, cpu, mut random)) = seeded_backends(0x0ddc_1a55_e5e5_c0de) else {
+        return;
+    };
     for (rows, classes) in [(6, 50257), (37, 53)] {
         let targets: Vec<f64> = (0..rows)
             .map(|r| {
@@ -215,12 +211,7 @@ fn cross_entropy_of_wide_rows_and_upcast_losses_match_the_cpu() {
         let logits: Vec<f64> = (0..rows * classes)
             .map(|_| random.next_f64_in(-8.0, 8.0))
             .collect();
-        for dtypes in [
-            (DType::F32, DType::F32),
-            (DType::F64, DType::F64),
-            (DType::BF16, DType::F32),
-            (DType::F16, DType::F32),
-        ] {
+        for dtypes in WITH_STATS_DTYPE {
             let what = format!("cross_entropy {rows}×{classes}, loss {:?}", dtypes.1);
             compare(&what, dtypes.0, &gpu, &cpu, |backend| {
                 cross_entropy_run(backend, dtypes, (rows, classes), &logits, &targets)

@@ -31,6 +31,20 @@ fn backends() -> Option<(BackendRef, BackendRef)> {
     Some((cuda as BackendRef, CpuBackend::new_ref()))
 }
 
+/// Each float dtype with the dtype of its per-row statistics (f32 for the 16-bit ones).
+const WITH_STATS_DTYPE: [(DType, DType); 4] = [
+    (DType::F32, DType::F32),
+    (DType::F64, DType::F64),
+    (DType::F16, DType::F32),
+    (DType::BF16, DType::F32),
+];
+
+/// [`backends`] and a generator seeded with `seed` for the test's inputs.
+fn seeded_backends(seed: u64) -> Option<(BackendRef, BackendRef, Xorshift)> {
+    let (gpu, cpu) = backends()?;
+    Some((gpu, cpu, Xorshift::from_state(seed)))
+}
+
 fn encode(dtype: DType, values: &[f64]) -> Vec<u8> {
     let mut bytes = Vec::with_capacity(values.len() * dtype.size_in_bytes());
     for &v in values {

@@ -6,13 +6,14 @@ use headroom_autograd_core::{BackendRef, DType, Layout, View};
 use headroom_ops_cuda::CudaBackend;
 use headroom_testkit::inputs::Xorshift;
 
-use crate::{backends, compare, download, input, poisoned, upload, view, FLOATS};
+use crate::{backends, compare, download, input, poisoned, seeded_backends, upload, view, FLOATS};
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn batched_matmul_on_strided_operands_matches_the_cpu() {
-    let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Xorshift::from_state(0x5eed_5eed_5eed_5eed);
+    let Some((gpu, cpu, mut random)) = seeded_backends(0x5eed_5eed_5eed_5eed) else {
+        return;
+    };
     let (batch, heads, m, k, n) = (3, 4, 33, 17, 29);
     for dtype in FLOATS {
         let a = input(&mut random, false, batch * heads * m * k);
@@ -60,8 +61,9 @@ fn batched_matmul_on_strided_operands_matches_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn matmul_with_broadcast_operands_matches_the_cpu() {
-    let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Xorshift::from_state(0x0dd_ba11);
+    let Some((gpu, cpu, mut random)) = seeded_backends(0x0dd_ba11) else {
+        return;
+    };
     // (what, m, k, n, a's strides and elements, b's strides and elements)
     type Operand = ([usize; 2], usize);
     let cases: [(&str, usize, usize, usize, Operand, Operand); 5] = [

@@ -2,16 +2,18 @@
 //! ties), softmax, masked fill and scale, and layer norm forward and backward.
 
 use headroom_autograd_core::{DType, Layout};
-use headroom_testkit::inputs::Xorshift;
 
-use crate::{backends, compare, download, input, poisoned, upload, view, FLOATS};
+use crate::{
+    compare, download, input, poisoned, seeded_backends, upload, view, FLOATS, WITH_STATS_DTYPE,
+};
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn reductions_softmax_and_masks_match_the_cpu() {
     use headroom_autograd_core::{MaskedOp, ReduceOp};
-    let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Xorshift::from_state(0x1234_5678_9abc_def1);
+    let Some((gpu, cpu, mut random)) = seeded_backends(0x1234_5678_9abc_def1) else {
+        return;
+    };
     let shape = [6, 7, 45];
     let n: usize = shape.iter().product();
     let x_layout = Layout::contiguous(&shape);
@@ -154,8 +156,9 @@ fn reductions_softmax_and_masks_match_the_cpu() {
 #[ignore = "needs a CUDA device"]
 fn layer_norm_forward_and_backward_match_the_cpu() {
     use headroom_autograd_core::{LayerNormBackward, LayerNormForward};
-    let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Xorshift::from_state(0x0bad_cafe_f00d_d00d);
+    let Some((gpu, cpu, mut random)) = seeded_backends(0x0bad_cafe_f00d_d00d) else {
+        return;
+    };
     // Widths for the warp-per-row kernels (1, 4 and 8 vectors per lane) and for the block kernels
     // (300 bf16/f16 elements are no whole number of vectors; 2056 are too many for a warp).
     for (rows, width) in [(23, 300), (9, 1024), (5, 24), (3, 2056)] {
@@ -163,12 +166,7 @@ fn layer_norm_forward_and_backward_match_the_cpu() {
         let layout = Layout::contiguous(&[rows, width]);
         let row_layout = Layout::contiguous(&[rows]);
         let param_layout = Layout::contiguous(&[width]);
-        for (dtype, stats) in [
-            (DType::F32, DType::F32),
-            (DType::F64, DType::F64),
-            (DType::F16, DType::F32),
-            (DType::BF16, DType::F32),
-        ] {
+        for (dtype, stats) in WITH_STATS_DTYPE {
             let x = input(&mut random, false, n);
             let dy = input(&mut random, false, n);
             let w = input(&mut random, false, width);
@@ -227,8 +225,9 @@ fn layer_norm_forward_and_backward_match_the_cpu() {
 #[ignore = "needs a CUDA device"]
 fn max_and_min_with_indices_match_the_cpu() {
     use headroom_autograd_core::ReduceOp;
-    let Some((gpu, cpu)) = backends() else { return };
-    let mut random = Xorshift::from_state(0x7777_1234_abcd_0001);
+    let Some((gpu, cpu, mut random)) = seeded_backends(0x7777_1234_abcd_0001) else {
+        return;
+    };
     let (rows, lane) = (57, 33);
     // Whole numbers 0..5: many ties.
     let x: Vec<f64> = (0..rows * lane)

@@ -299,14 +299,7 @@ impl CudaFusedAdam {
             });
         }
         let addresses = checked_scaling_addresses(&self.device, "CudaFusedAdam::step", scaling)?;
-        launch_fused(
-            &mut self.device,
-            self.math,
-            cfg,
-            step,
-            &self.params,
-            addresses,
-        )
+        self.launch(cfg, step, None, addresses)
     }
 
     /// [`CudaFusedAdam::step`] over `params` given for this step alone, for a caller whose
@@ -339,14 +332,53 @@ impl CudaFusedAdam {
             });
         }
         check_disjoint("CudaFusedAdam::step_buffers", written_ranges(params))?;
-        launch_fused(
-            &mut self.device,
-            self.math,
-            cfg,
-            step,
-            params,
-            (grad_scale.unwrap_or(0), found_inf.unwrap_or(0)),
-        )
+        let addresses = (grad_scale.unwrap_or(0), found_inf.unwrap_or(0));
+        self.launch(cfg, step, Some(params), addresses)
+    }
+
+    /// One launch of the kernel of `self.math` over `given` (or the buffers given at creation),
+    /// each with an AMSGrad buffer exactly when `cfg.amsgrad` (checked by the callers), reading
+    /// the scale and flag at `addresses` (0: none).
+    fn launch(
+        &mut self,
+        cfg: &AdamConfig,
+        step: u64,
+        given: Option<&[DeviceAdamParam]>,
+        addresses: (u64, u64),
+    ) -> Result<(), OptimError> {
+        cfg.validate()?;
+        let params = given.unwrap_or(&self.params);
+        let math = self.math;
+        let geometry = raw_geometry("CudaFusedAdam", params.iter().map(|p| p.len), step)?;
+        let total_len = params.iter().map(|p| p.len).sum();
+        let block = (
+            fused_block_elems(total_len, AdamConfig::FUSED_BLOCK),
+            AdamConfig::FUSED_BLOCK.1,
+        );
+        let (table, n_blocks) =
+            self.device
+                .piece_table(&geometry, block.0, false, &mut |t, idx, head| {
+                    let p = &params[idx];
+                    let states = [p.exp_avg, p.exp_avg_sq, p.max_exp_avg_sq.unwrap_or(0)];
+                    let (param, grad) = (p.param, p.grad);
+                    let span = Span {
+                        param,
+                        grad,
+                        states,
+                        tmp: 0,
+                    };
+                    match math {
+                        FusedAdamMath::OpByOp => cfg.write_piece(t, head, span, None),
+                        FusedAdamMath::Torch => cfg.write_torch_piece(t, head, span),
+                    }
+                })?;
+        let n_pieces = params.len();
+        let kernel = match math {
+            FusedAdamMath::OpByOp => FUSED_KERNEL,
+            FusedAdamMath::Torch => TORCH_KERNEL,
+        };
+        self.device
+            .run_elementwise(kernel, &table, n_pieces, n_blocks, block, addresses)
     }
 }
 
@@ -362,47 +394,6 @@ fn written_ranges(params: &[DeviceAdamParam]) -> impl Iterator<Item = (u64, u64)
             .chain(p.max_exp_avg_sq)
             .map(move |address| (address, bytes))
     })
-}
-
-/// One launch of `math`'s kernel over `params` (each with an AMSGrad buffer exactly when
-/// `cfg.amsgrad`: checked by the callers), reading the scale and flag at `addresses` (0: none).
-fn launch_fused(
-    device: &mut CudaDevice,
-    math: FusedAdamMath,
-    cfg: &AdamConfig,
-    step: u64,
-    params: &[DeviceAdamParam],
-    addresses: (u64, u64),
-) -> Result<(), OptimError> {
-    cfg.validate()?;
-    let geometry = raw_geometry("CudaFusedAdam", params.iter().map(|p| p.len), step)?;
-    let total_len = params.iter().map(|p| p.len).sum();
-    let block = (
-        fused_block_elems(total_len, AdamConfig::FUSED_BLOCK),
-        AdamConfig::FUSED_BLOCK.1,
-    );
-    let (table, n_blocks) =
-        device.piece_table(&geometry, block.0, false, &mut |t, idx, head| {
-            let p = &params[idx];
-            let states = [p.exp_avg, p.exp_avg_sq, p.max_exp_avg_sq.unwrap_or(0)];
-            let (param, grad) = (p.param, p.grad);
-            let span = Span {
-                param,
-                grad,
-                states,
-                tmp: 0,
-            };
-            match math {
-                FusedAdamMath::OpByOp => cfg.write_piece(t, head, span, None),
-                FusedAdamMath::Torch => cfg.write_torch_piece(t, head, span),
-            }
-        })?;
-    let n_pieces = params.len();
-    let kernel = match math {
-        FusedAdamMath::OpByOp => FUSED_KERNEL,
-        FusedAdamMath::Torch => TORCH_KERNEL,
-    };
-    device.run_elementwise(kernel, &table, n_pieces, n_blocks, block, addresses)
 }
 
 // The ops of `adam_pass_f32`, in the order they run.

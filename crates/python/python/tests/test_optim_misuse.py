@@ -245,6 +245,15 @@ def snapshot(params):
     return [p.detach().clone() for p in params]
 
 
+def adamw_with_unit_grad(rig_name, shape):
+    """The rig, one parameter of `shape` and an AdamW over it, the gradient all ones."""
+    rig = rig_for(rig_name)
+    p = rig.params([shape])[0]
+    opt = rig.AdamW([p])
+    p.grad = torch.ones_like(p)
+    return rig, p, opt
+
+
 def assert_unchanged(params, before):
     for i, (p, b) in enumerate(zip(params, before)):
         assert torch.equal(p.detach().to(b.dtype), b), f"parameter {i} changed by a step that raised"
@@ -397,10 +406,7 @@ def test_model_to_float64_after_construction_raises_type_error(rig_name):
 
 
 def test_parameter_moved_off_the_gpu_raises_type_error():
-    rig = rig_for("cuda")
-    p = rig.params([(16,)])[0]
-    opt = rig.AdamW([p])
-    p.grad = torch.ones_like(p)
+    rig, p, opt = adamw_with_unit_grad("cuda", (16,))
     opt.step()
     p.data = p.data.cpu()
     p.grad = torch.ones_like(p)
@@ -429,10 +435,7 @@ def test_p_data_new_storage_steps_the_new_storage_like_torch(rig_name):
 def test_p_data_other_shape_raises_value_error(rig_name):
     """New storage of another size: the state no longer fits: ValueError (torch's fused kernel
     raises RuntimeError there)."""
-    rig = rig_for(rig_name)
-    p = rig.params([(8,)])[0]
-    opt = rig.AdamW([p])
-    p.grad = torch.ones_like(p)
+    rig, p, opt = adamw_with_unit_grad(rig_name, (8,))
     opt.step()
     p.data = rig.tensor(16)
     p.grad = torch.ones_like(p)
@@ -440,10 +443,7 @@ def test_p_data_other_shape_raises_value_error(rig_name):
 
 
 def test_p_data_transposed_raises_value_error(rig_name):
-    rig = rig_for(rig_name)
-    p = rig.params([(8, 4)])[0]
-    opt = rig.AdamW([p])
-    p.grad = torch.ones_like(p)
+    rig, p, opt = adamw_with_unit_grad(rig_name, (8, 4))
     opt.step()
     p.data = p.data.t()
     raises(ValueError, opt.step, "non-contiguous parameter")
@@ -530,10 +530,7 @@ def test_empty_parameter_is_counted_not_launched(rig_name):
 
 
 def test_float16_gradient_of_float32_parameter_raises_type_error(rig_name):
-    rig = rig_for(rig_name)
-    p = rig.params([(8,)])[0]
-    opt = rig.AdamW([p])
-    p.grad = torch.ones_like(p)
+    rig, p, opt = adamw_with_unit_grad(rig_name, (8,))
     opt.step()
     set_grad_any_dtype(p, torch.ones(8, dtype=torch.half, device=rig.device))
     assert_step_refused(rig, opt, [p], TypeError, "gradient of dtype torch.float16")
@@ -541,36 +538,26 @@ def test_float16_gradient_of_float32_parameter_raises_type_error(rig_name):
 
 def test_gradient_resized_through_data_raises_value_error(rig_name):
     """``p.grad.data = smaller`` (PyTorch allows it): the kernel would read past the gradient."""
-    rig = rig_for(rig_name)
-    p = rig.params([(64,)])[0]
-    opt = rig.AdamW([p])
-    p.grad = torch.ones_like(p)
+    rig, p, opt = adamw_with_unit_grad(rig_name, (64,))
     opt.step()
     p.grad.data = torch.ones(3, device=rig.device)
     raises(ValueError, opt.step, "gradient of shape (3,)")
 
 
 def test_non_contiguous_gradient_raises_value_error(rig_name):
-    rig = rig_for(rig_name)
-    p = rig.params([(4, 4)])[0]
-    opt = rig.AdamW([p])
+    rig, p, opt = adamw_with_unit_grad(rig_name, (4, 4))
     p.grad = rig.tensor(4, 4).t()
     raises(ValueError, opt.step, "non-contiguous gradient")
 
 
 def test_sparse_gradient_raises_type_error(rig_name):
-    rig = rig_for(rig_name)
-    p = rig.params([(4,)])[0]
-    opt = rig.AdamW([p])
+    rig, p, opt = adamw_with_unit_grad(rig_name, (4,))
     p.grad = torch.zeros(4, device=rig.device).to_sparse()
     raises(TypeError, opt.step, "sparse")
 
 
 def test_gradient_on_another_device_raises_value_error():
-    rig = rig_for("cuda")
-    p = rig.params([(4,)])[0]
-    opt = rig.AdamW([p])
-    p.grad = torch.ones_like(p)
+    rig, p, opt = adamw_with_unit_grad("cuda", (4,))
     try:
         p.grad.data = torch.ones(4)
     except RuntimeError:
@@ -697,10 +684,7 @@ def test_overlapping_views_as_parameters_raise_value_error(rig_name):
 
 
 def test_bad_grad_scale_and_found_inf_raise(rig_name):
-    rig = rig_for(rig_name)
-    p = rig.params([(4,)])[0]
-    opt = rig.AdamW([p])
-    p.grad = torch.ones_like(p)
+    rig, p, opt = adamw_with_unit_grad(rig_name, (4,))
     raises(TypeError, lambda: opt.step(grad_scale=2.0), "grad_scale must be a tensor")
     raises(TypeError, lambda: opt.step(grad_scale=torch.ones((), dtype=torch.float64, device=rig.device)),
            "float32")
@@ -721,10 +705,7 @@ def test_failed_group_leaves_every_group_unstepped(rig_name):
 
 
 def test_step_on_side_stream_raises_value_error():
-    rig = rig_for("cuda")
-    p = rig.params([(4,)])[0]
-    opt = rig.AdamW([p])
-    p.grad = torch.ones_like(p)
+    rig, p, opt = adamw_with_unit_grad("cuda", (4,))
     with torch.cuda.stream(torch.cuda.Stream()):
         raises(ValueError, opt.step, "default stream")
 
