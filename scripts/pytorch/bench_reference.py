@@ -67,12 +67,9 @@ LLAMA3_1B = dict(
                          low_freq_factor=1.0, high_freq_factor=4.0,
                          original_max_position_embeddings=8192))
 LLAMA_TINY = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-    max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False,
-    rope_parameters=dict(rope_type='llama3', rope_theta=500000.0, factor=8.0,
-                         low_freq_factor=1.0, high_freq_factor=4.0,
-                         original_max_position_embeddings=8192))
+    LLAMA3_1B, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+    tie_word_embeddings=False, rope_parameters=dict(LLAMA3_1B['rope_parameters'], factor=8.0))
 # headroom-nn's `LlamaConfig` presets, as Hugging Face config arguments (`LlamaConfig::named`).
 LLAMA_MODELS = {
     'llama-tiny': LLAMA_TINY,

@@ -45,6 +45,18 @@ pub(crate) enum Storage {
     Outside,
 }
 
+impl Storage {
+    /// `new`, `shared with #3`, `parameter` or `outside` (the JSON's and the table's).
+    pub(crate) fn label(self) -> String {
+        match self {
+            Storage::New => "new".to_owned(),
+            Storage::Shared(first) => format!("shared with #{first}"),
+            Storage::Parameter => "parameter".to_owned(),
+            Storage::Outside => "outside".to_owned(),
+        }
+    }
+}
+
 /// One tensor the block saved for backward.
 #[derive(Debug, Clone)]
 pub(crate) struct BlockSave {
@@ -97,19 +109,13 @@ impl BlockSaves {
             .saves
             .iter()
             .map(|save| {
-                let storage = match save.storage {
-                    Storage::New => "new".to_owned(),
-                    Storage::Shared(index) => format!("shared with {index}"),
-                    Storage::Parameter => "parameter".to_owned(),
-                    Storage::Outside => "outside".to_owned(),
-                };
                 json!({
                     "op": save.op,
                     "role": save.role,
                     "shape": save.shape,
                     "dtype": format!("{:?}", save.dtype),
                     "bytes": save.bytes,
-                    "storage": storage,
+                    "storage": save.storage.label(),
                     "storage_bytes": save.storage_bytes,
                 })
             })
@@ -153,15 +159,14 @@ impl BlockSaves {
         }
         text += "\n\n| # | op | saves | shape | dtype | bytes | storage |\n|---:|---|---|---|---|---:|---|\n";
         for (index, save) in self.saves.iter().enumerate() {
-            let storage = match save.storage {
-                Storage::New => "new".to_owned(),
-                Storage::Shared(first) => format!("as #{first}"),
-                Storage::Parameter => "parameter".to_owned(),
-                Storage::Outside => "outside".to_owned(),
-            };
             text += &format!(
-                "| {index} | {} | {} | {:?} | {:?} | {} | {storage} |\n",
-                save.op, save.role, save.shape, save.dtype, save.bytes
+                "| {index} | {} | {} | {:?} | {:?} | {} | {} |\n",
+                save.op,
+                save.role,
+                save.shape,
+                save.dtype,
+                save.bytes,
+                save.storage.label()
             );
         }
         text
