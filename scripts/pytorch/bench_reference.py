@@ -2,9 +2,15 @@
 PyTorch's reference protocol, written as the `anchor.jsonl` that `bench-memory --pytorch` reads.
 
 Models: torchvision's ViTs (`loss = model(x).sum()` on `rand(batch, 3, 224, 224)`; autocast cases
-`model(x).float().sum()`) and Hugging Face's GPT-2 family (`GPT2LMHeadModel` with
-`attn_implementation="sdpa"`, dropout off, `use_cache=False`, random init; `loss =
-model(input_ids=ids, labels=ids).loss` on `--seq` random tokens a row).
+`model(x).float().sum()`), Hugging Face's GPT-2 family (`GPT2LMHeadModel`) and Llama family
+(`LlamaForCausalLM` with the shapes of headroom-nn's `LlamaConfig` presets: Llama-3.2-1B/3B and
+Llama-3.1-8B, vocabulary 128256, rotary base 500000 with Llama 3's scaling, tied embeddings for
+1B and 3B; `llama-tiny` and `qwen2-tiny` too), each with `attn_implementation="sdpa"`, dropout
+off, `use_cache=False`, random init from seed 0; `loss = model(input_ids=ids, labels=ids).loss`
+on `--seq` random tokens a row (default 1024 for GPT-2, 2048 for the Llama shapes, 64 for the
+tiny ones). The checkpointing cases wrap every block in `torch.utils.checkpoint` (non-reentrant);
+on a Llama they call Hugging Face's own `gradient_checkpointing_enable()` (non-reentrant), which
+checkpoints every decoder layer.
 
 Protocol per case: a fresh model and optimizer; the peak is reset, 3 warm-up steps give the
 first-3 peak; the peak is reset again and 6 steps timed with CUDA events give the steady peak
@@ -16,6 +22,8 @@ Usage:
     python3 scripts/pytorch/bench_reference.py --batch 32 --cases sgd_bf16_model --out anchor_vit_step.jsonl
     python3 scripts/pytorch/bench_reference.py --model gpt2 --seq 1024 --batch 8 \\
         --cases fwd_bwd,fwd_bwd_bf16,adam_fused --out anchor.jsonl
+    python3 scripts/pytorch/bench_reference.py --model llama-3.2-1b --seq 2048 --batch 4 \\
+        --cases fwd_bwd,fwd_bwd_bf16 --out anchor.jsonl
 then `cargo xtask bench-memory ... --pytorch anchor.jsonl` with the same model, batches and cases.
 
 Case names are bench-memory's. `adam8bit` needs bitsandbytes (its line reports the error
@@ -39,18 +47,50 @@ import time
 CASES = [
     'adam_foreach', 'adam_single', 'sgd', 'adam_fused', 'adam_inbwd', 'adam8bit', 'adam_ckpt',
     'adam_inbwd_ckpt', 'adam_fused_clip', 'adam_offload', 'adam_bf16', 'adam_fp16',
-    'adam_inbwd_ckpt_bf16', 'fwd_bwd', 'fwd_bwd_bf16',
+    'adam_inbwd_ckpt_bf16', 'fwd_bwd', 'fwd_bwd_bf16', 'fwd_bwd_bf16_ckpt',
 ]
 # Cases of other benches, run when --cases names them (not by default, not by find_max_batch.py).
 OTHER_CASES = ['sgd_bf16_model']
 # Cases whose whole model is bf16 (`model.bfloat16()`), without autocast.
-BF16_MODEL_CASES = {'fwd_bwd_bf16', 'sgd_bf16_model'}
+BF16_MODEL_CASES = {'fwd_bwd_bf16', 'fwd_bwd_bf16_ckpt', 'sgd_bf16_model'}
 VIT_MODELS = {'vit_l_16', 'vit_b_16'}
 GPT2_MODELS = {  # Hugging Face's configs: (n_embd, n_layer, n_head)
     'gpt2': (768, 12, 12),
     'gpt2-medium': (1024, 24, 16),
     'gpt2-large': (1280, 36, 20),
 }
+LLAMA3_1B = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+    max_position_embeddings=131072, tie_word_embeddings=True, attention_bias=False,
+    rope_parameters=dict(rope_type='llama3', rope_theta=500000.0, factor=32.0,
+                         low_freq_factor=1.0, high_freq_factor=4.0,
+                         original_max_position_embeddings=8192))
+LLAMA_TINY = dict(
+    LLAMA3_1B, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+    tie_word_embeddings=False, rope_parameters=dict(LLAMA3_1B['rope_parameters'], factor=8.0))
+# headroom-nn's `LlamaConfig` presets, as Hugging Face config arguments (`LlamaConfig::named`).
+LLAMA_MODELS = {
+    'llama-tiny': LLAMA_TINY,
+    'qwen2-tiny': dict(LLAMA_TINY, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       rope_parameters=dict(rope_type='default', rope_theta=1e6)),
+    'llama-3.2-1b': LLAMA3_1B,
+    'llama-3.2-3b': dict(LLAMA3_1B, hidden_size=3072, num_hidden_layers=28,
+                         num_attention_heads=24, head_dim=128),
+    'llama-3.1-8b': dict(LLAMA3_1B, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, head_dim=128, tie_word_embeddings=False,
+                         rope_parameters=dict(LLAMA3_1B['rope_parameters'], factor=8.0)),
+}
+LANGUAGE_MODELS = set(GPT2_MODELS) | set(LLAMA_MODELS)
+
+
+def default_seq(model_name):
+    """bench-memory's tokens a row without --seq: GPT-2's 1024, 2048 for a Llama shape, the tiny
+    ones' whole context (64)."""
+    if model_name in LLAMA_MODELS:
+        return min(2048, LLAMA_MODELS[model_name]['max_position_embeddings'])
+    return 1024
 
 
 def build_model(model_name, case):
@@ -71,9 +111,30 @@ def build_model(model_name, case):
                             resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False)
         model = AutoModelForCausalLM.from_config(config, attn_implementation='sdpa')
         blocks = model.transformer.h
+    elif model_name in LLAMA_MODELS:
+        from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+        shapes = dict(LLAMA_MODELS[model_name], attention_dropout=0.0, hidden_act='silu',
+                      initializer_range=0.02, use_cache=False, attn_implementation='sdpa')
+        if model_name == 'qwen2-tiny':
+            # Qwen2's head width is hidden / heads (16 here, as given); q/k/v carry biases.
+            shapes.pop('head_dim')
+            shapes.pop('attention_bias')
+            config, cls = Qwen2Config(**shapes, use_sliding_window=False), Qwen2ForCausalLM
+        else:
+            config, cls = LlamaConfig(**shapes, mlp_bias=False), LlamaForCausalLM
+        # Initialised on the GPU (8B parameters in f32 are 32 GB), in training mode: Hugging
+        # Face's checkpointing acts only while training.
+        with torch.device('cuda'):
+            model = cls(config)
+        model.train()
+        assert model.config._attn_implementation == 'sdpa', model.config._attn_implementation
+        if 'ckpt' in case:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=dict(use_reentrant=False))
+        blocks = model.model.layers
     else:
-        raise SystemExit(f'unknown model {model_name} (models: vit_l_16, vit_b_16, gpt2, '
-                         'gpt2-medium, gpt2-large)')
+        raise SystemExit(f'unknown model {model_name} (models: vit_l_16, vit_b_16, '
+                         f'{", ".join(sorted(LANGUAGE_MODELS))})')
 
     class Checkpointed(nn.Module):
         def __init__(self, inner):
@@ -93,7 +154,7 @@ def build_model(model_name, case):
                 return self.inner(*args, **kwargs)
 
     n = len(blocks)
-    if 'ckpt' in case:
+    if 'ckpt' in case and model_name not in LLAMA_MODELS:
         for i in range(n):
             blocks[i] = Checkpointed(blocks[i])
     if case == 'adam_offload':
@@ -142,7 +203,7 @@ def build_case(case, model_name, seq):
     else:
         opt = torch.optim.Adam(params, lr=1e-4, fused=True)
     clip = case == 'adam_fused_clip'
-    language = model_name in GPT2_MODELS
+    language = model_name in LANGUAGE_MODELS
     dtype = torch.bfloat16 if case in BF16_MODEL_CASES else torch.float32
 
     def make_input(batch):
@@ -210,7 +271,7 @@ def run_case(case, model_name, batch, seq, warmup=3, steps=6):
                steady_peak_alloc=torch.cuda.max_memory_allocated(),
                steady_peak_reserved=torch.cuda.max_memory_reserved(),
                step_ms_median=times[len(times) // 2], step_ms_min=times[0], times_ms=times)
-    if model_name in GPT2_MODELS:
+    if model_name in LANGUAGE_MODELS:
         row['seq'] = seq
     return row
 
@@ -218,7 +279,9 @@ def run_case(case, model_name, batch, seq, warmup=3, steps=6):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--model', default='vit_l_16')
-    parser.add_argument('--seq', type=int, default=1024, help='tokens a row (GPT-2)')
+    parser.add_argument('--seq', type=int,
+                        help='tokens a row of a language model (default 1024 for GPT-2, 2048 '
+                             'for a Llama shape, 64 for the tiny ones)')
     parser.add_argument('--batch', type=int, action='append',
                         help='repeatable; default 1 and 32')
     parser.add_argument('--cases', default=','.join(CASES))
@@ -234,6 +297,8 @@ def main():
         if case not in CASES + OTHER_CASES:
             raise SystemExit(f'unknown case {case} (cases: {", ".join(CASES + OTHER_CASES)})')
     batches = args.batch or [1, 32]
+    if args.seq is None:
+        args.seq = default_seq(args.model)
     if args.one:
         print(json.dumps(run_case(cases[0], args.model, batches[0], args.seq, args.warmup,
                                   args.steps)))

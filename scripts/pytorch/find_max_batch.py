@@ -13,6 +13,8 @@ baseline are recorded (`leaked_bytes`, the largest over the probes).
 Usage:
     python3 scripts/pytorch/find_max_batch.py --memory-cap-mb 24576 --out fmb_torch.jsonl
     python3 scripts/pytorch/find_max_batch.py --model gpt2 --seq 1024 --cases adam_fused,sgd
+    python3 scripts/pytorch/find_max_batch.py --model llama-3.2-1b --seq 2048 \\
+        --cases fwd_bwd_bf16,fwd_bwd_bf16_ckpt --memory-cap-mb 65536
 then `cargo xtask find-max-batch --memory-cap-mb 24576 --pytorch fmb_torch.jsonl` with the same
 model and cases. One JSON line per case: case, model, max_batch, peak_allocated_bytes at that
 batch, ooms, seconds, probes.
@@ -25,7 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_reference import CASES, GPT2_MODELS, build_case  # noqa: E402
+from bench_reference import CASES, LANGUAGE_MODELS, build_case, default_seq  # noqa: E402
 
 
 def find_max_batch_size(try_batch, max_batch):
@@ -99,7 +101,7 @@ def search_case(case, model_name, seq, max_batch):
                step_ms=at_max.get('step_ms'),
                ooms=sum(not p['fits'] for p in probes), probes=probes,
                leaked_bytes=state['leaked'], seconds=round(time.time() - started, 2))
-    if model_name in GPT2_MODELS:
+    if model_name in LANGUAGE_MODELS:
         row['seq'] = seq
     return row
 
@@ -107,13 +109,17 @@ def search_case(case, model_name, seq, max_batch):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--model', default='vit_l_16')
-    parser.add_argument('--seq', type=int, default=1024, help='tokens a row (GPT-2)')
+    parser.add_argument('--seq', type=int,
+                        help='tokens a row of a language model (default 1024 for GPT-2, 2048 '
+                             'for a Llama shape, 64 for the tiny ones)')
     parser.add_argument('--cases', default=','.join(CASES))
     parser.add_argument('--memory-cap-mb', type=int, default=24 << 10,
                         help='MiB; default 24576')
     parser.add_argument('--max-batch', type=int, default=1 << 16)
     parser.add_argument('--out', default='fmb_torch.jsonl', help='appended to')
     args = parser.parse_args()
+    if args.seq is None:
+        args.seq = default_seq(args.model)
     import torch
 
     total = torch.cuda.get_device_properties(0).total_memory

@@ -35,7 +35,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Task {
     /// Peak allocated and reserved bytes, where the memory goes and step time, per optimizer and
-    /// technique, on a ViT or GPT-2, beside PyTorch's figures.
+    /// technique, on a ViT, GPT-2 or Llama, beside PyTorch's figures.
     #[command(
         disable_help_flag = true,
         after_help = measurements::forwarded_help("bench-memory")

@@ -28,7 +28,7 @@ use headroom_checkpoint::{
     BlockPlanner, BlockSelection, Candidate, CheckpointBlocks, CheckpointOptions, Compression,
     StepProbe, StepProfile,
 };
-use headroom_nn::{BlockRunner, BlockStack};
+use headroom_nn::BlockRunner;
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
 use serde_json::{json, Value};
@@ -198,11 +198,9 @@ pub(crate) fn compare_uniform(
             .candidate_index("recompute")
             .context("a recompute candidate")?,
     );
-    let plan_runner = match vit {
-        Net::Vit(vit) => vit.block_runner().cloned(),
-        Net::Gpt2(gpt2) => gpt2.block_runner().cloned(),
-    }
-    .context("the plan as the model's block runner")?;
+    let plan_runner = vit
+        .block_runner()
+        .context("the plan as the model's block runner")?;
     let n = profile.n_blocks();
     let mut options = Vec::new();
     for every in 1..=n {

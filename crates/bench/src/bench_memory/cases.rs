@@ -75,12 +75,15 @@ pub(crate) enum Case {
     FwdBwd,
     /// Forward and backward only, the whole model in bf16 (`model.bfloat16()`).
     FwdBwdBf16,
+    /// Forward and backward only, the whole model in bf16, every block checkpointed (the last
+    /// one too, as Hugging Face's `gradient_checkpointing_enable()` does).
+    FwdBwdBf16Ckpt,
 }
 
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 21] = [
+    pub(crate) const ALL: [Case; 22] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -102,6 +105,7 @@ impl Case {
         Case::AdamInbwdCkptBf16,
         Case::FwdBwd,
         Case::FwdBwdBf16,
+        Case::FwdBwdBf16Ckpt,
     ];
 
     /// The case's name on the command line and in reports.
@@ -128,6 +132,7 @@ impl Case {
             Case::AdamInbwdCkptBf16 => "adam_inbwd_ckpt_bf16",
             Case::FwdBwd => "fwd_bwd",
             Case::FwdBwdBf16 => "fwd_bwd_bf16",
+            Case::FwdBwdBf16Ckpt => "fwd_bwd_bf16_ckpt",
         }
     }
 
@@ -172,6 +177,10 @@ impl Case {
             }
             Case::FwdBwd => "forward and backward only, f32",
             Case::FwdBwdBf16 => "forward and backward only, the whole model in bf16",
+            Case::FwdBwdBf16Ckpt => {
+                "forward and backward only, the whole model in bf16, every block checkpointed \
+                 (Hugging Face's gradient_checkpointing_enable())"
+            }
         }
     }
 
@@ -201,8 +210,15 @@ impl Case {
     pub(crate) fn checkpointed(self) -> bool {
         matches!(
             self,
-            Case::AdamCkpt | Case::AdamInbwdCkpt | Case::AdamInbwdCkptBf16
+            Case::AdamCkpt | Case::AdamInbwdCkpt | Case::AdamInbwdCkptBf16 | Case::FwdBwdBf16Ckpt
         )
+    }
+
+    /// Whether a checkpointed case recomputes the last block too: stepping in backward (no
+    /// gradients pile up, so the last block's saves would set the peak at the end of the
+    /// forward), and `fwd_bwd_bf16_ckpt`, which checkpoints as Hugging Face does.
+    pub(crate) fn checkpoints_the_last_block(self) -> bool {
+        self.in_backward() || self == Case::FwdBwdBf16Ckpt
     }
 
     /// The autocast dtype of the forward, if any.
@@ -217,14 +233,14 @@ impl Case {
     /// The dtype of the model's parameters.
     pub(crate) fn param_dtype(self) -> DType {
         match self {
-            Case::FwdBwdBf16 => DType::BF16,
+            Case::FwdBwdBf16 | Case::FwdBwdBf16Ckpt => DType::BF16,
             _ => DType::F32,
         }
     }
 
     /// Whether the case steps no optimizer (forward and backward only).
     pub(crate) fn forward_backward_only(self) -> bool {
-        matches!(self, Case::FwdBwd | Case::FwdBwdBf16)
+        matches!(self, Case::FwdBwd | Case::FwdBwdBf16 | Case::FwdBwdBf16Ckpt)
     }
 
     /// Whether the loss is scaled by a GradScaler (f16).
@@ -336,7 +352,7 @@ impl Case {
                 build::<Adam8bitConfig>(params, adam8bit, Implementation::Fused)
             }
             // The forward-and-backward cases never step: their SGD only sets gradients to none.
-            Case::Sgd | Case::FwdBwd | Case::FwdBwdBf16 => {
+            Case::Sgd | Case::FwdBwd | Case::FwdBwdBf16 | Case::FwdBwdBf16Ckpt => {
                 build::<SgdConfig>(params, SgdConfig::new(1e-3), Implementation::Fused)
             }
         }

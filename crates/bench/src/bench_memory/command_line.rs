@@ -122,7 +122,7 @@ impl Defaults {
 }
 
 /// Peak allocated and reserved bytes, where the memory goes and step time, per optimizer and
-/// technique, on a ViT or GPT-2, beside PyTorch's figures (--pytorch).
+/// technique, on a ViT, GPT-2 or Llama, beside PyTorch's figures (--pytorch).
 #[derive(Debug, Clone, clap::Args)]
 #[command(long_about = long_about(), after_long_help = defaults_help())]
 pub(crate) struct Args {
@@ -132,7 +132,8 @@ pub(crate) struct Args {
     /// The model (default: the device's, below).
     #[arg(long, value_parser = model_parser())]
     model: Option<Model>,
-    /// A language model's tokens a row (default: its full context, 1024 for GPT-2).
+    /// A language model's tokens a row (default: 1024 for GPT-2, 2048 for the Llama shapes, 64
+    /// for llama-tiny and qwen2-tiny).
     #[arg(long, value_name = "N", value_parser = crate::at_least_one)]
     seq: Option<usize>,
     /// Batch sizes, by commas or repeated (default: the device's, below).
@@ -325,13 +326,16 @@ fn model_parser() -> impl TypedValueParser<Value = Model> {
 /// `bench-memory --help`'s description.
 fn long_about() -> String {
     "Peak allocated and reserved bytes, where the memory goes and step time, per optimizer and \
-     technique, on a ViT or GPT-2, beside PyTorch's figures (--pytorch).\n\n\
-     Trains a model (ViT: loss = model(x).sum(); GPT-2: Hugging Face's causal-LM loss on --seq \
-     random tokens a row, dropout off) with each case's optimizer and technique: per case, a \
-     fresh model and optimizer, --warmup steps (their peak is the first-3 peak), --steps timed \
+     technique, on a ViT, GPT-2 or Llama, beside PyTorch's figures (--pytorch).\n\n\
+     Trains a model (ViT: loss = model(x).sum(); GPT-2 and the Llama shapes (llama-3.2-1b, \
+     llama-3.2-3b, llama-3.1-8b; llama-tiny and qwen2-tiny for the CPU): Hugging Face's \
+     causal-LM loss on --seq random tokens a row, dropout off) with each case's optimizer and \
+     technique: per case, a fresh model and optimizer, --warmup steps (their peak is the \
+     first-3 peak), --steps timed \
      steps (steady peak allocated and reserved, median step time), then one traced step (memory \
-     by phase and by component at the peak). Prints a Markdown table; --json, --html and \
-     --trace write files."
+     by phase and by component at the peak), and one more forward that names every tensor the \
+     last block saves (for a Llama beside nn's formula of a block's bytes a token). Prints a \
+     Markdown table; --json, --html and --trace write files."
         .to_owned()
 }
 

@@ -15,6 +15,7 @@ use std::time::Instant;
 use anyhow::Result;
 use headroom_caching_allocator::{HistoryOptions, Snapshot, TraceAction, TraceEvent};
 
+use super::block_saves::{self, BlockSaves};
 use super::budget_plan::{self, PlanOutcome};
 use super::cases::Case;
 use super::models::{Input, Model, Net};
@@ -102,6 +103,9 @@ pub(crate) struct CaseResult {
     /// creation to the end of the timed steps, each with its step (0: building the model and
     /// optimizer, then 1 to warm-up + timed steps); empty otherwise.
     pub(crate) events: Vec<(usize, TraceEvent)>,
+    /// The last block's saved tensors, named, from one more forward ([`block_saves`]); `None`
+    /// when that forward failed.
+    pub(crate) block_saves: Option<BlockSaves>,
 }
 
 /// Runs `case` on `model` at `batch` with `protocol` and measures it; `tick` is called after
@@ -197,6 +201,18 @@ pub(crate) fn measure(
             &mut plain_step,
         )?;
     }
+    // One more forward names the last block's saves; a failure (out of memory at the edge)
+    // leaves the case's figures as measured.
+    let block_saves = match block_saves::record(&mut training, &input, model, batch, case) {
+        Ok(saves) => Some(saves),
+        Err(err) => {
+            eprintln!(
+                "bench-memory: {} at batch {batch}: the block's saves were not recorded: {err:#}",
+                case.name()
+            );
+            None
+        }
+    };
     let state_bytes = training.optimizer.state_bytes();
     let (timeline, at_peak) = timeline::analyse(
         &traced.entries,
@@ -231,6 +247,7 @@ pub(crate) fn measure(
         timeline,
         plan: planned.map(|(outcome, _)| outcome),
         events,
+        block_saves,
     })
 }
 

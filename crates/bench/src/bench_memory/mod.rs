@@ -16,14 +16,18 @@
 //! counts × element sizes; `activation_bytes` is measured at the forward/backward boundary
 //! (allocated after the loss minus allocated before the forward: what the forward keeps for
 //! backward); and the traced step's peak is split by what held it at that moment
-//! ([`timeline`]), the components adding up to that peak exactly.
+//! ([`timeline`]), the components adding up to that peak exactly. One more forward names every
+//! tensor the last block saves ([`block_saves`]: op, role, shape, dtype, bytes, storage), adding
+//! up to what the block keeps; for a Llama beside nn's formula of a block's bytes per token.
 //!
 //! Modules: [`cases`] (what each case trains with), [`models`] (the models and their input),
+//! [`block_saves`] (one block's saved tensors),
 //! [`training`] (one training run), [`measure`] (the protocol that measures a case),
 //! [`budget_plan`] (`adam_auto`'s plan), [`timeline`] (history → timeline and breakdown),
 //! [`report`] (table, JSON, anchors), [`html`] (charts), [`command_line`] (the options and the
 //! devices' defaults). This one picks the device and drives the cases.
 
+mod block_saves;
 mod budget_plan;
 pub(crate) mod cases;
 mod command_line;
@@ -34,6 +38,8 @@ mod report;
 mod timeline;
 pub(crate) mod training;
 
+#[cfg(test)]
+mod language_model_tests;
 #[cfg(test)]
 mod tests;
 
@@ -128,6 +134,13 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
     println!("{}", report::markdown(&results, &anchors));
     for text in results.iter().filter_map(budget_plan::describe) {
         println!("{text}\n");
+    }
+    // One block's saves, named, for the first case that recorded them (--json has every case's).
+    if let Some((result, saves)) = results
+        .iter()
+        .find_map(|r| Some((r, r.block_saves.as_ref()?)))
+    {
+        println!("{}", saves.markdown(result.model, result.case));
     }
     println!(
         "activations: allocated after the loss minus before the forward. cast cache: the half \

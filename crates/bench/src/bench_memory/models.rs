@@ -1,7 +1,10 @@
 //! The models `bench-memory` and `find-max-batch` train, their inputs and their losses:
-//! torchvision's ViTs (`loss = model(x).sum()` on `rand(batch, 3, size, size)`) and Hugging
-//! Face's GPT-2 family (`GPT2LMHeadModel` without dropout, the causal-LM loss on `seq` random
-//! tokens a row).
+//! torchvision's ViTs (`loss = model(x).sum()` on `rand(batch, 3, size, size)`) and the causal
+//! language models, Hugging Face's GPT-2 family (`GPT2LMHeadModel` without dropout) and Llama
+//! family (`LlamaForCausalLM` with the shapes of Llama 3.2 1B/3B and Llama 3.1 8B, and the tiny
+//! golden Llama and Qwen2 for the CPU), each with the causal-LM loss on `seq` random tokens a
+//! row. The language models share one path ([`LanguageConfig`], [`LanguageModel`]): their input,
+//! their loss and their blocks are the same code whatever the family.
 //!
 //! It sits on nn (the models) and autograd-core (tensors, the loss); it knows nothing about
 //! optimizers, cases, reports or devices.
@@ -13,7 +16,8 @@ use headroom_autograd_core::{
     cross_entropy_f32, uniform, BackendRef, DType, Generator, Reduction, Tensor,
 };
 use headroom_nn::{
-    BlockRunner, BlockStack, Gpt2Config, Gpt2LMHeadModel, Module, VisionTransformer, VitConfig,
+    BlockRunner, BlockStack, Gpt2Config, Gpt2LMHeadModel, LlamaConfig, LlamaForCausalLM, Module,
+    VisionTransformer, VitConfig,
 };
 use rayon::prelude::*;
 
@@ -31,13 +35,56 @@ pub(crate) struct Model {
 pub(crate) enum Arch {
     /// torchvision's constructor arguments.
     Vit(VitConfig),
-    /// Hugging Face's config (dropout off) and the tokens of each row.
-    Gpt2 { config: Gpt2Config, seq: usize },
+    /// A causal language model's config and the tokens of each row.
+    Language { config: LanguageConfig, seq: usize },
+}
+
+/// The config of a causal language model: GPT-2's (dropout off) or the Llama family's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum LanguageConfig {
+    Gpt2(Gpt2Config),
+    Llama(LlamaConfig),
+}
+
+impl LanguageConfig {
+    /// Tokens in the vocabulary.
+    fn vocab_size(&self) -> usize {
+        match self {
+            LanguageConfig::Gpt2(config) => config.vocab_size,
+            LanguageConfig::Llama(config) => config.vocab_size,
+        }
+    }
+
+    /// Its transformer layers.
+    fn n_layers(&self) -> usize {
+        match self {
+            LanguageConfig::Gpt2(config) => config.n_layer,
+            LanguageConfig::Llama(config) => config.num_hidden_layers,
+        }
+    }
+
+    /// The most tokens a row takes: GPT-2's learned positions; a Llama's context (rotary
+    /// positions have no table, so this is the config's `max_position_embeddings`).
+    fn max_seq(&self) -> usize {
+        match self {
+            LanguageConfig::Gpt2(config) => config.n_positions,
+            LanguageConfig::Llama(config) => config.max_position_embeddings,
+        }
+    }
+
+    /// Tokens a row without `--seq`: GPT-2's full 1024 positions; 2048 for the Llama shapes
+    /// (the issue's measurements), the whole 64-token context of the tiny ones.
+    fn default_seq(&self) -> usize {
+        match self {
+            LanguageConfig::Gpt2(config) => config.n_positions,
+            LanguageConfig::Llama(config) => config.max_position_embeddings.min(2048),
+        }
+    }
 }
 
 impl Model {
     /// Names accepted by `--model`.
-    pub(crate) const NAMES: [&'static str; 7] = [
+    pub(crate) const NAMES: [&'static str; 12] = [
         "vit_l_16",
         "vit_b_16",
         "vit_mini",
@@ -45,27 +92,41 @@ impl Model {
         "gpt2",
         "gpt2-medium",
         "gpt2-large",
+        "llama-tiny",
+        "qwen2-tiny",
+        "llama-3.2-1b",
+        "llama-3.2-3b",
+        "llama-3.1-8b",
     ];
+
+    /// The language models' names (`--seq` applies to them).
+    const LANGUAGE_NAMES: &'static str =
+        "gpt2, gpt2-medium, gpt2-large, llama-tiny, qwen2-tiny, llama-3.2-1b, llama-3.2-3b, \
+         llama-3.1-8b";
 
     /// The model named `name`: torchvision's `vit_l_16` and `vit_b_16`; `vit_mini`, the CPU
     /// default ([`VitConfig::mini`], 5.2 M parameters, 17 tokens an image, so that, like
     /// ViT-L/16 at batch 1, parameters, gradients and optimizer state dominate at batch 1 and
-    /// activations at batch 32); `vit_tiny`, the golden tests' model, for quick checks; and
-    /// Hugging Face's `gpt2`, `gpt2-medium` and `gpt2-large` without dropout (so attention takes
-    /// the fused path, as `attn_implementation="sdpa"` does), at their full 1024 positions
-    /// until [`Model::with_seq`].
+    /// activations at batch 32); `vit_tiny`, the golden tests' model, for quick checks; Hugging
+    /// Face's `gpt2`, `gpt2-medium` and `gpt2-large` without dropout (so attention takes the
+    /// fused path, as `attn_implementation="sdpa"` does), at their full 1024 positions; and the
+    /// Llama family ([`LlamaConfig::named`]: `llama-3.2-1b`, `llama-3.2-3b` and `llama-3.1-8b`
+    /// at 2048 tokens a row, `llama-tiny` and `qwen2-tiny` at 64, the CPU's) until
+    /// [`Model::with_seq`].
     pub(crate) fn named(name: &str) -> Result<Model> {
+        let language = |config: LanguageConfig| Arch::Language {
+            config,
+            seq: config.default_seq(),
+        };
         let arch = match name {
             "vit_l_16" => Arch::Vit(VitConfig::vit_l_16()),
             "vit_b_16" => Arch::Vit(VitConfig::vit_b_16()),
             "vit_mini" => Arch::Vit(VitConfig::mini()),
             "vit_tiny" => Arch::Vit(VitConfig::tiny()),
-            other => match Gpt2Config::named(other) {
-                Some(config) => Arch::Gpt2 {
-                    config: config.without_dropout(),
-                    seq: config.n_positions,
-                },
-                None => bail!(
+            other => match (Gpt2Config::named(other), LlamaConfig::named(other)) {
+                (Some(config), _) => language(LanguageConfig::Gpt2(config.without_dropout())),
+                (None, Some(config)) => language(LanguageConfig::Llama(config)),
+                (None, None) => bail!(
                     "unknown model `{other}` (models: {})",
                     Model::NAMES.join(", ")
                 ),
@@ -80,21 +141,22 @@ impl Model {
 
     /// The language model with `seq` tokens a row (`--seq`).
     pub(crate) fn with_seq(self, seq: usize) -> Result<Model> {
-        let Arch::Gpt2 { config, .. } = self.arch else {
+        let Arch::Language { config, .. } = self.arch else {
             bail!(
-                "--seq is for language models (gpt2, gpt2-medium, gpt2-large), not {}",
+                "--seq is for language models ({}), not {}",
+                Model::LANGUAGE_NAMES,
                 self.name
             );
         };
-        if seq < 2 || seq > config.n_positions {
+        if seq < 2 || seq > config.max_seq() {
             bail!(
                 "--seq {seq}: {} takes 2 to {} tokens a row",
                 self.name,
-                config.n_positions
+                config.max_seq()
             );
         }
         Ok(Model {
-            arch: Arch::Gpt2 { config, seq },
+            arch: Arch::Language { config, seq },
             ..self
         })
     }
@@ -103,15 +165,34 @@ impl Model {
     pub(crate) fn n_blocks(&self) -> usize {
         match self.arch {
             Arch::Vit(config) => config.num_layers,
-            Arch::Gpt2 { config, .. } => config.n_layer,
+            Arch::Language { config, .. } => config.n_layers(),
         }
+    }
+}
+
+/// A causal language model the benchmark trains, whatever its family: its logits, its
+/// parameters and its blocks.
+pub(crate) trait LanguageModel: Module + BlockStack + Send + Sync {
+    /// Logits `[batch, seq, vocab]` of token ids `[batch, seq]`.
+    fn logits(&self, ids: &Tensor) -> headroom_nn::Result<Tensor>;
+}
+
+impl LanguageModel for Gpt2LMHeadModel {
+    fn logits(&self, ids: &Tensor) -> headroom_nn::Result<Tensor> {
+        self.forward(ids)
+    }
+}
+
+impl LanguageModel for LlamaForCausalLM {
+    fn logits(&self, ids: &Tensor) -> headroom_nn::Result<Tensor> {
+        self.forward(ids)
     }
 }
 
 /// A model built on a backend.
 pub(crate) enum Net {
     Vit(VisionTransformer),
-    Gpt2(Gpt2LMHeadModel),
+    Language(Box<dyn LanguageModel>),
 }
 
 impl Net {
@@ -122,31 +203,49 @@ impl Net {
             Arch::Vit(config) => {
                 Net::Vit(VisionTransformer::new(backend, config, dtype, &generator)?)
             }
-            Arch::Gpt2 { config, .. } => {
-                Net::Gpt2(Gpt2LMHeadModel::new(backend, config, dtype, &generator)?)
-            }
+            Arch::Language { config, .. } => Net::Language(match config {
+                LanguageConfig::Gpt2(config) => {
+                    Box::new(Gpt2LMHeadModel::new(backend, config, dtype, &generator)?)
+                }
+                LanguageConfig::Llama(config) => {
+                    Box::new(LlamaForCausalLM::new(backend, config, dtype, &generator)?)
+                }
+            }),
         })
+    }
+
+    /// The model as a stack of blocks.
+    fn blocks(&self) -> &dyn BlockStack {
+        match self {
+            Net::Vit(vit) => vit,
+            Net::Language(lm) => lm.as_ref(),
+        }
     }
 
     /// The parameters, in `named_parameters()` order.
     pub(crate) fn parameters(&self) -> Vec<Tensor> {
         match self {
             Net::Vit(vit) => vit.parameters(),
-            Net::Gpt2(gpt2) => gpt2.parameters(),
+            Net::Language(lm) => lm.parameters(),
         }
+    }
+
+    /// Who runs the blocks now (`None`: they are called directly).
+    pub(crate) fn block_runner(&self) -> Option<Arc<dyn BlockRunner>> {
+        self.blocks().block_runner().cloned()
     }
 
     /// Runs the blocks through `runner` (checkpointing, offload, compression, a plan).
     pub(crate) fn set_block_runner(&mut self, runner: Option<Arc<dyn BlockRunner>>) {
         match self {
             Net::Vit(vit) => vit.set_block_runner(runner),
-            Net::Gpt2(gpt2) => gpt2.set_block_runner(runner),
+            Net::Language(lm) => lm.set_block_runner(runner),
         }
     }
 
     /// The forward and the loss: `model(x).float().sum()` for a ViT (the images cast to the
     /// parameters' dtype), Hugging Face's causal-LM loss (logits in f32, mean over the predicted
-    /// positions) for GPT-2.
+    /// positions) for a language model.
     pub(crate) fn loss(&self, input: &Input) -> Result<Tensor> {
         match (self, input) {
             (Net::Vit(vit), Input::Images(images)) => {
@@ -159,10 +258,10 @@ impl Net {
                 };
                 Ok(output.to_dtype(DType::F32)?.sum_all()?)
             }
-            (Net::Gpt2(gpt2), Input::Tokens { ids, targets }) => {
-                let logits = gpt2.forward(ids)?;
+            (Net::Language(lm), Input::Tokens { ids, targets }) => {
+                let logits = lm.logits(ids)?;
                 let [batch, seq, vocab] = *logits.shape() else {
-                    bail!("GPT-2 logits of shape {:?}", logits.shape());
+                    bail!("language model logits of shape {:?}", logits.shape());
                 };
                 // Upcast to f32 inside the fused loss (no f32 copy of the logits).
                 let logits = logits.reshape(&[batch * seq, vocab])?;
@@ -210,8 +309,8 @@ impl Input {
                     &[batch, 3, size, size],
                 )?))
             }
-            Arch::Gpt2 { config, seq } => {
-                let vocab = config.vocab_size;
+            Arch::Language { config, seq } => {
+                let vocab = config.vocab_size();
                 let ids: Vec<i64> = (0..batch * seq)
                     .map(|i| ((uniform(0, i as u64) * vocab as f64) as usize).min(vocab - 1) as i64)
                     .collect();

@@ -226,6 +226,9 @@ pub(crate) fn case_json(r: &CaseResult, anchors: &Anchors) -> Value {
     if let Some(plan) = &r.plan {
         value["plan"] = super::budget_plan::json(plan);
     }
+    if let Some(saves) = &r.block_saves {
+        value["block_saves"] = saves.json();
+    }
     if let Some(a) = anchor(anchors, r) {
         value["pytorch"] = json!({
             "case": r.case.pytorch_name(),

@@ -30,7 +30,7 @@ fn adam8bit_state_bytes(n: u64) -> u64 {
     }
 }
 
-fn args(list: &[&str]) -> Vec<String> {
+pub(super) fn args(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| s.to_string()).collect()
 }
 
@@ -48,7 +48,7 @@ fn tiny_vit_on_the_cpu(batch: &str, cases: &str, extra: &[&str]) -> Options {
 }
 
 /// `bench-memory` with `list` after it, parsed as the binary parses it.
-fn parse(list: &[String]) -> anyhow::Result<Options> {
+pub(super) fn parse(list: &[String]) -> anyhow::Result<Options> {
     let words: Vec<&str> = std::iter::once("bench-memory")
         .chain(list.iter().map(String::as_str))
         .collect();

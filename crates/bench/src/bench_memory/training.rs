@@ -121,8 +121,9 @@ impl Training {
             // With the plain step the peak is at the end of backward, where leaving the last
             // block alone costs nothing and saves its recompute. Stepping in backward, no
             // gradients pile up and the last block's saved tensors would set the peak at the end
-            // of the forward instead: there every block is recomputed.
-            let blocks = if case.in_backward() {
+            // of the forward instead: there every block is recomputed (and in the case that
+            // checkpoints as Hugging Face does).
+            let blocks = if case.checkpoints_the_last_block() {
                 CheckpointBlocks::all()
             } else {
                 CheckpointBlocks::all_but_last(model.n_blocks())
@@ -193,6 +194,14 @@ impl Training {
             policy: case.autocast().map(AmpPolicy::torch_cuda).transpose()?,
             cast_cache_bytes: 0,
         })
+    }
+
+    /// `case`'s forward and loss alone (its autocast, no backward): what was saved is freed
+    /// with the loss.
+    pub(crate) fn forward_only(&self, input: &Input, case: Case) -> Result<()> {
+        let policy = case.autocast().map(AmpPolicy::torch_cuda).transpose()?;
+        let _autocast = policy.as_ref().map(AmpPolicy::enter);
+        self.net.loss(input).map(drop)
     }
 
     /// Sets every gradient to none (what an interrupted step left behind).

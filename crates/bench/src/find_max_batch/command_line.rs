@@ -22,7 +22,8 @@ pub(crate) struct Args {
     /// The model (default: vit_l_16 on CUDA, vit_mini on the CPU).
     #[arg(long, value_parser = PossibleValuesParser::new(Model::NAMES).try_map(|name| Model::named(&name)))]
     model: Option<Model>,
-    /// A language model's tokens a row (gpt2, gpt2-medium, gpt2-large).
+    /// A language model's tokens a row (default: 1024 for GPT-2, 2048 for the Llama shapes, 64
+    /// for llama-tiny and qwen2-tiny).
     #[arg(long, value_name = "N", value_parser = crate::at_least_one)]
     seq: Option<usize>,
     /// Cases, by commas or repeated: bench-memory's, adam_auto excepted (it plans for a byte

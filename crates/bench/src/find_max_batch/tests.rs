@@ -14,7 +14,7 @@ use super::{
 };
 use crate::bench_memory::cases::Case;
 use crate::bench_memory::measure::Protocol;
-use crate::bench_memory::models::{Arch, Input, Model};
+use crate::bench_memory::models::{Arch, Input, LanguageConfig, Model};
 use crate::bench_memory::training::{Probe, Training};
 
 fn args(list: &[&str]) -> Vec<String> {
@@ -193,12 +193,13 @@ fn fresh_step_fits(model: Model, case: Case, cap: u64, batch: usize) -> bool {
 fn cpu_searches_under_a_cap_are_exact_and_leave_the_allocator_as_they_found_it() {
     let gpt2_tiny = Model {
         name: "gpt2_tiny",
-        arch: Arch::Gpt2 {
-            config: Gpt2Config::tiny(),
+        arch: Arch::Language {
+            config: LanguageConfig::Gpt2(Gpt2Config::tiny()),
             seq: 32,
         },
     };
     let vit_tiny = Model::named("vit_tiny").unwrap();
+    let llama_tiny = Model::named("llama-tiny").unwrap().with_seq(32).unwrap();
     let cap = 6 << 20;
     for (model, case) in [
         (vit_tiny, Case::AdamFused),
@@ -208,6 +209,8 @@ fn cpu_searches_under_a_cap_are_exact_and_leave_the_allocator_as_they_found_it()
         (vit_tiny, Case::AdamBf16),
         (gpt2_tiny, Case::FwdBwd),
         (gpt2_tiny, Case::AdamForeach),
+        (llama_tiny, Case::FwdBwdBf16Ckpt),
+        (llama_tiny, Case::AdamInbwd),
     ] {
         let cpu = capped_cpu(cap);
         let probe = Probe::cpu(&cpu);

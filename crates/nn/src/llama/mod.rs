@@ -14,8 +14,10 @@
 //! attach as they do to GPT-2.
 //!
 //! `config.rs` holds the shapes and their checks, `rope.rs` the rotary embedding, `block.rs` a
-//! decoder layer; this file assembles the model and knows nothing of a layer's inside.
+//! decoder layer, `activations.rs` the formula of what a layer keeps for backward; this file
+//! assembles the model and knows nothing of a layer's inside.
 
+mod activations;
 mod block;
 mod config;
 mod rope;

@@ -1,0 +1,156 @@
+//! `bench-memory` on the tiny Llama on the CPU: exact parameter, gradient and state bytes, and
+//! the last block's saves adding up, byte for byte, to what the block keeps and to nn's formula
+//! of a block's activation bytes per token, in f32 and in bf16 with every block checkpointed;
+//! and the Llama names, sequence lengths and their errors on the command line.
+
+use headroom_autograd_core::DType;
+use headroom_nn::LlamaConfig;
+use serde_json::Value;
+
+use super::block_saves::Storage;
+use super::cases::Case;
+use super::execute;
+use super::models::{Arch, Model};
+use super::tests::{args, parse};
+
+#[test]
+fn bench_memory_on_the_tiny_llama_names_every_byte_a_block_keeps() {
+    let path =
+        std::env::temp_dir().join(format!("headroom-llama-bench-{}.json", std::process::id()));
+    let (batch, seq) = (2u64, 16u64);
+    let mut options = parse(&args(&[
+        "--device",
+        "cpu",
+        "--model",
+        "llama-tiny",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--cases",
+        "fwd_bwd,adam_fused,fwd_bwd_bf16_ckpt",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--json",
+        path.to_str().unwrap(),
+    ]))
+    .unwrap();
+    options.progress = false;
+    let results = execute(&options).unwrap();
+    let config = LlamaConfig::tiny();
+    let n_params = config.num_parameters() as u64;
+    // Embedding 128·64, per layer q 64·64, k and v 64·32, o 64·64, MLP 3·64·128 and two norms
+    // of 64; final norm 64 and the untied head 128·64.
+    assert_eq!(
+        n_params,
+        8_192 + 2 * (4_096 + 2 * 2_048 + 4_096 + 24_576 + 128) + 64 + 8_192
+    );
+    let document: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let cases = document["cases"].as_array().unwrap();
+    assert_eq!(results.len(), 3);
+    for ((result, json), (case, dtype, state_bytes)) in results.iter().zip(cases).zip([
+        // In report order (`Case::ALL`).
+        (Case::AdamFused, DType::F32, 8 * n_params),
+        (Case::FwdBwd, DType::F32, 0),
+        (Case::FwdBwdBf16Ckpt, DType::BF16, 0),
+    ]) {
+        let name = case.name();
+        let b = dtype.size_in_bytes() as u64;
+        assert_eq!((result.case, result.model), (case, "llama-tiny"));
+        assert_eq!(json["model"], "llama-tiny", "{name}");
+        assert_eq!(result.param_bytes, b * n_params, "{name}");
+        assert_eq!(result.grad_bytes, b * n_params, "{name}");
+        assert_eq!(result.state_bytes, state_bytes, "{name}");
+        assert_eq!(
+            result.at_peak.total(),
+            json["traced_step"]["peak_allocated_bytes"]
+        );
+
+        // The last block (1 of 2) kept exactly what nn's formula says for its 32 tokens, and
+        // every byte of it is a named save's new storage or the output (the next input).
+        let saves = result.block_saves.as_ref().unwrap();
+        let per_token = config.block_activation_bytes_per_token(dtype);
+        assert_eq!(saves.block, 1, "{name}");
+        assert_eq!(saves.tokens, Some(batch * seq), "{name}");
+        assert_eq!(saves.kept_bytes, per_token * batch * seq, "{name}");
+        assert_eq!(saves.formula_bytes(), Some(saves.kept_bytes), "{name}");
+        assert_eq!(saves.unexplained_bytes, 0, "{name}");
+        assert_eq!(saves.output_bytes, 64 * b * batch * seq, "{name}");
+        // One new storage per nonzero term but the output, each the term's bytes.
+        let terms = config.block_activation_terms(dtype);
+        let mut expected: Vec<u64> = terms[..terms.len() - 1]
+            .iter()
+            .filter(|(_, bytes)| *bytes > 0)
+            .map(|(_, bytes)| bytes * batch * seq)
+            .collect();
+        let mut new: Vec<u64> = saves
+            .saves
+            .iter()
+            .filter(|save| save.storage == Storage::New)
+            .map(|save| save.storage_bytes)
+            .collect();
+        expected.sort_unstable();
+        new.sort_unstable();
+        assert_eq!(new, expected, "{name}");
+        // The seven matrices and two norm weights are saved as parameters. From outside the
+        // block: the rotary tables, four times (cos and sin, for q and k), and in f32 the
+        // block's input, which the first norm's square and product save (in bf16 they save its
+        // f32 copy).
+        let count = |storage: Storage| saves.saves.iter().filter(|s| s.storage == storage).count();
+        assert_eq!(count(Storage::Parameter), 7 + 2, "{name}");
+        let input_saves = if dtype == DType::F32 { 2 } else { 0 };
+        assert_eq!(count(Storage::Outside), 4 + input_saves, "{name}");
+        let json_saves = &json["block_saves"];
+        assert_eq!(json_saves["kept_bytes"], saves.kept_bytes, "{name}");
+        assert_eq!(json_saves["unexplained_bytes"], 0, "{name}");
+        assert_eq!(
+            json_saves["saves"].as_array().unwrap().len(),
+            saves.saves.len()
+        );
+        assert_eq!(json_saves["saves"][0]["op"], saves.saves[0].op, "{name}");
+    }
+}
+
+#[test]
+fn llama_names_and_sequence_lengths_are_checked() {
+    // The published shapes default to 2048 tokens a row, the tiny ones to their 64.
+    for (name, seq, layers) in [
+        ("llama-3.2-1b", 2048, 16),
+        ("llama-3.2-3b", 2048, 28),
+        ("llama-3.1-8b", 2048, 32),
+        ("llama-tiny", 64, 2),
+        ("qwen2-tiny", 64, 2),
+    ] {
+        let model = Model::named(name).unwrap();
+        assert!(
+            matches!(model.arch, Arch::Language { seq: s, .. } if s == seq),
+            "{name}"
+        );
+        assert_eq!(model.n_blocks(), layers, "{name}");
+    }
+    let eight_b = parse(&args(&["--model", "llama-3.1-8b", "--seq", "4096"]))
+        .unwrap()
+        .model
+        .unwrap();
+    assert!(matches!(eight_b.arch, Arch::Language { seq: 4096, .. }));
+    for (bad, message) in [
+        (
+            &["--model", "llama-tiny", "--seq", "65"][..],
+            "--seq 65: llama-tiny takes 2 to 64 tokens a row",
+        ),
+        (
+            &["--model", "llama-3.2-1b", "--seq", "1"],
+            "--seq 1: llama-3.2-1b takes 2 to 131072 tokens a row",
+        ),
+        (
+            &["--model", "llama-2-7b"],
+            "invalid value 'llama-2-7b' for '--model <MODEL>'",
+        ),
+    ] {
+        let err = parse(&args(bad)).unwrap_err();
+        assert!(format!("{err:#}").contains(message), "{bad:?}: {err:#}");
+    }
+}
