@@ -16,8 +16,9 @@ Usage:
 """
 import argparse
 import gc
-import json
 import time
+
+from bench_reference import json_lines
 
 N_TENSORS = 160
 PER_TENSOR = 6_250_000
@@ -68,12 +69,7 @@ def main():
         ('torch_single', 28.0, adam(foreach=False)),
         ('bitsandbytes_adam8bit', 16.0, adam8bit),
     ]
-    with open(args.out, 'a') as out:
-        def emit(row):
-            print(json.dumps(row), flush=True)
-            out.write(json.dumps(row) + '\n')
-            out.flush()
-
+    with json_lines(args.out) as emit:
         emit(dict(case='env', torch=torch.__version__, gpu=torch.cuda.get_device_name(0),
                   n_tensors=N_TENSORS, per_tensor=PER_TENSOR))
         for name, bytes_per_param, make in implementations:

@@ -276,6 +276,18 @@ def run_case(case, model_name, batch, seq, warmup=3, steps=6):
     return row
 
 
+
+@contextlib.contextmanager
+def json_lines(path):
+    """An `emit(row)` that prints `row` as JSON and appends it as one line to `path`."""
+    with open(path, 'a') as out:
+        def emit(row):
+            print(json.dumps(row), flush=True)
+            out.write(json.dumps(row) + '\n')
+            out.flush()
+
+        yield emit
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--model', default='vit_l_16')
@@ -304,12 +316,7 @@ def main():
                                   args.steps)))
         return
     import torch
-    with open(args.out, 'a') as out:
-        def emit(row):
-            print(json.dumps(row), flush=True)
-            out.write(json.dumps(row) + '\n')
-            out.flush()
-
+    with json_lines(args.out) as emit:
         emit(dict(case='env', torch=torch.__version__, gpu=torch.cuda.get_device_name(0),
                   model=args.model))
         for batch in batches:

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use headroom_autograd_core::{saved_tensor_hooks, DType, Packed, SaveRole, SaveSite, Tensor};
 use headroom_caching_allocator::{HistoryOptions, TraceAction};
-use headroom_nn::{BlockForward, BlockRunner, LlamaConfig};
+use headroom_nn::{BlockForward, BlockRunner, LlamaConfig, Result as NnResult};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 
@@ -302,12 +302,7 @@ impl std::fmt::Debug for Recorded {
 }
 
 impl BlockRunner for RecordBlock {
-    fn run(
-        &self,
-        index: usize,
-        block: BlockForward,
-        input: &Tensor,
-    ) -> headroom_nn::Result<Tensor> {
+    fn run(&self, index: usize, block: BlockForward, input: &Tensor) -> NnResult<Tensor> {
         if index != self.index {
             return match &self.inner {
                 Some(inner) => inner.run(index, block, input),
