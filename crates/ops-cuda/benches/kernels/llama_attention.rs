@@ -132,7 +132,7 @@ pub(crate) fn llama_attention(bench: &mut Bench, compute: &CudaStream) {
     );
     drop(target);
 
-    let mut random = Xorshift::from_state(0x11a_3a_0030);
+    let mut random = Xorshift::from_state(0x0001_1a3a_0030);
     let lengths: Vec<usize> = (0..16)
         .map(|_| 64 + random.next_below(2048 - 64 + 1) as usize)
         .collect();
