@@ -389,6 +389,19 @@ __device__ void attention_backward_dq(const T* q, const T* k, const T* v, const 
     store_rows<T, A, DC>(dq, a, OP_DQ, b, h, q0, a.queries, ty, tx, acc, mul);
 }
 
+// What a block of keys k0..k0 + 32 streams: each own key row k0 + ty + 8r sees queries [lo[r],
+// hi[r]) of every head of the group (causal: none before it); the block's query tiles start at
+// `query_begin`, and their count is returned.
+__device__ __forceinline__ unsigned int key_block_queries(const AttnArgs& a, unsigned int k0, int ty,
+                                                          unsigned int (&lo)[4], unsigned int (&hi)[4],
+                                                          unsigned int& query_begin) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) queries_seeing(a, k0 + ty + 8 * r, lo[r], hi[r]);
+    unsigned int query_end;
+    block_range(a, false, k0, BK, query_begin, query_end);
+    return (query_end - query_begin + BQ - 1) / BQ;
+}
+
 // dK and dV of 32 keys, streaming queries, dO, lse and Δ.
 template <typename T, int DC>
 __device__ void attention_backward_dkdv(const T* q, const T* k, const T* v, const T* dout,
@@ -416,12 +429,8 @@ __device__ void attention_backward_dkdv(const T* q, const T* k, const T* v, cons
     A dka[4][DC], dva[4][DC];
     zero(dka);
     zero(dva);
-    // Each key sees queries [lo, hi) of every head of the group (causal: none before it).
-    unsigned int lo[4], hi[4], query_begin, query_end;
-#pragma unroll
-    for (int r = 0; r < 4; ++r) queries_seeing(a, k0 + ty + 8 * r, lo[r], hi[r]);
-    block_range(a, false, k0, BK, query_begin, query_end);
-    const unsigned int tiles = (query_end - query_begin + BQ - 1) / BQ;
+    unsigned int lo[4], hi[4], query_begin;
+    const unsigned int tiles = key_block_queries(a, k0, ty, lo, hi, query_begin);
     for (unsigned int step = 0; step < group * tiles; ++step) {
         const unsigned int h = kvh * group + step / tiles, q0 = query_begin + step % tiles * BQ;
         const unsigned long long stats = ((unsigned long long)b * a.heads + h) * a.queries;
@@ -527,12 +536,8 @@ __device__ void attention_backward_fused(const T* q, const T* k, const T* v, con
     A dka[4][DC], dva[4][DC];
     zero(dka);
     zero(dva);
-    // Each key sees queries [lo, hi) of every head of the group (causal: none before it).
-    unsigned int lo[4], hi[4], query_begin, query_end;
-#pragma unroll
-    for (int r = 0; r < 4; ++r) queries_seeing(a, k0 + ty + 8 * r, lo[r], hi[r]);
-    block_range(a, false, k0, BK, query_begin, query_end);
-    const unsigned int tiles = (query_end - query_begin + BQ - 1) / BQ;
+    unsigned int lo[4], hi[4], query_begin;
+    const unsigned int tiles = key_block_queries(a, k0, ty, lo, hi, query_begin);
     for (unsigned int step = 0; step < group * tiles; ++step) {
         const unsigned int h = kvh * group + step / tiles, q0 = query_begin + step % tiles * BQ;
         const unsigned long long stats = ((unsigned long long)b * a.heads + h) * a.queries;

@@ -151,11 +151,7 @@ pub(crate) fn forward(
     let Some(packed) = f.packed else {
         return forward_units(backend, f, dims, element_address(&f.lse));
     };
-    for bounds in packed.host.windows(2) {
-        let (first, len) = (bounds[0] as usize, (bounds[1] - bounds[0]) as usize);
-        if len == 0 {
-            continue;
-        }
+    for (first, len) in sequences(packed.host) {
         let [q, k, v, out] = [f.q, f.k, f.v, f.out].map(|view| row_slice(&view, first, len));
         let (q, k, v, out) = (q?, k?, v?, out?);
         let sequence = AttentionForward {
@@ -182,6 +178,14 @@ pub(crate) fn forward(
         )?;
     }
     Ok(())
+}
+
+/// The non-empty sequences of `cu_seqlens`: first row and length.
+fn sequences(cu_seqlens: &[i32]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    cu_seqlens
+        .windows(2)
+        .map(|bounds| (bounds[0] as usize, (bounds[1] - bounds[0]) as usize))
+        .filter(|&(_, len)| len > 0)
 }
 
 /// `view` (`[batch, heads, rows, head_dim]`) restricted to rows `first..first + len`.
@@ -304,11 +308,7 @@ pub(crate) fn backward(
     let Some(packed) = f.packed else {
         return backward_units(backend, b, dims, element_address(&f.lse));
     };
-    for bounds in packed.host.windows(2) {
-        let (first, len) = (bounds[0] as usize, (bounds[1] - bounds[0]) as usize);
-        if len == 0 {
-            continue;
-        }
+    for (first, len) in sequences(packed.host) {
         let views = [f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv];
         let [q, k, v, out, dout, dq, dk, dv] = views.map(|view| row_slice(&view, first, len));
         let [q, k, v, out] = [q?, k?, v?, out?];
