@@ -99,11 +99,11 @@ pub use autocast::{
     AutocastStats, CastPolicy, AUTOCAST_OPS,
 };
 pub use backend::{
-    attention_dims, compose_linear, compose_linear_weight_grad, index_strides, linear_dims,
-    linear_weight_grad_dims, matmul_dims, AttentionBackward, AttentionDims, AttentionForward,
-    Backend, BackendRef, BinaryOp, CrossEntropyArgs, DropoutDraw, LayerNormBackward,
-    LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp, Operands,
-    ReduceOp, Reduction, UnaryOp, View,
+    attention_dims, check_cu_seqlens, compose_linear, compose_linear_weight_grad, index_strides,
+    linear_dims, linear_weight_grad_dims, matmul_dims, AttentionBackward, AttentionDims,
+    AttentionForward, Backend, BackendRef, BinaryOp, CrossEntropyArgs, DropoutDraw,
+    LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp,
+    Operands, PackedBounds, ReduceOp, Reduction, UnaryOp, View,
 };
 pub use buffer::{Access, Buffer, HostAccess, VersionCounter};
 pub use dtype::{DType, Device};
@@ -121,7 +121,7 @@ pub use layout::{
 pub use non_finite::{found_non_finite, non_finite_check_};
 pub use ops::{
     cat, cross_entropy, cross_entropy_f32, dropout, embedding, layer_norm, patch_embedding,
-    scaled_dot_product_attention,
+    scaled_dot_product_attention, scaled_dot_product_attention_varlen, PackedSequences,
 };
 pub use overlap::{check_operands, claim_operands, overlap, Aliasing, Overlap};
 pub use random::{

@@ -5,6 +5,13 @@
 //! the output and each query's log-sum-exp; backward recomputes the probabilities from the
 //! log-sum-exp (`Δᵢ = Σ dOᵢ·Oᵢ`, `dSᵢⱼ = Pᵢⱼ (dPᵢⱼ − Δᵢ)`), as the GPU kernels do. Scratch is
 //! host memory of one pair (`queries × keys` f64), not from the caching allocator.
+//!
+//! Grouped-query heads are read in place (query head `h` loads key/value head `h / group`);
+//! backward runs one task per (batch, key/value head), which walks the group's query heads and
+//! sums their dK and dV in f64 before one store. Every query sees one contiguous range of keys
+//! (`visible_keys`: all of them, those up to itself when causal, and within its own sequence when
+//! packed), so packed sequences cost no work for the pairs they mask.
+use std::ops::Range;
 
 use headroom_autograd_core::{
     attention_dims, AttentionBackward, AttentionDims, AttentionForward, DType, Result, View,
@@ -100,14 +107,41 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-/// Scaled scores of query `i` against every visible key, and their log-sum-exp.
-fn scores(q_i: &[f64], k: &[f64], d: usize, visible: usize, scale: f64, out: &mut [f64]) -> f64 {
+/// The keys each query sees: all, those up to the query when causal, and only its own sequence's
+/// when packed (then `queries == keys` and the batch is one row).
+fn visible_keys(args: &AttentionForward<'_>, dims: AttentionDims) -> Vec<Range<usize>> {
+    let mut ranges: Vec<Range<usize>> = vec![0..dims.keys; dims.queries];
+    if let Some(packed) = &args.packed {
+        for bounds in packed.host.windows(2) {
+            let sequence = bounds[0] as usize..bounds[1] as usize;
+            ranges[sequence.clone()].fill(sequence);
+        }
+    }
+    if args.causal {
+        for (i, range) in ranges.iter_mut().enumerate() {
+            range.end = i + 1;
+        }
+    }
+    ranges
+}
+
+/// Scaled scores of query `i` against the keys of `visible` (into `out[..visible.len()]`), and
+/// their log-sum-exp.
+fn scores(
+    q_i: &[f64],
+    k: &[f64],
+    d: usize,
+    visible: Range<usize>,
+    scale: f64,
+    out: &mut [f64],
+) -> f64 {
+    let n_visible = visible.len();
     let mut max = f64::NEG_INFINITY;
-    for (j, s) in out[..visible].iter_mut().enumerate() {
+    for (s, j) in out[..n_visible].iter_mut().zip(visible) {
         *s = scale * dot(q_i, &k[j * d..(j + 1) * d]);
         max = max.max(*s);
     }
-    let sum: f64 = out[..visible].iter().map(|s| (s - max).exp()).sum();
+    let sum: f64 = out[..n_visible].iter().map(|s| (s - max).exp()).sum();
     max + sum.ln()
 }
 
@@ -126,23 +160,24 @@ fn forward_typed<T: Float>(args: &AttentionForward<'_>, dims: AttentionDims) {
         Operand::<T>::new(&args.out),
     );
     let lse_out = Lse::new(&args.lse);
-    let (sq, sk, d) = (dims.queries, dims.keys, dims.head_dim);
+    let (sq, sk, d, group) = (dims.queries, dims.keys, dims.head_dim, dims.group());
+    let visible = visible_keys(args, dims);
     (0..dims.batch * dims.heads)
         .into_par_iter()
         .for_each(|pair| {
             let (b, h) = (pair / dims.heads, pair % dims.heads);
             let (qs, ks, vs) = (
                 q.load(b, h, sq, d),
-                k.load(b, h, sk, d),
-                v.load(b, h, sk, d),
+                k.load(b, h / group, sk, d),
+                v.load(b, h / group, sk, d),
             );
             let mut result = vec![0.0; sq * d];
             let mut s = vec![0.0; sk];
-            for i in 0..sq {
-                let visible = if args.causal { i + 1 } else { sk };
-                let lse = scores(&qs[i * d..(i + 1) * d], &ks, d, visible, args.scale, &mut s);
+            for (i, keys) in visible.iter().enumerate() {
+                let q_i = &qs[i * d..(i + 1) * d];
+                let lse = scores(q_i, &ks, d, keys.clone(), args.scale, &mut s);
                 let row = &mut result[i * d..(i + 1) * d];
-                for (j, &sj) in s[..visible].iter().enumerate() {
+                for (&sj, j) in s.iter().zip(keys.clone()) {
                     let p = (sj - lse).exp();
                     for (o, &vj) in row.iter_mut().zip(&vs[j * d..(j + 1) * d]) {
                         *o += p * vj;
@@ -166,37 +201,38 @@ fn backward_typed<T: Float>(args: &AttentionBackward<'_>, dims: AttentionDims) {
     let [q, k, v, out, dout, dq, dk, dv] =
         [f.q, f.k, f.v, f.out, args.dout, args.dq, args.dk, args.dv].map(|v| Operand::<T>::new(&v));
     let lse_in = Lse::new(&f.lse);
-    let (sq, sk, d) = (dims.queries, dims.keys, dims.head_dim);
-    (0..dims.batch * dims.heads)
+    let (sq, sk, d, group) = (dims.queries, dims.keys, dims.head_dim, dims.group());
+    let visible = visible_keys(f, dims);
+    // One task per (batch, key/value head): its dK and dV sum over the group's query heads.
+    (0..dims.batch * dims.kv_heads)
         .into_par_iter()
-        .for_each(|pair| {
-            let (b, h) = (pair / dims.heads, pair % dims.heads);
-            let (qs, ks, vs) = (
-                q.load(b, h, sq, d),
-                k.load(b, h, sk, d),
-                v.load(b, h, sk, d),
-            );
-            let (os, dos) = (out.load(b, h, sq, d), dout.load(b, h, sq, d));
-            let (mut dqs, mut dks, mut dvs) =
-                (vec![0.0; sq * d], vec![0.0; sk * d], vec![0.0; sk * d]);
-            for i in 0..sq {
-                let visible = if f.causal { i + 1 } else { sk };
-                let lse = lse_in.read(pair * sq + i);
-                let (q_i, do_i) = (&qs[i * d..(i + 1) * d], &dos[i * d..(i + 1) * d]);
-                let delta = dot(do_i, &os[i * d..(i + 1) * d]);
-                for j in 0..visible {
-                    let (k_j, v_j) = (&ks[j * d..(j + 1) * d], &vs[j * d..(j + 1) * d]);
-                    let p = (f.scale * dot(q_i, k_j) - lse).exp();
-                    let ds = p * (dot(do_i, v_j) - delta) * f.scale;
-                    for c in 0..d {
-                        dvs[j * d + c] += p * do_i[c];
-                        dks[j * d + c] += ds * q_i[c];
-                        dqs[i * d + c] += ds * k_j[c];
+        .for_each(|kv_pair| {
+            let (b, kv_head) = (kv_pair / dims.kv_heads, kv_pair % dims.kv_heads);
+            let (ks, vs) = (k.load(b, kv_head, sk, d), v.load(b, kv_head, sk, d));
+            let (mut dks, mut dvs) = (vec![0.0; sk * d], vec![0.0; sk * d]);
+            for h in kv_head * group..(kv_head + 1) * group {
+                let pair = b * dims.heads + h;
+                let qs = q.load(b, h, sq, d);
+                let (os, dos) = (out.load(b, h, sq, d), dout.load(b, h, sq, d));
+                let mut dqs = vec![0.0; sq * d];
+                for (i, keys) in visible.iter().enumerate() {
+                    let lse = lse_in.read(pair * sq + i);
+                    let (q_i, do_i) = (&qs[i * d..(i + 1) * d], &dos[i * d..(i + 1) * d]);
+                    let delta = dot(do_i, &os[i * d..(i + 1) * d]);
+                    for j in keys.clone() {
+                        let (k_j, v_j) = (&ks[j * d..(j + 1) * d], &vs[j * d..(j + 1) * d]);
+                        let p = (f.scale * dot(q_i, k_j) - lse).exp();
+                        let ds = p * (dot(do_i, v_j) - delta) * f.scale;
+                        for c in 0..d {
+                            dvs[j * d + c] += p * do_i[c];
+                            dks[j * d + c] += ds * q_i[c];
+                            dqs[i * d + c] += ds * k_j[c];
+                        }
                     }
                 }
+                dq.store(b, h, d, &dqs);
             }
-            dq.store(b, h, d, &dqs);
-            dk.store(b, h, d, &dks);
-            dv.store(b, h, d, &dvs);
+            dk.store(b, kv_head, d, &dks);
+            dv.store(b, kv_head, d, &dvs);
         });
 }

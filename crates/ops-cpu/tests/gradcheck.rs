@@ -7,8 +7,8 @@
 
 use headroom_autograd_core::{
     cat, cross_entropy, cross_entropy_f32, dropout, embedding, layer_norm, no_grad,
-    patch_embedding, scaled_dot_product_attention, BackendRef, DType, Generator, Reduction, Result,
-    Tensor,
+    patch_embedding, scaled_dot_product_attention, scaled_dot_product_attention_varlen, BackendRef,
+    DType, Generator, PackedSequences, Reduction, Result, Tensor,
 };
 use headroom_ops_cpu::CpuBackend;
 
@@ -256,6 +256,27 @@ fn fused_attention() {
             input(&[1, 2, 4, 3]),
         ],
         &|_, x| scaled_dot_product_attention(&x[0], &x[1], &x[2], true, Some(0.7)),
+    );
+    check_gradients(
+        "grouped-query causal attention (4 query heads on 2 key/value heads)",
+        &[
+            input(&[1, 4, 5, 3]),
+            input(&[1, 2, 5, 3]),
+            input(&[1, 2, 5, 3]),
+        ],
+        &|_, x| scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None),
+    );
+    check_gradients(
+        "packed sequences (lengths 3, 0 and 4), grouped heads",
+        &[
+            input(&[1, 2, 7, 3]),
+            input(&[1, 1, 7, 3]),
+            input(&[1, 1, 7, 3]),
+        ],
+        &|backend, x| {
+            let packed = PackedSequences::new(backend, &[0, 3, 3, 7])?;
+            scaled_dot_product_attention_varlen(&x[0], &x[1], &x[2], &packed, true, None)
+        },
     );
     // Heads as strided views of one packed projection, as attention layers pass them.
     check_gradients(

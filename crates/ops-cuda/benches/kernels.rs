@@ -1,8 +1,10 @@
 //! One criterion group per kernel family of the CUDA backend, called through the `Backend` trait
 //! on ViT-L/16 batch-32 shapes (`[32·197, 1024]` and `[32·197, 4096]` activations,
 //! `[32, 16, 197, 197]` attention scores), plus GEMM, fused attention (forward and backward, heads
-//! strided out of a packed q/k/v projection as ViT passes them) and host↔device copies from pinned
-//! and pageable memory.
+//! strided out of a packed q/k/v projection as ViT passes them), the Llama attention cases of
+//! issue 30 (`kernels/llama_attention.rs`: causal bf16 grouped-query attention at the target shape
+//! and packed sequences, in TFLOP/s of the causal half) and host↔device copies from pinned and
+//! pageable memory.
 //!
 //! Each case declares the bytes an ideal pass moves (every input read once, every output written
 //! once), so criterion prints GB/s; GEMMs declare FLOPs as elements (criterion's `elem/s` is
@@ -13,6 +15,9 @@
 //!
 //! `cargo bench -p headroom-ops-cuda --features cuda --bench kernels` (or the binary with
 //! `--bench`); without a device it prints a skip notice.
+
+#[path = "kernels/llama_attention.rs"]
+mod llama_attention;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -177,6 +182,7 @@ fn main() {
     indexing(&mut bench, &compute);
     gemm(&mut bench, &compute);
     attention(&mut bench, &compute);
+    llama_attention::llama_attention(&mut bench, &compute);
     host_copies(&mut bench);
 
     bench.criterion.final_summary();
@@ -735,6 +741,7 @@ fn attention(bench: &mut Bench, compute: &CudaStream) {
             v: view(&packed, &thirds[2], dtype),
             scale: 1.0 / (HEAD_DIM as f64).sqrt(),
             causal: false,
+            packed: None,
             out: view(&out, &merged, dtype),
             lse: lse_view,
         };

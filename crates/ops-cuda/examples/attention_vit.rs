@@ -96,6 +96,7 @@ fn main() -> Result<()> {
         v: view(&packed, &vl, dtype),
         scale: 1.0 / (HEAD_DIM as f64).sqrt(),
         causal: false,
+        packed: None,
         out: view(&out, &rows, dtype),
         lse: View {
             buffer: lse.buffer(),

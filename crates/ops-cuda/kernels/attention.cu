@@ -14,7 +14,15 @@
 // elements at once when every operand's rows are 4-element aligned (the `vector` flag). Softmax is
 // online (running max and sum, base-2 exponentials of log2(e)-prescaled scores), the row
 // reductions are shuffles among the 8 threads of a row; backward recomputes probabilities from the
-// saved log-sum-exp. Accumulation is in double for f64 and float otherwise. The Rust side
+// saved log-sum-exp. Accumulation is in double for f64 and float otherwise.
+//
+// Grouped-query heads are read in place: a query head's block loads key/value head h / group, and
+// a dK/dV block takes one (batch, kv head) and walks the queries of every head of its group,
+// summing in registers (no atomics, no expanded copy). Each own row sees one contiguous range of
+// the other side (`keys_seen` / `queries_seeing` in attention.cuh: causal, and within its own
+// sequence when packed through `cu_seqlens`), a block streams only the union of its rows' ranges
+// (so packed sequences cost the sum of their own tiles, not the whole batch's), and masks element
+// by element against each row's range (tiles straddling a sequence boundary included). The Rust side
 // (crates/ops-cuda/src/attention/args.rs) describes operands with `AttnArgs`, field for field.
 // Built to PTX by `cargo xtask build-kernels`.
 
@@ -231,35 +239,37 @@ __device__ void attention_forward(const T* q, const T* k, const T* v, T* o,
     A* ks = qs + BQ * PS;  // [32][PS]
     A* vs = ks + BK * PS;  // [32][PS]
     A* ps = vs + BK * PS;  // [32][WS]
-    const unsigned int b = blockIdx.y / a.heads, h = blockIdx.y % a.heads;
+    const unsigned int b = blockIdx.y / a.heads, h = blockIdx.y % a.heads, kvh = h / group_size(a);
     const int tx = threadIdx.x & 7, ty = threadIdx.x >> 3;
     const unsigned int q0 = blockIdx.x * BQ;
     load_rows<T, A, DP>(q, a, OP_Q, b, h, q0, a.queries, (A)(a.scale * LOG2E), qs);
 
     A acc[4][DC], m[4], l[4];
+    unsigned int lo[4], hi[4];
     zero(acc);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
         m[r] = neg_inf<A>();
         l[r] = 0;
+        keys_seen(a, q0 + ty + 8 * r, lo[r], hi[r]);
     }
-    const unsigned int key_end = a.causal ? min(a.keys, q0 + BQ) : a.keys;
-    for (unsigned int k0 = 0; k0 < key_end; k0 += BK) {
+    unsigned int key_begin, key_end;
+    block_range(a, true, q0, BQ, key_begin, key_end);
+    for (unsigned int k0 = key_begin; k0 < key_end; k0 += BK) {
         __syncthreads();
-        load_rows<T, A, DP>(k, a, OP_K, b, h, k0, a.keys, (A)1, ks);
-        load_rows<T, A, DP>(v, a, OP_V, b, h, k0, a.keys, (A)1, vs);
+        load_rows<T, A, DP>(k, a, OP_K, b, kvh, k0, a.keys, (A)1, ks);
+        load_rows<T, A, DP>(v, a, OP_V, b, kvh, k0, a.keys, (A)1, vs);
         __syncthreads();
         A s[4][4];
         zero(s);
         tile_product<A, DP>(qs, ks, ty, tx, s);
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            unsigned int row = q0 + ty + 8 * r;
             A tile_max = neg_inf<A>();
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 unsigned int key = k0 + tx + 8 * c;
-                if (key >= a.keys || (a.causal && key > row)) s[r][c] = neg_inf<A>();
+                if (key < lo[r] || key >= hi[r]) s[r][c] = neg_inf<A>();
                 tile_max = max(tile_max, s[r][c]);
             }
             tile_max = row_max(tile_max);
@@ -307,7 +317,7 @@ __device__ void attention_backward_dq(const T* q, const T* k, const T* v, const 
     A* dst = vs + BK * PS;     // [32][WS]
     A* lses = dst + BK * WS;   // [32]
     A* deltas = lses + BQ;     // [32]
-    const unsigned int b = blockIdx.y / a.heads, h = blockIdx.y % a.heads;
+    const unsigned int b = blockIdx.y / a.heads, h = blockIdx.y % a.heads, kvh = h / group_size(a);
     const int tx = threadIdx.x & 7, ty = threadIdx.x >> 3;
     const unsigned int q0 = blockIdx.x * BQ;
     const unsigned long long stats = (unsigned long long)blockIdx.y * a.queries;
@@ -345,11 +355,14 @@ __device__ void attention_backward_dq(const T* q, const T* k, const T* v, const 
     const A scale2 = (A)(a.scale * LOG2E);
     A acc[4][DC];
     zero(acc);
-    const unsigned int key_end = a.causal ? min(a.keys, q0 + BQ) : a.keys;
-    for (unsigned int k0 = 0; k0 < key_end; k0 += BK) {
+    unsigned int lo[4], hi[4], key_begin, key_end;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) keys_seen(a, q0 + ty + 8 * r, lo[r], hi[r]);
+    block_range(a, true, q0, BQ, key_begin, key_end);
+    for (unsigned int k0 = key_begin; k0 < key_end; k0 += BK) {
         __syncthreads();
-        load_rows<T, A, DP>(k, a, OP_K, b, h, k0, a.keys, (A)1, ks);
-        load_rows<T, A, DP>(v, a, OP_V, b, h, k0, a.keys, (A)1, vs);
+        load_rows<T, A, DP>(k, a, OP_K, b, kvh, k0, a.keys, (A)1, ks);
+        load_rows<T, A, DP>(v, a, OP_V, b, kvh, k0, a.keys, (A)1, vs);
         __syncthreads();
         A s[4][4], dp[4][4];
         zero(s);
@@ -358,12 +371,11 @@ __device__ void attention_backward_dq(const T* q, const T* k, const T* v, const 
         tile_product<A, DP>(dos, vs, ty, tx, dp);
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            unsigned int row = q0 + ty + 8 * r;
             A l2 = lses[ty + 8 * r], dl = deltas[ty + 8 * r];
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 unsigned int key = k0 + tx + 8 * c;
-                bool hidden = key >= a.keys || row >= a.queries || (a.causal && key > row);
+                bool hidden = key < lo[r] || key >= hi[r];
                 A p = hidden ? (A)0 : m_exp2(s[r][c] * scale2 - l2);
                 s[r][c] = p * (dp[r][c] - dl);
             }
@@ -375,6 +387,19 @@ __device__ void attention_backward_dq(const T* q, const T* k, const T* v, const 
     const A scale = (A)a.scale;
     const A mul[4] = {scale, scale, scale, scale};
     store_rows<T, A, DC>(dq, a, OP_DQ, b, h, q0, a.queries, ty, tx, acc, mul);
+}
+
+// What a block of keys k0..k0 + 32 streams: each own key row k0 + ty + 8r sees queries [lo[r],
+// hi[r]) of every head of the group (causal: none before it); the block's query tiles start at
+// `query_begin`, and their count is returned.
+__device__ __forceinline__ unsigned int key_block_queries(const AttnArgs& a, unsigned int k0, int ty,
+                                                          unsigned int (&lo)[4], unsigned int (&hi)[4],
+                                                          unsigned int& query_begin) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) queries_seeing(a, k0 + ty + 8 * r, lo[r], hi[r]);
+    unsigned int query_end;
+    block_range(a, false, k0, BK, query_begin, query_end);
+    return (query_end - query_begin + BQ - 1) / BQ;
 }
 
 // dK and dV of 32 keys, streaming queries, dO, lse and Δ.
@@ -394,19 +419,21 @@ __device__ void attention_backward_dkdv(const T* q, const T* k, const T* v, cons
     A* dss = ps + BQ * WS;     // [32][WS]
     A* lses = dss + BQ * WS;   // [32]
     A* deltas = lses + BQ;     // [32]
-    const unsigned int b = blockIdx.y / a.heads, h = blockIdx.y % a.heads;
+    // One block per (batch, kv head) and 32 keys: dK and dV sum over the group's query heads.
+    const unsigned int b = blockIdx.y / a.kv_heads, kvh = blockIdx.y % a.kv_heads, group = group_size(a);
     const int tx = threadIdx.x & 7, ty = threadIdx.x >> 3;
     const unsigned int k0 = blockIdx.x * BK;
-    const unsigned long long stats = (unsigned long long)blockIdx.y * a.queries;
-    load_rows<T, A, DP>(k, a, OP_K, b, h, k0, a.keys, (A)1, ks);
-    load_rows<T, A, DP>(v, a, OP_V, b, h, k0, a.keys, (A)1, vs);
+    load_rows<T, A, DP>(k, a, OP_K, b, kvh, k0, a.keys, (A)1, ks);
+    load_rows<T, A, DP>(v, a, OP_V, b, kvh, k0, a.keys, (A)1, vs);
     const A scale2 = (A)(a.scale * LOG2E);
     A dka[4][DC], dva[4][DC];
     zero(dka);
     zero(dva);
-    // Causal: queries before the block's first key see none of its keys.
-    const unsigned int first = a.causal ? k0 / BQ * BQ : 0;
-    for (unsigned int q0 = first; q0 < a.queries; q0 += BQ) {
+    unsigned int lo[4], hi[4], query_begin;
+    const unsigned int tiles = key_block_queries(a, k0, ty, lo, hi, query_begin);
+    for (unsigned int step = 0; step < group * tiles; ++step) {
+        const unsigned int h = kvh * group + step / tiles, q0 = query_begin + step % tiles * BQ;
+        const unsigned long long stats = ((unsigned long long)b * a.heads + h) * a.queries;
         __syncthreads();
         load_rows<T, A, DP>(q, a, OP_Q, b, h, q0, a.queries, (A)1, qs);
         load_rows<T, A, DP>(dout, a, OP_DO, b, h, q0, a.queries, (A)1, dos);
@@ -428,8 +455,7 @@ __device__ void attention_backward_dkdv(const T* q, const T* k, const T* v, cons
             A l2 = lses[tx + 8 * c], dl = deltas[tx + 8 * c];
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
-                unsigned int key = k0 + ty + 8 * r;
-                bool hidden = query >= a.queries || key >= a.keys || (a.causal && key > query);
+                bool hidden = query < lo[r] || query >= hi[r];
                 A p = hidden ? (A)0 : m_exp2(s[r][c] * scale2 - l2);
                 s[r][c] = p;
                 dp[r][c] = p * (dp[r][c] - dl);
@@ -444,8 +470,8 @@ __device__ void attention_backward_dkdv(const T* q, const T* k, const T* v, cons
     const A scale = (A)a.scale;
     const A mul_k[4] = {scale, scale, scale, scale};
     const A one[4] = {(A)1, (A)1, (A)1, (A)1};
-    store_rows<T, A, DC>(dk, a, OP_DK, b, h, k0, a.keys, ty, tx, dka, mul_k);
-    store_rows<T, A, DC>(dv, a, OP_DV, b, h, k0, a.keys, ty, tx, dva, one);
+    store_rows<T, A, DC>(dk, a, OP_DK, b, kvh, k0, a.keys, ty, tx, dka, mul_k);
+    store_rows<T, A, DC>(dv, a, OP_DV, b, kvh, k0, a.keys, ty, tx, dva, one);
 }
 
 // The backward in one pass over the keys (opt-in, f32 and f64): `attention_backward_delta_zero`
@@ -499,19 +525,22 @@ __device__ void attention_backward_fused(const T* q, const T* k, const T* v, con
     A* dsq = dss + BQ * WS;    // [32][WS]: dS by key, query slots (for dQ)
     A* lses = dsq + BK * WS;   // [32]
     A* deltas = lses + BQ;     // [32]
-    const unsigned int b = blockIdx.y / a.heads, h = blockIdx.y % a.heads;
+    // One block per (batch, kv head) and 32 keys: dK and dV sum over the group's query heads.
+    const unsigned int b = blockIdx.y / a.kv_heads, kvh = blockIdx.y % a.kv_heads, group = group_size(a);
     const int tx = threadIdx.x & 7, ty = threadIdx.x >> 3;
     const unsigned int k0 = blockIdx.x * BK;
-    const unsigned long long stats = (unsigned long long)blockIdx.y * a.queries;
-    load_rows<T, A, DP>(k, a, OP_K, b, h, k0, a.keys, (A)1, ks);
-    load_rows<T, A, DP>(v, a, OP_V, b, h, k0, a.keys, (A)1, vs);
+    load_rows<T, A, DP>(k, a, OP_K, b, kvh, k0, a.keys, (A)1, ks);
+    load_rows<T, A, DP>(v, a, OP_V, b, kvh, k0, a.keys, (A)1, vs);
     const A scale2 = (A)(a.scale * LOG2E);
     const A scale = (A)a.scale;
     A dka[4][DC], dva[4][DC];
     zero(dka);
     zero(dva);
-    const unsigned int first = a.causal ? k0 / BQ * BQ : 0;
-    for (unsigned int q0 = first; q0 < a.queries; q0 += BQ) {
+    unsigned int lo[4], hi[4], query_begin;
+    const unsigned int tiles = key_block_queries(a, k0, ty, lo, hi, query_begin);
+    for (unsigned int step = 0; step < group * tiles; ++step) {
+        const unsigned int h = kvh * group + step / tiles, q0 = query_begin + step % tiles * BQ;
+        const unsigned long long stats = ((unsigned long long)b * a.heads + h) * a.queries;
         __syncthreads();
         load_rows<T, A, DP>(q, a, OP_Q, b, h, q0, a.queries, (A)1, qs);
         load_rows<T, A, DP>(dout, a, OP_DO, b, h, q0, a.queries, (A)1, dos);
@@ -532,8 +561,7 @@ __device__ void attention_backward_fused(const T* q, const T* k, const T* v, con
             A l2 = lses[tx + 8 * c], dl = deltas[tx + 8 * c];
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
-                unsigned int key = k0 + ty + 8 * r;
-                bool hidden = query >= a.queries || key >= a.keys || (a.causal && key > query);
+                bool hidden = query < lo[r] || query >= hi[r];
                 A p = hidden ? (A)0 : m_exp2(s[r][c] * scale2 - l2);
                 s[r][c] = p;
                 dp[r][c] = p * (dp[r][c] - dl);
@@ -565,8 +593,8 @@ __device__ void attention_backward_fused(const T* q, const T* k, const T* v, con
     }
     const A mul_k[4] = {scale, scale, scale, scale};
     const A one[4] = {(A)1, (A)1, (A)1, (A)1};
-    store_rows<T, A, DC>(dk, a, OP_DK, b, h, k0, a.keys, ty, tx, dka, mul_k);
-    store_rows<T, A, DC>(dv, a, OP_DV, b, h, k0, a.keys, ty, tx, dva, one);
+    store_rows<T, A, DC>(dk, a, OP_DK, b, kvh, k0, a.keys, ty, tx, dka, mul_k);
+    store_rows<T, A, DC>(dv, a, OP_DV, b, kvh, k0, a.keys, ty, tx, dva, one);
 }
 
 // The tensor-core path of 16-bit dtypes (crates/ops-cuda/src/attention/gemm.rs): cuBLAS computes

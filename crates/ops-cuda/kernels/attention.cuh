@@ -12,6 +12,8 @@ struct AttnOperand {
 
 struct AttnArgs {
     unsigned int batch;
+    // Query heads; k, v, dk and dv have kv_heads, a divisor: query head h reads kv head
+    // h / (heads / kv_heads).
     unsigned int heads;
     unsigned int queries;
     unsigned int keys;
@@ -19,10 +21,15 @@ struct AttnArgs {
     unsigned int causal;
     // Every operand's offset and strides are multiples of 4 elements (and head_dim too).
     unsigned int vector;
-    unsigned int pad;
+    unsigned int kv_heads;
     double scale;
     // q, k, v, out, dout, dq, dk, dv
     AttnOperand ops[8];
+    // Packed sequences (batch 1, queries == keys): n_seqs + 1 cumulative starts on the device,
+    // or null.
+    const int* cu_seqlens;
+    unsigned int n_seqs;
+    unsigned int pad;
 };
 
 enum { OP_Q, OP_K, OP_V, OP_O, OP_DO, OP_DQ, OP_DK, OP_DV };
@@ -31,4 +38,76 @@ __device__ __forceinline__ unsigned long long row_at(const AttnArgs& a, int op, 
                                                      unsigned int h, unsigned int r) {
     const AttnOperand& o = a.ops[op];
     return o.offset + b * o.strides[0] + h * o.strides[1] + r * o.strides[2];
+}
+
+__device__ __forceinline__ unsigned int group_size(const AttnArgs& a) { return a.heads / a.kv_heads; }
+
+// The packed sequence holding `row` (< the token count): its first row and one past its last.
+// Every row is one sequence when not packed (`rows` the side's count).
+__device__ __forceinline__ void sequence_of(const AttnArgs& a, unsigned int row, unsigned int rows,
+                                            unsigned int& first, unsigned int& end) {
+    if (a.cu_seqlens == nullptr) {
+        first = 0;
+        end = rows;
+        return;
+    }
+    // The last n < n_seqs with cu_seqlens[n] <= row (skips empty sequences).
+    unsigned int lo = 0, hi = a.n_seqs - 1;
+    while (lo < hi) {
+        const unsigned int mid = (lo + hi + 1) >> 1;
+        if ((unsigned int)a.cu_seqlens[mid] <= row) lo = mid;
+        else hi = mid - 1;
+    }
+    first = (unsigned int)a.cu_seqlens[lo];
+    end = (unsigned int)a.cu_seqlens[lo + 1];
+}
+
+// The keys query `row` sees, [lo, hi): all, up to the query when causal, its own sequence's when
+// packed; none for a row past the queries. Both ends never decrease with `row`, so a block of
+// rows sees [lo of its first row, hi of its last).
+__device__ __forceinline__ void keys_seen(const AttnArgs& a, unsigned int row, unsigned int& lo,
+                                          unsigned int& hi) {
+    if (row >= a.queries) {
+        lo = hi = 0;
+        return;
+    }
+    unsigned int first, end;
+    sequence_of(a, row, a.keys, first, end);
+    lo = first;
+    hi = a.causal ? row + 1 : end;
+}
+
+// The queries that see key `row`, [lo, hi) (the transpose of `keys_seen`); none for a row past
+// the keys.
+__device__ __forceinline__ void queries_seeing(const AttnArgs& a, unsigned int row, unsigned int& lo,
+                                               unsigned int& hi) {
+    if (row >= a.keys) {
+        lo = hi = 0;
+        return;
+    }
+    unsigned int first, end;
+    sequence_of(a, row, a.queries, first, end);
+    lo = a.causal ? row : first;
+    hi = end;
+}
+
+// The other side's rows a block of own rows first..first + n sees (`keys_seen` for queries,
+// `queries_seeing` for keys): [lo, hi), empty when no own row is in range.
+__device__ __forceinline__ void block_range(const AttnArgs& a, bool own_queries, unsigned int first,
+                                            unsigned int n, unsigned int& lo, unsigned int& hi) {
+    const unsigned int own_rows = own_queries ? a.queries : a.keys;
+    if (first >= own_rows) {
+        lo = hi = 0;
+        return;
+    }
+    const unsigned int last = min(first + n, own_rows) - 1;
+    unsigned int unused;
+    if (own_queries) {
+        keys_seen(a, first, lo, unused);
+        keys_seen(a, last, unused, hi);
+    } else {
+        queries_seeing(a, first, lo, unused);
+        queries_seeing(a, last, unused, hi);
+    }
+    if (hi < lo) hi = lo;
 }

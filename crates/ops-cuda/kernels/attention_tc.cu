@@ -2,7 +2,11 @@
 // forward, and the backward as two kernels (dQ with each query's Δ = dO·O, then dK and dV).
 //
 // A block of 4 warps takes one (batch, head) pair and 64 of its rows (queries forward and for dQ,
-// keys for dK/dV); each warp owns 16 of them. The other side streams through shared memory 64 rows
+// keys for dK/dV); each warp owns 16 of them. Grouped-query heads are read in place (kv head
+// h / group); a dK/dV block takes one (batch, kv head) and streams the query tiles of every head of
+// its group through one pipeline, summing in registers. Rows see contiguous ranges of the other
+// side (attention.cuh: causal, and one packed sequence's through `cu_seqlens`); a block streams
+// only the union of its rows' ranges and masks each element against its row's. The other side streams through shared memory 64 rows
 // at a time, double-buffered with `cp.async` (the next tile loads while this one is used). Tiles
 // sit in shared memory as [64][DP + 8] (DP = the head dim rounded up to 32; the 8-element pad makes
 // `ldmatrix` conflict-free), zero past the head dim and past the last row. Every product is
@@ -196,25 +200,28 @@ __device__ void tc_forward(const T* q, const T* k, const T* v, T* o, float* lse,
     T* qs = (T*)smem_raw;    // [64][S]
     T* ks = qs + TILE;       // 2 × [64][S]
     T* vs = ks + 2 * TILE;   // 2 × [64][S]
-    const unsigned int b = blockIdx.y / a.heads, h = blockIdx.y % a.heads;
+    const unsigned int b = blockIdx.y / a.heads, h = blockIdx.y % a.heads, kvh = h / group_size(a);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const unsigned int q0 = blockIdx.x * TC_ROWS, row0 = q0 + warp * 16 + g;
-    const unsigned int key_end = a.causal ? min(a.keys, q0 + TC_ROWS) : a.keys;
-    const int tiles = (key_end + TC_ROWS - 1) / TC_ROWS;
+    unsigned int key_begin, key_end, lo[2], hi[2];
+    block_range(a, true, q0, TC_ROWS, key_begin, key_end);
+    keys_seen(a, row0, lo[0], hi[0]);
+    keys_seen(a, row0 + 8, lo[1], hi[1]);
+    const int tiles = (key_end - key_begin + TC_ROWS - 1) / TC_ROWS;
     load_tile<T, DP>(qs, q, a, OP_Q, b, h, q0, a.queries);
     if (tiles > 0) {
-        load_tile<T, DP>(ks, k, a, OP_K, b, h, 0, a.keys);
-        load_tile<T, DP>(vs, v, a, OP_V, b, h, 0, a.keys);
+        load_tile<T, DP>(ks, k, a, OP_K, b, kvh, key_begin, a.keys);
+        load_tile<T, DP>(vs, v, a, OP_V, b, kvh, key_begin, a.keys);
     }
     cp_commit();
     const float scale2 = (float)(a.scale * 1.4426950408889634);
     float acc[NT][4] = {}, m[2] = {-CUDART_INF_F, -CUDART_INF_F}, l[2] = {0.f, 0.f};
     for (int j = 0; j < tiles; ++j) {
-        const unsigned int k0 = j * TC_ROWS;
+        const unsigned int k0 = key_begin + j * TC_ROWS;
         if (j + 1 < tiles) {
             const int next = (j + 1) & 1;
-            load_tile<T, DP>(ks + next * TILE, k, a, OP_K, b, h, k0 + TC_ROWS, a.keys);
-            load_tile<T, DP>(vs + next * TILE, v, a, OP_V, b, h, k0 + TC_ROWS, a.keys);
+            load_tile<T, DP>(ks + next * TILE, k, a, OP_K, b, kvh, k0 + TC_ROWS, a.keys);
+            load_tile<T, DP>(vs + next * TILE, v, a, OP_V, b, kvh, k0 + TC_ROWS, a.keys);
             cp_commit();
             cp_wait<1>();
         } else {
@@ -228,7 +235,6 @@ __device__ void tc_forward(const T* q, const T* k, const T* v, T* o, float* lse,
         float base[2];
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
-            const unsigned int row = row0 + 8 * rr;
             float mx = -CUDART_INF_F;
 #pragma unroll
             for (int n = 0; n < 8; ++n)
@@ -236,7 +242,7 @@ __device__ void tc_forward(const T* q, const T* k, const T* v, T* o, float* lse,
                 for (int e = 0; e < 2; ++e) {
                     const unsigned int key = k0 + n * 8 + 2 * t + e;
                     float x = s[n][2 * rr + e] * scale2;
-                    if (key >= a.keys || (a.causal && key > row)) x = -CUDART_INF_F;
+                    if (key < lo[rr] || key >= hi[rr]) x = -CUDART_INF_F;
                     s[n][2 * rr + e] = x;
                     mx = fmaxf(mx, x);
                 }
@@ -291,19 +297,22 @@ __device__ void tc_backward_dq(const T* q, const T* k, const T* v, const T* o, c
     T* vs = ks + 2 * TILE;                      // 2 × [64][S]
     float* lses = (float*)(vs + 2 * TILE);      // [64], log2 domain
     float* deltas = lses + TC_ROWS;             // [64]
-    const unsigned int b = blockIdx.y / a.heads, h = blockIdx.y % a.heads;
+    const unsigned int b = blockIdx.y / a.heads, h = blockIdx.y % a.heads, kvh = h / group_size(a);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const unsigned int q0 = blockIdx.x * TC_ROWS, row0 = q0 + warp * 16 + g;
     const unsigned long long stats = (unsigned long long)blockIdx.y * a.queries;
-    const unsigned int key_end = a.causal ? min(a.keys, q0 + TC_ROWS) : a.keys;
-    const int tiles = (key_end + TC_ROWS - 1) / TC_ROWS;
+    unsigned int key_begin, key_end, lo[2], hi[2];
+    block_range(a, true, q0, TC_ROWS, key_begin, key_end);
+    keys_seen(a, row0, lo[0], hi[0]);
+    keys_seen(a, row0 + 8, lo[1], hi[1]);
+    const int tiles = (key_end - key_begin + TC_ROWS - 1) / TC_ROWS;
     load_tile<T, DP>(qs, q, a, OP_Q, b, h, q0, a.queries);
     load_tile<T, DP>(dos, dout, a, OP_DO, b, h, q0, a.queries);
     // O only for Δ, in the second key buffer (free until the first prefetch).
     load_tile<T, DP>(ks + TILE, o, a, OP_O, b, h, q0, a.queries);
     if (tiles > 0) {
-        load_tile<T, DP>(ks, k, a, OP_K, b, h, 0, a.keys);
-        load_tile<T, DP>(vs, v, a, OP_V, b, h, 0, a.keys);
+        load_tile<T, DP>(ks, k, a, OP_K, b, kvh, key_begin, a.keys);
+        load_tile<T, DP>(vs, v, a, OP_V, b, kvh, key_begin, a.keys);
     }
     cp_commit();
     cp_wait<0>();
@@ -337,11 +346,11 @@ __device__ void tc_backward_dq(const T* q, const T* k, const T* v, const T* o, c
     const float scale2 = (float)(a.scale * 1.4426950408889634);
     float acc[NT][4] = {};
     for (int j = 0; j < tiles; ++j) {
-        const unsigned int k0 = j * TC_ROWS;
+        const unsigned int k0 = key_begin + j * TC_ROWS;
         if (j + 1 < tiles) {
             const int next = (j + 1) & 1;
-            load_tile<T, DP>(ks + next * TILE, k, a, OP_K, b, h, k0 + TC_ROWS, a.keys);
-            load_tile<T, DP>(vs + next * TILE, v, a, OP_V, b, h, k0 + TC_ROWS, a.keys);
+            load_tile<T, DP>(ks + next * TILE, k, a, OP_K, b, kvh, k0 + TC_ROWS, a.keys);
+            load_tile<T, DP>(vs + next * TILE, v, a, OP_V, b, kvh, k0 + TC_ROWS, a.keys);
             cp_commit();
             cp_wait<1>();
         } else {
@@ -358,8 +367,8 @@ __device__ void tc_backward_dq(const T* q, const T* k, const T* v, const T* o, c
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int rr = e >> 1;
-                const unsigned int key = k0 + n * 8 + 2 * t + (e & 1), row = row0 + 8 * rr;
-                const bool hidden = key >= a.keys || row >= a.queries || (a.causal && key > row);
+                const unsigned int key = k0 + n * 8 + 2 * t + (e & 1);
+                const bool hidden = key < lo[rr] || key >= hi[rr];
                 const float p = hidden ? 0.f : exp2f(s[n][e] * scale2 - l2[rr]);
                 s[n][e] = p * (dp[n][e] - dl[rr]);
             }
@@ -392,30 +401,43 @@ __device__ void tc_backward_dkdv(const T* q, const T* k, const T* v, const T* do
     T* dos = qs + 2 * TILE;                     // 2 × [64][S]
     float* lses = (float*)(dos + 2 * TILE);     // 2 × [64], log2 domain
     float* deltas = lses + 2 * TC_ROWS;         // 2 × [64]
-    const unsigned int b = blockIdx.y / a.heads, h = blockIdx.y % a.heads;
+    // One block per (batch, kv head) and 64 keys: dK and dV sum over the group's query heads, whose
+    // query tiles stream one after the other through one double-buffered pipeline (step s: head
+    // s / tiles of the group, query tile s % tiles).
+    const unsigned int b = blockIdx.y / a.kv_heads, kvh = blockIdx.y % a.kv_heads, group = group_size(a);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const unsigned int k0 = blockIdx.x * TC_ROWS, key0 = k0 + warp * 16 + g;
-    const unsigned long long stats = (unsigned long long)blockIdx.y * a.queries;
-    // Causal: queries before the block's first key see none of its keys.
-    const int first = a.causal ? blockIdx.x : 0, last = (a.queries + TC_ROWS - 1) / TC_ROWS;
-    load_tile<T, DP>(ks, k, a, OP_K, b, h, k0, a.keys);
-    load_tile<T, DP>(vs, v, a, OP_V, b, h, k0, a.keys);
-    if (first < last) {
-        load_tile<T, DP>(qs, q, a, OP_Q, b, h, first * TC_ROWS, a.queries);
-        load_tile<T, DP>(dos, dout, a, OP_DO, b, h, first * TC_ROWS, a.queries);
-        load_query_stats(lses, deltas, lse, delta, stats, first * TC_ROWS, a.queries);
+    // Each key sees queries [lo, hi) (causal: none before it); the block the union.
+    unsigned int query_begin, query_end, lo[2], hi[2];
+    block_range(a, false, k0, TC_ROWS, query_begin, query_end);
+    queries_seeing(a, key0, lo[0], hi[0]);
+    queries_seeing(a, key0 + 8, lo[1], hi[1]);
+    const unsigned int tiles = (query_end - query_begin + TC_ROWS - 1) / TC_ROWS, steps = group * tiles;
+    // Where step s reads: its query head's statistics and first query.
+    auto head_of = [&](unsigned int step) { return kvh * group + step / tiles; };
+    auto first_query = [&](unsigned int step) { return query_begin + step % tiles * TC_ROWS; };
+    auto stats_of = [&](unsigned int step) {
+        return ((unsigned long long)b * a.heads + head_of(step)) * a.queries;
+    };
+    load_tile<T, DP>(ks, k, a, OP_K, b, kvh, k0, a.keys);
+    load_tile<T, DP>(vs, v, a, OP_V, b, kvh, k0, a.keys);
+    if (steps > 0) {
+        load_tile<T, DP>(qs, q, a, OP_Q, b, head_of(0), first_query(0), a.queries);
+        load_tile<T, DP>(dos, dout, a, OP_DO, b, head_of(0), first_query(0), a.queries);
+        load_query_stats(lses, deltas, lse, delta, stats_of(0), first_query(0), a.queries);
     }
     cp_commit();
     const float scale2 = (float)(a.scale * 1.4426950408889634);
     float dka[NT][4] = {}, dva[NT][4] = {};
-    for (int j = first; j < last; ++j) {
-        const unsigned int q0 = j * TC_ROWS;
-        const int buf = (j - first) & 1;
-        if (j + 1 < last) {
+    for (unsigned int j = 0; j < steps; ++j) {
+        const unsigned int q0 = first_query(j);
+        const int buf = j & 1;
+        if (j + 1 < steps) {
             const int next = buf ^ 1;
-            load_tile<T, DP>(qs + next * TILE, q, a, OP_Q, b, h, q0 + TC_ROWS, a.queries);
-            load_tile<T, DP>(dos + next * TILE, dout, a, OP_DO, b, h, q0 + TC_ROWS, a.queries);
-            load_query_stats(lses + next * TC_ROWS, deltas + next * TC_ROWS, lse, delta, stats, q0 + TC_ROWS,
+            const unsigned int h1 = head_of(j + 1), q1 = first_query(j + 1);
+            load_tile<T, DP>(qs + next * TILE, q, a, OP_Q, b, h1, q1, a.queries);
+            load_tile<T, DP>(dos + next * TILE, dout, a, OP_DO, b, h1, q1, a.queries);
+            load_query_stats(lses + next * TC_ROWS, deltas + next * TC_ROWS, lse, delta, stats_of(j + 1), q1,
                              a.queries);
             cp_commit();
             cp_wait<1>();
@@ -436,8 +458,8 @@ __device__ void tc_backward_dkdv(const T* q, const T* k, const T* v, const T* do
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = n * 8 + 2 * t + (e & 1);
-                const unsigned int query = q0 + col, key = key0 + 8 * (e >> 1);
-                const bool hidden = query >= a.queries || key >= a.keys || (a.causal && key > query);
+                const unsigned int query = q0 + col;
+                const bool hidden = query < lo[e >> 1] || query >= hi[e >> 1];
                 const float p = hidden ? 0.f : exp2f(s[n][e] * scale2 - l2[col]);
                 s[n][e] = p;
                 dp[n][e] = p * (dp[n][e] - dl[col]);
@@ -448,8 +470,8 @@ __device__ void tc_backward_dkdv(const T* q, const T* k, const T* v, const T* do
     }
     cp_wait<0>();
     const float scale = (float)a.scale, mul_k[2] = {scale, scale}, one[2] = {1.f, 1.f};
-    store_rows<T, DP>(dk, a, OP_DK, b, h, k0 + warp * 16, a.keys, dka, mul_k, ks + warp * 16 * S);
-    store_rows<T, DP>(dv, a, OP_DV, b, h, k0 + warp * 16, a.keys, dva, one, vs + warp * 16 * S);
+    store_rows<T, DP>(dk, a, OP_DK, b, kvh, k0 + warp * 16, a.keys, dka, mul_k, ks + warp * 16 * S);
+    store_rows<T, DP>(dv, a, OP_DV, b, kvh, k0 + warp * 16, a.keys, dva, one, vs + warp * 16 * S);
 }
 
 // Kernels per dtype and padded head dim: `attention_tc_forward_<dtype>_<DP>` and so on.

@@ -199,11 +199,14 @@ pub struct CrossEntropyArgs<'a> {
 /// Inputs and outputs of fused scaled-dot-product attention,
 /// `out = softmax(q kᵀ · scale, masked above the diagonal when causal) v`.
 ///
-/// `q` is `[batch, heads, queries, head_dim]`, `k` and `v` `[batch, heads, keys, head_dim]`,
-/// `out` like `q`: strided views whose last dim is contiguous (heads are views of a packed
-/// projection, and `out` may be laid out `[batch, queries, heads, head_dim]` so merging the heads
-/// costs no copy). `lse` is dense `[batch, heads, queries]` in f32 (f64 for f64 inputs): each
-/// query's log-sum-exp of its scaled, masked scores, all backward needs besides the inputs.
+/// `q` is `[batch, heads, queries, head_dim]`, `k` and `v` `[batch, kv_heads, keys, head_dim]`
+/// with `kv_heads` dividing `heads` (grouped-query attention: query head `h` reads key/value head
+/// `h / (heads / kv_heads)`; `kv_heads == heads` is plain multi-head attention), `out` like `q`:
+/// strided views whose last dim is contiguous (heads are views of a packed projection, and `out`
+/// may be laid out `[batch, queries, heads, head_dim]` so merging the heads costs no copy). `lse`
+/// is dense `[batch, heads, queries]` in f32 (f64 for f64 inputs): each query's log-sum-exp of
+/// its scaled, masked scores, all backward needs besides the inputs. With `packed` the batch is
+/// one row of sequences laid end to end, and no query sees a key of another sequence.
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionForward<'a> {
     /// Queries.
@@ -216,10 +219,28 @@ pub struct AttentionForward<'a> {
     pub scale: f64,
     /// Key `j` is hidden from query `i` when `j > i` (requires as many queries as keys).
     pub causal: bool,
+    /// Packed variable-length sequences (batch 1, as many queries as keys), or `None`.
+    pub packed: Option<PackedBounds<'a>>,
     /// The result, like `q`.
     pub out: View<'a>,
     /// Per-query log-sum-exp, saved for backward.
     pub lse: View<'a>,
+}
+
+/// The sequence boundaries of a packed attention batch (FlashAttention's varlen convention):
+/// sequence `n` holds tokens `cu_seqlens[n]..cu_seqlens[n + 1]`, from 0 to the token count,
+/// never decreasing (an empty sequence is allowed). Query `i` sees key `j` only when both lie in
+/// one sequence (and `j <= i` when causal).
+///
+/// The same boundaries twice: `cu_seqlens` on the backend's device (I32, `[n_seqs + 1]`, dense),
+/// which kernels read, and `host`, which shape checks and host-side planning read without a
+/// device round trip. The caller keeps the two equal (autograd-core's `PackedSequences` does).
+#[derive(Debug, Clone, Copy)]
+pub struct PackedBounds<'a> {
+    /// Cumulative sequence starts on the device, I32 `[n_seqs + 1]`.
+    pub cu_seqlens: View<'a>,
+    /// The same values in host memory.
+    pub host: &'a [i32],
 }
 
 /// Inputs and outputs of the fused attention backward: the forward's operands, its output and
@@ -332,11 +353,14 @@ impl<'a> LayerNormBackward<'a> {
 }
 
 impl<'a> AttentionForward<'a> {
-    /// `out` and `lse` written; `q`, `k` and `v` read.
+    /// `out` and `lse` written; `q`, `k`, `v` (and `cu_seqlens`) read.
     pub fn operands(&self) -> Operands<'a> {
         Operands {
             writes: [self.out, self.lse].into_iter().collect(),
-            reads: [self.q, self.k, self.v].into_iter().collect(),
+            reads: [self.q, self.k, self.v]
+                .into_iter()
+                .chain(self.packed.map(|packed| packed.cu_seqlens))
+                .collect(),
         }
     }
 }
@@ -350,6 +374,7 @@ impl<'a> AttentionBackward<'a> {
             writes: [self.dq, self.dk, self.dv].into_iter().collect(),
             reads: [f.q, f.k, f.v, f.out, f.lse, self.dout]
                 .into_iter()
+                .chain(f.packed.map(|packed| packed.cu_seqlens))
                 .collect(),
         }
     }

@@ -6,7 +6,9 @@
 //! It sits on the argument structs (`args.rs`) and the trait (`mod.rs`) whose primitives the
 //! compositions call.
 
-use super::args::{AttentionForward, LinearEpilogue, LinearForward, LinearWeightGrad, View};
+use super::args::{
+    AttentionForward, LinearEpilogue, LinearForward, LinearWeightGrad, PackedBounds, View,
+};
 use super::{Backend, ReduceOp, UnaryOp};
 use crate::dtype::{stats_dtype, DType};
 use crate::error::{Result, TensorError};
@@ -154,8 +156,11 @@ pub fn compose_linear_weight_grad<B: Backend + ?Sized>(
 pub struct AttentionDims {
     /// Batch size.
     pub batch: usize,
-    /// Heads.
+    /// Query heads.
     pub heads: usize,
+    /// Key/value heads: a divisor of `heads`; query head `h` reads key/value head
+    /// `h / (heads / kv_heads)`.
+    pub kv_heads: usize,
     /// Query positions.
     pub queries: usize,
     /// Key (and value) positions.
@@ -164,9 +169,18 @@ pub struct AttentionDims {
     pub head_dim: usize,
 }
 
+impl AttentionDims {
+    /// Query heads per key/value head.
+    pub fn group(&self) -> usize {
+        self.heads / self.kv_heads.max(1)
+    }
+}
+
 /// The shape, dtype and layout rule of [`Backend::attention`] and its backward, shared by every
-/// backend: 4-D operands of one float dtype with a contiguous last dim, `lse` dense in f32 (f64
-/// for f64), equal query and key counts when causal; `grads` (`dout`, `dq`, `dk`, `dv`) are
+/// backend: 4-D operands of one float dtype with a contiguous last dim, k and v with a number of
+/// heads that divides q's (a [`TensorError::ShapeMismatch`] naming q's and k's shapes otherwise),
+/// `lse` dense in f32 (f64 for f64), equal query and key counts when causal or packed, packed
+/// boundaries as [`PackedBounds`] describes (batch 1); `grads` (`dout`, `dq`, `dk`, `dv`) are
 /// checked against their forward counterparts.
 pub fn attention_dims(args: &AttentionForward<'_>, grads: &[View<'_>]) -> Result<AttentionDims> {
     let op = "attention";
@@ -185,8 +199,10 @@ pub fn attention_dims(args: &AttentionForward<'_>, grads: &[View<'_>]) -> Result
         lhs: lhs.layout.shape().to_vec(),
         rhs: rhs.layout.shape().to_vec(),
     };
-    let kv_shape = [batch, heads, keys, head_dim];
-    if args.k.layout.shape() != kv_shape {
+    let kv_heads = args.k.layout.shape().get(1).copied().unwrap_or(0);
+    let kv_shape = [batch, kv_heads, keys, head_dim];
+    let divides = kv_heads > 0 && heads.is_multiple_of(kv_heads) || heads == 0 && kv_heads == 0;
+    if args.k.layout.shape() != kv_shape || !divides {
         return Err(mismatch(&args.q, &args.k));
     }
     if args.v.layout.shape() != kv_shape {
@@ -217,6 +233,9 @@ pub fn attention_dims(args: &AttentionForward<'_>, grads: &[View<'_>]) -> Result
             ),
         });
     }
+    if let Some(packed) = &args.packed {
+        packed_bounds(packed, batch, queries, keys)?;
+    }
     let forward = [args.q, args.k, args.v, args.out];
     let like = [args.q, args.q, args.k, args.v];
     for (view, reference) in forward.iter().chain(grads).zip(forward.iter().chain(&like)) {
@@ -243,10 +262,79 @@ pub fn attention_dims(args: &AttentionForward<'_>, grads: &[View<'_>]) -> Result
     Ok(AttentionDims {
         batch,
         heads,
+        kv_heads,
         queries,
         keys,
         head_dim,
     })
+}
+
+/// The rule of [`PackedBounds`] for a call with these sizes: batch 1, as many queries as keys,
+/// `cu_seqlens` dense I32 `[n_seqs + 1]` like `host`, `host` from 0 to the token count without
+/// decreasing.
+fn packed_bounds(
+    packed: &PackedBounds<'_>,
+    batch: usize,
+    queries: usize,
+    keys: usize,
+) -> Result<()> {
+    let op = "attention";
+    let invalid = |reason: String| Err(TensorError::InvalidArgument { op, reason });
+    if batch != 1 || queries != keys {
+        return invalid(format!(
+            "packed sequences need batch 1 and as many queries as keys, got batch {batch}, \
+             {queries} queries and {keys} keys"
+        ));
+    }
+    let device = &packed.cu_seqlens;
+    if device.dtype != DType::I32 {
+        return Err(TensorError::DtypeMismatch {
+            op,
+            lhs: DType::I32,
+            rhs: device.dtype,
+        });
+    }
+    if device.layout.shape() != [packed.host.len()] || !device.layout.is_contiguous() {
+        return invalid(format!(
+            "cu_seqlens must be dense [{}] like its host copy, got {:?}",
+            packed.host.len(),
+            device.layout.shape()
+        ));
+    }
+    check_cu_seqlens(packed.host, queries)
+}
+
+/// `cu_seqlens` runs from 0 to `tokens` without decreasing and holds at least one sequence: the
+/// rule of packed sequences (FlashAttention's varlen convention).
+pub fn check_cu_seqlens(cu_seqlens: &[i32], tokens: usize) -> Result<()> {
+    let invalid = |reason: String| {
+        Err(TensorError::InvalidArgument {
+            op: "attention",
+            reason,
+        })
+    };
+    match (cu_seqlens.first(), cu_seqlens.last()) {
+        (Some(&0), Some(&last)) if cu_seqlens.len() >= 2 => {
+            if usize::try_from(last).ok() != Some(tokens) {
+                return invalid(format!(
+                    "cu_seqlens must end at the token count {tokens}, got {last}"
+                ));
+            }
+        }
+        _ => {
+            return invalid(format!(
+                "cu_seqlens must start at 0 and hold at least two entries, got {cu_seqlens:?}"
+            ))
+        }
+    }
+    if let Some(at) = cu_seqlens.windows(2).position(|pair| pair[1] < pair[0]) {
+        return invalid(format!(
+            "cu_seqlens must not decrease, got {} then {} at entry {at}",
+            cu_seqlens[at],
+            cu_seqlens[at + 1]
+        ));
+    }
+    Ok(())
 }
 
 /// The shape and dtype rule of [`Backend::matmul`], shared by every backend: `out = a @ b` over

@@ -61,11 +61,11 @@ use crate::error::Result;
 pub use args::{
     AttentionBackward, AttentionForward, BinaryOp, CrossEntropyArgs, DropoutDraw,
     LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp,
-    Operands, ReduceOp, Reduction, UnaryOp, View,
+    Operands, PackedBounds, ReduceOp, Reduction, UnaryOp, View,
 };
 pub use dims::{
-    attention_dims, compose_linear, compose_linear_weight_grad, index_strides, linear_dims,
-    linear_weight_grad_dims, matmul_dims, AttentionDims,
+    attention_dims, check_cu_seqlens, compose_linear, compose_linear_weight_grad, index_strides,
+    linear_dims, linear_weight_grad_dims, matmul_dims, AttentionDims,
 };
 
 /// A shared handle to a backend; tensors hold one through their storage.

@@ -9,17 +9,138 @@
 //! afterwards (permute + reshape) is free; the input gradients are laid out the same way for the
 //! same reason on the way back, and for a packed q/k/v projection as thirds of one gradient (see
 //! `input_grads`).
+//!
+//! Grouped-query attention needs no copy: k and v may have fewer heads than q (a divisor of
+//! q's), and the backend reads key/value head `h / group` for query head `h`; their gradients
+//! come back with k's and v's head count, each the sum over its group. Packed variable-length
+//! sequences ([`PackedSequences`], FlashAttention's `cu_seqlens`) go through
+//! [`scaled_dot_product_attention_varlen`]: one batch row of sequences laid end to end, no query
+//! seeing another sequence's keys, and the backends skip the tiles that would only be masked.
 
 use crate::autocast::autocast_args;
-use crate::backend::{AttentionBackward, AttentionForward};
-use crate::dtype::stats_dtype;
+use crate::backend::{check_cu_seqlens, AttentionBackward, AttentionForward, PackedBounds};
+use crate::dtype::{stats_dtype, DType};
 use crate::error::{Result, TensorError};
 use crate::graph::record;
 use crate::layout::Layout;
 use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
 
-use super::{check_float, check_same, records};
+use super::{check_device, check_float, check_same, records};
+
+/// The boundaries of packed variable-length sequences for
+/// [`scaled_dot_product_attention_varlen`] (FlashAttention's `cu_seqlens`): sequence `n` holds
+/// tokens `cu_seqlens[n]..cu_seqlens[n + 1]` of one batch row, from 0 to the token count without
+/// decreasing. Kept twice, checked once: in host memory (for shape checks and host-side planning)
+/// and as an I32 tensor on the device (which kernels read), so a model reuses one value across
+/// all its layers and their backward with no device round trip.
+#[derive(Debug, Clone)]
+pub struct PackedSequences {
+    host: Vec<i32>,
+    device: Tensor,
+}
+
+impl PackedSequences {
+    /// Boundaries from host values, uploaded to `backend`. Fails with
+    /// [`TensorError::InvalidArgument`] unless they start at 0, never decrease and hold at least
+    /// one sequence.
+    pub fn new(
+        backend: &crate::backend::BackendRef,
+        cu_seqlens: &[i32],
+    ) -> Result<PackedSequences> {
+        let total = cu_seqlens.last().map_or(0, |&last| last.max(0) as usize);
+        check_cu_seqlens(cu_seqlens, total)?;
+        Ok(PackedSequences {
+            host: cu_seqlens.to_vec(),
+            device: Tensor::from_slice(backend, cu_seqlens, &[cu_seqlens.len()])?,
+        })
+    }
+
+    /// Boundaries from a 1-D I32 tensor (read back to the host once). Fails with
+    /// [`TensorError::DtypeMismatch`] for another dtype and as [`PackedSequences::new`] for bad
+    /// values.
+    pub fn from_tensor(cu_seqlens: &Tensor) -> Result<PackedSequences> {
+        if cu_seqlens.dtype() != DType::I32 {
+            return Err(TensorError::DtypeMismatch {
+                op: "scaled_dot_product_attention_varlen",
+                lhs: DType::I32,
+                rhs: cu_seqlens.dtype(),
+            });
+        }
+        if cu_seqlens.ndim() != 1 {
+            return Err(TensorError::InvalidArgument {
+                op: "scaled_dot_product_attention_varlen",
+                reason: format!("cu_seqlens must be 1-D, got {:?}", cu_seqlens.shape()),
+            });
+        }
+        PackedSequences::new(cu_seqlens.backend(), &cu_seqlens.to_vec::<i32>()?)
+    }
+
+    /// Sequences packed, lengths `lengths`, from 0 (each length at most `i32::MAX` in total).
+    pub fn from_lengths(
+        backend: &crate::backend::BackendRef,
+        lengths: &[usize],
+    ) -> Result<PackedSequences> {
+        let mut cu_seqlens = Vec::with_capacity(lengths.len() + 1);
+        let mut total = 0usize;
+        cu_seqlens.push(0);
+        for &length in lengths {
+            total += length;
+            cu_seqlens.push(
+                i32::try_from(total).map_err(|_| TensorError::InvalidArgument {
+                    op: "scaled_dot_product_attention_varlen",
+                    reason: format!("{total} packed tokens exceed cu_seqlens' i32"),
+                })?,
+            );
+        }
+        PackedSequences::new(backend, &cu_seqlens)
+    }
+
+    /// The cumulative starts, `[n_seqs + 1]`.
+    pub fn cu_seqlens(&self) -> &[i32] {
+        &self.host
+    }
+
+    /// The same on the device: I32 `[n_seqs + 1]`.
+    pub fn device(&self) -> &Tensor {
+        &self.device
+    }
+
+    /// Number of sequences.
+    pub fn n_seqs(&self) -> usize {
+        self.host.len() - 1
+    }
+
+    /// Tokens in all sequences together.
+    pub fn total_tokens(&self) -> usize {
+        self.host.last().map_or(0, |&last| last as usize)
+    }
+
+    /// Each token's position within its sequence (0 at every sequence start): the position ids
+    /// of rotary embeddings for a packed batch.
+    pub fn positions(&self) -> Vec<usize> {
+        self.host
+            .windows(2)
+            .flat_map(|pair| 0..(pair[1] - pair[0]) as usize)
+            .collect()
+    }
+
+    /// The longest sequence's length.
+    pub fn max_len(&self) -> usize {
+        self.host
+            .windows(2)
+            .map(|pair| (pair[1] - pair[0]) as usize)
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn bounds(&self) -> PackedBounds<'_> {
+        PackedBounds {
+            cu_seqlens: self.device.view(),
+            host: &self.host,
+        }
+    }
+}
 
 /// A new `[batch, heads, seq, head_dim]` tensor stored `[batch, seq, heads, head_dim]`.
 fn heads_last_but_one(like: &Tensor) -> Result<Tensor> {
@@ -85,6 +206,7 @@ fn forward_args<'a>(
     [q, k, v, out, lse]: [&'a Tensor; 5],
     scale: f64,
     causal: bool,
+    packed: Option<&'a PackedSequences>,
 ) -> AttentionForward<'a> {
     AttentionForward {
         q: q.view(),
@@ -92,6 +214,7 @@ fn forward_args<'a>(
         v: v.view(),
         scale,
         causal,
+        packed: packed.map(PackedSequences::bounds),
         out: out.view(),
         lse: lse.view(),
     }
@@ -107,9 +230,11 @@ fn last_dim_contiguous(t: &Tensor) -> Result<Tensor> {
 }
 
 /// Scaled dot-product attention of `q` (`[batch, heads, queries, head_dim]`), `k` and `v`
-/// (`[batch, heads, keys, head_dim]`): `softmax(q kᵀ · scale) v`, with key `j` hidden from query
-/// `i` when `causal` and `j > i`. `scale` defaults to `1 / sqrt(head_dim)`. Differentiable in all
-/// three inputs; saves the inputs, the output and one log-sum-exp per query.
+/// (`[batch, kv_heads, keys, head_dim]`, `kv_heads` a divisor of `heads`: query head `h` reads
+/// key/value head `h / (heads / kv_heads)`, PyTorch's `enable_gqa`): `softmax(q kᵀ · scale) v`,
+/// with key `j` hidden from query `i` when `causal` and `j > i`. `scale` defaults to
+/// `1 / sqrt(head_dim)`. Differentiable in all three inputs; saves the inputs, the output and one
+/// log-sum-exp per query.
 pub fn scaled_dot_product_attention(
     q: &Tensor,
     k: &Tensor,
@@ -117,9 +242,56 @@ pub fn scaled_dot_product_attention(
     causal: bool,
     scale: Option<f64>,
 ) -> Result<Tensor> {
-    let op = "scaled_dot_product_attention";
+    attention(
+        "scaled_dot_product_attention",
+        [q, k, v],
+        causal,
+        scale,
+        None,
+    )
+}
+
+/// [`scaled_dot_product_attention`] over packed variable-length sequences: `q`, `k` and `v` are
+/// one batch row (`[1, heads, tokens, head_dim]`, k and v possibly with fewer heads) holding the
+/// sequences of `packed` end to end, `tokens == packed.total_tokens()`; query `i` sees key `j`
+/// only when both lie in one sequence (and `j <= i` when `causal`). The result equals running
+/// each sequence on its own, with no padding and no work for the masked-out pairs.
+pub fn scaled_dot_product_attention_varlen(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    packed: &PackedSequences,
+    causal: bool,
+    scale: Option<f64>,
+) -> Result<Tensor> {
+    let op = "scaled_dot_product_attention_varlen";
+    check_device(op, q, &packed.device)?;
+    let tokens = packed.total_tokens();
+    for t in [q, k, v] {
+        if t.ndim() != 4 || t.shape()[0] != 1 || t.shape()[2] != tokens {
+            return Err(TensorError::InvalidArgument {
+                op,
+                reason: format!(
+                    "packed operands must be [1, heads, {tokens}, head_dim] for cu_seqlens {:?}, \
+                     got {:?}",
+                    packed.cu_seqlens(),
+                    t.shape()
+                ),
+            });
+        }
+    }
+    attention(op, [q, k, v], causal, scale, Some(packed))
+}
+
+fn attention(
+    op: &'static str,
+    [q, k, v]: [&Tensor; 3],
+    causal: bool,
+    scale: Option<f64>,
+    packed: Option<&PackedSequences>,
+) -> Result<Tensor> {
     if let Some([q, k, v]) = autocast_args(op, [q, k, v])? {
-        return scaled_dot_product_attention(&q, &k, &v, causal, scale);
+        return attention(op, [&q, &k, &v], causal, scale, packed);
     }
     check_float(op, q)?;
     check_same(op, q, k)?;
@@ -144,8 +316,12 @@ pub fn scaled_dot_product_attention(
     let scale = scale.unwrap_or(1.0 / (head_dim.max(1) as f64).sqrt());
     let out = heads_last_but_one(&q)?;
     let lse = q.new_empty(&q.shape()[..3], stats_dtype(q.dtype()))?;
-    q.backend()
-        .attention(forward_args([&q, &k, &v, &out, &lse], scale, causal))?;
+    q.backend().attention(forward_args(
+        [&q, &k, &v, &out, &lse],
+        scale,
+        causal,
+        packed,
+    ))?;
     if records(&[&q, &k, &v]) {
         let roles = [
             SaveRole::Input(0),
@@ -160,13 +336,14 @@ pub fn scaled_dot_product_attention(
         let [q_saved, k_saved, v_saved, out_saved, lse_saved] = saved;
         let (q_saved, k_saved, v_saved) = (q_saved?, k_saved?, v_saved?);
         let (out_saved, lse_saved) = (out_saved?, lse_saved?);
+        let packed = packed.cloned();
         record(op, &[&q, &k, &v], &[&out], move |grads| {
             let dout = last_dim_contiguous(grads[0].as_ref().expect("one output"))?;
             let (q, k, v) = (q_saved.unpack()?, k_saved.unpack()?, v_saved.unpack()?);
             let (out, lse) = (out_saved.unpack()?, lse_saved.unpack()?);
             let [dq, dk, dv] = input_grads(&q, &k, &v)?;
             q.backend().attention_backward(AttentionBackward {
-                forward: forward_args([&q, &k, &v, &out, &lse], scale, causal),
+                forward: forward_args([&q, &k, &v, &out, &lse], scale, causal, packed.as_ref()),
                 dout: dout.view(),
                 dq: dq.view(),
                 dk: dk.view(),

@@ -19,7 +19,9 @@ mod nn;
 mod reduce;
 mod view;
 
-pub use attention::scaled_dot_product_attention;
+pub use attention::{
+    scaled_dot_product_attention, scaled_dot_product_attention_varlen, PackedSequences,
+};
 pub use index::{cat, embedding};
 pub use linalg::patch_embedding;
 pub use nn::{cross_entropy, cross_entropy_f32, dropout, layer_norm};

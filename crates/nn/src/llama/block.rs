@@ -7,12 +7,15 @@
 //! input's dtype otherwise (Hugging Face's `.to(float32)` would also round an f64 model to f32;
 //! keeping f64 exact lets the whole model be checked by finite differences), SiLU is
 //! `x · (1 + tanh(x / 2)) / 2` (the logistic function through tanh, whose derivative is finite
-//! everywhere), attention repeats each key/value head for its group of query heads
-//! (`repeat_kv`) and runs autograd-core's fused causal attention, which keeps a log-sum-exp per
-//! query rather than the probabilities. Fused kernels for these pieces are pending (issue 30).
+//! everywhere), attention hands the un-repeated key/value heads to autograd-core's fused causal
+//! grouped-query attention (no `repeat_kv` copy), which keeps a log-sum-exp per query rather than
+//! the probabilities, and takes packed variable-length sequences (`cu_seqlens`) when given. Fused kernels for these pieces are pending (issue 30).
 //! This module knows nothing about the model around a layer or how its blocks are run.
 
-use headroom_autograd_core::{scaled_dot_product_attention, DType, Tensor};
+use headroom_autograd_core::{
+    scaled_dot_product_attention, scaled_dot_product_attention_varlen, DType, PackedSequences,
+    Tensor,
+};
 
 use super::rope::apply_rotary;
 use crate::attention::merge_heads;
@@ -80,6 +83,19 @@ impl LlamaAttention {
     /// `[batch, seq, hidden]` → the same shape, causal, with the rotary tables `cos` and `sin`
     /// (`[seq, head_dim]`) applied to queries and keys.
     pub fn forward(&self, hidden: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        self.forward_packed(hidden, cos, sin, None)
+    }
+
+    /// [`LlamaAttention::forward`], and with `packed` the batch is one row of sequences laid end
+    /// to end (`[1, tokens, hidden]`), causal within each sequence and blind across them (the
+    /// rotary tables then hold each token's position within its sequence).
+    pub fn forward_packed(
+        &self,
+        hidden: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        packed: Option<&PackedSequences>,
+    ) -> Result<Tensor> {
         let [batch, seq, _] = *hidden.shape() else {
             return Err(NnError::InvalidInput {
                 module: "LlamaAttention",
@@ -95,16 +111,18 @@ impl LlamaAttention {
         let q = apply_rotary(&heads(&self.q_proj, self.num_heads)?, cos, sin)?;
         let k = apply_rotary(&heads(&self.k_proj, self.num_key_value_heads)?, cos, sin)?;
         let v = heads(&self.v_proj, self.num_key_value_heads)?;
-        let n_rep = self.num_heads / self.num_key_value_heads;
-        let (k, v) = (repeat_kv(&k, n_rep)?, repeat_kv(&v, n_rep)?);
-        let context = scaled_dot_product_attention(&q, &k, &v, true, None)?;
+        let context = match packed {
+            Some(packed) => scaled_dot_product_attention_varlen(&q, &k, &v, packed, true, None)?,
+            None => scaled_dot_product_attention(&q, &k, &v, true, None)?,
+        };
         self.o_proj.forward(&merge_heads(&context)?)
     }
 }
 
 /// `[batch, kv_heads, seq, head_dim]` → `[batch, kv_heads · n_rep, seq, head_dim]`, each head
 /// repeated `n_rep` times in a row (Hugging Face's `repeat_kv`, `repeat_interleave` on dim 1);
-/// the tensor itself when `n_rep` is 1.
+/// the tensor itself when `n_rep` is 1. Attention no longer needs it (the fused op reads grouped
+/// heads in place); kept as the reference the grouped-query tests compare against.
 pub fn repeat_kv(x: &Tensor, n_rep: usize) -> Result<Tensor> {
     if n_rep == 1 {
         return Ok(x.clone());
@@ -199,9 +217,24 @@ pub struct LlamaDecoderLayer {
 impl LlamaDecoderLayer {
     /// `x + attn(norm(x))`, then `+ mlp(norm(·))`, with the rotary tables of the sequence.
     pub fn forward(&self, hidden: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let attended = self
-            .self_attn
-            .forward(&self.input_layernorm.forward(hidden)?, cos, sin)?;
+        self.forward_packed(hidden, cos, sin, None)
+    }
+
+    /// [`LlamaDecoderLayer::forward`] over packed sequences when `packed` is given (see
+    /// [`LlamaAttention::forward_packed`]).
+    pub fn forward_packed(
+        &self,
+        hidden: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        packed: Option<&PackedSequences>,
+    ) -> Result<Tensor> {
+        let attended = self.self_attn.forward_packed(
+            &self.input_layernorm.forward(hidden)?,
+            cos,
+            sin,
+            packed,
+        )?;
         let hidden = hidden.add(&attended)?;
         let mlp_out = self
             .mlp

@@ -11,7 +11,10 @@
 //! head; [`LlamaForCausalLM::loss`] is its causal-LM loss (logits upcast to f32). Weights are
 //! initialised as `_init_weights` does: N(0, `initializer_range`²) matrices and embedding, zero
 //! biases, unit norms. The layers are a [`BlockStack`](crate::BlockStack), so checkpointing, offload and planners
-//! attach as they do to GPT-2.
+//! attach as they do to GPT-2. `forward_packed` takes packed variable-length sequences (one row
+//! of sequences end to end, FlashAttention's `cu_seqlens` as a [`PackedSequences`]): attention
+//! within each sequence only and rotary positions restarting at each sequence start, so a packed
+//! batch gives the loss of the same sequences padded, without the padding's work.
 //!
 //! `config.rs` holds the shapes and their checks, `rope.rs` the rotary embedding, `block.rs` a
 //! decoder layer, `activations.rs` the formula of what a layer keeps for backward; this file
@@ -24,7 +27,7 @@ mod rope;
 
 use std::sync::Arc;
 
-use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
+use headroom_autograd_core::{embedding, BackendRef, DType, Generator, PackedSequences, Tensor};
 
 pub use block::{repeat_kv, LlamaAttention, LlamaDecoderLayer, LlamaMlp, LlamaRmsNorm};
 pub use config::{Llama3RopeScaling, LlamaConfig};
@@ -59,17 +62,31 @@ struct LayerAtPositions {
     layer: LlamaDecoderLayer,
     cos: Tensor,
     sin: Tensor,
+    packed: Option<PackedSequences>,
 }
 
 impl LayerAtPositions {
     fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
-        self.layer.forward(hidden, &self.cos, &self.sin)
+        self.layer
+            .forward_packed(hidden, &self.cos, &self.sin, self.packed.as_ref())
     }
 }
 
 impl LlamaModel {
     /// Hidden states `[batch, seq, hidden_size]` of token ids `[batch, seq]` (I64).
     pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
+        self.forward_packed(input_ids, None)
+    }
+
+    /// [`LlamaModel::forward`], and with `packed` the ids are one row (`[1, tokens]`) of
+    /// sequences laid end to end: attention stays within each sequence and rotary positions
+    /// restart at every sequence start (derived from `cu_seqlens`), so each sequence's hidden
+    /// states are what it would get alone, with no padding.
+    pub fn forward_packed(
+        &self,
+        input_ids: &Tensor,
+        packed: Option<&PackedSequences>,
+    ) -> Result<Tensor> {
         let [_, seq] = *input_ids.shape() else {
             return Err(NnError::InvalidInput {
                 module: "LlamaModel",
@@ -79,15 +96,44 @@ impl LlamaModel {
                 ),
             });
         };
+        if let Some(packed) = packed {
+            if input_ids.shape() != [1, packed.total_tokens()] {
+                return Err(NnError::InvalidInput {
+                    module: "LlamaModel",
+                    reason: format!(
+                        "packed input ids must be [1, {}] for cu_seqlens {:?}, got {:?}",
+                        packed.total_tokens(),
+                        packed.cu_seqlens(),
+                        input_ids.shape()
+                    ),
+                });
+            }
+        }
         let mut hidden = self.embed_tokens.forward(input_ids)?;
-        let (cos, sin) = self
-            .rotary_emb
-            .cos_sin(input_ids.backend(), seq, hidden.dtype())?;
+        let (cos, sin) = match packed {
+            None => self
+                .rotary_emb
+                .cos_sin(input_ids.backend(), seq, hidden.dtype())?,
+            Some(packed) => {
+                // The tables' rows at each token's position within its sequence.
+                let (cos, sin) = self.rotary_emb.cos_sin(
+                    input_ids.backend(),
+                    packed.max_len(),
+                    hidden.dtype(),
+                )?;
+                let positions: Vec<i64> =
+                    packed.positions().into_iter().map(|p| p as i64).collect();
+                let positions =
+                    Tensor::from_slice(input_ids.backend(), &positions, &[positions.len()])?;
+                (embedding(&cos, &positions)?, embedding(&sin, &positions)?)
+            }
+        };
         for (index, layer) in self.layers.iter().enumerate() {
             let at_positions = LayerAtPositions {
                 layer: layer.clone(),
                 cos: cos.clone(),
                 sin: sin.clone(),
+                packed: packed.cloned(),
             };
             hidden = run_block(
                 self.block_runner.as_ref(),
@@ -225,7 +271,17 @@ impl LlamaForCausalLM {
 
     /// Logits `[batch, seq, vocab_size]` of token ids `[batch, seq]` (I64).
     pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
-        let hidden = self.model.forward(input_ids)?;
+        self.forward_packed(input_ids, None)
+    }
+
+    /// Logits of packed sequences (`[1, tokens]` ids laid end to end, boundaries in `packed`; see
+    /// [`LlamaModel::forward_packed`]), or of a plain batch when `packed` is `None`.
+    pub fn forward_packed(
+        &self,
+        input_ids: &Tensor,
+        packed: Option<&PackedSequences>,
+    ) -> Result<Tensor> {
+        let hidden = self.model.forward_packed(input_ids, packed)?;
         Ok(hidden.linear(self.lm_head_weight(), None)?)
     }
 

@@ -1,7 +1,8 @@
 //! What the attention paths share: the operand description of `kernels/attention.cuh`
-//! ([`AttnArgs`]: sizes, causal flag, scale, and per operand an element offset and batch, head and
-//! row strides, so strided `[batch, heads, rows, head_dim]` views are read in place), and the
-//! kernel parameter of a view's buffer.
+//! ([`AttnArgs`]: sizes with the key/value head count, causal flag, scale, per operand an element
+//! offset and batch, head and row strides, so strided `[batch, heads, rows, head_dim]` views are
+//! read in place, and the device address of packed sequences' `cu_seqlens`), and the kernel
+//! parameter of a view's buffer.
 //!
 //! This module sits on the ground floor only; the paths (`register_tiled.rs`, `tensor_core.rs`,
 //! `gemm.rs`) import it, and it imports none of them.
@@ -10,6 +11,7 @@ use cudarc::driver::DeviceRepr;
 use headroom_autograd_core::{AttentionDims, AttentionForward, Result, TensorError, View};
 
 use crate::launch::Param;
+use crate::operands::element_address;
 
 /// One operand: element offset and batch/head/row strides.
 #[repr(C)]
@@ -31,10 +33,14 @@ pub(crate) struct AttnArgs {
     causal: u32,
     /// Every operand's rows start 4-element aligned: the kernels move 4 elements at a time.
     vector: u32,
-    pad: u32,
+    kv_heads: u32,
     scale: f64,
     /// q, k, v, out, dout, dq, dk, dv.
     ops: [AttnOperand; 8],
+    /// Device address of packed sequences' I32 `cu_seqlens`, or 0.
+    cu_seqlens: u64,
+    n_seqs: u32,
+    pad: u32,
 }
 
 // SAFETY: `repr(C)`, plain integers and a double, laid out exactly like `AttnArgs` in
@@ -72,9 +78,14 @@ pub(crate) fn attn_args(
         head_dim: to_u32(dims.head_dim)?,
         causal: u32::from(forward.causal),
         vector: 0,
-        pad: 0,
+        kv_heads: to_u32(dims.kv_heads)?,
         scale: forward.scale,
         ops: [AttnOperand::default(); 8],
+        cu_seqlens: forward
+            .packed
+            .map_or(0, |packed| element_address(&packed.cu_seqlens)),
+        n_seqs: to_u32(forward.packed.map_or(0, |packed| packed.host.len() - 1))?,
+        pad: 0,
     };
     let element = forward.q.dtype.size_in_bytes() as u64;
     let mut aligned = dims.head_dim.is_multiple_of(4);

@@ -12,6 +12,12 @@
 //! cuBLAS sees row-major matrices as their column-major transposes: with `q` `[sq, d]` (rows of
 //! `d`), the score matrix `s = q kᵀ` (`[sq, sk]`) is the column-major `kᵀ·q` product, and so on.
 //!
+//! Grouped-query heads cost no copy here either: the products run per (batch, key/value head)
+//! "unit", whose query side is the group's query heads stacked (`group · sq` rows, which is how a
+//! dense `[batch, heads, sq, d]` copy lies anyway), so `dV = Pᵀ·dO` and `dK = dSᵀ·Q` sum over the
+//! group inside one product. Packed sequences run one sub-problem per sequence (row slices of the
+//! operands, the log-sum-exp through a dense scratch), so the work is each sequence's own.
+//!
 //! This path sits on the attention family's `args.rs` and the ground floor (the batched GEMM of
 //! `blas.rs`, the dense copies of `operands.rs`), and imports no other path; the family's entry
 //! point (`mod.rs`) sends here the f16 and bf16 problems the tensor-core kernels do not take.
@@ -86,12 +92,17 @@ fn suffix(dtype: DType) -> &'static str {
     }
 }
 
-/// `[queries, keys]` f32 products `rows · keysᵀ` of `n` pairs (scores from q and k, dP from dO
-/// and v) into `out` (rows `ld` apart).
+/// Query rows of one unit: the group's query heads, stacked.
+fn unit_rows(dims: &AttentionDims) -> usize {
+    dims.group() * dims.queries
+}
+
+/// `[group · queries, keys]` f32 products `rows · keysᵀ` of `n` units (scores from q and k, dP
+/// from dO and v) into `out` (rows `ld` apart).
 ///
 /// # Safety
-/// `keys` holds `n` dense `[sk, d]` matrices, `rows` `n` dense `[sq, d]` ones and `out` room for
-/// `n` `[sq, ld]` f32 matrices, all live memory of `backend`.
+/// `keys` holds `n` dense `[sk, d]` matrices, `rows` `n` dense `[group · sq, d]` ones and `out`
+/// room for `n` `[group · sq, ld]` f32 matrices, all live memory of `backend`.
 unsafe fn row_key_products(
     backend: &CudaBackend,
     dims: &AttentionDims,
@@ -100,7 +111,7 @@ unsafe fn row_key_products(
     ld: usize,
     n: usize,
 ) -> Result<()> {
-    let (sq, sk, d) = (dims.queries, dims.keys, dims.head_dim);
+    let (sq, sk, d) = (unit_rows(dims), dims.keys, dims.head_dim);
     let state = backend.blas_state()?;
     // SAFETY: forwarded from the caller.
     unsafe {
@@ -116,10 +127,10 @@ unsafe fn row_key_products(
     }
 }
 
-/// Pairs per chunk.
-fn chunk_pairs(dims: &AttentionDims) -> usize {
-    let per_pair = (dims.queries * padded_keys(dims) * 4).max(1);
-    (CHUNK_BYTES / per_pair).clamp(1, (dims.batch * dims.heads).max(1))
+/// Units ((batch, key/value head) pairs) per chunk.
+fn chunk_units(dims: &AttentionDims) -> usize {
+    let per_unit = (unit_rows(dims) * padded_keys(dims) * 4).max(1);
+    (CHUNK_BYTES / per_unit).clamp(1, (dims.batch * dims.kv_heads).max(1))
 }
 
 /// Launch shape for one warp per row.
@@ -131,31 +142,116 @@ fn warp_rows(rows: usize) -> LaunchConfig {
     }
 }
 
+/// Forward: per packed sequence when packed (see the module docs), else in one go.
 pub(crate) fn forward(
     backend: &CudaBackend,
     f: AttentionForward<'_>,
     dims: AttentionDims,
 ) -> Result<()> {
+    let Some(packed) = f.packed else {
+        return forward_units(backend, f, dims, element_address(&f.lse));
+    };
+    for (first, len) in sequences(packed.host) {
+        let [q, k, v, out] = [f.q, f.k, f.v, f.out].map(|view| row_slice(&view, first, len));
+        let (q, k, v, out) = (q?, k?, v?, out?);
+        let sequence = AttentionForward {
+            q: View { layout: &q, ..f.q },
+            k: View { layout: &k, ..f.k },
+            v: View { layout: &v, ..f.v },
+            out: View {
+                layout: &out,
+                ..f.out
+            },
+            packed: None,
+            ..f
+        };
+        let lse = Scratch::new(backend, (dims.heads * len * 4) as u64)?;
+        forward_units(backend, sequence, sequence_dims(dims, len), lse.address())?;
+        let (dense, slice) = lse_layouts(&f, dims, first, len)?;
+        copy_raw(
+            backend,
+            lse.address(),
+            &dense,
+            f.lse.buffer.address(),
+            &slice,
+            4,
+        )?;
+    }
+    Ok(())
+}
+
+/// The non-empty sequences of `cu_seqlens`: first row and length.
+fn sequences(cu_seqlens: &[i32]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    cu_seqlens
+        .windows(2)
+        .map(|bounds| (bounds[0] as usize, (bounds[1] - bounds[0]) as usize))
+        .filter(|&(_, len)| len > 0)
+}
+
+/// `view` (`[batch, heads, rows, head_dim]`) restricted to rows `first..first + len`.
+fn row_slice(view: &View<'_>, first: usize, len: usize) -> Result<Layout> {
+    let (shape, strides) = (view.layout.shape(), view.layout.strides());
+    Layout::from_parts(
+        &[shape[0], shape[1], len, shape[3]],
+        strides,
+        view.layout.offset() + first * strides[2],
+    )
+}
+
+/// The dims of one packed sequence of `len` tokens.
+fn sequence_dims(dims: AttentionDims, len: usize) -> AttentionDims {
+    AttentionDims {
+        queries: len,
+        keys: len,
+        ..dims
+    }
+}
+
+/// The dense `[heads, len]` layout of one sequence's log-sum-exp scratch, and the layout of its
+/// place in the `[1, heads, tokens]` log-sum-exp.
+fn lse_layouts(
+    f: &AttentionForward<'_>,
+    dims: AttentionDims,
+    first: usize,
+    len: usize,
+) -> Result<(Layout, Layout)> {
+    let slice = Layout::from_parts(
+        &[dims.heads, len],
+        &[dims.queries, 1],
+        f.lse.layout.offset() + first,
+    )?;
+    Ok((Layout::contiguous(&[dims.heads, len]), slice))
+}
+
+/// Forward of dense problems (not packed), the log-sum-exp written at `lse` (dense f32 `[batch,
+/// heads, queries]`).
+fn forward_units(
+    backend: &CudaBackend,
+    f: AttentionForward<'_>,
+    dims: AttentionDims,
+    lse: u64,
+) -> Result<()> {
     let t = f.q.dtype;
     let es = t.size_in_bytes();
-    let (pairs, sq, sk, d) = (
-        dims.batch * dims.heads,
-        dims.queries,
+    // Units of `sq` rows each (the group's query heads, stacked); `sq_head` is one head's.
+    let (units, sq, sk, d) = (
+        dims.batch * dims.kv_heads,
+        unit_rows(&dims),
         dims.keys,
         dims.head_dim,
     );
+    let sq_head = dims.queries;
     let (q, k, v) = (
         dense(backend, &f.q)?,
         dense(backend, &f.k)?,
         dense(backend, &f.v)?,
     );
-    let out = Scratch::new(backend, (pairs * sq * d * es) as u64)?;
-    let (chunk, ld) = (chunk_pairs(&dims), padded_keys(&dims));
+    let out = Scratch::new(backend, (units * sq * d * es) as u64)?;
+    let (chunk, ld) = (chunk_units(&dims), padded_keys(&dims));
     let scores = Scratch::new(backend, (chunk * sq * ld * 4) as u64)?;
     let probs = Scratch::new(backend, (chunk * sq * ld * es) as u64)?;
-    let lse = element_address(&f.lse);
-    for first in (0..pairs).step_by(chunk) {
-        let n = chunk.min(pairs - first);
+    for first in (0..units).step_by(chunk) {
+        let n = chunk.min(units - first);
         let (q0, k0) = (
             q.address() + (first * sq * d * es) as u64,
             k.address() + (first * sk * d * es) as u64,
@@ -170,7 +266,7 @@ pub(crate) fn forward(
             Param::U64(probs.address()),
             Param::U64(lse),
             Param::U64((n * sq) as u64),
-            Param::U32(to_u32(sq)?),
+            Param::U32(to_u32(sq_head)?),
             Param::U32(to_u32(sk)?),
             Param::U32(to_u32(ld)?),
             Param::F32(f.scale as f32),
@@ -202,29 +298,93 @@ pub(crate) fn forward(
     scatter_out(backend, &out, &f.out)
 }
 
+/// Backward: per packed sequence when packed, else in one go.
 pub(crate) fn backward(
     backend: &CudaBackend,
     b: AttentionBackward<'_>,
     dims: AttentionDims,
 ) -> Result<()> {
     let f = b.forward;
+    let Some(packed) = f.packed else {
+        return backward_units(backend, b, dims, element_address(&f.lse));
+    };
+    for (first, len) in sequences(packed.host) {
+        let views = [f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv];
+        let [q, k, v, out, dout, dq, dk, dv] = views.map(|view| row_slice(&view, first, len));
+        let [q, k, v, out] = [q?, k?, v?, out?];
+        let [dout, dq, dk, dv] = [dout?, dq?, dk?, dv?];
+        let sequence = AttentionBackward {
+            forward: AttentionForward {
+                q: View { layout: &q, ..f.q },
+                k: View { layout: &k, ..f.k },
+                v: View { layout: &v, ..f.v },
+                out: View {
+                    layout: &out,
+                    ..f.out
+                },
+                packed: None,
+                ..f
+            },
+            dout: View {
+                layout: &dout,
+                ..b.dout
+            },
+            dq: View {
+                layout: &dq,
+                ..b.dq
+            },
+            dk: View {
+                layout: &dk,
+                ..b.dk
+            },
+            dv: View {
+                layout: &dv,
+                ..b.dv
+            },
+        };
+        let lse = Scratch::new(backend, (dims.heads * len * 4) as u64)?;
+        let (dense, slice) = lse_layouts(&f, dims, first, len)?;
+        copy_raw(
+            backend,
+            f.lse.buffer.address(),
+            &slice,
+            lse.address(),
+            &dense,
+            4,
+        )?;
+        backward_units(backend, sequence, sequence_dims(dims, len), lse.address())?;
+    }
+    Ok(())
+}
+
+/// Backward of dense problems (not packed), the log-sum-exp read at `lse` (dense f32 `[batch,
+/// heads, queries]`).
+fn backward_units(
+    backend: &CudaBackend,
+    b: AttentionBackward<'_>,
+    dims: AttentionDims,
+    lse: u64,
+) -> Result<()> {
+    let f = b.forward;
     let t = f.q.dtype;
     let es = t.size_in_bytes();
-    let (pairs, sq, sk, d) = (
-        dims.batch * dims.heads,
-        dims.queries,
+    // Units of `sq` rows each (the group's query heads, stacked); `sq_head` is one head's.
+    let (units, sq, sk, d) = (
+        dims.batch * dims.kv_heads,
+        unit_rows(&dims),
         dims.keys,
         dims.head_dim,
     );
+    let (pairs, sq_head) = (dims.batch * dims.heads, dims.queries);
     // Δ = dO·O per query, read from the strided views.
-    let delta = Scratch::new(backend, (pairs * sq * 4) as u64)?;
+    let delta = Scratch::new(backend, (pairs * sq_head * 4) as u64)?;
     let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out, b.dout])?;
     launch_in(
         backend,
         Module::Attention,
         "attention_backward",
         ("attention_delta", suffix(t)),
-        warp_rows(pairs * sq),
+        warp_rows(pairs * sq_head),
         &[
             Param::U64(f.out.buffer.address()),
             Param::U64(b.dout.buffer.address()),
@@ -238,10 +398,10 @@ pub(crate) fn backward(
         dense(backend, &f.v)?,
     );
     let dout = dense(backend, &b.dout)?;
-    let dq = Scratch::new(backend, (pairs * sq * d * es) as u64)?;
-    let dk = Scratch::new(backend, (pairs * sk * d * es) as u64)?;
-    let dv = Scratch::new(backend, (pairs * sk * d * es) as u64)?;
-    let (chunk, ld) = (chunk_pairs(&dims), padded_keys(&dims));
+    let dq = Scratch::new(backend, (units * sq * d * es) as u64)?;
+    let dk = Scratch::new(backend, (units * sk * d * es) as u64)?;
+    let dv = Scratch::new(backend, (units * sk * d * es) as u64)?;
+    let (chunk, ld) = (chunk_units(&dims), padded_keys(&dims));
     let matrix = chunk * sq * ld;
     let (scores, dscores) = (
         Scratch::new(backend, (matrix * 4) as u64)?,
@@ -251,10 +411,9 @@ pub(crate) fn backward(
         Scratch::new(backend, (matrix * es) as u64)?,
         Scratch::new(backend, (matrix * es) as u64)?,
     );
-    let lse = element_address(&f.lse);
     let scale = f.scale as f32;
-    for first in (0..pairs).step_by(chunk) {
-        let n = chunk.min(pairs - first);
+    for first in (0..units).step_by(chunk) {
+        let n = chunk.min(units - first);
         let at = |s: &Scratch<'_>, rows: usize| s.address() + (first * rows * d * es) as u64;
         let (q0, k0, v0, do0) = (at(&q, sq), at(&k, sk), at(&v, sk), at(&dout, sq));
         let (dq0, dk0, dv0) = (at(&dq, sq), at(&dk, sk), at(&dv, sk));
@@ -273,7 +432,7 @@ pub(crate) fn backward(
             Param::U64(probs.address()),
             Param::U64(dprobs.address()),
             Param::U64((n * sq) as u64),
-            Param::U32(to_u32(sq)?),
+            Param::U32(to_u32(sq_head)?),
             Param::U32(to_u32(sk)?),
             Param::U32(to_u32(ld)?),
             Param::F32(scale),

@@ -4,6 +4,8 @@
 //!
 //! Blocks of 64 threads take 32 rows of one (batch, head) pair; each thread holds 4 rows × `dc`
 //! head columns of the output tile in registers (`dc` = 4, 8, 12 or 16: head dims up to 128).
+//! The dK/dV blocks take one (batch, key/value head) pair and sum its group's query heads in
+//! registers; packed sequences' boundaries travel in `AttnArgs`.
 //! `Δ` lives in scratch from the caching allocator for the duration of the backward.
 //!
 //! With `HEADROOM_ATTENTION_FUSED_BACKWARD=1` ([`FUSED_BACKWARD_VARIABLE`]) the backward is one
@@ -84,7 +86,8 @@ enum Kernel {
     BackwardFused,
 }
 
-/// The launch shape of `kernel` over `rows` rows per (batch, head) pair.
+/// The launch shape of `kernel` over `rows` rows per (batch, head) pair: query heads, or
+/// key/value heads for the kernels whose own rows are keys (each block sums its group).
 fn config(
     dims: &AttentionDims,
     kernel: Kernel,
@@ -102,10 +105,14 @@ fn config(
         Kernel::BackwardFused => (4, 3, 2),
     };
     let values = row_tiles * ROWS * padded + weight_tiles * ROWS * WEIGHT_STRIDE + stats * ROWS;
+    let heads = match kernel {
+        Kernel::Forward | Kernel::BackwardDq => dims.heads,
+        Kernel::BackwardDkDv | Kernel::BackwardFused => dims.kv_heads,
+    };
     Ok(LaunchConfig {
         grid_dim: (
             to_u32(rows.div_ceil(ROWS).max(1))?,
-            to_u32(dims.batch * dims.heads)?,
+            to_u32(dims.batch * heads)?,
             1,
         ),
         block_dim: (THREADS, 1, 1),

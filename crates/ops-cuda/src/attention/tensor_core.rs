@@ -7,7 +7,9 @@
 //! The kernels move 16-byte chunks, so they take head dims that are multiples of 8 up to 128 with
 //! every operand 8-element aligned ([`fits`]); the family's entry point (`mod.rs`) sends anything
 //! else to the cuBLAS path of `gemm.rs`. Blocks of 128 threads take 64 rows of one (batch, head)
-//! pair; the head dim is padded to 32, 64, 96 or 128 in shared memory. `Δ` lives in scratch from
+//! pair; the head dim is padded to 32, 64, 96 or 128 in shared memory. Grouped-query heads and
+//! packed sequences travel in `AttnArgs`: the dK/dV grid runs over (batch, key/value head) pairs,
+//! each block summing its group's query heads in registers. `Δ` lives in scratch from
 //! the caching allocator for the duration of the backward.
 //!
 //! This path sits on the attention family's `args.rs` and the ground floor, and imports no other
@@ -80,23 +82,14 @@ fn variant(dtype: DType, head_dim: usize) -> Result<(&'static str, usize)> {
     Ok((suffix, padded))
 }
 
-/// The launch shape over `rows` rows per pair, with `tiles` shared `[64][padded + 8]` tiles and
-/// `stats` f32 values of shared memory.
-fn config(
-    dims: &AttentionDims,
-    rows: usize,
-    padded: usize,
-    tiles: usize,
-    stats: usize,
-) -> LaunchConfig {
+/// The launch shape over `rows` rows of each of `pairs` (batch, head) pairs (query heads, or
+/// key/value heads for dK/dV), with `tiles` shared `[64][padded + 8]` tiles and `stats` f32 values
+/// of shared memory.
+fn config(pairs: usize, rows: usize, padded: usize, tiles: usize, stats: usize) -> LaunchConfig {
     let bytes = tiles * ROWS * (padded + CHUNK) * 2 + stats * 4;
     LaunchConfig {
         // `fits` bounds the pairs by 65 535; rows are u32 (checked by `attn_args`).
-        grid_dim: (
-            rows.div_ceil(ROWS) as u32,
-            (dims.batch * dims.heads) as u32,
-            1,
-        ),
+        grid_dim: (rows.div_ceil(ROWS) as u32, pairs as u32, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: bytes as u32,
     }
@@ -135,7 +128,7 @@ pub(crate) fn forward(
     let (suffix, padded) = variant(f.q.dtype, dims.head_dim)?;
     let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out])?;
     // Q, and two buffers each of K and V.
-    let config = config(&dims, dims.queries, padded, 5, 0);
+    let config = config(dims.batch * dims.heads, dims.queries, padded, 5, 0);
     let params = [
         address(&f.q),
         address(&f.k),
@@ -167,7 +160,7 @@ pub(crate) fn backward(
     let delta_address = Param::U64(delta.address());
     if dims.queries > 0 {
         // Q, dO, and two buffers each of K and V; log-sum-exp and Δ of the block's queries.
-        let config = config(&dims, dims.queries, padded, 6, 2 * ROWS);
+        let config = config(dims.batch * dims.heads, dims.queries, padded, 6, 2 * ROWS);
         let params = [
             address(&f.q),
             address(&f.k),
@@ -189,7 +182,8 @@ pub(crate) fn backward(
     }
     if dims.keys > 0 {
         // K, V, and two buffers each of Q and dO with their queries' statistics.
-        let config = config(&dims, dims.keys, padded, 6, 4 * ROWS);
+        // One block per (batch, key/value head) and 64 keys, over the group's query heads.
+        let config = config(dims.batch * dims.kv_heads, dims.keys, padded, 6, 4 * ROWS);
         let params = [
             address(&f.q),
             address(&f.k),
