@@ -93,8 +93,8 @@ impl Default for LinearCrossEntropyOptions {
 /// `hidden` is `[.., in]` (f64, f32, f16 or bf16), `weight` `[classes, in]` and `bias`
 /// `[classes]` of its dtype, `labels` I64 shaped like `hidden` without its last dim. The value
 /// equals `cross_entropy_f32(&hidden.linear(weight, bias)?.reshape([rows, classes])?, ..)`
-/// (extended by the options): the loss is f32 (f64 for f64 inputs), and the gradients of
-/// `hidden`, `weight` and `bias` are in their dtype.
+/// (`cross_entropy` for f64, which stays f64), extended by the options: the loss is f32 (f64
+/// for f64 inputs), and the gradients of `hidden`, `weight` and `bias` are in their dtype.
 ///
 /// ```
 /// use headroom_autograd_core::{linear_cross_entropy, DType, LinearCrossEntropyOptions, Tensor};
