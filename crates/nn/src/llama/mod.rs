@@ -234,19 +234,19 @@ impl LlamaForCausalLM {
         causal_lm_loss("LlamaForCausalLM", logits, labels)
     }
 
-    /// [`LlamaForCausalLM::loss`] of the logits of `hidden` (`self.model.forward(ids)`,
+    /// [`LlamaForCausalLM::loss`] of the logits of `hidden_states` (`self.model.forward(ids)`,
     /// `[batch, seq, hidden_size]`) without the logits: the head and the loss fused by
     /// [`linear_cross_entropy`](headroom_autograd_core::linear_cross_entropy), chunked as
     /// `options` says (its `ignore_index` and `reduction` are the loss's own). A tied head's
     /// weight gets both its embedding and its head gradient.
     pub fn loss_from_hidden(
         &self,
-        hidden: &Tensor,
+        hidden_states: &Tensor,
         labels: &Tensor,
         options: &LinearCrossEntropyOptions,
     ) -> Result<Tensor> {
         let weight = self.lm_head_weight();
-        causal_lm_loss_from_hidden("LlamaForCausalLM", hidden, weight, labels, options)
+        causal_lm_loss_from_hidden("LlamaForCausalLM", hidden_states, weight, labels, options)
     }
 
     /// Loads a Hugging Face checkpoint of this model (`model.safetensors` of a
