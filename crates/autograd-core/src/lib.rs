@@ -120,8 +120,9 @@ pub use layout::{
 };
 pub use non_finite::{found_non_finite, non_finite_check_};
 pub use ops::{
-    cat, cross_entropy, cross_entropy_f32, dropout, embedding, layer_norm, patch_embedding,
-    scaled_dot_product_attention, scaled_dot_product_attention_varlen, PackedSequences,
+    cat, cross_entropy, cross_entropy_f32, dropout, embedding, layer_norm, linear_cross_entropy,
+    patch_embedding, scaled_dot_product_attention, scaled_dot_product_attention_varlen,
+    LinearCrossEntropyOptions, PackedSequences,
 };
 pub use overlap::{check_operands, claim_operands, overlap, Aliasing, Overlap};
 pub use random::{

@@ -12,11 +12,11 @@
 
 use std::sync::Arc;
 
-use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
+use headroom_autograd_core::{BackendRef, DType, Generator, LinearCrossEntropyOptions, Tensor};
 
 use crate::attention::{attention, merge_heads, split_heads, AttentionMask};
 use crate::blocks::{impl_block_stack, run_block, BlockRunner};
-use crate::causal_lm::causal_lm_loss;
+use crate::causal_lm::{causal_lm_loss, causal_lm_loss_from_hidden};
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
 use crate::layers::{Dropout, Embedding, LayerNorm};
@@ -468,6 +468,21 @@ impl Gpt2LMHeadModel {
     /// (labels of -100 are skipped).
     pub fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
         causal_lm_loss("Gpt2LMHeadModel", logits, labels)
+    }
+
+    /// [`Gpt2LMHeadModel::loss`] of the logits of `hidden` (`self.transformer.forward(ids)`,
+    /// `[batch, seq, n_embd]`) without the logits: the head and the loss fused by
+    /// [`linear_cross_entropy`](headroom_autograd_core::linear_cross_entropy), chunked as
+    /// `options` says (its `ignore_index` and `reduction` are the loss's own). The tied weight
+    /// gets both its embedding and its head gradient.
+    pub fn loss_from_hidden(
+        &self,
+        hidden: &Tensor,
+        labels: &Tensor,
+        options: &LinearCrossEntropyOptions,
+    ) -> Result<Tensor> {
+        let weight = &self.transformer.wte.weight;
+        causal_lm_loss_from_hidden("Gpt2LMHeadModel", hidden, weight, labels, options)
     }
 }
 

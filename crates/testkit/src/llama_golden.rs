@@ -7,7 +7,7 @@
 //! checks the parameter names and the rotary frequencies, runs forward, loss and backward on the
 //! golden batch, and returns the errors, so nn's CPU tests (float64 and float32) and ops-cuda's
 //! GPU test (float32) share one path. Errors are `max |ours - theirs| / max |theirs|` per tensor
-//! ([`relative_error`](crate::golden::relative_error)). It sits on nn and the golden file, and
+//! ([`relative_error`]). It sits on nn and the golden file, and
 //! knows nothing about backends beyond [`BackendRef`].
 
 use headroom_autograd_core::{BackendRef, DType, Generator};

@@ -234,7 +234,7 @@ impl Tensor {
 }
 
 /// The (input, weight, optional bias) of a linear op as autocast returned them.
-fn linear_operands(cast: Vec<Option<Tensor>>) -> (Tensor, Tensor, Option<Tensor>) {
+pub(super) fn linear_operands(cast: Vec<Option<Tensor>>) -> (Tensor, Tensor, Option<Tensor>) {
     let mut cast = cast.into_iter();
     let mut next = || cast.next().flatten();
     let input = next().expect("the input was given");

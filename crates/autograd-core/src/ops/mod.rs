@@ -6,7 +6,8 @@
 //! closures are themselves written with ops (run with grad mode off). Files group ops by family:
 //! `elementwise` (arithmetic, activations, casts), `inplace` (`add_`, `copy_`, `out=` forms),
 //! `view` (reshape, permute, narrow, expand, contiguous), `reduce`, `linalg` (matmul, linear,
-//! patch embedding), `nn` (softmax, layer norm, cross-entropy, dropout) and `index` (embedding,
+//! patch embedding), `nn` (softmax, layer norm, cross-entropy, dropout), `linear_cross_entropy`
+//! (a language model head's loss without its logits) and `index` (embedding,
 //! gather/scatter, cat/split, masked fill) and `attention` (fused scaled-dot-product attention).
 //! Nothing here knows how a backend computes.
 
@@ -15,6 +16,7 @@ mod elementwise;
 mod index;
 mod inplace;
 mod linalg;
+mod linear_cross_entropy;
 mod nn;
 mod reduce;
 mod view;
@@ -24,6 +26,7 @@ pub use attention::{
 };
 pub use index::{cat, embedding};
 pub use linalg::patch_embedding;
+pub use linear_cross_entropy::{linear_cross_entropy, LinearCrossEntropyOptions};
 pub use nn::{cross_entropy, cross_entropy_f32, dropout, layer_norm};
 
 use std::sync::Arc;

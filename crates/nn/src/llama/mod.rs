@@ -27,14 +27,16 @@ mod rope;
 
 use std::sync::Arc;
 
-use headroom_autograd_core::{embedding, BackendRef, DType, Generator, PackedSequences, Tensor};
+use headroom_autograd_core::{
+    embedding, BackendRef, DType, Generator, LinearCrossEntropyOptions, PackedSequences, Tensor,
+};
 
 pub use block::{repeat_kv, LlamaAttention, LlamaDecoderLayer, LlamaMlp, LlamaRmsNorm};
 pub use config::{Llama3RopeScaling, LlamaConfig};
 pub use rope::{apply_rotary, RotaryEmbedding};
 
 use crate::blocks::{impl_block_stack, run_block, BlockRunner};
-use crate::causal_lm::causal_lm_loss;
+use crate::causal_lm::{causal_lm_loss, causal_lm_loss_from_hidden};
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
 use crate::layers::{Embedding, Linear};
@@ -290,6 +292,21 @@ impl LlamaForCausalLM {
     /// `batch × (seq - 1)` predictions (labels of -100 are skipped). The loss is f32.
     pub fn loss(&self, logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
         causal_lm_loss("LlamaForCausalLM", logits, labels)
+    }
+
+    /// [`LlamaForCausalLM::loss`] of the logits of `hidden_states` (`self.model.forward(ids)`,
+    /// `[batch, seq, hidden_size]`) without the logits: the head and the loss fused by
+    /// [`linear_cross_entropy`](headroom_autograd_core::linear_cross_entropy), chunked as
+    /// `options` says (its `ignore_index` and `reduction` are the loss's own). A tied head's
+    /// weight gets both its embedding and its head gradient.
+    pub fn loss_from_hidden(
+        &self,
+        hidden_states: &Tensor,
+        labels: &Tensor,
+        options: &LinearCrossEntropyOptions,
+    ) -> Result<Tensor> {
+        let weight = self.lm_head_weight();
+        causal_lm_loss_from_hidden("LlamaForCausalLM", hidden_states, weight, labels, options)
     }
 
     /// Loads a Hugging Face checkpoint of this model (`model.safetensors` of a

@@ -1,0 +1,106 @@
+"""The anchors of issue 31 at the Llama-3.2-1B head: the loss of 8192 tokens of 2048 features
+against a 128,256-token vocabulary, bf16 inputs, forward + backward.
+
+PyTorch's side of `crates/ops-cuda/examples/fused_ce_bench.rs` (Headroom's fused and unfused
+loss at the same shape). Implementations:
+- torch_eager_unfused: `F.cross_entropy((x @ W.T).float(), y)`, the logits and their f32 copy held;
+- liger_flce: Liger-Kernel's `LigerFusedLinearCrossEntropyLoss` (liger-kernel 0.8.5);
+- cce: Cut Cross-Entropy's `linear_cross_entropy` (cut-cross-entropy 25.1.1).
+An implementation that does not import prints "not installed" in its `error` field.
+
+Per implementation: one warm-up forward + backward, then ITERS timed ones (wall clock, the
+device synchronised around each, as the Rust example times them). It prints one JSON object:
+per implementation the median ms, the loss, `peak_beyond_inputs_bytes`
+(`torch.cuda.max_memory_allocated()` during a step less what was allocated before it, with the
+inputs and the weight allocated and no gradients) and `peak_beyond_inputs_and_grads_bytes` (that
+less the gradients of x and W, the issue's target: <= 64 MiB + 8 B per token).
+
+Usage:
+    python3 scripts/pytorch/fused_ce_reference.py [--iters 10] [--tokens 8192 --hidden 2048 --vocab 128256]
+"""
+import argparse
+import json
+import time
+
+
+def measure(torch, step, params, iters):
+    """Median ms of `iters` forward + backward runs after a warm-up, the largest peak beyond
+    what was allocated before a run, and the last loss."""
+    times, peak, loss_value = [], 0, None
+    for run in range(iters + 1):
+        for p in params:
+            p.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        loss = step()
+        loss.backward()
+        torch.cuda.synchronize()
+        if run > 0:
+            times.append((time.perf_counter() - start) * 1e3)
+        peak = max(peak, torch.cuda.max_memory_allocated() - before)
+        loss_value = float(loss.detach())
+        del loss
+    times.sort()
+    return {"median_ms": round(times[len(times) // 2], 3), "peak_beyond_inputs_bytes": peak, "loss": loss_value}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=128256)
+    args = parser.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    device = "cuda"
+    x = (torch.rand(args.tokens, args.hidden, device=device) * 2 - 1).to(torch.bfloat16).requires_grad_()
+    w = ((torch.rand(args.vocab, args.hidden, device=device) * 2 - 1) * 0.02).to(torch.bfloat16).requires_grad_()
+    y = torch.arange(args.tokens, device=device, dtype=torch.int64) * 7919 % args.vocab
+    grads = (args.tokens + args.vocab) * args.hidden * 2
+
+    impls = {"torch_eager_unfused": lambda: (lambda: F.cross_entropy((x @ w.T).float(), y))}
+
+    def liger():
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        loss_fn = LigerFusedLinearCrossEntropyLoss()
+        return lambda: loss_fn(w, x, y)
+
+    def cce():
+        from cut_cross_entropy import linear_cross_entropy
+
+        return lambda: linear_cross_entropy(x, w, y)
+
+    impls["liger_flce"] = liger
+    impls["cce"] = cce
+
+    results = {
+        "shape": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "dtype": "bf16"},
+        "iters": args.iters,
+        "target_beyond_grads_bytes": 64 * 2**20 + 8 * args.tokens,
+        "torch": torch.__version__,
+    }
+    for name, make in impls.items():
+        try:
+            step = make()
+        except ImportError:
+            results[name] = {"error": "not installed"}
+            continue
+        try:
+            entry = measure(torch, step, [x, w], args.iters)
+            entry["peak_beyond_inputs_and_grads_bytes"] = entry["peak_beyond_inputs_bytes"] - grads
+            results[name] = entry
+        except Exception as err:  # one failing anchor must not hide the others
+            results[name] = {"error": f"{type(err).__name__}: {err}"}
+        torch.cuda.empty_cache()
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
