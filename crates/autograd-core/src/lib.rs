@@ -105,6 +105,9 @@ pub use backend::{
     LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp, Operands,
     ReduceOp, Reduction, UnaryOp, View,
 };
+pub use backend::{
+    RmsNormBackward, RmsNormForward, RotaryArgs, RotaryDims, SwiGluBackward, SwiGluForward,
+};
 pub use buffer::{Access, Buffer, HostAccess, VersionCounter};
 pub use dtype::{DType, Device};
 pub use engine::{run_backward, BackwardOptions};
@@ -123,6 +126,7 @@ pub use ops::{
     cat, cross_entropy, cross_entropy_f32, dropout, embedding, layer_norm, patch_embedding,
     scaled_dot_product_attention,
 };
+pub use ops::{rms_norm, rotary_embedding, swiglu};
 pub use overlap::{check_operands, claim_operands, overlap, Aliasing, Overlap};
 pub use random::{
     record_draws, replay_draws, uniform, DrawRecording, DrawReplay, Generator, GeneratorState,

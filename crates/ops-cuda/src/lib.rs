@@ -88,6 +88,8 @@ mod index;
 #[cfg(feature = "cuda")]
 mod linear;
 #[cfg(feature = "cuda")]
+mod llama;
+#[cfg(feature = "cuda")]
 mod matmul;
 #[cfg(feature = "cuda")]
 mod pinned;

@@ -7,7 +7,8 @@
 //! `elementwise` (arithmetic, activations, casts), `inplace` (`add_`, `copy_`, `out=` forms),
 //! `view` (reshape, permute, narrow, expand, contiguous), `reduce`, `linalg` (matmul, linear,
 //! patch embedding), `nn` (softmax, layer norm, cross-entropy, dropout) and `index` (embedding,
-//! gather/scatter, cat/split, masked fill) and `attention` (fused scaled-dot-product attention).
+//! gather/scatter, cat/split, masked fill), `attention` (fused scaled-dot-product attention) and
+//! `llama` (fused RMSNorm, SwiGLU and rotary embedding).
 //! Nothing here knows how a backend computes.
 
 mod attention;
@@ -15,6 +16,7 @@ mod elementwise;
 mod index;
 mod inplace;
 mod linalg;
+mod llama;
 mod nn;
 mod reduce;
 mod view;
@@ -22,6 +24,7 @@ mod view;
 pub use attention::scaled_dot_product_attention;
 pub use index::{cat, embedding};
 pub use linalg::patch_embedding;
+pub use llama::{rms_norm, rotary_embedding, swiglu};
 pub use nn::{cross_entropy, cross_entropy_f32, dropout, layer_norm};
 
 use std::sync::Arc;
