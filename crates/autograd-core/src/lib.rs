@@ -106,7 +106,7 @@ pub use backend::{
     ReduceOp, Reduction, UnaryOp, View,
 };
 pub use backend::{
-    RmsNormBackward, RmsNormForward, RotaryArgs, RotaryDims, SwiGluBackward, SwiGluForward,
+    GateUp, RmsNormBackward, RmsNormForward, RotaryArgs, RotaryDims, SwiGluBackward, SwiGluForward,
 };
 pub use buffer::{Access, Buffer, HostAccess, VersionCounter};
 pub use dtype::{DType, Device};

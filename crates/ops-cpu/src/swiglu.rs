@@ -5,7 +5,7 @@
 //! kernels (f32 arithmetic for 16- and 32-bit types) are held to. `gate` and `up` are `[rows, n]`
 //! with a contiguous last dim and any row stride; the walk goes over rayon.
 
-use headroom_autograd_core::{Result, SwiGluBackward, SwiGluForward, View};
+use headroom_autograd_core::{GateUp, Result, SwiGluBackward, SwiGluForward, View};
 
 use crate::element::{dispatch_float, Float, Real};
 use crate::strided::{for_each_run, HostPtr};
@@ -53,8 +53,9 @@ fn walk<T: Float, const N: usize>(
 
 pub(crate) fn swiglu(args: SwiGluForward<'_>) -> Result<()> {
     args.dims()?;
-    dispatch_float!(args.gate.dtype, "swiglu", T => walk::<T, 3>(
-        [args.gate, args.up, args.out],
+    let GateUp { gate, up } = args.inputs;
+    dispatch_float!(gate.dtype, "swiglu", T => walk::<T, 3>(
+        [gate, up, args.out],
         2,
         |v| [v[0] * sigmoid(v[0]) * v[1], 0.0],
     ));
@@ -63,8 +64,9 @@ pub(crate) fn swiglu(args: SwiGluForward<'_>) -> Result<()> {
 
 pub(crate) fn swiglu_backward(args: SwiGluBackward<'_>) -> Result<()> {
     args.dims()?;
-    dispatch_float!(args.gate.dtype, "swiglu_backward", T => walk::<T, 5>(
-        [args.gate, args.up, args.dout, args.dgate, args.dup],
+    let (GateUp { gate, up }, grads) = (args.inputs, args.grads);
+    dispatch_float!(gate.dtype, "swiglu_backward", T => walk::<T, 5>(
+        [gate, up, args.dout, grads.gate, grads.up],
         3,
         |v| {
             let (gate, up, dout) = (v[0], v[1], v[2]);

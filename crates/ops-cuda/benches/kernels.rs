@@ -2,7 +2,8 @@
 //! on ViT-L/16 batch-32 shapes (`[32·197, 1024]` and `[32·197, 4096]` activations,
 //! `[32, 16, 197, 197]` attention scores), plus GEMM, fused attention (forward and backward, heads
 //! strided out of a packed q/k/v projection as ViT passes them) and host↔device copies from pinned
-//! and pageable memory.
+//! and pageable memory; the Llama cases (RMSNorm, SwiGLU, rotary embedding on Llama-3.2-1B shapes)
+//! are `kernels/llama.rs`'s.
 //!
 //! Each case declares the bytes an ideal pass moves (every input read once, every output written
 //! once), so criterion prints GB/s; GEMMs declare FLOPs as elements (criterion's `elem/s` is
@@ -25,6 +26,9 @@ use headroom_autograd_core::{
 use headroom_ops_cuda::{CudaBackend, CudaStream};
 use headroom_testkit::gpu::cuda_or_skip;
 use headroom_testkit::inputs::uniform_f32;
+
+#[path = "kernels/llama.rs"]
+mod llama;
 
 /// Tokens of a ViT-L/16 batch of 32 (196 patches and the class token).
 const ROWS: usize = 32 * 197;
@@ -177,6 +181,7 @@ fn main() {
     indexing(&mut bench, &compute);
     gemm(&mut bench, &compute);
     attention(&mut bench, &compute);
+    llama::llama(&mut bench, &compute);
     host_copies(&mut bench);
 
     bench.criterion.final_summary();

@@ -49,44 +49,55 @@ __device__ __forceinline__ double m_sqrt(double x) { return sqrt(x); }
 // x, out, dy, dx dense [rows, n]; weight [n]; rstd [rows] in Acc<T>; partial [gridDim.x, n] in
 // Acc<T>: each block's column sums of dy · round(x · rstd), which `column_finish` of rows.cu adds.
 
+// Vector q of this thread's share of a row: vectors t, t + blockDim.x, ... (whether it exists:
+// `< nv`, the row's vectors).
+__device__ __forceinline__ unsigned long long vector_of_thread(int q) {
+    return threadIdx.x + (unsigned long long)q * blockDim.x;
+}
+
+// Loads this thread's VPT vectors of `row` (those that exist) into `v`.
+template <typename T, int VPT>
+__device__ __forceinline__ void load_share(const T* row, unsigned long long nv, Vec16<T>* v) {
+#pragma unroll
+    for (int q = 0; q < VPT; ++q)
+        if (vector_of_thread(q) < nv) v[q].raw = reinterpret_cast<const uint4*>(row)[vector_of_thread(q)];
+}
+
+// Stores this thread's VPT vectors `v` into `row` (those that exist).
+template <typename T, int VPT>
+__device__ __forceinline__ void store_share(T* row, unsigned long long nv, const Vec16<T>* v) {
+#pragma unroll
+    for (int q = 0; q < VPT; ++q)
+        if (vector_of_thread(q) < nv) reinterpret_cast<uint4*>(row)[vector_of_thread(q)] = v[q].raw;
+}
+
 // One block per row (grid-stride), each thread keeping VPT vectors of the row in registers:
 // thread t owns vectors t, t + blockDim.x, ... of every row, so the weight is loaded once.
 template <typename T, int VPT>
 __device__ void rms_norm_vec(const T* x, const T* w, T* out, typename Acc<T>::type* rstd_out, double eps,
                              unsigned long long rows, unsigned long long n) {
     typedef typename Acc<T>::type C;
+    constexpr int V = Vec16<T>::N;
     __shared__ C warp_sums[32];
-    const unsigned long long nv = n / Vec16<T>::N;
-    Vec16<T> wv[VPT];
-#pragma unroll
-    for (int q = 0; q < VPT; ++q) {
-        unsigned long long idx = threadIdx.x + (unsigned long long)q * blockDim.x;
-        if (idx < nv) wv[q].raw = reinterpret_cast<const uint4*>(w)[idx];
-    }
+    const unsigned long long nv = n / V;
+    Vec16<T> wv[VPT], xv[VPT];
+    load_share<T, VPT>(w, nv, wv);
     for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
-        const uint4* xr = reinterpret_cast<const uint4*>(x + r * n);
-        Vec16<T> xv[VPT];
+        load_share<T, VPT>(x + r * n, nv, xv);
         C sq = 0;
 #pragma unroll
-        for (int q = 0; q < VPT; ++q) {
-            unsigned long long idx = threadIdx.x + (unsigned long long)q * blockDim.x;
-            if (idx < nv) {
-                xv[q].raw = xr[idx];
+        for (int q = 0; q < VPT; ++q)
 #pragma unroll
-                for (int k = 0; k < Vec16<T>::N; ++k) { C v = xv[q].get(k); sq += v * v; }
+            for (int k = 0; k < V; ++k) {
+                C v = vector_of_thread(q) < nv ? xv[q].get(k) : (C)0;
+                sq += v * v;
             }
-        }
         const C rstd = (C)1 / m_sqrt(block_sum(sq, warp_sums) / (C)n + (C)eps);
-        uint4* outr = reinterpret_cast<uint4*>(out + r * n);
 #pragma unroll
-        for (int q = 0; q < VPT; ++q) {
-            unsigned long long idx = threadIdx.x + (unsigned long long)q * blockDim.x;
-            if (idx < nv) {
+        for (int q = 0; q < VPT; ++q)
 #pragma unroll
-                for (int k = 0; k < Vec16<T>::N; ++k) xv[q].set(k, wv[q].get(k) * round_to<T>(xv[q].get(k) * rstd));
-                outr[idx] = xv[q].raw;
-            }
-        }
+            for (int k = 0; k < V; ++k) xv[q].set(k, wv[q].get(k) * round_to<T>(xv[q].get(k) * rstd));
+        store_share<T, VPT>(out + r * n, nv, xv);
         if (threadIdx.x == 0) rstd_out[r] = rstd;
     }
 }
@@ -101,60 +112,43 @@ __device__ void rms_norm_backward_vec(const T* dy, const T* x, const typename Ac
     constexpr int V = Vec16<T>::N;
     __shared__ C warp_sums[32];
     const unsigned long long nv = n / V;
-    Vec16<T> wv[VPT];
+    Vec16<T> wv[VPT], xv[VPT], gv[VPT];
     C dw[VPT][V];
+    load_share<T, VPT>(w, nv, wv);
 #pragma unroll
-    for (int q = 0; q < VPT; ++q) {
-        unsigned long long idx = threadIdx.x + (unsigned long long)q * blockDim.x;
-        if (idx < nv) wv[q].raw = reinterpret_cast<const uint4*>(w)[idx];
+    for (int q = 0; q < VPT; ++q)
 #pragma unroll
         for (int k = 0; k < V; ++k) dw[q][k] = 0;
-    }
     for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
-        const uint4* xr = reinterpret_cast<const uint4*>(x + r * n);
-        const uint4* dyr = reinterpret_cast<const uint4*>(dy + r * n);
+        load_share<T, VPT>(x + r * n, nv, xv);
+        load_share<T, VPT>(dy + r * n, nv, gv);
         const C rstd = rstd_in[r];
-        Vec16<T> xv[VPT], gv[VPT];
         C sgx = 0;
 #pragma unroll
         for (int q = 0; q < VPT; ++q) {
-            unsigned long long idx = threadIdx.x + (unsigned long long)q * blockDim.x;
-            if (idx < nv) {
-                xv[q].raw = xr[idx];
-                gv[q].raw = dyr[idx];
+            if (vector_of_thread(q) >= nv) continue;
 #pragma unroll
-                for (int k = 0; k < V; ++k) {
-                    C x_hat = xv[q].get(k) * rstd, g = gv[q].get(k);
-                    if (partial) dw[q][k] += g * round_to<T>(x_hat);
-                    sgx += g * wv[q].get(k) * x_hat;
-                }
+            for (int k = 0; k < V; ++k) {
+                C x_hat = xv[q].get(k) * rstd, g = gv[q].get(k);
+                if (partial) dw[q][k] += g * round_to<T>(x_hat);
+                sgx += g * wv[q].get(k) * x_hat;
             }
         }
         if (!dx) continue;
         const C mean_gx = block_sum(sgx, warp_sums) / (C)n;
-        uint4* dxr = reinterpret_cast<uint4*>(dx + r * n);
 #pragma unroll
-        for (int q = 0; q < VPT; ++q) {
-            unsigned long long idx = threadIdx.x + (unsigned long long)q * blockDim.x;
-            if (idx < nv) {
+        for (int q = 0; q < VPT; ++q)
 #pragma unroll
-                for (int k = 0; k < V; ++k) {
-                    C x_hat = xv[q].get(k) * rstd;
-                    gv[q].set(k, rstd * (gv[q].get(k) * wv[q].get(k) - x_hat * mean_gx));
-                }
-                dxr[idx] = gv[q].raw;
-            }
-        }
+            for (int k = 0; k < V; ++k)
+                gv[q].set(k, rstd * (gv[q].get(k) * wv[q].get(k) - xv[q].get(k) * rstd * mean_gx));
+        store_share<T, VPT>(dx + r * n, nv, gv);
     }
     if (!partial) return;
 #pragma unroll
-    for (int q = 0; q < VPT; ++q) {
-        unsigned long long idx = threadIdx.x + (unsigned long long)q * blockDim.x;
-        if (idx < nv) {
+    for (int q = 0; q < VPT; ++q)
+        if (vector_of_thread(q) < nv)
 #pragma unroll
-            for (int k = 0; k < V; ++k) partial[blockIdx.x * n + idx * V + k] = dw[q][k];
-        }
-    }
+            for (int k = 0; k < V; ++k) partial[blockIdx.x * n + vector_of_thread(q) * V + k] = dw[q][k];
 }
 
 // Any alignment and weight stride: one block per row (grid-stride), threads striding along it;
@@ -255,8 +249,9 @@ __device__ void swiglu_rows(const T* gate, unsigned long long gs, const T* up, u
 // ---- Rotary embedding -------------------------------------------------------------------------
 // x and out padded to [outer, heads, seq, d] with strides xs and os (each 4 values); cos and sin
 // dense [seq, d]. Forward: out₁ = x₁c₁ − x₂s₁, out₂ = x₂c₂ + x₁s₂; TRANSPOSE (the backward):
-// out₁ = x₁c₁ + x₂s₂, out₂ = x₂c₂ − x₁s₁. Rows (one head at one position) along grid y, a half's
-// elements (or 16-byte vectors, VEC: unit last strides) along grid x.
+// out₁ = x₁c₁ + x₂s₂, out₂ = x₂c₂ − x₁s₁. One thread per (row, unit) in a flat grid-stride walk
+// (a row is one head at one position, a unit one element of the first half, or a 16-byte vector
+// of it with VEC: unit last strides), so short heads still fill the blocks.
 struct RotaryShape {
     unsigned long long shape[4];
     unsigned long long xs[4];
@@ -270,51 +265,50 @@ __device__ void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int 
     const unsigned long long heads = a.shape[1], seq = a.shape[2], d = a.shape[3], half = d / 2;
     const unsigned long long rows = a.shape[0] * heads * seq, units = half / V;
     const C sign = transpose ? (C)-1 : (C)1;
-    for (unsigned long long r = blockIdx.y; r < rows; r += gridDim.y) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < rows * units;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const unsigned long long r = i / units;
         const unsigned long long o = r / (heads * seq), h = (r / seq) % heads, s = r % seq;
         const T* xr = x + o * a.xs[0] + h * a.xs[1] + s * a.xs[2];
         T* outr = out + o * a.os[0] + h * a.os[1] + s * a.os[2];
         const T* cr = cos + s * d;
         const T* sr = sin + s * d;
-        for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < units;
-             i += (unsigned long long)gridDim.x * blockDim.x) {
-            const unsigned long long j = i * V;
-            C x1[V], x2[V], c1[V], c2[V], s1[V], s2[V];
-            if (VEC) {
-                Vec16<T> v[6];
-                v[0].raw = *reinterpret_cast<const uint4*>(xr + j);
-                v[1].raw = *reinterpret_cast<const uint4*>(xr + j + half);
-                v[2].raw = *reinterpret_cast<const uint4*>(cr + j);
-                v[3].raw = *reinterpret_cast<const uint4*>(cr + j + half);
-                v[4].raw = *reinterpret_cast<const uint4*>(sr + j);
-                v[5].raw = *reinterpret_cast<const uint4*>(sr + j + half);
-#pragma unroll
-                for (int k = 0; k < V; ++k) {
-                    x1[k] = v[0].get(k); x2[k] = v[1].get(k); c1[k] = v[2].get(k);
-                    c2[k] = v[3].get(k); s1[k] = v[4].get(k); s2[k] = v[5].get(k);
-                }
-            } else {
-                x1[0] = ld(xr + j * a.xs[3]); x2[0] = ld(xr + (j + half) * a.xs[3]);
-                c1[0] = ld(cr + j); c2[0] = ld(cr + j + half);
-                s1[0] = ld(sr + j); s2[0] = ld(sr + j + half);
-            }
-            C out1[V], out2[V];
+        const unsigned long long j = (i % units) * V;
+        C x1[V], x2[V], c1[V], c2[V], s1[V], s2[V];
+        if (VEC) {
+            Vec16<T> v[6];
+            v[0].raw = *reinterpret_cast<const uint4*>(xr + j);
+            v[1].raw = *reinterpret_cast<const uint4*>(xr + j + half);
+            v[2].raw = *reinterpret_cast<const uint4*>(cr + j);
+            v[3].raw = *reinterpret_cast<const uint4*>(cr + j + half);
+            v[4].raw = *reinterpret_cast<const uint4*>(sr + j);
+            v[5].raw = *reinterpret_cast<const uint4*>(sr + j + half);
 #pragma unroll
             for (int k = 0; k < V; ++k) {
-                // The transpose swaps which half's sine pairs with which, and flips the signs.
-                out1[k] = x1[k] * c1[k] - sign * x2[k] * (transpose ? s2[k] : s1[k]);
-                out2[k] = x2[k] * c2[k] + sign * x1[k] * (transpose ? s1[k] : s2[k]);
+                x1[k] = v[0].get(k); x2[k] = v[1].get(k); c1[k] = v[2].get(k);
+                c2[k] = v[3].get(k); s1[k] = v[4].get(k); s2[k] = v[5].get(k);
             }
-            if (VEC) {
-                Vec16<T> w1, w2;
+        } else {
+            x1[0] = ld(xr + j * a.xs[3]); x2[0] = ld(xr + (j + half) * a.xs[3]);
+            c1[0] = ld(cr + j); c2[0] = ld(cr + j + half);
+            s1[0] = ld(sr + j); s2[0] = ld(sr + j + half);
+        }
+        C out1[V], out2[V];
 #pragma unroll
-                for (int k = 0; k < V; ++k) { w1.set(k, out1[k]); w2.set(k, out2[k]); }
-                *reinterpret_cast<uint4*>(outr + j) = w1.raw;
-                *reinterpret_cast<uint4*>(outr + j + half) = w2.raw;
-            } else {
-                st(outr + j * a.os[3], out1[0]);
-                st(outr + (j + half) * a.os[3], out2[0]);
-            }
+        for (int k = 0; k < V; ++k) {
+            // The transpose swaps which half's sine pairs with which, and flips the signs.
+            out1[k] = x1[k] * c1[k] - sign * x2[k] * (transpose ? s2[k] : s1[k]);
+            out2[k] = x2[k] * c2[k] + sign * x1[k] * (transpose ? s1[k] : s2[k]);
+        }
+        if (VEC) {
+            Vec16<T> w1, w2;
+#pragma unroll
+            for (int k = 0; k < V; ++k) { w1.set(k, out1[k]); w2.set(k, out2[k]); }
+            *reinterpret_cast<uint4*>(outr + j) = w1.raw;
+            *reinterpret_cast<uint4*>(outr + j + half) = w2.raw;
+        } else {
+            st(outr + j * a.os[3], out1[0]);
+            st(outr + (j + half) * a.os[3], out2[0]);
         }
     }
 }

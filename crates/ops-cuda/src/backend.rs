@@ -308,7 +308,13 @@ impl Backend for CudaBackend {
 
     fn rms_norm(&self, args: RmsNormForward<'_>) -> Result<()> {
         let ops = args.operands();
-        check(self, "rms_norm", &ops.writes, &ops.reads, Aliasing::Disjoint)?;
+        check(
+            self,
+            "rms_norm",
+            &ops.writes,
+            &ops.reads,
+            Aliasing::Disjoint,
+        )?;
         self.timed(
             || format!("rms_norm {}", describe(&args.x)),
             || llama::rms_norm(self, args),
@@ -329,7 +335,7 @@ impl Backend for CudaBackend {
         let ops = args.operands();
         check(self, "swiglu", &ops.writes, &ops.reads, Aliasing::Disjoint)?;
         self.timed(
-            || format!("swiglu {}", describe(&args.gate)),
+            || format!("swiglu {}", describe(&args.inputs.gate)),
             || llama::swiglu(self, args),
         )
     }
@@ -339,7 +345,7 @@ impl Backend for CudaBackend {
         let op = "swiglu_backward";
         check(self, op, &ops.writes, &ops.reads, Aliasing::Disjoint)?;
         self.timed(
-            || format!("{op} {}", describe(&args.gate)),
+            || format!("{op} {}", describe(&args.inputs.gate)),
             || llama::swiglu_backward(self, args),
         )
     }

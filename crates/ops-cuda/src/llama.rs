@@ -8,16 +8,17 @@
 //!   column sums of the weight gradient into scratch, which `column_finish` of `rows.cu` adds.
 //! - SwiGLU: rows along the grid's y, a row's vectors along x; `gate` and `up` may have any row
 //!   stride (halves of a packed projection).
-//! - Rotary: rows (one head at one position) along y, a half-head's vectors along x; any strides
-//!   (the scalar kernel) or unit last strides (the vector one).
+//! - Rotary: a flat walk over (row, unit) pairs, a row being one head at one position and a
+//!   unit an element (or 16-byte vector) of its first half; any strides (the scalar kernel) or
+//!   unit last strides (the vector one).
 //!
 //! Shapes and dtypes are checked by autograd-core's shared rules (`dims()` of the argument
 //! structs). This family sits on the ground floor and imports no other family.
 
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 use headroom_autograd_core::{
-    DType, Result, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
-    View,
+    DType, GateUp, Result, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward,
+    SwiGluForward, View,
 };
 
 use crate::device::CudaBackend;
@@ -34,6 +35,8 @@ const MAX_ROW_BLOCKS: u64 = 132 * 16;
 /// partial sums, so enough to stream x and dy at full speed and few enough that adding the
 /// partials stays a small fraction of the traffic.
 const WEIGHT_GRAD_BLOCKS: u64 = 132 * 3;
+/// Blocks of a flat grid-stride launch at most: enough to fill an H200 several times over.
+const MAX_FLAT_BLOCKS: u64 = 132 * 32;
 /// Rows along the grid's y at most (CUDA's limit); the kernels loop over the rest.
 const MAX_GRID_Y: u64 = 65_535;
 
@@ -164,7 +167,12 @@ pub(crate) fn rms_norm_backward(backend: &CudaBackend, args: RmsNormBackward<'_>
     let mut addresses = vec![dy, x, w];
     addresses.extend(args.dx.as_ref().map(element_address));
     let plan = rms_vec_plan(args.x.dtype, n, &addresses, ws);
-    let mut params = vec![Param::U64(dy), Param::U64(x), Param::U64(rstd), Param::U64(w)];
+    let mut params = vec![
+        Param::U64(dy),
+        Param::U64(x),
+        Param::U64(rstd),
+        Param::U64(w),
+    ];
     if plan.is_none() {
         params.push(Param::U64(ws));
     }
@@ -175,7 +183,15 @@ pub(crate) fn rms_norm_backward(backend: &CudaBackend, args: RmsNormBackward<'_>
     };
     if rows > 0 {
         let config = row_config(rows, threads, blocks);
-        launch_in(backend, Module::Llama, op, (name, suffix), config, &params, NO_ARGS)?;
+        launch_in(
+            backend,
+            Module::Llama,
+            op,
+            (name, suffix),
+            config,
+            &params,
+            NO_ARGS,
+        )?;
     }
     let Some(dweight) = args.dweight else {
         return Ok(());
@@ -223,7 +239,7 @@ fn launch_swiglu(
     backend: &CudaBackend,
     op: &'static str,
     family: [&'static str; 2],
-    (gate, up): (&View<'_>, &View<'_>),
+    GateUp { gate, up }: GateUp<'_>,
     dense: &[u64],
     (rows, n): (usize, usize),
 ) -> Result<()> {
@@ -232,8 +248,8 @@ fn launch_swiglu(
         return Ok(());
     }
     let suffix = float_suffix(op, gate.dtype)?;
-    let (gs, us) = (row_stride(gate), row_stride(up));
-    let (g, u) = (element_address(gate), element_address(up));
+    let (gs, us) = (row_stride(&gate), row_stride(&up));
+    let (g, u) = (element_address(&gate), element_address(&up));
     let mut addresses = vec![g, u];
     addresses.extend(dense);
     let vec = vectorisable(gate.dtype, &addresses, &[gs, us, n]);
@@ -250,15 +266,21 @@ pub(crate) fn swiglu(backend: &CudaBackend, args: SwiGluForward<'_>) -> Result<(
     let dims = args.dims()?;
     let dense = [element_address(&args.out)];
     let family = ["swiglu_v", "swiglu_s"];
-    launch_swiglu(backend, "swiglu", family, (&args.gate, &args.up), &dense, dims)
+    launch_swiglu(backend, "swiglu", family, args.inputs, &dense, dims)
 }
 
 pub(crate) fn swiglu_backward(backend: &CudaBackend, args: SwiGluBackward<'_>) -> Result<()> {
     let dims = args.dims()?;
-    let dense = [&args.dout, &args.dgate, &args.dup].map(element_address);
+    let dense = [&args.dout, &args.grads.gate, &args.grads.up].map(element_address);
     let family = ["swiglu_backward_v", "swiglu_backward_s"];
-    let operands = (&args.gate, &args.up);
-    launch_swiglu(backend, "swiglu_backward", family, operands, &dense, dims)
+    launch_swiglu(
+        backend,
+        "swiglu_backward",
+        family,
+        args.inputs,
+        &dense,
+        dims,
+    )
 }
 
 /// `RotaryShape` of `llama.cu`, field for field.
@@ -305,7 +327,24 @@ pub(crate) fn rotary_embedding(backend: &CudaBackend, args: RotaryArgs<'_>) -> R
         .into_iter()
         .chain([Param::I32(i32::from(args.transpose))])
         .collect::<Vec<_>>();
-    let config = rows_by_units(op, rows, units)?;
+    // A flat grid-stride walk over (row, unit) pairs.
+    let config = LaunchConfig {
+        grid_dim: (
+            (rows * units).div_ceil(THREADS).clamp(1, MAX_FLAT_BLOCKS) as u32,
+            1,
+            1,
+        ),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let name = (if vec { "rotary_v" } else { "rotary_s" }, suffix);
-    launch_in(backend, Module::Llama, op, name, config, &params, Some(shape))
+    launch_in(
+        backend,
+        Module::Llama,
+        op,
+        name,
+        config,
+        &params,
+        Some(shape),
+    )
 }

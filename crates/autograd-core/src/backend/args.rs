@@ -425,37 +425,39 @@ pub struct RmsNormBackward<'a> {
     pub dweight: Option<View<'a>>,
 }
 
-/// Inputs and outputs of the fused SwiGLU, `out = silu(gate) · up` with
-/// `silu(g) = g / (1 + e^-g)`, computed in f32 for f16 and bf16.
-///
-/// `gate` and `up` are `[rows, n]` views whose last dim is contiguous; their row strides are free,
-/// so both may be halves of one packed `[rows, 2n]` projection. `out` is dense `[rows, n]`.
+/// The two halves of a SwiGLU: `gate` and `up` (or their gradients), `[rows, n]` views with a
+/// contiguous last dim. Their row strides are free, so both may be halves of one packed
+/// `[rows, 2n]` projection.
 #[derive(Debug, Clone, Copy)]
-pub struct SwiGluForward<'a> {
-    /// The gate projection.
+pub struct GateUp<'a> {
+    /// The gate projection (through SiLU).
     pub gate: View<'a>,
     /// The up projection.
     pub up: View<'a>,
+}
+
+/// Inputs and outputs of the fused SwiGLU, `out = silu(gate) · up` with
+/// `silu(g) = g / (1 + e^-g)`, computed in f32 for f16 and bf16; `out` is dense `[rows, n]`.
+#[derive(Debug, Clone, Copy)]
+pub struct SwiGluForward<'a> {
+    /// Gate and up.
+    pub inputs: GateUp<'a>,
     /// The result.
     pub out: View<'a>,
 }
 
 /// Inputs and outputs of the fused SwiGLU backward: `silu(gate)` and its derivative are
 /// recomputed from `gate`, so the forward saves only its two inputs.
-/// `dgate = dout · up · silu'(gate)`, `dup = dout · silu(gate)`; all dense `[rows, n]` but the
-/// forward's inputs, as in [`SwiGluForward`].
+/// `dgate = dout · up · silu'(gate)`, `dup = dout · silu(gate)`; `dout` and the gradients dense
+/// `[rows, n]`.
 #[derive(Debug, Clone, Copy)]
 pub struct SwiGluBackward<'a> {
-    /// The forward's gate projection.
-    pub gate: View<'a>,
-    /// The forward's up projection.
-    pub up: View<'a>,
-    /// Gradient of `out`.
+    /// The forward's gate and up.
+    pub inputs: GateUp<'a>,
+    /// Gradient of the output.
     pub dout: View<'a>,
-    /// Gradient of `gate`.
-    pub dgate: View<'a>,
-    /// Gradient of `up`.
-    pub dup: View<'a>,
+    /// Their gradients (written).
+    pub grads: GateUp<'a>,
 }
 
 /// Inputs and outputs of the fused rotary embedding (Hugging Face's `apply_rotary_pos_emb`,
@@ -509,7 +511,7 @@ impl<'a> SwiGluForward<'a> {
     pub fn operands(&self) -> Operands<'a> {
         Operands {
             writes: [self.out].into_iter().collect(),
-            reads: [self.gate, self.up].into_iter().collect(),
+            reads: [self.inputs.gate, self.inputs.up].into_iter().collect(),
         }
     }
 }
@@ -518,8 +520,8 @@ impl<'a> SwiGluBackward<'a> {
     /// `dgate` and `dup` written; `gate`, `up` and `dout` read.
     pub fn operands(&self) -> Operands<'a> {
         Operands {
-            writes: [self.dgate, self.dup].into_iter().collect(),
-            reads: [self.gate, self.up, self.dout]
+            writes: [self.grads.gate, self.grads.up].into_iter().collect(),
+            reads: [self.inputs.gate, self.inputs.up, self.dout]
                 .into_iter()
                 .collect(),
         }

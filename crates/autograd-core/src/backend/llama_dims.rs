@@ -5,7 +5,7 @@
 //! It sits on the argument structs (`args.rs`) and knows no backend.
 
 use super::args::{
-    RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward, View,
+    GateUp, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward, View,
 };
 use crate::dtype::{stats_dtype, DType};
 use crate::error::{Result, TensorError};
@@ -107,7 +107,13 @@ impl RmsNormBackward<'_> {
             .into_iter()
             .flatten()
             .collect();
-        rms_norm_dims("rms_norm_backward", &self.x, &self.rstd, &rows_like, &params)
+        rms_norm_dims(
+            "rms_norm_backward",
+            &self.x,
+            &self.rstd,
+            &rows_like,
+            &params,
+        )
     }
 }
 
@@ -115,10 +121,10 @@ impl RmsNormBackward<'_> {
 /// `dense` dense `[rows, n]`, all of one float dtype.
 fn swiglu_dims(
     op: &'static str,
-    gate: &View<'_>,
-    up: &View<'_>,
+    inputs: &GateUp<'_>,
     dense: &[View<'_>],
 ) -> Result<(usize, usize)> {
+    let (gate, up) = (&inputs.gate, &inputs.up);
     let &[rows, n] = gate.layout.shape() else {
         return Err(invalid(
             op,
@@ -150,19 +156,15 @@ impl SwiGluForward<'_> {
     /// `(rows, n)`: `gate` and `up` `[rows, n]` with a contiguous last dim (any row stride),
     /// `out` dense `[rows, n]`, all of one float dtype.
     pub fn dims(&self) -> Result<(usize, usize)> {
-        swiglu_dims("swiglu", &self.gate, &self.up, &[self.out])
+        swiglu_dims("swiglu", &self.inputs, &[self.out])
     }
 }
 
 impl SwiGluBackward<'_> {
-    /// `(rows, n)`, checked as [`SwiGluForward::dims`] with `dout`, `dgate` and `dup` dense.
+    /// `(rows, n)`, checked as [`SwiGluForward::dims`] with `dout` and the gradients dense.
     pub fn dims(&self) -> Result<(usize, usize)> {
-        swiglu_dims(
-            "swiglu_backward",
-            &self.gate,
-            &self.up,
-            &[self.dout, self.dgate, self.dup],
-        )
+        let dense = [self.dout, self.grads.gate, self.grads.up];
+        swiglu_dims("swiglu_backward", &self.inputs, &dense)
     }
 }
 
@@ -185,10 +187,12 @@ impl RotaryArgs<'_> {
         let op = "rotary_embedding";
         let shape = self.x.layout.shape();
         let ndim = shape.len();
-        if !(2..=4).contains(&ndim) || shape[ndim - 1] % 2 != 0 {
+        if !(2..=4).contains(&ndim) || !shape[ndim - 1].is_multiple_of(2) {
             return Err(invalid(
                 op,
-                format!("x must be [.., seq, head_dim] (2 to 4 dims, head_dim even), got {shape:?}"),
+                format!(
+                    "x must be [.., seq, head_dim] (2 to 4 dims, head_dim even), got {shape:?}"
+                ),
             ));
         }
         check_dtype(op, &self.x, self.x.dtype)?;

@@ -68,12 +68,14 @@ pub use args::{
     LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp,
     Operands, ReduceOp, Reduction, UnaryOp, View,
 };
-pub use args::{RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward};
-pub use llama_dims::RotaryDims;
+pub use args::{
+    GateUp, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
+};
 pub use dims::{
     attention_dims, compose_linear, compose_linear_weight_grad, index_strides, linear_dims,
     linear_weight_grad_dims, matmul_dims, AttentionDims,
 };
+pub use llama_dims::RotaryDims;
 
 /// A shared handle to a backend; tensors hold one through their storage.
 pub type BackendRef = Arc<dyn Backend>;

@@ -13,7 +13,9 @@
 
 use std::sync::Arc;
 
-use crate::backend::{RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward};
+use crate::backend::{
+    GateUp, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
+};
 use crate::dtype::stats_dtype;
 use crate::error::{Result, TensorError};
 use crate::grad_mode::no_grad;
@@ -42,7 +44,10 @@ pub fn rms_norm(input: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let rows = input.numel() / n.max(1);
     let (dense, weight_dense) = {
         let _guard = no_grad();
-        (input.contiguous()?.reshape(&[rows, n])?, weight.contiguous()?)
+        (
+            input.contiguous()?.reshape(&[rows, n])?,
+            weight.contiguous()?,
+        )
     };
     let res = input.new_empty(&[rows, n], input.dtype())?;
     let rstd = input.new_empty(&[rows], stats_dtype(input.dtype()))?;
@@ -123,8 +128,10 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let (gate_rows, up_rows) = (as_rows(gate, rows, n)?, as_rows(up, rows, n)?);
     let res = gate.new_empty(&[rows, n], gate.dtype())?;
     gate.backend().swiglu(SwiGluForward {
-        gate: gate_rows.view(),
-        up: up_rows.view(),
+        inputs: GateUp {
+            gate: gate_rows.view(),
+            up: up_rows.view(),
+        },
         out: res.view(),
     })?;
     let res = res.into_shape(gate.shape());
@@ -140,11 +147,15 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             let dgate = gate.new_empty(&[rows, n], gate.dtype())?;
             let dup = gate.new_empty(&[rows, n], gate.dtype())?;
             gate.backend().swiglu_backward(SwiGluBackward {
-                gate: gate.view(),
-                up: up.view(),
+                inputs: GateUp {
+                    gate: gate.view(),
+                    up: up.view(),
+                },
                 dout: dout.view(),
-                dgate: dgate.view(),
-                dup: dup.view(),
+                grads: GateUp {
+                    gate: dgate.view(),
+                    up: dup.view(),
+                },
             })?;
             Ok(vec![
                 wants[0].then(|| dgate.into_shape(&shape)),
@@ -189,7 +200,8 @@ pub fn rotary_embedding(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor
     let ndim = x.ndim();
     let tables_fit = |table: &Tensor| ndim >= 2 && table.shape() == &x.shape()[ndim - 2..];
     for table in [cos, sin] {
-        if !(2..=4).contains(&ndim) || !tables_fit(table) || x.shape()[ndim - 1] % 2 != 0 {
+        if !(2..=4).contains(&ndim) || !tables_fit(table) || !x.shape()[ndim - 1].is_multiple_of(2)
+        {
             return Err(TensorError::ShapeMismatch {
                 op,
                 lhs: x.shape().to_vec(),
