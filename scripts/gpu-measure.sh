@@ -23,7 +23,8 @@
 # (cpu-benches needs only cpu_vit and cpu_gemm, and no GPU: it runs on any machine.)
 #
 #   bash scripts/gpu-measure.sh PHASE...      PHASE: tests vit gpt2 fmb planner reclaim noreclaim
-#                                                    plugin benches allocator-benches cpu-benches
+#                                                    plugin benches llama llama8b kernels fused-ce
+#                                                    allocator-benches cpu-benches
 #
 # tests    every test binary with --include-ignored (the GPU tests are marked
 #          #[ignore = "needs a CUDA device"], so a plain run leaves them out) and
@@ -98,6 +99,32 @@ bench_exe() {
 bench_names() {
   case $1 in
     benches) echo vit_step cuda_adam ;;
+    llama)
+      # Issue 30's model targets: Llama-3.2-1B at batch 4 x 2048 in bf16 and f32, Llama-3.1-8B
+      # in bf16 at 1 x 4096 with every block checkpointed; Hugging Face (SDPA) first.
+      step llama1b_torch python3 scripts/pytorch/bench_reference.py --model llama-3.2-1b \
+        --seq 2048 --batch 4 --cases fwd_bwd,fwd_bwd_bf16 --out "$out/anchor_llama1b.jsonl"
+      step llama1b_ours "$bench" bench-memory --device cuda --model llama-3.2-1b --seq 2048 \
+        --batch 4 --cases fwd_bwd,fwd_bwd_bf16 --pytorch "$out/anchor_llama1b.jsonl" \
+        --json "$out/llama1b.json" ;;
+    llama8b)
+      step llama8b_torch python3 scripts/pytorch/bench_reference.py --model llama-3.1-8b \
+        --seq 4096 --batch 1 --cases fwd_bwd_bf16_ckpt --out "$out/anchor_llama8b.jsonl"
+      step llama8b_ours "$bench" bench-memory --device cuda --model llama-3.1-8b --seq 4096 \
+        --batch 1 --cases fwd_bwd_bf16_ckpt --pytorch "$out/anchor_llama8b.jsonl" \
+        --json "$out/llama8b.json" ;;
+    kernels)
+      # Issue 30's kernel targets: RMSNorm, SwiGLU and rotary against the copy ceiling, causal
+      # grouped-query bf16 attention and packed sequences against cuDNN's SDPA, one run.
+      bench_step kernels kernels.txt "$(bench_exe kernels)" --bench
+      step attention_torch python3 scripts/pytorch/attention_reference.py \
+        --out "$out/attention_reference.jsonl" ;;
+    fused-ce)
+      # Issue 31: linear_cross_entropy at Llama-3.2-1B's head (8192 tokens, bf16) beside eager
+      # PyTorch, Liger and Cut Cross-Entropy (wheels installed by the caller into PYTHONPATH).
+      bench_step fused_ce_ours fused_ce.jsonl "$(bench_exe fused_ce_bench)" 10
+      bench_step fused_ce_torch fused_ce_reference.jsonl \
+        python3 scripts/pytorch/fused_ce_reference.py --iters 10 ;;
     allocator-benches) echo cuda_alloc allocator ;;
     cpu-benches) echo cpu_vit cpu_gemm ;;
   esac
@@ -265,7 +292,7 @@ for phase in "$@"; do
       bench_step cpu_vit cpu_vit.txt "$(bench_exe cpu_vit)" --bench
       bench_step cpu_gemm cpu_gemm.txt "$(bench_exe cpu_gemm)" --bench ;;
     *) echo "unknown phase $phase (tests vit gpt2 fmb planner reclaim noreclaim plugin benches" \
-         "allocator-benches cpu-benches)" >&2; exit 2 ;;
+         "llama llama8b kernels fused-ce allocator-benches cpu-benches)" >&2; exit 2 ;;
   esac
 done
 rm -rf "$criterion_home"

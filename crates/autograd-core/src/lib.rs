@@ -105,6 +105,9 @@ pub use backend::{
     LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp,
     Operands, PackedBounds, ReduceOp, Reduction, UnaryOp, View,
 };
+pub use backend::{
+    GateUp, RmsNormBackward, RmsNormForward, RotaryArgs, RotaryDims, SwiGluBackward, SwiGluForward,
+};
 pub use buffer::{Access, Buffer, HostAccess, VersionCounter};
 pub use dtype::{DType, Device};
 pub use engine::{run_backward, BackwardOptions};
@@ -124,6 +127,7 @@ pub use ops::{
     patch_embedding, scaled_dot_product_attention, scaled_dot_product_attention_varlen,
     LinearCrossEntropyOptions, PackedSequences,
 };
+pub use ops::{rms_norm, rotary_embedding, swiglu};
 pub use overlap::{check_operands, claim_operands, overlap, Aliasing, Overlap};
 pub use random::{
     record_draws, replay_draws, uniform, DrawRecording, DrawReplay, Generator, GeneratorState,

@@ -3,7 +3,8 @@
 //! [`CpuBackend`] implements [`Backend`] over a [`CachingAllocator`] of [`HostStorage`] (the
 //! classic policy, since host memory cannot map pages), so `memory_allocated()` counts CPU
 //! tensors exactly as it counts GPU ones. Kernels compute f32 and f64 natively and f16/bf16 in
-//! f32; large elementwise walks, reductions, softmax, layer norm and cross-entropy spread over
+//! f32; large elementwise walks, reductions, softmax, layer norm, RMSNorm, SwiGLU, the rotary
+//! embedding and cross-entropy spread over
 //! rayon, and GEMM goes through the `gemm` crate on strided operands. It is the reference the
 //! CUDA backend is checked against, and the default on machines without a GPU.
 //!
@@ -36,8 +37,11 @@ mod index;
 mod layer_norm;
 mod matmul;
 mod reduce;
+mod rms_norm;
+mod rotary;
 mod softmax;
 mod strided;
+mod swiglu;
 
 use std::sync::Arc;
 
@@ -45,6 +49,9 @@ use headroom_autograd_core::{
     check_operands, claim_operands, Access, Aliasing, AttentionBackward, AttentionForward, Backend,
     BackendRef, BinaryOp, Buffer, CrossEntropyArgs, Device, DropoutDraw, HostAccess,
     LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp, View,
+};
+use headroom_autograd_core::{
+    Operands, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
 };
 use headroom_caching_allocator::{
     AllocError, Allocation, AllocatorConfig, AllocatorView, CachingAllocator, HostStorage, StreamId,
@@ -111,6 +118,15 @@ impl CpuBackend {
     ) -> Result<HostAccess<'a>> {
         check_operands(self.allocator.id(), op, writes, reads, aliasing)?;
         claim_operands(op, writes, reads)
+    }
+
+    /// [`CpuBackend::operands`] for a fused primitive's [`Operands`], none overlapping.
+    fn fused_operands<'a>(
+        &self,
+        op: &'static str,
+        operands: Operands<'a>,
+    ) -> Result<HostAccess<'a>> {
+        self.operands(op, &operands.writes, &operands.reads, Aliasing::Disjoint)
     }
 }
 
@@ -267,6 +283,31 @@ impl Backend for CpuBackend {
             Aliasing::Disjoint,
         )?;
         layer_norm::layer_norm_backward(args)
+    }
+
+    fn rms_norm(&self, args: RmsNormForward<'_>) -> Result<()> {
+        let _access = self.fused_operands("rms_norm", args.operands())?;
+        rms_norm::rms_norm(args)
+    }
+
+    fn rms_norm_backward(&self, args: RmsNormBackward<'_>) -> Result<()> {
+        let _access = self.fused_operands("rms_norm_backward", args.operands())?;
+        rms_norm::rms_norm_backward(args)
+    }
+
+    fn swiglu(&self, args: SwiGluForward<'_>) -> Result<()> {
+        let _access = self.fused_operands("swiglu", args.operands())?;
+        swiglu::swiglu(args)
+    }
+
+    fn swiglu_backward(&self, args: SwiGluBackward<'_>) -> Result<()> {
+        let _access = self.fused_operands("swiglu_backward", args.operands())?;
+        swiglu::swiglu_backward(args)
+    }
+
+    fn rotary_embedding(&self, args: RotaryArgs<'_>) -> Result<()> {
+        let _access = self.fused_operands("rotary_embedding", args.operands())?;
+        rotary::rotary_embedding(args)
     }
 
     fn cross_entropy(

@@ -10,6 +10,7 @@ use headroom_autograd_core::{
     patch_embedding, scaled_dot_product_attention, scaled_dot_product_attention_varlen, BackendRef,
     DType, Generator, PackedSequences, Reduction, Result, Tensor,
 };
+use headroom_autograd_core::{rms_norm, rotary_embedding, swiglu};
 use headroom_ops_cpu::CpuBackend;
 
 /// Deterministic values in `[low, high)`.
@@ -465,4 +466,36 @@ fn cross_entropy_f32_is_the_loss_of_the_upcast_logits() {
         };
         assert_eq!(run(true), run(false), "{dtype:?}");
     }
+}
+
+#[test]
+fn llama_ops() {
+    check_gradients("rms_norm", &[input(&[3, 5]), input(&[5])], &|_, x| {
+        rms_norm(&x[0], &x[1], 1e-6)
+    });
+    check_gradients(
+        "rms_norm of a transpose",
+        &[input(&[5, 3]), input(&[5])],
+        &|_, x| rms_norm(&x[0].t()?, &x[1], 1e-6),
+    );
+    check_gradients(
+        "swiglu",
+        &[input(&[2, 3, 4]), input(&[2, 3, 4])],
+        &|_, x| swiglu(&x[0], &x[1]),
+    );
+    check_gradients(
+        "swiglu of a packed projection",
+        &[input(&[3, 8])],
+        &|_, x| swiglu(&x[0].narrow(-1, 0, 4)?, &x[0].narrow(-1, 4, 4)?),
+    );
+    // Any tables (not only cosines and sines): the backward is the exact transpose.
+    check_gradients(
+        "rotary_embedding of heads",
+        &[input(&[2, 3, 2, 4])],
+        &|cpu, x| {
+            let table =
+                |seed| Tensor::from_f64s(cpu, &values(12, -1.0, 1.0, seed), &[3, 4], DType::F64);
+            rotary_embedding(&x[0].permute(&[0, 2, 1, 3])?, &table(5)?, &table(6)?)
+        },
+    );
 }

@@ -1,10 +1,10 @@
 //! One criterion group per kernel family of the CUDA backend, called through the `Backend` trait
 //! on ViT-L/16 batch-32 shapes (`[32·197, 1024]` and `[32·197, 4096]` activations,
 //! `[32, 16, 197, 197]` attention scores), plus GEMM, fused attention (forward and backward, heads
-//! strided out of a packed q/k/v projection as ViT passes them), the Llama attention cases of
-//! issue 30 (`kernels/llama_attention.rs`: causal bf16 grouped-query attention at the target shape
-//! and packed sequences, in TFLOP/s of the causal half) and host↔device copies from pinned and
-//! pageable memory.
+//! strided out of a packed q/k/v projection as ViT passes them) and host↔device copies from pinned
+//! and pageable memory; the Llama cases are `kernels/llama.rs`'s (RMSNorm, SwiGLU, rotary
+//! embedding on Llama-3.2-1B shapes) and `kernels/llama_attention.rs`'s (causal bf16 grouped-query
+//! attention at issue 30's target shape and packed sequences, in TFLOP/s of the causal half).
 //!
 //! Each case declares the bytes an ideal pass moves (every input read once, every output written
 //! once), so criterion prints GB/s; GEMMs declare FLOPs as elements (criterion's `elem/s` is
@@ -30,6 +30,9 @@ use headroom_autograd_core::{
 use headroom_ops_cuda::{CudaBackend, CudaStream};
 use headroom_testkit::gpu::cuda_or_skip;
 use headroom_testkit::inputs::uniform_f32;
+
+#[path = "kernels/llama.rs"]
+mod llama;
 
 /// Tokens of a ViT-L/16 batch of 32 (196 patches and the class token).
 const ROWS: usize = 32 * 197;
@@ -183,6 +186,7 @@ fn main() {
     gemm(&mut bench, &compute);
     attention(&mut bench, &compute);
     llama_attention::llama_attention(&mut bench, &compute);
+    llama::llama(&mut bench, &compute);
     host_copies(&mut bench);
 
     bench.criterion.final_summary();

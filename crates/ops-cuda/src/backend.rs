@@ -24,6 +24,9 @@ use headroom_autograd_core::{
     Device, DropoutDraw, LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward,
     LinearWeightGrad, MaskedOp, ReduceOp, Result, UnaryOp, View,
 };
+use headroom_autograd_core::{
+    RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
+};
 use headroom_caching_allocator::{Allocation, AllocatorView, StreamId};
 
 use crate::attention;
@@ -32,6 +35,7 @@ use crate::elementwise;
 use crate::error::device_error;
 use crate::index;
 use crate::linear;
+use crate::llama;
 use crate::matmul;
 use crate::operands::check;
 use crate::profile::describe;
@@ -299,6 +303,60 @@ impl Backend for CudaBackend {
         self.timed(
             || format!("layer_norm_backward {}", describe(&args.x)),
             || rows::layer_norm_backward(self, args),
+        )
+    }
+
+    fn rms_norm(&self, args: RmsNormForward<'_>) -> Result<()> {
+        let ops = args.operands();
+        check(
+            self,
+            "rms_norm",
+            &ops.writes,
+            &ops.reads,
+            Aliasing::Disjoint,
+        )?;
+        self.timed(
+            || format!("rms_norm {}", describe(&args.x)),
+            || llama::rms_norm(self, args),
+        )
+    }
+
+    fn rms_norm_backward(&self, args: RmsNormBackward<'_>) -> Result<()> {
+        let ops = args.operands();
+        let op = "rms_norm_backward";
+        check(self, op, &ops.writes, &ops.reads, Aliasing::Disjoint)?;
+        self.timed(
+            || format!("{op} {}", describe(&args.x)),
+            || llama::rms_norm_backward(self, args),
+        )
+    }
+
+    fn swiglu(&self, args: SwiGluForward<'_>) -> Result<()> {
+        let ops = args.operands();
+        check(self, "swiglu", &ops.writes, &ops.reads, Aliasing::Disjoint)?;
+        self.timed(
+            || format!("swiglu {}", describe(&args.inputs.gate)),
+            || llama::swiglu(self, args),
+        )
+    }
+
+    fn swiglu_backward(&self, args: SwiGluBackward<'_>) -> Result<()> {
+        let ops = args.operands();
+        let op = "swiglu_backward";
+        check(self, op, &ops.writes, &ops.reads, Aliasing::Disjoint)?;
+        self.timed(
+            || format!("{op} {}", describe(&args.inputs.gate)),
+            || llama::swiglu_backward(self, args),
+        )
+    }
+
+    fn rotary_embedding(&self, args: RotaryArgs<'_>) -> Result<()> {
+        let ops = args.operands();
+        let op = "rotary_embedding";
+        check(self, op, &ops.writes, &ops.reads, Aliasing::Disjoint)?;
+        self.timed(
+            || format!("{op} {}", describe(&args.x)),
+            || llama::rotary_embedding(self, args),
         )
     }
 

@@ -47,6 +47,8 @@ pub(crate) enum Module {
     Attention,
     /// `kernels/attention_tc.cu`.
     AttentionTc,
+    /// `kernels/llama.cu`.
+    Llama,
 }
 
 impl Module {
@@ -57,6 +59,7 @@ impl Module {
             Module::Index => include_str!("../kernels/ptx/index.ptx"),
             Module::Attention => include_str!("../kernels/ptx/attention.ptx"),
             Module::AttentionTc => include_str!("../kernels/ptx/attention_tc.ptx"),
+            Module::Llama => include_str!("../kernels/ptx/llama.ptx"),
         }
     }
 }

@@ -10,6 +10,7 @@
 //!
 //! Every primitive of the trait is implemented: strided copy and cast, fill, unary, binary and
 //! masked elementwise ops, reductions over trailing dims, softmax and log-softmax, layer norm,
+//! RMSNorm, SwiGLU and the rotary embedding (`kernels/llama.cu`),
 //! batched GEMM through cuBLAS (its workspace from the caching allocator), linear layers through
 //! cuBLASLt (bias added, and bias gradient reduced, in the GEMM's epilogue), fused attention,
 //! gather and scatter-add, fused cross-entropy and dropout (the same random stream as the CPU
@@ -87,6 +88,8 @@ mod elementwise;
 mod index;
 #[cfg(feature = "cuda")]
 mod linear;
+#[cfg(feature = "cuda")]
+mod llama;
 #[cfg(feature = "cuda")]
 mod matmul;
 #[cfg(feature = "cuda")]

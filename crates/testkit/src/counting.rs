@@ -16,6 +16,9 @@ use headroom_autograd_core::{
     Device, DropoutDraw, LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp,
     View,
 };
+use headroom_autograd_core::{
+    RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
+};
 use headroom_caching_allocator::{Allocation, AllocatorView};
 
 /// A backend that counts its `read_host` and `synchronize` calls and forwards everything to the
@@ -116,6 +119,21 @@ impl Backend for HostReadCounter {
     }
     fn layer_norm_backward(&self, args: LayerNormBackward<'_>) -> Result<()> {
         self.inner.layer_norm_backward(args)
+    }
+    fn rms_norm(&self, args: RmsNormForward<'_>) -> Result<()> {
+        self.inner.rms_norm(args)
+    }
+    fn rms_norm_backward(&self, args: RmsNormBackward<'_>) -> Result<()> {
+        self.inner.rms_norm_backward(args)
+    }
+    fn swiglu(&self, args: SwiGluForward<'_>) -> Result<()> {
+        self.inner.swiglu(args)
+    }
+    fn swiglu_backward(&self, args: SwiGluBackward<'_>) -> Result<()> {
+        self.inner.swiglu_backward(args)
+    }
+    fn rotary_embedding(&self, args: RotaryArgs<'_>) -> Result<()> {
+        self.inner.rotary_embedding(args)
     }
     fn cross_entropy(
         &self,

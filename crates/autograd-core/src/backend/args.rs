@@ -412,3 +412,153 @@ impl<'a> LinearWeightGrad<'a> {
         }
     }
 }
+
+/// Inputs and outputs of the fused RMSNorm forward (Hugging Face's `LlamaRMSNorm`):
+/// `out = weight · round(x · rstd)`, `rstd = 1 / sqrt(mean(x²) + eps)` per row, where `round` is
+/// the rounding to `x`'s dtype (the normalised value is computed in f32 for f16 and bf16 inputs,
+/// then rounded, then scaled).
+#[derive(Debug, Clone, Copy)]
+pub struct RmsNormForward<'a> {
+    /// Input, dense `[rows, n]` (normalised over `n`).
+    pub x: View<'a>,
+    /// Scale, `[n]`, of `x`'s dtype.
+    pub weight: View<'a>,
+    /// Added to the mean square.
+    pub eps: f64,
+    /// Output, dense, like `x`.
+    pub out: View<'a>,
+    /// Per-row `1/sqrt(mean(x²) + eps)`, dense `[rows]` in the stats dtype (f32, or f64 for
+    /// f64 inputs), saved for backward.
+    pub rstd: View<'a>,
+}
+
+/// Inputs and outputs of the fused RMSNorm backward: one pass over `x` and `dy`, the normalised
+/// value recomputed from `x` and `rstd`.
+#[derive(Debug, Clone, Copy)]
+pub struct RmsNormBackward<'a> {
+    /// Output gradient, dense `[rows, n]`.
+    pub dy: View<'a>,
+    /// The forward input, dense `[rows, n]`.
+    pub x: View<'a>,
+    /// Saved per-row rstd.
+    pub rstd: View<'a>,
+    /// The forward scale, `[n]`.
+    pub weight: View<'a>,
+    /// Input gradient, dense, if wanted.
+    pub dx: Option<View<'a>>,
+    /// Scale gradient (the column sums of `dy · round(x · rstd)`), dense `[n]`, if wanted.
+    pub dweight: Option<View<'a>>,
+}
+
+/// The two halves of a SwiGLU: `gate` and `up` (or their gradients), `[rows, n]` views with a
+/// contiguous last dim. Their row strides are free, so both may be halves of one packed
+/// `[rows, 2n]` projection.
+#[derive(Debug, Clone, Copy)]
+pub struct GateUp<'a> {
+    /// The gate projection (through SiLU).
+    pub gate: View<'a>,
+    /// The up projection.
+    pub up: View<'a>,
+}
+
+/// Inputs and outputs of the fused SwiGLU, `out = silu(gate) · up` with
+/// `silu(g) = g / (1 + e^-g)`, computed in f32 for f16 and bf16; `out` is dense `[rows, n]`.
+#[derive(Debug, Clone, Copy)]
+pub struct SwiGluForward<'a> {
+    /// Gate and up.
+    pub inputs: GateUp<'a>,
+    /// The result.
+    pub out: View<'a>,
+}
+
+/// Inputs and outputs of the fused SwiGLU backward: `silu(gate)` and its derivative are
+/// recomputed from `gate`, so the forward saves only its two inputs.
+/// `dgate = dout · up · silu'(gate)`, `dup = dout · silu(gate)`; `dout` and the gradients dense
+/// `[rows, n]`.
+#[derive(Debug, Clone, Copy)]
+pub struct SwiGluBackward<'a> {
+    /// The forward's gate and up.
+    pub inputs: GateUp<'a>,
+    /// Gradient of the output.
+    pub dout: View<'a>,
+    /// Their gradients (written).
+    pub grads: GateUp<'a>,
+}
+
+/// Inputs and outputs of the fused rotary embedding (Hugging Face's `apply_rotary_pos_emb`,
+/// `rotate_half` convention: element `j` of a head's first half pairs with element `j + d/2`).
+///
+/// Forward: `out = x · cos + rotate_half(x) · sin`, i.e. `out₁ = x₁ cos₁ − x₂ sin₁` and
+/// `out₂ = x₂ cos₂ + x₁ sin₂` for the halves of each head. With `transpose` it applies the
+/// transposed map, `out₁ = x₁ cos₁ + x₂ sin₂` and `out₂ = x₂ cos₂ − x₁ sin₁`: the backward, whose
+/// input is the output gradient, so it needs no saved activation.
+///
+/// `x` and `out` are `[.., seq, head_dim]` (up to four dims, any strides, `head_dim` even);
+/// `cos` and `sin` are dense `[seq, head_dim]` of `x`'s dtype. Computed in f32 for f16 and bf16.
+#[derive(Debug, Clone, Copy)]
+pub struct RotaryArgs<'a> {
+    /// Input (the projection's heads, or the output gradient with `transpose`).
+    pub x: View<'a>,
+    /// Cosine table.
+    pub cos: View<'a>,
+    /// Sine table.
+    pub sin: View<'a>,
+    /// Apply the transposed (inverse) rotation.
+    pub transpose: bool,
+    /// The result, like `x`.
+    pub out: View<'a>,
+}
+
+impl<'a> RmsNormForward<'a> {
+    /// `out` and `rstd` written; `x` and `weight` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands {
+            writes: [self.out, self.rstd].into_iter().collect(),
+            reads: [self.x, self.weight].into_iter().collect(),
+        }
+    }
+}
+
+impl<'a> RmsNormBackward<'a> {
+    /// The wanted gradients written; `dy`, `x`, `rstd` and `weight` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands {
+            writes: [self.dx, self.dweight].into_iter().flatten().collect(),
+            reads: [self.dy, self.x, self.rstd, self.weight]
+                .into_iter()
+                .collect(),
+        }
+    }
+}
+
+impl<'a> SwiGluForward<'a> {
+    /// `out` written; `gate` and `up` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands {
+            writes: [self.out].into_iter().collect(),
+            reads: [self.inputs.gate, self.inputs.up].into_iter().collect(),
+        }
+    }
+}
+
+impl<'a> SwiGluBackward<'a> {
+    /// `dgate` and `dup` written; `gate`, `up` and `dout` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands {
+            writes: [self.grads.gate, self.grads.up].into_iter().collect(),
+            reads: [self.inputs.gate, self.inputs.up, self.dout]
+                .into_iter()
+                .collect(),
+        }
+    }
+}
+
+impl<'a> RotaryArgs<'a> {
+    /// `out` written; `x`, `cos` and `sin` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands {
+            writes: [self.out].into_iter().collect(),
+            reads: [self.x, self.cos, self.sin].into_iter().collect(),
+        }
+    }
+}

@@ -2,9 +2,9 @@
 //!
 //! # Design
 //!
-//! [`Backend`] has **30 methods**: 9 for the device and its memory (`device`, `into_any`,
+//! [`Backend`] has **35 methods**: 9 for the device and its memory (`device`, `into_any`,
 //! `allocate`, `free`, `allocator_view`, `memory_stats` — a default body reading the view —,
-//! `synchronize`, `write_host`, `read_host`) and 21 compute primitives, 2 of which (`linear`,
+//! `synchronize`, `write_host`, `read_host`) and 26 compute primitives, 2 of which (`linear`,
 //! `linear_weight_grad`) have default bodies composed of the others. The engine
 //! and every op in `crate::ops` are written once on top of it; ops-cpu and ops-cuda implement it.
 //! The technique seams (autocast, saved-tensor sites, backward-end callbacks, the non-finite
@@ -24,7 +24,10 @@
 //!   or extra saved memory**: softmax (one read, one write, and its backward), layer norm (forward
 //!   saves only mean and rstd; backward is one pass), cross-entropy (saves one log-sum-exp per
 //!   row instead of a log-softmax matrix), dropout (mask and output in one pass), attention
-//!   (saves one log-sum-exp per query instead of a `[seq, seq]` probability matrix per head), linear
+//!   (saves one log-sum-exp per query instead of a `[seq, seq]` probability matrix per head), the
+//!   Llama pieces (RMSNorm saves one rstd per row; SwiGLU saves only its inputs and recomputes
+//!   `silu(gate)`; the rotary embedding saves nothing, its backward being the inverse rotation of
+//!   the output gradient), linear
 //!   (a GEMM library adds the bias and writes the bias gradient in its epilogue, saving a pass
 //!   each way; the default bodies compose `copy`, `matmul`, `unary` and `reduce`, so a backend
 //!   without such a library implements nothing). Everything else (mean, patch embedding,
@@ -45,10 +48,12 @@
 //! elementwise output may be the same view as an input.
 //!
 //! The trait is here; the types its primitives take (views, op families, argument structs) are
-//! `args.rs`'s, and the shape rules and composed default bodies every backend shares `dims.rs`'s.
+//! `args.rs`'s, and the shape rules and composed default bodies every backend shares `dims.rs`'s
+//! (`llama_dims.rs`'s for the Llama primitives).
 
 mod args;
 mod dims;
+mod llama_dims;
 
 use std::sync::Arc;
 
@@ -63,10 +68,14 @@ pub use args::{
     LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp,
     Operands, PackedBounds, ReduceOp, Reduction, UnaryOp, View,
 };
+pub use args::{
+    GateUp, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
+};
 pub use dims::{
     attention_dims, check_cu_seqlens, compose_linear, compose_linear_weight_grad, index_strides,
     linear_dims, linear_weight_grad_dims, matmul_dims, AttentionDims,
 };
+pub use llama_dims::RotaryDims;
 
 /// A shared handle to a backend; tensors hold one through their storage.
 pub type BackendRef = Arc<dyn Backend>;
@@ -171,6 +180,21 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// Fused layer-norm backward.
     fn layer_norm_backward(&self, args: LayerNormBackward<'_>) -> Result<()>;
+
+    /// Fused RMSNorm forward (see [`RmsNormForward`]).
+    fn rms_norm(&self, args: RmsNormForward<'_>) -> Result<()>;
+
+    /// Fused RMSNorm backward (see [`RmsNormBackward`]).
+    fn rms_norm_backward(&self, args: RmsNormBackward<'_>) -> Result<()>;
+
+    /// Fused SwiGLU forward, `silu(gate) · up` (see [`SwiGluForward`]).
+    fn swiglu(&self, args: SwiGluForward<'_>) -> Result<()>;
+
+    /// Fused SwiGLU backward, recomputing `silu(gate)` (see [`SwiGluBackward`]).
+    fn swiglu_backward(&self, args: SwiGluBackward<'_>) -> Result<()>;
+
+    /// Rotary embedding of `x` into `out`, or its transpose (see [`RotaryArgs`]).
+    fn rotary_embedding(&self, args: RotaryArgs<'_>) -> Result<()>;
 
     /// Fused cross-entropy: writes the reduced loss (a 0-dim view) and each row's log-sum-exp.
     /// The loss has the logits' dtype, or f32 for f16 and bf16 logits ([`crate::cross_entropy_f32`]).

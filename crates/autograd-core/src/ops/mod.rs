@@ -7,8 +7,9 @@
 //! `elementwise` (arithmetic, activations, casts), `inplace` (`add_`, `copy_`, `out=` forms),
 //! `view` (reshape, permute, narrow, expand, contiguous), `reduce`, `linalg` (matmul, linear,
 //! patch embedding), `nn` (softmax, layer norm, cross-entropy, dropout), `linear_cross_entropy`
-//! (a language model head's loss without its logits) and `index` (embedding,
-//! gather/scatter, cat/split, masked fill) and `attention` (fused scaled-dot-product attention).
+//! (a language model head's loss without its logits), `index` (embedding, gather/scatter,
+//! cat/split, masked fill), `attention` (fused scaled-dot-product attention) and `llama` (fused
+//! RMSNorm, SwiGLU and rotary embedding).
 //! Nothing here knows how a backend computes.
 
 mod attention;
@@ -17,6 +18,7 @@ mod index;
 mod inplace;
 mod linalg;
 mod linear_cross_entropy;
+mod llama;
 mod nn;
 mod reduce;
 mod view;
@@ -27,6 +29,7 @@ pub use attention::{
 pub use index::{cat, embedding};
 pub use linalg::patch_embedding;
 pub use linear_cross_entropy::{linear_cross_entropy, LinearCrossEntropyOptions};
+pub use llama::{rms_norm, rotary_embedding, swiglu};
 pub use nn::{cross_entropy, cross_entropy_f32, dropout, layer_norm};
 
 use std::sync::Arc;

@@ -2,19 +2,20 @@
 //! [`LlamaAttention`] (grouped-query, rotary, causal), [`LlamaMlp`] (SwiGLU) and
 //! [`LlamaDecoderLayer`] (pre-norm, two residual branches).
 //!
-//! Everything is composed from autograd-core's ops, so backward is the ops' own: RMSNorm is
-//! `x * rsqrt(mean(x²) + eps)` in f32 for f16/bf16 inputs (Hugging Face's upcast) and in the
-//! input's dtype otherwise (Hugging Face's `.to(float32)` would also round an f64 model to f32;
-//! keeping f64 exact lets the whole model be checked by finite differences), SiLU is
-//! `x · (1 + tanh(x / 2)) / 2` (the logistic function through tanh, whose derivative is finite
-//! everywhere), attention hands the un-repeated key/value heads to autograd-core's fused causal
-//! grouped-query attention (no `repeat_kv` copy), which keeps a log-sum-exp per query rather than
-//! the probabilities, and takes packed variable-length sequences (`cu_seqlens`) when given. Fused kernels for these pieces are pending (issue 30).
+//! Each piece runs on autograd-core's fused ops: RMSNorm is `rms_norm` (one rstd per row saved;
+//! the normalised value computed in f32 for f16/bf16 inputs, Hugging Face's upcast, and in the
+//! input's dtype otherwise: Hugging Face's `.to(float32)` would also round an f64 model to f32,
+//! and keeping f64 exact lets the whole model be checked by finite differences), the MLP's
+//! `silu(gate) · up` is `swiglu` (only gate and up saved), the rotary embedding is
+//! `rotary_embedding` (nothing of the projection saved), and attention hands the un-repeated
+//! key/value heads to the fused causal grouped-query attention (no `repeat_kv` copy), which keeps
+//! a log-sum-exp per query rather than the probabilities, and takes packed variable-length
+//! sequences (`cu_seqlens`) when given.
 //! This module knows nothing about the model around a layer or how its blocks are run.
 
 use headroom_autograd_core::{
-    scaled_dot_product_attention, scaled_dot_product_attention_varlen, DType, PackedSequences,
-    Tensor,
+    rms_norm, scaled_dot_product_attention, scaled_dot_product_attention_varlen, swiglu,
+    PackedSequences, Tensor,
 };
 
 use super::rope::apply_rotary;
@@ -36,17 +37,14 @@ pub struct LlamaRmsNorm {
 impl LlamaRmsNorm {
     /// Normalises over the last dim; the result has the weight's dtype.
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
-        let input_dtype = hidden.dtype();
-        let compute_dtype = match input_dtype {
-            DType::F16 | DType::BF16 => DType::F32,
-            other => other,
-        };
-        let x = hidden.to_dtype(compute_dtype)?;
-        let variance = x.pow_scalar(2.0)?.mean(&[-1], true)?;
-        let normed = x.mul(&variance.add_scalar(self.eps)?.rsqrt()?)?;
-        let normed = normed
-            .to_dtype(input_dtype)?
-            .to_dtype(self.weight.dtype())?;
+        if self.weight.dtype() == hidden.dtype() {
+            return Ok(rms_norm(hidden, &self.weight, self.eps)?);
+        }
+        // A weight of another dtype (an f32 weight on f16/bf16 activations): the normalised
+        // value rounded to the input's dtype (the fused op with a unit weight writes exactly
+        // that), then Hugging Face's `weight * hidden.to(input_dtype)` in the weight's dtype.
+        let unit = Tensor::ones(hidden.backend(), self.weight.shape(), hidden.dtype())?;
+        let normed = rms_norm(hidden, &unit, self.eps)?.to_dtype(self.weight.dtype())?;
         Ok(self.weight.mul(&normed)?)
     }
 }
@@ -169,22 +167,12 @@ pub struct LlamaMlp {
 }
 
 impl LlamaMlp {
-    /// Applies the block.
+    /// Applies the block; `silu(gate) · up` is one fused op that saves only its two inputs.
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
-        let gate = silu(&self.gate_proj.forward(hidden)?)?;
-        self.down_proj
-            .forward(&gate.mul(&self.up_proj.forward(hidden)?)?)
+        let gate = self.gate_proj.forward(hidden)?;
+        let up = self.up_proj.forward(hidden)?;
+        self.down_proj.forward(&swiglu(&gate, &up)?)
     }
-}
-
-/// `x · sigmoid(x)`, the logistic function written `(1 + tanh(x / 2)) / 2`.
-fn silu(x: &Tensor) -> Result<Tensor> {
-    let sigmoid = x
-        .mul_scalar(0.5)?
-        .tanh()?
-        .add_scalar(1.0)?
-        .mul_scalar(0.5)?;
-    Ok(x.mul(&sigmoid)?)
 }
 
 impl Module for LlamaMlp {

@@ -7,9 +7,10 @@
 //! `inv_freq` buffer is f32, the angle is an f32 product, `cos`/`sin` are taken in f32 and then
 //! cast), so this module does each step in f32 in the same order, and the tables reach an f64
 //! model carrying the same f32 rounding. The tables are constants (no gradient); applying them is
-//! composed from autograd-core's ops. This module knows nothing about attention.
+//! autograd-core's fused `rotary_embedding`, whose backward rotates the output gradient back, so
+//! no activation is saved for it. This module knows nothing about attention.
 
-use headroom_autograd_core::{cat, BackendRef, DType, Tensor};
+use headroom_autograd_core::{rotary_embedding, BackendRef, DType, Tensor};
 
 use super::config::LlamaConfig;
 use crate::error::Result;
@@ -105,13 +106,10 @@ impl RotaryEmbedding {
     }
 }
 
-/// `x * cos + rotate_half(x) * sin` for `x` `[batch, heads, seq, head_dim]` and tables
-/// `[seq, head_dim]` (Hugging Face's `apply_rotary_pos_emb`; the tables are cast to `x`'s dtype).
+/// `x * cos + rotate_half(x) * sin` for `x` `[batch, heads, seq, head_dim]` (any strides) and
+/// tables `[seq, head_dim]` (Hugging Face's `apply_rotary_pos_emb`; the tables are cast to `x`'s
+/// dtype): autograd-core's fused `rotary_embedding`, which saves nothing of `x` and lays the
+/// result out in `x`'s memory order.
 pub fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (cos, sin) = (cos.to_dtype(x.dtype())?, sin.to_dtype(x.dtype())?);
-    let half = x.shape().last().copied().unwrap_or(0) / 2;
-    let first = x.narrow(-1, 0, half)?;
-    let second = x.narrow(-1, half, half)?;
-    let rotated = cat(&[&second.neg()?, &first], -1)?;
-    Ok(x.mul(&cos)?.add(&rotated.mul(&sin)?)?)
+    Ok(rotary_embedding(x, cos, sin)?)
 }

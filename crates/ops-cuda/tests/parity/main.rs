@@ -1,7 +1,8 @@
 //! The CUDA backend against the CPU backend, primitive by primitive, on fresh random inputs with
 //! poisoned outputs: unary and binary ops in f32, f64, f16 and bf16 (contiguous, broadcast and
 //! transposed operands), fill, copies between every pair of dtypes, and linear layers through
-//! cuBLASLt (bias and GELU forward, weight and bias gradients backward, and the fallbacks). Each
+//! cuBLASLt (bias and GELU forward, weight and bias gradients backward, and the fallbacks), and the
+//! fused Llama ops (RMSNorm, SwiGLU, rotary embedding). Each
 //! test is marked `#[ignore = "needs a CUDA device"]`: it runs with `--include-ignored`, and
 //! fails without a device where `HEADROOM_REQUIRE_GPU=1` is set (testkit's GPU gate).
 //!
@@ -14,6 +15,7 @@ mod device_checks;
 mod elementwise;
 mod indexing_and_losses;
 mod linear;
+mod llama_ops;
 mod matmul;
 mod reductions;
 

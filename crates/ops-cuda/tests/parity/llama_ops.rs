@@ -1,0 +1,138 @@
+//! The fused Llama ops on the GPU against the CPU, through autograd-core's ops (so the forward
+//! and backward primitives both run): RMSNorm at Llama shapes (4096 rows of 2048) and at widths
+//! that take each kernel (1, 2 and 4 vectors a thread; not whole vectors; too wide for
+//! registers), SwiGLU dense and on the halves of a packed projection, and the rotary embedding on
+//! the strided heads of a projection and at a head width of no whole vector. Output and input
+//! gradients (from `sum(out · weights)`) are compared within each dtype's tolerance.
+
+use headroom_autograd_core::{rms_norm, rotary_embedding, swiglu, BackendRef, DType, Tensor};
+use headroom_testkit::inputs::Xorshift;
+
+use super::{backends, compare, FLOATS};
+
+/// Values in `[low, high)`.
+fn values(random: &mut Xorshift, n: usize, low: f64, high: f64) -> Vec<f64> {
+    (0..n).map(|_| random.next_f64_in(low, high)).collect()
+}
+
+/// The output of `op` on leaves made of `inputs`, then the leaves' gradients of
+/// `sum(out · weights)`, all as f64.
+fn output_and_grads(
+    backend: &BackendRef,
+    dtype: DType,
+    inputs: &[(Vec<f64>, Vec<usize>)],
+    weights: &[f64],
+    op: &dyn Fn(&[Tensor]) -> Tensor,
+) -> Vec<f64> {
+    let leaves: Vec<Tensor> = inputs
+        .iter()
+        .map(|(values, shape)| {
+            let leaf = Tensor::from_f64s(backend, values, shape, dtype).unwrap();
+            leaf.requires_grad_(true).unwrap();
+            leaf
+        })
+        .collect();
+    let out = op(&leaves);
+    let w = Tensor::from_f64s(backend, weights, out.shape(), dtype).unwrap();
+    out.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+    let mut res = out.to_vec_f64().unwrap();
+    for leaf in &leaves {
+        res.extend(leaf.grad().unwrap().to_vec_f64().unwrap());
+    }
+    res
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn rms_norm_matches_the_cpu() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Xorshift::from_state(0x11a3_a000_0000_0001);
+    // 2048: Llama-3.2-1B; 256 / 1000 / 4096: 1, 2 and 4 vectors a thread (bf16) or the row
+    // kernel; 300 and 2051: no whole number of vectors; 8192: f32 too wide for registers.
+    for (rows, n) in [
+        (4096, 2048),
+        (7, 256),
+        (9, 1000),
+        (5, 4096),
+        (11, 300),
+        (3, 2051),
+        (6, 8192),
+    ] {
+        for dtype in FLOATS {
+            let inputs = [
+                (values(&mut random, rows * n, -2.0, 2.0), vec![rows, n]),
+                (values(&mut random, n, 0.5, 1.5), vec![n]),
+            ];
+            let weights = values(&mut random, rows * n, -1.0, 1.0);
+            compare("rms_norm", dtype, &gpu, &cpu, |backend| {
+                output_and_grads(backend, dtype, &inputs, &weights, &|t| {
+                    rms_norm(&t[0], &t[1], 1e-5).unwrap()
+                })
+            });
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn swiglu_matches_the_cpu_dense_and_packed() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Xorshift::from_state(0x5a19_1100_0000_0002);
+    for (rows, n) in [(4096, 2048), (13, 1001), (3, 8)] {
+        for dtype in FLOATS {
+            let dense = [
+                (values(&mut random, rows * n, -6.0, 6.0), vec![rows, n]),
+                (values(&mut random, rows * n, -2.0, 2.0), vec![rows, n]),
+            ];
+            let packed = [(
+                values(&mut random, rows * 2 * n, -6.0, 6.0),
+                vec![rows, 2 * n],
+            )];
+            let weights = values(&mut random, rows * n, -1.0, 1.0);
+            compare("swiglu", dtype, &gpu, &cpu, |backend| {
+                output_and_grads(backend, dtype, &dense, &weights, &|t| {
+                    swiglu(&t[0], &t[1]).unwrap()
+                })
+            });
+            compare("swiglu of packed halves", dtype, &gpu, &cpu, |backend| {
+                output_and_grads(backend, dtype, &packed, &weights, &|t| {
+                    let (gate, up) = (
+                        t[0].narrow(-1, 0, n).unwrap(),
+                        t[0].narrow(-1, n, n).unwrap(),
+                    );
+                    swiglu(&gate, &up).unwrap()
+                })
+            });
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn rotary_embedding_matches_the_cpu_on_strided_heads() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Xorshift::from_state(0x7074_a700_0000_0003);
+    // [batch, seq, heads, head_dim]: 64 (Llama-3.2-1B's heads), 6 (no whole vector).
+    for (batch, seq, heads, head_dim) in [(2, 128, 8, 64), (3, 5, 2, 6)] {
+        for dtype in FLOATS {
+            let n = batch * seq * heads * head_dim;
+            let angles = values(&mut random, seq * head_dim, 0.0, 6.0);
+            let cos: Vec<f64> = angles.iter().map(|a| a.cos()).collect();
+            let sin: Vec<f64> = angles.iter().map(|a| a.sin()).collect();
+            let inputs = [(
+                values(&mut random, n, -2.0, 2.0),
+                vec![batch, seq, heads, head_dim],
+            )];
+            let weights = values(&mut random, n, -1.0, 1.0);
+            compare("rotary_embedding", dtype, &gpu, &cpu, |backend| {
+                let table =
+                    |v: &[f64]| Tensor::from_f64s(backend, v, &[seq, head_dim], dtype).unwrap();
+                let (cos, sin) = (table(&cos), table(&sin));
+                output_and_grads(backend, dtype, &inputs, &weights, &|t| {
+                    let heads_view = t[0].permute(&[0, 2, 1, 3]).unwrap();
+                    rotary_embedding(&heads_view, &cos, &sin).unwrap()
+                })
+            });
+        }
+    }
+}
