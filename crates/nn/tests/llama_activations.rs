@@ -109,10 +109,11 @@ fn a_layer_keeps_the_formulas_bytes_per_token_exactly() {
             );
         }
     }
-    // The tiny Llama (h 64, i 128, 4 heads of 16): in f32 5,656 bytes a token, in bf16 3,224.
+    // The tiny Llama (h 64, i 128, 4 query heads and 2 key/value heads of 16): in f32 3,352
+    // bytes a token, in bf16 1,688.
     let tiny = LlamaConfig::tiny();
-    assert_eq!(tiny.block_activation_bytes_per_token(DType::F32), 5_656);
-    assert_eq!(tiny.block_activation_bytes_per_token(DType::BF16), 3_224);
+    assert_eq!(tiny.block_activation_bytes_per_token(DType::F32), 3_352);
+    assert_eq!(tiny.block_activation_bytes_per_token(DType::BF16), 1_688);
 }
 
 #[test]
@@ -137,8 +138,7 @@ fn every_distinct_saved_storage_of_a_layer_is_a_term_of_the_formula() {
         }
         let mut saved: Vec<u64> = storages.values().map(|bytes| bytes / tokens).collect();
         saved.sort_unstable();
-        // The formula's terms but the output (kept for the next layer, not saved in this one)
-        // and those that are zero (f32's norm computes in place of an upcast copy).
+        // The formula's terms but the output (kept for the next layer, not saved in this one).
         let terms = config.block_activation_terms(dtype);
         let (output, in_layer) = terms.split_last().unwrap();
         let mut expected: Vec<u64> = in_layer
@@ -165,16 +165,18 @@ fn every_distinct_saved_storage_of_a_layer_is_a_term_of_the_formula() {
 
 #[test]
 fn the_published_shapes_keep_what_the_formula_says() {
-    // Llama-3.2-1B (h 2048, i 8192, 32 heads of 64): 278,664 bytes a token in f32 and
-    // 151,688 in bf16, 16 layers; at batch 4 × 2048 tokens, 36.5 GB and 19.9 GB of layers.
+    // Llama-3.2-1B (h 2048, i 8192, 32 query heads and 8 key/value heads of 64): 151,688 bytes
+    // a token in f32 and 75,912 in bf16, 16 layers; at batch 4 × 2048 tokens, 19.9 GB and
+    // 9.9 GB of layers (before the fused ops and grouped-query attention: 278,664 and 151,688).
     let one_b = LlamaConfig::llama_3_2_1b();
-    assert_eq!(one_b.block_activation_bytes_per_token(DType::F32), 278_664);
-    assert_eq!(one_b.block_activation_bytes_per_token(DType::BF16), 151_688);
-    // Llama-3.1-8B (h 4096, i 14336, 32 heads of 128) in bf16: a layer run without
-    // checkpointing keeps 278,664 bytes a token (a checkpointed one keeps its input, 8,192).
+    assert_eq!(one_b.block_activation_bytes_per_token(DType::F32), 151_688);
+    assert_eq!(one_b.block_activation_bytes_per_token(DType::BF16), 75_912);
+    // Llama-3.1-8B (h 4096, i 14336, 32 query heads and 8 key/value heads of 128) in bf16: a
+    // layer run without checkpointing keeps 139,400 bytes a token (a checkpointed one keeps its
+    // input, 8,192).
     let eight_b = LlamaConfig::llama_3_1_8b();
     assert_eq!(
         eight_b.block_activation_bytes_per_token(DType::BF16),
-        278_664
+        139_400
     );
 }

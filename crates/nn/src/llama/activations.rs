@@ -9,8 +9,7 @@
 //! rotations save are `[seq, head_dim]`, made once per forward outside the layers, and are not
 //! counted. `tests/llama_activations.rs` checks the sum against the allocator's requested bytes
 //! around one layer's forward, exactly, in f32, bf16, f16 and f64. When an op changes what it
-//! saves (a fused RMSNorm, SwiGLU or rotary kernel, attention over un-repeated key/value heads),
-//! that test names the difference and the terms here change with it. This module knows no
+//! saves, that test names the difference and the terms here change with it. This module knows no
 //! tensor: sizes only.
 
 use headroom_autograd_core::DType;
@@ -20,30 +19,24 @@ use super::config::LlamaConfig;
 impl LlamaConfig {
     /// The bytes one decoder layer of a model in `dtype` (parameters and activations alike, no
     /// autocast) keeps for backward per token, by what keeps them, in forward order. With `b`
-    /// the dtype's size and `c` that of the dtype RMSNorm computes in (f32 for f16 and bf16, the
-    /// dtype itself otherwise), `h` the hidden size, `i` the MLP's, `H` the query heads, `d` the
-    /// head width:
+    /// the dtype's size and `c` that of the dtype RMSNorm's rstd and attention's log-sum-exp are
+    /// kept in (f32 for f16 and bf16, the dtype itself otherwise), `h` the hidden size, `i` the
+    /// MLP's, `H` the query heads, `K` the key/value heads, `d` the head width:
     ///
     /// | term | bytes per token | saved by |
     /// |---|---|---|
-    /// | `input_layernorm.upcast` | `h·c` when `c ≠ b`, else 0 | the norm's square and product (the layer's input itself when `c = b`: the previous layer's output) |
-    /// | `input_layernorm.rstd` | `c` | `rsqrt` and the product |
-    /// | `input_layernorm.normed` | `h·b` | the product with the weight |
+    /// | `input_layernorm.rstd` | `c` | the fused `rms_norm` (its input is the layer's input: the previous layer's output) |
     /// | `input_layernorm.output` | `h·b` | the q, k and v projections (one storage) |
-    /// | `self_attn.q_rotated` | `H·d·b` | attention |
-    /// | `self_attn.k_repeated` | `H·d·b` | attention (`repeat_kv`'s copy: every query head's) |
-    /// | `self_attn.v_repeated` | `H·d·b` | attention (`repeat_kv`'s copy) |
+    /// | `self_attn.q_rotated` | `H·d·b` | attention (the fused rotation's output; the projection it rotated is freed) |
+    /// | `self_attn.k_rotated` | `K·d·b` | attention (grouped-query heads read in place: no `repeat_kv` copy) |
+    /// | `self_attn.v` | `K·d·b` | attention (the v projection's output) |
     /// | `self_attn.output` | `H·d·b` | attention and `o_proj` (one storage) |
     /// | `self_attn.lse` | `H·c` | attention (one log-sum-exp per query and head) |
-    /// | `post_attention_layernorm.input` | `h·c` | the norm's square and product (the residual sum, or its upcast copy) |
-    /// | `post_attention_layernorm.rstd` | `c` | `rsqrt` and the product |
-    /// | `post_attention_layernorm.normed` | `h·b` | the product with the weight |
+    /// | `post_attention_layernorm.input` | `h·b` | the fused `rms_norm` (the residual sum) |
+    /// | `post_attention_layernorm.rstd` | `c` | the fused `rms_norm` |
     /// | `post_attention_layernorm.output` | `h·b` | the gate and up projections (one storage) |
-    /// | `mlp.gate` | `i·b` | SiLU's product (`x · sigmoid(x)`) |
-    /// | `mlp.tanh` | `i·b` | `tanh`'s backward (SiLU's logistic through `tanh`) |
-    /// | `mlp.sigmoid` | `i·b` | SiLU's product |
-    /// | `mlp.silu` | `i·b` | the gated product |
-    /// | `mlp.up` | `i·b` | the gated product |
+    /// | `mlp.gate` | `i·b` | the fused `swiglu` (which recomputes `silu(gate)` in backward) |
+    /// | `mlp.up` | `i·b` | the fused `swiglu` |
     /// | `mlp.gated` | `i·b` | `down_proj` |
     /// | `output` | `h·b` | the next layer's first norm (or the final norm) |
     ///
@@ -57,25 +50,19 @@ impl LlamaConfig {
         let i = self.intermediate_size as u64;
         let heads = self.num_attention_heads as u64;
         let q_width = heads * self.head_dim as u64;
-        let upcast = if c == b { 0 } else { h * c };
+        let kv_width = self.num_key_value_heads as u64 * self.head_dim as u64;
         vec![
-            ("input_layernorm.upcast", upcast),
             ("input_layernorm.rstd", c),
-            ("input_layernorm.normed", h * b),
             ("input_layernorm.output", h * b),
             ("self_attn.q_rotated", q_width * b),
-            ("self_attn.k_repeated", q_width * b),
-            ("self_attn.v_repeated", q_width * b),
+            ("self_attn.k_rotated", kv_width * b),
+            ("self_attn.v", kv_width * b),
             ("self_attn.output", q_width * b),
             ("self_attn.lse", heads * c),
-            ("post_attention_layernorm.input", h * c),
+            ("post_attention_layernorm.input", h * b),
             ("post_attention_layernorm.rstd", c),
-            ("post_attention_layernorm.normed", h * b),
             ("post_attention_layernorm.output", h * b),
             ("mlp.gate", i * b),
-            ("mlp.tanh", i * b),
-            ("mlp.sigmoid", i * b),
-            ("mlp.silu", i * b),
             ("mlp.up", i * b),
             ("mlp.gated", i * b),
             ("output", h * b),
@@ -83,7 +70,7 @@ impl LlamaConfig {
     }
 
     /// The sum of [`LlamaConfig::block_activation_terms`]: the bytes one decoder layer keeps
-    /// for backward per token (Llama-3.2-1B: 278,664 in f32, 151,688 in bf16).
+    /// for backward per token (Llama-3.2-1B: 151,688 in f32, 75,912 in bf16).
     pub fn block_activation_bytes_per_token(&self, dtype: DType) -> u64 {
         self.block_activation_terms(dtype)
             .iter()
