@@ -62,6 +62,16 @@
 # cpu-benches  the CPU backend's criterion benches (crates/nn/benches/cpu_vit.rs,
 #          crates/ops-cpu/benches/cpu_gemm.rs; cpu_vit.txt, cpu_gemm.txt): no GPU needed, and
 #          meta.json names the CPU
+# llama    bench-memory, Llama-3.2-1B at batch 4 x 2048 in f32 and bf16 beside Hugging Face's
+#          LlamaForCausalLM with SDPA (bench_reference.py --model llama-3.2-1b), same run
+# llama8b  Llama-3.1-8B in bf16 at 1 x 4096, every block checkpointed, beside Hugging Face with
+#          gradient_checkpointing_enable()
+# kernels  ops-cuda's criterion kernels bench (copy ceiling, RMSNorm, SwiGLU, rotary, grouped-
+#          query and packed attention; kernels.txt) and torch SDPA on cuDNN at the same
+#          attention shape (scripts/pytorch/attention_reference.py)
+# fused-ce linear_cross_entropy at Llama-3.2-1B's head (.gpu-bundle/benches/fused_ce_bench,
+#          ops-cuda's example) and scripts/pytorch/fused_ce_reference.py (eager, Liger, Cut
+#          Cross-Entropy: install their wheels into PYTHONPATH first)
 #
 # Every step fails when its log holds the word `skipped` on any line: only testkit's gate
 # prints it (`skipped: <test>: <why>`, a panic instead under HEADROOM_REQUIRE_GPU=1), and
@@ -99,32 +109,6 @@ bench_exe() {
 bench_names() {
   case $1 in
     benches) echo vit_step cuda_adam ;;
-    llama)
-      # Issue 30's model targets: Llama-3.2-1B at batch 4 x 2048 in bf16 and f32, Llama-3.1-8B
-      # in bf16 at 1 x 4096 with every block checkpointed; Hugging Face (SDPA) first.
-      step llama1b_torch python3 scripts/pytorch/bench_reference.py --model llama-3.2-1b \
-        --seq 2048 --batch 4 --cases fwd_bwd,fwd_bwd_bf16 --out "$out/anchor_llama1b.jsonl"
-      step llama1b_ours "$bench" bench-memory --device cuda --model llama-3.2-1b --seq 2048 \
-        --batch 4 --cases fwd_bwd,fwd_bwd_bf16 --pytorch "$out/anchor_llama1b.jsonl" \
-        --json "$out/llama1b.json" ;;
-    llama8b)
-      step llama8b_torch python3 scripts/pytorch/bench_reference.py --model llama-3.1-8b \
-        --seq 4096 --batch 1 --cases fwd_bwd_bf16_ckpt --out "$out/anchor_llama8b.jsonl"
-      step llama8b_ours "$bench" bench-memory --device cuda --model llama-3.1-8b --seq 4096 \
-        --batch 1 --cases fwd_bwd_bf16_ckpt --pytorch "$out/anchor_llama8b.jsonl" \
-        --json "$out/llama8b.json" ;;
-    kernels)
-      # Issue 30's kernel targets: RMSNorm, SwiGLU and rotary against the copy ceiling, causal
-      # grouped-query bf16 attention and packed sequences against cuDNN's SDPA, one run.
-      bench_step kernels kernels.txt "$(bench_exe kernels)" --bench
-      step attention_torch python3 scripts/pytorch/attention_reference.py \
-        --out "$out/attention_reference.jsonl" ;;
-    fused-ce)
-      # Issue 31: linear_cross_entropy at Llama-3.2-1B's head (8192 tokens, bf16) beside eager
-      # PyTorch, Liger and Cut Cross-Entropy (wheels installed by the caller into PYTHONPATH).
-      bench_step fused_ce_ours fused_ce.jsonl "$(bench_exe fused_ce_bench)" 10
-      bench_step fused_ce_torch fused_ce_reference.jsonl \
-        python3 scripts/pytorch/fused_ce_reference.py --iters 10 ;;
     allocator-benches) echo cuda_alloc allocator ;;
     cpu-benches) echo cpu_vit cpu_gemm ;;
   esac
@@ -285,6 +269,32 @@ for phase in "$@"; do
       bench_step cuda_adam cuda_adam.jsonl "$(bench_exe cuda_adam)"
       step adam_step_1e9_torch python3 scripts/pytorch/adam_step_1e9.py \
         --out "$out/adam_step_1e9_torch.jsonl" ;;
+    llama)
+      # Issue 30's model targets: Llama-3.2-1B at batch 4 x 2048 in bf16 and f32, Llama-3.1-8B
+      # in bf16 at 1 x 4096 with every block checkpointed; Hugging Face (SDPA) first.
+      step llama1b_torch python3 scripts/pytorch/bench_reference.py --model llama-3.2-1b \
+        --seq 2048 --batch 4 --cases fwd_bwd,fwd_bwd_bf16 --out "$out/anchor_llama1b.jsonl"
+      step llama1b_ours "$bench" bench-memory --device cuda --model llama-3.2-1b --seq 2048 \
+        --batch 4 --cases fwd_bwd,fwd_bwd_bf16 --pytorch "$out/anchor_llama1b.jsonl" \
+        --json "$out/llama1b.json" ;;
+    llama8b)
+      step llama8b_torch python3 scripts/pytorch/bench_reference.py --model llama-3.1-8b \
+        --seq 4096 --batch 1 --cases fwd_bwd_bf16_ckpt --out "$out/anchor_llama8b.jsonl"
+      step llama8b_ours "$bench" bench-memory --device cuda --model llama-3.1-8b --seq 4096 \
+        --batch 1 --cases fwd_bwd_bf16_ckpt --pytorch "$out/anchor_llama8b.jsonl" \
+        --json "$out/llama8b.json" ;;
+    kernels)
+      # Issue 30's kernel targets: RMSNorm, SwiGLU and rotary against the copy ceiling, causal
+      # grouped-query bf16 attention and packed sequences against cuDNN's SDPA, one run.
+      bench_step kernels kernels.txt "$(bench_exe kernels)" --bench
+      step attention_torch python3 scripts/pytorch/attention_reference.py \
+        --out "$out/attention_reference.jsonl" ;;
+    fused-ce)
+      # Issue 31: linear_cross_entropy at Llama-3.2-1B's head (8192 tokens, bf16) beside eager
+      # PyTorch, Liger and Cut Cross-Entropy (wheels installed by the caller into PYTHONPATH).
+      bench_step fused_ce_ours fused_ce.jsonl "$(bench_exe fused_ce_bench)" 10
+      bench_step fused_ce_torch fused_ce_reference.jsonl \
+        python3 scripts/pytorch/fused_ce_reference.py --iters 10 ;;
     allocator-benches)
       bench_step cuda_alloc cuda_alloc.txt "$(bench_exe cuda_alloc)" --bench
       bench_step allocator allocator.txt "$(bench_exe allocator)" --bench ;;

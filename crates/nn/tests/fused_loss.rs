@@ -6,6 +6,7 @@
 use headroom_autograd_core::{BackendRef, DType, Generator, LinearCrossEntropyOptions, Tensor};
 use headroom_nn::{Gpt2Config, Gpt2LMHeadModel, LlamaConfig, LlamaForCausalLM, Module};
 use headroom_ops_cpu::CpuBackend;
+use headroom_testkit::golden::backward_and_gradients;
 
 const BATCH: usize = 2;
 const SEQ: usize = 5;
@@ -30,14 +31,7 @@ fn loss_and_grads(model: &dyn Module, step: impl FnOnce() -> Tensor) -> (f64, Ve
     for param in model.parameters() {
         param.zero_grad(true).unwrap();
     }
-    let loss = step();
-    loss.backward().unwrap();
-    let grads = model
-        .parameters()
-        .iter()
-        .map(|p| p.grad().unwrap().to_vec_f64().unwrap())
-        .collect();
-    (loss.item().unwrap(), grads)
+    backward_and_gradients(&step(), &model.parameters()).unwrap()
 }
 
 fn assert_close(name: &str, fused: &(f64, Vec<Vec<f64>>), unfused: &(f64, Vec<Vec<f64>>)) {

@@ -79,7 +79,9 @@ fn first_layer(config: LlamaConfig, dtype: DType, batch: usize, seq: usize) -> L
             },
             |packed| Ok(packed.downcast_ref::<Tensor>().unwrap().clone()),
         );
-        model.model.layers[0].forward(&input, &cos, &sin).unwrap()
+        model.model.layers[0]
+            .forward(&input, &cos, &sin, None)
+            .unwrap()
     };
     let kept = (requested(&cpu) - before) as u64;
     assert_eq!(output.shape(), [batch, seq, hidden]);

@@ -5,6 +5,7 @@
 use headroom_autograd_core::{DType, Generator, PackedSequences, Tensor};
 use headroom_nn::{LlamaConfig, LlamaForCausalLM, Module, NnError};
 use headroom_ops_cpu::CpuBackend;
+use headroom_testkit::golden::backward_and_gradients;
 
 /// Hugging Face's label for positions the loss skips.
 const IGNORE: i64 = -100;
@@ -19,13 +20,7 @@ fn loss_and_grads(
     model.zero_grad(true).unwrap();
     let logits = model.forward_packed(ids, packed).unwrap();
     let loss = model.loss(&logits, labels).unwrap();
-    loss.backward().unwrap();
-    let grads = model
-        .parameters()
-        .iter()
-        .map(|p| p.grad().unwrap().to_vec_f64().unwrap())
-        .collect();
-    (loss.item().unwrap(), grads)
+    backward_and_gradients(&loss, &model.parameters()).unwrap()
 }
 
 #[test]

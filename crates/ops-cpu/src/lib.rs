@@ -19,7 +19,7 @@
 //! nothing about the graph: it only fills output views.
 //!
 //! ```
-//! use headroom_autograd_core::{DType, Tensor};
+//! use headroom_autograd_core::{DType, SoftmaxBackward, Tensor};
 //!
 //! let cpu = headroom_ops_cpu::CpuBackend::new_ref();
 //! let x = Tensor::from_slice(&cpu, &[1.0f32, 2.0, 3.0], &[3])?;
@@ -51,7 +51,8 @@ use headroom_autograd_core::{
     LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp, View,
 };
 use headroom_autograd_core::{
-    Operands, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
+    Operands, RmsNormBackward, RmsNormForward, RotaryArgs, SoftmaxBackward, SwiGluBackward,
+    SwiGluForward,
 };
 use headroom_caching_allocator::{
     AllocError, Allocation, AllocatorConfig, AllocatorView, CachingAllocator, HostStorage, StreamId,
@@ -256,16 +257,10 @@ impl Backend for CpuBackend {
         softmax::softmax(x, dim, log, out)
     }
 
-    fn softmax_backward(
-        &self,
-        y: View<'_>,
-        dy: View<'_>,
-        dim: usize,
-        log: bool,
-        dx: View<'_>,
-    ) -> Result<()> {
-        let _access = self.operands("softmax_backward", &[dx], &[y, dy], Aliasing::Disjoint)?;
-        softmax::softmax_backward(y, dy, dim, log, dx)
+    fn softmax_backward(&self, args: SoftmaxBackward<'_>) -> Result<()> {
+        let (writes, reads) = ([args.dx], [args.y, args.dy]);
+        let _access = self.operands("softmax_backward", &writes, &reads, Aliasing::Disjoint)?;
+        softmax::softmax_backward(args)
     }
 
     fn layer_norm(&self, args: LayerNormForward<'_>) -> Result<()> {

@@ -4,7 +4,7 @@
 //! rayon. Each lane is read twice and written once (max, then sum of exponentials and the
 //! output), with sums in f64. Nothing here allocates.
 
-use headroom_autograd_core::{Result, TensorError, View};
+use headroom_autograd_core::{Result, SoftmaxBackward, TensorError, View};
 
 use crate::element::{dispatch_float, Float, Real};
 use crate::strided::{for_each_run_weighted, HostPtr};
@@ -98,13 +98,9 @@ fn softmax_typed<T: Float>(x: View<'_>, dim: usize, log: bool, out: View<'_>) {
 }
 
 /// Gradient of softmax (or log-softmax) from the output `y` and its gradient `dy`.
-pub(crate) fn softmax_backward(
-    y: View<'_>,
-    dy: View<'_>,
-    dim: usize,
-    log: bool,
-    dx: View<'_>,
-) -> Result<()> {
+pub(crate) fn softmax_backward(args: SoftmaxBackward<'_>) -> Result<()> {
+    let SoftmaxBackward { y, dy, dx, .. } = args;
+    let (dim, log) = (args.dim, args.log);
     check("softmax_backward", &[&y, &dy, &dx], dim)?;
     dispatch_float!(y.dtype, "softmax_backward", T => softmax_backward_typed::<T>(y, dy, dim, log, dx));
     Ok(())

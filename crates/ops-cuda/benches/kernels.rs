@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput};
 use headroom_autograd_core::{
     BackendRef, BinaryOp, CrossEntropyArgs, DType, DropoutDraw, LayerNormBackward,
-    LayerNormForward, Layout, ReduceOp, Reduction, Tensor, UnaryOp, View,
+    LayerNormForward, Layout, ReduceOp, Reduction, SoftmaxBackward, Tensor, UnaryOp, View,
 };
 use headroom_ops_cuda::{CudaBackend, CudaStream};
 use headroom_testkit::gpu::cuda_or_skip;
@@ -362,8 +362,14 @@ fn rows(bench: &mut Bench, compute: &CudaStream) {
         Work::bytes(12 * n),
         compute,
         || {
-            gpu.softmax_backward(y.view(), dy.view(), 3, false, dx.view())
-                .expect("softmax backward")
+            gpu.softmax_backward(SoftmaxBackward {
+                y: y.view(),
+                dy: dy.view(),
+                dim: 3,
+                log: false,
+                dx: dx.view(),
+            })
+            .expect("softmax backward")
         },
     );
     drop((x, y, dy, dx));

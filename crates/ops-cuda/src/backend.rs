@@ -22,7 +22,7 @@ use cudarc::driver::result;
 use headroom_autograd_core::{
     Aliasing, AttentionBackward, AttentionForward, Backend, BinaryOp, Buffer, CrossEntropyArgs,
     Device, DropoutDraw, LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward,
-    LinearWeightGrad, MaskedOp, ReduceOp, Result, UnaryOp, View,
+    LinearWeightGrad, MaskedOp, ReduceOp, Result, SoftmaxBackward, UnaryOp, View,
 };
 use headroom_autograd_core::{
     RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
@@ -255,14 +255,8 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn softmax_backward(
-        &self,
-        y: View<'_>,
-        dy: View<'_>,
-        dim: usize,
-        log: bool,
-        dx: View<'_>,
-    ) -> Result<()> {
+    fn softmax_backward(&self, args: SoftmaxBackward<'_>) -> Result<()> {
+        let SoftmaxBackward { y, dy, dx, .. } = args;
         check(
             self,
             "softmax_backward",
@@ -271,8 +265,8 @@ impl Backend for CudaBackend {
             Aliasing::Disjoint,
         )?;
         self.timed(
-            || format!("softmax_backward log={log} {}", describe(&y)),
-            || rows::softmax_backward(self, y, dy, dim, log, dx),
+            || format!("softmax_backward log={} {}", args.log, describe(&y)),
+            || rows::softmax_backward(self, args),
         )
     }
 

@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use headroom_autograd_core::{
     AttentionBackward, AttentionForward, Backend, BackendRef, BinaryOp, Buffer, CrossEntropyArgs,
-    Device, DropoutDraw, LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp,
-    View,
+    Device, DropoutDraw, LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result,
+    SoftmaxBackward, UnaryOp, View,
 };
 use headroom_autograd_core::{
     RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
@@ -104,15 +104,8 @@ impl Backend for HostReadCounter {
     fn softmax(&self, x: View<'_>, dim: usize, log: bool, out: View<'_>) -> Result<()> {
         self.inner.softmax(x, dim, log, out)
     }
-    fn softmax_backward(
-        &self,
-        y: View<'_>,
-        dy: View<'_>,
-        dim: usize,
-        log: bool,
-        dx: View<'_>,
-    ) -> Result<()> {
-        self.inner.softmax_backward(y, dy, dim, log, dx)
+    fn softmax_backward(&self, args: SoftmaxBackward<'_>) -> Result<()> {
+        self.inner.softmax_backward(args)
     }
     fn layer_norm(&self, args: LayerNormForward<'_>) -> Result<()> {
         self.inner.layer_norm(args)

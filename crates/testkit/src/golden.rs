@@ -188,3 +188,18 @@ pub fn relative_error(ours: &Tensor, theirs: &Tensor, what: &str) -> f64 {
     assert!(scale > 0.0, "{what}: reference is all zeros");
     diff / scale
 }
+
+/// Runs `loss`'s backward and returns its value and the gradient of each of `params`, in order,
+/// as f64 (the comparison of two ways to compute one loss: fused and unfused, packed and padded).
+/// A parameter without a gradient is an error.
+pub fn backward_and_gradients(loss: &Tensor, params: &[Tensor]) -> Result<(f64, Vec<Vec<f64>>)> {
+    loss.backward()?;
+    let grads = params
+        .iter()
+        .map(|p| {
+            let grad = p.grad().ok_or("a parameter has no gradient")?;
+            Ok(grad.to_vec_f64()?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((loss.item()?, grads))
+}

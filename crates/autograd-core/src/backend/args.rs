@@ -134,6 +134,22 @@ pub struct LayerNormForward<'a> {
     pub rstd: View<'a>,
 }
 
+/// Inputs and outputs of [`Backend::softmax_backward`](super::Backend::softmax_backward): the
+/// gradient of softmax (or log-softmax) along `dim` from the forward's output and its gradient.
+#[derive(Debug, Clone, Copy)]
+pub struct SoftmaxBackward<'a> {
+    /// The forward's output.
+    pub y: View<'a>,
+    /// Gradient of `y`, like it.
+    pub dy: View<'a>,
+    /// The dim the forward normalised over.
+    pub dim: usize,
+    /// The forward was log-softmax.
+    pub log: bool,
+    /// The input's gradient, dense like `y` (written, not accumulated).
+    pub dx: View<'a>,
+}
+
 /// Inputs and outputs of the fused layer-norm backward (one pass over `x` and `dy`).
 #[derive(Debug, Clone, Copy)]
 pub struct LayerNormBackward<'a> {

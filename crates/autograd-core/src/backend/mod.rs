@@ -66,7 +66,7 @@ use crate::error::Result;
 pub use args::{
     AttentionBackward, AttentionForward, BinaryOp, CrossEntropyArgs, DropoutDraw,
     LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp,
-    Operands, PackedBounds, ReduceOp, Reduction, UnaryOp, View,
+    Operands, PackedBounds, ReduceOp, Reduction, SoftmaxBackward, UnaryOp, View,
 };
 pub use args::{
     GateUp, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
@@ -165,15 +165,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Softmax (or log-softmax) of `x` along `dim` into dense `out`.
     fn softmax(&self, x: View<'_>, dim: usize, log: bool, out: View<'_>) -> Result<()>;
 
-    /// Gradient of softmax (or log-softmax) from its output `y` and output gradient `dy`.
-    fn softmax_backward(
-        &self,
-        y: View<'_>,
-        dy: View<'_>,
-        dim: usize,
-        log: bool,
-        dx: View<'_>,
-    ) -> Result<()>;
+    /// Gradient of softmax (or log-softmax) from its output and output gradient (see
+    /// [`SoftmaxBackward`]).
+    fn softmax_backward(&self, args: SoftmaxBackward<'_>) -> Result<()>;
 
     /// Fused layer-norm forward.
     fn layer_norm(&self, args: LayerNormForward<'_>) -> Result<()>;

@@ -9,6 +9,7 @@
 use crate::autocast::{autocast_args, autocast_inputs};
 use crate::backend::{
     CrossEntropyArgs, DropoutDraw, LayerNormBackward, LayerNormForward, MaskedOp, Reduction,
+    SoftmaxBackward,
 };
 use crate::dtype::{stats_dtype, DType};
 use crate::error::{Result, TensorError};
@@ -37,8 +38,13 @@ impl Tensor {
                 let grad = grads[0].as_ref().expect("one output");
                 let output = saved.unpack()?;
                 let dx = grad.new_empty(grad.shape(), grad.dtype())?;
-                grad.backend()
-                    .softmax_backward(output.view(), grad.view(), dim, log, dx.view())?;
+                grad.backend().softmax_backward(SoftmaxBackward {
+                    y: output.view(),
+                    dy: grad.view(),
+                    dim,
+                    log,
+                    dx: dx.view(),
+                })?;
                 Ok(vec![Some(dx)])
             });
         }

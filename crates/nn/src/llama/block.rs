@@ -24,6 +24,21 @@ use crate::error::{NnError, Result};
 use crate::layers::Linear;
 use crate::module::{child_name, Module};
 
+/// Implements [`Module`] for a layer whose parameters are those of its children, each named
+/// after its field (Hugging Face's names: `q_proj`, `mlp`, ...), visited in the order given; the
+/// layer has no dropout, so `set_training` changes nothing.
+macro_rules! impl_module_of_children {
+    ($layer:ty: $($child:ident),+ $(,)?) => {
+        impl Module for $layer {
+            fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(&str, &Tensor)) {
+                $(self.$child.visit_parameters(&child_name(prefix, stringify!($child)), visit);)+
+            }
+
+            fn set_training(&mut self, _training: bool) {}
+        }
+    };
+}
+
 /// Root-mean-square normalisation with a scale (Hugging Face's `LlamaRMSNorm`): `weight *
 /// (x * rsqrt(mean(x², -1) + eps))`, computed in f32 for f16 and bf16 inputs.
 #[derive(Debug, Clone)]
@@ -79,15 +94,10 @@ pub struct LlamaAttention {
 
 impl LlamaAttention {
     /// `[batch, seq, hidden]` → the same shape, causal, with the rotary tables `cos` and `sin`
-    /// (`[seq, head_dim]`) applied to queries and keys.
-    pub fn forward(&self, hidden: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        self.forward_packed(hidden, cos, sin, None)
-    }
-
-    /// [`LlamaAttention::forward`], and with `packed` the batch is one row of sequences laid end
-    /// to end (`[1, tokens, hidden]`), causal within each sequence and blind across them (the
-    /// rotary tables then hold each token's position within its sequence).
-    pub fn forward_packed(
+    /// (`[seq, head_dim]`) applied to queries and keys. With `packed` the batch is one row of
+    /// sequences laid end to end (`[1, tokens, hidden]`), causal within each sequence and blind
+    /// across them (the rotary tables then hold each token's position within its sequence).
+    pub fn forward(
         &self,
         hidden: &Tensor,
         cos: &Tensor,
@@ -139,20 +149,7 @@ pub fn repeat_kv(x: &Tensor, n_rep: usize) -> Result<Tensor> {
         .reshape(&[batch, kv_heads * n_rep, seq, head_dim])?)
 }
 
-impl Module for LlamaAttention {
-    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(&str, &Tensor)) {
-        for (name, proj) in [
-            ("q_proj", &self.q_proj),
-            ("k_proj", &self.k_proj),
-            ("v_proj", &self.v_proj),
-            ("o_proj", &self.o_proj),
-        ] {
-            proj.visit_parameters(&child_name(prefix, name), visit);
-        }
-    }
-
-    fn set_training(&mut self, _training: bool) {}
-}
+impl_module_of_children!(LlamaAttention: q_proj, k_proj, v_proj, o_proj);
 
 /// The SwiGLU feed-forward block (`LlamaMLP`): `down_proj(silu(gate_proj(x)) * up_proj(x))`,
 /// no biases.
@@ -175,19 +172,7 @@ impl LlamaMlp {
     }
 }
 
-impl Module for LlamaMlp {
-    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(&str, &Tensor)) {
-        for (name, proj) in [
-            ("gate_proj", &self.gate_proj),
-            ("up_proj", &self.up_proj),
-            ("down_proj", &self.down_proj),
-        ] {
-            proj.visit_parameters(&child_name(prefix, name), visit);
-        }
-    }
-
-    fn set_training(&mut self, _training: bool) {}
-}
+impl_module_of_children!(LlamaMlp: gate_proj, up_proj, down_proj);
 
 /// One pre-norm decoder layer (`LlamaDecoderLayer`).
 #[derive(Debug, Clone)]
@@ -203,26 +188,18 @@ pub struct LlamaDecoderLayer {
 }
 
 impl LlamaDecoderLayer {
-    /// `x + attn(norm(x))`, then `+ mlp(norm(·))`, with the rotary tables of the sequence.
-    pub fn forward(&self, hidden: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        self.forward_packed(hidden, cos, sin, None)
-    }
-
-    /// [`LlamaDecoderLayer::forward`] over packed sequences when `packed` is given (see
-    /// [`LlamaAttention::forward_packed`]).
-    pub fn forward_packed(
+    /// `x + attn(norm(x))`, then `+ mlp(norm(·))`, with the rotary tables of the sequence, over
+    /// packed sequences when `packed` is given (see [`LlamaAttention::forward`]).
+    pub fn forward(
         &self,
         hidden: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
         packed: Option<&PackedSequences>,
     ) -> Result<Tensor> {
-        let attended = self.self_attn.forward_packed(
-            &self.input_layernorm.forward(hidden)?,
-            cos,
-            sin,
-            packed,
-        )?;
+        let attended =
+            self.self_attn
+                .forward(&self.input_layernorm.forward(hidden)?, cos, sin, packed)?;
         let hidden = hidden.add(&attended)?;
         let mlp_out = self
             .mlp
@@ -231,16 +208,6 @@ impl LlamaDecoderLayer {
     }
 }
 
-impl Module for LlamaDecoderLayer {
-    fn visit_parameters(&self, prefix: &str, visit: &mut dyn FnMut(&str, &Tensor)) {
-        self.self_attn
-            .visit_parameters(&child_name(prefix, "self_attn"), visit);
-        self.mlp.visit_parameters(&child_name(prefix, "mlp"), visit);
-        self.input_layernorm
-            .visit_parameters(&child_name(prefix, "input_layernorm"), visit);
-        self.post_attention_layernorm
-            .visit_parameters(&child_name(prefix, "post_attention_layernorm"), visit);
-    }
-
-    fn set_training(&mut self, _training: bool) {}
-}
+impl_module_of_children!(
+    LlamaDecoderLayer: self_attn, mlp, input_layernorm, post_attention_layernorm
+);

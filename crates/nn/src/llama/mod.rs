@@ -70,7 +70,7 @@ struct LayerAtPositions {
 impl LayerAtPositions {
     fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
         self.layer
-            .forward_packed(hidden, &self.cos, &self.sin, self.packed.as_ref())
+            .forward(hidden, &self.cos, &self.sin, self.packed.as_ref())
     }
 }
 
@@ -273,7 +273,8 @@ impl LlamaForCausalLM {
 
     /// Logits `[batch, seq, vocab_size]` of token ids `[batch, seq]` (I64).
     pub fn forward(&self, input_ids: &Tensor) -> Result<Tensor> {
-        self.forward_packed(input_ids, None)
+        let hidden = self.model.forward(input_ids)?;
+        Ok(hidden.linear(self.lm_head_weight(), None)?)
     }
 
     /// Logits of packed sequences (`[1, tokens]` ids laid end to end, boundaries in `packed`; see

@@ -153,18 +153,8 @@ pub(crate) fn forward(
     };
     for (first, len) in sequences(packed.host) {
         let [q, k, v, out] = [f.q, f.k, f.v, f.out].map(|view| row_slice(&view, first, len));
-        let (q, k, v, out) = (q?, k?, v?, out?);
-        let sequence = AttentionForward {
-            q: View { layout: &q, ..f.q },
-            k: View { layout: &k, ..f.k },
-            v: View { layout: &v, ..f.v },
-            out: View {
-                layout: &out,
-                ..f.out
-            },
-            packed: None,
-            ..f
-        };
+        let layouts = [q?, k?, v?, out?];
+        let sequence = sequence_forward(&f, &layouts);
         let lse = Scratch::new(backend, (dims.heads * len * 4) as u64)?;
         forward_units(backend, sequence, sequence_dims(dims, len), lse.address())?;
         let (dense, slice) = lse_layouts(&f, dims, first, len)?;
@@ -186,6 +176,26 @@ fn sequences(cu_seqlens: &[i32]) -> impl Iterator<Item = (usize, usize)> + '_ {
         .windows(2)
         .map(|bounds| (bounds[0] as usize, (bounds[1] - bounds[0]) as usize))
         .filter(|&(_, len)| len > 0)
+}
+
+/// `f` over one packed sequence, unpacked: q, k, v and out laid out as `layouts` (their rows of
+/// that sequence, from [`row_slice`]), every option as `f`'s.
+fn sequence_forward<'s>(
+    f: &AttentionForward<'s>,
+    layouts: &'s [Layout; 4],
+) -> AttentionForward<'s> {
+    let [q, k, v, out] = layouts;
+    AttentionForward {
+        q: View { layout: q, ..f.q },
+        k: View { layout: k, ..f.k },
+        v: View { layout: v, ..f.v },
+        out: View {
+            layout: out,
+            ..f.out
+        },
+        packed: None,
+        ..*f
+    }
 }
 
 /// `view` (`[batch, heads, rows, head_dim]`) restricted to rows `first..first + len`.
@@ -311,20 +321,10 @@ pub(crate) fn backward(
     for (first, len) in sequences(packed.host) {
         let views = [f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv];
         let [q, k, v, out, dout, dq, dk, dv] = views.map(|view| row_slice(&view, first, len));
-        let [q, k, v, out] = [q?, k?, v?, out?];
+        let layouts = [q?, k?, v?, out?];
         let [dout, dq, dk, dv] = [dout?, dq?, dk?, dv?];
         let sequence = AttentionBackward {
-            forward: AttentionForward {
-                q: View { layout: &q, ..f.q },
-                k: View { layout: &k, ..f.k },
-                v: View { layout: &v, ..f.v },
-                out: View {
-                    layout: &out,
-                    ..f.out
-                },
-                packed: None,
-                ..f
-            },
+            forward: sequence_forward(&f, &layouts),
             dout: View {
                 layout: &dout,
                 ..b.dout

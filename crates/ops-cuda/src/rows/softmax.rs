@@ -3,7 +3,7 @@
 //!
 //! This room sits on the rows family's `args.rs` and the ground floor, and imports no other room.
 
-use headroom_autograd_core::{Result, TensorError, View};
+use headroom_autograd_core::{Result, SoftmaxBackward, TensorError, View};
 
 use super::args::{launch, row_args, same_dtype, same_shape};
 use crate::device::CudaBackend;
@@ -58,14 +58,9 @@ pub(crate) fn softmax(
     )
 }
 
-pub(crate) fn softmax_backward(
-    backend: &CudaBackend,
-    y: View<'_>,
-    dy: View<'_>,
-    dim: usize,
-    log: bool,
-    dx: View<'_>,
-) -> Result<()> {
+pub(crate) fn softmax_backward(backend: &CudaBackend, args: SoftmaxBackward<'_>) -> Result<()> {
+    let SoftmaxBackward { y, dy, dx, .. } = args;
+    let (dim, log) = (args.dim, args.log);
     same_dtype("softmax_backward", &[&y, &dy, &dx])?;
     same_shape("softmax_backward", &[&y, &dy, &dx])?;
     if dim >= y.layout.ndim() {

@@ -57,16 +57,8 @@ fn packed(heads: usize, kv_heads: usize, lengths: &[usize], head_dim: usize, cau
 /// output, log-sum-exp and the three gradients.
 fn compare(case: &Case, dtypes: &[DType], random: &mut Xorshift) {
     let Some((gpu, cpu)) = backends() else { return };
-    let Case {
-        batch,
-        heads,
-        kv_heads,
-        queries,
-        keys,
-        head_dim,
-        causal,
-        ..
-    } = *case;
+    let (batch, heads, kv_heads, head_dim) = (case.batch, case.heads, case.kv_heads, case.head_dim);
+    let (queries, keys, causal) = (case.queries, case.keys, case.causal);
     // k and v (and q when there are as many queries) are head views of one packed [batch, keys,
     // (heads + 2 kv_heads) · head_dim] projection; outputs and gradients are [batch, rows, heads,
     // head_dim] viewed as [b, h, rows, d].

@@ -1,7 +1,7 @@
 //! Reductions on the GPU against the CPU: sum, mean, max and min (with indices, the first of
 //! ties), softmax, masked fill and scale, and layer norm forward and backward.
 
-use headroom_autograd_core::{DType, Layout};
+use headroom_autograd_core::{DType, Layout, SoftmaxBackward};
 
 use crate::{
     compare, download, input, poisoned, seeded_backends, upload, view, FLOATS, WITH_STATS_DTYPE,
@@ -118,9 +118,14 @@ fn reductions_softmax_and_masks_match_the_cpu() {
                         let (y, dx) = (poisoned(backend, dtype, n), poisoned(backend, dtype, n));
                         let dense = |buffer| view(buffer, &x_layout, dtype);
                         backend.softmax(dense(&xb), dim, log, dense(&y)).unwrap();
-                        backend
-                            .softmax_backward(dense(&y), dense(&gb), dim, log, dense(&dx))
-                            .unwrap();
+                        let args = SoftmaxBackward {
+                            y: dense(&y),
+                            dy: dense(&gb),
+                            dim,
+                            log,
+                            dx: dense(&dx),
+                        };
+                        backend.softmax_backward(args).unwrap();
                         let mut res = download(backend, dtype, &y);
                         res.extend(download(backend, dtype, &dx));
                         res
