@@ -103,7 +103,7 @@ pub use backend::{
     linear_dims, linear_weight_grad_dims, matmul_dims, AttentionBackward, AttentionDims,
     AttentionForward, Backend, BackendRef, BinaryOp, CrossEntropyArgs, DropoutDraw,
     LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp,
-    Operands, PackedBounds, ReduceOp, Reduction, SoftmaxBackward, UnaryOp, View,
+    Operands, PackedBounds, ReduceOp, ReduceWithIndex, Reduction, SoftmaxBackward, UnaryOp, View,
 };
 pub use backend::{
     GateUp, RmsNormBackward, RmsNormForward, RotaryArgs, RotaryDims, SwiGluBackward, SwiGluForward,

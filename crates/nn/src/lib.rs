@@ -59,7 +59,7 @@ pub use init::{parameter, Init};
 pub use layers::{Activation, Dropout, Embedding, LayerNorm, Linear, Mlp};
 pub use llama::{
     apply_rotary, repeat_kv, Llama3RopeScaling, LlamaAttention, LlamaConfig, LlamaDecoderLayer,
-    LlamaForCausalLM, LlamaMlp, LlamaModel, LlamaRmsNorm, RotaryEmbedding,
+    LlamaForCausalLM, LlamaMlp, LlamaModel, LlamaRmsNorm, RotaryEmbedding, TokenPositions,
 };
 pub use module::{child_name, Module};
 pub use vit::{Encoder, EncoderBlock, PatchEmbedding, VisionTransformer, VitConfig};

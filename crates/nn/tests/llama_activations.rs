@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use headroom_autograd_core::{
     saved_tensor_hooks, uniform, BackendRef, DType, Generator, Packed, Tensor,
 };
-use headroom_nn::{LlamaConfig, LlamaForCausalLM};
+use headroom_nn::{LlamaConfig, LlamaForCausalLM, TokenPositions};
 use headroom_ops_cpu::CpuBackend;
 
 /// The allocator's requested bytes now (exact: no rounding to blocks).
@@ -79,9 +79,12 @@ fn first_layer(config: LlamaConfig, dtype: DType, batch: usize, seq: usize) -> L
             },
             |packed| Ok(packed.downcast_ref::<Tensor>().unwrap().clone()),
         );
-        model.model.layers[0]
-            .forward(&input, &cos, &sin, None)
-            .unwrap()
+        let positions = TokenPositions {
+            cos: &cos,
+            sin: &sin,
+            packed: None,
+        };
+        model.model.layers[0].forward(&input, positions).unwrap()
     };
     let kept = (requested(&cpu) - before) as u64;
     assert_eq!(output.shape(), [batch, seq, hidden]);

@@ -51,8 +51,8 @@ use headroom_autograd_core::{
     LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp, View,
 };
 use headroom_autograd_core::{
-    Operands, RmsNormBackward, RmsNormForward, RotaryArgs, SoftmaxBackward, SwiGluBackward,
-    SwiGluForward,
+    Operands, ReduceWithIndex, RmsNormBackward, RmsNormForward, RotaryArgs, SoftmaxBackward,
+    SwiGluBackward, SwiGluForward,
 };
 use headroom_caching_allocator::{
     AllocError, Allocation, AllocatorConfig, AllocatorView, CachingAllocator, HostStorage, StreamId,
@@ -231,20 +231,10 @@ impl Backend for CpuBackend {
         reduce::reduce(op, x, n_reduced, out)
     }
 
-    fn reduce_with_index(
-        &self,
-        op: ReduceOp,
-        x: View<'_>,
-        values: View<'_>,
-        indices: View<'_>,
-    ) -> Result<()> {
-        let _access = self.operands(
-            "reduce_with_index",
-            &[values, indices],
-            &[x],
-            Aliasing::Disjoint,
-        )?;
-        reduce::reduce_with_index(op, x, values, indices)
+    fn reduce_with_index(&self, args: ReduceWithIndex<'_>) -> Result<()> {
+        let (writes, reads) = ([args.values, args.indices], [args.x]);
+        let _access = self.operands("reduce_with_index", &writes, &reads, Aliasing::Disjoint)?;
+        reduce::reduce_with_index(args)
     }
 
     fn matmul(&self, a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {

@@ -4,7 +4,7 @@
 //! reduced elements serially and accumulates in f64 (more accurate than PyTorch's f32 cascade
 //! for f32 inputs, identical order for f64 within rounding). Nothing here allocates.
 
-use headroom_autograd_core::{ReduceOp, Result, TensorError, View};
+use headroom_autograd_core::{ReduceOp, ReduceWithIndex, Result, TensorError, View};
 
 use crate::element::{dispatch_float, Float, Real};
 use crate::strided::{for_each_run_serial, for_each_run_weighted, HostPtr};
@@ -99,12 +99,13 @@ fn reduce_typed<T: Float>(
 }
 
 /// Max or min over the last dim with the index of the first extreme element.
-pub(crate) fn reduce_with_index(
-    op: ReduceOp,
-    x: View<'_>,
-    values: View<'_>,
-    indices: View<'_>,
-) -> Result<()> {
+pub(crate) fn reduce_with_index(args: ReduceWithIndex<'_>) -> Result<()> {
+    let ReduceWithIndex {
+        op,
+        x,
+        values,
+        indices,
+    } = args;
     if !matches!(op, ReduceOp::Max | ReduceOp::Min) {
         return Err(TensorError::InvalidArgument {
             op: "reduce_with_index",

@@ -215,13 +215,14 @@ fn a_backend_refuses_views_outside_their_buffer_and_buffers_of_another_backend()
         dtype: DType::F32,
         ..pair.view()
     };
+    let rows = x.reshape(&[2, 2]).unwrap();
     let err = cpu
-        .reduce_with_index(
-            headroom_autograd_core::ReduceOp::Max,
-            x.reshape(&[2, 2]).unwrap().view(),
-            as_values,
-            pair.view(),
-        )
+        .reduce_with_index(headroom_autograd_core::ReduceWithIndex {
+            op: headroom_autograd_core::ReduceOp::Max,
+            x: rows.view(),
+            values: as_values,
+            indices: pair.view(),
+        })
         .unwrap_err();
     assert!(matches!(err, TensorError::Overlap { .. }), "{err}");
 }

@@ -25,7 +25,7 @@ use headroom_autograd_core::{
     LinearWeightGrad, MaskedOp, ReduceOp, Result, SoftmaxBackward, UnaryOp, View,
 };
 use headroom_autograd_core::{
-    RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
+    ReduceWithIndex, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
 };
 use headroom_caching_allocator::{Allocation, AllocatorView, StreamId};
 
@@ -175,23 +175,18 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn reduce_with_index(
-        &self,
-        op: ReduceOp,
-        x: View<'_>,
-        values: View<'_>,
-        indices: View<'_>,
-    ) -> Result<()> {
+    fn reduce_with_index(&self, args: ReduceWithIndex<'_>) -> Result<()> {
+        let (writes, reads) = ([args.values, args.indices], [args.x]);
         check(
             self,
             "reduce_with_index",
-            &[values, indices],
-            &[x],
+            &writes,
+            &reads,
             Aliasing::Disjoint,
         )?;
         self.timed(
-            || format!("reduce_with_index {op:?} {}", describe(&x)),
-            || rows::reduce_with_index(self, op, x, values, indices),
+            || format!("reduce_with_index {:?} {}", args.op, describe(&args.x)),
+            || rows::reduce_with_index(self, args),
         )
     }
 

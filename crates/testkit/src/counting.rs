@@ -17,7 +17,7 @@ use headroom_autograd_core::{
     SoftmaxBackward, UnaryOp, View,
 };
 use headroom_autograd_core::{
-    RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
+    ReduceWithIndex, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
 };
 use headroom_caching_allocator::{Allocation, AllocatorView};
 
@@ -89,14 +89,8 @@ impl Backend for HostReadCounter {
     fn reduce(&self, op: ReduceOp, x: View<'_>, n_reduced: usize, out: View<'_>) -> Result<()> {
         self.inner.reduce(op, x, n_reduced, out)
     }
-    fn reduce_with_index(
-        &self,
-        op: ReduceOp,
-        x: View<'_>,
-        values: View<'_>,
-        indices: View<'_>,
-    ) -> Result<()> {
-        self.inner.reduce_with_index(op, x, values, indices)
+    fn reduce_with_index(&self, args: ReduceWithIndex<'_>) -> Result<()> {
+        self.inner.reduce_with_index(args)
     }
     fn matmul(&self, a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {
         self.inner.matmul(a, b, out, accumulate)

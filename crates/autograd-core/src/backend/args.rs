@@ -134,6 +134,20 @@ pub struct LayerNormForward<'a> {
     pub rstd: View<'a>,
 }
 
+/// Inputs and outputs of [`Backend::reduce_with_index`](super::Backend::reduce_with_index): max
+/// or min of `x` over its last dim, with the index of the first extreme element.
+#[derive(Debug, Clone, Copy)]
+pub struct ReduceWithIndex<'a> {
+    /// [`ReduceOp::Max`] or [`ReduceOp::Min`].
+    pub op: ReduceOp,
+    /// The input.
+    pub x: View<'a>,
+    /// The extremes, dense, `x`'s leading dims.
+    pub values: View<'a>,
+    /// Their indices along the last dim, I64, like `values`.
+    pub indices: View<'a>,
+}
+
 /// Inputs and outputs of [`Backend::softmax_backward`](super::Backend::softmax_backward): the
 /// gradient of softmax (or log-softmax) along `dim` from the forward's output and its gradient.
 #[derive(Debug, Clone, Copy)]

@@ -66,7 +66,7 @@ use crate::error::Result;
 pub use args::{
     AttentionBackward, AttentionForward, BinaryOp, CrossEntropyArgs, DropoutDraw,
     LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp,
-    Operands, PackedBounds, ReduceOp, Reduction, SoftmaxBackward, UnaryOp, View,
+    Operands, PackedBounds, ReduceOp, ReduceWithIndex, Reduction, SoftmaxBackward, UnaryOp, View,
 };
 pub use args::{
     GateUp, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
@@ -138,13 +138,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn reduce(&self, op: ReduceOp, x: View<'_>, n_reduced: usize, out: View<'_>) -> Result<()>;
 
     /// Max or min over the last dim of `x`, with the index (I64) of the first extreme element.
-    fn reduce_with_index(
-        &self,
-        op: ReduceOp,
-        x: View<'_>,
-        values: View<'_>,
-        indices: View<'_>,
-    ) -> Result<()>;
+    fn reduce_with_index(&self, args: ReduceWithIndex<'_>) -> Result<()>;
 
     /// Batched matrix product over equal batch dims: `out[.., m, n] (+)= a[.., m, k] b[.., k, n]`.
     /// Inputs may be strided (transposes are free); `accumulate` adds to `out`.

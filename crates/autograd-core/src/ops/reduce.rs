@@ -5,7 +5,7 @@
 //! the gradient to the saved indices.
 
 use crate::autocast::autocast_args;
-use crate::backend::ReduceOp;
+use crate::backend::{ReduceOp, ReduceWithIndex};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::graph::record;
@@ -121,12 +121,12 @@ impl Tensor {
             .collect();
         let values = self.new_empty(&out_shape, self.dtype())?;
         let indices = self.new_empty(&out_shape, DType::I64)?;
-        self.backend().reduce_with_index(
-            ReduceOp::Max,
-            permuted.view(),
-            values.view(),
-            indices.view(),
-        )?;
+        self.backend().reduce_with_index(ReduceWithIndex {
+            op: ReduceOp::Max,
+            x: permuted.view(),
+            values: values.view(),
+            indices: indices.view(),
+        })?;
         let shape = self.reduce_shape(&[dim], keepdim);
         let values = values.into_shape(&shape);
         let indices = indices.into_shape(&shape);

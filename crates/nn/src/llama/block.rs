@@ -39,6 +39,19 @@ macro_rules! impl_module_of_children {
     };
 }
 
+/// Where a layer's tokens stand: the rotary tables of their positions (`[seq, head_dim]`, or
+/// `[tokens, head_dim]` with each token's position within its sequence when packed) and, for
+/// packed sequences, their boundaries.
+#[derive(Debug, Clone, Copy)]
+pub struct TokenPositions<'a> {
+    /// Cosines of the rotary angles.
+    pub cos: &'a Tensor,
+    /// Sines of the rotary angles.
+    pub sin: &'a Tensor,
+    /// The boundaries of packed sequences, or `None` for a plain batch.
+    pub packed: Option<&'a PackedSequences>,
+}
+
 /// Root-mean-square normalisation with a scale (Hugging Face's `LlamaRMSNorm`): `weight *
 /// (x * rsqrt(mean(x², -1) + eps))`, computed in f32 for f16 and bf16 inputs.
 #[derive(Debug, Clone)]
@@ -93,17 +106,11 @@ pub struct LlamaAttention {
 }
 
 impl LlamaAttention {
-    /// `[batch, seq, hidden]` → the same shape, causal, with the rotary tables `cos` and `sin`
-    /// (`[seq, head_dim]`) applied to queries and keys. With `packed` the batch is one row of
-    /// sequences laid end to end (`[1, tokens, hidden]`), causal within each sequence and blind
-    /// across them (the rotary tables then hold each token's position within its sequence).
-    pub fn forward(
-        &self,
-        hidden: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        packed: Option<&PackedSequences>,
-    ) -> Result<Tensor> {
+    /// `[batch, seq, hidden]` → the same shape, causal, with the rotary tables of `positions`
+    /// applied to queries and keys. With packed sequences the batch is one row of sequences laid
+    /// end to end (`[1, tokens, hidden]`), causal within each sequence and blind across them.
+    pub fn forward(&self, hidden: &Tensor, positions: TokenPositions<'_>) -> Result<Tensor> {
+        let TokenPositions { cos, sin, packed } = positions;
         let [batch, seq, _] = *hidden.shape() else {
             return Err(NnError::InvalidInput {
                 module: "LlamaAttention",
@@ -188,18 +195,11 @@ pub struct LlamaDecoderLayer {
 }
 
 impl LlamaDecoderLayer {
-    /// `x + attn(norm(x))`, then `+ mlp(norm(·))`, with the rotary tables of the sequence, over
-    /// packed sequences when `packed` is given (see [`LlamaAttention::forward`]).
-    pub fn forward(
-        &self,
-        hidden: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        packed: Option<&PackedSequences>,
-    ) -> Result<Tensor> {
-        let attended =
-            self.self_attn
-                .forward(&self.input_layernorm.forward(hidden)?, cos, sin, packed)?;
+    /// `x + attn(norm(x))`, then `+ mlp(norm(·))`, at `positions` (see
+    /// [`LlamaAttention::forward`]).
+    pub fn forward(&self, hidden: &Tensor, positions: TokenPositions<'_>) -> Result<Tensor> {
+        let normed = self.input_layernorm.forward(hidden)?;
+        let attended = self.self_attn.forward(&normed, positions)?;
         let hidden = hidden.add(&attended)?;
         let mlp_out = self
             .mlp

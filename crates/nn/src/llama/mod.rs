@@ -31,7 +31,9 @@ use headroom_autograd_core::{
     embedding, BackendRef, DType, Generator, LinearCrossEntropyOptions, PackedSequences, Tensor,
 };
 
-pub use block::{repeat_kv, LlamaAttention, LlamaDecoderLayer, LlamaMlp, LlamaRmsNorm};
+pub use block::{
+    repeat_kv, LlamaAttention, LlamaDecoderLayer, LlamaMlp, LlamaRmsNorm, TokenPositions,
+};
 pub use config::{Llama3RopeScaling, LlamaConfig};
 pub use rope::{apply_rotary, RotaryEmbedding};
 
@@ -69,8 +71,12 @@ struct LayerAtPositions {
 
 impl LayerAtPositions {
     fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
-        self.layer
-            .forward(hidden, &self.cos, &self.sin, self.packed.as_ref())
+        let positions = TokenPositions {
+            cos: &self.cos,
+            sin: &self.sin,
+            packed: self.packed.as_ref(),
+        };
+        self.layer.forward(hidden, positions)
     }
 }
 

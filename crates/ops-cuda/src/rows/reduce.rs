@@ -6,7 +6,7 @@
 //! matrix down its columns go to `column_sums.rs`, chosen by the family's entry point (`mod.rs`).
 
 use cudarc::driver::LaunchConfig;
-use headroom_autograd_core::{DType, ReduceOp, Result, TensorError, View};
+use headroom_autograd_core::{DType, ReduceOp, ReduceWithIndex, Result, TensorError, View};
 
 use super::args::{launch, row_args, same_dtype, MAX_BLOCKS, MAX_DIMS, THREADS};
 use crate::device::CudaBackend;
@@ -66,13 +66,13 @@ pub(crate) fn reduce_rows(
 }
 
 /// Max or min over the last dim of `x` with the index of the first such element (a NaN wins).
-pub(crate) fn reduce_with_index(
-    backend: &CudaBackend,
-    op: ReduceOp,
-    x: View<'_>,
-    values: View<'_>,
-    indices: View<'_>,
-) -> Result<()> {
+pub(crate) fn reduce_with_index(backend: &CudaBackend, args: ReduceWithIndex<'_>) -> Result<()> {
+    let ReduceWithIndex {
+        op,
+        x,
+        values,
+        indices,
+    } = args;
     let name = "reduce_with_index";
     let is_max = match op {
         ReduceOp::Max => 1,

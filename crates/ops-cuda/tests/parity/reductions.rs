@@ -229,7 +229,7 @@ fn layer_norm_forward_and_backward_match_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn max_and_min_with_indices_match_the_cpu() {
-    use headroom_autograd_core::ReduceOp;
+    use headroom_autograd_core::{ReduceOp, ReduceWithIndex};
     let Some((gpu, cpu, mut random)) = seeded_backends(0x7777_1234_abcd_0001) else {
         return;
     };
@@ -250,14 +250,13 @@ fn max_and_min_with_indices_match_the_cpu() {
                     poisoned(backend, dtype, rows),
                     poisoned(backend, DType::I64, rows),
                 );
-                backend
-                    .reduce_with_index(
-                        op,
-                        view(&xb, &x_layout, dtype),
-                        view(&values, &out_layout, dtype),
-                        view(&indices, &out_layout, DType::I64),
-                    )
-                    .unwrap();
+                let args = ReduceWithIndex {
+                    op,
+                    x: view(&xb, &x_layout, dtype),
+                    values: view(&values, &out_layout, dtype),
+                    indices: view(&indices, &out_layout, DType::I64),
+                };
+                backend.reduce_with_index(args).unwrap();
                 let mut res = download(backend, dtype, &values);
                 res.extend(download(backend, DType::I64, &indices));
                 results.push(res);
