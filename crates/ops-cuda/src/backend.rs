@@ -92,6 +92,10 @@ impl Backend for CudaBackend {
         self.allocator()
     }
 
+    fn matmul_workspace_bytes(&self) -> usize {
+        crate::blas::lent_workspace_bytes()
+    }
+
     fn synchronize(&self) -> Result<()> {
         CudaBackend::synchronize(self)
     }

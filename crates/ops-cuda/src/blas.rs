@@ -60,6 +60,13 @@ fn workspace_bytes() -> Result<u64> {
     }
 }
 
+/// The workspace bytes the BLAS state takes from the caching allocator on the first product
+/// and keeps (shared by cuBLAS and cuBLASLt, never one per call): `CUBLAS_WORKSPACE_CONFIG`'s
+/// size, else 32 MiB (also when the variable is malformed: the first product reports that).
+pub(crate) fn lent_workspace_bytes() -> usize {
+    workspace_bytes().unwrap_or(DEFAULT_WORKSPACE_BYTES) as usize
+}
+
 /// A cuBLAS handle and the workspace lent to it, and cuBLASLt's state (`blas_lt.rs`), which
 /// shares the workspace.
 #[derive(Debug)]

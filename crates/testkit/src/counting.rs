@@ -60,6 +60,9 @@ impl Backend for HostReadCounter {
     fn allocator_view(&self) -> &dyn AllocatorView {
         self.inner.allocator_view()
     }
+    fn matmul_workspace_bytes(&self) -> usize {
+        self.inner.matmul_workspace_bytes()
+    }
     fn synchronize(&self) -> Result<()> {
         self.host_reads.fetch_add(1, Ordering::SeqCst);
         self.inner.synchronize()

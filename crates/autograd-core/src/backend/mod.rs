@@ -107,6 +107,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         self.allocator_view().memory_stats()
     }
 
+    /// Bytes of this backend's allocator that its matrix products hold as a workspace: taken on
+    /// the first product and kept for the backend's life (cuBLAS's, 32 MiB by default on CUDA),
+    /// 0 when products take none (the CPU's). An op that bounds its temporaries by a byte budget
+    /// (`linear_cross_entropy`'s chunks) leaves this much of the budget to the workspace, so the
+    /// bound holds on a backend whose first product it runs.
+    fn matmul_workspace_bytes(&self) -> usize {
+        0
+    }
+
     /// Waits until the device has run everything queued on this backend, then returns the error
     /// of a check the device deferred, if one is pending. A backend whose primitives finish
     /// before they return (the CPU's) has nothing to wait for.

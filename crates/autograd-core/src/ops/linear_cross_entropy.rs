@@ -22,11 +22,30 @@
 //!   product over its full reduction with f32 accumulation, as the unfused products do.
 //!
 //! The chunk size comes from a byte budget ([`LinearCrossEntropyOptions::chunk_bytes`], 64 MiB
-//! by default) that bounds every per-chunk temporary: a chunk's logits in the stats dtype plus,
-//! for f16 and bf16, their copy in the inputs' dtype, and the per-row vectors. Labels are read
-//! to the host once per forward and once per backward (validated there: typed errors, never an
-//! out-of-bounds read), and the per-row weights (ignored rows, the mean's divisor) go back as
-//! small per-chunk vectors, so no per-token buffer besides the log-sum-exp outlives a chunk.
+//! by default) that bounds everything the op allocates beyond its inputs, its gradients and two
+//! f32 vectors of one value per token (the log-sum-exp and, in backward, each row's gradient
+//! factor): so the peak stays within `chunk_bytes + 8 B per token` in every phase. What one
+//! chunk holds at once, and the budget counts:
+//!
+//! - its logits in the inputs' dtype and, for f16 and bf16, their f32 copy (the forward's for
+//!   label smoothing; the backward's to compute their gradient, which is rounded back into the
+//!   logits' buffer before the copy is freed, so the products read the buffer the linear
+//!   wrote): `Head::bytes_per_logit`;
+//! - `ROW_BYTES` a row for the per-row vectors (label indices, the one-hot and smoothing
+//!   terms, the ones row that sums the bias gradient by a product, a backend's per-row scratch);
+//! - `SMALL_BLOCKS_BYTES` for the scalars and the 512-byte rounding of the allocator's
+//!   blocks, and `LARGE_BLOCK_SLACK` (1 MiB) for each large buffer, which the allocator may
+//!   hand out in a block up to 1 MiB larger than asked;
+//! - the backend's matrix-product workspace ([`crate::Backend::matmul_workspace_bytes`]: on
+//!   CUDA, cuBLAS's 32 MiB, taken from the caching allocator on the first product and kept,
+//!   shared by every product, never one per call): the rule is that the chunks get
+//!   `chunk_bytes − workspace`, so the bound holds even when this op runs the backend's first
+//!   product.
+//!
+//! Labels are read to the host once per forward and once per backward (validated there: typed
+//! errors, never an out-of-bounds read), and the per-row weights (ignored rows, the mean's
+//! divisor) go back as small per-chunk vectors, so no per-token buffer besides the log-sum-exp
+//! and the row factors outlives a chunk.
 //!
 //! It is an ordinary op for the rest of the kit: it records one node whose inputs are `hidden`,
 //! `weight` and `bias`, so the weight's gradient reaches its hooks and accumulates with other
@@ -48,9 +67,20 @@ use super::{check_dtype, check_float, check_same, records};
 
 const OP: &str = "linear_cross_entropy";
 
-/// Bytes a chunk may hold for each of its rows beyond its logits: the per-row vectors (the
-/// label index, the row weights and their products, the log-sum-exp slice), rounded up.
+/// Bytes a chunk may hold for each of its rows beyond its logits: the per-row vectors live at
+/// once (an I64 label index, the one-hot and smoothing terms, the z-loss scale, the ones row of
+/// the bias gradient: at most 6 values of 8 bytes in f64) and a backend's per-row scratch
+/// (CUDA's cross-entropy keeps 16 bytes a row), rounded up.
 const ROW_BYTES: usize = 64;
+
+/// Bytes the budget keeps for small blocks: scalars (the loss, its chunk sums) and the rounding
+/// of every block to 512 bytes by the caching allocator (a few blocks a chunk).
+const SMALL_BLOCKS_BYTES: usize = 16 << 10;
+
+/// Bytes the allocator may count beyond a large request: it hands a block out whole when
+/// splitting it would leave at most 1 MiB (PyTorch's rule, and the caching allocator's), so
+/// each of a chunk's large buffers (its logits, their f32 copy) may count up to 1 MiB more.
+const LARGE_BLOCK_SLACK: usize = 1 << 20;
 
 /// Options of [`linear_cross_entropy`]. [`Default`] gives PyTorch's defaults for
 /// `F.cross_entropy` (`ignore_index=-100`, `reduction="mean"`, `label_smoothing=0`), no z-loss
@@ -69,9 +99,12 @@ pub struct LinearCrossEntropyOptions {
     /// The coefficient of PaLM's (and Liger's) auxiliary z-loss, `z_loss · lse²` added to each
     /// token's loss (`lse` the log-sum-exp of its logits); 0 adds nothing.
     pub z_loss: f64,
-    /// The byte budget of one chunk's temporaries (logits in the stats dtype, their copy in the
-    /// inputs' dtype for f16 and bf16, per-row vectors): it sets how many tokens (and, for the
-    /// f16/bf16 weight gradient, how many classes) one chunk holds; at least one row or class.
+    /// The bound on what the op allocates beyond its inputs, its gradients and 8 bytes a token
+    /// (the per-token log-sum-exp and gradient factor): one chunk's logits, their f32 copy for
+    /// f16 and bf16, per-row vectors, small blocks, and the backend's matrix-product workspace
+    /// ([`crate::Backend::matmul_workspace_bytes`], 32 MiB on CUDA). It sets how many tokens
+    /// (and, for the f16/bf16 weight gradient, how many classes) one chunk holds; at least one
+    /// row or class, so a budget below the fixed costs is exceeded by one row's.
     pub chunk_bytes: usize,
 }
 
@@ -192,6 +225,8 @@ struct Head {
     dtype: DType,
     has_bias: bool,
     options: LinearCrossEntropyOptions,
+    /// The backend's matrix-product workspace, which the chunks leave to it.
+    workspace: usize,
 }
 
 /// Which gradients backward computes.
@@ -285,6 +320,7 @@ impl Head {
             dtype: hidden.dtype(),
             has_bias: bias.is_some(),
             options: *options,
+            workspace: hidden.backend().matmul_workspace_bytes(),
         })
     }
 
@@ -308,18 +344,23 @@ impl Head {
         self.stats().size_in_bytes() + copy
     }
 
+    /// The bytes the chunks' logits and per-row vectors may take: `chunk_bytes` less the
+    /// backend's workspace, the small blocks and the large blocks' slack.
+    fn chunk_budget(&self) -> usize {
+        let large_buffers = if self.is_half() { 2 } else { 1 };
+        let fixed = self.workspace + SMALL_BLOCKS_BYTES + large_buffers * LARGE_BLOCK_SLACK;
+        self.options.chunk_bytes.saturating_sub(fixed)
+    }
+
     /// Rows per chunk of a pass over all classes.
     fn rows_per_chunk(&self) -> usize {
         let per_row = self.classes * self.bytes_per_logit() + ROW_BYTES;
-        (self.options.chunk_bytes / per_row).max(1)
+        (self.chunk_budget() / per_row).max(1)
     }
 
     /// Classes per chunk of a pass over all rows.
     fn classes_per_chunk(&self) -> usize {
-        let budget = self
-            .options
-            .chunk_bytes
-            .saturating_sub(self.rows * ROW_BYTES);
+        let budget = self.chunk_budget().saturating_sub(self.rows * ROW_BYTES);
         (budget / (self.rows * self.bytes_per_logit()).max(1)).max(1)
     }
 
@@ -505,8 +546,9 @@ impl Head {
             Some(_) => dloss.reshape(&[1])?.expand(&[self.rows])?,
             None => dloss.contiguous()?.reshape(&[self.rows])?,
         };
-        let row_factor =
-            dloss_rows.mul(&self.upload(dloss, &self.row_weights(operands.labels))?)?;
+        // In place, so one per-token vector besides the log-sum-exp is live.
+        let row_factor = self.upload(dloss, &self.row_weights(operands.labels))?;
+        row_factor.mul_(&dloss_rows)?;
         let split = self.is_half() && (grads.weight.is_some() || grads.bias.is_some());
         if split {
             if let Some(dhidden) = &grads.hidden {
@@ -542,25 +584,60 @@ impl Head {
     ) -> Result<()> {
         let (row_start, n_rows) = tile.rows;
         let (class_start, n_classes) = tile.classes;
-        let smoothing = self.options.label_smoothing;
         let backend = operands.hidden.backend();
+        let dlogits = self.logits(tile, operands.hidden, operands.weight, operands.bias)?;
+        self.logits_to_gradient(tile, operands, row_factor, &dlogits)?;
+        let [dhidden, dweight, dbias] = outputs;
+        if let Some(dhidden) = dhidden {
+            let weight = operands.weight.narrow(0, class_start, n_classes)?;
+            let rows = dhidden.narrow(0, row_start, n_rows)?;
+            backend.matmul(dlogits.view(), weight.view(), rows.view(), true)?;
+        }
+        if let Some(dweight) = dweight {
+            let hidden = operands.hidden.narrow(0, row_start, n_rows)?;
+            let rows = dweight.narrow(0, class_start, n_classes)?;
+            backend.matmul(dlogits.t()?.view(), hidden.view(), rows.view(), true)?;
+        }
+        if let Some(dbias) = dbias {
+            // The column sums as a product with a row of ones: f32 accumulation like the other
+            // products, no scratch of the size of the classes beyond a row per token.
+            let ones = Tensor::ones(backend, &[1, n_rows], self.dtype)?;
+            let columns = dbias.narrow(0, class_start, n_classes)?.unsqueeze(0)?;
+            backend.matmul(ones.view(), dlogits.view(), columns.view(), true)?;
+        }
+        Ok(())
+    }
+
+    /// Overwrites `tile`'s logits with their gradient,
+    /// `softmax · factor · (1 + 2 z_loss lse) − factor · ε / classes − factor · (1 − ε) onehot`,
+    /// computed in the stats dtype: in f16 and bf16 through an f32 copy, rounded back into
+    /// `logits` and freed on return, with every per-row vector, before the products run.
+    fn logits_to_gradient(
+        &self,
+        tile: Tile,
+        operands: &Operands<'_>,
+        row_factor: &Tensor,
+        logits: &Tensor,
+    ) -> Result<()> {
+        let (row_start, n_rows) = tile.rows;
+        let (class_start, n_classes) = tile.classes;
+        let smoothing = self.options.label_smoothing;
+        let backend = logits.backend();
         let factor = row_factor.narrow(0, row_start, n_rows)?;
         let lse = operands.lse.narrow(0, row_start, n_rows)?;
-        // softmax · factor · (1 + 2 z_loss lse) − factor · ε / classes − factor · (1 − ε) onehot
-        let softmax_scale = if self.options.z_loss == 0.0 {
-            factor.clone()
-        } else {
-            factor.mul(&lse.mul_scalar(2.0 * self.options.z_loss)?.add_scalar(1.0)?)?
-        };
-        let logits = self.logits(tile, operands.hidden, operands.weight, operands.bias)?;
         let dlogits = if self.is_half() {
             logits.to_dtype(self.stats())?
         } else {
-            logits
+            logits.clone()
         };
         dlogits.sub_(&lse.unsqueeze(1)?)?;
         backend.unary(UnaryOp::Exp, dlogits.view(), dlogits.view())?;
-        dlogits.mul_(&softmax_scale.unsqueeze(1)?)?;
+        if self.options.z_loss == 0.0 {
+            dlogits.mul_(&factor.unsqueeze(1)?)?;
+        } else {
+            let scale = lse.mul_scalar(2.0 * self.options.z_loss)?.add_scalar(1.0)?;
+            dlogits.mul_(&factor.mul(&scale)?.unsqueeze(1)?)?;
+        }
         if smoothing != 0.0 {
             dlogits.sub_(
                 &factor
@@ -588,30 +665,12 @@ impl Head {
             .map(|&label| if in_tile(label) { smoothing - 1.0 } else { 0.0 })
             .collect();
         let index = Tensor::from_slice(backend, &index, &[n_rows, 1])?;
-        let onehot = factor
-            .mul(&self.upload(&factor, &hit)?)?
-            .reshape(&[n_rows, 1])?;
+        let onehot = self.upload(&factor, &hit)?;
+        onehot.mul_(&factor)?;
+        let onehot = onehot.reshape(&[n_rows, 1])?;
         backend.scatter_add(dlogits.view(), 1, index.view(), onehot.view())?;
-        let dlogits = if self.is_half() {
-            dlogits.to_dtype(self.dtype)?
-        } else {
-            dlogits
-        };
-        let [dhidden, dweight, dbias] = outputs;
-        if let Some(dhidden) = dhidden {
-            let weight = operands.weight.narrow(0, class_start, n_classes)?;
-            let rows = dhidden.narrow(0, row_start, n_rows)?;
-            backend.matmul(dlogits.view(), weight.view(), rows.view(), true)?;
-        }
-        if let Some(dweight) = dweight {
-            let hidden = operands.hidden.narrow(0, row_start, n_rows)?;
-            let rows = dweight.narrow(0, class_start, n_classes)?;
-            backend.matmul(dlogits.t()?.view(), hidden.view(), rows.view(), true)?;
-        }
-        if let Some(dbias) = dbias {
-            dbias
-                .narrow(0, class_start, n_classes)?
-                .add_(&dlogits.sum(&[0], false)?)?;
+        if self.is_half() {
+            logits.copy_(&dlogits)?;
         }
         Ok(())
     }
