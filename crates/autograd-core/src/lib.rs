@@ -106,6 +106,10 @@ pub use backend::{
     Operands, PackedBounds, ReduceOp, ReduceWithIndex, Reduction, SoftmaxBackward, UnaryOp, View,
 };
 pub use backend::{
+    cross_entropy_tile_dims, CrossEntropyBackward, CrossEntropyForward, CrossEntropyTile,
+    CrossEntropyTileBackward, LogitTile,
+};
+pub use backend::{
     GateUp, RmsNormBackward, RmsNormForward, RotaryArgs, RotaryDims, SwiGluBackward, SwiGluForward,
 };
 pub use buffer::{Access, Buffer, HostAccess, VersionCounter};

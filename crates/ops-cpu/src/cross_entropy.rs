@@ -5,7 +5,11 @@
 //! gradient, and are not counted by the mean (an all-ignored batch gives NaN, as in PyTorch).
 //! Out-of-range targets are an error, never an out-of-bounds read.
 
-use headroom_autograd_core::{CrossEntropyArgs, DType, Reduction, Result, TensorError, View};
+use headroom_autograd_core::{
+    cross_entropy_tile_dims, CrossEntropyArgs, CrossEntropyBackward, CrossEntropyForward,
+    CrossEntropyTile, CrossEntropyTileBackward, DType, LogitTile, Reduction, Result, TensorError,
+    View,
+};
 use rayon::prelude::*;
 
 use crate::element::{dispatch_float, Float, Real};
@@ -43,11 +47,12 @@ fn validate(args: &CrossEntropyArgs<'_>) -> Result<(usize, usize, Vec<i64>)> {
     Ok((rows, classes, targets))
 }
 
-pub(crate) fn cross_entropy(
-    args: CrossEntropyArgs<'_>,
-    loss: View<'_>,
-    lse: View<'_>,
-) -> Result<()> {
+pub(crate) fn cross_entropy(forward_args: CrossEntropyForward<'_>) -> Result<()> {
+    let CrossEntropyForward {
+        input: args,
+        loss,
+        lse,
+    } = forward_args;
     let checked = validate(&args)?;
     check_loss_dtype("cross_entropy", &args, &loss)?;
     let value = dispatch_float!(args.logits.dtype, "cross_entropy", T => dispatch_float!(lse.dtype, "cross_entropy", S => forward::<T, S>(&args, checked, lse)));
@@ -115,12 +120,13 @@ fn forward<T: Float, S: Float>(
     }
 }
 
-pub(crate) fn cross_entropy_backward(
-    args: CrossEntropyArgs<'_>,
-    lse: View<'_>,
-    dloss: View<'_>,
-    dlogits: View<'_>,
-) -> Result<()> {
+pub(crate) fn cross_entropy_backward(backward_args: CrossEntropyBackward<'_>) -> Result<()> {
+    let CrossEntropyBackward {
+        input: args,
+        lse,
+        dloss,
+        dlogits,
+    } = backward_args;
     let checked = validate(&args)?;
     if dlogits.layout.shape() != args.logits.layout.shape() || !dlogits.layout.is_contiguous() {
         return Err(TensorError::ShapeMismatch {
@@ -168,6 +174,120 @@ fn backward<T: Float, S: Float>(
                 out0 + row * classes + j,
                 T::store(<T::C as Real>::from_f64(value)),
             );
+        }
+    });
+}
+
+/// Each row's target (read once; not validated: a target outside the tile is not in it).
+fn read_targets(target: &View<'_>, rows: usize) -> Vec<i64> {
+    let ptr = HostPtr::<i64>::new(target);
+    let stride = target.layout.strides()[0];
+    (0..rows)
+        .map(|r| ptr.read(target.layout.offset() + r * stride))
+        .collect()
+}
+
+/// `target`'s column in a tile of `n` classes from `class_start`, if it is in it.
+fn tile_column(target: i64, ignore_index: i64, class_start: usize, n: usize) -> Option<usize> {
+    let column = usize::try_from(target).ok()?.checked_sub(class_start)?;
+    (target != ignore_index && column < n).then_some(column)
+}
+
+/// The tile's shape rule (see [`cross_entropy_tile_dims`]), then its rows, width and targets.
+fn checked_tile(
+    op: &'static str,
+    tile: &LogitTile<'_>,
+    per_row: &[&View<'_>],
+) -> Result<(usize, usize, Vec<i64>)> {
+    let (rows, n) = cross_entropy_tile_dims(op, tile, per_row)?;
+    Ok((rows, n, read_targets(&tile.target, rows)))
+}
+
+pub(crate) fn cross_entropy_tile(args: CrossEntropyTile<'_>) -> Result<()> {
+    let op = "cross_entropy_tile";
+    let mut per_row = vec![&args.row_max, &args.row_sum, &args.target_logit];
+    per_row.extend(args.logit_sum.as_ref());
+    let checked = checked_tile(op, &args.tile, &per_row)?;
+    dispatch_float!(args.tile.logits.dtype, op, T => dispatch_float!(args.row_max.dtype, op, S => tile_forward::<T, S>(&args, &checked)));
+    Ok(())
+}
+
+fn tile_forward<T: Float, S: Float>(
+    args: &CrossEntropyTile<'_>,
+    (rows, n, targets): &(usize, usize, Vec<i64>),
+) {
+    let (rows, n, tile) = (*rows, *n, &args.tile);
+    let logits = HostPtr::<T>::new(&tile.logits);
+    let x0 = tile.logits.layout.offset();
+    let stat = |view: &View<'_>| (HostPtr::<S>::new(view), view.layout.offset());
+    let (max_ptr, max0) = stat(&args.row_max);
+    let (sum_ptr, sum0) = stat(&args.row_sum);
+    let (label_ptr, label0) = stat(&args.target_logit);
+    let logit_sum = args.logit_sum.as_ref().map(stat);
+    let load = |ptr: &HostPtr<S>, at: usize| ptr.read(at).load().to_f64();
+    let store = |ptr: &HostPtr<S>, at: usize, value: f64| {
+        ptr.write(at, S::store(<S::C as Real>::from_f64(value)));
+    };
+    (0..rows).into_par_iter().for_each(|row| {
+        let read = |j: usize| logits.read(x0 + row * n + j).load().to_f64();
+        let tile_max = (0..n).map(read).fold(f64::NEG_INFINITY, f64::max);
+        let (old_max, old_sum) = (load(&max_ptr, max0 + row), load(&sum_ptr, sum0 + row));
+        let max = old_max.max(tile_max);
+        if max > f64::NEG_INFINITY {
+            let tile_sum: f64 = (0..n).map(|j| (read(j) - max).exp()).sum();
+            store(&max_ptr, max0 + row, max);
+            store(
+                &sum_ptr,
+                sum0 + row,
+                old_sum * (old_max - max).exp() + tile_sum,
+            );
+        }
+        if let Some(column) = tile_column(targets[row], tile.ignore_index, tile.class_start, n) {
+            store(&label_ptr, label0 + row, read(column));
+        }
+        if let Some((ptr, at)) = &logit_sum {
+            let total: f64 = (0..n).map(read).sum();
+            store(ptr, at + row, load(ptr, at + row) + total);
+        }
+    });
+}
+
+pub(crate) fn cross_entropy_tile_backward(args: CrossEntropyTileBackward<'_>) -> Result<()> {
+    let op = "cross_entropy_tile_backward";
+    let checked = checked_tile(op, &args.tile, &[&args.lse, &args.scale, &args.factor])?;
+    dispatch_float!(args.tile.logits.dtype, op, T => dispatch_float!(args.lse.dtype, op, S => tile_backward::<T, S>(&args, &checked)));
+    Ok(())
+}
+
+fn tile_backward<T: Float, S: Float>(
+    args: &CrossEntropyTileBackward<'_>,
+    (rows, n, targets): &(usize, usize, Vec<i64>),
+) {
+    let (rows, n, tile) = (*rows, *n, &args.tile);
+    let logits = HostPtr::<T>::new(&tile.logits);
+    let x0 = tile.logits.layout.offset();
+    let row_value = |view: &View<'_>, row: usize| {
+        HostPtr::<S>::new(view)
+            .read(view.layout.offset() + row)
+            .load()
+            .to_f64()
+    };
+    let uniform = args.smoothing / args.classes as f64;
+    (0..rows).into_par_iter().for_each(|row| {
+        let lse = row_value(&args.lse, row);
+        let scale = row_value(&args.scale, row);
+        let factor = row_value(&args.factor, row);
+        let hit = tile_column(targets[row], tile.ignore_index, tile.class_start, n);
+        for j in 0..n {
+            let at = x0 + row * n + j;
+            let p = (logits.read(at).load().to_f64() - lse).exp();
+            let onehot = if hit == Some(j) {
+                1.0 - args.smoothing
+            } else {
+                0.0
+            };
+            let value = p * scale - factor * (uniform + onehot);
+            logits.write(at, T::store(<T::C as Real>::from_f64(value)));
         }
     });
 }

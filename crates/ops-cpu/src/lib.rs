@@ -47,8 +47,9 @@ use std::sync::Arc;
 
 use headroom_autograd_core::{
     check_operands, claim_operands, Access, Aliasing, AttentionBackward, AttentionForward, Backend,
-    BackendRef, BinaryOp, Buffer, CrossEntropyArgs, Device, DropoutDraw, HostAccess,
-    LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, UnaryOp, View,
+    BackendRef, BinaryOp, Buffer, CrossEntropyBackward, CrossEntropyForward, CrossEntropyTile,
+    CrossEntropyTileBackward, Device, DropoutDraw, HostAccess, LayerNormBackward, LayerNormForward,
+    MaskedOp, ReduceOp, Result, UnaryOp, View,
 };
 use headroom_autograd_core::{
     Operands, ReduceWithIndex, RmsNormBackward, RmsNormForward, RotaryArgs, SoftmaxBackward,
@@ -129,6 +130,20 @@ impl CpuBackend {
     ) -> Result<HostAccess<'a>> {
         self.operands(op, &operands.writes, &operands.reads, Aliasing::Disjoint)
     }
+}
+
+/// The `Backend` methods of fused primitives: each claims the operands its argument struct
+/// names (`operands()`: writes and reads, disjoint) for the call, then runs the module's
+/// function. One row a primitive: `name(ArgStruct) => module::function;`.
+macro_rules! fused_primitives {
+    ($($name:ident($args:ident) => $run:path;)*) => {
+        $(
+            fn $name(&self, args: $args<'_>) -> Result<()> {
+                let _access = self.fused_operands(stringify!($name), args.operands())?;
+                $run(args)
+            }
+        )*
+    };
 }
 
 impl Backend for CpuBackend {
@@ -253,77 +268,21 @@ impl Backend for CpuBackend {
         softmax::softmax_backward(args)
     }
 
-    fn layer_norm(&self, args: LayerNormForward<'_>) -> Result<()> {
-        let ops = args.operands();
-        let _access = self.operands("layer_norm", &ops.writes, &ops.reads, Aliasing::Disjoint)?;
-        layer_norm::layer_norm(args)
-    }
-
-    fn layer_norm_backward(&self, args: LayerNormBackward<'_>) -> Result<()> {
-        let ops = args.operands();
-        let _access = self.operands(
-            "layer_norm_backward",
-            &ops.writes,
-            &ops.reads,
-            Aliasing::Disjoint,
-        )?;
-        layer_norm::layer_norm_backward(args)
-    }
-
-    fn rms_norm(&self, args: RmsNormForward<'_>) -> Result<()> {
-        let _access = self.fused_operands("rms_norm", args.operands())?;
-        rms_norm::rms_norm(args)
-    }
-
-    fn rms_norm_backward(&self, args: RmsNormBackward<'_>) -> Result<()> {
-        let _access = self.fused_operands("rms_norm_backward", args.operands())?;
-        rms_norm::rms_norm_backward(args)
-    }
-
-    fn swiglu(&self, args: SwiGluForward<'_>) -> Result<()> {
-        let _access = self.fused_operands("swiglu", args.operands())?;
-        swiglu::swiglu(args)
-    }
-
-    fn swiglu_backward(&self, args: SwiGluBackward<'_>) -> Result<()> {
-        let _access = self.fused_operands("swiglu_backward", args.operands())?;
-        swiglu::swiglu_backward(args)
-    }
-
-    fn rotary_embedding(&self, args: RotaryArgs<'_>) -> Result<()> {
-        let _access = self.fused_operands("rotary_embedding", args.operands())?;
-        rotary::rotary_embedding(args)
-    }
-
-    fn cross_entropy(
-        &self,
-        args: CrossEntropyArgs<'_>,
-        loss: View<'_>,
-        lse: View<'_>,
-    ) -> Result<()> {
-        let _access = self.operands(
-            "cross_entropy",
-            &[loss, lse],
-            &[args.logits, args.target],
-            Aliasing::Disjoint,
-        )?;
-        cross_entropy::cross_entropy(args, loss, lse)
-    }
-
-    fn cross_entropy_backward(
-        &self,
-        args: CrossEntropyArgs<'_>,
-        lse: View<'_>,
-        dloss: View<'_>,
-        dlogits: View<'_>,
-    ) -> Result<()> {
-        let _access = self.operands(
-            "cross_entropy_backward",
-            &[dlogits],
-            &[args.logits, args.target, lse, dloss],
-            Aliasing::Disjoint,
-        )?;
-        cross_entropy::cross_entropy_backward(args, lse, dloss, dlogits)
+    // The fused primitives, whose argument structs name their operands.
+    fused_primitives! {
+        layer_norm(LayerNormForward) => layer_norm::layer_norm;
+        layer_norm_backward(LayerNormBackward) => layer_norm::layer_norm_backward;
+        rms_norm(RmsNormForward) => rms_norm::rms_norm;
+        rms_norm_backward(RmsNormBackward) => rms_norm::rms_norm_backward;
+        swiglu(SwiGluForward) => swiglu::swiglu;
+        swiglu_backward(SwiGluBackward) => swiglu::swiglu_backward;
+        rotary_embedding(RotaryArgs) => rotary::rotary_embedding;
+        cross_entropy(CrossEntropyForward) => cross_entropy::cross_entropy;
+        cross_entropy_backward(CrossEntropyBackward) => cross_entropy::cross_entropy_backward;
+        cross_entropy_tile(CrossEntropyTile) => cross_entropy::cross_entropy_tile;
+        cross_entropy_tile_backward(CrossEntropyTileBackward) => cross_entropy::cross_entropy_tile_backward;
+        attention(AttentionForward) => attention::attention;
+        attention_backward(AttentionBackward) => attention::attention_backward;
     }
 
     fn gather(&self, x: View<'_>, dim: usize, index: View<'_>, out: View<'_>) -> Result<()> {
@@ -334,23 +293,6 @@ impl Backend for CpuBackend {
     fn scatter_add(&self, dst: View<'_>, dim: usize, index: View<'_>, src: View<'_>) -> Result<()> {
         let _access = self.operands("scatter_add", &[dst], &[index, src], Aliasing::Disjoint)?;
         index::scatter_add(dst, dim, index, src)
-    }
-
-    fn attention(&self, args: AttentionForward<'_>) -> Result<()> {
-        let ops = args.operands();
-        let _access = self.operands("attention", &ops.writes, &ops.reads, Aliasing::Disjoint)?;
-        attention::attention(args)
-    }
-
-    fn attention_backward(&self, args: AttentionBackward<'_>) -> Result<()> {
-        let ops = args.operands();
-        let _access = self.operands(
-            "attention_backward",
-            &ops.writes,
-            &ops.reads,
-            Aliasing::Disjoint,
-        )?;
-        attention::attention_backward(args)
     }
 
     fn dropout(&self, x: View<'_>, draw: DropoutDraw, out: View<'_>, mask: View<'_>) -> Result<()> {

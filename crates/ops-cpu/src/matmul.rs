@@ -3,7 +3,8 @@
 //! Each matrix of the batch is one `gemm::gemm` call with the operands' own row and column
 //! strides, so transposed and expanded operands are never copied. A large single product uses
 //! gemm's rayon parallelism; many small ones (attention heads) are spread over rayon instead.
-//! f32, f64 and f16 go to gemm directly; bf16 is widened to f32 scratch and narrowed back.
+//! f32, f64 and f16 go to gemm directly; bf16 is widened to f32 scratch and narrowed back, and
+//! f16/bf16 inputs with an f32 `out` are widened and multiplied into it in f32.
 //! Before any call, the extent every matrix touches is checked against its buffer.
 
 use half::bf16;
@@ -25,6 +26,10 @@ struct Operand<'a, T> {
 /// `out (+)= a @ b` over equal batch dims.
 pub(crate) fn matmul(a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {
     matmul_dims(&a, &b, &out)?;
+    if out.dtype != a.dtype {
+        // f16/bf16 inputs with an f32 `out` (the dims rule allows no other mix).
+        return matmul_widened(a, b, out, accumulate);
+    }
     match a.dtype {
         DType::F32 => batched::<f32>(op(&a), op(&b), op(&out), accumulate, 1.0, 0.0),
         DType::F64 => batched::<f64>(op(&a), op(&b), op(&out), accumulate, 1.0, 0.0),
@@ -51,49 +56,66 @@ fn op<'a, T: Copy>(view: &View<'a>) -> Operand<'a, T> {
     }
 }
 
+/// `view`'s elements (f16 or bf16) widened to dense f32, row-major.
+fn widened(view: &View<'_>) -> Vec<f32> {
+    let mut res = Vec::with_capacity(view.layout.numel());
+    let (shape, strides, offset) = (
+        view.layout.shape(),
+        [view.layout.strides()],
+        [view.layout.offset()],
+    );
+    if view.dtype == DType::F16 {
+        let from = HostPtr::<half::f16>::new(view);
+        for_each_run_serial(shape, strides, offset, |o, s, len| {
+            res.extend((0..len).map(|i| from.read(o[0] + i * s[0]).to_f32()));
+        });
+    } else {
+        let from = HostPtr::<bf16>::new(view);
+        for_each_run_serial(shape, strides, offset, |o, s, len| {
+            res.extend((0..len).map(|i| from.read(o[0] + i * s[0]).to_f32()));
+        });
+    }
+    res
+}
+
+/// f16/bf16 inputs into an f32 `out`: both widened to f32 scratch, multiplied into `out` in f32.
+fn matmul_widened(a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {
+    multiply_widened(&a, &b, op(&out), accumulate)
+}
+
+/// `out (+)= a @ b` with `a` and `b` (f16 or bf16) widened to dense f32 scratch first.
+fn multiply_widened(
+    a: &View<'_>,
+    b: &View<'_>,
+    out: Operand<'_, f32>,
+    accumulate: bool,
+) -> Result<()> {
+    let (mut lhs, mut rhs) = (widened(a), widened(b));
+    let (la, lb) = (
+        Layout::contiguous(a.layout.shape()),
+        Layout::contiguous(b.layout.shape()),
+    );
+    let dense = |values: &mut Vec<f32>, layout| Operand {
+        ptr: HostPtr::from_slice(values),
+        layout,
+    };
+    let (lhs, rhs) = (dense(&mut lhs, &la), dense(&mut rhs, &lb));
+    batched::<f32>(lhs, rhs, out, accumulate, 1.0, 0.0)
+}
+
 /// bf16: widen to f32 scratch, multiply, narrow into `out`.
 fn matmul_bf16(a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {
-    let widen = |view: &View<'_>| -> Vec<f32> {
-        let mut res = Vec::with_capacity(view.layout.numel());
-        let from = HostPtr::<bf16>::new(view);
-        for_each_run_serial(
-            view.layout.shape(),
-            [view.layout.strides()],
-            [view.layout.offset()],
-            |o, s, len| {
-                res.extend((0..len).map(|i| from.read(o[0] + i * s[0]).to_f32()));
-            },
-        );
-        res
-    };
-    let (mut lhs, mut rhs) = (widen(&a), widen(&b));
     let mut dst = if accumulate {
-        widen(&out)
+        widened(&out)
     } else {
         vec![0.0; out.layout.numel()]
     };
-    let (la, lb, lo) = (
-        Layout::contiguous(a.layout.shape()),
-        Layout::contiguous(b.layout.shape()),
-        Layout::contiguous(out.layout.shape()),
-    );
-    batched::<f32>(
-        Operand {
-            ptr: HostPtr::from_slice(&mut lhs),
-            layout: &la,
-        },
-        Operand {
-            ptr: HostPtr::from_slice(&mut rhs),
-            layout: &lb,
-        },
-        Operand {
-            ptr: HostPtr::from_slice(&mut dst),
-            layout: &lo,
-        },
-        accumulate,
-        1.0,
-        0.0,
-    )?;
+    let lo = Layout::contiguous(out.layout.shape());
+    let dst_operand = Operand {
+        ptr: HostPtr::from_slice(&mut dst),
+        layout: &lo,
+    };
+    multiply_widened(&a, &b, dst_operand, accumulate)?;
     let to = HostPtr::<bf16>::new(&out);
     let mut next = 0;
     for_each_run_serial(

@@ -346,7 +346,7 @@ fn bf16_gradients_are_as_close_to_the_f32_reference_as_the_unfused_bf16_ones() {
     let reference = low.cast(DType::F32);
     let (loss, grads) = reference.unfused(Reduction::Mean);
     let (unfused_loss, unfused_grads) = low.unfused(Reduction::Mean);
-    // Chunks of 3 rows and, for the weight gradient's class pass, of 3 classes.
+    // A budget below the fixed costs: blocks of one row, tiles of every class.
     let options = LinearCrossEntropyOptions {
         chunk_bytes: 3 * (CLASSES * 6 + 64),
         ..Default::default()
@@ -377,8 +377,13 @@ fn bf16_gradients_are_as_close_to_the_f32_reference_as_the_unfused_bf16_ones() {
             "bf16 {name} gradient: largest error vs f32 {ours:.3e} (unfused bf16: {theirs:.3e}), vs unfused bf16 {:.3e}",
             max_relative(fused, unfused, 1e-2)
         );
-        // On the CPU the chunks' products equal the unfused ones bit for bit.
-        assert_eq!(fused, unfused, "{name}");
+        // The hidden and bias gradients are each rounded once from an f32 accumulation, as the
+        // unfused products are: bit for bit the same on the CPU. The weight gradient is
+        // rounded once per block of rows (here many: a budget below the fixed costs gives
+        // blocks of one row), so it differs by those roundings, within the bound below.
+        if *name != "weight" {
+            assert_eq!(fused, unfused, "{name}");
+        }
         // bf16 keeps 8 significant bits: one rounding is at most 2^-9 relative; the logits'
         // and their gradient's roundings add a few more, as in the unfused path.
         assert!(

@@ -24,8 +24,9 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
 use headroom_autograd_core::{
-    BackendRef, BinaryOp, CrossEntropyArgs, DType, DropoutDraw, LayerNormBackward,
-    LayerNormForward, Layout, ReduceOp, Reduction, SoftmaxBackward, Tensor, UnaryOp, View,
+    BackendRef, BinaryOp, CrossEntropyArgs, CrossEntropyBackward, CrossEntropyForward, DType,
+    DropoutDraw, LayerNormBackward, LayerNormForward, Layout, ReduceOp, Reduction, SoftmaxBackward,
+    Tensor, UnaryOp, View,
 };
 use headroom_ops_cuda::{CudaBackend, CudaStream};
 use headroom_testkit::gpu::cuda_or_skip;
@@ -434,11 +435,22 @@ fn rows(bench: &mut Bench, compute: &CudaStream) {
         let lse = bench.empty(&[rows], DType::F32);
         let dloss = Tensor::scalar(&bench.gpu, 1.0, DType::F32).expect("scalar");
         let dlogits = bench.empty(&[rows, classes], DType::F32);
-        let args = CrossEntropyArgs {
+        let input = CrossEntropyArgs {
             logits: logits.view(),
             target: target.view(),
             ignore_index: -100,
             reduction: Reduction::Mean,
+        };
+        let forward = CrossEntropyForward {
+            input,
+            loss: loss.view(),
+            lse: lse.view(),
+        };
+        let backward = CrossEntropyBackward {
+            input,
+            lse: lse.view(),
+            dloss: dloss.view(),
+            dlogits: dlogits.view(),
         };
         let fwd = format!("fwd_f32_{name}");
         let bwd = format!("bwd_f32_{name}");
@@ -447,10 +459,7 @@ fn rows(bench: &mut Bench, compute: &CudaStream) {
             &fwd,
             Work::bytes(4 * n + 12 * rows),
             compute,
-            || {
-                gpu.cross_entropy(args, loss.view(), lse.view())
-                    .expect("cross entropy")
-            },
+            || gpu.cross_entropy(forward).expect("cross entropy"),
         );
         bench.case(
             "cross_entropy",
@@ -458,7 +467,7 @@ fn rows(bench: &mut Bench, compute: &CudaStream) {
             Work::bytes(8 * n + 12 * rows),
             compute,
             || {
-                gpu.cross_entropy_backward(args, lse.view(), dloss.view(), dlogits.view())
+                gpu.cross_entropy_backward(backward)
                     .expect("cross entropy backward")
             },
         );

@@ -9,8 +9,9 @@
 //! Prints one JSON object: per variant the median wall time of a forward + backward (device
 //! synchronised around each) over ITERS runs (default 10, after one warm-up), the peak of
 //! allocated bytes beyond the inputs and the weight, and that peak less the gradients of hidden
-//! and weight (the target: ≤ 64 MiB + 8 B per token for the fused op). Without a CUDA
-//! device it prints a skip notice.
+//! and weight (the target: ≤ 64 MiB + 8 B per token for the fused op); on stderr, one
+//! fused step's device time by primitive (the op profile). Without a CUDA device it prints a skip
+//! notice.
 
 use std::time::Instant;
 
@@ -73,7 +74,7 @@ fn main() -> Result<()> {
     let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
         return Ok(());
     };
-    let gpu: BackendRef = cuda;
+    let gpu: BackendRef = cuda.clone();
     let hidden = leaf(&gpu, &[tokens, hidden_size], 1.0, 1)?;
     let weight = leaf(&gpu, &[vocab, hidden_size], 0.02, 2)?;
     let labels: Vec<i64> = (0..tokens as i64)
@@ -94,6 +95,27 @@ fn main() -> Result<()> {
     let fused = measure(&gpu, iters, &params, &|| {
         linear_cross_entropy(&hidden, &weight, None, &labels, &options)
     })?;
+    // Where one fused step's device time goes, by primitive (the op profile's spans summed
+    // by the primitive's name), on stderr.
+    for param in params {
+        param.zero_grad(true)?;
+    }
+    cuda.start_op_profile()?;
+    linear_cross_entropy(&hidden, &weight, None, &labels, &options)?.backward()?;
+    let mut by_primitive: Vec<(String, f64, usize)> = Vec::new();
+    for timing in cuda.finish_op_profile()? {
+        let name = timing.label.split(' ').next().unwrap_or("").to_owned();
+        match by_primitive.iter_mut().find(|(known, ..)| *known == name) {
+            Some((_, ms, count)) => {
+                *ms += timing.ms;
+                *count += 1;
+            }
+            None => by_primitive.push((name, timing.ms, 1)),
+        }
+    }
+    for (name, ms, count) in &by_primitive {
+        eprintln!("fused step profile: {name}: {ms:.3} ms over {count} calls");
+    }
     let entry = |(ms, bytes): (f64, i64)| {
         format!(
             "{{\"median_ms\": {ms:.3}, \"peak_beyond_inputs_bytes\": {bytes}, \"peak_beyond_inputs_and_grads_bytes\": {}}}",

@@ -1,5 +1,5 @@
 // Index kernels of the CUDA backend: gather and scatter-add along a dim, fused cross-entropy
-// (forward and backward) and dropout.
+// (forward and backward, whole rows and the tiles of a chunked loss) and dropout.
 //
 // Out-of-range indices and targets are never read or written: the kernels record the first bad
 // value in an error word (initialised to all ones by the caller), which the Rust side
@@ -83,22 +83,63 @@ template <typename C> __device__ __forceinline__ void lse_merge(C& m, C& s, C m2
     m = mx;
 }
 
-// The block's merged (max, sum) state, in every thread.
-template <typename C> __device__ void block_lse(C& m, C& s, C* scratch_m, C* scratch_s) {
+// The warp's merged (max, sum) state, in every lane.
+template <typename C> __device__ __forceinline__ void warp_lse(C& m, C& s) {
     for (int o = 16; o > 0; o >>= 1) {
         C m2 = __shfl_xor_sync(0xffffffff, m, o), s2 = __shfl_xor_sync(0xffffffff, s, o);
         lse_merge(m, s, m2, s2);
     }
+}
+
+// The block's merged (max, sum) state, in every thread.
+template <typename C> __device__ void block_lse(C& m, C& s, C* scratch_m, C* scratch_s) {
+    warp_lse(m, s);
     __syncthreads();
     if (threadIdx.x % 32 == 0) { scratch_m[threadIdx.x / 32] = m; scratch_s[threadIdx.x / 32] = s; }
     __syncthreads();
     bool live = threadIdx.x % 32 < THREADS / 32;
     m = live ? scratch_m[threadIdx.x % 32] : (C)-INFINITY;
     s = live ? scratch_s[threadIdx.x % 32] : (C)0;
-    for (int o = 16; o > 0; o >>= 1) {
-        C m2 = __shfl_xor_sync(0xffffffff, m, o), s2 = __shfl_xor_sync(0xffffffff, s, o);
-        lse_merge(m, s, m2, s2);
+    warp_lse(m, s);
+}
+
+// Two neighbouring elements in one load or store (p aligned to two elements), in the
+// accumulation type: the tiles' rows are read and written in pairs when their width is even.
+__device__ __forceinline__ float2 ld2(const float* p) { return *(const float2*)p; }
+__device__ __forceinline__ double2 ld2(const double* p) { return *(const double2*)p; }
+__device__ __forceinline__ float2 ld2(const __half* p) { return __half22float2(*(const __half2*)p); }
+__device__ __forceinline__ float2 ld2(const __nv_bfloat16* p) { return __bfloat1622float2(*(const __nv_bfloat162*)p); }
+__device__ __forceinline__ void st2(float* p, float a, float b) { *(float2*)p = make_float2(a, b); }
+__device__ __forceinline__ void st2(double* p, double a, double b) { *(double2*)p = make_double2(a, b); }
+__device__ __forceinline__ void st2(__half* p, float a, float b) { *(__half2*)p = __floats2half2_rn(a, b); }
+__device__ __forceinline__ void st2(__nv_bfloat16* p, float a, float b) {
+    *(__nv_bfloat162*)p = __floats2bfloat162_rn(a, b);
+}
+
+// Whether the rows of a dense [rows, n] tile at x can be read in pairs: n even and x aligned.
+template <typename T> __device__ __forceinline__ bool pairs(const T* x, unsigned long long n) {
+    return n % 2 == 0 && ((unsigned long long)x % (2 * sizeof(T))) == 0;
+}
+
+// Folds one value into an online (max, Σ exp) pair and a sum.
+template <typename C> __device__ __forceinline__ void lse_push(C v, C& m, C& s, C& total) {
+    total += v;
+    if (v > m) {
+        s = s * exp_acc(m - v) + (C)1;
+        m = v;
+    } else {
+        s += exp_acc(v - m);
     }
+}
+
+// One thread's share of a row x[0..n) (every step-th element from first) folded online into its
+// (max m, Σ exp(x − m) s) pair, and its elements summed into total (a caller that does not read
+// total pays nothing: the compiler drops it).
+template <typename C, typename T>
+__device__ __forceinline__ void thread_lse(const T* x, unsigned long long n, unsigned first, unsigned step,
+                                           C& m, C& s, C& total) {
+#pragma unroll 4
+    for (unsigned long long j = first; j < n; j += step) lse_push((C)ld(x + j), m, s, total);
 }
 
 // Cross-entropy, per row of dense logits [rows, classes]: lse[row] (S), and the row's loss and
@@ -114,17 +155,8 @@ __device__ void ce_rows(const T* logits, const long long* target, unsigned long 
     __shared__ C scratch_m[THREADS / 32], scratch_s[THREADS / 32];
     for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* x = logits + r * classes;
-        C m = (C)-INFINITY, s = 0;
-#pragma unroll 4
-        for (unsigned long long j = threadIdx.x; j < classes; j += blockDim.x) {
-            C v = ld(x + j);
-            if (v > m) {
-                s = s * exp_acc(m - v) + (C)1;
-                m = v;
-            } else {
-                s += exp_acc(v - m);
-            }
-        }
+        C m = (C)-INFINITY, s = 0, total = 0;
+        thread_lse(x, classes, threadIdx.x, blockDim.x, m, s, total);
         block_lse(m, s, scratch_m, scratch_s);
         if (threadIdx.x == 0) {
             C log_sum_exp = m + log_acc(s);
@@ -173,6 +205,90 @@ __device__ void ce_backward(const T* logits, const long long* target, unsigned l
         for (unsigned long long j = threadIdx.x; j < classes; j += blockDim.x) {
             C p = exp_acc(ld(x + j) - log_sum_exp);
             st(dx + j, scale * ((long long)j == t ? p - (C)1 : p));
+        }
+    }
+}
+
+// The column of target t in a tile of n classes from class_start, or −1 when it is not in it
+// (ignored, or outside the tile).
+__device__ __forceinline__ long long tile_column(long long t, long long ignore_index,
+                                                 unsigned long long class_start, unsigned long long n) {
+    bool in_tile = t != ignore_index && t >= (long long)class_start && t < (long long)(class_start + n);
+    return in_tile ? t - (long long)class_start : -1;
+}
+
+// One tile of a chunked cross-entropy's forward (`CrossEntropyTile`): one warp a row of the
+// dense tile [rows, n] (classes class_start..class_start + n; a tile's rows are a few thousand
+// logits, too short to pay for a block's barriers), one pass over it. The tile's (max, Σ exp)
+// pair, built online as `ce_rows` builds a row's, is merged into the row's running pair
+// (row_max, row_sum); the target's logit is written when it falls in the tile; `logit_sum`
+// (may be null) gains the row's sum. Statistics are S (float; double for f64 logits).
+template <typename T, typename S>
+__device__ void ce_tile(const T* logits, unsigned long long n, unsigned long long class_start,
+                        const long long* target, unsigned long long target_stride, long long ignore_index,
+                        S* row_max, S* row_sum, S* target_logit, S* logit_sum, unsigned long long rows) {
+    typedef typename Acc<S>::type C;
+    const unsigned lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    const bool paired = pairs(logits, n);
+    for (unsigned long long r = (unsigned long long)blockIdx.x * warps + threadIdx.x / 32; r < rows;
+         r += (unsigned long long)gridDim.x * warps) {
+        const T* x = logits + r * n;
+        C m = (C)-INFINITY, s = 0, total = 0;
+        if (paired) {
+#pragma unroll 4
+            for (unsigned long long j = 2 * lane; j < n; j += 64) {
+                auto v = ld2(x + j);
+                lse_push((C)v.x, m, s, total);
+                lse_push((C)v.y, m, s, total);
+            }
+        } else {
+            thread_lse(x, n, lane, 32, m, s, total);
+        }
+        warp_lse(m, s);
+        if (logit_sum != nullptr)
+            for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffff, total, o);
+        if (lane == 0) {
+            C running_m = (C)row_max[r], running_s = (C)row_sum[r];
+            lse_merge(running_m, running_s, m, s);
+            row_max[r] = (S)running_m;
+            row_sum[r] = (S)running_s;
+            long long column = tile_column(target[r * target_stride], ignore_index, class_start, n);
+            if (column >= 0) target_logit[r] = (S)ld(x + column);
+            if (logit_sum != nullptr) logit_sum[r] = (S)((C)logit_sum[r] + total);
+        }
+    }
+}
+
+// One tile of a chunked cross-entropy's backward (`CrossEntropyTileBackward`), in place: one
+// block a row, x ← exp(x − lse)·scale − factor·(ε/classes + (1 − ε)·[class == target]), computed
+// in S and rounded once into T.
+template <typename T, typename S>
+__device__ void ce_tile_backward(T* logits, unsigned long long n, unsigned long long class_start,
+                                 const long long* target, unsigned long long target_stride, long long ignore_index,
+                                 unsigned long long classes, double smoothing, const S* lse, const S* scale,
+                                 const S* factor, unsigned long long rows) {
+    typedef typename Acc<S>::type C;
+    const C uniform = (C)(smoothing / (double)classes), keep = (C)(1.0 - smoothing);
+    const bool paired = pairs(logits, n);
+    for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        T* x = logits + r * n;
+        const C l = (C)lse[r], sc = (C)scale[r], f = (C)factor[r];
+        const C off = f * uniform, hit = f * (uniform + keep);
+        long long column = tile_column(target[r * target_stride], ignore_index, class_start, n);
+        if (paired) {
+#pragma unroll 4
+            for (unsigned long long j = 2 * threadIdx.x; j < n; j += 2 * blockDim.x) {
+                auto v = ld2(x + j);
+                C a = exp_acc((C)v.x - l) * sc - ((long long)j == column ? hit : off);
+                C b = exp_acc((C)v.y - l) * sc - ((long long)j + 1 == column ? hit : off);
+                st2(x + j, a, b);
+            }
+        } else {
+#pragma unroll 4
+            for (unsigned long long j = threadIdx.x; j < n; j += blockDim.x) {
+                C p = exp_acc((C)ld(x + j) - l);
+                st(x + j, p * sc - ((long long)j == column ? hit : off));
+            }
         }
     }
 }
@@ -240,6 +356,25 @@ CE_KERNELS(float, float, f32_f32)
 CE_KERNELS(double, double, f64_f64)
 CE_KERNELS(__half, float, f16_f32)
 CE_KERNELS(__nv_bfloat16, float, bf16_f32)
+
+#define CE_TILE_KERNELS(T, S, N)                                                                                 \
+    extern "C" __global__ void ce_tile_##N(const T* logits, unsigned long long n, unsigned long long cs,         \
+                                           const long long* target, unsigned long long ts, long long ignore,      \
+                                           S* row_max, S* row_sum, S* target_logit, S* logit_sum,                \
+                                           unsigned long long rows) {                                            \
+        ce_tile<T, S>(logits, n, cs, target, ts, ignore, row_max, row_sum, target_logit, logit_sum, rows);      \
+    }                                                                                                            \
+    extern "C" __global__ void ce_tile_backward_##N(T* logits, unsigned long long n, unsigned long long cs,      \
+                                                    const long long* target, unsigned long long ts,              \
+                                                    long long ignore, unsigned long long classes,                \
+                                                    double smoothing, const S* lse, const S* scale,              \
+                                                    const S* factor, unsigned long long rows) {                  \
+        ce_tile_backward<T, S>(logits, n, cs, target, ts, ignore, classes, smoothing, lse, scale, factor, rows); \
+    }
+CE_TILE_KERNELS(float, float, f32)
+CE_TILE_KERNELS(double, double, f64)
+CE_TILE_KERNELS(__half, float, f16)
+CE_TILE_KERNELS(__nv_bfloat16, float, bf16)
 
 // The backward of an f32 loss of f16/bf16 logits (`_gf32`: the loss gradient is f32).
 #define CE_UPCAST_KERNELS(T, N)                                                                                  \

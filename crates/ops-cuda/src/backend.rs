@@ -20,9 +20,10 @@ use std::sync::Arc;
 
 use cudarc::driver::result;
 use headroom_autograd_core::{
-    Aliasing, AttentionBackward, AttentionForward, Backend, BinaryOp, Buffer, CrossEntropyArgs,
-    Device, DropoutDraw, LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward,
-    LinearWeightGrad, MaskedOp, ReduceOp, Result, SoftmaxBackward, UnaryOp, View,
+    Aliasing, AttentionBackward, AttentionForward, Backend, BinaryOp, Buffer, CrossEntropyBackward,
+    CrossEntropyForward, CrossEntropyTile, CrossEntropyTileBackward, Device, DropoutDraw,
+    LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp,
+    ReduceOp, Result, SoftmaxBackward, UnaryOp, View,
 };
 use headroom_autograd_core::{
     ReduceWithIndex, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
@@ -56,6 +57,26 @@ impl CudaBackend {
         self.profiler
             .timed(self.stream.cu_stream(), label, primitive)
     }
+}
+
+/// The `Backend` methods of fused primitives: each checks and claims the operands its argument
+/// struct names (`operands()`: writes and reads, disjoint), then runs the family's function,
+/// timed for the op profile under the primitive's name and the operand `field` describes. One
+/// row a primitive: `name(ArgStruct, field) => family::function;`.
+macro_rules! fused_primitives {
+    ($($name:ident($args:ident, $($field:ident).+) => $run:path;)*) => {
+        $(
+            fn $name(&self, args: $args<'_>) -> Result<()> {
+                let ops = args.operands();
+                let op = stringify!($name);
+                check(self, op, &ops.writes, &ops.reads, Aliasing::Disjoint)?;
+                self.timed(
+                    || format!("{op} {}", describe(&args.$($field).+)),
+                    || $run(self, args),
+                )
+            }
+        )*
+    };
 }
 
 impl Backend for CudaBackend {
@@ -93,7 +114,12 @@ impl Backend for CudaBackend {
     }
 
     fn matmul_workspace_bytes(&self) -> usize {
-        crate::blas::lent_workspace_bytes()
+        // Taken by the first product and kept: once it is, the next product takes nothing.
+        if self.blas.lock().is_some() {
+            0
+        } else {
+            crate::blas::lent_workspace_bytes()
+        }
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -269,129 +295,19 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn layer_norm(&self, args: LayerNormForward<'_>) -> Result<()> {
-        let ops = args.operands();
-        check(
-            self,
-            "layer_norm",
-            &ops.writes,
-            &ops.reads,
-            Aliasing::Disjoint,
-        )?;
-        self.timed(
-            || format!("layer_norm {}", describe(&args.x)),
-            || rows::layer_norm(self, args),
-        )
-    }
-
-    fn layer_norm_backward(&self, args: LayerNormBackward<'_>) -> Result<()> {
-        let ops = args.operands();
-        check(
-            self,
-            "layer_norm_backward",
-            &ops.writes,
-            &ops.reads,
-            Aliasing::Disjoint,
-        )?;
-        self.timed(
-            || format!("layer_norm_backward {}", describe(&args.x)),
-            || rows::layer_norm_backward(self, args),
-        )
-    }
-
-    fn rms_norm(&self, args: RmsNormForward<'_>) -> Result<()> {
-        let ops = args.operands();
-        check(
-            self,
-            "rms_norm",
-            &ops.writes,
-            &ops.reads,
-            Aliasing::Disjoint,
-        )?;
-        self.timed(
-            || format!("rms_norm {}", describe(&args.x)),
-            || llama::rms_norm(self, args),
-        )
-    }
-
-    fn rms_norm_backward(&self, args: RmsNormBackward<'_>) -> Result<()> {
-        let ops = args.operands();
-        let op = "rms_norm_backward";
-        check(self, op, &ops.writes, &ops.reads, Aliasing::Disjoint)?;
-        self.timed(
-            || format!("{op} {}", describe(&args.x)),
-            || llama::rms_norm_backward(self, args),
-        )
-    }
-
-    fn swiglu(&self, args: SwiGluForward<'_>) -> Result<()> {
-        let ops = args.operands();
-        check(self, "swiglu", &ops.writes, &ops.reads, Aliasing::Disjoint)?;
-        self.timed(
-            || format!("swiglu {}", describe(&args.inputs.gate)),
-            || llama::swiglu(self, args),
-        )
-    }
-
-    fn swiglu_backward(&self, args: SwiGluBackward<'_>) -> Result<()> {
-        let ops = args.operands();
-        let op = "swiglu_backward";
-        check(self, op, &ops.writes, &ops.reads, Aliasing::Disjoint)?;
-        self.timed(
-            || format!("{op} {}", describe(&args.inputs.gate)),
-            || llama::swiglu_backward(self, args),
-        )
-    }
-
-    fn rotary_embedding(&self, args: RotaryArgs<'_>) -> Result<()> {
-        let ops = args.operands();
-        let op = "rotary_embedding";
-        check(self, op, &ops.writes, &ops.reads, Aliasing::Disjoint)?;
-        self.timed(
-            || format!("{op} {}", describe(&args.x)),
-            || llama::rotary_embedding(self, args),
-        )
-    }
-
-    fn cross_entropy(
-        &self,
-        args: CrossEntropyArgs<'_>,
-        loss: View<'_>,
-        lse: View<'_>,
-    ) -> Result<()> {
-        let reads = [args.logits, args.target];
-        check(
-            self,
-            "cross_entropy",
-            &[loss, lse],
-            &reads,
-            Aliasing::Disjoint,
-        )?;
-        self.timed(
-            || format!("cross_entropy {}", describe(&args.logits)),
-            || index::cross_entropy(self, args, loss, lse),
-        )
-    }
-
-    fn cross_entropy_backward(
-        &self,
-        args: CrossEntropyArgs<'_>,
-        lse: View<'_>,
-        dloss: View<'_>,
-        dlogits: View<'_>,
-    ) -> Result<()> {
-        let reads = [args.logits, args.target, lse, dloss];
-        check(
-            self,
-            "cross_entropy_backward",
-            &[dlogits],
-            &reads,
-            Aliasing::Disjoint,
-        )?;
-        self.timed(
-            || format!("cross_entropy_backward {}", describe(&args.logits)),
-            || index::cross_entropy_backward(self, args, lse, dloss, dlogits),
-        )
+    // The fused primitives, whose argument structs name their operands.
+    fused_primitives! {
+        layer_norm(LayerNormForward, x) => rows::layer_norm;
+        layer_norm_backward(LayerNormBackward, x) => rows::layer_norm_backward;
+        rms_norm(RmsNormForward, x) => llama::rms_norm;
+        rms_norm_backward(RmsNormBackward, x) => llama::rms_norm_backward;
+        swiglu(SwiGluForward, inputs.gate) => llama::swiglu;
+        swiglu_backward(SwiGluBackward, inputs.gate) => llama::swiglu_backward;
+        rotary_embedding(RotaryArgs, x) => llama::rotary_embedding;
+        cross_entropy(CrossEntropyForward, input.logits) => index::cross_entropy;
+        cross_entropy_backward(CrossEntropyBackward, input.logits) => index::cross_entropy_backward;
+        cross_entropy_tile(CrossEntropyTile, tile.logits) => index::cross_entropy_tile;
+        cross_entropy_tile_backward(CrossEntropyTileBackward, tile.logits) => index::cross_entropy_tile_backward;
     }
 
     fn gather(&self, x: View<'_>, dim: usize, index: View<'_>, out: View<'_>) -> Result<()> {

@@ -1,4 +1,5 @@
-//! Launches of `kernels/index.cu`: gather, scatter-add, fused cross-entropy and dropout.
+//! Launches of `kernels/index.cu`: gather, scatter-add, fused cross-entropy (whole rows, and the
+//! tiles of a chunked loss) and dropout.
 //!
 //! Index and target checks happen on the device: kernels skip an out-of-range index and record
 //! it in an error word, which is read back after the launch (one small synchronous copy) and
@@ -13,7 +14,9 @@
 
 use cudarc::driver::{result, LaunchConfig};
 use headroom_autograd_core::{
-    index_strides, CrossEntropyArgs, DType, DropoutDraw, Reduction, Result, TensorError, View,
+    cross_entropy_tile_dims, index_strides, CrossEntropyArgs, CrossEntropyBackward,
+    CrossEntropyForward, CrossEntropyTile, CrossEntropyTileBackward, DType, DropoutDraw, LogitTile,
+    Reduction, Result, TensorError, View,
 };
 use headroom_caching_allocator::StreamId;
 
@@ -304,12 +307,12 @@ fn row_blocks(rows: u64) -> LaunchConfig {
     }
 }
 
-pub(crate) fn cross_entropy(
-    backend: &CudaBackend,
-    args: CrossEntropyArgs<'_>,
-    loss: View<'_>,
-    lse: View<'_>,
-) -> Result<()> {
+pub(crate) fn cross_entropy(backend: &CudaBackend, forward: CrossEntropyForward<'_>) -> Result<()> {
+    let CrossEntropyForward {
+        input: args,
+        loss,
+        lse,
+    } = forward;
     let op = "cross_entropy";
     let (rows, classes) = ce_shape(&args)?;
     let suffix = ce_suffix(op, args.logits.dtype, lse.dtype)?;
@@ -367,11 +370,14 @@ pub(crate) fn cross_entropy(
 
 pub(crate) fn cross_entropy_backward(
     backend: &CudaBackend,
-    args: CrossEntropyArgs<'_>,
-    lse: View<'_>,
-    dloss: View<'_>,
-    dlogits: View<'_>,
+    backward: CrossEntropyBackward<'_>,
 ) -> Result<()> {
+    let CrossEntropyBackward {
+        input: args,
+        lse,
+        dloss,
+        dlogits,
+    } = backward;
     let op = "cross_entropy_backward";
     let (rows, classes) = ce_shape(&args)?;
     if dlogits.layout.shape() != args.logits.layout.shape() || !dlogits.layout.is_contiguous() {
@@ -433,6 +439,75 @@ pub(crate) fn cross_entropy_backward(
         row_blocks(rows),
         &params,
         NO_ARGS,
+    )
+}
+
+/// Launches the tile kernel `family` (`rows_per_block` rows a block) after the tiles' shape rule: its leading
+/// parameters (the tile's logits, width and first class, the targets, their stride and
+/// `ignore_index`), then `rest`, then the row count. An empty tile launches nothing.
+fn launch_tile(
+    backend: &CudaBackend,
+    (op, family, rows_per_block): (&'static str, &'static str, u64),
+    tile: &LogitTile<'_>,
+    per_row: &[&View<'_>],
+    rest: &[Param],
+) -> Result<()> {
+    let (rows, n) = cross_entropy_tile_dims(op, tile, per_row)?;
+    let (logits, target) = (&tile.logits, &tile.target);
+    if rows == 0 || n == 0 {
+        return Ok(());
+    }
+    let mut params = vec![
+        Param::U64(element_address(logits)),
+        Param::U64(n as u64),
+        Param::U64(tile.class_start as u64),
+        Param::U64(element_address(target)),
+        Param::U64(target.layout.strides()[0] as u64),
+        Param::I64(tile.ignore_index),
+    ];
+    params.extend_from_slice(rest);
+    params.push(Param::U64(rows as u64));
+    let name = (family, float_suffix(op, logits.dtype)?);
+    let config = row_blocks((rows as u64).div_ceil(rows_per_block));
+    launch_in(backend, Module::Index, op, name, config, &params, NO_ARGS)
+}
+
+pub(crate) fn cross_entropy_tile(backend: &CudaBackend, args: CrossEntropyTile<'_>) -> Result<()> {
+    let mut per_row = vec![&args.row_max, &args.row_sum, &args.target_logit];
+    per_row.extend(args.logit_sum.as_ref());
+    let rest = [
+        Param::U64(element_address(&args.row_max)),
+        Param::U64(element_address(&args.row_sum)),
+        Param::U64(element_address(&args.target_logit)),
+        Param::U64(args.logit_sum.as_ref().map_or(0, element_address)),
+    ];
+    launch_tile(
+        backend,
+        // One warp a row.
+        ("cross_entropy_tile", "ce_tile", u64::from(THREADS / 32)),
+        &args.tile,
+        &per_row,
+        &rest,
+    )
+}
+
+pub(crate) fn cross_entropy_tile_backward(
+    backend: &CudaBackend,
+    args: CrossEntropyTileBackward<'_>,
+) -> Result<()> {
+    let rest = [
+        Param::U64(args.classes as u64),
+        Param::F64(args.smoothing),
+        Param::U64(element_address(&args.lse)),
+        Param::U64(element_address(&args.scale)),
+        Param::U64(element_address(&args.factor)),
+    ];
+    launch_tile(
+        backend,
+        ("cross_entropy_tile_backward", "ce_tile_backward", 1),
+        &args.tile,
+        &[&args.lse, &args.scale, &args.factor],
+        &rest,
     )
 }
 

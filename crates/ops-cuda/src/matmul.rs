@@ -6,7 +6,8 @@
 //! transpose flag: transposes cost no copy. Batch dims are merged where every operand steps
 //! through them uniformly and passed as one strided batch (stride 0 for a broadcast operand);
 //! any other batch dims are looped over. f32 and f64 compute in their own precision (TF32 only
-//! after `CudaBackend::set_allow_tf32(true)`, as in PyTorch), f16 and bf16 in f32.
+//! after `CudaBackend::set_allow_tf32(true)`, as in PyTorch), f16 and bf16 in f32, written rounded
+//! to them or, into an f32 `out`, unrounded.
 //!
 //! The cuBLAS handle and its 32 MiB workspace (PyTorch's size on Hopper) are the ground floor's
 //! (`blas.rs`), created on the first product; the workspace is an allocation of the backend's
@@ -153,7 +154,13 @@ pub(crate) fn matmul(
     let outer_count: usize = batch.iter().map(|(size, _)| size).product();
 
     let element = element as u64;
-    let out0 = out.buffer.address() + out_layout.offset() as u64 * element;
+    // f16/bf16 inputs may write their f32 accumulation unrounded (the dims rule allows it).
+    let (out_type, out_element) = if out.dtype == a.dtype {
+        (data_type, element)
+    } else {
+        (blas_sys::cudaDataType::CUDA_R_32F, 4)
+    };
+    let out0 = out.buffer.address() + out_layout.offset() as u64 * out_element;
     let (a0, b0) = (a_address, b_address);
     let (m, n, k) = (to_int(m)?, to_int(n)?, to_int(k)?);
     let batch_count = to_int(inner_count)?;
@@ -184,7 +191,10 @@ pub(crate) fn matmul(
                 offsets[i] += index * strides[i];
             }
         }
-        let at = |base: u64, i: usize| base + offsets[i] as u64 * element;
+        let at = |base: u64, i: usize| {
+            let size = if i == 0 { out_element } else { element };
+            base + offsets[i] as u64 * size
+        };
         // SAFETY: the handle is live and bound to this context's stream; every address is an
         // element of a live buffer, and the matrices' extents (m, n, k, leading dims, batch
         // strides) are those of views the core checked against their buffers; alpha and beta
@@ -208,7 +218,7 @@ pub(crate) fn matmul(
                 inner_strides[1] as i64,
                 beta,
                 at(out0, 0) as *mut c_void,
-                data_type,
+                out_type,
                 ldc,
                 inner_strides[0] as i64,
                 batch_count,

@@ -12,9 +12,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use headroom_autograd_core::{
-    AttentionBackward, AttentionForward, Backend, BackendRef, BinaryOp, Buffer, CrossEntropyArgs,
-    Device, DropoutDraw, LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result,
-    SoftmaxBackward, UnaryOp, View,
+    AttentionBackward, AttentionForward, Backend, BackendRef, BinaryOp, Buffer,
+    CrossEntropyBackward, CrossEntropyForward, CrossEntropyTile, CrossEntropyTileBackward, Device,
+    DropoutDraw, LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, SoftmaxBackward,
+    UnaryOp, View,
 };
 use headroom_autograd_core::{
     ReduceWithIndex, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
@@ -125,22 +126,17 @@ impl Backend for HostReadCounter {
     fn rotary_embedding(&self, args: RotaryArgs<'_>) -> Result<()> {
         self.inner.rotary_embedding(args)
     }
-    fn cross_entropy(
-        &self,
-        args: CrossEntropyArgs<'_>,
-        loss: View<'_>,
-        lse: View<'_>,
-    ) -> Result<()> {
-        self.inner.cross_entropy(args, loss, lse)
+    fn cross_entropy(&self, args: CrossEntropyForward<'_>) -> Result<()> {
+        self.inner.cross_entropy(args)
     }
-    fn cross_entropy_backward(
-        &self,
-        args: CrossEntropyArgs<'_>,
-        lse: View<'_>,
-        dloss: View<'_>,
-        dlogits: View<'_>,
-    ) -> Result<()> {
-        self.inner.cross_entropy_backward(args, lse, dloss, dlogits)
+    fn cross_entropy_backward(&self, args: CrossEntropyBackward<'_>) -> Result<()> {
+        self.inner.cross_entropy_backward(args)
+    }
+    fn cross_entropy_tile(&self, args: CrossEntropyTile<'_>) -> Result<()> {
+        self.inner.cross_entropy_tile(args)
+    }
+    fn cross_entropy_tile_backward(&self, args: CrossEntropyTileBackward<'_>) -> Result<()> {
+        self.inner.cross_entropy_tile_backward(args)
     }
     fn gather(&self, x: View<'_>, dim: usize, index: View<'_>, out: View<'_>) -> Result<()> {
         self.inner.gather(x, dim, index, out)

@@ -213,19 +213,6 @@ impl DropoutDraw {
     }
 }
 
-/// Inputs and outputs of fused cross-entropy (log-softmax + NLL over the last dim).
-#[derive(Debug, Clone, Copy)]
-pub struct CrossEntropyArgs<'a> {
-    /// Logits, dense `[rows, classes]`.
-    pub logits: View<'a>,
-    /// Class indices, `[rows]`, I64.
-    pub target: View<'a>,
-    /// Samples with this target contribute nothing.
-    pub ignore_index: i64,
-    /// How to combine per-sample losses.
-    pub reduction: Reduction,
-}
-
 /// Inputs and outputs of fused scaled-dot-product attention,
 /// `out = softmax(q kᵀ · scale, masked above the diagonal when causal) v`.
 ///

@@ -338,7 +338,8 @@ pub fn check_cu_seqlens(cu_seqlens: &[i32], tokens: usize) -> Result<()> {
 }
 
 /// The shape and dtype rule of [`Backend::matmul`], shared by every backend: `out = a @ b` over
-/// equal batch dims, all three of one dtype. Returns `(m, k, n)`.
+/// equal batch dims, all three of one dtype, or f16/bf16 `a` and `b` with an f32 `out` (the
+/// product's f32 accumulation, unrounded). Returns `(m, k, n)`.
 pub fn matmul_dims(a: &View<'_>, b: &View<'_>, out: &View<'_>) -> Result<(usize, usize, usize)> {
     let nd = out.layout.ndim();
     let (sa, sb, so) = (a.layout.shape(), b.layout.shape(), out.layout.shape());
@@ -357,11 +358,21 @@ pub fn matmul_dims(a: &View<'_>, b: &View<'_>, out: &View<'_>) -> Result<(usize,
             rhs: sb.to_vec(),
         });
     }
-    if a.dtype != b.dtype || a.dtype != out.dtype {
+    if a.dtype != b.dtype {
         return Err(TensorError::DtypeMismatch {
             op: "matmul",
             lhs: a.dtype,
             rhs: b.dtype,
+        });
+    }
+    // f16 and bf16 products accumulate in f32 on every backend, so an f32 `out` takes the
+    // accumulation unrounded (and an accumulating product adds to it in f32).
+    let widened = matches!(a.dtype, DType::F16 | DType::BF16) && out.dtype == DType::F32;
+    if a.dtype != out.dtype && !widened {
+        return Err(TensorError::DtypeMismatch {
+            op: "matmul",
+            lhs: a.dtype,
+            rhs: out.dtype,
         });
     }
     Ok((so[nd - 2], sa[nd - 1], so[nd - 1]))

@@ -52,6 +52,7 @@
 //! (`llama_dims.rs`'s for the Llama primitives).
 
 mod args;
+mod cross_entropy_args;
 mod dims;
 mod llama_dims;
 
@@ -64,12 +65,16 @@ use crate::dtype::Device;
 use crate::error::Result;
 
 pub use args::{
-    AttentionBackward, AttentionForward, BinaryOp, CrossEntropyArgs, DropoutDraw,
-    LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp,
-    Operands, PackedBounds, ReduceOp, ReduceWithIndex, Reduction, SoftmaxBackward, UnaryOp, View,
+    AttentionBackward, AttentionForward, BinaryOp, DropoutDraw, LayerNormBackward,
+    LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp, Operands,
+    PackedBounds, ReduceOp, ReduceWithIndex, Reduction, SoftmaxBackward, UnaryOp, View,
 };
 pub use args::{
     GateUp, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
+};
+pub use cross_entropy_args::{
+    cross_entropy_tile_dims, CrossEntropyArgs, CrossEntropyBackward, CrossEntropyForward,
+    CrossEntropyTile, CrossEntropyTileBackward, LogitTile,
 };
 pub use dims::{
     attention_dims, check_cu_seqlens, compose_linear, compose_linear_weight_grad, index_strides,
@@ -107,11 +112,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         self.allocator_view().memory_stats()
     }
 
-    /// Bytes of this backend's allocator that its matrix products hold as a workspace: taken on
-    /// the first product and kept for the backend's life (cuBLAS's, 32 MiB by default on CUDA),
-    /// 0 when products take none (the CPU's). An op that bounds its temporaries by a byte budget
-    /// (`linear_cross_entropy`'s chunks) leaves this much of the budget to the workspace, so the
-    /// bound holds on a backend whose first product it runs.
+    /// Bytes of this backend's allocator that its next matrix product may still take as a
+    /// workspace: taken by the first product and kept for the backend's life (cuBLAS's, 32 MiB by
+    /// default on CUDA), so 0 once taken, and 0 when products take none (the CPU's). An op that
+    /// bounds what it allocates by a byte budget (`linear_cross_entropy`'s tiles) leaves this
+    /// much of the budget to the workspace, so the bound holds on a backend whose first product
+    /// it runs.
     fn matmul_workspace_bytes(&self) -> usize {
         0
     }
@@ -150,7 +156,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn reduce_with_index(&self, args: ReduceWithIndex<'_>) -> Result<()>;
 
     /// Batched matrix product over equal batch dims: `out[.., m, n] (+)= a[.., m, k] b[.., k, n]`.
-    /// Inputs may be strided (transposes are free); `accumulate` adds to `out`.
+    /// Inputs may be strided (transposes are free); `accumulate` adds to `out`. `out` has the
+    /// inputs' dtype, or f32 for f16/bf16 inputs (the f32 accumulation, not rounded to them).
     fn matmul(&self, a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()>;
 
     /// `out = epilogue(input weightᵀ + bias)`: the forward of a linear layer, optionally followed
@@ -193,24 +200,20 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Rotary embedding of `x` into `out`, or its transpose (see [`RotaryArgs`]).
     fn rotary_embedding(&self, args: RotaryArgs<'_>) -> Result<()>;
 
-    /// Fused cross-entropy: writes the reduced loss (a 0-dim view) and each row's log-sum-exp.
-    /// The loss has the logits' dtype, or f32 for f16 and bf16 logits ([`crate::cross_entropy_f32`]).
-    fn cross_entropy(
-        &self,
-        args: CrossEntropyArgs<'_>,
-        loss: View<'_>,
-        lse: View<'_>,
-    ) -> Result<()>;
+    /// Fused cross-entropy: writes the reduced loss (a 0-dim view) and each row's log-sum-exp
+    /// (see [`CrossEntropyForward`]).
+    fn cross_entropy(&self, args: CrossEntropyForward<'_>) -> Result<()>;
 
-    /// Gradient of fused cross-entropy w.r.t. the logits, scaled by the 0-dim `dloss` (of the
-    /// loss's dtype: the logits', or f32 for f16 and bf16 logits).
-    fn cross_entropy_backward(
-        &self,
-        args: CrossEntropyArgs<'_>,
-        lse: View<'_>,
-        dloss: View<'_>,
-        dlogits: View<'_>,
-    ) -> Result<()>;
+    /// Gradient of fused cross-entropy w.r.t. the logits, scaled by the 0-dim `dloss` (see
+    /// [`CrossEntropyBackward`]).
+    fn cross_entropy_backward(&self, args: CrossEntropyBackward<'_>) -> Result<()>;
+
+    /// Folds one tile of logits (rows × a range of classes) into each row's running
+    /// log-sum-exp statistics and picks the target's logit (see [`CrossEntropyTile`]).
+    fn cross_entropy_tile(&self, args: CrossEntropyTile<'_>) -> Result<()>;
+
+    /// Overwrites one tile of logits with their gradient (see [`CrossEntropyTileBackward`]).
+    fn cross_entropy_tile_backward(&self, args: CrossEntropyTileBackward<'_>) -> Result<()>;
 
     /// `out[i][j] = x[i][index[i][j]]` along `dim` (PyTorch's `gather`); `index` is I64 with
     /// `out`'s shape (often expanded).

@@ -3,49 +3,53 @@
 //!
 //! The logits of a large vocabulary are the largest tensors of a step (8192 tokens × 128,256
 //! classes are 2.1 GB in bf16, and their gradient as much again). This op computes them one
-//! chunk of tokens at a time and keeps only each token's log-sum-exp:
+//! tile at a time — a block of rows by a range of classes, large enough on both sides that each
+//! tile's products run at the matrix units' speed — and keeps only each token's log-sum-exp:
 //!
-//! - **Forward**, per chunk of rows: the logits chunk (`Backend::linear`, in the inputs' dtype,
-//!   as the unfused linear rounds them), then `Backend::cross_entropy` on it for the rows'
-//!   log-sum-exp (f32, f64 for f64 inputs) and their summed loss; label smoothing, z-loss and
-//!   `reduction: None` take the label logit (`gather`) and the row sum of the logits from the
-//!   same chunk. The loss is f32 (f64 for f64 inputs).
+//! - **Forward**, per block of rows, per tile of classes: the tile's logits (`Backend::linear`,
+//!   in the inputs' dtype, as the unfused linear rounds them), folded by
+//!   `Backend::cross_entropy_tile` into each row's running maximum and sum of exponentials (f32;
+//!   f64 for f64 inputs), with the label's logit and, for label smoothing, the row's logit sum.
+//!   After the block's last tile its rows' losses are
+//!   `lse − (1 − ε)·z[label] − (ε / classes)·Σ z + z_loss·lse²`, 0 for ignored rows.
 //! - **Saved**: `hidden`, `weight`, `bias`, `labels` and the per-row log-sum-exp, nothing more.
-//! - **Backward** recomputes each chunk's logits, turns them into their gradient in place
-//!   (`g·(1 + 2·z_loss·lse)·softmax − g·(1 − ε)·onehot − g·ε/V`, with `g` the row's share of
-//!   the loss gradient), and accumulates `dhidden = dlogits @ weight` and
-//!   `dweight = dlogitsᵀ @ hidden` (`dbias` its column sums) chunk by chunk. In f32 and f64 one
-//!   pass over token chunks does both (the weight gradient accumulates in its own dtype). In
-//!   f16 and bf16 an accumulation across chunks would round the weight gradient once per chunk,
-//!   so the backward takes two passes: token chunks (all classes) for `dhidden`, then class
-//!   chunks (all tokens) for `dweight` and `dbias`, each gradient element written by one
-//!   product over its full reduction with f32 accumulation, as the unfused products do.
+//! - **Backward**, per block of rows, per tile of classes: the tile's logits recomputed,
+//!   overwritten in place by their gradient (`Backend::cross_entropy_tile_backward`:
+//!   `g·(1 + 2·z_loss·lse)·softmax − g·(1 − ε)·onehot − g·ε/V`, `g` the row's share of the
+//!   loss's gradient, rounded once into the inputs' dtype as the unfused gradient is), then
+//!   three products: `dhidden[rows] += dlogits @ weight[classes]`,
+//!   `dweight[classes] += dlogitsᵀ @ hidden[rows]` and `dbias[classes] += Σ_rows dlogits`.
+//!   Four products in all (forward, recompute, two gradients), as the unfused op's three plus
+//!   the recompute. For f16 and bf16, `dhidden` of the block accumulates across the class tiles
+//!   in an f32 buffer (`Backend::matmul` into f32: no rounding until the block is done, so each
+//!   element is rounded once, as the unfused product's); `dweight` accumulates across the row
+//!   blocks in its own dtype, rounded once per block (`⌈rows / block⌉` times: 5 at the
+//!   Llama-3.2-1B head's 8192 tokens and default budget), `dbias` in f32.
 //!
-//! The chunk size comes from a byte budget ([`LinearCrossEntropyOptions::chunk_bytes`], 64 MiB
-//! by default) that bounds everything the op allocates beyond its inputs, its gradients and two
-//! f32 vectors of one value per token (the log-sum-exp and, in backward, each row's gradient
-//! factor): so the peak stays within `chunk_bytes + 8 B per token` in every phase. What one
-//! chunk holds at once, and the budget counts:
+//! The tile sizes come from a byte budget ([`LinearCrossEntropyOptions::chunk_bytes`], 64 MiB by
+//! default) that bounds everything the op allocates beyond its inputs, its gradients and two
+//! f32 vectors of one value per token (the log-sum-exp and each row's loss weight, which
+//! backward turns into its gradient factor): so the peak stays within `chunk_bytes + 8 B per
+//! token` in every phase. What the budget counts:
 //!
-//! - its logits in the inputs' dtype and, for f16 and bf16, their f32 copy (the forward's for
-//!   label smoothing; the backward's to compute their gradient, which is rounded back into the
-//!   logits' buffer before the copy is freed, so the products read the buffer the linear
-//!   wrote): `Head::bytes_per_logit`;
-//! - `ROW_BYTES` a row for the per-row vectors (label indices, the one-hot and smoothing
-//!   terms, the ones row that sums the bias gradient by a product, a backend's per-row scratch);
+//! - a tile's logits in the inputs' dtype, and in backward (f16 and bf16) the block's f32
+//!   `dhidden` accumulator: half the budget goes to the accumulator and the block's per-row
+//!   vectors, the rest to the tile, whose rows are the block's;
+//! - `ROW_BYTES` a row for the block's per-row vectors (running statistics, label logits, the
+//!   z-loss scale, the ones row that sums the bias gradient by a product);
+//! - for f16/bf16 with a bias, the f32 accumulator of its gradient (4 bytes a class);
 //! - `SMALL_BLOCKS_BYTES` for the scalars and the 512-byte rounding of the allocator's
 //!   blocks, and `LARGE_BLOCK_SLACK` (1 MiB) for each large buffer, which the allocator may
 //!   hand out in a block up to 1 MiB larger than asked;
-//! - the backend's matrix-product workspace ([`crate::Backend::matmul_workspace_bytes`]: on
-//!   CUDA, cuBLAS's 32 MiB, taken from the caching allocator on the first product and kept,
-//!   shared by every product, never one per call): the rule is that the chunks get
-//!   `chunk_bytes − workspace`, so the bound holds even when this op runs the backend's first
-//!   product.
+//! - the matrix-product workspace the backend may still take
+//!   ([`crate::Backend::matmul_workspace_bytes`]: on CUDA, cuBLAS's 32 MiB, taken from the
+//!   caching allocator by the backend's first product and kept, shared by every product; 0
+//!   once taken): the tiles get `chunk_bytes − workspace`, so the bound holds even when this op
+//!   runs the backend's first product. Forward and backward each ask when they start.
 //!
-//! Labels are read to the host once per forward and once per backward (validated there: typed
-//! errors, never an out-of-bounds read), and the per-row weights (ignored rows, the mean's
-//! divisor) go back as small per-chunk vectors, so no per-token buffer besides the log-sum-exp
-//! and the row factors outlives a chunk.
+//! Labels are read to the host once, in the forward (validated there: typed errors, never an
+//! out-of-bounds read); backward takes the rows' weights from that copy. The tiles read the
+//! labels on the device.
 //!
 //! It is an ordinary op for the rest of the kit: it records one node whose inputs are `hidden`,
 //! `weight` and `bias`, so the weight's gradient reaches its hooks and accumulates with other
@@ -54,7 +58,7 @@
 //! every backend. Nothing here knows how a backend computes.
 
 use crate::autocast::{autocast_disabled, autocast_inputs};
-use crate::backend::{CrossEntropyArgs, Reduction, UnaryOp};
+use crate::backend::{CrossEntropyTile, CrossEntropyTileBackward, LogitTile, Reduction};
 use crate::dtype::{stats_dtype, DType};
 use crate::error::{Result, TensorError};
 use crate::grad_mode::no_grad;
@@ -67,10 +71,10 @@ use super::{check_dtype, check_float, check_same, records};
 
 const OP: &str = "linear_cross_entropy";
 
-/// Bytes a chunk may hold for each of its rows beyond its logits: the per-row vectors live at
-/// once (an I64 label index, the one-hot and smoothing terms, the z-loss scale, the ones row of
-/// the bias gradient: at most 6 values of 8 bytes in f64) and a backend's per-row scratch
-/// (CUDA's cross-entropy keeps 16 bytes a row), rounded up.
+/// Bytes a block may hold for each of its rows beyond its tiles and accumulator: the per-row
+/// vectors live at once (the running maximum and sum, the label logit, the logit sum, the row
+/// loss and its weight, the z-loss scale, the ones row of the bias gradient: at most 8 values of
+/// 8 bytes in f64), rounded up.
 const ROW_BYTES: usize = 64;
 
 /// Bytes the budget keeps for small blocks: scalars (the loss, its chunk sums) and the rounding
@@ -100,11 +104,12 @@ pub struct LinearCrossEntropyOptions {
     /// token's loss (`lse` the log-sum-exp of its logits); 0 adds nothing.
     pub z_loss: f64,
     /// The bound on what the op allocates beyond its inputs, its gradients and 8 bytes a token
-    /// (the per-token log-sum-exp and gradient factor): one chunk's logits, their f32 copy for
-    /// f16 and bf16, per-row vectors, small blocks, and the backend's matrix-product workspace
-    /// ([`crate::Backend::matmul_workspace_bytes`], 32 MiB on CUDA). It sets how many tokens
-    /// (and, for the f16/bf16 weight gradient, how many classes) one chunk holds; at least one
-    /// row or class, so a budget below the fixed costs is exceeded by one row's.
+    /// (the per-token log-sum-exp and loss weight): one tile of logits, in backward for f16
+    /// and bf16 a block's f32 `dhidden` accumulator (and the bias gradient's), per-row vectors,
+    /// small blocks, and the matrix-product workspace the backend may still take
+    /// ([`crate::Backend::matmul_workspace_bytes`], 32 MiB on CUDA until its first product). It sets how many tokens a
+    /// block and how many classes a tile hold; at least one row and 256 classes (or all), so a
+    /// budget below the fixed costs is exceeded by one row of 256 logits.
     pub chunk_bytes: usize,
 }
 
@@ -194,15 +199,17 @@ pub fn linear_cross_entropy(
             let hidden_2d = saved_hidden.unpack()?;
             let weight = saved_weight.unpack()?;
             let bias = saved_bias.as_ref().map(SavedTensor::unpack).transpose()?;
-            let host_labels = head.read_labels(&saved_labels.unpack()?)?;
             let operands = Operands {
                 hidden: &hidden_2d,
                 weight: &weight,
                 bias: bias.as_ref(),
                 lse: &saved_lse.unpack()?,
-                labels: &host_labels,
+                labels: &saved_labels.unpack()?,
+                host_labels: &host_labels,
             };
-            let grads = head.backward(&operands, dloss, wants)?;
+            // The workspace the forward left room for may be taken by now.
+            let workspace = hidden_2d.backend().matmul_workspace_bytes();
+            let grads = Head { workspace, ..head }.backward(&operands, dloss, wants)?;
             let mut res = vec![
                 grads.hidden.map(|dh| dh.into_shape(&hidden_shape)),
                 grads.weight,
@@ -225,7 +232,7 @@ struct Head {
     dtype: DType,
     has_bias: bool,
     options: LinearCrossEntropyOptions,
-    /// The backend's matrix-product workspace, which the chunks leave to it.
+    /// The matrix-product workspace the backend may still take, which the tiles leave to it.
     workspace: usize,
 }
 
@@ -250,15 +257,25 @@ struct Operands<'a> {
     weight: &'a Tensor,
     bias: Option<&'a Tensor>,
     lse: &'a Tensor,
-    labels: &'a [i64],
+    labels: &'a Tensor,
+    host_labels: &'a [i64],
 }
 
-/// A chunk of the logits: rows `rows.0..rows.0 + rows.1`, classes `classes.0..classes.0 +
-/// classes.1` (start and length).
-#[derive(Debug, Clone, Copy)]
-struct Tile {
-    rows: (usize, usize),
-    classes: (usize, usize),
+/// How the logits are cut: blocks of `rows` rows, tiles of `classes` classes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Tiling {
+    rows: usize,
+    classes: usize,
+}
+
+/// Rounds `n` down to a multiple of 64 when it is at least 64 (products of such sizes run on
+/// the matrix units' fast paths).
+fn aligned(n: usize) -> usize {
+    if n >= 64 {
+        n / 64 * 64
+    } else {
+        n.max(1)
+    }
 }
 
 impl Head {
@@ -324,62 +341,76 @@ impl Head {
         })
     }
 
-    /// The dtype of the loss, the log-sum-exp and the logits' gradient before rounding.
+    /// The dtype of the loss, the log-sum-exp, the per-row statistics and, for f16 and bf16,
+    /// the accumulators.
     fn stats(&self) -> DType {
         stats_dtype(self.dtype)
     }
 
-    /// Whether the per-chunk logits need a copy in the stats dtype (f16 and bf16 inputs).
+    /// Whether the inputs are f16 or bf16 (accumulated in f32 buffers).
     fn is_half(&self) -> bool {
         self.dtype != self.stats()
     }
 
-    /// The bytes one logit costs a chunk: the stats dtype, plus the inputs' dtype for f16/bf16.
-    fn bytes_per_logit(&self) -> usize {
-        let copy = if self.is_half() {
-            self.dtype.size_in_bytes()
+    /// The tiling under the budget: `chunk_bytes` less the workspace, the small blocks, the
+    /// large blocks' slack and (f16/bf16 with a bias gradient) the bias accumulator; half of it
+    /// to the block's `dhidden` accumulator (`accumulator_row` bytes a row: f32 `features` in
+    /// an f16/bf16 backward that wants `dhidden`, else 0) and per-row vectors, the rest to a
+    /// tile of logits. Blocks hold as many rows as that half allows (all of them when nothing
+    /// is accumulated and tiles of 256 classes fit), tiles as many classes as the rest allows
+    /// (multiples of 64, at least 256 or all classes, at least one row).
+    fn tiling(&self, accumulator_row: usize, bias_accumulator: bool) -> Tiling {
+        let bias = if bias_accumulator {
+            4 * self.classes
         } else {
             0
         };
-        self.stats().size_in_bytes() + copy
+        let fixed = self.workspace + SMALL_BLOCKS_BYTES + 2 * LARGE_BLOCK_SLACK + bias;
+        let budget = self.options.chunk_bytes.saturating_sub(fixed);
+        let per_logit = self.dtype.size_in_bytes();
+        let min_classes = self.classes.min(256);
+        let by_accumulator = budget / 2 / (accumulator_row + ROW_BYTES);
+        let by_tile = budget / 2 / (min_classes * per_logit);
+        let rows = aligned(self.rows.min(by_accumulator).min(by_tile)).min(self.rows.max(1));
+        let left = budget.saturating_sub(rows * (accumulator_row + ROW_BYTES));
+        let classes = (left / (rows * per_logit)).min(self.classes);
+        // At least 256 classes (all of them if fewer): a budget below the fixed costs is
+        // exceeded by one row of 256 logits rather than cut into tiles of a few classes.
+        let classes = if classes < self.classes {
+            aligned(classes).max(min_classes)
+        } else {
+            classes
+        };
+        Tiling { rows, classes }
     }
 
-    /// The bytes the chunks' logits and per-row vectors may take: `chunk_bytes` less the
-    /// backend's workspace, the small blocks and the large blocks' slack.
-    fn chunk_budget(&self) -> usize {
-        let large_buffers = if self.is_half() { 2 } else { 1 };
-        let fixed = self.workspace + SMALL_BLOCKS_BYTES + large_buffers * LARGE_BLOCK_SLACK;
-        self.options.chunk_bytes.saturating_sub(fixed)
+    /// The forward's tiling: nothing accumulated besides the per-row statistics.
+    fn forward_tiling(&self) -> Tiling {
+        self.tiling(0, false)
     }
 
-    /// Rows per chunk of a pass over all classes.
-    fn rows_per_chunk(&self) -> usize {
-        let per_row = self.classes * self.bytes_per_logit() + ROW_BYTES;
-        (self.chunk_budget() / per_row).max(1)
+    /// The backward's tiling for the gradients `wants` asks for.
+    fn backward_tiling(&self, wants: Wants) -> Tiling {
+        let accumulator_row = if self.is_half() && wants.hidden {
+            4 * self.features
+        } else {
+            0
+        };
+        self.tiling(accumulator_row, self.is_half() && wants.bias)
     }
 
-    /// Classes per chunk of a pass over all rows.
-    fn classes_per_chunk(&self) -> usize {
-        let budget = self.chunk_budget().saturating_sub(self.rows * ROW_BYTES);
-        (budget / (self.rows * self.bytes_per_logit()).max(1)).max(1)
+    /// The blocks of rows `(start, len)` of `tiling`.
+    fn row_blocks(&self, tiling: Tiling) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (0..self.rows)
+            .step_by(tiling.rows)
+            .map(move |start| (start, tiling.rows.min(self.rows - start)))
     }
 
-    /// The chunks of a pass over all classes.
-    fn row_tiles(&self) -> impl Iterator<Item = Tile> + '_ {
-        let step = self.rows_per_chunk();
-        (0..self.rows).step_by(step).map(move |start| Tile {
-            rows: (start, step.min(self.rows - start)),
-            classes: (0, self.classes),
-        })
-    }
-
-    /// The chunks of a pass over all rows.
-    fn class_tiles(&self) -> impl Iterator<Item = Tile> + '_ {
-        let step = self.classes_per_chunk();
-        (0..self.classes).step_by(step).map(move |start| Tile {
-            rows: (0, self.rows),
-            classes: (start, step.min(self.classes - start)),
-        })
+    /// The tiles of classes `(start, len)` of `tiling`.
+    fn class_tiles(&self, tiling: Tiling) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (0..self.classes)
+            .step_by(tiling.classes)
+            .map(move |start| (start, tiling.classes.min(self.classes - start)))
     }
 
     /// The labels on the host, each a class or `ignore_index`.
@@ -399,19 +430,24 @@ impl Head {
         }
     }
 
+    /// Each row's weight in the loss: 0 for ignored rows, else 1.
+    fn counted(&self, labels: &[i64]) -> Vec<f64> {
+        let ignore = self.options.ignore_index;
+        labels
+            .iter()
+            .map(|&label| f64::from(u8::from(label != ignore)))
+            .collect()
+    }
+
     /// Each row's share of the reduced loss: 0 for ignored rows, else 1 (1 / count for the
     /// mean).
     fn row_weights(&self, labels: &[i64]) -> Vec<f64> {
-        let ignore = self.options.ignore_index;
-        let count = labels.iter().filter(|&&label| label != ignore).count();
+        let counted = self.counted(labels);
         let share = match self.options.reduction {
-            Some(Reduction::Mean) => 1.0 / count as f64,
+            Some(Reduction::Mean) => 1.0 / counted.iter().sum::<f64>(),
             Some(Reduction::Sum) | None => 1.0,
         };
-        labels
-            .iter()
-            .map(|&label| if label == ignore { 0.0 } else { share })
-            .collect()
+        counted.iter().map(|weight| weight * share).collect()
     }
 
     /// `values` as a stats-dtype vector on `like`'s backend.
@@ -419,18 +455,18 @@ impl Head {
         Tensor::from_f64s(like.backend(), values, &[values.len()], self.stats())
     }
 
-    /// The logits of `tile`, in the inputs' dtype.
+    /// The logits of rows `rows` and classes `classes` (start, length), in the inputs' dtype.
     fn logits(
         &self,
-        tile: Tile,
+        (rows, classes): ((usize, usize), (usize, usize)),
         hidden: &Tensor,
         weight: &Tensor,
         bias: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let hidden = hidden.narrow(0, tile.rows.0, tile.rows.1)?;
-        let weight = weight.narrow(0, tile.classes.0, tile.classes.1)?;
+        let hidden = hidden.narrow(0, rows.0, rows.1)?;
+        let weight = weight.narrow(0, classes.0, classes.1)?;
         let bias = bias
-            .map(|bias| bias.narrow(0, tile.classes.0, tile.classes.1))
+            .map(|bias| bias.narrow(0, classes.0, classes.1))
             .transpose()?;
         hidden.linear(&weight, bias.as_ref())
     }
@@ -446,35 +482,48 @@ impl Head {
     ) -> Result<(Tensor, Tensor)> {
         let stats = self.stats();
         let lse = hidden.new_empty(&[self.rows], stats)?;
+        let counted = self.upload(hidden, &self.counted(host_labels))?;
         let total = hidden.new_zeros(&[], stats)?;
         let per_row = match self.options.reduction {
             Some(_) => None,
             None => Some(hidden.new_empty(&[self.rows], stats)?),
         };
-        let plain =
-            per_row.is_none() && self.options.label_smoothing == 0.0 && self.options.z_loss == 0.0;
-        let ignore = self.options.ignore_index;
-        for tile in self.row_tiles() {
-            let (start, len) = tile.rows;
-            let logits = self.logits(tile, hidden, weight, bias)?;
-            let lse_rows = lse.narrow(0, start, len)?;
-            let ce_sum = hidden.new_empty(&[], stats)?;
-            let rows_target = labels.narrow(0, start, len)?;
-            let args = CrossEntropyArgs {
-                logits: logits.view(),
-                target: rows_target.view(),
-                ignore_index: ignore,
-                reduction: Reduction::Sum,
-            };
-            hidden
-                .backend()
-                .cross_entropy(args, ce_sum.view(), lse_rows.view())?;
-            if plain {
-                total.add_(&ce_sum)?;
-                continue;
+        let smoothing = self.options.label_smoothing;
+        let tiling = self.forward_tiling();
+        for (start, len) in self.row_blocks(tiling) {
+            let row_max = Tensor::full(hidden.backend(), &[len], f64::NEG_INFINITY, stats)?;
+            let row_sum = hidden.new_zeros(&[len], stats)?;
+            let label_logit = hidden.new_zeros(&[len], stats)?;
+            let logit_sum = (smoothing != 0.0)
+                .then(|| hidden.new_zeros(&[len], stats))
+                .transpose()?;
+            let target = labels.narrow(0, start, len)?;
+            for classes in self.class_tiles(tiling) {
+                let logits = self.logits(((start, len), classes), hidden, weight, bias)?;
+                hidden.backend().cross_entropy_tile(CrossEntropyTile {
+                    tile: LogitTile {
+                        logits: logits.view(),
+                        class_start: classes.0,
+                        target: target.view(),
+                        ignore_index: self.options.ignore_index,
+                    },
+                    row_max: row_max.view(),
+                    row_sum: row_sum.view(),
+                    target_logit: label_logit.view(),
+                    logit_sum: logit_sum.as_ref().map(Tensor::view),
+                })?;
             }
-            let rows_labels = &host_labels[start..start + len];
-            let row_loss = self.row_losses(&logits, &lse_rows, rows_labels)?;
+            // lse = max + ln Σ exp(x − max); the rows' losses from it.
+            let block_lse = lse.narrow(0, start, len)?;
+            block_lse.copy_(&row_sum.log()?.add(&row_max)?)?;
+            let row_loss = block_lse.sub(&label_logit.mul_scalar(1.0 - smoothing)?)?;
+            if let Some(logit_sum) = &logit_sum {
+                row_loss.sub_(&logit_sum.mul_scalar(smoothing / self.classes as f64)?)?;
+            }
+            if self.options.z_loss != 0.0 {
+                row_loss.add_(&block_lse.mul(&block_lse)?.mul_scalar(self.options.z_loss)?)?;
+            }
+            row_loss.mul_(&counted.narrow(0, start, len)?)?;
             match &per_row {
                 Some(per_row) => {
                     per_row.narrow(0, start, len)?.copy_(&row_loss)?;
@@ -486,8 +535,8 @@ impl Head {
         }
         let loss = match (self.options.reduction, per_row) {
             (Some(Reduction::Mean), _) => {
-                let count = host_labels.iter().filter(|&&label| label != ignore).count();
-                total.mul_scalar(1.0 / count as f64)?
+                let count = self.counted(host_labels).iter().sum::<f64>();
+                total.mul_scalar(1.0 / count)?
             }
             (_, Some(per_row)) => per_row,
             (_, None) => total,
@@ -495,183 +544,146 @@ impl Head {
         Ok((loss, lse))
     }
 
-    /// Each row's loss in the stats dtype, 0 for ignored rows:
-    /// `lse − (1 − ε)·z[label] − (ε / classes)·Σ z + z_loss·lse²`.
-    fn row_losses(&self, logits: &Tensor, lse: &Tensor, labels: &[i64]) -> Result<Tensor> {
-        let (smoothing, z_loss) = (self.options.label_smoothing, self.options.z_loss);
-        let ignore = self.options.ignore_index;
-        let index: Vec<i64> = labels
-            .iter()
-            .map(|&label| if label == ignore { 0 } else { label })
-            .collect();
-        let index = Tensor::from_slice(logits.backend(), &index, &[labels.len(), 1])?;
-        let label_logit = logits
-            .gather(1, &index)?
-            .reshape(&[labels.len()])?
-            .to_dtype(self.stats())?;
-        let res = lse.sub(&label_logit.mul_scalar(1.0 - smoothing)?)?;
-        if smoothing != 0.0 {
-            let row_sum = logits.to_dtype(self.stats())?.sum(&[1], false)?;
-            res.sub_(&row_sum.mul_scalar(smoothing / self.classes as f64)?)?;
-        }
-        if z_loss != 0.0 {
-            res.add_(&lse.mul(lse)?.mul_scalar(z_loss)?)?;
-        }
-        let valid: Vec<f64> = labels
-            .iter()
-            .map(|&label| f64::from(u8::from(label != ignore)))
-            .collect();
-        res.mul_(&self.upload(lse, &valid)?)?;
-        Ok(res)
-    }
-
     /// The gradients of `hidden`, `weight` and `bias` from the loss's gradient `dloss`.
     fn backward(&self, operands: &Operands<'_>, dloss: &Tensor, wants: Wants) -> Result<Grads> {
         let _guard = no_grad();
-        let zeros = |wanted: bool, tensor: &Tensor| -> Result<Option<Tensor>> {
-            wanted
-                .then(|| tensor.new_zeros(tensor.shape(), tensor.dtype()))
-                .transpose()
-        };
+        let hidden = operands.hidden;
+        let bias_wanted = wants.bias && operands.bias.is_some();
         let grads = Grads {
-            hidden: zeros(wants.hidden, operands.hidden)?,
-            weight: zeros(wants.weight, operands.weight)?,
-            bias: match operands.bias {
-                Some(bias) => zeros(wants.bias, bias)?,
-                None => None,
-            },
+            hidden: wants
+                .hidden
+                .then(|| hidden.new_empty(hidden.shape(), self.dtype))
+                .transpose()?,
+            weight: wants
+                .weight
+                .then(|| {
+                    operands
+                        .weight
+                        .new_empty(operands.weight.shape(), self.dtype)
+                })
+                .transpose()?,
+            bias: bias_wanted
+                .then(|| hidden.new_zeros(&[self.classes], self.dtype))
+                .transpose()?,
         };
-        // Each row's gradient factor: dloss (per row, or the scalar spread) times its weight.
+        if !(wants.hidden || wants.weight || bias_wanted) {
+            return Ok(grads);
+        }
+        // Each row's gradient factor: dloss (per row, or the scalar spread) times its weight,
+        // in place, so one per-token vector besides the log-sum-exp is live.
         let dloss_rows = match self.options.reduction {
             Some(_) => dloss.reshape(&[1])?.expand(&[self.rows])?,
             None => dloss.contiguous()?.reshape(&[self.rows])?,
         };
-        // In place, so one per-token vector besides the log-sum-exp is live.
-        let row_factor = self.upload(dloss, &self.row_weights(operands.labels))?;
+        let row_factor = self.upload(dloss, &self.row_weights(operands.host_labels))?;
         row_factor.mul_(&dloss_rows)?;
-        let split = self.is_half() && (grads.weight.is_some() || grads.bias.is_some());
-        if split {
-            if let Some(dhidden) = &grads.hidden {
-                for tile in self.row_tiles() {
-                    self.tile_backward(tile, operands, &row_factor, [Some(dhidden), None, None])?;
-                }
-            }
-            for tile in self.class_tiles() {
-                let outputs = [None, grads.weight.as_ref(), grads.bias.as_ref()];
-                self.tile_backward(tile, operands, &row_factor, outputs)?;
-            }
-        } else if wants.hidden || grads.weight.is_some() || grads.bias.is_some() {
+        let half = self.is_half();
+        // f16/bf16 bias gradients accumulate in f32 and are rounded once at the end.
+        let bias_accumulator = (half && bias_wanted)
+            .then(|| hidden.new_zeros(&[self.classes], self.stats()))
+            .transpose()?;
+        let tiling = self.backward_tiling(Wants {
+            bias: bias_wanted,
+            ..wants
+        });
+        for (block, rows) in self.row_blocks(tiling).enumerate() {
+            let block = Block {
+                index: block,
+                rows,
+                factor: row_factor.narrow(0, rows.0, rows.1)?,
+            };
+            let accumulator = match &grads.hidden {
+                Some(_) if half => Some(hidden.new_empty(&[rows.1, self.features], self.stats())?),
+                Some(dhidden) => Some(dhidden.narrow(0, rows.0, rows.1)?),
+                None => None,
+            };
             let outputs = [
-                grads.hidden.as_ref(),
+                accumulator.as_ref(),
                 grads.weight.as_ref(),
-                grads.bias.as_ref(),
+                bias_accumulator.as_ref().or(grads.bias.as_ref()),
             ];
-            for tile in self.row_tiles() {
-                self.tile_backward(tile, operands, &row_factor, outputs)?;
+            self.block_backward(tiling, &block, operands, outputs)?;
+            if let (true, Some(dhidden), Some(accumulator)) = (half, &grads.hidden, &accumulator) {
+                dhidden.narrow(0, rows.0, rows.1)?.copy_(accumulator)?;
             }
+        }
+        if let (Some(dbias), Some(accumulator)) = (&grads.bias, &bias_accumulator) {
+            dbias.copy_(accumulator)?;
         }
         Ok(grads)
     }
 
-    /// Recomputes `tile`'s logits, turns them into their gradient, and adds its products to
-    /// `outputs` (the gradients of hidden, weight and bias, those wanted).
-    fn tile_backward(
+    /// One block of rows through every class tile: each tile's logits recomputed and turned
+    /// into their gradient, then its products added to `outputs` (the block's `dhidden` rows or
+    /// their f32 accumulator, the whole `dweight`, the whole `dbias` or its accumulator).
+    fn block_backward(
         &self,
-        tile: Tile,
+        tiling: Tiling,
+        block: &Block,
         operands: &Operands<'_>,
-        row_factor: &Tensor,
         outputs: [Option<&Tensor>; 3],
     ) -> Result<()> {
-        let (row_start, n_rows) = tile.rows;
-        let (class_start, n_classes) = tile.classes;
+        let (row_start, n_rows) = block.rows;
         let backend = operands.hidden.backend();
-        let dlogits = self.logits(tile, operands.hidden, operands.weight, operands.bias)?;
-        self.logits_to_gradient(tile, operands, row_factor, &dlogits)?;
-        let [dhidden, dweight, dbias] = outputs;
-        if let Some(dhidden) = dhidden {
-            let weight = operands.weight.narrow(0, class_start, n_classes)?;
-            let rows = dhidden.narrow(0, row_start, n_rows)?;
-            backend.matmul(dlogits.view(), weight.view(), rows.view(), true)?;
-        }
-        if let Some(dweight) = dweight {
-            let hidden = operands.hidden.narrow(0, row_start, n_rows)?;
-            let rows = dweight.narrow(0, class_start, n_classes)?;
-            backend.matmul(dlogits.t()?.view(), hidden.view(), rows.view(), true)?;
-        }
-        if let Some(dbias) = dbias {
-            // The column sums as a product with a row of ones: f32 accumulation like the other
-            // products, no scratch of the size of the classes beyond a row per token.
-            let ones = Tensor::ones(backend, &[1, n_rows], self.dtype)?;
-            let columns = dbias.narrow(0, class_start, n_classes)?.unsqueeze(0)?;
-            backend.matmul(ones.view(), dlogits.view(), columns.view(), true)?;
-        }
-        Ok(())
-    }
-
-    /// Overwrites `tile`'s logits with their gradient,
-    /// `softmax · factor · (1 + 2 z_loss lse) − factor · ε / classes − factor · (1 − ε) onehot`,
-    /// computed in the stats dtype: in f16 and bf16 through an f32 copy, rounded back into
-    /// `logits` and freed on return, with every per-row vector, before the products run.
-    fn logits_to_gradient(
-        &self,
-        tile: Tile,
-        operands: &Operands<'_>,
-        row_factor: &Tensor,
-        logits: &Tensor,
-    ) -> Result<()> {
-        let (row_start, n_rows) = tile.rows;
-        let (class_start, n_classes) = tile.classes;
-        let smoothing = self.options.label_smoothing;
-        let backend = logits.backend();
-        let factor = row_factor.narrow(0, row_start, n_rows)?;
+        let hidden = operands.hidden.narrow(0, row_start, n_rows)?;
         let lse = operands.lse.narrow(0, row_start, n_rows)?;
-        let dlogits = if self.is_half() {
-            logits.to_dtype(self.stats())?
+        let z_loss = self.options.z_loss;
+        let scale = if z_loss == 0.0 {
+            block.factor.clone()
         } else {
-            logits.clone()
+            let lse_term = lse.mul_scalar(2.0 * z_loss)?.add_scalar(1.0)?;
+            block.factor.mul(&lse_term)?
         };
-        dlogits.sub_(&lse.unsqueeze(1)?)?;
-        backend.unary(UnaryOp::Exp, dlogits.view(), dlogits.view())?;
-        if self.options.z_loss == 0.0 {
-            dlogits.mul_(&factor.unsqueeze(1)?)?;
-        } else {
-            let scale = lse.mul_scalar(2.0 * self.options.z_loss)?.add_scalar(1.0)?;
-            dlogits.mul_(&factor.mul(&scale)?.unsqueeze(1)?)?;
-        }
-        if smoothing != 0.0 {
-            dlogits.sub_(
-                &factor
-                    .mul_scalar(smoothing / self.classes as f64)?
-                    .unsqueeze(1)?,
+        let target = operands.labels.narrow(0, row_start, n_rows)?;
+        let [dhidden, dweight, dbias] = outputs;
+        let ones = dbias
+            .map(|_| Tensor::ones(backend, &[1, n_rows], self.dtype))
+            .transpose()?;
+        for (tile, (class_start, n_classes)) in self.class_tiles(tiling).enumerate() {
+            let rows_and_classes = (block.rows, (class_start, n_classes));
+            let dlogits = self.logits(
+                rows_and_classes,
+                operands.hidden,
+                operands.weight,
+                operands.bias,
             )?;
-        }
-        let labels = &operands.labels[row_start..row_start + n_rows];
-        let in_tile = |label: i64| {
-            label != self.options.ignore_index
-                && (class_start..class_start + n_classes).contains(&(label as usize))
-        };
-        let index: Vec<i64> = labels
-            .iter()
-            .map(|&label| {
-                if in_tile(label) {
-                    label - class_start as i64
-                } else {
-                    0
-                }
-            })
-            .collect();
-        let hit: Vec<f64> = labels
-            .iter()
-            .map(|&label| if in_tile(label) { smoothing - 1.0 } else { 0.0 })
-            .collect();
-        let index = Tensor::from_slice(backend, &index, &[n_rows, 1])?;
-        let onehot = self.upload(&factor, &hit)?;
-        onehot.mul_(&factor)?;
-        let onehot = onehot.reshape(&[n_rows, 1])?;
-        backend.scatter_add(dlogits.view(), 1, index.view(), onehot.view())?;
-        if self.is_half() {
-            logits.copy_(&dlogits)?;
+            backend.cross_entropy_tile_backward(CrossEntropyTileBackward {
+                tile: LogitTile {
+                    logits: dlogits.view(),
+                    class_start,
+                    target: target.view(),
+                    ignore_index: self.options.ignore_index,
+                },
+                classes: self.classes,
+                smoothing: self.options.label_smoothing,
+                lse: lse.view(),
+                scale: scale.view(),
+                factor: block.factor.view(),
+            })?;
+            if let Some(dhidden) = dhidden {
+                let weight = operands.weight.narrow(0, class_start, n_classes)?;
+                backend.matmul(dlogits.view(), weight.view(), dhidden.view(), tile > 0)?;
+            }
+            if let Some(dweight) = dweight {
+                let rows = dweight.narrow(0, class_start, n_classes)?;
+                let first = block.index == 0;
+                backend.matmul(dlogits.t()?.view(), hidden.view(), rows.view(), !first)?;
+            }
+            if let (Some(dbias), Some(ones)) = (dbias, &ones) {
+                // The column sums as a product with a row of ones: f32 accumulation like the
+                // other products, no scratch of the size of the classes.
+                let columns = dbias.narrow(0, class_start, n_classes)?.unsqueeze(0)?;
+                backend.matmul(ones.view(), dlogits.view(), columns.view(), true)?;
+            }
         }
         Ok(())
     }
+}
+
+/// One block of rows in backward: its index, its rows (start, length) and their gradient
+/// factors.
+struct Block {
+    index: usize,
+    rows: (usize, usize),
+    factor: Tensor,
 }

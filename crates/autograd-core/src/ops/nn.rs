@@ -8,8 +8,8 @@
 
 use crate::autocast::{autocast_args, autocast_inputs};
 use crate::backend::{
-    CrossEntropyArgs, DropoutDraw, LayerNormBackward, LayerNormForward, MaskedOp, Reduction,
-    SoftmaxBackward,
+    CrossEntropyArgs, CrossEntropyBackward, CrossEntropyForward, DropoutDraw, LayerNormBackward,
+    LayerNormForward, MaskedOp, Reduction, SoftmaxBackward,
 };
 use crate::dtype::{stats_dtype, DType};
 use crate::error::{Result, TensorError};
@@ -293,15 +293,17 @@ fn fused_cross_entropy(
     let rows = logits.shape()[0];
     let loss = logits.new_empty(&[], loss_dtype)?;
     let lse = logits.new_empty(&[rows], stats_dtype(logits.dtype()))?;
-    let args = CrossEntropyArgs {
+    let input = CrossEntropyArgs {
         logits: dense.view(),
         target: target.view(),
         ignore_index,
         reduction,
     };
-    logits
-        .backend()
-        .cross_entropy(args, loss.view(), lse.view())?;
+    logits.backend().cross_entropy(CrossEntropyForward {
+        input,
+        loss: loss.view(),
+        lse: lse.view(),
+    })?;
     if records(&[logits]) {
         let saved_logits = SavedTensor::save("cross_entropy", SaveRole::Input(0), &dense)?;
         let saved_target = SavedTensor::save("cross_entropy", SaveRole::Input(1), &target)?;
@@ -314,18 +316,20 @@ fn fused_cross_entropy(
                 saved_lse.unpack()?,
             );
             let dlogits = logits.new_empty(logits.shape(), logits.dtype())?;
-            let args = CrossEntropyArgs {
+            let input = CrossEntropyArgs {
                 logits: logits.view(),
                 target: target.view(),
                 ignore_index,
                 reduction,
             };
-            logits.backend().cross_entropy_backward(
-                args,
-                lse.view(),
-                grad.view(),
-                dlogits.view(),
-            )?;
+            logits
+                .backend()
+                .cross_entropy_backward(CrossEntropyBackward {
+                    input,
+                    lse: lse.view(),
+                    dloss: grad.view(),
+                    dlogits: dlogits.view(),
+                })?;
             Ok(vec![Some(dlogits)])
         });
     }

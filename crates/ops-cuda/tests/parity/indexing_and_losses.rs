@@ -1,15 +1,18 @@
 //! Indexing, losses and dropout on the GPU against the CPU: gather and scatter-add, fused
 //! cross-entropy forward and backward (rows as wide as GPT-2's vocabulary, f32 losses of f16 and
-//! bf16 logits) and dropout.
+//! bf16 logits), the tiles of a chunked cross-entropy, and dropout.
 
-use headroom_autograd_core::{BackendRef, DType, DropoutDraw, Layout};
+use headroom_autograd_core::{
+    BackendRef, CrossEntropyArgs, CrossEntropyBackward, CrossEntropyForward, CrossEntropyTile,
+    CrossEntropyTileBackward, DType, DropoutDraw, Layout, LogitTile, Reduction,
+};
+use headroom_testkit::inputs::Xorshift;
 
 use crate::{compare, download, input, poisoned, seeded_backends, upload, view, WITH_STATS_DTYPE};
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
-    use headroom_autograd_core::{CrossEntropyArgs, Reduction};
     let Some((gpu, cpu, mut random)) = seeded_backends(0xfeed_beef_dead_c0de) else {
         return;
     };
@@ -17,19 +20,11 @@ fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
     let n = rows * classes;
     let table = Layout::contiguous(&[rows, classes]);
     let picks = Layout::contiguous(&[rows, 5]);
-    let targets: Vec<f64> = (0..rows)
-        .map(|r| {
-            if r % 7 == 3 {
-                -100.0
-            } else {
-                random.next_f64_in(0.0, classes as f64).floor()
-            }
-        })
-        .collect();
+    let targets = targets(&mut random, rows, classes, 7);
     let positions: Vec<f64> = (0..rows * 5)
         .map(|_| random.next_f64_in(0.0, classes as f64).floor())
         .collect();
-    for (dtype, stats) in WITH_STATS_DTYPE {
+    for (dtype, _) in WITH_STATS_DTYPE {
         let x = input(&mut random, false, n);
         let src = input(&mut random, false, rows * 5);
         compare("gather + scatter_add", dtype, &gpu, &cpu, |backend| {
@@ -67,36 +62,8 @@ fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
                 &gpu,
                 &cpu,
                 |backend| {
-                    let (xb, tb) = (
-                        upload(backend, dtype, &x),
-                        upload(backend, DType::I64, &targets),
-                    );
-                    let target_layout = Layout::contiguous(&[rows]);
-                    let args = CrossEntropyArgs {
-                        logits: view(&xb, &table, dtype),
-                        target: view(&tb, &target_layout, DType::I64),
-                        ignore_index: -100,
-                        reduction,
-                    };
-                    let scalar = Layout::contiguous(&[]);
-                    let (loss, lse) = (poisoned(backend, dtype, 1), poisoned(backend, stats, rows));
-                    let lse_view = view(&lse, &target_layout, stats);
-                    let loss_view = view(&loss, &scalar, dtype);
-                    backend.cross_entropy(args, loss_view, lse_view).unwrap();
-                    let (dloss, dlogits) =
-                        (upload(backend, dtype, &[0.75]), poisoned(backend, dtype, n));
-                    backend
-                        .cross_entropy_backward(
-                            args,
-                            lse_view,
-                            view(&dloss, &scalar, dtype),
-                            view(&dlogits, &table, dtype),
-                        )
-                        .unwrap();
-                    let mut res = download(backend, dtype, &loss);
-                    res.extend(download(backend, stats, &lse));
-                    res.extend(download(backend, dtype, &dlogits));
-                    res
+                    let shape = (rows, classes);
+                    cross_entropy_run(backend, (dtype, dtype), reduction, shape, &x, &targets)
                 },
             );
         }
@@ -133,15 +100,17 @@ fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
 }
 
 /// Fused cross-entropy forward and backward of `[rows, classes]` logits with the loss (and its
-/// gradient) in `loss_dtype`: the loss, the log-sum-exps and the logits' gradient, read back.
+/// gradient) in `loss_dtype`, combined by `reduction`: the loss, the log-sum-exps and the logits'
+/// gradient (scaled by the logits' count, so that the small gradient of a mean over many
+/// classes weighs in the norm as much as the loss), read back.
 fn cross_entropy_run(
     backend: &BackendRef,
     (dtype, loss_dtype): (DType, DType),
+    reduction: Reduction,
     (rows, classes): (usize, usize),
     logits: &[f64],
     targets: &[f64],
 ) -> Vec<f64> {
-    use headroom_autograd_core::{CrossEntropyArgs, Reduction};
     let table = Layout::contiguous(&[rows, classes]);
     let target_layout = Layout::contiguous(&[rows]);
     let scalar = Layout::contiguous(&[]);
@@ -149,11 +118,11 @@ fn cross_entropy_run(
         upload(backend, dtype, logits),
         upload(backend, DType::I64, targets),
     );
-    let args = CrossEntropyArgs {
+    let input = CrossEntropyArgs {
         logits: view(&xb, &table, dtype),
         target: view(&tb, &target_layout, DType::I64),
         ignore_index: -100,
-        reduction: Reduction::Mean,
+        reduction,
     };
     let stats = if dtype == DType::F64 {
         DType::F64
@@ -166,21 +135,23 @@ fn cross_entropy_run(
     );
     let lse_view = view(&lse, &target_layout, stats);
     let loss_view = view(&loss, &scalar, loss_dtype);
-    backend.cross_entropy(args, loss_view, lse_view).unwrap();
+    let forward = CrossEntropyForward {
+        input,
+        loss: loss_view,
+        lse: lse_view,
+    };
+    backend.cross_entropy(forward).unwrap();
     let dloss = upload(backend, loss_dtype, &[0.75]);
     let dlogits = poisoned(backend, dtype, rows * classes);
-    backend
-        .cross_entropy_backward(
-            args,
-            lse_view,
-            view(&dloss, &scalar, loss_dtype),
-            view(&dlogits, &table, dtype),
-        )
-        .unwrap();
+    let backward = CrossEntropyBackward {
+        input,
+        lse: lse_view,
+        dloss: view(&dloss, &scalar, loss_dtype),
+        dlogits: view(&dlogits, &table, dtype),
+    };
+    backend.cross_entropy_backward(backward).unwrap();
     let mut res = download(backend, loss_dtype, &loss);
     res.extend(download(backend, stats, &lse));
-    // The gradient of a mean over many classes is small: scaled up so it weighs in the norm as
-    // much as the loss.
     res.extend(
         download(backend, dtype, &dlogits)
             .iter()
@@ -199,23 +170,114 @@ fn cross_entropy_of_wide_rows_and_upcast_losses_match_the_cpu() {
         return;
     };
     for (rows, classes) in [(6, 50257), (37, 53)] {
-        let targets: Vec<f64> = (0..rows)
-            .map(|r| {
-                if r % 5 == 3 {
-                    -100.0
-                } else {
-                    random.next_f64_in(0.0, classes as f64).floor()
-                }
-            })
-            .collect();
+        let targets = targets(&mut random, rows, classes, 5);
         let logits: Vec<f64> = (0..rows * classes)
             .map(|_| random.next_f64_in(-8.0, 8.0))
             .collect();
         for dtypes in WITH_STATS_DTYPE {
             let what = format!("cross_entropy {rows}×{classes}, loss {:?}", dtypes.1);
             compare(&what, dtypes.0, &gpu, &cpu, |backend| {
-                cross_entropy_run(backend, dtypes, (rows, classes), &logits, &targets)
+                let shape = (rows, classes);
+                cross_entropy_run(backend, dtypes, Reduction::Mean, shape, &logits, &targets)
             });
         }
     }
+}
+
+/// The tiles of a chunked cross-entropy (`linear_cross_entropy`'s primitives): 37 rows of 53
+/// classes folded in tiles of 16 classes (the last one 5 wide), with ignored rows, label
+/// smoothing's logit sums, and each tile's logits then overwritten by their gradient.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cross_entropy_tiles_match_the_cpu() {
+    let Some((gpu, cpu, mut random)) = seeded_backends(0x7115_c0de_0ce1_1a55) else {
+        return;
+    };
+    let (rows, classes, width) = (37, 53, 16);
+    let targets = targets(&mut random, rows, classes, 6);
+    let factor: Vec<f64> = targets
+        .iter()
+        .map(|&t| if t < 0.0 { 0.0 } else { 0.5 })
+        .collect();
+    let scale: Vec<f64> = factor.iter().map(|f| f * 1.25).collect();
+    for (dtype, stats) in WITH_STATS_DTYPE {
+        let logits = input(&mut random, false, rows * classes);
+        compare("cross_entropy tiles", dtype, &gpu, &cpu, |backend| {
+            let per_row = Layout::contiguous(&[rows]);
+            let target = upload(backend, DType::I64, &targets);
+            let target = view(&target, &per_row, DType::I64);
+            let stat = |values: &[f64]| upload(backend, stats, values);
+            let (row_max, row_sum) = (stat(&[f64::NEG_INFINITY; 37]), stat(&[0.0; 37]));
+            let (target_logit, logit_sum) = (stat(&[0.0; 37]), stat(&[0.0; 37]));
+            let (scale, factor) = (stat(&scale), stat(&factor));
+            let mut res = Vec::new();
+            let tiles: Vec<_> = (0..classes)
+                .step_by(width)
+                .map(|start| {
+                    let n = width.min(classes - start);
+                    let values: Vec<f64> = (0..rows)
+                        .flat_map(|r| logits[r * classes + start..r * classes + start + n].to_vec())
+                        .collect();
+                    (start, n, upload(backend, dtype, &values))
+                })
+                .collect();
+            for (start, n, tile) in &tiles {
+                let layout = Layout::contiguous(&[rows, *n]);
+                let args = CrossEntropyTile {
+                    tile: LogitTile {
+                        logits: view(tile, &layout, dtype),
+                        class_start: *start,
+                        target,
+                        ignore_index: -100,
+                    },
+                    row_max: view(&row_max, &per_row, stats),
+                    row_sum: view(&row_sum, &per_row, stats),
+                    target_logit: view(&target_logit, &per_row, stats),
+                    logit_sum: Some(view(&logit_sum, &per_row, stats)),
+                };
+                backend.cross_entropy_tile(args).unwrap();
+            }
+            let (max, sum) = (
+                download(backend, stats, &row_max),
+                download(backend, stats, &row_sum),
+            );
+            let lse: Vec<f64> = max.iter().zip(&sum).map(|(m, s)| m + s.ln()).collect();
+            let lse_buffer = stat(&lse);
+            for (start, n, tile) in &tiles {
+                let layout = Layout::contiguous(&[rows, *n]);
+                let args = CrossEntropyTileBackward {
+                    tile: LogitTile {
+                        logits: view(tile, &layout, dtype),
+                        class_start: *start,
+                        target,
+                        ignore_index: -100,
+                    },
+                    classes,
+                    smoothing: 0.1,
+                    lse: view(&lse_buffer, &per_row, stats),
+                    scale: view(&scale, &per_row, stats),
+                    factor: view(&factor, &per_row, stats),
+                };
+                backend.cross_entropy_tile_backward(args).unwrap();
+                res.extend(download(backend, dtype, tile).iter().map(|g| g * 10.0));
+            }
+            res.extend(lse);
+            res.extend(download(backend, stats, &target_logit));
+            res.extend(download(backend, stats, &logit_sum));
+            res
+        });
+    }
+}
+
+/// Random classes for `rows` rows, every `every`-th from the fourth ignored (-100).
+fn targets(random: &mut Xorshift, rows: usize, classes: usize, every: usize) -> Vec<f64> {
+    (0..rows)
+        .map(|r| {
+            if r % every == 3 {
+                -100.0
+            } else {
+                random.next_f64_in(0.0, classes as f64).floor()
+            }
+        })
+        .collect()
 }

@@ -189,3 +189,37 @@ fn tf32_is_an_explicit_opt_in_within_1e_3() {
         "TF32 was not used: {tf32:e} vs f32 {exact:e}"
     );
 }
+
+/// f16 and bf16 products written unrounded into an f32 `out` (and accumulated into it in f32):
+/// the GPU's f32 accumulation against the CPU's, within f32 rounding (the comparison's f32
+/// bound), far tighter than the inputs' own precision.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn half_products_into_f32_match_the_cpu() {
+    let Some((gpu, cpu, mut random)) = seeded_backends(0xf32a_cc00_5eed_0001) else {
+        return;
+    };
+    let (m, k, n) = (45, 130, 37);
+    for dtype in [DType::F16, DType::BF16] {
+        let a = input(&mut random, false, m * k);
+        let b = input(&mut random, false, k * n);
+        let c0 = input(&mut random, false, m * n);
+        compare("matmul into f32", DType::F32, &gpu, &cpu, |backend| {
+            let (ab, bb) = (upload(backend, dtype, &a), upload(backend, dtype, &b));
+            let a_layout = Layout::contiguous(&[m, k]);
+            // b read transposed from [n, k] memory, as a linear's weight is.
+            let b_layout = Layout::from_parts(&[k, n], &[1, k], 0).unwrap();
+            let out_layout = Layout::contiguous(&[m, n]);
+            let (lhs, rhs) = (view(&ab, &a_layout, dtype), view(&bb, &b_layout, dtype));
+            let out = upload(backend, DType::F32, &c0);
+            let out_view = view(&out, &out_layout, DType::F32);
+            backend.matmul(lhs, rhs, out_view, true).unwrap();
+            let fresh = poisoned(backend, DType::F32, m * n);
+            let fresh_view = view(&fresh, &out_layout, DType::F32);
+            backend.matmul(lhs, rhs, fresh_view, false).unwrap();
+            let mut res = download(backend, DType::F32, &out);
+            res.extend(download(backend, DType::F32, &fresh));
+            res
+        });
+    }
+}
