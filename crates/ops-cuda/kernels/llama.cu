@@ -201,25 +201,25 @@ __device__ void rms_norm_backward_vec(const T* dy, const T* x, const typename Ac
             for (int e = 0; e < V; ++e) partial[blockIdx.x * n + vector_of_thread(q) * V + e] = dw[q][e];
 }
 
-// dw[j · dws] = the sum over `chunks` rows of `partial` [chunks, n] of column j: a 32 x 16 block
-// takes 32 columns, each of its 16 rows of threads every 16th chunk (coalesced across the
-// columns, unrolled so several loads are in flight), then its first row adds the 16 sums in order.
+// dw[j · dws] = the sum over `chunks` rows of `partial` [chunks, n] of column j: a block of 32 x
+// blockDim.y threads (at most 32 rows) takes 32 columns, each of its rows of threads every
+// blockDim.y-th chunk (coalesced across the columns, unrolled so several loads are in flight),
+// then its first row adds the rows' sums in order.
 template <typename T>
 __device__ void rms_norm_weight_grad_finish(const typename Acc<T>::type* partial, unsigned long long chunks, T* dw,
                                             unsigned long long dws, unsigned long long n) {
     typedef typename Acc<T>::type C;
-    __shared__ C column_sums[16][33];
+    __shared__ C column_sums[32][33];
     const unsigned long long j = (unsigned long long)blockIdx.x * 32 + threadIdx.x;
     C acc = 0;
     if (j < n) {
 #pragma unroll 4
-        for (unsigned long long c = threadIdx.y; c < chunks; c += 16) acc += partial[c * n + j];
+        for (unsigned long long c = threadIdx.y; c < chunks; c += blockDim.y) acc += partial[c * n + j];
     }
     column_sums[threadIdx.y][threadIdx.x] = acc;
     __syncthreads();
     if (threadIdx.y != 0 || j >= n) return;
-#pragma unroll
-    for (int k = 1; k < 16; ++k) acc += column_sums[k][threadIdx.x];
+    for (unsigned k = 1; k < blockDim.y; ++k) acc += column_sums[k][threadIdx.x];
     st(dw + j * dws, acc);
 }
 
@@ -410,7 +410,7 @@ __device__ void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int 
                                                           unsigned long long n) {                              \
         rms_norm_backward_rows<T>(dy, x, rstd, w, ws, dx, partial, rows, n);                                   \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(512)                                                          \
+    extern "C" __global__ void __launch_bounds__(1024)                                                         \
         rms_norm_weight_grad_finish_##N(const Acc<T>::type* partial, unsigned long long chunks, T* dw,         \
                                         unsigned long long dws, unsigned long long n) {                        \
         rms_norm_weight_grad_finish<T>(partial, chunks, dw, dws, n);                                           \

@@ -45,8 +45,9 @@ const WEIGHT_GRAD_BLOCKS: u64 = SMS * 3;
 /// blocks of 256 (its launch bounds), or more blocks of narrower rows, each with its own `[n]`
 /// row of partial sums (so about the same bytes).
 const WEIGHT_GRAD_THREADS_PER_SM: u64 = 512;
-/// Columns and rows of threads of a block of `rms_norm_weight_grad_finish`.
-const FINISH_BLOCK: (u32, u32, u32) = (32, 16, 1);
+/// Columns and rows of threads of a block of `rms_norm_weight_grad_finish` (32 columns; at most
+/// 32 rows, its launch bounds): each thread adds every 32nd partial row of its column.
+const FINISH_BLOCK: (u32, u32, u32) = (32, 32, 1);
 /// Blocks of a flat grid-stride launch at most: enough to fill an H200 several times over.
 const MAX_FLAT_BLOCKS: u64 = 132 * 32;
 /// Rows along the grid's y at most (CUDA's limit); the kernels loop over the rest.
