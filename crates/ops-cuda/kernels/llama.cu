@@ -47,7 +47,8 @@ __device__ __forceinline__ double m_sqrt(double x) { return sqrt(x); }
 
 // ---- RMSNorm ----------------------------------------------------------------------------------
 // x, out, dy, dx dense [rows, n]; weight [n]; rstd [rows] in Acc<T>; partial [gridDim.x, n] in
-// Acc<T>: each block's column sums of dy · round(x · rstd), which `column_finish` of rows.cu adds.
+// Acc<T>: each block's column sums of dy · round(x · rstd), which `rms_norm_weight_grad_finish`
+// adds into the weight gradient.
 
 // Vector q of this thread's share of a row: vectors t, t + blockDim.x, ... (whether it exists:
 // `< nv`, the row's vectors).
@@ -55,12 +56,13 @@ __device__ __forceinline__ unsigned long long vector_of_thread(int q) {
     return threadIdx.x + (unsigned long long)q * blockDim.x;
 }
 
-// Loads this thread's VPT vectors of `row` (those that exist) into `v`.
+// Loads this thread's VPT vectors of `row` (those that exist, zero for the others) into `v`.
 template <typename T, int VPT>
 __device__ __forceinline__ void load_share(const T* row, unsigned long long nv, Vec16<T>* v) {
 #pragma unroll
     for (int q = 0; q < VPT; ++q)
-        if (vector_of_thread(q) < nv) v[q].raw = reinterpret_cast<const uint4*>(row)[vector_of_thread(q)];
+        v[q].raw = vector_of_thread(q) < nv ? reinterpret_cast<const uint4*>(row)[vector_of_thread(q)]
+                                            : make_uint4(0, 0, 0, 0);
 }
 
 // Stores this thread's VPT vectors `v` into `row` (those that exist).
@@ -102,53 +104,123 @@ __device__ void rms_norm_vec(const T* x, const T* w, T* out, typename Acc<T>::ty
     }
 }
 
+// Rows a block of `rms_norm_backward_vec` takes at a time with VPT vectors a thread: 8 vectors of
+// x and of dy in flight per thread (4 for f64, and for 16-bit types at 4 vectors a thread, whose
+// 32 weight-gradient sums take the registers), within 128 registers (two blocks of 256 threads
+// an SM) without spilling. llama.rs mirrors it (`backward_rows_per_pass`).
+template <typename T> __host__ __device__ constexpr int backward_rows_per_pass(int vpt) {
+    return sizeof(T) == 8 ? 4 / vpt : sizeof(T) == 2 && vpt == 4 ? 1 : 8 / vpt;
+}
+
+// The sums over the block (any multiple of 32 threads up to 1024) of each of K values, which
+// every thread gets. `warp_sums` holds two turns of [K][32]: calls that alternate `turn` need only
+// the one barrier here, since a thread reaches the next call's barrier only after its reads.
+template <typename C, int K>
+__device__ __forceinline__ void block_sums(C (&v)[K], C (*warp_sums)[K][32], int turn) {
+    const unsigned warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
+        if (lane == 0) warp_sums[turn][k][warp] = v[k];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        C s = 0;
+        for (unsigned i = 0; i < n_warps; ++i) s += warp_sums[turn][k][i];
+        v[k] = s;
+    }
+}
+
 // dx = rstd · (g − x̂ · mean(g · x̂)) with g = dy · w and x̂ = x · rstd (skipped when dx is null);
-// with `partial`, the block's column sums of dy · round(x̂) (the weight gradient) in registers.
-template <typename T, int VPT>
+// with `partial`, the block's column sums of dy · round(x̂) (the weight gradient) in registers,
+// written once at the end to the block's row of `partial`. A block takes K rows at a time (rows
+// first, first + 1, ... with first = K · (block + i · blocks)), loading all of them before it
+// sums, so K · VPT vectors of x and of dy are in flight per thread; rows past the end load
+// zeros, which add nothing.
+template <typename T, int VPT, int K>
 __device__ void rms_norm_backward_vec(const T* dy, const T* x, const typename Acc<T>::type* rstd_in, const T* w,
                                       T* dx, typename Acc<T>::type* partial, unsigned long long rows,
                                       unsigned long long n) {
     typedef typename Acc<T>::type C;
     constexpr int V = Vec16<T>::N;
-    __shared__ C warp_sums[32];
+    __shared__ C warp_sums[2][K][32];
     const unsigned long long nv = n / V;
-    Vec16<T> wv[VPT], xv[VPT], gv[VPT];
+    Vec16<T> wv[VPT];
     C dw[VPT][V];
     load_share<T, VPT>(w, nv, wv);
 #pragma unroll
     for (int q = 0; q < VPT; ++q)
 #pragma unroll
-        for (int k = 0; k < V; ++k) dw[q][k] = 0;
-    for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
-        load_share<T, VPT>(x + r * n, nv, xv);
-        load_share<T, VPT>(dy + r * n, nv, gv);
-        const C rstd = rstd_in[r];
-        C sgx = 0;
+        for (int e = 0; e < V; ++e) dw[q][e] = 0;
+    int turn = 0;
+    for (unsigned long long first = (unsigned long long)blockIdx.x * K; first < rows;
+         first += (unsigned long long)gridDim.x * K) {
+        Vec16<T> xv[K][VPT], gv[K][VPT];
+        C rstd[K], sgx[K];
 #pragma unroll
-        for (int q = 0; q < VPT; ++q) {
-            if (vector_of_thread(q) >= nv) continue;
+        for (int k = 0; k < K; ++k) {
+            const bool here = first + k < rows;
+            load_share<T, VPT>(x + (first + k) * n, here ? nv : 0, xv[k]);
+            load_share<T, VPT>(dy + (first + k) * n, here ? nv : 0, gv[k]);
+            rstd[k] = here ? rstd_in[first + k] : (C)0;
+        }
 #pragma unroll
-            for (int k = 0; k < V; ++k) {
-                C x_hat = xv[q].get(k) * rstd, g = gv[q].get(k);
-                if (partial) dw[q][k] += g * round_to<T>(x_hat);
-                sgx += g * wv[q].get(k) * x_hat;
-            }
+        for (int k = 0; k < K; ++k) {
+            sgx[k] = 0;
+#pragma unroll
+            for (int q = 0; q < VPT; ++q)
+#pragma unroll
+                for (int e = 0; e < V; ++e) {
+                    C x_hat = xv[k][q].get(e) * rstd[k], g = gv[k][q].get(e);
+                    if (partial) dw[q][e] += g * round_to<T>(x_hat);
+                    sgx[k] += g * wv[q].get(e) * x_hat;
+                }
         }
         if (!dx) continue;
-        const C mean_gx = block_sum(sgx, warp_sums) / (C)n;
+        block_sums<C, K>(sgx, warp_sums, turn);
+        turn ^= 1;
 #pragma unroll
-        for (int q = 0; q < VPT; ++q)
+        for (int k = 0; k < K; ++k) {
+            if (first + k >= rows) continue;
+            const C mean_gx = sgx[k] / (C)n;
 #pragma unroll
-            for (int k = 0; k < V; ++k)
-                gv[q].set(k, rstd * (gv[q].get(k) * wv[q].get(k) - xv[q].get(k) * rstd * mean_gx));
-        store_share<T, VPT>(dx + r * n, nv, gv);
+            for (int q = 0; q < VPT; ++q)
+#pragma unroll
+                for (int e = 0; e < V; ++e)
+                    gv[k][q].set(e, rstd[k] * (gv[k][q].get(e) * wv[q].get(e) - xv[k][q].get(e) * rstd[k] * mean_gx));
+            store_share<T, VPT>(dx + (first + k) * n, nv, gv[k]);
+        }
     }
     if (!partial) return;
 #pragma unroll
     for (int q = 0; q < VPT; ++q)
         if (vector_of_thread(q) < nv)
 #pragma unroll
-            for (int k = 0; k < V; ++k) partial[blockIdx.x * n + vector_of_thread(q) * V + k] = dw[q][k];
+            for (int e = 0; e < V; ++e) partial[blockIdx.x * n + vector_of_thread(q) * V + e] = dw[q][e];
+}
+
+// dw[j · dws] = the sum over `chunks` rows of `partial` [chunks, n] of column j: a block of 32 x
+// blockDim.y threads (at most 32 rows) takes 32 columns, each of its rows of threads every
+// blockDim.y-th chunk (coalesced across the columns, unrolled so several loads are in flight),
+// then its first row adds the rows' sums in order.
+template <typename T>
+__device__ void rms_norm_weight_grad_finish(const typename Acc<T>::type* partial, unsigned long long chunks, T* dw,
+                                            unsigned long long dws, unsigned long long n) {
+    typedef typename Acc<T>::type C;
+    __shared__ C column_sums[32][33];
+    const unsigned long long j = (unsigned long long)blockIdx.x * 32 + threadIdx.x;
+    C acc = 0;
+    if (j < n) {
+#pragma unroll 4
+        for (unsigned long long c = threadIdx.y; c < chunks; c += blockDim.y) acc += partial[c * n + j];
+    }
+    column_sums[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y != 0 || j >= n) return;
+    for (unsigned k = 1; k < blockDim.y; ++k) acc += column_sums[k][threadIdx.x];
+    st(dw + j * dws, acc);
 }
 
 // Any alignment and weight stride: one block per row (grid-stride), threads striding along it;
@@ -319,10 +391,10 @@ __device__ void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int 
                                                      double eps, unsigned long long rows, unsigned long long n) { \
         rms_norm_vec<T, VPT>(x, w, out, rstd, eps, rows, n);                                                 \
     }                                                                                                         \
-    extern "C" __global__ void rms_norm_backward_v##VPT##_##N(const T* dy, const T* x, const Acc<T>::type* rstd, \
-                                                              const T* w, T* dx, Acc<T>::type* partial,     \
-                                                              unsigned long long rows, unsigned long long n) { \
-        rms_norm_backward_vec<T, VPT>(dy, x, rstd, w, dx, partial, rows, n);                                 \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                    \
+        rms_norm_backward_v##VPT##_##N(const T* dy, const T* x, const Acc<T>::type* rstd, const T* w, T* dx,   \
+                                       Acc<T>::type* partial, unsigned long long rows, unsigned long long n) { \
+        rms_norm_backward_vec<T, VPT, backward_rows_per_pass<T>(VPT)>(dy, x, rstd, w, dx, partial, rows, n);                        \
     }
 
 #define LLAMA_KERNELS(T, N)                                                                                  \
@@ -337,6 +409,11 @@ __device__ void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int 
                                                           Acc<T>::type* partial, unsigned long long rows,      \
                                                           unsigned long long n) {                              \
         rms_norm_backward_rows<T>(dy, x, rstd, w, ws, dx, partial, rows, n);                                   \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(1024)                                                         \
+        rms_norm_weight_grad_finish_##N(const Acc<T>::type* partial, unsigned long long chunks, T* dw,         \
+                                        unsigned long long dws, unsigned long long n) {                        \
+        rms_norm_weight_grad_finish<T>(partial, chunks, dw, dws, n);                                           \
     }                                                                                                          \
     extern "C" __global__ void swiglu_v_##N(const T* g, unsigned long long gs, const T* u, unsigned long long us, \
                                             T* out, unsigned long long rows, unsigned long long n) {           \

@@ -4,8 +4,12 @@
 //! Each op picks a vectorised kernel (16-byte loads and stores) when every row operand is
 //! 16-byte aligned and rows hold whole vectors, else a scalar one that takes any alignment:
 //! - RMSNorm: one block per row keeping the row in registers (up to 4 vectors a thread, 256
-//!   threads), so x is read once; the backward writes dx and, in the same pass, each block's
-//!   column sums of the weight gradient into scratch, which `column_finish` of `rows.cu` adds.
+//!   threads), so x is read once. The backward's block takes several rows at a time (8 vectors
+//!   of x and of dy in flight per thread, see [`backward_rows_per_pass`]), writes their dx and
+//!   keeps its column sums of the weight gradient in registers; each block writes them once to
+//!   its row of a scratch `[blocks, n]` in f32 (f64 for f64), and a second kernel adds the
+//!   rows. Blocks: 2 per SM at 256 threads (more for narrower rows, at most 16 an SM), so the
+//!   scratch is `blocks · n · 4` bytes: 264 · 2048 · 4 = 2.2 MB for Llama-3.2-1B's 2048.
 //! - SwiGLU: rows along the grid's y, a row's vectors along x; `gate` and `up` may have any row
 //!   stride (halves of a packed projection).
 //! - Rotary: a flat walk over (row, unit) pairs, a row being one head at one position and a
@@ -31,10 +35,19 @@ use crate::scratch::Scratch;
 const THREADS: u64 = 256;
 /// Blocks of a row launch at most (the kernels loop over the rest): a few waves of an H200.
 const MAX_ROW_BLOCKS: u64 = 132 * 16;
-/// Blocks of an RMSNorm backward that sums the weight gradient: each writes one `[n]` row of
-/// partial sums, so enough to stream x and dy at full speed and few enough that adding the
-/// partials stays a small fraction of the traffic.
-const WEIGHT_GRAD_BLOCKS: u64 = 132 * 3;
+/// An H200's streaming multiprocessors.
+const SMS: u64 = 132;
+/// Blocks of the scalar RMSNorm backward that sums the weight gradient: each writes one `[n]`
+/// row of partial sums, so enough to stream x and dy at full speed and few enough that adding
+/// the partials stays a small fraction of the traffic.
+const WEIGHT_GRAD_BLOCKS: u64 = SMS * 3;
+/// Threads an SM of the vectorised RMSNorm backward that sums the weight gradient runs: two
+/// blocks of 256 (its launch bounds), or more blocks of narrower rows, each with its own `[n]`
+/// row of partial sums (so about the same bytes).
+const WEIGHT_GRAD_THREADS_PER_SM: u64 = 512;
+/// Columns and rows of threads of a block of `rms_norm_weight_grad_finish` (32 columns; at most
+/// 32 rows, its launch bounds): each thread adds every 32nd partial row of its column.
+const FINISH_BLOCK: (u32, u32, u32) = (32, 32, 1);
 /// Blocks of a flat grid-stride launch at most: enough to fill an H200 several times over.
 const MAX_FLAT_BLOCKS: u64 = 132 * 32;
 /// Rows along the grid's y at most (CUDA's limit); the kernels loop over the rest.
@@ -82,6 +95,18 @@ fn rms_vec_plan(
         .find(|&(_, per_thread)| vectors <= THREADS * per_thread)?;
     let threads = vectors.div_ceil(per_thread).div_ceil(32) * 32;
     Some((slot, threads as u32))
+}
+
+/// Rows a block of the vectorised RMSNorm backward takes at a time with `per_thread` vectors a
+/// thread: `backward_rows_per_pass` of `llama.cu` (8 vectors of x and of dy in flight a thread;
+/// 4 for f64, and for 16-bit types at 4 vectors a thread). It sets only the block count: the
+/// kernel walks all rows whatever the grid, so a mismatch would cost balance, not correctness.
+fn backward_rows_per_pass(dtype: DType, per_thread: u64) -> u64 {
+    match dtype.size_in_bytes() {
+        8 => 4 / per_thread,
+        2 if per_thread == 4 => 1,
+        _ => 8 / per_thread,
+    }
 }
 
 /// One block of `threads` per row, at most `max_blocks` blocks.
@@ -151,12 +176,24 @@ pub(crate) fn rms_norm_backward(backend: &CudaBackend, args: RmsNormBackward<'_>
     let (w, ws) = (element_address(&args.weight), param_stride(&args.weight));
     let rstd = element_address(&args.rstd);
     let dx = args.dx.as_ref().map_or(0, element_address);
-    // No rows: no partial sums, and the finish below writes a zero weight gradient.
-    let blocks = if args.dweight.is_some() {
-        rows.min(WEIGHT_GRAD_BLOCKS)
-    } else {
-        rows.min(MAX_ROW_BLOCKS)
+    let mut addresses = vec![dy, x, w];
+    addresses.extend(args.dx.as_ref().map(element_address));
+    let plan = rms_vec_plan(args.x.dtype, n, &addresses, ws);
+    let (name, threads, rows_per_pass) = match plan {
+        Some((slot, threads)) => {
+            let per_thread = 1 << slot;
+            let rows_per_pass = backward_rows_per_pass(args.x.dtype, per_thread);
+            (RMS_VEC_BACKWARD[slot], threads, rows_per_pass)
+        }
+        None => ("rms_norm_backward_rows", THREADS as u32, 1),
     };
+    let max_blocks = match (args.dweight.is_some(), plan.is_some()) {
+        (false, _) => MAX_ROW_BLOCKS,
+        (true, true) => SMS * (WEIGHT_GRAD_THREADS_PER_SM / u64::from(threads)).clamp(2, 16),
+        (true, false) => WEIGHT_GRAD_BLOCKS,
+    };
+    // No rows: no partial sums, and the finish below writes a zero weight gradient.
+    let blocks = rows.div_ceil(rows_per_pass).min(max_blocks);
     // Each block's `[n]` column sums of the weight gradient (accumulation type), added below.
     let accumulator = if args.x.dtype == DType::F64 { 8 } else { 4 };
     let scratch = match args.dweight {
@@ -164,9 +201,6 @@ pub(crate) fn rms_norm_backward(backend: &CudaBackend, args: RmsNormBackward<'_>
         None => None,
     };
     let partial = scratch.as_ref().map_or(0, Scratch::address);
-    let mut addresses = vec![dy, x, w];
-    addresses.extend(args.dx.as_ref().map(element_address));
-    let plan = rms_vec_plan(args.x.dtype, n, &addresses, ws);
     let mut params = vec![
         Param::U64(dy),
         Param::U64(x),
@@ -177,10 +211,6 @@ pub(crate) fn rms_norm_backward(backend: &CudaBackend, args: RmsNormBackward<'_>
         params.push(Param::U64(ws));
     }
     params.extend([dx, partial, rows, n].map(Param::U64));
-    let (name, threads) = match plan {
-        Some((slot, threads)) => (RMS_VEC_BACKWARD[slot], threads),
-        None => ("rms_norm_backward_rows", THREADS as u32),
-    };
     if rows > 0 {
         let config = row_config(rows, threads, blocks);
         launch_in(
@@ -196,10 +226,10 @@ pub(crate) fn rms_norm_backward(backend: &CudaBackend, args: RmsNormBackward<'_>
     let Some(dweight) = args.dweight else {
         return Ok(());
     };
-    // `column_finish` of rows.cu: one thread per column adds the blocks' partial sums.
+    // `rms_norm_weight_grad_finish`: a block adds the blocks' partial sums of 32 columns.
     let finish = LaunchConfig {
-        grid_dim: checked_grid(op, n.div_ceil(THREADS).clamp(1, MAX_ROW_BLOCKS), 1, 1)?,
-        block_dim: (THREADS as u32, 1, 1),
+        grid_dim: checked_grid(op, n.div_ceil(u64::from(FINISH_BLOCK.0)), 1, 1)?,
+        block_dim: FINISH_BLOCK,
         shared_mem_bytes: 0,
     };
     let params = [
@@ -207,11 +237,10 @@ pub(crate) fn rms_norm_backward(backend: &CudaBackend, args: RmsNormBackward<'_>
         Param::U64(blocks),
         Param::U64(element_address(&dweight)),
         Param::U64(param_stride(&dweight)),
-        Param::F64(1.0),
         Param::U64(n),
     ];
-    let name = ("column_finish", suffix);
-    launch_in(backend, Module::Rows, op, name, finish, &params, NO_ARGS)
+    let name = ("rms_norm_weight_grad_finish", suffix);
+    launch_in(backend, Module::Llama, op, name, finish, &params, NO_ARGS)
 }
 
 /// Rows along y (at most CUDA's limit), `units` per row along x in blocks of 256 threads.

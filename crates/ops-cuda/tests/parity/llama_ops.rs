@@ -1,9 +1,10 @@
 //! The fused Llama ops on the GPU against the CPU, through autograd-core's ops (so the forward
-//! and backward primitives both run): RMSNorm at Llama shapes (4096 rows of 2048) and at widths
-//! that take each kernel (1, 2 and 4 vectors a thread; not whole vectors; too wide for
-//! registers), SwiGLU dense and on the halves of a packed projection, and the rotary embedding on
-//! the strided heads of a projection and at a head width of no whole vector. Output and input
-//! gradients (from `sum(out · weights)`) are compared within each dtype's tolerance.
+//! and backward primitives both run): RMSNorm at Llama shapes (4096 rows of 2048, and 2117 and 1
+//! rows) and at widths that take each kernel (1, 2 and 4 vectors a thread; not whole vectors;
+//! too wide for registers), also with dx or the weight gradient alone; SwiGLU dense and on the
+//! halves of a packed projection; and the rotary embedding on the strided heads of a projection
+//! and at a head width of no whole vector. Output and input gradients (from `sum(out ·
+//! weights)`) are compared within each dtype's tolerance.
 
 use headroom_autograd_core::{rms_norm, rotary_embedding, swiglu, BackendRef, DType, Tensor};
 use headroom_testkit::inputs::Xorshift;
@@ -24,11 +25,26 @@ fn output_and_grads(
     weights: &[f64],
     op: &dyn Fn(&[Tensor]) -> Tensor,
 ) -> Vec<f64> {
+    let trainable = vec![true; inputs.len()];
+    output_and_some_grads(backend, dtype, inputs, &trainable, weights, op)
+}
+
+/// [`output_and_grads`] with only the leaves marked in `trainable` requiring a gradient (and
+/// only their gradients returned).
+fn output_and_some_grads(
+    backend: &BackendRef,
+    dtype: DType,
+    inputs: &[(Vec<f64>, Vec<usize>)],
+    trainable: &[bool],
+    weights: &[f64],
+    op: &dyn Fn(&[Tensor]) -> Tensor,
+) -> Vec<f64> {
     let leaves: Vec<Tensor> = inputs
         .iter()
-        .map(|(values, shape)| {
+        .zip(trainable)
+        .map(|((values, shape), &wants_grad)| {
             let leaf = Tensor::from_f64s(backend, values, shape, dtype).unwrap();
-            leaf.requires_grad_(true).unwrap();
+            leaf.requires_grad_(wants_grad).unwrap();
             leaf
         })
         .collect();
@@ -36,7 +52,7 @@ fn output_and_grads(
     let w = Tensor::from_f64s(backend, weights, out.shape(), dtype).unwrap();
     out.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
     let mut res = out.to_vec_f64().unwrap();
-    for leaf in &leaves {
+    for (leaf, _) in leaves.iter().zip(trainable).filter(|(_, &wants)| wants) {
         res.extend(leaf.grad().unwrap().to_vec_f64().unwrap());
     }
     res
@@ -47,10 +63,14 @@ fn output_and_grads(
 fn rms_norm_matches_the_cpu() {
     let Some((gpu, cpu)) = backends() else { return };
     let mut random = Xorshift::from_state(0x11a3_a000_0000_0001);
-    // 2048: Llama-3.2-1B; 256 / 1000 / 4096: 1, 2 and 4 vectors a thread (bf16) or the row
-    // kernel; 300 and 2051: no whole number of vectors; 8192: f32 too wide for registers.
+    // 2048: Llama-3.2-1B (4096 rows: whole passes of 8 or 4 rows a block; 2117: more passes
+    // than blocks with a last pass of a few rows; 1: a single row); 256 / 1000 / 4096: 1, 2 and
+    // 4 vectors a thread (bf16) or the row kernel; 300 and 2051: no whole number of vectors;
+    // 8192: f32 too wide for registers.
     for (rows, n) in [
         (4096, 2048),
+        (2117, 2048),
+        (1, 2048),
         (7, 256),
         (9, 1000),
         (5, 4096),
@@ -69,6 +89,31 @@ fn rms_norm_matches_the_cpu() {
                     rms_norm(&t[0], &t[1], 1e-5).unwrap()
                 })
             });
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn rms_norm_with_one_gradient_matches_the_cpu() {
+    let Some((gpu, cpu)) = backends() else { return };
+    let mut random = Xorshift::from_state(0x11a3_a000_0000_0004);
+    // The backward writing dx alone (a frozen weight) and the weight gradient alone (x a
+    // constant), in the vectorised kernel (2048) and the row kernel (300 in 16-bit types).
+    for (rows, n) in [(37, 2048), (13, 300)] {
+        for dtype in FLOATS {
+            let inputs = [
+                (values(&mut random, rows * n, -2.0, 2.0), vec![rows, n]),
+                (values(&mut random, n, 0.5, 1.5), vec![n]),
+            ];
+            let weights = values(&mut random, rows * n, -1.0, 1.0);
+            for trainable in [[true, false], [false, true]] {
+                compare("rms_norm, one gradient", dtype, &gpu, &cpu, |backend| {
+                    output_and_some_grads(backend, dtype, &inputs, &trainable, &weights, &|t| {
+                        rms_norm(&t[0], &t[1], 1e-5).unwrap()
+                    })
+                });
+            }
         }
     }
 }
