@@ -20,10 +20,17 @@
 #       --bench cpu_vit --bench cpu_gemm 2>&1 | tee .gpu-bundle/benches.log |
 #     sed -n 's/^ *Executable .*(\(.*\))$/\1/p' | xargs -I{} cp {} .gpu-bundle/benches/ &&
 #     strip .gpu-bundle/benches/*
-# (cpu-benches needs only cpu_vit and cpu_gemm, and no GPU: it runs on any machine.)
+# (cpu-benches needs only cpu_vit and cpu_gemm, and no GPU: it runs on any machine.) The phases
+# fused-ce and llama-parity run ops-cuda's examples of those names from the same folder (NAME
+# alone is found too):
+#   cargo build --release -p headroom-ops-cuda --features cuda --example fused_ce_bench \
+#       --example llama_loss_parity &&
+#     cp target/release/examples/fused_ce_bench target/release/examples/llama_loss_parity \
+#       .gpu-bundle/benches/
 #
-#   bash scripts/gpu-measure.sh PHASE...      PHASE: tests vit gpt2 fmb planner reclaim noreclaim
-#                                                    plugin benches llama llama8b kernels fused-ce
+#   bash scripts/gpu-measure.sh PHASE...      PHASE: tests vit gpt2 fmb fmb-llama planner reclaim
+#                                                    noreclaim plugin benches llama llama8b
+#                                                    llama-parity kernels fused-ce
 #                                                    allocator-benches cpu-benches
 #
 # tests    every test binary with --include-ignored (the GPU tests are marked
@@ -38,6 +45,11 @@
 #          --pytorch reads them
 # gpt2     GPT-2 small, batch 8 × 1024 tokens, forward + backward in f32 and bf16, both sides
 # fmb      find-max-batch under a 24 GiB cap, PyTorch's side first
+# fmb-llama  find-max-batch of Llama-3.2-1B at 2048 tokens a row under a 24 GiB cap
+#          (LLAMA_FMB_CAP_MB overrides it, and the files' names carry it: fmb_llama1b_<cap>.json,
+#          fmb_llama1b_<cap>_torch.jsonl), the cases fwd_bwd (f32), fwd_bwd_bf16,
+#          fwd_bwd_bf16_ckpt and adam_inbwd_ckpt_bf16, Hugging Face's LlamaForCausalLM (SDPA,
+#          scripts/pytorch/find_max_batch.py) first, then ours beside it
 # planner  adam_auto at five budgets evenly between adam_ckpt's peak (5,324,016,128 B) and
 #          adam_fused's (13,683,924,992 B) at 91ab5d2 (ViT-L/16, batch 32)
 # reclaim  bench-memory with the default allocator against AllocatorConfig::reclaiming()
@@ -66,6 +78,12 @@
 #          LlamaForCausalLM with SDPA (bench_reference.py --model llama-3.2-1b), same run
 # llama8b  Llama-3.1-8B in bf16 at 1 x 4096, every block checkpointed, beside Hugging Face with
 #          gradient_checkpointing_enable()
+# llama-parity  issue 30's loss parity: ops-cuda's llama_loss_parity example writes a random-init
+#          Llama-3.2-1B (f32, seed 0, TF32 off) as a Hugging Face checkpoint with 2 x 2048 token
+#          ids into a temporary folder (5 GB, removed after; LLAMA_PARITY_DIR names one to keep) and
+#          prints our f32 losses (llama_parity_ours.json); scripts/pytorch/llama_loss_parity.py
+#          loads it into transformers' LlamaForCausalLM (SDPA and eager, TF32 off) and writes
+#          llama_parity.json, failing when a loss differs from ours by over 1e-6 relative
 # kernels  ops-cuda's criterion kernels bench (copy ceiling, RMSNorm, SwiGLU, rotary, grouped-
 #          query and packed attention; kernels.txt) and torch SDPA on cuDNN at the same
 #          attention shape (scripts/pytorch/attention_reference.py)
@@ -111,11 +129,12 @@ bench_names() {
     benches) echo vit_step cuda_adam ;;
     allocator-benches) echo cuda_alloc allocator ;;
     cpu-benches) echo cpu_vit cpu_gemm ;;
+    llama-parity) echo llama_loss_parity ;;
   esac
 }
-# Every phase but `tests` and the bench phases runs the release headroom-bench.
+# Every phase but `tests`, the bench phases and llama-parity runs the release headroom-bench.
 for phase in "$@"; do
-  if [[ $phase == *benches ]]; then
+  if [[ $phase == *benches || $phase == llama-parity ]]; then
     for name in $(bench_names "$phase"); do
       [[ -n $(bench_exe "$name") ]] || { echo "no single $benches/$name-<hash> for phase" \
         "$phase: build the bench executables first (see the header)" >&2; exit 2; }
@@ -239,6 +258,16 @@ for phase in "$@"; do
         --out "$out/fmb_torch.jsonl"
       step fmb_ours "$bench" find-max-batch --device cuda --memory-cap-mb 24576 \
         --pytorch "$out/fmb_torch.jsonl" --json "$out/fmb.json" ;;
+    fmb-llama)
+      # Issue 30: the largest batch of Llama-3.2-1B at 2048 tokens a row, Hugging Face first.
+      cap=${LLAMA_FMB_CAP_MB:-24576}
+      cases=fwd_bwd,fwd_bwd_bf16,fwd_bwd_bf16_ckpt,adam_inbwd_ckpt_bf16
+      step "fmb_llama1b_${cap}_torch" python3 scripts/pytorch/find_max_batch.py \
+        --model llama-3.2-1b --seq 2048 --cases $cases --memory-cap-mb "$cap" \
+        --out "$out/fmb_llama1b_${cap}_torch.jsonl"
+      step "fmb_llama1b_${cap}_ours" "$bench" find-max-batch --device cuda --model llama-3.2-1b \
+        --seq 2048 --cases $cases --memory-cap-mb "$cap" \
+        --pytorch "$out/fmb_llama1b_${cap}_torch.jsonl" --json "$out/fmb_llama1b_${cap}.json" ;;
     planner)
       for budget in 6717334272 8110652416 9503970560 10897288704 12290606848; do
         step "planner_$budget" "$bench" bench-memory --device cuda --batch 32 --cases adam_auto \
@@ -283,6 +312,15 @@ for phase in "$@"; do
       step llama8b_ours "$bench" bench-memory --device cuda --model llama-3.1-8b --seq 4096 \
         --batch 1 --cases fwd_bwd_bf16_ckpt --pytorch "$out/anchor_llama8b.jsonl" \
         --json "$out/llama8b.json" ;;
+    llama-parity)
+      # Issue 30: the 1B shape's f32 loss against transformers' from the same safetensors.
+      parity_dir=${LLAMA_PARITY_DIR:-$(mktemp -d)}
+      bench_step llama_parity_ours llama_parity_ours.json "$(bench_exe llama_loss_parity)" \
+        "$parity_dir" llama-3.2-1b 2 2048 0
+      step llama_parity_torch python3 scripts/pytorch/llama_loss_parity.py "$parity_dir" \
+        --out "$out/llama_parity.json"
+      # The checkpoint (5 GB) goes unless the caller named its folder.
+      [[ -n ${LLAMA_PARITY_DIR:-} ]] || rm -rf "$parity_dir" ;;
     kernels)
       # Issue 30's kernel targets: RMSNorm, SwiGLU and rotary against the copy ceiling, causal
       # grouped-query bf16 attention and packed sequences against cuDNN's SDPA, one run.
@@ -301,8 +339,9 @@ for phase in "$@"; do
     cpu-benches)
       bench_step cpu_vit cpu_vit.txt "$(bench_exe cpu_vit)" --bench
       bench_step cpu_gemm cpu_gemm.txt "$(bench_exe cpu_gemm)" --bench ;;
-    *) echo "unknown phase $phase (tests vit gpt2 fmb planner reclaim noreclaim plugin benches" \
-         "llama llama8b kernels fused-ce allocator-benches cpu-benches)" >&2; exit 2 ;;
+    *) echo "unknown phase $phase (tests vit gpt2 fmb fmb-llama planner reclaim noreclaim" \
+         "plugin benches llama llama8b llama-parity kernels fused-ce allocator-benches" \
+         "cpu-benches)" >&2; exit 2 ;;
   esac
 done
 rm -rf "$criterion_home"

@@ -60,6 +60,7 @@ pub use layers::{Activation, Dropout, Embedding, LayerNorm, Linear, Mlp};
 pub use llama::{
     apply_rotary, repeat_kv, Llama3RopeScaling, LlamaAttention, LlamaConfig, LlamaDecoderLayer,
     LlamaForCausalLM, LlamaMlp, LlamaModel, LlamaRmsNorm, RotaryEmbedding, TokenPositions,
+    HUGGING_FACE_CONFIG_FILE, HUGGING_FACE_WEIGHTS_FILE,
 };
 pub use module::{child_name, Module};
 pub use vit::{Encoder, EncoderBlock, PatchEmbedding, VisionTransformer, VitConfig};

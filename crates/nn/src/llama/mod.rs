@@ -16,13 +16,15 @@
 //! within each sequence only and rotary positions restarting at each sequence start, so a packed
 //! batch gives the loss of the same sequences padded, without the padding's work.
 //!
-//! `config.rs` holds the shapes and their checks, `rope.rs` the rotary embedding, `block.rs` a
+//! `config.rs` holds the shapes and their checks, `hugging_face.rs` Hugging Face's checkpoint
+//! directories (`config.json`, `model.safetensors`), `rope.rs` the rotary embedding, `block.rs` a
 //! decoder layer, `activations.rs` the formula of what a layer keeps for backward; this file
 //! assembles the model and knows nothing of a layer's inside.
 
 mod activations;
 mod block;
 mod config;
+mod hugging_face;
 mod rope;
 
 use std::sync::Arc;
@@ -35,6 +37,7 @@ pub use block::{
     repeat_kv, LlamaAttention, LlamaDecoderLayer, LlamaMlp, LlamaRmsNorm, TokenPositions,
 };
 pub use config::{Llama3RopeScaling, LlamaConfig};
+pub use hugging_face::{HUGGING_FACE_CONFIG_FILE, HUGGING_FACE_WEIGHTS_FILE};
 pub use rope::{apply_rotary, RotaryEmbedding};
 
 use crate::blocks::{impl_block_stack, run_block, BlockRunner};
@@ -314,20 +317,6 @@ impl LlamaForCausalLM {
     ) -> Result<Tensor> {
         let weight = self.lm_head_weight();
         causal_lm_loss_from_hidden("LlamaForCausalLM", hidden_states, weight, labels, options)
-    }
-
-    /// Loads a Hugging Face checkpoint of this model (`model.safetensors` of a
-    /// `LlamaForCausalLM` or `Qwen2ForCausalLM`): the names as they are, a stored
-    /// `lm_head.weight` skipped when the head is tied (some files carry it anyway), and the
-    /// `rotary_emb.inv_freq` buffers of older files skipped. Every parameter must be present
-    /// with its shape (see [`load_weights`](crate::load_weights)).
-    pub fn load_hugging_face(&self, tensors: &safetensors::SafeTensors<'_>) -> Result<()> {
-        let tied = self.lm_head.is_none();
-        crate::weights::load_weights_renamed(self, tensors, &|name| {
-            let skipped =
-                name.ends_with(".rotary_emb.inv_freq") || (tied && name == "lm_head.weight");
-            (!skipped).then(|| name.to_owned())
-        })
     }
 }
 
