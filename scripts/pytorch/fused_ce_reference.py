@@ -5,7 +5,11 @@ PyTorch's side of `crates/ops-cuda/examples/fused_ce_bench.rs` (Headroom's fused
 loss at the same shape). Implementations:
 - torch_eager_unfused: `F.cross_entropy((x @ W.T).float(), y)`, the logits and their f32 copy held;
 - liger_flce: Liger-Kernel's `LigerFusedLinearCrossEntropyLoss` (liger-kernel 0.8.5);
-- cce: Cut Cross-Entropy's `linear_cross_entropy` (cut-cross-entropy 25.1.1).
+- cce: Cut Cross-Entropy's `linear_cross_entropy` (cut-cross-entropy 25.1.1) at its defaults,
+  which filter the gradient (`filter_eps="high"`: blocks whose softmax is below bf16's precision
+  are skipped in backward);
+- cce_no_filter: the same with `filter_eps=None`, every gradient element computed, as
+  Headroom's op computes them (issue 31: no gradient filtering or skipping).
 An implementation that does not import prints "not installed" in its `error` field.
 
 Per implementation: one warm-up forward + backward, then ITERS timed ones (wall clock, the
@@ -77,8 +81,14 @@ def main():
 
         return lambda: linear_cross_entropy(x, w, y)
 
+    def cce_no_filter():
+        from cut_cross_entropy import linear_cross_entropy
+
+        return lambda: linear_cross_entropy(x, w, y, filter_eps=None)
+
     impls["liger_flce"] = liger
     impls["cce"] = cce
+    impls["cce_no_filter"] = cce_no_filter
 
     results = {
         "shape": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "dtype": "bf16"},

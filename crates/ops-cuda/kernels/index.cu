@@ -235,12 +235,16 @@ __device__ void ce_tile(const T* logits, unsigned long long n, unsigned long lon
         const T* x = logits + r * n;
         C m = (C)-INFINITY, s = 0, total = 0;
         if (paired) {
+            // The pair's two halves in two independent online chains, merged at the end: half
+            // the dependent latency of one chain.
+            C m2 = (C)-INFINITY, s2 = 0;
 #pragma unroll 4
             for (unsigned long long j = 2 * lane; j < n; j += 64) {
                 auto v = ld2(x + j);
                 lse_push((C)v.x, m, s, total);
-                lse_push((C)v.y, m, s, total);
+                lse_push((C)v.y, m2, s2, total);
             }
+            lse_merge(m, s, m2, s2);
         } else {
             thread_lse(x, n, lane, 32, m, s, total);
         }

@@ -268,6 +268,27 @@ struct Tiling {
     classes: usize,
 }
 
+/// The piece size that cuts `total` into as few pieces as a size of at most `most` allows, all of
+/// nearly the same size (a multiple of 64 when that stays within `most` and leaves the last piece
+/// within a tenth of the others): no block or tile is
+/// left with a remainder too small for the matrix units to run at speed.
+fn balanced(total: usize, most: usize) -> usize {
+    let most = most.max(1);
+    if total <= most {
+        return total.max(1);
+    }
+    let pieces = total.div_ceil(most);
+    let even = total.div_ceil(pieces);
+    let rounded = even.div_ceil(64) * 64;
+    // The rounding shortens the last piece: kept only while it stays within a tenth.
+    let last = total.saturating_sub(rounded * (pieces - 1));
+    if rounded <= most && last * 10 >= rounded * 9 {
+        rounded
+    } else {
+        even
+    }
+}
+
 /// Rounds `n` down to a multiple of 64 when it is at least 64 (products of such sizes run on
 /// the matrix units' fast paths).
 fn aligned(n: usize) -> usize {
@@ -358,7 +379,7 @@ impl Head {
     /// an f16/bf16 backward that wants `dhidden`, else 0) and per-row vectors, the rest to a
     /// tile of logits. Blocks hold as many rows as that half allows (all of them when nothing
     /// is accumulated and tiles of 256 classes fit), tiles as many classes as the rest allows
-    /// (multiples of 64, at least 256 or all classes, at least one row).
+    /// (at least 256 or all classes, at least one row), both cut evenly ([`balanced`]).
     fn tiling(&self, accumulator_row: usize, bias_accumulator: bool) -> Tiling {
         let bias = if bias_accumulator {
             4 * self.classes
@@ -371,16 +392,12 @@ impl Head {
         let min_classes = self.classes.min(256);
         let by_accumulator = budget / 2 / (accumulator_row + ROW_BYTES);
         let by_tile = budget / 2 / (min_classes * per_logit);
-        let rows = aligned(self.rows.min(by_accumulator).min(by_tile)).min(self.rows.max(1));
+        let rows = balanced(self.rows, aligned(by_accumulator.min(by_tile)));
         let left = budget.saturating_sub(rows * (accumulator_row + ROW_BYTES));
-        let classes = (left / (rows * per_logit)).min(self.classes);
         // At least 256 classes (all of them if fewer): a budget below the fixed costs is
         // exceeded by one row of 256 logits rather than cut into tiles of a few classes.
-        let classes = if classes < self.classes {
-            aligned(classes).max(min_classes)
-        } else {
-            classes
-        };
+        let most_classes = aligned(left / (rows * per_logit)).max(min_classes);
+        let classes = balanced(self.classes, most_classes);
         Tiling { rows, classes }
     }
 
@@ -686,4 +703,62 @@ struct Block {
     index: usize,
     rows: (usize, usize),
     factor: Tensor,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_are_as_few_and_as_even_as_the_limit_allows() {
+        assert_eq!(balanced(100, 256), 100);
+        assert_eq!(balanced(0, 256), 1);
+        // 8192 rows under 3776: three blocks of 2752, 2752 and 2688, not 3776, 3776 and 640.
+        assert_eq!(balanced(8192, 3776), 2752);
+        // Rounding up to 64 would pass the limit: the even size as it is.
+        assert_eq!(balanced(1000, 501), 500);
+        assert_eq!(balanced(1001, 501), 501);
+        assert_eq!(balanced(1003, 501), 335);
+    }
+
+    /// The Llama-3.2-1B head (8192 tokens, 2048 features, 128,256 classes, bf16) at the default
+    /// budget once cuBLAS's workspace is taken: every block and tile within a tenth of the
+    /// others, within the budget.
+    #[test]
+    fn the_llama_head_is_cut_into_even_blocks_and_tiles() {
+        let head = Head {
+            rows: 8192,
+            features: 2048,
+            classes: 128_256,
+            dtype: DType::BF16,
+            has_bias: false,
+            options: LinearCrossEntropyOptions::default(),
+            workspace: 0,
+        };
+        let wants = Wants {
+            hidden: true,
+            weight: true,
+            bias: false,
+        };
+        for (tiling, accumulator_row) in [
+            (head.forward_tiling(), 0),
+            (head.backward_tiling(wants), 4 * 2048),
+        ] {
+            let blocks: Vec<_> = head.row_blocks(tiling).map(|(_, len)| len).collect();
+            let tiles: Vec<_> = head.class_tiles(tiling).map(|(_, len)| len).collect();
+            assert_eq!(blocks.iter().sum::<usize>(), 8192);
+            assert_eq!(tiles.iter().sum::<usize>(), 128_256);
+            for pieces in [&blocks, &tiles] {
+                let (least, most) = (pieces.iter().min().unwrap(), pieces.iter().max().unwrap());
+                assert!(least * 10 >= most * 9, "{pieces:?}");
+            }
+            let bytes =
+                tiling.rows * (accumulator_row + ROW_BYTES) + tiling.rows * tiling.classes * 2;
+            assert!(
+                bytes + 2 * LARGE_BLOCK_SLACK + SMALL_BLOCKS_BYTES <= 64 << 20,
+                "{tiling:?}"
+            );
+        }
+        assert_eq!(head.backward_tiling(wants).rows, 2752);
+    }
 }
