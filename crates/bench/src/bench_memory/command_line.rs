@@ -341,10 +341,10 @@ fn long_about() -> String {
      technique, on a ViT, GPT-2 or Llama, beside PyTorch's figures (--pytorch).\n\n\
      Trains a model (ViT: loss = model(x).sum(); GPT-2 and the Llama shapes (llama-3.2-1b, \
      llama-3.2-3b, llama-3.1-8b; llama-tiny and qwen2-tiny for the CPU): Hugging Face's \
-     causal-LM loss on --seq random tokens a row, dropout off, the head fused with the loss unless \
-     --unfused-loss) with each case's optimizer and technique: per case, a fresh model and optimizer, --warmup steps (their peak is the \
-     first-3 peak), --steps timed \
-     steps (steady peak allocated and reserved, median step time), then one traced step (memory \
+     causal-LM loss on --seq random tokens a row, dropout off, the head fused with the loss \
+     unless --unfused-loss) with each case's optimizer and technique: per case, a fresh model \
+     and optimizer, --warmup steps (their peak is the first-3 peak), --steps timed steps \
+     (steady peak allocated and reserved, median step time), then one traced step (memory \
      by phase and by component at the peak), and one more forward that names every tensor the \
      last block saves (for a Llama beside nn's formula of a block's bytes a token), and for a \
      language model one more forward and backward of the loss alone (its logits' bytes at their \
