@@ -64,6 +64,8 @@ fn bench_memory_help_lists_every_case_model_and_default() {
         "{text}"
     );
     assert!(text.contains("--all-cases"), "{text}");
+    // The language models' loss is fused unless --unfused-loss.
+    assert!(text.contains("--unfused-loss"), "{text}");
     // The short form is a success too.
     help(&["bench-memory", "-h"]);
 }

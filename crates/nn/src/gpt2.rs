@@ -8,7 +8,8 @@
 //! Hugging Face's: pre-norm blocks, causal attention (fused when attention dropout is inactive,
 //! else the eager `masked_fill` to the dtype's lowest value), `gelu_new` (tanh GELU); [`Gpt2LMHeadModel::loss`] is its causal-LM loss,
 //! which upcasts the logits to f32 as Hugging Face does (inside the fused loss, without an f32
-//! copy of the logits).
+//! copy of the logits). Training goes through [`CausalLm::forward_loss`], which fuses the tied
+//! head with the loss unless [`Gpt2LMHeadModel::loss_path`] is [`LossPath::Unfused`].
 
 use std::sync::Arc;
 
@@ -16,7 +17,9 @@ use headroom_autograd_core::{BackendRef, DType, Generator, LinearCrossEntropyOpt
 
 use crate::attention::{attention, merge_heads, split_heads, AttentionMask};
 use crate::blocks::{impl_block_stack, run_block, BlockRunner};
-use crate::causal_lm::{causal_lm_loss, causal_lm_loss_from_hidden};
+use crate::causal_lm::{
+    causal_lm_head_loss, causal_lm_loss, causal_lm_loss_from_hidden, CausalLm, LossPath,
+};
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
 use crate::layers::{Dropout, Embedding, LayerNorm};
@@ -379,6 +382,10 @@ pub struct Gpt2LMHeadModel {
     pub config: Gpt2Config,
     /// The body (`transformer.*`).
     pub transformer: Gpt2Model,
+    /// How [`CausalLm::forward_loss`] computes the training loss: fused with the head (the
+    /// default, [`LossPath::default`]) or, with [`LossPath::Unfused`], the logits of
+    /// [`Gpt2LMHeadModel::forward`] then [`Gpt2LMHeadModel::loss`].
+    pub loss_path: LossPath,
 }
 
 impl Gpt2LMHeadModel {
@@ -454,6 +461,7 @@ impl Gpt2LMHeadModel {
         Ok(Gpt2LMHeadModel {
             config,
             transformer,
+            loss_path: LossPath::default(),
         })
     }
 
@@ -483,6 +491,22 @@ impl Gpt2LMHeadModel {
     ) -> Result<Tensor> {
         let weight = &self.transformer.wte.weight;
         causal_lm_loss_from_hidden("Gpt2LMHeadModel", hidden, weight, labels, options)
+    }
+}
+
+impl CausalLm for Gpt2LMHeadModel {
+    fn hidden_states(&self, input_ids: &Tensor) -> Result<Tensor> {
+        self.transformer.forward(input_ids)
+    }
+
+    /// The token embedding's weight (the head is tied to it).
+    fn head_weight(&self) -> &Tensor {
+        &self.transformer.wte.weight
+    }
+
+    fn head_loss(&self, hidden: &Tensor, labels: &Tensor) -> Result<Tensor> {
+        let weight = &self.transformer.wte.weight;
+        causal_lm_head_loss("Gpt2LMHeadModel", &self.loss_path, hidden, weight, labels)
     }
 }
 

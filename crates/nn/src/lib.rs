@@ -11,7 +11,10 @@
 //! against PyTorch's logits, loss and every parameter's gradient. [`LlamaForCausalLM`]
 //! ([`LlamaConfig`]: the tiny golden Llama and Qwen2, Llama-3.2-1B/3B and Llama-3.1-8B shapes)
 //! has RMSNorm, rotary embeddings with Llama 3's scaling, grouped-query attention and a SwiGLU
-//! MLP, composed from autograd-core's ops.
+//! MLP, composed from autograd-core's ops. Both causal language models are a [`CausalLm`]: their
+//! training loss, [`CausalLm::forward_loss`], fuses the head with Hugging Face's causal-LM loss
+//! (autograd-core's `linear_cross_entropy`, no `[batch, seq, vocab]` logits) unless their
+//! `loss_path` is [`LossPath::Unfused`].
 //!
 //! This crate sits on autograd-core's ops and is generic over its `Backend`: it names no device
 //! and has no backward of its own (the ops record the graph). Models are plain structs with
@@ -39,7 +42,7 @@
 mod attention;
 mod blocks;
 mod causal_lm;
-pub use causal_lm::{next_token_targets, IGNORE_INDEX};
+pub use causal_lm::{next_token_targets, CausalLm, LossPath, IGNORE_INDEX};
 mod error;
 mod gpt2;
 mod init;

@@ -1,10 +1,14 @@
 //! The models' fused causal-LM loss (`loss_from_hidden`, the head and the loss in one
 //! `linear_cross_entropy`) against their unfused `loss(forward(ids))`: the same loss and the
 //! same gradient for every parameter (the tied embedding's included), in f32 on the CPU,
-//! with chunks that do not divide the token count.
+//! with chunks that do not divide the token count; and their training loss,
+//! `CausalLm::forward_loss`, fused by default and the unfused `loss(forward(ids))` to the bit with
+//! `LossPath::Unfused`.
 
 use headroom_autograd_core::{BackendRef, DType, Generator, LinearCrossEntropyOptions, Tensor};
-use headroom_nn::{Gpt2Config, Gpt2LMHeadModel, LlamaConfig, LlamaForCausalLM, Module};
+use headroom_nn::{
+    CausalLm, Gpt2Config, Gpt2LMHeadModel, LlamaConfig, LlamaForCausalLM, LossPath, Module,
+};
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::golden::backward_and_gradients;
 
@@ -124,4 +128,60 @@ fn the_fused_loss_checks_its_shapes() {
         err.to_string().contains("do not match hidden states"),
         "{err}"
     );
+}
+
+/// `forward_loss` of `model` on its default path (which must be the fused one with the default
+/// options), then with [`LossPath::Unfused`] (which must be `loss(forward(ids))` to the bit):
+/// the two paths' losses and gradients within [`assert_close`]'s bounds.
+fn check_forward_loss<M: CausalLm>(
+    name: &str,
+    model: &mut M,
+    ids: &Tensor,
+    path: fn(&mut M) -> &mut LossPath,
+    unfused: impl Fn(&M) -> Tensor,
+) {
+    assert_eq!(
+        *path(model),
+        LossPath::Fused(LinearCrossEntropyOptions::default()),
+        "{name}"
+    );
+    let fused = loss_and_grads(model, || model.forward_loss(ids, ids).unwrap());
+    *path(model) = LossPath::Unfused;
+    let through_the_logits = loss_and_grads(model, || unfused(model));
+    let switched_off = loss_and_grads(model, || model.forward_loss(ids, ids).unwrap());
+    assert_eq!(switched_off, through_the_logits, "{name}");
+    assert_close(name, &fused, &switched_off);
+}
+
+#[test]
+fn forward_loss_is_fused_by_default_and_the_logits_path_when_switched_off() {
+    let cpu = CpuBackend::new_ref();
+    let config = Gpt2Config::tiny();
+    let mut gpt2 = Gpt2LMHeadModel::new(
+        &cpu,
+        config,
+        DType::F32,
+        &std::sync::Arc::new(Generator::new(4)),
+    )
+    .unwrap();
+    let ids = token_ids(&cpu, config.vocab_size);
+    check_forward_loss(
+        "gpt2",
+        &mut gpt2,
+        &ids,
+        |m| &mut m.loss_path,
+        |m| m.loss(&m.forward(&ids).unwrap(), &ids).unwrap(),
+    );
+    for config in [LlamaConfig::tiny(), LlamaConfig::qwen2_tiny()] {
+        let mut llama =
+            LlamaForCausalLM::new(&cpu, config, DType::F32, &Generator::new(5)).unwrap();
+        let ids = token_ids(&cpu, config.vocab_size);
+        check_forward_loss(
+            "llama",
+            &mut llama,
+            &ids,
+            |m| &mut m.loss_path,
+            |m| m.loss(&m.forward(&ids).unwrap(), &ids).unwrap(),
+        );
+    }
 }

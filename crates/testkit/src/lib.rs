@@ -19,6 +19,8 @@
 //!   result; a panic fails; known bugs must fail).
 //! - [`golden`]: PyTorch's golden ViT-tiny and GPT-2-tiny, run and checked on any backend.
 //! - [`llama_golden`]: Hugging Face's golden tiny Llama and Qwen2, run on any backend and dtype.
+//! - [`loss_paths`]: the tiny GPT-2 and Llama, their token batches, and how far a run with the
+//!   fused loss is from one with the unfused loss.
 //! - The technique harness: a [`TrainCase`] is a training run as data (model, dtype, batch,
 //!   steps, optimizer, tolerance with its reason, seed). A [`Technique`] changes the training
 //!   step (optimizer-in-backward, activation checkpointing, autocast with a GradScaler);
@@ -52,6 +54,7 @@ pub mod golden;
 pub mod gpu;
 pub mod inputs;
 pub mod llama_golden;
+pub mod loss_paths;
 pub mod memory;
 pub mod misuse;
 pub mod ulps;

@@ -202,7 +202,7 @@ pub(crate) fn record(
         .context("the forward ran no block")?;
     let (tokens, formula) = match model.arch {
         Arch::Vit(_) => (None, None),
-        Arch::Language { config, seq } => {
+        Arch::Language { config, seq, .. } => {
             let formula = match (config, case.autocast()) {
                 (LanguageConfig::Llama(llama), None) => Some(formula(&llama, case)),
                 _ => None,

@@ -136,6 +136,11 @@ pub(crate) struct Args {
     /// for llama-tiny and qwen2-tiny).
     #[arg(long, value_name = "N", value_parser = crate::at_least_one)]
     seq: Option<usize>,
+    /// A language model's loss through its logits (the `[batch, seq, vocab]` logits, then the
+    /// loss on them, as Hugging Face computes it) instead of the default, the head fused with the
+    /// loss (autograd-core's linear_cross_entropy, 64 MiB chunks, no logits held).
+    #[arg(long)]
+    unfused_loss: bool,
     /// Batch sizes, by commas or repeated (default: the device's, below).
     #[arg(long = "batch", value_name = "N", value_delimiter = ',', value_parser = crate::at_least_one)]
     batches: Vec<usize>,
@@ -194,6 +199,8 @@ pub(crate) struct Options {
     pub(crate) model: Option<Model>,
     /// A language model's tokens a row (`--seq`); `None`: its full context.
     pub(crate) seq: Option<usize>,
+    /// A language model's loss through its logits (`--unfused-loss`); else fused with the head.
+    pub(crate) unfused_loss: bool,
     /// The protocol; its `steps` is `--steps`, else CUDA's default until [`Options::on_device`]
     /// gives the device's.
     pub(crate) protocol: Protocol,
@@ -221,6 +228,10 @@ impl Options {
             (Some(model), Some(seq)) => Some(model.with_seq(seq)?),
             (model, _) => model,
         };
+        let model = match (model, args.unfused_loss) {
+            (Some(model), true) => Some(model.with_unfused_loss()?),
+            (model, _) => model,
+        };
         Ok(Options {
             device: args.device,
             batches: args.batches,
@@ -228,6 +239,7 @@ impl Options {
             all_cases: args.all_cases,
             model,
             seq: args.seq,
+            unfused_loss: args.unfused_loss,
             protocol: Protocol {
                 warmup: args.warmup,
                 steps: args.steps.unwrap_or(CUDA_DEFAULTS.steps),
@@ -329,13 +341,14 @@ fn long_about() -> String {
      technique, on a ViT, GPT-2 or Llama, beside PyTorch's figures (--pytorch).\n\n\
      Trains a model (ViT: loss = model(x).sum(); GPT-2 and the Llama shapes (llama-3.2-1b, \
      llama-3.2-3b, llama-3.1-8b; llama-tiny and qwen2-tiny for the CPU): Hugging Face's \
-     causal-LM loss on --seq random tokens a row, dropout off) with each case's optimizer and \
-     technique: per case, a fresh model and optimizer, --warmup steps (their peak is the \
-     first-3 peak), --steps timed \
-     steps (steady peak allocated and reserved, median step time), then one traced step (memory \
+     causal-LM loss on --seq random tokens a row, dropout off, the head fused with the loss \
+     unless --unfused-loss) with each case's optimizer and technique: per case, a fresh model \
+     and optimizer, --warmup steps (their peak is the first-3 peak), --steps timed steps \
+     (steady peak allocated and reserved, median step time), then one traced step (memory \
      by phase and by component at the peak), and one more forward that names every tensor the \
-     last block saves (for a Llama beside nn's formula of a block's bytes a token). Prints a \
-     Markdown table; --json, --html and --trace write files."
+     last block saves (for a Llama beside nn's formula of a block's bytes a token), and for a \
+     language model one more forward and backward of the loss alone (its logits' bytes at their \
+     peak). Prints a Markdown table; --json, --html and --trace write files."
         .to_owned()
 }
 

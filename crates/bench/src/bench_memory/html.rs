@@ -125,9 +125,13 @@ fn peak_bars(group: &[&CaseResult], anchors: &Anchors) -> String {
             }
             x += w;
         }
+        // A language model's loss run alone: its logits' bytes at their peak.
+        let logits = r
+            .logits_bytes
+            .map_or_else(String::new, |bytes| format!(" (logits {})", size(bytes)));
         let _ = writeln!(
             svg,
-            "<text x=\"{:.1}\" y=\"{:.1}\">{}</text>",
+            "<text x=\"{:.1}\" y=\"{:.1}\">{}{logits}</text>",
             x + 4.0,
             y + BAR * 0.7,
             size(r.at_peak.total())

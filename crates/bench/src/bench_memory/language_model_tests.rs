@@ -3,7 +3,7 @@
 //! of a block's activation bytes per token, in f32 and in bf16 with every block checkpointed;
 //! and the Llama names, sequence lengths and their errors on the command line.
 
-use headroom_autograd_core::DType;
+use headroom_autograd_core::{DType, LinearCrossEntropyOptions};
 use headroom_nn::LlamaConfig;
 use serde_json::Value;
 
@@ -147,8 +147,76 @@ fn llama_names_and_sequence_lengths_are_checked() {
             &["--model", "llama-2-7b"],
             "invalid value 'llama-2-7b' for '--model <MODEL>'",
         ),
+        (
+            &["--model", "vit_tiny", "--unfused-loss"],
+            "--unfused-loss is for language models",
+        ),
     ] {
         let err = parse(&args(bad)).unwrap_err();
         assert!(format!("{err:#}").contains(message), "{bad:?}: {err:#}");
+    }
+}
+
+/// The logits line on the tiny Llama (batch 2 × 16 tokens: 32 rows of 128 classes), f32 and
+/// bf16, stepped after backward and in it. Unfused, exactly the logits and their gradient,
+/// `2 · rows · vocab · b`, with the I64 targets (8 bytes a row), the loss's f32 statistic (4 a
+/// row) and an 8-byte scalar. Fused (the default), one chunk of every row (the budget's 64 MiB
+/// holds them all): the logits in the dtype and, for bf16, their f32 copy, with at most the op's
+/// 64 bytes a row of per-row vectors beside; never more than the unfused figure in f32, and
+/// within the op's bound, `chunk_bytes + 8 · rows`. The JSON carries the same figure.
+#[test]
+fn the_logits_line_is_two_unfused_logits_or_one_fused_chunk() {
+    let path = std::env::temp_dir().join(format!("headroom-logits-{}.json", std::process::id()));
+    let (rows, vocab) = (32u64, LlamaConfig::tiny().vocab_size as u64);
+    let chunk_bytes = LinearCrossEntropyOptions::default().chunk_bytes as u64;
+    for unfused in [false, true] {
+        let mut words = vec![
+            "--device",
+            "cpu",
+            "--model",
+            "llama-tiny",
+            "--seq",
+            "16",
+            "--batch",
+            "2",
+            "--cases",
+            "fwd_bwd,adam_inbwd,fwd_bwd_bf16",
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+            "--json",
+            path.to_str().unwrap(),
+        ];
+        if unfused {
+            words.push("--unfused-loss");
+        }
+        let mut options = parse(&args(&words)).unwrap();
+        options.progress = false;
+        let results = execute(&options).unwrap();
+        let document: Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(results.len(), 3);
+        for (r, json) in results.iter().zip(document["cases"].as_array().unwrap()) {
+            let name = format!("{} unfused {unfused}", r.case.name());
+            let logits = r.logits_bytes.unwrap();
+            assert_eq!(json["logits_bytes"], logits, "{name}");
+            let b = r.case.param_dtype().size_in_bytes() as u64;
+            if unfused {
+                assert_eq!(logits, 2 * rows * vocab * b + 12 * rows + 8, "{name}");
+            } else {
+                let f32_copy = if b < 4 { 4 } else { 0 };
+                let chunk = rows * vocab * (b + f32_copy);
+                assert!(
+                    (chunk..=chunk + 64 * rows).contains(&logits),
+                    "{name}: {logits}"
+                );
+                assert!(logits <= chunk_bytes + 8 * rows, "{name}");
+                if b == 4 {
+                    assert!(logits < 2 * rows * vocab * b, "{name}: {logits}");
+                }
+            }
+        }
     }
 }

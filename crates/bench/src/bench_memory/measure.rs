@@ -4,7 +4,8 @@
 //! step time (forward + backward + optimizer step + `zero_grad(set_to_none)`, the device
 //! synchronised before the clock is read). One more, untimed, step is traced (history under the
 //! phase labels, [`super::training`]) and split by what held the memory at its peak
-//! ([`super::timeline`]). What it measured is a [`CaseResult`].
+//! ([`super::timeline`]); a language model's loss then runs once more alone, for its logits'
+//! bytes at their peak ([`super::loss_logits`]). What it measured is a [`CaseResult`].
 //!
 //! It sits on [`super::training`] (the runs), [`super::budget_plan`] (`adam_auto`'s plan) and
 //! one backend's caching allocator, reached through [`Probe`]; it knows nothing about reports,
@@ -18,6 +19,7 @@ use headroom_caching_allocator::{HistoryOptions, Snapshot, TraceAction, TraceEve
 use super::block_saves::{self, BlockSaves};
 use super::budget_plan::{self, PlanOutcome};
 use super::cases::Case;
+use super::loss_logits;
 use super::models::{Input, Model, Net};
 use super::timeline::{self, AtPeak, Timeline};
 use super::training::{plain_step, PhaseBytes, Probe, Training};
@@ -106,6 +108,10 @@ pub(crate) struct CaseResult {
     /// The last block's saved tensors, named, from one more forward ([`block_saves`]); `None`
     /// when that forward failed.
     pub(crate) block_saves: Option<BlockSaves>,
+    /// A language model's loss alone: the most bytes its temporaries held at once, the logits
+    /// and their gradient unfused, one chunk fused ([`loss_logits`]); `None` for a ViT or when
+    /// that run failed.
+    pub(crate) logits_bytes: Option<u64>,
 }
 
 /// Runs `case` on `model` at `batch` with `protocol` and measures it; `tick` is called after
@@ -213,6 +219,13 @@ pub(crate) fn measure(
             None
         }
     };
+    let logits_bytes = loss_logits::measure(probe, &training, &input, case).unwrap_or_else(|err| {
+        eprintln!(
+            "bench-memory: {} at batch {batch}: the loss's logits were not measured: {err:#}",
+            case.name()
+        );
+        None
+    });
     let state_bytes = training.optimizer.state_bytes();
     let (timeline, at_peak) = timeline::analyse(
         &traced.entries,
@@ -248,6 +261,7 @@ pub(crate) fn measure(
         plan: planned.map(|(outcome, _)| outcome),
         events,
         block_saves,
+        logits_bytes,
     })
 }
 

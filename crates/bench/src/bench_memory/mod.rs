@@ -18,10 +18,14 @@
 //! backward); and the traced step's peak is split by what held it at that moment
 //! ([`timeline`]), the components adding up to that peak exactly. One more forward names every
 //! tensor the last block saves ([`block_saves`]: op, role, shape, dtype, bytes, storage), adding
-//! up to what the block keeps; for a Llama beside nn's formula of a block's bytes per token.
+//! up to what the block keeps; for a Llama beside nn's formula of a block's bytes per token. A
+//! language model's loss runs once more alone for `logits_bytes` ([`loss_logits`]): what its
+//! logits take at their peak, `2 · rows · vocab · dtype bytes + 12 · rows + 8` with
+//! `--unfused-loss` (the logits, their gradient, the I64 targets and an f32 statistic a row),
+//! one chunk of at most 64 MiB with the default fused loss.
 //!
 //! Modules: [`cases`] (what each case trains with), [`models`] (the models and their input),
-//! [`block_saves`] (one block's saved tensors),
+//! [`block_saves`] (one block's saved tensors), [`loss_logits`] (the loss's logits),
 //! [`training`] (one training run), [`measure`] (the protocol that measures a case),
 //! [`budget_plan`] (`adam_auto`'s plan), [`timeline`] (history → timeline and breakdown),
 //! [`report`] (table, JSON, anchors), [`html`] (charts), [`command_line`] (the options and the
@@ -32,6 +36,7 @@ mod budget_plan;
 pub(crate) mod cases;
 mod command_line;
 mod html;
+mod loss_logits;
 pub(crate) mod measure;
 pub(crate) mod models;
 mod report;
@@ -144,8 +149,10 @@ fn execute(options: &Options) -> Result<Vec<CaseResult>> {
     }
     println!(
         "activations: allocated after the loss minus before the forward. cast cache: the half \
-         copies of the weights autocast holds at the end of the forward. peak in: the phase of \
-         the traced step's peak (its components are in --json and --html)."
+         copies of the weights autocast holds at the end of the forward. logits: a language \
+         model's loss run alone, the most bytes its temporaries held at once (the logits and \
+         their gradient with --unfused-loss, one chunk of the fused loss otherwise). \
+         peak in: the phase of the traced step's peak (its components are in --json and --html)."
     );
     if let Some(line) = report::finding(&results, 1) {
         println!("the tutorial's finding, {line}");
@@ -237,6 +244,10 @@ fn run_cases(
     let model = match options.seq {
         Some(seq) => model.with_seq(seq)?,
         None => model,
+    };
+    let model = match options.unfused_loss {
+        true => model.with_unfused_loss()?,
+        false => model,
     };
     let protocols = |case: Case| -> Vec<Protocol> {
         let budgets: Vec<Option<u64>> = match case {

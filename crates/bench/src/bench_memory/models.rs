@@ -3,21 +3,21 @@
 //! language models, Hugging Face's GPT-2 family (`GPT2LMHeadModel` without dropout) and Llama
 //! family (`LlamaForCausalLM` with the shapes of Llama 3.2 1B/3B and Llama 3.1 8B, and the tiny
 //! golden Llama and Qwen2 for the CPU), each with the causal-LM loss on `seq` random tokens a
-//! row. The language models share one path ([`LanguageConfig`], [`LanguageModel`]): their input,
-//! their loss and their blocks are the same code whatever the family.
+//! row, through nn's training-loss entry point ([`CausalLm::forward_loss`]): the head fused with
+//! the loss unless the model was made [`Model::with_unfused_loss`] (`--unfused-loss`). The
+//! language models share one path ([`LanguageConfig`], [`LanguageModel`]): their input, their
+//! loss and their blocks are the same code whatever the family.
 //!
-//! It sits on nn (the models) and autograd-core (tensors, the loss); it knows nothing about
-//! optimizers, cases, reports or devices.
+//! It sits on nn (the models) and autograd-core (tensors); it knows nothing about optimizers,
+//! cases, reports or devices.
 
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
-use headroom_autograd_core::{
-    cross_entropy_f32, uniform, BackendRef, DType, Generator, Reduction, Tensor,
-};
+use headroom_autograd_core::{uniform, BackendRef, DType, Generator, Tensor};
 use headroom_nn::{
-    BlockRunner, BlockStack, Gpt2Config, Gpt2LMHeadModel, LlamaConfig, LlamaForCausalLM, Module,
-    VisionTransformer, VitConfig,
+    BlockRunner, BlockStack, CausalLm, Gpt2Config, Gpt2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+    LossPath, Module, VisionTransformer, VitConfig,
 };
 use rayon::prelude::*;
 
@@ -30,13 +30,18 @@ pub(crate) struct Model {
     pub(crate) arch: Arch,
 }
 
-/// A model's architecture and, for a language model, its sequence length.
+/// A model's architecture and, for a language model, its sequence length and loss path.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum Arch {
     /// torchvision's constructor arguments.
     Vit(VitConfig),
-    /// A causal language model's config and the tokens of each row.
-    Language { config: LanguageConfig, seq: usize },
+    /// A causal language model's config, the tokens of each row and how its loss is computed
+    /// (fused with the head unless [`Model::with_unfused_loss`]).
+    Language {
+        config: LanguageConfig,
+        seq: usize,
+        loss: LossPath,
+    },
 }
 
 /// The config of a causal language model: GPT-2's (dropout off) or the Llama family's.
@@ -117,6 +122,7 @@ impl Model {
         let language = |config: LanguageConfig| Arch::Language {
             config,
             seq: config.default_seq(),
+            loss: LossPath::default(),
         };
         let arch = match name {
             "vit_l_16" => Arch::Vit(VitConfig::vit_l_16()),
@@ -141,7 +147,7 @@ impl Model {
 
     /// The language model with `seq` tokens a row (`--seq`).
     pub(crate) fn with_seq(self, seq: usize) -> Result<Model> {
-        let Arch::Language { config, .. } = self.arch else {
+        let Arch::Language { config, loss, .. } = self.arch else {
             bail!(
                 "--seq is for language models ({}), not {}",
                 Model::LANGUAGE_NAMES,
@@ -156,7 +162,27 @@ impl Model {
             );
         }
         Ok(Model {
-            arch: Arch::Language { config, seq },
+            arch: Arch::Language { config, seq, loss },
+            ..self
+        })
+    }
+
+    /// The language model with the unfused loss (`--unfused-loss`): the `[batch, seq, vocab]`
+    /// logits, then the loss on them, as Hugging Face computes it.
+    pub(crate) fn with_unfused_loss(self) -> Result<Model> {
+        let Arch::Language { config, seq, .. } = self.arch else {
+            bail!(
+                "--unfused-loss is for language models ({}), not {}",
+                Model::LANGUAGE_NAMES,
+                self.name
+            );
+        };
+        Ok(Model {
+            arch: Arch::Language {
+                config,
+                seq,
+                loss: LossPath::Unfused,
+            },
             ..self
         })
     }
@@ -170,24 +196,11 @@ impl Model {
     }
 }
 
-/// A causal language model the benchmark trains, whatever its family: its logits, its
+/// A causal language model the benchmark trains, whatever its family: its training loss, its
 /// parameters and its blocks.
-pub(crate) trait LanguageModel: Module + BlockStack + Send + Sync {
-    /// Logits `[batch, seq, vocab]` of token ids `[batch, seq]`.
-    fn logits(&self, ids: &Tensor) -> headroom_nn::Result<Tensor>;
-}
+pub(crate) trait LanguageModel: CausalLm + BlockStack + Send + Sync {}
 
-impl LanguageModel for Gpt2LMHeadModel {
-    fn logits(&self, ids: &Tensor) -> headroom_nn::Result<Tensor> {
-        self.forward(ids)
-    }
-}
-
-impl LanguageModel for LlamaForCausalLM {
-    fn logits(&self, ids: &Tensor) -> headroom_nn::Result<Tensor> {
-        self.forward(ids)
-    }
-}
+impl<M: CausalLm + BlockStack + Send + Sync> LanguageModel for M {}
 
 /// A model built on a backend.
 pub(crate) enum Net {
@@ -196,19 +209,24 @@ pub(crate) enum Net {
 }
 
 impl Net {
-    /// `model` with `dtype` parameters, initialised from seed 0.
+    /// `model` with `dtype` parameters, initialised from seed 0 (a language model with its loss
+    /// path).
     pub(crate) fn new(backend: &BackendRef, model: Model, dtype: DType) -> Result<Net> {
         let generator = Arc::new(Generator::new(0));
         Ok(match model.arch {
             Arch::Vit(config) => {
                 Net::Vit(VisionTransformer::new(backend, config, dtype, &generator)?)
             }
-            Arch::Language { config, .. } => Net::Language(match config {
+            Arch::Language { config, loss, .. } => Net::Language(match config {
                 LanguageConfig::Gpt2(config) => {
-                    Box::new(Gpt2LMHeadModel::new(backend, config, dtype, &generator)?)
+                    let mut gpt2 = Gpt2LMHeadModel::new(backend, config, dtype, &generator)?;
+                    gpt2.loss_path = loss;
+                    Box::new(gpt2)
                 }
                 LanguageConfig::Llama(config) => {
-                    Box::new(LlamaForCausalLM::new(backend, config, dtype, &generator)?)
+                    let mut llama = LlamaForCausalLM::new(backend, config, dtype, &generator)?;
+                    llama.loss_path = loss;
+                    Box::new(llama)
                 }
             }),
         })
@@ -245,7 +263,8 @@ impl Net {
 
     /// The forward and the loss: `model(x).float().sum()` for a ViT (the images cast to the
     /// parameters' dtype), Hugging Face's causal-LM loss (logits in f32, mean over the predicted
-    /// positions) for a language model.
+    /// positions, the labels the ids) for a language model, by its training-loss entry point
+    /// ([`CausalLm::forward_loss`], fused unless `--unfused-loss`).
     pub(crate) fn loss(&self, input: &Input) -> Result<Tensor> {
         match (self, input) {
             (Net::Vit(vit), Input::Images(images)) => {
@@ -258,35 +277,19 @@ impl Net {
                 };
                 Ok(output.to_dtype(DType::F32)?.sum_all()?)
             }
-            (Net::Language(lm), Input::Tokens { ids, targets }) => {
-                let logits = lm.logits(ids)?;
-                let [batch, seq, vocab] = *logits.shape() else {
-                    bail!("language model logits of shape {:?}", logits.shape());
-                };
-                // Upcast to f32 inside the fused loss (no f32 copy of the logits).
-                let logits = logits.reshape(&[batch * seq, vocab])?;
-                Ok(cross_entropy_f32(
-                    &logits,
-                    targets,
-                    IGNORE_INDEX,
-                    Reduction::Mean,
-                )?)
-            }
+            (Net::Language(lm), Input::Tokens(ids)) => Ok(lm.forward_loss(ids, ids)?),
             _ => bail!("the input does not match the model"),
         }
     }
 }
 
-// The label Hugging Face's loss skips (the last position of each row predicts nothing).
-use headroom_nn::IGNORE_INDEX;
-
 /// One batch of a model's input.
 pub(crate) enum Input {
     /// `rand(batch, 3, size, size)`.
     Images(Tensor),
-    /// Token ids `[batch, seq]` and the targets `[batch × seq]` (each position's next token,
-    /// [`IGNORE_INDEX`] at the end of a row), shifted on the host so the loss reads nothing back.
-    Tokens { ids: Tensor, targets: Tensor },
+    /// Token ids `[batch, seq]`, also the labels (the loss shifts them: each position predicts
+    /// the next token).
+    Tokens(Tensor),
 }
 
 impl Input {
@@ -309,16 +312,16 @@ impl Input {
                     &[batch, 3, size, size],
                 )?))
             }
-            Arch::Language { config, seq } => {
+            Arch::Language { config, seq, .. } => {
                 let vocab = config.vocab_size();
                 let ids: Vec<i64> = (0..batch * seq)
                     .map(|i| ((uniform(0, i as u64) * vocab as f64) as usize).min(vocab - 1) as i64)
                     .collect();
-                let targets = headroom_nn::next_token_targets(&ids, seq, IGNORE_INDEX);
-                Ok(Input::Tokens {
-                    ids: Tensor::from_slice(backend, &ids, &[batch, seq])?,
-                    targets: Tensor::from_slice(backend, &targets, &[batch * seq])?,
-                })
+                Ok(Input::Tokens(Tensor::from_slice(
+                    backend,
+                    &ids,
+                    &[batch, seq],
+                )?))
             }
         }
     }

@@ -93,12 +93,12 @@ pub(crate) fn markdown(results: &[CaseResult], anchors: &Anchors) -> String {
     let with_pytorch = results.iter().any(|r| anchor(anchors, r).is_some());
     let mut out = String::from(
         "| model | batch | case | peak alloc | peak reserved | first-3 peak | step ms | \
-         params | grads | opt state | activations | cast cache | peak in |",
+         params | grads | opt state | activations | cast cache | logits | peak in |",
     );
     if with_pytorch {
         out.push_str(" PyTorch peak | peak ratio | PyTorch ms | time ratio |");
     }
-    out.push_str("\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    out.push_str("\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
     if with_pytorch {
         out.push_str("---:|---:|---:|---:|");
     }
@@ -106,7 +106,7 @@ pub(crate) fn markdown(results: &[CaseResult], anchors: &Anchors) -> String {
     for r in results {
         let _ = write!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} | {} | {} |",
             r.model,
             r.batch,
             r.case.name(),
@@ -119,6 +119,7 @@ pub(crate) fn markdown(results: &[CaseResult], anchors: &Anchors) -> String {
             size(r.state_bytes),
             size(r.activation_bytes),
             size(r.cast_cache_bytes),
+            r.logits_bytes.map_or_else(|| "-".to_owned(), size),
             r.at_peak.phase.map_or("-", |p| p.label()),
         );
         if with_pytorch {
@@ -216,6 +217,7 @@ pub(crate) fn case_json(r: &CaseResult, anchors: &Anchors) -> Value {
         "state_bytes": r.state_bytes,
         "activation_bytes": r.activation_bytes,
         "cast_cache_bytes": r.cast_cache_bytes,
+        "logits_bytes": r.logits_bytes,
         "traced_step": {
             "phases": phases,
             "peak_phase": r.at_peak.phase.map(|p| p.label()),

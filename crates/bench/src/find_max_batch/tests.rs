@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use headroom_caching_allocator::{AllocatorConfig, CachingAllocator, HostStorage};
-use headroom_nn::Gpt2Config;
+use headroom_nn::{Gpt2Config, LossPath};
 use headroom_ops_cpu::CpuBackend;
 
 use super::{
@@ -196,6 +196,7 @@ fn cpu_searches_under_a_cap_are_exact_and_leave_the_allocator_as_they_found_it()
         arch: Arch::Language {
             config: LanguageConfig::Gpt2(Gpt2Config::tiny()),
             seq: 32,
+            loss: LossPath::default(),
         },
     };
     let vit_tiny = Model::named("vit_tiny").unwrap();

@@ -8,7 +8,9 @@
 //! then `lm_head.weight` unless the head is tied to the embedding (then, as in PyTorch and in
 //! Hugging Face's safetensors files, it is not listed). The forward pass is Hugging Face's:
 //! embedding, pre-norm decoder layers sharing one rotary table per forward, final RMSNorm, the
-//! head; [`LlamaForCausalLM::loss`] is its causal-LM loss (logits upcast to f32). Weights are
+//! head; [`LlamaForCausalLM::loss`] is its causal-LM loss (logits upcast to f32), and training
+//! goes through [`CausalLm::forward_loss`], which fuses the head with the loss unless
+//! [`LlamaForCausalLM::loss_path`] is [`LossPath::Unfused`]. Weights are
 //! initialised as `_init_weights` does: N(0, `initializer_range`²) matrices and embedding, zero
 //! biases, unit norms. The layers are a [`BlockStack`](crate::BlockStack), so checkpointing, offload and planners
 //! attach as they do to GPT-2. `forward_packed` takes packed variable-length sequences (one row
@@ -41,7 +43,9 @@ pub use hugging_face::{HUGGING_FACE_CONFIG_FILE, HUGGING_FACE_WEIGHTS_FILE};
 pub use rope::{apply_rotary, RotaryEmbedding};
 
 use crate::blocks::{impl_block_stack, run_block, BlockRunner};
-use crate::causal_lm::{causal_lm_loss, causal_lm_loss_from_hidden};
+use crate::causal_lm::{
+    causal_lm_head_loss, causal_lm_loss, causal_lm_loss_from_hidden, CausalLm, LossPath,
+};
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
 use crate::layers::{Embedding, Linear};
@@ -185,6 +189,10 @@ pub struct LlamaForCausalLM {
     pub model: LlamaModel,
     /// The head, `[vocab_size, hidden_size]`; `None` when tied to `model.embed_tokens`.
     pub lm_head: Option<Linear>,
+    /// How [`CausalLm::forward_loss`] computes the training loss: fused with the head (the
+    /// default, [`LossPath::default`]) or, with [`LossPath::Unfused`], the logits of
+    /// [`LlamaForCausalLM::forward`] then [`LlamaForCausalLM::loss`].
+    pub loss_path: LossPath,
 }
 
 impl LlamaForCausalLM {
@@ -269,6 +277,7 @@ impl LlamaForCausalLM {
             config,
             model,
             lm_head,
+            loss_path: LossPath::default(),
         })
     }
 
@@ -317,6 +326,22 @@ impl LlamaForCausalLM {
     ) -> Result<Tensor> {
         let weight = self.lm_head_weight();
         causal_lm_loss_from_hidden("LlamaForCausalLM", hidden_states, weight, labels, options)
+    }
+}
+
+impl CausalLm for LlamaForCausalLM {
+    fn hidden_states(&self, input_ids: &Tensor) -> Result<Tensor> {
+        self.model.forward(input_ids)
+    }
+
+    /// [`LlamaForCausalLM::lm_head_weight`].
+    fn head_weight(&self) -> &Tensor {
+        self.lm_head_weight()
+    }
+
+    fn head_loss(&self, hidden: &Tensor, labels: &Tensor) -> Result<Tensor> {
+        let weight = self.lm_head_weight();
+        causal_lm_head_loss("LlamaForCausalLM", &self.loss_path, hidden, weight, labels)
     }
 }
 
