@@ -14,9 +14,9 @@
 //!   together in the loss's backward: `2 · rows · vocab · b`, plus the per-row I64 targets and
 //!   the loss's per-row statistics. The loss upcasts the logits to f32 in registers, so a
 //!   half-precision model adds no f32 copy.
-//! - Fused (the default): autograd-core's `linear_cross_entropy` holds one chunk of logits at a
+//! - Fused (the default): autograd-core's `linear_cross_entropy` holds one tile of logits at a
 //!   time, within its budget: [`LinearCrossEntropyOptions::chunk_bytes`] (64 MiB) plus 8 bytes a
-//!   row (see its documentation), whatever the vocabulary; below the budget one chunk holds every
+//!   row (see its documentation), whatever the vocabulary; below the budget one tile holds every
 //!   row.
 //!
 //! It sits on nn's [`CausalLm`] (hidden states and head loss) and one backend's caching
