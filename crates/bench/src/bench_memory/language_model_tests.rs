@@ -161,13 +161,14 @@ fn llama_names_and_sequence_lengths_are_checked() {
 /// bf16, stepped after backward and in it. Unfused, exactly the logits and their gradient,
 /// `2 · rows · vocab · b`, with the I64 targets (8 bytes a row), the loss's f32 statistic (4 a
 /// row) and an 8-byte scalar. Fused (the default), one tile of every row (the budget's 64 MiB
-/// holds them all): the logits in the dtype, with at most the op's 64 bytes a row of per-row
-/// vectors beside; never more than the unfused figure in f32, and
+/// holds them all): the logits in the dtype (in bf16 with the backward's f32 accumulator of the
+/// rows' hidden gradient), with at most the op's 64 bytes a row of per-row vectors beside; never more than the unfused figure in f32, and
 /// within the op's bound, `chunk_bytes + 8 · rows`. The JSON carries the same figure.
 #[test]
 fn the_logits_line_is_two_unfused_logits_or_one_fused_chunk() {
     let path = std::env::temp_dir().join(format!("headroom-logits-{}.json", std::process::id()));
-    let (rows, vocab) = (32u64, LlamaConfig::tiny().vocab_size as u64);
+    let config = LlamaConfig::tiny();
+    let (rows, vocab, hidden) = (32u64, config.vocab_size as u64, config.hidden_size as u64);
     let chunk_bytes = LinearCrossEntropyOptions::default().chunk_bytes as u64;
     for unfused in [false, true] {
         let mut words = vec![
@@ -207,8 +208,10 @@ fn the_logits_line_is_two_unfused_logits_or_one_fused_chunk() {
                 assert_eq!(logits, 2 * rows * vocab * b + 12 * rows + 8, "{name}");
             } else {
                 // One tile of logits in the parameters' dtype (the tiny vocabulary is one tile
-                // of every row), and up to 64 B a row of per-row vectors.
-                let chunk = rows * vocab * b;
+                // of every row), in bf16 beside the backward's f32 accumulator of the rows'
+                // hidden gradient, and up to 64 B a row of per-row vectors.
+                let accumulator = if b < 4 { rows * hidden * 4 } else { 0 };
+                let chunk = rows * vocab * b + accumulator;
                 assert!(
                     (chunk..=chunk + 64 * rows).contains(&logits),
                     "{name}: {logits}"
