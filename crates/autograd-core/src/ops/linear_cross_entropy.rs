@@ -499,7 +499,8 @@ impl Head {
     ) -> Result<(Tensor, Tensor)> {
         let stats = self.stats();
         let lse = hidden.new_empty(&[self.rows], stats)?;
-        let counted = self.upload(hidden, &self.counted(host_labels))?;
+        let counted_rows = self.counted(host_labels);
+        let counted = self.upload(hidden, &counted_rows)?;
         let total = hidden.new_zeros(&[], stats)?;
         let per_row = match self.options.reduction {
             Some(_) => None,
@@ -552,7 +553,7 @@ impl Head {
         }
         let loss = match (self.options.reduction, per_row) {
             (Some(Reduction::Mean), _) => {
-                let count = self.counted(host_labels).iter().sum::<f64>();
+                let count = counted_rows.iter().sum::<f64>();
                 total.mul_scalar(1.0 / count)?
             }
             (_, Some(per_row)) => per_row,

@@ -13,12 +13,10 @@ use super::execute;
 use super::models::{Arch, Model};
 use super::tests::{args, parse};
 
-#[test]
-fn bench_memory_on_the_tiny_llama_names_every_byte_a_block_keeps() {
-    let path =
-        std::env::temp_dir().join(format!("headroom-llama-bench-{}.json", std::process::id()));
-    let (batch, seq) = (2u64, 16u64);
-    let mut options = parse(&args(&[
+/// The command line of one measured step of `cases` on the tiny Llama on the CPU (batch 2 × 16
+/// tokens, one warm-up), its JSON written to `json`.
+fn tiny_llama_run<'a>(cases: &'a str, json: &'a std::path::Path) -> Vec<&'a str> {
+    vec![
         "--device",
         "cpu",
         "--model",
@@ -28,15 +26,23 @@ fn bench_memory_on_the_tiny_llama_names_every_byte_a_block_keeps() {
         "--batch",
         "2",
         "--cases",
-        "fwd_bwd,adam_fused,fwd_bwd_bf16_ckpt",
+        cases,
         "--warmup",
         "1",
         "--steps",
         "1",
         "--json",
-        path.to_str().unwrap(),
-    ]))
-    .unwrap();
+        json.to_str().unwrap(),
+    ]
+}
+
+#[test]
+fn bench_memory_on_the_tiny_llama_names_every_byte_a_block_keeps() {
+    let path =
+        std::env::temp_dir().join(format!("headroom-llama-bench-{}.json", std::process::id()));
+    let (batch, seq) = (2u64, 16u64);
+    let words = tiny_llama_run("fwd_bwd,adam_fused,fwd_bwd_bf16_ckpt", &path);
+    let mut options = parse(&args(&words)).unwrap();
     options.progress = false;
     let results = execute(&options).unwrap();
     let config = LlamaConfig::tiny();
@@ -171,24 +177,7 @@ fn the_logits_line_is_two_unfused_logits_or_one_fused_chunk() {
     let (rows, vocab, hidden) = (32u64, config.vocab_size as u64, config.hidden_size as u64);
     let chunk_bytes = LinearCrossEntropyOptions::default().chunk_bytes as u64;
     for unfused in [false, true] {
-        let mut words = vec![
-            "--device",
-            "cpu",
-            "--model",
-            "llama-tiny",
-            "--seq",
-            "16",
-            "--batch",
-            "2",
-            "--cases",
-            "fwd_bwd,adam_inbwd,fwd_bwd_bf16",
-            "--warmup",
-            "1",
-            "--steps",
-            "1",
-            "--json",
-            path.to_str().unwrap(),
-        ];
+        let mut words = tiny_llama_run("fwd_bwd,adam_inbwd,fwd_bwd_bf16", &path);
         if unfused {
             words.push("--unfused-loss");
         }
