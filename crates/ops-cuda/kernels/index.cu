@@ -121,6 +121,41 @@ template <typename T> __device__ __forceinline__ bool pairs(const T* x, unsigned
     return n % 2 == 0 && ((unsigned long long)x % (2 * sizeof(T))) == 0;
 }
 
+// Sixteen bytes of a row in one load or store (p aligned to 16 bytes), as 16 / sizeof(T)
+// values in the accumulation type: the tiles' rows are read and written this way when their
+// width is a multiple of the pack (it is for the chunked loss's tiles, whose widths are
+// multiples of 64) — a quarter of the load instructions of pairs, and loads enough in flight
+// to keep the memory busy.
+template <typename T> struct Pack {
+    static constexpr int N = 16 / sizeof(T);
+    typedef typename Acc<T>::type C;
+};
+template <typename T>
+__device__ __forceinline__ void ld_pack(const T* p, typename Acc<T>::type (&v)[Pack<T>::N]) {
+    uint4 raw = *(const uint4*)p;
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < Pack<T>::N; i += 2) {
+        auto pair = ld2(e + i);
+        v[i] = pair.x;
+        v[i + 1] = pair.y;
+    }
+}
+template <typename T>
+__device__ __forceinline__ void st_pack(T* p, const typename Acc<T>::type (&v)[Pack<T>::N]) {
+    uint4 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < Pack<T>::N; i += 2) st2(e + i, v[i], v[i + 1]);
+    *(uint4*)p = raw;
+}
+
+// Whether the rows of a dense [rows, n] tile at x can be read in packs: n a multiple of the
+// pack and x aligned to 16 bytes.
+template <typename T> __device__ __forceinline__ bool packs(const T* x, unsigned long long n) {
+    return n % Pack<T>::N == 0 && ((unsigned long long)x % 16) == 0;
+}
+
 // Folds one value into an online (max, Σ exp) pair and a sum.
 template <typename C> __device__ __forceinline__ void lse_push(C v, C& m, C& s, C& total) {
     total += v;
@@ -219,7 +254,8 @@ __device__ __forceinline__ long long tile_column(long long t, long long ignore_i
 
 // One tile of a chunked cross-entropy's forward (`CrossEntropyTile`): one warp a row of the
 // dense tile [rows, n] (classes class_start..class_start + n; a tile's rows are a few thousand
-// logits, too short to pay for a block's barriers), one pass over it. The tile's (max, Σ exp)
+// logits, too short to pay for a block's barriers), one pass over it in 16-byte packs where the
+// tile's width allows (else in pairs, else one by one). The tile's (max, Σ exp)
 // pair, built online as `ce_rows` builds a row's, is merged into the row's running pair
 // (row_max, row_sum); the target's logit is written when it falls in the tile; `logit_sum`
 // (may be null) gains the row's sum. Statistics are S (float; double for f64 logits).
@@ -229,12 +265,30 @@ __device__ void ce_tile(const T* logits, unsigned long long n, unsigned long lon
                         S* row_max, S* row_sum, S* target_logit, S* logit_sum, unsigned long long rows) {
     typedef typename Acc<S>::type C;
     const unsigned lane = threadIdx.x % 32, warps = blockDim.x / 32;
-    const bool paired = pairs(logits, n);
+    const bool packed = packs(logits, n), paired = pairs(logits, n);
     for (unsigned long long r = (unsigned long long)blockIdx.x * warps + threadIdx.x / 32; r < rows;
          r += (unsigned long long)gridDim.x * warps) {
         const T* x = logits + r * n;
         C m = (C)-INFINITY, s = 0, total = 0;
-        if (paired) {
+        if (packed) {
+            // A pack at a time, without branches: the pack's maximum joins the running one,
+            // then one rescale and one exponential per value (an all −∞ pack adds nothing).
+            constexpr int N = Pack<T>::N;
+#pragma unroll 2
+            for (unsigned long long j = (unsigned long long)lane * N; j < n; j += 32 * N) {
+                C v[N];
+                ld_pack(x + j, v);
+                C most = v[0];
+#pragma unroll
+                for (int i = 0; i < N; ++i) { most = fmax(most, v[i]); total += v[i]; }
+                const C next = fmax(m, most), base = next == (C)-INFINITY ? (C)0 : next;
+                C added = 0;
+#pragma unroll
+                for (int i = 0; i < N; ++i) added += exp_acc(v[i] - base);
+                s = s * exp_acc(m - base) + added;
+                m = next;
+            }
+        } else if (paired) {
             // The pair's two halves in two independent online chains, merged at the end: half
             // the dependent latency of one chain.
             C m2 = (C)-INFINITY, s2 = 0;
@@ -264,7 +318,7 @@ __device__ void ce_tile(const T* logits, unsigned long long n, unsigned long lon
 }
 
 // One tile of a chunked cross-entropy's backward (`CrossEntropyTileBackward`), in place: one
-// block a row, x ← exp(x − lse)·scale − factor·(ε/classes + (1 − ε)·[class == target]), computed
+// block a row, read and written in 16-byte packs where the width allows, x ← exp(x − lse)·scale − factor·(ε/classes + (1 − ε)·[class == target]), computed
 // in S and rounded once into T.
 template <typename T, typename S>
 __device__ void ce_tile_backward(T* logits, unsigned long long n, unsigned long long class_start,
@@ -273,13 +327,24 @@ __device__ void ce_tile_backward(T* logits, unsigned long long n, unsigned long 
                                  const S* factor, unsigned long long rows) {
     typedef typename Acc<S>::type C;
     const C uniform = (C)(smoothing / (double)classes), keep = (C)(1.0 - smoothing);
-    const bool paired = pairs(logits, n);
+    const bool packed = packs(logits, n), paired = pairs(logits, n);
     for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
         T* x = logits + r * n;
         const C l = (C)lse[r], sc = (C)scale[r], f = (C)factor[r];
         const C off = f * uniform, hit = f * (uniform + keep);
         long long column = tile_column(target[r * target_stride], ignore_index, class_start, n);
-        if (paired) {
+        if (packed) {
+            constexpr int N = Pack<T>::N;
+#pragma unroll 2
+            for (unsigned long long j = (unsigned long long)threadIdx.x * N; j < n; j += (unsigned long long)blockDim.x * N) {
+                C v[N];
+                ld_pack(x + j, v);
+#pragma unroll
+                for (int i = 0; i < N; ++i)
+                    v[i] = exp_acc(v[i] - l) * sc - ((long long)j + i == column ? hit : off);
+                st_pack(x + j, v);
+            }
+        } else if (paired) {
 #pragma unroll 4
             for (unsigned long long j = 2 * threadIdx.x; j < n; j += 2 * blockDim.x) {
                 auto v = ld2(x + j);
