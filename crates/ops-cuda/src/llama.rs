@@ -35,6 +35,10 @@ use crate::scratch::Scratch;
 const THREADS: u64 = 256;
 /// Blocks of a row launch at most (the kernels loop over the rest): a few waves of an H200.
 const MAX_ROW_BLOCKS: u64 = 132 * 16;
+/// Blocks of the vectorised RMSNorm forward at most: one a row up to 64 an SM. Measured on the
+/// H200 at 8192 × 2048 (`scripts/cuda/rms_norm_forward_shapes.cu`), one block a row ran 8%
+/// (bf16) and 5% (f32) faster than 16 blocks an SM walking the rows.
+const MAX_FORWARD_ROW_BLOCKS: u64 = 132 * 64;
 /// An H200's streaming multiprocessors.
 const SMS: u64 = 132;
 /// Blocks of the scalar RMSNorm backward that sums the weight gradient: each writes one `[n]`
@@ -73,6 +77,18 @@ fn vectorisable(dtype: DType, addresses: &[u64], strides: &[u64]) -> bool {
         && strides.iter().all(|s| s.is_multiple_of(per_vector))
 }
 
+/// How the vectorised RMSNorm kernels share a row among a block's threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RowShare {
+    /// The fewest vectors a thread (the backward, whose weight-gradient sums take registers
+    /// per vector).
+    Narrow,
+    /// For 16-bit types the most vectors a thread that still leaves a whole warp (more rows in
+    /// flight an SM; measured on the H200 at 8192 × 2048 in bf16, 4 vectors × 64 threads ran 8%
+    /// faster than 1 × 256), for wider types the fewest (f32: 2 × 256 beat 4 × 128 by 2%).
+    Forward,
+}
+
 /// The slot of the vectorised RMSNorm kernels (vectors per thread 1, 2, 4 → 0..3) and the
 /// threads per block for rows of `n` elements, when they apply (`n` a whole number of vectors,
 /// at most 256 · 4 of them, every operand aligned, the weight dense).
@@ -81,6 +97,7 @@ fn rms_vec_plan(
     n: u64,
     addresses: &[u64],
     weight_stride: u64,
+    share: RowShare,
 ) -> Option<(usize, u32)> {
     let per_vector = per_vector(dtype);
     if n == 0 || !n.is_multiple_of(per_vector) || weight_stride != 1 {
@@ -90,9 +107,15 @@ fn rms_vec_plan(
         return None;
     }
     let vectors = n / per_vector;
-    let (slot, per_thread) = [(0, 1), (1, 2), (2, 4)]
-        .into_iter()
-        .find(|&(_, per_thread)| vectors <= THREADS * per_thread)?;
+    let fits = |&(_, per_thread): &(usize, u64)| vectors <= THREADS * per_thread;
+    let narrowest = [(0, 1), (1, 2), (2, 4)].into_iter().find(fits)?;
+    let (slot, per_thread) = match share {
+        RowShare::Forward if dtype.size_in_bytes() == 2 => [(2, 4), (1, 2)]
+            .into_iter()
+            .find(|&(slot, per_thread)| slot > narrowest.0 && vectors.div_ceil(per_thread) >= 32)
+            .unwrap_or(narrowest),
+        _ => narrowest,
+    };
     let threads = vectors.div_ceil(per_thread).div_ceil(32) * 32;
     Some((slot, threads as u32))
 }
@@ -135,7 +158,8 @@ pub(crate) fn rms_norm(backend: &CudaBackend, args: RmsNormForward<'_>) -> Resul
     let (w, ws) = (element_address(&args.weight), param_stride(&args.weight));
     let rstd = element_address(&args.rstd);
     let eps = Param::F64(args.eps);
-    if let Some((slot, threads)) = rms_vec_plan(args.x.dtype, n, &[x, out, w], ws) {
+    let plan = rms_vec_plan(args.x.dtype, n, &[x, out, w], ws, RowShare::Forward);
+    if let Some((slot, threads)) = plan {
         let params = [
             Param::U64(x),
             Param::U64(w),
@@ -145,7 +169,7 @@ pub(crate) fn rms_norm(backend: &CudaBackend, args: RmsNormForward<'_>) -> Resul
             Param::U64(rows),
             Param::U64(n),
         ];
-        let config = row_config(rows, threads, MAX_ROW_BLOCKS);
+        let config = row_config(rows, threads, MAX_FORWARD_ROW_BLOCKS);
         let name = (RMS_VEC_FORWARD[slot], suffix);
         return launch_in(backend, Module::Llama, op, name, config, &params, NO_ARGS);
     }
@@ -178,7 +202,7 @@ pub(crate) fn rms_norm_backward(backend: &CudaBackend, args: RmsNormBackward<'_>
     let dx = args.dx.as_ref().map_or(0, element_address);
     let mut addresses = vec![dy, x, w];
     addresses.extend(args.dx.as_ref().map(element_address));
-    let plan = rms_vec_plan(args.x.dtype, n, &addresses, ws);
+    let plan = rms_vec_plan(args.x.dtype, n, &addresses, ws, RowShare::Narrow);
     let (name, threads, rows_per_pass) = match plan {
         Some((slot, threads)) => {
             let per_thread = 1 << slot;
