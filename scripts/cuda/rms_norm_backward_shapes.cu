@@ -8,22 +8,11 @@
 // On the GPU machine, from this folder:
 //   nvcc -O3 -arch=sm_90 -std=c++17 --extended-lambda rms_norm_backward_shapes.cu -o rms && ./rms
 #include "../../crates/ops-cuda/kernels/llama.cu"
-#include <cstdio>
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
-template <typename F> float time_it(F f, int iters = 50) {
-  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-  for (int i = 0; i < 5; ++i) f();
-  cudaEventRecord(a);
-  for (int i = 0; i < iters; ++i) f();
-  cudaEventRecord(b); cudaEventSynchronize(b);
-  float ms; cudaEventElapsedTime(&ms, a, b); return ms / iters;
-}
+#include "event_timing.cuh"
+
 int main() {
   const unsigned long long rows = 8192, n = 2048;
-  void *big0, *big1; size_t big = 2000000000ULL;
-  CK(cudaMalloc(&big0, big)); CK(cudaMalloc(&big1, big));
-  float ceil_ms = time_it([&] { cudaMemcpyAsync(big1, big0, big, cudaMemcpyDeviceToDevice); }, 10);
-  double ceiling = 2.0 * big / ceil_ms / 1e6;
+  const double ceiling = copy_ceiling();
   printf("ceiling %.0f GB/s\n", ceiling);
   void *x, *dy, *w, *dx, *rstd, *partial, *dw;
   CK(cudaMalloc(&x, rows * n * 4)); CK(cudaMalloc(&dy, rows * n * 4)); CK(cudaMalloc(&dx, rows * n * 4));
