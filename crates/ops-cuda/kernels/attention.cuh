@@ -62,37 +62,36 @@ __device__ __forceinline__ void sequence_of(const AttnArgs& a, unsigned int row,
     end = (unsigned int)a.cu_seqlens[lo + 1];
 }
 
-// The keys query `row` sees, [lo, hi): all, up to the query when causal, its own sequence's when
-// packed; none for a row past the queries. Both ends never decrease with `row`, so a block of
-// rows sees [lo of its first row, hi of its last).
+// The other side's rows that own `row` meets, [lo, hi): for a query (`own_queries`) the keys it
+// sees (all, up to the query when causal, its own sequence's when packed), for a key the queries
+// that see it (the transpose); none for a row past its side. Both ends never decrease with `row`,
+// so a block of rows meets [lo of its first row, hi of its last).
+__device__ __forceinline__ void rows_met(const AttnArgs& a, bool own_queries, unsigned int row,
+                                         unsigned int& lo, unsigned int& hi) {
+    if (row >= (own_queries ? a.queries : a.keys)) {
+        lo = hi = 0;
+        return;
+    }
+    unsigned int first, end;
+    sequence_of(a, row, own_queries ? a.keys : a.queries, first, end);
+    lo = a.causal && !own_queries ? row : first;
+    hi = a.causal && own_queries ? row + 1 : end;
+}
+
+// The keys query `row` sees.
 __device__ __forceinline__ void keys_seen(const AttnArgs& a, unsigned int row, unsigned int& lo,
                                           unsigned int& hi) {
-    if (row >= a.queries) {
-        lo = hi = 0;
-        return;
-    }
-    unsigned int first, end;
-    sequence_of(a, row, a.keys, first, end);
-    lo = first;
-    hi = a.causal ? row + 1 : end;
+    rows_met(a, true, row, lo, hi);
 }
 
-// The queries that see key `row`, [lo, hi) (the transpose of `keys_seen`); none for a row past
-// the keys.
+// The queries that see key `row`.
 __device__ __forceinline__ void queries_seeing(const AttnArgs& a, unsigned int row, unsigned int& lo,
                                                unsigned int& hi) {
-    if (row >= a.keys) {
-        lo = hi = 0;
-        return;
-    }
-    unsigned int first, end;
-    sequence_of(a, row, a.queries, first, end);
-    lo = a.causal ? row : first;
-    hi = end;
+    rows_met(a, false, row, lo, hi);
 }
 
-// The other side's rows a block of own rows first..first + n sees (`keys_seen` for queries,
-// `queries_seeing` for keys): [lo, hi), empty when no own row is in range.
+// The other side's rows a block of own rows first..first + n meets (`rows_met` of its first and
+// last rows): [lo, hi), empty when no own row is in range.
 __device__ __forceinline__ void block_range(const AttnArgs& a, bool own_queries, unsigned int first,
                                             unsigned int n, unsigned int& lo, unsigned int& hi) {
     const unsigned int own_rows = own_queries ? a.queries : a.keys;
@@ -102,12 +101,7 @@ __device__ __forceinline__ void block_range(const AttnArgs& a, bool own_queries,
     }
     const unsigned int last = min(first + n, own_rows) - 1;
     unsigned int unused;
-    if (own_queries) {
-        keys_seen(a, first, lo, unused);
-        keys_seen(a, last, unused, hi);
-    } else {
-        queries_seeing(a, first, lo, unused);
-        queries_seeing(a, last, unused, hi);
-    }
+    rows_met(a, own_queries, first, lo, unused);
+    rows_met(a, own_queries, last, unused, hi);
     if (hi < lo) hi = lo;
 }

@@ -107,9 +107,16 @@ __device__ void rms_norm_vec(const T* x, const T* w, T* out, typename Acc<T>::ty
 // Rows a block of `rms_norm_backward_vec` takes at a time with VPT vectors a thread: 8 vectors of
 // x and of dy in flight per thread (4 for f64, and for 16-bit types at 4 vectors a thread, whose
 // 32 weight-gradient sums take the registers), within 128 registers (two blocks of 256 threads
-// an SM) without spilling. llama.rs mirrors it (`backward_rows_per_pass`).
+// an SM) without spilling. For 16-bit types at one vector a thread, 4 rows within 80 registers,
+// three blocks an SM (`backward_blocks_per_sm`): more warps to hide the latency of the passes
+// (measured on the H200 at 8192 x 2048 in bf16, scripts/cuda/rms_norm_backward_occupancy.cu:
+// 40.5 us with the finish against 44.0 for 8 rows at two blocks). llama.rs mirrors both
+// (`backward_rows_per_pass`, `weight_grad_threads_per_sm`).
 template <typename T> __host__ __device__ constexpr int backward_rows_per_pass(int vpt) {
-    return sizeof(T) == 8 ? 4 / vpt : sizeof(T) == 2 && vpt == 4 ? 1 : 8 / vpt;
+    return sizeof(T) == 8 ? 4 / vpt : sizeof(T) == 2 && vpt == 4 ? 1 : sizeof(T) == 2 && vpt == 1 ? 4 : 8 / vpt;
+}
+template <typename T> __host__ __device__ constexpr int backward_blocks_per_sm(int vpt) {
+    return sizeof(T) == 2 && vpt == 1 ? 3 : 2;
 }
 
 // The sums over the block (any multiple of 32 threads up to 1024) of each of K values, which
@@ -391,7 +398,7 @@ __device__ void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int 
                                                      double eps, unsigned long long rows, unsigned long long n) { \
         rms_norm_vec<T, VPT>(x, w, out, rstd, eps, rows, n);                                                 \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256, 2)                                                    \
+    extern "C" __global__ void __launch_bounds__(256, backward_blocks_per_sm<T>(VPT))                       \
         rms_norm_backward_v##VPT##_##N(const T* dy, const T* x, const Acc<T>::type* rstd, const T* w, T* dx,   \
                                        Acc<T>::type* partial, unsigned long long rows, unsigned long long n) { \
         rms_norm_backward_vec<T, VPT, backward_rows_per_pass<T>(VPT)>(dy, x, rstd, w, dx, partial, rows, n);                        \

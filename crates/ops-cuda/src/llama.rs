@@ -8,8 +8,9 @@
 //!   of x and of dy in flight per thread, see [`backward_rows_per_pass`]), writes their dx and
 //!   keeps its column sums of the weight gradient in registers; each block writes them once to
 //!   its row of a scratch `[blocks, n]` in f32 (f64 for f64), and a second kernel adds the
-//!   rows. Blocks: 2 per SM at 256 threads (more for narrower rows, at most 16 an SM), so the
-//!   scratch is `blocks · n · 4` bytes: 264 · 2048 · 4 = 2.2 MB for Llama-3.2-1B's 2048.
+//!   rows. Blocks: 2 per SM at 256 threads, 3 for 16-bit types at one vector a thread (more
+//!   for narrower rows, at most 16 an SM), so the scratch is `blocks · n · 4` bytes:
+//!   396 · 2048 · 4 = 3.2 MB for Llama-3.2-1B's 2048 in bf16.
 //! - SwiGLU: rows along the grid's y, a row's vectors along x; `gate` and `up` may have any row
 //!   stride (halves of a packed projection).
 //! - Rotary: a flat walk over (row, unit) pairs, a row being one head at one position and a
@@ -36,8 +37,10 @@ const THREADS: u64 = 256;
 /// Blocks of a row launch at most (the kernels loop over the rest): a few waves of an H200.
 const MAX_ROW_BLOCKS: u64 = 132 * 16;
 /// Blocks of the vectorised RMSNorm forward at most: one a row up to 64 an SM. Measured on the
-/// H200 at 8192 × 2048 (`scripts/cuda/rms_norm_forward_shapes.cu`), one block a row ran 8%
-/// (bf16) and 5% (f32) faster than 16 blocks an SM walking the rows.
+/// H200 at 8192 × 2048 (`scripts/cuda/rms_norm_forward_shapes.cu`): in f32 one block a row ran
+/// 5% faster than 16 blocks an SM walking the rows; in bf16 the 8% came from one block a row
+/// together with four vectors a thread ([`RowShare::Forward`]: 19.9 µs against 21.5 for one
+/// vector of 256 threads on 2112 blocks, which one block a row alone does not beat).
 const MAX_FORWARD_ROW_BLOCKS: u64 = 132 * 64;
 /// An H200's streaming multiprocessors.
 const SMS: u64 = 132;
@@ -45,10 +48,17 @@ const SMS: u64 = 132;
 /// row of partial sums, so enough to stream x and dy at full speed and few enough that adding
 /// the partials stays a small fraction of the traffic.
 const WEIGHT_GRAD_BLOCKS: u64 = SMS * 3;
-/// Threads an SM of the vectorised RMSNorm backward that sums the weight gradient runs: two
-/// blocks of 256 (its launch bounds), or more blocks of narrower rows, each with its own `[n]`
-/// row of partial sums (so about the same bytes).
-const WEIGHT_GRAD_THREADS_PER_SM: u64 = 512;
+/// Threads an SM of the vectorised RMSNorm backward that sums the weight gradient runs at
+/// `per_thread` vectors a thread: its launch bounds (`backward_blocks_per_sm` of `llama.cu`),
+/// three blocks of 256 for 16-bit types at one vector a thread, else two; or more blocks of
+/// narrower rows, each with its own `[n]` row of partial sums (so about the same bytes).
+fn weight_grad_threads_per_sm(dtype: DType, per_thread: u64) -> u64 {
+    if dtype.size_in_bytes() == 2 && per_thread == 1 {
+        768
+    } else {
+        512
+    }
+}
 /// Columns and rows of threads of a block of `rms_norm_weight_grad_finish` (32 columns; at most
 /// 32 rows, its launch bounds): each thread adds every 32nd partial row of its column.
 const FINISH_BLOCK: (u32, u32, u32) = (32, 32, 1);
@@ -122,12 +132,14 @@ fn rms_vec_plan(
 
 /// Rows a block of the vectorised RMSNorm backward takes at a time with `per_thread` vectors a
 /// thread: `backward_rows_per_pass` of `llama.cu` (8 vectors of x and of dy in flight a thread;
-/// 4 for f64, and for 16-bit types at 4 vectors a thread). It sets only the block count: the
-/// kernel walks all rows whatever the grid, so a mismatch would cost balance, not correctness.
+/// 4 for f64, and for 16-bit types at 1 or 4 vectors a thread). It sets only the block count:
+/// the kernel walks all rows whatever the grid, so a mismatch would cost balance, not
+/// correctness.
 fn backward_rows_per_pass(dtype: DType, per_thread: u64) -> u64 {
     match dtype.size_in_bytes() {
         8 => 4 / per_thread,
         2 if per_thread == 4 => 1,
+        2 if per_thread == 1 => 4,
         _ => 8 / per_thread,
     }
 }
@@ -159,32 +171,19 @@ pub(crate) fn rms_norm(backend: &CudaBackend, args: RmsNormForward<'_>) -> Resul
     let rstd = element_address(&args.rstd);
     let eps = Param::F64(args.eps);
     let plan = rms_vec_plan(args.x.dtype, n, &[x, out, w], ws, RowShare::Forward);
-    if let Some((slot, threads)) = plan {
-        let params = [
-            Param::U64(x),
-            Param::U64(w),
-            Param::U64(out),
-            Param::U64(rstd),
-            eps,
-            Param::U64(rows),
-            Param::U64(n),
-        ];
-        let config = row_config(rows, threads, MAX_FORWARD_ROW_BLOCKS);
-        let name = (RMS_VEC_FORWARD[slot], suffix);
-        return launch_in(backend, Module::Llama, op, name, config, &params, NO_ARGS);
+    let (name, threads, max_blocks) = match plan {
+        Some((slot, threads)) => (RMS_VEC_FORWARD[slot], threads, MAX_FORWARD_ROW_BLOCKS),
+        None => ("rms_norm_rows", THREADS as u32, MAX_ROW_BLOCKS),
+    };
+    // The row kernel takes the weight's stride after its address; the vectorised ones do not.
+    let mut params = vec![Param::U64(x), Param::U64(w)];
+    if plan.is_none() {
+        params.push(Param::U64(ws));
     }
-    let params = [
-        Param::U64(x),
-        Param::U64(w),
-        Param::U64(ws),
-        Param::U64(out),
-        Param::U64(rstd),
-        eps,
-        Param::U64(rows),
-        Param::U64(n),
-    ];
-    let config = row_config(rows, THREADS as u32, MAX_ROW_BLOCKS);
-    let name = ("rms_norm_rows", suffix);
+    params.extend([Param::U64(out), Param::U64(rstd), eps]);
+    params.extend([rows, n].map(Param::U64));
+    let config = row_config(rows, threads, max_blocks);
+    let name = (name, suffix);
     launch_in(backend, Module::Llama, op, name, config, &params, NO_ARGS)
 }
 
@@ -203,18 +202,24 @@ pub(crate) fn rms_norm_backward(backend: &CudaBackend, args: RmsNormBackward<'_>
     let mut addresses = vec![dy, x, w];
     addresses.extend(args.dx.as_ref().map(element_address));
     let plan = rms_vec_plan(args.x.dtype, n, &addresses, ws, RowShare::Narrow);
-    let (name, threads, rows_per_pass) = match plan {
+    let (name, threads, rows_per_pass, weight_grad_blocks) = match plan {
         Some((slot, threads)) => {
             let per_thread = 1 << slot;
             let rows_per_pass = backward_rows_per_pass(args.x.dtype, per_thread);
-            (RMS_VEC_BACKWARD[slot], threads, rows_per_pass)
+            let per_sm = weight_grad_threads_per_sm(args.x.dtype, per_thread) / u64::from(threads);
+            let blocks = SMS * per_sm.clamp(2, 16);
+            (RMS_VEC_BACKWARD[slot], threads, rows_per_pass, blocks)
         }
-        None => ("rms_norm_backward_rows", THREADS as u32, 1),
+        None => (
+            "rms_norm_backward_rows",
+            THREADS as u32,
+            1,
+            WEIGHT_GRAD_BLOCKS,
+        ),
     };
-    let max_blocks = match (args.dweight.is_some(), plan.is_some()) {
-        (false, _) => MAX_ROW_BLOCKS,
-        (true, true) => SMS * (WEIGHT_GRAD_THREADS_PER_SM / u64::from(threads)).clamp(2, 16),
-        (true, false) => WEIGHT_GRAD_BLOCKS,
+    let max_blocks = match args.dweight {
+        Some(_) => weight_grad_blocks,
+        None => MAX_ROW_BLOCKS,
     };
     // No rows: no partial sums, and the finish below writes a zero weight gradient.
     let blocks = rows.div_ceil(rows_per_pass).min(max_blocks);
