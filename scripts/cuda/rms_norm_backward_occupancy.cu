@@ -1,6 +1,6 @@
-// RMSNorm backward at 8192 x 2048 in bf16, by rows in flight and blocks an SM: ncu shows the op's
-// backward (8 rows a pass, 128 registers, 2 blocks of 256 an SM: 25% occupancy) at 54% of DRAM
-// bandwidth, latency-bound. Here ops-cuda's `rms_norm_backward_vec` (kernels/llama.cu, included)
+// RMSNorm backward at 8192 x 2048 in bf16, by rows in flight and blocks an SM: ncu showed the
+// op's backward as it stood at f1a72bb (8 rows a pass, 128 registers, 2 blocks of 256 an SM: 25%
+// occupancy) at 54% of DRAM bandwidth, latency-bound (llama.cu now runs 4 rows at 3 blocks). Here ops-cuda's `rms_norm_backward_vec` (kernels/llama.cu, included)
 // at K rows a pass under launch bounds of B blocks an SM, on B · 132 blocks, timed alone, with
 // today's finish kernel after it, and with the finish inside one cooperative launch (a grid
 // barrier, then each block adds 8 columns), one launch at a time between events as the kernels
@@ -11,7 +11,7 @@
 #include <cooperative_groups.h>
 
 #include "../../crates/ops-cuda/kernels/llama.cu"
-#include "event_timing.cuh"
+#include "rms_norm_backward_buffers.cuh"
 
 namespace cg = cooperative_groups;
 typedef __nv_bfloat16 B;
@@ -94,12 +94,10 @@ int main() {
     const unsigned long long rows = 8192, n = 2048;
     const double ceiling = copy_ceiling();
     printf("ceiling %.0f GB/s\n", ceiling);
-    void *x, *dy, *w, *dx, *rstd, *partial, *dw;
-    CK(cudaMalloc(&x, rows * n * 2)); CK(cudaMalloc(&dy, rows * n * 2)); CK(cudaMalloc(&dx, rows * n * 2));
-    CK(cudaMalloc(&w, n * 2)); CK(cudaMalloc(&rstd, rows * 4)); CK(cudaMalloc(&partial, 4096 * n * 4)); CK(cudaMalloc(&dw, n * 2));
-    CK(cudaMemset(x, 0x3f, rows * n * 2)); CK(cudaMemset(dy, 0x3c, rows * n * 2)); CK(cudaMemset(w, 0x3f, n * 2));
-    CK(cudaMemset(rstd, 0x3f, rows * 4));
-    Buffers b{(const B*)dy, (const B*)x, (const float*)rstd, (const B*)w, (B*)dx, (float*)partial, (B*)dw, rows, n};
+    RmsBackwardBuffers buffers;
+    if (allocate_rms_backward(rows, n, 0x3c, buffers)) return 1;
+    Buffers b{(const B*)buffers.dy, (const B*)buffers.x, (const float*)buffers.rstd, (const B*)buffers.w,
+              (B*)buffers.dx,       (float*)buffers.partial, (B*)buffers.dw,       rows, n};
     const double bytes = 3.0 * rows * n * 2 + rows * 4;
     measure<8, 2>(b, bytes, ceiling);
     measure<4, 2>(b, bytes, ceiling);

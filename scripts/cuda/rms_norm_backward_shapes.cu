@@ -8,16 +8,16 @@
 // On the GPU machine, from this folder:
 //   nvcc -O3 -arch=sm_90 -std=c++17 --extended-lambda rms_norm_backward_shapes.cu -o rms && ./rms
 #include "../../crates/ops-cuda/kernels/llama.cu"
-#include "event_timing.cuh"
+#include "rms_norm_backward_buffers.cuh"
 
 int main() {
   const unsigned long long rows = 8192, n = 2048;
   const double ceiling = copy_ceiling();
   printf("ceiling %.0f GB/s\n", ceiling);
-  void *x, *dy, *w, *dx, *rstd, *partial, *dw;
-  CK(cudaMalloc(&x, rows * n * 4)); CK(cudaMalloc(&dy, rows * n * 4)); CK(cudaMalloc(&dx, rows * n * 4));
-  CK(cudaMalloc(&w, n * 4)); CK(cudaMalloc(&rstd, rows * 4)); CK(cudaMalloc(&partial, 4096 * n * 4)); CK(cudaMalloc(&dw, n * 4));
-  CK(cudaMemset(x, 0x3f, rows * n * 4)); CK(cudaMemset(dy, 0x3f, rows * n * 4)); CK(cudaMemset(w, 0x3f, n * 4)); CK(cudaMemset(rstd, 0x3f, rows * 4));
+  RmsBackwardBuffers buffers;
+  if (allocate_rms_backward(rows, n, 0x3f, buffers)) return 1;
+  void *x = buffers.x, *dy = buffers.dy, *w = buffers.w, *dx = buffers.dx, *rstd = buffers.rstd, *partial = buffers.partial,
+       *dw = buffers.dw;
   typedef __nv_bfloat16 B;
   const double bytes = 3.0 * rows * n * 2 + rows * 4;
   auto pct = [&](float ms) { return 100.0 * bytes / ms / 1e6 / ceiling; };
