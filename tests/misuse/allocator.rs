@@ -12,12 +12,20 @@ use crate::{expect_eq, expect_err, Case, Outcome};
 use headroom_testkit::misuse_cases;
 
 pub(crate) fn cases() -> Vec<Case> {
-    fn parse_refused(conf: &str, key: &str) -> Outcome {
+    /// `Ok` when `config` is [`AllocError::InvalidConfig`] of `key`, its message naming `text`.
+    fn invalid_config(
+        config: Result<AllocatorConfig, AllocError>,
+        key: &str,
+        text: &str,
+    ) -> Outcome {
         expect_err!(
-            AllocatorConfig::parse(conf),
+            config,
             AllocError::InvalidConfig { key: k, .. } if k == key,
-            naming key
+            naming text
         )
+    }
+    fn parse_refused(conf: &str, key: &str) -> Outcome {
+        invalid_config(AllocatorConfig::parse(conf), key, key)
     }
     fn simulated(capacity: u64, config: AllocatorConfig) -> CachingAllocator<SimulatedStorage> {
         CachingAllocator::new(SimulatedStorage::new(capacity), config)
@@ -53,33 +61,26 @@ pub(crate) fn cases() -> Vec<Case> {
         },
         conf_boolean_that_is_not_true_or_false_is_invalid_config =>
             parse_refused("expandable_segments:maybe", "expandable_segments"),
-        builder_handle_size_above_1_tib_is_invalid_config => {
-            expect_err!(
-                AllocatorConfig::builder().expandable_handle_size_mb(1_048_578).build(),
-                AllocError::InvalidConfig { key, .. } if key == "expandable_handle_size_mb",
-                naming "expandable_handle_size_mb"
-            )
-        },
-        builder_mib_count_overflowing_u64_bytes_is_invalid_config => {
-            expect_err!(
-                AllocatorConfig::builder().max_split_size_mb(u64::MAX).build(),
-                AllocError::InvalidConfig { key, .. } if key == "max_split_size_mb",
-                naming "too large"
-            )
-        },
-        builder_nan_memory_fraction_is_invalid_config => {
-            expect_err!(
-                AllocatorConfig::builder().per_process_memory_fraction(f64::NAN).build(),
-                AllocError::InvalidConfig { key, .. } if key == "per_process_memory_fraction"
-            )
-        },
-        builder_odd_large_segment_size_is_invalid_config => {
-            expect_err!(
-                AllocatorConfig::builder().large_segment_size_mb(21).build(),
-                AllocError::InvalidConfig { key, .. } if key == "large_segment_size_mb",
-                naming "21 MiB"
-            )
-        },
+        builder_handle_size_above_1_tib_is_invalid_config => invalid_config(
+            AllocatorConfig::builder().expandable_handle_size_mb(1_048_578).build(),
+            "expandable_handle_size_mb",
+            "expandable_handle_size_mb",
+        ),
+        builder_mib_count_overflowing_u64_bytes_is_invalid_config => invalid_config(
+            AllocatorConfig::builder().max_split_size_mb(u64::MAX).build(),
+            "max_split_size_mb",
+            "too large",
+        ),
+        builder_nan_memory_fraction_is_invalid_config => invalid_config(
+            AllocatorConfig::builder().per_process_memory_fraction(f64::NAN).build(),
+            "per_process_memory_fraction",
+            "per_process_memory_fraction",
+        ),
+        builder_odd_large_segment_size_is_invalid_config => invalid_config(
+            AllocatorConfig::builder().large_segment_size_mb(21).build(),
+            "large_segment_size_mb",
+            "21 MiB",
+        ),
         allocating_past_a_simulated_device_is_out_of_memory_with_its_report => {
             let allocator = simulated(64 << 20, AllocatorConfig::pytorch_defaults());
             let held = allocator.allocate(30 << 20, StreamId::DEFAULT)?;

@@ -6,10 +6,21 @@
 use headroom_autograd_core::{Access, BackwardOptions, DType, HostAccess, Tensor, TensorError};
 use headroom_ops_cpu::CpuBackend;
 
-use crate::{expect_eq, expect_err, f32s, param, Case};
+use crate::autograd_ops::refused;
+use crate::autograd_ops::Refusal::{self, Autograd, DtypeMismatch, ShapeMismatch};
+use crate::{expect_eq, expect_err, f32s, param, Case, Outcome};
 use headroom_testkit::misuse_cases;
 
 pub(crate) fn cases() -> Vec<Case> {
+    /// Setting a gradient of `shape` and `dtype` on a parameter of two f32 elements.
+    fn set_grad_refused(shape: &[usize], dtype: DType, expected: Refusal) -> Outcome {
+        let cpu = CpuBackend::new_ref();
+        let x = param(&cpu, &[1.0, 2.0])?;
+        refused(
+            x.set_grad(Some(Tensor::ones(&cpu, shape, dtype)?)),
+            expected,
+        )
+    }
     misuse_cases![
         backward_of_a_non_scalar_without_a_gradient_is_autograd_error => {
             let cpu = CpuBackend::new_ref();
@@ -60,11 +71,8 @@ pub(crate) fn cases() -> Vec<Case> {
             loss.backward()?;
             expect_err!(loss.backward(), TensorError::GraphFreed { .. })
         },
-        in_place_write_to_a_leaf_that_requires_grad_is_autograd_error => {
-            let cpu = CpuBackend::new_ref();
-            let x = param(&cpu, &[0.5, 1.0])?;
-            expect_err!(x.fill_(0.0), TensorError::Autograd { op: "fill_", .. })
-        },
+        in_place_write_to_a_leaf_that_requires_grad_is_autograd_error =>
+            refused(param(&CpuBackend::new_ref(), &[0.5, 1.0])?.fill_(0.0), Autograd("fill_")),
         requires_grad_on_an_integer_tensor_is_unsupported_dtype => {
             let cpu = CpuBackend::new_ref();
             let ids = Tensor::from_slice(&cpu, &[1i64, 2], &[2])?;
@@ -77,24 +85,11 @@ pub(crate) fn cases() -> Vec<Case> {
             )
         },
         requires_grad_on_a_non_leaf_is_autograd_error => {
-            let cpu = CpuBackend::new_ref();
-            let y = param(&cpu, &[1.0])?.exp()?;
-            expect_err!(
-                y.requires_grad_(false),
-                TensorError::Autograd {
-                    op: "requires_grad_",
-                    ..
-                }
-            )
+            let y = param(&CpuBackend::new_ref(), &[1.0])?.exp()?;
+            refused(y.requires_grad_(false), Autograd("requires_grad_"))
         },
-        set_grad_of_another_shape_is_shape_mismatch => {
-            let cpu = CpuBackend::new_ref();
-            let x = param(&cpu, &[1.0, 2.0])?;
-            expect_err!(
-                x.set_grad(Some(Tensor::ones(&cpu, &[3], DType::F32)?)),
-                TensorError::ShapeMismatch { op: "set_grad", .. }
-            )
-        },
+        set_grad_of_another_shape_is_shape_mismatch =>
+            set_grad_refused(&[3], DType::F32, ShapeMismatch("set_grad")),
         an_op_writing_a_buffer_claimed_by_a_reader_is_concurrent_access => {
             let cpu = CpuBackend::new_ref();
             let x = Tensor::zeros(&cpu, &[4], DType::F32)?;
@@ -126,24 +121,11 @@ pub(crate) fn cases() -> Vec<Case> {
                 }
             )
         },
-        set_grad_of_another_dtype_is_dtype_mismatch => {
-            let cpu = CpuBackend::new_ref();
-            let x = param(&cpu, &[1.0, 2.0])?;
-            expect_err!(
-                x.set_grad(Some(Tensor::ones(&cpu, &[2], DType::F64)?)),
-                TensorError::DtypeMismatch { op: "set_grad", .. }
-            )
-        },
+        set_grad_of_another_dtype_is_dtype_mismatch =>
+            set_grad_refused(&[2], DType::F64, DtypeMismatch("set_grad")),
         register_hook_on_a_tensor_without_grad_is_autograd_error => {
-            let cpu = CpuBackend::new_ref();
-            let x = Tensor::ones(&cpu, &[2], DType::F32)?;
-            expect_err!(
-                x.register_hook(|_| Ok(None)),
-                TensorError::Autograd {
-                    op: "register_hook",
-                    ..
-                }
-            )
+            let x = Tensor::ones(&CpuBackend::new_ref(), &[2], DType::F32)?;
+            refused(x.register_hook(|_| Ok(None)), Autograd("register_hook"))
         },
     ]
 }

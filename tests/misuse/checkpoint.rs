@@ -26,10 +26,19 @@ pub(crate) fn cases() -> Vec<Case> {
             }
         )
     }
-    fn blocks(n: usize) -> Vec<headroom_nn::BlockForward> {
-        (0..n)
+    /// `checkpoint_sequential` of three tanh blocks in `segments` segments.
+    fn sequential_refused(segments: usize) -> Outcome {
+        let blocks: Vec<headroom_nn::BlockForward> = (0..3)
             .map(|_| -> headroom_nn::BlockForward { Arc::new(|x: &Tensor| Ok(x.tanh()?)) })
-            .collect()
+            .collect();
+        let x = param(&CpuBackend::new_ref(), &[0.5; 4])?;
+        expect_err!(
+            checkpoint_sequential(&blocks, segments, &x, &CheckpointOptions::default()),
+            CheckpointError::InvalidArgument {
+                op: "checkpoint_sequential",
+                ..
+            }
+        )
     }
     misuse_cases![
         int8_quantize_with_block_of_3_is_invalid_argument => quantize_refused(12, 3, 12, 4),
@@ -57,28 +66,9 @@ pub(crate) fn cases() -> Vec<Case> {
                 naming "block size 3"
             )
         },
-        checkpoint_sequential_in_0_segments_is_invalid_argument => {
-            let cpu = CpuBackend::new_ref();
-            let x = param(&cpu, &[0.5; 4])?;
-            expect_err!(
-                checkpoint_sequential(&blocks(3), 0, &x, &CheckpointOptions::default()),
-                CheckpointError::InvalidArgument {
-                    op: "checkpoint_sequential",
-                    ..
-                }
-            )
-        },
-        checkpoint_sequential_in_more_segments_than_blocks_is_invalid_argument => {
-            let cpu = CpuBackend::new_ref();
-            let x = param(&cpu, &[0.5; 4])?;
-            expect_err!(
-                checkpoint_sequential(&blocks(3), 4, &x, &CheckpointOptions::default()),
-                CheckpointError::InvalidArgument {
-                    op: "checkpoint_sequential",
-                    ..
-                }
-            )
-        },
+        checkpoint_sequential_in_0_segments_is_invalid_argument => sequential_refused(0),
+        checkpoint_sequential_in_more_segments_than_blocks_is_invalid_argument =>
+            sequential_refused(4),
         a_checkpointed_region_writing_its_input_is_region_writes_input => {
             let cpu = CpuBackend::new_ref();
             let x = f32s(&cpu, &[0.5; 4], &[4])?;

@@ -24,6 +24,37 @@ fn solo() -> Result<InProcessComm, DistributedError> {
     Ok(InProcessGroup::ranks(1)?.remove(0))
 }
 
+/// `Ok` when `result` is [`DistributedError::InvalidArgument`] from `op`.
+fn invalid_argument<T>(result: Result<T, DistributedError>, op: &str) -> Outcome {
+    let outcome: Outcome =
+        expect_err!(result, DistributedError::InvalidArgument { op: got, .. } if *got == op);
+    outcome.map_err(|err| format!("expecting InvalidArgument from {op}: {err}").into())
+}
+
+/// A sharded optimizer of `config` over one parameter of four elements, on a group of one, in
+/// buckets of 1 MiB.
+fn sharded<R: headroom_optim::UpdateRule>(
+    config: R,
+    clipping: Option<ShardClipping>,
+) -> Result<ShardedOptimizer, DistributedError> {
+    let p = param(&CpuBackend::new_ref(), &[1.0; 4])?;
+    ShardedOptimizer::new(
+        vec![ParamGroup::new(vec![p], config)],
+        Implementation::Fused,
+        Arc::new(solo()?),
+        ShardConfig {
+            bucket_bytes: 1 << 20,
+            clipping,
+        },
+    )
+}
+
+/// The shard layout of one parameter of four elements over `world_size` ranks, seen from `rank`.
+fn shard_layout_refused(rank: usize, world_size: usize) -> Outcome {
+    let p = param(&CpuBackend::new_ref(), &[1.0; 4])?;
+    invalid_argument(ShardLayout::new(&[p], rank, world_size), "ShardLayout::new")
+}
+
 pub(crate) fn cases() -> Vec<Case> {
     fn all_ok(outcomes: Vec<Outcome>) -> Outcome {
         let failures: Vec<String> = outcomes
@@ -77,29 +108,17 @@ pub(crate) fn cases() -> Vec<Case> {
             ))
         },
         all_gather_from_a_partly_overlapping_input_is_invalid_argument => {
-            let comm = solo()?;
-            let cpu = CpuBackend::new_ref();
-            let whole = Tensor::zeros(&cpu, &[4], DType::F32)?;
+            let whole = Tensor::zeros(&CpuBackend::new_ref(), &[4], DType::F32)?;
             let (input, output) = (whole.narrow(0, 1, 3)?, whole.narrow(0, 0, 3)?);
-            expect_err!(
-                comm.all_gather(&input, &output),
-                DistributedError::InvalidArgument {
-                    op: "all_gather",
-                    ..
-                }
-            )
+            invalid_argument(solo()?.all_gather(&input, &output), "all_gather")
         },
         reduce_scatter_of_sizes_that_do_not_divide_is_invalid_argument => {
-            let comm = solo()?;
             let cpu = CpuBackend::new_ref();
             let input = Tensor::zeros(&cpu, &[3], DType::F32)?;
             let output = Tensor::zeros(&cpu, &[2], DType::F32)?;
-            expect_err!(
-                comm.reduce_scatter(&input, &output, ReduceOp::Sum),
-                DistributedError::InvalidArgument {
-                    op: "reduce_scatter",
-                    ..
-                }
+            invalid_argument(
+                solo()?.reduce_scatter(&input, &output, ReduceOp::Sum),
+                "reduce_scatter",
             )
         },
         broadcast_from_a_root_out_of_range_is_invalid_argument => {
@@ -113,28 +132,12 @@ pub(crate) fn cases() -> Vec<Case> {
             )
         },
         all_reduce_of_an_integer_tensor_is_invalid_argument => {
-            let comm = solo()?;
-            let cpu = CpuBackend::new_ref();
-            let t = Tensor::from_slice(&cpu, &[1i64, 2], &[2])?;
-            expect_err!(
-                comm.all_reduce(&t, ReduceOp::Sum),
-                DistributedError::InvalidArgument {
-                    op: "all_reduce",
-                    ..
-                }
-            )
+            let t = Tensor::from_slice(&CpuBackend::new_ref(), &[1i64, 2], &[2])?;
+            invalid_argument(solo()?.all_reduce(&t, ReduceOp::Sum), "all_reduce")
         },
         all_reduce_of_a_non_contiguous_tensor_is_invalid_argument => {
-            let comm = solo()?;
-            let cpu = CpuBackend::new_ref();
-            let t = Tensor::zeros(&cpu, &[2, 3], DType::F32)?.t()?;
-            expect_err!(
-                comm.all_reduce(&t, ReduceOp::Sum),
-                DistributedError::InvalidArgument {
-                    op: "all_reduce",
-                    ..
-                }
-            )
+            let t = Tensor::zeros(&CpuBackend::new_ref(), &[2, 3], DType::F32)?.t()?;
+            invalid_argument(solo()?.all_reduce(&t, ReduceOp::Sum), "all_reduce")
         },
         ranks_reducing_different_sizes_is_mismatch => {
             let outcomes = InProcessGroup::run_on_threads(InProcessGroup::ranks(2)?, |comm| {
@@ -161,59 +164,20 @@ pub(crate) fn cases() -> Vec<Case> {
             drop(absent);
             res
         },
-        sharded_adafactor_is_invalid_argument => {
-            let cpu = CpuBackend::new_ref();
-            let p = param(&cpu, &[1.0; 4])?;
-            expect_err!(
-                ShardedOptimizer::new(
-                    vec![ParamGroup::new(vec![p], AdafactorConfig::new())],
-                    Implementation::Fused,
-                    Arc::new(solo()?),
-                    ShardConfig {
-                        bucket_bytes: 1 << 20,
-                        clipping: None
-                    },
-                ),
-                DistributedError::InvalidArgument {
-                    op: "ShardedOptimizer::new",
-                    ..
-                }
-            )
-        },
+        sharded_adafactor_is_invalid_argument =>
+            invalid_argument(sharded(AdafactorConfig::new(), None), "ShardedOptimizer::new"),
         sharded_clipping_to_a_negative_norm_is_invalid_argument => {
-            let cpu = CpuBackend::new_ref();
-            let p = param(&cpu, &[1.0; 4])?;
-            expect_err!(
-                ShardedOptimizer::new(
-                    vec![ParamGroup::new(vec![p], AdamConfig::adamw())],
-                    Implementation::Fused,
-                    Arc::new(solo()?),
-                    ShardConfig {
-                        bucket_bytes: 1 << 20,
-                        clipping: Some(ShardClipping {
-                            max_norm: -1.0,
-                            norm: NormType::L2
-                        })
-                    },
-                ),
-                DistributedError::InvalidArgument {
-                    op: "ShardedOptimizer::new",
-                    ..
-                }
+            let clipping = ShardClipping {
+                max_norm: -1.0,
+                norm: NormType::L2,
+            };
+            invalid_argument(
+                sharded(AdamConfig::adamw(), Some(clipping)),
+                "ShardedOptimizer::new",
             )
         },
         sharded_optimizer_into_in_backward_with_clipping_is_invalid_argument => {
-            let cpu = CpuBackend::new_ref();
-            let p = param(&cpu, &[1.0; 4])?;
-            let sharded = ShardedOptimizer::new(
-                vec![ParamGroup::new(vec![p], SgdConfig::new(0.1))],
-                Implementation::Fused,
-                Arc::new(solo()?),
-                ShardConfig {
-                    bucket_bytes: 1 << 20,
-                    clipping: None,
-                },
-            )?;
+            let sharded = sharded(SgdConfig::new(0.1), None)?;
             expect_err!(
                 sharded.into_in_backward(InBackwardConfig {
                     clipping: Some(Clipping {
@@ -226,15 +190,8 @@ pub(crate) fn cases() -> Vec<Case> {
                 DistributedError::InvalidArgument { .. }
             )
         },
-        group_of_usize_max_ranks_is_invalid_argument => {
-            expect_err!(
-                InProcessGroup::ranks(usize::MAX),
-                DistributedError::InvalidArgument {
-                    op: "InProcessGroup::ranks",
-                    ..
-                }
-            )
-        },
+        group_of_usize_max_ranks_is_invalid_argument =>
+            invalid_argument(InProcessGroup::ranks(usize::MAX), "InProcessGroup::ranks"),
         rendezvous_never_published_is_io_after_the_wait => {
             let rendezvous = FileRendezvous::new(&temp_path("never_published"));
             expect_err!(
@@ -262,27 +219,7 @@ pub(crate) fn cases() -> Vec<Case> {
                 }
             )
         },
-        shard_layout_over_0_ranks_is_invalid_argument => {
-            let cpu = CpuBackend::new_ref();
-            let p = param(&cpu, &[1.0; 4])?;
-            expect_err!(
-                ShardLayout::new(&[p], 0, 0),
-                DistributedError::InvalidArgument {
-                    op: "ShardLayout::new",
-                    ..
-                }
-            )
-        },
-        shard_layout_of_a_rank_outside_the_group_is_invalid_argument => {
-            let cpu = CpuBackend::new_ref();
-            let p = param(&cpu, &[1.0; 4])?;
-            expect_err!(
-                ShardLayout::new(&[p], 2, 2),
-                DistributedError::InvalidArgument {
-                    op: "ShardLayout::new",
-                    ..
-                }
-            )
-        },
+        shard_layout_over_0_ranks_is_invalid_argument => shard_layout_refused(0, 0),
+        shard_layout_of_a_rank_outside_the_group_is_invalid_argument => shard_layout_refused(2, 2),
     ]
 }

@@ -9,7 +9,7 @@ use headroom_hooks::{ClipMode, Clipping, HooksError, InBackward, InBackwardConfi
 use headroom_ops_cpu::CpuBackend;
 use headroom_optim::{DeviceGradScaling, Implementation, LossScaler, NormType, OptimError};
 
-use crate::{expect_eq, expect_err, f32s, param, sgd_over, Case};
+use crate::{expect_eq, expect_err, f32s, param, sgd_over, Case, Outcome};
 use headroom_testkit::misuse_cases;
 
 pub(crate) fn cases() -> Vec<Case> {
@@ -41,6 +41,24 @@ pub(crate) fn cases() -> Vec<Case> {
             Ok(())
         }
     }
+    /// A scaled backward whose scaler opens the step with a scale of `shape` and `dtype`:
+    /// refused, the parameter left as it was.
+    fn odd_scale_refused(shape: &[usize], dtype: DType) -> Outcome {
+        let (in_backward, p) = in_backward(InBackwardConfig::default())?;
+        let scale = Tensor::full(p.backend(), shape, 1024.0, dtype)?;
+        let res = expect_err!(
+            in_backward.backward_scaled(&p.sum_all()?, &mut OddScaler { scale }),
+            HooksError::InvalidArgument {
+                op: "InBackward::backward_scaled",
+                ..
+            }
+        );
+        res.and_then(|()| expect_eq(p.to_vec::<f32>()?, vec![1.0; 4]))
+    }
+    /// An InBackward of `config` refused as an invalid argument.
+    fn config_refused(config: InBackwardConfig) -> Outcome {
+        expect_err!(in_backward(config), HooksError::InvalidArgument { .. })
+    }
     fn exact_clipping() -> InBackwardConfig {
         InBackwardConfig {
             clipping: Some(Clipping {
@@ -52,29 +70,10 @@ pub(crate) fn cases() -> Vec<Case> {
         }
     }
     misuse_cases![
-        backward_scaled_with_a_two_element_scale_is_invalid_argument => {
-            let (in_backward, p) = in_backward(InBackwardConfig::default())?;
-            let scale = Tensor::full(p.backend(), &[2], 1024.0, DType::F32)?;
-            let res = expect_err!(
-                in_backward.backward_scaled(&p.sum_all()?, &mut OddScaler { scale }),
-                HooksError::InvalidArgument {
-                    op: "InBackward::backward_scaled",
-                    ..
-                }
-            );
-            res.and_then(|()| expect_eq(p.to_vec::<f32>()?, vec![1.0; 4]))
-        },
-        backward_scaled_with_an_f64_scale_is_invalid_argument => {
-            let (in_backward, p) = in_backward(InBackwardConfig::default())?;
-            let scale = Tensor::full(p.backend(), &[1], 1024.0, DType::F64)?;
-            expect_err!(
-                in_backward.backward_scaled(&p.sum_all()?, &mut OddScaler { scale }),
-                HooksError::InvalidArgument {
-                    op: "InBackward::backward_scaled",
-                    ..
-                }
-            )
-        },
+        backward_scaled_with_a_two_element_scale_is_invalid_argument =>
+            odd_scale_refused(&[2], DType::F32),
+        backward_scaled_with_an_f64_scale_is_invalid_argument =>
+            odd_scale_refused(&[1], DType::F64),
         backward_scaled_with_previous_step_clipping_is_invalid_argument => {
             let (in_backward, p) = in_backward(InBackwardConfig {
                 clipping: Some(Clipping {
@@ -120,21 +119,14 @@ pub(crate) fn cases() -> Vec<Case> {
                 HooksError::DoesNotRequireGrad { index: 0 }
             )
         },
-        in_backward_accumulating_0_micro_batches_is_invalid_argument => {
-            expect_err!(
-                in_backward(InBackwardConfig {
-                    accumulation: 0,
-                    ..InBackwardConfig::default()
-                }),
-                HooksError::InvalidArgument { .. }
-            )
-        },
+        in_backward_accumulating_0_micro_batches_is_invalid_argument =>
+            config_refused(InBackwardConfig { accumulation: 0, ..InBackwardConfig::default() }),
         in_backward_clipping_to_nan_is_invalid_argument => {
             let mut config = exact_clipping();
             if let Some(clipping) = &mut config.clipping {
                 clipping.max_norm = f64::NAN;
             }
-            expect_err!(in_backward(config), HooksError::InvalidArgument { .. })
+            config_refused(config)
         },
         plain_backward_under_exact_clipping_is_needs_two_passes => {
             let (_in_backward, p) = in_backward(exact_clipping())?;

@@ -62,6 +62,10 @@ pub(crate) fn cases() -> Vec<Case> {
             naming "out of bounds"
         )
     }
+    /// A ViT of `config` refused as an invalid configuration.
+    fn vit_config_refused(config: VitConfig) -> Outcome {
+        expect_err!(vit(config), NnError::InvalidConfig { .. })
+    }
     misuse_cases![
         loading_weights_without_a_bias_is_missing_parameter_naming_it => {
             expect_err!(
@@ -116,24 +120,10 @@ pub(crate) fn cases() -> Vec<Case> {
                 naming "[1, 3, 48, 48]"
             )
         },
-        vit_whose_heads_do_not_divide_the_width_is_invalid_config => {
-            expect_err!(
-                vit(VitConfig {
-                    num_heads: 5,
-                    ..VitConfig::tiny()
-                }),
-                NnError::InvalidConfig { .. }
-            )
-        },
-        vit_whose_patch_does_not_divide_the_image_is_invalid_config => {
-            expect_err!(
-                vit(VitConfig {
-                    patch_size: 7,
-                    ..VitConfig::tiny()
-                }),
-                NnError::InvalidConfig { .. }
-            )
-        },
+        vit_whose_heads_do_not_divide_the_width_is_invalid_config =>
+            vit_config_refused(VitConfig { num_heads: 5, ..VitConfig::tiny() }),
+        vit_whose_patch_does_not_divide_the_image_is_invalid_config =>
+            vit_config_refused(VitConfig { patch_size: 7, ..VitConfig::tiny() }),
         gpt2_with_a_token_id_at_the_vocabulary_size_is_invalid_argument =>
             token_ids_refused(&[1, 128], &[1, 2]),
         gpt2_with_a_negative_token_id_is_invalid_argument => token_ids_refused(&[1, -1], &[1, 2]),

@@ -117,15 +117,8 @@ pub(crate) fn cases() -> Vec<Case> {
         adam8bit_with_negative_eps_is_invalid_argument =>
             refused(Adam8bitConfig { eps: -1e-8, ..Adam8bitConfig::adamw() }, Fused),
         adam8bit_single_is_unsupported => {
-            let cpu = CpuBackend::new_ref();
-            let p = param(&cpu, &[1.0; 4])?;
-            expect_err!(
-                Adam8bit::new(
-                    vec![ParamGroup::new(vec![p], Adam8bitConfig::adam())],
-                    Implementation::Single
-                ),
-                OptimError::Unsupported { .. }
-            )
+            let adam8bit: Result<Adam8bit, _> = one_param_group(Adam8bitConfig::adam(), Single);
+            expect_err!(adam8bit, OptimError::Unsupported { .. })
         },
         adam_on_an_integer_parameter_is_dtype_error => {
             let p = Tensor::from_slice(&CpuBackend::new_ref(), &[1i64, 2], &[2])?;

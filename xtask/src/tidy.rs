@@ -21,7 +21,7 @@
 //! - every Markdown table of the READMEs sits in a `<!-- table: … -->` block, rendered from a
 //!   committed raw result and current, or marked pending or prose (`crate::tables`).
 
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
@@ -92,6 +92,26 @@ pub(crate) fn run() -> Result<()> {
         eprintln!("tidy: {problem}");
     }
     bail!("{} tidy problem(s)", problems.len())
+}
+
+/// The text of each of `files` that can be read, with its path relative to `root`, its parts
+/// joined by `/` on any platform (as tidy's lists write paths).
+fn relative_texts(root: &Path, files: &[PathBuf]) -> Vec<(String, String)> {
+    files
+        .iter()
+        .filter_map(|file| {
+            let text = std::fs::read_to_string(file).ok()?;
+            let relative = file.strip_prefix(root).unwrap_or(file);
+            let parts: Vec<String> = relative
+                .components()
+                .filter_map(|part| match part {
+                    Component::Normal(name) => Some(name.to_string_lossy().into_owned()),
+                    _ => None,
+                })
+                .collect();
+            Some((parts.join("/"), text))
+        })
+        .collect()
 }
 
 fn check(root: &Path) -> Vec<String> {

@@ -1,6 +1,7 @@
 //! The command line as a whole: every command's `--help` is a success (exit status 0) whose text
 //! is generated from the tables the errors use (the cases with their summaries, the models, the
-//! devices' defaults), and the commands are the three xtask forwards.
+//! devices' defaults), and the commands are the three xtask forwards. The commands' own tests
+//! check their options with [`args`] and [`assert_rejected`].
 
 use clap::error::ErrorKind;
 use clap::CommandFactory;
@@ -8,6 +9,23 @@ use clap::CommandFactory;
 use crate::bench_memory::cases::Case;
 use crate::bench_memory::models::Model;
 use crate::{parse_command_line, Cli};
+
+/// `list` as the owned words a command's options are parsed from.
+pub(crate) fn args(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+/// Each `(arguments, message)` of `rejected`: `parse` refuses the arguments with an error whose
+/// chain (`{:#}`) contains the message.
+pub(crate) fn assert_rejected<T: std::fmt::Debug>(
+    parse: impl Fn(&[String]) -> anyhow::Result<T>,
+    rejected: &[(&[&str], &str)],
+) {
+    for &(bad, message) in rejected {
+        let err = format!("{:#}", parse(&args(bad)).unwrap_err());
+        assert!(err.contains(message), "{bad:?}: {err}");
+    }
+}
 
 /// Whether `text` lists `case` as a possible value with its summary (`- name:   summary`).
 fn lists(text: &str, case: Case) -> bool {

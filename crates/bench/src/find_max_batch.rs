@@ -59,11 +59,9 @@ pub(crate) struct Found {
     pub(crate) model: &'static str,
     /// The largest batch that fits (0: not even batch 1).
     pub(crate) max_batch: usize,
-    /// Peak allocated and reserved bytes of the step at `max_batch`.
-    pub(crate) peak_allocated_bytes: u64,
-    pub(crate) peak_reserved_bytes: u64,
-    /// That step's time (one step on an emptied cache).
-    pub(crate) step_ms: f64,
+    /// Peak allocated and reserved bytes of the step at `max_batch`, and its time (one step on an
+    /// emptied cache); [`Peaks::NONE`] when not even batch 1 fits.
+    pub(crate) at_max: Peaks,
     /// Probes that ran out of memory.
     pub(crate) ooms: usize,
     /// Every probe, in order.
@@ -92,11 +90,20 @@ pub(crate) struct Peaks {
     pub(crate) step_ms: f64,
 }
 
+impl Peaks {
+    /// What a search records where no batch fits: no bytes, no time.
+    pub(crate) const NONE: Peaks = Peaks {
+        allocated: 0,
+        reserved: 0,
+        step_ms: f64::NAN,
+    };
+}
+
 /// Runs the search for every case on the device the options pick and prints the table.
 fn execute(options: &Options) -> Result<Vec<Found>> {
     let started = Instant::now();
     let pytorch = match &options.pytorch {
-        Some(path) => read_pytorch(path)?,
+        Some(path) => crate::read_parsed(path, parse_pytorch)?,
         None => Vec::new(),
     };
     // Read before any device: a malformed value names the variable, on the CPU too.
@@ -317,9 +324,7 @@ pub(crate) fn find_max_batch(
         case,
         model: model.name,
         max_batch: max,
-        peak_allocated_bytes: at_max.map_or(0, |p| p.allocated),
-        peak_reserved_bytes: at_max.map_or(0, |p| p.reserved),
-        step_ms: at_max.map_or(f64::NAN, |p| p.step_ms),
+        at_max: at_max.unwrap_or(Peaks::NONE),
         ooms: probes.iter().filter(|p| p.peaks.is_none()).count(),
         probes,
         probe_seconds,
@@ -584,22 +589,12 @@ pub(crate) struct TorchFound {
     pub(crate) seconds: f64,
 }
 
-fn read_pytorch(path: &std::path::Path) -> Result<Vec<TorchFound>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    parse_pytorch(&text).with_context(|| format!("parsing {}", path.display()))
-}
-
 /// The JSON lines with a `case` and a `max_batch` (others, and lines that are not JSON objects,
 /// are skipped); `model` defaults to `vit_l_16`.
 pub(crate) fn parse_pytorch(text: &str) -> Result<Vec<TorchFound>> {
     let mut found = Vec::new();
-    for (n, line) in text.lines().enumerate() {
-        if !line.trim_start().starts_with('{') {
-            continue;
-        }
-        let row: Value =
-            serde_json::from_str(line).with_context(|| format!("line {} is not JSON", n + 1))?;
+    for row in crate::json_object_lines(text) {
+        let row = row?;
         let (Some(case), Some(max_batch)) = (row["case"].as_str(), row["max_batch"].as_u64())
         else {
             continue;
@@ -646,9 +641,9 @@ pub(crate) fn markdown(found: &[Found], pytorch: &[TorchFound]) -> String {
             f.model,
             f.case.name(),
             f.max_batch,
-            gb(f.peak_allocated_bytes),
-            gb(f.peak_reserved_bytes),
-            f.step_ms,
+            gb(f.at_max.allocated),
+            gb(f.at_max.reserved),
+            f.at_max.step_ms,
             f.ooms,
             f.probes.len(),
             f.seconds
@@ -676,9 +671,9 @@ fn case_json(f: &Found, pytorch: &[TorchFound]) -> Value {
         "case": f.case.name(),
         "model": f.model,
         "max_batch": f.max_batch,
-        "peak_allocated_bytes": f.peak_allocated_bytes,
-        "peak_reserved_bytes": f.peak_reserved_bytes,
-        "step_ms": f.step_ms,
+        "peak_allocated_bytes": f.at_max.allocated,
+        "peak_reserved_bytes": f.at_max.reserved,
+        "step_ms": f.at_max.step_ms,
         "ooms": f.ooms,
         "seconds": f.seconds,
         "build_seconds": f.build_seconds,

@@ -24,7 +24,7 @@ mod replay_trace;
 #[cfg(test)]
 mod cli_tests;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use headroom_caching_allocator::{AllocatorConfig, ALLOC_CONF_ENV};
 
@@ -113,6 +113,25 @@ fn mib_to_bytes(flag: &str, mib: u64) -> Result<u64> {
             u64::MAX >> 20
         ),
     }
+}
+
+/// `path`'s text through `parse`, its errors naming the file (the JSON lines PyTorch's scripts
+/// write: `torch_reference.py`'s anchors, `find_max_batch.py`'s results).
+fn read_parsed<T>(path: &std::path::Path, parse: impl FnOnce(&str) -> Result<T>) -> Result<T> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    parse(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// The JSON objects among `text`'s lines, in order: a line that does not start with `{` (a
+/// script's warnings) is skipped, one that does but is not JSON is an error naming its number.
+fn json_object_lines(text: &str) -> impl Iterator<Item = Result<serde_json::Value>> + '_ {
+    text.lines()
+        .enumerate()
+        .filter(|(_, line)| line.trim_start().starts_with('{'))
+        .map(|(n, line)| {
+            serde_json::from_str(line).with_context(|| format!("line {} is not JSON", n + 1))
+        })
 }
 
 /// A whole number of at least 1, for clap's value parsers (`--batch`, `--steps`, ...).

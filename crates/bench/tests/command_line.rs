@@ -47,18 +47,18 @@ fn scratch(name: &str) -> PathBuf {
 
 #[test]
 fn every_commands_help_exits_0_on_stdout() {
-    for args in [
-        &["--help"][..],
-        &["-h"],
-        &["help"],
-        &["bench-memory", "--help"],
-        &["find-max-batch", "--help"],
-        &["replay-trace", "--help"],
-        &["bench-memory", "-h"],
-        &["find-max-batch", "-h"],
-        &["replay-trace", "-h"],
-        &["help", "bench-memory"],
-    ] {
+    let mut calls = vec![
+        vec!["--help"],
+        vec!["-h"],
+        vec!["help"],
+        vec!["help", "bench-memory"],
+    ];
+    for command in ["bench-memory", "find-max-batch", "replay-trace"] {
+        for flag in ["--help", "-h"] {
+            calls.push(vec![command, flag]);
+        }
+    }
+    for args in &calls {
         let output = run(args, None);
         let stdout = text(&output.stdout);
         assert_eq!(output.status.code(), Some(0), "{args:?}: {output:?}");

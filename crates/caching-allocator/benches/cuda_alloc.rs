@@ -14,7 +14,8 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use criterion::{BenchmarkId, Criterion, Throughput};
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, BenchmarkId, Criterion, Throughput};
 use cudarc::driver::{result, sys, CudaContext};
 use headroom_caching_allocator::{
     AllocatorConfig, CachingAllocator, CudaStorage, MappingUnits, Storage, StorageError, StreamId,
@@ -331,6 +332,16 @@ fn device_prop() -> sys::CUmemAllocationProp {
     }
 }
 
+/// Benchmarks `pair` (an allocation of the size it is given and its free) as `name` at each of
+/// [`PAIR_SIZES`].
+fn bench_at_pair_sizes(group: &mut BenchmarkGroup<'_, WallTime>, name: &str, pair: impl Fn(u64)) {
+    for size in PAIR_SIZES {
+        group.bench_with_input(BenchmarkId::new(name, size), &size, |b, &size| {
+            b.iter(|| pair(size))
+        });
+    }
+}
+
 /// `cuMemAlloc` + `cuMemFree`, and `cuMemAllocAsync` + `cuMemFreeAsync` on one stream.
 fn bench_driver_pairs(criterion: &mut Criterion) {
     let Some(context) = cuda_or_skip(CudaContext::new(0)) else {
@@ -339,40 +350,23 @@ fn bench_driver_pairs(criterion: &mut Criterion) {
     context.bind_to_thread().expect("binding the context");
     let mut group = criterion.benchmark_group("driver_pair");
     group.throughput(Throughput::Elements(1));
-    for size in PAIR_SIZES {
-        group.bench_with_input(
-            BenchmarkId::new("cuMemAlloc_cuMemFree", size),
-            &size,
-            |b, &size| {
-                b.iter(|| {
-                    // SAFETY: a plain allocation of the current context, freed at once, never used.
-                    unsafe {
-                        let address = result::malloc_sync(size as usize).expect("cuMemAlloc");
-                        result::free_sync(black_box(address)).expect("cuMemFree");
-                    }
-                })
-            },
-        );
-    }
+    bench_at_pair_sizes(&mut group, "cuMemAlloc_cuMemFree", |size| {
+        // SAFETY: a plain allocation of the current context, freed at once, never used.
+        unsafe {
+            let address = result::malloc_sync(size as usize).expect("cuMemAlloc");
+            result::free_sync(black_box(address)).expect("cuMemFree");
+        }
+    });
     let stream =
         result::stream::create(result::stream::StreamKind::NonBlocking).expect("cuStreamCreate");
-    for size in PAIR_SIZES {
-        group.bench_with_input(
-            BenchmarkId::new("cuMemAllocAsync_cuMemFreeAsync", size),
-            &size,
-            |b, &size| {
-                b.iter(|| {
-                    // SAFETY: a stream-ordered allocation on a live stream of the current
-                    // context, freed on the same stream, never used.
-                    unsafe {
-                        let address =
-                            result::malloc_async(stream, size as usize).expect("cuMemAllocAsync");
-                        result::free_async(black_box(address), stream).expect("cuMemFreeAsync");
-                    }
-                })
-            },
-        );
-    }
+    bench_at_pair_sizes(&mut group, "cuMemAllocAsync_cuMemFreeAsync", |size| {
+        // SAFETY: a stream-ordered allocation on a live stream of the current context, freed on
+        // the same stream, never used.
+        unsafe {
+            let address = result::malloc_async(stream, size as usize).expect("cuMemAllocAsync");
+            result::free_async(black_box(address), stream).expect("cuMemFreeAsync");
+        }
+    });
     // SAFETY: the stream was created above; nothing uses it after this.
     unsafe {
         result::stream::synchronize(stream).expect("cuStreamSynchronize");

@@ -103,11 +103,7 @@ impl ContextStack {
             .labels
             .iter()
             .rev()
-            .map(|label| Frame {
-                filename: CONTEXT_FILENAME.to_owned(),
-                line: 0,
-                name: label.clone(),
-            })
+            .map(|label| Frame::context(label.as_str()))
             .collect();
         self.frames = Arc::from(frames);
     }

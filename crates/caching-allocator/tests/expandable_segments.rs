@@ -11,6 +11,32 @@ use headroom_caching_allocator::{
 const MIB: u64 = 1 << 20;
 const H200_BYTES: u64 = 150_754_820_096;
 
+type Allocator = CachingAllocator<SimulatedStorage>;
+
+/// `count` allocations of `size` bytes on the default stream.
+fn allocate_many(allocator: &Allocator, count: usize, size: u64) -> Vec<Allocation> {
+    (0..count)
+        .map(|_| allocator.allocate(size, StreamId::DEFAULT).unwrap())
+        .collect()
+}
+
+/// Frees each of `allocations`.
+fn free_all(allocator: &Allocator, allocations: impl IntoIterator<Item = Allocation>) {
+    for allocation in allocations {
+        allocator.free(allocation).unwrap();
+    }
+}
+
+/// Frees `allocations`, the last live ones, and empties the cache: nothing stays reserved or
+/// mapped, and the books check.
+fn free_and_release(allocator: &Allocator, allocations: impl IntoIterator<Item = Allocation>) {
+    free_all(allocator, allocations);
+    allocator.empty_cache().unwrap();
+    assert_eq!(allocator.memory_reserved(), 0);
+    allocator.with_storage(|storage| assert_eq!(storage.bytes_in_use(), 0));
+    allocator.check_invariants().unwrap();
+}
+
 /// The devlog's example: 8 × 16 MiB then 4 × 32 MiB. Classic segments reserve 256 MiB; an
 /// expandable segment maps 7 pages of 20 MiB (PyTorch's) or 64 pages of 2 MiB (the default) and
 /// serves the second phase without new pages.
@@ -22,24 +48,12 @@ fn expandable_segments_reuse_pages_across_sizes() {
         (AllocatorConfig::default(), 128 * MIB),
     ] {
         let allocator = CachingAllocator::new(SimulatedStorage::new(H200_BYTES), config);
-        let first: Vec<_> = (0..8)
-            .map(|_| allocator.allocate(16 * MIB, StreamId::DEFAULT).unwrap())
-            .collect();
-        for allocation in first {
-            allocator.free(allocation).unwrap();
-        }
-        let second: Vec<_> = (0..4)
-            .map(|_| allocator.allocate(32 * MIB, StreamId::DEFAULT).unwrap())
-            .collect();
+        let first = allocate_many(&allocator, 8, 16 * MIB);
+        free_all(&allocator, first);
+        let second = allocate_many(&allocator, 4, 32 * MIB);
         assert_eq!(allocator.max_memory_reserved(), reserved);
         allocator.check_invariants().unwrap();
-        for allocation in second {
-            allocator.free(allocation).unwrap();
-        }
-        allocator.empty_cache().unwrap();
-        assert_eq!(allocator.memory_reserved(), 0);
-        allocator.with_storage(|storage| assert_eq!(storage.bytes_in_use(), 0));
-        allocator.check_invariants().unwrap();
+        free_and_release(&allocator, second);
     }
 }
 
@@ -78,12 +92,7 @@ fn expandable_segments_move_free_pages_before_growing() {
         let e = allocator.allocate(30 * MIB, StreamId::DEFAULT).unwrap();
         assert_eq!(e.address(), a.address() + 30 * MIB);
         allocator.check_invariants().unwrap();
-        for allocation in [a, c, d, e] {
-            allocator.free(allocation).unwrap();
-        }
-        allocator.empty_cache().unwrap();
-        assert_eq!(allocator.memory_reserved(), 0);
-        allocator.check_invariants().unwrap();
+        free_and_release(&allocator, [a, c, d, e]);
     }
 }
 
@@ -106,12 +115,8 @@ fn pages_lent_to_the_other_pool_come_back_without_a_wait() {
         let mut syncs = Vec::new();
         for _ in 0..5 {
             let before = allocator.memory_stats().num_sync_all_streams;
-            let activations: Vec<Allocation> = (0..40)
-                .map(|_| allocator.allocate(MIB, StreamId::DEFAULT).unwrap())
-                .collect();
-            for allocation in activations {
-                allocator.free(allocation).unwrap();
-            }
+            let activations = allocate_many(&allocator, 40, MIB);
+            free_all(&allocator, activations);
             let gradients = allocator.allocate(40 * MIB, StreamId::DEFAULT).unwrap();
             allocator.free(gradients).unwrap();
             syncs.push(allocator.memory_stats().num_sync_all_streams - before);
@@ -164,9 +169,7 @@ fn resetting_the_peak_statistics_changes_no_decision() {
             after.num_sync_all_streams - before.num_sync_all_streams,
             h.address() - a.address(),
         );
-        for allocation in [a, c, h] {
-            allocator.free(allocation).unwrap();
-        }
+        free_all(&allocator, [a, c, h]);
         figures
     };
     assert_eq!(run(false), (130 * MIB, 0, 0, 90 * MIB));
@@ -208,12 +211,7 @@ fn expandable_segments_unmap_whole_free_pages() {
     assert_eq!(allocator.memory_reserved(), 100 * MIB);
     assert_eq!(allocator.memory_stats().segment.all.current, 1);
     allocator.check_invariants().unwrap();
-    for allocation in [a, c, d] {
-        allocator.free(allocation).unwrap();
-    }
-    allocator.empty_cache().unwrap();
-    assert_eq!(allocator.memory_reserved(), 0);
-    allocator.check_invariants().unwrap();
+    free_and_release(&allocator, [a, c, d]);
 }
 
 /// The default policy's reclaim waits for the device only when a page it moves may still be in
@@ -307,12 +305,6 @@ fn larger_handles_give_back_only_whole_handles() {
         assert_eq!(c.address(), base + 10 * MIB);
         let new_maps = allocator.memory_stats().num_device_alloc - maps;
         assert_eq!(new_maps, i64::from(max_handle.is_none()), "{max_handle:?}");
-        for allocation in [b, c] {
-            allocator.free(allocation).unwrap();
-        }
-        allocator.empty_cache().unwrap();
-        assert_eq!(allocator.memory_reserved(), 0);
-        assert_eq!(allocator.with_storage(|s| s.bytes_in_use()), 0);
-        allocator.check_invariants().unwrap();
+        free_and_release(&allocator, [b, c]);
     }
 }

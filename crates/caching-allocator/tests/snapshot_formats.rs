@@ -47,14 +47,7 @@ fn json_bytes(snapshot: &Snapshot) -> Vec<u8> {
 }
 
 fn context(names: &[&str]) -> Frames {
-    names
-        .iter()
-        .map(|name| Frame {
-            filename: "headroom:context".to_owned(),
-            line: 0,
-            name: (*name).to_owned(),
-        })
-        .collect()
+    names.iter().copied().map(Frame::context).collect()
 }
 
 fn entry(action: TraceAction, addr: u64, size: u64, frames: &Frames) -> TraceEntry {

@@ -6,11 +6,11 @@
 
 use std::sync::Arc;
 
-use headroom_autograd_core::{BackendRef, DType};
+use headroom_autograd_core::DType;
 use headroom_checkpoint::{BlockSelection, CheckpointBlocks, CheckpointOptions, SaveMatmuls};
 use headroom_nn::VitConfig;
 use headroom_ops_cuda::CudaBackend;
-use headroom_testkit::gpu::cuda_or_skip;
+use headroom_testkit::gpu::backend_or_skip;
 use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCase};
 
 mod block_runner;
@@ -19,10 +19,9 @@ use block_runner::WithRunner;
 #[test]
 #[ignore = "needs a CUDA device"]
 fn checkpointed_vit_training_on_the_gpu_equals_plain_training_bit_for_bit() {
-    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+    let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
         return;
     };
-    let cuda: BackendRef = cuda;
     let case = TrainCase {
         name: "vit-tiny with dropout on CUDA",
         model: ModelSpec::Vit(VitConfig {

@@ -15,8 +15,14 @@ use headroom_checkpoint::{
 };
 use headroom_nn::{BlockStack, Module, VisionTransformer, VitConfig};
 use headroom_ops_cuda::CudaBackend;
-use headroom_testkit::gpu::cuda_or_skip;
+use headroom_testkit::gpu::backend_or_skip;
 use headroom_testkit::inputs::uniform_f32;
+
+/// The device as the `BackendRef` tensors take, or `None` after the GPU gate's skip notice.
+#[track_caller]
+fn cuda_backend() -> Option<BackendRef> {
+    backend_or_skip(CudaBackend::new(0))
+}
 
 fn options(compression: Compression) -> CompressOptions {
     CompressOptions {
@@ -56,10 +62,7 @@ fn host_round_trip<T: CodecElement>(saved: &[f64], block: usize, of: fn(f64) -> 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn the_cuda_kernels_give_the_host_codecs_bits() {
-    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
-        return;
-    };
-    let cuda: BackendRef = cuda;
+    let Some(cuda) = cuda_backend() else { return };
     for (n, block) in [
         (1, 32),
         (4099, 32),
@@ -105,10 +108,7 @@ fn the_cuda_kernels_give_the_host_codecs_bits() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn encoded_bytes_on_the_gpu_are_the_allocators_and_bf16_is_a_cast() {
-    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
-        return;
-    };
-    let cuda: BackendRef = cuda;
+    let Some(cuda) = cuda_backend() else { return };
     let values: Vec<f64> = uniform_f32(1 << 20, 3)
         .iter()
         .map(|&v| f64::from(v))
@@ -144,10 +144,7 @@ fn encoded_bytes_on_the_gpu_are_the_allocators_and_bf16_is_a_cast() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn vit_gradients_with_compressed_blocks_on_the_gpu_stay_close_to_plain_ones() {
-    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
-        return;
-    };
-    let cuda: BackendRef = cuda;
+    let Some(cuda) = cuda_backend() else { return };
     let config = VitConfig::tiny();
     let images =
         Tensor::from_slice(&cuda, &uniform_f32(8 * 3 * 32 * 32, 4), &[8, 3, 32, 32]).unwrap();

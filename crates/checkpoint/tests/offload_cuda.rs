@@ -22,6 +22,14 @@ use headroom_testkit::{check_technique, ModelSpec, OptimSpec, Tolerance, TrainCa
 mod block_runner;
 use block_runner::WithRunner;
 
+/// The device, as itself (for its allocator's counts) and as the `BackendRef` tensors take; or
+/// `None` after the GPU gate's skip notice.
+#[track_caller]
+fn own_cuda() -> Option<(Arc<CudaBackend>, BackendRef)> {
+    let cuda = cuda_or_skip(CudaBackend::new(0))?;
+    Some((cuda.clone(), cuda))
+}
+
 /// Queues testkit's `spin_ns` for `duration` on the compute stream.
 fn spin(cuda: &CudaBackend, duration: Duration) {
     let kernel = cuda
@@ -54,10 +62,7 @@ fn every_save(prefetch_blocks: usize, release_after_blocks: usize) -> OffloadOpt
 #[ignore = "needs a CUDA device"]
 fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
     let _device = exclusive_device();
-    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
-        return;
-    };
-    let cuda: BackendRef = cuda;
+    let Some((_, cuda)) = own_cuda() else { return };
     let mut gpt2 = Gpt2Config::tiny();
     gpt2.embd_pdrop = 0.1;
     gpt2.attn_pdrop = 0.1;
@@ -148,10 +153,9 @@ fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
 #[ignore = "needs a CUDA device"]
 fn a_regions_gradients_equal_the_plain_ones_with_exactly_its_activations_offloaded() {
     let _device = exclusive_device();
-    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+    let Some((_, backend)) = own_cuda() else {
         return;
     };
-    let backend: BackendRef = cuda.clone();
     let (rows, width, hidden) = (256, 1024, 4096);
     let tensor = |shape: &[usize], seed: u64| {
         let n = shape.iter().product();
@@ -247,10 +251,9 @@ fn vit_mini(backend: &BackendRef, options: &OffloadOptions) -> (VisionTransforme
 #[ignore = "needs a CUDA device"]
 fn the_pinned_pool_is_allocated_by_the_first_step_and_reused_byte_for_byte() {
     let _device = exclusive_device();
-    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+    let Some((cuda, backend)) = own_cuda() else {
         return;
     };
-    let backend: BackendRef = cuda.clone();
     let options = every_save(2, 1);
     let (vit, images) = vit_mini(&backend, &options);
     forward_backward(&vit, &images);
@@ -288,10 +291,9 @@ fn the_pinned_pool_is_allocated_by_the_first_step_and_reused_byte_for_byte() {
 #[ignore = "needs a CUDA device"]
 fn an_offloaded_step_never_makes_the_host_wait_for_the_device() {
     let _device = exclusive_device();
-    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+    let Some((cuda, backend)) = own_cuda() else {
         return;
     };
-    let backend: BackendRef = cuda.clone();
     // Given back at each block's end with no prefetch: every storage makes the round trip, and
     // the compute stream waits for every copy.
     let options = every_save(0, 0);
@@ -344,10 +346,9 @@ fn an_offloaded_step_never_makes_the_host_wait_for_the_device() {
 #[ignore = "needs a CUDA device"]
 fn a_tensor_written_in_place_after_its_save_fails_backward_with_the_version_error() {
     let _device = exclusive_device();
-    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+    let Some((_, backend)) = own_cuda() else {
         return;
     };
-    let backend: BackendRef = cuda;
     let x = Tensor::from_slice(&backend, &uniform_f32(512 * 512, 1), &[512, 512]).unwrap();
     let w = Tensor::from_slice(&backend, &uniform_f32(512 * 512, 2), &[512, 512]).unwrap();
     w.requires_grad_(true).unwrap();

@@ -1,8 +1,9 @@
 //! The models' default training loss (the head fused with the loss, nn's `CausalLm::forward_loss`)
 //! under ZeRO-2: the tiny GPT-2 (head tied to the embedding) and the tiny Llama (its own head) on
-//! 2 in-process ranks, fused AdamW sharded and stepped in backward (`zero2/`), 20 steps once with
-//! the fused loss and once with the unfused one (`LossPath::Unfused`), same seed, same batches
-//! (each rank its half of a global batch, two global batches in turn so the loss falls).
+//! 2 in-process ranks, fused AdamW (PyTorch's defaults: lr 1e-3, weight decay 1e-2) sharded and
+//! stepped in backward (`zero2/`), 20 steps once with the fused loss and once with the unfused one
+//! (`LossPath::Unfused`), same seed, same batches (each rank its half of a global batch, two
+//! global batches in turn so the loss falls).
 //!
 //! Every rank's loss at every step and every parameter after the last agree within testkit's
 //! `loss_paths` bounds, which state and justify the tolerance (the two paths sum the same f32
@@ -33,11 +34,7 @@ fn train_rank(lm: TinyLm, loss: LossPath, comm: Arc<dyn Communicator>) -> Trajec
     let cpu = CpuBackend::new_ref();
     let rank = comm.rank();
     let model = lm.build(&cpu, loss, SEED).unwrap();
-    let adamw = AdamConfig {
-        lr: 1e-3,
-        ..AdamConfig::adamw()
-    };
-    let stepper = zero2_in_backward(model.parameters(), adamw, comm, 4096);
+    let stepper = zero2_in_backward(model.parameters(), AdamConfig::adamw(), comm, 4096);
     let mut losses = Vec::with_capacity(STEPS);
     for step in 0..STEPS {
         let global = tokens(&cpu, lm, WORLD_SIZE * PER_RANK, step % 2).unwrap();

@@ -1,7 +1,8 @@
 //! The models' default training loss (the head fused with the loss, nn's `CausalLm::forward_loss`)
-//! under the optimizer in backward: 20 steps of fused AdamW stepped by `InBackward` on the tiny
-//! GPT-2 (head tied to the embedding) and the tiny Llama (its own head), once with the fused
-//! loss and once with the unfused one (`LossPath::Unfused`), same seed, same batches.
+//! under the optimizer in backward: 20 steps of fused AdamW (PyTorch's defaults: lr 1e-3, weight
+//! decay 1e-2) stepped by `InBackward` on the tiny GPT-2 (head tied to the embedding) and the tiny
+//! Llama (its own head), once with the fused loss and once with the unfused one
+//! (`LossPath::Unfused`), same seed, same batches.
 //!
 //! Tolerance (testkit's `loss_paths`, which states and justifies it): the two paths are the
 //! same loss in f32 summed in different orders, so not bitwise; each step's loss within 1e-6
@@ -18,32 +19,25 @@ use headroom_autograd_core::{BackendRef, Tensor};
 use headroom_hooks::{InBackward, InBackwardConfig};
 use headroom_nn::{CausalLm, LossPath};
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::{Adam, AdamConfig, Implementation, ParamGroup};
+use headroom_optim::{AdamConfig, Implementation};
 use headroom_testkit::loss_paths::{tokens, LossPathGap, TinyLm, Trajectory};
+use headroom_testkit::OptimSpec;
 
 const STEPS: usize = 20;
 const ROWS: usize = 4;
 const SEED: u64 = 7;
 
-fn adamw() -> AdamConfig {
-    AdamConfig {
-        lr: 1e-3,
-        ..AdamConfig::adamw()
-    }
-}
-
 /// `model` trained in backward by fused AdamW in 4 KiB buckets.
 fn in_backward(model: &dyn CausalLm) -> InBackward {
-    let adam = Adam::new(
-        vec![ParamGroup::new(model.parameters(), adamw())],
-        Implementation::Fused,
-    )
-    .unwrap();
+    let adamw = OptimSpec::Adam {
+        config: AdamConfig::adamw(),
+        implementation: Implementation::Fused,
+    };
     let config = InBackwardConfig {
         bucket_bytes: 4096,
         ..InBackwardConfig::default()
     };
-    InBackward::new(Box::new(adam), config).unwrap()
+    InBackward::new(adamw.build(model.parameters()).unwrap(), config).unwrap()
 }
 
 /// `lm` trained `STEPS` steps in backward with `loss`; `after_first` sees the model after the
@@ -93,7 +87,8 @@ fn in_backward_training_with_the_fused_loss_equals_the_unfused_loss() {
         let fused = train(&cpu, lm, LossPath::default(), &mut |model| {
             let head = head_weight(lm, model).to_vec::<f32>().unwrap();
             let width = head.len() / lm.vocab_size();
-            let decay_only = 1.0 - adamw().lr * adamw().weight_decay;
+            let adamw = AdamConfig::adamw();
+            let decay_only = 1.0 - adamw.lr * adamw.weight_decay;
             for token in (0..lm.vocab_size() as i64).filter(|t| !first_ids.contains(t)) {
                 let row = token as usize * width..(token as usize + 1) * width;
                 let moved = head[row.clone()]
@@ -102,11 +97,7 @@ fn in_backward_training_with_the_fused_loss_equals_the_unfused_loss() {
                     .map(|(now, before)| (f64::from(*now) - f64::from(*before) * decay_only).abs())
                     .fold(0.0, f64::max);
                 // Adam's first step moves every element with a gradient by about lr.
-                assert!(
-                    moved > 0.5 * adamw().lr,
-                    "{} row {token}: {moved}",
-                    lm.name()
-                );
+                assert!(moved > 0.5 * adamw.lr, "{} row {token}: {moved}", lm.name());
             }
             checked_head = true;
         });

@@ -29,6 +29,14 @@ pub trait Module {
         res
     }
 
+    /// Every parameter's full name, in PyTorch's order (the names of
+    /// [`Module::named_parameters`]).
+    fn parameter_names(&self) -> Vec<String> {
+        let mut res = Vec::new();
+        self.visit_parameters("", &mut |name, _| res.push(name.to_owned()));
+        res
+    }
+
     /// Every parameter, in PyTorch's order.
     fn parameters(&self) -> Vec<Tensor> {
         let mut res = Vec::new();

@@ -30,14 +30,6 @@ fn build(cpu: &BackendRef, config: LlamaConfig, dtype: DType, seed: u64) -> Llam
     LlamaForCausalLM::new(cpu, config, dtype, &Generator::new(seed)).unwrap()
 }
 
-fn names(model: &dyn Module) -> Vec<String> {
-    model
-        .named_parameters()
-        .into_iter()
-        .map(|(name, _)| name)
-        .collect()
-}
-
 /// Hugging Face's `named_parameters()` of a config's model, with its shapes.
 fn hugging_face_names(config: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
     let hidden = config.hidden_size;
@@ -105,7 +97,7 @@ fn tiny_llama_and_qwen2_have_hugging_faces_names_order_and_shapes() {
         assert!((loss - 128f64.ln()).abs() < 0.2, "loss {loss}");
     }
     let cpu = CpuBackend::new_ref();
-    let names = names(&build(&cpu, LlamaConfig::qwen2_tiny(), DType::F32, 0));
+    let names = build(&cpu, LlamaConfig::qwen2_tiny(), DType::F32, 0).parameter_names();
     assert!(names.contains(&"model.layers.1.self_attn.v_proj.bias".to_owned()));
     assert!(!names.iter().any(|n| n.contains("o_proj.bias")));
     assert!(!names.iter().any(|n| n.starts_with("lm_head")), "tied head");
@@ -138,7 +130,7 @@ fn safetensors_round_trip_is_bitwise_and_tied_files_omit_the_head() {
         let file = SafeTensors::deserialize(&bytes).unwrap();
         let mut file_names: Vec<String> = file.names().into_iter().cloned().collect();
         file_names.sort();
-        let mut expected = names(&saved);
+        let mut expected = saved.parameter_names();
         expected.sort();
         assert_eq!(file_names, expected);
         assert_eq!(

@@ -219,11 +219,10 @@ fn tile_forward<T: Float, S: Float>(
     let (rows, n, tile) = (*rows, *n, &args.tile);
     let logits = HostPtr::<T>::new(&tile.logits);
     let x0 = tile.logits.layout.offset();
-    let stat = |view: &View<'_>| (HostPtr::<S>::new(view), view.layout.offset());
-    let (max_ptr, max0) = stat(&args.row_max);
-    let (sum_ptr, sum0) = stat(&args.row_sum);
-    let (label_ptr, label0) = stat(&args.target_logit);
-    let logit_sum = args.logit_sum.as_ref().map(stat);
+    let (max_ptr, max0) = HostPtr::<S>::with_offset(&args.row_max);
+    let (sum_ptr, sum0) = HostPtr::<S>::with_offset(&args.row_sum);
+    let (label_ptr, label0) = HostPtr::<S>::with_offset(&args.target_logit);
+    let logit_sum = args.logit_sum.as_ref().map(HostPtr::<S>::with_offset);
     let load = |ptr: &HostPtr<S>, at: usize| ptr.read(at).load().to_f64();
     let store = |ptr: &HostPtr<S>, at: usize, value: f64| {
         ptr.write(at, S::store(<S::C as Real>::from_f64(value)));

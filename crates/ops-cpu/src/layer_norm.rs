@@ -88,7 +88,7 @@ fn backward<T: Float, S: Float>(args: LayerNormBackward<'_>) {
     let (mean_ptr, rstd_ptr) = (HostPtr::<S>::new(&args.mean), HostPtr::<S>::new(&args.rstd));
     let (mean0, rstd0) = (args.mean.layout.offset(), args.rstd.layout.offset());
     let weight = param::<T>(args.weight);
-    let dx = args.dx.map(|v| (HostPtr::<T>::new(&v), v.layout.offset()));
+    let dx = args.dx.as_ref().map(HostPtr::<T>::with_offset);
     let want_params = args.dweight.is_some() || args.dbias.is_some();
     let n_tasks = rows.div_ceil(ROWS_PER_TASK);
     let partial = |task: usize| -> (Vec<f64>, Vec<f64>) {

@@ -40,9 +40,9 @@ pub(crate) fn rms_norm(args: RmsNormForward<'_>) -> Result<()> {
 }
 
 fn forward<T: Float, S: Float>(args: RmsNormForward<'_>, (rows, n): (usize, usize)) {
-    let (x, out) = (HostPtr::<T>::new(&args.x), HostPtr::<T>::new(&args.out));
-    let (x0, out0) = (args.x.layout.offset(), args.out.layout.offset());
-    let (rstd_ptr, rstd0) = (HostPtr::<S>::new(&args.rstd), args.rstd.layout.offset());
+    let (x, x0) = HostPtr::<T>::with_offset(&args.x);
+    let (out, out0) = HostPtr::<T>::with_offset(&args.out);
+    let (rstd_ptr, rstd0) = HostPtr::<S>::with_offset(&args.rstd);
     let (w, w0, ws) = param::<T>(&args.weight);
     let eps = args.eps;
     (0..rows).into_par_iter().for_each(|row| {
@@ -64,11 +64,11 @@ pub(crate) fn rms_norm_backward(args: RmsNormBackward<'_>) -> Result<()> {
 }
 
 fn backward<T: Float, S: Float>(args: RmsNormBackward<'_>, (rows, n): (usize, usize)) {
-    let (x, dy) = (HostPtr::<T>::new(&args.x), HostPtr::<T>::new(&args.dy));
-    let (x0, dy0) = (args.x.layout.offset(), args.dy.layout.offset());
-    let (rstd_ptr, rstd0) = (HostPtr::<S>::new(&args.rstd), args.rstd.layout.offset());
+    let (x, x0) = HostPtr::<T>::with_offset(&args.x);
+    let (dy, dy0) = HostPtr::<T>::with_offset(&args.dy);
+    let (rstd_ptr, rstd0) = HostPtr::<S>::with_offset(&args.rstd);
     let (w, w0, ws) = param::<T>(&args.weight);
-    let dx = args.dx.map(|v| (HostPtr::<T>::new(&v), v.layout.offset()));
+    let dx = args.dx.as_ref().map(HostPtr::<T>::with_offset);
     let wants_weight = args.dweight.is_some();
     let partial = |task: usize| -> Vec<f64> {
         let mut dweight = if wants_weight {

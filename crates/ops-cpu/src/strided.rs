@@ -58,6 +58,12 @@ impl<T: Copy> HostPtr<T> {
         }
     }
 
+    /// [`HostPtr::new`] of `view` with the index of the view's first element (its layout's
+    /// offset), the two a kernel walking a dense view needs.
+    pub(crate) fn with_offset(view: &View<'_>) -> (HostPtr<T>, usize) {
+        (HostPtr::new(view), view.layout.offset())
+    }
+
     /// The elements of a host slice (for scratch space that does not come from the allocator).
     pub(crate) fn from_slice(slice: &mut [T]) -> HostPtr<T> {
         HostPtr {

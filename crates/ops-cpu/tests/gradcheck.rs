@@ -240,33 +240,32 @@ fn linear_algebra() {
 
 #[test]
 fn fused_attention() {
-    check_gradients(
-        "attention",
-        &[
-            input(&[2, 2, 3, 4]),
-            input(&[2, 2, 5, 4]),
-            input(&[2, 2, 5, 4]),
-        ],
-        &|_, x| scaled_dot_product_attention(&x[0], &x[1], &x[2], false, None),
-    );
-    check_gradients(
-        "causal attention, explicit scale",
-        &[
-            input(&[1, 2, 4, 3]),
-            input(&[1, 2, 4, 3]),
-            input(&[1, 2, 4, 3]),
-        ],
-        &|_, x| scaled_dot_product_attention(&x[0], &x[1], &x[2], true, Some(0.7)),
-    );
-    check_gradients(
-        "grouped-query causal attention (4 query heads on 2 key/value heads)",
-        &[
-            input(&[1, 4, 5, 3]),
-            input(&[1, 2, 5, 3]),
-            input(&[1, 2, 5, 3]),
-        ],
-        &|_, x| scaled_dot_product_attention(&x[0], &x[1], &x[2], true, None),
-    );
+    // (case, shapes of q, k and v, causal, scale)
+    let separate_heads = [
+        (
+            "attention",
+            [[2, 2, 3, 4], [2, 2, 5, 4], [2, 2, 5, 4]],
+            false,
+            None,
+        ),
+        (
+            "causal attention, explicit scale",
+            [[1, 2, 4, 3]; 3],
+            true,
+            Some(0.7),
+        ),
+        (
+            "grouped-query causal attention (4 query heads on 2 key/value heads)",
+            [[1, 4, 5, 3], [1, 2, 5, 3], [1, 2, 5, 3]],
+            true,
+            None,
+        ),
+    ];
+    for (name, shapes, causal, scale) in separate_heads {
+        check_gradients(name, &shapes.map(|shape| input(&shape)), &move |_, x| {
+            scaled_dot_product_attention(&x[0], &x[1], &x[2], causal, scale)
+        });
+    }
     check_gradients(
         "packed sequences (lengths 3, 0 and 4), grouped heads",
         &[

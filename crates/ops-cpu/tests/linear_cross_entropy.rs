@@ -8,11 +8,12 @@ use std::sync::{Arc, Mutex};
 
 use headroom_autograd_core::{
     autocast, cross_entropy, cross_entropy_f32, embedding, linear_cross_entropy,
-    saved_tensor_hooks, AutocastPolicy, BackendRef, BackwardOptions, CastPolicy, DType, Device,
-    LinearCrossEntropyOptions, Packed, Reduction, Result, Tensor, TensorError,
+    saved_tensor_hooks, BackendRef, BackwardOptions, DType, LinearCrossEntropyOptions, Packed,
+    Reduction, Result, Tensor, TensorError,
 };
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::inputs::uniform_f64;
+use headroom_testkit::loss_fixtures::{OneOpInBf16, IGNORE_INDEX};
 use headroom_testkit::memory::{allocated, peak};
 
 /// Tokens `[batch, seq]`, features and classes of the small head most tests use: 2 × 7 = 14
@@ -21,7 +22,6 @@ const BATCH: usize = 2;
 const SEQ: usize = 7;
 const FEATURES: usize = 6;
 const CLASSES: usize = 11;
-const IGNORE: i64 = -100;
 
 /// A head's operands: hidden `[BATCH, SEQ, FEATURES]`, weight, optional bias, labels (two
 /// ignored), all leaves that require grad (but labels).
@@ -43,7 +43,7 @@ fn head(cpu: &BackendRef, dtype: DType, with_bias: bool, seed: u64) -> Head {
     let labels: Vec<i64> = (0..rows)
         .map(|i| {
             if i % 5 == 3 {
-                IGNORE
+                IGNORE_INDEX
             } else {
                 ((i * 7 + seed as usize) % CLASSES) as i64
             }
@@ -131,7 +131,7 @@ impl Head {
         let mut target = vec![eps / CLASSES as f64; rows * CLASSES];
         let mut valid = vec![0.0; rows];
         for (row, &label) in labels.iter().enumerate() {
-            if label != IGNORE {
+            if label != IGNORE_INDEX {
                 target[row * CLASSES + label as usize] += 1.0 - eps;
                 valid[row] = 1.0;
             } else {
@@ -227,9 +227,9 @@ fn unfused_loss(
         .unwrap();
     let labels = labels.reshape(&[labels.numel()]).unwrap();
     let loss = if hidden.dtype() == DType::F64 {
-        cross_entropy(&logits, &labels, IGNORE, reduction)
+        cross_entropy(&logits, &labels, IGNORE_INDEX, reduction)
     } else {
-        cross_entropy_f32(&logits, &labels, IGNORE, reduction)
+        cross_entropy_f32(&logits, &labels, IGNORE_INDEX, reduction)
     };
     loss.unwrap()
 }
@@ -423,23 +423,6 @@ fn a_tied_weight_accumulates_the_embedding_and_the_loss_gradients() {
     assert!((fused[4 * FEATURES] - loss_only[4 * FEATURES] - 2.0).abs() < 1e-12);
 }
 
-/// Autocast that runs `linear` in bf16 and leaves every other op alone.
-#[derive(Debug)]
-struct LinearInBf16;
-
-impl AutocastPolicy for LinearInBf16 {
-    fn lower_precision(&self) -> DType {
-        DType::BF16
-    }
-    fn cast_policy(&self, op: &'static str, _device: Device) -> CastPolicy {
-        if op == "linear" {
-            CastPolicy::LowerPrecision
-        } else {
-            CastPolicy::Keep
-        }
-    }
-}
-
 #[test]
 fn autocast_runs_it_as_a_linear_and_hooks_see_the_weight_gradient() {
     let cpu = CpuBackend::new_ref();
@@ -454,7 +437,7 @@ fn autocast_runs_it_as_a_linear_and_hooks_see_the_weight_gradient() {
         })
         .unwrap();
     let loss = {
-        let _scope = autocast(Arc::new(LinearInBf16));
+        let _scope = autocast(Arc::new(OneOpInBf16("linear")));
         linear_cross_entropy(&head.hidden, &head.weight, None, &head.labels, &chunked(3)).unwrap()
     };
     let low = head.cast(DType::BF16);
@@ -685,7 +668,7 @@ fn the_peak_beyond_the_gradients_stays_within_one_chunk_budget() {
         let loss = cross_entropy_f32(
             &hidden.linear(&weight, None).unwrap(),
             &labels,
-            IGNORE,
+            IGNORE_INDEX,
             Reduction::Mean,
         )
         .unwrap();

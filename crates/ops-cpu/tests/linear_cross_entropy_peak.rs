@@ -15,29 +15,14 @@ use headroom_autograd_core::{
 use headroom_caching_allocator::{HistoryOptions, TraceAction};
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::inputs::uniform_f64;
+use headroom_testkit::loss_fixtures::{labels_every_ninth_ignored, IGNORE_INDEX};
 use headroom_testkit::memory::{allocated, peak};
-
-const IGNORE: i64 = -100;
 
 fn leaf(cpu: &BackendRef, shape: &[usize], scale: f64, seed: u64, dtype: DType) -> Tensor {
     let n = shape.iter().product();
     let t = Tensor::from_f64s(cpu, &uniform_f64(n, -scale, scale, seed), shape, dtype).unwrap();
     t.requires_grad_(true).unwrap();
     t
-}
-
-/// Labels with every ninth ignored.
-fn labels(cpu: &BackendRef, tokens: usize, classes: usize) -> Tensor {
-    let labels: Vec<i64> = (0..tokens as i64)
-        .map(|i| {
-            if i % 9 == 4 {
-                IGNORE
-            } else {
-                (i * 7919) % classes as i64
-            }
-        })
-        .collect();
-    Tensor::from_slice(cpu, &labels, &[tokens]).unwrap()
 }
 
 /// The peak of allocated bytes above the start while `step` runs, and the sizes of the
@@ -91,7 +76,7 @@ fn fused_peak(dtype: DType, tokens: usize, classes: usize, chunk_bytes: usize) -
     let features = 16;
     let hidden = leaf(&cpu, &[tokens, features], 1.0, 3, dtype);
     let weight = leaf(&cpu, &[classes, features], 0.5, 4, dtype);
-    let labels = labels(&cpu, tokens, classes);
+    let labels = labels_every_ninth_ignored(&cpu, tokens, classes).unwrap();
     let options = LinearCrossEntropyOptions {
         chunk_bytes,
         ..LinearCrossEntropyOptions::default()
@@ -124,10 +109,10 @@ fn the_unfused_loss_holds_every_logit() {
     let (tokens, features, classes) = (64, 16, 4000);
     let hidden = leaf(&cpu, &[tokens, features], 1.0, 5, DType::F32);
     let weight = leaf(&cpu, &[classes, features], 0.5, 6, DType::F32);
-    let labels = labels(&cpu, tokens, classes);
+    let labels = labels_every_ninth_ignored(&cpu, tokens, classes).unwrap();
     let (unfused, _) = peak_and_live(&cpu, || {
         let logits = hidden.linear(&weight, None).unwrap();
-        let loss = cross_entropy_f32(&logits, &labels, IGNORE, Reduction::Mean).unwrap();
+        let loss = cross_entropy_f32(&logits, &labels, IGNORE_INDEX, Reduction::Mean).unwrap();
         loss.backward().unwrap();
     });
     assert!(unfused >= ((tokens + classes) * features * 4 + tokens * classes * 4) as i64);

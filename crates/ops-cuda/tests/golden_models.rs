@@ -11,18 +11,21 @@
 use headroom_autograd_core::{BackendRef, DType};
 use headroom_ops_cuda::CudaBackend;
 use headroom_testkit::golden::{self, GoldenModel};
-use headroom_testkit::gpu::cuda_or_skip;
+use headroom_testkit::gpu::backend_or_skip;
 use headroom_testkit::llama_golden::{run_llama_golden, LlamaGolden};
 use safetensors::SafeTensors;
 
 const TOLERANCE: f64 = 1e-4;
 
+/// The device as the `BackendRef` tensors take, or `None` after the GPU gate's skip notice.
+#[track_caller]
+fn cuda_backend() -> Option<BackendRef> {
+    backend_or_skip(CudaBackend::new(0))
+}
+
 /// Runs `which` on the GPU in float32 and holds it to the golden file within [`TOLERANCE`].
 fn check_on_cuda(which: GoldenModel) {
-    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
-        return;
-    };
-    let gpu: BackendRef = cuda;
+    let Some(gpu) = cuda_backend() else { return };
     let bytes = golden::models_golden();
     let file = SafeTensors::deserialize(&bytes).unwrap();
     let model = which.build(&gpu, DType::F32).unwrap();
@@ -45,10 +48,7 @@ fn gpt2_tiny_gradients_on_cuda_match_hugging_face() {
 /// The tiny Llama or Qwen2 on the GPU in float32 against Hugging Face's float64 run (testkit's
 /// `llama_golden`), within nn's float32 bound on the CPU (4e-6) for every tensor.
 fn check_llama_on_cuda(which: LlamaGolden) {
-    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
-        return;
-    };
-    let gpu: BackendRef = cuda;
+    let Some(gpu) = cuda_backend() else { return };
     let errors = run_llama_golden(&gpu, which, DType::F32).unwrap();
     println!("{which:?} on CUDA in float32: {errors:?} (relative)");
     assert!(errors.worst() <= 4e-6, "{which:?}: {errors:?}");

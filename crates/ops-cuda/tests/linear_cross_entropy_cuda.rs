@@ -13,11 +13,16 @@ use headroom_autograd_core::{
 };
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
-use headroom_testkit::gpu::cuda_or_skip;
+use headroom_testkit::gpu::backend_or_skip;
 use headroom_testkit::inputs::uniform_f32;
+use headroom_testkit::loss_fixtures::{labels_every_ninth_ignored, IGNORE_INDEX};
 use headroom_testkit::memory::{allocated, peak};
 
-const IGNORE: i64 = -100;
+/// The device as the `BackendRef` tensors take, or `None` after the GPU gate's skip notice.
+#[track_caller]
+fn cuda_backend() -> Option<BackendRef> {
+    backend_or_skip(CudaBackend::new(0))
+}
 
 /// A leaf of `shape` and `dtype` on `backend` with values in `[-scale, scale)`, rounded to bf16
 /// (so an f32 leaf holds exactly the bf16 leaf's values).
@@ -32,20 +37,6 @@ fn leaf(backend: &BackendRef, shape: &[usize], scale: f32, seed: u64, dtype: DTy
         .unwrap();
     res.requires_grad_(true).unwrap();
     res
-}
-
-/// Labels with every ninth ignored.
-fn labels(backend: &BackendRef, tokens: usize, vocab: usize) -> Tensor {
-    let labels: Vec<i64> = (0..tokens as i64)
-        .map(|i| {
-            if i % 9 == 4 {
-                IGNORE
-            } else {
-                (i * 7919) % vocab as i64
-            }
-        })
-        .collect();
-    Tensor::from_slice(backend, &labels, &[tokens]).unwrap()
 }
 
 /// `max |a − b| / max |b|`.
@@ -69,10 +60,7 @@ fn run(hidden: &Tensor, weight: &Tensor, loss: Tensor) -> (Tensor, Tensor, Tenso
 #[test]
 #[ignore = "needs a CUDA device"]
 fn scaled_down_llama_head_on_cuda_matches_the_cpu_within_bf16_rounding() {
-    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
-        return;
-    };
-    let gpu: BackendRef = cuda;
+    let Some(gpu) = cuda_backend() else { return };
     let cpu = CpuBackend::new_ref();
     let (tokens, features, vocab) = (300, 128, 4001); // 1/27, 1/16 and 1/32 of the real head
     let options = LinearCrossEntropyOptions {
@@ -84,7 +72,7 @@ fn scaled_down_llama_head_on_cuda_matches_the_cpu_within_bf16_rounding() {
     let fused_on = |backend: &BackendRef, dtype: DType| {
         let hidden = leaf(backend, &[tokens, features], 1.0, 1, dtype);
         let weight = leaf(backend, &[vocab, features], 0.1, 2, dtype);
-        let labels = labels(backend, tokens, vocab);
+        let labels = labels_every_ninth_ignored(backend, tokens, vocab).unwrap();
         let loss = linear_cross_entropy(&hidden, &weight, None, &labels, &options).unwrap();
         run(&hidden, &weight, loss)
     };
@@ -118,14 +106,11 @@ fn scaled_down_llama_head_on_cuda_matches_the_cpu_within_bf16_rounding() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn full_llama_head_on_cuda_holds_one_chunk_and_matches_the_unfused_loss() {
-    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
-        return;
-    };
-    let gpu: BackendRef = cuda;
+    let Some(gpu) = cuda_backend() else { return };
     let (tokens, features, vocab) = (8192, 2048, 128_256);
     let hidden = leaf(&gpu, &[tokens, features], 1.0, 3, DType::BF16);
     let weight = leaf(&gpu, &[vocab, features], 0.02, 4, DType::BF16);
-    let labels = labels(&gpu, tokens, vocab);
+    let labels = labels_every_ninth_ignored(&gpu, tokens, vocab).unwrap();
     let options = LinearCrossEntropyOptions::default();
     gpu.synchronize().unwrap();
     gpu.allocator_view().reset_peak_stats();
@@ -141,7 +126,7 @@ fn full_llama_head_on_cuda_holds_one_chunk_and_matches_the_unfused_loss() {
     gpu.allocator_view().reset_peak_stats();
     let before = allocated(&gpu);
     let logits = hidden.linear(&weight, None).unwrap();
-    let unfused_loss = cross_entropy_f32(&logits, &labels, IGNORE, Reduction::Mean).unwrap();
+    let unfused_loss = cross_entropy_f32(&logits, &labels, IGNORE_INDEX, Reduction::Mean).unwrap();
     drop(logits);
     let unfused = run(&hidden, &weight, unfused_loss);
     gpu.synchronize().unwrap();

@@ -14,18 +14,15 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 
 use headroom_autograd_core::{BackendRef, DType, Device, Tensor};
-use headroom_ops_cpu::CpuBackend;
-use headroom_ops_cuda::CudaBackend;
 use headroom_optim::kernels::GradScaling;
 use headroom_optim::{
     AdafactorConfig, Adam, Adam8bitConfig, AdamConfig, AdamStochastic, AdamStochasticConfig,
     DeviceGradScaling, GroupOptimizer, Implementation, OptimError, Optimizer, ParamGroup, Scaling,
     SgdConfig, StepParams, UpdateRule,
 };
-use headroom_testkit::gpu::shared_or_skip;
 use headroom_testkit::ulps::max_ulps;
 
-use cuda_tensors::{random, raw_bytes, tensor_of};
+use cuda_tensors::{random, raw_bytes, shared_cuda_and_cpu, tensor_of};
 
 /// Shapes with a tail off every vector width, a tensor over a fused block (65,536 elements),
 /// a matrix, and one under 8-bit Adam's `min_8bit_size`.
@@ -132,11 +129,9 @@ fn compare_dtype<R: UpdateRule>(
     dtype: DType,
     ulps: u32,
 ) {
-    let Some(cuda) = shared_or_skip(|| CudaBackend::new(0)) else {
+    let Some((cuda, cpu)) = shared_cuda_and_cpu() else {
         return;
     };
-    let cuda: BackendRef = cuda;
-    let cpu = CpuBackend::new_ref();
     for &implementation in implementations {
         let scales: &[Option<f32>] = match implementation {
             Implementation::Fused => &[None, Some(1024.0)],
@@ -299,11 +294,9 @@ fn stochastic_adam_on_cuda_equals_the_cpu() {
         DType::BF16,
         0,
     );
-    let Some(cuda) = shared_or_skip(|| CudaBackend::new(0)) else {
+    let Some((cuda_ref, cpu)) = shared_cuda_and_cpu() else {
         return;
     };
-    let cuda_ref: BackendRef = cuda;
-    let cpu = CpuBackend::new_ref();
     let mut snapshots = Vec::new();
     for backend in [&cpu, &cuda_ref] {
         let params: Vec<Tensor> = SHAPES
@@ -385,11 +378,9 @@ fn adam8bit_on_cuda_equals_the_cpu() {
 /// step numbers and the later bias corrections agree (the corrections after a skip come from the
 /// device's `pow`, within an ulp of the host's).
 fn device_scaling<R: UpdateRule>(name: &str, config: R, implementation: Implementation) {
-    let Some(cuda) = shared_or_skip(|| CudaBackend::new(0)) else {
+    let Some((cuda_ref, cpu)) = shared_cuda_and_cpu() else {
         return;
     };
-    let cuda_ref: BackendRef = cuda.clone();
-    let cpu = CpuBackend::new_ref();
     let mut snapshots = Vec::new();
     for backend in [&cpu, &cuda_ref] {
         let params: Vec<Tensor> = SHAPES
@@ -464,11 +455,9 @@ fn device_grad_scaling_skips_and_counts_on_the_device() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn mixed_devices_dtypes_and_views_are_refused() {
-    let Some(cuda) = shared_or_skip(|| CudaBackend::new(0)) else {
+    let Some((cuda, cpu)) = shared_cuda_and_cpu() else {
         return;
     };
-    let cuda: BackendRef = cuda;
-    let cpu = CpuBackend::new_ref();
     let on_cuda = Tensor::zeros(&cuda, &[4, 3], DType::F32).unwrap();
     let on_cpu = Tensor::zeros(&cpu, &[4, 3], DType::F32).unwrap();
     let group = |params: Vec<Tensor>| {

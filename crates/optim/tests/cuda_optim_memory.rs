@@ -8,6 +8,7 @@
 mod cuda_tensors;
 
 use std::num::NonZeroUsize;
+use std::sync::Arc;
 
 use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_ops_cuda::CudaBackend;
@@ -19,6 +20,29 @@ use headroom_optim::{
 use headroom_testkit::gpu::cuda_or_skip;
 
 use cuda_tensors::{random, tensor_of};
+
+/// The device, as itself (for its allocator's counts) and as the `BackendRef` tensors take; or
+/// `None` after the GPU gate's skip notice.
+#[track_caller]
+fn own_cuda() -> Option<(Arc<CudaBackend>, BackendRef)> {
+    let cuda = cuda_or_skip(CudaBackend::new(0))?;
+    Some((cuda.clone(), cuda))
+}
+
+/// AdamW over `params` (one group) with `implementation`.
+fn adamw(params: Vec<Tensor>, implementation: Implementation) -> Adam {
+    let group = ParamGroup::new(params, AdamConfig::adamw());
+    Adam::new(vec![group], implementation).unwrap()
+}
+
+/// SGD with momentum 0.9 and learning rate 0.1 over `params` (one group) with `implementation`.
+fn sgd_with_momentum(params: Vec<Tensor>, implementation: Implementation) -> Sgd {
+    let config = SgdConfig {
+        momentum: 0.9,
+        ..SgdConfig::new(0.1)
+    };
+    Sgd::new(vec![ParamGroup::new(params, config)], implementation).unwrap()
+}
 
 /// Bytes allocated and the peak above them during one step (after a first one that created the
 /// state and the launch table).
@@ -61,10 +85,9 @@ fn cuda_params(cuda: &BackendRef, shapes: &[&[usize]]) -> Vec<Tensor> {
 #[ignore = "needs a CUDA device"]
 fn each_implementation_holds_the_memory_it_promises() {
     // A backend of its own: other tests' tensors stay out of its allocator's counts.
-    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+    let Some((cuda, backend)) = own_cuda() else {
         return;
     };
-    let backend: BackendRef = cuda.clone();
     // 4 Mi + 1 Mi + 1000 elements.
     let shapes: [&[usize]; 3] = [&[2048, 2048], &[1024, 1024], &[1000]];
     let largest = 2048 * 2048 * 4;
@@ -89,11 +112,7 @@ fn each_implementation_holds_the_memory_it_promises() {
     ];
     for (implementation, extra) in cases {
         let params = cuda_params(&backend, &shapes);
-        let mut adam = Adam::new(
-            vec![ParamGroup::new(params.clone(), AdamConfig::adamw())],
-            implementation,
-        )
-        .unwrap();
+        let mut adam = adamw(params.clone(), implementation);
         let (_, peak) = step_memory(&cuda, &mut adam);
         println!("Adam {implementation:?}: {peak} bytes during a step");
         assert_eq!(peak, extra, "{implementation:?}");
@@ -104,17 +123,7 @@ fn each_implementation_holds_the_memory_it_promises() {
                 assert_eq!(state.device(), param.device(), "{name}");
             }
         }
-        let mut sgd = Sgd::new(
-            vec![ParamGroup::new(
-                params,
-                SgdConfig {
-                    momentum: 0.9,
-                    ..SgdConfig::new(0.1)
-                },
-            )],
-            implementation,
-        )
-        .unwrap();
+        let mut sgd = sgd_with_momentum(params, implementation);
         let (_, peak) = step_memory(&cuda, &mut sgd);
         println!("SGD {implementation:?}: {peak} bytes during a step");
         assert_eq!(peak, extra, "{implementation:?}");
@@ -156,10 +165,9 @@ fn each_implementation_holds_the_memory_it_promises() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn bf16_fused_steps_hold_only_their_states() {
-    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+    let Some((cuda, backend)) = own_cuda() else {
         return;
     };
-    let backend: BackendRef = cuda.clone();
     let shapes: [&[usize]; 2] = [&[2048, 2048], &[1000]];
     let n_elems: u64 = 2048 * 2048 + 1000;
     // 2-byte states, each buffer rounded up to 512 bytes.
@@ -180,21 +188,13 @@ fn bf16_fused_steps_hold_only_their_states() {
             t
         })
         .collect();
-    let sgd_config = SgdConfig {
-        momentum: 0.9,
-        ..SgdConfig::new(0.1)
-    };
     let cases: [(Implementation, u64); 2] = [
         (Implementation::Fused, 0),
         (Implementation::FOREACH, n_elems.min(1 << 22) * 2),
     ];
     for (implementation, extra) in cases {
         let before = cuda.allocator().memory_allocated();
-        let mut adam = Adam::new(
-            vec![ParamGroup::new(params.clone(), AdamConfig::adamw())],
-            implementation,
-        )
-        .unwrap();
+        let mut adam = adamw(params.clone(), implementation);
         let (with_state, peak) = step_memory(&cuda, &mut adam);
         println!("bf16 Adam {implementation:?}: {peak} bytes during a step");
         assert_eq!(peak, extra, "Adam {implementation:?}");
@@ -208,11 +208,7 @@ fn bf16_fused_steps_hold_only_their_states() {
         assert_eq!(states, 2 * state_bytes);
         assert!(with_state - before >= states);
         drop(adam);
-        let mut sgd = Sgd::new(
-            vec![ParamGroup::new(params.clone(), sgd_config.clone())],
-            implementation,
-        )
-        .unwrap();
+        let mut sgd = sgd_with_momentum(params.clone(), implementation);
         let (_, peak) = step_memory(&cuda, &mut sgd);
         println!("bf16 SGD {implementation:?}: {peak} bytes during a step");
         assert_eq!(peak, extra, "SGD {implementation:?}");

@@ -6,12 +6,9 @@
 mod cuda_tensors;
 
 use headroom_autograd_core::{BackendRef, DType, Tensor};
-use headroom_ops_cpu::CpuBackend;
-use headroom_ops_cuda::CudaBackend;
 use headroom_optim::non_finite_check_and_unscale_;
-use headroom_testkit::gpu::shared_or_skip;
 
-use cuda_tensors::{random, raw_bytes, tensor_of};
+use cuda_tensors::{random, raw_bytes, shared_cuda_and_cpu, tensor_of};
 
 /// `(found_inf, unscaled gradients as bytes)` of one `non_finite_check_and_unscale_` call on
 /// `backend` over `grads` (values, dtype; each gradient a view from element 1 of a buffer one
@@ -51,11 +48,9 @@ fn checked(
 #[test]
 #[ignore = "needs a CUDA device"]
 fn the_overflow_check_and_unscale_on_cuda_equals_the_host() {
-    let Some(cuda) = shared_or_skip(|| CudaBackend::new(0)) else {
+    let Some((cuda, cpu)) = shared_cuda_and_cpu() else {
         return;
     };
-    let cuda: BackendRef = cuda;
-    let cpu = CpuBackend::new_ref();
     let lens = [37, 200_003, 300 * 257, 1, 0, 5000];
     let grads_of = |dtype: DType| -> Vec<(Vec<f32>, DType)> {
         lens.iter()

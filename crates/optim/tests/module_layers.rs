@@ -143,22 +143,17 @@ fn expand_use_tree(tree: &str) -> Vec<String> {
     };
     let prefix = tree[..open].trim().trim_end_matches("::");
     let inner = &tree[open + 1..tree.rfind('}').expect("a closed use group")];
-    let mut items = Vec::new();
-    let (mut depth, mut start) = (0, 0);
-    for (idx, c) in inner.char_indices() {
-        match c {
-            '{' => depth += 1,
-            '}' => depth -= 1,
-            ',' if depth == 0 => {
-                items.push(&inner[start..idx]);
-                start = idx + 1;
+    // The group's items: split at its own commas, not at those of nested groups.
+    let mut depth = 0;
+    inner
+        .split(|c| {
+            match c {
+                '{' => depth += 1,
+                '}' => depth -= 1,
+                _ => {}
             }
-            _ => {}
-        }
-    }
-    items.push(&inner[start..]);
-    items
-        .into_iter()
+            c == ',' && depth == 0
+        })
         .map(str::trim)
         .filter(|item| !item.is_empty())
         .flat_map(expand_use_tree)

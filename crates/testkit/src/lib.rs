@@ -21,6 +21,8 @@
 //! - [`llama_golden`]: Hugging Face's golden tiny Llama and Qwen2, run on any backend and dtype.
 //! - [`loss_paths`]: the tiny GPT-2 and Llama, their token batches, and how far a run with the
 //!   fused loss is from one with the unfused loss.
+//! - [`loss_fixtures`]: what the fused-loss suites of several crates share (the ignored-label
+//!   pattern, an autocast policy lowering one op).
 //! - The technique harness: a [`TrainCase`] is a training run as data (model, dtype, batch,
 //!   steps, optimizer, tolerance with its reason, seed). A [`Technique`] changes the training
 //!   step (optimizer-in-backward, activation checkpointing, autocast with a GradScaler);
@@ -54,6 +56,7 @@ pub mod golden;
 pub mod gpu;
 pub mod inputs;
 pub mod llama_golden;
+pub mod loss_fixtures;
 pub mod loss_paths;
 pub mod memory;
 pub mod misuse;

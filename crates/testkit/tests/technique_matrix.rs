@@ -11,7 +11,7 @@ use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::inputs::Xorshift;
 
 mod matrix;
-use matrix::{attach, cells, judge, model_name, train, Saves, DRIVERS, STEPS};
+use matrix::{assert_within_bounds, attach, cells, model_name, train, Saves, DRIVERS};
 
 /// `jobs` run on as many threads as the machine has cores, results in order.
 fn run_all<T: Send>(jobs: Vec<Box<dyn FnOnce() -> T + Send>>) -> Vec<T> {
@@ -56,13 +56,7 @@ fn every_technique_stacks_with_every_other_and_trains_like_the_plain_loop() {
         })
         .collect();
     let trained = run_all(jobs);
-    let failures = judge(&cells, &trained, false);
-    println!(
-        "{} cells trained {STEPS} steps each in {:.1} s",
-        cells.len(),
-        started.elapsed().as_secs_f64()
-    );
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert_within_bounds(&cells, &trained, false, started);
 }
 
 /// Offload's cells on the CPU: the first block's forward refuses with
@@ -71,9 +65,10 @@ fn every_technique_stacks_with_every_other_and_trains_like_the_plain_loop() {
 fn offload_is_refused_on_the_cpu_with_a_typed_error() {
     let cpu: BackendRef = CpuBackend::new_ref();
     for cell in cells(&[Saves::Offload], &[matrix::Driver::Plain]) {
-        let mut model = cell.model.build(&cpu, DType::F32, 28).unwrap();
+        let mut model = cell.group.model.build(&cpu, DType::F32, 28).unwrap();
         attach(&mut model, Saves::Offload);
         let batch = cell
+            .group
             .model
             .batch(&cpu, DType::F32, 2, &mut Xorshift::new(1))
             .unwrap();
@@ -86,7 +81,7 @@ fn offload_is_refused_on_the_cpu_with_a_typed_error() {
         assert!(
             matches!(refusal, Some(CheckpointError::OffloadNeedsCuda { reason }) if reason.contains("Cpu")),
             "{}: {err:?}",
-            model_name(cell.model)
+            model_name(cell.group.model)
         );
     }
 }

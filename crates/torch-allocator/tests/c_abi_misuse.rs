@@ -33,7 +33,7 @@ type Case = MisuseCase<OutcomeError>;
 const KNOWN_BUGS: &[&str] = &[];
 
 /// Today's count of cases, so that a case lost from the table fails the test.
-const MIN_CASES: usize = 52;
+const MIN_CASES: usize = 43;
 
 /// Host memory the allocator may use (64 MiB).
 const CAPACITY: u64 = 64 << 20;
@@ -67,6 +67,43 @@ fn names(message: &str, texts: &[&str]) -> Outcome {
     }
 }
 
+/// `Ok` when `call` returns -1 and sets an error naming every one of `texts`.
+fn refused_naming(call: impl FnOnce() -> i32, texts: &[&str]) -> Outcome {
+    let (status, message) = with_last_error(call);
+    expect_eq(status, -1, "status")?;
+    names(&message, texts)
+}
+
+/// `Ok` when `call` returns null and sets an error naming every one of `texts`.
+fn null_naming(call: impl FnOnce() -> *mut c_void, texts: &[&str]) -> Outcome {
+    let (ptr, message) = with_last_error(call);
+    expect_eq(ptr.is_null(), true, "null")?;
+    names(&message, texts)
+}
+
+/// `Ok` when `headroom_record_stream` of `ptr` on device 0 is refused naming every one of
+/// `texts`.
+fn record_stream_refused(ptr: *mut c_void, texts: &[&str]) -> Outcome {
+    // SAFETY: the null stream; host memory never dereferences it, nor `ptr`.
+    refused_naming(
+        || unsafe { headroom_record_stream(ptr, 0, std::ptr::null_mut()) },
+        texts,
+    )
+}
+
+/// The sentinel's message and an 8-byte buffer of 0x55 after `headroom_last_error` wrote into
+/// its first `writable` bytes (at most 8), once the length it returned is checked.
+fn last_error_into(writable: usize) -> Result<(String, [u8; 8]), String> {
+    sentinel();
+    let full = last_error().unwrap_or_default();
+    let mut buf = [0x55u8; 8];
+    assert!(writable <= buf.len());
+    // SAFETY: `buf` has `writable` writable bytes (of 8).
+    let len = unsafe { headroom_last_error(buf.as_mut_ptr().cast(), writable) };
+    expect_eq(len, full.len(), "returned length")?;
+    Ok((full, buf))
+}
+
 /// `Ok` when the call left the sentinel's message in place: it reported no error.
 fn no_error(message: &str) -> Outcome {
     if message.contains(&format!("device {SENTINEL_DEVICE}")) {
@@ -92,10 +129,44 @@ fn configure(text: &str) -> i32 {
     unsafe { headroom_configure(text.as_ptr()) }
 }
 
+/// `headroom_configure(conf)` of a raw pointer: null or a NUL-terminated string.
+fn configure_raw(conf: *const c_char) -> i32 {
+    // SAFETY: null (the one non-string it reads, as an error) or a NUL-terminated string.
+    unsafe { headroom_configure(conf) }
+}
+
+/// `headroom_snapshot(0, path)` of a raw pointer: null or a NUL-terminated string.
+fn snapshot_raw(path: *const c_char) -> i32 {
+    // SAFETY: null (the one non-string it reads, as an error) or a NUL-terminated string.
+    unsafe { headroom_snapshot(0, path) }
+}
+
+/// `Ok` when `call` of `bytes` (NUL-terminated, maybe not UTF-8; `None`: null) returns -1 and
+/// sets an error naming every one of `texts`.
+fn string_refused(call: fn(*const c_char) -> i32, bytes: Option<&[u8]>, texts: &[&str]) -> Outcome {
+    let ptr = match bytes {
+        Some(bytes) => {
+            assert_eq!(bytes.last(), Some(&0), "NUL-terminated");
+            bytes.as_ptr().cast::<c_char>()
+        }
+        None => std::ptr::null(),
+    };
+    refused_naming(|| call(ptr), texts)
+}
+
 /// `headroom_alloc(size, device, null)`.
 fn alloc(size: isize, device: i32) -> *mut c_void {
     // SAFETY: the null stream is the legacy default stream; host memory never dereferences it.
     unsafe { headroom_alloc(size, device, std::ptr::null_mut()) }
+}
+
+/// A live allocation of 4096 bytes on device 0.
+fn live_alloc() -> Result<*mut c_void, String> {
+    let ptr = alloc(4096, 0);
+    if ptr.is_null() {
+        return Err(format!("setup: {:?}", last_error()));
+    }
+    Ok(ptr)
 }
 
 /// `headroom_snapshot(device, path)` for a Rust path string.
@@ -147,6 +218,14 @@ fn bad_ordinal(device: i32, call: fn(i32) -> bool) -> Outcome {
     names(&message, &[&format!("device {device} ")])
 }
 
+/// [`bad_ordinal`] with ordinals -1 and 1000, in turn.
+fn bad_ordinals(call: fn(i32) -> bool) -> Outcome {
+    for device in [-1, 1000] {
+        bad_ordinal(device, call)?;
+    }
+    Ok(())
+}
+
 fn alloc_on(device: i32) -> bool {
     alloc(1024, device).is_null()
 }
@@ -189,91 +268,44 @@ fn snapshot_on(device: i32) -> bool {
 fn cases() -> Vec<Case> {
     misuse_cases![
         // Before anything is frozen: bad settings and bad arguments change nothing.
-        configure_null_is_refused_naming_conf => {
-            // SAFETY: null is the one non-string `headroom_configure` reads (as an error).
-            let (status, message) =
-                with_last_error(|| unsafe { headroom_configure(std::ptr::null()) });
-            expect_eq(status, -1, "status")?;
-            names(&message, &["`conf`", "non-null UTF-8"])
-        },
-        configure_invalid_utf8_is_refused_naming_conf => {
-            let bytes: [u8; 4] = [0xff, 0xfe, b'x', 0];
-            // SAFETY: a NUL-terminated string (of bytes that are not UTF-8).
-            let (status, message) = with_last_error(|| unsafe {
-                headroom_configure(bytes.as_ptr().cast::<c_char>())
-            });
-            expect_eq(status, -1, "status")?;
-            names(&message, &["`conf`"])
-        },
-        configure_misspelt_key_is_refused_naming_it => {
-            let (status, message) = with_last_error(|| configure("max_split_sise_mb:64"));
-            expect_eq(status, -1, "status")?;
-            names(&message, &["max_split_sise_mb"])
-        },
-        configure_page_size_above_1_tib_is_refused_naming_its_key => {
-            let (status, message) =
-                with_last_error(|| configure("expandable_page_size_mb:1048578"));
-            expect_eq(status, -1, "status")?;
-            names(&message, &["expandable_page_size_mb", "1048578"])
-        },
-        configure_memory_fraction_of_2_is_refused_naming_its_key => {
-            let (status, message) =
-                with_last_error(|| configure("per_process_memory_fraction:2"));
-            expect_eq(status, -1, "status")?;
-            names(&message, &["per_process_memory_fraction"])
-        },
-        configure_cuda_malloc_async_is_refused_naming_backend => {
-            let (status, message) = with_last_error(|| configure("backend:cudaMallocAsync"));
-            expect_eq(status, -1, "status")?;
-            names(&message, &["backend"])
-        },
-        alloc_of_a_negative_size_is_null_naming_the_size => {
-            let (ptr, message) = with_last_error(|| alloc(-1, 0));
-            expect_eq(ptr.is_null(), true, "null")?;
-            names(&message, &["negative", "(-1)"])
-        },
-        alloc_of_isize_min_bytes_is_null_naming_the_size => {
-            let (ptr, message) = with_last_error(|| alloc(isize::MIN, 0));
-            expect_eq(ptr.is_null(), true, "null")?;
-            names(&message, &["negative", &isize::MIN.to_string()])
-        },
-        alloc_on_device_minus_1_is_null_naming_it => bad_ordinal(-1, alloc_on),
-        alloc_on_device_1000_is_null_naming_it => bad_ordinal(1000, alloc_on),
+        configure_null_is_refused_naming_conf =>
+            string_refused(configure_raw, None, &["`conf`", "non-null UTF-8"]),
+        configure_invalid_utf8_is_refused_naming_conf =>
+            string_refused(configure_raw, Some(&[0xff, 0xfe, b'x', 0]), &["`conf`"]),
+        configure_misspelt_key_is_refused_naming_it =>
+            refused_naming(|| configure("max_split_sise_mb:64"), &["max_split_sise_mb"]),
+        configure_page_size_above_1_tib_is_refused_naming_its_key => refused_naming(
+            || configure("expandable_page_size_mb:1048578"),
+            &["expandable_page_size_mb", "1048578"],
+        ),
+        configure_memory_fraction_of_2_is_refused_naming_its_key => refused_naming(
+            || configure("per_process_memory_fraction:2"),
+            &["per_process_memory_fraction"],
+        ),
+        configure_cuda_malloc_async_is_refused_naming_backend =>
+            refused_naming(|| configure("backend:cudaMallocAsync"), &["backend"]),
+        alloc_of_a_negative_size_is_null_naming_the_size =>
+            null_naming(|| alloc(-1, 0), &["negative", "(-1)"]),
+        alloc_of_isize_min_bytes_is_null_naming_the_size =>
+            null_naming(|| alloc(isize::MIN, 0), &["negative", &isize::MIN.to_string()]),
+        alloc_on_device_minus_1_or_1000_is_null_naming_it => bad_ordinals(alloc_on),
         alloc_on_device_max_devices_is_null_naming_it => bad_ordinal(MAX_DEVICES as i32, alloc_on),
-        free_on_device_minus_1_is_an_error_naming_it => bad_ordinal(-1, free_on),
-        free_on_device_1000_is_an_error_naming_it => bad_ordinal(1000, free_on),
-        record_stream_on_device_minus_1_is_refused_naming_it => bad_ordinal(-1, record_stream_on),
-        record_stream_on_device_1000_is_refused_naming_it => bad_ordinal(1000, record_stream_on),
-        empty_cache_on_device_minus_1_is_refused_naming_it => bad_ordinal(-1, empty_cache_on),
-        empty_cache_on_device_1000_is_refused_naming_it => bad_ordinal(1000, empty_cache_on),
-        reset_peak_stats_on_device_minus_1_is_refused_naming_it =>
-            bad_ordinal(-1, reset_peak_stats_on),
-        reset_peak_stats_on_device_1000_is_refused_naming_it =>
-            bad_ordinal(1000, reset_peak_stats_on),
-        memory_stats_on_device_minus_1_is_null_naming_it => bad_ordinal(-1, memory_stats_on),
-        memory_stats_on_device_1000_is_null_naming_it => bad_ordinal(1000, memory_stats_on),
-        memory_summary_on_device_minus_1_is_null_naming_it => bad_ordinal(-1, memory_summary_on),
-        memory_summary_on_device_1000_is_null_naming_it => bad_ordinal(1000, memory_summary_on),
-        record_history_on_device_minus_1_is_refused_naming_it => bad_ordinal(-1, record_history_on),
-        record_history_on_device_1000_is_refused_naming_it => bad_ordinal(1000, record_history_on),
-        snapshot_on_device_minus_1_is_refused_naming_it => bad_ordinal(-1, snapshot_on),
-        snapshot_on_device_1000_is_refused_naming_it => bad_ordinal(1000, snapshot_on),
-        snapshot_to_a_null_path_is_refused_naming_path => {
-            // SAFETY: null is the one non-string `headroom_snapshot` reads (as an error).
-            let (status, message) =
-                with_last_error(|| unsafe { headroom_snapshot(0, std::ptr::null()) });
-            expect_eq(status, -1, "status")?;
-            names(&message, &["`path`"])
-        },
-        snapshot_to_an_invalid_utf8_path_is_refused_naming_path => {
-            let bytes: [u8; 3] = [0xc3, 0x28, 0];
-            // SAFETY: a NUL-terminated string (of bytes that are not UTF-8).
-            let (status, message) = with_last_error(|| unsafe {
-                headroom_snapshot(0, bytes.as_ptr().cast::<c_char>())
-            });
-            expect_eq(status, -1, "status")?;
-            names(&message, &["`path`"])
-        },
+        free_on_device_minus_1_or_1000_is_an_error_naming_it => bad_ordinals(free_on),
+        record_stream_on_device_minus_1_or_1000_is_refused_naming_it =>
+            bad_ordinals(record_stream_on),
+        empty_cache_on_device_minus_1_or_1000_is_refused_naming_it => bad_ordinals(empty_cache_on),
+        reset_peak_stats_on_device_minus_1_or_1000_is_refused_naming_it =>
+            bad_ordinals(reset_peak_stats_on),
+        memory_stats_on_device_minus_1_or_1000_is_null_naming_it => bad_ordinals(memory_stats_on),
+        memory_summary_on_device_minus_1_or_1000_is_null_naming_it =>
+            bad_ordinals(memory_summary_on),
+        record_history_on_device_minus_1_or_1000_is_refused_naming_it =>
+            bad_ordinals(record_history_on),
+        snapshot_on_device_minus_1_or_1000_is_refused_naming_it => bad_ordinals(snapshot_on),
+        snapshot_to_a_null_path_is_refused_naming_path =>
+            string_refused(snapshot_raw, None, &["`path`"]),
+        snapshot_to_an_invalid_utf8_path_is_refused_naming_path =>
+            string_refused(snapshot_raw, Some(&[0xc3, 0x28, 0]), &["`path`"]),
         string_free_of_null_is_harmless => {
             // SAFETY: null is allowed (a no-op).
             let ((), message) =
@@ -281,21 +313,11 @@ fn cases() -> Vec<Case> {
             no_error(&message)
         },
         last_error_into_a_1_byte_buffer_writes_only_the_nul_and_returns_the_length => {
-            sentinel();
-            let full = last_error().unwrap_or_default();
-            let mut buf = [0x55u8; 4];
-            // SAFETY: `buf` has 1 writable byte (of 4).
-            let len = unsafe { headroom_last_error(buf.as_mut_ptr().cast(), 1) };
-            expect_eq(len, full.len(), "returned length")?;
-            expect_eq(buf, [0, 0x55, 0x55, 0x55], "buffer")
+            let (_, buf) = last_error_into(1)?;
+            expect_eq(buf, [0, 0x55, 0x55, 0x55, 0x55, 0x55, 0x55, 0x55], "buffer")
         },
         last_error_into_a_short_buffer_is_cut_and_nul_terminated => {
-            sentinel();
-            let full = last_error().unwrap_or_default();
-            let mut buf = [0x55u8; 8];
-            // SAFETY: `buf` has 7 writable bytes (of 8).
-            let len = unsafe { headroom_last_error(buf.as_mut_ptr().cast(), 7) };
-            expect_eq(len, full.len(), "returned length")?;
+            let (full, buf) = last_error_into(7)?;
             let mut expected = [0x55u8; 8];
             expected[..6].copy_from_slice(&full.as_bytes()[..6]);
             expected[6] = 0;
@@ -315,19 +337,14 @@ fn cases() -> Vec<Case> {
             no_error(&message)?;
             expect_eq(headroom_is_in_use(), 1, "headroom_is_in_use")
         },
-        configure_after_the_first_allocation_is_already_in_use => {
-            let (status, message) = with_last_error(|| configure("expandable_segments:True"));
-            expect_eq(status, -1, "status")?;
-            names(
-                &message,
-                &["already serves allocations", "before the first"],
-            )
-        },
-        use_host_memory_after_the_first_allocation_is_already_in_use => {
-            let (status, message) = with_last_error(|| headroom_use_host_memory(1 << 20));
-            expect_eq(status, -1, "status")?;
-            names(&message, &["already serves allocations"])
-        },
+        configure_after_the_first_allocation_is_already_in_use => refused_naming(
+            || configure("expandable_segments:True"),
+            &["already serves allocations", "before the first"],
+        ),
+        use_host_memory_after_the_first_allocation_is_already_in_use => refused_naming(
+            || headroom_use_host_memory(1 << 20),
+            &["already serves allocations"],
+        ),
         a_refused_configure_after_freezing_keeps_the_settings => {
             let settings = headroom_torch_allocator::settings();
             if settings.contains("expandable_segments:False") {
@@ -337,16 +354,11 @@ fn cases() -> Vec<Case> {
             }
         },
         alloc_past_the_host_capacity_is_null_naming_out_of_memory => {
-            let (ptr, message) = with_last_error(|| alloc(128 << 20, 0));
-            expect_eq(ptr.is_null(), true, "null")?;
-            names(&message, &["out of memory", "128.00 MiB"])?;
+            null_naming(|| alloc(128 << 20, 0), &["out of memory", "128.00 MiB"])?;
             expect_eq(stat("allocated_bytes.all.current")?, 0, "allocated bytes")
         },
-        alloc_of_isize_max_bytes_is_null_naming_out_of_memory => {
-            let (ptr, message) = with_last_error(|| alloc(isize::MAX, 0));
-            expect_eq(ptr.is_null(), true, "null")?;
-            names(&message, &["out of memory"])
-        },
+        alloc_of_isize_max_bytes_is_null_naming_out_of_memory =>
+            null_naming(|| alloc(isize::MAX, 0), &["out of memory"]),
         alloc_on_the_last_device_ordinal_is_served => {
             let ptr = alloc(4096, MAX_DEVICES as i32 - 1);
             if ptr.is_null() {
@@ -368,10 +380,7 @@ fn cases() -> Vec<Case> {
             no_error(&message)
         },
         free_inside_a_live_allocation_is_an_error_and_frees_nothing => {
-            let ptr = alloc(4096, 0);
-            if ptr.is_null() {
-                return Err(format!("setup: {:?}", last_error()));
-            }
+            let ptr = live_alloc()?;
             let inside = ptr.cast::<u8>().wrapping_add(256).cast::<c_void>();
             let ((), message) =
                 with_last_error(|| headroom_free(inside, 4096, 0, std::ptr::null_mut()));
@@ -386,10 +395,7 @@ fn cases() -> Vec<Case> {
             res
         },
         free_twice_is_an_error_the_second_time_and_counts_one_free => {
-            let ptr = alloc(4096, 0);
-            if ptr.is_null() {
-                return Err(format!("setup: {:?}", last_error()));
-            }
+            let ptr = live_alloc()?;
             let ((), first) =
                 with_last_error(|| headroom_free(ptr, 4096, 0, std::ptr::null_mut()));
             no_error(&first)?;
@@ -403,47 +409,23 @@ fn cases() -> Vec<Case> {
                 "frees",
             )
         },
-        record_stream_on_a_pointer_never_handed_out_is_refused_naming_it => {
-            // SAFETY: the null stream; host memory never dereferences it.
-            let (status, message) = with_last_error(|| unsafe {
-                headroom_record_stream(0x20 as *mut c_void, 0, std::ptr::null_mut())
-            });
-            expect_eq(status, -1, "status")?;
-            names(&message, &["0x20"])
-        },
-        record_stream_on_null_is_refused => {
-            // SAFETY: the null stream; host memory never dereferences it.
-            let (status, message) = with_last_error(|| unsafe {
-                headroom_record_stream(std::ptr::null_mut(), 0, std::ptr::null_mut())
-            });
-            expect_eq(status, -1, "status")?;
-            names(&message, &["not a live allocation"])
-        },
+        record_stream_on_a_pointer_never_handed_out_is_refused_naming_it =>
+            record_stream_refused(0x20 as *mut c_void, &["0x20"]),
+        record_stream_on_null_is_refused =>
+            record_stream_refused(std::ptr::null_mut(), &["not a live allocation"]),
         record_stream_on_a_freed_pointer_is_refused => {
-            let ptr = alloc(4096, 0);
-            if ptr.is_null() {
-                return Err(format!("setup: {:?}", last_error()));
-            }
+            let ptr = live_alloc()?;
             headroom_free(ptr, 4096, 0, std::ptr::null_mut());
-            // SAFETY: the null stream; host memory never dereferences it.
-            let (status, message) = with_last_error(|| unsafe {
-                headroom_record_stream(ptr, 0, std::ptr::null_mut())
-            });
-            expect_eq(status, -1, "status")?;
-            names(&message, &["not a live allocation"])
+            record_stream_refused(ptr, &["not a live allocation"])
         },
         snapshot_into_a_missing_directory_is_refused_as_io => {
             let path = temp_path("no_such_dir").join("snapshot.pickle");
-            let (status, message) = with_last_error(|| snapshot(0, &path.to_string_lossy()));
-            expect_eq(status, -1, "status")?;
-            names(&message, &["i/o error"])
+            refused_naming(|| snapshot(0, &path.to_string_lossy()), &["i/o error"])
         },
-        snapshot_onto_a_directory_is_refused_as_io => {
-            let dir = std::env::temp_dir();
-            let (status, message) = with_last_error(|| snapshot(0, &dir.to_string_lossy()));
-            expect_eq(status, -1, "status")?;
-            names(&message, &["i/o error"])
-        },
+        snapshot_onto_a_directory_is_refused_as_io => refused_naming(
+            || snapshot(0, &std::env::temp_dir().to_string_lossy()),
+            &["i/o error"],
+        ),
         record_history_of_u64_max_entries_is_accepted_and_stops => {
             expect_eq(headroom_record_history(0, 1, u64::MAX), 0, "start")?;
             let ptr = alloc(1000, 0);

@@ -5,6 +5,7 @@
 //! Lines inside fenced code (```` ``` ```` or `~~~`) are neither markers nor tables.
 
 use std::fmt;
+use std::ops::Range;
 
 /// Where a block's table comes from, as its opening marker says.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,12 +29,12 @@ impl fmt::Display for Source {
     }
 }
 
-/// One block: the 0-based lines of its two markers, the opening marker's indentation (the
-/// block's lines get the same) and its source.
+/// One block: the 0-based lines between its two markers (from the line after the opening marker
+/// to the closing marker's, excluded), the opening marker's indentation (the block's lines get
+/// the same) and its source.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct Block {
-    pub(super) open: usize,
-    pub(super) close: usize,
+    pub(super) body: Range<usize>,
     pub(super) indent: String,
     pub(super) source: Source,
 }
@@ -66,8 +67,7 @@ pub(super) fn parse(lines: &[&str]) -> Parsed {
         if trimmed == CLOSE {
             match open.take() {
                 Some((start, indent, Some(source))) => parsed.blocks.push(Block {
-                    open: start,
-                    close: idx,
+                    body: start + 1..idx,
                     indent,
                     source,
                 }),

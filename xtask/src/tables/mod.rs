@@ -203,7 +203,7 @@ fn process(root: &Path, name: &str, text: &str) -> Outcome {
         let inside = parsed
             .blocks
             .iter()
-            .any(|block| block.open < start && start < block.close);
+            .any(|block| block.body.contains(&start));
         if !inside {
             problems.push(format!(
                 "{name}:{}: a table outside `<!-- table: … -->` … `<!-- /table -->`: render it \
@@ -218,9 +218,14 @@ fn process(root: &Path, name: &str, text: &str) -> Outcome {
     let mut counts = Counts::default();
     let mut next = 0;
     for block in &parsed.blocks {
-        out.extend(lines[next..=block.open].iter().map(|line| line.to_string()));
-        let body = &lines[block.open + 1..block.close];
-        let label = format!("{name}:{} ({})", block.open + 1, block.source);
+        out.extend(
+            lines[next..block.body.start]
+                .iter()
+                .map(|line| line.to_string()),
+        );
+        let body = &lines[block.body.clone()];
+        // The opening marker's 1-based line.
+        let label = format!("{name}:{} ({})", block.body.start, block.source);
         match expected_body(root, block, body, &phases) {
             Ok(expected) => {
                 if expected.iter().map(String::as_str).ne(body.iter().copied()) {
@@ -238,7 +243,7 @@ fn process(root: &Path, name: &str, text: &str) -> Outcome {
             Source::Pending { .. } => counts.pending += 1,
             Source::Prose => counts.prose += 1,
         }
-        next = block.close;
+        next = block.body.end;
     }
     out.extend(lines[next..].iter().map(|line| line.to_string()));
     let mut text_out = out.join("\n");

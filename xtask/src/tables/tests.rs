@@ -52,6 +52,26 @@ const HANDLES_TABLE: &str = "\
 |---|---:|---:|---:|---:|---:|
 | ViT-L/16, batch 8 | 3,203 | 932 | 482 | 1.0029 | 1.0052 |";
 
+/// Processes `doc` under `root` and checks that it is current: no problems, nothing stale, the
+/// text unchanged.
+fn assert_current(root: &Root, doc: &str) {
+    let outcome = process(root.path(), "README.md", doc);
+    assert_eq!(outcome.problems, Vec::<String>::new());
+    assert_eq!(outcome.stale, Vec::<String>::new());
+    assert_eq!(outcome.text, doc);
+}
+
+/// Processes `doc` under `root` and checks that its blocks at `stale` are stale and rewritten to
+/// `expected`, counting `counts`, without problems; and that `expected` is then current.
+fn assert_rewritten(root: &Root, doc: &str, stale: &[&str], expected: &str, counts: Counts) {
+    let outcome = process(root.path(), "README.md", doc);
+    assert_eq!(outcome.problems, Vec::<String>::new());
+    assert_eq!(outcome.stale, stale);
+    assert_eq!(outcome.text, expected);
+    assert_eq!(outcome.counts, counts);
+    assert_current(root, expected);
+}
+
 fn lines(text: &str) -> Vec<&str> {
     text.lines().collect()
 }
@@ -82,8 +102,7 @@ intro
         parsed.blocks,
         vec![
             Block {
-                open: 1,
-                close: 4,
+                body: 2..4,
                 indent: String::new(),
                 source: Source::Rendered {
                     kind: "allocator-corpus".into(),
@@ -91,16 +110,14 @@ intro
                 },
             },
             Block {
-                open: 7,
-                close: 10,
+                body: 8..10,
                 indent: "  ".into(),
                 source: Source::Pending {
                     phases: vec!["vit".into(), "reclaim".into()],
                 },
             },
             Block {
-                open: 14,
-                close: 16,
+                body: 15..16,
                 indent: String::new(),
                 source: Source::Prose,
             },
@@ -170,27 +187,13 @@ fn a_stale_block_is_named_and_rewritten_from_its_results() {
     let doc = format!(
         "# Doc\n\n{marker}\n| trace | handles |\n|---|---|\n| ViT | 3,000 |\n<!-- /table -->\n\nafter\n"
     );
-    let outcome = process(root.path(), "README.md", &doc);
-    assert_eq!(outcome.problems, Vec::<String>::new());
-    assert_eq!(
-        outcome.stale,
-        vec!["README.md:3 (allocator-handles results/2026-12-01-abcdef0/corpus.jsonl)".to_owned()]
-    );
     let rendered = format!("# Doc\n\n{marker}\n{HANDLES_TABLE}\n<!-- /table -->\n\nafter\n");
-    assert_eq!(outcome.text, rendered);
-    assert_eq!(
-        outcome.counts,
-        Counts {
-            rendered: 1,
-            pending: 0,
-            prose: 0
-        }
-    );
-    // Rendered again, the block is current and the text unchanged.
-    let again = process(root.path(), "README.md", &rendered);
-    assert_eq!(again.stale, Vec::<String>::new());
-    assert_eq!(again.problems, Vec::<String>::new());
-    assert_eq!(again.text, rendered);
+    let stale = ["README.md:3 (allocator-handles results/2026-12-01-abcdef0/corpus.jsonl)"];
+    let counts = Counts {
+        rendered: 1,
+        ..Counts::default()
+    };
+    assert_rewritten(&root, &doc, &stale, &rendered, counts);
 }
 
 #[test]
@@ -265,47 +268,27 @@ fn a_pending_block_keeps_its_table_and_gets_the_line_under_it() {
 _Unsourced: an older wording._
 <!-- /table -->
 ";
-    let outcome = process(root.path(), "README.md", doc);
-    assert_eq!(outcome.problems, Vec::<String>::new());
-    assert_eq!(
-        outcome.stale,
-        vec![
-            "README.md:3 (pending vit reclaim)".to_owned(),
-            "README.md:9 (pending none)".to_owned()
-        ]
-    );
-    let expected = "\
-- figures:
-
-  <!-- table: pending vit reclaim -->
-  | a |
-  |---|
-  | 1 |
-
-  _Unsourced: measured before raw results were kept; `bash scripts/gpu-measure.sh vit reclaim` \
-measures it again into `results/`._
-  <!-- /table -->
-
-<!-- table: pending none -->
-| b |
-|---|
-
-_Unsourced: measured before raw results were kept, and no script measures it into `results/` \
-yet._
-<!-- /table -->
-";
-    assert_eq!(outcome.text, expected);
-    assert_eq!(
-        outcome.counts,
-        Counts {
-            rendered: 0,
-            pending: 2,
-            prose: 0
-        }
-    );
-    let again = process(root.path(), "README.md", expected);
-    assert_eq!(again.stale, Vec::<String>::new());
-    assert_eq!(again.text, expected);
+    // The line goes under each table, replacing an older one.
+    let expected = doc
+        .replace(
+            "  | 1 |\n",
+            "  | 1 |\n\n  _Unsourced: measured before raw results were kept; `bash \
+             scripts/gpu-measure.sh vit reclaim` measures it again into `results/`._\n",
+        )
+        .replace(
+            "_Unsourced: an older wording._",
+            "_Unsourced: measured before raw results were kept, and no script measures it into \
+             `results/` yet._",
+        );
+    let stale = [
+        "README.md:3 (pending vit reclaim)",
+        "README.md:9 (pending none)",
+    ];
+    let counts = Counts {
+        pending: 2,
+        ..Counts::default()
+    };
+    assert_rewritten(&root, doc, &stale, &expected, counts);
 }
 
 #[test]
@@ -326,11 +309,10 @@ fn a_pending_phase_must_be_one_of_gpu_measure() {
 #[test]
 fn a_prose_block_stays_as_written() {
     let root = Root::new("prose");
-    let doc = "<!-- table: prose -->\n| crate | what |\n|---|---|\n| a | b |\n<!-- /table -->\n";
-    let outcome = process(root.path(), "README.md", doc);
-    assert_eq!(outcome.problems, Vec::<String>::new());
-    assert_eq!(outcome.stale, Vec::<String>::new());
-    assert_eq!(outcome.text, doc);
+    assert_current(
+        &root,
+        "<!-- table: prose -->\n| crate | what |\n|---|---|\n| a | b |\n<!-- /table -->\n",
+    );
 }
 
 #[test]
@@ -384,14 +366,6 @@ fn the_help_lists_every_kind() {
     }
 }
 
-fn result_file(path: &str, text: &str) -> super::kinds::ResultFile {
-    super::kinds::ResultFile {
-        path: path.to_owned(),
-        text: text.to_owned(),
-        meta: serde_json::Value::Null,
-    }
-}
-
 /// bench-memory's cases beside PyTorch's: from anchor.jsonl, matched by model, PyTorch's name of
 /// the case and batch (bench-memory's own rule), `—` where PyTorch has no such case.
 #[test]
@@ -406,11 +380,11 @@ fn bench_memory_cases_render_beside_the_anchors() {
          \"steady_peak_reserved\": 6200000000, \"step_ms_median\": 40.1}\n\
         {\"case\": \"adam_foreach\", \"batch\": 32, \"steady_peak_alloc\": 1, \
          \"steady_peak_reserved\": 1, \"step_ms_median\": 1.0}\n";
-    let table = super::kinds::render(
+    let table = super::kinds::rendered(
         "bench-memory-pytorch",
         &[
-            result_file("results/x/vit.json", bench),
-            result_file("results/x/anchor_vit.jsonl", anchors),
+            ("results/x/vit.json", bench),
+            ("results/x/anchor_vit.jsonl", anchors),
         ],
     )
     .unwrap();
@@ -434,11 +408,11 @@ fn bench_memory_runs_render_side_by_side_by_allocator_settings() {
                 "step_ms": {ms}, "step_ms_min": 21.5, "peak_reserved_bytes": {reserved}}}]}}"#
         )
     };
-    let table = super::kinds::render(
+    let table = super::kinds::rendered(
         "bench-memory-allocators",
         &[
-            result_file("results/x/reclaim_default.json", &run(21.57, 5_100_273_664)),
-            result_file("results/x/reclaim_off.json", &run(21.45, 5_033_164_800)),
+            ("results/x/reclaim_default.json", &run(21.57, 5_100_273_664)),
+            ("results/x/reclaim_off.json", &run(21.45, 5_033_164_800)),
         ],
     )
     .unwrap();
@@ -497,12 +471,12 @@ fn a_later_anchor_file_wins() {
              \"step_ms_median\": {ms}}}\n"
         )
     };
-    let table = super::kinds::render(
+    let table = super::kinds::rendered(
         "bench-memory-pytorch",
         &[
-            result_file("results/x/vit.json", bench),
-            result_file("results/x/a.jsonl", &line(36.9)),
-            result_file("results/x/b.jsonl", &line(53.7)),
+            ("results/x/vit.json", bench),
+            ("results/x/a.jsonl", &line(36.9)),
+            ("results/x/b.jsonl", &line(53.7)),
         ],
     )
     .unwrap();
@@ -523,14 +497,14 @@ fn planner_runs_render_by_budget() {
             peak = budget - 100
         )
     };
-    let table = super::kinds::render(
+    let table = super::kinds::rendered(
         "bench-memory-planner",
         &[
-            result_file(
+            (
                 "results/x/planner_2.json",
                 &run(20000, r#""keep", "compress-int8", "keep""#, 291.0),
             ),
-            result_file(
+            (
                 "results/x/planner_1.json",
                 &run(10000, r#""recompute""#, 297.0),
             ),
@@ -556,9 +530,9 @@ fn cuda_replay_lines_render_by_trace_and_policy() {
         t default: peak reserved 9 B, peak allocated 1234 B, 4 maps or segments, 1 unmaps or frees, 0.7 s on the device (0.1 s simulated)\n\
         t reclaiming: peak reserved 9 B, peak allocated 7 B, 5 maps or segments, 2 unmaps or frees, 0.8 s on the device (0.1 s simulated)\n\
         test ok\n";
-    let table = super::kinds::render(
+    let table = super::kinds::rendered(
         "allocator-cuda-replay",
-        &[result_file("results/x/tests/test_cuda_allocator.log", log)],
+        &[("results/x/tests/test_cuda_allocator.log", log)],
     )
     .unwrap();
     assert_eq!(

@@ -19,13 +19,9 @@ const AWAITING_SPLIT: &[&str] = &[];
 /// Every file of `files` (under `root`) over the limit and not awaiting its split, named with its
 /// length, and every entry of [`AWAITING_SPLIT`] that no longer needs to be there.
 pub(super) fn check(root: &Path, files: &[PathBuf]) -> Vec<String> {
-    let lengths: Vec<(String, usize)> = files
-        .iter()
-        .filter_map(|file| {
-            let text = std::fs::read_to_string(file).ok()?;
-            let relative = file.strip_prefix(root).unwrap_or(file);
-            Some((path_text(relative), text.lines().count()))
-        })
+    let lengths: Vec<(String, usize)> = super::relative_texts(root, files)
+        .into_iter()
+        .map(|(path, text)| (path, text.lines().count()))
         .collect();
     problems(&lengths, AWAITING_SPLIT)
 }
@@ -56,15 +52,6 @@ fn problems(lengths: &[(String, usize)], awaiting: &[&str]) -> Vec<String> {
         }
     }
     problems
-}
-
-/// A relative path with `/` between its parts, as the list writes it, on any platform.
-fn path_text(relative: &Path) -> String {
-    let parts: Vec<String> = relative
-        .components()
-        .map(|part| part.as_os_str().to_string_lossy().into_owned())
-        .collect();
-    parts.join("/")
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 use super::gpu_skips::{scope, Scope, CONSUMERS, OPENERS};
 use super::rust_text::{
@@ -49,15 +49,7 @@ const GATE_FILE: &str = "crates/testkit/src/gpu.rs";
 
 /// The problems of the workspace's `files` (under `root`).
 pub(super) fn check(root: &Path, files: &[PathBuf]) -> Vec<String> {
-    let texts: Vec<(String, String)> = files
-        .iter()
-        .filter_map(|file| {
-            let text = std::fs::read_to_string(file).ok()?;
-            let relative = file.strip_prefix(root).unwrap_or(file);
-            Some((path_text(relative), text))
-        })
-        .collect();
-    problems(&texts)
+    problems(&super::relative_texts(root, files))
 }
 
 /// The problems of files given as `(path from the workspace root, text)`.
@@ -421,18 +413,6 @@ fn called_names(code: &str) -> Vec<String> {
         i += len;
     }
     names
-}
-
-/// A relative path with `/` between its parts.
-fn path_text(relative: &Path) -> String {
-    let parts: Vec<String> = relative
-        .components()
-        .filter_map(|part| match part {
-            Component::Normal(name) => Some(name.to_string_lossy().into_owned()),
-            _ => None,
-        })
-        .collect();
-    parts.join("/")
 }
 
 #[cfg(test)]

@@ -303,38 +303,55 @@ mod tests {
         );
     }
 
+    /// Each opening statement that matches on an opener's result or drops its error is found.
     #[test]
-    fn results_matched_in_the_opening_statement_are_found() {
+    fn results_matched_or_errors_dropped_in_the_opening_statement_are_found() {
         let cases = [
-            "if let Err(err) = CudaBackend::new(0) {\n    return;\n}",
-            "if let Ok(storage) = CudaStorage::with_options(0, options) {}",
-            "let Ok(backend) =\n    CudaBackend::new(0)\nelse {\n    return;\n};",
-            "let Ok(gpus) = headroom_distributed::visible_gpus() else { return };",
-            "assert!(matches!(NcclComm::new(0, 0, 1, &id), Err(_)));",
-            "while let Err(_) = PinnedHostStorage::new() {}",
-            "x = match CudaStorage::new(0).map_err(|e| e.to_string()) {",
+            (
+                MATCHED,
+                "if let Err(err) = CudaBackend::new(0) {\n    return;\n}",
+            ),
+            (
+                MATCHED,
+                "if let Ok(storage) = CudaStorage::with_options(0, options) {}",
+            ),
+            (
+                MATCHED,
+                "let Ok(backend) =\n    CudaBackend::new(0)\nelse {\n    return;\n};",
+            ),
+            (
+                MATCHED,
+                "let Ok(gpus) = headroom_distributed::visible_gpus() else { return };",
+            ),
+            (
+                MATCHED,
+                "assert!(matches!(NcclComm::new(0, 0, 1, &id), Err(_)));",
+            ),
+            (MATCHED, "while let Err(_) = PinnedHostStorage::new() {}"),
+            (
+                MATCHED,
+                "x = match CudaStorage::new(0).map_err(|e| e.to_string()) {",
+            ),
+            (DROPPED, "let backend = CudaBackend::new(0)\n    .ok();"),
+            (
+                DROPPED,
+                "let Some(cuda) = cuda().and_then(|_| CudaBackend::new(0).ok()) else {",
+            ),
+            (DROPPED, "if CudaStorage::new(0).is_err() { return; }"),
+            (
+                DROPPED,
+                "let cuda = CudaContext::new(0).map_err(|e| e.to_string()).is_ok();",
+            ),
+            (DROPPED, "let count = visible_gpus().unwrap_or(0);"),
+            (DROPPED, "let _ = CudaBackend::new(0);"),
+            (DROPPED, "for backend in CudaBackend::new(0) {}"),
         ];
-        for text in cases {
-            assert_eq!(found(text)[0].1, MATCHED, "{text}");
+        for (what, text) in cases {
+            assert_eq!(found(text)[0].1, what, "{text}");
         }
-        assert_eq!(found(cases[2]), [(2, MATCHED)]);
-    }
-
-    #[test]
-    fn errors_dropped_in_the_opening_statement_are_found() {
-        let cases = [
-            "let backend = CudaBackend::new(0)\n    .ok();",
-            "let Some(cuda) = cuda().and_then(|_| CudaBackend::new(0).ok()) else {",
-            "if CudaStorage::new(0).is_err() { return; }",
-            "let cuda = CudaContext::new(0).map_err(|e| e.to_string()).is_ok();",
-            "let count = visible_gpus().unwrap_or(0);",
-            "let _ = CudaBackend::new(0);",
-            "for backend in CudaBackend::new(0) {}",
-        ];
-        for text in cases {
-            assert_eq!(found(text)[0].1, DROPPED, "{text}");
-        }
-        assert_eq!(found(cases[0]), [(1, DROPPED)]);
+        // A statement over several lines is found at its opener's line.
+        assert_eq!(found(cases[2].1), [(2, MATCHED)]);
+        assert_eq!(found(cases[7].1), [(1, DROPPED)]);
     }
 
     #[test]
@@ -391,39 +408,34 @@ println!("{}", 'x');
 
     #[test]
     fn harness_code_is_tests_benches_examples_and_the_tools() {
-        let cases = [
-            (
-                "crates/caching-allocator/tests/cuda_storage.rs",
-                Some(Scope::Harness),
-            ),
-            (
-                "crates/caching-allocator/benches/cuda_alloc.rs",
-                Some(Scope::Harness),
-            ),
-            (
-                "crates/ops-cuda/examples/pinned_loading.rs",
-                Some(Scope::Harness),
-            ),
-            ("benches/allocator.rs", Some(Scope::Harness)),
-            ("examples/device/mod.rs", Some(Scope::Harness)),
-            (
-                "crates/bench/src/bench_memory/tests.rs",
-                Some(Scope::Harness),
-            ),
-            (
-                "crates/bench/src/find_max_batch/tests.rs",
-                Some(Scope::Harness),
-            ),
-            ("crates/bench/src/find_max_batch.rs", Some(Scope::Tool)),
-            ("xtask/src/measurements.rs", Some(Scope::Tool)),
-            ("xtask/src/tables/tests.rs", Some(Scope::Harness)),
-            ("xtask/src/tidy/gpu_skips.rs", None),
-            ("crates/testkit/src/gpu.rs", None),
-            ("crates/caching-allocator/src/allocator/malloc.rs", None),
-            ("src/lib.rs", None),
+        let harness = [
+            "crates/caching-allocator/tests/cuda_storage.rs",
+            "crates/caching-allocator/benches/cuda_alloc.rs",
+            "crates/ops-cuda/examples/pinned_loading.rs",
+            "benches/allocator.rs",
+            "examples/device/mod.rs",
+            "crates/bench/src/bench_memory/tests.rs",
+            "crates/bench/src/find_max_batch/tests.rs",
+            "xtask/src/tables/tests.rs",
         ];
-        for (path, expected) in cases {
-            assert_eq!(scope(Path::new(path)), expected, "{path}");
+        let tools = [
+            "crates/bench/src/find_max_batch.rs",
+            "xtask/src/measurements.rs",
+        ];
+        let neither = [
+            "xtask/src/tidy/gpu_skips.rs",
+            "crates/testkit/src/gpu.rs",
+            "crates/caching-allocator/src/allocator/malloc.rs",
+            "src/lib.rs",
+        ];
+        for (paths, expected) in [
+            (&harness[..], Some(Scope::Harness)),
+            (&tools, Some(Scope::Tool)),
+            (&neither, None),
+        ] {
+            for path in paths {
+                assert_eq!(scope(Path::new(path)), expected, "{path}");
+            }
         }
     }
 }

@@ -115,6 +115,34 @@ pub enum Reduction {
     Sum,
 }
 
+/// What a fused primitive writes and reads, as [`check_operands`](crate::check_operands) and
+/// [`claim_operands`](crate::claim_operands) take them: one list per argument struct, so every
+/// backend checks the same views (optional ones included when present).
+#[derive(Debug, Clone, Default)]
+pub struct Operands<'a> {
+    /// The outputs (written, possibly also read).
+    pub writes: SmallVec<[View<'a>; 4]>,
+    /// The inputs (only read).
+    pub reads: SmallVec<[View<'a>; 8]>,
+}
+
+impl<'a> Operands<'a> {
+    /// The operands of one primitive: the views it `writes` and those it `reads`, each given as
+    /// a view or as an optional one (an absent optional operand is left out).
+    pub fn new<W, R>(writes: W, reads: R) -> Self
+    where
+        W: IntoIterator,
+        W::Item: Into<Option<View<'a>>>,
+        R: IntoIterator,
+        R::Item: Into<Option<View<'a>>>,
+    {
+        Operands {
+            writes: writes.into_iter().filter_map(Into::into).collect(),
+            reads: reads.into_iter().filter_map(Into::into).collect(),
+        }
+    }
+}
+
 /// Inputs of the fused layer-norm forward; `x` is dense `[rows, n]` (normalised over `n`).
 #[derive(Debug, Clone, Copy)]
 pub struct LayerNormForward<'a> {
@@ -132,6 +160,16 @@ pub struct LayerNormForward<'a> {
     pub mean: View<'a>,
     /// Per-row `1/sqrt(var + eps)`, `[rows]`, saved for backward.
     pub rstd: View<'a>,
+}
+
+impl<'a> LayerNormForward<'a> {
+    /// `out`, `mean` and `rstd` written; `x`, `weight` and `bias` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands::new(
+            [self.out, self.mean, self.rstd],
+            [Some(self.x), self.weight, self.bias],
+        )
+    }
 }
 
 /// Inputs and outputs of [`Backend::reduce_with_index`](super::Backend::reduce_with_index): max
@@ -183,6 +221,18 @@ pub struct LayerNormBackward<'a> {
     pub dweight: Option<View<'a>>,
     /// Shift gradient, if wanted.
     pub dbias: Option<View<'a>>,
+}
+
+impl<'a> LayerNormBackward<'a> {
+    /// The wanted gradients written; `dy`, `x`, `mean`, `rstd` and `weight` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands::new(
+            [self.dx, self.dweight, self.dbias],
+            [self.dy, self.x, self.mean, self.rstd]
+                .into_iter()
+                .chain(self.weight),
+        )
+    }
 }
 
 /// Which elements [`Backend::dropout`](super::Backend::dropout) keeps: element `i` (in row-major
@@ -244,6 +294,17 @@ pub struct AttentionForward<'a> {
     pub lse: View<'a>,
 }
 
+impl<'a> AttentionForward<'a> {
+    /// `out` and `lse` written; `q`, `k`, `v` (and `cu_seqlens`) read.
+    pub fn operands(&self) -> Operands<'a> {
+        let cu_seqlens = self.packed.map(|packed| packed.cu_seqlens);
+        Operands::new(
+            [self.out, self.lse],
+            [self.q, self.k, self.v].into_iter().chain(cu_seqlens),
+        )
+    }
+}
+
 /// The sequence boundaries of a packed attention batch (FlashAttention's varlen convention):
 /// sequence `n` holds tokens `cu_seqlens[n]..cu_seqlens[n + 1]`, from 0 to the token count,
 /// never decreasing (an empty sequence is allowed). Query `i` sees key `j` only when both lie in
@@ -277,6 +338,21 @@ pub struct AttentionBackward<'a> {
     pub dv: View<'a>,
 }
 
+impl<'a> AttentionBackward<'a> {
+    /// `dq`, `dk` and `dv` written; the forward's operands, output and log-sum-exp and `dout`
+    /// read.
+    pub fn operands(&self) -> Operands<'a> {
+        let f = &self.forward;
+        let cu_seqlens = f.packed.map(|packed| packed.cu_seqlens);
+        Operands::new(
+            [self.dq, self.dk, self.dv],
+            [f.q, f.k, f.v, f.out, f.lse, self.dout]
+                .into_iter()
+                .chain(cu_seqlens),
+        )
+    }
+}
+
 /// What [`Backend::linear`](super::Backend::linear) applies after adding the bias.
 #[derive(Debug, Clone, Copy)]
 pub enum LinearEpilogue<'a> {
@@ -308,6 +384,20 @@ pub struct LinearForward<'a> {
     pub out: View<'a>,
 }
 
+impl<'a> LinearForward<'a> {
+    /// `out` (and a GELU's `pre_activation`) written; `input`, `weight` and `bias` read.
+    pub fn operands(&self) -> Operands<'a> {
+        let pre_activation = match self.epilogue {
+            LinearEpilogue::None => None,
+            LinearEpilogue::Gelu { pre_activation } => Some(pre_activation),
+        };
+        Operands::new(
+            [Some(self.out), pre_activation],
+            [Some(self.input), Some(self.weight), self.bias],
+        )
+    }
+}
+
 /// Inputs and outputs of [`Backend::linear_weight_grad`](super::Backend::linear_weight_grad):
 /// `grad_weight = grad_outᵀ input` and `grad_bias` the column sums of `grad_out`, both written
 /// (not accumulated).
@@ -323,110 +413,13 @@ pub struct LinearWeightGrad<'a> {
     pub grad_bias: Option<View<'a>>,
 }
 
-/// What a fused primitive writes and reads, as [`check_operands`](crate::check_operands) and
-/// [`claim_operands`](crate::claim_operands) take them: one list per argument struct, so every
-/// backend checks the same views (optional ones included when present).
-#[derive(Debug, Clone, Default)]
-pub struct Operands<'a> {
-    /// The outputs (written, possibly also read).
-    pub writes: SmallVec<[View<'a>; 4]>,
-    /// The inputs (only read).
-    pub reads: SmallVec<[View<'a>; 8]>,
-}
-
-impl<'a> LayerNormForward<'a> {
-    /// `out`, `mean` and `rstd` written; `x`, `weight` and `bias` read.
-    pub fn operands(&self) -> Operands<'a> {
-        Operands {
-            writes: [self.out, self.mean, self.rstd].into_iter().collect(),
-            reads: [Some(self.x), self.weight, self.bias]
-                .into_iter()
-                .flatten()
-                .collect(),
-        }
-    }
-}
-
-impl<'a> LayerNormBackward<'a> {
-    /// The wanted gradients written; `dy`, `x`, `mean`, `rstd` and `weight` read.
-    pub fn operands(&self) -> Operands<'a> {
-        Operands {
-            writes: [self.dx, self.dweight, self.dbias]
-                .into_iter()
-                .flatten()
-                .collect(),
-            reads: [
-                Some(self.dy),
-                Some(self.x),
-                Some(self.mean),
-                Some(self.rstd),
-            ]
-            .into_iter()
-            .chain([self.weight])
-            .flatten()
-            .collect(),
-        }
-    }
-}
-
-impl<'a> AttentionForward<'a> {
-    /// `out` and `lse` written; `q`, `k`, `v` (and `cu_seqlens`) read.
-    pub fn operands(&self) -> Operands<'a> {
-        Operands {
-            writes: [self.out, self.lse].into_iter().collect(),
-            reads: [self.q, self.k, self.v]
-                .into_iter()
-                .chain(self.packed.map(|packed| packed.cu_seqlens))
-                .collect(),
-        }
-    }
-}
-
-impl<'a> AttentionBackward<'a> {
-    /// `dq`, `dk` and `dv` written; the forward's operands, output and log-sum-exp and `dout`
-    /// read.
-    pub fn operands(&self) -> Operands<'a> {
-        let f = &self.forward;
-        Operands {
-            writes: [self.dq, self.dk, self.dv].into_iter().collect(),
-            reads: [f.q, f.k, f.v, f.out, f.lse, self.dout]
-                .into_iter()
-                .chain(f.packed.map(|packed| packed.cu_seqlens))
-                .collect(),
-        }
-    }
-}
-
-impl<'a> LinearForward<'a> {
-    /// `out` (and a GELU's `pre_activation`) written; `input`, `weight` and `bias` read.
-    pub fn operands(&self) -> Operands<'a> {
-        let pre_activation = match self.epilogue {
-            LinearEpilogue::None => None,
-            LinearEpilogue::Gelu { pre_activation } => Some(pre_activation),
-        };
-        Operands {
-            writes: [Some(self.out), pre_activation]
-                .into_iter()
-                .flatten()
-                .collect(),
-            reads: [Some(self.input), Some(self.weight), self.bias]
-                .into_iter()
-                .flatten()
-                .collect(),
-        }
-    }
-}
-
 impl<'a> LinearWeightGrad<'a> {
     /// `grad_weight` (and `grad_bias`) written; `grad_out` and `input` read.
     pub fn operands(&self) -> Operands<'a> {
-        Operands {
-            writes: [Some(self.grad_weight), self.grad_bias]
-                .into_iter()
-                .flatten()
-                .collect(),
-            reads: [self.grad_out, self.input].into_iter().collect(),
-        }
+        Operands::new(
+            [Some(self.grad_weight), self.grad_bias],
+            [self.grad_out, self.input],
+        )
     }
 }
 
@@ -449,6 +442,13 @@ pub struct RmsNormForward<'a> {
     pub rstd: View<'a>,
 }
 
+impl<'a> RmsNormForward<'a> {
+    /// `out` and `rstd` written; `x` and `weight` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands::new([self.out, self.rstd], [self.x, self.weight])
+    }
+}
+
 /// Inputs and outputs of the fused RMSNorm backward: one pass over `x` and `dy`, the normalised
 /// value recomputed from `x` and `rstd`.
 #[derive(Debug, Clone, Copy)]
@@ -465,6 +465,16 @@ pub struct RmsNormBackward<'a> {
     pub dx: Option<View<'a>>,
     /// Scale gradient (the column sums of `dy · round(x · rstd)`), dense `[n]`, if wanted.
     pub dweight: Option<View<'a>>,
+}
+
+impl<'a> RmsNormBackward<'a> {
+    /// The wanted gradients written; `dy`, `x`, `rstd` and `weight` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands::new(
+            [self.dx, self.dweight],
+            [self.dy, self.x, self.rstd, self.weight],
+        )
+    }
 }
 
 /// The two halves of a SwiGLU: `gate` and `up` (or their gradients), `[rows, n]` views with a
@@ -488,6 +498,13 @@ pub struct SwiGluForward<'a> {
     pub out: View<'a>,
 }
 
+impl<'a> SwiGluForward<'a> {
+    /// `out` written; `gate` and `up` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands::new([self.out], [self.inputs.gate, self.inputs.up])
+    }
+}
+
 /// Inputs and outputs of the fused SwiGLU backward: `silu(gate)` and its derivative are
 /// recomputed from `gate`, so the forward saves only its two inputs.
 /// `dgate = dout · up · silu'(gate)`, `dup = dout · silu(gate)`; `dout` and the gradients dense
@@ -500,6 +517,16 @@ pub struct SwiGluBackward<'a> {
     pub dout: View<'a>,
     /// Their gradients (written).
     pub grads: GateUp<'a>,
+}
+
+impl<'a> SwiGluBackward<'a> {
+    /// `dgate` and `dup` written; `gate`, `up` and `dout` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands::new(
+            [self.grads.gate, self.grads.up],
+            [self.inputs.gate, self.inputs.up, self.dout],
+        )
+    }
 }
 
 /// Inputs and outputs of the fused rotary embedding (Hugging Face's `apply_rotary_pos_emb`,
@@ -526,56 +553,9 @@ pub struct RotaryArgs<'a> {
     pub out: View<'a>,
 }
 
-impl<'a> RmsNormForward<'a> {
-    /// `out` and `rstd` written; `x` and `weight` read.
-    pub fn operands(&self) -> Operands<'a> {
-        Operands {
-            writes: [self.out, self.rstd].into_iter().collect(),
-            reads: [self.x, self.weight].into_iter().collect(),
-        }
-    }
-}
-
-impl<'a> RmsNormBackward<'a> {
-    /// The wanted gradients written; `dy`, `x`, `rstd` and `weight` read.
-    pub fn operands(&self) -> Operands<'a> {
-        Operands {
-            writes: [self.dx, self.dweight].into_iter().flatten().collect(),
-            reads: [self.dy, self.x, self.rstd, self.weight]
-                .into_iter()
-                .collect(),
-        }
-    }
-}
-
-impl<'a> SwiGluForward<'a> {
-    /// `out` written; `gate` and `up` read.
-    pub fn operands(&self) -> Operands<'a> {
-        Operands {
-            writes: [self.out].into_iter().collect(),
-            reads: [self.inputs.gate, self.inputs.up].into_iter().collect(),
-        }
-    }
-}
-
-impl<'a> SwiGluBackward<'a> {
-    /// `dgate` and `dup` written; `gate`, `up` and `dout` read.
-    pub fn operands(&self) -> Operands<'a> {
-        Operands {
-            writes: [self.grads.gate, self.grads.up].into_iter().collect(),
-            reads: [self.inputs.gate, self.inputs.up, self.dout]
-                .into_iter()
-                .collect(),
-        }
-    }
-}
-
 impl<'a> RotaryArgs<'a> {
     /// `out` written; `x`, `cos` and `sin` read.
     pub fn operands(&self) -> Operands<'a> {
-        Operands {
-            writes: [self.out].into_iter().collect(),
-            reads: [self.x, self.cos, self.sin].into_iter().collect(),
-        }
+        Operands::new([self.out], [self.x, self.cos, self.sin])
     }
 }

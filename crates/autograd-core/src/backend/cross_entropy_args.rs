@@ -35,6 +35,16 @@ pub struct CrossEntropyForward<'a> {
     pub lse: View<'a>,
 }
 
+impl<'a> CrossEntropyForward<'a> {
+    /// `loss` and `lse` written; the logits and targets read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands::new(
+            [self.loss, self.lse],
+            [self.input.logits, self.input.target],
+        )
+    }
+}
+
 /// Inputs and outputs of [`Backend::cross_entropy_backward`](super::Backend::cross_entropy_backward).
 #[derive(Debug, Clone, Copy)]
 pub struct CrossEntropyBackward<'a> {
@@ -46,6 +56,16 @@ pub struct CrossEntropyBackward<'a> {
     pub dloss: View<'a>,
     /// The logits' gradient, dense like them (written).
     pub dlogits: View<'a>,
+}
+
+impl<'a> CrossEntropyBackward<'a> {
+    /// `dlogits` written; the logits, targets, `lse` and `dloss` read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands::new(
+            [self.dlogits],
+            [self.input.logits, self.input.target, self.lse, self.dloss],
+        )
+    }
 }
 
 /// A tile of logits: rows × a range of classes, with each row's target.
@@ -85,6 +105,21 @@ pub struct CrossEntropyTile<'a> {
     pub logit_sum: Option<View<'a>>,
 }
 
+impl<'a> CrossEntropyTile<'a> {
+    /// The running statistics written; the logits and targets read.
+    pub fn operands(&self) -> Operands<'a> {
+        Operands::new(
+            [
+                Some(self.row_max),
+                Some(self.row_sum),
+                Some(self.target_logit),
+                self.logit_sum,
+            ],
+            [self.tile.logits, self.tile.target],
+        )
+    }
+}
+
 /// One tile of a chunked cross-entropy's backward: the tile's logits overwritten, in place, by
 /// their gradient.
 ///
@@ -110,55 +145,13 @@ pub struct CrossEntropyTileBackward<'a> {
     pub factor: View<'a>,
 }
 
-impl<'a> CrossEntropyForward<'a> {
-    /// `loss` and `lse` written; the logits and targets read.
-    pub fn operands(&self) -> Operands<'a> {
-        Operands {
-            writes: [self.loss, self.lse].into_iter().collect(),
-            reads: [self.input.logits, self.input.target].into_iter().collect(),
-        }
-    }
-}
-
-impl<'a> CrossEntropyBackward<'a> {
-    /// `dlogits` written; the logits, targets, `lse` and `dloss` read.
-    pub fn operands(&self) -> Operands<'a> {
-        Operands {
-            writes: [self.dlogits].into_iter().collect(),
-            reads: [self.input.logits, self.input.target, self.lse, self.dloss]
-                .into_iter()
-                .collect(),
-        }
-    }
-}
-
-impl<'a> CrossEntropyTile<'a> {
-    /// The running statistics written; the logits and targets read.
-    pub fn operands(&self) -> Operands<'a> {
-        Operands {
-            writes: [
-                Some(self.row_max),
-                Some(self.row_sum),
-                Some(self.target_logit),
-                self.logit_sum,
-            ]
-            .into_iter()
-            .flatten()
-            .collect(),
-            reads: [self.tile.logits, self.tile.target].into_iter().collect(),
-        }
-    }
-}
-
 impl<'a> CrossEntropyTileBackward<'a> {
     /// The logits written (in place); targets and per-row vectors read.
     pub fn operands(&self) -> Operands<'a> {
-        Operands {
-            writes: [self.tile.logits].into_iter().collect(),
-            reads: [self.tile.target, self.lse, self.scale, self.factor]
-                .into_iter()
-                .collect(),
-        }
+        Operands::new(
+            [self.tile.logits],
+            [self.tile.target, self.lse, self.scale, self.factor],
+        )
     }
 }
 

@@ -17,14 +17,8 @@ use crate::error::{Result, TensorError};
 /// `weight` with one inner size, `bias` `[out]`, `out` (and a GELU's `pre_activation`) dense
 /// `[rows, out]`, all of one dtype. Returns `(rows, in, out)`.
 pub fn linear_dims(args: &LinearForward<'_>) -> Result<(usize, usize, usize)> {
-    let (&[rows, in_features], &[out_features, weight_in]) =
-        (args.input.layout.shape(), args.weight.layout.shape())
-    else {
-        return Err(linear_mismatch(&args.input, &args.weight));
-    };
-    if weight_in != in_features {
-        return Err(linear_mismatch(&args.input, &args.weight));
-    }
+    let ([rows, in_features], [out_features, _]) =
+        matrices_sharing_a_size(&args.input, &args.weight, (1, 1))?;
     if let Some(bias) = &args.bias {
         if bias.layout.shape() != [out_features] {
             return Err(linear_mismatch(&args.weight, bias));
@@ -42,14 +36,8 @@ pub fn linear_dims(args: &LinearForward<'_>) -> Result<(usize, usize, usize)> {
 /// The shape and dtype rule of [`Backend::linear_weight_grad`], shared by every backend.
 /// Returns `(rows, in, out)`.
 pub fn linear_weight_grad_dims(args: &LinearWeightGrad<'_>) -> Result<(usize, usize, usize)> {
-    let (&[rows, out_features], &[input_rows, in_features]) =
-        (args.grad_out.layout.shape(), args.input.layout.shape())
-    else {
-        return Err(linear_mismatch(&args.grad_out, &args.input));
-    };
-    if input_rows != rows {
-        return Err(linear_mismatch(&args.grad_out, &args.input));
-    }
+    let ([rows, out_features], [_, in_features]) =
+        matrices_sharing_a_size(&args.grad_out, &args.input, (0, 0))?;
     let mut outputs = vec![(args.grad_weight, vec![out_features, in_features])];
     outputs.extend(args.grad_bias.map(|bias| (bias, vec![out_features])));
     check_linear_operands("linear_weight_grad", [args.grad_out, args.input], &outputs)?;
@@ -91,6 +79,21 @@ fn check_linear_operands<'a>(
         }
     }
     Ok(())
+}
+
+/// The shapes of `lhs` and `rhs` when both are 2-D and `lhs`'s dim `shared.0` has the size of
+/// `rhs`'s dim `shared.1` (the product's inner size), else a shape mismatch naming both.
+fn matrices_sharing_a_size(
+    lhs: &View<'_>,
+    rhs: &View<'_>,
+    shared: (usize, usize),
+) -> Result<([usize; 2], [usize; 2])> {
+    match (lhs.layout.shape(), rhs.layout.shape()) {
+        (&[l0, l1], &[r0, r1]) if [l0, l1][shared.0] == [r0, r1][shared.1] => {
+            Ok(([l0, l1], [r0, r1]))
+        }
+        _ => Err(linear_mismatch(lhs, rhs)),
+    }
 }
 
 fn linear_mismatch(lhs: &View<'_>, rhs: &View<'_>) -> TensorError {

@@ -12,6 +12,7 @@ use super::cases::Case;
 use super::execute;
 use super::models::{Arch, Model};
 use super::tests::{args, parse};
+use crate::cli_tests::assert_rejected;
 
 /// The command line of one measured step of `cases` on the tiny Llama on the CPU (batch 2 × 16
 /// tokens, one warm-up), its JSON written to `json`.
@@ -140,27 +141,27 @@ fn llama_names_and_sequence_lengths_are_checked() {
         .model
         .unwrap();
     assert!(matches!(eight_b.arch, Arch::Language { seq: 4096, .. }));
-    for (bad, message) in [
-        (
-            &["--model", "llama-tiny", "--seq", "65"][..],
-            "--seq 65: llama-tiny takes 2 to 64 tokens a row",
-        ),
-        (
-            &["--model", "llama-3.2-1b", "--seq", "1"],
-            "--seq 1: llama-3.2-1b takes 2 to 131072 tokens a row",
-        ),
-        (
-            &["--model", "llama-2-7b"],
-            "invalid value 'llama-2-7b' for '--model <MODEL>'",
-        ),
-        (
-            &["--model", "vit_tiny", "--unfused-loss"],
-            "--unfused-loss is for language models",
-        ),
-    ] {
-        let err = parse(&args(bad)).unwrap_err();
-        assert!(format!("{err:#}").contains(message), "{bad:?}: {err:#}");
-    }
+    assert_rejected(
+        parse,
+        &[
+            (
+                &["--model", "llama-tiny", "--seq", "65"][..],
+                "--seq 65: llama-tiny takes 2 to 64 tokens a row",
+            ),
+            (
+                &["--model", "llama-3.2-1b", "--seq", "1"],
+                "--seq 1: llama-3.2-1b takes 2 to 131072 tokens a row",
+            ),
+            (
+                &["--model", "llama-2-7b"],
+                "invalid value 'llama-2-7b' for '--model <MODEL>'",
+            ),
+            (
+                &["--model", "vit_tiny", "--unfused-loss"],
+                "--unfused-loss is for language models",
+            ),
+        ],
+    );
 }
 
 /// The logits line on the tiny Llama (batch 2 × 16 tokens: 32 rows of 128 classes), f32 and

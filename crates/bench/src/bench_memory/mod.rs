@@ -76,7 +76,7 @@ pub(crate) fn run(args: Args, command: String) -> Result<()> {
 /// files; returns what was measured.
 fn execute(options: &Options) -> Result<Vec<CaseResult>> {
     let anchors = match &options.pytorch {
-        Some(path) => report::read_anchors(path)?,
+        Some(path) => crate::read_parsed(path, report::parse_anchors)?,
         None => Anchors::new(),
     };
     let started = Instant::now();

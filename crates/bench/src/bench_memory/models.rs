@@ -81,8 +81,8 @@ impl LanguageConfig {
     /// (the measurements), the whole 64-token context of the tiny ones.
     fn default_seq(&self) -> usize {
         match self {
-            LanguageConfig::Gpt2(config) => config.n_positions,
-            LanguageConfig::Llama(config) => config.max_position_embeddings.min(2048),
+            LanguageConfig::Gpt2(_) => self.max_seq(),
+            LanguageConfig::Llama(_) => self.max_seq().min(2048),
         }
     }
 }

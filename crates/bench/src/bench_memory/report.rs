@@ -5,9 +5,8 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde_json::{json, Value};
 
 use super::cases::Case;
@@ -29,23 +28,13 @@ pub(crate) type Anchors = HashMap<(String, String, usize), Anchor>;
 /// ViT-L/16).
 const ANCHOR_DEFAULT_MODEL: &str = "vit_l_16";
 
-/// Reads an `anchor.jsonl` (or the lines of `torch_reference.py case NAME BATCH` runs); lines
-/// that are not JSON objects (warnings) or lack peak figures (the `env` line, errors, other
-/// phases) are skipped.
-pub(crate) fn read_anchors(path: &Path) -> Result<Anchors> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    parse_anchors(&text).with_context(|| format!("parsing {}", path.display()))
-}
-
+/// PyTorch's anchors in an `anchor.jsonl` (or the lines of `torch_reference.py case NAME BATCH`
+/// runs); lines that are not JSON objects (warnings) or lack peak figures (the `env` line,
+/// errors, other phases) are skipped.
 pub(crate) fn parse_anchors(text: &str) -> Result<Anchors> {
     let mut anchors = HashMap::new();
-    for (n, line) in text.lines().enumerate() {
-        if !line.trim_start().starts_with('{') {
-            continue;
-        }
-        let row: Value =
-            serde_json::from_str(line).with_context(|| format!("line {} is not JSON", n + 1))?;
+    for row in crate::json_object_lines(text) {
+        let row = row?;
         let bytes = |key: &str| row[key].as_f64().map(|v| v as u64);
         let (Some(case), Some(batch), Some(peak), Some(reserved), Some(ms)) = (
             row["case"].as_str(),

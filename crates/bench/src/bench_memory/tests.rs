@@ -4,15 +4,16 @@
 
 use std::sync::Arc;
 
-use headroom_autograd_core::{DType, Generator};
-use headroom_nn::{Module, VisionTransformer, VitConfig};
+use headroom_autograd_core::DType;
 use headroom_ops_cpu::CpuBackend;
 use serde_json::Value;
 
 use super::cases::Case;
 use super::command_line::{Options, CPU_DEFAULTS, CUDA_DEFAULTS};
-use super::models::Model;
+use super::models::{Model, Net};
 use super::{execute, report, DeviceChoice};
+pub(super) use crate::cli_tests::args;
+use crate::cli_tests::assert_rejected;
 use crate::Command;
 
 /// `VitConfig::tiny()`'s parameters: class token 64, patch embedding 64·3·8·8 + 64, position
@@ -28,10 +29,6 @@ fn adam8bit_state_bytes(n: u64) -> u64 {
     } else {
         2 * 4 * n
     }
-}
-
-pub(super) fn args(list: &[&str]) -> Vec<String> {
-    list.iter().map(|s| s.to_string()).collect()
 }
 
 /// `bench-memory` on the CPU's tiny ViT at `batch`, one warm-up and one timed step of `cases`,
@@ -77,12 +74,10 @@ fn bench_memory_on_the_tiny_vit_reports_exact_parameter_gradient_and_state_bytes
     assert_eq!(results.len(), 2);
 
     // The state bytes worked out from the model's shapes, and by hand.
-    let cpu = CpuBackend::new_ref();
-    let model = VisionTransformer::new(
-        &cpu,
-        VitConfig::tiny(),
+    let model = Net::new(
+        &CpuBackend::new_ref(),
+        Model::named("vit_tiny").unwrap(),
         DType::F32,
-        &Arc::new(Generator::new(0)),
     )
     .unwrap();
     let sizes: Vec<u64> = model
@@ -196,39 +191,39 @@ fn the_command_line_is_checked() {
         .unwrap()
         .budgets;
     assert_eq!(budgets, [6_000_000_000, 9_000_000_000]);
-    for (bad, message) in [
-        (
-            &["--cases", "adam,sgd"][..],
-            "invalid value 'adam' for '--cases <CASE>'",
-        ),
-        (&["--steps", "0"], "must be at least 1"),
-        // 2^44 MiB used to wrap to a bucket of 0 bytes.
-        (
-            &["--bucket-mib", "17592186044416"],
-            "--bucket-mib 17592186044416: too large to count in bytes",
-        ),
-        (&["--batch", "x"], "not a whole number"),
-        (&["--batch", "1,0"], "invalid value '0' for '--batch <N>'"),
-        (&["--device", "tpu"], "[possible values: auto, cpu, cuda]"),
-        (
-            &["--model", "resnet"],
-            "invalid value 'resnet' for '--model <MODEL>'",
-        ),
-        (&["--json"], "a value is required for '--json <FILE>'"),
-        (
-            &["--budget", "6GB"],
-            "invalid value '6GB' for '--budget <BYTES>'",
-        ),
-        (&["--frobnicate"], "unexpected argument '--frobnicate'"),
-        (&["--all-cases", "--cases", "sgd"], "cannot be used with"),
-        (
-            &["--model", "vit_mini", "--seq", "64"],
-            "--seq is for language models",
-        ),
-    ] {
-        let err = parse(&args(bad)).unwrap_err();
-        assert!(format!("{err:#}").contains(message), "{bad:?}: {err:#}");
-    }
+    assert_rejected(
+        parse,
+        &[
+            (
+                &["--cases", "adam,sgd"][..],
+                "invalid value 'adam' for '--cases <CASE>'",
+            ),
+            (&["--steps", "0"], "must be at least 1"),
+            // 2^44 MiB used to wrap to a bucket of 0 bytes.
+            (
+                &["--bucket-mib", "17592186044416"],
+                "--bucket-mib 17592186044416: too large to count in bytes",
+            ),
+            (&["--batch", "x"], "not a whole number"),
+            (&["--batch", "1,0"], "invalid value '0' for '--batch <N>'"),
+            (&["--device", "tpu"], "[possible values: auto, cpu, cuda]"),
+            (
+                &["--model", "resnet"],
+                "invalid value 'resnet' for '--model <MODEL>'",
+            ),
+            (&["--json"], "a value is required for '--json <FILE>'"),
+            (
+                &["--budget", "6GB"],
+                "invalid value '6GB' for '--budget <BYTES>'",
+            ),
+            (&["--frobnicate"], "unexpected argument '--frobnicate'"),
+            (&["--all-cases", "--cases", "sgd"], "cannot be used with"),
+            (
+                &["--model", "vit_mini", "--seq", "64"],
+                "--seq is for language models",
+            ),
+        ],
+    );
 }
 
 /// Every list takes commas, repeated flags, or both, in the order given.

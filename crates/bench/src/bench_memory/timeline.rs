@@ -261,21 +261,27 @@ mod tests {
         }
     }
 
-    /// `events` (action, address, bytes) labelled with `phase`.
-    fn in_phase(phase: &str, events: &[(TraceAction, u64, u64)]) -> Vec<TraceEntry> {
-        let in_phase =
-            |&(action, addr, size): &(TraceAction, u64, u64)| entry(action, addr, size, phase);
+    /// An allocator event as the tests write it: (action, address, bytes).
+    type Event = (TraceAction, u64, u64);
+
+    /// `events` labelled with `phase`.
+    fn in_phase(phase: &str, events: &[Event]) -> Vec<TraceEntry> {
+        let in_phase = |&(action, addr, size): &Event| entry(action, addr, size, phase);
         events.iter().map(in_phase).collect()
     }
 
-    /// Both tests' start: forward saves 50 and 30 bytes, backward makes a 7-byte temporary and
-    /// a 100-byte gradient.
-    fn saves_and_a_gradient() -> Vec<TraceEntry> {
-        [
-            in_phase("forward", &[(Alloc, 0x1000, 50), (Alloc, 0x2000, 30)]),
-            in_phase("backward", &[(Alloc, 0x3000, 7), (Alloc, 0x4000, 100)]),
-        ]
-        .concat()
+    /// Both tests' start, then `then` (phase, its events): forward saves 50 and 30 bytes,
+    /// backward makes a 7-byte temporary and a 100-byte gradient.
+    fn saves_and_a_gradient_then(then: &[(&str, &[Event])]) -> Vec<TraceEntry> {
+        let start = [
+            ("forward", &[(Alloc, 0x1000, 50), (Alloc, 0x2000, 30)][..]),
+            ("backward", &[(Alloc, 0x3000, 7), (Alloc, 0x4000, 100)]),
+        ];
+        start
+            .iter()
+            .chain(then)
+            .flat_map(|&(phase, events)| in_phase(phase, events))
+            .collect()
     }
 
     #[test]
@@ -283,21 +289,19 @@ mod tests {
         // Baseline: 100 parameters + 200 state + 10 input. Forward saves 50 and 30; backward
         // makes a 7-byte temporary and a 100-byte gradient, frees the 30 and the temporary;
         // the step allocates a 40-byte temporary (the peak: 310 + 50 + 100 + 40 = 500).
-        let entries = [
-            saves_and_a_gradient(),
-            in_phase(
+        let entries = saves_and_a_gradient_then(&[
+            (
                 "backward",
                 &[(FreeCompleted, 0x2000, 30), (FreeCompleted, 0x3000, 7)],
             ),
-            in_phase("backward", &[(FreeCompleted, 0x1000, 50)]),
-            in_phase("step", &[(Alloc, 0x5000, 40), (Alloc, 0x6000, 50)]),
-            in_phase(
+            ("backward", &[(FreeCompleted, 0x1000, 50)]),
+            ("step", &[(Alloc, 0x5000, 40), (Alloc, 0x6000, 50)]),
+            (
                 "step",
                 &[(FreeCompleted, 0x5000, 40), (FreeCompleted, 0x6000, 50)],
             ),
-            in_phase("zero_grad", &[(FreeCompleted, 0x4000, 100)]),
-        ]
-        .concat();
+            ("zero_grad", &[(FreeCompleted, 0x4000, 100)]),
+        ]);
         // Ten microseconds apart.
         let entries: Vec<TraceEntry> = entries
             .into_iter()
@@ -346,18 +350,16 @@ mod tests {
     fn a_backward_peak_separates_gradients_from_temporaries_and_activations() {
         // The peak falls in backward (after the 0x4000 allocation): 10 + 50 + 30 + 7 + 100.
         // 0x3000 is freed later in backward and reused by a gradient: it is a temporary.
-        let entries = [
-            saves_and_a_gradient(),
-            in_phase(
+        let entries = saves_and_a_gradient_then(&[
+            (
                 "backward",
                 &[(FreeCompleted, 0x3000, 7), (Alloc, 0x3000, 7)],
             ),
-            in_phase(
+            (
                 "backward",
                 &[(FreeCompleted, 0x2000, 30), (FreeCompleted, 0x1000, 50)],
             ),
-        ]
-        .concat();
+        ]);
         let grads = HashSet::from([0x3000, 0x4000]);
         let persistent = Persistent {
             parameters: 10,

@@ -16,10 +16,7 @@ use crate::bench_memory::cases::Case;
 use crate::bench_memory::measure::Protocol;
 use crate::bench_memory::models::{Arch, Input, LanguageConfig, Model};
 use crate::bench_memory::training::{Probe, Training};
-
-fn args(list: &[&str]) -> Vec<String> {
-    list.iter().map(|s| s.to_string()).collect()
-}
+use crate::cli_tests::{args, assert_rejected};
 
 /// `find-max-batch` with `list` after it, parsed as the binary parses it.
 fn parse(list: &[String]) -> anyhow::Result<Options> {
@@ -220,7 +217,7 @@ fn cpu_searches_under_a_cap_are_exact_and_leave_the_allocator_as_they_found_it()
         let name = format!("{} {}", model.name, case.name());
         assert!(found.max_batch >= 2, "{name}: {found:?}");
         assert!(found.ooms >= 1, "{name}");
-        assert!(found.peak_allocated_bytes <= cap, "{name}");
+        assert!(found.at_max.allocated <= cap, "{name}");
         assert_eq!(probe.allocator().memory_allocated(), 0, "{name}");
         assert!(fresh_step_fits(model, case, cap, found.max_batch), "{name}");
         assert!(
@@ -282,23 +279,23 @@ fn the_command_line_and_pytorchs_lines_are_read() {
             .cases,
         [Case::Sgd, Case::AdamFused, Case::FwdBwd]
     );
-    for (bad, message) in [
-        (
-            &["--cases", "adam_auto"][..],
-            "invalid value 'adam_auto' for '--cases <CASE>'",
-        ),
-        (&["--memory-cap-mb", "0"], "at least 1"),
-        // 2^44 + 1 MiB used to wrap to a 1 MiB cap.
-        (
-            &["--memory-cap-mb", "17592186044417"],
-            "--memory-cap-mb 17592186044417: too large to count in bytes",
-        ),
-        (&["--seq"], "a value is required for '--seq <N>'"),
-        (&["--batch", "3"], "unexpected argument '--batch'"),
-    ] {
-        let err = format!("{:#}", parse(&args(bad)).unwrap_err());
-        assert!(err.contains(message), "{bad:?}: {err}");
-    }
+    assert_rejected(
+        parse,
+        &[
+            (
+                &["--cases", "adam_auto"][..],
+                "invalid value 'adam_auto' for '--cases <CASE>'",
+            ),
+            (&["--memory-cap-mb", "0"], "at least 1"),
+            // 2^44 + 1 MiB used to wrap to a 1 MiB cap.
+            (
+                &["--memory-cap-mb", "17592186044417"],
+                "--memory-cap-mb 17592186044417: too large to count in bytes",
+            ),
+            (&["--seq"], "a value is required for '--seq <N>'"),
+            (&["--batch", "3"], "unexpected argument '--batch'"),
+        ],
+    );
     let text = r#"a warning
 {"case": "adam_fused", "model": "vit_l_16", "max_batch": 67, "peak_allocated_bytes": 24000000000, "ooms": 2, "seconds": 30.5}
 {"case": "env", "torch": "2.11.0"}
@@ -310,9 +307,11 @@ fn the_command_line_and_pytorchs_lines_are_read() {
         case: Case::AdamFused,
         model: "vit_l_16",
         max_batch: 71,
-        peak_allocated_bytes: 25_000_000_000,
-        peak_reserved_bytes: 25_500_000_000,
-        step_ms: 650.0,
+        at_max: Peaks {
+            allocated: 25_000_000_000,
+            reserved: 25_500_000_000,
+            step_ms: 650.0,
+        },
         ooms: 2,
         probes: Vec::new(),
         probe_seconds: Vec::new(),

@@ -241,38 +241,20 @@ impl Reader {
 
     /// A block; `default_address` is where it starts if the block does not say.
     fn block(&mut self, value: Value, default_address: Option<u64>) -> Conv<BlockSnapshot> {
-        let mut address = None;
-        let mut size = None;
-        let mut requested_size = None;
-        let mut state = None;
-        let mut frames = None;
-        for (name, value) in fields(value)? {
-            let at = |err: ConvError| err.within(&name);
-            match name.as_str() {
-                "address" => address = Some(unsigned(value).map_err(at)?),
-                "size" => size = Some(unsigned(value).map_err(at)?),
-                "requested_size" => requested_size = Some(unsigned(value).map_err(at)?),
-                "state" => {
-                    let text = string(value).map_err(at)?;
-                    let parsed = BlockState::from_name(&text).ok_or_else(|| {
-                        ConvError::new(format!("unknown block state `{text}`")).within("state")
-                    })?;
-                    state = Some(parsed);
-                }
-                "frames" => frames = Some(self.frames(value).map_err(at)?),
-                _ => {}
-            }
-        }
-        let size = size.ok_or_else(|| ConvError::new("missing key `size`"))?;
-        let address = address
+        let [address, size, requested_size, state, frames] = keyed(
+            value,
+            ["address", "size", "requested_size", "state", "frames"],
+        )?;
+        let size = required(size, "size", unsigned)?;
+        let address = optional(address, "address", unsigned)?
             .or(default_address)
             .ok_or_else(|| ConvError::new("missing key `address`"))?;
         Ok(BlockSnapshot {
             address,
             size,
-            requested_size: requested_size.unwrap_or(size),
-            state: state.ok_or_else(|| ConvError::new("missing key `state`"))?,
-            frames: match frames {
+            requested_size: optional(requested_size, "requested_size", unsigned)?.unwrap_or(size),
+            state: required(state, "state", block_state)?,
+            frames: match optional(frames, "frames", |frames| self.frames(frames))? {
                 Some(frames) => frames,
                 None => self.share(Vec::new()),
             },
@@ -348,34 +330,67 @@ impl Reader {
 }
 
 fn frame(value: Value) -> Conv<Frame> {
-    let mut filename = None;
-    let mut line = None;
-    let mut name = None;
-    for (field, value) in fields(value)? {
-        let at = |err: ConvError| err.within(&field);
-        match field.as_str() {
-            "filename" => filename = Some(string(value).map_err(at)?),
-            "line" => line = Some(int(value).map_err(at)?),
-            "name" => name = Some(string(value).map_err(at)?),
-            _ => {}
+    let [filename, line, name] = keyed(value, ["filename", "line", "name"])?;
+    Ok(Frame {
+        filename: required(filename, "filename", string)?,
+        line: required(line, "line", int)?,
+        name: required(name, "name", string)?,
+    })
+}
+
+/// The values of a dict's `keys` (the last of a key given twice), `None` where a key is missing;
+/// other keys are ignored.
+fn keyed<const N: usize>(value: Value, keys: [&str; N]) -> Conv<[Option<Value>; N]> {
+    let mut values = [const { None }; N];
+    for (name, value) in fields(value)? {
+        if let Some(idx) = keys.iter().position(|key| *key == name) {
+            values[idx] = Some(value);
         }
     }
-    Ok(Frame {
-        filename: filename.ok_or_else(|| ConvError::new("missing key `filename`"))?,
-        line: line.ok_or_else(|| ConvError::new("missing key `line`"))?,
-        name: name.ok_or_else(|| ConvError::new("missing key `name`"))?,
-    })
+    Ok(values)
+}
+
+/// The value of `key` converted, or `None` where it is missing.
+fn optional<T>(
+    value: Option<Value>,
+    key: &str,
+    convert: impl FnOnce(Value) -> Conv<T>,
+) -> Conv<Option<T>> {
+    value
+        .map(|value| convert(value).map_err(|err| err.within(key)))
+        .transpose()
+}
+
+/// The value of `key`, which must be there, converted.
+fn required<T>(value: Option<Value>, key: &str, convert: impl FnOnce(Value) -> Conv<T>) -> Conv<T> {
+    optional(value, key, convert)?.ok_or_else(|| ConvError::new(format!("missing key `{key}`")))
 }
 
 fn expected(what: &str, value: &Value) -> ConvError {
     ConvError::new(format!("expected {what}, found {}", value_kind(value)))
 }
 
-fn dict(value: Value) -> Conv<Vec<(Value, Value)>> {
-    match value {
-        Value::Dict(pairs) => Ok(pairs),
-        other => Err(expected("a dict", &other)),
-    }
+/// Converters that take the contents of the named [`Value`] variants and refuse any other value,
+/// saying what they expected.
+macro_rules! variant_converters {
+    ($($(#[$doc:meta])* $name:ident -> $ty:ty = $($variant:ident)|+, $what:literal;)*) => {$(
+        $(#[$doc])*
+        fn $name(value: Value) -> Conv<$ty> {
+            match value {
+                $(Value::$variant(inner))|+ => Ok(inner),
+                other => Err(expected($what, &other)),
+            }
+        }
+    )*};
+}
+
+variant_converters! {
+    dict -> Vec<(Value, Value)> = Dict, "a dict";
+    /// A list or a tuple.
+    list -> Vec<Value> = List | Tuple, "a list";
+    int -> i64 = Int, "an int";
+    boolean -> bool = Bool, "a bool";
+    string -> String = Str, "a str";
 }
 
 /// The string-keyed entries of a dict; entries with other keys are ignored like unknown keys.
@@ -388,39 +403,16 @@ fn fields(value: Value) -> Conv<impl Iterator<Item = (String, Value)>> {
         }))
 }
 
-/// A list or a tuple.
-fn list(value: Value) -> Conv<Vec<Value>> {
-    match value {
-        Value::List(items) | Value::Tuple(items) => Ok(items),
-        other => Err(expected("a list", &other)),
-    }
-}
-
-fn int(value: Value) -> Conv<i64> {
-    match value {
-        Value::Int(int) => Ok(int),
-        other => Err(expected("an int", &other)),
-    }
-}
-
 fn unsigned(value: Value) -> Conv<u64> {
     let int = int(value)?;
     u64::try_from(int)
         .map_err(|_| ConvError::new(format!("expected a non-negative int, found {int}")))
 }
 
-fn boolean(value: Value) -> Conv<bool> {
-    match value {
-        Value::Bool(flag) => Ok(flag),
-        other => Err(expected("a bool", &other)),
-    }
-}
-
-fn string(value: Value) -> Conv<String> {
-    match value {
-        Value::Str(text) => Ok(text),
-        other => Err(expected("a str", &other)),
-    }
+fn block_state(value: Value) -> Conv<BlockState> {
+    let text = string(value)?;
+    BlockState::from_name(&text)
+        .ok_or_else(|| ConvError::new(format!("unknown block state `{text}`")))
 }
 
 fn pool_kind(value: Value) -> Conv<PoolKind> {
@@ -456,14 +448,7 @@ mod tests {
     }
 
     fn frames(names: &[&str]) -> Frames {
-        names
-            .iter()
-            .map(|name| Frame {
-                filename: "headroom:context".into(),
-                line: 0,
-                name: (*name).into(),
-            })
-            .collect()
+        names.iter().copied().map(Frame::context).collect()
     }
 
     #[test]

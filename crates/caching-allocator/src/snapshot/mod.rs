@@ -60,6 +60,17 @@ pub struct Frame {
     pub name: String,
 }
 
+impl Frame {
+    /// The frame that records context label `label`.
+    pub fn context(label: impl Into<String>) -> Frame {
+        Frame {
+            filename: crate::history::CONTEXT_FILENAME.to_owned(),
+            line: 0,
+            name: label.into(),
+        }
+    }
+}
+
 /// A shared, immutable list of frames (innermost first).
 pub type Frames = Arc<[Frame]>;
 

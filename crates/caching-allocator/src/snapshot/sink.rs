@@ -126,6 +126,16 @@ pub(super) fn emit_snapshot<'v, S: Sink<'v>>(
     sink.end()
 }
 
+/// Writes `name` and the scalar `value`.
+fn emit_field<'v, S: Sink<'v> + ?Sized>(
+    name: &'static str,
+    value: Scalar<'v>,
+    sink: &mut S,
+) -> Result<(), AllocError> {
+    sink.scalar(Scalar::Str(name))?;
+    sink.scalar(value)
+}
+
 /// Writes `name` and the unsigned `value` as an int, refusing values of 2^63 or more.
 fn emit_uint<'v, S: Sink<'v> + ?Sized>(
     name: &'static str,
@@ -142,8 +152,7 @@ fn emit_uint<'v, S: Sink<'v> + ?Sized>(
             ),
         });
     };
-    sink.scalar(Scalar::Str(name))?;
-    sink.scalar(Scalar::Int(int))
+    emit_field(name, Scalar::Int(int), sink)
 }
 
 fn emit_segment<'v, S: Sink<'v>>(
@@ -153,23 +162,24 @@ fn emit_segment<'v, S: Sink<'v>>(
 ) -> Result<(), AllocError> {
     let at = || format!("segments[{segment_idx}]");
     sink.begin(Container::Dict, 12)?;
-    sink.scalar(Scalar::Str("device"))?;
-    sink.scalar(Scalar::Int(segment.device))?;
+    emit_field("device", Scalar::Int(segment.device), sink)?;
     emit_uint("address", segment.address, &at, sink)?;
     emit_uint("total_size", segment.total_size, &at, sink)?;
     emit_uint("allocated_size", segment.allocated_size, &at, sink)?;
     emit_uint("active_size", segment.active_size, &at, sink)?;
     emit_uint("requested_size", segment.requested_size, &at, sink)?;
     emit_uint("stream", segment.stream, &at, sink)?;
-    sink.scalar(Scalar::Str("segment_type"))?;
-    sink.scalar(Scalar::Str(segment.segment_type.name()))?;
+    emit_field(
+        "segment_type",
+        Scalar::Str(segment.segment_type.name()),
+        sink,
+    )?;
     sink.scalar(Scalar::Str("segment_pool_id"))?;
     sink.begin(Container::Tuple, 2)?;
     sink.scalar(Scalar::Int(segment.segment_pool_id.0))?;
     sink.scalar(Scalar::Int(segment.segment_pool_id.1))?;
     sink.end()?;
-    sink.scalar(Scalar::Str("is_expandable"))?;
-    sink.scalar(Scalar::Bool(segment.is_expandable))?;
+    emit_field("is_expandable", Scalar::Bool(segment.is_expandable), sink)?;
     sink.scalar(Scalar::Str("frames"))?;
     sink.frames(&segment.frames)?;
     sink.scalar(Scalar::Str("blocks"))?;
@@ -180,8 +190,7 @@ fn emit_segment<'v, S: Sink<'v>>(
         emit_uint("address", block.address, &at, sink)?;
         emit_uint("size", block.size, &at, sink)?;
         emit_uint("requested_size", block.requested_size, &at, sink)?;
-        sink.scalar(Scalar::Str("state"))?;
-        sink.scalar(Scalar::Str(block.state.name()))?;
+        emit_field("state", Scalar::Str(block.state.name()), sink)?;
         sink.scalar(Scalar::Str("frames"))?;
         sink.frames(&block.frames)?;
         sink.end()?;
@@ -201,13 +210,11 @@ fn emit_entry<'v, S: Sink<'v>>(
         "addr"
     };
     sink.begin(Container::Dict, 6)?;
-    sink.scalar(Scalar::Str("action"))?;
-    sink.scalar(Scalar::Str(entry.action.name()))?;
+    emit_field("action", Scalar::Str(entry.action.name()), sink)?;
     emit_uint(addr_key, entry.addr, at, sink)?;
     emit_uint("size", entry.size, at, sink)?;
     emit_uint("stream", entry.stream, at, sink)?;
-    sink.scalar(Scalar::Str("time_us"))?;
-    sink.scalar(Scalar::Int(entry.time_us))?;
+    emit_field("time_us", Scalar::Int(entry.time_us), sink)?;
     sink.scalar(Scalar::Str("frames"))?;
     sink.frames(&entry.frames)?;
     sink.end()
@@ -231,12 +238,9 @@ pub(super) fn emit_frame<'v, S: Sink<'v> + ?Sized>(
     sink: &mut S,
 ) -> Result<(), AllocError> {
     sink.begin(Container::Dict, 3)?;
-    sink.scalar(Scalar::Str("filename"))?;
-    sink.scalar(Scalar::Str(&frame.filename))?;
-    sink.scalar(Scalar::Str("line"))?;
-    sink.scalar(Scalar::Int(frame.line))?;
-    sink.scalar(Scalar::Str("name"))?;
-    sink.scalar(Scalar::Str(&frame.name))?;
+    emit_field("filename", Scalar::Str(&frame.filename), sink)?;
+    emit_field("line", Scalar::Int(frame.line), sink)?;
+    emit_field("name", Scalar::Str(&frame.name), sink)?;
     sink.end()
 }
 

@@ -172,10 +172,18 @@ fn compare(case: &Case, dtypes: &[DType], random: &mut Xorshift) {
     }
 }
 
+/// [`compare`] of each of `cases` in every float dtype, on inputs drawn from a generator seeded
+/// with `seed`.
+fn compare_each(seed: u64, cases: &[Case]) {
+    let mut random = Xorshift::from_state(seed);
+    for case in cases {
+        compare(case, &FLOATS, &mut random);
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn fused_attention_forward_and_backward_match_the_cpu() {
-    let mut random = Xorshift::from_state(0x5eed_a77e_0000_0001);
     // (batch, heads, (queries, keys), head_dim, causal): every threads-per-row variant of the f32
     // kernels and padded head dim of the f16/bf16 tensor-core kernels, a head dim that needs
     // predication (80), sequences that leave partial tiles (ViT's 197, 65, a single query), more
@@ -194,15 +202,12 @@ fn fused_attention_forward_and_backward_match_the_cpu() {
         dense(1, 2, (70, 130), 64, false),
         dense(1, 2, (19, 19), 12, true),
     ];
-    for case in &cases {
-        compare(case, &FLOATS, &mut random);
-    }
+    compare_each(0x5eed_a77e_0000_0001, &cases);
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn grouped_query_attention_matches_the_cpu() {
-    let mut random = Xorshift::from_state(0x5eed_a77e_0000_0002);
     // Groups of 4 and 2 (and 8 query heads on one key/value head) on every path: the
     // register-tiled f32/f64 kernels, the tensor-core f16/bf16 kernels (head dims 64 and 128,
     // partial tiles) and the cuBLAS path (head dim 12).
@@ -219,15 +224,12 @@ fn grouped_query_attention_matches_the_cpu() {
             ..dense(2, heads, rows, head_dim, causal)
         });
     }
-    for case in &cases {
-        compare(case, &FLOATS, &mut random);
-    }
+    compare_each(0x5eed_a77e_0000_0002, &cases);
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn packed_sequences_match_the_cpu() {
-    let mut random = Xorshift::from_state(0x5eed_a77e_0000_0003);
     // Boundaries inside tiles of every path (32-row register tiles, 64-row tensor-core tiles),
     // on tile edges, a one-token and an empty sequence, causal and not, with grouped heads.
     let cases = [
@@ -237,9 +239,7 @@ fn packed_sequences_match_the_cpu() {
         packed(3, 3, &[19, 40, 7], 12, true),
         packed(2, 1, &[5, 200, 31], 80, false),
     ];
-    for case in &cases {
-        compare(case, &FLOATS, &mut random);
-    }
+    compare_each(0x5eed_a77e_0000_0003, &cases);
 }
 
 #[test]

@@ -34,23 +34,11 @@ fn gather_scatter_cross_entropy_and_dropout_match_the_cpu() {
             );
             let out = poisoned(backend, dtype, rows * 5);
             let index = view(&ib, &picks, DType::I64);
-            backend
-                .gather(
-                    view(&xb, &table, dtype),
-                    1,
-                    index,
-                    view(&out, &picks, dtype),
-                )
-                .unwrap();
+            let (gathered, into) = (view(&xb, &table, dtype), view(&out, &picks, dtype));
+            backend.gather(gathered, 1, index, into).unwrap();
             let (dst, sb) = (upload(backend, dtype, &x), upload(backend, dtype, &src));
-            backend
-                .scatter_add(
-                    view(&dst, &table, dtype),
-                    1,
-                    index,
-                    view(&sb, &picks, dtype),
-                )
-                .unwrap();
+            let (into, added) = (view(&dst, &table, dtype), view(&sb, &picks, dtype));
+            backend.scatter_add(into, 1, index, added).unwrap();
             let mut res = download(backend, dtype, &out);
             res.extend(download(backend, dtype, &dst));
             res
@@ -218,18 +206,25 @@ fn cross_entropy_tiles_match_the_cpu() {
                     let values: Vec<f64> = (0..rows)
                         .flat_map(|r| logits[r * classes + start..r * classes + start + n].to_vec())
                         .collect();
-                    (start, n, upload(backend, dtype, &values))
+                    (
+                        start,
+                        Layout::contiguous(&[rows, n]),
+                        upload(backend, dtype, &values),
+                    )
                 })
                 .collect();
-            for (start, n, tile) in &tiles {
-                let layout = Layout::contiguous(&[rows, *n]);
+            let logit_tiles: Vec<LogitTile> = tiles
+                .iter()
+                .map(|(start, layout, tile)| LogitTile {
+                    logits: view(tile, layout, dtype),
+                    class_start: *start,
+                    target,
+                    ignore_index: -100,
+                })
+                .collect();
+            for &tile in &logit_tiles {
                 let args = CrossEntropyTile {
-                    tile: LogitTile {
-                        logits: view(tile, &layout, dtype),
-                        class_start: *start,
-                        target,
-                        ignore_index: -100,
-                    },
+                    tile,
                     row_max: view(&row_max, &per_row, stats),
                     row_sum: view(&row_sum, &per_row, stats),
                     target_logit: view(&target_logit, &per_row, stats),
@@ -243,15 +238,9 @@ fn cross_entropy_tiles_match_the_cpu() {
             );
             let lse: Vec<f64> = max.iter().zip(&sum).map(|(m, s)| m + s.ln()).collect();
             let lse_buffer = stat(&lse);
-            for (start, n, tile) in &tiles {
-                let layout = Layout::contiguous(&[rows, *n]);
+            for (&tile, (_, _, buffer)) in logit_tiles.iter().zip(&tiles) {
                 let args = CrossEntropyTileBackward {
-                    tile: LogitTile {
-                        logits: view(tile, &layout, dtype),
-                        class_start: *start,
-                        target,
-                        ignore_index: -100,
-                    },
+                    tile,
                     classes,
                     smoothing: 0.1,
                     lse: view(&lse_buffer, &per_row, stats),
@@ -259,7 +248,7 @@ fn cross_entropy_tiles_match_the_cpu() {
                     factor: view(&factor, &per_row, stats),
                 };
                 backend.cross_entropy_tile_backward(args).unwrap();
-                res.extend(download(backend, dtype, tile).iter().map(|g| g * 10.0));
+                res.extend(download(backend, dtype, buffer).iter().map(|g| g * 10.0));
             }
             res.extend(lse);
             res.extend(download(backend, stats, &target_logit));

@@ -10,7 +10,7 @@ use headroom_autograd_core::{
 use headroom_ops_cuda::CudaBackend;
 use headroom_testkit::inputs::Xorshift;
 
-use crate::{backends, check, download, input, poisoned, upload};
+use crate::{check, download, input, own_backends, poisoned, upload};
 
 /// A linear layer's operands: input `[rows, in]`, weight `[out, in]`, bias `[out]` and output
 /// gradient `[rows, out]`.
@@ -162,10 +162,10 @@ fn check_linear(
 #[test]
 #[ignore = "needs a CUDA device"]
 fn linear_with_bias_and_gelu_epilogues_matches_the_cpu() {
-    let Some((_, cpu)) = backends() else { return };
     // A backend of its own, so its fallback count is this test's.
-    let cuda = CudaBackend::new(0).unwrap();
-    let mut random = Xorshift::from_state(0x11ea_11ea_11ea_11ea);
+    let Some((cuda, _, cpu, mut random)) = own_backends(0x11ea_11ea_11ea_11ea) else {
+        return;
+    };
     let case = |bias, gelu, weight_transposed| LinearCase {
         bias,
         gelu,
@@ -211,11 +211,10 @@ fn linear_with_bias_and_gelu_epilogues_matches_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn the_cublaslt_workspace_is_an_allocation_of_the_caching_allocator() {
-    let Some((_, cpu)) = backends() else { return };
     // A fresh backend: its first product creates the BLAS state.
-    let cuda = CudaBackend::new(0).unwrap();
-    let gpu: BackendRef = cuda.clone();
-    let mut random = Xorshift::from_state(0x3a3a_3a3a_3a3a_3a3a);
+    let Some((cuda, gpu, cpu, mut random)) = own_backends(0x3a3a_3a3a_3a3a_3a3a) else {
+        return;
+    };
     // Every buffer a multiple of the allocator's 512-byte rounding.
     let (rows, in_f, out_f) = (128, 64, 256);
     let data = LinearData::new(&mut random, (rows, in_f, out_f));

@@ -11,6 +11,9 @@ use headroom_testkit::inputs::Xorshift;
 
 use super::{backends, compare, FLOATS};
 
+/// A leaf's values and shape.
+type Leaf = (Vec<f64>, Vec<usize>);
+
 /// Values in `[low, high)`.
 fn values(random: &mut Xorshift, n: usize, low: f64, high: f64) -> Vec<f64> {
     (0..n).map(|_| random.next_f64_in(low, high)).collect()
@@ -21,7 +24,7 @@ fn values(random: &mut Xorshift, n: usize, low: f64, high: f64) -> Vec<f64> {
 fn output_and_grads(
     backend: &BackendRef,
     dtype: DType,
-    inputs: &[(Vec<f64>, Vec<usize>)],
+    inputs: &[Leaf],
     weights: &[f64],
     op: &dyn Fn(&[Tensor]) -> Tensor,
 ) -> Vec<f64> {
@@ -34,7 +37,7 @@ fn output_and_grads(
 fn output_and_some_grads(
     backend: &BackendRef,
     dtype: DType,
-    inputs: &[(Vec<f64>, Vec<usize>)],
+    inputs: &[Leaf],
     trainable: &[bool],
     weights: &[f64],
     op: &dyn Fn(&[Tensor]) -> Tensor,
@@ -58,6 +61,16 @@ fn output_and_some_grads(
     res
 }
 
+/// RMSNorm's leaves for `rows` rows of `n` (x in `[-2, 2)`, the weight in `[0.5, 1.5)`), then
+/// the output's weights, drawn in that order.
+fn rms_norm_inputs(random: &mut Xorshift, rows: usize, n: usize) -> ([Leaf; 2], Vec<f64>) {
+    let inputs = [
+        (values(random, rows * n, -2.0, 2.0), vec![rows, n]),
+        (values(random, n, 0.5, 1.5), vec![n]),
+    ];
+    (inputs, values(random, rows * n, -1.0, 1.0))
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn rms_norm_matches_the_cpu() {
@@ -79,11 +92,7 @@ fn rms_norm_matches_the_cpu() {
         (6, 8192),
     ] {
         for dtype in FLOATS {
-            let inputs = [
-                (values(&mut random, rows * n, -2.0, 2.0), vec![rows, n]),
-                (values(&mut random, n, 0.5, 1.5), vec![n]),
-            ];
-            let weights = values(&mut random, rows * n, -1.0, 1.0);
+            let (inputs, weights) = rms_norm_inputs(&mut random, rows, n);
             compare("rms_norm", dtype, &gpu, &cpu, |backend| {
                 output_and_grads(backend, dtype, &inputs, &weights, &|t| {
                     rms_norm(&t[0], &t[1], 1e-5).unwrap()
@@ -102,11 +111,7 @@ fn rms_norm_with_one_gradient_matches_the_cpu() {
     // constant), in the vectorised kernel (2048) and the row kernel (300 in 16-bit types).
     for (rows, n) in [(37, 2048), (13, 300)] {
         for dtype in FLOATS {
-            let inputs = [
-                (values(&mut random, rows * n, -2.0, 2.0), vec![rows, n]),
-                (values(&mut random, n, 0.5, 1.5), vec![n]),
-            ];
-            let weights = values(&mut random, rows * n, -1.0, 1.0);
+            let (inputs, weights) = rms_norm_inputs(&mut random, rows, n);
             for trainable in [[true, false], [false, true]] {
                 compare("rms_norm, one gradient", dtype, &gpu, &cpu, |backend| {
                     output_and_some_grads(backend, dtype, &inputs, &trainable, &weights, &|t| {

@@ -19,6 +19,8 @@ mod llama_ops;
 mod matmul;
 mod reductions;
 
+use std::sync::Arc;
+
 use headroom_autograd_core::{BackendRef, Buffer, DType, Layout, View};
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
@@ -31,6 +33,16 @@ const FLOATS: [DType; 4] = [DType::F32, DType::F64, DType::F16, DType::BF16];
 fn backends() -> Option<(BackendRef, BackendRef)> {
     let cuda = cuda_or_skip(CudaBackend::new(0))?;
     Some((cuda as BackendRef, CpuBackend::new_ref()))
+}
+
+/// A CUDA backend of the test's own, opened afresh so that what the test sets or counts on it
+/// (TF32, the fallback count, the BLAS state) reaches no other test: as itself and as a
+/// `BackendRef`, with the CPU backend and a generator seeded with `seed`; or `None` after the GPU
+/// gate's skip notice.
+fn own_backends(seed: u64) -> Option<(Arc<CudaBackend>, BackendRef, BackendRef, Xorshift)> {
+    let cuda = cuda_or_skip(CudaBackend::new(0))?;
+    let gpu: BackendRef = cuda.clone();
+    Some((cuda, gpu, CpuBackend::new_ref(), Xorshift::from_state(seed)))
 }
 
 /// Each float dtype with the dtype of its per-row statistics (f32 for the 16-bit ones).

@@ -3,10 +3,9 @@
 //! dense first, and TF32 as an explicit opt-in within 1e-3.
 
 use headroom_autograd_core::{BackendRef, DType, Layout, View};
-use headroom_ops_cuda::CudaBackend;
-use headroom_testkit::inputs::Xorshift;
 
-use crate::{backends, compare, download, input, poisoned, seeded_backends, upload, view, FLOATS};
+use crate::{compare, download, input, poisoned, upload, view, FLOATS};
+use crate::{own_backends, seeded_backends};
 
 #[test]
 #[ignore = "needs a CUDA device"]
@@ -26,23 +25,14 @@ fn batched_matmul_on_strided_operands_matches_the_cpu() {
             let a_layout = Layout::contiguous(&[batch, heads, m, k]);
             let b_layout = Layout::from_parts(&[batch, heads, k, n], &[0, n * k, 1, k], 0).unwrap();
             let out_layout = Layout::contiguous(&[batch, heads, m, n]);
+            let (lhs, rhs) = (view(&ab, &a_layout, dtype), view(&bb, &b_layout, dtype));
             let out = upload(backend, dtype, &c0);
             backend
-                .matmul(
-                    view(&ab, &a_layout, dtype),
-                    view(&bb, &b_layout, dtype),
-                    view(&out, &out_layout, dtype),
-                    true,
-                )
+                .matmul(lhs, rhs, view(&out, &out_layout, dtype), true)
                 .unwrap();
             let fresh = poisoned(backend, dtype, batch * heads * m * n);
             backend
-                .matmul(
-                    view(&ab, &a_layout, dtype),
-                    view(&bb, &b_layout, dtype),
-                    view(&fresh, &out_layout, dtype),
-                    false,
-                )
+                .matmul(lhs, rhs, view(&fresh, &out_layout, dtype), false)
                 .unwrap();
             let mut res = download(backend, dtype, &out);
             res.extend(download(backend, dtype, &fresh));
@@ -64,71 +54,35 @@ fn matmul_with_broadcast_operands_matches_the_cpu() {
     let Some((gpu, cpu, mut random)) = seeded_backends(0x0dd_ba11) else {
         return;
     };
-    // (what, m, k, n, a's strides and elements, b's strides and elements)
-    type Operand = ([usize; 2], usize);
-    let cases: [(&str, usize, usize, usize, Operand, Operand); 5] = [
-        (
-            "b fully broadcast",
-            19,
-            23,
-            31,
-            ([23, 1], 19 * 23),
-            ([0, 0], 1),
-        ),
-        (
-            "b fully broadcast, k = 1",
-            19,
-            1,
-            31,
-            ([1, 1], 19),
-            ([0, 0], 1),
-        ),
-        (
-            "b's rows expanded",
-            19,
-            23,
-            31,
-            ([23, 1], 19 * 23),
-            ([0, 1], 31),
-        ),
-        (
-            "a's columns expanded",
-            19,
-            23,
-            31,
-            ([1, 0], 19),
-            ([31, 1], 23 * 31),
-        ),
+    // (what, [m, k, n], a's strides, b's strides); each operand holds the elements its layout
+    // reaches.
+    let cases = [
+        ("b fully broadcast", [19, 23, 31], [23, 1], [0, 0]),
+        ("b fully broadcast, k = 1", [19, 1, 31], [1, 1], [0, 0]),
+        ("b's rows expanded", [19, 23, 31], [23, 1], [0, 1]),
+        ("a's columns expanded", [19, 23, 31], [1, 0], [31, 1]),
         // A head's weight gradient at batch 1: a broadcast column times one row of a larger
         // tensor (row stride 201,728), k = 1.
         (
             "a broadcast, k = 1, b one row",
-            1000,
-            1,
-            64,
-            ([0, 0], 1),
-            ([4096, 1], 64),
+            [1000, 1, 64],
+            [0, 0],
+            [4096, 1],
         ),
     ];
-    for (what, m, k, n, (a_strides, a_len), (b_strides, b_len)) in cases {
+    for (what, [m, k, n], a_strides, b_strides) in cases {
+        let a_layout = Layout::from_parts(&[m, k], &a_strides, 0).unwrap();
+        let b_layout = Layout::from_parts(&[k, n], &b_strides, 0).unwrap();
         for dtype in FLOATS {
-            let a = input(&mut random, false, a_len);
-            let b = input(&mut random, false, b_len);
+            let a = input(&mut random, false, a_layout.storage_extent());
+            let b = input(&mut random, false, b_layout.storage_extent());
             compare(what, dtype, &gpu, &cpu, |backend| {
                 let (ab, bb) = (upload(backend, dtype, &a), upload(backend, dtype, &b));
                 let out = poisoned(backend, dtype, m * n);
                 backend
                     .matmul(
-                        view(
-                            &ab,
-                            &Layout::from_parts(&[m, k], &a_strides, 0).unwrap(),
-                            dtype,
-                        ),
-                        view(
-                            &bb,
-                            &Layout::from_parts(&[k, n], &b_strides, 0).unwrap(),
-                            dtype,
-                        ),
+                        view(&ab, &a_layout, dtype),
+                        view(&bb, &b_layout, dtype),
                         view(&out, &Layout::contiguous(&[m, n]), dtype),
                         false,
                     )
@@ -142,11 +96,10 @@ fn matmul_with_broadcast_operands_matches_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn tf32_is_an_explicit_opt_in_within_1e_3() {
-    let Some((_, cpu)) = backends() else { return };
     // A backend of its own, so the setting does not reach the other tests.
-    let cuda = CudaBackend::new(0).unwrap();
-    let gpu: BackendRef = cuda.clone();
-    let mut random = Xorshift::from_state(0x7f32_7f32_7f32_7f32);
+    let Some((cuda, gpu, cpu, mut random)) = own_backends(0x7f32_7f32_7f32_7f32) else {
+        return;
+    };
     let (m, k, n) = (96, 512, 80);
     let a = input(&mut random, false, m * k);
     let b = input(&mut random, false, k * n);

@@ -36,28 +36,28 @@ pub(crate) enum Module {
     },
 }
 
-impl Module {
-    fn name(self) -> &'static str {
-        match self {
-            Module::Adam => "headroom_optim::adam",
-            Module::Sgd => "headroom_optim::sgd",
-            Module::Adam8bit => "headroom_optim::adam8bit",
-            Module::Adafactor => "headroom_optim::adafactor",
-            Module::Clip => "headroom_optim::clip",
-            Module::GradScale => "headroom_optim::grad_scale",
-            Module::User { name, .. } => name,
-        }
-    }
+/// One of this crate's modules, `kernels/ptx/<file>.ptx`: its name (`headroom_optim::<file>`)
+/// and its PTX text.
+macro_rules! crate_module {
+    ($file:literal) => {
+        (
+            concat!("headroom_optim::", $file),
+            include_str!(concat!("../../kernels/ptx/", $file, ".ptx")),
+        )
+    };
+}
 
-    fn ptx(self) -> &'static str {
+impl Module {
+    /// The module's name (unique in the process) and its PTX text.
+    fn source(self) -> (&'static str, &'static str) {
         match self {
-            Module::Adam => include_str!("../../kernels/ptx/adam.ptx"),
-            Module::Sgd => include_str!("../../kernels/ptx/sgd.ptx"),
-            Module::Adam8bit => include_str!("../../kernels/ptx/adam8bit.ptx"),
-            Module::Adafactor => include_str!("../../kernels/ptx/adafactor.ptx"),
-            Module::Clip => include_str!("../../kernels/ptx/clip.ptx"),
-            Module::GradScale => include_str!("../../kernels/ptx/grad_scale.ptx"),
-            Module::User { ptx, .. } => ptx,
+            Module::Adam => crate_module!("adam"),
+            Module::Sgd => crate_module!("sgd"),
+            Module::Adam8bit => crate_module!("adam8bit"),
+            Module::Adafactor => crate_module!("adafactor"),
+            Module::Clip => crate_module!("clip"),
+            Module::GradScale => crate_module!("grad_scale"),
+            Module::User { name, ptx } => (name, ptx),
         }
     }
 }
@@ -281,13 +281,14 @@ impl CudaDevice {
         block: u32,
         args: &[KernelArg],
     ) -> Result<(), OptimError> {
-        let key = (module.name(), name);
+        let (module_name, ptx) = module.source();
+        let key = (module_name, name);
         let kernel = match self.kernels.get(&key) {
             Some(kernel) => kernel,
             None => {
                 let kernel = self
                     .backend
-                    .load_kernel(module.name(), module.ptx(), name)
+                    .load_kernel(module_name, ptx, name)
                     .map_err(|e| device_error("load_kernel", e))?;
                 self.kernels.entry(key).or_insert(kernel)
             }

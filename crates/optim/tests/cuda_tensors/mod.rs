@@ -1,10 +1,22 @@
-//! What the CUDA optimizer tests share: seeded random values, tensors of f32, bf16 or f16 made
+//! What the CUDA optimizer tests share: the shared CUDA backend with the CPU one, seeded random values, tensors of f32, bf16 or f16 made
 //! from them (rounded on the host, to nearest-even), and a tensor's elements as little-endian
 //! bytes, so runs on two devices compare bit for bit.
 
-use headroom_autograd_core::{BackendRef, DType, Tensor};
+use headroom_autograd_core::{BackendRef, DType, Element, Tensor};
+use headroom_ops_cpu::CpuBackend;
+use headroom_ops_cuda::CudaBackend;
 use headroom_optim::kernels::{bf16, f16};
+use headroom_testkit::gpu::shared_or_skip;
 use headroom_testkit::inputs::Xorshift;
+
+/// The CUDA backend the test binary's tests share (testkit's `shared_or_skip`) and the CPU
+/// backend, or `None` after the GPU gate's skip notice.
+#[track_caller]
+#[allow(dead_code, reason = "the memory tests open backends of their own")]
+pub(crate) fn shared_cuda_and_cpu() -> Option<(BackendRef, BackendRef)> {
+    let cuda = shared_or_skip(|| CudaBackend::new(0))?;
+    Some((cuda, CpuBackend::new_ref()))
+}
 
 /// `n` values uniform in `[-scale/2, scale/2)` from testkit's xorshift stream of `seed`.
 pub(crate) fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
@@ -19,20 +31,20 @@ pub(crate) fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
 pub(crate) fn raw_bytes(tensor: &Tensor) -> Vec<u8> {
     match tensor.dtype() {
         DType::U8 => tensor.to_vec::<u8>().unwrap(),
-        DType::BF16 => tensor
-            .to_vec::<bf16>()
-            .unwrap()
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
-        DType::F16 => tensor
-            .to_vec::<f16>()
-            .unwrap()
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
-        _ => bytes(&tensor.to_vec::<f32>().unwrap()),
+        DType::BF16 => le_bytes(tensor, bf16::to_le_bytes),
+        DType::F16 => le_bytes(tensor, f16::to_le_bytes),
+        _ => le_bytes(tensor, f32::to_le_bytes),
     }
+}
+
+/// `tensor`'s elements read as `T`, each as its little-endian bytes.
+fn le_bytes<T: Element, const N: usize>(tensor: &Tensor, to_le: fn(T) -> [u8; N]) -> Vec<u8> {
+    tensor
+        .to_vec::<T>()
+        .unwrap()
+        .into_iter()
+        .flat_map(to_le)
+        .collect()
 }
 
 /// `values` as a tensor of `dtype` (rounded on the host, to nearest-even).
@@ -53,9 +65,4 @@ pub(crate) fn tensor_of(
         }
         _ => Tensor::from_slice(backend, values, shape).unwrap(),
     }
-}
-
-/// `values` as little-endian bytes.
-fn bytes(values: &[f32]) -> Vec<u8> {
-    values.iter().flat_map(|v| v.to_le_bytes()).collect()
 }

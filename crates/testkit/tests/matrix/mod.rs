@@ -28,6 +28,7 @@
 //! It sits on testkit's models and inputs, and on the technique crates as dev-dependencies.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use headroom_amp::{AmpPolicy, GradScaler, GradScalerConfig};
 use headroom_autograd_core::{BackendRef, DType, Tensor};
@@ -44,7 +45,7 @@ use headroom_optim::{
 use headroom_testkit::inputs::Xorshift;
 use headroom_testkit::{Batch, Model, ModelSpec};
 
-pub(crate) const STEPS: usize = 5;
+const STEPS: usize = 5;
 /// Examples in each half of a step's batch.
 const HALF: usize = 2;
 const SEED: u64 = 28;
@@ -90,14 +91,21 @@ pub(crate) enum Rule {
     Adam8bit,
 }
 
+/// What a cell is compared within: its model, precision and rule. The group's plain loop with
+/// every activation kept is the reference of every cell of the group.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Group {
+    pub(crate) model: ModelSpec,
+    pub(crate) precision: Precision,
+    pub(crate) rule: Rule,
+}
+
 /// One cell of the matrix.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Cell {
-    pub(crate) model: ModelSpec,
+    pub(crate) group: Group,
     pub(crate) driver: Driver,
     pub(crate) saves: Saves,
-    pub(crate) precision: Precision,
-    pub(crate) rule: Rule,
 }
 
 /// Every cell of `saves` × `drivers` × the precisions × the rules × the two models.
@@ -109,11 +117,13 @@ pub(crate) fn cells(saves: &[Saves], drivers: &[Driver]) -> Vec<Cell> {
                 for &driver in drivers {
                     for &saves in saves {
                         cells.push(Cell {
-                            model,
+                            group: Group {
+                                model,
+                                precision,
+                                rule,
+                            },
                             driver,
                             saves,
-                            precision,
-                            rule,
                         });
                     }
                 }
@@ -127,9 +137,9 @@ impl Cell {
     /// How close the cell must end to the plain loop of its model, precision and rule on the
     /// same backend, and why.
     fn bound(&self, on_cuda: bool) -> Bound {
-        let sharded_8bit = self.driver == Driver::Zero2 && self.rule == Rule::Adam8bit;
-        let gpt2 = matches!(self.model, ModelSpec::Gpt2 { .. });
-        match (self.saves, self.rule) {
+        let sharded_8bit = self.driver == Driver::Zero2 && self.group.rule == Rule::Adam8bit;
+        let gpt2 = matches!(self.group.model, ModelSpec::Gpt2 { .. });
+        match (self.saves, self.group.rule) {
             // First: on CUDA it covers the 8-bit saves and shards of GPT-2 too.
             (_, Rule::Adam8bit) if gpt2 && on_cuda => Bound::Absolute {
                 max: 60.0 * STEPS as f64 * LR,
@@ -306,7 +316,7 @@ fn train_rank(
     backend: &BackendRef,
     comm: Option<Arc<dyn Communicator>>,
 ) -> Vec<Vec<f32>> {
-    let mut model = cell.model.build(backend, DType::F32, SEED).unwrap();
+    let mut model = cell.group.model.build(backend, DType::F32, SEED).unwrap();
     attach(&mut model, cell.saves);
     let params = model.module().parameters();
     // A rank's loss is its half's mean, twice the plain loop's weighted half: half the scale
@@ -316,12 +326,12 @@ fn train_rank(
         None => GradScalerConfig::default().init_scale,
     };
     let mut scaler = GradScaler::new(GradScalerConfig {
-        enabled: cell.precision == Precision::Fp16Scaled,
+        enabled: cell.group.precision == Precision::Fp16Scaled,
         init_scale,
         ..GradScalerConfig::default()
     })
     .unwrap();
-    let policy = match cell.precision {
+    let policy = match cell.group.precision {
         Precision::F32 => None,
         Precision::Bf16Autocast => Some(AmpPolicy::torch_cuda(DType::BF16).unwrap()),
         Precision::Fp16Scaled => Some(AmpPolicy::torch_cuda(DType::F16).unwrap()),
@@ -331,10 +341,10 @@ fn train_rank(
         None => vec![0, 1],
     };
     let mut stepper = match (cell.driver, comm) {
-        (Driver::Plain, _) => Stepper::Plain(optimizer(cell.rule, params.clone())),
+        (Driver::Plain, _) => Stepper::Plain(optimizer(cell.group.rule, params.clone())),
         (Driver::InBackward, _) => Stepper::InBackward(
             InBackward::new(
-                optimizer(cell.rule, params.clone()),
+                optimizer(cell.group.rule, params.clone()),
                 InBackwardConfig {
                     bucket_bytes: BUCKET_BYTES,
                     accumulation: 2,
@@ -344,7 +354,7 @@ fn train_rank(
             .unwrap(),
         ),
         (Driver::Zero2, Some(comm)) => {
-            Stepper::InBackward(sharded(cell.rule, params.clone(), comm))
+            Stepper::InBackward(sharded(cell.group.rule, params.clone(), comm))
         }
         (Driver::Zero2, None) => unreachable!("ZeRO-2 runs on ranks"),
     };
@@ -352,7 +362,7 @@ fn train_rank(
     // backwards its half's loss, which the reduce-scatter averages over the two ranks.
     let weight = if halves.len() == 2 { 0.5 } else { 1.0 };
     for step in 0..STEPS {
-        let batch = global_batch(cell.model, backend, step);
+        let batch = global_batch(cell.group.model, backend, step);
         for &half in &halves {
             let part = batch.narrow(half * HALF, HALF).unwrap();
             let loss = {
@@ -414,30 +424,46 @@ fn compare(ours: &[Vec<f32>], reference: &[Vec<f32>]) -> (usize, f64) {
     (differing, largest)
 }
 
+/// Judges every cell ([`judge`]), prints how long training them took since `started`, and fails
+/// listing every cell outside its bound.
+pub(crate) fn assert_within_bounds(
+    cells: &[Cell],
+    trained: &[Vec<Vec<f32>>],
+    on_cuda: bool,
+    started: Instant,
+) {
+    let failures = judge(cells, trained, on_cuda);
+    println!(
+        "{} cells trained {STEPS} steps each{} in {:.1} s",
+        cells.len(),
+        if on_cuda { " on CUDA" } else { "" },
+        started.elapsed().as_secs_f64()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// Each cell's result against the plain loop with every activation kept of its model,
 /// precision and rule (which `cells` must hold), printed one line a cell: the lines of the
 /// cells outside their bound.
-pub(crate) fn judge(cells: &[Cell], trained: &[Vec<Vec<f32>>], on_cuda: bool) -> Vec<String> {
+fn judge(cells: &[Cell], trained: &[Vec<Vec<f32>>], on_cuda: bool) -> Vec<String> {
     let mut failures = Vec::new();
     for (cell, params) in cells.iter().zip(trained) {
         let reference = cells
             .iter()
             .position(|other| {
-                other.driver == Driver::Plain
+                other.group == cell.group
+                    && other.driver == Driver::Plain
                     && other.saves == Saves::Keep
-                    && other.model == cell.model
-                    && other.precision == cell.precision
-                    && other.rule == cell.rule
             })
             .expect("every group has its plain loop");
         let (differing, largest) = compare(params, &trained[reference]);
         let line = format!(
             "{} {:?} {:?} {:?} {:?}: {differing} elements differ, by at most {largest:.2e}",
-            model_name(cell.model),
+            model_name(cell.group.model),
             cell.driver,
             cell.saves,
-            cell.precision,
-            cell.rule
+            cell.group.precision,
+            cell.group.rule
         );
         println!("{line}");
         let failure = match cell.bound(on_cuda) {

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 use super::criterion::{estimates, Estimate};
-use super::{count, json_lines, one_file, row, text, thousands, ResultFile};
+use super::{count, json_lines, one_file, row, table_head, text, thousands, ResultFile};
 
 /// The corpus traces' names in words (`testdata/traces/corpus.json`'s `name`).
 fn trace_label(name: &str) -> &str {
@@ -41,13 +41,12 @@ fn replay<'a>(trace: &'a Value, policy: &str) -> Result<&'a Value> {
 /// their waits for the device.
 pub(super) fn allocator_corpus(files: &[ResultFile]) -> Result<Vec<String>> {
     let traces = json_lines(one_file(files)?)?;
-    let mut lines = vec![
+    let mut lines = table_head(
         "| trace | events | PyTorch peak allocated | live (512-rounded) | PyTorch classic | \
          PyTorch expandable | ours classic | ours default | default / PyTorch expandable | ours \
-         `reclaiming()` | `reclaiming()` / PyTorch expandable | waits: default, `reclaiming()` |"
-            .to_owned(),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|".to_owned(),
-    ];
+         `reclaiming()` | `reclaiming()` / PyTorch expandable | waits: default, `reclaiming()` |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    );
     for trace in &traces {
         let classic = replay(trace, "classic")?;
         let default = replay(trace, "default")?;
@@ -87,12 +86,11 @@ pub(super) fn allocator_corpus(files: &[ResultFile]) -> Result<Vec<String>> {
 /// reserved of the larger handles over the 2 MiB one's.
 pub(super) fn allocator_handles(files: &[ResultFile]) -> Result<Vec<String>> {
     let traces = json_lines(one_file(files)?)?;
-    let mut lines = vec![
+    let mut lines = table_head(
         "| trace | handles, 2 MiB | 8 MiB | 32 MiB | peak reserved over 2 MiB handles', 8 MiB | \
-         32 MiB |"
-            .to_owned(),
-        "|---|---:|---:|---:|---:|---:|".to_owned(),
-    ];
+         32 MiB |",
+        "|---|---:|---:|---:|---:|---:|",
+    );
     for trace in &traces {
         let default = replay(trace, "default")?;
         let eight = replay(trace, "default_8mib_handles")?;
@@ -241,13 +239,12 @@ pub(super) fn allocator_steady_state(files: &[ResultFile]) -> Result<Vec<String>
     if loops.is_empty() {
         bail!("{}: no loop", file.path);
     }
-    let mut lines = vec![
+    let mut lines = table_head(
         "| loop (steady step × 20) | default: first steps, then every step | peak reserved / live \
          | `reclaiming()`: each of steps 7–20 | peak / live | no reclaim \
-         (`reclaim_free_pages:False`) |"
-            .to_owned(),
-        "|---|---|---|---|---|---|".to_owned(),
-    ];
+         (`reclaim_free_pages:False`) |",
+        "|---|---|---|---|---|---|",
+    );
     for (trace, policies) in &loops {
         let policy = |name: &str| -> Result<&LoopSeries> {
             policies
@@ -502,10 +499,10 @@ pub(super) fn allocator_driver_calls(files: &[ResultFile]) -> Result<Vec<String>
     if rounds.is_empty() {
         bail!("{}: no `2 MiB handles x… us per handle:` line", file.path);
     }
-    let mut lines = vec![
-        "| driver call, per 2 MiB handle of a 2 GiB map | µs |".to_owned(),
-        "|---|---:|".to_owned(),
-    ];
+    let mut lines = table_head(
+        "| driver call, per 2 MiB handle of a 2 GiB map | µs |",
+        "|---|---:|",
+    );
     for (name, label) in DRIVER_CALLS {
         let values = rounds
             .iter()
@@ -537,7 +534,7 @@ pub(super) fn allocator_driver_calls(files: &[ResultFile]) -> Result<Vec<String>
 
 #[cfg(test)]
 mod tests {
-    use super::super::{fixture, render};
+    use super::super::rendered;
 
     const CUDA_ALLOC: &str = "\
 device: NVIDIA H200
@@ -562,11 +559,11 @@ cached_pair/CachingAllocator_expandable/67108864
         let host = "alloc_free_pair/host_classic/4096\n                        time:   [377.01 ns \
                     379.45 ns 381.20 ns]\nalloc_free_pair/host_classic/67108864\n      \
                     time:   [181.5 ns 182.49 ns 183.0 ns]\n";
-        let table = render(
+        let table = rendered(
             "allocator-pairs",
             &[
-                fixture("results/x/allocator.txt", host),
-                fixture("results/x/cuda_alloc.txt", CUDA_ALLOC),
+                ("results/x/allocator.txt", host),
+                ("results/x/cuda_alloc.txt", CUDA_ALLOC),
             ],
         )
         .unwrap();
@@ -585,9 +582,9 @@ cached_pair/CachingAllocator_expandable/67108864
     /// Each call's range over the rounds, one figure where they agree.
     #[test]
     fn driver_calls_render_as_ranges_over_the_rounds() {
-        let table = render(
+        let table = rendered(
             "allocator-driver-calls",
-            &[fixture("results/x/cuda_alloc.txt", CUDA_ALLOC)],
+            &[("results/x/cuda_alloc.txt", CUDA_ALLOC)],
         )
         .unwrap();
         assert_eq!(

@@ -8,7 +8,7 @@
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
-use super::{count, json_lines, number, row, text, thousands, ResultFile};
+use super::{count, json_lines, number, row, table_head, text, thousands, ResultFile};
 
 /// The `cases` of a `cargo xtask bench-memory --json` document.
 fn bench_memory_cases(file: &ResultFile) -> Result<Vec<Value>> {
@@ -80,10 +80,10 @@ pub(super) fn bench_memory_pytorch(files: &[ResultFile]) -> Result<Vec<String>> 
             (bench, Some(anchors))
         }
     };
-    let mut lines = vec![
-        "| batch | case | peak alloc (B) | PyTorch (B) | step ms | PyTorch ms |".to_owned(),
-        "|---:|---|---:|---:|---:|---:|".to_owned(),
-    ];
+    let mut lines = table_head(
+        "| batch | case | peak alloc (B) | PyTorch (B) | step ms | PyTorch ms |",
+        "|---:|---|---:|---:|---:|---:|",
+    );
     for case in bench_memory_cases(bench)? {
         let torch = pytorch_figures(&case, anchors.as_deref())?;
         lines.push(row(&[
@@ -104,12 +104,11 @@ pub(super) fn bench_memory_planner(files: &[ResultFile]) -> Result<Vec<String>> 
     if files.is_empty() {
         bail!("reads one or more bench-memory JSON files of adam_auto");
     }
-    let mut lines = vec![
+    let mut lines = table_head(
         "| budget (B) | plan | peak (B) | predicted (B) | step ms | predicted ms | uniform: every k, \
-         recomputed | uniform peak (B) | uniform ms | plan / uniform |"
-            .to_owned(),
-        "|---:|---|---:|---:|---:|---:|---|---:|---:|---:|".to_owned(),
-    ];
+         recomputed | uniform peak (B) | uniform ms | plan / uniform |",
+        "|---:|---|---:|---:|---:|---:|---|---:|---:|---:|",
+    );
     let mut cases = Vec::new();
     for file in files {
         for case in bench_memory_cases(file)? {

@@ -8,15 +8,14 @@
 
 use anyhow::{bail, Context, Result};
 
-use super::{row, ResultFile};
+use super::{row, table_head, ResultFile};
 
-/// One benchmark's estimate: criterion's id, its time as printed (`379.45 ns`) with the
-/// confidence bounds, the time in nanoseconds, and the throughput as printed, if any.
+/// One benchmark's estimate: criterion's id, its time and confidence interval as printed
+/// (`379.45 ns [378.10 ns, 381.20 ns]`), the time in nanoseconds, and the throughput as printed,
+/// if any.
 pub(super) struct Estimate {
     pub(super) id: String,
-    pub(super) low: String,
-    pub(super) mid: String,
-    pub(super) high: String,
+    pub(super) interval: String,
     pub(super) mid_ns: f64,
     pub(super) throughput: Option<String>,
 }
@@ -83,9 +82,7 @@ pub(super) fn estimates(file: &ResultFile) -> Result<Vec<Estimate>> {
         found.push(Estimate {
             id: id.to_owned(),
             mid_ns: nanoseconds(&mid).with_context(|| format!("{}:{}", file.path, idx + 1))?,
-            low,
-            mid,
-            high,
+            interval: format!("{mid} [{low}, {high}]"),
             throughput,
         });
     }
@@ -105,15 +102,15 @@ pub(super) fn criterion(files: &[ResultFile]) -> Result<Vec<String>> {
     if files.is_empty() {
         bail!("reads one or more bench binaries' stdout");
     }
-    let mut lines = vec![
-        "| benchmark | time [95% interval] | throughput |".to_owned(),
-        "|---|---|---|".to_owned(),
-    ];
+    let mut lines = table_head(
+        "| benchmark | time [95% interval] | throughput |",
+        "|---|---|---|",
+    );
     for file in files {
         for estimate in estimates(file)? {
             lines.push(row(&[
                 format!("`{}`", estimate.id),
-                format!("{} [{}, {}]", estimate.mid, estimate.low, estimate.high),
+                estimate.interval,
                 estimate.throughput.unwrap_or_else(|| "—".to_owned()),
             ]));
         }
@@ -123,7 +120,7 @@ pub(super) fn criterion(files: &[ResultFile]) -> Result<Vec<String>> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{fixture, render};
+    use super::super::rendered;
 
     /// A long id on its own line, a short one beside its time, a throughput line, a comparison
     /// with an earlier run and the stderr noise of a merged log: two estimates.
@@ -141,11 +138,7 @@ cpu_gemm/f32            time:   [38.512 ms 38.712 ms 38.933 ms]
 
     #[test]
     fn estimates_render_with_their_interval_and_throughput() {
-        let table = render(
-            "criterion",
-            &[fixture("results/x/cpu_benches.txt", CPU_BENCHES)],
-        )
-        .unwrap();
+        let table = rendered("criterion", &[("results/x/cpu_benches.txt", CPU_BENCHES)]).unwrap();
         assert_eq!(
             table,
             [
@@ -161,12 +154,9 @@ cpu_gemm/f32            time:   [38.512 ms 38.712 ms 38.933 ms]
     /// A bench binary run without `--bench` tests its benchmarks and prints no estimate.
     #[test]
     fn output_without_estimates_is_an_error() {
-        let err = render(
+        let err = rendered(
             "criterion",
-            &[fixture(
-                "results/x/cpu.txt",
-                "Testing cpu_gemm/f32\nSuccess\n",
-            )],
+            &[("results/x/cpu.txt", "Testing cpu_gemm/f32\nSuccess\n")],
         )
         .unwrap_err();
         assert!(

@@ -10,7 +10,7 @@
 use anyhow::{bail, Result};
 use serde_json::Value;
 
-use super::{count, json_lines, number, row, text, ResultFile};
+use super::{count, json_lines, number, row, table_head, text, ResultFile};
 
 /// Bytes in decimal gigabytes: `11.37 GB`.
 fn gigabytes(bytes: f64) -> String {
@@ -28,10 +28,10 @@ pub(super) fn vit_step(files: &[ResultFile]) -> Result<Vec<String>> {
             files.len()
         ),
     };
-    let mut lines = vec![
-        "| setting | Headroom step | peak alloc | PyTorch step | PyTorch peak |".to_owned(),
-        "|---|---:|---:|---:|---:|".to_owned(),
-    ];
+    let mut lines = table_head(
+        "| setting | Headroom step | peak alloc | PyTorch step | PyTorch peak |",
+        "|---|---:|---:|---:|---:|",
+    );
     for setting in ours.iter().filter(|line| line["case"] == "vit_l16_sgd") {
         let batch = count(setting, "batch")?;
         let (label, torch_case) = match text(setting, "dtype")? {
@@ -184,10 +184,7 @@ pub(super) fn adam_step_1e9(files: &[ResultFile]) -> Result<Vec<String>> {
             None => Ok("—".to_owned()),
         }
     };
-    let mut lines = vec![
-        "| implementation | Headroom | PyTorch |".to_owned(),
-        "|---|---|---|".to_owned(),
-    ];
+    let mut lines = table_head("| implementation | Headroom | PyTorch |", "|---|---|---|");
     for (label, ours_name, torch_name) in ADAM_IMPLEMENTATIONS {
         let (ours_cell, torch_cell) = (cell(&ours, Some(ours_name))?, cell(&pytorch, *torch_name)?);
         if ours_cell == "—" && torch_cell == "—" {
@@ -200,7 +197,7 @@ pub(super) fn adam_step_1e9(files: &[ResultFile]) -> Result<Vec<String>> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{fixture, render};
+    use super::super::rendered;
 
     /// vit_step's settings in its order beside bench_reference.py's `sgd` (fp32) and
     /// `sgd_bf16_model` lines of the same batch; its `env` line and other cases match nothing.
@@ -218,11 +215,11 @@ mod tests {
              \"steady_peak_alloc\": 2514000000}\n\
              {\"case\": \"adam_fused\", \"model\": \"vit_l_16\", \"batch\": 32, \
              \"step_ms_median\": 1.0, \"steady_peak_alloc\": 1}\n";
-        let table = render(
+        let table = rendered(
             "vit-step",
             &[
-                fixture("results/x/vit_step.jsonl", ours),
-                fixture("results/x/anchor_vit_step.jsonl", torch),
+                ("results/x/vit_step.jsonl", ours),
+                ("results/x/anchor_vit_step.jsonl", torch),
             ],
         )
         .unwrap();
@@ -256,11 +253,11 @@ mod tests {
             + &line("torch_single", 18.55, 75_497_472)
             + "{\"case\": \"adam_step_1e9\", \"impl\": \"bitsandbytes_adam8bit\", \"error\": \
                \"ModuleNotFoundError(\\\"No module named 'bitsandbytes'\\\")\"}\n";
-        let table = render(
+        let table = rendered(
             "adam-step-1e9",
             &[
-                fixture("results/x/cuda_adam.jsonl", &ours),
-                fixture("results/x/adam_step_1e9_torch.jsonl", &torch),
+                ("results/x/cuda_adam.jsonl", &ours),
+                ("results/x/adam_step_1e9_torch.jsonl", &torch),
             ],
         )
         .unwrap();
@@ -284,11 +281,11 @@ mod tests {
     fn an_unknown_adam_implementation_is_an_error() {
         let ours = "{\"case\": \"adam_step_1e9\", \"impl\": \"headroom_new_cuda\", \"ms\": 1.0, \
                     \"step_extra_bytes\": 0}\n";
-        let err = render(
+        let err = rendered(
             "adam-step-1e9",
             &[
-                fixture("results/x/cuda_adam.jsonl", ours),
-                fixture("results/x/adam_step_1e9_torch.jsonl", ""),
+                ("results/x/cuda_adam.jsonl", ours),
+                ("results/x/adam_step_1e9_torch.jsonl", ""),
             ],
         )
         .unwrap_err();

@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 use super::bench_memory::pytorch_case;
-use super::{count, json_lines, number, row, text, ResultFile};
+use super::{count, json_lines, number, row, table_head, text, ResultFile};
 
 /// PyTorch's result for `case` (a find-max-batch case): from `lines` (find_max_batch.py's) when
 /// given, matched by model (`vit_l_16` where a line names none, as find-max-batch reads them)
@@ -52,10 +52,10 @@ pub(super) fn find_max_batch(files: &[ResultFile]) -> Result<Vec<String>> {
     let cases = document["cases"]
         .as_array()
         .with_context(|| format!("{}: no `cases` (not find-max-batch's --json)", ours.path))?;
-    let mut lines = vec![
-        "| case | Headroom | s | PyTorch | s |".to_owned(),
-        "|---|---:|---:|---:|---:|".to_owned(),
-    ];
+    let mut lines = table_head(
+        "| case | Headroom | s | PyTorch | s |",
+        "|---|---:|---:|---:|---:|",
+    );
     for case in cases {
         let mut cells = vec![
             format!("`{}`", text(case, "case")?),
@@ -79,7 +79,7 @@ pub(super) fn find_max_batch(files: &[ResultFile]) -> Result<Vec<String>> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{fixture, render};
+    use super::super::rendered;
 
     const OURS: &str = r#"{"tool": "cargo xtask find-max-batch", "complete": true, "cases": [
         {"case": "adam_foreach_unbounded", "model": "vit_l_16", "max_batch": 70,
@@ -96,11 +96,11 @@ mod tests {
             {\"case\": \"adam_foreach\", \"model\": \"gpt2\", \"max_batch\": 9, \"seconds\": 9.0}\n\
             {\"case\": \"adam_foreach\", \"max_batch\": 64, \"seconds\": 12.74}\n\
             {\"case\": \"adam8bit\", \"model\": \"vit_l_16\", \"error\": \"ModuleNotFoundError\"}\n";
-        let table = render(
+        let table = rendered(
             "find-max-batch",
             &[
-                fixture("results/x/fmb.json", OURS),
-                fixture("results/x/fmb_torch.jsonl", torch),
+                ("results/x/fmb.json", OURS),
+                ("results/x/fmb_torch.jsonl", torch),
             ],
         )
         .unwrap();
@@ -120,14 +120,14 @@ mod tests {
     /// a search that did not finish is no table.
     #[test]
     fn cases_carry_pytorch_or_the_search_did_not_finish() {
-        let table = render("find-max-batch", &[fixture("results/x/fmb.json", OURS)]).unwrap();
+        let table = rendered("find-max-batch", &[("results/x/fmb.json", OURS)]).unwrap();
         assert_eq!(
             table[2],
             "| `adam_foreach_unbounded` | 70 | 23.9 | 1 | 1.0 |"
         );
         assert_eq!(table[3], "| `adam8bit` | 76 | 3.6 | — | |");
         let partial = OURS.replace("\"complete\": true", "\"complete\": false");
-        let err = render("find-max-batch", &[fixture("results/x/fmb.json", &partial)]).unwrap_err();
+        let err = rendered("find-max-batch", &[("results/x/fmb.json", &partial)]).unwrap_err();
         assert_eq!(
             format!("{err:#}"),
             "`find-max-batch` (`cargo xtask find-max-batch --json` (gpu-measure.sh's fmb.json) \

@@ -163,15 +163,19 @@ pub(super) fn render(name: &str, files: &[ResultFile]) -> Result<Vec<String>> {
     (kind.render)(files).with_context(|| format!("`{name}` ({})", kind.reads))
 }
 
-/// A results file for a kind's test: `text` under `path`, without provenance (the kinds do not
-/// read it).
+/// For a kind's test: the table of the kind named `name` rendered from `files`, each its
+/// `(path, text)`, without provenance (the kinds do not read it).
 #[cfg(test)]
-fn fixture(path: &str, text: &str) -> ResultFile {
-    ResultFile {
-        path: path.to_owned(),
-        text: text.to_owned(),
-        meta: Value::Null,
-    }
+pub(super) fn rendered(name: &str, files: &[(&str, &str)]) -> Result<Vec<String>> {
+    let files: Vec<ResultFile> = files
+        .iter()
+        .map(|(path, text)| ResultFile {
+            path: (*path).to_owned(),
+            text: (*text).to_owned(),
+            meta: Value::Null,
+        })
+        .collect();
+    render(name, &files)
 }
 
 /// The one file a kind reads.
@@ -237,6 +241,11 @@ pub(super) fn thousands(n: u64) -> String {
         out.push(digit);
     }
     out
+}
+
+/// A table's first two lines: its header row and its delimiter row.
+fn table_head(header: &str, delimiter: &str) -> Vec<String> {
+    vec![header.to_owned(), delimiter.to_owned()]
 }
 
 /// A row of cells: `| a | b |`, an empty cell as `| |`.

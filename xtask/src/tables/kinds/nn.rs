@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 
-use super::{one_file, row, ResultFile};
+use super::{one_file, row, table_head, ResultFile};
 
 /// A relative error to two significant figures (`4.5e-16`), zero as `0`.
 fn relative_error(value: f64) -> String {
@@ -19,10 +19,10 @@ fn relative_error(value: f64) -> String {
 /// gradient 1.29e-15 (relative)`), and the bound `tests/golden.rs` holds each model to.
 pub(super) fn nn_golden(files: &[ResultFile]) -> Result<Vec<String>> {
     let file = one_file(files)?;
-    let mut lines = vec![
-        "| model | logits | loss | worst parameter gradient | bound |".to_owned(),
-        "|---|---|---|---|---|".to_owned(),
-    ];
+    let mut lines = table_head(
+        "| model | logits | loss | worst parameter gradient | bound |",
+        "|---|---|---|---|---|",
+    );
     // The models in the table's order, with their bound in tests/golden.rs.
     let models = [
         ("vit", "ViT tiny (torchvision)", "1e-10"),

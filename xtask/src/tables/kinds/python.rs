@@ -5,7 +5,7 @@
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
-use super::{count, json_lines, number, one_file, row, text, thousands, ResultFile};
+use super::{count, json_lines, number, one_file, row, table_head, text, thousands, ResultFile};
 
 /// `train.py`'s allocator names in words.
 fn allocator_label(run: &Value) -> Result<String> {
@@ -53,11 +53,10 @@ fn losses_against(run: &Value, native: &Value) -> Result<String> {
 /// second native run starts its second round.
 pub(super) fn python_training(files: &[ResultFile]) -> Result<Vec<String>> {
     let runs = json_lines(one_file(files)?)?;
-    let mut lines = vec![
-        "| model | allocator | median step | mean step | peak reserved | losses vs native |"
-            .to_owned(),
-        "|---|---|---:|---:|---:|---|".to_owned(),
-    ];
+    let mut lines = table_head(
+        "| model | allocator | median step | mean step | peak reserved | losses vs native |",
+        "|---|---|---:|---:|---:|---|",
+    );
     let mut natives: Vec<(String, Value)> = Vec::new();
     let mut rounds: Vec<(String, usize)> = Vec::new();
     for run in &runs {
@@ -262,10 +261,10 @@ pub(super) fn python_optim(files: &[ResultFile]) -> Result<Vec<String>> {
             .find(|value| value["case"] == name)
             .with_context(|| format!("no `{name}` case"))
     };
-    let mut lines = vec![
-        "| comparison | theirs | headroom | ratio | parameters after 20 steps |".to_owned(),
-        "|---|---:|---:|---:|---|".to_owned(),
-    ];
+    let mut lines = table_head(
+        "| comparison | theirs | headroom | ratio | parameters after 20 steps |",
+        "|---|---:|---:|---:|---|",
+    );
     for (name, label) in [
         (
             "adamw_fused",
