@@ -92,10 +92,9 @@ template <int K, int BLOCKS> int measure(Buffers& b, double bytes, double ceilin
 
 int main() {
     const unsigned long long rows = 8192, n = 2048;
-    const double ceiling = copy_ceiling();
-    printf("ceiling %.0f GB/s\n", ceiling);
     RmsBackwardBuffers buffers;
-    if (allocate_rms_backward(rows, n, 0x3c, buffers)) return 1;
+    double ceiling;
+    if (open_rms_backward(rows, n, 0x3c, buffers, ceiling)) return 1;
     Buffers b{(const B*)buffers.dy, (const B*)buffers.x, (const float*)buffers.rstd, (const B*)buffers.w,
               (B*)buffers.dx,       (float*)buffers.partial, (B*)buffers.dw,       rows, n};
     const double bytes = 3.0 * rows * n * 2 + rows * 4;
