@@ -1,6 +1,7 @@
 // What the launch-shape scripts beside it share: a checked CUDA call, the mean time of a launch
-// over back-to-back runs (CUDA events, after 5 warm-ups), and the copy ceiling (a 2 GB
-// device-to-device copy, read + write, in GB/s) that their percentages are shares of.
+// over back-to-back runs (CUDA events, after 5 warm-ups) or one launch at a time, and the copy
+// ceiling (a 2 GB device-to-device copy, read + write, in GB/s) that their percentages are
+// shares of.
 #pragma once
 #include <cstdio>
 
@@ -14,6 +15,20 @@ template <typename F> float time_it(F f, int iters = 50) {
   for (int i = 0; i < iters; ++i) f();
   cudaEventRecord(b); cudaEventSynchronize(b);
   float ms; cudaEventElapsedTime(&ms, a, b); return ms / iters;
+}
+
+// Milliseconds of `f` launched alone between two events and synchronized, the mean of `iters`
+// after 5 warm-ups: each call's launch latency counted, as the kernels bench times an op.
+template <typename F> float time_synced(F f, int iters = 200) {
+  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
+  for (int i = 0; i < 5; ++i) f();
+  cudaDeviceSynchronize();
+  float total = 0;
+  for (int i = 0; i < iters; ++i) {
+    cudaEventRecord(a); f(); cudaEventRecord(b); cudaEventSynchronize(b);
+    float ms; cudaEventElapsedTime(&ms, a, b); total += ms;
+  }
+  return total / iters;
 }
 
 // GB/s of a 2 GB device-to-device copy (read + write); 0 when the buffers cannot be had.

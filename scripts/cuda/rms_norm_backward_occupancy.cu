@@ -51,19 +51,6 @@ __global__ void __launch_bounds__(256, BLOCKS)
     }
 }
 
-// Milliseconds of `f` launched alone between two events and synchronized, the mean of `iters`.
-template <typename F> float time_synced(F f, int iters = 200) {
-    cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-    for (int i = 0; i < 5; ++i) f();
-    cudaDeviceSynchronize();
-    float total = 0;
-    for (int i = 0; i < iters; ++i) {
-        cudaEventRecord(a); f(); cudaEventRecord(b); cudaEventSynchronize(b);
-        float ms; cudaEventElapsedTime(&ms, a, b); total += ms;
-    }
-    return total / iters;
-}
-
 struct Buffers { const B *dy, *x; const float* rstd; const B* w; B* dx; float* partial; B* dw; unsigned long long rows, n; };
 
 template <int K, int BLOCKS> int measure(Buffers& b, double bytes, double ceiling) {
