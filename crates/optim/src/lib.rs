@@ -1,7 +1,7 @@
 //! Optimizers for Headroom: SGD, Adam, AdamW and Adafactor with PyTorch's formulas, each as a
-//! single-tensor, foreach (multi-tensor, bounded temporaries) and fused (one pass) update, and
-//! bitsandbytes' 8-bit blockwise Adam; gradient clipping; learning-rate schedulers; state dicts
-//! as safetensors.
+//! single-tensor, foreach (multi-tensor, bounded temporaries) and fused (one pass) update,
+//! bitsandbytes' 8-bit blockwise Adam and torchao's 4-bit Adam; gradient clipping; learning-rate
+//! schedulers; state dicts as safetensors.
 //!
 //! Two layers:
 //! - [`kernels`], the raw-buffer layer: update kernels over host slices (`&mut [f32]` params,
@@ -10,11 +10,12 @@
 //!   an optimizer-in-backward hook needs. The fused and 8-bit kernels take a
 //!   [`GradScaling`](kernels::GradScaling) (in-kernel unscale and overflow skip, no host sync).
 //! - The optimizer layer over autograd-core parameters: [`GroupOptimizer`] (aliases [`Sgd`],
-//!   [`Adam`], [`Adafactor`], [`Adam8bit`]) runs one [`UpdateRule`] over parameter groups with
-//!   per-group hyperparameters and one [`Implementation`] — how the rule runs: `Single`,
+//!   [`Adam`], [`Adafactor`], [`Adam8bit`], [`Adam4bit`]) runs one [`UpdateRule`] over
+//!   parameter groups with per-group hyperparameters and one [`Implementation`] — how the rule
+//!   runs: `Single`,
 //!   `Foreach { chunk }` (temporaries bounded by `chunk` elements, [`DEFAULT_FOREACH_CHUNK`] =
 //!   16 MiB of f32 by default, instead of PyTorch's one temporary per parameter),
-//!   `ForeachUnbounded` (PyTorch's foreach) or `Fused`; 8-bit Adam is a rule whose only
+//!   `ForeachUnbounded` (PyTorch's foreach) or `Fused`; 8-bit and 4-bit Adam are rules whose only
 //!   implementation is `Fused`. It sits behind the object-safe [`Optimizer`] trait, which holds
 //!   only what every optimizer needs: [`Optimizer::step_with`] (all parameters or the given
 //!   [`ParamId`] handles — [`StepParams`] — with an optional gradient [`Scaling`]), `step`,
@@ -64,7 +65,7 @@
 //! agree to the bit for bf16 and f16 too. [`AdamStochastic`] trains bf16 parameters without an
 //! f32 master copy: f32 moments, the updated value rounded stochastically with seeded
 //! counter-based bits ([`kernels::round_bf16_stochastic`]), 12 bytes per parameter, the CPU and
-//! CUDA bit-equal. Adafactor and 8-bit Adam take f32 parameters only (a
+//! CUDA bit-equal. Adafactor, 8-bit and 4-bit Adam take f32 parameters only (a
 //! [`OptimError::DType`] for others). CUDA has every
 //! implementation too, with the CPU's float32 operations in the CPU's order, so results agree to
 //! the bit (Adafactor's two f64 norms to an ulp); a GradScaler on the GPU passes its scale and
@@ -92,7 +93,8 @@
 //!    what a loss scale provides; CUDA clipping.
 //! 6. `driver`, `cuda::multi_tensor`, `device` — the drivers rules plug into; where steps run.
 //! 7. `optimizer` — `GroupOptimizer` over parameter groups, the `Optimizer` trait, state dicts.
-//! 8. `sgd`, `adam`, `adam_stochastic`, `adafactor`, `adam8bit`, `elementwise` — rule front ends.
+//! 8. `sgd`, `adam`, `adam_stochastic`, `adafactor`, `adam8bit`, `adam4bit`, `elementwise` — rule
+//!    front ends.
 //! 9. `clip`, `grad_scale`, `scheduler` — public clipping, overflow check, schedulers.
 //! 10. `cuda` — the rules' CUDA pieces (each implements `CudaKernels` for its front end's
 //!     state) and the raw-buffer CUDA layer.
@@ -162,6 +164,7 @@ pub mod cuda;
 
 mod adafactor;
 mod adam;
+mod adam4bit;
 mod adam8bit;
 mod adam_stochastic;
 mod clip;
@@ -180,7 +183,8 @@ mod step;
 
 pub use adafactor::{Adafactor, AdafactorState};
 pub use adam::{Adam, AdamState};
-pub use adam8bit::{bnb_maps, Adam8bit, Adam8bitState};
+pub use adam4bit::{Adam4bit, Adam4bitState};
+pub use adam8bit::{bnb_maps, Adam8bit, Adam8bitState, BlockwiseState};
 pub use adam_stochastic::{AdamStochastic, AdamStochasticConfig};
 pub use clip::{clip_grad_norm_, clip_grad_value_, NormType};
 pub use device::StepDevice;
@@ -190,7 +194,9 @@ pub use elementwise::{
 };
 pub use error::OptimError;
 pub use grad_scale::non_finite_check_and_unscale_;
-pub use kernels::{AdafactorConfig, Adam8bitConfig, AdamConfig, SgdConfig, WeightDecay};
+pub use kernels::{
+    AdafactorConfig, Adam4bitConfig, Adam8bitConfig, AdamConfig, SgdConfig, WeightDecay,
+};
 pub use loss_scaler::LossScaler;
 pub use optimizer::{GroupOptimizer, Optimizer, ParamGroup};
 pub use rule::{CudaKernels, SavedTensors, UpdateRule};

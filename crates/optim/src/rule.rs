@@ -24,8 +24,8 @@ use crate::step::{Implementation, NamedTensors, RuleCall};
 /// its entries on each device — [`UpdateRule::host_step`] here, [`CudaKernels`]`::cuda_step` (a
 /// supertrait) on CUDA.
 ///
-/// Implemented by this crate's rules (SGD, Adam, Adafactor, 8-bit Adam, stochastic-rounding
-/// Adam) and, through a blanket implementation, by every
+/// Implemented by this crate's rules (SGD, Adam, Adafactor, 8-bit and 4-bit Adam,
+/// stochastic-rounding Adam) and, through a blanket implementation, by every
 /// [`ElementwiseRule`](crate::ElementwiseRule): a rule of your own implements that trait (its
 /// per-element update), not this one, whose entries take this crate's step types. Code outside
 /// names `UpdateRule` as a bound (`fn run<R: UpdateRule>(config: R)`).

@@ -11,18 +11,17 @@
 mod cuda_tensors;
 
 use std::num::NonZeroUsize;
-use std::sync::Arc;
 
 use headroom_autograd_core::{BackendRef, DType, Device, Tensor};
 use headroom_optim::kernels::GradScaling;
 use headroom_optim::{
-    AdafactorConfig, Adam, Adam8bitConfig, AdamConfig, AdamStochastic, AdamStochasticConfig,
-    DeviceGradScaling, GroupOptimizer, Implementation, OptimError, Optimizer, ParamGroup, Scaling,
-    SgdConfig, StepParams, UpdateRule,
+    AdafactorConfig, Adam, Adam4bitConfig, Adam8bitConfig, AdamConfig, AdamStochastic,
+    AdamStochasticConfig, DeviceGradScaling, GroupOptimizer, Implementation, OptimError, Optimizer,
+    ParamGroup, Scaling, SgdConfig, StepParams, UpdateRule,
 };
 use headroom_testkit::ulps::max_ulps;
 
-use cuda_tensors::{random, raw_bytes, shared_cuda_and_cpu, tensor_of};
+use cuda_tensors::{random, raw_bytes, scaled_step, shared_cuda_and_cpu, tensor_of};
 
 /// Shapes with a tail off every vector width, a tensor over a fused block (65,536 elements),
 /// a matrix, and one under 8-bit Adam's `min_8bit_size`.
@@ -373,6 +372,19 @@ fn adam8bit_on_cuda_equals_the_cpu() {
     }
 }
 
+/// 4-bit Adam on the shapes above, none of which it quantises (its f32-state kernel; the 4-bit
+/// kernel is `cuda_adam4bit.rs`'s).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn adam4bit_f32_states_on_cuda_equal_the_cpu() {
+    for (name, config) in [
+        ("adam4bit", Adam4bitConfig::adam()),
+        ("adamw4bit", Adam4bitConfig::adamw()),
+    ] {
+        compare(name, config, &[Implementation::Fused], 0);
+    }
+}
+
 /// A GradScaler on the device: steps 1, 3 and 4 unscale by 1024, step 2 has found-inf set. The
 /// CPU skips step 2 on the host; the CUDA kernels skip it on the device and count it, so the
 /// step numbers and the later bias corrections agree (the corrections after a skip come from the
@@ -407,24 +419,7 @@ fn device_scaling<R: UpdateRule>(name: &str, config: R, implementation: Implemen
                     .set_grad(Some(Tensor::from_slice(backend, &grad, shape).unwrap()))
                     .unwrap();
             }
-            let flag = if overflow { 1.0 } else { 0.0 };
-            if Arc::ptr_eq(backend, &cpu) {
-                let scaling = GradScaling {
-                    grad_scale: Some(1024.0),
-                    found_inf: Some(flag),
-                };
-                optimizer
-                    .step_with(StepParams::All, Scaling::Host(scaling))
-                    .unwrap();
-            } else {
-                let scaling = DeviceGradScaling {
-                    grad_scale: Some(Tensor::from_slice(backend, &[1024.0f32], &[1]).unwrap()),
-                    found_inf: Some(Tensor::from_slice(backend, &[flag], &[1]).unwrap()),
-                };
-                optimizer
-                    .step_with(StepParams::All, Scaling::Device(&scaling))
-                    .unwrap();
-            }
+            scaled_step(&mut optimizer, backend, &cpu, overflow);
         }
         for idx in 0..params.len() {
             assert_eq!(optimizer.param_step(0, idx).unwrap(), 3, "{name}");

@@ -1,6 +1,7 @@
-//! The memory a CUDA optimizer holds during a step, read from its backend's allocator: fused and
-//! 8-bit nothing, single one parameter's temporary, bounded foreach at most its chunk, unbounded
-//! foreach all parameters (PyTorch's foreach); state sizes exact, bf16 states 2 bytes an element.
+//! The memory a CUDA optimizer holds during a step, read from its backend's allocator: fused,
+//! 8-bit and 4-bit nothing, single one parameter's temporary, bounded foreach at most its chunk,
+//! unbounded foreach all parameters (PyTorch's foreach); state sizes exact, bf16 states 2 bytes an
+//! element.
 //! Each test opens a backend of its own, so other tests' tensors stay out of its counts. Each test
 //! is marked `#[ignore = "needs a CUDA device"]`: it runs with `--include-ignored`.
 #![cfg(feature = "cuda")]
@@ -14,8 +15,8 @@ use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_ops_cuda::CudaBackend;
 use headroom_optim::kernels::n_blocks;
 use headroom_optim::{
-    Adam, Adam8bit, Adam8bitConfig, AdamConfig, Implementation, Optimizer, ParamGroup, Sgd,
-    SgdConfig,
+    Adam, Adam4bit, Adam4bitConfig, Adam8bit, Adam8bitConfig, AdamConfig, Implementation,
+    Optimizer, ParamGroup, Sgd, SgdConfig,
 };
 use headroom_testkit::gpu::cuda_or_skip;
 
@@ -158,6 +159,30 @@ fn each_implementation_holds_the_memory_it_promises() {
     for (_, tensor) in small {
         assert_eq!((tensor.dtype(), tensor.numel()), (DType::F32, 1000));
     }
+    // 4-bit: two codes a byte and one f32 scale per 128 elements; f32 states otherwise.
+    let params = cuda_params(&backend, &[&[300, 128], &[1000]]);
+    let mut adam4 = Adam4bit::new(
+        vec![ParamGroup::new(params, Adam4bitConfig::adamw())],
+        Implementation::Fused,
+    )
+    .unwrap();
+    let (_, peak) = step_memory(&cuda, &mut adam4);
+    assert_eq!(peak, 0);
+    let n = 300 * 128;
+    let expect = [
+        ("state1", DType::U8, n / 2),
+        ("state2", DType::U8, n / 2),
+        ("absmax1", DType::F32, n / 128),
+        ("absmax2", DType::F32, n / 128),
+    ];
+    for ((name, tensor), (want_name, dtype, numel)) in adam4.param_state(0, 0).iter().zip(expect) {
+        assert_eq!(
+            (*name, tensor.dtype(), tensor.numel()),
+            (want_name, dtype, numel)
+        );
+    }
+    let small: Vec<_> = adam4.param_state(0, 1);
+    assert_eq!(small.len(), 2);
 }
 
 /// The bf16 fused step on CUDA: states of 2 bytes per element (exact bytes), nothing else during

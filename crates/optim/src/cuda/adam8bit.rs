@@ -5,6 +5,7 @@
 //! The kernel finds codes through [`StateCodeTable`]s (exactly bitsandbytes' search, without
 //! it), uploaded once per device with the two maps; warps take runs of 256-element blocks from a
 //! counter stored after the tables, which the host zeroes (asynchronously) before each launch.
+//! Its `state_spans` (the addresses of a [`BlockwiseState`] step) serve the 4-bit piece too.
 
 use std::sync::Arc;
 
@@ -12,10 +13,10 @@ use headroom_ops_cuda::{CudaBackend, KernelArg};
 
 use super::launch::{
     address, check_disjoint, checked_scaling_addresses, geometry, raw_geometry, scaling_addresses,
-    CudaDevice, Module,
+    CudaDevice, ItemGeometry, Module,
 };
 use super::table::{flags, PieceHead, Table};
-use crate::adam8bit::{bnb_maps, Adam8bitState};
+use crate::adam8bit::{bnb_maps, BlockwiseState};
 use crate::error::OptimError;
 use crate::kernels::{
     check_step, Adam8bitConfig, Adam8bitConsts, StateCodeTable, BNB_BLOCK_SIZE, CODE_BINS_PER_SIGN,
@@ -90,10 +91,7 @@ fn write_piece(
     let piece_flags = flags::when(grad_scale.is_some(), flags::HOST_SCALED)
         | flags::when(c.decay_factor.is_some(), flags::DECAY)
         | flags::when(math == Adam8bitMath::Bitsandbytes, flags::BNB_ARITH);
-    let entry = table.entry(head);
-    for address in span {
-        entry.u64(address);
-    }
+    let entry = table.entry(head).u64s(&span);
     entry
         .u32(piece_flags)
         .f32(c.beta1)
@@ -156,30 +154,30 @@ fn launch_blockwise(
 
 /// The CUDA entry of 8-bit Adam (whose one implementation is fused): one launch for the 8-bit
 /// states, one for the f32 states of small tensors.
-impl CudaKernels<Adam8bitState> for Adam8bitConfig {
+impl CudaKernels<BlockwiseState> for Adam8bitConfig {
     fn cuda_step(
         &self,
         device: &mut CudaDevice,
-        call: RuleCall<'_, '_, Adam8bitState>,
+        call: RuleCall<'_, '_, BlockwiseState>,
     ) -> Result<(), OptimError> {
         let RuleCall { items, scaling, .. } = call;
         step(self, device, items, scaling)
     }
 }
 
-fn step(
-    cfg: &Adam8bitConfig,
-    device: &mut CudaDevice,
-    items: &mut [StepItem<'_, Adam8bitState>],
-    scaling: Scaling<'_>,
-) -> Result<(), OptimError> {
-    let grad_scale = scaling.host().grad_scale;
+/// The parameters of a block-wise rule's step (8-bit or 4-bit) with quantised states, then those
+/// with f32 states: each list's geometry and, per parameter, the addresses of its parameter,
+/// gradient, two states and two scale arrays (0 for f32 states).
+pub(super) type StateSpans = (Vec<ItemGeometry>, Vec<[u64; 6]>);
+
+/// [`StateSpans`] of `items`: `(quantised, f32 states)`.
+pub(super) fn state_spans(items: &[StepItem<'_, BlockwiseState>]) -> (StateSpans, StateSpans) {
     let mut quantized = (Vec::new(), Vec::new());
     let mut full = (Vec::new(), Vec::new());
     for (it, g) in items.iter().zip(geometry(items)) {
         let (param, grad) = (address(it.param), address(&it.grad));
         let (list, span) = match &*it.state {
-            Adam8bitState::Quantized {
+            BlockwiseState::Quantized {
                 state1,
                 state2,
                 absmax1,
@@ -196,7 +194,7 @@ fn step(
                 ];
                 (&mut quantized, span)
             }
-            Adam8bitState::Full { state1, state2 } => (
+            BlockwiseState::Full { state1, state2 } => (
                 &mut full,
                 [param, grad, address(state1), address(state2), 0, 0],
             ),
@@ -204,6 +202,17 @@ fn step(
         list.0.push(g);
         list.1.push(span);
     }
+    (quantized, full)
+}
+
+fn step(
+    cfg: &Adam8bitConfig,
+    device: &mut CudaDevice,
+    items: &mut [StepItem<'_, BlockwiseState>],
+    scaling: Scaling<'_>,
+) -> Result<(), OptimError> {
+    let grad_scale = scaling.host().grad_scale;
+    let (quantized, full) = state_spans(items);
     let count_skips = matches!(scaling, Scaling::Device(_));
     let (table, n_blocks) = device.piece_table(
         &quantized.0,

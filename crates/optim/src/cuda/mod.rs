@@ -11,12 +11,14 @@
 //!   stay in the H200's L2 between passes);
 //! - single: the same passes one parameter at a time, with a temporary of that parameter;
 //! - 8-bit Adam (fused only): bitsandbytes' blockwise kernel, and its 32-bit path for small
-//!   tensors.
+//!   tensors; 4-bit Adam (fused only): torchao's update, one CUDA block per block of 128, and its
+//!   f32-state path.
 //!
 //! Each rule plugs in by implementing [`CudaKernels`](crate::rule::CudaKernels) for its state:
 //! SGD and Adam through `multi_tensor.rs` (one generic driver; `sgd.rs` and `adam.rs` hold only
 //! their kernel names, state addresses, pass ops and piece layouts), Adafactor and 8-bit Adam with
-//! their own entries (`adafactor.rs` on the host's per-parameter schedule, `adam8bit.rs`), a
+//! their own entries (`adafactor.rs` on the host's per-parameter schedule, `adam8bit.rs`,
+//! `adam4bit.rs`, which shares 8-bit's state addresses), a
 //! user's [`ElementwiseRule`](crate::ElementwiseRule) through `elementwise.rs` (its own PTX, one
 //! fused launch). `clip.rs` launches the clipping kernels and `grad_scale.rs` a GradScaler's
 //! overflow check (and unscale), both over a table of gradients (`grads.rs`). Every launch goes
@@ -38,6 +40,7 @@
 
 mod adafactor;
 mod adam;
+mod adam4bit;
 mod adam8bit;
 pub(crate) mod clip;
 mod elementwise;

@@ -52,6 +52,14 @@ impl Table {
 
     field_writers!(u64, f64, u32, f32);
 
+    /// Appends `values` as `u64` fields, in order (a piece's buffer addresses).
+    pub(crate) fn u64s(&mut self, values: &[u64]) -> &mut Table {
+        for &value in values {
+            self.u64(value);
+        }
+        self
+    }
+
     /// Ends the entry, which must have the kernel struct's `size`.
     pub(crate) fn end(&mut self, size: usize) {
         assert_eq!(

@@ -20,8 +20,8 @@
 use rayon::prelude::*;
 
 use super::{
-    check_host_scaling, check_len, check_step, lerp, maximum, non_negative, round_bf16_stochastic,
-    stochastic_bits, GradScaling, ParamElement, StepOutcome, PARALLEL_CHUNK,
+    check_adam_ranges, check_host_scaling, check_len, check_step, lerp, maximum,
+    round_bf16_stochastic, stochastic_bits, GradScaling, ParamElement, StepOutcome, PARALLEL_CHUNK,
 };
 use crate::error::OptimError;
 use half::bf16;
@@ -79,25 +79,8 @@ impl AdamConfig {
 
     /// Checks the ranges PyTorch checks.
     pub fn validate(&self) -> Result<(), OptimError> {
-        let bad = |reason: String| {
-            Err(OptimError::InvalidArgument {
-                op: "AdamConfig",
-                reason,
-            })
-        };
-        if !non_negative(self.lr) {
-            return bad(format!("invalid learning rate {}", self.lr));
-        }
-        if !non_negative(self.eps) {
-            return bad(format!("invalid epsilon {}", self.eps));
-        }
-        if !(0.0..1.0).contains(&self.betas.0) || !(0.0..1.0).contains(&self.betas.1) {
-            return bad(format!("invalid betas {:?}", self.betas));
-        }
-        if !non_negative(self.weight_decay) {
-            return bad(format!("invalid weight_decay {}", self.weight_decay));
-        }
-        Ok(())
+        let (lr, betas, eps, wd) = (self.lr, self.betas, self.eps, self.weight_decay);
+        check_adam_ranges("AdamConfig", lr, betas, eps, wd)
     }
 }
 

@@ -11,10 +11,13 @@
 //! All arithmetic is float32 as in the CUDA kernel. One difference from bitsandbytes: a state is
 //! scaled by the block's reciprocal `s·(1/absmax)` rather than divided, one division per block
 //! instead of per element (codes then differ from bitsandbytes' in the rare case where the two
-//! roundings straddle a code threshold; the golden test bounds how often).
+//! roundings straddle a code threshold; the golden test bounds how often). Its buffers
+//! ([`BlockwiseBuffers`]) and its f32-state loop serve torchao's 4-bit Adam (`adam4bit.rs`) too.
 
 use super::quantization::{quantize_state_code, QuantizationMap};
-use super::{check_host_scaling, check_len, check_step, non_negative, GradScaling, StepOutcome};
+use super::{
+    check_adam_ranges, check_host_scaling, check_len, check_step, GradScaling, StepOutcome,
+};
 use crate::error::OptimError;
 
 /// Block size of bitsandbytes' 8-bit optimizer states.
@@ -62,37 +65,32 @@ impl Adam8bitConfig {
 
     /// Checks the ranges bitsandbytes checks.
     pub fn validate(&self) -> Result<(), OptimError> {
-        if !non_negative(self.lr)
-            || !(0.0..1.0).contains(&self.betas.0)
-            || !(0.0..1.0).contains(&self.betas.1)
-            || !non_negative(self.eps)
-            || !non_negative(self.weight_decay)
-        {
-            return Err(OptimError::InvalidArgument {
-                op: "Adam8bitConfig",
-                reason: format!("invalid hyperparameters {self:?}"),
-            });
-        }
-        Ok(())
+        let (lr, betas, eps, wd) = (self.lr, self.betas, self.eps, self.weight_decay);
+        check_adam_ranges("Adam8bitConfig", lr, betas, eps, wd)
     }
 }
 
-/// One parameter's buffers for an 8-bit update.
+/// One parameter's buffers for a block-wise quantised update: 8-bit ([`Adam8bitBuffers`], one
+/// code a byte, [`n_blocks`] scales) or 4-bit
+/// ([`Adam4bitBuffers`](super::Adam4bitBuffers), two codes a byte, a scale per block of 128).
 #[derive(Debug)]
-pub struct Adam8bitBuffers<'a> {
+pub struct BlockwiseBuffers<'a> {
     /// The parameter, updated in place.
     pub param: &'a mut [f32],
     /// Its gradient.
     pub grad: &'a [f32],
-    /// First-state codes (signed map), zero before the first step.
+    /// First-state (`exp_avg`) codes (signed map), zero before the first step.
     pub state1: &'a mut [u8],
-    /// Second-state codes (unsigned map), zero before the first step.
+    /// Second-state (`exp_avg_sq`) codes (unsigned map), zero before the first step.
     pub state2: &'a mut [u8],
-    /// Per-block scale of the first state, [`n_blocks`] entries, zero before the first step.
+    /// Per-block scale of the first state, zero before the first step.
     pub absmax1: &'a mut [f32],
     /// Per-block scale of the second state.
     pub absmax2: &'a mut [f32],
 }
+
+/// One parameter's buffers for an 8-bit update.
+pub type Adam8bitBuffers<'a> = BlockwiseBuffers<'a>;
 
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StepConsts {
@@ -161,10 +159,7 @@ pub fn adam8bit_blockwise(
         let len = p.len();
         let (mut max1, mut max2) = (0f32, 0f32);
         for j in 0..len {
-            let g = match scaling.grad_scale {
-                Some(scale) => g[j] / scale,
-                None => g[j],
-            };
+            let g = scaling.unscale(g[j]);
             if g.is_finite() {
                 let v = qmap2[usize::from(c2[j])] * *a2;
                 s2[j] = v * c.beta2 + c.one_minus_beta2 * g * g;
@@ -180,10 +175,7 @@ pub fn adam8bit_blockwise(
         *a1 = max1;
         *a2 = max2;
         for j in 0..len {
-            let g = match scaling.grad_scale {
-                Some(scale) => g[j] / scale,
-                None => g[j],
-            };
+            let g = scaling.unscale(g[j]);
             if g.is_finite() {
                 p[j] += c.step_size * (s1[j] / (s2[j].sqrt() + c.correction2 * c.eps));
                 if let Some(factor) = c.decay_factor {
@@ -220,33 +212,60 @@ pub fn adam_bnb_32bit(
     state2: &mut [f32],
     scaling: GradScaling,
 ) -> Result<StepOutcome, OptimError> {
-    const OP: &str = "adam_bnb_32bit";
-    check_step(OP, step)?;
-    check_host_scaling(OP, scaling)?;
-    let n = param.len();
-    check_len(OP, n, grad.len(), "grad")?;
-    check_len(OP, n, state1.len(), "state1")?;
-    check_len(OP, n, state2.len(), "state2")?;
-    if scaling.skips() {
-        return Ok(StepOutcome::Skipped);
-    }
     let c = StepConsts::new(cfg, step);
-    for (((p, &g), m), v) in param
-        .iter_mut()
-        .zip(grad)
-        .zip(state1.iter_mut())
-        .zip(state2.iter_mut())
-    {
-        let g = match scaling.grad_scale {
-            Some(scale) => g / scale,
-            None => g,
-        };
+    let states = F32States {
+        param,
+        grad,
+        state1,
+        state2,
+    };
+    states.update("adam_bnb_32bit", step, scaling, |p, g, m, v| {
         *m = *m * c.beta1 + c.one_minus_beta1 * g;
         *v = *v * c.beta2 + c.one_minus_beta2 * (g * g);
         *p += c.step_size * (*m / (v.sqrt() + c.eps * c.correction2));
         if let Some(factor) = c.decay_factor {
             *p *= factor;
         }
+    })
+}
+
+/// The buffers of a block-wise rule's f32-state form (a parameter it does not quantise): the
+/// parameter, its gradient and two f32 states of its length.
+pub(crate) struct F32States<'a> {
+    pub(crate) param: &'a mut [f32],
+    pub(crate) grad: &'a [f32],
+    pub(crate) state1: &'a mut [f32],
+    pub(crate) state2: &'a mut [f32],
+}
+
+impl F32States<'_> {
+    /// Checks the step, the scaling and the lengths (as `op`), then, unless `scaling` skips the
+    /// step, runs `element(p, g, m, v)` on each element with its gradient unscaled.
+    pub(crate) fn update(
+        self,
+        op: &'static str,
+        step: u64,
+        scaling: GradScaling,
+        mut element: impl FnMut(&mut f32, f32, &mut f32, &mut f32),
+    ) -> Result<StepOutcome, OptimError> {
+        check_step(op, step)?;
+        check_host_scaling(op, scaling)?;
+        let n = self.param.len();
+        check_len(op, n, self.grad.len(), "grad")?;
+        check_len(op, n, self.state1.len(), "state1")?;
+        check_len(op, n, self.state2.len(), "state2")?;
+        if scaling.skips() {
+            return Ok(StepOutcome::Skipped);
+        }
+        for (((p, &g), m), v) in self
+            .param
+            .iter_mut()
+            .zip(self.grad)
+            .zip(self.state1.iter_mut())
+            .zip(self.state2.iter_mut())
+        {
+            element(p, scaling.unscale(g), m, v);
+        }
+        Ok(StepOutcome::Stepped)
     }
-    Ok(StepOutcome::Stepped)
 }

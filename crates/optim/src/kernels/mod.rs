@@ -18,13 +18,14 @@
 //! end of the element's update, as PyTorch's fused kernels do (SGD stores the momentum buffer
 //! before the update reads it back); the single and foreach forms round each op's result, as
 //! PyTorch's op-by-op paths do. For f32 every rounding is the identity, so f32 results are those
-//! of the f32-only kernels. Adafactor and 8-bit Adam take f32 only. Every kernel updates one
+//! of the f32-only kernels. Adafactor, 8-bit and 4-bit Adam take f32 only. Every kernel updates one
 //! parameter (or one list), so the per-parameter step of optimizer-in-backward is a plain call.
 //! The CUDA side (`crate::cuda`, feature `cuda`) runs the same operations in the same order on
 //! device memory.
 
 mod adafactor;
 mod adam;
+mod adam4bit;
 mod adam8bit;
 mod quantization;
 mod sgd;
@@ -37,9 +38,13 @@ pub use adam::{
     adam_foreach, adam_fused, adam_fused_stochastic, adam_scratch_len, adam_single, AdamBuffers,
     AdamConfig, AdamStochasticBuffers, WeightDecay,
 };
+pub use adam4bit::{
+    adam4bit_blockwise, adam4bit_f32_states, code_4bit, dequantize_4bit, is_quantized_4bit, qmap4,
+    quantize_4bit, Adam4bitBuffers, Adam4bitConfig, Qmap4, AO_BLOCK_SIZE, MIN_4BIT_SIZE,
+};
 pub use adam8bit::{
-    adam8bit_blockwise, adam_bnb_32bit, n_blocks, Adam8bitBuffers, Adam8bitConfig, BNB_BLOCK_SIZE,
-    MIN_8BIT_SIZE,
+    adam8bit_blockwise, adam_bnb_32bit, n_blocks, Adam8bitBuffers, Adam8bitConfig,
+    BlockwiseBuffers, BNB_BLOCK_SIZE, MIN_8BIT_SIZE,
 };
 pub use quantization::{
     code_bin, code_key, dequantize_blockwise, dynamic_map, quantize_blockwise, quantize_code,
@@ -54,6 +59,8 @@ pub use half::{bf16, f16};
 pub(crate) use adafactor::{factors, StepConsts as AdafactorConsts};
 #[cfg(feature = "cuda")]
 pub(crate) use adam::{foreach_chunks, StepConsts};
+#[cfg(feature = "cuda")]
+pub(crate) use adam4bit::StepConsts as Adam4bitConsts;
 #[cfg(feature = "cuda")]
 pub(crate) use adam8bit::StepConsts as Adam8bitConsts;
 #[cfg(feature = "cuda")]
@@ -158,6 +165,15 @@ impl GradScaling {
     pub fn skips(&self) -> bool {
         self.found_inf.is_some_and(|flag| flag != 0.0)
     }
+
+    /// A gradient element as the update takes it: divided by the loss scale when there is one.
+    #[inline(always)]
+    pub(crate) fn unscale(&self, g: f32) -> f32 {
+        match self.grad_scale {
+            Some(scale) => g / scale,
+            None => g,
+        }
+    }
 }
 
 /// What a kernel that can skip did.
@@ -221,6 +237,29 @@ pub(crate) fn check_host_scaling(op: &'static str, scaling: GradScaling) -> Resu
         }),
         _ => Ok(()),
     }
+}
+
+/// Checks Adam's hyperparameter ranges as PyTorch, bitsandbytes and torchao check them: `lr`,
+/// `eps` and `weight_decay` at least 0 (NaN is not), each beta in `[0, 1)`; `op` names the config.
+pub(crate) fn check_adam_ranges(
+    op: &'static str,
+    lr: f64,
+    betas: (f64, f64),
+    eps: f64,
+    weight_decay: f64,
+) -> Result<(), OptimError> {
+    let reason = if !non_negative(lr) {
+        format!("invalid learning rate {lr}")
+    } else if !non_negative(eps) {
+        format!("invalid epsilon {eps}")
+    } else if !(0.0..1.0).contains(&betas.0) || !(0.0..1.0).contains(&betas.1) {
+        format!("invalid betas {betas:?}")
+    } else if !non_negative(weight_decay) {
+        format!("invalid weight_decay {weight_decay}")
+    } else {
+        return Ok(());
+    };
+    Err(OptimError::InvalidArgument { op, reason })
 }
 
 /// `x >= 0`, false for NaN.

@@ -5,7 +5,8 @@
 use headroom_autograd_core::{BackendRef, DType, Element, Tensor};
 use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
-use headroom_optim::kernels::{bf16, f16};
+use headroom_optim::kernels::{bf16, f16, GradScaling};
+use headroom_optim::{DeviceGradScaling, Optimizer, Scaling, StepParams};
 use headroom_testkit::gpu::shared_or_skip;
 use headroom_testkit::inputs::Xorshift;
 
@@ -64,5 +65,35 @@ pub(crate) fn tensor_of(
             Tensor::from_slice(backend, &values, shape).unwrap()
         }
         _ => Tensor::from_slice(backend, values, shape).unwrap(),
+    }
+}
+
+/// One step of `optimizer` under a GradScaler of scale 1024 whose found-inf flag is `overflow`:
+/// host values (`Scaling::Host`) when `backend` is `cpu`, one-element device tensors
+/// (`Scaling::Device`, skipped and counted on the device) otherwise.
+#[allow(dead_code, reason = "only the GradScaler tests step under a scale")]
+pub(crate) fn scaled_step(
+    optimizer: &mut dyn Optimizer,
+    backend: &BackendRef,
+    cpu: &BackendRef,
+    overflow: bool,
+) {
+    let flag = if overflow { 1.0f32 } else { 0.0 };
+    if std::sync::Arc::ptr_eq(backend, cpu) {
+        let scaling = GradScaling {
+            grad_scale: Some(1024.0),
+            found_inf: Some(flag),
+        };
+        optimizer
+            .step_with(StepParams::All, Scaling::Host(scaling))
+            .unwrap();
+    } else {
+        let scaling = DeviceGradScaling {
+            grad_scale: Some(Tensor::from_slice(backend, &[1024.0f32], &[1]).unwrap()),
+            found_inf: Some(Tensor::from_slice(backend, &[flag], &[1]).unwrap()),
+        };
+        optimizer
+            .step_with(StepParams::All, Scaling::Device(&scaling))
+            .unwrap();
     }
 }

@@ -1,0 +1,175 @@
+// torchao's 4-bit Adam/AdamW (torchao.optim.Adam4bit, AdamW4bit) on the GPU, for a whole list of
+// parameters in one launch, and its f32-state path for parameters torchao does not quantise.
+//
+// 4-bit: one CUDA block of 128 threads per quantisation block of 128 elements (a quantised
+// parameter is whole blocks), one element a thread: dequantise both moments (the code's table
+// value times the block's scale), update them and the parameter, reduce the block's new absmax of
+// each moment (a warp reduction, then across the four warps), re-quantise against it (torchao's
+// branchless search, ties up) and pack two codes a byte, the even element in the high nibble (the
+// odd neighbour's code comes by a shuffle). Every thread reads its codes and the old scales
+// before the reduction's barrier and the new ones are written after it, so the block updates its
+// state in place.
+//
+// The float operations are those of crates/optim/src/kernels/adam4bit.rs in the same order, each
+// rounded as there (__f*_rn keep nvcc from contracting into FMAs; PyTorch's lerp is an fma on
+// the CPU too), so the GPU and the CPU agree to the bit. Launch side:
+// crates/optim/src/cuda/adam4bit.rs. Built to PTX by `cargo xtask build-kernels`.
+
+#include "optim.cuh"
+
+#define AO_BLOCK 128
+
+struct Ao4Piece {
+    PieceHead head;  // 4-bit: first_block counts 128-element blocks; f32 states: CUDA blocks
+    unsigned long long param, grad, state1, state2, absmax1, absmax2;  // absmax: 4-bit only
+    unsigned int flags;  // FLAG_HOST_SCALED; FLAG_DECAY: AdamW (else Adam's L2 term)
+    float lr, lr_wd, wd, w1, w2, bc1, sqrt_bc2, eps, grad_scale, beta1, beta2;
+    float qmap1[16], qmap2[16];  // signed (exp_avg) and unsigned (exp_avg_sq) code tables
+};
+static_assert(sizeof(Ao4Piece) == 256, "Ao4Piece layout");
+
+struct AoConsts {
+    float lr, lr_wd, wd, w1, w2, bc1, sqrt_bc2, eps;
+    bool decoupled;
+};
+
+// The piece's constants; after device-skipped steps the bias corrections are recomputed from
+// the true step (powf through double, within an ulp of the host's powf).
+__device__ __forceinline__ AoConsts ao_consts(const Ao4Piece& pc) {
+    AoConsts c;
+    c.lr = pc.lr;
+    c.lr_wd = pc.lr_wd;
+    c.wd = pc.wd;
+    c.w1 = pc.w1;
+    c.w2 = pc.w2;
+    c.bc1 = pc.bc1;
+    c.sqrt_bc2 = pc.sqrt_bc2;
+    c.eps = pc.eps;
+    c.decoupled = (pc.flags & FLAG_DECAY) != 0;
+    unsigned long long t = true_step(pc.head);
+    if (t != pc.head.step) {
+        c.bc1 = __fsub_rn(1.0f, (float)pow((double)pc.beta1, (double)(float)t));
+        c.sqrt_bc2 = __fsqrt_rn(__fsub_rn(1.0f, (float)pow((double)pc.beta2, (double)(float)t)));
+    }
+    return c;
+}
+
+// One element of torchao's single_param_adam (StepConsts::update on the host).
+__device__ __forceinline__ void ao_update(const AoConsts& c, float& p, float g, float& m, float& v) {
+    if (c.decoupled) {
+        p = __fsub_rn(p, __fmul_rn(c.lr_wd, p));
+    } else {
+        g = __fadd_rn(g, __fmul_rn(c.wd, p));
+    }
+    m = lerp_pt(m, g, c.w1);
+    v = lerp_pt(v, __fmul_rn(g, g), c.w2);
+    float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.sqrt_bc2), c.eps);
+    p = __fsub_rn(p, __fdiv_rn(__fmul_rn(c.lr, __fdiv_rn(m, c.bc1)), denom));
+}
+
+// torchao's quantize_4bit_with_qmap of one scaled value (code_4bit on the host).
+__device__ __forceinline__ unsigned code4(const float* q, float y) {
+    unsigned c = y >= q[8] ? 8u : 0u;
+    c += y >= q[c + 4] ? 4u : 0u;
+    c += y >= q[c + 2] ? 2u : 0u;
+    c += y >= q[c + 1] ? 1u : 0u;
+    unsigned up = min(c + 1u, 15u);
+    float residual = __fsub_rn(y, q[c]);
+    return residual >= __fmul_rn(__fsub_rn(q[up], q[c]), 0.5f) ? up : c;
+}
+
+__device__ __forceinline__ float warp_maximum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = maximum_pt(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// A block's scale from its absmax: NaN stays NaN, else at least 1e-12 (`clip(1e-12)`).
+__device__ __forceinline__ float block_scale(float amax) {
+    return amax != amax ? amax : fmaxf(amax, 1e-12f);
+}
+
+// Every 128-element block of every piece: block b of the launch is block b - first_block of its
+// piece (blockDim.x == 128).
+extern "C" __global__ void __launch_bounds__(AO_BLOCK) adam4bit_blockwise_f32(
+    const Ao4Piece* pieces, unsigned n_pieces, unsigned long long block_elems, const float* grad_scale,
+    const float* found_inf) {
+    if (skip_step(pieces, n_pieces, found_inf)) return;
+    const Ao4Piece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
+    unsigned long long block = blockIdx.x - pc.head.first_block;
+    if (block * block_elems >= pc.head.len) return;  // whole blocks only: never taken
+    const AoConsts c = ao_consts(pc);
+    float scale;
+    bool scaled = grad_scale_of(grad_scale, pc.flags, pc.grad_scale, &scale);
+    unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    unsigned long long j = block * AO_BLOCK + threadIdx.x;
+    float* p = (float*)pc.param;
+    const float* g = (const float*)pc.grad;
+    unsigned char* c1 = (unsigned char*)pc.state1;
+    unsigned char* c2 = (unsigned char*)pc.state2;
+    float* s1 = (float*)pc.absmax1;
+    float* s2 = (float*)pc.absmax2;
+    unsigned shift = (threadIdx.x & 1u) ? 0u : 4u;
+    unsigned k1 = (c1[j >> 1] >> shift) & 15u, k2 = (c2[j >> 1] >> shift) & 15u;
+    float m = __fmul_rn(pc.qmap1[k1], s1[block]);
+    float v = __fmul_rn(pc.qmap2[k2], s2[block]);
+    float gk = g[j];
+    if (scaled) gk = __fdiv_rn(gk, scale);
+    float pv = p[j];
+    ao_update(c, pv, gk, m, v);
+    p[j] = pv;
+
+    __shared__ float maxima[2][AO_BLOCK / 32];
+    float a1 = warp_maximum(fabsf(m)), a2 = warp_maximum(fabsf(v));
+    if (lane == 0) {
+        maxima[0][warp] = a1;
+        maxima[1][warp] = a2;
+    }
+    __syncthreads();
+    a1 = 0.0f;
+    a2 = 0.0f;
+#pragma unroll
+    for (int w = 0; w < AO_BLOCK / 32; ++w) {
+        a1 = maximum_pt(a1, maxima[0][w]);
+        a2 = maximum_pt(a2, maxima[1][w]);
+    }
+    float scale1 = block_scale(a1), scale2 = block_scale(a2);
+    unsigned q1 = code4(pc.qmap1, __fdiv_rn(m, scale1));
+    unsigned q2 = code4(pc.qmap2, __fdiv_rn(v, scale2));
+    unsigned odd1 = __shfl_down_sync(0xffffffffu, q1, 1), odd2 = __shfl_down_sync(0xffffffffu, q2, 1);
+    if ((threadIdx.x & 1u) == 0) {
+        c1[j >> 1] = (unsigned char)((q1 << 4) | odd1);
+        c2[j >> 1] = (unsigned char)((q2 << 4) | odd2);
+    }
+    if (threadIdx.x == 0) {
+        s1[block] = scale1;
+        s2[block] = scale2;
+    }
+}
+
+// The f32-state path (adam4bit_f32_states on the host): block b covers `block_elems` elements of
+// its piece.
+extern "C" __global__ void adam4bit_f32_states_f32(const Ao4Piece* pieces, unsigned n_pieces,
+                                                   unsigned long long block_elems, const float* grad_scale,
+                                                   const float* found_inf) {
+    if (skip_step(pieces, n_pieces, found_inf)) return;
+    const Ao4Piece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
+    unsigned long long start = (blockIdx.x - pc.head.first_block) * block_elems;
+    if (start >= pc.head.len) return;
+    unsigned long long n = min(block_elems, pc.head.len - start);
+    const AoConsts c = ao_consts(pc);
+    float scale;
+    bool scaled = grad_scale_of(grad_scale, pc.flags, pc.grad_scale, &scale);
+    float* p = (float*)pc.param + start;
+    const float* g = (const float*)pc.grad + start;
+    float* m = (float*)pc.state1 + start;
+    float* v = (float*)pc.state2 + start;
+    for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
+        float gk = g[i];
+        if (scaled) gk = __fdiv_rn(gk, scale);
+        float pv = p[i], mv = m[i], vv = v[i];
+        ao_update(c, pv, gk, mv, vv);
+        p[i] = pv;
+        m[i] = mv;
+        v[i] = vv;
+    }
+}

@@ -1,0 +1,90 @@
+//! torchao's 4-bit Adam/AdamW on CUDA (`kernels/adam4bit.cu`): the rule's step over tensors —
+//! one launch for the parameters with 4-bit states (one CUDA block per block of 128), one for
+//! those with f32 states.
+//!
+//! It sits on the launch layer (`launch.rs`, `table.rs`), the raw kernels' step constants and
+//! code tables (`kernels/adam4bit.rs`, so the GPU computes with the host's values) and the state
+//! addresses the 8-bit piece collects (`adam8bit.rs`'s `state_spans`); it knows nothing of the
+//! host driver.
+
+use super::adam8bit::state_spans;
+use super::launch::{scaling_addresses, CudaDevice, Module};
+use super::table::{flags, PieceHead, Table};
+use crate::adam8bit::BlockwiseState;
+use crate::error::OptimError;
+use crate::kernels::{qmap4, Adam4bitConfig, Adam4bitConsts, AO_BLOCK_SIZE};
+use crate::rule::CudaKernels;
+use crate::step::{RuleCall, Scaling};
+
+/// `sizeof(Ao4Piece)` in the kernel.
+const PIECE_SIZE: usize = 256;
+const BLOCKWISE_KERNEL: (Module, &str) = (Module::Adam4bit, "adam4bit_blockwise_f32");
+const F32_STATES_KERNEL: (Module, &str) = (Module::Adam4bit, "adam4bit_f32_states_f32");
+/// Elements and threads per block of the f32-state kernel.
+const F32_STATES: (u64, u32) = (4096, 256);
+
+/// Writes an `Ao4Piece`: parameter, gradient, the two states and the two scale arrays (0 for f32
+/// states), the step's constants and both code tables.
+fn write_piece(
+    table: &mut Table,
+    cfg: &Adam4bitConfig,
+    head: PieceHead,
+    span: [u64; 6],
+    grad_scale: Option<f32>,
+) {
+    let c = Adam4bitConsts::new(cfg, head.step);
+    let piece_flags = flags::when(grad_scale.is_some(), flags::HOST_SCALED)
+        | flags::when(c.decoupled, flags::DECAY);
+    let entry = table.entry(head).u64s(&span);
+    entry
+        .u32(piece_flags)
+        .f32(c.lr)
+        .f32(c.lr_wd)
+        .f32(c.wd)
+        .f32(c.w1)
+        .f32(c.w2)
+        .f32(c.bc1)
+        .f32(c.sqrt_bc2)
+        .f32(c.eps)
+        .f32(grad_scale.unwrap_or(1.0))
+        .f32(cfg.betas.0 as f32)
+        .f32(cfg.betas.1 as f32);
+    for value in qmap4(true).into_iter().chain(qmap4(false)) {
+        entry.f32(value);
+    }
+    entry.end(PIECE_SIZE);
+}
+
+/// The CUDA entry of 4-bit Adam (whose one implementation is fused).
+impl CudaKernels<BlockwiseState> for Adam4bitConfig {
+    fn cuda_step(
+        &self,
+        device: &mut CudaDevice,
+        call: RuleCall<'_, '_, BlockwiseState>,
+    ) -> Result<(), OptimError> {
+        let RuleCall { items, scaling, .. } = call;
+        let grad_scale = scaling.host().grad_scale;
+        let (quantized, full) = state_spans(items);
+        let count_skips = matches!(scaling, Scaling::Device(_));
+        let block = AO_BLOCK_SIZE as u64;
+        let (table, n_blocks) =
+            device.piece_table(&quantized.0, block, count_skips, &mut |t, idx, head| {
+                write_piece(t, self, head, quantized.1[idx], grad_scale)
+            })?;
+        device.run_elementwise(
+            BLOCKWISE_KERNEL,
+            &table,
+            quantized.0.len(),
+            n_blocks,
+            (block, AO_BLOCK_SIZE as u32),
+            scaling_addresses(scaling),
+        )?;
+        device.run_fused(
+            F32_STATES_KERNEL,
+            &full.0,
+            F32_STATES,
+            scaling,
+            &mut |t, idx, head| write_piece(t, self, head, full.1[idx], grad_scale),
+        )
+    }
+}
