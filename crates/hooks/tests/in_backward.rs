@@ -36,6 +36,7 @@ fn training_in_backward_equals_the_plain_loop_bit_for_bit() {
             20,
         ),
         case("gpt2, 8-bit Adam", gpt2, OptimSpec::adam8bit(1e-3), 20),
+        case("gpt2, 4-bit AdamW", gpt2, OptimSpec::adamw4bit(1e-3), 20),
         case(
             "mlp, SGD momentum",
             mlp(),

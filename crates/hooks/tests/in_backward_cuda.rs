@@ -29,6 +29,7 @@ fn twenty_steps_in_backward_on_the_gpu_equal_the_plain_loop_bit_for_bit() {
             headroom_hooks::DEFAULT_BUCKET_BYTES,
         ),
         (OptimSpec::adam8bit(1e-3), 4096),
+        (OptimSpec::adamw4bit(1e-3), 4096),
     ] {
         let case = TrainCase {
             name: "vit-tiny on CUDA",

@@ -15,8 +15,8 @@ use headroom_nn::{
     VitConfig,
 };
 use headroom_optim::{
-    Adafactor, AdafactorConfig, Adam, Adam8bit, Adam8bitConfig, AdamConfig, Implementation,
-    Optimizer, ParamGroup, Sgd, SgdConfig,
+    Adafactor, AdafactorConfig, Adam, Adam4bit, Adam4bitConfig, Adam8bit, Adam8bitConfig,
+    AdamConfig, Implementation, Optimizer, ParamGroup, Sgd, SgdConfig,
 };
 
 use crate::inputs::Xorshift;
@@ -109,6 +109,11 @@ pub enum OptimSpec {
     Adam8bit {
         /// Its hyperparameters.
         config: Adam8bitConfig,
+    },
+    /// torchao's `Adam4bit` / `AdamW4bit` (its one form is fused).
+    Adam4bit {
+        /// Its hyperparameters.
+        config: Adam4bitConfig,
     },
     /// `torch.optim.Adafactor`.
     Adafactor {
@@ -352,6 +357,16 @@ impl OptimSpec {
         }
     }
 
+    /// torchao's `AdamW4bit(lr=lr)` (blockwise 4-bit states).
+    pub fn adamw4bit(lr: f64) -> OptimSpec {
+        OptimSpec::Adam4bit {
+            config: Adam4bitConfig {
+                lr,
+                ..Adam4bitConfig::adamw()
+            },
+        }
+    }
+
     /// `torch.optim.Adafactor(lr=lr)` with PyTorch's other defaults, fused.
     pub fn adafactor(lr: f64) -> OptimSpec {
         OptimSpec::Adafactor {
@@ -363,7 +378,7 @@ impl OptimSpec {
         }
     }
 
-    /// The same optimizer computed another way (8-bit Adam has one way: fused).
+    /// The same optimizer computed another way (8- and 4-bit Adam have one way: fused).
     pub fn with_implementation(self, implementation: Implementation) -> OptimSpec {
         match self {
             OptimSpec::Sgd { config, .. } => OptimSpec::Sgd {
@@ -378,7 +393,7 @@ impl OptimSpec {
                 config,
                 implementation,
             },
-            eight_bit @ OptimSpec::Adam8bit { .. } => eight_bit,
+            fused_only @ (OptimSpec::Adam8bit { .. } | OptimSpec::Adam4bit { .. }) => fused_only,
         }
     }
 
@@ -388,6 +403,7 @@ impl OptimSpec {
             OptimSpec::Sgd { config, .. } => config.lr,
             OptimSpec::Adam { config, .. } => config.lr,
             OptimSpec::Adam8bit { config } => config.lr,
+            OptimSpec::Adam4bit { config } => config.lr,
             OptimSpec::Adafactor { config, .. } => config.lr,
         }
     }
@@ -398,6 +414,7 @@ impl OptimSpec {
             OptimSpec::Sgd { config, .. } => config.lr = lr,
             OptimSpec::Adam { config, .. } => config.lr = lr,
             OptimSpec::Adam8bit { config } => config.lr = lr,
+            OptimSpec::Adam4bit { config } => config.lr = lr,
             OptimSpec::Adafactor { config, .. } => config.lr = lr,
         }
         self
@@ -421,6 +438,10 @@ impl OptimSpec {
                 *implementation,
             )?),
             OptimSpec::Adam8bit { config } => Box::new(Adam8bit::new(
+                vec![ParamGroup::new(params, config.clone())],
+                Implementation::Fused,
+            )?),
+            OptimSpec::Adam4bit { config } => Box::new(Adam4bit::new(
                 vec![ParamGroup::new(params, config.clone())],
                 Implementation::Fused,
             )?),
