@@ -69,8 +69,8 @@ fn the_quantiser_equals_torchao_bit_for_bit() {
 /// Five steps of each configuration on the CPU against torchao's eager CPU run, after every
 /// step: `w`'s packed codes and scales and `b`'s f32 states bit for bit, `b`'s parameters bit for
 /// bit, `w`'s parameters within 1e-8 (at most 0.5% of them differ). Bitwise is not reachable for
-/// `w`'s parameters: PyTorch's CPU `sqrt` of a contiguous float tensor is MKL's `vsSqrt` in its
-/// high-accuracy mode, not correctly rounded — at step 1 of `adamw`, 8 of 8,192 roots are the
+/// `w`'s parameters: PyTorch's CPU `sqrt` of a float tensor (its vectorised x86 path, on the GPU
+/// machine's CPU) is not correctly rounded — at step 1 of `adamw`, 8 of 8,192 roots are the
 /// neighbour of the correctly rounded one (each exact root within 0.02 ulp of a midpoint), and
 /// with the neighbour our update gives torchao's bits for all 8; we keep the correctly rounded
 /// root, which the CUDA kernel computes too. Measured: at most 33 of 8,192 parameters differ
