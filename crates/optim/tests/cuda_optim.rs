@@ -21,7 +21,9 @@ use headroom_optim::{
 };
 use headroom_testkit::ulps::max_ulps;
 
-use cuda_tensors::{random, raw_bytes, scaled_step, shared_cuda_and_cpu, tensor_of};
+use cuda_tensors::{
+    device_scaled_step, random, raw_bytes, scaled_step, shared_cuda_and_cpu, tensor_of,
+};
 
 /// Shapes with a tail off every vector width, a tensor over a fused block (65,536 elements),
 /// a matrix, and one under 8-bit Adam's `min_8bit_size`.
@@ -322,14 +324,7 @@ fn stochastic_adam_on_cuda_equals_the_cpu() {
                     .set_grad(Some(tensor_of(backend, &grad, shape, DType::BF16)))
                     .unwrap();
             }
-            let flag = if overflow { 1.0f32 } else { 0.0 };
-            let scaling = DeviceGradScaling {
-                grad_scale: Some(Tensor::from_slice(backend, &[1024.0f32], &[1]).unwrap()),
-                found_inf: Some(Tensor::from_slice(backend, &[flag], &[1]).unwrap()),
-            };
-            optimizer
-                .step_with(StepParams::All, Scaling::Device(&scaling))
-                .unwrap();
+            device_scaled_step(&mut optimizer, backend, overflow);
         }
         for idx in 0..params.len() {
             assert_eq!(optimizer.param_step(0, idx).unwrap(), 3);

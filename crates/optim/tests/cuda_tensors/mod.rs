@@ -88,12 +88,24 @@ pub(crate) fn scaled_step(
             .step_with(StepParams::All, Scaling::Host(scaling))
             .unwrap();
     } else {
-        let scaling = DeviceGradScaling {
-            grad_scale: Some(Tensor::from_slice(backend, &[1024.0f32], &[1]).unwrap()),
-            found_inf: Some(Tensor::from_slice(backend, &[flag], &[1]).unwrap()),
-        };
-        optimizer
-            .step_with(StepParams::All, Scaling::Device(&scaling))
-            .unwrap();
+        device_scaled_step(optimizer, backend, overflow);
     }
+}
+
+/// One step of `optimizer` under a GradScaler of scale 1024 whose found-inf flag is `overflow`,
+/// both one-element tensors on `backend` (`Scaling::Device`: skipped and counted where they live).
+#[allow(dead_code, reason = "only the GradScaler tests step under a scale")]
+pub(crate) fn device_scaled_step(
+    optimizer: &mut dyn Optimizer,
+    backend: &BackendRef,
+    overflow: bool,
+) {
+    let flag = if overflow { 1.0f32 } else { 0.0 };
+    let scaling = DeviceGradScaling {
+        grad_scale: Some(Tensor::from_slice(backend, &[1024.0f32], &[1]).unwrap()),
+        found_inf: Some(Tensor::from_slice(backend, &[flag], &[1]).unwrap()),
+    };
+    optimizer
+        .step_with(StepParams::All, Scaling::Device(&scaling))
+        .unwrap();
 }
