@@ -12,7 +12,7 @@ use super::launch::{scaling_addresses, CudaDevice, Module};
 use super::table::{flags, PieceHead, Table};
 use crate::adam8bit::BlockwiseState;
 use crate::error::OptimError;
-use crate::kernels::{qmap4, Adam4bitConfig, Adam4bitConsts, AO_BLOCK_SIZE};
+use crate::kernels::{qmap4_tables, Adam4bitConfig, Adam4bitConsts, AO_BLOCK_SIZE};
 use crate::rule::CudaKernels;
 use crate::step::{RuleCall, Scaling};
 
@@ -49,7 +49,8 @@ fn write_piece(
         .f32(grad_scale.unwrap_or(1.0))
         .f32(cfg.betas.0 as f32)
         .f32(cfg.betas.1 as f32);
-    for value in qmap4(true).into_iter().chain(qmap4(false)) {
+    let (signed, unsigned) = qmap4_tables();
+    for &value in signed.iter().chain(unsigned) {
         entry.f32(value);
     }
     entry.end(PIECE_SIZE);

@@ -77,6 +77,13 @@ pub fn qmap4(signed: bool) -> Qmap4 {
     table
 }
 
+/// Both code tables, (signed, unsigned), built once per process: every step of every parameter
+/// reads them, on the host and in each CUDA piece.
+pub(crate) fn qmap4_tables() -> &'static (Qmap4, Qmap4) {
+    static TABLES: std::sync::OnceLock<(Qmap4, Qmap4)> = std::sync::OnceLock::new();
+    TABLES.get_or_init(|| (qmap4(true), qmap4(false)))
+}
+
 /// The code of `y` (a value already divided by its block's scale): torchao's
 /// `quantize_4bit_with_qmap`, a branchless binary search, then up one code when `y` is at least
 /// halfway to it. NaN takes code 0.
@@ -327,7 +334,7 @@ pub fn adam4bit_blockwise(
         return Ok(StepOutcome::Skipped);
     }
     let c = StepConsts::new(cfg, step);
-    let (qmap1, qmap2) = (qmap4(true), qmap4(false));
+    let (qmap1, qmap2) = qmap4_tables();
     let (mut m, mut v) = ([0f32; AO_BLOCK_SIZE], [0f32; AO_BLOCK_SIZE]);
     let half = AO_BLOCK_SIZE / 2;
     for ((((p, g), (c1, c2)), s1), s2) in bufs
@@ -344,11 +351,11 @@ pub fn adam4bit_blockwise(
     {
         for j in 0..AO_BLOCK_SIZE {
             let g = scaling.unscale(g[j]);
-            let (m_old, v_old) = (dequant(&qmap1, c1, j, *s1), dequant(&qmap2, c2, j, *s2));
+            let (m_old, v_old) = (dequant(qmap1, c1, j, *s1), dequant(qmap2, c2, j, *s2));
             (p[j], m[j], v[j]) = c.update(p[j], g, m_old, v_old);
         }
-        *s1 = quantize_block(&qmap1, &m, c1);
-        *s2 = quantize_block(&qmap2, &v, c2);
+        *s1 = quantize_block(qmap1, &m, c1);
+        *s2 = quantize_block(qmap2, &v, c2);
     }
     Ok(StepOutcome::Stepped)
 }

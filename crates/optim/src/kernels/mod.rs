@@ -60,7 +60,7 @@ pub(crate) use adafactor::{factors, StepConsts as AdafactorConsts};
 #[cfg(feature = "cuda")]
 pub(crate) use adam::{foreach_chunks, StepConsts};
 #[cfg(feature = "cuda")]
-pub(crate) use adam4bit::StepConsts as Adam4bitConsts;
+pub(crate) use adam4bit::{qmap4_tables, StepConsts as Adam4bitConsts};
 #[cfg(feature = "cuda")]
 pub(crate) use adam8bit::StepConsts as Adam8bitConsts;
 #[cfg(feature = "cuda")]
