@@ -62,7 +62,7 @@ template <int K, int BLOCKS> int measure(Buffers& b, double bytes, double ceilin
     CK(cudaFuncGetAttributes(&attr, backward<K, BLOCKS>));
     const int grid = 132 * BLOCKS;
     auto main_kernel = [&] { backward<K, BLOCKS><<<grid, 256>>>(b.dy, b.x, b.rstd, b.w, b.dx, b.partial, b.dw, b.rows, b.n); };
-    auto finish = [&] { rms_norm_weight_grad_finish_bf16<<<b.n / 32, dim3(32, 32, 1)>>>(b.partial, grid, b.dw, 1, b.n); };
+    auto finish = [&] { rms_norm_weight_grad_finish_bf16<<<b.n / FINISH_COLS, dim3(FINISH_COLS, FINISH_ROWS)>>>(b.partial, grid, b.dw, 1, b.n); };
     const float alone = time_synced(main_kernel), both = time_synced([&] { main_kernel(); finish(); });
     float fused = 0;
     if (fused_fit >= BLOCKS) {

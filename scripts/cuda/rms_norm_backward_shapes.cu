@@ -21,7 +21,7 @@ int main() {
   const double bytes = 3.0 * rows * n * 2 + rows * 4;
   auto pct = [&](float ms) { return 100.0 * bytes / ms / 1e6 / ceiling; };
   auto finish = [&](unsigned long long chunks) {
-    rms_norm_weight_grad_finish_bf16<<<n / 32, dim3(32, 32, 1)>>>((const float*)partial, chunks, (B*)dw, 1, n);
+    rms_norm_weight_grad_finish_bf16<<<n / FINISH_COLS, dim3(FINISH_COLS, FINISH_ROWS)>>>((const float*)partial, chunks, (B*)dw, 1, n);
   };
   struct Shape { int vpt, threads, grid; };
   Shape shapes[] = {{1, 256, 264}, {1, 256, 132}, {1, 256, 528}, {2, 128, 528}, {2, 128, 264}, {2, 128, 1056}, {4, 64, 1056}, {4, 64, 2112}};

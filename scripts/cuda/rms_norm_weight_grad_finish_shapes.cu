@@ -1,8 +1,8 @@
 // The RMSNorm backward's weight-gradient finish at 8192 x 2048 in bf16, by block shape: after
 // ops-cuda's backward (kernels/llama.cu, included: 4 rows a pass, 396 blocks, so 396 partial
-// rows), `rms_norm_weight_grad_finish` as the op runs it (32 columns x 32 rows of threads, 64
-// blocks, the rows' sums added in order) beside COLS x ROWS blocks (n / COLS blocks, the rows'
-// sums added as a tree). Each pair timed one launch at a time between events with a
+// rows), `rms_norm_weight_grad_finish` as the op runs it (FINISH_COLS x FINISH_ROWS threads,
+// a tree; 32 x 32 added in order until 9b81b63) beside COLS x ROWS blocks (n / COLS blocks, the
+// rows' sums added as a tree). Each pair timed one launch at a time between events with a
 // synchronize, as the kernels bench times the op, and each finish alone back to back.
 //
 // On the GPU machine, from this folder:
@@ -12,7 +12,9 @@
 
 typedef __nv_bfloat16 B;
 
-template <int COLS, int ROWS>
+// TREE: the rows' sums added as a tree (the op since the commit after 9b81b63), else in order by
+// the first row (the op before it, at 32 x 32).
+template <int COLS, int ROWS, bool TREE = true>
 __global__ void __launch_bounds__(COLS * ROWS)
     finish_shape(const float* partial, unsigned long long chunks, B* dw, unsigned long long n) {
     __shared__ float sums[ROWS][COLS + 1];
@@ -24,12 +26,18 @@ __global__ void __launch_bounds__(COLS * ROWS)
     }
     sums[threadIdx.y][threadIdx.x] = acc;
     __syncthreads();
+    if constexpr (!TREE) {
+        if (threadIdx.y != 0 || j >= n) return;
+        for (int k = 1; k < ROWS; ++k) acc += sums[k][threadIdx.x];
+        st(dw + j, acc);
+    } else {
 #pragma unroll
-    for (int stride = ROWS / 2; stride > 0; stride >>= 1) {
-        if (threadIdx.y < stride) sums[threadIdx.y][threadIdx.x] += sums[threadIdx.y + stride][threadIdx.x];
-        __syncthreads();
+        for (int stride = ROWS / 2; stride > 0; stride >>= 1) {
+            if (threadIdx.y < stride) sums[threadIdx.y][threadIdx.x] += sums[threadIdx.y + stride][threadIdx.x];
+            __syncthreads();
+        }
+        if (threadIdx.y == 0 && j < n) st(dw + j, sums[0][threadIdx.x]);
     }
-    if (threadIdx.y == 0 && j < n) st(dw + j, sums[0][threadIdx.x]);
 }
 
 int main() {
@@ -43,14 +51,18 @@ int main() {
         rms_norm_backward_v1_bf16<<<grid, 256>>>((const B*)b.dy, (const B*)b.x, (const float*)b.rstd, (const B*)b.w, (B*)b.dx,
                                                  (float*)b.partial, rows, n);
     };
-    auto today = [&] { rms_norm_weight_grad_finish_bf16<<<n / 32, dim3(32, 32, 1)>>>((const float*)b.partial, grid, (B*)b.dw, 1, n); };
+    auto before = [&] { finish_shape<32, 32, false><<<n / 32, dim3(32, 32)>>>((const float*)b.partial, grid, (B*)b.dw, n); };
+    auto op = [&] {
+        rms_norm_weight_grad_finish_bf16<<<n / FINISH_COLS, dim3(FINISH_COLS, FINISH_ROWS)>>>((const float*)b.partial, grid, (B*)b.dw, 1, n);
+    };
     const float alone = time_synced(main_kernel);
     printf("backward alone (v1 x 256, grid %llu): %.1f us (%.1f%%)\n", grid, alone * 1e3, pct(alone));
     auto report = [&](const char* name, auto finish) {
         const float pair = time_synced([&] { main_kernel(); finish(); }), fin = time_it(finish);
         printf("%-28s with the backward %.1f us (%.1f%%) | finish back to back %.2f us\n", name, pair * 1e3, pct(pair), fin * 1e3);
     };
-    report("today 32 x 32 in order", today);
+    report("32 x 32 in order (before)", before);
+    report("the op's finish", op);
     report("32 x 32 tree", [&] { finish_shape<32, 32><<<n / 32, dim3(32, 32)>>>((const float*)b.partial, grid, (B*)b.dw, n); });
     report("16 x 64 tree", [&] { finish_shape<16, 64><<<n / 16, dim3(16, 64)>>>((const float*)b.partial, grid, (B*)b.dw, n); });
     report("8 x 128 tree", [&] { finish_shape<8, 128><<<n / 8, dim3(8, 128)>>>((const float*)b.partial, grid, (B*)b.dw, n); });

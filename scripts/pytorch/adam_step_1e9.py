@@ -9,7 +9,9 @@ GBps (28 bytes a parameter for fp32 Adam, 16 for 8-bit, as the bench counts), st
 (`torch.cuda.max_memory_allocated()` over the timed steps less what was allocated before them)
 and times_ms. Implementations: `torch.optim.Adam` with fused=True (torch_fused), foreach=True
 (torch_foreach) and foreach=False (torch_single), then bitsandbytes' Adam8bit
-(bitsandbytes_adam8bit) when it imports; a line with `error` says why one did not run.
+(bitsandbytes_adam8bit) and torchao's Adam8bit and Adam4bit (torchao_adam8bit,
+torchao_adam4bit: 14 bytes a parameter; each compiles its step on the untimed first one) when
+they import; a line with `error` says why one did not run.
 
 Usage:
     python3 scripts/pytorch/adam_step_1e9.py --out adam_step_1e9_torch.jsonl
@@ -17,11 +19,20 @@ Usage:
 import argparse
 import gc
 import time
+from importlib.metadata import PackageNotFoundError, version as package_version
 
 from bench_reference import json_lines
 
 N_TENSORS = 160
 PER_TENSOR = 6_250_000
+
+
+def version(package):
+    """The installed version of `package`, or None."""
+    try:
+        return package_version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def time_steps(torch, step):
@@ -63,14 +74,22 @@ def main():
         import bitsandbytes as bnb
         return bnb.optim.Adam8bit(params, lr=1e-4)
 
+    def torchao(name):
+        def make():
+            import torchao.optim
+            return getattr(torchao.optim, name)(params, lr=1e-4)
+        return make
+
     implementations = [
         ('torch_fused', 28.0, adam(fused=True)),
         ('torch_foreach', 28.0, adam(foreach=True)),
         ('torch_single', 28.0, adam(foreach=False)),
         ('bitsandbytes_adam8bit', 16.0, adam8bit),
+        ('torchao_adam8bit', 16.0, torchao('Adam8bit')),
+        ('torchao_adam4bit', 14.0, torchao('Adam4bit')),
     ]
     with json_lines(args.out) as emit:
-        emit(dict(case='env', torch=torch.__version__, gpu=torch.cuda.get_device_name(0),
+        emit(dict(case='env', torch=torch.__version__, torchao=version('torchao'), gpu=torch.cuda.get_device_name(0),
                   n_tensors=N_TENSORS, per_tensor=PER_TENSOR))
         for name, bytes_per_param, make in implementations:
             row = dict(case='adam_step_1e9', impl=name)

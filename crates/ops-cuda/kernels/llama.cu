@@ -208,26 +208,36 @@ __device__ void rms_norm_backward_vec(const T* dy, const T* x, const typename Ac
             for (int e = 0; e < V; ++e) partial[blockIdx.x * n + vector_of_thread(q) * V + e] = dw[q][e];
 }
 
-// dw[j · dws] = the sum over `chunks` rows of `partial` [chunks, n] of column j: a block of 32 x
-// blockDim.y threads (at most 32 rows) takes 32 columns, each of its rows of threads every
-// blockDim.y-th chunk (coalesced across the columns, unrolled so several loads are in flight),
-// then its first row adds the rows' sums in order.
+// Threads of a block of `rms_norm_weight_grad_finish`: columns x rows (llama.rs's FINISH_BLOCK).
+// Narrow and tall measured fastest beside the backward (scripts/cuda/
+// rms_norm_weight_grad_finish_shapes.cu: 8 x 128 with a tree 38.5 µs for the pair at 8192 x 2048
+// bf16, 32 x 32 in order 39.8): more blocks in flight, fewer chunks per thread.
+constexpr int FINISH_COLS = 8;
+constexpr int FINISH_ROWS = 128;
+
+// dw[j · dws] = the sum over `chunks` rows of `partial` [chunks, n] of column j: a block takes
+// FINISH_COLS columns, each of its FINISH_ROWS rows of threads every FINISH_ROWS-th chunk
+// (unrolled so several loads are in flight), then the rows' sums are added as a tree in shared
+// memory. Deterministic: the order depends only on `chunks`.
 template <typename T>
 __device__ void rms_norm_weight_grad_finish(const typename Acc<T>::type* partial, unsigned long long chunks, T* dw,
                                             unsigned long long dws, unsigned long long n) {
     typedef typename Acc<T>::type C;
-    __shared__ C column_sums[32][33];
-    const unsigned long long j = (unsigned long long)blockIdx.x * 32 + threadIdx.x;
+    __shared__ C column_sums[FINISH_ROWS][FINISH_COLS + 1];
+    const unsigned long long j = (unsigned long long)blockIdx.x * FINISH_COLS + threadIdx.x;
     C acc = 0;
     if (j < n) {
 #pragma unroll 4
-        for (unsigned long long c = threadIdx.y; c < chunks; c += blockDim.y) acc += partial[c * n + j];
+        for (unsigned long long c = threadIdx.y; c < chunks; c += FINISH_ROWS) acc += partial[c * n + j];
     }
     column_sums[threadIdx.y][threadIdx.x] = acc;
     __syncthreads();
-    if (threadIdx.y != 0 || j >= n) return;
-    for (unsigned k = 1; k < blockDim.y; ++k) acc += column_sums[k][threadIdx.x];
-    st(dw + j * dws, acc);
+#pragma unroll
+    for (int stride = FINISH_ROWS / 2; stride > 0; stride >>= 1) {
+        if (threadIdx.y < stride) column_sums[threadIdx.y][threadIdx.x] += column_sums[threadIdx.y + stride][threadIdx.x];
+        __syncthreads();
+    }
+    if (threadIdx.y == 0 && j < n) st(dw + j * dws, column_sums[0][threadIdx.x]);
 }
 
 // Any alignment and weight stride: one block per row (grid-stride), threads striding along it;
@@ -417,7 +427,7 @@ __device__ void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int 
                                                           unsigned long long n) {                              \
         rms_norm_backward_rows<T>(dy, x, rstd, w, ws, dx, partial, rows, n);                                   \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(1024)                                                         \
+    extern "C" __global__ void __launch_bounds__(FINISH_COLS * FINISH_ROWS)                                    \
         rms_norm_weight_grad_finish_##N(const Acc<T>::type* partial, unsigned long long chunks, T* dw,         \
                                         unsigned long long dws, unsigned long long n) {                        \
         rms_norm_weight_grad_finish<T>(partial, chunks, dw, dws, n);                                           \

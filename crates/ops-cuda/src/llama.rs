@@ -59,9 +59,10 @@ fn weight_grad_threads_per_sm(dtype: DType, per_thread: u64) -> u64 {
         512
     }
 }
-/// Columns and rows of threads of a block of `rms_norm_weight_grad_finish` (32 columns; at most
-/// 32 rows, its launch bounds): each thread adds every 32nd partial row of its column.
-const FINISH_BLOCK: (u32, u32, u32) = (32, 32, 1);
+/// Columns and rows of threads of a block of `rms_norm_weight_grad_finish` (llama.cu's
+/// FINISH_COLS x FINISH_ROWS, its launch bounds): each thread adds every 128th partial row of
+/// its column, then the block adds its rows as a tree.
+const FINISH_BLOCK: (u32, u32, u32) = (8, 128, 1);
 /// Blocks of a flat grid-stride launch at most: enough to fill an H200 several times over.
 const MAX_FLAT_BLOCKS: u64 = 132 * 32;
 /// Rows along the grid's y at most (CUDA's limit); the kernels loop over the rest.
@@ -255,7 +256,7 @@ pub(crate) fn rms_norm_backward(backend: &CudaBackend, args: RmsNormBackward<'_>
     let Some(dweight) = args.dweight else {
         return Ok(());
     };
-    // `rms_norm_weight_grad_finish`: a block adds the blocks' partial sums of 32 columns.
+    // `rms_norm_weight_grad_finish`: a block adds the blocks' partial sums of 8 columns.
     let finish = LaunchConfig {
         grid_dim: checked_grid(op, n.div_ceil(u64::from(FINISH_BLOCK.0)), 1, 1)?,
         block_dim: FINISH_BLOCK,

@@ -1,11 +1,12 @@
 //! One optimizer step on 1e9 fp32 parameters in 160 tensors of 6.25 M on a CUDA device, the
 //! setting of PyTorch's reference (`adam_step_1e9` in the project's anchors): Adam through the
 //! `Optimizer` trait on CUDA tensors as single, foreach (bounded by the default 16 MiB chunk, and
-//! by 8 and 4 MiB), foreach unbounded (PyTorch's memory), fused, and 8-bit; then the raw-buffer
-//! `CudaFusedAdam` and `CudaAdam8bit`. Prints one JSON line per implementation: median step time
-//! of 5 (after a first step that creates the state), effective bandwidth (28 bytes per parameter
-//! for fp32 Adam, 16 for 8-bit, as the reference counts) and the bytes a step allocates beyond
-//! what it started with. Prints a skip notice without a CUDA device.
+//! by 8 and 4 MiB), foreach unbounded (PyTorch's memory), fused, 8-bit and 4-bit; then the
+//! raw-buffer `CudaFusedAdam` and `CudaAdam8bit`. Prints one JSON line per implementation: median
+//! step time of 5 (after a first step that creates the state), effective bandwidth (28 bytes per
+//! parameter for fp32 Adam, 16 for 8-bit and 14 for 4-bit, as the reference counts: the
+//! parameter read and written, the gradient read, each state read and written) and the bytes a
+//! step allocates beyond what it started with. Prints a skip notice without a CUDA device.
 
 use std::num::NonZeroUsize;
 use std::time::Instant;
@@ -15,7 +16,8 @@ use headroom_ops_cuda::CudaBackend;
 use headroom_optim::cuda::{CudaAdam8bit, CudaFusedAdam, DeviceAdam8bitParam, DeviceAdamParam};
 use headroom_optim::kernels::n_blocks;
 use headroom_optim::{
-    Adam, Adam8bit, Adam8bitConfig, AdamConfig, Implementation, Optimizer, ParamGroup,
+    Adam, Adam4bit, Adam4bitConfig, Adam8bit, Adam8bitConfig, AdamConfig, Implementation,
+    Optimizer, ParamGroup,
 };
 
 const N_TENSORS: usize = 160;
@@ -142,6 +144,21 @@ fn main() {
         time_steps(&cuda, &mut |_| adam8.step().expect("step")),
     );
     drop(adam8);
+    let cfg4 = Adam4bitConfig {
+        lr: 1e-4,
+        ..Adam4bitConfig::adam()
+    };
+    let mut adam4 = Adam4bit::new(
+        vec![ParamGroup::new(params.clone(), cfg4)],
+        Implementation::Fused,
+    )
+    .expect("optimizer");
+    report(
+        "headroom_adam4bit_cuda",
+        14.0,
+        time_steps(&cuda, &mut |_| adam4.step().expect("step")),
+    );
+    drop(adam4);
 
     // The raw-buffer layer over the same parameters and gradients, with state tensors of its
     // own (kept in `state` while it runs).
