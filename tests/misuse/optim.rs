@@ -7,7 +7,7 @@ use headroom_autograd_core::{DType, Tensor};
 use headroom_ops_cpu::CpuBackend;
 use headroom_optim::kernels::{
     adam8bit_blockwise, adam_fused, dynamic_map, n_blocks, AdafactorConfig, Adam8bitBuffers,
-    Adam8bitConfig, AdamBuffers, AdamConfig, GradScaling, SgdConfig, StepOutcome,
+    Adam8bitConfig, AdamBuffers, AdamConfig, GradScaling, ParamRounding, SgdConfig, StepOutcome,
 };
 use headroom_optim::{
     clip_grad_norm_, clip_grad_value_, Adam, Adam8bit, AdamStochasticConfig, GroupOptimizer,
@@ -79,7 +79,15 @@ pub(crate) fn cases() -> Vec<Case> {
             absmax2: &mut absmax2,
         };
         let config = Adam8bitConfig::adam();
-        let res = adam8bit_blockwise(&config, step, &qmap1, &qmap2, buffers, GradScaling::NONE);
+        let res = adam8bit_blockwise(
+            &config,
+            step,
+            &qmap1,
+            &qmap2,
+            buffers,
+            GradScaling::NONE,
+            ParamRounding::NEAREST,
+        );
         (res, param)
     }
     /// A scheduler over a fresh SGD optimizer of one parameter.

@@ -8,6 +8,7 @@ use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_hooks::{HooksError, InBackward, InBackwardConfig};
 use headroom_nn::{Gpt2Config, VitConfig};
 use headroom_ops_cpu::CpuBackend;
+use headroom_optim::kernels::Bf16Rounding;
 use headroom_optim::{
     DeviceGradScaling, Implementation, LossScaler, LrScheduler, OptimError, Optimizer, ParamGroup,
     Schedule, Sgd, SgdConfig, SkipFlag,
@@ -61,6 +62,36 @@ fn training_in_backward_equals_the_plain_loop_bit_for_bit() {
                 .unwrap_or_else(|err| {
                     panic!("{} with buckets of {bucket_bytes} B: {err}", case.name)
                 });
+            assert_eq!(report.baseline_losses, report.technique_losses);
+        }
+    }
+}
+
+/// bf16 parameters without a master copy, rounded stochastically: the stream follows each
+/// parameter's index and step, so stepping in backward keeps the plain loop's bits.
+#[test]
+fn bf16_parameters_rounded_stochastically_step_in_backward_as_in_the_plain_loop() {
+    let cpu = CpuBackend::new_ref();
+    let gpt2 = ModelSpec::Gpt2 {
+        config: Gpt2Config::tiny(),
+        seq: 16,
+    };
+    let stochastic = Bf16Rounding::Stochastic { seed: 7 };
+    for (name, optimizer) in [
+        ("gpt2 bf16, 8-bit Adam", OptimSpec::adam8bit(1e-3)),
+        ("gpt2 bf16, 4-bit AdamW", OptimSpec::adamw4bit(1e-3)),
+    ] {
+        let case = TrainCase {
+            dtype: DType::BF16,
+            ..case(name, gpt2, optimizer.with_bf16_rounding(stochastic), 10)
+        };
+        for bucket_bytes in [0, 4096] {
+            let config = InBackwardConfig {
+                bucket_bytes,
+                ..InBackwardConfig::default()
+            };
+            let report = check_technique(&cpu, &case, &mut StepInBackward::new(config))
+                .unwrap_or_else(|err| panic!("{name} with buckets of {bucket_bytes} B: {err}"));
             assert_eq!(report.baseline_losses, report.technique_losses);
         }
     }

@@ -1,5 +1,6 @@
 //! The optimizer in backward on the CUDA backend: 20 steps of ViT-tiny give the plain loop's
-//! parameters bit for bit (fused AdamW at two bucket sizes, 8-bit Adam), exact clipping gives
+//! parameters bit for bit (fused AdamW at two bucket sizes, 8-bit Adam, 4-bit AdamW; the
+//! block-wise rules on bf16 parameters rounded stochastically too), exact clipping gives
 //! `clip_grad_norm_` then a step, accumulation over four micro-batches gives plain accumulation,
 //! and a scaled loss is unscaled in the fused kernels from device tensors, skipping the whole step
 //! on an overflow. Each test is marked `#[ignore = "needs a CUDA device"]`: it runs with
@@ -11,6 +12,7 @@ use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_hooks::{ClipMode, InBackward, InBackwardConfig};
 use headroom_nn::VitConfig;
 use headroom_ops_cuda::CudaBackend;
+use headroom_optim::kernels::Bf16Rounding;
 use headroom_optim::{Adam, AdamConfig, Implementation, NormType, Optimizer, ParamGroup, SkipFlag};
 use headroom_testkit::gpu::backend_or_skip;
 use headroom_testkit::{check_technique, train, ModelSpec, OptimSpec, Tolerance, TrainCase};
@@ -22,19 +24,32 @@ fn twenty_steps_in_backward_on_the_gpu_equal_the_plain_loop_bit_for_bit() {
     let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
         return;
     };
-    for (optimizer, bucket_bytes) in [
-        (OptimSpec::adamw(1e-3, 1e-2), 4096),
+    // bf16 parameters without a master copy, rounded stochastically (8- and 4-bit rules).
+    let stochastic = Bf16Rounding::Stochastic { seed: 7 };
+    for (optimizer, bucket_bytes, dtype) in [
+        (OptimSpec::adamw(1e-3, 1e-2), 4096, DType::F32),
         (
             OptimSpec::adamw(1e-3, 1e-2),
             headroom_hooks::DEFAULT_BUCKET_BYTES,
+            DType::F32,
         ),
-        (OptimSpec::adam8bit(1e-3), 4096),
-        (OptimSpec::adamw4bit(1e-3), 4096),
+        (OptimSpec::adam8bit(1e-3), 4096, DType::F32),
+        (OptimSpec::adamw4bit(1e-3), 4096, DType::F32),
+        (
+            OptimSpec::adam8bit(1e-3).with_bf16_rounding(stochastic),
+            4096,
+            DType::BF16,
+        ),
+        (
+            OptimSpec::adamw4bit(1e-3).with_bf16_rounding(stochastic),
+            4096,
+            DType::BF16,
+        ),
     ] {
         let case = TrainCase {
             name: "vit-tiny on CUDA",
             model: ModelSpec::Vit(VitConfig::tiny()),
-            dtype: DType::F32,
+            dtype,
             batch: 4,
             steps: 20,
             optimizer,
@@ -49,7 +64,10 @@ fn twenty_steps_in_backward_on_the_gpu_equal_the_plain_loop_bit_for_bit() {
             ..InBackwardConfig::default()
         });
         let report = check_technique(&cuda, &case, &mut technique).unwrap_or_else(|err| {
-            panic!("{:?}, buckets of {bucket_bytes} B: {err}", case.optimizer)
+            panic!(
+                "{:?} {dtype:?}, buckets of {bucket_bytes} B: {err}",
+                case.optimizer
+            )
         });
         assert_eq!(report.baseline_losses, report.technique_losses);
     }

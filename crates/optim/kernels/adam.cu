@@ -220,33 +220,6 @@ extern "C" __global__ void adam_fused_torch_f32(const AdamTorchPiece* pieces, un
     }
 }
 
-// Stochastic rounding (crates/optim/src/kernels/stochastic.rs computes the same bits): splitmix64
-// over a key of (seed, parameter index, true step) and the element's index gives 16 random bits,
-// added to the f32 bits below the bf16 cut, so the kept half rounds up with the probability of
-// the dropped fraction.
-#define GOLDEN_GAMMA 0x9e3779b97f4a7c15ull
-
-__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-__device__ __forceinline__ unsigned long long stochastic_key(unsigned long long seed, unsigned long long index,
-                                                             unsigned long long step) {
-    return mix64(seed ^ mix64((index << 32) ^ step));
-}
-
-__device__ __forceinline__ unsigned stochastic_bits(unsigned long long key, unsigned long long i) {
-    return (unsigned)(mix64(key + (i + 1) * GOLDEN_GAMMA) >> 48);
-}
-
-__device__ __forceinline__ __nv_bfloat16 round_bf16_stochastic(float x, unsigned random) {
-    if (!isfinite(x)) return from_f32<__nv_bfloat16>(x);
-    unsigned bits = (__float_as_uint(x) + (random & 0xffffu)) & 0xffff0000u;
-    return __ushort_as_bfloat16((unsigned short)(bits >> 16));
-}
-
 // An AdamPiece whose parameter is bf16 and whose moments are f32, with the seed and the
 // parameter's index that key its random stream.
 struct AdamStochasticPiece : AdamPiece {

@@ -1,5 +1,8 @@
 // torchao's 4-bit Adam/AdamW (torchao.optim.Adam4bit, AdamW4bit) on the GPU, for a whole list of
 // parameters in one launch, and its f32-state path for parameters torchao does not quantise.
+// Parameters and gradients are float (`_f32`) or bf16 (`_bf16`, no master copy: the update in
+// float, the new value stored to nearest or, flagged FLAG_STOCHASTIC, stochastically with the
+// piece's stream; states are never bf16).
 //
 // 4-bit: one CUDA block of 128 threads per quantisation block of 128 elements (a quantised
 // parameter is whole blocks), one element a thread: dequantise both moments (the code's table
@@ -25,8 +28,9 @@ struct Ao4Piece {
     unsigned int flags;  // FLAG_HOST_SCALED; FLAG_DECAY: AdamW (else Adam's L2 term)
     float lr, lr_wd, wd, w1, w2, bc1, sqrt_bc2, eps, grad_scale, beta1, beta2;
     float qmap1[16], qmap2[16];  // signed (exp_avg) and unsigned (exp_avg_sq) code tables
+    unsigned long long seed, param_index;  // the stochastic rounding's stream (FLAG_STOCHASTIC)
 };
-static_assert(sizeof(Ao4Piece) == 256, "Ao4Piece layout");
+static_assert(sizeof(Ao4Piece) == 272, "Ao4Piece layout");
 
 struct AoConsts {
     float lr, lr_wd, wd, w1, w2, bc1, sqrt_bc2, eps;
@@ -90,9 +94,10 @@ __device__ __forceinline__ float block_scale(float amax) {
 
 // Every 128-element block of every piece: block b of the launch is block b - first_block of its
 // piece (blockDim.x == 128).
-extern "C" __global__ void __launch_bounds__(AO_BLOCK) adam4bit_blockwise_f32(
-    const Ao4Piece* pieces, unsigned n_pieces, unsigned long long block_elems, const float* grad_scale,
-    const float* found_inf) {
+template <typename T>
+__device__ __forceinline__ void adam4bit_blockwise(const Ao4Piece* pieces, unsigned n_pieces,
+                                                   unsigned long long block_elems, const float* grad_scale,
+                                                   const float* found_inf) {
     if (skip_step(pieces, n_pieces, found_inf)) return;
     const Ao4Piece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
     unsigned long long block = blockIdx.x - pc.head.first_block;
@@ -102,8 +107,8 @@ extern "C" __global__ void __launch_bounds__(AO_BLOCK) adam4bit_blockwise_f32(
     bool scaled = grad_scale_of(grad_scale, pc.flags, pc.grad_scale, &scale);
     unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     unsigned long long j = block * AO_BLOCK + threadIdx.x;
-    float* p = (float*)pc.param;
-    const float* g = (const float*)pc.grad;
+    T* p = (T*)pc.param;
+    const T* g = (const T*)pc.grad;
     unsigned char* c1 = (unsigned char*)pc.state1;
     unsigned char* c2 = (unsigned char*)pc.state2;
     float* s1 = (float*)pc.absmax1;
@@ -112,11 +117,11 @@ extern "C" __global__ void __launch_bounds__(AO_BLOCK) adam4bit_blockwise_f32(
     unsigned k1 = (c1[j >> 1] >> shift) & 15u, k2 = (c2[j >> 1] >> shift) & 15u;
     float m = __fmul_rn(pc.qmap1[k1], s1[block]);
     float v = __fmul_rn(pc.qmap2[k2], s2[block]);
-    float gk = g[j];
+    float gk = to_f32(g[j]);
     if (scaled) gk = __fdiv_rn(gk, scale);
-    float pv = p[j];
+    float pv = to_f32(p[j]);
     ao_update(c, pv, gk, m, v);
-    p[j] = pv;
+    p[j] = store_rounded<T>(pv, param_rounding(pc.head, pc.flags, pc.seed, pc.param_index), j);
 
     __shared__ float maxima[2][AO_BLOCK / 32];
     float a1 = warp_maximum(fabsf(m)), a2 = warp_maximum(fabsf(v));
@@ -148,9 +153,10 @@ extern "C" __global__ void __launch_bounds__(AO_BLOCK) adam4bit_blockwise_f32(
 
 // The f32-state path (adam4bit_f32_states on the host): block b covers `block_elems` elements of
 // its piece.
-extern "C" __global__ void adam4bit_f32_states_f32(const Ao4Piece* pieces, unsigned n_pieces,
-                                                   unsigned long long block_elems, const float* grad_scale,
-                                                   const float* found_inf) {
+template <typename T>
+__device__ __forceinline__ void adam4bit_f32_states(const Ao4Piece* pieces, unsigned n_pieces,
+                                                    unsigned long long block_elems, const float* grad_scale,
+                                                    const float* found_inf) {
     if (skip_step(pieces, n_pieces, found_inf)) return;
     const Ao4Piece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
     unsigned long long start = (blockIdx.x - pc.head.first_block) * block_elems;
@@ -159,17 +165,31 @@ extern "C" __global__ void adam4bit_f32_states_f32(const Ao4Piece* pieces, unsig
     const AoConsts c = ao_consts(pc);
     float scale;
     bool scaled = grad_scale_of(grad_scale, pc.flags, pc.grad_scale, &scale);
-    float* p = (float*)pc.param + start;
-    const float* g = (const float*)pc.grad + start;
+    const ParamRounding r = param_rounding(pc.head, pc.flags, pc.seed, pc.param_index);
+    T* p = (T*)pc.param + start;
+    const T* g = (const T*)pc.grad + start;
     float* m = (float*)pc.state1 + start;
     float* v = (float*)pc.state2 + start;
     for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
-        float gk = g[i];
+        float gk = to_f32(g[i]);
         if (scaled) gk = __fdiv_rn(gk, scale);
-        float pv = p[i], mv = m[i], vv = v[i];
+        float pv = to_f32(p[i]), mv = m[i], vv = v[i];
         ao_update(c, pv, gk, mv, vv);
-        p[i] = pv;
+        p[i] = store_rounded<T>(pv, r, start + i);
         m[i] = mv;
         v[i] = vv;
     }
 }
+
+#define AO4_PARAMS \
+    (const Ao4Piece* pieces, unsigned n_pieces, unsigned long long block_elems, const float* grad_scale, \
+     const float* found_inf)
+#define AO4_ARGS (pieces, n_pieces, block_elems, grad_scale, found_inf)
+extern "C" __global__ void __launch_bounds__(AO_BLOCK) adam4bit_blockwise_f32 AO4_PARAMS {
+    adam4bit_blockwise<float> AO4_ARGS;
+}
+extern "C" __global__ void __launch_bounds__(AO_BLOCK) adam4bit_blockwise_bf16 AO4_PARAMS {
+    adam4bit_blockwise<__nv_bfloat16> AO4_ARGS;
+}
+extern "C" __global__ void adam4bit_f32_states_f32 AO4_PARAMS { adam4bit_f32_states<float> AO4_ARGS; }
+extern "C" __global__ void adam4bit_f32_states_bf16 AO4_PARAMS { adam4bit_f32_states<__nv_bfloat16> AO4_ARGS; }

@@ -1,8 +1,12 @@
 // bitsandbytes' 8-bit blockwise Adam on the GPU, for a whole list of parameters in one launch,
 // and its 32-bit path (f32 states) for parameters under min_8bit_size.
 //
+// Parameters and gradients are float (`_f32`) or bf16 (`_bf16`, no master copy: the update in
+// float, the new value stored to nearest or, flagged FLAG_STOCHASTIC, stochastically with the
+// piece's stream; states are never bf16).
+//
 // 8-bit: one warp handles one 256-element quantization block at a time, each lane eight
-// elements in two runs of four (float4 loads of p and g, one 32-bit load of four codes per
+// elements in two runs of four (vector loads of four elements of p and g, one 32-bit load of four codes per
 // state): dequantize both states with the block's absmax, update them, take the block's new
 // absmax (a warp reduction), update the parameter, and re-quantize against the reciprocal of the
 // new absmax. The nearest-code search of bitsandbytes is replaced by its exact table form
@@ -27,8 +31,9 @@ struct Bnb8Piece {
     unsigned int flags;
     float beta1, beta2, one_minus_beta1, one_minus_beta2, correction2, eps, step_size, decay_factor, grad_scale,
         lr, weight_decay;
+    unsigned long long seed, param_index;  // the stochastic rounding's stream (FLAG_STOCHASTIC)
 };
-static_assert(sizeof(Bnb8Piece) == 128, "Bnb8Piece layout");
+static_assert(sizeof(Bnb8Piece) == 144, "Bnb8Piece layout");
 
 // bitsandbytes' fast-math instructions, as PTX pins them (each is one SASS instruction on sm_90:
 // MUFU.LG2, MUFU.EX2, MUFU.SQRT, MUFU.RCP, and FMUL/FADD/FFMA with .FTZ).
@@ -127,52 +132,56 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // The buffers of the tensor a warp works on, read from its piece once per run of blocks.
+template <typename T>
 struct Tensor8 {
-    float* p;
-    const float* g;
+    T* p;
+    const T* g;
     unsigned char* c1;
     unsigned char* c2;
     float* a1;
     float* a2;
     unsigned long long len;
-    bool aligned;  // float4 access to p and g, 32-bit access to the codes
+    bool aligned;  // vector access to four elements of p and g, 32-bit access to the codes
+    ParamRounding rounding;
 };
 
-__device__ __forceinline__ Tensor8 tensor_of(const Bnb8Piece& pc) {
-    Tensor8 t;
-    t.p = (float*)pc.param;
-    t.g = (const float*)pc.grad;
+template <typename T>
+__device__ __forceinline__ Tensor8<T> tensor_of(const Bnb8Piece& pc) {
+    Tensor8<T> t;
+    t.p = (T*)pc.param;
+    t.g = (const T*)pc.grad;
     t.c1 = (unsigned char*)pc.state1;
     t.c2 = (unsigned char*)pc.state2;
     t.a1 = (float*)pc.absmax1;
     t.a2 = (float*)pc.absmax2;
     t.len = pc.head.len;
-    t.aligned = ((pc.param | pc.grad) & 15) == 0 && ((pc.state1 | pc.state2) & 3) == 0;
+    t.aligned = ((pc.param | pc.grad) & (4 * sizeof(T) - 1)) == 0 && ((pc.state1 | pc.state2) & 3) == 0;
+    t.rounding = param_rounding(pc.head, pc.flags, pc.seed, pc.param_index);
     return t;
 }
 
 // One quantization block of one tensor by one warp. Lane l holds elements 4l..4l+3 and
 // 128+4l..128+4l+3 of the block. FULL: all 256 elements present and aligned (vector access, no
 // bounds checks).
-template <bool FULL>
-__device__ __forceinline__ void qblock_update(const Tensor8& t, const BnbConsts& c, unsigned long long block,
+template <typename T, bool FULL>
+__device__ __forceinline__ void qblock_update(const Tensor8<T>& t, const BnbConsts& c, unsigned long long block,
                                               bool scaled, float scale, const unsigned* smem_u, unsigned lane) {
     const float* smem_f = (const float*)smem_u;
     unsigned long long base = block * QBLOCK;
     unsigned remaining = FULL ? QBLOCK : (unsigned)min(t.len - base, (unsigned long long)QBLOCK);
-    float* p = t.p + base;
-    const float* gp = t.g + base;
+    T* p = t.p + base;
+    const T* gp = t.g + base;
     unsigned char* c1 = t.c1 + base;
     unsigned char* c2 = t.c2 + base;
     float g[8], pv[8];
     unsigned q1[8], q2[8];
     if (FULL) {
-        float4 g0 = ((const float4*)gp)[lane], g1 = ((const float4*)gp)[32 + lane];
-        float4 p0 = ((const float4*)p)[lane], p1 = ((const float4*)p)[32 + lane];
+        load4(gp, lane, g);
+        load4(gp, 32 + lane, g + 4);
+        load4(p, lane, pv);
+        load4(p, 32 + lane, pv + 4);
         unsigned w1a = ((const unsigned*)c1)[lane], w1b = ((const unsigned*)c1)[32 + lane];
         unsigned w2a = ((const unsigned*)c2)[lane], w2b = ((const unsigned*)c2)[32 + lane];
-        g[0] = g0.x; g[1] = g0.y; g[2] = g0.z; g[3] = g0.w; g[4] = g1.x; g[5] = g1.y; g[6] = g1.z; g[7] = g1.w;
-        pv[0] = p0.x; pv[1] = p0.y; pv[2] = p0.z; pv[3] = p0.w; pv[4] = p1.x; pv[5] = p1.y; pv[6] = p1.z; pv[7] = p1.w;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             q1[k] = (w1a >> (8 * k)) & 255u;
@@ -185,8 +194,8 @@ __device__ __forceinline__ void qblock_update(const Tensor8& t, const BnbConsts&
         for (int k = 0; k < 8; ++k) {
             unsigned j = (k < 4 ? 0 : 128) + 4 * lane + (k & 3);
             bool in = j < remaining;
-            g[k] = in ? gp[j] : 0.0f;
-            pv[k] = in ? p[j] : 0.0f;
+            g[k] = in ? to_f32(gp[j]) : 0.0f;
+            pv[k] = in ? to_f32(p[j]) : 0.0f;
             q1[k] = in ? c1[j] : 0u;
             q2[k] = in ? c2[j] : 0u;
         }
@@ -253,8 +262,8 @@ __device__ __forceinline__ void qblock_update(const Tensor8& t, const BnbConsts&
         q2[k] = unsigned_code(smem_u + BINS2, nan2, bnb ? mul_ftz(inv2, s2[k]) : __fmul_rn(s2[k], inv2));
     }
     if (FULL) {
-        ((float4*)p)[lane] = make_float4(pv[0], pv[1], pv[2], pv[3]);
-        ((float4*)p)[32 + lane] = make_float4(pv[4], pv[5], pv[6], pv[7]);
+        store4_rounded(p, lane, pv, t.rounding, base);
+        store4_rounded(p, 32 + lane, pv + 4, t.rounding, base);
         ((unsigned*)c1)[lane] = q1[0] | (q1[1] << 8) | (q1[2] << 16) | (q1[3] << 24);
         ((unsigned*)c1)[32 + lane] = q1[4] | (q1[5] << 8) | (q1[6] << 16) | (q1[7] << 24);
         ((unsigned*)c2)[lane] = q2[0] | (q2[1] << 8) | (q2[2] << 16) | (q2[3] << 24);
@@ -264,7 +273,7 @@ __device__ __forceinline__ void qblock_update(const Tensor8& t, const BnbConsts&
         for (int k = 0; k < 8; ++k) {
             unsigned j = (k < 4 ? 0 : 128) + 4 * lane + (k & 3);
             if (j < remaining) {
-                p[j] = pv[k];
+                p[j] = store_rounded<T>(pv[k], t.rounding, base + j);
                 c1[j] = (unsigned char)q1[k];
                 c2[j] = (unsigned char)q2[k];
             }
@@ -278,9 +287,10 @@ __device__ __forceinline__ void qblock_update(const Tensor8& t, const BnbConsts&
 // is looked up once per grab.
 #define GRAB 16
 
-extern "C" __global__ void __launch_bounds__(QBLOCK, 3) adam8bit_blockwise_f32(
-    const Bnb8Piece* pieces, unsigned n_pieces, unsigned long long n_blocks, unsigned* tables,
-    const float* grad_scale, const float* found_inf) {
+template <typename T>
+__device__ __forceinline__ void adam8bit_blockwise(const Bnb8Piece* pieces, unsigned n_pieces,
+                                                   unsigned long long n_blocks, unsigned* tables,
+                                                   const float* grad_scale, const float* found_inf) {
     if (skip_step(pieces, n_pieces, found_inf)) return;
     __shared__ unsigned smem[TABLE_WORDS];
     for (unsigned k = threadIdx.x; k < TABLE_WORDS; k += blockDim.x) smem[k] = tables[k];
@@ -297,7 +307,7 @@ extern "C" __global__ void __launch_bounds__(QBLOCK, 3) adam8bit_blockwise_f32(
         for (;;) {
             const Bnb8Piece& pc = pieces[idx];
             const BnbConsts c = bnb_consts(pc);
-            const Tensor8 t = tensor_of(pc);
+            const Tensor8<T> t = tensor_of<T>(pc);
             float scale;
             bool scaled = grad_scale_of(grad_scale, pc.flags, pc.grad_scale, &scale);
             // This tensor's blocks of the run.
@@ -307,9 +317,9 @@ extern "C" __global__ void __launch_bounds__(QBLOCK, 3) adam8bit_blockwise_f32(
             for (; b < stop; ++b) {
                 unsigned long long block = b - first;
                 if (block < full_blocks) {
-                    qblock_update<true>(t, c, block, scaled, scale, smem, lane);
+                    qblock_update<T, true>(t, c, block, scaled, scale, smem, lane);
                 } else {
-                    qblock_update<false>(t, c, block, scaled, scale, smem, lane);
+                    qblock_update<T, false>(t, c, block, scaled, scale, smem, lane);
                 }
             }
             if (b >= end) break;
@@ -320,8 +330,9 @@ extern "C" __global__ void __launch_bounds__(QBLOCK, 3) adam8bit_blockwise_f32(
 
 // bitsandbytes' 32-bit Adam (kOptimizer32bit2State) for parameters under min_8bit_size: block b
 // covers `block_elems` elements of its piece.
-extern "C" __global__ void adam_bnb32_f32(const Bnb8Piece* pieces, unsigned n_pieces, unsigned long long block_elems,
-                                          const float* grad_scale, const float* found_inf) {
+template <typename T>
+__device__ __forceinline__ void adam_bnb32(const Bnb8Piece* pieces, unsigned n_pieces, unsigned long long block_elems,
+                                           const float* grad_scale, const float* found_inf) {
     if (skip_step(pieces, n_pieces, found_inf)) return;
     const Bnb8Piece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
     unsigned long long start = (blockIdx.x - pc.head.first_block) * block_elems;
@@ -331,36 +342,55 @@ extern "C" __global__ void adam_bnb32_f32(const Bnb8Piece* pieces, unsigned n_pi
     float scale;
     bool scaled = grad_scale_of(grad_scale, pc.flags, pc.grad_scale, &scale);
     float eps2 = __fmul_rn(c.eps, c.correction2);
-    float* p = (float*)pc.param + start;
-    const float* g = (const float*)pc.grad + start;
+    const ParamRounding r = param_rounding(pc.head, pc.flags, pc.seed, pc.param_index);
+    T* p = (T*)pc.param + start;
+    const T* g = (const T*)pc.grad + start;
     float* m = (float*)pc.state1 + start;
     float* v = (float*)pc.state2 + start;
     if (c.flags & FLAG_BNB_ARITH) {
         // kOptimizer32bit2State: s2 = fma(s2, β2, (1-β2)·(g·g)), s1 = fma(s1, β1, g·(1-β1)),
         // p = fma(step_size, s1·rcp(fma(c2, eps, sqrt(s2))), p), then p·(1 - lr·wd).
         for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
-            float gk = g[i];
+            float gk = to_f32(g[i]);
             if (scaled) gk = __fdiv_rn(gk, scale);
             float vv = fma_ftz(v[i], c.beta2, mul_ftz(c.one_minus_beta2, mul_ftz(gk, gk)));
-            float r = rcp_ftz(fma_ftz(c.correction2, c.eps, sqrt_ftz(vv)));
+            float rc = rcp_ftz(fma_ftz(c.correction2, c.eps, sqrt_ftz(vv)));
             float mv = fma_ftz(m[i], c.beta1, mul_ftz(gk, c.one_minus_beta1));
-            float x = fma_ftz(c.step_size, mul_ftz(mv, r), p[i]);
+            float x = fma_ftz(c.step_size, mul_ftz(mv, rc), to_f32(p[i]));
             if (c.flags & FLAG_DECAY) x = mul_ftz(c.decay_factor, x);
             m[i] = mv;
             v[i] = vv;
-            p[i] = x;
+            p[i] = store_rounded<T>(x, r, start + i);
         }
         return;
     }
     for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
-        float gk = g[i];
+        float gk = to_f32(g[i]);
         if (scaled) gk = __fdiv_rn(gk, scale);
         float mv = __fadd_rn(__fmul_rn(m[i], c.beta1), __fmul_rn(c.one_minus_beta1, gk));
         float vv = __fadd_rn(__fmul_rn(v[i], c.beta2), __fmul_rn(c.one_minus_beta2, __fmul_rn(gk, gk)));
-        float x = __fadd_rn(p[i], __fmul_rn(c.step_size, __fdiv_rn(mv, __fadd_rn(__fsqrt_rn(vv), eps2))));
+        float x = __fadd_rn(to_f32(p[i]), __fmul_rn(c.step_size, __fdiv_rn(mv, __fadd_rn(__fsqrt_rn(vv), eps2))));
         if (c.flags & FLAG_DECAY) x = __fmul_rn(x, c.decay_factor);
         m[i] = mv;
         v[i] = vv;
-        p[i] = x;
+        p[i] = store_rounded<T>(x, r, start + i);
     }
 }
+
+#define BLOCKWISE_PARAMS \
+    (const Bnb8Piece* pieces, unsigned n_pieces, unsigned long long n_blocks, unsigned* tables, \
+     const float* grad_scale, const float* found_inf)
+#define BLOCKWISE_ARGS (pieces, n_pieces, n_blocks, tables, grad_scale, found_inf)
+extern "C" __global__ void __launch_bounds__(QBLOCK, 3) adam8bit_blockwise_f32 BLOCKWISE_PARAMS {
+    adam8bit_blockwise<float> BLOCKWISE_ARGS;
+}
+extern "C" __global__ void __launch_bounds__(QBLOCK, 3) adam8bit_blockwise_bf16 BLOCKWISE_PARAMS {
+    adam8bit_blockwise<__nv_bfloat16> BLOCKWISE_ARGS;
+}
+
+#define BNB32_PARAMS \
+    (const Bnb8Piece* pieces, unsigned n_pieces, unsigned long long block_elems, const float* grad_scale, \
+     const float* found_inf)
+#define BNB32_ARGS (pieces, n_pieces, block_elems, grad_scale, found_inf)
+extern "C" __global__ void adam_bnb32_f32 BNB32_PARAMS { adam_bnb32<float> BNB32_ARGS; }
+extern "C" __global__ void adam_bnb32_bf16 BNB32_PARAMS { adam_bnb32<__nv_bfloat16> BNB32_ARGS; }

@@ -32,6 +32,7 @@ struct PieceHead {
 #define FLAG_MOMENTUM 32u
 #define FLAG_NESTEROV 64u
 #define FLAG_BNB_ARITH 128u    // 8-bit Adam: bitsandbytes' fast-math arithmetic (adam8bit.cu)
+#define FLAG_STOCHASTIC 256u   // 8- and 4-bit Adam: a bf16 parameter rounded stochastically
 
 // The index of the piece holding block `block`: pieces are sorted by first_block.
 template <typename Piece>
@@ -151,6 +152,75 @@ __device__ __forceinline__ void store4(T* a, unsigned long long i, const float r
     unsigned s0 = bits16(from_f32<T>(r[0])), s1 = bits16(from_f32<T>(r[1]));
     unsigned s2 = bits16(from_f32<T>(r[2])), s3 = bits16(from_f32<T>(r[3]));
     ((uint2*)a)[i] = make_uint2(s0 | (s1 << 16), s2 | (s3 << 16));
+}
+
+// Stochastic rounding (crates/optim/src/kernels/stochastic.rs computes the same bits): splitmix64
+// over a key of (seed, parameter index, true step) and the element's index gives 16 random bits,
+// added to the f32 bits below the bf16 cut, so the kept half rounds up with the probability of
+// the dropped fraction.
+#define GOLDEN_GAMMA 0x9e3779b97f4a7c15ull
+
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ unsigned long long stochastic_key(unsigned long long seed, unsigned long long index,
+                                                             unsigned long long step) {
+    return mix64(seed ^ mix64((index << 32) ^ step));
+}
+
+__device__ __forceinline__ unsigned stochastic_bits(unsigned long long key, unsigned long long i) {
+    return (unsigned)(mix64(key + (i + 1) * GOLDEN_GAMMA) >> 48);
+}
+
+__device__ __forceinline__ __nv_bfloat16 round_bf16_stochastic(float x, unsigned random) {
+    if (!isfinite(x)) return from_f32<__nv_bfloat16>(x);
+    unsigned bits = (__float_as_uint(x) + (random & 0xffffu)) & 0xffff0000u;
+    return __ushort_as_bfloat16((unsigned short)(bits >> 16));
+}
+
+// How a kernel stores a parameter's new value at one step (kernels/stochastic.rs's ParamRounding):
+// to nearest, or stochastically with the bits of stream `key` (element i with its bits i).
+struct ParamRounding {
+    unsigned long long key;
+    bool stochastic;
+};
+
+// The rounding of a piece flagged FLAG_STOCHASTIC (else to nearest): the stream of its seed, its
+// parameter's index and its true step.
+__device__ __forceinline__ ParamRounding param_rounding(const PieceHead& head, unsigned flags, unsigned long long seed,
+                                                        unsigned long long param_index) {
+    ParamRounding r;
+    r.stochastic = (flags & FLAG_STOCHASTIC) != 0;
+    r.key = r.stochastic ? stochastic_key(seed, param_index, true_step(head)) : 0;
+    return r;
+}
+
+// `x` stored as element `i` of a parameter of T by `r` (f32 exactly; bf16 to nearest or
+// stochastically).
+template <typename T> __device__ __forceinline__ T store_rounded(float x, ParamRounding r, unsigned long long i);
+template <> __device__ __forceinline__ float store_rounded<float>(float x, ParamRounding, unsigned long long) {
+    return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 store_rounded<__nv_bfloat16>(float x, ParamRounding r, unsigned long long i) {
+    return r.stochastic ? round_bf16_stochastic(x, stochastic_bits(r.key, i)) : from_f32<__nv_bfloat16>(x);
+}
+
+// store4 by `r`: the `i`-th group of four of `a`, whose element 0 is element `first` of its
+// parameter.
+__device__ __forceinline__ void store4_rounded(float* a, unsigned long long i, const float v[4], ParamRounding,
+                                               unsigned long long) {
+    store4(a, i, v);
+}
+__device__ __forceinline__ void store4_rounded(__nv_bfloat16* a, unsigned long long i, const float v[4],
+                                               ParamRounding r, unsigned long long first) {
+    unsigned short s[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) s[k] = bits16(store_rounded<__nv_bfloat16>(v[k], r, first + 4 * i + k));
+    ((uint2*)a)[i] = make_uint2(s[0] | ((unsigned)s[1] << 16), s[2] | ((unsigned)s[3] << 16));
 }
 
 // Every element of a thread's share of `a` (n elements of T, over blocks of THREADS threads)

@@ -1,16 +1,18 @@
 //! torchao's `Adam4bit` / `AdamW4bit` over autograd-core parameters: the
 //! [`UpdateRule`](crate::UpdateRule) of [`Adam4bitConfig`], whose only implementation is
 //! [`Implementation::Fused`](crate::Implementation::Fused) (the others are an
-//! [`OptimError::Unsupported`](crate::OptimError::Unsupported)), on f32 parameters; the rule's
-//! items are the block-wise ones `adam8bit.rs` writes (`blockwise_rule!`).
+//! [`OptimError::Unsupported`](crate::OptimError::Unsupported)), on f32 parameters or bf16 ones
+//! without a master copy (stored by the config's
+//! [`Bf16Rounding`](crate::kernels::Bf16Rounding), as torchao's `bf16_stochastic_round` chooses);
+//! the rule's items are the block-wise ones `adam8bit.rs` writes (`blockwise_rule!`).
 //!
 //! State per parameter torchao quantises ([`is_quantized_4bit`]: at least 4096 elements, whole
 //! blocks of 128): `state1`, `state2` (two 4-bit codes a byte, flat, half the parameter's
 //! elements) and `absmax1`, `absmax2` (one f32 scale per block of 128) — 1.06 bytes per
-//! parameter instead of 8. Other parameters keep f32 `state1`, `state2`. The state type, its
-//! state-dict plumbing and its host slices are the 8-bit rule's ([`BlockwiseState`], in
-//! `adam8bit.rs`) with this rule's layout. This file sits on the 8-bit front end's block-wise pieces and the raw
-//! kernels (`kernels/adam4bit.rs`); `cuda/adam4bit.rs` holds the CUDA side, which this file must not
+//! parameter instead of 8. Other parameters keep f32 `state1`, `state2` (torchao keeps a bf16
+//! parameter's in bf16). The state type, its state-dict plumbing and its host slices are the
+//! 8-bit rule's ([`BlockwiseState`], in `adam8bit.rs`) with this rule's layout. This file sits on
+//! the 8-bit front end's block-wise pieces and the raw kernels (`kernels/adam4bit.rs`); `cuda/adam4bit.rs` holds the CUDA side, which this file must not
 //! know.
 
 use crate::adam8bit::{blockwise_rule, BlockwiseState, CodeLayout};

@@ -2,9 +2,12 @@
 //! [`Adam8bitConfig`], whose only implementation is [`Implementation::Fused`] (its blockwise
 //! kernel is one pass; the others are an [`OptimError::Unsupported`]).
 //!
-//! State per parameter of at least [`MIN_8BIT_SIZE`] elements: `state1`, `state2` (u8 codes
-//! like the parameter) and `absmax1`, `absmax2` (one f32 per block of 256) — 2.03 bytes per
-//! parameter instead of 8. Smaller parameters keep f32 `state1`, `state2`. The two
+//! Parameters are f32, or bf16 with no master copy: the update runs in f32 and the new value is
+//! stored by the config's [`Bf16Rounding`](crate::kernels::Bf16Rounding) (to nearest, or
+//! stochastically with the bits of the parameter's index in the optimizer and the step). State per
+//! parameter of at least [`MIN_8BIT_SIZE`] elements: `state1`, `state2` (u8 codes like the
+//! parameter) and `absmax1`, `absmax2` (one f32 per block of 256) — 2.03 bytes per parameter
+//! instead of 8. Smaller parameters keep f32 `state1`, `state2`, whatever the parameter's dtype. The two
 //! quantization maps are built once per process. This file holds the rule's pieces only — its
 //! state and its host kernels ([`HostKernels`](crate::driver::HostKernels)); `cuda/adam8bit.rs` holds the CUDA side. The
 //! state, [`BlockwiseState`], its state-dict plumbing and its host slices serve the 4-bit rule
@@ -12,14 +15,15 @@
 
 use std::sync::OnceLock;
 
-use headroom_autograd_core::{DType, Tensor};
+use headroom_autograd_core::{DType, Element, Tensor};
 
 use crate::driver::Form;
 use crate::error::OptimError;
-use crate::host::{host_slice, host_slice_mut, zeros_like, zeros_like_shape};
+use crate::host::{host_slice, host_slice_mut};
 use crate::kernels::{
-    adam8bit_blockwise, adam_bnb_32bit, dynamic_map, Adam8bitConfig, BlockwiseBuffers, GradScaling,
-    QuantizationMap, BNB_BLOCK_SIZE, MIN_8BIT_SIZE,
+    adam8bit_blockwise, adam_bnb_32bit, dynamic_map, Adam8bitConfig, BlockwiseBuffers, F32States,
+    GradScaling, ParamElement, ParamRounding, QuantizationMap, StepOutcome, BNB_BLOCK_SIZE,
+    MIN_8BIT_SIZE,
 };
 use crate::optimizer::GroupOptimizer;
 use crate::rule::{SavedTensors, UpdateRule};
@@ -107,21 +111,23 @@ impl BlockwiseState {
         }
     }
 
-    /// Fresh (zero) state for `param` in `layout`.
+    /// Fresh (zero) state for `param` in `layout`: f32 scales and f32 states (never the
+    /// parameter's dtype, which may be bf16).
     pub(crate) fn zeros(param: &Tensor, layout: CodeLayout) -> Result<BlockwiseState, OptimError> {
+        let backend = param.backend();
+        let f32_zeros = |shape: &[usize]| Tensor::zeros(backend, shape, DType::F32);
         if !(layout.quantized)(param.numel()) {
             return Ok(BlockwiseState::Full {
-                state1: zeros_like(param)?,
-                state2: zeros_like(param)?,
+                state1: f32_zeros(param.shape())?,
+                state2: f32_zeros(param.shape())?,
             });
         }
         let (codes, blocks) = layout.shapes(param.shape());
-        let backend = param.backend();
         Ok(BlockwiseState::Quantized {
             state1: Tensor::zeros(backend, &codes, DType::U8)?,
             state2: Tensor::zeros(backend, &codes, DType::U8)?,
-            absmax1: zeros_like_shape(param, &blocks)?,
-            absmax2: zeros_like_shape(param, &blocks)?,
+            absmax1: f32_zeros(&blocks)?,
+            absmax2: f32_zeros(&blocks)?,
         })
     }
 
@@ -131,9 +137,10 @@ impl BlockwiseState {
         layout: CodeLayout,
     ) -> Result<BlockwiseState, OptimError> {
         if !(layout.quantized)(saved.param().numel()) {
+            let shape = saved.param().shape().to_vec();
             return Ok(BlockwiseState::Full {
-                state1: saved.take_like("state1")?,
-                state2: saved.take_like("state2")?,
+                state1: saved.take("state1", &shape, DType::F32)?,
+                state2: saved.take("state2", &shape, DType::F32)?,
             });
         }
         let (codes, blocks) = layout.shapes(saved.param().shape());
@@ -145,13 +152,13 @@ impl BlockwiseState {
         })
     }
 
-    /// The host slices of `item` and its step number.
+    /// The host slices of `item`, its step number and its index in the optimizer.
     ///
     /// # Safety
-    /// As [`HostKernels::buffers`](crate::driver::HostKernels::buffers) for f32 parameters.
-    pub(crate) unsafe fn slices<'a>(
+    /// As [`HostKernels::buffers`](crate::driver::HostKernels::buffers) for parameters of `T`.
+    pub(crate) unsafe fn slices<'a, T: ParamElement + Element>(
         item: &'a StepItem<'_, BlockwiseState>,
-    ) -> (u64, BlockwiseSlices<'a>) {
+    ) -> (u64, usize, BlockwiseSlices<'a, T>) {
         let (param, grad) = (item.param, &item.grad);
         // SAFETY: forwarded from the caller.
         let slices = unsafe {
@@ -169,34 +176,31 @@ impl BlockwiseState {
                     absmax1: host_slice_mut(absmax1),
                     absmax2: host_slice_mut(absmax2),
                 }),
-                BlockwiseState::Full { state1, state2 } => BlockwiseSlices::Full {
+                BlockwiseState::Full { state1, state2 } => BlockwiseSlices::Full(F32States {
                     param: host_slice_mut(param),
                     grad: host_slice(grad),
                     state1: host_slice_mut(state1),
                     state2: host_slice_mut(state2),
-                },
+                }),
             }
         };
-        (item.step, slices)
+        (item.step, item.slot, slices)
     }
 }
 
 /// One parameter's host buffers under a [`BlockwiseState`]: quantised states, or the f32 states
 /// of a parameter the rule does not quantise.
 #[derive(Debug)]
-pub(crate) enum BlockwiseSlices<'a> {
-    Quantized(BlockwiseBuffers<'a>),
-    Full {
-        param: &'a mut [f32],
-        grad: &'a [f32],
-        state1: &'a mut [f32],
-        state2: &'a mut [f32],
-    },
+pub(crate) enum BlockwiseSlices<'a, T: ParamElement> {
+    Quantized(BlockwiseBuffers<'a, T>),
+    Full(F32States<'a, T>),
 }
 
 /// The scaling of a fused call; any other form is an [`OptimError::Unsupported`] (a block-wise
 /// rule's only implementation is fused).
-pub(crate) fn fused_scaling<R: UpdateRule>(form: Form<'_, f32>) -> Result<GradScaling, OptimError> {
+pub(crate) fn fused_scaling<R: UpdateRule, T>(
+    form: Form<'_, T>,
+) -> Result<GradScaling, OptimError> {
     match form {
         Form::Fused(scaling) => Ok(scaling),
         Form::Single(_) => Err(OptimError::Unsupported {
@@ -213,17 +217,22 @@ pub fn bnb_maps() -> &'static (QuantizationMap, QuantizationMap) {
 }
 
 /// A block-wise rule of `$config` named `$name`, its states in `$layout`: its [`UpdateRule`] (f32
-/// parameters, fused only, a [`BlockwiseState`]) and its `HostKernels`, whose one form runs
-/// `$quantized(config, step, buffers, scaling)` on quantised states and `$full(config, step,
-/// param, grad, state1, state2, scaling)` on f32 states (the rule's raw kernels).
+/// and bf16 parameters, fused only, a [`BlockwiseState`]) and its `HostKernels`, whose one form
+/// runs `$quantized(config, step, buffers, scaling, rounding)` on quantised states and
+/// `$full(config, step, f32_states, scaling, rounding)` on f32 states (the rule's raw kernels,
+/// generic over the parameter's element type; the rounding is the config's `bf16_rounding` for
+/// the item's slot and step).
 macro_rules! blockwise_rule {
-    ($config:ty, $name:literal, $layout:expr, quantized: $quantized:expr, full: $full:expr) => {
+    ($config:ty, $name:literal, $layout:expr, quantized: $quantized:path, full: $full:path) => {
         impl $crate::rule::UpdateRule for $config {
             type State = $crate::adam8bit::BlockwiseState;
             $crate::rule::rule_items!(
                 name: $name,
-                dtypes: &[headroom_autograd_core::DType::F32],
-                host: $crate::driver::host_step::<f32, _>
+                dtypes: &[
+                    headroom_autograd_core::DType::F32,
+                    headroom_autograd_core::DType::BF16,
+                ],
+                host: $crate::driver::host_step_floats
             );
 
             fn supports(&self, implementation: $crate::step::Implementation) -> bool {
@@ -249,8 +258,11 @@ macro_rules! blockwise_rule {
             }
         }
 
-        impl $crate::driver::HostKernels<f32> for $config {
-            type Buffers<'a> = (u64, $crate::adam8bit::BlockwiseSlices<'a>);
+        impl<T> $crate::driver::HostKernels<T> for $config
+        where
+            T: $crate::kernels::ParamElement + headroom_autograd_core::Element,
+        {
+            type Buffers<'a> = (u64, usize, $crate::adam8bit::BlockwiseSlices<'a, T>);
             const FOREACH_KERNEL: bool = false;
 
             unsafe fn buffers<'a>(
@@ -262,20 +274,18 @@ macro_rules! blockwise_rule {
 
             fn run(
                 &self,
-                (step, bufs): Self::Buffers<'_>,
-                form: $crate::driver::Form<'_, f32>,
+                (step, slot, bufs): Self::Buffers<'_>,
+                form: $crate::driver::Form<'_, T>,
             ) -> Result<(), $crate::error::OptimError> {
-                let scaling = $crate::adam8bit::fused_scaling::<Self>(form)?;
+                let scaling = $crate::adam8bit::fused_scaling::<Self, T>(form)?;
+                let rounding = $crate::kernels::ParamRounding::of(self.bf16_rounding, slot, step);
                 let outcome = match bufs {
                     $crate::adam8bit::BlockwiseSlices::Quantized(bufs) => {
-                        $quantized(self, step, bufs, scaling)
+                        $quantized(self, step, bufs, scaling, rounding)
                     }
-                    $crate::adam8bit::BlockwiseSlices::Full {
-                        param,
-                        grad,
-                        state1,
-                        state2,
-                    } => $full(self, step, param, grad, state1, state2, scaling),
+                    $crate::adam8bit::BlockwiseSlices::Full(states) => {
+                        $full(self, step, states, scaling, rounding)
+                    }
                 };
                 outcome.map(drop)
             }
@@ -285,13 +295,22 @@ macro_rules! blockwise_rule {
 
 pub(crate) use blockwise_rule;
 
+/// [`adam8bit_blockwise`] with bitsandbytes' two maps.
+fn adam8bit_with_maps<T: ParamElement>(
+    cfg: &Adam8bitConfig,
+    step: u64,
+    bufs: BlockwiseBuffers<'_, T>,
+    scaling: GradScaling,
+    rounding: ParamRounding,
+) -> Result<StepOutcome, OptimError> {
+    let (qmap1, qmap2) = bnb_maps();
+    adam8bit_blockwise(cfg, step, qmap1, qmap2, bufs, scaling, rounding)
+}
+
 blockwise_rule!(
     Adam8bitConfig,
     "Adam8bit",
     BNB_LAYOUT,
-    quantized: |cfg, step, bufs, scaling| {
-        let (qmap1, qmap2) = bnb_maps();
-        adam8bit_blockwise(cfg, step, qmap1, qmap2, bufs, scaling)
-    },
+    quantized: adam8bit_with_maps,
     full: adam_bnb_32bit
 );

@@ -106,7 +106,7 @@
 //! ```
 //! use headroom_optim::kernels::{
 //!     adam8bit_blockwise, adam_fused, dynamic_map, n_blocks, Adam8bitBuffers, Adam8bitConfig,
-//!     AdamBuffers, AdamConfig, GradScaling, StepOutcome,
+//!     AdamBuffers, AdamConfig, GradScaling, ParamRounding, StepOutcome,
 //! };
 //!
 //! let cfg = AdamConfig::adamw();
@@ -152,7 +152,7 @@
 //!     absmax1: &mut absmax1,
 //!     absmax2: &mut absmax2,
 //! };
-//! adam8bit_blockwise(&Adam8bitConfig::adam(), 1, &qmap1, &qmap2, bufs, GradScaling::NONE)?;
+//! adam8bit_blockwise(&Adam8bitConfig::adam(), 1, &qmap1, &qmap2, bufs, GradScaling::NONE, ParamRounding::NEAREST)?;
 //! assert!(param.iter().zip(&grad).all(|(p, g)| *g == 0.0 || (*p < 0.1) == (*g > 0.0)));
 //! # Ok::<(), headroom_optim::OptimError>(())
 //! ```

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_ops_cuda::CudaBackend;
 use headroom_optim::cuda::{CudaFusedAdam, DeviceAdamParam};
-use headroom_optim::kernels::{adam_fused, AdamBuffers, AdamConfig, GradScaling};
+use headroom_optim::kernels::{adam_fused, AdamBuffers, AdamConfig, GradScaling, ParamRounding};
 use headroom_optim::{DeviceGradScaling, OptimError};
 use headroom_testkit::gpu::cuda_or_skip;
 use headroom_testkit::inputs::Xorshift;
@@ -134,6 +134,7 @@ fn gpu_8bit_adam_equals_the_cpu_bit_for_bit() {
     use headroom_optim::bnb_maps;
     use headroom_optim::cuda::{CudaAdam8bit, DeviceAdam8bitParam};
     use headroom_optim::kernels::{adam8bit_blockwise, n_blocks, Adam8bitBuffers, Adam8bitConfig};
+    const NEAREST: ParamRounding = ParamRounding::NEAREST;
 
     let Some(backend) = cuda_or_skip(CudaBackend::new(0)) else {
         return;
@@ -198,7 +199,16 @@ fn gpu_8bit_adam_equals_the_cpu_bit_for_bit() {
                     absmax1: a1,
                     absmax2: a2,
                 };
-                adam8bit_blockwise(&cfg, step, qmap1, qmap2, bufs, GradScaling::default()).unwrap();
+                adam8bit_blockwise(
+                    &cfg,
+                    step,
+                    qmap1,
+                    qmap2,
+                    bufs,
+                    GradScaling::default(),
+                    NEAREST,
+                )
+                .unwrap();
             }
         }
         for ((f, c), uploads) in floats.iter().zip(&codes).zip(&device) {
@@ -232,8 +242,9 @@ fn gpu_step_buffers_follow_moving_gradients_bit_for_bit() {
     use headroom_optim::bnb_maps;
     use headroom_optim::cuda::{CudaAdam8bit, DeviceAdam8bitParam};
     use headroom_optim::kernels::{
-        adam8bit_blockwise, adam_bnb_32bit, n_blocks, Adam8bitBuffers, Adam8bitConfig,
+        adam8bit_blockwise, adam_bnb_32bit, n_blocks, Adam8bitBuffers, Adam8bitConfig, F32States,
     };
+    const NEAREST: ParamRounding = ParamRounding::NEAREST;
 
     let Some(backend) = cuda_or_skip(CudaBackend::new(0)) else {
         return;
@@ -342,17 +353,23 @@ fn gpu_step_buffers_follow_moving_gradients_bit_for_bit() {
             absmax1: &mut a1,
             absmax2: &mut a2,
         };
-        adam8bit_blockwise(&cfg, step, qmap1, qmap2, bufs, GradScaling::default()).unwrap();
-        adam_bnb_32bit(
+        adam8bit_blockwise(
             &cfg,
             step,
-            &mut ps,
-            &gs,
-            &mut s1,
-            &mut s2,
+            qmap1,
+            qmap2,
+            bufs,
             GradScaling::default(),
+            NEAREST,
         )
         .unwrap();
+        let states = F32States {
+            param: &mut ps,
+            grad: &gs,
+            state1: &mut s1,
+            state2: &mut s2,
+        };
+        adam_bnb_32bit(&cfg, step, states, GradScaling::default(), NEAREST).unwrap();
         assert_eq!(
             down(buffers[0].address(), big * 4),
             bytes(&pb),

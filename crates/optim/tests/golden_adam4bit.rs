@@ -16,7 +16,7 @@ use headroom_autograd_core::{DType, Tensor};
 use headroom_ops_cpu::CpuBackend;
 use headroom_optim::kernels::{
     adam4bit_blockwise, code_4bit, dequantize_4bit, qmap4, quantize_4bit, Adam4bitBuffers,
-    GradScaling,
+    GradScaling, ParamRounding,
 };
 use headroom_optim::{Adam4bit, Adam4bitConfig, Implementation, OptimError, Optimizer, ParamGroup};
 
@@ -277,13 +277,14 @@ fn bad_hyperparameters_implementations_and_dtypes_are_typed_errors() {
         let err = new(base.clone(), implementation, &param).unwrap_err();
         assert!(matches!(err, OptimError::Unsupported { .. }), "{err}");
     }
-    let half = Tensor::zeros(&cpu, &[4096], DType::BF16).unwrap();
+    // bf16 parameters are taken (tests/blockwise_bf16.rs); f16 ones are not.
+    let half = Tensor::zeros(&cpu, &[4096], DType::F16).unwrap();
     let err = new(base.clone(), Implementation::Fused, &half).unwrap_err();
     assert!(
         matches!(
             err,
             OptimError::DType {
-                got: DType::BF16,
+                got: DType::F16,
                 ..
             }
         ),
@@ -302,7 +303,7 @@ fn bad_hyperparameters_implementations_and_dtypes_are_typed_errors() {
             absmax1: &mut s1[..],
             absmax2: s2,
         };
-        adam4bit_blockwise(&base, step, bufs, GradScaling::NONE)
+        adam4bit_blockwise(&base, step, bufs, GradScaling::NONE, ParamRounding::NEAREST)
     };
     assert!(matches!(
         call(1, &mut p, &mut s2),
@@ -340,7 +341,7 @@ fn grad_scaling_skips_and_unscales_in_the_kernel() {
             absmax1: &mut s1,
             absmax2: &mut s2,
         };
-        let outcome = adam4bit_blockwise(&cfg, 1, bufs, scaling).unwrap();
+        let outcome = adam4bit_blockwise(&cfg, 1, bufs, scaling, ParamRounding::NEAREST).unwrap();
         (outcome, p, c1, s1)
     };
     let plain = step(&grad, GradScaling::NONE);

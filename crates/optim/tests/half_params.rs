@@ -457,8 +457,10 @@ fn f32_only_rules_and_mismatched_gradients_give_typed_errors() {
         ),
         "{err}"
     );
+    // The block-wise rules take bf16 (tests/blockwise_bf16.rs), not f16.
+    let f16_param = Tensor::zeros(&cpu, &[64], DType::F16).unwrap();
     let err = Adam8bit::new(
-        vec![ParamGroup::new(vec![param.clone()], Adam8bitConfig::adam())],
+        vec![ParamGroup::new(vec![f16_param], Adam8bitConfig::adam())],
         Implementation::Fused,
     )
     .unwrap_err();
@@ -466,7 +468,7 @@ fn f32_only_rules_and_mismatched_gradients_give_typed_errors() {
         matches!(
             err,
             OptimError::DType {
-                got: DType::BF16,
+                got: DType::F16,
                 ..
             }
         ),

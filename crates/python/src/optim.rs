@@ -17,6 +17,7 @@ use headroom_ops_cuda::CudaBackend;
 use headroom_optim::cuda::{
     Adam8bitMath, CudaAdam8bit, CudaFusedAdam, DeviceAdam8bitParam, DeviceAdamParam, FusedAdamMath,
 };
+use headroom_optim::kernels::Bf16Rounding;
 use headroom_optim::{Adam8bitConfig, AdamConfig, OptimError, WeightDecay};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -242,6 +243,7 @@ impl Adam8bit {
             betas: (beta1, beta2),
             eps,
             weight_decay,
+            bf16_rounding: Bf16Rounding::Nearest,
         };
         cfg.validate()
             .map_err(|e| PyValueError::new_err(e.to_string()))?;

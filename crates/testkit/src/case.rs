@@ -14,6 +14,7 @@ use headroom_nn::{
     Activation, BlockStack, Dropout, Gpt2Config, Gpt2LMHeadModel, Mlp, Module, VisionTransformer,
     VitConfig,
 };
+use headroom_optim::kernels::Bf16Rounding;
 use headroom_optim::{
     Adafactor, AdafactorConfig, Adam, Adam4bit, Adam4bitConfig, Adam8bit, Adam8bitConfig,
     AdamConfig, Implementation, Optimizer, ParamGroup, Sgd, SgdConfig,
@@ -394,6 +395,26 @@ impl OptimSpec {
                 implementation,
             },
             fused_only @ (OptimSpec::Adam8bit { .. } | OptimSpec::Adam4bit { .. }) => fused_only,
+        }
+    }
+
+    /// The same optimizer storing bf16 parameters by `rounding` (8- and 4-bit Adam; the other
+    /// rules round to nearest, unchanged).
+    pub fn with_bf16_rounding(self, rounding: Bf16Rounding) -> OptimSpec {
+        match self {
+            OptimSpec::Adam8bit { config } => OptimSpec::Adam8bit {
+                config: Adam8bitConfig {
+                    bf16_rounding: rounding,
+                    ..config
+                },
+            },
+            OptimSpec::Adam4bit { config } => OptimSpec::Adam4bit {
+                config: Adam4bitConfig {
+                    bf16_rounding: rounding,
+                    ..config
+                },
+            },
+            other => other,
         }
     }
 

@@ -5,7 +5,9 @@
 //! The kernel finds codes through [`StateCodeTable`]s (exactly bitsandbytes' search, without
 //! it), uploaded once per device with the two maps; warps take runs of 256-element blocks from a
 //! counter stored after the tables, which the host zeroes (asynchronously) before each launch.
-//! Its `state_spans` (the addresses of a [`BlockwiseState`] step) serve the 4-bit piece too.
+//! Its `state_spans` (the addresses of a [`BlockwiseState`] step), `rounding_fields` and
+//! `kernel_of` serve the 4-bit piece too. The rule's parameters are f32 or bf16 (a kernel instance
+//! each); the raw-buffer layer's are f32.
 
 use std::sync::Arc;
 
@@ -19,15 +21,17 @@ use super::table::{flags, PieceHead, Table};
 use crate::adam8bit::{bnb_maps, BlockwiseState};
 use crate::error::OptimError;
 use crate::kernels::{
-    check_step, Adam8bitConfig, Adam8bitConsts, StateCodeTable, BNB_BLOCK_SIZE, CODE_BINS_PER_SIGN,
-    MIN_8BIT_SIZE,
+    check_step, Adam8bitConfig, Adam8bitConsts, Bf16Rounding, StateCodeTable, BNB_BLOCK_SIZE,
+    CODE_BINS_PER_SIGN, MIN_8BIT_SIZE,
 };
 use crate::rule::CudaKernels;
 use crate::step::{DeviceGradScaling, RuleCall, Scaling, StepItem};
+use headroom_autograd_core::DType;
 
-const PIECE_SIZE: usize = 128;
-const BLOCKWISE_KERNEL: (Module, &str) = (Module::Adam8bit, "adam8bit_blockwise_f32");
-const BNB32_KERNEL: (Module, &str) = (Module::Adam8bit, "adam_bnb32_f32");
+const PIECE_SIZE: usize = 144;
+/// The 8-bit and 32-bit kernels by parameter dtype: f32, bf16.
+const BLOCKWISE_KERNELS: [&str; 2] = ["adam8bit_blockwise_f32", "adam8bit_blockwise_bf16"];
+const BNB32_KERNELS: [&str; 2] = ["adam_bnb32_f32", "adam_bnb32_bf16"];
 /// Elements and threads per block of the 32-bit kernel.
 const BNB32: (u64, u32) = (4096, 256);
 /// 256-element blocks a warp takes at a time, warps per CUDA block, and the most CUDA blocks.
@@ -77,20 +81,40 @@ pub enum Adam8bitMath {
     Bitsandbytes,
 }
 
+/// The kernel of `module` among `names` (f32, bf16) for parameters of `dtype`.
+pub(super) fn kernel_of(
+    module: Module,
+    names: [&'static str; 2],
+    dtype: DType,
+) -> (Module, &'static str) {
+    (module, names[usize::from(dtype == DType::BF16)])
+}
+
+/// A block-wise piece's rounding: its flag, and the seed and parameter index (`slot`) that key
+/// its stream (zero when it rounds to nearest).
+pub(super) fn rounding_fields(rounding: Bf16Rounding, slot: usize) -> (u32, [u64; 2]) {
+    match rounding {
+        Bf16Rounding::Nearest => (0, [0, 0]),
+        Bf16Rounding::Stochastic { seed } => (flags::STOCHASTIC, [seed, slot as u64]),
+    }
+}
+
 /// Writes a `Bnb8Piece` (`kernels/adam8bit.cu`): parameter, gradient, the two states and the
-/// two absmax buffers (0 for f32 states).
+/// two absmax buffers (0 for f32 states), and the rounding of the parameter at `slot`.
 fn write_piece(
     table: &mut Table,
     cfg: &Adam8bitConfig,
-    head: PieceHead,
+    (head, slot): (PieceHead, usize),
     span: [u64; 6],
     grad_scale: Option<f32>,
     math: Adam8bitMath,
 ) {
     let c = Adam8bitConsts::new(cfg, head.step);
+    let (rounding_flag, stream) = rounding_fields(cfg.bf16_rounding, slot);
     let piece_flags = flags::when(grad_scale.is_some(), flags::HOST_SCALED)
         | flags::when(c.decay_factor.is_some(), flags::DECAY)
-        | flags::when(math == Adam8bitMath::Bitsandbytes, flags::BNB_ARITH);
+        | flags::when(math == Adam8bitMath::Bitsandbytes, flags::BNB_ARITH)
+        | rounding_flag;
     let entry = table.entry(head).u64s(&span);
     entry
         .u32(piece_flags)
@@ -105,12 +129,15 @@ fn write_piece(
         .f32(grad_scale.unwrap_or(1.0))
         .f32(cfg.lr as f32)
         .f32(cfg.weight_decay as f32)
+        .u64s(&stream)
         .end(PIECE_SIZE);
 }
 
-/// One launch of the blockwise kernel over `table`'s pieces (`n_blocks` 256-element blocks).
+/// One launch of the blockwise kernel `kernel` over `table`'s pieces (`n_blocks` 256-element
+/// blocks).
 fn launch_blockwise(
     device: &mut CudaDevice,
+    kernel: (Module, &'static str),
     table: &Table,
     n_pieces: usize,
     n_blocks: u64,
@@ -138,18 +165,11 @@ fn launch_blockwise(
         addresses[3],
     ];
     let grid = n_blocks.div_ceil(GRAB * WARPS).clamp(1, MAX_GRID) as u32;
-    // SAFETY: `adam8bit_blockwise_f32` takes these parameters; the table was just written with
-    // live tensors of the step (or the raw layer's buffers, live by its contract), the lookup
-    // tables are owned by the device, the scale and flag are live f32s or 0.
-    unsafe {
-        device.launch(
-            BLOCKWISE_KERNEL.0,
-            BLOCKWISE_KERNEL.1,
-            grid,
-            BNB_BLOCK_SIZE as u32,
-            &args,
-        )
-    }
+    // SAFETY: `adam8bit_blockwise_*` take these parameters; the table was just written with
+    // live tensors of the step (or the raw layer's buffers, live by its contract) of the
+    // kernel's dtype, the lookup tables are owned by the device, the scale and flag are live
+    // f32s or 0.
+    unsafe { device.launch(kernel.0, kernel.1, grid, BNB_BLOCK_SIZE as u32, &args) }
 }
 
 /// The CUDA entry of 8-bit Adam (whose one implementation is fused): one launch for the 8-bit
@@ -211,40 +231,41 @@ fn step(
     items: &mut [StepItem<'_, BlockwiseState>],
     scaling: Scaling<'_>,
 ) -> Result<(), OptimError> {
+    // The optimizer calls a rule with parameters of one dtype at a time.
+    let Some(dtype) = items.first().map(|it| it.param.dtype()) else {
+        return Ok(());
+    };
     let grad_scale = scaling.host().grad_scale;
     let (quantized, full) = state_spans(items);
     let count_skips = matches!(scaling, Scaling::Device(_));
+    let math = Adam8bitMath::Portable;
     let (table, n_blocks) = device.piece_table(
         &quantized.0,
         BNB_BLOCK_SIZE as u64,
         count_skips,
         &mut |t, idx, head| {
-            write_piece(
-                t,
-                cfg,
-                head,
-                quantized.1[idx],
-                grad_scale,
-                Adam8bitMath::Portable,
-            )
+            let at = (head, quantized.0[idx].slot);
+            write_piece(t, cfg, at, quantized.1[idx], grad_scale, math)
         },
     )?;
     let addresses = scaling_addresses(scaling);
-    launch_blockwise(device, &table, quantized.0.len(), n_blocks, addresses)?;
+    let blockwise = kernel_of(Module::Adam8bit, BLOCKWISE_KERNELS, dtype);
+    launch_blockwise(
+        device,
+        blockwise,
+        &table,
+        quantized.0.len(),
+        n_blocks,
+        addresses,
+    )?;
     device.run_fused(
-        BNB32_KERNEL,
+        kernel_of(Module::Adam8bit, BNB32_KERNELS, dtype),
         &full.0,
         BNB32,
         scaling,
         &mut |t, idx, head| {
-            write_piece(
-                t,
-                cfg,
-                head,
-                full.1[idx],
-                grad_scale,
-                Adam8bitMath::Portable,
-            )
+            let at = (head, full.0[idx].slot);
+            write_piece(t, cfg, at, full.1[idx], grad_scale, math)
         },
     )
 }
@@ -370,10 +391,10 @@ impl CudaAdam8bit {
                 .piece_table(&geometry, BNB32.0, false, &mut |t, idx, head| {
                     let p = &small[idx];
                     let span = [p.param, p.grad, p.state1, p.state2, 0, 0];
-                    write_piece(t, cfg, head, span, None, math);
+                    write_piece(t, cfg, (head, idx), span, None, math);
                 })?;
         self.device.run_elementwise(
-            BNB32_KERNEL,
+            kernel_of(Module::Adam8bit, BNB32_KERNELS, DType::F32),
             &table,
             small.len(),
             n_blocks,
@@ -425,8 +446,9 @@ fn launch_8bit(
         &mut |t, idx, head| {
             let p = &params[idx];
             let span = [p.param, p.grad, p.state1, p.state2, p.absmax1, p.absmax2];
-            write_piece(t, cfg, head, span, None, math);
+            write_piece(t, cfg, (head, idx), span, None, math);
         },
     )?;
-    launch_blockwise(device, &table, params.len(), n_blocks, addresses)
+    let blockwise = kernel_of(Module::Adam8bit, BLOCKWISE_KERNELS, DType::F32);
+    launch_blockwise(device, blockwise, &table, params.len(), n_blocks, addresses)
 }

@@ -90,6 +90,8 @@ pub(crate) mod flags {
     pub(crate) const NESTEROV: u32 = 64;
     /// 8-bit Adam in bitsandbytes' own (fast-math) arithmetic (`Adam8bitMath::Bitsandbytes`).
     pub(crate) const BNB_ARITH: u32 = 128;
+    /// 8- and 4-bit Adam: a bf16 parameter rounded stochastically (`Bf16Rounding::Stochastic`).
+    pub(crate) const STOCHASTIC: u32 = 256;
 
     /// `flag` when `on`, else 0.
     pub(crate) fn when(on: bool, flag: u32) -> u32 {

@@ -17,9 +17,11 @@
 //! and on 8-bit Adam's block-wise buffers and f32-state loop (`adam8bit.rs`); it knows no tensor
 //! and no device.
 
-use super::adam8bit::F32States;
 use super::{check_adam_ranges, check_host_scaling, check_len, check_step, lerp, maximum};
-use super::{BlockwiseBuffers, GradScaling, StepOutcome};
+use super::{
+    Bf16Rounding, BlockwiseBuffers, F32States, GradScaling, ParamElement, ParamRounding,
+    StepOutcome,
+};
 use crate::error::OptimError;
 
 /// Elements per quantisation block (torchao's `block_size` of the 4-bit optimizers).
@@ -216,6 +218,9 @@ pub struct Adam4bitConfig {
     pub decoupled: bool,
     /// torchao's third state; not supported here (a typed error from [`Adam4bitConfig::validate`]).
     pub amsgrad: bool,
+    /// How a bf16 parameter's new value is stored (torchao's `bf16_stochastic_round`; f32
+    /// parameters: exactly).
+    pub bf16_rounding: Bf16Rounding,
 }
 
 impl Adam4bitConfig {
@@ -228,6 +233,7 @@ impl Adam4bitConfig {
             weight_decay: 0.0,
             decoupled: false,
             amsgrad: false,
+            bf16_rounding: Bf16Rounding::Nearest,
         }
     }
 
@@ -263,7 +269,7 @@ impl Adam4bitConfig {
 
 /// One parameter's buffers for a 4-bit update: whole blocks of [`AO_BLOCK_SIZE`], the codes
 /// packed two a byte (half the parameter's length), one scale per block.
-pub type Adam4bitBuffers<'a> = BlockwiseBuffers<'a>;
+pub type Adam4bitBuffers<'a, T = f32> = BlockwiseBuffers<'a, T>;
 
 /// A step's float32 constants, as torchao's tensors hold them.
 #[derive(Debug, Clone, Copy)]
@@ -315,13 +321,16 @@ impl StepConsts {
     }
 }
 
-/// The 4-bit Adam step number `step` (from 1) on one parameter. With `scaling.found_inf` set
+/// The 4-bit Adam step number `step` (from 1) on one parameter: the parameter and gradient
+/// widened to f32 (`p.float()`, `grad.float()`), the new parameter stored by `rounding` (element
+/// `i` with its bits `i`; torchao's `p.copy_` rounds to nearest). With `scaling.found_inf` set
 /// nothing is written.
-pub fn adam4bit_blockwise(
+pub fn adam4bit_blockwise<T: ParamElement>(
     cfg: &Adam4bitConfig,
     step: u64,
-    bufs: Adam4bitBuffers<'_>,
+    bufs: Adam4bitBuffers<'_, T>,
     scaling: GradScaling,
+    rounding: ParamRounding,
 ) -> Result<StepOutcome, OptimError> {
     const OP: &str = "adam4bit_blockwise";
     check_step(OP, step)?;
@@ -337,7 +346,7 @@ pub fn adam4bit_blockwise(
     let (qmap1, qmap2) = qmap4_tables();
     let (mut m, mut v) = ([0f32; AO_BLOCK_SIZE], [0f32; AO_BLOCK_SIZE]);
     let half = AO_BLOCK_SIZE / 2;
-    for ((((p, g), (c1, c2)), s1), s2) in bufs
+    for (block, ((((p, g), (c1, c2)), s1), s2)) in bufs
         .param
         .chunks_exact_mut(AO_BLOCK_SIZE)
         .zip(bufs.grad.chunks_exact(AO_BLOCK_SIZE))
@@ -348,11 +357,14 @@ pub fn adam4bit_blockwise(
         )
         .zip(bufs.absmax1.iter_mut())
         .zip(bufs.absmax2.iter_mut())
+        .enumerate()
     {
         for j in 0..AO_BLOCK_SIZE {
-            let g = scaling.unscale(g[j]);
+            let g = scaling.unscale(g[j].to_f32());
             let (m_old, v_old) = (dequant(qmap1, c1, j, *s1), dequant(qmap2, c2, j, *s2));
-            (p[j], m[j], v[j]) = c.update(p[j], g, m_old, v_old);
+            let x;
+            (x, m[j], v[j]) = c.update(p[j].to_f32(), g, m_old, v_old);
+            p[j] = rounding.store(x, block * AO_BLOCK_SIZE + j);
         }
         *s1 = quantize_block(qmap1, &m, c1);
         *s2 = quantize_block(qmap2, &v, c2);
@@ -360,25 +372,24 @@ pub fn adam4bit_blockwise(
     Ok(StepOutcome::Stepped)
 }
 
-/// The same step over f32 states (`exp_avg`, `exp_avg_sq` of the parameter's length), as
-/// torchao keeps them for a parameter it does not quantise ([`is_quantized_4bit`]).
-pub fn adam4bit_f32_states(
+/// The same step over f32 states (`state1` = `exp_avg`, `state2` = `exp_avg_sq`, of the
+/// parameter's length), as torchao keeps them for an f32 parameter it does not quantise
+/// ([`is_quantized_4bit`]; for a bf16 one torchao keeps bf16 states, this kernel f32).
+pub fn adam4bit_f32_states<T: ParamElement>(
     cfg: &Adam4bitConfig,
     step: u64,
-    param: &mut [f32],
-    grad: &[f32],
-    exp_avg: &mut [f32],
-    exp_avg_sq: &mut [f32],
+    bufs: F32States<'_, T>,
     scaling: GradScaling,
+    rounding: ParamRounding,
 ) -> Result<StepOutcome, OptimError> {
     let c = StepConsts::new(cfg, step);
-    let states = F32States {
-        param,
-        grad,
-        state1: exp_avg,
-        state2: exp_avg_sq,
-    };
-    states.update("adam4bit_f32_states", step, scaling, |p, g, m, v| {
-        (*p, *m, *v) = c.update(*p, g, *m, *v);
-    })
+    bufs.update(
+        "adam4bit_f32_states",
+        step,
+        scaling,
+        rounding,
+        |p, g, m, v| {
+            (*p, *m, *v) = c.update(*p, g, *m, *v);
+        },
+    )
 }

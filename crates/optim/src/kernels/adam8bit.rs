@@ -16,7 +16,8 @@
 
 use super::quantization::{quantize_state_code, QuantizationMap};
 use super::{
-    check_adam_ranges, check_host_scaling, check_len, check_step, GradScaling, StepOutcome,
+    check_adam_ranges, check_host_scaling, check_len, check_step, Bf16Rounding, GradScaling,
+    ParamElement, ParamRounding, StepOutcome,
 };
 use crate::error::OptimError;
 
@@ -42,6 +43,8 @@ pub struct Adam8bitConfig {
     pub eps: f64,
     /// Decoupled weight decay, applied after the Adam step.
     pub weight_decay: f64,
+    /// How a bf16 parameter's new value is stored (f32 parameters: exactly).
+    pub bf16_rounding: Bf16Rounding,
 }
 
 impl Adam8bitConfig {
@@ -52,6 +55,7 @@ impl Adam8bitConfig {
             betas: (0.9, 0.999),
             eps: 1e-8,
             weight_decay: 0.0,
+            bf16_rounding: Bf16Rounding::Nearest,
         }
     }
 
@@ -73,12 +77,13 @@ impl Adam8bitConfig {
 /// One parameter's buffers for a block-wise quantised update: 8-bit ([`Adam8bitBuffers`], one
 /// code a byte, [`n_blocks`] scales) or 4-bit
 /// ([`Adam4bitBuffers`](super::Adam4bitBuffers), two codes a byte, a scale per block of 128).
+/// The parameter and its gradient are f32 or bf16 (`T`); the states are not.
 #[derive(Debug)]
-pub struct BlockwiseBuffers<'a> {
+pub struct BlockwiseBuffers<'a, T: ParamElement = f32> {
     /// The parameter, updated in place.
-    pub param: &'a mut [f32],
+    pub param: &'a mut [T],
     /// Its gradient.
-    pub grad: &'a [f32],
+    pub grad: &'a [T],
     /// First-state (`exp_avg`) codes (signed map), zero before the first step.
     pub state1: &'a mut [u8],
     /// Second-state (`exp_avg_sq`) codes (unsigned map), zero before the first step.
@@ -90,7 +95,7 @@ pub struct BlockwiseBuffers<'a> {
 }
 
 /// One parameter's buffers for an 8-bit update.
-pub type Adam8bitBuffers<'a> = BlockwiseBuffers<'a>;
+pub type Adam8bitBuffers<'a, T = f32> = BlockwiseBuffers<'a, T>;
 
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StepConsts {
@@ -124,14 +129,17 @@ impl StepConsts {
 }
 
 /// The 8-bit blockwise Adam step number `step` on one parameter. `qmap1` is the signed dynamic
-/// map, `qmap2` the unsigned one. With `scaling.found_inf` set nothing is written.
-pub fn adam8bit_blockwise(
+/// map, `qmap2` the unsigned one. The parameter and gradient are widened to f32, and the new
+/// parameter is stored by `rounding` (element `i` with its bits `i`). With `scaling.found_inf`
+/// set nothing is written.
+pub fn adam8bit_blockwise<T: ParamElement>(
     cfg: &Adam8bitConfig,
     step: u64,
     qmap1: &QuantizationMap,
     qmap2: &QuantizationMap,
-    bufs: Adam8bitBuffers<'_>,
+    bufs: Adam8bitBuffers<'_, T>,
     scaling: GradScaling,
+    rounding: ParamRounding,
 ) -> Result<StepOutcome, OptimError> {
     const OP: &str = "adam8bit_blockwise";
     check_step(OP, step)?;
@@ -148,18 +156,19 @@ pub fn adam8bit_blockwise(
     let c = StepConsts::new(cfg, step);
     let mut s1 = [0f32; BNB_BLOCK_SIZE];
     let mut s2 = [0f32; BNB_BLOCK_SIZE];
-    for ((((p, g), c1), c2), (a1, a2)) in bufs
+    for (block, ((((p, g), c1), c2), (a1, a2))) in bufs
         .param
         .chunks_mut(BNB_BLOCK_SIZE)
         .zip(bufs.grad.chunks(BNB_BLOCK_SIZE))
         .zip(bufs.state1.chunks_mut(BNB_BLOCK_SIZE))
         .zip(bufs.state2.chunks_mut(BNB_BLOCK_SIZE))
         .zip(bufs.absmax1.iter_mut().zip(bufs.absmax2.iter_mut()))
+        .enumerate()
     {
         let len = p.len();
         let (mut max1, mut max2) = (0f32, 0f32);
         for j in 0..len {
-            let g = scaling.unscale(g[j]);
+            let g = scaling.unscale(g[j].to_f32());
             if g.is_finite() {
                 let v = qmap2[usize::from(c2[j])] * *a2;
                 s2[j] = v * c.beta2 + c.one_minus_beta2 * g * g;
@@ -175,12 +184,14 @@ pub fn adam8bit_blockwise(
         *a1 = max1;
         *a2 = max2;
         for j in 0..len {
-            let g = scaling.unscale(g[j]);
+            let g = scaling.unscale(g[j].to_f32());
             if g.is_finite() {
-                p[j] += c.step_size * (s1[j] / (s2[j].sqrt() + c.correction2 * c.eps));
+                let mut x = p[j].to_f32();
+                x += c.step_size * (s1[j] / (s2[j].sqrt() + c.correction2 * c.eps));
                 if let Some(factor) = c.decay_factor {
-                    p[j] *= factor;
+                    x *= factor;
                 }
+                p[j] = rounding.store(x, block * BNB_BLOCK_SIZE + j);
             }
         }
         // One reciprocal per block (1/0 = inf turns an all-zero block into NaN, as 0/0 would).
@@ -202,24 +213,17 @@ pub fn adam8bit_blockwise(
 }
 
 /// bitsandbytes' 32-bit Adam (`kOptimizer32bit2State`), used for tensors under
-/// [`MIN_8BIT_SIZE`]: the same update on float32 states, decay after the step.
-pub fn adam_bnb_32bit(
+/// [`MIN_8BIT_SIZE`]: the same update on float32 states, decay after the step; an f32 or bf16
+/// parameter stored by `rounding`.
+pub fn adam_bnb_32bit<T: ParamElement>(
     cfg: &Adam8bitConfig,
     step: u64,
-    param: &mut [f32],
-    grad: &[f32],
-    state1: &mut [f32],
-    state2: &mut [f32],
+    bufs: F32States<'_, T>,
     scaling: GradScaling,
+    rounding: ParamRounding,
 ) -> Result<StepOutcome, OptimError> {
     let c = StepConsts::new(cfg, step);
-    let states = F32States {
-        param,
-        grad,
-        state1,
-        state2,
-    };
-    states.update("adam_bnb_32bit", step, scaling, |p, g, m, v| {
+    bufs.update("adam_bnb_32bit", step, scaling, rounding, |p, g, m, v| {
         *m = *m * c.beta1 + c.one_minus_beta1 * g;
         *v = *v * c.beta2 + c.one_minus_beta2 * (g * g);
         *p += c.step_size * (*m / (v.sqrt() + c.eps * c.correction2));
@@ -230,22 +234,29 @@ pub fn adam_bnb_32bit(
 }
 
 /// The buffers of a block-wise rule's f32-state form (a parameter it does not quantise): the
-/// parameter, its gradient and two f32 states of its length.
-pub(crate) struct F32States<'a> {
-    pub(crate) param: &'a mut [f32],
-    pub(crate) grad: &'a [f32],
-    pub(crate) state1: &'a mut [f32],
-    pub(crate) state2: &'a mut [f32],
+/// parameter and its gradient (f32 or bf16) and two f32 states of its length.
+#[derive(Debug)]
+pub struct F32States<'a, T: ParamElement = f32> {
+    /// The parameter, updated in place.
+    pub param: &'a mut [T],
+    /// Its gradient.
+    pub grad: &'a [T],
+    /// First moment.
+    pub state1: &'a mut [f32],
+    /// Second moment.
+    pub state2: &'a mut [f32],
 }
 
-impl F32States<'_> {
+impl<T: ParamElement> F32States<'_, T> {
     /// Checks the step, the scaling and the lengths (as `op`), then, unless `scaling` skips the
-    /// step, runs `element(p, g, m, v)` on each element with its gradient unscaled.
+    /// step, runs `element(p, g, m, v)` on each element in f32 with its gradient unscaled, and
+    /// stores the parameter by `rounding`.
     pub(crate) fn update(
         self,
         op: &'static str,
         step: u64,
         scaling: GradScaling,
+        rounding: ParamRounding,
         mut element: impl FnMut(&mut f32, f32, &mut f32, &mut f32),
     ) -> Result<StepOutcome, OptimError> {
         check_step(op, step)?;
@@ -257,14 +268,17 @@ impl F32States<'_> {
         if scaling.skips() {
             return Ok(StepOutcome::Skipped);
         }
-        for (((p, &g), m), v) in self
+        for (i, (((p, &g), m), v)) in self
             .param
             .iter_mut()
             .zip(self.grad)
             .zip(self.state1.iter_mut())
             .zip(self.state2.iter_mut())
+            .enumerate()
         {
-            element(p, scaling.unscale(g), m, v);
+            let mut x = p.to_f32();
+            element(&mut x, scaling.unscale(g.to_f32()), m, v);
+            *p = rounding.store(x, i);
         }
         Ok(StepOutcome::Stepped)
     }

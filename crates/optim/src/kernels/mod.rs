@@ -18,7 +18,9 @@
 //! end of the element's update, as PyTorch's fused kernels do (SGD stores the momentum buffer
 //! before the update reads it back); the single and foreach forms round each op's result, as
 //! PyTorch's op-by-op paths do. For f32 every rounding is the identity, so f32 results are those
-//! of the f32-only kernels. Adafactor, 8-bit and 4-bit Adam take f32 only. Every kernel updates one
+//! of the f32-only kernels. 8-bit and 4-bit Adam take f32 and bf16 parameters (gradients of
+//! the parameter's type, states quantised or f32) and store a bf16 parameter to nearest or
+//! stochastically ([`ParamRounding`]), with no f32 master copy; Adafactor takes f32 only. Every kernel updates one
 //! parameter (or one list), so the per-parameter step of optimizer-in-backward is a plain call.
 //! The CUDA side (`crate::cuda`, feature `cuda`) runs the same operations in the same order on
 //! device memory.
@@ -44,14 +46,16 @@ pub use adam4bit::{
 };
 pub use adam8bit::{
     adam8bit_blockwise, adam_bnb_32bit, n_blocks, Adam8bitBuffers, Adam8bitConfig,
-    BlockwiseBuffers, BNB_BLOCK_SIZE, MIN_8BIT_SIZE,
+    BlockwiseBuffers, F32States, BNB_BLOCK_SIZE, MIN_8BIT_SIZE,
 };
 pub use quantization::{
     code_bin, code_key, dequantize_blockwise, dynamic_map, quantize_blockwise, quantize_code,
     quantize_state_code, QuantizationMap, StateCodeTable, CODE_BINS_PER_SIGN, MAP_LEN,
 };
 pub use sgd::{sgd_foreach, sgd_fused, sgd_single, SgdBuffers, SgdConfig};
-pub use stochastic::{round_bf16_stochastic, stochastic_bits, stochastic_key};
+pub use stochastic::{
+    round_bf16_stochastic, stochastic_bits, stochastic_key, Bf16Rounding, ParamRounding,
+};
 
 pub use half::{bf16, f16};
 
@@ -80,6 +84,9 @@ pub trait ParamElement: Copy + Send + Sync + std::fmt::Debug + 'static + sealed:
     fn to_f32(self) -> f32;
     /// `value` rounded to this type, to nearest-even.
     fn from_f32(value: f32) -> Self;
+    /// `value` rounded to this type with 16 uniform random bits: bf16 stochastically
+    /// ([`round_bf16_stochastic`]); f32 exactly and f16 to nearest-even, ignoring them.
+    fn from_f32_stochastic(value: f32, random: u32) -> Self;
 }
 
 mod sealed {
@@ -101,6 +108,11 @@ impl ParamElement for f32 {
     fn from_f32(value: f32) -> f32 {
         value
     }
+
+    #[inline(always)]
+    fn from_f32_stochastic(value: f32, _random: u32) -> f32 {
+        value
+    }
 }
 
 impl ParamElement for bf16 {
@@ -119,6 +131,11 @@ impl ParamElement for bf16 {
             bf16::from_f32(value)
         }
     }
+
+    #[inline(always)]
+    fn from_f32_stochastic(value: f32, random: u32) -> bf16 {
+        round_bf16_stochastic(value, random)
+    }
 }
 
 impl ParamElement for f16 {
@@ -136,6 +153,11 @@ impl ParamElement for f16 {
         } else {
             f16::from_f32(value)
         }
+    }
+
+    #[inline(always)]
+    fn from_f32_stochastic(value: f32, _random: u32) -> f16 {
+        <f16 as ParamElement>::from_f32(value)
     }
 }
 

@@ -8,10 +8,73 @@
 //! f32 master copy. The 16 random bits of an element come from splitmix64 over a key (seed,
 //! parameter index, step) and the element's index: no state, the same bits on any device and in
 //! any order of evaluation, a different stream for every parameter and step.
+//!
+//! [`Bf16Rounding`] is the choice a rule over bf16 parameters offers (the 8-bit and 4-bit
+//! rules); [`ParamRounding`] is that choice for one parameter at one step, which a raw kernel
+//! takes.
 
 use half::bf16;
 
 use super::ParamElement;
+
+/// How a rule that takes bf16 parameters without an f32 master copy stores an updated
+/// parameter. f32 parameters are stored exactly either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Bf16Rounding {
+    /// To nearest even: PyTorch's `copy_`, torchao's default (`bf16_stochastic_round=False`) and
+    /// bitsandbytes' only choice. An update under half a bf16 ulp of its parameter is lost.
+    #[default]
+    Nearest,
+    /// Stochastically (torchao's `bf16_stochastic_round=True`), with random bits seeded by
+    /// `seed` ([`stochastic_key`] of the seed, the parameter's index in its optimizer and the
+    /// step): reproducible, and the same bits on the CPU and CUDA.
+    Stochastic {
+        /// Seeds the random bits.
+        seed: u64,
+    },
+}
+
+/// The rounding of one parameter's update at one step: to nearest, or stochastic with the bits of
+/// one stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParamRounding {
+    key: Option<u64>,
+}
+
+impl ParamRounding {
+    /// To nearest even (the only rounding of f32 parameters, where it is exact).
+    pub const NEAREST: ParamRounding = ParamRounding { key: None };
+
+    /// Stochastic with the bits of stream `key` ([`stochastic_key`]); element `i` of the
+    /// parameter rounds with [`stochastic_bits`]`(key, i)`.
+    pub fn stochastic(key: u64) -> ParamRounding {
+        ParamRounding { key: Some(key) }
+    }
+
+    /// `rounding` for the parameter at index `slot` of its optimizer at step `step`.
+    pub fn of(rounding: Bf16Rounding, slot: usize, step: u64) -> ParamRounding {
+        match rounding {
+            Bf16Rounding::Nearest => ParamRounding::NEAREST,
+            Bf16Rounding::Stochastic { seed } => {
+                ParamRounding::stochastic(stochastic_key(seed, slot as u64, step))
+            }
+        }
+    }
+
+    /// The stream's key, when stochastic.
+    pub fn key(self) -> Option<u64> {
+        self.key
+    }
+
+    /// `value` stored as element `index` of a parameter of `T`.
+    #[inline(always)]
+    pub fn store<T: ParamElement>(self, value: f32, index: usize) -> T {
+        match self.key {
+            Some(key) => T::from_f32_stochastic(value, stochastic_bits(key, index as u64)),
+            None => T::from_f32(value),
+        }
+    }
+}
 
 /// splitmix64's increment (the golden ratio's 64-bit fraction).
 const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
