@@ -87,6 +87,8 @@ pub(crate) struct Probed {
 pub(crate) struct Peaks {
     pub(crate) allocated: u64,
     pub(crate) reserved: u64,
+    /// Peak reserved pinned host memory (`None`: a backend without any, the CPU's).
+    pub(crate) host_reserved: Option<u64>,
     pub(crate) step_ms: f64,
 }
 
@@ -95,6 +97,7 @@ impl Peaks {
     pub(crate) const NONE: Peaks = Peaks {
         allocated: 0,
         reserved: 0,
+        host_reserved: None,
         step_ms: f64::NAN,
     };
 }
@@ -345,12 +348,17 @@ fn probe_batch(
     let input = Input::new(&probe.backend, model, batch)?;
     probe.backend.synchronize()?;
     probe.allocator().reset_peak_stats();
+    let host = probe.backend.host_allocator_view();
+    if let Some(host) = host {
+        host.reset_peak_stats();
+    }
     let start = Instant::now();
     training.run(&input, case, protocol)?.step()?;
     probe.backend.synchronize()?;
     Ok(Peaks {
         allocated: probe.allocator().max_memory_allocated(),
         reserved: probe.allocator().max_memory_reserved(),
+        host_reserved: host.map(|host| host.max_memory_reserved()),
         step_ms: start.elapsed().as_secs_f64() * 1e3,
     })
 }
@@ -673,6 +681,7 @@ fn case_json(f: &Found, pytorch: &[TorchFound]) -> Value {
         "max_batch": f.max_batch,
         "peak_allocated_bytes": f.at_max.allocated,
         "peak_reserved_bytes": f.at_max.reserved,
+        "host_peak_reserved_bytes": f.at_max.host_reserved,
         "step_ms": f.at_max.step_ms,
         "ooms": f.ooms,
         "seconds": f.seconds,

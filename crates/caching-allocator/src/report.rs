@@ -173,6 +173,9 @@ impl fmt::Display for OutOfMemoryReport {
     /// and the expandable-segments hint when it applies. Like every error message of this crate
     /// it does not end with a period.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.storage == PINNED_STORAGE {
+            return self.fmt_pinned(f);
+        }
         write!(
             f,
             "out of memory: tried to allocate {} (request of {} bytes). {} device has a total \
@@ -205,6 +208,42 @@ impl fmt::Display for OutOfMemoryReport {
             )?;
         }
         Ok(())
+    }
+}
+
+/// The name of the pinned host storage, whose capacity is the budget it was given.
+const PINNED_STORAGE: &str = "pinned";
+
+impl OutOfMemoryReport {
+    /// Pinned host memory: the budget it was given (its storage's capacity; none when the
+    /// capacity is unbounded and the driver refused) and what to do.
+    fn fmt_pinned(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "out of pinned host memory: tried to allocate {} (request of {} bytes). ",
+            format_size(self.attempted),
+            self.requested
+        )?;
+        if self.capacity == u64::MAX {
+            f.write_str(
+                "No pinned budget is set and the driver refused: page-locked memory is bounded by \
+                 the host's RAM and its locked-memory limit. ",
+            )?;
+        } else {
+            write!(
+                f,
+                "The pinned budget is {} of which {} is free. ",
+                format_size(self.capacity),
+                format_size(self.free)
+            )?;
+        }
+        write!(
+            f,
+            "{} is allocated by Headroom, and {} is reserved but unallocated. Raise the budget \
+             (the CUDA backend's pinned_budget option) or keep less in host memory",
+            format_size(self.allocated),
+            format_size(self.reserved_unallocated)
+        )
     }
 }
 
@@ -692,6 +731,32 @@ mod tests {
              cached block is 18.00 MiB. If reserved but unallocated memory is large try setting \
              expandable_segments:True in HEADROOM_ALLOC_CONF to avoid fragmentation"
         );
+    }
+
+    #[test]
+    fn pinned_oom_names_the_budget_or_its_absence() {
+        let report = OutOfMemoryReport {
+            capacity: 64 << 20,
+            free: 10 << 20,
+            allocated: 50 << 20,
+            reserved_unallocated: 4 << 20,
+            storage: "pinned",
+            ..sample_report()
+        };
+        assert_eq!(
+            report.to_string(),
+            "out of pinned host memory: tried to allocate 20.00 MiB (request of 5242880 bytes). \
+             The pinned budget is 64.00 MiB of which 10.00 MiB is free. 50.00 MiB is allocated \
+             by Headroom, and 4.00 MiB is reserved but unallocated. Raise the budget \
+             (the CUDA backend's pinned_budget option) or keep less in host memory"
+        );
+        let unbounded = OutOfMemoryReport {
+            capacity: u64::MAX,
+            ..report
+        };
+        assert!(unbounded
+            .to_string()
+            .contains("No pinned budget is set and the driver refused"));
     }
 
     #[test]

@@ -113,6 +113,10 @@ impl Backend for CudaBackend {
         self.allocator()
     }
 
+    fn host_allocator_view(&self) -> Option<&dyn AllocatorView> {
+        Some(self.pinned_allocator())
+    }
+
     fn matmul_workspace_bytes(&self) -> usize {
         // Taken by the first product and kept: once it is, the next product takes nothing.
         if self.blas.lock().is_some() {

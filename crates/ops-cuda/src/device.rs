@@ -18,7 +18,8 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaStream};
 use headroom_autograd_core::Result;
 use headroom_caching_allocator::{
-    AllocError, Allocation, AllocatorConfig, CachingAllocator, CudaStorage, PinnedHostStorage,
+    AllocError, Allocation, AllocatorConfig, CachingAllocator, CudaStorage, PinnedHostOptions,
+    PinnedHostStorage,
 };
 use parking_lot::{MappedMutexGuard, Mutex, MutexGuard};
 
@@ -26,6 +27,20 @@ use crate::blas::BlasState;
 use crate::error::{device_error, CudaError};
 use crate::kernels::KernelCache;
 use crate::profile::{OpProfiler, OpTiming};
+
+/// How [`CudaBackend::with_options`] sets a backend up.
+#[derive(Debug, Clone, Default)]
+pub struct CudaBackendOptions {
+    /// The device allocator's configuration (`HEADROOM_ALLOC_CONF`'s settings).
+    pub allocator: AllocatorConfig,
+    /// Bytes of pinned host memory the backend may hold at most, shared by everything that
+    /// keeps data in host memory through it (activation offload's pools, pinned buffers): past
+    /// it an allocation fails with an out-of-memory error that names the budget
+    /// ([`headroom_caching_allocator::AllocError::OutOfMemory`], storage `pinned`), without
+    /// asking the driver. `None`: the host's limit (page-locked memory cannot be swapped out, so
+    /// a budget keeps a training run from starving the host).
+    pub pinned_budget: Option<u64>,
+}
 
 /// The CUDA backend of one device.
 pub struct CudaBackend {
@@ -86,11 +101,32 @@ impl CudaBackend {
         ordinal: usize,
         config: AllocatorConfig,
     ) -> std::result::Result<Arc<CudaBackend>, CudaError> {
+        let options = CudaBackendOptions {
+            allocator: config,
+            ..CudaBackendOptions::default()
+        };
+        CudaBackend::with_options(ordinal, options)
+    }
+
+    /// The backend of device `ordinal` with `options`: the device allocator's configuration and
+    /// the byte budget of its pinned host memory.
+    pub fn with_options(
+        ordinal: usize,
+        options: CudaBackendOptions,
+    ) -> std::result::Result<Arc<CudaBackend>, CudaError> {
+        let CudaBackendOptions {
+            allocator: config,
+            pinned_budget,
+        } = options;
         let no_device = |reason: String| CudaError::NoDevice { ordinal, reason };
         // The storage checks for the driver first, so a machine without one gets an error here
         // before cudarc is asked for anything.
         let storage = CudaStorage::new(ordinal).map_err(|e| no_device(e.to_string()))?;
-        let pinned = PinnedHostStorage::new(ordinal).map_err(|e| no_device(e.to_string()))?;
+        let pinned_options = PinnedHostOptions {
+            memory_limit: pinned_budget,
+        };
+        let pinned = PinnedHostStorage::with_options(ordinal, pinned_options)
+            .map_err(|e| no_device(e.to_string()))?;
         let context = CudaContext::new(ordinal).map_err(|e| no_device(e.to_string()))?;
         let stream = context.default_stream();
         Ok(Arc::new(CudaBackend {

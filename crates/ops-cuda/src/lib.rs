@@ -104,7 +104,7 @@ mod backend;
 pub use error::CudaError;
 
 #[cfg(feature = "cuda")]
-pub use device::CudaBackend;
+pub use device::{CudaBackend, CudaBackendOptions};
 #[cfg(feature = "cuda")]
 pub use launch::{CudaKernel, KernelArg};
 #[cfg(feature = "cuda")]

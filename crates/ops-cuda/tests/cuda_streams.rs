@@ -1,8 +1,8 @@
 //! Streams, events, pinned host memory and asynchronous copies on a real device: exact pinned
 //! statistics and reuse, a random round trip through a side stream, overlap of a copy with a
 //! running kernel (and no overlap where the destination may still be the kernels'), no early
-//! reuse of pinned or device memory that a queued copy or kernel still uses, and typed errors for
-//! bad arguments. Each test is marked `#[ignore = "needs a CUDA device"]`: it runs
+//! reuse of pinned or device memory that a queued copy or kernel still uses, a pinned budget
+//! whose exhaustion is a typed error naming it, and typed errors for bad arguments. Each test is marked `#[ignore = "needs a CUDA device"]`: it runs
 //! with `--include-ignored`, and fails without a device where `HEADROOM_REQUIRE_GPU=1` is set
 //! (testkit's GPU gate).
 //!
@@ -14,8 +14,8 @@ use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
 use headroom_autograd_core::{BackendRef, DType, Tensor, TensorError, UnaryOp};
-use headroom_caching_allocator::{AllocatorConfig, PinnedHostStorage, StreamId};
-use headroom_ops_cuda::{CudaBackend, CudaEvent, KernelArg};
+use headroom_caching_allocator::{AllocError, AllocatorConfig, PinnedHostStorage, StreamId};
+use headroom_ops_cuda::{CudaBackend, CudaBackendOptions, CudaEvent, KernelArg};
 use headroom_testkit::gpu::{cuda_or_skip, exclusive_device, SPIN_NS_PTX};
 use headroom_testkit::inputs::uniform_f32;
 
@@ -98,6 +98,50 @@ fn pinned_blocks_are_cached_with_exact_statistics() {
     assert!(empty.is_empty());
     assert_eq!(empty.as_slice::<f32>().unwrap(), &[] as &[f32]);
     pinned.check_invariants().unwrap();
+}
+
+/// A backend with a pinned budget of 24 MiB: a 3 MiB buffer takes a 20 MiB segment, so an 18 MiB
+/// one (more than the segment's free 17 MiB; a segment of its own) is an out-of-memory error of
+/// the `pinned` storage that names the budget (not a driver error); once the first is dropped,
+/// the 18 MiB fit. The backend shows its pinned memory as its host allocator.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn exhausting_the_pinned_budget_is_a_typed_error_naming_it() {
+    let options = CudaBackendOptions {
+        pinned_budget: Some(24 * MIB as u64),
+        ..CudaBackendOptions::default()
+    };
+    let Some(cuda) = cuda_or_skip(CudaBackend::with_options(0, options)) else {
+        return;
+    };
+    let first = cuda.pinned_host(3 * MIB).unwrap();
+    let err = cuda.pinned_host(18 * MIB).unwrap_err();
+    let TensorError::Alloc(AllocError::OutOfMemory(report)) = &err else {
+        panic!("not an out-of-memory error: {err}");
+    };
+    assert_eq!(report.storage, "pinned");
+    assert_eq!(report.capacity, 24 * MIB as u64);
+    assert_eq!(report.requested, 18 * MIB as u64);
+    let message = err.to_string();
+    assert!(
+        message.contains("The pinned budget is 24.00 MiB of which 4.00 MiB is free"),
+        "{message}"
+    );
+    drop(first);
+    let second = cuda.pinned_host(18 * MIB).unwrap();
+    assert_eq!(second.len(), 18 * MIB);
+    let host = headroom_autograd_core::Backend::host_allocator_view(cuda.as_ref()).unwrap();
+    assert_eq!(host.memory_allocated(), 18 * MIB as u64);
+    assert_eq!(
+        host.max_memory_reserved(),
+        20 * MIB as u64,
+        "never over the budget"
+    );
+    assert_eq!(
+        cuda.allocator().memory_allocated(),
+        0,
+        "device memory untouched"
+    );
 }
 
 /// Host → device on a side stream, a kernel on the compute stream after an event, device → host

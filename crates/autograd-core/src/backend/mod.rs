@@ -106,6 +106,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// measurement reads, the same way on every device.
     fn allocator_view(&self) -> &dyn AllocatorView;
 
+    /// The caching allocator of this backend's pinned host memory (offloaded activations and
+    /// state), seen as [`Backend::allocator_view`] sees device memory, so a report can put host
+    /// bytes beside device bytes; `None` for a backend without one (the CPU's).
+    fn host_allocator_view(&self) -> Option<&dyn AllocatorView> {
+        None
+    }
+
     /// The allocator's statistics (`allocated_bytes.all.current` is `memory_allocated()`): the
     /// [`Backend::allocator_view`]'s.
     fn memory_stats(&self) -> MemoryStats {

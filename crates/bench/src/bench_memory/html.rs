@@ -125,13 +125,18 @@ fn peak_bars(group: &[&CaseResult], anchors: &Anchors) -> String {
             }
             x += w;
         }
-        // A language model's loss run alone: its logits' bytes at their peak.
+        // A language model's loss run alone: its logits' bytes at their peak; pinned host
+        // memory where the case used any.
         let logits = r
             .logits_bytes
             .map_or_else(String::new, |bytes| format!(" (logits {})", size(bytes)));
+        let host = match r.host_peak_reserved_bytes {
+            Some(bytes) if bytes > 0 => format!(" + host {}", size(bytes)),
+            _ => String::new(),
+        };
         let _ = writeln!(
             svg,
-            "<text x=\"{:.1}\" y=\"{:.1}\">{}{logits}</text>",
+            "<text x=\"{:.1}\" y=\"{:.1}\">{}{logits}{host}</text>",
             x + 4.0,
             y + BAR * 0.7,
             size(r.at_peak.total())

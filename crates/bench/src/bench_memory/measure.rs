@@ -2,7 +2,7 @@
 //! allocator's peak is reset, 3 warm-up steps from a fresh optimizer give the first-3 peak; the
 //! peak is reset again and the timed steps give the steady peak (allocated and reserved) and the
 //! step time (forward + backward + optimizer step + `zero_grad(set_to_none)`, the device
-//! synchronised before the clock is read). One more, untimed, step is traced (history under the
+//! synchronised before the clock is read), with the peak of pinned host memory beside them. One more, untimed, step is traced (history under the
 //! phase labels, [`super::training`]) and split by what held the memory at its peak
 //! ([`super::timeline`]); a language model's loss then runs once more alone, for its logits'
 //! bytes at their peak ([`super::loss_logits`]). What it measured is a [`CaseResult`].
@@ -87,6 +87,9 @@ pub(crate) struct CaseResult {
     pub(crate) peak_allocated_bytes: u64,
     /// Peak reserved over the timed steps.
     pub(crate) peak_reserved_bytes: u64,
+    /// Peak reserved pinned host memory over the timed steps (offloaded activations or state;
+    /// `None` on a backend without pinned memory, the CPU's).
+    pub(crate) host_peak_reserved_bytes: Option<u64>,
     /// Median step time (`sorted[n / 2]`, as `torch_reference.py` takes it).
     pub(crate) step_ms: f64,
     /// Fastest step.
@@ -162,6 +165,10 @@ pub(crate) fn measure(
     let first3_peak = allocator.max_memory_allocated();
 
     allocator.reset_peak_stats();
+    let host = probe.backend.host_allocator_view();
+    if let Some(host) = host {
+        host.reset_peak_stats();
+    }
     let mut times_ms = Vec::with_capacity(protocol.steps);
     for step in protocol.warmup + 1..=protocol.warmup + protocol.steps {
         let _context = protocol
@@ -175,6 +182,7 @@ pub(crate) fn measure(
         tick();
     }
     let stats = allocator.memory_stats();
+    let host_peak_reserved_bytes = host.map(|host| host.max_memory_reserved());
     if let (true, Some(profile_ops)) = (protocol.op_profile, probe.profile_ops) {
         probe.backend.synchronize()?;
         let start = Instant::now();
@@ -252,6 +260,7 @@ pub(crate) fn measure(
         first3_peak_allocated_bytes: first3_peak,
         peak_allocated_bytes: stats.allocated_bytes.all.peak as u64,
         peak_reserved_bytes: stats.reserved_bytes.all.peak as u64,
+        host_peak_reserved_bytes,
         step_ms: sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN),
         step_ms_min: sorted.first().copied().unwrap_or(f64::NAN),
         times_ms,

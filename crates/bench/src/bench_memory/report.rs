@@ -81,13 +81,13 @@ pub(crate) fn size(bytes: u64) -> String {
 pub(crate) fn markdown(results: &[CaseResult], anchors: &Anchors) -> String {
     let with_pytorch = results.iter().any(|r| anchor(anchors, r).is_some());
     let mut out = String::from(
-        "| model | batch | case | peak alloc | peak reserved | first-3 peak | step ms | \
-         params | grads | opt state | activations | cast cache | logits | peak in |",
+        "| model | batch | case | peak alloc | peak reserved | host peak | first-3 peak | \
+         step ms | params | grads | opt state | activations | cast cache | logits | peak in |",
     );
     if with_pytorch {
         out.push_str(" PyTorch peak | peak ratio | PyTorch ms | time ratio |");
     }
-    out.push_str("\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    out.push_str("\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
     if with_pytorch {
         out.push_str("---:|---:|---:|---:|");
     }
@@ -95,12 +95,14 @@ pub(crate) fn markdown(results: &[CaseResult], anchors: &Anchors) -> String {
     for r in results {
         let _ = write!(
             out,
-            "| {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} | {} | {} |",
             r.model,
             r.batch,
             r.case.name(),
             size(r.peak_allocated_bytes),
             size(r.peak_reserved_bytes),
+            r.host_peak_reserved_bytes
+                .map_or_else(|| "-".to_owned(), size),
             size(r.first3_peak_allocated_bytes),
             r.step_ms,
             size(r.param_bytes),
@@ -197,6 +199,7 @@ pub(crate) fn case_json(r: &CaseResult, anchors: &Anchors) -> Value {
         "n_params": r.n_params,
         "peak_allocated_bytes": r.peak_allocated_bytes,
         "peak_reserved_bytes": r.peak_reserved_bytes,
+        "host_peak_reserved_bytes": r.host_peak_reserved_bytes,
         "first3_peak_allocated_bytes": r.first3_peak_allocated_bytes,
         "step_ms": r.step_ms,
         "step_ms_min": r.step_ms_min,

@@ -40,6 +40,7 @@ fn linear(
         Ok((reserved <= cap).then_some(Peaks {
             allocated: reserved,
             reserved,
+            host_reserved: None,
             step_ms: 1.0,
         }))
     }
@@ -85,6 +86,7 @@ fn a_line_that_misses_by_a_few_percent_costs_few_probes_near_the_answer() {
             Ok((r <= cap).then_some(Peaks {
                 allocated: r,
                 reserved: r,
+                host_reserved: None,
                 step_ms: 1.0,
             }))
         };
@@ -121,6 +123,7 @@ fn the_search_is_exact_on_curves_the_line_mispredicts() {
             Ok((batch <= threshold).then_some(Peaks {
                 allocated: reserved,
                 reserved,
+                host_reserved: None,
                 step_ms: 1.0,
             }))
         };
@@ -137,6 +140,7 @@ fn the_search_is_exact_on_curves_the_line_mispredicts() {
             Ok((batch <= threshold).then_some(Peaks {
                 allocated: reserved as u64,
                 reserved: reserved as u64,
+                host_reserved: None,
                 step_ms: 1.0,
             }))
         };
@@ -310,6 +314,7 @@ fn the_command_line_and_pytorchs_lines_are_read() {
         at_max: Peaks {
             allocated: 25_000_000_000,
             reserved: 25_500_000_000,
+            host_reserved: None,
             step_ms: 650.0,
         },
         ooms: 2,
@@ -387,6 +392,7 @@ fn the_h200_curves_cost_two_probes_past_batch_16_when_the_line_is_near() {
             Ok((batch <= *max).then_some(Peaks {
                 allocated: allocated as u64,
                 reserved: allocated as u64,
+                host_reserved: None,
                 step_ms: 1.0,
             }))
         };
