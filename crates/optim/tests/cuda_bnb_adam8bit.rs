@@ -18,11 +18,7 @@ const PARAMS: [&str; 3] = ["small", "big", "big2d"];
 const STEPS: u64 = 5;
 
 fn load() -> HashMap<String, Vec<u8>> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../testdata/bnb_golden.safetensors"
-    );
-    let bytes = std::fs::read(path).expect("testdata/bnb_golden.safetensors");
+    let bytes = headroom_testkit::golden::testdata("bnb_golden.safetensors");
     let st = SafeTensors::deserialize(&bytes).unwrap();
     st.tensors()
         .into_iter()

@@ -22,11 +22,7 @@ struct Golden {
 
 impl Golden {
     fn load() -> Golden {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../testdata/torch_fused_adam_golden.safetensors"
-        );
-        let bytes = std::fs::read(path).expect("testdata/torch_fused_adam_golden.safetensors");
+        let bytes = headroom_testkit::golden::testdata("torch_fused_adam_golden.safetensors");
         let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
         let metadata = header.metadata().clone().unwrap_or_default();
         let st = SafeTensors::deserialize(&bytes).unwrap();

@@ -18,11 +18,7 @@ use safetensors::SafeTensors;
 const PARAMS: [&str; 3] = ["small", "big", "big2d"];
 
 fn load() -> HashMap<String, (Vec<usize>, Vec<u8>, safetensors::Dtype)> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../testdata/bnb_golden.safetensors"
-    );
-    let bytes = std::fs::read(path).expect("testdata/bnb_golden.safetensors");
+    let bytes = headroom_testkit::golden::testdata("bnb_golden.safetensors");
     let st = SafeTensors::deserialize(&bytes).unwrap();
     st.tensors()
         .into_iter()

@@ -30,11 +30,7 @@ struct Golden {
 
 impl Golden {
     fn load() -> Golden {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../testdata/optim_golden.safetensors"
-        );
-        let bytes = std::fs::read(path).expect("testdata/optim_golden.safetensors");
+        let bytes = headroom_testkit::golden::testdata("optim_golden.safetensors");
         let st = SafeTensors::deserialize(&bytes).unwrap();
         let tensors = st
             .tensors()

@@ -22,11 +22,7 @@ pub(crate) struct Golden {
 
 impl Golden {
     pub(crate) fn load() -> Golden {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../testdata/torchao_adam4bit_golden.safetensors"
-        );
-        let bytes = std::fs::read(path).expect("testdata/torchao_adam4bit_golden.safetensors");
+        let bytes = headroom_testkit::golden::testdata("torchao_adam4bit_golden.safetensors");
         let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
         let metadata = meta.metadata().clone().unwrap_or_default();
         let st = SafeTensors::deserialize(&bytes).unwrap();
