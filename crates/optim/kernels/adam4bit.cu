@@ -4,14 +4,14 @@
 // float, the new value stored to nearest or, flagged FLAG_STOCHASTIC, stochastically with the
 // piece's stream; states are never bf16).
 //
-// 4-bit: one CUDA block of 128 threads per quantisation block of 128 elements (a quantised
-// parameter is whole blocks), one element a thread: dequantise both moments (the code's table
-// value times the block's scale), update them and the parameter, reduce the block's new absmax of
-// each moment (a warp reduction, then across the four warps), re-quantise against it (torchao's
-// branchless search, ties up) and pack two codes a byte, the even element in the high nibble (the
-// odd neighbour's code comes by a shuffle). Every thread reads its codes and the old scales
-// before the reduction's barrier and the new ones are written after it, so the block updates its
-// state in place.
+// 4-bit: one warp per quantisation block of 128 elements (a quantised parameter is whole
+// blocks), four elements a lane: dequantise both moments (the code's table value times the
+// block's scale), update them and the parameter, reduce the block's new absmax of each moment
+// (a warp reduction), re-quantise against it (torchao's branchless search, ties up) and pack two
+// codes a byte, the even element in the high nibble. A warp a block keeps the loads wide and the
+// reduction in registers: no shared memory but the code tables, no barrier per block (the
+// earlier block-of-128-threads form ran a 1e9-parameter step in 8.5 ms, this one measures in
+// crates/optim/benches/cuda_adam.rs).
 //
 // The float operations are those of crates/optim/src/kernels/adam4bit.rs in the same order, each
 // rounded as there (__f*_rn keep nvcc from contracting into FMAs; PyTorch's lerp is an fma on
@@ -92,62 +92,98 @@ __device__ __forceinline__ float block_scale(float amax) {
     return amax != amax ? amax : fmaxf(amax, 1e-12f);
 }
 
-// Every 128-element block of every piece: block b of the launch is block b - first_block of its
-// piece (blockDim.x == 128).
+// Warps per CUDA block of the 4-bit kernel (crates/optim/src/cuda/adam4bit.rs launches this many
+// times 32 threads).
+#define AO_WARPS 8
+
+// Every 128-element block of every piece, one warp each (grid-stride over the warps of the
+// launch): block b of the launch is block b - first_block of its piece. Lane l holds elements
+// 4l..4l+3 (one vector load of the parameter and of the gradient, one 16-bit load of the two
+// bytes of codes of each moment where the piece is aligned; element by element otherwise), the
+// block's absmax of each moment is a warp reduction, and the lane writes its two bytes of each
+// moment's new codes. Every lane reads the old scales before the reduction's shuffles and lane 0
+// writes the new ones after them, so the warp updates its block in place.
 template <typename T>
 __device__ __forceinline__ void adam4bit_blockwise(const Ao4Piece* pieces, unsigned n_pieces,
-                                                   unsigned long long block_elems, const float* grad_scale,
+                                                   unsigned long long n_blocks, const float* grad_scale,
                                                    const float* found_inf) {
     if (skip_step(pieces, n_pieces, found_inf)) return;
-    const Ao4Piece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
-    unsigned long long block = blockIdx.x - pc.head.first_block;
-    if (block * block_elems >= pc.head.len) return;  // whole blocks only: never taken
-    const AoConsts c = ao_consts(pc);
-    float scale;
-    bool scaled = grad_scale_of(grad_scale, pc.flags, pc.grad_scale, &scale);
-    unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    unsigned long long j = block * AO_BLOCK + threadIdx.x;
-    T* p = (T*)pc.param;
-    const T* g = (const T*)pc.grad;
-    unsigned char* c1 = (unsigned char*)pc.state1;
-    unsigned char* c2 = (unsigned char*)pc.state2;
-    float* s1 = (float*)pc.absmax1;
-    float* s2 = (float*)pc.absmax2;
-    unsigned shift = (threadIdx.x & 1u) ? 0u : 4u;
-    unsigned k1 = (c1[j >> 1] >> shift) & 15u, k2 = (c2[j >> 1] >> shift) & 15u;
-    float m = __fmul_rn(pc.qmap1[k1], s1[block]);
-    float v = __fmul_rn(pc.qmap2[k2], s2[block]);
-    float gk = to_f32(g[j]);
-    if (scaled) gk = __fdiv_rn(gk, scale);
-    float pv = to_f32(p[j]);
-    ao_update(c, pv, gk, m, v);
-    p[j] = store_rounded<T>(pv, param_rounding(pc.head, pc.flags, pc.seed, pc.param_index), j);
-
-    __shared__ float maxima[2][AO_BLOCK / 32];
-    float a1 = warp_maximum(fabsf(m)), a2 = warp_maximum(fabsf(v));
-    if (lane == 0) {
-        maxima[0][warp] = a1;
-        maxima[1][warp] = a2;
-    }
+    // Every piece carries the same two tables (the host's qmap4_tables).
+    __shared__ float tables[32];
+    if (threadIdx.x < 32) tables[threadIdx.x] = threadIdx.x < 16 ? pieces[0].qmap1[threadIdx.x] : pieces[0].qmap2[threadIdx.x - 16];
     __syncthreads();
-    a1 = 0.0f;
-    a2 = 0.0f;
+    const float* q1 = tables;
+    const float* q2 = tables + 16;
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned long long warps = (unsigned long long)gridDim.x * AO_WARPS;
+    for (unsigned long long b = (unsigned long long)blockIdx.x * AO_WARPS + threadIdx.x / 32; b < n_blocks; b += warps) {
+        const Ao4Piece& pc = pieces[find_piece(pieces, n_pieces, b)];
+        const unsigned long long block = b - pc.head.first_block;
+        const AoConsts c = ao_consts(pc);
+        float scale;
+        const bool scaled = grad_scale_of(grad_scale, pc.flags, pc.grad_scale, &scale);
+        const ParamRounding r = param_rounding(pc.head, pc.flags, pc.seed, pc.param_index);
+        const unsigned long long first = block * AO_BLOCK;  // the block's first element
+        T* p = (T*)pc.param + first;
+        const T* g = (const T*)pc.grad + first;
+        unsigned char* c1 = (unsigned char*)pc.state1 + first / 2;
+        unsigned char* c2 = (unsigned char*)pc.state2 + first / 2;
+        float* s1 = (float*)pc.absmax1 + block;
+        float* s2 = (float*)pc.absmax2 + block;
+        const bool aligned = ((pc.param | pc.grad) & (4 * sizeof(T) - 1)) == 0 && ((pc.state1 | pc.state2) & 1) == 0;
+        float pv[4], gv[4];
+        unsigned w1, w2;  // the lane's two bytes of codes: byte 0 holds elements 0 (high) and 1
+        if (aligned) {
+            load4(p, lane, pv);
+            load4(g, lane, gv);
+            w1 = ((const unsigned short*)c1)[lane];
+            w2 = ((const unsigned short*)c2)[lane];
+        } else {
 #pragma unroll
-    for (int w = 0; w < AO_BLOCK / 32; ++w) {
-        a1 = maximum_pt(a1, maxima[0][w]);
-        a2 = maximum_pt(a2, maxima[1][w]);
-    }
-    float scale1 = block_scale(a1), scale2 = block_scale(a2);
-    unsigned q1 = code4(pc.qmap1, __fdiv_rn(m, scale1));
-    unsigned q2 = code4(pc.qmap2, __fdiv_rn(v, scale2));
-    unsigned odd1 = __shfl_down_sync(0xffffffffu, q1, 1), odd2 = __shfl_down_sync(0xffffffffu, q2, 1);
-    if ((threadIdx.x & 1u) == 0) {
-        c1[j >> 1] = (unsigned char)((q1 << 4) | odd1);
-        c2[j >> 1] = (unsigned char)((q2 << 4) | odd2);
-    }
-    if (threadIdx.x == 0) {
-        s1[block] = scale1;
-        s2[block] = scale2;
+            for (int k = 0; k < 4; ++k) {
+                pv[k] = to_f32(p[4 * lane + k]);
+                gv[k] = to_f32(g[4 * lane + k]);
+            }
+            w1 = c1[2 * lane] | ((unsigned)c1[2 * lane + 1] << 8);
+            w2 = c2[2 * lane] | ((unsigned)c2[2 * lane + 1] << 8);
+        }
+        const float old1 = *s1, old2 = *s2;
+        float m[4], v[4], a1 = 0.0f, a2 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const unsigned shift = 8 * (k / 2) + ((k & 1) ? 0 : 4);
+            m[k] = __fmul_rn(q1[(w1 >> shift) & 15u], old1);
+            v[k] = __fmul_rn(q2[(w2 >> shift) & 15u], old2);
+            float gk = gv[k];
+            if (scaled) gk = __fdiv_rn(gk, scale);
+            ao_update(c, pv[k], gk, m[k], v[k]);
+            a1 = maximum_pt(a1, fabsf(m[k]));
+            a2 = maximum_pt(a2, fabsf(v[k]));
+        }
+        const float scale1 = block_scale(warp_maximum(a1)), scale2 = block_scale(warp_maximum(a2));
+        unsigned n1 = 0, n2 = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const unsigned shift = 8 * (k / 2) + ((k & 1) ? 0 : 4);
+            n1 |= code4(q1, __fdiv_rn(m[k], scale1)) << shift;
+            n2 |= code4(q2, __fdiv_rn(v[k], scale2)) << shift;
+        }
+        if (aligned) {
+            store4_rounded(p, lane, pv, r, first);
+            ((unsigned short*)c1)[lane] = (unsigned short)n1;
+            ((unsigned short*)c2)[lane] = (unsigned short)n2;
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) p[4 * lane + k] = store_rounded<T>(pv[k], r, first + 4 * lane + k);
+            c1[2 * lane] = (unsigned char)n1;
+            c1[2 * lane + 1] = (unsigned char)(n1 >> 8);
+            c2[2 * lane] = (unsigned char)n2;
+            c2[2 * lane + 1] = (unsigned char)(n2 >> 8);
+        }
+        if (lane == 0) {
+            *s1 = scale1;
+            *s2 = scale2;
+        }
     }
 }
 
@@ -185,10 +221,10 @@ __device__ __forceinline__ void adam4bit_f32_states(const Ao4Piece* pieces, unsi
     (const Ao4Piece* pieces, unsigned n_pieces, unsigned long long block_elems, const float* grad_scale, \
      const float* found_inf)
 #define AO4_ARGS (pieces, n_pieces, block_elems, grad_scale, found_inf)
-extern "C" __global__ void __launch_bounds__(AO_BLOCK) adam4bit_blockwise_f32 AO4_PARAMS {
+extern "C" __global__ void __launch_bounds__(AO_WARPS * 32) adam4bit_blockwise_f32 AO4_PARAMS {
     adam4bit_blockwise<float> AO4_ARGS;
 }
-extern "C" __global__ void __launch_bounds__(AO_BLOCK) adam4bit_blockwise_bf16 AO4_PARAMS {
+extern "C" __global__ void __launch_bounds__(AO_WARPS * 32) adam4bit_blockwise_bf16 AO4_PARAMS {
     adam4bit_blockwise<__nv_bfloat16> AO4_ARGS;
 }
 extern "C" __global__ void adam4bit_f32_states_f32 AO4_PARAMS { adam4bit_f32_states<float> AO4_ARGS; }

@@ -21,6 +21,10 @@ const PIECE_SIZE: usize = 272;
 /// The 4-bit and f32-state kernels by parameter dtype: f32, bf16.
 const BLOCKWISE_KERNELS: [&str; 2] = ["adam4bit_blockwise_f32", "adam4bit_blockwise_bf16"];
 const F32_STATES_KERNELS: [&str; 2] = ["adam4bit_f32_states_f32", "adam4bit_f32_states_bf16"];
+/// Warps per CUDA block of the 4-bit kernel (`AO_WARPS`), and the most CUDA blocks of a launch
+/// (the warps loop over the rest).
+const WARPS: u64 = 8;
+const MAX_GRID: u64 = 132 * 16;
 /// Elements and threads per block of the f32-state kernel.
 const F32_STATES: (u64, u32) = (4096, 256);
 
@@ -80,12 +84,14 @@ impl CudaKernels<BlockwiseState> for Adam4bitConfig {
                 let at = (head, quantized.0[idx].slot);
                 write_piece(t, self, at, quantized.1[idx], grad_scale)
             })?;
+        // A warp per block of 128, grid-stride: the third argument is the blocks in all.
+        let grid = n_blocks.div_ceil(WARPS).min(MAX_GRID);
         device.run_elementwise(
             kernel_of(Module::Adam4bit, BLOCKWISE_KERNELS, dtype),
             &table,
             quantized.0.len(),
-            n_blocks,
-            (block, AO_BLOCK_SIZE as u32),
+            grid,
+            (n_blocks, (WARPS * 32) as u32),
             scaling_addresses(scaling),
         )?;
         device.run_fused(
