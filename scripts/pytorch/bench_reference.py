@@ -27,7 +27,9 @@ Usage:
 then `cargo xtask bench-memory ... --pytorch anchor.jsonl` with the same model, batches and cases.
 
 Case names are bench-memory's. `adam8bit` needs bitsandbytes (its line reports the error
-without it); bench-memory's cases with no PyTorch counterpart (`adam_foreach_unbounded` is
+without it); the `adamw8bit_*` and `adamw4bit_*` cases torchao (0.18: `AdamW8bit`, `AdamW4bit`
+with `bf16_stochastic_round=True` on the bf16 model; inside backward one optimizer per
+parameter, stepped by a post-accumulate-grad hook); bench-memory's cases with no PyTorch counterpart (`adam_foreach_unbounded` is
 `adam_foreach` here, `adam8bit_inbwd`, `adam_inbwd_clip`, `adam_inbwd_clip_prev`,
 `adam_ckpt8bit`, `adam_auto`) are not offered. `sgd_bf16_model` is no bench-memory case but
 PyTorch's side of `crates/ops-cuda/benches/vit_step.rs`'s bf16 setting: `model.bfloat16()` (bf16
@@ -48,11 +50,15 @@ CASES = [
     'adam_foreach', 'adam_single', 'sgd', 'adam_fused', 'adam_inbwd', 'adam8bit', 'adam_ckpt',
     'adam_inbwd_ckpt', 'adam_fused_clip', 'adam_offload', 'adam_bf16', 'adam_fp16',
     'adam_inbwd_ckpt_bf16', 'fwd_bwd', 'fwd_bwd_bf16', 'fwd_bwd_bf16_ckpt',
+    'adamw8bit_bf16_ckpt', 'adamw8bit_inbwd_bf16_ckpt', 'adamw4bit_bf16_ckpt',
+    'adamw4bit_inbwd_bf16_ckpt', 'adamw4bit_inbwd_bf16',
 ]
 # Cases of other benches, run when --cases names them (not by default, not by find_max_batch.py).
 OTHER_CASES = ['sgd_bf16_model']
 # Cases whose whole model is bf16 (`model.bfloat16()`), without autocast.
-BF16_MODEL_CASES = {'fwd_bwd_bf16', 'fwd_bwd_bf16_ckpt', 'sgd_bf16_model'}
+BF16_MODEL_CASES = {'fwd_bwd_bf16', 'fwd_bwd_bf16_ckpt', 'sgd_bf16_model', 'adamw8bit_bf16_ckpt',
+                    'adamw8bit_inbwd_bf16_ckpt', 'adamw4bit_bf16_ckpt',
+                    'adamw4bit_inbwd_bf16_ckpt', 'adamw4bit_inbwd_bf16'}
 VIT_MODELS = {'vit_l_16', 'vit_b_16'}
 GPT2_MODELS = {  # Hugging Face's configs: (n_embd, n_layer, n_head)
     'gpt2': (768, 12, 12),
@@ -179,7 +185,23 @@ def build_case(case, model_name, seq):
         amp = torch.float16
         scaler = torch.amp.GradScaler('cuda')
     opt = None
-    if case.startswith('adam8bit'):
+    if case.startswith(('adamw8bit', 'adamw4bit')):
+        # torchao's AdamW8bit / AdamW4bit on the bf16 model, stochastic rounding (no master
+        # copy); inside backward, one optimizer per parameter as the tutorial does.
+        import torchao.optim
+        cls = torchao.optim.AdamW8bit if '8bit' in case else torchao.optim.AdamW4bit
+        if 'inbwd' in case:
+            per_param = {p: cls([p], lr=1e-4, bf16_stochastic_round=True) for p in params}
+
+            def hook(p):
+                per_param[p].step()
+                per_param[p].zero_grad()
+
+            for p in params:
+                p.register_post_accumulate_grad_hook(hook)
+        else:
+            opt = cls(params, lr=1e-4, bf16_stochastic_round=True)
+    elif case.startswith('adam8bit'):
         import bitsandbytes as bnb
         opt = bnb.optim.Adam8bit(params, lr=1e-4)
     elif case in ('sgd', 'sgd_bf16_model'):

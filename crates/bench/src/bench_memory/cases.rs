@@ -11,7 +11,9 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use headroom_autograd_core::{DType, Tensor};
 use headroom_hooks::ClipMode;
-use headroom_optim::kernels::{Adam8bitConfig, AdamConfig, SgdConfig, StepOutcome};
+use headroom_optim::kernels::{
+    Adam4bitConfig, Adam8bitConfig, AdamConfig, Bf16Rounding, SgdConfig, StepOutcome,
+};
 use headroom_optim::{
     GroupOptimizer, Implementation, OptimError, Optimizer, ParamGroup, ParamId, Scaling,
     StepParams, UpdateRule,
@@ -78,12 +80,26 @@ pub(crate) enum Case {
     /// Forward and backward only, the whole model in bf16, every block checkpointed (the last
     /// one too, as Hugging Face's `gradient_checkpointing_enable()` does).
     FwdBwdBf16Ckpt,
+    /// The whole model in bf16 with no master copy, every block checkpointed, 8-bit AdamW
+    /// (lr 1e-4) rounding the parameters stochastically (PyTorch: torchao's `AdamW8bit` with
+    /// `bf16_stochastic_round=True`).
+    Adamw8bitBf16Ckpt,
+    /// The same, 8-bit AdamW stepped inside backward.
+    Adamw8bitInbwdBf16Ckpt,
+    /// The whole model in bf16 with no master copy, every block checkpointed, torchao's 4-bit
+    /// AdamW (lr 1e-4) rounding the parameters stochastically.
+    Adamw4bitBf16Ckpt,
+    /// The same, 4-bit AdamW stepped inside backward.
+    Adamw4bitInbwdBf16Ckpt,
+    /// 4-bit AdamW inside backward on the bf16 model with every activation kept: what the
+    /// memory the optimizer saves buys in speed.
+    Adamw4bitInbwdBf16,
 }
 
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 22] = [
+    pub(crate) const ALL: [Case; 27] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -106,6 +122,11 @@ impl Case {
         Case::FwdBwd,
         Case::FwdBwdBf16,
         Case::FwdBwdBf16Ckpt,
+        Case::Adamw8bitBf16Ckpt,
+        Case::Adamw8bitInbwdBf16Ckpt,
+        Case::Adamw4bitBf16Ckpt,
+        Case::Adamw4bitInbwdBf16Ckpt,
+        Case::Adamw4bitInbwdBf16,
     ];
 
     /// The case's name on the command line and in reports.
@@ -133,6 +154,11 @@ impl Case {
             Case::FwdBwd => "fwd_bwd",
             Case::FwdBwdBf16 => "fwd_bwd_bf16",
             Case::FwdBwdBf16Ckpt => "fwd_bwd_bf16_ckpt",
+            Case::Adamw8bitBf16Ckpt => "adamw8bit_bf16_ckpt",
+            Case::Adamw8bitInbwdBf16Ckpt => "adamw8bit_inbwd_bf16_ckpt",
+            Case::Adamw4bitBf16Ckpt => "adamw4bit_bf16_ckpt",
+            Case::Adamw4bitInbwdBf16Ckpt => "adamw4bit_inbwd_bf16_ckpt",
+            Case::Adamw4bitInbwdBf16 => "adamw4bit_inbwd_bf16",
         }
     }
 
@@ -181,6 +207,23 @@ impl Case {
                 "forward and backward only, the whole model in bf16, every block checkpointed \
                  (Hugging Face's gradient_checkpointing_enable())"
             }
+            Case::Adamw8bitBf16Ckpt => {
+                "8-bit AdamW on the bf16 model (no master copy, stochastic rounding), every block \
+                 checkpointed"
+            }
+            Case::Adamw8bitInbwdBf16Ckpt => {
+                "8-bit AdamW inside backward on the bf16 model, every block checkpointed"
+            }
+            Case::Adamw4bitBf16Ckpt => {
+                "4-bit AdamW on the bf16 model (no master copy, stochastic rounding), every block \
+                 checkpointed"
+            }
+            Case::Adamw4bitInbwdBf16Ckpt => {
+                "4-bit AdamW inside backward on the bf16 model, every block checkpointed"
+            }
+            Case::Adamw4bitInbwdBf16 => {
+                "4-bit AdamW inside backward on the bf16 model, every activation kept"
+            }
         }
     }
 
@@ -194,6 +237,9 @@ impl Case {
                 | Case::AdamInbwdClip
                 | Case::AdamInbwdClipPrev
                 | Case::AdamInbwdCkptBf16
+                | Case::Adamw8bitInbwdBf16Ckpt
+                | Case::Adamw4bitInbwdBf16Ckpt
+                | Case::Adamw4bitInbwdBf16
         )
     }
 
@@ -210,15 +256,26 @@ impl Case {
     pub(crate) fn checkpointed(self) -> bool {
         matches!(
             self,
-            Case::AdamCkpt | Case::AdamInbwdCkpt | Case::AdamInbwdCkptBf16 | Case::FwdBwdBf16Ckpt
+            Case::AdamCkpt
+                | Case::AdamInbwdCkpt
+                | Case::AdamInbwdCkptBf16
+                | Case::FwdBwdBf16Ckpt
+                | Case::Adamw8bitBf16Ckpt
+                | Case::Adamw8bitInbwdBf16Ckpt
+                | Case::Adamw4bitBf16Ckpt
+                | Case::Adamw4bitInbwdBf16Ckpt
         )
     }
 
     /// Whether a checkpointed case recomputes the last block too: stepping in backward (no
     /// gradients pile up, so the last block's saves would set the peak at the end of the
-    /// forward), and `fwd_bwd_bf16_ckpt`, which checkpoints as Hugging Face does.
+    /// forward), and the bf16-model cases, which checkpoint as Hugging Face does.
     pub(crate) fn checkpoints_the_last_block(self) -> bool {
-        self.in_backward() || self == Case::FwdBwdBf16Ckpt
+        self.in_backward()
+            || matches!(
+                self,
+                Case::FwdBwdBf16Ckpt | Case::Adamw8bitBf16Ckpt | Case::Adamw4bitBf16Ckpt
+            )
     }
 
     /// The autocast dtype of the forward, if any.
@@ -233,7 +290,13 @@ impl Case {
     /// The dtype of the model's parameters.
     pub(crate) fn param_dtype(self) -> DType {
         match self {
-            Case::FwdBwdBf16 | Case::FwdBwdBf16Ckpt => DType::BF16,
+            Case::FwdBwdBf16
+            | Case::FwdBwdBf16Ckpt
+            | Case::Adamw8bitBf16Ckpt
+            | Case::Adamw8bitInbwdBf16Ckpt
+            | Case::Adamw4bitBf16Ckpt
+            | Case::Adamw4bitInbwdBf16Ckpt
+            | Case::Adamw4bitInbwdBf16 => DType::BF16,
             _ => DType::F32,
         }
     }
@@ -329,6 +392,19 @@ impl Case {
             lr: 1e-4,
             ..Adam8bitConfig::adam()
         };
+        // The bf16-model cases: AdamW, parameters rounded stochastically (torchao's
+        // `bf16_stochastic_round=True`).
+        let stochastic = Bf16Rounding::Stochastic { seed: 0 };
+        let adamw8bit = Adam8bitConfig {
+            lr: 1e-4,
+            bf16_rounding: stochastic,
+            ..Adam8bitConfig::adamw()
+        };
+        let adamw4bit = Adam4bitConfig {
+            lr: 1e-4,
+            bf16_rounding: stochastic,
+            ..Adam4bitConfig::adamw()
+        };
         match self {
             Case::AdamForeach => build::<AdamConfig>(params, adam, Implementation::FOREACH),
             Case::AdamForeachUnbounded => {
@@ -350,6 +426,12 @@ impl Case {
             | Case::AdamInbwdCkptBf16 => build::<AdamConfig>(params, adam, Implementation::Fused),
             Case::Adam8bit | Case::Adam8bitInbwd => {
                 build::<Adam8bitConfig>(params, adam8bit, Implementation::Fused)
+            }
+            Case::Adamw8bitBf16Ckpt | Case::Adamw8bitInbwdBf16Ckpt => {
+                build::<Adam8bitConfig>(params, adamw8bit, Implementation::Fused)
+            }
+            Case::Adamw4bitBf16Ckpt | Case::Adamw4bitInbwdBf16Ckpt | Case::Adamw4bitInbwdBf16 => {
+                build::<Adam4bitConfig>(params, adamw4bit, Implementation::Fused)
             }
             // The forward-and-backward cases never step: their SGD only sets gradients to none.
             Case::Sgd | Case::FwdBwd | Case::FwdBwdBf16 | Case::FwdBwdBf16Ckpt => {
