@@ -12,32 +12,28 @@
 
 typedef __nv_bfloat16 B;
 
-// TREE: the rows' sums added as a tree (the op since the commit after 9b81b63), else in order by
-// the first row (the op before it, at 32 x 32).
-template <int COLS, int ROWS, bool TREE = true>
+// The op's finish at COLS x ROWS (its rows' sums added as a tree).
+template <int COLS, int ROWS>
 __global__ void __launch_bounds__(COLS * ROWS)
     finish_shape(const float* partial, unsigned long long chunks, B* dw, unsigned long long n) {
-    __shared__ float sums[ROWS][COLS + 1];
-    const unsigned long long j = (unsigned long long)blockIdx.x * COLS + threadIdx.x;
+    rms_norm_weight_grad_finish<B, COLS, ROWS>(partial, chunks, dw, 1, n);
+}
+
+// The op before the tree (until 9b81b63): 32 x 32, the first row adding the rows in order.
+__global__ void __launch_bounds__(1024)
+    finish_in_order(const float* partial, unsigned long long chunks, B* dw, unsigned long long n) {
+    __shared__ float sums[32][33];
+    const unsigned long long j = (unsigned long long)blockIdx.x * 32 + threadIdx.x;
     float acc = 0;
     if (j < n) {
 #pragma unroll 4
-        for (unsigned long long c = threadIdx.y; c < chunks; c += ROWS) acc += partial[c * n + j];
+        for (unsigned long long c = threadIdx.y; c < chunks; c += 32) acc += partial[c * n + j];
     }
     sums[threadIdx.y][threadIdx.x] = acc;
     __syncthreads();
-    if constexpr (!TREE) {
-        if (threadIdx.y != 0 || j >= n) return;
-        for (int k = 1; k < ROWS; ++k) acc += sums[k][threadIdx.x];
-        st(dw + j, acc);
-    } else {
-#pragma unroll
-        for (int stride = ROWS / 2; stride > 0; stride >>= 1) {
-            if (threadIdx.y < stride) sums[threadIdx.y][threadIdx.x] += sums[threadIdx.y + stride][threadIdx.x];
-            __syncthreads();
-        }
-        if (threadIdx.y == 0 && j < n) st(dw + j, sums[0][threadIdx.x]);
-    }
+    if (threadIdx.y != 0 || j >= n) return;
+    for (int k = 1; k < 32; ++k) acc += sums[k][threadIdx.x];
+    st(dw + j, acc);
 }
 
 int main() {
@@ -51,7 +47,7 @@ int main() {
         rms_norm_backward_v1_bf16<<<grid, 256>>>((const B*)b.dy, (const B*)b.x, (const float*)b.rstd, (const B*)b.w, (B*)b.dx,
                                                  (float*)b.partial, rows, n);
     };
-    auto before = [&] { finish_shape<32, 32, false><<<n / 32, dim3(32, 32)>>>((const float*)b.partial, grid, (B*)b.dw, n); };
+    auto before = [&] { finish_in_order<<<n / 32, dim3(32, 32)>>>((const float*)b.partial, grid, (B*)b.dw, n); };
     auto op = [&] {
         rms_norm_weight_grad_finish_bf16<<<n / FINISH_COLS, dim3(FINISH_COLS, FINISH_ROWS)>>>((const float*)b.partial, grid, (B*)b.dw, 1, n);
     };

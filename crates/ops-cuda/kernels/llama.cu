@@ -216,24 +216,25 @@ constexpr int FINISH_COLS = 8;
 constexpr int FINISH_ROWS = 128;
 
 // dw[j · dws] = the sum over `chunks` rows of `partial` [chunks, n] of column j: a block takes
-// FINISH_COLS columns, each of its FINISH_ROWS rows of threads every FINISH_ROWS-th chunk
-// (unrolled so several loads are in flight), then the rows' sums are added as a tree in shared
-// memory. Deterministic: the order depends only on `chunks`.
-template <typename T>
+// COLS columns, each of its ROWS rows of threads every ROWS-th chunk (unrolled so several loads
+// are in flight), then the rows' sums are added as a tree in shared memory. Deterministic: the
+// order depends only on `chunks`. The op runs FINISH_COLS x FINISH_ROWS; other shapes are for
+// scripts/cuda/rms_norm_weight_grad_finish_shapes.cu.
+template <typename T, int COLS = FINISH_COLS, int ROWS = FINISH_ROWS>
 __device__ void rms_norm_weight_grad_finish(const typename Acc<T>::type* partial, unsigned long long chunks, T* dw,
                                             unsigned long long dws, unsigned long long n) {
     typedef typename Acc<T>::type C;
-    __shared__ C column_sums[FINISH_ROWS][FINISH_COLS + 1];
-    const unsigned long long j = (unsigned long long)blockIdx.x * FINISH_COLS + threadIdx.x;
+    __shared__ C column_sums[ROWS][COLS + 1];
+    const unsigned long long j = (unsigned long long)blockIdx.x * COLS + threadIdx.x;
     C acc = 0;
     if (j < n) {
 #pragma unroll 4
-        for (unsigned long long c = threadIdx.y; c < chunks; c += FINISH_ROWS) acc += partial[c * n + j];
+        for (unsigned long long c = threadIdx.y; c < chunks; c += ROWS) acc += partial[c * n + j];
     }
     column_sums[threadIdx.y][threadIdx.x] = acc;
     __syncthreads();
 #pragma unroll
-    for (int stride = FINISH_ROWS / 2; stride > 0; stride >>= 1) {
+    for (int stride = ROWS / 2; stride > 0; stride >>= 1) {
         if (threadIdx.y < stride) column_sums[threadIdx.y][threadIdx.x] += column_sums[threadIdx.y + stride][threadIdx.x];
         __syncthreads();
     }

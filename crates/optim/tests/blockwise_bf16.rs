@@ -1,6 +1,8 @@
 //! 8-bit and 4-bit Adam on bf16 parameters without an f32 master copy (torchao's
 //! `bf16_stochastic_round`, bitsandbytes' bf16 parameters): one step on bf16 parameters is the
-//! step on their f32 values stored by the config's rounding, to the bit, with the same states;
+//! step on their f32 values stored by the config's rounding, to the bit, with the same states
+//! (a large parameter too, stepped in runs on rayon's pool, whose bits equal its slices'
+//! one by one);
 //! stochastic rounding keeps the updates that rounding to nearest loses; a state dict continues a
 //! run; and (`--include-ignored`, on a CUDA device) CUDA steps equal the CPU's bit for bit, both
 //! roundings, quantised and f32 states. Built with the `cuda` feature (as CI's `--all-features`
@@ -12,15 +14,19 @@ mod cuda_tensors;
 use cuda_tensors::{random, raw_bytes, tensor_of};
 use headroom_autograd_core::{BackendRef, DType, Tensor};
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::kernels::{bf16, Bf16Rounding, ParamRounding};
+use headroom_optim::kernels::{
+    adam4bit_blockwise, adam8bit_blockwise, bf16, dynamic_map, Bf16Rounding, BlockwiseBuffers,
+    GradScaling, ParamRounding,
+};
 use headroom_optim::{
     Adam4bitConfig, Adam8bitConfig, GroupOptimizer, Implementation, Optimizer, ParamGroup,
     UpdateRule,
 };
 
-/// Shapes with quantised states under both rules ([8192]); 8-bit codes with a partial last block
-/// but f32 states under the 4-bit rule (not whole blocks of 128); f32 states under both.
-const SHAPES: [&[usize]; 3] = [&[8192], &[300, 20], &[37]];
+/// Shapes with quantised states under both rules ([8192]; [640, 128] in runs on rayon's pool,
+/// whose rounding indices continue across runs); 8-bit codes with a partial last block but f32
+/// states under the 4-bit rule (not whole blocks of 128); f32 states under both.
+const SHAPES: [&[usize]; 4] = [&[8192], &[640, 128], &[300, 20], &[37]];
 
 /// A block-wise rule's config: AdamW's defaults (Adam's with `adam`) with `lr` and `rounding`.
 trait Blockwise: UpdateRule + Clone {
@@ -184,6 +190,98 @@ fn one_step<R: Blockwise>() {
 /// All ones, a constant gradient and lr 1e-3: each step moves a parameter by about 1e-3, under
 /// half a bf16 ulp at 1 (2^-8). To nearest nothing moves; stochastically the mean after ten steps
 /// is the f32 run's, within 5e-4 (seven standard deviations of the rounding noise's mean).
+/// The raw kernels on a parameter of 106_496 elements (four runs on rayon's pool, the last one
+/// short) equal the same kernels called on its slices of 8192 (each on the calling thread), to the
+/// bit: parameters, codes and scales.
+#[test]
+fn a_large_parameter_in_parallel_runs_equals_its_slices_one_by_one() {
+    let n = 3 * 32768 + 8192;
+    let param = random(1, n, 2.0);
+    let grad = random(2, n, 0.02);
+    for codes_per_byte in [1, 2] {
+        let block = if codes_per_byte == 1 { 256 } else { 128 };
+        let step = |p: &mut [f32],
+                    g: &[f32],
+                    c1: &mut [u8],
+                    c2: &mut [u8],
+                    a1: &mut [f32],
+                    a2: &mut [f32]| {
+            let bufs = BlockwiseBuffers {
+                param: p,
+                grad: g,
+                state1: c1,
+                state2: c2,
+                absmax1: a1,
+                absmax2: a2,
+            };
+            if codes_per_byte == 1 {
+                let (q1, q2) = (dynamic_map(true), dynamic_map(false));
+                let cfg = Adam8bitConfig::adamw();
+                adam8bit_blockwise(
+                    &cfg,
+                    1,
+                    &q1,
+                    &q2,
+                    bufs,
+                    GradScaling::NONE,
+                    ParamRounding::NEAREST,
+                )
+            } else {
+                adam4bit_blockwise(
+                    &Adam4bitConfig::adamw(),
+                    1,
+                    bufs,
+                    GradScaling::NONE,
+                    ParamRounding::NEAREST,
+                )
+            }
+            .unwrap();
+        };
+        let fresh = || {
+            (
+                param.clone(),
+                vec![0u8; n / codes_per_byte],
+                vec![0u8; n / codes_per_byte],
+                vec![0f32; n / block],
+                vec![0f32; n / block],
+            )
+        };
+        let (mut p, mut c1, mut c2, mut a1, mut a2) = fresh();
+        step(&mut p, &grad, &mut c1, &mut c2, &mut a1, &mut a2);
+        let (mut q, mut d1, mut d2, mut b1, mut b2) = fresh();
+        let slice = 8192;
+        for k in 0..n / slice {
+            let (e, c, a) = (k * slice, k * slice / codes_per_byte, k * slice / block);
+            let (ec, cc, ac) = (e + slice, c + slice / codes_per_byte, a + slice / block);
+            step(
+                &mut q[e..ec],
+                &grad[e..ec],
+                &mut d1[c..cc],
+                &mut d2[c..cc],
+                &mut b1[a..ac],
+                &mut b2[a..ac],
+            );
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&p),
+            bits(&q),
+            "{codes_per_byte} codes a byte: parameters"
+        );
+        assert!(c1 == d1 && c2 == d2, "{codes_per_byte} codes a byte: codes");
+        assert_eq!(
+            bits(&a1),
+            bits(&b1),
+            "{codes_per_byte} codes a byte: scales"
+        );
+        assert_eq!(
+            bits(&a2),
+            bits(&b2),
+            "{codes_per_byte} codes a byte: scales"
+        );
+    }
+}
+
 #[test]
 fn stochastic_rounding_keeps_the_updates_rounding_to_nearest_loses() {
     small_updates::<Adam8bitConfig>();

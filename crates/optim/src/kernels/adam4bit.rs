@@ -343,20 +343,35 @@ pub fn adam4bit_blockwise<T: ParamElement>(
         return Ok(StepOutcome::Skipped);
     }
     let c = StepConsts::new(cfg, step);
+    bufs.for_each_run(2, AO_BLOCK_SIZE, |first, run| {
+        blocks_4bit(&c, scaling, rounding, first, run)
+    });
+    Ok(StepOutcome::Stepped)
+}
+
+/// [`adam4bit_blockwise`]'s update of `run` (whole blocks), whose element 0 is element `first`
+/// of the parameter (the rounding's index).
+fn blocks_4bit<T: ParamElement>(
+    c: &StepConsts,
+    scaling: GradScaling,
+    rounding: ParamRounding,
+    first: usize,
+    run: Adam4bitBuffers<'_, T>,
+) {
     let (qmap1, qmap2) = qmap4_tables();
     let (mut m, mut v) = ([0f32; AO_BLOCK_SIZE], [0f32; AO_BLOCK_SIZE]);
     let half = AO_BLOCK_SIZE / 2;
-    for (block, ((((p, g), (c1, c2)), s1), s2)) in bufs
+    for (block, ((((p, g), (c1, c2)), s1), s2)) in run
         .param
         .chunks_exact_mut(AO_BLOCK_SIZE)
-        .zip(bufs.grad.chunks_exact(AO_BLOCK_SIZE))
+        .zip(run.grad.chunks_exact(AO_BLOCK_SIZE))
         .zip(
-            bufs.state1
+            run.state1
                 .chunks_exact_mut(half)
-                .zip(bufs.state2.chunks_exact_mut(half)),
+                .zip(run.state2.chunks_exact_mut(half)),
         )
-        .zip(bufs.absmax1.iter_mut())
-        .zip(bufs.absmax2.iter_mut())
+        .zip(run.absmax1.iter_mut())
+        .zip(run.absmax2.iter_mut())
         .enumerate()
     {
         for j in 0..AO_BLOCK_SIZE {
@@ -364,12 +379,11 @@ pub fn adam4bit_blockwise<T: ParamElement>(
             let (m_old, v_old) = (dequant(qmap1, c1, j, *s1), dequant(qmap2, c2, j, *s2));
             let x;
             (x, m[j], v[j]) = c.update(p[j].to_f32(), g, m_old, v_old);
-            p[j] = rounding.store(x, block * AO_BLOCK_SIZE + j);
+            p[j] = rounding.store(x, first + block * AO_BLOCK_SIZE + j);
         }
         *s1 = quantize_block(qmap1, &m, c1);
         *s2 = quantize_block(qmap2, &v, c2);
     }
-    Ok(StepOutcome::Stepped)
 }
 
 /// The same step over f32 states (`state1` = `exp_avg`, `state2` = `exp_avg_sq`, of the

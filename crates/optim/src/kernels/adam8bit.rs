@@ -11,15 +11,18 @@
 //! All arithmetic is float32 as in the CUDA kernel. One difference from bitsandbytes: a state is
 //! scaled by the block's reciprocal `s·(1/absmax)` rather than divided, one division per block
 //! instead of per element (codes then differ from bitsandbytes' in the rare case where the two
-//! roundings straddle a code threshold; the golden test bounds how often). Its buffers
+//! roundings straddle a code threshold; the golden test bounds how often). Blocks are
+//! independent, so a large parameter steps in runs of whole blocks on rayon's pool
+//! ([`BlockwiseBuffers::for_each_run`]) with the bits of one run on one thread. Its buffers
 //! ([`BlockwiseBuffers`]) and its f32-state loop serve torchao's 4-bit Adam (`adam4bit.rs`) too.
 
 use super::quantization::{quantize_state_code, QuantizationMap};
 use super::{
     check_adam_ranges, check_host_scaling, check_len, check_step, Bf16Rounding, GradScaling,
-    ParamElement, ParamRounding, StepOutcome,
+    ParamElement, ParamRounding, StepOutcome, PARALLEL_CHUNK,
 };
 use crate::error::OptimError;
+use rayon::prelude::*;
 
 /// Block size of bitsandbytes' 8-bit optimizer states.
 pub const BNB_BLOCK_SIZE: usize = 256;
@@ -154,15 +157,31 @@ pub fn adam8bit_blockwise<T: ParamElement>(
         return Ok(StepOutcome::Skipped);
     }
     let c = StepConsts::new(cfg, step);
+    bufs.for_each_run(1, BNB_BLOCK_SIZE, |first, run| {
+        blocks_8bit(&c, (qmap1, qmap2), scaling, rounding, first, run)
+    });
+    Ok(StepOutcome::Stepped)
+}
+
+/// [`adam8bit_blockwise`]'s update of `run`, whose element 0 is element `first` of the
+/// parameter (the rounding's index).
+fn blocks_8bit<T: ParamElement>(
+    c: &StepConsts,
+    (qmap1, qmap2): (&QuantizationMap, &QuantizationMap),
+    scaling: GradScaling,
+    rounding: ParamRounding,
+    first: usize,
+    run: BlockwiseBuffers<'_, T>,
+) {
     let mut s1 = [0f32; BNB_BLOCK_SIZE];
     let mut s2 = [0f32; BNB_BLOCK_SIZE];
-    for (block, ((((p, g), c1), c2), (a1, a2))) in bufs
+    for (block, ((((p, g), c1), c2), (a1, a2))) in run
         .param
         .chunks_mut(BNB_BLOCK_SIZE)
-        .zip(bufs.grad.chunks(BNB_BLOCK_SIZE))
-        .zip(bufs.state1.chunks_mut(BNB_BLOCK_SIZE))
-        .zip(bufs.state2.chunks_mut(BNB_BLOCK_SIZE))
-        .zip(bufs.absmax1.iter_mut().zip(bufs.absmax2.iter_mut()))
+        .zip(run.grad.chunks(BNB_BLOCK_SIZE))
+        .zip(run.state1.chunks_mut(BNB_BLOCK_SIZE))
+        .zip(run.state2.chunks_mut(BNB_BLOCK_SIZE))
+        .zip(run.absmax1.iter_mut().zip(run.absmax2.iter_mut()))
         .enumerate()
     {
         let len = p.len();
@@ -191,7 +210,7 @@ pub fn adam8bit_blockwise<T: ParamElement>(
                 if let Some(factor) = c.decay_factor {
                     x *= factor;
                 }
-                p[j] = rounding.store(x, block * BNB_BLOCK_SIZE + j);
+                p[j] = rounding.store(x, first + block * BNB_BLOCK_SIZE + j);
             }
         }
         // One reciprocal per block (1/0 = inf turns an all-zero block into NaN, as 0/0 would).
@@ -209,7 +228,50 @@ pub fn adam8bit_blockwise<T: ParamElement>(
             c2[j] = quantize_state_code(qmap2, false, s2[j] * inv2);
         }
     }
-    Ok(StepOutcome::Stepped)
+}
+
+impl<T: ParamElement> BlockwiseBuffers<'_, T> {
+    /// `update(first, run)` on runs of [`PARALLEL_CHUNK`] elements (whole blocks of `block`;
+    /// `codes_per_byte` codes a byte; the last run shorter), `first` the run's first element: on
+    /// rayon's pool from two runs up, else on this thread. Blocks are independent, so the bits do
+    /// not depend on how the runs are scheduled.
+    pub(crate) fn for_each_run(
+        self,
+        codes_per_byte: usize,
+        block: usize,
+        update: impl Fn(usize, BlockwiseBuffers<'_, T>) + Sync + Send,
+    ) {
+        if self.param.len() < 2 * PARALLEL_CHUNK {
+            update(0, self);
+            return;
+        }
+        let (run, codes, scales) = (
+            PARALLEL_CHUNK,
+            PARALLEL_CHUNK / codes_per_byte,
+            PARALLEL_CHUNK / block,
+        );
+        self.param
+            .par_chunks_mut(run)
+            .zip(self.grad.par_chunks(run))
+            .zip(self.state1.par_chunks_mut(codes))
+            .zip(self.state2.par_chunks_mut(codes))
+            .zip(self.absmax1.par_chunks_mut(scales))
+            .zip(self.absmax2.par_chunks_mut(scales))
+            .enumerate()
+            .for_each(
+                |(k, (((((param, grad), state1), state2), absmax1), absmax2))| {
+                    let buffers = BlockwiseBuffers {
+                        param,
+                        grad,
+                        state1,
+                        state2,
+                        absmax1,
+                        absmax2,
+                    };
+                    update(k * run, buffers)
+                },
+            );
+    }
 }
 
 /// bitsandbytes' 32-bit Adam (`kOptimizer32bit2State`), used for tensors under
@@ -257,7 +319,7 @@ impl<T: ParamElement> F32States<'_, T> {
         step: u64,
         scaling: GradScaling,
         rounding: ParamRounding,
-        mut element: impl FnMut(&mut f32, f32, &mut f32, &mut f32),
+        element: impl Fn(&mut f32, f32, &mut f32, &mut f32) + Sync,
     ) -> Result<StepOutcome, OptimError> {
         check_step(op, step)?;
         check_host_scaling(op, scaling)?;
@@ -268,17 +330,23 @@ impl<T: ParamElement> F32States<'_, T> {
         if scaling.skips() {
             return Ok(StepOutcome::Skipped);
         }
-        for (i, (((p, &g), m), v)) in self
-            .param
-            .iter_mut()
-            .zip(self.grad)
-            .zip(self.state1.iter_mut())
-            .zip(self.state2.iter_mut())
-            .enumerate()
-        {
-            let mut x = p.to_f32();
-            element(&mut x, scaling.unscale(g.to_f32()), m, v);
-            *p = rounding.store(x, i);
+        let run = |first: usize, p: &mut [T], g: &[T], m: &mut [f32], v: &mut [f32]| {
+            for (i, (((p, &g), m), v)) in p.iter_mut().zip(g).zip(m).zip(v).enumerate() {
+                let mut x = p.to_f32();
+                element(&mut x, scaling.unscale(g.to_f32()), m, v);
+                *p = rounding.store(x, first + i);
+            }
+        };
+        if n < 2 * PARALLEL_CHUNK {
+            run(0, self.param, self.grad, self.state1, self.state2);
+        } else {
+            self.param
+                .par_chunks_mut(PARALLEL_CHUNK)
+                .zip(self.grad.par_chunks(PARALLEL_CHUNK))
+                .zip(self.state1.par_chunks_mut(PARALLEL_CHUNK))
+                .zip(self.state2.par_chunks_mut(PARALLEL_CHUNK))
+                .enumerate()
+                .for_each(|(k, (((p, g), m), v))| run(k * PARALLEL_CHUNK, p, g, m, v));
         }
         Ok(StepOutcome::Stepped)
     }
