@@ -65,26 +65,35 @@ fn pytorch_figures(case: &Value, anchors: Option<&[Value]>) -> Result<Option<(u6
         .transpose()
 }
 
-/// Every case of a bench-memory run beside PyTorch's case of the same name: peak allocated
-/// bytes and median step, `—` where PyTorch has no such case.
+/// Every case of one or more bench-memory runs (`.json`, in order) beside PyTorch's case of the
+/// same name in the anchor files (`.jsonl`): peak allocated bytes and median step, `—` where
+/// PyTorch has no such case.
 pub(super) fn bench_memory_pytorch(files: &[ResultFile]) -> Result<Vec<String>> {
-    let (bench, anchors) = match files {
-        [] => bail!("reads a bench-memory JSON and, optionally, anchor.jsonl files"),
-        [bench] => (bench, None),
-        [bench, anchor_files @ ..] => {
+    let (benches, anchor_files): (Vec<&ResultFile>, Vec<&ResultFile>) =
+        files.iter().partition(|file| !file.path.ends_with(".jsonl"));
+    if benches.is_empty() {
+        bail!("reads bench-memory JSON files and, optionally, anchor.jsonl files");
+    }
+    let anchors = match anchor_files.as_slice() {
+        [] => None,
+        anchor_files => {
             // A later file's line for the same case wins: it measured again.
             let mut anchors = Vec::new();
             for file in anchor_files.iter().rev() {
                 anchors.extend(json_lines(file)?);
             }
-            (bench, Some(anchors))
+            Some(anchors)
         }
     };
     let mut lines = table_head(
         "| batch | case | peak alloc (B) | PyTorch (B) | step ms | PyTorch ms |",
         "|---:|---|---:|---:|---:|---:|",
     );
-    for case in bench_memory_cases(bench)? {
+    let mut cases = Vec::new();
+    for bench in benches {
+        cases.extend(bench_memory_cases(bench)?);
+    }
+    for case in cases {
         let torch = pytorch_figures(&case, anchors.as_deref())?;
         lines.push(row(&[
             count(&case, "batch")?.to_string(),

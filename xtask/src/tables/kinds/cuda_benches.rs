@@ -93,6 +93,16 @@ const ADAM_IMPLEMENTATIONS: &[(&str, &str, Option<&str>)] = &[
         Some("bitsandbytes_adam8bit"),
     ),
     (
+        "8-bit blockwise (torchao's `Adam8bit`)",
+        "headroom_torchao_adam8bit_cuda",
+        Some("torchao_adam8bit"),
+    ),
+    (
+        "4-bit blockwise (torchao's update; tensors of 6,249,984)",
+        "headroom_adam4bit_cuda",
+        Some("torchao_adam4bit"),
+    ),
+    (
         "fused, raw buffers (`CudaFusedAdam`)",
         "headroom_raw_fused_cuda",
         None,
