@@ -1,8 +1,9 @@
 //! The optimizer tutorial's first finding, measured with Headroom: the memory one ViT training
 //! step peaks at with Adam computed foreach as PyTorch does (temporaries for every parameter at
 //! once), foreach with bounded temporaries, one tensor at a time, fused, and with bitsandbytes'
-//! 8-bit blockwise state — plus plain SGD for scale, and fused Adam on the whole model in bf16
-//! (bf16 parameters, gradients and moments, f32 arithmetic).
+//! 8-bit blockwise state — plus plain SGD for scale, fused Adam on the whole model in bf16
+//! (bf16 parameters, gradients and moments, f32 arithmetic), and torchao's 4-bit AdamW on the
+//! bf16 model with no master copy (stochastic rounding).
 //!
 //! Each variant gets a fresh model and optimizer and runs three steps (forward, loss =
 //! `out.sum()`, backward, `step()`, `zero_grad(set_to_none)`). Printed per variant: the peak
@@ -19,9 +20,10 @@ use std::sync::Arc;
 use anyhow::Result;
 use headroom::autograd_core::{DType, Generator, Tensor};
 use headroom::nn::{Module, VisionTransformer, VitConfig};
+use headroom::optim::kernels::Bf16Rounding;
 use headroom::optim::{
-    Adam, Adam8bit, Adam8bitConfig, AdamConfig, Implementation, Optimizer, ParamGroup, Sgd,
-    SgdConfig,
+    Adam, Adam4bit, Adam4bitConfig, Adam8bit, Adam8bitConfig, AdamConfig, Implementation,
+    Optimizer, ParamGroup, Sgd, SgdConfig,
 };
 
 use device::Device;
@@ -38,20 +40,23 @@ enum Kind {
     /// Fused Adam (lr 1e-4) on the whole model in bf16: parameters, gradients and both moments
     /// in bf16, the update computed in f32 (PyTorch's `model.bfloat16()` with fused Adam).
     AdamBf16,
+    /// torchao's 4-bit AdamW (lr 1e-4) on the bf16 model without a master copy, the parameters
+    /// rounded stochastically (`AdamW4bit(bf16_stochastic_round=True)`).
+    Adam4bitBf16,
 }
 
 impl Kind {
     /// The dtype of the model this variant trains.
     fn dtype(self) -> DType {
         match self {
-            Kind::AdamBf16 => DType::BF16,
+            Kind::AdamBf16 | Kind::Adam4bitBf16 => DType::BF16,
             _ => DType::F32,
         }
     }
 }
 
 /// The variants, in print order.
-const VARIANTS: [(&str, Kind); 7] = [
+const VARIANTS: [(&str, Kind); 8] = [
     (
         "Adam, foreach (PyTorch's)",
         Kind::Adam(Implementation::ForeachUnbounded),
@@ -65,6 +70,7 @@ const VARIANTS: [(&str, Kind); 7] = [
     ("Adam, 8-bit blockwise", Kind::Adam8bit),
     ("SGD, fused (no state)", Kind::Sgd),
     ("Adam, fused, bf16 model", Kind::AdamBf16),
+    ("AdamW, 4-bit, bf16 model", Kind::Adam4bitBf16),
 ];
 
 fn optimizer(kind: Kind, params: Vec<Tensor>) -> Result<Box<dyn Optimizer>> {
@@ -100,6 +106,15 @@ fn optimizer(kind: Kind, params: Vec<Tensor>) -> Result<Box<dyn Optimizer>> {
         Kind::Sgd => {
             let groups = vec![ParamGroup::new(params, SgdConfig::new(1e-3))];
             Box::new(Sgd::new(groups, Implementation::Fused)?)
+        }
+        Kind::Adam4bitBf16 => {
+            let config = Adam4bitConfig {
+                lr: 1e-4,
+                bf16_rounding: Bf16Rounding::Stochastic { seed: 0 },
+                ..Adam4bitConfig::adamw()
+            };
+            let groups = vec![ParamGroup::new(params, config)];
+            Box::new(Adam4bit::new(groups, Implementation::Fused)?)
         }
     })
 }
@@ -193,12 +208,13 @@ fn main() -> Result<()> {
     // In the order of `VARIANTS`.
     let figures = |idx: usize| &results[idx].1;
     let (foreach, single, fused, eight_bit) = (figures(0), figures(2), figures(3), figures(4));
-    let bf16 = figures(6);
+    let (bf16, four_bit) = (figures(6), figures(7));
     println!(
         "\nforeach as PyTorch computes it peaks {} above single-tensor Adam and {} above fused: \
          its temporaries span every parameter at once ({} here); fused needs none. 8-bit state \
          takes {} instead of {}, so 8-bit Adam peaks lowest of the f32 Adam variants: {}. \
-         The bf16 model halves weights, gradients and moments alike: fused Adam peaks at {}.",
+         The bf16 model halves weights, gradients and moments alike: fused Adam peaks at {}; \
+         with 4-bit states and no master copy, AdamW peaks at {} ({} of state).",
         mb(foreach.peak.saturating_sub(single.peak)),
         mb(foreach.peak.saturating_sub(fused.peak)),
         mb(foreach.transient),
@@ -212,7 +228,9 @@ fn main() -> Result<()> {
         } else {
             "NOT the tutorial's finding"
         },
-        mb(bf16.peak)
+        mb(bf16.peak),
+        mb(four_bit.peak),
+        mb(four_bit.state)
     );
     Ok(())
 }

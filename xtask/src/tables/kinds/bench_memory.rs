@@ -69,8 +69,9 @@ fn pytorch_figures(case: &Value, anchors: Option<&[Value]>) -> Result<Option<(u6
 /// same name in the anchor files (`.jsonl`): peak allocated bytes and median step, `—` where
 /// PyTorch has no such case.
 pub(super) fn bench_memory_pytorch(files: &[ResultFile]) -> Result<Vec<String>> {
-    let (benches, anchor_files): (Vec<&ResultFile>, Vec<&ResultFile>) =
-        files.iter().partition(|file| !file.path.ends_with(".jsonl"));
+    let (benches, anchor_files): (Vec<&ResultFile>, Vec<&ResultFile>) = files
+        .iter()
+        .partition(|file| !file.path.ends_with(".jsonl"));
     if benches.is_empty() {
         bail!("reads bench-memory JSON files and, optionally, anchor.jsonl files");
     }
