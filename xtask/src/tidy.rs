@@ -50,8 +50,10 @@ const LAYERS: &[&[&str]] = &[
     ],
     // testkit sits with the techniques: it may use everything below, and no technique, so every
     // technique crate can test itself with it.
+    // candle's optimizers sit with the techniques: they take optim's kernels to another engine.
     &[
         "headroom-amp",
+        "headroom-candle",
         "headroom-checkpoint",
         "headroom-hooks",
         "headroom-testkit",

@@ -1,0 +1,93 @@
+//! A `Var`'s host buffer and its gradient as slices of one element type, inside candle's
+//! in-place op, and the checks that keep the optimizers to what they can step.
+//!
+//! It sits on candle's CPU storage and layouts; it knows nothing of the update rules.
+
+use candle_core::{CpuStorage, DType, Layout, Var, WithDType};
+use half::{bf16, f16};
+use headroom_optim::kernels::ParamElement;
+
+use crate::error::CandleOptimError;
+
+/// A float element both candle and optim's kernels take: f32, bf16, f16.
+pub(crate) trait HostFloat: ParamElement + WithDType {
+    /// The storage's vector when it holds this type.
+    fn vec_mut(storage: &mut CpuStorage) -> Option<&mut Vec<Self>>;
+}
+
+macro_rules! host_float {
+    ($ty:ty, $variant:ident) => {
+        impl HostFloat for $ty {
+            fn vec_mut(storage: &mut CpuStorage) -> Option<&mut Vec<$ty>> {
+                match storage {
+                    CpuStorage::$variant(values) => Some(values),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+host_float!(f32, F32);
+host_float!(bf16, BF16);
+host_float!(f16, F16);
+
+/// The contiguous range of `layout`, or candle's error saying the optimizer needs one.
+fn range(optimizer: &'static str, layout: &Layout) -> candle_core::Result<(usize, usize)> {
+    layout.contiguous_offsets().ok_or_else(|| {
+        CandleOptimError::Unsupported {
+            optimizer,
+            reason: "a non-contiguous parameter or gradient; step contiguous Vars".into(),
+        }
+        .into()
+    })
+}
+
+/// The parameter's elements in `param` and its gradient's in `grad`, as slices of `T`.
+pub(crate) fn param_and_grad<'a, T: HostFloat>(
+    optimizer: &'static str,
+    (param, param_layout): (&'a mut CpuStorage, &Layout),
+    (grad, grad_layout): (&'a CpuStorage, &Layout),
+) -> candle_core::Result<(&'a mut [T], &'a [T])> {
+    let (p0, p1) = range(optimizer, param_layout)?;
+    let (g0, g1) = range(optimizer, grad_layout)?;
+    let grad = &grad.as_slice::<T>()?[g0..g1];
+    let param = T::vec_mut(param).ok_or_else(|| CandleOptimError::Unsupported {
+        optimizer,
+        reason: format!("a parameter that is not {:?}", <T as WithDType>::DTYPE),
+    })?;
+    Ok((&mut param[p0..p1], grad))
+}
+
+/// `vars` without the ones no float optimizer steps (candle's own optimizers skip non-float
+/// `Var`s too); a `Var` off the CPU is an error.
+pub(crate) fn float_vars(
+    optimizer: &'static str,
+    vars: Vec<Var>,
+    dtypes: &[DType],
+) -> Result<Vec<Var>, CandleOptimError> {
+    let mut kept = Vec::new();
+    for var in vars {
+        if !var.dtype().is_float() {
+            continue;
+        }
+        if !var.device().is_cpu() {
+            return Err(CandleOptimError::Unsupported {
+                optimizer,
+                reason: format!(
+                    "a Var on {:?}: this crate steps CPU Vars for now (its CUDA path is not \
+                     built yet); keep the optimizer's Vars on the CPU or use candle_nn's",
+                    var.device().location()
+                ),
+            });
+        }
+        if !dtypes.contains(&var.dtype()) {
+            return Err(CandleOptimError::Unsupported {
+                optimizer,
+                reason: format!("a {:?} Var; this optimizer takes {dtypes:?}", var.dtype()),
+            });
+        }
+        kept.push(var);
+    }
+    Ok(kept)
+}

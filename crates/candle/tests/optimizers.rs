@@ -1,0 +1,275 @@
+//! The candle optimizers against Headroom's own and against candle's: `AdamW` and `AdamW8bit`
+//! stepping candle `Var`s give the bits Headroom's `Adam` and `Adam8bit` give on autograd-core CPU
+//! tensors fed the same gradients (f32; bf16 weights with stochastic rounding for 8-bit; a
+//! parameter without a gradient left alone); `AdamW` trains a small network as
+//! `candle_nn::AdamW` does (PyTorch's formula against candle's op-by-op one: the losses agree to
+//! 1e-5 relative); what they cannot step is a typed error.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor as CTensor, Var};
+use candle_nn::Optimizer as _;
+use half::bf16;
+use headroom_autograd_core::{BackendRef, Tensor};
+use headroom_candle::{Adam8bitConfig, AdamConfig, AdamW, AdamW8bit, Bf16Rounding};
+use headroom_ops_cpu::CpuBackend;
+use headroom_optim::{Adam, Adam8bit, Implementation, Optimizer, ParamGroup};
+
+/// Shapes: a matrix, a bias, one with 8-bit codes and a partial last block, one large enough for
+/// the kernels' parallel runs.
+const SHAPES: [&[usize]; 4] = [&[64, 32], &[32], &[5000], &[256, 320]];
+
+/// `n` values in [-scale/2, scale/2) from an xorshift stream of `seed`.
+fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+        })
+        .collect()
+}
+
+/// Values as `dtype` and back to f32 (exact for bf16).
+fn of_dtype(values: Vec<f32>, dtype: DType) -> Vec<f32> {
+    match dtype {
+        DType::BF16 => values
+            .into_iter()
+            .map(|v| bf16::from_f32(v).to_f32())
+            .collect(),
+        _ => values,
+    }
+}
+
+/// The same parameters as candle `Var`s and as autograd-core CPU tensors of `dtype`.
+fn twin_params(cpu: &BackendRef, dtype: DType) -> (Vec<Var>, Vec<Tensor>) {
+    SHAPES
+        .iter()
+        .enumerate()
+        .map(|(i, shape)| {
+            let n = shape.iter().product();
+            let values = of_dtype(random(i as u64 + 1, n, 2.0), dtype);
+            let var = Var::from_tensor(
+                &CTensor::from_vec(values.clone(), *shape, &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap(),
+            )
+            .unwrap();
+            let ours = match dtype {
+                DType::BF16 => {
+                    let halves: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+                    Tensor::from_slice(cpu, &halves, shape).unwrap()
+                }
+                _ => Tensor::from_slice(cpu, &values, shape).unwrap(),
+            };
+            (var, ours)
+        })
+        .unzip()
+}
+
+/// Step `step`'s gradients, the same on both sides; parameter 1 gets none on even steps.
+fn set_grads(vars: &[Var], tensors: &[Tensor], step: u64) -> GradStore {
+    let mut store = GradStore::default();
+    for (i, (var, tensor)) in vars.iter().zip(tensors).enumerate() {
+        if i == 1 && step.is_multiple_of(2) {
+            tensor.set_grad(None).unwrap();
+            continue;
+        }
+        let values = of_dtype(
+            random(100 * step + i as u64, var.elem_count(), 0.02),
+            var.dtype(),
+        );
+        let grad = CTensor::from_vec(values.clone(), var.shape(), &Device::Cpu)
+            .unwrap()
+            .to_dtype(var.dtype())
+            .unwrap();
+        store.insert(var.as_tensor(), grad);
+        let ours = match var.dtype() {
+            DType::BF16 => {
+                let halves: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+                Tensor::from_slice(tensor.backend(), &halves, tensor.shape()).unwrap()
+            }
+            _ => Tensor::from_slice(tensor.backend(), &values, tensor.shape()).unwrap(),
+        };
+        tensor.set_grad(Some(ours)).unwrap();
+    }
+    store
+}
+
+/// The parameters' bits on both sides, side by side.
+fn assert_same_bits(vars: &[Var], tensors: &[Tensor], what: &str) {
+    for (i, (var, tensor)) in vars.iter().zip(tensors).enumerate() {
+        let candle_bits: Vec<u32> = var
+            .as_tensor()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        let ours: Vec<u32> = match tensor.dtype() {
+            headroom_autograd_core::DType::BF16 => tensor
+                .to_vec::<bf16>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_f32().to_bits())
+                .collect(),
+            _ => tensor
+                .to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect(),
+        };
+        let off = candle_bits
+            .iter()
+            .zip(&ours)
+            .filter(|(a, b)| a != b)
+            .count();
+        assert_eq!(off, 0, "{what}: parameter {i}: {off} elements differ");
+    }
+}
+
+#[test]
+fn adamw_steps_vars_as_headroom_adam_steps_tensors() {
+    let cpu = CpuBackend::new_ref();
+    let config = AdamConfig {
+        lr: 1e-2,
+        ..AdamConfig::adamw()
+    };
+    let (vars, tensors) = twin_params(&cpu, DType::F32);
+    let mut candle_side = AdamW::new(vars.clone(), config.clone()).unwrap();
+    let mut ours = Adam::new(
+        vec![ParamGroup::new(tensors.clone(), config)],
+        Implementation::Fused,
+    )
+    .unwrap();
+    for step in 1..=6 {
+        let grads = set_grads(&vars, &tensors, step);
+        candle_side.step(&grads).unwrap();
+        ours.step().unwrap();
+        assert_same_bits(&vars, &tensors, &format!("AdamW step {step}"));
+    }
+    assert_eq!(candle_side.var_step(0), Some(6));
+    assert_eq!(candle_side.var_step(1), Some(3), "no gradient, no step");
+    let n: usize = SHAPES.iter().map(|s| s.iter().product::<usize>()).sum();
+    assert_eq!(candle_side.state_bytes(), 8 * n as u64);
+}
+
+#[test]
+fn adamw8bit_steps_vars_as_headroom_adam8bit_steps_tensors() {
+    let cpu = CpuBackend::new_ref();
+    for (dtype, rounding) in [
+        (DType::F32, Bf16Rounding::Nearest),
+        (DType::BF16, Bf16Rounding::Nearest),
+        (DType::BF16, Bf16Rounding::Stochastic { seed: 11 }),
+    ] {
+        let config = Adam8bitConfig {
+            lr: 1e-2,
+            bf16_rounding: rounding,
+            ..Adam8bitConfig::adamw()
+        };
+        let (vars, tensors) = twin_params(&cpu, dtype);
+        let mut candle_side = AdamW8bit::new(vars.clone(), config.clone()).unwrap();
+        let mut ours = Adam8bit::new(
+            vec![ParamGroup::new(tensors.clone(), config)],
+            Implementation::Fused,
+        )
+        .unwrap();
+        for step in 1..=6 {
+            let grads = set_grads(&vars, &tensors, step);
+            candle_side.step(&grads).unwrap();
+            ours.step().unwrap();
+            assert_same_bits(
+                &vars,
+                &tensors,
+                &format!("{dtype:?} {rounding:?} step {step}"),
+            );
+        }
+        // Codes a byte and an f32 scale per 256 from 4096 elements, f32 moments under it (the
+        // 64 x 32 matrix and the bias).
+        let large: u64 = [5000u64, 256 * 320]
+            .iter()
+            .map(|&n| 2 * n + 8 * n.div_ceil(256))
+            .sum();
+        assert_eq!(
+            candle_side.state_bytes(),
+            large + 8 * (64 * 32 + 32),
+            "{dtype:?}"
+        );
+    }
+}
+
+/// A two-layer network on a fixed batch, 30 steps of AdamW (lr 1e-2, decay 1e-2) with ours and
+/// with candle's: the losses agree to 1e-5 relative at every step, and both fall.
+#[test]
+fn adamw_trains_a_network_as_candle_nn_adamw_does() {
+    let x = CTensor::from_vec(random(7, 16 * 8, 2.0), (16, 8), &Device::Cpu).unwrap();
+    let y = CTensor::from_vec(random(8, 16 * 4, 2.0), (16, 4), &Device::Cpu).unwrap();
+    let weights = || {
+        [
+            (random(1, 32 * 8, 0.5), (32, 8)),
+            (random(2, 4 * 32, 0.5), (4, 32)),
+        ]
+        .map(|(v, shape)| {
+            Var::from_tensor(&CTensor::from_vec(v, shape, &Device::Cpu).unwrap()).unwrap()
+        })
+    };
+    let loss_of = |w: &[Var; 2]| {
+        let h = x
+            .matmul(&w[0].as_tensor().t().unwrap())
+            .unwrap()
+            .relu()
+            .unwrap();
+        let out = h.matmul(&w[1].as_tensor().t().unwrap()).unwrap();
+        (out - &y).unwrap().sqr().unwrap().mean_all().unwrap()
+    };
+    let (ours_w, theirs_w) = (weights(), weights());
+    let config = AdamConfig {
+        lr: 1e-2,
+        ..AdamConfig::adamw()
+    };
+    let mut ours = AdamW::new(ours_w.to_vec(), config).unwrap();
+    let params = candle_nn::ParamsAdamW {
+        lr: 1e-2,
+        weight_decay: 1e-2,
+        ..Default::default()
+    };
+    let mut theirs = candle_nn::AdamW::new(theirs_w.to_vec(), params).unwrap();
+    let mut first = None;
+    for step in 0..30 {
+        let (a, b) = (loss_of(&ours_w), loss_of(&theirs_w));
+        let (la, lb) = (a.to_scalar::<f32>().unwrap(), b.to_scalar::<f32>().unwrap());
+        assert!(
+            ((la - lb) / lb).abs() < 1e-5,
+            "step {step}: {la} against candle's {lb}"
+        );
+        first.get_or_insert(la);
+        ours.backward_step(&a).unwrap();
+        theirs.backward_step(&b).unwrap();
+    }
+    let last = loss_of(&ours_w).to_scalar::<f32>().unwrap();
+    assert!(last < 0.5 * first.unwrap(), "{last} from {first:?}");
+}
+
+#[test]
+fn what_the_optimizers_cannot_step_is_a_typed_error() {
+    let f16_var = Var::zeros(8, DType::F16, &Device::Cpu).unwrap();
+    let err = AdamW8bit::new(vec![f16_var], Adam8bitConfig::adamw()).unwrap_err();
+    assert!(err.to_string().contains("takes [F32, BF16]"), "{err}");
+    let bad = AdamConfig {
+        lr: -1.0,
+        ..AdamConfig::adamw()
+    };
+    let err = AdamW::new(vec![], bad).unwrap_err();
+    assert!(err.to_string().contains("learning rate"), "{err}");
+    // Integer Vars are skipped, as candle's optimizers skip them.
+    let ids = Var::zeros(8, DType::U32, &Device::Cpu).unwrap();
+    let adamw = AdamW::new(vec![ids], AdamConfig::adamw()).unwrap();
+    assert_eq!(adamw.var_step(0), None);
+}
