@@ -9,63 +9,26 @@ use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Var};
 use half::{bf16, f16};
 use headroom_optim::kernels::{adam_fused, AdamBuffers, AdamConfig, GradScaling};
-use parking_lot::Mutex;
 
 use crate::error::CandleOptimError;
-use crate::host_slices::{float_vars, param_and_grad, HostFloat};
+use crate::host_slices::{float_vars, param_and_grad, typed_state, HostFloat, Slot, StateLock};
 
 const NAME: &str = "headroom_candle::AdamW";
 
-/// One parameter's moments, of its dtype, allocated at its first step.
-#[derive(Debug, Default)]
-enum Moments {
-    #[default]
-    Fresh,
-    F32(HostMoments<f32>),
-    Bf16(HostMoments<bf16>),
-    F16(HostMoments<f16>),
-}
-
-/// `exp_avg`, `exp_avg_sq` and, with AMSGrad, `max_exp_avg_sq`.
+/// One parameter's `exp_avg`, `exp_avg_sq` and, with AMSGrad, `max_exp_avg_sq`, of its dtype.
 #[derive(Debug)]
-struct HostMoments<T> {
+struct Moments<T> {
     exp_avg: Vec<T>,
     exp_avg_sq: Vec<T>,
     max_exp_avg_sq: Option<Vec<T>>,
 }
 
-/// The moments of one element type inside [`Moments`].
-trait MomentsOf: HostFloat {
-    fn of(moments: &mut Moments) -> Option<&mut HostMoments<Self>>;
-    fn wrap(moments: HostMoments<Self>) -> Moments;
-}
-
-macro_rules! moments_of {
-    ($ty:ty, $variant:ident) => {
-        impl MomentsOf for $ty {
-            fn of(moments: &mut Moments) -> Option<&mut HostMoments<$ty>> {
-                match moments {
-                    Moments::$variant(m) => Some(m),
-                    _ => None,
-                }
-            }
-            fn wrap(moments: HostMoments<$ty>) -> Moments {
-                Moments::$variant(moments)
-            }
-        }
-    };
-}
-
-moments_of!(f32, F32);
-moments_of!(bf16, Bf16);
-moments_of!(f16, F16);
-
-/// One parameter: the `Var`, its moments and how many steps it has taken.
-#[derive(Debug)]
-struct Slot {
-    var: Var,
-    moments: Mutex<Moments>,
-    step: u64,
+impl<T> Moments<T> {
+    fn bytes(&self) -> u64 {
+        let n = self.exp_avg.len() + self.exp_avg_sq.len();
+        let max = self.max_exp_avg_sq.as_ref().map_or(0, Vec::len);
+        ((n + max) * std::mem::size_of::<T>()) as u64
+    }
 }
 
 /// PyTorch's fused Adam/AdamW over candle `Var`s (configuration: optim's [`AdamConfig`]; AdamW
@@ -80,20 +43,22 @@ pub struct AdamW {
 impl AdamW {
     /// The bytes of state the optimizer holds (moments allocated so far).
     pub fn state_bytes(&self) -> u64 {
-        let bytes = |m: &Moments| -> u64 {
-            fn sum<T>(h: &HostMoments<T>) -> u64 {
-                let n = h.exp_avg.len() + h.exp_avg_sq.len();
-                let max = h.max_exp_avg_sq.as_ref().map_or(0, Vec::len);
-                ((n + max) * std::mem::size_of::<T>()) as u64
-            }
-            match m {
-                Moments::Fresh => 0,
-                Moments::F32(h) => sum(h),
-                Moments::Bf16(h) => sum(h),
-                Moments::F16(h) => sum(h),
-            }
-        };
-        self.slots.iter().map(|s| bytes(&s.moments.lock())).sum()
+        self.slots
+            .iter()
+            .map(|slot| {
+                let state = slot.state.lock();
+                let Some(any) = state.as_deref() else {
+                    return 0;
+                };
+                if let Some(m) = any.downcast_ref::<Moments<f32>>() {
+                    m.bytes()
+                } else if let Some(m) = any.downcast_ref::<Moments<bf16>>() {
+                    m.bytes()
+                } else {
+                    any.downcast_ref::<Moments<f16>>().map_or(0, Moments::bytes)
+                }
+            })
+            .sum()
     }
 
     /// The number of steps the `Var` at `index` (among the float `Var`s given) has taken.
@@ -108,14 +73,7 @@ impl candle_nn::Optimizer for AdamW {
     fn new(vars: Vec<Var>, config: AdamConfig) -> candle_core::Result<AdamW> {
         config.validate().map_err(CandleOptimError::from)?;
         let dtypes = [DType::F32, DType::BF16, DType::F16];
-        let slots = float_vars(NAME, vars, &dtypes)?
-            .into_iter()
-            .map(|var| Slot {
-                var,
-                moments: Mutex::new(Moments::Fresh),
-                step: 0,
-            })
-            .collect();
+        let slots = Slot::for_vars(float_vars(NAME, vars, &dtypes)?);
         Ok(AdamW { slots, config })
     }
 
@@ -128,7 +86,7 @@ impl candle_nn::Optimizer for AdamW {
             let op = FusedStep {
                 config: &self.config,
                 step: slot.step,
-                moments: &slot.moments,
+                state: &slot.state,
             };
             slot.var.as_tensor().inplace_op2(grad, &op)?;
         }
@@ -148,38 +106,29 @@ impl candle_nn::Optimizer for AdamW {
 struct FusedStep<'a> {
     config: &'a AdamConfig,
     step: u64,
-    moments: &'a Mutex<Moments>,
+    state: &'a StateLock,
 }
 
 impl FusedStep<'_> {
-    fn run<T: MomentsOf>(
+    fn run<T: HostFloat>(
         &self,
         param: (&mut CpuStorage, &Layout),
         grad: (&CpuStorage, &Layout),
     ) -> candle_core::Result<()> {
         let (param, grad) = param_and_grad::<T>(NAME, param, grad)?;
-        let mut moments = self.moments.lock();
-        if matches!(*moments, Moments::Fresh) {
-            let zeros = || vec![T::from_f32(0.0); param.len()];
-            *moments = T::wrap(HostMoments {
-                exp_avg: zeros(),
-                exp_avg_sq: zeros(),
-                max_exp_avg_sq: self.config.amsgrad.then(zeros),
-            });
-        }
-        let Some(h) = T::of(&mut moments) else {
-            return Err(CandleOptimError::Unsupported {
-                optimizer: NAME,
-                reason: "a Var whose dtype changed after its first step".into(),
-            }
-            .into());
-        };
+        let mut state = self.state.lock();
+        let zeros = || vec![T::from_f32(0.0); param.len()];
+        let moments = typed_state(NAME, &mut state, || Moments {
+            exp_avg: zeros(),
+            exp_avg_sq: zeros(),
+            max_exp_avg_sq: self.config.amsgrad.then(zeros),
+        })?;
         let bufs = AdamBuffers {
             param,
             grad,
-            exp_avg: &mut h.exp_avg,
-            exp_avg_sq: &mut h.exp_avg_sq,
-            max_exp_avg_sq: h.max_exp_avg_sq.as_deref_mut(),
+            exp_avg: &mut moments.exp_avg,
+            exp_avg_sq: &mut moments.exp_avg_sq,
+            max_exp_avg_sq: moments.max_exp_avg_sq.as_deref_mut(),
         };
         adam_fused(self.config, self.step, bufs, GradScaling::NONE)
             .map_err(CandleOptimError::from)?;

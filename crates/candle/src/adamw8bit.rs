@@ -7,6 +7,8 @@
 //! It sits on `host_slices.rs` and optim's kernels (`adam8bit_blockwise`, `adam_bnb_32bit`); it
 //! knows nothing of Adam's 32-bit rule.
 
+use crate::error::CandleOptimError;
+use crate::host_slices::{float_vars, param_and_grad, typed_state, HostFloat, Slot, StateLock};
 use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Var};
@@ -16,18 +18,12 @@ use headroom_optim::kernels::{
     adam8bit_blockwise, adam_bnb_32bit, n_blocks, Adam8bitConfig, BlockwiseBuffers, F32States,
     GradScaling, ParamRounding, MIN_8BIT_SIZE,
 };
-use parking_lot::Mutex;
-
-use crate::error::CandleOptimError;
-use crate::host_slices::{float_vars, param_and_grad, HostFloat};
 
 const NAME: &str = "headroom_candle::AdamW8bit";
 
 /// One parameter's state, allocated at its first step.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 enum State8 {
-    #[default]
-    Fresh,
     /// Codes of both moments and their per-block scales.
     Quantized {
         state1: Vec<u8>,
@@ -37,16 +33,6 @@ enum State8 {
     },
     /// f32 moments of a parameter under `MIN_8BIT_SIZE` elements.
     Full { state1: Vec<f32>, state2: Vec<f32> },
-}
-
-/// One parameter: the `Var`, its index among the optimizer's (the stochastic rounding's
-/// stream), its state and its step count.
-#[derive(Debug)]
-struct Slot {
-    var: Var,
-    index: usize,
-    state: Mutex<State8>,
-    step: u64,
 }
 
 /// bitsandbytes' 8-bit blockwise AdamW over candle `Var`s (configuration: optim's
@@ -63,7 +49,6 @@ impl AdamW8bit {
     pub fn state_bytes(&self) -> u64 {
         let bytes = |s: &State8| -> usize {
             match s {
-                State8::Fresh => 0,
                 State8::Quantized {
                     state1,
                     state2,
@@ -75,7 +60,11 @@ impl AdamW8bit {
         };
         self.slots
             .iter()
-            .map(|s| bytes(&s.state.lock()) as u64)
+            .map(|slot| {
+                let state = slot.state.lock();
+                let state = state.as_deref().and_then(|s| s.downcast_ref::<State8>());
+                state.map_or(0, |s| bytes(s) as u64)
+            })
             .sum()
     }
 }
@@ -85,16 +74,7 @@ impl candle_nn::Optimizer for AdamW8bit {
 
     fn new(vars: Vec<Var>, config: Adam8bitConfig) -> candle_core::Result<AdamW8bit> {
         config.validate().map_err(CandleOptimError::from)?;
-        let slots = float_vars(NAME, vars, &[DType::F32, DType::BF16])?
-            .into_iter()
-            .enumerate()
-            .map(|(index, var)| Slot {
-                var,
-                index,
-                state: Mutex::new(State8::Fresh),
-                step: 0,
-            })
-            .collect();
+        let slots = Slot::for_vars(float_vars(NAME, vars, &[DType::F32, DType::BF16])?);
         Ok(AdamW8bit { slots, config })
     }
 
@@ -129,7 +109,7 @@ struct Step8<'a> {
     config: &'a Adam8bitConfig,
     step: u64,
     rounding: ParamRounding,
-    state: &'a Mutex<State8>,
+    state: &'a StateLock,
 }
 
 impl Step8<'_> {
@@ -141,8 +121,8 @@ impl Step8<'_> {
         let (param, grad) = param_and_grad::<T>(NAME, param, grad)?;
         let n = param.len();
         let mut state = self.state.lock();
-        if matches!(*state, State8::Fresh) {
-            *state = if n >= MIN_8BIT_SIZE {
+        let state = typed_state(NAME, &mut state, || {
+            if n >= MIN_8BIT_SIZE {
                 State8::Quantized {
                     state1: vec![0; n],
                     state2: vec![0; n],
@@ -154,11 +134,11 @@ impl Step8<'_> {
                     state1: vec![0.0; n],
                     state2: vec![0.0; n],
                 }
-            };
-        }
+            }
+        })?;
         let (config, step, scaling, rounding) =
             (self.config, self.step, GradScaling::NONE, self.rounding);
-        let outcome = match &mut *state {
+        let outcome = match state {
             State8::Quantized {
                 state1,
                 state2,
@@ -185,7 +165,6 @@ impl Step8<'_> {
                 };
                 adam_bnb_32bit(config, step, bufs, scaling, rounding)
             }
-            State8::Fresh => unreachable!("the state was just allocated"),
         };
         outcome.map_err(CandleOptimError::from)?;
         Ok(())

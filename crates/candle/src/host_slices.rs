@@ -1,11 +1,15 @@
 //! A `Var`'s host buffer and its gradient as slices of one element type, inside candle's
-//! in-place op, and the checks that keep the optimizers to what they can step.
+//! in-place op; each optimizer's per-`Var` [`Slot`] with its state of the parameter's element
+//! type; and the checks that keep the optimizers to what they can step.
 //!
 //! It sits on candle's CPU storage and layouts; it knows nothing of the update rules.
+
+use std::any::Any;
 
 use candle_core::{CpuStorage, DType, Layout, Var, WithDType};
 use half::{bf16, f16};
 use headroom_optim::kernels::ParamElement;
+use parking_lot::Mutex;
 
 use crate::error::CandleOptimError;
 
@@ -90,4 +94,53 @@ pub(crate) fn float_vars(
         kept.push(var);
     }
     Ok(kept)
+}
+
+/// A `Var`'s optimizer state, of the type the optimizer keeps for its element type; `None`
+/// before its first step.
+pub(crate) type StateLock = Mutex<Option<Box<dyn Any + Send>>>;
+
+/// One `Var` of an optimizer: the `Var`, its index among the optimizer's, its state (allocated at
+/// its first step, of a type the optimizer picks for the parameter's element type) and how many
+/// steps it has taken.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    pub(crate) var: Var,
+    pub(crate) index: usize,
+    pub(crate) state: StateLock,
+    pub(crate) step: u64,
+}
+
+impl Slot {
+    /// Slots for `vars`, in order, without state.
+    pub(crate) fn for_vars(vars: Vec<Var>) -> Vec<Slot> {
+        vars.into_iter()
+            .enumerate()
+            .map(|(index, var)| Slot {
+                var,
+                index,
+                state: Mutex::new(None),
+                step: 0,
+            })
+            .collect()
+    }
+}
+
+/// `state`'s value of type `S`, made by `fresh` at the first step; an error if the `Var` changed
+/// its element type since (its state is of another type).
+pub(crate) fn typed_state<'a, S: Any + Send>(
+    optimizer: &'static str,
+    state: &'a mut Option<Box<dyn Any + Send>>,
+    fresh: impl FnOnce() -> S,
+) -> candle_core::Result<&'a mut S> {
+    state
+        .get_or_insert_with(|| Box::new(fresh()))
+        .downcast_mut::<S>()
+        .ok_or_else(|| {
+            CandleOptimError::Unsupported {
+                optimizer,
+                reason: "a Var whose dtype changed after its first step".into(),
+            }
+            .into()
+        })
 }

@@ -1,8 +1,9 @@
 //! Headroom's optimizers inside candle training loops: [`AdamW`] (PyTorch's fused Adam/AdamW,
-//! f32, bf16 or f16 weights) and [`AdamW8bit`] (bitsandbytes' 8-bit blockwise AdamW, f32 weights
-//! or bf16 weights with no master copy, rounded to nearest or stochastically) implement
-//! [`candle_nn::Optimizer`] over candle [`Var`](candle_core::Var)s, so a candle trainer swaps its
-//! optimizer and keeps its model, its autograd and its loop.
+//! f32, bf16 or f16 weights), [`Sgd`] (PyTorch's fused SGD) and [`AdamW8bit`] (bitsandbytes'
+//! 8-bit blockwise AdamW, f32 weights or bf16 weights with no master copy, rounded to nearest or
+//! stochastically) implement [`candle_nn::Optimizer`] over candle [`Var`](candle_core::Var)s, so
+//! a candle trainer swaps its optimizer and keeps its model, its autograd and its loop;
+//! [`clip_grad_norm`] is PyTorch's `clip_grad_norm_` on candle's gradients.
 //!
 //! Each step updates a `Var`'s own buffer in place, one fused pass per parameter through
 //! candle's in-place custom op ([`candle_core::InplaceOp2`]), with the raw-buffer kernels of
@@ -32,10 +33,16 @@
 
 mod adamw;
 mod adamw8bit;
+mod clip;
 mod error;
 mod host_slices;
+mod sgd;
 
 pub use adamw::AdamW;
 pub use adamw8bit::AdamW8bit;
+pub use clip::clip_grad_norm;
 pub use error::CandleOptimError;
-pub use headroom_optim::kernels::{Adam8bitConfig, AdamConfig, Bf16Rounding, WeightDecay};
+pub use headroom_optim::kernels::{
+    Adam8bitConfig, AdamConfig, Bf16Rounding, SgdConfig, WeightDecay,
+};
+pub use sgd::Sgd;

@@ -1,7 +1,8 @@
-//! The candle optimizers against Headroom's own and against candle's: `AdamW` and `AdamW8bit`
-//! stepping candle `Var`s give the bits Headroom's `Adam` and `Adam8bit` give on autograd-core CPU
-//! tensors fed the same gradients (f32; bf16 weights with stochastic rounding for 8-bit; a
-//! parameter without a gradient left alone); `AdamW` trains a small network as
+//! The candle optimizers against Headroom's own and against candle's: `AdamW`, `Sgd` and
+//! `AdamW8bit` stepping candle `Var`s give the bits Headroom's `Adam`, `Sgd` and `Adam8bit` give
+//! on autograd-core CPU tensors fed the same gradients (f32 and bf16 for SGD with momentum;
+//! bf16 weights with stochastic rounding for 8-bit; a parameter without a gradient left alone);
+//! `clip_grad_norm` gives `clip_grad_norm_`'s norm and clipped gradients (to 1e-6, four ulps); `AdamW` trains a small network as
 //! `candle_nn::AdamW` does (PyTorch's formula against candle's op-by-op one: the losses agree to
 //! 1e-5 relative); what they cannot step is a typed error.
 
@@ -10,9 +11,13 @@ use candle_core::{DType, Device, Tensor as CTensor, Var};
 use candle_nn::Optimizer as _;
 use half::bf16;
 use headroom_autograd_core::{BackendRef, Tensor};
-use headroom_candle::{Adam8bitConfig, AdamConfig, AdamW, AdamW8bit, Bf16Rounding};
+use headroom_candle::{
+    clip_grad_norm, Adam8bitConfig, AdamConfig, AdamW, AdamW8bit, Bf16Rounding, Sgd, SgdConfig,
+};
 use headroom_ops_cpu::CpuBackend;
-use headroom_optim::{Adam, Adam8bit, Implementation, Optimizer, ParamGroup};
+use headroom_optim::{
+    clip_grad_norm_, Adam, Adam8bit, Implementation, NormType, Optimizer, ParamGroup,
+};
 
 /// Shapes: a matrix, a bias, one with 8-bit codes and a partial last block, one large enough for
 /// the kernels' parallel runs.
@@ -159,6 +164,81 @@ fn adamw_steps_vars_as_headroom_adam_steps_tensors() {
     assert_eq!(candle_side.var_step(1), Some(3), "no gradient, no step");
     let n: usize = SHAPES.iter().map(|s| s.iter().product::<usize>()).sum();
     assert_eq!(candle_side.state_bytes(), 8 * n as u64);
+}
+
+#[test]
+fn sgd_steps_vars_as_headroom_sgd_steps_tensors() {
+    let cpu = CpuBackend::new_ref();
+    let config = SgdConfig {
+        momentum: 0.9,
+        weight_decay: 1e-2,
+        nesterov: true,
+        ..SgdConfig::new(1e-1)
+    };
+    for dtype in [DType::F32, DType::BF16] {
+        let (vars, tensors) = twin_params(&cpu, dtype);
+        let mut candle_side = Sgd::new(vars.clone(), config.clone()).unwrap();
+        let mut ours = headroom_optim::Sgd::new(
+            vec![ParamGroup::new(tensors.clone(), config.clone())],
+            Implementation::Fused,
+        )
+        .unwrap();
+        for step in 1..=5 {
+            let grads = set_grads(&vars, &tensors, step);
+            candle_side.step(&grads).unwrap();
+            ours.step().unwrap();
+            assert_same_bits(&vars, &tensors, &format!("SGD {dtype:?} step {step}"));
+        }
+    }
+}
+
+/// Gradients of norm about 0.8 clipped to 0.1: the total norm within 1e-6 relative of
+/// `clip_grad_norm_`'s (the sums run in another order) and every clipped gradient within four
+/// ulps (the coefficient carries the total's last bits into every element); a bound above the norm
+/// changes nothing.
+#[test]
+fn clip_grad_norm_is_clip_grad_norm_on_candle_gradients() {
+    let cpu = CpuBackend::new_ref();
+    let (vars, tensors) = twin_params(&cpu, DType::F32);
+    let mut grads = set_grads(&vars, &tensors, 1);
+    let theirs = clip_grad_norm_(&tensors, 0.1, NormType::L2, false).unwrap();
+    let theirs = theirs.to_vec::<f32>().unwrap()[0];
+    let ours = clip_grad_norm(&vars, &mut grads, 0.1).unwrap();
+    assert!(
+        ((ours - theirs) / theirs).abs() < 1e-6,
+        "{ours} against {theirs}"
+    );
+    for (i, (var, tensor)) in vars.iter().zip(&tensors).enumerate() {
+        let Some(grad) = grads.get(var.as_tensor()) else {
+            continue;
+        };
+        let ours: Vec<f32> = grad.flatten_all().unwrap().to_vec1().unwrap();
+        let theirs = tensor.grad().unwrap().to_vec::<f32>().unwrap();
+        let worst = ours
+            .iter()
+            .zip(&theirs)
+            .map(|(a, b)| (i64::from(a.to_bits() as i32) - i64::from(b.to_bits() as i32)).abs())
+            .max()
+            .unwrap();
+        assert!(worst <= 4, "parameter {i}: {worst} ulps");
+    }
+    let before: Vec<f32> = grads
+        .get(vars[0].as_tensor())
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let total = clip_grad_norm(&vars, &mut grads, 10.0).unwrap();
+    assert!((total - 0.1).abs() < 1e-6, "{total}");
+    let after: Vec<f32> = grads
+        .get(vars[0].as_tensor())
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert_eq!(before, after);
 }
 
 #[test]
