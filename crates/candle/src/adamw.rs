@@ -2,18 +2,18 @@
 //! `Var`s of f32, bf16 or f16, moments of the weights' dtype in host memory, each parameter
 //! updated in place in one pass (optim's `adam_fused`).
 //!
-//! It sits on `host_slices.rs` and optim's kernels; it knows nothing of 8-bit states.
+//! It sits on `host_slices.rs` (slots, the in-place step) and optim's kernels; it knows nothing
+//! of 8-bit states.
 
-use candle_core::backend::BackendStorage;
+use std::any::Any;
+
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Var};
+use candle_core::{DType, Var};
 use half::{bf16, f16};
 use headroom_optim::kernels::{adam_fused, AdamBuffers, AdamConfig, GradScaling};
 
 use crate::error::CandleOptimError;
-use crate::host_slices::{float_vars, param_and_grad, typed_state, HostFloat, Slot, StateLock};
-
-const NAME: &str = "headroom_candle::AdamW";
+use crate::host_slices::{float_vars, step_slots, typed_state, HostFloat, ParamUpdate, Slot};
 
 /// One parameter's `exp_avg`, `exp_avg_sq` and, with AMSGrad, `max_exp_avg_sq`, of its dtype.
 #[derive(Debug)]
@@ -73,24 +73,16 @@ impl candle_nn::Optimizer for AdamW {
     fn new(vars: Vec<Var>, config: AdamConfig) -> candle_core::Result<AdamW> {
         config.validate().map_err(CandleOptimError::from)?;
         let dtypes = [DType::F32, DType::BF16, DType::F16];
-        let slots = Slot::for_vars(float_vars(NAME, vars, &dtypes)?);
+        let slots = Slot::for_vars(float_vars(AdamUpdate::NAME, vars, &dtypes)?);
         Ok(AdamW { slots, config })
     }
 
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
-        for slot in &mut self.slots {
-            let Some(grad) = grads.get(slot.var.as_tensor()) else {
-                continue;
-            };
-            slot.step += 1;
-            let op = FusedStep {
-                config: &self.config,
-                step: slot.step,
-                state: &slot.state,
-            };
-            slot.var.as_tensor().inplace_op2(grad, &op)?;
-        }
-        Ok(())
+        let config = &self.config;
+        step_slots(&mut self.slots, grads, |slot| AdamUpdate {
+            config,
+            step: slot.step,
+        })
     }
 
     fn learning_rate(&self) -> f64 {
@@ -102,23 +94,23 @@ impl candle_nn::Optimizer for AdamW {
     }
 }
 
-/// One parameter's fused step, as candle's in-place op on the parameter with its gradient.
-struct FusedStep<'a> {
+/// One parameter's fused Adam step number `step`.
+struct AdamUpdate<'a> {
     config: &'a AdamConfig,
     step: u64,
-    state: &'a StateLock,
 }
 
-impl FusedStep<'_> {
-    fn run<T: HostFloat>(
+impl ParamUpdate for AdamUpdate<'_> {
+    const NAME: &'static str = "headroom_candle::AdamW";
+
+    fn update<T: HostFloat>(
         &self,
-        param: (&mut CpuStorage, &Layout),
-        grad: (&CpuStorage, &Layout),
+        param: &mut [T],
+        grad: &[T],
+        state: &mut Option<Box<dyn Any + Send>>,
     ) -> candle_core::Result<()> {
-        let (param, grad) = param_and_grad::<T>(NAME, param, grad)?;
-        let mut state = self.state.lock();
         let zeros = || vec![T::from_f32(0.0); param.len()];
-        let moments = typed_state(NAME, &mut state, || Moments {
+        let moments = typed_state(Self::NAME, state, || Moments {
             exp_avg: zeros(),
             exp_avg_sq: zeros(),
             max_exp_avg_sq: self.config.amsgrad.then(zeros),
@@ -133,31 +125,5 @@ impl FusedStep<'_> {
         adam_fused(self.config, self.step, bufs, GradScaling::NONE)
             .map_err(CandleOptimError::from)?;
         Ok(())
-    }
-}
-
-impl InplaceOp2 for FusedStep<'_> {
-    fn name(&self) -> &'static str {
-        "headroom-adamw"
-    }
-
-    fn cpu_fwd(
-        &self,
-        dst: &mut CpuStorage,
-        dst_l: &Layout,
-        grad: &CpuStorage,
-        grad_l: &Layout,
-    ) -> candle_core::Result<()> {
-        let grad = (grad, grad_l);
-        match dst.dtype() {
-            DType::F32 => self.run::<f32>((dst, dst_l), grad),
-            DType::BF16 => self.run::<bf16>((dst, dst_l), grad),
-            DType::F16 => self.run::<f16>((dst, dst_l), grad),
-            other => Err(CandleOptimError::Unsupported {
-                optimizer: NAME,
-                reason: format!("a {other:?} parameter"),
-            }
-            .into()),
-        }
     }
 }

@@ -4,22 +4,20 @@
 //! stochastically). States in host memory: u8 codes and one f32 scale per block of 256 for a
 //! parameter of at least 4096 elements, f32 moments for smaller ones, as bitsandbytes keeps them.
 //!
-//! It sits on `host_slices.rs` and optim's kernels (`adam8bit_blockwise`, `adam_bnb_32bit`); it
+//! It sits on `host_slices.rs` (slots, the in-place step) and optim's kernels (`adam8bit_blockwise`, `adam_bnb_32bit`); it
 //! knows nothing of Adam's 32-bit rule.
 
 use crate::error::CandleOptimError;
-use crate::host_slices::{float_vars, param_and_grad, typed_state, HostFloat, Slot, StateLock};
-use candle_core::backend::BackendStorage;
+use crate::host_slices::{float_vars, step_slots, typed_state, HostFloat, ParamUpdate, Slot};
+use std::any::Any;
+
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Var};
-use half::bf16;
+use candle_core::{DType, Var};
 use headroom_optim::bnb_maps;
 use headroom_optim::kernels::{
     adam8bit_blockwise, adam_bnb_32bit, n_blocks, Adam8bitConfig, BlockwiseBuffers, F32States,
     GradScaling, ParamRounding, MIN_8BIT_SIZE,
 };
-
-const NAME: &str = "headroom_candle::AdamW8bit";
 
 /// One parameter's state, allocated at its first step.
 #[derive(Debug)]
@@ -74,25 +72,18 @@ impl candle_nn::Optimizer for AdamW8bit {
 
     fn new(vars: Vec<Var>, config: Adam8bitConfig) -> candle_core::Result<AdamW8bit> {
         config.validate().map_err(CandleOptimError::from)?;
-        let slots = Slot::for_vars(float_vars(NAME, vars, &[DType::F32, DType::BF16])?);
+        let dtypes = [DType::F32, DType::BF16];
+        let slots = Slot::for_vars(float_vars(Update8bit::NAME, vars, &dtypes)?);
         Ok(AdamW8bit { slots, config })
     }
 
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
-        for slot in &mut self.slots {
-            let Some(grad) = grads.get(slot.var.as_tensor()) else {
-                continue;
-            };
-            slot.step += 1;
-            let op = Step8 {
-                config: &self.config,
-                step: slot.step,
-                rounding: ParamRounding::of(self.config.bf16_rounding, slot.index, slot.step),
-                state: &slot.state,
-            };
-            slot.var.as_tensor().inplace_op2(grad, &op)?;
-        }
-        Ok(())
+        let config = &self.config;
+        step_slots(&mut self.slots, grads, |slot| Update8bit {
+            config,
+            step: slot.step,
+            rounding: ParamRounding::of(config.bf16_rounding, slot.index, slot.step),
+        })
     }
 
     fn learning_rate(&self) -> f64 {
@@ -104,24 +95,24 @@ impl candle_nn::Optimizer for AdamW8bit {
     }
 }
 
-/// One parameter's 8-bit step, as candle's in-place op on the parameter with its gradient.
-struct Step8<'a> {
+/// One parameter's 8-bit step number `step`, storing a bf16 parameter by `rounding`.
+struct Update8bit<'a> {
     config: &'a Adam8bitConfig,
     step: u64,
     rounding: ParamRounding,
-    state: &'a StateLock,
 }
 
-impl Step8<'_> {
-    fn run<T: HostFloat>(
+impl ParamUpdate for Update8bit<'_> {
+    const NAME: &'static str = "headroom_candle::AdamW8bit";
+
+    fn update<T: HostFloat>(
         &self,
-        param: (&mut CpuStorage, &Layout),
-        grad: (&CpuStorage, &Layout),
+        param: &mut [T],
+        grad: &[T],
+        state: &mut Option<Box<dyn Any + Send>>,
     ) -> candle_core::Result<()> {
-        let (param, grad) = param_and_grad::<T>(NAME, param, grad)?;
         let n = param.len();
-        let mut state = self.state.lock();
-        let state = typed_state(NAME, &mut state, || {
+        let state = typed_state(Self::NAME, state, || {
             if n >= MIN_8BIT_SIZE {
                 State8::Quantized {
                     state1: vec![0; n],
@@ -168,30 +159,5 @@ impl Step8<'_> {
         };
         outcome.map_err(CandleOptimError::from)?;
         Ok(())
-    }
-}
-
-impl InplaceOp2 for Step8<'_> {
-    fn name(&self) -> &'static str {
-        "headroom-adamw8bit"
-    }
-
-    fn cpu_fwd(
-        &self,
-        dst: &mut CpuStorage,
-        dst_l: &Layout,
-        grad: &CpuStorage,
-        grad_l: &Layout,
-    ) -> candle_core::Result<()> {
-        let grad = (grad, grad_l);
-        match dst.dtype() {
-            DType::F32 => self.run::<f32>((dst, dst_l), grad),
-            DType::BF16 => self.run::<bf16>((dst, dst_l), grad),
-            other => Err(CandleOptimError::Unsupported {
-                optimizer: NAME,
-                reason: format!("a {other:?} parameter"),
-            }
-            .into()),
-        }
     }
 }

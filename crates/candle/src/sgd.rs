@@ -3,18 +3,17 @@
 //! dtype in host memory (none without momentum), each parameter updated in place in one pass
 //! (optim's `sgd_fused`).
 //!
-//! It sits on `host_slices.rs` and optim's kernels; it knows nothing of Adam.
+//! It sits on `host_slices.rs` (slots, the in-place step) and optim's kernels; it knows nothing
+//! of Adam.
 
-use candle_core::backend::BackendStorage;
+use std::any::Any;
+
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Var};
-use half::{bf16, f16};
+use candle_core::{DType, Var};
 use headroom_optim::kernels::{sgd_fused, GradScaling, SgdBuffers, SgdConfig};
 
 use crate::error::CandleOptimError;
-use crate::host_slices::{float_vars, param_and_grad, typed_state, HostFloat, Slot, StateLock};
-
-const NAME: &str = "headroom_candle::Sgd";
+use crate::host_slices::{float_vars, step_slots, typed_state, HostFloat, ParamUpdate, Slot};
 
 /// One parameter's momentum buffer (`None` without momentum), of its dtype.
 #[derive(Debug)]
@@ -34,23 +33,13 @@ impl candle_nn::Optimizer for Sgd {
     fn new(vars: Vec<Var>, config: SgdConfig) -> candle_core::Result<Sgd> {
         config.validate().map_err(CandleOptimError::from)?;
         let dtypes = [DType::F32, DType::BF16, DType::F16];
-        let slots = Slot::for_vars(float_vars(NAME, vars, &dtypes)?);
+        let slots = Slot::for_vars(float_vars(SgdUpdate::NAME, vars, &dtypes)?);
         Ok(Sgd { slots, config })
     }
 
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
-        for slot in &mut self.slots {
-            let Some(grad) = grads.get(slot.var.as_tensor()) else {
-                continue;
-            };
-            slot.step += 1;
-            let op = SgdStep {
-                config: &self.config,
-                state: &slot.state,
-            };
-            slot.var.as_tensor().inplace_op2(grad, &op)?;
-        }
-        Ok(())
+        let config = &self.config;
+        step_slots(&mut self.slots, grads, |_| SgdUpdate { config })
     }
 
     fn learning_rate(&self) -> f64 {
@@ -62,23 +51,23 @@ impl candle_nn::Optimizer for Sgd {
     }
 }
 
-/// One parameter's fused SGD step, as candle's in-place op on the parameter with its gradient.
-struct SgdStep<'a> {
+/// One parameter's fused SGD step.
+struct SgdUpdate<'a> {
     config: &'a SgdConfig,
-    state: &'a StateLock,
 }
 
-impl SgdStep<'_> {
-    fn run<T: HostFloat>(
+impl ParamUpdate for SgdUpdate<'_> {
+    const NAME: &'static str = "headroom_candle::Sgd";
+
+    fn update<T: HostFloat>(
         &self,
-        param: (&mut CpuStorage, &Layout),
-        grad: (&CpuStorage, &Layout),
+        param: &mut [T],
+        grad: &[T],
+        state: &mut Option<Box<dyn Any + Send>>,
     ) -> candle_core::Result<()> {
-        let (param, grad) = param_and_grad::<T>(NAME, param, grad)?;
-        let mut state = self.state.lock();
         let first_step = state.is_none();
         let with_momentum = self.config.momentum != 0.0;
-        let momentum = typed_state(NAME, &mut state, || {
+        let momentum = typed_state(Self::NAME, state, || {
             Momentum(with_momentum.then(|| vec![T::from_f32(0.0); param.len()]))
         })?;
         let bufs = SgdBuffers {
@@ -89,31 +78,5 @@ impl SgdStep<'_> {
         };
         sgd_fused(self.config, bufs, GradScaling::NONE).map_err(CandleOptimError::from)?;
         Ok(())
-    }
-}
-
-impl InplaceOp2 for SgdStep<'_> {
-    fn name(&self) -> &'static str {
-        "headroom-sgd"
-    }
-
-    fn cpu_fwd(
-        &self,
-        dst: &mut CpuStorage,
-        dst_l: &Layout,
-        grad: &CpuStorage,
-        grad_l: &Layout,
-    ) -> candle_core::Result<()> {
-        let grad = (grad, grad_l);
-        match dst.dtype() {
-            DType::F32 => self.run::<f32>((dst, dst_l), grad),
-            DType::BF16 => self.run::<bf16>((dst, dst_l), grad),
-            DType::F16 => self.run::<f16>((dst, dst_l), grad),
-            other => Err(CandleOptimError::Unsupported {
-                optimizer: NAME,
-                reason: format!("a {other:?} parameter"),
-            }
-            .into()),
-        }
     }
 }

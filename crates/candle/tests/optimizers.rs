@@ -140,6 +140,23 @@ fn assert_same_bits(vars: &[Var], tensors: &[Tensor], what: &str) {
     }
 }
 
+/// `steps` steps of both optimizers on the twin parameters, fed the same gradients, the bits
+/// compared after each.
+fn step_both(
+    (vars, tensors): (&[Var], &[Tensor]),
+    candle_side: &mut impl candle_nn::Optimizer,
+    ours: &mut dyn Optimizer,
+    steps: u64,
+    what: &str,
+) {
+    for step in 1..=steps {
+        let grads = set_grads(vars, tensors, step);
+        candle_side.step(&grads).unwrap();
+        ours.step().unwrap();
+        assert_same_bits(vars, tensors, &format!("{what}, step {step}"));
+    }
+}
+
 #[test]
 fn adamw_steps_vars_as_headroom_adam_steps_tensors() {
     let cpu = CpuBackend::new_ref();
@@ -154,12 +171,7 @@ fn adamw_steps_vars_as_headroom_adam_steps_tensors() {
         Implementation::Fused,
     )
     .unwrap();
-    for step in 1..=6 {
-        let grads = set_grads(&vars, &tensors, step);
-        candle_side.step(&grads).unwrap();
-        ours.step().unwrap();
-        assert_same_bits(&vars, &tensors, &format!("AdamW step {step}"));
-    }
+    step_both((&vars, &tensors), &mut candle_side, &mut ours, 6, "AdamW");
     assert_eq!(candle_side.var_step(0), Some(6));
     assert_eq!(candle_side.var_step(1), Some(3), "no gradient, no step");
     let n: usize = SHAPES.iter().map(|s| s.iter().product::<usize>()).sum();
@@ -183,12 +195,8 @@ fn sgd_steps_vars_as_headroom_sgd_steps_tensors() {
             Implementation::Fused,
         )
         .unwrap();
-        for step in 1..=5 {
-            let grads = set_grads(&vars, &tensors, step);
-            candle_side.step(&grads).unwrap();
-            ours.step().unwrap();
-            assert_same_bits(&vars, &tensors, &format!("SGD {dtype:?} step {step}"));
-        }
+        let what = format!("SGD {dtype:?}");
+        step_both((&vars, &tensors), &mut candle_side, &mut ours, 5, &what);
     }
 }
 
