@@ -6,14 +6,20 @@
 //! of 8-bit states.
 
 use std::any::Any;
+use std::collections::HashMap;
+use std::path::Path;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Var};
+use candle_core::{DType, Tensor, Var};
 use half::{bf16, f16};
 use headroom_optim::kernels::{adam_fused, AdamBuffers, AdamConfig, GradScaling};
 
 use crate::error::CandleOptimError;
-use crate::host_slices::{float_vars, step_slots, typed_state, HostFloat, ParamUpdate, Slot};
+use crate::host_slices::{
+    float_vars, host_tensor, state_bytes, step_slots, typed_state, HostFloat, ParamUpdate,
+    RuleState, Slot,
+};
+use crate::state_dict::{self, saved_vec};
 
 /// One parameter's `exp_avg`, `exp_avg_sq` and, with AMSGrad, `max_exp_avg_sq`, of its dtype.
 #[derive(Debug)]
@@ -23,11 +29,42 @@ struct Moments<T> {
     max_exp_avg_sq: Option<Vec<T>>,
 }
 
-impl<T> Moments<T> {
+impl<T: HostFloat> RuleState for Moments<T> {
+    fn tensors(&self) -> candle_core::Result<Vec<(&'static str, Tensor)>> {
+        let mut tensors = vec![
+            ("exp_avg", host_tensor(&self.exp_avg)?),
+            ("exp_avg_sq", host_tensor(&self.exp_avg_sq)?),
+        ];
+        if let Some(max) = &self.max_exp_avg_sq {
+            tensors.push(("max_exp_avg_sq", host_tensor(max)?));
+        }
+        Ok(tensors)
+    }
+
     fn bytes(&self) -> u64 {
         let n = self.exp_avg.len() + self.exp_avg_sq.len();
         let max = self.max_exp_avg_sq.as_ref().map_or(0, Vec::len);
         ((n + max) * std::mem::size_of::<T>()) as u64
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+impl<T: HostFloat> Moments<T> {
+    /// The moments saved for a `Var` of `len` elements.
+    fn restore(
+        get: &dyn Fn(&str) -> candle_core::Result<Tensor>,
+        len: usize,
+        amsgrad: bool,
+    ) -> candle_core::Result<Box<dyn RuleState>> {
+        let take = |name: &str| saved_vec::<T>(AdamUpdate::NAME, get, name, len);
+        Ok(Box::new(Moments {
+            exp_avg: take("exp_avg")?,
+            exp_avg_sq: take("exp_avg_sq")?,
+            max_exp_avg_sq: amsgrad.then(|| take("max_exp_avg_sq")).transpose()?,
+        }))
     }
 }
 
@@ -43,22 +80,38 @@ pub struct AdamW {
 impl AdamW {
     /// The bytes of state the optimizer holds (moments allocated so far).
     pub fn state_bytes(&self) -> u64 {
-        self.slots
-            .iter()
-            .map(|slot| {
-                let state = slot.state.lock();
-                let Some(any) = state.as_deref() else {
-                    return 0;
-                };
-                if let Some(m) = any.downcast_ref::<Moments<f32>>() {
-                    m.bytes()
-                } else if let Some(m) = any.downcast_ref::<Moments<bf16>>() {
-                    m.bytes()
-                } else {
-                    any.downcast_ref::<Moments<f16>>().map_or(0, Moments::bytes)
-                }
-            })
-            .sum()
+        state_bytes(&self.slots)
+    }
+
+    /// The state as named tensors (`crate::state_dict`'s keys: `{index}.step`,
+    /// `{index}.exp_avg`, `{index}.exp_avg_sq`, with AMSGrad `{index}.max_exp_avg_sq`).
+    pub fn state_dict(&self) -> candle_core::Result<HashMap<String, Tensor>> {
+        state_dict::state_dict(&self.slots)
+    }
+
+    /// Continues from `saved` (an earlier `state_dict` of an optimizer over the same `Var`s in
+    /// the same order): step counts and moments, checked against each `Var`'s dtype and size.
+    pub fn load_state_dict(&mut self, saved: &HashMap<String, Tensor>) -> candle_core::Result<()> {
+        let amsgrad = self.config.amsgrad;
+        let restore = |var: &Var, get: &dyn Fn(&str) -> candle_core::Result<Tensor>| {
+            let n = var.elem_count();
+            match var.dtype() {
+                DType::BF16 => Moments::<bf16>::restore(get, n, amsgrad),
+                DType::F16 => Moments::<f16>::restore(get, n, amsgrad),
+                _ => Moments::<f32>::restore(get, n, amsgrad),
+            }
+        };
+        state_dict::load_state_dict(AdamUpdate::NAME, &mut self.slots, saved, &restore)
+    }
+
+    /// Writes [`AdamW::state_dict`] to the safetensors file `path`.
+    pub fn save_state(&self, path: impl AsRef<Path>) -> candle_core::Result<()> {
+        state_dict::save(&self.state_dict()?, path.as_ref())
+    }
+
+    /// [`AdamW::load_state_dict`] from the safetensors file `path`.
+    pub fn load_state(&mut self, path: impl AsRef<Path>) -> candle_core::Result<()> {
+        self.load_state_dict(&state_dict::load(path.as_ref())?)
     }
 
     /// The number of steps the `Var` at `index` (among the float `Var`s given) has taken.
@@ -107,7 +160,7 @@ impl ParamUpdate for AdamUpdate<'_> {
         &self,
         param: &mut [T],
         grad: &[T],
-        state: &mut Option<Box<dyn Any + Send>>,
+        state: &mut Option<Box<dyn RuleState>>,
     ) -> candle_core::Result<()> {
         let zeros = || vec![T::from_f32(0.0); param.len()];
         let moments = typed_state(Self::NAME, state, || Moments {

@@ -8,11 +8,17 @@
 //! knows nothing of Adam's 32-bit rule.
 
 use crate::error::CandleOptimError;
-use crate::host_slices::{float_vars, step_slots, typed_state, HostFloat, ParamUpdate, Slot};
+use crate::host_slices::{
+    float_vars, host_tensor, state_bytes, step_slots, typed_state, HostFloat, ParamUpdate,
+    RuleState, Slot,
+};
+use crate::state_dict::{self, saved_vec};
 use std::any::Any;
+use std::collections::HashMap;
+use std::path::Path;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Var};
+use candle_core::{DType, Tensor, Var};
 use headroom_optim::bnb_maps;
 use headroom_optim::kernels::{
     adam8bit_blockwise, adam_bnb_32bit, n_blocks, Adam8bitConfig, BlockwiseBuffers, F32States,
@@ -33,6 +39,69 @@ enum State8 {
     Full { state1: Vec<f32>, state2: Vec<f32> },
 }
 
+impl RuleState for State8 {
+    fn tensors(&self) -> candle_core::Result<Vec<(&'static str, Tensor)>> {
+        Ok(match self {
+            State8::Quantized {
+                state1,
+                state2,
+                absmax1,
+                absmax2,
+            } => vec![
+                ("state1", host_tensor(state1)?),
+                ("state2", host_tensor(state2)?),
+                ("absmax1", host_tensor(absmax1)?),
+                ("absmax2", host_tensor(absmax2)?),
+            ],
+            State8::Full { state1, state2 } => vec![
+                ("state1", host_tensor(state1)?),
+                ("state2", host_tensor(state2)?),
+            ],
+        })
+    }
+
+    fn bytes(&self) -> u64 {
+        let bytes = match self {
+            State8::Quantized {
+                state1,
+                state2,
+                absmax1,
+                absmax2,
+            } => state1.len() + state2.len() + 4 * (absmax1.len() + absmax2.len()),
+            State8::Full { state1, state2 } => 4 * (state1.len() + state2.len()),
+        };
+        bytes as u64
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+impl State8 {
+    /// The state saved for a `Var` of `n` elements: codes and scales from `MIN_8BIT_SIZE`, f32
+    /// moments under it.
+    fn restore(
+        get: &dyn Fn(&str) -> candle_core::Result<Tensor>,
+        n: usize,
+    ) -> candle_core::Result<Box<dyn RuleState>> {
+        let name = Update8bit::NAME;
+        Ok(Box::new(if n >= MIN_8BIT_SIZE {
+            State8::Quantized {
+                state1: saved_vec::<u8>(name, get, "state1", n)?,
+                state2: saved_vec::<u8>(name, get, "state2", n)?,
+                absmax1: saved_vec::<f32>(name, get, "absmax1", n_blocks(n))?,
+                absmax2: saved_vec::<f32>(name, get, "absmax2", n_blocks(n))?,
+            }
+        } else {
+            State8::Full {
+                state1: saved_vec::<f32>(name, get, "state1", n)?,
+                state2: saved_vec::<f32>(name, get, "state2", n)?,
+            }
+        }))
+    }
+}
+
 /// bitsandbytes' 8-bit blockwise AdamW over candle `Var`s (configuration: optim's
 /// [`Adam8bitConfig`]; AdamW is [`Adam8bitConfig::adamw`]); f32 `Var`s, or bf16 ones without a
 /// master copy. A `Var` without a gradient is left alone and its step count does not advance.
@@ -45,25 +114,32 @@ pub struct AdamW8bit {
 impl AdamW8bit {
     /// The bytes of state the optimizer holds (states allocated so far).
     pub fn state_bytes(&self) -> u64 {
-        let bytes = |s: &State8| -> usize {
-            match s {
-                State8::Quantized {
-                    state1,
-                    state2,
-                    absmax1,
-                    absmax2,
-                } => state1.len() + state2.len() + 4 * (absmax1.len() + absmax2.len()),
-                State8::Full { state1, state2 } => 4 * (state1.len() + state2.len()),
-            }
+        state_bytes(&self.slots)
+    }
+
+    /// The state as named tensors (`{index}.step`, `{index}.state1`, `{index}.state2` and, for
+    /// 8-bit states, `{index}.absmax1`, `{index}.absmax2`: bitsandbytes' names).
+    pub fn state_dict(&self) -> candle_core::Result<HashMap<String, Tensor>> {
+        state_dict::state_dict(&self.slots)
+    }
+
+    /// Continues from `saved` (an earlier `state_dict` over the same `Var`s in the same order;
+    /// the stochastic rounding's stream continues with the step counts).
+    pub fn load_state_dict(&mut self, saved: &HashMap<String, Tensor>) -> candle_core::Result<()> {
+        let restore = |var: &Var, get: &dyn Fn(&str) -> candle_core::Result<Tensor>| {
+            State8::restore(get, var.elem_count())
         };
-        self.slots
-            .iter()
-            .map(|slot| {
-                let state = slot.state.lock();
-                let state = state.as_deref().and_then(|s| s.downcast_ref::<State8>());
-                state.map_or(0, |s| bytes(s) as u64)
-            })
-            .sum()
+        state_dict::load_state_dict(Update8bit::NAME, &mut self.slots, saved, &restore)
+    }
+
+    /// Writes [`AdamW8bit::state_dict`] to the safetensors file `path`.
+    pub fn save_state(&self, path: impl AsRef<Path>) -> candle_core::Result<()> {
+        state_dict::save(&self.state_dict()?, path.as_ref())
+    }
+
+    /// [`AdamW8bit::load_state_dict`] from the safetensors file `path`.
+    pub fn load_state(&mut self, path: impl AsRef<Path>) -> candle_core::Result<()> {
+        self.load_state_dict(&state_dict::load(path.as_ref())?)
     }
 }
 
@@ -109,7 +185,7 @@ impl ParamUpdate for Update8bit<'_> {
         &self,
         param: &mut [T],
         grad: &[T],
-        state: &mut Option<Box<dyn Any + Send>>,
+        state: &mut Option<Box<dyn RuleState>>,
     ) -> candle_core::Result<()> {
         let n = param.len();
         let state = typed_state(Self::NAME, state, || {

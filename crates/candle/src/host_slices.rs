@@ -10,7 +10,7 @@ use std::any::Any;
 
 use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Var, WithDType};
+use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Tensor, Var, WithDType};
 use half::{bf16, f16};
 use headroom_optim::kernels::ParamElement;
 use parking_lot::Mutex;
@@ -102,7 +102,17 @@ pub(crate) fn float_vars(
 
 /// A `Var`'s optimizer state, of the type the optimizer keeps for its element type; `None`
 /// before its first step.
-pub(crate) type StateLock = Mutex<Option<Box<dyn Any + Send>>>;
+pub(crate) type StateLock = Mutex<Option<Box<dyn RuleState>>>;
+
+/// One parameter's state of some rule: its tensors by name for a state dict, its bytes.
+pub(crate) trait RuleState: Any + Send + std::fmt::Debug {
+    /// The state's buffers as CPU tensors, by PyTorch's names (`exp_avg`, `momentum_buffer`...).
+    fn tensors(&self) -> candle_core::Result<Vec<(&'static str, Tensor)>>;
+    /// The bytes it holds.
+    fn bytes(&self) -> u64;
+    /// Itself, to be downcast to the rule's type.
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
 
 /// One `Var` of an optimizer: the `Var`, its index among the optimizer's, its state (allocated at
 /// its first step, of a type the optimizer picks for the parameter's element type) and how many
@@ -132,13 +142,14 @@ impl Slot {
 
 /// `state`'s value of type `S`, made by `fresh` at the first step; an error if the `Var` changed
 /// its element type since (its state is of another type).
-pub(crate) fn typed_state<'a, S: Any + Send>(
+pub(crate) fn typed_state<'a, S: RuleState>(
     optimizer: &'static str,
-    state: &'a mut Option<Box<dyn Any + Send>>,
+    state: &'a mut Option<Box<dyn RuleState>>,
     fresh: impl FnOnce() -> S,
 ) -> candle_core::Result<&'a mut S> {
     state
         .get_or_insert_with(|| Box::new(fresh()))
+        .as_any_mut()
         .downcast_mut::<S>()
         .ok_or_else(|| {
             CandleOptimError::Unsupported {
@@ -160,7 +171,7 @@ pub(crate) trait ParamUpdate {
         &self,
         param: &mut [T],
         grad: &[T],
-        state: &mut Option<Box<dyn Any + Send>>,
+        state: &mut Option<Box<dyn RuleState>>,
     ) -> candle_core::Result<()>;
 }
 
@@ -227,4 +238,17 @@ impl<U: ParamUpdate> InplaceOp2 for InPlace<'_, U> {
             .into()),
         }
     }
+}
+
+/// A state buffer as a 1-d CPU tensor.
+pub(crate) fn host_tensor<T: WithDType>(values: &[T]) -> candle_core::Result<Tensor> {
+    Tensor::from_slice(values, values.len(), &candle_core::Device::Cpu)
+}
+
+/// The bytes of the optimizers' states over `slots`.
+pub(crate) fn state_bytes(slots: &[Slot]) -> u64 {
+    slots
+        .iter()
+        .map(|slot| slot.state.lock().as_deref().map_or(0, RuleState::bytes))
+        .sum()
 }

@@ -3,7 +3,8 @@
 //! 8-bit blockwise AdamW, f32 weights or bf16 weights with no master copy, rounded to nearest or
 //! stochastically) implement [`candle_nn::Optimizer`] over candle [`Var`](candle_core::Var)s, so
 //! a candle trainer swaps its optimizer and keeps its model, its autograd and its loop;
-//! [`clip_grad_norm`] is PyTorch's `clip_grad_norm_` on candle's gradients.
+//! [`clip_grad_norm`] is PyTorch's `clip_grad_norm_` on candle's gradients. Each optimizer's
+//! state saves and loads as named tensors or a safetensors file (`state_dict`, `save_state`).
 //!
 //! Each step updates a `Var`'s own buffer in place, one fused pass per parameter through
 //! candle's in-place custom op ([`candle_core::InplaceOp2`]), with the raw-buffer kernels of
@@ -37,6 +38,7 @@ mod clip;
 mod error;
 mod host_slices;
 mod sgd;
+mod state_dict;
 
 pub use adamw::AdamW;
 pub use adamw8bit::AdamW8bit;

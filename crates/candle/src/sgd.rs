@@ -7,17 +7,53 @@
 //! of Adam.
 
 use std::any::Any;
+use std::collections::HashMap;
+use std::path::Path;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Var};
+use candle_core::{DType, Tensor, Var};
+use half::{bf16, f16};
 use headroom_optim::kernels::{sgd_fused, GradScaling, SgdBuffers, SgdConfig};
 
 use crate::error::CandleOptimError;
-use crate::host_slices::{float_vars, step_slots, typed_state, HostFloat, ParamUpdate, Slot};
+use crate::host_slices::{
+    float_vars, host_tensor, state_bytes, step_slots, typed_state, HostFloat, ParamUpdate,
+    RuleState, Slot,
+};
+use crate::state_dict::{self, saved_vec};
 
 /// One parameter's momentum buffer (`None` without momentum), of its dtype.
 #[derive(Debug)]
 struct Momentum<T>(Option<Vec<T>>);
+
+impl<T: HostFloat> RuleState for Momentum<T> {
+    fn tensors(&self) -> candle_core::Result<Vec<(&'static str, Tensor)>> {
+        let buffer = self.0.as_deref().map(host_tensor).transpose()?;
+        Ok(buffer.map(|t| ("momentum_buffer", t)).into_iter().collect())
+    }
+
+    fn bytes(&self) -> u64 {
+        self.0
+            .as_ref()
+            .map_or(0, |b| (b.len() * std::mem::size_of::<T>()) as u64)
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+impl<T: HostFloat> Momentum<T> {
+    /// The buffer saved for a `Var` of `len` elements (none without momentum).
+    fn restore(
+        get: &dyn Fn(&str) -> candle_core::Result<Tensor>,
+        len: usize,
+        momentum: bool,
+    ) -> candle_core::Result<Box<dyn RuleState>> {
+        let take = || saved_vec::<T>(SgdUpdate::NAME, get, "momentum_buffer", len);
+        Ok(Box::new(Momentum(momentum.then(take).transpose()?)))
+    }
+}
 
 /// PyTorch's fused SGD over candle `Var`s (configuration: optim's [`SgdConfig`]). A `Var`
 /// without a gradient is left alone.
@@ -25,6 +61,42 @@ struct Momentum<T>(Option<Vec<T>>);
 pub struct Sgd {
     slots: Vec<Slot>,
     config: SgdConfig,
+}
+
+impl Sgd {
+    /// The bytes of state the optimizer holds (momentum buffers allocated so far).
+    pub fn state_bytes(&self) -> u64 {
+        state_bytes(&self.slots)
+    }
+
+    /// The state as named tensors (`{index}.step`, with momentum `{index}.momentum_buffer`).
+    pub fn state_dict(&self) -> candle_core::Result<HashMap<String, Tensor>> {
+        state_dict::state_dict(&self.slots)
+    }
+
+    /// Continues from `saved` (an earlier `state_dict` over the same `Var`s in the same order).
+    pub fn load_state_dict(&mut self, saved: &HashMap<String, Tensor>) -> candle_core::Result<()> {
+        let momentum = self.config.momentum != 0.0;
+        let restore = |var: &Var, get: &dyn Fn(&str) -> candle_core::Result<Tensor>| {
+            let n = var.elem_count();
+            match var.dtype() {
+                DType::BF16 => Momentum::<bf16>::restore(get, n, momentum),
+                DType::F16 => Momentum::<f16>::restore(get, n, momentum),
+                _ => Momentum::<f32>::restore(get, n, momentum),
+            }
+        };
+        state_dict::load_state_dict(SgdUpdate::NAME, &mut self.slots, saved, &restore)
+    }
+
+    /// Writes [`Sgd::state_dict`] to the safetensors file `path`.
+    pub fn save_state(&self, path: impl AsRef<Path>) -> candle_core::Result<()> {
+        state_dict::save(&self.state_dict()?, path.as_ref())
+    }
+
+    /// [`Sgd::load_state_dict`] from the safetensors file `path`.
+    pub fn load_state(&mut self, path: impl AsRef<Path>) -> candle_core::Result<()> {
+        self.load_state_dict(&state_dict::load(path.as_ref())?)
+    }
 }
 
 impl candle_nn::Optimizer for Sgd {
@@ -63,7 +135,7 @@ impl ParamUpdate for SgdUpdate<'_> {
         &self,
         param: &mut [T],
         grad: &[T],
-        state: &mut Option<Box<dyn Any + Send>>,
+        state: &mut Option<Box<dyn RuleState>>,
     ) -> candle_core::Result<()> {
         let first_step = state.is_none();
         let with_momentum = self.config.momentum != 0.0;
