@@ -21,12 +21,13 @@ use crate::host_slices::{
 };
 use crate::state_dict::{self, saved_vec};
 
-/// One parameter's `exp_avg`, `exp_avg_sq` and, with AMSGrad, `max_exp_avg_sq`, of its dtype.
+/// One parameter's `exp_avg`, `exp_avg_sq` and, with AMSGrad, `max_exp_avg_sq`, of its dtype
+/// (f32 for `AdamWStochastic`'s bf16 parameters).
 #[derive(Debug)]
-struct Moments<T> {
-    exp_avg: Vec<T>,
-    exp_avg_sq: Vec<T>,
-    max_exp_avg_sq: Option<Vec<T>>,
+pub(crate) struct Moments<T> {
+    pub(crate) exp_avg: Vec<T>,
+    pub(crate) exp_avg_sq: Vec<T>,
+    pub(crate) max_exp_avg_sq: Option<Vec<T>>,
 }
 
 impl<T: HostFloat> RuleState for Moments<T> {
@@ -53,13 +54,24 @@ impl<T: HostFloat> RuleState for Moments<T> {
 }
 
 impl<T: HostFloat> Moments<T> {
-    /// The moments saved for a `Var` of `len` elements.
-    fn restore(
+    /// Zero moments of `len` elements (and the AMSGrad maximum with `amsgrad`).
+    pub(crate) fn zeros(len: usize, amsgrad: bool) -> Moments<T> {
+        let zeros = || vec![T::from_f32(0.0); len];
+        Moments {
+            exp_avg: zeros(),
+            exp_avg_sq: zeros(),
+            max_exp_avg_sq: amsgrad.then(zeros),
+        }
+    }
+
+    /// The moments `optimizer` saved for a `Var` of `len` elements.
+    pub(crate) fn restore(
+        optimizer: &'static str,
         get: &dyn Fn(&str) -> candle_core::Result<Tensor>,
         len: usize,
         amsgrad: bool,
     ) -> candle_core::Result<Box<dyn RuleState>> {
-        let take = |name: &str| saved_vec::<T>(AdamUpdate::NAME, get, name, len);
+        let take = |name: &str| saved_vec::<T>(optimizer, get, name, len);
         Ok(Box::new(Moments {
             exp_avg: take("exp_avg")?,
             exp_avg_sq: take("exp_avg_sq")?,
@@ -96,9 +108,9 @@ impl AdamW {
         let restore = |var: &Var, get: &dyn Fn(&str) -> candle_core::Result<Tensor>| {
             let n = var.elem_count();
             match var.dtype() {
-                DType::BF16 => Moments::<bf16>::restore(get, n, amsgrad),
-                DType::F16 => Moments::<f16>::restore(get, n, amsgrad),
-                _ => Moments::<f32>::restore(get, n, amsgrad),
+                DType::BF16 => Moments::<bf16>::restore(AdamUpdate::NAME, get, n, amsgrad),
+                DType::F16 => Moments::<f16>::restore(AdamUpdate::NAME, get, n, amsgrad),
+                _ => Moments::<f32>::restore(AdamUpdate::NAME, get, n, amsgrad),
             }
         };
         state_dict::load_state_dict(AdamUpdate::NAME, &mut self.slots, saved, &restore)
@@ -162,12 +174,8 @@ impl ParamUpdate for AdamUpdate<'_> {
         grad: &[T],
         state: &mut Option<Box<dyn RuleState>>,
     ) -> candle_core::Result<()> {
-        let zeros = || vec![T::from_f32(0.0); param.len()];
-        let moments = typed_state(Self::NAME, state, || Moments {
-            exp_avg: zeros(),
-            exp_avg_sq: zeros(),
-            max_exp_avg_sq: self.config.amsgrad.then(zeros),
-        })?;
+        let (len, amsgrad) = (param.len(), self.config.amsgrad);
+        let moments = typed_state(Self::NAME, state, || Moments::<T>::zeros(len, amsgrad))?;
         let bufs = AdamBuffers {
             param,
             grad,

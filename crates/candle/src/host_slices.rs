@@ -21,10 +21,14 @@ use crate::error::CandleOptimError;
 pub(crate) trait HostFloat: ParamElement + WithDType {
     /// The storage's vector when it holds this type.
     fn vec_mut(storage: &mut CpuStorage) -> Option<&mut Vec<Self>>;
+    /// `values` as bf16, when this type is bf16 (for the kernels that take bf16 only).
+    fn as_bf16(values: &mut [Self]) -> Option<&mut [bf16]>;
+    /// `values` as bf16, when this type is bf16.
+    fn as_bf16_ref(values: &[Self]) -> Option<&[bf16]>;
 }
 
 macro_rules! host_float {
-    ($ty:ty, $variant:ident) => {
+    ($ty:ty, $variant:ident, $bf16:expr, $bf16_ref:expr) => {
         impl HostFloat for $ty {
             fn vec_mut(storage: &mut CpuStorage) -> Option<&mut Vec<$ty>> {
                 match storage {
@@ -32,13 +36,19 @@ macro_rules! host_float {
                     _ => None,
                 }
             }
+            fn as_bf16(values: &mut [$ty]) -> Option<&mut [bf16]> {
+                $bf16(values)
+            }
+            fn as_bf16_ref(values: &[$ty]) -> Option<&[bf16]> {
+                $bf16_ref(values)
+            }
         }
     };
 }
 
-host_float!(f32, F32);
-host_float!(bf16, BF16);
-host_float!(f16, F16);
+host_float!(f32, F32, |_| None, |_| None);
+host_float!(bf16, BF16, Some, Some);
+host_float!(f16, F16, |_| None, |_| None);
 
 /// The contiguous range of `layout`, or candle's error saying the optimizer needs one.
 fn range(optimizer: &'static str, layout: &Layout) -> candle_core::Result<(usize, usize)> {

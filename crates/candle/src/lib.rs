@@ -1,5 +1,6 @@
 //! Headroom's optimizers inside candle training loops: [`AdamW`] (PyTorch's fused Adam/AdamW,
-//! f32, bf16 or f16 weights), [`Sgd`] (PyTorch's fused SGD) and [`AdamW8bit`] (bitsandbytes'
+//! f32, bf16 or f16 weights), [`Sgd`] (PyTorch's fused SGD), [`AdamWStochastic`] (bf16 weights
+//! with f32 moments and stochastic rounding, no master copy) and [`AdamW8bit`] (bitsandbytes'
 //! 8-bit blockwise AdamW, f32 weights or bf16 weights with no master copy, rounded to nearest or
 //! stochastically) implement [`candle_nn::Optimizer`] over candle [`Var`](candle_core::Var)s, so
 //! a candle trainer swaps its optimizer and keeps its model, its autograd and its loop;
@@ -34,6 +35,7 @@
 
 mod adamw;
 mod adamw8bit;
+mod adamw_stochastic;
 mod clip;
 mod error;
 mod host_slices;
@@ -42,9 +44,11 @@ mod state_dict;
 
 pub use adamw::AdamW;
 pub use adamw8bit::AdamW8bit;
+pub use adamw_stochastic::AdamWStochastic;
 pub use clip::clip_grad_norm;
 pub use error::CandleOptimError;
 pub use headroom_optim::kernels::{
     Adam8bitConfig, AdamConfig, Bf16Rounding, SgdConfig, WeightDecay,
 };
+pub use headroom_optim::AdamStochasticConfig;
 pub use sgd::Sgd;

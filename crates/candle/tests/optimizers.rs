@@ -1,7 +1,8 @@
-//! The candle optimizers against Headroom's own and against candle's: `AdamW`, `Sgd` and
-//! `AdamW8bit` stepping candle `Var`s give the bits Headroom's `Adam`, `Sgd` and `Adam8bit` give
-//! on autograd-core CPU tensors fed the same gradients (f32 and bf16 for SGD with momentum; bf16
-//! weights with stochastic rounding for 8-bit; a parameter without a gradient left alone);
+//! The candle optimizers against Headroom's own and against candle's: `AdamW`, `Sgd`,
+//! `AdamWStochastic` and `AdamW8bit` stepping candle `Var`s give the bits Headroom's `Adam`,
+//! `Sgd`, `AdamStochastic` and `Adam8bit` give on autograd-core CPU tensors fed the same gradients
+//! (f32 and bf16 for SGD with momentum; bf16 weights with stochastic rounding for the stochastic
+//! and 8-bit rules; a parameter without a gradient left alone);
 //! `clip_grad_norm` gives `clip_grad_norm_`'s norm and clipped gradients (to 1e-6, four ulps);
 //! `AdamW` trains a small network as `candle_nn::AdamW` does (PyTorch's formula against candle's
 //! op-by-op one: the losses agree to 1e-5 relative); a run resumed from a saved state gives the
@@ -13,7 +14,8 @@ use candle_nn::Optimizer as _;
 use half::bf16;
 use headroom_autograd_core::{BackendRef, Tensor};
 use headroom_candle::{
-    clip_grad_norm, Adam8bitConfig, AdamConfig, AdamW, AdamW8bit, Bf16Rounding, Sgd, SgdConfig,
+    clip_grad_norm, Adam8bitConfig, AdamConfig, AdamStochasticConfig, AdamW, AdamW8bit,
+    AdamWStochastic, Bf16Rounding, Sgd, SgdConfig,
 };
 use headroom_ops_cpu::CpuBackend;
 use headroom_optim::{
@@ -177,6 +179,34 @@ fn adamw_steps_vars_as_headroom_adam_steps_tensors() {
     assert_eq!(candle_side.var_step(1), Some(3), "no gradient, no step");
     let n: usize = SHAPES.iter().map(|s| s.iter().product::<usize>()).sum();
     assert_eq!(candle_side.state_bytes(), 8 * n as u64);
+}
+
+#[test]
+fn adamw_stochastic_steps_bf16_vars_as_headroom_adam_stochastic_steps_tensors() {
+    let cpu = CpuBackend::new_ref();
+    let config = AdamStochasticConfig::new(
+        AdamConfig {
+            lr: 1e-2,
+            ..AdamConfig::adamw()
+        },
+        21,
+    );
+    let (vars, tensors) = twin_params(&cpu, DType::BF16);
+    let mut candle_side = AdamWStochastic::new(vars.clone(), config.clone()).unwrap();
+    let mut ours = headroom_optim::AdamStochastic::new(
+        vec![ParamGroup::new(tensors.clone(), config)],
+        Implementation::Fused,
+    )
+    .unwrap();
+    step_both(
+        (&vars, &tensors),
+        &mut candle_side,
+        &mut ours,
+        6,
+        "AdamWStochastic",
+    );
+    let n: usize = SHAPES.iter().map(|s| s.iter().product::<usize>()).sum();
+    assert_eq!(candle_side.state_bytes(), 8 * n as u64, "f32 moments");
 }
 
 #[test]
@@ -365,7 +395,8 @@ fn what_the_optimizers_cannot_step_is_a_typed_error() {
 
 /// Three steps, the state saved as safetensors, a fresh optimizer over `Var`s holding the same
 /// values loading it, three more steps: the bits of six steps in one run, for each optimizer
-/// (8-bit on bf16 `Var`s with stochastic rounding, whose stream follows the restored step counts).
+/// (the stochastic and 8-bit rules on bf16 `Var`s with stochastic rounding, whose stream follows
+/// the restored step counts).
 #[test]
 fn saved_state_continues_a_run_bit_for_bit() {
     let dir = std::env::temp_dir().join(format!("headroom-candle-state-{}", std::process::id()));
@@ -385,9 +416,11 @@ fn saved_state_continues_a_run_bit_for_bit() {
         bf16_rounding: Bf16Rounding::Stochastic { seed: 5 },
         ..Adam8bitConfig::adamw()
     };
+    let stochastic = AdamStochasticConfig::new(adamw.clone(), 5);
     for (name, dtype) in [
         ("adamw", DType::F32),
         ("sgd", DType::BF16),
+        ("adamw_stochastic", DType::BF16),
         ("adamw8bit", DType::BF16),
     ] {
         let run = |vars: &[Var],
@@ -412,6 +445,9 @@ fn saved_state_continues_a_run_bit_for_bit() {
             match name {
                 "adamw" => drive!(AdamW::new(vars.to_vec(), adamw.clone()).unwrap()),
                 "sgd" => drive!(Sgd::new(vars.to_vec(), sgd.clone()).unwrap()),
+                "adamw_stochastic" => {
+                    drive!(AdamWStochastic::new(vars.to_vec(), stochastic.clone()).unwrap())
+                }
                 _ => drive!(AdamW8bit::new(vars.to_vec(), eight.clone()).unwrap()),
             }
         };
