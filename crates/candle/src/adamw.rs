@@ -6,8 +6,6 @@
 //! of 8-bit states.
 
 use std::any::Any;
-use std::collections::HashMap;
-use std::path::Path;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -16,10 +14,9 @@ use headroom_optim::kernels::{adam_fused, AdamBuffers, AdamConfig, GradScaling};
 
 use crate::error::CandleOptimError;
 use crate::host_slices::{
-    float_vars, host_tensor, state_bytes, step_slots, typed_state, HostFloat, ParamUpdate,
-    RuleState, Slot,
+    float_vars, host_tensor, step_slots, typed_state, HostFloat, ParamUpdate, RuleState, Slot,
 };
-use crate::state_dict::{self, saved_vec};
+use crate::state_dict::{saved_vec, state_methods};
 
 /// One parameter's `exp_avg`, `exp_avg_sq` and, with AMSGrad, `max_exp_avg_sq`, of its dtype
 /// (f32 for `AdamWStochastic`'s bf16 parameters).
@@ -82,53 +79,28 @@ impl<T: HostFloat> Moments<T> {
 
 /// PyTorch's fused Adam/AdamW over candle `Var`s (configuration: optim's [`AdamConfig`]; AdamW
 /// is [`AdamConfig::adamw`]). A `Var` without a gradient is left alone and its step count does
-/// not advance, as PyTorch does.
+/// not advance, as PyTorch does. State dict: `{index}.step`, `{index}.exp_avg`,
+/// `{index}.exp_avg_sq` and, with AMSGrad, `{index}.max_exp_avg_sq`.
 #[derive(Debug)]
 pub struct AdamW {
     slots: Vec<Slot>,
     config: AdamConfig,
 }
 
-impl AdamW {
-    /// The bytes of state the optimizer holds (moments allocated so far).
-    pub fn state_bytes(&self) -> u64 {
-        state_bytes(&self.slots)
-    }
+state_methods!(AdamW, AdamUpdate::NAME, restore_moments);
 
-    /// The state as named tensors (`crate::state_dict`'s keys: `{index}.step`,
-    /// `{index}.exp_avg`, `{index}.exp_avg_sq`, with AMSGrad `{index}.max_exp_avg_sq`).
-    pub fn state_dict(&self) -> candle_core::Result<HashMap<String, Tensor>> {
-        state_dict::state_dict(&self.slots)
-    }
-
-    /// Continues from `saved` (an earlier `state_dict` of an optimizer over the same `Var`s in
-    /// the same order): step counts and moments, checked against each `Var`'s dtype and size.
-    pub fn load_state_dict(&mut self, saved: &HashMap<String, Tensor>) -> candle_core::Result<()> {
-        let amsgrad = self.config.amsgrad;
-        let restore = |var: &Var, get: &dyn Fn(&str) -> candle_core::Result<Tensor>| {
-            let n = var.elem_count();
-            match var.dtype() {
-                DType::BF16 => Moments::<bf16>::restore(AdamUpdate::NAME, get, n, amsgrad),
-                DType::F16 => Moments::<f16>::restore(AdamUpdate::NAME, get, n, amsgrad),
-                _ => Moments::<f32>::restore(AdamUpdate::NAME, get, n, amsgrad),
-            }
-        };
-        state_dict::load_state_dict(AdamUpdate::NAME, &mut self.slots, saved, &restore)
-    }
-
-    /// Writes [`AdamW::state_dict`] to the safetensors file `path`.
-    pub fn save_state(&self, path: impl AsRef<Path>) -> candle_core::Result<()> {
-        state_dict::save(&self.state_dict()?, path.as_ref())
-    }
-
-    /// [`AdamW::load_state_dict`] from the safetensors file `path`.
-    pub fn load_state(&mut self, path: impl AsRef<Path>) -> candle_core::Result<()> {
-        self.load_state_dict(&state_dict::load(path.as_ref())?)
-    }
-
-    /// The number of steps the `Var` at `index` (among the float `Var`s given) has taken.
-    pub fn var_step(&self, index: usize) -> Option<u64> {
-        self.slots.get(index).map(|s| s.step)
+/// A `Var`'s saved moments (`exp_avg`, `exp_avg_sq`, with AMSGrad `max_exp_avg_sq`), of its
+/// dtype.
+fn restore_moments(
+    config: &AdamConfig,
+    var: &Var,
+    get: &dyn Fn(&str) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Box<dyn RuleState>> {
+    let (n, amsgrad, name) = (var.elem_count(), config.amsgrad, AdamUpdate::NAME);
+    match var.dtype() {
+        DType::BF16 => Moments::<bf16>::restore(name, get, n, amsgrad),
+        DType::F16 => Moments::<f16>::restore(name, get, n, amsgrad),
+        _ => Moments::<f32>::restore(name, get, n, amsgrad),
     }
 }
 

@@ -9,13 +9,10 @@
 
 use crate::error::CandleOptimError;
 use crate::host_slices::{
-    float_vars, host_tensor, state_bytes, step_slots, typed_state, HostFloat, ParamUpdate,
-    RuleState, Slot,
+    float_vars, host_tensor, step_slots, typed_state, HostFloat, ParamUpdate, RuleState, Slot,
 };
-use crate::state_dict::{self, saved_vec};
+use crate::state_dict::{saved_vec, state_methods};
 use std::any::Any;
-use std::collections::HashMap;
-use std::path::Path;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -105,42 +102,23 @@ impl State8 {
 /// bitsandbytes' 8-bit blockwise AdamW over candle `Var`s (configuration: optim's
 /// [`Adam8bitConfig`]; AdamW is [`Adam8bitConfig::adamw`]); f32 `Var`s, or bf16 ones without a
 /// master copy. A `Var` without a gradient is left alone and its step count does not advance.
+/// State dict (bitsandbytes' names): `{index}.step`, `{index}.state1`, `{index}.state2` and, for
+/// 8-bit states, `{index}.absmax1`, `{index}.absmax2`.
 #[derive(Debug)]
 pub struct AdamW8bit {
     slots: Vec<Slot>,
     config: Adam8bitConfig,
 }
 
-impl AdamW8bit {
-    /// The bytes of state the optimizer holds (states allocated so far).
-    pub fn state_bytes(&self) -> u64 {
-        state_bytes(&self.slots)
-    }
+state_methods!(AdamW8bit, Update8bit::NAME, restore_8bit);
 
-    /// The state as named tensors (`{index}.step`, `{index}.state1`, `{index}.state2` and, for
-    /// 8-bit states, `{index}.absmax1`, `{index}.absmax2`: bitsandbytes' names).
-    pub fn state_dict(&self) -> candle_core::Result<HashMap<String, Tensor>> {
-        state_dict::state_dict(&self.slots)
-    }
-
-    /// Continues from `saved` (an earlier `state_dict` over the same `Var`s in the same order;
-    /// the stochastic rounding's stream continues with the step counts).
-    pub fn load_state_dict(&mut self, saved: &HashMap<String, Tensor>) -> candle_core::Result<()> {
-        let restore = |var: &Var, get: &dyn Fn(&str) -> candle_core::Result<Tensor>| {
-            State8::restore(get, var.elem_count())
-        };
-        state_dict::load_state_dict(Update8bit::NAME, &mut self.slots, saved, &restore)
-    }
-
-    /// Writes [`AdamW8bit::state_dict`] to the safetensors file `path`.
-    pub fn save_state(&self, path: impl AsRef<Path>) -> candle_core::Result<()> {
-        state_dict::save(&self.state_dict()?, path.as_ref())
-    }
-
-    /// [`AdamW8bit::load_state_dict`] from the safetensors file `path`.
-    pub fn load_state(&mut self, path: impl AsRef<Path>) -> candle_core::Result<()> {
-        self.load_state_dict(&state_dict::load(path.as_ref())?)
-    }
+/// A `Var`'s saved 8-bit state (`state1`, `state2` and, for codes, `absmax1`, `absmax2`).
+fn restore_8bit(
+    _config: &Adam8bitConfig,
+    var: &Var,
+    get: &dyn Fn(&str) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Box<dyn RuleState>> {
+    State8::restore(get, var.elem_count())
 }
 
 impl candle_nn::Optimizer for AdamW8bit {

@@ -6,9 +6,6 @@
 //! It sits on `host_slices.rs` (slots, the in-place step), `adamw.rs`' moments and optim's
 //! kernels; it knows nothing of 8-bit states.
 
-use std::collections::HashMap;
-use std::path::Path;
-
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use headroom_optim::kernels::{
@@ -19,49 +16,30 @@ use headroom_optim::AdamStochasticConfig;
 use crate::adamw::Moments;
 use crate::error::CandleOptimError;
 use crate::host_slices::{
-    float_vars, state_bytes, step_slots, typed_state, HostFloat, ParamUpdate, RuleState, Slot,
+    float_vars, step_slots, typed_state, HostFloat, ParamUpdate, RuleState, Slot,
 };
-use crate::state_dict;
+use crate::state_dict::state_methods;
 
 /// Adam/AdamW on bf16 `Var`s with f32 moments and stochastic rounding (configuration: optim's
 /// [`AdamStochasticConfig`]: an `AdamConfig` and the seed). A `Var` without a gradient is left
-/// alone and keeps its step count.
+/// alone and keeps its step count. State dict: `{index}.step`, `{index}.exp_avg`,
+/// `{index}.exp_avg_sq` (f32) and, with AMSGrad, `{index}.max_exp_avg_sq`.
 #[derive(Debug)]
 pub struct AdamWStochastic {
     slots: Vec<Slot>,
     config: AdamStochasticConfig,
 }
 
-impl AdamWStochastic {
-    /// The bytes of state the optimizer holds (f32 moments allocated so far).
-    pub fn state_bytes(&self) -> u64 {
-        state_bytes(&self.slots)
-    }
+state_methods!(AdamWStochastic, StochasticUpdate::NAME, restore_f32_moments);
 
-    /// The state as named tensors (`{index}.step`, `{index}.exp_avg`, `{index}.exp_avg_sq`).
-    pub fn state_dict(&self) -> candle_core::Result<HashMap<String, Tensor>> {
-        state_dict::state_dict(&self.slots)
-    }
-
-    /// Continues from `saved` (an earlier `state_dict` over the same `Var`s in the same order;
-    /// the rounding's stream continues with the step counts).
-    pub fn load_state_dict(&mut self, saved: &HashMap<String, Tensor>) -> candle_core::Result<()> {
-        let amsgrad = self.config.adam.amsgrad;
-        let restore = |var: &Var, get: &dyn Fn(&str) -> candle_core::Result<Tensor>| {
-            Moments::<f32>::restore(StochasticUpdate::NAME, get, var.elem_count(), amsgrad)
-        };
-        state_dict::load_state_dict(StochasticUpdate::NAME, &mut self.slots, saved, &restore)
-    }
-
-    /// Writes [`AdamWStochastic::state_dict`] to the safetensors file `path`.
-    pub fn save_state(&self, path: impl AsRef<Path>) -> candle_core::Result<()> {
-        state_dict::save(&self.state_dict()?, path.as_ref())
-    }
-
-    /// [`AdamWStochastic::load_state_dict`] from the safetensors file `path`.
-    pub fn load_state(&mut self, path: impl AsRef<Path>) -> candle_core::Result<()> {
-        self.load_state_dict(&state_dict::load(path.as_ref())?)
-    }
+/// A `Var`'s saved f32 moments (`exp_avg`, `exp_avg_sq`, with AMSGrad `max_exp_avg_sq`).
+fn restore_f32_moments(
+    config: &AdamStochasticConfig,
+    var: &Var,
+    get: &dyn Fn(&str) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Box<dyn RuleState>> {
+    let (n, amsgrad) = (var.elem_count(), config.adam.amsgrad);
+    Moments::<f32>::restore(StochasticUpdate::NAME, get, n, amsgrad)
 }
 
 impl candle_nn::Optimizer for AdamWStochastic {

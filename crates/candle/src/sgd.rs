@@ -7,8 +7,6 @@
 //! of Adam.
 
 use std::any::Any;
-use std::collections::HashMap;
-use std::path::Path;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -17,10 +15,9 @@ use headroom_optim::kernels::{sgd_fused, GradScaling, SgdBuffers, SgdConfig};
 
 use crate::error::CandleOptimError;
 use crate::host_slices::{
-    float_vars, host_tensor, state_bytes, step_slots, typed_state, HostFloat, ParamUpdate,
-    RuleState, Slot,
+    float_vars, host_tensor, step_slots, typed_state, HostFloat, ParamUpdate, RuleState, Slot,
 };
-use crate::state_dict::{self, saved_vec};
+use crate::state_dict::{saved_vec, state_methods};
 
 /// One parameter's momentum buffer (`None` without momentum), of its dtype.
 #[derive(Debug)]
@@ -56,46 +53,27 @@ impl<T: HostFloat> Momentum<T> {
 }
 
 /// PyTorch's fused SGD over candle `Var`s (configuration: optim's [`SgdConfig`]). A `Var`
-/// without a gradient is left alone.
+/// without a gradient is left alone. State dict: `{index}.step` and, with momentum,
+/// `{index}.momentum_buffer`.
 #[derive(Debug)]
 pub struct Sgd {
     slots: Vec<Slot>,
     config: SgdConfig,
 }
 
-impl Sgd {
-    /// The bytes of state the optimizer holds (momentum buffers allocated so far).
-    pub fn state_bytes(&self) -> u64 {
-        state_bytes(&self.slots)
-    }
+state_methods!(Sgd, SgdUpdate::NAME, restore_momentum);
 
-    /// The state as named tensors (`{index}.step`, with momentum `{index}.momentum_buffer`).
-    pub fn state_dict(&self) -> candle_core::Result<HashMap<String, Tensor>> {
-        state_dict::state_dict(&self.slots)
-    }
-
-    /// Continues from `saved` (an earlier `state_dict` over the same `Var`s in the same order).
-    pub fn load_state_dict(&mut self, saved: &HashMap<String, Tensor>) -> candle_core::Result<()> {
-        let momentum = self.config.momentum != 0.0;
-        let restore = |var: &Var, get: &dyn Fn(&str) -> candle_core::Result<Tensor>| {
-            let n = var.elem_count();
-            match var.dtype() {
-                DType::BF16 => Momentum::<bf16>::restore(get, n, momentum),
-                DType::F16 => Momentum::<f16>::restore(get, n, momentum),
-                _ => Momentum::<f32>::restore(get, n, momentum),
-            }
-        };
-        state_dict::load_state_dict(SgdUpdate::NAME, &mut self.slots, saved, &restore)
-    }
-
-    /// Writes [`Sgd::state_dict`] to the safetensors file `path`.
-    pub fn save_state(&self, path: impl AsRef<Path>) -> candle_core::Result<()> {
-        state_dict::save(&self.state_dict()?, path.as_ref())
-    }
-
-    /// [`Sgd::load_state_dict`] from the safetensors file `path`.
-    pub fn load_state(&mut self, path: impl AsRef<Path>) -> candle_core::Result<()> {
-        self.load_state_dict(&state_dict::load(path.as_ref())?)
+/// A `Var`'s saved `momentum_buffer` (none without momentum), of its dtype.
+fn restore_momentum(
+    config: &SgdConfig,
+    var: &Var,
+    get: &dyn Fn(&str) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Box<dyn RuleState>> {
+    let (n, momentum) = (var.elem_count(), config.momentum != 0.0);
+    match var.dtype() {
+        DType::BF16 => Momentum::<bf16>::restore(get, n, momentum),
+        DType::F16 => Momentum::<f16>::restore(get, n, momentum),
+        _ => Momentum::<f32>::restore(get, n, momentum),
     }
 }
 

@@ -115,3 +115,62 @@ pub(crate) fn load(path: &Path) -> candle_core::Result<HashMap<String, Tensor>> 
 fn refused(optimizer: &'static str, reason: String) -> candle_core::Error {
     CandleOptimError::Unsupported { optimizer, reason }.into()
 }
+
+/// The state methods of an optimizer `$optimizer` of this crate (fields `slots` and `config`):
+/// `state_bytes`, `var_step`, `state_dict`, `load_state_dict` (each `Var`'s state rebuilt by
+/// `$restore(&config, var, get)`, named `$name` in errors), `save_state` and `load_state`.
+macro_rules! state_methods {
+    ($optimizer:ident, $name:expr, $restore:path) => {
+        impl $optimizer {
+            /// The bytes of state the optimizer holds (allocated at each `Var`'s first step).
+            pub fn state_bytes(&self) -> u64 {
+                $crate::host_slices::state_bytes(&self.slots)
+            }
+
+            /// The number of steps the `Var` at `index` (among the float `Var`s given) has
+            /// taken.
+            pub fn var_step(&self, index: usize) -> Option<u64> {
+                self.slots.get(index).map(|s| s.step)
+            }
+
+            /// The state as named tensors: `{index}.step` and the rule's buffers (the type's
+            /// documentation names them) for each `Var` that has stepped.
+            pub fn state_dict(
+                &self,
+            ) -> candle_core::Result<std::collections::HashMap<String, candle_core::Tensor>> {
+                $crate::state_dict::state_dict(&self.slots)
+            }
+
+            /// Continues from `saved` (an earlier `state_dict` of this optimizer over the same
+            /// `Var`s in the same order): step counts and buffers, checked against each `Var`'s
+            /// dtype and size.
+            pub fn load_state_dict(
+                &mut self,
+                saved: &std::collections::HashMap<String, candle_core::Tensor>,
+            ) -> candle_core::Result<()> {
+                let config = &self.config;
+                let restore =
+                    |var: &candle_core::Var,
+                     get: &dyn Fn(&str) -> candle_core::Result<candle_core::Tensor>| {
+                        $restore(config, var, get)
+                    };
+                $crate::state_dict::load_state_dict($name, &mut self.slots, saved, &restore)
+            }
+
+            /// Writes the state dict to the safetensors file `path`.
+            pub fn save_state(&self, path: impl AsRef<std::path::Path>) -> candle_core::Result<()> {
+                $crate::state_dict::save(&self.state_dict()?, path.as_ref())
+            }
+
+            /// Loads the state dict from the safetensors file `path`.
+            pub fn load_state(
+                &mut self,
+                path: impl AsRef<std::path::Path>,
+            ) -> candle_core::Result<()> {
+                self.load_state_dict(&$crate::state_dict::load(path.as_ref())?)
+            }
+        }
+    };
+}
+
+pub(crate) use state_methods;
