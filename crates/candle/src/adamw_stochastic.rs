@@ -8,9 +8,7 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
-use headroom_optim::kernels::{
-    adam_fused_stochastic, stochastic_key, AdamStochasticBuffers, GradScaling,
-};
+use headroom_optim::kernels::{adam_fused_stochastic, AdamStochasticBuffers, GradScaling};
 use headroom_optim::AdamStochasticConfig;
 
 use crate::adamw::Moments;
@@ -56,7 +54,7 @@ impl candle_nn::Optimizer for AdamWStochastic {
         step_slots(&mut self.slots, grads, |slot| StochasticUpdate {
             config,
             step: slot.step,
-            key: stochastic_key(config.seed, slot.index as u64, slot.step),
+            key: config.key(slot.index, slot.step),
         })
     }
 

@@ -42,8 +42,9 @@ impl AdamStochasticConfig {
         AdamStochasticConfig { adam, seed }
     }
 
-    /// The key of parameter `slot`'s random stream at step `step`.
-    pub(crate) fn key(&self, slot: usize, step: u64) -> u64 {
+    /// The key of parameter `slot`'s random stream at step `step` (`slot`: the parameter's
+    /// index among the optimizer's; another engine stepping the same rule keys its streams so).
+    pub fn key(&self, slot: usize, step: u64) -> u64 {
         stochastic_key(self.seed, slot as u64, step)
     }
 }
