@@ -51,14 +51,16 @@ CASES = [
     'adam_inbwd_ckpt', 'adam_fused_clip', 'adam_offload', 'adam_bf16', 'adam_fp16',
     'adam_inbwd_ckpt_bf16', 'fwd_bwd', 'fwd_bwd_bf16', 'fwd_bwd_bf16_ckpt',
     'adamw8bit_bf16_ckpt', 'adamw8bit_inbwd_bf16_ckpt', 'adamw4bit_bf16_ckpt',
-    'adamw4bit_inbwd_bf16_ckpt', 'adamw4bit_inbwd_bf16',
+    'adamw4bit_inbwd_bf16_ckpt', 'adamw8bit_bf16', 'adamw8bit_inbwd_bf16', 'adamw4bit_bf16',
+    'adamw4bit_inbwd_bf16',
 ]
 # Cases of other benches, run when --cases names them (not by default, not by find_max_batch.py).
 OTHER_CASES = ['sgd_bf16_model']
 # Cases whose whole model is bf16 (`model.bfloat16()`), without autocast.
 BF16_MODEL_CASES = {'fwd_bwd_bf16', 'fwd_bwd_bf16_ckpt', 'sgd_bf16_model', 'adamw8bit_bf16_ckpt',
                     'adamw8bit_inbwd_bf16_ckpt', 'adamw4bit_bf16_ckpt',
-                    'adamw4bit_inbwd_bf16_ckpt', 'adamw4bit_inbwd_bf16'}
+                    'adamw4bit_inbwd_bf16_ckpt', 'adamw4bit_inbwd_bf16', 'adamw8bit_bf16',
+                    'adamw8bit_inbwd_bf16', 'adamw4bit_bf16'}
 VIT_MODELS = {'vit_l_16', 'vit_b_16'}
 GPT2_MODELS = {  # Hugging Face's configs: (n_embd, n_layer, n_head)
     'gpt2': (768, 12, 12),

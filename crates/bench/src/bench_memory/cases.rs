@@ -94,12 +94,19 @@ pub(crate) enum Case {
     /// 4-bit AdamW inside backward on the bf16 model with every activation kept: what the
     /// memory the optimizer saves buys in speed.
     Adamw4bitInbwdBf16,
+    /// 8-bit AdamW on the bf16 model with every activation kept, stepped after backward: the
+    /// plain recipe at batches where checkpointing is not needed to fit.
+    Adamw8bitBf16,
+    /// 8-bit AdamW inside backward on the bf16 model with every activation kept.
+    Adamw8bitInbwdBf16,
+    /// 4-bit AdamW on the bf16 model with every activation kept, stepped after backward.
+    Adamw4bitBf16,
 }
 
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 27] = [
+    pub(crate) const ALL: [Case; 30] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -126,6 +133,9 @@ impl Case {
         Case::Adamw8bitInbwdBf16Ckpt,
         Case::Adamw4bitBf16Ckpt,
         Case::Adamw4bitInbwdBf16Ckpt,
+        Case::Adamw8bitBf16,
+        Case::Adamw8bitInbwdBf16,
+        Case::Adamw4bitBf16,
         Case::Adamw4bitInbwdBf16,
     ];
 
@@ -159,6 +169,9 @@ impl Case {
             Case::Adamw4bitBf16Ckpt => "adamw4bit_bf16_ckpt",
             Case::Adamw4bitInbwdBf16Ckpt => "adamw4bit_inbwd_bf16_ckpt",
             Case::Adamw4bitInbwdBf16 => "adamw4bit_inbwd_bf16",
+            Case::Adamw8bitBf16 => "adamw8bit_bf16",
+            Case::Adamw8bitInbwdBf16 => "adamw8bit_inbwd_bf16",
+            Case::Adamw4bitBf16 => "adamw4bit_bf16",
         }
     }
 
@@ -224,6 +237,17 @@ impl Case {
             Case::Adamw4bitInbwdBf16 => {
                 "4-bit AdamW inside backward on the bf16 model, every activation kept"
             }
+            Case::Adamw8bitBf16 => {
+                "8-bit AdamW on the bf16 model (no master copy, stochastic rounding), every \
+                 activation kept"
+            }
+            Case::Adamw8bitInbwdBf16 => {
+                "8-bit AdamW inside backward on the bf16 model, every activation kept"
+            }
+            Case::Adamw4bitBf16 => {
+                "4-bit AdamW on the bf16 model (no master copy, stochastic rounding), every \
+                 activation kept"
+            }
         }
     }
 
@@ -240,6 +264,7 @@ impl Case {
                 | Case::Adamw8bitInbwdBf16Ckpt
                 | Case::Adamw4bitInbwdBf16Ckpt
                 | Case::Adamw4bitInbwdBf16
+                | Case::Adamw8bitInbwdBf16
         )
     }
 
@@ -296,7 +321,10 @@ impl Case {
             | Case::Adamw8bitInbwdBf16Ckpt
             | Case::Adamw4bitBf16Ckpt
             | Case::Adamw4bitInbwdBf16Ckpt
-            | Case::Adamw4bitInbwdBf16 => DType::BF16,
+            | Case::Adamw4bitInbwdBf16
+            | Case::Adamw8bitBf16
+            | Case::Adamw8bitInbwdBf16
+            | Case::Adamw4bitBf16 => DType::BF16,
             _ => DType::F32,
         }
     }
@@ -427,10 +455,16 @@ impl Case {
             Case::Adam8bit | Case::Adam8bitInbwd => {
                 build::<Adam8bitConfig>(params, adam8bit, Implementation::Fused)
             }
-            Case::Adamw8bitBf16Ckpt | Case::Adamw8bitInbwdBf16Ckpt => {
+            Case::Adamw8bitBf16Ckpt
+            | Case::Adamw8bitInbwdBf16Ckpt
+            | Case::Adamw8bitBf16
+            | Case::Adamw8bitInbwdBf16 => {
                 build::<Adam8bitConfig>(params, adamw8bit, Implementation::Fused)
             }
-            Case::Adamw4bitBf16Ckpt | Case::Adamw4bitInbwdBf16Ckpt | Case::Adamw4bitInbwdBf16 => {
+            Case::Adamw4bitBf16Ckpt
+            | Case::Adamw4bitInbwdBf16Ckpt
+            | Case::Adamw4bitInbwdBf16
+            | Case::Adamw4bitBf16 => {
                 build::<Adam4bitConfig>(params, adamw4bit, Implementation::Fused)
             }
             // The forward-and-backward cases never step: their SGD only sets gradients to none.
