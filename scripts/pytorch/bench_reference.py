@@ -29,7 +29,9 @@ then `cargo xtask bench-memory ... --pytorch anchor.jsonl` with the same model, 
 Case names are bench-memory's. `adam8bit` needs bitsandbytes (its line reports the error
 without it); the `adamw8bit_*` and `adamw4bit_*` cases torchao (0.18: `AdamW8bit`, `AdamW4bit`
 with `bf16_stochastic_round=True` on the bf16 model; inside backward one optimizer per
-parameter, stepped by a post-accumulate-grad hook); bench-memory's cases with no PyTorch counterpart (`adam_foreach_unbounded` is
+parameter, stepped by a post-accumulate-grad hook); `adamw_inbwd_bf16` torchao's `_AdamW`
+(f32 moments, `bf16_stochastic_round=True`) the same way and `adamw_offload_inbwd_bf16` its
+`CPUOffloadOptimizer(torch.optim.AdamW, offload_gradients=True, fused=True)`; bench-memory's cases with no PyTorch counterpart (`adam_foreach_unbounded` is
 `adam_foreach` here, `adam8bit_inbwd`, `adam_inbwd_clip`, `adam_inbwd_clip_prev`,
 `adam_ckpt8bit`, `adam_auto`) are not offered. `sgd_bf16_model` is no bench-memory case but
 PyTorch's side of `crates/ops-cuda/benches/vit_step.rs`'s bf16 setting: `model.bfloat16()` (bf16
@@ -52,7 +54,7 @@ CASES = [
     'adam_inbwd_ckpt_bf16', 'fwd_bwd', 'fwd_bwd_bf16', 'fwd_bwd_bf16_ckpt',
     'adamw8bit_bf16_ckpt', 'adamw8bit_inbwd_bf16_ckpt', 'adamw4bit_bf16_ckpt',
     'adamw4bit_inbwd_bf16_ckpt', 'adamw8bit_bf16', 'adamw8bit_inbwd_bf16', 'adamw4bit_bf16',
-    'adamw4bit_inbwd_bf16',
+    'adamw4bit_inbwd_bf16', 'adamw_inbwd_bf16', 'adamw_offload_inbwd_bf16',
 ]
 # Cases of other benches, run when --cases names them (not by default, not by find_max_batch.py).
 OTHER_CASES = ['sgd_bf16_model']
@@ -60,7 +62,8 @@ OTHER_CASES = ['sgd_bf16_model']
 BF16_MODEL_CASES = {'fwd_bwd_bf16', 'fwd_bwd_bf16_ckpt', 'sgd_bf16_model', 'adamw8bit_bf16_ckpt',
                     'adamw8bit_inbwd_bf16_ckpt', 'adamw4bit_bf16_ckpt',
                     'adamw4bit_inbwd_bf16_ckpt', 'adamw4bit_inbwd_bf16', 'adamw8bit_bf16',
-                    'adamw8bit_inbwd_bf16', 'adamw4bit_bf16'}
+                    'adamw8bit_inbwd_bf16', 'adamw4bit_bf16', 'adamw_inbwd_bf16',
+                    'adamw_offload_inbwd_bf16'}
 VIT_MODELS = {'vit_l_16', 'vit_b_16'}
 GPT2_MODELS = {  # Hugging Face's configs: (n_embd, n_layer, n_head)
     'gpt2': (768, 12, 12),
@@ -187,7 +190,26 @@ def build_case(case, model_name, seq):
         amp = torch.float16
         scaler = torch.amp.GradScaler('cuda')
     opt = None
-    if case.startswith(('adamw8bit', 'adamw4bit')):
+    if case == 'adamw_inbwd_bf16':
+        # torchao's AdamW with f32 moments and bf16 stochastic rounding, one per parameter from
+        # a post-accumulate-grad hook.
+        import torchao.optim
+        per_param = {p: torchao.optim._AdamW([p], lr=1e-4, bf16_stochastic_round=True)
+                     for p in params}
+
+        def hook(p):
+            per_param[p].step()
+            per_param[p].zero_grad()
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(hook)
+    elif case == 'adamw_offload_inbwd_bf16':
+        # torchao's CPUOffloadOptimizer: AdamW on the host, gradients moved out from
+        # post-accumulate-grad hooks (offload_gradients=True), parameters copied back in step().
+        import torchao.optim
+        opt = torchao.optim.CPUOffloadOptimizer(params, torch.optim.AdamW, offload_gradients=True,
+                                                lr=1e-4, fused=True)
+    elif case.startswith(('adamw8bit', 'adamw4bit')):
         # torchao's AdamW8bit / AdamW4bit on the bf16 model, stochastic rounding (no master
         # copy); inside backward, one optimizer per parameter as the tutorial does.
         import torchao.optim

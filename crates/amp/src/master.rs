@@ -167,6 +167,8 @@ impl<O: Optimizer> MasterWeights<O> {
             if stepped? == StepOutcome::Skipped {
                 outcome = StepOutcome::Skipped;
             }
+            // An asynchronous inner optimizer (host offload) lands the masters' updates here.
+            self.inner.finish_steps()?;
             for &i in bucket {
                 self.model[i].copy_(&self.masters[i])?;
             }
@@ -237,6 +239,10 @@ impl<O: Optimizer> Optimizer for MasterWeights<O> {
 
     fn takes_device_scaling(&self) -> bool {
         self.inner.takes_device_scaling()
+    }
+
+    fn finish_steps(&mut self) -> Result<(), OptimError> {
+        self.inner.finish_steps()
     }
 
     fn zero_grad(&self, set_to_none: bool) -> Result<(), OptimError> {

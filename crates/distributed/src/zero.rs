@@ -717,6 +717,10 @@ impl Optimizer for ShardedOptimizer {
         true
     }
 
+    fn finish_steps(&mut self) -> Result<(), OptimError> {
+        self.engine.lock().inner.finish_steps()
+    }
+
     fn zero_grad(&self, set_to_none: bool) -> Result<(), OptimError> {
         let engine = self.engine.lock();
         for param in &engine.params {

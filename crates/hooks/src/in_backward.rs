@@ -619,6 +619,9 @@ impl State {
         }
         self.pending.extend(leftover);
         self.step_pending()?;
+        // An optimizer that steps asynchronously (host offload) lands its updates before the
+        // next forward can read the parameters.
+        self.optimizer.finish_steps()?;
         self.stats.params_without_grad += without_grad as u64;
         self.stats.steps += 1;
         self.micro_batch = 0;

@@ -97,6 +97,17 @@ fn bf16_parameters_rounded_stochastically_step_in_backward_as_in_the_plain_loop(
     }
 }
 
+/// `OffloadedAdam` in backward on the CPU backend (the host steps in the call): the plain loop's
+/// bits with the on-device optimizer, f32 and bf16.
+#[test]
+fn offloaded_adam_in_backward_equals_the_plain_loop() {
+    let gpt2 = ModelSpec::Gpt2 {
+        config: Gpt2Config::tiny(),
+        seq: 16,
+    };
+    techniques::offloaded_in_backward_equals_the_plain_loop(&CpuBackend::new_ref(), gpt2, 10);
+}
+
 #[test]
 fn accumulation_over_four_micro_batches_equals_plain_accumulation() {
     let cpu = CpuBackend::new_ref();

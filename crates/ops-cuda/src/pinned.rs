@@ -135,6 +135,30 @@ impl CudaBackend {
         src.note_use(stream, false)
     }
 
+    /// [`CudaBackend::copy_to_device_async`] ordered after `after` instead of after everything
+    /// queued so far on the stream `dst`'s block comes from: for a long-lived `dst` (a
+    /// parameter) whose last readers the caller recorded `after` behind, so that the copy does
+    /// not also wait for the unrelated work queued on that stream since.
+    pub fn copy_to_device_after(
+        &self,
+        src: &PinnedBuffer,
+        src_range: Range<usize>,
+        dst: &Buffer,
+        dst_offset: usize,
+        stream: &CudaStream,
+        after: &CudaEvent,
+    ) -> Result<()> {
+        const OP: &str = "copy_to_device_after";
+        let len = self.check_copy(OP, src, &src_range, dst, dst_offset, stream)?;
+        if len == 0 {
+            return Ok(());
+        }
+        stream.wait_event(after)?;
+        self.queue_to_device(OP, src, src_range.start, dst, dst_offset, len, stream)?;
+        self.record_copy(src, dst, stream)?;
+        src.note_use(stream, false)
+    }
+
     /// Queues a copy of `dst_range.len()` bytes of `src` from byte `src_offset` into bytes
     /// `dst_range` of `dst` on `stream`, and returns at once; reading `dst` waits for it.
     pub fn copy_to_host_async(

@@ -175,6 +175,7 @@ mod error;
 mod grad_scale;
 mod host;
 mod loss_scaler;
+mod offload;
 mod optimizer;
 mod rule;
 mod scheduler;
@@ -198,6 +199,7 @@ pub use kernels::{
     AdafactorConfig, Adam4bitConfig, Adam8bitConfig, AdamConfig, SgdConfig, WeightDecay,
 };
 pub use loss_scaler::LossScaler;
+pub use offload::{OffloadConfig, OffloadedAdam, DEFAULT_BUCKETS_IN_FLIGHT};
 pub use optimizer::{GroupOptimizer, Optimizer, ParamGroup};
 pub use rule::{CudaKernels, SavedTensors, UpdateRule};
 pub use scheduler::{LrScheduler, Schedule, SkipFlag};

@@ -17,7 +17,8 @@ use headroom_nn::{
 use headroom_optim::kernels::Bf16Rounding;
 use headroom_optim::{
     Adafactor, AdafactorConfig, Adam, Adam4bit, Adam4bitConfig, Adam8bit, Adam8bitConfig,
-    AdamConfig, Implementation, Optimizer, ParamGroup, Sgd, SgdConfig,
+    AdamConfig, AdamStochastic, AdamStochasticConfig, Implementation, OffloadConfig, OffloadedAdam,
+    Optimizer, ParamGroup, Sgd, SgdConfig,
 };
 
 use crate::inputs::Xorshift;
@@ -122,6 +123,17 @@ pub enum OptimSpec {
         config: AdafactorConfig,
         /// How its update is computed.
         implementation: Implementation,
+    },
+    /// Adam or AdamW over bf16 parameters rounded stochastically, f32 moments (torchao's
+    /// `_AdamW(bf16_stochastic_round=True)`; fused).
+    AdamStochastic {
+        /// Its hyperparameters and seed.
+        config: AdamStochasticConfig,
+    },
+    /// Adam or AdamW with its state in host memory, stepped by the host (`OffloadedAdam`).
+    Offloaded {
+        /// Its hyperparameters, seed and queue depth.
+        config: OffloadConfig,
     },
 }
 
@@ -379,6 +391,31 @@ impl OptimSpec {
         }
     }
 
+    /// AdamW (`lr`, weight decay 1e-2) over bf16 parameters rounded stochastically with `seed`.
+    pub fn adamw_stochastic(lr: f64, seed: u64) -> OptimSpec {
+        OptimSpec::AdamStochastic {
+            config: AdamStochasticConfig::new(
+                AdamConfig {
+                    lr,
+                    ..AdamConfig::adamw()
+                },
+                seed,
+            ),
+        }
+    }
+
+    /// `adam` (Adam or AdamW) with its state in host memory, bf16 parameters rounded
+    /// stochastically with `seed` (the same bits as [`OptimSpec::AdamStochastic`] of `adam` and
+    /// `seed`, or as [`OptimSpec::Adam`] of `adam` on f32 parameters).
+    pub fn offloaded(adam: AdamConfig, seed: u64) -> OptimSpec {
+        OptimSpec::Offloaded {
+            config: OffloadConfig {
+                seed,
+                ..OffloadConfig::new(adam)
+            },
+        }
+    }
+
     /// The same optimizer computed another way (8- and 4-bit Adam have one way: fused).
     pub fn with_implementation(self, implementation: Implementation) -> OptimSpec {
         match self {
@@ -394,7 +431,10 @@ impl OptimSpec {
                 config,
                 implementation,
             },
-            fused_only @ (OptimSpec::Adam8bit { .. } | OptimSpec::Adam4bit { .. }) => fused_only,
+            fused_only @ (OptimSpec::Adam8bit { .. }
+            | OptimSpec::Adam4bit { .. }
+            | OptimSpec::AdamStochastic { .. }
+            | OptimSpec::Offloaded { .. }) => fused_only,
         }
     }
 
@@ -426,6 +466,8 @@ impl OptimSpec {
             OptimSpec::Adam8bit { config } => config.lr,
             OptimSpec::Adam4bit { config } => config.lr,
             OptimSpec::Adafactor { config, .. } => config.lr,
+            OptimSpec::AdamStochastic { config } => config.adam.lr,
+            OptimSpec::Offloaded { config } => config.adam.lr,
         }
     }
 
@@ -437,6 +479,8 @@ impl OptimSpec {
             OptimSpec::Adam8bit { config } => config.lr = lr,
             OptimSpec::Adam4bit { config } => config.lr = lr,
             OptimSpec::Adafactor { config, .. } => config.lr = lr,
+            OptimSpec::AdamStochastic { config } => config.adam.lr = lr,
+            OptimSpec::Offloaded { config } => config.adam.lr = lr,
         }
         self
     }
@@ -473,6 +517,13 @@ impl OptimSpec {
                 vec![ParamGroup::new(params, config.clone())],
                 *implementation,
             )?),
+            OptimSpec::AdamStochastic { config } => Box::new(AdamStochastic::new(
+                vec![ParamGroup::new(params, config.clone())],
+                Implementation::Fused,
+            )?),
+            OptimSpec::Offloaded { config } => {
+                Box::new(OffloadedAdam::new(params, config.clone())?)
+            }
         })
     }
 }

@@ -15,8 +15,8 @@ use headroom_optim::kernels::{
     Adam4bitConfig, Adam8bitConfig, AdamConfig, Bf16Rounding, SgdConfig, StepOutcome,
 };
 use headroom_optim::{
-    GroupOptimizer, Implementation, OptimError, Optimizer, ParamGroup, ParamId, Scaling,
-    StepParams, UpdateRule,
+    AdamStochasticConfig, GroupOptimizer, Implementation, OffloadConfig, OffloadedAdam, OptimError,
+    Optimizer, ParamGroup, ParamId, Scaling, StepParams, UpdateRule,
 };
 use parking_lot::Mutex;
 
@@ -101,12 +101,20 @@ pub(crate) enum Case {
     Adamw8bitInbwdBf16,
     /// 4-bit AdamW on the bf16 model with every activation kept, stepped after backward.
     Adamw4bitBf16,
+    /// AdamW with f32 moments on the GPU, the bf16 model rounded stochastically (optim's
+    /// `AdamStochastic`; torchao's `_AdamW(bf16_stochastic_round=True)`), stepped inside
+    /// backward, every activation kept: the on-device step the offloaded one is measured against.
+    AdamwInbwdBf16,
+    /// The same AdamW with its state in host memory (optim's `OffloadedAdam`), stepped by the
+    /// host bucket by bucket inside backward (PyTorch: torchao's `CPUOffloadOptimizer` with
+    /// `offload_gradients=True`).
+    AdamwOffloadInbwdBf16,
 }
 
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 30] = [
+    pub(crate) const ALL: [Case; 32] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -137,6 +145,8 @@ impl Case {
         Case::Adamw8bitInbwdBf16,
         Case::Adamw4bitBf16,
         Case::Adamw4bitInbwdBf16,
+        Case::AdamwInbwdBf16,
+        Case::AdamwOffloadInbwdBf16,
     ];
 
     /// The case's name on the command line and in reports.
@@ -172,6 +182,8 @@ impl Case {
             Case::Adamw8bitBf16 => "adamw8bit_bf16",
             Case::Adamw8bitInbwdBf16 => "adamw8bit_inbwd_bf16",
             Case::Adamw4bitBf16 => "adamw4bit_bf16",
+            Case::AdamwInbwdBf16 => "adamw_inbwd_bf16",
+            Case::AdamwOffloadInbwdBf16 => "adamw_offload_inbwd_bf16",
         }
     }
 
@@ -248,6 +260,14 @@ impl Case {
                 "4-bit AdamW on the bf16 model (no master copy, stochastic rounding), every \
                  activation kept"
             }
+            Case::AdamwInbwdBf16 => {
+                "AdamW (f32 moments) inside backward on the bf16 model (stochastic rounding), \
+                 every activation kept"
+            }
+            Case::AdamwOffloadInbwdBf16 => {
+                "the same AdamW with its state in host memory, stepped by the host inside \
+                 backward (CUDA: gradients out and parameters back on side streams)"
+            }
         }
     }
 
@@ -265,6 +285,8 @@ impl Case {
                 | Case::Adamw4bitInbwdBf16Ckpt
                 | Case::Adamw4bitInbwdBf16
                 | Case::Adamw8bitInbwdBf16
+                | Case::AdamwInbwdBf16
+                | Case::AdamwOffloadInbwdBf16
         )
     }
 
@@ -324,7 +346,9 @@ impl Case {
             | Case::Adamw4bitInbwdBf16
             | Case::Adamw8bitBf16
             | Case::Adamw8bitInbwdBf16
-            | Case::Adamw4bitBf16 => DType::BF16,
+            | Case::Adamw4bitBf16
+            | Case::AdamwInbwdBf16
+            | Case::AdamwOffloadInbwdBf16 => DType::BF16,
             _ => DType::F32,
         }
     }
@@ -428,6 +452,10 @@ impl Case {
             bf16_rounding: stochastic,
             ..Adam8bitConfig::adamw()
         };
+        let adamw = AdamConfig {
+            lr: 1e-4,
+            ..AdamConfig::adamw()
+        };
         let adamw4bit = Adam4bitConfig {
             lr: 1e-4,
             bf16_rounding: stochastic,
@@ -467,6 +495,15 @@ impl Case {
             | Case::Adamw4bitBf16 => {
                 build::<Adam4bitConfig>(params, adamw4bit, Implementation::Fused)
             }
+            Case::AdamwInbwdBf16 => build::<AdamStochasticConfig>(
+                params,
+                AdamStochasticConfig::new(adamw, 0),
+                Implementation::Fused,
+            ),
+            Case::AdamwOffloadInbwdBf16 => {
+                let offloaded = OffloadedAdam::new(params, OffloadConfig::new(adamw))?;
+                Ok(Box::new(Arc::new(Mutex::new(offloaded))))
+            }
             // The forward-and-backward cases never step: their SGD only sets gradients to none.
             Case::Sgd | Case::FwdBwd | Case::FwdBwdBf16 | Case::FwdBwdBf16Ckpt => {
                 build::<SgdConfig>(params, SgdConfig::new(1e-3), Implementation::Fused)
@@ -491,8 +528,26 @@ impl clap::ValueEnum for Case {
 pub(super) trait BenchOptimizer: Send {
     /// A handle that steps the optimizer (through the shared lock).
     fn handle(&self) -> Box<dyn Optimizer>;
-    /// Bytes of every state tensor (numel × element size).
+    /// Bytes of every state tensor on the device (numel × element size).
     fn state_bytes(&self) -> u64;
+    /// Bytes of state the optimizer keeps in host memory (0 unless it offloads).
+    fn host_state_bytes(&self) -> u64 {
+        0
+    }
+}
+
+impl BenchOptimizer for Arc<Mutex<OffloadedAdam>> {
+    fn handle(&self) -> Box<dyn Optimizer> {
+        Box::new(SharedOptimizer(Arc::clone(self)))
+    }
+
+    fn state_bytes(&self) -> u64 {
+        0
+    }
+
+    fn host_state_bytes(&self) -> u64 {
+        self.lock().host_state_bytes()
+    }
 }
 
 impl<R: UpdateRule> BenchOptimizer for Arc<Mutex<GroupOptimizer<R>>> {
@@ -516,11 +571,11 @@ impl<R: UpdateRule> BenchOptimizer for Arc<Mutex<GroupOptimizer<R>>> {
     }
 }
 
-/// A group optimizer behind a lock, as an [`Optimizer`]: the bench keeps one handle to count its
+/// An optimizer behind a lock, as an [`Optimizer`]: the bench keeps one handle to count its
 /// state while the training loop (or an `InBackward`) steps through another.
-struct SharedOptimizer<R: UpdateRule>(Arc<Mutex<GroupOptimizer<R>>>);
+struct SharedOptimizer<O: Optimizer>(Arc<Mutex<O>>);
 
-impl<R: UpdateRule> Optimizer for SharedOptimizer<R> {
+impl<O: Optimizer> Optimizer for SharedOptimizer<O> {
     fn name(&self) -> &'static str {
         self.0.lock().name()
     }
@@ -551,6 +606,10 @@ impl<R: UpdateRule> Optimizer for SharedOptimizer<R> {
         scaling: Scaling<'_>,
     ) -> Result<StepOutcome, OptimError> {
         self.0.lock().step_with(params, scaling)
+    }
+
+    fn finish_steps(&mut self) -> Result<(), OptimError> {
+        self.0.lock().finish_steps()
     }
 
     fn zero_grad(&self, set_to_none: bool) -> Result<(), OptimError> {

@@ -75,6 +75,8 @@ pub(crate) struct CaseResult {
     pub(crate) grad_bytes: u64,
     /// Σ numel × element size over the optimizer's state tensors after the steps.
     pub(crate) state_bytes: u64,
+    /// Bytes of optimizer state in host memory after the steps (an offloaded optimizer's).
+    pub(crate) host_state_bytes: u64,
     /// Allocated after the forward (loss computed) minus allocated before it: what the forward
     /// keeps for backward.
     pub(crate) activation_bytes: u64,
@@ -235,6 +237,7 @@ pub(crate) fn measure(
         None
     });
     let state_bytes = training.optimizer.state_bytes();
+    let host_state_bytes = training.optimizer.host_state_bytes();
     let (timeline, at_peak) = timeline::analyse(
         &traced.entries,
         traced.requested_before,
@@ -255,6 +258,7 @@ pub(crate) fn measure(
         param_bytes,
         grad_bytes: traced.grad_bytes,
         state_bytes,
+        host_state_bytes,
         activation_bytes: forward.after.saturating_sub(forward.before),
         cast_cache_bytes,
         first3_peak_allocated_bytes: first3_peak,

@@ -207,6 +207,7 @@ pub(crate) fn case_json(r: &CaseResult, anchors: &Anchors) -> Value {
         "param_bytes": r.param_bytes,
         "grad_bytes": r.grad_bytes,
         "state_bytes": r.state_bytes,
+        "host_state_bytes": r.host_state_bytes,
         "activation_bytes": r.activation_bytes,
         "cast_cache_bytes": r.cast_cache_bytes,
         "logits_bytes": r.logits_bytes,

@@ -230,3 +230,66 @@ impl headroom_optim::LossScaler for FixedScale {
         Ok(())
     }
 }
+
+/// Adam's state in host memory (`OffloadedAdam`), stepped inside backward bucket by bucket
+/// (buckets of 4 KiB and the default 25 MiB): the losses and parameter bits of the plain loop
+/// with the on-device optimizer — fused AdamW on f32 parameters, `AdamStochastic` (the same seed)
+/// on bf16 ones.
+pub(crate) fn offloaded_in_backward_equals_the_plain_loop(
+    backend: &headroom_autograd_core::BackendRef,
+    model: ModelSpec,
+    steps: usize,
+) {
+    use headroom_optim::{AdamConfig, AdamStochasticConfig, Implementation};
+    let adam = AdamConfig {
+        lr: 1e-3,
+        weight_decay: 1e-2,
+        ..AdamConfig::adamw()
+    };
+    for dtype in [DType::F32, DType::BF16] {
+        let on_device = match dtype {
+            DType::BF16 => OptimSpec::AdamStochastic {
+                config: AdamStochasticConfig::new(adam.clone(), 7),
+            },
+            _ => OptimSpec::Adam {
+                config: adam.clone(),
+                implementation: Implementation::Fused,
+            },
+        };
+        let plain_case = TrainCase {
+            dtype,
+            ..case("offloaded Adam", model, on_device, steps)
+        };
+        let plain =
+            headroom_testkit::train(backend, &plain_case, &mut headroom_testkit::Baseline).unwrap();
+        for bucket_bytes in [4096, headroom_hooks::DEFAULT_BUCKET_BYTES] {
+            let offloaded_case = TrainCase {
+                optimizer: OptimSpec::offloaded(adam.clone(), 7),
+                ..plain_case.clone()
+            };
+            let mut technique = StepInBackward::new(InBackwardConfig {
+                bucket_bytes,
+                ..InBackwardConfig::default()
+            });
+            let got = headroom_testkit::train(backend, &offloaded_case, &mut technique)
+                .unwrap_or_else(|err| panic!("{dtype:?}, buckets of {bucket_bytes} B: {err}"));
+            assert_eq!(
+                plain.losses, got.losses,
+                "{dtype:?}, buckets of {bucket_bytes} B"
+            );
+            for ((name, want), (_, have)) in plain.parameters.iter().zip(&got.parameters) {
+                let as_f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+                let (want, have) = (as_f32(want), as_f32(have));
+                let off = want
+                    .iter()
+                    .zip(&have)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(
+                    off, 0,
+                    "{dtype:?}, buckets of {bucket_bytes} B, {name}: {off} differ"
+                );
+            }
+        }
+    }
+}

@@ -48,6 +48,7 @@ pub(crate) mod grad_scale;
 mod grads;
 pub(crate) mod launch;
 mod multi_tensor;
+pub(crate) mod offload;
 mod sgd;
 mod table;
 

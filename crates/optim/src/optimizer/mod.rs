@@ -70,6 +70,14 @@ pub trait Optimizer: Send {
     fn step(&mut self) -> Result<(), OptimError> {
         self.step_with(StepParams::All, Scaling::None).map(|_| ())
     }
+    /// Returns once every update that earlier [`Optimizer::step_with`] calls queued is ordered
+    /// before the device's later work, with the first error they met. An optimizer that updates
+    /// within the call (every one but an asynchronous one, such as
+    /// [`OffloadedAdam`](crate::OffloadedAdam) stepping buckets on the host) has nothing to do.
+    /// hooks' `InBackward` calls it at the end of every backward that stepped.
+    fn finish_steps(&mut self) -> Result<(), OptimError> {
+        Ok(())
+    }
     /// Whether [`Optimizer::step_with`] takes a [`Scaling::Device`]: its kernels divide the
     /// gradients by a scale and skip an overflowed step themselves, reading both from device
     /// tensors, so a GradScaler hands them its scale and flag instead of unscaling the gradients
@@ -115,6 +123,10 @@ impl<O: Optimizer + ?Sized> Optimizer for Box<O> {
     }
     fn step(&mut self) -> Result<(), OptimError> {
         (**self).step()
+    }
+
+    fn finish_steps(&mut self) -> Result<(), OptimError> {
+        (**self).finish_steps()
     }
     fn takes_device_scaling(&self) -> bool {
         (**self).takes_device_scaling()
