@@ -95,9 +95,11 @@
 //! 7. `optimizer` — `GroupOptimizer` over parameter groups, the `Optimizer` trait, state dicts.
 //! 8. `sgd`, `adam`, `adam_stochastic`, `adafactor`, `adam8bit`, `adam4bit`, `elementwise` — rule
 //!    front ends.
-//! 9. `clip`, `grad_scale`, `scheduler` — public clipping, overflow check, schedulers.
+//! 9. `clip`, `grad_scale`, `scheduler`, `offload_state` — public clipping, overflow check,
+//!    schedulers; an offloaded parameter's host state and host step.
 //! 10. `cuda` — the rules' CUDA pieces (each implements `CudaKernels` for its front end's
-//!     state) and the raw-buffer CUDA layer.
+//!     state), the raw-buffer CUDA layer and offload's streams and host thread.
+//! 11. `offload` — `OffloadedAdam`, Adam with its state in host memory.
 //!
 //! Crate features: `cuda` adds the CUDA device (capability only; results are the CPU's).
 //!
@@ -176,6 +178,7 @@ mod grad_scale;
 mod host;
 mod loss_scaler;
 mod offload;
+mod offload_state;
 mod optimizer;
 mod rule;
 mod scheduler;

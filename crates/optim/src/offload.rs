@@ -24,8 +24,9 @@
 //! tensor op since the last step (its version counter moved: loading a checkpoint, a manual
 //! edit) is read back from the device first, so nothing written to it is lost.
 //!
-//! It sits on the raw host kernels (`kernels/adam.rs`), the step vocabulary and the
-//! [`Optimizer`] trait, and with `cuda` on `cuda/offload.rs`; it knows no model and no hook.
+//! It sits on the host slots (`offload_state.rs`: the moments, the host copy, the host step), the
+//! step vocabulary and the [`Optimizer`] trait, and with `cuda` on `cuda/offload.rs`; it knows no
+//! model and no hook.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -34,12 +35,9 @@ use headroom_autograd_core::{DType, Device, Tensor};
 use parking_lot::Mutex;
 use safetensors::tensor::TensorView;
 
-use crate::adam_stochastic::AdamStochasticConfig;
 use crate::error::OptimError;
-use crate::kernels::{
-    adam_fused, adam_fused_stochastic, bf16, AdamBuffers, AdamConfig, AdamStochasticBuffers,
-    GradScaling, StepOutcome,
-};
+use crate::kernels::{bf16, AdamConfig, StepOutcome};
+use crate::offload_state::{HostSlot, SavedSlot, NAME};
 use crate::optimizer::Optimizer;
 use crate::step::{ParamId, Scaling, StepParams};
 
@@ -81,8 +79,6 @@ impl OffloadConfig {
         Ok(())
     }
 }
-
-const NAME: &str = "OffloadedAdam";
 
 /// Adam or AdamW with its state in host memory, stepped by the host (see the module docs).
 ///
@@ -189,7 +185,7 @@ impl OffloadedAdam {
             .slots
             .get(index)
             .ok_or(OptimError::UnknownParameter { optimizer: NAME })?;
-        let step = slot.lock().step;
+        let step = slot.lock().step();
         Ok(step)
     }
 
@@ -276,179 +272,6 @@ pub(crate) fn check_grad(param: &Tensor, grad: &Tensor) -> Result<(), OptimError
         });
     }
     Ok(())
-}
-
-/// One parameter's host side.
-pub(crate) struct HostSlot {
-    /// The parameter's index among the optimizer's (its random stream's key).
-    index: usize,
-    /// The device parameter.
-    pub(crate) param: Tensor,
-    state: Option<HostState>,
-    step: u64,
-    /// The parameter's version counter when the host copy last matched it.
-    synced_version: u64,
-    /// Whether the host copy must be read again whatever the version says (a loaded state).
-    host_copy_stale: bool,
-}
-
-/// The moments and the host copy of the parameter.
-struct HostState {
-    weights: HostWeights,
-    exp_avg: Vec<f32>,
-    exp_avg_sq: Vec<f32>,
-    max_exp_avg_sq: Option<Vec<f32>>,
-}
-
-/// The host copy of a parameter, in its dtype.
-enum HostWeights {
-    F32(Vec<f32>),
-    Bf16(Vec<bf16>),
-}
-
-impl HostSlot {
-    fn new(index: usize, param: Tensor) -> HostSlot {
-        HostSlot {
-            index,
-            param,
-            state: None,
-            step: 0,
-            synced_version: 0,
-            host_copy_stale: true,
-        }
-    }
-
-    fn state_bytes(&self) -> u64 {
-        self.state.as_ref().map_or(0, |state| {
-            let moments = state.exp_avg.len()
-                + state.exp_avg_sq.len()
-                + state.max_exp_avg_sq.as_ref().map_or(0, Vec::len);
-            let weights = match &state.weights {
-                HostWeights::F32(w) => 4 * w.len(),
-                HostWeights::Bf16(w) => 2 * w.len(),
-            };
-            (4 * moments + weights) as u64
-        })
-    }
-
-    /// Whether the host copy must be (re)read from the device before the next step.
-    pub(crate) fn needs_read(&self) -> bool {
-        self.state.is_none() || self.host_copy_stale || self.param.version() != self.synced_version
-    }
-
-    /// Creates the state on the first step (zero moments) and reads the parameter into the host
-    /// copy when [`HostSlot::needs_read`] (the device's work on it must be complete: the read
-    /// goes through the tensor layer, which waits for it).
-    pub(crate) fn sync_from_device(&mut self, amsgrad: bool) -> Result<(), OptimError> {
-        if !self.needs_read() {
-            return Ok(());
-        }
-        let weights = match self.param.dtype() {
-            DType::BF16 => HostWeights::Bf16(self.param.to_vec::<bf16>()?),
-            _ => HostWeights::F32(self.param.to_vec::<f32>()?),
-        };
-        let n = self.param.numel();
-        match &mut self.state {
-            Some(state) => state.weights = weights,
-            None => {
-                self.state = Some(HostState {
-                    weights,
-                    exp_avg: vec![0.0; n],
-                    exp_avg_sq: vec![0.0; n],
-                    max_exp_avg_sq: amsgrad.then(|| vec![0.0; n]),
-                })
-            }
-        }
-        self.synced_version = self.param.version();
-        self.host_copy_stale = false;
-        Ok(())
-    }
-
-    /// One step with the gradient in `region` (the parameter's dtype and length, little-endian
-    /// bytes), then the new parameter written over it, for the copy back.
-    pub(crate) fn update(
-        &mut self,
-        adam: &AdamConfig,
-        seed: u64,
-        region: &mut [u8],
-    ) -> Result<(), OptimError> {
-        let state = self
-            .state
-            .as_mut()
-            .ok_or_else(|| OptimError::InvalidArgument {
-                op: NAME,
-                reason: "a step before the parameter's host state was read".into(),
-            })?;
-        self.step += 1;
-        let step = self.step;
-        let HostState {
-            weights,
-            exp_avg,
-            exp_avg_sq,
-            max_exp_avg_sq,
-        } = state;
-        let outcome = match weights {
-            HostWeights::F32(param) => {
-                let grad: &[f32] = cast(region)?;
-                let outcome = adam_fused(
-                    adam,
-                    step,
-                    AdamBuffers {
-                        param,
-                        grad,
-                        exp_avg,
-                        exp_avg_sq,
-                        max_exp_avg_sq: max_exp_avg_sq.as_deref_mut(),
-                    },
-                    GradScaling::NONE,
-                )?;
-                cast_mut::<f32>(region)?.copy_from_slice(param);
-                outcome
-            }
-            HostWeights::Bf16(param) => {
-                let key = AdamStochasticConfig::new(adam.clone(), seed).key(self.index, step);
-                let grad: &[bf16] = cast(region)?;
-                let outcome = adam_fused_stochastic(
-                    adam,
-                    step,
-                    key,
-                    AdamStochasticBuffers {
-                        param,
-                        grad,
-                        exp_avg,
-                        exp_avg_sq,
-                        max_exp_avg_sq: max_exp_avg_sq.as_deref_mut(),
-                    },
-                    GradScaling::NONE,
-                )?;
-                cast_mut::<bf16>(region)?.copy_from_slice(param);
-                outcome
-            }
-        };
-        debug_assert_eq!(outcome, StepOutcome::Stepped);
-        Ok(())
-    }
-
-    /// The version the device parameter has once the copy back lands (copies do not move it).
-    pub(crate) fn mark_synced(&mut self) {
-        self.synced_version = self.param.version();
-    }
-}
-
-/// `bytes` as elements of `T` (aligned, a whole number of them).
-fn cast<T: bytemuck::Pod>(bytes: &[u8]) -> Result<&[T], OptimError> {
-    bytemuck::try_cast_slice(bytes).map_err(|err| OptimError::InvalidArgument {
-        op: NAME,
-        reason: format!("staging bytes as {}: {err}", std::any::type_name::<T>()),
-    })
-}
-
-/// `bytes` as mutable elements of `T`.
-fn cast_mut<T: bytemuck::Pod>(bytes: &mut [u8]) -> Result<&mut [T], OptimError> {
-    bytemuck::try_cast_slice_mut(bytes).map_err(|err| OptimError::InvalidArgument {
-        op: NAME,
-        reason: format!("staging bytes as {}: {err}", std::any::type_name::<T>()),
-    })
 }
 
 /// One step of CPU parameters, in the call: each gradient is read into an aligned buffer, the
@@ -539,7 +362,7 @@ impl Optimizer for OffloadedAdam {
             Transport::Host => step_on_host(&self.slots, &with_grads, &self.config)?,
             #[cfg(feature = "cuda")]
             Transport::Cuda(cuda) => {
-                cuda.submit(&self.slots, with_grads, &self.config)?;
+                cuda.submit(&self.slots, with_grads, &self.config.adam, self.config.seed)?;
                 if matches!(params, StepParams::All) {
                     cuda.finish()?;
                 }
@@ -573,20 +396,16 @@ impl Optimizer for OffloadedAdam {
         let mut blobs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         for (index, slot) in self.slots.iter().enumerate() {
             let slot = slot.lock();
-            let Some(state) = &slot.state else { continue };
-            metadata.insert(format!("state.0.{index}.step"), slot.step.to_string());
-            let shape = slot.param.shape().to_vec();
-            let mut push = |name: &str, values: &[f32]| {
+            let Some((step, moments)) = slot.saved() else {
+                continue;
+            };
+            metadata.insert(format!("state.0.{index}.step"), step.to_string());
+            for (name, values) in moments {
                 blobs.push((
                     format!("state.0.{index}.{name}"),
-                    shape.clone(),
+                    slot.param.shape().to_vec(),
                     values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                ))
-            };
-            push("exp_avg", &state.exp_avg);
-            push("exp_avg_sq", &state.exp_avg_sq);
-            if let Some(vmax) = &state.max_exp_avg_sq {
-                push("max_exp_avg_sq", vmax);
+                ));
             }
         }
         let views = blobs
@@ -648,31 +467,15 @@ impl Optimizer for OffloadedAdam {
                 .amsgrad
                 .then(|| read("max_exp_avg_sq"))
                 .transpose()?;
-            restored.push(Some((step, exp_avg, exp_avg_sq, max_exp_avg_sq)));
+            restored.push(Some(SavedSlot {
+                step,
+                exp_avg,
+                exp_avg_sq,
+                max_exp_avg_sq,
+            }));
         }
         for (slot, restored) in self.slots.iter().zip(restored) {
-            let mut slot = slot.lock();
-            match restored {
-                None => {
-                    slot.state = None;
-                    slot.step = 0;
-                }
-                Some((step, exp_avg, exp_avg_sq, max_exp_avg_sq)) => {
-                    // The parameter itself is read from the device at the next step.
-                    let weights = match slot.param.dtype() {
-                        DType::BF16 => HostWeights::Bf16(Vec::new()),
-                        _ => HostWeights::F32(Vec::new()),
-                    };
-                    slot.state = Some(HostState {
-                        weights,
-                        exp_avg,
-                        exp_avg_sq,
-                        max_exp_avg_sq,
-                    });
-                    slot.step = step;
-                    slot.host_copy_stale = true;
-                }
-            }
+            slot.lock().restore(restored);
         }
         Ok(())
     }

@@ -13,7 +13,7 @@
 //! copy-in stream: the next forward reads the updated parameters.
 //!
 //! It sits on ops-cuda's streams, events and pinned buffers and on the front end's host slots
-//! (`offload.rs`); it knows no rule beyond the slot's own update.
+//! (`offload_state.rs`); it knows no rule beyond the slot's own update.
 
 use std::ops::Range;
 use std::sync::mpsc;
@@ -26,7 +26,7 @@ use parking_lot::Mutex;
 
 use crate::error::OptimError;
 use crate::kernels::AdamConfig;
-use crate::offload::{HostSlot, OffloadConfig};
+use crate::offload_state::HostSlot;
 
 /// Byte alignment of each gradient in a staging block (the host kernels read f32 and bf16
 /// slices of it; the copy engines prefer aligned rows).
@@ -109,13 +109,15 @@ impl CudaOffload {
     }
 
     /// Queues one bucket: `grads` (slot index and gradient, ascending slots) go out to the host,
-    /// which steps them with `config` and sends the parameters back. Returns without waiting
+    /// which steps them with `adam` (bf16 rounding seeded by `seed`) and sends the parameters
+    /// back. Returns without waiting
     /// for the host, unless `limit` buckets are queued already (then for the oldest).
     pub(crate) fn submit(
         &mut self,
         slots: &Arc<Vec<Mutex<HostSlot>>>,
         grads: Vec<(usize, Tensor)>,
-        config: &OffloadConfig,
+        adam: &AdamConfig,
+        seed: u64,
     ) -> Result<(), OptimError> {
         if grads.is_empty() {
             return Ok(());
@@ -128,7 +130,7 @@ impl CudaOffload {
         {
             self.finish()?;
             for (index, _) in &grads {
-                slots[*index].lock().sync_from_device(config.adam.amsgrad)?;
+                slots[*index].lock().sync_from_device(adam.amsgrad)?;
             }
         }
         let mut entries = Vec::with_capacity(grads.len());
@@ -154,8 +156,8 @@ impl CudaOffload {
             entries,
             staging,
             ready,
-            adam: config.adam.clone(),
-            seed: config.seed,
+            adam: adam.clone(),
+            seed,
         };
         let jobs = self
             .jobs

@@ -1,0 +1,243 @@
+//! One parameter's side of [`OffloadedAdam`](crate::OffloadedAdam) in host memory: its moments
+//! and a copy of the parameter, read from the device when needed, and the host step over a
+//! staged gradient that leaves the new parameter in its place for the copy back.
+//!
+//! It sits on the raw host kernels (`adam_fused`, `adam_fused_stochastic`) and
+//! `AdamStochasticConfig`'s key (the same random stream as the on-device rule); it knows no
+//! device API and no optimizer.
+
+use headroom_autograd_core::{DType, Tensor};
+
+use crate::adam_stochastic::AdamStochasticConfig;
+use crate::error::OptimError;
+use crate::kernels::{
+    adam_fused, adam_fused_stochastic, bf16, AdamBuffers, AdamConfig, AdamStochasticBuffers,
+    GradScaling, StepOutcome,
+};
+
+/// The optimizer's name in errors and state dicts.
+pub(crate) const NAME: &str = "OffloadedAdam";
+
+/// One parameter's host side.
+pub(crate) struct HostSlot {
+    /// The parameter's index among the optimizer's (its random stream's key).
+    index: usize,
+    /// The device parameter.
+    pub(crate) param: Tensor,
+    state: Option<HostState>,
+    step: u64,
+    /// The parameter's version counter when the host copy last matched it.
+    synced_version: u64,
+    /// Whether the host copy must be read again whatever the version says (a loaded state).
+    host_copy_stale: bool,
+}
+
+/// One parameter's state as a state dict holds it.
+pub(crate) struct SavedSlot {
+    pub(crate) step: u64,
+    pub(crate) exp_avg: Vec<f32>,
+    pub(crate) exp_avg_sq: Vec<f32>,
+    pub(crate) max_exp_avg_sq: Option<Vec<f32>>,
+}
+
+/// The moments and the host copy of the parameter.
+struct HostState {
+    weights: HostWeights,
+    exp_avg: Vec<f32>,
+    exp_avg_sq: Vec<f32>,
+    max_exp_avg_sq: Option<Vec<f32>>,
+}
+
+/// The host copy of a parameter, in its dtype.
+enum HostWeights {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+}
+
+impl HostSlot {
+    pub(crate) fn new(index: usize, param: Tensor) -> HostSlot {
+        HostSlot {
+            index,
+            param,
+            state: None,
+            step: 0,
+            synced_version: 0,
+            host_copy_stale: true,
+        }
+    }
+
+    pub(crate) fn state_bytes(&self) -> u64 {
+        self.state.as_ref().map_or(0, |state| {
+            let moments = state.exp_avg.len()
+                + state.exp_avg_sq.len()
+                + state.max_exp_avg_sq.as_ref().map_or(0, Vec::len);
+            let weights = match &state.weights {
+                HostWeights::F32(w) => 4 * w.len(),
+                HostWeights::Bf16(w) => 2 * w.len(),
+            };
+            (4 * moments + weights) as u64
+        })
+    }
+
+    /// Whether the host copy must be (re)read from the device before the next step.
+    pub(crate) fn needs_read(&self) -> bool {
+        self.state.is_none() || self.host_copy_stale || self.param.version() != self.synced_version
+    }
+
+    /// Creates the state on the first step (zero moments) and reads the parameter into the host
+    /// copy when [`HostSlot::needs_read`] (the device's work on it must be complete: the read
+    /// goes through the tensor layer, which waits for it).
+    pub(crate) fn sync_from_device(&mut self, amsgrad: bool) -> Result<(), OptimError> {
+        if !self.needs_read() {
+            return Ok(());
+        }
+        let weights = match self.param.dtype() {
+            DType::BF16 => HostWeights::Bf16(self.param.to_vec::<bf16>()?),
+            _ => HostWeights::F32(self.param.to_vec::<f32>()?),
+        };
+        let n = self.param.numel();
+        match &mut self.state {
+            Some(state) => state.weights = weights,
+            None => {
+                self.state = Some(HostState {
+                    weights,
+                    exp_avg: vec![0.0; n],
+                    exp_avg_sq: vec![0.0; n],
+                    max_exp_avg_sq: amsgrad.then(|| vec![0.0; n]),
+                })
+            }
+        }
+        self.synced_version = self.param.version();
+        self.host_copy_stale = false;
+        Ok(())
+    }
+
+    /// One step with the gradient in `region` (the parameter's dtype and length, little-endian
+    /// bytes), then the new parameter written over it, for the copy back.
+    pub(crate) fn update(
+        &mut self,
+        adam: &AdamConfig,
+        seed: u64,
+        region: &mut [u8],
+    ) -> Result<(), OptimError> {
+        let state = self
+            .state
+            .as_mut()
+            .ok_or_else(|| OptimError::InvalidArgument {
+                op: NAME,
+                reason: "a step before the parameter's host state was read".into(),
+            })?;
+        self.step += 1;
+        let step = self.step;
+        let HostState {
+            weights,
+            exp_avg,
+            exp_avg_sq,
+            max_exp_avg_sq,
+        } = state;
+        let outcome = match weights {
+            HostWeights::F32(param) => {
+                let grad: &[f32] = cast(region)?;
+                let outcome = adam_fused(
+                    adam,
+                    step,
+                    AdamBuffers {
+                        param,
+                        grad,
+                        exp_avg,
+                        exp_avg_sq,
+                        max_exp_avg_sq: max_exp_avg_sq.as_deref_mut(),
+                    },
+                    GradScaling::NONE,
+                )?;
+                cast_mut::<f32>(region)?.copy_from_slice(param);
+                outcome
+            }
+            HostWeights::Bf16(param) => {
+                let key = AdamStochasticConfig::new(adam.clone(), seed).key(self.index, step);
+                let grad: &[bf16] = cast(region)?;
+                let outcome = adam_fused_stochastic(
+                    adam,
+                    step,
+                    key,
+                    AdamStochasticBuffers {
+                        param,
+                        grad,
+                        exp_avg,
+                        exp_avg_sq,
+                        max_exp_avg_sq: max_exp_avg_sq.as_deref_mut(),
+                    },
+                    GradScaling::NONE,
+                )?;
+                cast_mut::<bf16>(region)?.copy_from_slice(param);
+                outcome
+            }
+        };
+        debug_assert_eq!(outcome, StepOutcome::Stepped);
+        Ok(())
+    }
+
+    /// How many steps the parameter has taken.
+    pub(crate) fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The step count and the moments by their state-dict names, once the slot has state.
+    pub(crate) fn saved(&self) -> Option<(u64, Vec<(&'static str, &[f32])>)> {
+        let state = self.state.as_ref()?;
+        let mut moments = vec![
+            ("exp_avg", state.exp_avg.as_slice()),
+            ("exp_avg_sq", state.exp_avg_sq.as_slice()),
+        ];
+        if let Some(vmax) = &state.max_exp_avg_sq {
+            moments.push(("max_exp_avg_sq", vmax.as_slice()));
+        }
+        Some((self.step, moments))
+    }
+
+    /// Restores a saved step count and moments (`None`: no state, as before a first step); the
+    /// host copy of the parameter is read from the device at the next step.
+    pub(crate) fn restore(&mut self, saved: Option<SavedSlot>) {
+        match saved {
+            None => {
+                self.state = None;
+                self.step = 0;
+            }
+            Some(saved) => {
+                let weights = match self.param.dtype() {
+                    DType::BF16 => HostWeights::Bf16(Vec::new()),
+                    _ => HostWeights::F32(Vec::new()),
+                };
+                self.state = Some(HostState {
+                    weights,
+                    exp_avg: saved.exp_avg,
+                    exp_avg_sq: saved.exp_avg_sq,
+                    max_exp_avg_sq: saved.max_exp_avg_sq,
+                });
+                self.step = saved.step;
+            }
+        }
+        self.host_copy_stale = true;
+    }
+
+    /// The version the device parameter has once the copy back lands (copies do not move it).
+    pub(crate) fn mark_synced(&mut self) {
+        self.synced_version = self.param.version();
+    }
+}
+
+/// `bytes` as elements of `T` (aligned, a whole number of them).
+fn cast<T: bytemuck::Pod>(bytes: &[u8]) -> Result<&[T], OptimError> {
+    bytemuck::try_cast_slice(bytes).map_err(|err| OptimError::InvalidArgument {
+        op: NAME,
+        reason: format!("staging bytes as {}: {err}", std::any::type_name::<T>()),
+    })
+}
+
+/// `bytes` as mutable elements of `T`.
+fn cast_mut<T: bytemuck::Pod>(bytes: &mut [u8]) -> Result<&mut [T], OptimError> {
+    bytemuck::try_cast_slice_mut(bytes).map_err(|err| OptimError::InvalidArgument {
+        op: NAME,
+        reason: format!("staging bytes as {}: {err}", std::any::type_name::<T>()),
+    })
+}
