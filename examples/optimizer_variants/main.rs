@@ -3,7 +3,8 @@
 //! once), foreach with bounded temporaries, one tensor at a time, fused, and with bitsandbytes'
 //! 8-bit blockwise state — plus plain SGD for scale, fused Adam on the whole model in bf16
 //! (bf16 parameters, gradients and moments, f32 arithmetic), and torchao's 4-bit AdamW on the
-//! bf16 model with no master copy (stochastic rounding).
+//! bf16 model with no master copy (stochastic rounding), and AdamW on the bf16 model with its
+//! state in host memory, stepped by the host (`OffloadedAdam`).
 //!
 //! Each variant gets a fresh model and optimizer and runs three steps (forward, loss =
 //! `out.sum()`, backward, `step()`, `zero_grad(set_to_none)`). Printed per variant: the peak
@@ -23,7 +24,7 @@ use headroom::nn::{Module, VisionTransformer, VitConfig};
 use headroom::optim::kernels::Bf16Rounding;
 use headroom::optim::{
     Adam, Adam4bit, Adam4bitConfig, Adam8bit, Adam8bitConfig, AdamConfig, Implementation,
-    Optimizer, ParamGroup, Sgd, SgdConfig,
+    OffloadConfig, OffloadedAdam, Optimizer, ParamGroup, Sgd, SgdConfig,
 };
 
 use device::Device;
@@ -43,20 +44,23 @@ enum Kind {
     /// torchao's 4-bit AdamW (lr 1e-4) on the bf16 model without a master copy, the parameters
     /// rounded stochastically (`AdamW4bit(bf16_stochastic_round=True)`).
     Adam4bitBf16,
+    /// AdamW (lr 1e-4, f32 moments) on the bf16 model with its state in host memory, stepped by
+    /// the host, the parameters rounded stochastically (`OffloadedAdam`).
+    AdamwOffloadBf16,
 }
 
 impl Kind {
     /// The dtype of the model this variant trains.
     fn dtype(self) -> DType {
         match self {
-            Kind::AdamBf16 | Kind::Adam4bitBf16 => DType::BF16,
+            Kind::AdamBf16 | Kind::Adam4bitBf16 | Kind::AdamwOffloadBf16 => DType::BF16,
             _ => DType::F32,
         }
     }
 }
 
 /// The variants, in print order.
-const VARIANTS: [(&str, Kind); 8] = [
+const VARIANTS: [(&str, Kind); 9] = [
     (
         "Adam, foreach (PyTorch's)",
         Kind::Adam(Implementation::ForeachUnbounded),
@@ -71,10 +75,33 @@ const VARIANTS: [(&str, Kind); 8] = [
     ("SGD, fused (no state)", Kind::Sgd),
     ("Adam, fused, bf16 model", Kind::AdamBf16),
     ("AdamW, 4-bit, bf16 model", Kind::Adam4bitBf16),
+    ("AdamW, host state, bf16 model", Kind::AdamwOffloadBf16),
 ];
 
-fn optimizer(kind: Kind, params: Vec<Tensor>) -> Result<Box<dyn Optimizer>> {
-    Ok(match kind {
+/// A variant's optimizer: any, or the offloaded one, whose host bytes the example reads.
+enum Built {
+    OnDevice(Box<dyn Optimizer>),
+    Offloaded(OffloadedAdam),
+}
+
+impl Built {
+    fn optimizer(&mut self) -> &mut dyn Optimizer {
+        match self {
+            Built::OnDevice(optimizer) => optimizer.as_mut(),
+            Built::Offloaded(optimizer) => optimizer,
+        }
+    }
+
+    fn host_state_bytes(&self) -> u64 {
+        match self {
+            Built::OnDevice(_) => 0,
+            Built::Offloaded(optimizer) => optimizer.host_state_bytes(),
+        }
+    }
+}
+
+fn optimizer(kind: Kind, params: Vec<Tensor>) -> Result<Built> {
+    Ok(Built::OnDevice(match kind {
         Kind::AdamBf16 => {
             let config = AdamConfig {
                 lr: 1e-4,
@@ -116,7 +143,15 @@ fn optimizer(kind: Kind, params: Vec<Tensor>) -> Result<Box<dyn Optimizer>> {
             let groups = vec![ParamGroup::new(params, config)];
             Box::new(Adam4bit::new(groups, Implementation::Fused)?)
         }
-    })
+        Kind::AdamwOffloadBf16 => {
+            let adamw = AdamConfig {
+                lr: 1e-4,
+                ..AdamConfig::adamw()
+            };
+            let offloaded = OffloadedAdam::new(params, OffloadConfig::new(adamw))?;
+            return Ok(Built::Offloaded(offloaded));
+        }
+    }))
 }
 
 /// What one variant measured.
@@ -124,6 +159,8 @@ struct Figures {
     peak: u64,
     state: u64,
     transient: u64,
+    /// Optimizer state in host memory (the offloaded variant's).
+    host_state: u64,
 }
 
 fn measure(device: &Device, config: VitConfig, kind: Kind) -> Result<Figures> {
@@ -133,13 +170,14 @@ fn measure(device: &Device, config: VitConfig, kind: Kind) -> Result<Figures> {
         kind.dtype(),
         &Arc::new(Generator::new(0)),
     )?;
-    let mut optimizer = optimizer(kind, model.parameters())?;
+    let mut built = optimizer(kind, model.parameters())?;
     let size = config.image_size;
     let images = Tensor::full(&device.backend, &[1, 3, size, size], 0.5, kind.dtype())?;
     let mut figures = Figures {
         peak: 0,
         state: 0,
         transient: 0,
+        host_state: 0,
     };
     device.reset_peak();
     for step in 0..3 {
@@ -147,15 +185,16 @@ fn measure(device: &Device, config: VitConfig, kind: Kind) -> Result<Figures> {
         figures.peak = figures.peak.max(device.peak());
         let before = device.allocated();
         device.reset_peak();
-        optimizer.step()?;
+        built.optimizer().step()?;
         let after = device.allocated();
         if step == 0 {
             figures.state = after - before;
         }
         figures.transient = device.peak() - after;
-        optimizer.zero_grad(true)?;
+        built.optimizer().zero_grad(true)?;
     }
     figures.peak = figures.peak.max(device.peak());
+    figures.host_state = built.host_state_bytes();
     Ok(figures)
 }
 
@@ -208,13 +247,15 @@ fn main() -> Result<()> {
     // In the order of `VARIANTS`.
     let figures = |idx: usize| &results[idx].1;
     let (foreach, single, fused, eight_bit) = (figures(0), figures(2), figures(3), figures(4));
-    let (bf16, four_bit) = (figures(6), figures(7));
+    let (bf16, four_bit, offloaded) = (figures(6), figures(7), figures(8));
     println!(
         "\nforeach as PyTorch computes it peaks {} above single-tensor Adam and {} above fused: \
          its temporaries span every parameter at once ({} here); fused needs none. 8-bit state \
          takes {} instead of {}, so 8-bit Adam peaks lowest of the f32 Adam variants: {}. \
          The bf16 model halves weights, gradients and moments alike: fused Adam peaks at {}; \
-         with 4-bit states and no master copy, AdamW peaks at {} ({} of state).",
+         with 4-bit states and no master copy, AdamW peaks at {} ({} of state); with its state \
+         in host memory, at {} ({} of device state, {} of host state: the moments and a copy \
+         of the weights).",
         mb(foreach.peak.saturating_sub(single.peak)),
         mb(foreach.peak.saturating_sub(fused.peak)),
         mb(foreach.transient),
@@ -230,7 +271,10 @@ fn main() -> Result<()> {
         },
         mb(bf16.peak),
         mb(four_bit.peak),
-        mb(four_bit.state)
+        mb(four_bit.state),
+        mb(offloaded.peak),
+        mb(offloaded.state),
+        mb(offloaded.host_state)
     );
     Ok(())
 }

@@ -108,7 +108,10 @@ pub(crate) fn analyse(
         .filter(|e| {
             matches!(
                 e.action,
-                TraceAction::Alloc | TraceAction::FreeCompleted | TraceAction::Free
+                TraceAction::Alloc
+                    | TraceAction::FreeRequested
+                    | TraceAction::FreeCompleted
+                    | TraceAction::Free
             )
         })
         .map(|e| (e, phase_of(e)))
@@ -116,6 +119,7 @@ pub(crate) fn analyse(
 
     // First pass: the timeline and its peak.
     let mut live: HashMap<u64, Block> = HashMap::new();
+    let mut awaiting = HashSet::new();
     let mut current = requested_before;
     let mut bytes = Vec::with_capacity(events.len() + 1);
     bytes.push(current);
@@ -128,7 +132,7 @@ pub(crate) fn analyse(
                 phase_starts.push((bytes.len() - 1, phase));
             }
         }
-        current = apply(&mut live, &mut 0, entry, phase, current)?;
+        current = apply(&mut live, &mut awaiting, &mut 0, entry, phase, current)?;
         bytes.push(current);
         time_us.push(entry.time_us);
     }
@@ -137,10 +141,18 @@ pub(crate) fn analyse(
 
     // Second pass: what is live at the peak, and which backward blocks outlive backward.
     live.clear();
+    awaiting.clear();
     let mut baseline_freed = 0;
     let mut current = requested_before;
     for &(entry, phase) in &events[..peak_index] {
-        current = apply(&mut live, &mut baseline_freed, entry, phase, current)?;
+        current = apply(
+            &mut live,
+            &mut awaiting,
+            &mut baseline_freed,
+            entry,
+            phase,
+            current,
+        )?;
     }
     let mut freed_in_backward = HashSet::new();
     for &(entry, phase) in &events[peak_index..] {
@@ -205,15 +217,26 @@ pub(crate) fn analyse(
 /// blocks allocated before recording began are added to `baseline_freed`.
 fn apply(
     live: &mut HashMap<u64, Block>,
+    awaiting: &mut HashSet<u64>,
     baseline_freed: &mut u64,
     entry: &TraceEntry,
     phase: Option<Phase>,
     current: u64,
 ) -> Result<u64> {
-    if entry.action == TraceAction::Alloc {
-        let size = entry.size;
-        live.insert(entry.addr, Block { size, phase });
-        return Ok(current + size);
+    match entry.action {
+        TraceAction::Alloc => {
+            let size = entry.size;
+            live.insert(entry.addr, Block { size, phase });
+            return Ok(current + size);
+        }
+        // A free counts when it is requested, as the allocator's `allocated` does; a block
+        // that waits for another stream's work (`record_stream`) completes later, and that
+        // completion frees nothing more.
+        TraceAction::FreeRequested => {
+            awaiting.insert(entry.addr);
+        }
+        TraceAction::FreeCompleted if awaiting.remove(&entry.addr) => return Ok(current),
+        _ => {}
     }
     let size = match live.remove(&entry.addr) {
         Some(block) => block.size,
