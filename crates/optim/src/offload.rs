@@ -88,7 +88,8 @@ impl OffloadConfig {
 /// use headroom_optim::{AdamConfig, OffloadConfig, OffloadedAdam, Optimizer};
 ///
 /// let cpu = CpuBackend::new_ref();
-/// let w = Tensor::from_slice(&cpu, &[1.0f32, -2.0], &[2])?.requires_grad_(true);
+/// let w = Tensor::from_slice(&cpu, &[1.0f32, -2.0], &[2])?;
+/// w.requires_grad_(true)?;
 /// let mut adam = OffloadedAdam::new(vec![w.clone()], OffloadConfig::new(AdamConfig::adamw()))?;
 /// w.mul(&w)?.sum_all()?.backward()?;
 /// adam.step()?;

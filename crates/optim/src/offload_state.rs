@@ -32,6 +32,9 @@ pub(crate) struct HostSlot {
     host_copy_stale: bool,
 }
 
+/// A moment by its state-dict name.
+pub(crate) type NamedMoment<'a> = (&'static str, &'a [f32]);
+
 /// One parameter's state as a state dict holds it.
 pub(crate) struct SavedSlot {
     pub(crate) step: u64,
@@ -183,7 +186,7 @@ impl HostSlot {
     }
 
     /// The step count and the moments by their state-dict names, once the slot has state.
-    pub(crate) fn saved(&self) -> Option<(u64, Vec<(&'static str, &[f32])>)> {
+    pub(crate) fn saved(&self) -> Option<(u64, Vec<NamedMoment<'_>>)> {
         let state = self.state.as_ref()?;
         let mut moments = vec![
             ("exp_avg", state.exp_avg.as_slice()),

@@ -21,7 +21,8 @@ use rayon::prelude::*;
 
 use super::{
     check_adam_ranges, check_host_scaling, check_len, check_step, lerp, maximum,
-    round_bf16_stochastic, stochastic_bits, GradScaling, ParamElement, StepOutcome, PARALLEL_CHUNK,
+    round_bf16_stochastic, stochastic_bits, with_fast_fma, GradScaling, ParamElement, StepOutcome,
+    PARALLEL_CHUNK,
 };
 use crate::error::OptimError;
 use half::bf16;
@@ -463,7 +464,7 @@ fn fused_range<T: ParamElement>(
     exp_avg_sq: &mut [T],
     max_exp_avg_sq: Option<&mut [T]>,
 ) {
-    match max_exp_avg_sq {
+    with_fast_fma(|| match max_exp_avg_sq {
         Some(vmax) => {
             for ((((p, &g), m), v), vm) in param
                 .iter_mut()
@@ -485,7 +486,7 @@ fn fused_range<T: ParamElement>(
                 fused_element_of(c, scale, p, g, m, v, None);
             }
         }
-    }
+    })
 }
 
 /// Fused Adam step number `step` on one parameter: one pass, no temporaries, gradients divided
@@ -558,17 +559,19 @@ fn fused_stochastic_range(
     exp_avg_sq: &mut [f32],
     mut max_exp_avg_sq: Option<&mut [f32]>,
 ) {
-    for (i, ((p, &g), (m, v))) in param
-        .iter_mut()
-        .zip(grad)
-        .zip(exp_avg.iter_mut().zip(exp_avg_sq.iter_mut()))
-        .enumerate()
-    {
-        let mut pv = p.to_f32();
-        let vmax = max_exp_avg_sq.as_deref_mut().map(|vmax| &mut vmax[i]);
-        fused_element(c, scale, &mut pv, g.to_f32(), m, v, vmax);
-        *p = round_bf16_stochastic(pv, stochastic_bits(key, (base + i) as u64));
-    }
+    with_fast_fma(|| {
+        for (i, ((p, &g), (m, v))) in param
+            .iter_mut()
+            .zip(grad)
+            .zip(exp_avg.iter_mut().zip(exp_avg_sq.iter_mut()))
+            .enumerate()
+        {
+            let mut pv = p.to_f32();
+            let vmax = max_exp_avg_sq.as_deref_mut().map(|vmax| &mut vmax[i]);
+            fused_element(c, scale, &mut pv, g.to_f32(), m, v, vmax);
+            *p = round_bf16_stochastic(pv, stochastic_bits(key, (base + i) as u64));
+        }
+    })
 }
 
 /// Fused Adam step number `step` on one bf16 parameter with f32 moments: the update is the f32

@@ -17,7 +17,9 @@
 //! and on 8-bit Adam's block-wise buffers and f32-state loop (`adam8bit.rs`); it knows no tensor
 //! and no device.
 
-use super::{check_adam_ranges, check_host_scaling, check_len, check_step, lerp, maximum};
+use super::{
+    check_adam_ranges, check_host_scaling, check_len, check_step, lerp, maximum, with_fast_fma,
+};
 use super::{
     Bf16Rounding, BlockwiseBuffers, F32States, GradScaling, ParamElement, ParamRounding,
     StepOutcome,
@@ -352,6 +354,18 @@ pub fn adam4bit_blockwise<T: ParamElement>(
 /// [`adam4bit_blockwise`]'s update of `run` (whole blocks), whose element 0 is element `first`
 /// of the parameter (the rounding's index).
 fn blocks_4bit<T: ParamElement>(
+    c: &StepConsts,
+    scaling: GradScaling,
+    rounding: ParamRounding,
+    first: usize,
+    run: Adam4bitBuffers<'_, T>,
+) {
+    with_fast_fma(|| blocks_4bit_body(c, scaling, rounding, first, run))
+}
+
+/// [`blocks_4bit`]'s loop, inlined where the CPU's FMA instructions are on.
+#[inline(always)]
+fn blocks_4bit_body<T: ParamElement>(
     c: &StepConsts,
     scaling: GradScaling,
     rounding: ParamRounding,

@@ -14,8 +14,8 @@ use rayon::prelude::*;
 
 use super::adam::foreach_chunks;
 use super::{
-    check_host_scaling, check_len, non_negative, GradScaling, ParamElement, StepOutcome,
-    PARALLEL_CHUNK,
+    check_host_scaling, check_len, non_negative, with_fast_fma, GradScaling, ParamElement,
+    StepOutcome, PARALLEL_CHUNK,
 };
 use crate::error::OptimError;
 
@@ -251,17 +251,19 @@ pub fn sgd_fused<T: ParamElement>(
         Some(s) => g.to_f32() / s,
         None => g.to_f32(),
     };
-    let run = |param: &mut [T], grad: &[T], buf: Option<&mut [T]>| match buf {
-        Some(buf) => {
-            for ((p, &g), b) in param.iter_mut().zip(grad).zip(buf.iter_mut()) {
-                element(&c, first, p, unscale(g), Some(b));
+    let run = |param: &mut [T], grad: &[T], buf: Option<&mut [T]>| {
+        with_fast_fma(|| match buf {
+            Some(buf) => {
+                for ((p, &g), b) in param.iter_mut().zip(grad).zip(buf.iter_mut()) {
+                    element(&c, first, p, unscale(g), Some(b));
+                }
             }
-        }
-        None => {
-            for (p, &g) in param.iter_mut().zip(grad) {
-                element(&c, first, p, unscale(g), None);
+            None => {
+                for (p, &g) in param.iter_mut().zip(grad) {
+                    element(&c, first, p, unscale(g), None);
+                }
             }
-        }
+        })
     };
     let SgdBuffers {
         param,
