@@ -75,6 +75,23 @@ struct DeviceUse {
     done: CudaEvent,
 }
 
+/// What a host-to-device copy waits for first (with the calling operation's name).
+#[derive(Clone, Copy)]
+enum CopyOrder<'a> {
+    /// The work queued so far on the stream whose pool the destination block comes from.
+    AfterOwner(&'static str),
+    /// An event the caller recorded.
+    After(&'static str, &'a CudaEvent),
+}
+
+impl CopyOrder<'_> {
+    fn op(self) -> &'static str {
+        match self {
+            CopyOrder::AfterOwner(op) | CopyOrder::After(op, _) => op,
+        }
+    }
+}
+
 /// Which copies host access must wait for.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Waiting {
@@ -121,18 +138,8 @@ impl CudaBackend {
         dst_offset: usize,
         stream: &CudaStream,
     ) -> Result<()> {
-        const OP: &str = "copy_to_device_async";
-        let len = self.check_copy(OP, src, &src_range, dst, dst_offset, stream)?;
-        if len == 0 {
-            return Ok(());
-        }
-        let owner = self.allocator().allocation_stream(dst.address())?;
-        if owner != stream.id() {
-            stream.wait_stream(&stream.backend().stream_by_id(owner)?)?;
-        }
-        self.queue_to_device(OP, src, src_range.start, dst, dst_offset, len, stream)?;
-        self.record_copy(src, dst, stream)?;
-        src.note_use(stream, false)
+        let order = CopyOrder::AfterOwner("copy_to_device_async");
+        self.copy_to_device_ordered(src, src_range, dst, dst_offset, stream, order)
     }
 
     /// [`CudaBackend::copy_to_device_async`] ordered after `after` instead of after everything
@@ -148,13 +155,36 @@ impl CudaBackend {
         stream: &CudaStream,
         after: &CudaEvent,
     ) -> Result<()> {
-        const OP: &str = "copy_to_device_after";
-        let len = self.check_copy(OP, src, &src_range, dst, dst_offset, stream)?;
+        let order = CopyOrder::After("copy_to_device_after", after);
+        self.copy_to_device_ordered(src, src_range, dst, dst_offset, stream, order)
+    }
+
+    /// The host-to-device copies' one body: checks, ordering as `order` says, the copy and its
+    /// bookkeeping.
+    fn copy_to_device_ordered(
+        &self,
+        src: &PinnedBuffer,
+        src_range: Range<usize>,
+        dst: &Buffer,
+        dst_offset: usize,
+        stream: &CudaStream,
+        order: CopyOrder<'_>,
+    ) -> Result<()> {
+        let op = order.op();
+        let len = self.check_copy(op, src, &src_range, dst, dst_offset, stream)?;
         if len == 0 {
             return Ok(());
         }
-        stream.wait_event(after)?;
-        self.queue_to_device(OP, src, src_range.start, dst, dst_offset, len, stream)?;
+        match order {
+            CopyOrder::After(_, event) => stream.wait_event(event)?,
+            CopyOrder::AfterOwner(_) => {
+                let owner = self.allocator().allocation_stream(dst.address())?;
+                if owner != stream.id() {
+                    stream.wait_stream(&stream.backend().stream_by_id(owner)?)?;
+                }
+            }
+        }
+        self.queue_to_device(op, src, src_range.start, dst, dst_offset, len, stream)?;
         self.record_copy(src, dst, stream)?;
         src.note_use(stream, false)
     }
