@@ -81,14 +81,14 @@ const VARIANTS: [(&str, Kind); 9] = [
 /// A variant's optimizer: any, or the offloaded one, whose host bytes the example reads.
 enum Built {
     OnDevice(Box<dyn Optimizer>),
-    Offloaded(OffloadedAdam),
+    Offloaded(Box<OffloadedAdam>),
 }
 
 impl Built {
     fn optimizer(&mut self) -> &mut dyn Optimizer {
         match self {
             Built::OnDevice(optimizer) => optimizer.as_mut(),
-            Built::Offloaded(optimizer) => optimizer,
+            Built::Offloaded(optimizer) => optimizer.as_mut(),
         }
     }
 
@@ -149,7 +149,7 @@ fn optimizer(kind: Kind, params: Vec<Tensor>) -> Result<Built> {
                 ..AdamConfig::adamw()
             };
             let offloaded = OffloadedAdam::new(params, OffloadConfig::new(adamw))?;
-            return Ok(Built::Offloaded(offloaded));
+            return Ok(Built::Offloaded(Box::new(offloaded)));
         }
     }))
 }
