@@ -1,6 +1,6 @@
 //! The tables of `bench-memory`'s JSON (`cargo xtask bench-memory --json`): each case beside
-//! PyTorch's anchors, the planner at each budget, and the same cases under different allocator
-//! settings.
+//! PyTorch's anchors, tokens per second of a language model's recipes at each batch on both
+//! sides, the planner at each budget, and the same cases under different allocator settings.
 //!
 //! It knows bench-memory's case names only as far as matching PyTorch's anchors needs
 //! ([`pytorch_case`]); a test holds that against headroom-bench's own cases.
@@ -105,6 +105,105 @@ pub(super) fn bench_memory_pytorch(files: &[ResultFile]) -> Result<Vec<String>> 
             torch.map_or("—".into(), |(_, ms)| format!("{ms:.2}")),
         ]));
     }
+    Ok(lines)
+}
+
+/// Tokens a row of a bench-memory document: the `--seq` its command line gave (language models;
+/// the JSON predates a field of its own).
+fn sequence_length(file: &ResultFile) -> Result<u64> {
+    let document: Value = serde_json::from_str(&file.text)
+        .with_context(|| format!("{}: not a JSON document", file.path))?;
+    let command = text(&document, "command")?;
+    let mut words = command.split_whitespace();
+    while let Some(word) = words.next() {
+        if word == "--seq" {
+            if let Some(n) = words.next().and_then(|n| n.parse().ok()) {
+                return Ok(n);
+            }
+        }
+    }
+    bail!("{}: its command has no --seq N ({command})", file.path)
+}
+
+/// Tokens per second of a language model's training recipes at each batch, ours from
+/// bench-memory documents (`.json`) and PyTorch's from anchor files (`.jsonl`, a batch that ran
+/// out of memory shown as such): batch × tokens a row ÷ the median step. The fastest row of
+/// each side is marked, and a last row gives our fastest over PyTorch's.
+pub(super) fn tokens_per_second(files: &[ResultFile]) -> Result<Vec<String>> {
+    let mut rows: Vec<(&str, String, u64, Option<(u64, f64, f64)>)> = Vec::new();
+    for file in files {
+        if file.path.ends_with(".jsonl") {
+            for line in json_lines(file)? {
+                if line["case"] == "env" {
+                    continue;
+                }
+                let (case, batch) = (text(&line, "case")?.to_owned(), count(&line, "batch")?);
+                if line["error"].is_string() {
+                    rows.push(("PyTorch", case, batch, None));
+                    continue;
+                }
+                let ms = number(&line, "step_ms_median")?;
+                let tokens = (batch * count(&line, "seq")?) as f64 * 1e3 / ms;
+                let peak = number(&line, "steady_peak_alloc")? as u64;
+                rows.push(("PyTorch", case, batch, Some((peak, ms, tokens))));
+            }
+        } else {
+            let seq = sequence_length(file)?;
+            for case in bench_memory_cases(file)? {
+                let batch = count(&case, "batch")?;
+                let ms = number(&case, "step_ms")?;
+                let tokens = (batch * seq) as f64 * 1e3 / ms;
+                let peak = count(&case, "peak_allocated_bytes")?;
+                let name = text(&case, "case")?.to_owned();
+                rows.push(("Headroom", name, batch, Some((peak, ms, tokens))));
+            }
+        }
+    }
+    let fastest = |side: &str| {
+        rows.iter()
+            .filter(|row| row.0 == side)
+            .filter_map(|row| row.3.map(|(_, _, tokens)| tokens))
+            .fold(None, |best: Option<f64>, t| {
+                Some(best.map_or(t, |b| b.max(t)))
+            })
+    };
+    let (ours, theirs) = match (fastest("Headroom"), fastest("PyTorch")) {
+        (Some(ours), Some(theirs)) => (ours, theirs),
+        _ => bail!("reads bench-memory JSON files and anchor .jsonl files: both sides needed"),
+    };
+    let mut lines = table_head(
+        "| side | case | batch | peak alloc (B) | step ms | tokens/s |",
+        "|---|---|---:|---:|---:|---:|",
+    );
+    for (side, case, batch, figures) in &rows {
+        let cells = match figures {
+            None => vec!["out of memory".to_owned(), "—".to_owned(), "—".to_owned()],
+            Some((peak, ms, tokens)) => {
+                let best = *tokens == if *side == "Headroom" { ours } else { theirs };
+                let tokens = format!("{tokens:.0}");
+                vec![
+                    thousands(*peak),
+                    format!("{ms:.1}"),
+                    if best {
+                        format!("**{tokens}** (fastest)")
+                    } else {
+                        tokens
+                    },
+                ]
+            }
+        };
+        let mut row_cells = vec![(*side).to_owned(), case.clone(), batch.to_string()];
+        row_cells.extend(cells);
+        lines.push(row(&row_cells));
+    }
+    lines.push(row(&[
+        "Headroom / PyTorch".to_owned(),
+        "each side's fastest".to_owned(),
+        String::new(),
+        String::new(),
+        String::new(),
+        format!("{:.2}×", ours / theirs),
+    ]));
     Ok(lines)
 }
 
@@ -231,7 +330,7 @@ mod tests {
     #[test]
     fn pytorch_cases_are_the_ones_headroom_bench_names() {
         let cases = headroom_bench::bench_memory_case_names();
-        assert_eq!(cases.len(), 27);
+        assert_eq!(cases.len(), 32);
         for (case, pytorch) in cases {
             assert_eq!(super::pytorch_case(case), pytorch, "{case}");
         }
@@ -239,5 +338,43 @@ mod tests {
             super::pytorch_case("adam_foreach_unbounded"),
             "adam_foreach"
         );
+    }
+
+    /// Tokens per second from the command's --seq and each side's rows; an out-of-memory batch
+    /// shows as such; the fastest of each side is marked and their ratio closes the table.
+    #[test]
+    fn tokens_per_second_marks_each_sides_fastest_and_their_ratio() {
+        let ours = r#"{"command": "headroom-bench bench-memory --model llama-3.1-8b --seq 2048 --batch 4", "cases": [
+            {"case": "adamw4bit_inbwd_bf16", "batch": 4, "step_ms": 800.0, "peak_allocated_bytes": 1000}]}"#;
+        let theirs = "{\"case\": \"env\"}\n\
+            {\"case\": \"adamw8bit_bf16\", \"batch\": 2, \"seq\": 2048, \"step_ms_median\": 512.0, \"steady_peak_alloc\": 2000}\n\
+            {\"case\": \"adamw8bit_bf16\", \"batch\": 7, \"error\": \"OutOfMemoryError\"}\n";
+        let table = super::super::rendered(
+            "tokens-per-second",
+            &[
+                ("results/x/ours.json", ours),
+                ("results/x/anchor.jsonl", theirs),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            table[2..],
+            [
+                "| Headroom | adamw4bit_inbwd_bf16 | 4 | 1,000 | 800.0 | **10240** (fastest) |",
+                "| PyTorch | adamw8bit_bf16 | 2 | 2,000 | 512.0 | **8000** (fastest) |",
+                "| PyTorch | adamw8bit_bf16 | 7 | out of memory | — | — |",
+                "| Headroom / PyTorch | each side's fastest | | | | 1.28× |",
+            ]
+        );
+        let no_seq = ours.replace("--seq 2048 ", "");
+        let err = super::super::rendered(
+            "tokens-per-second",
+            &[
+                ("results/x/ours.json", &no_seq),
+                ("results/x/anchor.jsonl", theirs),
+            ],
+        )
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("no --seq N"), "{err:#}");
     }
 }

@@ -66,6 +66,12 @@ pub(super) const KINDS: &[Kind] = &[
         render: bench_memory::bench_memory_pytorch,
     },
     Kind {
+        name: "tokens-per-second",
+        reads: "`cargo xtask bench-memory --json` files of a language model (their command's \
+                --seq) and PyTorch's anchor.jsonl files of the same model, any batches",
+        render: bench_memory::tokens_per_second,
+    },
+    Kind {
         name: "bench-memory-planner",
         reads: "`cargo xtask bench-memory --cases adam_auto --budget B --json` files, one per \
                 budget (gpu-measure.sh's planner phase)",
