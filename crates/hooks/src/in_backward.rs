@@ -23,6 +23,9 @@
 //!   never a partial update.
 //! - A parameter that gets no gradient in a step is not updated, and is counted
 //!   ([`InBackwardStats::params_without_grad`]).
+//! - An optimizer that steps asynchronously (optim's `OffloadedAdam`, whose host steps each
+//!   bucket while backward goes on) lands its updates at the end of every pass that stepped
+//!   ([`Optimizer::finish_steps`]), before the next forward can read the parameters.
 //! - A backward pass that fails (an error from a hook or an op) leaves the buckets it stepped
 //!   stepped and the rest of its gradients in `.grad`; the next pass starts clean (what the failed
 //!   one left pending is dropped, never stepped twice).

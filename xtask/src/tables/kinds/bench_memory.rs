@@ -130,7 +130,9 @@ fn sequence_length(file: &ResultFile) -> Result<u64> {
 /// out of memory shown as such): batch × tokens a row ÷ the median step. The fastest row of
 /// each side is marked, and a last row gives our fastest over PyTorch's.
 pub(super) fn tokens_per_second(files: &[ResultFile]) -> Result<Vec<String>> {
-    let mut rows: Vec<(&str, String, u64, Option<(u64, f64, f64)>)> = Vec::new();
+    // Side, case, batch, and (peak bytes, step ms, tokens/s) unless it ran out of memory.
+    type Measured = Option<(u64, f64, f64)>;
+    let mut rows: Vec<(&str, String, u64, Measured)> = Vec::new();
     for file in files {
         if file.path.ends_with(".jsonl") {
             for line in json_lines(file)? {
