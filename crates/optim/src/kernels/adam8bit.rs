@@ -16,7 +16,7 @@
 //! ([`BlockwiseBuffers::for_each_run`]) with the bits of one run on one thread. Its buffers
 //! ([`BlockwiseBuffers`]) and its f32-state loop serve torchao's 4-bit Adam (`adam4bit.rs`) too.
 
-use super::quantization::{quantize_state_code, QuantizationMap};
+use super::quantization::{QuantizationMap, StateCodeTable};
 use super::{
     check_adam_ranges, check_host_scaling, check_len, check_step, Bf16Rounding, GradScaling,
     ParamElement, ParamRounding, StepOutcome, PARALLEL_CHUNK,
@@ -157,8 +157,15 @@ pub fn adam8bit_blockwise<T: ParamElement>(
         return Ok(StepOutcome::Skipped);
     }
     let c = StepConsts::new(cfg, step);
+    // The code search as a lookup (the CUDA kernel's table: the same codes, without the
+    // search's eight dependent branches per code).
+    let tables = (
+        StateCodeTable::shared(qmap1, true),
+        StateCodeTable::shared(qmap2, false),
+    );
+    let tables = (tables.0.as_deref(), tables.1.as_deref());
     bufs.for_each_run(1, BNB_BLOCK_SIZE, |first, run| {
-        blocks_8bit(&c, (qmap1, qmap2), scaling, rounding, first, run)
+        blocks_8bit(&c, (qmap1, qmap2), tables, scaling, rounding, first, run)
     });
     Ok(StepOutcome::Stepped)
 }
@@ -168,6 +175,7 @@ pub fn adam8bit_blockwise<T: ParamElement>(
 fn blocks_8bit<T: ParamElement>(
     c: &StepConsts,
     (qmap1, qmap2): (&QuantizationMap, &QuantizationMap),
+    (table1, table2): (Option<&StateCodeTable>, Option<&StateCodeTable>),
     scaling: GradScaling,
     rounding: ParamRounding,
     first: usize,
@@ -216,7 +224,7 @@ fn blocks_8bit<T: ParamElement>(
         // One reciprocal per block (1/0 = inf turns an all-zero block into NaN, as 0/0 would).
         let (inv1, inv2) = (1.0 / max1, 1.0 / max2);
         for j in 0..len {
-            let mut code1 = quantize_state_code(qmap1, true, s1[j] * inv1);
+            let mut code1 = StateCodeTable::code_or_search(table1, qmap1, true, s1[j] * inv1);
             if qmap1[usize::from(code1)].is_sign_negative() != s1[j].is_sign_negative() {
                 code1 = if s1[j] > 0.0 {
                     code1.wrapping_add(1)
@@ -225,7 +233,7 @@ fn blocks_8bit<T: ParamElement>(
                 };
             }
             c1[j] = code1;
-            c2[j] = quantize_state_code(qmap2, false, s2[j] * inv2);
+            c2[j] = StateCodeTable::code_or_search(table2, qmap2, false, s2[j] * inv2);
         }
     }
 }

@@ -7,7 +7,10 @@
 //! `dQuantize` (used by `quantize_blockwise`), [`quantize_state_code`] is `quantize_2D` (used
 //! inside the 8-bit optimizer kernels). They differ only at the ends of the table.
 //! [`StateCodeTable`] finds `quantize_state_code`'s codes without the search, by one table
-//! entry per bin of the float's bits (what the GPU kernel does). This module knows nothing about optimizers or tensors.
+//! entry per bin of the float's bits (what the GPU kernel does, and the host 8-bit kernel through
+//! a process-wide cache of tables). This module knows nothing about optimizers or tensors.
+
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::error::OptimError;
 
@@ -226,6 +229,14 @@ impl StateCodeTable {
     /// If a bin holds more than one code change (not so for bitsandbytes' dynamic maps; a test
     /// builds both tables and checks them against the search).
     pub fn new(map: &QuantizationMap, signed: bool) -> StateCodeTable {
+        match StateCodeTable::try_new(map, signed) {
+            Ok(table) => table,
+            Err(reason) => panic!("{reason}"),
+        }
+    }
+
+    /// [`StateCodeTable::new`], or why this map has none (a bin with more than one code change).
+    pub fn try_new(map: &QuantizationMap, signed: bool) -> Result<StateCodeTable, String> {
         let code = |x: f32| quantize_state_code(map, signed, x);
         let mut bins = vec![0u32; 2 * CODE_BINS_PER_SIGN];
         for bin in 0..CODE_BINS_PER_SIGN {
@@ -270,7 +281,11 @@ impl StateCodeTable {
                         }
                         lo
                     }
-                    _ => panic!("bin {bin} (negative {negative}) holds {changes} code changes"),
+                    _ => {
+                        return Err(format!(
+                            "bin {bin} (negative {negative}) holds {changes} code changes"
+                        ))
+                    }
                 };
                 let idx = if negative {
                     CODE_BINS_PER_SIGN + bin
@@ -280,9 +295,41 @@ impl StateCodeTable {
                 bins[idx] = u32::from(base) | (step_key << 8);
             }
         }
-        StateCodeTable {
+        Ok(StateCodeTable {
             bins,
             nan_code: code(f32::NAN),
+        })
+    }
+
+    /// The table of `map` (signed or not) for the host kernels, built at its first use and
+    /// kept for the process (a few distinct maps; past 16 a table is built per call), or `None`
+    /// for a map with no table, which the kernels then search.
+    pub(crate) fn shared(map: &QuantizationMap, signed: bool) -> Option<Arc<StateCodeTable>> {
+        type Entry = ([u32; MAP_LEN], bool, Option<Arc<StateCodeTable>>);
+        static BUILT: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
+        let key = map.map(f32::to_bits);
+        let mut built = BUILT.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, _, table)) = built.iter().find(|(k, s, _)| *k == key && *s == signed) {
+            return table.clone();
+        }
+        let table = StateCodeTable::try_new(map, signed).ok().map(Arc::new);
+        if built.len() < 16 {
+            built.push((key, signed, table.clone()));
+        }
+        table
+    }
+
+    /// The code of `x`: through `table` when there is one, else by the search.
+    #[inline]
+    pub(crate) fn code_or_search(
+        table: Option<&StateCodeTable>,
+        map: &QuantizationMap,
+        signed: bool,
+        x: f32,
+    ) -> u8 {
+        match table {
+            Some(table) => table.code(x),
+            None => quantize_state_code(map, signed, x),
         }
     }
 
