@@ -2,8 +2,8 @@
 //!
 //! The command line is [`Cli`], declared with clap: every task's `--help` is generated from it
 //! and exits 0. Each task is one module with a `run` entry point. The measurements
-//! (`bench-memory`, `find-max-batch`, `replay-trace`) live in `crates/bench`: [`measurements`]
-//! hands them, with their arguments untouched (`--help` included), to its binary, built in
+//! (`bench-memory`, `find-max-batch`, `replay-trace`, `plan`) live in `crates/bench`:
+//! [`measurements`] hands them, with their arguments untouched (`--help` included), to its binary, built in
 //! release, so that xtask itself stays small and builds in debug (`tidy` and `tables` compile no
 //! CUDA code). An error is printed as one line, `error: ` and its chain, with exit status 1 and
 //! no backtrace. xtask sits on top of the library crates and may use anyhow; no library crate
@@ -53,6 +53,12 @@ enum Task {
         after_help = measurements::forwarded_help("replay-trace")
     )]
     ReplayTrace(measurements::Forwarded),
+    /// The fastest bf16 AdamW recipe whose predicted peak fits a Llama-shaped model under a cap.
+    #[command(
+        disable_help_flag = true,
+        after_help = measurements::forwarded_help("plan")
+    )]
+    Plan(measurements::Forwarded),
     /// Renders each measured table of the READMEs from its committed raw result.
     #[command(long_about = tables::LONG_ABOUT, after_long_help = tables::kinds_help())]
     Tables {
@@ -87,6 +93,7 @@ fn run(task: Task) -> Result<()> {
         Task::BenchMemory(forwarded) => measurements::run("bench-memory", &forwarded.args),
         Task::FindMaxBatch(forwarded) => measurements::run("find-max-batch", &forwarded.args),
         Task::ReplayTrace(forwarded) => measurements::run("replay-trace", &forwarded.args),
+        Task::Plan(forwarded) => measurements::run("plan", &forwarded.args),
         Task::Tables { check } => tables::run(check),
         Task::Tidy => tidy::run(),
         Task::BuildKernels { check } => build_kernels::run(check),
@@ -145,11 +152,12 @@ mod tests {
     #[test]
     fn the_measurements_arguments_pass_through_untouched() {
         let words = ["--help", "--batch", "1,32", "--cases", "sgd", "-h"];
-        for name in ["bench-memory", "find-max-batch", "replay-trace"] {
+        for name in ["bench-memory", "find-max-batch", "replay-trace", "plan"] {
             let task = parse(&[&[name][..], &words].concat()).unwrap();
             let (Task::BenchMemory(forwarded)
             | Task::FindMaxBatch(forwarded)
-            | Task::ReplayTrace(forwarded)) = task
+            | Task::ReplayTrace(forwarded)
+            | Task::Plan(forwarded)) = task
             else {
                 panic!("{name} parsed as {task:?}");
             };

@@ -1,8 +1,8 @@
-//! `cargo xtask bench-memory | find-max-batch | replay-trace`: the measurements, which live in
-//! `crates/bench` (package `headroom-bench`). xtask does not link them: it runs
-//! `cargo run --release -p headroom-bench -- <command> <args>` with the arguments it was given,
-//! in the directory it was started in (relative paths mean what they meant), and exits as that
-//! run exits. So `cargo xtask tidy` and `cargo xtask tables` build no model, optimizer or CUDA
+//! `cargo xtask bench-memory | find-max-batch | replay-trace | plan`: the measurements (and the
+//! planner), which live in `crates/bench` (package `headroom-bench`). xtask does not link them:
+//! it runs `cargo run --release -p headroom-bench -- <command> <args>` with the arguments it was
+//! given, in the directory it was started in (relative paths mean what they meant), and exits as
+//! that run exits. So `cargo xtask tidy` and `cargo xtask tables` build no model, optimizer or CUDA
 //! code, while what a measurement times is optimised code.
 //!
 //! It knows the commands' names and one line about each (`cargo xtask --help`); their options

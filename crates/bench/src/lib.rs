@@ -1,7 +1,8 @@
 //! Headroom's measurements, one subcommand each: `bench-memory` (peak memory, where it goes and
 //! step time, per optimizer and technique, beside PyTorch's figures), `find-max-batch` (the
-//! largest batch each case trains at under a memory cap) and `replay-trace` (a PyTorch allocator
-//! trace through Headroom's allocator on simulated memory).
+//! largest batch each case trains at under a memory cap), `replay-trace` (a PyTorch allocator
+//! trace through Headroom's allocator on simulated memory), and `plan` (the fastest bf16 AdamW
+//! recipe whose predicted peak fits a Llama-shaped model under a cap; no device).
 //!
 //! The command line is [`Cli`], declared with clap: each command's options are one `Args`
 //! struct in its module, and its `--help` is generated from the same tables its errors name
@@ -19,6 +20,7 @@
 mod bench_memory;
 mod find_max_batch;
 mod output_paths;
+mod plan;
 mod replay_trace;
 
 #[cfg(test)]
@@ -47,6 +49,7 @@ enum Command {
     BenchMemory(bench_memory::Args),
     FindMaxBatch(find_max_batch::Args),
     ReplayTrace(replay_trace::Args),
+    Plan(plan::Args),
 }
 
 impl Cli {
@@ -57,6 +60,7 @@ impl Cli {
             Command::BenchMemory(args) => bench_memory::run(args, command_line),
             Command::FindMaxBatch(args) => find_max_batch::run(args, command_line),
             Command::ReplayTrace(args) => replay_trace::run(args),
+            Command::Plan(args) => plan::run(args),
         }
     }
 }
