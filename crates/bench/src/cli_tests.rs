@@ -51,7 +51,10 @@ fn the_commands_are_bench_memory_find_max_batch_and_replay_trace() {
         .get_subcommands()
         .map(|command| command.get_name().to_owned())
         .collect();
-    assert_eq!(names, ["bench-memory", "find-max-batch", "replay-trace", "plan"]);
+    assert_eq!(
+        names,
+        ["bench-memory", "find-max-batch", "replay-trace", "plan"]
+    );
     let text = help(&["--help"]);
     for name in &names {
         assert!(text.contains(name.as_str()), "{text}");
