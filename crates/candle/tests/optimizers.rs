@@ -26,17 +26,9 @@ use headroom_optim::{
 /// the kernels' parallel runs.
 const SHAPES: [&[usize]; 4] = [&[64, 32], &[32], &[5000], &[256, 320]];
 
-/// `n` values in [-scale/2, scale/2) from an xorshift stream of `seed`.
+/// `n` values in [-scale/2, scale/2) from testkit's xorshift stream of `seed`.
 fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-        })
-        .collect()
+    headroom_testkit::inputs::centered_f32(n, scale, seed)
 }
 
 /// Values as `dtype` and back to f32 (exact for bf16).

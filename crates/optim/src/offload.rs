@@ -255,24 +255,7 @@ fn check_param(param: &Tensor, device: Device) -> Result<(), OptimError> {
 /// Checks `grad` against its parameter: same dtype, shape and device, contiguous.
 pub(crate) fn check_grad(param: &Tensor, grad: &Tensor) -> Result<(), OptimError> {
     check_param(grad, param.device())?;
-    if grad.dtype() != param.dtype() {
-        return Err(OptimError::DType {
-            op: "gradient",
-            expected: param.dtype(),
-            got: grad.dtype(),
-        });
-    }
-    if grad.shape() != param.shape() {
-        return Err(OptimError::UnsupportedTensor {
-            op: "gradient",
-            reason: format!(
-                "gradient shape {:?} for a parameter of shape {:?}",
-                grad.shape(),
-                param.shape()
-            ),
-        });
-    }
-    Ok(())
+    crate::optimizer::check_grad_like(param, grad)
 }
 
 /// One step of CPU parameters, in the call: each gradient is read into an aligned buffer, the

@@ -20,17 +20,9 @@ use headroom_optim::{
 /// continue across chunks), two small ones and a matrix.
 const SHAPES: [&[usize]; 4] = [&[300, 500], &[4096], &[37], &[8, 8]];
 
-/// `n` values in `[-scale/2, scale/2)` from a xorshift stream of `seed`.
+/// `n` values in `[-scale/2, scale/2)` from testkit's xorshift stream of `seed`.
 fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-        })
-        .collect()
+    headroom_testkit::inputs::centered_f32(n, scale, seed)
 }
 
 fn tensor(backend: &BackendRef, values: &[f32], shape: &[usize], dtype: DType) -> Tensor {

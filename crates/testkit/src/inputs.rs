@@ -64,6 +64,15 @@ pub fn uniform_f32(n: usize, seed: u64) -> Vec<f32> {
     (0..n).map(|_| random.next_signed_f32()).collect()
 }
 
+/// `n` floats in [-width/2, width/2) from [`Xorshift::new(seed)`](Xorshift::new):
+/// [`uniform_f32`]'s values scaled by `width / 2` (the optimizer tests' parameters and gradients).
+pub fn centered_f32(n: usize, width: f32, seed: u64) -> Vec<f32> {
+    let mut random = Xorshift::new(seed);
+    (0..n)
+        .map(|_| random.next_signed_f32() * 0.5 * width)
+        .collect()
+}
+
 /// `n` floats in [low, high) from [`Xorshift::new(seed)`](Xorshift::new).
 pub fn uniform_f64(n: usize, low: f64, high: f64, seed: u64) -> Vec<f64> {
     let mut random = Xorshift::new(seed);

@@ -409,6 +409,12 @@ fn dtype_order(dtype: DType) -> usize {
 
 fn check_grad(device: &StepDevice, param: &Tensor, grad: &Tensor) -> Result<(), OptimError> {
     device.check("gradient", grad)?;
+    check_grad_like(param, grad)?;
+    crate::host::check_disjoint("gradient", &[param, grad])
+}
+
+/// Checks that `grad` has `param`'s dtype and shape (what every optimizer asks of a gradient).
+pub(crate) fn check_grad_like(param: &Tensor, grad: &Tensor) -> Result<(), OptimError> {
     if grad.dtype() != param.dtype() {
         return Err(OptimError::DType {
             op: "gradient",
@@ -426,7 +432,7 @@ fn check_grad(device: &StepDevice, param: &Tensor, grad: &Tensor) -> Result<(), 
             ),
         });
     }
-    crate::host::check_disjoint("gradient", &[param, grad])
+    Ok(())
 }
 
 impl<R: UpdateRule> Optimizer for GroupOptimizer<R> {

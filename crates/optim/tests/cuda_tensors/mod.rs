@@ -8,7 +8,6 @@ use headroom_ops_cuda::CudaBackend;
 use headroom_optim::kernels::{bf16, f16, GradScaling};
 use headroom_optim::{DeviceGradScaling, Optimizer, Scaling, StepParams};
 use headroom_testkit::gpu::shared_or_skip;
-use headroom_testkit::inputs::Xorshift;
 
 /// The CUDA backend the test binary's tests share (testkit's `shared_or_skip`) and the CPU
 /// backend, or `None` after the GPU gate's skip notice.
@@ -21,10 +20,7 @@ pub(crate) fn shared_cuda_and_cpu() -> Option<(BackendRef, BackendRef)> {
 
 /// `n` values uniform in `[-scale/2, scale/2)` from testkit's xorshift stream of `seed`.
 pub(crate) fn random(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    let mut stream = Xorshift::new(seed);
-    (0..n)
-        .map(|_| stream.next_signed_f32() * 0.5 * scale)
-        .collect()
+    headroom_testkit::inputs::centered_f32(n, scale, seed)
 }
 
 /// A tensor's elements as little-endian bytes.
