@@ -25,6 +25,10 @@
 //! with every activation kept (`adamw8bit_bf16`, `adamw4bit_bf16`) have no measured peak of
 //! ours to hold their prediction to (the test holds the eight that do).
 //!
+//! `--find-max-model` walks the standard shapes (Llama-3.2-1B, 3B, Llama-3.1-8B, Qwen2.5-14B,
+//! 32B, Llama-3.1-70B; not yet the widths and depths between them) and reports the largest
+//! whose plan fits, from the same predictions: nothing is measured.
+//!
 //! It sits on nn's Llama configs and optim's quantisation constants; it knows no device.
 
 use anyhow::{bail, Result};
@@ -43,7 +47,8 @@ use headroom_optim::kernels::{is_quantized_4bit, AO_BLOCK_SIZE, BNB_BLOCK_SIZE, 
                   device; `bench-memory --cases <recipe>` measures one."
 )]
 pub(crate) struct Args {
-    /// A Llama-shaped model: llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-tiny.
+    /// A Llama-shaped model: llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, qwen2.5-14b, qwen2.5-32b,
+    /// llama-3.1-70b, llama-tiny.
     #[arg(long, default_value = "llama-3.1-8b")]
     model: String,
     /// Tokens a row.
@@ -58,7 +63,22 @@ pub(crate) struct Args {
     /// Host memory the plan may use, MiB (default: no limit).
     #[arg(long, value_name = "MIB")]
     host_cap_mb: Option<u64>,
+    /// Instead of one model: the plan of each standard shape (Llama-3.2-1B and 3B, Llama-3.1-8B,
+    /// Qwen2.5-14B and 32B, Llama-3.1-70B) and the largest whose plan fits — predicted, not
+    /// measured.
+    #[arg(long, conflicts_with = "model")]
+    find_max_model: bool,
 }
+
+/// The standard shapes `--find-max-model` walks, smallest first.
+const STANDARD_SHAPES: [&str; 6] = [
+    "llama-3.2-1b",
+    "llama-3.2-3b",
+    "llama-3.1-8b",
+    "qwen2.5-14b",
+    "qwen2.5-32b",
+    "llama-3.1-70b",
+];
 
 /// Where AdamW's state lives and how wide it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -206,13 +226,78 @@ pub(crate) fn predict(
     }
 }
 
+/// The first (fastest) recipe whose predicted peaks fit `cap` (and `host_cap`).
+fn choose(
+    config: &LlamaConfig,
+    seq: usize,
+    batch: usize,
+    cap: u64,
+    host_cap: Option<u64>,
+) -> Option<(Recipe, Prediction)> {
+    RECIPES.into_iter().find_map(|recipe| {
+        let prediction = predict(config, seq, batch, recipe);
+        let fits = prediction.gpu_peak <= cap && host_cap.is_none_or(|c| prediction.host_bytes <= c);
+        fits.then_some((recipe, prediction))
+    })
+}
+
+/// `--find-max-model`: each standard shape's plan, and the largest that has one.
+fn find_max_model(args: &Args) -> Result<()> {
+    let (cap, host_cap) = (args.memory_cap_mb << 20, args.host_cap_mb.map(|mb| mb << 20));
+    println!(
+        "predicted plans at {} rows of {} tokens, GPU cap {} MiB{} (bf16 weights, AdamW)\n",
+        args.batch,
+        args.seq,
+        args.memory_cap_mb,
+        args.host_cap_mb
+            .map_or(String::new(), |mb| format!(", host cap {mb} MiB"))
+    );
+    println!(
+        "{:<16} {:>16}  {:<28} {:>16} {:>16}",
+        "model", "parameters", "plan", "GPU peak (B)", "host (B)"
+    );
+    let mut largest = None;
+    for name in STANDARD_SHAPES {
+        let config = LlamaConfig::named(name).expect("a standard shape has a config");
+        let n = config.num_parameters();
+        match choose(&config, args.seq, args.batch, cap, host_cap) {
+            Some((recipe, prediction)) => {
+                println!(
+                    "{name:<16} {n:>16}  {:<28} {:>16} {:>16}",
+                    recipe.case, prediction.gpu_peak, prediction.host_bytes
+                );
+                largest = Some((name, n));
+            }
+            None => println!("{name:<16} {n:>16}  {:<28}", "none fits"),
+        }
+    }
+    match largest {
+        Some((name, n)) => {
+            println!(
+                "\nlargest that fits (predicted): {name}, {n} parameters. Measure it with `cargo \
+                 xtask bench-memory --model {name} --seq {} --batch {} --cases <its plan>`.",
+                args.seq, args.batch
+            );
+            Ok(())
+        }
+        None => bail!(
+            "no standard shape fits {} MiB at batch {}: lower --batch or --seq",
+            args.memory_cap_mb,
+            args.batch
+        ),
+    }
+}
+
 /// Runs `plan`: every recipe's prediction, and the first (fastest) that fits.
 pub(crate) fn run(args: Args) -> Result<()> {
+    if args.find_max_model {
+        return find_max_model(&args);
+    }
     let Some(config) = LlamaConfig::named(&args.model) else {
         bail!(
-            "--model {}: not a Llama-shaped model (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, \
-             llama-tiny)",
-            args.model
+            "--model {}: not a Llama-shaped model ({}, llama-tiny)",
+            args.model,
+            STANDARD_SHAPES.join(", ")
         );
     };
     let cap = args.memory_cap_mb << 20;
@@ -320,6 +405,19 @@ mod tests {
                 100.0 * error
             );
         }
+    }
+
+    /// Under an H200's 139 GiB at 2048 tokens, the largest standard shape with a plan is
+    /// Qwen2.5-32B (4-bit states, checkpointed, inside backward); Llama-3.1-70B's bf16 weights
+    /// alone (141 GB) do not fit.
+    #[test]
+    fn the_largest_standard_shape_under_an_h200_is_qwen2_5_32b() {
+        let cap = 139u64 << 30;
+        let plan = |name| choose(&LlamaConfig::named(name).unwrap(), 2048, 1, cap, None);
+        let (recipe, prediction) = plan("qwen2.5-32b").expect("32B has a plan");
+        assert_eq!(recipe.case, "adamw4bit_inbwd_bf16_ckpt");
+        assert!(prediction.gpu_peak <= cap);
+        assert!(plan("llama-3.1-70b").is_none());
     }
 
     /// The state terms are optim's: Llama-3.1-8B's 4-bit state is the 8,532,152,576 bytes

@@ -108,7 +108,18 @@ fn llama_3_shapes_have_the_published_parameter_counts() {
     assert_eq!(LlamaConfig::llama_3_2_1b().num_parameters(), 1_235_814_400);
     assert_eq!(LlamaConfig::llama_3_2_3b().num_parameters(), 3_212_749_824);
     assert_eq!(LlamaConfig::llama_3_1_8b().num_parameters(), 8_030_261_248);
-    for name in ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"] {
+    // The larger shapes find-max-model walks (Qwen2.5's 14B and 32B, Llama-3.1-70B).
+    assert_eq!(LlamaConfig::qwen2_5_14b().num_parameters(), 14_770_033_664);
+    assert_eq!(LlamaConfig::qwen2_5_32b().num_parameters(), 32_763_876_352);
+    assert_eq!(LlamaConfig::llama_3_1_70b().num_parameters(), 70_553_706_496);
+    for name in [
+        "llama-3.2-1b",
+        "llama-3.2-3b",
+        "llama-3.1-8b",
+        "qwen2.5-14b",
+        "qwen2.5-32b",
+        "llama-3.1-70b",
+    ] {
         let config = LlamaConfig::named(name).unwrap();
         config.validate().unwrap();
         let hugging_face: usize = hugging_face_names(&config)

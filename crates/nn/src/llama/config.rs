@@ -158,8 +158,51 @@ impl LlamaConfig {
         }
     }
 
-    /// The config of a name: `llama-tiny`, `qwen2-tiny`, `llama-3.2-1b`, `llama-3.2-3b` or
-    /// `llama-3.1-8b`.
+    /// Qwen2.5-14B's shape (14,770,033,664 parameters): width 5120, MLP 13824, 48 layers, 40
+    /// heads of 128, 8 key/value heads, q/k/v biases, a 152,064-token vocabulary, untied head.
+    pub fn qwen2_5_14b() -> LlamaConfig {
+        LlamaConfig {
+            vocab_size: 152_064,
+            hidden_size: 5120,
+            intermediate_size: 13_824,
+            num_hidden_layers: 48,
+            num_attention_heads: 40,
+            num_key_value_heads: 8,
+            head_dim: 128,
+            rms_norm_eps: 1e-5,
+            rope_theta: 1_000_000.0,
+            rope_scaling: None,
+            max_position_embeddings: 131_072,
+            tie_word_embeddings: false,
+            qkv_bias: true,
+            initializer_range: 0.02,
+        }
+    }
+
+    /// Qwen2.5-32B's shape (32,763,876,352 parameters): Qwen2.5-14B's with MLP 27648 and 64
+    /// layers.
+    pub fn qwen2_5_32b() -> LlamaConfig {
+        LlamaConfig {
+            intermediate_size: 27_648,
+            num_hidden_layers: 64,
+            ..LlamaConfig::qwen2_5_14b()
+        }
+    }
+
+    /// Llama-3.1-70B's shape (70,553,706,496 parameters): width 8192, MLP 28672, 80 layers, 64
+    /// heads of 128, 8 key/value heads, untied head, rotary scaling factor 8.
+    pub fn llama_3_1_70b() -> LlamaConfig {
+        LlamaConfig {
+            hidden_size: 8192,
+            intermediate_size: 28_672,
+            num_hidden_layers: 80,
+            num_attention_heads: 64,
+            ..LlamaConfig::llama_3_1_8b()
+        }
+    }
+
+    /// The config of a name: `llama-tiny`, `qwen2-tiny`, `llama-3.2-1b`, `llama-3.2-3b`,
+    /// `llama-3.1-8b`, `qwen2.5-14b`, `qwen2.5-32b` or `llama-3.1-70b`.
     pub fn named(name: &str) -> Option<LlamaConfig> {
         match name {
             "llama-tiny" => Some(LlamaConfig::tiny()),
@@ -167,6 +210,9 @@ impl LlamaConfig {
             "llama-3.2-1b" => Some(LlamaConfig::llama_3_2_1b()),
             "llama-3.2-3b" => Some(LlamaConfig::llama_3_2_3b()),
             "llama-3.1-8b" => Some(LlamaConfig::llama_3_1_8b()),
+            "qwen2.5-14b" => Some(LlamaConfig::qwen2_5_14b()),
+            "qwen2.5-32b" => Some(LlamaConfig::qwen2_5_32b()),
+            "llama-3.1-70b" => Some(LlamaConfig::llama_3_1_70b()),
             _ => None,
         }
     }
