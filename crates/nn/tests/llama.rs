@@ -111,7 +111,10 @@ fn llama_3_shapes_have_the_published_parameter_counts() {
     // The larger shapes find-max-model walks (Qwen2.5's 14B and 32B, Llama-3.1-70B).
     assert_eq!(LlamaConfig::qwen2_5_14b().num_parameters(), 14_770_033_664);
     assert_eq!(LlamaConfig::qwen2_5_32b().num_parameters(), 32_763_876_352);
-    assert_eq!(LlamaConfig::llama_3_1_70b().num_parameters(), 70_553_706_496);
+    assert_eq!(
+        LlamaConfig::llama_3_1_70b().num_parameters(),
+        70_553_706_496
+    );
     for name in [
         "llama-3.2-1b",
         "llama-3.2-3b",
