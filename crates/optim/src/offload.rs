@@ -5,8 +5,8 @@
 //! or bf16 rounded stochastically as [`AdamStochastic`](crate::AdamStochastic) does — no f32
 //! master copy). A step of some parameters (an in-backward bucket: hooks'
 //! `InBackward` calls [`Optimizer::step_with`] with `StepParams::Only` as gradients become final)
-//! copies their gradients to the host, steps them with the CPU kernels ([`adam_fused`],
-//! [`adam_fused_stochastic`]: rayon over 64 Ki-element chunks), and copies the new parameters
+//! copies their gradients to the host, steps them with the CPU kernels (`adam_fused`,
+//! `adam_fused_stochastic`: rayon over 32 Ki-element chunks), and copies the new parameters
 //! back. On a CUDA device (`cuda` feature) that runs behind the backward: the gradients go out on
 //! a side stream into one pinned staging block per bucket, a host thread steps the bucket as soon
 //! as its copy lands and queues the parameters' copy back on a second stream, and

@@ -16,7 +16,7 @@ use headroom_optim::{
     OffloadedAdam, OptimError, Optimizer, ParamGroup, ParamId, Scaling, StepParams,
 };
 
-/// A large parameter (stepped in parallel chunks of 64 Ki elements, whose random indices
+/// A large parameter (stepped in parallel chunks of 32 Ki elements, whose random indices
 /// continue across chunks), two small ones and a matrix.
 const SHAPES: [&[usize]; 4] = [&[300, 500], &[4096], &[37], &[8, 8]];
 
