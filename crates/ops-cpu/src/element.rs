@@ -164,12 +164,30 @@ macro_rules! scalar_as {
 }
 scalar_as!(f32, f64, i64, i32, u8);
 
+/// `value` rounded to f32 toward zero with the lowest mantissa bit set when inexact (round to
+/// odd), so that rounding the result to nearest-even in a float of 13 or more fewer mantissa bits
+/// (bf16, f16) gives `value` rounded to nearest-even directly. half's `from_f64` drops the f64's
+/// low 32 mantissa bits before rounding (bf16 always, f16 without the F16C path), which turns an
+/// f32 whose bits past bf16's are `0x8001..=0x8007` into a tie and rounds it down.
+fn round_to_odd_f32(value: f64) -> f32 {
+    let nearest = value as f32;
+    if !value.is_finite() || f64::from(nearest) == value {
+        return nearest;
+    }
+    let toward_zero = if f64::from(nearest).abs() > value.abs() {
+        f32::from_bits(nearest.to_bits() - 1)
+    } else {
+        nearest
+    };
+    f32::from_bits(toward_zero.to_bits() | 1)
+}
+
 impl Scalar for f16 {
     fn to_f64(self) -> f64 {
         f64::from(self)
     }
     fn from_f64(value: f64) -> Self {
-        f16::from_f64(value)
+        f16::from_f32(round_to_odd_f32(value))
     }
 }
 
@@ -178,7 +196,7 @@ impl Scalar for bf16 {
         f64::from(self)
     }
     fn from_f64(value: f64) -> Self {
-        bf16::from_f64(value)
+        bf16::from_f32(round_to_odd_f32(value))
     }
 }
 
@@ -264,4 +282,53 @@ pub(crate) use {dispatch_any, dispatch_float};
 /// Whether `dtype` is stored in one byte read as a truth value (masks).
 pub(crate) fn is_mask(dtype: DType) -> bool {
     matches!(dtype, DType::Bool | DType::U8)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Conversions to bf16 and f16 round to nearest-even from the value itself: an f32 just
+    /// above a bf16 tie rounds up (half's `from_f64` made it a tie and rounded down), exact ties
+    /// go to even, f64 values round once, and overflow, NaN and tiny values keep their meaning.
+    #[test]
+    fn narrow_floats_round_to_nearest_even_from_the_value() {
+        let above_tie = f32::from_bits(0xbf6c_8007);
+        assert_eq!(
+            bf16::from_f64(f64::from(above_tie)).to_bits(),
+            0xbf6c,
+            "half's own"
+        );
+        assert_eq!(
+            <bf16 as Scalar>::from_f64(f64::from(above_tie)).to_bits(),
+            0xbf6d
+        );
+        assert_eq!(bf16::from_f32(above_tie).to_bits(), 0xbf6d);
+        for bits in [
+            0x3f80_8000u32,
+            0x3f81_8000,
+            0x3f80_7fff,
+            0x3f80_8001,
+            0xc2c8_8003,
+        ] {
+            let x = f32::from_bits(bits);
+            assert_eq!(
+                <bf16 as Scalar>::from_f64(f64::from(x)).to_bits(),
+                bf16::from_f32(x).to_bits(),
+                "{bits:#x}"
+            );
+            assert_eq!(
+                <f16 as Scalar>::from_f64(f64::from(x)).to_bits(),
+                f16::from_f32(x).to_bits(),
+                "{bits:#x}"
+            );
+        }
+        // An f64 a hair above a bf16 tie (below f32's resolution) rounds up, not to even.
+        let tie = f64::from(f32::from_bits(0x3f80_8000));
+        assert_eq!(<bf16 as Scalar>::from_f64(tie).to_bits(), 0x3f80);
+        assert_eq!(<bf16 as Scalar>::from_f64(tie + 1e-12).to_bits(), 0x3f81);
+        assert_eq!(<bf16 as Scalar>::from_f64(1e300).to_bits(), 0x7f80);
+        assert!(<bf16 as Scalar>::from_f64(f64::NAN).is_nan());
+        assert_eq!(<bf16 as Scalar>::from_f64(-1e-300).to_bits(), 0x8000);
+    }
 }

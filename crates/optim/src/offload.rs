@@ -3,7 +3,8 @@
 //!
 //! Per parameter the host keeps the moments (f32) and a copy of the parameter (its dtype: f32,
 //! or bf16 rounded stochastically as [`AdamStochastic`](crate::AdamStochastic) does — no f32
-//! master copy). A step of some parameters (an in-backward bucket: hooks'
+//! master copy — or, with [`OffloadConfig::master_weights`], an f32 master of a bf16 parameter,
+//! stepped by f32 Adam and rounded to nearest into the parameter). A step of some parameters (an in-backward bucket: hooks'
 //! `InBackward` calls [`Optimizer::step_with`] with `StepParams::Only` as gradients become final)
 //! copies their gradients to the host, steps them with the CPU kernels (`adam_fused`,
 //! `adam_fused_stochastic`: rayon over 32 Ki-element chunks), and copies the new parameters
@@ -56,6 +57,11 @@ pub struct OffloadConfig {
     /// Buckets whose gradients may wait for the host at once (at least 1); a step that would
     /// queue one more first waits for the oldest.
     pub buckets_in_flight: usize,
+    /// bf16 parameters keep an f32 master copy on the host (4 more bytes a parameter there):
+    /// Adam steps the master and the parameter is its rounding to nearest, as amp's
+    /// `MasterWeights` over `Adam` does on the device. Off: the parameter is updated in bf16 with
+    /// stochastic rounding (`seed`). f32 parameters are their own master either way.
+    pub master_weights: bool,
 }
 
 impl OffloadConfig {
@@ -65,6 +71,7 @@ impl OffloadConfig {
             adam,
             seed: 0,
             buckets_in_flight: DEFAULT_BUCKETS_IN_FLIGHT,
+            master_weights: false,
         }
     }
 
@@ -155,7 +162,9 @@ impl OffloadedAdam {
         let slots = params
             .iter()
             .enumerate()
-            .map(|(index, param)| Mutex::new(HostSlot::new(index, param.clone())))
+            .map(|(index, param)| {
+                Mutex::new(HostSlot::new(index, param.clone(), config.master_weights))
+            })
             .collect();
         Ok(OffloadedAdam {
             config,
@@ -445,6 +454,8 @@ impl Optimizer for OffloadedAdam {
             };
             let exp_avg = read("exp_avg")?;
             let exp_avg_sq = read("exp_avg_sq")?;
+            let keeps_master = self.config.master_weights && param.dtype() == DType::BF16;
+            let master = keeps_master.then(|| read("master_weight")).transpose()?;
             let max_exp_avg_sq = self
                 .config
                 .adam
@@ -456,6 +467,7 @@ impl Optimizer for OffloadedAdam {
                 exp_avg,
                 exp_avg_sq,
                 max_exp_avg_sq,
+                master,
             }));
         }
         for (slot, restored) in self.slots.iter().zip(restored) {

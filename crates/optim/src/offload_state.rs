@@ -12,7 +12,7 @@ use crate::adam_stochastic::AdamStochasticConfig;
 use crate::error::OptimError;
 use crate::kernels::{
     adam_fused, adam_fused_stochastic, bf16, AdamBuffers, AdamConfig, AdamStochasticBuffers,
-    GradScaling, StepOutcome,
+    GradScaling, ParamElement, StepOutcome,
 };
 
 /// The optimizer's name in errors and state dicts.
@@ -30,6 +30,8 @@ pub(crate) struct HostSlot {
     synced_version: u64,
     /// Whether the host copy must be read again whatever the version says (a loaded state).
     host_copy_stale: bool,
+    /// Whether a bf16 parameter keeps an f32 master copy on the host.
+    master: bool,
 }
 
 /// A moment by its state-dict name.
@@ -41,6 +43,8 @@ pub(crate) struct SavedSlot {
     pub(crate) exp_avg: Vec<f32>,
     pub(crate) exp_avg_sq: Vec<f32>,
     pub(crate) max_exp_avg_sq: Option<Vec<f32>>,
+    /// The f32 master copy of a bf16 parameter, when the optimizer keeps one.
+    pub(crate) master: Option<Vec<f32>>,
 }
 
 /// The moments and the host copy of the parameter.
@@ -51,14 +55,20 @@ struct HostState {
     max_exp_avg_sq: Option<Vec<f32>>,
 }
 
-/// The host copy of a parameter, in its dtype.
+/// The host copy of a parameter: in its dtype, or an f32 master copy of a bf16 parameter.
 enum HostWeights {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
+    Master(Vec<f32>),
 }
 
+/// Elements of a master's gradient widened to f32 at a time (1 MiB of f32 scratch).
+const MASTER_CHUNK: usize = 1 << 18;
+
 impl HostSlot {
-    pub(crate) fn new(index: usize, param: Tensor) -> HostSlot {
+    /// The slot of parameter `index`; a bf16 one keeps an f32 master copy when `master`.
+    pub(crate) fn new(index: usize, param: Tensor, master: bool) -> HostSlot {
+        let master = master && param.dtype() == DType::BF16;
         HostSlot {
             index,
             param,
@@ -66,6 +76,7 @@ impl HostSlot {
             step: 0,
             synced_version: 0,
             host_copy_stale: true,
+            master,
         }
     }
 
@@ -75,7 +86,7 @@ impl HostSlot {
                 + state.exp_avg_sq.len()
                 + state.max_exp_avg_sq.as_ref().map_or(0, Vec::len);
             let weights = match &state.weights {
-                HostWeights::F32(w) => 4 * w.len(),
+                HostWeights::F32(w) | HostWeights::Master(w) => 4 * w.len(),
                 HostWeights::Bf16(w) => 2 * w.len(),
             };
             (4 * moments + weights) as u64
@@ -95,6 +106,14 @@ impl HostSlot {
             return Ok(());
         }
         let weights = match self.param.dtype() {
+            // The master starts from the parameter's values (bf16 widens exactly).
+            DType::BF16 if self.master => HostWeights::Master(
+                self.param
+                    .to_vec::<bf16>()?
+                    .iter()
+                    .map(|v| v.to_f32())
+                    .collect(),
+            ),
             DType::BF16 => HostWeights::Bf16(self.param.to_vec::<bf16>()?),
             _ => HostWeights::F32(self.param.to_vec::<f32>()?),
         };
@@ -175,6 +194,37 @@ impl HostSlot {
                 cast_mut::<bf16>(region)?.copy_from_slice(param);
                 outcome
             }
+            HostWeights::Master(master) => {
+                // f32 Adam on the master, over the bf16 gradient widened a chunk at a time (the
+                // update is element-wise, so chunks change no bit), then the parameter is the
+                // master rounded to nearest, as a master-weights wrapper's copy back rounds it.
+                let mut widened = vec![0f32; MASTER_CHUNK.min(master.len())];
+                let mut outcome = StepOutcome::Stepped;
+                let grad: &[bf16] = cast(region)?;
+                for (start, chunk) in grad.chunks(MASTER_CHUNK).enumerate() {
+                    let range = start * MASTER_CHUNK..start * MASTER_CHUNK + chunk.len();
+                    let widened = &mut widened[..chunk.len()];
+                    for (w, g) in widened.iter_mut().zip(chunk) {
+                        *w = g.to_f32();
+                    }
+                    outcome = adam_fused(
+                        adam,
+                        step,
+                        AdamBuffers {
+                            param: &mut master[range.clone()],
+                            grad: widened,
+                            exp_avg: &mut exp_avg[range.clone()],
+                            exp_avg_sq: &mut exp_avg_sq[range.clone()],
+                            max_exp_avg_sq: max_exp_avg_sq.as_deref_mut().map(|v| &mut v[range]),
+                        },
+                        GradScaling::NONE,
+                    )?;
+                }
+                for (out, value) in cast_mut::<bf16>(region)?.iter_mut().zip(master.iter()) {
+                    *out = <bf16 as ParamElement>::from_f32(*value);
+                }
+                outcome
+            }
         };
         debug_assert_eq!(outcome, StepOutcome::Stepped);
         Ok(())
@@ -195,6 +245,9 @@ impl HostSlot {
         if let Some(vmax) = &state.max_exp_avg_sq {
             moments.push(("max_exp_avg_sq", vmax.as_slice()));
         }
+        if let HostWeights::Master(master) = &state.weights {
+            moments.push(("master_weight", master.as_slice()));
+        }
         Some((self.step, moments))
     }
 
@@ -207,10 +260,17 @@ impl HostSlot {
                 self.step = 0;
             }
             Some(saved) => {
-                let weights = match self.param.dtype() {
-                    DType::BF16 => HostWeights::Bf16(Vec::new()),
+                let weights = match (self.param.dtype(), saved.master) {
+                    // A saved master is the truth (the parameter is its rounding).
+                    (DType::BF16, Some(master)) => {
+                        self.host_copy_stale = false;
+                        self.synced_version = self.param.version();
+                        HostWeights::Master(master)
+                    }
+                    (DType::BF16, None) => HostWeights::Bf16(Vec::new()),
                     _ => HostWeights::F32(Vec::new()),
                 };
+                let keep_master = matches!(weights, HostWeights::Master(_));
                 self.state = Some(HostState {
                     weights,
                     exp_avg: saved.exp_avg,
@@ -218,6 +278,9 @@ impl HostSlot {
                     max_exp_avg_sq: saved.max_exp_avg_sq,
                 });
                 self.step = saved.step;
+                if keep_master {
+                    return;
+                }
             }
         }
         self.host_copy_stale = true;
