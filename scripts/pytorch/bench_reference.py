@@ -178,6 +178,19 @@ def build_model(model_name, case):
     return model
 
 
+def step_in_backward(params, optimizer_of):
+    """The tutorial's optimizer in backward: `optimizer_of(p)` for each parameter, stepped and
+    zeroed by a post-accumulate-grad hook as soon as the parameter's gradient is final."""
+    per_param = {p: optimizer_of(p) for p in params}
+
+    def hook(p):
+        per_param[p].step()
+        per_param[p].zero_grad()
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+
 def build_case(case, model_name, seq):
     """A case's model and optimizer: `(step(batch_input), make_input(batch), zero_grad())`."""
     import torch
@@ -194,15 +207,8 @@ def build_case(case, model_name, seq):
         # torchao's AdamW with f32 moments and bf16 stochastic rounding, one per parameter from
         # a post-accumulate-grad hook.
         import torchao.optim
-        per_param = {p: torchao.optim._AdamW([p], lr=1e-4, bf16_stochastic_round=True)
-                     for p in params}
-
-        def hook(p):
-            per_param[p].step()
-            per_param[p].zero_grad()
-
-        for p in params:
-            p.register_post_accumulate_grad_hook(hook)
+        step_in_backward(params, lambda p: torchao.optim._AdamW(
+            [p], lr=1e-4, bf16_stochastic_round=True))
     elif case == 'adamw_offload_inbwd_bf16':
         # torchao's CPUOffloadOptimizer: AdamW on the host, gradients moved out from
         # post-accumulate-grad hooks (offload_gradients=True), parameters copied back in step().
@@ -215,14 +221,7 @@ def build_case(case, model_name, seq):
         import torchao.optim
         cls = torchao.optim.AdamW8bit if '8bit' in case else torchao.optim.AdamW4bit
         if 'inbwd' in case:
-            per_param = {p: cls([p], lr=1e-4, bf16_stochastic_round=True) for p in params}
-
-            def hook(p):
-                per_param[p].step()
-                per_param[p].zero_grad()
-
-            for p in params:
-                p.register_post_accumulate_grad_hook(hook)
+            step_in_backward(params, lambda p: cls([p], lr=1e-4, bf16_stochastic_round=True))
         else:
             opt = cls(params, lr=1e-4, bf16_stochastic_round=True)
     elif case.startswith('adam8bit'):
@@ -234,14 +233,7 @@ def build_case(case, model_name, seq):
         opt = None
     elif 'inbwd' in case:
         # The tutorial's optimizer in backward: one Adam(foreach=False) per parameter.
-        per_param = {p: torch.optim.Adam([p], lr=1e-4, foreach=False) for p in params}
-
-        def hook(p):
-            per_param[p].step()
-            per_param[p].zero_grad()
-
-        for p in params:
-            p.register_post_accumulate_grad_hook(hook)
+        step_in_backward(params, lambda p: torch.optim.Adam([p], lr=1e-4, foreach=False))
     elif case == 'adam_single':
         opt = torch.optim.Adam(params, lr=1e-4, foreach=False)
     elif case == 'adam_foreach':
