@@ -2,21 +2,19 @@
 //! `Var`s of f32, bf16 or f16, moments of the weights' dtype in host memory, each parameter
 //! updated in place in one pass (optim's `adam_fused`).
 //!
-//! It sits on `host_slices.rs` (slots, the in-place step) and optim's kernels; it knows nothing
+//! It sits on `rule.rs` (the optimizer a rule makes) and optim's kernels; it knows nothing
 //! of 8-bit states.
 
 use std::any::Any;
 
-use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use half::{bf16, f16};
 use headroom_optim::kernels::{adam_fused, AdamBuffers, AdamConfig, GradScaling};
 
 use crate::error::CandleOptimError;
-use crate::host_slices::{
-    float_vars, host_tensor, step_slots, typed_state, HostFloat, ParamUpdate, RuleState, Slot,
-};
-use crate::state_dict::{saved_vec, state_methods};
+use crate::host_slices::{host_tensor, typed_state, HostFloat, RuleState};
+use crate::rule::{candle_optimizer, CandleRule, Getter, Slices, StepAt};
+use crate::state_dict::saved_vec;
 
 /// One parameter's `exp_avg`, `exp_avg_sq` and, with AMSGrad, `max_exp_avg_sq`, of its dtype
 /// (f32 for `AdamWStochastic`'s bf16 parameters).
@@ -77,76 +75,23 @@ impl<T: HostFloat> Moments<T> {
     }
 }
 
-/// PyTorch's fused Adam/AdamW over candle `Var`s (configuration: optim's [`AdamConfig`]; AdamW
-/// is [`AdamConfig::adamw`]). A `Var` without a gradient is left alone and its step count does
-/// not advance, as PyTorch does. State dict: `{index}.step`, `{index}.exp_avg`,
-/// `{index}.exp_avg_sq` and, with AMSGrad, `{index}.max_exp_avg_sq`.
-#[derive(Debug)]
-pub struct AdamW {
-    slots: Vec<Slot>,
-    config: AdamConfig,
+candle_optimizer! {
+    /// PyTorch's fused Adam/AdamW over candle `Var`s (configuration: optim's [`AdamConfig`];
+    /// AdamW is [`AdamConfig::adamw`]). A `Var` without a gradient is left alone and its step
+    /// count does not advance, as PyTorch does. State dict: `{index}.step`, `{index}.exp_avg`,
+    /// `{index}.exp_avg_sq` and, with AMSGrad, `{index}.max_exp_avg_sq`.
+    AdamW(AdamConfig),
+    lr: lr,
+    check: validate,
 }
 
-state_methods!(AdamW, AdamUpdate::NAME, restore_moments);
-
-/// A `Var`'s saved moments (`exp_avg`, `exp_avg_sq`, with AMSGrad `max_exp_avg_sq`), of its
-/// dtype.
-fn restore_moments(
-    config: &AdamConfig,
-    var: &Var,
-    get: &dyn Fn(&str) -> candle_core::Result<Tensor>,
-) -> candle_core::Result<Box<dyn RuleState>> {
-    let (n, amsgrad, name) = (var.elem_count(), config.amsgrad, AdamUpdate::NAME);
-    match var.dtype() {
-        DType::BF16 => Moments::<bf16>::restore(name, get, n, amsgrad),
-        DType::F16 => Moments::<f16>::restore(name, get, n, amsgrad),
-        _ => Moments::<f32>::restore(name, get, n, amsgrad),
-    }
-}
-
-impl candle_nn::Optimizer for AdamW {
-    type Config = AdamConfig;
-
-    fn new(vars: Vec<Var>, config: AdamConfig) -> candle_core::Result<AdamW> {
-        config.validate().map_err(CandleOptimError::from)?;
-        let dtypes = [DType::F32, DType::BF16, DType::F16];
-        let slots = Slot::for_vars(float_vars(AdamUpdate::NAME, vars, &dtypes)?);
-        Ok(AdamW { slots, config })
-    }
-
-    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
-        let config = &self.config;
-        step_slots(&mut self.slots, grads, |slot| AdamUpdate {
-            config,
-            step: slot.step,
-        })
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.config.lr
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.config.lr = lr;
-    }
-}
-
-/// One parameter's fused Adam step number `step`.
-struct AdamUpdate<'a> {
-    config: &'a AdamConfig,
-    step: u64,
-}
-
-impl ParamUpdate for AdamUpdate<'_> {
+impl CandleRule for AdamConfig {
     const NAME: &'static str = "headroom_candle::AdamW";
+    const DTYPES: &'static [DType] = &[DType::F32, DType::BF16, DType::F16];
 
-    fn update<T: HostFloat>(
-        &self,
-        param: &mut [T],
-        grad: &[T],
-        state: &mut Option<Box<dyn RuleState>>,
-    ) -> candle_core::Result<()> {
-        let (len, amsgrad) = (param.len(), self.config.amsgrad);
+    fn update<T: HostFloat>(&self, at: StepAt, slices: Slices<'_, T>) -> candle_core::Result<()> {
+        let Slices { param, grad, state } = slices;
+        let (len, amsgrad) = (param.len(), self.amsgrad);
         let moments = typed_state(Self::NAME, state, || Moments::<T>::zeros(len, amsgrad))?;
         let bufs = AdamBuffers {
             param,
@@ -155,8 +100,18 @@ impl ParamUpdate for AdamUpdate<'_> {
             exp_avg_sq: &mut moments.exp_avg_sq,
             max_exp_avg_sq: moments.max_exp_avg_sq.as_deref_mut(),
         };
-        adam_fused(self.config, self.step, bufs, GradScaling::NONE)
-            .map_err(CandleOptimError::from)?;
+        adam_fused(self, at.step, bufs, GradScaling::NONE).map_err(CandleOptimError::from)?;
         Ok(())
+    }
+
+    /// The `Var`'s saved moments (`exp_avg`, `exp_avg_sq`, with AMSGrad `max_exp_avg_sq`), of
+    /// its dtype.
+    fn restore(&self, var: &Var, get: &Getter<'_>) -> candle_core::Result<Box<dyn RuleState>> {
+        let (n, amsgrad, name) = (var.elem_count(), self.amsgrad, Self::NAME);
+        match var.dtype() {
+            DType::BF16 => Moments::<bf16>::restore(name, get, n, amsgrad),
+            DType::F16 => Moments::<f16>::restore(name, get, n, amsgrad),
+            _ => Moments::<f32>::restore(name, get, n, amsgrad),
+        }
     }
 }

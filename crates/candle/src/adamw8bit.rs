@@ -4,17 +4,15 @@
 //! stochastically). States in host memory: u8 codes and one f32 scale per block of 256 for a
 //! parameter of at least 4096 elements, f32 moments for smaller ones, as bitsandbytes keeps them.
 //!
-//! It sits on `host_slices.rs` (slots, the in-place step) and optim's kernels (`adam8bit_blockwise`, `adam_bnb_32bit`); it
+//! It sits on `rule.rs` (the optimizer a rule makes) and optim's kernels (`adam8bit_blockwise`, `adam_bnb_32bit`); it
 //! knows nothing of Adam's 32-bit rule.
 
 use crate::error::CandleOptimError;
-use crate::host_slices::{
-    float_vars, host_tensor, step_slots, typed_state, HostFloat, ParamUpdate, RuleState, Slot,
-};
-use crate::state_dict::{saved_vec, state_methods};
+use crate::host_slices::{host_tensor, typed_state, HostFloat, RuleState};
+use crate::rule::{candle_optimizer, CandleRule, Getter, Slices, StepAt};
+use crate::state_dict::saved_vec;
 use std::any::Any;
 
-use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use headroom_optim::bnb_maps;
 use headroom_optim::kernels::{
@@ -76,13 +74,31 @@ impl RuleState for State8 {
 }
 
 impl State8 {
+    /// Zero state for a parameter of `n` elements: codes from `MIN_8BIT_SIZE`, f32 moments
+    /// under it.
+    fn zeros(n: usize) -> State8 {
+        if n >= MIN_8BIT_SIZE {
+            State8::Quantized {
+                state1: vec![0; n],
+                state2: vec![0; n],
+                absmax1: vec![0.0; n_blocks(n)],
+                absmax2: vec![0.0; n_blocks(n)],
+            }
+        } else {
+            State8::Full {
+                state1: vec![0.0; n],
+                state2: vec![0.0; n],
+            }
+        }
+    }
+
     /// The state saved for a `Var` of `n` elements: codes and scales from `MIN_8BIT_SIZE`, f32
     /// moments under it.
     fn restore(
         get: &dyn Fn(&str) -> candle_core::Result<Tensor>,
         n: usize,
     ) -> candle_core::Result<Box<dyn RuleState>> {
-        let name = Update8bit::NAME;
+        let name = Adam8bitConfig::NAME;
         Ok(Box::new(if n >= MIN_8BIT_SIZE {
             State8::Quantized {
                 state1: saved_vec::<u8>(name, get, "state1", n)?,
@@ -99,90 +115,28 @@ impl State8 {
     }
 }
 
-/// bitsandbytes' 8-bit blockwise AdamW over candle `Var`s (configuration: optim's
-/// [`Adam8bitConfig`]; AdamW is [`Adam8bitConfig::adamw`]); f32 `Var`s, or bf16 ones without a
-/// master copy. A `Var` without a gradient is left alone and its step count does not advance.
-/// State dict (bitsandbytes' names): `{index}.step`, `{index}.state1`, `{index}.state2` and, for
-/// 8-bit states, `{index}.absmax1`, `{index}.absmax2`.
-#[derive(Debug)]
-pub struct AdamW8bit {
-    slots: Vec<Slot>,
-    config: Adam8bitConfig,
+candle_optimizer! {
+    /// bitsandbytes' 8-bit blockwise AdamW over candle `Var`s (configuration: optim's
+    /// [`Adam8bitConfig`]; AdamW is [`Adam8bitConfig::adamw`]); f32 `Var`s, or bf16 ones without
+    /// a master copy. A `Var` without a gradient is left alone and its step count does not
+    /// advance. State dict (bitsandbytes' names): `{index}.step`, `{index}.state1`,
+    /// `{index}.state2` and, for 8-bit states, `{index}.absmax1`, `{index}.absmax2`.
+    AdamW8bit(Adam8bitConfig),
+    lr: lr,
+    check: validate,
 }
 
-state_methods!(AdamW8bit, Update8bit::NAME, restore_8bit);
-
-/// A `Var`'s saved 8-bit state (`state1`, `state2` and, for codes, `absmax1`, `absmax2`).
-fn restore_8bit(
-    _config: &Adam8bitConfig,
-    var: &Var,
-    get: &dyn Fn(&str) -> candle_core::Result<Tensor>,
-) -> candle_core::Result<Box<dyn RuleState>> {
-    State8::restore(get, var.elem_count())
-}
-
-impl candle_nn::Optimizer for AdamW8bit {
-    type Config = Adam8bitConfig;
-
-    fn new(vars: Vec<Var>, config: Adam8bitConfig) -> candle_core::Result<AdamW8bit> {
-        config.validate().map_err(CandleOptimError::from)?;
-        let dtypes = [DType::F32, DType::BF16];
-        let slots = Slot::for_vars(float_vars(Update8bit::NAME, vars, &dtypes)?);
-        Ok(AdamW8bit { slots, config })
-    }
-
-    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
-        let config = &self.config;
-        step_slots(&mut self.slots, grads, |slot| Update8bit {
-            config,
-            step: slot.step,
-            rounding: ParamRounding::of(config.bf16_rounding, slot.index, slot.step),
-        })
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.config.lr
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.config.lr = lr;
-    }
-}
-
-/// One parameter's 8-bit step number `step`, storing a bf16 parameter by `rounding`.
-struct Update8bit<'a> {
-    config: &'a Adam8bitConfig,
-    step: u64,
-    rounding: ParamRounding,
-}
-
-impl ParamUpdate for Update8bit<'_> {
+impl CandleRule for Adam8bitConfig {
     const NAME: &'static str = "headroom_candle::AdamW8bit";
+    const DTYPES: &'static [DType] = &[DType::F32, DType::BF16];
 
-    fn update<T: HostFloat>(
-        &self,
-        param: &mut [T],
-        grad: &[T],
-        state: &mut Option<Box<dyn RuleState>>,
-    ) -> candle_core::Result<()> {
+    /// One parameter's 8-bit step, storing a bf16 parameter by the configuration's rounding.
+    fn update<T: HostFloat>(&self, at: StepAt, slices: Slices<'_, T>) -> candle_core::Result<()> {
+        let Slices { param, grad, state } = slices;
         let n = param.len();
-        let state = typed_state(Self::NAME, state, || {
-            if n >= MIN_8BIT_SIZE {
-                State8::Quantized {
-                    state1: vec![0; n],
-                    state2: vec![0; n],
-                    absmax1: vec![0.0; n_blocks(n)],
-                    absmax2: vec![0.0; n_blocks(n)],
-                }
-            } else {
-                State8::Full {
-                    state1: vec![0.0; n],
-                    state2: vec![0.0; n],
-                }
-            }
-        })?;
-        let (config, step, scaling, rounding) =
-            (self.config, self.step, GradScaling::NONE, self.rounding);
+        let state = typed_state(Self::NAME, state, || State8::zeros(n))?;
+        let rounding = ParamRounding::of(self.bf16_rounding, at.index, at.step);
+        let (step, scaling) = (at.step, GradScaling::NONE);
         let outcome = match state {
             State8::Quantized {
                 state1,
@@ -199,7 +153,7 @@ impl ParamUpdate for Update8bit<'_> {
                     absmax1,
                     absmax2,
                 };
-                adam8bit_blockwise(config, step, qmap1, qmap2, bufs, scaling, rounding)
+                adam8bit_blockwise(self, step, qmap1, qmap2, bufs, scaling, rounding)
             }
             State8::Full { state1, state2 } => {
                 let bufs = F32States {
@@ -208,10 +162,16 @@ impl ParamUpdate for Update8bit<'_> {
                     state1,
                     state2,
                 };
-                adam_bnb_32bit(config, step, bufs, scaling, rounding)
+                adam_bnb_32bit(self, step, bufs, scaling, rounding)
             }
         };
         outcome.map_err(CandleOptimError::from)?;
         Ok(())
+    }
+
+    /// The `Var`'s saved 8-bit state (`state1`, `state2` and, for codes, `absmax1`,
+    /// `absmax2`).
+    fn restore(&self, var: &Var, get: &Getter<'_>) -> candle_core::Result<Box<dyn RuleState>> {
+        State8::restore(get, var.elem_count())
     }
 }

@@ -1,6 +1,5 @@
 //! What the optimizers share: each one's per-`Var` [`Slot`] with its state of the parameter's
-//! element type; [`step_slots`], which runs a rule's [`ParamUpdate`] on every `Var` with a
-//! gradient through candle's in-place op, on host slices of the parameter's element type; and
+//! element type; a parameter and its gradient as host slices of that type; and
 //! the checks that keep the optimizers to what they can step.
 //!
 //! It sits on candle's CPU storage, layouts and in-place ops; it knows nothing of the update
@@ -8,9 +7,7 @@
 
 use std::any::Any;
 
-use candle_core::backend::BackendStorage;
-use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Tensor, Var, WithDType};
+use candle_core::{CpuStorage, DType, Layout, Tensor, Var, WithDType};
 use half::{bf16, f16};
 use headroom_optim::kernels::ParamElement;
 use parking_lot::Mutex;
@@ -62,7 +59,7 @@ fn range(optimizer: &'static str, layout: &Layout) -> candle_core::Result<(usize
 }
 
 /// The parameter's elements in `param` and its gradient's in `grad`, as slices of `T`.
-fn param_and_grad<'a, T: HostFloat>(
+pub(crate) fn param_and_grad<'a, T: HostFloat>(
     optimizer: &'static str,
     (param, param_layout): (&'a mut CpuStorage, &Layout),
     (grad, grad_layout): (&'a CpuStorage, &Layout),
@@ -168,86 +165,6 @@ pub(crate) fn typed_state<'a, S: RuleState>(
             }
             .into()
         })
-}
-
-/// One parameter's update on host slices, which [`step_slots`] runs in place.
-pub(crate) trait ParamUpdate {
-    /// The optimizer's name, in errors.
-    const NAME: &'static str;
-
-    /// Updates `param` from `grad` with the parameter's `state` (`None` before its first step;
-    /// [`typed_state`] makes it).
-    fn update<T: HostFloat>(
-        &self,
-        param: &mut [T],
-        grad: &[T],
-        state: &mut Option<Box<dyn RuleState>>,
-    ) -> candle_core::Result<()>;
-}
-
-/// For every slot whose `Var` has a gradient in `grads`: its step count advances, then
-/// `update_for(slot)` updates its buffer in place. A `Var` without a gradient is left alone and
-/// keeps its step count, as PyTorch's optimizers do.
-pub(crate) fn step_slots<U: ParamUpdate>(
-    slots: &mut [Slot],
-    grads: &GradStore,
-    mut update_for: impl FnMut(&Slot) -> U,
-) -> candle_core::Result<()> {
-    for slot in slots {
-        let Some(grad) = grads.get(slot.var.as_tensor()) else {
-            continue;
-        };
-        slot.step += 1;
-        let op = InPlace {
-            update: update_for(slot),
-            state: &slot.state,
-        };
-        slot.var.as_tensor().inplace_op2(grad, &op)?;
-    }
-    Ok(())
-}
-
-/// A [`ParamUpdate`] as candle's in-place op on a parameter with its gradient.
-struct InPlace<'a, U> {
-    update: U,
-    state: &'a StateLock,
-}
-
-impl<U: ParamUpdate> InPlace<'_, U> {
-    fn run<T: HostFloat>(
-        &self,
-        param: (&mut CpuStorage, &Layout),
-        grad: (&CpuStorage, &Layout),
-    ) -> candle_core::Result<()> {
-        let (param, grad) = param_and_grad::<T>(U::NAME, param, grad)?;
-        self.update.update(param, grad, &mut self.state.lock())
-    }
-}
-
-impl<U: ParamUpdate> InplaceOp2 for InPlace<'_, U> {
-    fn name(&self) -> &'static str {
-        U::NAME
-    }
-
-    fn cpu_fwd(
-        &self,
-        dst: &mut CpuStorage,
-        dst_l: &Layout,
-        grad: &CpuStorage,
-        grad_l: &Layout,
-    ) -> candle_core::Result<()> {
-        let grad = (grad, grad_l);
-        match dst.dtype() {
-            DType::F32 => self.run::<f32>((dst, dst_l), grad),
-            DType::BF16 => self.run::<bf16>((dst, dst_l), grad),
-            DType::F16 => self.run::<f16>((dst, dst_l), grad),
-            other => Err(CandleOptimError::Unsupported {
-                optimizer: U::NAME,
-                reason: format!("a {other:?} parameter"),
-            }
-            .into()),
-        }
-    }
 }
 
 /// A state buffer as a 1-d CPU tensor.

@@ -39,6 +39,7 @@ mod adamw_stochastic;
 mod clip;
 mod error;
 mod host_slices;
+mod rule;
 mod sgd;
 mod state_dict;
 

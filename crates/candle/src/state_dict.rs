@@ -9,17 +9,11 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::{Device, Tensor, Var, WithDType};
+use candle_core::{Device, Tensor, WithDType};
 
 use crate::error::CandleOptimError;
-use crate::host_slices::{RuleState, Slot};
-
-/// How a rule rebuilds one `Var`'s state from its saved tensors (fetched by name).
-pub(crate) type Restore<'a> = dyn Fn(
-        &Var,
-        &dyn Fn(&str) -> candle_core::Result<Tensor>,
-    ) -> candle_core::Result<Box<dyn RuleState>>
-    + 'a;
+use crate::host_slices::Slot;
+use crate::rule::CandleRule;
 
 /// The state dict of `slots`.
 pub(crate) fn state_dict(slots: &[Slot]) -> candle_core::Result<HashMap<String, Tensor>> {
@@ -39,13 +33,13 @@ pub(crate) fn state_dict(slots: &[Slot]) -> candle_core::Result<HashMap<String, 
 }
 
 /// Replaces the state of `slots` by `saved`'s (a `Var` without entries starts afresh), each
-/// rebuilt by `restore`; an entry for no `Var` of the optimizer is an error.
-pub(crate) fn load_state_dict(
-    optimizer: &'static str,
+/// rebuilt by `rule`; an entry for no `Var` of the optimizer is an error.
+pub(crate) fn load_state_dict<R: CandleRule>(
+    rule: &R,
     slots: &mut [Slot],
     saved: &HashMap<String, Tensor>,
-    restore: &Restore<'_>,
 ) -> candle_core::Result<()> {
+    let optimizer = R::NAME;
     let unknown = saved.keys().find(|key| {
         let index = key.split('.').next().and_then(|i| i.parse::<usize>().ok());
         index.is_none_or(|i| i >= slots.len())
@@ -71,7 +65,7 @@ pub(crate) fn load_state_dict(
                     refused(optimizer, format!("the state dict has no `{index}.{name}`"))
                 })
         };
-        let state = restore(&slot.var, &get)?;
+        let state = rule.restore(&slot.var, &get)?;
         slot.step = u64::try_from(step.to_scalar::<i64>()?)
             .map_err(|_| refused(optimizer, format!("a negative `{index}.step`")))?;
         *slot.state.lock() = Some(state);
@@ -115,62 +109,3 @@ pub(crate) fn load(path: &Path) -> candle_core::Result<HashMap<String, Tensor>> 
 fn refused(optimizer: &'static str, reason: String) -> candle_core::Error {
     CandleOptimError::Unsupported { optimizer, reason }.into()
 }
-
-/// The state methods of an optimizer `$optimizer` of this crate (fields `slots` and `config`):
-/// `state_bytes`, `var_step`, `state_dict`, `load_state_dict` (each `Var`'s state rebuilt by
-/// `$restore(&config, var, get)`, named `$name` in errors), `save_state` and `load_state`.
-macro_rules! state_methods {
-    ($optimizer:ident, $name:expr, $restore:path) => {
-        impl $optimizer {
-            /// The bytes of state the optimizer holds (allocated at each `Var`'s first step).
-            pub fn state_bytes(&self) -> u64 {
-                $crate::host_slices::state_bytes(&self.slots)
-            }
-
-            /// The number of steps the `Var` at `index` (among the float `Var`s given) has
-            /// taken.
-            pub fn var_step(&self, index: usize) -> Option<u64> {
-                self.slots.get(index).map(|s| s.step)
-            }
-
-            /// The state as named tensors: `{index}.step` and the rule's buffers (the type's
-            /// documentation names them) for each `Var` that has stepped.
-            pub fn state_dict(
-                &self,
-            ) -> candle_core::Result<std::collections::HashMap<String, candle_core::Tensor>> {
-                $crate::state_dict::state_dict(&self.slots)
-            }
-
-            /// Continues from `saved` (an earlier `state_dict` of this optimizer over the same
-            /// `Var`s in the same order): step counts and buffers, checked against each `Var`'s
-            /// dtype and size.
-            pub fn load_state_dict(
-                &mut self,
-                saved: &std::collections::HashMap<String, candle_core::Tensor>,
-            ) -> candle_core::Result<()> {
-                let config = &self.config;
-                let restore =
-                    |var: &candle_core::Var,
-                     get: &dyn Fn(&str) -> candle_core::Result<candle_core::Tensor>| {
-                        $restore(config, var, get)
-                    };
-                $crate::state_dict::load_state_dict($name, &mut self.slots, saved, &restore)
-            }
-
-            /// Writes the state dict to the safetensors file `path`.
-            pub fn save_state(&self, path: impl AsRef<std::path::Path>) -> candle_core::Result<()> {
-                $crate::state_dict::save(&self.state_dict()?, path.as_ref())
-            }
-
-            /// Loads the state dict from the safetensors file `path`.
-            pub fn load_state(
-                &mut self,
-                path: impl AsRef<std::path::Path>,
-            ) -> candle_core::Result<()> {
-                self.load_state_dict(&$crate::state_dict::load(path.as_ref())?)
-            }
-        }
-    };
-}
-
-pub(crate) use state_methods;
