@@ -31,7 +31,8 @@ without it); the `adamw8bit_*` and `adamw4bit_*` cases torchao (0.18: `AdamW8bit
 with `bf16_stochastic_round=True` on the bf16 model; inside backward one optimizer per
 parameter, stepped by a post-accumulate-grad hook); `adamw_inbwd_bf16` torchao's `_AdamW`
 (f32 moments, `bf16_stochastic_round=True`) the same way and `adamw_offload_inbwd_bf16` its
-`CPUOffloadOptimizer(torch.optim.AdamW, offload_gradients=True, fused=True)`; bench-memory's cases with no PyTorch counterpart (`adam_foreach_unbounded` is
+`CPUOffloadOptimizer(torch.optim.AdamW, offload_gradients=True, fused=True)` (also the anchor
+of `adamw_offload_stream_inbwd_bf16`, whose GPU steps the host-held moments); bench-memory's cases with no PyTorch counterpart (`adam_foreach_unbounded` is
 `adam_foreach` here, `adam8bit_inbwd`, `adam_inbwd_clip`, `adam_inbwd_clip_prev`,
 `adam_ckpt8bit`, `adam_auto`) are not offered. `sgd_bf16_model` is no bench-memory case but
 PyTorch's side of `crates/ops-cuda/benches/vit_step.rs`'s bf16 setting: `model.bfloat16()` (bf16
@@ -55,6 +56,7 @@ CASES = [
     'adamw8bit_bf16_ckpt', 'adamw8bit_inbwd_bf16_ckpt', 'adamw4bit_bf16_ckpt',
     'adamw4bit_inbwd_bf16_ckpt', 'adamw8bit_bf16', 'adamw8bit_inbwd_bf16', 'adamw4bit_bf16',
     'adamw4bit_inbwd_bf16', 'adamw_inbwd_bf16', 'adamw_offload_inbwd_bf16',
+    'adamw_offload_stream_inbwd_bf16',
 ]
 # Cases of other benches, run when --cases names them (not by default, not by find_max_batch.py).
 OTHER_CASES = ['sgd_bf16_model']
@@ -63,7 +65,7 @@ BF16_MODEL_CASES = {'fwd_bwd_bf16', 'fwd_bwd_bf16_ckpt', 'sgd_bf16_model', 'adam
                     'adamw8bit_inbwd_bf16_ckpt', 'adamw4bit_bf16_ckpt',
                     'adamw4bit_inbwd_bf16_ckpt', 'adamw4bit_inbwd_bf16', 'adamw8bit_bf16',
                     'adamw8bit_inbwd_bf16', 'adamw4bit_bf16', 'adamw_inbwd_bf16',
-                    'adamw_offload_inbwd_bf16'}
+                    'adamw_offload_inbwd_bf16', 'adamw_offload_stream_inbwd_bf16'}
 VIT_MODELS = {'vit_l_16', 'vit_b_16'}
 GPT2_MODELS = {  # Hugging Face's configs: (n_embd, n_layer, n_head)
     'gpt2': (768, 12, 12),
@@ -209,7 +211,7 @@ def build_case(case, model_name, seq):
         import torchao.optim
         step_in_backward(params, lambda p: torchao.optim._AdamW(
             [p], lr=1e-4, bf16_stochastic_round=True))
-    elif case == 'adamw_offload_inbwd_bf16':
+    elif case in ('adamw_offload_inbwd_bf16', 'adamw_offload_stream_inbwd_bf16'):
         # torchao's CPUOffloadOptimizer: AdamW on the host, gradients moved out from
         # post-accumulate-grad hooks (offload_gradients=True), parameters copied back in step().
         import torchao.optim

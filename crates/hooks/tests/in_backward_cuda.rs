@@ -73,9 +73,9 @@ fn twenty_steps_in_backward_on_the_gpu_equal_the_plain_loop_bit_for_bit() {
     }
 }
 
-/// `OffloadedAdam` in backward on CUDA (gradients out on a side stream, the host thread steps
-/// each bucket as its copy lands, parameters back on a second stream, joined at the end of
-/// backward): 20 steps of ViT-tiny give the plain loop's bits with the on-device CUDA optimizer,
+/// `OffloadedAdam` in backward on CUDA, stepped by the host (gradients out on a side stream, the
+/// host thread steps each bucket as its copy lands, parameters back on a second stream, joined at
+/// the end of backward) and by the device (the moments streamed in and out): 20 steps of ViT-tiny give the plain loop's bits with the on-device CUDA optimizer,
 /// f32 (fused AdamW) and bf16 (`AdamStochastic`).
 #[test]
 #[ignore = "needs a CUDA device"]
@@ -88,7 +88,10 @@ fn offloaded_adam_in_backward_on_the_gpu_equals_the_plain_loop() {
         ModelSpec::Vit(VitConfig::tiny()),
         20,
     );
-    println!("OffloadedAdam in backward on CUDA: f32 and bf16, two bucket sizes, bitwise");
+    println!(
+        "OffloadedAdam in backward on CUDA, stepped by the host and by the device: f32 and bf16, \
+         two bucket sizes, bitwise"
+    );
 }
 
 fn weights(cuda: &BackendRef) -> Vec<Tensor> {

@@ -38,7 +38,7 @@ use safetensors::tensor::TensorView;
 
 use crate::error::OptimError;
 use crate::kernels::{bf16, AdamConfig, StepOutcome};
-use crate::offload_state::{HostSlot, SavedSlot, NAME};
+use crate::offload_state::{HostSlot, NamedMoment, SavedSlot, NAME};
 use crate::optimizer::Optimizer;
 use crate::step::{ParamId, Scaling, StepParams};
 
@@ -62,6 +62,25 @@ pub struct OffloadConfig {
     /// `MasterWeights` over `Adam` does on the device. Off: the parameter is updated in bf16 with
     /// stochastic rounding (`seed`). f32 parameters are their own master either way.
     pub master_weights: bool,
+    /// Who steps the state: the host ([`OffloadStepper::Host`]) or the GPU, streaming it in
+    /// and out ([`OffloadStepper::Device`]).
+    pub stepper: OffloadStepper,
+}
+
+/// Who steps an [`OffloadedAdam`]'s state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OffloadStepper {
+    /// The host steps it with the CPU kernels: a gradient goes out and a parameter comes back
+    /// per step (2 bytes each way for bf16), and the host reads and writes the moments and its
+    /// copy of the parameter (about 24 bytes a bf16 parameter) — for hosts with fast CPUs and
+    /// memory.
+    #[default]
+    Host,
+    /// The moments live in pinned host memory and stream through the GPU, which steps them
+    /// with the on-device fused kernels (8 bytes a parameter each way, 12 with AMSGrad; the
+    /// gradients and parameters never leave the device) — for hosts whose CPUs are slow. On
+    /// CUDA only (the CPU backend steps on the host either way); no `master_weights`.
+    Device,
 }
 
 impl OffloadConfig {
@@ -72,6 +91,7 @@ impl OffloadConfig {
             seed: 0,
             buckets_in_flight: DEFAULT_BUCKETS_IN_FLIGHT,
             master_weights: false,
+            stepper: OffloadStepper::Host,
         }
     }
 
@@ -81,6 +101,14 @@ impl OffloadConfig {
             return Err(OptimError::InvalidArgument {
                 op: NAME,
                 reason: "buckets_in_flight is 0; use 1 to step one bucket at a time".into(),
+            });
+        }
+        if self.master_weights && self.stepper == OffloadStepper::Device {
+            return Err(OptimError::InvalidArgument {
+                op: NAME,
+                reason: "master_weights with OffloadStepper::Device: the device stepper keeps \
+                         no master copy; use OffloadStepper::Host for f32 masters"
+                    .into(),
             });
         }
         Ok(())
@@ -123,6 +151,10 @@ impl std::fmt::Debug for OffloadedAdam {
     }
 }
 
+/// The moments' state-dict names, in the order a device-stepped parameter keeps them.
+#[cfg(feature = "cuda")]
+const MOMENT_NAMES: [&str; 3] = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"];
+
 /// How gradients reach the host and parameters come back.
 enum Transport {
     /// CPU tensors: the host steps in the call.
@@ -130,6 +162,9 @@ enum Transport {
     /// A CUDA device: side streams and a host thread.
     #[cfg(feature = "cuda")]
     Cuda(crate::cuda::offload::CudaOffload),
+    /// A CUDA device stepping the moments it streams in and out.
+    #[cfg(feature = "cuda")]
+    Streamed(Box<crate::cuda::offload_stream::StreamedOffload>),
 }
 
 impl OffloadedAdam {
@@ -144,6 +179,14 @@ impl OffloadedAdam {
         crate::host::check_disjoint(NAME, &params.iter().collect::<Vec<_>>())?;
         let transport = match device {
             Device::Cpu => Transport::Host,
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) if config.stepper == OffloadStepper::Device => {
+                Transport::Streamed(Box::new(crate::cuda::offload_stream::StreamedOffload::new(
+                    &params,
+                    config.adam.amsgrad,
+                    config.buckets_in_flight,
+                )?))
+            }
             #[cfg(feature = "cuda")]
             Device::Cuda(_) => Transport::Cuda(crate::cuda::offload::CudaOffload::new(
                 &params[0],
@@ -182,6 +225,10 @@ impl OffloadedAdam {
     /// Bytes of host memory the state holds (moments and the parameters' host copies), after
     /// the steps queued so far.
     pub fn host_state_bytes(&self) -> u64 {
+        #[cfg(feature = "cuda")]
+        if let Transport::Streamed(streamed) = &*self.transport.lock() {
+            return streamed.state_bytes();
+        }
         self.slots
             .iter()
             .map(|slot| slot.lock().state_bytes())
@@ -195,6 +242,10 @@ impl OffloadedAdam {
             .slots
             .get(index)
             .ok_or(OptimError::UnknownParameter { optimizer: NAME })?;
+        #[cfg(feature = "cuda")]
+        if let Transport::Streamed(streamed) = &*self.transport.lock() {
+            return Ok(streamed.step(index));
+        }
         let step = slot.lock().step();
         Ok(step)
     }
@@ -205,6 +256,8 @@ impl OffloadedAdam {
             Transport::Host => Ok(()),
             #[cfg(feature = "cuda")]
             Transport::Cuda(cuda) => cuda.finish(),
+            #[cfg(feature = "cuda")]
+            Transport::Streamed(streamed) => streamed.finish(),
         }
     }
 
@@ -360,6 +413,13 @@ impl Optimizer for OffloadedAdam {
                     cuda.finish()?;
                 }
             }
+            #[cfg(feature = "cuda")]
+            Transport::Streamed(streamed) => {
+                streamed.submit(with_grads, &self.config.adam, self.config.seed)?;
+                if matches!(params, StepParams::All) {
+                    streamed.finish()?;
+                }
+            }
         }
         Ok(StepOutcome::Stepped)
     }
@@ -387,18 +447,37 @@ impl Optimizer for OffloadedAdam {
         );
         metadata.insert("group.0.config".to_string(), format!("{:?}", self.config));
         let mut blobs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-        for (index, slot) in self.slots.iter().enumerate() {
-            let slot = slot.lock();
-            let Some((step, moments)) = slot.saved() else {
-                continue;
-            };
+        let mut add = |index: usize, step: u64, moments: Vec<NamedMoment<'_>>| {
             metadata.insert(format!("state.0.{index}.step"), step.to_string());
             for (name, values) in moments {
                 blobs.push((
                     format!("state.0.{index}.{name}"),
-                    slot.param.shape().to_vec(),
+                    self.params[index].shape().to_vec(),
                     values.iter().flat_map(|v| v.to_le_bytes()).collect(),
                 ));
+            }
+        };
+        #[cfg(feature = "cuda")]
+        if let Transport::Streamed(streamed) = &mut *self.transport.lock() {
+            streamed.settle()?;
+            for index in 0..self.params.len() {
+                if let Some((step, moments)) = streamed.saved(index)? {
+                    add(
+                        index,
+                        step,
+                        MOMENT_NAMES
+                            .into_iter()
+                            .zip(&moments)
+                            .map(|(n, m)| (n, m.as_slice()))
+                            .collect(),
+                    );
+                }
+            }
+        }
+        for (index, slot) in self.slots.iter().enumerate() {
+            let slot = slot.lock();
+            if let Some((step, moments)) = slot.saved() {
+                add(index, step, moments);
             }
         }
         let views = blobs
@@ -469,6 +548,19 @@ impl Optimizer for OffloadedAdam {
                 max_exp_avg_sq,
                 master,
             }));
+        }
+        #[cfg(feature = "cuda")]
+        if let Transport::Streamed(streamed) = &mut *self.transport.lock() {
+            streamed.settle()?;
+            for (index, restored) in restored.into_iter().enumerate() {
+                let moments = restored.map(|saved| {
+                    let max = saved.max_exp_avg_sq.into_iter();
+                    let moments = [saved.exp_avg, saved.exp_avg_sq].into_iter().chain(max);
+                    (saved.step, moments.collect())
+                });
+                streamed.restore(index, moments)?;
+            }
+            return Ok(());
         }
         for (slot, restored) in self.slots.iter().zip(restored) {
             slot.lock().restore(restored);

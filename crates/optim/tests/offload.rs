@@ -4,16 +4,17 @@
 //! a parameter large enough to be stepped in parallel chunks; a parameter changed through a tensor
 //! op between steps is read back, not overwritten; a state dict continues a run; misuse is a typed
 //! error. On the CPU backend the host steps in the call; (`--include-ignored`, on a CUDA device)
-//! the same runs on CUDA — gradients out on a side stream, a host thread, parameters back —
-//! equal the on-device CUDA optimizers bit for bit, and a pinned budget too small for a bucket is
-//! the typed error that names it.
+//! the same runs on CUDA — stepped by the host (gradients out on a side stream, a host thread,
+//! parameters back) or by the device (the moments streamed in and out of pinned memory) — equal
+//! the on-device CUDA optimizers bit for bit, a state dict continues either, and a pinned budget
+//! too small for a bucket is the typed error that names it.
 
-use headroom_autograd_core::{BackendRef, DType, Tensor};
+use headroom_autograd_core::{BackendRef, DType, Device, Tensor};
 use headroom_ops_cpu::CpuBackend;
 use headroom_optim::kernels::{bf16, GradScaling};
 use headroom_optim::{
     Adam, AdamConfig, AdamStochastic, AdamStochasticConfig, Implementation, OffloadConfig,
-    OffloadedAdam, OptimError, Optimizer, ParamGroup, ParamId, Scaling, StepParams,
+    OffloadStepper, OffloadedAdam, OptimError, Optimizer, ParamGroup, ParamId, Scaling, StepParams,
 };
 
 /// A large parameter (stepped in parallel chunks of 32 Ki elements, whose random indices
@@ -123,15 +124,20 @@ fn on_device(params: &[Tensor], adam: AdamConfig) -> Box<dyn Optimizer> {
 }
 
 fn offloaded(params: &[Tensor], adam: AdamConfig) -> OffloadedAdam {
+    offloaded_by(params, adam, OffloadStepper::Host)
+}
+
+fn offloaded_by(params: &[Tensor], adam: AdamConfig, stepper: OffloadStepper) -> OffloadedAdam {
     let config = OffloadConfig {
         seed: 7,
+        stepper,
         ..OffloadConfig::new(adam)
     };
     OffloadedAdam::new(params.to_vec(), config).unwrap()
 }
 
 /// 20 steps of both on `backend`, every dtype and `amsgrad` setting: the same bits.
-fn offloaded_equals_on_device(backend: &BackendRef) {
+fn offloaded_equals_on_device(backend: &BackendRef, stepper: OffloadStepper) {
     for dtype in [DType::F32, DType::BF16] {
         for amsgrad in [false, true] {
             let reference = params_of(backend, dtype);
@@ -142,7 +148,7 @@ fn offloaded_equals_on_device(backend: &BackendRef) {
                 20,
             );
             let params = params_of(backend, dtype);
-            let mut optimizer = offloaded(&params, adam(amsgrad));
+            let mut optimizer = offloaded_by(&params, adam(amsgrad), stepper);
             train(&mut optimizer, backend, &params, 20);
             assert_eq!(optimizer.param_step(0).unwrap(), 20);
             let (want, got) = (bits(&reference), bits(&params));
@@ -153,10 +159,12 @@ fn offloaded_equals_on_device(backend: &BackendRef) {
                     "{dtype:?} amsgrad {amsgrad}, parameter {i}: {off} differ"
                 );
             }
-            // Moments f32 (and the host copy) per element, amsgrad's third buffer besides.
+            // Moments f32 (and the host's copy of the parameter, which a device stepper does not
+            // keep) per element, amsgrad's third buffer besides.
             let n: usize = SHAPES.iter().map(|s| s.iter().product::<usize>()).sum();
             let moments = if amsgrad { 3 } else { 2 };
-            let copy = dtype.size_in_bytes();
+            let streamed = stepper == OffloadStepper::Device && backend.device() != Device::Cpu;
+            let copy = if streamed { 0 } else { dtype.size_in_bytes() };
             assert_eq!(
                 optimizer.host_state_bytes(),
                 (n * (4 * moments + copy)) as u64
@@ -167,7 +175,9 @@ fn offloaded_equals_on_device(backend: &BackendRef) {
 
 #[test]
 fn offloaded_steps_equal_the_on_device_optimizers_bit_for_bit() {
-    offloaded_equals_on_device(&CpuBackend::new_ref());
+    for stepper in [OffloadStepper::Host, OffloadStepper::Device] {
+        offloaded_equals_on_device(&CpuBackend::new_ref(), stepper);
+    }
 }
 
 /// A parameter written through a tensor op between steps (a checkpoint loaded into it) moves
@@ -194,22 +204,33 @@ fn a_parameter_changed_between_steps_is_read_back() {
 /// Ten steps, a state dict, a fresh optimizer that loads it, ten more: the bits of twenty.
 #[test]
 fn a_state_dict_continues_a_run() {
-    let cpu = CpuBackend::new_ref();
-    let straight = params_of(&cpu, DType::BF16);
-    train(&mut offloaded(&straight, adam(true)), &cpu, &straight, 20);
+    state_dict_continues_a_run(&CpuBackend::new_ref(), OffloadStepper::Host);
+}
 
-    let params = params_of(&cpu, DType::BF16);
-    let mut first = offloaded(&params, adam(true));
-    train(&mut first, &cpu, &params, 10);
+/// 10 steps, a state dict, a new optimizer that loads it and 10 more steps (in buckets or
+/// whole): the bits of 20 steps straight.
+fn state_dict_continues_a_run(backend: &BackendRef, stepper: OffloadStepper) {
+    let cpu = backend;
+    let straight = params_of(cpu, DType::BF16);
+    train(
+        &mut offloaded_by(&straight, adam(true), stepper),
+        cpu,
+        &straight,
+        20,
+    );
+
+    let params = params_of(cpu, DType::BF16);
+    let mut first = offloaded_by(&params, adam(true), stepper);
+    train(&mut first, cpu, &params, 10);
     let saved = first.state_dict().unwrap();
     drop(first);
-    let mut second = offloaded(&params, adam(true));
+    let mut second = offloaded_by(&params, adam(true), stepper);
     second.load_state_dict(&saved).unwrap();
     assert_eq!(second.param_step(3).unwrap(), 10);
     // Steps 11..=20 draw their gradients as the straight run's did.
     let ids: Vec<ParamId> = second.params().into_iter().map(|(id, _)| id).collect();
     for step in 11..=20 {
-        set_grads(&cpu, &params, step);
+        set_grads(cpu, &params, step);
         if step % 2 == 1 {
             second
                 .step_with(StepParams::Only(&ids[2..]), Scaling::None)
@@ -255,6 +276,14 @@ fn misuse_is_a_typed_error() {
     let err = OffloadedAdam::new(params.clone(), none_in_flight).unwrap_err();
     assert!(err.to_string().contains("buckets_in_flight is 0"), "{err}");
 
+    let no_master_on_device = OffloadConfig {
+        master_weights: true,
+        stepper: OffloadStepper::Device,
+        ..OffloadConfig::new(adam(false))
+    };
+    let err = OffloadedAdam::new(params.clone(), no_master_on_device).unwrap_err();
+    assert!(err.to_string().contains("OffloadStepper::Host"), "{err}");
+
     let strided = params[3].t().unwrap();
     let err = OffloadedAdam::new(vec![strided], OffloadConfig::new(adam(false))).unwrap_err();
     assert!(matches!(err, OptimError::NonContiguous { .. }), "{err}");
@@ -290,8 +319,14 @@ fn offloaded_steps_on_cuda_equal_the_on_device_cuda_optimizers() {
         return;
     };
     let cuda: BackendRef = cuda;
-    offloaded_equals_on_device(&cuda);
-    println!("OffloadedAdam on CUDA: f32 and bf16, amsgrad or not, bitwise over 20 steps");
+    for stepper in [OffloadStepper::Host, OffloadStepper::Device] {
+        offloaded_equals_on_device(&cuda, stepper);
+        state_dict_continues_a_run(&cuda, stepper);
+    }
+    println!(
+        "OffloadedAdam on CUDA, stepped by the host and by the device: f32 and bf16, amsgrad or \
+         not, bitwise over 20 steps; a state dict continues a run"
+    );
 }
 
 /// A pinned budget smaller than one bucket's staging: the step is the pinned pool's typed error,
@@ -312,12 +347,14 @@ fn a_pinned_budget_smaller_than_a_bucket_is_a_typed_error() {
     let backend: BackendRef = backend;
     let params = params_of(&backend, DType::F32);
     let before = bits(&params);
-    let mut optimizer = offloaded(&params, adam(false));
-    set_grads(&backend, &params, 1);
-    let err = optimizer.step().unwrap_err().to_string();
-    assert!(err.contains("budget"), "{err}");
-    assert_eq!(bits(&params)[0], before[0]);
-    println!("pinned budget of 1 MiB: {err}");
+    for stepper in [OffloadStepper::Host, OffloadStepper::Device] {
+        let mut optimizer = offloaded_by(&params, adam(false), stepper);
+        set_grads(&backend, &params, 1);
+        let err = optimizer.step().unwrap_err().to_string();
+        assert!(err.contains("budget"), "{stepper:?}: {err}");
+        assert_eq!(bits(&params)[0], before[0], "{stepper:?}");
+        println!("pinned budget of 1 MiB, {stepper:?} stepper: {err}");
+    }
 }
 
 /// With `master_weights`, bf16 parameters keep an f32 master copy on the host: 20 steps give the

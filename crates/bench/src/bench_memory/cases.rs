@@ -15,8 +15,8 @@ use headroom_optim::kernels::{
     Adam4bitConfig, Adam8bitConfig, AdamConfig, Bf16Rounding, SgdConfig, StepOutcome,
 };
 use headroom_optim::{
-    AdamStochasticConfig, GroupOptimizer, Implementation, OffloadConfig, OffloadedAdam, OptimError,
-    Optimizer, ParamGroup, ParamId, Scaling, StepParams, UpdateRule,
+    AdamStochasticConfig, GroupOptimizer, Implementation, OffloadConfig, OffloadStepper,
+    OffloadedAdam, OptimError, Optimizer, ParamGroup, ParamId, Scaling, StepParams, UpdateRule,
 };
 use parking_lot::Mutex;
 
@@ -109,12 +109,15 @@ pub(crate) enum Case {
     /// host bucket by bucket inside backward (PyTorch: torchao's `CPUOffloadOptimizer` with
     /// `offload_gradients=True`).
     AdamwOffloadInbwdBf16,
+    /// The same AdamW with its moments in pinned host memory, streamed through the GPU, which
+    /// steps them bucket by bucket inside backward (`OffloadStepper::Device`).
+    AdamwOffloadStreamInbwdBf16,
 }
 
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 32] = [
+    pub(crate) const ALL: [Case; 33] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -147,6 +150,7 @@ impl Case {
         Case::Adamw4bitInbwdBf16,
         Case::AdamwInbwdBf16,
         Case::AdamwOffloadInbwdBf16,
+        Case::AdamwOffloadStreamInbwdBf16,
     ];
 
     /// The case's name on the command line and in reports.
@@ -184,6 +188,7 @@ impl Case {
             Case::Adamw4bitBf16 => "adamw4bit_bf16",
             Case::AdamwInbwdBf16 => "adamw_inbwd_bf16",
             Case::AdamwOffloadInbwdBf16 => "adamw_offload_inbwd_bf16",
+            Case::AdamwOffloadStreamInbwdBf16 => "adamw_offload_stream_inbwd_bf16",
         }
     }
 
@@ -268,6 +273,10 @@ impl Case {
                 "the same AdamW with its state in host memory, stepped by the host inside \
                  backward (CUDA: gradients out and parameters back on side streams)"
             }
+            Case::AdamwOffloadStreamInbwdBf16 => {
+                "the same AdamW with its moments in pinned host memory, streamed in and out and \
+                 stepped by the GPU inside backward"
+            }
         }
     }
 
@@ -287,6 +296,7 @@ impl Case {
                 | Case::Adamw8bitInbwdBf16
                 | Case::AdamwInbwdBf16
                 | Case::AdamwOffloadInbwdBf16
+                | Case::AdamwOffloadStreamInbwdBf16
         )
     }
 
@@ -348,7 +358,8 @@ impl Case {
             | Case::Adamw8bitInbwdBf16
             | Case::Adamw4bitBf16
             | Case::AdamwInbwdBf16
-            | Case::AdamwOffloadInbwdBf16 => DType::BF16,
+            | Case::AdamwOffloadInbwdBf16
+            | Case::AdamwOffloadStreamInbwdBf16 => DType::BF16,
             _ => DType::F32,
         }
     }
@@ -500,9 +511,18 @@ impl Case {
                 AdamStochasticConfig::new(adamw, 0),
                 Implementation::Fused,
             ),
-            Case::AdamwOffloadInbwdBf16 => {
-                let offloaded = OffloadedAdam::new(params, OffloadConfig::new(adamw))?;
-                Ok(Box::new(Arc::new(Mutex::new(offloaded))))
+            Case::AdamwOffloadInbwdBf16 | Case::AdamwOffloadStreamInbwdBf16 => {
+                let stepper = match self {
+                    Case::AdamwOffloadStreamInbwdBf16 => OffloadStepper::Device,
+                    _ => OffloadStepper::Host,
+                };
+                let config = OffloadConfig {
+                    stepper,
+                    ..OffloadConfig::new(adamw)
+                };
+                Ok(Box::new(Arc::new(Mutex::new(OffloadedAdam::new(
+                    params, config,
+                )?))))
             }
             // The forward-and-backward cases never step: their SGD only sets gradients to none.
             Case::Sgd | Case::FwdBwd | Case::FwdBwdBf16 | Case::FwdBwdBf16Ckpt => {

@@ -240,7 +240,7 @@ pub(crate) fn offloaded_in_backward_equals_the_plain_loop(
     model: ModelSpec,
     steps: usize,
 ) {
-    use headroom_optim::{AdamConfig, AdamStochasticConfig, Implementation};
+    use headroom_optim::{AdamConfig, AdamStochasticConfig, Implementation, OffloadStepper};
     let adam = AdamConfig {
         lr: 1e-3,
         weight_decay: 1e-2,
@@ -262,9 +262,20 @@ pub(crate) fn offloaded_in_backward_equals_the_plain_loop(
         };
         let plain =
             headroom_testkit::train(backend, &plain_case, &mut headroom_testkit::Baseline).unwrap();
-        for bucket_bytes in [4096, headroom_hooks::DEFAULT_BUCKET_BYTES] {
+        let steppers: &[OffloadStepper] = match backend.device() {
+            headroom_autograd_core::Device::Cpu => &[OffloadStepper::Host],
+            _ => &[OffloadStepper::Host, OffloadStepper::Device],
+        };
+        let runs = steppers
+            .iter()
+            .flat_map(|s| [4096, headroom_hooks::DEFAULT_BUCKET_BYTES].map(|b| (*s, b)));
+        for (stepper, bucket_bytes) in runs {
+            let mut optimizer = OptimSpec::offloaded(adam.clone(), 7);
+            if let OptimSpec::Offloaded { config } = &mut optimizer {
+                config.stepper = stepper;
+            }
             let offloaded_case = TrainCase {
-                optimizer: OptimSpec::offloaded(adam.clone(), 7),
+                optimizer,
                 ..plain_case.clone()
             };
             let mut technique = StepInBackward::new(InBackwardConfig {
@@ -272,10 +283,12 @@ pub(crate) fn offloaded_in_backward_equals_the_plain_loop(
                 ..InBackwardConfig::default()
             });
             let got = headroom_testkit::train(backend, &offloaded_case, &mut technique)
-                .unwrap_or_else(|err| panic!("{dtype:?}, buckets of {bucket_bytes} B: {err}"));
+                .unwrap_or_else(|err| {
+                    panic!("{stepper:?}, {dtype:?}, buckets of {bucket_bytes} B: {err}")
+                });
             assert_eq!(
                 plain.losses, got.losses,
-                "{dtype:?}, buckets of {bucket_bytes} B"
+                "{stepper:?}, {dtype:?}, buckets of {bucket_bytes} B"
             );
             for ((name, want), (_, have)) in plain.parameters.iter().zip(&got.parameters) {
                 let as_f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
@@ -287,7 +300,7 @@ pub(crate) fn offloaded_in_backward_equals_the_plain_loop(
                     .count();
                 assert_eq!(
                     off, 0,
-                    "{dtype:?}, buckets of {bucket_bytes} B, {name}: {off} differ"
+                    "{stepper:?}, {dtype:?}, buckets of {bucket_bytes} B, {name}: {off} differ"
                 );
             }
         }

@@ -49,6 +49,7 @@ mod grads;
 pub(crate) mod launch;
 mod multi_tensor;
 pub(crate) mod offload;
+pub(crate) mod offload_stream;
 mod sgd;
 mod table;
 
