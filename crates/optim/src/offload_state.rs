@@ -7,12 +7,13 @@
 //! device API and no optimizer.
 
 use headroom_autograd_core::{DType, Tensor};
+use rayon::prelude::*;
 
 use crate::adam_stochastic::AdamStochasticConfig;
 use crate::error::OptimError;
 use crate::kernels::{
     adam_fused, adam_fused_stochastic, bf16, AdamBuffers, AdamConfig, AdamStochasticBuffers,
-    GradScaling, ParamElement, StepOutcome,
+    GradScaling, ParamElement, StepOutcome, PARALLEL_CHUNK,
 };
 
 /// The optimizer's name in errors and state dicts.
@@ -172,7 +173,7 @@ impl HostSlot {
                     },
                     GradScaling::NONE,
                 )?;
-                cast_mut::<f32>(region)?.copy_from_slice(param);
+                copy_in_parallel(cast_mut::<f32>(region)?, param);
                 outcome
             }
             HostWeights::Bf16(param) => {
@@ -191,7 +192,7 @@ impl HostSlot {
                     },
                     GradScaling::NONE,
                 )?;
-                cast_mut::<bf16>(region)?.copy_from_slice(param);
+                copy_in_parallel(cast_mut::<bf16>(region)?, param);
                 outcome
             }
             HostWeights::Master(master) => {
@@ -220,9 +221,14 @@ impl HostSlot {
                         GradScaling::NONE,
                     )?;
                 }
-                for (out, value) in cast_mut::<bf16>(region)?.iter_mut().zip(master.iter()) {
-                    *out = <bf16 as ParamElement>::from_f32(*value);
-                }
+                let rounded = cast_mut::<bf16>(region)?.par_chunks_mut(PARALLEL_CHUNK);
+                rounded
+                    .zip(master.par_chunks(PARALLEL_CHUNK))
+                    .for_each(|(out, values)| {
+                        for (out, value) in out.iter_mut().zip(values) {
+                            *out = <bf16 as ParamElement>::from_f32(*value);
+                        }
+                    });
                 outcome
             }
         };
@@ -290,6 +296,14 @@ impl HostSlot {
     pub(crate) fn mark_synced(&mut self) {
         self.synced_version = self.param.version();
     }
+}
+
+/// `dst = src` over rayon's pool, in the host kernels' chunks (the new parameter into the staging
+/// block: a serial copy of a large parameter costs as much as its update).
+fn copy_in_parallel<T: Copy + Send + Sync>(dst: &mut [T], src: &[T]) {
+    dst.par_chunks_mut(PARALLEL_CHUNK)
+        .zip(src.par_chunks(PARALLEL_CHUNK))
+        .for_each(|(dst, src)| dst.copy_from_slice(src));
 }
 
 /// `bytes` as elements of `T` (aligned, a whole number of them).
