@@ -7,7 +7,9 @@
 //! A parameter's moments (`exp_avg`, `exp_avg_sq` and, with AMSGrad, `max_exp_avg_sq`, f32, one
 //! pinned block) come in on one side stream into a fresh device tensor, the compute stream waits
 //! for them and steps the bucket in place, and they go back on a second side stream, their
-//! device memory freed once that copy is done. The copies in are prefetched: the buckets of the
+//! device memory freed once that copy is done (with more than `buckets_in_flight` buckets on
+//! their way back, the host waits for the oldest: the device never fills with moments when the
+//! backward outruns the link). The copies in are prefetched: the buckets of the
 //! last step, in their order, are fetched [`OffloadConfig::buckets_in_flight`] buckets ahead of
 //! the one being stepped (and the first bucket at the end of a step, during the next forward),
 //! so the copies overlap the backward; a parameter's copy in waits for its last copy out.
@@ -17,7 +19,7 @@
 //!
 //! [`OffloadConfig::buckets_in_flight`]: crate::OffloadConfig::buckets_in_flight
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use headroom_autograd_core::{DType, Tensor};
@@ -63,8 +65,8 @@ pub(crate) struct StreamedOffload {
     this_order: Vec<Vec<usize>>,
     /// Moments on their way to the device, by parameter.
     incoming: HashMap<usize, InFlight>,
-    /// Moments on their way back to the host.
-    outgoing: Vec<InFlight>,
+    /// Moments on their way back to the host, a bucket an entry, oldest first.
+    outgoing: VecDeque<Vec<InFlight>>,
 }
 
 impl StreamedOffload {
@@ -97,7 +99,7 @@ impl StreamedOffload {
             last_order: Vec::new(),
             this_order: Vec::new(),
             incoming: HashMap::new(),
-            outgoing: Vec::new(),
+            outgoing: VecDeque::new(),
         })
     }
 
@@ -167,17 +169,29 @@ impl StreamedOffload {
             }
         }
         drop(states);
+        let mut leaving = Vec::with_capacity(moments.len());
         for ((index, _), block) in grads.iter().zip(moments) {
             let slot = &mut self.slots[*index];
             let pinned = slot
                 .moments
                 .as_mut()
                 .expect("a fetched parameter has its pinned moments");
-            let leaving =
-                self.backend
-                    .copy_from_tensor_in_flight(block, pinned, 0, &self.to_host)?;
+            let copy = self
+                .backend
+                .copy_from_tensor_in_flight(block, pinned, 0, &self.to_host)?;
             slot.returned = Some(self.to_host.record_event()?);
-            self.outgoing.push(leaving);
+            leaving.push(copy);
+        }
+        self.outgoing.push_back(leaving);
+        // The device holds the moments of at most `ahead` buckets on their way back: when the
+        // backward outruns the link, the host waits for the oldest copy rather than the device
+        // filling with moments.
+        while self.outgoing.len() > self.ahead {
+            if let Some(oldest) = self.outgoing.pop_front() {
+                for copy in &oldest {
+                    copy.event().synchronize()?;
+                }
+            }
         }
         self.this_order
             .push(grads.iter().map(|(index, _)| *index).collect());
@@ -258,13 +272,14 @@ impl StreamedOffload {
     /// Frees the device memory of moments whose copy back has completed (the host does not
     /// wait).
     fn release_returned(&mut self) -> Result<(), OptimError> {
-        let mut still = Vec::with_capacity(self.outgoing.len());
-        for leaving in self.outgoing.drain(..) {
-            if !leaving.is_done()? {
-                still.push(leaving);
+        while let Some(oldest) = self.outgoing.front() {
+            for copy in oldest {
+                if !copy.is_done()? {
+                    return Ok(());
+                }
             }
+            self.outgoing.pop_front();
         }
-        self.outgoing = still;
         Ok(())
     }
 
