@@ -202,7 +202,9 @@ pub use kernels::{
     AdafactorConfig, Adam4bitConfig, Adam8bitConfig, AdamConfig, SgdConfig, WeightDecay,
 };
 pub use loss_scaler::LossScaler;
-pub use offload::{OffloadConfig, OffloadStepper, OffloadedAdam, DEFAULT_BUCKETS_IN_FLIGHT};
+pub use offload::{
+    OffloadConfig, OffloadStepper, OffloadedAdam, DEFAULT_BUCKETS_IN_FLIGHT, DEFAULT_STREAM_BYTES,
+};
 pub use optimizer::{GroupOptimizer, Optimizer, ParamGroup};
 pub use rule::{CudaKernels, SavedTensors, UpdateRule};
 pub use scheduler::{LrScheduler, Schedule, SkipFlag};

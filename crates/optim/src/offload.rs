@@ -54,8 +54,8 @@ pub struct OffloadConfig {
     pub adam: AdamConfig,
     /// Seeds the stochastic rounding of bf16 parameters (as `AdamStochasticConfig::seed`).
     pub seed: u64,
-    /// Buckets whose gradients may wait for the host at once (at least 1); a step that would
-    /// queue one more first waits for the oldest.
+    /// With [`OffloadStepper::Host`]: buckets whose gradients may wait for the host at once
+    /// (at least 1); a step that would queue one more first waits for the oldest.
     pub buckets_in_flight: usize,
     /// bf16 parameters keep an f32 master copy on the host (4 more bytes a parameter there):
     /// Adam steps the master and the parameter is its rounding to nearest, as amp's
@@ -65,7 +65,14 @@ pub struct OffloadConfig {
     /// Who steps the state: the host ([`OffloadStepper::Host`]) or the GPU, streaming it in
     /// and out ([`OffloadStepper::Device`]).
     pub stepper: OffloadStepper,
+    /// With [`OffloadStepper::Device`]: the bytes of moments the GPU may hold at once beyond the
+    /// bucket being stepped, fetched ahead or on their way back. More lets the copies in start
+    /// during the forward and overlap more of the step, at that much GPU memory.
+    pub stream_bytes: u64,
 }
+
+/// [`OffloadConfig::stream_bytes`]'s default: 1 GiB.
+pub const DEFAULT_STREAM_BYTES: u64 = 1 << 30;
 
 /// Who steps an [`OffloadedAdam`]'s state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -78,8 +85,9 @@ pub enum OffloadStepper {
     Host,
     /// The moments live in pinned host memory and stream through the GPU, which steps them
     /// with the on-device fused kernels (8 bytes a parameter each way, 12 with AMSGrad; the
-    /// gradients and parameters never leave the device) — for hosts whose CPUs are slow. On
-    /// CUDA only (the CPU backend steps on the host either way); no `master_weights`.
+    /// gradients and parameters never leave the device) — for hosts whose CPUs are slow; the
+    /// GPU holds up to [`OffloadConfig::stream_bytes`] of moments at once. On CUDA only (the CPU
+    /// backend steps on the host either way); no `master_weights`.
     Device,
 }
 
@@ -92,6 +100,7 @@ impl OffloadConfig {
             buckets_in_flight: DEFAULT_BUCKETS_IN_FLIGHT,
             master_weights: false,
             stepper: OffloadStepper::Host,
+            stream_bytes: DEFAULT_STREAM_BYTES,
         }
     }
 
@@ -184,7 +193,7 @@ impl OffloadedAdam {
                 Transport::Streamed(Box::new(crate::cuda::offload_stream::StreamedOffload::new(
                     &params,
                     config.adam.amsgrad,
-                    config.buckets_in_flight,
+                    config.stream_bytes,
                 )?))
             }
             #[cfg(feature = "cuda")]

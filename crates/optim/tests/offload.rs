@@ -15,6 +15,7 @@ use headroom_optim::kernels::{bf16, GradScaling};
 use headroom_optim::{
     Adam, AdamConfig, AdamStochastic, AdamStochasticConfig, Implementation, OffloadConfig,
     OffloadStepper, OffloadedAdam, OptimError, Optimizer, ParamGroup, ParamId, Scaling, StepParams,
+    DEFAULT_STREAM_BYTES,
 };
 
 /// A large parameter (stepped in parallel chunks of 32 Ki elements, whose random indices
@@ -128,16 +129,28 @@ fn offloaded(params: &[Tensor], adam: AdamConfig) -> OffloadedAdam {
 }
 
 fn offloaded_by(params: &[Tensor], adam: AdamConfig, stepper: OffloadStepper) -> OffloadedAdam {
+    offloaded_streaming(params, adam, stepper, DEFAULT_STREAM_BYTES)
+}
+
+/// With `stream_bytes` 0 the device stepper holds one bucket's moments at a time (the host waits
+/// for every copy back before the next bucket); with the default, all of these.
+fn offloaded_streaming(
+    params: &[Tensor],
+    adam: AdamConfig,
+    stepper: OffloadStepper,
+    stream_bytes: u64,
+) -> OffloadedAdam {
     let config = OffloadConfig {
         seed: 7,
         stepper,
+        stream_bytes,
         ..OffloadConfig::new(adam)
     };
     OffloadedAdam::new(params.to_vec(), config).unwrap()
 }
 
 /// 20 steps of both on `backend`, every dtype and `amsgrad` setting: the same bits.
-fn offloaded_equals_on_device(backend: &BackendRef, stepper: OffloadStepper) {
+fn offloaded_equals_on_device(backend: &BackendRef, stepper: OffloadStepper, stream_bytes: u64) {
     for dtype in [DType::F32, DType::BF16] {
         for amsgrad in [false, true] {
             let reference = params_of(backend, dtype);
@@ -148,7 +161,7 @@ fn offloaded_equals_on_device(backend: &BackendRef, stepper: OffloadStepper) {
                 20,
             );
             let params = params_of(backend, dtype);
-            let mut optimizer = offloaded_by(&params, adam(amsgrad), stepper);
+            let mut optimizer = offloaded_streaming(&params, adam(amsgrad), stepper, stream_bytes);
             train(&mut optimizer, backend, &params, 20);
             assert_eq!(optimizer.param_step(0).unwrap(), 20);
             let (want, got) = (bits(&reference), bits(&params));
@@ -176,7 +189,7 @@ fn offloaded_equals_on_device(backend: &BackendRef, stepper: OffloadStepper) {
 #[test]
 fn offloaded_steps_equal_the_on_device_optimizers_bit_for_bit() {
     for stepper in [OffloadStepper::Host, OffloadStepper::Device] {
-        offloaded_equals_on_device(&CpuBackend::new_ref(), stepper);
+        offloaded_equals_on_device(&CpuBackend::new_ref(), stepper, DEFAULT_STREAM_BYTES);
     }
 }
 
@@ -320,12 +333,14 @@ fn offloaded_steps_on_cuda_equal_the_on_device_cuda_optimizers() {
     };
     let cuda: BackendRef = cuda;
     for stepper in [OffloadStepper::Host, OffloadStepper::Device] {
-        offloaded_equals_on_device(&cuda, stepper);
+        offloaded_equals_on_device(&cuda, stepper, DEFAULT_STREAM_BYTES);
         state_dict_continues_a_run(&cuda, stepper);
     }
+    offloaded_equals_on_device(&cuda, OffloadStepper::Device, 0);
     println!(
         "OffloadedAdam on CUDA, stepped by the host and by the device: f32 and bf16, amsgrad or \
-         not, bitwise over 20 steps; a state dict continues a run"
+         not, bitwise over 20 steps (the device stepper with its default budget and with none); a \
+         state dict continues a run"
     );
 }
 

@@ -110,7 +110,8 @@ pub(crate) enum Case {
     /// `offload_gradients=True`).
     AdamwOffloadInbwdBf16,
     /// The same AdamW with its moments in pinned host memory, streamed through the GPU, which
-    /// steps them bucket by bucket inside backward (`OffloadStepper::Device`).
+    /// steps them bucket by bucket inside backward (`OffloadStepper::Device`), holding up to a
+    /// quarter of them at once (`stream_bytes`).
     AdamwOffloadStreamInbwdBf16,
 }
 
@@ -275,7 +276,7 @@ impl Case {
             }
             Case::AdamwOffloadStreamInbwdBf16 => {
                 "the same AdamW with its moments in pinned host memory, streamed in and out and \
-                 stepped by the GPU inside backward"
+                 stepped by the GPU inside backward (a quarter of them on the GPU at once)"
             }
         }
     }
@@ -516,8 +517,13 @@ impl Case {
                     Case::AdamwOffloadStreamInbwdBf16 => OffloadStepper::Device,
                     _ => OffloadStepper::Host,
                 };
+                // The streamed case lets the GPU hold a quarter of the moments at once (f32
+                // `exp_avg` and `exp_avg_sq`, 8 bytes a parameter): enough to start the copies
+                // in during the forward.
+                let moments: u64 = params.iter().map(|p| 8 * p.numel() as u64).sum();
                 let config = OffloadConfig {
                     stepper,
+                    stream_bytes: moments / 4,
                     ..OffloadConfig::new(adamw)
                 };
                 Ok(Box::new(Arc::new(Mutex::new(OffloadedAdam::new(

@@ -7,17 +7,18 @@
 //! A parameter's moments (`exp_avg`, `exp_avg_sq` and, with AMSGrad, `max_exp_avg_sq`, f32, one
 //! pinned block) come in on one side stream into a fresh device tensor, the compute stream waits
 //! for them and steps the bucket in place, and they go back on a second side stream, their
-//! device memory freed once that copy is done (with more than `buckets_in_flight` buckets on
-//! their way back, the host waits for the oldest: the device never fills with moments when the
-//! backward outruns the link). The copies in are prefetched: the buckets of the
-//! last step, in their order, are fetched [`OffloadConfig::buckets_in_flight`] buckets ahead of
-//! the one being stepped (and the first bucket at the end of a step, during the next forward),
-//! so the copies overlap the backward; a parameter's copy in waits for its last copy out.
+//! device memory freed once that copy is done. The copies in are prefetched in the order the
+//! last step stepped its buckets, as far ahead as [`OffloadConfig::stream_bytes`] allows (the
+//! moments the device holds at once, coming in or going back): at the end of a step the next
+//! step's first buckets start coming in, so the copies overlap the forward as well as the
+//! backward. With that many bytes on their way back, the host waits for the oldest bucket's copy
+//! rather than letting the device fill with moments when the backward outruns the link. A
+//! parameter's copy in waits for its last copy out.
 //!
 //! It sits on ops-cuda's streams, events, pinned buffers and in-flight copies and on the CUDA
 //! entries of `Adam` and `AdamStochastic`; it knows no model and no hook.
 //!
-//! [`OffloadConfig::buckets_in_flight`]: crate::OffloadConfig::buckets_in_flight
+//! [`OffloadConfig::stream_bytes`]: crate::OffloadConfig::stream_bytes
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -57,25 +58,31 @@ pub(crate) struct StreamedOffload {
     params: Vec<Tensor>,
     slots: Vec<StreamedSlot>,
     amsgrad: bool,
-    /// Buckets fetched ahead of the one being stepped.
-    ahead: usize,
+    /// Bytes of moments the device may hold at once, coming in or going back.
+    budget: u64,
+    /// Bytes of the moments in `incoming` and `outgoing`.
+    incoming_bytes: u64,
+    outgoing_bytes: u64,
+    /// The position in `last_order` of the next bucket to prefetch.
+    cursor: usize,
     /// The buckets of the last step, in the order they were stepped.
     last_order: Vec<Vec<usize>>,
     /// The buckets stepped since the last [`StreamedOffload::finish`].
     this_order: Vec<Vec<usize>>,
     /// Moments on their way to the device, by parameter.
     incoming: HashMap<usize, InFlight>,
-    /// Moments on their way back to the host, a bucket an entry, oldest first.
-    outgoing: VecDeque<Vec<InFlight>>,
+    /// Moments on their way back to the host, a bucket an entry (its copies and bytes), oldest
+    /// first.
+    outgoing: VecDeque<(Vec<InFlight>, u64)>,
 }
 
 impl StreamedOffload {
-    /// The offload of `params` (contiguous, of one `CudaBackend`), fetching `ahead` buckets
-    /// ahead.
+    /// The offload of `params` (contiguous, of one `CudaBackend`), holding at most `budget`
+    /// bytes of moments on the device beyond the bucket being stepped.
     pub(crate) fn new(
         params: &[Tensor],
         amsgrad: bool,
-        ahead: usize,
+        budget: u64,
     ) -> Result<StreamedOffload, OptimError> {
         let device = CudaDevice::of(NAME, &params[0], params.len())?;
         let backend = Arc::clone(device.backend());
@@ -95,7 +102,10 @@ impl StreamedOffload {
             params: params.to_vec(),
             slots,
             amsgrad,
-            ahead,
+            budget,
+            incoming_bytes: 0,
+            outgoing_bytes: 0,
+            cursor: 0,
             last_order: Vec::new(),
             this_order: Vec::new(),
             incoming: HashMap::new(),
@@ -125,11 +135,16 @@ impl StreamedOffload {
             return Ok(());
         }
         let mut moments = Vec::with_capacity(grads.len());
+        let mut bucket_bytes = 0;
         for (index, _) in &grads {
             let arriving = match self.incoming.remove(index) {
-                Some(arriving) => arriving,
+                Some(arriving) => {
+                    self.incoming_bytes -= self.moment_bytes(*index);
+                    arriving
+                }
                 None => self.fetch(*index)?,
             };
+            bucket_bytes += self.moment_bytes(*index);
             moments.push(arriving.finish()?);
         }
         for (index, _) in &grads {
@@ -182,30 +197,32 @@ impl StreamedOffload {
             slot.returned = Some(self.to_host.record_event()?);
             leaving.push(copy);
         }
-        self.outgoing.push_back(leaving);
-        // The device holds the moments of at most `ahead` buckets on their way back: when the
-        // backward outruns the link, the host waits for the oldest copy rather than the device
-        // filling with moments.
-        while self.outgoing.len() > self.ahead {
-            if let Some(oldest) = self.outgoing.pop_front() {
+        self.outgoing.push_back((leaving, bucket_bytes));
+        self.outgoing_bytes += bucket_bytes;
+        // With more than the budget on its way back, the host waits for the oldest copies.
+        while self.outgoing_bytes > self.budget && self.outgoing.len() > 1 {
+            if let Some((oldest, bytes)) = self.outgoing.pop_front() {
                 for copy in &oldest {
                     copy.event().synchronize()?;
                 }
+                self.outgoing_bytes -= bytes;
             }
         }
         self.this_order
             .push(grads.iter().map(|(index, _)| *index).collect());
-        self.prefetch(self.this_order.len(), self.ahead)
+        self.cursor = self.cursor.max(self.this_order.len());
+        self.prefetch()
     }
 
-    /// Ends a step: the order of its buckets is the next step's prefetch order, and the first
-    /// bucket's moments start coming in.
+    /// Ends a step: the order of its buckets is the next step's prefetch order, and the next
+    /// step's first buckets start coming in.
     pub(crate) fn finish(&mut self) -> Result<(), OptimError> {
         if !self.this_order.is_empty() {
             self.last_order = std::mem::take(&mut self.this_order);
+            self.cursor = 0;
         }
         self.release_returned()?;
-        self.prefetch(0, 1)
+        self.prefetch()
     }
 
     /// Waits for every copy under way and drops the prefetched moments (the host state is then
@@ -213,6 +230,7 @@ impl StreamedOffload {
     pub(crate) fn settle(&mut self) -> Result<(), OptimError> {
         self.incoming.clear();
         self.outgoing.clear();
+        (self.incoming_bytes, self.outgoing_bytes, self.cursor) = (0, 0, self.last_order.len());
         self.to_host.synchronize()?;
         self.to_device.synchronize()?;
         Ok(())
@@ -272,35 +290,45 @@ impl StreamedOffload {
     /// Frees the device memory of moments whose copy back has completed (the host does not
     /// wait).
     fn release_returned(&mut self) -> Result<(), OptimError> {
-        while let Some(oldest) = self.outgoing.front() {
+        while let Some((oldest, bytes)) = self.outgoing.front() {
             for copy in oldest {
                 if !copy.is_done()? {
                     return Ok(());
                 }
             }
+            self.outgoing_bytes -= bytes;
             self.outgoing.pop_front();
         }
         Ok(())
     }
 
-    /// Fetches the moments of the last step's buckets `from..from + count` that are not on
-    /// their way yet.
-    fn prefetch(&mut self, from: usize, count: usize) -> Result<(), OptimError> {
-        let upcoming: Vec<usize> = self
-            .last_order
-            .iter()
-            .skip(from)
-            .take(count)
-            .flatten()
-            .copied()
-            .collect();
-        for index in upcoming {
-            if !self.incoming.contains_key(&index) && self.slots[index].moments.is_some() {
+    /// Fetches the last step's buckets from the cursor on while the moments on the device stay
+    /// within the budget (the next bucket always, if nothing is coming in).
+    fn prefetch(&mut self) -> Result<(), OptimError> {
+        while let Some(bucket) = self.last_order.get(self.cursor) {
+            let wanted: Vec<usize> = bucket
+                .iter()
+                .copied()
+                .filter(|i| !self.incoming.contains_key(i) && self.slots[*i].moments.is_some())
+                .collect();
+            let bytes: u64 = wanted.iter().map(|&i| self.moment_bytes(i)).sum();
+            let held = self.incoming_bytes + self.outgoing_bytes;
+            if held + bytes > self.budget && !self.incoming.is_empty() {
+                break;
+            }
+            for index in wanted {
                 let arriving = self.fetch(index)?;
                 self.incoming.insert(index, arriving);
+                self.incoming_bytes += self.moment_bytes(index);
             }
+            self.cursor += 1;
         }
         Ok(())
+    }
+
+    /// Bytes of parameter `index`'s moments.
+    fn moment_bytes(&self, index: usize) -> u64 {
+        (self.params[index].numel() * self.moment_count() * 4) as u64
     }
 
     /// Queues the copy of parameter `index`'s moments into a fresh device tensor, after their
