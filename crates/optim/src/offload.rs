@@ -65,9 +65,9 @@ pub struct OffloadConfig {
     /// Who steps the state: the host ([`OffloadStepper::Host`]) or the GPU, streaming it in
     /// and out ([`OffloadStepper::Device`]).
     pub stepper: OffloadStepper,
-    /// With [`OffloadStepper::Device`]: the bytes of moments the GPU may hold at once beyond the
-    /// bucket being stepped, fetched ahead or on their way back. More lets the copies in start
-    /// during the forward and overlap more of the step, at that much GPU memory.
+    /// With [`OffloadStepper::Device`]: the bytes of moments the GPU may hold fetched ahead of
+    /// the bucket being stepped (and as many on their way back). More lets the copies in start
+    /// during the forward and overlap more of the step, at up to twice that much GPU memory.
     pub stream_bytes: u64,
 }
 

@@ -9,11 +9,12 @@
 //! for them and steps the bucket in place, and they go back on a second side stream, their
 //! device memory freed once that copy is done. The copies in are prefetched in the order the
 //! last step stepped its buckets, as far ahead as [`OffloadConfig::stream_bytes`] allows (the
-//! moments the device holds at once, coming in or going back): at the end of a step the next
-//! step's first buckets start coming in, so the copies overlap the forward as well as the
-//! backward. With that many bytes on their way back, the host waits for the oldest bucket's copy
-//! rather than letting the device fill with moments when the backward outruns the link. A
-//! parameter's copy in waits for its last copy out.
+//! moments the device holds coming in; as many may be going back): at the end of a step the next
+//! step's first buckets start coming in, so the copies in overlap the forward as well as the
+//! backward while the last copies out drain (the link is full duplex). With more than that on
+//! their way back, the host waits for the oldest bucket's copy rather than letting the device
+//! fill with moments when the backward outruns the link. A parameter's copy in waits for its
+//! last copy out.
 //!
 //! It sits on ops-cuda's streams, events, pinned buffers and in-flight copies and on the CUDA
 //! entries of `Adam` and `AdamStochastic`; it knows no model and no hook.
@@ -58,7 +59,7 @@ pub(crate) struct StreamedOffload {
     params: Vec<Tensor>,
     slots: Vec<StreamedSlot>,
     amsgrad: bool,
-    /// Bytes of moments the device may hold at once, coming in or going back.
+    /// Bytes of moments the device may hold coming in, and as many going back.
     budget: u64,
     /// Bytes of the moments in `incoming` and `outgoing`.
     incoming_bytes: u64,
@@ -78,7 +79,7 @@ pub(crate) struct StreamedOffload {
 
 impl StreamedOffload {
     /// The offload of `params` (contiguous, of one `CudaBackend`), holding at most `budget`
-    /// bytes of moments on the device beyond the bucket being stepped.
+    /// bytes of moments coming in and as many going back, beyond the bucket being stepped.
     pub(crate) fn new(
         params: &[Tensor],
         amsgrad: bool,
@@ -302,8 +303,10 @@ impl StreamedOffload {
         Ok(())
     }
 
-    /// Fetches the last step's buckets from the cursor on while the moments on the device stay
-    /// within the budget (the next bucket always, if nothing is coming in).
+    /// Fetches the last step's buckets from the cursor on while the moments coming in stay within
+    /// the budget (the next bucket always, if nothing is coming in). The moments going back have
+    /// a budget of their own: the copies in of the next forward must not wait for the last
+    /// backward's copies out, which the link carries at the same time.
     fn prefetch(&mut self) -> Result<(), OptimError> {
         while let Some(bucket) = self.last_order.get(self.cursor) {
             let wanted: Vec<usize> = bucket
@@ -312,8 +315,7 @@ impl StreamedOffload {
                 .filter(|i| !self.incoming.contains_key(i) && self.slots[*i].moments.is_some())
                 .collect();
             let bytes: u64 = wanted.iter().map(|&i| self.moment_bytes(i)).sum();
-            let held = self.incoming_bytes + self.outgoing_bytes;
-            if held + bytes > self.budget && !self.incoming.is_empty() {
+            if self.incoming_bytes + bytes > self.budget && !self.incoming.is_empty() {
                 break;
             }
             for index in wanted {
