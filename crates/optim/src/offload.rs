@@ -86,8 +86,8 @@ pub enum OffloadStepper {
     /// The moments live in pinned host memory and stream through the GPU, which steps them
     /// with the on-device fused kernels (8 bytes a parameter each way, 12 with AMSGrad; the
     /// gradients and parameters never leave the device) — for hosts whose CPUs are slow; the
-    /// GPU holds up to [`OffloadConfig::stream_bytes`] of moments at once. On CUDA only (the CPU
-    /// backend steps on the host either way); no `master_weights`.
+    /// GPU holds up to [`OffloadConfig::stream_bytes`] of moments coming in and as many going
+    /// back. On CUDA only (the CPU backend steps on the host either way); no `master_weights`.
     Device,
 }
 

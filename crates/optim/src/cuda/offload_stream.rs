@@ -12,9 +12,9 @@
 //! moments the device holds coming in; as many may be going back): at the end of a step the next
 //! step's first buckets start coming in, so the copies in overlap the forward as well as the
 //! backward while the last copies out drain (the link is full duplex). With more than that on
-//! their way back, the host waits for the oldest bucket's copy rather than letting the device
-//! fill with moments when the backward outruns the link. A parameter's copy in waits for its
-//! last copy out.
+//! their way back, the compute stream waits for the oldest bucket's copy (the host does not)
+//! rather than the device filling with moments when the backward outruns the link. A
+//! parameter's copy in waits for its last copy out.
 //!
 //! It sits on ops-cuda's streams, events, pinned buffers and in-flight copies and on the CUDA
 //! entries of `Adam` and `AdamStochastic`; it knows no model and no hook.
@@ -200,12 +200,12 @@ impl StreamedOffload {
         }
         self.outgoing.push_back((leaving, bucket_bytes));
         self.outgoing_bytes += bucket_bytes;
-        // With more than the budget on its way back, the host waits for the oldest copies.
+        // With more than the budget on its way back, the oldest copies are handed back to the
+        // compute stream (dropping an `InFlight` makes it wait for the copy, then frees the
+        // moments in stream order): the device waits for the link, the host never does, so the
+        // host keeps queuing backward's work while the copies run.
         while self.outgoing_bytes > self.budget && self.outgoing.len() > 1 {
-            if let Some((oldest, bytes)) = self.outgoing.pop_front() {
-                for copy in &oldest {
-                    copy.event().synchronize()?;
-                }
+            if let Some((_, bytes)) = self.outgoing.pop_front() {
                 self.outgoing_bytes -= bytes;
             }
         }
