@@ -5,18 +5,22 @@
   ``memory_summary``, ``snapshot`` and the calls PyTorch cannot make on a pluggable allocator.
 - ``headroom.optim``: fused ``Adam``/``AdamW`` and bitsandbytes-compatible ``Adam8bit``/``AdamW8bit``
   as ``torch.optim.Optimizer`` subclasses, stepping Headroom's CUDA kernels on torch's memory.
+- ``headroom.torch``: techniques on ``torch.nn.Module``s through PyTorch's extension points:
+  ``optimizer_in_backward`` (a ``headroom.optim`` optimizer stepped in buckets inside backward,
+  with schedulers, clipping, accumulation and loss scaling).
 
-``import headroom`` needs no torch; ``headroom.optim`` and ``use_allocator`` import it.
+``import headroom`` needs no torch; ``headroom.optim``, ``headroom.torch`` and
+``use_allocator`` import it.
 """
 
 from . import _native, cuda
 
-__all__ = ["cuda", "optim"]
+__all__ = ["cuda", "optim", "torch"]
 
 
 def __getattr__(name):
-    if name == "optim":
+    if name in ("optim", "torch"):
         import importlib
 
-        return importlib.import_module(".optim", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'headroom' has no attribute {name!r}")

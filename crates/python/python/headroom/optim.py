@@ -256,6 +256,8 @@ class _HeadroomOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults):
         self._kernels = {}
         self._plans = {}
+        # The headroom.torch.InBackward that steps this optimizer, while one does.
+        self._stepped_in_backward = None
         super().__init__(params, defaults)
         self.register_state_dict_pre_hook(lambda opt: opt._sync_steps())
         self.register_load_state_dict_post_hook(lambda opt: opt._plans.clear())
@@ -293,14 +295,22 @@ class _HeadroomOptimizer(torch.optim.Optimizer):
             for p, step in zip(plan.params, plan.steps):
                 self.state[p]["step"] = self._step_value(step + plan.taken)
 
-    def _plan(self, index, group, params):
-        """The group's launch plan for ``params``: the cached one while nothing it was built
-        from changed, else a new one, every parameter and state checked."""
-        plan = self._plans.get(index)
+    def _plan(self, key, group, params):
+        """The launch plan for ``params`` of ``group`` under ``key`` (the group's index for
+        ``step()``, the group's index and the bucket's parameters for a bucket stepped inside
+        backward): the cached one while nothing it was built from changed, else a new one, every
+        parameter and state checked. A new plan first writes every plan's step counts to the
+        state and drops the cached plans that share a parameter with it, so each parameter's
+        count lives in one plan."""
+        plan = self._plans.get(key)
         if plan is not None and plan.still_valid(params) and self._plan_matches_group(plan, group):
             return plan
         self._sync_steps()
-        self._plans.pop(index, None)
+        ids = set(map(id, params))
+        self._plans = {
+            k: other for k, other in self._plans.items()
+            if k != key and ids.isdisjoint(map(id, other.params))
+        }
         for p in params:
             _check_param(p, self._who, self._device_type)
         device = params[0].device
@@ -312,7 +322,7 @@ class _HeadroomOptimizer(torch.optim.Optimizer):
         steps = [self._saved_step(p) for p in params]
         plan = self._build(group, params, steps)
         _check_disjoint(params + plan.states, "parameters or states", self._who)
-        self._plans[index] = plan
+        self._plans[key] = plan
         return plan
 
     def _plan_matches_group(self, plan, group):
@@ -334,21 +344,35 @@ class _HeadroomOptimizer(torch.optim.Optimizer):
         scale; write nothing when the flag is non-zero, though the step is counted:
         ``torch.amp.GradScaler.step`` never passes them, it skips ``step()`` itself).
         ``Adam``/``AdamW`` leave the gradients divided by the scale, as torch's fused step does.
-        Every check runs before the first launch: a step that raises changes nothing."""
+        Every check runs before the first launch: a step that raises changes nothing. An
+        optimizer handed to ``headroom.torch.optimizer_in_backward`` steps inside backward, so
+        this raises ``RuntimeError`` until that registration is removed."""
+        if self._stepped_in_backward is not None:
+            raise RuntimeError(
+                f"{self._who}: this optimizer steps inside backward "
+                "(headroom.torch.optimizer_in_backward); step the object that call returned (its "
+                "step() does nothing, the updates already happened), or call its remove() first"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        buckets = [(index, group, list(group["params"])) for index, group in enumerate(self.param_groups)]
+        self._step_buckets(buckets, grad_scale, found_inf)
+        return loss
+
+    def _step_buckets(self, buckets, grad_scale=None, found_inf=None):
+        """Steps each ``(key, group, params)`` of ``buckets`` (the parameters with a gradient
+        among ``params``), all checked before the first launch. Returns the plans launched."""
         launches = []
-        for index, group in enumerate(self.param_groups):
-            params = list(group["params"])
+        for key, group, params in buckets:
             grad_tensors = list(map(_grad, params))
             if not all(map(operator.is_not, grad_tensors, repeat(None))):
                 params = [p for p, g in zip(params, grad_tensors) if g is not None]
                 grad_tensors = [g for g in grad_tensors if g is not None]
             if not params:
                 continue
-            plan = self._plan(index, group, params)
+            plan = self._plan(key, group, params)
             grads = plan.grad_pointers(grad_tensors, self._who)
             if grad_scale is not None:
                 # The scale is divided out of the gradients in place: no two may share memory.
@@ -364,7 +388,7 @@ class _HeadroomOptimizer(torch.optim.Optimizer):
             for base, which in plan.launches:
                 self._launch(group, plan, grads, stream, base + taken, which, scaling)
             plan.taken = taken
-        return loss
+        return [plan for _, plan, _, _, _ in launches]
 
 
 def _pick(values, which, n):
