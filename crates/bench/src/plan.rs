@@ -71,14 +71,7 @@ pub(crate) struct Args {
 }
 
 /// The standard shapes `--find-max-model` walks, smallest first.
-const STANDARD_SHAPES: [&str; 6] = [
-    "llama-3.2-1b",
-    "llama-3.2-3b",
-    "llama-3.1-8b",
-    "qwen2.5-14b",
-    "qwen2.5-32b",
-    "llama-3.1-70b",
-];
+const STANDARD_SHAPES: [&str; 6] = LlamaConfig::STANDARD_NAMES;
 
 /// Where AdamW's state lives and how wide it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

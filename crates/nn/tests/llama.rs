@@ -115,14 +115,7 @@ fn llama_3_shapes_have_the_published_parameter_counts() {
         LlamaConfig::llama_3_1_70b().num_parameters(),
         70_553_706_496
     );
-    for name in [
-        "llama-3.2-1b",
-        "llama-3.2-3b",
-        "llama-3.1-8b",
-        "qwen2.5-14b",
-        "qwen2.5-32b",
-        "llama-3.1-70b",
-    ] {
+    for name in LlamaConfig::STANDARD_NAMES {
         let config = LlamaConfig::named(name).unwrap();
         config.validate().unwrap();
         let hugging_face: usize = hugging_face_names(&config)

@@ -201,6 +201,16 @@ impl LlamaConfig {
         }
     }
 
+    /// The full-size shapes [`LlamaConfig::named`] knows, smallest first.
+    pub const STANDARD_NAMES: [&'static str; 6] = [
+        "llama-3.2-1b",
+        "llama-3.2-3b",
+        "llama-3.1-8b",
+        "qwen2.5-14b",
+        "qwen2.5-32b",
+        "llama-3.1-70b",
+    ];
+
     /// The config of a name: `llama-tiny`, `qwen2-tiny`, `llama-3.2-1b`, `llama-3.2-3b`,
     /// `llama-3.1-8b`, `qwen2.5-14b`, `qwen2.5-32b` or `llama-3.1-70b`.
     pub fn named(name: &str) -> Option<LlamaConfig> {
