@@ -132,8 +132,9 @@ fn offloaded_by(params: &[Tensor], adam: AdamConfig, stepper: OffloadStepper) ->
     offloaded_streaming(params, adam, stepper, DEFAULT_STREAM_BYTES)
 }
 
-/// With `stream_bytes` 0 the device stepper holds one bucket's moments at a time (the host waits
-/// for every copy back before the next bucket); with the default, all of these.
+/// With `stream_bytes` 0 the device stepper holds one bucket's moments coming in and one going
+/// back beside the one it steps (the compute stream waits for each older copy back); with the
+/// default, all of these.
 fn offloaded_streaming(
     params: &[Tensor],
     adam: AdamConfig,

@@ -179,7 +179,8 @@ class InBackward(torch.optim.Optimizer):
         self._asked = None  # the mode InBackward.backward asked for its next pass
         self._reset_pass()
         self._coefficient = None  # previous-step clipping: this step's coefficient
-        self._scaling = None  # (scale, found_inf) of a scaled step's update pass
+        # A scaled step's (scale for the kernels, or None once unscaled; found_inf; 1 / scale).
+        self._scaling = None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
         for p in params:
             _REGISTERED[id(p)] = (weakref.ref(p), weakref.ref(self))
@@ -249,10 +250,15 @@ class InBackward(torch.optim.Optimizer):
             self._asked = None
             self._scaling = None
 
+    def _measures_first(self):
+        """Whether every gradient of the last micro-batch must be measured before any update
+        (exact clipping, or a loss scale's check)."""
+        return self.scaler is not None or (self.clip is not None and self.clip_mode == "exact")
+
     def _two_passes(self):
-        """Whether the last micro-batch needs a measuring pass before the updating one."""
-        one = self.accumulate == 1
-        return one and (self.scaler is not None or (self.clip is not None and self.clip_mode == "exact"))
+        """Whether the last micro-batch measures in a pass of its own (with one micro-batch;
+        with more, it holds its gradients and measures them at its end)."""
+        return self.accumulate == 1 and self._measures_first()
 
     def _reset_pass(self):
         self._pending = []
@@ -279,8 +285,7 @@ class InBackward(torch.optim.Optimizer):
                 f"{self._who}: exact clipping of one micro-batch, or a loss scale, takes two "
                 "backward passes: call InBackward.backward(loss) instead of loss.backward()"
             )
-        elif self.accumulate > 1 and (self.scaler is not None or self.clip is not None
-                                      and self.clip_mode == "exact"):
+        elif self._measures_first():
             mode = "collect"
         else:
             mode = "update"
@@ -360,12 +365,7 @@ class InBackward(torch.optim.Optimizer):
             ((index, tuple(map(id, ps))), groups[index], ps) for index, ps in by_group.items()
         ]
         scale, found_inf = (None, None) if self._scaling is None else self._scaling[:2]
-        inner = self._inner
-        inner._stepped_in_backward = None
-        try:
-            self._plans_launched.extend(inner._step_buckets(buckets, scale, found_inf))
-        finally:
-            inner._stepped_in_backward = self
+        self._plans_launched.extend(self._inner._step_buckets(buckets, scale, found_inf))
         for p in pending:
             p.grad = None
 
@@ -402,7 +402,6 @@ class InBackward(torch.optim.Optimizer):
                     found_inf = torch.zeros(1, dtype=torch.float32, device=scale.device)
                     self._scaling = (None, found_inf, scale.double().reciprocal().float())
                     self._measure(held)
-                    self._scaling = (None, found_inf)
                 elif self.clip is not None:
                     self._measure(held)
                 total = self._total_norm()

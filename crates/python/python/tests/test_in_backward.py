@@ -107,10 +107,10 @@ def test_parameters_equal_the_plain_loop(rig_name, bucket_mb):
         assert all(p.grad is None for p in ours.parameters()), "a gradient outlived its bucket"
     rig.sync()
     assert_same_bits(plain, ours)
-    steps_plain = {n: int(opt_plain.state_dict()["state"][i]["step"])
-                   for i, n in enumerate(dict(plain.named_parameters())) if i in opt_plain.state_dict()["state"]}
-    steps_ours = {n: int(ib.state_dict()["state"][i]["step"])
-                  for i, n in enumerate(dict(ours.named_parameters())) if i in ib.state_dict()["state"]}
+    steps_plain, steps_ours = (
+        {name: int(state[i]["step"]) for i, (name, _) in enumerate(net.named_parameters()) if i in state}
+        for net, state in ((plain, opt_plain.state_dict()["state"]), (ours, ib.state_dict()["state"]))
+    )
     assert steps_plain == steps_ours
     assert steps_ours["side"] == len(range(0, STEPS, 3))
     assert "unused" not in steps_ours
