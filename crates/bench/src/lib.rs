@@ -1,8 +1,9 @@
 //! Headroom's measurements, one subcommand each: `bench-memory` (peak memory, where it goes and
 //! step time, per optimizer and technique, beside PyTorch's figures), `find-max-batch` (the
 //! largest batch each case trains at under a memory cap), `replay-trace` (a PyTorch allocator
-//! trace through Headroom's allocator on simulated memory), and `plan` (the fastest bf16 AdamW
-//! recipe whose predicted peak fits a Llama-shaped model under a cap; no device).
+//! trace through Headroom's allocator on simulated memory), and `plan` (the bf16 AdamW recipe
+//! and the blocks to recompute predicted fastest for a Llama-shaped model under a memory cap,
+//! measured with `--run`).
 //!
 //! The command line is [`Cli`], declared with clap: each command's options are one `Args`
 //! struct in its module, and its `--help` is generated from the same tables its errors name
@@ -65,8 +66,8 @@ impl Cli {
     }
 }
 
-/// `headroom-bench` followed by `words`, parsed as the binary parses its command line.
-#[cfg(test)]
+/// `headroom-bench` followed by `words`, parsed as the binary parses its command line (`plan
+/// --run` runs bench-memory this way).
 fn parse_command_line(words: &[&str]) -> Result<Command, clap::Error> {
     Cli::try_parse_from(std::iter::once("headroom-bench").chain(words.iter().copied()))
         .map(|cli| cli.command)

@@ -141,6 +141,12 @@ pub(crate) struct Args {
     /// loss (autograd-core's linear_cross_entropy, 64 MiB chunks, no logits held).
     #[arg(long)]
     unfused_loss: bool,
+    /// The checkpointed cases recompute the model's first N blocks and keep every activation
+    /// of the others (default: each case's own, every block or every block but the last); needs
+    /// --model and --cases naming checkpointed cases only. `plan` runs its partial
+    /// checkpointing this way.
+    #[arg(long, value_name = "N")]
+    checkpoint_blocks: Option<usize>,
     /// Batch sizes, by commas or repeated (default: the device's, below).
     #[arg(long = "batch", value_name = "N", value_delimiter = ',', value_parser = crate::at_least_one)]
     batches: Vec<usize>,
@@ -231,6 +237,28 @@ impl Options {
         let model = match (model, args.unfused_loss) {
             (Some(model), true) => Some(model.with_unfused_loss()?),
             (model, _) => model,
+        };
+        let model = match (model, args.checkpoint_blocks) {
+            (model, None) => model,
+            (None, Some(_)) => {
+                bail!("--checkpoint-blocks needs --model: the number of blocks is the model's")
+            }
+            (Some(model), Some(blocks)) => {
+                if args.cases.is_empty() {
+                    bail!(
+                        "--checkpoint-blocks needs --cases naming the checkpointed cases it \
+                         applies to"
+                    );
+                }
+                if let Some(case) = args.cases.iter().find(|case| !case.checkpointed()) {
+                    bail!(
+                        "--checkpoint-blocks applies to checkpointed cases; {} checkpoints no \
+                         block",
+                        case.name()
+                    );
+                }
+                Some(model.with_checkpointed_blocks(blocks)?)
+            }
         };
         Ok(Options {
             device: args.device,
@@ -340,7 +368,8 @@ fn long_about() -> String {
     "Peak allocated and reserved bytes, where the memory goes and step time, per optimizer and \
      technique, on a ViT, GPT-2 or Llama, beside PyTorch's figures (--pytorch).\n\n\
      Trains a model (ViT: loss = model(x).sum(); GPT-2 and the Llama shapes (llama-3.2-1b, \
-     llama-3.2-3b, llama-3.1-8b; llama-tiny and qwen2-tiny for the CPU): Hugging Face's \
+     llama-3.2-3b, llama-3.1-8b, qwen2.5-14b, qwen2.5-32b, llama-3.1-70b; llama-tiny and \
+     qwen2-tiny for the CPU): Hugging Face's \
      causal-LM loss on --seq random tokens a row, dropout off, the head fused with the loss \
      unless --unfused-loss) with each case's optimizer and technique: per case, a fresh model \
      and optimizer, --warmup steps (their peak is the first-3 peak), --steps timed steps \

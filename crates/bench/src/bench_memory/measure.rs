@@ -65,6 +65,8 @@ impl Protocol {
 pub(crate) struct CaseResult {
     pub(crate) case: Case,
     pub(crate) model: &'static str,
+    /// The blocks a checkpointed case recomputed when `--checkpoint-blocks` set them.
+    pub(crate) checkpointed_blocks: Option<usize>,
     pub(crate) batch: usize,
     pub(crate) device: String,
     /// Scalar parameters.
@@ -252,6 +254,7 @@ pub(crate) fn measure(
     Ok(CaseResult {
         case,
         model: model.name,
+        checkpointed_blocks: model.checkpointed_blocks,
         batch,
         device: probe.device.clone(),
         n_params,

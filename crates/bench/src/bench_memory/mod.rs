@@ -58,8 +58,8 @@ use headroom_ops_cuda::CudaBackend;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use cases::Case;
-pub(crate) use command_line::{Args, DeviceChoice};
-use command_line::{Defaults, Options, CPU_DEFAULTS, CUDA_DEFAULTS};
+pub(crate) use command_line::{Args, DeviceChoice, Options};
+use command_line::{Defaults, CPU_DEFAULTS, CUDA_DEFAULTS};
 use measure::{CaseResult, Protocol};
 use models::Model;
 use report::Anchors;
@@ -74,7 +74,7 @@ pub(crate) fn run(args: Args, command: String) -> Result<()> {
 
 /// Runs every case the options name on the device they pick, prints the table and writes the
 /// files; returns what was measured.
-fn execute(options: &Options) -> Result<Vec<CaseResult>> {
+pub(crate) fn execute(options: &Options) -> Result<Vec<CaseResult>> {
     let anchors = match &options.pytorch {
         Some(path) => crate::read_parsed(path, report::parse_anchors)?,
         None => Anchors::new(),

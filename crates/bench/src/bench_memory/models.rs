@@ -28,6 +28,10 @@ pub(crate) struct Model {
     pub(crate) name: &'static str,
     /// What it is built from.
     pub(crate) arch: Arch,
+    /// How many blocks the checkpointed cases recompute, the first ones
+    /// ([`Model::with_checkpointed_blocks`], `--checkpoint-blocks`); `None`: each case's own
+    /// choice (every block, or every block but the last).
+    pub(crate) checkpointed_blocks: Option<usize>,
 }
 
 /// A model's architecture and, for a language model, its sequence length and loss path.
@@ -89,7 +93,7 @@ impl LanguageConfig {
 
 impl Model {
     /// Names accepted by `--model`.
-    pub(crate) const NAMES: [&'static str; 12] = [
+    pub(crate) const NAMES: [&'static str; 15] = [
         "vit_l_16",
         "vit_b_16",
         "vit_mini",
@@ -102,12 +106,15 @@ impl Model {
         "llama-3.2-1b",
         "llama-3.2-3b",
         "llama-3.1-8b",
+        "qwen2.5-14b",
+        "qwen2.5-32b",
+        "llama-3.1-70b",
     ];
 
     /// The language models' names (`--seq` applies to them).
     const LANGUAGE_NAMES: &'static str =
         "gpt2, gpt2-medium, gpt2-large, llama-tiny, qwen2-tiny, llama-3.2-1b, llama-3.2-3b, \
-         llama-3.1-8b";
+         llama-3.1-8b, qwen2.5-14b, qwen2.5-32b, llama-3.1-70b";
 
     /// The model named `name`: torchvision's `vit_l_16` and `vit_b_16`; `vit_mini`, the CPU
     /// default ([`VitConfig::mini`], 5.2 M parameters, 17 tokens an image, so that, like
@@ -115,8 +122,8 @@ impl Model {
     /// activations at batch 32); `vit_tiny`, the golden tests' model, for quick checks; Hugging
     /// Face's `gpt2`, `gpt2-medium` and `gpt2-large` without dropout (so attention takes the
     /// fused path, as `attn_implementation="sdpa"` does), at their full 1024 positions; and the
-    /// Llama family ([`LlamaConfig::named`]: `llama-3.2-1b`, `llama-3.2-3b` and `llama-3.1-8b`
-    /// at 2048 tokens a row, `llama-tiny` and `qwen2-tiny` at 64, the CPU's) until
+    /// Llama family ([`LlamaConfig::named`]: `llama-3.2-1b`, `llama-3.2-3b`, `llama-3.1-8b`,
+    /// `qwen2.5-14b`, `qwen2.5-32b` and `llama-3.1-70b` at 2048 tokens a row, `llama-tiny` and `qwen2-tiny` at 64, the CPU's) until
     /// [`Model::with_seq`].
     pub(crate) fn named(name: &str) -> Result<Model> {
         let language = |config: LanguageConfig| Arch::Language {
@@ -142,7 +149,11 @@ impl Model {
             .into_iter()
             .find(|n| *n == name)
             .expect("matched above");
-        Ok(Model { name, arch })
+        Ok(Model {
+            name,
+            arch,
+            checkpointed_blocks: None,
+        })
     }
 
     /// The language model with `seq` tokens a row (`--seq`).
@@ -183,6 +194,22 @@ impl Model {
                 seq,
                 loss: LossPath::Unfused,
             },
+            ..self
+        })
+    }
+
+    /// The model whose checkpointed cases recompute its first `blocks` blocks and keep every
+    /// activation of the others (`--checkpoint-blocks`): a plan's partial checkpointing.
+    pub(crate) fn with_checkpointed_blocks(self, blocks: usize) -> Result<Model> {
+        if blocks > self.n_blocks() {
+            bail!(
+                "--checkpoint-blocks {blocks}: {} has {} blocks",
+                self.name,
+                self.n_blocks()
+            );
+        }
+        Ok(Model {
+            checkpointed_blocks: Some(blocks),
             ..self
         })
     }

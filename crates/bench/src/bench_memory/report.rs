@@ -218,6 +218,9 @@ pub(crate) fn case_json(r: &CaseResult, anchors: &Anchors) -> Value {
             "at_peak": components,
         },
     });
+    if let Some(blocks) = r.checkpointed_blocks {
+        value["checkpointed_blocks"] = blocks.into();
+    }
     if let Some(plan) = &r.plan {
         value["plan"] = super::budget_plan::json(plan);
     }

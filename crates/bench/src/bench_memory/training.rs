@@ -123,7 +123,12 @@ impl Training {
             // gradients pile up and the last block's saved tensors would set the peak at the end
             // of the forward instead: there every block is recomputed (and in the case that
             // checkpoints as Hugging Face does).
-            let blocks = if case.checkpoints_the_last_block() {
+            let blocks = if let Some(first) = model.checkpointed_blocks {
+                CheckpointBlocks {
+                    selection: BlockSelection::First(first),
+                    options: Default::default(),
+                }
+            } else if case.checkpoints_the_last_block() {
                 CheckpointBlocks::all()
             } else {
                 CheckpointBlocks::all_but_last(model.n_blocks())
