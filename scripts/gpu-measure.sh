@@ -30,7 +30,7 @@
 #
 #   bash scripts/gpu-measure.sh PHASE...      PHASE: tests vit gpt2 fmb fmb-llama planner reclaim
 #                                                    noreclaim plugin benches llama llama8b
-#                                                    llama-parity kernels fused-ce
+#                                                    llama-parity kernels fused-ce plans
 #                                                    allocator-benches cpu-benches
 #
 # tests    every test binary with --include-ignored (the GPU tests are marked
@@ -90,6 +90,10 @@
 # fused-ce linear_cross_entropy at Llama-3.2-1B's head (.gpu-bundle/benches/fused_ce_bench,
 #          ops-cuda's example) and scripts/pytorch/fused_ce_reference.py (eager, Liger, Cut
 #          Cross-Entropy: install their wheels into PYTHONPATH first)
+# plans    issue 32's plans measured (`plan --run --json`): Llama-3.2-1B and Llama-3.1-8B at
+#          2048 tokens under the H200's 139 GiB, and 8B under 40,000 and 30,000 MiB, where the
+#          plan recomputes some of the 32 blocks (plan_<model>_<cap>.json: predicted and measured
+#          peak and step)
 #
 # Every step fails when its log holds the word `skipped` on any line: only testkit's gate
 # prints it (`skipped: <test>: <why>`, a panic instead under HEADROOM_REQUIRE_GPU=1), and
@@ -321,6 +325,13 @@ for phase in "$@"; do
         --out "$out/llama_parity.json"
       # The checkpoint (5 GB) goes unless the caller named its folder.
       [[ -n ${LLAMA_PARITY_DIR:-} ]] || rm -rf "$parity_dir" ;;
+    plans)
+      for model_cap in llama-3.2-1b:142336 llama-3.1-8b:142336 llama-3.1-8b:40000 \
+        llama-3.1-8b:30000; do
+        model=${model_cap%%:*} cap=${model_cap#*:}
+        step "plan_${model}_$cap" "$bench" plan --model "$model" --seq 2048 --batch 1 \
+          --memory-cap-mb "$cap" --run --device cuda --json "$out/plan_${model}_$cap.json"
+      done ;;
     kernels)
       # Issue 30's kernel targets: RMSNorm, SwiGLU and rotary against the copy ceiling, causal
       # grouped-query bf16 attention and packed sequences against cuDNN's SDPA, one run.
@@ -340,7 +351,7 @@ for phase in "$@"; do
       bench_step cpu_vit cpu_vit.txt "$(bench_exe cpu_vit)" --bench
       bench_step cpu_gemm cpu_gemm.txt "$(bench_exe cpu_gemm)" --bench ;;
     *) echo "unknown phase $phase (tests vit gpt2 fmb fmb-llama planner reclaim noreclaim" \
-         "plugin benches llama llama8b llama-parity kernels fused-ce allocator-benches" \
+         "plugin benches llama llama8b llama-parity kernels fused-ce plans allocator-benches" \
          "cpu-benches)" >&2; exit 2 ;;
   esac
 done

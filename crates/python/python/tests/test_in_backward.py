@@ -18,7 +18,7 @@ import inspect
 import sys
 
 from torch_gate import main, need_gpu, pytest, torch
-from test_optim_misuse import RIG_NAMES, Rig, raises, rig_for
+from optim_rigs import RIG_NAMES, Rig, raises, rig_for
 
 if torch is not None:
     import headroom.torch as ht
