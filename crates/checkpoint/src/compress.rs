@@ -57,7 +57,6 @@ mod cuda;
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
-use rayon::prelude::*;
 
 use headroom_autograd_core::{
     is_grad_enabled, saved_tensor_hooks, Buffer, DType, Device, Packed, SaveRole, SaveSite, Tensor,
@@ -73,6 +72,8 @@ pub use codec::{
     dequantize_int8_blockwise, quantize_int8_blockwise, CodecElement, INT8_BLOCK_RANGE,
     INT8_ERROR_BOUND, INT8_LEVELS,
 };
+#[cfg(feature = "cuda")]
+pub use cuda::{dequantize_int8_device, quantize_int8_device};
 
 /// The default 8-bit block: 256 elements (a warp's 8 elements per lane on the GPU; absmax adds
 /// 1/64 to the codes' bytes).
@@ -573,11 +574,8 @@ mod host {
     use half::{bf16, f16};
     use headroom_autograd_core::{Access, DType, Element, HostAccess, Tensor};
 
-    use super::codec::{dequantize_blocks, quantize_blocks, CodecElement};
+    use super::codec::{dequantize_int8_blockwise, quantize_int8_blockwise, CodecElement};
     use super::*;
-
-    /// Blocks per parallel task.
-    const BLOCKS_PER_TASK: usize = 64;
 
     /// Claims the buffers a codec pass touches (`read` shared, `written` alone) after checking
     /// that each is host memory: a CPU tensor of a backend whose storage is not host memory
@@ -647,7 +645,7 @@ mod host {
             block: usize,
             codes: &Tensor,
             absmax: &Tensor,
-        ) {
+        ) -> Result<(), CheckpointError> {
             // SAFETY: host memory (checked), claimed above: `x` shared, `codes` and `absmax`
             // alone (a conflicting claim would have failed), so no other thread writes `x` or
             // touches the outputs while the slices live; all three outlive them.
@@ -658,21 +656,15 @@ mod host {
                     elements_mut::<f32>(absmax),
                 )
             };
-            let codes: &mut [i8] = bytemuck::cast_slice_mut(codes);
-            let task = block * BLOCKS_PER_TASK;
-            x.par_chunks(task)
-                .zip(codes.par_chunks_mut(task))
-                .zip(absmax.par_chunks_mut(BLOCKS_PER_TASK))
-                .for_each(|((x, codes), absmax)| quantize_blocks(x, block, codes, absmax));
+            quantize_int8_blockwise(x, block, bytemuck::cast_slice_mut(codes), absmax)
         }
         match x.dtype() {
             DType::F32 => run::<f32>(x, block, codes, absmax),
             DType::F64 => run::<f64>(x, block, codes, absmax),
             DType::BF16 => run::<bf16>(x, block, codes, absmax),
             DType::F16 => run::<f16>(x, block, codes, absmax),
-            other => return Err(unsupported(other)),
+            other => Err(unsupported(other)),
         }
-        Ok(())
     }
 
     pub(super) fn dequantize(
@@ -687,7 +679,7 @@ mod host {
             absmax: &Tensor,
             block: usize,
             out: &Tensor,
-        ) {
+        ) -> Result<(), CheckpointError> {
             // SAFETY: host memory (checked), claimed above: `codes` and `absmax` shared, `out`
             // alone, so nothing writes what the slices read or reaches what they write; all
             // outlive the slices.
@@ -698,21 +690,15 @@ mod host {
                     elements_mut::<T>(out),
                 )
             };
-            let codes: &[i8] = bytemuck::cast_slice(codes);
-            let task = block * BLOCKS_PER_TASK;
-            out.par_chunks_mut(task)
-                .zip(codes.par_chunks(task))
-                .zip(absmax.par_chunks(BLOCKS_PER_TASK))
-                .for_each(|((out, codes), absmax)| dequantize_blocks(codes, absmax, block, out));
+            dequantize_int8_blockwise(bytemuck::cast_slice(codes), absmax, block, out)
         }
         match out.dtype() {
             DType::F32 => run::<f32>(codes, absmax, block, out),
             DType::F64 => run::<f64>(codes, absmax, block, out),
             DType::BF16 => run::<bf16>(codes, absmax, block, out),
             DType::F16 => run::<f16>(codes, absmax, block, out),
-            other => return Err(unsupported(other)),
+            other => Err(unsupported(other)),
         }
-        Ok(())
     }
 
     fn unsupported(dtype: DType) -> CheckpointError {

@@ -118,6 +118,8 @@ pub use compress::{
     CompressActivations, CompressBlocks, CompressFn, CompressOptions, CompressPolicy, Compression,
     DEFAULT_BLOCK, DEFAULT_MIN_ELEMENTS, INT8_BLOCK_RANGE, INT8_ERROR_BOUND, INT8_LEVELS,
 };
+#[cfg(feature = "cuda")]
+pub use compress::{dequantize_int8_device, quantize_int8_device};
 pub use error::CheckpointError;
 pub use offload::{offload, OffloadBlocks, OffloadOptions, OffloadPool, OffloadStats};
 #[cfg(feature = "cuda")]

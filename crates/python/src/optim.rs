@@ -10,10 +10,7 @@
 //! gradients' producers. One `CudaBackend` per device is shared by all optimizers (its own
 //! small allocations — the launch table, the 8-bit lookup tables — come from its allocator).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
-
-use headroom_ops_cuda::CudaBackend;
+use crate::device::{backend, on_default_stream};
 use headroom_optim::cuda::{
     Adam8bitMath, CudaAdam8bit, CudaFusedAdam, DeviceAdam8bitParam, DeviceAdamParam, FusedAdamMath,
 };
@@ -33,29 +30,12 @@ fn optim_error(error: OptimError) -> PyErr {
     PyRuntimeError::new_err(error.to_string())
 }
 
-/// The shared backend of device `ordinal`.
-fn backend(ordinal: usize) -> PyResult<Arc<CudaBackend>> {
-    static BACKENDS: OnceLock<Mutex<HashMap<usize, Arc<CudaBackend>>>> = OnceLock::new();
-    let mut backends = BACKENDS
-        .get_or_init(Default::default)
-        .lock()
-        .map_err(|_| PyRuntimeError::new_err("a previous step panicked"))?;
-    if let Some(backend) = backends.get(&ordinal) {
-        return Ok(Arc::clone(backend));
-    }
-    let backend = CudaBackend::new(ordinal).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
-    backends.insert(ordinal, Arc::clone(&backend));
-    Ok(backend)
-}
-
 fn check_stream(stream: u64) -> PyResult<()> {
-    match stream {
-        0 => Ok(()),
-        _ => Err(PyValueError::new_err(
-            "headroom optimizers step on torch's default stream; call step() outside \
-             `with torch.cuda.stream(...)` (or synchronise that stream with the default one first)",
-        )),
-    }
+    on_default_stream(
+        stream,
+        "headroom optimizers step on torch's default stream; call step() outside \
+         `with torch.cuda.stream(...)` (or synchronise that stream with the default one first)",
+    )
 }
 
 /// Checks that every list has `n` entries and no address is null.

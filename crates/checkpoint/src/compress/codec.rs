@@ -13,9 +13,11 @@
 //! kernels (`kernels/compress.cu`) repeat, so both devices give the same bits. f64, bf16 and f16
 //! elements are read as f32 (f64 rounded to nearest) and written back rounded to nearest even.
 //!
-//! This module is plain arithmetic on slices; it knows no tensor, device or autograd.
+//! This module is plain arithmetic on slices (in parallel runs of whole blocks on rayon's pool);
+//! it knows no tensor, device or autograd.
 
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 use crate::error::CheckpointError;
 
@@ -120,8 +122,12 @@ fn check_lengths(
     Ok(())
 }
 
+/// Blocks per parallel task of the public entry points.
+const BLOCKS_PER_TASK: usize = 64;
+
 /// Quantises `x` blockwise: one absmax per `block` elements into `absmax`, one code per element
-/// into `codes` (see the module docs for the formula).
+/// into `codes` (see the module docs for the formula), in parallel runs of whole blocks on
+/// rayon's pool (each block's bits do not depend on the others').
 pub fn quantize_int8_blockwise<T: CodecElement>(
     x: &[T],
     block: usize,
@@ -135,11 +141,16 @@ pub fn quantize_int8_blockwise<T: CodecElement>(
         codes.len(),
         absmax.len(),
     )?;
-    quantize_blocks(x, block, codes, absmax);
+    let task = block * BLOCKS_PER_TASK;
+    x.par_chunks(task)
+        .zip(codes.par_chunks_mut(task))
+        .zip(absmax.par_chunks_mut(BLOCKS_PER_TASK))
+        .for_each(|((x, codes), absmax)| quantize_blocks(x, block, codes, absmax));
     Ok(())
 }
 
-/// Decodes what [`quantize_int8_blockwise`] wrote: `out[i] = (codes[i] / 127) * absmax[i / block]`.
+/// Decodes what [`quantize_int8_blockwise`] wrote: `out[i] = (codes[i] / 127) * absmax[i / block]`,
+/// in parallel runs of whole blocks.
 pub fn dequantize_int8_blockwise<T: CodecElement>(
     codes: &[i8],
     absmax: &[f32],
@@ -153,17 +164,16 @@ pub fn dequantize_int8_blockwise<T: CodecElement>(
         codes.len(),
         absmax.len(),
     )?;
-    dequantize_blocks(codes, absmax, block, out);
+    let task = block * BLOCKS_PER_TASK;
+    out.par_chunks_mut(task)
+        .zip(codes.par_chunks(task))
+        .zip(absmax.par_chunks(BLOCKS_PER_TASK))
+        .for_each(|((out, codes), absmax)| dequantize_blocks(codes, absmax, block, out));
     Ok(())
 }
 
-/// [`quantize_int8_blockwise`] on lengths already checked.
-pub(crate) fn quantize_blocks<T: CodecElement>(
-    x: &[T],
-    block: usize,
-    codes: &mut [i8],
-    absmax: &mut [f32],
-) {
+/// [`quantize_int8_blockwise`] on lengths already checked, serially.
+fn quantize_blocks<T: CodecElement>(x: &[T], block: usize, codes: &mut [i8], absmax: &mut [f32]) {
     for ((x, codes), absmax) in x
         .chunks(block)
         .zip(codes.chunks_mut(block))
@@ -173,13 +183,8 @@ pub(crate) fn quantize_blocks<T: CodecElement>(
     }
 }
 
-/// [`dequantize_int8_blockwise`] on lengths already checked.
-pub(crate) fn dequantize_blocks<T: CodecElement>(
-    codes: &[i8],
-    absmax: &[f32],
-    block: usize,
-    out: &mut [T],
-) {
+/// [`dequantize_int8_blockwise`] on lengths already checked, serially.
+fn dequantize_blocks<T: CodecElement>(codes: &[i8], absmax: &[f32], block: usize, out: &mut [T]) {
     for ((out, codes), &absmax) in out
         .chunks_mut(block)
         .zip(codes.chunks(block))

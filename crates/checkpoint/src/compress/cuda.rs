@@ -92,32 +92,20 @@ pub(super) fn quantize(
     absmax: &Tensor,
 ) -> Result<(), CheckpointError> {
     let backend = backend_of(x)?;
-    let name = instance(
-        x.dtype(),
-        [
-            "quantize_int8_f32",
-            "quantize_int8_f64",
-            "quantize_int8_bf16",
-            "quantize_int8_f16",
-        ],
-    )?;
-    let kernel = kernel(&backend, name)?;
-    let n_blocks = absmax.numel() as u64;
-    let grid = n_blocks
-        .div_ceil(u64::from(THREADS / 32))
-        .clamp(1, MAX_GRID) as u32;
-    let args = [
-        KernelArg::U64(address(x)),
-        KernelArg::U64(address(codes)),
-        KernelArg::U64(address(absmax)),
-        KernelArg::U64(x.numel() as u64),
-        KernelArg::U32(block as u32),
-    ];
-    // SAFETY: `quantize_int8_*` takes (const T*, signed char*, float*, unsigned long long,
-    // unsigned); `x` holds `n` elements of T from its address, `codes` `n` bytes and `absmax`
-    // `n.div_ceil(block)` floats, all live tensors of this backend, ordered on its stream.
-    unsafe { backend.launch_kernel(&kernel, grid, THREADS, 0, &args) }?;
-    Ok(())
+    // SAFETY: `x` holds `numel` elements of its dtype from its address, `codes` as many bytes
+    // and `absmax` `numel.div_ceil(block)` floats (the caller's allocation), all live tensors of
+    // this backend, ordered on its stream.
+    unsafe {
+        quantize_int8_device(
+            &backend,
+            x.dtype(),
+            address(x),
+            x.numel(),
+            block,
+            address(codes),
+            address(absmax),
+        )
+    }
 }
 
 /// Decodes `codes` and `absmax` into `out` (contiguous, 1-D, as many elements as codes).
@@ -128,8 +116,100 @@ pub(super) fn dequantize(
     out: &Tensor,
 ) -> Result<(), CheckpointError> {
     let backend = backend_of(codes)?;
+    // SAFETY: `codes` holds `numel` bytes from the start of its allocation (the encoder's fresh
+    // tensor), `absmax` one float per block, `out` `numel` elements of its dtype in a fresh
+    // allocation; all live tensors of this backend, ordered on its stream.
+    unsafe {
+        dequantize_int8_device(
+            &backend,
+            out.dtype(),
+            address(codes),
+            address(absmax),
+            out.numel(),
+            block,
+            address(out),
+        )
+    }
+}
+
+/// Encodes the `n` elements of `dtype` at device address `x` into `n` signed bytes at `codes`
+/// and one f32 absmax per `block` at `absmax`, in one launch on `backend`'s stream: the codec
+/// of [`quantize_int8_blockwise`](super::quantize_int8_blockwise), bit for bit, for a caller
+/// whose memory is its own (a framework's tensors).
+///
+/// # Safety
+/// `x` must address `n` live elements of `dtype`, `codes` `n` writable bytes and `absmax`
+/// `n.div_ceil(block)` writable f32s, all on `backend`'s device and not overlapping, until the
+/// launch completes; whatever writes `x` must be ordered before the launch on `backend`'s stream
+/// (the legacy default stream), and whatever reads the outputs after it.
+pub unsafe fn quantize_int8_device(
+    backend: &Arc<CudaBackend>,
+    dtype: DType,
+    x: u64,
+    n: usize,
+    block: usize,
+    codes: u64,
+    absmax: u64,
+) -> Result<(), CheckpointError> {
+    super::codec::check_block("quantize_int8_device", block)?;
     let name = instance(
-        out.dtype(),
+        dtype,
+        [
+            "quantize_int8_f32",
+            "quantize_int8_f64",
+            "quantize_int8_bf16",
+            "quantize_int8_f16",
+        ],
+    )?;
+    let kernel = kernel(backend, name)?;
+    let n_blocks = n.div_ceil(block) as u64;
+    let grid = n_blocks
+        .div_ceil(u64::from(THREADS / 32))
+        .clamp(1, MAX_GRID) as u32;
+    let args = [
+        KernelArg::U64(x),
+        KernelArg::U64(codes),
+        KernelArg::U64(absmax),
+        KernelArg::U64(n as u64),
+        KernelArg::U32(block as u32),
+    ];
+    // SAFETY: `quantize_int8_*` takes (const T*, signed char*, float*, unsigned long long,
+    // unsigned); the caller guarantees `x` holds `n` elements of T, `codes` `n` bytes and
+    // `absmax` `n.div_ceil(block)` floats, live and ordered on this backend's stream.
+    unsafe { backend.launch_kernel(&kernel, grid, THREADS, 0, &args) }?;
+    Ok(())
+}
+
+/// Decodes what [`quantize_int8_device`] wrote into the `n` elements of `dtype` at `out`, in
+/// one launch on `backend`'s stream.
+///
+/// # Safety
+/// `codes` must address `n` live bytes (4-byte aligned: the kernel reads four at a time; checked),
+/// `absmax` `n.div_ceil(block)` f32s and `out` `n` writable elements of `dtype` (16-byte
+/// aligned; checked), all on
+/// `backend`'s device, `out` overlapping neither, until the launch completes; their writers
+/// ordered before it on `backend`'s stream, and `out`'s readers after it.
+pub unsafe fn dequantize_int8_device(
+    backend: &Arc<CudaBackend>,
+    dtype: DType,
+    codes: u64,
+    absmax: u64,
+    n: usize,
+    block: usize,
+    out: u64,
+) -> Result<(), CheckpointError> {
+    super::codec::check_block("dequantize_int8_device", block)?;
+    if !codes.is_multiple_of(4) || !out.is_multiple_of(16) {
+        return Err(CheckpointError::InvalidArgument {
+            op: "dequantize_int8_device",
+            reason: format!(
+                "codes at {codes:#x}, out at {out:#x}: the kernel reads codes four at a time and \
+                 writes 16 bytes at a time; give allocations' starts"
+            ),
+        });
+    }
+    let name = instance(
+        dtype,
         [
             "dequantize_int8_f32",
             "dequantize_int8_f64",
@@ -137,20 +217,21 @@ pub(super) fn dequantize(
             "dequantize_int8_f16",
         ],
     )?;
-    let kernel = kernel(&backend, name)?;
-    let n = out.numel() as u64;
-    let grid = n.div_ceil(4 * u64::from(THREADS)).clamp(1, MAX_GRID * 4) as u32;
+    let kernel = kernel(backend, name)?;
+    let grid = (n as u64)
+        .div_ceil(4 * u64::from(THREADS))
+        .clamp(1, MAX_GRID * 4) as u32;
     let args = [
-        KernelArg::U64(address(codes)),
-        KernelArg::U64(address(absmax)),
-        KernelArg::U64(address(out)),
-        KernelArg::U64(n),
+        KernelArg::U64(codes),
+        KernelArg::U64(absmax),
+        KernelArg::U64(out),
+        KernelArg::U64(n as u64),
         KernelArg::U32(block.trailing_zeros()),
     ];
     // SAFETY: `dequantize_int8_*` takes (const signed char*, const float*, T*, unsigned long
-    // long, unsigned); `codes` holds `n` bytes from a 512-byte-aligned allocation start (offset
-    // 0, read as char4), `absmax` one float per block of 2^shift, `out` `n` elements of T in a
-    // fresh allocation; all live tensors of this backend, ordered on its stream.
+    // long, unsigned); the caller guarantees `codes` holds `n` bytes and `out` `n` elements
+    // from aligned addresses (checked), `absmax` one float per block of 2^shift (a power of two, checked), `out` `n`
+    // elements of T, live and ordered on this backend's stream.
     unsafe { backend.launch_kernel(&kernel, grid, THREADS, 0, &args) }?;
     Ok(())
 }

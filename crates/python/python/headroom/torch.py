@@ -1,5 +1,8 @@
 """Headroom's techniques on ``torch.nn.Module``s, through PyTorch's own extension points.
 
+``saved_activations(compress="int8" | "bf16" | None)`` keeps what a forward saves for backward
+encoded (``headroom.activations``). The rest of this module is in-backward stepping:
+
 ``optimizer_in_backward(model, optimizer, ...)`` steps a ``headroom.optim`` optimizer inside
 backward: each parameter gets a post-accumulate-grad hook; when its gradient is final the
 parameter joins the pending bucket, and a bucket of ``bucket_mb`` MiB of gradients is stepped
@@ -51,8 +54,9 @@ import weakref
 import torch
 
 from . import optim as _optim
+from .activations import saved_activations
 
-__all__ = ["InBackward", "optimizer_in_backward", "DEFAULT_BUCKET_MB"]
+__all__ = ["InBackward", "optimizer_in_backward", "saved_activations", "DEFAULT_BUCKET_MB"]
 
 #: Gradient MiB a bucket collects before it is stepped: PyTorch DDP's 25 MiB.
 DEFAULT_BUCKET_MB = 25

@@ -2,12 +2,15 @@
 allocation report an allocator that has served nothing and leave its settings open; a stream
 given to record_stream is never taken as a bare integer; and the allocator it carries serves
 host memory through the same C functions PyTorch would call, with exact statistics, a summary,
-a snapshot pickle and clear errors. Run: python3 test_no_torch.py"""
+a snapshot pickle and clear errors; the activation codec runs on host memory as its formula
+says. Run: python3 test_no_torch.py"""
 
 import ctypes
 import json
+import math
 import os
 import pickle
+import struct
 import tempfile
 
 import headroom
@@ -57,8 +60,61 @@ def statistics_before_first_allocation():
     cuda._pending_history.clear()
 
 
+def f32(value):
+    """``value`` rounded to the nearest f32."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def int8_codec_on_host_memory():
+    """The 8-bit codec of ``headroom.torch.saved_activations`` on host memory through the
+    extension (its CPU path): codes and absmax are the formula's in f32 arithmetic
+    (``round_half_even(f32(f32(x / a) * 127))``), including a block of zeros and one holding a
+    NaN; the decode is ``f32(f32(code / 127) * a)``; bad arguments raise."""
+    n, block = 300, 32
+    values = [f32((i - 150) * 0.37 + (i % 7) * 1.3) for i in range(n)]
+    values[64:96] = [0.0] * 32
+    values[100] = float("nan")
+    x = (ctypes.c_float * n)(*values)
+    codes = (ctypes.c_int8 * n)()
+    blocks = (n + block - 1) // block
+    absmax = (ctypes.c_float * blocks)()
+    address = ctypes.addressof
+    _native.quantize_int8(None, 0, "float32", address(x), n, block, address(codes), address(absmax))
+    for b in range(blocks):
+        chunk = values[b * block:(b + 1) * block]
+        if any(math.isnan(v) for v in chunk):
+            assert math.isnan(absmax[b]) and all(codes[i] == 0 for i in range(b * block, b * block + len(chunk)))
+            continue
+        a = max(abs(v) for v in chunk)
+        assert absmax[b] == a, (b, absmax[b], a)
+        for i, v in enumerate(chunk, start=b * block):
+            want = 0 if a == 0 else round(f32(f32(v / a) * 127.0))  # round(): half to even
+            assert codes[i] == want, (i, codes[i], want)
+    out = (ctypes.c_float * n)()
+    _native.dequantize_int8(None, 0, "float32", address(codes), address(absmax), n, block, address(out))
+    for i in range(n):
+        a = absmax[i // block]
+        want = f32(f32(codes[i] / 127.0) * a)
+        assert (math.isnan(out[i]) and math.isnan(want)) or out[i] == want, (i, out[i], want)
+        if not math.isnan(a):
+            assert abs(out[i] - values[i]) <= a / 254 * (1 + 1e-5), i
+    args = (None, 0, "float32", address(x), n, block, address(codes), address(absmax))
+    for index, bad, error, words in ((2, "int8", TypeError, "int8 tensors are not compressed"),
+                                     (5, 100, ValueError, "block=100"),
+                                     (3, 0, ValueError, "`x` is a null address")):
+        changed = list(args)
+        changed[index] = bad
+        try:
+            _native.quantize_int8(*changed)
+        except error as raised:
+            assert words in str(raised), raised
+        else:
+            raise AssertionError(f"quantize_int8 accepted {bad!r}")
+
+
 def main():
     statistics_before_first_allocation()
+    int8_codec_on_host_memory()
     # The plugin's own default: 8 MiB physical handles, kept under a user's other settings.
     assert "expandable_handle_size_mb:8" in headroom.cuda.settings(), headroom.cuda.settings()
     try:
