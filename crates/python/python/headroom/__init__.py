@@ -7,8 +7,9 @@
   as ``torch.optim.Optimizer`` subclasses, stepping Headroom's CUDA kernels on torch's memory.
 - ``headroom.torch``: techniques on ``torch.nn.Module``s through PyTorch's extension points:
   ``optimizer_in_backward`` (a ``headroom.optim`` optimizer stepped in buckets inside backward,
-  with schedulers, clipping, accumulation and loss scaling) and ``saved_activations`` (saved
-  activations kept as 8-bit codes or bf16 between forward and backward).
+  with schedulers, clipping, accumulation and loss scaling), ``saved_activations`` (saved
+  activations kept as 8-bit codes or bf16 between forward and backward) and ``plan_blocks``
+  (keep, 8-bit or recompute per block under a byte budget).
 
 ``import headroom`` needs no torch; ``headroom.optim``, ``headroom.torch`` and
 ``use_allocator`` import it.

@@ -1,7 +1,9 @@
 """Headroom's techniques on ``torch.nn.Module``s, through PyTorch's own extension points.
 
 ``saved_activations(compress="int8" | "bf16" | None)`` keeps what a forward saves for backward
-encoded (``headroom.activations``). The rest of this module is in-backward stepping:
+encoded (``headroom.activations``); ``plan_blocks(blocks, budget_mb, step)`` keeps, encodes or
+recomputes each block's saves so that they fit a byte budget (``headroom.blocks``). The rest of
+this module is in-backward stepping:
 
 ``optimizer_in_backward(model, optimizer, ...)`` steps a ``headroom.optim`` optimizer inside
 backward: each parameter gets a post-accumulate-grad hook; when its gradient is final the
@@ -55,8 +57,10 @@ import torch
 
 from . import optim as _optim
 from .activations import saved_activations
+from .blocks import BlockPlan, plan_blocks
 
-__all__ = ["InBackward", "optimizer_in_backward", "saved_activations", "DEFAULT_BUCKET_MB"]
+__all__ = ["InBackward", "optimizer_in_backward", "saved_activations", "plan_blocks", "BlockPlan",
+           "DEFAULT_BUCKET_MB"]
 
 #: Gradient MiB a bucket collects before it is stepped: PyTorch DDP's 25 MiB.
 DEFAULT_BUCKET_MB = 25

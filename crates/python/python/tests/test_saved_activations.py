@@ -9,30 +9,20 @@ on this file). The ``cuda`` cases need a GPU (skipped without one; under
 ``HEADROOM_REQUIRE_GPU=1`` a failure instead).
 """
 
-import functools
-import inspect
 import sys
 
-from torch_gate import main, need_gpu, torch
+from torch_gate import DEVICES, device_cases, main, on_device as on, torch
 
 if torch is not None:
     import headroom.activations as hact
     import headroom.torch as ht
 
-DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def pytest_generate_tests(metafunc):
     if "device" in metafunc.fixturenames:
         metafunc.parametrize("device", DEVICES)
-
-
-def on(device):
-    if device == "cuda":
-        need_gpu()
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def sync(device):
@@ -268,17 +258,5 @@ def test_int8_lowers_the_forwards_peak_on_cuda():
     assert kept["int8"] <= 0.45 * kept[None], kept
 
 
-def _cases():
-    res = []
-    for name, fn in sorted(globals().items()):
-        if not name.startswith("test_") or not callable(fn):
-            continue
-        if "device" in inspect.signature(fn).parameters:
-            res.extend((f"{name}[{d}]", functools.partial(fn, d)) for d in DEVICES)
-        else:
-            res.append((name, fn))
-    return res
-
-
 if __name__ == "__main__":
-    sys.exit(main(__file__, _cases))
+    sys.exit(main(__file__, lambda: device_cases(globals())))

@@ -1,6 +1,7 @@
 """The gate the torch test files here share: ``torch`` (``None`` when it is not installed),
 ``pytest`` (``None``: each file also runs as a plain script), ``REQUIRE_GPU``, ``skip`` and
-``need_gpu``, and ``main``, a file's entry as a script.
+``need_gpu``, ``main``, a file's entry as a script, and for files whose cases take a ``device``
+(``"cpu"`` or ``"cuda"``): ``on_device`` and ``device_cases``.
 
 Importing it without torch skips the importing module under pytest, and fails under
 ``HEADROOM_REQUIRE_GPU=1``; run as a script, the file itself says that nothing ran.
@@ -72,3 +73,32 @@ def main(path, cases):
     if pytest is not None:
         return pytest.main([path, "-q"])
     return run_cases(cases())
+
+
+DEVICES = ("cpu", "cuda")
+
+
+def on_device(name):
+    """The ``torch.device`` a case named ``name`` runs on (a ``"cuda"`` case skips without a
+    GPU, as ``need_gpu`` says)."""
+    if name == "cuda":
+        need_gpu()
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def device_cases(namespace):
+    """Every ``test_*`` function of ``namespace`` (a module's ``globals()``), once per device
+    where it takes a ``device``: the ``cases`` ``main`` runs without pytest."""
+    import functools
+    import inspect
+
+    res = []
+    for name, fn in sorted(namespace.items()):
+        if not name.startswith("test_") or not callable(fn):
+            continue
+        if "device" in inspect.signature(fn).parameters:
+            res.extend((f"{name}[{d}]", functools.partial(fn, d)) for d in DEVICES)
+        else:
+            res.append((name, fn))
+    return res
