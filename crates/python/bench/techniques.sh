@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Device script for the techniques the `headroom` wheel brings to PyTorch (issue 33), one call on
+# the GPU machine from the workspace root: installs the wheel found in WHEEL_DIR, runs the
+# Python suites on the GPU (HEADROOM_REQUIRE_GPU=1: a skipped case fails), then measures
+# in-backward stepping on ViT-L/16 at batch 1 and 32 (bench/in_backward.py), compressed saved
+# activations on ViT-L/16 at batch 32 beside save_on_cpu and GPT-2's 300-step losses
+# (bench/saved_activations.py), and runs both examples. Logs and JSON lines go to OUT (the device
+# tool's folder, else results/python-<date>).
+# Usage: bash crates/python/bench/techniques.sh WHEEL_DIR
+set -uo pipefail
+WHEEL_DIR=$1
+OUT=${OUT:-results/python-$(date -u +%F)}
+mkdir -p "$OUT" /tmp/site
+export HEADROOM_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEEL_DIR"/headroom-*.whl
+export PYTHONPATH=/tmp/site
+here=crates/python
+status=0
+run() { # name seconds command...
+  local name=$1 seconds=$2
+  shift 2
+  echo "== $name: $*"
+  timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1 || { echo "FAILED: $name"; status=1; }
+  tail -3 "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/machine.txt"
+run tests 600 python3 -m pytest -q -p no:cacheprovider "$here/python/tests"
+run in_backward_b1 300 python3 "$here/bench/in_backward.py" --batch 1
+run in_backward_b32 300 python3 "$here/bench/in_backward.py" --batch 32
+run saved_activations_vit 300 python3 "$here/bench/saved_activations.py" --batch 32
+run saved_activations_gpt2 600 python3 "$here/bench/saved_activations.py" --gpt2 300
+run example_plain_loop 120 python3 "$here/examples/plain_loop.py"
+run example_hf_trainer 180 python3 "$here/examples/hf_trainer.py"
+grep -h '^{' "$OUT"/in_backward_*.log "$OUT"/saved_activations_*.log > "$OUT/techniques.jsonl"
+exit $status
