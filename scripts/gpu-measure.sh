@@ -31,6 +31,7 @@
 #   bash scripts/gpu-measure.sh PHASE...      PHASE: tests vit gpt2 fmb fmb-llama planner reclaim
 #                                                    noreclaim plugin benches llama llama8b
 #                                                    llama-parity kernels fused-ce plans
+#                                                    find-max-model
 #                                                    allocator-benches cpu-benches
 #
 # tests    every test binary with --include-ignored (the GPU tests are marked
@@ -94,6 +95,12 @@
 #          2048 tokens under the H200's 139 GiB, and 8B under 40,000 and 30,000 MiB, where the
 #          plan recomputes some of the 32 blocks (plan_<model>_<cap>.json: predicted and measured
 #          peak and step)
+# find-max-model  issue 32's largest model on one GPU at 2048 tokens, both sides measured:
+#          `plan --find-max-model --run` (the largest planned shape that runs, a smaller one
+#          when it fails; fmm_plan.json), then scripts/pytorch/find_max_model.py's bisection
+#          with torchao's AdamW4bit inside backward and every block checkpointed
+#          (FMM_RECIPES overrides the recipes; fmm_torch.jsonl). Each probe builds a model of
+#          up to 70B parameters: give it the ten minutes
 #
 # Every step fails when its log holds the word `skipped` on any line: only testkit's gate
 # prints it (`skipped: <test>: <why>`, a panic instead under HEADROOM_REQUIRE_GPU=1), and
@@ -332,6 +339,11 @@ for phase in "$@"; do
         step "plan_${model}_$cap" "$bench" plan --model "$model" --seq 2048 --batch 1 \
           --memory-cap-mb "$cap" --run --device cuda --json "$out/plan_${model}_$cap.json"
       done ;;
+    find-max-model)
+      step fmm_plan "$bench" plan --find-max-model --seq 2048 --batch 1 --run --device cuda \
+        --json "$out/fmm_plan.json"
+      step fmm_torch python3 scripts/pytorch/find_max_model.py --seq 2048 --batch 1 \
+        --recipes "${FMM_RECIPES:-adamw4bit_inbwd_bf16_ckpt}" --out "$out/fmm_torch.jsonl" ;;
     kernels)
       # Issue 30's kernel targets: RMSNorm, SwiGLU and rotary against the copy ceiling, causal
       # grouped-query bf16 attention and packed sequences against cuDNN's SDPA, one run.
@@ -351,8 +363,8 @@ for phase in "$@"; do
       bench_step cpu_vit cpu_vit.txt "$(bench_exe cpu_vit)" --bench
       bench_step cpu_gemm cpu_gemm.txt "$(bench_exe cpu_gemm)" --bench ;;
     *) echo "unknown phase $phase (tests vit gpt2 fmb fmb-llama planner reclaim noreclaim" \
-         "plugin benches llama llama8b llama-parity kernels fused-ce plans allocator-benches" \
-         "cpu-benches)" >&2; exit 2 ;;
+         "plugin benches llama llama8b llama-parity kernels fused-ce plans find-max-model" \
+         "allocator-benches cpu-benches)" >&2; exit 2 ;;
   esac
 done
 rm -rf "$criterion_home"

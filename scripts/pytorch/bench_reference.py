@@ -5,7 +5,8 @@ Models: torchvision's ViTs (`loss = model(x).sum()` on `rand(batch, 3, 224, 224)
 `model(x).float().sum()`), Hugging Face's GPT-2 family (`GPT2LMHeadModel`) and Llama family
 (`LlamaForCausalLM` with the shapes of headroom-nn's `LlamaConfig` presets: Llama-3.2-1B/3B and
 Llama-3.1-8B, vocabulary 128256, rotary base 500000 with Llama 3's scaling, tied embeddings for
-1B and 3B; `llama-tiny` and `qwen2-tiny` too), each with `attn_implementation="sdpa"`, dropout
+1B and 3B; `llama-tiny` and `qwen2-tiny` too; Llama-3.1-70B, and Qwen2.5-14B/32B as
+`Qwen2ForCausalLM`, for find_max_model.py), each with `attn_implementation="sdpa"`, dropout
 off, `use_cache=False`, random init from seed 0; `loss = model(input_ids=ids, labels=ids).loss`
 on `--seq` random tokens a row (default 1024 for GPT-2, 2048 for the Llama shapes, 64 for the
 tiny ones). The checkpointing cases wrap every block in `torch.utils.checkpoint` (non-reentrant);
@@ -95,6 +96,17 @@ LLAMA_MODELS = {
                          num_hidden_layers=32, head_dim=128, tie_word_embeddings=False,
                          rope_parameters=dict(LLAMA3_1B['rope_parameters'], factor=8.0)),
 }
+LLAMA_MODELS['llama-3.1-70b'] = dict(LLAMA_MODELS['llama-3.1-8b'], hidden_size=8192,
+                                     intermediate_size=28672, num_hidden_layers=80,
+                                     num_attention_heads=64)
+# Qwen2.5's shapes (Qwen2ForCausalLM: q/k/v biases, its head width hidden / heads = 128).
+QWEN2_5_14B = dict(
+    vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+    num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5,
+    max_position_embeddings=131072, tie_word_embeddings=False,
+    rope_parameters=dict(rope_type='default', rope_theta=1e6))
+LLAMA_MODELS['qwen2.5-14b'] = QWEN2_5_14B
+LLAMA_MODELS['qwen2.5-32b'] = dict(QWEN2_5_14B, intermediate_size=27648, num_hidden_layers=64)
 LANGUAGE_MODELS = set(GPT2_MODELS) | set(LLAMA_MODELS)
 
 
@@ -106,8 +118,9 @@ def default_seq(model_name):
     return 1024
 
 
-def build_model(model_name, case):
-    """The model on the GPU, its blocks checkpointed or offloaded as the case says."""
+def build_model(model_name, case, layers=None):
+    """The model on the GPU, its blocks checkpointed or offloaded as the case says (a Llama-family
+    model with `layers` decoder layers when given; a bf16-model case's Llama built in bf16)."""
     import torch
     from torch import nn
     from torch.utils.checkpoint import checkpoint
@@ -128,17 +141,26 @@ def build_model(model_name, case):
         from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
         shapes = dict(LLAMA_MODELS[model_name], attention_dropout=0.0, hidden_act='silu',
                       initializer_range=0.02, use_cache=False, attn_implementation='sdpa')
-        if model_name == 'qwen2-tiny':
-            # Qwen2's head width is hidden / heads (16 here, as given); q/k/v carry biases.
-            shapes.pop('head_dim')
-            shapes.pop('attention_bias')
+        if layers is not None:
+            shapes['num_hidden_layers'] = layers
+        if model_name.startswith('qwen2'):
+            # Qwen2's head width is hidden / heads (as given); q/k/v carry biases.
+            shapes.pop('head_dim', None)
+            shapes.pop('attention_bias', None)
             config, cls = Qwen2Config(**shapes, use_sliding_window=False), Qwen2ForCausalLM
         else:
             config, cls = LlamaConfig(**shapes, mlp_bias=False), LlamaForCausalLM
-        # Initialised on the GPU (8B parameters in f32 are 32 GB), in training mode: Hugging
+        # Initialised on the GPU (8B parameters in f32 are 32 GB; a bf16-model case's in bf16,
+        # so that a model whose f32 weights would not fit is built), in training mode: Hugging
         # Face's checkpointing acts only while training.
-        with torch.device('cuda'):
-            model = cls(config)
+        default_dtype = torch.get_default_dtype()
+        if case in BF16_MODEL_CASES:
+            torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device('cuda'):
+                model = cls(config)
+        finally:
+            torch.set_default_dtype(default_dtype)
         model.train()
         assert model.config._attn_implementation == 'sdpa', model.config._attn_implementation
         if 'ckpt' in case:
@@ -193,11 +215,11 @@ def step_in_backward(params, optimizer_of):
         p.register_post_accumulate_grad_hook(hook)
 
 
-def build_case(case, model_name, seq):
+def build_case(case, model_name, seq, layers=None):
     """A case's model and optimizer: `(step(batch_input), make_input(batch), zero_grad())`."""
     import torch
 
-    model = build_model(model_name, case)
+    model = build_model(model_name, case, layers)
     params = list(model.parameters())
     amp = torch.bfloat16 if 'bf16' in case and case not in BF16_MODEL_CASES else None
     scaler = None

@@ -141,6 +141,10 @@ pub(crate) struct Args {
     /// loss (autograd-core's linear_cross_entropy, 64 MiB chunks, no logits held).
     #[arg(long)]
     unfused_loss: bool,
+    /// A Llama-family model with N decoder layers instead of its own (a shape between the
+    /// standard ones, as `plan --find-max-model` walks them).
+    #[arg(long, value_name = "N")]
+    layers: Option<usize>,
     /// The checkpointed cases recompute the model's first N blocks and keep every activation
     /// of the others (default: each case's own, every block or every block but the last); needs
     /// --model and --cases naming checkpointed cases only. `plan` runs its partial
@@ -237,6 +241,11 @@ impl Options {
         let model = match (model, args.unfused_loss) {
             (Some(model), true) => Some(model.with_unfused_loss()?),
             (model, _) => model,
+        };
+        let model = match (model, args.layers) {
+            (model, None) => model,
+            (None, Some(_)) => bail!("--layers needs --model (a Llama-family model)"),
+            (Some(model), Some(layers)) => Some(model.with_layers(layers)?),
         };
         let model = match (model, args.checkpoint_blocks) {
             (model, None) => model,

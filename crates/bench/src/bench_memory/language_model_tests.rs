@@ -136,6 +136,11 @@ fn llama_names_and_sequence_lengths_are_checked() {
         );
         assert_eq!(model.n_blocks(), layers, "{name}");
     }
+    let deeper = parse(&args(&["--model", "llama-tiny", "--layers", "5"]))
+        .unwrap()
+        .model
+        .unwrap();
+    assert_eq!((deeper.n_blocks(), deeper.layers), (5, Some(5)));
     let eight_b = parse(&args(&["--model", "llama-3.1-8b", "--seq", "4096"]))
         .unwrap()
         .model
@@ -159,6 +164,34 @@ fn llama_names_and_sequence_lengths_are_checked() {
             (
                 &["--model", "vit_tiny", "--unfused-loss"],
                 "--unfused-loss is for language models",
+            ),
+            (
+                &["--model", "gpt2", "--layers", "3"],
+                "--layers is for the Llama family",
+            ),
+            (&["--model", "llama-tiny", "--layers", "0"], "--layers 0"),
+            (&["--layers", "3"], "--layers needs --model"),
+            (
+                &[
+                    "--model",
+                    "llama-tiny",
+                    "--checkpoint-blocks",
+                    "3",
+                    "--cases",
+                    "adam_ckpt",
+                ],
+                "--checkpoint-blocks 3: llama-tiny has 2 blocks",
+            ),
+            (
+                &[
+                    "--model",
+                    "llama-tiny",
+                    "--checkpoint-blocks",
+                    "1",
+                    "--cases",
+                    "adam_fused",
+                ],
+                "adam_fused checkpoints no block",
             ),
         ],
     );

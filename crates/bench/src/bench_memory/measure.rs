@@ -67,6 +67,8 @@ pub(crate) struct CaseResult {
     pub(crate) model: &'static str,
     /// The blocks a checkpointed case recomputed when `--checkpoint-blocks` set them.
     pub(crate) checkpointed_blocks: Option<usize>,
+    /// The decoder layers when `--layers` set them.
+    pub(crate) layers: Option<usize>,
     pub(crate) batch: usize,
     pub(crate) device: String,
     /// Scalar parameters.
@@ -255,6 +257,7 @@ pub(crate) fn measure(
         case,
         model: model.name,
         checkpointed_blocks: model.checkpointed_blocks,
+        layers: model.layers,
         batch,
         device: probe.device.clone(),
         n_params,

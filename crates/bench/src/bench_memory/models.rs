@@ -32,6 +32,8 @@ pub(crate) struct Model {
     /// ([`Model::with_checkpointed_blocks`], `--checkpoint-blocks`); `None`: each case's own
     /// choice (every block, or every block but the last).
     pub(crate) checkpointed_blocks: Option<usize>,
+    /// The decoder layers `--layers` gave a Llama-family model instead of its own.
+    pub(crate) layers: Option<usize>,
 }
 
 /// A model's architecture and, for a language model, its sequence length and loss path.
@@ -153,6 +155,7 @@ impl Model {
             name,
             arch,
             checkpointed_blocks: None,
+            layers: None,
         })
     }
 
@@ -194,6 +197,36 @@ impl Model {
                 seq,
                 loss: LossPath::Unfused,
             },
+            ..self
+        })
+    }
+
+    /// The Llama-family model with `layers` decoder layers instead of its own (`--layers`): the
+    /// shapes between the standard ones that `plan --find-max-model` walks.
+    pub(crate) fn with_layers(self, layers: usize) -> Result<Model> {
+        let Arch::Language {
+            config: LanguageConfig::Llama(mut config),
+            seq,
+            loss,
+        } = self.arch
+        else {
+            bail!(
+                "--layers is for the Llama family (llama-tiny, qwen2-tiny, {}), not {}",
+                LlamaConfig::STANDARD_NAMES.join(", "),
+                self.name
+            );
+        };
+        if layers == 0 {
+            bail!("--layers 0: a model needs at least one layer");
+        }
+        config.num_hidden_layers = layers;
+        Ok(Model {
+            arch: Arch::Language {
+                config: LanguageConfig::Llama(config),
+                seq,
+                loss,
+            },
+            layers: Some(layers),
             ..self
         })
     }

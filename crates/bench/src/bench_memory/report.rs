@@ -221,6 +221,9 @@ pub(crate) fn case_json(r: &CaseResult, anchors: &Anchors) -> Value {
     if let Some(blocks) = r.checkpointed_blocks {
         value["checkpointed_blocks"] = blocks.into();
     }
+    if let Some(layers) = r.layers {
+        value["layers"] = layers.into();
+    }
     if let Some(plan) = &r.plan {
         value["plan"] = super::budget_plan::json(plan);
     }

@@ -200,6 +200,7 @@ fn cpu_searches_under_a_cap_are_exact_and_leave_the_allocator_as_they_found_it()
             loss: LossPath::default(),
         },
         checkpointed_blocks: None,
+        layers: None,
     };
     let vit_tiny = Model::named("vit_tiny").unwrap();
     let llama_tiny = Model::named("llama-tiny").unwrap().with_seq(32).unwrap();

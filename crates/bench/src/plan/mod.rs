@@ -14,10 +14,13 @@
 //! `--checkpoint-blocks k` for a checkpointed one) on the device `--device` picks, and prints the
 //! measured peak and step time beside the predicted ones; `--json` writes both.
 //!
+//! `--layers N` plans (and measures) a Llama-family model N decoder layers deep.
 //! `--find-max-model` walks the standard shapes (Llama-3.2-1B, 3B, Llama-3.1-8B, Qwen2.5-14B,
 //! 32B, Llama-3.1-70B) and, between each and the next, the smaller one made deeper four layers
-//! at a time, and reports the largest with a plan, from the same predictions. Widths between the
-//! shapes are not walked.
+//! at a time, and reports the largest with a plan, from the same predictions; with `--run` it
+//! measures the largest (bench-memory `--layers`), and the next smaller one when a larger one
+//! fails to run. Widths between the shapes are not walked. PyTorch's side of the same walk is
+//! `scripts/pytorch/find_max_model.py`.
 //!
 //! It sits on nn's Llama configs, optim's quantisation constants and, for `--run`,
 //! bench-memory; the predictions know no device.
@@ -68,10 +71,13 @@ pub(crate) struct Args {
     /// 128 GiB; 0 rules offload out).
     #[arg(long, value_name = "MIB", default_value_t = 128 * 1024)]
     host_cap_mb: u64,
+    /// The model with N decoder layers instead of its own (a shape between the standard ones).
+    #[arg(long, value_name = "N")]
+    layers: Option<usize>,
     /// Instead of one model: the plan of each standard shape (Llama-3.2-1B and 3B, Llama-3.1-8B,
     /// Qwen2.5-14B and 32B, Llama-3.1-70B) and of deeper variants between them, and the largest
-    /// that fits — predicted, not measured.
-    #[arg(long, conflicts_with_all = ["model", "run"])]
+    /// that fits; with --run, the largest measured (a smaller one when it fails to run).
+    #[arg(long, conflicts_with_all = ["model", "layers"])]
     find_max_model: bool,
     /// Measure the plan: bench-memory with its case (and --checkpoint-blocks) on the device.
     #[arg(long)]
@@ -84,7 +90,7 @@ pub(crate) struct Args {
     #[arg(long, value_name = "N", requires = "run", value_parser = crate::at_least_one)]
     steps: Option<usize>,
     /// Writes the plan, its prediction and (with --run) the measurement as JSON.
-    #[arg(long, value_name = "FILE", conflicts_with = "find_max_model")]
+    #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
 }
 
@@ -197,9 +203,77 @@ fn tokens_per_second(seq: usize, batch: usize, step_ms: f64) -> f64 {
     (seq * batch) as f64 / step_ms * 1e3
 }
 
+/// A shape `--find-max-model` walks: a standard shape, or one made deeper.
+#[derive(Debug, Clone)]
+struct Shape {
+    name: &'static str,
+    config: LlamaConfig,
+    /// The layers when deeper than the standard shape's.
+    layers: Option<usize>,
+}
+
+impl Shape {
+    fn label(&self) -> String {
+        match self.layers {
+            Some(layers) => format!("{} ×{layers} layers", self.name),
+            None => self.name.to_owned(),
+        }
+    }
+}
+
+/// The standard shapes, each followed by the deepest variant (four layers at a time, below the
+/// next shape's size) that has a plan, with their plans.
+fn walk_shapes(args: &Args, caps: Caps) -> Vec<(Shape, Option<(Plan, Prediction)>)> {
+    let configs: Vec<LlamaConfig> = STANDARD_SHAPES
+        .iter()
+        .map(|name| LlamaConfig::named(name).expect("a standard shape has a config"))
+        .collect();
+    let mut rows = Vec::new();
+    for (i, (name, config)) in STANDARD_SHAPES.iter().zip(&configs).enumerate() {
+        let planned = choose(config, args.seq, args.batch, caps);
+        let fits = planned.is_some();
+        rows.push((
+            Shape {
+                name,
+                config: *config,
+                layers: None,
+            },
+            planned,
+        ));
+        let Some(next) = configs.get(i + 1).filter(|_| fits) else {
+            continue;
+        };
+        let mut deepest = None;
+        let mut deeper = *config;
+        loop {
+            deeper.num_hidden_layers += 4;
+            if deeper.num_parameters() >= next.num_parameters() {
+                break;
+            }
+            match choose(&deeper, args.seq, args.batch, caps) {
+                Some(planned) => deepest = Some((deeper, planned)),
+                None => break,
+            }
+        }
+        if let Some((deeper, planned)) = deepest {
+            let shape = Shape {
+                name,
+                config: deeper,
+                layers: Some(deeper.num_hidden_layers),
+            };
+            rows.push((shape, Some(planned)));
+        }
+    }
+    rows
+}
+
 /// `--find-max-model`: each standard shape's plan, deeper variants between the shapes, and the
-/// largest with a plan.
+/// largest with a plan; with `--run`, the largest measured (the next smaller one tried when a
+/// larger one fails to run).
 fn find_max_model(args: &Args) -> Result<()> {
+    if let Some(path) = &args.json {
+        crate::output_paths::check_file("--json", path)?;
+    }
     let caps = Caps::of(args)?;
     println!(
         "predicted plans at {} rows of {} tokens, GPU cap {} MiB, host cap {} MiB (bf16 \
@@ -210,69 +284,109 @@ fn find_max_model(args: &Args) -> Result<()> {
         "{:<24} {:>16}  {:<44} {:>16} {:>10} {:>9}",
         "model", "parameters", "plan", "GPU peak (B)", "step (ms)", "tokens/s"
     );
-    let mut largest: Option<(String, LlamaConfig)> = None;
-    let configs: Vec<LlamaConfig> = STANDARD_SHAPES
-        .iter()
-        .map(|name| LlamaConfig::named(name).expect("a standard shape has a config"))
-        .collect();
-    for (i, (name, config)) in STANDARD_SHAPES.iter().zip(&configs).enumerate() {
-        let row =
-            |label: &str, config: &LlamaConfig| match choose(config, args.seq, args.batch, caps) {
-                Some((plan, prediction)) => {
-                    println!(
-                        "{label:<24} {:>16}  {:<44} {:>16} {:>10.1} {:>9.0}",
-                        config.num_parameters(),
-                        describe(plan, config.num_hidden_layers),
-                        prediction.gpu_peak,
-                        prediction.step_ms,
-                        tokens_per_second(args.seq, args.batch, prediction.step_ms)
-                    );
-                    true
-                }
-                None => {
-                    println!("{label:<24} {:>16}  none fits", config.num_parameters());
-                    false
-                }
-            };
-        if !row(name, config) {
-            continue;
-        }
-        largest = Some((name.to_string(), *config));
-        // Deeper variants up to the next shape's size: the largest that fits is the row shown.
-        let Some(next) = configs.get(i + 1) else {
-            continue;
-        };
-        let mut deepest = None;
-        let mut deeper = *config;
-        loop {
-            deeper.num_hidden_layers += 4;
-            if deeper.num_parameters() >= next.num_parameters()
-                || choose(&deeper, args.seq, args.batch, caps).is_none()
-            {
-                break;
-            }
-            deepest = Some(deeper);
-        }
-        if let Some(deeper) = deepest {
-            let label = format!("{name} ×{} layers", deeper.num_hidden_layers);
-            row(&label, &deeper);
-            largest = Some((label, deeper));
+    let rows = walk_shapes(args, caps);
+    for (shape, planned) in &rows {
+        let parameters = shape.config.num_parameters();
+        match planned {
+            Some((plan, prediction)) => println!(
+                "{:<24} {parameters:>16}  {:<44} {:>16} {:>10.1} {:>9.0}",
+                shape.label(),
+                describe(*plan, shape.config.num_hidden_layers),
+                prediction.gpu_peak,
+                prediction.step_ms,
+                tokens_per_second(args.seq, args.batch, prediction.step_ms)
+            ),
+            None => println!("{:<24} {parameters:>16}  none fits", shape.label()),
         }
     }
-    match largest {
-        Some((name, config)) => {
-            println!(
-                "\nlargest that fits (predicted): {name}, {} parameters.",
-                config.num_parameters()
-            );
-            Ok(())
-        }
-        None => bail!(
+    let fitting: Vec<_> = rows
+        .iter()
+        .filter_map(|(shape, planned)| Some((shape, planned.as_ref()?)))
+        .collect();
+    let Some((largest, _)) = fitting.last() else {
+        bail!(
             "no standard shape fits {} MiB at batch {}: lower --batch or --seq",
             args.memory_cap_mb,
             args.batch
-        ),
+        );
+    };
+    println!(
+        "\nlargest that fits (predicted): {}, {} parameters.",
+        largest.label(),
+        largest.config.num_parameters()
+    );
+    let mut measured = None;
+    if args.run {
+        for (shape, (plan, prediction)) in fitting.iter().rev() {
+            let words = bench_memory_words(args, shape.name, shape.layers, *plan);
+            println!(
+                "\nmeasuring {}: cargo xtask {}\n",
+                shape.label(),
+                words.join(" ")
+            );
+            match measure(words, *plan) {
+                Ok(m) => {
+                    println!(
+                        "\nlargest measured: {}, {} parameters, {}: GPU peak {} B (predicted \
+                         {:+.2}%), step {:.1} ms, {:.0} tokens/s",
+                        shape.label(),
+                        shape.config.num_parameters(),
+                        describe(*plan, shape.config.num_hidden_layers),
+                        m.peak_allocated_bytes,
+                        100.0 * error(prediction.gpu_peak as f64, m.peak_allocated_bytes as f64),
+                        m.step_ms,
+                        tokens_per_second(args.seq, args.batch, m.step_ms)
+                    );
+                    measured = Some((*shape, *plan, prediction, m));
+                    break;
+                }
+                Err(err) => println!("{} did not run: {err:#}", shape.label()),
+            }
+        }
+        if measured.is_none() {
+            bail!("no planned shape ran on the device");
+        }
     }
+    if let Some(path) = &args.json {
+        let shapes: Vec<Value> = rows
+            .iter()
+            .map(|(shape, planned)| {
+                let mut value = json!({
+                    "model": shape.name,
+                    "layers": shape.config.num_hidden_layers,
+                    "parameters": shape.config.num_parameters(),
+                });
+                if let Some((plan, prediction)) = planned {
+                    value["plan"] = plan_json(*plan, shape.config.num_hidden_layers);
+                    value["predicted"] = prediction_json(prediction);
+                }
+                value
+            })
+            .collect();
+        let mut document = json!({
+            "seq": args.seq,
+            "batch": args.batch,
+            "memory_cap_mb": args.memory_cap_mb,
+            "host_cap_mb": args.host_cap_mb,
+            "shapes": shapes,
+            "largest_predicted": {
+                "model": largest.name,
+                "layers": largest.config.num_hidden_layers,
+                "parameters": largest.config.num_parameters(),
+            },
+        });
+        if let Some((shape, plan, prediction, m)) = &measured {
+            document["largest_measured"] = json!({
+                "model": shape.name,
+                "layers": shape.config.num_hidden_layers,
+                "parameters": shape.config.num_parameters(),
+                "plan": plan_json(*plan, shape.config.num_hidden_layers),
+                "measured": measured_json(prediction, m),
+            });
+        }
+        write_json(path, &document)?;
+    }
+    Ok(())
 }
 
 /// What `--run` measured of a plan.
@@ -284,14 +398,15 @@ struct Measured {
     device: String,
 }
 
-/// bench-memory's command line that measures `plan`.
-fn bench_memory_words(args: &Args, plan: Plan) -> Vec<String> {
+/// bench-memory's command line that measures `plan` on `model` (with `layers` decoder layers
+/// when given).
+fn bench_memory_words(args: &Args, model: &str, layers: Option<usize>, plan: Plan) -> Vec<String> {
     let mut words: Vec<String> = [
         "bench-memory",
         "--device",
         &args.device,
         "--model",
-        &args.model,
+        model,
         "--seq",
         &args.seq.to_string(),
         "--batch",
@@ -301,6 +416,9 @@ fn bench_memory_words(args: &Args, plan: Plan) -> Vec<String> {
     ]
     .map(str::to_owned)
     .into();
+    if let Some(layers) = layers {
+        words.extend(["--layers".into(), layers.to_string()]);
+    }
     if plan.recipe.checkpointed {
         words.extend(["--checkpoint-blocks".into(), plan.checkpointed.to_string()]);
     }
@@ -310,10 +428,9 @@ fn bench_memory_words(args: &Args, plan: Plan) -> Vec<String> {
     words
 }
 
-/// Runs bench-memory on `plan` (its report goes to stdout as usual) and returns the case's
-/// figures.
-fn measure(args: &Args, plan: Plan) -> Result<Measured> {
-    let words = bench_memory_words(args, plan);
+/// Runs bench-memory's command line `words` (its report goes to stdout as usual) and returns the
+/// one case's figures.
+fn measure(words: Vec<String>, plan: Plan) -> Result<Measured> {
     let command = format!("cargo xtask {}", words.join(" "));
     let word_refs: Vec<&str> = words.iter().map(String::as_str).collect();
     let crate::Command::BenchMemory(bench_args) = crate::parse_command_line(&word_refs)? else {
@@ -338,48 +455,48 @@ fn error(predicted: f64, measured: f64) -> f64 {
     predicted / measured - 1.0
 }
 
-/// The JSON document of a plan, its prediction and what was measured.
-fn document(
-    args: &Args,
-    layers: usize,
-    plan: Plan,
-    prediction: &Prediction,
-    measured: Option<&Measured>,
-) -> Value {
+/// A plan as JSON: its case and the blocks it recomputes.
+fn plan_json(plan: Plan, layers: usize) -> Value {
+    json!({
+        "case": plan.recipe.case,
+        "checkpointed_blocks": plan.checkpointed,
+        "blocks": layers,
+    })
+}
+
+/// A prediction as JSON.
+fn prediction_json(prediction: &Prediction) -> Value {
     let terms: serde_json::Map<String, Value> = prediction
         .terms
         .iter()
         .map(|(name, bytes)| ((*name).to_owned(), (*bytes).into()))
         .collect();
-    let mut value = json!({
-        "model": args.model,
-        "seq": args.seq,
-        "batch": args.batch,
-        "memory_cap_mb": args.memory_cap_mb,
-        "host_cap_mb": args.host_cap_mb,
-        "plan": {
-            "case": plan.recipe.case,
-            "checkpointed_blocks": plan.checkpointed,
-            "blocks": layers,
-        },
-        "predicted": {
-            "gpu_peak_bytes": prediction.gpu_peak,
-            "host_bytes": prediction.host_bytes,
-            "step_ms_h200": prediction.step_ms,
-            "peak_phase": prediction.phase,
-            "terms": terms,
-        },
-    });
-    if let Some(m) = measured {
-        value["measured"] = json!({
-            "device": m.device,
-            "peak_allocated_bytes": m.peak_allocated_bytes,
-            "host_state_bytes": m.host_state_bytes,
-            "step_ms": m.step_ms,
-            "peak_error": error(prediction.gpu_peak as f64, m.peak_allocated_bytes as f64),
-        });
-    }
-    value
+    json!({
+        "gpu_peak_bytes": prediction.gpu_peak,
+        "host_bytes": prediction.host_bytes,
+        "step_ms_h200": prediction.step_ms,
+        "peak_phase": prediction.phase,
+        "terms": terms,
+    })
+}
+
+/// What was measured as JSON, with the peak's error against `prediction`.
+fn measured_json(prediction: &Prediction, m: &Measured) -> Value {
+    json!({
+        "device": m.device,
+        "peak_allocated_bytes": m.peak_allocated_bytes,
+        "host_state_bytes": m.host_state_bytes,
+        "step_ms": m.step_ms,
+        "peak_error": error(prediction.gpu_peak as f64, m.peak_allocated_bytes as f64),
+    })
+}
+
+/// Writes `document` to `path`, pretty, and says so.
+fn write_json(path: &std::path::Path, document: &Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(document)? + "\n";
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("plan: wrote {}", path.display());
+    Ok(())
 }
 
 /// Runs `plan`: every recipe's best candidate, the fastest that fits, and with `--run` its
@@ -388,13 +505,19 @@ pub(crate) fn run(args: Args) -> Result<()> {
     if args.find_max_model {
         return find_max_model(&args);
     }
-    let Some(config) = LlamaConfig::named(&args.model) else {
+    let Some(mut config) = LlamaConfig::named(&args.model) else {
         bail!(
             "--model {}: not a Llama-shaped model ({}, llama-tiny)",
             args.model,
             STANDARD_SHAPES.join(", ")
         );
     };
+    if let Some(layers) = args.layers {
+        if layers == 0 {
+            bail!("--layers 0: a model needs at least one layer");
+        }
+        config.num_hidden_layers = layers;
+    }
     if args.seq > config.max_position_embeddings {
         bail!(
             "--seq {}: {} takes at most {} tokens a row",
@@ -449,11 +572,9 @@ pub(crate) fn run(args: Args) -> Result<()> {
         prediction.step_ms
     );
     let measured = if args.run {
-        println!(
-            "measuring: cargo xtask {}\n",
-            bench_memory_words(&args, plan).join(" ")
-        );
-        let measured = measure(&args, plan)?;
+        let words = bench_memory_words(&args, &args.model, args.layers, plan);
+        println!("measuring: cargo xtask {}\n", words.join(" "));
+        let measured = measure(words, plan)?;
         let peak_error = error(
             prediction.gpu_peak as f64,
             measured.peak_allocated_bytes as f64,
@@ -484,10 +605,20 @@ pub(crate) fn run(args: Args) -> Result<()> {
         None
     };
     if let Some(path) = &args.json {
-        let value = document(&args, layers, plan, &prediction, measured.as_ref());
-        let text = serde_json::to_string_pretty(&value)? + "\n";
-        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("plan: wrote {}", path.display());
+        let mut document = json!({
+            "model": args.model,
+            "layers": layers,
+            "seq": args.seq,
+            "batch": args.batch,
+            "memory_cap_mb": args.memory_cap_mb,
+            "host_cap_mb": args.host_cap_mb,
+            "plan": plan_json(plan, layers),
+            "predicted": prediction_json(&prediction),
+        });
+        if let Some(m) = &measured {
+            document["measured"] = measured_json(&prediction, m);
+        }
+        write_json(path, &document)?;
     }
     Ok(())
 }

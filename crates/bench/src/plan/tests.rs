@@ -17,6 +17,20 @@ fn parse(words: &[&str]) -> Args {
     }
 }
 
+/// `plan` with the options of `line` and `--json` to a temporary file, run; the JSON it wrote.
+fn run_to_json(line: &str) -> Value {
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = std::env::temp_dir().join(format!("headroom-plan-{}-{n}.json", std::process::id()));
+    let path_text = path.to_str().unwrap().to_owned();
+    let mut words: Vec<&str> = line.split_whitespace().collect();
+    words.extend(["--json", &path_text]);
+    run(parse(&words)).unwrap();
+    let document = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    document
+}
+
 fn plan_of(model: &str, case: &str, checkpointed: usize) -> (LlamaConfig, Plan) {
     let config = LlamaConfig::named(model).unwrap();
     let recipe = *RECIPES.iter().find(|r| r.case == case).unwrap();
@@ -206,34 +220,17 @@ fn predicted_peaks_are_within_one_percent_of_the_tiny_llamas_on_the_cpu() {
 /// measured peak within 2% of the predicted one.
 #[test]
 fn plan_run_measures_a_partly_checkpointed_plan_within_two_percent() {
-    let path = std::env::temp_dir().join(format!("headroom-plan-{}.json", std::process::id()));
-    let path_text = path.to_str().unwrap().to_owned();
     // 2 MiB at batch 8: 8- and 4-bit state fit with one block recomputed (about 1.85 and 1.77
     // MB), not with none (2.4 MB and more).
-    let plan_args = parse(&[
-        "--model",
-        "llama-tiny",
-        "--seq",
-        "64",
-        "--batch",
-        "8",
-        "--memory-cap-mb",
-        "2",
-        "--run",
-        "--device",
-        "cpu",
-        "--steps",
-        "1",
-        "--json",
-        &path_text,
-    ]);
-    let caps = Caps::of(&plan_args).unwrap();
-    let config = LlamaConfig::tiny();
-    let (plan, _) = choose(&config, 64, 8, caps).unwrap();
+    let caps = Caps {
+        gpu: 2 << 20,
+        host: 128 << 30,
+    };
+    let (plan, _) = choose(&LlamaConfig::tiny(), 64, 8, caps).unwrap();
     assert_eq!(plan.checkpointed, 1);
-    run(plan_args).unwrap();
-    let document: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    std::fs::remove_file(&path).unwrap();
+    let document = run_to_json(
+        "--model llama-tiny --seq 64 --batch 8 --memory-cap-mb 2 --run --device cpu --steps 1",
+    );
     assert_eq!(document["plan"]["case"], plan.recipe.case);
     assert_eq!(document["plan"]["checkpointed_blocks"], plan.checkpointed);
     let peak_error = document["measured"]["peak_error"].as_f64().unwrap();
@@ -311,7 +308,11 @@ fn plan_options_are_checked() {
                 "at most 64 tokens",
             ),
             (&["--device", "cpu"], "--run"),
-            (&["--find-max-model", "--run"], "cannot be used with"),
+            (
+                &["--find-max-model", "--layers", "3"],
+                "cannot be used with",
+            ),
+            (&["--model", "llama-tiny", "--layers", "0"], "--layers 0"),
             (
                 &[
                     "--model",
@@ -325,4 +326,37 @@ fn plan_options_are_checked() {
             ),
         ],
     );
+}
+
+/// `--layers` makes the tiny Llama three layers deep: the plan is measured on that model, and
+/// its JSON names the layers.
+#[test]
+fn plan_run_measures_a_deeper_model_within_two_percent() {
+    let document = run_to_json(
+        "--model llama-tiny --layers 3 --seq 64 --batch 4 --memory-cap-mb 2 --run --device cpu --steps 1",
+    );
+    assert_eq!(document["layers"], 3);
+    assert_eq!(document["plan"]["blocks"], 3);
+    let peak_error = document["measured"]["peak_error"].as_f64().unwrap();
+    assert!(peak_error.abs() <= PEAK_BOUND, "{document}");
+}
+
+/// `--find-max-model --json` lists every standard shape and the deeper variants walked between
+/// them, each with its plan, and names the largest with one: under an H200's caps a variant of
+/// Qwen2.5-32B deeper than its 64 layers.
+#[test]
+fn find_max_model_writes_every_shape_and_the_largest() {
+    let document = run_to_json("--find-max-model");
+    let shapes = document["shapes"].as_array().unwrap();
+    for name in STANDARD_SHAPES {
+        assert!(shapes.iter().any(|s| s["model"] == name), "{name}");
+    }
+    let largest = &document["largest_predicted"];
+    assert_eq!(largest["model"], "qwen2.5-32b");
+    assert!(largest["layers"].as_u64().unwrap() > 64, "{largest}");
+    let planned: Vec<&Value> = shapes.iter().filter(|s| s.get("plan").is_some()).collect();
+    assert_eq!(planned.last().unwrap()["parameters"], largest["parameters"]);
+    assert!(shapes
+        .iter()
+        .any(|s| s["model"] == "llama-3.1-70b" && s.get("plan").is_none()));
 }
