@@ -536,3 +536,111 @@ fn gpu_step_buffers_keep_nothing_and_refuse_overlaps() {
         backend.allocator().free(allocation).unwrap();
     }
 }
+
+/// The framework path of the stochastic rule (`step_buffers_stochastic`): two bf16 parameters
+/// with f32 moments, fresh gradient buffers every step, each keyed by its slot — the host
+/// kernel's bits (`adam_fused_stochastic` with `AdamStochasticConfig::key(slot, step)`).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_stochastic_step_buffers_equal_the_host_kernel() {
+    use headroom_optim::kernels::{adam_fused_stochastic, bf16, AdamStochasticBuffers};
+    use headroom_optim::AdamStochasticConfig;
+
+    let Some(backend) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
+    let halves =
+        |values: &[f32]| -> Vec<bf16> { values.iter().map(|&v| bf16::from_f32(v)).collect() };
+    let half_bytes = |values: &[bf16]| -> Vec<u8> {
+        values
+            .iter()
+            .flat_map(|v| v.to_bits().to_le_bytes())
+            .collect()
+    };
+    let cfg = AdamStochasticConfig::new(
+        AdamConfig {
+            lr: 1e-3,
+            weight_decay: 0.01,
+            ..AdamConfig::adamw()
+        },
+        42,
+    );
+    let (lens, slots) = ([5000usize, 300], [0usize, 7]);
+    let mut host: Vec<(Vec<bf16>, Vec<f32>, Vec<f32>)> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            (
+                halves(&random(i as u64 + 5, n, 2.0)),
+                vec![0.0; n],
+                vec![0.0; n],
+            )
+        })
+        .collect();
+    let device: Vec<_> = host
+        .iter()
+        .map(|(p, m, v)| [half_bytes(p), bytes(m), bytes(v)].map(|b| backend.upload(&b).unwrap()))
+        .collect();
+    // SAFETY: no buffers yet; each step names its own.
+    let mut adam = unsafe { CudaFusedAdam::new(backend.clone(), &[]) }.unwrap();
+    for step in 1..=3u64 {
+        let grads: Vec<Vec<bf16>> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| halves(&random(step * 13 + i as u64, n, 1.0)))
+            .collect();
+        let uploaded: Vec<_> = grads
+            .iter()
+            .map(|g| backend.upload(&half_bytes(g)).unwrap())
+            .collect();
+        let params: Vec<DeviceAdamParam> = (0..lens.len())
+            .map(|i| DeviceAdamParam {
+                param: device[i][0].address(),
+                grad: uploaded[i].address(),
+                exp_avg: device[i][1].address(),
+                exp_avg_sq: device[i][2].address(),
+                max_exp_avg_sq: None,
+                len: lens[i],
+            })
+            .collect();
+        // SAFETY: live bf16 parameters and gradients and f32 moments of `len` elements, kept
+        // until the downloads below wait.
+        unsafe { adam.step_buffers_stochastic(&cfg, step, &params, &slots, (None, None)) }.unwrap();
+        for (i, (p, m, v)) in host.iter_mut().enumerate() {
+            let bufs = AdamStochasticBuffers {
+                param: p,
+                grad: &grads[i],
+                exp_avg: m,
+                exp_avg_sq: v,
+                max_exp_avg_sq: None,
+            };
+            adam_fused_stochastic(
+                &cfg.adam,
+                step,
+                cfg.key(slots[i], step),
+                bufs,
+                GradScaling::NONE,
+            )
+            .unwrap();
+            let mut got = vec![0u8; lens[i] * 2];
+            // SAFETY: a live allocation of `len` bf16 elements.
+            unsafe { backend.download(device[i][0].address(), &mut got) }.unwrap();
+            assert_eq!(got, half_bytes(p), "parameter {i}, step {step}");
+        }
+        for grad in uploaded {
+            backend.allocator().free(grad).unwrap();
+        }
+    }
+    // Slots that do not match the parameters are refused before any launch.
+    let wrong = [DeviceAdamParam {
+        param: device[0][0].address(),
+        grad: device[0][0].address(),
+        exp_avg: device[0][1].address(),
+        exp_avg_sq: device[0][2].address(),
+        max_exp_avg_sq: None,
+        len: lens[0],
+    }];
+    // SAFETY: refused before any launch (no slot for the parameter).
+    let refused = unsafe { adam.step_buffers_stochastic(&cfg, 4, &wrong, &[], (None, None)) };
+    assert!(matches!(refused, Err(OptimError::InvalidArgument { .. })));
+}

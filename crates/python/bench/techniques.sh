@@ -4,7 +4,9 @@
 # Python suites on the GPU (HEADROOM_REQUIRE_GPU=1: a skipped case fails), then measures
 # in-backward stepping on ViT-L/16 at batch 1 and 32 (bench/in_backward.py), compressed saved
 # activations on ViT-L/16 at batch 32 beside save_on_cpu and GPT-2's 300-step losses
-# (bench/saved_activations.py), and runs both examples. Logs and JSON lines go to OUT (the device
+# (bench/saved_activations.py), AdamWBf16 beside torchao's bf16 AdamW on 1e9 parameters
+# (bench/bf16_adamw.py; torchao from PYTHONPATH when carried), and runs both examples. Logs
+# and JSON lines go to OUT (the device
 # tool's folder, else results/python-<date>).
 # Usage: bash crates/python/bench/techniques.sh WHEEL_DIR
 set -uo pipefail
@@ -13,7 +15,7 @@ OUT=${OUT:-results/python-$(date -u +%F)}
 mkdir -p "$OUT" /tmp/site
 export HEADROOM_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEEL_DIR"/headroom-*.whl
-export PYTHONPATH=/tmp/site
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 here=crates/python
 status=0
 run() { # name seconds command...
@@ -30,7 +32,9 @@ run in_backward_b1 300 python3 "$here/bench/in_backward.py" --batch 1
 run in_backward_b32 300 python3 "$here/bench/in_backward.py" --batch 32
 run saved_activations_vit 300 python3 "$here/bench/saved_activations.py" --batch 32
 run saved_activations_gpt2 600 python3 "$here/bench/saved_activations.py" --gpt2 300
+run bf16_adamw 300 python3 "$here/bench/bf16_adamw.py"
 run example_plain_loop 120 python3 "$here/examples/plain_loop.py"
 run example_hf_trainer 180 python3 "$here/examples/hf_trainer.py"
-grep -h '^{' "$OUT"/in_backward_*.log "$OUT"/saved_activations_*.log > "$OUT/techniques.jsonl"
+grep -h '^{' "$OUT"/in_backward_*.log "$OUT"/saved_activations_*.log "$OUT"/bf16_adamw.log \
+  > "$OUT/techniques.jsonl"
 exit $status

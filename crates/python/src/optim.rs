@@ -14,13 +14,16 @@ use crate::device::{backend, on_default_stream};
 use headroom_optim::cuda::{
     Adam8bitMath, CudaAdam8bit, CudaFusedAdam, DeviceAdam8bitParam, DeviceAdamParam, FusedAdamMath,
 };
-use headroom_optim::kernels::Bf16Rounding;
-use headroom_optim::{Adam8bitConfig, AdamConfig, OptimError, WeightDecay};
+use headroom_optim::kernels::{
+    adam_fused_stochastic, bf16, AdamStochasticBuffers, Bf16Rounding, GradScaling,
+};
+use headroom_optim::{Adam8bitConfig, AdamConfig, AdamStochasticConfig, OptimError, WeightDecay};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<FusedAdam>()?;
+    m.add_class::<AdamStochastic>()?;
     m.add_class::<Adam8bit>()?;
     m.add_function(wrap_pyfunction!(bnb_maps, m)?)?;
     Ok(())
@@ -98,40 +101,9 @@ impl FusedAdam {
         found_inf: Option<u64>,
     ) -> PyResult<()> {
         check_stream(stream)?;
-        let n = lens.len();
-        let mut lists = vec![
-            ("params", &params[..]),
-            ("grads", &grads[..]),
-            ("exp_avgs", &exp_avgs[..]),
-            ("exp_avg_sqs", &exp_avg_sqs[..]),
-        ];
-        if let Some(max) = &max_exp_avg_sqs {
-            lists.push(("max_exp_avg_sqs", &max[..]));
-        }
-        check_lists(&lists, n)?;
-        let (lr, beta1, beta2, eps, weight_decay) = hyper;
-        let cfg = AdamConfig {
-            lr,
-            betas: (beta1, beta2),
-            eps,
-            weight_decay,
-            decay: if decoupled {
-                WeightDecay::Decoupled
-            } else {
-                WeightDecay::L2
-            },
-            amsgrad: max_exp_avg_sqs.is_some(),
-            maximize,
-        };
-        self.params.clear();
-        self.params.extend((0..n).map(|i| DeviceAdamParam {
-            param: params[i],
-            grad: grads[i],
-            exp_avg: exp_avgs[i],
-            exp_avg_sq: exp_avg_sqs[i],
-            max_exp_avg_sq: max_exp_avg_sqs.as_ref().map(|m| m[i]),
-            len: lens[i],
-        }));
+        let cfg = adam_config(hyper, decoupled, max_exp_avg_sqs.is_some(), maximize);
+        let lists = (&params[..], &grads[..], &exp_avgs[..], &exp_avg_sqs[..]);
+        adam_params(&mut self.params, lists, max_exp_avg_sqs.as_deref(), &lens)?;
         // SAFETY: `headroom.optim` passes the data pointers of live, contiguous f32 CUDA tensors
         // of `lens` elements on this optimizer's device, which it keeps alive across the call:
         // its `_LaunchPlan` checks every parameter (CUDA, f32, contiguous, one device, no two
@@ -146,6 +118,170 @@ impl FusedAdam {
         unsafe {
             self.inner
                 .step_buffers(&cfg, step, &self.params, (grad_scale, found_inf))
+        }
+        .map_err(optim_error)
+    }
+}
+
+/// The `AdamConfig` of a step's hyperparameters.
+fn adam_config(
+    (lr, beta1, beta2, eps, weight_decay): (f64, f64, f64, f64, f64),
+    decoupled: bool,
+    amsgrad: bool,
+    maximize: bool,
+) -> AdamConfig {
+    AdamConfig {
+        lr,
+        betas: (beta1, beta2),
+        eps,
+        weight_decay,
+        decay: if decoupled {
+            WeightDecay::Decoupled
+        } else {
+            WeightDecay::L2
+        },
+        amsgrad,
+        maximize,
+    }
+}
+
+/// Checks the address lists of an Adam step as `headroom.optim` passes them (parameters,
+/// gradients, first and second moments; one entry per parameter, no null address) and writes
+/// them into `out`.
+fn adam_params(
+    out: &mut Vec<DeviceAdamParam>,
+    (params, grads, exp_avgs, exp_avg_sqs): (&[u64], &[u64], &[u64], &[u64]),
+    max_exp_avg_sqs: Option<&[u64]>,
+    lens: &[usize],
+) -> PyResult<()> {
+    let n = lens.len();
+    let mut lists = vec![
+        ("params", params),
+        ("grads", grads),
+        ("exp_avgs", exp_avgs),
+        ("exp_avg_sqs", exp_avg_sqs),
+    ];
+    lists.extend(max_exp_avg_sqs.map(|max| ("max_exp_avg_sqs", max)));
+    check_lists(&lists, n)?;
+    out.clear();
+    out.extend((0..n).map(|i| DeviceAdamParam {
+        param: params[i],
+        grad: grads[i],
+        exp_avg: exp_avgs[i],
+        exp_avg_sq: exp_avg_sqs[i],
+        max_exp_avg_sq: max_exp_avg_sqs.map(|m| m[i]),
+        len: lens[i],
+    }));
+    Ok(())
+}
+
+/// Adam/AdamW on bf16 parameters with f32 moments, the new parameters rounded to bf16
+/// stochastically (headroom-optim's `AdamStochasticConfig`): on a CUDA device one launch for every
+/// parameter; on the CPU (`device` `None`) the host kernel, parameter by parameter. Both give
+/// the same bits for the same seed, slots and steps.
+#[pyclass(unsendable)]
+pub(crate) struct AdamStochastic {
+    inner: Option<CudaFusedAdam>,
+    params: Vec<DeviceAdamParam>,
+}
+
+#[pymethods]
+impl AdamStochastic {
+    #[new]
+    #[pyo3(signature = (device=None))]
+    fn new(device: Option<usize>) -> PyResult<AdamStochastic> {
+        let inner = match device {
+            Some(ordinal) => {
+                let backend = backend(ordinal)?;
+                // SAFETY: no buffers yet; each step names its own.
+                Some(unsafe { CudaFusedAdam::new(backend, &[]) }.map_err(optim_error)?)
+            }
+            None => None,
+        };
+        Ok(AdamStochastic {
+            inner,
+            params: Vec::new(),
+        })
+    }
+
+    /// One step of every parameter at step number `step`: `hyper` = (lr, beta1, beta2, eps,
+    /// weight_decay); `decoupled` for AdamW; `seed` and each parameter's `slots` entry key its
+    /// rounding bits.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (stream, step, hyper, decoupled, maximize, seed, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lens, slots, grad_scale=None, found_inf=None))]
+    fn step(
+        &mut self,
+        stream: u64,
+        step: u64,
+        hyper: (f64, f64, f64, f64, f64),
+        decoupled: bool,
+        maximize: bool,
+        seed: u64,
+        params: Vec<u64>,
+        grads: Vec<u64>,
+        exp_avgs: Vec<u64>,
+        exp_avg_sqs: Vec<u64>,
+        max_exp_avg_sqs: Option<Vec<u64>>,
+        lens: Vec<usize>,
+        slots: Vec<usize>,
+        grad_scale: Option<u64>,
+        found_inf: Option<u64>,
+    ) -> PyResult<()> {
+        if slots.len() != lens.len() {
+            return Err(PyValueError::new_err(format!(
+                "`slots` has {} entries for {} parameters",
+                slots.len(),
+                lens.len()
+            )));
+        }
+        let cfg = AdamStochasticConfig::new(
+            adam_config(hyper, decoupled, max_exp_avg_sqs.is_some(), maximize),
+            seed,
+        );
+        let lists = (&params[..], &grads[..], &exp_avgs[..], &exp_avg_sqs[..]);
+        adam_params(&mut self.params, lists, max_exp_avg_sqs.as_deref(), &lens)?;
+        let Some(inner) = &mut self.inner else {
+            if grad_scale.is_some() || found_inf.is_some() {
+                return Err(PyValueError::new_err(
+                    "loss scaling (grad_scale, found_inf) is for CUDA parameters",
+                ));
+            }
+            for (p, &slot) in self.params.iter().zip(&slots) {
+                // SAFETY: `headroom.optim` passes the data pointers of live, contiguous CPU
+                // tensors it holds during the call: a bf16 parameter and gradient and f32 states
+                // of `len` elements each, checked against the parameter (dtype, device, shape,
+                // contiguity) when the lists were built and the gradient at this step, no two
+                // sharing memory (checked), so the slices alias nothing.
+                let bufs = unsafe {
+                    AdamStochasticBuffers {
+                        param: std::slice::from_raw_parts_mut(p.param as *mut bf16, p.len),
+                        grad: std::slice::from_raw_parts(p.grad as *const bf16, p.len),
+                        exp_avg: std::slice::from_raw_parts_mut(p.exp_avg as *mut f32, p.len),
+                        exp_avg_sq: std::slice::from_raw_parts_mut(p.exp_avg_sq as *mut f32, p.len),
+                        max_exp_avg_sq: p
+                            .max_exp_avg_sq
+                            .map(|m| std::slice::from_raw_parts_mut(m as *mut f32, p.len)),
+                    }
+                };
+                adam_fused_stochastic(
+                    &cfg.adam,
+                    step,
+                    cfg.key(slot, step),
+                    bufs,
+                    GradScaling::NONE,
+                )
+                .map_err(optim_error)?;
+            }
+            return Ok(());
+        };
+        check_stream(stream)?;
+        // SAFETY: `headroom.optim` passes the data pointers of live, contiguous bf16 parameters
+        // and gradients and f32 states of `lens` elements on this optimizer's device, checked as
+        // for `FusedAdam::step` (every parameter and state when the lists are built, every
+        // gradient and the scaling tensors at each step), kept alive across the call; torch's
+        // default stream is the launch's (checked above).
+        unsafe {
+            inner.step_buffers_stochastic(&cfg, step, &self.params, &slots, (grad_scale, found_inf))
         }
         .map_err(optim_error)
     }

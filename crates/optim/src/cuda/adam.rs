@@ -2,7 +2,8 @@
 //! (`multi_tensor.rs`), and [`CudaFusedAdam`] over raw device buffers.
 //!
 //! Parameters may be f32, bf16 or f16 (one kernel instance per dtype, states of the parameter's
-//! dtype); [`CudaFusedAdam`] takes f32 buffers. Each piece's constants are [`StepConsts`] of its
+//! dtype); [`CudaFusedAdam`] takes f32 buffers, and bf16 ones with f32 moments for the
+//! stochastic rule ([`CudaFusedAdam::step_buffers_stochastic`]). Each piece's constants are [`StepConsts`] of its
 //! own step, as on the CPU. The foreach ops are those of `kernels/adam.rs`'s `run_ops`,
 //! launched in its order; the fused kernel is its `fused_element`. A piece that a GradScaler on
 //! the device may skip carries its skip counter and the raw hyperparameters, from which the
@@ -16,7 +17,7 @@ use headroom_ops_cuda::CudaBackend;
 
 use super::launch::{
     address, check_disjoint, checked_scaling_addresses, fused_block_elems, geometry, raw_geometry,
-    CudaDevice, Module, PassOps,
+    CudaDevice, ItemGeometry, Module, PassOps,
 };
 use super::multi_tensor::{self, PieceKernels, Span};
 use super::table::{flags, PieceHead, Table};
@@ -321,16 +322,7 @@ impl CudaFusedAdam {
         params: &[DeviceAdamParam],
         (grad_scale, found_inf): (Option<u64>, Option<u64>),
     ) -> Result<(), OptimError> {
-        if !params
-            .iter()
-            .all(|p| p.max_exp_avg_sq.is_some() == cfg.amsgrad)
-        {
-            return Err(OptimError::InvalidArgument {
-                op: "CudaFusedAdam::step_buffers",
-                reason: "with amsgrad every parameter needs an AMSGrad buffer, without it none"
-                    .into(),
-            });
-        }
+        check_amsgrad_buffers("CudaFusedAdam::step_buffers", params, cfg.amsgrad)?;
         check_disjoint("CudaFusedAdam::step_buffers", written_ranges(params))?;
         let addresses = (grad_scale.unwrap_or(0), found_inf.unwrap_or(0));
         self.launch(cfg, step, Some(params), addresses)
@@ -350,28 +342,15 @@ impl CudaFusedAdam {
         let params = given.unwrap_or(&self.params);
         let math = self.math;
         let geometry = raw_geometry("CudaFusedAdam", params.iter().map(|p| p.len), step)?;
-        let total_len = params.iter().map(|p| p.len).sum();
-        let block = (
-            fused_block_elems(total_len, AdamConfig::FUSED_BLOCK),
-            AdamConfig::FUSED_BLOCK.1,
-        );
-        let (table, n_blocks) =
-            self.device
-                .piece_table(&geometry, block.0, false, &mut |t, idx, head| {
-                    let p = &params[idx];
-                    let states = [p.exp_avg, p.exp_avg_sq, p.max_exp_avg_sq.unwrap_or(0)];
-                    let (param, grad) = (p.param, p.grad);
-                    let span = Span {
-                        param,
-                        grad,
-                        states,
-                        tmp: 0,
-                    };
-                    match math {
-                        FusedAdamMath::OpByOp => cfg.write_piece(t, head, span, None),
-                        FusedAdamMath::Torch => cfg.write_torch_piece(t, head, span),
-                    }
-                })?;
+        let (table, n_blocks, block) = raw_pieces(
+            &mut self.device,
+            &geometry,
+            params,
+            &mut |t, _, head, span| match math {
+                FusedAdamMath::OpByOp => cfg.write_piece(t, head, span, None),
+                FusedAdamMath::Torch => cfg.write_torch_piece(t, head, span),
+            },
+        )?;
         let n_pieces = params.len();
         let kernel = match math {
             FusedAdamMath::OpByOp => FUSED_KERNEL,
@@ -380,6 +359,122 @@ impl CudaFusedAdam {
         self.device
             .run_elementwise(kernel, &table, n_pieces, n_blocks, block, addresses)
     }
+}
+
+impl CudaFusedAdam {
+    /// [`AdamStochasticConfig`]'s step over raw buffers given for this call: bf16 parameters and
+    /// gradients, f32 moments (`len` elements each), the new parameters rounded stochastically
+    /// with parameter `i`'s random stream keyed by `slots[i]` (its index among the caller's
+    /// parameters, stable across steps) and the step, as [`AdamStochasticConfig::key`] says; one
+    /// launch on the backend's stream, the bits of [`crate::kernels::adam_fused_stochastic`].
+    /// `scaling` holds the device addresses of a GradScaler's scale and found-inf flag (one f32
+    /// each), or `None` for each. The math of [`CudaFusedAdam::with_math`] does not apply: the
+    /// stochastic kernel has the optimizer's own arithmetic.
+    ///
+    /// # Safety
+    /// For `params`: live buffers on the backend's device until the launch completes — the
+    /// parameter and gradient of `len` bf16 elements, each state of `len` f32 — not overlapping
+    /// between parameters, every parameter with an AMSGrad buffer or none; each address of
+    /// `scaling` a live f32 of the backend's device until the launch completes.
+    pub unsafe fn step_buffers_stochastic(
+        &mut self,
+        cfg: &AdamStochasticConfig,
+        step: u64,
+        params: &[DeviceAdamParam],
+        slots: &[usize],
+        (grad_scale, found_inf): (Option<u64>, Option<u64>),
+    ) -> Result<(), OptimError> {
+        const OP: &str = "CudaFusedAdam::step_buffers_stochastic";
+        cfg.adam.validate()?;
+        if slots.len() != params.len() {
+            return Err(OptimError::InvalidArgument {
+                op: OP,
+                reason: format!("{} slots for {} parameters", slots.len(), params.len()),
+            });
+        }
+        check_amsgrad_buffers(OP, params, cfg.adam.amsgrad)?;
+        check_disjoint(OP, stochastic_ranges(params))?;
+        let mut geometry = raw_geometry(OP, params.iter().map(|p| p.len), step)?;
+        for (item, &slot) in geometry.iter_mut().zip(slots) {
+            item.slot = slot;
+        }
+        let (table, n_blocks, block) = raw_pieces(
+            &mut self.device,
+            &geometry,
+            params,
+            &mut |t, idx, head, span| {
+                cfg.adam
+                    .write_fields(t, head, span, None)
+                    .u64(cfg.seed)
+                    .u64(slots[idx] as u64)
+                    .end(STOCHASTIC_PIECE_SIZE);
+            },
+        )?;
+        let addresses = (grad_scale.unwrap_or(0), found_inf.unwrap_or(0));
+        self.device.run_elementwise(
+            STOCHASTIC_KERNEL,
+            &table,
+            params.len(),
+            n_blocks,
+            block,
+            addresses,
+        )
+    }
+}
+
+/// The piece table of a launch over raw `params` (`geometry` theirs) on `device`: the fused
+/// block for their total length, one piece per parameter written by `write(table, index, head,
+/// span)`.
+fn raw_pieces(
+    device: &mut CudaDevice,
+    geometry: &[ItemGeometry],
+    params: &[DeviceAdamParam],
+    write: &mut dyn FnMut(&mut Table, usize, PieceHead, Span),
+) -> Result<(Table, u64, (u64, u32)), OptimError> {
+    let total_len = params.iter().map(|p| p.len).sum();
+    let block = (
+        fused_block_elems(total_len, AdamConfig::FUSED_BLOCK),
+        AdamConfig::FUSED_BLOCK.1,
+    );
+    let (table, n_blocks) = device.piece_table(geometry, block.0, false, &mut |t, idx, head| {
+        let p = &params[idx];
+        let span = Span {
+            param: p.param,
+            grad: p.grad,
+            states: [p.exp_avg, p.exp_avg_sq, p.max_exp_avg_sq.unwrap_or(0)],
+            tmp: 0,
+        };
+        write(t, idx, head, span)
+    })?;
+    Ok((table, n_blocks, block))
+}
+
+/// `Ok` when every parameter has an AMSGrad buffer with `amsgrad` and none has one without.
+fn check_amsgrad_buffers(
+    op: &'static str,
+    params: &[DeviceAdamParam],
+    amsgrad: bool,
+) -> Result<(), OptimError> {
+    if params.iter().all(|p| p.max_exp_avg_sq.is_some() == amsgrad) {
+        return Ok(());
+    }
+    Err(OptimError::InvalidArgument {
+        op,
+        reason: "with amsgrad every parameter needs an AMSGrad buffer, without it none".into(),
+    })
+}
+
+/// The byte ranges of a stochastic step's buffers, per parameter: the bf16 parameter and
+/// gradient, the f32 states.
+fn stochastic_ranges(params: &[DeviceAdamParam]) -> impl Iterator<Item = (u64, u64)> + '_ {
+    params.iter().flat_map(|p| {
+        let half = p.len as u64 * 2;
+        let states = [p.exp_avg, p.exp_avg_sq]
+            .into_iter()
+            .chain(p.max_exp_avg_sq)
+            .map(move |address| (address, half * 2));
+        [(p.param, half), (p.grad, half)].into_iter().chain(states)
+    })
 }
 
 /// The byte ranges of a fused step's buffers, per parameter: the parameter, its gradient (which

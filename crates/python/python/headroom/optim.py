@@ -1,4 +1,8 @@
-"""Headroom's fused and 8-bit optimizers as ``torch.optim.Optimizer`` subclasses.
+"""Headroom's fused, 8-bit and bfloat16 optimizers as ``torch.optim.Optimizer`` subclasses.
+
+``AdamBf16``/``AdamWBf16`` step bfloat16 parameters with float32 moments and stochastic
+rounding, on CUDA or CPU tensors (see ``_Bf16Adam``); what follows about float32 CUDA
+parameters is the other classes'.
 
 ``Adam``, ``AdamW`` (fused: one kernel launch per step for every parameter, in the arithmetic of
 PyTorch's own ``fused=True`` kernel: ``AdamW`` gives the same bits; ``Adam``'s L2 weight decay
@@ -46,7 +50,7 @@ import torch
 
 from . import _native
 
-__all__ = ["Adam", "AdamW", "Adam8bit", "AdamW8bit"]
+__all__ = ["Adam", "AdamW", "AdamBf16", "AdamWBf16", "Adam8bit", "AdamW8bit"]
 
 MIN_8BIT_SIZE = 4096
 BLOCK_SIZE = 256
@@ -63,18 +67,19 @@ _dtype = operator.attrgetter("dtype")
 _grad = operator.attrgetter("grad")
 
 
-def _check_param(p, who, device_type="cuda"):
-    """Raises unless ``p`` is a contiguous float32 tensor on a ``device_type`` device."""
+def _check_param(p, who, device_types=("cuda",), dtype=torch.float32):
+    """Raises unless ``p`` is a contiguous ``dtype`` tensor on a device of ``device_types``."""
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{who}: parameters must be tensors, got {type(p).__name__}")
-    if p.device.type != device_type:
+    if p.device.type not in device_types:
         raise TypeError(
-            f"{who}: a parameter on {p.device}; headroom optimizers step {device_type.upper()} "
-            "tensors (move the model to the GPU before creating the optimizer, and keep it there)"
+            f"{who}: a parameter on {p.device}; this optimizer steps "
+            f"{' or '.join(t.upper() for t in device_types)} tensors (move the model to the GPU "
+            "before creating the optimizer, and keep it there)"
         )
-    if p.dtype != torch.float32:
+    if p.dtype != dtype:
         raise TypeError(
-            f"{who}: a parameter of dtype {p.dtype}; only torch.float32 is supported (a model "
+            f"{who}: a parameter of dtype {p.dtype}; only {dtype} is supported (a model "
             "cast after the optimizer was created, e.g. model.half(), cannot be stepped)"
         )
     if p.layout != torch.strided or not p.is_contiguous():
@@ -89,10 +94,10 @@ def _check_grad(p, g, who):
     ``p``'s device, with ``p``'s number of elements."""
     if g.layout != torch.strided:
         raise TypeError(f"{who}: {g.layout} gradients are not supported")
-    if g.dtype != torch.float32:
+    if g.dtype != p.dtype:
         raise TypeError(
-            f"{who}: a gradient of dtype {g.dtype} for a float32 parameter of shape "
-            f"{tuple(p.shape)}; the kernel reads float32 gradients"
+            f"{who}: a gradient of dtype {g.dtype} for a {p.dtype} parameter of shape "
+            f"{tuple(p.shape)}; the kernel reads gradients of the parameter's dtype"
         )
     if g.device != p.device:
         raise ValueError(f"{who}: a gradient on {g.device} for a parameter on {p.device}")
@@ -201,7 +206,7 @@ class _LaunchPlan:
         self.launches = [
             (base, [i for i in launchable if steps[i] == base]) for base in sorted(set(steps))
         ]
-        self.grad_dtypes = [torch.float32] * len(params)
+        self.grad_dtypes = list(self.signature[1])
         self.grad_devices = self.signature[3]
 
     def still_valid(self, params):
@@ -250,8 +255,9 @@ class _HeadroomOptimizer(torch.optim.Optimizer):
     taken."""
 
     _who = "headroom.optim"
-    # The device type parameters must be on (the kernels are CUDA's).
-    _device_type = "cuda"
+    # The device types parameters may be on (the kernels are CUDA's) and their dtype.
+    _device_type = ("cuda",)
+    _param_dtype = torch.float32
 
     def __init__(self, params, defaults):
         self._kernels = {}
@@ -266,10 +272,15 @@ class _HeadroomOptimizer(torch.optim.Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for p in params:
-            _check_param(p, self._who, self._device_type)
+            _check_param(p, self._who, self._device_type, self._param_dtype)
         super().add_param_group(param_group)
 
     def _kernel(self, device):
+        if device.type == "cpu":
+            kernel = self._kernels.get("cpu")
+            if kernel is None:
+                kernel = self._kernels["cpu"] = self._native_class(None, *self._native_args())
+            return kernel
         index = device.index if device.index is not None else torch.cuda.current_device()
         kernel = self._kernels.get(index)
         if kernel is None:
@@ -277,7 +288,10 @@ class _HeadroomOptimizer(torch.optim.Optimizer):
         return kernel
 
     def _stream(self, device):
-        """The raw handle of the stream the kernels would run on (must be 0, the default)."""
+        """The raw handle of the stream the kernels would run on (must be 0, the default; 0 on
+        the CPU)."""
+        if device.type == "cpu":
+            return 0
         stream = torch.cuda.current_stream(device).cuda_stream
         if stream != 0:
             raise ValueError(
@@ -312,7 +326,7 @@ class _HeadroomOptimizer(torch.optim.Optimizer):
             if k != key and ids.isdisjoint(map(id, other.params))
         }
         for p in params:
-            _check_param(p, self._who, self._device_type)
+            _check_param(p, self._who, self._device_type, self._param_dtype)
         device = params[0].device
         if any(p.device != device for p in params):
             raise ValueError(f"{self._who}: a parameter group spans several devices")
@@ -391,6 +405,24 @@ class _HeadroomOptimizer(torch.optim.Optimizer):
         return [plan for _, plan, _, _, _ in launches]
 
 
+def _load_keeping_dtypes(optimizer, state_dict, keys, load):
+    """``load`` (torch's ``load_state_dict``) on ``state_dict`` with the state entries under
+    ``keys`` held out, then put back with their own dtypes (torch's loader casts floating state
+    to the parameter's dtype) on their parameter's device; the launch plans are dropped."""
+    state, held = {}, {}
+    for pid, saved in state_dict["state"].items():
+        saved = dict(saved)
+        held[pid] = {k: saved.pop(k) for k in keys if k in saved}
+        state[pid] = saved
+    load({"state": state, "param_groups": state_dict["param_groups"]})
+    saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for pid, p in zip(saved_ids, params):
+        for key, value in held.get(pid, {}).items():
+            optimizer.state[p][key] = value.to(p.device, copy=True)
+    optimizer._plans.clear()
+
+
 def _pick(values, which, n):
     return values if len(which) == n else [values[i] for i in which]
 
@@ -458,12 +490,20 @@ class _FusedAdam(_HeadroomOptimizer):
             stream, step,
             (_lr(group), float(beta1), float(beta2), float(group["eps"]),
              float(group["weight_decay"])),
-            self._decoupled, bool(group["maximize"]),
+            self._decoupled, bool(group["maximize"]), *self._rule_args(group),
             _pick(plan.signature[0], which, n), _pick(grads, which, n),
             _pick(lists["exp_avg"], which, n), _pick(lists["exp_avg_sq"], which, n),
             None if max_sq is None else _pick(max_sq, which, n), _pick(plan.lens, which, n),
-            *scaling,
+            *self._slot_args(plan, which, n), *scaling,
         )
+
+    def _rule_args(self, group):
+        """What the native step takes after ``maximize``: nothing here."""
+        return ()
+
+    def _slot_args(self, plan, which, n):
+        """What the native step takes after the lengths: nothing here."""
+        return ()
 
 
 class Adam(_FusedAdam):
@@ -482,6 +522,84 @@ class AdamW(_FusedAdam):
     with its kernel's arithmetic: the same bits."""
 
     _who = "headroom.optim.AdamW"
+    _decoupled = True
+
+
+class _Bf16Adam(_FusedAdam):
+    """Adam/AdamW on bfloat16 parameters with float32 moments, each new parameter rounded to
+    bfloat16 stochastically (headroom-optim's ``AdamStochasticConfig``): 12 bytes a parameter
+    with its gradient, no float32 master copy, and updates smaller than half a bfloat16 step
+    kept on average instead of lost. On CUDA tensors one launch for every parameter; on CPU
+    tensors the same arithmetic on the host (the same bits). The random bits are counter-based:
+    parameter ``i`` (its position among the optimizer's parameters, in the order they were
+    given) at step ``t`` draws from a stream keyed by ``seed``, ``i`` and ``t``, so a run is
+    reproducible and a state dict continues it. The state: ``step`` (a float32 tensor, as
+    torch's), ``exp_avg`` and ``exp_avg_sq`` (and with ``amsgrad`` ``max_exp_avg_sq``) in
+    float32, of the parameter's shape. The arithmetic is the optimizer's own fused one
+    (``torch.optim.Adam``'s single-tensor formula in float32), not torch's fused kernel's."""
+
+    _native_class = _native.AdamStochastic
+    _param_dtype = torch.bfloat16
+    _device_type = ("cuda", "cpu")
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None,
+                 amsgrad=False, *, maximize=False, seed=0):
+        if not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed={seed!r}: give an int from 0 to 2**64 - 1")
+        self._slots = {}
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         amsgrad=amsgrad, maximize=maximize)
+        for group in self.param_groups:
+            group.setdefault("seed", seed)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            self._slots.setdefault(id(p), len(self._slots))
+
+    def _init_state(self, p):
+        state = self.state[p]
+        state["step"] = self._step_value(0)
+        state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+
+    def _build(self, group, params, steps):
+        if group["amsgrad"]:
+            for p in params:
+                state = self.state[p]
+                if "max_exp_avg_sq" not in state:
+                    state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32,
+                                                          device=p.device)
+        return super()._build(group, params, steps)
+
+    def load_state_dict(self, state_dict):
+        """Loads a state dict of this class: the float32 moments stay float32 (torch's loader
+        would cast them to bfloat16); their sizes are checked at the next step."""
+        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+        _load_keeping_dtypes(self, state_dict, keys, super().load_state_dict)
+
+    def _rule_args(self, group):
+        """The seed of the rounding bits."""
+        return (int(group["seed"]),)
+
+    def _slot_args(self, plan, which, n):
+        """Each parameter's position among the optimizer's, which keys its random stream."""
+        return (_pick([self._slots[id(p)] for p in plan.params], which, n),)
+
+
+class AdamBf16(_Bf16Adam):
+    """Adam (L2 weight decay, default 0) on bfloat16 parameters with float32 moments and
+    stochastic rounding; see ``_Bf16Adam``."""
+
+    _who = "headroom.optim.AdamBf16"
+
+
+class AdamWBf16(_Bf16Adam):
+    """AdamW (decoupled weight decay, default 1e-2) on bfloat16 parameters with float32 moments
+    and stochastic rounding, torchao's ``_AdamW(bf16_stochastic_round=True)`` recipe: 12 bytes a
+    parameter with its gradient; see ``_Bf16Adam``."""
+
+    _who = "headroom.optim.AdamWBf16"
     _decoupled = True
 
 
@@ -516,19 +634,13 @@ class _Adam8bitBase(_HeadroomOptimizer):
         (whose quantization tensors sit under ``__bnb_optimizer_quant_state__``). The 8-bit codes,
         maps and absmax keep their dtypes (torch's loader would cast them to the parameter's).
         Their sizes are checked at the next step."""
-        state, held = {}, {}
+        state = {}
         for pid, saved in state_dict["state"].items():
             saved = dict(saved)
             saved.update(saved.pop(_BNB_WRAPPED, {}))
-            held[pid] = {k: saved.pop(k) for k in _RAW_KEYS if k in saved}
             state[pid] = saved
-        super().load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
-        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(saved_ids, params):
-            for key, value in held.get(pid, {}).items():
-                self.state[p][key] = value.to(p.device, copy=True)
-        self._plans.clear()
+        flat = {"state": state, "param_groups": state_dict["param_groups"]}
+        _load_keeping_dtypes(self, flat, _RAW_KEYS, super().load_state_dict)
 
     def _qmaps(self, device):
         maps = self._maps.get(device)

@@ -129,7 +129,7 @@ class CheckedAdam8bit:
 
 def _cpu_class(base, stand_in):
     class OnCpu(base):
-        _device_type = "cpu"
+        _device_type = ("cpu",)
 
         def _kernel(self, device):
             kernel = self._kernels.get("cpu")

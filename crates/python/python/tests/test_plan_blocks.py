@@ -11,18 +11,13 @@ failure instead).
 
 import sys
 
-from torch_gate import DEVICES, device_cases, main, on_device as on, torch
+from torch_gate import device_cases, main, on_device as on, torch
 
 if torch is not None:
     import headroom.torch as ht
     from test_saved_activations import Block, raises
 
 MIB = 1 << 20
-
-
-def pytest_generate_tests(metafunc):
-    if "device" in metafunc.fixturenames:
-        metafunc.parametrize("device", DEVICES)
 
 
 class Rig:

@@ -11,18 +11,13 @@ on this file). The ``cuda`` cases need a GPU (skipped without one; under
 
 import sys
 
-from torch_gate import DEVICES, device_cases, main, on_device as on, torch
+from torch_gate import device_cases, main, on_device as on, torch
 
 if torch is not None:
     import headroom.activations as hact
     import headroom.torch as ht
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-
-
-def pytest_generate_tests(metafunc):
-    if "device" in metafunc.fixturenames:
-        metafunc.parametrize("device", DEVICES)
 
 
 def sync(device):

@@ -1,0 +1,71 @@
+"""``headroom.optim.AdamWBf16`` against torchao's ``_AdamW(bf16_stochastic_round=True)`` (the same
+recipe: bfloat16 parameters, float32 moments, stochastic rounding) on 1e9 parameters in ten
+tensors of 1e8, in one process: the median step over the timed steps (CUDA events), the state's
+bytes, the optimizer's extra bytes during a step (peak allocated minus allocated before it). One
+JSON object per line; torchao's line carries its error when torchao is not importable (it travels
+as a wheel, see the device README).
+
+    python3 bf16_adamw.py [--steps 20] [--warmup 3] [--numel 100000000] [--tensors 10]
+"""
+
+import argparse
+import json
+import statistics
+
+import torch
+
+import headroom.optim
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--steps", type=int, default=20)
+parser.add_argument("--warmup", type=int, default=3)
+parser.add_argument("--numel", type=int, default=100_000_000)
+parser.add_argument("--tensors", type=int, default=10)
+args = parser.parse_args()
+device = torch.device("cuda", 0)
+
+
+def measure(name, make):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(args.numel, device=device, dtype=torch.bfloat16))
+              for _ in range(args.tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    try:
+        opt = make(params)
+    except Exception as error:  # noqa: BLE001 (an anchor that is not installed)
+        return {"impl": name, "error": f"{type(error).__name__}: {error}"}
+    times = []
+    for i in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        opt.step()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(start.elapsed_time(end))
+        extra = torch.cuda.max_memory_allocated() - before
+    state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values()
+                      for t in s.values() if isinstance(t, torch.Tensor) and t.numel() > 1)
+    return {"impl": name, "parameters": args.numel * args.tensors,
+            "step_ms": statistics.median(times), "times_ms": times,
+            "state_bytes": state_bytes, "step_extra_bytes": extra}
+
+
+def torchao_adamw(params):
+    import torchao.optim
+
+    return torchao.optim._AdamW(params, lr=1e-4, bf16_stochastic_round=True)
+
+
+rows = [measure("headroom_adamw_bf16", lambda ps: headroom.optim.AdamWBf16(ps, lr=1e-4)),
+        measure("torchao_adamw_bf16_sr", torchao_adamw)]
+ours = rows[0]
+for row in rows:
+    if "step_ms" in row and "step_ms" in ours:
+        row["ratio_to_headroom"] = row["step_ms"] / ours["step_ms"]
+    row["torch"] = torch.__version__
+    print(json.dumps(row), flush=True)
