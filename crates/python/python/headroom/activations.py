@@ -17,8 +17,10 @@ Codecs (Headroom's, those of ``headroom-checkpoint``'s ``Compression``):
 - ``"bf16"``: a round-to-nearest-even cast of f32 and f64 activations (2 bytes an element).
 - ``None``: nothing is encoded (the hooks only count), for a baseline with the same code path.
 
-Which saved tensors are encoded: contiguous floating tensors of at least ``min_elements``
-elements (default 16 Ki) that require grad and are not parameters. So parameters (leaves that
+Which saved tensors are encoded: floating tensors of at least ``min_elements`` elements
+(default 16 Ki) that require grad and are not parameters; a view with other strides (attention's
+q, k and v, permuted views of one projection) is read through a contiguous copy and comes back
+contiguous, with its shape. So parameters (leaves that
 require grad) and tensors derived from one parameter through casts and views (autocast's copies
 of the weights, a transposed weight) are kept: their memory outlives the step anyway. Tensors
 that do not require grad are kept too: integer and boolean saves (indices, dropout masks), the
@@ -106,7 +108,10 @@ class _Int8:
         self.shape, self.dtype, self.block = t.shape, t.dtype, block
         self.source, self.version = weakref.ref(t), t._version
         index, stream = _where(t.device)
-        _native.quantize_int8(index, stream, _DTYPE_NAMES[t.dtype], t.data_ptr(), n, block,
+        # A view with other strides (attention's q, k and v of one projection) is read through
+        # a contiguous copy that lives only for the launch (stream-ordered on CUDA).
+        dense = t if t.is_contiguous() else t.contiguous()
+        _native.quantize_int8(index, stream, _DTYPE_NAMES[t.dtype], dense.data_ptr(), n, block,
                               self.codes.data_ptr(), self.absmax.data_ptr())
 
     def encoded_bytes(self):
@@ -199,7 +204,6 @@ class saved_activations:
             and t.device.type in ("cuda", "cpu")
             and t.numel() >= self.min_elements
             and t.requires_grad
-            and t.is_contiguous()
             and not _derived_from_parameter(t)
         )
 

@@ -15,8 +15,8 @@ wrapping each block's ``forward``, and prints the plan:
 The bytes are measured, not modelled: each save's storage is counted once per block (views of
 one storage are one), parameters and what is derived from one through casts and views are not
 activations, a checkpointed block keeps the tensors it is called with, and an ``int8`` block's
-bytes are what ``saved_activations`` would leave (encoded saves at 1 + 4/256 bytes an element,
-the rest as they are). The costs are measured too: each block's forward time alone, and again
+bytes are what ``saved_activations`` would leave (each encodable save at 1 + 4/256 bytes an
+element, views of one storage each on its own, the rest as they are). The costs are measured too: each block's forward time alone, and again
 under ``int8`` encoding (the encode measured in the forward, the decode taken as equal). On CUDA
 the times are synchronised around each block; on the CPU they are wall time.
 
@@ -103,15 +103,15 @@ class _Profile:
         if i is None or _derived_from_parameter(t):
             return t
         key = _storage_key(t)
-        if key in self._seen[i]:
-            return t
+        first = key not in self._seen[i]
         self._seen[i].add(key)
-        nbytes = key[1]
-        self.saved[i] += nbytes
-        if self._codec._encodes(t) and t.numel() * t.element_size() == nbytes:
+        if first:
+            self.saved[i] += key[1]
+        if self._codec._encodes(t):
+            # Each encodable save is encoded on its own (views of one storage too).
             self.encoded[i] += t.numel() + 4 * -(-t.numel() // self._codec.block)
-        else:
-            self.encoded[i] += nbytes
+        elif first:
+            self.encoded[i] += key[1]
         return t
 
 

@@ -182,7 +182,7 @@ def test_parameters_casts_and_statistics_are_kept(device):
     assert any(t is cast or t._base is cast for t in kept), "a cast of a parameter is kept"
     assert any(not t.requires_grad for t in kept), "layer norm's statistics are kept"
     assert any(t is x for t in encoded), "the activation is encoded"
-    assert all(t.requires_grad and t.is_contiguous() for t in encoded)
+    assert all(t.requires_grad for t in encoded)
     (y.sum() + z.sum() + n.sum()).backward()
 
 
