@@ -5,7 +5,7 @@
 # in-backward stepping on ViT-L/16 at batch 1 and 32 (bench/in_backward.py), compressed saved
 # activations on ViT-L/16 at batch 32 beside save_on_cpu and GPT-2's 300-step losses
 # (bench/saved_activations.py), AdamWBf16 beside torchao's bf16 AdamW on 1e9 parameters
-# (bench/bf16_adamw.py; torchao from PYTHONPATH when carried), and runs both examples. Logs
+# (bench/bf16_adamw.py; torchao from PYTHONPATH when carried), and runs the examples. Logs
 # and JSON lines go to OUT (the device
 # tool's folder, else results/python-<date>).
 # Usage: bash crates/python/bench/techniques.sh WHEEL_DIR
@@ -35,6 +35,7 @@ run saved_activations_gpt2 600 python3 "$here/bench/saved_activations.py" --gpt2
 run bf16_adamw 300 python3 "$here/bench/bf16_adamw.py"
 run example_plain_loop 120 python3 "$here/examples/plain_loop.py"
 run example_hf_trainer 180 python3 "$here/examples/hf_trainer.py"
+run example_lightning 180 python3 "$here/examples/lightning_module.py"
 grep -h '^{' "$OUT"/in_backward_*.log "$OUT"/saved_activations_*.log "$OUT"/bf16_adamw.log \
   > "$OUT/techniques.jsonl"
 exit $status
