@@ -644,3 +644,107 @@ fn gpu_stochastic_step_buffers_equal_the_host_kernel() {
     let refused = unsafe { adam.step_buffers_stochastic(&cfg, 4, &wrong, &[], (None, None)) };
     assert!(matches!(refused, Err(OptimError::InvalidArgument { .. })));
 }
+
+/// The framework path of SGD (`CudaSgd::step_buffers`): f32 and bf16 parameters with momentum,
+/// fresh gradient buffers every step — the host kernel's bits (`sgd_fused`).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_sgd_step_buffers_equal_the_host_kernel() {
+    use headroom_optim::cuda::{CudaSgd, DeviceSgdParam};
+    use headroom_optim::kernels::{bf16, sgd_fused, SgdBuffers, SgdConfig};
+
+    let Some(backend) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
+    let cfg = SgdConfig {
+        momentum: 0.9,
+        weight_decay: 0.01,
+        ..SgdConfig::new(0.1)
+    };
+    let n = 3000;
+    let mut sgd = CudaSgd::new(backend.clone());
+    // f32.
+    let (mut p, mut b) = (random(21, n, 2.0), vec![0.0f32; n]);
+    let state = [bytes(&p), bytes(&b)].map(|v| backend.upload(&v).unwrap());
+    // bf16.
+    let half = |v: &[f32]| -> Vec<bf16> { v.iter().map(|&x| bf16::from_f32(x)).collect() };
+    let half_bytes =
+        |v: &[bf16]| -> Vec<u8> { v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect() };
+    let (mut hp, mut hb) = (half(&random(22, n, 2.0)), vec![bf16::ZERO; n]);
+    let hstate = [half_bytes(&hp), half_bytes(&hb)].map(|v| backend.upload(&v).unwrap());
+    for step in 1..=3u64 {
+        let g = random(step * 17, n, 1.0);
+        let hg = half(&g);
+        let grads = [
+            backend.upload(&bytes(&g)).unwrap(),
+            backend.upload(&half_bytes(&hg)).unwrap(),
+        ];
+        let one = |param: u64, buffer: u64, grad: u64| DeviceSgdParam {
+            param,
+            grad,
+            momentum_buffer: Some(buffer),
+            len: n,
+        };
+        // SAFETY: live buffers of `n` elements of the dtype, kept until the downloads wait.
+        unsafe {
+            sgd.step_buffers(
+                &cfg,
+                DType::F32,
+                step,
+                &[one(
+                    state[0].address(),
+                    state[1].address(),
+                    grads[0].address(),
+                )],
+                (None, None),
+            )
+            .unwrap();
+            sgd.step_buffers(
+                &cfg,
+                DType::BF16,
+                step,
+                &[one(
+                    hstate[0].address(),
+                    hstate[1].address(),
+                    grads[1].address(),
+                )],
+                (None, None),
+            )
+            .unwrap();
+        }
+        let first_step = step == 1;
+        sgd_fused(
+            &cfg,
+            SgdBuffers {
+                param: &mut p,
+                grad: &g,
+                momentum_buffer: Some(&mut b),
+                first_step,
+            },
+            GradScaling::NONE,
+        )
+        .unwrap();
+        sgd_fused(
+            &cfg,
+            SgdBuffers {
+                param: &mut hp,
+                grad: &hg,
+                momentum_buffer: Some(&mut hb),
+                first_step,
+            },
+            GradScaling::NONE,
+        )
+        .unwrap();
+        let mut got = vec![0u8; n * 4];
+        // SAFETY: a live allocation of `n` f32.
+        unsafe { backend.download(state[0].address(), &mut got) }.unwrap();
+        assert_eq!(got, bytes(&p), "f32, step {step}");
+        let mut got = vec![0u8; n * 2];
+        // SAFETY: a live allocation of `n` bf16.
+        unsafe { backend.download(hstate[0].address(), &mut got) }.unwrap();
+        assert_eq!(got, half_bytes(&hp), "bf16, step {step}");
+        for grad in grads {
+            backend.allocator().free(grad).unwrap();
+        }
+    }
+}

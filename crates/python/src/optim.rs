@@ -11,19 +11,25 @@
 //! small allocations — the launch table, the 8-bit lookup tables — come from its allocator).
 
 use crate::device::{backend, on_default_stream};
+use headroom_autograd_core::DType;
 use headroom_optim::cuda::{
-    Adam8bitMath, CudaAdam8bit, CudaFusedAdam, DeviceAdam8bitParam, DeviceAdamParam, FusedAdamMath,
+    Adam8bitMath, CudaAdam8bit, CudaFusedAdam, CudaSgd, DeviceAdam8bitParam, DeviceAdamParam,
+    DeviceSgdParam, FusedAdamMath,
 };
 use headroom_optim::kernels::{
-    adam_fused_stochastic, bf16, AdamStochasticBuffers, Bf16Rounding, GradScaling,
+    adam_fused_stochastic, bf16, f16, sgd_fused, AdamStochasticBuffers, Bf16Rounding, GradScaling,
+    ParamElement, SgdBuffers,
 };
-use headroom_optim::{Adam8bitConfig, AdamConfig, AdamStochasticConfig, OptimError, WeightDecay};
+use headroom_optim::{
+    Adam8bitConfig, AdamConfig, AdamStochasticConfig, OptimError, SgdConfig, WeightDecay,
+};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<FusedAdam>()?;
     m.add_class::<AdamStochastic>()?;
+    m.add_class::<Sgd>()?;
     m.add_class::<Adam8bit>()?;
     m.add_function(wrap_pyfunction!(bnb_maps, m)?)?;
     Ok(())
@@ -284,6 +290,131 @@ impl AdamStochastic {
             inner.step_buffers_stochastic(&cfg, step, &self.params, &slots, (grad_scale, found_inf))
         }
         .map_err(optim_error)
+    }
+}
+
+/// `torch.optim.SGD`'s update (momentum, dampening, Nesterov, weight decay, maximize) in the
+/// arithmetic of PyTorch's fused SGD, over f32, bf16 or f16 parameters: on a CUDA device one
+/// launch for every parameter, on the CPU (`device` `None`) the host kernel parameter by
+/// parameter; the same bits.
+#[pyclass(unsendable)]
+pub(crate) struct Sgd {
+    inner: Option<CudaSgd>,
+    params: Vec<DeviceSgdParam>,
+}
+
+#[pymethods]
+impl Sgd {
+    #[new]
+    #[pyo3(signature = (device=None))]
+    fn new(device: Option<usize>) -> PyResult<Sgd> {
+        let inner = match device {
+            Some(ordinal) => Some(CudaSgd::new(backend(ordinal)?)),
+            None => None,
+        };
+        Ok(Sgd {
+            inner,
+            params: Vec::new(),
+        })
+    }
+
+    /// One step of every parameter at step number `step` (1: the momentum buffers take the
+    /// gradients): `hyper` = (lr, momentum, dampening, weight_decay); `dtype` the parameters'
+    /// (`"float32"`, `"bfloat16"`, `"float16"`); `momentum_buffers` `None` without momentum.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (stream, step, hyper, nesterov, maximize, dtype, params, grads, momentum_buffers, lens, grad_scale=None, found_inf=None))]
+    fn step(
+        &mut self,
+        stream: u64,
+        step: u64,
+        hyper: (f64, f64, f64, f64),
+        nesterov: bool,
+        maximize: bool,
+        dtype: &str,
+        params: Vec<u64>,
+        grads: Vec<u64>,
+        momentum_buffers: Option<Vec<u64>>,
+        lens: Vec<usize>,
+        grad_scale: Option<u64>,
+        found_inf: Option<u64>,
+    ) -> PyResult<()> {
+        let dtype = match dtype {
+            "float32" => DType::F32,
+            "bfloat16" => DType::BF16,
+            "float16" => DType::F16,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "{other} parameters: SGD steps float32, bfloat16 or float16"
+                )))
+            }
+        };
+        let n = lens.len();
+        let mut lists = vec![("params", &params[..]), ("grads", &grads[..])];
+        lists.extend(momentum_buffers.as_deref().map(|b| ("momentum_buffers", b)));
+        check_lists(&lists, n)?;
+        let (lr, momentum, dampening, weight_decay) = hyper;
+        let cfg = SgdConfig {
+            lr,
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+            maximize,
+        };
+        cfg.validate()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        self.params.clear();
+        self.params.extend((0..n).map(|i| DeviceSgdParam {
+            param: params[i],
+            grad: grads[i],
+            momentum_buffer: momentum_buffers.as_ref().map(|b| b[i]),
+            len: lens[i],
+        }));
+        let Some(inner) = &mut self.inner else {
+            if grad_scale.is_some() || found_inf.is_some() {
+                return Err(PyValueError::new_err(
+                    "loss scaling (grad_scale, found_inf) is for CUDA parameters",
+                ));
+            }
+            fn run<T: ParamElement>(
+                cfg: &SgdConfig,
+                step: u64,
+                params: &[DeviceSgdParam],
+            ) -> Result<(), OptimError> {
+                for p in params {
+                    // SAFETY: `headroom.optim` passes the data pointers of live, contiguous CPU
+                    // tensors it holds during the call: the parameter, its gradient and its
+                    // momentum buffer, `len` elements of T each (checked against the parameter
+                    // when the lists were built, the gradient at this step), no two sharing
+                    // memory (checked), so the slices alias nothing.
+                    let bufs = unsafe {
+                        SgdBuffers {
+                            param: std::slice::from_raw_parts_mut(p.param as *mut T, p.len),
+                            grad: std::slice::from_raw_parts(p.grad as *const T, p.len),
+                            momentum_buffer: p
+                                .momentum_buffer
+                                .map(|b| std::slice::from_raw_parts_mut(b as *mut T, p.len)),
+                            first_step: step == 1,
+                        }
+                    };
+                    sgd_fused(cfg, bufs, GradScaling::NONE)?;
+                }
+                Ok(())
+            }
+            return match dtype {
+                DType::F32 => run::<f32>(&cfg, step, &self.params),
+                DType::BF16 => run::<bf16>(&cfg, step, &self.params),
+                _ => run::<f16>(&cfg, step, &self.params),
+            }
+            .map_err(optim_error);
+        };
+        check_stream(stream)?;
+        // SAFETY: `headroom.optim` passes the data pointers of live, contiguous CUDA tensors of
+        // `dtype` on this optimizer's device (parameters, gradients, momentum buffers of `lens`
+        // elements), checked as for `FusedAdam::step` and kept alive across the call; torch's
+        // default stream is the launch's (checked above).
+        unsafe { inner.step_buffers(&cfg, dtype, step, &self.params, (grad_scale, found_inf)) }
+            .map_err(optim_error)
     }
 }
 

@@ -55,3 +55,4 @@ mod table;
 
 pub use adam::{CudaFusedAdam, DeviceAdamParam, FusedAdamMath};
 pub use adam8bit::{Adam8bitMath, CudaAdam8bit, DeviceAdam8bitParam};
+pub use sgd::{CudaSgd, DeviceSgdParam};

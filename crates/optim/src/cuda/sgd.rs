@@ -2,9 +2,16 @@
 //! kernel names, the momentum buffer's address, the pass ops and the `SgdPiece` layout, with
 //! the constants and op order of `kernels/sgd.rs`, for f32, bf16 and f16 parameters. A piece's
 //! first step (the momentum buffer takes the gradient) is its step number 1, counted on the
-//! device after GradScaler skips.
+//! device after GradScaler skips. [`CudaSgd`] steps raw device buffers with the fused kernel.
 
-use super::launch::{address, CudaDevice, Module, PassOps};
+use std::sync::Arc;
+
+use headroom_autograd_core::DType;
+use headroom_ops_cuda::CudaBackend;
+
+use super::launch::{
+    address, check_disjoint, fused_block_elems, instance, raw_geometry, CudaDevice, Module, PassOps,
+};
 use super::multi_tensor::{self, PieceKernels, Span};
 use super::table::{flags, PieceHead, Table};
 use crate::error::OptimError;
@@ -79,3 +86,102 @@ const BUF: i32 = 1;
 const BUF_ADD: i32 = 2;
 const USE_BUF: i32 = 3;
 const PARAM: i32 = 4;
+
+/// One parameter's device buffers for a raw SGD step (`len` elements of the step's dtype each),
+/// by address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceSgdParam {
+    /// The parameter.
+    pub param: u64,
+    /// Its gradient.
+    pub grad: u64,
+    /// The momentum buffer, present exactly when the momentum is non-zero.
+    pub momentum_buffer: Option<u64>,
+    /// Elements.
+    pub len: usize,
+}
+
+/// Fused SGD over raw device buffers given per call (a framework's tensors): one launch of
+/// `sgd_fused_*` for every parameter, the bits of [`crate::kernels::sgd_fused`].
+#[derive(Debug)]
+pub struct CudaSgd {
+    device: CudaDevice,
+}
+
+impl CudaSgd {
+    /// Fused SGD launching on `backend`'s stream (the legacy default stream).
+    pub fn new(backend: Arc<CudaBackend>) -> CudaSgd {
+        CudaSgd {
+            device: CudaDevice::new(backend, 0),
+        }
+    }
+
+    /// One step of every parameter of `params`, all of `dtype` (f32, bf16 or f16), at step
+    /// number `step` (1: the momentum buffers take the gradients). `scaling` holds the device
+    /// addresses of a GradScaler's scale and found-inf flag (one f32 each), or `None` for each.
+    ///
+    /// # Safety
+    /// Every address of `params` must be a live buffer of `len` elements of `dtype` on the
+    /// backend's device until the launch completes, the buffers of different parameters not
+    /// overlapping; each address of `scaling` a live f32 of the backend's device until then.
+    pub unsafe fn step_buffers(
+        &mut self,
+        cfg: &SgdConfig,
+        dtype: DType,
+        step: u64,
+        params: &[DeviceSgdParam],
+        (grad_scale, found_inf): (Option<u64>, Option<u64>),
+    ) -> Result<(), OptimError> {
+        const OP: &str = "CudaSgd::step_buffers";
+        cfg.validate()?;
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(OptimError::InvalidArgument {
+                op: OP,
+                reason: format!("{dtype:?} parameters (f32, bf16 or f16)"),
+            });
+        }
+        if !params
+            .iter()
+            .all(|p| p.momentum_buffer.is_some() == cfg.has_momentum())
+        {
+            return Err(OptimError::InvalidArgument {
+                op: OP,
+                reason: "a momentum buffer must be given exactly when the momentum is non-zero"
+                    .into(),
+            });
+        }
+        let elem = dtype.size_in_bytes() as u64;
+        check_disjoint(
+            OP,
+            params.iter().flat_map(|p| {
+                let bytes = p.len as u64 * elem;
+                [p.param, p.grad]
+                    .into_iter()
+                    .chain(p.momentum_buffer)
+                    .map(move |address| (address, bytes))
+            }),
+        )?;
+        let geometry = raw_geometry(OP, params.iter().map(|p| p.len), step)?;
+        let total_len = params.iter().map(|p| p.len).sum();
+        let block = (
+            fused_block_elems(total_len, SgdConfig::FUSED_BLOCK),
+            SgdConfig::FUSED_BLOCK.1,
+        );
+        let (table, n_blocks) =
+            self.device
+                .piece_table(&geometry, block.0, false, &mut |t, idx, head| {
+                    let p = &params[idx];
+                    let span = Span {
+                        param: p.param,
+                        grad: p.grad,
+                        states: [p.momentum_buffer.unwrap_or(0), 0, 0],
+                        tmp: 0,
+                    };
+                    cfg.write_piece(t, head, span, None);
+                })?;
+        let kernel = (Module::Sgd, instance(dtype, SgdConfig::FUSED_KERNELS));
+        let addresses = (grad_scale.unwrap_or(0), found_inf.unwrap_or(0));
+        self.device
+            .run_elementwise(kernel, &table, params.len(), n_blocks, block, addresses)
+    }
+}

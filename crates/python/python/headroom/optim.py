@@ -1,8 +1,8 @@
 """Headroom's fused, 8-bit and bfloat16 optimizers as ``torch.optim.Optimizer`` subclasses.
 
 ``AdamBf16``/``AdamWBf16`` step bfloat16 parameters with float32 moments and stochastic
-rounding, on CUDA or CPU tensors (see ``_Bf16Adam``); what follows about float32 CUDA
-parameters is the other classes'.
+rounding, and ``SGD`` float32, bfloat16 or float16 parameters, on CUDA or CPU tensors (see
+``_Bf16Adam`` and ``SGD``); what follows about float32 CUDA parameters is the Adam families'.
 
 ``Adam``, ``AdamW`` (fused: one kernel launch per step for every parameter, in the arithmetic of
 PyTorch's own ``fused=True`` kernel: ``AdamW`` gives the same bits; ``Adam``'s L2 weight decay
@@ -50,7 +50,7 @@ import torch
 
 from . import _native
 
-__all__ = ["Adam", "AdamW", "AdamBf16", "AdamWBf16", "Adam8bit", "AdamW8bit"]
+__all__ = ["Adam", "AdamW", "AdamBf16", "AdamWBf16", "SGD", "Adam8bit", "AdamW8bit"]
 
 MIN_8BIT_SIZE = 4096
 BLOCK_SIZE = 256
@@ -68,7 +68,8 @@ _grad = operator.attrgetter("grad")
 
 
 def _check_param(p, who, device_types=("cuda",), dtype=torch.float32):
-    """Raises unless ``p`` is a contiguous ``dtype`` tensor on a device of ``device_types``."""
+    """Raises unless ``p`` is a contiguous tensor of ``dtype`` (or one of a tuple of dtypes) on a
+    device of ``device_types``."""
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{who}: parameters must be tensors, got {type(p).__name__}")
     if p.device.type not in device_types:
@@ -77,10 +78,12 @@ def _check_param(p, who, device_types=("cuda",), dtype=torch.float32):
             f"{' or '.join(t.upper() for t in device_types)} tensors (move the model to the GPU "
             "before creating the optimizer, and keep it there)"
         )
-    if p.dtype != dtype:
+    allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+    if p.dtype not in allowed:
         raise TypeError(
-            f"{who}: a parameter of dtype {p.dtype}; only {dtype} is supported (a model "
-            "cast after the optimizer was created, e.g. model.half(), cannot be stepped)"
+            f"{who}: a parameter of dtype {p.dtype}; only {' or '.join(map(str, allowed))} is "
+            "supported (a model cast after the optimizer was created, e.g. model.half(), cannot "
+            "be stepped)"
         )
     if p.layout != torch.strided or not p.is_contiguous():
         raise ValueError(
@@ -601,6 +604,83 @@ class AdamWBf16(_Bf16Adam):
 
     _who = "headroom.optim.AdamWBf16"
     _decoupled = True
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class SGD(_HeadroomOptimizer):
+    """``torch.optim.SGD``'s update (momentum, dampening, Nesterov, L2 weight decay, maximize) in
+    the arithmetic of PyTorch's fused SGD, over float32, bfloat16 or float16 parameters (one
+    dtype a group; the momentum buffer in the parameter's dtype, as torch keeps it): on CUDA
+    tensors one launch a group, on CPU tensors the same arithmetic on the host. Its state is
+    torch's (``momentum_buffer``) with a ``step`` count of its own, so a torch SGD state dict
+    loads and continues; usable inside backward (``headroom.torch.optimizer_in_backward``)."""
+
+    _who = "headroom.optim.SGD"
+    _native_class = _native.Sgd
+    _param_dtype = (torch.float32, torch.bfloat16, torch.float16)
+    _device_type = ("cuda", "cpu")
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False, *, maximize=False):
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= momentum:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _step_value(step):
+        return torch.tensor(float(step), dtype=torch.float32)
+
+    def _saved_step(self, p):
+        state = self.state[p]
+        if "step" in state:
+            return int(state["step"])
+        # torch's SGD keeps no count: a momentum buffer means at least one step was taken.
+        return 1 if state.get("momentum_buffer") is not None else 0
+
+    def _init_state(self, p):
+        self.state[p]["step"] = self._step_value(0)
+
+    def _plan_matches_group(self, plan, group):
+        return ("momentum_buffer" in plan.lists) == (group["momentum"] != 0)
+
+    def _build(self, group, params, steps):
+        if len({p.dtype for p in params}) > 1:
+            raise ValueError(f"{self._who}: a parameter group mixes dtypes; give each its own group")
+        states = []
+        if group["momentum"] != 0:
+            for i, p in enumerate(params):
+                state = self.state[p]
+                if state.get("momentum_buffer") is None:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    steps[i] = 0  # the buffer takes the gradient at the next step
+                states.append(_check_state(p, state, "momentum_buffer", p.dtype, p.shape, self._who))
+        lists = {"momentum_buffer": list(map(_data_ptr, states))} if states else {}
+        return _LaunchPlan(params, lists, states, steps)
+
+    def _launch(self, group, plan, grads, stream, step, which, scaling):
+        if not which:
+            return
+        n = len(plan.params)
+        buffers = plan.lists.get("momentum_buffer")
+        self._kernel(plan.device).step(
+            stream, step,
+            (_lr(group), float(group["momentum"]), float(group["dampening"]),
+             float(group["weight_decay"])),
+            bool(group["nesterov"]), bool(group["maximize"]), _DTYPE_NAMES[plan.params[0].dtype],
+            _pick(plan.signature[0], which, n), _pick(grads, which, n),
+            None if buffers is None else _pick(buffers, which, n), _pick(plan.lens, which, n),
+            *scaling,
+        )
 
 
 class _Adam8bitBase(_HeadroomOptimizer):
