@@ -5,9 +5,9 @@
 //!
 //! Modules: `allocator.rs` wraps headroom-torch-allocator's process-wide state (settings,
 //! statistics, summaries, snapshots, `record_stream`); `optim.rs` holds one
-//! headroom-optim raw-buffer optimizer per Python optimizer (fused Adam, 8-bit Adam, Adam on bf16
-//! parameters with stochastic rounding and SGD, the last two also stepping CPU tensors on the
-//! host) and steps it on the pointers of torch's tensors; `activations.rs` runs headroom-checkpoint's 8-bit codec on the memory of
+//! headroom-optim raw-buffer optimizer per Python optimizer (fused Adam, 8-bit Adam, and — also
+//! stepping CPU tensors on the host — Adam on bf16 parameters with stochastic rounding, 4-bit
+//! Adam and SGD) and steps it on the pointers of torch's tensors; `activations.rs` runs headroom-checkpoint's 8-bit codec on the memory of
 //! saved activations (CUDA or CPU); `device.rs` holds the shared backends and the rule that a
 //! launch comes from torch's current stream only when it is the legacy default stream, where
 //! headroom-ops-cuda launches. Python-side checks (every tensor's device, dtype, size and

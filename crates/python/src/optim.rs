@@ -13,15 +13,17 @@
 use crate::device::{backend, on_default_stream};
 use headroom_autograd_core::DType;
 use headroom_optim::cuda::{
-    Adam8bitMath, CudaAdam8bit, CudaFusedAdam, CudaSgd, DeviceAdam8bitParam, DeviceAdamParam,
-    DeviceSgdParam, FusedAdamMath,
+    Adam8bitMath, CudaAdam4bit, CudaAdam8bit, CudaFusedAdam, CudaSgd, DeviceAdam8bitParam,
+    DeviceAdamParam, DeviceSgdParam, FusedAdamMath,
 };
 use headroom_optim::kernels::{
-    adam_fused_stochastic, bf16, f16, sgd_fused, AdamStochasticBuffers, Bf16Rounding, GradScaling,
-    ParamElement, SgdBuffers,
+    adam4bit_blockwise, adam4bit_f32_states, adam_fused_stochastic, bf16, f16, is_quantized_4bit,
+    sgd_fused, AdamStochasticBuffers, Bf16Rounding, BlockwiseBuffers, F32States, GradScaling,
+    ParamElement, ParamRounding, SgdBuffers, AO_BLOCK_SIZE,
 };
 use headroom_optim::{
-    Adam8bitConfig, AdamConfig, AdamStochasticConfig, OptimError, SgdConfig, WeightDecay,
+    Adam4bitConfig, Adam8bitConfig, AdamConfig, AdamStochasticConfig, OptimError, SgdConfig,
+    WeightDecay,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -30,6 +32,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<FusedAdam>()?;
     m.add_class::<AdamStochastic>()?;
     m.add_class::<Sgd>()?;
+    m.add_class::<Adam4bit>()?;
     m.add_class::<Adam8bit>()?;
     m.add_function(wrap_pyfunction!(bnb_maps, m)?)?;
     Ok(())
@@ -149,6 +152,19 @@ fn adam_config(
         amsgrad,
         maximize,
     }
+}
+
+/// The dtype torch names `name` (`"float32"`, `"bfloat16"`, `"float16"`), if `who` steps it.
+fn param_dtype(name: &str, allowed: &[DType], who: &str) -> PyResult<DType> {
+    let dtype = match name {
+        "float32" => Some(DType::F32),
+        "bfloat16" => Some(DType::BF16),
+        "float16" => Some(DType::F16),
+        _ => None,
+    };
+    dtype
+        .filter(|d| allowed.contains(d))
+        .ok_or_else(|| PyValueError::new_err(format!("{name} parameters: {who} steps {allowed:?}")))
 }
 
 /// Checks the address lists of an Adam step as `headroom.optim` passes them (parameters,
@@ -308,10 +324,7 @@ impl Sgd {
     #[new]
     #[pyo3(signature = (device=None))]
     fn new(device: Option<usize>) -> PyResult<Sgd> {
-        let inner = match device {
-            Some(ordinal) => Some(CudaSgd::new(backend(ordinal)?)),
-            None => None,
-        };
+        let inner = device.map(backend).transpose()?.map(CudaSgd::new);
         Ok(Sgd {
             inner,
             params: Vec::new(),
@@ -338,16 +351,7 @@ impl Sgd {
         grad_scale: Option<u64>,
         found_inf: Option<u64>,
     ) -> PyResult<()> {
-        let dtype = match dtype {
-            "float32" => DType::F32,
-            "bfloat16" => DType::BF16,
-            "float16" => DType::F16,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "{other} parameters: SGD steps float32, bfloat16 or float16"
-                )))
-            }
-        };
+        let dtype = param_dtype(dtype, &[DType::F32, DType::BF16, DType::F16], "SGD")?;
         let n = lens.len();
         let mut lists = vec![("params", &params[..]), ("grads", &grads[..])];
         lists.extend(momentum_buffers.as_deref().map(|b| ("momentum_buffers", b)));
@@ -416,6 +420,181 @@ impl Sgd {
         unsafe { inner.step_buffers(&cfg, dtype, step, &self.params, (grad_scale, found_inf)) }
             .map_err(optim_error)
     }
+}
+
+/// torchao's 4-bit Adam/AdamW (its code tables and blocks of 128; f32 states where torchao does
+/// not quantise) over f32 or bf16 parameters, a bf16 parameter rounded to nearest or
+/// stochastically: on a CUDA device two launches for every parameter, on the CPU (`device`
+/// `None`) the host kernels parameter by parameter; the same bits.
+#[pyclass(unsendable)]
+pub(crate) struct Adam4bit {
+    inner: Option<CudaAdam4bit>,
+    params: Vec<DeviceAdam8bitParam>,
+}
+
+#[pymethods]
+impl Adam4bit {
+    #[new]
+    #[pyo3(signature = (device=None))]
+    fn new(device: Option<usize>) -> PyResult<Adam4bit> {
+        let inner = device.map(backend).transpose()?.map(CudaAdam4bit::new);
+        Ok(Adam4bit {
+            inner,
+            params: Vec::new(),
+        })
+    }
+
+    /// One step of every parameter at step number `step`: `hyper` = (lr, beta1, beta2, eps,
+    /// weight_decay); `decoupled` for AdamW; `dtype` the parameters' (`"float32"` or
+    /// `"bfloat16"`); `seed` `None` to round bf16 parameters to nearest, else stochastically
+    /// with streams keyed by it, each parameter's `slots` entry and the step. Parameters whose
+    /// length torchao quantises have packed codes in `state1`/`state2` and scales in
+    /// `absmax1`/`absmax2`; the others f32 states and absmax addresses of 0.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (stream, step, hyper, decoupled, dtype, seed, params, grads, state1, state2, absmax1, absmax2, lens, slots, grad_scale=None, found_inf=None))]
+    fn step(
+        &mut self,
+        stream: u64,
+        step: u64,
+        hyper: (f64, f64, f64, f64, f64),
+        decoupled: bool,
+        dtype: &str,
+        seed: Option<u64>,
+        params: Vec<u64>,
+        grads: Vec<u64>,
+        state1: Vec<u64>,
+        state2: Vec<u64>,
+        absmax1: Vec<u64>,
+        absmax2: Vec<u64>,
+        lens: Vec<usize>,
+        slots: Vec<usize>,
+        grad_scale: Option<u64>,
+        found_inf: Option<u64>,
+    ) -> PyResult<()> {
+        let dtype = param_dtype(dtype, &[DType::F32, DType::BF16], "4-bit Adam")?;
+        let n = lens.len();
+        check_lists(
+            &[
+                ("params", &params[..]),
+                ("grads", &grads[..]),
+                ("state1", &state1[..]),
+                ("state2", &state2[..]),
+            ],
+            n,
+        )?;
+        if [absmax1.len(), absmax2.len(), slots.len()] != [n; 3] {
+            return Err(PyValueError::new_err(
+                "absmax and slot lists must have one entry per parameter",
+            ));
+        }
+        let (lr, beta1, beta2, eps, weight_decay) = hyper;
+        let cfg = Adam4bitConfig {
+            lr,
+            betas: (beta1, beta2),
+            eps,
+            weight_decay,
+            decoupled,
+            amsgrad: false,
+            bf16_rounding: match seed {
+                Some(seed) => Bf16Rounding::Stochastic { seed },
+                None => Bf16Rounding::Nearest,
+            },
+        };
+        cfg.validate()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        self.params.clear();
+        self.params.extend((0..n).map(|i| DeviceAdam8bitParam {
+            param: params[i],
+            grad: grads[i],
+            state1: state1[i],
+            state2: state2[i],
+            absmax1: absmax1[i],
+            absmax2: absmax2[i],
+            len: lens[i],
+        }));
+        let Some(inner) = &mut self.inner else {
+            if grad_scale.is_some() || found_inf.is_some() {
+                return Err(PyValueError::new_err(
+                    "loss scaling (grad_scale, found_inf) is for CUDA parameters",
+                ));
+            }
+            if let Some(p) = self
+                .params
+                .iter()
+                .find(|p| (p.absmax1 != 0 && p.absmax2 != 0) != is_quantized_4bit(p.len))
+            {
+                return Err(PyValueError::new_err(format!(
+                    "a parameter of {} elements with the wrong absmax buffers",
+                    p.len
+                )));
+            }
+            return match dtype {
+                DType::F32 => host_4bit::<f32>(&cfg, step, &self.params, &slots),
+                _ => host_4bit::<bf16>(&cfg, step, &self.params, &slots),
+            }
+            .map_err(optim_error);
+        };
+        check_stream(stream)?;
+        // SAFETY: `headroom.optim` passes the data pointers of live, contiguous CUDA tensors of
+        // this optimizer's device, checked against their parameter as for `Adam8bit::step` (the
+        // codes half the parameter's length in bytes, one scale per block of 128, f32 states of
+        // its length where torchao does not quantise) and kept alive across the call; torch's
+        // default stream is the launch's (checked above).
+        unsafe {
+            inner.step_buffers(
+                &cfg,
+                dtype,
+                step,
+                &self.params,
+                &slots,
+                (grad_scale, found_inf),
+            )
+        }
+        .map_err(optim_error)
+    }
+}
+
+/// 4-bit Adam's step on the host over the memory of CPU tensors.
+fn host_4bit<T: ParamElement>(
+    cfg: &Adam4bitConfig,
+    step: u64,
+    params: &[DeviceAdam8bitParam],
+    slots: &[usize],
+) -> Result<(), OptimError> {
+    for (p, &slot) in params.iter().zip(slots) {
+        let rounding = ParamRounding::of(cfg.bf16_rounding, slot, step);
+        let n = p.len;
+        // SAFETY: `headroom.optim` passes the data pointers of live, contiguous CPU tensors it
+        // holds during the call, checked against the parameter when the lists were built (and
+        // the gradient at this step), no two sharing memory: the parameter and gradient of `n`
+        // elements of T, and either packed codes of `n / 2` bytes and `n / 128` f32 scales
+        // (lengths torchao quantises, checked above) or f32 states of `n` elements.
+        unsafe {
+            let param = std::slice::from_raw_parts_mut(p.param as *mut T, n);
+            let grad = std::slice::from_raw_parts(p.grad as *const T, n);
+            if is_quantized_4bit(n) {
+                let scales = n / AO_BLOCK_SIZE;
+                let bufs = BlockwiseBuffers {
+                    param,
+                    grad,
+                    state1: std::slice::from_raw_parts_mut(p.state1 as *mut u8, n / 2),
+                    state2: std::slice::from_raw_parts_mut(p.state2 as *mut u8, n / 2),
+                    absmax1: std::slice::from_raw_parts_mut(p.absmax1 as *mut f32, scales),
+                    absmax2: std::slice::from_raw_parts_mut(p.absmax2 as *mut f32, scales),
+                };
+                adam4bit_blockwise(cfg, step, bufs, GradScaling::NONE, rounding)?;
+            } else {
+                let bufs = F32States {
+                    param,
+                    grad,
+                    state1: std::slice::from_raw_parts_mut(p.state1 as *mut f32, n),
+                    state2: std::slice::from_raw_parts_mut(p.state2 as *mut f32, n),
+                };
+                adam4bit_f32_states(cfg, step, bufs, GradScaling::NONE, rounding)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// bitsandbytes' 8-bit blockwise Adam (and its 32-bit path under 4096 elements) over device

@@ -5,14 +5,23 @@
 //! It sits on the launch layer (`launch.rs`, `table.rs`), the raw kernels' step constants and
 //! code tables (`kernels/adam4bit.rs`, so the GPU computes with the host's values) and the state
 //! addresses, rounding fields and kernel choice of the 8-bit piece (`adam8bit.rs`); it knows
-//! nothing of the host driver.
+//! nothing of the host driver. [`CudaAdam4bit`] steps raw device buffers with the same launches.
 
-use super::adam8bit::{kernel_of, rounding_fields, state_spans};
-use super::launch::{scaling_addresses, CudaDevice, Module};
+use std::sync::Arc;
+
+use headroom_autograd_core::DType;
+use headroom_ops_cuda::CudaBackend;
+
+use super::adam8bit::{kernel_of, rounding_fields, state_spans, DeviceAdam8bitParam};
+use super::launch::{
+    check_disjoint, fused_block_elems, raw_geometry, scaling_addresses, CudaDevice, Module,
+};
 use super::table::{flags, PieceHead, Table};
 use crate::adam8bit::BlockwiseState;
 use crate::error::OptimError;
-use crate::kernels::{qmap4_tables, Adam4bitConfig, Adam4bitConsts, AO_BLOCK_SIZE};
+use crate::kernels::{
+    is_quantized_4bit, qmap4_tables, Adam4bitConfig, Adam4bitConsts, AO_BLOCK_SIZE,
+};
 use crate::rule::CudaKernels;
 use crate::step::{RuleCall, Scaling};
 
@@ -103,6 +112,139 @@ impl CudaKernels<BlockwiseState> for Adam4bitConfig {
                 let at = (head, full.0[idx].slot);
                 write_piece(t, self, at, full.1[idx], grad_scale)
             },
+        )
+    }
+}
+
+/// torchao's 4-bit Adam/AdamW over raw device buffers given per call (a framework's tensors):
+/// the launches of the rule's CUDA entry, the bits of [`crate::kernels::adam4bit_blockwise`] and
+/// [`crate::kernels::adam4bit_f32_states`].
+#[derive(Debug)]
+pub struct CudaAdam4bit {
+    device: CudaDevice,
+}
+
+impl CudaAdam4bit {
+    /// 4-bit Adam launching on `backend`'s stream (the legacy default stream).
+    pub fn new(backend: Arc<CudaBackend>) -> CudaAdam4bit {
+        CudaAdam4bit {
+            device: CudaDevice::new(backend, 0),
+        }
+    }
+
+    /// One step of every parameter of `params` (all of `dtype`, f32 or bf16) at step number
+    /// `step`: a parameter whose length [`is_quantized_4bit`] has packed 4-bit codes in `state1`
+    /// and `state2` (half its length in bytes each) and one f32 scale per block of 128 in
+    /// `absmax1` and `absmax2`; any other has f32 states of its length and absmax addresses of 0.
+    /// `slots[i]` is parameter `i`'s index among the caller's, which keys a bf16 parameter's
+    /// stochastic rounding. `scaling` holds the device addresses of a GradScaler's scale and
+    /// found-inf flag (one f32 each), or `None` for each.
+    ///
+    /// # Safety
+    /// Every address of `params` must be a live buffer of the sizes above on the backend's
+    /// device until the launches complete, the buffers of different parameters not overlapping;
+    /// each address of `scaling` a live f32 of the backend's device until then.
+    pub unsafe fn step_buffers(
+        &mut self,
+        cfg: &Adam4bitConfig,
+        dtype: DType,
+        step: u64,
+        params: &[DeviceAdam8bitParam],
+        slots: &[usize],
+        (grad_scale, found_inf): (Option<u64>, Option<u64>),
+    ) -> Result<(), OptimError> {
+        const OP: &str = "CudaAdam4bit::step_buffers";
+        cfg.validate()?;
+        let invalid = |reason: String| Err(OptimError::InvalidArgument { op: OP, reason });
+        if !matches!(dtype, DType::F32 | DType::BF16) {
+            return invalid(format!("{dtype:?} parameters (f32 or bf16)"));
+        }
+        if slots.len() != params.len() {
+            return invalid(format!(
+                "{} slots for {} parameters",
+                slots.len(),
+                params.len()
+            ));
+        }
+        if let Some(p) = params
+            .iter()
+            .find(|p| (p.absmax1 != 0 && p.absmax2 != 0) != is_quantized_4bit(p.len))
+        {
+            return invalid(format!(
+                "a parameter of {} elements has {} absmax buffers",
+                p.len,
+                if is_quantized_4bit(p.len) {
+                    "no"
+                } else {
+                    "unexpected"
+                }
+            ));
+        }
+        let elem = dtype.size_in_bytes() as u64;
+        check_disjoint(
+            OP,
+            params.iter().flat_map(|p| {
+                let n = p.len as u64;
+                let (state, scales) = if is_quantized_4bit(p.len) {
+                    (n / 2, 4 * (n / AO_BLOCK_SIZE as u64))
+                } else {
+                    (4 * n, 0)
+                };
+                [
+                    (p.param, elem * n),
+                    (p.grad, elem * n),
+                    (p.state1, state),
+                    (p.state2, state),
+                    (p.absmax1, scales),
+                    (p.absmax2, scales),
+                ]
+                .into_iter()
+                .filter(|&(_, bytes)| bytes > 0)
+            }),
+        )?;
+        let addresses = (grad_scale.unwrap_or(0), found_inf.unwrap_or(0));
+        let (quantized, full): (Vec<usize>, Vec<usize>) =
+            (0..params.len()).partition(|&i| is_quantized_4bit(params[i].len));
+        let span =
+            |p: &DeviceAdam8bitParam| [p.param, p.grad, p.state1, p.state2, p.absmax1, p.absmax2];
+
+        let geometry = raw_geometry(OP, quantized.iter().map(|&i| params[i].len), step)?;
+        let (table, n_blocks) = self.device.piece_table(
+            &geometry,
+            AO_BLOCK_SIZE as u64,
+            false,
+            &mut |t, idx, head| {
+                let i = quantized[idx];
+                write_piece(t, cfg, (head, slots[i]), span(&params[i]), None)
+            },
+        )?;
+        // A warp per block of 128, grid-stride: the third argument is the blocks in all.
+        let grid = n_blocks.div_ceil(WARPS).min(MAX_GRID);
+        self.device.run_elementwise(
+            kernel_of(Module::Adam4bit, BLOCKWISE_KERNELS, dtype),
+            &table,
+            quantized.len(),
+            grid,
+            (n_blocks, (WARPS * 32) as u32),
+            addresses,
+        )?;
+
+        let geometry = raw_geometry(OP, full.iter().map(|&i| params[i].len), step)?;
+        let total_len = full.iter().map(|&i| params[i].len).sum();
+        let block = (fused_block_elems(total_len, F32_STATES), F32_STATES.1);
+        let (table, n_blocks) =
+            self.device
+                .piece_table(&geometry, block.0, false, &mut |t, idx, head| {
+                    let i = full[idx];
+                    write_piece(t, cfg, (head, slots[i]), span(&params[i]), None)
+                })?;
+        self.device.run_elementwise(
+            kernel_of(Module::Adam4bit, F32_STATES_KERNELS, dtype),
+            &table,
+            full.len(),
+            n_blocks,
+            block,
+            addresses,
         )
     }
 }

@@ -54,5 +54,6 @@ mod sgd;
 mod table;
 
 pub use adam::{CudaFusedAdam, DeviceAdamParam, FusedAdamMath};
+pub use adam4bit::CudaAdam4bit;
 pub use adam8bit::{Adam8bitMath, CudaAdam8bit, DeviceAdam8bitParam};
 pub use sgd::{CudaSgd, DeviceSgdParam};

@@ -1,8 +1,10 @@
 """Headroom's fused, 8-bit and bfloat16 optimizers as ``torch.optim.Optimizer`` subclasses.
 
 ``AdamBf16``/``AdamWBf16`` step bfloat16 parameters with float32 moments and stochastic
-rounding, and ``SGD`` float32, bfloat16 or float16 parameters, on CUDA or CPU tensors (see
-``_Bf16Adam`` and ``SGD``); what follows about float32 CUDA parameters is the Adam families'.
+rounding, ``Adam4bit``/``AdamW4bit`` float32 or bfloat16 ones with torchao's 4-bit states, and
+``SGD`` float32, bfloat16 or float16 ones, on CUDA or CPU tensors (see ``_Bf16Adam``,
+``_Adam4bitBase`` and ``SGD``); what follows about float32 CUDA parameters is the fused and
+8-bit Adam families'.
 
 ``Adam``, ``AdamW`` (fused: one kernel launch per step for every parameter, in the arithmetic of
 PyTorch's own ``fused=True`` kernel: ``AdamW`` gives the same bits; ``Adam``'s L2 weight decay
@@ -50,7 +52,8 @@ import torch
 
 from . import _native
 
-__all__ = ["Adam", "AdamW", "AdamBf16", "AdamWBf16", "SGD", "Adam8bit", "AdamW8bit"]
+__all__ = ["Adam", "AdamW", "AdamBf16", "AdamWBf16", "SGD", "Adam4bit", "AdamW4bit", "Adam8bit",
+           "AdamW8bit"]
 
 MIN_8BIT_SIZE = 4096
 BLOCK_SIZE = 256
@@ -426,6 +429,29 @@ def _load_keeping_dtypes(optimizer, state_dict, keys, load):
     optimizer._plans.clear()
 
 
+def _blockwise_plan(opt, params, steps, layout):
+    """The launch plan of a block-wise optimizer: per parameter ``state1``/``state2`` checked as
+    ``layout(p)``'s first (dtype, shape) and ``absmax1``/``absmax2`` as f32 of its second shape,
+    or absent (address 0) where that is ``None``."""
+    lists = {key: [] for key in ("state1", "state2", "absmax1", "absmax2")}
+    states = []
+    for p in params:
+        state = opt.state[p]
+        (dtype, shape), scales = layout(p)
+        for key in ("state1", "state2"):
+            t = _check_state(p, state, key, dtype, shape, opt._who)
+            lists[key].append(t.data_ptr())
+            states.append(t)
+        for key in ("absmax1", "absmax2"):
+            if scales is None:
+                lists[key].append(0)
+                continue
+            t = _check_state(p, state, key, torch.float32, scales, opt._who)
+            lists[key].append(t.data_ptr())
+            states.append(t)
+    return _LaunchPlan(params, lists, states, steps)
+
+
 def _pick(values, which, n):
     return values if len(which) == n else [values[i] for i in which]
 
@@ -683,6 +709,122 @@ class SGD(_HeadroomOptimizer):
         )
 
 
+AO_BLOCK_SIZE = 128
+MIN_4BIT_SIZE = 4096
+
+
+def _quantized_4bit(numel):
+    """Whether torchao quantises a state of ``numel`` elements (at least 4096, whole blocks)."""
+    return numel >= MIN_4BIT_SIZE and numel % AO_BLOCK_SIZE == 0
+
+
+class _Adam4bitBase(_HeadroomOptimizer):
+    """torchao's 4-bit Adam/AdamW (``torchao.optim.Adam4bit``, ``AdamW4bit``: its two 16-entry
+    code tables, blocks of 128, f32 states where it does not quantise) over float32 or bfloat16
+    parameters (one dtype a group), on CUDA (two launches a group) or CPU tensors (the host
+    kernels, the same bits). ``bf16_stochastic_round=True`` stores a bfloat16 parameter's new
+    value stochastically (the bits keyed by ``seed``, the parameter's position among the
+    optimizer's and the step), as torchao's option of that name does; otherwise to nearest.
+    Per parameter the state is ``step``, ``state1``/``state2`` (packed codes, two a byte, of half
+    the parameter's length, or float32 moments of its shape) and ``absmax1``/``absmax2`` (one
+    float32 scale per block of 128; absent for float32 moments): 1.06 bytes a parameter
+    quantised. torchao's own state dicts (tensor subclasses) do not load."""
+
+    _native_class = _native.Adam4bit
+    _param_dtype = (torch.float32, torch.bfloat16)
+    _device_type = ("cuda", "cpu")
+    _decoupled = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, *,
+                 bf16_stochastic_round=False, seed=0):
+        if weight_decay is None:
+            weight_decay = 1e-2 if self._decoupled else 0.0
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Invalid beta parameters: {betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed={seed!r}: give an int from 0 to 2**64 - 1")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        bf16_stochastic_round=bool(bf16_stochastic_round), seed=seed)
+        self._slots = {}
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            self._slots.setdefault(id(p), len(self._slots))
+
+    @staticmethod
+    def _step_value(step):
+        return torch.tensor(float(step), dtype=torch.float32)
+
+    def load_state_dict(self, state_dict):
+        """Loads a state dict of this class: codes, scales and float32 moments keep their dtypes
+        (torch's loader would cast them to the parameter's)."""
+        keys = ("state1", "state2", "absmax1", "absmax2")
+        _load_keeping_dtypes(self, state_dict, keys, super().load_state_dict)
+
+    def _init_state(self, p):
+        state = self.state[p]
+        state["step"] = self._step_value(0)
+        n = p.numel()
+        if not _quantized_4bit(n):
+            state["state1"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            state["state2"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            return
+        for key in ("state1", "state2"):
+            state[key] = torch.zeros(n // 2, dtype=torch.uint8, device=p.device)
+        for key in ("absmax1", "absmax2"):
+            state[key] = torch.zeros(n // AO_BLOCK_SIZE, dtype=torch.float32, device=p.device)
+
+    def _build(self, group, params, steps):
+        if len({p.dtype for p in params}) > 1:
+            raise ValueError(f"{self._who}: a parameter group mixes dtypes; give each its own group")
+        def layout(p):
+            n = p.numel()
+            if not _quantized_4bit(n):
+                return (torch.float32, p.shape), None
+            return (torch.uint8, (n // 2,)), (n // AO_BLOCK_SIZE,)
+
+        return _blockwise_plan(self, params, steps, layout)
+
+    def _launch(self, group, plan, grads, stream, step, which, scaling):
+        if not which:
+            return
+        n = len(plan.params)
+        lists = plan.lists
+        beta1, beta2 = group["betas"][:2]
+        seed = int(group["seed"]) if group["bf16_stochastic_round"] else None
+        slots = [self._slots[id(p)] for p in plan.params]
+        self._kernel(plan.device).step(
+            stream, step,
+            (_lr(group), float(beta1), float(beta2), float(group["eps"]),
+             float(group["weight_decay"])),
+            self._decoupled, _DTYPE_NAMES[plan.params[0].dtype], seed,
+            _pick(plan.signature[0], which, n), _pick(grads, which, n),
+            _pick(lists["state1"], which, n), _pick(lists["state2"], which, n),
+            _pick(lists["absmax1"], which, n), _pick(lists["absmax2"], which, n),
+            _pick(plan.lens, which, n), _pick(slots, which, n),
+            *scaling,
+        )
+
+
+class Adam4bit(_Adam4bitBase):
+    """torchao's ``Adam4bit`` (L2 weight decay, default 0); see ``_Adam4bitBase``."""
+
+    _who = "headroom.optim.Adam4bit"
+
+
+class AdamW4bit(_Adam4bitBase):
+    """torchao's ``AdamW4bit`` (decoupled weight decay, default 1e-2); see ``_Adam4bitBase``."""
+
+    _who = "headroom.optim.AdamW4bit"
+    _decoupled = True
+
+
 class _Adam8bitBase(_HeadroomOptimizer):
     _native_class = _native.Adam8bit
     _default_decay = 0.0
@@ -749,27 +891,14 @@ class _Adam8bitBase(_HeadroomOptimizer):
         state["absmax2"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
 
     def _build(self, group, params, steps):
-        lists = {key: [] for key in ("state1", "state2", "absmax1", "absmax2")}
-        states = []
-        for p in params:
-            state = self.state[p]
-            small = p.numel() < MIN_8BIT_SIZE
+        def layout(p):
             # bitsandbytes' layout: f32 moments under 4096 elements, else u8 codes and one f32
             # absmax per 256-element block.
-            want = torch.float32 if small else torch.uint8
-            for key in ("state1", "state2"):
-                t = _check_state(p, state, key, want, p.shape, self._who)
-                lists[key].append(t.data_ptr())
-                states.append(t)
-            for key in ("absmax1", "absmax2"):
-                if small:
-                    lists[key].append(0)
-                    continue
-                blocks = (p.numel() + BLOCK_SIZE - 1) // BLOCK_SIZE
-                t = _check_state(p, state, key, torch.float32, (blocks,), self._who)
-                lists[key].append(t.data_ptr())
-                states.append(t)
-        return _LaunchPlan(params, lists, states, steps)
+            if p.numel() < MIN_8BIT_SIZE:
+                return (torch.float32, p.shape), None
+            return (torch.uint8, p.shape), ((p.numel() + BLOCK_SIZE - 1) // BLOCK_SIZE,)
+
+        return _blockwise_plan(self, params, steps, layout)
 
     def _launch(self, group, plan, grads, stream, step, which, scaling):
         if not which:
