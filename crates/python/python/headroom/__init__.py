@@ -10,8 +10,9 @@
 - ``headroom.torch``: techniques on ``torch.nn.Module``s through PyTorch's extension points:
   ``optimizer_in_backward`` (a ``headroom.optim`` optimizer stepped in buckets inside backward,
   with schedulers, clipping, accumulation and loss scaling), ``saved_activations`` (saved
-  activations kept as 8-bit codes or bf16 between forward and backward) and ``plan_blocks``
-  (keep, 8-bit or recompute per block under a byte budget).
+  activations kept as 8-bit codes or bf16 between forward and backward) ``plan_blocks``
+  (keep, 8-bit or recompute per block under a byte budget) and ``linear_cross_entropy`` /
+  ``patch_causal_lm`` (a causal LM's loss without its logits).
 
 ``import headroom`` needs no torch; ``headroom.optim``, ``headroom.torch`` and
 ``use_allocator`` import it.

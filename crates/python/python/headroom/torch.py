@@ -2,8 +2,9 @@
 
 ``saved_activations(compress="int8" | "bf16" | None)`` keeps what a forward saves for backward
 encoded (``headroom.activations``); ``plan_blocks(blocks, budget_mb, step)`` keeps, encodes or
-recomputes each block's saves so that they fit a byte budget (``headroom.blocks``). The rest of
-this module is in-backward stepping:
+recomputes each block's saves so that they fit a byte budget (``headroom.blocks``);
+``linear_cross_entropy`` and ``patch_causal_lm`` compute a language model's loss without its
+logits (``headroom.loss``). The rest of this module is in-backward stepping:
 
 ``optimizer_in_backward(model, optimizer, ...)`` steps a ``headroom.optim`` optimizer inside
 backward: each parameter gets a post-accumulate-grad hook; when its gradient is final the
@@ -58,9 +59,10 @@ import torch
 from . import optim as _optim
 from .activations import saved_activations
 from .blocks import BlockPlan, plan_blocks
+from .loss import linear_cross_entropy, patch_causal_lm, unpatch_causal_lm
 
 __all__ = ["InBackward", "optimizer_in_backward", "saved_activations", "plan_blocks", "BlockPlan",
-           "DEFAULT_BUCKET_MB"]
+           "linear_cross_entropy", "patch_causal_lm", "unpatch_causal_lm", "DEFAULT_BUCKET_MB"]
 
 #: Gradient MiB a bucket collects before it is stepped: PyTorch DDP's 25 MiB.
 DEFAULT_BUCKET_MB = 25

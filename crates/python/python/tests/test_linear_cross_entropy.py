@@ -1,0 +1,108 @@
+"""``headroom.torch.linear_cross_entropy`` and ``patch_causal_lm`` against PyTorch's
+``F.cross_entropy`` on the materialised logits, on the CPU and on CUDA: values and gradients of
+the hidden states, weight and bias in float64 within 1e-13 relative and float32 within 1e-5,
+every reduction, ``ignore_index``, blocks of rows that do not divide the tokens; bfloat16 within
+bfloat16's precision; a Hugging Face GPT-2 patched gives its own loss (and the Trainer's
+``num_items_in_batch`` form) with no logits, and its own forward again once unpatched; misuse
+raises.
+
+Run: ``python3 -m pytest crates/python/python/tests/test_linear_cross_entropy.py`` (or
+``python3`` on this file; the patch case needs transformers). The ``cuda`` cases need a GPU.
+"""
+
+import sys
+
+from torch_gate import device_cases, main, on_device as on, skip, torch
+
+if torch is not None:
+    import torch.nn.functional as F
+
+    import headroom.torch as ht
+    from test_saved_activations import raises
+
+
+def operands(dev, dtype, seed=0, rows=(3, 37), features=24, vocab=130):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(*rows, features, generator=g).to(dev, dtype).requires_grad_()
+    w = (torch.randn(vocab, features, generator=g) * 0.3).to(dev, dtype).requires_grad_()
+    b = torch.randn(vocab, generator=g).to(dev, dtype).requires_grad_()
+    y = torch.randint(0, vocab, rows, generator=g).to(dev)
+    y[0, :7] = -100
+    return h, w, b, y
+
+
+def reference(h, w, b, y, reduction):
+    logits = (h @ w.t() + b).float() if h.dtype != torch.float64 else h @ w.t() + b
+    out = F.cross_entropy(logits.reshape(-1, w.shape[0]), y.reshape(-1), reduction=reduction)
+    return out.reshape(y.shape) if reduction == "none" else out
+
+
+def compare(dev, dtype, bound):
+    for reduction in ("mean", "sum", "none"):
+        h, w, b, y = operands(dev, dtype)
+        ours = ht.linear_cross_entropy(h, w, y, bias=b, reduction=reduction, chunk_mb=0.004)
+        theirs = reference(h, w, b, y, reduction)
+        torch.manual_seed(1)
+        seed = torch.randn(ours.shape, dtype=ours.dtype).to(dev)
+        got = torch.autograd.grad(ours, (h, w, b), seed)
+        want = torch.autograd.grad(theirs, (h, w, b), seed.to(theirs.dtype))
+        assert ((ours.double() - theirs.double()).abs().max()
+                <= bound * theirs.double().abs().max()), (dtype, reduction)
+        for name, a, c in zip("hwb", got, want):
+            error = ((a.double() - c.double()).abs().max() / c.double().abs().max()).item()
+            assert error <= bound, (dtype, reduction, name, error)
+
+
+def test_float64_and_float32_equal_cross_entropy_of_the_logits(device):
+    dev = on(device)
+    compare(dev, torch.float64, 1e-13)
+    compare(dev, torch.float32, 1e-5)
+
+
+def test_bfloat16_within_its_precision(device):
+    dev = on(device)
+    compare(dev, torch.bfloat16, 2**-6)
+
+
+def test_a_patched_gpt2_gives_its_own_loss_without_logits(device):
+    dev = on(device)
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        skip("transformers is not installed")
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=32,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config).to(dev)
+    ids = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(1)).to(dev)
+    labels = ids.clone()
+    labels[0, :5] = -100
+    own = model(ids, labels=labels)
+    own_grads = torch.autograd.grad(own.loss, list(model.parameters()))
+    ht.patch_causal_lm(model, chunk_mb=0.01)
+    ours = model(ids, labels=labels)
+    assert ours.logits is None
+    assert abs(ours.loss.item() - own.loss.item()) <= 1e-5 * abs(own.loss.item())
+    grads = torch.autograd.grad(ours.loss, list(model.parameters()))
+    for a, c in zip(grads, own_grads):
+        assert (a - c).abs().max() <= 1e-4 * c.abs().max() + 1e-8
+    counted = model(ids, labels=labels, num_items_in_batch=torch.tensor(100))
+    total = own.loss * (labels[:, 1:] != -100).sum()
+    assert abs(counted.loss.item() - total.item() / 100) <= 1e-5 * abs(total.item() / 100)
+    assert model(ids).logits is not None  # no labels: the model's own forward
+    ht.unpatch_causal_lm(model)
+    assert "forward" not in model.__dict__
+    assert model(ids, labels=labels).logits is not None
+
+
+def test_misuse_raises():
+    h, w, b, y = operands("cpu", torch.float32)
+    raises(ValueError, lambda: ht.linear_cross_entropy(h, w, y, reduction="max"), "reduction")
+    raises(ValueError, lambda: ht.linear_cross_entropy(h, w, y, chunk_mb=0), "chunk_mb")
+    raises(ValueError, lambda: ht.linear_cross_entropy(h, w.t(), y), "weight of shape")
+    raises(ValueError, lambda: ht.linear_cross_entropy(h, w, y[:, :-1]), "labels of shape")
+    raises(TypeError, lambda: ht.patch_causal_lm(torch.nn.Linear(2, 2)), "causal LM")
+
+
+if __name__ == "__main__":
+    sys.exit(main(__file__, lambda: device_cases(globals())))
