@@ -5,7 +5,8 @@
   ``memory_summary``, ``snapshot`` and the calls PyTorch cannot make on a pluggable allocator.
 - ``headroom.optim``: fused ``Adam``/``AdamW``, bitsandbytes-compatible ``Adam8bit``/``AdamW8bit``
   ``AdamBf16``/``AdamWBf16`` (bfloat16 parameters, stochastic rounding), torchao-exact
-  ``Adam4bit``/``AdamW4bit`` and ``SGD`` as
+  ``Adam4bit``/``AdamW4bit``, ``SGD`` and ``MasterWeights`` (float32 masters of half-precision
+  parameters) as
   ``torch.optim.Optimizer`` subclasses, stepping Headroom's kernels on torch's memory.
 - ``headroom.torch``: techniques on ``torch.nn.Module``s through PyTorch's extension points:
   ``optimizer_in_backward`` (a ``headroom.optim`` optimizer stepped in buckets inside backward,

@@ -53,7 +53,7 @@ import torch
 from . import _native
 
 __all__ = ["Adam", "AdamW", "AdamBf16", "AdamWBf16", "SGD", "Adam4bit", "AdamW4bit", "Adam8bit",
-           "AdamW8bit"]
+           "AdamW8bit", "MasterWeights"]
 
 MIN_8BIT_SIZE = 4096
 BLOCK_SIZE = 256
@@ -934,3 +934,113 @@ class AdamW8bit(_Adam8bitBase):
 
     _who = "headroom.optim.AdamW8bit"
     _default_decay = 1e-2
+
+
+class _SharedWithOptimizer:
+    """An attribute of a wrapper optimizer (``headroom.torch.InBackward``, ``MasterWeights``)
+    that is its wrapped optimizer's (``param_groups``, ``state``): read and written there once
+    ``_inner`` is set, the object's own before (what ``torch.optim.Optimizer.__init__``
+    writes)."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        inner = obj.__dict__.get("_inner")
+        return obj.__dict__["_own_" + self.name] if inner is None else getattr(inner, self.name)
+
+    def __set__(self, obj, value):
+        inner = obj.__dict__.get("_inner")
+        if inner is None:
+            obj.__dict__["_own_" + self.name] = value
+        else:
+            setattr(inner, self.name, value)
+
+_MASTER_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class MasterWeights(torch.optim.Optimizer):
+    """Float32 master copies of half-precision parameters (float16 or bfloat16), stepped by a
+    ``headroom.optim`` optimizer of float32 parameters that ``make(masters)`` builds over them
+    (one master per parameter, in order): ``step()`` widens each parameter's gradient into its
+    master's, steps the inner optimizer and stores each stepped master back into its parameter,
+    rounded to nearest (apex's O2, Rust amp's ``MasterWeights``): 4 bytes a parameter beside the
+    half-precision model, the update's float32 precision kept. Float32 parameters are their own
+    masters. ``param_groups`` and ``state`` are the inner optimizer's (schedulers work on this
+    object); ``state_dict()`` holds the inner optimizer's and the masters (``master_weights``),
+    and ``load_state_dict`` restores both and rounds the masters into the parameters. What
+    raises: a parameter of another dtype (``TypeError``, at construction), ``make`` returning
+    anything but a ``headroom.optim`` optimizer (``TypeError``), a parameter cast after
+    construction or a gradient of another dtype than its parameter (``TypeError``, at the step,
+    before anything is written), a state dict of other parameters (``ValueError``)."""
+
+    param_groups = _SharedWithOptimizer()
+    state = _SharedWithOptimizer()
+
+    def __init__(self, params, make):
+        params = list(params)
+        for p in params:
+            if not isinstance(p, torch.Tensor) or p.dtype not in _MASTER_DTYPES:
+                raise TypeError(
+                    "headroom.optim.MasterWeights: parameters must be float16, bfloat16 or "
+                    f"float32 tensors, got {getattr(p, 'dtype', type(p).__name__)}"
+                )
+        masters = [p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float())
+                   for p in params]
+        inner = make(masters)
+        if not isinstance(inner, _HeadroomOptimizer):
+            raise TypeError("headroom.optim.MasterWeights: make(masters) must return a "
+                            f"headroom.optim optimizer, got {type(inner).__name__}")
+        super().__init__([{"params": masters}], dict(inner.defaults))
+        self._params, self._masters = params, masters
+        self._dtypes = [p.dtype for p in params]
+        self._inner = inner
+
+    def zero_grad(self, set_to_none=True):
+        for p, m in zip(self._params, self._masters):
+            if set_to_none:
+                p.grad = m.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for p, dtype in zip(self._params, self._dtypes):
+            if p.dtype != dtype:
+                raise TypeError(f"headroom.optim.MasterWeights: a parameter of dtype {p.dtype} "
+                                f"was {dtype} at construction; the masters cannot follow a cast")
+            if p.grad is not None and p.grad.dtype != p.dtype:
+                raise TypeError(f"headroom.optim.MasterWeights: a gradient of dtype "
+                                f"{p.grad.dtype} for a {p.dtype} parameter")
+        for p, m in zip(self._params, self._masters):
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.float()
+        self._inner.step()
+        for p, m in zip(self._params, self._masters):
+            if m is not p and m.grad is not None:
+                p.copy_(m)
+                m.grad = None
+        return loss
+
+    def state_dict(self):
+        return {"inner": self._inner.state_dict(),
+                "master_weights": [m.detach().clone() for m in self._masters]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict):
+        masters = state_dict["master_weights"]
+        if len(masters) != len(self._masters) or any(
+                a.shape != b.shape for a, b in zip(masters, self._masters)):
+            raise ValueError("headroom.optim.MasterWeights: a state dict of other parameters "
+                             f"({len(masters)} masters for {len(self._masters)})")
+        self._inner.load_state_dict(state_dict["inner"])
+        for p, m, saved in zip(self._params, self._masters, masters):
+            m.copy_(saved)
+            if m is not p:
+                p.copy_(m)

@@ -57,6 +57,7 @@ import weakref
 import torch
 
 from . import optim as _optim
+from .optim import _SharedWithOptimizer
 from .activations import saved_activations
 from .blocks import BlockPlan, plan_blocks
 from .loss import linear_cross_entropy, patch_causal_lm, unpatch_causal_lm
@@ -87,28 +88,6 @@ def optimizer_in_backward(model, optimizer, *, bucket_mb=DEFAULT_BUCKET_MB, clip
     Returns the ``InBackward`` to hand to schedulers and trainers in the optimizer's place."""
     return InBackward(model, optimizer, bucket_mb=bucket_mb, clip=clip, clip_mode=clip_mode,
                       accumulate=accumulate, scaler=scaler)
-
-
-class _SharedWithOptimizer:
-    """An attribute of an ``InBackward`` that is its wrapped optimizer's (``param_groups``,
-    ``state``): read and written there once the optimizer is set, the object's own before (what
-    ``torch.optim.Optimizer.__init__`` writes)."""
-
-    def __set_name__(self, owner, name):
-        self.name = name
-
-    def __get__(self, obj, owner=None):
-        if obj is None:
-            return self
-        inner = obj.__dict__.get("_inner")
-        return obj.__dict__["_own_" + self.name] if inner is None else getattr(inner, self.name)
-
-    def __set__(self, obj, value):
-        inner = obj.__dict__.get("_inner")
-        if inner is None:
-            obj.__dict__["_own_" + self.name] = value
-        else:
-            setattr(inner, self.name, value)
 
 
 class InBackward(torch.optim.Optimizer):
