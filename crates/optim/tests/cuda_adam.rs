@@ -748,3 +748,107 @@ fn gpu_sgd_step_buffers_equal_the_host_kernel() {
         }
     }
 }
+
+/// The framework path of 4-bit Adam (`CudaAdam4bit::step_buffers`): a quantised [8192] and an
+/// f32-state [37] bf16 parameter, stochastic rounding keyed by their slots, fresh gradients every
+/// step — the host kernels' bits (`adam4bit_blockwise`, `adam4bit_f32_states`).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_4bit_step_buffers_equal_the_host_kernels() {
+    use headroom_optim::cuda::{CudaAdam4bit, DeviceAdam8bitParam};
+    use headroom_optim::kernels::{
+        adam4bit_blockwise, adam4bit_f32_states, bf16, Adam4bitConfig, Bf16Rounding,
+        BlockwiseBuffers, F32States,
+    };
+
+    let Some(backend) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
+    let cfg = Adam4bitConfig {
+        bf16_rounding: Bf16Rounding::Stochastic { seed: 5 },
+        ..Adam4bitConfig::adamw()
+    };
+    let half = |v: &[f32]| -> Vec<bf16> { v.iter().map(|&x| bf16::from_f32(x)).collect() };
+    let half_bytes =
+        |v: &[bf16]| -> Vec<u8> { v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect() };
+    let (n, m, slots) = (8192usize, 37usize, [3usize, 4]);
+    let mut wp = half(&random(31, n, 2.0));
+    let (mut w1, mut w2, mut a1, mut a2) = (
+        vec![0u8; n / 2],
+        vec![0u8; n / 2],
+        vec![0f32; 64],
+        vec![0f32; 64],
+    );
+    let mut bp = half(&random(32, m, 2.0));
+    let (mut b1, mut b2) = (vec![0f32; m], vec![0f32; m]);
+    let up = |bytes: Vec<u8>| backend.upload(&bytes).unwrap();
+    let w = [
+        up(half_bytes(&wp)),
+        up(w1.clone()),
+        up(w2.clone()),
+        up(bytes(&a1)),
+        up(bytes(&a2)),
+    ];
+    let b = [up(half_bytes(&bp)), up(bytes(&b1)), up(bytes(&b2))];
+    let mut adam = CudaAdam4bit::new(backend.clone());
+    for step in 1..=3u64 {
+        let (wg, bg) = (
+            half(&random(step * 7, n, 1.0)),
+            half(&random(step * 7 + 1, m, 1.0)),
+        );
+        let grads = [up(half_bytes(&wg)), up(half_bytes(&bg))];
+        let params = [
+            DeviceAdam8bitParam {
+                param: w[0].address(),
+                grad: grads[0].address(),
+                state1: w[1].address(),
+                state2: w[2].address(),
+                absmax1: w[3].address(),
+                absmax2: w[4].address(),
+                len: n,
+            },
+            DeviceAdam8bitParam {
+                param: b[0].address(),
+                grad: grads[1].address(),
+                state1: b[1].address(),
+                state2: b[2].address(),
+                absmax1: 0,
+                absmax2: 0,
+                len: m,
+            },
+        ];
+        // SAFETY: live buffers of the sizes the call documents, kept until the downloads wait.
+        unsafe { adam.step_buffers(&cfg, DType::BF16, step, &params, &slots, (None, None)) }
+            .unwrap();
+        let rounding = |slot| ParamRounding::of(cfg.bf16_rounding, slot, step);
+        let bufs = BlockwiseBuffers {
+            param: &mut wp,
+            grad: &wg,
+            state1: &mut w1,
+            state2: &mut w2,
+            absmax1: &mut a1,
+            absmax2: &mut a2,
+        };
+        adam4bit_blockwise(&cfg, step, bufs, GradScaling::NONE, rounding(slots[0])).unwrap();
+        let bufs = F32States {
+            param: &mut bp,
+            grad: &bg,
+            state1: &mut b1,
+            state2: &mut b2,
+        };
+        adam4bit_f32_states(&cfg, step, bufs, GradScaling::NONE, rounding(slots[1])).unwrap();
+        for (address, want, what) in [
+            (w[0].address(), half_bytes(&wp), "w"),
+            (w[1].address(), w1.clone(), "w codes"),
+            (b[0].address(), half_bytes(&bp), "b"),
+        ] {
+            let mut got = vec![0u8; want.len()];
+            // SAFETY: a live allocation of `want.len()` bytes.
+            unsafe { backend.download(address, &mut got) }.unwrap();
+            assert_eq!(got, want, "{what}, step {step}");
+        }
+        for grad in grads {
+            backend.allocator().free(grad).unwrap();
+        }
+    }
+}

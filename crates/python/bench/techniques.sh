@@ -4,8 +4,9 @@
 # Python suites on the GPU (HEADROOM_REQUIRE_GPU=1: a skipped case fails), then measures
 # in-backward stepping on ViT-L/16 at batch 1 and 32 (bench/in_backward.py), compressed saved
 # activations on ViT-L/16 at batch 32 beside save_on_cpu and GPT-2's 300-step losses
-# (bench/saved_activations.py), AdamWBf16 beside torchao's bf16 AdamW on 1e9 parameters
-# (bench/bf16_adamw.py; torchao from PYTHONPATH when carried), and runs the examples. Logs
+# (bench/saved_activations.py), AdamWBf16, AdamW4bit and SGD beside torchao's and torch's on
+# 1e9 parameters (bench/optim_1e9.py; torchao from PYTHONPATH when carried), and runs the
+# examples. Logs
 # and JSON lines go to OUT (the device
 # tool's folder, else results/python-<date>).
 # Usage: bash crates/python/bench/techniques.sh WHEEL_DIR
@@ -32,10 +33,10 @@ run in_backward_b1 300 python3 "$here/bench/in_backward.py" --batch 1
 run in_backward_b32 300 python3 "$here/bench/in_backward.py" --batch 32
 run saved_activations_vit 300 python3 "$here/bench/saved_activations.py" --batch 32
 run saved_activations_gpt2 600 python3 "$here/bench/saved_activations.py" --gpt2 300
-run bf16_adamw 300 python3 "$here/bench/bf16_adamw.py"
+run optim_1e9 400 python3 "$here/bench/optim_1e9.py"
 run example_plain_loop 120 python3 "$here/examples/plain_loop.py"
 run example_hf_trainer 180 python3 "$here/examples/hf_trainer.py"
 run example_lightning 180 python3 "$here/examples/lightning_module.py"
-grep -h '^{' "$OUT"/in_backward_*.log "$OUT"/saved_activations_*.log "$OUT"/bf16_adamw.log \
+grep -h '^{' "$OUT"/in_backward_*.log "$OUT"/saved_activations_*.log "$OUT"/optim_1e9.log \
   > "$OUT/techniques.jsonl"
 exit $status

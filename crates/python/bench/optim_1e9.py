@@ -1,11 +1,14 @@
-"""``headroom.optim.AdamWBf16`` against torchao's ``_AdamW(bf16_stochastic_round=True)`` (the same
-recipe: bfloat16 parameters, float32 moments, stochastic rounding) on 1e9 parameters in ten
-tensors of 1e8, in one process: the median step over the timed steps (CUDA events), the state's
-bytes, the optimizer's extra bytes during a step (peak allocated minus allocated before it). One
-JSON object per line; torchao's line carries its error when torchao is not importable (it travels
-as a wheel, see the device README).
+"""The wheel's optimizers beside their anchors on 1e9 parameters in ten tensors of 1e8, in one
+process, each pair on the same recipe: ``AdamWBf16`` and torchao's
+``_AdamW(bf16_stochastic_round=True)`` (bfloat16 parameters, float32 moments, stochastic
+rounding); ``AdamW4bit`` and torchao's ``AdamW4bit`` (bfloat16 parameters, 4-bit states,
+stochastic rounding); ``SGD`` with momentum and ``torch.optim.SGD(fused=True)`` (bfloat16
+parameters). Per line: the median step over the timed steps (CUDA events), the state's bytes,
+the optimizer's extra bytes during a step (peak allocated minus allocated before it), and the
+ratio of the anchor's step to ours. One JSON object per line; an anchor that is not importable
+(torchao travels as a wheel, see the device README) carries its error.
 
-    python3 bf16_adamw.py [--steps 20] [--warmup 3] [--numel 100000000] [--tensors 10]
+    python3 optim_1e9.py [--steps 20] [--warmup 3] [--numel 100000000] [--tensors 10]
 """
 
 import argparse
@@ -61,11 +64,26 @@ def torchao_adamw(params):
     return torchao.optim._AdamW(params, lr=1e-4, bf16_stochastic_round=True)
 
 
-rows = [measure("headroom_adamw_bf16", lambda ps: headroom.optim.AdamWBf16(ps, lr=1e-4)),
-        measure("torchao_adamw_bf16_sr", torchao_adamw)]
-ours = rows[0]
-for row in rows:
-    if "step_ms" in row and "step_ms" in ours:
-        row["ratio_to_headroom"] = row["step_ms"] / ours["step_ms"]
-    row["torch"] = torch.__version__
-    print(json.dumps(row), flush=True)
+def torchao_adamw4bit(params):
+    import torchao.optim
+
+    return torchao.optim.AdamW4bit(params, lr=1e-4, bf16_stochastic_round=True)
+
+
+PAIRS = [
+    (("headroom_adamw_bf16", lambda ps: headroom.optim.AdamWBf16(ps, lr=1e-4)),
+     ("torchao_adamw_bf16_sr", torchao_adamw)),
+    (("headroom_adamw4bit_bf16",
+      lambda ps: headroom.optim.AdamW4bit(ps, lr=1e-4, bf16_stochastic_round=True)),
+     ("torchao_adamw4bit_bf16_sr", torchao_adamw4bit)),
+    (("headroom_sgd_momentum_bf16", lambda ps: headroom.optim.SGD(ps, lr=1e-3, momentum=0.9)),
+     ("torch_sgd_fused_momentum_bf16",
+      lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, fused=True))),
+]
+for (ours_name, ours_make), (anchor_name, anchor_make) in PAIRS:
+    ours, anchor = measure(ours_name, ours_make), measure(anchor_name, anchor_make)
+    if "step_ms" in ours and "step_ms" in anchor:
+        anchor["ratio_to_headroom"] = anchor["step_ms"] / ours["step_ms"]
+    for row in (ours, anchor):
+        row["torch"] = torch.__version__
+        print(json.dumps(row), flush=True)
