@@ -50,6 +50,16 @@ fn check_stream(stream: u64) -> PyResult<()> {
     )
 }
 
+/// A step of CPU tensors takes no loss scaling: its scale and flag would be device addresses.
+fn refuse_host_scaling(grad_scale: Option<u64>, found_inf: Option<u64>) -> PyResult<()> {
+    match (grad_scale, found_inf) {
+        (None, None) => Ok(()),
+        _ => Err(PyValueError::new_err(
+            "loss scaling (grad_scale, found_inf) is for CUDA parameters",
+        )),
+    }
+}
+
 /// Checks that every list has `n` entries and no address is null.
 fn check_lists(lists: &[(&str, &[u64])], n: usize) -> PyResult<()> {
     for (name, list) in lists {
@@ -263,11 +273,7 @@ impl AdamStochastic {
         let lists = (&params[..], &grads[..], &exp_avgs[..], &exp_avg_sqs[..]);
         adam_params(&mut self.params, lists, max_exp_avg_sqs.as_deref(), &lens)?;
         let Some(inner) = &mut self.inner else {
-            if grad_scale.is_some() || found_inf.is_some() {
-                return Err(PyValueError::new_err(
-                    "loss scaling (grad_scale, found_inf) is for CUDA parameters",
-                ));
-            }
+            refuse_host_scaling(grad_scale, found_inf)?;
             for (p, &slot) in self.params.iter().zip(&slots) {
                 // SAFETY: `headroom.optim` passes the data pointers of live, contiguous CPU
                 // tensors it holds during the call: a bf16 parameter and gradient and f32 states
@@ -375,11 +381,7 @@ impl Sgd {
             len: lens[i],
         }));
         let Some(inner) = &mut self.inner else {
-            if grad_scale.is_some() || found_inf.is_some() {
-                return Err(PyValueError::new_err(
-                    "loss scaling (grad_scale, found_inf) is for CUDA parameters",
-                ));
-            }
+            refuse_host_scaling(grad_scale, found_inf)?;
             fn run<T: ParamElement>(
                 cfg: &SgdConfig,
                 step: u64,
@@ -513,11 +515,7 @@ impl Adam4bit {
             len: lens[i],
         }));
         let Some(inner) = &mut self.inner else {
-            if grad_scale.is_some() || found_inf.is_some() {
-                return Err(PyValueError::new_err(
-                    "loss scaling (grad_scale, found_inf) is for CUDA parameters",
-                ));
-            }
+            refuse_host_scaling(grad_scale, found_inf)?;
             if let Some(p) = self
                 .params
                 .iter()

@@ -452,6 +452,20 @@ def _blockwise_plan(opt, params, steps, layout):
     return _LaunchPlan(params, lists, states, steps)
 
 
+def _check_seed(seed):
+    """Raises unless ``seed`` keys the rounding bits (an int of 64 bits)."""
+    if not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed={seed!r}: give an int from 0 to 2**64 - 1")
+
+
+def _slots_of(optimizer, params):
+    """Each of ``params``' position among ``optimizer``'s parameters (in the order they were
+    given), which keys its stochastic rounding's stream: taken when a launch plan is built."""
+    position = {id(p): i for i, p in
+                enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    return [position[id(p)] for p in params]
+
+
 def _pick(values, which, n):
     return values if len(which) == n else [values[i] for i in which]
 
@@ -573,18 +587,11 @@ class _Bf16Adam(_FusedAdam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None,
                  amsgrad=False, *, maximize=False, seed=0):
-        if not isinstance(seed, int) or not 0 <= seed < 2**64:
-            raise ValueError(f"seed={seed!r}: give an int from 0 to 2**64 - 1")
-        self._slots = {}
+        _check_seed(seed)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, maximize=maximize)
         for group in self.param_groups:
             group.setdefault("seed", seed)
-
-    def add_param_group(self, param_group):
-        super().add_param_group(param_group)
-        for p in self.param_groups[-1]["params"]:
-            self._slots.setdefault(id(p), len(self._slots))
 
     def _init_state(self, p):
         state = self.state[p]
@@ -599,7 +606,9 @@ class _Bf16Adam(_FusedAdam):
                 if "max_exp_avg_sq" not in state:
                     state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32,
                                                           device=p.device)
-        return super()._build(group, params, steps)
+        plan = super()._build(group, params, steps)
+        plan.lists["slots"] = _slots_of(self, params)
+        return plan
 
     def load_state_dict(self, state_dict):
         """Loads a state dict of this class: the float32 moments stay float32 (torch's loader
@@ -613,7 +622,7 @@ class _Bf16Adam(_FusedAdam):
 
     def _slot_args(self, plan, which, n):
         """Each parameter's position among the optimizer's, which keys its random stream."""
-        return (_pick([self._slots[id(p)] for p in plan.params], which, n),)
+        return (_pick(plan.lists["slots"], which, n),)
 
 
 class AdamBf16(_Bf16Adam):
@@ -745,17 +754,10 @@ class _Adam4bitBase(_HeadroomOptimizer):
             raise ValueError(f"Invalid beta parameters: {betas}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if not isinstance(seed, int) or not 0 <= seed < 2**64:
-            raise ValueError(f"seed={seed!r}: give an int from 0 to 2**64 - 1")
+        _check_seed(seed)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bf16_stochastic_round=bool(bf16_stochastic_round), seed=seed)
-        self._slots = {}
         super().__init__(params, defaults)
-
-    def add_param_group(self, param_group):
-        super().add_param_group(param_group)
-        for p in self.param_groups[-1]["params"]:
-            self._slots.setdefault(id(p), len(self._slots))
 
     @staticmethod
     def _step_value(step):
@@ -789,7 +791,9 @@ class _Adam4bitBase(_HeadroomOptimizer):
                 return (torch.float32, p.shape), None
             return (torch.uint8, (n // 2,)), (n // AO_BLOCK_SIZE,)
 
-        return _blockwise_plan(self, params, steps, layout)
+        plan = _blockwise_plan(self, params, steps, layout)
+        plan.lists["slots"] = _slots_of(self, params)
+        return plan
 
     def _launch(self, group, plan, grads, stream, step, which, scaling):
         if not which:
@@ -798,7 +802,6 @@ class _Adam4bitBase(_HeadroomOptimizer):
         lists = plan.lists
         beta1, beta2 = group["betas"][:2]
         seed = int(group["seed"]) if group["bf16_stochastic_round"] else None
-        slots = [self._slots[id(p)] for p in plan.params]
         self._kernel(plan.device).step(
             stream, step,
             (_lr(group), float(beta1), float(beta2), float(group["eps"]),
@@ -807,7 +810,7 @@ class _Adam4bitBase(_HeadroomOptimizer):
             _pick(plan.signature[0], which, n), _pick(grads, which, n),
             _pick(lists["state1"], which, n), _pick(lists["state2"], which, n),
             _pick(lists["absmax1"], which, n), _pick(lists["absmax2"], which, n),
-            _pick(plan.lens, which, n), _pick(slots, which, n),
+            _pick(plan.lens, which, n), _pick(lists["slots"], which, n),
             *scaling,
         )
 
