@@ -7,6 +7,8 @@ Variants, each from the same initial weights on the same batches, AdamW(fused=Tr
 - ``plain``: no hooks;
 - ``none``: ``saved_activations(None)`` (the hooks' own cost, nothing encoded);
 - ``int8``, ``bf16``: ``saved_activations("int8")`` and ``("bf16")``;
+- ``offload``, ``int8_offload``: ``saved_activations(None, offload=pool)`` and
+  ``("int8", offload=pool)``, one ``PinnedPool`` kept across steps;
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``.
 
 Per variant: the median step (forward, backward, step, synchronised) over the timed steps; the
@@ -35,12 +37,13 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--steps", type=int, default=20, help="steps in all (the first --warmup untimed)")
 parser.add_argument("--warmup", type=int, default=3)
-parser.add_argument("--variants", default="plain,none,int8,bf16,save_on_cpu")
+parser.add_argument("--variants", default="plain,none,int8,bf16,offload,int8_offload,save_on_cpu")
 parser.add_argument("--gpt2", type=int, metavar="STEPS", help="the GPT-2 loss comparison instead")
 args = parser.parse_args()
 
 device = torch.device("cuda", 0)
 LR = 1e-4
+POOL = headroom.torch.PinnedPool()
 
 
 def hooks(variant):
@@ -48,6 +51,9 @@ def hooks(variant):
         return None
     if variant == "save_on_cpu":
         return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    if variant.endswith("offload"):
+        compress = "int8" if variant.startswith("int8") else None
+        return headroom.torch.saved_activations(compress, offload=POOL)
     return headroom.torch.saved_activations(None if variant == "none" else variant)
 
 
@@ -80,6 +86,7 @@ def vit():
                 with context:
                     loss = torch.nn.functional.cross_entropy(model(x), y)
             torch.cuda.synchronize()
+            torch.empty(1, device=device)  # the allocator takes back what finished copies freed
             after_forward = torch.cuda.memory_allocated()
             loss.backward()
             opt.step()
@@ -94,6 +101,7 @@ def vit():
             "model": "vit_l_16", "batch": args.batch, "variant": variant,
             "step_ms": statistics.median(times), "times_ms": times,
             "activation_bytes": max(activations), "peak_allocated_bytes": max(peaks),
+            "pinned_pool_bytes": POOL.pinned_bytes if variant.endswith("offload") else None,
         }
 
 

@@ -11,11 +11,12 @@ Headroom's allocator; on the CPU, the Trainer's own AdamW.
 
 import tempfile
 
+import random_gpt2  # first: it installs Headroom's allocator before anything touches CUDA
+
 import torch
 from transformers import Trainer, TrainingArguments
 
 import headroom.torch
-import random_gpt2
 
 args = random_gpt2.options(__doc__)
 model, cuda = random_gpt2.model(args)

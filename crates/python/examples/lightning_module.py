@@ -8,12 +8,13 @@ allocator) or on the CPU alike: the optimizer and the plan have both.
     python3 lightning_module.py [--steps 20] [--budget-mb 12] [--layers 4] [--batch 2] [--seq 128]
 """
 
+import random_gpt2  # first: it installs Headroom's allocator before anything touches CUDA
+
 import lightning
 import torch
 
 import headroom.optim
 import headroom.torch
-import random_gpt2
 
 args = random_gpt2.options(__doc__)
 model, cuda = random_gpt2.model(args)

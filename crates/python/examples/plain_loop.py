@@ -11,10 +11,11 @@ GPU the peak.
 
 import time
 
+import random_gpt2  # first: it installs Headroom's allocator before anything touches CUDA
+
 import torch
 
 import headroom.torch
-import random_gpt2
 
 args = random_gpt2.options(__doc__)
 model, cuda = random_gpt2.model(args)

@@ -1,12 +1,22 @@
 """The model the examples train: a GPT-2-shaped causal LM (transformers' ``GPT2LMHeadModel``,
 random weights, dropout off) on random token ids, on a GPU when there is one (with Headroom's
-allocator, installed before the first CUDA allocation) and else on the CPU; and the options
-both examples take."""
+allocator, installed when this module is imported: import it before transformers or lightning)
+and else on the CPU; and the options the examples take."""
 
 import argparse
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+
+if torch.cuda.is_available():
+    import headroom.cuda
+
+    # Before the first CUDA allocation, so before transformers and lightning are imported:
+    # importing them can initialise CUDA (transformers imports torchao where it is installed,
+    # and torchao reads the GPU's properties), after which the allocator cannot change. The
+    # examples import this module first for that reason.
+    headroom.cuda.use_allocator()
+
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402 (after the allocator)
 
 
 def options(doc):
@@ -25,11 +35,7 @@ def options(doc):
 
 def model(args):
     """(the model on its device, whether that is a GPU)."""
-    cuda = torch.cuda.is_available()
-    if cuda:
-        import headroom.cuda
-
-        headroom.cuda.use_allocator()  # before the first CUDA allocation
+    cuda = torch.cuda.is_available()  # the allocator was installed at import
     torch.manual_seed(0)
     config = GPT2Config(n_layer=args.layers, n_positions=args.seq, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0)

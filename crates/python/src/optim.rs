@@ -79,7 +79,7 @@ fn check_lists(lists: &[(&str, &[u64])], n: usize) -> PyResult<()> {
 }
 
 /// Fused Adam/AdamW over f32 device buffers.
-#[pyclass(unsendable)]
+#[pyclass]
 pub(crate) struct FusedAdam {
     inner: CudaFusedAdam,
     params: Vec<DeviceAdamParam>,
@@ -211,7 +211,7 @@ fn adam_params(
 /// stochastically (headroom-optim's `AdamStochasticConfig`): on a CUDA device one launch for every
 /// parameter; on the CPU (`device` `None`) the host kernel, parameter by parameter. Both give
 /// the same bits for the same seed, slots and steps.
-#[pyclass(unsendable)]
+#[pyclass]
 pub(crate) struct AdamStochastic {
     inner: Option<CudaFusedAdam>,
     params: Vec<DeviceAdamParam>,
@@ -316,10 +316,10 @@ impl AdamStochastic {
 }
 
 /// `torch.optim.SGD`'s update (momentum, dampening, Nesterov, weight decay, maximize) in the
-/// arithmetic of PyTorch's fused SGD, over f32, bf16 or f16 parameters: on a CUDA device one
+/// order of operations of PyTorch's fused SGD in f32 arithmetic, over f32, bf16 or f16 parameters: on a CUDA device one
 /// launch for every parameter, on the CPU (`device` `None`) the host kernel parameter by
 /// parameter; the same bits.
-#[pyclass(unsendable)]
+#[pyclass]
 pub(crate) struct Sgd {
     inner: Option<CudaSgd>,
     params: Vec<DeviceSgdParam>,
@@ -428,7 +428,7 @@ impl Sgd {
 /// not quantise) over f32 or bf16 parameters, a bf16 parameter rounded to nearest or
 /// stochastically: on a CUDA device two launches for every parameter, on the CPU (`device`
 /// `None`) the host kernels parameter by parameter; the same bits.
-#[pyclass(unsendable)]
+#[pyclass]
 pub(crate) struct Adam4bit {
     inner: Option<CudaAdam4bit>,
     params: Vec<DeviceAdam8bitParam>,
@@ -597,7 +597,7 @@ fn host_4bit<T: ParamElement>(
 
 /// bitsandbytes' 8-bit blockwise Adam (and its 32-bit path under 4096 elements) over device
 /// buffers.
-#[pyclass(unsendable)]
+#[pyclass]
 pub(crate) struct Adam8bit {
     inner: CudaAdam8bit,
     params: Vec<DeviceAdam8bitParam>,

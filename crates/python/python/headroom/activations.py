@@ -29,23 +29,41 @@ log-sum-exp), whose errors backward would amplify, and inputs that need no gradi
 tensor object in one forward (its version unchanged) share one encoded copy. A saved tensor
 modified in place after it was saved raises at backward, as PyTorch's own check would.
 
-What raises: an unknown codec, a block size the codec does not take, ``min_elements`` below 1
-(``ValueError``, at construction); an ``"int8"`` save of a CUDA tensor while torch's current
+Offload (``offload=True``, or a ``PinnedPool`` to share one pool between contexts): the CUDA
+saves the codec would take (any floating dtype when ``compress=None``), after encoding, are
+copied to pinned host memory on a side stream that waits for the work that made them; their
+device memory goes back to torch's allocator once the copy is done (``record_stream``: stream
+order, not Python's lifetimes). Backward brings each back on the side stream into memory
+allocated on its own stream, which waits for the copy's event before it reads; while it
+decodes one save, the saves made just before it (backward's next ones) are fetched ahead, up
+to ``prefetch_mb`` MiB in flight (0: none). A pool range is reused only after the last copy
+that read it has completed (``headroom.pinned``). ``budget_mb`` bounds the pool
+(``offload=True`` only); a save the budget cannot hold raises ``PinnedBudgetError`` in the
+forward. Offloaded saves come back bit for bit (then decoded by their codec), contiguous.
+CPU saves are never offloaded.
+
+What raises: an unknown codec, a block size the codec does not take, ``min_elements`` below 1,
+an ``offload`` that is not a bool or a pool, ``budget_mb`` without ``offload=True``, a negative
+``prefetch_mb`` (``ValueError``, at construction); a save the pool's budget cannot hold
+(``PinnedBudgetError``, in the forward); an ``"int8"`` save of a CUDA tensor while torch's current
 stream is not the default stream (``ValueError``, in the forward: the kernel runs on the default
 stream; ``"bf16"`` works on any stream).
 
 ``stats`` counts what the context saw: ``saved`` tensors, ``encoded`` ones, ``shared`` saves,
-``original_bytes`` of the encoded tensors and their ``encoded_bytes``.
+``original_bytes`` of the encoded tensors and their ``encoded_bytes``, ``offloaded`` saves and
+their ``offloaded_bytes`` (after encoding); ``pool.stats()`` has the pinned bytes.
 
-This module sits on torch's saved-tensor hooks and ``headroom._native``'s codec; it knows no
-model.
+This module sits on torch's saved-tensor hooks and streams, ``headroom.pinned`` and
+``headroom._native``'s codec; it knows no model.
 """
 
+import bisect
 import weakref
 
 import torch
 
 from . import _native
+from .pinned import PinnedPool
 
 __all__ = ["saved_activations", "DEFAULT_BLOCK", "DEFAULT_MIN_ELEMENTS", "CODECS"]
 
@@ -117,6 +135,12 @@ class _Int8:
     def encoded_bytes(self):
         return self.codes.numel() + 4 * self.absmax.numel()
 
+    def payload(self):
+        return [self.codes, self.absmax]
+
+    def set_payload(self, tensors):
+        self.codes, self.absmax = tensors if tensors is not None else (None, None)
+
     def decode(self):
         _check_version(self)
         out = torch.empty(self.shape, dtype=self.dtype, device=self.codes.device)
@@ -139,9 +163,68 @@ class _Bf16:
     def encoded_bytes(self):
         return 2 * self.half.numel()
 
+    def payload(self):
+        return [self.half]
+
+    def set_payload(self, tensors):
+        self.half = tensors[0] if tensors is not None else None
+
     def decode(self):
         _check_version(self)
         return self.half.to(self.dtype)
+
+
+class _Raw:
+    """One activation as it is (``compress=None``), so that it can be offloaded."""
+
+    __slots__ = ("tensor", "source", "version", "__weakref__")
+
+    def __init__(self, t):
+        self.tensor = t
+        self.source, self.version = weakref.ref(t), t._version
+
+    def encoded_bytes(self):
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def payload(self):
+        return [self.tensor]
+
+    def set_payload(self, tensors):
+        self.tensor = tensors[0] if tensors is not None else None
+
+    def decode(self):
+        _check_version(self)
+        return self.tensor
+
+
+class _Offloaded:
+    """An encoded activation whose payload lives in pinned host memory: the pool's ``ranges``,
+    written on the offload stream up to the event ``stored``; ``gpu`` holds its copies back on
+    the device once fetched (the event ``fetched``), until backward takes them. The ranges go
+    back to the pool when autograd lets go of this object, after the last copy that read them."""
+
+    __slots__ = ("inner", "ranges", "specs", "device", "nbytes", "stored", "fetched", "gpu",
+                 "index", "owner", "__weakref__")
+
+    def __init__(self, inner, ranges, specs, device, stored, index, owner):
+        self.inner, self.ranges, self.specs, self.device = inner, ranges, specs, device
+        self.nbytes = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+                          for dtype, shape in specs)  # the payload's bytes (ranges are rounded up)
+        self.stored, self.fetched, self.gpu = stored, None, None
+        self.index, self.owner = index, owner
+
+    def decode(self):
+        return self.owner._unpack_offloaded(self)
+
+    def __del__(self):
+        owner = getattr(self, "owner", None)
+        if owner is not None and self.gpu is not None:
+            owner._in_flight -= self.nbytes  # fetched ahead, never taken
+        if owner is not None and self.ranges:
+            last = self.fetched if self.fetched is not None else self.stored
+            for pinned in self.ranges:
+                owner.pool.release(pinned, after=last)
+            self.ranges = []
 
 
 def _where(device):
@@ -165,10 +248,11 @@ def _check_version(packed):
 
 class saved_activations:
     """A context manager that keeps the activations its forward saves encoded with
-    ``compress`` (``"int8"``, ``"bf16"`` or ``None``); see the module's documentation."""
+    ``compress`` (``"int8"``, ``"bf16"`` or ``None``) and, with ``offload``, in pinned host
+    memory; see the module's documentation."""
 
-    def __init__(self, compress="int8", *, block=DEFAULT_BLOCK,
-                 min_elements=DEFAULT_MIN_ELEMENTS):
+    def __init__(self, compress="int8", *, offload=False, budget_mb=None, prefetch_mb=128,
+                 block=DEFAULT_BLOCK, min_elements=DEFAULT_MIN_ELEMENTS):
         if compress not in CODECS:
             raise ValueError(f"compress={compress!r}: give one of {CODECS}")
         if compress == "int8" and (
@@ -177,17 +261,42 @@ class saved_activations:
             raise ValueError(f"block={block!r}: give a power of two from 32 to 4096")
         if not isinstance(min_elements, int) or min_elements < 1:
             raise ValueError(f"min_elements={min_elements!r}: give a positive int")
+        if isinstance(offload, PinnedPool):
+            if budget_mb is not None:
+                raise ValueError("budget_mb is the pool's: give it to PinnedPool, not here")
+            pool = offload
+        elif offload is True:
+            pool = PinnedPool(budget_mb)
+        elif offload is False:
+            if budget_mb is not None:
+                raise ValueError("budget_mb bounds the offload pool: give offload=True with it")
+            pool = None
+        else:
+            raise ValueError(f"offload={offload!r}: give True, False or a PinnedPool")
+        if not isinstance(prefetch_mb, (int, float)) or prefetch_mb < 0:
+            raise ValueError(f"prefetch_mb={prefetch_mb!r}: give a non-negative number of MiB")
         self.compress = compress
         self.block = block
         self.min_elements = min_elements
+        self.pool = pool
+        self.prefetch_bytes = int(prefetch_mb * (1 << 20))
         self.stats = {"saved": 0, "encoded": 0, "shared": 0, "original_bytes": 0,
-                      "encoded_bytes": 0}
+                      "encoded_bytes": 0, "offloaded": 0, "offloaded_bytes": 0}
         self._shared = {}
         self._hooks = None
+        self._streams = {}
+        self._order = []  # weak references to the offloaded saves, in the order they were made
+        self._indices = []  # their indices (increasing)
+        self._count = 0
+        self._in_flight = 0  # bytes fetched ahead and not yet taken by backward
 
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        if len(self._order) > 4096:
+            live = [(i, ref) for i, ref in zip(self._indices, self._order) if ref() is not None]
+            self._indices = [i for i, _ in live]
+            self._order = [ref for _, ref in live]
         return self
 
     def __exit__(self, *exc):
@@ -195,8 +304,7 @@ class saved_activations:
         self._shared.clear()
         return hooks.__exit__(*exc)
 
-    def _encodes(self, t):
-        dtypes = _INT8_DTYPES if self.compress == "int8" else _BF16_DTYPES
+    def _selected(self, t, dtypes):
         return (
             type(t) in (torch.Tensor, torch.nn.Parameter)
             and t.dtype in dtypes
@@ -207,9 +315,18 @@ class saved_activations:
             and not _derived_from_parameter(t)
         )
 
+    def _encodes(self, t):
+        if self.compress is None:
+            return False
+        return self._selected(t, _INT8_DTYPES if self.compress == "int8" else _BF16_DTYPES)
+
+    def _offloads(self, t):
+        return self.pool is not None and t.device.type == "cuda" and self._selected(t, _INT8_DTYPES)
+
     def _pack(self, t):
         self.stats["saved"] += 1
-        if self.compress is None or not self._encodes(t):
+        encodes, offloads = self._encodes(t), self._offloads(t)
+        if not (encodes or offloads):
             return t
         entry = self._shared.get(id(t))
         if entry is not None:
@@ -219,14 +336,22 @@ class saved_activations:
                 self.stats["shared"] += 1
                 return packed
         with torch.no_grad():
-            packed = _Int8(t, self.block) if self.compress == "int8" else _Bf16(t)
+            if not encodes:
+                packed = _Raw(t)
+            elif self.compress == "int8":
+                packed = _Int8(t, self.block)
+            else:
+                packed = _Bf16(t)
+            if encodes:
+                self.stats["encoded"] += 1
+                self.stats["original_bytes"] += t.numel() * t.element_size()
+                self.stats["encoded_bytes"] += packed.encoded_bytes()
+            if offloads:
+                packed = self._offload(packed, t.device)
         if len(self._shared) >= 4096:
             # A context around many forwards: forget the tensors that are gone.
             self._shared = {k: v for k, v in self._shared.items() if v[0]() is not None}
         self._shared[id(t)] = (weakref.ref(t), t._version, weakref.ref(packed))
-        self.stats["encoded"] += 1
-        self.stats["original_bytes"] += t.numel() * t.element_size()
-        self.stats["encoded_bytes"] += packed.encoded_bytes()
         return packed
 
     @staticmethod
@@ -234,3 +359,84 @@ class saved_activations:
         if isinstance(packed, torch.Tensor):
             return packed
         return packed.decode()
+
+    def _side_stream(self, device):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = torch.cuda.Stream(index)
+        return stream
+
+    def _offload(self, packed, device):
+        """Copies ``packed``'s payload to the pool on the offload stream, after the work that
+        made it; its device memory returns to torch's allocator once the copy is done."""
+        compute = torch.cuda.current_stream(device)
+        side = self._side_stream(device)
+        side.wait_stream(compute)
+        ranges, specs = [], []
+        try:
+            with torch.cuda.stream(side):
+                for tensor in packed.payload():
+                    pinned = self.pool.allocate(tensor.numel() * tensor.element_size())
+                    ranges.append(pinned)
+                    specs.append((tensor.dtype, tuple(tensor.shape)))
+                    pinned.view(tensor.dtype, tensor.shape).copy_(tensor, non_blocking=True)
+                    tensor.record_stream(side)
+        finally:
+            stored = torch.cuda.Event()
+            stored.record(side)
+        packed.set_payload(None)
+        self._count += 1
+        entry = _Offloaded(packed, ranges, specs, device, stored, self._count, self)
+        self._order.append(weakref.ref(entry))
+        self._indices.append(self._count)
+        self.stats["offloaded"] += 1
+        self.stats["offloaded_bytes"] += entry.nbytes
+        return entry
+
+    def _fetch(self, entry, device):
+        """Starts the copy of ``entry`` back to the device on the offload stream, into memory
+        allocated on the current stream (so it waits for that stream's work so far)."""
+        compute = torch.cuda.current_stream(device)
+        side = self._side_stream(device)
+        gpu = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in entry.specs]
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            for tensor, pinned, (dtype, shape) in zip(gpu, entry.ranges, entry.specs):
+                tensor.copy_(pinned.view(dtype, shape), non_blocking=True)
+                tensor.record_stream(side)
+        fetched = torch.cuda.Event()
+        fetched.record(side)
+        entry.gpu, entry.fetched = gpu, fetched
+        self._in_flight += entry.nbytes
+
+    def _unpack_offloaded(self, entry):
+        device = entry.device
+        if entry.gpu is None:
+            self._fetch(entry, device)
+        torch.cuda.current_stream(device).wait_event(entry.fetched)
+        gpu, entry.gpu = entry.gpu, None
+        self._in_flight -= entry.nbytes
+        self._prefetch_before(entry, device)
+        inner = entry.inner
+        inner.set_payload(gpu)
+        try:
+            return inner.decode()
+        finally:
+            inner.set_payload(None)
+
+    def _prefetch_before(self, entry, device):
+        """Fetches the saves made before ``entry`` (backward's next ones), nearest first, while
+        fewer than ``prefetch_mb`` MiB are in flight."""
+        if self.prefetch_bytes == 0:
+            return
+        order = self._order
+        position = bisect.bisect_left(self._indices, entry.index) - 1
+        while position >= 0 and self._in_flight < self.prefetch_bytes:
+            other = order[position]()
+            position -= 1
+            if other is None or other.gpu is not None or not other.ranges:
+                continue
+            if other.fetched is not None:
+                continue  # taken by backward already (a retained graph fetches on demand)
+            self._fetch(other, device)

@@ -151,7 +151,7 @@ def _wrap(block, strategy, stats):
                 out = inner(*args, **kwargs)
             if stats is not None:
                 for key, value in saved.stats.items():
-                    stats[key] += value
+                    stats[key] = stats.get(key, 0) + value
             return out
     else:
         return original

@@ -646,7 +646,8 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 class SGD(_HeadroomOptimizer):
     """``torch.optim.SGD``'s update (momentum, dampening, Nesterov, L2 weight decay, maximize) in
-    the arithmetic of PyTorch's fused SGD, over float32, bfloat16 or float16 parameters (one
+    PyTorch's fused SGD's order of operations in float32 arithmetic (torch forms its products with
+    the hyperparameters in double: within a few ulps of it), over float32, bfloat16 or float16 parameters (one
     dtype a group; the momentum buffer in the parameter's dtype, as torch keeps it): on CUDA
     tensors one launch a group, on CPU tensors the same arithmetic on the host. Its state is
     torch's (``momentum_buffer``) with a ``step`` count of its own, so a torch SGD state dict

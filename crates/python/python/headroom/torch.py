@@ -1,8 +1,10 @@
 """Headroom's techniques on ``torch.nn.Module``s, through PyTorch's own extension points.
 
-``saved_activations(compress="int8" | "bf16" | None)`` keeps what a forward saves for backward
-encoded (``headroom.activations``); ``plan_blocks(blocks, budget_mb, step)`` keeps, encodes or
-recomputes each block's saves so that they fit a byte budget (``headroom.blocks``);
+``saved_activations(compress="int8" | "bf16" | None, offload=...)`` keeps what a forward saves
+for backward encoded and, with ``offload``, in a pinned host pool (``PinnedPool``) with
+stream-ordered copies (``headroom.activations``); ``plan_blocks(blocks, budget_mb, step)``
+keeps, encodes or recomputes each block's saves so that they fit a byte budget
+(``headroom.blocks``);
 ``linear_cross_entropy`` and ``patch_causal_lm`` compute a language model's loss without its
 logits (``headroom.loss``). The rest of this module is in-backward stepping:
 
@@ -59,10 +61,12 @@ import torch
 from . import optim as _optim
 from .optim import _SharedWithOptimizer
 from .activations import saved_activations
+from .pinned import PinnedBudgetError, PinnedPool
 from .blocks import BlockPlan, plan_blocks
 from .loss import linear_cross_entropy, patch_causal_lm, unpatch_causal_lm
 
-__all__ = ["InBackward", "optimizer_in_backward", "saved_activations", "plan_blocks", "BlockPlan",
+__all__ = ["InBackward", "optimizer_in_backward", "saved_activations", "PinnedPool",
+           "PinnedBudgetError", "plan_blocks", "BlockPlan",
            "linear_cross_entropy", "patch_causal_lm", "unpatch_causal_lm", "DEFAULT_BUCKET_MB"]
 
 #: Gradient MiB a bucket collects before it is stepped: PyTorch DDP's 25 MiB.

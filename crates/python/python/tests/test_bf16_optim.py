@@ -70,8 +70,8 @@ def test_each_parameter_lands_on_a_neighbour_of_the_update_unbiased(device):
     opt.step()
     sync(dev)
     new = p.detach().float()
-    below = torch.tensor(1.0 - 2**-8)  # the bf16 neighbour below 1.0
-    above = torch.tensor(1.0 + 2**-7)
+    below = torch.tensor(1.0 - 2**-8, device=dev)  # the bf16 neighbour below 1.0
+    above = torch.tensor(1.0 + 2**-7, device=dev)
     lower = torch.where(exact < 1.0, below.expand_as(exact), torch.ones_like(exact))
     upper = torch.where(exact < 1.0, torch.ones_like(exact), above.expand_as(exact))
     assert torch.all((new == lower) | (new == upper)), "a value off the update's neighbours"

@@ -164,5 +164,40 @@ def test_random_interleavings_never_write_out_of_bounds(device):
             assert kind in kinds, f"{name}: no {kind!r} episode in 80"
 
 
+def test_an_optimizer_steps_from_any_thread(device):
+    # On CUDA, autograd runs backward (and so in-backward steps) on its own device thread: an
+    # optimizer whose native kernel was made there must step on the main thread too, and the
+    # other way round, and be dropped anywhere.
+    import threading
+
+    dev = on(device)
+    for name, (dtype, make) in OPTIMIZERS.items():
+        twins = Twins(dev, dtype, make, seed=5)
+        for step_here in (False, True, False):
+            for ps in (twins.ours, twins.ref):
+                for p in ps:
+                    p.grad = torch.full_like(p, 0.25)
+            errors = []
+
+            def step(errors=errors, twins=twins):
+                try:
+                    twins.opt.step()
+                except BaseException as error:  # noqa: BLE001 (reported below)
+                    errors.append(error)
+
+            if step_here:
+                step()
+            else:
+                worker = threading.Thread(target=step)
+                worker.start()
+                worker.join()
+            assert not errors, (name, errors)
+            twins.ref_opt.step()
+        twins.assert_equal()
+        worker = threading.Thread(target=lambda twins=twins: twins.__dict__.clear())
+        worker.start()
+        worker.join()
+
+
 if __name__ == "__main__":
     sys.exit(main(__file__, lambda: device_cases(globals())))

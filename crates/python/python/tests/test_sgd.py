@@ -1,5 +1,6 @@
 """``headroom.optim.SGD`` on float32, bfloat16 and float16 parameters, on the CPU (the host kernel
-through the extension) and on CUDA (bit for bit against ``torch.optim.SGD(fused=True)``).
+through the extension) and on CUDA (beside ``torch.optim.SGD(fused=True)``: equal with no decay or dampening, within
+rounding otherwise, since torch rounds its hyperparameters' products in double).
 
 On the CPU: float32 within two ulps of torch's single-tensor SGD (the same formula; a fused
 multiply-add where torch rounds twice), bfloat16 and float16 within one ulp of the formula in
@@ -101,12 +102,24 @@ def test_half_precision_follows_the_fused_formula_within_one_ulp():
                 assert apart <= ulp, (dtype, kw, apart)
 
 
-def test_cuda_is_torchs_fused_sgd_bit_for_bit():
+def test_cuda_is_torchs_fused_sgd_within_rounding():
+    # torch's fused SGD rounds its float32 hyperparameters' products in double (weight_decay * p,
+    # momentum * buf + (1 - dampening) * g, lr * g), ours in float (the Rust rule's arithmetic,
+    # which the CPU shares): equal with no decay and no dampening, and otherwise within a few
+    # float32 ulps after four steps; in bf16/f16 a buffer one ulp apart carries into the next
+    # steps (1.2 bf16 ulps measured on the H200 with dampening and decay).
     dev = on("cuda")
     for dtype in DTYPES:
+        ulp = {torch.float32: 2**-23, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+        bound = 4 * ulp if dtype == torch.float32 else 2 * ulp
         for kw in CONFIGS:
             ours_p, ref_p = beside_torch(dev, dtype, kw, fused=True)
-            assert all(torch.equal(p, q) for p, q in zip(ours_p, ref_p)), (dtype, kw)
+            if dtype == torch.float32 and kw in (dict(), dict(momentum=0.9)):
+                assert all(torch.equal(p, q) for p, q in zip(ours_p, ref_p)), (dtype, kw)
+            for p, q in zip(ours_p, ref_p):
+                apart = ((p.detach().float() - q.detach().float()).abs()
+                         / q.detach().float().abs().clamp_min(1.0)).max().item()
+                assert apart <= bound, (dtype, kw, apart)
 
 
 def test_cuda_gives_the_cpus_bits():
