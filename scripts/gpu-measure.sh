@@ -8,9 +8,10 @@
 #       --all-features --exclude headroom-python --exclude headroom-distributed \
 #       --exclude headroom-bench --exclude xtask
 # or copy `cargo test --release --no-run` executables and target/release/headroom-bench there
-# yourself). The bench phases run bench executables from .gpu-bundle/benches (BENCHES overrides
-# it; not bin/, whose every binary the tests phase runs as a test), found by name as
-# NAME-<hash> (vit_step, cuda_adam, cuda_alloc, allocator, cpu_vit, cpu_gemm); build them after
+# yourself; scripts/gpu-pack.sh packs the GPU test binaries, headroom-bench and the wheel under
+# the device tool's 64 MiB). The bench phases run bench executables from .gpu-bundle/benches
+# (BENCHES overrides it; not bin/, whose every binary the tests phase runs as a test), found by
+# name as NAME-<hash> (vit_step, cuda_adam, cuda_alloc, allocator, cpu_vit, cpu_gemm); build them after
 # the bundle (gpu-bundle.sh empties .gpu-bundle):
 #   mkdir -p .gpu-bundle/benches && CARGO_PROFILE_BENCH_DEBUG=0 cargo bench --no-run \
 #       -p headroom-ops-cuda -p headroom-optim -p headroom-caching-allocator -p headroom-nn \
