@@ -220,16 +220,20 @@ extern "C" __global__ void adam_fused_torch_f32(const AdamTorchPiece* pieces, un
     }
 }
 
-// An AdamPiece whose parameter is bf16 and whose moments are f32, with the seed and the
-// parameter's index that key its random stream.
+// An AdamPiece whose parameter is bf16 (moments f32 or bf16), with the seed and the parameter's
+// index that key its random stream.
 struct AdamStochasticPiece : AdamPiece {
     unsigned long long seed, param_index;
 };
 static_assert(sizeof(AdamStochasticPiece) == 160, "AdamStochasticPiece layout");
 
-// Fused Adam on bf16 parameters with f32 moments: the update of adam_fused in float, the new
-// parameter rounded stochastically, element i of a piece with stochastic_bits(key, i).
-extern "C" __global__ void adam_fused_stochastic_bf16(const AdamStochasticPiece* pieces, unsigned n_pieces,
+// Fused Adam on bf16 parameters with moments of M (f32, or bf16 rounded to nearest-even as they
+// are stored): the update of adam_fused in float from the moments before their rounding, the new
+// parameter rounded stochastically, element i of a piece with stochastic_bits(key, i). Four
+// elements a thread at a time where every array is aligned to four elements (one 8-byte access
+// for each bf16 array, 16 bytes for each f32 one), then the rest one by one.
+template <typename M>
+__device__ __forceinline__ void adam_fused_stochastic(const AdamStochasticPiece* pieces, unsigned n_pieces,
                                                       unsigned long long block_elems, const float* grad_scale,
                                                       const float* found_inf) {
     if (skip_step(pieces, n_pieces, found_inf)) return;
@@ -243,22 +247,55 @@ extern "C" __global__ void adam_fused_stochastic_bf16(const AdamStochasticPiece*
     unsigned long long key = stochastic_key(pc.seed, pc.param_index, true_step(pc.head));
     __nv_bfloat16* p = (__nv_bfloat16*)pc.param + start;
     const __nv_bfloat16* g = (const __nv_bfloat16*)pc.grad + start;
-    float* m = (float*)pc.exp_avg + start;
-    float* v = (float*)pc.exp_avg_sq + start;
-    float* vm = pc.max_exp_avg_sq ? (float*)pc.max_exp_avg_sq + start : 0;
-    for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
-        float pv = to_f32(p[i]), mv = m[i], vv = v[i];
+    M* m = (M*)pc.exp_avg + start;
+    M* v = (M*)pc.exp_avg_sq + start;
+    M* vm = pc.max_exp_avg_sq ? (M*)pc.max_exp_avg_sq + start : 0;
+    unsigned long long done = 0;
+    bool aligned = ((((unsigned long long)p | (unsigned long long)g) & 7) == 0) &&
+                   ((((unsigned long long)m | (unsigned long long)v) & (4 * sizeof(M) - 1)) == 0) && !vm;
+    if (aligned) {
+        unsigned long long n4 = n / 4;
+        for (unsigned long long i = threadIdx.x; i < n4; i += blockDim.x) {
+            float pp[4], gg[4], mm[4], vv[4];
+            load4(p, i, pp);
+            load4(g, i, gg);
+            load4(m, i, mm);
+            load4(v, i, vv);
+            unsigned short s[4];
+#pragma unroll
+            for (unsigned k = 0; k < 4; ++k) {
+                adam_element(c, scaled, scale, &pp[k], gg[k], &mm[k], &vv[k], 0);
+                s[k] = bits16(round_bf16_stochastic(pp[k], stochastic_bits(key, start + 4 * i + k)));
+            }
+            ((uint2*)p)[i] = make_uint2(s[0] | ((unsigned)s[1] << 16), s[2] | ((unsigned)s[3] << 16));
+            store4(m, i, mm);
+            store4(v, i, vv);
+        }
+        done = n4 * 4;
+    }
+    for (unsigned long long i = done + threadIdx.x; i < n; i += blockDim.x) {
+        float pv = to_f32(p[i]), mv = to_f32(m[i]), vv = to_f32(v[i]);
         if (vm) {
-            float vmv = vm[i];
+            float vmv = to_f32(vm[i]);
             adam_element(c, scaled, scale, &pv, to_f32(g[i]), &mv, &vv, &vmv);
-            vm[i] = vmv;
+            vm[i] = from_f32<M>(vmv);
         } else {
             adam_element(c, scaled, scale, &pv, to_f32(g[i]), &mv, &vv, 0);
         }
         p[i] = round_bf16_stochastic(pv, stochastic_bits(key, start + i));
-        m[i] = mv;
-        v[i] = vv;
+        m[i] = from_f32<M>(mv);
+        v[i] = from_f32<M>(vv);
     }
+}
+extern "C" __global__ void adam_fused_stochastic_bf16(const AdamStochasticPiece* pieces, unsigned n_pieces,
+                                                      unsigned long long block_elems, const float* grad_scale,
+                                                      const float* found_inf) {
+    adam_fused_stochastic<float>(pieces, n_pieces, block_elems, grad_scale, found_inf);
+}
+extern "C" __global__ void adam_fused_stochastic_bf16_bf16_state(const AdamStochasticPiece* pieces,
+                                                                 unsigned n_pieces, unsigned long long block_elems,
+                                                                 const float* grad_scale, const float* found_inf) {
+    adam_fused_stochastic<__nv_bfloat16>(pieces, n_pieces, block_elems, grad_scale, found_inf);
 }
 
 // The ops of the foreach and single-tensor paths (crates/optim/src/cuda/adam.rs launches them in

@@ -7,7 +7,7 @@
 use headroom_autograd_core::DType;
 use headroom_ops_cuda::CudaBackend;
 use headroom_optim::cuda::{CudaFusedAdam, DeviceAdamParam};
-use headroom_optim::kernels::{AdamConfig, GradScaling, ParamRounding};
+use headroom_optim::kernels::{AdamConfig, GradScaling, ParamElement, ParamRounding};
 use headroom_optim::OptimError;
 use headroom_testkit::gpu::cuda_or_skip;
 use headroom_testkit::inputs::Xorshift;
@@ -25,26 +25,42 @@ fn bytes(values: &[f32]) -> Vec<u8> {
     bytemuck::cast_slice(values).to_vec()
 }
 
-/// The framework path of the stochastic rule (`step_buffers_stochastic`): two bf16 parameters
-/// with f32 moments, fresh gradient buffers every step, each keyed by its slot — the host
-/// kernel's bits (`adam_fused_stochastic` with `AdamStochasticConfig::key(slot, step)`).
+/// The framework path of the stochastic rule (`CudaFusedAdam::step_buffers_stochastic`): bf16
+/// parameters with f32 moments, and with bf16 moments, fresh gradient buffers every step — the
+/// host kernel's bits, parameters and moments (`adam_fused_stochastic` with
+/// `AdamStochasticConfig::key(slot, step)`).
 #[test]
 #[ignore = "needs a CUDA device"]
 fn gpu_stochastic_step_buffers_equal_the_host_kernel() {
-    use headroom_optim::kernels::{adam_fused_stochastic, bf16, AdamStochasticBuffers};
-    use headroom_optim::AdamStochasticConfig;
+    use headroom_optim::kernels::bf16;
 
     let Some(backend) = cuda_or_skip(CudaBackend::new(0)) else {
         return;
     };
+    stochastic_case::<f32>(&backend, DType::F32, bytes);
+    stochastic_case::<bf16>(&backend, DType::BF16, half_bytes);
+}
+
+/// The little-endian bytes of bf16 values.
+fn half_bytes(values: &[headroom_optim::kernels::bf16]) -> Vec<u8> {
+    values
+        .iter()
+        .flat_map(|v| v.to_bits().to_le_bytes())
+        .collect()
+}
+
+/// Three steps of two parameters with moments of `M` (`moments` on the device), device against
+/// host after each.
+fn stochastic_case<M: ParamElement>(
+    backend: &std::sync::Arc<CudaBackend>,
+    moments: DType,
+    moment_bytes: fn(&[M]) -> Vec<u8>,
+) {
+    use headroom_optim::kernels::{adam_fused_stochastic, bf16, AdamStochasticBuffers};
+    use headroom_optim::AdamStochasticConfig;
+
     let halves =
         |values: &[f32]| -> Vec<bf16> { values.iter().map(|&v| bf16::from_f32(v)).collect() };
-    let half_bytes = |values: &[bf16]| -> Vec<u8> {
-        values
-            .iter()
-            .flat_map(|v| v.to_bits().to_le_bytes())
-            .collect()
-    };
     let cfg = AdamStochasticConfig::new(
         AdamConfig {
             lr: 1e-3,
@@ -53,21 +69,25 @@ fn gpu_stochastic_step_buffers_equal_the_host_kernel() {
         },
         42,
     );
-    let (lens, slots) = ([5000usize, 300], [0usize, 7]);
-    let mut host: Vec<(Vec<bf16>, Vec<f32>, Vec<f32>)> = lens
+    // Four elements a thread where aligned; 301 leaves one for the element-wise tail.
+    let (lens, slots) = ([5000usize, 301], [0usize, 7]);
+    let zero = M::from_f32(0.0);
+    let mut host: Vec<(Vec<bf16>, Vec<M>, Vec<M>)> = lens
         .iter()
         .enumerate()
         .map(|(i, &n)| {
             (
                 halves(&random(i as u64 + 5, n, 2.0)),
-                vec![0.0; n],
-                vec![0.0; n],
+                vec![zero; n],
+                vec![zero; n],
             )
         })
         .collect();
     let device: Vec<_> = host
         .iter()
-        .map(|(p, m, v)| [half_bytes(p), bytes(m), bytes(v)].map(|b| backend.upload(&b).unwrap()))
+        .map(|(p, m, v)| {
+            [half_bytes(p), moment_bytes(m), moment_bytes(v)].map(|b| backend.upload(&b).unwrap())
+        })
         .collect();
     // SAFETY: no buffers yet; each step names its own.
     let mut adam = unsafe { CudaFusedAdam::new(backend.clone(), &[]) }.unwrap();
@@ -91,9 +111,10 @@ fn gpu_stochastic_step_buffers_equal_the_host_kernel() {
                 len: lens[i],
             })
             .collect();
-        // SAFETY: live bf16 parameters and gradients and f32 moments of `len` elements, kept
-        // until the downloads below wait.
-        unsafe { adam.step_buffers_stochastic(&cfg, step, &params, &slots, (None, None)) }.unwrap();
+        // SAFETY: live bf16 parameters and gradients and moments of `moments` and `len`
+        // elements, kept until the downloads below wait.
+        unsafe { adam.step_buffers_stochastic(&cfg, step, &params, &slots, moments, (None, None)) }
+            .unwrap();
         for (i, (p, m, v)) in host.iter_mut().enumerate() {
             let bufs = AdamStochasticBuffers {
                 param: p,
@@ -110,16 +131,23 @@ fn gpu_stochastic_step_buffers_equal_the_host_kernel() {
                 GradScaling::NONE,
             )
             .unwrap();
-            let mut got = vec![0u8; lens[i] * 2];
-            // SAFETY: a live allocation of `len` bf16 elements.
-            unsafe { backend.download(device[i][0].address(), &mut got) }.unwrap();
-            assert_eq!(got, half_bytes(p), "parameter {i}, step {step}");
+            let expected = [half_bytes(p), moment_bytes(m), moment_bytes(v)];
+            for (k, want) in expected.iter().enumerate() {
+                let mut got = vec![0u8; want.len()];
+                // SAFETY: a live allocation of `want.len()` bytes.
+                unsafe { backend.download(device[i][k].address(), &mut got) }.unwrap();
+                assert_eq!(
+                    &got, want,
+                    "{moments:?} moments: parameter {i}, buffer {k}, step {step}"
+                );
+            }
         }
         for grad in uploaded {
             backend.allocator().free(grad).unwrap();
         }
     }
-    // Slots that do not match the parameters are refused before any launch.
+    // Slots that do not match the parameters are refused before any launch, and so are
+    // moments of another dtype.
     let wrong = [DeviceAdamParam {
         param: device[0][0].address(),
         grad: device[0][0].address(),
@@ -129,7 +157,12 @@ fn gpu_stochastic_step_buffers_equal_the_host_kernel() {
         len: lens[0],
     }];
     // SAFETY: refused before any launch (no slot for the parameter).
-    let refused = unsafe { adam.step_buffers_stochastic(&cfg, 4, &wrong, &[], (None, None)) };
+    let refused =
+        unsafe { adam.step_buffers_stochastic(&cfg, 4, &wrong, &[], moments, (None, None)) };
+    assert!(matches!(refused, Err(OptimError::InvalidArgument { .. })));
+    // SAFETY: refused before any launch (f16 moments).
+    let refused =
+        unsafe { adam.step_buffers_stochastic(&cfg, 4, &wrong, &[0], DType::F16, (None, None)) };
     assert!(matches!(refused, Err(OptimError::InvalidArgument { .. })));
 }
 
@@ -149,7 +182,7 @@ fn gpu_sgd_step_buffers_equal_the_host_kernel() {
         weight_decay: 0.01,
         ..SgdConfig::new(0.1)
     };
-    let n = 3000;
+    let n = 3001; // four elements a thread, then a tail of one
     let mut sgd = CudaSgd::new(backend.clone());
     // f32.
     let (mut p, mut b) = (random(21, n, 2.0), vec![0.0f32; n]);

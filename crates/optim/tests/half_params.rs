@@ -697,3 +697,58 @@ fn stochastic_adam_state_dict_continues_the_run() {
         param.to_vec::<bf16>().unwrap()
     );
 }
+
+/// Stochastic Adam with bf16 moments (torchao's `_AdamW` layout: 4 bytes of state a parameter):
+/// each step reads the moments widened and stores their new values rounded to nearest-even, and
+/// the parameter's update uses the values before that rounding. So from equal inputs the new
+/// parameter equals the f32-moment kernel's to the bit, and each stored moment is that kernel's
+/// moment rounded once; over later steps the two runs part by those roundings alone.
+#[test]
+fn bf16_moments_are_the_f32_moments_rounded_once_per_step() {
+    use headroom_optim::kernels::{adam_fused_stochastic, AdamStochasticBuffers};
+
+    let n = 4099;
+    let cfg = AdamConfig {
+        lr: 1e-3,
+        weight_decay: 0.01,
+        ..AdamConfig::adamw()
+    };
+    let mut stream = headroom_testkit::inputs::Xorshift::from_state(77);
+    let mut values =
+        |scale: f32| -> Vec<f32> { (0..n).map(|_| stream.next_signed_f32() * scale).collect() };
+    let mut param_wide: Vec<bf16> = values(2.0).into_iter().map(bf16::from_f32).collect();
+    let mut param_half = param_wide.clone();
+    let (mut m_half, mut v_half) = (vec![bf16::ZERO; n], vec![bf16::ZERO; n]);
+    for step in 1..=4u64 {
+        let grad: Vec<bf16> = values(1.0).into_iter().map(bf16::from_f32).collect();
+        // The f32-moment kernel from the bf16 run's moments, widened: the same inputs.
+        let mut m_wide: Vec<f32> = m_half.iter().map(|m| m.to_f32()).collect();
+        let mut v_wide: Vec<f32> = v_half.iter().map(|v| v.to_f32()).collect();
+        param_wide.clone_from(&param_half);
+        let key = stochastic_key(3, 1, step);
+        let wide = AdamStochasticBuffers {
+            param: &mut param_wide,
+            grad: &grad,
+            exp_avg: &mut m_wide,
+            exp_avg_sq: &mut v_wide,
+            max_exp_avg_sq: None,
+        };
+        adam_fused_stochastic(&cfg, step, key, wide, GradScaling::NONE).unwrap();
+        let half = AdamStochasticBuffers {
+            param: &mut param_half,
+            grad: &grad,
+            exp_avg: &mut m_half,
+            exp_avg_sq: &mut v_half,
+            max_exp_avg_sq: None,
+        };
+        adam_fused_stochastic(&cfg, step, key, half, GradScaling::NONE).unwrap();
+        assert_eq!(param_half, param_wide, "step {step}");
+        let rounded = |wide: &[f32]| wide.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>();
+        assert_eq!(m_half, rounded(&m_wide), "exp_avg, step {step}");
+        assert_eq!(v_half, rounded(&v_wide), "exp_avg_sq, step {step}");
+        assert!(
+            m_wide.iter().zip(&m_half).any(|(w, h)| *w != h.to_f32()),
+            "nothing rounded"
+        );
+    }
+}

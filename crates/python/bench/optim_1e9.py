@@ -1,9 +1,9 @@
 """The wheel's optimizers beside their anchors on 1e9 parameters in ten tensors of 1e8, in one
-process, each pair on the same recipe: ``AdamWBf16`` and torchao's
-``_AdamW(bf16_stochastic_round=True)`` (bfloat16 parameters, float32 moments, stochastic
-rounding); ``AdamW4bit`` and torchao's ``AdamW4bit`` (bfloat16 parameters, 4-bit states,
-stochastic rounding); ``SGD`` with momentum and ``torch.optim.SGD(fused=True)`` (bfloat16
-parameters). Per line: the median step over the timed steps (CUDA events), the state's bytes,
+process, each pair on the same recipe: ``AdamWBf16`` (float32 moments, then bfloat16 ones) and
+torchao's ``_AdamW(bf16_stochastic_round=True)`` (bfloat16 parameters, moments of the
+parameters' dtype, stochastic rounding); ``AdamW4bit`` and torchao's ``AdamW4bit`` (bfloat16
+parameters, 4-bit states, stochastic rounding); ``SGD`` with momentum and
+``torch.optim.SGD(fused=True)`` (bfloat16 parameters). Per line: the median step over the timed steps (CUDA events), the state's bytes,
 the optimizer's extra bytes during a step (peak allocated minus allocated before it), and the
 ratio of the anchor's step to ours. One JSON object per line; an anchor that is not importable
 (torchao travels as a wheel, see the device README) carries its error.
@@ -51,11 +51,20 @@ def measure(name, make):
         if i >= args.warmup:
             times.append(start.elapsed_time(end))
         extra = torch.cuda.max_memory_allocated() - before
-    state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values()
+    state_bytes = sum(tensor_bytes(t) for s in opt.state.values()
                       for t in s.values() if isinstance(t, torch.Tensor) and t.numel() > 1)
     return {"impl": name, "parameters": args.numel * args.tensors,
             "step_ms": statistics.median(times), "times_ms": times,
             "state_bytes": state_bytes, "step_extra_bytes": extra}
+
+
+def tensor_bytes(t):
+    """The bytes ``t`` holds: a tensor subclass (torchao's 4-bit and 8-bit states) by the inner
+    tensors it flattens to, not by its apparent dtype."""
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
 
 
 def torchao_adamw(params):
@@ -72,6 +81,9 @@ def torchao_adamw4bit(params):
 
 PAIRS = [
     (("headroom_adamw_bf16", lambda ps: headroom.optim.AdamWBf16(ps, lr=1e-4)),
+     ("torchao_adamw_bf16_sr", torchao_adamw)),
+    (("headroom_adamw_bf16_bf16_state",
+      lambda ps: headroom.optim.AdamWBf16(ps, lr=1e-4, state_dtype=torch.bfloat16)),
      ("torchao_adamw_bf16_sr", torchao_adamw)),
     (("headroom_adamw4bit_bf16",
       lambda ps: headroom.optim.AdamW4bit(ps, lr=1e-4, bf16_stochastic_round=True)),

@@ -207,8 +207,9 @@ fn adam_params(
     Ok(())
 }
 
-/// Adam/AdamW on bf16 parameters with f32 moments, the new parameters rounded to bf16
-/// stochastically (headroom-optim's `AdamStochasticConfig`): on a CUDA device one launch for every
+/// Adam/AdamW on bf16 parameters with f32 moments (or bf16 moments, `bf16_state`), the new
+/// parameters rounded to bf16 stochastically (headroom-optim's `AdamStochasticConfig`): on a CUDA
+/// device one launch for every
 /// parameter; on the CPU (`device` `None`) the host kernel, parameter by parameter. Both give
 /// the same bits for the same seed, slots and steps.
 #[pyclass]
@@ -238,9 +239,9 @@ impl AdamStochastic {
 
     /// One step of every parameter at step number `step`: `hyper` = (lr, beta1, beta2, eps,
     /// weight_decay); `decoupled` for AdamW; `seed` and each parameter's `slots` entry key its
-    /// rounding bits.
+    /// rounding bits; `bf16_state`: the moments are bf16, else f32.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (stream, step, hyper, decoupled, maximize, seed, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lens, slots, grad_scale=None, found_inf=None))]
+    #[pyo3(signature = (stream, step, hyper, decoupled, maximize, seed, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lens, slots, grad_scale=None, found_inf=None, bf16_state=false))]
     fn step(
         &mut self,
         stream: u64,
@@ -258,6 +259,7 @@ impl AdamStochastic {
         slots: Vec<usize>,
         grad_scale: Option<u64>,
         found_inf: Option<u64>,
+        bf16_state: bool,
     ) -> PyResult<()> {
         if slots.len() != lens.len() {
             return Err(PyValueError::new_err(format!(
@@ -275,30 +277,20 @@ impl AdamStochastic {
         let Some(inner) = &mut self.inner else {
             refuse_host_scaling(grad_scale, found_inf)?;
             for (p, &slot) in self.params.iter().zip(&slots) {
+                let key = cfg.key(slot, step);
                 // SAFETY: `headroom.optim` passes the data pointers of live, contiguous CPU
-                // tensors it holds during the call: a bf16 parameter and gradient and f32 states
-                // of `len` elements each, checked against the parameter (dtype, device, shape,
-                // contiguity) when the lists were built and the gradient at this step, no two
-                // sharing memory (checked), so the slices alias nothing.
-                let bufs = unsafe {
-                    AdamStochasticBuffers {
-                        param: std::slice::from_raw_parts_mut(p.param as *mut bf16, p.len),
-                        grad: std::slice::from_raw_parts(p.grad as *const bf16, p.len),
-                        exp_avg: std::slice::from_raw_parts_mut(p.exp_avg as *mut f32, p.len),
-                        exp_avg_sq: std::slice::from_raw_parts_mut(p.exp_avg_sq as *mut f32, p.len),
-                        max_exp_avg_sq: p
-                            .max_exp_avg_sq
-                            .map(|m| std::slice::from_raw_parts_mut(m as *mut f32, p.len)),
+                // tensors it holds during the call: a bf16 parameter and gradient and states of
+                // the moments' dtype (bf16 with `bf16_state`, else f32) of `len` elements each,
+                // checked against the parameter (dtype, device, shape, contiguity) when the
+                // lists were built and the gradient at this step, no two sharing memory
+                // (checked), so the slices alias nothing.
+                unsafe {
+                    if bf16_state {
+                        host_stochastic_step::<bf16>(&cfg.adam, step, key, p)
+                    } else {
+                        host_stochastic_step::<f32>(&cfg.adam, step, key, p)
                     }
-                };
-                adam_fused_stochastic(
-                    &cfg.adam,
-                    step,
-                    cfg.key(slot, step),
-                    bufs,
-                    GradScaling::NONE,
-                )
-                .map_err(optim_error)?;
+                }?;
             }
             return Ok(());
         };
@@ -308,11 +300,47 @@ impl AdamStochastic {
         // for `FusedAdam::step` (every parameter and state when the lists are built, every
         // gradient and the scaling tensors at each step), kept alive across the call; torch's
         // default stream is the launch's (checked above).
+        let moments = if bf16_state { DType::BF16 } else { DType::F32 };
         unsafe {
-            inner.step_buffers_stochastic(&cfg, step, &self.params, &slots, (grad_scale, found_inf))
+            inner.step_buffers_stochastic(
+                &cfg,
+                step,
+                &self.params,
+                &slots,
+                moments,
+                (grad_scale, found_inf),
+            )
         }
         .map_err(optim_error)
     }
+}
+
+/// One parameter's stochastic Adam step on the host, moments of `M`.
+///
+/// # Safety
+/// `p`'s addresses are live, contiguous host buffers of `p.len` elements — a bf16 parameter and
+/// gradient, states of `M` — that nothing else reads or writes during the call and that do not
+/// overlap.
+unsafe fn host_stochastic_step<M: ParamElement>(
+    cfg: &AdamConfig,
+    step: u64,
+    key: u64,
+    p: &DeviceAdamParam,
+) -> PyResult<()> {
+    // SAFETY: the caller's contract.
+    let bufs = unsafe {
+        AdamStochasticBuffers {
+            param: std::slice::from_raw_parts_mut(p.param as *mut bf16, p.len),
+            grad: std::slice::from_raw_parts(p.grad as *const bf16, p.len),
+            exp_avg: std::slice::from_raw_parts_mut(p.exp_avg as *mut M, p.len),
+            exp_avg_sq: std::slice::from_raw_parts_mut(p.exp_avg_sq as *mut M, p.len),
+            max_exp_avg_sq: p
+                .max_exp_avg_sq
+                .map(|m| std::slice::from_raw_parts_mut(m as *mut M, p.len)),
+        }
+    };
+    adam_fused_stochastic(cfg, step, key, bufs, GradScaling::NONE).map_err(optim_error)?;
+    Ok(())
 }
 
 /// `torch.optim.SGD`'s update (momentum, dampening, Nesterov, weight decay, maximize) in the

@@ -13,6 +13,7 @@
 
 use std::sync::Arc;
 
+use headroom_autograd_core::DType;
 use headroom_ops_cuda::CudaBackend;
 
 use super::launch::{
@@ -164,6 +165,9 @@ impl AdamConfig {
 const STOCHASTIC_PIECE_SIZE: usize = PIECE_SIZE + 16;
 /// The kernel of [`AdamStochasticConfig`] (bf16 parameters, f32 moments).
 const STOCHASTIC_KERNEL: (Module, &str) = (Module::Adam, "adam_fused_stochastic_bf16");
+/// The same with bf16 moments (rounded to nearest-even as they are stored).
+const STOCHASTIC_BF16_STATE_KERNEL: (Module, &str) =
+    (Module::Adam, "adam_fused_stochastic_bf16_bf16_state");
 
 impl CudaKernels<AdamState> for AdamStochasticConfig {
     /// One fused launch for every parameter of the call; each piece carries the seed and the
@@ -363,7 +367,9 @@ impl CudaFusedAdam {
 
 impl CudaFusedAdam {
     /// [`AdamStochasticConfig`]'s step over raw buffers given for this call: bf16 parameters and
-    /// gradients, f32 moments (`len` elements each), the new parameters rounded stochastically
+    /// gradients, moments of `moments` (`DType::F32`, or `DType::BF16`: 4 bytes a parameter of
+    /// state instead of 8, each moment rounded to nearest-even as it is stored; `len` elements
+    /// each), the new parameters rounded stochastically
     /// with parameter `i`'s random stream keyed by `slots[i]` (its index among the caller's
     /// parameters, stable across steps) and the step, as [`AdamStochasticConfig::key`] says; one
     /// launch on the backend's stream, the bits of [`crate::kernels::adam_fused_stochastic`].
@@ -373,7 +379,8 @@ impl CudaFusedAdam {
     ///
     /// # Safety
     /// For `params`: live buffers on the backend's device until the launch completes — the
-    /// parameter and gradient of `len` bf16 elements, each state of `len` f32 — not overlapping
+    /// parameter and gradient of `len` bf16 elements, each state of `len` elements of
+    /// `moments` — not overlapping
     /// between parameters, every parameter with an AMSGrad buffer or none; each address of
     /// `scaling` a live f32 of the backend's device until the launch completes.
     pub unsafe fn step_buffers_stochastic(
@@ -382,10 +389,21 @@ impl CudaFusedAdam {
         step: u64,
         params: &[DeviceAdamParam],
         slots: &[usize],
+        moments: DType,
         (grad_scale, found_inf): (Option<u64>, Option<u64>),
     ) -> Result<(), OptimError> {
         const OP: &str = "CudaFusedAdam::step_buffers_stochastic";
         cfg.adam.validate()?;
+        let (kernel, moment_bytes) = match moments {
+            DType::F32 => (STOCHASTIC_KERNEL, 4),
+            DType::BF16 => (STOCHASTIC_BF16_STATE_KERNEL, 2),
+            other => {
+                return Err(OptimError::InvalidArgument {
+                    op: OP,
+                    reason: format!("moments of {other:?}: give f32 or bf16"),
+                })
+            }
+        };
         if slots.len() != params.len() {
             return Err(OptimError::InvalidArgument {
                 op: OP,
@@ -393,7 +411,7 @@ impl CudaFusedAdam {
             });
         }
         check_amsgrad_buffers(OP, params, cfg.adam.amsgrad)?;
-        check_disjoint(OP, stochastic_ranges(params))?;
+        check_disjoint(OP, stochastic_ranges(params, moment_bytes))?;
         let mut geometry = raw_geometry(OP, params.iter().map(|p| p.len), step)?;
         for (item, &slot) in geometry.iter_mut().zip(slots) {
             item.slot = slot;
@@ -411,14 +429,8 @@ impl CudaFusedAdam {
             },
         )?;
         let addresses = (grad_scale.unwrap_or(0), found_inf.unwrap_or(0));
-        self.device.run_elementwise(
-            STOCHASTIC_KERNEL,
-            &table,
-            params.len(),
-            n_blocks,
-            block,
-            addresses,
-        )
+        self.device
+            .run_elementwise(kernel, &table, params.len(), n_blocks, block, addresses)
     }
 }
 
@@ -466,13 +478,16 @@ fn check_amsgrad_buffers(
 
 /// The byte ranges of a stochastic step's buffers, per parameter: the bf16 parameter and
 /// gradient, the f32 states.
-fn stochastic_ranges(params: &[DeviceAdamParam]) -> impl Iterator<Item = (u64, u64)> + '_ {
-    params.iter().flat_map(|p| {
+fn stochastic_ranges(
+    params: &[DeviceAdamParam],
+    moment_bytes: u64,
+) -> impl Iterator<Item = (u64, u64)> + '_ {
+    params.iter().flat_map(move |p| {
         let half = p.len as u64 * 2;
         let states = [p.exp_avg, p.exp_avg_sq]
             .into_iter()
             .chain(p.max_exp_avg_sq)
-            .map(move |address| (address, half * 2));
+            .map(move |address| (address, p.len as u64 * moment_bytes));
         [(p.param, half), (p.grad, half)].into_iter().chain(states)
     })
 }

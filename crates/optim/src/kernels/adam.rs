@@ -15,7 +15,8 @@
 //! [`adam_fused_stochastic`] is the fused update of bf16 parameters with f32 moments whose new
 //! value is rounded stochastically ([`round_bf16_stochastic`]): 12 bytes per parameter (2 for
 //! it, 2 for its gradient, 8 for the moments) where a bf16 model with an f32 master copy needs
-//! 16, with small updates kept on average instead of lost to rounding.
+//! 16, with small updates kept on average instead of lost to rounding; with bf16 moments
+//! (torchao's `_AdamW` layout) 8 bytes.
 
 use rayon::prelude::*;
 
@@ -533,31 +534,32 @@ pub fn adam_fused<T: ParamElement>(
 
 /// One bf16 parameter's buffers for [`adam_fused_stochastic`]: the moments are f32.
 #[derive(Debug)]
-pub struct AdamStochasticBuffers<'a> {
+pub struct AdamStochasticBuffers<'a, M: ParamElement = f32> {
     /// The parameter, updated in place.
     pub param: &'a mut [bf16],
     /// Its gradient.
     pub grad: &'a [bf16],
-    /// First moment, zero before the first step.
-    pub exp_avg: &'a mut [f32],
-    /// Second moment, zero before the first step.
-    pub exp_avg_sq: &'a mut [f32],
+    /// First moment, zero before the first step: f32, or bf16 (rounded to nearest-even as it is
+    /// stored; the update reads the value before that rounding, as torchao's `_AdamW` does).
+    pub exp_avg: &'a mut [M],
+    /// Second moment, zero before the first step, of the first moment's type.
+    pub exp_avg_sq: &'a mut [M],
     /// `max_exp_avg_sq`, present exactly when `amsgrad` is set.
-    pub max_exp_avg_sq: Option<&'a mut [f32]>,
+    pub max_exp_avg_sq: Option<&'a mut [M]>,
 }
 
 /// Elements `base..base + param.len()` of a stochastic-rounding update.
 #[allow(clippy::too_many_arguments)]
-fn fused_stochastic_range(
+fn fused_stochastic_range<M: ParamElement>(
     c: &StepConsts,
     scale: Option<f32>,
     key: u64,
     base: usize,
     param: &mut [bf16],
     grad: &[bf16],
-    exp_avg: &mut [f32],
-    exp_avg_sq: &mut [f32],
-    mut max_exp_avg_sq: Option<&mut [f32]>,
+    exp_avg: &mut [M],
+    exp_avg_sq: &mut [M],
+    mut max_exp_avg_sq: Option<&mut [M]>,
 ) {
     with_fast_fma(|| {
         for (i, ((p, &g), (m, v))) in param
@@ -566,25 +568,43 @@ fn fused_stochastic_range(
             .zip(exp_avg.iter_mut().zip(exp_avg_sq.iter_mut()))
             .enumerate()
         {
-            let mut pv = p.to_f32();
-            let vmax = max_exp_avg_sq.as_deref_mut().map(|vmax| &mut vmax[i]);
-            fused_element(c, scale, &mut pv, g.to_f32(), m, v, vmax);
+            let (mut pv, mut mv, mut vv) = (p.to_f32(), m.to_f32(), v.to_f32());
+            match max_exp_avg_sq.as_deref_mut().map(|vmax| &mut vmax[i]) {
+                Some(vmax) => {
+                    let mut vmaxv = vmax.to_f32();
+                    fused_element(
+                        c,
+                        scale,
+                        &mut pv,
+                        g.to_f32(),
+                        &mut mv,
+                        &mut vv,
+                        Some(&mut vmaxv),
+                    );
+                    *vmax = M::from_f32(vmaxv);
+                }
+                None => fused_element(c, scale, &mut pv, g.to_f32(), &mut mv, &mut vv, None),
+            }
             *p = round_bf16_stochastic(pv, stochastic_bits(key, (base + i) as u64));
+            *m = M::from_f32(mv);
+            *v = M::from_f32(vv);
         }
     })
 }
 
-/// Fused Adam step number `step` on one bf16 parameter with f32 moments: the update is the f32
-/// arithmetic of [`adam_fused`], and the new parameter is rounded to bf16 stochastically, element
+/// Fused Adam step number `step` on one bf16 parameter with f32 or bf16 moments (`M`): the update
+/// is the f32 arithmetic of [`adam_fused`] (from bf16 moments widened, their new values rounded
+/// to nearest-even only as they are stored), and the new parameter is rounded to bf16
+/// stochastically, element
 /// `i` with [`stochastic_bits`]`(key, i)` (`key` from [`stochastic_key`](super::stochastic_key)
 /// of the seed, the parameter's index and the step). Gradients are divided by
 /// `scaling.grad_scale`; nothing is written when `scaling.found_inf` is set. The CUDA kernel
 /// computes the same bits.
-pub fn adam_fused_stochastic(
+pub fn adam_fused_stochastic<M: ParamElement>(
     cfg: &AdamConfig,
     step: u64,
     key: u64,
-    bufs: AdamStochasticBuffers<'_>,
+    bufs: AdamStochasticBuffers<'_, M>,
     scaling: GradScaling,
 ) -> Result<StepOutcome, OptimError> {
     let op = "adam_fused_stochastic";

@@ -59,7 +59,7 @@ import weakref
 import torch
 
 from . import optim as _optim
-from .optim import _SharedWithOptimizer
+from ._quantized_optim import _SharedWithOptimizer
 from .activations import saved_activations
 from .pinned import PinnedBudgetError, PinnedPool
 from .blocks import BlockPlan, plan_blocks

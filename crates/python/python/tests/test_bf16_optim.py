@@ -6,7 +6,9 @@ What holds: the moments are float32 Adam's (the first step's are ``(1 - beta1) g
 float32 update, the lower one taken with the probability its distance says, so that where
 rounding to nearest would lose every update (smaller than half a bfloat16 step) the parameters
 still move by the update on average; a seed gives the same bits twice and another seed other
-bits; a state dict continues a run bit for bit; CUDA gives the CPU's bits; misuse raises.
+bits; a state dict continues a run bit for bit; CUDA gives the CPU's bits; misuse raises. With
+``state_dtype=torch.bfloat16`` (torchao's layout) each stored moment is the float32 moment rounded
+once and the parameter the float32-moment optimizer's, bit for bit.
 
 Run: ``python3 -m pytest crates/python/python/tests/test_bf16_optim.py`` (or ``python3`` on this
 file). The ``cuda`` cases need a GPU (skipped without one; under ``HEADROOM_REQUIRE_GPU=1`` a
@@ -86,10 +88,10 @@ def test_each_parameter_lands_on_a_neighbour_of_the_update_unbiased(device):
     assert abs(per_sign / lr - 1) <= 0.15, per_sign
 
 
-def train(dev, seed, steps, opt_seed=0, state=None):
+def train(dev, seed, steps, opt_seed=0, state=None, state_dtype=torch.float32 if torch else None):
     p = bf16_param(dev, seed)
     q = bf16_param(dev, seed + 1, n=300)  # under a block, another slot
-    opt = hopt.AdamWBf16([p, q], lr=1e-2, seed=opt_seed)
+    opt = hopt.AdamWBf16([p, q], lr=1e-2, seed=opt_seed, state_dtype=state_dtype)
     if state is not None:
         opt.load_state_dict(state)
     for step in range(steps):
@@ -130,12 +132,51 @@ def test_a_state_dict_continues_the_run_bit_for_bit(device):
 
 def test_cuda_gives_the_cpus_bits():
     dev = on("cuda")
-    cpu = train(torch.device("cpu"), 0, 4)
-    gpu = train(dev, 0, 4)
-    assert torch.equal(cpu[0], gpu[0].cpu()) and torch.equal(cpu[1], gpu[1].cpu())
-    for key in ("exp_avg", "exp_avg_sq"):
-        for a, b in zip(cpu[2].state.values(), gpu[2].state.values()):
-            assert torch.equal(a[key], b[key].cpu()), key
+    for state_dtype in (torch.float32, torch.bfloat16):
+        cpu = train(torch.device("cpu"), 0, 4, state_dtype=state_dtype)
+        gpu = train(dev, 0, 4, state_dtype=state_dtype)
+        assert torch.equal(cpu[0], gpu[0].cpu()) and torch.equal(cpu[1], gpu[1].cpu()), state_dtype
+        for key in ("exp_avg", "exp_avg_sq"):
+            for a, b in zip(cpu[2].state.values(), gpu[2].state.values()):
+                assert b[key].dtype == state_dtype
+                assert torch.equal(a[key], b[key].cpu()), (state_dtype, key)
+
+
+def test_bf16_moments_are_the_float32_moments_rounded_once(device):
+    # torchao's _AdamW layout (8 bytes a parameter with its gradient): the update reads the new
+    # float32 moments, which are stored rounded to nearest-even. So from the same state the new
+    # parameter is the float32-moment optimizer's to the bit, and each moment is its moment
+    # rounded once.
+    dev = on(device)
+    wide_p, half_p = bf16_param(dev, 3), bf16_param(dev, 3)
+    wide = hopt.AdamWBf16([wide_p], lr=1e-2, seed=5)
+    half = hopt.AdamWBf16([half_p], lr=1e-2, seed=5, state_dtype=torch.bfloat16)
+    for step in range(3):
+        wide_p.grad = half_p.grad = bf16_grad(dev, half_p, step)
+        if step > 0:  # the float32 optimizer starts from the bf16 one's state
+            wide_p.data.copy_(half_p.detach())
+            for key in ("exp_avg", "exp_avg_sq"):
+                wide.state[wide_p][key].copy_(half.state[half_p][key])
+        wide.step()
+        half.step()
+        sync(dev)
+        assert torch.equal(wide_p.detach(), half_p.detach()), step
+        for key in ("exp_avg", "exp_avg_sq"):
+            got = half.state[half_p][key]
+            assert got.dtype == torch.bfloat16 and got.shape == half_p.shape
+            assert torch.equal(got, wide.state[wide_p][key].to(torch.bfloat16)), (step, key)
+    state_bytes = sum(t.numel() * t.element_size() for k, t in half.state[half_p].items()
+                      if k != "step")
+    assert state_bytes == 4 * half_p.numel()
+    # A state dict of bf16 moments continues the run bit for bit.
+    resumed_p = torch.nn.Parameter(half_p.detach().clone())
+    resumed = hopt.AdamWBf16([resumed_p], lr=1e-2, seed=5, state_dtype=torch.bfloat16)
+    resumed.load_state_dict(half.state_dict())
+    half_p.grad = resumed_p.grad = bf16_grad(dev, half_p, 9)
+    half.step()
+    resumed.step()
+    sync(dev)
+    assert torch.equal(half_p.detach(), resumed_p.detach())
 
 
 def test_adam_with_l2_decay_and_amsgrad_steps(device):
@@ -162,6 +203,15 @@ def test_misuse_raises(device):
     raises(TypeError, opt.step, "gradients of the parameter's dtype")
     p.grad = None
     raises(ValueError, lambda: hopt.AdamWBf16([p], seed=-1), "seed=-1")
+    raises(ValueError, lambda: hopt.AdamWBf16([p], state_dtype=torch.float16), "state_dtype")
+    # float32 moments where the optimizer keeps bfloat16 ones.
+    opt = hopt.AdamWBf16([p], state_dtype=torch.bfloat16)
+    opt.state[p] = {"step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros(64, device=dev, dtype=torch.float32),
+                    "exp_avg_sq": torch.zeros(64, device=dev, dtype=torch.float32)}
+    p.grad = torch.zeros(64, device=dev, dtype=torch.bfloat16)
+    raises(TypeError, opt.step, "exp_avg", "torch.bfloat16")
+    p.grad = None
     # A state of bfloat16 moments (as torch's own AdamW keeps for bfloat16 parameters).
     opt = hopt.AdamWBf16([p])
     opt.state[p] = {"step": torch.tensor(0.0),
