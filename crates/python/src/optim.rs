@@ -295,12 +295,13 @@ impl AdamStochastic {
             return Ok(());
         };
         check_stream(stream)?;
-        // SAFETY: `headroom.optim` passes the data pointers of live, contiguous bf16 parameters
-        // and gradients and f32 states of `lens` elements on this optimizer's device, checked as
-        // for `FusedAdam::step` (every parameter and state when the lists are built, every
-        // gradient and the scaling tensors at each step), kept alive across the call; torch's
-        // default stream is the launch's (checked above).
         let moments = if bf16_state { DType::BF16 } else { DType::F32 };
+        // SAFETY: `headroom.optim` passes the data pointers of live, contiguous bf16 parameters
+        // and gradients and states of `moments` (the group's state dtype, checked when the lists
+        // are built) of `lens` elements on this optimizer's device, checked as for
+        // `FusedAdam::step` (every parameter and state when the lists are built, every gradient
+        // and the scaling tensors at each step), kept alive across the call; torch's default
+        // stream is the launch's (checked above).
         unsafe {
             inner.step_buffers_stochastic(
                 &cfg,
