@@ -17,11 +17,16 @@ Exhaustion is a typed error: an allocation that fits neither a free range nor a 
 the budget raises ``PinnedBudgetError`` (a ``MemoryError``) naming the budget, the bytes pinned
 and in use, and the request — never a CUDA error from the host allocator.
 
+One lock guards the lists: backward releases ranges on autograd's device thread while another
+thread may allocate.
+
 ``stats()``: ``budget_bytes`` (``None``: unbounded), ``pinned_bytes`` (chunks held),
 ``in_use_bytes`` (ranges handed out and not yet reusable), ``peak_in_use_bytes``, ``chunks``.
 
 This module sits on torch's pinned tensors and CUDA events; it knows nothing of autograd.
 """
+
+import threading
 
 import torch
 
@@ -107,6 +112,9 @@ class PinnedPool:
         self._in_use = 0
         self._peak_in_use = 0
         self._pin = True  # False only in tests of the bookkeeping on a machine with no GPU
+        # Backward releases ranges on autograd's device thread (saved tensors die there) while a
+        # forward may allocate on another: every change of the lists holds this lock.
+        self._lock = threading.RLock()
 
     @property
     def pinned_bytes(self):
@@ -127,29 +135,32 @@ class PinnedPool:
         if nbytes < 0:
             raise ValueError(f"nbytes={nbytes}: give a non-negative size")
         size = max(ALIGNMENT, (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
-        self._collect(wait=False)
-        found = self._take(size)
-        if found is None and self._pending:
-            self._collect(wait=True)
+        with self._lock:
+            self._collect(wait=False)
             found = self._take(size)
-        if found is None:
-            found = self._grow(size)
-        self._in_use += size
-        self._peak_in_use = max(self._peak_in_use, self._in_use)
-        return found
+            if found is None and self._pending:
+                self._collect(wait=True)
+                found = self._take(size)
+            if found is None:
+                found = self._grow(size)
+            self._in_use += size
+            self._peak_in_use = max(self._peak_in_use, self._in_use)
+            return found
 
     def release(self, pinned, after=None):
         """Gives ``pinned`` back once the CUDA event ``after`` has completed (at once when
         ``None``: nothing in flight touches it)."""
-        if after is None:
-            self._give_back(pinned)
-        else:
-            self._pending.append((after, pinned))
+        with self._lock:
+            if after is None:
+                self._give_back(pinned)
+            else:
+                self._pending.append((after, pinned))
 
     def close(self):
         """Waits for every pending copy and unpins every chunk."""
-        self._collect(wait=True)
-        self._chunks.clear()
+        with self._lock:
+            self._collect(wait=True)
+            self._chunks.clear()
 
     def _take(self, size):
         for chunk in self._chunks:
