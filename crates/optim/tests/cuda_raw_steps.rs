@@ -373,3 +373,117 @@ fn gpu_4bit_step_buffers_equal_the_host_kernels() {
         }
     }
 }
+
+/// The framework path of Adafactor (`CudaAdafactor::step_buffers`): a factored [3, 40, 70] and a
+/// vector [300] parameter, fresh gradients every step, each with its own step count — the host
+/// kernel's values (`adafactor_fused`) within four ulps (the two norms are f64 sums in another
+/// order), and a parameter whose moments do not fit its shape refused before any launch.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn gpu_adafactor_step_buffers_are_within_ulps_of_the_host_kernel() {
+    use headroom_optim::cuda::{CudaAdafactor, DeviceAdafactorParam};
+    use headroom_optim::kernels::{adafactor_fused, AdafactorBuffers, AdafactorConfig};
+
+    let Some(backend) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
+    let cfg = AdafactorConfig {
+        weight_decay: 1e-2,
+        ..AdafactorConfig::new()
+    };
+    let shapes: [Vec<usize>; 2] = [vec![3, 40, 70], vec![300]];
+    let mut host: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, shape)| {
+            let n: usize = shape.iter().product();
+            let (rows, cols) = match shape.len() {
+                1 => (n, 0),
+                _ => (3 * 40, 3 * 70),
+            };
+            (
+                random(i as u64 + 41, n, 2.0),
+                vec![0.0; rows],
+                vec![0.0; cols],
+            )
+        })
+        .collect();
+    let device: Vec<_> = host
+        .iter()
+        .map(|(p, r, c)| {
+            let upload = |v: &[f32]| (!v.is_empty()).then(|| backend.upload(&bytes(v)).unwrap());
+            (upload(p).unwrap(), upload(r).unwrap(), upload(c))
+        })
+        .collect();
+    let mut adafactor = CudaAdafactor::new(backend.clone());
+    for step in 1..=3u64 {
+        let grads: Vec<Vec<f32>> = host
+            .iter()
+            .enumerate()
+            .map(|(i, (p, _, _))| random(step * 7 + i as u64, p.len(), 1.0))
+            .collect();
+        let uploaded: Vec<_> = grads
+            .iter()
+            .map(|g| backend.upload(&bytes(g)).unwrap())
+            .collect();
+        let params: Vec<DeviceAdafactorParam> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, shape)| {
+                let (p, first, second) = &device[i];
+                let factored = shape.len() > 1;
+                DeviceAdafactorParam {
+                    param: p.address(),
+                    grad: uploaded[i].address(),
+                    shape: shape.clone(),
+                    row_var: factored.then(|| first.address()),
+                    col_var: second.as_ref().map(|c| c.address()),
+                    variance: (!factored).then(|| first.address()),
+                    step,
+                }
+            })
+            .collect();
+        // SAFETY: live contiguous f32 buffers of the sizes above, kept until the downloads wait.
+        unsafe { adafactor.step_buffers(&cfg, &params, None) }.unwrap();
+        for (i, (p, r, c)) in host.iter_mut().enumerate() {
+            let (row_var, col_var, variance) = match shapes[i].len() > 1 {
+                true => (Some(&mut r[..]), Some(&mut c[..]), None),
+                false => (None, None, Some(&mut r[..])),
+            };
+            let bufs = AdafactorBuffers {
+                param: p,
+                grad: &grads[i],
+                shape: &shapes[i],
+                row_var,
+                col_var,
+                variance,
+            };
+            adafactor_fused(&cfg, step, bufs, GradScaling::NONE).unwrap();
+            let mut got = vec![0u8; p.len() * 4];
+            // SAFETY: a live allocation of `p.len()` f32.
+            unsafe { backend.download(device[i].0.address(), &mut got) }.unwrap();
+            let got: &[f32] = bytemuck::cast_slice(&got);
+            let distance = headroom_testkit::ulps::max_ulps(got, p);
+            assert!(distance <= 4, "parameter {i}, step {step}: {distance} ulps");
+        }
+        for grad in uploaded {
+            backend.allocator().free(grad).unwrap();
+        }
+    }
+    let mut wrong = DeviceAdafactorParam {
+        param: device[0].0.address(),
+        grad: device[0].0.address(),
+        shape: shapes[0].clone(),
+        row_var: None,
+        col_var: None,
+        variance: Some(device[0].1.address()),
+        step: 4,
+    };
+    // SAFETY: refused before any launch (a factored shape with a variance).
+    let refused = unsafe { adafactor.step_buffers(&cfg, std::slice::from_ref(&wrong), None) };
+    assert!(matches!(refused, Err(OptimError::InvalidArgument { .. })));
+    wrong.step = 0;
+    // SAFETY: refused before any launch (step 0).
+    let refused = unsafe { adafactor.step_buffers(&cfg, &[wrong], None) };
+    assert!(matches!(refused, Err(OptimError::InvalidArgument { .. })));
+}

@@ -7,7 +7,7 @@
 //! statistics, summaries, snapshots, `record_stream`); `optim.rs` holds one
 //! headroom-optim raw-buffer optimizer per Python optimizer (fused Adam, 8-bit Adam, and — also
 //! stepping CPU tensors on the host — Adam on bf16 parameters with stochastic rounding, 4-bit
-//! Adam and SGD) and steps it on the pointers of torch's tensors; `activations.rs` runs headroom-checkpoint's 8-bit codec on the memory of
+//! Adam and SGD; Adafactor in `adafactor.rs`) and steps it on the pointers of torch's tensors; `activations.rs` runs headroom-checkpoint's 8-bit codec on the memory of
 //! saved activations (CUDA or CPU); `device.rs` holds the shared backends and the rule that a
 //! launch comes from torch's current stream only when it is the legacy default stream, where
 //! headroom-ops-cuda launches. Python-side checks (every tensor's device, dtype, size and
@@ -20,6 +20,7 @@
 //! headroom-checkpoint (feature `cuda`) and headroom-ops-cuda; it knows nothing of PyTorch's C++ and links no libtorch.
 
 mod activations;
+mod adafactor;
 mod allocator;
 mod device;
 mod optim;

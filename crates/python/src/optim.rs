@@ -34,15 +34,16 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Sgd>()?;
     m.add_class::<Adam4bit>()?;
     m.add_class::<Adam8bit>()?;
+    m.add_class::<crate::adafactor::Adafactor>()?;
     m.add_function(wrap_pyfunction!(bnb_maps, m)?)?;
     Ok(())
 }
 
-fn optim_error(error: OptimError) -> PyErr {
+pub(crate) fn optim_error(error: OptimError) -> PyErr {
     PyRuntimeError::new_err(error.to_string())
 }
 
-fn check_stream(stream: u64) -> PyResult<()> {
+pub(crate) fn check_stream(stream: u64) -> PyResult<()> {
     on_default_stream(
         stream,
         "headroom optimizers step on torch's default stream; call step() outside \

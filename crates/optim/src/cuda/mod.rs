@@ -53,6 +53,7 @@ pub(crate) mod offload_stream;
 mod sgd;
 mod table;
 
+pub use adafactor::{CudaAdafactor, DeviceAdafactorParam};
 pub use adam::{CudaFusedAdam, DeviceAdamParam, FusedAdamMath};
 pub use adam4bit::CudaAdam4bit;
 pub use adam8bit::{Adam8bitMath, CudaAdam8bit, DeviceAdam8bitParam};

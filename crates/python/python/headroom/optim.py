@@ -57,8 +57,8 @@ from ._optim_base import (
     _load_keeping_dtypes, _lr, _pick, _slots_of,
 )
 
-__all__ = ["Adam", "AdamW", "AdamBf16", "AdamWBf16", "SGD", "Adam4bit", "AdamW4bit", "Adam8bit",
-           "AdamW8bit", "MasterWeights"]
+__all__ = ["Adam", "AdamW", "AdamBf16", "AdamWBf16", "SGD", "Adafactor", "Adam4bit", "AdamW4bit",
+           "Adam8bit", "AdamW8bit", "MasterWeights"]
 
 
 class _FusedAdam(_HeadroomOptimizer):
@@ -325,6 +325,113 @@ class SGD(_HeadroomOptimizer):
             _pick(plan.signature[0], which, n), _pick(grads, which, n),
             None if buffers is None else _pick(buffers, which, n), _pick(plan.lens, which, n),
             *scaling,
+        )
+
+
+class Adafactor(_HeadroomOptimizer):
+    """``torch.optim.Adafactor``'s update (relative step size ``min(lr, 1/sqrt(t))``, the
+    parameter's RMS floored at ``eps[1]``, second moments decayed by ``1 - t^beta2_decay`` and
+    factored into row and column moments for two or more dims, the update's RMS clipped at
+    ``d``, decoupled weight decay, maximize) over float32 parameters, CUDA or CPU: headroom-optim's
+    ``AdafactorConfig`` in its fused form (the update recomputed instead of kept: no temporary
+    of a parameter's size; the two norms are float64 sums), each parameter at its own step
+    count. The state is torch's: ``step`` (a float32 tensor), ``row_var`` of shape
+    ``[..., rows, 1]`` and ``col_var`` of shape ``[..., 1, cols]`` for two or more dims,
+    ``variance`` like the parameter otherwise, so a torch Adafactor state dict loads and
+    continues. ``grad_scale``/``found_inf`` are refused (torch's Adafactor takes none either:
+    ``GradScaler`` unscales and skips through ``step()`` itself); usable inside backward without
+    a scaler."""
+
+    _who = "headroom.optim.Adafactor"
+    _native_class = _native.Adafactor
+    _device_type = ("cuda", "cpu")
+
+    def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0,
+                 weight_decay=0.0, *, maximize=False):
+        if not 0.0 <= lr:
+            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        if not 0.0 >= beta2_decay:
+            raise ValueError(f"beta2_decay should be <= 0 but is: {beta2_decay}")
+        if eps[0] is not None and not 0.0 <= eps[0]:
+            raise ValueError(f"epsilon1 should be >= 0 but is: {eps[0]}")
+        if not 0.0 <= eps[1]:
+            raise ValueError(f"epsilon2 should be >= 0 but is: {eps[1]}")
+        if not 1.0 <= d:
+            raise ValueError(f"Clipping threshold d should be >= 1 but is: {d}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"weight_decay should be >= 0 but is: {weight_decay}")
+        defaults = dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d,
+                        weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _step_value(step):
+        return torch.tensor(float(step), dtype=torch.float32)
+
+    @staticmethod
+    def _moment_shapes(p):
+        """torch's shapes of ``p``'s moments: ``{"row_var": ..., "col_var": ...}`` for two or
+        more dims, ``{"variance": ...}`` otherwise."""
+        if p.dim() > 1:
+            rows, cols = list(p.shape), list(p.shape)
+            rows[-1], cols[-2] = 1, 1
+            return {"row_var": tuple(rows), "col_var": tuple(cols)}
+        return {"variance": tuple(p.shape)}
+
+    def _init_state(self, p, group):
+        state = self.state[p]
+        state["step"] = self._step_value(0)
+        for key, shape in self._moment_shapes(p).items():
+            state[key] = torch.zeros(shape, dtype=torch.float32, device=p.device)
+
+    def _build(self, group, params, steps):
+        lists = {"row_var": [], "col_var": [], "variance": []}
+        states = []
+        for p in params:
+            shapes = self._moment_shapes(p)
+            for key in lists:
+                if key in shapes:
+                    t = _check_state(p, self.state[p], key, torch.float32, shapes[key], self._who)
+                    states.append(t)
+                    lists[key].append(t.data_ptr())
+                else:
+                    lists[key].append(0)
+        plan = _LaunchPlan(params, lists, states, steps)
+        plan.lists["shapes"] = [list(p.shape) for p in params]
+        return plan
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scale=None, found_inf=None):
+        """One step of every parameter with a gradient (see ``_HeadroomOptimizer.step``);
+        ``grad_scale``/``found_inf`` raise ``ValueError``."""
+        if grad_scale is not None or found_inf is not None:
+            raise ValueError(
+                f"{self._who} takes no grad_scale/found_inf (as torch's Adafactor): let "
+                "torch.amp.GradScaler unscale the gradients and call step() itself"
+            )
+        return super().step(closure)
+
+    def _step_buckets(self, buckets, grad_scale=None, found_inf=None):
+        if grad_scale is not None or found_inf is not None:
+            raise ValueError(
+                f"{self._who} takes no loss scaling inside backward (torch's Adafactor has no "
+                "scaled step): step it without a GradScaler"
+            )
+        return super()._step_buckets(buckets)
+
+    def _launch(self, group, plan, grads, stream, step, which, scaling):
+        if not which:
+            return
+        n = len(plan.params)
+        eps1, eps2 = group["eps"]
+        self._kernel(plan.device).step(
+            stream, step,
+            (_lr(group), float(group["beta2_decay"]), None if eps1 is None else float(eps1),
+             float(eps2), float(group["d"]), float(group["weight_decay"])),
+            bool(group["maximize"]),
+            _pick(plan.signature[0], which, n), _pick(grads, which, n),
+            _pick(plan.lists["row_var"], which, n), _pick(plan.lists["col_var"], which, n),
+            _pick(plan.lists["variance"], which, n), _pick(plan.lists["shapes"], which, n),
         )
 
 
