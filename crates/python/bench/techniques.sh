@@ -5,13 +5,17 @@
 # in-backward stepping on ViT-L/16 at batch 1 and 32 (bench/in_backward.py), compressed saved
 # activations on ViT-L/16 at batch 32 beside save_on_cpu and GPT-2's 300-step losses
 # (bench/saved_activations.py), AdamWBf16, AdamW4bit and SGD beside torchao's and torch's on
-# 1e9 parameters (bench/optim_1e9.py; torchao from PYTHONPATH when carried), and runs the
-# examples. Logs
-# and JSON lines go to OUT (the device
-# tool's folder, else results/python-<date>).
-# Usage: bash crates/python/bench/techniques.sh WHEEL_DIR
+# 1e9 parameters (bench/optim_1e9.py; torchao from PYTHONPATH when carried), trains the real
+# clients both ways (bench/clients.py), and runs the examples. Logs and JSON lines go to OUT
+# (else results/python-<date>); the device tool returns eight files at most, so point OUT at a
+# folder of /tmp there and tar it into the tool's own. PARTS (comma-separated, default all:
+# tests,in_backward,saved,optim,clients,examples) picks what runs, each part well inside ten
+# minutes but not all of them together.
+# Usage: [PARTS=...] bash crates/python/bench/techniques.sh WHEEL_DIR
 set -uo pipefail
 WHEEL_DIR=$1
+PARTS=${PARTS:-tests,in_backward,saved,optim,clients,examples}
+part() { [[ ",$PARTS," == *",$1,"* ]]; }
 OUT=${OUT:-results/python-$(date -u +%F)}
 mkdir -p "$OUT" /tmp/site
 export HEADROOM_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
@@ -28,15 +32,35 @@ run() { # name seconds command...
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/machine.txt"
-run tests 600 python3 -m pytest -q -p no:cacheprovider "$here/python/tests"
-run in_backward_b1 300 python3 "$here/bench/in_backward.py" --batch 1
-run in_backward_b32 300 python3 "$here/bench/in_backward.py" --batch 32
-run saved_activations_vit 300 python3 "$here/bench/saved_activations.py" --batch 32
-run saved_activations_gpt2 600 python3 "$here/bench/saved_activations.py" --gpt2 300
-run optim_1e9 400 python3 "$here/bench/optim_1e9.py"
-run example_plain_loop 120 python3 "$here/examples/plain_loop.py"
-run example_hf_trainer 180 python3 "$here/examples/hf_trainer.py"
-run example_lightning 180 python3 "$here/examples/lightning_module.py"
-grep -h '^{' "$OUT"/in_backward_*.log "$OUT"/saved_activations_*.log "$OUT"/optim_1e9.log \
+part tests && run tests 600 python3 -m pytest -q -p no:cacheprovider "$here/python/tests"
+if part in_backward; then
+  run in_backward_b1 300 python3 "$here/bench/in_backward.py" --batch 1
+  run in_backward_b32 300 python3 "$here/bench/in_backward.py" --batch 32
+fi
+if part saved; then
+  run saved_activations_vit 300 python3 "$here/bench/saved_activations.py" --batch 32
+  run saved_activations_gpt2 600 python3 "$here/bench/saved_activations.py" --gpt2 300
+fi
+part optim && run optim_1e9 400 python3 "$here/bench/optim_1e9.py"
+# Issue 33's real clients: 200 steps each side, Hugging Face's Trainer and Lightning, GPT-2 small
+# and the Llama-3.2-1B shape at 8 x 512 tokens (bench/clients.py; clients.jsonl, summarised).
+part clients && for model in gpt2 llama-1b; do
+  for client in hf lightning; do
+    for side in native headroom; do
+      timeout 300 python3 "$here/bench/clients.py" --client $client --side $side --model $model \
+        --steps 200 --batch 8 --seq 512 > "$OUT/clients_${client}_${model}_$side.log" 2>&1 ||
+        { echo "FAILED: clients $client $model $side"; status=1; }
+      grep -h '^{"client"' "$OUT/clients_${client}_${model}_$side.log" >> "$OUT/clients.jsonl"
+    done
+  done
+done
+part clients &&
+  python3 "$here/bench/clients.py" --summarize "$OUT/clients.jsonl" | tee "$OUT/clients_summary.jsonl"
+if part examples; then
+  run example_plain_loop 120 python3 "$here/examples/plain_loop.py"
+  run example_hf_trainer 180 python3 "$here/examples/hf_trainer.py"
+  run example_lightning 180 python3 "$here/examples/lightning_module.py"
+fi
+grep -sh '^{' "$OUT"/in_backward_*.log "$OUT"/saved_activations_*.log "$OUT"/optim_1e9.log \
   > "$OUT/techniques.jsonl"
 exit $status

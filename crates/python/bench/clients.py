@@ -1,0 +1,206 @@
+"""Issue 33's real clients: a causal LM trained by Hugging Face's ``Trainer`` or a Lightning
+module for ``--steps`` steps, on PyTorch alone (``--side native``: its allocator, fused
+``torch.optim.AdamW``, the client's own gradient clipping, the model's own loss) or with every
+feature of the ``headroom`` wheel on (``--side headroom``: Headroom's allocator, ``AdamW``
+stepped inside backward with exact clipping, ``plan_blocks`` keeping, compressing or recomputing
+each block under ``--budget-mb``, and the loss without logits, ``patch_causal_lm``). One process
+a run (an allocator is chosen before CUDA starts); one JSON line: the losses, the median step
+(steps after the fifth, synchronised), the peak reserved and allocated bytes, the plan.
+
+    python3 clients.py --client hf|lightning --side native|headroom [--model gpt2|llama-tiny|llama-1b]
+                       [--steps 200] [--batch 8] [--seq 512] [--budget-mb 2048]
+    python3 clients.py --summarize RUNS.jsonl     # headroom against native per client and model
+
+On a machine without a GPU it runs on the CPU (the allocator and the byte figures left out), to
+check the script; the figures are the GPU's.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--client", choices=["hf", "lightning"])
+parser.add_argument("--side", choices=["native", "headroom"])
+parser.add_argument("--model", choices=["gpt2", "llama-tiny", "llama-1b"], default="gpt2")
+parser.add_argument("--steps", type=int, default=200)
+parser.add_argument("--batch", type=int, default=8)
+parser.add_argument("--seq", type=int, default=512)
+parser.add_argument("--budget-mb", type=float, default=2048.0,
+                    help="the blocks' saved activations under plan_blocks (headroom side)")
+parser.add_argument("--summarize", metavar="RUNS", help="print headroom/native from a JSON-lines file")
+args = parser.parse_args()
+
+
+def summarize(path):
+    runs = [json.loads(line) for line in open(path) if line.startswith('{"client"')]
+    for native in (r for r in runs if r["side"] == "native"):
+        for ours in (r for r in runs if r["side"] == "headroom" and r["client"] == native["client"]
+                     and r["model"] == native["model"]):
+            worst = max(abs(a / b - 1) for a, b in zip(ours["losses"], native["losses"]))
+            row = {"client": native["client"], "model": native["model"],
+                   "step_ratio": ours["step_ms_median"] / native["step_ms_median"],
+                   "max_loss_relative_difference": worst,
+                   "final_losses": [native["losses"][-1], ours["losses"][-1]]}
+            if native.get("peak_reserved_bytes"):
+                row["reserved_ratio"] = ours["peak_reserved_bytes"] / native["peak_reserved_bytes"]
+                row["allocated_ratio"] = ours["peak_allocated_bytes"] / native["peak_allocated_bytes"]
+            print(json.dumps(row))
+
+
+if args.summarize:
+    summarize(args.summarize)
+    sys.exit(0)
+if args.client is None or args.side is None:
+    parser.error("--client and --side are required (or --summarize RUNS)")
+
+import torch  # noqa: E402
+
+cuda = torch.cuda.is_available()
+if cuda and args.side == "headroom":
+    import headroom.cuda
+
+    headroom.cuda.use_allocator()  # before transformers, whose imports can start CUDA
+
+import transformers  # noqa: E402
+
+import headroom.optim  # noqa: E402
+import headroom.torch  # noqa: E402
+
+device = torch.device("cuda" if cuda else "cpu")
+LR = 3e-4
+
+
+def build_model():
+    torch.manual_seed(0)
+    if args.model == "gpt2":
+        config = transformers.GPT2Config(n_positions=max(1024, args.seq), resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+        return model.to(device), model.transformer.h
+    shapes = {
+        "llama-tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                           num_attention_heads=8, num_key_value_heads=4, vocab_size=32000),
+        "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         rope_theta=500000.0, tie_word_embeddings=True),
+    }[args.model]
+    config = transformers.LlamaConfig(max_position_embeddings=max(2048, args.seq),
+                                      attn_implementation="sdpa", **shapes)
+    model = transformers.LlamaForCausalLM(config)
+    return model.to(device), model.model.layers
+
+
+def token_rows(vocab, rows):
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (rows, args.seq), generator=generator)
+
+
+def synchronize():
+    if cuda:
+        torch.cuda.synchronize()
+
+
+model, blocks = build_model()
+rows = token_rows(model.config.vocab_size, args.steps * args.batch)
+features = []
+plan = None
+if args.side == "headroom":
+    sample = rows[:args.batch].to(device)
+    plan = headroom.torch.plan_blocks(blocks, args.budget_mb,
+                                      lambda: model(sample, labels=sample).loss)
+    headroom.torch.patch_causal_lm(model)
+    features = (["allocator", "adamw_in_backward_exact_clip"] if cuda else []) + [
+        "plan_blocks", "linear_cross_entropy"]
+
+
+def make_optimizer(params):
+    """(the optimizer the client steps, the client's own clipping norm)."""
+    if args.side == "native":
+        return torch.optim.AdamW(params, lr=LR, fused=cuda), 1.0
+    inner = headroom.optim.AdamW(params, lr=LR) if cuda else torch.optim.AdamW(params, lr=LR)
+    if not cuda:
+        return inner, 1.0  # headroom.optim.AdamW steps CUDA tensors only
+    return headroom.torch.optimizer_in_backward(model, inner, clip=1.0), 0.0
+
+
+losses, times = [], []
+started = [0.0]
+
+
+def step_begins():
+    synchronize()
+    started[0] = time.perf_counter()
+
+
+def step_ends(loss):
+    synchronize()
+    times.append(1e3 * (time.perf_counter() - started[0]))
+    losses.append(float(loss))
+
+
+if args.client == "hf":
+    class Timing(transformers.TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            step_begins()
+
+        def on_log(self, _args, state, control, logs=None, **k):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+        def on_step_end(self, *a, **k):
+            synchronize()
+            times.append(1e3 * (time.perf_counter() - started[0]))
+
+    optimizer, clip = make_optimizer(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    dataset = [{"input_ids": r, "labels": r} for r in rows]
+    settings = transformers.TrainingArguments(
+        output_dir="/tmp/headroom-clients", max_steps=args.steps,
+        per_device_train_batch_size=args.batch, logging_steps=1, save_strategy="no",
+        report_to=[], max_grad_norm=clip, use_cpu=not cuda, disable_tqdm=True,
+        dataloader_num_workers=0)
+    trainer = transformers.Trainer(model=model, args=settings, train_dataset=dataset,
+                                   optimizers=(optimizer, scheduler), callbacks=[Timing()])
+    trainer.train()
+else:
+    import lightning
+
+    class CausalLm(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, ids, index):
+            return self.model(ids, labels=ids).loss
+
+        def configure_optimizers(self):
+            return make_optimizer(self.model.parameters())[0]
+
+    class Timing(lightning.Callback):
+        def on_train_batch_start(self, *a, **k):
+            step_begins()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, index):
+            step_ends(outputs["loss"])
+
+    clip = 0.0 if (args.side == "headroom" and cuda) else 1.0  # in backward: its own clipping
+    loader = torch.utils.data.DataLoader(rows, batch_size=args.batch)
+    trainer = lightning.Trainer(max_steps=args.steps, accelerator="gpu" if cuda else "cpu",
+                                devices=1, logger=False, enable_checkpointing=False,
+                                enable_model_summary=False, enable_progress_bar=False,
+                                gradient_clip_val=clip or None, callbacks=[Timing()])
+    trainer.fit(CausalLm(), loader)
+
+row = {"client": args.client, "side": args.side, "model": args.model, "steps": args.steps,
+       "batch": args.batch, "seq": args.seq, "features": features,
+       "plan": None if plan is None else list(plan.strategies),
+       "losses": losses, "step_ms_median": statistics.median(times[5:] or times),
+       "torch": torch.__version__, "transformers": transformers.__version__,
+       "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
+if cuda:
+    row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+print(json.dumps(row), flush=True)
