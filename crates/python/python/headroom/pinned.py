@@ -1,11 +1,13 @@
 """A pinned host memory pool under an explicit byte budget: ``headroom.torch.PinnedPool``.
 
 What ``saved_activations(offload=...)`` copies its activations into. The pool holds chunks of
-page-locked host memory (``torch.empty(..., pin_memory=True)``), each a power of two of at least
-``chunk_mb`` MiB (torch's host allocator rounds every pinned block up to a power of two, so
-the pool asks for exactly those sizes and the budget bounds the bytes really pinned), and hands out 512-byte-aligned ranges of them, first fit, coalescing freed
-neighbours. Chunks are kept until ``close()`` (or the pool's end): pinning is slow, reuse is
-free, so a pool lives across steps and a second forward finds its chunks.
+page-locked host memory (``torch.empty(..., pin_memory=True)``), each a power of two of
+``chunk_mb`` MiB or more, or less where the rest of the budget is smaller (torch's host
+allocator rounds every pinned block up to a power of two, so the pool asks for exactly those
+sizes and the budget bounds the bytes really pinned), and hands out 512-byte-aligned ranges of
+them, first fit, coalescing freed neighbours. Chunks are kept until ``close()`` (or the pool's
+end): pinning is slow, reuse is free, so a pool lives across steps and a second forward finds
+its chunks.
 
 A range is released with the CUDA event after which nothing reads or writes it any more (the
 host-to-device copy that brought it back): it returns to the free list only once that event has
@@ -170,8 +172,14 @@ class PinnedPool:
         return None
 
     def _grow(self, size):
-        chunk_size = max(self.chunk_bytes, _next_power_of_two(size))
         pinned = self.pinned_bytes
+        chunk_size = max(self.chunk_bytes, _next_power_of_two(size))
+        if self.budget_bytes is not None and pinned + chunk_size > self.budget_bytes:
+            # A smaller chunk where the budget's rest holds the request but not a whole chunk:
+            # the largest power of two that fits (still torch's pinned size).
+            room = self.budget_bytes - pinned
+            if room >= _next_power_of_two(size):
+                chunk_size = 1 << (room.bit_length() - 1)
         if self.budget_bytes is not None and pinned + chunk_size > self.budget_bytes:
             raise PinnedBudgetError(
                 f"the pinned pool's budget of {self.budget_bytes} bytes "

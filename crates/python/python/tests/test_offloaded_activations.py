@@ -75,6 +75,14 @@ def test_the_pool_waits_for_a_pending_range_before_it_grows_and_raises_at_its_bu
     raises(hpin.PinnedBudgetError, lambda: pool.allocate(1), "budget of 2097152 bytes",
            "raise budget_mb")
     raises(hpin.PinnedBudgetError, lambda: unpinned_pool(1).allocate(3 * MIB), "budget")
+    # A budget smaller than a chunk: chunks of the largest power of two the rest holds.
+    small = hpin.PinnedPool(budget_mb=3, chunk_mb=64)
+    small._pin = False
+    small.allocate(1000)
+    small.allocate(MIB)  # the first chunk (2 MiB) holds both
+    small.allocate(MIB)  # a second of the 1 MiB left
+    assert [c.size for c in small._chunks] == [2 * MIB, MIB], [c.size for c in small._chunks]
+    raises(hpin.PinnedBudgetError, lambda: small.allocate(MIB), "budget of 3145728 bytes")
     assert issubclass(hpin.PinnedBudgetError, MemoryError)
 
 
