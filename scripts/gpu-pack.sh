@@ -9,7 +9,8 @@
 #                              (3.4 MB), which the device machine lacks
 # Run from the workspace root on the development machine (cargo, maturin or $MATURIN, pip):
 #   bash scripts/gpu-pack.sh [--no-wheel] [--no-bundle]
-# Then on the device, from the workspace root:
+# Then one device call: `COMMIT=<hash> bash scripts/gpu-call.sh PHASE... [py:PART...]`, which does
+# the following and packs the results; by hand, on the device, from the workspace root:
 #   tar xJf .gpu-carry/bundle.tar.xz        # restores .gpu-bundle/bin
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site

@@ -19,7 +19,8 @@ part() { [[ ",$PARTS," == *",$1,"* ]]; }
 OUT=${OUT:-results/python-$(date -u +%F)}
 mkdir -p "$OUT" /tmp/site
 export HEADROOM_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEEL_DIR"/headroom-*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+  "$WHEEL_DIR"/headroom-*.whl
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 here=crates/python
 status=0

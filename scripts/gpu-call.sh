@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One device call over a tree packed by scripts/gpu-pack.sh (carry [".gpu-carry", ".whl"]): it
+# unpacks .gpu-carry/bundle.tar.xz into .gpu-bundle, installs .whl/*.whl into /tmp/site, runs
+# the gpu-measure.sh phases and the techniques.sh parts it is given, in order, and tars every
+# log and result into $OUT/results.tar.xz (the device tool returns eight files at most), with
+# run.log beside it: each step's exit status and seconds.
+#   COMMIT=<short hash> bash scripts/gpu-call.sh PHASE... [py:PART...]
+#   e.g. COMMIT=e791612 bash scripts/gpu-call.sh tests plans py:tests py:optim
+# PHASE: a phase of scripts/gpu-measure.sh (its --help lists them); py:PART: a part of
+# crates/python/bench/techniques.sh (tests, in_backward, saved, optim, clients, examples).
+# COMMIT names the sources (the device's copy has no .git). Mind the ten-minute limit of a call:
+# the tests phase takes about 3 minutes, py:tests 1, py:optim 1, plans 4, find-max-model 10.
+set -uo pipefail
+if [[ $# == 0 || $1 == -h || $1 == --help ]]; then
+  sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+  exit 0
+fi
+: "${COMMIT:?set COMMIT to the short hash of the sources}"
+: "${OUT:?run on the device tool, which sets OUT}"
+work=/tmp/headroom-call
+mkdir -p "$work" /tmp/site
+export RESULTS=$work/measure HEADROOM_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
+start=$SECONDS
+log() { echo "[$((SECONDS - start)) s] $*" | tee -a "$OUT/run.log"; }
+if [[ -f .gpu-carry/bundle.tar.xz ]]; then
+  tar xJf .gpu-carry/bundle.tar.xz
+  log "bundle unpacked: $(ls .gpu-bundle/bin | wc -l) binaries"
+fi
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    > "$work/pip.log" 2>&1
+  log "wheels installed: rc=$?"
+fi
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+parts=()
+for phase in "$@"; do
+  if [[ $phase == py:* ]]; then
+    parts+=("${phase#py:}")
+    continue
+  fi
+  bash scripts/gpu-measure.sh "$phase" > "$work/measure_$phase.txt" 2>&1
+  log "measure $phase: rc=$? ($(grep -c 'rc=[^0]' "$work/measure_$phase.txt") step(s) failing)"
+done
+if (( ${#parts[@]} )); then
+  PARTS=$(IFS=,; echo "${parts[*]}") OUT=$work/python \
+    bash crates/python/bench/techniques.sh .whl > "$work/techniques.txt" 2>&1
+  log "python ${parts[*]}: rc=$?"
+  grep -h "FAILED\|passed\|failed" "$work/techniques.txt" | tail -5 | tee -a "$OUT/run.log"
+fi
+tar cJf "$OUT/results.tar.xz" -C "$work" .
+log "results packed: $(du -h "$OUT/results.tar.xz" | cut -f1)"
