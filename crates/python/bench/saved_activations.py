@@ -8,7 +8,8 @@ Variants, each from the same initial weights on the same batches, AdamW(fused=Tr
 - ``none``: ``saved_activations(None)`` (the hooks' own cost, nothing encoded);
 - ``int8``, ``bf16``: ``saved_activations("int8")`` and ``("bf16")``;
 - ``offload``, ``int8_offload``: ``saved_activations(None, offload=pool)`` and
-  ``("int8", offload=pool)``, one ``PinnedPool`` kept across steps;
+  ``("int8", offload=pool)``, one ``PinnedPool`` kept across steps; ``offload_prefetch0``: the
+  first without fetching ahead (``prefetch_mb=0``: the peak of ``save_on_cpu``'s schedule);
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``.
 
 Per variant: the median step (forward, backward, step, synchronised) over the timed steps; the
@@ -37,7 +38,8 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--steps", type=int, default=20, help="steps in all (the first --warmup untimed)")
 parser.add_argument("--warmup", type=int, default=3)
-parser.add_argument("--variants", default="plain,none,int8,bf16,offload,int8_offload,save_on_cpu")
+parser.add_argument("--variants",
+                    default="plain,none,int8,bf16,offload,offload_prefetch0,int8_offload,save_on_cpu")
 parser.add_argument("--gpt2", type=int, metavar="STEPS", help="the GPT-2 loss comparison instead")
 args = parser.parse_args()
 
@@ -51,9 +53,10 @@ def hooks(variant):
         return None
     if variant == "save_on_cpu":
         return torch.autograd.graph.save_on_cpu(pin_memory=True)
-    if variant.endswith("offload"):
+    if "offload" in variant:
         compress = "int8" if variant.startswith("int8") else None
-        return headroom.torch.saved_activations(compress, offload=POOL)
+        prefetch_mb = 0 if variant.endswith("prefetch0") else 128
+        return headroom.torch.saved_activations(compress, offload=POOL, prefetch_mb=prefetch_mb)
     return headroom.torch.saved_activations(None if variant == "none" else variant)
 
 
@@ -101,7 +104,7 @@ def vit():
             "model": "vit_l_16", "batch": args.batch, "variant": variant,
             "step_ms": statistics.median(times), "times_ms": times,
             "activation_bytes": max(activations), "peak_allocated_bytes": max(peaks),
-            "pinned_pool_bytes": POOL.pinned_bytes if variant.endswith("offload") else None,
+            "pinned_pool_bytes": POOL.pinned_bytes if "offload" in variant else None,
         }
 
 
