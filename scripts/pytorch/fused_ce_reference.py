@@ -9,7 +9,9 @@ loss at the same shape). Implementations:
   which filter the gradient (`filter_eps="high"`: blocks whose softmax is below bf16's precision
   are skipped in backward);
 - cce_no_filter: the same with `filter_eps=None`, every gradient element computed, as
-  Headroom's op computes them (issue 31: no gradient filtering or skipping).
+  Headroom's op computes them (issue 31: no gradient filtering or skipping);
+- headroom_python: the `headroom` wheel's `headroom.torch.linear_cross_entropy` (blocks of rows
+  under `chunk_mb=64`, in torch's kernels: issue 33's loss from Python), when the wheel imports.
 An implementation that does not import prints "not installed" in its `error` field.
 
 Per implementation: one warm-up forward + backward, then ITERS timed ones (wall clock, the
@@ -86,7 +88,13 @@ def main():
 
         return lambda: linear_cross_entropy(x, w, y, filter_eps=None)
 
+    def headroom_python():
+        import headroom.torch
+
+        return lambda: headroom.torch.linear_cross_entropy(x, w, y)
+
     impls["liger_flce"] = liger
+    impls["headroom_python"] = headroom_python
     impls["cce"] = cce
     impls["cce_no_filter"] = cce_no_filter
 
