@@ -434,26 +434,34 @@ fn fused_element_of<T: ParamElement>(
     v: &mut T,
     vmax: Option<&mut T>,
 ) {
-    let (mut pv, mut mv, mut vv) = (p.to_f32(), m.to_f32(), v.to_f32());
+    let mut pv = p.to_f32();
+    fused_element_stored(c, scale, &mut pv, g.to_f32(), m, v, vmax);
+    *p = T::from_f32(pv);
+}
+
+/// The fused update of one element whose moments are of `M`: they are loaded to f32, updated
+/// with `p`, and stored once (rounded to nearest-even); the caller stores `p`.
+#[inline(always)]
+fn fused_element_stored<M: ParamElement>(
+    c: &StepConsts,
+    scale: Option<f32>,
+    p: &mut f32,
+    g: f32,
+    m: &mut M,
+    v: &mut M,
+    vmax: Option<&mut M>,
+) {
+    let (mut mv, mut vv) = (m.to_f32(), v.to_f32());
     match vmax {
         Some(vmax) => {
             let mut vmv = vmax.to_f32();
-            fused_element(
-                c,
-                scale,
-                &mut pv,
-                g.to_f32(),
-                &mut mv,
-                &mut vv,
-                Some(&mut vmv),
-            );
-            *vmax = T::from_f32(vmv);
+            fused_element(c, scale, p, g, &mut mv, &mut vv, Some(&mut vmv));
+            *vmax = M::from_f32(vmv);
         }
-        None => fused_element(c, scale, &mut pv, g.to_f32(), &mut mv, &mut vv, None),
+        None => fused_element(c, scale, p, g, &mut mv, &mut vv, None),
     }
-    *p = T::from_f32(pv);
-    *m = T::from_f32(mv);
-    *v = T::from_f32(vv);
+    *m = M::from_f32(mv);
+    *v = M::from_f32(vv);
 }
 
 fn fused_range<T: ParamElement>(
@@ -568,26 +576,10 @@ fn fused_stochastic_range<M: ParamElement>(
             .zip(exp_avg.iter_mut().zip(exp_avg_sq.iter_mut()))
             .enumerate()
         {
-            let (mut pv, mut mv, mut vv) = (p.to_f32(), m.to_f32(), v.to_f32());
-            match max_exp_avg_sq.as_deref_mut().map(|vmax| &mut vmax[i]) {
-                Some(vmax) => {
-                    let mut vmaxv = vmax.to_f32();
-                    fused_element(
-                        c,
-                        scale,
-                        &mut pv,
-                        g.to_f32(),
-                        &mut mv,
-                        &mut vv,
-                        Some(&mut vmaxv),
-                    );
-                    *vmax = M::from_f32(vmaxv);
-                }
-                None => fused_element(c, scale, &mut pv, g.to_f32(), &mut mv, &mut vv, None),
-            }
+            let mut pv = p.to_f32();
+            let vmax = max_exp_avg_sq.as_deref_mut().map(|vmax| &mut vmax[i]);
+            fused_element_stored(c, scale, &mut pv, g.to_f32(), m, v, vmax);
             *p = round_bf16_stochastic(pv, stochastic_bits(key, (base + i) as u64));
-            *m = M::from_f32(mv);
-            *v = M::from_f32(vv);
         }
     })
 }
