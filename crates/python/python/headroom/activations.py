@@ -58,6 +58,7 @@ This module sits on torch's saved-tensor hooks and streams, ``headroom.pinned`` 
 """
 
 import bisect
+import sys
 import weakref
 
 import torch
@@ -218,13 +219,19 @@ class _Offloaded:
 
     def __del__(self):
         owner = getattr(self, "owner", None)
-        if owner is not None and self.gpu is not None:
-            owner._in_flight -= self.nbytes  # fetched ahead, never taken
-        if owner is not None and self.ranges:
-            last = self.fetched if self.fetched is not None else self.stored
-            for pinned in self.ranges:
-                owner.pool.release(pinned, after=last)
-            self.ranges = []
+        if owner is None:
+            return
+        try:
+            if self.gpu is not None:
+                owner._in_flight -= self.nbytes  # fetched ahead, never taken
+            if self.ranges:
+                last = self.fetched if self.fetched is not None else self.stored
+                for pinned in self.ranges:
+                    owner.pool.release(pinned, after=last)
+                self.ranges = []
+        except Exception:  # noqa: BLE001 (at interpreter shutdown the pool may be gone)
+            if not sys.is_finalizing():
+                raise
 
 
 def _where(device):
