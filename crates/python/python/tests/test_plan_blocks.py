@@ -136,6 +136,44 @@ def test_misuse_raises():
     plan = rig.plan(third, allow=("checkpoint",))
     raises(ValueError, lambda: rig.plan(third), "already has a plan")
     plan.remove()
+    raises(ValueError, lambda: rig.plan(third, allow=("offload",)), "offload", "CPU")
+    raises(ValueError, lambda: rig.plan(third, pool=object()), "PinnedPool")
+
+
+def test_offload_is_chosen_below_what_checkpointing_keeps():
+    # A profile of two blocks, by hand: each saves 100 MB, int8 leaves 30 (0.4 ms more),
+    # checkpointing keeps an input of 20 (its 1 ms forward again), offload leaves 5 and copies
+    # 95 each way (3.45 ms at 55 GB/s).
+    import headroom.blocks as hblocks
+
+    mb = 10**6
+
+    class Profile:
+        blocks = [0, 1]
+        saved, encoded, inputs = [100 * mb] * 2, [30 * mb] * 2, [20 * mb] * 2
+        offloaded, moved = [5 * mb] * 2, [95 * mb] * 2
+        ms = [1.0, 1.0]
+
+    allow = ("keep", "int8", "checkpoint", "offload")
+    # Where the cheaper moves fit, they are taken; below what checkpointing keeps only offload
+    # fits.
+    strategies, total, _, cost = hblocks._choose(Profile, [1.2, 1.2], 120 * mb, allow)
+    assert total <= 120 * mb and "offload" not in strategies, strategies
+    strategies, total, _, cost = hblocks._choose(Profile, [1.2, 1.2], 12 * mb, allow)
+    assert strategies == ["offload", "offload"] and total == 10 * mb, strategies
+    assert abs(cost["offload"][0] - 2 * 95 * mb / 55e6) < 1e-9
+
+
+def test_a_plan_with_offload_gives_the_plain_gradients_on_cuda():
+    rig = Rig("cuda")
+    total = rig.total_mb()
+    plan = rig.plan(total / 10, allow=("offload",))
+    assert "offload" in plan.strategies and set(plan.strategies) <= {"keep", "offload"}
+    assert plan.predicted_bytes <= total / 10 * MIB
+    got = rig.trained()
+    assert plan.stats["offloaded"] > 0 and plan.pool.pinned_bytes > 0
+    assert all(torch.equal(a, b) for a, b in zip(got, rig.plain))  # offloading loses nothing
+    plan.remove()
 
 
 if __name__ == "__main__":
