@@ -2,7 +2,9 @@
 module for ``--steps`` steps, on PyTorch alone (``--side native``: its allocator, fused
 ``torch.optim.AdamW``, the client's own gradient clipping, the model's own loss) or with every
 feature of the ``headroom`` wheel on (``--side headroom``: Headroom's allocator, ``AdamW``
-stepped inside backward with exact clipping, ``plan_blocks`` keeping, compressing or recomputing
+stepped inside backward with clipping by the previous step's norm — the clients call
+``loss.backward()`` themselves, one pass, where exact clipping needs two —, ``plan_blocks``
+keeping, compressing or recomputing
 each block under ``--budget-mb``, and the loss without logits, ``patch_causal_lm``). One process
 a run (an allocator is chosen before CUDA starts); one JSON line: the losses, the median step
 (steps after the fifth, synchronised), the peak reserved and allocated bytes, the plan.
@@ -112,7 +114,7 @@ if args.side == "headroom":
     plan = headroom.torch.plan_blocks(blocks, args.budget_mb,
                                       lambda: model(sample, labels=sample).loss)
     headroom.torch.patch_causal_lm(model)
-    features = (["allocator", "adamw_in_backward_exact_clip"] if cuda else []) + [
+    features = (["allocator", "adamw_in_backward_previous_step_clip"] if cuda else []) + [
         "plan_blocks", "linear_cross_entropy"]
 
 
@@ -123,7 +125,7 @@ def make_optimizer(params):
     inner = headroom.optim.AdamW(params, lr=LR) if cuda else torch.optim.AdamW(params, lr=LR)
     if not cuda:
         return inner, 1.0  # headroom.optim.AdamW steps CUDA tensors only
-    return headroom.torch.optimizer_in_backward(model, inner, clip=1.0), 0.0
+    return headroom.torch.optimizer_in_backward(model, inner, clip=1.0, clip_mode="previous"), 0.0
 
 
 losses, times = [], []
