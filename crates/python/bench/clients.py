@@ -118,14 +118,17 @@ if args.side == "headroom":
         "plan_blocks", "linear_cross_entropy"]
 
 
+# Inside backward (headroom on CUDA) the optimizer clips; otherwise the client does, to 1.0.
+IN_BACKWARD = args.side == "headroom" and cuda
+CLIENT_CLIP = 0.0 if IN_BACKWARD else 1.0
+
+
 def make_optimizer(params):
-    """(the optimizer the client steps, the client's own clipping norm)."""
-    if args.side == "native":
-        return torch.optim.AdamW(params, lr=LR, fused=cuda), 1.0
-    inner = headroom.optim.AdamW(params, lr=LR) if cuda else torch.optim.AdamW(params, lr=LR)
-    if not cuda:
-        return inner, 1.0  # headroom.optim.AdamW steps CUDA tensors only
-    return headroom.torch.optimizer_in_backward(model, inner, clip=1.0, clip_mode="previous"), 0.0
+    """The optimizer the client steps (headroom.optim.AdamW steps CUDA tensors only)."""
+    if not IN_BACKWARD:
+        return torch.optim.AdamW(params, lr=LR, fused=cuda)
+    inner = headroom.optim.AdamW(params, lr=LR)
+    return headroom.torch.optimizer_in_backward(model, inner, clip=1.0, clip_mode="previous")
 
 
 losses, times = [], []
@@ -156,13 +159,13 @@ if args.client == "hf":
             synchronize()
             times.append(1e3 * (time.perf_counter() - started[0]))
 
-    optimizer, clip = make_optimizer(model.parameters())
+    optimizer = make_optimizer(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     dataset = [{"input_ids": r, "labels": r} for r in rows]
     settings = transformers.TrainingArguments(
         output_dir="/tmp/headroom-clients", max_steps=args.steps,
         per_device_train_batch_size=args.batch, logging_steps=1, save_strategy="no",
-        report_to=[], max_grad_norm=clip, use_cpu=not cuda, disable_tqdm=True,
+        report_to=[], max_grad_norm=CLIENT_CLIP, use_cpu=not cuda, disable_tqdm=True,
         dataloader_num_workers=0)
     trainer = transformers.Trainer(model=model, args=settings, train_dataset=dataset,
                                    optimizers=(optimizer, scheduler), callbacks=[Timing()])
@@ -179,7 +182,7 @@ else:
             return self.model(ids, labels=ids).loss
 
         def configure_optimizers(self):
-            return make_optimizer(self.model.parameters())[0]
+            return make_optimizer(self.model.parameters())
 
     class Timing(lightning.Callback):
         def on_train_batch_start(self, *a, **k):
@@ -188,12 +191,11 @@ else:
         def on_train_batch_end(self, trainer, module, outputs, batch, index):
             step_ends(outputs["loss"])
 
-    clip = 0.0 if (args.side == "headroom" and cuda) else 1.0  # in backward: its own clipping
     loader = torch.utils.data.DataLoader(rows, batch_size=args.batch)
     trainer = lightning.Trainer(max_steps=args.steps, accelerator="gpu" if cuda else "cpu",
                                 devices=1, logger=False, enable_checkpointing=False,
                                 enable_model_summary=False, enable_progress_bar=False,
-                                gradient_clip_val=clip or None, callbacks=[Timing()])
+                                gradient_clip_val=CLIENT_CLIP or None, callbacks=[Timing()])
     trainer.fit(CausalLm(), loader)
 
 row = {"client": args.client, "side": args.side, "model": args.model, "steps": args.steps,

@@ -31,10 +31,7 @@ impl Adafactor {
     #[new]
     #[pyo3(signature = (device=None))]
     fn new(device: Option<usize>) -> PyResult<Adafactor> {
-        let inner = match device {
-            Some(ordinal) => Some(CudaAdafactor::new(backend(ordinal)?)),
-            None => None,
-        };
+        let inner = device.map(backend).transpose()?.map(CudaAdafactor::new);
         Ok(Adafactor { inner })
     }
 

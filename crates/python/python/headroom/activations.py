@@ -209,8 +209,8 @@ class _Offloaded:
 
     def __init__(self, inner, ranges, specs, device, stored, index, owner):
         self.inner, self.ranges, self.specs, self.device = inner, ranges, specs, device
-        self.nbytes = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-                          for dtype, shape in specs)  # the payload's bytes (ranges are rounded up)
+        # The payload's bytes (the ranges are rounded up).
+        self.nbytes = sum(torch.Size(shape).numel() * dtype.itemsize for dtype, shape in specs)
         self.stored, self.fetched, self.gpu = stored, None, None
         self.index, self.owner = index, owner
 

@@ -400,22 +400,13 @@ class Adafactor(_HeadroomOptimizer):
         plan.lists["shapes"] = [list(p.shape) for p in params]
         return plan
 
-    @torch.no_grad()
-    def step(self, closure=None, grad_scale=None, found_inf=None):
-        """One step of every parameter with a gradient (see ``_HeadroomOptimizer.step``);
-        ``grad_scale``/``found_inf`` raise ``ValueError``."""
-        if grad_scale is not None or found_inf is not None:
-            raise ValueError(
-                f"{self._who} takes no grad_scale/found_inf (as torch's Adafactor): let "
-                "torch.amp.GradScaler unscale the gradients and call step() itself"
-            )
-        return super().step(closure)
-
     def _step_buckets(self, buckets, grad_scale=None, found_inf=None):
+        # Every step, plain or inside backward, comes through here: one refusal of scaling.
         if grad_scale is not None or found_inf is not None:
             raise ValueError(
-                f"{self._who} takes no loss scaling inside backward (torch's Adafactor has no "
-                "scaled step): step it without a GradScaler"
+                f"{self._who} takes no grad_scale/found_inf (torch's Adafactor has no scaled "
+                "step): let torch.amp.GradScaler unscale the gradients and call step() itself, "
+                "and step it inside backward without a scaler"
             )
         return super()._step_buckets(buckets)
 

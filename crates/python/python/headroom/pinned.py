@@ -90,10 +90,7 @@ class PinnedRange:
 
     def view(self, dtype, shape):
         """The range's first ``prod(shape)`` elements of ``dtype`` as a pinned tensor."""
-        numel = 1
-        for size in shape:
-            numel *= size
-        count = numel * torch.empty((), dtype=dtype).element_size()
+        count = torch.Size(shape).numel() * dtype.itemsize
         raw = self.chunk.buffer[self.offset:self.offset + count]
         return raw.view(dtype).view(shape)
 
