@@ -39,7 +39,10 @@ if (( bundle )); then
   mkdir -p "$stage/.gpu-bundle/bin"
   for exe in .gpu-bundle/bin/*; do
     name=$(basename "$exe")
-    if [[ $name == headroom-bench ]] || "$exe" --list --ignored 2>/dev/null | grep -q ': test$'; then
+    # The listing is read whole before grep: `... | grep -q` closes the pipe at its first match,
+    # and under pipefail the test binary's SIGPIPE would drop a binary that has GPU tests.
+    listing=$("$exe" --list --ignored 2>/dev/null || true)
+    if [[ $name == headroom-bench ]] || grep -q ': test$' <<< "$listing"; then
       cp "$exe" "$stage/.gpu-bundle/bin/"
     fi
   done
