@@ -3,11 +3,14 @@
 # unpacks .gpu-carry/bundle.tar.xz into .gpu-bundle, installs .whl/*.whl into /tmp/site, runs
 # the gpu-measure.sh phases and the techniques.sh parts it is given, in order, and tars every
 # log and result into $OUT/results.tar.xz (the device tool returns eight files at most), with
-# run.log beside it: each step's exit status and seconds.
-#   COMMIT=<short hash> bash scripts/gpu-call.sh PHASE... [py:PART...]
+# run.log beside it: each step's exit status and seconds. The results are packed again after
+# every step, so a call cut off by the tool's limit still returns what finished.
+#   COMMIT=<short hash> bash scripts/gpu-call.sh PHASE... [py:PART...] [cmd:NAME:COMMAND...]
 #   e.g. COMMIT=e791612 bash scripts/gpu-call.sh tests plans py:tests py:optim
 # PHASE: a phase of scripts/gpu-measure.sh (its --help lists them); py:PART: a part of
-# crates/python/bench/techniques.sh (tests, in_backward, saved, optim, clients, examples).
+# crates/python/bench/techniques.sh (tests, in_backward, saved, optim, clients, examples), run
+# together after the phases; cmd:NAME:COMMAND: a command of its own (bash -c, the wheels on
+# PYTHONPATH), its output in NAME.log, run last in the order given.
 # COMMIT names the sources (the device's copy has no .git). Mind the ten-minute limit of a call:
 # the tests phase takes about 3 minutes, py:tests 1, py:optim 1, plans 4, find-max-model 10.
 set -uo pipefail
@@ -32,20 +35,33 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   log "wheels installed: rc=$?"
 fi
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-parts=()
+pack() { tar cJf "$OUT/results.tar.xz" -C "$work" .; }
+parts=() commands=()
 for phase in "$@"; do
   if [[ $phase == py:* ]]; then
     parts+=("${phase#py:}")
     continue
   fi
+  if [[ $phase == cmd:* ]]; then
+    commands+=("${phase#cmd:}")
+    continue
+  fi
   bash scripts/gpu-measure.sh "$phase" > "$work/measure_$phase.txt" 2>&1
   log "measure $phase: rc=$? ($(grep -c 'rc=[^0]' "$work/measure_$phase.txt") step(s) failing)"
+  pack
 done
 if (( ${#parts[@]} )); then
   PARTS=$(IFS=,; echo "${parts[*]}") OUT=$work/python \
     bash crates/python/bench/techniques.sh .whl > "$work/techniques.txt" 2>&1
   log "python ${parts[*]}: rc=$?"
   grep -h "FAILED\|passed\|failed" "$work/techniques.txt" | tail -5 | tee -a "$OUT/run.log"
+  pack
 fi
-tar cJf "$OUT/results.tar.xz" -C "$work" .
+for command in "${commands[@]}"; do
+  name=${command%%:*}
+  bash -c "${command#*:}" > "$work/$name.log" 2>&1
+  log "$name: rc=$?"
+  pack
+done
+pack
 log "results packed: $(du -h "$OUT/results.tar.xz" | cut -f1)"

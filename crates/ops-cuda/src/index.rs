@@ -447,29 +447,184 @@ pub(crate) fn cross_entropy_backward(
 /// `ignore_index`), then `rest`, then the row count. An empty tile launches nothing.
 fn launch_tile(
     backend: &CudaBackend,
-    (op, family, rows_per_block): (&'static str, &'static str, u64),
+    kernel: (&'static str, &'static str, u64),
     tile: &LogitTile<'_>,
     per_row: &[&View<'_>],
     rest: &[Param],
 ) -> Result<()> {
-    let (rows, n) = cross_entropy_tile_dims(op, tile, per_row)?;
+    let (rows, n) = cross_entropy_tile_dims(kernel.0, tile, per_row)?;
     let (logits, target) = (&tile.logits, &tile.target);
-    if rows == 0 || n == 0 {
+    let at = ForeignLogitTile {
+        dtype: logits.dtype,
+        logits: element_address(logits),
+        rows,
+        width: n,
+        class_start: tile.class_start,
+        labels: element_address(target),
+        label_stride: target.layout.strides()[0],
+        ignore_index: tile.ignore_index,
+    };
+    launch_tile_at(backend, kernel, &at, rest)
+}
+
+/// [`launch_tile`] on a tile already checked (or described by raw addresses).
+fn launch_tile_at(
+    backend: &CudaBackend,
+    (op, family, rows_per_block): (&'static str, &'static str, u64),
+    tile: &ForeignLogitTile,
+    rest: &[Param],
+) -> Result<()> {
+    if tile.rows == 0 || tile.width == 0 {
         return Ok(());
     }
     let mut params = vec![
-        Param::U64(element_address(logits)),
-        Param::U64(n as u64),
+        Param::U64(tile.logits),
+        Param::U64(tile.width as u64),
         Param::U64(tile.class_start as u64),
-        Param::U64(element_address(target)),
-        Param::U64(target.layout.strides()[0] as u64),
+        Param::U64(tile.labels),
+        Param::U64(tile.label_stride as u64),
         Param::I64(tile.ignore_index),
     ];
     params.extend_from_slice(rest);
-    params.push(Param::U64(rows as u64));
-    let name = (family, float_suffix(op, logits.dtype)?);
-    let config = row_blocks((rows as u64).div_ceil(rows_per_block));
+    params.push(Param::U64(tile.rows as u64));
+    let name = (family, float_suffix(op, tile.dtype)?);
+    let config = row_blocks((tile.rows as u64).div_ceil(rows_per_block));
     launch_in(backend, Module::Index, op, name, config, &params, NO_ARGS)
+}
+
+/// One tile of a chunked cross-entropy's logits in device memory that Headroom does not own
+/// (a PyTorch tensor's, handed over by address): the tile kernels that
+/// `linear_cross_entropy` runs, for hosts that compute the tiles' products themselves. See
+/// [`CudaBackend::cross_entropy_tile_at`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ForeignLogitTile {
+    /// The logits' element type: f32, f64, f16 or bf16. The per-row statistics are f32 (f64 for
+    /// f64 logits).
+    pub dtype: DType,
+    /// Device address of the dense row-major `[rows, width]` logits.
+    pub logits: u64,
+    /// Rows of the tile.
+    pub rows: usize,
+    /// Classes of the tile: `class_start..class_start + width`.
+    pub width: usize,
+    /// The class of the tile's first column.
+    pub class_start: usize,
+    /// Device address of each row's class (i64), row `r`'s at `labels + 8 · r · label_stride`.
+    pub labels: u64,
+    /// Elements between two rows' classes.
+    pub label_stride: usize,
+    /// Rows whose class is this contribute nothing (their statistics are not read back here).
+    pub ignore_index: i64,
+}
+
+/// Device addresses of a tile's per-row statistics, `rows` values each in the statistics dtype
+/// (f32; f64 for f64 logits), read and written by [`CudaBackend::cross_entropy_tile_at`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForeignTileStats {
+    /// Each row's running maximum: −∞ before its first tile.
+    pub row_max: u64,
+    /// Each row's running sum of `exp(z − row_max)`: 0 before its first tile.
+    pub row_sum: u64,
+    /// Each row's target logit, written by the tile that holds the target's class.
+    pub target_logit: u64,
+}
+
+/// Device addresses of what [`CudaBackend::cross_entropy_tile_backward_at`] reads per row, in the
+/// statistics dtype: the log-sum-exp over every class, and the row's share `g` of the loss's
+/// gradient (the tile becomes `g · (softmax − onehot)`; 0 for an ignored row).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForeignTileGradient {
+    /// Each row's log-sum-exp.
+    pub lse: u64,
+    /// Each row's share of the loss's gradient.
+    pub scale: u64,
+}
+
+fn check_foreign(op: &'static str, tile: &ForeignLogitTile, addresses: &[u64]) -> Result<()> {
+    if !tile.dtype.is_float() {
+        return Err(TensorError::UnsupportedDtype {
+            op,
+            dtype: tile.dtype,
+        });
+    }
+    if tile.rows > 0 && tile.width > 0 && addresses.contains(&0) {
+        return Err(TensorError::InvalidArgument {
+            op,
+            reason: format!(
+                "a null address for a tile of {} × {} logits",
+                tile.rows, tile.width
+            ),
+        });
+    }
+    Ok(())
+}
+
+impl CudaBackend {
+    /// Folds one tile of logits into each row's running maximum and sum of exponentials, and
+    /// writes the target's logit of the rows whose class the tile holds: the forward of
+    /// `linear_cross_entropy`'s tiles (one warp a row, 16-byte loads where the tile's width and
+    /// address allow), on the backend's stream. After a row's last tile its log-sum-exp is
+    /// `row_max + ln(row_sum)`. A class outside `0..classes` is not checked here: it is simply
+    /// in no tile.
+    ///
+    /// # Safety
+    /// Every address must be device memory of this backend's device, live until the launch has
+    /// run in stream order, of the sizes and dtypes [`ForeignLogitTile`] and [`ForeignTileStats`]
+    /// describe; the statistics must not overlap the logits or the labels.
+    pub unsafe fn cross_entropy_tile_at(
+        &self,
+        tile: &ForeignLogitTile,
+        stats: &ForeignTileStats,
+    ) -> Result<()> {
+        let op = "cross_entropy_tile";
+        check_foreign(
+            op,
+            tile,
+            &[
+                tile.logits,
+                tile.labels,
+                stats.row_max,
+                stats.row_sum,
+                stats.target_logit,
+            ],
+        )?;
+        let rest = [
+            Param::U64(stats.row_max),
+            Param::U64(stats.row_sum),
+            Param::U64(stats.target_logit),
+            Param::U64(0),
+        ];
+        launch_tile_at(self, (op, "ce_tile", u64::from(THREADS / 32)), tile, &rest)
+    }
+
+    /// Overwrites one tile of logits, recomputed, with their gradient
+    /// `scale · (softmax − onehot(target))` (computed in the statistics dtype, rounded once into
+    /// the logits' dtype): the backward of `linear_cross_entropy`'s tiles, one block a row, on
+    /// the backend's stream, without label smoothing or z-loss.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::cross_entropy_tile_at`]: live device memory of this backend of the
+    /// described sizes, `gradient`'s vectors not overlapping the logits.
+    pub unsafe fn cross_entropy_tile_backward_at(
+        &self,
+        tile: &ForeignLogitTile,
+        gradient: &ForeignTileGradient,
+    ) -> Result<()> {
+        let op = "cross_entropy_tile_backward";
+        check_foreign(
+            op,
+            tile,
+            &[tile.logits, tile.labels, gradient.lse, gradient.scale],
+        )?;
+        let rest = [
+            Param::U64(tile.width as u64),
+            Param::F64(0.0),
+            Param::U64(gradient.lse),
+            Param::U64(gradient.scale),
+            Param::U64(gradient.scale),
+        ];
+        launch_tile_at(self, (op, "ce_tile_backward", 1), tile, &rest)
+    }
 }
 
 pub(crate) fn cross_entropy_tile(backend: &CudaBackend, args: CrossEntropyTile<'_>) -> Result<()> {

@@ -106,6 +106,8 @@ pub use error::CudaError;
 #[cfg(feature = "cuda")]
 pub use device::{CudaBackend, CudaBackendOptions};
 #[cfg(feature = "cuda")]
+pub use index::{ForeignLogitTile, ForeignTileGradient, ForeignTileStats};
+#[cfg(feature = "cuda")]
 pub use launch::{CudaKernel, KernelArg};
 #[cfg(feature = "cuda")]
 pub use pinned::{InFlight, PinnedBuffer};

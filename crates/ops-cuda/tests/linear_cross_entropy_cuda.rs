@@ -150,3 +150,164 @@ fn full_llama_head_on_cuda_holds_one_chunk_and_matches_the_unfused_loss() {
         "{errors:?}"
     );
 }
+
+/// The tile kernels on raw addresses (`cross_entropy_tile_at`, `cross_entropy_tile_backward_at`:
+/// how the `headroom` wheel runs them on torch's memory), over three tiles of a 37 × 300 logit
+/// matrix — 128-wide tiles in 16-byte packs, and a 44-wide one that takes the paired path in
+/// bf16 — against the whole rows' log-sum-exp, target logits and gradient computed here in f64:
+/// f32 logits within 1e-6 relative, bf16 gradients within one bf16 rounding.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn foreign_tiles_fold_to_the_whole_rows_statistics_and_gradient() {
+    use headroom_ops_cuda::{ForeignLogitTile, ForeignTileGradient, ForeignTileStats};
+    let Some(backend) = headroom_testkit::gpu::cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
+    let (rows, classes) = (37usize, 300usize);
+    let logits: Vec<f32> = uniform_f32(rows * classes, 11)
+        .iter()
+        .map(|v| half::bf16::from_f32(v * 6.0).to_f32())
+        .collect();
+    let labels: Vec<i64> = (0..rows)
+        .map(|r| {
+            if r % 9 == 4 {
+                IGNORE_INDEX
+            } else {
+                ((r * 37) % classes) as i64
+            }
+        })
+        .collect();
+    let scales: Vec<f32> = (0..rows)
+        .map(|r| {
+            if labels[r] == IGNORE_INDEX {
+                0.0
+            } else {
+                0.5 + r as f32 / 64.0
+            }
+        })
+        .collect();
+    // The f64 reference: each row's log-sum-exp and g · (softmax − onehot).
+    let lse: Vec<f64> = (0..rows)
+        .map(|r| {
+            let row = &logits[r * classes..(r + 1) * classes];
+            let most = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+            most + row
+                .iter()
+                .map(|&v| (v as f64 - most).exp())
+                .sum::<f64>()
+                .ln()
+        })
+        .collect();
+    let want_grad = |r: usize, c: usize| {
+        let p = (logits[r * classes + c] as f64 - lse[r]).exp();
+        scales[r] as f64 * (p - f64::from(u8::from(labels[r] == c as i64)))
+    };
+    let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let read_f32 = |address: u64, n: usize| {
+        let mut out = vec![0u8; 4 * n];
+        // SAFETY: `address` is a live allocation of at least `n` f32 made below.
+        unsafe { backend.download(address, &mut out) }.unwrap();
+        out.chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect::<Vec<f32>>()
+    };
+    let labels_bytes: Vec<u8> = labels.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let labels_dev = backend.upload(&labels_bytes).unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        let size = if dtype == DType::F32 { 4 } else { 2 };
+        let tiles = [(0usize, 128usize), (128, 128), (256, 44)];
+        // Each tile dense on its own: [rows, width].
+        let tile_bytes = |start: usize, width: usize| -> Vec<u8> {
+            (0..rows)
+                .flat_map(|r| logits[r * classes + start..r * classes + start + width].to_vec())
+                .flat_map(|v| match dtype {
+                    DType::F32 => v.to_le_bytes().to_vec(),
+                    _ => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+                })
+                .collect()
+        };
+        let device_tiles: Vec<_> = tiles
+            .iter()
+            .map(|&(start, width)| backend.upload(&tile_bytes(start, width)).unwrap())
+            .collect();
+        let row_max = backend
+            .upload(&f32_bytes(&vec![f32::NEG_INFINITY; rows]))
+            .unwrap();
+        let row_sum = backend.upload(&f32_bytes(&vec![0.0; rows])).unwrap();
+        let target = backend.upload(&f32_bytes(&vec![0.0; rows])).unwrap();
+        let foreign = |i: usize| ForeignLogitTile {
+            dtype,
+            logits: device_tiles[i].address(),
+            rows,
+            width: tiles[i].1,
+            class_start: tiles[i].0,
+            labels: labels_dev.address(),
+            label_stride: 1,
+            ignore_index: IGNORE_INDEX,
+        };
+        let stats = ForeignTileStats {
+            row_max: row_max.address(),
+            row_sum: row_sum.address(),
+            target_logit: target.address(),
+        };
+        for i in 0..tiles.len() {
+            // SAFETY: live allocations of this backend of the described sizes, kept until the
+            // downloads below (which follow the launches in stream order).
+            unsafe { backend.cross_entropy_tile_at(&foreign(i), &stats) }.unwrap();
+        }
+        let (m, s, t) = (
+            read_f32(row_max.address(), rows),
+            read_f32(row_sum.address(), rows),
+            read_f32(target.address(), rows),
+        );
+        let got_lse: Vec<f32> = (0..rows).map(|r| m[r] + s[r].ln()).collect();
+        for r in 0..rows {
+            assert!(
+                (got_lse[r] as f64 - lse[r]).abs() <= 1e-6 * lse[r].abs().max(1.0),
+                "{dtype:?} row {r}: {} vs {}",
+                got_lse[r],
+                lse[r]
+            );
+            if labels[r] != IGNORE_INDEX {
+                assert_eq!(
+                    t[r],
+                    logits[r * classes + labels[r] as usize],
+                    "{dtype:?} row {r}"
+                );
+            }
+        }
+        let lse_dev = backend.upload(&f32_bytes(&got_lse)).unwrap();
+        let scale_dev = backend.upload(&f32_bytes(&scales)).unwrap();
+        let gradient = ForeignTileGradient {
+            lse: lse_dev.address(),
+            scale: scale_dev.address(),
+        };
+        for (i, &(start, width)) in tiles.iter().enumerate() {
+            // SAFETY: as above.
+            unsafe { backend.cross_entropy_tile_backward_at(&foreign(i), &gradient) }.unwrap();
+            let mut out = vec![0u8; rows * width * size];
+            // SAFETY: the tile's live allocation of `rows × width` elements.
+            unsafe { backend.download(device_tiles[i].address(), &mut out) }.unwrap();
+            for r in 0..rows {
+                for c in 0..width {
+                    let at = (r * width + c) * size;
+                    let got = match dtype {
+                        DType::F32 => f32::from_le_bytes(out[at..at + 4].try_into().unwrap()),
+                        _ => half::bf16::from_le_bytes([out[at], out[at + 1]]).to_f32(),
+                    } as f64;
+                    let want = want_grad(r, start + c);
+                    let bound = if dtype == DType::F32 {
+                        1e-6
+                    } else {
+                        2f64.powi(-8)
+                    };
+                    assert!(
+                        (got - want).abs() <= bound * want.abs() + 1e-7,
+                        "{dtype:?} [{r}, {}]: {got} vs {want}",
+                        start + c
+                    );
+                }
+            }
+        }
+    }
+}

@@ -8,8 +8,9 @@ Variants, each from the same initial weights on the same batches, AdamW(fused=Tr
 - ``none``: ``saved_activations(None)`` (the hooks' own cost, nothing encoded);
 - ``int8``, ``bf16``: ``saved_activations("int8")`` and ``("bf16")``;
 - ``offload``, ``int8_offload``: ``saved_activations(None, offload=pool)`` and
-  ``("int8", offload=pool)``, one ``PinnedPool`` kept across steps; ``offload_prefetch0``: the
-  first without fetching ahead (``prefetch_mb=0``: the peak of ``save_on_cpu``'s schedule);
+  ``("int8", offload=pool)``, one ``PinnedPool`` kept across steps (fetching ahead up to the
+  default ``prefetch_mb=128``); ``offload_prefetchN``: the first with ``prefetch_mb=N``
+  (``offload_prefetch0``: without fetching ahead, the peak of ``save_on_cpu``'s schedule);
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``.
 
 Per variant: the median step (forward, backward, step, synchronised) over the timed steps; the
@@ -39,7 +40,8 @@ parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--steps", type=int, default=20, help="steps in all (the first --warmup untimed)")
 parser.add_argument("--warmup", type=int, default=3)
 parser.add_argument("--variants",
-                    default="plain,none,int8,bf16,offload,offload_prefetch0,int8_offload,save_on_cpu")
+                    default="plain,none,int8,bf16,offload,offload_prefetch0,offload_prefetch16,"
+                            "offload_prefetch48,int8_offload,save_on_cpu")
 parser.add_argument("--gpt2", type=int, metavar="STEPS", help="the GPT-2 loss comparison instead")
 args = parser.parse_args()
 
@@ -55,7 +57,8 @@ def hooks(variant):
         return torch.autograd.graph.save_on_cpu(pin_memory=True)
     if "offload" in variant:
         compress = "int8" if variant.startswith("int8") else None
-        prefetch_mb = 0 if variant.endswith("prefetch0") else 128
+        _, _, ahead = variant.partition("_prefetch")
+        prefetch_mb = int(ahead) if ahead else 128
         return headroom.torch.saved_activations(compress, offload=POOL, prefetch_mb=prefetch_mb)
     return headroom.torch.saved_activations(None if variant == "none" else variant)
 

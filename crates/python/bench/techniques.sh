@@ -44,8 +44,9 @@ if part saved; then
 fi
 part optim && run optim_1e9 400 python3 "$here/bench/optim_1e9.py"
 # Issue 33's real clients: 200 steps each side, Hugging Face's Trainer and Lightning, GPT-2 small
-# and the Llama-3.2-1B shape at 8 x 512 tokens (bench/clients.py; clients.jsonl, summarised).
-part clients && for model in gpt2 llama-1b; do
+# and the Llama-3.2-1B shape at 8 x 512 tokens (bench/clients.py; clients.jsonl, summarised);
+# CLIENT_MODELS (default "gpt2 llama-1b") picks the models.
+part clients && for model in ${CLIENT_MODELS:-gpt2 llama-1b}; do
   for client in hf lightning; do
     for side in native headroom; do
       timeout 300 python3 "$here/bench/clients.py" --client $client --side $side --model $model \

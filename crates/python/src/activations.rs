@@ -12,10 +12,10 @@ use headroom_checkpoint::{
     dequantize_int8_blockwise, dequantize_int8_device, quantize_int8_blockwise,
     quantize_int8_device, CheckpointError, CodecElement, INT8_BLOCK_RANGE,
 };
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::device::{backend, on_default_stream};
+use crate::device::{backend, float_dtype, on_default_stream};
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quantize_int8, m)?)?;
@@ -27,17 +27,9 @@ fn codec_error(error: CheckpointError) -> PyErr {
     PyValueError::new_err(error.to_string())
 }
 
-/// The element type torch names `dtype` (`"float32"`, `"float64"`, `"bfloat16"`, `"float16"`).
+/// The element type torch names `dtype`.
 fn element(dtype: &str) -> PyResult<DType> {
-    match dtype {
-        "float32" => Ok(DType::F32),
-        "float64" => Ok(DType::F64),
-        "bfloat16" => Ok(DType::BF16),
-        "float16" => Ok(DType::F16),
-        other => Err(PyTypeError::new_err(format!(
-            "{other} tensors are not compressed to 8 bits (float32, float64, bfloat16, float16)"
-        ))),
-    }
+    float_dtype(dtype, "8-bit codec")
 }
 
 const STREAM_RULE: &str = "headroom.torch.saved_activations encodes on torch's default stream; \

@@ -6,8 +6,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use headroom_autograd_core::DType;
 use headroom_ops_cuda::CudaBackend;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 /// The shared backend of device `ordinal`.
@@ -31,5 +32,19 @@ pub(crate) fn on_default_stream(stream: u64, message: &'static str) -> PyResult<
     match stream {
         0 => Ok(()),
         _ => Err(PyValueError::new_err(message)),
+    }
+}
+
+/// The float element type torch names `dtype` (`"float32"`, `"float64"`, `"bfloat16"`,
+/// `"float16"`), else a `TypeError` saying that `what` takes only those.
+pub(crate) fn float_dtype(dtype: &str, what: &str) -> PyResult<DType> {
+    match dtype {
+        "float32" => Ok(DType::F32),
+        "float64" => Ok(DType::F64),
+        "bfloat16" => Ok(DType::BF16),
+        "float16" => Ok(DType::F16),
+        other => Err(PyTypeError::new_err(format!(
+            "{other} tensors have no {what} (float32, float64, bfloat16, float16)"
+        ))),
     }
 }

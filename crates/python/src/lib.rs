@@ -8,7 +8,8 @@
 //! headroom-optim raw-buffer optimizer per Python optimizer (fused Adam, 8-bit Adam, and — also
 //! stepping CPU tensors on the host — Adam on bf16 parameters with stochastic rounding, 4-bit
 //! Adam and SGD; Adafactor in `adafactor.rs`) and steps it on the pointers of torch's tensors; `activations.rs` runs headroom-checkpoint's 8-bit codec on the memory of
-//! saved activations (CUDA or CPU); `device.rs` holds the shared backends and the rule that a
+//! saved activations (CUDA or CPU); `loss.rs` runs headroom-ops-cuda's cross-entropy
+//! tiles on the logits `headroom.torch.linear_cross_entropy` computes a tile at a time; `device.rs` holds the shared backends and the rule that a
 //! launch comes from torch's current stream only when it is the legacy default stream, where
 //! headroom-ops-cuda launches. Python-side checks (every tensor's device, dtype, size and
 //! contiguity against its parameter, every step) are in `python/headroom/optim.py`; this side
@@ -23,6 +24,7 @@ mod activations;
 mod adafactor;
 mod allocator;
 mod device;
+mod loss;
 mod optim;
 
 use pyo3::prelude::*;
@@ -34,5 +36,6 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     allocator::register(m)?;
     optim::register(m)?;
     activations::register(m)?;
+    loss::register(m)?;
     Ok(())
 }

@@ -8,10 +8,26 @@ float64 inputs; at most ``chunk_mb`` MiB) exist only while that block is compute
 backward (recomputed from the saved hidden states and weight rather than kept), so a 128K-token
 vocabulary never holds a ``[tokens, vocab]`` tensor. The forward saves the per-row log-sum-exp
 (float32); the backward forms each block's ``softmax - one_hot`` and multiplies it into the
-hidden states' and the weight's gradients (accumulated in float32, cast once). Half-precision
-inputs are multiplied in their dtype with float32 results (``torch.matmul`` then ``.float()``),
-as autocast's matmul and PyTorch's float32 cross-entropy would. It runs on any device torch
-does, in torch's own kernels: Headroom's fused CUDA kernel is not wired to it yet.
+hidden states' and the weight's gradients.
+
+On CUDA (from torch's default stream) it runs Headroom's fused kernels, as
+headroom-autograd-core's op does: each block of rows is computed a tile of classes at a time,
+the tile's logits in the inputs' dtype by torch's matrix product (``addmm`` with the bias),
+folded by ``_native.cross_entropy_tile`` into each row's running maximum, sum of exponentials
+and target logit (float32; float64 for float64 inputs) — no float32 copy of the logits, one pass
+over them; in backward each recomputed tile is overwritten in place by its gradient
+``g · (softmax − onehot)`` (``_native.cross_entropy_tile_backward``, rounded once into the
+inputs' dtype) and multiplied into the gradients: the hidden states' in a float32 accumulator
+per block of rows for float16 and bfloat16 (rounded once), the weight's in its own dtype
+(rounded once per block of rows), the bias's in float32. Under CUDA autocast the hidden states
+and the weight are cast to autocast's dtype first, as autocast casts a linear layer's operands.
+``chunk_mb`` bounds the tile and the accumulator together. Labels outside ``[0, vocab)`` other
+than ``ignore_index`` fail a device-side assertion, as ``F.cross_entropy``'s do.
+
+Elsewhere (the CPU, or a forward under ``torch.cuda.stream(...)``) it runs in torch's own
+kernels, a block of full rows at a time: the logits in float32 (``torch.matmul`` then
+``.float()``, as autocast's matmul and PyTorch's float32 cross-entropy would), the hidden
+states' and the weight's gradients accumulated in float32 and cast once.
 
 ``patch_causal_lm(model)`` makes a Hugging Face causal LM (a base model and an output
 embedding: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``GPT2LMHeadModel``, ...) compute its
@@ -25,12 +41,14 @@ What raises: ``labels`` whose shape is not ``hidden``'s without the feature dime
 ``"sum"`` or ``"none"``, ``chunk_mb`` not positive (``ValueError``); a model without a base model
 and an output embedding (``TypeError``).
 
-This module sits on torch alone.
+This module sits on torch and ``headroom._native``'s cross-entropy tiles.
 """
 
 import types
 
 import torch
+
+from . import _native
 
 __all__ = ["linear_cross_entropy", "patch_causal_lm", "unpatch_causal_lm"]
 
@@ -45,6 +63,26 @@ def _row_blocks(rows, vocab, chunk_mb):
 def _stats_dtype(dtype):
     """float64 for float64 inputs, else float32 (the logits' and statistics' dtype)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _reduce(ctx, inputs, losses, valid, lse, reduction):
+    """Zeroes the ignored rows' losses, saves what backward reads (``inputs``, then the valid
+    rows, the log-sum-exp and their count) and returns the reduced loss."""
+    losses = torch.where(valid, losses, torch.zeros_like(losses))
+    count = valid.sum()
+    ctx.save_for_backward(*inputs, valid, lse, count)
+    ctx.reduction = reduction
+    if reduction == "none":
+        return losses
+    total = losses.sum()
+    return total / count.clamp_min(1) if reduction == "mean" else total
+
+
+def _row_scale(reduction, grad_out, valid, count):
+    """Each row's share of the loss's gradient (0 for an ignored row), dense."""
+    if reduction == "none":
+        return (grad_out * valid).contiguous()
+    return (grad_out / (count.clamp_min(1) if reduction == "mean" else 1) * valid).contiguous()
 
 
 def _block_logits(h, weight, bias):
@@ -71,25 +109,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             lse[start:end] = torch.logsumexp(logits, dim=1)
             picked = logits.gather(1, safe[start:end, None]).squeeze(1)
             losses[start:end] = lse[start:end] - picked
-        losses = torch.where(valid, losses, torch.zeros_like(losses))
-        count = valid.sum()
-        ctx.save_for_backward(hidden, weight, bias, safe, valid, lse, count)
-        ctx.reduction, ctx.block = reduction, block
-        if reduction == "none":
-            return losses
-        total = losses.sum()
-        return total / count.clamp_min(1) if reduction == "mean" else total
+        ctx.block = block
+        return _reduce(ctx, (hidden, weight, bias, safe), losses, valid, lse, reduction)
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, bias, safe, valid, lse, count = ctx.saved_tensors
         rows = hidden.shape[0]
         stats = lse.dtype
-        if ctx.reduction == "none":
-            row_scale = grad_out.to(stats) * valid
-        else:
-            scale = grad_out.to(stats) / (count.clamp_min(1) if ctx.reduction == "mean" else 1)
-            row_scale = scale * valid
+        row_scale = _row_scale(ctx.reduction, grad_out.to(stats), valid, count)
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=stats, device=weight.device) if want_w else None
@@ -114,6 +142,148 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 None, None, None, None)
 
 
+_NATIVE_DTYPES = {torch.float32: "float32", torch.float64: "float64",
+                  torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_HALVES = (torch.float16, torch.bfloat16)
+
+
+def _tiles(rows, vocab, features, dtype, chunk_mb):
+    """(rows a block, classes a tile) under ``chunk_mb`` MiB: half the budget to the block's
+    float32 accumulator of the hidden states' gradient and its product (float16 and bfloat16),
+    the rest to the tile, whose width is a multiple of 8 classes where it is not the vocabulary
+    (16-byte rows for the kernels' packed loads)."""
+    budget = int(chunk_mb * (1 << 20))
+    size = torch.empty((), dtype=dtype).element_size()
+    block = max(1, min(rows, (budget // 2) // (8 * features)))
+    accumulator = 8 * features * block if dtype in _HALVES else 0
+    width = max(1, (budget - accumulator) // (block * size))
+    if width < vocab:
+        width = max(8, width - width % 8)
+    return block, min(width, vocab)
+
+
+def _tile_logits(h, weight, bias, start, end):
+    """``h @ weight[start:end].T (+ bias[start:end])`` in the inputs' dtype, dense."""
+    if bias is None:
+        return torch.mm(h, weight[start:end].t())
+    return torch.addmm(bias[start:end], h, weight[start:end].t())
+
+
+_ADDMM_INTO_FLOAT32 = [None]  # whether addmm(out_dtype=float32, out=acc) takes a float32 acc
+
+
+def _accumulate_float32(acc, a, b):
+    """``acc += a @ b`` for half-precision ``a`` and ``b`` into the float32 ``acc``: one product
+    with a float32 result (cuBLAS's float32 accumulation, no rounding to the inputs' dtype)."""
+    if _ADDMM_INTO_FLOAT32[0] is not False:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _ADDMM_INTO_FLOAT32[0] = True
+            return
+        except (RuntimeError, TypeError):
+            _ADDMM_INTO_FLOAT32[0] = False
+    acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+
+
+def _launch_args(t):
+    device = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return device, torch.cuda.current_stream(t.device).cuda_stream
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """The CUDA path: torch's products, Headroom's tile kernels (see the module's notes)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, chunk_mb):
+        rows, features = hidden.shape
+        vocab = weight.shape[0]
+        stats = _stats_dtype(hidden.dtype)
+        block, width = _tiles(rows, vocab, features, hidden.dtype, chunk_mb)
+        device, stream = _launch_args(hidden)
+        name = _NATIVE_DTYPES[hidden.dtype]
+        valid = labels != ignore_index
+        torch._assert_async(((labels >= 0) & (labels < vocab) | ~valid).all(),
+                            "linear_cross_entropy: a label outside [0, vocab) that is not "
+                            "ignore_index")
+        lse = torch.empty(rows, dtype=stats, device=hidden.device)
+        losses = torch.empty(rows, dtype=stats, device=hidden.device)
+        for start in range(0, rows, block):
+            end = min(start + block, rows)
+            n = end - start
+            h = hidden[start:end]
+            row_max = torch.full((n,), float("-inf"), dtype=stats, device=hidden.device)
+            row_sum = torch.zeros(n, dtype=stats, device=hidden.device)
+            target = torch.zeros(n, dtype=stats, device=hidden.device)
+            for first in range(0, vocab, width):
+                last = min(first + width, vocab)
+                logits = _tile_logits(h, weight, bias, first, last)
+                tile = (name, logits.data_ptr(), n, last - first, first,
+                        labels[start:end].data_ptr(), 1, ignore_index)
+                _native.cross_entropy_tile(device, stream, tile, row_max.data_ptr(),
+                                           row_sum.data_ptr(), target.data_ptr())
+            torch.add(row_max, row_sum.log(), out=lse[start:end])
+            torch.sub(lse[start:end], target, out=losses[start:end])
+        ctx.ignore_index, ctx.chunk_mb = ignore_index, chunk_mb
+        return _reduce(ctx, (hidden, weight, bias, labels), losses, valid, lse, reduction)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, labels, valid, lse, count = ctx.saved_tensors
+        rows, features = hidden.shape
+        vocab = weight.shape[0]
+        stats = lse.dtype
+        row_scale = _row_scale(ctx.reduction, grad_out.to(stats), valid, count)
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        block, width = _tiles(rows, vocab, features, hidden.dtype, ctx.chunk_mb)
+        device, stream = _launch_args(hidden)
+        name = _NATIVE_DTYPES[hidden.dtype]
+        half = hidden.dtype in _HALVES
+        grad_h = (torch.zeros_like(hidden) if want_h and not half
+                  else torch.empty_like(hidden) if want_h else None)
+        grad_w = torch.zeros_like(weight) if want_w else None
+        grad_b = (torch.zeros(vocab, dtype=stats, device=weight.device)
+                  if want_b and bias is not None else None)
+        for start in range(0, rows, block):
+            end = min(start + block, rows)
+            n = end - start
+            h = hidden[start:end]
+            acc = (torch.zeros(n, features, dtype=torch.float32, device=hidden.device)
+                   if want_h and half else None)
+            for first in range(0, vocab, width):
+                last = min(first + width, vocab)
+                d = _tile_logits(h, weight, bias, first, last)
+                tile = (name, d.data_ptr(), n, last - first, first,
+                        labels[start:end].data_ptr(), 1, ctx.ignore_index)
+                _native.cross_entropy_tile_backward(device, stream, tile,
+                                                    lse[start:end].data_ptr(),
+                                                    row_scale[start:end].data_ptr())
+                w = weight[first:last]
+                if acc is not None:
+                    _accumulate_float32(acc, d, w)
+                elif grad_h is not None:
+                    grad_h[start:end].addmm_(d, w)
+                if grad_w is not None:
+                    grad_w[first:last].addmm_(d.t(), h)
+                if grad_b is not None:
+                    grad_b[first:last].add_(d.sum(dim=0, dtype=stats))
+            if acc is not None:
+                grad_h[start:end].copy_(acc)
+        return (grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype),
+                None, None, None, None)
+
+
+def _runs_native(hidden, weight, bias):
+    """Whether the CUDA kernels take these operands: CUDA tensors of one float dtype on one
+    device, from torch's default stream."""
+    if not (hidden.is_cuda and weight.device == hidden.device):
+        return False
+    if hidden.dtype not in _NATIVE_DTYPES or weight.dtype != hidden.dtype:
+        return False
+    if bias is not None and (bias.dtype != hidden.dtype or bias.device != hidden.device):
+        return False
+    return torch.cuda.current_stream(hidden.device).cuda_stream == 0
+
+
 def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, reduction="mean",
                          chunk_mb=64):
     """``F.cross_entropy(hidden @ weight.T + bias, labels)`` a block of rows at a time; see the
@@ -131,8 +301,20 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
                          f"{tuple(hidden.shape)}: give {tuple(hidden.shape[:-1])}")
     lead = hidden.shape[:-1]
     flat = hidden.reshape(-1, hidden.shape[-1])
-    out = _LinearCrossEntropy.apply(flat, weight, bias, labels.reshape(-1), ignore_index,
-                                    reduction, chunk_mb)
+    if flat.is_cuda and torch.is_autocast_enabled("cuda"):
+        # As autocast casts a linear layer's operands (a no-op for tensors of its dtype).
+        cast = torch.get_autocast_dtype("cuda")
+        flat, weight = flat.to(cast), weight.to(cast)
+        bias = None if bias is None else bias.to(cast)
+    if _runs_native(flat, weight, bias):
+        with torch.autocast("cuda", enabled=False):
+            out = _FusedLinearCrossEntropy.apply(flat.contiguous(), weight.contiguous(),
+                                                 None if bias is None else bias.contiguous(),
+                                                 labels.reshape(-1).contiguous(), ignore_index,
+                                                 reduction, chunk_mb)
+    else:
+        out = _LinearCrossEntropy.apply(flat, weight, bias, labels.reshape(-1), ignore_index,
+                                        reduction, chunk_mb)
     return out.reshape(lead) if reduction == "none" else out
 
 

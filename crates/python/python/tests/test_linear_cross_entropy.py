@@ -1,8 +1,10 @@
 """``headroom.torch.linear_cross_entropy`` and ``patch_causal_lm`` against PyTorch's
 ``F.cross_entropy`` on the materialised logits, on the CPU and on CUDA: values and gradients of
 the hidden states, weight and bias in float64 within 1e-13 relative and float32 within 1e-5,
-every reduction, ``ignore_index``, blocks of rows that do not divide the tokens; bfloat16 within
-bfloat16's precision; a Hugging Face GPT-2 patched gives its own loss (and the Trainer's
+every reduction, ``ignore_index``, blocks of rows that do not divide the tokens (on CUDA, tiles
+of classes that do not divide the vocabulary: Headroom's tile kernels); bfloat16 within
+bfloat16's precision; on CUDA, the loss under bfloat16 autocast equal to the loss of bfloat16
+operands, and the torch path under a side stream; a Hugging Face GPT-2 patched gives its own loss (and the Trainer's
 ``num_items_in_batch`` form) with no logits, and its own forward again once unpatched; misuse
 raises.
 
@@ -37,10 +39,10 @@ def reference(h, w, b, y, reduction):
     return out.reshape(y.shape) if reduction == "none" else out
 
 
-def compare(dev, dtype, bound):
+def compare(dev, dtype, bound, chunk_mb=0.004):
     for reduction in ("mean", "sum", "none"):
         h, w, b, y = operands(dev, dtype)
-        ours = ht.linear_cross_entropy(h, w, y, bias=b, reduction=reduction, chunk_mb=0.004)
+        ours = ht.linear_cross_entropy(h, w, y, bias=b, reduction=reduction, chunk_mb=chunk_mb)
         theirs = reference(h, w, b, y, reduction)
         torch.manual_seed(1)
         seed = torch.randn(ours.shape, dtype=ours.dtype).to(dev)
@@ -61,7 +63,33 @@ def test_float64_and_float32_equal_cross_entropy_of_the_logits(device):
 
 def test_bfloat16_within_its_precision(device):
     dev = on(device)
-    compare(dev, torch.bfloat16, 2**-6)
+    # 111 rows in three blocks: the weight's gradient is rounded to bfloat16 once a block.
+    compare(dev, torch.bfloat16, 2**-6, chunk_mb=0.02)
+
+
+def test_cuda_autocast_casts_the_operands_and_a_side_stream_takes_torchs_kernels():
+    dev = on("cuda")
+    h, w, _, y = operands(dev, torch.float32)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        autocast = ht.linear_cross_entropy(h, w, y, chunk_mb=0.02)
+    got = torch.autograd.grad(autocast, (h, w))
+    hb, wb = (t.detach().bfloat16().requires_grad_() for t in (h, w))
+    plain = ht.linear_cross_entropy(hb, wb, y, chunk_mb=0.02)
+    want = torch.autograd.grad(plain, (hb, wb))
+    assert autocast.dtype == torch.float32 and autocast.item() == plain.item()
+    for a, c in zip(got, want):
+        assert a.dtype == torch.float32 and torch.equal(a, c.float())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        streamed = ht.linear_cross_entropy(h, w, y, chunk_mb=0.004)
+        streamed_grads = torch.autograd.grad(streamed, (h, w))
+    torch.cuda.current_stream().wait_stream(side)
+    plain32 = ht.linear_cross_entropy(h, w, y, chunk_mb=0.004)
+    want32 = torch.autograd.grad(plain32, (h, w))
+    assert abs(streamed.item() - plain32.item()) <= 1e-5 * abs(plain32.item())
+    for a, c in zip(streamed_grads, want32):
+        assert (a - c).abs().max() <= 1e-5 * c.abs().max()
 
 
 def test_a_patched_gpt2_gives_its_own_loss_without_logits(device):
