@@ -29,7 +29,7 @@ fn codec_error(error: CheckpointError) -> PyErr {
 
 /// The element type torch names `dtype`.
 fn element(dtype: &str) -> PyResult<DType> {
-    float_dtype(dtype, "8-bit codec")
+    float_dtype(dtype, "compressed to 8 bits")
 }
 
 const STREAM_RULE: &str = "headroom.torch.saved_activations encodes on torch's default stream; \

@@ -36,15 +36,15 @@ pub(crate) fn on_default_stream(stream: u64, message: &'static str) -> PyResult<
 }
 
 /// The float element type torch names `dtype` (`"float32"`, `"float64"`, `"bfloat16"`,
-/// `"float16"`), else a `TypeError` saying that `what` takes only those.
-pub(crate) fn float_dtype(dtype: &str, what: &str) -> PyResult<DType> {
+/// `"float16"`), else a `TypeError`: "<dtype> tensors are not <refusal> (the four)".
+pub(crate) fn float_dtype(dtype: &str, refusal: &str) -> PyResult<DType> {
     match dtype {
         "float32" => Ok(DType::F32),
         "float64" => Ok(DType::F64),
         "bfloat16" => Ok(DType::BF16),
         "float16" => Ok(DType::F16),
         other => Err(PyTypeError::new_err(format!(
-            "{other} tensors have no {what} (float32, float64, bfloat16, float16)"
+            "{other} tensors are not {refusal} (float32, float64, bfloat16, float16)"
         ))),
     }
 }

@@ -31,7 +31,7 @@ fn foreign_tile(
     (dtype, logits, rows, width, class_start, labels, label_stride, ignore_index): TileArgs,
 ) -> PyResult<ForeignLogitTile> {
     Ok(ForeignLogitTile {
-        dtype: float_dtype(&dtype, "cross-entropy tile kernel")?,
+        dtype: float_dtype(&dtype, "taken by the cross-entropy tile kernels")?,
         logits,
         rows,
         width,
