@@ -205,6 +205,9 @@ row = {"client": args.client, "side": args.side, "model": args.model, "steps": a
        "torch": torch.__version__, "transformers": transformers.__version__,
        "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
 if cuda:
-    row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-    row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    # Under Headroom's allocator torch's own statistics raise (CUDAPluggableAllocator keeps
+    # none): the plugin's statistics, which answer with the same keys, take their place.
+    stats = headroom.cuda if args.side == "headroom" else torch.cuda
+    row["peak_reserved_bytes"] = stats.max_memory_reserved()
+    row["peak_allocated_bytes"] = stats.max_memory_allocated()
 print(json.dumps(row), flush=True)

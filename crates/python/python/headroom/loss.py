@@ -221,6 +221,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                         labels[start:end].data_ptr(), 1, ignore_index)
                 _native.cross_entropy_tile(device, stream, tile, row_max.data_ptr(),
                                            row_sum.data_ptr(), target.data_ptr())
+                # Freed before the next tile is made: one tile at a time under the budget.
+                del logits
             torch.add(row_max, row_sum.log(), out=lse[start:end])
             torch.sub(lse[start:end], target, out=losses[start:end])
         ctx.ignore_index, ctx.chunk_mb = ignore_index, chunk_mb
@@ -266,6 +268,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     grad_w[first:last].addmm_(d.t(), h)
                 if grad_b is not None:
                     grad_b[first:last].add_(d.sum(dim=0, dtype=stats))
+                del d, w  # one tile at a time, as in forward
             if acc is not None:
                 grad_h[start:end].copy_(acc)
         return (grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype),

@@ -4,7 +4,8 @@ the hidden states, weight and bias in float64 within 1e-13 relative and float32 
 every reduction, ``ignore_index``, blocks of rows that do not divide the tokens (on CUDA, tiles
 of classes that do not divide the vocabulary: Headroom's tile kernels); bfloat16 within
 bfloat16's precision; on CUDA, the loss under bfloat16 autocast equal to the loss of bfloat16
-operands, and the torch path under a side stream; a Hugging Face GPT-2 patched gives its own loss (and the Trainer's
+operands, the torch path under a side stream, and the peak beyond the inputs and gradients within
+``chunk_mb`` plus 8 bytes a token; a Hugging Face GPT-2 patched gives its own loss (and the Trainer's
 ``num_items_in_batch`` form) with no logits, and its own forward again once unpatched; misuse
 raises.
 
@@ -90,6 +91,33 @@ def test_cuda_autocast_casts_the_operands_and_a_side_stream_takes_torchs_kernels
     assert abs(streamed.item() - plain32.item()) <= 1e-5 * abs(plain32.item())
     for a, c in zip(streamed_grads, want32):
         assert (a - c).abs().max() <= 1e-5 * c.abs().max()
+
+
+def test_cuda_peak_stays_within_the_chunk_budget():
+    dev = on("cuda")
+    tokens, features, vocab, chunk_mb = 1024, 256, 8192, 4
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(tokens, features, generator=g).to(dev, torch.bfloat16).requires_grad_()
+    w = (torch.randn(vocab, features, generator=g) * 0.1).to(dev, torch.bfloat16)
+    w.requires_grad_()
+    y = torch.randint(0, vocab, (tokens,), generator=g).to(dev)
+
+    def step():
+        h.grad = w.grad = None
+        ht.linear_cross_entropy(h, w, y, chunk_mb=chunk_mb).backward()
+
+    step()  # cuBLAS's workspace, which torch keeps, is taken here
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    grads = h.grad.numel() * 2 + w.grad.numel() * 2
+    beyond = torch.cuda.max_memory_allocated() - before - grads
+    # One tile and the float32 accumulator at a time (both in the budget), the per-token
+    # vectors, and 64 KiB for the scalars and the allocator's 512-byte rounding.
+    assert beyond <= chunk_mb * (1 << 20) + 8 * tokens + (64 << 10), beyond
 
 
 def test_a_patched_gpt2_gives_its_own_loss_without_logits(device):
