@@ -38,8 +38,8 @@ model's own forward. ``unpatch_causal_lm`` restores it.
 
 What raises: ``labels`` whose shape is not ``hidden``'s without the feature dimension, a
 ``weight`` whose columns are not ``hidden``'s features, ``reduction`` other than ``"mean"``,
-``"sum"`` or ``"none"``, ``chunk_mb`` not positive (``ValueError``); a model without a base model
-and an output embedding (``TypeError``).
+``"sum"`` or ``"none"``, ``chunk_mb`` not positive (``ValueError``); labels that are not int64,
+a model without a base model and an output embedding (``TypeError``).
 
 This module sits on torch and ``headroom._native``'s cross-entropy tiles.
 """
@@ -299,6 +299,9 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight of shape {tuple(weight.shape)} for hidden states of "
                          f"{hidden.shape[-1]} features: give [vocab, {hidden.shape[-1]}]")
+    if labels.dtype != torch.int64:
+        raise TypeError(f"labels of dtype {labels.dtype}: give torch.int64 class indices, as "
+                        "F.cross_entropy takes")
     if tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"labels of shape {tuple(labels.shape)} for hidden states of shape "
                          f"{tuple(hidden.shape)}: give {tuple(hidden.shape[:-1])}")

@@ -157,6 +157,7 @@ def test_misuse_raises():
     raises(ValueError, lambda: ht.linear_cross_entropy(h, w, y, chunk_mb=0), "chunk_mb")
     raises(ValueError, lambda: ht.linear_cross_entropy(h, w.t(), y), "weight of shape")
     raises(ValueError, lambda: ht.linear_cross_entropy(h, w, y[:, :-1]), "labels of shape")
+    raises(TypeError, lambda: ht.linear_cross_entropy(h, w, y.int()), "torch.int64")
     raises(TypeError, lambda: ht.patch_causal_lm(torch.nn.Linear(2, 2)), "causal LM")
 
 
