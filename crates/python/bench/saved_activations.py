@@ -11,11 +11,16 @@ Variants, each from the same initial weights on the same batches, AdamW(fused=Tr
   ``("int8", offload=pool)``, one ``PinnedPool`` kept across steps (fetching ahead up to the
   default ``prefetch_mb=128``); ``offload_prefetchN``: the first with ``prefetch_mb=N``
   (``offload_prefetch0``: without fetching ahead, the peak of ``save_on_cpu``'s schedule);
+  ``offload_fitN``, ``int8_offload_fitN``: fetching ahead while the bytes in flight and the
+  save backward is decoding stay under N MiB (a large save leaves less room ahead);
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``.
 
 Per variant: the median step (forward, backward, step, synchronised) over the timed steps; the
 activation bytes (allocated after the forward minus before it, in a settled step); the peak
-allocated bytes of a step; the ratios of both to ``plain``'s. One JSON object per line.
+allocated bytes of a step; the ratios of both to ``plain``'s; and from one more, traced step
+(hooks on every encoder block) where the peak is reached: ``trace_peak_between`` names the two
+events around it, ``trace_peak_rises_mb`` the events at which the running peak rose, and
+``trace_allocated_mb`` the allocated MiB at each event. One JSON object per line.
 
     python3 saved_activations.py --batch 32 [--steps 20] [--warmup 3]
 
@@ -58,8 +63,11 @@ def hooks(variant):
     if "offload" in variant:
         compress = "int8" if variant.startswith("int8") else None
         _, _, ahead = variant.partition("_prefetch")
-        prefetch_mb = int(ahead) if ahead else 128
-        return headroom.torch.saved_activations(compress, offload=POOL, prefetch_mb=prefetch_mb)
+        _, fit, fit_mb = variant.partition("_fit")
+        prefetch_mb = int(ahead or fit_mb or 128)
+        context = headroom.torch.saved_activations(compress, offload=POOL, prefetch_mb=prefetch_mb)
+        context._prefetch_counts_taken = bool(fit)
+        return context
     return headroom.torch.saved_activations(None if variant == "none" else variant)
 
 
@@ -102,13 +110,69 @@ def vit():
                 times.append(1e3 * (time.perf_counter() - start))
                 activations.append(after_forward - before)
                 peaks.append(torch.cuda.max_memory_allocated())
+        trace = traced_step(model, opt, variant, *batches[0])
         del opt
         yield {
             "model": "vit_l_16", "batch": args.batch, "variant": variant,
             "step_ms": statistics.median(times), "times_ms": times,
             "activation_bytes": max(activations), "peak_allocated_bytes": max(peaks),
             "pinned_pool_bytes": POOL.pinned_bytes if "offload" in variant else None,
+            **trace,
         }
+
+
+def traced_step(model, opt, variant, x, y):
+    """One more step with hooks on the encoder blocks: where the step's peak is reached (between
+    which two events), the events at which the running peak rose, and the allocated MiB at every
+    block boundary."""
+    events = []
+
+    def mark(label):
+        events.append((label, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
+
+    handles = []
+    for i, block in enumerate(model.encoder.layers):
+        handles += [
+            block.register_forward_pre_hook(lambda *_, i=i: mark(f"fwd{i}<")),
+            block.register_forward_hook(lambda *_, i=i: mark(f"fwd{i}>")),
+            block.register_full_backward_pre_hook(lambda *_, i=i: mark(f"bwd{i}<")),
+            block.register_full_backward_hook(lambda *_, i=i: mark(f"bwd{i}>")),
+        ]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    mark("start")
+    context = hooks(variant)
+    if context is None:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    else:
+        with context:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+    mark("forward_end")
+    torch.cuda.synchronize()
+    mark("forward_synced")
+    loss.backward()
+    mark("backward_end")
+    torch.cuda.synchronize()
+    mark("backward_synced")
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    mark("step_end")
+    for handle in handles:
+        handle.remove()
+    peak = events[-1][2]
+    at = next(i for i, event in enumerate(events) if event[2] >= peak)
+    rises, high_so_far = [], 0
+    for label, _, high in events:
+        if high > high_so_far + (1 << 20):
+            rises.append([label, round(high / 2**20, 1)])
+        high_so_far = max(high_so_far, high)
+    return {
+        "trace_peak_bytes": peak,
+        "trace_peak_between": [events[max(at - 1, 0)][0], events[at][0]],
+        "trace_peak_rises_mb": rises,
+        "trace_allocated_mb": [[label, round(now / 2**20, 1)] for label, now, _ in events],
+    }
 
 
 def gpt2():

@@ -296,6 +296,9 @@ class saved_activations:
         self._indices = []  # their indices (increasing)
         self._count = 0
         self._in_flight = 0  # bytes fetched ahead and not yet taken by backward
+        # An experiment of bench/saved_activations.py (offload_fitN variants): the save backward
+        # is decoding counts against prefetch_mb, so a large save leaves less room ahead.
+        self._prefetch_counts_taken = False
 
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -438,8 +441,9 @@ class saved_activations:
         if self.prefetch_bytes == 0:
             return
         order = self._order
+        bound = self.prefetch_bytes - (entry.nbytes if self._prefetch_counts_taken else 0)
         position = bisect.bisect_left(self._indices, entry.index) - 1
-        while position >= 0 and self._in_flight < self.prefetch_bytes:
+        while position >= 0 and self._in_flight < bound:
             other = order[position]()
             position -= 1
             if other is None or other.gpu is not None or not other.ranges:
