@@ -10,7 +10,7 @@ a run (an allocator is chosen before CUDA starts); one JSON line: the losses, th
 (steps after the fifth, synchronised), the peak reserved and allocated bytes, the plan.
 
     python3 clients.py --client hf|lightning --side native|headroom [--model gpt2|llama-tiny|llama-1b]
-                       [--steps 200] [--batch 8] [--seq 512] [--budget-mb 2048]
+                       [--steps 200] [--batch 8] [--seq 512] [--bf16] [--budget-mb 2048]
     python3 clients.py --summarize RUNS.jsonl     # headroom against native per client and model
 
 On a machine without a GPU it runs on the CPU (the allocator and the byte figures left out), to
@@ -30,6 +30,8 @@ parser.add_argument("--model", choices=["gpt2", "llama-tiny", "llama-1b"], defau
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--seq", type=int, default=512)
+parser.add_argument("--bf16", action="store_true",
+                    help="bf16 autocast on both sides (Trainer's bf16=True, Lightning's bf16-mixed)")
 parser.add_argument("--budget-mb", type=float, default=2048.0,
                     help="the blocks' saved activations under plan_blocks (headroom side)")
 parser.add_argument("--summarize", metavar="RUNS", help="print headroom/native from a JSON-lines file")
@@ -111,8 +113,12 @@ features = []
 plan = None
 if args.side == "headroom":
     sample = rows[:args.batch].to(device)
-    plan = headroom.torch.plan_blocks(blocks, args.budget_mb,
-                                      lambda: model(sample, labels=sample).loss)
+
+    def profiled_loss():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            return model(sample, labels=sample).loss
+
+    plan = headroom.torch.plan_blocks(blocks, args.budget_mb, profiled_loss)
     headroom.torch.patch_causal_lm(model)
     features = (["allocator", "adamw_in_backward_previous_step_clip"] if cuda else []) + [
         "plan_blocks", "linear_cross_entropy"]
@@ -166,6 +172,7 @@ if args.client == "hf":
         output_dir="/tmp/headroom-clients", max_steps=args.steps,
         per_device_train_batch_size=args.batch, logging_steps=1, save_strategy="no",
         report_to=[], max_grad_norm=CLIENT_CLIP, use_cpu=not cuda, disable_tqdm=True,
+        bf16=args.bf16,
         dataloader_num_workers=0)
     trainer = transformers.Trainer(model=model, args=settings, train_dataset=dataset,
                                    optimizers=(optimizer, scheduler), callbacks=[Timing()])
@@ -195,11 +202,12 @@ else:
     trainer = lightning.Trainer(max_steps=args.steps, accelerator="gpu" if cuda else "cpu",
                                 devices=1, logger=False, enable_checkpointing=False,
                                 enable_model_summary=False, enable_progress_bar=False,
-                                gradient_clip_val=CLIENT_CLIP or None, callbacks=[Timing()])
+                                gradient_clip_val=CLIENT_CLIP or None, callbacks=[Timing()],
+                                precision="bf16-mixed" if args.bf16 else "32-true")
     trainer.fit(CausalLm(), loader)
 
 row = {"client": args.client, "side": args.side, "model": args.model, "steps": args.steps,
-       "batch": args.batch, "seq": args.seq, "features": features,
+       "batch": args.batch, "seq": args.seq, "bf16": args.bf16, "features": features,
        "plan": None if plan is None else list(plan.strategies),
        "losses": losses, "step_ms_median": statistics.median(times[5:] or times),
        "torch": torch.__version__, "transformers": transformers.__version__,

@@ -43,14 +43,17 @@ if part saved; then
   run saved_activations_gpt2 600 python3 "$here/bench/saved_activations.py" --gpt2 300
 fi
 part optim && run optim_1e9 400 python3 "$here/bench/optim_1e9.py"
-# Issue 33's real clients: 200 steps each side, Hugging Face's Trainer and Lightning, GPT-2 small
-# and the Llama-3.2-1B shape at 8 x 512 tokens (bench/clients.py; clients.jsonl, summarised);
-# CLIENT_MODELS (default "gpt2 llama-1b") picks the models.
+# Issue 33's real clients: 200 steps each side, GPT-2 small (f32) under Hugging Face's Trainer
+# and Lightning, the Llama shapes (bf16 autocast) under the Trainer, 8 x 512 tokens
+# (bench/clients.py; clients.jsonl, summarised); CLIENT_MODELS (default "gpt2 llama-1b") picks
+# the models.
 part clients && for model in ${CLIENT_MODELS:-gpt2 llama-1b}; do
-  for client in hf lightning; do
+  clients="hf lightning" flags=""
+  [[ $model == llama* ]] && clients="hf" flags="--bf16"
+  for client in $clients; do
     for side in native headroom; do
       timeout 300 python3 "$here/bench/clients.py" --client $client --side $side --model $model \
-        --steps 200 --batch 8 --seq 512 > "$OUT/clients_${client}_${model}_$side.log" 2>&1 ||
+        --steps 200 --batch 8 --seq 512 $flags > "$OUT/clients_${client}_${model}_$side.log" 2>&1 ||
         { echo "FAILED: clients $client $model $side"; status=1; }
       grep -h '^{"client"' "$OUT/clients_${client}_${model}_$side.log" >> "$OUT/clients.jsonl"
     done
