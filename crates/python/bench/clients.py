@@ -7,10 +7,14 @@ stepped inside backward with clipping by the previous step's norm — the client
 keeping, compressing or recomputing
 each block under ``--budget-mb``, and the loss without logits, ``patch_causal_lm``). One process
 a run (an allocator is chosen before CUDA starts); one JSON line: the losses, the median step
-(steps after the fifth, synchronised), the peak reserved and allocated bytes, the plan.
+(steps after the fifth, synchronised), the training's peak reserved and allocated bytes (the
+plan's profile runs before it: its peaks are ``setup_peak_*``, and the cache it left is given
+back before training), the plan. ``--without allocator,in_backward,plan,loss`` leaves features
+out of the headroom side, to see what each costs.
 
     python3 clients.py --client hf|lightning --side native|headroom [--model gpt2|llama-tiny|llama-1b]
                        [--steps 200] [--batch 8] [--seq 512] [--bf16] [--budget-mb 2048]
+                       [--without FEATURE,...]
     python3 clients.py --summarize RUNS.jsonl     # headroom against native per client and model
 
 On a machine without a GPU it runs on the CPU (the allocator and the byte figures left out), to
@@ -34,6 +38,9 @@ parser.add_argument("--bf16", action="store_true",
                     help="bf16 autocast on both sides (Trainer's bf16=True, Lightning's bf16-mixed)")
 parser.add_argument("--budget-mb", type=float, default=2048.0,
                     help="the blocks' saved activations under plan_blocks (headroom side)")
+parser.add_argument("--without", default="",
+                    help="headroom side: features left out, comma-separated among allocator, "
+                         "in_backward, plan, loss (to see what each costs)")
 parser.add_argument("--summarize", metavar="RUNS", help="print headroom/native from a JSON-lines file")
 args = parser.parse_args()
 
@@ -45,6 +52,7 @@ def summarize(path):
                      and r["model"] == native["model"]):
             worst = max(abs(a / b - 1) for a, b in zip(ours["losses"], native["losses"]))
             row = {"client": native["client"], "model": native["model"],
+                   "without": ours.get("without", []), "plan": ours.get("plan"),
                    "step_ratio": ours["step_ms_median"] / native["step_ms_median"],
                    "max_loss_relative_difference": worst,
                    "final_losses": [native["losses"][-1], ours["losses"][-1]]}
@@ -59,13 +67,16 @@ if args.summarize:
     sys.exit(0)
 if args.client is None or args.side is None:
     parser.error("--client and --side are required (or --summarize RUNS)")
+WITHOUT = {name for name in args.without.split(",") if name}
+if WITHOUT - {"allocator", "in_backward", "plan", "loss"}:
+    parser.error(f"--without {args.without}: name features among allocator, in_backward, plan, loss")
 
 import torch  # noqa: E402
 
 cuda = torch.cuda.is_available()
-if cuda and args.side == "headroom":
-    import headroom.cuda
+import headroom.cuda  # noqa: E402
 
+if cuda and args.side == "headroom" and "allocator" not in WITHOUT:
     headroom.cuda.use_allocator()  # before transformers, whose imports can start CUDA
 
 import transformers  # noqa: E402
@@ -112,20 +123,24 @@ rows = token_rows(model.config.vocab_size, args.steps * args.batch)
 features = []
 plan = None
 if args.side == "headroom":
-    sample = rows[:args.batch].to(device)
+    if "loss" not in WITHOUT:
+        headroom.torch.patch_causal_lm(model)  # first: the plan's profile runs the fused loss
+        features.append("linear_cross_entropy")
+    if "plan" not in WITHOUT:
+        sample = rows[:args.batch].to(device)
 
-    def profiled_loss():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
-            return model(sample, labels=sample).loss
+        def profiled_loss():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                return model(sample, labels=sample).loss
 
-    plan = headroom.torch.plan_blocks(blocks, args.budget_mb, profiled_loss)
-    headroom.torch.patch_causal_lm(model)
-    features = (["allocator", "adamw_in_backward_previous_step_clip"] if cuda else []) + [
-        "plan_blocks", "linear_cross_entropy"]
+        plan = headroom.torch.plan_blocks(blocks, args.budget_mb, profiled_loss)
+        features.append("plan_blocks")
+    if cuda:
+        features += [f for f in ("allocator", "in_backward") if f not in WITHOUT]
 
 
 # Inside backward (headroom on CUDA) the optimizer clips; otherwise the client does, to 1.0.
-IN_BACKWARD = args.side == "headroom" and cuda
+IN_BACKWARD = args.side == "headroom" and cuda and "in_backward" not in WITHOUT
 CLIENT_CLIP = 0.0 if IN_BACKWARD else 1.0
 
 
@@ -136,6 +151,18 @@ def make_optimizer(params):
     inner = headroom.optim.AdamW(params, lr=LR)
     return headroom.torch.optimizer_in_backward(model, inner, clip=1.0, clip_mode="previous")
 
+
+# The statistics this side's allocator keeps (under Headroom's, torch's own raise:
+# CUDAPluggableAllocator keeps none, and the plugin answers with the same keys).
+STATS = headroom.cuda if headroom.cuda.is_active() else torch.cuda
+setup = {}
+if cuda:
+    # The plan's profile (four forwards, once before training) is reported on its own: the
+    # peaks below are the training's, after the cache the profile left is given back.
+    setup = {"setup_peak_reserved_bytes": STATS.max_memory_reserved(),
+             "setup_peak_allocated_bytes": STATS.max_memory_allocated()}
+    STATS.empty_cache()
+    STATS.reset_peak_memory_stats()
 
 losses, times = [], []
 started = [0.0]
@@ -207,15 +234,14 @@ else:
     trainer.fit(CausalLm(), loader)
 
 row = {"client": args.client, "side": args.side, "model": args.model, "steps": args.steps,
-       "batch": args.batch, "seq": args.seq, "bf16": args.bf16, "features": features,
+       "batch": args.batch, "seq": args.seq, "bf16": args.bf16, "budget_mb": args.budget_mb,
+       "without": sorted(WITHOUT), "features": features,
        "plan": None if plan is None else list(plan.strategies),
        "losses": losses, "step_ms_median": statistics.median(times[5:] or times),
        "torch": torch.__version__, "transformers": transformers.__version__,
        "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
 if cuda:
-    # Under Headroom's allocator torch's own statistics raise (CUDAPluggableAllocator keeps
-    # none): the plugin's statistics, which answer with the same keys, take their place.
-    stats = headroom.cuda if args.side == "headroom" else torch.cuda
-    row["peak_reserved_bytes"] = stats.max_memory_reserved()
-    row["peak_allocated_bytes"] = stats.max_memory_allocated()
+    row["peak_reserved_bytes"] = STATS.max_memory_reserved()
+    row["peak_allocated_bytes"] = STATS.max_memory_allocated()
+    row.update(setup)
 print(json.dumps(row), flush=True)

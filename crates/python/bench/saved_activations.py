@@ -13,6 +13,8 @@ Variants, each from the same initial weights on the same batches, AdamW(fused=Tr
   (``offload_prefetch0``: without fetching ahead, the peak of ``save_on_cpu``'s schedule);
   ``offload_fitN``, ``int8_offload_fitN``: fetching ahead while the bytes in flight and the
   save backward is decoding stay under N MiB (a large save leaves less room ahead);
+  ``offload_peak``, ``int8_offload_peak``: ``hold_peak=True`` (fetching ahead only under the
+  previous backward's level);
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``.
 
 Per variant: the median step (forward, backward, step, synchronised) over the timed steps; the
@@ -65,7 +67,8 @@ def hooks(variant):
         _, _, ahead = variant.partition("_prefetch")
         _, fit, fit_mb = variant.partition("_fit")
         prefetch_mb = int(ahead or fit_mb or 128)
-        context = headroom.torch.saved_activations(compress, offload=POOL, prefetch_mb=prefetch_mb)
+        context = headroom.torch.saved_activations(compress, offload=POOL, prefetch_mb=prefetch_mb,
+                                                   hold_peak=variant.endswith("_peak"))
         context._prefetch_counts_taken = bool(fit)
         return context
     return headroom.torch.saved_activations(None if variant == "none" else variant)
@@ -110,7 +113,8 @@ def vit():
                 times.append(1e3 * (time.perf_counter() - start))
                 activations.append(after_forward - before)
                 peaks.append(torch.cuda.max_memory_allocated())
-        trace = traced_step(model, opt, variant, *batches[0])
+        held = list(state.values()) + [t for batch in batches for t in batch]
+        trace = traced_step(model, opt, variant, *batches[0], held)
         del opt
         yield {
             "model": "vit_l_16", "batch": args.batch, "variant": variant,
@@ -121,7 +125,30 @@ def vit():
         }
 
 
-def traced_step(model, opt, variant, x, y):
+def live_tensors(model, opt, held):
+    """The CUDA tensors Python holds at the traced step's start other than the model's
+    parameters, their gradients, the optimizer's state and what the script holds (``held``: the
+    initial weights, the batches): the largest 8 as
+    [MiB, shape, dtype, grad_fn, requires_grad]."""
+    import gc
+
+    known = {id(p) for p in model.parameters()} | {id(t) for t in held}
+    known |= {id(p.grad) for p in model.parameters() if p.grad is not None}
+    known |= {id(v) for state in opt.state.values() for v in state.values()
+              if isinstance(v, torch.Tensor)}
+    found = []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.is_cuda and id(obj) not in known:
+                found.append([round(obj.untyped_storage().nbytes() / 2**20, 2), list(obj.shape),
+                              str(obj.dtype), type(obj.grad_fn).__name__, obj.requires_grad])
+        except Exception:  # noqa: BLE001 (objects that only look like tensors)
+            continue
+    found.sort(key=lambda row: -row[0])
+    return {"count": len(found), "mib": round(sum(row[0] for row in found), 2), "largest": found[:8]}
+
+
+def traced_step(model, opt, variant, x, y, held):
     """One more step with hooks on the encoder blocks: where the step's peak is reached (between
     which two events), the events at which the running peak rose, and the allocated MiB at every
     block boundary."""
@@ -141,6 +168,7 @@ def traced_step(model, opt, variant, x, y):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     mark("start")
+    live = live_tensors(model, opt, held)
     context = hooks(variant)
     if context is None:
         loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -171,6 +199,7 @@ def traced_step(model, opt, variant, x, y):
         "trace_peak_bytes": peak,
         "trace_peak_between": [events[max(at - 1, 0)][0], events[at][0]],
         "trace_peak_rises_mb": rises,
+        "trace_live_at_start": live,
         "trace_allocated_mb": [[label, round(now / 2**20, 1)] for label, now, _ in events],
     }
 

@@ -46,16 +46,25 @@ part optim && run optim_1e9 400 python3 "$here/bench/optim_1e9.py"
 # Issue 33's real clients: 200 steps each side, GPT-2 small (f32) under Hugging Face's Trainer
 # and Lightning, the Llama shapes (bf16 autocast) under the Trainer, 8 x 512 tokens
 # (bench/clients.py; clients.jsonl, summarised); CLIENT_MODELS (default "gpt2 llama-1b") picks
-# the models.
+# the models, CLIENT_WITHOUT (e.g. "in_backward loss") adds Trainer runs of the headroom side
+# with one feature left out each. The plan's budget per model is the blocks' whole saved
+# activations (gpt2 4,323 MiB, llama-1b 8,077 MiB, llama-tiny 215 MiB): what the fused loss and
+# the freed gradients leave under native's peak, so the plan keeps every block.
+budget_of() { case $1 in gpt2) echo 4400 ;; llama-1b) echo 8192 ;; *) echo 2048 ;; esac; }
 part clients && for model in ${CLIENT_MODELS:-gpt2 llama-1b}; do
   clients="hf lightning" flags=""
   [[ $model == llama* ]] && clients="hf" flags="--bf16"
   for client in $clients; do
-    for side in native headroom; do
+    runs="native headroom"
+    [[ $client == hf ]] && for w in ${CLIENT_WITHOUT:-}; do runs+=" headroom-without-$w"; done
+    for run in $runs; do
+      side=${run%%-*} without=""
+      [[ $run == *-without-* ]] && without="--without ${run##*-without-}"
       timeout 300 python3 "$here/bench/clients.py" --client $client --side $side --model $model \
-        --steps 200 --batch 8 --seq 512 $flags > "$OUT/clients_${client}_${model}_$side.log" 2>&1 ||
-        { echo "FAILED: clients $client $model $side"; status=1; }
-      grep -h '^{"client"' "$OUT/clients_${client}_${model}_$side.log" >> "$OUT/clients.jsonl"
+        --steps 200 --batch 8 --seq 512 --budget-mb "$(budget_of $model)" $flags $without \
+        > "$OUT/clients_${client}_${model}_$run.log" 2>&1 ||
+        { echo "FAILED: clients $client $model $run"; status=1; }
+      grep -h '^{"client"' "$OUT/clients_${client}_${model}_$run.log" >> "$OUT/clients.jsonl"
     done
   done
 done

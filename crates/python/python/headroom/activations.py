@@ -36,15 +36,21 @@ device memory goes back to torch's allocator once the copy is done (``record_str
 order, not Python's lifetimes). Backward brings each back on the side stream into memory
 allocated on its own stream, which waits for the copy's event before it reads; while it
 decodes one save, the saves made just before it (backward's next ones) are fetched ahead, up
-to ``prefetch_mb`` MiB in flight (0: none). A pool range is reused only after the last copy
-that read it has completed (``headroom.pinned``). ``budget_mb`` bounds the pool
+to ``prefetch_mb`` MiB in flight (0: none). With ``hold_peak=True`` it fetches ahead only
+while the allocator's bytes, with the copy, stay under the highest level the previous backward
+on that device reached at its unpacks without what it had fetched ahead: fetching ahead then
+costs no peak (the first backward fetches nothing ahead). It reads PyTorch's allocator
+statistics (``torch.cuda.memory_allocated``), so it is refused under Headroom's allocator.
+A pool range is reused only after the last copy that read it has completed
+(``headroom.pinned``). ``budget_mb`` bounds the pool
 (``offload=True`` only); a save the budget cannot hold raises ``PinnedBudgetError`` in the
 forward. Offloaded saves come back bit for bit (then decoded by their codec), contiguous.
 CPU saves are never offloaded.
 
 What raises: an unknown codec, a block size the codec does not take, ``min_elements`` below 1,
 an ``offload`` that is not a bool or a pool, ``budget_mb`` without ``offload=True``, a negative
-``prefetch_mb`` (``ValueError``, at construction); a save the pool's budget cannot hold
+``prefetch_mb``, a ``hold_peak`` that is not a bool or is given under Headroom's allocator
+(``ValueError``, at construction); a save the pool's budget cannot hold
 (``PinnedBudgetError``, in the forward); an ``"int8"`` save of a CUDA tensor while torch's current
 stream is not the default stream (``ValueError``, in the forward: the kernel runs on the default
 stream; ``"bf16"`` works on any stream).
@@ -234,6 +240,37 @@ class _Offloaded:
                 raise
 
 
+class _Level:
+    """The highest allocation level one device's backward reached at its unpacks, without what
+    was fetched ahead (``hold_peak``): ``previous`` is the last finished backward's, ``current``
+    the running one's (a backward is one autograd graph task)."""
+
+    __slots__ = ("previous", "current", "task")
+
+    def __init__(self):
+        self.previous, self.current, self.task = 0, 0, None
+
+    def seen(self, level):
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            if self.task is not None:
+                self.previous = self.current
+            self.current, self.task = 0, task
+        self.current = max(self.current, level)
+
+
+_LEVELS = {}  # device index -> _Level
+
+
+def _device_index(device):
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _headroom_allocator_active():
+    cuda = sys.modules.get("headroom.cuda")
+    return cuda is not None and cuda.is_active()
+
+
 def _where(device):
     """(device index or ``None`` for the CPU, torch's current stream's handle)."""
     if device.type == "cuda":
@@ -259,7 +296,7 @@ class saved_activations:
     memory; see the module's documentation."""
 
     def __init__(self, compress="int8", *, offload=False, budget_mb=None, prefetch_mb=128,
-                 block=DEFAULT_BLOCK, min_elements=DEFAULT_MIN_ELEMENTS):
+                 hold_peak=False, block=DEFAULT_BLOCK, min_elements=DEFAULT_MIN_ELEMENTS):
         if compress not in CODECS:
             raise ValueError(f"compress={compress!r}: give one of {CODECS}")
         if compress == "int8" and (
@@ -282,7 +319,15 @@ class saved_activations:
             raise ValueError(f"offload={offload!r}: give True, False or a PinnedPool")
         if not isinstance(prefetch_mb, (int, float)) or prefetch_mb < 0:
             raise ValueError(f"prefetch_mb={prefetch_mb!r}: give a non-negative number of MiB")
+        if not isinstance(hold_peak, bool):
+            raise ValueError(f"hold_peak={hold_peak!r}: give True or False")
+        if hold_peak and _headroom_allocator_active():
+            raise ValueError(
+                "hold_peak=True reads PyTorch's allocator statistics, which Headroom's allocator "
+                "does not serve: leave hold_peak out under headroom.cuda.use_allocator()"
+            )
         self.compress = compress
+        self.hold_peak = hold_peak
         self.block = block
         self.min_elements = min_elements
         self.pool = pool
@@ -427,6 +472,9 @@ class saved_activations:
         torch.cuda.current_stream(device).wait_event(entry.fetched)
         gpu, entry.gpu = entry.gpu, None
         self._in_flight -= entry.nbytes
+        if self.hold_peak:
+            _LEVELS.setdefault(_device_index(device), _Level()).seen(
+                torch.cuda.memory_allocated(device) - self._in_flight)
         self._prefetch_before(entry, device)
         inner = entry.inner
         inner.set_payload(gpu)
@@ -442,6 +490,7 @@ class saved_activations:
             return
         order = self._order
         bound = self.prefetch_bytes - (entry.nbytes if self._prefetch_counts_taken else 0)
+        ceiling = _LEVELS[_device_index(device)].previous if self.hold_peak else None
         position = bisect.bisect_left(self._indices, entry.index) - 1
         while position >= 0 and self._in_flight < bound:
             other = order[position]()
@@ -450,4 +499,6 @@ class saved_activations:
                 continue
             if other.fetched is not None:
                 continue  # taken by backward already (a retained graph fetches on demand)
+            if ceiling is not None and torch.cuda.memory_allocated(device) + other.nbytes > ceiling:
+                return  # this copy would raise the peak of the previous backward
             self._fetch(other, device)

@@ -255,6 +255,7 @@ class InBackward(torch.optim.Optimizer):
 
     def _reset_pass(self):
         self._pending = []
+        self._unprepared = []  # gradients of the pending bucket that _flush prepares
         self._pending_bytes = 0
         self._queued = set()  # the parameters queued in this pass
         self._norms = []
@@ -307,12 +308,19 @@ class InBackward(torch.optim.Optimizer):
         self._add(p, grad)
 
     def _prepare(self, grad):
-        """An updating pass's gradient before its step: its norm part recorded (previous-step
-        clipping), then scaled by the step's clipping coefficient."""
+        """Marks an updating pass's gradient for ``_flush`` to prepare before its step: its norm
+        part recorded (previous-step clipping), then scaled by the step's clipping coefficient
+        (a bucket's gradients at once, two launches instead of two a parameter)."""
+        self._unprepared.append(grad)
+
+    def _prepare_bucket(self):
+        grads, self._unprepared = self._unprepared, []
+        if not grads:
+            return
         if self.clip is not None and self.clip_mode == "previous":
-            self._norms.append(torch.linalg.vector_norm(grad, 2.0))
+            self._norms.extend(torch._foreach_norm(grads, 2.0))
         if self._coefficient is not None:
-            grad.mul_(self._coefficient)
+            torch._foreach_mul_(grads, self._coefficient)
 
     def _add(self, p, grad):
         """Adds ``p`` to the pending bucket, stepping the bucket once it holds ``bucket_mb``."""
@@ -348,6 +356,7 @@ class InBackward(torch.optim.Optimizer):
         pending = self._pending
         if not pending:
             return
+        self._prepare_bucket()
         self._pending = []
         self._pending_bytes = 0
         by_group = {}
