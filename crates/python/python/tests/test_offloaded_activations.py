@@ -91,6 +91,8 @@ def test_bad_offload_settings_raise():
     raises(ValueError, lambda: ht.saved_activations(None, budget_mb=64), "offload=True")
     raises(ValueError, lambda: ht.saved_activations(None, offload=True, prefetch_mb=-1),
            "prefetch_mb")
+    raises(ValueError, lambda: ht.saved_activations(None, offload=True, hold_peak=1),
+           "hold_peak=1")
     raises(ValueError, lambda: ht.saved_activations(None, offload=ht.PinnedPool(), budget_mb=8),
            "PinnedPool")
     raises(ValueError, lambda: ht.PinnedPool(0), "budget_mb=0")
@@ -139,12 +141,14 @@ def test_cpu_saves_are_not_offloaded():
 def test_offloaded_saves_give_the_plain_gradients_bit_for_bit():
     dev = on("cuda")
     plain = grads_with(dev, None)
-    for prefetch_mb in (128, 0):
-        saved = ht.saved_activations(None, offload=True, prefetch_mb=prefetch_mb)
+    # hold_peak twice: the first backward sets the level the second fetches ahead under.
+    for prefetch_mb, hold_peak in ((128, False), (0, False), (128, True), (128, True)):
+        saved = ht.saved_activations(None, offload=True, prefetch_mb=prefetch_mb,
+                                     hold_peak=hold_peak)
         got = grads_with(dev, saved)
         assert saved.stats["offloaded"] > 0 and saved.stats["offloaded_bytes"] > 0
         for i, (a, b) in enumerate(zip(got, plain)):
-            assert torch.equal(a, b), (prefetch_mb, i)
+            assert torch.equal(a, b), (prefetch_mb, hold_peak, i)
     int8 = grads_with(dev, ht.saved_activations("int8"))
     saved = ht.saved_activations("int8", offload=True)
     got = grads_with(dev, saved)
