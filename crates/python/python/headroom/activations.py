@@ -382,7 +382,10 @@ class saved_activations:
         self.stats["saved"] += 1
         encodes, offloads = self._encodes(t), self._offloads(t)
         if not (encodes or offloads):
-            return t
+            # A detached alias (same storage and version counter), never ``t`` itself: a node
+            # that saves its own output would otherwise hold the tensor that holds the node, a
+            # cycle through C++ that keeps the graph alive when no backward releases it.
+            return t.detach()
         entry = self._shared.get(id(t))
         if entry is not None:
             ref, version, packed_ref = entry

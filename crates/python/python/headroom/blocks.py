@@ -109,9 +109,13 @@ class _Profile:
         return handles
 
     def pack(self, t):
+        # A detached alias, never ``t`` itself: a node that saves its own output (exp, layer
+        # norm's statistics) would hold the tensor that holds the node, a cycle through C++
+        # that Python's collector cannot see, and the profile's forwards never run backward to
+        # release it: each would keep its whole graph alive.
         i = self._current
         if i is None or _derived_from_parameter(t):
-            return t
+            return t.detach()
         key = _storage_key(t)
         first = key not in self._seen[i]
         self._seen[i].add(key)
@@ -126,7 +130,7 @@ class _Profile:
             self.moved[i] += t.numel() * t.element_size()  # each save copied on its own
         elif first:
             self.offloaded[i] += key[1]
-        return t
+        return t.detach()
 
 
 def _profile(blocks, step, encode):

@@ -176,8 +176,11 @@ def test_parameters_casts_and_statistics_are_kept(device):
         cast = weight.t().to(torch.float64).to(torch.float32)
         z = torch.nn.functional.linear(x, cast)  # a cast of a transposed parameter: kept
         n = torch.nn.functional.layer_norm(y, (512,))  # mean and rstd need no grad: kept
-    kept = [t for t, packed in saved.seen if packed is t]
-    encoded = [t for t, packed in saved.seen if packed is not t]
+    # Kept: a detached alias of the save (its storage, no grad_fn: no cycle through the node).
+    kept = [t for t, packed in saved.seen if isinstance(packed, torch.Tensor)]
+    assert all(packed.data_ptr() == t.data_ptr() and packed.grad_fn is None
+               for t, packed in saved.seen if isinstance(packed, torch.Tensor))
+    encoded = [t for t, packed in saved.seen if not isinstance(packed, torch.Tensor)]
     assert any(t is weight or t._base is weight for t in kept), "the parameter (a view) is kept"
     assert any(t is cast or t._base is cast for t in kept), "a cast of a parameter is kept"
     assert any(not t.requires_grad for t in kept), "layer norm's statistics are kept"
