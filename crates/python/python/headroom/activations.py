@@ -274,7 +274,7 @@ def _headroom_allocator_active():
 def _where(device):
     """(device index or ``None`` for the CPU, torch's current stream's handle)."""
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = _device_index(device)
         return index, _stream_handle(index)
     return None, 0
 
@@ -419,7 +419,7 @@ class saved_activations:
         return packed.decode()
 
     def _side_stream(self, device):
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = _device_index(device)
         stream = self._streams.get(index)
         if stream is None:
             stream = self._streams[index] = torch.cuda.Stream(index)
