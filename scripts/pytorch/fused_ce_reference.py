@@ -21,8 +21,16 @@ per implementation the median ms, the loss, `peak_beyond_inputs_bytes`
 inputs and the weight allocated and no gradients) and `peak_beyond_inputs_and_grads_bytes` (that
 less the gradients of x and W, the issue's target: <= 64 MiB + 8 B per token).
 
+With `--dtype f32` the inputs are float32 (TF32 off, PyTorch's default), as GPT-2's loss under
+Hugging Face's Trainer without autocast; then headroom_python_backward (the gradients by
+recompute in backward) and headroom_python_forward (computed in the forward, a block of whole
+rows under `chunk_mb`; `_forward_256` under 256 MiB) are timed beside the automatic choice.
+`--profile` adds per implementation the CUDA kernels of two profiled steps (`kernels`: name,
+calls and microseconds a step, the largest first).
+
 Usage:
     python3 scripts/pytorch/fused_ce_reference.py [--iters 10] [--tokens 8192 --hidden 2048 --vocab 128256]
+        [--dtype bf16|f32] [--profile]
 """
 import argparse
 import json
@@ -52,12 +60,34 @@ def measure(torch, step, params, iters):
     return {"median_ms": round(times[len(times) // 2], 3), "peak_beyond_inputs_bytes": peak, "loss": loss_value}
 
 
+def kernels(torch, step, params, steps=2):
+    """The CUDA kernels of `steps` forward + backward runs: [name, calls, microseconds] a step,
+    the largest first (the twelve largest and the rest summed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            for p in params:
+                p.grad = None
+            step().backward()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.count // steps, e.device_time_total / steps)
+            for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[2])
+    top = [[name[:90], calls, round(us, 1)] for name, calls, us in rows[:12]]
+    rest = sum(us for _, _, us in rows[12:])
+    return top + [["(the rest)", sum(c for _, c, _ in rows[12:]), round(rest, 1)],
+                  ["(total)", sum(c for _, c, _ in rows), round(sum(us for *_, us in rows), 1)]]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
 
     import torch
@@ -65,10 +95,11 @@ def main():
 
     torch.manual_seed(0)
     device = "cuda"
-    x = (torch.rand(args.tokens, args.hidden, device=device) * 2 - 1).to(torch.bfloat16).requires_grad_()
-    w = ((torch.rand(args.vocab, args.hidden, device=device) * 2 - 1) * 0.02).to(torch.bfloat16).requires_grad_()
+    dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[args.dtype]
+    x = (torch.rand(args.tokens, args.hidden, device=device) * 2 - 1).to(dtype).requires_grad_()
+    w = ((torch.rand(args.vocab, args.hidden, device=device) * 2 - 1) * 0.02).to(dtype).requires_grad_()
     y = torch.arange(args.tokens, device=device, dtype=torch.int64) * 7919 % args.vocab
-    grads = (args.tokens + args.vocab) * args.hidden * 2
+    grads = (args.tokens + args.vocab) * args.hidden * x.element_size()
 
     impls = {"torch_eager_unfused": lambda: (lambda: F.cross_entropy((x @ w.T).float(), y))}
 
@@ -93,13 +124,31 @@ def main():
 
         return lambda: headroom.torch.linear_cross_entropy(x, w, y)
 
+    def headroom_python_gradients(in_forward, chunk_mb=64):
+        def make():
+            import headroom.loss
+            import headroom.torch
+
+            def step():
+                headroom.loss._GRADIENTS_IN_FORWARD[0] = in_forward
+                try:
+                    return headroom.torch.linear_cross_entropy(x, w, y, chunk_mb=chunk_mb)
+                finally:
+                    headroom.loss._GRADIENTS_IN_FORWARD[0] = None
+            return step
+        return make
+
     impls["liger_flce"] = liger
     impls["headroom_python"] = headroom_python
+    if args.dtype == "f32":
+        impls["headroom_python_backward"] = headroom_python_gradients(False)
+        impls["headroom_python_forward"] = headroom_python_gradients(True)
+        impls["headroom_python_forward_256"] = headroom_python_gradients(True, 256)
     impls["cce"] = cce
     impls["cce_no_filter"] = cce_no_filter
 
     results = {
-        "shape": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "dtype": "bf16"},
+        "shape": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "dtype": args.dtype},
         "iters": args.iters,
         "target_beyond_grads_bytes": 64 * 2**20 + 8 * args.tokens,
         "torch": torch.__version__,
@@ -113,6 +162,8 @@ def main():
         try:
             entry = measure(torch, step, [x, w], args.iters)
             entry["peak_beyond_inputs_and_grads_bytes"] = entry["peak_beyond_inputs_bytes"] - grads
+            if args.profile:
+                entry["kernels"] = kernels(torch, step, [x, w])
             results[name] = entry
         except Exception as err:  # one failing anchor must not hide the others
             results[name] = {"error": f"{type(err).__name__}: {err}"}

@@ -41,6 +41,11 @@ parser.add_argument("--budget-mb", type=float, default=2048.0,
 parser.add_argument("--without", default="",
                     help="headroom side: features left out, comma-separated among allocator, "
                          "in_backward, plan, loss (to see what each costs)")
+parser.add_argument("--loss-chunk-mb", type=float, default=64.0,
+                    help="headroom side: patch_causal_lm's chunk_mb (the fused loss's block)")
+parser.add_argument("--loss-gradients", choices=["auto", "forward", "backward"], default="auto",
+                    help="headroom side: where the fused loss computes its gradients (auto: "
+                         "its rule, in the forward for float32 without TF32)")
 parser.add_argument("--summarize", metavar="RUNS", help="print headroom/native from a JSON-lines file")
 args = parser.parse_args()
 
@@ -81,6 +86,7 @@ if cuda and args.side == "headroom" and "allocator" not in WITHOUT:
 
 import transformers  # noqa: E402
 
+import headroom.loss  # noqa: E402
 import headroom.optim  # noqa: E402
 import headroom.torch  # noqa: E402
 
@@ -124,7 +130,10 @@ features = []
 plan = None
 if args.side == "headroom":
     if "loss" not in WITHOUT:
-        headroom.torch.patch_causal_lm(model)  # first: the plan's profile runs the fused loss
+        # First: the plan's profile runs the fused loss.
+        headroom.torch.patch_causal_lm(model, chunk_mb=args.loss_chunk_mb)
+        headroom.loss._GRADIENTS_IN_FORWARD[0] = {"auto": None, "forward": True,
+                                                  "backward": False}[args.loss_gradients]
         features.append("linear_cross_entropy")
     if "plan" not in WITHOUT:
         sample = rows[:args.batch].to(device)
@@ -235,6 +244,7 @@ else:
 
 row = {"client": args.client, "side": args.side, "model": args.model, "steps": args.steps,
        "batch": args.batch, "seq": args.seq, "bf16": args.bf16, "budget_mb": args.budget_mb,
+       "loss_chunk_mb": args.loss_chunk_mb, "loss_gradients": args.loss_gradients,
        "without": sorted(WITHOUT), "features": features,
        "plan": None if plan is None else list(plan.strategies),
        "losses": losses, "step_ms_median": statistics.median(times[5:] or times),

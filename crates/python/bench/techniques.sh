@@ -46,8 +46,9 @@ part optim && run optim_1e9 400 python3 "$here/bench/optim_1e9.py"
 # Issue 33's real clients: 200 steps each side, GPT-2 small (f32) under Hugging Face's Trainer
 # and Lightning, the Llama shapes (bf16 autocast) under the Trainer, 8 x 512 tokens
 # (bench/clients.py; clients.jsonl, summarised); CLIENT_MODELS (default "gpt2 llama-tiny llama-1b")
-# picks the models, CLIENT_WITHOUT (e.g. "in_backward loss") adds Trainer runs of the headroom side
-# with one feature left out each. The plan's budget per model is at least the blocks' whole
+# picks the models, CLIENT_VARIANTS adds Trainer runs of the headroom side: without-FEATURE
+# leaves one feature out (e.g. "without-in_backward without-loss"), loss-forward and
+# loss-backward force where the fused loss computes its gradients. The plan's budget per model is at least the blocks' whole
 # saved activations (gpt2 4,323 MiB, llama-1b 8,077 MiB, llama-tiny 215 MiB as profiled), so the
 # plan keeps every block: the memory to beat native's peak is to come from the fused loss and the
 # gradients freed in backward.
@@ -57,12 +58,13 @@ part clients && for model in ${CLIENT_MODELS:-gpt2 llama-tiny llama-1b}; do
   [[ $model == llama* ]] && clients="hf" flags="--bf16"
   for client in $clients; do
     runs="native headroom"
-    [[ $client == hf ]] && for w in ${CLIENT_WITHOUT:-}; do runs+=" headroom-without-$w"; done
+    [[ $client == hf ]] && for v in ${CLIENT_VARIANTS:-}; do runs+=" headroom-$v"; done
     for run in $runs; do
-      side=${run%%-*} without=""
-      [[ $run == *-without-* ]] && without="--without ${run##*-without-}"
+      side=${run%%-*} variant=""
+      [[ $run == *-without-* ]] && variant="--without ${run##*-without-}"
+      [[ $run == *-loss-* ]] && variant="--loss-gradients ${run##*-loss-}"
       timeout 300 python3 "$here/bench/clients.py" --client $client --side $side --model $model \
-        --steps 200 --batch 8 --seq 512 --budget-mb "$(budget_of $model)" $flags $without \
+        --steps 200 --batch 8 --seq 512 --budget-mb "$(budget_of $model)" $flags $variant \
         > "$OUT/clients_${client}_${model}_$run.log" 2>&1 ||
         { echo "FAILED: clients $client $model $run"; status=1; }
       grep -h '^{"client"' "$OUT/clients_${client}_${model}_$run.log" >> "$OUT/clients.jsonl"

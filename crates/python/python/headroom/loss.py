@@ -24,6 +24,15 @@ and the weight are cast to autocast's dtype first, as autocast casts a linear la
 ``chunk_mb`` bounds the tile and the accumulator together. Labels outside ``[0, vocab)`` other
 than ``ignore_index`` fail a device-side assertion, as ``F.cross_entropy``'s do.
 
+For float32 (without TF32) and float64, where a product of the logits' size costs more than the
+memory traffic around it, a ``"mean"`` or ``"sum"`` loss that autograd records computes its
+gradients in the forward instead, a block of whole rows at a time (three products in all, as the
+unfused loss, instead of four): each block's logits are made once, folded, overwritten by their
+gradient for an upstream gradient of 1 and multiplied into the gradients, which backward then
+scales in place by its upstream gradient (exact when that is 1). The gradients exist from the
+forward on (the peak beyond them is the same); a second backward through the same loss
+(``retain_graph=True``) raises ``RuntimeError``: they were given to the first.
+
 Elsewhere (the CPU, or a forward under ``torch.cuda.stream(...)``) it runs in torch's own
 kernels, a block of full rows at a time: the logits in float32 (``torch.matmul`` then
 ``.float()``, as autocast's matmul and PyTorch's float32 cross-entropy would), the hidden
@@ -39,7 +48,8 @@ model's own forward. ``unpatch_causal_lm`` restores it.
 What raises: ``labels`` whose shape is not ``hidden``'s without the feature dimension, a
 ``weight`` whose columns are not ``hidden``'s features, ``reduction`` other than ``"mean"``,
 ``"sum"`` or ``"none"``, ``chunk_mb`` not positive (``ValueError``); labels that are not int64,
-a model without a base model and an output embedding (``TypeError``).
+a model without a base model and an output embedding (``TypeError``); a second backward through
+a loss whose gradients the forward computed (``RuntimeError``).
 
 This module sits on torch and ``headroom._native``'s cross-entropy tiles.
 """
@@ -190,11 +200,20 @@ def _launch_args(t):
     return device, torch.cuda.current_stream(t.device).cuda_stream
 
 
+def _full_rows(rows, vocab, features, dtype, chunk_mb):
+    """Rows a block when a block holds whole rows of logits (the inputs' dtype) and, for float16
+    and bfloat16, the float32 product of the hidden states' gradient, under ``chunk_mb`` MiB; 0
+    when not even one row fits."""
+    size = torch.empty((), dtype=dtype).element_size()
+    per_row = vocab * size + (4 * features if dtype in _HALVES else 0)
+    return min(rows, int(chunk_mb * (1 << 20)) // per_row)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """The CUDA path: torch's products, Headroom's tile kernels (see the module's notes)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, chunk_mb):
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, reduction, chunk_mb, recorded):
         rows, features = hidden.shape
         vocab = weight.shape[0]
         stats = _stats_dtype(hidden.dtype)
@@ -205,6 +224,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         torch._assert_async(((labels >= 0) & (labels < vocab) | ~valid).all(),
                             "linear_cross_entropy: a label outside [0, vocab) that is not "
                             "ignore_index")
+        whole = _full_rows(rows, vocab, features, hidden.dtype, chunk_mb)
+        in_forward = (_products_dominate(hidden.dtype) if _GRADIENTS_IN_FORWARD[0] is None
+                      else _GRADIENTS_IN_FORWARD[0])
+        if recorded and reduction != "none" and any(ctx.needs_input_grad[:3]) and whole > 0 \
+                and in_forward:
+            return _forward_with_gradients(ctx, hidden, weight, bias, labels, valid,
+                                           ignore_index, reduction, whole)
+        ctx.gradients = None
         lse = torch.empty(rows, dtype=stats, device=hidden.device)
         losses = torch.empty(rows, dtype=stats, device=hidden.device)
         for start in range(0, rows, block):
@@ -230,6 +257,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.gradients is not None:
+            return _scaled_gradients(ctx, grad_out)
         hidden, weight, bias, labels, valid, lse, count = ctx.saved_tensors
         rows, features = hidden.shape
         vocab = weight.shape[0]
@@ -272,7 +301,98 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if acc is not None:
                 grad_h[start:end].copy_(acc)
         return (grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype),
-                None, None, None, None)
+                None, None, None, None, None)
+
+
+# Whether a reduced CUDA loss computes its gradients in the forward: None follows
+# ``_products_dominate``; True or False forces it (the benchmarks time both ways).
+_GRADIENTS_IN_FORWARD = [None]
+
+
+def _products_dominate(dtype):
+    """Whether a product of the logits' size costs more than accumulating the weight's gradient
+    once a block of whole rows: float64, and float32 without TF32 (CUDA cores); float16,
+    bfloat16 and TF32 products run on tensor cores, where the repeated accumulation costs more
+    than the product it saves (at a 128K vocabulary about 10 ms against 6)."""
+    if dtype == torch.float64:
+        return True
+    return dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+
+
+def _forward_with_gradients(ctx, hidden, weight, bias, labels, valid, ignore_index, reduction,
+                            block):
+    """The forward of a reduced loss that also computes the gradients, for an upstream gradient
+    of 1, a block of whole rows at a time: each block's logits are made once (three products in
+    all, as unfused, instead of four), its statistics folded, then overwritten in place by
+    ``scale · (softmax − onehot)`` and multiplied into the gradients, which backward scales by
+    its upstream gradient (exact when that is 1). The gradients are held on ``ctx``, out of
+    reach of saved-tensor hooks, and given to the one backward that takes them."""
+    rows, features = hidden.shape
+    vocab = weight.shape[0]
+    stats = _stats_dtype(hidden.dtype)
+    device, stream = _launch_args(hidden)
+    name = _NATIVE_DTYPES[hidden.dtype]
+    want_h, want_w, want_b = ctx.needs_input_grad[:3]
+    half = hidden.dtype in _HALVES
+    count = valid.sum()
+    one = torch.ones((), dtype=stats, device=hidden.device)
+    row_scale = _row_scale(reduction, one, valid, count)
+    grad_h = torch.empty_like(hidden) if want_h else None
+    grad_w = torch.zeros_like(weight) if want_w else None
+    grad_b = (torch.zeros(vocab, dtype=stats, device=weight.device)
+              if want_b and bias is not None else None)
+    lse = torch.empty(rows, dtype=stats, device=hidden.device)
+    losses = torch.empty(rows, dtype=stats, device=hidden.device)
+    for start in range(0, rows, block):
+        end = min(start + block, rows)
+        n = end - start
+        h = hidden[start:end]
+        row_max = torch.full((n,), float("-inf"), dtype=stats, device=hidden.device)
+        row_sum = torch.zeros(n, dtype=stats, device=hidden.device)
+        target = torch.zeros(n, dtype=stats, device=hidden.device)
+        d = _tile_logits(h, weight, bias, 0, vocab)
+        tile = (name, d.data_ptr(), n, vocab, 0, labels[start:end].data_ptr(), 1, ignore_index)
+        _native.cross_entropy_tile(device, stream, tile, row_max.data_ptr(), row_sum.data_ptr(),
+                                   target.data_ptr())
+        torch.add(row_max, row_sum.log(), out=lse[start:end])
+        torch.sub(lse[start:end], target, out=losses[start:end])
+        _native.cross_entropy_tile_backward(device, stream, tile, lse[start:end].data_ptr(),
+                                            row_scale[start:end].data_ptr())
+        if grad_h is not None:
+            if half:
+                acc = torch.mm(d, weight, out_dtype=torch.float32)
+                grad_h[start:end].copy_(acc)
+                del acc
+            else:
+                torch.mm(d, weight, out=grad_h[start:end])
+        if grad_w is not None:
+            grad_w.addmm_(d.t(), h)
+        if grad_b is not None:
+            grad_b.add_(d.sum(dim=0, dtype=stats))
+        del d  # one block's logits at a time
+    ctx.gradients = (grad_h, grad_w, grad_b)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    losses = torch.where(valid, losses, torch.zeros_like(losses))
+    total = losses.sum()
+    return total / count.clamp_min(1) if reduction == "mean" else total
+
+
+def _scaled_gradients(ctx, grad_out):
+    """Backward after ``_forward_with_gradients``: its gradients times the upstream gradient,
+    in place; a second backward through the same loss has nothing left to give."""
+    if ctx.gradients is False:
+        raise RuntimeError(
+            "linear_cross_entropy computed its gradients in the forward and gave them to the "
+            "first backward through it: a second one (retain_graph=True) needs the loss again"
+        )
+    grad_h, grad_w, grad_b = ctx.gradients
+    ctx.gradients = False
+    for grad in (grad_h, grad_w, grad_b):
+        if grad is not None:
+            grad.mul_(grad_out)  # in the gradient's dtype, computed in float32: exact for 1
+    if grad_b is not None:
+        grad_b = grad_b.to(ctx.bias_dtype)
+    return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def _runs_native(hidden, weight, bias):
@@ -314,10 +434,12 @@ def linear_cross_entropy(hidden, weight, labels, bias=None, ignore_index=-100, r
         bias = None if bias is None else bias.to(cast)
     if _runs_native(flat, weight, bias):
         with torch.autocast("cuda", enabled=False):
+            # Whether autograd records the loss (inside forward it never does).
+            recorded = torch.is_grad_enabled()
             out = _FusedLinearCrossEntropy.apply(flat.contiguous(), weight.contiguous(),
                                                  None if bias is None else bias.contiguous(),
                                                  labels.reshape(-1).contiguous(), ignore_index,
-                                                 reduction, chunk_mb)
+                                                 reduction, chunk_mb, recorded)
     else:
         out = _LinearCrossEntropy.apply(flat, weight, bias, labels.reshape(-1), ignore_index,
                                         reduction, chunk_mb)

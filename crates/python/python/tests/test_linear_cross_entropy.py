@@ -3,11 +3,12 @@
 the hidden states, weight and bias in float64 within 1e-13 relative and float32 within 1e-5,
 every reduction, ``ignore_index``, blocks of rows that do not divide the tokens (on CUDA, tiles
 of classes that do not divide the vocabulary: Headroom's tile kernels); bfloat16 within
-bfloat16's precision; on CUDA, the loss under bfloat16 autocast equal to the loss of bfloat16
-operands, the torch path under a side stream, and the peak beyond the inputs and gradients within
-``chunk_mb`` plus 8 bytes a token; a Hugging Face GPT-2 patched gives its own loss (and the Trainer's
-``num_items_in_batch`` form) with no logits, and its own forward again once unpatched; misuse
-raises.
+bfloat16's precision; on CUDA, float32's gradients computed in the forward and given to one
+backward (a second raises), the loss under bfloat16 autocast equal to the loss of bfloat16
+operands, the torch path under a side stream, and the peak beyond the inputs and gradients
+within ``chunk_mb`` plus 8 bytes a token; a Hugging Face GPT-2 patched gives its own loss (and
+the Trainer's ``num_items_in_batch`` form) with no logits, and its own forward again once
+unpatched; misuse raises.
 
 Run: ``python3 -m pytest crates/python/python/tests/test_linear_cross_entropy.py`` (or
 ``python3`` on this file; the patch case needs transformers). The ``cuda`` cases need a GPU.
@@ -91,6 +92,16 @@ def test_cuda_autocast_casts_the_operands_and_a_side_stream_takes_torchs_kernels
     assert abs(streamed.item() - plain32.item()) <= 1e-5 * abs(plain32.item())
     for a, c in zip(streamed_grads, want32):
         assert (a - c).abs().max() <= 1e-5 * c.abs().max()
+
+
+def test_cuda_float32_gradients_come_from_the_forward_once():
+    dev = on("cuda")
+    h, w, b, y = operands(dev, torch.float32)
+    loss = ht.linear_cross_entropy(h, w, y, bias=b, chunk_mb=0.004)
+    loss.backward(retain_graph=True)
+    raises(RuntimeError, lambda: loss.backward(), "retain_graph=True")
+    with torch.no_grad():  # not recorded: no gradients computed, the same loss
+        assert ht.linear_cross_entropy(h, w, y, bias=b, chunk_mb=0.004).item() == loss.item()
 
 
 def test_cuda_peak_stays_within_the_chunk_budget():
