@@ -24,7 +24,7 @@ less the gradients of x and W, the issue's target: <= 64 MiB + 8 B per token).
 With `--dtype f32` the inputs are float32 (TF32 off, PyTorch's default), as GPT-2's loss under
 Hugging Face's Trainer without autocast; then headroom_python_backward (the gradients by
 recompute in backward) and headroom_python_forward (computed in the forward, a block of whole
-rows under `chunk_mb`; `_forward_256` under 256 MiB) are timed beside the automatic choice.
+rows under `chunk_mb`; `_forward_N` under N MiB) are timed beside the automatic choice.
 `--profile` adds per implementation the CUDA kernels of two profiled steps (`kernels`: name,
 calls and microseconds a step, the largest first).
 
@@ -143,7 +143,8 @@ def main():
     if args.dtype == "f32":
         impls["headroom_python_backward"] = headroom_python_gradients(False)
         impls["headroom_python_forward"] = headroom_python_gradients(True)
-        impls["headroom_python_forward_256"] = headroom_python_gradients(True, 256)
+        for chunk_mb in (128, 256, 512):
+            impls[f"headroom_python_forward_{chunk_mb}"] = headroom_python_gradients(True, chunk_mb)
     impls["cce"] = cce
     impls["cce_no_filter"] = cce_no_filter
 

@@ -48,7 +48,8 @@ part optim && run optim_1e9 400 python3 "$here/bench/optim_1e9.py"
 # (bench/clients.py; clients.jsonl, summarised); CLIENT_MODELS (default "gpt2 llama-tiny llama-1b")
 # picks the models, CLIENT_VARIANTS adds Trainer runs of the headroom side: without-FEATURE
 # leaves one feature out (e.g. "without-in_backward without-loss"), loss-forward and
-# loss-backward force where the fused loss computes its gradients. The plan's budget per model is at least the blocks' whole
+# loss-backward force where the fused loss computes its gradients, chunk-N gives the fused loss
+# N MiB (patch_causal_lm's chunk_mb). The plan's budget per model is at least the blocks' whole
 # saved activations (gpt2 4,323 MiB, llama-1b 8,077 MiB, llama-tiny 215 MiB as profiled), so the
 # plan keeps every block: the memory to beat native's peak is to come from the fused loss and the
 # gradients freed in backward.
@@ -63,6 +64,7 @@ part clients && for model in ${CLIENT_MODELS:-gpt2 llama-tiny llama-1b}; do
       side=${run%%-*} variant=""
       [[ $run == *-without-* ]] && variant="--without ${run##*-without-}"
       [[ $run == *-loss-* ]] && variant="--loss-gradients ${run##*-loss-}"
+      [[ $run == *-chunk-* ]] && variant="--loss-chunk-mb ${run##*-chunk-}"
       timeout 300 python3 "$here/bench/clients.py" --client $client --side $side --model $model \
         --steps 200 --batch 8 --seq 512 --budget-mb "$(budget_of $model)" $flags $variant \
         > "$OUT/clients_${client}_${model}_$run.log" 2>&1 ||

@@ -230,6 +230,9 @@ class _Offloaded:
         try:
             if self.gpu is not None:
                 owner._in_flight -= self.nbytes  # fetched ahead, never taken
+                # Its memory goes back to the current stream once the copy into it is done.
+                torch.cuda.current_stream(self.device).wait_event(self.fetched)
+                self.gpu = None
             if self.ranges:
                 last = self.fetched if self.fetched is not None else self.stored
                 for pinned in self.ranges:
@@ -454,7 +457,15 @@ class saved_activations:
 
     def _fetch(self, entry, device):
         """Starts the copy of ``entry`` back to the device on the offload stream, into memory
-        allocated on the current stream (so it waits for that stream's work so far)."""
+        allocated on the current stream (so it waits for that stream's work so far).
+
+        The copies are not recorded on the offload stream (``record_stream``): the current
+        stream waits for the event ``fetched`` before anything reads them (in backward, or when
+        a save fetched ahead is dropped untaken), so their memory is free for the current
+        stream's next allocation as soon as backward lets go of them, as ``save_on_cpu``'s is.
+        A recorded use would hold each until the offload stream's next event, one save beyond
+        ``save_on_cpu``'s peak (measured at 5ec2bce: 26 MiB, the size of one of ViT-L/16's
+        1,024-wide saves at batch 32)."""
         compute = torch.cuda.current_stream(device)
         side = self._side_stream(device)
         gpu = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in entry.specs]
@@ -462,7 +473,6 @@ class saved_activations:
         with torch.cuda.stream(side):
             for tensor, pinned, (dtype, shape) in zip(gpu, entry.ranges, entry.specs):
                 tensor.copy_(pinned.view(dtype, shape), non_blocking=True)
-                tensor.record_stream(side)
         fetched = torch.cuda.Event()
         fetched.record(side)
         entry.gpu, entry.fetched = gpu, fetched
