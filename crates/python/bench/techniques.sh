@@ -46,7 +46,8 @@ part optim && run optim_1e9 400 python3 "$here/bench/optim_1e9.py"
 # Issue 33's real clients: 200 steps each side, GPT-2 small (f32) under Hugging Face's Trainer
 # and Lightning, the Llama shapes (bf16 autocast) under the Trainer, 8 x 512 tokens
 # (bench/clients.py; clients.jsonl, summarised); CLIENT_MODELS (default "gpt2 llama-tiny llama-1b")
-# picks the models, CLIENT_VARIANTS adds Trainer runs of the headroom side: without-FEATURE
+# picks the models, CLIENT_KINDS the clients (default: hf and lightning for GPT-2, hf for
+# the Llama shapes), CLIENT_VARIANTS adds Trainer runs of the headroom side: without-FEATURE
 # leaves one feature out (e.g. "without-in_backward without-loss"), loss-forward and
 # loss-backward force where the fused loss computes its gradients, chunk-N gives the fused loss
 # N MiB (patch_causal_lm's chunk_mb). The plan's budget per model is at least the blocks' whole
@@ -54,10 +55,15 @@ part optim && run optim_1e9 400 python3 "$here/bench/optim_1e9.py"
 # plan keeps every block: the memory to beat native's peak is to come from the fused loss and the
 # gradients freed in backward.
 budget_of() { case $1 in gpt2) echo 4400 ;; llama-1b) echo 8192 ;; *) echo 2048 ;; esac; }
+# The fused loss's chunk: float32 (GPT-2 here) computes its gradients in the forward a block of
+# whole rows at a time, and its products run at eager's pace from blocks of about 1,000 rows
+# (256 MiB at GPT-2's vocabulary; at 64 MiB, 314-row blocks, the loss took 26.3 ms against
+# eager's 20.1 at 190e3f5); bf16 keeps the default 64 MiB tiles.
+chunk_of() { case $1 in gpt2) echo 256 ;; *) echo 64 ;; esac; }
 part clients && for model in ${CLIENT_MODELS:-gpt2 llama-tiny llama-1b}; do
   clients="hf lightning" flags=""
   [[ $model == llama* ]] && clients="hf" flags="--bf16"
-  for client in $clients; do
+  for client in ${CLIENT_KINDS:-$clients}; do
     runs="native headroom"
     [[ $client == hf ]] && for v in ${CLIENT_VARIANTS:-}; do runs+=" headroom-$v"; done
     for run in $runs; do
@@ -66,7 +72,8 @@ part clients && for model in ${CLIENT_MODELS:-gpt2 llama-tiny llama-1b}; do
       [[ $run == *-loss-* ]] && variant="--loss-gradients ${run##*-loss-}"
       [[ $run == *-chunk-* ]] && variant="--loss-chunk-mb ${run##*-chunk-}"
       timeout 300 python3 "$here/bench/clients.py" --client $client --side $side --model $model \
-        --steps 200 --batch 8 --seq 512 --budget-mb "$(budget_of $model)" $flags $variant \
+        --steps 200 --batch 8 --seq 512 --budget-mb "$(budget_of $model)" \
+        --loss-chunk-mb "$(chunk_of $model)" $flags $variant \
         > "$OUT/clients_${client}_${model}_$run.log" 2>&1 ||
         { echo "FAILED: clients $client $model $run"; status=1; }
       grep -h '^{"client"' "$OUT/clients_${client}_${model}_$run.log" >> "$OUT/clients.jsonl"
