@@ -29,9 +29,14 @@ memory traffic around it, a ``"mean"`` or ``"sum"`` loss that autograd records c
 gradients in the forward instead, a block of whole rows at a time (three products in all, as the
 unfused loss, instead of four): each block's logits are made once, folded, overwritten by their
 gradient for an upstream gradient of 1 and multiplied into the gradients, which backward then
-scales in place by its upstream gradient (exact when that is 1). The gradients exist from the
-forward on (the peak beyond them is the same); a second backward through the same loss
-(``retain_graph=True``) raises ``RuntimeError``: they were given to the first.
+scales in place by its upstream gradient (exact when that is 1). A block's rows are padded to
+a multiple of eight classes with −∞ (nothing to the statistics, a zero gradient) so the tile
+kernels read them in 16-byte packs. The products run at the unfused loss's pace from blocks of
+about a thousand rows: at GPT-2's head (4,088 tokens, 50,257 classes, measured at 190e3f5) the
+loss took 26.3 ms at ``chunk_mb=64`` (314-row blocks), 21.6 at 256 and 20.8 at 512 against
+eager PyTorch's 20.1 ms and 2.3 GB, so give a float32 model ``chunk_mb=256``. The gradients
+exist from the forward on (the peak beyond them is the same); a second backward through the
+same loss (``retain_graph=True``) raises ``RuntimeError``: they were given to the first.
 
 Elsewhere (the CPU, or a forward under ``torch.cuda.stream(...)``) it runs in torch's own
 kernels, a block of full rows at a time: the logits in float32 (``torch.matmul`` then
