@@ -14,7 +14,9 @@ Variants, each from the same initial weights on the same batches, AdamW(fused=Tr
   ``offload_fitN``, ``int8_offload_fitN``: fetching ahead while the bytes in flight and the
   save backward is decoding stay under N MiB (a large save leaves less room ahead);
   ``offload_peak``, ``int8_offload_peak``: ``hold_peak=True`` (fetching ahead only under the
-  previous backward's level);
+  previous backward's level); any of these with ``_all`` (``offload_prefetch0_all``): every
+  save that is not a parameter's memory offloaded, the statistics and small saves too, as
+  ``save_on_cpu`` does;
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``.
 
 Per variant: the median step (forward, backward, step, synchronised) over the timed steps; the
@@ -66,12 +68,15 @@ def hooks(variant):
         return torch.autograd.graph.save_on_cpu(pin_memory=True)
     if "offload" in variant:
         compress = "int8" if variant.startswith("int8") else None
+        every_save = variant.endswith("_all")
+        variant = variant.removesuffix("_all")
         _, _, ahead = variant.partition("_prefetch")
         _, fit, fit_mb = variant.partition("_fit")
         prefetch_mb = int(ahead or fit_mb or 128)
         context = headroom.torch.saved_activations(compress, offload=POOL, prefetch_mb=prefetch_mb,
                                                    hold_peak=variant.endswith("_peak"))
         context._prefetch_counts_taken = bool(fit)
+        context._offload_every_save = every_save
         return context
     return headroom.torch.saved_activations(None if variant == "none" else variant)
 

@@ -347,6 +347,11 @@ class saved_activations:
         # An experiment of bench/saved_activations.py (offload_fitN variants): the save backward
         # is decoding counts against prefetch_mb, so a large save leaves less room ahead.
         self._prefetch_counts_taken = False
+        # Another (the _all variants): with offload, every CUDA save that is not a parameter's
+        # memory goes to the pool as it is, whatever its size, dtype or need of a gradient (the
+        # statistics and small saves otherwise kept: 0.66 MB above save_on_cpu's peak at
+        # 190e3f5, which offloads every save).
+        self._offload_every_save = False
 
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -379,7 +384,13 @@ class saved_activations:
         return self._selected(t, _INT8_DTYPES if self.compress == "int8" else _BF16_DTYPES)
 
     def _offloads(self, t):
-        return self.pool is not None and t.device.type == "cuda" and self._selected(t, _INT8_DTYPES)
+        if self.pool is None or t.device.type != "cuda":
+            return False
+        if self._offload_every_save:
+            return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+                    and t.numel() > 0 and (t.numel() == 1 or 0 not in t.stride())
+                    and not _derived_from_parameter(t))
+        return self._selected(t, _INT8_DTYPES)
 
     def _pack(self, t):
         self.stats["saved"] += 1
