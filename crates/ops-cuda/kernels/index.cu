@@ -252,13 +252,69 @@ __device__ __forceinline__ long long tile_column(long long t, long long ignore_i
     return in_tile ? t - (long long)class_start : -1;
 }
 
+// One thread's share of a tile's row x[0..n): every step-th element (or pack, or pair) from
+// `first`, folded online into its (max m, Σ exp(x − m) s) pair and summed into total, in 16-byte
+// packs where the tile allows (packed), else in pairs (paired), else one by one.
+template <typename T, typename C>
+__device__ __forceinline__ void tile_row_share(const T* x, unsigned long long n, unsigned first, unsigned step,
+                                               bool packed, bool paired, C& m, C& s, C& total) {
+    if (packed) {
+        // A pack at a time, without branches: the pack's maximum joins the running one, then
+        // one rescale and one exponential per value (an all −∞ pack adds nothing).
+        constexpr int N = Pack<T>::N;
+#pragma unroll 2
+        for (unsigned long long j = (unsigned long long)first * N; j < n; j += (unsigned long long)step * N) {
+            C v[N];
+            ld_pack(x + j, v);
+            C most = v[0];
+#pragma unroll
+            for (int i = 0; i < N; ++i) { most = fmax(most, v[i]); total += v[i]; }
+            const C next = fmax(m, most), base = next == (C)-INFINITY ? (C)0 : next;
+            C added = 0;
+#pragma unroll
+            for (int i = 0; i < N; ++i) added += exp_acc(v[i] - base);
+            s = s * exp_acc(m - base) + added;
+            m = next;
+        }
+    } else if (paired) {
+        // The pair's two halves in two independent online chains, merged at the end: half the
+        // dependent latency of one chain.
+        C m2 = (C)-INFINITY, s2 = 0;
+#pragma unroll 4
+        for (unsigned long long j = 2ull * first; j < n; j += 2ull * step) {
+            auto v = ld2(x + j);
+            lse_push((C)v.x, m, s, total);
+            lse_push((C)v.y, m2, s2, total);
+        }
+        lse_merge(m, s, m2, s2);
+    } else {
+        thread_lse(x, n, first, step, m, s, total);
+    }
+}
+
+// A row's (max m, Σ exp s) pair and sum over the tile merged into the row's running pair
+// (row_max, row_sum) and sum, and the target's logit written when the tile holds it.
+template <typename T, typename S, typename C>
+__device__ __forceinline__ void tile_row_fold(const T* x, unsigned long long r, unsigned long long n,
+                                              unsigned long long class_start, const long long* target,
+                                              unsigned long long target_stride, long long ignore_index,
+                                              C m, C s, C total, S* row_max, S* row_sum, S* target_logit,
+                                              S* logit_sum) {
+    C running_m = (C)row_max[r], running_s = (C)row_sum[r];
+    lse_merge(running_m, running_s, m, s);
+    row_max[r] = (S)running_m;
+    row_sum[r] = (S)running_s;
+    long long column = tile_column(target[r * target_stride], ignore_index, class_start, n);
+    if (column >= 0) target_logit[r] = (S)ld(x + column);
+    if (logit_sum != nullptr) logit_sum[r] = (S)((C)logit_sum[r] + total);
+}
+
 // One tile of a chunked cross-entropy's forward (`CrossEntropyTile`): one warp a row of the
 // dense tile [rows, n] (classes class_start..class_start + n; a tile's rows are a few thousand
-// logits, too short to pay for a block's barriers), one pass over it in 16-byte packs where the
-// tile's width allows (else in pairs, else one by one). The tile's (max, Σ exp)
-// pair, built online as `ce_rows` builds a row's, is merged into the row's running pair
-// (row_max, row_sum); the target's logit is written when it falls in the tile; `logit_sum`
-// (may be null) gains the row's sum. Statistics are S (float; double for f64 logits).
+// logits, too short to pay for a block's barriers), one pass over it (tile_row_share). The
+// tile's (max, Σ exp) pair, built online as `ce_rows` builds a row's, is merged into the row's
+// running pair (row_max, row_sum); the target's logit is written when it falls in the tile;
+// `logit_sum` (may be null) gains the row's sum. Statistics are S (float; double for f64 logits).
 template <typename T, typename S>
 __device__ void ce_tile(const T* logits, unsigned long long n, unsigned long long class_start,
                         const long long* target, unsigned long long target_stride, long long ignore_index,
@@ -270,50 +326,37 @@ __device__ void ce_tile(const T* logits, unsigned long long n, unsigned long lon
          r += (unsigned long long)gridDim.x * warps) {
         const T* x = logits + r * n;
         C m = (C)-INFINITY, s = 0, total = 0;
-        if (packed) {
-            // A pack at a time, without branches: the pack's maximum joins the running one,
-            // then one rescale and one exponential per value (an all −∞ pack adds nothing).
-            constexpr int N = Pack<T>::N;
-#pragma unroll 2
-            for (unsigned long long j = (unsigned long long)lane * N; j < n; j += 32 * N) {
-                C v[N];
-                ld_pack(x + j, v);
-                C most = v[0];
-#pragma unroll
-                for (int i = 0; i < N; ++i) { most = fmax(most, v[i]); total += v[i]; }
-                const C next = fmax(m, most), base = next == (C)-INFINITY ? (C)0 : next;
-                C added = 0;
-#pragma unroll
-                for (int i = 0; i < N; ++i) added += exp_acc(v[i] - base);
-                s = s * exp_acc(m - base) + added;
-                m = next;
-            }
-        } else if (paired) {
-            // The pair's two halves in two independent online chains, merged at the end: half
-            // the dependent latency of one chain.
-            C m2 = (C)-INFINITY, s2 = 0;
-#pragma unroll 4
-            for (unsigned long long j = 2 * lane; j < n; j += 64) {
-                auto v = ld2(x + j);
-                lse_push((C)v.x, m, s, total);
-                lse_push((C)v.y, m2, s2, total);
-            }
-            lse_merge(m, s, m2, s2);
-        } else {
-            thread_lse(x, n, lane, 32, m, s, total);
-        }
+        tile_row_share(x, n, lane, 32, packed, paired, m, s, total);
         warp_lse(m, s);
         if (logit_sum != nullptr)
             for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffff, total, o);
-        if (lane == 0) {
-            C running_m = (C)row_max[r], running_s = (C)row_sum[r];
-            lse_merge(running_m, running_s, m, s);
-            row_max[r] = (S)running_m;
-            row_sum[r] = (S)running_s;
-            long long column = tile_column(target[r * target_stride], ignore_index, class_start, n);
-            if (column >= 0) target_logit[r] = (S)ld(x + column);
-            if (logit_sum != nullptr) logit_sum[r] = (S)((C)logit_sum[r] + total);
-        }
+        if (lane == 0)
+            tile_row_fold(x, r, n, class_start, target, target_stride, ignore_index, m, s, total, row_max,
+                          row_sum, target_logit, logit_sum);
+    }
+}
+
+// `ce_tile` for tiles of few, long rows (a block of whole rows of a large vocabulary: the
+// Python wheel's float32 loss computes its gradients in the forward from such blocks): one
+// block a row, the threads' pairs merged across the block as `ce_rows` merges them. One warp a
+// row left such tiles waiting on each warp's loads: 314 rows of 50,264 f32 logits took 0.19 ms a
+// tile at 190e3f5, against 16 µs for their bytes at the copy ceiling.
+template <typename T, typename S>
+__device__ void ce_tile_wide(const T* logits, unsigned long long n, unsigned long long class_start,
+                             const long long* target, unsigned long long target_stride, long long ignore_index,
+                             S* row_max, S* row_sum, S* target_logit, S* logit_sum, unsigned long long rows) {
+    typedef typename Acc<S>::type C;
+    __shared__ C scratch_m[THREADS / 32], scratch_s[THREADS / 32], scratch_total[THREADS / 32];
+    const bool packed = packs(logits, n), paired = pairs(logits, n);
+    for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* x = logits + r * n;
+        C m = (C)-INFINITY, s = 0, total = 0;
+        tile_row_share(x, n, threadIdx.x, blockDim.x, packed, paired, m, s, total);
+        block_lse(m, s, scratch_m, scratch_s);
+        if (logit_sum != nullptr) total = block_sum(total, scratch_total);
+        if (threadIdx.x == 0)
+            tile_row_fold(x, r, n, class_start, target, target_stride, ignore_index, m, s, total, row_max,
+                          row_sum, target_logit, logit_sum);
     }
 }
 
@@ -435,6 +478,12 @@ CE_KERNELS(__nv_bfloat16, float, bf16_f32)
                                            S* row_max, S* row_sum, S* target_logit, S* logit_sum,                \
                                            unsigned long long rows) {                                            \
         ce_tile<T, S>(logits, n, cs, target, ts, ignore, row_max, row_sum, target_logit, logit_sum, rows);      \
+    }                                                                                                            \
+    extern "C" __global__ void ce_tile_wide_##N(const T* logits, unsigned long long n, unsigned long long cs,    \
+                                                const long long* target, unsigned long long ts, long long ignore, \
+                                                S* row_max, S* row_sum, S* target_logit, S* logit_sum,           \
+                                                unsigned long long rows) {                                       \
+        ce_tile_wide<T, S>(logits, n, cs, target, ts, ignore, row_max, row_sum, target_logit, logit_sum, rows); \
     }                                                                                                            \
     extern "C" __global__ void ce_tile_backward_##N(T* logits, unsigned long long n, unsigned long long cs,      \
                                                     const long long* target, unsigned long long ts,              \

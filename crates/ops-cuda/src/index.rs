@@ -559,10 +559,20 @@ fn check_foreign(op: &'static str, tile: &ForeignLogitTile, addresses: &[u64]) -
     Ok(())
 }
 
+/// A foreign tile at least this wide and with fewer rows than [`WIDE_TILE_ROWS`] is folded one
+/// block a row (`ce_tile_wide`) instead of one warp a row: few long rows (a block of whole rows
+/// of a large vocabulary) leave a warp a row waiting on its loads. The tiles of Headroom's own
+/// `linear_cross_entropy` and the wheel's tiled loss (thousands of rows of at most a few thousand
+/// classes) keep the warp a row.
+const WIDE_TILE_WIDTH: usize = 8192;
+/// See [`WIDE_TILE_WIDTH`].
+const WIDE_TILE_ROWS: usize = 8192;
+
 impl CudaBackend {
     /// Folds one tile of logits into each row's running maximum and sum of exponentials, and
     /// writes the target's logit of the rows whose class the tile holds: the forward of
-    /// `linear_cross_entropy`'s tiles (one warp a row, 16-byte loads where the tile's width and
+    /// `linear_cross_entropy`'s tiles (one warp a row, or one block a row for a tile of fewer
+    /// than 8,192 rows of at least 8,192 classes; 16-byte loads where the tile's width and
     /// address allow), on the backend's stream. After a row's last tile its log-sum-exp is
     /// `row_max + ln(row_sum)`. A class outside `0..classes` is not checked here: it is simply
     /// in no tile.
@@ -594,7 +604,12 @@ impl CudaBackend {
             Param::U64(stats.target_logit),
             Param::U64(0),
         ];
-        launch_tile_at(self, (op, "ce_tile", u64::from(THREADS / 32)), tile, &rest)
+        let kernel = if tile.width >= WIDE_TILE_WIDTH && tile.rows < WIDE_TILE_ROWS {
+            (op, "ce_tile_wide", 1)
+        } else {
+            (op, "ce_tile", u64::from(THREADS / 32))
+        };
+        launch_tile_at(self, kernel, tile, &rest)
     }
 
     /// Overwrites one tile of logits, recomputed, with their gradient

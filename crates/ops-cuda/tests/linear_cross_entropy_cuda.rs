@@ -159,11 +159,19 @@ fn full_llama_head_on_cuda_holds_one_chunk_and_matches_the_unfused_loss() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn foreign_tiles_fold_to_the_whole_rows_statistics_and_gradient() {
-    use headroom_ops_cuda::{ForeignLogitTile, ForeignTileGradient, ForeignTileStats};
     let Some(backend) = headroom_testkit::gpu::cuda_or_skip(CudaBackend::new(0)) else {
         return;
     };
-    let (rows, classes) = (37usize, 300usize);
+    // Tiles of a few hundred classes (one warp a row), and a tile of 16,384 classes beside one
+    // of 3,616 (one block a row for the first: a wide tile of few rows).
+    fold_tiles(&backend, 37, 300, &[(0, 128), (128, 128), (256, 44)]);
+    fold_tiles(&backend, 37, 20_000, &[(0, 16_384), (16_384, 3_616)]);
+}
+
+/// Folds `rows` rows of `classes` logits given as the dense tiles `tiles` (first class, width)
+/// and checks each row's log-sum-exp, target logit and gradient against f64.
+fn fold_tiles(backend: &CudaBackend, rows: usize, classes: usize, tiles: &[(usize, usize)]) {
+    use headroom_ops_cuda::{ForeignLogitTile, ForeignTileGradient, ForeignTileStats};
     let logits: Vec<f32> = uniform_f32(rows * classes, 11)
         .iter()
         .map(|v| half::bf16::from_f32(v * 6.0).to_f32())
@@ -215,7 +223,6 @@ fn foreign_tiles_fold_to_the_whole_rows_statistics_and_gradient() {
     let labels_dev = backend.upload(&labels_bytes).unwrap();
     for dtype in [DType::F32, DType::BF16] {
         let size = if dtype == DType::F32 { 4 } else { 2 };
-        let tiles = [(0usize, 128usize), (128, 128), (256, 44)];
         // Each tile dense on its own: [rows, width].
         let tile_bytes = |start: usize, width: usize| -> Vec<u8> {
             (0..rows)

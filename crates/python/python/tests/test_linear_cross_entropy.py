@@ -1,13 +1,13 @@
 """``headroom.torch.linear_cross_entropy`` and ``patch_causal_lm`` against PyTorch's
-``F.cross_entropy`` on the materialised logits, on the CPU and on CUDA: values and gradients of
-the hidden states, weight and bias in float64 within 1e-13 relative and float32 within 1e-5,
-every reduction, ``ignore_index``, blocks of rows that do not divide the tokens (on CUDA, tiles
-of classes that do not divide the vocabulary: Headroom's tile kernels); bfloat16 within
-bfloat16's precision; on CUDA, float32's gradients computed in the forward and given to one
-backward (a second raises), the loss under bfloat16 autocast equal to the loss of bfloat16
-operands, the torch path under a side stream, and the peak beyond the inputs and gradients
-within ``chunk_mb`` plus 8 bytes a token; a Hugging Face GPT-2 patched gives its own loss (and
-the Trainer's ``num_items_in_batch`` form) with no logits, and its own forward again once
+``F.cross_entropy`` on the materialised logits, on the CPU and on CUDA: values and gradients of the
+hidden states, weight and bias in float64 within 1e-13 relative and float32 within 1e-5, every
+reduction, ``ignore_index``, blocks of rows that do not divide the tokens (on CUDA, tiles of
+classes that do not divide the vocabulary: Headroom's tile kernels); bfloat16 within bfloat16's
+precision; on CUDA, float32's gradients computed in the forward and given to one backward (a second
+raises), also over rows of an 8,200-class vocabulary, the loss under bfloat16 autocast equal to the
+loss of bfloat16 operands, the torch path under a side stream, and the peak beyond the inputs and
+gradients within ``chunk_mb`` plus 8 bytes a token; a Hugging Face GPT-2 patched gives its own loss
+(and the Trainer's ``num_items_in_batch`` form) with no logits, and its own forward again once
 unpatched; misuse raises.
 
 Run: ``python3 -m pytest crates/python/python/tests/test_linear_cross_entropy.py`` (or
@@ -102,6 +102,22 @@ def test_cuda_float32_gradients_come_from_the_forward_once():
     raises(RuntimeError, lambda: loss.backward(), "retain_graph=True")
     with torch.no_grad():  # not recorded: no gradients computed, the same loss
         assert ht.linear_cross_entropy(h, w, y, bias=b, chunk_mb=0.004).item() == loss.item()
+
+
+def test_cuda_float32_rows_of_a_wide_vocabulary_equal_the_unfused_loss():
+    # 111 rows of 8,200 classes in two blocks of whole rows (padded to 8,200: one block of
+    # threads a row in the forward's tile kernel), gradients computed in the forward.
+    dev = on("cuda")
+    for reduction in ("mean", "sum"):
+        h, w, b, y = operands(dev, torch.float32, seed=5, vocab=8200)
+        ours = ht.linear_cross_entropy(h, w, y, bias=b, reduction=reduction, chunk_mb=2)
+        theirs = reference(h, w, b, y, reduction)
+        got = torch.autograd.grad(ours, (h, w, b))
+        want = torch.autograd.grad(theirs, (h, w, b))
+        assert abs(ours.item() - theirs.item()) <= 1e-5 * abs(theirs.item()), reduction
+        for name, a, c in zip("hwb", got, want):
+            error = ((a - c).abs().max() / c.abs().max()).item()
+            assert error <= 1e-5, (reduction, name, error)
 
 
 def test_cuda_peak_stays_within_the_chunk_budget():
