@@ -265,6 +265,60 @@ class _Level:
 _LEVELS = {}  # device index -> _Level
 
 
+class _Transients:
+    """An experiment of bench/saved_activations.py (the ``_transient`` variants): what the
+    previous backward on one device showed between its unpacks of offloaded saves, so that
+    fetching ahead keeps under its peak counting the work each step of backward does. The k-th
+    unpack of a backward stands for the same node in the next. At each unpack it records the
+    allocator's running peak (``maxima``) and, after the fetches ahead, its bytes (``after``);
+    when the backward ends, ``bounds[k]`` is the rise from ``after[k]`` to the running peak at the
+    next unpack (an upper bound of what the work between them allocates on top) and ``peak`` the
+    backward's. The next backward fetches ahead at its k-th unpack only while the bytes, the copy
+    and ``bounds[k]`` stay under ``peak``; the first fetches nothing ahead."""
+
+    __slots__ = ("task", "maxima", "after", "bounds", "peak")
+
+    def __init__(self):
+        self.task, self.maxima, self.after, self.bounds, self.peak = None, [], [], [], None
+
+    def begin_unpack(self, device):
+        """Records an unpack of the running backward; returns its position in it (``None`` for
+        an unpack outside backward, which is not recorded)."""
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            return None
+        if task != self.task:
+            self.task, self.maxima, self.after = task, [], []
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self.finish(torch.cuda.max_memory_allocated(device)))
+        self.maxima.append(torch.cuda.max_memory_allocated(device))
+        return len(self.maxima) - 1
+
+    def fetched(self, device):
+        """Records the bytes after this unpack's fetches ahead."""
+        self.after.append(torch.cuda.memory_allocated(device))
+
+    def finish(self, end_peak):
+        self.bounds = _transient_bounds(self.maxima, self.after, end_peak)
+        self.peak = end_peak
+
+    def room(self, position, allocated):
+        """The bytes the unpack at ``position`` may fetch ahead with ``allocated`` in use."""
+        if self.peak is None or position >= len(self.bounds):
+            return 0
+        return self.peak - self.bounds[position] - allocated
+
+
+def _transient_bounds(maxima, after, end_peak):
+    """Per unpack k: the running peak at the next unpack (``end_peak`` after the last) less the
+    bytes after unpack k's fetches ahead, at least 0."""
+    highs = list(maxima[1:len(after)]) + [end_peak]
+    return [max(0, high - level) for high, level in zip(highs, after)]
+
+
+_TRANSIENTS = {}  # device index -> _Transients
+
+
 def _device_index(device):
     return device.index if device.index is not None else torch.cuda.current_device()
 
@@ -347,6 +401,9 @@ class saved_activations:
         # An experiment of bench/saved_activations.py (offload_fitN variants): the save backward
         # is decoding counts against prefetch_mb, so a large save leaves less room ahead.
         self._prefetch_counts_taken = False
+        # Another (the _transient variants): fetching ahead bounded by each step of the previous
+        # backward (_Transients), instead of by prefetch_mb alone.
+        self._transient_bound = False
         # Another (the _all variants): with offload, every CUDA save that is not a parameter's
         # memory goes to the pool as it is, whatever its size, dtype or need of a gradient (the
         # statistics and small saves otherwise kept: 0.66 MB above save_on_cpu's peak at
@@ -491,6 +548,12 @@ class saved_activations:
 
     def _unpack_offloaded(self, entry):
         device = entry.device
+        tracker = position = None
+        if self._transient_bound:
+            tracker = _TRANSIENTS.setdefault(_device_index(device), _Transients())
+            position = tracker.begin_unpack(device)
+            if position is None:
+                tracker = None
         if entry.gpu is None:
             self._fetch(entry, device)
         torch.cuda.current_stream(device).wait_event(entry.fetched)
@@ -499,7 +562,12 @@ class saved_activations:
         if self.hold_peak:
             _LEVELS.setdefault(_device_index(device), _Level()).seen(
                 torch.cuda.memory_allocated(device) - self._in_flight)
-        self._prefetch_before(entry, device)
+        room = None
+        if tracker is not None:
+            room = tracker.room(position, torch.cuda.memory_allocated(device))
+        self._prefetch_before(entry, device, room)
+        if tracker is not None:
+            tracker.fetched(device)
         inner = entry.inner
         inner.set_payload(gpu)
         try:
@@ -507,9 +575,10 @@ class saved_activations:
         finally:
             inner.set_payload(None)
 
-    def _prefetch_before(self, entry, device):
+    def _prefetch_before(self, entry, device, room=None):
         """Fetches the saves made before ``entry`` (backward's next ones), nearest first, while
-        fewer than ``prefetch_mb`` MiB are in flight."""
+        fewer than ``prefetch_mb`` MiB are in flight (and, given ``room``, while their bytes fit
+        in it)."""
         if self.prefetch_bytes == 0:
             return
         order = self._order
@@ -525,4 +594,8 @@ class saved_activations:
                 continue  # taken by backward already (a retained graph fetches on demand)
             if ceiling is not None and torch.cuda.memory_allocated(device) + other.nbytes > ceiling:
                 return  # this copy would raise the peak of the previous backward
+            if room is not None:
+                if other.nbytes > room:
+                    return  # this copy and the step's own work would pass the previous peak
+                room -= other.nbytes
             self._fetch(other, device)

@@ -216,6 +216,17 @@ def test_a_save_modified_in_place_raises_at_backward(device):
     raises(RuntimeError, lambda: y.sum().backward(), "modified by an inplace operation")
 
 
+def test_the_transient_bounds_are_the_rises_to_the_next_unpacks_peak():
+    from headroom.activations import _transient_bounds
+
+    # Running peaks at three unpacks, the bytes after each one's fetches ahead, the backward's
+    # peak: the work after the first rose 1 above its start, after the second 2, after the
+    # last 6; a fall is no bound.
+    assert _transient_bounds([10, 12, 15], [11, 13, 14], 20) == [1, 2, 6]
+    assert _transient_bounds([10, 10], [12, 11], 11) == [0, 0]
+    assert _transient_bounds([], [], 5) == []
+
+
 def test_bad_settings_raise():
     raises(ValueError, lambda: ht.saved_activations("int4"), "compress='int4'")
     raises(ValueError, lambda: ht.saved_activations("int8", block=100), "block=100")
