@@ -53,6 +53,12 @@ pub(super) const KINDS: &[Kind] = &[
         render: python::python_optim,
     },
     Kind {
+        name: "python-clients",
+        reads: "crates/python/bench's clients.py JSON lines (techniques.sh's clients.jsonl), \
+                several files in order",
+        render: python::python_clients,
+    },
+    Kind {
         name: "nn-golden",
         reads:
             "the stdout of crates/nn/tests/golden.rs (`cargo test --test golden -- --nocapture`)",

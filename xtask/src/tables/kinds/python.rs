@@ -1,6 +1,6 @@
 //! The tables of `crates/python/README.md`, from the JSON lines of `crates/python/bench`'s
-//! scripts (`train.py`, `optim_compare.py`): step times against PyTorch's native allocator, peak
-//! reserved bytes, losses and parameters compared bit for bit.
+//! scripts (`train.py`, `optim_compare.py`, `clients.py`): step times against PyTorch's native
+//! allocator or PyTorch alone, peak reserved bytes, losses and parameters compared.
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
@@ -297,4 +297,175 @@ pub(super) fn python_optim(files: &[ResultFile]) -> Result<Vec<String>> {
         parameters_compared(&adam8bit["vs_bnb"])?,
     ]));
     Ok(lines)
+}
+
+/// A client and model of `clients.py` in words: `Trainer, GPT-2 small (f32)`.
+fn client_label(run: &Value) -> Result<String> {
+    let client = match text(run, "client")? {
+        "hf" => "Trainer",
+        "lightning" => "Lightning",
+        other => other,
+    };
+    let model = match text(run, "model")? {
+        "gpt2" => "GPT-2 small",
+        "llama-tiny" => "tiny Llama",
+        "llama-1b" => "Llama-3.2-1B shape",
+        other => other,
+    };
+    let precision = if run["bf16"].as_bool() == Some(true) {
+        "bf16 autocast"
+    } else {
+        "f32"
+    };
+    Ok(format!("{client}, {model} ({precision})"))
+}
+
+/// A Headroom run of `clients.py` in words: every feature, or the ones it left out, and the
+/// fused loss's chunk and gradients where they are not the defaults.
+fn clients_run_label(run: &Value) -> String {
+    let without: Vec<&str> = run["without"]
+        .as_array()
+        .map(|names| names.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let mut label = if without.is_empty() {
+        "Headroom, every feature".to_owned()
+    } else {
+        format!("Headroom without {}", without.join(", "))
+    };
+    if !without.contains(&"loss") {
+        if let Some(chunk) = run["loss_chunk_mb"].as_f64() {
+            label += &format!(", loss at {chunk} MiB");
+        }
+        match run["loss_gradients"].as_str() {
+            Some("forward") => label += ", gradients in the forward",
+            Some("backward") => label += ", gradients by recompute",
+            _ => {}
+        }
+    }
+    label
+}
+
+/// The largest relative difference between two runs' loss curves: in percent from 0.01%, else
+/// as a number (`1.2e-5`).
+fn largest_loss_difference(run: &Value, native: &Value) -> Result<String> {
+    let ours = run["losses"].as_array().context("no `losses`")?;
+    let theirs = native["losses"].as_array().context("no `losses`")?;
+    let mut largest = 0.0f64;
+    for (a, b) in ours.iter().zip(theirs) {
+        let (a, b) = (
+            a.as_f64().context("a loss that is no number")?,
+            b.as_f64().context("a loss that is no number")?,
+        );
+        largest = largest.max((a - b).abs() / b.abs());
+    }
+    Ok(if largest >= 1e-4 {
+        format!("{:.2}%", 100.0 * largest)
+    } else {
+        format!("{largest:.1e}")
+    })
+}
+
+/// `crates/python/README.md`'s clients table: per client and model, each native run of
+/// `clients.py` and the Headroom runs after it (paired with the native run of the same client
+/// and model that came last before them, through the files in order): median step, peak
+/// reserved bytes, both against native, and the loss curves' largest relative difference.
+pub(super) fn python_clients(files: &[ResultFile]) -> Result<Vec<String>> {
+    let mut lines = table_head(
+        "| client, model | run | sources | median step | vs native | peak reserved | vs native | \
+         losses vs native |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    );
+    let mut natives: Vec<(String, Value)> = Vec::new();
+    let mut last_group = String::new();
+    for file in files {
+        let sources = file.meta["commit"].as_str().unwrap_or("—").to_owned();
+        for run in json_lines(file)? {
+            let group = client_label(&run)?;
+            let shown = if group == last_group {
+                String::new()
+            } else {
+                group.clone()
+            };
+            last_group = group.clone();
+            let step = number(&run, "step_ms_median")?;
+            let reserved = count(&run, "peak_reserved_bytes")?;
+            let gigabytes = format!("{:.2} GB", reserved as f64 / 1e9);
+            if run["side"] == "native" {
+                lines.push(row(&[
+                    shown,
+                    "PyTorch".to_owned(),
+                    sources.clone(),
+                    format!("{step:.2} ms"),
+                    "—".to_owned(),
+                    gigabytes,
+                    "—".to_owned(),
+                    "—".to_owned(),
+                ]));
+                natives.retain(|(name, _)| *name != group);
+                natives.push((group, run));
+                continue;
+            }
+            let Some((_, native)) = natives.iter().find(|(name, _)| *name == group) else {
+                bail!("a Headroom run of `{group}` before any native run of it");
+            };
+            lines.push(row(&[
+                shown,
+                clients_run_label(&run),
+                sources.clone(),
+                format!("{step:.2} ms"),
+                format!("{:.3}×", step / number(native, "step_ms_median")?),
+                gigabytes,
+                format!(
+                    "{:.3}×",
+                    reserved as f64 / count(native, "peak_reserved_bytes")? as f64
+                ),
+                largest_loss_difference(&run, native)?,
+            ]));
+        }
+    }
+    Ok(lines)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::rendered;
+
+    const RUNS: &str = r#"a log line
+{"client": "hf", "side": "native", "model": "gpt2", "bf16": false, "without": [], "losses": [10.0, 9.0], "step_ms_median": 90.0, "peak_reserved_bytes": 9000000000}
+{"client": "hf", "side": "headroom", "model": "gpt2", "bf16": false, "loss_chunk_mb": 256.0, "loss_gradients": "auto", "without": [], "losses": [10.0, 9.018], "step_ms_median": 88.2, "peak_reserved_bytes": 6300000000}
+{"client": "hf", "side": "headroom", "model": "gpt2", "bf16": false, "loss_chunk_mb": 64.0, "loss_gradients": "auto", "without": ["loss"], "losses": [10.0, 9.0], "step_ms_median": 89.1, "peak_reserved_bytes": 8400000000}
+{"client": "hf", "side": "native", "model": "llama-tiny", "bf16": true, "without": [], "losses": [10.4], "step_ms_median": 20.0, "peak_reserved_bytes": 2800000000}
+{"client": "hf", "side": "headroom", "model": "llama-tiny", "bf16": true, "loss_chunk_mb": 64.0, "loss_gradients": "backward", "without": [], "losses": [10.4], "step_ms_median": 13.0, "peak_reserved_bytes": 700000000}
+"#;
+
+    #[test]
+    fn clients_pair_each_headroom_run_with_the_native_run_before_it() {
+        let table = rendered("python-clients", &[("results/x/clients.jsonl", RUNS)]).unwrap();
+        assert_eq!(
+            table,
+            [
+                "| client, model | run | sources | median step | vs native | peak reserved | vs native | losses vs native |",
+                "|---|---|---|---:|---:|---:|---:|---:|",
+                "| Trainer, GPT-2 small (f32) | PyTorch | — | 90.00 ms | — | 9.00 GB | — | — |",
+                "| | Headroom, every feature, loss at 256 MiB | — | 88.20 ms | 0.980× | 6.30 GB | 0.700× | 0.20% |",
+                "| | Headroom without loss | — | 89.10 ms | 0.990× | 8.40 GB | 0.933× | 0.0e0 |",
+                "| Trainer, tiny Llama (bf16 autocast) | PyTorch | — | 20.00 ms | — | 2.80 GB | — | — |",
+                "| | Headroom, every feature, loss at 64 MiB, gradients by recompute | — | 13.00 ms | 0.650× | 0.70 GB | 0.250× | 0.0e0 |",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_headroom_run_before_its_native_run_is_an_error() {
+        let headroom_first = RUNS.lines().skip(2).collect::<Vec<_>>().join("\n");
+        let err = rendered(
+            "python-clients",
+            &[("results/x/clients.jsonl", &headroom_first)],
+        )
+        .unwrap_err();
+        assert!(
+            format!("{err:#}").contains("before any native run"),
+            "{err:#}"
+        );
+    }
 }
