@@ -59,6 +59,12 @@ pub(super) const KINDS: &[Kind] = &[
         render: python::python_clients,
     },
     Kind {
+        name: "python-saved-offload",
+        reads: "crates/python/bench's saved_activations.py JSON lines (plain and save_on_cpu \
+                among the variants)",
+        render: python::python_saved_offload,
+    },
+    Kind {
         name: "nn-golden",
         reads:
             "the stdout of crates/nn/tests/golden.rs (`cargo test --test golden -- --nocapture`)",

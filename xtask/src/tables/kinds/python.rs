@@ -238,6 +238,14 @@ fn milliseconds(ms: f64) -> String {
     format!("{ms:.decimals$} ms")
 }
 
+/// The object of `values` whose `key` is `name`.
+fn named<'a>(values: &'a [Value], key: &str, name: &str) -> Result<&'a Value> {
+    values
+        .iter()
+        .find(|value| value[key] == name)
+        .with_context(|| format!("no `{name}` {key}"))
+}
+
 /// How two runs' parameters compare, from `optim_compare.py`'s comparison object.
 fn parameters_compared(comparison: &Value) -> Result<String> {
     let equal = text(comparison, "tensors_bitwise_equal")?;
@@ -255,12 +263,7 @@ fn parameters_compared(comparison: &Value) -> Result<String> {
 /// comparisons, theirs against Headroom's step, and the parameters after 20 steps.
 pub(super) fn python_optim(files: &[ResultFile]) -> Result<Vec<String>> {
     let cases = json_lines(one_file(files)?)?;
-    let case = |name: &str| -> Result<&Value> {
-        cases
-            .iter()
-            .find(|value| value["case"] == name)
-            .with_context(|| format!("no `{name}` case"))
-    };
+    let case = |name: &str| named(&cases, "case", name);
     let mut lines = table_head(
         "| comparison | theirs | headroom | ratio | parameters after 20 steps |",
         "|---|---:|---:|---:|---|",
@@ -466,6 +469,125 @@ mod tests {
         assert!(
             format!("{err:#}").contains("before any native run"),
             "{err:#}"
+        );
+    }
+}
+
+/// A variant of `saved_activations.py` in words (its docstring names them).
+fn saved_variant_label(variant: &str) -> String {
+    match variant {
+        "plain" => return "no hooks".to_owned(),
+        "save_on_cpu" => return "`save_on_cpu(pin_memory=True)`".to_owned(),
+        "none" => return "`saved_activations(None)`".to_owned(),
+        "int8" | "bf16" => return format!("`saved_activations(\"{variant}\")`"),
+        _ => {}
+    }
+    let (rest, every_save) = match variant.strip_suffix("_all") {
+        Some(rest) => (rest, true),
+        None => (variant, false),
+    };
+    let (rest, transient) = match rest.strip_suffix("_transient") {
+        Some(rest) => (rest, true),
+        None => (rest, false),
+    };
+    let (rest, int8) = match rest.strip_prefix("int8_") {
+        Some(rest) => (rest, true),
+        None => (rest, false),
+    };
+    let mut label = if int8 { "int8, offloaded" } else { "offloaded" }.to_owned();
+    if let Some(mb) = rest.strip_prefix("offload_prefetch") {
+        label += &if mb == "0" {
+            ", nothing fetched ahead".to_owned()
+        } else {
+            format!(", {mb} MiB ahead")
+        };
+    } else if let Some(mb) = rest.strip_prefix("offload_fit") {
+        label += &format!(", {mb} MiB ahead with the save decoded");
+    } else if rest == "offload_peak" {
+        label += ", 128 MiB ahead under `hold_peak=True`";
+    } else if transient {
+        label += ", ahead under the previous backward's peak less each step's rise";
+    } else {
+        label += ", 128 MiB ahead";
+    }
+    if every_save {
+        label += ", every save";
+    }
+    label
+}
+
+/// `crates/python/README.md`'s offload table: each variant of `saved_activations.py` (one
+/// file), its median step and peak allocated bytes, against `save_on_cpu`'s and the plain
+/// step's.
+pub(super) fn python_saved_offload(files: &[ResultFile]) -> Result<Vec<String>> {
+    let variants = json_lines(one_file(files)?)?;
+    let (plain, anchor) = (
+        named(&variants, "variant", "plain")?,
+        named(&variants, "variant", "save_on_cpu")?,
+    );
+    let (anchor_ms, anchor_peak) = (
+        number(anchor, "step_ms")?,
+        count(anchor, "peak_allocated_bytes")?,
+    );
+    let mut lines = table_head(
+        "| saved activations | median step | vs no hooks | vs `save_on_cpu` | peak allocated | \
+         above `save_on_cpu`'s |",
+        "|---|---:|---:|---:|---:|---:|",
+    );
+    for value in &variants {
+        let ms = number(value, "step_ms")?;
+        let peak = count(value, "peak_allocated_bytes")?;
+        let above = peak as i64 - anchor_peak as i64;
+        lines.push(row(&[
+            saved_variant_label(text(value, "variant")?),
+            format!("{ms:.1} ms"),
+            format!("{:.3}×", ms / number(plain, "step_ms")?),
+            format!("{:.3}×", ms / anchor_ms),
+            format!("{} B", thousands(peak)),
+            if value == anchor {
+                "—".to_owned()
+            } else {
+                format!(
+                    "{:+.2} MB ({:+.2}%)",
+                    above as f64 / 1e6,
+                    100.0 * above as f64 / anchor_peak as f64
+                )
+            },
+        ]));
+    }
+    Ok(lines)
+}
+
+#[cfg(test)]
+mod saved_offload_tests {
+    use super::super::rendered;
+
+    const VARIANTS: &str = r#"a warning
+{"variant": "plain", "step_ms": 300.0, "peak_allocated_bytes": 15000000000}
+{"variant": "save_on_cpu", "step_ms": 800.0, "peak_allocated_bytes": 6500000000}
+{"variant": "offload_prefetch0", "step_ms": 600.0, "peak_allocated_bytes": 6500660000}
+{"variant": "int8_offload_fit32_all", "step_ms": 330.0, "peak_allocated_bytes": 6499000000}
+{"variant": "offload_transient", "step_ms": 450.0, "peak_allocated_bytes": 6500000000}
+"#;
+
+    #[test]
+    fn every_variant_against_save_on_cpu_and_the_plain_step() {
+        let table = rendered(
+            "python-saved-offload",
+            &[("results/x/offload.log", VARIANTS)],
+        )
+        .unwrap();
+        assert_eq!(
+            table,
+            [
+                "| saved activations | median step | vs no hooks | vs `save_on_cpu` | peak allocated | above `save_on_cpu`'s |",
+                "|---|---:|---:|---:|---:|---:|",
+                "| no hooks | 300.0 ms | 1.000× | 0.375× | 15,000,000,000 B | +8500.00 MB (+130.77%) |",
+                "| `save_on_cpu(pin_memory=True)` | 800.0 ms | 2.667× | 1.000× | 6,500,000,000 B | — |",
+                "| offloaded, nothing fetched ahead | 600.0 ms | 2.000× | 0.750× | 6,500,660,000 B | +0.66 MB (+0.01%) |",
+                "| int8, offloaded, 32 MiB ahead with the save decoded, every save | 330.0 ms | 1.100× | 0.412× | 6,499,000,000 B | -1.00 MB (-0.02%) |",
+                "| offloaded, ahead under the previous backward's peak less each step's rise | 450.0 ms | 1.500× | 0.562× | 6,500,000,000 B | +0.00 MB (+0.00%) |",
+            ]
         );
     }
 }
