@@ -65,6 +65,11 @@ pub(super) const KINDS: &[Kind] = &[
         render: python::python_saved_offload,
     },
     Kind {
+        name: "python-fused-ce",
+        reads: "scripts/pytorch/fused_ce_reference.py's output (the JSON object after its log)",
+        render: python::python_fused_ce,
+    },
+    Kind {
         name: "nn-golden",
         reads:
             "the stdout of crates/nn/tests/golden.rs (`cargo test --test golden -- --nocapture`)",

@@ -591,3 +591,126 @@ mod saved_offload_tests {
         );
     }
 }
+
+/// The JSON object a script prints after its log (`fused_ce_reference.py`: indented, from a
+/// line that is `{` to the end).
+fn object_after_log(file: &ResultFile) -> Result<Value> {
+    let start = if file.text.starts_with('{') {
+        0
+    } else {
+        file.text
+            .find("\n{")
+            .map(|at| at + 1)
+            .with_context(|| format!("{}: no JSON object", file.path))?
+    };
+    serde_json::from_str(&file.text[start..])
+        .with_context(|| format!("{}: the object after the log is not JSON", file.path))
+}
+
+/// An implementation of `fused_ce_reference.py` in words.
+fn fused_ce_label(name: &str) -> String {
+    match name {
+        "torch_eager_unfused" => "eager PyTorch, logits materialised".to_owned(),
+        "liger_flce" => "Liger-Kernel's fused linear cross-entropy".to_owned(),
+        "cce" => "Cut Cross-Entropy (its gradient filter)".to_owned(),
+        "cce_no_filter" => "Cut Cross-Entropy, every gradient".to_owned(),
+        "headroom_python" => "`headroom.torch.linear_cross_entropy`".to_owned(),
+        "headroom_python_backward" => "the same, gradients by recompute".to_owned(),
+        "headroom_python_forward" => "the same, gradients in the forward".to_owned(),
+        other => match other.strip_prefix("headroom_python_forward_") {
+            Some(mb) => format!("the same, gradients in the forward, `chunk_mb={mb}`"),
+            None => other.to_owned(),
+        },
+    }
+}
+
+/// `crates/python/README.md`'s fused-loss tables: each implementation `fused_ce_reference.py`
+/// ran (one file), its median forward + backward against eager PyTorch's and the bytes it held
+/// beyond its inputs and their gradients; one that failed says why.
+pub(super) fn python_fused_ce(files: &[ResultFile]) -> Result<Vec<String>> {
+    let object = object_after_log(one_file(files)?)?;
+    let map = object.as_object().context("not a JSON object")?;
+    let eager = number(
+        map.get("torch_eager_unfused")
+            .context("no `torch_eager_unfused`")?,
+        "median_ms",
+    )?;
+    let mut lines = table_head(
+        "| implementation | forward + backward | vs eager | beyond inputs and gradients |",
+        "|---|---:|---:|---:|",
+    );
+    // The script's order (serde_json's map is sorted), then any other implementation.
+    const ORDER: &[&str] = &[
+        "torch_eager_unfused",
+        "liger_flce",
+        "headroom_python",
+        "headroom_python_backward",
+        "headroom_python_forward",
+        "headroom_python_forward_128",
+        "headroom_python_forward_256",
+        "headroom_python_forward_512",
+        "cce",
+        "cce_no_filter",
+    ];
+    let known = ORDER.iter().filter_map(|name| map.get_key_value(*name));
+    let others = map
+        .iter()
+        .filter(|(name, _)| !ORDER.contains(&name.as_str()));
+    for (name, result) in known.chain(others) {
+        if !result.is_object() || name == "shape" {
+            continue;
+        }
+        if let Some(error) = result["error"].as_str() {
+            let reason = error.split(':').next().unwrap_or(error);
+            lines.push(row(&[
+                fused_ce_label(name),
+                format!("fails ({reason})"),
+                "—".to_owned(),
+                "—".to_owned(),
+            ]));
+            continue;
+        }
+        let ms = number(result, "median_ms")?;
+        let beyond = result["peak_beyond_inputs_and_grads_bytes"]
+            .as_i64()
+            .context("no `peak_beyond_inputs_and_grads_bytes`")?;
+        lines.push(row(&[
+            fused_ce_label(name),
+            format!("{ms:.2} ms"),
+            format!("{:.3}×", ms / eager),
+            format!("{:.1} MB", beyond as f64 / 1e6),
+        ]));
+    }
+    Ok(lines)
+}
+
+#[cfg(test)]
+mod fused_ce_tests {
+    use super::super::rendered;
+
+    const RUN: &str = r#"a warning
+{
+ "shape": {"tokens": 4, "hidden": 2, "vocab": 9, "dtype": "f32"},
+ "iters": 10,
+ "torch": "2.11.0",
+ "torch_eager_unfused": {"median_ms": 20.0, "peak_beyond_inputs_and_grads_bytes": 2332858368},
+ "headroom_python_forward_512": {"median_ms": 20.8, "peak_beyond_inputs_and_grads_bytes": 411070464},
+ "cce": {"error": "AssertionError: Backwards requires embeddings to be bf16 or fp16"}
+}
+"#;
+
+    #[test]
+    fn every_implementation_against_eager_and_a_failure_with_its_reason() {
+        let table = rendered("python-fused-ce", &[("results/x/ce.log", RUN)]).unwrap();
+        assert_eq!(
+            table,
+            [
+                "| implementation | forward + backward | vs eager | beyond inputs and gradients |",
+                "|---|---:|---:|---:|",
+                "| eager PyTorch, logits materialised | 20.00 ms | 1.000× | 2332.9 MB |",
+                "| the same, gradients in the forward, `chunk_mb=512` | 20.80 ms | 1.040× | 411.1 MB |",
+                "| Cut Cross-Entropy (its gradient filter) | fails (AssertionError) | — | — |",
+            ]
+        );
+    }
+}
