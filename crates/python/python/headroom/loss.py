@@ -81,16 +81,30 @@ def _stats_dtype(dtype):
 
 
 def _reduce(ctx, inputs, losses, valid, lse, reduction):
-    """Zeroes the ignored rows' losses, saves what backward reads (``inputs``, then the valid
-    rows, the log-sum-exp and their count) and returns the reduced loss."""
-    losses = torch.where(valid, losses, torch.zeros_like(losses))
+    """Saves what backward reads (``inputs``, then the valid rows, the log-sum-exp and their
+    count) and returns the reduced loss (``_reduced``)."""
     count = valid.sum()
     ctx.save_for_backward(*inputs, valid, lse, count)
     ctx.reduction = reduction
+    return _reduced(losses, valid, count, reduction)
+
+
+def _reduced(losses, valid, count, reduction):
+    """The rows' losses with the ignored ones zeroed, reduced as ``reduction`` says over the
+    ``count`` valid rows."""
+    losses = torch.where(valid, losses, torch.zeros_like(losses))
     if reduction == "none":
         return losses
     total = losses.sum()
     return total / count.clamp_min(1) if reduction == "mean" else total
+
+
+def _row_statistics(rows, stats, device):
+    """Each row's running maximum (−∞), sum of exponentials and target logit (0), in the
+    statistics dtype, before the tile kernels fold the first tile into them."""
+    return (torch.full((rows,), float("-inf"), dtype=stats, device=device),
+            torch.zeros(rows, dtype=stats, device=device),
+            torch.zeros(rows, dtype=stats, device=device))
 
 
 def _row_scale(reduction, grad_out, valid, count):
@@ -249,26 +263,23 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             return _forward_with_gradients(ctx, hidden, weight, bias, labels, valid,
                                            ignore_index, reduction, whole)
         ctx.gradients = None
-        lse = torch.empty(rows, dtype=stats, device=hidden.device)
-        losses = torch.empty(rows, dtype=stats, device=hidden.device)
+        row_max, row_sum, target = _row_statistics(rows, stats, hidden.device)
         for start in range(0, rows, block):
             end = min(start + block, rows)
             n = end - start
             h = hidden[start:end]
-            row_max = torch.full((n,), float("-inf"), dtype=stats, device=hidden.device)
-            row_sum = torch.zeros(n, dtype=stats, device=hidden.device)
-            target = torch.zeros(n, dtype=stats, device=hidden.device)
             for first in range(0, vocab, width):
                 last = min(first + width, vocab)
                 logits = _tile_logits(h, weight, bias, first, last)
                 tile = (name, logits.data_ptr(), n, last - first, first,
                         labels[start:end].data_ptr(), 1, ignore_index)
-                _native.cross_entropy_tile(device, stream, tile, row_max.data_ptr(),
-                                           row_sum.data_ptr(), target.data_ptr())
+                _native.cross_entropy_tile(device, stream, tile, row_max[start:end].data_ptr(),
+                                           row_sum[start:end].data_ptr(),
+                                           target[start:end].data_ptr())
                 # Freed before the next tile is made: one tile at a time under the budget.
                 del logits
-            torch.add(row_max, row_sum.log(), out=lse[start:end])
-            torch.sub(lse[start:end], target, out=losses[start:end])
+        lse = torch.add(row_max, row_sum.log())
+        losses = torch.sub(lse, target)
         ctx.ignore_index, ctx.chunk_mb = ignore_index, chunk_mb
         return _reduce(ctx, (hidden, weight, bias, labels), losses, valid, lse, reduction)
 
@@ -358,17 +369,14 @@ def _forward_with_gradients(ctx, hidden, weight, bias, labels, valid, ignore_ind
     grad_w = torch.zeros_like(weight) if want_w else None
     grad_b = (torch.zeros(vocab, dtype=stats, device=weight.device)
               if want_b and bias is not None else None)
+    row_max, row_sum, target = _row_statistics(rows, stats, hidden.device)
     lse = torch.empty(rows, dtype=stats, device=hidden.device)
-    losses = torch.empty(rows, dtype=stats, device=hidden.device)
     padded = _padded_width(vocab)
     padded_rows = torch.empty(block, padded, dtype=hidden.dtype, device=hidden.device)
     for start in range(0, rows, block):
         end = min(start + block, rows)
         n = end - start
         h = hidden[start:end]
-        row_max = torch.full((n,), float("-inf"), dtype=stats, device=hidden.device)
-        row_sum = torch.zeros(n, dtype=stats, device=hidden.device)
-        target = torch.zeros(n, dtype=stats, device=hidden.device)
         # The block's logits in the first `vocab` columns of padded rows whose last columns
         # are −∞: they add nothing to a row's statistics and their gradient is 0.
         rows_of = padded_rows[:n]
@@ -381,10 +389,10 @@ def _forward_with_gradients(ctx, hidden, weight, bias, labels, valid, ignore_ind
             torch.addmm(bias, h, weight.t(), out=d)
         tile = (name, rows_of.data_ptr(), n, padded, 0, labels[start:end].data_ptr(), 1,
                 ignore_index)
-        _native.cross_entropy_tile(device, stream, tile, row_max.data_ptr(), row_sum.data_ptr(),
-                                   target.data_ptr())
-        torch.add(row_max, row_sum.log(), out=lse[start:end])
-        torch.sub(lse[start:end], target, out=losses[start:end])
+        _native.cross_entropy_tile(device, stream, tile, row_max[start:end].data_ptr(),
+                                   row_sum[start:end].data_ptr(), target[start:end].data_ptr())
+        # This block's log-sum-exp, which its gradient reads.
+        torch.add(row_max[start:end], row_sum[start:end].log(), out=lse[start:end])
         _native.cross_entropy_tile_backward(device, stream, tile, lse[start:end].data_ptr(),
                                             row_scale[start:end].data_ptr())
         if grad_h is not None:
@@ -402,9 +410,7 @@ def _forward_with_gradients(ctx, hidden, weight, bias, labels, valid, ignore_ind
     del padded_rows
     ctx.gradients = (grad_h, grad_w, grad_b)
     ctx.bias_dtype = None if bias is None else bias.dtype
-    losses = torch.where(valid, losses, torch.zeros_like(losses))
-    total = losses.sum()
-    return total / count.clamp_min(1) if reduction == "mean" else total
+    return _reduced(torch.sub(lse, target), valid, count, reduction)
 
 
 def _scaled_gradients(ctx, grad_out):
