@@ -13,13 +13,12 @@ Variants, each from the same initial weights on the same batches, AdamW(fused=Tr
   (``offload_prefetch0``: without fetching ahead, the peak of ``save_on_cpu``'s schedule);
   ``offload_fitN``, ``int8_offload_fitN``: fetching ahead while the bytes in flight and the
   save backward is decoding stay under N MiB (a large save leaves less room ahead);
-  ``offload_peak``, ``int8_offload_peak``: ``hold_peak=True`` (fetching ahead only under the
-  previous backward's level); any of these with ``_all`` (``offload_prefetch0_all``): every
-  save that is not a parameter's memory offloaded, the statistics and small saves too, as
-  ``save_on_cpu`` does; ``offload_transient`` (``int8_offload_transient``): fetching ahead up to
-  1024 MiB (or ``_prefetchN``'s) while the bytes, the copy and what the previous backward
-  allocated between the same two unpacks stay under that backward's peak (the first step
-  fetches nothing ahead);
+  ``offload_peak``, ``int8_offload_peak``: ``hold_peak=True`` with ``prefetch_mb=1024`` (or
+  ``_prefetchN``'s): fetching ahead as the first step's backward, profiled, leaves room under
+  its peak; any of these with ``_all`` (``offload_peak_all``): every save that is not a
+  parameter's memory offloaded, the statistics and small saves too, as ``save_on_cpu`` does;
+  and with ``_lastN`` last (``offload_peak_all_last1024``): ``keep_last_mb=N``, the forward's
+  last N MiB of offloaded saves kept on the device;
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``.
 
 Per variant: the median step (forward, backward, step, synchronised) over the timed steps; the
@@ -71,18 +70,18 @@ def hooks(variant):
         return torch.autograd.graph.save_on_cpu(pin_memory=True)
     if "offload" in variant:
         compress = "int8" if variant.startswith("int8") else None
+        variant, _, last_mb = variant.partition("_last")
         every_save = variant.endswith("_all")
         variant = variant.removesuffix("_all")
-        transient = variant.endswith("_transient")
-        variant = variant.removesuffix("_transient")
+        hold_peak = variant.endswith("_peak")
         _, _, ahead = variant.partition("_prefetch")
         _, fit, fit_mb = variant.partition("_fit")
-        prefetch_mb = int(ahead or fit_mb or (1024 if transient else 128))
+        prefetch_mb = int(ahead or fit_mb or (1024 if hold_peak else 128))
         context = headroom.torch.saved_activations(compress, offload=POOL, prefetch_mb=prefetch_mb,
-                                                   hold_peak=variant.endswith("_peak"))
+                                                   hold_peak=hold_peak,
+                                                   keep_last_mb=int(last_mb or 0))
         context._prefetch_counts_taken = bool(fit)
         context._offload_every_save = every_save
-        context._transient_bound = transient
         return context
     return headroom.torch.saved_activations(None if variant == "none" else variant)
 

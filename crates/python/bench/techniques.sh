@@ -47,7 +47,7 @@ part optim && run optim_1e9 400 python3 "$here/bench/optim_1e9.py"
 # and Lightning, the Llama shapes (bf16 autocast) under the Trainer, 8 x 512 tokens
 # (bench/clients.py; clients.jsonl, summarised); CLIENT_MODELS (default "gpt2 llama-tiny llama-1b")
 # picks the models, CLIENT_KINDS the clients (default: hf and lightning for GPT-2, hf for
-# the Llama shapes), CLIENT_VARIANTS adds Trainer runs of the headroom side: without-FEATURE
+# the Llama shapes), CLIENT_VARIANTS adds runs of the headroom side (every client): without-FEATURE
 # leaves one feature out (e.g. "without-in_backward without-loss"), loss-forward and
 # loss-backward force where the fused loss computes its gradients, chunk-N gives the fused loss
 # N MiB (patch_causal_lm's chunk_mb). The plan's budget per model is at least the blocks' whole
@@ -66,7 +66,7 @@ part clients && for model in ${CLIENT_MODELS:-gpt2 llama-tiny llama-1b}; do
   [[ $model == llama* ]] && clients="hf" flags="--bf16"
   for client in ${CLIENT_KINDS:-$clients}; do
     runs="native headroom"
-    [[ $client == hf ]] && for v in ${CLIENT_VARIANTS:-}; do runs+=" headroom-$v"; done
+    for v in ${CLIENT_VARIANTS:-}; do runs+=" headroom-$v"; done
     for run in $runs; do
       side=${run%%-*} variant=""
       [[ $run == *-without-* ]] && variant="--without ${run##*-without-}"

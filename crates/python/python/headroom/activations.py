@@ -36,11 +36,21 @@ device memory goes back to torch's allocator once the copy is done (``record_str
 order, not Python's lifetimes). Backward brings each back on the side stream into memory
 allocated on its own stream, which waits for the copy's event before it reads; while it
 decodes one save, the saves made just before it (backward's next ones) are fetched ahead, up
-to ``prefetch_mb`` MiB in flight (0: none). With ``hold_peak=True`` it fetches ahead only
-while the allocator's bytes, with the copy, stay under the highest level the previous backward
-on that device reached at its unpacks without what it had fetched ahead: fetching ahead then
-costs no peak (the first backward fetches nothing ahead). It reads PyTorch's allocator
-statistics (``torch.cuda.memory_allocated``), so it is refused under Headroom's allocator.
+to ``prefetch_mb`` MiB in flight (0: none). With ``hold_peak=True`` fetching ahead follows a
+schedule drawn from the first backward on that device, which fetches nothing ahead (the peak
+of ``save_on_cpu``'s schedule) and records, between each two unpacks, the highest bytes it
+held: each later save is fetched at the earliest unpack from which every step up to its own
+keeps those bytes, what is already held ahead and the copy under that backward's peak, with at
+most ``prefetch_mb`` MiB held ahead; a backward whose unpacks differ (another graph) drops the
+schedule and the next is profiled again. It reads torch's running peak
+(``torch.cuda.max_memory_allocated``): reset it (``torch.cuda.reset_peak_memory_stats()``)
+before each step, or the profile sees no room and nothing is fetched ahead. Under Headroom's
+allocator, which does not serve those statistics, it is refused. ``keep_last_mb`` keeps the
+last that many MiB of offloaded saves on the device until later saves push them out: the
+forward's last saves never leave, and backward, which takes them first, neither waits for
+their copy out nor for their copy back. They cost up to ``keep_last_mb`` MiB from the end of
+the forward until backward takes them, below the step's peak wherever that peak comes late in
+backward (as the gradients grow).
 A pool range is reused only after the last copy that read it has completed
 (``headroom.pinned``). ``budget_mb`` bounds the pool
 (``offload=True`` only); a save the budget cannot hold raises ``PinnedBudgetError`` in the
@@ -49,8 +59,8 @@ CPU saves are never offloaded.
 
 What raises: an unknown codec, a block size the codec does not take, ``min_elements`` below 1,
 an ``offload`` that is not a bool or a pool, ``budget_mb`` without ``offload=True``, a negative
-``prefetch_mb``, a ``hold_peak`` that is not a bool or is given under Headroom's allocator
-(``ValueError``, at construction); a save the pool's budget cannot hold
+``prefetch_mb`` or ``keep_last_mb``, ``keep_last_mb`` without offload, a ``hold_peak`` that
+is not a bool or is given under Headroom's allocator (``ValueError``, at construction); a save the pool's budget cannot hold
 (``PinnedBudgetError``, in the forward); an ``"int8"`` save of a CUDA tensor while torch's current
 stream is not the default stream (``ValueError``, in the forward: the kernel runs on the default
 stream; ``"bf16"`` works on any stream).
@@ -64,6 +74,7 @@ This module sits on torch's saved-tensor hooks and streams, ``headroom.pinned`` 
 """
 
 import bisect
+import collections
 import sys
 import weakref
 
@@ -211,13 +222,15 @@ class _Offloaded:
     back to the pool when autograd lets go of this object, after the last copy that read them."""
 
     __slots__ = ("inner", "ranges", "specs", "device", "nbytes", "stored", "fetched", "gpu",
-                 "index", "owner", "__weakref__")
+                 "resident", "index", "owner", "__weakref__")
 
-    def __init__(self, inner, ranges, specs, device, stored, index, owner):
+    def __init__(self, inner, ranges, specs, device, stored, index, owner, resident=None):
         self.inner, self.ranges, self.specs, self.device = inner, ranges, specs, device
         # The payload's bytes (the ranges are rounded up).
         self.nbytes = sum(torch.Size(shape).numel() * dtype.itemsize for dtype, shape in specs)
         self.stored, self.fetched, self.gpu = stored, None, None
+        # The payload while it is kept on the device, not yet copied out (keep_last_mb).
+        self.resident = resident
         self.index, self.owner = index, owner
 
     def decode(self):
@@ -228,6 +241,9 @@ class _Offloaded:
         if owner is None:
             return
         try:
+            if self.resident is not None:
+                owner._resident_bytes -= self.nbytes
+                self.resident = None
             if self.gpu is not None:
                 owner._in_flight -= self.nbytes  # fetched ahead, never taken
                 # Its memory goes back to the current stream once the copy into it is done.
@@ -243,80 +259,94 @@ class _Offloaded:
                 raise
 
 
-class _Level:
-    """The highest allocation level one device's backward reached at its unpacks, without what
-    was fetched ahead (``hold_peak``): ``previous`` is the last finished backward's, ``current``
-    the running one's (a backward is one autograd graph task)."""
+class _Profile:
+    """``hold_peak``'s record of one device's backward and the schedule it gives the next ones
+    (a backward is one autograd graph task; its k-th unpack of an offloaded save stands for the
+    same node in every backward of the same graph).
 
-    __slots__ = ("previous", "current", "task")
+    A backward with no schedule is profiled and fetches nothing ahead: at each unpack it records
+    the save's index offset from the backward's first (``offsets``), the bytes its fetch moves
+    (``sizes``: 0 for a save kept on the device or taken already) and the allocator's running
+    peak (``maxima``); when it ends, ``highs[k]`` is the running peak at the next unpack (the
+    end's peak after the last): no lower than what step k held at its highest. Its peak is the
+    ceiling, and ``_prefetch_plan`` places each save's fetch as early as it fits under it.
+    Backwards that follow fetch what the schedule names at each unpack; one whose unpacks do not
+    match (another graph) drops the schedule, and the next is profiled again. The peaks are
+    torch's running statistic: without ``torch.cuda.reset_peak_memory_stats()`` before the
+    profiled step every ``highs[k]`` equals the ceiling and nothing is fetched ahead."""
 
-    def __init__(self):
-        self.previous, self.current, self.task = 0, 0, None
-
-    def seen(self, level):
-        task = torch._C._current_graph_task_id()
-        if task != self.task:
-            if self.task is not None:
-                self.previous = self.current
-            self.current, self.task = 0, task
-        self.current = max(self.current, level)
-
-
-_LEVELS = {}  # device index -> _Level
-
-
-class _Transients:
-    """An experiment of bench/saved_activations.py (the ``_transient`` variants): what the
-    previous backward on one device showed between its unpacks of offloaded saves, so that
-    fetching ahead keeps under its peak counting the work each step of backward does. The k-th
-    unpack of a backward stands for the same node in the next. At each unpack it records the
-    allocator's running peak (``maxima``) and, after the fetches ahead, its bytes (``after``);
-    when the backward ends, ``bounds[k]`` is the rise from ``after[k]`` to the running peak at the
-    next unpack (an upper bound of what the work between them allocates on top) and ``peak`` the
-    backward's. The next backward fetches ahead at its k-th unpack only while the bytes, the copy
-    and ``bounds[k]`` stay under ``peak``; the first fetches nothing ahead."""
-
-    __slots__ = ("task", "maxima", "after", "bounds", "peak")
+    __slots__ = ("task", "mode", "first_index", "steps", "offsets", "sizes", "maxima",
+                 "plan", "cap")
 
     def __init__(self):
-        self.task, self.maxima, self.after, self.bounds, self.peak = None, [], [], [], None
+        self.task, self.mode, self.first_index, self.steps = None, "profile", 0, 0
+        self.offsets, self.sizes, self.maxima, self.plan, self.cap = [], [], [], None, 0
 
-    def begin_unpack(self, device):
-        """Records an unpack of the running backward; returns its position in it (``None`` for
-        an unpack outside backward, which is not recorded)."""
+    def begin_unpack(self, entry, size, cap):
+        """Records an unpack of ``entry`` (``size`` bytes to fetch) in the running backward;
+        returns the later steps whose saves to fetch now, as index offsets."""
         task = torch._C._current_graph_task_id()
         if task == -1:
-            return None
+            return ()  # outside backward (torch.autograd.graph's unpack by hand)
         if task != self.task:
-            self.task, self.maxima, self.after = task, [], []
+            self.task, self.first_index = task, entry.index
+            self.mode = "follow" if self.plan is not None and self.cap == cap else "profile"
+            self.steps = 0
+            if self.mode == "profile":
+                self.offsets, self.sizes, self.maxima, self.cap = [], [], [], cap
+            device = entry.device
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self.finish(torch.cuda.max_memory_allocated(device)))
-        self.maxima.append(torch.cuda.max_memory_allocated(device))
-        return len(self.maxima) - 1
-
-    def fetched(self, device):
-        """Records the bytes after this unpack's fetches ahead."""
-        self.after.append(torch.cuda.memory_allocated(device))
+        step, self.steps = self.steps, self.steps + 1
+        offset = entry.index - self.first_index
+        if self.mode == "profile":
+            self.maxima.append(torch.cuda.max_memory_allocated(entry.device))
+            self.offsets.append(offset)
+            self.sizes.append(size)
+            return ()
+        if self.mode == "discard":
+            return ()
+        if step >= len(self.offsets) or (self.offsets[step], self.sizes[step]) != (offset, size):
+            self.mode, self.plan = "discard", None  # another graph: profile the next backward
+            return ()
+        return [self.offsets[later] for later in self.plan[step]]
 
     def finish(self, end_peak):
-        self.bounds = _transient_bounds(self.maxima, self.after, end_peak)
-        self.peak = end_peak
-
-    def room(self, position, allocated):
-        """The bytes the unpack at ``position`` may fetch ahead with ``allocated`` in use."""
-        if self.peak is None or position >= len(self.bounds):
-            return 0
-        return self.peak - self.bounds[position] - allocated
+        if self.mode == "follow" and self.steps != len(self.offsets):
+            self.plan = None
+        if self.mode != "profile":
+            return
+        highs = self.maxima[1:] + [end_peak]
+        self.plan = _prefetch_plan(self.sizes, highs, end_peak, self.cap)
 
 
-def _transient_bounds(maxima, after, end_peak):
-    """Per unpack k: the running peak at the next unpack (``end_peak`` after the last) less the
-    bytes after unpack k's fetches ahead, at least 0."""
-    highs = list(maxima[1:len(after)]) + [end_peak]
-    return [max(0, high - level) for high, level in zip(highs, after)]
+def _prefetch_plan(sizes, highs, ceiling, cap):
+    """Per step k, the later steps whose saves step k fetches ahead. A save taken at step u
+    (``sizes[u]`` bytes, 0 for none to fetch) fetched at step f holds its bytes through steps
+    f to u-1; steps are served in the order backward takes them, each fetched at the earliest
+    step f from which every step to u-1 keeps its high point (``highs``), what is already held
+    ahead and the save under ``ceiling``, and what is held ahead under ``cap``. A save that fits
+    nowhere is fetched when taken."""
+    held = [0] * len(sizes)
+    plan = [[] for _ in sizes]
+    for taken in range(1, len(sizes)):
+        size = sizes[taken]
+        if size == 0:
+            continue
+        first = None
+        step = taken - 1
+        while step >= 0 and highs[step] + held[step] + size <= ceiling \
+                and held[step] + size <= cap:
+            first, step = step, step - 1
+        if first is None:
+            continue
+        for step in range(first, taken):
+            held[step] += size
+        plan[first].append(taken)
+    return plan
 
 
-_TRANSIENTS = {}  # device index -> _Transients
+_PROFILES = {}  # device index -> _Profile
 
 
 def _device_index(device):
@@ -353,7 +383,8 @@ class saved_activations:
     memory; see the module's documentation."""
 
     def __init__(self, compress="int8", *, offload=False, budget_mb=None, prefetch_mb=128,
-                 hold_peak=False, block=DEFAULT_BLOCK, min_elements=DEFAULT_MIN_ELEMENTS):
+                 hold_peak=False, keep_last_mb=0, block=DEFAULT_BLOCK,
+                 min_elements=DEFAULT_MIN_ELEMENTS):
         if compress not in CODECS:
             raise ValueError(f"compress={compress!r}: give one of {CODECS}")
         if compress == "int8" and (
@@ -378,6 +409,10 @@ class saved_activations:
             raise ValueError(f"prefetch_mb={prefetch_mb!r}: give a non-negative number of MiB")
         if not isinstance(hold_peak, bool):
             raise ValueError(f"hold_peak={hold_peak!r}: give True or False")
+        if not isinstance(keep_last_mb, (int, float)) or keep_last_mb < 0:
+            raise ValueError(f"keep_last_mb={keep_last_mb!r}: give a non-negative number of MiB")
+        if keep_last_mb and pool is None:
+            raise ValueError("keep_last_mb keeps the last offloaded saves: give offload with it")
         if hold_peak and _headroom_allocator_active():
             raise ValueError(
                 "hold_peak=True reads PyTorch's allocator statistics, which Headroom's allocator "
@@ -389,6 +424,7 @@ class saved_activations:
         self.min_elements = min_elements
         self.pool = pool
         self.prefetch_bytes = int(prefetch_mb * (1 << 20))
+        self.keep_last_bytes = int(keep_last_mb * (1 << 20))
         self.stats = {"saved": 0, "encoded": 0, "shared": 0, "original_bytes": 0,
                       "encoded_bytes": 0, "offloaded": 0, "offloaded_bytes": 0}
         self._shared = {}
@@ -401,14 +437,13 @@ class saved_activations:
         # An experiment of bench/saved_activations.py (offload_fitN variants): the save backward
         # is decoding counts against prefetch_mb, so a large save leaves less room ahead.
         self._prefetch_counts_taken = False
-        # Another (the _transient variants): fetching ahead bounded by each step of the previous
-        # backward (_Transients), instead of by prefetch_mb alone.
-        self._transient_bound = False
         # Another (the _all variants): with offload, every CUDA save that is not a parameter's
         # memory goes to the pool as it is, whatever its size, dtype or need of a gradient (the
         # statistics and small saves otherwise kept: 0.66 MB above save_on_cpu's peak at
         # 190e3f5, which offloads every save).
         self._offload_every_save = False
+        self._resident = collections.deque()  # saves kept on the device (weak), oldest first
+        self._resident_bytes = 0
 
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -498,14 +533,39 @@ class saved_activations:
 
     def _offload(self, packed, device):
         """Copies ``packed``'s payload to the pool on the offload stream, after the work that
-        made it; its device memory returns to torch's allocator once the copy is done."""
-        compute = torch.cuda.current_stream(device)
-        side = self._side_stream(device)
+        made it; its device memory returns to torch's allocator once the copy is done. With
+        ``keep_last_mb``, the copy waits until that many bytes of later saves follow it."""
+        self._count += 1
+        payload = packed.payload()
+        specs = [(t.dtype, tuple(t.shape)) for t in payload]
+        packed.set_payload(None)
+        if self.keep_last_bytes:
+            entry = _Offloaded(packed, [], specs, device, None, self._count, self,
+                               resident=payload)
+            self._resident.append(weakref.ref(entry))
+            self._resident_bytes += entry.nbytes
+            while self._resident_bytes > self.keep_last_bytes and self._resident:
+                oldest = self._resident.popleft()()
+                if oldest is not None and oldest.resident is not None:
+                    payload, oldest.resident = oldest.resident, None
+                    self._resident_bytes -= oldest.nbytes
+                    self._store(oldest, payload)
+        else:
+            entry = _Offloaded(packed, [], specs, device, None, self._count, self)
+            self._store(entry, payload)
+        self._order.append(weakref.ref(entry))
+        self._indices.append(self._count)
+        return entry
+
+    def _store(self, entry, payload):
+        """Copies ``payload`` (``entry``'s) to the pool on the offload stream."""
+        compute = torch.cuda.current_stream(entry.device)
+        side = self._side_stream(entry.device)
         side.wait_stream(compute)
         ranges, specs = [], []
         try:
             with torch.cuda.stream(side):
-                for tensor in packed.payload():
+                for tensor in payload:
                     pinned = self.pool.allocate(tensor.numel() * tensor.element_size())
                     ranges.append(pinned)
                     specs.append((tensor.dtype, tuple(tensor.shape)))
@@ -514,14 +574,9 @@ class saved_activations:
         finally:
             stored = torch.cuda.Event()
             stored.record(side)
-        packed.set_payload(None)
-        self._count += 1
-        entry = _Offloaded(packed, ranges, specs, device, stored, self._count, self)
-        self._order.append(weakref.ref(entry))
-        self._indices.append(self._count)
+            entry.ranges, entry.specs, entry.stored = ranges, specs, stored
         self.stats["offloaded"] += 1
         self.stats["offloaded_bytes"] += entry.nbytes
-        return entry
 
     def _fetch(self, entry, device):
         """Starts the copy of ``entry`` back to the device on the offload stream, into memory
@@ -548,26 +603,27 @@ class saved_activations:
 
     def _unpack_offloaded(self, entry):
         device = entry.device
-        tracker = position = None
-        if self._transient_bound:
-            tracker = _TRANSIENTS.setdefault(_device_index(device), _Transients())
-            position = tracker.begin_unpack(device)
-            if position is None:
-                tracker = None
-        if entry.gpu is None:
-            self._fetch(entry, device)
-        torch.cuda.current_stream(device).wait_event(entry.fetched)
-        gpu, entry.gpu = entry.gpu, None
-        self._in_flight -= entry.nbytes
+        scheduled = None
         if self.hold_peak:
-            _LEVELS.setdefault(_device_index(device), _Level()).seen(
-                torch.cuda.memory_allocated(device) - self._in_flight)
-        room = None
-        if tracker is not None:
-            room = tracker.room(position, torch.cuda.memory_allocated(device))
-        self._prefetch_before(entry, device, room)
-        if tracker is not None:
-            tracker.fetched(device)
+            taken = entry.fetched is not None and entry.gpu is None
+            size = 0 if entry.resident is not None or taken else entry.nbytes
+            scheduled = _PROFILES.setdefault(_device_index(device), _Profile()).begin_unpack(
+                entry, size, self.prefetch_bytes)
+        if entry.resident is not None:
+            # Never copied out: backward reads it where it is, and it goes when autograd lets go
+            # of the entry (after this node, or with a retained graph).
+            gpu = list(entry.resident)
+        else:
+            if entry.gpu is None:
+                self._fetch(entry, device)
+            torch.cuda.current_stream(device).wait_event(entry.fetched)
+            gpu, entry.gpu = entry.gpu, None
+            self._in_flight -= entry.nbytes
+        if scheduled is None:
+            self._prefetch_before(entry, device)
+        else:
+            for offset in scheduled:
+                self._fetch_scheduled(entry, offset, device)
         inner = entry.inner
         inner.set_payload(gpu)
         try:
@@ -575,15 +631,25 @@ class saved_activations:
         finally:
             inner.set_payload(None)
 
-    def _prefetch_before(self, entry, device, room=None):
+    def _fetch_scheduled(self, entry, offset, device):
+        """Fetches the save ``offset`` indices after ``entry``'s backward's first (``hold_peak``'s
+        schedule), unless it is gone, on the device or fetched already."""
+        index = _PROFILES[_device_index(device)].first_index + offset
+        position = bisect.bisect_left(self._indices, index)
+        if position == len(self._indices) or self._indices[position] != index:
+            return
+        other = self._order[position]()
+        if other is None or other.gpu is not None or not other.ranges or other.fetched is not None:
+            return
+        self._fetch(other, device)
+
+    def _prefetch_before(self, entry, device):
         """Fetches the saves made before ``entry`` (backward's next ones), nearest first, while
-        fewer than ``prefetch_mb`` MiB are in flight (and, given ``room``, while their bytes fit
-        in it)."""
+        fewer than ``prefetch_mb`` MiB are in flight."""
         if self.prefetch_bytes == 0:
             return
         order = self._order
         bound = self.prefetch_bytes - (entry.nbytes if self._prefetch_counts_taken else 0)
-        ceiling = _LEVELS[_device_index(device)].previous if self.hold_peak else None
         position = bisect.bisect_left(self._indices, entry.index) - 1
         while position >= 0 and self._in_flight < bound:
             other = order[position]()
@@ -592,10 +658,4 @@ class saved_activations:
                 continue
             if other.fetched is not None:
                 continue  # taken by backward already (a retained graph fetches on demand)
-            if ceiling is not None and torch.cuda.memory_allocated(device) + other.nbytes > ceiling:
-                return  # this copy would raise the peak of the previous backward
-            if room is not None:
-                if other.nbytes > room:
-                    return  # this copy and the step's own work would pass the previous peak
-                room -= other.nbytes
             self._fetch(other, device)

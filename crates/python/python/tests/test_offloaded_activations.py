@@ -93,6 +93,9 @@ def test_bad_offload_settings_raise():
            "prefetch_mb")
     raises(ValueError, lambda: ht.saved_activations(None, offload=True, hold_peak=1),
            "hold_peak=1")
+    raises(ValueError, lambda: ht.saved_activations(None, offload=True, keep_last_mb=-1),
+           "keep_last_mb=-1")
+    raises(ValueError, lambda: ht.saved_activations(None, keep_last_mb=64), "give offload")
     raises(ValueError, lambda: ht.saved_activations(None, offload=ht.PinnedPool(), budget_mb=8),
            "PinnedPool")
     raises(ValueError, lambda: ht.PinnedPool(0), "budget_mb=0")
@@ -155,6 +158,59 @@ def test_offloaded_saves_give_the_plain_gradients_bit_for_bit():
     assert saved.stats["encoded"] == saved.stats["offloaded"] > 0
     assert saved.stats["offloaded_bytes"] == saved.stats["encoded_bytes"]
     assert all(torch.equal(a, b) for a, b in zip(got, int8))
+
+
+def test_every_save_offloaded_the_schedule_and_kept_saves_give_the_plain_gradients():
+    # Every save offloaded (bench/saved_activations.py's private _all), hold_peak's schedule
+    # (the first backward is profiled, the next ones follow it) and the forward's last saves
+    # kept on the device, with a retained graph too (a kept save is read again).
+    dev = on("cuda")
+    for retain in (False, True):
+        plain = grads_with(dev, None, retain=retain)
+        for every, hold_peak, last_mb in ((True, False, 0), (False, True, 0), (False, True, 0),
+                                          (False, False, 1), (True, True, 1), (True, True, 1),
+                                          (False, False, 64)):
+            torch.cuda.reset_peak_memory_stats()
+            saved = ht.saved_activations(None, offload=True, hold_peak=hold_peak,
+                                         prefetch_mb=1024, keep_last_mb=last_mb)
+            saved._offload_every_save = every
+            got = grads_with(dev, saved, retain=retain)
+            case = (retain, every, hold_peak, last_mb)
+            assert saved._resident_bytes == 0, case
+            assert (saved.stats["offloaded"] > 0) == (last_mb < 64), case
+            for i, (a, b) in enumerate(zip(got, plain)):
+                assert torch.equal(a, b), (case, i)
+    # A backward that does not match the schedule (another graph: above, each retained graph's
+    # second backward takes saves already taken) drops it; the next profiles its own, and the
+    # one after follows it.
+    from headroom.activations import _PROFILES
+
+    profile = _PROFILES[torch.cuda.current_device()]
+    for mode in ("profile", "follow"):
+        saved = ht.saved_activations(None, offload=True, hold_peak=True, prefetch_mb=1024,
+                                     keep_last_mb=1)
+        saved._offload_every_save = True
+        grads_with(dev, saved)
+        assert profile.mode == mode and profile.plan is not None, (mode, profile.mode)
+    assert len(profile.plan) == profile.steps == len(profile.sizes)
+
+
+def test_kept_saves_stay_on_the_device_and_the_rest_are_copied_out():
+    dev = on("cuda")
+    model, x = model_and_input(dev)
+    whole = ht.saved_activations(None, offload=True)
+    with whole:
+        loss = model(x).square().mean()
+    loss.backward()
+    half_mb = whole.stats["offloaded_bytes"] / 2 / MIB
+    tail = ht.saved_activations(None, offload=True, keep_last_mb=half_mb)
+    with tail:
+        loss = model(x).square().mean()
+    kept = tail._resident_bytes
+    assert 0 < kept <= tail.keep_last_bytes
+    assert tail.stats["offloaded_bytes"] + kept == whole.stats["offloaded_bytes"]
+    loss.backward()
+    assert tail._resident_bytes == 0  # autograd let go of every kept save
 
 
 def test_offload_survives_a_retained_graph_and_a_side_stream():

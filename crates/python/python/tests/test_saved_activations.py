@@ -216,15 +216,19 @@ def test_a_save_modified_in_place_raises_at_backward(device):
     raises(RuntimeError, lambda: y.sum().backward(), "modified by an inplace operation")
 
 
-def test_the_transient_bounds_are_the_rises_to_the_next_unpacks_peak():
-    from headroom.activations import _transient_bounds
+def test_the_prefetch_plan_fetches_each_save_as_early_as_the_peak_and_cap_allow():
+    from headroom.activations import _prefetch_plan
 
-    # Running peaks at three unpacks, the bytes after each one's fetches ahead, the backward's
-    # peak: the work after the first rose 1 above its start, after the second 2, after the
-    # last 6; a fall is no bound.
-    assert _transient_bounds([10, 12, 15], [11, 13, 14], 20) == [1, 2, 6]
-    assert _transient_bounds([10, 10], [12, 11], 11) == [0, 0]
-    assert _transient_bounds([], [], 5) == []
+    # Step k's high point (highs), the profiled peak 20: the save taken at step 1 fits from
+    # step 0, the one at step 2 too (step 0 then holds both: 10 + 10 = 20), the one at step 3
+    # only from step 1 (step 0 would reach 25).
+    assert _prefetch_plan([0, 5, 5, 5], [10, 10, 12, 14], 20, 100) == [[1, 2], [3], [], []]
+    # At most 8 bytes held ahead: one save at a time, each fetched one step early.
+    assert _prefetch_plan([0, 5, 5, 5], [10, 10, 12, 14], 20, 8) == [[1], [2], [3], []]
+    # A save too large to hold ahead, steps with nothing to fetch (kept or taken already), and
+    # a save that step 1 (17 + 4 > 20) keeps from being fetched before step 2.
+    assert _prefetch_plan([0, 30, 0, 4], [10, 17, 16, 16], 20, 100) == [[], [], [3], []]
+    assert _prefetch_plan([], [], 5, 100) == []
 
 
 def test_bad_settings_raise():
