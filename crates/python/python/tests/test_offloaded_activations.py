@@ -180,18 +180,24 @@ def test_every_save_offloaded_the_schedule_and_kept_saves_give_the_plain_gradien
             assert (saved.stats["offloaded"] > 0) == (last_mb < 64), case
             for i, (a, b) in enumerate(zip(got, plain)):
                 assert torch.equal(a, b), (case, i)
-    # A backward that does not match the schedule (another graph: above, each retained graph's
-    # second backward takes saves already taken) drops it; the next profiles its own, and the
-    # one after follows it.
+    # hold_peak's schedule: a backward with none is profiled, the next ones of the same graph
+    # follow it, one of another graph (here: no save kept on the device, so other sizes to
+    # fetch) drops it, and the one after profiles that graph.
     from headroom.activations import _PROFILES
 
-    profile = _PROFILES[torch.cuda.current_device()]
-    for mode in ("profile", "follow"):
+    _PROFILES.clear()
+    plain = grads_with(dev, None)
+    modes = []
+    for last_mb in (1, 1, 0, 0, 0):
         saved = ht.saved_activations(None, offload=True, hold_peak=True, prefetch_mb=1024,
-                                     keep_last_mb=1)
+                                     keep_last_mb=last_mb)
         saved._offload_every_save = True
-        grads_with(dev, saved)
-        assert profile.mode == mode and profile.plan is not None, (mode, profile.mode)
+        torch.cuda.reset_peak_memory_stats()
+        got = grads_with(dev, saved)
+        assert all(torch.equal(a, b) for a, b in zip(got, plain))
+        profile = _PROFILES[torch.cuda.current_device()]
+        modes.append(profile.mode)
+    assert modes == ["profile", "follow", "discard", "profile", "follow"], modes
     assert len(profile.plan) == profile.steps == len(profile.sizes)
 
 
