@@ -262,10 +262,14 @@ __device__ __forceinline__ void adam_fused_stochastic(const AdamStochasticPiece*
             load4(m, i, mm);
             load4(v, i, vv);
             unsigned short s[4];
+            // Elements start + 4i .. start + 4i + 3 are one group of the stream, one hash: start
+            // is a multiple of four, as fused_block_elems (crates/optim/src/cuda/launch.rs, its
+            // tests) makes every block's elements a multiple of 4 x threads.
+            const unsigned long long group = stochastic_group(key, start / 4 + i);
 #pragma unroll
             for (unsigned k = 0; k < 4; ++k) {
                 adam_element(c, scaled, scale, &pp[k], gg[k], &mm[k], &vv[k], 0);
-                s[k] = bits16(round_bf16_stochastic(pp[k], stochastic_bits(key, start + 4 * i + k)));
+                s[k] = bits16(round_bf16_stochastic(pp[k], stochastic_bits_of(group, k)));
             }
             ((uint2*)p)[i] = make_uint2(s[0] | ((unsigned)s[1] << 16), s[2] | ((unsigned)s[3] << 16));
             store4(m, i, mm);

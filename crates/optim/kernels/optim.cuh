@@ -171,8 +171,18 @@ __device__ __forceinline__ unsigned long long stochastic_key(unsigned long long 
     return mix64(seed ^ mix64((index << 32) ^ step));
 }
 
+// Elements 4j..4j+3 share one splitmix64 output (stochastic_group(key, j)), element 4j + k taking
+// its bits 63 - 16k down to 48 - 16k: a kernel that rounds four neighbours hashes once for them.
+__device__ __forceinline__ unsigned long long stochastic_group(unsigned long long key, unsigned long long j) {
+    return mix64(key + (j + 1) * GOLDEN_GAMMA);
+}
+
+__device__ __forceinline__ unsigned stochastic_bits_of(unsigned long long group_bits, unsigned k) {
+    return (unsigned)(group_bits >> (48 - 16 * k)) & 0xffffu;
+}
+
 __device__ __forceinline__ unsigned stochastic_bits(unsigned long long key, unsigned long long i) {
-    return (unsigned)(mix64(key + (i + 1) * GOLDEN_GAMMA) >> 48);
+    return stochastic_bits_of(stochastic_group(key, i / 4), (unsigned)(i % 4));
 }
 
 __device__ __forceinline__ __nv_bfloat16 round_bf16_stochastic(float x, unsigned random) {
@@ -210,7 +220,8 @@ __device__ __forceinline__ __nv_bfloat16 store_rounded<__nv_bfloat16>(float x, P
 }
 
 // store4 by `r`: the `i`-th group of four of `a`, whose element 0 is element `first` of its
-// parameter.
+// parameter. `first` is a multiple of four (a quantisation block's first element, in every
+// caller), so the four are one group of the stream: one hash.
 __device__ __forceinline__ void store4_rounded(float* a, unsigned long long i, const float v[4], ParamRounding,
                                                unsigned long long) {
     store4(a, i, v);
@@ -218,8 +229,14 @@ __device__ __forceinline__ void store4_rounded(float* a, unsigned long long i, c
 __device__ __forceinline__ void store4_rounded(__nv_bfloat16* a, unsigned long long i, const float v[4],
                                                ParamRounding r, unsigned long long first) {
     unsigned short s[4];
+    if (r.stochastic) {
+        const unsigned long long group = stochastic_group(r.key, first / 4 + i);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) s[k] = bits16(store_rounded<__nv_bfloat16>(v[k], r, first + 4 * i + k));
+        for (int k = 0; k < 4; ++k) s[k] = bits16(round_bf16_stochastic(v[k], stochastic_bits_of(group, k)));
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) s[k] = bits16(from_f32<__nv_bfloat16>(v[k]));
+    }
     ((uint2*)a)[i] = make_uint2(s[0] | ((unsigned)s[1] << 16), s[2] | ((unsigned)s[3] << 16));
 }
 

@@ -15,8 +15,9 @@ Variants, each from the same initial weights on the same batches, AdamW(fused=Tr
   save backward is decoding stay under N MiB (a large save leaves less room ahead);
   ``offload_peak``, ``int8_offload_peak``: ``hold_peak=True`` with ``prefetch_mb=1024`` (or
   ``_prefetchN``'s): fetching ahead as the first step's backward, profiled, leaves room under
-  its peak; any of these with ``_all`` (``offload_peak_all``): every save that is not a
-  parameter's memory offloaded, the statistics and small saves too, as ``save_on_cpu`` does;
+  its peak; any of these with ``_all`` (``offload_peak_all``): ``every_save=True``, every save
+  that is not a parameter's memory offloaded, the statistics and small saves too, as
+  ``save_on_cpu`` does;
   and with ``_lastN`` last (``offload_peak_all_last1024``): ``keep_last_mb=N``, the forward's
   last N MiB of offloaded saves kept on the device;
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``.
@@ -79,9 +80,9 @@ def hooks(variant):
         prefetch_mb = int(ahead or fit_mb or (1024 if hold_peak else 128))
         context = headroom.torch.saved_activations(compress, offload=POOL, prefetch_mb=prefetch_mb,
                                                    hold_peak=hold_peak,
-                                                   keep_last_mb=int(last_mb or 0))
+                                                   keep_last_mb=int(last_mb or 0),
+                                                   every_save=every_save)
         context._prefetch_counts_taken = bool(fit)
-        context._offload_every_save = every_save
         return context
     return headroom.torch.saved_activations(None if variant == "none" else variant)
 

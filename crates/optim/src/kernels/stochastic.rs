@@ -93,10 +93,26 @@ pub fn stochastic_key(seed: u64, param_index: u64, step: u64) -> u64 {
     mix64(seed ^ mix64((param_index << 32) ^ step))
 }
 
-/// The 16 random bits element `index` of the stream `key` rounds with (in the low bits).
+/// The 16 random bits element `index` of the stream `key` rounds with (in the low bits): the
+/// elements `4j..4j+3` share one splitmix64 output ([`stochastic_group`]`(key, j)`), element
+/// `4j + k` taking its bits `63 - 16k` down to `48 - 16k`, so a kernel that rounds four
+/// neighbours computes one hash for them (on the GPU the hash was a sixth of the bf16 Adam
+/// step's instructions).
 #[inline(always)]
 pub fn stochastic_bits(key: u64, index: u64) -> u32 {
-    (mix64(key.wrapping_add(index.wrapping_add(1).wrapping_mul(GOLDEN_GAMMA))) >> 48) as u32
+    stochastic_bits_of(stochastic_group(key, index / 4), (index % 4) as u32)
+}
+
+/// The 64 random bits of the elements `4 * group .. 4 * group + 4` of the stream `key`.
+#[inline(always)]
+pub fn stochastic_group(key: u64, group: u64) -> u64 {
+    mix64(key.wrapping_add(group.wrapping_add(1).wrapping_mul(GOLDEN_GAMMA)))
+}
+
+/// The 16 bits of element `k` (0 to 3) of a group's bits ([`stochastic_group`]).
+#[inline(always)]
+pub fn stochastic_bits_of(group_bits: u64, k: u32) -> u32 {
+    ((group_bits >> (48 - 16 * k)) & 0xffff) as u32
 }
 
 /// `value` rounded to bf16 up (in magnitude) with probability equal to the fraction of a bf16

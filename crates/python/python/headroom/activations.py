@@ -50,7 +50,11 @@ last that many MiB of offloaded saves on the device until later saves push them 
 forward's last saves never leave, and backward, which takes them first, neither waits for
 their copy out nor for their copy back. They cost up to ``keep_last_mb`` MiB from the end of
 the forward until backward takes them, below the step's peak wherever that peak comes late in
-backward (as the gradients grow).
+backward (as the gradients grow). With ``every_save=True`` every CUDA save that is not a
+parameter's memory is offloaded as it is, whatever its size, dtype or need of a gradient, as
+``save_on_cpu`` does: the statistics, integer saves and saves under ``min_elements`` that the
+codec leaves on the device go too (0.66 MB of ViT-L/16's saves at batch 32, which otherwise
+stay on the device through the step).
 A pool range is reused only after the last copy that read it has completed
 (``headroom.pinned``). ``budget_mb`` bounds the pool
 (``offload=True`` only); a save the budget cannot hold raises ``PinnedBudgetError`` in the
@@ -59,8 +63,8 @@ CPU saves are never offloaded.
 
 What raises: an unknown codec, a block size the codec does not take, ``min_elements`` below 1,
 an ``offload`` that is not a bool or a pool, ``budget_mb`` without ``offload=True``, a negative
-``prefetch_mb`` or ``keep_last_mb``, ``keep_last_mb`` without offload, a ``hold_peak`` that
-is not a bool or is given under Headroom's allocator (``ValueError``, at construction); a save the pool's budget cannot hold
+``prefetch_mb`` or ``keep_last_mb``, ``keep_last_mb`` or ``every_save`` without offload, an
+``every_save`` or a ``hold_peak`` that is not a bool or is given under Headroom's allocator (``ValueError``, at construction); a save the pool's budget cannot hold
 (``PinnedBudgetError``, in the forward); an ``"int8"`` save of a CUDA tensor while torch's current
 stream is not the default stream (``ValueError``, in the forward: the kernel runs on the default
 stream; ``"bf16"`` works on any stream).
@@ -383,7 +387,7 @@ class saved_activations:
     memory; see the module's documentation."""
 
     def __init__(self, compress="int8", *, offload=False, budget_mb=None, prefetch_mb=128,
-                 hold_peak=False, keep_last_mb=0, block=DEFAULT_BLOCK,
+                 hold_peak=False, keep_last_mb=0, every_save=False, block=DEFAULT_BLOCK,
                  min_elements=DEFAULT_MIN_ELEMENTS):
         if compress not in CODECS:
             raise ValueError(f"compress={compress!r}: give one of {CODECS}")
@@ -413,6 +417,10 @@ class saved_activations:
             raise ValueError(f"keep_last_mb={keep_last_mb!r}: give a non-negative number of MiB")
         if keep_last_mb and pool is None:
             raise ValueError("keep_last_mb keeps the last offloaded saves: give offload with it")
+        if not isinstance(every_save, bool):
+            raise ValueError(f"every_save={every_save!r}: give True or False")
+        if every_save and pool is None:
+            raise ValueError("every_save chooses what is offloaded: give offload with it")
         if hold_peak and _headroom_allocator_active():
             raise ValueError(
                 "hold_peak=True reads PyTorch's allocator statistics, which Headroom's allocator "
@@ -425,6 +433,7 @@ class saved_activations:
         self.pool = pool
         self.prefetch_bytes = int(prefetch_mb * (1 << 20))
         self.keep_last_bytes = int(keep_last_mb * (1 << 20))
+        self.every_save = every_save
         self.stats = {"saved": 0, "encoded": 0, "shared": 0, "original_bytes": 0,
                       "encoded_bytes": 0, "offloaded": 0, "offloaded_bytes": 0}
         self._shared = {}
@@ -437,11 +446,6 @@ class saved_activations:
         # An experiment of bench/saved_activations.py (offload_fitN variants): the save backward
         # is decoding counts against prefetch_mb, so a large save leaves less room ahead.
         self._prefetch_counts_taken = False
-        # Another (the _all variants): with offload, every CUDA save that is not a parameter's
-        # memory goes to the pool as it is, whatever its size, dtype or need of a gradient (the
-        # statistics and small saves otherwise kept: 0.66 MB above save_on_cpu's peak at
-        # 190e3f5, which offloads every save).
-        self._offload_every_save = False
         self._resident = collections.deque()  # saves kept on the device (weak), oldest first
         self._resident_bytes = 0
 
@@ -478,7 +482,7 @@ class saved_activations:
     def _offloads(self, t):
         if self.pool is None or t.device.type != "cuda":
             return False
-        if self._offload_every_save:
+        if self.every_save:
             return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
                     and t.numel() > 0 and (t.numel() == 1 or 0 not in t.stride())
                     and not _derived_from_parameter(t))

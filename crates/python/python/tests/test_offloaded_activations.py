@@ -96,6 +96,9 @@ def test_bad_offload_settings_raise():
     raises(ValueError, lambda: ht.saved_activations(None, offload=True, keep_last_mb=-1),
            "keep_last_mb=-1")
     raises(ValueError, lambda: ht.saved_activations(None, keep_last_mb=64), "give offload")
+    raises(ValueError, lambda: ht.saved_activations(None, offload=True, every_save=1),
+           "every_save=1")
+    raises(ValueError, lambda: ht.saved_activations(None, every_save=True), "give offload")
     raises(ValueError, lambda: ht.saved_activations(None, offload=ht.PinnedPool(), budget_mb=8),
            "PinnedPool")
     raises(ValueError, lambda: ht.PinnedPool(0), "budget_mb=0")
@@ -161,7 +164,7 @@ def test_offloaded_saves_give_the_plain_gradients_bit_for_bit():
 
 
 def test_every_save_offloaded_the_schedule_and_kept_saves_give_the_plain_gradients():
-    # Every save offloaded (bench/saved_activations.py's private _all), hold_peak's schedule
+    # Every save offloaded (every_save=True), hold_peak's schedule
     # (the first backward is profiled, the next ones follow it) and the forward's last saves
     # kept on the device, with a retained graph too (a kept save is read again).
     dev = on("cuda")
@@ -172,8 +175,7 @@ def test_every_save_offloaded_the_schedule_and_kept_saves_give_the_plain_gradien
                                           (False, False, 64)):
             torch.cuda.reset_peak_memory_stats()
             saved = ht.saved_activations(None, offload=True, hold_peak=hold_peak,
-                                         prefetch_mb=1024, keep_last_mb=last_mb)
-            saved._offload_every_save = every
+                                         prefetch_mb=1024, keep_last_mb=last_mb, every_save=every)
             got = grads_with(dev, saved, retain=retain)
             case = (retain, every, hold_peak, last_mb)
             assert saved._resident_bytes == 0, case
@@ -190,8 +192,7 @@ def test_every_save_offloaded_the_schedule_and_kept_saves_give_the_plain_gradien
     modes = []
     for last_mb in (1, 1, 0, 0, 0):
         saved = ht.saved_activations(None, offload=True, hold_peak=True, prefetch_mb=1024,
-                                     keep_last_mb=last_mb)
-        saved._offload_every_save = True
+                                     keep_last_mb=last_mb, every_save=True)
         torch.cuda.reset_peak_memory_stats()
         got = grads_with(dev, saved)
         assert all(torch.equal(a, b) for a, b in zip(got, plain))
