@@ -536,6 +536,19 @@ fn stochastic_rounding_is_unbiased_and_seeded() {
         0x7fc0,
         "one canonical NaN"
     );
+    // Four neighbours share one 64-bit hash, each its own 16 bits of it: the fields of a group
+    // repeat no more often than independent 16-bit draws would (4,096 groups of 6 pairs: 0.375
+    // repeats expected).
+    let repeats = (0..4096u64)
+        .map(|j| {
+            let fields: Vec<u32> = (0..4).map(|k| stochastic_bits(key, 4 * j + k)).collect();
+            (0..4)
+                .flat_map(|a| (a + 1..4).map(move |b| (a, b)))
+                .filter(|&(a, b)| fields[a] == fields[b])
+                .count()
+        })
+        .sum::<usize>();
+    assert!(repeats <= 2, "{repeats} repeated fields");
     let stream = |key: u64| (0..64).map(|i| stochastic_bits(key, i)).collect::<Vec<_>>();
     assert_eq!(
         stream(stochastic_key(1, 0, 1)),

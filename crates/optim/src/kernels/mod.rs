@@ -54,7 +54,8 @@ pub use quantization::{
 };
 pub use sgd::{sgd_foreach, sgd_fused, sgd_single, SgdBuffers, SgdConfig};
 pub use stochastic::{
-    round_bf16_stochastic, stochastic_bits, stochastic_key, Bf16Rounding, ParamRounding,
+    round_bf16_stochastic, stochastic_bits, stochastic_bits_of, stochastic_group, stochastic_key,
+    Bf16Rounding, ParamRounding,
 };
 
 pub use half::{bf16, f16};
