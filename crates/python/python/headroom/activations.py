@@ -44,7 +44,9 @@ keeps those bytes, what is already held ahead and the copy under that backward's
 most ``prefetch_mb`` MiB held ahead; a backward whose unpacks differ (another graph) drops the
 schedule and the next is profiled again. It reads torch's running peak
 (``torch.cuda.max_memory_allocated``): reset it (``torch.cuda.reset_peak_memory_stats()``)
-before each step, or the profile sees no room and nothing is fetched ahead. Under Headroom's
+before each step, or the profile sees no room and nothing is fetched ahead (a
+``RuntimeWarning`` says so once, when the running peak did not rise during the profiled
+backward). Under Headroom's
 allocator, which does not serve those statistics, it is refused. ``keep_last_mb`` keeps the
 last that many MiB of offloaded saves on the device until later saves push them out: the
 forward's last saves never leave, and backward, which takes them first, neither waits for
@@ -80,6 +82,7 @@ This module sits on torch's saved-tensor hooks and streams, ``headroom.pinned`` 
 import bisect
 import collections
 import sys
+import warnings
 import weakref
 
 import torch
@@ -322,6 +325,21 @@ class _Profile:
             return
         highs = self.maxima[1:] + [end_peak]
         self.plan = _prefetch_plan(self.sizes, highs, end_peak, self.cap)
+        if self.maxima and self.maxima[0] >= end_peak and any(self.sizes):
+            _warn_once(
+                "hold_peak=True: torch's running peak did not rise during the profiled backward, "
+                "so nothing will be fetched ahead; if the peak statistics are not reset before "
+                "each step, call torch.cuda.reset_peak_memory_stats() there"
+            )
+
+
+_WARNED = set()
+
+
+def _warn_once(message):
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _prefetch_plan(sizes, highs, ceiling, cap):

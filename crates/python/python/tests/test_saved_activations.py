@@ -231,6 +231,26 @@ def test_the_prefetch_plan_fetches_each_save_as_early_as_the_peak_and_cap_allow(
     assert _prefetch_plan([], [], 5, 100) == []
 
 
+def test_a_profile_whose_running_peak_never_rose_plans_nothing_and_warns_once():
+    import warnings
+
+    from headroom.activations import _WARNED, _Profile
+
+    _WARNED.clear()
+    fresh = _Profile()  # peaks reset before the step: the backward's rises are seen
+    fresh.maxima, fresh.sizes, fresh.cap = [10, 12, 14], [0, 5, 5], 1000
+    stale = _Profile()  # never reset: every unpack sees an older, higher peak
+    stale.maxima, stale.sizes, stale.cap = [100, 100, 100], [0, 5, 5], 1000
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh.finish(30)
+        stale.finish(100)
+        stale.finish(100)
+    assert fresh.plan == [[1, 2], [], []] and stale.plan == [[], [], []]
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "reset_peak_memory_stats" in messages[0], messages
+
+
 def test_bad_settings_raise():
     raises(ValueError, lambda: ht.saved_activations("int4"), "compress='int4'")
     raises(ValueError, lambda: ht.saved_activations("int8", block=100), "block=100")
