@@ -474,6 +474,10 @@ class saved_activations:
             live = [(i, ref) for i, ref in zip(self._indices, self._order) if ref() is not None]
             self._indices = [i for i, _ in live]
             self._order = [ref for _, ref in live]
+        if len(self._resident) > 4096:
+            # Kept saves that autograd let go of before later saves pushed them out (a forward
+            # whose saves all fit under keep_last_mb): their references would pile up.
+            self._resident = collections.deque(ref for ref in self._resident if ref() is not None)
         return self
 
     def __exit__(self, *exc):

@@ -218,6 +218,18 @@ def test_kept_saves_stay_on_the_device_and_the_rest_are_copied_out():
     assert tail.stats["offloaded_bytes"] + kept == whole.stats["offloaded_bytes"]
     loss.backward()
     assert tail._resident_bytes == 0  # autograd let go of every kept save
+    # One context entered step after step, its forward's saves all kept: the references to the
+    # saves autograd let go of do not pile up.
+    loop = ht.saved_activations(None, offload=True, keep_last_mb=1024)
+    for step in range(400):
+        with loop:
+            loss = model(x).square().mean()
+        loss.backward()
+        if step == 0:
+            per_forward = len(loop._resident)  # one forward's kept saves, all gone by now
+    assert loop.stats["offloaded"] == 0 and loop._resident_bytes == 0
+    assert 400 * per_forward > 4096 + per_forward  # enough steps to pile up without the pruning
+    assert len(loop._resident) <= 4096 + per_forward, len(loop._resident)
 
 
 def test_offload_survives_a_retained_graph_and_a_side_stream():
