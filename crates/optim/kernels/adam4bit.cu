@@ -15,9 +15,7 @@
 //
 // The float operations are those of crates/optim/src/kernels/adam4bit.rs in the same order, each
 // rounded as there (__f*_rn keep nvcc from contracting into FMAs; PyTorch's lerp is an fma on
-// the CPU too), so the GPU and the CPU agree to the bit; the divisions by a piece's or a block's
-// constant (the bias corrections, the gradient scale, the moments' new scales) go through
-// div_by, which gives the division's bits from the constant's reciprocal. Launch side:
+// the CPU too), so the GPU and the CPU agree to the bit. Launch side:
 // crates/optim/src/cuda/adam4bit.rs. Built to PTX by `cargo xtask build-kernels`.
 
 #include "optim.cuh"
@@ -36,25 +34,8 @@ static_assert(sizeof(Ao4Piece) == 272, "Ao4Piece layout");
 
 struct AoConsts {
     float lr, lr_wd, wd, w1, w2, bc1, sqrt_bc2, eps;
-    float inv_bc1, inv_sqrt_bc2;  // their reciprocals, rounded to nearest (div_by's)
     bool decoupled;
 };
-
-// x / d rounded to nearest, as __fdiv_rn(x, d), from inv_d = __frcp_rn(d) (the reciprocal
-// rounded to nearest) where d is the same for many x: one product and two fmas instead of a
-// division each. Markstein's correction: q = x·inv_d is within an ulp of x/d, the remainder
-// x − q·d is exact in an fma, and q + remainder·inv_d rounds to x/d, as long as nothing
-// underflows or overflows; so x and q must lie in [2^-100, 2^100] (zero gives x·inv_d, the
-// sign and the special cases of x / d), and everything else, NaN and infinities among them,
-// takes the division itself. Checked bit for bit against division on 2e9 pairs of the
-// ranges the kernel sees and of every exponent (scales, bias corrections, moments).
-__device__ __forceinline__ float div_by(float x, float d, float inv_d) {
-    const float q = __fmul_rn(x, inv_d);
-    const float aq = fabsf(q), ax = fabsf(x);
-    if (aq >= 0x1p-100f && aq <= 0x1p100f && ax >= 0x1p-100f && ax <= 0x1p100f)
-        return __fmaf_rn(__fmaf_rn(-q, d, x), inv_d, q);
-    return x == 0.0f ? q : __fdiv_rn(x, d);
-}
 
 // The piece's constants; after device-skipped steps the bias corrections are recomputed from
 // the true step (powf through double, within an ulp of the host's powf).
@@ -74,8 +55,6 @@ __device__ __forceinline__ AoConsts ao_consts(const Ao4Piece& pc) {
         c.bc1 = __fsub_rn(1.0f, (float)pow((double)pc.beta1, (double)(float)t));
         c.sqrt_bc2 = __fsqrt_rn(__fsub_rn(1.0f, (float)pow((double)pc.beta2, (double)(float)t)));
     }
-    c.inv_bc1 = __frcp_rn(c.bc1);
-    c.inv_sqrt_bc2 = __frcp_rn(c.sqrt_bc2);
     return c;
 }
 
@@ -88,8 +67,8 @@ __device__ __forceinline__ void ao_update(const AoConsts& c, float& p, float g, 
     }
     m = lerp_pt(m, g, c.w1);
     v = lerp_pt(v, __fmul_rn(g, g), c.w2);
-    float denom = __fadd_rn(div_by(__fsqrt_rn(v), c.sqrt_bc2, c.inv_sqrt_bc2), c.eps);
-    p = __fsub_rn(p, __fdiv_rn(__fmul_rn(c.lr, div_by(m, c.bc1, c.inv_bc1)), denom));
+    float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.sqrt_bc2), c.eps);
+    p = __fsub_rn(p, __fdiv_rn(__fmul_rn(c.lr, __fdiv_rn(m, c.bc1)), denom));
 }
 
 // torchao's quantize_4bit_with_qmap of one scaled value (code_4bit on the host).
@@ -138,13 +117,12 @@ __device__ __forceinline__ void adam4bit_blockwise(const Ao4Piece* pieces, unsig
     const unsigned lane = threadIdx.x % 32;
     const unsigned long long warps = (unsigned long long)gridDim.x * AO_WARPS;
     // The piece of the warp's last block and what follows from it alone (its constants, the
-    // gradient scale and its reciprocal, the rounding stream), found again only when a block
-    // falls outside it: a warp's blocks are mostly of one piece, and the search, the piece's
-    // loads and the reciprocals were a large part of a block's work.
+    // gradient scale, the rounding stream), found again only when a block falls outside it: a
+    // warp's blocks are mostly of one piece.
     unsigned piece = 0;
     unsigned long long lo = 1, hi = 0;  // its blocks [lo, hi): none yet
     AoConsts c;
-    float scale, inv_scale;
+    float scale;
     bool scaled;
     ParamRounding r;
     for (unsigned long long b = (unsigned long long)blockIdx.x * AO_WARPS + threadIdx.x / 32; b < n_blocks; b += warps) {
@@ -155,7 +133,6 @@ __device__ __forceinline__ void adam4bit_blockwise(const Ao4Piece* pieces, unsig
             hi = lo + (found.head.len + AO_BLOCK - 1) / AO_BLOCK;
             c = ao_consts(found);
             scaled = grad_scale_of(grad_scale, found.flags, found.grad_scale, &scale);
-            inv_scale = __frcp_rn(scale);
             r = param_rounding(found.head, found.flags, found.seed, found.param_index);
         }
         const Ao4Piece& pc = pieces[piece];
@@ -192,19 +169,18 @@ __device__ __forceinline__ void adam4bit_blockwise(const Ao4Piece* pieces, unsig
             m[k] = __fmul_rn(q1[(w1 >> shift) & 15u], old1);
             v[k] = __fmul_rn(q2[(w2 >> shift) & 15u], old2);
             float gk = gv[k];
-            if (scaled) gk = div_by(gk, scale, inv_scale);
+            if (scaled) gk = __fdiv_rn(gk, scale);
             ao_update(c, pv[k], gk, m[k], v[k]);
             a1 = maximum_pt(a1, fabsf(m[k]));
             a2 = maximum_pt(a2, fabsf(v[k]));
         }
         const float scale1 = block_scale(warp_maximum(a1)), scale2 = block_scale(warp_maximum(a2));
-        const float inv1 = __frcp_rn(scale1), inv2 = __frcp_rn(scale2);
         unsigned n1 = 0, n2 = 0;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const unsigned shift = 8 * (k / 2) + ((k & 1) ? 0 : 4);
-            n1 |= code4(q1, div_by(m[k], scale1, inv1)) << shift;
-            n2 |= code4(q2, div_by(v[k], scale2, inv2)) << shift;
+            n1 |= code4(q1, __fdiv_rn(m[k], scale1)) << shift;
+            n2 |= code4(q2, __fdiv_rn(v[k], scale2)) << shift;
         }
         if (aligned) {
             store4_rounded(p, lane, pv, r, first);
@@ -244,10 +220,9 @@ __device__ __forceinline__ void adam4bit_f32_states(const Ao4Piece* pieces, unsi
     const T* g = (const T*)pc.grad + start;
     float* m = (float*)pc.state1 + start;
     float* v = (float*)pc.state2 + start;
-    const float inv_scale = __frcp_rn(scale);
     for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
         float gk = to_f32(g[i]);
-        if (scaled) gk = div_by(gk, scale, inv_scale);
+        if (scaled) gk = __fdiv_rn(gk, scale);
         float pv = to_f32(p[i]), mv = m[i], vv = v[i];
         ao_update(c, pv, gk, mv, vv);
         p[i] = store_rounded<T>(pv, r, start + i);

@@ -46,8 +46,8 @@ schedule and the next is profiled again. It reads torch's running peak
 (``torch.cuda.max_memory_allocated``): reset it (``torch.cuda.reset_peak_memory_stats()``)
 before each step, or the profile sees no room and nothing is fetched ahead (a
 ``RuntimeWarning`` says so once, when the running peak did not rise during the profiled
-backward). Under Headroom's
-allocator, which does not serve those statistics, it is refused. ``keep_last_mb`` keeps the
+backward). Under Headroom's allocator, which does not serve those statistics, it is refused.
+``keep_last_mb`` keeps the
 last that many MiB of offloaded saves on the device until later saves push them out: the
 forward's last saves never leave, and backward, which takes them first, neither waits for
 their copy out nor for their copy back. They cost up to ``keep_last_mb`` MiB from the end of
@@ -66,7 +66,8 @@ CPU saves are never offloaded.
 What raises: an unknown codec, a block size the codec does not take, ``min_elements`` below 1,
 an ``offload`` that is not a bool or a pool, ``budget_mb`` without ``offload=True``, a negative
 ``prefetch_mb`` or ``keep_last_mb``, ``keep_last_mb`` or ``every_save`` without offload, an
-``every_save`` or a ``hold_peak`` that is not a bool or is given under Headroom's allocator (``ValueError``, at construction); a save the pool's budget cannot hold
+``every_save`` or a ``hold_peak`` that is not a bool, a ``hold_peak`` under Headroom's allocator
+(``ValueError``, at construction); a save the pool's budget cannot hold
 (``PinnedBudgetError``, in the forward); an ``"int8"`` save of a CUDA tensor while torch's current
 stream is not the default stream (``ValueError``, in the forward: the kernel runs on the default
 stream; ``"bf16"`` works on any stream).
@@ -291,7 +292,7 @@ class _Profile:
 
     def begin_unpack(self, entry, size, cap):
         """Records an unpack of ``entry`` (``size`` bytes to fetch) in the running backward;
-        returns the later steps whose saves to fetch now, as index offsets."""
+        returns the indices of the saves to fetch now."""
         task = torch._C._current_graph_task_id()
         if task == -1:
             return ()  # outside backward (torch.autograd.graph's unpack by hand)
@@ -316,7 +317,7 @@ class _Profile:
         if step >= len(self.offsets) or (self.offsets[step], self.sizes[step]) != (offset, size):
             self.mode, self.plan = "discard", None  # another graph: profile the next backward
             return ()
-        return [self.offsets[later] for later in self.plan[step]]
+        return [self.first_index + self.offsets[later] for later in self.plan[step]]
 
     def finish(self, end_peak):
         if self.mode == "follow" and self.steps != len(self.offsets):
@@ -588,19 +589,18 @@ class saved_activations:
         compute = torch.cuda.current_stream(entry.device)
         side = self._side_stream(entry.device)
         side.wait_stream(compute)
-        ranges, specs = [], []
+        ranges = []
         try:
             with torch.cuda.stream(side):
                 for tensor in payload:
                     pinned = self.pool.allocate(tensor.numel() * tensor.element_size())
                     ranges.append(pinned)
-                    specs.append((tensor.dtype, tuple(tensor.shape)))
                     pinned.view(tensor.dtype, tensor.shape).copy_(tensor, non_blocking=True)
                     tensor.record_stream(side)
         finally:
             stored = torch.cuda.Event()
             stored.record(side)
-            entry.ranges, entry.specs, entry.stored = ranges, specs, stored
+            entry.ranges, entry.stored = ranges, stored
         self.stats["offloaded"] += 1
         self.stats["offloaded_bytes"] += entry.nbytes
 
@@ -648,8 +648,8 @@ class saved_activations:
         if scheduled is None:
             self._prefetch_before(entry, device)
         else:
-            for offset in scheduled:
-                self._fetch_scheduled(entry, offset, device)
+            for index in scheduled:
+                self._fetch_scheduled(index, device)
         inner = entry.inner
         inner.set_payload(gpu)
         try:
@@ -657,10 +657,9 @@ class saved_activations:
         finally:
             inner.set_payload(None)
 
-    def _fetch_scheduled(self, entry, offset, device):
-        """Fetches the save ``offset`` indices after ``entry``'s backward's first (``hold_peak``'s
-        schedule), unless it is gone, on the device or fetched already."""
-        index = _PROFILES[_device_index(device)].first_index + offset
+    def _fetch_scheduled(self, index, device):
+        """Fetches the save of ``index`` (``hold_peak``'s schedule), unless it is gone, on the
+        device or fetched already."""
         position = bisect.bisect_left(self._indices, index)
         if position == len(self._indices) or self._indices[position] != index:
             return
