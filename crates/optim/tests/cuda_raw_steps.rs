@@ -49,7 +49,7 @@ fn half_bytes(values: &[headroom_optim::kernels::bf16]) -> Vec<u8> {
         .collect()
 }
 
-/// Three steps of two parameters with moments of `M` (`moments` on the device), device against
+/// Three steps of three parameters with moments of `M` (`moments` on the device), device against
 /// host after each.
 fn stochastic_case<M: ParamElement>(
     backend: &std::sync::Arc<CudaBackend>,
@@ -69,8 +69,16 @@ fn stochastic_case<M: ParamElement>(
         },
         42,
     );
-    // Four elements a thread where aligned; 301 leaves one for the element-wise tail.
-    let (lens, slots) = ([5000usize, 301], [0usize, 7]);
+    // Eight elements a thread where every buffer is aligned to 16 bytes (301 leaves five for the
+    // element-wise tail); the third parameter starts four elements into its buffers (8 bytes for
+    // bf16), where the kernel takes four at a time, and leaves three for the tail.
+    let (lens, slots, shifts) = ([5000usize, 301, 1003], [0usize, 7, 3], [0usize, 0, 4]);
+    let padded = |shift: usize, bytes: Vec<u8>, elem: usize| -> Vec<u8> {
+        let mut out = vec![0u8; shift * elem];
+        out.extend(bytes);
+        out
+    };
+    let m_size = std::mem::size_of::<M>();
     let zero = M::from_f32(0.0);
     let mut host: Vec<(Vec<bf16>, Vec<M>, Vec<M>)> = lens
         .iter()
@@ -85,8 +93,14 @@ fn stochastic_case<M: ParamElement>(
         .collect();
     let device: Vec<_> = host
         .iter()
-        .map(|(p, m, v)| {
-            [half_bytes(p), moment_bytes(m), moment_bytes(v)].map(|b| backend.upload(&b).unwrap())
+        .zip(shifts)
+        .map(|((p, m, v), s)| {
+            [
+                padded(s, half_bytes(p), 2),
+                padded(s, moment_bytes(m), m_size),
+                padded(s, moment_bytes(v), m_size),
+            ]
+            .map(|b| backend.upload(&b).unwrap())
         })
         .collect();
     // SAFETY: no buffers yet; each step names its own.
@@ -99,14 +113,15 @@ fn stochastic_case<M: ParamElement>(
             .collect();
         let uploaded: Vec<_> = grads
             .iter()
-            .map(|g| backend.upload(&half_bytes(g)).unwrap())
+            .zip(shifts)
+            .map(|(g, s)| backend.upload(&padded(s, half_bytes(g), 2)).unwrap())
             .collect();
         let params: Vec<DeviceAdamParam> = (0..lens.len())
             .map(|i| DeviceAdamParam {
-                param: device[i][0].address(),
-                grad: uploaded[i].address(),
-                exp_avg: device[i][1].address(),
-                exp_avg_sq: device[i][2].address(),
+                param: device[i][0].address() + 2 * shifts[i] as u64,
+                grad: uploaded[i].address() + 2 * shifts[i] as u64,
+                exp_avg: device[i][1].address() + (m_size * shifts[i]) as u64,
+                exp_avg_sq: device[i][2].address() + (m_size * shifts[i]) as u64,
                 max_exp_avg_sq: None,
                 len: lens[i],
             })
@@ -131,7 +146,11 @@ fn stochastic_case<M: ParamElement>(
                 GradScaling::NONE,
             )
             .unwrap();
-            let expected = [half_bytes(p), moment_bytes(m), moment_bytes(v)];
+            let expected = [
+                padded(shifts[i], half_bytes(p), 2),
+                padded(shifts[i], moment_bytes(m), m_size),
+                padded(shifts[i], moment_bytes(v), m_size),
+            ];
             for (k, want) in expected.iter().enumerate() {
                 let mut got = vec![0u8; want.len()];
                 // SAFETY: a live allocation of `want.len()` bytes.
