@@ -8,7 +8,9 @@ the optimizer's extra bytes during a step (peak allocated minus allocated before
 ratio of the anchor's step to ours. One JSON object per line; an anchor that is not importable
 (torchao travels as a wheel, see the device README) carries its error.
 
-    python3 optim_1e9.py [--steps 20] [--warmup 3] [--numel 100000000] [--tensors 10]
+    python3 optim_1e9.py [--steps 20] [--warmup 3] [--numel 100000000] [--tensors 10] [--only WORD]
+
+``--only WORD`` runs the pairs whose Headroom name holds WORD (for a profiler).
 """
 
 import argparse
@@ -24,6 +26,7 @@ parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--warmup", type=int, default=3)
 parser.add_argument("--numel", type=int, default=100_000_000)
 parser.add_argument("--tensors", type=int, default=10)
+parser.add_argument("--only", default="", help="run the pairs whose Headroom name holds this")
 args = parser.parse_args()
 device = torch.device("cuda", 0)
 
@@ -93,6 +96,8 @@ PAIRS = [
       lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, fused=True))),
 ]
 for (ours_name, ours_make), (anchor_name, anchor_make) in PAIRS:
+    if args.only not in ours_name:
+        continue
     ours, anchor = measure(ours_name, ours_make), measure(anchor_name, anchor_make)
     if "step_ms" in ours and "step_ms" in anchor:
         anchor["ratio_to_headroom"] = anchor["step_ms"] / ours["step_ms"]
