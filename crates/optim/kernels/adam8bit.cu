@@ -15,11 +15,14 @@
 // counter, so the tensor of a block is found once per run, not per block.
 //
 // The float operations are those of crates/optim/src/kernels/adam8bit.rs in the same order, with
-// rounding made explicit, so the GPU and the CPU agree to the bit. Pieces flagged FLAG_BNB_ARITH
-// instead run the arithmetic of bitsandbytes' own CUDA build (the instructions its fast-math
-// build executes on sm_90: approximate lg2/ex2/sqrt/reciprocal, its fma contractions, denormals
-// flushed), which no CPU reproduces: GPU only, to agree with bitsandbytes to the bit. Launch
-// side: crates/optim/src/cuda/adam8bit.rs. Built to PTX by `cargo xtask build-kernels`.
+// rounding made explicit, so the GPU and the CPU agree to the bit. The `_bnb` kernels (pieces
+// flagged FLAG_BNB_ARITH) instead run the arithmetic of bitsandbytes' own CUDA build (the
+// instructions its fast-math build executes on sm_90: approximate lg2/ex2/sqrt/reciprocal, its
+// fma contractions, denormals flushed), which no CPU reproduces: GPU only, to agree with
+// bitsandbytes to the bit. Each arithmetic is compiled into its own kernel, and a non-finite
+// gradient's element is dropped by a select, not a branch: the 8-element loop of a block is
+// straight-line code. Launch side: crates/optim/src/cuda/adam8bit.rs. Built to PTX by
+// `cargo xtask build-kernels`.
 
 #include "optim.cuh"
 
@@ -162,8 +165,9 @@ __device__ __forceinline__ Tensor8<T> tensor_of(const Bnb8Piece& pc) {
 
 // One quantization block of one tensor by one warp. Lane l holds elements 4l..4l+3 and
 // 128+4l..128+4l+3 of the block. FULL: all 256 elements present and aligned (vector access, no
-// bounds checks).
-template <typename T, bool FULL>
+// bounds checks). BNB: bitsandbytes' fast-math instructions (the pieces flagged FLAG_BNB_ARITH;
+// a launch is of one kind), else the portable, correctly rounded ones.
+template <typename T, bool FULL, bool BNB>
 __device__ __forceinline__ void qblock_update(const Tensor8<T>& t, const BnbConsts& c, unsigned long long block,
                                               bool scaled, float scale, const unsigned* smem_u, unsigned lane) {
     const float* smem_f = (const float*)smem_u;
@@ -208,25 +212,27 @@ __device__ __forceinline__ void qblock_update(const Tensor8<T>& t, const BnbCons
     for (int k = 0; k < 8; ++k) {
         float gk = g[k];
         if (scaled) gk = __fdiv_rn(gk, scale);
-        s1[k] = 0.0f;
-        s2[k] = 0.0f;
-        bool in = FULL || (k < 4 ? 0u : 128u) + 4 * lane + (k & 3) < remaining;
-        if (in && isfinite(gk)) {
-            finite |= 1u << k;
-            if (c.flags & FLAG_BNB_ARITH) {
-                // kOptimizerStatic8bit2StateBlockwise: s1 = fma(g, 1-β1, s1·β1),
-                // s2 = fma(g, (1-β2)·g, s2·β2).
-                float v = mul_ftz(old2, smem_f[MAP2 + q2[k]]);
-                s2[k] = fma_ftz(gk, mul_ftz(c.one_minus_beta2, gk), mul_ftz(v, c.beta2));
-                float m = mul_ftz(old1, smem_f[MAP1 + q1[k]]);
-                s1[k] = fma_ftz(gk, c.one_minus_beta1, mul_ftz(m, c.beta1));
-            } else {
-                float v = __fmul_rn(smem_f[MAP2 + q2[k]], old2);
-                s2[k] = __fadd_rn(__fmul_rn(v, c.beta2), __fmul_rn(__fmul_rn(c.one_minus_beta2, gk), gk));
-                float m = __fmul_rn(smem_f[MAP1 + q1[k]], old1);
-                s1[k] = __fadd_rn(__fmul_rn(m, c.beta1), __fmul_rn(c.one_minus_beta1, gk));
-            }
+        // Both moments are computed for every element and kept where the gradient is finite (and
+        // the element in the tensor): selects, not branches, in this loop and the next.
+        const bool in = FULL || (k < 4 ? 0u : 128u) + 4 * lane + (k & 3) < remaining;
+        const bool ok = in && isfinite(gk);
+        float n1, n2;
+        if (BNB) {
+            // kOptimizerStatic8bit2StateBlockwise: s1 = fma(g, 1-β1, s1·β1),
+            // s2 = fma(g, (1-β2)·g, s2·β2).
+            float v = mul_ftz(old2, smem_f[MAP2 + q2[k]]);
+            n2 = fma_ftz(gk, mul_ftz(c.one_minus_beta2, gk), mul_ftz(v, c.beta2));
+            float m = mul_ftz(old1, smem_f[MAP1 + q1[k]]);
+            n1 = fma_ftz(gk, c.one_minus_beta1, mul_ftz(m, c.beta1));
+        } else {
+            float v = __fmul_rn(smem_f[MAP2 + q2[k]], old2);
+            n2 = __fadd_rn(__fmul_rn(v, c.beta2), __fmul_rn(__fmul_rn(c.one_minus_beta2, gk), gk));
+            float m = __fmul_rn(smem_f[MAP1 + q1[k]], old1);
+            n1 = __fadd_rn(__fmul_rn(m, c.beta1), __fmul_rn(c.one_minus_beta1, gk));
         }
+        s1[k] = ok ? n1 : 0.0f;
+        s2[k] = ok ? n2 : 0.0f;
+        finite |= (unsigned)ok << k;
         max1 = fmaxf(max1, fabsf(s1[k]));
         max2 = fmaxf(max2, fabsf(s2[k]));
     }
@@ -236,25 +242,23 @@ __device__ __forceinline__ void qblock_update(const Tensor8<T>& t, const BnbCons
         t.a1[block] = max1;
         t.a2[block] = max2;
     }
-    const bool bnb = (c.flags & FLAG_BNB_ARITH) != 0;
+    const bool bnb = BNB;
     float inv1 = bnb ? rcp_ftz(max1) : __fdiv_rn(1.0f, max1), inv2 = bnb ? rcp_ftz(max2) : __fdiv_rn(1.0f, max2);
     float eps2 = __fmul_rn(c.correction2, c.eps);
     unsigned nan1 = smem_u[NAN_CODES], nan2 = smem_u[NAN_CODES + 1];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-        if (finite & (1u << k)) {
-            float x;
-            if (bnb) {
-                // p = fma(step_size, s1·rcp(fma(c2, eps, sqrt(s2))), p), then p·(1 - lr·wd).
-                float r = rcp_ftz(fma_ftz(c.correction2, c.eps, sqrt_ftz(s2[k])));
-                x = fma_ftz(c.step_size, mul_ftz(r, s1[k]), pv[k]);
-                if (c.flags & FLAG_DECAY) x = mul_ftz(c.decay_factor, x);
-            } else {
-                x = __fadd_rn(pv[k], __fmul_rn(c.step_size, __fdiv_rn(s1[k], __fadd_rn(__fsqrt_rn(s2[k]), eps2))));
-                if (c.flags & FLAG_DECAY) x = __fmul_rn(x, c.decay_factor);
-            }
-            pv[k] = x;
+        float x;
+        if (bnb) {
+            // p = fma(step_size, s1·rcp(fma(c2, eps, sqrt(s2))), p), then p·(1 - lr·wd).
+            float r = rcp_ftz(fma_ftz(c.correction2, c.eps, sqrt_ftz(s2[k])));
+            x = fma_ftz(c.step_size, mul_ftz(r, s1[k]), pv[k]);
+            if (c.flags & FLAG_DECAY) x = mul_ftz(c.decay_factor, x);
+        } else {
+            x = __fadd_rn(pv[k], __fmul_rn(c.step_size, __fdiv_rn(s1[k], __fadd_rn(__fsqrt_rn(s2[k]), eps2))));
+            if (c.flags & FLAG_DECAY) x = __fmul_rn(x, c.decay_factor);
         }
+        pv[k] = (finite >> k) & 1u ? x : pv[k];
         unsigned code1 = signed_code(smem_u + BINS1, nan1, bnb ? mul_ftz(inv1, s1[k]) : __fmul_rn(s1[k], inv1));
         // The sign guard: map1[code] is negative exactly for codes under 127.
         if ((code1 < 127u) != (__float_as_uint(s1[k]) >> 31)) code1 = (s1[k] > 0.0f ? code1 + 1 : code1 - 1) & 255u;
@@ -287,7 +291,7 @@ __device__ __forceinline__ void qblock_update(const Tensor8<T>& t, const BnbCons
 // is looked up once per grab.
 #define GRAB 16
 
-template <typename T>
+template <typename T, bool BNB>
 __device__ __forceinline__ void adam8bit_blockwise(const Bnb8Piece* pieces, unsigned n_pieces,
                                                    unsigned long long n_blocks, unsigned* tables,
                                                    const float* grad_scale, const float* found_inf) {
@@ -317,9 +321,9 @@ __device__ __forceinline__ void adam8bit_blockwise(const Bnb8Piece* pieces, unsi
             for (; b < stop; ++b) {
                 unsigned long long block = b - first;
                 if (block < full_blocks) {
-                    qblock_update<T, true>(t, c, block, scaled, scale, smem, lane);
+                    qblock_update<T, true, BNB>(t, c, block, scaled, scale, smem, lane);
                 } else {
-                    qblock_update<T, false>(t, c, block, scaled, scale, smem, lane);
+                    qblock_update<T, false, BNB>(t, c, block, scaled, scale, smem, lane);
                 }
             }
             if (b >= end) break;
@@ -385,10 +389,16 @@ __device__ __forceinline__ void adam_bnb32(const Bnb8Piece* pieces, unsigned n_p
 // memory four times still fits): on the H200 the 1e9-parameter step took 5.01 ms against 5.46 at
 // three (crates/optim/benches/cuda_adam.rs), the warps then issuing 78% of the cycles.
 extern "C" __global__ void __launch_bounds__(QBLOCK, 4) adam8bit_blockwise_f32 BLOCKWISE_PARAMS {
-    adam8bit_blockwise<float> BLOCKWISE_ARGS;
+    adam8bit_blockwise<float, false> BLOCKWISE_ARGS;
 }
 extern "C" __global__ void __launch_bounds__(QBLOCK, 4) adam8bit_blockwise_bf16 BLOCKWISE_PARAMS {
-    adam8bit_blockwise<__nv_bfloat16> BLOCKWISE_ARGS;
+    adam8bit_blockwise<__nv_bfloat16, false> BLOCKWISE_ARGS;
+}
+extern "C" __global__ void __launch_bounds__(QBLOCK, 4) adam8bit_blockwise_bnb_f32 BLOCKWISE_PARAMS {
+    adam8bit_blockwise<float, true> BLOCKWISE_ARGS;
+}
+extern "C" __global__ void __launch_bounds__(QBLOCK, 4) adam8bit_blockwise_bnb_bf16 BLOCKWISE_PARAMS {
+    adam8bit_blockwise<__nv_bfloat16, true> BLOCKWISE_ARGS;
 }
 
 #define BNB32_PARAMS \

@@ -29,8 +29,11 @@ use crate::step::{DeviceGradScaling, RuleCall, Scaling, StepItem};
 use headroom_autograd_core::DType;
 
 const PIECE_SIZE: usize = 144;
-/// The 8-bit and 32-bit kernels by parameter dtype: f32, bf16.
+/// The 8-bit and 32-bit kernels by parameter dtype: f32, bf16 (the 8-bit kernels of each
+/// [`Adam8bitMath`]: its arithmetic is compiled in, not tested per element).
 const BLOCKWISE_KERNELS: [&str; 2] = ["adam8bit_blockwise_f32", "adam8bit_blockwise_bf16"];
+const BLOCKWISE_BNB_KERNELS: [&str; 2] =
+    ["adam8bit_blockwise_bnb_f32", "adam8bit_blockwise_bnb_bf16"];
 const BNB32_KERNELS: [&str; 2] = ["adam_bnb32_f32", "adam_bnb32_bf16"];
 /// Elements and threads per block of the 32-bit kernel.
 const BNB32: (u64, u32) = (4096, 256);
@@ -449,6 +452,10 @@ fn launch_8bit(
             write_piece(t, cfg, (head, idx), span, None, math);
         },
     )?;
-    let blockwise = kernel_of(Module::Adam8bit, BLOCKWISE_KERNELS, DType::F32);
+    let kernels = match math {
+        Adam8bitMath::Portable => BLOCKWISE_KERNELS,
+        Adam8bitMath::Bitsandbytes => BLOCKWISE_BNB_KERNELS,
+    };
+    let blockwise = kernel_of(Module::Adam8bit, kernels, DType::F32);
     launch_blockwise(device, blockwise, &table, params.len(), n_blocks, addresses)
 }
