@@ -7,7 +7,8 @@
 // 4-bit: one warp per quantisation block of 128 elements (a quantised parameter is whole
 // blocks), four elements a lane: dequantise both moments (the code's table value times the
 // block's scale), update them and the parameter, reduce the block's new absmax of each moment
-// (a warp reduction), re-quantise against it (torchao's branchless search, ties up) and pack two
+// (a warp reduction), re-quantise against it (torchao's branchless search, ties up, by the
+// tables' code thresholds: four compares, no arithmetic) and pack two
 // codes a byte, the even element in the high nibble. A warp a block keeps the loads wide and the
 // reduction in registers: no shared memory but the code tables, no barrier per block (the
 // earlier block-of-128-threads form ran a 1e9-parameter step in 8.5 ms, this one measures in
@@ -28,9 +29,10 @@ struct Ao4Piece {
     unsigned int flags;  // FLAG_HOST_SCALED; FLAG_DECAY: AdamW (else Adam's L2 term)
     float lr, lr_wd, wd, w1, w2, bc1, sqrt_bc2, eps, grad_scale, beta1, beta2;
     float qmap1[16], qmap2[16];  // signed (exp_avg) and unsigned (exp_avg_sq) code tables
+    float thresholds1[16], thresholds2[16];  // their code thresholds (the host's code_thresholds)
     unsigned long long seed, param_index;  // the stochastic rounding's stream (FLAG_STOCHASTIC)
 };
-static_assert(sizeof(Ao4Piece) == 272, "Ao4Piece layout");
+static_assert(sizeof(Ao4Piece) == 400, "Ao4Piece layout");
 
 struct AoConsts {
     float lr, lr_wd, wd, w1, w2, bc1, sqrt_bc2, eps;
@@ -71,15 +73,14 @@ __device__ __forceinline__ void ao_update(const AoConsts& c, float& p, float g, 
     p = __fsub_rn(p, __fdiv_rn(__fmul_rn(c.lr, __fdiv_rn(m, c.bc1)), denom));
 }
 
-// torchao's quantize_4bit_with_qmap of one scaled value (code_4bit on the host).
-__device__ __forceinline__ unsigned code4(const float* q, float y) {
-    unsigned c = y >= q[8] ? 8u : 0u;
-    c += y >= q[c + 4] ? 4u : 0u;
-    c += y >= q[c + 2] ? 2u : 0u;
-    c += y >= q[c + 1] ? 1u : 0u;
-    unsigned up = min(c + 1u, 15u);
-    float residual = __fsub_rn(y, q[c]);
-    return residual >= __fmul_rn(__fsub_rn(q[up], q[c]), 0.5f) ? up : c;
+// torchao's quantize_4bit_with_qmap of one scaled value, by the table's code thresholds t
+// (threshold_code on the host, equal to torchao's search, code_4bit, for every f32: t[k] is the
+// least value whose code is k or more): how many of t[1..15] y reaches, in four compares.
+__device__ __forceinline__ unsigned code4(const float* t, float y) {
+    unsigned c = y >= t[8] ? 8u : 0u;
+    c += y >= t[c + 4] ? 4u : 0u;
+    c += y >= t[c + 2] ? 2u : 0u;
+    return c + (y >= t[c + 1] ? 1u : 0u);
 }
 
 __device__ __forceinline__ float warp_maximum(float v) {
@@ -108,12 +109,20 @@ __device__ __forceinline__ void adam4bit_blockwise(const Ao4Piece* pieces, unsig
                                                    unsigned long long n_blocks, const float* grad_scale,
                                                    const float* found_inf) {
     if (skip_step(pieces, n_pieces, found_inf)) return;
-    // Every piece carries the same two tables (the host's qmap4_tables).
-    __shared__ float tables[32];
-    if (threadIdx.x < 32) tables[threadIdx.x] = threadIdx.x < 16 ? pieces[0].qmap1[threadIdx.x] : pieces[0].qmap2[threadIdx.x - 16];
+    // Every piece carries the same two tables and their thresholds (the host's qmap4_tables).
+    __shared__ float tables[64];
+    const Ao4Piece& first = pieces[0];
+    const unsigned entry = threadIdx.x % 16;
+    if (threadIdx.x < 64)
+        tables[threadIdx.x] = threadIdx.x < 16   ? first.qmap1[entry]
+                              : threadIdx.x < 32 ? first.qmap2[entry]
+                              : threadIdx.x < 48 ? first.thresholds1[entry]
+                                                 : first.thresholds2[entry];
     __syncthreads();
     const float* q1 = tables;
     const float* q2 = tables + 16;
+    const float* t1 = tables + 32;
+    const float* t2 = tables + 48;
     const unsigned lane = threadIdx.x % 32;
     const unsigned long long warps = (unsigned long long)gridDim.x * AO_WARPS;
     // The piece of the warp's last block and what follows from it alone (its constants, the
@@ -179,8 +188,8 @@ __device__ __forceinline__ void adam4bit_blockwise(const Ao4Piece* pieces, unsig
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const unsigned shift = 8 * (k / 2) + ((k & 1) ? 0 : 4);
-            n1 |= code4(q1, __fdiv_rn(m[k], scale1)) << shift;
-            n2 |= code4(q2, __fdiv_rn(v[k], scale2)) << shift;
+            n1 |= code4(t1, __fdiv_rn(m[k], scale1)) << shift;
+            n2 |= code4(t2, __fdiv_rn(v[k], scale2)) << shift;
         }
         if (aligned) {
             store4_rounded(p, lane, pv, r, first);

@@ -20,13 +20,13 @@ use super::table::{flags, PieceHead, Table};
 use crate::adam8bit::BlockwiseState;
 use crate::error::OptimError;
 use crate::kernels::{
-    is_quantized_4bit, qmap4_tables, Adam4bitConfig, Adam4bitConsts, AO_BLOCK_SIZE,
+    code_thresholds, is_quantized_4bit, qmap4_tables, Adam4bitConfig, Adam4bitConsts, AO_BLOCK_SIZE,
 };
 use crate::rule::CudaKernels;
 use crate::step::{RuleCall, Scaling};
 
 /// `sizeof(Ao4Piece)` in the kernel.
-const PIECE_SIZE: usize = 272;
+const PIECE_SIZE: usize = 400;
 /// The 4-bit and f32-state kernels by parameter dtype: f32, bf16.
 const BLOCKWISE_KERNELS: [&str; 2] = ["adam4bit_blockwise_f32", "adam4bit_blockwise_bf16"];
 const F32_STATES_KERNELS: [&str; 2] = ["adam4bit_f32_states_f32", "adam4bit_f32_states_bf16"];
@@ -38,7 +38,8 @@ const MAX_GRID: u64 = 132 * 16;
 const F32_STATES: (u64, u32) = (4096, 256);
 
 /// Writes an `Ao4Piece`: parameter, gradient, the two states and the two scale arrays (0 for f32
-/// states), the step's constants, both code tables and the rounding of the parameter at `slot`.
+/// states), the step's constants, both code tables and their code thresholds (the kernel's
+/// quantiser, [`crate::kernels::code_thresholds`]) and the rounding of the parameter at `slot`.
 fn write_piece(
     table: &mut Table,
     cfg: &Adam4bitConfig,
@@ -66,10 +67,25 @@ fn write_piece(
         .f32(cfg.betas.0 as f32)
         .f32(cfg.betas.1 as f32);
     let (signed, unsigned) = qmap4_tables();
-    for &value in signed.iter().chain(unsigned) {
+    let (signed_thresholds, unsigned_thresholds) = code_threshold_tables();
+    for &value in signed
+        .iter()
+        .chain(unsigned)
+        .chain(signed_thresholds)
+        .chain(unsigned_thresholds)
+    {
         entry.f32(value);
     }
     entry.u64s(&stream).end(PIECE_SIZE);
+}
+
+/// The code thresholds of both tables, computed once per process.
+fn code_threshold_tables() -> &'static ([f32; 16], [f32; 16]) {
+    static THRESHOLDS: std::sync::OnceLock<([f32; 16], [f32; 16])> = std::sync::OnceLock::new();
+    THRESHOLDS.get_or_init(|| {
+        let (signed, unsigned) = qmap4_tables();
+        (code_thresholds(signed), code_thresholds(unsigned))
+    })
 }
 
 /// The CUDA entry of 4-bit Adam (whose one implementation is fused).

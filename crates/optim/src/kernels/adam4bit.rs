@@ -106,6 +106,50 @@ pub fn code_4bit(qmap: &Qmap4, y: f32) -> u8 {
     }
 }
 
+/// The code thresholds of `qmap`: entry k (1 to 15) is the least f32 whose [`code_4bit`] is k or
+/// more, entry 0 is −∞ (never read). [`code_4bit`] never decreases as `y` grows (its search takes
+/// the last entry at most `y`, its round-up compares `y`'s residual, which never decreases either)
+/// and gives NaN code 0, so [`threshold_code`] over these — a binary search of four compares — is
+/// [`code_4bit`] for every f32: the CUDA kernel quantises with it (the thresholds travel in each
+/// piece) and `tests/code_thresholds.rs` checks the two agree.
+pub fn code_thresholds(qmap: &Qmap4) -> [f32; 16] {
+    // f32s in their order as u32 keys: negatives (bits complemented) below positives (sign set).
+    let key = |x: f32| -> u32 {
+        let bits = x.to_bits();
+        if bits >> 31 == 1 {
+            !bits
+        } else {
+            bits | 0x8000_0000
+        }
+    };
+    let value = |k: u32| -> f32 { f32::from_bits(if k >> 31 == 1 { k & 0x7fff_ffff } else { !k }) };
+    let mut thresholds = [f32::NEG_INFINITY; 16];
+    for (k, threshold) in thresholds.iter_mut().enumerate().skip(1) {
+        let (mut lo, mut hi) = (key(f32::NEG_INFINITY), key(f32::INFINITY));
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if usize::from(code_4bit(qmap, value(mid))) >= k {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        *threshold = value(lo);
+    }
+    thresholds
+}
+
+/// The code of `y` by [`code_thresholds`]: how many of thresholds 1 to 15 `y` reaches (none for
+/// NaN), found in four compares. Equal to [`code_4bit`] on the table the thresholds came from.
+#[inline(always)]
+pub fn threshold_code(thresholds: &[f32; 16], y: f32) -> u8 {
+    let mut c = if y >= thresholds[8] { 8 } else { 0 };
+    c += if y >= thresholds[c + 4] { 4 } else { 0 };
+    c += if y >= thresholds[c + 2] { 2 } else { 0 };
+    c += if y >= thresholds[c + 1] { 1 } else { 0 };
+    c as u8
+}
+
 /// One block's scale: the largest magnitude (NaN if any is NaN, as `amax` gives), at least
 /// 1e-12 (`clip(1e-12)`).
 #[inline(always)]

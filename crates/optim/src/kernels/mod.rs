@@ -41,8 +41,9 @@ pub use adam::{
     AdamConfig, AdamStochasticBuffers, WeightDecay,
 };
 pub use adam4bit::{
-    adam4bit_blockwise, adam4bit_f32_states, code_4bit, dequantize_4bit, is_quantized_4bit, qmap4,
-    quantize_4bit, Adam4bitBuffers, Adam4bitConfig, Qmap4, AO_BLOCK_SIZE, MIN_4BIT_SIZE,
+    adam4bit_blockwise, adam4bit_f32_states, code_4bit, code_thresholds, dequantize_4bit,
+    is_quantized_4bit, qmap4, quantize_4bit, threshold_code, Adam4bitBuffers, Adam4bitConfig,
+    Qmap4, AO_BLOCK_SIZE, MIN_4BIT_SIZE,
 };
 pub use adam8bit::{
     adam8bit_blockwise, adam_bnb_32bit, n_blocks, Adam8bitBuffers, Adam8bitConfig,
