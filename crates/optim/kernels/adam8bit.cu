@@ -242,14 +242,13 @@ __device__ __forceinline__ void qblock_update(const Tensor8<T>& t, const BnbCons
         t.a1[block] = max1;
         t.a2[block] = max2;
     }
-    const bool bnb = BNB;
-    float inv1 = bnb ? rcp_ftz(max1) : __fdiv_rn(1.0f, max1), inv2 = bnb ? rcp_ftz(max2) : __fdiv_rn(1.0f, max2);
+    float inv1 = BNB ? rcp_ftz(max1) : __fdiv_rn(1.0f, max1), inv2 = BNB ? rcp_ftz(max2) : __fdiv_rn(1.0f, max2);
     float eps2 = __fmul_rn(c.correction2, c.eps);
     unsigned nan1 = smem_u[NAN_CODES], nan2 = smem_u[NAN_CODES + 1];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
         float x;
-        if (bnb) {
+        if (BNB) {
             // p = fma(step_size, s1·rcp(fma(c2, eps, sqrt(s2))), p), then p·(1 - lr·wd).
             float r = rcp_ftz(fma_ftz(c.correction2, c.eps, sqrt_ftz(s2[k])));
             x = fma_ftz(c.step_size, mul_ftz(r, s1[k]), pv[k]);
@@ -259,11 +258,11 @@ __device__ __forceinline__ void qblock_update(const Tensor8<T>& t, const BnbCons
             if (c.flags & FLAG_DECAY) x = __fmul_rn(x, c.decay_factor);
         }
         pv[k] = (finite >> k) & 1u ? x : pv[k];
-        unsigned code1 = signed_code(smem_u + BINS1, nan1, bnb ? mul_ftz(inv1, s1[k]) : __fmul_rn(s1[k], inv1));
+        unsigned code1 = signed_code(smem_u + BINS1, nan1, BNB ? mul_ftz(inv1, s1[k]) : __fmul_rn(s1[k], inv1));
         // The sign guard: map1[code] is negative exactly for codes under 127.
         if ((code1 < 127u) != (__float_as_uint(s1[k]) >> 31)) code1 = (s1[k] > 0.0f ? code1 + 1 : code1 - 1) & 255u;
         q1[k] = code1;
-        q2[k] = unsigned_code(smem_u + BINS2, nan2, bnb ? mul_ftz(inv2, s2[k]) : __fmul_rn(s2[k], inv2));
+        q2[k] = unsigned_code(smem_u + BINS2, nan2, BNB ? mul_ftz(inv2, s2[k]) : __fmul_rn(s2[k], inv2));
     }
     if (FULL) {
         store4_rounded(p, lane, pv, t.rounding, base);
@@ -385,9 +384,9 @@ __device__ __forceinline__ void adam_bnb32(const Bnb8Piece* pieces, unsigned n_p
     (const Bnb8Piece* pieces, unsigned n_pieces, unsigned long long n_blocks, unsigned* tables, \
      const float* grad_scale, const float* found_inf)
 #define BLOCKWISE_ARGS (pieces, n_pieces, n_blocks, tables, grad_scale, found_inf)
-// Four blocks a multiprocessor (64 registers, a few bytes spilled; the table's 38 KiB of shared
-// memory four times still fits): on the H200 the 1e9-parameter step took 5.01 ms against 5.46 at
-// three (crates/optim/benches/cuda_adam.rs), the warps then issuing 78% of the cycles.
+// Four blocks a multiprocessor (64 registers; the table's 38 KiB of shared memory four times
+// still fits): on the H200 the 1e9-parameter step took 5.01 ms against 5.46 at three
+// (crates/optim/benches/cuda_adam.rs), the warps then issuing 78% of the cycles.
 extern "C" __global__ void __launch_bounds__(QBLOCK, 4) adam8bit_blockwise_f32 BLOCKWISE_PARAMS {
     adam8bit_blockwise<float, false> BLOCKWISE_ARGS;
 }
