@@ -72,4 +72,6 @@ pub use storage::{
 pub use view::AllocatorView;
 
 #[cfg(feature = "cuda")]
-pub use storage::{CudaStorage, CudaStorageOptions, PinnedHostOptions, PinnedHostStorage};
+pub use storage::{
+    cuda_library_present, CudaStorage, CudaStorageOptions, PinnedHostOptions, PinnedHostStorage,
+};

@@ -258,8 +258,7 @@ impl Drop for Plan {
 impl LtState {
     /// A handle when the library is installed; without one every call composes.
     pub(crate) fn new() -> Result<LtState> {
-        // SAFETY: only tries to load the shared library; nothing is called through it.
-        let present = unsafe { lt_sys::is_culib_present() };
+        let present = headroom_caching_allocator::cuda_library_present("cublasLt");
         let handle = if present {
             Some(LtHandle(
                 lt::create_handle().map_err(|e| device_error("linear", e))?,

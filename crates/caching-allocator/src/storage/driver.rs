@@ -32,8 +32,7 @@ impl DeviceContext {
     /// Fails with [`StorageError::Device`] when the driver library is missing, the driver does
     /// not start, or there is no such device; never panics.
     pub(super) fn retain(ordinal: usize) -> Result<DeviceContext, StorageError> {
-        // SAFETY: only tries to open the library; calls nothing in it.
-        if !unsafe { sys::is_culib_present() } {
+        if !cuda_library_present("cuda") {
             return Err(StorageError::Device(
                 "the CUDA driver library (libcuda) was not found".to_string(),
             ));
@@ -376,4 +375,26 @@ pub(super) fn alloc_error(call: &str, err: DriverError, requested: u64) -> Stora
     } else {
         driver_error(call, err)
     }
+}
+
+/// Whether the CUDA library `name` (`"cuda"` for the driver, `"cublasLt"`...) can be opened under
+/// one of the names it is installed by (`libcuda.so.1`, `libcublasLt.so.13`, `nvcuda.dll`...),
+/// whether cudarc loads it at run time or the binary links it (as candle's `cuda` feature makes
+/// cudarc do): a check that never panics, before a first call that would.
+pub fn cuda_library_present(name: &str) -> bool {
+    use std::env::consts::{DLL_PREFIX, DLL_SUFFIX};
+    let plain = format!("{DLL_PREFIX}{name}{DLL_SUFFIX}");
+    let mut candidates = vec![plain.clone(), format!("{plain}.1")];
+    candidates.extend(["13", "12", "11"].map(|major| format!("{plain}.{major}")));
+    candidates.extend(
+        ["13", "12", "11"].map(|major| format!("{DLL_PREFIX}{name}64_{major}{DLL_SUFFIX}")),
+    );
+    if name == "cuda" {
+        candidates.push(format!("{DLL_PREFIX}nvcuda{DLL_SUFFIX}"));
+    }
+    candidates.iter().any(|candidate| {
+        // SAFETY: opening a CUDA library by name runs its initialisers, which have no
+        // preconditions; nothing in it is called here.
+        unsafe { libloading::Library::new(candidate) }.is_ok()
+    })
 }

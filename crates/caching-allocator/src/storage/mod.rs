@@ -34,6 +34,8 @@ pub use simulated::{EventControl, SegmentPlacement, SimulatedStorage};
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaStorage, CudaStorageOptions};
 #[cfg(feature = "cuda")]
+pub use driver::cuda_library_present;
+#[cfg(feature = "cuda")]
 pub use pinned::{PinnedHostOptions, PinnedHostStorage};
 
 /// A stream of work on the device. Blocks are cached per stream: a block freed on one stream is

@@ -17,8 +17,8 @@ use headroom_autograd_core::DType;
 use headroom_ops_cuda::CudaBackend;
 
 use super::launch::{
-    address, check_disjoint, checked_scaling_addresses, fused_block_elems, geometry, raw_geometry,
-    CudaDevice, ItemGeometry, Module, PassOps,
+    address, check_disjoint, checked_scaling_addresses, fused_block_elems, geometry, instance,
+    raw_geometry, CudaDevice, ItemGeometry, Module, PassOps,
 };
 use super::multi_tensor::{self, PieceKernels, Span};
 use super::table::{flags, PieceHead, Table};
@@ -30,8 +30,6 @@ use crate::rule::CudaKernels;
 use crate::step::{DeviceGradScaling, RuleCall};
 
 const PIECE_SIZE: usize = 144;
-/// The f32 fused kernel of [`CudaFusedAdam`].
-const FUSED_KERNEL: (Module, &str) = (Module::Adam, AdamConfig::FUSED_KERNELS[0]);
 /// The kernel of [`FusedAdamMath::Torch`] and the size of its `AdamTorchPiece`.
 const TORCH_KERNEL: (Module, &str) = (Module::Adam, "adam_fused_torch_f32");
 const TORCH_PIECE_SIZE: usize = 96;
@@ -270,7 +268,7 @@ impl CudaFusedAdam {
                 reason: "either every parameter or none has an AMSGrad buffer".into(),
             });
         }
-        check_disjoint("CudaFusedAdam", written_ranges(params))?;
+        check_disjoint("CudaFusedAdam", written_ranges(params, 4))?;
         Ok(CudaFusedAdam {
             device: CudaDevice::new(backend, 0),
             params: params.to_vec(),
@@ -324,12 +322,44 @@ impl CudaFusedAdam {
         cfg: &AdamConfig,
         step: u64,
         params: &[DeviceAdamParam],
+        scaling: (Option<u64>, Option<u64>),
+    ) -> Result<(), OptimError> {
+        // SAFETY: the caller's contract is this one's, for f32 buffers.
+        unsafe { self.step_buffers_of(cfg, step, DType::F32, params, scaling) }
+    }
+
+    /// [`CudaFusedAdam::step_buffers`] over buffers of `dtype` (f32, bf16 or f16): parameters,
+    /// gradients and states all of `dtype`, the update in f32 and each value stored once, rounded
+    /// to `dtype`, as PyTorch's fused Adam does for low-precision parameters (the bits of
+    /// [`crate::kernels::adam_fused`] on the same slices). [`FusedAdamMath::Torch`] has an f32
+    /// kernel only, so other dtypes are refused under it.
+    ///
+    /// # Safety
+    /// As [`CudaFusedAdam::step_buffers`], every buffer of `len` elements of `dtype`.
+    pub unsafe fn step_buffers_of(
+        &mut self,
+        cfg: &AdamConfig,
+        step: u64,
+        dtype: DType,
+        params: &[DeviceAdamParam],
         (grad_scale, found_inf): (Option<u64>, Option<u64>),
     ) -> Result<(), OptimError> {
-        check_amsgrad_buffers("CudaFusedAdam::step_buffers", params, cfg.amsgrad)?;
-        check_disjoint("CudaFusedAdam::step_buffers", written_ranges(params))?;
+        const OP: &str = "CudaFusedAdam::step_buffers";
+        let elem =
+            match (dtype, self.math) {
+                (DType::F32, _) => 4,
+                (DType::BF16 | DType::F16, FusedAdamMath::OpByOp) => 2,
+                (other, math) => return Err(OptimError::InvalidArgument {
+                    op: OP,
+                    reason: format!(
+                        "{other:?} buffers under {math:?} (f32 always; bf16 and f16 with OpByOp)"
+                    ),
+                }),
+            };
+        check_amsgrad_buffers(OP, params, cfg.amsgrad)?;
+        check_disjoint(OP, written_ranges(params, elem))?;
         let addresses = (grad_scale.unwrap_or(0), found_inf.unwrap_or(0));
-        self.launch(cfg, step, Some(params), addresses)
+        self.launch(cfg, step, Some((params, dtype)), addresses)
     }
 
     /// One launch of the kernel of `self.math` over `given` (or the buffers given at creation),
@@ -339,11 +369,11 @@ impl CudaFusedAdam {
         &mut self,
         cfg: &AdamConfig,
         step: u64,
-        given: Option<&[DeviceAdamParam]>,
+        given: Option<(&[DeviceAdamParam], DType)>,
         addresses: (u64, u64),
     ) -> Result<(), OptimError> {
         cfg.validate()?;
-        let params = given.unwrap_or(&self.params);
+        let (params, dtype) = given.unwrap_or((&self.params, DType::F32));
         let math = self.math;
         let geometry = raw_geometry("CudaFusedAdam", params.iter().map(|p| p.len), step)?;
         let (table, n_blocks, block) = raw_pieces(
@@ -357,7 +387,7 @@ impl CudaFusedAdam {
         )?;
         let n_pieces = params.len();
         let kernel = match math {
-            FusedAdamMath::OpByOp => FUSED_KERNEL,
+            FusedAdamMath::OpByOp => (Module::Adam, instance(dtype, AdamConfig::FUSED_KERNELS)),
             FusedAdamMath::Torch => TORCH_KERNEL,
         };
         self.device
@@ -493,10 +523,10 @@ fn stochastic_ranges(
 }
 
 /// The byte ranges of a fused step's buffers, per parameter: the parameter, its gradient (which
-/// [`FusedAdamMath::Torch`] writes when scaled) and its states, all f32.
-fn written_ranges(params: &[DeviceAdamParam]) -> impl Iterator<Item = (u64, u64)> + '_ {
-    params.iter().flat_map(|p| {
-        let bytes = p.len as u64 * 4;
+/// [`FusedAdamMath::Torch`] writes when scaled) and its states, all of `elem` bytes an element.
+fn written_ranges(params: &[DeviceAdamParam], elem: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+    params.iter().flat_map(move |p| {
+        let bytes = p.len as u64 * elem;
         let states = [p.exp_avg, p.exp_avg_sq];
         [p.param, p.grad]
             .into_iter()
