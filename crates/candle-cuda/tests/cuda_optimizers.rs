@@ -2,8 +2,8 @@
 //! elsewhere, and with `HEADROOM_REQUIRE_GPU=1` a missing device fails them): over 20 steps fed
 //! the same gradients, every optimizer's parameters on CUDA equal headroom-candle's on the CPU
 //! bit for bit (AdamW f32/bf16/f16, AdamWStochastic, AdamW8bit with an 8-bit and a 32-bit-state
-//! Var, SGD with momentum), and `AdamW` stays within 2 f32 ulps of `candle_nn::AdamW` on the
-//! same device; a run resumed from a saved state file gives the bits of the run that never
+//! Var, SGD with momentum), and `AdamW` stays within 8 f32 epsilons of max(|p|, lr) of
+//! `candle_nn::AdamW` on the same device (the CPU test in headroom-candle says why); a run resumed from a saved state file gives the bits of the run that never
 //! stopped; a step allocates nothing on the device after the first; typed errors for what
 //! cannot be stepped.
 
@@ -203,7 +203,7 @@ fn ulps(a: u32, b: u32) -> u32 {
 
 #[test]
 #[ignore = "needs a CUDA device"]
-fn adamw_on_cuda_is_within_2_ulps_of_candle_nn_adamw() {
+fn adamw_on_cuda_stays_within_8_epsilons_of_candle_nn_adamw() {
     // Every Var gets a gradient every step: candle_nn::AdamW counts one step for all its Vars,
     // where PyTorch (and Headroom) count each Var's own steps.
     let Some(gpu) = cuda() else { return };
@@ -221,18 +221,18 @@ fn adamw_on_cuda_is_within_2_ulps_of_candle_nn_adamw() {
         };
         candle_nn::AdamW::new(vars, params).unwrap()
     });
-    let mut histogram = [0usize; 4];
-    let mut worst = 0;
+    let (mut counts, mut worst) = ([0usize; 3], 0f32);
     for (a, b) in ours.iter().flatten().zip(candle.iter().flatten()) {
-        let d = ulps(*a, *b);
-        worst = worst.max(d);
-        histogram[(d as usize).min(3)] += 1;
+        let (x, y) = (f32::from_bits(*a), f32::from_bits(*b));
+        counts[(ulps(*a, *b) as usize).min(2)] += 1;
+        worst = worst.max((x - y).abs() / (f32::EPSILON * x.abs().max(1e-3)));
     }
     println!(
-        "ulps from candle_nn::AdamW after {STEPS} steps: 0: {}, 1: {}, 2: {}, more: {}; worst {worst}",
-        histogram[0], histogram[1], histogram[2], histogram[3]
+        "against candle_nn::AdamW after {STEPS} steps: {} equal, {} one ulp apart, {} more; \
+         worst {worst:.2} epsilons of max(|p|, lr)",
+        counts[0], counts[1], counts[2]
     );
-    assert!(worst <= 2, "worst {worst} ulps");
+    assert!(worst <= 8.0, "{worst} epsilons of max(|p|, lr)");
 }
 
 #[test]

@@ -90,8 +90,8 @@ pub(crate) fn float_vars(
             return Err(CandleOptimError::Unsupported {
                 optimizer,
                 reason: format!(
-                    "a Var on {:?}: this crate steps CPU Vars for now (its CUDA path is not \
-                     built yet); keep the optimizer's Vars on the CPU or use candle_nn's",
+                    "a Var on {:?}: this crate steps CPU Vars; for CUDA Vars use the \
+                     optimizer of the same name in headroom-candle-cuda",
                     var.device().location()
                 ),
             });

@@ -15,7 +15,9 @@
 //! (`tests/optimizers.rs`), so PyTorch's formulas and bitsandbytes' codes carry over.
 //!
 //! The optimizer state lives in host memory beside candle's CPU tensors; candle's CUDA tensors
-//! are refused with a typed error ([`CandleOptimError::Unsupported`]) until the CUDA path lands.
+//! are refused with a typed error ([`CandleOptimError::Unsupported`]): `headroom-candle-cuda`, a
+//! package of its own (candle's `cuda` feature needs nvcc), steps them with the same names and
+//! bits, one launch a step.
 //!
 //! ```
 //! use candle_core::{Device, Tensor, Var};

@@ -345,17 +345,18 @@ impl CudaFusedAdam {
         (grad_scale, found_inf): (Option<u64>, Option<u64>),
     ) -> Result<(), OptimError> {
         const OP: &str = "CudaFusedAdam::step_buffers";
-        let elem =
-            match (dtype, self.math) {
-                (DType::F32, _) => 4,
-                (DType::BF16 | DType::F16, FusedAdamMath::OpByOp) => 2,
-                (other, math) => return Err(OptimError::InvalidArgument {
+        let elem = match (dtype, self.math) {
+            (DType::F32, _) => 4,
+            (DType::BF16 | DType::F16, FusedAdamMath::OpByOp) => 2,
+            (other, math) => {
+                return Err(OptimError::InvalidArgument {
                     op: OP,
                     reason: format!(
                         "{other:?} buffers under {math:?} (f32 always; bf16 and f16 with OpByOp)"
                     ),
-                }),
-            };
+                })
+            }
+        };
         check_amsgrad_buffers(OP, params, cfg.amsgrad)?;
         check_disjoint(OP, written_ranges(params, elem))?;
         let addresses = (grad_scale.unwrap_or(0), found_inf.unwrap_or(0));
