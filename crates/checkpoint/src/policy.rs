@@ -45,7 +45,11 @@ pub struct SaveMatmuls;
 impl SavePolicy for SaveMatmuls {
     fn decide(&self, site: &SaveSite) -> Decision {
         match site.op {
-            "matmul" | "linear" | "scaled_dot_product_attention" => Decision::Save,
+            "matmul"
+            | "linear"
+            | "gelu_linear"
+            | "gelu_tanh_linear"
+            | "scaled_dot_product_attention" => Decision::Save,
             _ => Decision::Recompute,
         }
     }

@@ -549,17 +549,49 @@ fn split_and_cat_round_trip_and_split_costs_one_gradient() {
     );
 }
 
+/// `n` values in [-1.5, 1.5) in a pattern set by `seed`.
+fn patterned(n: usize, seed: usize) -> Vec<f64> {
+    (0..n)
+        .map(|i| (((i * 7919 + seed * 104_729) % 1009) as f64 / 1009.0 - 0.5) * 3.0)
+        .collect()
+}
+
+/// Backward of `out`'s sum weighted by a fixed pattern; `out`'s values and the gradients of
+/// `leaves`, as [`raw_bits`].
+fn weighted_backward_bits(out: &Tensor, leaves: [&Tensor; 3]) -> Vec<Vec<u64>> {
+    let weights = Tensor::from_f64s(
+        out.backend(),
+        &patterned(out.numel(), 4),
+        out.shape(),
+        out.dtype(),
+    )
+    .unwrap();
+    out.mul(&weights)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let mut res = vec![raw_bits(&out.detach())];
+    res.extend(leaves.map(|leaf| raw_bits(&leaf.grad().unwrap())));
+    res
+}
+
+/// A tensor's values as the bits of their f64 widening.
+fn raw_bits(t: &Tensor) -> Vec<u64> {
+    t.to_vec_f64()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
 /// Forward values, the three gradients and the peak memory of `x.linear(w, b).gelu()` (or the
 /// fused `linear_gelu`) on a fresh backend, as raw bits.
 fn linear_gelu_run(fused: bool, dtype: DType) -> (Vec<Vec<u64>>, i64) {
     let cpu = CpuBackend::new_ref();
-    let values = |n: usize, seed: usize| -> Vec<f64> {
-        (0..n)
-            .map(|i| (((i * 7919 + seed * 104_729) % 1009) as f64 / 1009.0 - 0.5) * 3.0)
-            .collect()
-    };
     let make = |n: usize, seed: usize, shape: &[usize]| {
-        let t = Tensor::from_f64s(&cpu, &values(n, seed), shape, dtype).unwrap();
+        let t = Tensor::from_f64s(&cpu, &patterned(n, seed), shape, dtype).unwrap();
         t.requires_grad_(true).unwrap();
         t
     };
@@ -573,26 +605,7 @@ fn linear_gelu_run(fused: bool, dtype: DType) -> (Vec<Vec<u64>>, i64) {
     } else {
         x.linear(&w, Some(&b)).unwrap().gelu().unwrap()
     };
-    let weights = Tensor::from_f64s(&cpu, &values(out.numel(), 4), out.shape(), dtype).unwrap();
-    out.mul(&weights)
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
-    let bits = |t: &Tensor| -> Vec<u64> {
-        t.to_vec_f64()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect()
-    };
-    let res = vec![
-        bits(&out.detach()),
-        bits(&x.grad().unwrap()),
-        bits(&w.grad().unwrap()),
-        bits(&b.grad().unwrap()),
-    ];
+    let res = weighted_backward_bits(&out, [&x, &w, &b]);
     (res, cpu.memory_stats().allocated_bytes.all.peak)
 }
 
@@ -608,6 +621,60 @@ fn fused_linear_gelu_equals_linear_then_gelu_to_the_bit() {
             assert_eq!(lhs, rhs, "{what} {dtype:?}");
         }
         assert_eq!(fused_peak, unfused_peak, "{dtype:?}");
+    }
+}
+
+/// Forward values, the three gradients and the bytes held between forward and backward of
+/// `h.gelu().linear(w, b)` (or the one op `gelu_linear`; the tanh GELU with `tanh`) on a fresh
+/// backend, as raw bits.
+fn gelu_linear_run(fused: bool, tanh: bool, dtype: DType) -> (Vec<Vec<u64>>, i64) {
+    let cpu = CpuBackend::new_ref();
+    let make = |n: usize, seed: usize, shape: &[usize]| {
+        let t = Tensor::from_f64s(&cpu, &patterned(n, seed), shape, dtype).unwrap();
+        t.requires_grad_(true).unwrap();
+        t
+    };
+    let (h, w, b) = (
+        make(2 * 8 * 16, 1, &[2, 8, 16]),
+        make(8 * 16, 2, &[8, 16]),
+        make(8, 3, &[8]),
+    );
+    // A pre-activation that is not a leaf, as an MLP's is.
+    let pre_activation = h.mul_scalar(1.5).unwrap();
+    let before = allocated(&cpu);
+    let out = match (fused, tanh) {
+        (true, false) => pre_activation.gelu_linear(&w, Some(&b)).unwrap(),
+        (true, true) => pre_activation.gelu_tanh_linear(&w, Some(&b)).unwrap(),
+        (false, false) => pre_activation.gelu().unwrap().linear(&w, Some(&b)).unwrap(),
+        (false, true) => pre_activation
+            .gelu_tanh()
+            .unwrap()
+            .linear(&w, Some(&b))
+            .unwrap(),
+    };
+    let held = allocated(&cpu) - before;
+    drop(pre_activation);
+    let res = weighted_backward_bits(&out, [&h, &w, &b]);
+    (res, held)
+}
+
+#[test]
+fn gelu_linear_equals_gelu_then_linear_to_the_bit_and_keeps_no_activation() {
+    for tanh in [false, true] {
+        for dtype in [DType::F32, DType::F64, DType::BF16] {
+            let (fused, fused_held) = gelu_linear_run(true, tanh, dtype);
+            let (pair, pair_held) = gelu_linear_run(false, tanh, dtype);
+            for (what, (lhs, rhs)) in ["output", "dh", "dw", "db"]
+                .iter()
+                .zip(fused.iter().zip(&pair))
+            {
+                assert_eq!(lhs, rhs, "{what} {dtype:?} tanh {tanh}");
+            }
+            // The pair keeps the activation (2 × 8 × 16 values, whole 512-byte blocks of the
+            // allocator in every dtype) for the weight gradient.
+            let activation = (2 * 8 * 16 * dtype.size_in_bytes()) as i64;
+            assert_eq!(pair_held - fused_held, activation, "{dtype:?} tanh {tanh}");
+        }
     }
 }
 

@@ -232,6 +232,16 @@ fn linear_algebra() {
         &|_, x| x[0].t()?.linear_gelu(&x[1], None),
     );
     check_gradients(
+        "gelu_linear",
+        &[input(&[2, 3, 4]), input(&[5, 4]), input(&[5])],
+        &|_, x| x[0].gelu_linear(&x[1], Some(&x[2])),
+    );
+    check_gradients(
+        "gelu_tanh_linear no bias, of a view",
+        &[input(&[4, 3]), input(&[2, 4])],
+        &|_, x| x[0].t()?.gelu_tanh_linear(&x[1], None),
+    );
+    check_gradients(
         "patch embedding",
         &[input(&[2, 2, 4, 4]), input(&[3, 2, 2, 2]), input(&[3])],
         &|_, x| patch_embedding(&x[0], &x[1], Some(&x[2]), 2),
