@@ -127,9 +127,9 @@ pub use layout::{
 };
 pub use non_finite::{found_non_finite, non_finite_check_};
 pub use ops::{
-    cat, cross_entropy, cross_entropy_f32, dropout, embedding, layer_norm, linear_cross_entropy,
-    patch_embedding, scaled_dot_product_attention, scaled_dot_product_attention_varlen,
-    LinearCrossEntropyOptions, PackedSequences,
+    cat, cross_entropy, cross_entropy_f32, dropout, embedding, layer_norm, layer_norm_linear,
+    linear_cross_entropy, patch_embedding, scaled_dot_product_attention,
+    scaled_dot_product_attention_varlen, LinearCrossEntropyOptions, PackedSequences,
 };
 pub use ops::{rms_norm, rotary_embedding, swiglu};
 pub use overlap::{check_operands, claim_operands, overlap, Aliasing, Overlap};

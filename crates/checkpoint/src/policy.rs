@@ -49,6 +49,7 @@ impl SavePolicy for SaveMatmuls {
             | "linear"
             | "gelu_linear"
             | "gelu_tanh_linear"
+            | "layer_norm_linear"
             | "scaled_dot_product_attention" => Decision::Save,
             _ => Decision::Recompute,
         }

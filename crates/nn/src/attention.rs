@@ -14,7 +14,7 @@ use headroom_autograd_core::{scaled_dot_product_attention, BackendRef, DType, Ge
 
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
-use crate::layers::{Dropout, Linear};
+use crate::layers::{Dropout, LayerNorm, Linear};
 use crate::module::{child_name, Module};
 
 /// The lowest finite value of a floating dtype (`torch.finfo(dtype).min`), the fill of masked
@@ -187,6 +187,27 @@ impl MultiheadAttention {
 
     /// Self-attention over `x` (`[batch, seq, embed_dim]`), masked as `mask` says.
     pub fn forward(&self, x: &Tensor, mask: AttentionMask<'_>) -> Result<Tensor> {
+        self.check_input(x)?;
+        let qkv = x.linear(&self.in_proj_weight, Some(&self.in_proj_bias))?;
+        self.attend(&qkv, mask)
+    }
+
+    /// `self.forward(&norm.forward(input)?, mask)` with the norm and the q/k/v projection as
+    /// one op ([`LayerNorm::then_linear`]), which keeps `input` for backward but not the norm's
+    /// output: the same values and gradients, bit for bit (a pre-norm block's attention).
+    pub fn forward_normed(
+        &self,
+        norm: &LayerNorm,
+        input: &Tensor,
+        mask: AttentionMask<'_>,
+    ) -> Result<Tensor> {
+        self.check_input(input)?;
+        let qkv = norm.then_linear(input, &self.in_proj_weight, Some(&self.in_proj_bias))?;
+        self.attend(&qkv, mask)
+    }
+
+    /// Fails unless `x` is `[batch, seq, embed_dim]`.
+    fn check_input(&self, x: &Tensor) -> Result<()> {
         let embed_dim = self.in_proj_weight.shape()[1];
         if x.ndim() != 3 || x.shape()[2] != embed_dim {
             return Err(NnError::InvalidInput {
@@ -194,9 +215,13 @@ impl MultiheadAttention {
                 reason: format!("expected [batch, seq, {embed_dim}], got {:?}", x.shape()),
             });
         }
-        let qkv = x
-            .linear(&self.in_proj_weight, Some(&self.in_proj_bias))?
-            .split(embed_dim, -1)?;
+        Ok(())
+    }
+
+    /// Heads, attention and the output projection, from the packed q/k/v projection.
+    fn attend(&self, qkv: &Tensor, mask: AttentionMask<'_>) -> Result<Tensor> {
+        let embed_dim = self.in_proj_weight.shape()[1];
+        let qkv = qkv.split(embed_dim, -1)?;
         let [q, k, v] = [&qkv[0], &qkv[1], &qkv[2]].map(|t| split_heads(t, self.num_heads));
         let context = attention(&q?, &k?, &v?, mask, &self.dropout)?;
         self.out_proj.forward(&merge_heads(&context)?)

@@ -194,8 +194,21 @@ pub struct Gpt2Attention {
 impl Gpt2Attention {
     /// `[batch, seq, n_embd]` → the same shape, causal.
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.attend(&self.c_attn.forward(hidden)?)
+    }
+
+    /// `self.forward(&norm.forward(hidden)?)` with the norm and `c_attn` as one op
+    /// ([`LayerNorm::then_linear`]), which keeps `hidden` for backward but not the norm's
+    /// output: the same values and gradients, bit for bit.
+    pub fn forward_normed(&self, norm: &LayerNorm, hidden: &Tensor) -> Result<Tensor> {
+        let c_attn = &self.c_attn;
+        self.attend(&norm.then_linear(hidden, &c_attn.weight.t()?, Some(&c_attn.bias))?)
+    }
+
+    /// Heads, causal attention, `c_proj` and dropout, from `c_attn`'s output.
+    fn attend(&self, qkv: &Tensor) -> Result<Tensor> {
         let width = self.c_proj.weight.shape()[0];
-        let qkv = self.c_attn.forward(hidden)?.split(width, -1)?;
+        let qkv = qkv.split(width, -1)?;
         let [q, k, v] = [&qkv[0], &qkv[1], &qkv[2]].map(|t| split_heads(t, self.n_head));
         let context = attention(&q?, &k?, &v?, AttentionMask::Causal, &self.attn_dropout)?;
         let out = self.c_proj.forward(&merge_heads(&context)?)?;
@@ -233,7 +246,19 @@ impl Gpt2Mlp {
     /// which keeps `c_fc`'s output for backward but not the activation (the same values and
     /// gradients, bit for bit, for a quarter less of a block's saved bytes).
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
-        let pre_activation = self.c_fc.forward(hidden)?;
+        self.after_c_fc(&self.c_fc.forward(hidden)?)
+    }
+
+    /// `self.forward(&norm.forward(hidden)?)` with the norm and `c_fc` as one op
+    /// ([`LayerNorm::then_linear`]), which keeps `hidden` for backward but not the norm's
+    /// output: the same values and gradients, bit for bit.
+    pub fn forward_normed(&self, norm: &LayerNorm, hidden: &Tensor) -> Result<Tensor> {
+        let c_fc = &self.c_fc;
+        self.after_c_fc(&norm.then_linear(hidden, &c_fc.weight.t()?, Some(&c_fc.bias))?)
+    }
+
+    /// `gelu_new`, `c_proj` and dropout, from `c_fc`'s output.
+    fn after_c_fc(&self, pre_activation: &Tensor) -> Result<Tensor> {
         let out =
             pre_activation.gelu_tanh_linear(&self.c_proj.weight.t()?, Some(&self.c_proj.bias))?;
         self.dropout.forward(&out)
@@ -269,11 +294,10 @@ pub struct Gpt2Block {
 impl Gpt2Block {
     /// `x + attn(ln_1(x))`, then `+ mlp(ln_2(·))`.
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
-        let x = self
-            .attn
-            .forward(&self.ln_1.forward(hidden)?)?
-            .add(hidden)?;
-        let y = self.mlp.forward(&self.ln_2.forward(&x)?)?;
+        // Each norm runs inside the linear it feeds (`LayerNorm::then_linear`), so the norms'
+        // outputs are not kept for backward.
+        let x = self.attn.forward_normed(&self.ln_1, hidden)?.add(hidden)?;
+        let y = self.mlp.forward_normed(&self.ln_2, &x)?;
         Ok(y.add(&x)?)
     }
 }

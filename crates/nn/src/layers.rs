@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use headroom_autograd_core::{
-    dropout, embedding, layer_norm, BackendRef, DType, Generator, Tensor,
+    dropout, embedding, layer_norm, layer_norm_linear, BackendRef, DType, Generator, Tensor,
 };
 
 use crate::error::Result;
@@ -128,6 +128,27 @@ impl LayerNorm {
             Some(&self.weight),
             Some(&self.bias),
             self.eps,
+        )?)
+    }
+
+    /// `self.forward(input)?.linear(weight, bias)` as one op that keeps only `input` for
+    /// backward, not the norm's output ([`layer_norm_linear`]): the same values and gradients,
+    /// bit for bit.
+    pub fn then_linear(
+        &self,
+        input: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let dim = self.weight.shape()[0];
+        Ok(layer_norm_linear(
+            input,
+            &[dim],
+            Some(&self.weight),
+            Some(&self.bias),
+            self.eps,
+            weight,
+            bias,
         )?)
     }
 }
@@ -283,28 +304,48 @@ impl Mlp {
 
     /// Applies the block. With a GELU and no dropout between, the activation and the second
     /// linear are one op ([`Tensor::gelu_linear`]): same values and gradients, bit for bit, but
-    /// only the pre-activation is kept for backward, not the activation too (a quarter of
-    /// what a ViT block keeps). With dropout, the exact GELU fuses with the first linear
-    /// instead ([`Tensor::linear_gelu`]: same values, gradients and saved tensors).
+    /// only the pre-activation is kept for backward, not the activation too. With dropout, the
+    /// exact GELU fuses with the first linear instead ([`Tensor::linear_gelu`]: same values,
+    /// gradients and saved tensors).
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        if self.dropout.is_identity() {
-            let (weight, bias) = (&self.fc2.weight, self.fc2.bias.as_ref());
-            let fused = match self.activation {
-                Activation::Gelu => Some(self.fc1.forward(input)?.gelu_linear(weight, bias)?),
-                Activation::GeluTanh => {
-                    Some(self.fc1.forward(input)?.gelu_tanh_linear(weight, bias)?)
-                }
-                Activation::Relu => None,
-            };
-            if let Some(out) = fused {
-                return Ok(out);
-            }
+        if self.fuses_activation() {
+            return self.after_first_linear(&self.fc1.forward(input)?);
         }
         let hidden = match self.activation {
             Activation::Gelu => input.linear_gelu(&self.fc1.weight, self.fc1.bias.as_ref())?,
             activation => activation.forward(&self.fc1.forward(input)?)?,
         };
-        let hidden = self.dropout.forward(&hidden)?;
+        self.after_activation(&hidden)
+    }
+
+    /// `self.forward(&norm.forward(input)?)` with the norm and the first linear as one op
+    /// ([`LayerNorm::then_linear`]), which keeps `input` for backward but not the norm's
+    /// output: the same values and gradients, bit for bit (a pre-norm block's MLP).
+    pub fn forward_normed(&self, norm: &LayerNorm, input: &Tensor) -> Result<Tensor> {
+        let pre_activation = norm.then_linear(input, &self.fc1.weight, self.fc1.bias.as_ref())?;
+        self.after_first_linear(&pre_activation)
+    }
+
+    /// Whether the activation runs inside the second linear's op: a GELU, no dropout between.
+    fn fuses_activation(&self) -> bool {
+        self.dropout.is_identity() && self.activation != Activation::Relu
+    }
+
+    /// The block from the first linear's output on.
+    fn after_first_linear(&self, pre_activation: &Tensor) -> Result<Tensor> {
+        let (weight, bias) = (&self.fc2.weight, self.fc2.bias.as_ref());
+        match self.activation {
+            _ if !self.fuses_activation() => {
+                self.after_activation(&self.activation.forward(pre_activation)?)
+            }
+            Activation::GeluTanh => Ok(pre_activation.gelu_tanh_linear(weight, bias)?),
+            _ => Ok(pre_activation.gelu_linear(weight, bias)?),
+        }
+    }
+
+    /// Dropout, the second linear, dropout.
+    fn after_activation(&self, hidden: &Tensor) -> Result<Tensor> {
+        let hidden = self.dropout.forward(hidden)?;
         self.dropout.forward(&self.fc2.forward(&hidden)?)
     }
 }

@@ -195,13 +195,15 @@ impl EncoderBlock {
         // Attention's output is released before the MLP runs, as torchvision's rebinding of `x`
         // releases it: held to the end of the function, it would add one activation-sized
         // tensor to every block's MLP (and to the forward's peak).
+        // Each norm runs inside the linear it feeds (`LayerNorm::then_linear`), so the norms'
+        // outputs are not kept for backward.
         let x = {
-            let attended = self
-                .self_attention
-                .forward(&self.ln_1.forward(input)?, AttentionMask::None)?;
+            let attended =
+                self.self_attention
+                    .forward_normed(&self.ln_1, input, AttentionMask::None)?;
             self.dropout.forward(&attended)?.add(input)?
         };
-        let y = self.mlp.forward(&self.ln_2.forward(&x)?)?;
+        let y = self.mlp.forward_normed(&self.ln_2, &x)?;
         Ok(x.add(&y)?)
     }
 }

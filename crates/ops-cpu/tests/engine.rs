@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use headroom_autograd_core::{
-    dropout, no_grad, saved_tensor_hooks, BackendRef, BackwardOptions, DType, Generator, Packed,
-    Tensor, TensorError,
+    dropout, layer_norm, layer_norm_linear, no_grad, saved_tensor_hooks, BackendRef,
+    BackwardOptions, DType, Generator, Packed, Tensor, TensorError,
 };
 use headroom_caching_allocator::HistoryOptions;
 use headroom_ops_cpu::CpuBackend;
@@ -675,6 +675,56 @@ fn gelu_linear_equals_gelu_then_linear_to_the_bit_and_keeps_no_activation() {
             let activation = (2 * 8 * 16 * dtype.size_in_bytes()) as i64;
             assert_eq!(pair_held - fused_held, activation, "{dtype:?} tanh {tanh}");
         }
+    }
+}
+
+/// Forward values, the five gradients and the bytes held between forward and backward of
+/// `layer_norm(x, ..).linear(w, b)` (or the one op `layer_norm_linear`) on a fresh backend.
+fn layer_norm_linear_run(fused: bool, dtype: DType) -> (Vec<Vec<u64>>, i64) {
+    let cpu = CpuBackend::new_ref();
+    let make = |n: usize, seed: usize, shape: &[usize]| {
+        let t = Tensor::from_f64s(&cpu, &patterned(n, seed), shape, dtype).unwrap();
+        t.requires_grad_(true).unwrap();
+        t
+    };
+    let (x, gamma, beta, w, b) = (
+        make(2 * 8 * 32, 1, &[2, 8, 32]),
+        make(32, 5, &[32]),
+        make(32, 6, &[32]),
+        make(16 * 32, 2, &[16, 32]),
+        make(16, 3, &[16]),
+    );
+    let input = x.mul_scalar(1.5).unwrap();
+    let before = allocated(&cpu);
+    let out = if fused {
+        layer_norm_linear(&input, &[32], Some(&gamma), Some(&beta), 1e-5, &w, Some(&b)).unwrap()
+    } else {
+        layer_norm(&input, &[32], Some(&gamma), Some(&beta), 1e-5)
+            .unwrap()
+            .linear(&w, Some(&b))
+            .unwrap()
+    };
+    let held = allocated(&cpu) - before;
+    drop(input);
+    let mut res = weighted_backward_bits(&out, [&x, &w, &b]);
+    res.extend([&gamma, &beta].map(|leaf| raw_bits(&leaf.grad().unwrap())));
+    (res, held)
+}
+
+#[test]
+fn layer_norm_linear_equals_the_pair_to_the_bit_and_keeps_no_norm_output() {
+    for dtype in [DType::F32, DType::F64, DType::BF16] {
+        let (fused, fused_held) = layer_norm_linear_run(true, dtype);
+        let (pair, pair_held) = layer_norm_linear_run(false, dtype);
+        for (what, (lhs, rhs)) in ["output", "dx", "dw", "db", "dgamma", "dbeta"]
+            .iter()
+            .zip(fused.iter().zip(&pair))
+        {
+            assert_eq!(lhs, rhs, "{what} {dtype:?}");
+        }
+        // The pair keeps the norm's output (2 × 8 × 32 values) for the weight gradient.
+        let normed = (2 * 8 * 32 * dtype.size_in_bytes()) as i64;
+        assert_eq!(pair_held - fused_held, normed, "{dtype:?}");
     }
 }
 

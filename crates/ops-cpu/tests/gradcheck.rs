@@ -10,7 +10,7 @@ use headroom_autograd_core::{
     patch_embedding, scaled_dot_product_attention, scaled_dot_product_attention_varlen, BackendRef,
     DType, Generator, PackedSequences, Reduction, Result, Tensor,
 };
-use headroom_autograd_core::{rms_norm, rotary_embedding, swiglu};
+use headroom_autograd_core::{layer_norm_linear, rms_norm, rotary_embedding, swiglu};
 use headroom_ops_cpu::CpuBackend;
 
 /// Deterministic values in `[low, high)`.
@@ -240,6 +240,32 @@ fn linear_algebra() {
         "gelu_tanh_linear no bias, of a view",
         &[input(&[4, 3]), input(&[2, 4])],
         &|_, x| x[0].t()?.gelu_tanh_linear(&x[1], None),
+    );
+    check_gradients(
+        "layer_norm_linear",
+        &[
+            input(&[2, 3, 4]),
+            input(&[4]),
+            input(&[4]),
+            input(&[5, 4]),
+            input(&[5]),
+        ],
+        &|_, x| {
+            layer_norm_linear(
+                &x[0],
+                &[4],
+                Some(&x[1]),
+                Some(&x[2]),
+                1e-5,
+                &x[3],
+                Some(&x[4]),
+            )
+        },
+    );
+    check_gradients(
+        "layer_norm_linear without affine or bias, of a view",
+        &[input(&[4, 3]), input(&[2, 4])],
+        &|_, x| layer_norm_linear(&x[0].t()?, &[4], None, None, 1e-5, &x[1], None),
     );
     check_gradients(
         "patch embedding",

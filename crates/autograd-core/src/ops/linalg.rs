@@ -418,10 +418,21 @@ impl LinearSaves {
     }
 }
 
+/// `input @ weight^T + bias` over the last dim with nothing recorded (errors name `op`): the
+/// product of a fused op that records its own node.
+pub(super) fn linear_product(
+    op: &'static str,
+    input: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    Ok(input.linear_forward(op, weight, bias, false)?.0)
+}
+
 /// A linear's weight gradient `grad_2d^T @ input_2d` (`[out, in]`) and, with `has_bias`, its bias
 /// gradient (the column sums of `grad_2d`), in one
 /// [`Backend::linear_weight_grad`](crate::Backend::linear_weight_grad) call.
-fn weight_grads(
+pub(super) fn weight_grads(
     grad_2d: &Tensor,
     input_2d: &Tensor,
     has_bias: bool,

@@ -6,7 +6,8 @@
 //! closures are themselves written with ops (run with grad mode off). Files group ops by family:
 //! `elementwise` (arithmetic, activations, casts), `inplace` (`add_`, `copy_`, `out=` forms),
 //! `view` (reshape, permute, narrow, expand, contiguous), `reduce`, `linalg` (matmul, linear,
-//! patch embedding), `nn` (softmax, layer norm, cross-entropy, dropout), `linear_cross_entropy`
+//! patch embedding), `nn` (softmax, layer norm, cross-entropy, dropout), `norm_linear` (a layer
+//! norm and the linear it feeds, keeping the norm's input only), `linear_cross_entropy`
 //! (a language model head's loss without its logits), `index` (embedding, gather/scatter,
 //! cat/split, masked fill), `attention` (fused scaled-dot-product attention) and `llama` (fused
 //! RMSNorm, SwiGLU and rotary embedding).
@@ -20,6 +21,7 @@ mod linalg;
 mod linear_cross_entropy;
 mod llama;
 mod nn;
+mod norm_linear;
 mod reduce;
 mod view;
 
@@ -31,6 +33,7 @@ pub use linalg::patch_embedding;
 pub use linear_cross_entropy::{linear_cross_entropy, LinearCrossEntropyOptions};
 pub use llama::{rms_norm, rotary_embedding, swiglu};
 pub use nn::{cross_entropy, cross_entropy_f32, dropout, layer_norm};
+pub use norm_linear::layer_norm_linear;
 
 use std::sync::Arc;
 

@@ -113,64 +113,13 @@ pub fn layer_norm(
             eps,
         );
     }
-    check_float("layer_norm", input)?;
-    let ndim = input.ndim();
-    if normalized_shape.is_empty()
-        || normalized_shape.len() > ndim
-        || input.shape()[ndim - normalized_shape.len()..] != *normalized_shape
-    {
-        return Err(TensorError::ShapeMismatch {
-            op: "layer_norm",
-            lhs: input.shape().to_vec(),
-            rhs: normalized_shape.to_vec(),
-        });
-    }
-    for param in weight.iter().chain(bias.iter()) {
-        check_same("layer_norm", input, param)?;
-        if param.shape() != normalized_shape {
-            return Err(TensorError::ShapeMismatch {
-                op: "layer_norm",
-                lhs: normalized_shape.to_vec(),
-                rhs: param.shape().to_vec(),
-            });
-        }
-    }
-    let n: usize = normalized_shape.iter().product();
-    let rows = input.numel() / n.max(1);
-    let dense = {
-        let _guard = no_grad();
-        input.contiguous()?.reshape(&[rows, n])?
-    };
-    let flatten = |param: Option<&Tensor>| -> Result<Option<Tensor>> {
-        let _guard = no_grad();
-        param.map(|p| p.contiguous()?.reshape(&[n])).transpose()
-    };
-    let (weight_flat, bias_flat) = (flatten(weight)?, flatten(bias)?);
-    let stats = stats_dtype(input.dtype());
-    let res = input.new_empty(&[rows, n], input.dtype())?;
-    let mean = input.new_empty(&[rows], stats)?;
-    let rstd = input.new_empty(&[rows], stats)?;
-    input.backend().layer_norm(LayerNormForward {
-        x: dense.view(),
-        weight: weight_flat.as_ref().map(Tensor::view),
-        bias: bias_flat.as_ref().map(Tensor::view),
-        eps,
-        out: res.view(),
-        mean: mean.view(),
-        rstd: rstd.view(),
-    })?;
-    let res = res.into_shape(input.shape());
+    let norm = LayerNormRun::new("layer_norm", input, normalized_shape, weight, bias, eps)?;
+    let res = norm.out.clone().into_shape(input.shape());
     let mut inputs = vec![input];
     inputs.extend(weight);
     inputs.extend(bias);
     if records(&inputs) {
-        let saved_x = SavedTensor::save("layer_norm", SaveRole::Input(0), &dense)?;
-        let saved_mean = SavedTensor::save("layer_norm", SaveRole::Intermediate("mean"), &mean)?;
-        let saved_rstd = SavedTensor::save("layer_norm", SaveRole::Intermediate("rstd"), &rstd)?;
-        let saved_weight = match &weight_flat {
-            Some(w) => Some(SavedTensor::save("layer_norm", SaveRole::Input(1), w)?),
-            None => None,
-        };
+        let saves = LayerNormSaves::save("layer_norm", &norm)?;
         let wants = [
             input.requires_grad(),
             weight.is_some_and(Tensor::requires_grad),
@@ -178,51 +127,213 @@ pub fn layer_norm(
         ];
         let (input_shape, param_shape) = (input.shape().to_vec(), normalized_shape.to_vec());
         let (has_weight, has_bias) = (weight.is_some(), bias.is_some());
+        let (rows, n) = (norm.rows, norm.n);
         record("layer_norm", &inputs, &[&res], move |grads| {
             let grad = grads[0].as_ref().expect("one output");
             let dy = grad.contiguous()?.reshape(&[rows, n])?;
-            let x = saved_x.unpack()?;
-            let weight = match &saved_weight {
-                Some(w) => Some(w.unpack()?),
-                None => None,
-            };
-            let dx = if wants[0] {
-                Some(x.new_empty(&[rows, n], x.dtype())?)
-            } else {
-                None
-            };
-            let dweight = if has_weight && wants[1] {
-                Some(x.new_empty(&[n], x.dtype())?)
-            } else {
-                None
-            };
-            let dbias = if has_bias && wants[2] {
-                Some(x.new_empty(&[n], x.dtype())?)
-            } else {
-                None
-            };
-            let (mean, rstd) = (saved_mean.unpack()?, saved_rstd.unpack()?);
-            x.backend().layer_norm_backward(LayerNormBackward {
-                dy: dy.view(),
-                x: x.view(),
-                mean: mean.view(),
-                rstd: rstd.view(),
-                weight: weight.as_ref().map(Tensor::view),
-                dx: dx.as_ref().map(Tensor::view),
-                dweight: dweight.as_ref().map(Tensor::view),
-                dbias: dbias.as_ref().map(Tensor::view),
-            })?;
-            let mut res = vec![dx.map(|dx| dx.into_shape(&input_shape))];
+            let [dx, dweight, dbias] =
+                saves
+                    .unpack()?
+                    .grads(&dy, wants, &input_shape, &param_shape)?;
+            let mut res = vec![dx];
             if has_weight {
-                res.push(dweight.map(|dw| dw.into_shape(&param_shape)));
+                res.push(dweight);
             }
             if has_bias {
-                res.push(dbias.map(|db| db.into_shape(&param_shape)));
+                res.push(dbias);
             }
             Ok(res)
         });
     }
     Ok(res)
+}
+
+/// A layer norm's checked operands, flattened to `[rows, n]` and `[n]`, and its forward: the
+/// output `[rows, n]` and the per-row mean and rstd.
+pub(super) struct LayerNormRun {
+    pub(super) dense: Tensor,
+    pub(super) weight: Option<Tensor>,
+    pub(super) bias: Option<Tensor>,
+    pub(super) eps: f64,
+    pub(super) out: Tensor,
+    pub(super) mean: Tensor,
+    pub(super) rstd: Tensor,
+    pub(super) rows: usize,
+    pub(super) n: usize,
+}
+
+impl LayerNormRun {
+    /// Checks the operands (errors name `op`) and runs the forward.
+    pub(super) fn new(
+        op: &'static str,
+        input: &Tensor,
+        normalized_shape: &[usize],
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f64,
+    ) -> Result<LayerNormRun> {
+        check_float(op, input)?;
+        let ndim = input.ndim();
+        if normalized_shape.is_empty()
+            || normalized_shape.len() > ndim
+            || input.shape()[ndim - normalized_shape.len()..] != *normalized_shape
+        {
+            return Err(TensorError::ShapeMismatch {
+                op,
+                lhs: input.shape().to_vec(),
+                rhs: normalized_shape.to_vec(),
+            });
+        }
+        for param in weight.iter().chain(bias.iter()) {
+            check_same(op, input, param)?;
+            if param.shape() != normalized_shape {
+                return Err(TensorError::ShapeMismatch {
+                    op,
+                    lhs: normalized_shape.to_vec(),
+                    rhs: param.shape().to_vec(),
+                });
+            }
+        }
+        let n: usize = normalized_shape.iter().product();
+        let rows = input.numel() / n.max(1);
+        let dense = {
+            let _guard = no_grad();
+            input.contiguous()?.reshape(&[rows, n])?
+        };
+        let flatten = |param: Option<&Tensor>| -> Result<Option<Tensor>> {
+            let _guard = no_grad();
+            param.map(|p| p.contiguous()?.reshape(&[n])).transpose()
+        };
+        let (weight, bias) = (flatten(weight)?, flatten(bias)?);
+        let [out, mean, rstd] = layer_norm_forward(&dense, weight.as_ref(), bias.as_ref(), eps)?;
+        Ok(LayerNormRun {
+            dense,
+            weight,
+            bias,
+            eps,
+            out,
+            mean,
+            rstd,
+            rows,
+            n,
+        })
+    }
+}
+
+/// `[out, mean, rstd]` of the layer norm of `dense` (`[rows, n]`) with flat parameters: one
+/// [`Backend::layer_norm`](crate::Backend::layer_norm) call, whose output is the same bits
+/// every time it runs on the same operands.
+pub(super) fn layer_norm_forward(
+    dense: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f64,
+) -> Result<[Tensor; 3]> {
+    let rows = dense.shape()[0];
+    let stats = stats_dtype(dense.dtype());
+    let out = dense.new_empty(dense.shape(), dense.dtype())?;
+    let mean = dense.new_empty(&[rows], stats)?;
+    let rstd = dense.new_empty(&[rows], stats)?;
+    dense.backend().layer_norm(LayerNormForward {
+        x: dense.view(),
+        weight: weight.map(Tensor::view),
+        bias: bias.map(Tensor::view),
+        eps,
+        out: out.view(),
+        mean: mean.view(),
+        rstd: rstd.view(),
+    })?;
+    Ok([out, mean, rstd])
+}
+
+/// What a layer norm's backward keeps: the dense input, the per-row mean and rstd, the flat
+/// weight.
+pub(super) struct LayerNormSaves {
+    x: SavedTensor,
+    mean: SavedTensor,
+    rstd: SavedTensor,
+    weight: Option<SavedTensor>,
+}
+
+impl LayerNormSaves {
+    /// Saves them from `norm`, as `op`'s.
+    pub(super) fn save(op: &'static str, norm: &LayerNormRun) -> Result<LayerNormSaves> {
+        Ok(LayerNormSaves {
+            x: SavedTensor::save(op, SaveRole::Input(0), &norm.dense)?,
+            mean: SavedTensor::save(op, SaveRole::Intermediate("mean"), &norm.mean)?,
+            rstd: SavedTensor::save(op, SaveRole::Intermediate("rstd"), &norm.rstd)?,
+            weight: match &norm.weight {
+                Some(w) => Some(SavedTensor::save(op, SaveRole::Input(1), w)?),
+                None => None,
+            },
+        })
+    }
+
+    /// What was saved, unpacked: each saved tensor is unpacked once a backward (a checkpoint's
+    /// recomputation rebuilds what is unpacked twice).
+    pub(super) fn unpack(&self) -> Result<LayerNormSaved> {
+        Ok(LayerNormSaved {
+            x: self.x.unpack()?,
+            mean: self.mean.unpack()?,
+            rstd: self.rstd.unpack()?,
+            weight: self.weight.as_ref().map(SavedTensor::unpack).transpose()?,
+        })
+    }
+}
+
+/// A layer norm's saves, unpacked.
+pub(super) struct LayerNormSaved {
+    /// The dense input, `[rows, n]`.
+    pub(super) x: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    /// The flat weight.
+    pub(super) weight: Option<Tensor>,
+}
+
+impl LayerNormSaved {
+    /// `[dx, dweight, dbias]` from the output gradient `dy` (`[rows, n]`), each where `wants`
+    /// asks and the parameter exists, shaped `input_shape` and `param_shape`.
+    pub(super) fn grads(
+        &self,
+        dy: &Tensor,
+        wants: [bool; 3],
+        input_shape: &[usize],
+        param_shape: &[usize],
+    ) -> Result<[Option<Tensor>; 3]> {
+        let x = &self.x;
+        let (rows, n) = (x.shape()[0], x.shape()[1]);
+        let dx = if wants[0] {
+            Some(x.new_empty(&[rows, n], x.dtype())?)
+        } else {
+            None
+        };
+        let dweight = if wants[1] {
+            Some(x.new_empty(&[n], x.dtype())?)
+        } else {
+            None
+        };
+        let dbias = if wants[2] {
+            Some(x.new_empty(&[n], x.dtype())?)
+        } else {
+            None
+        };
+        x.backend().layer_norm_backward(LayerNormBackward {
+            dy: dy.view(),
+            x: x.view(),
+            mean: self.mean.view(),
+            rstd: self.rstd.view(),
+            weight: self.weight.as_ref().map(Tensor::view),
+            dx: dx.as_ref().map(Tensor::view),
+            dweight: dweight.as_ref().map(Tensor::view),
+            dbias: dbias.as_ref().map(Tensor::view),
+        })?;
+        Ok([
+            dx.map(|dx| dx.into_shape(input_shape)),
+            dweight.map(|dw| dw.into_shape(param_shape)),
+            dbias.map(|db| db.into_shape(param_shape)),
+        ])
+    }
 }
 
 /// Cross-entropy of `logits` `[rows, classes]` against class indices `target` `[rows]` (I64):

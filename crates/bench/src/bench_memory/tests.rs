@@ -371,7 +371,8 @@ fn cuda_only_cases_are_refused_on_the_cpu_up_front() {
 
 #[test]
 fn adam_auto_meets_its_budget_and_predicts_its_peak_to_the_byte_on_the_cpu() {
-    let run = |extra: &[&str]| execute(&tiny_vit_on_the_cpu("4", "adam_auto", extra)).unwrap();
+    // Batch 8: at 4 the tiny ViT's blocks keep too little for checkpointing to lower its peak.
+    let run = |extra: &[&str]| execute(&tiny_vit_on_the_cpu("8", "adam_auto", extra)).unwrap();
     let results = run(&[]);
     let r = &results[0];
     let plan = r.plan.as_ref().unwrap();
