@@ -23,7 +23,8 @@ run() { # name args...
 }
 run vit bench-memory --device cuda --batch 32 --cases adam_fused,adam_ckpt \
   --json "$out/${tag}_vit.json"
-for budget in 5500000000 6000000000 6717334272 8110652416; do
+for budget in 5500000000 6000000000 6717334272 8110652416 9503970560 10897288704 12290606848 \
+  13683924992; do
   run "planner_$budget" bench-memory --device cuda --batch 32 --cases adam_auto \
     --budget "$budget" --json "$out/${tag}_planner_$budget.json"
 done

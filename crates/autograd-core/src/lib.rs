@@ -86,6 +86,7 @@ mod error;
 mod grad_mode;
 mod graph;
 mod hooks;
+mod intermediates;
 mod layout;
 mod non_finite;
 mod ops;
@@ -122,6 +123,7 @@ pub use hooks::{
     backward_pass_id, is_backward_running, on_backward_end, queue_backward_end_callback,
     BackwardEndCallback, BackwardEndHook, GradHook, HookHandle, PostAccumulateHook,
 };
+pub use intermediates::{are_intermediates_kept, keep_intermediates, KeepIntermediatesGuard};
 pub use layout::{
     broadcast_shapes, checked_numel, contiguous_strides, normalize_dim, Dims, Layout,
 };

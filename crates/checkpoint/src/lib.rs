@@ -125,9 +125,9 @@ pub use offload::{offload, OffloadBlocks, OffloadOptions, OffloadPool, OffloadSt
 #[cfg(feature = "cuda")]
 pub use planner::CudaClock;
 pub use planner::{
-    AllocatorGauge, BlockCost, BlockPlan, BlockPlanner, Candidate, HostClock, LossyReason,
-    MemoryGauge, Moment, Prediction, RunDirectly, Segment, StepClock, StepError, StepProbe,
-    StepProfile, TimePoint, LOSSY_MIN_GAIN,
+    AllocatorGauge, BlockCost, BlockPlan, BlockPlanner, Candidate, HostClock, KeepIntermediates,
+    LossyReason, MemoryGauge, Moment, Prediction, RunDirectly, Segment, StepClock, StepError,
+    StepProbe, StepProfile, TimePoint, LOSSY_MIN_GAIN,
 };
 pub use policy::{Decision, PolicyFn, RecomputeAll, SaveMatmuls, SavePolicy};
 pub use region::{checkpoint, checkpoint_with, CheckpointOptions, Region};

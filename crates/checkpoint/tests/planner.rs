@@ -503,6 +503,20 @@ fn profiling_a_model_whose_blocks_bypass_the_planner_is_an_error() {
     assert!(matches!(err, CheckpointError::Step(_)), "{err}");
 }
 
+/// Three AdamW steps of the small ViT, to equal the plain loop's bit for bit (`why` says why).
+fn bitwise_vit_case(name: &'static str, why: &'static str) -> TrainCase {
+    TrainCase {
+        name,
+        model: ModelSpec::Vit(config()),
+        dtype: DType::F32,
+        batch: 4,
+        steps: 3,
+        optimizer: OptimSpec::adamw(1e-3, 1e-2),
+        tolerance: Tolerance::Bitwise { why },
+        seed: 11,
+    }
+}
+
 #[test]
 fn training_under_a_plan_equals_plain_training_bit_for_bit() {
     let mut trainer = Trainer::new();
@@ -513,21 +527,42 @@ fn training_under_a_plan_equals_plain_training_bit_for_bit() {
     let plan = profile.plan((minimum + keep_all) / 2).unwrap();
     let n_recomputed = plan.choices().iter().filter(|&&c| c == recompute).count();
     assert!((1..6).contains(&n_recomputed), "{plan}");
-    let case = TrainCase {
-        name: "vit with dropout under a plan",
-        model: ModelSpec::Vit(config()),
-        dtype: DType::F32,
-        batch: 4,
-        steps: 3,
-        optimizer: OptimSpec::adamw(1e-3, 1e-2),
-        tolerance: Tolerance::Bitwise {
-            why: "kept blocks run as without a plan, recomputed ones replay the forward's ops and \
-                  random draws on the same deterministic CPU kernels",
-        },
-        seed: 11,
-    };
+    let case = bitwise_vit_case(
+        "vit with dropout under a plan",
+        "kept blocks run as without a plan, recomputed ones replay the forward's ops and random \
+         draws on the same deterministic CPU kernels",
+    );
     let backend: BackendRef = trainer.cpu.clone();
     let report = check_technique(&backend, &case, &mut WithRunner(Arc::new(plan))).unwrap();
+    assert_eq!(report.max_ulps, 0);
+    assert_eq!(report.baseline_losses, report.technique_losses);
+}
+
+#[test]
+fn keeping_intermediates_costs_the_norms_outputs_and_changes_no_bit() {
+    let mut trainer = Trainer::new();
+    let profile = trainer.profile();
+    let (keep, kept) = (
+        profile.candidate_index("keep").unwrap(),
+        profile.candidate_index("keep-intermediates").unwrap(),
+    );
+    let lean = profile.predict(&[keep; 6]).unwrap().peak_bytes;
+    let full = profile.predict(&[kept; 6]).unwrap().peak_bytes;
+    assert!(
+        full > lean,
+        "keeping the norms' outputs: {full} B, not: {lean} B"
+    );
+    assert_eq!(
+        trainer.measured_peak(Candidate::keep_intermediates().runner),
+        full
+    );
+    let case = bitwise_vit_case(
+        "vit with dropout, intermediates kept",
+        "a kept intermediate is the tensor the fused op would compute again with the same kernel",
+    );
+    let backend: BackendRef = trainer.cpu.clone();
+    let runner = Candidate::keep_intermediates().runner;
+    let report = check_technique(&backend, &case, &mut WithRunner(runner)).unwrap();
     assert_eq!(report.max_ulps, 0);
     assert_eq!(report.baseline_losses, report.technique_losses);
 }

@@ -15,6 +15,7 @@ use crate::engine::is_last_use;
 use crate::error::{Result, TensorError};
 use crate::grad_mode::no_grad;
 use crate::graph::record;
+use crate::intermediates::are_intermediates_kept;
 use crate::layout::broadcast_shapes;
 use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
@@ -227,6 +228,17 @@ impl Tensor {
             _ => None,
         };
         let activated = self.unary_raw(activation.op, activation.name)?;
+        // Inside `keep_intermediates`, the activation is kept as the pair keeps it.
+        let saved_activated = match &inputs {
+            Some(_) if weight.requires_grad() && are_intermediates_kept() => {
+                Some(SavedTensor::save(
+                    activation.name,
+                    SaveRole::Intermediate("activation"),
+                    &activated,
+                )?)
+            }
+            _ => None,
+        };
         let (res, _) = activated.linear_forward(activation.name, weight, bias, false)?;
         drop(activated);
         let (Some(inputs), Some(saved_pre_activation)) = (inputs, saved_pre_activation) else {
@@ -246,10 +258,13 @@ impl Tensor {
                 .expect("kept until its last use")
                 .unpack()?;
             let (grad_weight, grad_bias) = if weight_needs_grad {
-                // The activation again, for the weight gradient only, released right after.
-                let activated = pre_activation
-                    .unary_raw(activation.op, activation.name)?
-                    .reshape(&[rows, in_features])?;
+                // The activation kept, or again, for the weight gradient only, released right
+                // after.
+                let activated = match &saved_activated {
+                    Some(saved) => saved.unpack()?,
+                    None => pre_activation.unary_raw(activation.op, activation.name)?,
+                }
+                .reshape(&[rows, in_features])?;
                 let (grad_weight, grad_bias) = weight_grads(&grad_2d, &activated, has_bias)?;
                 (Some(grad_weight), grad_bias)
             } else if has_bias {

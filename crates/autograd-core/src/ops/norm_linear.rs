@@ -6,13 +6,15 @@
 //! [`layer_norm_linear`] keeps the input alone (with the norm's per-row mean and rstd, which the
 //! norm keeps anyway) and runs the norm's forward again in backward, for the weight gradient:
 //! one pass over the input, the same kernel, so the same bits. Values and gradients equal the
-//! pair's bit for bit.
+//! pair's bit for bit. Inside [`keep_intermediates`](crate::keep_intermediates) the op keeps the
+//! norm's output as the pair does, and backward reads it.
 //!
 //! It sits on `nn`'s layer norm pieces and `linalg`'s linear pieces; it knows no model.
 
 use crate::autocast::autocast_policy;
 use crate::error::Result;
 use crate::graph::record;
+use crate::intermediates::are_intermediates_kept;
 use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
 
@@ -62,6 +64,15 @@ pub fn layer_norm_linear(
                 None => None,
             },
             SavedTensor::save(OP, SaveRole::Input(3), weight)?,
+            // Inside `keep_intermediates`, the norm's output is kept as the pair keeps it.
+            match weight.requires_grad() && are_intermediates_kept() {
+                true => Some(SavedTensor::save(
+                    OP,
+                    SaveRole::Intermediate("normed"),
+                    &norm.out,
+                )?),
+                false => None,
+            },
         ))
     } else {
         None
@@ -70,7 +81,7 @@ pub fn layer_norm_linear(
     let mut out_shape = input.shape().to_vec();
     *out_shape.last_mut().expect("a norm's input has a dim") = weight.shape()[0];
     let res = res.reshape(&out_shape)?;
-    let Some((norm_saves, saved_norm_bias, saved_weight)) = saves else {
+    let Some((norm_saves, saved_norm_bias, saved_weight, saved_normed)) = saves else {
         return Ok(res);
     };
     let norm_wants = [
@@ -91,13 +102,20 @@ pub fn layer_norm_linear(
         let norm = norm_saves.unpack()?;
         if weight_wants || has_bias {
             let (grad_weight, grad_bias) = if weight_wants {
-                // The norm's output again, for the weight gradient only, released right after.
-                let norm_bias = saved_norm_bias
-                    .as_ref()
-                    .map(SavedTensor::unpack)
-                    .transpose()?;
-                let [normed, _, _] =
-                    layer_norm_forward(&norm.x, norm.weight.as_ref(), norm_bias.as_ref(), eps)?;
+                // The norm's output kept, or again, for the weight gradient only, released
+                // right after.
+                let normed = match &saved_normed {
+                    Some(saved) => saved.unpack()?,
+                    None => {
+                        let bias = saved_norm_bias
+                            .as_ref()
+                            .map(SavedTensor::unpack)
+                            .transpose()?;
+                        let [normed, _, _] =
+                            layer_norm_forward(&norm.x, norm.weight.as_ref(), bias.as_ref(), eps)?;
+                        normed
+                    }
+                };
                 let (grad_weight, grad_bias) = weight_grads(&grad_2d, &normed, has_bias)?;
                 (Some(grad_weight), grad_bias)
             } else {

@@ -8,7 +8,7 @@
 //! lowest peak the planner can reach and the peak of no checkpointing (both predicted from the
 //! same measurement). The plan is set as the encoder's block runner and the protocol measures it
 //! as any case. From the same profile, the report also gives the plan of the two exact
-//! candidates alone (keep and recompute), predicted only.
+//! candidates alone (keep, keep-intermediates and recompute), predicted only.
 //!
 //! Then, on the same model and optimizer, uniform checkpointing (every k-th block,
 //! `CheckpointBlocks::Every(k)`) at the fastest k whose predicted peak fits the budget runs one
@@ -57,7 +57,7 @@ pub(crate) struct PlanOutcome {
     pub(crate) table: String,
     /// Which lossy strategies the plan takes and why; `None` when every block's is exact.
     pub(crate) lossy: Option<String>,
-    /// The fastest plan of keep and recompute alone within the budget, from the same profile
+    /// The fastest plan of the exact candidates alone within the budget, from the same profile
     /// (predicted only): its step time and its recomputed blocks.
     pub(crate) exact_only: Option<(f64, usize)>,
     /// Uniform checkpointing within the same budget, measured.
@@ -152,10 +152,11 @@ pub(crate) fn plan(
     Ok((outcome, profile))
 }
 
-/// The fastest plan of keep and recompute alone within `budget`, from `profile`'s columns of
-/// those two: its predicted step time and recomputed blocks; `None` when none fits.
+/// The fastest plan of keep, keep-intermediates and recompute alone within `budget`, from
+/// `profile`'s columns of those: its predicted step time and recomputed blocks; `None` when none
+/// fits.
 fn exact_only(profile: &StepProfile, budget: u64) -> Result<Option<(f64, usize)>> {
-    let columns: Vec<usize> = ["keep", "recompute"]
+    let columns: Vec<usize> = ["keep", "keep-intermediates", "recompute"]
         .iter()
         .filter_map(|name| profile.candidate_index(name))
         .collect();
@@ -329,12 +330,14 @@ pub(crate) fn describe(r: &CaseResult) -> Option<String> {
     match plan.exact_only {
         Some((ms, recomputed)) => {
             text += &format!(
-                "  keep and recompute alone: {recomputed} recomputed, {ms:.1} ms predicted \
+                "  keep, keep-intermediates and recompute alone: {recomputed} recomputed, {ms:.1} ms predicted \
                  (plan / that {:.3}, predicted)\n",
                 plan.predicted_step_ms / ms
             );
         }
-        None => text += "  keep and recompute alone: no plan within the budget\n",
+        None => {
+            text += "  keep, keep-intermediates and recompute alone: no plan within the budget\n"
+        }
     }
     match &plan.uniform {
         Some(u) => {

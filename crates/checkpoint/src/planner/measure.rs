@@ -68,6 +68,14 @@ impl Candidate {
         Candidate::new("keep", Arc::new(RunDirectly))
     }
 
+    /// `keep-intermediates`: the block is called directly inside
+    /// [`keep_intermediates`](headroom_autograd_core::keep_intermediates), so the fused ops
+    /// that would run a cheap op again in backward (a norm or a GELU before a linear) keep its
+    /// output instead: more memory than `keep`, no recomputation at all.
+    pub fn keep_intermediates() -> Candidate {
+        Candidate::new("keep-intermediates", Arc::new(KeepIntermediates))
+    }
+
     /// `recompute`: the block is checkpointed ([`CheckpointBlocks::all`]): only its input stays,
     /// the rest is recomputed in backward.
     pub fn recompute() -> Candidate {
@@ -128,11 +136,16 @@ impl Candidate {
         )
     }
 
-    /// The strategies the planner chooses among by default: [`Candidate::keep`] and
-    /// [`Candidate::recompute`], both exact (training under any plan of them equals plain
-    /// training bit for bit). Another strategy is one more `Candidate::new(name, runner)`.
+    /// The strategies the planner chooses among by default: [`Candidate::keep`],
+    /// [`Candidate::recompute`] and [`Candidate::keep_intermediates`], all exact (training under
+    /// any plan of them equals plain training bit for bit). Another strategy is one more
+    /// `Candidate::new(name, runner)`.
     pub fn defaults() -> Vec<Candidate> {
-        vec![Candidate::keep(), Candidate::recompute()]
+        vec![
+            Candidate::keep(),
+            Candidate::recompute(),
+            Candidate::keep_intermediates(),
+        ]
     }
 
     /// The strategies for a model on a CUDA device: [`Candidate::defaults`], then 8-bit
@@ -143,6 +156,7 @@ impl Candidate {
         vec![
             Candidate::keep(),
             Candidate::recompute(),
+            Candidate::keep_intermediates(),
             Candidate::compress(Compression::default()),
             Candidate::offload(OffloadPool::new()),
         ]
@@ -160,6 +174,24 @@ impl BlockRunner for RunDirectly {
         block: BlockForward,
         input: &Tensor,
     ) -> headroom_nn::Result<Tensor> {
+        block(input)
+    }
+}
+
+/// Calls each block directly inside
+/// [`keep_intermediates`](headroom_autograd_core::keep_intermediates): the fused ops keep the
+/// intermediates they would otherwise run again in backward.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KeepIntermediates;
+
+impl BlockRunner for KeepIntermediates {
+    fn run(
+        &self,
+        _index: usize,
+        block: BlockForward,
+        input: &Tensor,
+    ) -> headroom_nn::Result<Tensor> {
+        let _keep = headroom_autograd_core::keep_intermediates();
         block(input)
     }
 }
