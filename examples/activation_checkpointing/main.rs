@@ -4,8 +4,8 @@
 //! products saved and recomputes the rest), printing for each the peak allocated memory, what the
 //! forward keeps for backward, and the step time. Then the same with each block's saved
 //! activations compressed (8 bits, bf16, and 8-bit block inputs of checkpointed blocks), and
-//! the planner at a budget: `BlockPlanner` measures one step per strategy (keep, recompute,
-//! 8-bit compression), `StepProfile::plan` picks one per block for a budget halfway between the
+//! the planner at a budget: `BlockPlanner` measures one step per strategy (keep,
+//! keep-intermediates, recompute, 8-bit compression), `StepProfile::plan` picks one per block for a budget halfway between the
 //! lowest peak it can reach and the peak without checkpointing, the example prints the plan's
 //! table, trains under it and prints the measured peak and step time beside the predicted ones.
 //! `--accuracy` instead trains a small ViT for 200 steps on a learnable task, the loss with and
@@ -224,14 +224,15 @@ fn step_probe(device: &Device) -> Result<StepProbe> {
     }
 }
 
-/// The planner at a budget: it measures one step per strategy (keep, recompute, 8-bit
-/// compression) on a fresh model, plans for the budget halfway between the lowest peak it can
+/// The planner at a budget: it measures one step per strategy (keep, keep-intermediates,
+/// recompute, 8-bit compression) on a fresh model, plans for the budget halfway between the lowest peak it can
 /// reach and the peak without checkpointing, prints the plan's table, then trains under the plan
 /// and prints the measured peak and time beside the predicted ones.
 fn planner_section(device: &Device, config: VitConfig, batch: usize) -> Result<()> {
     let (mut model, mut sgd, images) = setup(device, config, batch, None)?;
     let candidates = vec![
         Candidate::keep(),
+        Candidate::keep_intermediates(),
         Candidate::recompute(),
         Candidate::compress(Compression::default()),
     ];

@@ -399,6 +399,43 @@ fn bench_memory_cases_render_beside_the_anchors() {
     );
 }
 
+/// The same cases by two builds: each peak and step beside the other, with after / before; a
+/// case the second build lacks is an error naming it.
+#[test]
+fn bench_memory_versions_put_two_builds_side_by_side() {
+    let run = |peak: u64, ms: f64| {
+        format!(
+            r#"{{"cases": [{{"case": "adam_fused", "model": "vit_l_16", "batch": 32,
+                "step_ms": {ms}, "peak_allocated_bytes": {peak}}}]}}"#
+        )
+    };
+    let table = super::kinds::rendered(
+        "bench-memory-versions",
+        &[
+            ("results/x/old_vit.json", &run(13_683_924_992, 286.62)),
+            ("results/x/new_vit.json", &run(10_064_028_160, 289.04)),
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        table[2],
+        "| vit_l_16 | 32 | adam_fused | 13,683,924,992 | 10,064,028,160 | 0.735 | 286.62 | 289.04 \
+         | 1.008 |"
+    );
+    let other = r#"{"cases": [{"case": "adam_ckpt", "model": "vit_l_16", "batch": 32,
+        "step_ms": 1.0, "peak_allocated_bytes": 1}]}"#;
+    let err = super::kinds::rendered(
+        "bench-memory-versions",
+        &[
+            ("results/x/old.json", &run(1, 1.0)),
+            ("results/x/new.json", other),
+        ],
+    )
+    .unwrap_err();
+    let err = format!("{err:#}");
+    assert!(err.contains("no vit_l_16 adam_fused at batch 32"), "{err}");
+}
+
 /// The same cases under two allocator settings, a column each, named by the file.
 #[test]
 fn bench_memory_runs_render_side_by_side_by_allocator_settings() {

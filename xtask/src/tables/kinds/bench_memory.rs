@@ -326,6 +326,56 @@ pub(super) fn bench_memory_allocators(files: &[ResultFile]) -> Result<Vec<String
     Ok(lines)
 }
 
+/// The same bench-memory cases run by two builds (the first file the before, the second the
+/// after): per model, batch and case, each build's peak allocated bytes and median step, and
+/// after / before.
+pub(super) fn bench_memory_versions(files: &[ResultFile]) -> Result<Vec<String>> {
+    let [before, after] = files else {
+        bail!(
+            "reads two bench-memory JSON files (before, after), given {}",
+            files.len()
+        );
+    };
+    let (before_cases, after_cases) = (bench_memory_cases(before)?, bench_memory_cases(after)?);
+    let mut lines = table_head(
+        "| model | batch | case | peak before (B) | peak after (B) | after / before | step before \
+         (ms) | step after (ms) | after / before |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    );
+    for case in &before_cases {
+        let (model, name, batch) = (
+            text(case, "model")?,
+            text(case, "case")?,
+            count(case, "batch")?,
+        );
+        let same = after_cases
+            .iter()
+            .find(|other| {
+                other["model"] == model
+                    && other["case"] == name
+                    && other["batch"].as_u64() == Some(batch)
+            })
+            .with_context(|| format!("{}: no {model} {name} at batch {batch}", after.path))?;
+        let (peak_before, peak_after) = (
+            count(case, "peak_allocated_bytes")?,
+            count(same, "peak_allocated_bytes")?,
+        );
+        let (step_before, step_after) = (number(case, "step_ms")?, number(same, "step_ms")?);
+        lines.push(row(&[
+            model.to_owned(),
+            batch.to_string(),
+            name.to_owned(),
+            thousands(peak_before),
+            thousands(peak_after),
+            format!("{:.3}", peak_after as f64 / peak_before as f64),
+            format!("{step_before:.2}"),
+            format!("{step_after:.2}"),
+            format!("{:.3}", step_after / step_before),
+        ]));
+    }
+    Ok(lines)
+}
+
 #[cfg(test)]
 mod tests {
     /// Every case headroom-bench runs matches PyTorch's case of the name it writes beside it.

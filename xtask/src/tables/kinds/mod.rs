@@ -95,6 +95,12 @@ pub(super) const KINDS: &[Kind] = &[
         render: bench_memory::bench_memory_planner,
     },
     Kind {
+        name: "bench-memory-versions",
+        reads: "two `cargo xtask bench-memory --json` files of the same cases by two builds, \
+                before then after (scripts/gpu-saves.sh's old_*.json and new_*.json)",
+        render: bench_memory::bench_memory_versions,
+    },
+    Kind {
         name: "bench-memory-allocators",
         reads: "`cargo xtask bench-memory --json` files of the same cases under different \
                 allocator settings (gpu-measure.sh's reclaim_default, reclaim_on, reclaim_off)",
