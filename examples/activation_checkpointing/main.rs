@@ -225,9 +225,9 @@ fn step_probe(device: &Device) -> Result<StepProbe> {
 }
 
 /// The planner at a budget: it measures one step per strategy (keep, keep-intermediates,
-/// recompute, 8-bit compression) on a fresh model, plans for the budget halfway between the lowest peak it can
-/// reach and the peak without checkpointing, prints the plan's table, then trains under the plan
-/// and prints the measured peak and time beside the predicted ones.
+/// recompute, 8-bit compression) on a fresh model, plans for the budget halfway between the
+/// lowest peak it can reach and the peak without checkpointing, prints the plan's table, then
+/// trains under the plan and prints the measured peak and time beside the predicted ones.
 fn planner_section(device: &Device, config: VitConfig, batch: usize) -> Result<()> {
     let (mut model, mut sgd, images) = setup(device, config, batch, None)?;
     let candidates = vec![
@@ -264,11 +264,12 @@ fn planner_section(device: &Device, config: VitConfig, batch: usize) -> Result<(
     let lowest = profile.min_budget()?;
     let budget = lowest + (keep_all - lowest) / 2;
     let plan = profile.plan(budget)?;
+    let names: Vec<&str> = profile.candidates.iter().map(|c| c.name.as_str()).collect();
     println!(
-        "\nThe planner: {rounds} measured step(s) per strategy (keep, recompute, \
-         compress-int8), then the fastest plan within {} (halfway between the lowest peak a plan \
-         reaches, {}, and no checkpointing's {}; every block recomputed: {}; all predicted)\n\n\
-         {plan}\n",
+        "\nThe planner: {rounds} measured step(s) per strategy ({}), then the fastest plan \
+         within {} (halfway between the lowest peak a plan reaches, {}, and no checkpointing's {}; \
+         every block recomputed: {}; all predicted)\n\n{plan}\n",
+        names.join(", "),
         gb(budget),
         gb(lowest),
         gb(keep_all),
