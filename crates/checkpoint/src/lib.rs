@@ -129,5 +129,5 @@ pub use planner::{
     LossyReason, MemoryGauge, Moment, Prediction, RunDirectly, Segment, StepClock, StepError,
     StepProbe, StepProfile, TimePoint, LOSSY_MIN_GAIN,
 };
-pub use policy::{Decision, PolicyFn, RecomputeAll, SaveMatmuls, SavePolicy};
+pub use policy::{Decision, PolicyFn, RecomputeAll, RecomputeBefore, SaveMatmuls, SavePolicy};
 pub use region::{checkpoint, checkpoint_with, CheckpointOptions, Region};

@@ -7,12 +7,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use headroom_autograd_core::{
-    autocast, dropout, layer_norm, AutocastPolicy, BackendRef, CastPolicy, DType, Device,
-    Generator, Tensor,
+    autocast, dropout, layer_norm, layer_norm_linear, AutocastPolicy, BackendRef, CastPolicy,
+    DType, Device, Generator, Tensor,
 };
 use headroom_checkpoint::{
     block_forwards, checkpoint, checkpoint_sequential, checkpoint_with, BlockSelection,
-    CheckpointBlocks, CheckpointError, CheckpointOptions, Decision, PolicyFn, SaveMatmuls,
+    CheckpointBlocks, CheckpointError, CheckpointOptions, Decision, PolicyFn, RecomputeBefore,
+    SaveMatmuls, SavePolicy,
 };
 use headroom_nn::{BlockStack, EncoderBlock, Gpt2Config, VitConfig};
 use headroom_ops_cpu::CpuBackend;
@@ -49,8 +50,15 @@ fn checkpointed_training_equals_plain_training_bit_for_bit_with_dropout() {
             ..CheckpointOptions::default()
         },
     };
+    let attention_half = CheckpointBlocks {
+        selection: BlockSelection::All,
+        options: CheckpointOptions {
+            policy: Arc::new(RecomputeBefore::mlp()),
+            ..CheckpointOptions::default()
+        },
+    };
     for (name, model) in [("vit", vit_with_dropout()), ("gpt2", gpt2_with_dropout())] {
-        for blocks in [&every_block, &selective] {
+        for blocks in [&every_block, &selective, &attention_half] {
             let case = TrainCase {
                 name,
                 model,
@@ -472,6 +480,110 @@ fn a_policy_keeps_what_it_says_and_recomputes_the_rest() {
         (grad[0] - expected).abs() <= 1e-6 * expected,
         "{} vs {expected}",
         grad[0]
+    );
+}
+
+/// Two norm-fed products with a pointwise op between, `y = lnl(tanh(lnl(x)))`, and the
+/// gradients of its weights and input, as f32 bits; with `options`, checkpointed (`None`: plain).
+/// Returns the bytes the forward kept too.
+fn two_norm_products(options: Option<&CheckpointOptions>) -> (Vec<Vec<u32>>, i64) {
+    let cpu = CpuBackend::new_ref();
+    let leaf = |n: usize, scale: f32, shape: &[usize]| {
+        let values: Vec<f32> = (0..n)
+            .map(|i| ((i * 37 % 101) as f32 / 101.0 - 0.5) * scale)
+            .collect();
+        let t = Tensor::from_slice(&cpu, &values, shape).unwrap();
+        t.requires_grad_(true).unwrap();
+        t
+    };
+    let (x, w1, w2) = (
+        leaf(8 * 64, 2.0, &[8, 64]),
+        leaf(64 * 64, 0.2, &[64, 64]),
+        leaf(16 * 64, 0.2, &[16, 64]),
+    );
+    let (w1_held, w2_held) = (w1.clone(), w2.clone());
+    let region = move |inputs: &[Tensor]| -> headroom_autograd_core::Result<Vec<Tensor>> {
+        let (w1, w2) = (&w1_held, &w2_held);
+        let h = layer_norm_linear(&inputs[0], &[64], None, None, 1e-5, w1, None)?.tanh()?;
+        Ok(vec![layer_norm_linear(
+            &h,
+            &[64],
+            None,
+            None,
+            1e-5,
+            w2,
+            None,
+        )?
+        .exp()?])
+    };
+    let before = allocated(&cpu);
+    let out = match options {
+        Some(options) => checkpoint_with(region, std::slice::from_ref(&x), options).unwrap(),
+        None => region(std::slice::from_ref(&x)).unwrap(),
+    };
+    let kept = allocated(&cpu) - before;
+    out[0].sum_all().unwrap().backward().unwrap();
+    let bits = |t: &Tensor| -> Vec<u32> {
+        t.grad()
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    (vec![bits(&x), bits(&w1), bits(&w2)], kept)
+}
+
+#[test]
+fn recompute_before_keeps_the_late_part_and_recomputes_the_early_part() {
+    let (plain, plain_kept) = two_norm_products(None);
+    let (all, all_kept) = two_norm_products(Some(&CheckpointOptions::default()));
+    let before_second = CheckpointOptions {
+        policy: Arc::new(RecomputeBefore {
+            op: "layer_norm_linear",
+            instance: 1,
+        }),
+        ..CheckpointOptions::default()
+    };
+    let (late_kept, late_kept_bytes) = two_norm_products(Some(&before_second));
+    assert_eq!(all, plain);
+    assert_eq!(late_kept, plain);
+    // Recompute all: the output (8 × 16 f32, one 512-byte block). Kept from the second call on:
+    // its input (8 × 64 f32), its mean and rstd (a block each), and the output.
+    assert_eq!(all_kept, 512);
+    assert_eq!(late_kept_bytes, 2048 + 512 + 512 + 512);
+    assert!(
+        late_kept_bytes < plain_kept,
+        "{late_kept_bytes} against {plain_kept}"
+    );
+    // Outside a region it recomputes; a region with one call recomputes everything.
+    let site_of = |op: &'static str| headroom_autograd_core::SaveSite {
+        op,
+        role: headroom_autograd_core::SaveRole::Input(0),
+        shape: Default::default(),
+        dtype: DType::F32,
+        device: Device::Cpu,
+        bytes: 0,
+        seq: 0,
+        is_parameter: false,
+    };
+    let policy = RecomputeBefore::mlp();
+    assert_eq!(
+        policy.decide(&site_of("layer_norm_linear")),
+        Decision::Recompute
+    );
+    let input = headroom_autograd_core::SaveRole::Input(0);
+    assert_eq!(
+        policy.decide_in_region(
+            &site_of("layer_norm_linear"),
+            &[("layer_norm_linear", input)]
+        ),
+        Decision::Save
+    );
+    assert_eq!(
+        policy.decide_in_region(&site_of("gelu_linear"), &[("linear", input)]),
+        Decision::Recompute
     );
 }
 

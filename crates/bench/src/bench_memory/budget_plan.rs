@@ -8,7 +8,8 @@
 //! lowest peak the planner can reach and the peak of no checkpointing (both predicted from the
 //! same measurement). The plan is set as the encoder's block runner and the protocol measures it
 //! as any case. From the same profile, the report also gives the plan of the two exact
-//! candidates alone (keep, keep-intermediates and recompute), predicted only.
+//! candidates alone (keep, keep-intermediates, recompute and recompute-attention), predicted
+//! only.
 //!
 //! Then, on the same model and optimizer, uniform checkpointing (every k-th block,
 //! `CheckpointBlocks::Every(k)`) at the fastest k whose predicted peak fits the budget runs one
@@ -152,14 +153,20 @@ pub(crate) fn plan(
     Ok((outcome, profile))
 }
 
-/// The fastest plan of keep, keep-intermediates and recompute alone within `budget`, from
+/// The fastest plan of keep, keep-intermediates, recompute and recompute-attention alone within
+/// `budget`, from
 /// `profile`'s columns of those: its predicted step time and recomputed blocks; `None` when none
 /// fits.
 fn exact_only(profile: &StepProfile, budget: u64) -> Result<Option<(f64, usize)>> {
-    let columns: Vec<usize> = ["keep", "keep-intermediates", "recompute"]
-        .iter()
-        .filter_map(|name| profile.candidate_index(name))
-        .collect();
+    let columns: Vec<usize> = [
+        "keep",
+        "keep-intermediates",
+        "recompute",
+        "recompute-attention",
+    ]
+    .iter()
+    .filter_map(|name| profile.candidate_index(name))
+    .collect();
     let subset = StepProfile {
         candidates: columns
             .iter()
@@ -330,14 +337,12 @@ pub(crate) fn describe(r: &CaseResult) -> Option<String> {
     match plan.exact_only {
         Some((ms, recomputed)) => {
             text += &format!(
-                "  keep, keep-intermediates and recompute alone: {recomputed} recomputed, {ms:.1} ms predicted \
+                "  exact candidates alone (no offload): {recomputed} recomputed, {ms:.1} ms predicted \
                  (plan / that {:.3}, predicted)\n",
                 plan.predicted_step_ms / ms
             );
         }
-        None => {
-            text += "  keep, keep-intermediates and recompute alone: no plan within the budget\n"
-        }
+        None => text += "  exact candidates alone (no offload): no plan within the budget\n",
     }
     match &plan.uniform {
         Some(u) => {

@@ -36,6 +36,8 @@ use crate::error::CheckpointError;
 use crate::offload::{OffloadBlocks, OffloadOptions, OffloadPool};
 use crate::planner::probe::{StepProbe, TimePoint};
 use crate::planner::profile::{BlockCost, Segment, StepProfile};
+use crate::policy::RecomputeBefore;
+use crate::region::CheckpointOptions;
 
 /// One way of running a block, as the planner sees it: a name for its tables and an nn
 /// [`BlockRunner`] that runs every block it is given that way.
@@ -80,6 +82,24 @@ impl Candidate {
     /// the rest is recomputed in backward.
     pub fn recompute() -> Candidate {
         Candidate::new("recompute", Arc::new(CheckpointBlocks::all()))
+    }
+
+    /// `recompute-attention`: the block is checkpointed with [`RecomputeBefore::mlp`]: what its
+    /// attention half saves is recomputed (its norm, q/k/v product and attention), what its MLP
+    /// saves is kept, so it keeps more than `recompute` and less than `keep`, for less
+    /// recomputation than `recompute` (a pre-norm block whose MLP starts with a
+    /// `layer_norm_linear`, ViT's and GPT-2's; another block recomputes everything under it).
+    pub fn recompute_attention() -> Candidate {
+        Candidate::new(
+            "recompute-attention",
+            Arc::new(CheckpointBlocks {
+                selection: BlockSelection::All,
+                options: CheckpointOptions {
+                    policy: Arc::new(RecomputeBefore::mlp()),
+                    ..CheckpointOptions::default()
+                },
+            }),
+        )
     }
 
     /// `compress-int8` or `compress-bf16`: what the block saves for backward is kept encoded
@@ -137,14 +157,15 @@ impl Candidate {
     }
 
     /// The strategies the planner chooses among by default: [`Candidate::keep`],
-    /// [`Candidate::recompute`] and [`Candidate::keep_intermediates`], all exact (training under
-    /// any plan of them equals plain training bit for bit). Another strategy is one more
-    /// `Candidate::new(name, runner)`.
+    /// [`Candidate::recompute`], [`Candidate::keep_intermediates`] and
+    /// [`Candidate::recompute_attention`], all exact (training under any plan of them equals
+    /// plain training bit for bit). Another strategy is one more `Candidate::new(name, runner)`.
     pub fn defaults() -> Vec<Candidate> {
         vec![
             Candidate::keep(),
             Candidate::recompute(),
             Candidate::keep_intermediates(),
+            Candidate::recompute_attention(),
         ]
     }
 
@@ -157,6 +178,7 @@ impl Candidate {
             Candidate::keep(),
             Candidate::recompute(),
             Candidate::keep_intermediates(),
+            Candidate::recompute_attention(),
             Candidate::compress(Compression::default()),
             Candidate::offload(OffloadPool::new()),
         ]
