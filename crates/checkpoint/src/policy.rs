@@ -5,8 +5,9 @@
 //! (keep it, as without checkpointing) or [`Decision::Recompute`] (drop it now, rebuild it by
 //! running the region again in backward). [`RecomputeAll`] is PyTorch's `checkpoint`; [`SaveMatmuls`]
 //! is the "save matrix products, recompute pointwise ops and norms" recipe; [`RecomputeBefore`]
-//! recomputes a block's early part and keeps its late part; [`PolicyFn`] takes a closure. The recomputation runs the region from its start up to the last save it must rebuild,
-//! so keeping what late ops save shortens it. This module knows nothing about how a region runs.
+//! recomputes a block's early part and keeps its late part; [`PolicyFn`] takes a closure. The
+//! recomputation runs the region from its start up to the last save it must rebuild, so keeping
+//! what late ops save shortens it. This module knows nothing about how a region runs.
 
 use headroom_autograd_core::{SaveRole, SaveSite};
 
@@ -25,9 +26,13 @@ pub trait SavePolicy: Send + Sync + std::fmt::Debug {
     fn decide(&self, site: &SaveSite) -> Decision;
 
     /// The decision for `site` where the region made the saves `earlier` before it (each's op and
-    /// role, in order): for a policy that decides by position inside the region. By default
-    /// [`SavePolicy::decide`].
-    fn decide_in_region(&self, site: &SaveSite, earlier: &[(&'static str, SaveRole)]) -> Decision {
+    /// role, in order, read as the region holds them): for a policy that decides by position
+    /// inside the region. By default [`SavePolicy::decide`].
+    fn decide_in_region(
+        &self,
+        site: &SaveSite,
+        earlier: &mut dyn Iterator<Item = (&'static str, SaveRole)>,
+    ) -> Decision {
         let _ = earlier;
         self.decide(site)
     }
@@ -102,11 +107,14 @@ impl SavePolicy for RecomputeBefore {
         Decision::Recompute
     }
 
-    fn decide_in_region(&self, site: &SaveSite, earlier: &[(&'static str, SaveRole)]) -> Decision {
+    fn decide_in_region(
+        &self,
+        site: &SaveSite,
+        earlier: &mut dyn Iterator<Item = (&'static str, SaveRole)>,
+    ) -> Decision {
         let calls = earlier
-            .iter()
-            .chain(std::iter::once(&(site.op, site.role)))
-            .filter(|(op, role)| self.starts_call(op, *role))
+            .chain(std::iter::once((site.op, site.role)))
+            .filter(|&(op, role)| self.starts_call(op, role))
             .count();
         if calls > self.instance {
             Decision::Save

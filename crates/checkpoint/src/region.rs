@@ -206,11 +206,8 @@ impl Frame {
     /// The forward's pack hook.
     fn pack(self: &Arc<Self>, site: &SaveSite, tensor: Tensor) -> Packed {
         let mut saves = self.saves.lock();
-        let earlier: Vec<(&'static str, SaveRole)> = saves
-            .iter()
-            .map(|record| (record.op, record.role))
-            .collect();
-        let decision = self.options.policy.decide_in_region(site, &earlier);
+        let mut earlier = saves.iter().map(|record| (record.op, record.role));
+        let decision = self.options.policy.decide_in_region(site, &mut earlier);
         let index = saves.len();
         saves.push(SaveRecord {
             op: site.op,

@@ -229,16 +229,16 @@ impl Tensor {
         };
         let activated = self.unary_raw(activation.op, activation.name)?;
         // Inside `keep_intermediates`, the activation is kept as the pair keeps it.
-        let saved_activated = match &inputs {
-            Some(_) if weight.requires_grad() && are_intermediates_kept() => {
-                Some(SavedTensor::save(
-                    activation.name,
-                    SaveRole::Intermediate("activation"),
-                    &activated,
-                )?)
-            }
-            _ => None,
-        };
+        let saved_activated =
+            (inputs.is_some() && weight.requires_grad() && are_intermediates_kept())
+                .then(|| {
+                    SavedTensor::save(
+                        activation.name,
+                        SaveRole::Intermediate("activation"),
+                        &activated,
+                    )
+                })
+                .transpose()?;
         let (res, _) = activated.linear_forward(activation.name, weight, bias, false)?;
         drop(activated);
         let (Some(inputs), Some(saved_pre_activation)) = (inputs, saved_pre_activation) else {

@@ -9,7 +9,7 @@
 //! pair's bit for bit. Inside [`keep_intermediates`](crate::keep_intermediates) the op keeps the
 //! norm's output as the pair does, and backward reads it.
 //!
-//! It sits on `nn`'s layer norm pieces and `linalg`'s linear pieces; it knows no model.
+//! It sits on `ops/nn.rs`'s layer norm pieces and `linalg`'s linear pieces; it knows no model.
 
 use crate::autocast::autocast_policy;
 use crate::error::Result;
@@ -65,14 +65,9 @@ pub fn layer_norm_linear(
             },
             SavedTensor::save(OP, SaveRole::Input(3), weight)?,
             // Inside `keep_intermediates`, the norm's output is kept as the pair keeps it.
-            match weight.requires_grad() && are_intermediates_kept() {
-                true => Some(SavedTensor::save(
-                    OP,
-                    SaveRole::Intermediate("normed"),
-                    &norm.out,
-                )?),
-                false => None,
-            },
+            (weight.requires_grad() && are_intermediates_kept())
+                .then(|| SavedTensor::save(OP, SaveRole::Intermediate("normed"), &norm.out))
+                .transpose()?,
         ))
     } else {
         None

@@ -7,9 +7,8 @@
 //! (`Candidate::cuda_defaults`). It plans for `--budget` bytes: without one, halfway between the
 //! lowest peak the planner can reach and the peak of no checkpointing (both predicted from the
 //! same measurement). The plan is set as the encoder's block runner and the protocol measures it
-//! as any case. From the same profile, the report also gives the plan of the two exact
-//! candidates alone (keep, keep-intermediates, recompute and recompute-attention), predicted
-//! only.
+//! as any case. From the same profile, the report also gives the plan of the exact candidates
+//! but offload alone (keep, keep-intermediates, recompute, recompute-attention), predicted only.
 //!
 //! Then, on the same model and optimizer, uniform checkpointing (every k-th block,
 //! `CheckpointBlocks::Every(k)`) at the fastest k whose predicted peak fits the budget runs one
@@ -153,20 +152,12 @@ pub(crate) fn plan(
     Ok((outcome, profile))
 }
 
-/// The fastest plan of keep, keep-intermediates, recompute and recompute-attention alone within
-/// `budget`, from
-/// `profile`'s columns of those: its predicted step time and recomputed blocks; `None` when none
-/// fits.
+/// The fastest plan of the exact candidates but offload alone within `budget`, from `profile`'s
+/// columns of those: its predicted step time and recomputed blocks; `None` when none fits.
 fn exact_only(profile: &StepProfile, budget: u64) -> Result<Option<(f64, usize)>> {
-    let columns: Vec<usize> = [
-        "keep",
-        "keep-intermediates",
-        "recompute",
-        "recompute-attention",
-    ]
-    .iter()
-    .filter_map(|name| profile.candidate_index(name))
-    .collect();
+    let columns: Vec<usize> = (0..profile.candidates.len())
+        .filter(|&c| !profile.candidates[c].lossy && profile.candidates[c].name != "offload")
+        .collect();
     let subset = StepProfile {
         candidates: columns
             .iter()

@@ -19,10 +19,11 @@
 //! block directly ([`RunDirectly`]), `keep-intermediates` too but inside autograd-core's
 //! `keep_intermediates` ([`KeepIntermediates`]: what the fused ops would recompute from a kept
 //! input, a norm's or an activation's output, is kept as well), `recompute` checkpoints it
-//! ([`CheckpointBlocks`](crate::CheckpointBlocks)), `compress-int8` / `compress-bf16` keep its
+//! ([`CheckpointBlocks`](crate::CheckpointBlocks)), `recompute-attention` checkpoints it keeping
+//! its MLP's saves ([`RecomputeBefore::mlp`](crate::RecomputeBefore::mlp)), `compress-int8` / `compress-bf16` keep its
 //! saves encoded ([`CompressBlocks`](crate::CompressBlocks)), `offload` keeps them in pinned
 //! host memory ([`OffloadBlocks`](crate::OffloadBlocks), CUDA only, its device memory given back
-//! at the end of the block's own forward). [`Candidate::defaults`] are the three exact ones;
+//! at the end of the block's own forward). [`Candidate::defaults`] are the four exact ones;
 //! [`Candidate::cuda_defaults`] adds 8-bit compression and offload. Any other runner that
 //! handles one block at a time is one more `Candidate::new(name, runner)`, measured the same
 //! way, with no model of its own to write.
