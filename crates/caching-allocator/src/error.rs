@@ -1,9 +1,11 @@
 //! The crate's one error type.
 //!
 //! Every fallible call of this crate returns [`AllocError`]. Out-of-memory carries a full
-//! [`OutOfMemoryReport`] so that a caller can print PyTorch's message or read the figures.
+//! [`OutOfMemoryReport`] so that a caller can print PyTorch's message or read the figures; a
+//! refused private-pool call carries a [`PrivatePoolMisuse`] that says what to do instead.
 
-use crate::storage::StorageError;
+use crate::allocator::PrivatePoolId;
+use crate::storage::{StorageError, StreamId};
 
 /// Everything that can go wrong in this crate.
 #[derive(Debug, thiserror::Error)]
@@ -26,6 +28,14 @@ pub enum AllocError {
         /// What is wrong with its value.
         reason: String,
     },
+    /// A private-pool call that the pools' state does not allow; the message says what to do.
+    #[error("private pool {pool}: {misuse}")]
+    PrivatePool {
+        /// The pool the call named (for a virtual stream passed as a device stream, its pool).
+        pool: PrivatePoolId,
+        /// What was wrong.
+        misuse: PrivatePoolMisuse,
+    },
     /// The storage failed in a way that is not out-of-memory.
     #[error("storage error: {0}")]
     Storage(#[from] StorageError),
@@ -40,6 +50,44 @@ pub enum AllocError {
     /// Reading or writing a file failed.
     #[error("i/o error: {0}")]
     Io(#[from] std::io::Error),
+}
+
+/// Why a private-pool call was refused ([`AllocError::PrivatePool`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PrivatePoolMisuse {
+    /// The pool is not live: never created by this allocator, or already released.
+    #[error(
+        "not a live pool of this allocator (never created here, or already released): create one \
+         with `create_private_pool`"
+    )]
+    NotLive,
+    /// Another routing is in force; only one at a time is.
+    #[error(
+        "allocations of stream {} are already routed to private pool {pool}: call \
+         `end_allocate_to_pool` first",
+        .stream.0
+    )]
+    RoutingActive {
+        /// The stream routed now.
+        stream: StreamId,
+        /// The pool it is routed to.
+        pool: PrivatePoolId,
+    },
+    /// The call needs the routing to end (a capture may be under way).
+    #[error(
+        "allocations are being routed to it: end the capture and call `end_allocate_to_pool` \
+         first"
+    )]
+    BeingRouted,
+    /// The pool serves another stream: a pool's blocks are used on one stream.
+    #[error("it serves stream {}: create another private pool for this stream", .0.0)]
+    OtherStream(StreamId),
+    /// A pool's virtual stream ([`PrivatePoolId::stream`]) was passed as a device stream.
+    #[error(
+        "its virtual stream is not a device stream: allocate on the stream routed to it \
+         (`begin_allocate_to_pool`)"
+    )]
+    VirtualStream,
 }
 
 /// Everything known when an allocation fails; its `Display` is the error message.

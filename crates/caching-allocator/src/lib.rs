@@ -10,6 +10,10 @@
 //! `PinnedHostStorage` (page-locked host memory, PyTorch's `CachingHostAllocator` with this
 //! policy).
 //!
+//! CUDA graph capture routes a stream's requests to a private pool
+//! ([`CachingAllocator::begin_allocate_to_pool`]), whose memory stays reserved for the graph until
+//! the pool is released, as PyTorch's graph pools do.
+//!
 //! [`replay_trace`] runs a recorded PyTorch trace through any policy, starting from its
 //! baseline: the blocks that were live before the recording began ([`RecordedTrace`]), so a
 //! what-if's peaks count the parameters a snapshot holds but its history never allocates.
@@ -50,9 +54,12 @@ mod stats;
 mod storage;
 mod view;
 
-pub use allocator::{Allocation, AllocatorId, CachingAllocator, ContextGuard};
+pub use allocator::{
+    Allocation, AllocatorId, CachingAllocator, ContextGuard, PrivatePoolId, PrivatePoolUsage,
+    PRIVATE_POOL_STREAM_BASE,
+};
 pub use config::{AllocatorConfig, AllocatorConfigBuilder, ALLOC_CONF_ENV, ROUNDUP_INTERVALS};
-pub use error::{AllocError, OutOfMemoryReport};
+pub use error::{AllocError, OutOfMemoryReport, PrivatePoolMisuse};
 pub use history::HistoryOptions;
 pub use replay::{
     replay_trace, replay_trace_at_recorded_addresses, LiveBlock, RecordedTrace, ReplayReport,

@@ -278,6 +278,7 @@ fn memory_limit_gives_out_of_memory() {
     let limit = 64 * MIB;
     let options = CudaStorageOptions {
         memory_limit: Some(limit),
+        ..CudaStorageOptions::default()
     };
     let Some((_device, mut storage)) = storage_or_skip(options) else {
         return;

@@ -7,9 +7,10 @@
 //! cudarc looks for `libnccl.so` (and versioned names) on the loader's path; PyTorch's wheel
 //! ships `nvidia/nccl/lib/libnccl.so.2`, which a `libnccl.so` link on `LD_LIBRARY_PATH` serves.
 //!
-//! Collectives run on the legacy default stream, which is ops-cuda's compute stream: they are
-//! ordered after the kernels that wrote their inputs and before those that read their outputs,
-//! and the host never waits for them, as for any kernel. No cudarc type leaves this module.
+//! Collectives run on the legacy default stream, which waits for ops-cuda's compute stream (a
+//! blocking stream) and makes it wait in turn: they are ordered after the kernels that wrote
+//! their inputs and before those that read their outputs, and the host never waits for them, as
+//! for any kernel. No cudarc type leaves this module.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -214,7 +215,7 @@ impl Communicator for NcclComm {
         let bytes = tensor.numel() * dtype.size_in_bytes();
         self.call("ncclAllReduce", Collective::AllReduce, bytes, |comm| {
             // SAFETY: `address` is the live, contiguous tensor of `numel` elements on this GPU;
-            // the stream is the legacy default stream of the bound context.
+            // the legacy default stream of the bound context is ordered with the compute stream.
             unsafe {
                 result::all_reduce(
                     address as *const _,

@@ -10,7 +10,7 @@
 //! model; each model names itself in the errors.
 
 use headroom_autograd_core::{
-    cross_entropy_f32, linear_cross_entropy, LinearCrossEntropyOptions, Reduction, Tensor,
+    cross_entropy_f32, linear_cross_entropy, DType, LinearCrossEntropyOptions, Reduction, Tensor,
 };
 
 use crate::error::{NnError, Result};
@@ -193,6 +193,17 @@ fn rows_of_labels(
 
 /// The next-token targets of `labels` as an I64 tensor of `rows` elements on `like`'s backend.
 fn shifted_targets(like: &Tensor, labels: &Tensor, rows: usize, seq: usize) -> Result<Tensor> {
-    let shifted = next_token_targets(&labels.to_vec::<i64>()?, seq, IGNORE_INDEX);
-    Ok(Tensor::from_slice(like.backend(), &shifted, &[rows])?)
+    // On the labels' device, reading nothing back: a CUDA graph can capture the loss.
+    let shifted = Tensor::full(
+        like.backend(),
+        &[rows / seq.max(1), seq],
+        IGNORE_INDEX as f64,
+        DType::I64,
+    )?;
+    if seq > 1 {
+        shifted
+            .narrow(1, 0, seq - 1)?
+            .copy_(&labels.narrow(1, 1, seq - 1)?)?;
+    }
+    Ok(shifted.reshape(&[rows])?)
 }

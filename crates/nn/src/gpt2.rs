@@ -11,7 +11,7 @@
 //! copy of the logits). Training goes through [`CausalLm::forward_loss`], which fuses the tied
 //! head with the loss unless [`Gpt2LMHeadModel::loss_path`] is [`LossPath::Unfused`].
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use headroom_autograd_core::{BackendRef, DType, Generator, LinearCrossEntropyOptions, Tensor};
 
@@ -335,6 +335,10 @@ pub struct Gpt2Model {
     /// Who runs the blocks (a checkpointing runner, say); `None` calls them directly. Set
     /// through [`BlockStack`](crate::BlockStack), on the body or on its [`Gpt2LMHeadModel`].
     block_runner: Option<Arc<dyn BlockRunner>>,
+    /// The position ids `0 .. n_positions` on the embeddings' device, uploaded by the first
+    /// forward and narrowed to each input's length after, so that a forward copies nothing from
+    /// the host (which a CUDA graph could not replay).
+    position_ids: Arc<OnceLock<Tensor>>,
 }
 
 impl Gpt2Model {
@@ -356,9 +360,15 @@ impl Gpt2Model {
                 reason: format!("{seq} tokens exceed the {n_positions} positions"),
             });
         }
-        let backend = input_ids.backend();
-        let positions: Vec<i64> = (0..seq as i64).collect();
-        let position_ids = Tensor::from_slice(backend, &positions, &[seq])?;
+        let all_positions = match self.position_ids.get() {
+            Some(ids) => ids,
+            None => {
+                let positions: Vec<i64> = (0..n_positions as i64).collect();
+                let ids = Tensor::from_slice(input_ids.backend(), &positions, &[n_positions])?;
+                self.position_ids.get_or_init(|| ids)
+            }
+        };
+        let position_ids = all_positions.narrow(0, 0, seq)?;
         // The embeddings' sum is released once dropout has used it (with p > 0 it is not what
         // the blocks read, so it must not be held while they run).
         let mut hidden = {
@@ -479,6 +489,7 @@ impl Gpt2LMHeadModel {
             });
         }
         let transformer = Gpt2Model {
+            position_ids: Arc::default(),
             wte,
             wpe,
             drop: dropout(config.embd_pdrop),

@@ -136,6 +136,10 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         dst.check_owner("write_host", self.allocator().id())?;
+        self.capture.refuse(
+            "write_host",
+            "copies host values (`Tensor::from_slice`) into the step",
+        )?;
         self.bind("write_host")?;
         // SAFETY: the destination range lies inside the live device buffer (checked above);
         // `data` is a host slice of that length. The synchronous copy runs on the legacy default
@@ -151,6 +155,10 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         src.check_owner("read_host", self.allocator().id())?;
+        self.capture.refuse(
+            "read_host",
+            "reads device values on the host (`to_vec`, `item`)",
+        )?;
         self.bind("read_host")?;
         // SAFETY: the source range lies inside the live device buffer (checked above) and `out`
         // is exclusively borrowed. The synchronous copy runs on the legacy default stream after

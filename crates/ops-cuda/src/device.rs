@@ -4,7 +4,9 @@
 //! `CachingAllocator<CudaStorage>` with Headroom's default settings (expandable segments), the
 //! kernel cache (`kernels.rs`), the BLAS libraries' state (`blas.rs`, created on the first
 //! product), the pinned-host allocator of `pinned.rs` and the slots of deferred index checks
-//! (`index.rs`). Every launch goes to the context's default stream. This module holds the state
+//! (`index.rs`). Every launch goes to the compute stream: a blocking stream the device
+//! allocator's storage creates as its `StreamId::DEFAULT` (ordered with the legacy default
+//! stream both ways, and capturable into a CUDA graph, `graph.rs`). This module holds the state
 //! and its accessors: creating the backend, binding its context, returning memory, the TF32
 //! switch; the `Backend` trait is `backend.rs`, and each family adds its own methods in its file
 //! (`synchronize` is `index.rs`'s, since it is where deferred index checks report).
@@ -18,13 +20,14 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaStream};
 use headroom_autograd_core::Result;
 use headroom_caching_allocator::{
-    AllocError, Allocation, AllocatorConfig, CachingAllocator, CudaStorage, PinnedHostOptions,
-    PinnedHostStorage,
+    AllocError, Allocation, AllocatorConfig, CachingAllocator, CudaStorage, CudaStorageOptions,
+    PinnedHostOptions, PinnedHostStorage, StreamId,
 };
 use parking_lot::{MappedMutexGuard, Mutex, MutexGuard};
 
 use crate::blas::BlasState;
 use crate::error::{device_error, CudaError};
+use crate::graph::CaptureState;
 use crate::kernels::KernelCache;
 use crate::profile::{OpProfiler, OpTiming};
 
@@ -62,6 +65,8 @@ pub struct CudaBackend {
     pub(crate) deferred_index_checks: Mutex<Option<Allocation>>,
     /// The op profile's spans while one runs (`profile.rs`).
     pub(crate) profiler: OpProfiler,
+    /// Whether a CUDA graph capture runs, and why its step cannot be captured (`graph.rs`).
+    pub(crate) capture: CaptureState,
 }
 
 impl Drop for CudaBackend {
@@ -121,14 +126,25 @@ impl CudaBackend {
         let no_device = |reason: String| CudaError::NoDevice { ordinal, reason };
         // The storage checks for the driver first, so a machine without one gets an error here
         // before cudarc is asked for anything.
-        let storage = CudaStorage::new(ordinal).map_err(|e| no_device(e.to_string()))?;
+        let storage_options = CudaStorageOptions {
+            own_default_stream: true,
+            ..CudaStorageOptions::default()
+        };
+        let storage = CudaStorage::with_options(ordinal, storage_options)
+            .map_err(|e| no_device(e.to_string()))?;
+        let compute_stream = storage
+            .raw_stream(StreamId::DEFAULT)
+            .ok_or_else(|| no_device("the storage has no default stream".into()))?;
         let pinned_options = PinnedHostOptions {
             memory_limit: pinned_budget,
         };
         let pinned = PinnedHostStorage::with_options(ordinal, pinned_options)
             .map_err(|e| no_device(e.to_string()))?;
         let context = CudaContext::new(ordinal).map_err(|e| no_device(e.to_string()))?;
-        let stream = context.default_stream();
+        // SAFETY: the stream belongs to the device's primary context (the storage's), and the
+        // storage, which destroys it, lives in the backend's allocator, which outlives every user
+        // of the wrapper (the backend's fields and the cuBLAS state released in `Drop`).
+        let stream = unsafe { context.wrap_borrowed_stream(compute_stream.cast()) };
         Ok(Arc::new(CudaBackend {
             ordinal,
             context,
@@ -141,6 +157,7 @@ impl CudaBackend {
             pinned: CachingAllocator::new(pinned, AllocatorConfig::pytorch_defaults()),
             deferred_index_checks: Mutex::new(None),
             profiler: OpProfiler::default(),
+            capture: CaptureState::default(),
         }))
     }
 
@@ -193,6 +210,8 @@ impl CudaBackend {
     /// Starts recording the device time of every primitive (dropping a profile not finished);
     /// see `profile.rs`.
     pub fn start_op_profile(&self) -> Result<()> {
+        self.capture
+            .refuse("start_op_profile", "times ops with events the host reads")?;
         self.bind("op_profile")?;
         self.profiler.start();
         Ok(())

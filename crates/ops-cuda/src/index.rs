@@ -82,6 +82,9 @@ fn check_error_word(
     let ErrorWord::Fresh(word) = word else {
         return Ok(());
     };
+    backend
+        .capture
+        .refuse(op, "reads its index check's error word on the host")?;
     backend.bind(op)?;
     let mut value = [0u64];
     // SAFETY: the word is live and 8 bytes; the synchronous copy on the legacy default stream
@@ -102,6 +105,8 @@ impl CudaBackend {
     /// Waits until every launched kernel has finished; then returns the error of a deferred index
     /// check, if one is pending (see [`CudaBackend::set_deferred_index_checks`]).
     pub fn synchronize(&self) -> Result<()> {
+        self.capture
+            .refuse("synchronize", "waits on the host for the device")?;
         self.stream
             .synchronize()
             .map_err(|e| device_error("synchronize", e))?;
@@ -150,6 +155,8 @@ impl CudaBackend {
     /// immediate or nothing was out of range. Waits for the queued kernels.
     pub fn take_deferred_index_error(&self) -> Result<()> {
         let op = "take_deferred_index_error";
+        self.capture
+            .refuse(op, "reads the deferred index checks on the host")?;
         let guard = self.deferred_index_checks.lock();
         let Some(slots) = guard.as_ref() else {
             return Ok(());
@@ -689,6 +696,10 @@ pub(crate) fn dropout(
     mask: View<'_>,
 ) -> Result<()> {
     let op = "dropout";
+    backend.capture.refuse(
+        op,
+        "draws its seed on the host (a replay would repeat one mask); capture without dropout",
+    )?;
     let dense = |v: &View<'_>| v.layout.is_contiguous() && v.layout.offset() == 0;
     if !dense(&out) || !dense(&mask) || out.layout.shape() != x.layout.shape() {
         return Err(TensorError::InvalidArgument {

@@ -228,6 +228,8 @@ impl CudaBackend {
             .allocator()
             .allocate(bytes.len() as u64, StreamId::DEFAULT)?;
         if !bytes.is_empty() {
+            self.capture
+                .refuse("upload", "copies host values into the step")?;
             self.bind("upload")?;
             // SAFETY: the allocation is live, at least `bytes.len()` long and not yet shared;
             // the synchronous copy is ordered after queued kernels on the legacy default stream.
@@ -250,6 +252,11 @@ impl CudaBackend {
         if bytes.is_empty() {
             return Ok(());
         }
+        self.capture.refuse(
+            "write_async",
+            "copies host values into the step (an optimizer's per-step table: step the \
+             optimizer outside the captured region)",
+        )?;
         self.bind("write_async")?;
         // SAFETY: the caller guarantees the destination range; the source is a live host slice
         // that the driver copies to its staging memory before returning (pageable memory).
@@ -262,6 +269,8 @@ impl CudaBackend {
     /// # Safety
     /// `address .. address + out.len()` must be live memory of this backend.
     pub unsafe fn download(&self, address: u64, out: &mut [u8]) -> Result<()> {
+        self.capture
+            .refuse("download", "reads device values on the host")?;
         self.bind("download")?;
         // SAFETY: the caller guarantees the range is live device memory; the synchronous copy
         // on the legacy default stream runs after the queued kernels.

@@ -67,6 +67,8 @@ mod blas_lt;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
+mod graph;
+#[cfg(feature = "cuda")]
 mod kernels;
 #[cfg(feature = "cuda")]
 mod launch;
@@ -105,6 +107,8 @@ pub use error::CudaError;
 
 #[cfg(feature = "cuda")]
 pub use device::{CudaBackend, CudaBackendOptions};
+#[cfg(feature = "cuda")]
+pub use graph::{CaptureError, CudaGraph, GraphedStep, StepRun};
 #[cfg(feature = "cuda")]
 pub use index::{ForeignLogitTile, ForeignTileGradient, ForeignTileStats};
 #[cfg(feature = "cuda")]

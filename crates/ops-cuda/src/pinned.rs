@@ -379,6 +379,10 @@ impl CudaBackend {
         offset: usize,
         stream: &CudaStream,
     ) -> Result<usize> {
+        self.capture.refuse(
+            op,
+            "copies between device and pinned host memory (activation offload)",
+        )?;
         stream.check_backend(op, self)?;
         if !std::ptr::eq(Arc::as_ptr(&pinned.backend), self) {
             return Err(TensorError::InvalidArgument {

@@ -1,8 +1,9 @@
 //! Streams and events of a [`CudaBackend`]: where asynchronous copies run, and how one stream
 //! waits for another.
 //!
-//! Every kernel of the backend runs on one stream, the context's legacy default stream
-//! ([`CudaBackend::compute_stream`], the allocators' `StreamId::DEFAULT`). Side streams
+//! Every kernel of the backend runs on one stream, the compute stream
+//! ([`CudaBackend::compute_stream`], the allocators' `StreamId::DEFAULT`: a blocking stream, so
+//! work on the context's legacy default stream stays ordered with it). Side streams
 //! ([`CudaBackend::new_stream`]) are non-blocking driver streams made by the device allocator's
 //! storage, so the allocator knows them by id and can defer a free behind their work; they carry
 //! copies (data loading, activation offload) that overlap the kernels. A [`CudaEvent`] marks a
@@ -85,13 +86,12 @@ impl std::fmt::Debug for CudaEvent {
 }
 
 impl CudaBackend {
-    /// The stream every kernel of this backend runs on (the legacy default stream,
-    /// `StreamId::DEFAULT`).
+    /// The stream every kernel of this backend runs on (`StreamId::DEFAULT`).
     pub fn compute_stream(self: &Arc<Self>) -> CudaStream {
         CudaStream {
             backend: Arc::clone(self),
             id: StreamId::DEFAULT,
-            raw: RawStream(result::stream::null()),
+            raw: RawStream(self.stream.cu_stream()),
         }
     }
 

@@ -4,6 +4,9 @@
 //! neighbours of the same mapped state, and the statistics of active and split blocks follow.
 //! A block that other streams used (`record_stream`) records an event on each of them and waits
 //! in the pending queues instead; `stream_events` completes the free once they have all passed.
+//! While requests are routed to a private pool (a capture may be under way) no event is
+//! recorded: such a block waits, unavailable, until an allocation, `empty_cache` or another such
+//! free after the routing records its events (PyTorch defers them until the capture ends too).
 //!
 //! It sits on the arena and pools of the parent module and on the storage's events. It must not
 //! know when events complete, nor anything of segments beyond the links of their blocks.
@@ -60,18 +63,33 @@ impl<S: Storage> State<S> {
         }
         self.record(TraceAction::FreeRequested, address, requested, stream);
 
-        let stream_uses = std::mem::take(&mut self.block_mut(id).stream_uses);
-        if stream_uses.is_empty() {
+        if self.block(id).stream_uses.is_empty() {
             self.free_block(id);
             return Ok(());
         }
-        for used_stream in stream_uses {
-            let event = self.storage.record_event(used_stream)?;
-            self.block_mut(id).event_count += 1;
-            self.pending
-                .entry(used_stream)
-                .or_default()
-                .push_back((event, id));
+        self.deferred.push(id);
+        self.insert_deferred_events()
+    }
+
+    /// Records, for each deferred block, an event on every other stream that used it, and
+    /// queues its free behind them. Not while routing: the blocks stay deferred. A block whose
+    /// event cannot be recorded stays deferred with the streams not recorded yet.
+    pub(super) fn insert_deferred_events(&mut self) -> Result<(), AllocError> {
+        if self.routing.is_some() {
+            return Ok(());
+        }
+        while let Some(&id) = self.deferred.last() {
+            while let Some(&used_stream) = self.block(id).stream_uses.last() {
+                let event = self.storage.record_event(used_stream)?;
+                let b = self.block_mut(id);
+                b.stream_uses.pop();
+                b.event_count += 1;
+                self.pending
+                    .entry(used_stream)
+                    .or_default()
+                    .push_back((event, id));
+            }
+            self.deferred.pop();
         }
         Ok(())
     }

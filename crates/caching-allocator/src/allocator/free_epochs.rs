@@ -13,14 +13,16 @@
 //!
 //! Marks are only kept when free pages can be reclaimed (`reclaim_free_pages` with expandable
 //! segments): PyTorch's policies record nothing more than PyTorch does. At most [`MAX_MARKS`]
-//! are outstanding; while that many have not passed, the open epoch grows instead.
+//! are outstanding; while that many have not passed, the open epoch grows instead. No mark is
+//! recorded while requests are routed to a private pool (a capture may be under way), and a
+//! private pool's virtual stream is marked through the stream routed to it.
 //!
 //! It sits on the parent module's state and on the storage's events. It must not know how
 //! reclaims choose their pages.
 
 use smallvec::SmallVec;
 
-use super::State;
+use super::{is_reserved, State};
 use crate::storage::{EventId, Storage, StreamId};
 
 /// Frees per epoch: one event per stream every this many frees (a ViT-L/16 or GPT-2 step frees
@@ -79,7 +81,7 @@ impl<S: Storage> State<S> {
             return;
         }
         self.epochs.frees += 1;
-        if self.epochs.frees < FREES_PER_MARK {
+        if self.epochs.frees < FREES_PER_MARK || self.routing.is_some() {
             return;
         }
         self.note_passed_marks();
@@ -89,7 +91,16 @@ impl<S: Storage> State<S> {
         let mut streams: SmallVec<[StreamId; 2]> = SmallVec::new();
         for pool in &self.pools {
             for &stream in pool.streams.keys() {
-                if !streams.contains(&stream) {
+                // A private pool's blocks are used by the work of the stream routed to it: its
+                // captured kernels, which no reclaim races (a live pool's pages are never
+                // unmapped, and a pool is released once the device is done with it), and the
+                // stream's own work on blocks handed out there. So a free in the pool is a free
+                // on that stream, and the mark goes there. Merely skipping the virtual stream
+                // would be wrong: a stream whose every request was routed has no pool of its
+                // own, so nothing else would mark it. The storage does not know a virtual
+                // stream; one never routed holds no block.
+                let stream = self.device_stream(stream);
+                if !is_reserved(stream) && !streams.contains(&stream) {
                     streams.push(stream);
                 }
             }

@@ -1,15 +1,18 @@
-//! Introspection: statistics, fragmentation figures, the memory summary, snapshots, history
-//! settings and the invariant check.
+//! Introspection: statistics, a private pool's usage, fragmentation figures, the memory summary,
+//! snapshots, history settings and the invariant check.
 //!
 //! Everything here reads the state; only the peak and counter resets, history settings and
 //! context labels change it, and none of them touches a block. The snapshot walks each segment
-//! and reports its mapped runs as PyTorch does; the invariant check recomputes every statistic
-//! from the blocks and compares it with the one kept.
+//! and reports its mapped runs as PyTorch does, a private pool's with its `segment_pool_id`; the
+//! invariant check recomputes every statistic from the blocks and compares it with the one kept.
 //!
 //! It sits on the parent module's state and on the report and snapshot models of the crate. It
 //! must not change the blocks, pools or storage, so looking never changes what the policy does.
 
-use super::{pool_index, round_up, CachingAllocator, ContextGuard, SegmentKind, State, NIL};
+use super::{
+    pool_index, round_up, CachingAllocator, ContextGuard, PrivatePoolId, PrivatePoolUsage,
+    SegmentKind, State, NIL,
+};
 use crate::free_index::BlockId;
 use crate::history::HistoryOptions;
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot, Value};
@@ -57,6 +60,13 @@ impl<S: Storage> CachingAllocator<S> {
         self.state.lock().stats.reset_accumulated();
     }
 
+    /// The memory of private pool `pool`; `None` for a pool this allocator does not know: never
+    /// created here, or released and forgotten (`release_private_pool` and `empty_cache` forget
+    /// a released pool that holds no memory). Costs a pass over all blocks.
+    pub fn private_pool_usage(&self, pool: PrivatePoolId) -> Option<PrivatePoolUsage> {
+        self.state.lock().private_pool_usage(pool)
+    }
+
     /// Figures PyTorch lacks: largest free block per pool, stranded free bytes, internal waste.
     pub fn fragmentation_stats(&self) -> FragmentationStats {
         self.state.lock().fragmentation_stats()
@@ -93,13 +103,40 @@ impl<S: Storage> CachingAllocator<S> {
     }
 
     /// Recomputes every statistic from the blocks and checks the block structure (links,
-    /// contiguity, pool membership). For tests and debugging; costs a pass over all blocks.
+    /// contiguity, pool membership, private pools, deferred frees). For tests and debugging;
+    /// costs a pass over all blocks.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.state.lock().check_invariants()
     }
 }
 
 impl<S: Storage> State<S> {
+    fn private_pool_usage(&self, pool: PrivatePoolId) -> Option<PrivatePoolUsage> {
+        let mut usage = PrivatePoolUsage {
+            live: self.private_pools.get(&pool)?.live,
+            ..PrivatePoolUsage::default()
+        };
+        let stream = pool.stream();
+        for b in self
+            .blocks
+            .iter()
+            .filter(|b| b.size > 0 && b.stream == stream)
+        {
+            if !b.mapped {
+                continue;
+            }
+            usage.reserved_bytes += b.size;
+            if b.allocated {
+                usage.allocated_bytes += b.size;
+            }
+            // A segment, or a mapped run of an expandable one, starts here.
+            if b.prev == NIL || !self.block(b.prev).mapped {
+                usage.segments += 1;
+            }
+        }
+        Some(usage)
+    }
+
     fn fragmentation_stats(&self) -> FragmentationStats {
         let mut figures = FragmentationStats::default();
         for b in self.blocks.iter().filter(|b| b.size > 0) {
@@ -107,7 +144,7 @@ impl<S: Storage> State<S> {
                 figures.internal_waste_bytes += b.size - b.requested;
                 continue;
             }
-            if !b.mapped || b.event_count > 0 {
+            if !b.mapped || !b.is_available() {
                 continue;
             }
             figures.cached_free_bytes += b.size;
@@ -167,9 +204,10 @@ impl<S: Storage> State<S> {
                     allocated_size: 0,
                     active_size: 0,
                     requested_size: 0,
-                    stream: b.stream.0,
+                    stream: self.device_stream(b.stream).0,
                     segment_type: b.pool,
-                    segment_pool_id: (0, 0),
+                    segment_pool_id: PrivatePoolId::from_stream(b.stream)
+                        .map_or((0, 0), |pool| (pool.0 as i64, 0)),
                     is_expandable: b.segment != SegmentKind::Classic,
                     frames: empty.clone(),
                     blocks: Vec::new(),
@@ -215,6 +253,7 @@ impl<S: Storage> State<S> {
         let mut n_free = [0usize; 2];
         let mut n_unmapped = [0usize; 2];
         let mut n_live = 0;
+        let mut n_deferred = 0;
         let mut seen = vec![false; self.blocks.len()];
         for head in self.segment_heads() {
             let mut cursor = head;
@@ -261,9 +300,19 @@ impl<S: Storage> State<S> {
                         "block {cursor} unmapped-set membership is {in_unmapped}"
                     ));
                 }
-                if !b.mapped && (b.allocated || b.event_count > 0) {
+                if !b.mapped && !b.is_available() {
                     return Err(format!("unmapped block {cursor} is in use"));
                 }
+                if PrivatePoolId::from_stream(b.stream)
+                    .is_some_and(|pool| !self.private_pools.contains_key(&pool))
+                {
+                    return Err(format!("block {cursor} is of an unknown private pool"));
+                }
+                let deferred = !b.allocated && !b.stream_uses.is_empty();
+                if deferred != self.deferred.contains(&cursor) {
+                    return Err(format!("block {cursor} deferred-list membership is wrong"));
+                }
+                n_deferred += usize::from(deferred);
                 if b.mapped {
                     segment_bytes += b.size;
                     if !in_mapped_run && !classic {
@@ -286,7 +335,7 @@ impl<S: Storage> State<S> {
                         expected.oversize_allocations.update(1);
                     }
                 }
-                if b.allocated || b.event_count > 0 {
+                if !b.is_available() {
                     expected.active.update(pool, 1);
                     expected.active_bytes.update(pool, b.size as i64);
                     expected.requested_bytes.update(pool, b.requested as i64);
@@ -314,6 +363,17 @@ impl<S: Storage> State<S> {
                 .sum();
             if held_free != n_free[p] || held_unmapped != n_unmapped[p] {
                 return Err(format!("pool {p} holds blocks outside any segment"));
+            }
+        }
+        if self.deferred.len() != n_deferred {
+            return Err(format!(
+                "{} deferred entries for {n_deferred} blocks",
+                self.deferred.len()
+            ));
+        }
+        if let Some((_, pool)) = self.routing {
+            if !self.private_pools.get(&pool).is_some_and(|p| p.live) {
+                return Err(format!("routed to private pool {pool}, which is not live"));
             }
         }
         if self.live.len() != n_live {

@@ -11,15 +11,22 @@
 //! (`reclaim_free_pages`; how the ceiling settles, and a pool gets back the pages it lent to the
 //! other one: `reclaim_settles`).
 //!
-//! It sits on the arena and pools of the parent module and calls the steps of `stream_events`
-//! (completing pending frees), `release` (the ladder's release steps) and `expandable` (mapping
-//! pages). It must not know how those steps free or map memory, nor how a storage obtains it.
+//! While requests are routed to a private pool, the routed stream's requests are served from the
+//! pool's blocks (its virtual stream), and since a stream capture may be under way nothing
+//! waits for the device: no pending free is completed or deferred event recorded, and the
+//! ladder takes no release step and reclaims no page. A request that neither a free block nor
+//! new memory serves fails at once.
+//!
+//! It sits on the arena and pools of the parent module and calls the steps of `free` (recording
+//! deferred events), `stream_events` (completing pending frees), `release` (the ladder's release
+//! steps) and `expandable` (mapping pages). It must not know how those steps free or map memory,
+//! nor how a storage obtains it.
 
 use smallvec::SmallVec;
 
 use super::{
-    pool_index, round_up, Allocation, Block, CachingAllocator, SegmentKind, State, NIL,
-    SMALL_BUFFER,
+    device_stream_only, pool_index, round_up, Allocation, Block, CachingAllocator, SegmentKind,
+    State, NIL, SMALL_BUFFER,
 };
 use crate::error::{AllocError, OutOfMemoryReport};
 use crate::free_index::{BlockId, FreeIndex};
@@ -46,9 +53,12 @@ const RECLAIM_MIN_RAISE_PAGES: u64 = 2;
 
 impl<S: Storage> CachingAllocator<S> {
     /// Allocates `size` bytes for use on `stream`. A request of 0 bytes gets a 512-byte block.
+    /// While `stream` is routed to a private pool
+    /// ([`CachingAllocator::begin_allocate_to_pool`]), the block comes from the pool.
     ///
-    /// On failure the cache is freed and the allocation retried; only then is
-    /// [`AllocError::OutOfMemory`] returned, with the figures of the failure.
+    /// On failure the cache is freed and the allocation retried (not while a routing is in
+    /// force); only then is [`AllocError::OutOfMemory`] returned, with the figures of the
+    /// failure. A private pool's virtual stream is refused with [`AllocError::PrivatePool`].
     pub fn allocate(&self, size: u64, stream: StreamId) -> Result<Allocation, AllocError> {
         let mut state = self.state.lock();
         let id = state.malloc(size, stream)?;
@@ -80,10 +90,18 @@ impl<S: Storage> State<S> {
     }
 
     fn malloc(&mut self, requested: u64, stream: StreamId) -> Result<BlockId, AllocError> {
+        device_stream_only(stream)?;
         if requested >= ONE_EXABYTE {
             return Err(self.out_of_memory(requested, requested));
         }
-        self.process_events()?;
+        // While routing, a capture may be under way: no event is recorded, queried or waited
+        // for, and nothing is freed (PyTorch skips the same steps during a capture).
+        let capturing = self.routing.is_some();
+        if !capturing {
+            self.insert_deferred_events()?;
+            self.process_events()?;
+        }
+        let stream = self.cache_stream(stream);
         let size = self.round_size(requested);
         let pool = if size <= SMALL_SIZE {
             PoolKind::Small
@@ -94,16 +112,19 @@ impl<S: Storage> State<S> {
 
         let mut found = self.get_free_block(pool, stream, size);
         if found.is_none() {
-            self.garbage_collect()?;
+            if !capturing {
+                self.garbage_collect()?;
+            }
             found = self.alloc_block(pool, stream, size, alloc_size)?;
         }
         if found.is_none()
+            && !capturing
             && self.config.max_split_size.is_some()
             && self.release_available_cached_blocks(pool, stream, size)?
         {
             found = self.alloc_block(pool, stream, size, alloc_size)?;
         }
-        if found.is_none() {
+        if found.is_none() && !capturing {
             self.release_cached_blocks()?;
             self.stats.num_alloc_retries += 1;
             // Completing pending frees may have put a fitting block back in the pool: look
@@ -238,7 +259,8 @@ impl<S: Storage> State<S> {
     /// with the pages it lacks mapped. With `reclaim_free_pages`, when mapping them would raise
     /// reserved memory above the reclaim ceiling, the device is waited for (completing pending
     /// frees too) and whole free pages elsewhere are unmapped first, as many as the excess; the
-    /// run is then chosen again, since a hole may now hold the request lower down.
+    /// run is then chosen again, since a hole may now hold the request lower down. Not while
+    /// routing (a capture may be under way): the pages are mapped.
     ///
     /// With `reclaim_settles`, each reclaim also raises the ceiling by half its excess (at least
     /// [`RECLAIM_MIN_RAISE_PAGES`] pages): a loop whose steps keep moving pages between the same
@@ -261,6 +283,7 @@ impl<S: Storage> State<S> {
             self.take_back_lent_pages(pool, &run, size);
         }
         if self.config.reclaim_free_pages
+            && self.routing.is_none()
             && self.raises_reclaim_ceiling(&run, size)
             && self.reclaimable_bytes(&run) > 0
         {

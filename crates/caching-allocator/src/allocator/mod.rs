@@ -18,27 +18,40 @@
 //! is searched again, so an allocation never fails while a fitting block sits in the cache
 //! (pytorch/pytorch issue 189504).
 //!
+//! Private pools are PyTorch's graph pools, for CUDA graph capture: while a stream is routed to
+//! one ([`CachingAllocator::begin_allocate_to_pool`]), its requests are served from blocks
+//! cached under the pool's virtual stream ([`PrivatePoolId::stream`], in a range from
+//! [`PRIVATE_POOL_STREAM_BASE`] up), which only later requests routed to the pool reuse, and
+//! nothing is done that a stream capture forbids (no event recorded, queried or waited for, no
+//! wait for the device, nothing freed or unmapped; new segments and pages are fine). While the
+//! pool is live, no release step (`empty_cache`, the ladder, garbage collection, reclaims) frees
+//! or unmaps its memory; once released, its free memory goes back at once, and what is freed
+//! later is ordinary cached memory. The statistics count its bytes as any others.
+//!
 //! Everything lives in one [`parking_lot::Mutex`]: blocks in an arena indexed by [`BlockId`],
 //! free blocks in ordered sets per pool. This module holds the public types, the state behind
 //! the lock, the arena and its pools, and what every step shares (history records, the memory
-//! fraction, the oversize test). The steps are its submodules, one concept each: `malloc`
-//! (rounding, the search, new segments, when to reclaim pages, splitting, the out-of-memory
-//! ladder), `free` (freeing
-//! and merging), `stream_events` (`record_stream` and the frees that wait for events),
-//! `release` (`empty_cache`, the ladder's release steps, garbage collection, which free pages to
-//! reclaim), `expandable` (the run of blocks a request takes, mapping and unmapping the pages
-//! of expandable segments), `free_epochs` (which free pages the device is done with: `free`
-//! counts into it, reclaims read it, waits for the device reset it) and `introspection`
-//! (statistics, summaries, snapshots, history settings and the invariant check). A submodule
-//! uses the types here and calls only the steps its own header names; apart from
-//! `free_epochs`, which the others call, no two submodules call each other. This
-//! module knows nothing about tensors and nothing about how a storage obtains memory.
+//! fraction, the oversize test, which stream a private pool's blocks are cached under and used
+//! on). The steps are its submodules, one concept each: `malloc` (rounding, the search, new
+//! segments, when to reclaim pages, splitting, the out-of-memory ladder), `free` (freeing and
+//! merging, recording the events of frees that wait for other streams), `stream_events`
+//! (`record_stream` and completing the frees that wait for events), `release` (`empty_cache`,
+//! the ladder's release steps, garbage collection, which free pages to reclaim, a released
+//! private pool's memory), `expandable` (the run of blocks a request takes, mapping and
+//! unmapping the pages of expandable segments), `free_epochs` (which free pages the device is
+//! done with: `free` counts into it, reclaims read it, waits for the device reset it),
+//! `private_pools` (creating pools, routing requests to them, releasing them) and
+//! `introspection` (statistics, a pool's usage, summaries, snapshots, history settings and the
+//! invariant check). A submodule uses the types here and calls only the steps its own header
+//! names; apart from `free_epochs`, which the others call, no two submodules call each other.
+//! This module knows nothing about tensors and nothing about how a storage obtains memory.
 
 mod expandable;
 mod free;
 mod free_epochs;
 mod introspection;
 mod malloc;
+mod private_pools;
 mod release;
 mod stream_events;
 
@@ -50,6 +63,7 @@ use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
 use crate::config::AllocatorConfig;
+use crate::error::{AllocError, PrivatePoolMisuse};
 use crate::free_index::{BlockId, FreeIndex};
 use crate::history::{ContextStack, History};
 use crate::snapshot::{BlockState, Frames, TraceAction, TraceEntry};
@@ -62,6 +76,92 @@ const SMALL_BUFFER: u64 = 2 << 20;
 
 /// "No block" in the prev/next links.
 const NIL: BlockId = u32::MAX;
+
+/// Stream ids from here (2^62) to 2^63 (excluded) are the virtual streams of private pools
+/// ([`PrivatePoolId::stream`]): pool `n` caches its blocks under `StreamId(2^62 + n)`. Storages
+/// never hand these ids out (CUDA storages number their streams from 0, pinned host memory
+/// uses `u64::MAX`), and [`CachingAllocator::allocate`] and
+/// [`CachingAllocator::record_stream`] refuse them.
+pub const PRIVATE_POOL_STREAM_BASE: u64 = 1 << 62;
+
+/// A private pool ([`CachingAllocator::create_private_pool`]): the memory of a captured CUDA
+/// graph, PyTorch's graph pool. Ids are unique in the process and start at 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PrivatePoolId(u64);
+
+impl PrivatePoolId {
+    fn next() -> PrivatePoolId {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        PrivatePoolId(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// The pool's number: snapshots give its segments `segment_pool_id` `(id, 0)`.
+    pub fn id(self) -> u64 {
+        self.0
+    }
+
+    /// The virtual stream its blocks are cached under, `StreamId(PRIVATE_POOL_STREAM_BASE +
+    /// id)`: a block of the pool is reused only by requests routed to the pool. No storage knows
+    /// this stream; snapshots, histories and [`CachingAllocator::allocation_stream`] name the
+    /// stream routed to the pool instead.
+    pub fn stream(self) -> StreamId {
+        StreamId(PRIVATE_POOL_STREAM_BASE + self.0)
+    }
+
+    /// The pool whose virtual stream `stream` is, if it is one.
+    fn from_stream(stream: StreamId) -> Option<PrivatePoolId> {
+        is_reserved(stream)
+            .then(|| PrivatePoolId(stream.0 - PRIVATE_POOL_STREAM_BASE))
+            .filter(|pool| pool.0 > 0)
+    }
+}
+
+impl std::fmt::Display for PrivatePoolId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// The memory of one private pool ([`CachingAllocator::private_pool_usage`]). The allocator's
+/// [`MemoryStats`] count the same bytes too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrivatePoolUsage {
+    /// Whether the pool is live (created and not released): nothing of it is freed or unmapped.
+    pub live: bool,
+    /// Bytes of its segments and mapped pages.
+    pub reserved_bytes: u64,
+    /// Bytes of its allocated blocks (rounded sizes).
+    pub allocated_bytes: u64,
+    /// Its segments; a contiguous mapped range of an expandable segment counts as one, as in
+    /// [`MemoryStats::segment`].
+    pub segments: u64,
+}
+
+/// What the allocator keeps of a private pool.
+#[derive(Debug)]
+struct PrivatePool {
+    /// Created and not released: no release step frees or unmaps its memory.
+    live: bool,
+    /// The stream whose requests were routed to it (set by the first routing): the stream its
+    /// blocks are used on.
+    stream: Option<StreamId>,
+}
+
+/// Whether `stream` is in the range reserved for private pools' virtual streams.
+fn is_reserved(stream: StreamId) -> bool {
+    (PRIVATE_POOL_STREAM_BASE..2 * PRIVATE_POOL_STREAM_BASE).contains(&stream.0)
+}
+
+/// Refuses a private pool's virtual stream where a device stream is expected.
+fn device_stream_only(stream: StreamId) -> Result<(), AllocError> {
+    if !is_reserved(stream) {
+        return Ok(());
+    }
+    Err(AllocError::PrivatePool {
+        pool: PrivatePoolId(stream.0 - PRIVATE_POOL_STREAM_BASE),
+        misuse: PrivatePoolMisuse::VirtualStream,
+    })
+}
 
 /// Adjacent available blocks of one expandable segment that a request will take once their
 /// unmapped pages are mapped.
@@ -191,6 +291,9 @@ impl<S: Storage> CachingAllocator<S> {
             reclaim_allowance: 0,
             reclaim_lent: [0, 0],
             epochs: FreeEpochs::new(),
+            private_pools: FxHashMap::default(),
+            routing: None,
+            deferred: Vec::new(),
             history: History::default(),
             context: ContextStack::default(),
         };
@@ -298,7 +401,7 @@ impl Block {
     fn state(&self) -> BlockState {
         if self.allocated {
             BlockState::ActiveAllocated
-        } else if self.event_count > 0 {
+        } else if !self.is_available() {
             BlockState::ActivePendingFree
         } else {
             BlockState::Inactive
@@ -375,6 +478,15 @@ struct State<S> {
     reclaim_lent: [u64; 2],
     /// With `reclaim_free_pages`: the epochs of frees, and which the device is done with.
     epochs: FreeEpochs,
+    /// Private pools by id: the live ones, and released ones that still hold blocks.
+    private_pools: FxHashMap<PrivatePoolId, PrivatePool>,
+    /// The routing in force ([`CachingAllocator::begin_allocate_to_pool`]): requests on this
+    /// stream are served from this pool, and nothing touches the device in ways a stream
+    /// capture forbids.
+    routing: Option<(StreamId, PrivatePoolId)>,
+    /// Freed blocks that other streams used, whose events are not recorded yet (they are not
+    /// recorded while routing): unavailable until their events are recorded and pass.
+    deferred: Vec<BlockId>,
     history: History,
     context: ContextStack,
 }
@@ -463,12 +575,41 @@ impl<S: Storage> State<S> {
         self.pool_mut(pool).stream(stream).unmapped.remove(&address);
     }
 
+    // ----- private pools -----
+
+    /// The stream whose cached blocks serve a request on `stream`: the routed pool's virtual
+    /// stream while `stream` is routed to it, `stream` otherwise.
+    fn cache_stream(&self, stream: StreamId) -> StreamId {
+        match self.routing {
+            Some((routed, pool)) if routed == stream => pool.stream(),
+            _ => stream,
+        }
+    }
+
+    /// The device stream behind cache stream `stream`: for a private pool's virtual stream, the
+    /// stream routed to the pool (the virtual stream itself if it was never routed).
+    fn device_stream(&self, stream: StreamId) -> StreamId {
+        PrivatePoolId::from_stream(stream)
+            .and_then(|pool| self.private_pools.get(&pool))
+            .and_then(|pool| pool.stream)
+            .unwrap_or(stream)
+    }
+
+    /// Whether `stream` is the virtual stream of a live private pool, whose memory no release
+    /// step frees or unmaps.
+    fn in_live_pool(&self, stream: StreamId) -> bool {
+        PrivatePoolId::from_stream(stream)
+            .and_then(|pool| self.private_pools.get(&pool))
+            .is_some_and(|pool| pool.live)
+    }
+
     // ----- history -----
 
     fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
         if !self.history.is_recording() {
             return;
         }
+        let stream = self.device_stream(stream);
         let with_context = self.history.options.is_some_and(|o| o.record_context);
         let frames = if with_context {
             self.context.frames()

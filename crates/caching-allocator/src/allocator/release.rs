@@ -1,5 +1,5 @@
-//! Releasing cached memory: `empty_cache`, the release steps of the out-of-memory ladder, and
-//! garbage collection.
+//! Releasing cached memory: `empty_cache`, the release steps of the out-of-memory ladder,
+//! garbage collection, and a released private pool's free memory.
 //!
 //! `empty_cache` (and the last step of the ladder) waits for every pending free, frees each
 //! classic segment with no live block and unmaps the free pages of expandable segments. With
@@ -8,14 +8,20 @@
 //! memory passes its threshold of the allowed memory, as PyTorch does. Reclaiming
 //! (`reclaim_free_pages`, Headroom's) unmaps the whole free pages of expandable segments, the
 //! largest runs first, until a given number of bytes is released; with `reclaim_settles` it
-//! counts the pages it takes from the other pool than the request's as lent by that pool.
+//! counts the pages it takes from the other pool than the request's as lent by that pool. None of
+//! these steps frees or unmaps memory of a live private pool; `empty_cache` is refused while
+//! requests are routed to one (a capture may be under way), when `malloc` skips the ladder's steps.
+//! A released pool's free memory is returned at once, and its record forgotten once it holds no
+//! block.
 //!
-//! It sits on the parent module's state, on `stream_events` (waiting for pending frees) and on
-//! `expandable` (unmapping pages, giving back address space). It must not know how blocks are
-//! found or split for a request.
+//! It sits on the parent module's state, on `stream_events` (waiting for pending frees), on
+//! `free` (recording deferred events) and on `expandable` (unmapping pages, giving back address
+//! space). It must not know how blocks are found or split for a request.
 
-use super::{pool_index, CachingAllocator, SegmentKind, State};
-use crate::error::AllocError;
+use rustc_hash::FxHashSet;
+
+use super::{pool_index, CachingAllocator, PrivatePoolId, SegmentKind, State};
+use crate::error::{AllocError, PrivatePoolMisuse};
 use crate::free_index::BlockId;
 use crate::snapshot::TraceAction;
 use crate::stats::PoolKind;
@@ -24,26 +30,83 @@ use crate::storage::{Storage, StreamId};
 impl<S: Storage> CachingAllocator<S> {
     /// Returns all unused cached memory to the storage (`torch.cuda.empty_cache`): waits for
     /// pending frees, frees every segment with no live block and unmaps every free page of
-    /// expandable segments.
+    /// expandable segments, except the memory of live private pools. While requests are routed
+    /// to a private pool (a capture may be under way) it is refused with
+    /// [`AllocError::PrivatePool`].
     pub fn empty_cache(&self) -> Result<(), AllocError> {
-        self.state.lock().release_cached_blocks()
+        let mut state = self.state.lock();
+        if let Some((_, pool)) = state.routing {
+            return Err(AllocError::PrivatePool {
+                pool,
+                misuse: PrivatePoolMisuse::BeingRouted,
+            });
+        }
+        state.release_cached_blocks()
     }
 }
 
 impl<S: Storage> State<S> {
+    /// `empty_cache`; never called while routing.
     pub(super) fn release_cached_blocks(&mut self) -> Result<(), AllocError> {
+        self.insert_deferred_events()?;
         self.synchronize_and_free_events()?;
         for pool in [PoolKind::Large, PoolKind::Small] {
-            self.release_pool(pool)?;
+            let free: Vec<BlockId> = self.pools[pool_index(pool)]
+                .free_blocks()
+                .map(|(_, id)| id)
+                .filter(|&id| !self.in_live_pool(self.block(id).stream))
+                .collect();
+            self.release_free_blocks(free)?;
         }
+        self.release_empty_expandable_segments()?;
+        self.forget_empty_dead_pools();
         Ok(())
     }
 
-    fn release_pool(&mut self, pool: PoolKind) -> Result<(), AllocError> {
-        let free: Vec<BlockId> = self.pools[pool_index(pool)]
-            .free_blocks()
-            .map(|(_, id)| id)
+    /// Returns the free memory of released private pool `pool` to the storage; never called
+    /// while routing.
+    pub(super) fn release_dead_pool(&mut self, pool: PrivatePoolId) -> Result<(), AllocError> {
+        let stream = pool.stream();
+        let free: Vec<BlockId> = self
+            .pools
+            .iter()
+            .filter_map(|kind| kind.streams.get(&stream))
+            .flat_map(|stream_pool| stream_pool.free.iter().map(|(_, _, id)| id))
             .collect();
+        self.release_free_blocks(free)?;
+        self.release_empty_expandable_segments()?;
+        self.forget_empty_dead_pools();
+        Ok(())
+    }
+
+    /// Forgets the released private pools that hold no block any more, with their empty caches.
+    fn forget_empty_dead_pools(&mut self) {
+        if self.private_pools.values().all(|pool| pool.live) {
+            return;
+        }
+        let holding: FxHashSet<StreamId> = self
+            .blocks
+            .iter()
+            .filter(|b| b.size > 0 && PrivatePoolId::from_stream(b.stream).is_some())
+            .map(|b| b.stream)
+            .collect();
+        let empty: Vec<PrivatePoolId> = self
+            .private_pools
+            .iter()
+            .filter(|(id, pool)| !pool.live && !holding.contains(&id.stream()))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in empty {
+            self.private_pools.remove(&id);
+            for kind in &mut self.pools {
+                kind.streams.remove(&id.stream());
+            }
+        }
+    }
+
+    /// Frees the classic segments of the unsplit blocks among `free` (free blocks) and unmaps
+    /// the whole pages of those of expandable segments, after waiting for the device.
+    fn release_free_blocks(&mut self, free: Vec<BlockId>) -> Result<(), AllocError> {
         let mut synchronized = false;
         for id in free {
             match self.block(id).segment {
@@ -63,7 +126,7 @@ impl<S: Storage> State<S> {
                 }
             }
         }
-        self.release_empty_expandable_segments()
+        Ok(())
     }
 
     fn release_block(&mut self, id: BlockId) -> Result<(), AllocError> {
@@ -123,7 +186,8 @@ impl<S: Storage> State<S> {
     }
 
     /// Bytes of whole pages in the available blocks of expandable segments (any pool, any
-    /// stream) outside `keep`: what [`State::reclaim_free_pages`] could release.
+    /// stream, no live private pool) outside `keep`: what [`State::reclaim_free_pages`] could
+    /// release.
     pub(super) fn reclaimable_bytes(&self, keep: &[BlockId]) -> u64 {
         self.reclaim_candidates(keep)
             .iter()
@@ -132,9 +196,9 @@ impl<S: Storage> State<S> {
     }
 
     /// The blocks whose whole pages a reclaim of `bytes` unmaps, as (whole-page bytes, block,
-    /// segment): available blocks of expandable segments (any pool, any stream) outside `keep`,
-    /// those with the most pages first (by address among equals, so that the choice is
-    /// deterministic), until their pages cover `bytes`.
+    /// segment): available blocks of expandable segments (any pool, any stream, no live private
+    /// pool) outside `keep`, those with the most pages first (by address among equals, so that
+    /// the choice is deterministic), until their pages cover `bytes`.
     pub(super) fn reclaim_selection(
         &self,
         bytes: u64,
@@ -186,11 +250,14 @@ impl<S: Storage> State<S> {
     }
 
     /// (whole-page bytes, block, segment) of every available block of an expandable segment
-    /// outside `keep` that holds a whole page.
+    /// outside `keep` and outside live private pools that holds a whole page.
     fn reclaim_candidates(&self, keep: &[BlockId]) -> Vec<(u64, BlockId, u32)> {
         let mut candidates = Vec::new();
         for pool in &self.pools {
-            for stream_pool in pool.streams.values() {
+            for (&stream, stream_pool) in &pool.streams {
+                if self.in_live_pool(stream) {
+                    continue;
+                }
                 for (_, _, id) in stream_pool.free.iter() {
                     if keep.contains(&id) || !self.block(id).is_available() {
                         continue;
@@ -228,7 +295,7 @@ impl<S: Storage> State<S> {
             .map(|(_, id)| id)
             .filter(|&id| {
                 let b = self.block(id);
-                !b.is_split() && b.segment == SegmentKind::Classic
+                !b.is_split() && b.segment == SegmentKind::Classic && !self.in_live_pool(b.stream)
             })
             .map(|id| (n_searches - self.block(id).gc_base, id))
             .collect();

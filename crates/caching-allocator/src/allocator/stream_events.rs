@@ -2,7 +2,8 @@
 //!
 //! A block used by streams other than its own is freed only once an event recorded on each of
 //! them has completed. The pending frees wait in one FIFO queue per stream; each allocation
-//! completes those whose events have passed, and the release steps wait for all of them.
+//! completes those whose events have passed (none is queried while requests are routed to a
+//! private pool), and the release steps wait for all of them.
 //!
 //! It sits on the parent module's state, on the storage's events and on `free`, which returns a
 //! block to its pool once its last event has completed. It must not know how blocks are found,
@@ -10,13 +11,14 @@
 
 use std::collections::VecDeque;
 
-use super::{Allocation, CachingAllocator, State};
+use super::{device_stream_only, Allocation, CachingAllocator, State};
 use crate::error::AllocError;
 use crate::free_index::BlockId;
 use crate::storage::{EventId, Storage, StreamId};
 
 impl<S: Storage> CachingAllocator<S> {
-    /// Marks `allocation` as used by `stream` as well as its own (`Tensor.record_stream`).
+    /// Marks `allocation` as used by `stream` as well as its own (`Tensor.record_stream`). A
+    /// private pool's virtual stream is refused with [`AllocError::PrivatePool`].
     pub fn record_stream(
         &self,
         allocation: &Allocation,
@@ -38,22 +40,24 @@ impl<S: Storage> CachingAllocator<S> {
             .live
             .get(&address)
             .ok_or(AllocError::UnknownAddress { address })?;
+        device_stream_only(stream)?;
+        let own = state.device_stream(state.blocks[id as usize].stream);
         let block = &mut state.blocks[id as usize];
-        if stream != block.stream && !block.stream_uses.contains(&stream) {
+        if stream != own && !block.stream_uses.contains(&stream) {
             block.stream_uses.push(stream);
         }
         Ok(())
     }
 
     /// The stream the live allocation starting at `address` was allocated on (whose pool its
-    /// block returns to).
+    /// block returns to, unless it was routed to a private pool).
     pub fn allocation_stream(&self, address: u64) -> Result<StreamId, AllocError> {
         let state = self.state.lock();
         let id = *state
             .live
             .get(&address)
             .ok_or(AllocError::UnknownAddress { address })?;
-        Ok(state.blocks[id as usize].stream)
+        Ok(state.device_stream(state.blocks[id as usize].stream))
     }
 }
 
@@ -95,7 +99,7 @@ impl<S: Storage> State<S> {
         self.storage.release_event(event);
         let b = self.block_mut(id);
         b.event_count -= 1;
-        if b.event_count == 0 {
+        if b.event_count == 0 && b.stream_uses.is_empty() {
             self.free_block(id);
         }
     }

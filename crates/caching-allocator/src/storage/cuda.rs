@@ -9,8 +9,10 @@
 //! fewer driver calls; the handle bookkeeping is `super::handles`. Each handle is released right
 //! after it is mapped, so the mapping alone keeps the memory alive and unmapping frees it.
 //!
-//! Streams and events are real: `StreamId(0)` is the context's legacy default stream, other ids
-//! are streams made by [`CudaStorage::new_stream`] or lent by [`CudaStorage::register_stream`].
+//! Streams and events are real: `StreamId(0)` is the context's legacy default stream (or, with
+//! [`CudaStorageOptions::own_default_stream`], a blocking stream the storage creates, which CUDA
+//! graphs can capture), other ids are streams made by [`CudaStorage::new_stream`] or lent by
+//! [`CudaStorage::register_stream`].
 //! Events come from a pool created with `CU_EVENT_DISABLE_TIMING`.
 //!
 //! The driver library is loaded at run time. [`CudaStorage::new`] checks that it is there and
@@ -41,6 +43,11 @@ pub struct CudaStorageOptions {
     /// beyond it fail with [`StorageError::OutOfMemory`] without asking the driver, and
     /// [`Storage::memory_info`] reports it as the total. `None`: the card's real memory.
     pub memory_limit: Option<u64>,
+    /// `StreamId::DEFAULT` names a stream the storage creates with the default flags (it is
+    /// ordered with the context's legacy default stream, both ways, as the legacy stream is with
+    /// every blocking stream) instead of the legacy default stream itself. Work on it can be
+    /// captured into a CUDA graph, which the legacy stream's cannot. `false`: the legacy stream.
+    pub own_default_stream: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -102,6 +109,9 @@ impl CudaStorage {
         };
         // From here on, dropping `storage` releases the context on any error.
         storage.bind()?;
+        if storage.options.own_default_stream {
+            storage.streams.create_default()?;
+        }
         // SAFETY: `device` was returned by `cuDeviceGet`.
         storage.total_memory = unsafe { result::device::total_mem(device) }
             .map_err(|err| driver_error("cuDeviceTotalMem", err))?
@@ -179,8 +189,9 @@ impl CudaStorage {
         self.streams.lend(raw_stream.cast())
     }
 
-    /// The `CUstream` behind `stream` (null for [`StreamId::DEFAULT`]), for launching work on it;
-    /// `None` for an id the storage does not know.
+    /// The `CUstream` behind `stream` (null for [`StreamId::DEFAULT`] unless the storage owns it:
+    /// [`CudaStorageOptions::own_default_stream`]), for launching work on it; `None` for an id
+    /// the storage does not know.
     pub fn raw_stream(&self, stream: StreamId) -> Option<*mut c_void> {
         self.stream(stream).ok().map(|raw| raw.cast())
     }

@@ -115,11 +115,13 @@ struct StreamEntry {
     owned: bool,
 }
 
-/// The streams a storage knows by id. `StreamId::DEFAULT` is always the context's legacy
-/// default stream and is never in the table.
+/// The streams a storage knows by id. `StreamId::DEFAULT` is the context's legacy default
+/// stream, or the blocking stream of [`StreamTable::create_default`]; it is never in `entries`.
 #[derive(Debug)]
 pub(super) struct StreamTable {
     entries: HashMap<u64, StreamEntry>,
+    /// The stream behind `StreamId::DEFAULT` when it is not the legacy one.
+    default: Option<StreamEntry>,
     next: u64,
 }
 
@@ -127,12 +129,25 @@ impl Default for StreamTable {
     fn default() -> Self {
         StreamTable {
             entries: HashMap::new(),
+            default: None,
             next: 1,
         }
     }
 }
 
 impl StreamTable {
+    /// Creates a blocking stream (default flags: ordered with the legacy default stream) and
+    /// makes `StreamId::DEFAULT` name it; the context must be bound.
+    pub(super) fn create_default(&mut self) -> Result<(), StorageError> {
+        let raw = result::stream::create(result::stream::StreamKind::Default)
+            .map_err(|err| driver_error("cuStreamCreate", err))?;
+        self.default = Some(StreamEntry {
+            raw: RawStream(raw),
+            owned: true,
+        });
+        Ok(())
+    }
+
     /// Creates a non-blocking stream (`CU_STREAM_NON_BLOCKING`) under the next free id; the
     /// context must be bound.
     pub(super) fn create(&mut self) -> Result<StreamId, StorageError> {
@@ -176,10 +191,13 @@ impl StreamTable {
         Ok(())
     }
 
-    /// The `CUstream` behind `id` (null for the default stream).
+    /// The `CUstream` behind `id` (null for the legacy default stream).
     pub(super) fn get(&self, id: StreamId) -> Result<sys::CUstream, StorageError> {
         if id == StreamId::DEFAULT {
-            return Ok(result::stream::null());
+            return Ok(self
+                .default
+                .as_ref()
+                .map_or(result::stream::null(), |entry| entry.raw.0));
         }
         self.entries
             .get(&id.0)
@@ -192,7 +210,8 @@ impl StreamTable {
     /// Destroys the streams the table created and forgets every stream; the context must be
     /// bound and idle.
     pub(super) fn destroy_all(&mut self, tally: &mut ErrorTally) {
-        for (_, entry) in self.entries.drain() {
+        let entries = self.entries.drain().map(|(_, entry)| entry);
+        for entry in entries.chain(self.default.take()) {
             if entry.owned {
                 // SAFETY: the stream was created by `cuStreamCreate` and is destroyed once.
                 tally.note(

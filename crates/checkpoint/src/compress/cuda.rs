@@ -140,8 +140,8 @@ pub(super) fn dequantize(
 /// # Safety
 /// `x` must address `n` live elements of `dtype`, `codes` `n` writable bytes and `absmax`
 /// `n.div_ceil(block)` writable f32s, all on `backend`'s device and not overlapping, until the
-/// launch completes; whatever writes `x` must be ordered before the launch on `backend`'s stream
-/// (the legacy default stream), and whatever reads the outputs after it.
+/// launch completes; whatever writes `x` must be ordered before the launch on `backend`'s compute
+/// stream, and whatever reads the outputs after it.
 pub unsafe fn quantize_int8_device(
     backend: &Arc<CudaBackend>,
     dtype: DType,

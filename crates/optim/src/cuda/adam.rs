@@ -307,7 +307,7 @@ impl CudaFusedAdam {
 
     /// [`CudaFusedAdam::step`] over `params` given for this step alone, for a caller whose
     /// buffers move between steps (a framework's gradients, reallocated after `zero_grad`):
-    /// one launch on the backend's stream (the legacy default stream), nothing copied. The
+    /// one launch on the backend's compute stream, nothing copied. The
     /// buffers given at creation are kept for [`CudaFusedAdam::step`]; `params` are not.
     /// `scaling` holds the device addresses of a GradScaler's scale and found-inf flag (one
     /// f32 each), or `None` for each.

@@ -141,7 +141,7 @@ pub struct CudaAdam4bit {
 }
 
 impl CudaAdam4bit {
-    /// 4-bit Adam launching on `backend`'s stream (the legacy default stream).
+    /// 4-bit Adam launching on `backend`'s compute stream.
     pub fn new(backend: Arc<CudaBackend>) -> CudaAdam4bit {
         CudaAdam4bit {
             device: CudaDevice::new(backend, 0),

@@ -109,7 +109,7 @@ pub struct CudaSgd {
 }
 
 impl CudaSgd {
-    /// Fused SGD launching on `backend`'s stream (the legacy default stream).
+    /// Fused SGD launching on `backend`'s compute stream.
     pub fn new(backend: Arc<CudaBackend>) -> CudaSgd {
         CudaSgd {
             device: CudaDevice::new(backend, 0),
