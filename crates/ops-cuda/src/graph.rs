@@ -149,6 +149,18 @@ impl Drop for CudaGraph {
     }
 }
 
+/// The refusal of a step that queued nothing.
+const EMPTY: &str = "the step queued no work on the device";
+
+/// Whether `graph` has no node (an empty graph replays nothing; PyTorch warns of it).
+fn is_empty(graph: &cudarc::driver::CudaGraph) -> bool {
+    let mut nodes = 0usize;
+    // SAFETY: the graph is live (owned by `graph`); a null node array asks for the count only.
+    let counted =
+        unsafe { sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut nodes) };
+    counted.result().is_ok() && nodes == 0
+}
+
 impl CudaBackend {
     /// Captures the kernels `step` queues on the compute stream into a [`CudaGraph`], with every
     /// allocation of the compute stream in the meantime taken from a new private pool; returns
@@ -203,9 +215,10 @@ impl CudaBackend {
             (Ok((Ok(_), Err(error))), None) => fail(not_capturable(format!(
                 "the driver rejected the captured work: {error}"
             ))),
-            (Ok((Ok(_), Ok(None))), None) => fail(not_capturable(
-                "the step queued no work on the device".into(),
-            )),
+            (Ok((Ok(_), Ok(None))), None) => fail(not_capturable(EMPTY.into())),
+            (Ok((Ok(_), Ok(Some(graph)))), None) if is_empty(&graph) => {
+                fail(not_capturable(EMPTY.into()))
+            }
             (Ok((Ok(value), Ok(Some(graph)))), None) => Ok((
                 CudaGraph {
                     backend: Arc::clone(self),

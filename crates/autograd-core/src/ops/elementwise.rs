@@ -79,7 +79,12 @@ impl Tensor {
                     lhs: self.shape().to_vec(),
                     rhs: shape.to_vec(),
                 })?;
-        let mut dims: Vec<isize> = (0..lead as isize).collect();
+        // Leading dims of size 1 need no sum: the reshape below drops them (as PyTorch's
+        // `sum_to` does), where a sum would launch a reduction over one element a row.
+        let mut dims: Vec<isize> = (0..lead)
+            .filter(|&d| self.shape()[d] != 1)
+            .map(|d| d as isize)
+            .collect();
         for (i, &size) in shape.iter().enumerate() {
             if size == 1 && self.shape()[lead + i] != 1 {
                 dims.push((lead + i) as isize);
