@@ -1,7 +1,9 @@
 //! The tables of the crates' CUDA benches that print JSON lines, beside PyTorch's side of the
 //! same setting: ViT-L/16 SGD steps (`crates/ops-cuda/benches/vit_step.rs`, against
-//! `scripts/pytorch/bench_reference.py`'s `sgd` and `sgd_bf16_model`) and one Adam step on 1e9
-//! parameters (`crates/optim/benches/cuda_adam.rs`, against `scripts/pytorch/adam_step_1e9.py`).
+//! `scripts/pytorch/bench_reference.py`'s `sgd` and `sgd_bf16_model`), one Adam step on 1e9
+//! parameters (`crates/optim/benches/cuda_adam.rs`, against `scripts/pytorch/adam_step_1e9.py`)
+//! and batch-1 steps eager against replayed from a CUDA graph
+//! (`crates/ops-cuda/benches/graph_step.rs`, against `scripts/pytorch/graph_step_reference.py`).
 //!
 //! It knows the benches' settings and implementations by the names they print, and gives each
 //! its label in words; an implementation it has no label for is an error, so a renamed one
@@ -62,6 +64,64 @@ pub(super) fn vit_step(files: &[ResultFile]) -> Result<Vec<String>> {
     }
     if lines.len() == 2 {
         bail!("{}: no `vit_l16_sgd` line", files[0].path);
+    }
+    Ok(lines)
+}
+
+/// Batch-1 training steps eager and replayed from a CUDA graph, one row per model graph_step
+/// printed: both loops' median steps, their ratio, the host's time to enqueue a step, whether
+/// the parameters matched bit for bit after the run, and PyTorch's eager and graphed steps of the
+/// same case (`—` where its line is missing or reports an error).
+pub(super) fn graph_step(files: &[ResultFile]) -> Result<Vec<String>> {
+    let (ours, pytorch) = match files {
+        [ours, pytorch] => (json_lines(ours)?, json_lines(pytorch)?),
+        _ => bail!(
+            "reads graph_step's JSON lines and graph_step_reference.py's, given {} files",
+            files.len()
+        ),
+    };
+    let mut lines = table_head(
+        "| case | Headroom eager | Headroom graph | ratio | host ms (eager → graph) | bitwise | \
+         PyTorch eager | PyTorch graph | ratio |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|",
+    );
+    for line in &ours {
+        let case = text(line, "case")?;
+        let bitwise = match line["params_bitwise_equal"].as_bool() {
+            Some(true) => "equal",
+            Some(false) => "differ",
+            None => bail!("{}: `{case}` has no params_bitwise_equal", files[0].path),
+        };
+        let torch = pytorch
+            .iter()
+            .find(|t| t["case"] == case && t["graph_step_ms"].is_number());
+        let torch_cells = match torch {
+            Some(t) => [
+                format!("{:.1} ms", number(t, "eager_step_ms")?),
+                format!("{:.1} ms", number(t, "graph_step_ms")?),
+                format!("{:.3}", number(t, "ratio")?),
+            ],
+            None => ["—".to_owned(), "—".to_owned(), "—".to_owned()],
+        };
+        let [torch_eager, torch_graph, torch_ratio] = torch_cells;
+        lines.push(row(&[
+            format!("`{case}`"),
+            format!("{:.1} ms", number(line, "eager_step_ms")?),
+            format!("{:.1} ms", number(line, "graph_step_ms")?),
+            format!("{:.3}", number(line, "ratio")?),
+            format!(
+                "{:.1} → {:.1}",
+                number(line, "eager_host_ms")?,
+                number(line, "graph_host_ms")?
+            ),
+            bitwise.to_owned(),
+            torch_eager,
+            torch_graph,
+            torch_ratio,
+        ]));
+    }
+    if lines.len() == 2 {
+        bail!("{}: no graph_step line", files[0].path);
     }
     Ok(lines)
 }
@@ -240,6 +300,41 @@ mod tests {
                 "|---|---:|---:|---:|---:|",
                 "| fp32, batch 1 | 20.2 ms | 2.47 GB | 37.1 ms | 2.51 GB |",
                 "| bf16 model, batch 32 | 30.9 ms | 5.71 GB | — | — |",
+            ]
+        );
+    }
+
+    /// One row per model, PyTorch's line of the same case beside it; a PyTorch line that
+    /// reports an error leaves its cells empty.
+    #[test]
+    fn graph_steps_render_beside_pytorch_graphs() {
+        let ours = "{\"case\": \"vit_l16_b1_adamw\", \"eager_step_ms\": 22.04, \
+             \"eager_host_ms\": 10.41, \"graph_step_ms\": 20.21, \"graph_host_ms\": 0.11, \
+             \"ratio\": 0.9171, \"params_bitwise_equal\": true}\n\
+             {\"case\": \"gpt2_small_b1x1024_adamw\", \"eager_step_ms\": 36.2, \
+             \"eager_host_ms\": 6.75, \"graph_step_ms\": 35.06, \"graph_host_ms\": 0.34, \
+             \"ratio\": 0.9677, \"params_bitwise_equal\": false}\n";
+        let torch = "{\"case\": \"vit_l16_b1_adamw\", \"eager_step_ms\": 34.227, \
+             \"graph_step_ms\": 27.367, \"ratio\": 0.7996}\n\
+             {\"case\": \"gpt2_small_b1x1024_adamw\", \"error\": \"TypeError()\"}\n";
+        let table = rendered(
+            "graph-step",
+            &[
+                ("results/x/graph_step.jsonl", ours),
+                ("results/x/anchor_graph_step.jsonl", torch),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            table,
+            [
+                "| case | Headroom eager | Headroom graph | ratio | host ms (eager → graph) | \
+                 bitwise | PyTorch eager | PyTorch graph | ratio |",
+                "|---|---:|---:|---:|---:|---|---:|---:|---:|",
+                "| `vit_l16_b1_adamw` | 22.0 ms | 20.2 ms | 0.917 | 10.4 → 0.1 | equal | 34.2 ms \
+                 | 27.4 ms | 0.800 |",
+                "| `gpt2_small_b1x1024_adamw` | 36.2 ms | 35.1 ms | 0.968 | 6.8 → 0.3 | differ | — \
+                 | — | — |",
             ]
         );
     }

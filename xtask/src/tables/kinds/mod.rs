@@ -120,6 +120,12 @@ pub(super) const KINDS: &[Kind] = &[
         render: cuda_benches::vit_step,
     },
     Kind {
+        name: "graph-step",
+        reads: "the JSON lines of crates/ops-cuda/benches/graph_step.rs (graph_step.jsonl) and \
+                scripts/pytorch/graph_step_reference.py's (anchor_graph_step.jsonl)",
+        render: cuda_benches::graph_step,
+    },
+    Kind {
         name: "adam-step-1e9",
         reads: "the JSON lines of crates/optim/benches/cuda_adam.rs (gpu-measure.sh's \
                 cuda_adam.jsonl) and scripts/pytorch/adam_step_1e9.py's \
