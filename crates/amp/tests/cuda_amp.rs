@@ -3,7 +3,9 @@
 //! never waits for the device (the host returns while earlier work is still queued); and
 //! 300-step GPT-2-small-shaped runs on a learnable corpus (a fixed Markov chain): the f32 loss at
 //! least halves, bf16 autocast ends within 1% of f32, and bf16 with stochastic rounding and no
-//! master copy within 1% of O2 master weights. Each test needs a CUDA device: marked
+//! master copy within 1% of O2 master weights; and scaled steps whose forward, scaling and
+//! backward replay from a CUDA graph equal the eager steps bit for bit, an overflow step (and the
+//! scale's backoff it causes) included. Each test needs a CUDA device: marked
 //! `#[ignore = "needs a CUDA device"]`, it runs with `--include-ignored` (testkit's gate).
 
 use std::sync::Arc;
@@ -12,7 +14,7 @@ use std::time::Instant;
 use headroom_amp::{AmpPolicy, GradScaler, GradScalerConfig, MasterWeights};
 use headroom_autograd_core::{found_non_finite, BackendRef, DType, Generator, Tensor};
 use headroom_nn::{Gpt2Config, Gpt2LMHeadModel, Module};
-use headroom_ops_cuda::CudaBackend;
+use headroom_ops_cuda::{CudaBackend, GraphedStep, StepRun};
 use headroom_optim::{
     Adam, AdamConfig, AdamStochastic, AdamStochasticConfig, Implementation, Optimizer, ParamGroup,
     Sgd, SgdConfig,
@@ -403,5 +405,115 @@ fn gpt2_small_shaped_runs_agree_within_one_percent() {
         stochastic < 0.01,
         "stochastic rounding {:.3}% from O2",
         100.0 * stochastic
+    );
+}
+
+/// A GPT-2-shaped model trained with a GradScaler and fused Adam, eagerly or with its forward,
+/// scaling and backward replayed from a CUDA graph (the scaler's step and update outside it, on
+/// the device's scale and flag): the losses, skip flags, final scale and parameters are equal bit
+/// for bit. Step 6 overflows (its loss is multiplied by a device scalar set to infinity, an input
+/// of the graph like the token ids), so a replay runs with the scale the backoff lowered.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn scaled_steps_replayed_from_a_graph_equal_the_eager_steps_bitwise() {
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
+    let _device = exclusive_device();
+    const STEPS: usize = 12;
+    const OVERFLOW_AT: usize = 6;
+    let run = |graphed: bool| {
+        let backend: BackendRef = cuda.clone();
+        let generator = Arc::new(Generator::new(5));
+        let config = Gpt2Config {
+            n_layer: 2,
+            ..Gpt2Config::tiny().without_dropout()
+        };
+        let model = Gpt2LMHeadModel::new(&backend, config, DType::F32, &generator).unwrap();
+        let params = model.parameters();
+        let mut adam = Adam::new(
+            vec![ParamGroup::new(params.clone(), AdamConfig::adamw())],
+            Implementation::Fused,
+        )
+        .unwrap();
+        let mut scaler = GradScaler::new(GradScalerConfig::default()).unwrap();
+        // One row of distinct ids: the embeddings' backward adds no two rows into one.
+        let input = Tensor::zeros(&backend, &[1, 16], DType::I64).unwrap();
+        let poison = Tensor::ones(&backend, &[], DType::F32).unwrap();
+        let mut graph = GraphedStep::new(&cuda, 3);
+        let (mut runs, mut flags, mut losses) = (Vec::new(), Vec::new(), Vec::new());
+        let mut loss_out: Option<Tensor> = None;
+        for step in 0..STEPS {
+            let ids: Vec<i64> = (0..16)
+                .map(|i| ((step * 3 + i * 37) % 128) as i64)
+                .collect();
+            input
+                .copy_(&Tensor::from_slice(&backend, &ids, &[1, 16]).unwrap())
+                .unwrap();
+            let factor = if step == OVERFLOW_AT {
+                f64::INFINITY
+            } else {
+                1.0
+            };
+            poison.fill_(factor).unwrap();
+            let mut body = || -> headroom_autograd_core::Result<()> {
+                for p in &params {
+                    p.set_grad(None)?;
+                }
+                let loss = model
+                    .forward(&input)
+                    .map_err(|e| headroom_autograd_core::TensorError::Device {
+                        op: "gpt2",
+                        reason: e.to_string(),
+                    })?
+                    .mean_all()?
+                    .mul(&poison)?;
+                let scaled = scaler.scale(&loss).map_err(|e| {
+                    headroom_autograd_core::TensorError::Device {
+                        op: "scale",
+                        reason: e.to_string(),
+                    }
+                })?;
+                scaled.backward()?;
+                loss_out = Some(loss);
+                Ok(())
+            };
+            let how = match graphed {
+                true => graph.run(&[&input, &poison], &mut body).unwrap(),
+                false => body().map(|()| StepRun::Eager).unwrap(),
+            };
+            runs.push(how);
+            flags.push(scaler.step(&mut adam).unwrap());
+            scaler.update().unwrap();
+            losses.push(loss_out.as_ref().unwrap().item().unwrap().to_bits());
+        }
+        let skipped: Vec<bool> = flags.iter().map(|f| f.read().unwrap()).collect();
+        let values: Vec<Vec<f32>> = params.iter().map(|p| p.to_vec::<f32>().unwrap()).collect();
+        let reason = graph.eager_reason().map(str::to_owned);
+        (
+            runs,
+            skipped,
+            losses,
+            scaler.get_scale().unwrap(),
+            values,
+            reason,
+        )
+    };
+    let eager = run(false);
+    let graphed = run(true);
+    let mut expected_runs = vec![StepRun::Eager; 3];
+    expected_runs.push(StepRun::Captured);
+    expected_runs.resize(STEPS, StepRun::Replayed);
+    assert_eq!(graphed.0, expected_runs, "{:?}", graphed.5);
+    let mut expected_skips = vec![false; STEPS];
+    expected_skips[OVERFLOW_AT] = true;
+    assert_eq!(eager.1, expected_skips);
+    assert_eq!(graphed.1, eager.1);
+    assert_eq!(graphed.2, eager.2, "losses differ");
+    assert_eq!(eager.3, 32768.0, "the overflow halves the initial scale");
+    assert_eq!(graphed.3, eager.3);
+    assert!(
+        graphed.4 == eager.4,
+        "parameters differ after {STEPS} steps"
     );
 }

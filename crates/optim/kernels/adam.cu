@@ -94,7 +94,30 @@ __device__ __forceinline__ void adam_fused(const AdamPiece* pieces, unsigned n_p
     unsigned long long done = 0;
     if (aligned) {
         unsigned long long n4 = n / 4;
-        for (unsigned long long i = threadIdx.x; i < n4; i += blockDim.x) {
+        unsigned long long i = threadIdx.x;
+        // G groups of four a thread per pass: 4·G 16-byte loads in flight before the first
+        // update, which a step that only streams memory needs to keep the bus busy.
+        constexpr unsigned G = 4;
+        for (; i + (G - 1) * blockDim.x < n4; i += G * blockDim.x) {
+            float pp[4 * G], gg[4 * G], mm[4 * G], vv[4 * G];
+#pragma unroll
+            for (unsigned u = 0; u < G; ++u) load4(p, i + u * blockDim.x, pp + 4 * u);
+#pragma unroll
+            for (unsigned u = 0; u < G; ++u) load4(g, i + u * blockDim.x, gg + 4 * u);
+#pragma unroll
+            for (unsigned u = 0; u < G; ++u) load4(m, i + u * blockDim.x, mm + 4 * u);
+#pragma unroll
+            for (unsigned u = 0; u < G; ++u) load4(v, i + u * blockDim.x, vv + 4 * u);
+#pragma unroll
+            for (unsigned k = 0; k < 4 * G; ++k) adam_element(c, scaled, scale, &pp[k], gg[k], &mm[k], &vv[k], 0);
+#pragma unroll
+            for (unsigned u = 0; u < G; ++u) {
+                store4(p, i + u * blockDim.x, pp + 4 * u);
+                store4(m, i + u * blockDim.x, mm + 4 * u);
+                store4(v, i + u * blockDim.x, vv + 4 * u);
+            }
+        }
+        for (; i < n4; i += blockDim.x) {
             float pp[4], gg[4], mm[4], vv[4];
             load4(p, i, pp);
             load4(g, i, gg);
