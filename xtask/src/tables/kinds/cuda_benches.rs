@@ -70,8 +70,9 @@ pub(super) fn vit_step(files: &[ResultFile]) -> Result<Vec<String>> {
 
 /// Batch-1 training steps eager and replayed from a CUDA graph, one row per model graph_step
 /// printed: both loops' median steps, their ratio, the host's time to enqueue a step, whether
-/// the parameters matched bit for bit after the run, and PyTorch's eager and graphed steps of the
-/// same case (`—` where its line is missing or reports an error).
+/// the parameters matched bit for bit after the run, the peak allocated bytes of both loops, and
+/// PyTorch's eager and graphed steps and peaks of the same case (`—` where its line is missing or
+/// reports an error).
 pub(super) fn graph_step(files: &[ResultFile]) -> Result<Vec<String>> {
     let (ours, pytorch) = match files {
         [ours, pytorch] => (json_lines(ours)?, json_lines(pytorch)?),
@@ -82,8 +83,9 @@ pub(super) fn graph_step(files: &[ResultFile]) -> Result<Vec<String>> {
     };
     let mut lines = table_head(
         "| case | Headroom eager | Headroom graph | ratio | host ms (eager → graph) | bitwise | \
-         PyTorch eager | PyTorch graph | ratio |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|",
+         peak (eager → graph) | PyTorch eager | PyTorch graph | ratio | PyTorch peak (eager → \
+         graph) |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     );
     for line in &ours {
         let case = text(line, "case")?;
@@ -95,15 +97,28 @@ pub(super) fn graph_step(files: &[ResultFile]) -> Result<Vec<String>> {
         let torch = pytorch
             .iter()
             .find(|t| t["case"] == case && t["graph_step_ms"].is_number());
+        let peaks = |line: &Value| -> Result<String> {
+            Ok(format!(
+                "{} → {}",
+                gigabytes(number(line, "eager_peak_allocated_bytes")?),
+                gigabytes(number(line, "graph_peak_allocated_bytes")?)
+            ))
+        };
         let torch_cells = match torch {
             Some(t) => [
                 format!("{:.1} ms", number(t, "eager_step_ms")?),
                 format!("{:.1} ms", number(t, "graph_step_ms")?),
                 format!("{:.3}", number(t, "ratio")?),
+                peaks(t)?,
             ],
-            None => ["—".to_owned(), "—".to_owned(), "—".to_owned()],
+            None => [
+                "—".to_owned(),
+                "—".to_owned(),
+                "—".to_owned(),
+                "—".to_owned(),
+            ],
         };
-        let [torch_eager, torch_graph, torch_ratio] = torch_cells;
+        let [torch_eager, torch_graph, torch_ratio, torch_peaks] = torch_cells;
         lines.push(row(&[
             format!("`{case}`"),
             format!("{:.1} ms", number(line, "eager_step_ms")?),
@@ -115,9 +130,11 @@ pub(super) fn graph_step(files: &[ResultFile]) -> Result<Vec<String>> {
                 number(line, "graph_host_ms")?
             ),
             bitwise.to_owned(),
+            peaks(line)?,
             torch_eager,
             torch_graph,
             torch_ratio,
+            torch_peaks,
         ]));
     }
     if lines.len() == 2 {
@@ -310,12 +327,15 @@ mod tests {
     fn graph_steps_render_beside_pytorch_graphs() {
         let ours = "{\"case\": \"vit_l16_b1_adamw\", \"eager_step_ms\": 22.04, \
              \"eager_host_ms\": 10.41, \"graph_step_ms\": 20.21, \"graph_host_ms\": 0.11, \
-             \"ratio\": 0.9171, \"params_bitwise_equal\": true}\n\
+             \"ratio\": 0.9171, \"params_bitwise_equal\": true, \"eager_peak_allocated_bytes\": \
+             4906351104, \"graph_peak_allocated_bytes\": 4906351616}\n\
              {\"case\": \"gpt2_small_b1x1024_adamw\", \"eager_step_ms\": 36.2, \
              \"eager_host_ms\": 6.75, \"graph_step_ms\": 35.06, \"graph_host_ms\": 0.34, \
-             \"ratio\": 0.9677, \"params_bitwise_equal\": false}\n";
+             \"ratio\": 0.9677, \"params_bitwise_equal\": false, \"eager_peak_allocated_bytes\": \
+             2323190784, \"graph_peak_allocated_bytes\": 2323190784}\n";
         let torch = "{\"case\": \"vit_l16_b1_adamw\", \"eager_step_ms\": 34.227, \
-             \"graph_step_ms\": 27.367, \"ratio\": 0.7996}\n\
+             \"graph_step_ms\": 27.367, \"ratio\": 0.7996, \"eager_peak_allocated_bytes\": \
+             4946067456, \"graph_peak_allocated_bytes\": 6301689344}\n\
              {\"case\": \"gpt2_small_b1x1024_adamw\", \"error\": \"TypeError()\"}\n";
         let table = rendered(
             "graph-step",
@@ -329,12 +349,13 @@ mod tests {
             table,
             [
                 "| case | Headroom eager | Headroom graph | ratio | host ms (eager → graph) | \
-                 bitwise | PyTorch eager | PyTorch graph | ratio |",
-                "|---|---:|---:|---:|---:|---|---:|---:|---:|",
-                "| `vit_l16_b1_adamw` | 22.0 ms | 20.2 ms | 0.917 | 10.4 → 0.1 | equal | 34.2 ms \
-                 | 27.4 ms | 0.800 |",
-                "| `gpt2_small_b1x1024_adamw` | 36.2 ms | 35.1 ms | 0.968 | 6.8 → 0.3 | differ | — \
-                 | — | — |",
+                 bitwise | peak (eager → graph) | PyTorch eager | PyTorch graph | ratio | PyTorch \
+                 peak (eager → graph) |",
+                "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+                "| `vit_l16_b1_adamw` | 22.0 ms | 20.2 ms | 0.917 | 10.4 → 0.1 | equal | 4.91 GB → \
+                 4.91 GB | 34.2 ms | 27.4 ms | 0.800 | 4.95 GB → 6.30 GB |",
+                "| `gpt2_small_b1x1024_adamw` | 36.2 ms | 35.1 ms | 0.968 | 6.8 → 0.3 | differ | \
+                 2.32 GB → 2.32 GB | — | — | — | — |",
             ]
         );
     }
