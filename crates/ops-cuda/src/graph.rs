@@ -172,7 +172,8 @@ impl CudaBackend {
     /// engine's first-use work happen outside the capture. A step that needs the host inside
     /// (see the module documentation) returns [`CaptureError::NotCapturable`] naming the op; the
     /// tensors it created then hold no values, so a step run again eagerly must start from
-    /// gradients set to none.
+    /// gradients set to none. While it captures, other threads must leave the backend alone:
+    /// their kernels would join the graph, and the ops above refuse on any thread.
     pub fn capture<R>(
         self: &Arc<Self>,
         step: impl FnOnce() -> Result<R>,
