@@ -344,10 +344,13 @@ impl<R: UpdateRule> GroupOptimizer<R> {
         }
         for run in with_grads.chunk_by_mut(|a, b| a.1.group == b.1.group) {
             let config = &groups[run[0].1.group].config;
-            for (_, slot, grad) in run.iter_mut() {
+            // Slots whose state this call creates: a failed step forgets it again.
+            let mut created = Vec::new();
+            for (slot_idx, slot, grad) in run.iter_mut() {
                 check_grad(device, &slot.param, grad)?;
                 if slot.state.is_none() {
                     slot.state = Some(config.init_state(&slot.param)?);
+                    created.push(*slot_idx);
                 }
             }
             let mut items: Vec<StepItem<'_, R::State>> = run
@@ -369,13 +372,37 @@ impl<R: UpdateRule> GroupOptimizer<R> {
             // One rule call per dtype, as PyTorch groups tensors by dtype (the order of
             // parameters within a call changes no result).
             items.sort_by_key(|it| dtype_order(it.param.dtype()));
+            let mut stepped = 0;
+            let mut failure = None;
             for same_dtype in items.chunk_by_mut(|a, b| a.param.dtype() == b.param.dtype()) {
+                let n = same_dtype.len();
                 let call = RuleCall {
                     implementation: *implementation,
                     items: same_dtype,
                     scaling,
                 };
-                device.step(config, call)?;
+                if let Err(error) = device.step(config, call) {
+                    failure = Some(error);
+                    break;
+                }
+                stepped += n;
+            }
+            if let Some(error) = failure {
+                // The calls that failed (and the ones after) queued nothing: their parameters
+                // keep their step count, and a state made for them goes, so a step taken again
+                // (after an out-of-memory error, or eagerly after a refused CUDA graph capture)
+                // equals one that never failed.
+                let unstepped: Vec<usize> = items[stepped..].iter().map(|it| it.slot).collect();
+                drop(items);
+                for (slot_idx, slot, _) in run.iter_mut() {
+                    if unstepped.contains(slot_idx) {
+                        slot.step -= 1;
+                        if created.contains(slot_idx) {
+                            slot.state = None;
+                        }
+                    }
+                }
+                return Err(error);
             }
         }
         Ok(())
