@@ -15,6 +15,7 @@ use headroom_nn::{Gpt2Config, Gpt2LMHeadModel, Module, VisionTransformer, VitCon
 use headroom_ops_cuda::{CudaBackend, GraphedStep, StepRun};
 use headroom_optim::{Adam, AdamConfig, Implementation, Optimizer, ParamGroup};
 use headroom_testkit::gpu::cuda_or_skip;
+use headroom_testkit::inputs::uniform_f32;
 
 /// Steps per loop: 3 warm-ups, the capture, then replays.
 const STEPS: usize = 20;
@@ -121,16 +122,8 @@ fn measure(cuda: &Arc<CudaBackend>, model: &str, graphed: bool) -> Loop {
             let shape = [1, 3, 224, 224];
             let batches: Vec<Tensor> = (0..2)
                 .map(|seed| {
-                    let mut state = 0x2545_f491_4f6c_dd1du64 + seed;
-                    let pixels: Vec<f32> = (0..3 * 224 * 224)
-                        .map(|_| {
-                            state ^= state << 13;
-                            state ^= state >> 7;
-                            state ^= state << 17;
-                            (state >> 40) as f32 / (1u64 << 24) as f32
-                        })
-                        .collect();
-                    Tensor::from_slice(&gpu, &pixels, &shape).expect("batch")
+                    Tensor::from_slice(&gpu, &uniform_f32(3 * 224 * 224, seed), &shape)
+                        .expect("batch")
                 })
                 .collect();
             let input = Tensor::zeros(&gpu, &shape, DType::F32).expect("input");

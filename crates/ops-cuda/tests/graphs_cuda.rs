@@ -16,6 +16,7 @@ use headroom_nn::{Gpt2Config, Gpt2LMHeadModel, Module, VisionTransformer, VitCon
 use headroom_ops_cuda::{CaptureError, CudaBackend, CudaGraph, GraphedStep, StepRun};
 use headroom_optim::{Adam, AdamConfig, Implementation, Optimizer, ParamGroup};
 use headroom_testkit::gpu::{cuda_or_skip, exclusive_device};
+use headroom_testkit::inputs::uniform_f32;
 
 const STEPS: usize = 20;
 const WARMUP: usize = 3;
@@ -23,19 +24,6 @@ const WARMUP: usize = 3;
 fn backend_or_skip() -> Option<(MutexGuard<'static, ()>, Arc<CudaBackend>)> {
     let device = exclusive_device();
     Some((device, cuda_or_skip(CudaBackend::new(0))?))
-}
-
-/// `n` values in [0, 1) of a xorshift stream seeded by `seed`.
-fn uniform(seed: u64, n: usize) -> Vec<f32> {
-    let mut state = 0x2545_f491_4f6c_dd1d ^ (seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 24) as f32
-        })
-        .collect()
 }
 
 /// An nn result as the core's (the steps here return the core's error type).
@@ -118,7 +106,9 @@ fn expected_runs() -> Vec<StepRun> {
     runs
 }
 
-fn vit_run(cuda: &Arc<CudaBackend>, graphed: bool) -> Run {
+/// A tiny ViT's `train`, its loss `sum(forward(x))`; with `reads_loss`, the step also reads the
+/// loss back on the host (a logging `item()`), which no graph can replay.
+fn vit_run(cuda: &Arc<CudaBackend>, graphed: bool, reads_loss: bool) -> Run {
     let gpu: BackendRef = cuda.clone();
     let generator = Arc::new(Generator::new(0));
     let model =
@@ -126,9 +116,15 @@ fn vit_run(cuda: &Arc<CudaBackend>, graphed: bool) -> Run {
     let shape = [2, 3, 32, 32];
     let input = Tensor::zeros(&gpu, &shape, DType::F32).expect("input");
     let batch =
-        |step: usize| Tensor::from_slice(&gpu, &uniform(step as u64, 2 * 3 * 32 * 32), &shape);
-    let plain = |x: &Tensor| nn(model.forward(x))?.sum_all();
-    train(cuda, model.parameters(), &input, &batch, graphed, &plain)
+        |step: usize| Tensor::from_slice(&gpu, &uniform_f32(2 * 3 * 32 * 32, step as u64), &shape);
+    let loss = |x: &Tensor| {
+        let value = nn(model.forward(x))?.sum_all()?;
+        if reads_loss {
+            value.to_vec::<f32>()?;
+        }
+        Ok(value)
+    };
+    train(cuda, model.parameters(), &input, &batch, graphed, &loss)
 }
 
 #[test]
@@ -137,8 +133,8 @@ fn vit_steps_replayed_from_a_graph_equal_the_eager_steps_bitwise() {
     let Some((_device, cuda)) = backend_or_skip() else {
         return;
     };
-    let eager = vit_run(&cuda, false);
-    let graphed = vit_run(&cuda, true);
+    let eager = vit_run(&cuda, false, false);
+    let graphed = vit_run(&cuda, true, false);
     assert_eq!(graphed.runs, expected_runs(), "{:?}", graphed.reason);
     assert_eq!(graphed.losses, eager.losses);
     assert!(
@@ -194,22 +190,8 @@ fn a_step_that_reads_the_host_runs_eagerly_with_the_reason_and_the_eager_results
     let Some((_device, cuda)) = backend_or_skip() else {
         return;
     };
-    let eager = vit_run(&cuda, false);
-    // The same loss, read back inside the step (a logging `item()`): not capturable.
-    let reads = |model_loss: Tensor| -> Result<Tensor> {
-        model_loss.to_vec::<f32>()?;
-        Ok(model_loss)
-    };
-    let gpu: BackendRef = cuda.clone();
-    let generator = Arc::new(Generator::new(0));
-    let model =
-        VisionTransformer::new(&gpu, VitConfig::tiny(), DType::F32, &generator).expect("model");
-    let shape = [2, 3, 32, 32];
-    let input = Tensor::zeros(&gpu, &shape, DType::F32).expect("input");
-    let batch =
-        |step: usize| Tensor::from_slice(&gpu, &uniform(step as u64, 2 * 3 * 32 * 32), &shape);
-    let loss = |x: &Tensor| reads(nn(model.forward(x))?.sum_all()?);
-    let graphed = train(&cuda, model.parameters(), &input, &batch, true, &loss);
+    let eager = vit_run(&cuda, false, false);
+    let graphed = vit_run(&cuda, true, true);
     assert_eq!(graphed.runs, vec![StepRun::Eager; STEPS]);
     let reason = graphed.reason.expect("a reason");
     assert!(reason.contains("read_host"), "{reason}");
