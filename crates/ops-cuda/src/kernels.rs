@@ -47,6 +47,8 @@ pub(crate) enum Module {
     Attention,
     /// `kernels/attention_tc.cu`.
     AttentionTc,
+    /// `kernels/attention_tf32.cu`.
+    AttentionTf32,
     /// `kernels/llama.cu`.
     Llama,
 }
@@ -59,6 +61,7 @@ impl Module {
             Module::Index => include_str!("../kernels/ptx/index.ptx"),
             Module::Attention => include_str!("../kernels/ptx/attention.ptx"),
             Module::AttentionTc => include_str!("../kernels/ptx/attention_tc.ptx"),
+            Module::AttentionTf32 => include_str!("../kernels/ptx/attention_tf32.ptx"),
             Module::Llama => include_str!("../kernels/ptx/llama.ptx"),
         }
     }

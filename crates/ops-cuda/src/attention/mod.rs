@@ -2,8 +2,13 @@
 //! three paths that keep the same saved state (q, k, v, the output and one log-sum-exp per query;
 //! backward recomputes the scores).
 //!
-//! - f32 and f64 take the register-tiled kernels of `kernels/attention.cu`
-//!   (`register_tiled.rs`).
+//! - f32 takes the split-TF32 tensor-core kernels of `kernels/attention_tf32.cu`
+//!   (`split_tf32.rs`) when their alignment rule holds (`split_tf32::fits`: head dims multiples of
+//!   4 up to 128, operands 4-element aligned, buffers 16-byte aligned), else, like f64, the
+//!   register-tiled kernels of `kernels/attention.cu` (`register_tiled.rs`). Setting
+//!   `HEADROOM_ATTENTION_F32=register-tiled` ([`F32_KERNEL_VARIABLE`]) sends every f32 call to the
+//!   register-tiled kernels (plain f32 FMAs rather than split TF32 products: results differ in
+//!   the last bits).
 //! - f16 and bf16 take the FlashAttention-2-style `mma.sync` kernels of
 //!   `kernels/attention_tc.cu` (`tensor_core.rs`) when their alignment rule holds
 //!   (`tensor_core::fits`: head dims multiples of 8 up to 128, operands 8-element aligned, buffers
@@ -22,9 +27,14 @@
 mod args;
 mod gemm;
 mod register_tiled;
+mod split_tf32;
 mod tensor_core;
 
-use headroom_autograd_core::{attention_dims, AttentionBackward, AttentionForward, DType, Result};
+use std::sync::OnceLock;
+
+use headroom_autograd_core::{
+    attention_dims, AttentionBackward, AttentionDims, AttentionForward, DType, Result, View,
+};
 
 use crate::device::CudaBackend;
 
@@ -40,6 +50,9 @@ pub(crate) fn attention(backend: &CudaBackend, f: AttentionForward<'_>) -> Resul
         } else {
             gemm::forward(backend, f, dims)
         };
+    }
+    if takes_split_tf32(&dims, &[f.q, f.k, f.v, f.out]) {
+        return split_tf32::forward(backend, f, dims);
     }
     register_tiled::forward(backend, f, dims)
 }
@@ -59,5 +72,21 @@ pub(crate) fn attention_backward(backend: &CudaBackend, b: AttentionBackward<'_>
             gemm::backward(backend, b, dims)
         };
     }
+    let views = [f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv];
+    if takes_split_tf32(&dims, &views) && !register_tiled::fused_backward() {
+        return split_tf32::backward(backend, b, dims);
+    }
     register_tiled::backward(backend, b, dims)
+}
+
+/// Set to `register-tiled`: every f32 call takes the register-tiled kernels (see the module docs).
+pub(crate) const F32_KERNEL_VARIABLE: &str = "HEADROOM_ATTENTION_F32";
+
+/// Whether f32 `views` go to the split-TF32 kernels: they fit, and the variable does not opt out.
+fn takes_split_tf32(dims: &AttentionDims, views: &[View<'_>]) -> bool {
+    static REGISTER_TILED: OnceLock<bool> = OnceLock::new();
+    let register_tiled = *REGISTER_TILED.get_or_init(|| {
+        std::env::var(F32_KERNEL_VARIABLE).is_ok_and(|value| value == "register-tiled")
+    });
+    views[0].dtype == DType::F32 && !register_tiled && split_tf32::fits(dims, views)
 }

@@ -72,7 +72,7 @@ fn variant(dtype: DType, head_dim: usize) -> Result<(usize, &'static str)> {
 /// Set to `1`: the one-pass backward with atomic dQ (see the module docs).
 pub(crate) const FUSED_BACKWARD_VARIABLE: &str = "HEADROOM_ATTENTION_FUSED_BACKWARD";
 
-fn fused_backward() -> bool {
+pub(crate) fn fused_backward() -> bool {
     static FUSED: OnceLock<bool> = OnceLock::new();
     *FUSED.get_or_init(|| std::env::var(FUSED_BACKWARD_VARIABLE).is_ok_and(|value| value == "1"))
 }

@@ -2,8 +2,10 @@
 //! same setting: ViT-L/16 SGD steps (`crates/ops-cuda/benches/vit_step.rs`, against
 //! `scripts/pytorch/bench_reference.py`'s `sgd` and `sgd_bf16_model`), one Adam step on 1e9
 //! parameters (`crates/optim/benches/cuda_adam.rs`, against `scripts/pytorch/adam_step_1e9.py`)
-//! and batch-1 steps eager against replayed from a CUDA graph
-//! (`crates/ops-cuda/benches/graph_step.rs`, against `scripts/pytorch/graph_step_reference.py`).
+//! batch-1 steps eager against replayed from a CUDA graph
+//! (`crates/ops-cuda/benches/graph_step.rs`, against `scripts/pytorch/graph_step_reference.py`)
+//! and f32 attention at the models' shapes (`crates/ops-cuda/benches/attention_f32.rs`, against
+//! `scripts/pytorch/attention_f32_reference.py`).
 //!
 //! It knows the benches' settings and implementations by the names they print, and gives each
 //! its label in words; an implementation it has no label for is an error, so a renamed one
@@ -139,6 +141,62 @@ pub(super) fn graph_step(files: &[ResultFile]) -> Result<Vec<String>> {
     }
     if lines.len() == 2 {
         bail!("{}: no graph_step line", files[0].path);
+    }
+    Ok(lines)
+}
+
+/// f32 attention, one row per shape in the order attention_f32 prints them: its forward,
+/// backward and forward + backward medians beside PyTorch's memory-efficient SDPA at the same
+/// shape, and the ratio of the forward + backward times; `—` where PyTorch has no line.
+pub(super) fn attention_f32(files: &[ResultFile]) -> Result<Vec<String>> {
+    let (ours, pytorch) = match files {
+        [ours, pytorch] => (json_lines(ours)?, json_lines(pytorch)?),
+        _ => bail!(
+            "reads attention_f32's JSON lines and attention_f32_reference.py's, given {} files",
+            files.len()
+        ),
+    };
+    let mut lines = table_head(
+        "| shape | Headroom forward | backward | fwd + bwd | PyTorch forward | backward | \
+         fwd + bwd | ratio (fwd + bwd) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    );
+    let mut shapes: Vec<&str> = Vec::new();
+    for line in &ours {
+        let shape = text(line, "shape")?;
+        if !shapes.contains(&shape) {
+            shapes.push(shape);
+        }
+    }
+    for shape in shapes {
+        let ms = |side: &[Value], case: &str| -> Result<Option<f64>> {
+            side.iter()
+                .find(|l| l["shape"] == shape && l["case"] == case && l["ms"].is_number())
+                .map(|l| number(l, "ms"))
+                .transpose()
+        };
+        let mut cells = vec![format!("`{shape}`")];
+        let mut both = [None, None];
+        for (index, side) in [&ours, &pytorch].into_iter().enumerate() {
+            for case in ["forward", "backward", "fwd_bwd"] {
+                let value = ms(side, case)?;
+                if index == 0 && value.is_none() {
+                    bail!("{}: `{shape}` has no `{case}` line", files[0].path);
+                }
+                if case == "fwd_bwd" {
+                    both[index] = value;
+                }
+                cells.push(value.map_or("—".to_owned(), |v| format!("{v:.3} ms")));
+            }
+        }
+        cells.push(match both {
+            [Some(a), Some(b)] => format!("{:.3}", a / b),
+            _ => "—".to_owned(),
+        });
+        lines.push(row(&cells));
+    }
+    if lines.len() == 2 {
+        bail!("{}: no attention_f32 line", files[0].path);
     }
     Ok(lines)
 }
@@ -356,6 +414,43 @@ mod tests {
                  4.91 GB | 34.2 ms | 27.4 ms | 0.800 | 4.95 GB → 6.30 GB |",
                 "| `gpt2_small_b1x1024_adamw` | 36.2 ms | 35.1 ms | 0.968 | 6.8 → 0.3 | differ | \
                  2.32 GB → 2.32 GB | — | — | — | — |",
+            ]
+        );
+    }
+
+    /// One row per shape in our order, PyTorch's figures beside ours, `—` for a shape PyTorch
+    /// has no line for.
+    #[test]
+    fn attention_f32_renders_beside_pytorch() {
+        let line = |shape: &str, case: &str, ms: f64| {
+            format!("{{\"shape\": \"{shape}\", \"case\": \"{case}\", \"ms\": {ms}}}\n")
+        };
+        let ours = line("gpt2_b8x1024", "forward", 0.411)
+            + &line("gpt2_b8x1024", "backward", 1.194)
+            + &line("gpt2_b8x1024", "fwd_bwd", 1.59)
+            + &line("vit_l16_b1", "forward", 0.03)
+            + &line("vit_l16_b1", "backward", 0.074)
+            + &line("vit_l16_b1", "fwd_bwd", 0.1);
+        let torch = line("gpt2_b8x1024", "forward", 0.518)
+            + &line("gpt2_b8x1024", "backward", 1.603)
+            + &line("gpt2_b8x1024", "fwd_bwd", 1.858);
+        let table = rendered(
+            "attention-f32",
+            &[
+                ("results/x/attention_f32.jsonl", &ours),
+                ("results/x/attention_f32_reference.jsonl", &torch),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            table,
+            [
+                "| shape | Headroom forward | backward | fwd + bwd | PyTorch forward | backward | \
+                 fwd + bwd | ratio (fwd + bwd) |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|",
+                "| `gpt2_b8x1024` | 0.411 ms | 1.194 ms | 1.590 ms | 0.518 ms | 1.603 ms | 1.858 \
+                 ms | 0.856 |",
+                "| `vit_l16_b1` | 0.030 ms | 0.074 ms | 0.100 ms | — | — | — | — |",
             ]
         );
     }

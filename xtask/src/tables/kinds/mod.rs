@@ -126,6 +126,13 @@ pub(super) const KINDS: &[Kind] = &[
         render: cuda_benches::graph_step,
     },
     Kind {
+        name: "attention-f32",
+        reads: "the JSON lines of crates/ops-cuda/benches/attention_f32.rs (attention_f32.jsonl) \
+                and scripts/pytorch/attention_f32_reference.py's \
+                (attention_f32_reference.jsonl)",
+        render: cuda_benches::attention_f32,
+    },
+    Kind {
         name: "adam-step-1e9",
         reads: "the JSON lines of crates/optim/benches/cuda_adam.rs (gpu-measure.sh's \
                 cuda_adam.jsonl) and scripts/pytorch/adam_step_1e9.py's \
