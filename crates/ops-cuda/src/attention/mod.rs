@@ -3,8 +3,8 @@
 //! backward recomputes the scores).
 //!
 //! - f32 takes the split-TF32 tensor-core kernels of `kernels/attention_tf32.cu`
-//!   (`split_tf32.rs`) when their alignment rule holds (`split_tf32::fits`: head dims multiples of
-//!   4 up to 128, operands 4-element aligned, buffers 16-byte aligned), else, like f64, the
+//!   (`tensor_core.rs`) when their alignment rule holds (`tensor_core::fits`: head dims multiples
+//!   of 4 up to 128, operands 4-element aligned, buffers 16-byte aligned), else, like f64, the
 //!   register-tiled kernels of `kernels/attention.cu` (`register_tiled.rs`). Setting
 //!   `HEADROOM_ATTENTION_F32=register-tiled` ([`F32_KERNEL_VARIABLE`]) sends every f32 call to the
 //!   register-tiled kernels (plain f32 FMAs rather than split TF32 products: results differ in
@@ -27,7 +27,6 @@
 mod args;
 mod gemm;
 mod register_tiled;
-mod split_tf32;
 mod tensor_core;
 
 use std::sync::OnceLock;
@@ -52,7 +51,7 @@ pub(crate) fn attention(backend: &CudaBackend, f: AttentionForward<'_>) -> Resul
         };
     }
     if takes_split_tf32(&dims, &[f.q, f.k, f.v, f.out]) {
-        return split_tf32::forward(backend, f, dims);
+        return tensor_core::forward(backend, f, dims);
     }
     register_tiled::forward(backend, f, dims)
 }
@@ -74,7 +73,7 @@ pub(crate) fn attention_backward(backend: &CudaBackend, b: AttentionBackward<'_>
     }
     let views = [f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv];
     if takes_split_tf32(&dims, &views) && !register_tiled::fused_backward() {
-        return split_tf32::backward(backend, b, dims);
+        return tensor_core::backward(backend, b, dims);
     }
     register_tiled::backward(backend, b, dims)
 }
@@ -88,5 +87,5 @@ fn takes_split_tf32(dims: &AttentionDims, views: &[View<'_>]) -> bool {
     let register_tiled = *REGISTER_TILED.get_or_init(|| {
         std::env::var(F32_KERNEL_VARIABLE).is_ok_and(|value| value == "register-tiled")
     });
-    views[0].dtype == DType::F32 && !register_tiled && split_tf32::fits(dims, views)
+    views[0].dtype == DType::F32 && !register_tiled && tensor_core::fits(dims, views)
 }

@@ -1,16 +1,23 @@
-//! Fused attention for f16 and bf16 on tensor cores (`kernels/attention_tc.cu`, FlashAttention-2
-//! style): forward, and backward as a dQ kernel (which also writes each query's `Δ = dO·O`)
-//! followed by a dK/dV kernel.
+//! Fused attention on tensor cores (FlashAttention-2 style, the kernel bodies of
+//! `kernels/attention_flash.cuh`): forward, and backward as a dQ kernel (which also writes each
+//! query's `Δ = dO·O`) followed by a dK/dV kernel. Two families share them:
+//!
+//! - f16 and bf16 (`kernels/attention_tc.cu`): `mma.sync.m16n8k16` on the storage dtype;
+//! - f32 (`kernels/attention_tf32.cu`): f32 accuracy from split TF32 operands (each product as
+//!   three TF32 products of the operands' TF32 parts and remainders, as PyTorch's
+//!   memory-efficient kernel computes f32).
 //!
 //! Same operands (`AttnArgs` of `args.rs`: strided `[batch, heads, rows, head_dim]` views read in
-//! place) and same saved state (one f32 log-sum-exp per query) as the other attention paths.
-//! The kernels move 16-byte chunks, so they take head dims that are multiples of 8 up to 128 with
-//! every operand 8-element aligned ([`fits`]); the family's entry point (`mod.rs`) sends anything
-//! else to the cuBLAS path of `gemm.rs`. Blocks of 128 threads take 64 rows of one (batch, head)
-//! pair; the head dim is padded to 32, 64, 96 or 128 in shared memory. Grouped-query heads and
+//! place) and same saved state (one f32 log-sum-exp per query) as the other attention paths. The
+//! kernels move 16-byte chunks, so they take head dims that are multiples of a chunk (8 elements
+//! in 16 bits, 4 in f32) up to 128 with every operand chunk-aligned ([`fits`]); the family's entry
+//! point (`mod.rs`) sends other 16-bit operands to the cuBLAS path of `gemm.rs` and other f32 ones
+//! to the register-tiled kernels. Blocks of 128 threads take 64 rows of one (batch, head) pair and
+//! stream the other side 64 rows at a time (f32 at head dims up to 64: 32 below 512 rows, where
+//! twice the blocks fit an SM); the head dim is padded to 32, 64, 96 or 128 in shared memory. Grouped-query heads and
 //! packed sequences travel in `AttnArgs`: the dK/dV grid runs over (batch, key/value head) pairs,
-//! each block summing its group's query heads in registers. `Δ` lives in scratch from
-//! the caching allocator for the duration of the backward.
+//! each block summing its group's query heads in registers. `Δ` lives in scratch from the caching
+//! allocator for the duration of the backward.
 //!
 //! This path sits on the attention family's `args.rs` and the ground floor, and imports no other
 //! path.
@@ -22,96 +29,154 @@ use headroom_autograd_core::{
 
 use super::args::{address, attn_args, AttnArgs};
 use crate::device::CudaBackend;
-use crate::kernels::{KernelName, Module};
+use crate::kernels::Module;
 use crate::launch::{launch_in, Param};
 use crate::operands::element_address;
 use crate::scratch::Scratch;
 
-/// Threads per block (`TC_THREADS` in the kernels).
+/// Threads per block.
 const THREADS: u32 = 128;
-/// Rows per block and per streamed tile (`TC_ROWS` in the kernels).
+/// Own rows per block (`R` in the kernels).
 const ROWS: usize = 64;
-/// Elements per 16-byte chunk: the alignment every operand needs.
-const CHUNK: usize = 8;
+/// Bytes each thread moves at once: operands are aligned to this many bytes' worth of elements.
+const CHUNK_BYTES: usize = 16;
 /// Largest head dim the kernels take.
 const MAX_HEAD_DIM: usize = 128;
 /// Most (batch, head) pairs of one launch (the grid's y extent).
 const MAX_PAIRS: usize = 65_535;
 
-/// Whether the tensor-core kernels take these dims and operands (f16 or bf16 `[batch, heads,
-/// rows, head_dim]` views): head dim a multiple of 8 up to 128, every operand's offset and strides
-/// multiples of 8 elements with a contiguous head dim, buffers 16-byte aligned.
+/// Whether the tensor-core kernels take these dims and operands (`[batch, heads, rows,
+/// head_dim]` views of f16, bf16 or f32): head dim a multiple of a 16-byte chunk up to 128, every
+/// operand's offset and strides multiples of a chunk with a contiguous head dim, buffers 16-byte
+/// aligned.
 pub(crate) fn fits(dims: &AttentionDims, views: &[View<'_>]) -> bool {
-    dims.head_dim.is_multiple_of(CHUNK)
+    let chunk = CHUNK_BYTES / views[0].dtype.size_in_bytes();
+    dims.head_dim.is_multiple_of(chunk)
         && dims.head_dim <= MAX_HEAD_DIM
         && dims.batch * dims.heads <= MAX_PAIRS
         && views.iter().all(|view| {
             let strides = view.layout.strides();
-            view.layout.offset().is_multiple_of(CHUNK)
+            view.layout.offset().is_multiple_of(chunk)
                 && strides.len() == 4
                 && strides[3] == 1
-                && strides[..3].iter().all(|s| s.is_multiple_of(CHUNK))
-                && view
-                    .buffer
-                    .address()
-                    .is_multiple_of((CHUNK * view.dtype.size_in_bytes()) as u64)
+                && strides[..3].iter().all(|s| s.is_multiple_of(chunk))
+                && view.buffer.address().is_multiple_of(CHUNK_BYTES as u64)
         })
 }
 
-/// The kernels of a kernel family for `dtype` and `head_dim`, and their padded head dim.
-fn variant(dtype: DType, head_dim: usize) -> Result<(&'static str, usize)> {
-    let padded = head_dim.div_ceil(32).max(1) * 32;
-    let suffix = match (dtype, padded) {
-        (DType::BF16, 32) => "bf16_32",
-        (DType::BF16, 64) => "bf16_64",
-        (DType::BF16, 96) => "bf16_96",
-        (DType::BF16, 128) => "bf16_128",
-        (DType::F16, 32) => "f16_32",
-        (DType::F16, 64) => "f16_64",
-        (DType::F16, 96) => "f16_96",
-        (DType::F16, 128) => "f16_128",
-        (dtype, _) => {
-            return Err(TensorError::InvalidArgument {
-                op: "attention",
-                reason: format!(
-                    "no tensor-core attention kernel for {dtype:?} head dim {head_dim}"
-                ),
-            })
-        }
-    };
-    Ok((suffix, padded))
-}
-
-/// The launch shape over `rows` rows of each of `pairs` (batch, head) pairs (query heads, or
-/// key/value heads for dK/dV), with `tiles` shared `[64][padded + 8]` tiles and `stats` f32 values
-/// of shared memory.
-fn config(pairs: usize, rows: usize, padded: usize, tiles: usize, stats: usize) -> LaunchConfig {
-    let bytes = tiles * ROWS * (padded + CHUNK) * 2 + stats * 4;
-    LaunchConfig {
-        // `fits` bounds the pairs by 65 535; rows are u32 (checked by `attn_args`).
-        grid_dim: (rows.div_ceil(ROWS) as u32, pairs as u32, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: bytes as u32,
+/// Rows of each streamed f32 tile (`KR` in the kernels) when the other side has `streamed_rows`:
+/// 64 from 512 rows on (and at head dims over 64), 32 below. Measured on the H200 (results/2026-12-04-6db5250): 64 is faster
+/// at GPT-2's 1024 tokens (forward + backward 1.590 against 1.694 ms at batch 8) and Llama's 2048
+/// and 4096; 32 at ViT's 197 (0.827 against 0.917 ms at batch 32), where twice the blocks fit an
+/// SM.
+fn f32_streamed_tile_rows(padded: usize, streamed_rows: usize) -> usize {
+    if streamed_rows >= 512 || padded > 64 {
+        64
+    } else {
+        32
     }
 }
 
-fn launch(
-    backend: &CudaBackend,
-    op: &'static str,
-    name: KernelName,
-    config: LaunchConfig,
-    params: &[Param],
-    args: AttnArgs,
-) -> Result<()> {
-    launch_in(
-        backend,
-        Module::AttentionTc,
-        op,
-        name,
-        config,
-        params,
-        Some(args),
-    )
+/// One family's kernels for one launch shape: their module, name prefix and suffix, element and
+/// shared-row sizes and streamed rows.
+struct Variant {
+    module: Module,
+    /// `tc` or `tf32`: the kernels are `attention_<prefix>_forward_<suffix>` and so on.
+    prefix: &'static str,
+    suffix: &'static str,
+    element_bytes: usize,
+    /// Elements of one shared row: the padded head dim and its pad.
+    row: usize,
+    streamed: usize,
+}
+
+impl Variant {
+    /// The kernels for `dtype` and `head_dim` with a streamed side of `streamed_rows`.
+    fn new(dtype: DType, head_dim: usize, streamed_rows: usize) -> Result<Variant> {
+        let padded = head_dim.div_ceil(32).max(1) * 32;
+        let (module, prefix, pad, streamed) = match dtype {
+            DType::F32 => (
+                Module::AttentionTf32,
+                "tf32",
+                4,
+                f32_streamed_tile_rows(padded, streamed_rows),
+            ),
+            _ => (Module::AttentionTc, "tc", 8, ROWS),
+        };
+        let suffix = match (dtype, padded, streamed) {
+            (DType::BF16, 32, _) => "bf16_32",
+            (DType::BF16, 64, _) => "bf16_64",
+            (DType::BF16, 96, _) => "bf16_96",
+            (DType::BF16, 128, _) => "bf16_128",
+            (DType::F16, 32, _) => "f16_32",
+            (DType::F16, 64, _) => "f16_64",
+            (DType::F16, 96, _) => "f16_96",
+            (DType::F16, 128, _) => "f16_128",
+            (DType::F32, 32, 32) => "32_32",
+            (DType::F32, 64, 32) => "64_32",
+            (DType::F32, 32, _) => "32_64",
+            (DType::F32, 64, _) => "64_64",
+            (DType::F32, 96, _) => "96_64",
+            (DType::F32, 128, _) => "128_64",
+            (dtype, _, _) => {
+                return Err(TensorError::InvalidArgument {
+                    op: "attention",
+                    reason: format!(
+                        "no tensor-core attention kernel for {dtype:?} head dim {head_dim}"
+                    ),
+                })
+            }
+        };
+        Ok(Variant {
+            module,
+            prefix,
+            suffix,
+            element_bytes: dtype.size_in_bytes(),
+            row: padded + pad,
+            streamed,
+        })
+    }
+
+    /// The launch shape over `rows` rows of each of `pairs` (batch, head) pairs (query heads, or
+    /// key/value heads for dK/dV), with shared memory for `tiles` rows of elements and `stats`
+    /// f32 values.
+    fn config(&self, pairs: usize, rows: usize, tiles: usize, stats: usize) -> LaunchConfig {
+        let bytes = tiles * self.row * self.element_bytes + stats * 4;
+        LaunchConfig {
+            // `fits` bounds the pairs by 65 535; rows are u32 (checked by `attn_args`).
+            grid_dim: (rows.div_ceil(ROWS) as u32, pairs as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: bytes as u32,
+        }
+    }
+
+    fn launch(
+        &self,
+        backend: &CudaBackend,
+        op: &'static str,
+        kernel: &'static str,
+        config: LaunchConfig,
+        params: &[Param],
+        args: AttnArgs,
+    ) -> Result<()> {
+        let name = match (self.prefix, kernel) {
+            ("tf32", "forward") => "attention_tf32_forward",
+            ("tf32", "backward_dq") => "attention_tf32_backward_dq",
+            ("tf32", _) => "attention_tf32_backward_dkdv",
+            (_, "forward") => "attention_tc_forward",
+            (_, "backward_dq") => "attention_tc_backward_dq",
+            _ => "attention_tc_backward_dkdv",
+        };
+        launch_in(
+            backend,
+            self.module,
+            op,
+            (name, self.suffix),
+            config,
+            params,
+            Some(args),
+        )
+    }
 }
 
 /// The log-sum-exp's first element (dense f32 `[batch, heads, queries]`).
@@ -125,10 +190,11 @@ pub(crate) fn forward(
     f: AttentionForward<'_>,
     dims: AttentionDims,
 ) -> Result<()> {
-    let (suffix, padded) = variant(f.q.dtype, dims.head_dim)?;
+    let variant = Variant::new(f.q.dtype, dims.head_dim, dims.keys)?;
     let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out])?;
     // Q, and two buffers each of K and V.
-    let config = config(dims.batch * dims.heads, dims.queries, padded, 5, 0);
+    let tiles = ROWS + 4 * variant.streamed;
+    let config = variant.config(dims.batch * dims.heads, dims.queries, tiles, 0);
     let params = [
         address(&f.q),
         address(&f.k),
@@ -136,14 +202,7 @@ pub(crate) fn forward(
         address(&f.out),
         lse_address(&f),
     ];
-    launch(
-        backend,
-        "attention",
-        ("attention_tc_forward", suffix),
-        config,
-        &params,
-        args,
-    )
+    variant.launch(backend, "attention", "forward", config, &params, args)
 }
 
 /// Backward; the caller checked [`fits`] for q, k, v, out, dout, dq, dk and dv.
@@ -153,14 +212,18 @@ pub(crate) fn backward(
     dims: AttentionDims,
 ) -> Result<()> {
     let f = b.forward;
-    let (suffix, padded) = variant(f.q.dtype, dims.head_dim)?;
     let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv])?;
     // Δ per query, from the caching allocator, returned (in stream order) after the launches.
     let delta = Scratch::new(backend, (dims.batch * dims.heads * dims.queries * 4) as u64)?;
     let delta_address = Param::U64(delta.address());
+    // One streamed tile height for both kernels (the dQ kernel streams keys, the dK/dV kernel
+    // queries); each kernel's shared memory holds two tiles of own rows (Q and dO, or K and V)
+    // and two buffers each of the streamed two.
+    let variant = Variant::new(f.q.dtype, dims.head_dim, dims.keys.min(dims.queries))?;
+    let tiles = 2 * ROWS + 4 * variant.streamed;
     if dims.queries > 0 {
-        // Q, dO, and two buffers each of K and V; log-sum-exp and Δ of the block's queries.
-        let config = config(dims.batch * dims.heads, dims.queries, padded, 6, 2 * ROWS);
+        // With the log-sum-exp and Δ of the block's queries.
+        let config = variant.config(dims.batch * dims.heads, dims.queries, tiles, 2 * ROWS);
         let params = [
             address(&f.q),
             address(&f.k),
@@ -171,19 +234,20 @@ pub(crate) fn backward(
             address(&b.dq),
             delta_address,
         ];
-        launch(
+        variant.launch(
             backend,
             "attention_backward",
-            ("attention_tc_backward_dq", suffix),
+            "backward_dq",
             config,
             &params,
             args,
         )?;
     }
     if dims.keys > 0 {
-        // K, V, and two buffers each of Q and dO with their queries' statistics.
-        // One block per (batch, key/value head) and 64 keys, over the group's query heads.
-        let config = config(dims.batch * dims.kv_heads, dims.keys, padded, 6, 4 * ROWS);
+        // With both query buffers' statistics. One block per (batch, key/value head) and its own
+        // keys, over the group's query heads.
+        let stats = 4 * variant.streamed;
+        let config = variant.config(dims.batch * dims.kv_heads, dims.keys, tiles, stats);
         let params = [
             address(&f.q),
             address(&f.k),
@@ -194,10 +258,10 @@ pub(crate) fn backward(
             address(&b.dk),
             address(&b.dv),
         ];
-        launch(
+        variant.launch(
             backend,
             "attention_backward",
-            ("attention_tc_backward_dkdv", suffix),
+            "backward_dkdv",
             config,
             &params,
             args,
