@@ -21,7 +21,7 @@
 //
 // Needs: head dims a multiple of 4 up to 128, every operand's offset and strides multiples of 4
 // elements and 16-byte aligned buffers (the `vector` flag of AttnArgs;
-// crates/ops-cuda/src/attention/split_tf32.rs checks, other f32 operands take attention.cu's
+// crates/ops-cuda/src/attention/tensor_core.rs checks, other f32 operands take attention.cu's
 // register-tiled kernels). Built to compute_80 PTX by `cargo xtask build-kernels`.
 
 #include "attention_flash.cuh"
