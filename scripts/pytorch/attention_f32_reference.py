@@ -21,6 +21,9 @@ Usage (on the GPU machine):
 import argparse
 import json
 
+# The same warm-ups and timed runs as the bf16 reference (5 and 20, the median).
+from attention_reference import median_ms
+
 SHAPES = [
     ("gpt2_b8x1024", 8, 12, 12, 1024, 64, True),
     ("vit_l16_b32", 32, 16, 16, 197, 64, False),
@@ -29,23 +32,6 @@ SHAPES = [
     ("llama_1b_b4x2048", 4, 32, 8, 2048, 64, True),
     ("llama_8b_b1x4096", 1, 32, 8, 4096, 128, True),
 ]
-WARMUP, TIMED = 5, 20
-
-
-def median_ms(torch, run):
-    for _ in range(WARMUP):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(TIMED):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main():
@@ -101,7 +87,7 @@ def main():
                 try:
                     if case == "backward":
                         kept["out"] = attend()
-                    ms = median_ms(torch, run)
+                    ms, _ = median_ms(torch, run)
                     line = {"shape": name, "case": case, "ms": ms,
                             "tflops": multiple * flops / (ms * 1e-3) / 1e12, **meta}
                 except Exception as error:  # a backend that cannot run this case says why

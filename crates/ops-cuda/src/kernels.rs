@@ -54,7 +54,7 @@ pub(crate) enum Module {
 }
 
 impl Module {
-    fn ptx(self) -> &'static str {
+    pub(crate) fn ptx(self) -> &'static str {
         match self {
             Module::Elementwise => include_str!("../kernels/ptx/elementwise.ptx"),
             Module::Rows => include_str!("../kernels/ptx/rows.ptx"),

@@ -77,12 +77,32 @@ fn f32_streamed_tile_rows(padded: usize, streamed_rows: usize) -> usize {
     }
 }
 
-/// One family's kernels for one launch shape: their module, name prefix and suffix, element and
+/// The three kernels of a family, in the order of [`Kernel`].
+const TC_KERNELS: [&str; 3] = [
+    "attention_tc_forward",
+    "attention_tc_backward_dq",
+    "attention_tc_backward_dkdv",
+];
+const TF32_KERNELS: [&str; 3] = [
+    "attention_tf32_forward",
+    "attention_tf32_backward_dq",
+    "attention_tf32_backward_dkdv",
+];
+
+/// One of a family's kernels.
+#[derive(Debug, Clone, Copy)]
+enum Kernel {
+    Forward = 0,
+    BackwardDq = 1,
+    BackwardDkDv = 2,
+}
+
+/// One family's kernels for one launch shape: their module, names and suffix, element and
 /// shared-row sizes and streamed rows.
 struct Variant {
     module: Module,
-    /// `tc` or `tf32`: the kernels are `attention_<prefix>_forward_<suffix>` and so on.
-    prefix: &'static str,
+    /// The kernels are `<names[kernel]>_<suffix>`.
+    names: &'static [&'static str; 3],
     suffix: &'static str,
     element_bytes: usize,
     /// Elements of one shared row: the padded head dim and its pad.
@@ -94,14 +114,14 @@ impl Variant {
     /// The kernels for `dtype` and `head_dim` with a streamed side of `streamed_rows`.
     fn new(dtype: DType, head_dim: usize, streamed_rows: usize) -> Result<Variant> {
         let padded = head_dim.div_ceil(32).max(1) * 32;
-        let (module, prefix, pad, streamed) = match dtype {
+        let (module, names, pad, streamed) = match dtype {
             DType::F32 => (
                 Module::AttentionTf32,
-                "tf32",
+                &TF32_KERNELS,
                 4,
                 f32_streamed_tile_rows(padded, streamed_rows),
             ),
-            _ => (Module::AttentionTc, "tc", 8, ROWS),
+            _ => (Module::AttentionTc, &TC_KERNELS, 8, ROWS),
         };
         let suffix = match (dtype, padded, streamed) {
             (DType::BF16, 32, _) => "bf16_32",
@@ -129,7 +149,7 @@ impl Variant {
         };
         Ok(Variant {
             module,
-            prefix,
+            names,
             suffix,
             element_bytes: dtype.size_in_bytes(),
             row: padded + pad,
@@ -154,24 +174,16 @@ impl Variant {
         &self,
         backend: &CudaBackend,
         op: &'static str,
-        kernel: &'static str,
+        kernel: Kernel,
         config: LaunchConfig,
         params: &[Param],
         args: AttnArgs,
     ) -> Result<()> {
-        let name = match (self.prefix, kernel) {
-            ("tf32", "forward") => "attention_tf32_forward",
-            ("tf32", "backward_dq") => "attention_tf32_backward_dq",
-            ("tf32", _) => "attention_tf32_backward_dkdv",
-            (_, "forward") => "attention_tc_forward",
-            (_, "backward_dq") => "attention_tc_backward_dq",
-            _ => "attention_tc_backward_dkdv",
-        };
         launch_in(
             backend,
             self.module,
             op,
-            (name, self.suffix),
+            (self.names[kernel as usize], self.suffix),
             config,
             params,
             Some(args),
@@ -202,7 +214,7 @@ pub(crate) fn forward(
         address(&f.out),
         lse_address(&f),
     ];
-    variant.launch(backend, "attention", "forward", config, &params, args)
+    variant.launch(backend, "attention", Kernel::Forward, config, &params, args)
 }
 
 /// Backward; the caller checked [`fits`] for q, k, v, out, dout, dq, dk and dv.
@@ -237,7 +249,7 @@ pub(crate) fn backward(
         variant.launch(
             backend,
             "attention_backward",
-            "backward_dq",
+            Kernel::BackwardDq,
             config,
             &params,
             args,
@@ -261,11 +273,35 @@ pub(crate) fn backward(
         variant.launch(
             backend,
             "attention_backward",
-            "backward_dkdv",
+            Kernel::BackwardDkDv,
             config,
             &params,
             args,
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel a launch can name is an entry of its module's PTX: each dtype, padded head
+    /// dim and streamed tile height.
+    #[test]
+    fn every_variant_names_kernels_of_its_module() {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for head_dim in [8, 32, 40, 64, 72, 96, 104, 128] {
+                for streamed_rows in [100, 2048] {
+                    let variant = Variant::new(dtype, head_dim, streamed_rows).unwrap();
+                    let ptx = variant.module.ptx();
+                    for name in variant.names {
+                        let entry = format!(".entry {name}_{}(", variant.suffix);
+                        assert!(ptx.contains(&entry), "{dtype:?} d{head_dim}: no {entry}");
+                    }
+                }
+            }
+        }
+        assert!(Variant::new(DType::F32, 160, 100).is_err());
+    }
 }
