@@ -408,11 +408,14 @@ fn gpt2_small_shaped_runs_agree_within_one_percent() {
     );
 }
 
-/// A GPT-2-shaped model trained with a GradScaler and fused Adam, eagerly or with its forward,
+/// A GPT-2-shaped model trained with a GradScaler and fused Adam, eagerly, with its forward,
 /// scaling and backward replayed from a CUDA graph (the scaler's step and update outside it, on
-/// the device's scale and flag): the losses, skip flags, final scale and parameters are equal bit
-/// for bit. Step 6 overflows (its loss is multiplied by a device scalar set to infinity, an input
-/// of the graph like the token ids), so a replay runs with the scale the backoff lowered.
+/// the device's scale and flag), or with the whole step replayed (the scaler's unscale, the
+/// skipping Adam step and the scale's update inside the graph): the losses, final scale,
+/// parameters and Adam's step count are equal bit for bit (and the skip flags, where the host
+/// sees them). Step 6 overflows (its loss is multiplied by a device scalar set to infinity, an
+/// input of the graph like the token ids), so a replay runs with the scale the backoff lowered
+/// and the whole step's replay skips Adam's update on the device.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn scaled_steps_replayed_from_a_graph_equal_the_eager_steps_bitwise() {
@@ -422,7 +425,9 @@ fn scaled_steps_replayed_from_a_graph_equal_the_eager_steps_bitwise() {
     let _device = exclusive_device();
     const STEPS: usize = 12;
     const OVERFLOW_AT: usize = 6;
-    let run = |graphed: bool| {
+    // 0: eager; 1: forward, scaling and backward replayed; 2: the whole step replayed.
+    let run = |mode: u8| {
+        let graphed = mode > 0;
         let backend: BackendRef = cuda.clone();
         let generator = Arc::new(Generator::new(5));
         let config = Gpt2Config {
@@ -476,6 +481,15 @@ fn scaled_steps_replayed_from_a_graph_equal_the_eager_steps_bitwise() {
                 })?;
                 scaled.backward()?;
                 loss_out = Some(loss);
+                if mode == 2 {
+                    let amp =
+                        |e: headroom_amp::AmpError| headroom_autograd_core::TensorError::Device {
+                            op: "scaler",
+                            reason: e.to_string(),
+                        };
+                    scaler.step(&mut adam).map_err(amp)?;
+                    scaler.update().map_err(amp)?;
+                }
                 Ok(())
             };
             let how = match graphed {
@@ -483,11 +497,14 @@ fn scaled_steps_replayed_from_a_graph_equal_the_eager_steps_bitwise() {
                 false => body().map(|()| StepRun::Eager).unwrap(),
             };
             runs.push(how);
-            flags.push(scaler.step(&mut adam).unwrap());
-            scaler.update().unwrap();
+            if mode < 2 {
+                flags.push(scaler.step(&mut adam).unwrap());
+                scaler.update().unwrap();
+            }
             losses.push(loss_out.as_ref().unwrap().item().unwrap().to_bits());
         }
         let skipped: Vec<bool> = flags.iter().map(|f| f.read().unwrap()).collect();
+        let adam_steps = adam.param_step(0, 0).unwrap();
         let values: Vec<Vec<f32>> = params.iter().map(|p| p.to_vec::<f32>().unwrap()).collect();
         let reason = graph.eager_reason().map(str::to_owned);
         (
@@ -497,10 +514,11 @@ fn scaled_steps_replayed_from_a_graph_equal_the_eager_steps_bitwise() {
             scaler.get_scale().unwrap(),
             values,
             reason,
+            adam_steps,
         )
     };
-    let eager = run(false);
-    let graphed = run(true);
+    let eager = run(0);
+    let graphed = run(1);
     let mut expected_runs = vec![StepRun::Eager; 3];
     expected_runs.push(StepRun::Captured);
     expected_runs.resize(STEPS, StepRun::Replayed);
@@ -516,4 +534,19 @@ fn scaled_steps_replayed_from_a_graph_equal_the_eager_steps_bitwise() {
         graphed.4 == eager.4,
         "parameters differ after {STEPS} steps"
     );
+    // The overflowed step is not counted.
+    assert_eq!(eager.6, STEPS as u64 - 1);
+    assert_eq!(graphed.6, eager.6);
+    let whole = run(2);
+    assert_eq!(whole.0, expected_runs, "{:?}", whole.5);
+    assert_eq!(
+        whole.2, eager.2,
+        "losses differ with the whole step replayed"
+    );
+    assert_eq!(whole.3, eager.3);
+    assert!(
+        whole.4 == eager.4,
+        "parameters differ after {STEPS} steps with the whole step replayed"
+    );
+    assert_eq!(whole.6, eager.6, "Adam's step count follows the replays");
 }

@@ -2,16 +2,16 @@
 //! parameters bit for bit (fused AdamW at two bucket sizes, 8-bit Adam, 4-bit AdamW; the
 //! block-wise rules on bf16 parameters rounded stochastically too), exact clipping gives
 //! `clip_grad_norm_` then a step, accumulation over four micro-batches gives plain accumulation,
-//! and a scaled loss is unscaled in the fused kernels from device tensors, skipping the whole step
-//! on an overflow. Each test is marked `#[ignore = "needs a CUDA device"]`: it runs with
-//! `--include-ignored`.
+//! a scaled loss is unscaled in the fused kernels from device tensors, skipping the whole step
+//! on an overflow, and fused AdamW in backward replays from a CUDA graph bit for bit. Each test
+//! is marked `#[ignore = "needs a CUDA device"]`: it runs with `--include-ignored`.
 
 mod techniques;
 
-use headroom_autograd_core::{BackendRef, DType, Tensor};
+use headroom_autograd_core::{BackendRef, DType, Tensor, TensorError};
 use headroom_hooks::{ClipMode, InBackward, InBackwardConfig};
 use headroom_nn::VitConfig;
-use headroom_ops_cuda::CudaBackend;
+use headroom_ops_cuda::{CudaBackend, GraphedStep, StepRun};
 use headroom_optim::kernels::Bf16Rounding;
 use headroom_optim::{Adam, AdamConfig, Implementation, NormType, Optimizer, ParamGroup, SkipFlag};
 use headroom_testkit::gpu::backend_or_skip;
@@ -121,6 +121,51 @@ fn loss_of(params: &[Tensor]) -> Tensor {
         total = total.add(&p.exp().unwrap().sum_all().unwrap()).unwrap();
     }
     total
+}
+
+/// Fused AdamW in backward inside a CUDA graph: the forward, the backward and every bucket's
+/// step are captured once and replayed; each replay steps at its own step number, so 20 steps
+/// equal the plain eager loop bit for bit.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn in_backward_steps_replayed_from_a_cuda_graph_equal_the_plain_loop_bit_for_bit() {
+    let Some(device) = headroom_testkit::gpu::cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
+    let cuda: BackendRef = device.clone();
+    let (ours, reference) = (weights(&cuda), weights(&cuda));
+    let mut plain = adam(reference.clone());
+    let in_backward = InBackward::new(
+        Box::new(adam(ours.clone())),
+        InBackwardConfig {
+            bucket_bytes: 4096,
+            ..InBackwardConfig::default()
+        },
+    )
+    .unwrap();
+    let mut graph = GraphedStep::new(&device, 3);
+    let mut runs = Vec::new();
+    for _ in 0..20 {
+        let mut body = || {
+            in_backward
+                .backward(&loss_of(&ours))
+                .map_err(|e| TensorError::Device {
+                    op: "in_backward",
+                    reason: e.to_string(),
+                })
+        };
+        runs.push(graph.run(&[], &mut body).unwrap());
+        loss_of(&reference).backward().unwrap();
+        plain.step().unwrap();
+        plain.zero_grad(true).unwrap();
+    }
+    let mut expected = vec![StepRun::Eager; 3];
+    expected.push(StepRun::Captured);
+    expected.resize(20, StepRun::Replayed);
+    assert_eq!(runs, expected, "{:?}", graph.eager_reason());
+    for (a, b) in ours.iter().zip(&reference) {
+        assert_eq!(a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+    }
 }
 
 #[test]

@@ -1,11 +1,13 @@
 //! Training steps at batch 1, eager against replayed from a CUDA graph ([`GraphedStep`]), in one
 //! process: ViT-L/16 (224², f32) and GPT-2 small (1 × 1024 tokens, f32, dropout off), each step
-//! a new batch copied into the input, forward, loss, backward and fused AdamW stepping outside
-//! the graph. Both loops start from the same weights and see the same batches; after
-//! `STEPS` steps their parameters are compared bit for bit. Prints one JSON line per model: the
+//! a new batch copied into the input, forward, loss, backward and fused AdamW. Three loops: eager;
+//! the whole step captured, AdamW inside the graph (PyTorch's whole-network capture, the `graph`
+//! fields); forward and backward captured, AdamW stepping after the replay (the `outside`
+//! fields). All start from the same weights and see the same batches; after `STEPS` steps their
+//! parameters are compared bit for bit with the eager loop's. Prints one JSON line per model: the
 //! median step time of the steps after capture (wall, synchronised every step) and the host's
-//! time to enqueue a step, for both loops, their ratio and whether the parameters are equal.
-//! Prints a skip notice without a CUDA device. `graph_step vit|gpt2` runs one model.
+//! time to enqueue a step, for each loop, the graph's ratio to eager and whether the parameters
+//! are equal. Prints a skip notice without a CUDA device. `graph_step vit|gpt2` runs one model.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -53,7 +55,7 @@ fn run_loop(
     input: &Tensor,
     batches: &[Tensor],
     loss_of: &Loss<'_>,
-    graphed: bool,
+    mode: Mode,
 ) -> Loop {
     let mut adam = Adam::new(
         vec![ParamGroup::new(params.clone(), AdamConfig::adamw())],
@@ -73,13 +75,22 @@ fn run_loop(
             for p in &params {
                 p.set_grad(None)?;
             }
-            loss_of(input)?.backward()
+            loss_of(input)?.backward()?;
+            if mode == Mode::Whole {
+                adam.step().map_err(|e| TensorError::Device {
+                    op: "adam",
+                    reason: e.to_string(),
+                })?;
+            }
+            Ok(())
         };
-        let run = match graphed {
-            true => graph.run(&[input], &mut body).expect("graphed step"),
-            false => body().map(|()| StepRun::Eager).expect("eager step"),
+        let run = match mode {
+            Mode::Eager => body().map(|()| StepRun::Eager).expect("eager step"),
+            _ => graph.run(&[input], &mut body).expect("graphed step"),
         };
-        adam.step().expect("adam");
+        if mode != Mode::Whole {
+            adam.step().expect("adam");
+        }
         let host = start.elapsed().as_secs_f64() * 1e3;
         cuda.synchronize().expect("device");
         if step > WARMUP {
@@ -111,8 +122,18 @@ fn bytemuck_bytes(values: &[f32]) -> Vec<u8> {
         .collect()
 }
 
+/// How a loop runs its steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Eager,
+    /// Forward and backward replayed, AdamW stepping after the replay.
+    Outside,
+    /// The whole step replayed, AdamW inside the graph.
+    Whole,
+}
+
 /// Builds the model (same seed every call), its input and batches, and runs one loop.
-fn measure(cuda: &Arc<CudaBackend>, model: &str, graphed: bool) -> Loop {
+fn measure(cuda: &Arc<CudaBackend>, model: &str, mode: Mode) -> Loop {
     let gpu: BackendRef = cuda.clone();
     let generator = Arc::new(Generator::new(0));
     match model {
@@ -128,7 +149,7 @@ fn measure(cuda: &Arc<CudaBackend>, model: &str, graphed: bool) -> Loop {
                 .collect();
             let input = Tensor::zeros(&gpu, &shape, DType::F32).expect("input");
             let loss: Loss<'_> = Box::new(|x| vit.forward(x).map_err(nn_error)?.sum_all());
-            run_loop(cuda, vit.parameters(), &input, &batches, &loss, graphed)
+            run_loop(cuda, vit.parameters(), &input, &batches, &loss, mode)
         }
         _ => {
             let config = Gpt2Config::gpt2().without_dropout();
@@ -148,7 +169,7 @@ fn measure(cuda: &Arc<CudaBackend>, model: &str, graphed: bool) -> Loop {
                 let logits = gpt2.forward(ids).map_err(nn_error)?;
                 gpt2.loss(&logits, ids).map_err(nn_error)
             });
-            run_loop(cuda, gpt2.parameters(), &input, &batches, &loss, graphed)
+            run_loop(cuda, gpt2.parameters(), &input, &batches, &loss, mode)
         }
     }
 }
@@ -165,26 +186,30 @@ fn main() {
         if only.as_deref().is_some_and(|o| o != model) {
             continue;
         }
-        let eager = measure(&cuda, model, false);
-        cuda.allocator().empty_cache().expect("empty_cache");
-        let graphed = measure(&cuda, model, true);
-        cuda.allocator().empty_cache().expect("empty_cache");
-        let replayed = graphed
-            .runs
-            .iter()
-            .filter(|r| **r == StepRun::Replayed)
-            .count();
+        let run = |mode| {
+            let measured = measure(&cuda, model, mode);
+            cuda.allocator().empty_cache().expect("empty_cache");
+            measured
+        };
+        let (eager, graphed, outside) = (run(Mode::Eager), run(Mode::Whole), run(Mode::Outside));
+        let replayed = |l: &Loop| l.runs.iter().filter(|r| **r == StepRun::Replayed).count();
         println!(
-            "{{\"case\": \"{case}\", \"dtype\": \"F32\", \"steps\": {STEPS}, \"eager_step_ms\": {:.3}, \"eager_host_ms\": {:.3}, \"graph_step_ms\": {:.3}, \"graph_host_ms\": {:.3}, \"ratio\": {:.4}, \"replayed_steps\": {replayed}, \"fallback\": {:?}, \"params_bitwise_equal\": {}, \"eager_peak_allocated_bytes\": {}, \"graph_peak_allocated_bytes\": {}}}",
+            "{{\"case\": \"{case}\", \"dtype\": \"F32\", \"steps\": {STEPS}, \"eager_step_ms\": {:.3}, \"eager_host_ms\": {:.3}, \"graph_step_ms\": {:.3}, \"graph_host_ms\": {:.3}, \"ratio\": {:.4}, \"replayed_steps\": {}, \"fallback\": {:?}, \"params_bitwise_equal\": {}, \"eager_peak_allocated_bytes\": {}, \"graph_peak_allocated_bytes\": {}, \"outside_step_ms\": {:.3}, \"outside_host_ms\": {:.3}, \"outside_replayed_steps\": {}, \"outside_fallback\": {:?}, \"outside_params_bitwise_equal\": {}}}",
             eager.wall_ms,
             eager.host_ms,
             graphed.wall_ms,
             graphed.host_ms,
             graphed.wall_ms / eager.wall_ms,
-            graphed.reason.unwrap_or_default(),
+            replayed(&graphed),
+            graphed.reason.clone().unwrap_or_default(),
             graphed.params == eager.params,
             eager.peak_allocated,
             graphed.peak_allocated,
+            outside.wall_ms,
+            outside.host_ms,
+            replayed(&outside),
+            outside.reason.clone().unwrap_or_default(),
+            outside.params == eager.params,
         );
     }
 }

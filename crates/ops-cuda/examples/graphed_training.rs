@@ -1,9 +1,9 @@
-//! A training loop through CUDA graphs: a small ViT trained with fused AdamW, its step (clear
-//! the gradients, forward, loss, backward) run by a [`GraphedStep`]: three eager warm-ups, one
-//! capture, then replays, each step's batch copied into the tensor the graph reads. The
-//! optimizer steps outside the graph, on the gradients each replay overwrites. Then the same step
-//! with a logging `item()` inside, which a graph cannot replay: it runs eagerly, and the reason
-//! says why.
+//! A training loop through CUDA graphs: a small ViT trained with fused AdamW, its whole step
+//! (clear the gradients, forward, loss, backward, AdamW's step) run by a [`GraphedStep`]: three
+//! eager warm-ups, one capture, then replays, each step's batch copied into the tensor the graph
+//! reads; every replay steps AdamW at its own step number, read from the replay. Then the same
+//! step with a logging `item()` inside, which a graph cannot replay: it runs eagerly, and the
+//! reason says why.
 //!
 //! `cargo run --release -p headroom-ops-cuda --features cuda --example graphed_training`
 //!
@@ -62,13 +62,16 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
                 }
                 value.backward()?;
                 loss = Some(value);
-                Ok(())
+                adam.step().map_err(|e| TensorError::Device {
+                    op: "adam",
+                    reason: e.to_string(),
+                })
             };
             let run = graph.run(&[&input], &mut body)?;
-            adam.step()?;
             let value = loss.as_ref().expect("set by the step").to_vec::<f32>()?[0];
-            println!("{label}: step {step} {run:?}, loss {value:.6}");
+            println!("{label}: step {step} {run:?}, loss {value:.6e}");
         }
+        println!("{label}: AdamW counts {} steps", adam.param_step(0, 0)?);
         if let Some(reason) = graph.eager_reason() {
             println!("{label}: ran eagerly because {reason}");
         }

@@ -254,8 +254,8 @@ impl CudaBackend {
         }
         self.capture.refuse(
             "write_async",
-            "copies host values into the step (an optimizer's per-step table: step the \
-             optimizer outside the captured region)",
+            "copies host values into the step (bytes the same at every replay go through \
+             `write_for_replays`)",
         )?;
         self.bind("write_async")?;
         // SAFETY: the caller guarantees the destination range; the source is a live host slice

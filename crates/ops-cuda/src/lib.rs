@@ -108,7 +108,7 @@ pub use error::CudaError;
 #[cfg(feature = "cuda")]
 pub use device::{CudaBackend, CudaBackendOptions};
 #[cfg(feature = "cuda")]
-pub use graph::{CaptureError, CudaGraph, GraphedStep, StepRun};
+pub use graph::{CaptureError, CudaGraph, GraphedStep, ReplayIndex, ReplayLink, StepRun};
 #[cfg(feature = "cuda")]
 pub use index::{ForeignLogitTile, ForeignTileGradient, ForeignTileStats};
 #[cfg(feature = "cuda")]

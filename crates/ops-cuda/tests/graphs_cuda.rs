@@ -1,10 +1,11 @@
 //! CUDA graphs on a real device: training steps replayed from a captured graph equal the eager
-//! steps bit for bit (a ViT and a GPT-2, fused AdamW stepping outside the graph, a new batch
-//! copied in before every step), the graph's private pool survives `empty_cache` and is returned
-//! when the graph goes, a change of input shapes drops the graph and captures anew, and every
-//! host dependency inside a step (a read, a write from host memory, an optimizer's per-step
-//! table, dropout's host seed) refuses the capture with its reason while the step still runs
-//! eagerly with the eager results. Each test is marked `#[ignore = "needs a CUDA device"]`: it
+//! steps bit for bit (a ViT and a GPT-2, fused AdamW stepping outside the graph or inside it, a
+//! new batch copied in before every step), a learning rate changed after the capture captures the
+//! step again, the graph's private pool survives `empty_cache` and is returned when the graph
+//! goes, a change of input shapes drops the graph and captures anew, and every host dependency
+//! inside a step (a read, a write from host memory, a foreach optimizer's per-step table,
+//! dropout's host seed) refuses the capture with its reason while the step still runs eagerly
+//! with the eager results. Each test is marked `#[ignore = "needs a CUDA device"]`: it
 //! runs with `--include-ignored`, and fails without a device where `HEADROOM_REQUIRE_GPU=1` is
 //! set (testkit's GPU gate).
 #![cfg(feature = "cuda")]
@@ -38,23 +39,35 @@ fn clear_grads(params: &[Tensor]) -> Result<()> {
     params.iter().try_for_each(|p| p.set_grad(None))
 }
 
-/// What a training run left: every parameter's values, every step's loss, how each step ran and
-/// the graphed loop's last fallback reason.
+/// What a training run left: every parameter's values, every step's loss, how each step ran,
+/// the graphed loop's last fallback reason and Adam's step count.
 struct Run {
     params: Vec<Vec<f32>>,
     losses: Vec<f32>,
     runs: Vec<StepRun>,
     reason: Option<String>,
+    adam_steps: u64,
 }
 
-/// `STEPS` steps of `loss_of(model input)` with fused AdamW stepping outside the step, eagerly
-/// or through a [`GraphedStep`]; step `i` first copies batch `batch(i)` into the input tensor.
+/// How [`train`] runs its steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Eager,
+    /// Forward and backward through a [`GraphedStep`], fused AdamW stepping after it.
+    Graphed,
+    /// The whole step, fused AdamW inside, through a [`GraphedStep`].
+    Whole,
+}
+
+/// `STEPS` steps of `loss_of(model input)` with fused AdamW, run as `mode` says; step `i` first
+/// copies batch `batch(i)` into the input tensor; with `lr_change`, the learning rate becomes
+/// 3e-3 before that step.
 fn train(
     cuda: &Arc<CudaBackend>,
     params: Vec<Tensor>,
     input: &Tensor,
     batch: &dyn Fn(usize) -> Result<Tensor>,
-    graphed: bool,
+    (mode, lr_change): (Mode, Option<usize>),
     loss_of: &dyn Fn(&Tensor) -> Result<Tensor>,
 ) -> Run {
     let mut adam = Adam::new(
@@ -67,19 +80,30 @@ fn train(
     let mut loss: Option<Tensor> = None;
     for step in 0..STEPS {
         input.copy_(&batch(step).expect("batch")).expect("copy in");
+        if lr_change == Some(step) {
+            adam.set_lr(0, 3e-3);
+        }
         let mut body = || -> Result<()> {
             clear_grads(&params)?;
             let value = loss_of(input)?;
             value.backward()?;
             loss = Some(value);
+            if mode == Mode::Whole {
+                adam.step().map_err(|e| TensorError::Device {
+                    op: "adam",
+                    reason: e.to_string(),
+                })?;
+            }
             Ok(())
         };
-        let run = match graphed {
-            true => graph.run(&[input], &mut body).expect("graphed step"),
-            false => body().map(|()| StepRun::Eager).expect("eager step"),
+        let run = match mode {
+            Mode::Eager => body().map(|()| StepRun::Eager).expect("eager step"),
+            _ => graph.run(&[input], &mut body).expect("graphed step"),
         };
         runs.push(run);
-        adam.step().expect("adam");
+        if mode != Mode::Whole {
+            adam.step().expect("adam");
+        }
         let value = loss
             .as_ref()
             .expect("a loss")
@@ -96,6 +120,7 @@ fn train(
         losses,
         runs,
         reason: graph.eager_reason().map(str::to_owned),
+        adam_steps: adam.param_step(0, 0).expect("step count"),
     }
 }
 
@@ -108,7 +133,7 @@ fn expected_runs() -> Vec<StepRun> {
 
 /// A tiny ViT's `train`, its loss `sum(forward(x))`; with `reads_loss`, the step also reads the
 /// loss back on the host (a logging `item()`), which no graph can replay.
-fn vit_run(cuda: &Arc<CudaBackend>, graphed: bool, reads_loss: bool) -> Run {
+fn vit_run(cuda: &Arc<CudaBackend>, mode: (Mode, Option<usize>), reads_loss: bool) -> Run {
     let gpu: BackendRef = cuda.clone();
     let generator = Arc::new(Generator::new(0));
     let model =
@@ -124,7 +149,7 @@ fn vit_run(cuda: &Arc<CudaBackend>, graphed: bool, reads_loss: bool) -> Run {
         }
         Ok(value)
     };
-    train(cuda, model.parameters(), &input, &batch, graphed, &loss)
+    train(cuda, model.parameters(), &input, &batch, mode, &loss)
 }
 
 #[test]
@@ -133,8 +158,8 @@ fn vit_steps_replayed_from_a_graph_equal_the_eager_steps_bitwise() {
     let Some((_device, cuda)) = backend_or_skip() else {
         return;
     };
-    let eager = vit_run(&cuda, false, false);
-    let graphed = vit_run(&cuda, true, false);
+    let eager = vit_run(&cuda, (Mode::Eager, None), false);
+    let graphed = vit_run(&cuda, (Mode::Graphed, None), false);
     assert_eq!(graphed.runs, expected_runs(), "{:?}", graphed.reason);
     assert_eq!(graphed.losses, eager.losses);
     assert!(
@@ -145,13 +170,59 @@ fn vit_steps_replayed_from_a_graph_equal_the_eager_steps_bitwise() {
     assert_ne!(graphed.losses[STEPS - 1], graphed.losses[WARMUP + 1]);
 }
 
+/// The whole step captured, fused AdamW inside the graph: each replay steps Adam at its own
+/// step number (the kernel adds the replay's index to the captured step), so the replays equal
+/// the eager steps bit for bit and Adam counts every replayed step.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn whole_steps_with_fused_adamw_replayed_from_a_graph_equal_the_eager_steps_bitwise() {
+    let Some((_device, cuda)) = backend_or_skip() else {
+        return;
+    };
+    let eager = vit_run(&cuda, (Mode::Eager, None), false);
+    let whole = vit_run(&cuda, (Mode::Whole, None), false);
+    assert_eq!(whole.runs, expected_runs(), "{:?}", whole.reason);
+    assert_eq!(whole.losses, eager.losses);
+    assert!(
+        whole.params == eager.params,
+        "parameters differ after {STEPS} steps"
+    );
+    assert_eq!(eager.adam_steps, STEPS as u64);
+    assert_eq!(whole.adam_steps, STEPS as u64);
+}
+
+/// A new learning rate after the capture marks the graph stale: the step warms up and is
+/// captured again with the new rate, never replayed with the old one, and the results equal the
+/// eager run's with the same change.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_learning_rate_changed_after_the_capture_captures_the_step_again() {
+    let Some((_device, cuda)) = backend_or_skip() else {
+        return;
+    };
+    const CHANGE: usize = 9;
+    let eager = vit_run(&cuda, (Mode::Eager, Some(CHANGE)), false);
+    let whole = vit_run(&cuda, (Mode::Whole, Some(CHANGE)), false);
+    let mut expected = expected_runs()[..CHANGE].to_vec();
+    expected.extend([StepRun::Eager; WARMUP]);
+    expected.push(StepRun::Captured);
+    expected.resize(STEPS, StepRun::Replayed);
+    assert_eq!(whole.runs, expected, "{:?}", whole.reason);
+    assert_eq!(whole.losses, eager.losses);
+    assert!(
+        whole.params == eager.params,
+        "parameters differ after {STEPS} steps"
+    );
+    assert_eq!(whole.adam_steps, STEPS as u64);
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn gpt2_steps_replayed_from_a_graph_equal_the_eager_steps_bitwise() {
     let Some((_device, cuda)) = backend_or_skip() else {
         return;
     };
-    let run = |graphed: bool| {
+    let run = |mode: Mode| {
         let gpu: BackendRef = cuda.clone();
         let generator = Arc::new(Generator::new(1));
         let config = Gpt2Config {
@@ -172,10 +243,17 @@ fn gpt2_steps_replayed_from_a_graph_equal_the_eager_steps_bitwise() {
         };
         let loss =
             |ids: &Tensor| -> Result<Tensor> { nn(model.loss(&nn(model.forward(ids))?, ids)) };
-        train(&cuda, model.parameters(), &input, &batch, graphed, &loss)
+        train(
+            &cuda,
+            model.parameters(),
+            &input,
+            &batch,
+            (mode, None),
+            &loss,
+        )
     };
-    let eager = run(false);
-    let graphed = run(true);
+    let eager = run(Mode::Eager);
+    let graphed = run(Mode::Graphed);
     assert_eq!(graphed.runs, expected_runs(), "{:?}", graphed.reason);
     assert_eq!(graphed.losses, eager.losses);
     assert!(
@@ -190,8 +268,8 @@ fn a_step_that_reads_the_host_runs_eagerly_with_the_reason_and_the_eager_results
     let Some((_device, cuda)) = backend_or_skip() else {
         return;
     };
-    let eager = vit_run(&cuda, false, false);
-    let graphed = vit_run(&cuda, true, true);
+    let eager = vit_run(&cuda, (Mode::Eager, None), false);
+    let graphed = vit_run(&cuda, (Mode::Graphed, None), true);
     assert_eq!(graphed.runs, vec![StepRun::Eager; STEPS]);
     let reason = graphed.reason.expect("a reason");
     assert!(reason.contains("read_host"), "{reason}");
@@ -231,13 +309,14 @@ fn host_dependencies_refuse_the_capture_and_leave_the_backend_usable() {
     let dropout = headroom_nn::Dropout::new(0.5, generator);
     let drop = refusal(cuda.capture(|| nn(dropout.forward(&x))));
     assert!(drop.contains("dropout"), "{drop}");
-    // An optimizer's per-step table is host data: step it outside the graph.
+    // A foreach optimizer's per-step tables are host data: step it outside the graph (fused
+    // Adam reads its step from the replay instead).
     let p = Tensor::full(&gpu, &[64], 1.0, DType::F32).expect("p");
     p.requires_grad_(true).expect("a leaf");
     p.set_grad(Some(x.clone())).expect("grad");
     let mut adam = Adam::new(
         vec![ParamGroup::new(vec![p.clone()], AdamConfig::adamw())],
-        Implementation::Fused,
+        Implementation::FOREACH,
     )
     .expect("optimizer");
     adam.step().expect("an eager step first");
@@ -247,7 +326,7 @@ fn host_dependencies_refuse_the_capture_and_leave_the_backend_usable() {
             reason: e.to_string(),
         })
     }));
-    assert!(table.contains("write_async"), "{table}");
+    assert!(table.contains("step number"), "{table}");
     // Nothing of the refused captures ran, and the backend still computes.
     let y = x.add(&x).expect("add").to_vec::<f32>().expect("read");
     assert_eq!(y, vec![3.0f32; 64]);

@@ -26,9 +26,11 @@ struct AdamConsts {
     float l2, decay_factor, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
 };
 
-// The piece's constants; after device-skipped steps the two step-dependent ones are recomputed
-// from the true step as the host computes them (f64, then rounded to f32).
-__device__ __forceinline__ AdamConsts adam_consts(const AdamPiece& pc) {
+// The piece's constants at its true step plus `replayed` (a CUDA graph's replay index: the
+// table holds the first replay's step); after device-skipped steps or on a replay the two
+// step-dependent ones are recomputed from that step as the host computes them (f64, then
+// rounded to f32).
+__device__ __forceinline__ AdamConsts adam_consts(const AdamPiece& pc, unsigned long long replayed = 0) {
     AdamConsts c;
     c.flags = pc.flags;
     c.l2 = pc.l2;
@@ -39,7 +41,7 @@ __device__ __forceinline__ AdamConsts adam_consts(const AdamPiece& pc) {
     c.bias_correction2_sqrt = pc.bias_correction2_sqrt;
     c.eps = pc.eps;
     c.neg_step_size = pc.neg_step_size;
-    unsigned long long t = true_step(pc.head);
+    unsigned long long t = true_step(pc.head) + replayed;
     if (t != pc.head.step) {
         double bias_correction1 = 1.0 - pow(pc.beta1, (double)t);
         double bias_correction2 = 1.0 - pow(pc.beta2, (double)t);
@@ -73,13 +75,16 @@ __device__ __forceinline__ void adam_element(const AdamConsts& c, bool scaled, f
 
 // Fused: block b updates `block_elems` elements of its piece in one pass. Every value is loaded
 // to float, the whole update runs in float, and p, m, v (and vmax) are each stored (rounded to
-// T) once at the end, as PyTorch's fused Adam does for low-precision parameters.
+// T) once at the end, as PyTorch's fused Adam does for low-precision parameters. Inside a CUDA
+// graph `replay_index` points at the replay's index (added to every piece's step), else it is
+// null.
 template <typename T>
 __device__ __forceinline__ void adam_fused(const AdamPiece* pieces, unsigned n_pieces, unsigned long long block_elems,
-                                           const float* grad_scale, const float* found_inf) {
+                                           const float* grad_scale, const float* found_inf,
+                                           const unsigned* replay_index) {
     if (skip_step(pieces, n_pieces, found_inf)) return;
     const AdamPiece& pc = pieces[find_piece(pieces, n_pieces, blockIdx.x)];
-    const AdamConsts c = adam_consts(pc);
+    const AdamConsts c = adam_consts(pc, replay_index ? *replay_index : 0);
     float scale;
     bool scaled = grad_scale_of(grad_scale, pc.flags, pc.grad_scale, &scale);
     unsigned long long start = (blockIdx.x - pc.head.first_block) * block_elems;
@@ -146,8 +151,9 @@ __device__ __forceinline__ void adam_fused(const AdamPiece* pieces, unsigned n_p
     }
 }
 INSTANCES(, adam_fused,
-          (const AdamPiece* pieces, unsigned n_pieces, unsigned long long block_elems, const float* grad_scale, const float* found_inf),
-          (pieces, n_pieces, block_elems, grad_scale, found_inf))
+          (const AdamPiece* pieces, unsigned n_pieces, unsigned long long block_elems, const float* grad_scale, const float* found_inf,
+           const unsigned* replay_index),
+          (pieces, n_pieces, block_elems, grad_scale, found_inf, replay_index))
 
 // PyTorch 2.11's own fused kernel (`torch.optim.Adam/AdamW(fused=True)`, ATen's
 // fused_adam_utils.cuh), for callers that must agree with it to the bit rather than with the

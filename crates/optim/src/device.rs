@@ -289,6 +289,34 @@ impl StepDevice {
         }
     }
 
+    /// How far each slot's step is from the host's count by the replays of CUDA graphs that
+    /// captured its steps (`(slot, delta)`; none on the host).
+    pub(crate) fn replay_deltas(&self) -> Vec<(usize, i64)> {
+        match &self.kind {
+            DeviceKind::Host => Vec::new(),
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda(cuda) => cuda.replay_deltas(),
+        }
+    }
+
+    /// Marks [`StepDevice::replay_deltas`] as added to the host's counts.
+    pub(crate) fn count_replays(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let DeviceKind::Cuda(cuda) = &mut self.kind {
+            cuda.count_replays();
+        }
+    }
+
+    /// Marks every CUDA graph that replays a step of this optimizer stale with `reason`.
+    pub(crate) fn invalidate_captures(&self, reason: &str) {
+        #[cfg(feature = "cuda")]
+        if let DeviceKind::Cuda(cuda) = &self.kind {
+            cuda.invalidate_captures(reason);
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = reason;
+    }
+
     /// Forgets the device's skip counts (after loading a state dict, whose steps are exact).
     pub(crate) fn reset_skipped_steps(&mut self) -> Result<(), OptimError> {
         match &mut self.kind {

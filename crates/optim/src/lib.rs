@@ -88,7 +88,8 @@
 //! 1. `error` — the crate's one error type (it names the norm type).
 //! 2. `kernels` — the raw-buffer layer: updates over host slices, no tensors.
 //! 3. `step`, `host`, `cuda::table` — the step vocabulary; tensors as host slices; piece tables.
-//! 4. `cuda::launch`, `clip::host` — launches on a CUDA device; clipping on the host.
+//! 4. `cuda::launch`, `cuda::replays`, `clip::host` — launches on a CUDA device (and the steps
+//!    a CUDA graph replays); clipping on the host.
 //! 5. `rule`, `loss_scaler`, `cuda::grads`, `cuda::clip`, `cuda::grad_scale` — what a rule is;
 //!    what a loss scale provides; CUDA clipping.
 //! 6. `driver`, `cuda::multi_tensor`, `device` — the drivers rules plug into; where steps run.

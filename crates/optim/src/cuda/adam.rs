@@ -50,6 +50,7 @@ impl PieceKernels for AdamConfig {
         ["adam_fused_f32", "adam_fused_bf16", "adam_fused_f16"];
     const PASS_KERNELS: [&'static str; 3] = ["adam_pass_f32", "adam_pass_bf16", "adam_pass_f16"];
     const FUSED_BLOCK: (u64, u32) = (1 << 16, 512);
+    const REPLAYED: bool = true;
 
     fn state_addresses(state: &AdamState) -> [u64; 3] {
         let max_exp_avg_sq = state.max_exp_avg_sq.as_ref().map_or(0, address);
@@ -194,7 +195,7 @@ impl CudaKernels<AdamState> for AdamStochasticConfig {
             STOCHASTIC_KERNEL,
             &geometry,
             AdamConfig::FUSED_BLOCK,
-            scaling,
+            (scaling, false),
             &mut |table, idx, head| {
                 self.adam
                     .write_fields(table, head, spans[idx], grad_scale)
@@ -387,12 +388,23 @@ impl CudaFusedAdam {
             },
         )?;
         let n_pieces = params.len();
-        let kernel = match math {
-            FusedAdamMath::OpByOp => (Module::Adam, instance(dtype, AdamConfig::FUSED_KERNELS)),
-            FusedAdamMath::Torch => TORCH_KERNEL,
-        };
-        self.device
-            .run_elementwise(kernel, &table, n_pieces, n_blocks, block, addresses)
+        match math {
+            FusedAdamMath::OpByOp => {
+                let kernel = (Module::Adam, instance(dtype, AdamConfig::FUSED_KERNELS));
+                let launch = (&table, n_pieces, n_blocks);
+                self.device
+                    .run_elementwise_replayed(kernel, launch, block, addresses)
+                    .map(drop)
+            }
+            FusedAdamMath::Torch => self.device.run_elementwise(
+                TORCH_KERNEL,
+                &table,
+                n_pieces,
+                n_blocks,
+                block,
+                addresses,
+            ),
+        }
     }
 }
 

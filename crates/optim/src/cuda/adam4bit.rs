@@ -123,7 +123,7 @@ impl CudaKernels<BlockwiseState> for Adam4bitConfig {
             kernel_of(Module::Adam4bit, F32_STATES_KERNELS, dtype),
             &full.0,
             F32_STATES,
-            scaling,
+            (scaling, false),
             &mut |t, idx, head| {
                 let at = (head, full.0[idx].slot);
                 write_piece(t, self, at, full.1[idx], grad_scale)

@@ -265,7 +265,7 @@ fn step(
         kernel_of(Module::Adam8bit, BNB32_KERNELS, dtype),
         &full.0,
         BNB32,
-        scaling,
+        (scaling, false),
         &mut |t, idx, head| {
             let at = (head, full.0[idx].slot);
             write_piece(t, cfg, at, full.1[idx], grad_scale, math)

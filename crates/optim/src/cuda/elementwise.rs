@@ -72,7 +72,7 @@ impl<E: ElementwiseRule> CudaKernels<ElementwiseState> for E {
             (module, name),
             &geometry,
             (kernel.max_block_elems, kernel.threads),
-            scaling,
+            (scaling, false),
             &mut |table, idx, head| write_piece(table, head, pieces[idx], grad_scale),
         )
     }

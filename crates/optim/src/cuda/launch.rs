@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use headroom_autograd_core::{Backend, DType, Device, Tensor, TensorError};
 use headroom_caching_allocator::Allocation;
-use headroom_ops_cuda::{CudaBackend, CudaKernel, KernelArg};
+use headroom_ops_cuda::{CudaBackend, CudaKernel, KernelArg, ReplayLink};
 
 use super::table::{PieceHead, Table};
 use crate::error::OptimError;
@@ -182,6 +182,11 @@ pub struct CudaDevice {
     /// Loaded kernels by module and kernel name.
     kernels: HashMap<(&'static str, &'static str), CudaKernel>,
     table: Option<Allocation>,
+    /// Tables written inside CUDA graph captures (each its own block of the graph's pool, which
+    /// nothing outside that capture reuses); freed at the next table written outside one.
+    captured_tables: Vec<Allocation>,
+    /// The steps launched inside captures, whose replays the host's step numbers follow.
+    pub(super) captured_steps: Vec<CapturedSteps>,
     code_tables: Option<Allocation>,
     skips: Option<Allocation>,
 }
@@ -215,6 +220,8 @@ impl CudaDevice {
             n_slots,
             kernels: HashMap::new(),
             table: None,
+            captured_tables: Vec::new(),
+            captured_steps: Vec::new(),
             code_tables: None,
             skips: None,
         }
@@ -234,9 +241,32 @@ impl CudaDevice {
     }
 
     /// Copies a launch table to the device (in stream order, without waiting) and returns its
-    /// address; the buffer grows when needed and is kept for the next steps.
+    /// address; the buffer grows when needed and is kept for the next steps. Inside a CUDA graph
+    /// capture the table gets a block of its own, which every replay copies the same bytes into:
+    /// for tables that hold no per-step value (the step-dependent launches refuse a capture in
+    /// [`CudaDevice::table_args`] or read the replay index).
     pub(crate) fn write_table(&mut self, bytes: &[u8]) -> Result<u64, OptimError> {
         let needed = bytes.len() as u64;
+        if self.backend.is_capturing() {
+            let table = self
+                .backend
+                .allocator()
+                .allocate(needed.max(1), headroom_caching_allocator::StreamId::DEFAULT)
+                .map_err(TensorError::from)?;
+            let address = table.address();
+            self.captured_tables.push(table);
+            // SAFETY: the block is live, at least `bytes.len()` long, and stays allocated in the
+            // graph's pool (kept in `captured_tables`, then cached under the pool) while the
+            // graph lives.
+            unsafe { self.backend.write_for_replays(address, bytes) }?;
+            return Ok(address);
+        }
+        for table in self.captured_tables.drain(..) {
+            self.backend
+                .allocator()
+                .free(table)
+                .map_err(TensorError::from)?;
+        }
         if self.table.as_ref().is_none_or(|t| t.size() < needed) {
             if let Some(old) = self.table.take() {
                 self.backend
@@ -261,13 +291,28 @@ impl CudaDevice {
 
     /// Writes the table of a one-pass launch (`n_pieces` pieces) and returns the two arguments
     /// every piece-table kernel starts with: the table's address and its number of pieces.
+    /// Refuses a CUDA graph capture: such a table holds the step's number and constants (see
+    /// [`CudaDevice::run_elementwise_replayed`] for the kernels that read them from the replay).
     pub(crate) fn table_args(
         &mut self,
         table: &Table,
         n_pieces: usize,
     ) -> Result<[KernelArg; 2], OptimError> {
+        self.refuse_capture("optimizer step")?;
         let base = self.write_table(table.bytes())?;
         Ok([KernelArg::U64(base), KernelArg::U32(n_pieces as u32)])
+    }
+
+    /// Refuses a CUDA graph capture for `op`, whose launch table holds the step's number (and
+    /// constants derived from it) and so changes every step; `Ok` outside a capture.
+    pub(crate) fn refuse_capture(&self, op: &'static str) -> Result<(), OptimError> {
+        self.backend
+            .refuse_capture(
+                op,
+                "writes its step number into a launch table on the host (only fused Adam and \
+                 AdamW with gradients scaled on the device read it from a graph's replay)",
+            )
+            .map_err(OptimError::from)
     }
 
     /// Launches kernel `name` of `module` with `grid` blocks of `block` threads.
@@ -355,10 +400,31 @@ impl Drop for CudaDevice {
             self.code_tables.take(),
             self.skips.take(),
         ];
-        for allocation in allocations.into_iter().flatten() {
+        let captured = std::mem::take(&mut self.captured_tables);
+        for allocation in allocations.into_iter().flatten().chain(captured) {
             // Freed in stream order; a failure cannot be reported from a drop (the backend
             // counts failed frees of its own, this one is lost).
             let _ = self.backend.allocator().free(allocation);
+        }
+    }
+}
+
+/// The slots of a step launched inside a capture, and the replays the host already counted (the
+/// host counted the captured step itself, as the first replay).
+#[derive(Debug)]
+pub(crate) struct CapturedSteps {
+    pub(super) link: ReplayLink,
+    pub(super) slots: Vec<usize>,
+    pub(super) counted: u64,
+}
+
+impl CapturedSteps {
+    pub(crate) fn new(link: ReplayLink, slots: impl Iterator<Item = usize>) -> CapturedSteps {
+        let slots = slots.collect();
+        CapturedSteps {
+            link,
+            slots,
+            counted: 1,
         }
     }
 }
@@ -405,7 +471,7 @@ struct Region {
     n_blocks: u64,
 }
 
-fn grid(n_blocks: u64) -> Result<u32, OptimError> {
+pub(super) fn grid(n_blocks: u64) -> Result<u32, OptimError> {
     u32::try_from(n_blocks).map_err(|_| OptimError::InvalidArgument {
         op: "launch",
         reason: format!("{n_blocks} blocks exceed a CUDA grid"),
@@ -490,6 +556,7 @@ impl CudaDevice {
                 n_blocks: first_block,
             });
         }
+        self.refuse_capture("optimizer step (foreach)")?;
         let base = self.write_table(table.bytes())?;
         for region in regions {
             for &op in ops {
@@ -560,12 +627,17 @@ impl CudaDevice {
     /// The fused form: one piece per parameter (`write(table, index, head)` writes it), one
     /// launch of `kernel` with `block` = (most elements, threads) per block (fewer elements a
     /// block for a small launch: [`fused_block_elems`]).
+    ///
+    /// With `replayed`, `kernel` takes a replay index ([`CudaDevice::run_elementwise_replayed`]):
+    /// inside a CUDA graph capture the launch is recorded, so the host's step numbers of its
+    /// slots follow the graph's replays ([`CudaDevice::replay_deltas`]). A host-valued gradient
+    /// scale is baked into the table, so it refuses the capture.
     pub(crate) fn run_fused(
         &mut self,
         kernel: (Module, &'static str),
         items: &[ItemGeometry],
         block: (u64, u32),
-        scaling: Scaling<'_>,
+        (scaling, replayed): (Scaling<'_>, bool),
         write: &mut dyn FnMut(&mut Table, usize, PieceHead),
     ) -> Result<(), OptimError> {
         let total_len = items.iter().map(|item| item.len).sum();
@@ -573,7 +645,19 @@ impl CudaDevice {
         let count_skips = matches!(scaling, Scaling::Device(_));
         let (table, n_blocks) = self.piece_table(items, block.0, count_skips, write)?;
         let addresses = scaling_addresses(scaling);
-        self.run_elementwise(kernel, &table, items.len(), n_blocks, block, addresses)
+        if !replayed {
+            return self.run_elementwise(kernel, &table, items.len(), n_blocks, block, addresses);
+        }
+        if matches!(scaling, Scaling::Host(_)) {
+            self.refuse_capture("optimizer step with a host-valued gradient scale")?;
+        }
+        let launch = (&table, items.len(), n_blocks);
+        let link = self.run_elementwise_replayed(kernel, launch, block, addresses)?;
+        if let Some(link) = link {
+            self.captured_steps
+                .push(CapturedSteps::new(link, items.iter().map(|item| item.slot)));
+        }
+        Ok(())
     }
 
     /// The foreach form (chunks of `chunk` elements, `None`: all at once) or the single form

@@ -50,6 +50,7 @@ pub(crate) mod launch;
 mod multi_tensor;
 pub(crate) mod offload;
 pub(crate) mod offload_stream;
+mod replays;
 mod sgd;
 mod table;
 

@@ -49,6 +49,9 @@ pub(crate) trait PieceKernels: UpdateRule {
     const PASS_KERNELS: [&'static str; 3];
     /// Elements and threads per block of the fused kernel.
     const FUSED_BLOCK: (u64, u32);
+    /// Whether the fused kernel takes a CUDA graph's replay index after the found-inf flag and
+    /// reads its step from it, so a step inside a capture replays right (else it refuses one).
+    const REPLAYED: bool;
 
     /// The device addresses of a state's buffers (0: none).
     fn state_addresses(state: &Self::State) -> [u64; 3];
@@ -92,7 +95,7 @@ pub(crate) fn step<R: PieceKernels>(
             (R::MODULE, instance(dtype, R::FUSED_KERNELS)),
             &geometry,
             R::FUSED_BLOCK,
-            scaling,
+            (scaling, R::REPLAYED),
             &mut |table, idx, head| rule.write_piece(table, head, spans[idx], grad_scale),
         );
     }

@@ -37,6 +37,7 @@ impl PieceKernels for SgdConfig {
     const FUSED_KERNELS: [&'static str; 3] = ["sgd_fused_f32", "sgd_fused_bf16", "sgd_fused_f16"];
     const PASS_KERNELS: [&'static str; 3] = ["sgd_pass_f32", "sgd_pass_bf16", "sgd_pass_f16"];
     const FUSED_BLOCK: (u64, u32) = (4096, 256);
+    const REPLAYED: bool = false;
 
     fn state_addresses(state: &SgdState) -> [u64; 3] {
         [state.momentum_buffer.as_ref().map_or(0, address), 0, 0]

@@ -230,8 +230,13 @@ impl<R: UpdateRule> GroupOptimizer<R> {
         &self.groups
     }
 
-    /// A group's hyperparameters, to change between steps.
+    /// A group's hyperparameters, to change between steps. A CUDA graph that captured a step of
+    /// this optimizer is marked stale: it would replay the old values ([`GraphedStep`] captures
+    /// the step again).
+    ///
+    /// [`GraphedStep`]: https://docs.rs/headroom-ops-cuda/latest/headroom_ops_cuda/struct.GraphedStep.html
     pub fn config_mut(&mut self, group: usize) -> &mut R {
+        self.device.invalidate_captures(HYPERPARAMETERS_CHANGED);
         &mut self.groups[group].config
     }
 
@@ -245,8 +250,31 @@ impl<R: UpdateRule> GroupOptimizer<R> {
     /// waits for the device).
     pub fn param_step(&self, group: usize, idx: usize) -> Result<u64, OptimError> {
         let slot = self.slot_of(group, idx)?;
-        let skipped = self.device.skipped_steps(self.slots.len())?[slot];
-        Ok(self.slots[slot].step - skipped)
+        Ok(self.steps_taken()?[slot])
+    }
+
+    /// Every slot's steps taken: the host's count, plus the replays of CUDA graphs that captured
+    /// its step, less the steps skipped on the device (reading those waits for the device).
+    pub(super) fn steps_taken(&self) -> Result<Vec<u64>, OptimError> {
+        let mut steps: Vec<i64> = self.slots.iter().map(|slot| slot.step as i64).collect();
+        for (slot, delta) in self.device.replay_deltas() {
+            steps[slot] += delta;
+        }
+        let skipped = self.device.skipped_steps(self.slots.len())?;
+        Ok(steps
+            .iter()
+            .zip(skipped)
+            .map(|(&step, skipped)| (step.max(0) as u64).saturating_sub(skipped))
+            .collect())
+    }
+
+    /// Adds the replays of CUDA graphs that captured steps to the host's step counts.
+    fn count_replays(&mut self) {
+        for (slot, delta) in self.device.replay_deltas() {
+            let step = &mut self.slots[slot].step;
+            *step = (*step as i64 + delta).max(0) as u64;
+        }
+        self.device.count_replays();
     }
 
     /// The slot of parameter `idx` of group `group`, or a typed error naming what is out of
@@ -328,6 +356,7 @@ impl<R: UpdateRule> GroupOptimizer<R> {
     /// group, in order, their gradients are checked and missing states created, then each run of
     /// one dtype is one rule call.
     fn step_slots(&mut self, selected: &[usize], scaling: Scaling<'_>) -> Result<(), OptimError> {
+        self.count_replays();
         let GroupOptimizer {
             groups,
             slots,
@@ -409,6 +438,10 @@ impl<R: UpdateRule> GroupOptimizer<R> {
     }
 }
 
+/// Why a CUDA graph that captured a step of an optimizer may not replay it any more.
+const HYPERPARAMETERS_CHANGED: &str =
+    "the optimizer's hyperparameters changed after its step was captured";
+
 /// Mutable references to the elements of `slice` at `sorted` (ascending, distinct, in range)
 /// indices, in O(their number).
 fn select_mut<'a, T>(mut rest: &'a mut [T], sorted: &[usize]) -> Vec<&'a mut T> {
@@ -476,6 +509,9 @@ impl<R: UpdateRule> Optimizer for GroupOptimizer<R> {
     }
 
     fn set_lr(&mut self, group: usize, lr: f64) {
+        if lr.to_bits() != self.groups[group].config.lr().to_bits() {
+            self.device.invalidate_captures(HYPERPARAMETERS_CHANGED);
+        }
         self.groups[group].config.set_lr(lr);
     }
 

@@ -29,11 +29,11 @@ impl<R: UpdateRule> GroupOptimizer<R> {
             metadata.insert(format!("group.{g}.config"), format!("{:?}", group.config));
         }
         let mut blobs: Vec<(String, DType, Vec<usize>, Vec<u8>)> = Vec::new();
-        let skipped = self.device.skipped_steps(self.slots.len())?;
+        let steps = self.steps_taken()?;
         for (slot_idx, slot) in self.slots.iter().enumerate() {
             let Some(state) = &slot.state else { continue };
             let (g, idx) = (slot.group, slot_idx - self.group_starts[slot.group]);
-            let step = slot.step - skipped[slot_idx];
+            let step = steps[slot_idx];
             metadata.insert(format!("state.{g}.{idx}.step"), step.to_string());
             for (name, tensor) in R::state_tensors(state) {
                 blobs.push((
@@ -105,6 +105,10 @@ impl<R: UpdateRule> GroupOptimizer<R> {
             slot.step = step;
             slot.state = state;
         }
+        // The loaded steps are exact: a graph that captured a step would replay the old ones.
+        self.device
+            .invalidate_captures("the optimizer's state was loaded after its step was captured");
+        self.device.count_replays();
         self.device.reset_skipped_steps()
     }
 }
