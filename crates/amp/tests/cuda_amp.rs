@@ -25,6 +25,8 @@ use headroom_testkit::gpu::{cuda_or_skip, exclusive_device};
 #[test]
 #[ignore = "needs a CUDA device"]
 fn the_golden_sequence_is_reproduced_on_cuda() {
+    // Another test captures a CUDA graph: each holds the device.
+    let _device = exclusive_device();
     let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
         return;
     };
@@ -83,6 +85,8 @@ fn the_golden_sequence_is_reproduced_on_cuda() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn the_overflow_check_finds_values_in_large_tensors_on_cuda() {
+    // Another test captures a CUDA graph: each holds the device.
+    let _device = exclusive_device();
     let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
         return;
     };

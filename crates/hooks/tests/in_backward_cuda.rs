@@ -14,13 +14,14 @@ use headroom_nn::VitConfig;
 use headroom_ops_cuda::{CudaBackend, GraphedStep, StepRun};
 use headroom_optim::kernels::Bf16Rounding;
 use headroom_optim::{Adam, AdamConfig, Implementation, NormType, Optimizer, ParamGroup, SkipFlag};
-use headroom_testkit::gpu::backend_or_skip;
+use headroom_testkit::gpu::{backend_or_skip, exclusive_device};
 use headroom_testkit::{check_technique, train, ModelSpec, OptimSpec, Tolerance, TrainCase};
 use techniques::{clipping, parameter_ulps, Accumulate, ClipThenStep, FixedScale, StepInBackward};
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn twenty_steps_in_backward_on_the_gpu_equal_the_plain_loop_bit_for_bit() {
+    let _device = exclusive_device();
     let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
         return;
     };
@@ -80,6 +81,7 @@ fn twenty_steps_in_backward_on_the_gpu_equal_the_plain_loop_bit_for_bit() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn offloaded_adam_in_backward_on_the_gpu_equals_the_plain_loop() {
+    let _device = exclusive_device();
     let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
         return;
     };
@@ -129,6 +131,8 @@ fn loss_of(params: &[Tensor]) -> Tensor {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn in_backward_steps_replayed_from_a_cuda_graph_equal_the_plain_loop_bit_for_bit() {
+    // The capture needs the device to itself: every test of this file holds it.
+    let _device = exclusive_device();
     let Some(device) = headroom_testkit::gpu::cuda_or_skip(CudaBackend::new(0)) else {
         return;
     };
@@ -171,6 +175,7 @@ fn in_backward_steps_replayed_from_a_cuda_graph_equal_the_plain_loop_bit_for_bit
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_scaled_loss_is_unscaled_on_the_device_and_an_overflow_skips_the_whole_step() {
+    let _device = exclusive_device();
     let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
         return;
     };
@@ -216,6 +221,7 @@ fn a_scaled_loss_is_unscaled_on_the_device_and_an_overflow_skips_the_whole_step(
 #[test]
 #[ignore = "needs a CUDA device"]
 fn exact_clipping_and_accumulation_on_the_gpu_match_the_plain_loops() {
+    let _device = exclusive_device();
     let Some(cuda) = backend_or_skip(CudaBackend::new(0)) else {
         return;
     };
