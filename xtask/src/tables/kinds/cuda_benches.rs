@@ -127,7 +127,7 @@ pub(super) fn graph_step(files: &[ResultFile]) -> Result<Vec<String>> {
             format!("{:.1} ms", number(line, "graph_step_ms")?),
             format!("{:.3}", number(line, "ratio")?),
             format!(
-                "{:.1} → {:.1}",
+                "{:.1} → {:.2}",
                 number(line, "eager_host_ms")?,
                 number(line, "graph_host_ms")?
             ),
@@ -410,9 +410,9 @@ mod tests {
                  bitwise | peak (eager → graph) | PyTorch eager | PyTorch graph | ratio | PyTorch \
                  peak (eager → graph) |",
                 "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
-                "| `vit_l16_b1_adamw` | 22.0 ms | 20.2 ms | 0.917 | 10.4 → 0.1 | equal | 4.91 GB → \
+                "| `vit_l16_b1_adamw` | 22.0 ms | 20.2 ms | 0.917 | 10.4 → 0.11 | equal | 4.91 GB → \
                  4.91 GB | 34.2 ms | 27.4 ms | 0.800 | 4.95 GB → 6.30 GB |",
-                "| `gpt2_small_b1x1024_adamw` | 36.2 ms | 35.1 ms | 0.968 | 6.8 → 0.3 | differ | \
+                "| `gpt2_small_b1x1024_adamw` | 36.2 ms | 35.1 ms | 0.968 | 6.8 → 0.34 | differ | \
                  2.32 GB → 2.32 GB | — | — | — | — |",
             ]
         );
