@@ -3,7 +3,8 @@
 //! [`CheckpointBlocks`] is an nn [`BlockRunner`]: set it as a model's block runner
 //! ([`BlockStack::set_block_runner`](headroom_nn::BlockStack::set_block_runner), the same on
 //! ViT, GPT-2 or any model with blocks) and the chosen blocks run through [`checkpoint_with`],
-//! each keeping only its input. [`checkpoint_sequential`] is PyTorch's `checkpoint_sequential`:
+//! each keeping only its input; [`SplitBlocks`] runs the first blocks of a model through one
+//! runner and the rest through another. [`checkpoint_sequential`] is PyTorch's `checkpoint_sequential`:
 //! a chain of blocks cut into segments, every segment but the last checkpointed. This module
 //! sits on `crate::region` and nn's block seam; it knows no particular model.
 
@@ -116,6 +117,43 @@ impl BlockRunner for CheckpointBlocks {
         )
         .map_err(CheckpointError::into_nn_error)?;
         Ok(outputs.into_iter().next().expect("one output"))
+    }
+}
+
+/// Two strategies over one model: blocks below `split` run through `first`, the others through
+/// `rest` (each sees the model's block index). Recomputing the first blocks and offloading most
+/// of the others, kept last in backward and brought back while few gradients exist, peaks where
+/// uniform checkpointing does at a fraction of its recompute (bench-memory's
+/// `adam_offload_ckpt`).
+#[derive(Clone)]
+pub struct SplitBlocks {
+    /// The first block of `rest`.
+    pub split: usize,
+    /// Runs blocks `0..split`.
+    pub first: Arc<dyn BlockRunner>,
+    /// Runs blocks `split..`.
+    pub rest: Arc<dyn BlockRunner>,
+}
+
+impl std::fmt::Debug for SplitBlocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SplitBlocks")
+            .field("split", &self.split)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BlockRunner for SplitBlocks {
+    fn run(
+        &self,
+        index: usize,
+        block: BlockForward,
+        input: &Tensor,
+    ) -> headroom_nn::Result<Tensor> {
+        match index < self.split {
+            true => self.first.run(index, block, input),
+            false => self.rest.run(index, block, input),
+        }
     }
 }
 

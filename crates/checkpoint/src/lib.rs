@@ -112,7 +112,9 @@ mod planner;
 mod policy;
 mod region;
 
-pub use blocks::{block_forwards, checkpoint_sequential, BlockSelection, CheckpointBlocks};
+pub use blocks::{
+    block_forwards, checkpoint_sequential, BlockSelection, CheckpointBlocks, SplitBlocks,
+};
 pub use compress::{
     compress, dequantize_int8_blockwise, quantize_int8_blockwise, CodecElement,
     CompressActivations, CompressBlocks, CompressFn, CompressOptions, CompressPolicy, Compression,

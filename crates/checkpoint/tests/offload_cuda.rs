@@ -1,7 +1,7 @@
 //! Offload on the CUDA backend: training with offloaded blocks gives the plain loop's parameters
 //! bit for bit (ViT-tiny with dropout, whatever the prefetch and copy overlap; GPT-2-tiny within
-//! what its atomic embedding gradient lets two plain runs differ by),
-//! a region's gradients equal the plain ones with exactly the expected saves offloaded, the pinned
+//! what its atomic embedding gradient lets two plain runs differ by), the first blocks
+//! recomputed and the next offloaded ([`SplitBlocks`]) bit for bit too, a region's gradients equal the plain ones with exactly the expected saves offloaded, the pinned
 //! pool's bytes do not change after the first step, an offloaded step never makes the host wait
 //! for the device, and a tensor written in place after its save still fails backward with
 //! autograd's version error. Each test is marked `#[ignore = "needs a CUDA
@@ -12,7 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use headroom_autograd_core::{BackendRef, DType, Generator, Tensor, TensorError};
-use headroom_checkpoint::{offload, BlockSelection, OffloadBlocks, OffloadOptions, OffloadPool};
+use headroom_checkpoint::{
+    offload, BlockSelection, CheckpointBlocks, OffloadBlocks, OffloadOptions, OffloadPool,
+    SplitBlocks,
+};
 use headroom_nn::{BlockStack, Gpt2Config, Module, VisionTransformer, VitConfig};
 use headroom_ops_cuda::{CudaBackend, KernelArg};
 use headroom_testkit::gpu::{cuda_or_skip, exclusive_device, SPIN_NS_PTX};
@@ -147,6 +150,56 @@ fn offloaded_training_on_the_gpu_equals_plain_training_bit_for_bit() {
             assert_eq!(stats.pinned_in_use, 0, "{stats:?}");
         }
     }
+}
+
+/// bench-memory's `adam_offload_ckpt` on a small scale: the first blocks recomputed, the next
+/// offloaded one block ahead of backward, the last kept ([`SplitBlocks`] over a checkpointing and
+/// an offloading runner): training equals plain training bit for bit.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn recomputed_then_offloaded_blocks_train_as_plain_training_bit_for_bit() {
+    let _device = exclusive_device();
+    let Some((_, cuda)) = own_cuda() else { return };
+    let case = TrainCase {
+        name: "vit (4 blocks): 1 recomputed, 2 offloaded, 1 kept",
+        model: ModelSpec::Vit(VitConfig {
+            num_layers: 4,
+            ..VitConfig::tiny()
+        }),
+        dtype: DType::F32,
+        batch: 4,
+        steps: 4,
+        optimizer: OptimSpec::adamw(1e-3, 1e-2),
+        tolerance: Tolerance::Bitwise {
+            why: "recomputation runs the same kernels again and offload moves bytes unchanged",
+        },
+        seed: 5,
+    };
+    let pool = OffloadPool::new();
+    let runner = SplitBlocks {
+        split: 1,
+        first: Arc::new(CheckpointBlocks {
+            selection: BlockSelection::First(1),
+            options: Default::default(),
+        }),
+        rest: Arc::new(OffloadBlocks {
+            selection: BlockSelection::Indices(vec![1, 2]),
+            options: OffloadOptions {
+                min_bytes: 0,
+                prefetch_blocks: 1,
+                release_after_blocks: 0,
+                pool: pool.clone(),
+            },
+        }),
+    };
+    let report = check_technique(&cuda, &case, &mut WithRunner(Arc::new(runner))).unwrap();
+    assert_eq!(report.max_ulps, 0);
+    assert_eq!(report.baseline_losses, report.technique_losses);
+    let stats = pool.stats();
+    assert!(
+        stats.offloaded_saves > 0 && stats.bytes_to_host > 0,
+        "{stats:?}"
+    );
 }
 
 #[test]

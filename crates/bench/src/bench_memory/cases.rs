@@ -58,6 +58,11 @@ pub(crate) enum Case {
     /// Fused Adam with the saved tensors of the first 7/12 of the encoder blocks offloaded to
     /// pinned host memory ([`super::training::offload_blocks`]; CUDA only).
     AdamOffload,
+    /// Fused Adam with the first blocks recomputed (`--checkpoint-blocks`, default a third), the
+    /// saves of most blocks after them offloaded to pinned host memory, their copies overlapping
+    /// the later blocks, and the last few kept ([`super::training::offload_checkpoint_blocks`];
+    /// CUDA only): exact, below uniform checkpointing's step time at about its peak.
+    AdamOffloadCkpt,
     /// Fused Adam with every encoder block's saved activations compressed to 8 bits (checkpoint's
     /// `CompressBlocks::all()`: no checkpointing; each op input or output a block saves, of 16 Ki
     /// elements or more, kept as signed bytes with one f32 absmax per 256 elements and decoded in
@@ -118,7 +123,7 @@ pub(crate) enum Case {
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 33] = [
+    pub(crate) const ALL: [Case; 34] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -133,6 +138,7 @@ impl Case {
         Case::AdamInbwdClip,
         Case::AdamInbwdClipPrev,
         Case::AdamOffload,
+        Case::AdamOffloadCkpt,
         Case::AdamCkpt8bit,
         Case::AdamAuto,
         Case::AdamBf16,
@@ -171,6 +177,7 @@ impl Case {
             Case::AdamInbwdClip => "adam_inbwd_clip",
             Case::AdamInbwdClipPrev => "adam_inbwd_clip_prev",
             Case::AdamOffload => "adam_offload",
+            Case::AdamOffloadCkpt => "adam_offload_ckpt",
             Case::AdamCkpt8bit => "adam_ckpt8bit",
             Case::AdamAuto => "adam_auto",
             Case::AdamBf16 => "adam_bf16",
@@ -221,6 +228,11 @@ impl Case {
             Case::AdamOffload => {
                 "fused Adam, the first 7/12 of the blocks' saves offloaded to pinned host memory \
                  (CUDA only)"
+            }
+            Case::AdamOffloadCkpt => {
+                "fused Adam, the first third of the blocks checkpointed (--checkpoint-blocks), most \
+                 of the others' saves offloaded to pinned host memory behind later blocks, the \
+                 last kept (CUDA only; exact)"
             }
             Case::AdamCkpt8bit => "fused Adam, every block's saves compressed to 8 bits (lossy)",
             Case::AdamAuto => {
@@ -315,6 +327,7 @@ impl Case {
         matches!(
             self,
             Case::AdamCkpt
+                | Case::AdamOffloadCkpt
                 | Case::AdamInbwdCkpt
                 | Case::AdamInbwdCkptBf16
                 | Case::FwdBwdBf16Ckpt
@@ -383,7 +396,7 @@ impl Case {
     /// Why the case needs a CUDA device; `None` when the CPU runs it too.
     pub(crate) fn why_cuda(self) -> Option<&'static str> {
         match self {
-            Case::AdamOffload => Some(
+            Case::AdamOffload | Case::AdamOffloadCkpt => Some(
                 "it offloads activations to pinned host memory over CUDA copies, which the CPU \
                  backend has no use for",
             ),
@@ -487,6 +500,7 @@ impl Case {
             | Case::AdamInbwdClip
             | Case::AdamInbwdClipPrev
             | Case::AdamOffload
+            | Case::AdamOffloadCkpt
             | Case::AdamCkpt8bit
             | Case::AdamAuto
             | Case::AdamBf16

@@ -323,7 +323,7 @@ fn the_devices_defaults_and_what_the_options_change() {
     let on_the_cpu: Vec<Case> = every
         .iter()
         .copied()
-        .filter(|case| *case != Case::AdamOffload)
+        .filter(|case| !case.needs_cuda())
         .collect();
     assert_eq!(
         all.runs(&CPU_DEFAULTS).unwrap(),
