@@ -158,7 +158,7 @@ for phase in "$@"; do
 done
 vit_cases=adam_foreach,adam_foreach_unbounded,adam_single,sgd,adam_fused,adam_inbwd,adam8bit
 vit_cases+=,adam8bit_inbwd,adam_ckpt,adam_inbwd_ckpt,adam_fused_clip,adam_inbwd_clip
-vit_cases+=,adam_inbwd_clip_prev,adam_offload,adam_ckpt8bit,adam_bf16,adam_fp16
+vit_cases+=,adam_inbwd_clip_prev,adam_offload,adam_offload_ckpt,adam_ckpt8bit,adam_bf16,adam_fp16
 vit_cases+=,adam_inbwd_ckpt_bf16,fwd_bwd,fwd_bwd_bf16
 (( $# > 0 )) || { awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 2; }
 if [[ -n ${PLUGIN_DIR:-} && -f $PLUGIN_DIR/bnb.tar.xz ]]; then

@@ -253,10 +253,9 @@ pub(crate) fn offload_blocks(n_blocks: usize) -> OffloadBlocks {
 /// copy, 4.7 ms at ViT-L/16 batch 32, hides behind a block's 7.6 ms of backward; three ahead
 /// would add 0.8 GB at the peak), while few gradients exist; the kept ones are freed first. Their
 /// copies to the host run behind the later blocks' forward, so they cost little time; each
-/// recomputed block costs its forward again. Measured on the H200 (`results/2026-12-04-*`, the
-/// commit after 089a38f): 4 recomputed 5.36 GB at 1.053× of `adam_fused`, 6: 5.31 GB at 1.071×,
-/// 8: 5.27 GB at 1.081×, 10: 5.27 GB at 1.093×, 12: 5.27 GB at 1.120×, against uniform
-/// checkpointing's 5.27 GB at 1.209×.
+/// recomputed block costs its forward again. Measured on the H200 (`results/2026-12-04-3730f8f`):
+/// 8 recomputed (the default) 5.27 GB at 1.079× of `adam_fused`, 4: 5.36 GB at 1.075×, 12:
+/// 5.27 GB at 1.119×, against uniform checkpointing's 5.27 GB at 1.210×.
 pub(crate) fn offload_checkpoint_blocks(n_blocks: usize, recomputed: Option<usize>) -> SplitBlocks {
     let recomputed = recomputed.unwrap_or(n_blocks / 3).min(n_blocks);
     let rest = n_blocks - recomputed;
