@@ -92,6 +92,11 @@ impl ReplayLink {
         self.0.stale.lock().get_or_insert_with(|| reason.into());
     }
 
+    /// Whether `other` links to the same graph.
+    pub fn same_graph(&self, other: &ReplayLink) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
     /// Whether the graph is dropped (or its capture abandoned): no replay will come.
     pub fn is_finished(&self) -> bool {
         self.0.dropped.load(Ordering::Acquire)

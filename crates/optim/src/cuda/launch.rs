@@ -652,10 +652,23 @@ impl CudaDevice {
             self.refuse_capture("optimizer step with a host-valued gradient scale")?;
         }
         let launch = (&table, items.len(), n_blocks);
-        let link = self.run_elementwise_replayed(kernel, launch, block, addresses)?;
-        if let Some(link) = link {
-            self.captured_steps
-                .push(CapturedSteps::new(link, items.iter().map(|item| item.slot)));
+        match self.run_elementwise_replayed(kernel, launch, block, addresses)? {
+            Some(link) => {
+                // A graph captured before would replay step numbers this one counts too.
+                for earlier in &self.captured_steps {
+                    if !earlier.link.same_graph(&link) {
+                        earlier.link.invalidate(
+                            "a newer graph captured the optimizer's step; replay that one",
+                        );
+                    }
+                }
+                self.captured_steps
+                    .push(CapturedSteps::new(link, items.iter().map(|item| item.slot)));
+            }
+            // A step outside the graph moves the step numbers its replays would start from.
+            None => self.invalidate_captures(
+                "the optimizer stepped outside the graph after its step was captured",
+            ),
         }
         Ok(())
     }
