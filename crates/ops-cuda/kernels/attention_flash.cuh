@@ -25,8 +25,11 @@
 // and takes one (batch, key/value head) with the query tiles of every head of its group streamed
 // through one pipeline, summing in registers. Rows see contiguous ranges of the other side
 // (attention.cuh: causal, and one packed sequence's through `cu_seqlens`); a block streams only
-// the union of its rows' ranges and masks each element against its row's. Results are staged
-// through the warp's own rows of shared memory and written with 16-byte stores.
+// the union of its rows' ranges and masks each element against its row's, in the tiles that
+// cross some row's range only (a warp-uniform test). Under a causal mask the grid is walked
+// tile-major, heaviest tiles first (`block_tile`). Exponentials are one `ex2` each, the softmax
+// scale folded into their FMA. Results are staged through the warp's own rows of shared memory
+// and written with 16-byte stores.
 
 #pragma once
 
@@ -49,6 +52,44 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// 2^x on the special-function unit, subnormal results flushed to zero (one instruction; exp2f
+// adds a subnormal fix-up around it, for probabilities below 2^-126 that round away anyway).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// This block's tile of own rows and its (batch, head) pair. Under a causal mask the tiles differ
+// in work (a query tile sees the keys up to it, a key tile the queries from it on): the grid is
+// walked tile-major, the heaviest tiles first, so the light ones fill the last wave instead of
+// the heavy ones trailing it. Otherwise x is the tile, y the pair.
+__device__ __forceinline__ void block_tile(const AttnArgs& a, bool heavy_last, unsigned int& tile,
+                                           unsigned int& pair) {
+    if (!a.causal) {
+        tile = blockIdx.x;
+        pair = blockIdx.y;
+        return;
+    }
+    const unsigned int linear = blockIdx.y * gridDim.x + blockIdx.x, rank = linear / gridDim.y;
+    pair = linear - rank * gridDim.y;
+    tile = heavy_last ? gridDim.x - 1 - rank : rank;
+}
+
+// [lo, hi) of the other side's rows that every own row of the warp meets (rows_met of the rows a
+// lane holds, reduced over the warp's 8 row groups): a tile inside it needs no mask.
+__device__ __forceinline__ void warp_common_range(const unsigned int (&lo)[2], const unsigned int (&hi)[2],
+                                                  unsigned int& common_lo, unsigned int& common_hi) {
+    unsigned int l = max(lo[0], lo[1]), h = min(hi[0], hi[1]);
+#pragma unroll
+    for (int offset = 4; offset < 32; offset <<= 1) {
+        l = max(l, __shfl_xor_sync(0xffffffff, l, offset));
+        h = min(h, __shfl_xor_sync(0xffffffff, h, offset));
+    }
+    common_lo = l;
+    common_hi = h;
 }
 
 // Rows first..first + ROWS of operand `op` of pair (b, h) into `tile` ([ROWS][DP + PAD]),
@@ -119,13 +160,16 @@ __device__ void flash_forward(const typename M::Elem* q, const typename M::Elem*
     T* qs = (T*)smem_raw;    // [R][S]
     T* ks = qs + TILE;       // 2 × [KR][S]
     T* vs = ks + 2 * KTILE;  // 2 × [KR][S]
-    const unsigned int b = blockIdx.y / a.heads, h = blockIdx.y % a.heads, kvh = h / group_size(a);
+    unsigned int tile, pair;
+    block_tile(a, true, tile, pair);
+    const unsigned int b = pair / a.heads, h = pair % a.heads, kvh = h / group_size(a);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const unsigned int q0 = blockIdx.x * R, row0 = q0 + warp * 16 + g;
-    unsigned int key_begin, key_end, lo[2], hi[2];
+    const unsigned int q0 = tile * R, row0 = q0 + warp * 16 + g;
+    unsigned int key_begin, key_end, lo[2], hi[2], common_lo, common_hi;
     block_range(a, true, q0, R, key_begin, key_end);
     keys_seen(a, row0, lo[0], hi[0]);
     keys_seen(a, row0 + 8, lo[1], hi[1]);
+    warp_common_range(lo, hi, common_lo, common_hi);
     const int tiles = (key_end - key_begin + KR - 1) / KR;
     load_tile<M, DP, R, 2 * R>(qs, q, a, OP_Q, b, h, q0, a.queries);
     if (tiles > 0) {
@@ -142,25 +186,28 @@ __device__ void flash_forward(const typename M::Elem* q, const typename M::Elem*
         const T* vt = vs + (j & 1) * KTILE;
         float s[NB][4] = {};
         M::template rows_by_rows<DP, NB>(s, qs, warp * 16, kt);
+        // Raw scores; hidden ones -inf (only tiles that cross a row's range need the test). The
+        // scale is applied inside the exponent's FMA: scale2 > 0 keeps the maximum's place.
+        if (k0 < common_lo || k0 + KR > common_hi) {
+#pragma unroll
+            for (int n = 0; n < NB; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const unsigned int key = k0 + n * 8 + 2 * t + (e & 1);
+                    if (key < lo[e >> 1] || key >= hi[e >> 1]) s[n][e] = -CUDART_INF_F;
+                }
+        }
         float base[2];
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
             float mx = -CUDART_INF_F;
 #pragma unroll
-            for (int n = 0; n < NB; ++n)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const unsigned int key = k0 + n * 8 + 2 * t + e;
-                    float x = s[n][2 * rr + e] * scale2;
-                    if (key < lo[rr] || key >= hi[rr]) x = -CUDART_INF_F;
-                    s[n][2 * rr + e] = x;
-                    mx = fmaxf(mx, x);
-                }
+            for (int n = 0; n < NB; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * rr], s[n][2 * rr + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-            const float m_new = fmaxf(m[rr], mx);
+            const float m_new = fmaxf(m[rr], mx * scale2);
             base[rr] = m_new == -CUDART_INF_F ? 0.f : m_new;
-            const float correction = exp2f(m[rr] - base[rr]);
+            const float correction = fast_exp2(m[rr] - base[rr]);
             m[rr] = m_new;
             l[rr] *= correction;
 #pragma unroll
@@ -173,7 +220,7 @@ __device__ void flash_forward(const typename M::Elem* q, const typename M::Elem*
         for (int n = 0; n < NB; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float p = exp2f(s[n][e] - base[e >> 1]);
+                const float p = fast_exp2(fmaf(s[n][e], scale2, -base[e >> 1]));
                 l[e >> 1] += p;
                 s[n][e] = p;
             }
@@ -190,7 +237,7 @@ __device__ void flash_forward(const typename M::Elem* q, const typename M::Elem*
         inv[rr] = total > 0.f ? 1.f / total : 0.f;
         const unsigned int row = row0 + 8 * rr;
         if (t == 0 && row < a.queries)
-            lse[(unsigned long long)blockIdx.y * a.queries + row] = (m[rr] + log2f(total)) * FA_LN2;
+            lse[(unsigned long long)pair * a.queries + row] = (m[rr] + log2f(total)) * FA_LN2;
     }
     store_rows<M, DP>(o, a, OP_O, b, h, q0 + warp * 16, a.queries, acc, inv, qs + warp * 16 * S);
 }
@@ -209,14 +256,17 @@ __device__ void flash_backward_dq(const typename M::Elem* q, const typename M::E
     T* vs = ks + 2 * KTILE;    // 2 × [KR][S]
     float* lses = (float*)(vs + 2 * KTILE);  // [R], log2 domain
     float* deltas = lses + R;                // [R]
-    const unsigned int b = blockIdx.y / a.heads, h = blockIdx.y % a.heads, kvh = h / group_size(a);
+    unsigned int tile, pair;
+    block_tile(a, true, tile, pair);
+    const unsigned int b = pair / a.heads, h = pair % a.heads, kvh = h / group_size(a);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const unsigned int q0 = blockIdx.x * R, row0 = q0 + warp * 16 + g;
-    const unsigned long long stats = (unsigned long long)blockIdx.y * a.queries;
-    unsigned int key_begin, key_end, lo[2], hi[2];
+    const unsigned int q0 = tile * R, row0 = q0 + warp * 16 + g;
+    const unsigned long long stats = (unsigned long long)pair * a.queries;
+    unsigned int key_begin, key_end, lo[2], hi[2], common_lo, common_hi;
     block_range(a, true, q0, R, key_begin, key_end);
     keys_seen(a, row0, lo[0], hi[0]);
     keys_seen(a, row0 + 8, lo[1], hi[1]);
+    warp_common_range(lo, hi, common_lo, common_hi);
     const int tiles = (key_end - key_begin + KR - 1) / KR;
     load_tile<M, DP, R, 2 * R>(qs, q, a, OP_Q, b, h, q0, a.queries);
     load_tile<M, DP, R, 2 * R>(dos, dout, a, OP_DO, b, h, q0, a.queries);
@@ -266,14 +316,21 @@ __device__ void flash_backward_dq(const typename M::Elem* q, const typename M::E
         float s[NB][4] = {}, dp[NB][4] = {};
         M::template rows_by_rows<DP, NB>(s, qs, warp * 16, kt);
         M::template rows_by_rows<DP, NB>(dp, dos, warp * 16, vt);
+        if (k0 < common_lo || k0 + KR > common_hi) {
+#pragma unroll
+            for (int n = 0; n < NB; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const unsigned int key = k0 + n * 8 + 2 * t + (e & 1);
+                    if (key < lo[e >> 1] || key >= hi[e >> 1]) s[n][e] = -CUDART_INF_F;
+                }
+        }
 #pragma unroll
         for (int n = 0; n < NB; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int rr = e >> 1;
-                const unsigned int key = k0 + n * 8 + 2 * t + (e & 1);
-                const bool hidden = key < lo[rr] || key >= hi[rr];
-                const float p = hidden ? 0.f : exp2f(s[n][e] * scale2 - l2[rr]);
+                const float p = fast_exp2(fmaf(s[n][e], scale2, -l2[rr]));
                 s[n][e] = p * (dp[n][e] - dl[rr]);
             }
         M::template weights_by_rows<DP, NB>(acc, s, kt);
@@ -312,13 +369,16 @@ __device__ void flash_backward_dkdv(const typename M::Elem* q, const typename M:
     // One block per (batch, kv head) and R keys: dK and dV sum over the group's query heads, whose
     // query tiles stream one after the other through one double-buffered pipeline (step s: head
     // s / tiles of the group, query tile s % tiles).
-    const unsigned int b = blockIdx.y / a.kv_heads, kvh = blockIdx.y % a.kv_heads, group = group_size(a);
+    unsigned int tile, pair;
+    block_tile(a, false, tile, pair);
+    const unsigned int b = pair / a.kv_heads, kvh = pair % a.kv_heads, group = group_size(a);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const unsigned int k0 = blockIdx.x * R, key0 = k0 + warp * 16 + g;
-    unsigned int query_begin, query_end, lo[2], hi[2];
+    const unsigned int k0 = tile * R, key0 = k0 + warp * 16 + g;
+    unsigned int query_begin, query_end, lo[2], hi[2], common_lo, common_hi;
     block_range(a, false, k0, R, query_begin, query_end);
     queries_seeing(a, key0, lo[0], hi[0]);
     queries_seeing(a, key0 + 8, lo[1], hi[1]);
+    warp_common_range(lo, hi, common_lo, common_hi);
     const unsigned int tiles = (query_end - query_begin + KR - 1) / KR, steps = group * tiles;
     auto head_of = [&](unsigned int step) { return kvh * group + step / tiles; };
     auto first_query = [&](unsigned int step) { return query_begin + step % tiles * KR; };
@@ -359,14 +419,21 @@ __device__ void flash_backward_dkdv(const typename M::Elem* q, const typename M:
         float s[NB][4] = {}, dp[NB][4] = {};
         M::template rows_by_rows<DP, NB>(s, ks, warp * 16, qt);
         M::template rows_by_rows<DP, NB>(dp, vs, warp * 16, dot);
+        if (q0 < common_lo || q0 + KR > common_hi) {
+#pragma unroll
+            for (int n = 0; n < NB; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const unsigned int query = q0 + n * 8 + 2 * t + (e & 1);
+                    if (query < lo[e >> 1] || query >= hi[e >> 1]) s[n][e] = -CUDART_INF_F;
+                }
+        }
 #pragma unroll
         for (int n = 0; n < NB; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = n * 8 + 2 * t + (e & 1);
-                const unsigned int query = q0 + col;
-                const bool hidden = query < lo[e >> 1] || query >= hi[e >> 1];
-                const float p = hidden ? 0.f : exp2f(s[n][e] * scale2 - l2[col]);
+                const float p = fast_exp2(fmaf(s[n][e], scale2, -l2[col]));
                 s[n][e] = p;
                 dp[n][e] = p * (dp[n][e] - dl[col]);
             }

@@ -147,9 +147,10 @@ template <typename T> struct Tc16 {
 typedef Tc16<__nv_bfloat16> TcBf16;
 typedef Tc16<__half> TcF16;
 
-// attention_tc_forward_<dtype>_<DP> and so on.
+// attention_tc_forward_<dtype>_<DP> and so on. The dK/dV kernel at head dim 64 is bounded to 3
+// blocks an SM: 168 registers and no spills, where unbounded it takes 228 and fits 2.
 FLASH_KERNELS(TcBf16, tc, bf16_32, 32, 64, 1)
-FLASH_KERNELS(TcBf16, tc, bf16_64, 64, 64, 1)
+FLASH_KERNELS(TcBf16, tc, bf16_64, 64, 64, 3)
 FLASH_KERNELS(TcBf16, tc, bf16_96, 96, 64, 1)
 FLASH_KERNELS(TcBf16, tc, bf16_128, 128, 64, 1)
 FLASH_KERNELS(TcF16, tc, f16_32, 32, 64, 1)
