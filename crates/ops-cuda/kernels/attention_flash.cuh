@@ -78,11 +78,17 @@ __device__ __forceinline__ void block_tile(const AttnArgs& a, bool heavy_last, u
     tile = heavy_last ? gridDim.x - 1 - rank : rank;
 }
 
-// [lo, hi) of the other side's rows that every own row of the warp meets (rows_met of the rows a
+// [lo, hi) of the other side's rows that every own row of the warp meets (rows_met of the N rows a
 // lane holds, reduced over the warp's 8 row groups): a tile inside it needs no mask.
-__device__ __forceinline__ void warp_common_range(const unsigned int (&lo)[2], const unsigned int (&hi)[2],
+template <int N>
+__device__ __forceinline__ void warp_common_range(const unsigned int (&lo)[N], const unsigned int (&hi)[N],
                                                   unsigned int& common_lo, unsigned int& common_hi) {
-    unsigned int l = max(lo[0], lo[1]), h = min(hi[0], hi[1]);
+    unsigned int l = lo[0], h = hi[0];
+#pragma unroll
+    for (int r = 1; r < N; ++r) {
+        l = max(l, lo[r]);
+        h = min(h, hi[r]);
+    }
 #pragma unroll
     for (int offset = 4; offset < 32; offset <<= 1) {
         l = max(l, __shfl_xor_sync(0xffffffff, l, offset));
@@ -132,8 +138,9 @@ __device__ __forceinline__ void store_rows(typename M::Elem* dst, const AttnArgs
 }
 
 // Step j of a block's walk over `tiles` key tiles (this one's first key k0; K and V double-buffered
-// at ks and vs; R own rows, 2R threads): prefetches tile j + 1 into the other buffers, then waits for tile j and syncs.
-template <typename M, int DP, int KR, int R>
+// at ks and vs; THREADS threads): prefetches tile j + 1 into the other buffers, then waits for tile
+// j and syncs.
+template <typename M, int DP, int KR, int THREADS>
 __device__ __forceinline__ void key_tile_ready(int j, int tiles, typename M::Elem* ks, typename M::Elem* vs,
                                                const typename M::Elem* k, const typename M::Elem* v,
                                                const AttnArgs& a, unsigned int b, unsigned int kvh,
@@ -141,8 +148,8 @@ __device__ __forceinline__ void key_tile_ready(int j, int tiles, typename M::Ele
     constexpr int KTILE = KR * (DP + M::PAD);
     if (j + 1 < tiles) {
         const int next = (j + 1) & 1;
-        load_tile<M, DP, KR, 2 * R>(ks + next * KTILE, k, a, OP_K, b, kvh, k0 + KR, a.keys);
-        load_tile<M, DP, KR, 2 * R>(vs + next * KTILE, v, a, OP_V, b, kvh, k0 + KR, a.keys);
+        load_tile<M, DP, KR, THREADS>(ks + next * KTILE, k, a, OP_K, b, kvh, k0 + KR, a.keys);
+        load_tile<M, DP, KR, THREADS>(vs + next * KTILE, v, a, OP_V, b, kvh, k0 + KR, a.keys);
         cp_commit();
         cp_wait<1>();
     } else {
@@ -151,11 +158,29 @@ __device__ __forceinline__ void key_tile_ready(int j, int tiles, typename M::Ele
     __syncthreads();
 }
 
-template <typename M, int DP, int KR, int R>
+// The products of a warp that holds MW 16-row fragments of own rows (rows row0.. of x): MW = 1 is
+// the policy's own; wider ones come from its `_wide` forms, which read each fragment of the other
+// side once for all MW (half the shared-memory reads of a product at MW = 2).
+template <typename M, int DP, int NB, int MW>
+__device__ __forceinline__ void warp_rows_by_rows(float (&acc)[MW][NB][4], const typename M::Elem* x, int row0,
+                                                  const typename M::Elem* y) {
+    if constexpr (MW == 1) M::template rows_by_rows<DP, NB>(acc[0], x, row0, y);
+    else M::template rows_by_rows_wide<DP, NB, MW>(acc, x, row0, y);
+}
+template <typename M, int DP, int NB, int MW>
+__device__ __forceinline__ void warp_weights_by_rows(float (&out)[MW][DP / 8][4], const float (&w)[MW][NB][4],
+                                                     const typename M::Elem* z) {
+    if constexpr (MW == 1) M::template weights_by_rows<DP, NB>(out[0], w[0], z);
+    else M::template weights_by_rows_wide<DP, NB, MW>(out, w, z);
+}
+
+// Forward of R queries, each warp 16·MW of them (R / (16·MW) warps), streaming keys and values.
+template <typename M, int DP, int KR, int R, int MW>
 __device__ void flash_forward(const typename M::Elem* q, const typename M::Elem* k, const typename M::Elem* v,
                               typename M::Elem* o, float* lse, const AttnArgs& a) {
     typedef typename M::Elem T;
-    constexpr int S = DP + M::PAD, TILE = R * S, KTILE = KR * S, NT = DP / 8, NB = KR / 8;
+    constexpr int S = DP + M::PAD, TILE = R * S, KTILE = KR * S, NT = DP / 8, NB = KR / 8, THREADS = 2 * R / MW,
+                  ROWS = 2 * MW;  // rows a thread holds: g and g + 8 of each fragment
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* qs = (T*)smem_raw;    // [R][S]
     T* ks = qs + TILE;       // 2 × [KR][S]
@@ -164,91 +189,111 @@ __device__ void flash_forward(const typename M::Elem* q, const typename M::Elem*
     block_tile(a, true, tile, pair);
     const unsigned int b = pair / a.heads, h = pair % a.heads, kvh = h / group_size(a);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const unsigned int q0 = tile * R, row0 = q0 + warp * 16 + g;
-    unsigned int key_begin, key_end, lo[2], hi[2], common_lo, common_hi;
+    const unsigned int q0 = tile * R, warp_row0 = warp * 16 * MW;
+    unsigned int key_begin, key_end, lo[ROWS], hi[ROWS], common_lo, common_hi;
     block_range(a, true, q0, R, key_begin, key_end);
-    keys_seen(a, row0, lo[0], hi[0]);
-    keys_seen(a, row0 + 8, lo[1], hi[1]);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) keys_seen(a, q0 + warp_row0 + 8 * r + g, lo[r], hi[r]);
     warp_common_range(lo, hi, common_lo, common_hi);
     const int tiles = (key_end - key_begin + KR - 1) / KR;
-    load_tile<M, DP, R, 2 * R>(qs, q, a, OP_Q, b, h, q0, a.queries);
+    load_tile<M, DP, R, THREADS>(qs, q, a, OP_Q, b, h, q0, a.queries);
     if (tiles > 0) {
-        load_tile<M, DP, KR, 2 * R>(ks, k, a, OP_K, b, kvh, key_begin, a.keys);
-        load_tile<M, DP, KR, 2 * R>(vs, v, a, OP_V, b, kvh, key_begin, a.keys);
+        load_tile<M, DP, KR, THREADS>(ks, k, a, OP_K, b, kvh, key_begin, a.keys);
+        load_tile<M, DP, KR, THREADS>(vs, v, a, OP_V, b, kvh, key_begin, a.keys);
     }
     cp_commit();
     const float scale2 = (float)(a.scale * 1.4426950408889634);
-    float acc[NT][4] = {}, m[2] = {-CUDART_INF_F, -CUDART_INF_F}, l[2] = {0.f, 0.f};
+    float acc[MW][NT][4] = {}, m[ROWS], l[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        m[r] = -CUDART_INF_F;
+        l[r] = 0.f;
+    }
     for (int j = 0; j < tiles; ++j) {
         const unsigned int k0 = key_begin + j * KR;
-        key_tile_ready<M, DP, KR, R>(j, tiles, ks, vs, k, v, a, b, kvh, k0);
+        key_tile_ready<M, DP, KR, THREADS>(j, tiles, ks, vs, k, v, a, b, kvh, k0);
         const T* kt = ks + (j & 1) * KTILE;
         const T* vt = vs + (j & 1) * KTILE;
-        float s[NB][4] = {};
-        M::template rows_by_rows<DP, NB>(s, qs, warp * 16, kt);
+        float s[MW][NB][4] = {};
+        warp_rows_by_rows<M, DP, NB, MW>(s, qs, warp_row0, kt);
         // Raw scores; hidden ones -inf (only tiles that cross a row's range need the test). The
         // scale is applied inside the exponent's FMA: scale2 > 0 keeps the maximum's place.
+        // Thread row r = 2·mw + rr is fragment mw's row g + 8·rr.
         if (k0 < common_lo || k0 + KR > common_hi) {
+#pragma unroll
+            for (int mw = 0; mw < MW; ++mw)
+#pragma unroll
+                for (int n = 0; n < NB; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const unsigned int key = k0 + n * 8 + 2 * t + (e & 1);
+                        const int r = 2 * mw + (e >> 1);
+                        if (key < lo[r] || key >= hi[r]) s[mw][n][e] = -CUDART_INF_F;
+                    }
+        }
+        float base[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const int mw = r >> 1, rr = r & 1;
+            float mx = -CUDART_INF_F;
+#pragma unroll
+            for (int n = 0; n < NB; ++n) mx = fmaxf(mx, fmaxf(s[mw][n][2 * rr], s[mw][n][2 * rr + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            const float m_new = fmaxf(m[r], mx * scale2);
+            base[r] = m_new == -CUDART_INF_F ? 0.f : m_new;
+            const float correction = fast_exp2(m[r] - base[r]);
+            m[r] = m_new;
+            l[r] *= correction;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                acc[mw][n][2 * rr] *= correction;
+                acc[mw][n][2 * rr + 1] *= correction;
+            }
+        }
+#pragma unroll
+        for (int mw = 0; mw < MW; ++mw)
 #pragma unroll
             for (int n = 0; n < NB; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const unsigned int key = k0 + n * 8 + 2 * t + (e & 1);
-                    if (key < lo[e >> 1] || key >= hi[e >> 1]) s[n][e] = -CUDART_INF_F;
+                    const int r = 2 * mw + (e >> 1);
+                    const float p = fast_exp2(fmaf(s[mw][n][e], scale2, -base[r]));
+                    l[r] += p;
+                    s[mw][n][e] = p;
                 }
-        }
-        float base[2];
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            float mx = -CUDART_INF_F;
-#pragma unroll
-            for (int n = 0; n < NB; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * rr], s[n][2 * rr + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-            const float m_new = fmaxf(m[rr], mx * scale2);
-            base[rr] = m_new == -CUDART_INF_F ? 0.f : m_new;
-            const float correction = fast_exp2(m[rr] - base[rr]);
-            m[rr] = m_new;
-            l[rr] *= correction;
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                acc[n][2 * rr] *= correction;
-                acc[n][2 * rr + 1] *= correction;
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < NB; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = fast_exp2(fmaf(s[n][e], scale2, -base[e >> 1]));
-                l[e >> 1] += p;
-                s[n][e] = p;
-            }
-        M::template weights_by_rows<DP, NB>(acc, s, vt);
+        warp_weights_by_rows<M, DP, NB, MW>(acc, s, vt);
         __syncthreads();
     }
     cp_wait<0>();
-    float inv[2];
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        float total = l[rr];
-        total += __shfl_xor_sync(0xffffffff, total, 1);
-        total += __shfl_xor_sync(0xffffffff, total, 2);
-        inv[rr] = total > 0.f ? 1.f / total : 0.f;
-        const unsigned int row = row0 + 8 * rr;
-        if (t == 0 && row < a.queries)
-            lse[(unsigned long long)pair * a.queries + row] = (m[rr] + log2f(total)) * FA_LN2;
+    for (int mw = 0; mw < MW; ++mw) {
+        float inv[2];
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const int r = 2 * mw + rr;
+            float total = l[r];
+            total += __shfl_xor_sync(0xffffffff, total, 1);
+            total += __shfl_xor_sync(0xffffffff, total, 2);
+            inv[rr] = total > 0.f ? 1.f / total : 0.f;
+            const unsigned int row = q0 + warp_row0 + 16 * mw + 8 * rr + g;
+            if (t == 0 && row < a.queries)
+                lse[(unsigned long long)pair * a.queries + row] = (m[r] + log2f(total)) * FA_LN2;
+        }
+        const unsigned int first = warp_row0 + 16 * mw;
+        store_rows<M, DP>(o, a, OP_O, b, h, q0 + first, a.queries, acc[mw], inv, qs + first * S);
     }
-    store_rows<M, DP>(o, a, OP_O, b, h, q0 + warp * 16, a.queries, acc, inv, qs + warp * 16 * S);
 }
 
-// dQ of R queries, streaming keys and values; also writes Δ = dO·O of those queries.
-template <typename M, int DP, int KR, int R>
+// dQ of R queries, each warp 16·MW of them, streaming keys and values; also writes Δ = dO·O of
+// those queries.
+template <typename M, int DP, int KR, int R, int MW>
 __device__ void flash_backward_dq(const typename M::Elem* q, const typename M::Elem* k, const typename M::Elem* v,
                                   const typename M::Elem* o, const typename M::Elem* dout, const float* lse,
                                   typename M::Elem* dq, float* delta, const AttnArgs& a) {
     typedef typename M::Elem T;
-    constexpr int S = DP + M::PAD, TILE = R * S, KTILE = KR * S, NT = DP / 8, NB = KR / 8;
+    constexpr int S = DP + M::PAD, TILE = R * S, KTILE = KR * S, NT = DP / 8, NB = KR / 8, THREADS = 2 * R / MW,
+                  ROWS = 2 * MW;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* qs = (T*)smem_raw;      // [R][S]
     T* dos = qs + TILE;        // [R][S]
@@ -260,35 +305,36 @@ __device__ void flash_backward_dq(const typename M::Elem* q, const typename M::E
     block_tile(a, true, tile, pair);
     const unsigned int b = pair / a.heads, h = pair % a.heads, kvh = h / group_size(a);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const unsigned int q0 = tile * R, row0 = q0 + warp * 16 + g;
+    const unsigned int q0 = tile * R, warp_row0 = warp * 16 * MW;
     const unsigned long long stats = (unsigned long long)pair * a.queries;
-    unsigned int key_begin, key_end, lo[2], hi[2], common_lo, common_hi;
+    unsigned int key_begin, key_end, lo[ROWS], hi[ROWS], common_lo, common_hi;
     block_range(a, true, q0, R, key_begin, key_end);
-    keys_seen(a, row0, lo[0], hi[0]);
-    keys_seen(a, row0 + 8, lo[1], hi[1]);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) keys_seen(a, q0 + warp_row0 + 8 * r + g, lo[r], hi[r]);
     warp_common_range(lo, hi, common_lo, common_hi);
     const int tiles = (key_end - key_begin + KR - 1) / KR;
-    load_tile<M, DP, R, 2 * R>(qs, q, a, OP_Q, b, h, q0, a.queries);
-    load_tile<M, DP, R, 2 * R>(dos, dout, a, OP_DO, b, h, q0, a.queries);
+    load_tile<M, DP, R, THREADS>(qs, q, a, OP_Q, b, h, q0, a.queries);
+    load_tile<M, DP, R, THREADS>(dos, dout, a, OP_DO, b, h, q0, a.queries);
     // O only for Δ: in the second key buffer, loading beside the first key and value tiles, when
     // it holds R rows (KR ≥ R); else where those tiles go, which then load after Δ (4·KR ≥ R).
     constexpr bool beside = KR >= R;
     T* os = beside ? ks + KTILE : ks;
-    load_tile<M, DP, R, 2 * R>(os, o, a, OP_O, b, h, q0, a.queries);
+    load_tile<M, DP, R, THREADS>(os, o, a, OP_O, b, h, q0, a.queries);
     if (beside && tiles > 0) {
-        load_tile<M, DP, KR, 2 * R>(ks, k, a, OP_K, b, kvh, key_begin, a.keys);
-        load_tile<M, DP, KR, 2 * R>(vs, v, a, OP_V, b, kvh, key_begin, a.keys);
+        load_tile<M, DP, KR, THREADS>(ks, k, a, OP_K, b, kvh, key_begin, a.keys);
+        load_tile<M, DP, KR, THREADS>(vs, v, a, OP_V, b, kvh, key_begin, a.keys);
     }
     cp_commit();
     cp_wait<0>();
     __syncthreads();
     {
-        // Two threads per query, half the head dim each.
-        const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
-        float dl = M::template dot<DP / 2>(os + r * S + half * (DP / 2), dos + r * S + half * (DP / 2));
-        dl += __shfl_xor_sync(0xffffffff, dl, 1);
+        // THREADS / R threads per query, the head dim split between them.
+        constexpr int PER_ROW = THREADS / R, PART = DP / PER_ROW;
+        const int r = threadIdx.x / PER_ROW, part = threadIdx.x % PER_ROW;
+        float dl = M::template dot<PART>(os + r * S + part * PART, dos + r * S + part * PART);
+        if (PER_ROW == 2) dl += __shfl_xor_sync(0xffffffff, dl, 1);
         const unsigned int row = q0 + r;
-        if (half == 0) {
+        if (part == 0) {
             deltas[r] = dl;
             lses[r] = row < a.queries ? lse[stats + row] * FA_LOG2E : 0.f;
             if (row < a.queries) delta[stats + row] = dl;
@@ -296,48 +342,58 @@ __device__ void flash_backward_dq(const typename M::Elem* q, const typename M::E
     }
     __syncthreads();
     if (!beside && tiles > 0) {
-        load_tile<M, DP, KR, 2 * R>(ks, k, a, OP_K, b, kvh, key_begin, a.keys);
-        load_tile<M, DP, KR, 2 * R>(vs, v, a, OP_V, b, kvh, key_begin, a.keys);
+        load_tile<M, DP, KR, THREADS>(ks, k, a, OP_K, b, kvh, key_begin, a.keys);
+        load_tile<M, DP, KR, THREADS>(vs, v, a, OP_V, b, kvh, key_begin, a.keys);
         cp_commit();
     }
-    float l2[2], dl[2];
+    // Thread row r = 2·mw + rr is fragment mw's row g + 8·rr.
+    float l2[ROWS], dl[ROWS];
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        l2[rr] = lses[warp * 16 + g + 8 * rr];
-        dl[rr] = deltas[warp * 16 + g + 8 * rr];
+    for (int r = 0; r < ROWS; ++r) {
+        l2[r] = lses[warp_row0 + 8 * r + g];
+        dl[r] = deltas[warp_row0 + 8 * r + g];
     }
     const float scale2 = (float)(a.scale * 1.4426950408889634);
-    float acc[NT][4] = {};
+    float acc[MW][NT][4] = {};
     for (int j = 0; j < tiles; ++j) {
         const unsigned int k0 = key_begin + j * KR;
-        key_tile_ready<M, DP, KR, R>(j, tiles, ks, vs, k, v, a, b, kvh, k0);
+        key_tile_ready<M, DP, KR, THREADS>(j, tiles, ks, vs, k, v, a, b, kvh, k0);
         const T* kt = ks + (j & 1) * KTILE;
         const T* vt = vs + (j & 1) * KTILE;
-        float s[NB][4] = {}, dp[NB][4] = {};
-        M::template rows_by_rows<DP, NB>(s, qs, warp * 16, kt);
-        M::template rows_by_rows<DP, NB>(dp, dos, warp * 16, vt);
+        float s[MW][NB][4] = {}, dp[MW][NB][4] = {};
+        warp_rows_by_rows<M, DP, NB, MW>(s, qs, warp_row0, kt);
+        warp_rows_by_rows<M, DP, NB, MW>(dp, dos, warp_row0, vt);
         if (k0 < common_lo || k0 + KR > common_hi) {
+#pragma unroll
+            for (int mw = 0; mw < MW; ++mw)
+#pragma unroll
+                for (int n = 0; n < NB; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const unsigned int key = k0 + n * 8 + 2 * t + (e & 1);
+                        const int r = 2 * mw + (e >> 1);
+                        if (key < lo[r] || key >= hi[r]) s[mw][n][e] = -CUDART_INF_F;
+                    }
+        }
+#pragma unroll
+        for (int mw = 0; mw < MW; ++mw)
 #pragma unroll
             for (int n = 0; n < NB; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const unsigned int key = k0 + n * 8 + 2 * t + (e & 1);
-                    if (key < lo[e >> 1] || key >= hi[e >> 1]) s[n][e] = -CUDART_INF_F;
+                    const int r = 2 * mw + (e >> 1);
+                    const float p = fast_exp2(fmaf(s[mw][n][e], scale2, -l2[r]));
+                    s[mw][n][e] = p * (dp[mw][n][e] - dl[r]);
                 }
-        }
-#pragma unroll
-        for (int n = 0; n < NB; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int rr = e >> 1;
-                const float p = fast_exp2(fmaf(s[n][e], scale2, -l2[rr]));
-                s[n][e] = p * (dp[n][e] - dl[rr]);
-            }
-        M::template weights_by_rows<DP, NB>(acc, s, kt);
+        warp_weights_by_rows<M, DP, NB, MW>(acc, s, kt);
         __syncthreads();
     }
     const float scale = (float)a.scale, mul[2] = {scale, scale};
-    store_rows<M, DP>(dq, a, OP_DQ, b, h, q0 + warp * 16, a.queries, acc, mul, qs + warp * 16 * S);
+#pragma unroll
+    for (int mw = 0; mw < MW; ++mw) {
+        const unsigned int first = warp_row0 + 16 * mw;
+        store_rows<M, DP>(dq, a, OP_DQ, b, h, q0 + first, a.queries, acc[mw], mul, qs + first * S);
+    }
 }
 
 // Loads the log-sum-exp (log2 domain) and Δ of queries first..first + ROWS into shared memory.
@@ -448,23 +504,25 @@ __device__ void flash_backward_dkdv(const typename M::Elem* q, const typename M:
 }
 
 
-// The three kernels of policy M at padded head dim DP and KR streamed rows (64 own rows), named
-// `attention_<FAMILY>_forward_<SUFFIX>`, `..._backward_dq_...` and `..._backward_dkdv_...`; the
-// dK/dV kernel's registers bounded to fit MINB blocks an SM.
-#define FLASH_KERNELS(M, FAMILY, SUFFIX, DP, KR, MINB)                                                     \
-    extern "C" __global__ void __launch_bounds__(128) attention_##FAMILY##_forward_##SUFFIX(         \
+// The three kernels of policy M at padded head dim DP, named `attention_<FAMILY>_forward_<SUFFIX>`,
+// `..._backward_dq_...` and `..._backward_dkdv_...`, 128 threads each: the forward and dQ kernels
+// take 64·MW queries a block (16·MW a warp) and stream KR keys at a time, the dK/dV kernel 64
+// keys and KR queries, its registers bounded to fit MINB blocks an SM. The host's tile shapes
+// (crates/ops-cuda/src/attention/tensor_core.rs) must say the same.
+#define FLASH_KERNELS(M, FAMILY, SUFFIX, DP, FWD_MW, FWD_KR, DQ_MW, DQ_KR, DKDV_KR, MINB)                  \
+    extern "C" __global__ void __launch_bounds__(128) attention_##FAMILY##_forward_##SUFFIX(              \
         const M::Elem* q, const M::Elem* k, const M::Elem* v, M::Elem* o, float* lse, AttnArgs a) {        \
-        flash_forward<M, DP, KR, 64>(q, k, v, o, lse, a);                                                      \
+        flash_forward<M, DP, FWD_KR, 64 * FWD_MW, FWD_MW>(q, k, v, o, lse, a);                              \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(128) attention_##FAMILY##_backward_dq_##SUFFIX(     \
+    extern "C" __global__ void __launch_bounds__(128) attention_##FAMILY##_backward_dq_##SUFFIX(          \
         const M::Elem* q, const M::Elem* k, const M::Elem* v, const M::Elem* o, const M::Elem* dout,       \
         const float* lse, M::Elem* dq, float* delta, AttnArgs a) {                                         \
-        flash_backward_dq<M, DP, KR, 64>(q, k, v, o, dout, lse, dq, delta, a);                                 \
+        flash_backward_dq<M, DP, DQ_KR, 64 * DQ_MW, DQ_MW>(q, k, v, o, dout, lse, dq, delta, a);            \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(128, MINB)                                         \
+    extern "C" __global__ void __launch_bounds__(128, MINB)                                              \
         attention_##FAMILY##_backward_dkdv_##SUFFIX(const M::Elem* q, const M::Elem* k, const M::Elem* v,  \
                                                     const M::Elem* dout, const float* lse,                 \
                                                     const float* delta, M::Elem* dk, M::Elem* dv,          \
                                                     AttnArgs a) {                                          \
-        flash_backward_dkdv<M, DP, KR, 64>(q, k, v, dout, lse, delta, dk, dv, a);                              \
+        flash_backward_dkdv<M, DP, DKDV_KR, 64>(q, k, v, dout, lse, delta, dk, dv, a);                     \
     }

@@ -128,6 +128,58 @@ template <typename T> struct Tc16 {
         }
     }
 
+    // The same for MW fragments of 16 rows (rows row0.., row0 + 16.., ...): each B fragment of y
+    // is read once for all of them.
+    template <int DP, int NB, int MW>
+    static __device__ __forceinline__ void rows_by_rows_wide(float (&acc)[MW][NB][4], const T* x, int row0,
+                                                             const T* y) {
+        constexpr int S = DP + 8;
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk) {
+            unsigned int a[MW][4];
+#pragma unroll
+            for (int mw = 0; mw < MW; ++mw) frag_a<S>(a[mw], x, row0 + 16 * mw, kk * 16);
+#pragma unroll
+            for (int nn = 0; nn < NB / 2; ++nn) {
+                unsigned int b[4];
+                frag_b_nk<S>(b, y, nn * 16, kk * 16);
+#pragma unroll
+                for (int mw = 0; mw < MW; ++mw) {
+                    Tc<T>::mma(acc[mw][2 * nn], a[mw], b[0], b[1]);
+                    Tc<T>::mma(acc[mw][2 * nn + 1], a[mw], b[2], b[3]);
+                }
+            }
+        }
+    }
+
+    // weights_by_rows for MW fragments of 16 rows of weights, each B fragment of z read once.
+    template <int DP, int NB, int MW>
+    static __device__ __forceinline__ void weights_by_rows_wide(float (&out)[MW][DP / 8][4],
+                                                                const float (&w)[MW][NB][4], const T* z) {
+        constexpr int S = DP + 8;
+#pragma unroll
+        for (int kk = 0; kk < NB / 2; ++kk) {
+            unsigned int a[MW][4];
+#pragma unroll
+            for (int mw = 0; mw < MW; ++mw) {
+                a[mw][0] = Tc<T>::pack(w[mw][2 * kk][0], w[mw][2 * kk][1]);
+                a[mw][1] = Tc<T>::pack(w[mw][2 * kk][2], w[mw][2 * kk][3]);
+                a[mw][2] = Tc<T>::pack(w[mw][2 * kk + 1][0], w[mw][2 * kk + 1][1]);
+                a[mw][3] = Tc<T>::pack(w[mw][2 * kk + 1][2], w[mw][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int dn = 0; dn < DP / 16; ++dn) {
+                unsigned int b[4];
+                frag_b_kn<S>(b, z, kk * 16, dn * 16);
+#pragma unroll
+                for (int mw = 0; mw < MW; ++mw) {
+                    Tc<T>::mma(out[mw][2 * dn], a[mw], b[0], b[1]);
+                    Tc<T>::mma(out[mw][2 * dn + 1], a[mw], b[2], b[3]);
+                }
+            }
+        }
+    }
+
     static __device__ __forceinline__ void store2(T* p, float lo, float hi) {
         *reinterpret_cast<unsigned int*>(p) = Tc<T>::pack(lo, hi);
     }
@@ -147,13 +199,20 @@ template <typename T> struct Tc16 {
 typedef Tc16<__nv_bfloat16> TcBf16;
 typedef Tc16<__half> TcF16;
 
-// attention_tc_forward_<dtype>_<DP> and so on. The dK/dV kernel at head dim 64 is bounded to 3
-// blocks an SM: 168 registers and no spills, where unbounded it takes 228 and fits 2.
-FLASH_KERNELS(TcBf16, tc, bf16_32, 32, 64, 1)
-FLASH_KERNELS(TcBf16, tc, bf16_64, 64, 64, 3)
-FLASH_KERNELS(TcBf16, tc, bf16_96, 96, 64, 1)
-FLASH_KERNELS(TcBf16, tc, bf16_128, 128, 64, 1)
-FLASH_KERNELS(TcF16, tc, f16_32, 32, 64, 1)
-FLASH_KERNELS(TcF16, tc, f16_64, 64, 64, 1)
-FLASH_KERNELS(TcF16, tc, f16_96, 96, 64, 1)
-FLASH_KERNELS(TcF16, tc, f16_128, 128, 64, 1)
+// attention_tc_forward_<dtype>_<DP> and so on. At head dims up to 64 (TC_NARROW; tensor_core.rs's
+// TC_NARROW_SHAPES say the same) the forward holds 32 queries a warp (223 registers, 2 blocks an
+// SM) and the dK/dV kernel is bounded to 3 blocks an SM (168 registers and no spills, where
+// unbounded it takes 228 and fits 2). On the H200 at Llama-3.2-1B's shape each kernel ran slower
+// with 32 streamed rows (forward at 3 blocks an SM 345 against 314 µs, dK/dV at 4 blocks 665
+// against 595 µs) and the dQ kernel with 32 queries a warp (450 against 420 µs). Above 64 a warp
+// holds 16 queries, which keeps the forward off spills.
+#define TC_NARROW(M, SUFFIX, DP) FLASH_KERNELS(M, tc, SUFFIX, DP, 2, 64, 1, 64, 64, 3)
+#define TC_WIDE(M, SUFFIX, DP) FLASH_KERNELS(M, tc, SUFFIX, DP, 1, 64, 1, 64, 64, 1)
+TC_NARROW(TcBf16, bf16_32, 32)
+TC_NARROW(TcBf16, bf16_64, 64)
+TC_WIDE(TcBf16, bf16_96, 96)
+TC_WIDE(TcBf16, bf16_128, 128)
+TC_NARROW(TcF16, f16_32, 32)
+TC_NARROW(TcF16, f16_64, 64)
+TC_WIDE(TcF16, f16_96, 96)
+TC_WIDE(TcF16, f16_128, 128)

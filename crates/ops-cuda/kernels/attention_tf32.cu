@@ -132,9 +132,9 @@ struct Tf32 {
 
 // attention_tf32_forward_<DP>_<KR> and so on: 32 or 64 streamed rows for head dims up to 64, 64
 // above; the dK/dV kernels with 32 streamed rows bounded to 3 blocks an SM (168 registers).
-FLASH_KERNELS(Tf32, tf32, 32_32, 32, 32, 3)
-FLASH_KERNELS(Tf32, tf32, 64_32, 64, 32, 3)
-FLASH_KERNELS(Tf32, tf32, 32_64, 32, 64, 1)
-FLASH_KERNELS(Tf32, tf32, 64_64, 64, 64, 1)
-FLASH_KERNELS(Tf32, tf32, 96_64, 96, 64, 1)
-FLASH_KERNELS(Tf32, tf32, 128_64, 128, 64, 1)
+FLASH_KERNELS(Tf32, tf32, 32_32, 32, 1, 32, 1, 32, 32, 3)
+FLASH_KERNELS(Tf32, tf32, 64_32, 64, 1, 32, 1, 32, 32, 3)
+FLASH_KERNELS(Tf32, tf32, 32_64, 32, 1, 64, 1, 64, 64, 1)
+FLASH_KERNELS(Tf32, tf32, 64_64, 64, 1, 64, 1, 64, 64, 1)
+FLASH_KERNELS(Tf32, tf32, 96_64, 96, 1, 64, 1, 64, 64, 1)
+FLASH_KERNELS(Tf32, tf32, 128_64, 128, 1, 64, 1, 64, 64, 1)

@@ -12,7 +12,8 @@
 //! kernels move 16-byte chunks, so they take head dims that are multiples of a chunk (8 elements
 //! in 16 bits, 4 in f32) up to 128 with every operand chunk-aligned ([`fits`]); the family's entry
 //! point (`mod.rs`) sends other 16-bit operands to the cuBLAS path of `gemm.rs` and other f32 ones
-//! to the register-tiled kernels. Blocks of 128 threads take 64 rows of one (batch, head) pair and
+//! to the register-tiled kernels. Blocks of 128 threads take 64 rows of one (batch, head) pair (the
+//! 16-bit forward at head dims up to 64: 128, 32 a warp) and
 //! stream the other side 64 rows at a time (f32 at head dims up to 64: 32 below 512 rows, where
 //! twice the blocks fit an SM); the head dim is padded to 32, 64, 96 or 128 in shared memory. Grouped-query heads and
 //! packed sequences travel in `AttnArgs`: the dK/dV grid runs over (batch, key/value head) pairs,
@@ -36,8 +37,34 @@ use crate::scratch::Scratch;
 
 /// Threads per block.
 const THREADS: u32 = 128;
-/// Own rows per block (`R` in the kernels).
+/// Own rows per block (`R` in the kernels) where a warp holds 16 of them.
 const ROWS: usize = 64;
+
+/// A kernel's own rows per block and the rows of the other side it streams at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TileShape {
+    rows: usize,
+    streamed: usize,
+}
+
+/// The 16-bit kernels at head dims up to 64, in the order of [`Kernel`] (`attention_tc.cu`'s
+/// `TC_NARROW` says the same): the forward holds 32 queries a warp, so each key or value fragment
+/// read from shared memory feeds two products. The other shapes `attention_tc.cu` names (32
+/// queries a warp in the dQ kernel, 32 streamed rows in any kernel) ran slower on the H200.
+const TC_NARROW_SHAPES: [TileShape; 3] = [
+    TileShape {
+        rows: 128,
+        streamed: 64,
+    },
+    TileShape {
+        rows: 64,
+        streamed: 64,
+    },
+    TileShape {
+        rows: 64,
+        streamed: 64,
+    },
+];
 /// Bytes each thread moves at once: operands are aligned to this many bytes' worth of elements.
 const CHUNK_BYTES: usize = 16;
 /// Largest head dim the kernels take.
@@ -107,22 +134,31 @@ struct Variant {
     element_bytes: usize,
     /// Elements of one shared row: the padded head dim and its pad.
     row: usize,
-    streamed: usize,
+    /// Each kernel's tiles, in the order of [`Kernel`].
+    shapes: [TileShape; 3],
 }
 
 impl Variant {
     /// The kernels for `dtype` and `head_dim` with a streamed side of `streamed_rows`.
     fn new(dtype: DType, head_dim: usize, streamed_rows: usize) -> Result<Variant> {
         let padded = head_dim.div_ceil(32).max(1) * 32;
-        let (module, names, pad, streamed) = match dtype {
+        let uniform = |streamed| {
+            [TileShape {
+                rows: ROWS,
+                streamed,
+            }; 3]
+        };
+        let (module, names, pad, shapes) = match dtype {
             DType::F32 => (
                 Module::AttentionTf32,
                 &TF32_KERNELS,
                 4,
-                f32_streamed_tile_rows(padded, streamed_rows),
+                uniform(f32_streamed_tile_rows(padded, streamed_rows)),
             ),
-            _ => (Module::AttentionTc, &TC_KERNELS, 8, ROWS),
+            _ if padded <= 64 => (Module::AttentionTc, &TC_KERNELS, 8, TC_NARROW_SHAPES),
+            _ => (Module::AttentionTc, &TC_KERNELS, 8, uniform(ROWS)),
         };
+        let streamed = shapes[0].streamed;
         let suffix = match (dtype, padded, streamed) {
             (DType::BF16, 32, _) => "bf16_32",
             (DType::BF16, 64, _) => "bf16_64",
@@ -153,18 +189,29 @@ impl Variant {
             suffix,
             element_bytes: dtype.size_in_bytes(),
             row: padded + pad,
-            streamed,
+            shapes,
         })
     }
 
-    /// The launch shape over `rows` rows of each of `pairs` (batch, head) pairs (query heads, or
-    /// key/value heads for dK/dV), with shared memory for `tiles` rows of elements and `stats`
-    /// f32 values.
-    fn config(&self, pairs: usize, rows: usize, tiles: usize, stats: usize) -> LaunchConfig {
+    /// The launch shape of `kernel` over `rows` rows of each of `pairs` (batch, head) pairs (query
+    /// heads, or key/value heads for dK/dV), with shared memory for `tiles` rows of elements and
+    /// `stats` f32 values.
+    fn config(
+        &self,
+        kernel: Kernel,
+        pairs: usize,
+        rows: usize,
+        tiles: usize,
+        stats: usize,
+    ) -> LaunchConfig {
         let bytes = tiles * self.row * self.element_bytes + stats * 4;
         LaunchConfig {
             // `fits` bounds the pairs by 65 535; rows are u32 (checked by `attn_args`).
-            grid_dim: (rows.div_ceil(ROWS) as u32, pairs as u32, 1),
+            grid_dim: (
+                rows.div_ceil(self.shapes[kernel as usize].rows) as u32,
+                pairs as u32,
+                1,
+            ),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: bytes as u32,
         }
@@ -205,8 +252,10 @@ pub(crate) fn forward(
     let variant = Variant::new(f.q.dtype, dims.head_dim, dims.keys)?;
     let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out])?;
     // Q, and two buffers each of K and V.
-    let tiles = ROWS + 4 * variant.streamed;
-    let config = variant.config(dims.batch * dims.heads, dims.queries, tiles, 0);
+    let shape = variant.shapes[Kernel::Forward as usize];
+    let tiles = shape.rows + 4 * shape.streamed;
+    let pairs = dims.batch * dims.heads;
+    let config = variant.config(Kernel::Forward, pairs, dims.queries, tiles, 0);
     let params = [
         address(&f.q),
         address(&f.k),
@@ -228,14 +277,23 @@ pub(crate) fn backward(
     // Δ per query, from the caching allocator, returned (in stream order) after the launches.
     let delta = Scratch::new(backend, (dims.batch * dims.heads * dims.queries * 4) as u64)?;
     let delta_address = Param::U64(delta.address());
-    // One streamed tile height for both kernels (the dQ kernel streams keys, the dK/dV kernel
-    // queries); each kernel's shared memory holds two tiles of own rows (Q and dO, or K and V)
-    // and two buffers each of the streamed two.
+    // Each kernel's shared memory holds two tiles of own rows (Q and dO, or K and V) and two
+    // buffers each of the streamed two (the dQ kernel streams keys, the dK/dV kernel queries).
     let variant = Variant::new(f.q.dtype, dims.head_dim, dims.keys.min(dims.queries))?;
-    let tiles = 2 * ROWS + 4 * variant.streamed;
+    let tiles = |kernel: Kernel| {
+        let shape = variant.shapes[kernel as usize];
+        2 * shape.rows + 4 * shape.streamed
+    };
     if dims.queries > 0 {
         // With the log-sum-exp and Δ of the block's queries.
-        let config = variant.config(dims.batch * dims.heads, dims.queries, tiles, 2 * ROWS);
+        let rows = variant.shapes[Kernel::BackwardDq as usize].rows;
+        let config = variant.config(
+            Kernel::BackwardDq,
+            dims.batch * dims.heads,
+            dims.queries,
+            tiles(Kernel::BackwardDq),
+            2 * rows,
+        );
         let params = [
             address(&f.q),
             address(&f.k),
@@ -258,8 +316,14 @@ pub(crate) fn backward(
     if dims.keys > 0 {
         // With both query buffers' statistics. One block per (batch, key/value head) and its own
         // keys, over the group's query heads.
-        let stats = 4 * variant.streamed;
-        let config = variant.config(dims.batch * dims.kv_heads, dims.keys, tiles, stats);
+        let stats = 4 * variant.shapes[Kernel::BackwardDkDv as usize].streamed;
+        let config = variant.config(
+            Kernel::BackwardDkDv,
+            dims.batch * dims.kv_heads,
+            dims.keys,
+            tiles(Kernel::BackwardDkDv),
+            stats,
+        );
         let params = [
             address(&f.q),
             address(&f.k),
@@ -303,5 +367,38 @@ mod tests {
             }
         }
         assert!(Variant::new(DType::F32, 160, 100).is_err());
+    }
+
+    /// The host's tile shapes for the 16-bit kernels at head dims up to 64 are the ones
+    /// `attention_tc.cu`'s `TC_NARROW` builds (the forward's and dQ's 64·MW queries and KR keys,
+    /// dK/dV's 64 keys and KR queries): a launch with other shapes would read past its tiles.
+    #[test]
+    fn narrow_tile_shapes_match_the_kernels() {
+        let source = include_str!("../../kernels/attention_tc.cu");
+        let line = source
+            .lines()
+            .find(|line| line.starts_with("#define TC_NARROW("))
+            .expect("attention_tc.cu defines TC_NARROW");
+        let inner = &line[line.rfind('(').unwrap() + 1..line.rfind(')').unwrap()];
+        let numbers: Vec<usize> = inner
+            .split(',')
+            .skip(4)
+            .map(|field| field.trim().parse().unwrap())
+            .collect();
+        let [forward_mw, forward_kr, dq_mw, dq_kr, dkdv_kr, _min_blocks] = numbers[..] else {
+            panic!("TC_NARROW passes six numbers: {line}");
+        };
+        let shape = |mw: usize, streamed| TileShape {
+            rows: 64 * mw,
+            streamed,
+        };
+        assert_eq!(
+            TC_NARROW_SHAPES,
+            [
+                shape(forward_mw, forward_kr),
+                shape(dq_mw, dq_kr),
+                shape(1, dkdv_kr)
+            ]
+        );
     }
 }
