@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call over a tree packed by scripts/gpu-pack.sh (carry [".gpu-carry", ".whl"]): it
-# unpacks .gpu-carry/bundle.tar.xz into .gpu-bundle, installs .whl/*.whl into /tmp/site, runs
+# unpacks .gpu-carry/bundle.tar.xz into .gpu-bundle (and scripts/gpu-quick.sh's quick.tar.xz into
+# .gpu-quick, for cmd: steps to run), installs .whl/*.whl into /tmp/site, runs
 # the gpu-measure.sh phases and the techniques.sh parts it is given, in order, and tars every
 # log and result into $OUT/results.tar.xz (the device tool returns eight files at most), with
 # run.log beside it: each step's exit status and seconds. The results are packed again after
@@ -15,7 +16,7 @@
 # the tests phase takes about 3 minutes, py:tests 1, py:optim 1, plans 4, find-max-model 10.
 set -uo pipefail
 if [[ $# == 0 || $1 == -h || $1 == --help ]]; then
-  sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
   exit 0
 fi
 : "${COMMIT:?set COMMIT to the short hash of the sources}"
@@ -28,6 +29,10 @@ log() { echo "[$((SECONDS - start)) s] $*" | tee -a "$OUT/run.log"; }
 if [[ -f .gpu-carry/bundle.tar.xz ]]; then
   tar xJf .gpu-carry/bundle.tar.xz
   log "bundle unpacked: $(ls .gpu-bundle/bin | wc -l) binaries"
+fi
+if [[ -f .gpu-carry/quick.tar.xz ]]; then
+  tar xJf .gpu-carry/quick.tar.xz
+  log "quick binaries unpacked (scripts/gpu-quick.sh): $(ls .gpu-quick/bin .gpu-quick/benches | grep -vc ':$')"
 fi
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
