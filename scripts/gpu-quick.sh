@@ -8,8 +8,9 @@
 #   e.g. bash scripts/gpu-quick.sh --headroom-bench --test parity --test golden_models \
 #          --bench kernels --bench attention_f32
 # NAME is a test or bench target of any workspace crate (tests/NAME.rs or tests/NAME/main.rs,
-# benches/NAME.rs). On the device, carry [".gpu-carry/quick.tar.xz"] and unpack it yourself
-# (`tar xJf .gpu-carry/quick.tar.xz`) or let scripts/gpu-call.sh do it: the binaries land in
+# benches/NAME.rs); CARGO_TARGET_DIR is honoured. On the device, carry
+# [".gpu-carry/quick.tar.xz"] and unpack it yourself (`tar xJf .gpu-carry/quick.tar.xz`) or let
+# scripts/gpu-call.sh do it: the binaries land in
 # .gpu-quick/bin/NAME (tests, and headroom-bench) and .gpu-quick/benches/NAME, and run from the
 # workspace root (tests read testdata/). Run GPU tests with HEADROOM_REQUIRE_GPU=1 and
 # --include-ignored, as gpu-measure.sh does.
@@ -20,7 +21,7 @@ while (( $# )); do
     --test) tests+=("${2:?--test takes a target name}"); shift 2 ;;
     --bench) benches+=("${2:?--bench takes a target name}"); shift 2 ;;
     --headroom-bench) headroom_bench=1; shift ;;
-    -h | --help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -33,7 +34,7 @@ trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/.gpu-quick/bin" "$stage/.gpu-quick/benches" .gpu-carry
 workspace=(--workspace --all-features --exclude headroom-python)
 # The executable cargo reports for one target (its `Executable ... (path)` line).
-executable() { grep -o '(target/release/deps/[^)]*)' | tr -d '()' | tail -1; }
+executable() { grep -o '([^()]*/release/deps/[^()]*)' | tr -d '()' | tail -1; }
 for name in "${tests[@]}"; do
   exe=$(cargo test --release --no-run "${workspace[@]}" --test "$name" 2>&1 | tee /dev/stderr | executable)
   [[ -n $exe ]] || { echo "no test target named $name" >&2; exit 1; }
@@ -46,7 +47,7 @@ for name in "${benches[@]}"; do
 done
 if (( headroom_bench )); then
   cargo build --release -p headroom-bench
-  cp target/release/headroom-bench "$stage/.gpu-quick/bin/"
+  cp "${CARGO_TARGET_DIR:-target}/release/headroom-bench" "$stage/.gpu-quick/bin/"
 fi
 strip "$stage"/.gpu-quick/bin/* "$stage"/.gpu-quick/benches/* 2>/dev/null || true
 tar cf - -C "$stage" .gpu-quick | xz -T2 -6 > .gpu-carry/quick.tar.xz
