@@ -30,6 +30,9 @@ struct AttnArgs {
     const int* cu_seqlens;
     unsigned int n_seqs;
     unsigned int pad;
+    // Packed sequences in the tensor-core kernels: this launch's own-row tiles, heaviest first (a
+    // permutation of 0..gridDim.x - 1 from the host), or null.
+    const unsigned int* tile_order;
 };
 
 enum { OP_Q, OP_K, OP_V, OP_O, OP_DO, OP_DQ, OP_DK, OP_DV };

@@ -68,6 +68,14 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // the heavy ones trailing it. Otherwise x is the tile, y the pair.
 __device__ __forceinline__ void block_tile(const AttnArgs& a, bool heavy_last, unsigned int& tile,
                                            unsigned int& pair) {
+    if (a.tile_order != nullptr) {
+        // Packed sequences: a tile's work depends on its place in its own sequence, so the host
+        // orders them (heaviest first), and the grid is walked tile-major in that order.
+        const unsigned int linear = blockIdx.y * gridDim.x + blockIdx.x, rank = linear / gridDim.y;
+        pair = linear - rank * gridDim.y;
+        tile = a.tile_order[rank];
+        return;
+    }
     if (!a.causal) {
         tile = blockIdx.x;
         pair = blockIdx.y;

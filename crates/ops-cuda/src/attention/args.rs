@@ -41,6 +41,17 @@ pub(crate) struct AttnArgs {
     cu_seqlens: u64,
     n_seqs: u32,
     pad: u32,
+    /// Device address of the launch's tile order (the tensor-core kernels, packed sequences), or 0.
+    tile_order: u64,
+}
+
+impl AttnArgs {
+    /// The same arguments with the launch's tiles taken in the order of the U32 array at device
+    /// address `address` (a permutation of the grid's x extent).
+    pub(crate) fn with_tile_order(mut self, address: u64) -> AttnArgs {
+        self.tile_order = address;
+        self
+    }
 }
 
 // SAFETY: `repr(C)`, plain integers and a double, laid out exactly like `AttnArgs` in
@@ -86,6 +97,7 @@ pub(crate) fn attn_args(
             .map_or(0, |packed| element_address(&packed.cu_seqlens)),
         n_seqs: to_u32(forward.packed.map_or(0, |packed| packed.host.len() - 1))?,
         pad: 0,
+        tile_order: 0,
     };
     let element = forward.q.dtype.size_in_bytes() as u64;
     let mut aligned = dims.head_dim.is_multiple_of(4);
