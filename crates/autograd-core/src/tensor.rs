@@ -42,6 +42,12 @@ impl Element for i64 {
 impl Element for i32 {
     const DTYPE: DType = DType::I32;
 }
+impl Element for float8::F8E4M3 {
+    const DTYPE: DType = DType::F8E4M3;
+}
+impl Element for float8::F8E5M2 {
+    const DTYPE: DType = DType::F8E5M2;
+}
 impl Element for u8 {
     const DTYPE: DType = DType::U8;
 }
@@ -210,6 +216,22 @@ impl Tensor {
                 &data.iter().map(|&v| v as u8).collect::<Vec<_>>(),
                 shape,
             ),
+            DType::F8E4M3 => Tensor::from_slice(
+                backend,
+                &data
+                    .iter()
+                    .map(|&v| float8::F8E4M3::from_f64(v))
+                    .collect::<Vec<_>>(),
+                shape,
+            ),
+            DType::F8E5M2 => Tensor::from_slice(
+                backend,
+                &data
+                    .iter()
+                    .map(|&v| float8::F8E5M2::from_f64(v))
+                    .collect::<Vec<_>>(),
+                shape,
+            ),
             DType::Bool => {
                 let res = Tensor::from_slice(
                     backend,
@@ -261,6 +283,16 @@ impl Tensor {
                 .collect()),
             DType::I32 => Ok(self.to_vec::<i32>()?.into_iter().map(f64::from).collect()),
             DType::U8 => Ok(self.to_vec::<u8>()?.into_iter().map(f64::from).collect()),
+            DType::F8E4M3 => Ok(self
+                .to_vec::<float8::F8E4M3>()?
+                .into_iter()
+                .map(|v| v.to_f64())
+                .collect()),
+            DType::F8E5M2 => Ok(self
+                .to_vec::<float8::F8E5M2>()?
+                .into_iter()
+                .map(|v| v.to_f64())
+                .collect()),
             DType::Bool => {
                 let as_bytes = Tensor::from_parts(
                     Arc::clone(&self.inner.buffer),

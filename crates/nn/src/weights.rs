@@ -27,6 +27,8 @@ fn dtype_from_file(name: &str, dtype: Dtype) -> Result<DType> {
         Dtype::I32 => DType::I32,
         Dtype::U8 => DType::U8,
         Dtype::BOOL => DType::Bool,
+        Dtype::F8_E4M3 => DType::F8E4M3,
+        Dtype::F8_E5M2 => DType::F8E5M2,
         other => {
             return Err(NnError::UnsupportedDtype {
                 name: name.to_owned(),
@@ -46,6 +48,8 @@ fn dtype_to_file(dtype: DType) -> Dtype {
         DType::I32 => Dtype::I32,
         DType::U8 => Dtype::U8,
         DType::Bool => Dtype::BOOL,
+        DType::F8E4M3 => Dtype::F8_E4M3,
+        DType::F8E5M2 => Dtype::F8_E5M2,
     }
 }
 

@@ -1,14 +1,14 @@
 //! Module behaviour beyond the golden models: weights survive a safetensors round trip (and a
 //! dtype change), dropout follows the training flag through a whole model, a causal mask keeps
 //! later tokens out of earlier positions, and the CPU benchmark ViT (`VitConfig::mini`) has its
-//! documented size.
+//! documented size; fp8 tensors load from safetensors in their own dtype.
 
 use std::sync::Arc;
 
 use headroom_autograd_core::{BackendRef, DType, Generator, Tensor};
 use headroom_nn::{
-    causal_mask, load_weights, save_weights, AttentionMask, Dropout, Gpt2Config, Gpt2LMHeadModel,
-    Module, MultiheadAttention, NnError, VisionTransformer, VitConfig,
+    causal_mask, load_weights, read_tensor, save_weights, AttentionMask, Dropout, Gpt2Config,
+    Gpt2LMHeadModel, Module, MultiheadAttention, NnError, VisionTransformer, VitConfig,
 };
 use headroom_ops_cpu::CpuBackend;
 use safetensors::SafeTensors;
@@ -185,4 +185,34 @@ fn parameters_drawn_across_threads_equal_the_sequential_draws() {
         .map(|i| half::bf16::from_f64(-0.1 + 0.4 * uniform(11, offset + i)).to_f64())
         .collect();
     assert_eq!(drawn_bf16.to_vec_f64().unwrap(), want_bf16);
+}
+
+/// An archive's E4M3 and E5M2 tensors (codes written as bytes, as PyTorch's safetensors writes
+/// `float8_e4m3fn` and `float8_e5m2`) load in those dtypes with their values.
+#[test]
+fn float8_tensors_load_from_safetensors() {
+    let cpu: BackendRef = CpuBackend::new_ref();
+    // E4M3: 1.0, -2.0, 448 (0x7e), the smallest subnormal 2^-9; E5M2: 1.0, 57344 (0x7b).
+    let e4m3 = [0x38u8, 0xc0, 0x7e, 0x01];
+    let e5m2 = [0x3cu8, 0x7b];
+    let views = vec![
+        (
+            "a",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F8_E4M3, vec![2, 2], &e4m3)
+                .unwrap(),
+        ),
+        (
+            "b",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F8_E5M2, vec![2], &e5m2)
+                .unwrap(),
+        ),
+    ];
+    let bytes = safetensors::serialize(views, &None).unwrap();
+    let archive = SafeTensors::deserialize(&bytes).unwrap();
+    let a = read_tensor(&cpu, &archive, "a").unwrap();
+    assert_eq!((a.dtype(), a.shape()), (DType::F8E4M3, &[2, 2][..]));
+    assert_eq!(a.to_vec_f64().unwrap(), [1.0, -2.0, 448.0, 2f64.powi(-9)]);
+    let b = read_tensor(&cpu, &archive, "b").unwrap();
+    assert_eq!(b.dtype(), DType::F8E5M2);
+    assert_eq!(b.to_vec_f64().unwrap(), [1.0, 57344.0]);
 }

@@ -200,6 +200,25 @@ impl Scalar for bf16 {
     }
 }
 
+/// The 8-bit floats round to nearest-even from the f64 itself and saturate at their largest
+/// finite value (float8's `from_f64`, cuda_fp8.hpp's conversion with `__NV_SATFINITE`).
+impl Scalar for float8::F8E4M3 {
+    fn to_f64(self) -> f64 {
+        float8::F8E4M3::to_f64(&self)
+    }
+    fn from_f64(value: f64) -> Self {
+        float8::F8E4M3::from_f64(value)
+    }
+}
+impl Scalar for float8::F8E5M2 {
+    fn to_f64(self) -> f64 {
+        float8::F8E5M2::to_f64(&self)
+    }
+    fn from_f64(value: f64) -> Self {
+        float8::F8E5M2::from_f64(value)
+    }
+}
+
 impl Scalar for BoolByte {
     fn to_f64(self) -> f64 {
         f64::from(u8::from(self.0 != 0))
@@ -273,6 +292,14 @@ macro_rules! dispatch_any {
                 type $T = $crate::element::BoolByte;
                 $body
             }
+            headroom_autograd_core::DType::F8E4M3 => {
+                type $T = float8::F8E4M3;
+                $body
+            }
+            headroom_autograd_core::DType::F8E5M2 => {
+                type $T = float8::F8E5M2;
+                $body
+            }
         }
     };
 }
@@ -330,5 +357,114 @@ mod tests {
         assert_eq!(<bf16 as Scalar>::from_f64(1e300).to_bits(), 0x7f80);
         assert!(<bf16 as Scalar>::from_f64(f64::NAN).is_nan());
         assert_eq!(<bf16 as Scalar>::from_f64(-1e-300).to_bits(), 0x8000);
+    }
+
+    /// Every code of both 8-bit floats reads back to itself through f64, but NaN (which stays
+    /// NaN) and E5M2's infinities, which the saturating cast takes to the largest finite value.
+    #[test]
+    fn every_float8_code_round_trips() {
+        for bits in 0..=u8::MAX {
+            let e4m3 = float8::F8E4M3::from_bits(bits);
+            let back = <float8::F8E4M3 as Scalar>::from_f64(Scalar::to_f64(e4m3));
+            if bits & 0x7f == 0x7f {
+                assert!(Scalar::to_f64(back).is_nan(), "e4m3 {bits:#x}");
+            } else {
+                assert_eq!(back.to_bits(), bits, "e4m3 {bits:#x}");
+            }
+            let e5m2 = float8::F8E5M2::from_bits(bits);
+            let value = Scalar::to_f64(e5m2);
+            let back = <float8::F8E5M2 as Scalar>::from_f64(value);
+            if value.is_nan() {
+                assert!(Scalar::to_f64(back).is_nan(), "e5m2 {bits:#x}");
+            } else if value.is_infinite() {
+                assert_eq!(
+                    Scalar::to_f64(back),
+                    57344.0f64.copysign(value),
+                    "e5m2 {bits:#x}"
+                );
+            } else {
+                assert_eq!(back.to_bits(), bits, "e5m2 {bits:#x}");
+            }
+        }
+    }
+
+    /// Casting a tensor into the 8-bit floats on the CPU backend: nearest-even ties, saturation
+    /// at the largest finite value (torchao's `to_fp8_saturated`; PyTorch's plain `.to()` gives
+    /// NaN there), subnormals down to the smallest and zero below half of it, signs and NaN
+    /// kept; the codes widen to bf16 exactly; and they carry no gradient.
+    #[test]
+    fn tensors_cast_into_float8_round_to_nearest_even_and_saturate() {
+        use headroom_autograd_core::Tensor;
+        let cpu = crate::CpuBackend::new_ref();
+        let sub = 2f64.powi(-9); // E4M3's smallest subnormal
+        let cases: [(DType, &[(f64, f64)]); 2] = [
+            (
+                DType::F8E4M3,
+                &[
+                    (1.0625, 1.0),
+                    (1.1875, 1.25),
+                    (1.07, 1.125),
+                    (448.0, 448.0),
+                    (460.0, 448.0),
+                    (1e6, 448.0),
+                    (-1e6, -448.0),
+                    (sub, sub),
+                    (0.75 * sub, sub),
+                    (0.5 * sub, 0.0),
+                    (-3.0, -3.0),
+                ],
+            ),
+            (
+                DType::F8E5M2,
+                &[
+                    (1.125, 1.0),
+                    (1.375, 1.5),
+                    (57344.0, 57344.0),
+                    (1e6, 57344.0),
+                    (-1e9, -57344.0),
+                    (2f64.powi(-16), 2f64.powi(-16)),
+                    (2f64.powi(-18), 0.0),
+                ],
+            ),
+        ];
+        for (dtype, pairs) in cases {
+            let inputs: Vec<f64> = pairs.iter().map(|&(x, _)| x).collect();
+            let x = Tensor::from_f64s(&cpu, &inputs, &[inputs.len()], DType::F32).unwrap();
+            let cast = x.to_dtype(dtype).unwrap();
+            assert_eq!(cast.dtype(), dtype);
+            let got = cast.to_vec_f64().unwrap();
+            for (&(input, want), got) in pairs.iter().zip(got) {
+                assert_eq!(got, want, "{dtype:?} of {input}");
+            }
+            assert_eq!(
+                dtype.max_finite(),
+                Some(pairs.iter().map(|p| p.1).fold(0.0, f64::max))
+            );
+            let special = Tensor::from_f64s(&cpu, &[f64::NAN, -0.0], &[2], DType::F32).unwrap();
+            let special = special.to_dtype(dtype).unwrap().to_vec_f64().unwrap();
+            assert!(special[0].is_nan(), "{dtype:?} keeps NaN");
+            assert!(
+                special[1] == 0.0 && special[1].is_sign_negative(),
+                "{dtype:?} keeps -0"
+            );
+            // Every finite code widens to bf16 exactly.
+            let codes: Vec<f64> = (0..=u8::MAX)
+                .map(|bits| match dtype {
+                    DType::F8E4M3 => float8::F8E4M3::from_bits(bits).to_f64(),
+                    _ => float8::F8E5M2::from_bits(bits).to_f64(),
+                })
+                .filter(|v| v.is_finite())
+                .collect();
+            let narrow = Tensor::from_f64s(&cpu, &codes, &[codes.len()], dtype).unwrap();
+            assert_eq!(
+                narrow.to_dtype(DType::BF16).unwrap().to_vec_f64().unwrap(),
+                codes
+            );
+            assert!(!dtype.is_float() && dtype.is_float8());
+            assert!(
+                narrow.requires_grad_(true).is_err(),
+                "{dtype:?} carries no gradient"
+            );
+        }
     }
 }

@@ -19,31 +19,21 @@ use crate::kernels::{float_suffix, KernelName, Module};
 use crate::launch::{launch_config, launch_in, Param, NO_ARGS};
 use crate::operands::{copy_kernel, dense_addresses, launch_strided, strided_args, StridedArgs};
 
-fn any_suffix(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F32 => "f32",
-        DType::F64 => "f64",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::I64 => "i64",
-        DType::I32 => "i32",
-        DType::U8 => "u8",
-        DType::Bool => "bool",
-    }
-}
-
-/// The family of cast kernels from `dtype` (`cast_f32`, ...), completed by the target's suffix.
-fn cast_family(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F32 => "cast_f32",
-        DType::F64 => "cast_f64",
-        DType::F16 => "cast_f16",
-        DType::BF16 => "cast_bf16",
-        DType::I64 => "cast_i64",
-        DType::I32 => "cast_i32",
-        DType::U8 => "cast_u8",
-        DType::Bool => "cast_bool",
-    }
+/// The cast kernels' name for `dtype`, as source (`cast_f32`, ...) or target (`f32`, ...); `None`
+/// for the 8-bit floats, which have no cast kernels yet (a cast to or from them is
+/// `UnsupportedDtype`; copies within one of them are byte copies).
+fn cast_names(dtype: DType) -> Option<(&'static str, &'static str)> {
+    Some(match dtype {
+        DType::F32 => ("cast_f32", "f32"),
+        DType::F64 => ("cast_f64", "f64"),
+        DType::F16 => ("cast_f16", "f16"),
+        DType::BF16 => ("cast_bf16", "bf16"),
+        DType::I64 => ("cast_i64", "i64"),
+        DType::I32 => ("cast_i32", "i32"),
+        DType::U8 => ("cast_u8", "u8"),
+        DType::Bool => ("cast_bool", "bool"),
+        DType::F8E4M3 | DType::F8E5M2 => return None,
+    })
 }
 
 fn device_address(view: &View<'_>) -> u64 {
@@ -231,6 +221,8 @@ pub(crate) fn fill(backend: &CudaBackend, dst: View<'_>, value: f64) -> Result<(
         DType::I32 => u64::from(value as i32 as u32),
         DType::U8 => u64::from(value as u8),
         DType::Bool => u64::from(value != 0.0),
+        DType::F8E4M3 => u64::from(float8::F8E4M3::from_f64(value).to_bits()),
+        DType::F8E5M2 => u64::from(float8::F8E5M2::from_f64(value).to_bits()),
     };
     if let Some([at, _, _]) = dense_addresses(&args, &[out_ptr], dst.dtype.size_in_bytes(), 1) {
         if dst.dtype.size_in_bytes() <= 4 {
@@ -265,7 +257,10 @@ pub(crate) fn copy(backend: &CudaBackend, src: View<'_>, dst: View<'_>) -> Resul
         }
         copy_kernel(element)
     } else {
-        (cast_family(src.dtype), any_suffix(dst.dtype))
+        let unsupported = |dtype| TensorError::UnsupportedDtype { op: "copy", dtype };
+        let (family, _) = cast_names(src.dtype).ok_or_else(|| unsupported(src.dtype))?;
+        let (_, suffix) = cast_names(dst.dtype).ok_or_else(|| unsupported(dst.dtype))?;
+        (family, suffix)
     };
     launch(
         backend,

@@ -71,6 +71,8 @@ fn encode(dtype: DType, values: &[f64]) -> Vec<u8> {
             DType::I32 => bytes.extend((v as i32).to_le_bytes()),
             DType::U8 => bytes.push(v as u8),
             DType::Bool => bytes.push(u8::from(v != 0.0)),
+            DType::F8E4M3 => bytes.push(float8::F8E4M3::from_f64(v).to_bits()),
+            DType::F8E5M2 => bytes.push(float8::F8E5M2::from_f64(v).to_bits()),
         }
     }
     bytes
@@ -87,6 +89,8 @@ fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
             DType::I64 => i64::from_le_bytes(c.try_into().unwrap()) as f64,
             DType::I32 => i32::from_le_bytes(c.try_into().unwrap()) as f64,
             DType::U8 | DType::Bool => c[0] as f64,
+            DType::F8E4M3 => float8::F8E4M3::from_bits(c[0]).to_f64(),
+            DType::F8E5M2 => float8::F8E5M2::from_bits(c[0]).to_f64(),
         })
         .collect()
 }
