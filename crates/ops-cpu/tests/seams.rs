@@ -188,6 +188,20 @@ fn every_op_that_saves_describes_what_it_saves() {
         ],
     );
 
+    // The fp8 linear keeps its input as E4M3 codes (one byte each) and a scale, and the weight.
+    let float8 = sites_of(|| {
+        x.linear_float8(&w, Some(&bias)).unwrap();
+    });
+    let op = "linear_float8";
+    check_sites(
+        &float8,
+        &[
+            (op, Intermediate("input_float8"), &[4, 3], DType::F8E4M3),
+            (op, Intermediate("input_scale"), &[], f32),
+            (op, Input(1), &[5, 3], f32),
+        ],
+    );
+
     // In-place ops on a non-leaf: mul_ saves the old value when the other operand needs grad.
     let inplace = sites_of(|| {
         let y = a.add_scalar(1.0).unwrap();

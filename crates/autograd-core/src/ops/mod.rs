@@ -8,13 +8,15 @@
 //! `view` (reshape, permute, narrow, expand, contiguous), `reduce`, `linalg` (matmul, linear,
 //! patch embedding), `nn` (softmax, layer norm, cross-entropy, dropout), `norm_linear` (a layer
 //! norm and the linear it feeds, keeping the norm's input only), `linear_cross_entropy`
-//! (a language model head's loss without its logits), `index` (embedding, gather/scatter,
+//! (a language model head's loss without its logits), `float8` (fp8 casts with a tensorwise scale
+//! and the fp8 linear), `index` (embedding, gather/scatter,
 //! cat/split, masked fill), `attention` (fused scaled-dot-product attention) and `llama` (fused
 //! RMSNorm, SwiGLU and rotary embedding).
 //! Nothing here knows how a backend computes.
 
 mod attention;
 mod elementwise;
+mod float8;
 mod index;
 mod inplace;
 mod linalg;
@@ -28,6 +30,7 @@ mod view;
 pub use attention::{
     scaled_dot_product_attention, scaled_dot_product_attention_varlen, PackedSequences,
 };
+pub use float8::Float8Tensor;
 pub use index::{cat, embedding};
 pub use linalg::patch_embedding;
 pub use linear_cross_entropy::{linear_cross_entropy, LinearCrossEntropyOptions};
