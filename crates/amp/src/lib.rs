@@ -20,6 +20,9 @@
 //! - **Master weights** ([`MasterWeights`]): apex O2's f32 copy of a half model, held by the
 //!   optimizer, as a decorator; [`OptLevel`] O0–O3 with apex's meaning and [`AmpTraining`], the
 //!   training step of a level.
+//! - **fp8 linears** ([`Float8Policy`]): the linears it lists, by parameter name, run
+//!   autograd-core's `linear_float8` (E4M3 forward, E5M2 gradients, tensorwise scales, the input
+//!   saved in one byte an element) inside a base policy's autocast.
 //! - **bf16 without a master copy**: [`AdamStochastic`](headroom_optim::AdamStochastic) (in
 //!   optim, whose kernels it needs) rounds each bf16 update stochastically with f32 moments —
 //!   12 bytes per parameter instead of O2's 16 — seeded and reproducible, the CPU and CUDA
@@ -60,6 +63,7 @@
 //! ```
 
 mod error;
+mod float8;
 mod levels;
 mod master;
 mod policy;
@@ -67,6 +71,7 @@ mod scaler;
 mod state;
 
 pub use error::AmpError;
+pub use float8::Float8Policy;
 pub use levels::{AmpTraining, LossScale, OptLevel, OptLevelProperties};
 pub use master::{MasterWeights, DEFAULT_MASTER_BUCKET_BYTES};
 pub use policy::{torch_op_of, AmpPolicy, AutocastLists, TorchList, TorchOp};

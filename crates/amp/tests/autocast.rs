@@ -2,11 +2,12 @@
 //! under `torch.autocast("cuda")` (`testdata/autocast_dtypes.json`, made on an H200), for f32
 //! inputs, inputs already in the autocast dtype and mixed inputs, in f16 and bf16; overrides
 //! change exactly what they name; and a parameter is cast once per region, the cast copies
-//! holding exactly two bytes per element until the region ends.
+//! holding exactly two bytes per element until the region ends; under a `Float8Policy` the
+//! listed linears run in fp8 inside the base policy's casts and the others as the base says.
 
 use std::sync::Arc;
 
-use headroom_amp::{AmpPolicy, AutocastLists, TorchList};
+use headroom_amp::{AmpPolicy, AutocastLists, Float8Policy, TorchList};
 use headroom_autograd_core::{
     autocast_stats, cat, cross_entropy, dropout, embedding, layer_norm, patch_embedding,
     scaled_dot_product_attention, BackendRef, CastPolicy, DType, Generator, Reduction, Tensor,
@@ -258,4 +259,53 @@ fn parameters_are_cast_once_per_region_and_freed_at_its_end() {
         param.zero_grad(true).unwrap();
     }
     assert_eq!(cpu.allocator().memory_allocated(), before);
+}
+
+/// The listed linear equals `linear_float8` on the inputs the base policy casts (bf16 here, to
+/// the bit), its gradient reaching the f32 weight; an unlisted one equals the base policy's own;
+/// with no base, inputs stay f32.
+#[test]
+fn a_float8_policy_runs_its_linears_in_fp8_inside_the_base_casts() {
+    let cpu = CpuBackend::new_ref();
+    let values = |n: usize, step: f64| (0..n).map(|i| (i as f64 * step).sin()).collect::<Vec<_>>();
+    let x = Tensor::from_f64s(&cpu, &values(4 * 16, 0.37), &[4, 16], DType::F32).unwrap();
+    let w1 = Tensor::from_f64s(&cpu, &values(8 * 16, 0.11), &[8, 16], DType::F32).unwrap();
+    let w2 = Tensor::from_f64s(&cpu, &values(8 * 8, 0.23), &[8, 8], DType::F32).unwrap();
+    for w in [&w1, &w2] {
+        w.requires_grad_(true).unwrap();
+    }
+    let names = [("fc.weight", &w1), ("head.weight", &w2)];
+    let bf16 = AmpPolicy::torch_cuda(DType::BF16).unwrap();
+    let policy = Float8Policy::new(Some(bf16.clone()))
+        .with_linears(names.iter().map(|&(n, t)| (n, t)), |name| {
+            name.starts_with("fc")
+        });
+    assert_eq!(policy.linears(), 1);
+    let (h, y) = {
+        let _fp8 = policy.enter();
+        let h = x.linear(&w1, None).unwrap();
+        (h.clone(), h.linear(&w2, None).unwrap())
+    };
+    let x16 = x.to_dtype(DType::BF16).unwrap();
+    let w16 = w1.detach().to_dtype(DType::BF16).unwrap();
+    let want_h = x16.linear_float8(&w16, None).unwrap();
+    assert_eq!(h.dtype(), DType::BF16);
+    assert_eq!(h.to_vec_f64().unwrap(), want_h.to_vec_f64().unwrap());
+    let want_y = {
+        let _bf16 = bf16.enter();
+        want_h.linear(&w2, None).unwrap()
+    };
+    assert_eq!(y.to_vec_f64().unwrap(), want_y.to_vec_f64().unwrap());
+    y.sum_all().unwrap().backward().unwrap();
+    assert_eq!(w1.grad().unwrap().dtype(), DType::F32);
+    assert_eq!(w1.grad().unwrap().shape(), &[8, 16]);
+
+    let plain = Float8Policy::new(None::<AmpPolicy>).with_weight(&w1);
+    let h = {
+        let _fp8 = plain.enter();
+        x.linear(&w1, None).unwrap()
+    };
+    assert_eq!(h.dtype(), DType::F32);
+    let want = x.linear_float8(&w1.detach(), None).unwrap();
+    assert_eq!(h.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
 }

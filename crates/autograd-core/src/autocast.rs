@@ -18,7 +18,9 @@
 //! per scope: the cast copy is cached, keyed by the tensor and by grad mode (so a copy made under
 //! `no_grad` never serves a forward that must record), and the cache is dropped when the
 //! outermost enabled scope ends. [`autocast_stats`] counts casts, cache hits and the bytes the
-//! cache holds. This module knows nothing about kernels or about any op list.
+//! cache holds. A policy can also name linears (by their weights) that run in fp8
+//! ([`AutocastPolicy::linear_in_float8`]): `Tensor::linear` then casts its inputs as the policy
+//! says and runs `linear_float8`. This module knows nothing about kernels or about any op list.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -48,6 +50,13 @@ pub trait AutocastPolicy: Send + Sync + std::fmt::Debug {
     fn lower_precision(&self) -> DType;
     /// What `op` (a name in [`AUTOCAST_OPS`]) does with floating-point inputs on `device`.
     fn cast_policy(&self, op: &'static str, device: Device) -> CastPolicy;
+    /// Whether a `linear` with this `weight` runs in fp8 ([`Tensor::linear_float8`], after its
+    /// inputs are cast as `cast_policy` says): fp8 training's list of linears, by their weights
+    /// (amp's `Float8Policy`). None by default.
+    fn linear_in_float8(&self, weight: &Tensor) -> bool {
+        let _ = weight;
+        false
+    }
 }
 
 /// Every op that consults the autocast scope, by the name a policy is asked with. A policy
@@ -133,6 +142,12 @@ pub fn autocast_disabled() -> AutocastGuard {
 /// The policy in force on this thread, if autocast is on.
 pub fn autocast_policy() -> Option<Arc<dyn AutocastPolicy>> {
     SCOPE.with(|scope| scope.borrow().current())
+}
+
+/// Whether the policy in force runs the `linear` of `weight` in fp8
+/// ([`AutocastPolicy::linear_in_float8`]).
+pub(crate) fn linear_in_float8(weight: &Tensor) -> bool {
+    autocast_policy().is_some_and(|policy| policy.linear_in_float8(weight))
 }
 
 /// The cast counts and cache of the current outermost enabled scope (all zero outside one).

@@ -12,6 +12,7 @@
 //! accumulates in f32. A backend primitive with cuBLASLt's fp8 GEMMs is the fast path to come;
 //! the values, the saved bytes and the graph stay these.
 
+use crate::autocast::autocast_disabled;
 use crate::dtype::DType;
 use crate::engine::is_last_use;
 use crate::error::{Result, TensorError};
@@ -39,7 +40,7 @@ pub struct Float8Tensor {
 impl Float8Tensor {
     /// The values again, `codes / scale` (computed as `codes · (1 / scale)` in f32), in `dtype`.
     pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
-        let _grad = no_grad();
+        let (_grad, _autocast) = (no_grad(), autocast_disabled());
         let inverse = self.scale.reciprocal_f32()?;
         self.codes
             .to_dtype(DType::F32)?
@@ -60,7 +61,7 @@ impl Tensor {
                 dtype,
             });
         };
-        let _grad = no_grad();
+        let (_grad, _autocast) = (no_grad(), autocast_disabled());
         let backend = self.backend();
         let flat = self.detach().contiguous()?.reshape(&[self.numel()])?;
         // amax = max(max(x), max(−x), floor), in f64 as torchao takes the scale.
@@ -144,6 +145,8 @@ impl Tensor {
             .into_iter()
             .flatten()
             .collect();
+        // Its products are f32 whatever autocast says (an fp8 GEMM accumulates in f32).
+        let _autocast = autocast_disabled();
         let (res, input_float8) = {
             let _grad = no_grad();
             let input_float8 = self

@@ -8,7 +8,9 @@
 //! Patch embedding (a convolution with stride = kernel) is a reshape/permute to patches followed
 //! by `linear`.
 
-use crate::autocast::{autocast_args, autocast_inputs, autocast_policy, CastPolicy};
+use crate::autocast::{
+    autocast_args, autocast_inputs, autocast_policy, linear_in_float8, CastPolicy,
+};
 use crate::backend::{BinaryOp, LinearEpilogue, LinearForward, LinearWeightGrad, UnaryOp};
 use crate::dtype::DType;
 use crate::engine::is_last_use;
@@ -120,9 +122,18 @@ impl Tensor {
 
     /// `self @ weight^T + bias` over the last dim (`torch.nn.functional.linear`).
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        // fp8 is decided on the caller's weight (the policy lists parameters), before any cast.
+        let float8 = linear_in_float8(weight);
         if let Some(cast) = autocast_inputs("linear", &[Some(self), Some(weight), bias])? {
             let (input, weight, bias) = linear_operands(cast);
-            return input.linear(&weight, bias.as_ref());
+            return if float8 {
+                input.linear_float8(&weight, bias.as_ref())
+            } else {
+                input.linear(&weight, bias.as_ref())
+            };
+        }
+        if float8 {
+            return self.linear_float8(weight, bias);
         }
         let inputs = self.linear_inputs(weight, bias);
         let saves = inputs.as_deref().map(LinearSaves::save).transpose()?;

@@ -1,0 +1,113 @@
+//! fp8 training's policy (issue 37): the linears it lists, by their weights, run
+//! autograd-core's `linear_float8` (E4M3 forward, E5M2 output gradient, tensorwise current
+//! scaling, the input saved as one byte an element); every other op runs as the base policy
+//! says (an [`AmpPolicy`](crate::AmpPolicy) for bf16 autocast around them, or none). torchao's
+//! `convert_to_float8_training(model, module_filter_fn=...)` picks modules; here the filter
+//! takes parameter names, so no module is swapped and the weights stay the optimizer's.
+//!
+//! It sits on autograd-core's autocast seam (`AutocastPolicy::linear_in_float8`) and knows no
+//! kernel.
+
+use std::fmt;
+use std::sync::Arc;
+
+use headroom_autograd_core::{
+    autocast, AutocastGuard, AutocastPolicy, CastPolicy, DType, Device, Tensor,
+};
+
+/// Runs the listed linears in fp8 under a base autocast policy (see the module docs).
+///
+/// ```
+/// use headroom_amp::{AmpPolicy, Float8Policy};
+/// use headroom_autograd_core::{DType, Tensor};
+/// use headroom_ops_cpu::CpuBackend;
+///
+/// let cpu = CpuBackend::new_ref();
+/// let w1 = Tensor::full(&cpu, &[8, 8], 0.125, DType::F32)?;
+/// let w2 = Tensor::full(&cpu, &[8, 8], 0.125, DType::F32)?;
+/// let params = [("fc1.weight".to_string(), w1.clone()), ("head.weight".to_string(), w2.clone())];
+/// // Every linear but the head in fp8, the rest of the model in bf16 autocast.
+/// let policy = Float8Policy::new(Some(AmpPolicy::torch_cuda(DType::BF16)?))
+///     .with_linears(params.iter().map(|(n, t)| (n.as_str(), t)), |name| !name.starts_with("head"));
+/// assert_eq!(policy.linears(), 1);
+/// let x = Tensor::ones(&cpu, &[4, 8], DType::F32)?;
+/// let y = {
+///     let _fp8 = policy.enter();
+///     x.linear(&w1, None)?.linear(&w2, None)? // fc1 in fp8, head in bf16
+/// };
+/// assert_eq!(y.dtype(), DType::BF16);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct Float8Policy {
+    base: Option<Arc<dyn AutocastPolicy>>,
+    weights: Vec<Tensor>,
+}
+
+impl Float8Policy {
+    /// No fp8 linears yet, every op as `base` says (or as it is, without one).
+    pub fn new(base: Option<impl AutocastPolicy + 'static>) -> Float8Policy {
+        Float8Policy {
+            base: base.map(|policy| Arc::new(policy) as Arc<dyn AutocastPolicy>),
+            weights: Vec::new(),
+        }
+    }
+
+    /// Lists the weights among `parameters` (name, tensor: a model's `named_parameters`) whose
+    /// names end in `weight`, are two-dimensional, and pass `filter` (given the name).
+    pub fn with_linears<'a>(
+        mut self,
+        parameters: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+        filter: impl Fn(&str) -> bool,
+    ) -> Float8Policy {
+        for (name, tensor) in parameters {
+            if name.ends_with("weight") && tensor.ndim() == 2 && filter(name) {
+                self.weights.push(tensor.clone());
+            }
+        }
+        self
+    }
+
+    /// Lists one linear's weight.
+    pub fn with_weight(mut self, weight: &Tensor) -> Float8Policy {
+        self.weights.push(weight.clone());
+        self
+    }
+
+    /// The linears listed.
+    pub fn linears(&self) -> usize {
+        self.weights.len()
+    }
+
+    /// Runs ops under this policy on this thread until the guard drops.
+    pub fn enter(&self) -> AutocastGuard {
+        autocast(Arc::new(self.clone()))
+    }
+}
+
+impl fmt::Debug for Float8Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Float8Policy")
+            .field("base", &self.base)
+            .field("linears", &self.weights.len())
+            .finish()
+    }
+}
+
+impl AutocastPolicy for Float8Policy {
+    fn lower_precision(&self) -> DType {
+        self.base
+            .as_ref()
+            .map_or(DType::BF16, |base| base.lower_precision())
+    }
+
+    fn cast_policy(&self, op: &'static str, device: Device) -> CastPolicy {
+        self.base
+            .as_ref()
+            .map_or(CastPolicy::Keep, |base| base.cast_policy(op, device))
+    }
+
+    fn linear_in_float8(&self, weight: &Tensor) -> bool {
+        self.weights.iter().any(|listed| listed.same_tensor(weight))
+    }
+}
