@@ -2,7 +2,8 @@
 //! same training step (forward, `loss = out.float().sum()`, backward, AdamW, `zero_grad`) in f32,
 //! under bf16 autocast, under f16 autocast with a GradScaler, as apex O2 (an f16 model with f32
 //! master weights in the optimizer, dynamic loss scale), as apex O3 (a pure half model), and as a
-//! bf16 model with stochastic rounding and no master copy. For each: the peak allocated memory,
+//! bf16 model with stochastic rounding and no master copy; on request (`fp8`), under bf16 autocast
+//! with every linear but the head in fp8 (amp's `Float8Policy`). For each: the peak allocated memory,
 //! what the forward keeps for backward, the bytes per parameter of the model state (parameter,
 //! gradient, optimizer state, master copy), the half weights autocast caches during a forward,
 //! the fastest step, and the last loss; then, for a setting whose steps overflowed in f16 (the
@@ -15,7 +16,8 @@
 //! On a GPU (built with `--features cuda`; auto, or `--cuda`): torchvision's ViT-L/16 at batch
 //! 32, the setting of PyTorch's reference measurements. On the CPU: `VitConfig::mini()` at batch
 //! 8 (the CPU computes f16 and bf16 in f32, so half precision is no faster there). Settings can be
-//! picked by name (`o0 bf16 o1 o2 o3 sr`, all by default). See README.md.
+//! picked by name (`o0 bf16 o1 o2 o3 sr`, all by default, and `fp8`, only when named: the CUDA
+//! backend does not cast to fp8 yet). See README.md.
 
 #[path = "../device/mod.rs"]
 mod device;
@@ -24,7 +26,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
-use headroom::amp::{AmpPolicy, AmpTraining, OptLevel};
+use headroom::amp::{AmpPolicy, AmpTraining, Float8Policy, OptLevel};
 use headroom::autograd_core::{autocast_stats, DType, Generator, Tensor};
 use headroom::nn::{Module, VisionTransformer, VitConfig};
 use headroom::optim::{
@@ -49,6 +51,9 @@ enum Setting {
     PureBf16,
     /// A bf16 model, f32 moments, stochastic rounding, no master copy.
     StochasticRounding,
+    /// An f32 model under bf16 autocast whose linears but the head run in fp8 (amp's
+    /// `Float8Policy`): on the command line only (`fp8`), until the CUDA backend casts to fp8.
+    Float8Linears,
 }
 
 impl Setting {
@@ -60,6 +65,8 @@ impl Setting {
         Setting::PureBf16,
         Setting::StochasticRounding,
     ];
+    /// Settings run only when named.
+    const NAMED_ONLY: [Setting; 1] = [Setting::Float8Linears];
 
     fn label(self) -> &'static str {
         match self {
@@ -69,6 +76,7 @@ impl Setting {
             Setting::MasterWeights => "fp16 + f32 master weights (O2)",
             Setting::PureBf16 => "pure bf16 (O3)",
             Setting::StochasticRounding => "bf16 + stochastic rounding",
+            Setting::Float8Linears => "bf16 autocast + fp8 linears",
         }
     }
 
@@ -81,12 +89,16 @@ impl Setting {
             Setting::MasterWeights => "o2",
             Setting::PureBf16 => "o3",
             Setting::StochasticRounding => "sr",
+            Setting::Float8Linears => "fp8",
         }
     }
 
     fn model_dtype(self) -> DType {
         match self {
-            Setting::Float32 | Setting::AutocastBf16 | Setting::AutocastFp16 => DType::F32,
+            Setting::Float32
+            | Setting::AutocastBf16
+            | Setting::AutocastFp16
+            | Setting::Float8Linears => DType::F32,
             Setting::MasterWeights => DType::F16,
             Setting::PureBf16 | Setting::StochasticRounding => DType::BF16,
         }
@@ -97,6 +109,7 @@ impl Setting {
 enum Trainer {
     Level(AmpTraining),
     Autocast(AmpPolicy, Adam),
+    Float8(Float8Policy, Adam),
     Stochastic(AdamStochastic),
 }
 
@@ -113,7 +126,8 @@ fn adam(params: Vec<Tensor>) -> Result<Box<dyn Optimizer>, headroom::optim::Opti
 }
 
 impl Trainer {
-    fn new(setting: Setting, params: Vec<Tensor>) -> Result<Trainer> {
+    fn new(setting: Setting, model: &VisionTransformer) -> Result<Trainer> {
+        let params = model.parameters();
         let level = |level, half| -> Result<Trainer> {
             Ok(Trainer::Level(AmpTraining::new(
                 level,
@@ -131,6 +145,18 @@ impl Trainer {
                 let groups = vec![ParamGroup::new(params, adamw())];
                 Ok(Trainer::Autocast(
                     AmpPolicy::torch_cuda(DType::BF16)?,
+                    Adam::new(groups, Implementation::Fused)?,
+                ))
+            }
+            Setting::Float8Linears => {
+                let named = model.named_parameters();
+                let policy = Float8Policy::new(Some(AmpPolicy::torch_cuda(DType::BF16)?))
+                    .with_linears(named.iter().map(|(n, t)| (n.as_str(), t)), |name| {
+                        !name.contains("head")
+                    });
+                let groups = vec![ParamGroup::new(params, adamw())];
+                Ok(Trainer::Float8(
+                    policy,
                     Adam::new(groups, Implementation::Fused)?,
                 ))
             }
@@ -159,6 +185,7 @@ impl Trainer {
             let _autocast = match self {
                 Trainer::Level(amp) => amp.autocast(),
                 Trainer::Autocast(policy, _) => Some(policy.enter()),
+                Trainer::Float8(policy, _) => Some(policy.enter()),
                 Trainer::Stochastic(_) => None,
             };
             let loss = model.forward(images)?.to_dtype(DType::F32)?.sum_all()?;
@@ -172,7 +199,7 @@ impl Trainer {
                 amp.zero_grad()?;
                 skipped
             }
-            Trainer::Autocast(_, optimizer) => {
+            Trainer::Autocast(_, optimizer) | Trainer::Float8(_, optimizer) => {
                 loss.backward()?;
                 optimizer.step()?;
                 optimizer.zero_grad(true)?;
@@ -209,7 +236,7 @@ fn measure(device: &Device, config: VitConfig, batch: usize, setting: Setting) -
     let model =
         VisionTransformer::new(&device.backend, config, dtype, &Arc::new(Generator::new(0)))?;
     let n_params = model.num_parameters();
-    let mut trainer = Trainer::new(setting, model.parameters())?;
+    let mut trainer = Trainer::new(setting, &model)?;
     let size = config.image_size;
     let values: Vec<f64> = (0..batch * 3 * size * size)
         .map(|i| ((i * 7919) % 1000) as f64 / 1000.0)
@@ -313,10 +340,11 @@ fn main() -> Result<()> {
         .collect();
     let mut baseline: Option<f64> = None;
     let mut notes = Vec::new();
-    for setting in Setting::ALL
-        .into_iter()
-        .filter(|s| picked.is_empty() || picked.iter().any(|p| p == s.key()))
-    {
+    let settings = Setting::ALL.into_iter().chain(Setting::NAMED_ONLY);
+    for setting in settings.filter(|s| {
+        let named = picked.iter().any(|p| p == s.key());
+        named || (picked.is_empty() && !Setting::NAMED_ONLY.iter().any(|o| o.key() == s.key()))
+    }) {
         let f = measure(&device, config, batch, setting)?;
         let ratio = f.step_ms / *baseline.get_or_insert(f.step_ms);
         println!(
