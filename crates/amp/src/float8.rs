@@ -1,7 +1,8 @@
 //! fp8 training's policy (issue 37): the linears it lists, by their weights, run
-//! autograd-core's `linear_float8` (E4M3 forward, E5M2 output gradient, tensorwise current
-//! scaling, the input saved as one byte an element); every other op runs as the base policy
-//! says (an [`AmpPolicy`](crate::AmpPolicy) for bf16 autocast around them, or none). torchao's
+//! autograd-core's `linear_float8` recipe (E4M3 forward, E5M2 output gradient, tensorwise current
+//! scaling, the input saved as one byte an element) on their operands as they come — an f32
+//! weight is quantized from itself, with no bf16 copy in autocast's cache — and return the base
+//! policy's dtype; every other op runs as the base policy says (an [`AmpPolicy`](crate::AmpPolicy) for bf16 autocast around them, or none). torchao's
 //! `convert_to_float8_training(model, module_filter_fn=...)` picks modules; here the filter
 //! takes parameter names, so no module is swapped and the weights stay the optimizer's.
 //!

@@ -3,7 +3,7 @@
 //! inputs, inputs already in the autocast dtype and mixed inputs, in f16 and bf16; overrides
 //! change exactly what they name; and a parameter is cast once per region, the cast copies
 //! holding exactly two bytes per element until the region ends; under a `Float8Policy` the
-//! listed linears run in fp8 inside the base policy's casts and the others as the base says.
+//! listed linears run in fp8 on their operands as they come and the others as the base says.
 
 use std::sync::Arc;
 
@@ -261,9 +261,10 @@ fn parameters_are_cast_once_per_region_and_freed_at_its_end() {
     assert_eq!(cpu.allocator().memory_allocated(), before);
 }
 
-/// The listed linear equals `linear_float8` on the inputs the base policy casts (bf16 here, to
-/// the bit), its gradient reaching the f32 weight; an unlisted one equals the base policy's own;
-/// with no base, inputs stay f32.
+/// The listed linear is `linear_float8` on its f32 operands as they come, its output in the
+/// base policy's bf16 (to the bit), with no bf16 copy of its weight in the cast cache, and its
+/// gradient reaching the f32 weight; an unlisted one equals the base policy's own; with no base,
+/// the output stays f32.
 #[test]
 fn a_float8_policy_runs_its_linears_in_fp8_inside_the_base_casts() {
     let cpu = CpuBackend::new_ref();
@@ -281,14 +282,22 @@ fn a_float8_policy_runs_its_linears_in_fp8_inside_the_base_casts() {
             name.starts_with("fc")
         });
     assert_eq!(policy.linears(), 1);
-    let (h, y) = {
+    let (h, y, cached) = {
         let _fp8 = policy.enter();
         let h = x.linear(&w1, None).unwrap();
-        (h.clone(), h.linear(&w2, None).unwrap())
+        let y = h.linear(&w2, None).unwrap();
+        (h, y, autocast_stats().cached_bytes)
     };
-    let x16 = x.to_dtype(DType::BF16).unwrap();
-    let w16 = w1.detach().to_dtype(DType::BF16).unwrap();
-    let want_h = x16.linear_float8(&w16, None).unwrap();
+    assert_eq!(
+        cached,
+        8 * 8 * 2,
+        "only the unlisted weight is cast to bf16"
+    );
+    let want_h = x
+        .linear_float8(&w1.detach(), None)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
     assert_eq!(h.dtype(), DType::BF16);
     assert_eq!(h.to_vec_f64().unwrap(), want_h.to_vec_f64().unwrap());
     let want_y = {
@@ -299,6 +308,18 @@ fn a_float8_policy_runs_its_linears_in_fp8_inside_the_base_casts() {
     y.sum_all().unwrap().backward().unwrap();
     assert_eq!(w1.grad().unwrap().dtype(), DType::F32);
     assert_eq!(w1.grad().unwrap().shape(), &[8, 16]);
+
+    // An f32 bias is added in the output's dtype; its gradient comes back in f32.
+    let b1 = Tensor::from_f64s(&cpu, &values(8, 0.5), &[8], DType::F32).unwrap();
+    b1.requires_grad_(true).unwrap();
+    let z = {
+        let _fp8 = policy.enter();
+        x.linear(&w1, Some(&b1)).unwrap()
+    };
+    assert_eq!(z.dtype(), DType::BF16);
+    z.sum_all().unwrap().backward().unwrap();
+    assert_eq!(b1.grad().unwrap().dtype(), DType::F32);
+    assert_eq!(b1.grad().unwrap().to_vec_f64().unwrap(), [4.0; 8]);
 
     let plain = Float8Policy::new(None::<AmpPolicy>).with_weight(&w1);
     let h = {

@@ -19,8 +19,8 @@
 //! `no_grad` never serves a forward that must record), and the cache is dropped when the
 //! outermost enabled scope ends. [`autocast_stats`] counts casts, cache hits and the bytes the
 //! cache holds. A policy can also name linears (by their weights) that run in fp8
-//! ([`AutocastPolicy::linear_in_float8`]): `Tensor::linear` then casts its inputs as the policy
-//! says and runs `linear_float8`. This module knows nothing about kernels or about any op list.
+//! ([`AutocastPolicy::linear_in_float8`]): `Tensor::linear` then quantizes its operands as they
+//! come (nothing is cast or cached for it) and returns the policy's dtype. This module knows nothing about kernels or about any op list.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -50,9 +50,10 @@ pub trait AutocastPolicy: Send + Sync + std::fmt::Debug {
     fn lower_precision(&self) -> DType;
     /// What `op` (a name in [`AUTOCAST_OPS`]) does with floating-point inputs on `device`.
     fn cast_policy(&self, op: &'static str, device: Device) -> CastPolicy;
-    /// Whether a `linear` with this `weight` runs in fp8 ([`Tensor::linear_float8`], after its
-    /// inputs are cast as `cast_policy` says): fp8 training's list of linears, by their weights
-    /// (amp's `Float8Policy`). None by default.
+    /// Whether a `linear` with this `weight` runs in fp8 ([`Tensor::linear_float8`]'s recipe on
+    /// the operands as they come, no half-precision copy of them, the output in the dtype
+    /// `cast_policy` gives a linear): fp8 training's list of linears, by their weights (amp's
+    /// `Float8Policy`). None by default.
     fn linear_in_float8(&self, weight: &Tensor) -> bool {
         let _ = weight;
         false

@@ -112,113 +112,136 @@ impl Tensor {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn linear_float8(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        const OP: &str = "linear_float8";
-        for tensor in [Some(self), Some(weight), bias].into_iter().flatten() {
-            check_float(OP, tensor)?;
-            if tensor.dtype() != self.dtype() || tensor.device() != self.device() {
+        for tensor in [Some(weight), bias].into_iter().flatten() {
+            if tensor.dtype() != self.dtype() {
                 return Err(TensorError::DtypeMismatch {
-                    op: OP,
+                    op: "linear_float8",
                     lhs: self.dtype(),
                     rhs: tensor.dtype(),
                 });
             }
         }
-        let in_features = *self.shape().last().unwrap_or(&0);
-        let out_features = weight.shape().first().copied().unwrap_or(0);
-        let bias_fits = bias.is_none_or(|b| b.shape() == [out_features]);
-        if self.ndim() == 0 || weight.shape() != [out_features, in_features] || !bias_fits {
-            return Err(TensorError::InvalidArgument {
-                op: OP,
-                reason: format!(
-                    "input {:?}, weight {:?} and bias {:?} are not [.., in], [out, in] and [out]",
-                    self.shape(),
-                    weight.shape(),
-                    bias.map(|b| b.shape().to_vec())
-                ),
-            });
-        }
-        let dtype = self.dtype();
-        let rows = self.numel() / in_features.max(1);
-        let mut out_shape = self.shape().to_vec();
-        *out_shape.last_mut().expect("ndim > 0") = out_features;
-        let inputs: Vec<&Tensor> = [Some(self), Some(weight), bias]
-            .into_iter()
-            .flatten()
-            .collect();
-        // Its products are f32 whatever autocast says (an fp8 GEMM accumulates in f32).
-        let _autocast = autocast_disabled();
-        let (res, input_float8) = {
-            let _grad = no_grad();
-            let input_float8 = self
-                .reshape(&[rows, in_features])?
-                .to_float8(DType::F8E4M3)?;
-            let weight_float8 = weight.to_float8(DType::F8E4M3)?;
-            let mut res = scaled_product(&input_float8, &weight_float8, true, dtype)?;
-            if let Some(bias) = bias {
-                res = res.add(bias)?;
-            }
-            (res.reshape(&out_shape)?, input_float8)
-        };
-        if needs_grad(&inputs) {
-            let saved_codes = SavedTensor::save(
-                OP,
-                SaveRole::Intermediate("input_float8"),
-                &input_float8.codes,
-            )?;
-            let saved_scale = SavedTensor::save(
-                OP,
-                SaveRole::Intermediate("input_scale"),
-                &input_float8.scale,
-            )?;
-            let saved_weight = SavedTensor::save(OP, SaveRole::Input(1), weight)?;
-            let (input_shape, has_bias) = (self.shape().to_vec(), bias.is_some());
-            let mut saved_input = Some((saved_codes, saved_scale));
-            record(OP, &inputs, &[&res], move |grads| {
-                let grad = grads[0].as_ref().expect("one output");
-                let grad_2d = grad.reshape(&[rows, out_features])?;
-                let grad_float8 = grad_2d.to_float8(DType::F8E5M2)?;
-                let weight = saved_weight.unpack()?;
-                let grad_bias = if has_bias {
-                    Some(grad_2d.sum(&[0], false)?)
-                } else {
-                    None
-                };
-                // dW = dYᵀ · X, then the saved input is released on the graph's last use.
-                let grad_weight = match &saved_input {
-                    Some((codes, scale)) => {
-                        let input = Float8Tensor {
-                            codes: codes.unpack()?,
-                            scale: scale.unpack()?,
-                        };
-                        let grad_t = Float8Tensor {
-                            codes: grad_float8.codes.t()?,
-                            scale: grad_float8.scale.clone(),
-                        };
-                        Some(scaled_product(&grad_t, &input, false, weight.dtype())?)
-                    }
-                    None => None,
-                };
-                if is_last_use() {
-                    saved_input = None;
-                }
-                // dX = dY · W, the weight cast again.
-                let weight_float8 = weight.to_float8(DType::F8E4M3)?;
-                let grad_input = scaled_product(&grad_float8, &weight_float8, false, dtype)?
-                    .reshape(&input_shape)?;
-                let mut res = vec![Some(grad_input), grad_weight];
-                if has_bias {
-                    res.push(grad_bias);
-                }
-                Ok(res)
-            });
-        }
-        Ok(res)
+        float8_linear(self, weight, bias, self.dtype())
     }
 
     /// `1 / self` in f32 (an f32 tensor's elementwise reciprocal, correctly rounded).
     fn reciprocal_f32(&self) -> Result<Tensor> {
         Tensor::full(self.backend(), &[], 1.0, DType::F32)?.div(self)
     }
+}
+
+/// [`Tensor::linear_float8`] of operands in any float dtypes (each quantized from its own), the
+/// output in `output`: what `Tensor::linear` runs for a linear an autocast policy lists in fp8,
+/// on the tensors as they come (no half-precision copy of the input or of the weight) with the
+/// output in the dtype autocast would give the linear. Gradients come back in each operand's
+/// dtype.
+pub(super) fn float8_linear(
+    input: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    output: DType,
+) -> Result<Tensor> {
+    const OP: &str = "linear_float8";
+    for tensor in [Some(input), Some(weight), bias].into_iter().flatten() {
+        check_float(OP, tensor)?;
+        if tensor.device() != input.device() {
+            return Err(TensorError::DeviceMismatch {
+                op: OP,
+                lhs: input.device(),
+                rhs: tensor.device(),
+            });
+        }
+    }
+    let in_features = *input.shape().last().unwrap_or(&0);
+    let out_features = weight.shape().first().copied().unwrap_or(0);
+    let bias_fits = bias.is_none_or(|b| b.shape() == [out_features]);
+    if input.ndim() == 0 || weight.shape() != [out_features, in_features] || !bias_fits {
+        return Err(TensorError::InvalidArgument {
+            op: OP,
+            reason: format!(
+                "input {:?}, weight {:?} and bias {:?} are not [.., in], [out, in] and [out]",
+                input.shape(),
+                weight.shape(),
+                bias.map(|b| b.shape().to_vec())
+            ),
+        });
+    }
+    let dtype = input.dtype();
+    let bias_dtype = bias.map(Tensor::dtype);
+    let rows = input.numel() / in_features.max(1);
+    let mut out_shape = input.shape().to_vec();
+    *out_shape.last_mut().expect("ndim > 0") = out_features;
+    let inputs: Vec<&Tensor> = [Some(input), Some(weight), bias]
+        .into_iter()
+        .flatten()
+        .collect();
+    // Its products are f32 whatever autocast says (an fp8 GEMM accumulates in f32).
+    let _autocast = autocast_disabled();
+    let (res, input_float8) = {
+        let _grad = no_grad();
+        let input_float8 = input
+            .reshape(&[rows, in_features])?
+            .to_float8(DType::F8E4M3)?;
+        let weight_float8 = weight.to_float8(DType::F8E4M3)?;
+        let mut res = scaled_product(&input_float8, &weight_float8, true, output)?;
+        if let Some(bias) = bias {
+            res = res.add(&bias.to_dtype(output)?)?;
+        }
+        (res.reshape(&out_shape)?, input_float8)
+    };
+    if needs_grad(&inputs) {
+        let saved_codes = SavedTensor::save(
+            OP,
+            SaveRole::Intermediate("input_float8"),
+            &input_float8.codes,
+        )?;
+        let saved_scale = SavedTensor::save(
+            OP,
+            SaveRole::Intermediate("input_scale"),
+            &input_float8.scale,
+        )?;
+        let saved_weight = SavedTensor::save(OP, SaveRole::Input(1), weight)?;
+        let (input_shape, has_bias) = (input.shape().to_vec(), bias.is_some());
+        let mut saved_input = Some((saved_codes, saved_scale));
+        record(OP, &inputs, &[&res], move |grads| {
+            let grad = grads[0].as_ref().expect("one output");
+            let grad_2d = grad.reshape(&[rows, out_features])?;
+            let grad_float8 = grad_2d.to_float8(DType::F8E5M2)?;
+            let weight = saved_weight.unpack()?;
+            let grad_bias = match bias_dtype {
+                Some(bias_dtype) => Some(grad_2d.sum(&[0], false)?.to_dtype(bias_dtype)?),
+                None => None,
+            };
+            // dW = dYᵀ · X, then the saved input is released on the graph's last use.
+            let grad_weight = match &saved_input {
+                Some((codes, scale)) => {
+                    let input = Float8Tensor {
+                        codes: codes.unpack()?,
+                        scale: scale.unpack()?,
+                    };
+                    let grad_t = Float8Tensor {
+                        codes: grad_float8.codes.t()?,
+                        scale: grad_float8.scale.clone(),
+                    };
+                    Some(scaled_product(&grad_t, &input, false, weight.dtype())?)
+                }
+                None => None,
+            };
+            if is_last_use() {
+                saved_input = None;
+            }
+            // dX = dY · W, the weight cast again.
+            let weight_float8 = weight.to_float8(DType::F8E4M3)?;
+            let grad_input = scaled_product(&grad_float8, &weight_float8, false, dtype)?
+                .reshape(&input_shape)?;
+            let mut res = vec![Some(grad_input), grad_weight];
+            if has_bias {
+                res.push(grad_bias);
+            }
+            Ok(res)
+        });
+    }
+    Ok(res)
 }
 
 /// `a · b` (`a · bᵀ` with `transpose_b`) of two scaled 8-bit tensors of two dims: the codes

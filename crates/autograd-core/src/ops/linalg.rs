@@ -23,6 +23,7 @@ use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
 
 use super::elementwise::Pointwise;
+use super::float8::float8_linear;
 use super::{check_float, check_same, records};
 
 impl Tensor {
@@ -122,18 +123,24 @@ impl Tensor {
 
     /// `self @ weight^T + bias` over the last dim (`torch.nn.functional.linear`).
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        // fp8 is decided on the caller's weight (the policy lists parameters), before any cast.
-        let float8 = linear_in_float8(weight);
+        // A linear the policy lists in fp8 is quantized from the tensors as they come (no half
+        // copy of the input or the weight), its output in the dtype autocast gives a linear.
+        if linear_in_float8(weight) {
+            let output = match autocast_policy() {
+                Some(policy)
+                    if self.dtype() != DType::F64
+                        && policy.cast_policy("linear", self.device())
+                            == CastPolicy::LowerPrecision =>
+                {
+                    policy.lower_precision()
+                }
+                _ => self.dtype(),
+            };
+            return float8_linear(self, weight, bias, output);
+        }
         if let Some(cast) = autocast_inputs("linear", &[Some(self), Some(weight), bias])? {
             let (input, weight, bias) = linear_operands(cast);
-            return if float8 {
-                input.linear_float8(&weight, bias.as_ref())
-            } else {
-                input.linear(&weight, bias.as_ref())
-            };
-        }
-        if float8 {
-            return self.linear_float8(weight, bias);
+            return input.linear(&weight, bias.as_ref());
         }
         let inputs = self.linear_inputs(weight, bias);
         let saves = inputs.as_deref().map(LinearSaves::save).transpose()?;
