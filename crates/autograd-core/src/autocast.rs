@@ -208,6 +208,23 @@ fn eligible(tensor: &Tensor) -> bool {
     tensor.dtype().is_float() && tensor.dtype() != DType::F64
 }
 
+/// The dtype the autocast scope wants the floating-point inputs of `op` in, or `None` when
+/// autocast is off or leaves them as they are.
+pub(crate) fn autocast_target(op: &'static str, inputs: &[Option<&Tensor>]) -> Option<DType> {
+    let policy = autocast_policy()?;
+    let device = inputs.iter().flatten().next()?.device();
+    Some(match policy.cast_policy(op, device) {
+        CastPolicy::Keep => return None,
+        CastPolicy::LowerPrecision => policy.lower_precision(),
+        CastPolicy::Float32 => DType::F32,
+        CastPolicy::Promote => {
+            let mut dtypes = inputs.iter().flatten().filter(|t| eligible(t));
+            let first = dtypes.next()?.dtype();
+            dtypes.fold(first, |acc, t| promote(acc, t.dtype()))
+        }
+    })
+}
+
 /// The inputs of `op` cast as the autocast scope wants them (`None` entries are absent optional
 /// inputs, and stay so), or `None` when autocast is off or no input changes: the op then runs on
 /// its inputs as they are. Ops call it where they start and, when it answers, run again on the
@@ -216,23 +233,8 @@ pub(crate) fn autocast_inputs(
     op: &'static str,
     inputs: &[Option<&Tensor>],
 ) -> Result<Option<Vec<Option<Tensor>>>> {
-    let Some(policy) = autocast_policy() else {
+    let (Some(policy), Some(target)) = (autocast_policy(), autocast_target(op, inputs)) else {
         return Ok(None);
-    };
-    let Some(device) = inputs.iter().flatten().next().map(|t| t.device()) else {
-        return Ok(None);
-    };
-    let target = match policy.cast_policy(op, device) {
-        CastPolicy::Keep => return Ok(None),
-        CastPolicy::LowerPrecision => policy.lower_precision(),
-        CastPolicy::Float32 => DType::F32,
-        CastPolicy::Promote => {
-            let mut dtypes = inputs.iter().flatten().filter(|t| eligible(t));
-            let Some(first) = dtypes.next() else {
-                return Ok(None);
-            };
-            dtypes.fold(first.dtype(), |acc, t| promote(acc, t.dtype()))
-        }
     };
     let needs_cast = |t: &Tensor| eligible(t) && t.dtype() != target;
     if !inputs.iter().flatten().any(|t| needs_cast(t)) {

@@ -64,14 +64,14 @@ impl Tensor {
         let (_grad, _autocast) = (no_grad(), autocast_disabled());
         let backend = self.backend();
         let flat = self.detach().contiguous()?.reshape(&[self.numel()])?;
-        // amax = max(max(x), max(−x), floor), in f64 as torchao takes the scale.
-        let wide = flat.to_dtype(DType::F64)?;
+        // amax = max(max(x), max(−x), floor), exact in x's dtype; the two extremes alone are
+        // widened to f64, where torchao takes the scale.
         let floor = Tensor::full(backend, &[1], AMAX_FLOOR, DType::F64)?;
         let amax = if flat.numel() == 0 {
             floor
         } else {
-            let high = wide.max_dim(0, true)?.0;
-            let low = wide.neg()?.max_dim(0, true)?.0;
+            let high = flat.max_dim(0, true)?.0.to_dtype(DType::F64)?;
+            let low = flat.neg()?.max_dim(0, true)?.0.to_dtype(DType::F64)?;
             cat(&[&high, &low, &floor], 0)?.max_dim(0, false)?.0
         };
         let scale = Tensor::full(backend, &[], max_finite, DType::F64)?

@@ -9,7 +9,7 @@
 //! by `linear`.
 
 use crate::autocast::{
-    autocast_args, autocast_inputs, autocast_policy, linear_in_float8, CastPolicy,
+    autocast_args, autocast_inputs, autocast_policy, autocast_target, linear_in_float8, CastPolicy,
 };
 use crate::backend::{BinaryOp, LinearEpilogue, LinearForward, LinearWeightGrad, UnaryOp};
 use crate::dtype::DType;
@@ -126,14 +126,8 @@ impl Tensor {
         // A linear the policy lists in fp8 is quantized from the tensors as they come (no half
         // copy of the input or the weight), its output in the dtype autocast gives a linear.
         if linear_in_float8(weight) {
-            let output = match autocast_policy() {
-                Some(policy)
-                    if self.dtype() != DType::F64
-                        && policy.cast_policy("linear", self.device())
-                            == CastPolicy::LowerPrecision =>
-                {
-                    policy.lower_precision()
-                }
+            let output = match autocast_target("linear", &[Some(self), Some(weight), bias]) {
+                Some(target) if self.dtype() != DType::F64 => target,
                 _ => self.dtype(),
             };
             return float8_linear(self, weight, bias, output);
