@@ -78,6 +78,10 @@ pub(crate) enum Case {
     AdamFp16,
     /// Fused Adam inside backward, every block checkpointed, the forward under bf16 autocast.
     AdamInbwdCkptBf16,
+    /// Fused Adam with the forward under bf16 autocast and every linear but the head in fp8.
+    AdamFp8,
+    /// `AdamInbwdCkptBf16` with every linear but the head in fp8.
+    AdamInbwdCkptFp8,
     /// Forward and backward only (no optimizer step; gradients set to none after), f32.
     FwdBwd,
     /// Forward and backward only, the whole model in bf16 (`model.bfloat16()`).
@@ -123,7 +127,7 @@ pub(crate) enum Case {
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 34] = [
+    pub(crate) const ALL: [Case; 36] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -144,6 +148,8 @@ impl Case {
         Case::AdamBf16,
         Case::AdamFp16,
         Case::AdamInbwdCkptBf16,
+        Case::AdamFp8,
+        Case::AdamInbwdCkptFp8,
         Case::FwdBwd,
         Case::FwdBwdBf16,
         Case::FwdBwdBf16Ckpt,
@@ -183,6 +189,8 @@ impl Case {
             Case::AdamBf16 => "adam_bf16",
             Case::AdamFp16 => "adam_fp16",
             Case::AdamInbwdCkptBf16 => "adam_inbwd_ckpt_bf16",
+            Case::AdamFp8 => "adam_fp8",
+            Case::AdamInbwdCkptFp8 => "adam_inbwd_ckpt_fp8",
             Case::FwdBwd => "fwd_bwd",
             Case::FwdBwdBf16 => "fwd_bwd_bf16",
             Case::FwdBwdBf16Ckpt => "fwd_bwd_bf16_ckpt",
@@ -244,6 +252,14 @@ impl Case {
             Case::AdamInbwdCkptBf16 => {
                 "fused Adam inside backward, every block checkpointed, bf16 autocast"
             }
+            Case::AdamFp8 => {
+                "fused Adam, bf16 autocast with every linear but the head in fp8 (E4M3 forward, \
+                 E5M2 gradients, tensorwise scales, inputs saved in one byte)"
+            }
+            Case::AdamInbwdCkptFp8 => {
+                "fused Adam inside backward, every block checkpointed, bf16 autocast with every \
+                 linear but the head in fp8"
+            }
             Case::FwdBwd => "forward and backward only, f32",
             Case::FwdBwdBf16 => "forward and backward only, the whole model in bf16",
             Case::FwdBwdBf16Ckpt => {
@@ -303,6 +319,7 @@ impl Case {
                 | Case::AdamInbwdClip
                 | Case::AdamInbwdClipPrev
                 | Case::AdamInbwdCkptBf16
+                | Case::AdamInbwdCkptFp8
                 | Case::Adamw8bitInbwdBf16Ckpt
                 | Case::Adamw4bitInbwdBf16Ckpt
                 | Case::Adamw4bitInbwdBf16
@@ -330,6 +347,7 @@ impl Case {
                 | Case::AdamOffloadCkpt
                 | Case::AdamInbwdCkpt
                 | Case::AdamInbwdCkptBf16
+                | Case::AdamInbwdCkptFp8
                 | Case::FwdBwdBf16Ckpt
                 | Case::Adamw8bitBf16Ckpt
                 | Case::Adamw8bitInbwdBf16Ckpt
@@ -349,10 +367,18 @@ impl Case {
             )
     }
 
+    /// Whether the forward runs every linear but the head in fp8 (amp's `Float8Policy` over the
+    /// case's autocast).
+    pub(crate) fn float8(self) -> bool {
+        matches!(self, Case::AdamFp8 | Case::AdamInbwdCkptFp8)
+    }
+
     /// The autocast dtype of the forward, if any.
     pub(crate) fn autocast(self) -> Option<DType> {
         match self {
-            Case::AdamBf16 | Case::AdamInbwdCkptBf16 => Some(DType::BF16),
+            Case::AdamBf16 | Case::AdamInbwdCkptBf16 | Case::AdamFp8 | Case::AdamInbwdCkptFp8 => {
+                Some(DType::BF16)
+            }
             Case::AdamFp16 => Some(DType::F16),
             _ => None,
         }
@@ -505,7 +531,9 @@ impl Case {
             | Case::AdamAuto
             | Case::AdamBf16
             | Case::AdamFp16
-            | Case::AdamInbwdCkptBf16 => build::<AdamConfig>(params, adam, Implementation::Fused),
+            | Case::AdamInbwdCkptBf16
+            | Case::AdamFp8
+            | Case::AdamInbwdCkptFp8 => build::<AdamConfig>(params, adam, Implementation::Fused),
             Case::Adam8bit | Case::Adam8bitInbwd => {
                 build::<Adam8bitConfig>(params, adam8bit, Implementation::Fused)
             }

@@ -28,8 +28,7 @@
 use std::collections::HashMap;
 
 use anyhow::{Context, Result};
-use headroom_amp::AmpPolicy;
-use headroom_autograd_core::no_grad;
+use headroom_autograd_core::{autocast, no_grad};
 use headroom_caching_allocator::{HistoryOptions, TraceAction, TraceEntry};
 
 use super::cases::Case;
@@ -48,8 +47,7 @@ pub(crate) fn measure(
         return Ok(None);
     };
     training.clear_grads()?;
-    let policy = case.autocast().map(AmpPolicy::torch_cuda).transpose()?;
-    let _autocast = policy.as_ref().map(AmpPolicy::enter);
+    let _autocast = training.forward_policy(case)?.map(autocast);
     let hidden = {
         let _no_grad = no_grad();
         lm.hidden_states(ids)?

@@ -308,6 +308,14 @@ impl Net {
         }
     }
 
+    /// The parameters by name (Hugging Face's or torchvision's names).
+    pub(crate) fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        match self {
+            Net::Vit(vit) => vit.named_parameters(),
+            Net::Language(lm) => lm.named_parameters(),
+        }
+    }
+
     /// Who runs the blocks now (`None`: they are called directly).
     pub(crate) fn block_runner(&self) -> Option<Arc<dyn BlockRunner>> {
         self.blocks().block_runner().cloned()

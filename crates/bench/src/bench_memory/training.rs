@@ -17,8 +17,8 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use headroom_amp::{AmpPolicy, GradScaler, GradScalerConfig};
-use headroom_autograd_core::{autocast_stats, BackendRef, Tensor};
+use headroom_amp::{AmpPolicy, Float8Policy, GradScaler, GradScalerConfig};
+use headroom_autograd_core::{autocast, autocast_stats, AutocastPolicy, BackendRef, Tensor};
 use headroom_caching_allocator::{AllocatorView, HistoryOptions};
 use headroom_checkpoint::{
     BlockSelection, CheckpointBlocks, CompressBlocks, OffloadBlocks, OffloadOptions, SplitBlocks,
@@ -200,7 +200,7 @@ impl Training {
             net: &self.net,
             input,
             stepper,
-            policy: case.autocast().map(AmpPolicy::torch_cuda).transpose()?,
+            policy: self.forward_policy(case)?,
             cast_cache_bytes: 0,
         })
     }
@@ -208,9 +208,27 @@ impl Training {
     /// `case`'s forward and loss alone (its autocast, no backward): what was saved is freed
     /// with the loss.
     pub(crate) fn forward_only(&self, input: &Input, case: Case) -> Result<()> {
-        let policy = case.autocast().map(AmpPolicy::torch_cuda).transpose()?;
-        let _autocast = policy.as_ref().map(AmpPolicy::enter);
+        let policy = self.forward_policy(case)?;
+        let _autocast = policy.map(autocast);
         self.net.loss(input).map(drop)
+    }
+
+    /// `case`'s autocast policy for this model, if any: amp's lists in the case's dtype, and for
+    /// the fp8 cases every linear but the head in fp8 (amp's `Float8Policy` over those lists).
+    pub(crate) fn forward_policy(&self, case: Case) -> Result<Option<Arc<dyn AutocastPolicy>>> {
+        let Some(dtype) = case.autocast() else {
+            return Ok(None);
+        };
+        let lists = AmpPolicy::torch_cuda(dtype)?;
+        if !case.float8() {
+            return Ok(Some(Arc::new(lists)));
+        }
+        let named = self.net.named_parameters();
+        let policy = Float8Policy::new(Some(lists)).with_linears(
+            named.iter().map(|(name, tensor)| (name.as_str(), tensor)),
+            |name| !name.contains("head"),
+        );
+        Ok(Some(Arc::new(policy)))
     }
 
     /// Sets every gradient to none (what an interrupted step left behind).
@@ -337,7 +355,7 @@ pub(crate) struct Run<'a> {
     input: &'a Input,
     stepper: Stepper,
     /// The forward's autocast policy, if any.
-    policy: Option<AmpPolicy>,
+    policy: Option<Arc<dyn AutocastPolicy>>,
     /// The cast cache's bytes at the end of the last forward.
     pub(super) cast_cache_bytes: u64,
 }
@@ -356,7 +374,7 @@ impl Run<'_> {
     fn phase(&mut self, phase: Phase, loss: &mut Option<Tensor>) -> Result<()> {
         match phase {
             Phase::Forward => {
-                let _autocast = self.policy.as_ref().map(AmpPolicy::enter);
+                let _autocast = self.policy.clone().map(autocast);
                 *loss = Some(self.net.loss(self.input)?);
                 self.cast_cache_bytes = autocast_stats().cached_bytes;
             }
