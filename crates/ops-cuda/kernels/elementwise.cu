@@ -8,6 +8,7 @@
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include "strided.cuh"
 
@@ -23,6 +24,24 @@ template <typename T> __device__ __forceinline__ T from_double(double x) { retur
 template <> __device__ __forceinline__ __half from_double<__half>(double x) { return __double2half(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_double<__nv_bfloat16>(double x) { return __double2bfloat16(x); }
 template <> __device__ __forceinline__ bool from_double<bool>(double x) { return x != 0.0; }
+
+// The 8-bit floats, as stored: casts only (through double, as every cast). Into them: nearest-
+// even with saturation at the largest finite value and NaN kept (cuda_fp8.h's conversion with
+// __NV_SATFINITE, what the CPU backend's float8 crate mirrors bit for bit); out of them exact.
+struct F8E4M3 { __nv_fp8_storage_t bits; };
+struct F8E5M2 { __nv_fp8_storage_t bits; };
+template <> __device__ __forceinline__ double to_double<F8E4M3>(F8E4M3 x) {
+    return (double)__half2float(__half(__nv_cvt_fp8_to_halfraw(x.bits, __NV_E4M3)));
+}
+template <> __device__ __forceinline__ double to_double<F8E5M2>(F8E5M2 x) {
+    return (double)__half2float(__half(__nv_cvt_fp8_to_halfraw(x.bits, __NV_E5M2)));
+}
+template <> __device__ __forceinline__ F8E4M3 from_double<F8E4M3>(double x) {
+    return F8E4M3{__nv_cvt_double_to_fp8(x, __NV_SATFINITE, __NV_E4M3)};
+}
+template <> __device__ __forceinline__ F8E5M2 from_double<F8E5M2>(double x) {
+    return F8E5M2{__nv_cvt_double_to_fp8(x, __NV_SATFINITE, __NV_E5M2)};
+}
 
 template <typename T> __device__ __forceinline__ typename Compute<T>::type load(const T* p) {
     return (typename Compute<T>::type)to_double(*p);
@@ -234,7 +253,8 @@ extern "C" __global__ void copy_b1(const unsigned char* s, unsigned char* d, Str
 #define CASTS_FROM(S, SN)                                                                        \
     CAST(S, SN, float, f32) CAST(S, SN, double, f64) CAST(S, SN, __half, f16)                   \
     CAST(S, SN, __nv_bfloat16, bf16) CAST(S, SN, long long, i64) CAST(S, SN, int, i32)          \
-    CAST(S, SN, unsigned char, u8) CAST(S, SN, bool, bool)
+    CAST(S, SN, unsigned char, u8) CAST(S, SN, bool, bool) CAST(S, SN, F8E4M3, f8e4m3)          \
+    CAST(S, SN, F8E5M2, f8e5m2)
 
 CASTS_FROM(float, f32)
 CASTS_FROM(double, f64)
@@ -244,6 +264,8 @@ CASTS_FROM(long long, i64)
 CASTS_FROM(int, i32)
 CASTS_FROM(unsigned char, u8)
 CASTS_FROM(bool, bool)
+CASTS_FROM(F8E4M3, f8e4m3)
+CASTS_FROM(F8E5M2, f8e5m2)
 
 // Masked ops: op 0 = fill (mask ? c : x), 1 = scale (mask ? x·c : 0). Operands: out, x, mask.
 template <typename T>

@@ -19,11 +19,9 @@ use crate::kernels::{float_suffix, KernelName, Module};
 use crate::launch::{launch_config, launch_in, Param, NO_ARGS};
 use crate::operands::{copy_kernel, dense_addresses, launch_strided, strided_args, StridedArgs};
 
-/// The cast kernels' name for `dtype`, as source (`cast_f32`, ...) or target (`f32`, ...); `None`
-/// for the 8-bit floats, which have no cast kernels yet (a cast to or from them is
-/// `UnsupportedDtype`; copies within one of them are byte copies).
-fn cast_names(dtype: DType) -> Option<(&'static str, &'static str)> {
-    Some(match dtype {
+/// The cast kernels' name for `dtype`, as source (`cast_f32`, ...) or target (`f32`, ...).
+fn cast_names(dtype: DType) -> (&'static str, &'static str) {
+    match dtype {
         DType::F32 => ("cast_f32", "f32"),
         DType::F64 => ("cast_f64", "f64"),
         DType::F16 => ("cast_f16", "f16"),
@@ -32,8 +30,9 @@ fn cast_names(dtype: DType) -> Option<(&'static str, &'static str)> {
         DType::I32 => ("cast_i32", "i32"),
         DType::U8 => ("cast_u8", "u8"),
         DType::Bool => ("cast_bool", "bool"),
-        DType::F8E4M3 | DType::F8E5M2 => return None,
-    })
+        DType::F8E4M3 => ("cast_f8e4m3", "f8e4m3"),
+        DType::F8E5M2 => ("cast_f8e5m2", "f8e5m2"),
+    }
 }
 
 fn device_address(view: &View<'_>) -> u64 {
@@ -257,10 +256,7 @@ pub(crate) fn copy(backend: &CudaBackend, src: View<'_>, dst: View<'_>) -> Resul
         }
         copy_kernel(element)
     } else {
-        let unsupported = |dtype| TensorError::UnsupportedDtype { op: "copy", dtype };
-        let (family, _) = cast_names(src.dtype).ok_or_else(|| unsupported(src.dtype))?;
-        let (_, suffix) = cast_names(dst.dtype).ok_or_else(|| unsupported(dst.dtype))?;
-        (family, suffix)
+        (cast_names(src.dtype).0, cast_names(dst.dtype).1)
     };
     launch(
         backend,
@@ -344,4 +340,33 @@ fn launch(
     params: &[Param],
 ) -> Result<()> {
     launch_strided(backend, Module::Elementwise, op, name, args, params)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every cast between two dtypes, the 8-bit floats among them, names a kernel of the module.
+    #[test]
+    fn every_cast_names_a_kernel_of_the_module() {
+        let ptx = Module::Elementwise.ptx();
+        let all = [
+            DType::F32,
+            DType::F64,
+            DType::F16,
+            DType::BF16,
+            DType::I64,
+            DType::I32,
+            DType::U8,
+            DType::Bool,
+            DType::F8E4M3,
+            DType::F8E5M2,
+        ];
+        for from in all {
+            for to in all {
+                let entry = format!(".entry {}_{}(", cast_names(from).0, cast_names(to).1);
+                assert!(ptx.contains(&entry), "no {entry}");
+            }
+        }
+    }
 }

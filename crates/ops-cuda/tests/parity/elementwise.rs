@@ -1,7 +1,8 @@
 //! Element-wise primitives on the GPU against the CPU: every unary and binary op in f32, f64,
 //! f16 and bf16 on contiguous, broadcast and transposed operands; the dense path (vector
 //! kernels, the driver's memset and copy) against the strided one, with tails and unaligned
-//! starts, writing nothing outside the view; fill and copies between every pair of dtypes.
+//! starts, writing nothing outside the view; fill and copies between every pair of dtypes, and
+//! casts into and out of the 8-bit floats to the bit.
 
 use headroom_autograd_core::{BackendRef, BinaryOp, Buffer, DType, Layout, UnaryOp, View};
 
@@ -242,5 +243,94 @@ fn fill_and_every_cast_match_the_cpu() {
             }
             assert_eq!(results[0], results[1], "copy {from:?} -> {to:?}");
         }
+    }
+}
+
+/// Casts into E4M3 and E5M2 (nearest-even, saturating, NaN and -0 kept) from f32, f64, bf16 and
+/// f16 give the CPU's codes, over values from the formats' subnormals past their largest finite
+/// value; every code casts out to those dtypes as on the CPU; fill writes the same code.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn float8_casts_match_the_cpu_bit_for_bit() {
+    let Some((gpu, cpu, mut random)) = seeded_backends(0x5eed_f8f8_0123_4567) else {
+        return;
+    };
+    let same = |a: &[f64], b: &[f64]| {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+    };
+    let mut values: Vec<f64> = (0..4000)
+        .map(|_| {
+            let magnitude = 2f64.powf(random.next_f64_in(-20.0, 18.0));
+            if random.next_f64_in(0.0, 1.0) < 0.5 {
+                -magnitude
+            } else {
+                magnitude
+            }
+        })
+        .collect();
+    values.extend([
+        0.0,
+        -0.0,
+        f64::NAN,
+        1e30,
+        -1e30,
+        448.0,
+        464.0,
+        57344.0,
+        61440.0,
+    ]);
+    let n = values.len();
+    let layout = Layout::contiguous(&[n]);
+    let wide = [DType::F32, DType::F64, DType::BF16, DType::F16];
+    for to in [DType::F8E4M3, DType::F8E5M2] {
+        for from in wide {
+            let mut results = Vec::new();
+            for backend in [&gpu, &cpu] {
+                let src = upload(backend, from, &values);
+                let dst = poisoned(backend, to, n);
+                backend
+                    .copy(view(&src, &layout, from), view(&dst, &layout, to))
+                    .unwrap();
+                results.push(download(backend, to, &dst));
+            }
+            assert!(same(&results[0], &results[1]), "copy {from:?} -> {to:?}");
+        }
+        // Every code out to the wide dtypes.
+        let codes: Vec<f64> = (0..=u8::MAX)
+            .map(|bits| match to {
+                DType::F8E4M3 => float8::F8E4M3::from_bits(bits).to_f64(),
+                _ => float8::F8E5M2::from_bits(bits).to_f64(),
+            })
+            .collect();
+        let codes_layout = Layout::contiguous(&[256]);
+        let code_bytes: Vec<f64> = (0..256).map(f64::from).collect();
+        for dest in wide {
+            let mut results = Vec::new();
+            for backend in [&gpu, &cpu] {
+                let src = upload(backend, DType::U8, &code_bytes);
+                let dst = poisoned(backend, dest, 256);
+                backend
+                    .copy(
+                        view(&src, &codes_layout, to),
+                        view(&dst, &codes_layout, dest),
+                    )
+                    .unwrap();
+                results.push(download(backend, dest, &dst));
+            }
+            assert!(same(&results[0], &results[1]), "copy {to:?} -> {dest:?}");
+            if dest == DType::F64 {
+                assert!(same(&results[0], &codes), "{to:?} codes widen exactly");
+            }
+        }
+        let mut results = Vec::new();
+        for backend in [&gpu, &cpu] {
+            let out = poisoned(backend, to, n);
+            backend.fill(view(&out, &layout, to), -3.3).unwrap();
+            results.push(download(backend, to, &out));
+        }
+        assert!(same(&results[0], &results[1]), "fill {to:?}");
     }
 }
