@@ -16,8 +16,8 @@
 //! On a GPU (built with `--features cuda`; auto, or `--cuda`): torchvision's ViT-L/16 at batch
 //! 32, the setting of PyTorch's reference measurements. On the CPU: `VitConfig::mini()` at batch
 //! 8 (the CPU computes f16 and bf16 in f32, so half precision is no faster there). Settings can be
-//! picked by name (`o0 bf16 o1 o2 o3 sr`, all by default, and `fp8`, only when named: the CUDA
-//! backend does not cast to fp8 yet). See README.md.
+//! picked by name (`o0 bf16 o1 o2 o3 sr`, all by default, and `fp8`, only when named: composed
+//! from casts and f32 products, it is slow yet). See README.md.
 
 #[path = "../device/mod.rs"]
 mod device;
@@ -52,7 +52,7 @@ enum Setting {
     /// A bf16 model, f32 moments, stochastic rounding, no master copy.
     StochasticRounding,
     /// An f32 model under bf16 autocast whose linears but the head run in fp8 (amp's
-    /// `Float8Policy`): on the command line only (`fp8`), until the CUDA backend casts to fp8.
+    /// `Float8Policy`): on the command line only (`fp8`): composed from casts, it is slow yet.
     Float8Linears,
 }
 

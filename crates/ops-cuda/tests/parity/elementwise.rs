@@ -4,7 +4,7 @@
 //! starts, writing nothing outside the view; fill and copies between every pair of dtypes, and
 //! casts into and out of the 8-bit floats to the bit.
 
-use headroom_autograd_core::{BackendRef, BinaryOp, Buffer, DType, Layout, UnaryOp, View};
+use headroom_autograd_core::{BackendRef, BinaryOp, Buffer, DType, Layout, Tensor, UnaryOp, View};
 
 use crate::{check, download, input, poisoned, seeded_backends, upload, view, FLOATS};
 
@@ -332,5 +332,47 @@ fn float8_casts_match_the_cpu_bit_for_bit() {
             results.push(download(backend, to, &out));
         }
         assert!(same(&results[0], &results[1]), "fill {to:?}");
+    }
+}
+
+/// The fp8 linear (composed from casts and f32 products) on the GPU: its output and the three
+/// gradients within f32 rounding of the CPU's, from the same codes.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_fp8_linear_matches_the_cpu() {
+    let Some((gpu, cpu, mut random)) = seeded_backends(0x0f8f_8e4d_3e5d_2cab) else {
+        return;
+    };
+    let (rows, k, n) = (64, 128, 96);
+    let mut draw =
+        |count: usize| -> Vec<f64> { (0..count).map(|_| random.next_f64_in(-2.0, 2.0)).collect() };
+    let (xs, ws, bs, rs) = (draw(rows * k), draw(n * k), draw(n), draw(rows * n));
+    let run = |backend: &BackendRef| -> Vec<Vec<f64>> {
+        let leaf = |values: &[f64], shape: &[usize]| {
+            let t = Tensor::from_f64s(backend, values, shape, DType::F32).unwrap();
+            t.requires_grad_(true).unwrap();
+            t
+        };
+        let (x, w, b) = (leaf(&xs, &[rows, k]), leaf(&ws, &[n, k]), leaf(&bs, &[n]));
+        let y = x.linear_float8(&w, Some(&b)).unwrap();
+        let r = Tensor::from_f64s(backend, &rs, &[rows, n], DType::F32).unwrap();
+        y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+        [y, x.grad().unwrap(), w.grad().unwrap(), b.grad().unwrap()]
+            .iter()
+            .map(|t| t.to_vec_f64().unwrap())
+            .collect()
+    };
+    let (on_gpu, on_cpu) = (run(&gpu), run(&cpu));
+    for (name, (g, c)) in ["y", "dx", "dw", "db"]
+        .iter()
+        .zip(on_gpu.iter().zip(&on_cpu))
+    {
+        let scale = c.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+        let worst = g
+            .iter()
+            .zip(c)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(worst <= 1e-5 * scale, "{name}: {worst} against {scale}");
     }
 }
