@@ -33,7 +33,9 @@ with `bf16_stochastic_round=True` on the bf16 model; inside backward one optimiz
 parameter, stepped by a post-accumulate-grad hook); `adamw_inbwd_bf16` torchao's `_AdamW`
 (f32 moments, `bf16_stochastic_round=True`) the same way and `adamw_offload_inbwd_bf16` its
 `CPUOffloadOptimizer(torch.optim.AdamW, offload_gradients=True, fused=True)` (also the anchor
-of `adamw_offload_stream_inbwd_bf16`, whose GPU steps the host-held moments); bench-memory's cases with no PyTorch counterpart (`adam_foreach_unbounded` is
+of `adamw_offload_stream_inbwd_bf16`, whose GPU steps the host-held moments); `adam_fp8` and
+`adam_inbwd_ckpt_fp8` torchao's float8 training (tensorwise) on every linear but the head inside
+bf16 autocast, compiled (`to_float8_training`); bench-memory's cases with no PyTorch counterpart (`adam_foreach_unbounded` is
 `adam_foreach` here, `adam8bit_inbwd`, `adam_inbwd_clip`, `adam_inbwd_clip_prev`,
 `adam_ckpt8bit`, `adam_auto`) are not offered. `sgd_bf16_model` is no bench-memory case but
 PyTorch's side of `crates/ops-cuda/benches/vit_step.rs`'s bf16 setting: `model.bfloat16()` (bf16
@@ -57,7 +59,7 @@ CASES = [
     'adamw8bit_bf16_ckpt', 'adamw8bit_inbwd_bf16_ckpt', 'adamw4bit_bf16_ckpt',
     'adamw4bit_inbwd_bf16_ckpt', 'adamw8bit_bf16', 'adamw8bit_inbwd_bf16', 'adamw4bit_bf16',
     'adamw4bit_inbwd_bf16', 'adamw_inbwd_bf16', 'adamw_offload_inbwd_bf16',
-    'adamw_offload_stream_inbwd_bf16',
+    'adamw_offload_stream_inbwd_bf16', 'adam_fp8', 'adam_inbwd_ckpt_fp8',
 ]
 # Cases of other benches, run when --cases names them (not by default, not by find_max_batch.py).
 OTHER_CASES = ['sgd_bf16_model']
@@ -67,6 +69,8 @@ BF16_MODEL_CASES = {'fwd_bwd_bf16', 'fwd_bwd_bf16_ckpt', 'sgd_bf16_model', 'adam
                     'adamw4bit_inbwd_bf16_ckpt', 'adamw4bit_inbwd_bf16', 'adamw8bit_bf16',
                     'adamw8bit_inbwd_bf16', 'adamw4bit_bf16', 'adamw_inbwd_bf16',
                     'adamw_offload_inbwd_bf16', 'adamw_offload_stream_inbwd_bf16'}
+# bf16 autocast with every linear but the head in torchao's float8 training (tensorwise).
+FP8_CASES = {'adam_fp8', 'adam_inbwd_ckpt_fp8'}
 VIT_MODELS = {'vit_l_16', 'vit_b_16'}
 GPT2_MODELS = {  # Hugging Face's configs: (n_embd, n_layer, n_head)
     'gpt2': (768, 12, 12),
@@ -202,6 +206,31 @@ def build_model(model_name, case, layers=None):
     return model
 
 
+def to_float8_training(model):
+    """torchao's float8 training (`convert_to_float8_training`, its default tensorwise recipe) on
+    every linear but the head, compiled as torchao advises (its casts are fused only under
+    `torch.compile`). GPT-2's projections are transformers' `Conv1D`, which torchao does not
+    convert, so they first become the equal `nn.Linear`."""
+    import torch
+    from torch import nn
+    from torchao.float8 import convert_to_float8_training
+    from transformers.pytorch_utils import Conv1D
+
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, Conv1D):
+                fan_in, fan_out = child.weight.shape
+                linear = nn.Linear(fan_in, fan_out, device=child.weight.device,
+                                   dtype=child.weight.dtype)
+                with torch.no_grad():
+                    linear.weight.copy_(child.weight.t())
+                    linear.bias.copy_(child.bias)
+                setattr(module, child_name, linear)
+    convert_to_float8_training(
+        model, module_filter_fn=lambda mod, fqn: 'lm_head' not in fqn and 'heads' not in fqn)
+    return torch.compile(model)
+
+
 def step_in_backward(params, optimizer_of):
     """The tutorial's optimizer in backward: `optimizer_of(p)` for each parameter, stepped and
     zeroed by a post-accumulate-grad hook as soon as the parameter's gradient is final."""
@@ -220,8 +249,11 @@ def build_case(case, model_name, seq, layers=None):
     import torch
 
     model = build_model(model_name, case, layers)
+    if case in FP8_CASES:
+        model = to_float8_training(model)
     params = list(model.parameters())
-    amp = torch.bfloat16 if 'bf16' in case and case not in BF16_MODEL_CASES else None
+    autocast_bf16 = 'bf16' in case or case in FP8_CASES
+    amp = torch.bfloat16 if autocast_bf16 and case not in BF16_MODEL_CASES else None
     scaler = None
     if 'fp16' in case:
         amp = torch.float16

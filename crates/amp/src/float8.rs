@@ -1,19 +1,20 @@
 //! fp8 training's policy (issue 37): the linears it lists, by their weights, run
-//! autograd-core's `linear_float8` recipe (E4M3 forward, E5M2 output gradient, tensorwise current
-//! scaling, the input saved as one byte an element) on their operands as they come — an f32
+//! autograd-core's `linear_float8_with` under one `Float8Recipe` (E4M3 forward; tensorwise
+//! scales with E5M2 output gradients by default, or rowwise power-of-two scales with E4M3 ones;
+//! the input saved as one byte an element) on their operands as they come — an f32
 //! weight is quantized from itself, with no bf16 copy in autocast's cache — and return the base
 //! policy's dtype; every other op runs as the base policy says (an [`AmpPolicy`](crate::AmpPolicy) for bf16 autocast around them, or none). torchao's
 //! `convert_to_float8_training(model, module_filter_fn=...)` picks modules; here the filter
 //! takes parameter names, so no module is swapped and the weights stay the optimizer's.
 //!
-//! It sits on autograd-core's autocast seam (`AutocastPolicy::linear_in_float8`) and knows no
+//! It sits on autograd-core's autocast seam (`AutocastPolicy::float8_recipe`) and knows no
 //! kernel.
 
 use std::fmt;
 use std::sync::Arc;
 
 use headroom_autograd_core::{
-    autocast, AutocastGuard, AutocastPolicy, CastPolicy, DType, Device, Tensor,
+    autocast, AutocastGuard, AutocastPolicy, CastPolicy, DType, Device, Float8Recipe, Tensor,
 };
 
 /// Runs the listed linears in fp8 under a base autocast policy (see the module docs).
@@ -43,6 +44,7 @@ use headroom_autograd_core::{
 pub struct Float8Policy {
     base: Option<Arc<dyn AutocastPolicy>>,
     weights: Vec<Tensor>,
+    recipe: Float8Recipe,
 }
 
 impl Float8Policy {
@@ -51,7 +53,19 @@ impl Float8Policy {
         Float8Policy {
             base: base.map(|policy| Arc::new(policy) as Arc<dyn AutocastPolicy>),
             weights: Vec::new(),
+            recipe: Float8Recipe::TENSORWISE,
         }
+    }
+
+    /// Runs the listed linears with `recipe` (default [`Float8Recipe::TENSORWISE`]).
+    pub fn with_recipe(mut self, recipe: Float8Recipe) -> Float8Policy {
+        self.recipe = recipe;
+        self
+    }
+
+    /// The recipe the listed linears run with.
+    pub fn recipe(&self) -> Float8Recipe {
+        self.recipe
     }
 
     /// Lists the weights among `parameters` (name, tensor: a model's `named_parameters`) whose
@@ -91,6 +105,7 @@ impl fmt::Debug for Float8Policy {
         f.debug_struct("Float8Policy")
             .field("base", &self.base)
             .field("linears", &self.weights.len())
+            .field("recipe", &self.recipe)
             .finish()
     }
 }
@@ -108,7 +123,8 @@ impl AutocastPolicy for Float8Policy {
             .map_or(CastPolicy::Keep, |base| base.cast_policy(op, device))
     }
 
-    fn linear_in_float8(&self, weight: &Tensor) -> bool {
-        self.weights.iter().any(|listed| listed.same_tensor(weight))
+    fn float8_recipe(&self, weight: &Tensor) -> Option<Float8Recipe> {
+        let listed = self.weights.iter().any(|listed| listed.same_tensor(weight));
+        listed.then_some(self.recipe)
     }
 }

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use headroom_amp::{AmpPolicy, AutocastLists, Float8Policy, TorchList};
 use headroom_autograd_core::{
     autocast_stats, cat, cross_entropy, dropout, embedding, layer_norm, patch_embedding,
-    scaled_dot_product_attention, BackendRef, CastPolicy, DType, Generator, Reduction, Tensor,
-    AUTOCAST_OPS,
+    scaled_dot_product_attention, BackendRef, CastPolicy, DType, Float8Recipe, Generator,
+    Reduction, Tensor, AUTOCAST_OPS,
 };
 use headroom_nn::{Activation, Dropout, Mlp, Module};
 use headroom_ops_cpu::CpuBackend;
@@ -329,4 +329,24 @@ fn a_float8_policy_runs_its_linears_in_fp8_inside_the_base_casts() {
     assert_eq!(h.dtype(), DType::F32);
     let want = x.linear_float8(&w1.detach(), None).unwrap();
     assert_eq!(h.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
+
+    // The policy's recipe reaches the linear: rowwise, power-of-two scales, E4M3 gradients.
+    let rowwise = plain.clone().with_recipe(Float8Recipe::ROWWISE);
+    assert_eq!(rowwise.recipe(), Float8Recipe::ROWWISE);
+    assert_eq!(plain.recipe(), Float8Recipe::TENSORWISE);
+    let h = {
+        let _fp8 = rowwise.enter();
+        x.linear(&w1, None).unwrap()
+    };
+    let want = x
+        .linear_float8_with(&w1.detach(), None, Float8Recipe::ROWWISE)
+        .unwrap();
+    assert_eq!(h.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
+    assert_ne!(
+        h.to_vec_f64().unwrap(),
+        x.linear_float8(&w1.detach(), None)
+            .unwrap()
+            .to_vec_f64()
+            .unwrap()
+    );
 }

@@ -19,8 +19,9 @@
 //! `no_grad` never serves a forward that must record), and the cache is dropped when the
 //! outermost enabled scope ends. [`autocast_stats`] counts casts, cache hits and the bytes the
 //! cache holds. A policy can also name linears (by their weights) that run in fp8
-//! ([`AutocastPolicy::linear_in_float8`]): `Tensor::linear` then quantizes its operands as they
-//! come (nothing is cast or cached for it) and returns the policy's dtype. This module knows nothing about kernels or about any op list.
+//! with a recipe ([`AutocastPolicy::float8_recipe`]): `Tensor::linear` then quantizes its
+//! operands as they come (nothing is cast or cached for it) and returns the policy's dtype. This
+//! module knows nothing about kernels or about any op list.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -28,6 +29,7 @@ use std::sync::Arc;
 
 use crate::dtype::{DType, Device};
 use crate::error::Result;
+use crate::ops::Float8Recipe;
 use crate::tensor::Tensor;
 
 /// What autocast does with an op's floating-point inputs (PyTorch's three lists, and the rest).
@@ -50,13 +52,13 @@ pub trait AutocastPolicy: Send + Sync + std::fmt::Debug {
     fn lower_precision(&self) -> DType;
     /// What `op` (a name in [`AUTOCAST_OPS`]) does with floating-point inputs on `device`.
     fn cast_policy(&self, op: &'static str, device: Device) -> CastPolicy;
-    /// Whether a `linear` with this `weight` runs in fp8 ([`Tensor::linear_float8`]'s recipe on
-    /// the operands as they come, no half-precision copy of them, the output in the dtype
-    /// `cast_policy` gives a linear): fp8 training's list of linears, by their weights (amp's
-    /// `Float8Policy`). None by default.
-    fn linear_in_float8(&self, weight: &Tensor) -> bool {
+    /// The fp8 recipe a `linear` with this `weight` runs in, if any
+    /// ([`Tensor::linear_float8_with`] on the operands as they come, no half-precision copy of
+    /// them, the output in the dtype `cast_policy` gives a linear): fp8 training's list of
+    /// linears, by their weights (amp's `Float8Policy`). None by default.
+    fn float8_recipe(&self, weight: &Tensor) -> Option<Float8Recipe> {
         let _ = weight;
-        false
+        None
     }
 }
 
@@ -145,10 +147,10 @@ pub fn autocast_policy() -> Option<Arc<dyn AutocastPolicy>> {
     SCOPE.with(|scope| scope.borrow().current())
 }
 
-/// Whether the policy in force runs the `linear` of `weight` in fp8
-/// ([`AutocastPolicy::linear_in_float8`]).
-pub(crate) fn linear_in_float8(weight: &Tensor) -> bool {
-    autocast_policy().is_some_and(|policy| policy.linear_in_float8(weight))
+/// The fp8 recipe the policy in force runs the `linear` of `weight` in, if any
+/// ([`AutocastPolicy::float8_recipe`]).
+pub(crate) fn float8_recipe(weight: &Tensor) -> Option<Float8Recipe> {
+    autocast_policy().and_then(|policy| policy.float8_recipe(weight))
 }
 
 /// The cast counts and cache of the current outermost enabled scope (all zero outside one).

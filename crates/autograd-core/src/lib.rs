@@ -111,6 +111,9 @@ pub use backend::{
     CrossEntropyTileBackward, LogitTile,
 };
 pub use backend::{
+    float8_matmul_dims, float8_quantize_dims, Float8Granularity, Float8Matmul, Float8Quantize,
+};
+pub use backend::{
     GateUp, RmsNormBackward, RmsNormForward, RotaryArgs, RotaryDims, SwiGluBackward, SwiGluForward,
 };
 pub use buffer::{Access, Buffer, HostAccess, VersionCounter};
@@ -133,7 +136,7 @@ pub use ops::{
     linear_cross_entropy, patch_embedding, scaled_dot_product_attention,
     scaled_dot_product_attention_varlen, LinearCrossEntropyOptions, PackedSequences,
 };
-pub use ops::{rms_norm, rotary_embedding, swiglu, Float8Tensor};
+pub use ops::{rms_norm, rotary_embedding, swiglu, Float8Recipe, Float8Tensor};
 pub use overlap::{check_operands, claim_operands, overlap, Aliasing, Overlap};
 pub use random::{
     record_draws, replay_draws, uniform, DrawRecording, DrawReplay, Generator, GeneratorState,

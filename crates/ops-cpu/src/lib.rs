@@ -33,6 +33,7 @@ mod attention;
 mod cross_entropy;
 mod element;
 mod elementwise;
+mod float8;
 mod index;
 mod layer_norm;
 mod matmul;
@@ -52,8 +53,8 @@ use headroom_autograd_core::{
     MaskedOp, ReduceOp, Result, UnaryOp, View,
 };
 use headroom_autograd_core::{
-    Operands, ReduceWithIndex, RmsNormBackward, RmsNormForward, RotaryArgs, SoftmaxBackward,
-    SwiGluBackward, SwiGluForward,
+    Float8Matmul, Float8Quantize, Operands, ReduceWithIndex, RmsNormBackward, RmsNormForward,
+    RotaryArgs, SoftmaxBackward, SwiGluBackward, SwiGluForward,
 };
 use headroom_caching_allocator::{
     AllocError, Allocation, AllocatorConfig, AllocatorView, CachingAllocator, HostStorage, StreamId,
@@ -255,6 +256,18 @@ impl Backend for CpuBackend {
     fn matmul(&self, a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {
         let _access = self.operands("matmul", &[out], &[a, b], Aliasing::Disjoint)?;
         matmul::matmul(a, b, out, accumulate)
+    }
+
+    fn quantize_float8(&self, args: Float8Quantize<'_>) -> Result<bool> {
+        let _access = self.fused_operands("quantize_float8", args.operands())?;
+        float8::quantize_float8(args)?;
+        Ok(true)
+    }
+
+    fn matmul_float8(&self, args: Float8Matmul<'_>) -> Result<bool> {
+        let _access = self.fused_operands("matmul_float8", args.operands())?;
+        matmul::matmul_float8(args)?;
+        Ok(true)
     }
 
     fn softmax(&self, x: View<'_>, dim: usize, log: bool, out: View<'_>) -> Result<()> {

@@ -4,13 +4,17 @@
 //! strides, so transposed and expanded operands are never copied. A large single product uses
 //! gemm's rayon parallelism; many small ones (attention heads) are spread over rayon instead.
 //! f32, f64 and f16 go to gemm directly; bf16 is widened to f32 scratch and narrowed back, and
-//! f16/bf16 inputs with an f32 `out` are widened and multiplied into it in f32.
-//! Before any call, the extent every matrix touches is checked against its buffer.
+//! f16/bf16 inputs with an f32 `out` are widened and multiplied into it in f32. The fp8 product
+//! widens its codes to f32 scratch (exactly), multiplies them in f32 and scales each element
+//! into `out`. Before any call, the extent every matrix touches is checked against its buffer.
 
 use half::bf16;
-use headroom_autograd_core::{matmul_dims, DType, Layout, Result, TensorError, View};
+use headroom_autograd_core::{
+    float8_matmul_dims, matmul_dims, DType, Float8Matmul, Layout, Result, TensorError, View,
+};
 use rayon::prelude::*;
 
+use crate::element::{dispatch_any, Scalar};
 use crate::strided::{for_each_run_serial, HostPtr};
 
 /// Products with at least this many multiply-adds use gemm's own threads.
@@ -56,28 +60,6 @@ fn op<'a, T: Copy>(view: &View<'a>) -> Operand<'a, T> {
     }
 }
 
-/// `view`'s elements (f16 or bf16) widened to dense f32, row-major.
-fn widened(view: &View<'_>) -> Vec<f32> {
-    let mut res = Vec::with_capacity(view.layout.numel());
-    let (shape, strides, offset) = (
-        view.layout.shape(),
-        [view.layout.strides()],
-        [view.layout.offset()],
-    );
-    if view.dtype == DType::F16 {
-        let from = HostPtr::<half::f16>::new(view);
-        for_each_run_serial(shape, strides, offset, |o, s, len| {
-            res.extend((0..len).map(|i| from.read(o[0] + i * s[0]).to_f32()));
-        });
-    } else {
-        let from = HostPtr::<bf16>::new(view);
-        for_each_run_serial(shape, strides, offset, |o, s, len| {
-            res.extend((0..len).map(|i| from.read(o[0] + i * s[0]).to_f32()));
-        });
-    }
-    res
-}
-
 /// f16/bf16 inputs into an f32 `out`: both widened to f32 scratch, multiplied into `out` in f32.
 fn matmul_widened(a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {
     multiply_widened(&a, &b, op(&out), accumulate)
@@ -90,7 +72,7 @@ fn multiply_widened(
     out: Operand<'_, f32>,
     accumulate: bool,
 ) -> Result<()> {
-    let (mut lhs, mut rhs) = (widened(a), widened(b));
+    let (mut lhs, mut rhs) = (read_as_f32(a), read_as_f32(b));
     let (la, lb) = (
         Layout::contiguous(a.layout.shape()),
         Layout::contiguous(b.layout.shape()),
@@ -106,7 +88,7 @@ fn multiply_widened(
 /// bf16: widen to f32 scratch, multiply, narrow into `out`.
 fn matmul_bf16(a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Result<()> {
     let mut dst = if accumulate {
-        widened(&out)
+        read_as_f32(&out)
     } else {
         vec![0.0; out.layout.numel()]
     };
@@ -129,6 +111,77 @@ fn matmul_bf16(a: View<'_>, b: View<'_>, out: View<'_>, accumulate: bool) -> Res
             }
         },
     );
+    Ok(())
+}
+
+/// `view`'s elements (any dtype) read as f32, row-major: exact for the 8-bit floats.
+fn read_as_f32(view: &View<'_>) -> Vec<f32> {
+    let mut res = Vec::with_capacity(view.layout.numel());
+    let (shape, strides, offset) = (
+        view.layout.shape(),
+        [view.layout.strides()],
+        [view.layout.offset()],
+    );
+    dispatch_any!(view.dtype, T => {
+        let from = HostPtr::<T>::new(view);
+        for_each_run_serial(shape, strides, offset, |o, s, len| {
+            res.extend((0..len).map(|i| Scalar::to_f64(from.read(o[0] + i * s[0])) as f32));
+        });
+    });
+    res
+}
+
+/// The fp8 product ([`Float8Matmul`]): codes widened to f32 scratch, multiplied with f32
+/// accumulation, each element times its row's and column's inverse scales (their f32 product),
+/// rounded once into `out`.
+pub(crate) fn matmul_float8(args: Float8Matmul<'_>) -> Result<()> {
+    let (m, k, n) = float8_matmul_dims(&args)?;
+    let (mut lhs, mut rhs) = (read_as_f32(&args.a), read_as_f32(&args.b));
+    let (la, lb, lo) = (
+        Layout::contiguous(&[m, k]),
+        Layout::contiguous(&[k, n]),
+        Layout::contiguous(&[m, n]),
+    );
+    let mut product = vec![0.0f32; m * n];
+    let dense = |values: &mut Vec<f32>, layout| Operand {
+        ptr: HostPtr::from_slice(values),
+        layout,
+    };
+    batched::<f32>(
+        dense(&mut lhs, &la),
+        dense(&mut rhs, &lb),
+        dense(&mut product, &lo),
+        false,
+        1.0,
+        0.0,
+    )?;
+    let (row_scales, column_scales) = (
+        read_as_f32(&args.a_inverse_scale),
+        read_as_f32(&args.b_inverse_scale),
+    );
+    let scaled = |index: usize| {
+        let (i, j) = (index / n, index % n);
+        product[index] * (row_scales[i] * column_scales[j])
+    };
+    let base = args.out.layout.offset();
+    match args.out.dtype {
+        DType::F32 => {
+            let to = HostPtr::<f32>::new(&args.out);
+            (0..m * n).for_each(|index| to.write(base + index, scaled(index)));
+        }
+        DType::BF16 => {
+            let to = HostPtr::<bf16>::new(&args.out);
+            (0..m * n).for_each(|index| {
+                to.write(base + index, Scalar::from_f64(f64::from(scaled(index))));
+            });
+        }
+        _ => {
+            let to = HostPtr::<half::f16>::new(&args.out);
+            (0..m * n).for_each(|index| {
+                to.write(base + index, Scalar::from_f64(f64::from(scaled(index))));
+            });
+        }
+    }
     Ok(())
 }
 

@@ -18,7 +18,8 @@ use headroom_autograd_core::{
     UnaryOp, View,
 };
 use headroom_autograd_core::{
-    ReduceWithIndex, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
+    Float8Matmul, Float8Quantize, ReduceWithIndex, RmsNormBackward, RmsNormForward, RotaryArgs,
+    SwiGluBackward, SwiGluForward,
 };
 use headroom_caching_allocator::{Allocation, AllocatorView};
 
@@ -77,6 +78,12 @@ impl Backend for HostReadCounter {
     }
     fn copy(&self, src: View<'_>, dst: View<'_>) -> Result<()> {
         self.inner.copy(src, dst)
+    }
+    fn quantize_float8(&self, args: Float8Quantize<'_>) -> Result<bool> {
+        self.inner.quantize_float8(args)
+    }
+    fn matmul_float8(&self, args: Float8Matmul<'_>) -> Result<bool> {
+        self.inner.matmul_float8(args)
     }
     fn fill(&self, dst: View<'_>, value: f64) -> Result<()> {
         self.inner.fill(dst, value)

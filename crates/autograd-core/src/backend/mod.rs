@@ -2,10 +2,11 @@
 //!
 //! # Design
 //!
-//! [`Backend`] has **35 methods**: 9 for the device and its memory (`device`, `into_any`,
+//! [`Backend`] has **37 methods**: 9 for the device and its memory (`device`, `into_any`,
 //! `allocate`, `free`, `allocator_view`, `memory_stats` — a default body reading the view —,
-//! `synchronize`, `write_host`, `read_host`) and 26 compute primitives, 2 of which (`linear`,
-//! `linear_weight_grad`) have default bodies composed of the others. The engine
+//! `synchronize`, `write_host`, `read_host`) and 28 compute primitives, 4 of which have default
+//! bodies: `linear` and `linear_weight_grad` composed of the others, `quantize_float8` and
+//! `matmul_float8` answering "not here" (the fp8 ops then compose casts and f32 products). The engine
 //! and every op in `crate::ops` are written once on top of it; ops-cpu and ops-cuda implement it.
 //! The technique seams (autocast, saved-tensor sites, backward-end callbacks, the non-finite
 //! check) added no method: they are written with these. The reasoning:
@@ -24,8 +25,9 @@
 //!   or extra saved memory**: softmax (one read, one write, and its backward), layer norm (forward
 //!   saves only mean and rstd; backward is one pass), cross-entropy (saves one log-sum-exp per
 //!   row instead of a log-softmax matrix), dropout (mask and output in one pass), attention
-//!   (saves one log-sum-exp per query instead of a `[seq, seq]` probability matrix per head), the
-//!   Llama pieces (RMSNorm saves one rstd per row; SwiGLU saves only its inputs and recomputes
+//!   (saves one log-sum-exp per query instead of a `[seq, seq]` probability matrix per head),
+//!   fp8 (a quantize reads its input for the amax and again for the codes, with no widened copy;
+//!   the fp8 product reads 8-bit codes, not their f32 widening), the Llama pieces (RMSNorm saves one rstd per row; SwiGLU saves only its inputs and recomputes
 //!   `silu(gate)`; the rotary embedding saves nothing, its backward being the inverse rotation of
 //!   the output gradient), linear
 //!   (a GEMM library adds the bias and writes the bias gradient in its epilogue, saving a pass
@@ -54,6 +56,7 @@
 mod args;
 mod cross_entropy_args;
 mod dims;
+mod float8_args;
 mod llama_dims;
 
 use std::sync::Arc;
@@ -79,6 +82,9 @@ pub use cross_entropy_args::{
 pub use dims::{
     attention_dims, check_cu_seqlens, compose_linear, compose_linear_weight_grad, index_strides,
     linear_dims, linear_weight_grad_dims, matmul_dims, AttentionDims,
+};
+pub use float8_args::{
+    float8_matmul_dims, float8_quantize_dims, Float8Granularity, Float8Matmul, Float8Quantize,
 };
 pub use llama_dims::RotaryDims;
 
@@ -177,6 +183,23 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// [`LinearWeightGrad`]). The default body is [`compose_linear_weight_grad`].
     fn linear_weight_grad(&self, args: LinearWeightGrad<'_>) -> Result<()> {
         compose_linear_weight_grad(self, args)
+    }
+
+    /// An fp8 tensor's scales and codes from `x` in one call (see [`Float8Quantize`]). Answers
+    /// `Ok(false)`, writing nothing, where the backend has no such kernel (the default): the op
+    /// then composes reductions and casts, for tensorwise scales without a premultiplier, and
+    /// refuses the others.
+    fn quantize_float8(&self, args: Float8Quantize<'_>) -> Result<bool> {
+        float8_quantize_dims(&args)?;
+        Ok(false)
+    }
+
+    /// The product of two scaled fp8 operands (see [`Float8Matmul`]). Answers `Ok(false)`,
+    /// writing nothing, where the backend has no fp8 GEMM (the default): the op then widens the
+    /// codes to f32 and multiplies those.
+    fn matmul_float8(&self, args: Float8Matmul<'_>) -> Result<bool> {
+        float8_matmul_dims(&args)?;
+        Ok(false)
     }
 
     /// Softmax (or log-softmax) of `x` along `dim` into dense `out`.

@@ -30,7 +30,7 @@ mod view;
 pub use attention::{
     scaled_dot_product_attention, scaled_dot_product_attention_varlen, PackedSequences,
 };
-pub use float8::Float8Tensor;
+pub use float8::{Float8Recipe, Float8Tensor};
 pub use index::{cat, embedding};
 pub use linalg::patch_embedding;
 pub use linear_cross_entropy::{linear_cross_entropy, LinearCrossEntropyOptions};
