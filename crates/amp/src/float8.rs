@@ -112,15 +112,11 @@ impl fmt::Debug for Float8Policy {
 
 impl AutocastPolicy for Float8Policy {
     fn lower_precision(&self) -> DType {
-        self.base
-            .as_ref()
-            .map_or(DType::BF16, |base| base.lower_precision())
+        self.base.lower_precision()
     }
 
     fn cast_policy(&self, op: &'static str, device: Device) -> CastPolicy {
-        self.base
-            .as_ref()
-            .map_or(CastPolicy::Keep, |base| base.cast_policy(op, device))
+        self.base.cast_policy(op, device)
     }
 
     fn float8_recipe(&self, weight: &Tensor) -> Option<Float8Recipe> {

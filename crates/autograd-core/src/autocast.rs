@@ -62,6 +62,25 @@ pub trait AutocastPolicy: Send + Sync + std::fmt::Debug {
     }
 }
 
+/// An optional base policy, as a policy: the base's answers, or no casting and no fp8 when there
+/// is none (bf16 its low-precision dtype). Policies that layer a change over whatever scope they
+/// are entered in (amp's `Float8Policy`, checkpoint's `Float8Blocks`) delegate to it.
+impl AutocastPolicy for Option<Arc<dyn AutocastPolicy>> {
+    fn lower_precision(&self) -> DType {
+        self.as_ref()
+            .map_or(DType::BF16, |base| base.lower_precision())
+    }
+
+    fn cast_policy(&self, op: &'static str, device: Device) -> CastPolicy {
+        self.as_ref()
+            .map_or(CastPolicy::Keep, |base| base.cast_policy(op, device))
+    }
+
+    fn float8_recipe(&self, weight: &Tensor) -> Option<Float8Recipe> {
+        self.as_ref().and_then(|base| base.float8_recipe(weight))
+    }
+}
+
 /// Every op that consults the autocast scope, by the name a policy is asked with. A policy
 /// should answer for each (amp's parity test checks its lists against PyTorch's for all of them).
 pub const AUTOCAST_OPS: &[&str] = &[

@@ -107,6 +107,7 @@
 mod blocks;
 mod compress;
 mod error;
+mod float8_blocks;
 mod offload;
 mod planner;
 mod policy;
@@ -123,6 +124,7 @@ pub use compress::{
 #[cfg(feature = "cuda")]
 pub use compress::{dequantize_int8_device, quantize_int8_device};
 pub use error::CheckpointError;
+pub use float8_blocks::Float8Blocks;
 pub use offload::{offload, OffloadBlocks, OffloadOptions, OffloadPool, OffloadStats};
 #[cfg(feature = "cuda")]
 pub use planner::CudaClock;

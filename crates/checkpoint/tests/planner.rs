@@ -12,7 +12,8 @@
 use std::sync::Arc;
 
 use headroom_autograd_core::{
-    saved_tensor_hooks, BackendRef, DType, Generator, Packed, SaveSite, Tensor, TensorError,
+    saved_tensor_hooks, BackendRef, DType, Float8Recipe, Generator, Packed, SaveSite, Tensor,
+    TensorError,
 };
 use headroom_checkpoint::{
     AllocatorGauge, BlockCost, BlockPlanner, Candidate, CheckpointError, Compression, LossyReason,
@@ -702,5 +703,71 @@ proptest! {
                 Err(other) => prop_assert!(false, "{}", other),
             }
         }
+    }
+}
+
+/// fp8 linears as a per-block strategy: a block under `fp8` keeps less than under `keep` (its
+/// plain linears save their inputs in one byte an element), every uniform prediction and every
+/// plan's prediction is the measured peak to the byte (here taken as exact, as the compression
+/// test does: the preference for exact strategies has its own tests; the candidate itself is
+/// lossy).
+#[test]
+fn plans_with_fp8_linears_are_predicted_to_the_byte() {
+    assert!(Candidate::float8(Float8Recipe::TENSORWISE).lossy);
+    let mut trainer = Trainer::new();
+    let candidates = vec![
+        Candidate::keep(),
+        Candidate::recompute(),
+        Candidate {
+            lossy: false,
+            ..Candidate::float8(Float8Recipe::TENSORWISE)
+        },
+    ];
+    let profile = trainer.profile_with(candidates, 2);
+    let index = |name| profile.candidate_index(name).unwrap();
+    let (keep, fp8) = (index("keep"), index("fp8"));
+    for (c, candidate) in profile.candidates.clone().iter().enumerate() {
+        let predicted = profile.predict(&[c; 6]).unwrap().peak_bytes;
+        let measured = trainer.measured_peak(Arc::clone(&candidate.runner));
+        assert_eq!(measured, predicted, "{}", candidate.name);
+    }
+    let kept = |c: usize| profile.blocks[2][c].forward.delta;
+    assert!(
+        kept(fp8) < kept(keep),
+        "{} against {}",
+        kept(fp8),
+        kept(keep)
+    );
+
+    let minimum = profile.min_budget().unwrap();
+    let keep_all = profile.predict(&[keep; 6]).unwrap().peak_bytes;
+    for step in 0..=4 {
+        let budget = minimum + (keep_all - minimum) * step / 4;
+        let plan = profile.plan(budget).unwrap();
+        let measured = trainer.measured_peak(Arc::new(plan.clone()));
+        assert_eq!(measured, plan.predicted_peak(), "budget {budget}:\n{plan}");
+    }
+    // A mixed choice of keep and fp8 blocks is predicted to the byte as well.
+    let choices = [keep, fp8, fp8, keep, fp8, keep];
+    let runners = choices
+        .iter()
+        .map(|&c| Arc::clone(&profile.candidates[c].runner))
+        .collect();
+    let measured = trainer.measured_peak(Arc::new(PerBlock(runners)));
+    assert_eq!(measured, profile.predict(&choices).unwrap().peak_bytes);
+}
+
+/// Runs block `i` with runner `i`.
+#[derive(Debug)]
+struct PerBlock(Vec<Arc<dyn BlockRunner>>);
+
+impl BlockRunner for PerBlock {
+    fn run(
+        &self,
+        index: usize,
+        block: BlockForward,
+        input: &Tensor,
+    ) -> headroom_nn::Result<Tensor> {
+        self.0[index].run(index, block, input)
     }
 }

@@ -376,3 +376,80 @@ fn the_rowwise_fp8_linear_folds_the_saved_scales_into_the_gradient() {
         "{tensorwise_y} against {rowwise_y}"
     );
 }
+
+/// Linears that read one tensor (a block's q, k and v projections) quantize it once and save one
+/// copy of its codes: the second and third keep only their outputs; a changed input (in place)
+/// or another recipe quantizes again; once nothing saves the codes they are freed as always.
+#[test]
+fn linears_reading_one_input_share_its_codes() {
+    let cpu = std::sync::Arc::new(CpuBackend::default());
+    let backend: BackendRef = cpu.clone();
+    let allocated = || cpu.allocator().memory_allocated();
+    let (rows, k, n) = (64, 32, 16);
+    let values = |count: usize, step: f64| {
+        (0..count)
+            .map(|i| (i as f64 * step).sin())
+            .collect::<Vec<_>>()
+    };
+    let x = Tensor::from_f64s(&backend, &values(rows * k, 0.37), &[rows, k], DType::F32).unwrap();
+    let weights: Vec<Tensor> = (0..3)
+        .map(|i| {
+            let w = Tensor::from_f64s(
+                &backend,
+                &values(n * k, 0.1 + i as f64),
+                &[n, k],
+                DType::F32,
+            )
+            .unwrap();
+            w.requires_grad_(true).unwrap();
+            w
+        })
+        .collect();
+    let output_bytes = (rows * n * 4) as u64;
+    let codes_bytes = (rows * k) as u64;
+    let before = allocated();
+    let first = x.linear_float8(&weights[0], None).unwrap();
+    let after_first = allocated() - before;
+    assert!(after_first >= output_bytes + codes_bytes, "{after_first}");
+    let second = x.linear_float8(&weights[1], None).unwrap();
+    let third = x.linear_float8(&weights[2], None).unwrap();
+    assert_eq!(allocated() - before, after_first + 2 * output_bytes);
+    // The shared codes give each product what its own would.
+    let alone = x
+        .detach()
+        .contiguous()
+        .unwrap()
+        .linear_float8(&weights[1], None)
+        .unwrap();
+    assert_eq!(second.to_vec_f64().unwrap(), alone.to_vec_f64().unwrap());
+    drop(alone);
+    // Another recipe, or the input changed in place, quantizes again.
+    let mark = allocated();
+    let rowwise = x
+        .linear_float8_with(
+            &weights[0],
+            None,
+            headroom_autograd_core::Float8Recipe::ROWWISE,
+        )
+        .unwrap();
+    assert!(allocated() - mark >= output_bytes + codes_bytes);
+    drop(rowwise);
+    x.add_(&x.detach().contiguous().unwrap()).unwrap();
+    let mark = allocated();
+    let doubled = x.linear_float8(&weights[0], None).unwrap();
+    assert!(allocated() - mark >= output_bytes + codes_bytes);
+    assert_eq!(
+        doubled.to_vec_f64().unwrap(),
+        first.mul_scalar(2.0).unwrap().to_vec_f64().unwrap()
+    );
+    // Backward through all three, then nothing is left of them.
+    for y in [&first, &second, &third] {
+        y.sum_all().unwrap().backward().unwrap();
+    }
+    drop((first, second, third, doubled));
+    for w in &weights {
+        assert!(w.grad().is_some());
+        w.set_grad(None).unwrap();
+    }
+    assert_eq!(allocated(), before);
+}

@@ -20,15 +20,20 @@
 //! `matmul_float8`) where it has them; a backend without them gets tensorwise scaling composed
 //! of reductions, casts and f32 products, the same values.
 
+use std::cell::RefCell;
+use std::sync::{Arc, Weak};
+
 use crate::autocast::autocast_disabled;
 use crate::backend::{Float8Granularity, Float8Matmul, Float8Quantize, View};
+use crate::buffer::Buffer;
 use crate::dtype::DType;
 use crate::engine::is_last_use;
 use crate::error::{Result, TensorError};
 use crate::grad_mode::no_grad;
 use crate::graph::{needs_grad, record};
+use crate::layout::Layout;
 use crate::saved::{SaveRole, SavedTensor};
-use crate::tensor::Tensor;
+use crate::tensor::{Tensor, TensorImpl};
 
 use super::check_float;
 use super::index::cat;
@@ -342,6 +347,72 @@ fn scaled_product(
     product.mul(&alpha)?.to_dtype(dtype)
 }
 
+thread_local! {
+    /// The input the last fp8 linear on this thread quantized, and its codes, so the linears that
+    /// read one tensor (a block's q, k and v projections) quantize it once and save one copy.
+    /// Weak on every side: it keeps neither an input nor codes alive, so codes nobody saved are
+    /// freed as always, and an entry whose input was dropped can never match (a live weak
+    /// reference keeps its allocation from being reused by another tensor). The codes come back
+    /// as views of the saved storages, contiguous as quantize wrote them.
+    static LAST_INPUT: RefCell<Option<QuantizedInput>> = const { RefCell::new(None) };
+}
+
+struct QuantizedInput {
+    input: Weak<TensorImpl>,
+    version: u64,
+    recipe: Float8Recipe,
+    /// The storages of the codes and the scales (saved tensors hold their own handles on them).
+    codes: Weak<Buffer>,
+    scale: Weak<Buffer>,
+    scale_shape: Vec<usize>,
+}
+
+/// `input` as `[rows, in]` E4M3 codes with `recipe`'s scales: the last linear's codes when it
+/// quantized this very tensor, unchanged since (its version), with this recipe and the codes are
+/// still alive; else quantized now and remembered.
+fn quantized_input(
+    input: &Tensor,
+    shape: [usize; 2],
+    recipe: Float8Recipe,
+) -> Result<Float8Tensor> {
+    let hit = LAST_INPUT.with(|last| {
+        let last = last.borrow();
+        let entry = last.as_ref().filter(|entry| {
+            entry.input.as_ptr() == Arc::as_ptr(&input.inner)
+                && entry.version == input.version()
+                && entry.recipe == recipe
+        })?;
+        let codes = entry.codes.upgrade()?;
+        let scale = entry.scale.upgrade()?;
+        Some((codes, scale, entry.scale_shape.clone()))
+    });
+    if let Some((codes, scale, scale_shape)) = hit {
+        return Ok(Float8Tensor {
+            codes: Tensor::from_parts(codes, Layout::contiguous(&shape), DType::F8E4M3, true),
+            scale: Tensor::from_parts(scale, Layout::contiguous(&scale_shape), DType::F32, true),
+        });
+    }
+    let flat = input.detach().reshape(&shape)?;
+    let res = quantize(
+        &flat,
+        None,
+        DType::F8E4M3,
+        recipe.granularity,
+        recipe.power_of_two_scales,
+    )?;
+    let entry = QuantizedInput {
+        input: Arc::downgrade(&input.inner),
+        version: input.version(),
+        recipe,
+        codes: Arc::downgrade(res.codes.buffer()),
+        scale: Arc::downgrade(res.scale.buffer()),
+        scale_shape: res.scale.shape().to_vec(),
+    };
+    // The entry replaced holds only weak references: dropping it frees no tensor.
+    LAST_INPUT.with(|last| last.replace(Some(entry)));
+    Ok(res)
+}
+
 /// A rowwise backward product: `grad` (`[rows, cols]`, any strides) times `fold` (the saved
 /// operand's inverse scales, one a column), quantized with one scale a row, times `codes` (the
 /// saved operand's codes, `[cols, n]`, whose scales are now in the gradient).
@@ -439,8 +510,7 @@ pub(super) fn float8_linear(
     };
     let (res, input_float8) = {
         let _grad = no_grad();
-        let input_2d = input.detach().reshape(&[rows, in_features])?;
-        let input_float8 = quantize(&input_2d, None, DType::F8E4M3, granularity, power_of_two)?;
+        let input_float8 = quantized_input(input, [rows, in_features], recipe)?;
         let weight_float8 = quantize_weight(weight)?;
         let mut res = scaled_product(
             &input_float8.codes,

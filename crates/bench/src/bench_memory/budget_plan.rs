@@ -3,8 +3,9 @@
 //!
 //! Before the protocol's steps, checkpoint's `BlockPlanner` measures the training step under
 //! each candidate on the fresh model and optimizer (one warm-up step each, then one measured step
-//! each): keep, recompute and 8-bit compression, and on a GPU offload to pinned host memory too
-//! (`Candidate::cuda_defaults`). It plans for `--budget` bytes: without one, halfway between the
+//! each): keep, recompute and 8-bit compression; on the CPU fp8 linears too (`Candidate::float8`,
+//! tensorwise; on a GPU not until the CUDA fp8 path has passed its parity run), and on a GPU
+//! offload to pinned host memory (`Candidate::cuda_defaults`). It plans for `--budget` bytes: without one, halfway between the
 //! lowest peak the planner can reach and the peak of no checkpointing (both predicted from the
 //! same measurement). The plan is set as the encoder's block runner and the protocol measures it
 //! as any case. From the same profile, the report also gives the plan of the exact candidates
@@ -24,6 +25,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use headroom_autograd_core::Float8Recipe;
 use headroom_checkpoint::{
     BlockPlanner, BlockSelection, Candidate, CheckpointBlocks, CheckpointOptions, Compression,
     StepProbe, StepProfile,
@@ -116,6 +118,7 @@ pub(crate) fn plan(
     } else {
         let mut candidates = Candidate::defaults();
         candidates.push(Candidate::compress(Compression::default()));
+        candidates.push(Candidate::float8(Float8Recipe::TENSORWISE));
         candidates
     };
     let planner = BlockPlanner::new(step_probe(probe)?, candidates);

@@ -20,19 +20,21 @@
 //!
 //! This module sits on nn's block seam, autograd-core's gradient hooks and the probe; it knows no
 //! particular model or device. The candidates it names ([`Candidate::keep`],
-//! [`Candidate::recompute`], [`Candidate::compress`], [`Candidate::offload`]) are the crate's block
+//! [`Candidate::recompute`], [`Candidate::compress`], [`Candidate::float8`],
+//! [`Candidate::offload`]) are the crate's block
 //! runners, configured so that each keeps the consequences of its choice inside its own block.
 
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use headroom_autograd_core::{is_grad_enabled, Tensor};
+use headroom_autograd_core::{is_grad_enabled, Float8Recipe, Tensor};
 use headroom_nn::{BlockForward, BlockRunner};
 
 use crate::blocks::{BlockSelection, CheckpointBlocks};
 use crate::compress::{CompressBlocks, CompressOptions, Compression};
 use crate::error::CheckpointError;
+use crate::float8_blocks::Float8Blocks;
 use crate::offload::{OffloadBlocks, OffloadOptions, OffloadPool};
 use crate::planner::probe::{StepProbe, TimePoint};
 use crate::planner::profile::{BlockCost, Segment, StepProfile};
@@ -121,6 +123,23 @@ impl Candidate {
                     selection: BlockSelection::All,
                     options: CompressOptions::new(compression),
                     checkpoint: None,
+                }),
+            )
+        }
+    }
+
+    /// `fp8`: the block runs with every plain linear in fp8 under `recipe` ([`Float8Blocks`]):
+    /// each such linear keeps its input in one byte an element. Lossy ([`Candidate::lossy`]):
+    /// the block's products and gradients move within fp8's rounding, so it is not in
+    /// [`Candidate::defaults`].
+    pub fn float8(recipe: Float8Recipe) -> Candidate {
+        Candidate {
+            lossy: true,
+            ..Candidate::new(
+                "fp8",
+                Arc::new(Float8Blocks {
+                    selection: BlockSelection::All,
+                    recipe,
                 }),
             )
         }
