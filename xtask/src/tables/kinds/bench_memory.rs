@@ -1,9 +1,11 @@
 //! The tables of `bench-memory`'s JSON (`cargo xtask bench-memory --json`): each case beside
 //! PyTorch's anchors, tokens per second of a language model's recipes at each batch on both
-//! sides, the planner at each budget, and the same cases under different allocator settings.
+//! sides, the planner at each budget, the same cases under different allocator settings, and the
+//! fp8 cases beside their bf16 ones.
 //!
 //! It knows bench-memory's case names only as far as matching PyTorch's anchors needs
-//! ([`pytorch_case`]); a test holds that against headroom-bench's own cases.
+//! ([`pytorch_case`]; a test holds that against headroom-bench's own cases) and as far as an fp8
+//! case's bf16 counterpart is its name with `fp8` made `bf16`.
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
@@ -326,6 +328,64 @@ pub(super) fn bench_memory_allocators(files: &[ResultFile]) -> Result<Vec<String
     Ok(lines)
 }
 
+/// The fp8 cases of a bench-memory document beside their bf16 counterparts in it (the same
+/// name with `fp8` made `bf16`, the same model and batch): peak allocated bytes, fp8 / bf16,
+/// activations and what the traced block keeps (memory only: steps compare on the GPU, in
+/// `bench-memory-pytorch`'s and `tokens-per-second`'s tables).
+pub(super) fn bench_memory_fp8(files: &[ResultFile]) -> Result<Vec<String>> {
+    let file = match files {
+        [file] => file,
+        _ => bail!("reads one bench-memory JSON file, given {}", files.len()),
+    };
+    let cases = bench_memory_cases(file)?;
+    let mut lines = table_head(
+        "| model | batch | case | peak (B) | bf16 peak (B) | fp8 / bf16 | activations (B) | bf16 activations (B) | block keeps (B) | bf16 block keeps (B) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    );
+    let block_keeps = |case: &Value| -> String {
+        case["block_saves"]["kept_bytes"]
+            .as_u64()
+            .map_or("—".into(), thousands)
+    };
+    for case in cases.iter().filter(|case| {
+        case["case"]
+            .as_str()
+            .is_some_and(|name| name.contains("fp8"))
+    }) {
+        let name = text(case, "case")?;
+        let (model, batch) = (text(case, "model")?, count(case, "batch")?);
+        let counterpart = name.replace("fp8", "bf16");
+        let bf16 = cases
+            .iter()
+            .find(|other| {
+                other["case"] == counterpart.as_str()
+                    && other["model"] == model
+                    && other["batch"].as_u64() == Some(batch)
+            })
+            .with_context(|| format!("{}: no {counterpart} beside {name}", file.path))?;
+        let (peak, bf16_peak) = (
+            count(case, "peak_allocated_bytes")?,
+            count(bf16, "peak_allocated_bytes")?,
+        );
+        lines.push(row(&[
+            model.to_owned(),
+            batch.to_string(),
+            name.to_owned(),
+            thousands(peak),
+            thousands(bf16_peak),
+            format!("{:.3}", peak as f64 / bf16_peak as f64),
+            thousands(count(case, "activation_bytes")?),
+            thousands(count(bf16, "activation_bytes")?),
+            block_keeps(case),
+            block_keeps(bf16),
+        ]));
+    }
+    if lines.len() == 2 {
+        bail!("{}: no fp8 case", file.path);
+    }
+    Ok(lines)
+}
+
 /// The same bench-memory cases run by two builds (the first file the before, the second the
 /// after): per model, batch and case, each build's peak allocated bytes and median step, and
 /// after / before.
@@ -389,6 +449,32 @@ mod tests {
         assert_eq!(
             super::pytorch_case("adam_foreach_unbounded"),
             "adam_foreach"
+        );
+    }
+
+    /// Each fp8 case beside the bf16 case of its name, model and batch, memory only; an fp8
+    /// case without its counterpart, or a file without fp8 cases, is an error.
+    #[test]
+    fn fp8_cases_sit_beside_their_bf16_counterparts() {
+        let run = r#"{"cases": [
+            {"case": "adam_bf16", "model": "m", "batch": 4, "peak_allocated_bytes": 2000, "activation_bytes": 800, "block_saves": {"kept_bytes": 400}},
+            {"case": "adam_fp8", "model": "m", "batch": 4, "peak_allocated_bytes": 1500, "activation_bytes": 500, "block_saves": {"kept_bytes": 250}},
+            {"case": "adam_inbwd_ckpt_fp8", "model": "m", "batch": 8, "peak_allocated_bytes": 1, "activation_bytes": 1}]}"#;
+        let only_first = run
+            .replace("\"batch\": 8", "\"batch\": 4")
+            .replace("adam_inbwd_ckpt_fp8", "adam_fp16");
+        let table =
+            super::super::rendered("bench-memory-fp8", &[("results/x/run.json", &only_first)])
+                .unwrap();
+        assert_eq!(
+            table[2..],
+            ["| m | 4 | adam_fp8 | 1,500 | 2,000 | 0.750 | 500 | 800 | 250 | 400 |"]
+        );
+        let missing = super::super::rendered("bench-memory-fp8", &[("results/x/run.json", run)]);
+        assert!(format!("{:#}", missing.unwrap_err()).contains("no adam_inbwd_ckpt_bf16"));
+        let none = run.replace("fp8", "fp16");
+        assert!(
+            super::super::rendered("bench-memory-fp8", &[("results/x/run.json", &none)]).is_err()
         );
     }
 

@@ -101,6 +101,12 @@ pub(super) const KINDS: &[Kind] = &[
         render: bench_memory::bench_memory_versions,
     },
     Kind {
+        name: "bench-memory-fp8",
+        reads: "one `cargo xtask bench-memory --json` file with fp8 cases and their bf16 \
+                counterparts (adam_fp8 beside adam_bf16, ...)",
+        render: bench_memory::bench_memory_fp8,
+    },
+    Kind {
         name: "bench-memory-allocators",
         reads: "`cargo xtask bench-memory --json` files of the same cases under different \
                 allocator settings (gpu-measure.sh's reclaim_default, reclaim_on, reclaim_off)",
