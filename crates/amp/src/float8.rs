@@ -1,21 +1,25 @@
 //! fp8 training's policy (issue 37): the linears it lists, by their weights, run
 //! autograd-core's `linear_float8_with` under one `Float8Recipe` (E4M3 forward; tensorwise
 //! scales with E5M2 output gradients by default, or rowwise power-of-two scales with E4M3 ones;
-//! the input saved as one byte an element) on their operands as they come — an f32
+//! current scales, or delayed ones from a `Float8History` per linear; the input saved as one
+//! byte an element) on their operands as they come — an f32
 //! weight is quantized from itself, with no bf16 copy in autocast's cache — and return the base
 //! policy's dtype; every other op runs as the base policy says (an [`AmpPolicy`](crate::AmpPolicy) for bf16 autocast around them, or none). torchao's
 //! `convert_to_float8_training(model, module_filter_fn=...)` picks modules; here the filter
 //! takes parameter names, so no module is swapped and the weights stay the optimizer's.
 //!
-//! It sits on autograd-core's autocast seam (`AutocastPolicy::float8_recipe`) and knows no
+//! It sits on autograd-core's autocast seam (`AutocastPolicy::float8_linear`) and knows no
 //! kernel.
 
 use std::fmt;
 use std::sync::Arc;
 
 use headroom_autograd_core::{
-    autocast, AutocastGuard, AutocastPolicy, CastPolicy, DType, Device, Float8Recipe, Tensor,
+    autocast, AutocastGuard, AutocastPolicy, CastPolicy, DType, Device, Float8History,
+    Float8Linear, Float8Recipe, Tensor,
 };
+
+use crate::error::AmpError;
 
 /// Runs the listed linears in fp8 under a base autocast policy (see the module docs).
 ///
@@ -43,8 +47,11 @@ use headroom_autograd_core::{
 #[derive(Clone)]
 pub struct Float8Policy {
     base: Option<Arc<dyn AutocastPolicy>>,
-    weights: Vec<Tensor>,
+    /// Each listed weight, with its amax history under delayed scaling.
+    linears: Vec<(Tensor, Option<Arc<Float8History>>)>,
     recipe: Float8Recipe,
+    /// The history length of delayed scaling, when on.
+    delayed: Option<usize>,
 }
 
 impl Float8Policy {
@@ -52,12 +59,41 @@ impl Float8Policy {
     pub fn new(base: Option<impl AutocastPolicy + 'static>) -> Float8Policy {
         Float8Policy {
             base: base.map(|policy| Arc::new(policy) as Arc<dyn AutocastPolicy>),
-            weights: Vec::new(),
+            linears: Vec::new(),
             recipe: Float8Recipe::TENSORWISE,
+            delayed: None,
         }
     }
 
-    /// Runs the listed linears with `recipe` (default [`Float8Recipe::TENSORWISE`]).
+    /// Scales every listed linear (listed before or after) by the last `history` amaxes of each
+    /// of its tensors instead of their current amax: tensorwise, E5M2 gradients, one
+    /// [`Float8History`] per linear (see there). `history` 0 is an error.
+    pub fn with_delayed_scaling(mut self, history: usize) -> Result<Float8Policy, AmpError> {
+        Float8History::new(history)?;
+        self.delayed = Some(history);
+        for (_, slot) in &mut self.linears {
+            *slot = Some(Float8History::new(history)?);
+        }
+        Ok(self)
+    }
+
+    /// The amax history of a listed linear's weight under delayed scaling.
+    pub fn history(&self, weight: &Tensor) -> Option<Arc<Float8History>> {
+        self.linears
+            .iter()
+            .find(|(listed, _)| listed.same_tensor(weight))
+            .and_then(|(_, history)| history.clone())
+    }
+
+    fn list(&mut self, weight: &Tensor) {
+        let history = self
+            .delayed
+            .map(|len| Float8History::new(len).expect("checked by with_delayed_scaling"));
+        self.linears.push((weight.clone(), history));
+    }
+
+    /// Runs the listed linears with `recipe` (default [`Float8Recipe::TENSORWISE`]; delayed
+    /// scaling, when on, takes precedence).
     pub fn with_recipe(mut self, recipe: Float8Recipe) -> Float8Policy {
         self.recipe = recipe;
         self
@@ -77,7 +113,7 @@ impl Float8Policy {
     ) -> Float8Policy {
         for (name, tensor) in parameters {
             if name.ends_with("weight") && tensor.ndim() == 2 && filter(name) {
-                self.weights.push(tensor.clone());
+                self.list(tensor);
             }
         }
         self
@@ -85,13 +121,13 @@ impl Float8Policy {
 
     /// Lists one linear's weight.
     pub fn with_weight(mut self, weight: &Tensor) -> Float8Policy {
-        self.weights.push(weight.clone());
+        self.list(weight);
         self
     }
 
     /// The linears listed.
     pub fn linears(&self) -> usize {
-        self.weights.len()
+        self.linears.len()
     }
 
     /// Runs ops under this policy on this thread until the guard drops.
@@ -104,8 +140,9 @@ impl fmt::Debug for Float8Policy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Float8Policy")
             .field("base", &self.base)
-            .field("linears", &self.weights.len())
+            .field("linears", &self.linears.len())
             .field("recipe", &self.recipe)
+            .field("delayed", &self.delayed)
             .finish()
     }
 }
@@ -119,8 +156,14 @@ impl AutocastPolicy for Float8Policy {
         self.base.cast_policy(op, device)
     }
 
-    fn float8_recipe(&self, weight: &Tensor) -> Option<Float8Recipe> {
-        let listed = self.weights.iter().any(|listed| listed.same_tensor(weight));
-        listed.then_some(self.recipe)
+    fn float8_linear(&self, weight: &Tensor) -> Option<Float8Linear> {
+        let (_, history) = self
+            .linears
+            .iter()
+            .find(|(listed, _)| listed.same_tensor(weight))?;
+        Some(match history {
+            Some(history) => Float8Linear::Delayed(Arc::clone(history)),
+            None => Float8Linear::Current(self.recipe),
+        })
     }
 }

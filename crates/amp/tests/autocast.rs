@@ -10,8 +10,8 @@ use std::sync::Arc;
 use headroom_amp::{AmpPolicy, AutocastLists, Float8Policy, TorchList};
 use headroom_autograd_core::{
     autocast_stats, cat, cross_entropy, dropout, embedding, layer_norm, patch_embedding,
-    scaled_dot_product_attention, BackendRef, CastPolicy, DType, Float8Recipe, Generator,
-    Reduction, Tensor, AUTOCAST_OPS,
+    scaled_dot_product_attention, BackendRef, CastPolicy, DType, Float8History, Float8Recipe,
+    Float8Role, Generator, Reduction, Tensor, AUTOCAST_OPS,
 };
 use headroom_nn::{Activation, Dropout, Mlp, Module};
 use headroom_ops_cpu::CpuBackend;
@@ -349,4 +349,25 @@ fn a_float8_policy_runs_its_linears_in_fp8_inside_the_base_casts() {
             .to_vec_f64()
             .unwrap()
     );
+
+    // Delayed scaling: one history per listed linear, filled by its casts, the same outputs as
+    // linear_float8_delayed with a history of its own.
+    let delayed = plain.clone().with_delayed_scaling(4).unwrap();
+    let history = delayed.history(&w1).expect("a listed linear has a history");
+    assert!(delayed.history(&w2).is_none() && plain.history(&w1).is_none());
+    let twin = Float8History::new(4).unwrap();
+    for scale in [1.0, 3.0] {
+        let xs = x.mul_scalar(scale).unwrap();
+        let h = {
+            let _fp8 = delayed.enter();
+            xs.linear(&w1, None).unwrap()
+        };
+        let want = xs.linear_float8_delayed(&w1.detach(), None, &twin).unwrap();
+        assert_eq!(h.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
+    }
+    assert_eq!(history.amaxes(Float8Role::Input).unwrap().len(), 2);
+    assert!(matches!(
+        plain.clone().with_delayed_scaling(0),
+        Err(headroom_amp::AmpError::Tensor(_))
+    ));
 }

@@ -19,7 +19,7 @@
 //! `no_grad` never serves a forward that must record), and the cache is dropped when the
 //! outermost enabled scope ends. [`autocast_stats`] counts casts, cache hits and the bytes the
 //! cache holds. A policy can also name linears (by their weights) that run in fp8
-//! with a recipe ([`AutocastPolicy::float8_recipe`]): `Tensor::linear` then quantizes its
+//! with a recipe ([`AutocastPolicy::float8_linear`]): `Tensor::linear` then quantizes its
 //! operands as they come (nothing is cast or cached for it) and returns the policy's dtype. This
 //! module knows nothing about kernels or about any op list.
 
@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 use crate::dtype::{DType, Device};
 use crate::error::Result;
-use crate::ops::Float8Recipe;
+use crate::ops::Float8Linear;
 use crate::tensor::Tensor;
 
 /// What autocast does with an op's floating-point inputs (PyTorch's three lists, and the rest).
@@ -52,11 +52,12 @@ pub trait AutocastPolicy: Send + Sync + std::fmt::Debug {
     fn lower_precision(&self) -> DType;
     /// What `op` (a name in [`AUTOCAST_OPS`]) does with floating-point inputs on `device`.
     fn cast_policy(&self, op: &'static str, device: Device) -> CastPolicy;
-    /// The fp8 recipe a `linear` with this `weight` runs in, if any
-    /// ([`Tensor::linear_float8_with`] on the operands as they come, no half-precision copy of
-    /// them, the output in the dtype `cast_policy` gives a linear): fp8 training's list of
-    /// linears, by their weights (amp's `Float8Policy`). None by default.
-    fn float8_recipe(&self, weight: &Tensor) -> Option<Float8Recipe> {
+    /// How a `linear` with this `weight` runs in fp8, if it does
+    /// ([`Tensor::linear_float8_with`] or [`Tensor::linear_float8_delayed`] on the operands as
+    /// they come, no half-precision copy of them, the output in the dtype `cast_policy` gives a
+    /// linear): fp8 training's list of linears, by their weights (amp's `Float8Policy`). None by
+    /// default.
+    fn float8_linear(&self, weight: &Tensor) -> Option<Float8Linear> {
         let _ = weight;
         None
     }
@@ -76,8 +77,8 @@ impl AutocastPolicy for Option<Arc<dyn AutocastPolicy>> {
             .map_or(CastPolicy::Keep, |base| base.cast_policy(op, device))
     }
 
-    fn float8_recipe(&self, weight: &Tensor) -> Option<Float8Recipe> {
-        self.as_ref().and_then(|base| base.float8_recipe(weight))
+    fn float8_linear(&self, weight: &Tensor) -> Option<Float8Linear> {
+        self.as_ref().and_then(|base| base.float8_linear(weight))
     }
 }
 
@@ -166,10 +167,10 @@ pub fn autocast_policy() -> Option<Arc<dyn AutocastPolicy>> {
     SCOPE.with(|scope| scope.borrow().current())
 }
 
-/// The fp8 recipe the policy in force runs the `linear` of `weight` in, if any
-/// ([`AutocastPolicy::float8_recipe`]).
-pub(crate) fn float8_recipe(weight: &Tensor) -> Option<Float8Recipe> {
-    autocast_policy().and_then(|policy| policy.float8_recipe(weight))
+/// How the policy in force runs the `linear` of `weight` in fp8, if it does
+/// ([`AutocastPolicy::float8_linear`]).
+pub(crate) fn float8_linear(weight: &Tensor) -> Option<Float8Linear> {
+    autocast_policy().and_then(|policy| policy.float8_linear(weight))
 }
 
 /// The cast counts and cache of the current outermost enabled scope (all zero outside one).

@@ -136,7 +136,10 @@ pub use ops::{
     linear_cross_entropy, patch_embedding, scaled_dot_product_attention,
     scaled_dot_product_attention_varlen, LinearCrossEntropyOptions, PackedSequences,
 };
-pub use ops::{rms_norm, rotary_embedding, swiglu, Float8Recipe, Float8Tensor};
+pub use ops::{
+    rms_norm, rotary_embedding, swiglu, Float8History, Float8Linear, Float8Recipe, Float8Role,
+    Float8Tensor,
+};
 pub use overlap::{check_operands, claim_operands, overlap, Aliasing, Overlap};
 pub use random::{
     record_draws, replay_draws, uniform, DrawRecording, DrawReplay, Generator, GeneratorState,

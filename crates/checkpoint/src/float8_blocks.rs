@@ -13,7 +13,8 @@
 use std::sync::Arc;
 
 use headroom_autograd_core::{
-    autocast, autocast_policy, AutocastPolicy, CastPolicy, DType, Device, Float8Recipe, Tensor,
+    autocast, autocast_policy, AutocastPolicy, CastPolicy, DType, Device, Float8Linear,
+    Float8Recipe, Tensor,
 };
 use headroom_nn::{BlockForward, BlockRunner};
 
@@ -93,7 +94,7 @@ impl AutocastPolicy for EveryLinear {
         self.base.cast_policy(op, device)
     }
 
-    fn float8_recipe(&self, _weight: &Tensor) -> Option<Float8Recipe> {
-        Some(self.recipe)
+    fn float8_linear(&self, _weight: &Tensor) -> Option<Float8Linear> {
+        Some(Float8Linear::Current(self.recipe))
     }
 }

@@ -1,6 +1,6 @@
 //! The fp8 quantize on the host ([`Float8Quantize`]): one read of the input for each row's amax,
-//! the scales from those, and a second read that writes the codes, with no widened copy of the
-//! input. Rows are spread over rayon when the tensor is large.
+//! the scales from those (or the delayed ones given), and a second read that writes the codes,
+//! with no widened copy of the input. Rows are spread over rayon when the tensor is large.
 //!
 //! It sits on the element types and host pointers; it knows no recipe (which tensor is scaled
 //! along which axis is autograd-core's) and no GEMM (`matmul.rs` multiplies the codes).
@@ -38,6 +38,15 @@ impl Vector {
 
     fn get(self, index: usize) -> f32 {
         self.ptr.read(self.offset + index * self.stride)
+    }
+}
+
+/// The largest of some amaxes, NaN if any is.
+fn combined(amaxes: &[f64]) -> f64 {
+    if amaxes.iter().any(|amax| amax.is_nan()) {
+        f64::NAN
+    } else {
+        amaxes.iter().copied().fold(0.0, f64::max)
     }
 }
 
@@ -104,17 +113,25 @@ fn quantize_typed<T: Scalar, Q: Scalar>(args: &Float8Quantize<'_>, rows: usize, 
     } else {
         (0..rows).map(row_amax).collect()
     };
-    let scales: Vec<f32> = match args.granularity {
-        Float8Granularity::Tensorwise => {
-            let nan = amaxes.iter().any(|amax| amax.is_nan());
-            let amax = if nan {
-                f64::NAN
-            } else {
-                amaxes.iter().copied().fold(0.0, f64::max)
-            };
-            vec![scale_from(amax, max_finite, args.power_of_two)]
+    // Each group's amax: the rows' own, or all of them for one scale.
+    let group_amaxes: Vec<f64> = match args.granularity {
+        Float8Granularity::Tensorwise => vec![combined(&amaxes)],
+        Float8Granularity::Rowwise => amaxes,
+    };
+    if let Some(amax_out) = &args.amax {
+        let (out, base) = HostPtr::<f32>::with_offset(amax_out);
+        for (group, &amax) in group_amaxes.iter().enumerate() {
+            out.write(base + group, amax as f32);
         }
-        Float8Granularity::Rowwise => amaxes
+    }
+    let scales: Vec<f32> = match &args.delayed_scale {
+        Some(given) => {
+            let given = Vector::new(given);
+            (0..group_amaxes.len())
+                .map(|group| given.get(group))
+                .collect()
+        }
+        None => group_amaxes
             .iter()
             .map(|&amax| scale_from(amax, max_finite, args.power_of_two))
             .collect(),

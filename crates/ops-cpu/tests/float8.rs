@@ -453,3 +453,84 @@ fn linears_reading_one_input_share_its_codes() {
     }
     assert_eq!(allocated(), before);
 }
+
+/// Delayed scaling over four steps against the recipe in f64: each cast scales by
+/// `max / max(history)` of its role's earlier amaxes (its own amax at the first cast), records
+/// its amax (f32, newest first, the last `len` kept); backward casts the weight with the
+/// forward's scale and the output gradient by its own history; a tensor that outgrew its history
+/// saturates; a history of 0 is an error.
+#[test]
+fn delayed_scaling_scales_by_the_amax_history() {
+    use headroom_autograd_core::{Float8History, Float8Role};
+    let cpu: BackendRef = CpuBackend::new_ref();
+    let (rows, k, n) = (4, 8, 6);
+    let history = Float8History::new(2).unwrap();
+    assert!(history.is_empty());
+    let mut random = Xorshift::from_state(0xde1a_7ed0_0000_0001);
+    let mut draw = |count: usize, spread: f64| -> Vec<f64> {
+        (0..count)
+            .map(|_| f64::from(random.next_f64_in(-spread, spread) as f32))
+            .collect()
+    };
+    let amax = |values: &[f64]| values.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    let ws = draw(n * k, 0.5);
+    let w = Tensor::from_f64s(&cpu, &ws, &[n, k], DType::F32).unwrap();
+    w.requires_grad_(true).unwrap();
+    let (mut input_amaxes, mut grad_amaxes) = (Vec::<f64>::new(), Vec::<f64>::new());
+    // Inputs and gradients growing 4x at step 2 (they saturate there), shrinking after.
+    for (step, (x_spread, g_spread)) in [(1.0, 1.0), (2.0, 0.5), (8.0, 4.0), (0.5, 0.25)]
+        .into_iter()
+        .enumerate()
+    {
+        let (xs, rs) = (draw(rows * k, x_spread), draw(rows * n, g_spread));
+        let x = Tensor::from_f64s(&cpu, &xs, &[rows, k], DType::F32).unwrap();
+        x.requires_grad_(true).unwrap();
+        let y = x.linear_float8_delayed(&w, None, &history).unwrap();
+        let r = Tensor::from_f64s(&cpu, &rs, &[rows, n], DType::F32).unwrap();
+        y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+
+        // A role's scale: from its history's largest amax, or its own amax at the first cast.
+        let scale = |history: &[f64], own: f64, max: f64| {
+            let amax = history
+                .iter()
+                .copied()
+                .fold(if history.is_empty() { own } else { 0.0 }, f64::max);
+            scale_from_amax(amax, max, false)
+        };
+        let sx = scale(&input_amaxes, amax(&xs), 448.0);
+        let sw = scale_from_amax(amax(&ws), 448.0, false); // the weight's amax never changes
+        let sg = scale(&grad_amaxes, amax(&rs), 57344.0);
+        let (qx, qw, qg) = (
+            codes_of(&xs, sx, DType::F8E4M3),
+            codes_of(&ws, sw, DType::F8E4M3),
+            codes_of(&rs, sg, DType::F8E5M2),
+        );
+        let want_y = product(&qx, &transpose(&qw, n, k), (rows, k, n), sx, sw);
+        assert_close(
+            &y.to_vec_f64().unwrap(),
+            &want_y,
+            &format!("y at step {step}"),
+        );
+        let want_dx = product(&qg, &qw, (rows, n, k), sg, sw);
+        assert_close(&x.grad().unwrap().to_vec_f64().unwrap(), &want_dx, "dx");
+        if step == 2 {
+            // Saturated: the largest input code is E4M3's largest.
+            assert_eq!(qx.iter().fold(0.0f64, |m, v| m.max(v.abs())), 448.0);
+        }
+        input_amaxes.insert(0, f64::from(amax(&xs) as f32));
+        grad_amaxes.insert(0, f64::from(amax(&rs) as f32));
+        input_amaxes.truncate(2);
+        grad_amaxes.truncate(2);
+        assert_eq!(history.amaxes(Float8Role::Input).unwrap(), input_amaxes);
+        assert_eq!(history.amaxes(Float8Role::OutputGrad).unwrap(), grad_amaxes);
+        // Backward's second cast of the weight records nothing.
+        let weights = history.amaxes(Float8Role::Weight).unwrap();
+        assert_eq!(weights.len(), (step + 1).min(2));
+        assert!(weights.iter().all(|&a| a == f64::from(amax(&ws) as f32)));
+        w.set_grad(None).unwrap();
+    }
+    assert!(matches!(
+        Float8History::new(0),
+        Err(TensorError::InvalidArgument { .. })
+    ));
+}

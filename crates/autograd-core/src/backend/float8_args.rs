@@ -37,18 +37,24 @@ pub struct Float8Quantize<'a> {
     /// Scales rounded down to powers of two (`2^floor(log2 scale)`, torchao's
     /// `round_scales_to_power_of_2`): multiplying by one, or by its reciprocal, is exact.
     pub power_of_two: bool,
+    /// The scales to use instead (delayed scaling: from earlier casts' amaxes), f32 shaped as
+    /// `scale`, copied into `scale`; the current amax then only feeds `amax`.
+    pub delayed_scale: Option<View<'a>>,
     /// The codes, dense `[rows, cols]`, F8E4M3 or F8E5M2.
     pub codes: View<'a>,
-    /// The scales, dense f32: `[1]` tensorwise, `[rows]` rowwise.
+    /// The scales used, dense f32: `[1]` tensorwise, `[rows]` rowwise.
     pub scale: View<'a>,
+    /// Where to write each group's amax (`max |v|` rounded to f32, before the floor; NaN if any
+    /// `v` is), dense f32 shaped as `scale`, if wanted (delayed scaling's history).
+    pub amax: Option<View<'a>>,
 }
 
 impl<'a> Float8Quantize<'a> {
-    /// `codes` and `scale` written; `x` and `premultiply` read.
+    /// `codes`, `scale` and `amax` written; `x`, `premultiply` and `delayed_scale` read.
     pub fn operands(&self) -> Operands<'a> {
         Operands::new(
-            [Some(self.codes), Some(self.scale)],
-            [Some(self.x), self.premultiply],
+            [Some(self.codes), Some(self.scale), self.amax],
+            [Some(self.x), self.premultiply, self.delayed_scale],
         )
     }
 }
@@ -129,6 +135,16 @@ pub fn float8_quantize_dims(args: &Float8Quantize<'_>) -> Result<(usize, usize)>
                 args.scale.layout.shape()
             ),
         ));
+    }
+    for (view, name) in [(&args.delayed_scale, "delayed_scale"), (&args.amax, "amax")] {
+        let Some(view) = view else { continue };
+        check_dtype(OP, view, view.dtype == DType::F32)?;
+        if view.layout.shape() != [scales] || !view.layout.is_contiguous() {
+            return Err(invalid(
+                OP,
+                format!("{name} {:?} is not dense [{scales}]", view.layout.shape()),
+            ));
+        }
     }
     if let Some(premultiply) = &args.premultiply {
         check_dtype(OP, premultiply, premultiply.dtype == DType::F32)?;

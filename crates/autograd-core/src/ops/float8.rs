@@ -16,31 +16,30 @@
 //! into the output gradient before quantizing that per token (`dX = Σ_o (dY[t, o] / s_w[o]) ·
 //! codes_w[o, i]`); with power-of-two scales the folds are exact.
 //!
+//! Delayed scaling ([`Float8History`], tensorwise) takes each cast's scale from the amaxes of
+//! the same tensor's earlier casts, so a kernel can cast in one read and record the amax as it
+//! goes; backward casts the weight again with the forward's scale.
+//!
 //! The casts and products go through the backend's fp8 primitives (`quantize_float8`,
 //! `matmul_float8`) where it has them; a backend without them gets tensorwise scaling composed
 //! of reductions, casts and f32 products, the same values.
 
-use std::cell::RefCell;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 use crate::autocast::autocast_disabled;
-use crate::backend::{Float8Granularity, Float8Matmul, Float8Quantize, View};
-use crate::buffer::Buffer;
+use crate::backend::{Float8Granularity, Float8Matmul, View};
 use crate::dtype::DType;
 use crate::engine::is_last_use;
 use crate::error::{Result, TensorError};
 use crate::grad_mode::no_grad;
 use crate::graph::{needs_grad, record};
-use crate::layout::Layout;
 use crate::saved::{SaveRole, SavedTensor};
-use crate::tensor::{Tensor, TensorImpl};
+use crate::tensor::Tensor;
 
 use super::check_float;
-use super::index::cat;
-
-/// The smallest amax a scale is taken against (torchao's `EPS`): an all-zero tensor scales by
-/// `max_finite · 1e12` rather than dividing by zero.
-const AMAX_FLOOR: f64 = 1e-12;
+use super::float8_cast::{
+    quantize, quantize_with, quantized_input, Float8History, Float8Role, Scaling,
+};
 
 /// How a linear runs in fp8: which elements share a scale, how scales round, and the 8-bit
 /// float of the output gradient (the input and the weight are always E4M3).
@@ -75,6 +74,27 @@ impl Float8Recipe {
         grad_dtype: DType::F8E4M3,
         power_of_two_scales: true,
     };
+}
+
+/// How one linear runs in fp8: scales from each tensor's current amax under a recipe, or
+/// delayed scales from an amax history of its own.
+#[derive(Debug, Clone)]
+pub enum Float8Linear {
+    /// Each cast scales by the tensor's own amax, as the recipe says.
+    Current(Float8Recipe),
+    /// Each cast scales by the largest amax of the last casts of the same tensor of this linear
+    /// (its input, its weight, its output gradient), [`Float8Recipe::TENSORWISE`]'s formats.
+    Delayed(Arc<Float8History>),
+}
+
+impl Float8Linear {
+    /// The formats and granularity (tensorwise for delayed scaling).
+    pub fn recipe(&self) -> Float8Recipe {
+        match self {
+            Float8Linear::Current(recipe) => *recipe,
+            Float8Linear::Delayed(_) => Float8Recipe::TENSORWISE,
+        }
+    }
 }
 
 /// A tensor in an 8-bit float with its scales: it stands for `codes / scale`, the scale
@@ -203,6 +223,31 @@ impl Tensor {
         bias: Option<&Tensor>,
         recipe: Float8Recipe,
     ) -> Result<Tensor> {
+        self.check_operand_dtypes(weight, bias)?;
+        float8_linear(
+            self,
+            weight,
+            bias,
+            self.dtype(),
+            &Float8Linear::Current(recipe),
+        )
+    }
+
+    /// `self @ weight^T + bias` in fp8 with delayed tensorwise scales from `history` (see
+    /// [`Float8History`]); otherwise as [`Tensor::linear_float8`].
+    pub fn linear_float8_delayed(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        history: &Arc<Float8History>,
+    ) -> Result<Tensor> {
+        self.check_operand_dtypes(weight, bias)?;
+        let scales = Float8Linear::Delayed(Arc::clone(history));
+        float8_linear(self, weight, bias, self.dtype(), &scales)
+    }
+
+    /// The public fp8 linears take operands of one dtype (autocast's path mixes them).
+    fn check_operand_dtypes(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<()> {
         for tensor in [Some(weight), bias].into_iter().flatten() {
             if tensor.dtype() != self.dtype() {
                 return Err(TensorError::DtypeMismatch {
@@ -212,93 +257,13 @@ impl Tensor {
                 });
             }
         }
-        float8_linear(self, weight, bias, self.dtype(), recipe)
+        Ok(())
     }
 
     /// `1 / self` in f32 (an f32 tensor's elementwise reciprocal, correctly rounded).
     fn reciprocal_f32(&self) -> Result<Tensor> {
         Tensor::full(self.backend(), &[], 1.0, DType::F32)?.div(self)
     }
-}
-
-/// Scales and codes of a 2-D `x` (`[rows, cols]`, any strides), each value first multiplied by
-/// its column's `premultiply` (f32, `[]` or `[cols]`) if given: the backend's fused quantize, or
-/// for tensorwise scales without a premultiplier or power-of-two rounding, reductions and casts.
-/// The scale comes back as `[]` (tensorwise) or `[rows]`.
-fn quantize(
-    x: &Tensor,
-    premultiply: Option<&Tensor>,
-    dtype: DType,
-    granularity: Float8Granularity,
-    power_of_two: bool,
-) -> Result<Float8Tensor> {
-    const OP: &str = "to_float8";
-    if !dtype.is_float8() {
-        return Err(TensorError::UnsupportedDtype { op: OP, dtype });
-    }
-    let _autocast = autocast_disabled();
-    let (rows, cols) = (x.shape()[0], x.shape()[1]);
-    let backend = x.backend();
-    let codes = Tensor::empty(backend, &[rows, cols], dtype)?;
-    let scales = match granularity {
-        Float8Granularity::Tensorwise => 1,
-        Float8Granularity::Rowwise => rows,
-    };
-    let scale = Tensor::empty(backend, &[scales], DType::F32)?;
-    let premultiply_layout = premultiply
-        .map(|p| p.layout().expand(OP, &[cols]))
-        .transpose()?;
-    let fused = backend.quantize_float8(Float8Quantize {
-        x: x.view(),
-        premultiply: premultiply
-            .zip(premultiply_layout.as_ref())
-            .map(|(p, layout)| View { layout, ..p.view() }),
-        granularity,
-        power_of_two,
-        codes: codes.view(),
-        scale: scale.view(),
-    })?;
-    if fused {
-        let scale = match granularity {
-            Float8Granularity::Tensorwise => scale.reshape(&[])?,
-            Float8Granularity::Rowwise => scale,
-        };
-        return Ok(Float8Tensor { codes, scale });
-    }
-    if granularity == Float8Granularity::Rowwise || premultiply.is_some() || power_of_two {
-        return Err(TensorError::InvalidArgument {
-            op: OP,
-            reason: format!(
-                "rowwise, premultiplied or power-of-two scales need the backend's fused fp8 \
-                 quantize, which the {:?} backend does not have yet; use Float8Recipe::TENSORWISE \
-                 there",
-                x.device()
-            ),
-        });
-    }
-    composed_tensorwise(x, dtype)
-}
-
-/// Tensorwise scale and codes from reductions and casts (a backend without the fused quantize):
-/// amax = max(max(x), max(−x), floor), exact in x's dtype, the two extremes alone widened to
-/// f64, where torchao takes the scale.
-fn composed_tensorwise(x: &Tensor, dtype: DType) -> Result<Float8Tensor> {
-    let max_finite = dtype.max_finite().expect("an 8-bit float");
-    let backend = x.backend();
-    let flat = x.contiguous()?.reshape(&[x.numel()])?;
-    let floor = Tensor::full(backend, &[1], AMAX_FLOOR, DType::F64)?;
-    let amax = if flat.numel() == 0 {
-        floor
-    } else {
-        let high = flat.max_dim(0, true)?.0.to_dtype(DType::F64)?;
-        let low = flat.neg()?.max_dim(0, true)?.0.to_dtype(DType::F64)?;
-        cat(&[&high, &low, &floor], 0)?.max_dim(0, false)?.0
-    };
-    let scale = Tensor::full(backend, &[], max_finite, DType::F64)?
-        .div(&amax.reshape(&[])?)?
-        .to_dtype(DType::F32)?;
-    let codes = x.to_dtype(DType::F32)?.mul(&scale)?.to_dtype(dtype)?;
-    Ok(Float8Tensor { codes, scale })
 }
 
 /// `a · b` of 2-D codes (`[m, k]`, `[k, n]`, any strides), times `a_inverse` (f32, `[]` or
@@ -347,72 +312,6 @@ fn scaled_product(
     product.mul(&alpha)?.to_dtype(dtype)
 }
 
-thread_local! {
-    /// The input the last fp8 linear on this thread quantized, and its codes, so the linears that
-    /// read one tensor (a block's q, k and v projections) quantize it once and save one copy.
-    /// Weak on every side: it keeps neither an input nor codes alive, so codes nobody saved are
-    /// freed as always, and an entry whose input was dropped can never match (a live weak
-    /// reference keeps its allocation from being reused by another tensor). The codes come back
-    /// as views of the saved storages, contiguous as quantize wrote them.
-    static LAST_INPUT: RefCell<Option<QuantizedInput>> = const { RefCell::new(None) };
-}
-
-struct QuantizedInput {
-    input: Weak<TensorImpl>,
-    version: u64,
-    recipe: Float8Recipe,
-    /// The storages of the codes and the scales (saved tensors hold their own handles on them).
-    codes: Weak<Buffer>,
-    scale: Weak<Buffer>,
-    scale_shape: Vec<usize>,
-}
-
-/// `input` as `[rows, in]` E4M3 codes with `recipe`'s scales: the last linear's codes when it
-/// quantized this very tensor, unchanged since (its version), with this recipe and the codes are
-/// still alive; else quantized now and remembered.
-fn quantized_input(
-    input: &Tensor,
-    shape: [usize; 2],
-    recipe: Float8Recipe,
-) -> Result<Float8Tensor> {
-    let hit = LAST_INPUT.with(|last| {
-        let last = last.borrow();
-        let entry = last.as_ref().filter(|entry| {
-            entry.input.as_ptr() == Arc::as_ptr(&input.inner)
-                && entry.version == input.version()
-                && entry.recipe == recipe
-        })?;
-        let codes = entry.codes.upgrade()?;
-        let scale = entry.scale.upgrade()?;
-        Some((codes, scale, entry.scale_shape.clone()))
-    });
-    if let Some((codes, scale, scale_shape)) = hit {
-        return Ok(Float8Tensor {
-            codes: Tensor::from_parts(codes, Layout::contiguous(&shape), DType::F8E4M3, true),
-            scale: Tensor::from_parts(scale, Layout::contiguous(&scale_shape), DType::F32, true),
-        });
-    }
-    let flat = input.detach().reshape(&shape)?;
-    let res = quantize(
-        &flat,
-        None,
-        DType::F8E4M3,
-        recipe.granularity,
-        recipe.power_of_two_scales,
-    )?;
-    let entry = QuantizedInput {
-        input: Arc::downgrade(&input.inner),
-        version: input.version(),
-        recipe,
-        codes: Arc::downgrade(res.codes.buffer()),
-        scale: Arc::downgrade(res.scale.buffer()),
-        scale_shape: res.scale.shape().to_vec(),
-    };
-    // The entry replaced holds only weak references: dropping it frees no tensor.
-    LAST_INPUT.with(|last| last.replace(Some(entry)));
-    Ok(res)
-}
-
 /// A rowwise backward product: `grad` (`[rows, cols]`, any strides) times `fold` (the saved
 /// operand's inverse scales, one a column), quantized with one scale a row, times `codes` (the
 /// saved operand's codes, `[cols, n]`, whose scales are now in the gradient).
@@ -450,9 +349,14 @@ pub(super) fn float8_linear(
     weight: &Tensor,
     bias: Option<&Tensor>,
     output: DType,
-    recipe: Float8Recipe,
+    scales: &Float8Linear,
 ) -> Result<Tensor> {
     const OP: &str = "linear_float8";
+    let recipe = scales.recipe();
+    let history = match scales {
+        Float8Linear::Current(_) => None,
+        Float8Linear::Delayed(history) => Some(Arc::clone(history)),
+    };
     for tensor in [Some(input), Some(weight), bias].into_iter().flatten() {
         check_float(OP, tensor)?;
         if tensor.device() != input.device() {
@@ -499,19 +403,32 @@ pub(super) fn float8_linear(
         .collect();
     // Its products are f32 whatever autocast says (an fp8 GEMM accumulates in f32).
     let _autocast = autocast_disabled();
-    let quantize_weight = move |weight: &Tensor| {
-        quantize(
-            &weight.detach(),
-            None,
-            DType::F8E4M3,
+    // The weight's cast; backward casts it again with the forward's scale under delayed scaling
+    // (so the same codes, and no second amax in its history).
+    let quantize_weight = move |weight: &Tensor, delayed: Option<&Tensor>| {
+        let scaling = Scaling {
             granularity,
             power_of_two,
-        )
+            premultiply: None,
+            delayed,
+        };
+        Ok::<_, TensorError>(quantize_with(&weight.detach(), DType::F8E4M3, scaling, false)?.0)
     };
-    let (res, input_float8) = {
+    let (res, input_float8, weight_delayed_scale) = {
         let _grad = no_grad();
-        let input_float8 = quantized_input(input, [rows, in_features], recipe)?;
-        let weight_float8 = quantize_weight(weight)?;
+        let (input_float8, weight_float8) = match &history {
+            None => (
+                quantized_input(input, [rows, in_features], recipe)?,
+                quantize_weight(weight, None)?,
+            ),
+            Some(history) => {
+                let input_2d = input.detach().reshape(&[rows, in_features])?;
+                (
+                    history.cast(Float8Role::Input, &input_2d, DType::F8E4M3)?,
+                    history.cast(Float8Role::Weight, &weight.detach(), DType::F8E4M3)?,
+                )
+            }
+        };
         let mut res = scaled_product(
             &input_float8.codes,
             &input_float8.scale.reciprocal_f32()?,
@@ -522,7 +439,11 @@ pub(super) fn float8_linear(
         if let Some(bias) = bias {
             res = res.add(&bias.to_dtype(output)?)?;
         }
-        (res.reshape(&out_shape)?, input_float8)
+        let weight_delayed_scale = match history {
+            Some(_) => Some(weight_float8.scale.reshape(&[1])?),
+            None => None,
+        };
+        (res.reshape(&out_shape)?, input_float8, weight_delayed_scale)
     };
     if needs_grad(&inputs) {
         let saved_codes = SavedTensor::save(
@@ -547,12 +468,17 @@ pub(super) fn float8_linear(
                 None => None,
             };
             // The weight cast again (same codes: it has not changed since the forward).
-            let weight_float8 = quantize_weight(&weight)?;
+            let weight_float8 = quantize_weight(&weight, weight_delayed_scale.as_ref())?;
             let weight_inverse = weight_float8.scale.reciprocal_f32()?;
             // Tensorwise: the output gradient quantized once, for both products.
             let grad_tensorwise = match granularity {
                 Float8Granularity::Tensorwise => {
-                    let grad = quantize(&grad_2d, None, grad_dtype, granularity, power_of_two)?;
+                    let grad = match &history {
+                        None => quantize(&grad_2d, None, grad_dtype, granularity, power_of_two)?,
+                        Some(history) => {
+                            history.cast(Float8Role::OutputGrad, &grad_2d, grad_dtype)?
+                        }
+                    };
                     let inverse = grad.scale.reciprocal_f32()?;
                     Some((grad.codes, inverse))
                 }

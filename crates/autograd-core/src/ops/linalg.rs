@@ -9,7 +9,8 @@
 //! by `linear`.
 
 use crate::autocast::{
-    autocast_args, autocast_inputs, autocast_policy, autocast_target, float8_recipe, CastPolicy,
+    autocast_args, autocast_inputs, autocast_policy, autocast_target, float8_linear as float8_plan,
+    CastPolicy,
 };
 use crate::backend::{BinaryOp, LinearEpilogue, LinearForward, LinearWeightGrad, UnaryOp};
 use crate::dtype::DType;
@@ -125,12 +126,12 @@ impl Tensor {
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         // A linear the policy lists in fp8 is quantized from the tensors as they come (no half
         // copy of the input or the weight), its output in the dtype autocast gives a linear.
-        if let Some(recipe) = float8_recipe(weight) {
+        if let Some(scales) = float8_plan(weight) {
             let output = match autocast_target("linear", &[Some(self), Some(weight), bias]) {
                 Some(target) if self.dtype() != DType::F64 => target,
                 _ => self.dtype(),
             };
-            return float8_linear(self, weight, bias, output, recipe);
+            return float8_linear(self, weight, bias, output, &scales);
         }
         if let Some(cast) = autocast_inputs("linear", &[Some(self), Some(weight), bias])? {
             let (input, weight, bias) = linear_operands(cast);

@@ -17,6 +17,7 @@
 mod attention;
 mod elementwise;
 mod float8;
+mod float8_cast;
 mod index;
 mod inplace;
 mod linalg;
@@ -30,7 +31,8 @@ mod view;
 pub use attention::{
     scaled_dot_product_attention, scaled_dot_product_attention_varlen, PackedSequences,
 };
-pub use float8::{Float8Recipe, Float8Tensor};
+pub use float8::{Float8Linear, Float8Recipe, Float8Tensor};
+pub use float8_cast::{Float8History, Float8Role};
 pub use index::{cat, embedding};
 pub use linalg::patch_embedding;
 pub use linear_cross_entropy::{linear_cross_entropy, LinearCrossEntropyOptions};
