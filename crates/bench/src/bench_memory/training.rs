@@ -226,7 +226,12 @@ impl Training {
         let named = self.net.named_parameters();
         let policy = Float8Policy::new(Some(lists)).with_linears(
             named.iter().map(|(name, tensor)| (name.as_str(), tensor)),
-            |name| !name.contains("head"),
+            // Not the head, nor the embeddings (a tied head is the token embedding's weight).
+            |name| {
+                !["head", "embed", "wte", "wpe"]
+                    .iter()
+                    .any(|not| name.contains(not))
+            },
         );
         Ok(Some(Arc::new(policy)))
     }
