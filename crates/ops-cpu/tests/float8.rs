@@ -55,6 +55,23 @@ fn assert_close(got: &[f64], want: &[f64], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}");
 }
 
+/// A linear's input `[rows, k]`, weight `[n, k]`, bias `[n]` and output weights `[rows, n]`,
+/// f32-representable, from `seed`.
+fn linear_operands(seed: u64, rows: usize, k: usize, n: usize) -> [Vec<f64>; 4] {
+    let mut random = Xorshift::from_state(seed);
+    let mut draw = |count: usize, spread: f64| -> Vec<f64> {
+        (0..count)
+            .map(|_| f64::from(random.next_f64_in(-spread, spread) as f32))
+            .collect()
+    };
+    [
+        draw(rows * k, 3.0),
+        draw(n * k, 0.5),
+        draw(n, 1.0),
+        draw(rows * n, 2.0),
+    ]
+}
+
 #[test]
 fn a_tensorwise_cast_scales_by_the_amax_and_dequantizes() {
     let cpu: BackendRef = CpuBackend::new_ref();
@@ -91,18 +108,7 @@ fn a_tensorwise_cast_scales_by_the_amax_and_dequantizes() {
 fn the_fp8_linear_and_its_gradients_follow_the_recipe() {
     let cpu: BackendRef = CpuBackend::new_ref();
     let (rows, k, n) = (6, 16, 8);
-    let mut random = Xorshift::from_state(0xf8f8_1234_5678_9abc);
-    let mut draw = |count: usize, spread: f64| -> Vec<f64> {
-        (0..count)
-            .map(|_| f64::from(random.next_f64_in(-spread, spread) as f32))
-            .collect()
-    };
-    let (xs, ws, bs, rs) = (
-        draw(rows * k, 3.0),
-        draw(n * k, 0.5),
-        draw(n, 1.0),
-        draw(rows * n, 2.0),
-    );
+    let [xs, ws, bs, rs] = linear_operands(0xf8f8_1234_5678_9abc, rows, k, n);
     let leaf = |values: &[f64], shape: &[usize]| {
         let t = Tensor::from_f64s(&cpu, values, shape, DType::F32).unwrap();
         t.requires_grad_(true).unwrap();
@@ -533,4 +539,76 @@ fn delayed_scaling_scales_by_the_amax_history() {
         Float8History::new(0),
         Err(TensorError::InvalidArgument { .. })
     ));
+}
+
+/// The composed path (a backend without the fp8 primitives, as CUDA's is today: reductions,
+/// casts and f32 products) gives the fused primitives' values bit for bit: tensorwise linears
+/// forward and backward, current and delayed, and shared input codes; rowwise scaling there is a
+/// typed error naming the backend's missing quantize.
+#[test]
+fn the_composed_fp8_path_equals_the_fused_one() {
+    use headroom_autograd_core::{Float8History, Float8Recipe};
+    use headroom_testkit::counting::HostReadCounter;
+    let cpu: BackendRef = CpuBackend::new_ref();
+    let composing: BackendRef = HostReadCounter::hiding_float8(CpuBackend::new_ref());
+    let (rows, k, n) = (24, 40, 16);
+    let [xs, ws, bs, rs] = linear_operands(0xc0c0_f8f8_0000_0003, rows, k, n);
+    let run = |backend: &BackendRef| -> Vec<Vec<f64>> {
+        let leaf = |values: &[f64], shape: &[usize], dtype| {
+            let t = Tensor::from_f64s(backend, values, shape, dtype).unwrap();
+            t.requires_grad_(true).unwrap();
+            t
+        };
+        let mut outs = Vec::new();
+        for dtype in [DType::F32, DType::BF16] {
+            let (x, w, b) = (
+                leaf(&xs, &[rows, k], dtype),
+                leaf(&ws, &[n, k], dtype),
+                leaf(&bs, &[n], dtype),
+            );
+            let r = Tensor::from_f64s(backend, &rs, &[rows, n], dtype).unwrap();
+            let history = Float8History::new(3).unwrap();
+            for step in 0..3 {
+                let xs_step = x.mul_scalar(1.0 + step as f64).unwrap();
+                let (y1, y2) = if step == 0 {
+                    // Two linears of one input: shared codes.
+                    (
+                        x.linear_float8(&w, Some(&b)).unwrap(),
+                        x.linear_float8(&w, None).unwrap(),
+                    )
+                } else {
+                    (
+                        xs_step
+                            .linear_float8_delayed(&w, Some(&b), &history)
+                            .unwrap(),
+                        xs_step.linear_float8_delayed(&w, None, &history).unwrap(),
+                    )
+                };
+                y1.add(&y2)
+                    .unwrap()
+                    .mul(&r)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                outs.push(y1.to_vec_f64().unwrap());
+                for t in [&x, &w, &b] {
+                    outs.push(t.take_grad().unwrap().to_vec_f64().unwrap());
+                }
+            }
+        }
+        outs
+    };
+    let (fused, composed) = (run(&cpu), run(&composing));
+    assert_eq!(fused.len(), composed.len());
+    for (i, (f, c)) in fused.iter().zip(&composed).enumerate() {
+        assert_eq!(f, c, "output {i}");
+    }
+    let x = Tensor::from_f64s(&composing, &xs, &[rows, k], DType::F32).unwrap();
+    let w = Tensor::from_f64s(&composing, &ws, &[n, k], DType::F32).unwrap();
+    let err = x
+        .linear_float8_with(&w, None, Float8Recipe::ROWWISE)
+        .unwrap_err();
+    assert!(format!("{err}").contains("fused fp8"), "{err}");
 }

@@ -5,21 +5,23 @@
 //! checks that read flags, explicit waits) never stalls the launch queue through the trait.
 //! [`HostReadCounter`] forwards every method to the backend it wraps and counts both calls as
 //! host reads (a wait is a read of the device's progress); tensors made on it live on the
-//! wrapped device.
+//! wrapped device. [`HostReadCounter::hiding_float8`] also hides the wrapped backend's fp8
+//! primitives (`quantize_float8`, `matmul_float8` answer "not here"), so a test runs the core's
+//! composed fp8 path (a backend without them, such as CUDA's today) on the CPU.
 //! It sits on autograd-core's trait only and knows no device.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use headroom_autograd_core::{
+    float8_matmul_dims, float8_quantize_dims, Float8Matmul, Float8Quantize, ReduceWithIndex,
+    RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
+};
+use headroom_autograd_core::{
     AttentionBackward, AttentionForward, Backend, BackendRef, BinaryOp, Buffer,
     CrossEntropyBackward, CrossEntropyForward, CrossEntropyTile, CrossEntropyTileBackward, Device,
     DropoutDraw, LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, SoftmaxBackward,
     UnaryOp, View,
-};
-use headroom_autograd_core::{
-    Float8Matmul, Float8Quantize, ReduceWithIndex, RmsNormBackward, RmsNormForward, RotaryArgs,
-    SwiGluBackward, SwiGluForward,
 };
 use headroom_caching_allocator::{Allocation, AllocatorView};
 
@@ -29,6 +31,7 @@ use headroom_caching_allocator::{Allocation, AllocatorView};
 pub struct HostReadCounter {
     inner: BackendRef,
     host_reads: AtomicU64,
+    float8_primitives: bool,
 }
 
 impl HostReadCounter {
@@ -37,6 +40,17 @@ impl HostReadCounter {
         Arc::new(HostReadCounter {
             inner,
             host_reads: AtomicU64::new(0),
+            float8_primitives: true,
+        })
+    }
+
+    /// [`HostReadCounter::wrap`] whose fp8 primitives answer `false` (the trait's default bodies),
+    /// whatever `inner` has: ops on it compose their fp8 casts and products.
+    pub fn hiding_float8(inner: BackendRef) -> Arc<HostReadCounter> {
+        Arc::new(HostReadCounter {
+            inner,
+            host_reads: AtomicU64::new(0),
+            float8_primitives: false,
         })
     }
 
@@ -80,9 +94,17 @@ impl Backend for HostReadCounter {
         self.inner.copy(src, dst)
     }
     fn quantize_float8(&self, args: Float8Quantize<'_>) -> Result<bool> {
+        if !self.float8_primitives {
+            float8_quantize_dims(&args)?;
+            return Ok(false);
+        }
         self.inner.quantize_float8(args)
     }
     fn matmul_float8(&self, args: Float8Matmul<'_>) -> Result<bool> {
+        if !self.float8_primitives {
+            float8_matmul_dims(&args)?;
+            return Ok(false);
+        }
         self.inner.matmul_float8(args)
     }
     fn fill(&self, dst: View<'_>, value: f64) -> Result<()> {
