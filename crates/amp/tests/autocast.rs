@@ -371,3 +371,83 @@ fn a_float8_policy_runs_its_linears_in_fp8_inside_the_base_casts() {
         Err(headroom_amp::AmpError::Tensor(_))
     ));
 }
+
+/// A listed linear behind GELU (`gelu_linear`, `gelu_tanh_linear`: GPT-2's and ViT's MLP
+/// projection down) runs in fp8 as one op that keeps only its input: the activation, its codes
+/// and the product equal the pair `gelu()` then the fp8 linear bit for bit, forward and backward,
+/// with current and delayed scales, while it keeps the codes' bytes fewer and caches no bf16 copy
+/// of the weight.
+#[test]
+fn an_fp8_linear_behind_gelu_keeps_only_its_input() {
+    let cpu = CpuBackend::new_ref();
+    let allocated = || cpu.memory_stats().allocated_bytes.all.current;
+    let values = |n: usize, step: f64| (0..n).map(|i| (i as f64 * step).sin()).collect::<Vec<_>>();
+    let (rows, k, n) = (32, 64, 16);
+    let leaf = |v: Vec<f64>, shape: &[usize]| {
+        let t = Tensor::from_f64s(&cpu, &v, shape, DType::F32).unwrap();
+        t.requires_grad_(true).unwrap();
+        t
+    };
+    let w = leaf(values(n * k, 0.11), &[n, k]);
+    let b = leaf(values(n, 0.5), &[n]);
+    for tanh in [false, true] {
+        for delayed in [false, true] {
+            for base in [None, Some(AmpPolicy::torch_cuda(DType::BF16).unwrap())] {
+                let policy = || {
+                    let p = Float8Policy::new(base.clone()).with_weight(&w);
+                    if delayed {
+                        p.with_delayed_scaling(4).unwrap()
+                    } else {
+                        p
+                    }
+                };
+                let (fused_policy, pair_policy) = (policy(), policy());
+                let mut results = Vec::new();
+                for (fused, policy) in [(true, &fused_policy), (false, &pair_policy)] {
+                    let mut run = Vec::new();
+                    for step in 0..2 {
+                        let h = leaf(values(rows * k, 0.37 + step as f64), &[rows, k]);
+                        let before = allocated();
+                        let y = {
+                            let _fp8 = policy.enter();
+                            assert_eq!(autocast_stats().cached_bytes, 0);
+                            match (fused, tanh) {
+                                (true, false) => h.gelu_linear(&w, Some(&b)).unwrap(),
+                                (true, true) => h.gelu_tanh_linear(&w, Some(&b)).unwrap(),
+                                (false, false) => h.gelu().unwrap().linear(&w, Some(&b)).unwrap(),
+                                (false, true) => {
+                                    h.gelu_tanh().unwrap().linear(&w, Some(&b)).unwrap()
+                                }
+                            }
+                        };
+                        let kept = allocated() - before;
+                        y.sum_all().unwrap().backward().unwrap();
+                        run.push((
+                            kept,
+                            y.to_vec_f64().unwrap(),
+                            h.grad().unwrap().to_vec_f64().unwrap(),
+                        ));
+                        run.push((
+                            0,
+                            w.take_grad().unwrap().to_vec_f64().unwrap(),
+                            b.take_grad().unwrap().to_vec_f64().unwrap(),
+                        ));
+                    }
+                    results.push(run);
+                }
+                let case = (tanh, delayed, base.is_some());
+                for (f, p) in results[0].iter().zip(&results[1]) {
+                    assert_eq!((&f.1, &f.2), (&p.1, &p.2), "{case:?}");
+                }
+                // Forward steps: the fused op keeps the output and nothing of the activation.
+                let codes_bytes = (rows * k) as i64;
+                assert!(
+                    results[0][0].0 + codes_bytes <= results[1][0].0,
+                    "{case:?}: {} against {}",
+                    results[0][0].0,
+                    results[1][0].0
+                );
+            }
+        }
+    }
+}

@@ -16,6 +16,10 @@
 //! into the output gradient before quantizing that per token (`dX = Σ_o (dY[t, o] / s_w[o]) ·
 //! codes_w[o, i]`); with power-of-two scales the folds are exact.
 //!
+//! A listed linear behind GELU (`gelu_linear`, `gelu_tanh_linear` under autocast) runs as one fp8
+//! op that saves the pre-activation alone: backward recomputes the activation and, from it, the
+//! same codes for the weight gradient.
+//!
 //! Delayed scaling ([`Float8History`], tensorwise) takes each cast's scale from the amaxes of
 //! the same tensor's earlier casts, so a kernel can cast in one read and record the amax as it
 //! goes; backward casts the weight again with the forward's scale.
@@ -27,7 +31,7 @@
 use std::sync::Arc;
 
 use crate::autocast::autocast_disabled;
-use crate::backend::{Float8Granularity, Float8Matmul, View};
+use crate::backend::{BinaryOp, Float8Granularity, Float8Matmul, UnaryOp, View};
 use crate::dtype::DType;
 use crate::engine::is_last_use;
 use crate::error::{Result, TensorError};
@@ -230,6 +234,7 @@ impl Tensor {
             bias,
             self.dtype(),
             &Float8Linear::Current(recipe),
+            None,
         )
     }
 
@@ -243,7 +248,7 @@ impl Tensor {
     ) -> Result<Tensor> {
         self.check_operand_dtypes(weight, bias)?;
         let scales = Float8Linear::Delayed(Arc::clone(history));
-        float8_linear(self, weight, bias, self.dtype(), &scales)
+        float8_linear(self, weight, bias, self.dtype(), &scales, None)
     }
 
     /// The public fp8 linears take operands of one dtype (autocast's path mixes them).
@@ -339,6 +344,24 @@ fn folded_product(
     )
 }
 
+/// An activation a fused op applies to its linear's input (`gelu_linear`): in fp8 the op saves
+/// the pre-activation alone and recomputes the activation, and from it the same codes, in
+/// backward.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Float8Activation {
+    pub(super) name: &'static str,
+    pub(super) op: UnaryOp,
+    pub(super) grad_op: BinaryOp,
+}
+
+/// What an fp8 linear keeps of its input for backward.
+enum SavedInput {
+    /// The input's codes and scales.
+    Codes(SavedTensor, SavedTensor),
+    /// The pre-activation (and, under delayed scaling, the scale its activation was cast with).
+    PreActivation(SavedTensor, Option<SavedTensor>),
+}
+
 /// [`Tensor::linear_float8_with`] of operands in any float dtypes (each quantized from its own),
 /// the output in `output`: what `Tensor::linear` runs for a linear an autocast policy lists in
 /// fp8, on the tensors as they come (no half-precision copy of the input or of the weight) with
@@ -350,18 +373,19 @@ pub(super) fn float8_linear(
     bias: Option<&Tensor>,
     output: DType,
     scales: &Float8Linear,
+    activation: Option<Float8Activation>,
 ) -> Result<Tensor> {
-    const OP: &str = "linear_float8";
+    let op = activation.map_or("linear_float8", |activation| activation.name);
     let recipe = scales.recipe();
     let history = match scales {
         Float8Linear::Current(_) => None,
         Float8Linear::Delayed(history) => Some(Arc::clone(history)),
     };
     for tensor in [Some(input), Some(weight), bias].into_iter().flatten() {
-        check_float(OP, tensor)?;
+        check_float(op, tensor)?;
         if tensor.device() != input.device() {
             return Err(TensorError::DeviceMismatch {
-                op: OP,
+                op,
                 lhs: input.device(),
                 rhs: tensor.device(),
             });
@@ -369,7 +393,7 @@ pub(super) fn float8_linear(
     }
     if !recipe.grad_dtype.is_float8() {
         return Err(TensorError::UnsupportedDtype {
-            op: OP,
+            op,
             dtype: recipe.grad_dtype,
         });
     }
@@ -378,7 +402,7 @@ pub(super) fn float8_linear(
     let bias_fits = bias.is_none_or(|b| b.shape() == [out_features]);
     if input.ndim() == 0 || weight.shape() != [out_features, in_features] || !bias_fits {
         return Err(TensorError::InvalidArgument {
-            op: OP,
+            op,
             reason: format!(
                 "input {:?}, weight {:?} and bias {:?} are not [.., in], [out, in] and [out]",
                 input.shape(),
@@ -416,13 +440,19 @@ pub(super) fn float8_linear(
     };
     let (res, input_float8, weight_delayed_scale) = {
         let _grad = no_grad();
+        // The linear's input: the activation of `input`, for this product only, or `input`.
+        let activated = match activation {
+            Some(activation) => Some(input.detach().unary_raw(activation.op, activation.name)?),
+            None => None,
+        };
+        let source = activated.as_ref().unwrap_or(input);
         let (input_float8, weight_float8) = match &history {
             None => (
-                quantized_input(input, [rows, in_features], recipe)?,
+                quantized_input(source, [rows, in_features], recipe)?,
                 quantize_weight(weight, None)?,
             ),
             Some(history) => {
-                let input_2d = input.detach().reshape(&[rows, in_features])?;
+                let input_2d = source.detach().reshape(&[rows, in_features])?;
                 (
                     history.cast(Float8Role::Input, &input_2d, DType::F8E4M3)?,
                     history.cast(Float8Role::Weight, &weight.detach(), DType::F8E4M3)?,
@@ -446,20 +476,32 @@ pub(super) fn float8_linear(
         (res.reshape(&out_shape)?, input_float8, weight_delayed_scale)
     };
     if needs_grad(&inputs) {
-        let saved_codes = SavedTensor::save(
-            OP,
-            SaveRole::Intermediate("input_float8"),
-            &input_float8.codes,
-        )?;
-        let saved_scale = SavedTensor::save(
-            OP,
-            SaveRole::Intermediate("input_scale"),
-            &input_float8.scale,
-        )?;
-        let saved_weight = SavedTensor::save(OP, SaveRole::Input(1), weight)?;
+        let saved_scale = || {
+            SavedTensor::save(
+                op,
+                SaveRole::Intermediate("input_scale"),
+                &input_float8.scale,
+            )
+        };
+        let saved = match activation {
+            None => SavedInput::Codes(
+                SavedTensor::save(
+                    op,
+                    SaveRole::Intermediate("input_float8"),
+                    &input_float8.codes,
+                )?,
+                saved_scale()?,
+            ),
+            Some(_) => SavedInput::PreActivation(
+                SavedTensor::save(op, SaveRole::Input(0), input)?,
+                history.is_some().then(saved_scale).transpose()?,
+            ),
+        };
+        drop(input_float8);
+        let saved_weight = SavedTensor::save(op, SaveRole::Input(1), weight)?;
         let (input_shape, has_bias) = (input.shape().to_vec(), bias.is_some());
-        let mut saved_input = Some((saved_codes, saved_scale));
-        record(OP, &inputs, &[&res], move |grads| {
+        let mut saved_input = Some(saved);
+        record(op, &inputs, &[&res], move |grads| {
             let grad = grads[0].as_ref().expect("one output");
             let grad_2d = grad.reshape(&[rows, out_features])?;
             let weight = saved_weight.unpack()?;
@@ -484,10 +526,46 @@ pub(super) fn float8_linear(
                 }
                 Float8Granularity::Rowwise => None,
             };
+            // The input's codes, as saved or again from the pre-activation (the same codes: the
+            // same values, cast with the same scale), and the pre-activation.
+            let (input_codes, pre_activation) = match &saved_input {
+                Some(SavedInput::Codes(codes, scale)) => (
+                    Some(Float8Tensor {
+                        codes: codes.unpack()?,
+                        scale: scale.unpack()?,
+                    }),
+                    None,
+                ),
+                Some(SavedInput::PreActivation(pre, delayed)) => {
+                    let activation = activation.expect("saved for an activation");
+                    let pre = pre.unpack()?;
+                    let activated = pre
+                        .detach()
+                        .unary_raw(activation.op, activation.name)?
+                        .reshape(&[rows, in_features])?;
+                    let codes = match delayed {
+                        Some(scale) => {
+                            let scale = scale.unpack()?.reshape(&[1])?;
+                            let scaling = Scaling {
+                                granularity,
+                                power_of_two,
+                                premultiply: None,
+                                delayed: Some(&scale),
+                            };
+                            quantize_with(&activated, DType::F8E4M3, scaling, false)?.0
+                        }
+                        None => {
+                            let inputs = (granularity, power_of_two);
+                            quantize(&activated, None, DType::F8E4M3, inputs.0, inputs.1)?
+                        }
+                    };
+                    (Some(codes), Some(pre))
+                }
+                None => (None, None),
+            };
             // dW = dYᵀ · X, then the saved input is released on the graph's last use.
-            let grad_weight = match &saved_input {
-                Some((codes, scale)) => {
-                    let (codes, scale) = (codes.unpack()?, scale.unpack()?);
+            let grad_weight = match input_codes {
+                Some(Float8Tensor { codes, scale }) => {
                     let input_inverse = scale.reciprocal_f32()?;
                     Some(match &grad_tensorwise {
                         Some((grad_codes, grad_inverse)) => scaled_product(
@@ -530,8 +608,18 @@ pub(super) fn float8_linear(
                     recipe,
                     dtype,
                 )?,
+            };
+            // Through the activation, written over the product that made it.
+            if let (Some(activation), Some(pre)) = (activation, &pre_activation) {
+                let pre = pre.reshape(&[rows, in_features])?;
+                grad_input.backend().binary(
+                    activation.grad_op,
+                    grad_input.view(),
+                    pre.view(),
+                    grad_input.view(),
+                )?;
             }
-            .reshape(&input_shape)?;
+            let grad_input = grad_input.reshape(&input_shape)?;
             let mut res = vec![Some(grad_input), grad_weight];
             if has_bias {
                 res.push(grad_bias);

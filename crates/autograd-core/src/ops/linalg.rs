@@ -24,7 +24,7 @@ use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
 
 use super::elementwise::Pointwise;
-use super::float8::float8_linear;
+use super::float8::{float8_linear, Float8Activation};
 use super::{check_float, check_same, records};
 
 impl Tensor {
@@ -131,7 +131,7 @@ impl Tensor {
                 Some(target) if self.dtype() != DType::F64 => target,
                 _ => self.dtype(),
             };
-            return float8_linear(self, weight, bias, output, &scales);
+            return float8_linear(self, weight, bias, output, &scales, None);
         }
         if let Some(cast) = autocast_inputs("linear", &[Some(self), Some(weight), bias])? {
             let (input, weight, bias) = linear_operands(cast);
@@ -199,6 +199,20 @@ impl Tensor {
         bias: Option<&Tensor>,
     ) -> Result<Tensor> {
         if let Some(policy) = autocast_policy() {
+            // A linear the policy lists in fp8: the activation and the product in one fp8 op
+            // that keeps `self` alone, as this op does.
+            if let Some(scales) = float8_plan(weight) {
+                let output = match autocast_target("linear", &[Some(self), Some(weight), bias]) {
+                    Some(target) if self.dtype() != DType::F64 => target,
+                    _ => self.dtype(),
+                };
+                let activation = Float8Activation {
+                    name: activation.name,
+                    op: activation.op,
+                    grad_op: activation.grad_op,
+                };
+                return float8_linear(self, weight, bias, output, &scales, Some(activation));
+            }
             // `None`: the linear's rule may change `self`'s dtype.
             let target = match policy.cast_policy("linear", self.device()) {
                 CastPolicy::Keep => Some(self.dtype()),
