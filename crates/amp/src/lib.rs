@@ -20,9 +20,11 @@
 //! - **Master weights** ([`MasterWeights`]): apex O2's f32 copy of a half model, held by the
 //!   optimizer, as a decorator; [`OptLevel`] O0–O3 with apex's meaning and [`AmpTraining`], the
 //!   training step of a level.
-//! - **fp8 linears** ([`Float8Policy`]): the linears it lists, by parameter name, run
-//!   autograd-core's `linear_float8` (E4M3 forward, E5M2 gradients, tensorwise scales, the input
-//!   saved in one byte an element) inside a base policy's autocast.
+//! - **fp8 linears** ([`Float8Policy`]): the linears it lists, by parameter name, run in fp8
+//!   inside a base policy's autocast, under one autograd-core `Float8Recipe` (tensorwise with
+//!   E5M2 gradients, or rowwise power-of-two scales) with current scales or delayed ones
+//!   (`with_delayed_scaling`: an amax history per linear); each input is saved once, in one byte
+//!   an element, and a linear behind GELU keeps only its pre-activation.
 //! - **bf16 without a master copy**: [`AdamStochastic`](headroom_optim::AdamStochastic) (in
 //!   optim, whose kernels it needs) rounds each bf16 update stochastically with f32 moments —
 //!   12 bytes per parameter instead of O2's 16 — seeded and reproducible, the CPU and CUDA

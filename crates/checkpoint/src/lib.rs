@@ -27,8 +27,11 @@
 //! restores it when backward needs it; [`CompressBlocks`] does so per model block, alone or around
 //! a checkpoint.
 //!
+//! [`Float8Blocks`] runs the selected blocks with every plain linear in fp8 (each saving its
+//! input in one byte an element), a lossy strategy of its own.
+//!
 //! A memory budget instead of a choice: [`BlockPlanner`] measures a training step under each
-//! candidate strategy (keep, recompute, compress, offload) and [`StepProfile::plan`] picks one
+//! candidate strategy (keep, recompute, compress, fp8, offload) and [`StepProfile::plan`] picks one
 //! per block, the fastest step whose predicted peak fits the budget, as a [`BlockPlan`] block
 //! runner that explains itself in a table.
 //!
