@@ -31,7 +31,7 @@
 use std::sync::Arc;
 
 use crate::autocast::autocast_disabled;
-use crate::backend::{BinaryOp, Float8Granularity, Float8Matmul, UnaryOp, View};
+use crate::backend::{Float8Granularity, Float8Matmul, View};
 use crate::dtype::DType;
 use crate::engine::is_last_use;
 use crate::error::{Result, TensorError};
@@ -44,6 +44,7 @@ use super::check_float;
 use super::float8_cast::{
     quantize, quantize_with, quantized_input, Float8History, Float8Role, Scaling,
 };
+use super::linalg::ActivationLinear;
 
 /// How a linear runs in fp8: which elements share a scale, how scales round, and the 8-bit
 /// float of the output gradient (the input and the weight are always E4M3).
@@ -344,16 +345,6 @@ fn folded_product(
     )
 }
 
-/// An activation a fused op applies to its linear's input (`gelu_linear`): in fp8 the op saves
-/// the pre-activation alone and recomputes the activation, and from it the same codes, in
-/// backward.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Float8Activation {
-    pub(super) name: &'static str,
-    pub(super) op: UnaryOp,
-    pub(super) grad_op: BinaryOp,
-}
-
 /// What an fp8 linear keeps of its input for backward.
 enum SavedInput {
     /// The input's codes and scales.
@@ -366,14 +357,15 @@ enum SavedInput {
 /// the output in `output`: what `Tensor::linear` runs for a linear an autocast policy lists in
 /// fp8, on the tensors as they come (no half-precision copy of the input or of the weight) with
 /// the output in the dtype autocast would give the linear. Gradients come back in each operand's
-/// dtype.
+/// dtype. Behind an `activation` (`gelu_linear`), the op saves the pre-activation alone and
+/// recomputes the activation, and from it the same codes, in backward.
 pub(super) fn float8_linear(
     input: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
     output: DType,
     scales: &Float8Linear,
-    activation: Option<Float8Activation>,
+    activation: Option<ActivationLinear>,
 ) -> Result<Tensor> {
     let op = activation.map_or("linear_float8", |activation| activation.name);
     let recipe = scales.recipe();

@@ -24,7 +24,7 @@ use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
 
 use super::elementwise::Pointwise;
-use super::float8::{float8_linear, Float8Activation};
+use super::float8::float8_linear;
 use super::{check_float, check_same, records};
 
 impl Tensor {
@@ -124,14 +124,8 @@ impl Tensor {
 
     /// `self @ weight^T + bias` over the last dim (`torch.nn.functional.linear`).
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        // A linear the policy lists in fp8 is quantized from the tensors as they come (no half
-        // copy of the input or the weight), its output in the dtype autocast gives a linear.
-        if let Some(scales) = float8_plan(weight) {
-            let output = match autocast_target("linear", &[Some(self), Some(weight), bias]) {
-                Some(target) if self.dtype() != DType::F64 => target,
-                _ => self.dtype(),
-            };
-            return float8_linear(self, weight, bias, output, &scales, None);
+        if let Some(res) = self.linear_in_float8(weight, bias, None)? {
+            return Ok(res);
         }
         if let Some(cast) = autocast_inputs("linear", &[Some(self), Some(weight), bias])? {
             let (input, weight, bias) = linear_operands(cast);
@@ -198,21 +192,11 @@ impl Tensor {
         weight: &Tensor,
         bias: Option<&Tensor>,
     ) -> Result<Tensor> {
+        // In fp8, the activation and the product are one op that keeps `self` alone, as here.
+        if let Some(res) = self.linear_in_float8(weight, bias, Some(activation))? {
+            return Ok(res);
+        }
         if let Some(policy) = autocast_policy() {
-            // A linear the policy lists in fp8: the activation and the product in one fp8 op
-            // that keeps `self` alone, as this op does.
-            if let Some(scales) = float8_plan(weight) {
-                let output = match autocast_target("linear", &[Some(self), Some(weight), bias]) {
-                    Some(target) if self.dtype() != DType::F64 => target,
-                    _ => self.dtype(),
-                };
-                let activation = Float8Activation {
-                    name: activation.name,
-                    op: activation.op,
-                    grad_op: activation.grad_op,
-                };
-                return float8_linear(self, weight, bias, output, &scales, Some(activation));
-            }
             // `None`: the linear's rule may change `self`'s dtype.
             let target = match policy.cast_policy("linear", self.device()) {
                 CastPolicy::Keep => Some(self.dtype()),
@@ -327,6 +311,25 @@ impl Tensor {
         Ok(res)
     }
 
+    /// The linear (behind `activation`, if given) in fp8 when the autocast policy lists `weight`:
+    /// quantized from the tensors as they come (no half copy of the input or the weight), its
+    /// output in the dtype autocast gives a linear; `None` when it is not listed.
+    fn linear_in_float8(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        activation: Option<ActivationLinear>,
+    ) -> Result<Option<Tensor>> {
+        let Some(scales) = float8_plan(weight) else {
+            return Ok(None);
+        };
+        let output = match autocast_target("linear", &[Some(self), Some(weight), bias]) {
+            Some(target) if self.dtype() != DType::F64 => target,
+            _ => self.dtype(),
+        };
+        float8_linear(self, weight, bias, output, &scales, activation).map(Some)
+    }
+
     /// The operands of a linear when it records, else `None`.
     fn linear_inputs<'a>(
         &'a self,
@@ -405,10 +408,10 @@ impl Tensor {
 /// The activation of [`Tensor::gelu_linear`] and its kin: the op's name, the activation and its
 /// backward (`grad_op(grad, pre_activation)`).
 #[derive(Debug, Clone, Copy)]
-struct ActivationLinear {
-    name: &'static str,
-    op: UnaryOp,
-    grad_op: BinaryOp,
+pub(super) struct ActivationLinear {
+    pub(super) name: &'static str,
+    pub(super) op: UnaryOp,
+    pub(super) grad_op: BinaryOp,
 }
 
 impl ActivationLinear {

@@ -232,18 +232,22 @@ fn fill_and_every_cast_match_the_cpu() {
             })
             .collect();
         for to in ALL {
-            let mut results = Vec::new();
-            for backend in [&gpu, &cpu] {
-                let src = upload(backend, from, &values);
-                let dst = poisoned(backend, to, n);
-                backend
-                    .copy(view(&src, &layout, from), view(&dst, &layout, to))
-                    .unwrap();
-                results.push(download(backend, to, &dst));
-            }
+            let results = [&gpu, &cpu].map(|b| copied(b, &values, from, from, to));
             assert_eq!(results[0], results[1], "copy {from:?} -> {to:?}");
         }
     }
+}
+
+/// `values` uploaded as `stored`, read as `from` and copied into a poisoned buffer of `to` on
+/// `backend`: what the copy wrote.
+fn copied(backend: &BackendRef, values: &[f64], stored: DType, from: DType, to: DType) -> Vec<f64> {
+    let layout = Layout::contiguous(&[values.len()]);
+    let src = upload(backend, stored, values);
+    let dst = poisoned(backend, to, values.len());
+    backend
+        .copy(view(&src, &layout, from), view(&dst, &layout, to))
+        .unwrap();
+    download(backend, to, &dst)
 }
 
 /// Casts into E4M3 and E5M2 (nearest-even, saturating, NaN and -0 kept) from f32, f64, bf16 and
@@ -287,15 +291,7 @@ fn float8_casts_match_the_cpu_bit_for_bit() {
     let wide = [DType::F32, DType::F64, DType::BF16, DType::F16];
     for to in [DType::F8E4M3, DType::F8E5M2] {
         for from in wide {
-            let mut results = Vec::new();
-            for backend in [&gpu, &cpu] {
-                let src = upload(backend, from, &values);
-                let dst = poisoned(backend, to, n);
-                backend
-                    .copy(view(&src, &layout, from), view(&dst, &layout, to))
-                    .unwrap();
-                results.push(download(backend, to, &dst));
-            }
+            let results = [&gpu, &cpu].map(|b| copied(b, &values, from, from, to));
             assert!(same(&results[0], &results[1]), "copy {from:?} -> {to:?}");
         }
         // Every code out to the wide dtypes.
@@ -305,21 +301,9 @@ fn float8_casts_match_the_cpu_bit_for_bit() {
                 _ => float8::F8E5M2::from_bits(bits).to_f64(),
             })
             .collect();
-        let codes_layout = Layout::contiguous(&[256]);
         let code_bytes: Vec<f64> = (0..256).map(f64::from).collect();
         for dest in wide {
-            let mut results = Vec::new();
-            for backend in [&gpu, &cpu] {
-                let src = upload(backend, DType::U8, &code_bytes);
-                let dst = poisoned(backend, dest, 256);
-                backend
-                    .copy(
-                        view(&src, &codes_layout, to),
-                        view(&dst, &codes_layout, dest),
-                    )
-                    .unwrap();
-                results.push(download(backend, dest, &dst));
-            }
+            let results = [&gpu, &cpu].map(|b| copied(b, &code_bytes, DType::U8, to, dest));
             assert!(same(&results[0], &results[1]), "copy {to:?} -> {dest:?}");
             if dest == DType::F64 {
                 assert!(same(&results[0], &codes), "{to:?} codes widen exactly");
