@@ -22,8 +22,8 @@ use cudarc::driver::result;
 use headroom_autograd_core::{
     Aliasing, AttentionBackward, AttentionForward, Backend, BinaryOp, Buffer, CrossEntropyBackward,
     CrossEntropyForward, CrossEntropyTile, CrossEntropyTileBackward, Device, DropoutDraw,
-    LayerNormBackward, LayerNormForward, LinearEpilogue, LinearForward, LinearWeightGrad, MaskedOp,
-    ReduceOp, Result, SoftmaxBackward, UnaryOp, View,
+    Float8Matmul, Float8Quantize, LayerNormBackward, LayerNormForward, LinearEpilogue,
+    LinearForward, LinearWeightGrad, MaskedOp, ReduceOp, Result, SoftmaxBackward, UnaryOp, View,
 };
 use headroom_autograd_core::{
     ReduceWithIndex, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
@@ -34,6 +34,7 @@ use crate::attention;
 use crate::device::CudaBackend;
 use crate::elementwise;
 use crate::error::device_error;
+use crate::float8;
 use crate::index;
 use crate::linear;
 use crate::llama;
@@ -281,6 +282,42 @@ impl Backend for CudaBackend {
                 )
             },
             || linear::linear_weight_grad(self, args),
+        )
+    }
+
+    fn quantize_float8(&self, args: Float8Quantize<'_>) -> Result<bool> {
+        let ops = args.operands();
+        check(
+            self,
+            "quantize_float8",
+            &ops.writes,
+            &ops.reads,
+            Aliasing::Disjoint,
+        )?;
+        self.timed(
+            || {
+                format!(
+                    "quantize_float8 {:?} {}",
+                    args.granularity,
+                    describe(&args.x)
+                )
+            },
+            || float8::quantize_float8(self, args),
+        )
+    }
+
+    fn matmul_float8(&self, args: Float8Matmul<'_>) -> Result<bool> {
+        let ops = args.operands();
+        check(
+            self,
+            "matmul_float8",
+            &ops.writes,
+            &ops.reads,
+            Aliasing::Disjoint,
+        )?;
+        self.timed(
+            || format!("matmul_float8 {}·{}", describe(&args.a), describe(&args.b)),
+            || linear::matmul_float8(self, args),
         )
     }
 

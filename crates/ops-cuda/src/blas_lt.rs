@@ -72,6 +72,17 @@ pub(crate) struct PlanKey {
     pub(crate) a: OperandKey,
     pub(crate) b: OperandKey,
     pub(crate) d: OperandKey,
+    /// The 8-bit floats of A and B in an fp8 product (`dtype` is then D's), or `None`.
+    pub(crate) float8: Option<(DType, DType)>,
+}
+
+/// cuBLASLt's name for an fp8 dtype (E4M3 unless E5M2).
+fn float8_data_type(dtype: DType) -> lt_sys::cudaDataType {
+    if dtype == DType::F8E5M2 {
+        lt_sys::cudaDataType::CUDA_R_8F_E5M2
+    } else {
+        lt_sys::cudaDataType::CUDA_R_8F_E4M3
+    }
 }
 
 /// One operand's part of a [`PlanKey`]: whether the product reads it transposed, its leading
@@ -113,8 +124,13 @@ impl Plan {
         let (m, n, k) = key.dims;
         let desc =
             lt::create_matmul_desc(compute, lt_sys::cudaDataType::CUDA_R_32F).map_err(failed)?;
+        // A's and B's element types: D's, or the fp8 product's.
+        let (a_type, b_type) = match key.float8 {
+            Some((a, b)) => (float8_data_type(a), float8_data_type(b)),
+            None => (data_type, data_type),
+        };
         // Stored shape of an operand read as an `rows × cols` matrix.
-        let stored = |operand: &OperandKey, rows: usize, cols: usize| {
+        let stored = |operand: &OperandKey, data_type, rows: usize, cols: usize| {
             let (rows, cols) = if operand.transposed {
                 (cols, rows)
             } else {
@@ -129,9 +145,9 @@ impl Plan {
             untimed: Vec::new(),
         };
         // From here on, dropping `plan` releases what was created.
-        plan.layouts[0] = stored(&key.a, m, k).map_err(failed)?;
-        plan.layouts[1] = stored(&key.b, k, n).map_err(failed)?;
-        plan.layouts[2] = stored(&key.d, m, n).map_err(failed)?;
+        plan.layouts[0] = stored(&key.a, a_type, m, k).map_err(failed)?;
+        plan.layouts[1] = stored(&key.b, b_type, k, n).map_err(failed)?;
+        plan.layouts[2] = stored(&key.d, data_type, m, n).map_err(failed)?;
         let epilogue = match key.epilogue {
             Epilogue::Plain => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
             Epilogue::Bias => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,

@@ -51,6 +51,8 @@ pub(crate) enum Module {
     AttentionTf32,
     /// `kernels/llama.cu`.
     Llama,
+    /// `kernels/float8.cu`.
+    Float8,
 }
 
 impl Module {
@@ -63,6 +65,7 @@ impl Module {
             Module::AttentionTc => include_str!("../kernels/ptx/attention_tc.ptx"),
             Module::AttentionTf32 => include_str!("../kernels/ptx/attention_tf32.ptx"),
             Module::Llama => include_str!("../kernels/ptx/llama.ptx"),
+            Module::Float8 => include_str!("../kernels/ptx/float8.ptx"),
         }
     }
 }

@@ -87,6 +87,8 @@ mod attention;
 #[cfg(feature = "cuda")]
 mod elementwise;
 #[cfg(feature = "cuda")]
+mod float8;
+#[cfg(feature = "cuda")]
 mod index;
 #[cfg(feature = "cuda")]
 mod linear;

@@ -8,6 +8,14 @@
 //! `CUBLASLT_EPILOGUE_BGRADB`: in column-major terms `dWᵀ = xᵀ · grad`, so `grad` is operand B and
 //! the bias gradient is B's reduction over the GEMM's `k` (the rows).
 //!
+//! `Backend::matmul_float8` is one `cublasLtMatmul` with fp8 A and B and the tensorwise inverse
+//! scales as cuBLASLt's A and B scale pointers (read on the device, so nothing synchronises),
+//! accumulating in f32 with fast accumulation off, into f32, bf16 or f16. Hopper's fp8 GEMMs
+//! read both operands along k (the "TN" form): an operand that is not k-contiguous is first
+//! written k-contiguous into scratch by `float8.cu`'s `float8_transpose` (backward's `dY·W` and
+//! `dYᵀ·X`). Rowwise scales, and sizes that are not multiples of 16 (cuBLASLt's fp8
+//! alignment), answer "not here" and the core composes the product.
+//!
 //! A plan (descriptors, layouts and the heuristic's algorithm) is cached per problem: dtype,
 //! compute type, epilogue, transposes, sizes, leading dimensions and pointer alignments, so the
 //! heuristic is queried once per shape. Whatever cuBLASLt is not given — f64, operands with
@@ -25,16 +33,23 @@
 use std::ffi::c_void;
 
 use cudarc::cublaslt::{result as lt, sys as lt_sys};
-use cudarc::driver::{result, sys};
+use cudarc::driver::{result, sys, LaunchConfig};
 use headroom_autograd_core::{
-    compose_linear, compose_linear_weight_grad, linear_dims, linear_weight_grad_dims, Backend,
-    DType, LinearEpilogue, LinearForward, LinearWeightGrad, Result, UnaryOp, View,
+    compose_linear, compose_linear_weight_grad, float8_matmul_dims, linear_dims,
+    linear_weight_grad_dims, Backend, DType, Float8Matmul, LinearEpilogue, LinearForward,
+    LinearWeightGrad, Result, UnaryOp, View,
 };
 
 use crate::blas_lt::{Epilogue, OperandKey, Plan, PlanKey};
 use crate::device::CudaBackend;
 use crate::error::device_error;
+use crate::kernels::{KernelName, Module};
+use crate::launch::{checked_grid, launch_in, Param, NO_ARGS};
 use crate::operands::element_address;
+use crate::scratch::Scratch;
+
+/// cuBLASLt's fp8 GEMMs want every size and leading dimension a multiple of 16 elements.
+const FLOAT8_ALIGNMENT: usize = 16;
 
 /// One operand of a column-major product: where it is, its leading dimension, and whether the
 /// product reads it transposed.
@@ -56,6 +71,64 @@ struct Gemm {
     epilogue: Epilogue,
     /// The bias (or bias gradient) for the epilogues that have one.
     bias: u64,
+    /// An fp8 product's operand dtypes and scales (`dtype` is then D's).
+    float8: Option<Float8Operands>,
+}
+
+/// The fp8 side of a [`Gemm`]: A's and B's 8-bit floats, and the device addresses of the f32
+/// scalars that multiply them (cuBLASLt's A and B scale pointers).
+#[derive(Debug, Clone, Copy)]
+struct Float8Operands {
+    dtypes: (DType, DType),
+    scales: (u64, u64),
+}
+
+/// A column-major fp8 product in cuBLASLt's one fp8 form ("TN"): `D (m × n) = (A_s · Aᵀ) (B_s ·
+/// B)`, A stored `k × m` and B `k × n` (k contiguous in both, `ld` apart), D dense `m × n` in
+/// `out_dtype`; A_s and B_s f32 scalars on the device.
+#[derive(Debug, Clone, Copy)]
+struct Float8Gemm {
+    out_dtype: DType,
+    /// `(m, n, k)`.
+    dims: (usize, usize, usize),
+    a_dtype: DType,
+    /// A's address and leading dimension.
+    a: (u64, usize),
+    /// The address of A's f32 scale.
+    a_scale: u64,
+    b_dtype: DType,
+    /// B's address and leading dimension.
+    b: (u64, usize),
+    /// The address of B's f32 scale.
+    b_scale: u64,
+    /// D's address (dense, leading dimension m).
+    d: u64,
+}
+
+/// Runs `gemm` through cuBLASLt's fp8 GEMM; `Ok(false)` when the library is missing or has no
+/// algorithm for it (the caller composes instead).
+fn run_float8_gemm(backend: &CudaBackend, gemm: &Float8Gemm) -> Result<bool> {
+    let operand = |(address, ld): (u64, usize), transposed| Operand {
+        address,
+        ld,
+        transposed,
+    };
+    run(
+        backend,
+        &Gemm {
+            dtype: gemm.out_dtype,
+            dims: gemm.dims,
+            a: operand(gemm.a, true),
+            b: operand(gemm.b, false),
+            d: operand((gemm.d, gemm.dims.0), false),
+            epilogue: Epilogue::Plain,
+            bias: 0,
+            float8: Some(Float8Operands {
+                dtypes: (gemm.a_dtype, gemm.b_dtype),
+                scales: (gemm.a_scale, gemm.b_scale),
+            }),
+        },
+    )
 }
 
 /// How a row-major `[rows, cols]` view reaches cuBLAS without a copy, or `None`.
@@ -125,6 +198,7 @@ pub(crate) fn linear(backend: &CudaBackend, args: LinearForward<'_>) -> Result<(
                 Epilogue::Plain
             },
             bias: args.bias.map_or(0, |bias| element_address(&bias)),
+            float8: None,
         }),
         _ => None,
     };
@@ -157,6 +231,7 @@ pub(crate) fn linear_weight_grad(backend: &CudaBackend, args: LinearWeightGrad<'
             d: dense(&args.grad_weight, in_features),
             epilogue: Epilogue::BiasGradB,
             bias: element_address(&grad_bias),
+            float8: None,
         }),
         // Without a bias gradient the product is cuBLAS's `matmul`, as fast.
         _ => None,
@@ -199,7 +274,7 @@ fn run(backend: &CudaBackend, gemm: &Gemm) -> Result<bool> {
     if m == 0 || n == 0 || k == 0 || (has_bias && !gemm.bias.is_multiple_of(16)) {
         return Ok(false);
     }
-    let tf32 = gemm.dtype == DType::F32 && backend.allow_tf32();
+    let tf32 = gemm.dtype == DType::F32 && gemm.float8.is_none() && backend.allow_tf32();
     let key = |operand: &Operand| OperandKey {
         transposed: operand.transposed,
         ld: operand.ld,
@@ -213,6 +288,7 @@ fn run(backend: &CudaBackend, gemm: &Gemm) -> Result<bool> {
         a: key(&gemm.a),
         b: key(&gemm.b),
         d: key(&gemm.d),
+        float8: gemm.float8.map(|float8| float8.dtypes),
     };
     let mut state = backend.blas_state()?;
     let (workspace, workspace_bytes) = state.workspace();
@@ -234,6 +310,35 @@ fn run(backend: &CudaBackend, gemm: &Gemm) -> Result<bool> {
                 std::mem::size_of::<*const c_void>(),
             )
             .map_err(|e| device_error("linear", e))?;
+        }
+    }
+    if let Some(Float8Operands {
+        scales: (a_scale, b_scale),
+        ..
+    }) = gemm.float8
+    {
+        for (attribute, scale) in [
+            (
+                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                a_scale,
+            ),
+            (
+                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                b_scale,
+            ),
+        ] {
+            let scale = scale as *const c_void;
+            // SAFETY: the descriptor is the plan's live one; the attribute is a device pointer
+            // to one f32 (the scale type), of the size cuBLASLt documents, read during the call.
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    plan.desc,
+                    attribute,
+                    (&scale as *const *const c_void).cast(),
+                    std::mem::size_of::<*const c_void>(),
+                )
+                .map_err(|e| device_error("matmul_float8", e))?;
+            }
         }
     }
     let matmul = |plan: &Plan, algo: &lt_sys::cublasLtMatmulAlgo_t| {
@@ -288,6 +393,99 @@ fn run(backend: &CudaBackend, gemm: &Gemm) -> Result<bool> {
     }
     matmul(plan, &plan.algo)?;
     Ok(true)
+}
+
+/// A `[rows, cols]` matrix of codes as the fp8 GEMM reads it: rows contiguous (each row's
+/// elements adjacent, rows `ld` apart), either the view itself or a dense copy in `scratch`.
+struct RowMajor {
+    address: u64,
+    ld: usize,
+}
+
+/// `view` (`[rows, cols]` codes) with contiguous rows: as it is when its rows are, else
+/// transposed into `scratch` by `float8_transpose`.
+fn row_major<'a>(
+    backend: &'a CudaBackend,
+    view: &View<'_>,
+    scratch: &mut Vec<Scratch<'a>>,
+) -> Result<RowMajor> {
+    const OP: &str = "matmul_float8";
+    let (&[rows, cols], &[row_stride, col_stride]) = (view.layout.shape(), view.layout.strides())
+    else {
+        unreachable!("checked as a matrix");
+    };
+    if (col_stride == 1 || cols == 1) && (row_stride.is_multiple_of(FLOAT8_ALIGNMENT) || rows == 1)
+    {
+        let ld = if rows == 1 { cols } else { row_stride };
+        if ld.is_multiple_of(FLOAT8_ALIGNMENT) && ld >= cols {
+            return Ok(RowMajor {
+                address: element_address(view),
+                ld,
+            });
+        }
+    }
+    let dense = Scratch::new(backend, (rows * cols) as u64)?;
+    let grid = checked_grid(OP, cols.div_ceil(32) as u64, rows.div_ceil(32) as u64, 1)?;
+    let config = LaunchConfig {
+        grid_dim: grid,
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    let params = [
+        Param::U64(element_address(view)),
+        Param::I64(rows as i64),
+        Param::I64(cols as i64),
+        Param::I64(row_stride as i64),
+        Param::I64(col_stride as i64),
+        Param::U64(dense.address()),
+    ];
+    let name: KernelName = ("float8_transpose", "");
+    launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
+    let address = dense.address();
+    scratch.push(dense);
+    Ok(RowMajor { address, ld: cols })
+}
+
+/// `out = (a · b) · a_inverse_scale · b_inverse_scale` through cuBLASLt; `Ok(false)` for
+/// rowwise scales, sizes that are not multiples of 16, or a problem cuBLASLt has no algorithm
+/// for (the core composes it).
+pub(crate) fn matmul_float8(backend: &CudaBackend, args: Float8Matmul<'_>) -> Result<bool> {
+    let (m, k, n) = float8_matmul_dims(&args)?;
+    let tensorwise =
+        |scale: &View<'_>| scale.layout.strides() == [0] || scale.layout.shape() == [1];
+    let aligned = [m, k, n]
+        .iter()
+        .all(|size| *size > 0 && size.is_multiple_of(FLOAT8_ALIGNMENT));
+    if !tensorwise(&args.a_inverse_scale) || !tensorwise(&args.b_inverse_scale) || !aligned {
+        return Ok(false);
+    }
+    let mut scratch = Vec::new();
+    // Row-major `out[m, n] = a[m, k] · b[k, n]` is column-major `outᵀ = bᵀ aᵀ`: cuBLASLt's A is
+    // bᵀ (`[n, k]`, read transposed: k-contiguous) and its B is a (`[m, k]` rows, k-contiguous).
+    let a = row_major(backend, &args.a, &mut scratch)?;
+    let b_transposed = args.b.layout.permute("matmul_float8", &[1, 0])?;
+    let b = row_major(
+        backend,
+        &View {
+            layout: &b_transposed,
+            ..args.b
+        },
+        &mut scratch,
+    )?;
+    let gemm = Float8Gemm {
+        out_dtype: args.out.dtype,
+        dims: (n, m, k),
+        a_dtype: args.b.dtype,
+        a: (b.address, b.ld),
+        a_scale: element_address(&args.b_inverse_scale),
+        b_dtype: args.a.dtype,
+        b: (a.address, a.ld),
+        b_scale: element_address(&args.a_inverse_scale),
+        d: element_address(&args.out),
+    };
+    let ran = run_float8_gemm(backend, &gemm)?;
+    drop(scratch);
+    Ok(ran)
 }
 
 /// Runs of each candidate algorithm when tuning (the first warms it up as much as it times it).

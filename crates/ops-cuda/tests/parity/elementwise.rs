@@ -319,8 +319,10 @@ fn float8_casts_match_the_cpu_bit_for_bit() {
     }
 }
 
-/// The fp8 linear (composed from casts and f32 products) on the GPU: its output and the three
-/// gradients within f32 rounding of the CPU's, from the same codes.
+/// The fp8 linear on the GPU (the fp8 quantize and cuBLASLt's fp8 GEMMs, the backward's
+/// operands through the transpose kernel): its output and the three gradients within 2^-11 of
+/// the CPU's largest (the same codes; Hopper's fp8 tensor cores add at reduced precision within
+/// a block of k, see `float8_matmul_matches_the_cpu`).
 #[test]
 #[ignore = "needs a CUDA device"]
 fn the_fp8_linear_matches_the_cpu() {
@@ -357,6 +359,9 @@ fn the_fp8_linear_matches_the_cpu() {
             .zip(c)
             .map(|(a, b)| (a - b).abs())
             .fold(0.0, f64::max);
-        assert!(worst <= 1e-5 * scale, "{name}: {worst} against {scale}");
+        assert!(
+            worst <= 2f64.powi(-11) * scale,
+            "{name}: {worst} against {scale}"
+        );
     }
 }

@@ -1,8 +1,8 @@
 //! The CUDA backend against the CPU backend, primitive by primitive, on fresh random inputs with
 //! poisoned outputs: unary and binary ops in f32, f64, f16 and bf16 (contiguous, broadcast and
 //! transposed operands), fill, copies between every pair of dtypes, and linear layers through
-//! cuBLASLt (bias and GELU forward, weight and bias gradients backward, and the fallbacks), and the
-//! fused Llama ops (RMSNorm, SwiGLU, rotary embedding). Each
+//! cuBLASLt (bias and GELU forward, weight and bias gradients backward, and the fallbacks), the
+//! fused Llama ops (RMSNorm, SwiGLU, rotary embedding) and the fp8 quantize and GEMM. Each
 //! test is marked `#[ignore = "needs a CUDA device"]`: it runs with `--include-ignored`, and
 //! fails without a device where `HEADROOM_REQUIRE_GPU=1` is set (testkit's GPU gate).
 //!
@@ -13,6 +13,7 @@
 mod attention;
 mod device_checks;
 mod elementwise;
+mod float8_ops;
 mod indexing_and_losses;
 mod linear;
 mod llama_ops;

@@ -1,0 +1,212 @@
+// fp8 training's quantize and the code transpose its GEMMs need (src/float8.rs launches them).
+//
+// A quantize takes `v = f32(x) * premultiply[col]` (or `f32(x)`) of a strided [rows, cols]
+// view, the amax of |v| over the tensor (tensorwise) or over each row (rowwise), the scale
+// `f32(max_finite / max(amax, 1e-12))` (rounded down to a power of two when asked, or a given
+// delayed scale), and codes `cvt(v * scale)` (round to nearest even, saturating, NaN kept:
+// cuda_fp8.h's conversion with __NV_SATFINITE, as elementwise.cu's casts and the CPU's float8
+// crate). The amax is reduced on the bits of |v|: for non-negative floats the unsigned order of
+// the bits is the order of the values, and every NaN sorts above +inf, so a NaN anywhere makes
+// the amax NaN, as on the CPU.
+//
+// Tensorwise runs three kernels: float8_amax_<T> (each block's amax over its rows into a
+// partial), float8_scale (one block: the partials' amax, the scale), float8_cast_<T>_<Q> (the
+// codes). Rowwise runs one, float8_rowwise_<T>_<Q>: a block a row, the row read twice (amax,
+// then codes). float8_transpose writes a strided [rows, cols] view of codes dense.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+#define THREADS 256
+#define AMAX_FLOOR 1e-12
+#define CANONICAL_NAN 0x7fc00000u
+
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float widen(__half x) { return __half2float(x); }
+
+struct E4M3 { static constexpr __nv_fp8_interpretation_t kind = __NV_E4M3; };
+struct E5M2 { static constexpr __nv_fp8_interpretation_t kind = __NV_E5M2; };
+
+// The value a code is taken from: f32(x), times the column's premultiplier when there is one.
+template <typename T>
+__device__ __forceinline__ float value_at(const T *x, long long row_stride, long long col_stride,
+                                          const float *premultiply, long long premultiply_stride,
+                                          long long row, long long col) {
+    float v = widen(x[row * row_stride + col * col_stride]);
+    if (premultiply != nullptr) {
+        v = __fmul_rn(v, premultiply[col * premultiply_stride]);
+    }
+    return v;
+}
+
+// The largest of the block's `bits` (every thread's), in every thread.
+__device__ __forceinline__ unsigned block_max(unsigned bits) {
+    __shared__ unsigned warp_max[THREADS / 32];
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, offset));
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_max[warp] = bits;
+    __syncthreads();
+    unsigned result = 0;
+    for (int w = 0; w < THREADS / 32; ++w) result = max(result, warp_max[w]);
+    __syncthreads();
+    return result;
+}
+
+// The bits of max |v| over one row, from this thread's columns.
+template <typename T>
+__device__ __forceinline__ unsigned row_amax_bits(const T *x, long long row_stride,
+                                                  long long col_stride, const float *premultiply,
+                                                  long long premultiply_stride, long long row,
+                                                  long long cols) {
+    unsigned bits = 0;
+    for (long long col = threadIdx.x; col < cols; col += THREADS) {
+        const float v =
+            value_at(x, row_stride, col_stride, premultiply, premultiply_stride, row, col);
+        bits = max(bits, __float_as_uint(v) & 0x7fffffffu);
+    }
+    return bits;
+}
+
+// The scale for an amax (bits of a non-negative float, or a NaN): NaN for a NaN amax.
+__device__ __forceinline__ float scale_from(unsigned amax_bits, double max_finite, int power_of_two) {
+    if (amax_bits > 0x7f800000u) return __uint_as_float(CANONICAL_NAN);
+    const double amax = (double)__uint_as_float(amax_bits);
+    float scale = (float)(max_finite / fmax(amax, AMAX_FLOOR));
+    const unsigned exponent = __float_as_uint(scale) & 0x7f800000u;
+    if (power_of_two && exponent != 0 && exponent != 0x7f800000u) {
+        scale = __uint_as_float(__float_as_uint(scale) & 0xff800000u);
+    }
+    return scale;
+}
+
+__device__ __forceinline__ float amax_value(unsigned amax_bits) {
+    return amax_bits > 0x7f800000u ? __uint_as_float(CANONICAL_NAN) : __uint_as_float(amax_bits);
+}
+
+template <typename Q>
+__device__ __forceinline__ __nv_fp8_storage_t encode(float scaled) {
+    return __nv_cvt_double_to_fp8((double)scaled, __NV_SATFINITE, Q::kind);
+}
+
+// Each block's amax over rows blockIdx.x, blockIdx.x + gridDim.x, ... into partial[blockIdx.x].
+template <typename T>
+__device__ void amax_partial(const T *x, long long row_stride, long long col_stride,
+                             long long rows, long long cols, const float *premultiply,
+                             long long premultiply_stride, unsigned *partial) {
+    unsigned bits = 0;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        bits = max(bits, row_amax_bits(x, row_stride, col_stride, premultiply,
+                                       premultiply_stride, row, cols));
+    }
+    bits = block_max(bits);
+    if (threadIdx.x == 0) partial[blockIdx.x] = bits;
+}
+
+// One block: the partials' amax, then the scale (or the delayed one), and the amax if wanted.
+extern "C" __global__ void __launch_bounds__(THREADS)
+float8_scale(const unsigned *partial, int count, double max_finite, int power_of_two,
+             const float *delayed, float *scale, float *amax) {
+    unsigned bits = 0;
+    for (int i = threadIdx.x; i < count; i += THREADS) bits = max(bits, partial[i]);
+    bits = block_max(bits);
+    if (threadIdx.x == 0) {
+        scale[0] = delayed != nullptr ? delayed[0] : scale_from(bits, max_finite, power_of_two);
+        if (amax != nullptr) amax[0] = amax_value(bits);
+    }
+}
+
+// The codes of rows blockIdx.x, blockIdx.x + gridDim.x, ... with one scale for all.
+template <typename T, typename Q>
+__device__ void cast_rows(const T *x, long long row_stride, long long col_stride, long long rows,
+                          long long cols, const float *premultiply, long long premultiply_stride,
+                          const float *scale, __nv_fp8_storage_t *codes) {
+    const float s = scale[0];
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        for (long long col = threadIdx.x; col < cols; col += THREADS) {
+            const float v =
+                value_at(x, row_stride, col_stride, premultiply, premultiply_stride, row, col);
+            codes[row * cols + col] = encode<Q>(__fmul_rn(v, s));
+        }
+    }
+}
+
+// A block a row: the row's amax, its scale (or the delayed one), then its codes.
+template <typename T, typename Q>
+__device__ void rowwise(const T *x, long long row_stride, long long col_stride, long long rows,
+                        long long cols, const float *premultiply, long long premultiply_stride,
+                        double max_finite, int power_of_two, const float *delayed, float *scale,
+                        float *amax, __nv_fp8_storage_t *codes) {
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const unsigned bits = block_max(row_amax_bits(x, row_stride, col_stride, premultiply,
+                                                      premultiply_stride, row, cols));
+        const float s =
+            delayed != nullptr ? delayed[row] : scale_from(bits, max_finite, power_of_two);
+        if (threadIdx.x == 0) {
+            scale[row] = s;
+            if (amax != nullptr) amax[row] = amax_value(bits);
+        }
+        for (long long col = threadIdx.x; col < cols; col += THREADS) {
+            const float v =
+                value_at(x, row_stride, col_stride, premultiply, premultiply_stride, row, col);
+            codes[row * cols + col] = encode<Q>(__fmul_rn(v, s));
+        }
+    }
+}
+
+#define AMAX(T, TN)                                                                               \
+    extern "C" __global__ void __launch_bounds__(THREADS) float8_amax_##TN(                       \
+        const T *x, long long row_stride, long long col_stride, long long rows, long long cols,   \
+        const float *premultiply, long long premultiply_stride, unsigned *partial) {              \
+        amax_partial(x, row_stride, col_stride, rows, cols, premultiply, premultiply_stride,      \
+                     partial);                                                                    \
+    }
+
+#define CASTS(T, TN, Q, QN)                                                                       \
+    extern "C" __global__ void __launch_bounds__(THREADS) float8_cast_##TN##_##QN(                \
+        const T *x, long long row_stride, long long col_stride, long long rows, long long cols,   \
+        const float *premultiply, long long premultiply_stride, const float *scale,               \
+        __nv_fp8_storage_t *codes) {                                                              \
+        cast_rows<T, Q>(x, row_stride, col_stride, rows, cols, premultiply, premultiply_stride,   \
+                        scale, codes);                                                            \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS) float8_rowwise_##TN##_##QN(             \
+        const T *x, long long row_stride, long long col_stride, long long rows, long long cols,   \
+        const float *premultiply, long long premultiply_stride, double max_finite,                \
+        int power_of_two, const float *delayed, float *scale, float *amax,                        \
+        __nv_fp8_storage_t *codes) {                                                              \
+        rowwise<T, Q>(x, row_stride, col_stride, rows, cols, premultiply, premultiply_stride,     \
+                      max_finite, power_of_two, delayed, scale, amax, codes);                     \
+    }
+
+#define FOR_INPUT(T, TN) AMAX(T, TN) CASTS(T, TN, E4M3, e4m3) CASTS(T, TN, E5M2, e5m2)
+
+FOR_INPUT(float, f32)
+FOR_INPUT(__nv_bfloat16, bf16)
+FOR_INPUT(__half, f16)
+
+// dst (dense [rows, cols]) = src (a [rows, cols] view with strides row_stride, col_stride), in
+// 32 x 32 tiles through shared memory: loads walk the source's rows (threads along a column, so
+// consecutive threads read consecutive bytes of a column-major source), stores walk the
+// destination's columns.
+#define TILE 32
+#define TILE_ROWS 8
+extern "C" __global__ void __launch_bounds__(TILE * TILE_ROWS)
+float8_transpose(const unsigned char *src, long long rows, long long cols, long long row_stride,
+                 long long col_stride, unsigned char *dst) {
+    __shared__ unsigned char tile[TILE][TILE + 1];
+    const long long row0 = (long long)blockIdx.y * TILE, col0 = (long long)blockIdx.x * TILE;
+    for (int c = threadIdx.y; c < TILE; c += TILE_ROWS) {
+        const long long row = row0 + threadIdx.x, col = col0 + c;
+        if (row < rows && col < cols) tile[c][threadIdx.x] = src[row * row_stride + col * col_stride];
+    }
+    __syncthreads();
+    for (int r = threadIdx.y; r < TILE; r += TILE_ROWS) {
+        const long long row = row0 + r, col = col0 + threadIdx.x;
+        if (row < rows && col < cols) dst[row * cols + col] = tile[threadIdx.x][r];
+    }
+}

@@ -1,0 +1,164 @@
+//! fp8 training's quantize on the GPU (`kernels/float8.cu`): a tensor's amax, scale and 8-bit
+//! codes. Tensorwise runs three launches (each block's amax over its rows into a partial, the
+//! scale from the partials in one block, the codes), rowwise one (a block a row reads its row
+//! twice: amax, then codes). Inputs f32, bf16 or f16 with any strides; f64 answers "not here"
+//! (the core composes it). The fp8 product is the linear layers' (`linear.rs`, cuBLASLt).
+//!
+//! This family sits on the ground floor and imports no other family; it knows nothing of
+//! recipes or autograd: it sees views, never tensors.
+
+use cudarc::driver::LaunchConfig;
+use headroom_autograd_core::{
+    float8_quantize_dims, DType, Float8Granularity, Float8Quantize, Result, View,
+};
+
+use crate::device::CudaBackend;
+use crate::kernels::{KernelName, Module};
+use crate::launch::{launch_in, Param, NO_ARGS};
+use crate::operands::element_address;
+use crate::scratch::Scratch;
+
+/// Threads of a quantize block (`THREADS` of float8.cu).
+const THREADS: u32 = 256;
+/// Blocks of a quantize launch at most (the kernels loop over the rest): a few waves of an
+/// H200; also the tensorwise partials' count.
+const MAX_BLOCKS: u64 = 132 * 8;
+
+fn input_suffix(dtype: DType) -> Option<&'static str> {
+    match dtype {
+        DType::F32 => Some("f32"),
+        DType::BF16 => Some("bf16"),
+        DType::F16 => Some("f16"),
+        _ => None,
+    }
+}
+
+fn code_suffix(dtype: DType) -> &'static str {
+    if dtype == DType::F8E4M3 {
+        "e4m3"
+    } else {
+        "e5m2"
+    }
+}
+
+fn row_blocks(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((rows as u64).clamp(1, MAX_BLOCKS) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The address and element stride of an optional `[len]` f32 vector (0, 0 when absent).
+fn vector(view: Option<&View<'_>>) -> (u64, i64) {
+    view.map_or((0, 0), |view| {
+        (element_address(view), view.layout.strides()[0] as i64)
+    })
+}
+
+/// `codes`, `scale` (and `amax`) of `args.x`; `Ok(false)` for an f64 input.
+pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -> Result<bool> {
+    const OP: &str = "quantize_float8";
+    let (rows, cols) = float8_quantize_dims(&args)?;
+    let Some(input) = input_suffix(args.x.dtype) else {
+        return Ok(false);
+    };
+    let codes = code_suffix(args.codes.dtype);
+    let max_finite = args.codes.dtype.max_finite().unwrap_or(f64::from(f32::MAX));
+    let strides = args.x.layout.strides();
+    let (premultiply, premultiply_stride) = vector(args.premultiply.as_ref());
+    let source = [
+        Param::U64(element_address(&args.x)),
+        Param::I64(strides[0] as i64),
+        Param::I64(strides[1] as i64),
+        Param::I64(rows as i64),
+        Param::I64(cols as i64),
+        Param::U64(premultiply),
+        Param::I64(premultiply_stride),
+    ];
+    let delayed = args.delayed_scale.as_ref().map_or(0, element_address);
+    let amax = args.amax.as_ref().map_or(0, element_address);
+    let (scale, code_address) = (element_address(&args.scale), element_address(&args.codes));
+    let config = row_blocks(rows);
+    match args.granularity {
+        Float8Granularity::Rowwise => {
+            if rows == 0 {
+                return Ok(true);
+            }
+            let mut params = source.to_vec();
+            params.extend([
+                Param::F64(max_finite),
+                Param::I32(i32::from(args.power_of_two)),
+                Param::U64(delayed),
+                Param::U64(scale),
+                Param::U64(amax),
+                Param::U64(code_address),
+            ]);
+            let name: KernelName = (rowwise_name(input, codes), "");
+            launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
+        }
+        Float8Granularity::Tensorwise => {
+            let blocks = config.grid_dim.0;
+            let partial = Scratch::new(backend, u64::from(blocks) * 4)?;
+            let mut params = source.to_vec();
+            params.push(Param::U64(partial.address()));
+            let name: KernelName = ("float8_amax", input);
+            launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
+            let one_block = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let scale_params = [
+                Param::U64(partial.address()),
+                Param::I32(blocks as i32),
+                Param::F64(max_finite),
+                Param::I32(i32::from(args.power_of_two)),
+                Param::U64(delayed),
+                Param::U64(scale),
+                Param::U64(amax),
+            ];
+            let name: KernelName = ("float8_scale", "");
+            launch_in(
+                backend,
+                Module::Float8,
+                OP,
+                name,
+                one_block,
+                &scale_params,
+                NO_ARGS,
+            )?;
+            if rows > 0 && cols > 0 {
+                let mut params = source.to_vec();
+                params.extend([Param::U64(scale), Param::U64(code_address)]);
+                let name: KernelName = (cast_name(input, codes), "");
+                launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// `float8_cast_<input>_<codes>`, as a static name.
+fn cast_name(input: &str, codes: &str) -> &'static str {
+    match (input, codes) {
+        ("f32", "e4m3") => "float8_cast_f32_e4m3",
+        ("f32", _) => "float8_cast_f32_e5m2",
+        ("bf16", "e4m3") => "float8_cast_bf16_e4m3",
+        ("bf16", _) => "float8_cast_bf16_e5m2",
+        (_, "e4m3") => "float8_cast_f16_e4m3",
+        _ => "float8_cast_f16_e5m2",
+    }
+}
+
+/// `float8_rowwise_<input>_<codes>`, as a static name.
+fn rowwise_name(input: &str, codes: &str) -> &'static str {
+    match (input, codes) {
+        ("f32", "e4m3") => "float8_rowwise_f32_e4m3",
+        ("f32", _) => "float8_rowwise_f32_e5m2",
+        ("bf16", "e4m3") => "float8_rowwise_bf16_e4m3",
+        ("bf16", _) => "float8_rowwise_bf16_e5m2",
+        (_, "e4m3") => "float8_rowwise_f16_e4m3",
+        _ => "float8_rowwise_f16_e5m2",
+    }
+}

@@ -1,0 +1,305 @@
+//! The fp8 primitives: `quantize_float8` (codes, scales and amaxes bit for bit against the CPU,
+//! every input dtype, both granularities, power-of-two and delayed scales, premultipliers,
+//! strided inputs) and `matmul_float8` (cuBLASLt's fp8 GEMM against the CPU's f32 product of
+//! the same codes, every operand layout and fp8 pairing, and the sizes it leaves to the core).
+
+use headroom_autograd_core::{
+    BackendRef, Buffer, DType, Float8Granularity, Float8Matmul, Float8Quantize, Layout, View,
+};
+
+use super::{download, poisoned, seeded_backends, upload, view};
+
+/// Bit-for-bit equality of two downloads, any NaN equal to any NaN.
+fn same_bits(a: &[f64], b: &[f64]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+}
+
+/// One quantize setting.
+#[derive(Debug, Clone, Copy)]
+struct Setting {
+    input: DType,
+    codes: DType,
+    granularity: Float8Granularity,
+    power_of_two: bool,
+    premultiply: bool,
+    delayed: bool,
+    transposed: bool,
+}
+
+/// What a quantize wrote: codes (as bytes), scales and amaxes.
+fn quantized(
+    backend: &BackendRef,
+    setting: Setting,
+    values: &[f64],
+    (rows, cols): (usize, usize),
+    premultiply: &[f64],
+    delayed: &[f64],
+) -> [Vec<f64>; 3] {
+    let x = upload(backend, setting.input, values);
+    // Transposed: the same values stored `[cols, rows]` and read through a transposed view.
+    let x_layout = if setting.transposed {
+        Layout::contiguous(&[cols, rows])
+            .permute("test", &[1, 0])
+            .unwrap()
+    } else {
+        Layout::contiguous(&[rows, cols])
+    };
+    let groups = match setting.granularity {
+        Float8Granularity::Tensorwise => 1,
+        Float8Granularity::Rowwise => rows,
+    };
+    let codes = poisoned(backend, DType::U8, rows * cols);
+    let (scale, amax) = (
+        poisoned(backend, DType::F32, groups),
+        poisoned(backend, DType::F32, groups),
+    );
+    let premultiply_buffer = upload(backend, DType::F32, premultiply);
+    let delayed_buffer = upload(backend, DType::F32, &delayed[..groups]);
+    let (codes_layout, group_layout) = (
+        Layout::contiguous(&[rows, cols]),
+        Layout::contiguous(&[groups]),
+    );
+    let premultiply_layout = Layout::contiguous(&[cols]);
+    let fused = backend
+        .quantize_float8(Float8Quantize {
+            x: view(&x, &x_layout, setting.input),
+            premultiply: setting
+                .premultiply
+                .then(|| view(&premultiply_buffer, &premultiply_layout, DType::F32)),
+            granularity: setting.granularity,
+            power_of_two: setting.power_of_two,
+            delayed_scale: setting
+                .delayed
+                .then(|| view(&delayed_buffer, &group_layout, DType::F32)),
+            codes: view(&codes, &codes_layout, setting.codes),
+            scale: view(&scale, &group_layout, DType::F32),
+            amax: Some(view(&amax, &group_layout, DType::F32)),
+        })
+        .unwrap();
+    assert!(fused, "{setting:?}: the backend quantizes it itself");
+    [
+        download(backend, DType::U8, &codes),
+        download(backend, DType::F32, &scale),
+        download(backend, DType::F32, &amax),
+    ]
+}
+
+/// Every setting of the quantize (3 input dtypes × 2 code dtypes × 2 granularities × power of
+/// two or not × premultiplied or not × delayed or current × strided or dense: 192 cases) gives
+/// the CPU's codes, scales and amaxes bit for bit, over rows that saturate, a zero row (the
+/// amax floor) and rows of tiny values.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn float8_quantize_matches_the_cpu_bit_for_bit() {
+    let Some((gpu, cpu, mut random)) = seeded_backends(0x00f8_9a7e_0001_5eed) else {
+        return;
+    };
+    let (rows, cols) = (37, 300);
+    let mut values = vec![0.0; rows * cols];
+    for row in 0..rows {
+        // Row magnitudes from 2^-30 to 2^20; row 5 all zero.
+        let magnitude = 2f64.powf(random.next_f64_in(-30.0, 20.0));
+        for col in 0..cols {
+            values[row * cols + col] = if row == 5 {
+                0.0
+            } else {
+                magnitude * random.next_f64_in(-1.0, 1.0)
+            };
+        }
+    }
+    let premultiply: Vec<f64> = (0..cols)
+        .map(|_| 2f64.powf(random.next_f64_in(-6.0, 6.0)))
+        .collect();
+    let delayed: Vec<f64> = (0..rows)
+        .map(|_| 2f64.powf(random.next_f64_in(-8.0, 8.0)) * 1.37)
+        .collect();
+    let mut cases = 0;
+    for input in [DType::F32, DType::BF16, DType::F16] {
+        // f16 holds neither 2^20 nor 2^-30: its rows are kept within its range.
+        let values: Vec<f64> = if input == DType::F16 {
+            values.iter().map(|v| v.clamp(-6.0e4, 6.0e4)).collect()
+        } else {
+            values.clone()
+        };
+        for codes in [DType::F8E4M3, DType::F8E5M2] {
+            for granularity in [Float8Granularity::Tensorwise, Float8Granularity::Rowwise] {
+                for bits in 0..16u32 {
+                    let setting = Setting {
+                        input,
+                        codes,
+                        granularity,
+                        power_of_two: bits & 1 != 0,
+                        premultiply: bits & 2 != 0,
+                        delayed: bits & 4 != 0,
+                        transposed: bits & 8 != 0,
+                    };
+                    // A transposed view's values are the stored [cols, rows] values read back.
+                    let stored: Vec<f64> = if setting.transposed {
+                        (0..cols * rows)
+                            .map(|i| values[(i % rows) * cols + i / rows])
+                            .collect()
+                    } else {
+                        values.clone()
+                    };
+                    let shape = (rows, cols);
+                    let [on_gpu, on_cpu] = [&gpu, &cpu]
+                        .map(|b| quantized(b, setting, &stored, shape, &premultiply, &delayed));
+                    for (part, name) in ["codes", "scale", "amax"].iter().enumerate() {
+                        assert!(
+                            same_bits(&on_gpu[part], &on_cpu[part]),
+                            "{setting:?}: {name} differ"
+                        );
+                    }
+                    cases += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 192);
+}
+
+/// Codes of `values` in `dtype`, stored as given (`[rows, cols]` dense), on `backend`.
+fn codes(backend: &BackendRef, dtype: DType, values: &[f64]) -> Buffer {
+    upload(backend, dtype, values)
+}
+
+/// `matmul_float8` of `a` (`[m, k]`, stored `[k, m]` and transposed when `a_transposed`) and `b`
+/// (`[k, n]`, stored `[n, k]` and transposed when `b_transposed`), with inverse scales 0.37 and
+/// 1.9, into `out`: whether the backend ran it itself, and the product.
+#[allow(clippy::too_many_arguments)]
+fn product(
+    backend: &BackendRef,
+    (m, k, n): (usize, usize, usize),
+    (a_dtype, b_dtype, out): (DType, DType, DType),
+    a_stored: &[f64],
+    a_transposed: bool,
+    b_stored: &[f64],
+    b_transposed: bool,
+) -> (bool, Vec<f64>) {
+    let a = codes(backend, a_dtype, a_stored);
+    let b = codes(backend, b_dtype, b_stored);
+    let layout = |transposed: bool, rows: usize, cols: usize| {
+        if transposed {
+            Layout::contiguous(&[cols, rows])
+                .permute("test", &[1, 0])
+                .unwrap()
+        } else {
+            Layout::contiguous(&[rows, cols])
+        }
+    };
+    let (a_layout, b_layout) = (layout(a_transposed, m, k), layout(b_transposed, k, n));
+    let (a_scale, b_scale) = (
+        upload(backend, DType::F32, &[0.37]),
+        upload(backend, DType::F32, &[1.9]),
+    );
+    let (a_scale_layout, b_scale_layout) = (
+        Layout::from_parts(&[m], &[0], 0).unwrap(),
+        Layout::from_parts(&[n], &[0], 0).unwrap(),
+    );
+    let result = poisoned(backend, out, m * n);
+    let out_layout = Layout::contiguous(&[m, n]);
+    let fused = backend
+        .matmul_float8(Float8Matmul {
+            a: view(&a, &a_layout, a_dtype),
+            b: view(&b, &b_layout, b_dtype),
+            a_inverse_scale: View {
+                buffer: &a_scale,
+                layout: &a_scale_layout,
+                dtype: DType::F32,
+            },
+            b_inverse_scale: View {
+                buffer: &b_scale,
+                layout: &b_scale_layout,
+                dtype: DType::F32,
+            },
+            out: view(&result, &out_layout, out),
+        })
+        .unwrap();
+    (fused, download(backend, out, &result))
+}
+
+/// cuBLASLt's fp8 GEMM against the CPU's f32 product of the same codes, for every pairing of
+/// E4M3 and E5M2 operands, both layouts of each operand (the backward's operands are not
+/// k-contiguous and go through the transpose kernel), and f32 and bf16 outputs: within 2^-11
+/// of the largest product (Hopper's fp8 tensor cores add within a block of k at reduced
+/// precision before cuBLASLt promotes to f32; fp8's own rounding is 2^-4). Sizes that are not
+/// multiples of 16 are left to the core (`Ok(false)`).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn float8_matmul_matches_the_cpu() {
+    let Some((gpu, cpu, mut random)) = seeded_backends(0x00f8_3a70_0002_5eed) else {
+        return;
+    };
+    let dims = (64, 96, 48);
+    let (m, k, n) = dims;
+    let mut draw = |count: usize| -> Vec<f64> {
+        (0..count)
+            .map(|_| random.next_f64_in(-1.0, 1.0) * 2f64.powf(random.next_f64_in(-4.0, 6.0)))
+            .collect()
+    };
+    let (a_values, b_values) = (draw(m * k), draw(k * n));
+    let transpose = |values: &[f64], rows: usize, cols: usize| -> Vec<f64> {
+        (0..rows * cols)
+            .map(|i| values[(i % rows) * cols + i / rows])
+            .collect()
+    };
+    let pairs = [
+        (DType::F8E4M3, DType::F8E4M3),
+        (DType::F8E5M2, DType::F8E4M3),
+        (DType::F8E4M3, DType::F8E5M2),
+    ];
+    for (a_dtype, b_dtype) in pairs {
+        for out in [DType::F32, DType::BF16] {
+            for (a_transposed, b_transposed) in
+                [(false, true), (false, false), (true, true), (true, false)]
+            {
+                let a = if a_transposed {
+                    transpose(&a_values, m, k)
+                } else {
+                    a_values.clone()
+                };
+                let b = if b_transposed {
+                    transpose(&b_values, k, n)
+                } else {
+                    b_values.clone()
+                };
+                let types = (a_dtype, b_dtype, out);
+                let run =
+                    |backend| product(backend, dims, types, &a, a_transposed, &b, b_transposed);
+                let ((gpu_fused, on_gpu), (_, on_cpu)) = (run(&gpu), run(&cpu));
+                let what = format!("{types:?} a_t={a_transposed} b_t={b_transposed}");
+                assert!(gpu_fused, "{what}: ran on cuBLASLt");
+                let largest = on_cpu.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+                let rounding = if out == DType::F32 {
+                    0.0
+                } else {
+                    2f64.powi(-8)
+                };
+                let worst = on_gpu
+                    .iter()
+                    .zip(&on_cpu)
+                    .map(|(g, c)| (g - c).abs() - rounding * c.abs())
+                    .fold(0.0, f64::max);
+                assert!(
+                    worst <= 2f64.powi(-11) * largest,
+                    "{what}: worst {worst:e} of {largest:e}"
+                );
+            }
+        }
+    }
+    // 20 rows: not a multiple of 16, left to the core.
+    let a = draw(20 * k);
+    let (fused, _) = product(
+        &gpu,
+        (20, k, n),
+        (DType::F8E4M3, DType::F8E4M3, DType::F32),
+        &a,
+        false,
+        &b_values,
+        false,
+    );
+    assert!(!fused, "20 rows are left to the core");
+}
