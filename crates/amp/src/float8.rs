@@ -44,6 +44,16 @@ use crate::error::AmpError;
 /// assert_eq!(y.dtype(), DType::BF16);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
+/// Whether `view` is `base.t()`: the same buffer, offset and elements, dims swapped.
+fn is_transpose_of(view: &Tensor, base: &Tensor) -> bool {
+    let (shape, strides) = (base.shape(), base.strides());
+    base.ndim() == 2
+        && Arc::ptr_eq(view.buffer(), base.buffer())
+        && view.layout().offset() == base.layout().offset()
+        && view.shape() == [shape[1], shape[0]]
+        && view.strides() == [strides[1], strides[0]]
+}
+
 #[derive(Clone)]
 pub struct Float8Policy {
     base: Option<Arc<dyn AutocastPolicy>>,
@@ -79,10 +89,15 @@ impl Float8Policy {
 
     /// The amax history of a listed linear's weight under delayed scaling.
     pub fn history(&self, weight: &Tensor) -> Option<Arc<Float8History>> {
+        self.listed(weight).and_then(|(_, history)| history.clone())
+    }
+
+    /// The entry of `weight`: the listed tensor itself, or its transpose as a view of the same
+    /// memory (what a `Conv1D` passes to `linear`: GPT-2 stores its weights `[in, out]`).
+    fn listed(&self, weight: &Tensor) -> Option<&(Tensor, Option<Arc<Float8History>>)> {
         self.linears
             .iter()
-            .find(|(listed, _)| listed.same_tensor(weight))
-            .and_then(|(_, history)| history.clone())
+            .find(|(listed, _)| listed.same_tensor(weight) || is_transpose_of(weight, listed))
     }
 
     fn list(&mut self, weight: &Tensor) {
@@ -157,10 +172,7 @@ impl AutocastPolicy for Float8Policy {
     }
 
     fn float8_linear(&self, weight: &Tensor) -> Option<Float8Linear> {
-        let (_, history) = self
-            .linears
-            .iter()
-            .find(|(listed, _)| listed.same_tensor(weight))?;
+        let (_, history) = self.listed(weight)?;
         Some(match history {
             Some(history) => Float8Linear::Delayed(Arc::clone(history)),
             None => Float8Linear::Current(self.recipe),

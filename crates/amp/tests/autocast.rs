@@ -330,6 +330,19 @@ fn a_float8_policy_runs_its_linears_in_fp8_inside_the_base_casts() {
     let want = x.linear_float8(&w1.detach(), None).unwrap();
     assert_eq!(h.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
 
+    // A weight stored `[in, out]` (GPT-2's Conv1D) is listed as itself and reaches `linear` as
+    // its transpose, a view: the view runs in fp8 too, and a copy of the transpose does not.
+    let stored = w1.detach().t().unwrap().contiguous().unwrap();
+    let conv1d = Float8Policy::new(None::<AmpPolicy>).with_weight(&stored);
+    let (h, copied) = {
+        let _fp8 = conv1d.enter();
+        let h = x.linear(&stored.t().unwrap(), None).unwrap();
+        let copy = stored.t().unwrap().contiguous().unwrap();
+        (h, x.linear(&copy, None).unwrap())
+    };
+    assert_eq!(h.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
+    assert_ne!(copied.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
+
     // The policy's recipe reaches the linear: rowwise, power-of-two scales, E4M3 gradients.
     let rowwise = plain.clone().with_recipe(Float8Recipe::ROWWISE);
     assert_eq!(rowwise.recipe(), Float8Recipe::ROWWISE);

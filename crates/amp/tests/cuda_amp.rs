@@ -13,7 +13,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use headroom_amp::{AmpPolicy, Float8Policy, GradScaler, GradScalerConfig, MasterWeights};
-use headroom_autograd_core::{found_non_finite, BackendRef, DType, Generator, Tensor};
+use headroom_autograd_core::{
+    autocast_stats, found_non_finite, BackendRef, DType, Generator, Tensor,
+};
 use headroom_nn::{Gpt2Config, Gpt2LMHeadModel, Module};
 use headroom_ops_cuda::{CudaBackend, GraphedStep, StepRun};
 use headroom_optim::{
@@ -356,6 +358,12 @@ fn train(backend: &BackendRef, run: Run) -> Vec<f64> {
                 _ => None,
             };
             let logits = model.forward(&ids).unwrap();
+            if matches!(run, Run::AutocastFp8) {
+                // Every listed linear ran in fp8 (GPT-2's Conv1D weights reach `linear` as
+                // transposed views): autocast cached a bf16 copy of the tied head alone.
+                let cached = autocast_stats().cached_bytes;
+                assert_eq!(cached, 256 * 768 * 2, "bf16 weight copies under fp8");
+            }
             model.loss(&logits, &ids).unwrap()
         };
         loss.backward().unwrap();

@@ -31,6 +31,8 @@ pub(crate) struct LtState {
     fallbacks: u64,
     /// Whether plans time the heuristic's candidates ([`TUNING_VARIABLE`]).
     tuning: bool,
+    /// Whether fp8 products accumulate fast ([`FLOAT8_FAST_ACCUMULATION_VARIABLE`]).
+    float8_fast_accumulation: bool,
 }
 
 #[derive(Debug)]
@@ -74,7 +76,16 @@ pub(crate) struct PlanKey {
     pub(crate) d: OperandKey,
     /// The 8-bit floats of A and B in an fp8 product (`dtype` is then D's), or `None`.
     pub(crate) float8: Option<(DType, DType)>,
+    /// An fp8 product's fast accumulation (no promotion of the tensor cores' partial sums to
+    /// f32 along k; see [`FLOAT8_FAST_ACCUMULATION_VARIABLE`]).
+    pub(crate) fast_accumulation: bool,
 }
+
+/// Set to `1`, the environment variable that runs fp8 products with cuBLASLt's fast
+/// accumulation (`CUBLASLT_MATMUL_DESC_FAST_ACCUM`, torchao's `use_fast_accum`), which skips
+/// promoting the tensor cores' partial sums to f32 along k: faster, less precise. Off by
+/// default, and for the parity tests' bounds.
+pub(crate) const FLOAT8_FAST_ACCUMULATION_VARIABLE: &str = "HEADROOM_FLOAT8_FAST_ACCUMULATION";
 
 /// cuBLASLt's name for an fp8 dtype (E4M3 unless E5M2).
 fn float8_data_type(dtype: DType) -> lt_sys::cudaDataType {
@@ -194,6 +205,15 @@ impl Plan {
                 let operation: i32 = transposed.into();
                 set_desc(attribute, (&operation as *const i32).cast(), 4).map_err(failed)?;
             }
+            if key.fast_accumulation {
+                let fast: i8 = 1;
+                set_desc(
+                    lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                    (&fast as *const i8).cast(),
+                    1,
+                )
+                .map_err(failed)?;
+            }
             set_desc(
                 lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
                 (&epilogue as *const lt_sys::cublasLtEpilogue_t).cast(),
@@ -287,7 +307,14 @@ impl LtState {
             plans: HashMap::new(),
             fallbacks: 0,
             tuning: std::env::var(TUNING_VARIABLE).is_ok_and(|value| value == "1"),
+            float8_fast_accumulation: std::env::var(FLOAT8_FAST_ACCUMULATION_VARIABLE)
+                .is_ok_and(|value| value == "1"),
         })
+    }
+
+    /// Whether fp8 products accumulate fast ([`FLOAT8_FAST_ACCUMULATION_VARIABLE`]).
+    pub(crate) fn float8_fast_accumulation(&self) -> bool {
+        self.float8_fast_accumulation
     }
 
     /// The handle and the plan for `key` (of elements `data_type`, with `workspace_bytes` of

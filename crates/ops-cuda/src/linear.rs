@@ -280,6 +280,10 @@ fn run(backend: &CudaBackend, gemm: &Gemm) -> Result<bool> {
         ld: operand.ld,
         alignment: alignment(operand.address),
     };
+    let mut state = backend.blas_state()?;
+    let (workspace, workspace_bytes) = state.workspace();
+    let stream = backend.stream.cu_stream() as lt_sys::cudaStream_t;
+    let lt_state = state.lt()?;
     let key = PlanKey {
         dtype: gemm.dtype,
         tf32,
@@ -289,11 +293,8 @@ fn run(backend: &CudaBackend, gemm: &Gemm) -> Result<bool> {
         b: key(&gemm.b),
         d: key(&gemm.d),
         float8: gemm.float8.map(|float8| float8.dtypes),
+        fast_accumulation: gemm.float8.is_some() && lt_state.float8_fast_accumulation(),
     };
-    let mut state = backend.blas_state()?;
-    let (workspace, workspace_bytes) = state.workspace();
-    let stream = backend.stream.cu_stream() as lt_sys::cudaStream_t;
-    let lt_state = state.lt()?;
     let Some((handle, plan)) = lt_state.plan(key, data_type, workspace_bytes)? else {
         return Ok(false);
     };

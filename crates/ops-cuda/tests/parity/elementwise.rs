@@ -320,9 +320,10 @@ fn float8_casts_match_the_cpu_bit_for_bit() {
 }
 
 /// The fp8 linear on the GPU (the fp8 quantize and cuBLASLt's fp8 GEMMs, the backward's
-/// operands through the transpose kernel): its output and the three gradients within 2^-11 of
-/// the CPU's largest (the same codes; Hopper's fp8 tensor cores add at reduced precision within
-/// a block of k, see `float8_matmul_matches_the_cpu`).
+/// operands through the transpose kernel): its output and the three gradients within 2^-9 of
+/// the CPU's largest, from the same codes. Hopper's fp8 tensor cores keep about 14 bits in their
+/// partial sums (see `float8_matmul_matches_the_cpu`), and these random-signed sums cancel to a
+/// few times less than their terms: measured 2^-10.7 for the output on the H200.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn the_fp8_linear_matches_the_cpu() {
@@ -360,7 +361,7 @@ fn the_fp8_linear_matches_the_cpu() {
             .map(|(a, b)| (a - b).abs())
             .fold(0.0, f64::max);
         assert!(
-            worst <= 2f64.powi(-11) * scale,
+            worst <= 2f64.powi(-9) * scale,
             "{name}: {worst} against {scale}"
         );
     }
