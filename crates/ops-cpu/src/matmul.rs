@@ -159,9 +159,11 @@ pub(crate) fn matmul_float8(args: Float8Matmul<'_>) -> Result<()> {
         read_as_f32(&args.a_inverse_scale),
         read_as_f32(&args.b_inverse_scale),
     );
+    let bias = args.bias.as_ref().map(read_as_f32);
     let scaled = |index: usize| {
         let (i, j) = (index / n, index % n);
-        product[index] * (row_scales[i] * column_scales[j])
+        let value = product[index] * (row_scales[i] * column_scales[j]);
+        bias.as_ref().map_or(value, |bias| value + bias[j])
     };
     let base = args.out.layout.offset();
     match args.out.dtype {

@@ -9,10 +9,13 @@
 // the bits is the order of the values, and every NaN sorts above +inf, so a NaN anywhere makes
 // the amax NaN, as on the CPU.
 //
-// Tensorwise runs three kernels: float8_amax_<T> (each block's amax over its rows into a
-// partial), float8_scale (one block: the partials' amax, the scale), float8_cast_<T>_<Q> (the
-// codes). Rowwise runs one, float8_rowwise_<T>_<Q>: a block a row, the row read twice (amax,
-// then codes). float8_transpose writes a strided [rows, cols] view of codes dense.
+// Tensorwise runs three kernels: an amax (each block's over its share into a partial),
+// float8_scale (one block: the partials' amax, the scale), a cast (the codes). Dense inputs take
+// the fast ones (16-byte loads: float8_amax_dense_<T>, float8_cast_dense_<T>_<Q> for row-major
+// memory, float8_cast_columns_<T>_<Q> through shared-memory tiles for column-major), any other
+// view float8_amax_<T> (a block a row) and float8_cast_<T>_<Q>. Rowwise runs one, float8_rowwise_<T>_<Q>: a block a row, the row read twice (amax,
+// then codes). float8_transpose writes a strided [rows, cols] view of codes dense;
+// float8_transpose_words the transpose of a row-major matrix, four bytes a thread.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -189,6 +192,135 @@ FOR_INPUT(float, f32)
 FOR_INPUT(__nv_bfloat16, bf16)
 FOR_INPUT(__half, f16)
 
+// The fast paths for dense inputs (every input of a linear is one: activations and gradients
+// row-major, a Conv1D weight's transpose column-major). `n` elements from a 16-byte aligned `x`,
+// read as 16-byte vectors of VEC elements (n a multiple of VEC); the column of flat element i,
+// for the premultiplier, is (i / column_step) % cols: column_step 1 for row-major memory, rows for
+// column-major.
+template <typename T> struct Vector { static constexpr int VEC = 16 / sizeof(T); };
+
+template <typename T>
+__device__ __forceinline__ void load_vector(const T *x, long long vector, float *out) {
+    const uint4 raw = reinterpret_cast<const uint4 *>(x)[vector];
+    const T *elements = reinterpret_cast<const T *>(&raw);
+#pragma unroll
+    for (int j = 0; j < Vector<T>::VEC; ++j) out[j] = widen(elements[j]);
+}
+
+template <typename T>
+__device__ __forceinline__ void premultiplied(float *v, long long first, const float *premultiply,
+                                              long long premultiply_stride,
+                                              long long column_step, long long cols) {
+    if (premultiply == nullptr) return;
+#pragma unroll
+    for (int j = 0; j < Vector<T>::VEC; ++j) {
+        const long long col = ((first + j) / column_step) % cols;
+        v[j] = __fmul_rn(v[j], premultiply[col * premultiply_stride]);
+    }
+}
+
+// Each block's amax over its share of the vectors into partial[blockIdx.x].
+template <typename T>
+__device__ void amax_dense(const T *x, long long n, const float *premultiply,
+                           long long premultiply_stride, long long column_step, long long cols,
+                           unsigned *partial) {
+    constexpr int VEC = Vector<T>::VEC;
+    unsigned bits = 0;
+    const long long vectors = n / VEC;
+    for (long long i = (long long)blockIdx.x * THREADS + threadIdx.x; i < vectors;
+         i += (long long)gridDim.x * THREADS) {
+        float v[VEC];
+        load_vector(x, i, v);
+        premultiplied<T>(v, i * VEC, premultiply, premultiply_stride, column_step, cols);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) bits = max(bits, __float_as_uint(v[j]) & 0x7fffffffu);
+    }
+    bits = block_max(bits);
+    if (threadIdx.x == 0) partial[blockIdx.x] = bits;
+}
+
+// The codes of a row-major dense input: VEC bytes a thread (one 8- or 4-byte store).
+template <typename T, typename Q>
+__device__ void cast_dense(const T *x, long long n, const float *premultiply,
+                           long long premultiply_stride, long long cols, const float *scale,
+                           __nv_fp8_storage_t *codes) {
+    constexpr int VEC = Vector<T>::VEC;
+    const float s = scale[0];
+    const long long vectors = n / VEC;
+    for (long long i = (long long)blockIdx.x * THREADS + threadIdx.x; i < vectors;
+         i += (long long)gridDim.x * THREADS) {
+        float v[VEC];
+        load_vector(x, i, v);
+        premultiplied<T>(v, i * VEC, premultiply, premultiply_stride, 1, cols);
+        __align__(8) __nv_fp8_storage_t out[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out[j] = encode<Q>(__fmul_rn(v[j], s));
+        if (VEC == 8) {
+            reinterpret_cast<uint2 *>(codes)[i] = *reinterpret_cast<const uint2 *>(out);
+        } else if (VEC == 4) {
+            reinterpret_cast<unsigned *>(codes)[i] = *reinterpret_cast<const unsigned *>(out);
+        } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) codes[i * VEC + j] = out[j];
+        }
+    }
+}
+
+// The codes, dense row-major [rows, cols], of a column-major input (element (r, c) at
+// r + c * col_stride: a transposed view of a row-major matrix) in 32 x 32 tiles: loads walk
+// the input's columns, stores the codes' rows.
+#define CAST_TILE 32
+#define CAST_TILE_ROWS 8
+template <typename T, typename Q>
+__device__ void cast_columns(const T *x, long long rows, long long cols, long long col_stride,
+                             const float *premultiply, long long premultiply_stride,
+                             const float *scale, __nv_fp8_storage_t *codes) {
+    __shared__ __nv_fp8_storage_t tile[CAST_TILE][CAST_TILE + 4];
+    const float s = scale[0];
+    const long long row0 = (long long)blockIdx.x * CAST_TILE, col0 = (long long)blockIdx.y * CAST_TILE;
+    for (int c = threadIdx.y; c < CAST_TILE; c += CAST_TILE_ROWS) {
+        const long long row = row0 + threadIdx.x, col = col0 + c;
+        if (row < rows && col < cols) {
+            float v = widen(x[row + col * col_stride]);
+            if (premultiply != nullptr) v = __fmul_rn(v, premultiply[col * premultiply_stride]);
+            tile[c][threadIdx.x] = encode<Q>(__fmul_rn(v, s));
+        }
+    }
+    __syncthreads();
+    for (int r = threadIdx.y; r < CAST_TILE; r += CAST_TILE_ROWS) {
+        const long long row = row0 + r, col = col0 + threadIdx.x;
+        if (row < rows && col < cols) codes[row * cols + col] = tile[threadIdx.x][r];
+    }
+}
+
+#define DENSE(T, TN)                                                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS) float8_amax_dense_##TN(                 \
+        const T *x, long long n, const float *premultiply, long long premultiply_stride,          \
+        long long column_step, long long cols, unsigned *partial) {                               \
+        amax_dense(x, n, premultiply, premultiply_stride, column_step, cols, partial);            \
+    }
+
+#define DENSE_CASTS(T, TN, Q, QN)                                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS) float8_cast_dense_##TN##_##QN(          \
+        const T *x, long long n, const float *premultiply, long long premultiply_stride,          \
+        long long cols, const float *scale, __nv_fp8_storage_t *codes) {                          \
+        cast_dense<T, Q>(x, n, premultiply, premultiply_stride, cols, scale, codes);              \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(CAST_TILE * CAST_TILE_ROWS)                      \
+        float8_cast_columns_##TN##_##QN(const T *x, long long rows, long long cols,               \
+                                        long long col_stride, const float *premultiply,           \
+                                        long long premultiply_stride, const float *scale,         \
+                                        __nv_fp8_storage_t *codes) {                              \
+        cast_columns<T, Q>(x, rows, cols, col_stride, premultiply, premultiply_stride, scale,     \
+                           codes);                                                                \
+    }
+
+#define FOR_DENSE_INPUT(T, TN) DENSE(T, TN) DENSE_CASTS(T, TN, E4M3, e4m3) DENSE_CASTS(T, TN, E5M2, e5m2)
+
+FOR_DENSE_INPUT(float, f32)
+FOR_DENSE_INPUT(__nv_bfloat16, bf16)
+FOR_DENSE_INPUT(__half, f16)
+
 // dst (dense [rows, cols]) = src (a [rows, cols] view with strides row_stride, col_stride), in
 // 32 x 32 tiles through shared memory: loads walk the source's rows (threads along a column, so
 // consecutive threads read consecutive bytes of a column-major source), stores walk the
@@ -208,5 +340,39 @@ float8_transpose(const unsigned char *src, long long rows, long long cols, long 
     for (int r = threadIdx.y; r < TILE; r += TILE_ROWS) {
         const long long row = row0 + r, col = col0 + threadIdx.x;
         if (row < rows && col < cols) dst[row * cols + col] = tile[threadIdx.x][r];
+    }
+}
+
+// dst (dense [cols, rows]) = the transpose of src (a row-major [rows, cols] matrix of codes,
+// rows ld bytes apart), in 64 x 64 tiles moved four bytes a thread each way: rows, cols and ld
+// multiples of 4, src and dst 4-byte aligned (what the fp8 GEMMs' sizes, multiples of 16,
+// give).
+#define WIDE_TILE 64
+extern "C" __global__ void __launch_bounds__(256)
+float8_transpose_words(const unsigned char *src, long long rows, long long cols, long long ld,
+                       unsigned char *dst) {
+    __shared__ unsigned char tile[WIDE_TILE][WIDE_TILE + 4];
+    const long long row0 = (long long)blockIdx.y * WIDE_TILE, col0 = (long long)blockIdx.x * WIDE_TILE;
+    const int tx = threadIdx.x, ty = threadIdx.y;  // 16 x 16
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int r = ty + 16 * k;
+        const long long row = row0 + r, col = col0 + 4 * tx;
+        if (row < rows && col < cols) {
+            const unsigned word = *reinterpret_cast<const unsigned *>(src + row * ld + col);
+            *reinterpret_cast<unsigned *>(&tile[r][4 * tx]) = word;
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int c = ty + 16 * k;
+        const long long col = col0 + c, row = row0 + 4 * tx;
+        if (col < cols && row < rows) {
+            const unsigned word = (unsigned)tile[4 * tx][c] | ((unsigned)tile[4 * tx + 1][c] << 8) |
+                                  ((unsigned)tile[4 * tx + 2][c] << 16) |
+                                  ((unsigned)tile[4 * tx + 3][c] << 24);
+            *reinterpret_cast<unsigned *>(dst + col * rows + row) = word;
+        }
     }
 }

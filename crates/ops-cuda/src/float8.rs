@@ -14,7 +14,7 @@ use headroom_autograd_core::{
 
 use crate::device::CudaBackend;
 use crate::kernels::{KernelName, Module};
-use crate::launch::{launch_in, Param, NO_ARGS};
+use crate::launch::{checked_grid, launch_in, Param, NO_ARGS};
 use crate::operands::element_address;
 use crate::scratch::Scratch;
 
@@ -98,12 +98,45 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
             launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
         }
         Float8Granularity::Tensorwise => {
-            let blocks = config.grid_dim.0;
+            let memory = dense_memory(&args.x, rows, cols);
+            let amax_config = match memory {
+                Some(_) => vector_blocks(rows * cols, args.x.dtype),
+                None => config,
+            };
+            let blocks = amax_config.grid_dim.0;
             let partial = Scratch::new(backend, u64::from(blocks) * 4)?;
-            let mut params = source.to_vec();
-            params.push(Param::U64(partial.address()));
-            let name: KernelName = ("float8_amax", input);
-            launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
+            let (name, params): (KernelName, Vec<Param>) = match memory {
+                Some(memory) => {
+                    let column_step = match memory {
+                        DenseMemory::RowMajor => 1,
+                        DenseMemory::ColumnMajor => rows,
+                    };
+                    let params = vec![
+                        Param::U64(element_address(&args.x)),
+                        Param::I64((rows * cols) as i64),
+                        Param::U64(premultiply),
+                        Param::I64(premultiply_stride),
+                        Param::I64(column_step as i64),
+                        Param::I64(cols as i64),
+                        Param::U64(partial.address()),
+                    ];
+                    (("float8_amax_dense", input), params)
+                }
+                None => {
+                    let mut params = source.to_vec();
+                    params.push(Param::U64(partial.address()));
+                    (("float8_amax", input), params)
+                }
+            };
+            launch_in(
+                backend,
+                Module::Float8,
+                OP,
+                name,
+                amax_config,
+                &params,
+                NO_ARGS,
+            )?;
             let one_block = LaunchConfig {
                 grid_dim: (1, 1, 1),
                 block_dim: (THREADS, 1, 1),
@@ -128,15 +161,121 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
                 &scale_params,
                 NO_ARGS,
             )?;
-            if rows > 0 && cols > 0 {
-                let mut params = source.to_vec();
-                params.extend([Param::U64(scale), Param::U64(code_address)]);
-                let name: KernelName = (cast_name(input, codes), "");
-                launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
+            if rows == 0 || cols == 0 {
+                return Ok(true);
+            }
+            match memory {
+                Some(DenseMemory::RowMajor) => {
+                    let params = [
+                        Param::U64(element_address(&args.x)),
+                        Param::I64((rows * cols) as i64),
+                        Param::U64(premultiply),
+                        Param::I64(premultiply_stride),
+                        Param::I64(cols as i64),
+                        Param::U64(scale),
+                        Param::U64(code_address),
+                    ];
+                    let name: KernelName = (dense_cast_name(input, codes), "");
+                    let config = vector_blocks(rows * cols, args.x.dtype);
+                    launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
+                }
+                Some(DenseMemory::ColumnMajor) => {
+                    let params = [
+                        Param::U64(element_address(&args.x)),
+                        Param::I64(rows as i64),
+                        Param::I64(cols as i64),
+                        Param::I64(strides[1] as i64),
+                        Param::U64(premultiply),
+                        Param::I64(premultiply_stride),
+                        Param::U64(scale),
+                        Param::U64(code_address),
+                    ];
+                    let grid =
+                        checked_grid(OP, rows.div_ceil(32) as u64, cols.div_ceil(32) as u64, 1)?;
+                    let config = LaunchConfig {
+                        grid_dim: grid,
+                        block_dim: (32, 8, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    let name: KernelName = (columns_cast_name(input, codes), "");
+                    launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
+                }
+                None => {
+                    let mut params = source.to_vec();
+                    params.extend([Param::U64(scale), Param::U64(code_address)]);
+                    let name: KernelName = (cast_name(input, codes), "");
+                    launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
+                }
             }
         }
     }
     Ok(true)
+}
+
+/// How a dense input lies in memory, for the fast kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DenseMemory {
+    /// Strides `[cols, 1]`.
+    RowMajor,
+    /// Strides `[1, rows]` (a transposed view of a row-major matrix).
+    ColumnMajor,
+}
+
+/// How `x` (`[rows, cols]`) lies in memory when the fast kernels take it: dense one way or the
+/// other, 16-byte aligned, a whole number of 16-byte vectors (and, column-major, more than one
+/// row and one column: a vector or a single element is row-major too).
+fn dense_memory(x: &View<'_>, rows: usize, cols: usize) -> Option<DenseMemory> {
+    let per_vector = 16 / x.dtype.size_in_bytes();
+    let n = rows * cols;
+    if n == 0 || !n.is_multiple_of(per_vector) || !element_address(x).is_multiple_of(16) {
+        return None;
+    }
+    let strides = x.layout.strides();
+    if strides[1] == 1 && (strides[0] == cols || rows == 1) {
+        Some(DenseMemory::RowMajor)
+    } else if strides[0] == 1 && strides[1] == rows {
+        Some(DenseMemory::ColumnMajor)
+    } else {
+        None
+    }
+}
+
+/// A grid-stride launch over the 16-byte vectors of `n` elements of `dtype`.
+fn vector_blocks(n: usize, dtype: DType) -> LaunchConfig {
+    let vectors = (n / (16 / dtype.size_in_bytes())) as u64;
+    LaunchConfig {
+        grid_dim: (
+            vectors.div_ceil(u64::from(THREADS)).clamp(1, MAX_BLOCKS) as u32,
+            1,
+            1,
+        ),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `float8_cast_dense_<input>_<codes>`, as a static name.
+fn dense_cast_name(input: &str, codes: &str) -> &'static str {
+    match (input, codes) {
+        ("f32", "e4m3") => "float8_cast_dense_f32_e4m3",
+        ("f32", _) => "float8_cast_dense_f32_e5m2",
+        ("bf16", "e4m3") => "float8_cast_dense_bf16_e4m3",
+        ("bf16", _) => "float8_cast_dense_bf16_e5m2",
+        (_, "e4m3") => "float8_cast_dense_f16_e4m3",
+        _ => "float8_cast_dense_f16_e5m2",
+    }
+}
+
+/// `float8_cast_columns_<input>_<codes>`, as a static name.
+fn columns_cast_name(input: &str, codes: &str) -> &'static str {
+    match (input, codes) {
+        ("f32", "e4m3") => "float8_cast_columns_f32_e4m3",
+        ("f32", _) => "float8_cast_columns_f32_e5m2",
+        ("bf16", "e4m3") => "float8_cast_columns_bf16_e4m3",
+        ("bf16", _) => "float8_cast_columns_bf16_e5m2",
+        (_, "e4m3") => "float8_cast_columns_f16_e4m3",
+        _ => "float8_cast_columns_f16_e5m2",
+    }
 }
 
 /// `float8_cast_<input>_<codes>`, as a static name.

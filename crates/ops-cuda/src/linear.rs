@@ -36,7 +36,7 @@ use cudarc::cublaslt::{result as lt, sys as lt_sys};
 use cudarc::driver::{result, sys, LaunchConfig};
 use headroom_autograd_core::{
     compose_linear, compose_linear_weight_grad, float8_matmul_dims, linear_dims,
-    linear_weight_grad_dims, Backend, DType, Float8Matmul, LinearEpilogue, LinearForward,
+    linear_weight_grad_dims, Backend, BinaryOp, DType, Float8Matmul, LinearEpilogue, LinearForward,
     LinearWeightGrad, Result, UnaryOp, View,
 };
 
@@ -103,6 +103,8 @@ struct Float8Gemm {
     b_scale: u64,
     /// D's address (dense, leading dimension m).
     d: u64,
+    /// A bias over D's rows (`m` elements in D's dtype, 16-byte aligned) added in the epilogue.
+    bias: Option<u64>,
 }
 
 /// Runs `gemm` through cuBLASLt's fp8 GEMM; `Ok(false)` when the library is missing or has no
@@ -121,8 +123,12 @@ fn run_float8_gemm(backend: &CudaBackend, gemm: &Float8Gemm) -> Result<bool> {
             a: operand(gemm.a, true),
             b: operand(gemm.b, false),
             d: operand((gemm.d, gemm.dims.0), false),
-            epilogue: Epilogue::Plain,
-            bias: 0,
+            epilogue: if gemm.bias.is_some() {
+                Epilogue::Bias
+            } else {
+                Epilogue::Plain
+            },
+            bias: gemm.bias.unwrap_or(0),
             float8: Some(Float8Operands {
                 dtypes: (gemm.a_dtype, gemm.b_dtype),
                 scales: (gemm.a_scale, gemm.b_scale),
@@ -426,6 +432,33 @@ fn row_major<'a>(
         }
     }
     let dense = Scratch::new(backend, (rows * cols) as u64)?;
+    let address = element_address(view);
+    // A transposed view of a row-major matrix (`[cols, rows]`, rows `col_stride` apart) in
+    // whole 4-byte words: the word-wide transpose.
+    if row_stride == 1
+        && col_stride >= rows
+        && [rows, cols, col_stride].iter().all(|n| n.is_multiple_of(4))
+        && address.is_multiple_of(4)
+    {
+        let grid = checked_grid(OP, rows.div_ceil(64) as u64, cols.div_ceil(64) as u64, 1)?;
+        let config = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (16, 16, 1),
+            shared_mem_bytes: 0,
+        };
+        let params = [
+            Param::U64(address),
+            Param::I64(cols as i64),
+            Param::I64(rows as i64),
+            Param::I64(col_stride as i64),
+            Param::U64(dense.address()),
+        ];
+        let name: KernelName = ("float8_transpose_words", "");
+        launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
+        let address = dense.address();
+        scratch.push(dense);
+        return Ok(RowMajor { address, ld: cols });
+    }
     let grid = checked_grid(OP, cols.div_ceil(32) as u64, rows.div_ceil(32) as u64, 1)?;
     let config = LaunchConfig {
         grid_dim: grid,
@@ -483,10 +516,39 @@ pub(crate) fn matmul_float8(backend: &CudaBackend, args: Float8Matmul<'_>) -> Re
         b: (a.address, a.ld),
         b_scale: element_address(&args.a_inverse_scale),
         d: element_address(&args.out),
+        bias: None,
     };
-    let ran = run_float8_gemm(backend, &gemm)?;
+    // A 16-bit output takes its bias in the epilogue (cuBLASLt's fp8 bias is 16-bit); an f32
+    // one gets it added after the product, the same f32 sum.
+    let epilogue_bias = args.bias.filter(|bias| {
+        args.out.dtype != DType::F32
+            && bias.layout.strides() == [1]
+            && element_address(bias).is_multiple_of(16)
+    });
+    if args.bias.is_some() && epilogue_bias.is_none() && args.out.dtype != DType::F32 {
+        // A 16-bit output would round twice with the bias added after: the core composes it.
+        return Ok(false);
+    }
+    let ran = run_float8_gemm(
+        backend,
+        &Float8Gemm {
+            bias: epilogue_bias.as_ref().map(element_address),
+            ..gemm
+        },
+    )?;
     drop(scratch);
-    Ok(ran)
+    if !ran {
+        return Ok(false);
+    }
+    if let (Some(bias), None) = (args.bias, epilogue_bias) {
+        let rows = bias.layout.expand("matmul_float8", &[m, n])?;
+        let bias = View {
+            layout: &rows,
+            ..bias
+        };
+        backend.binary(BinaryOp::Add, args.out, bias, args.out)?;
+    }
+    Ok(true)
 }
 
 /// Runs of each candidate algorithm when tuning (the first warms it up as much as it times it).

@@ -60,9 +60,10 @@ impl<'a> Float8Quantize<'a> {
 }
 
 /// Inputs and outputs of [`Backend::matmul_float8`](super::Backend::matmul_float8):
-/// `out[i, j] = round(acc[i, j] · (a_inverse_scale[i] · b_inverse_scale[j]))`, where `acc` is
-/// `Σ_k a[i, k] · b[k, j]` of the codes accumulated in f32 (each code widens to f32 exactly), the
-/// scales' product an f32 product, and `round` the rounding to `out`'s dtype.
+/// `out[i, j] = round(acc[i, j] · (a_inverse_scale[i] · b_inverse_scale[j]) + bias[j])`, where
+/// `acc` is `Σ_k a[i, k] · b[k, j]` of the codes accumulated in f32 (each code widens to f32
+/// exactly), the scales' product an f32 product, the bias (if any) added in f32, and `round` the
+/// one rounding to `out`'s dtype.
 #[derive(Debug, Clone, Copy)]
 pub struct Float8Matmul<'a> {
     /// `[m, k]` codes, F8E4M3 or F8E5M2, possibly strided.
@@ -73,16 +74,24 @@ pub struct Float8Matmul<'a> {
     pub a_inverse_scale: View<'a>,
     /// f32 `[n]` (stride 0 for one value): the reciprocals of `b`'s column scales.
     pub b_inverse_scale: View<'a>,
+    /// `[n]` in `out`'s dtype, added to every row before the rounding (a linear's bias), if any.
+    pub bias: Option<View<'a>>,
     /// The product, dense `[m, n]`, f32, bf16 or f16.
     pub out: View<'a>,
 }
 
 impl<'a> Float8Matmul<'a> {
-    /// `out` written; the codes and the scales read.
+    /// `out` written; the codes, the scales and the bias read.
     pub fn operands(&self) -> Operands<'a> {
         Operands::new(
-            [self.out],
-            [self.a, self.b, self.a_inverse_scale, self.b_inverse_scale],
+            [Some(self.out)],
+            [
+                Some(self.a),
+                Some(self.b),
+                Some(self.a_inverse_scale),
+                Some(self.b_inverse_scale),
+                self.bias,
+            ],
         )
     }
 }
@@ -202,6 +211,15 @@ pub fn float8_matmul_dims(args: &Float8Matmul<'_>) -> Result<(usize, usize, usiz
     }
     let out_ok = matches!(args.out.dtype, DType::F32 | DType::BF16 | DType::F16);
     check_dtype(OP, &args.out, out_ok)?;
+    if let Some(bias) = &args.bias {
+        check_dtype(OP, bias, bias.dtype == args.out.dtype)?;
+        if bias.layout.shape() != [n] {
+            return Err(invalid(
+                OP,
+                format!("bias {:?} is not [{n}]", bias.layout.shape()),
+            ));
+        }
+    }
     if args.out.layout.shape() != [m, n] || !args.out.layout.is_contiguous() {
         return Err(invalid(
             OP,

@@ -273,14 +273,16 @@ impl Tensor {
 }
 
 /// `a · b` of 2-D codes (`[m, k]`, `[k, n]`, any strides), times `a_inverse` (f32, `[]` or
-/// `[m]`) along rows and `b_inverse` (`[]` or `[n]`) along columns, returned in `dtype`: the
-/// backend's fp8 product, or the codes widened to f32 (exactly), multiplied with f32
-/// accumulation, times the scales' f32 product.
+/// `[m]`) along rows and `b_inverse` (`[]` or `[n]`) along columns, plus `bias` (`[n]` in
+/// `dtype`) if any, returned in `dtype`: the backend's fp8 product, or the codes widened to f32
+/// (exactly), multiplied with f32 accumulation, times the scales' f32 product, plus the bias in
+/// f32, rounded once.
 fn scaled_product(
     a: &Tensor,
     a_inverse: &Tensor,
     b: &Tensor,
     b_inverse: &Tensor,
+    bias: Option<&Tensor>,
     dtype: DType,
 ) -> Result<Tensor> {
     const OP: &str = "matmul_float8";
@@ -302,6 +304,7 @@ fn scaled_product(
                 layout: &b_layout,
                 ..b_inverse.view()
             },
+            bias: bias.map(Tensor::view),
             out: out.view(),
         })?;
         if fused {
@@ -315,7 +318,11 @@ fn scaled_product(
             .reshape(&[a_inverse.numel(), 1])?
             .mul(&b_inverse.reshape(&[1, b_inverse.numel()])?)?,
     };
-    product.mul(&alpha)?.to_dtype(dtype)
+    let scaled = product.mul(&alpha)?;
+    match bias {
+        Some(bias) => scaled.add(&bias.to_dtype(DType::F32)?)?.to_dtype(dtype),
+        None => scaled.to_dtype(dtype),
+    }
 }
 
 /// A rowwise backward product: `grad` (`[rows, cols]`, any strides) times `fold` (the saved
@@ -341,6 +348,7 @@ fn folded_product(
         &folded.scale.reciprocal_f32()?,
         codes,
         &one,
+        None,
         dtype,
     )
 }
@@ -451,16 +459,16 @@ pub(super) fn float8_linear(
                 )
             }
         };
-        let mut res = scaled_product(
+        // The bias in the output's dtype, added inside the product (one rounding).
+        let bias_in_output = bias.map(|bias| bias.to_dtype(output)).transpose()?;
+        let res = scaled_product(
             &input_float8.codes,
             &input_float8.scale.reciprocal_f32()?,
             &weight_float8.codes.t()?,
             &weight_float8.scale.reciprocal_f32()?,
+            bias_in_output.as_ref(),
             output,
         )?;
-        if let Some(bias) = bias {
-            res = res.add(&bias.to_dtype(output)?)?;
-        }
         let weight_delayed_scale = match history {
             Some(_) => Some(weight_float8.scale.reshape(&[1])?),
             None => None,
@@ -565,6 +573,7 @@ pub(super) fn float8_linear(
                             grad_inverse,
                             &codes,
                             &input_inverse,
+                            None,
                             weight.dtype(),
                         )?,
                         // dYᵀ with the input's row scales folded in, one scale per output
@@ -590,6 +599,7 @@ pub(super) fn float8_linear(
                     grad_inverse,
                     &weight_float8.codes,
                     &weight_inverse,
+                    None,
                     dtype,
                 )?,
                 // dY with the weight's row scales folded in, one scale per token.
