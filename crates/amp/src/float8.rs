@@ -21,6 +21,16 @@ use headroom_autograd_core::{
 
 use crate::error::AmpError;
 
+/// Whether `view` is `base.t()`: the same buffer, offset and elements, dims swapped.
+fn is_transpose_of(view: &Tensor, base: &Tensor) -> bool {
+    let (shape, strides) = (base.shape(), base.strides());
+    base.ndim() == 2
+        && Arc::ptr_eq(view.buffer(), base.buffer())
+        && view.layout().offset() == base.layout().offset()
+        && view.shape() == [shape[1], shape[0]]
+        && view.strides() == [strides[1], strides[0]]
+}
+
 /// Runs the listed linears in fp8 under a base autocast policy (see the module docs).
 ///
 /// ```
@@ -44,16 +54,6 @@ use crate::error::AmpError;
 /// assert_eq!(y.dtype(), DType::BF16);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-/// Whether `view` is `base.t()`: the same buffer, offset and elements, dims swapped.
-fn is_transpose_of(view: &Tensor, base: &Tensor) -> bool {
-    let (shape, strides) = (base.shape(), base.strides());
-    base.ndim() == 2
-        && Arc::ptr_eq(view.buffer(), base.buffer())
-        && view.layout().offset() == base.layout().offset()
-        && view.shape() == [shape[1], shape[0]]
-        && view.strides() == [strides[1], strides[0]]
-}
-
 #[derive(Clone)]
 pub struct Float8Policy {
     base: Option<Arc<dyn AutocastPolicy>>,

@@ -330,18 +330,35 @@ pub(super) fn bench_memory_allocators(files: &[ResultFile]) -> Result<Vec<String
 
 /// The fp8 cases of a bench-memory document beside their bf16 counterparts in it (the same
 /// name with `fp8` made `bf16`, the same model and batch): peak allocated bytes, fp8 / bf16,
-/// activations and what the traced block keeps (memory only: steps compare on the GPU, in
-/// `bench-memory-pytorch`'s and `tokens-per-second`'s tables).
+/// activations and what the traced block keeps (memory only, for a CPU run whose steps are no
+/// figures).
 pub(super) fn bench_memory_fp8(files: &[ResultFile]) -> Result<Vec<String>> {
+    fp8_beside_bf16(files, false)
+}
+
+/// [`bench_memory_fp8`] with each side's median step and the speed-up, bf16 step / fp8 step
+/// (a GPU run).
+pub(super) fn bench_memory_fp8_steps(files: &[ResultFile]) -> Result<Vec<String>> {
+    fp8_beside_bf16(files, true)
+}
+
+fn fp8_beside_bf16(files: &[ResultFile], steps: bool) -> Result<Vec<String>> {
     let file = match files {
         [file] => file,
         _ => bail!("reads one bench-memory JSON file, given {}", files.len()),
     };
     let cases = bench_memory_cases(file)?;
-    let mut lines = table_head(
-        "| model | batch | case | peak (B) | bf16 peak (B) | fp8 / bf16 | activations (B) | bf16 activations (B) | block keeps (B) | bf16 block keeps (B) |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    );
+    let mut lines = if steps {
+        table_head(
+            "| model | batch | case | step (ms) | bf16 step (ms) | speed-up | peak (B) | bf16 peak (B) | fp8 / bf16 | activations (B) | bf16 activations (B) |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        )
+    } else {
+        table_head(
+            "| model | batch | case | peak (B) | bf16 peak (B) | fp8 / bf16 | activations (B) | bf16 activations (B) | block keeps (B) | bf16 block keeps (B) |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        )
+    };
     let block_keeps = |case: &Value| -> String {
         case["block_saves"]["kept_bytes"]
             .as_u64()
@@ -367,18 +384,26 @@ pub(super) fn bench_memory_fp8(files: &[ResultFile]) -> Result<Vec<String>> {
             count(case, "peak_allocated_bytes")?,
             count(bf16, "peak_allocated_bytes")?,
         );
-        lines.push(row(&[
-            model.to_owned(),
-            batch.to_string(),
-            name.to_owned(),
+        let mut cells = vec![model.to_owned(), batch.to_string(), name.to_owned()];
+        if steps {
+            let (step, bf16_step) = (number(case, "step_ms")?, number(bf16, "step_ms")?);
+            cells.extend([
+                format!("{step:.1}"),
+                format!("{bf16_step:.1}"),
+                format!("{:.3}", bf16_step / step),
+            ]);
+        }
+        cells.extend([
             thousands(peak),
             thousands(bf16_peak),
             format!("{:.3}", peak as f64 / bf16_peak as f64),
             thousands(count(case, "activation_bytes")?),
             thousands(count(bf16, "activation_bytes")?),
-            block_keeps(case),
-            block_keeps(bf16),
-        ]));
+        ]);
+        if !steps {
+            cells.extend([block_keeps(case), block_keeps(bf16)]);
+        }
+        lines.push(row(&cells));
     }
     if lines.len() == 2 {
         bail!("{}: no fp8 case", file.path);
@@ -475,6 +500,22 @@ mod tests {
         let none = run.replace("fp8", "fp16");
         assert!(
             super::super::rendered("bench-memory-fp8", &[("results/x/run.json", &none)]).is_err()
+        );
+        let timed = only_first
+            .replace(
+                "\"batch\": 4, \"peak_allocated_bytes\": 2000",
+                "\"batch\": 4, \"step_ms\": 150.0, \"peak_allocated_bytes\": 2000",
+            )
+            .replace(
+                "\"batch\": 4, \"peak_allocated_bytes\": 1500",
+                "\"batch\": 4, \"step_ms\": 120.0, \"peak_allocated_bytes\": 1500",
+            );
+        let table =
+            super::super::rendered("bench-memory-fp8-steps", &[("results/x/run.json", &timed)])
+                .unwrap();
+        assert_eq!(
+            table[2..],
+            ["| m | 4 | adam_fp8 | 120.0 | 150.0 | 1.250 | 1,500 | 2,000 | 0.750 | 500 | 800 |"]
         );
     }
 

@@ -107,6 +107,12 @@ pub(super) const KINDS: &[Kind] = &[
         render: bench_memory::bench_memory_fp8,
     },
     Kind {
+        name: "bench-memory-fp8-steps",
+        reads: "as bench-memory-fp8, from a GPU run: with each side's median step and the \
+                speed-up (bf16 step / fp8 step)",
+        render: bench_memory::bench_memory_fp8_steps,
+    },
+    Kind {
         name: "bench-memory-allocators",
         reads: "`cargo xtask bench-memory --json` files of the same cases under different \
                 allocator settings (gpu-measure.sh's reclaim_default, reclaim_on, reclaim_off)",
