@@ -12,7 +12,8 @@
 //! masked elementwise ops, reductions over trailing dims, softmax and log-softmax, layer norm,
 //! RMSNorm, SwiGLU and the rotary embedding (`kernels/llama.cu`),
 //! batched GEMM through cuBLAS (its workspace from the caching allocator), linear layers through
-//! cuBLASLt (bias added, and bias gradient reduced, in the GEMM's epilogue), fused attention,
+//! cuBLASLt (bias added, and bias gradient reduced, in the GEMM's epilogue), the fp8 quantize
+//! (`kernels/float8.cu`) and fp8 products through cuBLASLt's fp8 GEMMs, fused attention,
 //! gather and scatter-add, fused cross-entropy and dropout (the same random stream as the CPU
 //! backend), in f32, f64, f16 and bf16 (the last two computed in f32). Out-of-range indices are typed errors,
 //! checked on the device: read back after each call by default, or deferred to the next
