@@ -30,7 +30,8 @@
 #       .gpu-bundle/benches/
 #
 #   bash scripts/gpu-measure.sh PHASE...      PHASE: tests vit gpt2 fmb fmb-llama planner reclaim
-#                                                    noreclaim plugin benches llama llama8b
+#                                                    noreclaim plugin benches llama llama8b fp8
+#                                                    fp8-torch
 #                                                    llama-parity kernels fused-ce plans
 #                                                    find-max-model
 #                                                    allocator-benches cpu-benches
@@ -78,6 +79,10 @@
 #          meta.json names the CPU
 # llama    bench-memory, Llama-3.2-1B at batch 4 x 2048 in f32 and bf16 beside Hugging Face's
 #          LlamaForCausalLM with SDPA (bench_reference.py --model llama-3.2-1b), same run
+# fp8      issue 37: bench-memory's fp8 cases beside their bf16 ones on GPT-2 large (b8 x 1024)
+#          and Llama-3.2-1B (b4 x 2048), and the op profile of each adam_fp8 step (2 minutes)
+# fp8-torch  torchao's float8 training (tensorwise, compiled) on the same two models (8 minutes:
+#          run it in the same call as fp8, after it, when the figures are to be compared)
 # llama8b  Llama-3.1-8B in bf16 at 1 x 4096, every block checkpointed, beside Hugging Face with
 #          gradient_checkpointing_enable()
 # llama-parity  issue 30's loss parity: ops-cuda's llama_loss_parity example writes a random-init
@@ -205,7 +210,8 @@ meta.update({
                 "gpus": len(gpus("name")), "host": os.uname().nodename,
                 "cpu": cpu(), "cpus": os.cpu_count()},
     "versions": {"python": sys.version.split()[0], "torch": version("torch"),
-                 "transformers": version("transformers"), "bitsandbytes": version("bitsandbytes")},
+                 "transformers": version("transformers"), "bitsandbytes": version("bitsandbytes"),
+                 "torchao": version("torchao")},
     "command": "; ".join(commands),
     "commands": commands,
 })
@@ -318,6 +324,27 @@ for phase in "$@"; do
       step llama1b_ours "$bench" bench-memory --device cuda --model llama-3.2-1b --seq 2048 \
         --batch 4 --cases fwd_bwd,fwd_bwd_bf16 --pytorch "$out/anchor_llama1b.jsonl" \
         --json "$out/llama1b.json" ;;
+    fp8)
+      # Issue 37: fp8 beside bf16 autocast on GPT-2 large (b8 x 1024) and Llama-3.2-1B
+      # (b4 x 2048), plain and in-backward with every block checkpointed, and the op profile
+      # of each adam_fp8 step. About 2 minutes; fp8-torch is torchao's side.
+      fp8_cases=adam_bf16,adam_fp8,adam_inbwd_ckpt_bf16,adam_inbwd_ckpt_fp8
+      step fp8_gpt2_large "$bench" bench-memory --device cuda --model gpt2-large --batch 8 \
+        --cases $fp8_cases --json "$out/fp8_gpt2_large.json"
+      step fp8_llama1b "$bench" bench-memory --device cuda --model llama-3.2-1b --seq 2048 \
+        --batch 4 --cases $fp8_cases --json "$out/fp8_llama1b.json"
+      step fp8_gpt2_large_profile "$bench" bench-memory --device cuda --model gpt2-large \
+        --batch 8 --cases adam_fp8 --op-profile --json "$out/fp8_gpt2_large_profile.json"
+      step fp8_llama1b_profile "$bench" bench-memory --device cuda --model llama-3.2-1b \
+        --seq 2048 --batch 4 --cases adam_fp8 --op-profile \
+        --json "$out/fp8_llama1b_profile.json" ;;
+    fp8-torch)
+      # torchao's float8 training (tensorwise, compiled; the torchao wheel on PYTHONPATH) on
+      # the fp8 phase's models: about 4 minutes each, most of it torch.compile.
+      step fp8_gpt2_large_torch python3 scripts/pytorch/bench_reference.py --model gpt2-large \
+        --batch 8 --cases adam_fp8 --out "$out/fp8_gpt2_large_torch.jsonl"
+      step fp8_llama1b_torch python3 scripts/pytorch/bench_reference.py --model llama-3.2-1b \
+        --seq 2048 --batch 4 --cases adam_fp8 --out "$out/fp8_llama1b_torch.jsonl" ;;
     llama8b)
       step llama8b_torch python3 scripts/pytorch/bench_reference.py --model llama-3.1-8b \
         --seq 4096 --batch 1 --cases fwd_bwd_bf16_ckpt --out "$out/anchor_llama8b.jsonl"
