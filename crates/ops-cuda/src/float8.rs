@@ -24,21 +24,55 @@ const THREADS: u32 = 256;
 /// H200; also the tensorwise partials' count.
 const MAX_BLOCKS: u64 = 132 * 8;
 
-fn input_suffix(dtype: DType) -> Option<&'static str> {
+/// The input dtypes the kernels take, in the order of each family's table below.
+fn input_index(dtype: DType) -> Option<usize> {
     match dtype {
-        DType::F32 => Some("f32"),
-        DType::BF16 => Some("bf16"),
-        DType::F16 => Some("f16"),
+        DType::F32 => Some(0),
+        DType::BF16 => Some(1),
+        DType::F16 => Some(2),
         _ => None,
     }
 }
 
-fn code_suffix(dtype: DType) -> &'static str {
-    if dtype == DType::F8E4M3 {
+/// The amax kernels, `<family>_<input>`: strided and dense.
+const AMAX: [KernelName; 3] = [
+    ("float8_amax", "f32"),
+    ("float8_amax", "bf16"),
+    ("float8_amax", "f16"),
+];
+const AMAX_DENSE: [KernelName; 3] = [
+    ("float8_amax_dense", "f32"),
+    ("float8_amax_dense", "bf16"),
+    ("float8_amax_dense", "f16"),
+];
+
+/// The kernels that write codes, `<family>_<input>` by input, completed by [`with_codes`]:
+/// strided, dense row-major, dense column-major (tensorwise) and rowwise.
+const CAST: [&str; 3] = ["float8_cast_f32", "float8_cast_bf16", "float8_cast_f16"];
+const CAST_DENSE: [&str; 3] = [
+    "float8_cast_dense_f32",
+    "float8_cast_dense_bf16",
+    "float8_cast_dense_f16",
+];
+const CAST_COLUMNS: [&str; 3] = [
+    "float8_cast_columns_f32",
+    "float8_cast_columns_bf16",
+    "float8_cast_columns_f16",
+];
+const ROWWISE: [&str; 3] = [
+    "float8_rowwise_f32",
+    "float8_rowwise_bf16",
+    "float8_rowwise_f16",
+];
+
+/// `<family>_e4m3` or `<family>_e5m2`, for codes of `dtype`.
+fn with_codes(family: &'static str, dtype: DType) -> KernelName {
+    let codes = if dtype == DType::F8E4M3 {
         "e4m3"
     } else {
         "e5m2"
-    }
+    };
+    (family, codes)
 }
 
 fn row_blocks(rows: usize) -> LaunchConfig {
@@ -60,10 +94,10 @@ fn vector(view: Option<&View<'_>>) -> (u64, i64) {
 pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -> Result<bool> {
     const OP: &str = "quantize_float8";
     let (rows, cols) = float8_quantize_dims(&args)?;
-    let Some(input) = input_suffix(args.x.dtype) else {
+    let Some(input) = input_index(args.x.dtype) else {
         return Ok(false);
     };
-    let codes = code_suffix(args.codes.dtype);
+    let codes = args.codes.dtype;
     let max_finite = args.codes.dtype.max_finite().unwrap_or(f64::from(f32::MAX));
     let strides = args.x.layout.strides();
     let (premultiply, premultiply_stride) = vector(args.premultiply.as_ref());
@@ -94,7 +128,7 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
                 Param::U64(amax),
                 Param::U64(code_address),
             ]);
-            let name: KernelName = (rowwise_name(input, codes), "");
+            let name = with_codes(ROWWISE[input], codes);
             launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
         }
         Float8Granularity::Tensorwise => {
@@ -120,12 +154,12 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
                         Param::I64(cols as i64),
                         Param::U64(partial.address()),
                     ];
-                    (("float8_amax_dense", input), params)
+                    (AMAX_DENSE[input], params)
                 }
                 None => {
                     let mut params = source.to_vec();
                     params.push(Param::U64(partial.address()));
-                    (("float8_amax", input), params)
+                    (AMAX[input], params)
                 }
             };
             launch_in(
@@ -175,7 +209,7 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
                         Param::U64(scale),
                         Param::U64(code_address),
                     ];
-                    let name: KernelName = (dense_cast_name(input, codes), "");
+                    let name = with_codes(CAST_DENSE[input], codes);
                     let config = vector_blocks(rows * cols, args.x.dtype);
                     launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
                 }
@@ -197,13 +231,13 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
                         block_dim: (32, 8, 1),
                         shared_mem_bytes: 0,
                     };
-                    let name: KernelName = (columns_cast_name(input, codes), "");
+                    let name = with_codes(CAST_COLUMNS[input], codes);
                     launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
                 }
                 None => {
                     let mut params = source.to_vec();
                     params.extend([Param::U64(scale), Param::U64(code_address)]);
-                    let name: KernelName = (cast_name(input, codes), "");
+                    let name = with_codes(CAST[input], codes);
                     launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
                 }
             }
@@ -254,50 +288,40 @@ fn vector_blocks(n: usize, dtype: DType) -> LaunchConfig {
     }
 }
 
-/// `float8_cast_dense_<input>_<codes>`, as a static name.
-fn dense_cast_name(input: &str, codes: &str) -> &'static str {
-    match (input, codes) {
-        ("f32", "e4m3") => "float8_cast_dense_f32_e4m3",
-        ("f32", _) => "float8_cast_dense_f32_e5m2",
-        ("bf16", "e4m3") => "float8_cast_dense_bf16_e4m3",
-        ("bf16", _) => "float8_cast_dense_bf16_e5m2",
-        (_, "e4m3") => "float8_cast_dense_f16_e4m3",
-        _ => "float8_cast_dense_f16_e5m2",
-    }
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// `float8_cast_columns_<input>_<codes>`, as a static name.
-fn columns_cast_name(input: &str, codes: &str) -> &'static str {
-    match (input, codes) {
-        ("f32", "e4m3") => "float8_cast_columns_f32_e4m3",
-        ("f32", _) => "float8_cast_columns_f32_e5m2",
-        ("bf16", "e4m3") => "float8_cast_columns_bf16_e4m3",
-        ("bf16", _) => "float8_cast_columns_bf16_e5m2",
-        (_, "e4m3") => "float8_cast_columns_f16_e4m3",
-        _ => "float8_cast_columns_f16_e5m2",
-    }
-}
-
-/// `float8_cast_<input>_<codes>`, as a static name.
-fn cast_name(input: &str, codes: &str) -> &'static str {
-    match (input, codes) {
-        ("f32", "e4m3") => "float8_cast_f32_e4m3",
-        ("f32", _) => "float8_cast_f32_e5m2",
-        ("bf16", "e4m3") => "float8_cast_bf16_e4m3",
-        ("bf16", _) => "float8_cast_bf16_e5m2",
-        (_, "e4m3") => "float8_cast_f16_e4m3",
-        _ => "float8_cast_f16_e5m2",
-    }
-}
-
-/// `float8_rowwise_<input>_<codes>`, as a static name.
-fn rowwise_name(input: &str, codes: &str) -> &'static str {
-    match (input, codes) {
-        ("f32", "e4m3") => "float8_rowwise_f32_e4m3",
-        ("f32", _) => "float8_rowwise_f32_e5m2",
-        ("bf16", "e4m3") => "float8_rowwise_bf16_e4m3",
-        ("bf16", _) => "float8_rowwise_bf16_e5m2",
-        (_, "e4m3") => "float8_rowwise_f16_e4m3",
-        _ => "float8_rowwise_f16_e5m2",
+    /// Every kernel name the launches can ask for is an entry of the committed PTX, and every
+    /// entry is launched (a missing name would surface only on a GPU).
+    #[test]
+    fn every_launched_kernel_is_in_the_ptx() {
+        let ptx = Module::Float8.ptx();
+        let mut names: Vec<KernelName> = AMAX.into_iter().chain(AMAX_DENSE).collect();
+        for family in [CAST, CAST_DENSE, CAST_COLUMNS, ROWWISE]
+            .into_iter()
+            .flatten()
+        {
+            for codes in [DType::F8E4M3, DType::F8E5M2] {
+                names.push(with_codes(family, codes));
+            }
+        }
+        // And the code transposes, which linear.rs's fp8 product launches: every entry.
+        names.extend([
+            ("float8_scale", ""),
+            ("float8_transpose", ""),
+            ("float8_transpose_words", ""),
+        ]);
+        assert_eq!(names.len(), ptx.matches(".entry ").count());
+        for (family, suffix) in names {
+            let name = match suffix {
+                "" => family.to_owned(),
+                suffix => format!("{family}_{suffix}"),
+            };
+            assert!(
+                ptx.contains(&format!(".entry {name}(")),
+                "{name} is not in float8.ptx"
+            );
+        }
     }
 }

@@ -421,59 +421,51 @@ fn row_major<'a>(
     else {
         unreachable!("checked as a matrix");
     };
-    if (col_stride == 1 || cols == 1) && (row_stride.is_multiple_of(FLOAT8_ALIGNMENT) || rows == 1)
-    {
-        let ld = if rows == 1 { cols } else { row_stride };
-        if ld.is_multiple_of(FLOAT8_ALIGNMENT) && ld >= cols {
-            return Ok(RowMajor {
-                address: element_address(view),
-                ld,
-            });
-        }
+    let address = element_address(view);
+    let ld = if rows == 1 { cols } else { row_stride };
+    if (col_stride == 1 || cols == 1) && ld >= cols && ld.is_multiple_of(FLOAT8_ALIGNMENT) {
+        return Ok(RowMajor { address, ld });
     }
     let dense = Scratch::new(backend, (rows * cols) as u64)?;
-    let address = element_address(view);
     // A transposed view of a row-major matrix (`[cols, rows]`, rows `col_stride` apart) in
-    // whole 4-byte words: the word-wide transpose.
-    if row_stride == 1
+    // whole 4-byte words takes the word-wide transpose; any other view the byte-wide one.
+    let words = row_stride == 1
         && col_stride >= rows
         && [rows, cols, col_stride].iter().all(|n| n.is_multiple_of(4))
-        && address.is_multiple_of(4)
-    {
-        let grid = checked_grid(OP, rows.div_ceil(64) as u64, cols.div_ceil(64) as u64, 1)?;
-        let config = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (16, 16, 1),
-            shared_mem_bytes: 0,
-        };
-        let params = [
-            Param::U64(address),
-            Param::I64(cols as i64),
-            Param::I64(rows as i64),
-            Param::I64(col_stride as i64),
-            Param::U64(dense.address()),
-        ];
-        let name: KernelName = ("float8_transpose_words", "");
-        launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
-        let address = dense.address();
-        scratch.push(dense);
-        return Ok(RowMajor { address, ld: cols });
-    }
-    let grid = checked_grid(OP, cols.div_ceil(32) as u64, rows.div_ceil(32) as u64, 1)?;
+        && address.is_multiple_of(4);
+    let (name, grid, block_dim, params): (KernelName, _, _, Vec<Param>) = if words {
+        (
+            ("float8_transpose_words", ""),
+            checked_grid(OP, rows.div_ceil(64) as u64, cols.div_ceil(64) as u64, 1)?,
+            (16, 16, 1),
+            vec![
+                Param::U64(address),
+                Param::I64(cols as i64),
+                Param::I64(rows as i64),
+                Param::I64(col_stride as i64),
+                Param::U64(dense.address()),
+            ],
+        )
+    } else {
+        (
+            ("float8_transpose", ""),
+            checked_grid(OP, cols.div_ceil(32) as u64, rows.div_ceil(32) as u64, 1)?,
+            (32, 8, 1),
+            vec![
+                Param::U64(address),
+                Param::I64(rows as i64),
+                Param::I64(cols as i64),
+                Param::I64(row_stride as i64),
+                Param::I64(col_stride as i64),
+                Param::U64(dense.address()),
+            ],
+        )
+    };
     let config = LaunchConfig {
         grid_dim: grid,
-        block_dim: (32, 8, 1),
+        block_dim,
         shared_mem_bytes: 0,
     };
-    let params = [
-        Param::U64(element_address(view)),
-        Param::I64(rows as i64),
-        Param::I64(cols as i64),
-        Param::I64(row_stride as i64),
-        Param::I64(col_stride as i64),
-        Param::U64(dense.address()),
-    ];
-    let name: KernelName = ("float8_transpose", "");
     launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
     let address = dense.address();
     scratch.push(dense);
