@@ -35,7 +35,8 @@ parameter, stepped by a post-accumulate-grad hook); `adamw_inbwd_bf16` torchao's
 `CPUOffloadOptimizer(torch.optim.AdamW, offload_gradients=True, fused=True)` (also the anchor
 of `adamw_offload_stream_inbwd_bf16`, whose GPU steps the host-held moments); `adam_fp8` and
 `adam_inbwd_ckpt_fp8` torchao's float8 training (tensorwise) on every linear but the head inside
-bf16 autocast, compiled (`to_float8_training`); bench-memory's cases with no PyTorch counterpart (`adam_foreach_unbounded` is
+bf16 autocast, compiled (`to_float8_training`), and `adam_inbwd_fp8` the same with the
+tutorial's optimizer in backward; bench-memory's cases with no PyTorch counterpart (`adam_foreach_unbounded` is
 `adam_foreach` here, `adam8bit_inbwd`, `adam_inbwd_clip`, `adam_inbwd_clip_prev`,
 `adam_ckpt8bit`, `adam_auto`) are not offered. `sgd_bf16_model` is no bench-memory case but
 PyTorch's side of `crates/ops-cuda/benches/vit_step.rs`'s bf16 setting: `model.bfloat16()` (bf16
@@ -59,7 +60,7 @@ CASES = [
     'adamw8bit_bf16_ckpt', 'adamw8bit_inbwd_bf16_ckpt', 'adamw4bit_bf16_ckpt',
     'adamw4bit_inbwd_bf16_ckpt', 'adamw8bit_bf16', 'adamw8bit_inbwd_bf16', 'adamw4bit_bf16',
     'adamw4bit_inbwd_bf16', 'adamw_inbwd_bf16', 'adamw_offload_inbwd_bf16',
-    'adamw_offload_stream_inbwd_bf16', 'adam_fp8', 'adam_inbwd_ckpt_fp8',
+    'adamw_offload_stream_inbwd_bf16', 'adam_fp8', 'adam_inbwd_ckpt_fp8', 'adam_inbwd_fp8',
 ]
 # Cases of other benches, run when --cases names them (not by default, not by find_max_batch.py).
 OTHER_CASES = ['sgd_bf16_model']
@@ -70,7 +71,7 @@ BF16_MODEL_CASES = {'fwd_bwd_bf16', 'fwd_bwd_bf16_ckpt', 'sgd_bf16_model', 'adam
                     'adamw8bit_inbwd_bf16', 'adamw4bit_bf16', 'adamw_inbwd_bf16',
                     'adamw_offload_inbwd_bf16', 'adamw_offload_stream_inbwd_bf16'}
 # bf16 autocast with every linear but the head in torchao's float8 training (tensorwise).
-FP8_CASES = {'adam_fp8', 'adam_inbwd_ckpt_fp8'}
+FP8_CASES = {'adam_fp8', 'adam_inbwd_ckpt_fp8', 'adam_inbwd_fp8'}
 VIT_MODELS = {'vit_l_16', 'vit_b_16'}
 GPT2_MODELS = {  # Hugging Face's configs: (n_embd, n_layer, n_head)
     'gpt2': (768, 12, 12),

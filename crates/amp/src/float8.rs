@@ -62,6 +62,8 @@ pub struct Float8Policy {
     recipe: Float8Recipe,
     /// The history length of delayed scaling, when on.
     delayed: Option<usize>,
+    /// Whether saved outputs of the listed linears are rebuilt in backward.
+    rebuilds_outputs: bool,
 }
 
 impl Float8Policy {
@@ -72,6 +74,7 @@ impl Float8Policy {
             linears: Vec::new(),
             recipe: Float8Recipe::TENSORWISE,
             delayed: None,
+            rebuilds_outputs: true,
         }
     }
 
@@ -105,6 +108,16 @@ impl Float8Policy {
             .delayed
             .map(|len| Float8History::new(len).expect("checked by with_delayed_scaling"));
         self.linears.push((weight.clone(), history));
+    }
+
+    /// Whether a later op that saves a listed linear's output keeps a recipe instead of its
+    /// bytes (default true, tensorwise scales): backward makes the output again with one fp8
+    /// GEMM from the input codes the linear keeps for its weight gradient. On GPT-2 that drops
+    /// attention's q, k and v and the MLP's pre-activation from what a block keeps, for two fp8
+    /// GEMMs more in backward; false keeps them.
+    pub fn with_rebuilt_outputs(mut self, rebuild: bool) -> Float8Policy {
+        self.rebuilds_outputs = rebuild;
+        self
     }
 
     /// Runs the listed linears with `recipe` (default [`Float8Recipe::TENSORWISE`]; delayed
@@ -158,6 +171,7 @@ impl fmt::Debug for Float8Policy {
             .field("linears", &self.linears.len())
             .field("recipe", &self.recipe)
             .field("delayed", &self.delayed)
+            .field("rebuilds_outputs", &self.rebuilds_outputs)
             .finish()
     }
 }
@@ -177,5 +191,9 @@ impl AutocastPolicy for Float8Policy {
             Some(history) => Float8Linear::Delayed(Arc::clone(history)),
             None => Float8Linear::Current(self.recipe),
         })
+    }
+
+    fn float8_rebuilds_outputs(&self) -> bool {
+        self.rebuilds_outputs
     }
 }

@@ -4,7 +4,8 @@
 //! 300-step GPT-2-small-shaped runs on a learnable corpus (a fixed Markov chain): the f32 loss at
 //! least halves, bf16 autocast ends within 1% of f32, bf16 with stochastic rounding and no
 //! master copy within 1% of O2 master weights, and fp8 linears (every one but the head) within
-//! 1% of bf16 autocast (issue 37's quality target); and scaled steps whose forward, scaling and
+//! 1% of bf16 autocast (issue 37's quality target), with their outputs rebuilt in backward giving
+//! the kept outputs' step bit for bit; and scaled steps whose forward, scaling and
 //! backward replay from a CUDA graph equal the eager steps bit for bit, an overflow step (and the
 //! scale's backoff it causes) included. Each test needs a CUDA device: marked
 //! `#[ignore = "needs a CUDA device"]`, it runs with `--include-ignored` (testkit's gate).
@@ -439,6 +440,65 @@ fn gpt2_small_shaped_runs_agree_within_one_percent() {
         "stochastic rounding {:.3}% from O2",
         100.0 * stochastic
     );
+}
+
+/// fp8 linears' outputs rebuilt in backward (`Float8Policy::with_rebuilt_outputs`, the default)
+/// on the GPU: a GPT-2-small-shaped step (4 blocks, batch 8 × 128) gives the loss and every
+/// parameter's gradient of the step that keeps the outputs, bit for bit (the rebuild reruns the
+/// same cuBLASLt GEMM on the same codes), and the forward keeps exactly each block's attention
+/// q, k and v and MLP pre-activation fewer (bf16, `8 · 128 · (3 · 768 + 3072)` values a block).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn fp8_rebuilt_outputs_equal_kept_outputs_bit_for_bit_on_cuda() {
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
+    let _device = exclusive_device();
+    let backend: BackendRef = cuda.clone();
+    let config = Gpt2Config {
+        vocab_size: 256,
+        n_positions: SEQ,
+        n_embd: 768,
+        n_layer: 4,
+        n_head: 12,
+        layer_norm_epsilon: 1e-5,
+        embd_pdrop: 0.0,
+        attn_pdrop: 0.0,
+        resid_pdrop: 0.0,
+    };
+    let model =
+        Gpt2LMHeadModel::new(&backend, config, DType::F32, &Arc::new(Generator::new(5))).unwrap();
+    let ids = Corpus::new().batch(&backend, BATCH, SEQ);
+    let named = model.named_parameters();
+    let mut runs = Vec::new();
+    for rebuild in [false, true] {
+        let fp8 = Float8Policy::new(Some(AmpPolicy::torch_cuda(DType::BF16).unwrap()))
+            .with_linears(named.iter().map(|(n, t)| (n.as_str(), t)), |name| {
+                !["lm_head", "wte", "wpe"]
+                    .iter()
+                    .any(|head| name.contains(head))
+            })
+            .with_rebuilt_outputs(rebuild);
+        cuda.synchronize().unwrap();
+        let before = cuda.allocator().memory_allocated();
+        let loss = {
+            let _autocast = fp8.enter();
+            let logits = model.forward(&ids).unwrap();
+            model.loss(&logits, &ids).unwrap()
+        };
+        cuda.synchronize().unwrap();
+        let kept = cuda.allocator().memory_allocated() - before;
+        loss.backward().unwrap();
+        let mut bits = vec![loss.item().unwrap().to_bits()];
+        for (_, parameter) in &named {
+            let grad = parameter.take_grad().unwrap().to_vec_f64().unwrap();
+            bits.extend(grad.iter().map(|v| v.to_bits()));
+        }
+        runs.push((bits, kept));
+    }
+    assert!(runs[0].0 == runs[1].0, "rebuilt outputs change the step");
+    let per_block = (BATCH * SEQ * (3 * 768 + 3072) * 2) as u64;
+    assert_eq!(runs[0].1 - runs[1].1, 4 * per_block, "bytes not kept");
 }
 
 /// A GPT-2-shaped model trained with a GradScaler and fused Adam, eagerly, with its forward,

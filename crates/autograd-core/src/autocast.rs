@@ -61,6 +61,13 @@ pub trait AutocastPolicy: Send + Sync + std::fmt::Debug {
         let _ = weight;
         None
     }
+    /// Whether a later op that saves an fp8 linear's output (tensorwise scales) keeps a recipe
+    /// instead of its bytes: backward makes the output again with one fp8 GEMM from the input
+    /// codes the linear keeps anyway (attention's q, k and v, a GELU's or SwiGLU's
+    /// pre-activation: a 16-bit activation less per save, for a GEMM more). True by default.
+    fn float8_rebuilds_outputs(&self) -> bool {
+        true
+    }
 }
 
 /// An optional base policy, as a policy: the base's answers, or no casting and no fp8 when there
@@ -79,6 +86,11 @@ impl AutocastPolicy for Option<Arc<dyn AutocastPolicy>> {
 
     fn float8_linear(&self, weight: &Tensor) -> Option<Float8Linear> {
         self.as_ref().and_then(|base| base.float8_linear(weight))
+    }
+
+    fn float8_rebuilds_outputs(&self) -> bool {
+        self.as_ref()
+            .is_none_or(|base| base.float8_rebuilds_outputs())
     }
 }
 
@@ -171,6 +183,11 @@ pub fn autocast_policy() -> Option<Arc<dyn AutocastPolicy>> {
 /// ([`AutocastPolicy::float8_linear`]).
 pub(crate) fn float8_linear(weight: &Tensor) -> Option<Float8Linear> {
     autocast_policy().and_then(|policy| policy.float8_linear(weight))
+}
+
+/// Whether the scope's policy has fp8 linears' saved outputs rebuilt (true outside a scope).
+pub(crate) fn float8_rebuilds_outputs() -> bool {
+    autocast_policy().is_none_or(|policy| policy.float8_rebuilds_outputs())
 }
 
 /// The cast counts and cache of the current outermost enabled scope (all zero outside one).

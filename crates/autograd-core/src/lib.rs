@@ -92,6 +92,7 @@ mod non_finite;
 mod ops;
 mod overlap;
 mod random;
+mod rebuild;
 mod saved;
 mod tensor;
 

@@ -9,7 +9,8 @@
 //! packed value is kept; `unpack` brings it back when backward asks. Either way,
 //! [`SavedTensor::unpack`] fails with [`TensorError::ModifiedInPlace`] naming the op when the
 //! storage was written in place after the save. Dropping a `SavedTensor` releases its memory,
-//! which the engine does right after the node's backward.
+//! which the engine does right after the node's backward. With no hooks installed, a storage an
+//! op registered as rebuildable (`crate::rebuild`) is kept as its recipe and rebuilt on unpack.
 //!
 //! The save numbers count the saves of this thread since its last outermost backward finished
 //! (`crate::engine` resets them), so in a training loop the same save of every step has the same
@@ -26,6 +27,8 @@ use crate::error::{Result, TensorError};
 use crate::grad_mode::no_grad;
 use crate::graph::Edge;
 use crate::layout::Dims;
+use crate::layout::Layout;
+use crate::rebuild::{rebuild_of, RebuiltStorage};
 use crate::tensor::Tensor;
 
 /// Which of an op's tensors a save holds.
@@ -68,6 +71,11 @@ pub struct SaveSite {
     /// saved tensors to free memory gains nothing from it (offload never copies one, compression
     /// never encodes one).
     pub is_parameter: bool,
+    /// Whether backward can rebuild the storage instead of keeping it (an fp8 linear's output,
+    /// made again by one fp8 GEMM from the codes the linear keeps; see `crate::rebuild`). With
+    /// no hooks installed such a save keeps the recipe, not the bytes; a hook that keeps the
+    /// tensor keeps the bytes.
+    pub rebuildable: bool,
 }
 
 thread_local! {
@@ -178,6 +186,12 @@ pub struct SavedTensor {
 
 enum SavedData {
     Plain(Tensor),
+    /// A storage backward rebuilds (`crate::rebuild`), seen through the saved view's layout.
+    Rebuilt {
+        storage: Arc<RebuiltStorage>,
+        layout: Layout,
+        dtype: DType,
+    },
     Packed {
         packed: Packed,
         hooks: Arc<SavedTensorHooks>,
@@ -195,13 +209,15 @@ impl std::fmt::Debug for SavedTensor {
 }
 
 impl SavedTensor {
-    /// Saves `tensor`, the `role` of `op`, for its backward, packing it if hooks are installed.
+    /// Saves `tensor`, the `role` of `op`, for its backward, packing it if hooks are installed;
+    /// with none, a storage backward can rebuild (`crate::rebuild`) is kept as its recipe.
     pub fn save(op: &'static str, role: SaveRole, tensor: &Tensor) -> Result<SavedTensor> {
         let buffer = tensor.buffer();
         let version = Arc::clone(buffer.version_counter());
         let saved_version = version.get();
         let seq = NEXT_SAVE_SEQ.with(|next| next.replace(next.get() + 1));
         let alias = tensor.detach();
+        let rebuild = rebuild_of(tensor);
         let data = match current_saved_tensor_hooks() {
             Some(hooks) => {
                 let site = SaveSite {
@@ -213,12 +229,20 @@ impl SavedTensor {
                     bytes: (tensor.numel() * tensor.dtype().size_in_bytes()) as u64,
                     seq,
                     is_parameter: holds_parameter_storage(tensor),
+                    rebuildable: rebuild.is_some(),
                 };
                 let _guard = no_grad();
                 let packed = (hooks.pack)(&site, alias)?;
                 SavedData::Packed { packed, hooks }
             }
-            None => SavedData::Plain(alias),
+            None => match rebuild {
+                Some(storage) => SavedData::Rebuilt {
+                    storage,
+                    layout: tensor.layout().clone(),
+                    dtype: tensor.dtype(),
+                },
+                None => SavedData::Plain(alias),
+            },
         };
         Ok(SavedTensor {
             op,
@@ -226,6 +250,18 @@ impl SavedTensor {
             saved_version,
             data,
         })
+    }
+
+    /// `tensor` kept as it is, version-checked, for `op`: no hook sees it and it takes no save
+    /// number (a rebuild recipe's alias of operands its op saves as well).
+    pub(crate) fn alias(op: &'static str, tensor: &Tensor) -> SavedTensor {
+        let version = Arc::clone(tensor.buffer().version_counter());
+        SavedTensor {
+            op,
+            saved_version: version.get(),
+            version,
+            data: SavedData::Plain(tensor.detach()),
+        }
     }
 
     /// The saved tensor, or an error if its storage was modified in place since the save.
@@ -244,6 +280,16 @@ impl SavedTensor {
         }
         match &self.data {
             SavedData::Plain(tensor) => Ok(tensor.clone()),
+            SavedData::Rebuilt {
+                storage,
+                layout,
+                dtype,
+            } => Ok(Tensor::from_parts(
+                storage.buffer()?,
+                layout.clone(),
+                *dtype,
+                true,
+            )),
             SavedData::Packed { packed, hooks } => {
                 let _guard = no_grad();
                 (hooks.unpack)(packed)

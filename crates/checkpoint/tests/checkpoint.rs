@@ -567,6 +567,7 @@ fn recompute_before_keeps_the_late_part_and_recomputes_the_early_part() {
         bytes: 0,
         seq: 0,
         is_parameter: false,
+        rebuildable: false,
     };
     let policy = RecomputeBefore::mlp();
     assert_eq!(

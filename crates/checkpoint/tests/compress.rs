@@ -362,6 +362,7 @@ fn the_default_policy_keeps_intermediates_small_saves_and_linear_weights() {
         device: headroom_autograd_core::Device::Cpu,
         bytes: shape.iter().product::<usize>() as u64 * 4,
         is_parameter: false,
+        rebuildable: false,
         seq: 0,
     };
     let choose = |s: SaveSite| policy.choose(&s);

@@ -140,6 +140,12 @@ fn quantize_typed<T: Scalar, Q: Scalar>(args: &Float8Quantize<'_>, rows: usize, 
     for (index, &scale) in scales.iter().enumerate() {
         scale_out.write(scale_base + index, scale);
     }
+    if let Some(inverse_out) = &args.inverse_scale {
+        let (out, base) = HostPtr::<f32>::with_offset(inverse_out);
+        for (index, &scale) in scales.iter().enumerate() {
+            out.write(base + index, inverse_of(scale));
+        }
+    }
     let (codes, codes_base) = HostPtr::<Q>::with_offset(&args.codes);
     let write_row = |row: usize| {
         let scale = scales[if scales.len() == 1 { 0 } else { row }];
@@ -152,6 +158,16 @@ fn quantize_typed<T: Scalar, Q: Scalar>(args: &Float8Quantize<'_>, rows: usize, 
         (0..rows).into_par_iter().for_each(write_row);
     } else {
         (0..rows).for_each(write_row);
+    }
+}
+
+/// `1 / scale`, correctly rounded (an f32 division), the canonical NaN for a NaN scale (as the
+/// GPU writes it, whatever the NaN's payload).
+fn inverse_of(scale: f32) -> f32 {
+    if scale.is_nan() {
+        f32::from_bits(0x7fc0_0000)
+    } else {
+        1.0 / scale
     }
 }
 

@@ -188,7 +188,8 @@ fn every_op_that_saves_describes_what_it_saves() {
         ],
     );
 
-    // The fp8 linear keeps its input as E4M3 codes (one byte each) and a scale, and the weight.
+    // The fp8 linear keeps its input as E4M3 codes (one byte each) and its inverse scale, and the
+    // weight.
     let float8 = sites_of(|| {
         x.linear_float8(&w, Some(&bias)).unwrap();
     });
@@ -197,7 +198,7 @@ fn every_op_that_saves_describes_what_it_saves() {
         &float8,
         &[
             (op, Intermediate("input_float8"), &[4, 3], DType::F8E4M3),
-            (op, Intermediate("input_scale"), &[], f32),
+            (op, Intermediate("input_inverse_scale"), &[], f32),
             (op, Input(1), &[5, 3], f32),
         ],
     );

@@ -10,11 +10,12 @@
 // the amax NaN, as on the CPU.
 //
 // Tensorwise runs three kernels: an amax (each block's over its share into a partial),
-// float8_scale (one block: the partials' amax, the scale), a cast (the codes). Dense inputs take
-// the fast ones (16-byte loads: float8_amax_dense_<T>, float8_cast_dense_<T>_<Q> for row-major
-// memory, float8_cast_columns_<T>_<Q> through shared-memory tiles for column-major), any other
-// view float8_amax_<T> (a block a row) and float8_cast_<T>_<Q>. Rowwise runs one, float8_rowwise_<T>_<Q>: a block a row, the row read twice (amax,
-// then codes). float8_transpose writes a strided [rows, cols] view of codes dense;
+// float8_scale (one block: the partials' amax, the scale, its reciprocal for the GEMM), a cast
+// (the codes); with a delayed scale and no amax wanted, no amax kernel (one read). Dense inputs
+// take the fast ones (16-byte loads: float8_amax_dense_<T>, float8_cast_dense_<T>_<Q> for
+// row-major memory, float8_cast_columns_<T>_<Q> through shared-memory tiles for column-major),
+// any other view float8_amax_<T> (a block a row) and float8_cast_<T>_<Q>. Rowwise runs one,
+// float8_rowwise_<T>_<Q>: a block a row, the row read twice (amax, then codes). float8_transpose writes a strided [rows, cols] view of codes dense;
 // float8_transpose_words the transpose of a row-major matrix, four bytes a thread.
 
 #include <cuda_bf16.h>
@@ -110,16 +111,24 @@ __device__ void amax_partial(const T *x, long long row_stride, long long col_str
     if (threadIdx.x == 0) partial[blockIdx.x] = bits;
 }
 
-// One block: the partials' amax, then the scale (or the delayed one), and the amax if wanted.
+// 1 / scale, correctly rounded; the canonical NaN for a NaN scale (whatever its payload).
+__device__ __forceinline__ float inverse_of(float scale) {
+    return scale != scale ? __uint_as_float(CANONICAL_NAN) : __frcp_rn(scale);
+}
+
+// One block: the partials' amax, then the scale (or the delayed one), the amax and the inverse
+// scale if wanted. With a delayed scale and no amax wanted, count is 0 (no partials were taken).
 extern "C" __global__ void __launch_bounds__(THREADS)
 float8_scale(const unsigned *partial, int count, double max_finite, int power_of_two,
-             const float *delayed, float *scale, float *amax) {
+             const float *delayed, float *scale, float *amax, float *inverse) {
     unsigned bits = 0;
     for (int i = threadIdx.x; i < count; i += THREADS) bits = max(bits, partial[i]);
     bits = block_max(bits);
     if (threadIdx.x == 0) {
-        scale[0] = delayed != nullptr ? delayed[0] : scale_from(bits, max_finite, power_of_two);
+        const float s = delayed != nullptr ? delayed[0] : scale_from(bits, max_finite, power_of_two);
+        scale[0] = s;
         if (amax != nullptr) amax[0] = amax_value(bits);
+        if (inverse != nullptr) inverse[0] = inverse_of(s);
     }
 }
 
@@ -143,7 +152,7 @@ template <typename T, typename Q>
 __device__ void rowwise(const T *x, long long row_stride, long long col_stride, long long rows,
                         long long cols, const float *premultiply, long long premultiply_stride,
                         double max_finite, int power_of_two, const float *delayed, float *scale,
-                        float *amax, __nv_fp8_storage_t *codes) {
+                        float *amax, float *inverse, __nv_fp8_storage_t *codes) {
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const unsigned bits = block_max(row_amax_bits(x, row_stride, col_stride, premultiply,
                                                       premultiply_stride, row, cols));
@@ -152,6 +161,7 @@ __device__ void rowwise(const T *x, long long row_stride, long long col_stride, 
         if (threadIdx.x == 0) {
             scale[row] = s;
             if (amax != nullptr) amax[row] = amax_value(bits);
+            if (inverse != nullptr) inverse[row] = inverse_of(s);
         }
         for (long long col = threadIdx.x; col < cols; col += THREADS) {
             const float v =
@@ -180,10 +190,10 @@ __device__ void rowwise(const T *x, long long row_stride, long long col_stride, 
     extern "C" __global__ void __launch_bounds__(THREADS) float8_rowwise_##TN##_##QN(             \
         const T *x, long long row_stride, long long col_stride, long long rows, long long cols,   \
         const float *premultiply, long long premultiply_stride, double max_finite,                \
-        int power_of_two, const float *delayed, float *scale, float *amax,                        \
+        int power_of_two, const float *delayed, float *scale, float *amax, float *inverse,        \
         __nv_fp8_storage_t *codes) {                                                              \
         rowwise<T, Q>(x, row_stride, col_stride, rows, cols, premultiply, premultiply_stride,     \
-                      max_finite, power_of_two, delayed, scale, amax, codes);                     \
+                      max_finite, power_of_two, delayed, scale, amax, inverse, codes);            \
     }
 
 #define FOR_INPUT(T, TN) AMAX(T, TN) CASTS(T, TN, E4M3, e4m3) CASTS(T, TN, E5M2, e5m2)

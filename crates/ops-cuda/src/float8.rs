@@ -1,6 +1,7 @@
 //! fp8 training's quantize on the GPU (`kernels/float8.cu`): a tensor's amax, scale and 8-bit
-//! codes. Tensorwise runs three launches (each block's amax over its rows into a partial, the
-//! scale from the partials in one block, the codes), rowwise one (a block a row reads its row
+//! codes, and the scales' reciprocals the product takes. Tensorwise runs three launches (each
+//! block's amax over its rows into a partial, the scale and its reciprocal from the partials in
+//! one block, the codes; two, and one read, with a given scale and no amax wanted), rowwise one (a block a row reads its row
 //! twice: amax, then codes). Inputs f32, bf16 or f16 with any strides; f64 answers "not here"
 //! (the core composes it). The fp8 product is the linear layers' (`linear.rs`, cuBLASLt).
 //!
@@ -112,6 +113,7 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
     ];
     let delayed = args.delayed_scale.as_ref().map_or(0, element_address);
     let amax = args.amax.as_ref().map_or(0, element_address);
+    let inverse = args.inverse_scale.as_ref().map_or(0, element_address);
     let (scale, code_address) = (element_address(&args.scale), element_address(&args.codes));
     let config = row_blocks(rows);
     match args.granularity {
@@ -126,6 +128,7 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
                 Param::U64(delayed),
                 Param::U64(scale),
                 Param::U64(amax),
+                Param::U64(inverse),
                 Param::U64(code_address),
             ]);
             let name = with_codes(ROWWISE[input], codes);
@@ -133,57 +136,29 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
         }
         Float8Granularity::Tensorwise => {
             let memory = dense_memory(&args.x, rows, cols);
-            let amax_config = match memory {
-                Some(_) => vector_blocks(rows * cols, args.x.dtype),
-                None => config,
+            // A given scale and no amax wanted: the codes in one read, no amax taken.
+            let takes_amax = args.delayed_scale.is_none() || args.amax.is_some();
+            let partial = match takes_amax {
+                true => Some(launch_amax(backend, &args, memory, &source, premultiply)?),
+                false => None,
             };
-            let blocks = amax_config.grid_dim.0;
-            let partial = Scratch::new(backend, u64::from(blocks) * 4)?;
-            let (name, params): (KernelName, Vec<Param>) = match memory {
-                Some(memory) => {
-                    let column_step = match memory {
-                        DenseMemory::RowMajor => 1,
-                        DenseMemory::ColumnMajor => rows,
-                    };
-                    let params = vec![
-                        Param::U64(element_address(&args.x)),
-                        Param::I64((rows * cols) as i64),
-                        Param::U64(premultiply),
-                        Param::I64(premultiply_stride),
-                        Param::I64(column_step as i64),
-                        Param::I64(cols as i64),
-                        Param::U64(partial.address()),
-                    ];
-                    (AMAX_DENSE[input], params)
-                }
-                None => {
-                    let mut params = source.to_vec();
-                    params.push(Param::U64(partial.address()));
-                    (AMAX[input], params)
-                }
-            };
-            launch_in(
-                backend,
-                Module::Float8,
-                OP,
-                name,
-                amax_config,
-                &params,
-                NO_ARGS,
-            )?;
+            let (partial_address, blocks) = partial
+                .as_ref()
+                .map_or((0, 0), |(partial, blocks)| (partial.address(), *blocks));
             let one_block = LaunchConfig {
                 grid_dim: (1, 1, 1),
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
             let scale_params = [
-                Param::U64(partial.address()),
+                Param::U64(partial_address),
                 Param::I32(blocks as i32),
                 Param::F64(max_finite),
                 Param::I32(i32::from(args.power_of_two)),
                 Param::U64(delayed),
                 Param::U64(scale),
                 Param::U64(amax),
+                Param::U64(inverse),
             ];
             let name: KernelName = ("float8_scale", "");
             launch_in(
@@ -244,6 +219,52 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
         }
     }
     Ok(true)
+}
+
+/// Each block's amax of `args.x` into a partial (its bits), for `float8_scale`: the partials and
+/// how many there are.
+fn launch_amax<'b>(
+    backend: &'b CudaBackend,
+    args: &Float8Quantize<'_>,
+    memory: Option<DenseMemory>,
+    source: &[Param],
+    premultiply: u64,
+) -> Result<(Scratch<'b>, u32)> {
+    const OP: &str = "quantize_float8";
+    let (rows, cols) = (args.x.layout.shape()[0], args.x.layout.shape()[1]);
+    let input = input_index(args.x.dtype).expect("checked by the caller");
+    let premultiply_stride = vector(args.premultiply.as_ref()).1;
+    let config = match memory {
+        Some(_) => vector_blocks(rows * cols, args.x.dtype),
+        None => row_blocks(rows),
+    };
+    let blocks = config.grid_dim.0;
+    let partial = Scratch::new(backend, u64::from(blocks) * 4)?;
+    let (name, params): (KernelName, Vec<Param>) = match memory {
+        Some(memory) => {
+            let column_step = match memory {
+                DenseMemory::RowMajor => 1,
+                DenseMemory::ColumnMajor => rows,
+            };
+            let params = vec![
+                Param::U64(element_address(&args.x)),
+                Param::I64((rows * cols) as i64),
+                Param::U64(premultiply),
+                Param::I64(premultiply_stride),
+                Param::I64(column_step as i64),
+                Param::I64(cols as i64),
+                Param::U64(partial.address()),
+            ];
+            (AMAX_DENSE[input], params)
+        }
+        None => {
+            let mut params = source.to_vec();
+            params.push(Param::U64(partial.address()));
+            (AMAX[input], params)
+        }
+    };
+    launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
+    Ok((partial, blocks))
 }
 
 /// How a dense input lies in memory, for the fast kernels.

@@ -47,13 +47,23 @@ pub struct Float8Quantize<'a> {
     /// Where to write each group's amax (`max |v|` rounded to f32, before the floor; NaN if any
     /// `v` is), dense f32 shaped as `scale`, if wanted (delayed scaling's history).
     pub amax: Option<View<'a>>,
+    /// Where to write each scale's reciprocal `1 / scale` (f32, correctly rounded; the
+    /// canonical NaN for a NaN scale), dense f32 shaped as `scale`, if wanted: what
+    /// [`Float8Matmul`] takes, with no division launched of its own.
+    pub inverse_scale: Option<View<'a>>,
 }
 
 impl<'a> Float8Quantize<'a> {
-    /// `codes`, `scale` and `amax` written; `x`, `premultiply` and `delayed_scale` read.
+    /// `codes`, `scale`, `amax` and `inverse_scale` written; `x`, `premultiply` and
+    /// `delayed_scale` read.
     pub fn operands(&self) -> Operands<'a> {
         Operands::new(
-            [Some(self.codes), Some(self.scale), self.amax],
+            [
+                Some(self.codes),
+                Some(self.scale),
+                self.amax,
+                self.inverse_scale,
+            ],
             [Some(self.x), self.premultiply, self.delayed_scale],
         )
     }
@@ -145,7 +155,11 @@ pub fn float8_quantize_dims(args: &Float8Quantize<'_>) -> Result<(usize, usize)>
             ),
         ));
     }
-    for (view, name) in [(&args.delayed_scale, "delayed_scale"), (&args.amax, "amax")] {
+    for (view, name) in [
+        (&args.delayed_scale, "delayed_scale"),
+        (&args.amax, "amax"),
+        (&args.inverse_scale, "inverse_scale"),
+    ] {
         let Some(view) = view else { continue };
         check_dtype(OP, view, view.dtype == DType::F32)?;
         if view.layout.shape() != [scales] || !view.layout.is_contiguous() {

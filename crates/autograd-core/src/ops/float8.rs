@@ -37,6 +37,7 @@ use crate::engine::is_last_use;
 use crate::error::{Result, TensorError};
 use crate::grad_mode::no_grad;
 use crate::graph::{needs_grad, record};
+use crate::rebuild::{register_rebuild, Rebuild};
 use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
 
@@ -110,13 +111,16 @@ pub struct Float8Tensor {
     pub codes: Tensor,
     /// The f32 scales: shape `[]` (tensorwise), or the codes' shape less its last dim (rowwise).
     pub scale: Tensor,
+    /// The scales' reciprocals `1 / scale` (f32, correctly rounded), shaped as `scale`: what a
+    /// product of codes multiplies by, written by the quantize itself.
+    pub inverse_scale: Tensor,
 }
 
 impl Float8Tensor {
     /// The values again, `codes / scale` (computed as `codes · (1 / scale)` in f32), in `dtype`.
     pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
         let (_grad, _autocast) = (no_grad(), autocast_disabled());
-        let mut inverse = self.scale.reciprocal_f32()?;
+        let mut inverse = self.inverse_scale.clone();
         if inverse.ndim() > 0 {
             inverse = inverse.unsqueeze(-1)?;
         }
@@ -170,6 +174,7 @@ impl Tensor {
         Ok(Float8Tensor {
             codes: res.codes.reshape(self.shape())?,
             scale: res.scale.reshape(scale_shape)?,
+            inverse_scale: res.inverse_scale.reshape(scale_shape)?,
         })
     }
 
@@ -236,6 +241,7 @@ impl Tensor {
             self.dtype(),
             &Float8Linear::Current(recipe),
             None,
+            false,
         )
     }
 
@@ -249,7 +255,7 @@ impl Tensor {
     ) -> Result<Tensor> {
         self.check_operand_dtypes(weight, bias)?;
         let scales = Float8Linear::Delayed(Arc::clone(history));
-        float8_linear(self, weight, bias, self.dtype(), &scales, None)
+        float8_linear(self, weight, bias, self.dtype(), &scales, None, false)
     }
 
     /// The public fp8 linears take operands of one dtype (autocast's path mixes them).
@@ -264,11 +270,6 @@ impl Tensor {
             }
         }
         Ok(())
-    }
-
-    /// `1 / self` in f32 (an f32 tensor's elementwise reciprocal, correctly rounded).
-    fn reciprocal_f32(&self) -> Result<Tensor> {
-        Tensor::full(self.backend(), &[], 1.0, DType::F32)?.div(self)
     }
 }
 
@@ -345,7 +346,7 @@ fn folded_product(
     let one = Tensor::full(grad.backend(), &[], 1.0, DType::F32)?;
     scaled_product(
         &folded.codes,
-        &folded.scale.reciprocal_f32()?,
+        &folded.inverse_scale,
         codes,
         &one,
         None,
@@ -355,10 +356,97 @@ fn folded_product(
 
 /// What an fp8 linear keeps of its input for backward.
 enum SavedInput {
-    /// The input's codes and scales.
+    /// The input's codes and the reciprocals of their scales.
     Codes(SavedTensor, SavedTensor),
     /// The pre-activation (and, under delayed scaling, the scale its activation was cast with).
     PreActivation(SavedTensor, Option<SavedTensor>),
+}
+
+/// How an fp8 linear casts its weight: with the recipe's scales, or (`given`, tensorwise) the
+/// scale an earlier cast of the same weight took, in one read and to the same codes.
+#[derive(Debug, Clone, Copy)]
+struct WeightCast {
+    granularity: Float8Granularity,
+    power_of_two: bool,
+}
+
+impl WeightCast {
+    fn cast(self, weight: &Tensor, given: Option<&Tensor>) -> Result<Float8Tensor> {
+        let scaling = Scaling {
+            granularity: self.granularity,
+            power_of_two: self.power_of_two,
+            premultiply: None,
+            delayed: given,
+        };
+        Ok(quantize_with(&weight.detach(), DType::F8E4M3, scaling, false)?.0)
+    }
+}
+
+/// An fp8 linear's output made again (`crate::rebuild`): the product of the input codes the
+/// linear keeps for its weight gradient and of its weight cast again with the forward's scale —
+/// the same codes, the same GEMM, the same bytes.
+struct Float8Output {
+    input_codes: SavedTensor,
+    input_inverse: SavedTensor,
+    weight: SavedTensor,
+    /// The weight's forward scale, `[1]` (tensorwise only).
+    weight_scale: Tensor,
+    bias: Option<SavedTensor>,
+    cast: WeightCast,
+    output: DType,
+}
+
+impl Rebuild for Float8Output {
+    fn rebuild(&self) -> Result<Tensor> {
+        let weight = self
+            .cast
+            .cast(&self.weight.unpack()?, Some(&self.weight_scale))?;
+        let bias = match &self.bias {
+            Some(bias) => Some(bias.unpack()?.to_dtype(self.output)?),
+            None => None,
+        };
+        scaled_product(
+            &self.input_codes.unpack()?,
+            &self.input_inverse.unpack()?,
+            &weight.codes.t()?,
+            &weight.inverse_scale,
+            bias.as_ref(),
+            self.output,
+        )
+    }
+}
+
+/// `dW = dYᵀ · X` of codes, in the weight's memory order: a weight that is the transpose of a
+/// row-major `[in, out]` parameter (GPT-2's `Conv1D` passes `weight.t()`) gets `(Xᵀ · dY)ᵀ`, a
+/// transposed view of a dense `[in, out]` product, so the gradient reaches the parameter with
+/// no transposing copy.
+fn weight_product(
+    grad: (&Tensor, &Tensor),
+    input: (&Tensor, &Tensor),
+    weight: &Tensor,
+) -> Result<Tensor> {
+    let ((grad_codes, grad_inverse), (codes, inverse)) = (grad, input);
+    let strides = weight.strides();
+    let out_features = weight.shape()[0];
+    if weight.ndim() == 2 && out_features > 1 && strides == [1, out_features] {
+        let transposed = scaled_product(
+            &codes.t()?,
+            inverse,
+            grad_codes,
+            grad_inverse,
+            None,
+            weight.dtype(),
+        )?;
+        return transposed.t();
+    }
+    scaled_product(
+        &grad_codes.t()?,
+        grad_inverse,
+        codes,
+        inverse,
+        None,
+        weight.dtype(),
+    )
 }
 
 /// [`Tensor::linear_float8_with`] of operands in any float dtypes (each quantized from its own),
@@ -366,7 +454,9 @@ enum SavedInput {
 /// fp8, on the tensors as they come (no half-precision copy of the input or of the weight) with
 /// the output in the dtype autocast would give the linear. Gradients come back in each operand's
 /// dtype. Behind an `activation` (`gelu_linear`), the op saves the pre-activation alone and
-/// recomputes the activation, and from it the same codes, in backward.
+/// recomputes the activation, and from it the same codes, in backward. With `rebuild_output`
+/// (tensorwise, no activation), a later op that saves the output keeps a recipe instead
+/// ([`Float8Output`]).
 pub(super) fn float8_linear(
     input: &Tensor,
     weight: &Tensor,
@@ -374,6 +464,7 @@ pub(super) fn float8_linear(
     output: DType,
     scales: &Float8Linear,
     activation: Option<ActivationLinear>,
+    rebuild_output: bool,
 ) -> Result<Tensor> {
     let op = activation.map_or("linear_float8", |activation| activation.name);
     let recipe = scales.recipe();
@@ -416,6 +507,7 @@ pub(super) fn float8_linear(
         grad_dtype,
         power_of_two_scales: power_of_two,
     } = recipe;
+    let tensorwise = granularity == Float8Granularity::Tensorwise;
     let dtype = input.dtype();
     let bias_dtype = bias.map(Tensor::dtype);
     let rows = input.numel() / in_features.max(1);
@@ -427,18 +519,12 @@ pub(super) fn float8_linear(
         .collect();
     // Its products are f32 whatever autocast says (an fp8 GEMM accumulates in f32).
     let _autocast = autocast_disabled();
-    // The weight's cast; backward casts it again with the forward's scale under delayed scaling
-    // (so the same codes, and no second amax in its history).
-    let quantize_weight = move |weight: &Tensor, delayed: Option<&Tensor>| {
-        let scaling = Scaling {
-            granularity,
-            power_of_two,
-            premultiply: None,
-            delayed,
-        };
-        Ok::<_, TensorError>(quantize_with(&weight.detach(), DType::F8E4M3, scaling, false)?.0)
+    let weight_cast = WeightCast {
+        granularity,
+        power_of_two,
     };
-    let (res, input_float8, weight_delayed_scale) = {
+    // The input's codes, their inverse scales and (delayed scaling) their scale; the weight's.
+    let (res, (input_codes, input_inverse, input_scale), weight_float8) = {
         let _grad = no_grad();
         // The linear's input: the activation of `input`, for this product only, or `input`.
         let activated = match activation {
@@ -447,14 +533,15 @@ pub(super) fn float8_linear(
         };
         let source = activated.as_ref().unwrap_or(input);
         let (input_float8, weight_float8) = match &history {
-            None => (
-                quantized_input(source, [rows, in_features], recipe)?,
-                quantize_weight(weight, None)?,
-            ),
+            None => {
+                let (codes, inverse) = quantized_input(source, [rows, in_features], recipe)?;
+                ((codes, inverse, None), weight_cast.cast(weight, None)?)
+            }
             Some(history) => {
                 let input_2d = source.detach().reshape(&[rows, in_features])?;
+                let input = history.cast(Float8Role::Input, &input_2d, DType::F8E4M3)?;
                 (
-                    history.cast(Float8Role::Input, &input_2d, DType::F8E4M3)?,
+                    (input.codes, input.inverse_scale, Some(input.scale)),
                     history.cast(Float8Role::Weight, &weight.detach(), DType::F8E4M3)?,
                 )
             }
@@ -462,46 +549,69 @@ pub(super) fn float8_linear(
         // The bias in the output's dtype, added inside the product (one rounding).
         let bias_in_output = bias.map(|bias| bias.to_dtype(output)).transpose()?;
         let res = scaled_product(
-            &input_float8.codes,
-            &input_float8.scale.reciprocal_f32()?,
+            &input_float8.0,
+            &input_float8.1,
             &weight_float8.codes.t()?,
-            &weight_float8.scale.reciprocal_f32()?,
+            &weight_float8.inverse_scale,
             bias_in_output.as_ref(),
             output,
         )?;
-        let weight_delayed_scale = match history {
-            Some(_) => Some(weight_float8.scale.reshape(&[1])?),
-            None => None,
-        };
-        (res.reshape(&out_shape)?, input_float8, weight_delayed_scale)
+        (res.reshape(&out_shape)?, input_float8, weight_float8)
     };
+    // Backward casts the weight again with the forward's scale (tensorwise: one read, the same
+    // codes, and under delayed scaling no second amax in its history).
+    let weight_scale = match tensorwise {
+        true => Some(weight_float8.scale.reshape(&[1])?),
+        false => None,
+    };
+    drop(weight_float8);
     if needs_grad(&inputs) {
-        let saved_scale = || {
-            SavedTensor::save(
-                op,
-                SaveRole::Intermediate("input_scale"),
-                &input_float8.scale,
-            )
-        };
         let saved = match activation {
             None => SavedInput::Codes(
+                SavedTensor::save(op, SaveRole::Intermediate("input_float8"), &input_codes)?,
                 SavedTensor::save(
                     op,
-                    SaveRole::Intermediate("input_float8"),
-                    &input_float8.codes,
+                    SaveRole::Intermediate("input_inverse_scale"),
+                    &input_inverse,
                 )?,
-                saved_scale()?,
             ),
             Some(_) => SavedInput::PreActivation(
                 SavedTensor::save(op, SaveRole::Input(0), input)?,
-                history.is_some().then(saved_scale).transpose()?,
+                input_scale
+                    .as_ref()
+                    .map(|scale| {
+                        SavedTensor::save(op, SaveRole::Intermediate("input_scale"), scale)
+                    })
+                    .transpose()?,
             ),
         };
-        drop(input_float8);
         let saved_weight = SavedTensor::save(op, SaveRole::Input(1), weight)?;
+        // Registered whatever hooks are installed: they see `SaveSite::rebuildable` and decide
+        // for themselves what the output's saves become.
+        // Held by the backward until it runs (and by each save of the output): the recipe's
+        // operands live no longer than this op's own saves or those saves.
+        let rebuild = match (rebuild_output, &saved, &weight_scale) {
+            (true, SavedInput::Codes(..), Some(weight_scale)) => {
+                // Aliases of what this op saves (no bytes of their own), outside the save count.
+                let alias = |tensor: &Tensor| SavedTensor::alias(op, tensor);
+                let recipe = Float8Output {
+                    input_codes: alias(&input_codes),
+                    input_inverse: alias(&input_inverse),
+                    weight: alias(weight),
+                    weight_scale: weight_scale.clone(),
+                    bias: bias.map(alias),
+                    cast: weight_cast,
+                    output,
+                };
+                Some(register_rebuild(&res, Box::new(recipe)))
+            }
+            _ => None,
+        };
+        drop((input_codes, input_inverse, input_scale));
         let (input_shape, has_bias) = (input.shape().to_vec(), bias.is_some());
         let mut saved_input = Some(saved);
         record(op, &inputs, &[&res], move |grads| {
+            let _rebuild = &rebuild;
             let grad = grads[0].as_ref().expect("one output");
             let grad_2d = grad.reshape(&[rows, out_features])?;
             let weight = saved_weight.unpack()?;
@@ -510,8 +620,7 @@ pub(super) fn float8_linear(
                 None => None,
             };
             // The weight cast again (same codes: it has not changed since the forward).
-            let weight_float8 = quantize_weight(&weight, weight_delayed_scale.as_ref())?;
-            let weight_inverse = weight_float8.scale.reciprocal_f32()?;
+            let weight_float8 = weight_cast.cast(&weight, weight_scale.as_ref())?;
             // Tensorwise: the output gradient quantized once, for both products.
             let grad_tensorwise = match granularity {
                 Float8Granularity::Tensorwise => {
@@ -521,21 +630,17 @@ pub(super) fn float8_linear(
                             history.cast(Float8Role::OutputGrad, &grad_2d, grad_dtype)?
                         }
                     };
-                    let inverse = grad.scale.reciprocal_f32()?;
-                    Some((grad.codes, inverse))
+                    Some((grad.codes, grad.inverse_scale))
                 }
                 Float8Granularity::Rowwise => None,
             };
-            // The input's codes, as saved or again from the pre-activation (the same codes: the
-            // same values, cast with the same scale), and the pre-activation.
+            // The input's codes and their inverse scales, as saved or again from the
+            // pre-activation (the same codes: the same values, cast with the same scale), and
+            // the pre-activation.
             let (input_codes, pre_activation) = match &saved_input {
-                Some(SavedInput::Codes(codes, scale)) => (
-                    Some(Float8Tensor {
-                        codes: codes.unpack()?,
-                        scale: scale.unpack()?,
-                    }),
-                    None,
-                ),
+                Some(SavedInput::Codes(codes, inverse)) => {
+                    (Some((codes.unpack()?, inverse.unpack()?)), None)
+                }
                 Some(SavedInput::PreActivation(pre, delayed)) => {
                     let activation = activation.expect("saved for an activation");
                     let pre = pre.unpack()?;
@@ -543,50 +648,37 @@ pub(super) fn float8_linear(
                         .detach()
                         .unary_raw(activation.op, activation.name)?
                         .reshape(&[rows, in_features])?;
-                    let codes = match delayed {
-                        Some(scale) => {
-                            let scale = scale.unpack()?.reshape(&[1])?;
-                            let scaling = Scaling {
-                                granularity,
-                                power_of_two,
-                                premultiply: None,
-                                delayed: Some(&scale),
-                            };
-                            quantize_with(&activated, DType::F8E4M3, scaling, false)?.0
-                        }
-                        None => {
-                            let inputs = (granularity, power_of_two);
-                            quantize(&activated, None, DType::F8E4M3, inputs.0, inputs.1)?
-                        }
+                    let delayed = delayed.as_ref().map(SavedTensor::unpack).transpose()?;
+                    let delayed = delayed.map(|scale| scale.reshape(&[1])).transpose()?;
+                    let scaling = Scaling {
+                        granularity,
+                        power_of_two,
+                        premultiply: None,
+                        delayed: delayed.as_ref(),
                     };
-                    (Some(codes), Some(pre))
+                    let codes = quantize_with(&activated, DType::F8E4M3, scaling, false)?.0;
+                    (Some((codes.codes, codes.inverse_scale)), Some(pre))
                 }
                 None => (None, None),
             };
             // dW = dYᵀ · X, then the saved input is released on the graph's last use.
             let grad_weight = match input_codes {
-                Some(Float8Tensor { codes, scale }) => {
-                    let input_inverse = scale.reciprocal_f32()?;
-                    Some(match &grad_tensorwise {
-                        Some((grad_codes, grad_inverse)) => scaled_product(
-                            &grad_codes.t()?,
-                            grad_inverse,
-                            &codes,
-                            &input_inverse,
-                            None,
-                            weight.dtype(),
-                        )?,
-                        // dYᵀ with the input's row scales folded in, one scale per output
-                        // feature, times the input's codes as saved.
-                        None => folded_product(
-                            &grad_2d.t()?,
-                            &input_inverse,
-                            &codes,
-                            recipe,
-                            weight.dtype(),
-                        )?,
-                    })
-                }
+                Some((codes, input_inverse)) => Some(match &grad_tensorwise {
+                    Some((grad_codes, grad_inverse)) => weight_product(
+                        (grad_codes, grad_inverse),
+                        (&codes, &input_inverse),
+                        &weight,
+                    )?,
+                    // dYᵀ with the input's row scales folded in, one scale per output feature,
+                    // times the input's codes as saved.
+                    None => folded_product(
+                        &grad_2d.t()?,
+                        &input_inverse,
+                        &codes,
+                        recipe,
+                        weight.dtype(),
+                    )?,
+                }),
                 None => None,
             };
             if is_last_use() {
@@ -598,14 +690,14 @@ pub(super) fn float8_linear(
                     grad_codes,
                     grad_inverse,
                     &weight_float8.codes,
-                    &weight_inverse,
+                    &weight_float8.inverse_scale,
                     None,
                     dtype,
                 )?,
                 // dY with the weight's row scales folded in, one scale per token.
                 None => folded_product(
                     &grad_2d,
-                    &weight_inverse,
+                    &weight_float8.inverse_scale,
                     &weight_float8.codes,
                     recipe,
                     dtype,

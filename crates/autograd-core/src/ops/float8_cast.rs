@@ -180,9 +180,10 @@ pub(super) struct Scaling<'t> {
     pub(super) delayed: Option<&'t Tensor>,
 }
 
-/// Scales and codes of a 2-D `x`, and its amax when `record_amax` (f32 `[1]` or `[rows]`): the
-/// backend's fused quantize, or for tensorwise scales without a premultiplier or power-of-two
-/// rounding, reductions and casts. The scale comes back as `[]` (tensorwise) or `[rows]`.
+/// Scales, their reciprocals and codes of a 2-D `x`, and its amax when `record_amax` (f32 `[1]`
+/// or `[rows]`): the backend's fused quantize, or for tensorwise scales without a premultiplier
+/// or power-of-two rounding, reductions and casts. The scales come back as `[]` (tensorwise) or
+/// `[rows]`.
 pub(super) fn quantize_with(
     x: &Tensor,
     dtype: DType,
@@ -211,6 +212,7 @@ pub(super) fn quantize_with(
     let amax = record_amax
         .then(|| Tensor::empty(backend, &[groups], DType::F32))
         .transpose()?;
+    let inverse_scale = Tensor::empty(backend, &[groups], DType::F32)?;
     let premultiply_layout = premultiply
         .map(|p| p.layout().expand(OP, &[cols]))
         .transpose()?;
@@ -225,13 +227,19 @@ pub(super) fn quantize_with(
         codes: codes.view(),
         scale: scale.view(),
         amax: amax.as_ref().map(Tensor::view),
+        inverse_scale: Some(inverse_scale.view()),
     })?;
     if fused {
-        let scale = match granularity {
-            Float8Granularity::Tensorwise => scale.reshape(&[])?,
-            Float8Granularity::Rowwise => scale,
+        let (scale, inverse_scale) = match granularity {
+            Float8Granularity::Tensorwise => (scale.reshape(&[])?, inverse_scale.reshape(&[])?),
+            Float8Granularity::Rowwise => (scale, inverse_scale),
         };
-        return Ok((Float8Tensor { codes, scale }, amax));
+        let res = Float8Tensor {
+            codes,
+            scale,
+            inverse_scale,
+        };
+        return Ok((res, amax));
     }
     if granularity == Float8Granularity::Rowwise || premultiply.is_some() || power_of_two {
         return Err(TensorError::InvalidArgument {
@@ -279,7 +287,13 @@ fn composed_tensorwise(
         }
     };
     let codes = x.to_dtype(DType::F32)?.mul(&scale)?.to_dtype(dtype)?;
-    Ok((Float8Tensor { codes, scale }, amax.to_dtype(DType::F32)?))
+    let inverse_scale = Tensor::full(backend, &[], 1.0, DType::F32)?.div(&scale)?;
+    let res = Float8Tensor {
+        codes,
+        scale,
+        inverse_scale,
+    };
+    Ok((res, amax.to_dtype(DType::F32)?))
 }
 
 thread_local! {
@@ -296,20 +310,22 @@ struct QuantizedInput {
     input: Weak<TensorImpl>,
     version: u64,
     recipe: Float8Recipe,
-    /// The storages of the codes and the scales (saved tensors hold their own handles on them).
+    /// The storages of the codes and of the scales' reciprocals (saved tensors hold their own
+    /// handles on them).
     codes: Weak<Buffer>,
-    scale: Weak<Buffer>,
+    inverse_scale: Weak<Buffer>,
     scale_shape: Vec<usize>,
 }
 
-/// `input` as `[rows, in]` E4M3 codes with `recipe`'s scales: the last linear's codes when it
-/// quantized this very tensor, unchanged since (its version), with this recipe and the codes are
-/// still alive; else quantized now and remembered.
+/// `input` as `[rows, in]` E4M3 codes with `recipe`'s scales, and the scales' reciprocals (what
+/// a product and a linear's backward take; nothing needs the scales themselves): the last
+/// linear's when it quantized this very tensor, unchanged since (its version), with this recipe,
+/// and they are still alive; else quantized now and remembered.
 pub(super) fn quantized_input(
     input: &Tensor,
     shape: [usize; 2],
     recipe: Float8Recipe,
-) -> Result<Float8Tensor> {
+) -> Result<(Tensor, Tensor)> {
     let hit = LAST_INPUT.with(|last| {
         let last = last.borrow();
         let entry = last.as_ref().filter(|entry| {
@@ -318,14 +334,15 @@ pub(super) fn quantized_input(
                 && entry.recipe == recipe
         })?;
         let codes = entry.codes.upgrade()?;
-        let scale = entry.scale.upgrade()?;
-        Some((codes, scale, entry.scale_shape.clone()))
+        let inverse_scale = entry.inverse_scale.upgrade()?;
+        Some((codes, inverse_scale, entry.scale_shape.clone()))
     });
-    if let Some((codes, scale, scale_shape)) = hit {
-        return Ok(Float8Tensor {
-            codes: Tensor::from_parts(codes, Layout::contiguous(&shape), DType::F8E4M3, true),
-            scale: Tensor::from_parts(scale, Layout::contiguous(&scale_shape), DType::F32, true),
-        });
+    if let Some((codes, inverse_scale, scale_shape)) = hit {
+        let scale_layout = Layout::contiguous(&scale_shape);
+        return Ok((
+            Tensor::from_parts(codes, Layout::contiguous(&shape), DType::F8E4M3, true),
+            Tensor::from_parts(inverse_scale, scale_layout, DType::F32, true),
+        ));
     }
     let flat = input.detach().reshape(&shape)?;
     let res = quantize(
@@ -340,10 +357,10 @@ pub(super) fn quantized_input(
         version: input.version(),
         recipe,
         codes: Arc::downgrade(res.codes.buffer()),
-        scale: Arc::downgrade(res.scale.buffer()),
+        inverse_scale: Arc::downgrade(res.inverse_scale.buffer()),
         scale_shape: res.scale.shape().to_vec(),
     };
     // The entry replaced holds only weak references: dropping it frees no tensor.
     LAST_INPUT.with(|last| last.replace(Some(entry)));
-    Ok(res)
+    Ok((res.codes, res.inverse_scale))
 }

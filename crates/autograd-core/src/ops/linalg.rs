@@ -10,7 +10,7 @@
 
 use crate::autocast::{
     autocast_args, autocast_inputs, autocast_policy, autocast_target, float8_linear as float8_plan,
-    CastPolicy,
+    float8_rebuilds_outputs, CastPolicy,
 };
 use crate::backend::{BinaryOp, LinearEpilogue, LinearForward, LinearWeightGrad, UnaryOp};
 use crate::dtype::DType;
@@ -327,7 +327,8 @@ impl Tensor {
             Some(target) if self.dtype() != DType::F64 => target,
             _ => self.dtype(),
         };
-        float8_linear(self, weight, bias, output, &scales, activation).map(Some)
+        let rebuilds = float8_rebuilds_outputs();
+        float8_linear(self, weight, bias, output, &scales, activation, rebuilds).map(Some)
     }
 
     /// The operands of a linear when it records, else `None`.

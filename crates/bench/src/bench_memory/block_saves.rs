@@ -21,7 +21,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use headroom_autograd_core::{saved_tensor_hooks, DType, Packed, SaveRole, SaveSite, Tensor};
+use headroom_autograd_core::{
+    saved_tensor_hooks, DType, Packed, SaveRole, SaveSite, Tensor, TensorError,
+};
 use headroom_caching_allocator::{HistoryOptions, TraceAction};
 use headroom_nn::{BlockForward, BlockRunner, LlamaConfig, Result as NnResult};
 use parking_lot::Mutex;
@@ -43,6 +45,8 @@ pub(crate) enum Storage {
     Parameter,
     /// Allocated before the block (its input, the rotary tables).
     Outside,
+    /// Made again in backward rather than kept (an fp8 linear's output: `SaveSite::rebuildable`).
+    Rebuilt,
 }
 
 impl Storage {
@@ -53,6 +57,7 @@ impl Storage {
             Storage::Shared(first) => format!("shared with #{first}"),
             Storage::Parameter => "parameter".to_owned(),
             Storage::Outside => "outside".to_owned(),
+            Storage::Rebuilt => "rebuilt".to_owned(),
         }
     }
 }
@@ -241,6 +246,8 @@ impl Recorded {
         for (index, (site, address)) in self.sites.into_iter().enumerate() {
             let (storage, storage_bytes) = if site.is_parameter {
                 (Storage::Parameter, 0)
+            } else if site.rebuildable {
+                (Storage::Rebuilt, 0)
             } else if let Some(&bytes) = self.live.get(&address) {
                 match first_save.get(&address) {
                     Some(&first) => (Storage::Shared(first), 0),
@@ -324,13 +331,16 @@ impl BlockRunner for RecordBlock {
             let _hooks = saved_tensor_hooks(
                 move |site: &SaveSite, tensor: Tensor| {
                     sites.lock().push((site.clone(), tensor.buffer().address()));
-                    Ok(Box::new(tensor) as Packed)
+                    // What the run keeps: a rebuildable storage is not kept without hooks.
+                    let kept = (!site.rebuildable).then_some(tensor);
+                    Ok(Box::new(kept) as Packed)
                 },
                 |packed: &Packed| {
-                    Ok(packed
-                        .downcast_ref::<Tensor>()
-                        .expect("packed by the recording hook")
-                        .clone())
+                    let kept = packed.downcast_ref::<Option<Tensor>>();
+                    kept.cloned().flatten().ok_or(TensorError::InvalidArgument {
+                        op: "block_saves",
+                        reason: "the recording forward keeps no rebuilt storage".to_owned(),
+                    })
                 },
             );
             block(input)

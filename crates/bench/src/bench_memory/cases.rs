@@ -82,6 +82,9 @@ pub(crate) enum Case {
     AdamFp8,
     /// `AdamInbwdCkptBf16` with every linear but the head in fp8.
     AdamInbwdCkptFp8,
+    /// Fused Adam inside backward (no checkpointing), bf16 autocast with every linear but the
+    /// head in fp8.
+    AdamInbwdFp8,
     /// Forward and backward only (no optimizer step; gradients set to none after), f32.
     FwdBwd,
     /// Forward and backward only, the whole model in bf16 (`model.bfloat16()`).
@@ -127,7 +130,7 @@ pub(crate) enum Case {
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 36] = [
+    pub(crate) const ALL: [Case; 37] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -150,6 +153,7 @@ impl Case {
         Case::AdamInbwdCkptBf16,
         Case::AdamFp8,
         Case::AdamInbwdCkptFp8,
+        Case::AdamInbwdFp8,
         Case::FwdBwd,
         Case::FwdBwdBf16,
         Case::FwdBwdBf16Ckpt,
@@ -191,6 +195,7 @@ impl Case {
             Case::AdamInbwdCkptBf16 => "adam_inbwd_ckpt_bf16",
             Case::AdamFp8 => "adam_fp8",
             Case::AdamInbwdCkptFp8 => "adam_inbwd_ckpt_fp8",
+            Case::AdamInbwdFp8 => "adam_inbwd_fp8",
             Case::FwdBwd => "fwd_bwd",
             Case::FwdBwdBf16 => "fwd_bwd_bf16",
             Case::FwdBwdBf16Ckpt => "fwd_bwd_bf16_ckpt",
@@ -260,6 +265,10 @@ impl Case {
                 "fused Adam inside backward, every block checkpointed, bf16 autocast with every \
                  linear but the head in fp8"
             }
+            Case::AdamInbwdFp8 => {
+                "fused Adam inside backward (gradients freed as used), bf16 autocast with every \
+                 linear but the head in fp8"
+            }
             Case::FwdBwd => "forward and backward only, f32",
             Case::FwdBwdBf16 => "forward and backward only, the whole model in bf16",
             Case::FwdBwdBf16Ckpt => {
@@ -320,6 +329,7 @@ impl Case {
                 | Case::AdamInbwdClipPrev
                 | Case::AdamInbwdCkptBf16
                 | Case::AdamInbwdCkptFp8
+                | Case::AdamInbwdFp8
                 | Case::Adamw8bitInbwdBf16Ckpt
                 | Case::Adamw4bitInbwdBf16Ckpt
                 | Case::Adamw4bitInbwdBf16
@@ -370,15 +380,20 @@ impl Case {
     /// Whether the forward runs every linear but the head in fp8 (amp's `Float8Policy` over the
     /// case's autocast).
     pub(crate) fn float8(self) -> bool {
-        matches!(self, Case::AdamFp8 | Case::AdamInbwdCkptFp8)
+        matches!(
+            self,
+            Case::AdamFp8 | Case::AdamInbwdCkptFp8 | Case::AdamInbwdFp8
+        )
     }
 
     /// The autocast dtype of the forward, if any.
     pub(crate) fn autocast(self) -> Option<DType> {
         match self {
-            Case::AdamBf16 | Case::AdamInbwdCkptBf16 | Case::AdamFp8 | Case::AdamInbwdCkptFp8 => {
-                Some(DType::BF16)
-            }
+            Case::AdamBf16
+            | Case::AdamInbwdCkptBf16
+            | Case::AdamFp8
+            | Case::AdamInbwdCkptFp8
+            | Case::AdamInbwdFp8 => Some(DType::BF16),
             Case::AdamFp16 => Some(DType::F16),
             _ => None,
         }
@@ -533,7 +548,8 @@ impl Case {
             | Case::AdamFp16
             | Case::AdamInbwdCkptBf16
             | Case::AdamFp8
-            | Case::AdamInbwdCkptFp8 => build::<AdamConfig>(params, adam, Implementation::Fused),
+            | Case::AdamInbwdCkptFp8
+            | Case::AdamInbwdFp8 => build::<AdamConfig>(params, adam, Implementation::Fused),
             Case::Adam8bit | Case::Adam8bitInbwd => {
                 build::<Adam8bitConfig>(params, adam8bit, Implementation::Fused)
             }

@@ -29,7 +29,8 @@ struct Setting {
     transposed: bool,
 }
 
-/// What a quantize wrote: codes (as bytes), scales and amaxes.
+/// What a quantize wrote: codes (as bytes), scales, amaxes (none asked for a delayed,
+/// transposed setting: the one-pass cast with a given scale) and the scales' reciprocals.
 fn quantized(
     backend: &BackendRef,
     setting: Setting,
@@ -37,7 +38,7 @@ fn quantized(
     (rows, cols): (usize, usize),
     premultiply: &[f64],
     delayed: &[f64],
-) -> [Vec<f64>; 3] {
+) -> [Vec<f64>; 4] {
     let x = upload(backend, setting.input, values);
     // Transposed: the same values stored `[cols, rows]` and read through a transposed view.
     let x_layout = if setting.transposed {
@@ -52,10 +53,12 @@ fn quantized(
         Float8Granularity::Rowwise => rows,
     };
     let codes = poisoned(backend, DType::U8, rows * cols);
-    let (scale, amax) = (
+    let (scale, amax, inverse) = (
+        poisoned(backend, DType::F32, groups),
         poisoned(backend, DType::F32, groups),
         poisoned(backend, DType::F32, groups),
     );
+    let wants_amax = !(setting.delayed && setting.transposed);
     let premultiply_buffer = upload(backend, DType::F32, premultiply);
     let delayed_buffer = upload(backend, DType::F32, &delayed[..groups]);
     let (codes_layout, group_layout) = (
@@ -76,22 +79,26 @@ fn quantized(
                 .then(|| view(&delayed_buffer, &group_layout, DType::F32)),
             codes: view(&codes, &codes_layout, setting.codes),
             scale: view(&scale, &group_layout, DType::F32),
-            amax: Some(view(&amax, &group_layout, DType::F32)),
+            amax: wants_amax.then(|| view(&amax, &group_layout, DType::F32)),
+            inverse_scale: Some(view(&inverse, &group_layout, DType::F32)),
         })
         .unwrap();
     assert!(fused, "{setting:?}: the backend quantizes it itself");
     [
         download(backend, DType::U8, &codes),
         download(backend, DType::F32, &scale),
-        download(backend, DType::F32, &amax),
+        match wants_amax {
+            true => download(backend, DType::F32, &amax),
+            false => Vec::new(),
+        },
+        download(backend, DType::F32, &inverse),
     ]
 }
 
 /// Every setting of the quantize (3 input dtypes × 2 code dtypes × 2 granularities × power of
 /// two or not × premultiplied or not × delayed or current × transposed or not, at two shapes:
-/// 384 cases) gives
-/// the CPU's codes, scales and amaxes bit for bit, over rows that saturate, a zero row (the
-/// amax floor) and rows of tiny values.
+/// 384 cases) gives the CPU's codes, scales, amaxes and inverse scales bit for bit, over rows
+/// that saturate, a zero row (the amax floor) and rows of tiny values.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn float8_quantize_matches_the_cpu_bit_for_bit() {
@@ -150,7 +157,8 @@ fn float8_quantize_matches_the_cpu_bit_for_bit() {
                         let shape = (rows, cols);
                         let [on_gpu, on_cpu] = [&gpu, &cpu]
                             .map(|b| quantized(b, setting, &stored, shape, &premultiply, &delayed));
-                        for (part, name) in ["codes", "scale", "amax"].iter().enumerate() {
+                        let parts = ["codes", "scale", "amax", "inverse scale"];
+                        for (part, name) in parts.iter().enumerate() {
                             assert!(
                                 same_bits(&on_gpu[part], &on_cpu[part]),
                                 "{setting:?}: {name} differ"
