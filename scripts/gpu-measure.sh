@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU figures of the README, ours beside PyTorch's in the same run, in phases that each fit
 # a ten-minute slot. Run on the GPU machine from the workspace root, with the test binaries and a
-# release headroom-bench (the binary `cargo xtask bench-memory` runs) in .gpu-bundle/bin (build
+# release headroom-bench (the binary `cargo xtask bench-memory` runs; $BENCH names another, e.g.
+# scripts/gpu-quick.sh's .gpu-quick/bin/headroom-bench) in .gpu-bundle/bin (build
 # them where cargo is, no GPU needed:
 #   cargo build --release -p headroom-bench
 #   ../shared/tools/gpu-bundle.sh --bin target/release/headroom-bench -- --workspace \
@@ -81,8 +82,9 @@
 #          LlamaForCausalLM with SDPA (bench_reference.py --model llama-3.2-1b), same run
 # fp8      issue 37: bench-memory's fp8 cases beside their bf16 ones on GPT-2 large (b8 x 1024)
 #          and Llama-3.2-1B (b4 x 2048), and the op profile of each adam_fp8 step (2 minutes)
-# fp8-torch  torchao's float8 training (tensorwise, compiled) on the same two models (8 minutes:
-#          run it in the same call as fp8, after it, when the figures are to be compared)
+# fp8-torch  torchao's float8 training (tensorwise, compiled) on the same two models, and with
+#          the optimizer in backward on GPT-2 large (12 minutes: two calls; run it beside fp8
+#          when the figures are to be compared)
 # llama8b  Llama-3.1-8B in bf16 at 1 x 4096, every block checkpointed, beside Hugging Face with
 #          gradient_checkpointing_enable()
 # llama-parity  issue 30's loss parity: ops-cuda's llama_loss_parity example writes a random-init
@@ -130,7 +132,7 @@ export COMMIT=$commit
 [[ -n $commit ]] || { echo "no git metadata: set COMMIT to the sources' short hash" >&2; exit 2; }
 out=${RESULTS:-results/$(date -u +%F)-$commit}
 bin=.gpu-bundle/bin
-bench=$bin/headroom-bench
+bench=${BENCH:-$bin/headroom-bench}
 benches=${BENCHES:-.gpu-bundle/benches}
 # The bench executable NAME-<hash> (cargo's name for it) or NAME in $benches, if exactly one.
 bench_exe() {
@@ -326,9 +328,9 @@ for phase in "$@"; do
         --json "$out/llama1b.json" ;;
     fp8)
       # Issue 37: fp8 beside bf16 autocast on GPT-2 large (b8 x 1024) and Llama-3.2-1B
-      # (b4 x 2048), plain and in-backward with every block checkpointed, and the op profile
-      # of each adam_fp8 step. About 2 minutes; fp8-torch is torchao's side.
-      fp8_cases=adam_bf16,adam_fp8,adam_inbwd_ckpt_bf16,adam_inbwd_ckpt_fp8
+      # (b4 x 2048), plain, in-backward, and in-backward with every block checkpointed, and the
+      # op profile of each adam_fp8 step. About 3 minutes; fp8-torch is torchao's side.
+      fp8_cases=adam_bf16,adam_fp8,adam_inbwd_fp8,adam_inbwd_ckpt_bf16,adam_inbwd_ckpt_fp8
       step fp8_gpt2_large "$bench" bench-memory --device cuda --model gpt2-large --batch 8 \
         --cases $fp8_cases --json "$out/fp8_gpt2_large.json"
       step fp8_llama1b "$bench" bench-memory --device cuda --model llama-3.2-1b --seq 2048 \
@@ -344,7 +346,10 @@ for phase in "$@"; do
       step fp8_gpt2_large_torch python3 scripts/pytorch/bench_reference.py --model gpt2-large \
         --batch 8 --cases adam_fp8 --out "$out/fp8_gpt2_large_torch.jsonl"
       step fp8_llama1b_torch python3 scripts/pytorch/bench_reference.py --model llama-3.2-1b \
-        --seq 2048 --batch 4 --cases adam_fp8 --out "$out/fp8_llama1b_torch.jsonl" ;;
+        --seq 2048 --batch 4 --cases adam_fp8 --out "$out/fp8_llama1b_torch.jsonl"
+      step fp8_gpt2_large_inbwd_torch python3 scripts/pytorch/bench_reference.py \
+        --model gpt2-large --batch 8 --cases adam_inbwd_fp8 \
+        --out "$out/fp8_gpt2_large_inbwd_torch.jsonl" ;;
     llama8b)
       step llama8b_torch python3 scripts/pytorch/bench_reference.py --model llama-3.1-8b \
         --seq 4096 --batch 1 --cases fwd_bwd_bf16_ckpt --out "$out/anchor_llama8b.jsonl"

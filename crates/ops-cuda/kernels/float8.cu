@@ -229,6 +229,10 @@ __device__ __forceinline__ void premultiplied(float *v, long long first, const f
     }
 }
 
+// Vectors a thread loads before it uses any (the grid-stride loops' unrolling): four 16-byte
+// loads in flight per thread keep enough bytes in flight for HBM's bandwidth.
+#define UNROLL 4
+
 // Each block's amax over its share of the vectors into partial[blockIdx.x].
 template <typename T>
 __device__ void amax_dense(const T *x, long long n, const float *premultiply,
@@ -236,42 +240,64 @@ __device__ void amax_dense(const T *x, long long n, const float *premultiply,
                            unsigned *partial) {
     constexpr int VEC = Vector<T>::VEC;
     unsigned bits = 0;
-    const long long vectors = n / VEC;
-    for (long long i = (long long)blockIdx.x * THREADS + threadIdx.x; i < vectors;
-         i += (long long)gridDim.x * THREADS) {
-        float v[VEC];
-        load_vector(x, i, v);
-        premultiplied<T>(v, i * VEC, premultiply, premultiply_stride, column_step, cols);
+    const long long vectors = n / VEC, stride = (long long)gridDim.x * THREADS;
+    for (long long base = (long long)blockIdx.x * THREADS + threadIdx.x; base < vectors;
+         base += stride * UNROLL) {
+        float v[UNROLL][VEC];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) bits = max(bits, __float_as_uint(v[j]) & 0x7fffffffu);
+        for (int u = 0; u < UNROLL; ++u) {
+            if (base + u * stride < vectors) load_vector(x, base + u * stride, v[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const long long i = base + u * stride;
+            if (i >= vectors) continue;
+            premultiplied<T>(v[u], i * VEC, premultiply, premultiply_stride, column_step, cols);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) bits = max(bits, __float_as_uint(v[u][j]) & 0x7fffffffu);
+        }
     }
     bits = block_max(bits);
     if (threadIdx.x == 0) partial[blockIdx.x] = bits;
 }
 
 // The codes of a row-major dense input: VEC bytes a thread (one 8- or 4-byte store).
+template <typename Q, int VEC>
+__device__ __forceinline__ void store_codes(const float *v, float s, long long i,
+                                            __nv_fp8_storage_t *codes) {
+    __align__(8) __nv_fp8_storage_t out[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = encode<Q>(__fmul_rn(v[j], s));
+    if (VEC == 8) {
+        reinterpret_cast<uint2 *>(codes)[i] = *reinterpret_cast<const uint2 *>(out);
+    } else if (VEC == 4) {
+        reinterpret_cast<unsigned *>(codes)[i] = *reinterpret_cast<const unsigned *>(out);
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) codes[i * VEC + j] = out[j];
+    }
+}
+
 template <typename T, typename Q>
 __device__ void cast_dense(const T *x, long long n, const float *premultiply,
                            long long premultiply_stride, long long cols, const float *scale,
                            __nv_fp8_storage_t *codes) {
     constexpr int VEC = Vector<T>::VEC;
     const float s = scale[0];
-    const long long vectors = n / VEC;
-    for (long long i = (long long)blockIdx.x * THREADS + threadIdx.x; i < vectors;
-         i += (long long)gridDim.x * THREADS) {
-        float v[VEC];
-        load_vector(x, i, v);
-        premultiplied<T>(v, i * VEC, premultiply, premultiply_stride, 1, cols);
-        __align__(8) __nv_fp8_storage_t out[VEC];
+    const long long vectors = n / VEC, stride = (long long)gridDim.x * THREADS;
+    for (long long base = (long long)blockIdx.x * THREADS + threadIdx.x; base < vectors;
+         base += stride * UNROLL) {
+        float v[UNROLL][VEC];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) out[j] = encode<Q>(__fmul_rn(v[j], s));
-        if (VEC == 8) {
-            reinterpret_cast<uint2 *>(codes)[i] = *reinterpret_cast<const uint2 *>(out);
-        } else if (VEC == 4) {
-            reinterpret_cast<unsigned *>(codes)[i] = *reinterpret_cast<const unsigned *>(out);
-        } else {
+        for (int u = 0; u < UNROLL; ++u) {
+            if (base + u * stride < vectors) load_vector(x, base + u * stride, v[u]);
+        }
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) codes[i * VEC + j] = out[j];
+        for (int u = 0; u < UNROLL; ++u) {
+            const long long i = base + u * stride;
+            if (i >= vectors) continue;
+            premultiplied<T>(v[u], i * VEC, premultiply, premultiply_stride, 1, cols);
+            store_codes<Q, VEC>(v[u], s, i, codes);
         }
     }
 }

@@ -1,6 +1,6 @@
-//! The fp8 primitives: `quantize_float8` (codes, scales and amaxes bit for bit against the CPU,
-//! every input dtype, both granularities, power-of-two and delayed scales, premultipliers,
-//! strided inputs) and `matmul_float8` (cuBLASLt's fp8 GEMM against the CPU's f32 product of
+//! The fp8 primitives: `quantize_float8` (codes, scales, amaxes and inverse scales bit for bit
+//! against the CPU, every input dtype, both granularities, power-of-two and delayed scales,
+//! premultipliers, strided inputs, and tensors large enough for every thread's unrolled loads) and `matmul_float8` (cuBLASLt's fp8 GEMM against the CPU's f32 product of
 //! the same codes, every operand layout and fp8 pairing, and the sizes it leaves to the core).
 
 use headroom_autograd_core::{
@@ -171,6 +171,56 @@ fn float8_quantize_matches_the_cpu_bit_for_bit() {
         }
     }
     assert_eq!(cases, 384);
+}
+
+/// Tensors large enough that each thread of the dense kernels takes several rounds of its
+/// unrolled loads (more 16-byte vectors than the grid has threads, not a multiple of them):
+/// codes, scales, amaxes and inverse scales bit for bit against the CPU, every input dtype,
+/// row-major and column-major, current and delayed scales.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn float8_quantize_of_large_tensors_matches_the_cpu_bit_for_bit() {
+    let Some((gpu, cpu, mut random)) = seeded_backends(0x00f8_9a7e_0002_5eed) else {
+        return;
+    };
+    let (rows, cols) = (1031, 4096);
+    let values: Vec<f64> = (0..rows * cols)
+        .map(|_| random.next_f64_in(-3.0, 3.0) * 2f64.powf(random.next_f64_in(-4.0, 4.0)))
+        .collect();
+    let premultiply = vec![1.0; cols];
+    let delayed = vec![37.5; rows];
+    for input in [DType::F32, DType::BF16, DType::F16] {
+        for codes in [DType::F8E4M3, DType::F8E5M2] {
+            for (delayed_scale, transposed) in [(false, false), (false, true), (true, true)] {
+                let setting = Setting {
+                    input,
+                    codes,
+                    granularity: Float8Granularity::Tensorwise,
+                    power_of_two: false,
+                    premultiply: false,
+                    delayed: delayed_scale,
+                    transposed,
+                };
+                let stored: Vec<f64> = if transposed {
+                    (0..cols * rows)
+                        .map(|i| values[(i % rows) * cols + i / rows])
+                        .collect()
+                } else {
+                    values.clone()
+                };
+                let shape = (rows, cols);
+                let [on_gpu, on_cpu] = [&gpu, &cpu]
+                    .map(|b| quantized(b, setting, &stored, shape, &premultiply, &delayed));
+                let parts = ["codes", "scale", "amax", "inverse scale"];
+                for (part, name) in parts.iter().enumerate() {
+                    assert!(
+                        same_bits(&on_gpu[part], &on_cpu[part]),
+                        "{setting:?}: {name} differ"
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// Codes of `values` in `dtype`, stored as given (`[rows, cols]` dense), on `backend`.
