@@ -155,3 +155,43 @@ fn a_weight_stepped_before_backward_is_the_typed_error() {
         "{err:?}"
     );
 }
+
+/// Under saved-tensor hooks that keep nothing (as checkpointing's pack does), the rebuild recipe
+/// holds no bytes either: it shares the linear's own saves of its codes, so the forward keeps
+/// what it keeps with the outputs kept (only the outputs themselves, held by the caller).
+#[test]
+fn hooks_that_drop_the_saves_drop_what_rebuilds_would_read() {
+    use headroom_autograd_core::{saved_tensor_hooks, Packed};
+    let cpu = std::sync::Arc::new(CpuBackend::default());
+    let backend: BackendRef = cpu.clone();
+    let block = Block::new(&backend);
+    let x = leaf(&backend, values(ROWS * WIDTH, 0.37), &[ROWS, WIDTH]);
+    let mut kept = Vec::new();
+    for rebuild in [false, true] {
+        let policy = Float8Policy::new(None::<AmpPolicy>)
+            .with_weight(&block.w1)
+            .with_weight(&block.w2)
+            .with_weight(&block.wq)
+            .with_rebuilt_outputs(rebuild);
+        let before = cpu.allocator().memory_allocated();
+        let y = {
+            let _fp8 = policy.enter();
+            let _hooks = saved_tensor_hooks(
+                |_, _| Ok(Box::new(()) as Packed),
+                |_| {
+                    Err(TensorError::InvalidArgument {
+                        op: "test",
+                        reason: "dropped".to_owned(),
+                    })
+                },
+            );
+            block.forward(&x)
+        };
+        kept.push(cpu.allocator().memory_allocated() - before);
+        drop(y);
+    }
+    assert_eq!(
+        kept[0], kept[1],
+        "bytes kept with the outputs kept, and rebuilt"
+    );
+}

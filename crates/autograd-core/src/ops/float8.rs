@@ -356,8 +356,9 @@ fn folded_product(
 
 /// What an fp8 linear keeps of its input for backward.
 enum SavedInput {
-    /// The input's codes and the reciprocals of their scales.
-    Codes(SavedTensor, SavedTensor),
+    /// The input's codes and the reciprocals of their scales (shared with the output's rebuild
+    /// recipe, if any).
+    Codes(Arc<SavedTensor>, Arc<SavedTensor>),
     /// The pre-activation (and, under delayed scaling, the scale its activation was cast with).
     PreActivation(SavedTensor, Option<SavedTensor>),
 }
@@ -386,8 +387,10 @@ impl WeightCast {
 /// linear keeps for its weight gradient and of its weight cast again with the forward's scale —
 /// the same codes, the same GEMM, the same bytes.
 struct Float8Output {
-    input_codes: SavedTensor,
-    input_inverse: SavedTensor,
+    /// The linear's own saves of its input codes and their inverse scales (whatever hooks made
+    /// of them: under checkpointing they hold no bytes and unpack by recomputing).
+    input_codes: Arc<SavedTensor>,
+    input_inverse: Arc<SavedTensor>,
     weight: SavedTensor,
     /// The weight's forward scale, `[1]` (tensorwise only).
     weight_scale: Tensor,
@@ -568,12 +571,16 @@ pub(super) fn float8_linear(
     if needs_grad(&inputs) {
         let saved = match activation {
             None => SavedInput::Codes(
-                SavedTensor::save(op, SaveRole::Intermediate("input_float8"), &input_codes)?,
-                SavedTensor::save(
+                Arc::new(SavedTensor::save(
+                    op,
+                    SaveRole::Intermediate("input_float8"),
+                    &input_codes,
+                )?),
+                Arc::new(SavedTensor::save(
                     op,
                     SaveRole::Intermediate("input_inverse_scale"),
                     &input_inverse,
-                )?,
+                )?),
             ),
             Some(_) => SavedInput::PreActivation(
                 SavedTensor::save(op, SaveRole::Input(0), input)?,
@@ -587,16 +594,17 @@ pub(super) fn float8_linear(
         };
         let saved_weight = SavedTensor::save(op, SaveRole::Input(1), weight)?;
         // Registered whatever hooks are installed: they see `SaveSite::rebuildable` and decide
-        // for themselves what the output's saves become.
-        // Held by the backward until it runs (and by each save of the output): the recipe's
-        // operands live no longer than this op's own saves or those saves.
+        // for themselves what the output's saves become. Held by the backward until it runs
+        // (and by each save of the output); it shares this op's saves of the codes, so it holds
+        // no bytes a hook dropped, and the codes live no longer than this op's backward or the
+        // output's saves.
         let rebuild = match (rebuild_output, &saved, &weight_scale) {
-            (true, SavedInput::Codes(..), Some(weight_scale)) => {
-                // Aliases of what this op saves (no bytes of their own), outside the save count.
+            (true, SavedInput::Codes(codes, inverse), Some(weight_scale)) => {
+                // Aliases of parameters (no bytes of their own), outside the save count.
                 let alias = |tensor: &Tensor| SavedTensor::alias(op, tensor);
                 let recipe = Float8Output {
-                    input_codes: alias(&input_codes),
-                    input_inverse: alias(&input_inverse),
+                    input_codes: Arc::clone(codes),
+                    input_inverse: Arc::clone(inverse),
                     weight: alias(weight),
                     weight_scale: weight_scale.clone(),
                     bias: bias.map(alias),
