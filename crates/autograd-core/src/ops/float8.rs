@@ -360,7 +360,7 @@ enum SavedInput {
     /// recipe, if any).
     Codes(Arc<SavedTensor>, Arc<SavedTensor>),
     /// The pre-activation (and, under delayed scaling, the scale its activation was cast with).
-    PreActivation(SavedTensor, Option<SavedTensor>),
+    PreActivation(Box<(SavedTensor, Option<SavedTensor>)>),
 }
 
 /// How an fp8 linear casts its weight: with the recipe's scales, or (`given`, tensorwise) the
@@ -582,7 +582,7 @@ pub(super) fn float8_linear(
                     &input_inverse,
                 )?),
             ),
-            Some(_) => SavedInput::PreActivation(
+            Some(_) => SavedInput::PreActivation(Box::new((
                 SavedTensor::save(op, SaveRole::Input(0), input)?,
                 input_scale
                     .as_ref()
@@ -590,7 +590,7 @@ pub(super) fn float8_linear(
                         SavedTensor::save(op, SaveRole::Intermediate("input_scale"), scale)
                     })
                     .transpose()?,
-            ),
+            ))),
         };
         let saved_weight = SavedTensor::save(op, SaveRole::Input(1), weight)?;
         // Registered whatever hooks are installed: they see `SaveSite::rebuildable` and decide
@@ -649,7 +649,8 @@ pub(super) fn float8_linear(
                 Some(SavedInput::Codes(codes, inverse)) => {
                     (Some((codes.unpack()?, inverse.unpack()?)), None)
                 }
-                Some(SavedInput::PreActivation(pre, delayed)) => {
+                Some(SavedInput::PreActivation(saves)) => {
+                    let (pre, delayed) = &**saves;
                     let activation = activation.expect("saved for an activation");
                     let pre = pre.unpack()?;
                     let activated = pre
