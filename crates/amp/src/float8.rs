@@ -114,7 +114,40 @@ impl Float8Policy {
     /// bytes (default true, tensorwise scales): backward makes the output again with one fp8
     /// GEMM from the input codes the linear keeps for its weight gradient. On GPT-2 that drops
     /// attention's q, k and v and the MLP's pre-activation from what a block keeps, for two fp8
-    /// GEMMs more in backward; false keeps them.
+    /// GEMMs more in backward; false keeps them. The step's values and gradients are the same
+    /// bits either way.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use headroom_amp::{AmpPolicy, Float8Policy};
+    /// use headroom_autograd_core::{BackendRef, DType, Tensor};
+    /// use headroom_ops_cpu::CpuBackend;
+    ///
+    /// let cpu = Arc::new(CpuBackend::default());
+    /// let backend: BackendRef = cpu.clone();
+    /// let w1 = Tensor::full(&backend, &[64, 16], 0.125, DType::F32)?;
+    /// let w2 = Tensor::full(&backend, &[16, 64], 0.25, DType::F32)?;
+    /// w1.requires_grad_(true)?;
+    /// w2.requires_grad_(true)?;
+    /// let x = Tensor::ones(&backend, &[32, 16], DType::F32)?;
+    /// let mut kept = Vec::new();
+    /// for rebuild in [false, true] {
+    ///     let policy = Float8Policy::new(None::<AmpPolicy>)
+    ///         .with_weight(&w1)
+    ///         .with_weight(&w2)
+    ///         .with_rebuilt_outputs(rebuild);
+    ///     let before = cpu.allocator().memory_allocated();
+    ///     let y = {
+    ///         let _fp8 = policy.enter();
+    ///         x.linear(&w1, None)?.gelu_tanh_linear(&w2, None)? // saves w1's output
+    ///     };
+    ///     kept.push(cpu.allocator().memory_allocated() - before);
+    ///     y.sum_all()?.backward()?;
+    /// }
+    /// // Rebuilt, the [32, 64] f32 pre-activation is not kept.
+    /// assert_eq!(kept[0] - kept[1], 32 * 64 * 4);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn with_rebuilt_outputs(mut self, rebuild: bool) -> Float8Policy {
         self.rebuilds_outputs = rebuild;
         self

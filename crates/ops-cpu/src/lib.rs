@@ -53,8 +53,8 @@ use headroom_autograd_core::{
     MaskedOp, ReduceOp, Result, UnaryOp, View,
 };
 use headroom_autograd_core::{
-    Float8Matmul, Float8Quantize, Operands, ReduceWithIndex, RmsNormBackward, RmsNormForward,
-    RotaryArgs, SoftmaxBackward, SwiGluBackward, SwiGluForward,
+    float8_quantize_dims, Float8Matmul, Float8Quantize, Operands, ReduceWithIndex, RmsNormBackward,
+    RmsNormForward, RotaryArgs, SoftmaxBackward, SwiGluBackward, SwiGluForward,
 };
 use headroom_caching_allocator::{
     AllocError, Allocation, AllocatorConfig, AllocatorView, CachingAllocator, HostStorage, StreamId,
@@ -259,6 +259,11 @@ impl Backend for CpuBackend {
     }
 
     fn quantize_float8(&self, args: Float8Quantize<'_>) -> Result<bool> {
+        // An activation is left to the core (the unary op, then this quantize): the same bits.
+        if args.activation.is_some() {
+            float8_quantize_dims(&args)?;
+            return Ok(false);
+        }
         let _access = self.fused_operands("quantize_float8", args.operands())?;
         float8::quantize_float8(args)?;
         Ok(true)

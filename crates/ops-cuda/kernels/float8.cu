@@ -217,6 +217,34 @@ __device__ __forceinline__ void load_vector(const T *x, long long vector, float 
     for (int j = 0; j < Vector<T>::VEC; ++j) out[j] = widen(elements[j]);
 }
 
+// A GELU linear's activation, applied as the quantize reads its input (a GELU linear's input in
+// one pass, no activation written): elementwise.cu's unary GELU and tanh GELU, the same
+// expressions in f32, each value then rounded to the input's dtype, as that kernel stores it.
+// activation: 0 none, 1 GELU, 2 tanh GELU.
+__device__ __forceinline__ float gelu_erf(float x) {
+    return (float)0.5 * x * ((float)1 + erff(x * (float)0.70710678118654752440));
+}
+__device__ __forceinline__ float gelu_tanh(float x) {
+    float inner = (float)0.7978845608028654 * (x + (float)0.044715 * x * x * x);
+    return (float)0.5 * x * ((float)1 + tanhf(inner));
+}
+__device__ __forceinline__ float narrow_to(float v, const float *) { return v; }
+__device__ __forceinline__ float narrow_to(float v, const __nv_bfloat16 *) {
+    return __bfloat162float(__float2bfloat16(v));
+}
+__device__ __forceinline__ float narrow_to(float v, const __half *) {
+    return __half2float(__float2half(v));
+}
+template <typename T>
+__device__ __forceinline__ void activated(float *v, int activation) {
+    if (activation == 0) return;
+#pragma unroll
+    for (int j = 0; j < Vector<T>::VEC; ++j) {
+        const float a = activation == 1 ? gelu_erf(v[j]) : gelu_tanh(v[j]);
+        v[j] = narrow_to(a, (const T *)nullptr);
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ void premultiplied(float *v, long long first, const float *premultiply,
                                               long long premultiply_stride,
@@ -237,7 +265,7 @@ __device__ __forceinline__ void premultiplied(float *v, long long first, const f
 template <typename T>
 __device__ void amax_dense(const T *x, long long n, const float *premultiply,
                            long long premultiply_stride, long long column_step, long long cols,
-                           unsigned *partial) {
+                           int activation, unsigned *partial) {
     constexpr int VEC = Vector<T>::VEC;
     unsigned bits = 0;
     const long long vectors = n / VEC, stride = (long long)gridDim.x * THREADS;
@@ -253,6 +281,7 @@ __device__ void amax_dense(const T *x, long long n, const float *premultiply,
             const long long i = base + u * stride;
             if (i >= vectors) continue;
             premultiplied<T>(v[u], i * VEC, premultiply, premultiply_stride, column_step, cols);
+            activated<T>(v[u], activation);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) bits = max(bits, __float_as_uint(v[u][j]) & 0x7fffffffu);
         }
@@ -280,8 +309,8 @@ __device__ __forceinline__ void store_codes(const float *v, float s, long long i
 
 template <typename T, typename Q>
 __device__ void cast_dense(const T *x, long long n, const float *premultiply,
-                           long long premultiply_stride, long long cols, const float *scale,
-                           __nv_fp8_storage_t *codes) {
+                           long long premultiply_stride, long long cols, int activation,
+                           const float *scale, __nv_fp8_storage_t *codes) {
     constexpr int VEC = Vector<T>::VEC;
     const float s = scale[0];
     const long long vectors = n / VEC, stride = (long long)gridDim.x * THREADS;
@@ -297,6 +326,7 @@ __device__ void cast_dense(const T *x, long long n, const float *premultiply,
             const long long i = base + u * stride;
             if (i >= vectors) continue;
             premultiplied<T>(v[u], i * VEC, premultiply, premultiply_stride, 1, cols);
+            activated<T>(v[u], activation);
             store_codes<Q, VEC>(v[u], s, i, codes);
         }
     }
@@ -332,15 +362,16 @@ __device__ void cast_columns(const T *x, long long rows, long long cols, long lo
 #define DENSE(T, TN)                                                                              \
     extern "C" __global__ void __launch_bounds__(THREADS) float8_amax_dense_##TN(                 \
         const T *x, long long n, const float *premultiply, long long premultiply_stride,          \
-        long long column_step, long long cols, unsigned *partial) {                               \
-        amax_dense(x, n, premultiply, premultiply_stride, column_step, cols, partial);            \
+        long long column_step, long long cols, int activation, unsigned *partial) {               \
+        amax_dense(x, n, premultiply, premultiply_stride, column_step, cols, activation,          \
+                   partial);                                                                      \
     }
 
 #define DENSE_CASTS(T, TN, Q, QN)                                                                 \
     extern "C" __global__ void __launch_bounds__(THREADS) float8_cast_dense_##TN##_##QN(          \
         const T *x, long long n, const float *premultiply, long long premultiply_stride,          \
-        long long cols, const float *scale, __nv_fp8_storage_t *codes) {                          \
-        cast_dense<T, Q>(x, n, premultiply, premultiply_stride, cols, scale, codes);              \
+        long long cols, int activation, const float *scale, __nv_fp8_storage_t *codes) {          \
+        cast_dense<T, Q>(x, n, premultiply, premultiply_stride, cols, activation, scale, codes);  \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(CAST_TILE * CAST_TILE_ROWS)                      \
         float8_cast_columns_##TN##_##QN(const T *x, long long rows, long long cols,               \

@@ -1,16 +1,18 @@
 //! fp8 training's quantize on the GPU (`kernels/float8.cu`): a tensor's amax, scale and 8-bit
 //! codes, and the scales' reciprocals the product takes. Tensorwise runs three launches (each
 //! block's amax over its rows into a partial, the scale and its reciprocal from the partials in
-//! one block, the codes; two, and one read, with a given scale and no amax wanted), rowwise one (a block a row reads its row
-//! twice: amax, then codes). Inputs f32, bf16 or f16 with any strides; f64 answers "not here"
-//! (the core composes it). The fp8 product is the linear layers' (`linear.rs`, cuBLASLt).
+//! one block, the codes; two, and one read, with a given scale and no amax wanted), rowwise one
+//! (a block a row reads its row twice: amax, then codes). Inputs f32, bf16 or f16 with any
+//! strides; f64 answers "not here" (the core composes it), and so does a GELU to apply first
+//! anywhere but the dense row-major tensorwise kernels, which apply it as they read. The fp8
+//! product is the linear layers' (`linear.rs`, cuBLASLt).
 //!
 //! This family sits on the ground floor and imports no other family; it knows nothing of
 //! recipes or autograd: it sees views, never tensors.
 
 use cudarc::driver::LaunchConfig;
 use headroom_autograd_core::{
-    float8_quantize_dims, DType, Float8Granularity, Float8Quantize, Result, View,
+    float8_quantize_dims, DType, Float8Granularity, Float8Quantize, Result, UnaryOp, View,
 };
 
 use crate::device::CudaBackend;
@@ -98,6 +100,17 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
     let Some(input) = input_index(args.x.dtype) else {
         return Ok(false);
     };
+    // A GELU linear's activation runs inside the dense row-major tensorwise kernels alone.
+    let activation = match args.activation {
+        None => 0,
+        Some(UnaryOp::Gelu) => 1,
+        Some(_) => 2,
+    };
+    let fuses = args.granularity == Float8Granularity::Tensorwise
+        && dense_memory(&args.x, rows, cols) == Some(DenseMemory::RowMajor);
+    if activation != 0 && !fuses {
+        return Ok(false);
+    }
     let codes = args.codes.dtype;
     let max_finite = args.codes.dtype.max_finite().unwrap_or(f64::from(f32::MAX));
     let strides = args.x.layout.strides();
@@ -139,7 +152,14 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
             // A given scale and no amax wanted: the codes in one read, no amax taken.
             let takes_amax = args.delayed_scale.is_none() || args.amax.is_some();
             let partial = match takes_amax {
-                true => Some(launch_amax(backend, &args, memory, &source, premultiply)?),
+                true => Some(launch_amax(
+                    backend,
+                    &args,
+                    memory,
+                    &source,
+                    premultiply,
+                    activation,
+                )?),
                 false => None,
             };
             let (partial_address, blocks) = partial
@@ -181,6 +201,7 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
                         Param::U64(premultiply),
                         Param::I64(premultiply_stride),
                         Param::I64(cols as i64),
+                        Param::I32(activation),
                         Param::U64(scale),
                         Param::U64(code_address),
                     ];
@@ -229,6 +250,7 @@ fn launch_amax<'b>(
     memory: Option<DenseMemory>,
     source: &[Param],
     premultiply: u64,
+    activation: i32,
 ) -> Result<(Scratch<'b>, u32)> {
     const OP: &str = "quantize_float8";
     let (rows, cols) = (args.x.layout.shape()[0], args.x.layout.shape()[1]);
@@ -253,6 +275,7 @@ fn launch_amax<'b>(
                 Param::I64(premultiply_stride),
                 Param::I64(column_step as i64),
                 Param::I64(cols as i64),
+                Param::I32(activation),
                 Param::U64(partial.address()),
             ];
             (AMAX_DENSE[input], params)

@@ -6,7 +6,7 @@
 //! It sits on views and dtypes; it knows no backend and no recipe (which operand is scaled how
 //! is `crate::ops::float8`'s).
 
-use super::args::{Operands, View};
+use super::args::{Operands, UnaryOp, View};
 use crate::dtype::DType;
 use crate::error::{Result, TensorError};
 
@@ -21,7 +21,9 @@ pub enum Float8Granularity {
 }
 
 /// Inputs and outputs of [`Backend::quantize_float8`](super::Backend::quantize_float8): for
-/// `v = f32(x) · premultiply` (an f32 product, per column),
+/// `v = f32(x) · premultiply` (an f32 product, per column) — or, with an `activation`,
+/// `v = f32(activation(x))`, the activation computed as the backend's unary op computes it in
+/// `x`'s dtype (rounded to it) —
 /// `amax = max(|v| over a group, 1e-12)` (in f64; NaN if any `v` is),
 /// `scale = f32(max_finite / amax)`, rounded down to a power of two when asked, and
 /// `codes = saturate(round_nearest_even(f32(v · scale)))` in the 8-bit float.
@@ -32,6 +34,10 @@ pub struct Float8Quantize<'a> {
     /// f32 `[cols]` (stride 0 for one value): each column's multiplier, applied before the amax
     /// (a fold of another operand's scales into this one), if any.
     pub premultiply: Option<View<'a>>,
+    /// `UnaryOp::Gelu` or `UnaryOp::GeluTanh` applied to `x` first (a GELU linear's input in one
+    /// pass, with no activation written), if any; not with `premultiply`. A backend may decline
+    /// it (answer `Ok(false)`), and the core then applies the unary op first.
+    pub activation: Option<UnaryOp>,
     /// One scale for all of `x`, or one per row.
     pub granularity: Float8Granularity,
     /// Scales rounded down to powers of two (`2^floor(log2 scale)`, torchao's
@@ -166,6 +172,17 @@ pub fn float8_quantize_dims(args: &Float8Quantize<'_>) -> Result<(usize, usize)>
             return Err(invalid(
                 OP,
                 format!("{name} {:?} is not dense [{scales}]", view.layout.shape()),
+            ));
+        }
+    }
+    if let Some(activation) = args.activation {
+        if !matches!(activation, UnaryOp::Gelu | UnaryOp::GeluTanh) || args.premultiply.is_some() {
+            return Err(invalid(
+                OP,
+                format!(
+                    "activation {activation:?} (with a premultiplier: {}): only GELU, alone",
+                    args.premultiply.is_some()
+                ),
             ));
         }
     }

@@ -378,6 +378,7 @@ impl WeightCast {
             power_of_two: self.power_of_two,
             premultiply: None,
             delayed: given,
+            activation: None,
         };
         Ok(quantize_with(&weight.detach(), DType::F8E4M3, scaling, false)?.0)
     }
@@ -529,19 +530,34 @@ pub(super) fn float8_linear(
     // The input's codes, their inverse scales and (delayed scaling) their scale; the weight's.
     let (res, (input_codes, input_inverse, input_scale), weight_float8) = {
         let _grad = no_grad();
-        // The linear's input: the activation of `input`, for this product only, or `input`.
-        let activated = match activation {
-            Some(activation) => Some(input.detach().unary_raw(activation.op, activation.name)?),
-            None => None,
-        };
-        let source = activated.as_ref().unwrap_or(input);
         let (input_float8, weight_float8) = match &history {
+            // Current scales: a GELU linear's input cast from the pre-activation in one pass
+            // (the backend applies the activation as it reads, or the core first).
             None => {
-                let (codes, inverse) = quantized_input(source, [rows, in_features], recipe)?;
+                let (codes, inverse) = match activation {
+                    Some(activation) => {
+                        let input_2d = input.detach().reshape(&[rows, in_features])?;
+                        let scaling = Scaling {
+                            granularity,
+                            power_of_two,
+                            premultiply: None,
+                            delayed: None,
+                            activation: Some(activation.op),
+                        };
+                        let res = quantize_with(&input_2d, DType::F8E4M3, scaling, false)?.0;
+                        (res.codes, res.inverse_scale)
+                    }
+                    None => quantized_input(input, [rows, in_features], recipe)?,
+                };
                 ((codes, inverse, None), weight_cast.cast(weight, None)?)
             }
+            // Delayed scales: the activation of `input`, for this product only, or `input`.
             Some(history) => {
-                let input_2d = source.detach().reshape(&[rows, in_features])?;
+                let source = match activation {
+                    Some(activation) => input.detach().unary_raw(activation.op, activation.name)?,
+                    None => input.detach(),
+                };
+                let input_2d = source.reshape(&[rows, in_features])?;
                 let input = history.cast(Float8Role::Input, &input_2d, DType::F8E4M3)?;
                 (
                     (input.codes, input.inverse_scale, Some(input.scale)),
@@ -653,19 +669,23 @@ pub(super) fn float8_linear(
                     let (pre, delayed) = &**saves;
                     let activation = activation.expect("saved for an activation");
                     let pre = pre.unpack()?;
-                    let activated = pre
-                        .detach()
-                        .unary_raw(activation.op, activation.name)?
-                        .reshape(&[rows, in_features])?;
+                    let pre_2d = pre.detach().reshape(&[rows, in_features])?;
                     let delayed = delayed.as_ref().map(SavedTensor::unpack).transpose()?;
                     let delayed = delayed.map(|scale| scale.reshape(&[1])).transpose()?;
+                    // As the forward cast it: current scales in one pass, delayed ones from
+                    // the activation (the forward's history casts take no activation).
+                    let (source, activation) = match &delayed {
+                        None => (pre_2d, Some(activation.op)),
+                        Some(_) => (pre_2d.unary_raw(activation.op, activation.name)?, None),
+                    };
                     let scaling = Scaling {
                         granularity,
                         power_of_two,
                         premultiply: None,
                         delayed: delayed.as_ref(),
+                        activation,
                     };
-                    let codes = quantize_with(&activated, DType::F8E4M3, scaling, false)?.0;
+                    let codes = quantize_with(&source, DType::F8E4M3, scaling, false)?.0;
                     (Some((codes.codes, codes.inverse_scale)), Some(pre))
                 }
                 None => (None, None),

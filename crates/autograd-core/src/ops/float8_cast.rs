@@ -13,7 +13,7 @@ use std::sync::{Arc, Weak};
 use parking_lot::Mutex;
 
 use crate::autocast::autocast_disabled;
-use crate::backend::{Float8Granularity, Float8Quantize, View};
+use crate::backend::{Float8Granularity, Float8Quantize, UnaryOp, View};
 use crate::buffer::Buffer;
 use crate::dtype::DType;
 use crate::error::{Result, TensorError};
@@ -124,6 +124,7 @@ impl Float8History {
             power_of_two: false,
             premultiply: None,
             delayed: delayed.as_ref(),
+            activation: None,
         };
         let (res, amax) = quantize_with(x, dtype, scaling, true)?;
         let amax = amax.expect("asked for");
@@ -165,6 +166,7 @@ pub(super) fn quantize(
         power_of_two,
         premultiply,
         delayed: None,
+        activation: None,
     };
     Ok(quantize_with(x, dtype, scaling, false)?.0)
 }
@@ -178,6 +180,9 @@ pub(super) struct Scaling<'t> {
     pub(super) premultiply: Option<&'t Tensor>,
     /// f32 `[1]`: the scale to use instead of the current amax's (delayed scaling; tensorwise).
     pub(super) delayed: Option<&'t Tensor>,
+    /// A GELU applied to `x` first (a GELU linear's input): inside the backend's quantize where
+    /// it takes it, else the unary op and then the quantize, the same bits.
+    pub(super) activation: Option<UnaryOp>,
 }
 
 /// Scales, their reciprocals and codes of a 2-D `x`, and its amax when `record_amax` (f32 `[1]`
@@ -200,6 +205,7 @@ pub(super) fn quantize_with(
         power_of_two,
         premultiply,
         delayed,
+        activation,
     } = scaling;
     let (rows, cols) = (x.shape()[0], x.shape()[1]);
     let backend = x.backend();
@@ -221,6 +227,7 @@ pub(super) fn quantize_with(
         premultiply: premultiply
             .zip(premultiply_layout.as_ref())
             .map(|(p, layout)| View { layout, ..p.view() }),
+        activation,
         granularity,
         power_of_two,
         delayed_scale: delayed.map(Tensor::view),
@@ -240,6 +247,15 @@ pub(super) fn quantize_with(
             inverse_scale,
         };
         return Ok((res, amax));
+    }
+    if let Some(op) = activation {
+        // Declined: the activation first, as its own op would compute it.
+        let activated = x.unary_raw(op, "to_float8")?;
+        let scaling = Scaling {
+            activation: None,
+            ..scaling
+        };
+        return quantize_with(&activated, dtype, scaling, record_amax);
     }
     if granularity == Float8Granularity::Rowwise || premultiply.is_some() || power_of_two {
         return Err(TensorError::InvalidArgument {

@@ -4,7 +4,8 @@
 //! the same codes, every operand layout and fp8 pairing, and the sizes it leaves to the core).
 
 use headroom_autograd_core::{
-    BackendRef, Buffer, DType, Float8Granularity, Float8Matmul, Float8Quantize, Layout, View,
+    BackendRef, Buffer, DType, Float8Granularity, Float8Matmul, Float8Quantize, Layout, UnaryOp,
+    View,
 };
 
 use super::{download, poisoned, seeded_backends, upload, view};
@@ -72,6 +73,7 @@ fn quantized(
             premultiply: setting
                 .premultiply
                 .then(|| view(&premultiply_buffer, &premultiply_layout, DType::F32)),
+            activation: None,
             granularity: setting.granularity,
             power_of_two: setting.power_of_two,
             delayed_scale: setting
@@ -221,6 +223,103 @@ fn float8_quantize_of_large_tensors_matches_the_cpu_bit_for_bit() {
             }
         }
     }
+}
+
+/// A GELU linear's input quantized in one pass (`Float8Quantize::activation`: the dense kernels
+/// apply GELU or tanh GELU as they read) gives the codes, scale and amax of the backend's own
+/// unary op followed by the quantize, bit for bit, for every input dtype, with current and with
+/// delayed scales (the one-read cast), at a size where every thread takes several rounds; a
+/// strided input is declined (the core then runs the unary op first).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn float8_quantize_of_a_gelu_equals_the_gelu_then_the_quantize() {
+    let Some((gpu, _cpu, mut random)) = seeded_backends(0x00f8_9a7e_0003_5eed) else {
+        return;
+    };
+    let (rows, cols) = (1031, 4096);
+    let values: Vec<f64> = (0..rows * cols)
+        .map(|_| random.next_f64_in(-6.0, 6.0))
+        .collect();
+    let dense = Layout::contiguous(&[rows, cols]);
+    let scalar = Layout::contiguous(&[1]);
+    let quantize = |x: &Buffer, dtype: DType, activation, delayed: Option<&Buffer>| {
+        let codes = poisoned(&gpu, DType::U8, rows * cols);
+        let (scale, amax, inverse) = (
+            poisoned(&gpu, DType::F32, 1),
+            poisoned(&gpu, DType::F32, 1),
+            poisoned(&gpu, DType::F32, 1),
+        );
+        let fused = gpu
+            .quantize_float8(Float8Quantize {
+                x: view(x, &dense, dtype),
+                premultiply: None,
+                activation,
+                granularity: Float8Granularity::Tensorwise,
+                power_of_two: false,
+                delayed_scale: delayed.map(|d| view(d, &scalar, DType::F32)),
+                codes: view(&codes, &dense, DType::F8E4M3),
+                scale: view(&scale, &scalar, DType::F32),
+                amax: delayed.is_none().then(|| view(&amax, &scalar, DType::F32)),
+                inverse_scale: Some(view(&inverse, &scalar, DType::F32)),
+            })
+            .unwrap();
+        assert!(
+            fused,
+            "{dtype:?} {activation:?}: dense row-major inputs are fused"
+        );
+        let mut res = vec![
+            download(&gpu, DType::U8, &codes),
+            download(&gpu, DType::F32, &scale),
+            download(&gpu, DType::F32, &inverse),
+        ];
+        if delayed.is_none() {
+            res.push(download(&gpu, DType::F32, &amax));
+        }
+        res
+    };
+    let delayed = upload(&gpu, DType::F32, &[91.5]);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let x = upload(&gpu, dtype, &values);
+        for op in [UnaryOp::Gelu, UnaryOp::GeluTanh] {
+            let activated = poisoned(&gpu, dtype, rows * cols);
+            gpu.unary(op, view(&x, &dense, dtype), view(&activated, &dense, dtype))
+                .unwrap();
+            for given in [None, Some(&delayed)] {
+                let fused = quantize(&x, dtype, Some(op), given);
+                let unfused = quantize(&activated, dtype, None, given);
+                for (part, (a, b)) in fused.iter().zip(&unfused).enumerate() {
+                    assert!(
+                        same_bits(a, b),
+                        "{dtype:?} {op:?} {given:?}: part {part} differs"
+                    );
+                }
+            }
+        }
+    }
+    // A transposed view is declined, writing nothing.
+    let x = upload(&gpu, DType::BF16, &values);
+    let transposed = Layout::contiguous(&[cols, rows])
+        .permute("test", &[1, 0])
+        .unwrap();
+    let (codes, scale) = (
+        poisoned(&gpu, DType::U8, rows * cols),
+        poisoned(&gpu, DType::F32, 1),
+    );
+    let fused = gpu
+        .quantize_float8(Float8Quantize {
+            x: view(&x, &transposed, DType::BF16),
+            premultiply: None,
+            activation: Some(UnaryOp::GeluTanh),
+            granularity: Float8Granularity::Tensorwise,
+            power_of_two: false,
+            delayed_scale: None,
+            codes: view(&codes, &dense, DType::F8E4M3),
+            scale: view(&scale, &scalar, DType::F32),
+            amax: None,
+            inverse_scale: None,
+        })
+        .unwrap();
+    assert!(!fused, "a strided input is declined");
 }
 
 /// Codes of `values` in `dtype`, stored as given (`[rows, cols]` dense), on `backend`.

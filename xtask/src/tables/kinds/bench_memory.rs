@@ -329,9 +329,10 @@ pub(super) fn bench_memory_allocators(files: &[ResultFile]) -> Result<Vec<String
 }
 
 /// The fp8 cases of a bench-memory document beside their bf16 counterparts in it (the same
-/// name with `fp8` made `bf16`, the same model and batch): peak allocated bytes, fp8 / bf16,
-/// activations and what the traced block keeps (memory only, for a CPU run whose steps are no
-/// figures).
+/// name with `fp8` made `bf16`, the same model and batch; an fp8 case the run has no
+/// counterpart of, `adam_inbwd_fp8`, is left to the tables that compare it with PyTorch, and a
+/// document with no pair at all is an error): peak allocated bytes, fp8 / bf16, activations and
+/// what the traced block keeps (memory only, for a CPU run whose steps are no figures).
 pub(super) fn bench_memory_fp8(files: &[ResultFile]) -> Result<Vec<String>> {
     fp8_beside_bf16(files, false)
 }
@@ -372,14 +373,13 @@ fn fp8_beside_bf16(files: &[ResultFile], steps: bool) -> Result<Vec<String>> {
         let name = text(case, "case")?;
         let (model, batch) = (text(case, "model")?, count(case, "batch")?);
         let counterpart = name.replace("fp8", "bf16");
-        let bf16 = cases
-            .iter()
-            .find(|other| {
-                other["case"] == counterpart.as_str()
-                    && other["model"] == model
-                    && other["batch"].as_u64() == Some(batch)
-            })
-            .with_context(|| format!("{}: no {counterpart} beside {name}", file.path))?;
+        let Some(bf16) = cases.iter().find(|other| {
+            other["case"] == counterpart.as_str()
+                && other["model"] == model
+                && other["batch"].as_u64() == Some(batch)
+        }) else {
+            continue;
+        };
         let (peak, bf16_peak) = (
             count(case, "peak_allocated_bytes")?,
             count(bf16, "peak_allocated_bytes")?,
@@ -406,7 +406,7 @@ fn fp8_beside_bf16(files: &[ResultFile], steps: bool) -> Result<Vec<String>> {
         lines.push(row(&cells));
     }
     if lines.len() == 2 {
-        bail!("{}: no fp8 case", file.path);
+        bail!("{}: no fp8 case beside its bf16 counterpart", file.path);
     }
     Ok(lines)
 }
@@ -467,7 +467,7 @@ mod tests {
     #[test]
     fn pytorch_cases_are_the_ones_headroom_bench_names() {
         let cases = headroom_bench::bench_memory_case_names();
-        assert_eq!(cases.len(), 36);
+        assert_eq!(cases.len(), 37);
         for (case, pytorch) in cases {
             assert_eq!(super::pytorch_case(case), pytorch, "{case}");
         }
@@ -478,7 +478,7 @@ mod tests {
     }
 
     /// Each fp8 case beside the bf16 case of its name, model and batch, memory only; an fp8
-    /// case without its counterpart, or a file without fp8 cases, is an error.
+    /// case without its counterpart is left out, and a file without a pair is an error.
     #[test]
     fn fp8_cases_sit_beside_their_bf16_counterparts() {
         let run = r#"{"cases": [
@@ -495,8 +495,11 @@ mod tests {
             table[2..],
             ["| m | 4 | adam_fp8 | 1,500 | 2,000 | 0.750 | 500 | 800 | 250 | 400 |"]
         );
-        let missing = super::super::rendered("bench-memory-fp8", &[("results/x/run.json", run)]);
-        assert!(format!("{:#}", missing.unwrap_err()).contains("no adam_inbwd_ckpt_bf16"));
+        let unpaired = super::super::rendered("bench-memory-fp8", &[("results/x/run.json", run)]);
+        assert_eq!(unpaired.unwrap(), table);
+        let alone = run.replace("adam_bf16", "adam_fp16");
+        let alone = super::super::rendered("bench-memory-fp8", &[("results/x/run.json", &alone)]);
+        assert!(format!("{:#}", alone.unwrap_err()).contains("no fp8 case beside"));
         let none = run.replace("fp8", "fp16");
         assert!(
             super::super::rendered("bench-memory-fp8", &[("results/x/run.json", &none)]).is_err()
