@@ -257,9 +257,10 @@ __device__ __forceinline__ void premultiplied(float *v, long long first, const f
     }
 }
 
-// Vectors a thread loads before it uses any (the grid-stride loops' unrolling): four 16-byte
-// loads in flight per thread keep enough bytes in flight for HBM's bandwidth.
-#define UNROLL 4
+// Vectors a thread loads before it uses any (the grid-stride loops' unrolling). Four measured
+// slower on the H200 than one (results/2026-12-05-d092c09: a bf16 [8192, 1280] quantize 38 us
+// against 33, with fewer rounds a thread than slots), so one.
+#define UNROLL 1
 
 // Each block's amax over its share of the vectors into partial[blockIdx.x].
 template <typename T>
