@@ -447,8 +447,9 @@ fn gpt2_small_shaped_runs_agree_within_one_percent() {
 /// the same codes), for a plain weight and a `Conv1D`'s transposed one, seen through a product's
 /// gradient (`y * o` saves `y`, and `∂/∂o` of its sum is `y` as backward unpacks it), and the
 /// save holds none of `y`'s bytes. A GPT-2-small-shaped forward (4 blocks, batch 8 × 128) keeps
-/// exactly each block's attention q, k and v and MLP pre-activation fewer (bf16,
-/// `8 · 128 · (3 · 768 + 3072)` values a block) and gives the same loss, bit for bit.
+/// each block's attention q, k and v and MLP pre-activation fewer (bf16,
+/// `8 · 128 · (3 · 768 + 3072)` values a block, within 4 KiB) and gives the same loss, bit for
+/// bit.
 /// (Gradients are not compared between two steps: backward's embedding scatter adds by atomics,
 /// in no fixed order.)
 #[test]
@@ -560,8 +561,11 @@ fn fp8_rebuilt_outputs_equal_kept_outputs_bit_for_bit_on_cuda() {
         runs.push((loss.item().unwrap().to_bits(), kept));
     }
     assert_eq!(runs[0].0, runs[1].0, "rebuilt outputs change the loss");
-    let per_block = (BATCH * SEQ * (3 * 768 + 3072) * 2) as u64;
-    assert_eq!(runs[0].1 - runs[1].1, 4 * per_block, "bytes not kept");
+    // Within 4 KiB: a few 512-byte scratch blocks (the quantize's partials) may still await their
+    // stream-ordered free when the count is read (1,024 bytes on the H200 at 7ea7463).
+    let per_block = (BATCH * SEQ * (3 * 768 + 3072) * 2) as i64;
+    let fewer = runs[0].1 as i64 - runs[1].1 as i64;
+    assert!((fewer - 4 * per_block).abs() <= 4096, "{fewer} bytes fewer");
 }
 
 /// A GPT-2-shaped model trained with a GradScaler and fused Adam, eagerly, with its forward,
