@@ -1,7 +1,9 @@
 //! The fp8 primitives: `quantize_float8` (codes, scales, amaxes and inverse scales bit for bit
 //! against the CPU, every input dtype, both granularities, power-of-two and delayed scales,
-//! premultipliers, strided inputs, and tensors large enough for every thread's unrolled loads) and `matmul_float8` (cuBLASLt's fp8 GEMM against the CPU's f32 product of
-//! the same codes, every operand layout and fp8 pairing, and the sizes it leaves to the core).
+//! premultipliers, strided inputs, tensors large enough for several grid-stride rounds a
+//! thread, and a GELU applied as the input is read, against the unary op then the quantize) and
+//! `matmul_float8` (cuBLASLt's fp8 GEMM against the CPU's f32 product of the same codes, every
+//! operand layout and fp8 pairing, and the sizes it leaves to the core).
 
 use headroom_autograd_core::{
     BackendRef, Buffer, DType, Float8Granularity, Float8Matmul, Float8Quantize, Layout, UnaryOp,
@@ -175,8 +177,8 @@ fn float8_quantize_matches_the_cpu_bit_for_bit() {
     assert_eq!(cases, 384);
 }
 
-/// Tensors large enough that each thread of the dense kernels takes several rounds of its
-/// unrolled loads (more 16-byte vectors than the grid has threads, not a multiple of them):
+/// Tensors large enough that each thread of the dense kernels takes several grid-stride rounds
+/// (more 16-byte vectors than the grid has threads, not a multiple of them):
 /// codes, scales, amaxes and inverse scales bit for bit against the CPU, every input dtype,
 /// row-major and column-major, current and delayed scales.
 #[test]
