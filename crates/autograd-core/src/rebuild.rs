@@ -9,7 +9,9 @@
 //! A recipe gives the storage's bytes exactly: it reruns the kernels that made them on the same
 //! operands, which it holds as saved tensors (so a weight stepped in place in between is
 //! [`TensorError::ModifiedInPlace`](crate::TensorError::ModifiedInPlace), never a silently
-//! different value). The registry is thread-local and small; an entry matches only while the
+//! different value). That holds for any save of the storage while the op's backward has not run,
+//! a detached alias's in another graph too: such a graph's backward after a step of the weight
+//! is that error, though it reads no weight (an autocast policy that keeps outputs avoids it). The registry is thread-local and small; an entry matches only while the
 //! storage is alive and unchanged since the op made it (its version), and a live weak reference
 //! keeps a freed storage's address from being reused by another.
 //!
