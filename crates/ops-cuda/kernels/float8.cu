@@ -257,10 +257,17 @@ __device__ __forceinline__ void premultiplied(float *v, long long first, const f
     }
 }
 
-// Vectors a thread loads before it uses any (the grid-stride loops' unrolling). Four measured
-// slower on the H200 than one (results/2026-12-05-d092c09: a bf16 [8192, 1280] quantize 38 us
-// against 33, with fewer rounds a thread than slots), so one.
-#define UNROLL 1
+// The values of vector i, as a quantize takes them: loaded, premultiplied, activated. (Four
+// vectors loaded a thread before any was used measured slower on the H200 than one:
+// results/2026-12-05-d092c09, a bf16 [8192, 1280] quantize 38 us against 33.)
+template <typename T>
+__device__ __forceinline__ void dense_values(const T *x, long long i, const float *premultiply,
+                                             long long premultiply_stride, long long column_step,
+                                             long long cols, int activation, float *v) {
+    load_vector(x, i, v);
+    premultiplied<T>(v, i * Vector<T>::VEC, premultiply, premultiply_stride, column_step, cols);
+    activated<T>(v, activation);
+}
 
 // Each block's amax over its share of the vectors into partial[blockIdx.x].
 template <typename T>
@@ -269,29 +276,19 @@ __device__ void amax_dense(const T *x, long long n, const float *premultiply,
                            int activation, unsigned *partial) {
     constexpr int VEC = Vector<T>::VEC;
     unsigned bits = 0;
-    const long long vectors = n / VEC, stride = (long long)gridDim.x * THREADS;
-    for (long long base = (long long)blockIdx.x * THREADS + threadIdx.x; base < vectors;
-         base += stride * UNROLL) {
-        float v[UNROLL][VEC];
+    const long long vectors = n / VEC;
+    for (long long i = (long long)blockIdx.x * THREADS + threadIdx.x; i < vectors;
+         i += (long long)gridDim.x * THREADS) {
+        float v[VEC];
+        dense_values(x, i, premultiply, premultiply_stride, column_step, cols, activation, v);
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            if (base + u * stride < vectors) load_vector(x, base + u * stride, v[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const long long i = base + u * stride;
-            if (i >= vectors) continue;
-            premultiplied<T>(v[u], i * VEC, premultiply, premultiply_stride, column_step, cols);
-            activated<T>(v[u], activation);
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) bits = max(bits, __float_as_uint(v[u][j]) & 0x7fffffffu);
-        }
+        for (int j = 0; j < VEC; ++j) bits = max(bits, __float_as_uint(v[j]) & 0x7fffffffu);
     }
     bits = block_max(bits);
     if (threadIdx.x == 0) partial[blockIdx.x] = bits;
 }
 
-// The codes of a row-major dense input: VEC bytes a thread (one 8- or 4-byte store).
+// Codes of VEC values into vector i of `codes` (one 8- or 4-byte store).
 template <typename Q, int VEC>
 __device__ __forceinline__ void store_codes(const float *v, float s, long long i,
                                             __nv_fp8_storage_t *codes) {
@@ -308,28 +305,19 @@ __device__ __forceinline__ void store_codes(const float *v, float s, long long i
     }
 }
 
+// The codes of a row-major dense input, a vector of VEC values a thread.
 template <typename T, typename Q>
 __device__ void cast_dense(const T *x, long long n, const float *premultiply,
                            long long premultiply_stride, long long cols, int activation,
                            const float *scale, __nv_fp8_storage_t *codes) {
     constexpr int VEC = Vector<T>::VEC;
     const float s = scale[0];
-    const long long vectors = n / VEC, stride = (long long)gridDim.x * THREADS;
-    for (long long base = (long long)blockIdx.x * THREADS + threadIdx.x; base < vectors;
-         base += stride * UNROLL) {
-        float v[UNROLL][VEC];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            if (base + u * stride < vectors) load_vector(x, base + u * stride, v[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const long long i = base + u * stride;
-            if (i >= vectors) continue;
-            premultiplied<T>(v[u], i * VEC, premultiply, premultiply_stride, 1, cols);
-            activated<T>(v[u], activation);
-            store_codes<Q, VEC>(v[u], s, i, codes);
-        }
+    const long long vectors = n / VEC;
+    for (long long i = (long long)blockIdx.x * THREADS + threadIdx.x; i < vectors;
+         i += (long long)gridDim.x * THREADS) {
+        float v[VEC];
+        dense_values(x, i, premultiply, premultiply_stride, 1, cols, activation, v);
+        store_codes<Q, VEC>(v, s, i, codes);
     }
 }
 

@@ -106,8 +106,9 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
         Some(UnaryOp::Gelu) => 1,
         Some(_) => 2,
     };
-    let fuses = args.granularity == Float8Granularity::Tensorwise
-        && dense_memory(&args.x, rows, cols) == Some(DenseMemory::RowMajor);
+    let memory = dense_memory(&args.x, rows, cols);
+    let fuses =
+        args.granularity == Float8Granularity::Tensorwise && memory == Some(DenseMemory::RowMajor);
     if activation != 0 && !fuses {
         return Ok(false);
     }
@@ -148,7 +149,6 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
             launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
         }
         Float8Granularity::Tensorwise => {
-            let memory = dense_memory(&args.x, rows, cols);
             // A given scale and no amax wanted: the codes in one read, no amax taken.
             let takes_amax = args.delayed_scale.is_none() || args.amax.is_some();
             let partial = match takes_amax {

@@ -99,6 +99,35 @@ fn quantized(
     ]
 }
 
+/// `setting`'s quantize of `values` (`[rows, cols]` as given: a transposed setting stores them
+/// `[cols, rows]` and reads them through a transposed view) with `premultiply` and `delayed`, on
+/// both backends: every part the same bits.
+fn assert_quantized_alike(
+    backends: [&BackendRef; 2],
+    setting: Setting,
+    (rows, cols): (usize, usize),
+    (values, premultiply, delayed): (&[f64], &[f64], &[f64]),
+) {
+    let stored: Vec<f64> = if setting.transposed {
+        (0..cols * rows)
+            .map(|i| values[(i % rows) * cols + i / rows])
+            .collect()
+    } else {
+        values.to_vec()
+    };
+    let [first, second] =
+        backends.map(|b| quantized(b, setting, &stored, (rows, cols), premultiply, delayed));
+    for (part, name) in ["codes", "scale", "amax", "inverse scale"]
+        .iter()
+        .enumerate()
+    {
+        assert!(
+            same_bits(&first[part], &second[part]),
+            "{setting:?}: {name} differ"
+        );
+    }
+}
+
 /// Every setting of the quantize (3 input dtypes × 2 code dtypes × 2 granularities × power of
 /// two or not × premultiplied or not × delayed or current × transposed or not, at two shapes:
 /// 384 cases) gives the CPU's codes, scales, amaxes and inverse scales bit for bit, over rows
@@ -150,24 +179,9 @@ fn float8_quantize_matches_the_cpu_bit_for_bit() {
                             delayed: bits & 4 != 0,
                             transposed: bits & 8 != 0,
                         };
-                        // A transposed view's values are the stored [cols, rows] values read back.
-                        let stored: Vec<f64> = if setting.transposed {
-                            (0..cols * rows)
-                                .map(|i| values[(i % rows) * cols + i / rows])
-                                .collect()
-                        } else {
-                            values.clone()
-                        };
                         let shape = (rows, cols);
-                        let [on_gpu, on_cpu] = [&gpu, &cpu]
-                            .map(|b| quantized(b, setting, &stored, shape, &premultiply, &delayed));
-                        let parts = ["codes", "scale", "amax", "inverse scale"];
-                        for (part, name) in parts.iter().enumerate() {
-                            assert!(
-                                same_bits(&on_gpu[part], &on_cpu[part]),
-                                "{setting:?}: {name} differ"
-                            );
-                        }
+                        let operands = (&values[..], &premultiply[..], &delayed[..]);
+                        assert_quantized_alike([&gpu, &cpu], setting, shape, operands);
                         cases += 1;
                     }
                 }
@@ -205,23 +219,8 @@ fn float8_quantize_of_large_tensors_matches_the_cpu_bit_for_bit() {
                     delayed: delayed_scale,
                     transposed,
                 };
-                let stored: Vec<f64> = if transposed {
-                    (0..cols * rows)
-                        .map(|i| values[(i % rows) * cols + i / rows])
-                        .collect()
-                } else {
-                    values.clone()
-                };
-                let shape = (rows, cols);
-                let [on_gpu, on_cpu] = [&gpu, &cpu]
-                    .map(|b| quantized(b, setting, &stored, shape, &premultiply, &delayed));
-                let parts = ["codes", "scale", "amax", "inverse scale"];
-                for (part, name) in parts.iter().enumerate() {
-                    assert!(
-                        same_bits(&on_gpu[part], &on_cpu[part]),
-                        "{setting:?}: {name} differ"
-                    );
-                }
+                let operands = (&values[..], &premultiply[..], &delayed[..]);
+                assert_quantized_alike([&gpu, &cpu], setting, (rows, cols), operands);
             }
         }
     }
