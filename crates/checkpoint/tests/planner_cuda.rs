@@ -1,5 +1,6 @@
 //! The memory-budget planner on the CUDA backend with every strategy among its candidates (keep,
-//! recompute, 8-bit compression, offload): each uniform prediction is the measured peak of that
+//! recompute, 8-bit compression, fp8 linears, offload): each uniform prediction is the measured
+//! peak of that
 //! step (offload's within 2%: a copy the host finds complete gives its memory back before the
 //! block ends, so its peak moves with the copies' timing), offload keeps the least of a block
 //! until backward, and a plan's measured peak is its prediction (to the byte without offload,
@@ -70,8 +71,15 @@ fn plans_with_offload_and_compression_meet_their_budgets_on_the_gpu() {
     };
     let index = |name| profile.candidate_index(name).unwrap();
     let (keep, compress, offload) = (index("keep"), index("compress-int8"), index("offload"));
+    let fp8 = index("fp8");
     let kept = |c: usize| profile.blocks[1][c].forward.delta;
     assert!(kept(offload) < kept(compress) && kept(compress) < kept(keep));
+    assert!(
+        kept(fp8) < kept(keep),
+        "fp8 keeps {} against {}",
+        kept(fp8),
+        kept(keep)
+    );
 
     let allocator = cuda.allocator();
     let mut measured_peak = |runner: Arc<dyn BlockRunner>| -> u64 {

@@ -74,8 +74,8 @@ pub(crate) struct PlanKey {
     pub(crate) a: OperandKey,
     pub(crate) b: OperandKey,
     pub(crate) d: OperandKey,
-    /// The 8-bit floats of A and B in an fp8 product (`dtype` is then D's), or `None`.
-    pub(crate) float8: Option<(DType, DType)>,
+    /// An fp8 product's 8-bit floats and scale form (`dtype` is then D's), or `None`.
+    pub(crate) float8: Option<Float8Key>,
     /// An fp8 product's fast accumulation (no promotion of the tensor cores' partial sums to
     /// f32 along k; see [`FLOAT8_FAST_ACCUMULATION_VARIABLE`]).
     pub(crate) fast_accumulation: bool,
@@ -94,6 +94,24 @@ fn float8_data_type(dtype: DType) -> lt_sys::cudaDataType {
     } else {
         lt_sys::cudaDataType::CUDA_R_8F_E4M3
     }
+}
+
+/// The fp8 part of a [`PlanKey`]: A's and B's 8-bit floats and how their scales apply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Float8Key {
+    pub(crate) dtypes: (DType, DType),
+    pub(crate) scales: Float8Scales,
+}
+
+/// How an fp8 product's A and B scales multiply it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Float8Scales {
+    /// One f32 each (`CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F`): tensorwise scaling.
+    Scalars,
+    /// An f32 vector each (`CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F`): A's `m` scales, one a
+    /// row of `op(A)`, and B's `n`, one a column of `op(B)`; `D[i, j]` is multiplied by both —
+    /// rowwise scaling.
+    OuterVectors,
 }
 
 /// One operand's part of a [`PlanKey`]: whether the product reads it transposed, its leading
@@ -137,7 +155,7 @@ impl Plan {
             lt::create_matmul_desc(compute, lt_sys::cudaDataType::CUDA_R_32F).map_err(failed)?;
         // A's and B's element types: D's, or the fp8 product's.
         let (a_type, b_type) = match key.float8 {
-            Some((a, b)) => (float8_data_type(a), float8_data_type(b)),
+            Some(Float8Key { dtypes: (a, b), .. }) => (float8_data_type(a), float8_data_type(b)),
             None => (data_type, data_type),
         };
         // Stored shape of an operand read as an `rows × cols` matrix.
@@ -164,6 +182,33 @@ impl Plan {
             Epilogue::Bias => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
             Epilogue::BiasGradB => lt_sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB,
         };
+        if let Some(Float8Key {
+            scales: Float8Scales::OuterVectors,
+            ..
+        }) = key.float8
+        {
+            let mode =
+                lt_sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+            for attribute in [
+                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+            ] {
+                // SAFETY: the descriptor is the live one created above; the attribute takes a
+                // 32-bit scale mode (the enum is `repr(u32)`), read during the call.
+                let set = unsafe {
+                    lt::set_matmul_desc_attribute(
+                        plan.desc,
+                        attribute,
+                        (&mode as *const lt_sys::cublasLtMatmulMatrixScale_t).cast(),
+                        std::mem::size_of::<lt_sys::cublasLtMatmulMatrixScale_t>(),
+                    )
+                };
+                if set.is_err() {
+                    // A library that predates outer-vector scales: the core composes.
+                    return Ok(None);
+                }
+            }
+        }
         let preference = lt::create_matmul_pref().map_err(failed)?;
         let alignments = [
             (

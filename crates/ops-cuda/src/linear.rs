@@ -8,13 +8,15 @@
 //! `CUBLASLT_EPILOGUE_BGRADB`: in column-major terms `dWᵀ = xᵀ · grad`, so `grad` is operand B and
 //! the bias gradient is B's reduction over the GEMM's `k` (the rows).
 //!
-//! `Backend::matmul_float8` is one `cublasLtMatmul` with fp8 A and B and the tensorwise inverse
-//! scales as cuBLASLt's A and B scale pointers (read on the device, so nothing synchronises),
+//! `Backend::matmul_float8` is one `cublasLtMatmul` with fp8 A and B and the inverse scales as
+//! cuBLASLt's A and B scale pointers (read on the device, so nothing synchronises): tensorwise
+//! scales as scalars, rowwise ones as outer vectors (`CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F`,
+//! one scale a row of each operand; a one-value side is broadcast into a dense vector first),
 //! accumulating in f32 with fast accumulation off, into f32, bf16 or f16. Hopper's fp8 GEMMs
 //! read both operands along k (the "TN" form): an operand that is not k-contiguous is first
 //! written k-contiguous into scratch by `float8.cu`'s `float8_transpose` (backward's `dY·W` and
-//! `dYᵀ·X`). Rowwise scales, and sizes that are not multiples of 16 (cuBLASLt's fp8
-//! alignment), answer "not here" and the core composes the product.
+//! `dYᵀ·X`). Sizes that are not multiples of 16 (cuBLASLt's fp8 alignment), and a library
+//! without outer-vector scales, answer "not here" and the core composes the product.
 //!
 //! A plan (descriptors, layouts and the heuristic's algorithm) is cached per problem: dtype,
 //! compute type, epilogue, transposes, sizes, leading dimensions and pointer alignments, so the
@@ -36,16 +38,16 @@ use cudarc::cublaslt::{result as lt, sys as lt_sys};
 use cudarc::driver::{result, sys, LaunchConfig};
 use headroom_autograd_core::{
     compose_linear, compose_linear_weight_grad, float8_matmul_dims, linear_dims,
-    linear_weight_grad_dims, Backend, BinaryOp, DType, Float8Matmul, LinearEpilogue, LinearForward,
-    LinearWeightGrad, Result, UnaryOp, View,
+    linear_weight_grad_dims, Backend, BinaryOp, DType, Float8Matmul, Layout, LinearEpilogue,
+    LinearForward, LinearWeightGrad, Result, UnaryOp, View,
 };
 
-use crate::blas_lt::{Epilogue, OperandKey, Plan, PlanKey};
+use crate::blas_lt::{Epilogue, Float8Key, Float8Scales, OperandKey, Plan, PlanKey};
 use crate::device::CudaBackend;
 use crate::error::device_error;
 use crate::kernels::{KernelName, Module};
 use crate::launch::{checked_grid, launch_in, Param, NO_ARGS};
-use crate::operands::element_address;
+use crate::operands::{copy_raw, element_address};
 use crate::scratch::Scratch;
 
 /// cuBLASLt's fp8 GEMMs want every size and leading dimension a multiple of 16 elements.
@@ -75,17 +77,19 @@ struct Gemm {
     float8: Option<Float8Operands>,
 }
 
-/// The fp8 side of a [`Gemm`]: A's and B's 8-bit floats, and the device addresses of the f32
-/// scalars that multiply them (cuBLASLt's A and B scale pointers).
+/// The fp8 side of a [`Gemm`]: A's and B's 8-bit floats, the device addresses of the f32
+/// scalars or vectors that multiply them (cuBLASLt's A and B scale pointers), and which they are.
 #[derive(Debug, Clone, Copy)]
 struct Float8Operands {
     dtypes: (DType, DType),
     scales: (u64, u64),
+    form: Float8Scales,
 }
 
 /// A column-major fp8 product in cuBLASLt's one fp8 form ("TN"): `D (m × n) = (A_s · Aᵀ) (B_s ·
 /// B)`, A stored `k × m` and B `k × n` (k contiguous in both, `ld` apart), D dense `m × n` in
-/// `out_dtype`; A_s and B_s f32 scalars on the device.
+/// `out_dtype`; A_s and B_s f32 scalars on the device, or (outer vectors) dense f32 vectors of
+/// `m` and `n` scales, `D[i, j]` multiplied by `A_s[i] · B_s[j]`.
 #[derive(Debug, Clone, Copy)]
 struct Float8Gemm {
     out_dtype: DType,
@@ -94,13 +98,15 @@ struct Float8Gemm {
     a_dtype: DType,
     /// A's address and leading dimension.
     a: (u64, usize),
-    /// The address of A's f32 scale.
+    /// The address of A's f32 scale (or its `m` scales).
     a_scale: u64,
     b_dtype: DType,
     /// B's address and leading dimension.
     b: (u64, usize),
-    /// The address of B's f32 scale.
+    /// The address of B's f32 scale (or its `n` scales).
     b_scale: u64,
+    /// Scalars or outer vectors.
+    scales: Float8Scales,
     /// D's address (dense, leading dimension m).
     d: u64,
     /// A bias over D's rows (`m` elements in D's dtype, 16-byte aligned) added in the epilogue.
@@ -132,6 +138,7 @@ fn run_float8_gemm(backend: &CudaBackend, gemm: &Float8Gemm) -> Result<bool> {
             float8: Some(Float8Operands {
                 dtypes: (gemm.a_dtype, gemm.b_dtype),
                 scales: (gemm.a_scale, gemm.b_scale),
+                form: gemm.scales,
             }),
         },
     )
@@ -298,7 +305,10 @@ fn run(backend: &CudaBackend, gemm: &Gemm) -> Result<bool> {
         a: key(&gemm.a),
         b: key(&gemm.b),
         d: key(&gemm.d),
-        float8: gemm.float8.map(|float8| float8.dtypes),
+        float8: gemm.float8.map(|float8| Float8Key {
+            dtypes: float8.dtypes,
+            scales: float8.form,
+        }),
         fast_accumulation: gemm.float8.is_some() && lt_state.float8_fast_accumulation(),
     };
     let Some((handle, plan)) = lt_state.plan(key, data_type, workspace_bytes)? else {
@@ -336,7 +346,9 @@ fn run(backend: &CudaBackend, gemm: &Gemm) -> Result<bool> {
         ] {
             let scale = scale as *const c_void;
             // SAFETY: the descriptor is the plan's live one; the attribute is a device pointer
-            // to one f32 (the scale type), of the size cuBLASLt documents, read during the call.
+            // to one f32 (the scale type), or for outer-vector scales to the dense f32 vector of
+            // the operand's rows of `op(A)` (`m`) or columns of `op(B)` (`n`) the plan's scale
+            // mode says, of the size cuBLASLt documents, read during the call.
             unsafe {
                 lt::set_matmul_desc_attribute(
                     plan.desc,
@@ -472,20 +484,35 @@ fn row_major<'a>(
     Ok(RowMajor { address, ld: cols })
 }
 
-/// `out = (a · b) · a_inverse_scale · b_inverse_scale` through cuBLASLt; `Ok(false)` for
-/// rowwise scales, sizes that are not multiples of 16, or a problem cuBLASLt has no algorithm
-/// for (the core composes it).
+/// `out = (a · b) · a_inverse_scale · b_inverse_scale` through cuBLASLt: tensorwise scales as
+/// its scalar scale pointers, rowwise ones (either operand's scales a vector) as its outer-vector
+/// scales; `Ok(false)` for sizes that are not multiples of 16, or a problem cuBLASLt has no
+/// algorithm for (the core composes it).
 pub(crate) fn matmul_float8(backend: &CudaBackend, args: Float8Matmul<'_>) -> Result<bool> {
     let (m, k, n) = float8_matmul_dims(&args)?;
-    let tensorwise =
-        |scale: &View<'_>| scale.layout.strides() == [0] || scale.layout.shape() == [1];
     let aligned = [m, k, n]
         .iter()
         .all(|size| *size > 0 && size.is_multiple_of(FLOAT8_ALIGNMENT));
-    if !tensorwise(&args.a_inverse_scale) || !tensorwise(&args.b_inverse_scale) || !aligned {
+    if !aligned {
         return Ok(false);
     }
     let mut scratch = Vec::new();
+    let one_value = |scale: &View<'_>| scale.layout.strides() == [0] || scale.layout.shape() == [1];
+    // cuBLASLt's A is `b`'s side and its B is `a`'s (see below).
+    let (form, a_scale, b_scale) =
+        if one_value(&args.a_inverse_scale) && one_value(&args.b_inverse_scale) {
+            (
+                Float8Scales::Scalars,
+                element_address(&args.b_inverse_scale),
+                element_address(&args.a_inverse_scale),
+            )
+        } else {
+            (
+                Float8Scales::OuterVectors,
+                dense_scales(backend, &args.b_inverse_scale, &mut scratch)?,
+                dense_scales(backend, &args.a_inverse_scale, &mut scratch)?,
+            )
+        };
     // Row-major `out[m, n] = a[m, k] · b[k, n]` is column-major `outᵀ = bᵀ aᵀ`: cuBLASLt's A is
     // bᵀ (`[n, k]`, read transposed: k-contiguous) and its B is a (`[m, k]` rows, k-contiguous).
     let a = row_major(backend, &args.a, &mut scratch)?;
@@ -503,10 +530,11 @@ pub(crate) fn matmul_float8(backend: &CudaBackend, args: Float8Matmul<'_>) -> Re
         dims: (n, m, k),
         a_dtype: args.b.dtype,
         a: (b.address, b.ld),
-        a_scale: element_address(&args.b_inverse_scale),
+        a_scale,
         b_dtype: args.a.dtype,
         b: (a.address, a.ld),
-        b_scale: element_address(&args.a_inverse_scale),
+        b_scale,
+        scales: form,
         d: element_address(&args.out),
         bias: None,
     };
@@ -541,6 +569,34 @@ pub(crate) fn matmul_float8(backend: &CudaBackend, args: Float8Matmul<'_>) -> Re
         backend.binary(BinaryOp::Add, args.out, bias, args.out)?;
     }
     Ok(true)
+}
+
+/// The device address of `scales` (f32 `[len]`) as a dense vector: the view itself when its
+/// elements are adjacent and 16-byte aligned, else (a tensorwise scale broadcast by stride 0, a
+/// strided one) a dense copy in `scratch`.
+fn dense_scales<'a>(
+    backend: &'a CudaBackend,
+    scales: &View<'_>,
+    scratch: &mut Vec<Scratch<'a>>,
+) -> Result<u64> {
+    let address = element_address(scales);
+    let len = scales.layout.numel();
+    if (scales.layout.strides() == [1] || len == 1) && address.is_multiple_of(16) {
+        return Ok(address);
+    }
+    let dense = Layout::contiguous(&[len]);
+    let copy = Scratch::new(backend, (len * DType::F32.size_in_bytes()) as u64)?;
+    copy_raw(
+        backend,
+        scales.buffer.address(),
+        scales.layout,
+        copy.address(),
+        &dense,
+        DType::F32.size_in_bytes(),
+    )?;
+    let address = copy.address();
+    scratch.push(copy);
+    Ok(address)
 }
 
 /// Runs of each candidate algorithm when tuning (the first warms it up as much as it times it).

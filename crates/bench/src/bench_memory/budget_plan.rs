@@ -3,9 +3,8 @@
 //!
 //! Before the protocol's steps, checkpoint's `BlockPlanner` measures the training step under
 //! each candidate on the fresh model and optimizer (one warm-up step each, then one measured step
-//! each): keep, recompute and 8-bit compression; on the CPU fp8 linears too (`Candidate::float8`,
-//! tensorwise; on a GPU not while its steps there are no faster than bf16's), and on a GPU
-//! offload to pinned host memory (`Candidate::cuda_defaults`). It plans for `--budget` bytes: without one, halfway between the
+//! each): keep, recompute, 8-bit compression and fp8 linears (`Candidate::float8`, tensorwise),
+//! and on a GPU offload to pinned host memory too (`Candidate::cuda_defaults`). It plans for `--budget` bytes: without one, halfway between the
 //! lowest peak the planner can reach and the peak of no checkpointing (both predicted from the
 //! same measurement). The plan is set as the encoder's block runner and the protocol measures it
 //! as any case. From the same profile, the report also gives the plan of the exact candidates

@@ -189,9 +189,10 @@ impl Candidate {
     }
 
     /// The strategies for a model on a CUDA device: [`Candidate::defaults`], then 8-bit
-    /// compression ([`Candidate::compress`], lossy) and offload to a new pool
+    /// compression ([`Candidate::compress`], lossy), fp8 linears under torchao's tensorwise
+    /// recipe ([`Candidate::float8`], lossy; Hopper's fp8 GEMMs) and offload to a new pool
     /// ([`Candidate::offload`]). On another device the offload candidate's step fails with
-    /// [`CheckpointError::OffloadNeedsCuda`]; there, use `defaults()` and `compress`.
+    /// [`CheckpointError::OffloadNeedsCuda`]; there, use `defaults()`, `compress` and `float8`.
     pub fn cuda_defaults() -> Vec<Candidate> {
         vec![
             Candidate::keep(),
@@ -199,6 +200,7 @@ impl Candidate {
             Candidate::keep_intermediates(),
             Candidate::recompute_attention(),
             Candidate::compress(Compression::default()),
+            Candidate::float8(Float8Recipe::TENSORWISE),
             Candidate::offload(OffloadPool::new()),
         ]
     }

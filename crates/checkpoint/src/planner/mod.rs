@@ -24,9 +24,9 @@
 //! saves encoded ([`CompressBlocks`](crate::CompressBlocks)), `offload` keeps them in pinned
 //! host memory ([`OffloadBlocks`](crate::OffloadBlocks), CUDA only, its device memory given back
 //! at the end of the block's own forward). [`Candidate::defaults`] are the four exact ones;
-//! [`Candidate::cuda_defaults`] adds 8-bit compression and offload. Any other runner that
-//! handles one block at a time is one more `Candidate::new(name, runner)`, measured the same
-//! way, with no model of its own to write.
+//! [`Candidate::cuda_defaults`] adds 8-bit compression, fp8 linears and offload. Any other
+//! runner that handles one block at a time is one more `Candidate::new(name, runner)`, measured
+//! the same way, with no model of its own to write.
 //!
 //! This module sits on nn's block seam, autograd-core's hooks and the caching allocator's
 //! statistics; it knows no model and, outside `probe.rs`'s CUDA clock, no device.

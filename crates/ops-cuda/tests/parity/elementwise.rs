@@ -4,7 +4,9 @@
 //! starts, writing nothing outside the view; fill and copies between every pair of dtypes, and
 //! casts into and out of the 8-bit floats to the bit.
 
-use headroom_autograd_core::{BackendRef, BinaryOp, Buffer, DType, Layout, Tensor, UnaryOp, View};
+use headroom_autograd_core::{
+    BackendRef, BinaryOp, Buffer, DType, Float8Recipe, Layout, Tensor, UnaryOp, View,
+};
 
 use crate::{check, download, input, poisoned, seeded_backends, upload, view, FLOATS};
 
@@ -320,8 +322,9 @@ fn float8_casts_match_the_cpu_bit_for_bit() {
 }
 
 /// The fp8 linear on the GPU (the fp8 quantize and cuBLASLt's fp8 GEMMs, the backward's
-/// operands through the transpose kernel): its output and the three gradients within 2^-9 of
-/// the CPU's largest, from the same codes. Hopper's fp8 tensor cores keep about 14 bits in their
+/// operands through the transpose kernel), under the tensorwise and the rowwise recipe (outer-
+/// vector scales): its output and the three gradients within 2^-9 of the CPU's largest, from
+/// the same codes. Hopper's fp8 tensor cores keep about 14 bits in their
 /// partial sums (see `float8_matmul_matches_the_cpu`), and these random-signed sums cancel to a
 /// few times less than their terms: measured 2^-10.7 for the output on the H200.
 #[test]
@@ -334,14 +337,14 @@ fn the_fp8_linear_matches_the_cpu() {
     let mut draw =
         |count: usize| -> Vec<f64> { (0..count).map(|_| random.next_f64_in(-2.0, 2.0)).collect() };
     let (xs, ws, bs, rs) = (draw(rows * k), draw(n * k), draw(n), draw(rows * n));
-    let run = |backend: &BackendRef| -> Vec<Vec<f64>> {
+    let run = |backend: &BackendRef, recipe: Float8Recipe| -> Vec<Vec<f64>> {
         let leaf = |values: &[f64], shape: &[usize]| {
             let t = Tensor::from_f64s(backend, values, shape, DType::F32).unwrap();
             t.requires_grad_(true).unwrap();
             t
         };
         let (x, w, b) = (leaf(&xs, &[rows, k]), leaf(&ws, &[n, k]), leaf(&bs, &[n]));
-        let y = x.linear_float8(&w, Some(&b)).unwrap();
+        let y = x.linear_float8_with(&w, Some(&b), recipe).unwrap();
         let r = Tensor::from_f64s(backend, &rs, &[rows, n], DType::F32).unwrap();
         y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
         [y, x.grad().unwrap(), w.grad().unwrap(), b.grad().unwrap()]
@@ -349,20 +352,22 @@ fn the_fp8_linear_matches_the_cpu() {
             .map(|t| t.to_vec_f64().unwrap())
             .collect()
     };
-    let (on_gpu, on_cpu) = (run(&gpu), run(&cpu));
-    for (name, (g, c)) in ["y", "dx", "dw", "db"]
-        .iter()
-        .zip(on_gpu.iter().zip(&on_cpu))
-    {
-        let scale = c.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
-        let worst = g
+    for recipe in [Float8Recipe::TENSORWISE, Float8Recipe::ROWWISE] {
+        let (on_gpu, on_cpu) = (run(&gpu, recipe), run(&cpu, recipe));
+        for (name, (g, c)) in ["y", "dx", "dw", "db"]
             .iter()
-            .zip(c)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f64::max);
-        assert!(
-            worst <= 2f64.powi(-9) * scale,
-            "{name}: {worst} against {scale}"
-        );
+            .zip(on_gpu.iter().zip(&on_cpu))
+        {
+            let scale = c.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+            let worst = g
+                .iter()
+                .zip(c)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
+            assert!(
+                worst <= 2f64.powi(-9) * scale,
+                "{recipe:?} {name}: {worst} against {scale}"
+            );
+        }
     }
 }

@@ -3,12 +3,15 @@
 //! premultipliers, strided inputs, tensors large enough for several grid-stride rounds a
 //! thread, and a GELU applied as the input is read, against the unary op then the quantize) and
 //! `matmul_float8` (cuBLASLt's fp8 GEMM against the CPU's f32 product of the same codes, every
-//! operand layout and fp8 pairing, and the sizes it leaves to the core).
+//! operand layout, fp8 pairing and scale form — tensorwise, rowwise, mixed — and the sizes it
+//! leaves to the core).
 
 use headroom_autograd_core::{
     BackendRef, Buffer, DType, Float8Granularity, Float8Matmul, Float8Quantize, Layout, UnaryOp,
     View,
 };
+
+use headroom_testkit::inputs::Xorshift;
 
 use super::{download, poisoned, seeded_backends, upload, view};
 
@@ -329,9 +332,9 @@ fn codes(backend: &BackendRef, dtype: DType, values: &[f64]) -> Buffer {
 }
 
 /// `matmul_float8` of `a` (`[m, k]`, stored `[k, m]` and transposed when `a_transposed`) and `b`
-/// (`[k, n]`, stored `[n, k]` and transposed when `b_transposed`), with inverse scales 0.37 and
-/// 1.9 and `bias` (in `out`'s dtype) if given, into `out`: whether the backend ran it itself,
-/// and the product.
+/// (`[k, n]`, stored `[n, k]` and transposed when `b_transposed`), with inverse scales `scales`
+/// (one value a side, broadcast by stride 0, or one a row of `a` and a column of `b`) and `bias`
+/// (in `out`'s dtype) if given, into `out`: whether the backend ran it itself, and the product.
 #[allow(clippy::too_many_arguments)]
 fn product(
     backend: &BackendRef,
@@ -342,6 +345,7 @@ fn product(
     b_stored: &[f64],
     b_transposed: bool,
     bias: Option<&[f64]>,
+    (a_scales, b_scales): (&[f64], &[f64]),
 ) -> (bool, Vec<f64>) {
     let a = codes(backend, a_dtype, a_stored);
     let b = codes(backend, b_dtype, b_stored);
@@ -356,13 +360,14 @@ fn product(
     };
     let (a_layout, b_layout) = (layout(a_transposed, m, k), layout(b_transposed, k, n));
     let (a_scale, b_scale) = (
-        upload(backend, DType::F32, &[0.37]),
-        upload(backend, DType::F32, &[1.9]),
+        upload(backend, DType::F32, a_scales),
+        upload(backend, DType::F32, b_scales),
     );
-    let (a_scale_layout, b_scale_layout) = (
-        Layout::from_parts(&[m], &[0], 0).unwrap(),
-        Layout::from_parts(&[n], &[0], 0).unwrap(),
-    );
+    let scale_layout = |values: &[f64], len: usize| {
+        let stride = usize::from(values.len() != 1);
+        Layout::from_parts(&[len], &[stride], 0).unwrap()
+    };
+    let (a_scale_layout, b_scale_layout) = (scale_layout(a_scales, m), scale_layout(b_scales, n));
     let result = poisoned(backend, out, m * n);
     let out_layout = Layout::contiguous(&[m, n]);
     let bias_buffer = bias.map(|values| upload(backend, out, values));
@@ -392,7 +397,8 @@ fn product(
 
 /// cuBLASLt's fp8 GEMM against the CPU's f32 product of the same codes, for every pairing of
 /// E4M3 and E5M2 operands, both layouts of each operand (the backward's operands are not
-/// k-contiguous and go through the transpose kernel), and f32 and bf16 outputs: each output
+/// k-contiguous and go through the transpose kernel), f32 and bf16 outputs, and tensorwise,
+/// rowwise and mixed scales (cuBLASLt's scalar and outer-vector scale modes): each output
 /// within 2^-10 of its terms' magnitudes (Hopper's fp8 tensor cores add a block of k at
 /// reduced precision before cuBLASLt promotes to f32; fp8's own rounding is 2^-4), and a bf16
 /// output within one more unit in its last place. Sizes that are not multiples of 16 are left
@@ -411,6 +417,20 @@ fn float8_matmul_matches_the_cpu() {
             .collect()
     };
     let (a_values, b_values, bias_values) = (draw(m * k), draw(k * n), draw(n));
+    // Rowwise inverse scales, one a row of `a` and a column of `b`, 2^-3 to 2^3.
+    let mut spread = Xorshift::from_state(0x5ca1_e5f8);
+    let mut positive = |count: usize| -> Vec<f64> {
+        (0..count)
+            .map(|_| 2f64.powf(spread.next_f64_in(-3.0, 3.0)))
+            .collect()
+    };
+    let (a_rows, b_columns) = (positive(m), positive(n));
+    let scalings: [(&[f64], &[f64]); 4] = [
+        (&[0.37], &[1.9]),
+        (&a_rows, &b_columns),
+        (&a_rows, &[1.9]),
+        (&[0.37], &b_columns),
+    ];
     let transpose = |values: &[f64], rows: usize, cols: usize| -> Vec<f64> {
         (0..rows * cols)
             .map(|i| values[(i % rows) * cols + i / rows])
@@ -423,8 +443,10 @@ fn float8_matmul_matches_the_cpu() {
     ];
     for (a_dtype, b_dtype) in pairs {
         for out in [DType::F32, DType::BF16] {
-            for (a_transposed, b_transposed) in
+            for ((a_transposed, b_transposed), scales) in
                 [(false, true), (false, false), (true, true), (true, false)]
+                    .into_iter()
+                    .flat_map(|layouts| scalings.iter().map(move |scales| (layouts, *scales)))
             {
                 let a = if a_transposed {
                     transpose(&a_values, m, k)
@@ -449,10 +471,16 @@ fn float8_matmul_matches_the_cpu() {
                         &b,
                         b_transposed,
                         bias,
+                        scales,
                     )
                 };
                 let ((gpu_fused, on_gpu), (_, on_cpu)) = (run(&gpu), run(&cpu));
-                let what = format!("{types:?} a_t={a_transposed} b_t={b_transposed}");
+                let what = format!(
+                    "{types:?} a_t={a_transposed} b_t={b_transposed} scales {}×{}",
+                    scales.0.len(),
+                    scales.1.len()
+                );
+                let scale_of = |values: &[f64], i: usize| values[i.min(values.len() - 1)];
                 assert!(gpu_fused, "{what}: ran on cuBLASLt");
                 // Each output within 2^-10 of the sum of its terms' magnitudes (Hopper's fp8
                 // tensor cores keep about 14 bits in their partial sums, DeepSeek-V3 §3.3.2;
@@ -477,7 +505,8 @@ fn float8_matmul_matches_the_cpu() {
                             })
                             .sum();
                         let (g, c) = (on_gpu[i * n + j], on_cpu[i * n + j]);
-                        let bound = 2f64.powi(-10) * 0.37 * 1.9 * terms + ulp * c.abs();
+                        let scaled = scale_of(scales.0, i) * scale_of(scales.1, j);
+                        let bound = 2f64.powi(-10) * scaled * terms + ulp * c.abs();
                         assert!(
                             (g - c).abs() <= bound,
                             "{what}: [{i}, {j}] {g} against {c} (bound {bound:e})"
@@ -498,6 +527,7 @@ fn float8_matmul_matches_the_cpu() {
         &b_values,
         false,
         None,
+        (&[0.37], &[1.9]),
     );
     assert!(!fused, "20 rows are left to the core");
 }
