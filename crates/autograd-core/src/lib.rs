@@ -135,7 +135,8 @@ pub use non_finite::{found_non_finite, non_finite_check_};
 pub use ops::{
     cat, cross_entropy, cross_entropy_f32, dropout, embedding, layer_norm, layer_norm_linear,
     linear_cross_entropy, patch_embedding, scaled_dot_product_attention,
-    scaled_dot_product_attention_varlen, LinearCrossEntropyOptions, PackedSequences,
+    scaled_dot_product_attention_dropout, scaled_dot_product_attention_varlen,
+    scaled_dot_product_attention_varlen_dropout, LinearCrossEntropyOptions, PackedSequences,
 };
 pub use ops::{
     rms_norm, rotary_embedding, swiglu, Float8History, Float8Linear, Float8Recipe, Float8Role,

@@ -257,8 +257,8 @@ fn plans_with_compression_and_host_memory_are_predicted_to_the_byte() {
     let minimum = profile.min_budget().unwrap();
     let keep_all = profile.predict(&[keep; 6]).unwrap().peak_bytes;
     let mut used = vec![0; profile.candidates.len()];
-    for step in 0..=4 {
-        let budget = minimum + (keep_all - minimum) * step / 4;
+    for step in 0..=16 {
+        let budget = minimum + (keep_all - minimum) * step / 16;
         let plan = profile.plan(budget).unwrap();
         assert!(plan.predicted_peak() <= budget, "{plan}");
         let measured = trainer.measured_peak(Arc::new(plan.clone()));

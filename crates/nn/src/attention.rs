@@ -2,15 +2,21 @@
 //! parameters (`in_proj_weight` `[3E, E]`, `in_proj_bias`, `out_proj.weight`, `out_proj.bias`),
 //! and [`attention`], the eager scaled-dot-product core it shares with GPT-2.
 //!
-//! Without dropout on the weights and with no mask or a causal one, the core is autograd-core's
-//! fused [`scaled_dot_product_attention`] (what PyTorch's SDPA kernels do: no `[seq, seq]`
-//! matrix is stored, and its output is laid out so merging the heads is free). Otherwise it is
-//! written the way PyTorch's math path and Hugging Face's `eager_attention_forward` are:
-//! `softmax(mask(q kᵀ / sqrt(d))) v`, with the mask applied by `masked_fill` to the dtype's
-//! lowest value. Both give the reference implementations' gradients. Heads are views (reshape
-//! and permute of the projection), never copies; the kernels take them strided.
+//! With no mask or a causal one, the core is autograd-core's fused
+//! [`scaled_dot_product_attention`] (what PyTorch's SDPA kernels do: no `[seq, seq]` matrix is
+//! stored, and its output is laid out so merging the heads is free), and dropout on the weights
+//! in training is fused into it ([`scaled_dot_product_attention_dropout`]: the mask is drawn from
+//! the layer's generator exactly as the materialised weights' dropout would draw it, and replayed
+//! in backward, never stored). With a custom mask it is written the way PyTorch's math path and
+//! Hugging Face's `eager_attention_forward` are: `softmax(mask(q kᵀ / sqrt(d))) v`, with the mask
+//! applied by `masked_fill` to the dtype's lowest value, then the weights' dropout. Both give the
+//! reference implementations' gradients. Heads are views (reshape and permute of the
+//! projection), never copies; the kernels take them strided.
 
-use headroom_autograd_core::{scaled_dot_product_attention, BackendRef, DType, Generator, Tensor};
+use headroom_autograd_core::{
+    scaled_dot_product_attention, scaled_dot_product_attention_dropout, BackendRef, DType,
+    Generator, Tensor,
+};
 
 use crate::error::{NnError, Result};
 use crate::init::{parameter, Init};
@@ -56,8 +62,8 @@ pub enum AttentionMask<'a> {
 
 /// Scaled dot-product attention of `q`, `k`, `v` (`[batch, heads, seq, head_dim]`):
 /// `softmax(q kᵀ / sqrt(head_dim))` with the positions `mask` hides set to the dtype's lowest
-/// value before the softmax, dropout on the weights, times `v`. Runs fused when the dropout is
-/// inactive and the mask is `None` or `Causal`.
+/// value before the softmax, dropout on the weights, times `v`. Runs fused, dropout included,
+/// when the mask is `None` or `Causal`.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -65,29 +71,32 @@ pub fn attention(
     mask: AttentionMask<'_>,
     dropout: &Dropout,
 ) -> Result<Tensor> {
-    let inactive_dropout = !dropout.training || dropout.p == 0.0;
-    let mask = match mask {
-        AttentionMask::None if inactive_dropout => {
-            return Ok(scaled_dot_product_attention(q, k, v, false, None)?)
-        }
-        AttentionMask::Causal if inactive_dropout => {
-            return Ok(scaled_dot_product_attention(q, k, v, true, None)?)
-        }
-        AttentionMask::None => None,
-        AttentionMask::Causal => {
-            let seq = q.shape().get(2).copied().unwrap_or(0);
-            Some(causal_mask(q.backend(), seq)?)
-        }
-        AttentionMask::Custom(mask) => Some(mask.clone()),
+    let causal = match mask {
+        AttentionMask::None => false,
+        AttentionMask::Causal => true,
+        AttentionMask::Custom(mask) => return materialised_attention(q, k, v, mask, dropout),
     };
+    Ok(if dropout.is_identity() {
+        scaled_dot_product_attention(q, k, v, causal, None)?
+    } else {
+        scaled_dot_product_attention_dropout(q, k, v, causal, None, dropout.p, dropout.generator())?
+    })
+}
+
+/// [`attention`] with its `[batch, heads, queries, keys]` weights materialised: PyTorch's math
+/// path, for a custom Bool `mask` (true hides).
+fn materialised_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    dropout: &Dropout,
+) -> Result<Tensor> {
     let head_dim = *q.shape().last().unwrap_or(&1);
     let scores = q
         .matmul(&k.transpose(-1, -2)?)?
-        .div_scalar((head_dim as f64).sqrt())?;
-    let scores = match &mask {
-        Some(mask) => scores.masked_fill(mask, finfo_min(scores.dtype()))?,
-        None => scores,
-    };
+        .div_scalar((head_dim as f64).sqrt())?
+        .masked_fill(mask, finfo_min(q.dtype()))?;
     let weights = dropout.forward(&scores.softmax(-1)?)?;
     Ok(weights.matmul(v)?)
 }

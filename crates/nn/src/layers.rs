@@ -237,6 +237,12 @@ impl Dropout {
     pub fn is_identity(&self) -> bool {
         !self.training || self.p == 0.0
     }
+
+    /// The generator the layer draws from (shared by the model): for an op that fuses the same
+    /// dropout, drawing the same numbers.
+    pub fn generator(&self) -> &Generator {
+        &self.generator
+    }
 }
 
 impl Module for Dropout {

@@ -165,3 +165,42 @@ fn the_patch_embedding_keeps_the_image_not_a_patch_copy() {
     assert_eq!(held_copy, held_image + 32 * 192 * 4);
     assert_eq!(grads_image, grads_copy);
 }
+
+/// GPT-2's attention dropout (`attn_pdrop`) in training keeps nothing more than no dropout: the
+/// mask runs inside the fused attention and is drawn again in backward, so the forward holds the
+/// same bytes as with `attn_pdrop = 0` (the eager path held each layer's `[batch, heads, seq,
+/// seq]` probabilities and their Bool mask), and two steps from one generator state give the
+/// same loss and gradients.
+#[test]
+fn attention_dropout_keeps_no_mask_and_no_probabilities() {
+    let cpu = CpuBackend::new_ref();
+    let (batch, seq) = (2, 32);
+    let tokens: Vec<i64> = (0..batch * seq).map(|i| (i * 37 % 128) as i64).collect();
+    let ids = Tensor::from_slice(&cpu, &tokens, &[batch, seq]).unwrap();
+    let run = |attn_pdrop: f64| {
+        let generator = Arc::new(Generator::new(11));
+        let config = headroom_nn::Gpt2Config {
+            attn_pdrop,
+            ..headroom_nn::Gpt2Config::tiny()
+        };
+        let model =
+            headroom_nn::Gpt2LMHeadModel::new(&cpu, config, DType::F32, &generator).unwrap();
+        let before = allocated(&cpu);
+        let logits = model.forward(&ids).unwrap();
+        let loss = model.loss(&logits, &ids).unwrap();
+        drop(logits);
+        let held = allocated(&cpu) - before;
+        loss.backward().unwrap();
+        let grads: Vec<Vec<f32>> = headroom_nn::Module::parameters(&model)
+            .iter()
+            .map(|p| p.grad().unwrap().to_vec::<f32>().unwrap())
+            .collect();
+        (held, loss.to_vec::<f32>().unwrap(), grads)
+    };
+    let (held_plain, loss_plain, _) = run(0.0);
+    let (held_dropout, loss_dropout, grads_dropout) = run(0.5);
+    assert_eq!(held_dropout, held_plain);
+    assert_ne!(loss_dropout, loss_plain, "dropout changes the loss");
+    let (_, loss_again, grads_again) = run(0.5);
+    assert_eq!((loss_again, grads_again), (loss_dropout, grads_dropout));
+}

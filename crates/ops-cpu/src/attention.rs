@@ -11,10 +11,16 @@
 //! sums their dK and dV in f64 before one store. Every query sees one contiguous range of keys
 //! (`visible_keys`: all of them, those up to itself when causal, and within its own sequence when
 //! packed), so packed sequences cost no work for the pairs they mask.
+//!
+//! Dropout (`AttentionForward::dropout`) multiplies each probability by its keep factor
+//! (`Dropped`: the draw's scale, or 0), the bit derived from its index in the `[batch, heads,
+//! queries, keys]` matrix; backward derives the same bits: `dV += (m·P)ᵀ dO`, `dP = m · dO Vᵀ`
+//! and `dS = P (dP − Δ)`, with `Δᵢ = dOᵢ·Oᵢ` as before (O is the dropped output).
 use std::ops::Range;
 
 use headroom_autograd_core::{
-    attention_dims, AttentionBackward, AttentionDims, AttentionForward, DType, Result, View,
+    attention_dims, AttentionBackward, AttentionDims, AttentionForward, DType, DropoutDraw, Result,
+    View,
 };
 use rayon::prelude::*;
 
@@ -125,6 +131,39 @@ fn visible_keys(args: &AttentionForward<'_>, dims: AttentionDims) -> Vec<Range<u
     ranges
 }
 
+/// The factor dropout multiplies probability `(pair, i, j)` by: 1 without dropout, else the
+/// draw's scale where it keeps the element and 0 where it drops it.
+#[derive(Clone, Copy)]
+struct Dropped {
+    draw: Option<DropoutDraw>,
+    queries: u64,
+    keys: u64,
+}
+
+impl Dropped {
+    fn new(args: &AttentionForward<'_>, dims: AttentionDims) -> Dropped {
+        Dropped {
+            draw: args.dropout,
+            queries: dims.queries as u64,
+            keys: dims.keys as u64,
+        }
+    }
+
+    fn factor(&self, pair: usize, i: usize, j: usize) -> f64 {
+        match &self.draw {
+            None => 1.0,
+            Some(draw) => {
+                let index = (pair as u64 * self.queries + i as u64) * self.keys + j as u64;
+                if draw.keeps(index) {
+                    draw.scale()
+                } else {
+                    0.0
+                }
+            }
+        }
+    }
+}
+
 /// Scaled scores of query `i` against the keys of `visible` (into `out[..visible.len()]`), and
 /// their log-sum-exp.
 fn scores(
@@ -162,6 +201,7 @@ fn forward_typed<T: Float>(args: &AttentionForward<'_>, dims: AttentionDims) {
     let lse_out = Lse::new(&args.lse);
     let (sq, sk, d, group) = (dims.queries, dims.keys, dims.head_dim, dims.group());
     let visible = visible_keys(args, dims);
+    let dropped = Dropped::new(args, dims);
     (0..dims.batch * dims.heads)
         .into_par_iter()
         .for_each(|pair| {
@@ -178,7 +218,7 @@ fn forward_typed<T: Float>(args: &AttentionForward<'_>, dims: AttentionDims) {
                 let lse = scores(q_i, &ks, d, keys.clone(), args.scale, &mut s);
                 let row = &mut result[i * d..(i + 1) * d];
                 for (&sj, j) in s.iter().zip(keys.clone()) {
-                    let p = (sj - lse).exp();
+                    let p = (sj - lse).exp() * dropped.factor(pair, i, j);
                     for (o, &vj) in row.iter_mut().zip(&vs[j * d..(j + 1) * d]) {
                         *o += p * vj;
                     }
@@ -203,6 +243,7 @@ fn backward_typed<T: Float>(args: &AttentionBackward<'_>, dims: AttentionDims) {
     let lse_in = Lse::new(&f.lse);
     let (sq, sk, d, group) = (dims.queries, dims.keys, dims.head_dim, dims.group());
     let visible = visible_keys(f, dims);
+    let dropped = Dropped::new(f, dims);
     // One task per (batch, key/value head): its dK and dV sum over the group's query heads.
     (0..dims.batch * dims.kv_heads)
         .into_par_iter()
@@ -222,9 +263,10 @@ fn backward_typed<T: Float>(args: &AttentionBackward<'_>, dims: AttentionDims) {
                     for j in keys.clone() {
                         let (k_j, v_j) = (&ks[j * d..(j + 1) * d], &vs[j * d..(j + 1) * d]);
                         let p = (f.scale * dot(q_i, k_j) - lse).exp();
-                        let ds = p * (dot(do_i, v_j) - delta) * f.scale;
+                        let factor = dropped.factor(pair, i, j);
+                        let ds = p * (factor * dot(do_i, v_j) - delta) * f.scale;
                         for c in 0..d {
-                            dvs[j * d + c] += p * do_i[c];
+                            dvs[j * d + c] += factor * p * do_i[c];
                             dks[j * d + c] += ds * q_i[c];
                             dqs[i * d + c] += ds * k_j[c];
                         }

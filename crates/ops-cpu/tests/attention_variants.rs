@@ -1,10 +1,14 @@
-//! Grouped-query heads and packed variable-length sequences through fused attention on the CPU:
-//! each against the composition it replaces (k and v repeated per group, `repeat_kv`; each
-//! sequence run alone), forward and every gradient, and the typed errors of bad arguments.
+//! Grouped-query heads, packed variable-length sequences and dropout through fused attention on
+//! the CPU: each against the composition it replaces (k and v repeated per group, `repeat_kv`;
+//! each sequence run alone; the `[batch, heads, queries, keys]` weights materialised and
+//! `dropout` drawn from a generator in the same state), forward and every gradient, and the typed
+//! errors of bad arguments. Dropout also moves the generator's stream exactly as the composition
+//! does; `p` 0 is plain attention and `p` 1 drops everything.
 
 use headroom_autograd_core::{
-    scaled_dot_product_attention, scaled_dot_product_attention_varlen, BackendRef, DType,
-    PackedSequences, Result, Tensor, TensorError,
+    dropout, scaled_dot_product_attention, scaled_dot_product_attention_dropout,
+    scaled_dot_product_attention_varlen, scaled_dot_product_attention_varlen_dropout, BackendRef,
+    DType, Generator, PackedSequences, Result, Tensor, TensorError,
 };
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::inputs::Xorshift;
@@ -206,4 +210,162 @@ fn bad_heads_and_boundaries_are_typed_errors() {
         matches!(err, TensorError::InvalidArgument { .. }),
         "{err:?}"
     );
+}
+
+/// The composition fused dropout replaces: `dropout(softmax(q kᵀ / sqrt(d), hidden → -inf)) v`,
+/// `hidden(i, j)` saying which keys query `i` does not see, the weights' dropout drawn from
+/// `generator`.
+fn materialised(
+    [q, k, v]: [&Tensor; 3],
+    hidden: impl Fn(usize, usize) -> bool,
+    p: f64,
+    generator: &Generator,
+) -> Result<Tensor> {
+    let (queries, keys, head_dim) = (q.shape()[2], k.shape()[2], q.shape()[3]);
+    let n_rep = q.shape()[1] / k.shape()[1];
+    let (k, v) = (repeat_heads(k, n_rep)?, repeat_heads(v, n_rep)?);
+    let mask: Vec<f64> = (0..queries * keys)
+        .map(|at| f64::from(u8::from(hidden(at / keys, at % keys))))
+        .collect();
+    let mask = Tensor::from_f64s(q.backend(), &mask, &[queries, keys], DType::Bool)?;
+    let weights = q
+        .matmul(&k.transpose(-1, -2)?)?
+        .div_scalar((head_dim as f64).sqrt())?
+        .masked_fill(&mask, f64::NEG_INFINITY)?
+        .softmax(-1)?;
+    dropout(&weights, p, true, generator)?.matmul(&v)
+}
+
+#[test]
+fn fused_dropout_equals_dropout_on_the_materialised_weights() {
+    let cpu = CpuBackend::new_ref();
+    let mut random = Xorshift::from_state(0xd409_0001);
+    // (heads, kv_heads, queries, keys, causal): rectangular, causal, grouped-query.
+    let cases = [
+        (2, 2, 7, 11, false),
+        (4, 2, 9, 9, true),
+        (3, 1, 16, 16, false),
+    ];
+    for (dtype, tolerance) in [(DType::F64, 1e-12), (DType::F32, 2e-5)] {
+        for (heads, kv_heads, queries, keys, causal) in cases {
+            for p in [0.1, 0.5] {
+                let q = leaf(&cpu, &mut random, &[2, heads, queries, 8], dtype);
+                let k = leaf(&cpu, &mut random, &[2, kv_heads, keys, 8], dtype);
+                let v = leaf(&cpu, &mut random, &[2, kv_heads, keys, 8], dtype);
+                let dout = leaf(&cpu, &mut random, &[2, heads, queries, 8], dtype);
+                let (fused_stream, reference_stream) = (Generator::new(17), Generator::new(17));
+                // Both streams start past earlier draws, as in a model.
+                fused_stream.advance(1000);
+                reference_stream.advance(1000);
+                let fused = run([&q, &k, &v], &dout, |q, k, v| {
+                    scaled_dot_product_attention_dropout(q, k, v, causal, None, p, &fused_stream)
+                });
+                let reference = run([&q, &k, &v], &dout, |q, k, v| {
+                    materialised([q, k, v], |i, j| causal && j > i, p, &reference_stream)
+                });
+                let what = format!("{dtype:?} {heads}/{kv_heads} {queries}x{keys} {causal} {p}");
+                for (name, (f, r)) in ["out", "dq", "dk", "dv"]
+                    .iter()
+                    .zip(fused.iter().zip(&reference))
+                {
+                    let error = max_relative(f, r);
+                    assert!(error <= tolerance, "{what} {name}: {error:e}");
+                }
+                assert_eq!(fused_stream.state(), reference_stream.state(), "{what}");
+                // Dropout did drop: the result is not plain attention's.
+                let plain = run([&q, &k, &v], &dout, |q, k, v| {
+                    scaled_dot_product_attention(q, k, v, causal, None)
+                });
+                assert!(max_relative(&fused[0], &plain[0]) > 1e-3, "{what}");
+            }
+        }
+    }
+}
+
+#[test]
+fn packed_dropout_equals_dropout_on_the_block_diagonal_weights() {
+    let cpu = CpuBackend::new_ref();
+    let mut random = Xorshift::from_state(0xd409_0002);
+    let lengths = [5, 0, 9, 3];
+    let tokens: usize = lengths.iter().sum();
+    let packed = PackedSequences::from_lengths(&cpu, &lengths).unwrap();
+    let sequence: Vec<usize> = lengths
+        .iter()
+        .enumerate()
+        .flat_map(|(n, &len)| std::iter::repeat_n(n, len))
+        .collect();
+    for causal in [false, true] {
+        let q = leaf(&cpu, &mut random, &[1, 4, tokens, 8], DType::F64);
+        let k = leaf(&cpu, &mut random, &[1, 2, tokens, 8], DType::F64);
+        let v = leaf(&cpu, &mut random, &[1, 2, tokens, 8], DType::F64);
+        let dout = leaf(&cpu, &mut random, &[1, 4, tokens, 8], DType::F64);
+        let (fused_stream, reference_stream) = (Generator::new(5), Generator::new(5));
+        let fused = run([&q, &k, &v], &dout, |q, k, v| {
+            scaled_dot_product_attention_varlen_dropout(
+                q,
+                k,
+                v,
+                &packed,
+                causal,
+                None,
+                0.3,
+                &fused_stream,
+            )
+        });
+        let reference = run([&q, &k, &v], &dout, |q, k, v| {
+            let hidden = |i: usize, j: usize| sequence[i] != sequence[j] || (causal && j > i);
+            materialised([q, k, v], hidden, 0.3, &reference_stream)
+        });
+        for (name, (f, r)) in ["out", "dq", "dk", "dv"]
+            .iter()
+            .zip(fused.iter().zip(&reference))
+        {
+            let error = max_relative(f, r);
+            assert!(error <= 1e-12, "causal {causal} {name}: {error:e}");
+        }
+        assert_eq!(fused_stream.state(), reference_stream.state());
+    }
+}
+
+#[test]
+fn probability_zero_is_plain_attention_and_one_drops_everything() {
+    let cpu = CpuBackend::new_ref();
+    let mut random = Xorshift::from_state(0xd409_0003);
+    let q = leaf(&cpu, &mut random, &[1, 2, 6, 4], DType::F32);
+    let k = leaf(&cpu, &mut random, &[1, 2, 6, 4], DType::F32);
+    let v = leaf(&cpu, &mut random, &[1, 2, 6, 4], DType::F32);
+    let dout = leaf(&cpu, &mut random, &[1, 2, 6, 4], DType::F32);
+    let stream = Generator::new(3);
+    let none = run([&q, &k, &v], &dout, |q, k, v| {
+        scaled_dot_product_attention_dropout(q, k, v, true, None, 0.0, &stream)
+    });
+    let plain = run([&q, &k, &v], &dout, |q, k, v| {
+        scaled_dot_product_attention(q, k, v, true, None)
+    });
+    assert_eq!(none, plain, "p = 0 is plain attention, bit for bit");
+    assert_eq!(stream.state().offset, 0, "and draws nothing");
+
+    let all = run([&q, &k, &v], &dout, |q, k, v| {
+        scaled_dot_product_attention_dropout(q, k, v, false, None, 1.0, &stream)
+    });
+    for (name, values) in ["out", "dq", "dk", "dv"].iter().zip(&all) {
+        assert!(values.iter().all(|&x| x == 0.0), "p = 1: {name} is zero");
+    }
+    assert_eq!(stream.state().offset, 2 * 6 * 6);
+}
+
+#[test]
+fn a_probability_outside_zero_to_one_is_a_typed_error() {
+    let cpu = CpuBackend::new_ref();
+    let q = Tensor::from_slice(&cpu, &[0.5f32; 16], &[1, 1, 4, 4]).unwrap();
+    let stream = Generator::new(0);
+    for p in [-0.1, 1.5, f64::NAN] {
+        let error =
+            scaled_dot_product_attention_dropout(&q, &q, &q, false, None, p, &stream).unwrap_err();
+        assert!(
+            matches!(error, TensorError::InvalidArgument { .. }),
+            "{p}: {error}"
+        );
+    }
+    assert_eq!(stream.state().offset, 0);
 }

@@ -163,6 +163,7 @@ fn measure(cuda: &Arc<CudaBackend>, kernel: &str, shape: &Shape) {
         scale: 1.0 / (d as f64).sqrt(),
         causal,
         packed: None,
+        dropout: None,
         out: view(&out, &merged),
         lse: View {
             buffer: lse.buffer(),

@@ -97,6 +97,7 @@ fn main() -> Result<()> {
         scale: 1.0 / (HEAD_DIM as f64).sqrt(),
         causal: false,
         packed: None,
+        dropout: None,
         out: view(&out, &rows, dtype),
         lse: View {
             buffer: lse.buffer(),

@@ -24,6 +24,11 @@
 // (so packed sequences cost the sum of their own tiles, not the whole batch's), and masks element
 // by element against each row's range (tiles straddling a sequence boundary included). The Rust side
 // (crates/ops-cuda/src/attention/args.rs) describes operands with `AttnArgs`, field for field.
+// Dropout (the `DROP` builds, `_dropout_` in their names) zeroes the probabilities whose bits
+// `dropout_keeps` rejects after they enter
+// the running sum, and scales the output by `dropout_scale`; backward derives the same bits:
+// dV takes the dropped probabilities, dP the mask times `dropout_scale`, and Δ = dO·O is
+// unchanged (O is the dropped output). The opt-in fused backward below takes no dropout.
 // Built to PTX by `cargo xtask build-kernels`.
 
 #include <math_constants.h>
@@ -229,7 +234,7 @@ template <typename A, int R, int C> __device__ __forceinline__ void zero(A (&x)[
         for (int c = 0; c < C; ++c) x[r][c] = 0;
 }
 
-template <typename T, int DC>
+template <typename T, int DC, bool DROP>
 __device__ void attention_forward(const T* q, const T* k, const T* v, T* o,
                                   typename Acc<T>::type* lse, const AttnArgs& a) {
     typedef typename Acc<T>::type A;
@@ -243,6 +248,7 @@ __device__ void attention_forward(const T* q, const T* k, const T* v, T* o,
     const int tx = threadIdx.x & 7, ty = threadIdx.x >> 3;
     const unsigned int q0 = blockIdx.x * BQ;
     load_rows<T, A, DP>(q, a, OP_Q, b, h, q0, a.queries, (A)(a.scale * LOG2E), qs);
+    const unsigned long long drop_base = DROP ? dropout_base(a) : 0;
 
     A acc[4][DC], m[4], l[4];
     unsigned int lo[4], hi[4];
@@ -284,6 +290,8 @@ __device__ void attention_forward(const T* q, const T* k, const T* v, T* o,
             for (int c = 0; c < 4; ++c) {
                 s[r][c] = m_exp2(s[r][c] - base);
                 l[r] += s[r][c];
+                if (DROP && !dropout_keeps(a, drop_base, blockIdx.y, q0 + ty + 8 * r, k0 + tx + 8 * c))
+                    s[r][c] = (A)0;
             }
         }
         store_weights(ps, ty, tx, s);
@@ -295,6 +303,7 @@ __device__ void attention_forward(const T* q, const T* k, const T* v, T* o,
     for (int r = 0; r < 4; ++r) {
         A total = row_sum(l[r]);
         inv[r] = total > (A)0 ? (A)1 / total : (A)0;
+        if constexpr (DROP) inv[r] *= (A)a.dropout_scale;
         unsigned int row = q0 + ty + 8 * r;
         if (tx == 0 && row < a.queries)
             lse[(unsigned long long)blockIdx.y * a.queries + row] = (m[r] + m_log2(total)) * (A)LN2;
@@ -303,7 +312,7 @@ __device__ void attention_forward(const T* q, const T* k, const T* v, T* o,
 }
 
 // dQ, and Δ = dO·O per query for the dK/dV kernel.
-template <typename T, int DC>
+template <typename T, int DC, bool DROP>
 __device__ void attention_backward_dq(const T* q, const T* k, const T* v, const T* o, const T* dout,
                                       const typename Acc<T>::type* lse, T* dq,
                                       typename Acc<T>::type* delta, const AttnArgs& a) {
@@ -353,6 +362,7 @@ __device__ void attention_backward_dq(const T* q, const T* k, const T* v, const 
         }
     }
     const A scale2 = (A)(a.scale * LOG2E);
+    const unsigned long long drop_base = DROP ? dropout_base(a) : 0;
     A acc[4][DC];
     zero(acc);
     unsigned int lo[4], hi[4], key_begin, key_end;
@@ -377,7 +387,11 @@ __device__ void attention_backward_dq(const T* q, const T* k, const T* v, const 
                 unsigned int key = k0 + tx + 8 * c;
                 bool hidden = key < lo[r] || key >= hi[r];
                 A p = hidden ? (A)0 : m_exp2(s[r][c] * scale2 - l2);
-                s[r][c] = p * (dp[r][c] - dl);
+                A dpv = dp[r][c];
+                if constexpr (DROP)
+                    dpv = dropout_keeps(a, drop_base, blockIdx.y, q0 + ty + 8 * r, key) ? dpv * (A)a.dropout_scale
+                                                                                       : (A)0;
+                s[r][c] = p * (dpv - dl);
             }
         }
         store_weights(dst, ty, tx, s);
@@ -403,7 +417,7 @@ __device__ __forceinline__ unsigned int key_block_queries(const AttnArgs& a, uns
 }
 
 // dK and dV of 32 keys, streaming queries, dO, lse and Δ.
-template <typename T, int DC>
+template <typename T, int DC, bool DROP>
 __device__ void attention_backward_dkdv(const T* q, const T* k, const T* v, const T* dout,
                                         const typename Acc<T>::type* lse,
                                         const typename Acc<T>::type* delta, T* dk, T* dv,
@@ -426,6 +440,7 @@ __device__ void attention_backward_dkdv(const T* q, const T* k, const T* v, cons
     load_rows<T, A, DP>(k, a, OP_K, b, kvh, k0, a.keys, (A)1, ks);
     load_rows<T, A, DP>(v, a, OP_V, b, kvh, k0, a.keys, (A)1, vs);
     const A scale2 = (A)(a.scale * LOG2E);
+    const unsigned long long drop_base = DROP ? dropout_base(a) : 0;
     A dka[4][DC], dva[4][DC];
     zero(dka);
     zero(dva);
@@ -457,8 +472,17 @@ __device__ void attention_backward_dkdv(const T* q, const T* k, const T* v, cons
             for (int r = 0; r < 4; ++r) {
                 bool hidden = query < lo[r] || query >= hi[r];
                 A p = hidden ? (A)0 : m_exp2(s[r][c] * scale2 - l2);
-                s[r][c] = p;
-                dp[r][c] = p * (dp[r][c] - dl);
+                if constexpr (DROP) {
+                    const A factor = dropout_keeps(a, drop_base, (unsigned long long)b * a.heads + h, query,
+                                                   k0 + ty + 8 * r)
+                                         ? (A)a.dropout_scale
+                                         : (A)0;
+                    s[r][c] = p * factor;
+                    dp[r][c] = p * (dp[r][c] * factor - dl);
+                } else {
+                    s[r][c] = p;
+                    dp[r][c] = p * (dp[r][c] - dl);
+                }
             }
         }
         store_weights(ps, ty, tx, s);
@@ -688,22 +712,26 @@ ATTENTION_GEMM_KERNELS(__half, f16)
 ATTENTION_GEMM_KERNELS(__nv_bfloat16, bf16)
 
 // Kernels per dtype and column count: `attention_forward_<dtype>_<dc>` and so on; head dims up to
-// 8·DC. f32 and f64 only: f16 and bf16 take the tensor-core path above.
-#define ATTENTION_KERNELS(T, N, DC)                                                                      \
-    extern "C" __global__ void __launch_bounds__(THREADS) attention_forward_##N##_##DC(                 \
+// 8·DC; with dropout `attention_forward_dropout_<dtype>_<dc>` and so on (no fused backward).
+// f32 and f64 only: f16 and bf16 take the tensor-core path above.
+#define ATTENTION_KERNELS_OF(T, N, DC, DROP, TAG)                                                        \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_forward##TAG##N##_##DC(             \
         const T* q, const T* k, const T* v, T* o, Acc<T>::type* lse, AttnArgs a) {                      \
-        attention_forward<T, DC>(q, k, v, o, lse, a);                                                   \
+        attention_forward<T, DC, DROP>(q, k, v, o, lse, a);                                             \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dq_##N##_##DC(             \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dq##TAG##N##_##DC(         \
         const T* q, const T* k, const T* v, const T* o, const T* dout, const Acc<T>::type* lse, T* dq,  \
         Acc<T>::type* delta, AttnArgs a) {                                                              \
-        attention_backward_dq<T, DC>(q, k, v, o, dout, lse, dq, delta, a);                              \
+        attention_backward_dq<T, DC, DROP>(q, k, v, o, dout, lse, dq, delta, a);                        \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dkdv_##N##_##DC(           \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_dkdv##TAG##N##_##DC(       \
         const T* q, const T* k, const T* v, const T* dout, const Acc<T>::type* lse,                     \
         const Acc<T>::type* delta, T* dk, T* dv, AttnArgs a) {                                          \
-        attention_backward_dkdv<T, DC>(q, k, v, dout, lse, delta, dk, dv, a);                           \
-    }                                                                                                   \
+        attention_backward_dkdv<T, DC, DROP>(q, k, v, dout, lse, delta, dk, dv, a);                     \
+    }
+#define ATTENTION_KERNELS(T, N, DC)                                                                      \
+    ATTENTION_KERNELS_OF(T, N, DC, false, _)                                                             \
+    ATTENTION_KERNELS_OF(T, N, DC, true, _dropout_)                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_fused_##N##_##DC(          \
         const T* q, const T* k, const T* v, const T* dout, const Acc<T>::type* lse,                     \
         const Acc<T>::type* delta, T* dq, T* dk, T* dv, AttnArgs a) {                                   \

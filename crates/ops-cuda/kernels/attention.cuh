@@ -3,6 +3,8 @@
 
 #pragma once
 
+#include "counter_random.cuh"
+
 // Where row `r` of pair (b, h) starts: offset + b·strides[0] + h·strides[1] + r·strides[2]
 // (elements; the head dim is contiguous).
 struct AttnOperand {
@@ -33,6 +35,15 @@ struct AttnArgs {
     // Packed sequences in the tensor-core kernels: this launch's own-row tiles, heaviest first (a
     // permutation of 0..gridDim.x - 1 from the host), or null.
     const unsigned int* tile_order;
+    // Dropout on the probabilities (autograd-core's `DropoutDraw`): probability (pair, i, j) is
+    // kept when the 24 bits of number offset + (pair·queries + i)·keys + j of stream `seed` are at
+    // least `dropout_threshold`, and a kept one is multiplied by `dropout_scale`. Read only by
+    // the kernels built with dropout (threshold 0 otherwise).
+    unsigned long long dropout_seed;
+    unsigned long long dropout_offset;
+    double dropout_scale;
+    unsigned int dropout_threshold;
+    unsigned int dropout_pad;
 };
 
 enum { OP_Q, OP_K, OP_V, OP_O, OP_DO, OP_DQ, OP_DK, OP_DV };
@@ -44,6 +55,18 @@ __device__ __forceinline__ unsigned long long row_at(const AttnArgs& a, int op, 
 }
 
 __device__ __forceinline__ unsigned int group_size(const AttnArgs& a) { return a.heads / a.kv_heads; }
+
+// The dropout stream's base plus the draw's offset: `dropout_keeps` takes it, computed once.
+__device__ __forceinline__ unsigned long long dropout_base(const AttnArgs& a) {
+    return counter_stream(a.dropout_seed) + a.dropout_offset;
+}
+
+// Whether dropout keeps probability (pair, query, key), `pair` = b·heads + query head.
+__device__ __forceinline__ bool dropout_keeps(const AttnArgs& a, unsigned long long base, unsigned long long pair,
+                                              unsigned int query, unsigned int key) {
+    const unsigned long long index = (pair * a.queries + query) * a.keys + key;
+    return counter_bits24(base, index) >= a.dropout_threshold;
+}
 
 // The packed sequence holding `row` (< the token count): its first row and one past its last.
 // Every row is one sequence when not packed (`rows` the side's count).

@@ -29,7 +29,11 @@
 // cross some row's range only (a warp-uniform test). Under a causal mask the grid is walked
 // tile-major, heaviest tiles first (`block_tile`). Exponentials are one `ex2` each, the softmax
 // scale folded into their FMA. Results are staged through the warp's own rows of shared memory
-// and written with 16-byte stores.
+// and written with 16-byte stores. Dropout (the `DROP` builds, attention.cuh's draw) zeroes a
+// probability after
+// it enters the running sum and scales the output by `dropout_scale`; the backward kernels derive
+// the same keep bits per element (dV takes the dropped probabilities, dP the mask times
+// `dropout_scale`; Δ = dO·O is unchanged).
 
 #pragma once
 
@@ -183,7 +187,7 @@ __device__ __forceinline__ void warp_weights_by_rows(float (&out)[MW][DP / 8][4]
 }
 
 // Forward of R queries, each warp 16·MW of them (R / (16·MW) warps), streaming keys and values.
-template <typename M, int DP, int KR, int R, int MW>
+template <typename M, int DP, int KR, int R, int MW, bool DROP>
 __device__ void flash_forward(const typename M::Elem* q, const typename M::Elem* k, const typename M::Elem* v,
                               typename M::Elem* o, float* lse, const AttnArgs& a) {
     typedef typename M::Elem T;
@@ -211,6 +215,7 @@ __device__ void flash_forward(const typename M::Elem* q, const typename M::Elem*
     }
     cp_commit();
     const float scale2 = (float)(a.scale * 1.4426950408889634);
+    const unsigned long long drop_base = DROP ? dropout_base(a) : 0;
     float acc[MW][NT][4] = {}, m[ROWS], l[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -270,6 +275,18 @@ __device__ void flash_forward(const typename M::Elem* q, const typename M::Elem*
                     l[r] += p;
                     s[mw][n][e] = p;
                 }
+        if constexpr (DROP) {
+#pragma unroll
+            for (int mw = 0; mw < MW; ++mw)
+#pragma unroll
+                for (int n = 0; n < NB; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const unsigned int row = q0 + warp_row0 + 16 * mw + 8 * (e >> 1) + g;
+                        const unsigned int key = k0 + n * 8 + 2 * t + (e & 1);
+                        if (!dropout_keeps(a, drop_base, pair, row, key)) s[mw][n][e] = 0.f;
+                    }
+        }
         warp_weights_by_rows<M, DP, NB, MW>(acc, s, vt);
         __syncthreads();
     }
@@ -284,6 +301,7 @@ __device__ void flash_forward(const typename M::Elem* q, const typename M::Elem*
             total += __shfl_xor_sync(0xffffffff, total, 1);
             total += __shfl_xor_sync(0xffffffff, total, 2);
             inv[rr] = total > 0.f ? 1.f / total : 0.f;
+            if constexpr (DROP) inv[rr] *= (float)a.dropout_scale;
             const unsigned int row = q0 + warp_row0 + 16 * mw + 8 * rr + g;
             if (t == 0 && row < a.queries)
                 lse[(unsigned long long)pair * a.queries + row] = (m[r] + log2f(total)) * FA_LN2;
@@ -295,7 +313,7 @@ __device__ void flash_forward(const typename M::Elem* q, const typename M::Elem*
 
 // dQ of R queries, each warp 16·MW of them, streaming keys and values; also writes Δ = dO·O of
 // those queries.
-template <typename M, int DP, int KR, int R, int MW>
+template <typename M, int DP, int KR, int R, int MW, bool DROP>
 __device__ void flash_backward_dq(const typename M::Elem* q, const typename M::Elem* k, const typename M::Elem* v,
                                   const typename M::Elem* o, const typename M::Elem* dout, const float* lse,
                                   typename M::Elem* dq, float* delta, const AttnArgs& a) {
@@ -362,6 +380,8 @@ __device__ void flash_backward_dq(const typename M::Elem* q, const typename M::E
         dl[r] = deltas[warp_row0 + 8 * r + g];
     }
     const float scale2 = (float)(a.scale * 1.4426950408889634);
+    const unsigned long long drop_base = DROP ? dropout_base(a) : 0;
+    const float drop_scale = (float)a.dropout_scale;
     float acc[MW][NT][4] = {};
     for (int j = 0; j < tiles; ++j) {
         const unsigned int k0 = key_begin + j * KR;
@@ -391,7 +411,13 @@ __device__ void flash_backward_dq(const typename M::Elem* q, const typename M::E
                 for (int e = 0; e < 4; ++e) {
                     const int r = 2 * mw + (e >> 1);
                     const float p = fast_exp2(fmaf(s[mw][n][e], scale2, -l2[r]));
-                    s[mw][n][e] = p * (dp[mw][n][e] - dl[r]);
+                    float dpv = dp[mw][n][e];
+                    if constexpr (DROP) {
+                        const unsigned int row = q0 + warp_row0 + 16 * mw + 8 * (e >> 1) + g;
+                        const unsigned int key = k0 + n * 8 + 2 * t + (e & 1);
+                        dpv = dropout_keeps(a, drop_base, pair, row, key) ? dpv * drop_scale : 0.f;
+                    }
+                    s[mw][n][e] = p * (dpv - dl[r]);
                 }
         warp_weights_by_rows<M, DP, NB, MW>(acc, s, kt);
         __syncthreads();
@@ -417,7 +443,7 @@ __device__ __forceinline__ void load_query_stats(float* lses, float* deltas, con
 }
 
 // dK and dV of R keys, streaming queries, dO, log-sum-exp and Δ.
-template <typename M, int DP, int KR, int R>
+template <typename M, int DP, int KR, int R, bool DROP>
 __device__ void flash_backward_dkdv(const typename M::Elem* q, const typename M::Elem* k, const typename M::Elem* v,
                                    const typename M::Elem* dout, const float* lse, const float* delta,
                                    typename M::Elem* dk, typename M::Elem* dv, const AttnArgs& a) {
@@ -458,6 +484,8 @@ __device__ void flash_backward_dkdv(const typename M::Elem* q, const typename M:
     }
     cp_commit();
     const float scale2 = (float)(a.scale * 1.4426950408889634);
+    const unsigned long long drop_base = DROP ? dropout_base(a) : 0;
+    const float drop_scale = (float)a.dropout_scale;
     float dka[NT][4] = {}, dva[NT][4] = {};
     for (unsigned int j = 0; j < steps; ++j) {
         const unsigned int q0 = first_query(j);
@@ -498,8 +526,16 @@ __device__ void flash_backward_dkdv(const typename M::Elem* q, const typename M:
             for (int e = 0; e < 4; ++e) {
                 const int col = n * 8 + 2 * t + (e & 1);
                 const float p = fast_exp2(fmaf(s[n][e], scale2, -l2[col]));
-                s[n][e] = p;
-                dp[n][e] = p * (dp[n][e] - dl[col]);
+                if constexpr (DROP) {
+                    const unsigned long long query_pair = (unsigned long long)b * a.heads + head_of(j);
+                    const float factor =
+                        dropout_keeps(a, drop_base, query_pair, q0 + col, key0 + 8 * (e >> 1)) ? drop_scale : 0.f;
+                    s[n][e] = p * factor;
+                    dp[n][e] = p * (dp[n][e] * factor - dl[col]);
+                } else {
+                    s[n][e] = p;
+                    dp[n][e] = p * (dp[n][e] - dl[col]);
+                }
             }
         M::template weights_by_rows<DP, NB>(dva, s, dot);
         M::template weights_by_rows<DP, NB>(dka, dp, qt);
@@ -513,24 +549,29 @@ __device__ void flash_backward_dkdv(const typename M::Elem* q, const typename M:
 
 
 // The three kernels of policy M at padded head dim DP, named `attention_<FAMILY>_forward_<SUFFIX>`,
-// `..._backward_dq_...` and `..._backward_dkdv_...`, 128 threads each: the forward and dQ kernels
-// take 64·MW queries a block (16·MW a warp) and stream KR keys at a time, the dK/dV kernel 64
-// keys and KR queries, its registers bounded to fit MINB blocks an SM. The host's tile shapes
+// `..._backward_dq_...` and `..._backward_dkdv_...`, 128 threads each, and the same three with
+// dropout (`attention_<FAMILY>_forward_dropout_<SUFFIX>` and so on; separate builds, so the
+// plain kernels keep their registers): the forward and dQ kernels take 64·MW queries a block
+// (16·MW a warp) and stream KR keys at a time, the dK/dV kernel 64 keys and KR queries, its
+// registers bounded to fit MINB blocks an SM. The host's tile shapes
 // (crates/ops-cuda/src/attention/tensor_core.rs) must say the same.
-#define FLASH_KERNELS(M, FAMILY, SUFFIX, DP, FWD_MW, FWD_KR, DQ_MW, DQ_KR, DKDV_KR, MINB)                  \
-    extern "C" __global__ void __launch_bounds__(128) attention_##FAMILY##_forward_##SUFFIX(              \
+#define FLASH_KERNELS_OF(M, FAMILY, SUFFIX, DP, FWD_MW, FWD_KR, DQ_MW, DQ_KR, DKDV_KR, MINB, DROP, TAG)    \
+    extern "C" __global__ void __launch_bounds__(128) attention_##FAMILY##_forward##TAG##SUFFIX(         \
         const M::Elem* q, const M::Elem* k, const M::Elem* v, M::Elem* o, float* lse, AttnArgs a) {        \
-        flash_forward<M, DP, FWD_KR, 64 * FWD_MW, FWD_MW>(q, k, v, o, lse, a);                              \
+        flash_forward<M, DP, FWD_KR, 64 * FWD_MW, FWD_MW, DROP>(q, k, v, o, lse, a);                        \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(128) attention_##FAMILY##_backward_dq_##SUFFIX(          \
+    extern "C" __global__ void __launch_bounds__(128) attention_##FAMILY##_backward_dq##TAG##SUFFIX(     \
         const M::Elem* q, const M::Elem* k, const M::Elem* v, const M::Elem* o, const M::Elem* dout,       \
         const float* lse, M::Elem* dq, float* delta, AttnArgs a) {                                         \
-        flash_backward_dq<M, DP, DQ_KR, 64 * DQ_MW, DQ_MW>(q, k, v, o, dout, lse, dq, delta, a);            \
+        flash_backward_dq<M, DP, DQ_KR, 64 * DQ_MW, DQ_MW, DROP>(q, k, v, o, dout, lse, dq, delta, a);      \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(128, MINB)                                              \
-        attention_##FAMILY##_backward_dkdv_##SUFFIX(const M::Elem* q, const M::Elem* k, const M::Elem* v,  \
-                                                    const M::Elem* dout, const float* lse,                 \
-                                                    const float* delta, M::Elem* dk, M::Elem* dv,          \
-                                                    AttnArgs a) {                                          \
-        flash_backward_dkdv<M, DP, DKDV_KR, 64>(q, k, v, dout, lse, delta, dk, dv, a);                     \
+        attention_##FAMILY##_backward_dkdv##TAG##SUFFIX(const M::Elem* q, const M::Elem* k,                \
+                                                        const M::Elem* v, const M::Elem* dout,             \
+                                                        const float* lse, const float* delta,              \
+                                                        M::Elem* dk, M::Elem* dv, AttnArgs a) {            \
+        flash_backward_dkdv<M, DP, DKDV_KR, 64, DROP>(q, k, v, dout, lse, delta, dk, dv, a);               \
     }
+#define FLASH_KERNELS(M, FAMILY, SUFFIX, DP, FWD_MW, FWD_KR, DQ_MW, DQ_KR, DKDV_KR, MINB)                  \
+    FLASH_KERNELS_OF(M, FAMILY, SUFFIX, DP, FWD_MW, FWD_KR, DQ_MW, DQ_KR, DKDV_KR, MINB, false, _)         \
+    FLASH_KERNELS_OF(M, FAMILY, SUFFIX, DP, FWD_MW, FWD_KR, DQ_MW, DQ_KR, DKDV_KR, MINB, true, _dropout_)

@@ -10,6 +10,7 @@
 #include "elements.cuh"
 
 #include "strided.cuh"
+#include "counter_random.cuh"
 
 #define THREADS 256
 #define NO_ERROR 0xffffffffffffffffULL
@@ -405,24 +406,17 @@ __device__ void ce_tile_backward(T* logits, unsigned long long n, unsigned long 
     }
 }
 
-__device__ __forceinline__ unsigned long long mix(unsigned long long z) {
-    z += 0x9E3779B97F4A7C15ULL;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
-
 // Dropout: operands 0 = out (dense; its row-major index keys the random stream), 1 = x.
 template <typename T>
 __device__ void dropout_kernel(const T* x, T* out, unsigned char* mask, double p, unsigned long long seed,
                                unsigned long long offset, StridedArgs a) {
     typedef typename Acc<T>::type C;
     C scale = p < 1.0 ? (C)(1.0 / (1.0 - p)) : (C)0;
-    unsigned long long seeded = mix(seed ^ 0x9E3779B97F4A7C15ULL);
+    unsigned long long seeded = counter_stream(seed);
     GRID_STRIDE_LOOP(i, a.numel) {
         unsigned long long off[3];
         element_offsets(a, i, off);
-        double u = (double)(mix(seeded + offset + i) >> 40) / (double)(1ULL << 24);
+        double u = (double)counter_bits24(seeded, offset + i) / (double)(1ULL << 24);
         bool keep = u >= p;
         st(out + i, keep ? ld(x + off[1]) * scale : (C)0);
         mask[i] = keep ? 1 : 0;

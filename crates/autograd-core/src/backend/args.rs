@@ -261,6 +261,21 @@ impl DropoutDraw {
             0.0
         }
     }
+
+    /// The same test in integers, for kernels: element `index` is kept when the 24 random bits
+    /// of its number (`uniform · 2^24`) are at least this, `ceil(p · 2^24)` (0 keeps everything,
+    /// 2^24 nothing).
+    ///
+    /// ```
+    /// use headroom_autograd_core::DropoutDraw;
+    ///
+    /// let draw = DropoutDraw { p: 0.1, seed: 7, offset: 0 };
+    /// assert_eq!(draw.keep_threshold(), 1_677_722);
+    /// assert_eq!(DropoutDraw { p: 0.0, ..draw }.keep_threshold(), 0);
+    /// ```
+    pub fn keep_threshold(&self) -> u32 {
+        (self.p.clamp(0.0, 1.0) * f64::from(1u32 << 24)).ceil() as u32
+    }
 }
 
 /// Inputs and outputs of fused scaled-dot-product attention,
@@ -288,6 +303,12 @@ pub struct AttentionForward<'a> {
     pub causal: bool,
     /// Packed variable-length sequences (batch 1, as many queries as keys), or `None`.
     pub packed: Option<PackedBounds<'a>>,
+    /// Dropout on the probabilities, or `None`: probability `(b, h, i, j)` is kept when
+    /// [`DropoutDraw::keeps`] its index in the row-major `[batch, heads, queries, keys]`
+    /// probability matrix (the mask `torch.nn.functional.dropout` would draw for that matrix from
+    /// the same generator state), and kept ones are multiplied by [`DropoutDraw::scale`]. The
+    /// log-sum-exp is of the undropped scores; backward replays the same mask from the draw.
+    pub dropout: Option<DropoutDraw>,
     /// The result, like `q`.
     pub out: View<'a>,
     /// Per-query log-sum-exp, saved for backward.

@@ -1,5 +1,12 @@
 //! Fused scaled-dot-product attention (`torch.nn.functional.scaled_dot_product_attention` without
-//! a mask tensor or dropout): one backend primitive forward and one backward.
+//! a mask tensor): one backend primitive forward and one backward.
+//!
+//! Dropout on the probabilities ([`scaled_dot_product_attention_dropout`]) stores no mask: the
+//! forward takes one draw of `batch · heads · queries · keys` numbers from a [`Generator`], the
+//! backends derive each probability's keep bit from its index in that draw, and backward replays
+//! the same draw. The mask is the one `dropout` would draw for the materialised
+//! `[batch, heads, queries, keys]` probabilities from the same generator state, so the fused and
+//! the composed forms train alike.
 //!
 //! The composed form `softmax(q kᵀ · scale) v` materialises a `[queries, keys]` score matrix per
 //! head (and saves the probabilities for backward); the fused primitive keeps each query's
@@ -18,11 +25,14 @@
 //! seeing another sequence's keys, and the backends skip the tiles that would only be masked.
 
 use crate::autocast::autocast_args;
-use crate::backend::{check_cu_seqlens, AttentionBackward, AttentionForward, PackedBounds};
+use crate::backend::{
+    check_cu_seqlens, AttentionBackward, AttentionForward, DropoutDraw, PackedBounds,
+};
 use crate::dtype::{stats_dtype, DType};
 use crate::error::{Result, TensorError};
 use crate::graph::record;
 use crate::layout::Layout;
+use crate::random::Generator;
 use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
 
@@ -207,6 +217,7 @@ fn forward_args<'a>(
     scale: f64,
     causal: bool,
     packed: Option<&'a PackedSequences>,
+    dropout: Option<DropoutDraw>,
 ) -> AttentionForward<'a> {
     AttentionForward {
         q: q.view(),
@@ -215,6 +226,7 @@ fn forward_args<'a>(
         scale,
         causal,
         packed: packed.map(PackedSequences::bounds),
+        dropout,
         out: out.view(),
         lse: lse.view(),
     }
@@ -248,6 +260,45 @@ pub fn scaled_dot_product_attention(
         causal,
         scale,
         None,
+        None,
+    )
+}
+
+/// [`scaled_dot_product_attention`] with dropout on the probabilities (PyTorch's `dropout_p`,
+/// for training): each is zeroed with probability `p` and the rest scaled by `1 / (1 - p)`,
+/// drawn from `generator` (one draw of `batch · heads · queries · keys` numbers, the mask
+/// `dropout` would draw for the materialised probabilities). No mask is stored: backward replays
+/// the draw. `p` 0 is plain attention; `p` outside `[0, 1]` is
+/// [`TensorError::InvalidArgument`].
+///
+/// ```
+/// use headroom_autograd_core::{scaled_dot_product_attention_dropout, Generator, Tensor};
+/// # use headroom_autograd_core::BackendRef;
+/// # fn run(backend: &BackendRef) -> headroom_autograd_core::Result<()> {
+/// let q = Tensor::from_slice(backend, &[0.5f32; 2 * 4 * 8], &[1, 2, 4, 8])?;
+/// let generator = Generator::new(0);
+/// let out = scaled_dot_product_attention_dropout(&q, &q, &q, true, None, 0.1, &generator)?;
+/// assert_eq!(out.shape(), &[1, 2, 4, 8]);
+/// assert_eq!(generator.state().offset, 2 * 4 * 4);
+/// # Ok(())
+/// # }
+/// ```
+pub fn scaled_dot_product_attention_dropout(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    causal: bool,
+    scale: Option<f64>,
+    p: f64,
+    generator: &Generator,
+) -> Result<Tensor> {
+    attention(
+        "scaled_dot_product_attention",
+        [q, k, v],
+        causal,
+        scale,
+        None,
+        Some((p, generator)),
     )
 }
 
@@ -265,9 +316,15 @@ pub fn scaled_dot_product_attention_varlen(
     scale: Option<f64>,
 ) -> Result<Tensor> {
     let op = "scaled_dot_product_attention_varlen";
-    check_device(op, q, &packed.device)?;
+    check_packed(op, [q, k, v], packed)?;
+    attention(op, [q, k, v], causal, scale, Some(packed), None)
+}
+
+/// `q`, `k` and `v` are one batch row of `packed`'s tokens, on its device.
+fn check_packed(op: &'static str, qkv: [&Tensor; 3], packed: &PackedSequences) -> Result<()> {
+    check_device(op, qkv[0], &packed.device)?;
     let tokens = packed.total_tokens();
-    for t in [q, k, v] {
+    for t in qkv {
         if t.ndim() != 4 || t.shape()[0] != 1 || t.shape()[2] != tokens {
             return Err(TensorError::InvalidArgument {
                 op,
@@ -280,7 +337,54 @@ pub fn scaled_dot_product_attention_varlen(
             });
         }
     }
-    attention(op, [q, k, v], causal, scale, Some(packed))
+    Ok(())
+}
+
+/// [`scaled_dot_product_attention_varlen`] with dropout on the probabilities, as
+/// [`scaled_dot_product_attention_dropout`] (the draw covers the one batch row's
+/// `heads · tokens · tokens` probabilities, of which each sequence's own are used).
+#[allow(clippy::too_many_arguments)]
+pub fn scaled_dot_product_attention_varlen_dropout(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    packed: &PackedSequences,
+    causal: bool,
+    scale: Option<f64>,
+    p: f64,
+    generator: &Generator,
+) -> Result<Tensor> {
+    let op = "scaled_dot_product_attention_varlen";
+    check_packed(op, [q, k, v], packed)?;
+    attention(
+        op,
+        [q, k, v],
+        causal,
+        scale,
+        Some(packed),
+        Some((p, generator)),
+    )
+}
+
+/// The draw of a dropout with probability `p` over `probabilities` elements, or `None` when `p`
+/// is 0.
+fn dropout_draw(
+    op: &'static str,
+    probabilities: u64,
+    p: f64,
+    generator: &Generator,
+) -> Result<Option<DropoutDraw>> {
+    if !(0.0..=1.0).contains(&p) {
+        return Err(TensorError::InvalidArgument {
+            op,
+            reason: format!("dropout probability {p} is outside [0, 1]"),
+        });
+    }
+    if p == 0.0 {
+        return Ok(None);
+    }
+    let (seed, offset) = generator.advance(probabilities);
+    Ok(Some(DropoutDraw { p, seed, offset }))
 }
 
 fn attention(
@@ -289,9 +393,10 @@ fn attention(
     causal: bool,
     scale: Option<f64>,
     packed: Option<&PackedSequences>,
+    dropout: Option<(f64, &Generator)>,
 ) -> Result<Tensor> {
     if let Some([q, k, v]) = autocast_args(op, [q, k, v])? {
-        return attention(op, [&q, &k, &v], causal, scale, packed);
+        return attention(op, [&q, &k, &v], causal, scale, packed, dropout);
     }
     check_float(op, q)?;
     check_same(op, q, k)?;
@@ -314,6 +419,20 @@ fn attention(
     );
     let head_dim = q.shape()[3];
     let scale = scale.unwrap_or(1.0 / (head_dim.max(1) as f64).sqrt());
+    let dropout = match dropout {
+        Some((p, generator)) => {
+            let [batch, heads, queries] = [q.shape()[0], q.shape()[1], q.shape()[2]];
+            let probabilities = [batch, heads, queries, k.shape()[2]]
+                .iter()
+                .try_fold(1u64, |count, &n| count.checked_mul(n as u64))
+                .ok_or_else(|| TensorError::InvalidArgument {
+                    op,
+                    reason: "the dropout draw exceeds 2^64 numbers".into(),
+                })?;
+            dropout_draw(op, probabilities, p, generator)?
+        }
+        None => None,
+    };
     let out = heads_last_but_one(&q)?;
     let lse = q.new_empty(&q.shape()[..3], stats_dtype(q.dtype()))?;
     q.backend().attention(forward_args(
@@ -321,6 +440,7 @@ fn attention(
         scale,
         causal,
         packed,
+        dropout,
     ))?;
     if records(&[&q, &k, &v]) {
         let roles = [
@@ -343,7 +463,13 @@ fn attention(
             let (out, lse) = (out_saved.unpack()?, lse_saved.unpack()?);
             let [dq, dk, dv] = input_grads(&q, &k, &v)?;
             q.backend().attention_backward(AttentionBackward {
-                forward: forward_args([&q, &k, &v, &out, &lse], scale, causal, packed.as_ref()),
+                forward: forward_args(
+                    [&q, &k, &v, &out, &lse],
+                    scale,
+                    causal,
+                    packed.as_ref(),
+                    dropout,
+                ),
                 dout: dout.view(),
                 dq: dq.view(),
                 dk: dk.view(),

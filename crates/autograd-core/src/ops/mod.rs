@@ -29,7 +29,9 @@ mod reduce;
 mod view;
 
 pub use attention::{
-    scaled_dot_product_attention, scaled_dot_product_attention_varlen, PackedSequences,
+    scaled_dot_product_attention, scaled_dot_product_attention_dropout,
+    scaled_dot_product_attention_varlen, scaled_dot_product_attention_varlen_dropout,
+    PackedSequences,
 };
 pub use float8::{Float8Linear, Float8Recipe, Float8Tensor};
 pub use float8_cast::{Float8History, Float8Role};

@@ -88,6 +88,7 @@ impl Problem {
             scale: 1.0 / (HEAD_DIM as f64).sqrt(),
             causal: true,
             packed,
+            dropout: None,
             out: view(&self.out, &q_layout),
             lse: view(&self.lse, &lse_layout),
         };

@@ -1,8 +1,8 @@
 //! What the attention paths share: the operand description of `kernels/attention.cuh`
 //! ([`AttnArgs`]: sizes with the key/value head count, causal flag, scale, per operand an element
 //! offset and batch, head and row strides, so strided `[batch, heads, rows, head_dim]` views are
-//! read in place, and the device address of packed sequences' `cu_seqlens`), and the kernel
-//! parameter of a view's buffer.
+//! read in place, the device address of packed sequences' `cu_seqlens`, and dropout's draw), and
+//! the kernel parameter of a view's buffer.
 //!
 //! This module sits on the ground floor only; the paths (`register_tiled.rs`, `tensor_core.rs`,
 //! `gemm.rs`) import it, and it imports none of them.
@@ -43,6 +43,13 @@ pub(crate) struct AttnArgs {
     pad: u32,
     /// Device address of the launch's tile order (the tensor-core kernels, packed sequences), or 0.
     tile_order: u64,
+    /// Dropout's stream, the draw's first counter and the kept probabilities' factor.
+    dropout_seed: u64,
+    dropout_offset: u64,
+    dropout_scale: f64,
+    /// `DropoutDraw::keep_threshold`; 0 without dropout.
+    dropout_threshold: u32,
+    dropout_pad: u32,
 }
 
 impl AttnArgs {
@@ -98,6 +105,11 @@ pub(crate) fn attn_args(
         n_seqs: to_u32(forward.packed.map_or(0, |packed| packed.host.len() - 1))?,
         pad: 0,
         tile_order: 0,
+        dropout_seed: forward.dropout.map_or(0, |draw| draw.seed),
+        dropout_offset: forward.dropout.map_or(0, |draw| draw.offset),
+        dropout_scale: forward.dropout.map_or(1.0, |draw| draw.scale()),
+        dropout_threshold: forward.dropout.map_or(0, |draw| draw.keep_threshold()),
+        dropout_pad: 0,
     };
     let element = forward.q.dtype.size_in_bytes() as u64;
     let mut aligned = dims.head_dim.is_multiple_of(4);

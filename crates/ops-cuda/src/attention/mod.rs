@@ -15,6 +15,11 @@
 //!   16-byte aligned), else cuBLAS tensor-core products over chunks of (batch, head) pairs with the
 //!   softmax and its gradient in kernels between them (`gemm.rs`).
 //!
+//! Dropout on the probabilities (`AttentionForward::dropout`) runs inside the fused kernels of
+//! every path but `gemm.rs`: the keep bit of each probability is derived from its index, in the
+//! forward and again in the backward, never stored. An f16/bf16 problem with dropout that the
+//! tensor-core kernels do not take is an `InvalidArgument` naming what they need.
+//!
 //! Operands are `[batch, heads, rows, head_dim]` views with a contiguous head dim, described to
 //! the kernels by one `AttnArgs` (`args.rs`: offset and batch/head/row strides per operand), so
 //! heads sliced out of a packed projection and outputs laid out `[batch, rows, heads, head_dim]`
@@ -32,7 +37,8 @@ mod tensor_core;
 use std::sync::OnceLock;
 
 use headroom_autograd_core::{
-    attention_dims, AttentionBackward, AttentionDims, AttentionForward, DType, Result, View,
+    attention_dims, AttentionBackward, AttentionDims, AttentionForward, DType, Result, TensorError,
+    View,
 };
 
 use crate::device::CudaBackend;
@@ -47,6 +53,7 @@ pub(crate) fn attention(backend: &CudaBackend, f: AttentionForward<'_>) -> Resul
         return if tensor_core::fits(&dims, &[f.q, f.k, f.v, f.out]) {
             tensor_core::forward(backend, f, dims)
         } else {
+            no_dropout_in_gemm(&f, &dims)?;
             gemm::forward(backend, f, dims)
         };
     }
@@ -68,14 +75,33 @@ pub(crate) fn attention_backward(backend: &CudaBackend, b: AttentionBackward<'_>
         return if tensor_core::fits(&dims, &views) {
             tensor_core::backward(backend, b, dims)
         } else {
+            no_dropout_in_gemm(&f, &dims)?;
             gemm::backward(backend, b, dims)
         };
     }
     let views = [f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv];
-    if takes_split_tf32(&dims, &views) && !register_tiled::fused_backward() {
+    let one_pass = register_tiled::fused_backward() && f.dropout.is_none();
+    if takes_split_tf32(&dims, &views) && !one_pass {
         return tensor_core::backward(backend, b, dims);
     }
     register_tiled::backward(backend, b, dims)
+}
+
+/// The cuBLAS path keeps its probabilities in scratch between library calls and has no dropout:
+/// an f16/bf16 problem with dropout must fit the tensor-core kernels.
+fn no_dropout_in_gemm(f: &AttentionForward<'_>, dims: &AttentionDims) -> Result<()> {
+    if f.dropout.is_none() {
+        return Ok(());
+    }
+    Err(TensorError::InvalidArgument {
+        op: "attention",
+        reason: format!(
+            "dropout in f16/bf16 attention runs in the tensor-core kernels, which need a head dim \
+             that is a multiple of 8 up to 128 (this one is {}) and operands whose offsets and \
+             strides are multiples of 8 elements; run this attention in f32, or without dropout",
+            dims.head_dim
+        ),
+    })
 }
 
 /// Set to `register-tiled`: every f32 call takes the register-tiled kernels (see the module docs).

@@ -162,7 +162,14 @@ pub(crate) fn forward(
     launch(
         backend,
         "attention",
-        ("attention_forward", suffix),
+        (
+            if f.dropout.is_some() {
+                "attention_forward_dropout"
+            } else {
+                "attention_forward"
+            },
+            suffix,
+        ),
         config,
         &params,
         args,
@@ -184,7 +191,8 @@ pub(crate) fn backward(
     // Δ per query, from the caching allocator, returned (in stream order) after the launches.
     let delta = Scratch::new(backend, (rows * stats) as u64)?;
     let delta_address = Param::U64(delta.address());
-    if fused_backward() {
+    // The one-pass kernel takes no dropout: a dropping backward runs the two kernels.
+    if fused_backward() && f.dropout.is_none() {
         return fused(backend, b, dims, (dc, suffix), args, delta_address);
     }
     if dims.queries > 0 {
@@ -202,7 +210,14 @@ pub(crate) fn backward(
         launch(
             backend,
             "attention_backward",
-            ("attention_backward_dq", suffix),
+            (
+                if f.dropout.is_some() {
+                    "attention_backward_dq_dropout"
+                } else {
+                    "attention_backward_dq"
+                },
+                suffix,
+            ),
             config,
             &params,
             args,
@@ -223,7 +238,14 @@ pub(crate) fn backward(
         launch(
             backend,
             "attention_backward",
-            ("attention_backward_dkdv", suffix),
+            (
+                if f.dropout.is_some() {
+                    "attention_backward_dkdv_dropout"
+                } else {
+                    "attention_backward_dkdv"
+                },
+                suffix,
+            ),
             config,
             &params,
             args,

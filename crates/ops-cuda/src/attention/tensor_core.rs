@@ -115,6 +115,17 @@ const TF32_KERNELS: [&str; 3] = [
     "attention_tf32_backward_dq",
     "attention_tf32_backward_dkdv",
 ];
+/// The same built with dropout (`attention_flash.cuh`'s `DROP`).
+const TC_DROPOUT_KERNELS: [&str; 3] = [
+    "attention_tc_forward_dropout",
+    "attention_tc_backward_dq_dropout",
+    "attention_tc_backward_dkdv_dropout",
+];
+const TF32_DROPOUT_KERNELS: [&str; 3] = [
+    "attention_tf32_forward_dropout",
+    "attention_tf32_backward_dq_dropout",
+    "attention_tf32_backward_dkdv_dropout",
+];
 
 /// One of a family's kernels.
 #[derive(Debug, Clone, Copy)]
@@ -139,8 +150,9 @@ struct Variant {
 }
 
 impl Variant {
-    /// The kernels for `dtype` and `head_dim` with a streamed side of `streamed_rows`.
-    fn new(dtype: DType, head_dim: usize, streamed_rows: usize) -> Result<Variant> {
+    /// The kernels for `dtype` and `head_dim` with a streamed side of `streamed_rows`, built
+    /// with dropout when `dropout`.
+    fn new(dtype: DType, head_dim: usize, streamed_rows: usize, dropout: bool) -> Result<Variant> {
         let padded = head_dim.div_ceil(32).max(1) * 32;
         let uniform = |streamed| {
             [TileShape {
@@ -148,15 +160,20 @@ impl Variant {
                 streamed,
             }; 3]
         };
+        let (tc_names, tf32_names) = if dropout {
+            (&TC_DROPOUT_KERNELS, &TF32_DROPOUT_KERNELS)
+        } else {
+            (&TC_KERNELS, &TF32_KERNELS)
+        };
         let (module, names, pad, shapes) = match dtype {
             DType::F32 => (
                 Module::AttentionTf32,
-                &TF32_KERNELS,
+                tf32_names,
                 4,
                 uniform(f32_streamed_tile_rows(padded, streamed_rows)),
             ),
-            _ if padded <= 64 => (Module::AttentionTc, &TC_KERNELS, 8, TC_NARROW_SHAPES),
-            _ => (Module::AttentionTc, &TC_KERNELS, 8, uniform(ROWS)),
+            _ if padded <= 64 => (Module::AttentionTc, tc_names, 8, TC_NARROW_SHAPES),
+            _ => (Module::AttentionTc, tc_names, 8, uniform(ROWS)),
         };
         let streamed = shapes[0].streamed;
         let suffix = match (dtype, padded, streamed) {
@@ -312,7 +329,7 @@ pub(crate) fn forward(
     f: AttentionForward<'_>,
     dims: AttentionDims,
 ) -> Result<()> {
-    let variant = Variant::new(f.q.dtype, dims.head_dim, dims.keys)?;
+    let variant = Variant::new(f.q.dtype, dims.head_dim, dims.keys, f.dropout.is_some())?;
     let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out])?;
     // Q, and two buffers each of K and V.
     let shape = variant.shapes[Kernel::Forward as usize];
@@ -344,7 +361,12 @@ pub(crate) fn backward(
     let delta_address = Param::U64(delta.address());
     // Each kernel's shared memory holds two tiles of own rows (Q and dO, or K and V) and two
     // buffers each of the streamed two (the dQ kernel streams keys, the dK/dV kernel queries).
-    let variant = Variant::new(f.q.dtype, dims.head_dim, dims.keys.min(dims.queries))?;
+    let variant = Variant::new(
+        f.q.dtype,
+        dims.head_dim,
+        dims.keys.min(dims.queries),
+        f.dropout.is_some(),
+    )?;
     let tiles = |kernel: Kernel| {
         let shape = variant.shapes[kernel as usize];
         2 * shape.rows + 4 * shape.streamed
@@ -431,8 +453,11 @@ mod tests {
     fn every_variant_names_kernels_of_its_module() {
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             for head_dim in [8, 32, 40, 64, 72, 96, 104, 128] {
-                for streamed_rows in [100, 2048] {
-                    let variant = Variant::new(dtype, head_dim, streamed_rows).unwrap();
+                for (streamed_rows, dropout) in [100, 2048]
+                    .into_iter()
+                    .flat_map(|rows| [(rows, false), (rows, true)])
+                {
+                    let variant = Variant::new(dtype, head_dim, streamed_rows, dropout).unwrap();
                     let ptx = variant.module.ptx();
                     for name in variant.names {
                         let entry = format!(".entry {name}_{}(", variant.suffix);
@@ -441,7 +466,7 @@ mod tests {
                 }
             }
         }
-        assert!(Variant::new(DType::F32, 160, 100).is_err());
+        assert!(Variant::new(DType::F32, 160, 100, false).is_err());
     }
 
     /// Packed tiles come heaviest first, every tile once: a query tile at the end of a long

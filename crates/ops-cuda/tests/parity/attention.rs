@@ -1,8 +1,10 @@
-//! Fused attention (scaled dot-product, with and without the causal mask, grouped-query heads and
-//! packed variable-length sequences) forward and backward on the GPU against the CPU.
+//! Fused attention (scaled dot-product, with and without the causal mask, grouped-query heads,
+//! packed variable-length sequences and dropout replayed from its draw) forward and backward on
+//! the GPU against the CPU.
 
 use headroom_autograd_core::{
-    AttentionBackward, AttentionForward, BackendRef, DType, Layout, PackedBounds, View,
+    AttentionBackward, AttentionForward, BackendRef, DType, DropoutDraw, Layout, PackedBounds,
+    TensorError, View,
 };
 use headroom_testkit::inputs::Xorshift;
 
@@ -18,6 +20,16 @@ struct Case {
     head_dim: usize,
     causal: bool,
     cu_seqlens: Option<Vec<i32>>,
+    /// Dropout's probability, or `None`.
+    dropout: Option<f64>,
+}
+
+/// `case` with dropout of probability `p`.
+fn dropping(p: f64, case: Case) -> Case {
+    Case {
+        dropout: Some(p),
+        ..case
+    }
 }
 
 /// A case with as many key/value heads as query heads and no packing.
@@ -31,6 +43,7 @@ fn dense(batch: usize, heads: usize, rows: (usize, usize), head_dim: usize, caus
         head_dim,
         causal,
         cu_seqlens: None,
+        dropout: None,
     }
 }
 
@@ -50,6 +63,7 @@ fn packed(heads: usize, kv_heads: usize, lengths: &[usize], head_dim: usize, cau
         head_dim,
         causal,
         cu_seqlens: Some(cu_seqlens),
+        dropout: None,
     }
 }
 
@@ -133,6 +147,11 @@ fn compare(case: &Case, dtypes: &[DType], random: &mut Xorshift) {
                     },
                     host,
                 }),
+                dropout: case.dropout.map(|p| DropoutDraw {
+                    p,
+                    seed: 0x0d40_5eed,
+                    offset: 12_345,
+                }),
                 out: view(&out, &out_layout),
                 lse: View {
                     buffer: &lse,
@@ -164,8 +183,8 @@ fn compare(case: &Case, dtypes: &[DType], random: &mut Xorshift) {
         {
             let what = format!(
                 "attention {name} b{batch} h{heads} kv{kv_heads} q{queries} k{keys} d{head_dim} \
-                 causal={causal} cu_seqlens={:?}",
-                case.cu_seqlens
+                 causal={causal} cu_seqlens={:?} dropout={:?}",
+                case.cu_seqlens, case.dropout
             );
             check(&what, dtype, g, c);
         }
@@ -272,4 +291,79 @@ fn grouped_query_attention_matches_the_cpu_at_the_llama_target_shape() {
     compare(&target, &[DType::F32, DType::BF16, DType::F16], &mut random);
     let packed_target = packed(32, 8, &[1000, 3000, 77, 4115], 64, true);
     compare(&packed_target, &[DType::BF16], &mut random);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn dropout_matches_the_cpu_mask_and_gradients() {
+    // Every kernel family built with dropout: the tensor-core f16/bf16 kernels (head dims 64, 80
+    // and 128), the split-TF32 f32 kernels and the register-tiled f64 ones, causal and not, more
+    // keys than queries, grouped heads and packed sequences; each probability's keep bit comes
+    // from its index, so one element masked differently on the GPU shows as an error of its
+    // whole weight.
+    let cases = [
+        dropping(0.1, dense(2, 3, (70, 70), 64, false)),
+        dropping(0.5, dense(1, 2, (197, 197), 64, true)),
+        dropping(0.3, dense(1, 2, (33, 45), 80, false)),
+        dropping(
+            0.2,
+            Case {
+                kv_heads: 2,
+                ..dense(2, 8, (70, 70), 128, true)
+            },
+        ),
+        dropping(0.1, packed(4, 2, &[37, 64, 1, 90, 0, 29], 64, true)),
+    ];
+    compare_each(0x5eed_a77e_0000_0006, &cases);
+    // The register-tiled f32 kernels (a head dim the TF32 kernels do not take).
+    let mut random = Xorshift::from_state(0x5eed_a77e_0000_0007);
+    compare(
+        &dropping(0.25, dense(1, 2, (40, 40), 10, true)),
+        &[DType::F64, DType::F32],
+        &mut random,
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn dropout_where_the_16_bit_kernels_cannot_run_is_a_typed_error() {
+    let Some((gpu, _)) = backends() else { return };
+    // Head dim 12: f16/bf16 go to the cuBLAS path, which has no dropout.
+    let (batch, heads, rows, head_dim) = (1, 2, 19, 12);
+    let layout = Layout::contiguous(&[batch, heads, rows, head_dim]);
+    let lse_layout = Layout::contiguous(&[batch, heads, rows]);
+    let n = batch * heads * rows * head_dim;
+    let operand = poisoned(&gpu, DType::BF16, n);
+    let out = poisoned(&gpu, DType::BF16, n);
+    let lse = poisoned(&gpu, DType::F32, batch * heads * rows);
+    let view = |buffer| View {
+        buffer,
+        layout: &layout,
+        dtype: DType::BF16,
+    };
+    let error = gpu
+        .attention(AttentionForward {
+            q: view(&operand),
+            k: view(&operand),
+            v: view(&operand),
+            scale: 0.3,
+            causal: true,
+            packed: None,
+            dropout: Some(DropoutDraw {
+                p: 0.1,
+                seed: 1,
+                offset: 0,
+            }),
+            out: view(&out),
+            lse: View {
+                buffer: &lse,
+                layout: &lse_layout,
+                dtype: DType::F32,
+            },
+        })
+        .unwrap_err();
+    assert!(
+        matches!(&error, TensorError::InvalidArgument { reason, .. } if reason.contains("head dim")),
+        "{error}"
+    );
 }
