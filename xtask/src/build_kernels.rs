@@ -3,7 +3,9 @@
 //! Sources live in `crates/<crate>/kernels/*.cu` (ops-cuda, optim and checkpoint); the PTX goes to the
 //! `ptx/` folder beside them and is committed, so users without nvcc build and run (the crate embeds it with
 //! `include_str!`). Target: `compute_80` PTX, which the driver compiles for the GPU at module load
-//! (sm_80 and newer, the H200 included); nothing in these kernels needs Hopper-only instructions.
+//! (sm_80 and newer, the H200 included); a source named `*_sm89.cu` is built for `compute_89`
+//! instead (Ada and Hopper: fp8 conversions are instructions there), and its crate loads it on
+//! such devices only.
 //!
 //! nvcc comes from `NVCC`, else a `nvcc` on `PATH`, else a virtualenv under `target/nvcc-venv`
 //! that this task creates with pip (pinned to CUDA 13.0: a CUDA 13.0 driver rejects PTX from a
@@ -19,7 +21,19 @@ use anyhow::{bail, Context, Result};
 
 use crate::project_root;
 
-const NVCC_FLAGS: &[&str] = &["-ptx", "-arch=compute_80", "-O3"];
+/// nvcc's flags for `source`: compute_80 PTX, or compute_89 for a `*_sm89.cu` source.
+fn nvcc_flags(source: &Path) -> [&'static str; 3] {
+    let sm89 = source
+        .file_stem()
+        .and_then(|stem| stem.to_str())
+        .is_some_and(|stem| stem.ends_with("_sm89"));
+    let arch = if sm89 {
+        "-arch=compute_89"
+    } else {
+        "-arch=compute_80"
+    };
+    ["-ptx", arch, "-O3"]
+}
 const PINNED_PACKAGES: &[&str] = &[
     "nvidia-cuda-nvcc==13.0.88",
     "nvidia-cuda-crt==13.0.88",
@@ -98,7 +112,7 @@ fn source_entry(source: &Path) -> Result<String> {
     Ok(format!(
         "{name} {:016x} {COMPILER} {}",
         fnv1a(&bytes),
-        NVCC_FLAGS.join(" ")
+        nvcc_flags(source).join(" ")
     ))
 }
 
@@ -209,7 +223,7 @@ fn build() -> Result<()> {
             let ptx = ptx_path(&source);
             println!("nvcc {} -> {}", source.display(), ptx.display());
             let status = Command::new(&nvcc)
-                .args(NVCC_FLAGS)
+                .args(nvcc_flags(&source))
                 .arg(&source)
                 .arg("-o")
                 .arg(&ptx)

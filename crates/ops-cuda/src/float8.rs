@@ -336,11 +336,11 @@ fn vector_blocks(n: usize, dtype: DType) -> LaunchConfig {
 mod tests {
     use super::*;
 
-    /// Every kernel name the launches can ask for is an entry of the committed PTX, and every
-    /// entry is launched (a missing name would surface only on a GPU).
+    /// Every kernel name the launches can ask for is an entry of the committed PTX, of both
+    /// builds (compute_80 and compute_89), and every entry is launched (a missing name would
+    /// surface only on a GPU).
     #[test]
     fn every_launched_kernel_is_in_the_ptx() {
-        let ptx = Module::Float8.ptx();
         let mut names: Vec<KernelName> = AMAX.into_iter().chain(AMAX_DENSE).collect();
         for family in [CAST, CAST_DENSE, CAST_COLUMNS, ROWWISE]
             .into_iter()
@@ -356,16 +356,26 @@ mod tests {
             ("float8_transpose", ""),
             ("float8_transpose_words", ""),
         ]);
-        assert_eq!(names.len(), ptx.matches(".entry ").count());
-        for (family, suffix) in names {
-            let name = match suffix {
-                "" => family.to_owned(),
-                suffix => format!("{family}_{suffix}"),
-            };
-            assert!(
-                ptx.contains(&format!(".entry {name}(")),
-                "{name} is not in float8.ptx"
-            );
+        for (build, ptx) in [
+            ("float8.ptx", Module::Float8.ptx_for((8, 0))),
+            ("float8_sm89.ptx", Module::Float8.ptx_for((9, 0))),
+        ] {
+            assert!(ptx.contains(if build == "float8.ptx" {
+                ".target sm_80"
+            } else {
+                ".target sm_89"
+            }));
+            assert_eq!(names.len(), ptx.matches(".entry ").count(), "{build}");
+            for (family, suffix) in &names {
+                let name = match *suffix {
+                    "" => (*family).to_owned(),
+                    suffix => format!("{family}_{suffix}"),
+                };
+                assert!(
+                    ptx.contains(&format!(".entry {name}(")),
+                    "{name} is not in {build}"
+                );
+            }
         }
     }
 }

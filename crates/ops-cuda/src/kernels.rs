@@ -51,7 +51,8 @@ pub(crate) enum Module {
     AttentionTf32,
     /// `kernels/llama.cu`.
     Llama,
-    /// `kernels/float8.cu`.
+    /// `kernels/float8.cu`, or on a device of compute capability 8.9 and above
+    /// `kernels/float8_sm89.cu` (the same kernels, fp8 conversions in hardware).
     Float8,
 }
 
@@ -66,6 +67,17 @@ impl Module {
             Module::AttentionTf32 => include_str!("../kernels/ptx/attention_tf32.ptx"),
             Module::Llama => include_str!("../kernels/ptx/llama.ptx"),
             Module::Float8 => include_str!("../kernels/ptx/float8.ptx"),
+        }
+    }
+
+    /// The module's PTX for a device of `compute_capability` (major, minor): [`Module::ptx`],
+    /// but the compute_89 build of the fp8 kernels where the device has fp8 conversions.
+    pub(crate) fn ptx_for(self, compute_capability: (i32, i32)) -> &'static str {
+        match self {
+            Module::Float8 if compute_capability >= (8, 9) => {
+                include_str!("../kernels/ptx/float8_sm89.ptx")
+            }
+            other => other.ptx(),
         }
     }
 }
@@ -144,12 +156,12 @@ impl KernelCache {
             match modules.get(&module) {
                 Some(loaded) => loaded.clone(),
                 None => {
-                    let loaded = context
-                        .load_module(Ptx::from_src(module.ptx()))
-                        .map_err(|e| CudaError::Kernel {
-                            kernel: full_name.clone(),
-                            reason: e.to_string(),
-                        })?;
+                    let failed = |e: cudarc::driver::DriverError| CudaError::Kernel {
+                        kernel: full_name.clone(),
+                        reason: e.to_string(),
+                    };
+                    let ptx = module.ptx_for(context.compute_capability().map_err(failed)?);
+                    let loaded = context.load_module(Ptx::from_src(ptx)).map_err(failed)?;
                     modules.insert(module, loaded.clone());
                     loaded
                 }
