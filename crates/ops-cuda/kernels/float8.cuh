@@ -19,7 +19,9 @@
 // take the fast ones (16-byte loads: float8_amax_dense_<T>, float8_cast_dense_<T>_<Q> for
 // row-major memory, float8_cast_columns_<T>_<Q> through shared-memory tiles for column-major),
 // any other view float8_amax_<T> (a block a row) and float8_cast_<T>_<Q>. Rowwise runs one,
-// float8_rowwise_<T>_<Q>: a block a row, the row read twice (amax, then codes). float8_transpose writes a strided [rows, cols] view of codes dense;
+// float8_rowwise_<T>_<Q>: a block a row, the row read twice (amax, then codes). A GELU linear's
+// 16-bit input takes float8_extrema_dense_<T> and float8_scale_gelu_<T> instead of the amax and
+// scale kernels (the amax from the pre-activation's extremes). float8_transpose writes a strided [rows, cols] view of codes dense;
 // float8_transpose_words the transpose of a row-major matrix, four bytes a thread.
 
 #pragma once
@@ -27,6 +29,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#include <math_constants.h>
 #include <stdint.h>
 
 #define THREADS 256
@@ -139,6 +142,17 @@ __device__ __forceinline__ float inverse_of(float scale) {
     return scale != scale ? __uint_as_float(CANONICAL_NAN) : __frcp_rn(scale);
 }
 
+// A tensorwise quantize's scale from its amax bits (or the delayed one), its amax and inverse
+// scale where wanted.
+__device__ __forceinline__ void write_scale(unsigned bits, double max_finite, int power_of_two,
+                                            const float *delayed, float *scale, float *amax,
+                                            float *inverse) {
+    const float s = delayed != nullptr ? delayed[0] : scale_from(bits, max_finite, power_of_two);
+    scale[0] = s;
+    if (amax != nullptr) amax[0] = amax_value(bits);
+    if (inverse != nullptr) inverse[0] = inverse_of(s);
+}
+
 // One block: the partials' amax, then the scale (or the delayed one), the amax and the inverse
 // scale if wanted. With a delayed scale and no amax wanted, count is 0 (no partials were taken).
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -147,12 +161,7 @@ float8_scale(const unsigned *partial, int count, double max_finite, int power_of
     unsigned bits = 0;
     for (int i = threadIdx.x; i < count; i += THREADS) bits = max(bits, partial[i]);
     bits = block_max(bits);
-    if (threadIdx.x == 0) {
-        const float s = delayed != nullptr ? delayed[0] : scale_from(bits, max_finite, power_of_two);
-        scale[0] = s;
-        if (amax != nullptr) amax[0] = amax_value(bits);
-        if (inverse != nullptr) inverse[0] = inverse_of(s);
-    }
+    if (threadIdx.x == 0) write_scale(bits, max_finite, power_of_two, delayed, scale, amax, inverse);
 }
 
 // The codes of rows blockIdx.x, blockIdx.x + gridDim.x, ... with one scale for all.
@@ -398,6 +407,99 @@ __device__ void cast_columns(const T *x, long long rows, long long cols, long lo
 FOR_DENSE_INPUT(float, f32)
 FOR_DENSE_INPUT(__nv_bfloat16, bf16)
 FOR_DENSE_INPUT(__half, f16)
+
+// The amax of a GELU linear's activation from its pre-activation's extremes (16-bit inputs,
+// dense, row-major): one read with no GELU per element. For x <= 0, |gelu(x)| is at most 0.1700
+// (0.1701 for the tanh form), 0.1709 once narrowed to bf16; for 0 <= a < b two 16-bit values lie
+// at least 2^-12 · b apart, so gelu(a) < gelu(b) in f32 arithmetic too (gelu' >= 0.5 there, f32's
+// error ~2^-22 · b). Hence when g = |narrow(gelu(max x))| >= GELU_FAST_BOUND, g is the amax of
+// the activation bit for bit. Otherwise (small or no positive values, a NaN, -inf, whose GELU is
+// NaN) float8_scale_gelu takes the exact amax itself, one block over every element: slow, rare.
+#define GELU_FAST_BOUND 0.1875f
+
+// An unsigned key of a float whose order is the floats' (NaNs beyond ±inf), and back.
+__device__ __forceinline__ unsigned ordered_key(float v) {
+    const unsigned b = __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float from_ordered_key(unsigned k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// Each block's largest and smallest value (as keys; the smallest as its complement, so both
+// reduce by max) into partial[2·blockIdx.x] and partial[2·blockIdx.x + 1].
+template <typename T>
+__device__ void extrema_dense(const T *x, long long n, unsigned *partial) {
+    constexpr int VEC = Vector<T>::VEC;
+    unsigned high = 0, low = 0;
+    const long long vectors = n / VEC;
+    for (long long i = (long long)blockIdx.x * THREADS + threadIdx.x; i < vectors;
+         i += (long long)gridDim.x * THREADS) {
+        float v[VEC];
+        load_vector(x, i, v);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            const unsigned key = ordered_key(v[j]);
+            high = max(high, key);
+            low = max(low, ~key);
+        }
+    }
+    high = block_max(high);
+    low = block_max(low);
+    if (threadIdx.x == 0) {
+        partial[2 * blockIdx.x] = high;
+        partial[2 * blockIdx.x + 1] = low;
+    }
+}
+
+// float8_scale for a GELU linear's activation (activation 1 GELU, 2 tanh GELU) of the 16-bit
+// dense x (n elements): its amax from the partials of extrema_dense when GELU_FAST_BOUND allows,
+// else from every element; then the scale (or the delayed one), the amax and the inverse scale.
+template <typename T>
+__device__ void scale_gelu(const unsigned *partial, int count, const T *x, long long n,
+                           int activation, double max_finite, int power_of_two,
+                           const float *delayed, float *scale, float *amax, float *inverse) {
+    unsigned high = 0, low = 0;
+    for (int i = threadIdx.x; i < count; i += THREADS) {
+        high = max(high, partial[2 * i]);
+        low = max(low, partial[2 * i + 1]);
+    }
+    high = block_max(high);
+    low = block_max(low);
+    const float top = from_ordered_key(high), bottom = from_ordered_key(~low);
+    const float gelu_top = narrow_to(activation == 1 ? gelu_erf(top) : gelu_tanh(top), (const T *)nullptr);
+    unsigned bits;
+    if (top == top && bottom == bottom && bottom != -CUDART_INF_F && gelu_top >= GELU_FAST_BOUND) {
+        bits = __float_as_uint(gelu_top);
+    } else {
+        constexpr int VEC = Vector<T>::VEC;
+        bits = 0;
+        for (long long i = threadIdx.x; i < n / VEC; i += THREADS) {
+            float v[VEC];
+            dense_values(x, i, nullptr, 0, 1, 1, activation, v);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) bits = max(bits, __float_as_uint(v[j]) & 0x7fffffffu);
+        }
+        bits = block_max(bits);
+    }
+    if (threadIdx.x == 0) write_scale(bits, max_finite, power_of_two, delayed, scale, amax, inverse);
+}
+
+#define GELU_AMAX(T, TN)                                                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS) float8_extrema_dense_##TN(              \
+        const T *x, long long n, unsigned *partial) {                                             \
+        extrema_dense(x, n, partial);                                                             \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS) float8_scale_gelu_##TN(                 \
+        const unsigned *partial, int count, const T *x, long long n, int activation,              \
+        double max_finite, int power_of_two, const float *delayed, float *scale, float *amax,     \
+        float *inverse) {                                                                         \
+        scale_gelu(partial, count, x, n, activation, max_finite, power_of_two, delayed, scale,    \
+                   amax, inverse);                                                                \
+    }
+
+GELU_AMAX(__nv_bfloat16, bf16)
+GELU_AMAX(__half, f16)
 
 // dst (dense [rows, cols]) = src (a [rows, cols] view with strides row_stride, col_stride), in
 // 32 x 32 tiles through shared memory: loads walk the source's rows (threads along a column, so

@@ -1,11 +1,15 @@
-//! fp8 training's quantize on the GPU (`kernels/float8.cu`): a tensor's amax, scale and 8-bit
-//! codes, and the scales' reciprocals the product takes. Tensorwise runs three launches (each
-//! block's amax over its rows into a partial, the scale and its reciprocal from the partials in
-//! one block, the codes; two, and one read, with a given scale and no amax wanted), rowwise one
-//! (a block a row reads its row twice: amax, then codes). Inputs f32, bf16 or f16 with any
-//! strides; f64 answers "not here" (the core composes it), and so does a GELU to apply first
-//! anywhere but the dense row-major tensorwise kernels, which apply it as they read. The fp8
-//! product is the linear layers' (`linear.rs`, cuBLASLt).
+//! fp8 training's quantize on the GPU (`kernels/float8.cuh`, built as `float8.cu` for compute_80
+//! and `float8_sm89.cu` for compute_89, where codes are converted by instructions): a tensor's
+//! amax, scale and 8-bit codes, and the scales' reciprocals the product takes. Tensorwise runs
+//! three launches (each block's amax over its rows into a partial, the scale and its reciprocal
+//! from the partials in one block, the codes; two, and one read, with a given scale and no amax
+//! wanted), rowwise one (a block a row reads its row twice: amax, then codes). Inputs f32, bf16
+//! or f16 with any strides; f64 answers "not here" (the core composes it), and so does a GELU to
+//! apply first anywhere but the dense row-major tensorwise kernels, which apply it as they read.
+//! A GELU linear's 16-bit input takes its amax from the pre-activation's extremes (one read, no
+//! GELU per element: `float8_extrema_dense`, `float8_scale_gelu`; the same bits, the kernel's
+//! comment says why; [`GELU_AMAX_VARIABLE`] turns it off). The fp8 product is the linear
+//! layers' (`linear.rs`, cuBLASLt).
 //!
 //! This family sits on the ground floor and imports no other family; it knows nothing of
 //! recipes or autograd: it sees views, never tensors.
@@ -51,6 +55,25 @@ const AMAX_DENSE: [KernelName; 3] = [
 
 /// The kernels that write codes, `<family>_<input>` by input, completed by [`with_codes`]:
 /// strided, dense row-major, dense column-major (tensorwise) and rowwise.
+/// A GELU linear's 16-bit input (bf16, f16): its extremes, and the scale from them
+/// (`float8.cuh`'s `GELU_FAST_BOUND`).
+const EXTREMA_DENSE: [KernelName; 2] = [
+    ("float8_extrema_dense", "bf16"),
+    ("float8_extrema_dense", "f16"),
+];
+const SCALE_GELU: [KernelName; 2] = [("float8_scale_gelu", "bf16"), ("float8_scale_gelu", "f16")];
+
+/// Set to `exact`, the environment variable that takes a GELU linear's activation amax element
+/// by element (the GELU computed in the amax pass too) instead of from the pre-activation's
+/// extremes: the same scale, for measuring one against the other.
+pub(crate) const GELU_AMAX_VARIABLE: &str = "HEADROOM_FLOAT8_GELU_AMAX";
+
+/// Whether a GELU linear's 16-bit input takes its amax from its extremes.
+fn gelu_amax_from_extremes() -> bool {
+    static EXTREMES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *EXTREMES.get_or_init(|| std::env::var(GELU_AMAX_VARIABLE).map_or(true, |v| v != "exact"))
+}
+
 const CAST: [&str; 3] = ["float8_cast_f32", "float8_cast_bf16", "float8_cast_f16"];
 const CAST_DENSE: [&str; 3] = [
     "float8_cast_dense_f32",
@@ -76,6 +99,15 @@ fn with_codes(family: &'static str, dtype: DType) -> KernelName {
         "e5m2"
     };
     (family, codes)
+}
+
+/// One block: the scale kernels'.
+fn one_block() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 fn row_blocks(rows: usize) -> LaunchConfig {
@@ -130,66 +162,60 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
     let inverse = args.inverse_scale.as_ref().map_or(0, element_address);
     let (scale, code_address) = (element_address(&args.scale), element_address(&args.codes));
     let config = row_blocks(rows);
+    // The scale's inputs and outputs, as every scale-writing kernel takes them last.
+    let scale_outputs = [
+        Param::F64(max_finite),
+        Param::I32(i32::from(args.power_of_two)),
+        Param::U64(delayed),
+        Param::U64(scale),
+        Param::U64(amax),
+        Param::U64(inverse),
+    ];
     match args.granularity {
         Float8Granularity::Rowwise => {
             if rows == 0 {
                 return Ok(true);
             }
             let mut params = source.to_vec();
-            params.extend([
-                Param::F64(max_finite),
-                Param::I32(i32::from(args.power_of_two)),
-                Param::U64(delayed),
-                Param::U64(scale),
-                Param::U64(amax),
-                Param::U64(inverse),
-                Param::U64(code_address),
-            ]);
+            params.extend(scale_outputs);
+            params.push(Param::U64(code_address));
             let name = with_codes(ROWWISE[input], codes);
             launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
         }
         Float8Granularity::Tensorwise => {
             // A given scale and no amax wanted: the codes in one read, no amax taken.
             let takes_amax = args.delayed_scale.is_none() || args.amax.is_some();
-            let partial = match takes_amax {
-                true => Some(launch_amax(
+            if takes_amax && activation != 0 && input > 0 && gelu_amax_from_extremes() {
+                // A GELU linear's 16-bit input: the amax from the pre-activation's extremes.
+                launch_gelu_amax(backend, &args, input, activation, &scale_outputs)?;
+            } else {
+                let partial = match takes_amax {
+                    true => Some(launch_amax(
+                        backend,
+                        &args,
+                        memory,
+                        &source,
+                        premultiply,
+                        activation,
+                    )?),
+                    false => None,
+                };
+                let (partial_address, blocks) = partial
+                    .as_ref()
+                    .map_or((0, 0), |(partial, blocks)| (partial.address(), *blocks));
+                let mut params = vec![Param::U64(partial_address), Param::I32(blocks as i32)];
+                params.extend(scale_outputs);
+                let name: KernelName = ("float8_scale", "");
+                launch_in(
                     backend,
-                    &args,
-                    memory,
-                    &source,
-                    premultiply,
-                    activation,
-                )?),
-                false => None,
-            };
-            let (partial_address, blocks) = partial
-                .as_ref()
-                .map_or((0, 0), |(partial, blocks)| (partial.address(), *blocks));
-            let one_block = LaunchConfig {
-                grid_dim: (1, 1, 1),
-                block_dim: (THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let scale_params = [
-                Param::U64(partial_address),
-                Param::I32(blocks as i32),
-                Param::F64(max_finite),
-                Param::I32(i32::from(args.power_of_two)),
-                Param::U64(delayed),
-                Param::U64(scale),
-                Param::U64(amax),
-                Param::U64(inverse),
-            ];
-            let name: KernelName = ("float8_scale", "");
-            launch_in(
-                backend,
-                Module::Float8,
-                OP,
-                name,
-                one_block,
-                &scale_params,
-                NO_ARGS,
-            )?;
+                    Module::Float8,
+                    OP,
+                    name,
+                    one_block(),
+                    &params,
+                    NO_ARGS,
+                )?;
+            }
             if rows == 0 || cols == 0 {
                 return Ok(true);
             }
@@ -240,6 +266,44 @@ pub(crate) fn quantize_float8(backend: &CudaBackend, args: Float8Quantize<'_>) -
         }
     }
     Ok(true)
+}
+
+/// The scale (amax, inverse) of a GELU linear's activation from its 16-bit dense row-major
+/// pre-activation `args.x` (`input` 1 or 2): each block's extremes, then `float8_scale_gelu`.
+fn launch_gelu_amax(
+    backend: &CudaBackend,
+    args: &Float8Quantize<'_>,
+    input: usize,
+    activation: i32,
+    scale_outputs: &[Param],
+) -> Result<()> {
+    const OP: &str = "quantize_float8";
+    let n = args.x.layout.numel();
+    let config = vector_blocks(n, args.x.dtype);
+    let blocks = config.grid_dim.0;
+    let partial = Scratch::new(backend, u64::from(blocks) * 8)?;
+    let x = Param::U64(element_address(&args.x));
+    let params = [x, Param::I64(n as i64), Param::U64(partial.address())];
+    let name = EXTREMA_DENSE[input - 1];
+    launch_in(backend, Module::Float8, OP, name, config, &params, NO_ARGS)?;
+    let mut params = vec![
+        Param::U64(partial.address()),
+        Param::I32(blocks as i32),
+        x,
+        Param::I64(n as i64),
+        Param::I32(activation),
+    ];
+    params.extend_from_slice(scale_outputs);
+    let name = SCALE_GELU[input - 1];
+    launch_in(
+        backend,
+        Module::Float8,
+        OP,
+        name,
+        one_block(),
+        &params,
+        NO_ARGS,
+    )
 }
 
 /// Each block's amax of `args.x` into a partial (its bits), for `float8_scale`: the partials and
@@ -350,6 +414,7 @@ mod tests {
                 names.push(with_codes(family, codes));
             }
         }
+        names.extend(EXTREMA_DENSE.into_iter().chain(SCALE_GELU));
         // And the code transposes, which linear.rs's fp8 product launches: every entry.
         names.extend([
             ("float8_scale", ""),

@@ -232,8 +232,11 @@ fn float8_quantize_of_large_tensors_matches_the_cpu_bit_for_bit() {
 /// A GELU linear's input quantized in one pass (`Float8Quantize::activation`: the dense kernels
 /// apply GELU or tanh GELU as they read) gives the codes, scale and amax of the backend's own
 /// unary op followed by the quantize, bit for bit, for every input dtype, with current and with
-/// delayed scales (the one-read cast), at a size where every thread takes several rounds; a
-/// strided input is declined (the core then runs the unary op first).
+/// delayed scales (the one-read cast; and with the amax wanted too), at a size where every
+/// thread takes several rounds. The 16-bit inputs take the amax from the pre-activation's
+/// extremes: inputs whose largest GELU is big (the fast path), small (under `GELU_FAST_BOUND`:
+/// the exact fallback), and holding a NaN, -inf or +inf. A strided input is declined (the core
+/// then runs the unary op first).
 #[test]
 #[ignore = "needs a CUDA device"]
 fn float8_quantize_of_a_gelu_equals_the_gelu_then_the_quantize() {
@@ -244,64 +247,88 @@ fn float8_quantize_of_a_gelu_equals_the_gelu_then_the_quantize() {
     let values: Vec<f64> = (0..rows * cols)
         .map(|_| random.next_f64_in(-6.0, 6.0))
         .collect();
+    let small: Vec<f64> = (0..rows * cols)
+        .map(|_| random.next_f64_in(-3.0, 0.25))
+        .collect();
+    let with = |at: usize, special: f64| {
+        let mut values = small.clone();
+        values[at] = special;
+        values
+    };
+    let inputs = [
+        ("large", values.clone()),
+        ("small", small.clone()),
+        ("nan", with(12_345, f64::NAN)),
+        ("-inf", with(rows * cols - 1, f64::NEG_INFINITY)),
+        ("+inf", with(0, f64::INFINITY)),
+    ];
     let dense = Layout::contiguous(&[rows, cols]);
     let scalar = Layout::contiguous(&[1]);
-    let quantize = |x: &Buffer, dtype: DType, activation, delayed: Option<&Buffer>| {
-        let codes = poisoned(&gpu, DType::U8, rows * cols);
-        let (scale, amax, inverse) = (
-            poisoned(&gpu, DType::F32, 1),
-            poisoned(&gpu, DType::F32, 1),
-            poisoned(&gpu, DType::F32, 1),
-        );
-        let fused = gpu
-            .quantize_float8(Float8Quantize {
-                x: view(x, &dense, dtype),
-                premultiply: None,
-                activation,
-                granularity: Float8Granularity::Tensorwise,
-                power_of_two: false,
-                delayed_scale: delayed.map(|d| view(d, &scalar, DType::F32)),
-                codes: view(&codes, &dense, DType::F8E4M3),
-                scale: view(&scale, &scalar, DType::F32),
-                amax: delayed.is_none().then(|| view(&amax, &scalar, DType::F32)),
-                inverse_scale: Some(view(&inverse, &scalar, DType::F32)),
-            })
-            .unwrap();
-        assert!(
-            fused,
-            "{dtype:?} {activation:?}: dense row-major inputs are fused"
-        );
-        let mut res = vec![
-            download(&gpu, DType::U8, &codes),
-            download(&gpu, DType::F32, &scale),
-            download(&gpu, DType::F32, &inverse),
-        ];
-        if delayed.is_none() {
-            res.push(download(&gpu, DType::F32, &amax));
-        }
-        res
-    };
-    let delayed = upload(&gpu, DType::F32, &[91.5]);
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
-        let x = upload(&gpu, dtype, &values);
-        for op in [UnaryOp::Gelu, UnaryOp::GeluTanh] {
-            let activated = poisoned(&gpu, dtype, rows * cols);
-            gpu.unary(op, view(&x, &dense, dtype), view(&activated, &dense, dtype))
+    let quantize =
+        |x: &Buffer, dtype: DType, activation, (delayed, wants_amax): (Option<&Buffer>, bool)| {
+            let codes = poisoned(&gpu, DType::U8, rows * cols);
+            let (scale, amax, inverse) = (
+                poisoned(&gpu, DType::F32, 1),
+                poisoned(&gpu, DType::F32, 1),
+                poisoned(&gpu, DType::F32, 1),
+            );
+            let fused = gpu
+                .quantize_float8(Float8Quantize {
+                    x: view(x, &dense, dtype),
+                    premultiply: None,
+                    activation,
+                    granularity: Float8Granularity::Tensorwise,
+                    power_of_two: false,
+                    delayed_scale: delayed.map(|d| view(d, &scalar, DType::F32)),
+                    codes: view(&codes, &dense, DType::F8E4M3),
+                    scale: view(&scale, &scalar, DType::F32),
+                    amax: wants_amax.then(|| view(&amax, &scalar, DType::F32)),
+                    inverse_scale: Some(view(&inverse, &scalar, DType::F32)),
+                })
                 .unwrap();
-            for given in [None, Some(&delayed)] {
-                let fused = quantize(&x, dtype, Some(op), given);
-                let unfused = quantize(&activated, dtype, None, given);
-                for (part, (a, b)) in fused.iter().zip(&unfused).enumerate() {
-                    assert!(
-                        same_bits(a, b),
-                        "{dtype:?} {op:?} {given:?}: part {part} differs"
-                    );
+            assert!(
+                fused,
+                "{dtype:?} {activation:?}: dense row-major inputs are fused"
+            );
+            let mut res = vec![
+                download(&gpu, DType::U8, &codes),
+                download(&gpu, DType::F32, &scale),
+                download(&gpu, DType::F32, &inverse),
+            ];
+            if wants_amax {
+                res.push(download(&gpu, DType::F32, &amax));
+            }
+            res
+        };
+    let delayed = upload(&gpu, DType::F32, &[91.5]);
+    for (name, values) in &inputs {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let x = upload(&gpu, dtype, values);
+            for op in [UnaryOp::Gelu, UnaryOp::GeluTanh] {
+                let activated = poisoned(&gpu, dtype, rows * cols);
+                gpu.unary(op, view(&x, &dense, dtype), view(&activated, &dense, dtype))
+                    .unwrap();
+                for scaling in [
+                    (None, true),
+                    (Some(&delayed), false),
+                    (Some(&delayed), true),
+                ] {
+                    let fused = quantize(&x, dtype, Some(op), scaling);
+                    let unfused = quantize(&activated, dtype, None, scaling);
+                    for (part, (a, b)) in fused.iter().zip(&unfused).enumerate() {
+                        assert!(
+                            same_bits(a, b),
+                            "{name} {dtype:?} {op:?} delayed {} amax {}: part {part} differs",
+                            scaling.0.is_some(),
+                            scaling.1
+                        );
+                    }
                 }
             }
         }
     }
     // A transposed view is declined, writing nothing.
-    let x = upload(&gpu, DType::BF16, &values);
+    let x = upload(&gpu, DType::BF16, &inputs[0].1);
     let transposed = Layout::contiguous(&[cols, rows])
         .permute("test", &[1, 0])
         .unwrap();
