@@ -4,8 +4,8 @@
 //! `ptx/` folder beside them and is committed, so users without nvcc build and run (the crate embeds it with
 //! `include_str!`). Target: `compute_80` PTX, which the driver compiles for the GPU at module load
 //! (sm_80 and newer, the H200 included); a source named `*_sm89.cu` is built for `compute_89`
-//! instead (Ada and Hopper: fp8 conversions are instructions there), and its crate loads it on
-//! such devices only.
+//! instead (Ada and Hopper: fp8 conversions are instructions there) and one named `*_sm90a.cu`
+//! for `compute_90a` (Hopper's wgmma), and its crate loads it on such devices only.
 //!
 //! nvcc comes from `NVCC`, else a `nvcc` on `PATH`, else a virtualenv under `target/nvcc-venv`
 //! that this task creates with pip (pinned to CUDA 13.0: a CUDA 13.0 driver rejects PTX from a
@@ -21,14 +21,17 @@ use anyhow::{bail, Context, Result};
 
 use crate::project_root;
 
-/// nvcc's flags for `source`: compute_80 PTX, or compute_89 for a `*_sm89.cu` source.
+/// nvcc's flags for `source`: compute_80 PTX, compute_89 for a `*_sm89.cu` source, compute_90a
+/// for a `*_sm90a.cu` one.
 fn nvcc_flags(source: &Path) -> [&'static str; 3] {
-    let sm89 = source
+    let stem = source
         .file_stem()
         .and_then(|stem| stem.to_str())
-        .is_some_and(|stem| stem.ends_with("_sm89"));
-    let arch = if sm89 {
+        .unwrap_or_default();
+    let arch = if stem.ends_with("_sm89") {
         "-arch=compute_89"
+    } else if stem.ends_with("_sm90a") {
+        "-arch=compute_90a"
     } else {
         "-arch=compute_80"
     };

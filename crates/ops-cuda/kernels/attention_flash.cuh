@@ -187,6 +187,47 @@ __device__ __forceinline__ void warp_weights_by_rows(float (&out)[MW][DP / 8][4]
 }
 
 // Forward of R queries, each warp 16·MW of them (R / (16·MW) warps), streaming keys and values.
+// One streamed tile's step of the online softmax of a warp holding MW 16-row fragments (thread
+// row r = 2·mw + rr is fragment mw's row g + 8·rr): each row's running maximum m (of
+// scale2-prescaled scores) and sum l, the output accumulators rescaled to the new maximum, and
+// the raw scores s turned into probabilities (base-2 exponentials, the scale inside their FMA:
+// scale2 > 0 keeps the maximum's place). Hidden scores are -inf.
+template <int MW, int NB, int NT>
+__device__ __forceinline__ void online_softmax(float (&s)[MW][NB][4], float (&acc)[MW][NT][4], float (&m)[2 * MW],
+                                               float (&l)[2 * MW], float scale2) {
+    float base[2 * MW];
+#pragma unroll
+    for (int r = 0; r < 2 * MW; ++r) {
+        const int mw = r >> 1, rr = r & 1;
+        float mx = -CUDART_INF_F;
+#pragma unroll
+        for (int n = 0; n < NB; ++n) mx = fmaxf(mx, fmaxf(s[mw][n][2 * rr], s[mw][n][2 * rr + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        const float m_new = fmaxf(m[r], mx * scale2);
+        base[r] = m_new == -CUDART_INF_F ? 0.f : m_new;
+        const float correction = fast_exp2(m[r] - base[r]);
+        m[r] = m_new;
+        l[r] *= correction;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            acc[mw][n][2 * rr] *= correction;
+            acc[mw][n][2 * rr + 1] *= correction;
+        }
+    }
+#pragma unroll
+    for (int mw = 0; mw < MW; ++mw)
+#pragma unroll
+        for (int n = 0; n < NB; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = 2 * mw + (e >> 1);
+                const float p = fast_exp2(fmaf(s[mw][n][e], scale2, -base[r]));
+                l[r] += p;
+                s[mw][n][e] = p;
+            }
+}
+
 template <typename M, int DP, int KR, int R, int MW, bool DROP>
 __device__ void flash_forward(const typename M::Elem* q, const typename M::Elem* k, const typename M::Elem* v,
                               typename M::Elem* o, float* lse, const AttnArgs& a) {
@@ -244,37 +285,7 @@ __device__ void flash_forward(const typename M::Elem* q, const typename M::Elem*
                         if (key < lo[r] || key >= hi[r]) s[mw][n][e] = -CUDART_INF_F;
                     }
         }
-        float base[ROWS];
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            const int mw = r >> 1, rr = r & 1;
-            float mx = -CUDART_INF_F;
-#pragma unroll
-            for (int n = 0; n < NB; ++n) mx = fmaxf(mx, fmaxf(s[mw][n][2 * rr], s[mw][n][2 * rr + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-            const float m_new = fmaxf(m[r], mx * scale2);
-            base[r] = m_new == -CUDART_INF_F ? 0.f : m_new;
-            const float correction = fast_exp2(m[r] - base[r]);
-            m[r] = m_new;
-            l[r] *= correction;
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                acc[mw][n][2 * rr] *= correction;
-                acc[mw][n][2 * rr + 1] *= correction;
-            }
-        }
-#pragma unroll
-        for (int mw = 0; mw < MW; ++mw)
-#pragma unroll
-            for (int n = 0; n < NB; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = 2 * mw + (e >> 1);
-                    const float p = fast_exp2(fmaf(s[mw][n][e], scale2, -base[r]));
-                    l[r] += p;
-                    s[mw][n][e] = p;
-                }
+        online_softmax<MW, NB, NT>(s, acc, m, l, scale2);
         if constexpr (DROP) {
 #pragma unroll
             for (int mw = 0; mw < MW; ++mw)

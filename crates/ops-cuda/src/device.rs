@@ -14,7 +14,7 @@
 //! This module is ground floor: it sits on the caching allocator, cudarc, `kernels.rs`,
 //! `blas.rs` and `profile.rs`, and knows no kernel family.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream};
@@ -67,6 +67,8 @@ pub struct CudaBackend {
     pub(crate) profiler: OpProfiler,
     /// Whether a CUDA graph capture runs, and why its step cannot be captured (`graph.rs`).
     pub(crate) capture: CaptureState,
+    /// Attention forwards run on the Hopper wgmma kernels (`attention/wgmma.rs`).
+    pub(crate) wgmma_forwards: AtomicU64,
 }
 
 impl Drop for CudaBackend {
@@ -158,6 +160,7 @@ impl CudaBackend {
             deferred_index_checks: Mutex::new(None),
             profiler: OpProfiler::default(),
             capture: CaptureState::default(),
+            wgmma_forwards: AtomicU64::new(0),
         }))
     }
 
@@ -176,6 +179,16 @@ impl CudaBackend {
     /// Whether f32 matrix products may use TF32 (see [`CudaBackend::set_allow_tf32`]).
     pub fn allow_tf32(&self) -> bool {
         self.allow_tf32.load(Ordering::Relaxed)
+    }
+
+    /// The device's compute capability, (major, minor): (9, 0) on an H100 or H200.
+    pub fn compute_capability(&self) -> std::result::Result<(i32, i32), CudaError> {
+        self.context
+            .compute_capability()
+            .map_err(|e| CudaError::NoDevice {
+                ordinal: self.ordinal,
+                reason: e.to_string(),
+            })
     }
 
     /// The number of frees that failed since creation, and the first failure.

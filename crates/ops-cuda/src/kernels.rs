@@ -49,6 +49,8 @@ pub(crate) enum Module {
     AttentionTc,
     /// `kernels/attention_tf32.cu`.
     AttentionTf32,
+    /// `kernels/attention_wgmma_sm90a.cu` (sm_90a PTX: compute capability 9.0 only).
+    AttentionWgmma,
     /// `kernels/llama.cu`.
     Llama,
     /// `kernels/float8.cu`, or on a device of compute capability 8.9 and above
@@ -65,6 +67,7 @@ impl Module {
             Module::Attention => include_str!("../kernels/ptx/attention.ptx"),
             Module::AttentionTc => include_str!("../kernels/ptx/attention_tc.ptx"),
             Module::AttentionTf32 => include_str!("../kernels/ptx/attention_tf32.ptx"),
+            Module::AttentionWgmma => include_str!("../kernels/ptx/attention_wgmma_sm90a.ptx"),
             Module::Llama => include_str!("../kernels/ptx/llama.ptx"),
             Module::Float8 => include_str!("../kernels/ptx/float8.ptx"),
         }

@@ -66,8 +66,20 @@ impl Problem {
         .expect("layout")
     }
 
-    /// Forward and backward over rows `first..first + len` (all of them, with `packed`).
+    /// Forward and backward over rows `first..first + len` (all of them, with `packed`); the
+    /// forward alone when `backward` is false.
     fn run(&self, gpu: &BackendRef, first: usize, len: usize, packed: Option<PackedBounds<'_>>) {
+        self.pass(gpu, first, len, packed, true);
+    }
+
+    fn pass(
+        &self,
+        gpu: &BackendRef,
+        first: usize,
+        len: usize,
+        packed: Option<PackedBounds<'_>>,
+        backward: bool,
+    ) {
         let (q_layout, kv_layout) = (
             self.heads(HEADS, first, len),
             self.heads(KV_HEADS, first, len),
@@ -93,6 +105,9 @@ impl Problem {
             lse: view(&self.lse, &lse_layout),
         };
         gpu.attention(forward).expect("attention");
+        if !backward {
+            return;
+        }
         gpu.attention_backward(AttentionBackward {
             forward,
             dout: view(&self.dout, &q_layout),
@@ -127,6 +142,40 @@ pub(crate) fn llama_attention(bench: &mut Bench, compute: &CudaStream) {
         compute,
         || target.run(&gpu, 0, seq, None),
     );
+    // The forward alone, on the mma.sync kernels and (compute capability 9.0) on the wgmma ones
+    // (`HEADROOM_ATTENTION_WGMMA`, read at each call).
+    for (engine, wgmma) in [("", false), ("_wgmma", true)] {
+        // SAFETY: the bench runs its cases on this one thread; nothing else reads the
+        // environment meanwhile.
+        unsafe {
+            if wgmma {
+                std::env::set_var("HEADROOM_ATTENTION_WGMMA", "1");
+            } else {
+                std::env::remove_var("HEADROOM_ATTENTION_WGMMA");
+            }
+        }
+        bench.case(
+            "llama_attention",
+            &format!("bf16_causal_forward{engine}_b4_h32_kv8_s2048_d64"),
+            Work { bytes: io, flops },
+            compute,
+            || target.pass(&gpu, 0, seq, None, false),
+        );
+        if wgmma {
+            bench.case(
+                "llama_attention",
+                "bf16_causal_fwd_bwd_wgmma_b4_h32_kv8_s2048_d64",
+                Work {
+                    bytes: 3 * io,
+                    flops: flops * 7 / 2,
+                },
+                compute,
+                || target.run(&gpu, 0, seq, None),
+            );
+        }
+    }
+    // SAFETY: as above.
+    unsafe { std::env::remove_var("HEADROOM_ATTENTION_WGMMA") };
     drop(target);
 
     let mut random = Xorshift::from_state(0x0001_1a3a_0030);

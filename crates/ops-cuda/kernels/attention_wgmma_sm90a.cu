@@ -1,0 +1,296 @@
+// Attention forward for f16 and bf16 on Hopper's warpgroup MMA (issue 35): `wgmma.mma_async`
+// with both operands of S = Q·Kᵀ in shared memory and P·V's P from registers, Q, K and V tiles in
+// the 128-byte-swizzled layout wgmma reads (loaded with cp.async; no TMA yet, no warp
+// specialisation, no ping-pong between warpgroups: the first step of a FlashAttention-3-style
+// kernel). One warpgroup (128 threads) takes 64 queries of one (batch, head) pair; keys stream 64
+// a tile, double-buffered. Its results are attention_tc.cu's forward's (the same online softmax,
+// the same saved log-sum-exp), so that path's backward follows it.
+//
+// Built for compute_90a (sm_90a PTX: wgmma exists on Hopper alone) by `cargo xtask
+// build-kernels` (a `*_sm90a.cu` source); crates/ops-cuda/src/attention/tensor_core.rs launches it
+// on a device of compute capability 9.0 when HEADROOM_ATTENTION_WGMMA=1, head dims up to 128, no
+// packed sequences and no dropout; everything else keeps the mma.sync kernels.
+
+#include "attention_tc.cuh"
+
+// d (m64n64, f32) = A · Bᵀ (+ d when `accumulate`): both from shared memory, K-major
+// (128-byte swizzle). bf16.
+__device__ __forceinline__ void wgmma_ss_n64_bf16(float (&d)[8][4], unsigned long long desc_a,
+                                            unsigned long long desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// d (m64n64, f32) += A · B: A from registers (the m64k16 fragment), B from shared memory
+// MN-major (transposed; 128-byte swizzle). bf16.
+__device__ __forceinline__ void wgmma_rs_n64_bf16(float (&d)[8][4], const unsigned int (&a)[4],
+                                            unsigned long long desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// d (m64n128, f32) += A · B: A from registers (the m64k16 fragment), B from shared memory
+// MN-major (transposed; 128-byte swizzle). bf16.
+__device__ __forceinline__ void wgmma_rs_n128_bf16(float (&d)[16][4], const unsigned int (&a)[4],
+                                            unsigned long long desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// d (m64n64, f32) = A · Bᵀ (+ d when `accumulate`): both from shared memory, K-major
+// (128-byte swizzle). f16.
+__device__ __forceinline__ void wgmma_ss_n64_f16(float (&d)[8][4], unsigned long long desc_a,
+                                            unsigned long long desc_b, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// d (m64n64, f32) += A · B: A from registers (the m64k16 fragment), B from shared memory
+// MN-major (transposed; 128-byte swizzle). f16.
+__device__ __forceinline__ void wgmma_rs_n64_f16(float (&d)[8][4], const unsigned int (&a)[4],
+                                            unsigned long long desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// d (m64n128, f32) += A · B: A from registers (the m64k16 fragment), B from shared memory
+// MN-major (transposed; 128-byte swizzle). f16.
+__device__ __forceinline__ void wgmma_rs_n128_f16(float (&d)[16][4], const unsigned int (&a)[4],
+                                            unsigned long long desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// The storage dtype's wgmma products.
+template <typename T> struct Wg;
+template <> struct Wg<__nv_bfloat16> {
+    static __device__ __forceinline__ void ss_n64(float (&d)[8][4], unsigned long long a, unsigned long long b,
+                                                  int accumulate) {
+        wgmma_ss_n64_bf16(d, a, b, accumulate);
+    }
+    static __device__ __forceinline__ void rs_n64(float (&d)[8][4], const unsigned int (&a)[4], unsigned long long b) {
+        wgmma_rs_n64_bf16(d, a, b);
+    }
+    static __device__ __forceinline__ void rs_n128(float (&d)[16][4], const unsigned int (&a)[4],
+                                                   unsigned long long b) {
+        wgmma_rs_n128_bf16(d, a, b);
+    }
+};
+template <> struct Wg<__half> {
+    static __device__ __forceinline__ void ss_n64(float (&d)[8][4], unsigned long long a, unsigned long long b,
+                                                  int accumulate) {
+        wgmma_ss_n64_f16(d, a, b, accumulate);
+    }
+    static __device__ __forceinline__ void rs_n64(float (&d)[8][4], const unsigned int (&a)[4], unsigned long long b) {
+        wgmma_rs_n64_f16(d, a, b);
+    }
+    static __device__ __forceinline__ void rs_n128(float (&d)[16][4], const unsigned int (&a)[4],
+                                                   unsigned long long b) {
+        wgmma_rs_n128_f16(d, a, b);
+    }
+};
+
+// The swizzled shared-memory tiles wgmma reads: an "atom" is 64 rows of 64 16-bit elements (128
+// bytes a row, 8 KiB), 1024-byte aligned, whose row r holds its 16-byte chunk c at chunk c ^ (r % 8)
+// (the 128-byte swizzle, CUTLASS's Swizzle<3,4,3>). Head dims above 64 take a second atom for
+// elements 64..127 of every row.
+#define WG_ROWS 64
+#define WG_ATOM_BYTES 8192
+
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// A 128-byte-swizzled matrix descriptor at `p`: `sbo` bytes between 8-row groups, `lbo` bytes
+// between atoms along the other dimension (MN-major operands wider than one atom; unused for
+// K-major ones).
+__device__ __forceinline__ unsigned long long sw128_desc(const void* p, unsigned int sbo, unsigned int lbo) {
+    const unsigned long long address = smem_address(p);
+    return ((address & 0x3FFFFull) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
+           ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+// Rows first..first + 64 of operand `op` of pair (b, h) into the DP / 64 swizzled atoms at `tile`,
+// asynchronously, by the block's 128 threads; zeros past the head dim and past `limit`.
+template <typename T, int DP>
+__device__ __forceinline__ void load_swizzled(unsigned char* tile, const T* src, const AttnArgs& a, int op,
+                                              unsigned int b, unsigned int h, unsigned int first,
+                                              unsigned int limit) {
+    constexpr int CHUNKS = DP / 8;  // 16-byte chunks a row
+    for (int idx = threadIdx.x; idx < WG_ROWS * CHUNKS; idx += 128) {
+        const int r = idx / CHUNKS, chunk = idx - r * CHUNKS, c = chunk * 8;
+        const unsigned int row = first + r;
+        const bool in = row < limit && c < (int)a.head_dim;
+        unsigned char* dst = tile + (chunk >> 3) * WG_ATOM_BYTES + r * 128 + (((chunk & 7) ^ (r & 7)) << 4);
+        cp_async16(dst, in ? src + row_at(a, op, b, h, row) + c : src, in ? 16 : 0);
+    }
+}
+
+// Forward of 64 queries of one (batch, head) pair by one warpgroup (4 warps, each 16 queries in
+// wgmma's accumulator rows): S = Q·Kᵀ by wgmma from the swizzled Q and K tiles, the online
+// softmax in registers as attention_flash.cuh's forward, O += P·V by wgmma with P from registers
+// (the accumulator layout is the A fragment's) and V read transposed from its tile. K and V stream
+// 64 keys a tile, double-buffered with cp.async.
+template <typename T, int DP>
+__device__ __forceinline__ void wgmma_s(float (&s)[8][4], const unsigned char* qs, const unsigned char* kt);
+template <typename T, int DP>
+__device__ __forceinline__ void wgmma_o(float (&o)[DP / 8][4], const float (&p)[8][4], const unsigned char* vt);
+
+template <typename T, int DP>
+__device__ void wgmma_forward(const T* q, const T* k, const T* v, T* o, float* lse, const AttnArgs& a) {
+    constexpr int ATOMS = DP / 64, TILE = ATOMS * WG_ATOM_BYTES, NB = 8;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // Dynamic shared memory starts 16-byte aligned at least: round up to the swizzle's 1024.
+    unsigned char* base = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);
+    unsigned char* qs = base;                // ATOMS atoms
+    unsigned char* ks = qs + TILE;           // 2 × ATOMS atoms
+    unsigned char* vs = ks + 2 * TILE;       // 2 × ATOMS atoms
+    unsigned int tile, pair;
+    block_tile(a, true, tile, pair);
+    const unsigned int b = pair / a.heads, h = pair % a.heads, kvh = h / group_size(a);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const unsigned int q0 = tile * WG_ROWS, warp_row0 = warp * 16;
+    unsigned int key_begin, key_end, lo[2], hi[2], common_lo, common_hi;
+    block_range(a, true, q0, WG_ROWS, key_begin, key_end);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) keys_seen(a, q0 + warp_row0 + 8 * r + g, lo[r], hi[r]);
+    warp_common_range(lo, hi, common_lo, common_hi);
+    const int tiles = (key_end - key_begin + WG_ROWS - 1) / WG_ROWS;
+    load_swizzled<T, DP>(qs, q, a, OP_Q, b, h, q0, a.queries);
+    if (tiles > 0) {
+        load_swizzled<T, DP>(ks, k, a, OP_K, b, kvh, key_begin, a.keys);
+        load_swizzled<T, DP>(vs, v, a, OP_V, b, kvh, key_begin, a.keys);
+    }
+    cp_commit();
+    const float scale2 = (float)(a.scale * 1.4426950408889634);
+    float acc[1][DP / 8][4] = {}, m[2], l[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        m[r] = -CUDART_INF_F;
+        l[r] = 0.f;
+    }
+    for (int j = 0; j < tiles; ++j) {
+        const unsigned int k0 = key_begin + j * WG_ROWS;
+        if (j + 1 < tiles) {
+            const int next = (j + 1) & 1;
+            load_swizzled<T, DP>(ks + next * TILE, k, a, OP_K, b, kvh, k0 + WG_ROWS, a.keys);
+            load_swizzled<T, DP>(vs + next * TILE, v, a, OP_V, b, kvh, k0 + WG_ROWS, a.keys);
+            cp_commit();
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
+        }
+        // Every thread's copies are done; the async proxy (wgmma) sees them after the fence.
+        fence_proxy_async();
+        __syncthreads();
+        const unsigned char* kt = ks + (j & 1) * TILE;
+        const unsigned char* vt = vs + (j & 1) * TILE;
+        float s[1][NB][4] = {};
+        wgmma_s<T, DP>(s[0], qs, kt);
+        if (k0 < common_lo || k0 + WG_ROWS > common_hi) {
+#pragma unroll
+            for (int n = 0; n < NB; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const unsigned int key = k0 + n * 8 + 2 * t + (e & 1);
+                    const int r = e >> 1;
+                    if (key < lo[r] || key >= hi[r]) s[0][n][e] = -CUDART_INF_F;
+                }
+        }
+        online_softmax<1, NB, DP / 8>(s, acc, m, l, scale2);
+        wgmma_o<T, DP>(acc[0], s[0], vt);
+        __syncthreads();
+    }
+    cp_wait<0>();
+    __syncthreads();
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float total = l[r];
+        total += __shfl_xor_sync(0xffffffff, total, 1);
+        total += __shfl_xor_sync(0xffffffff, total, 2);
+        inv[r] = total > 0.f ? 1.f / total : 0.f;
+        const unsigned int row = q0 + warp_row0 + 8 * r + g;
+        if (t == 0 && row < a.queries) lse[(unsigned long long)pair * a.queries + row] = (m[r] + log2f(total)) * FA_LN2;
+    }
+    // Staged through the K buffers (no longer read): each warp its own 16 rows of [64][DP + 8].
+    T* stage = reinterpret_cast<T*>(ks) + warp_row0 * (DP + Tc16<T>::PAD);
+    store_rows<Tc16<T>, DP>(o, a, OP_O, b, h, q0 + warp_row0, a.queries, acc[0], inv, stage);
+}
+
+// S (64 queries × 64 keys) = Q·Kᵀ over the head dim, 16 at a time: within an atom the k-step
+// moves the descriptors 32 bytes along the swizzled rows.
+template <typename T, int DP>
+__device__ __forceinline__ void wgmma_s(float (&s)[8][4], const unsigned char* qs, const unsigned char* kt) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+        const int atom = kk >> 2, offset = atom * WG_ATOM_BYTES + (kk & 3) * 32;
+        const unsigned long long da = sw128_desc(qs + offset, 1024, 16), db = sw128_desc(kt + offset, 1024, 16);
+        Wg<T>::ss_n64(s, da, db, kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait0();
+}
+
+// O (64 queries × DP) += P·V over the tile's 64 keys, 16 at a time: P's accumulator fragments
+// rounded to T as A, V's tile read transposed (MN-major), 16 keys = two 8-row groups = 2048 bytes
+// a step, its second atom (head dims above 64) LBO = 8 KiB along N.
+template <typename T, int DP>
+__device__ __forceinline__ void wgmma_o(float (&o)[DP / 8][4], const float (&p)[8][4], const unsigned char* vt) {
+    // Every A fragment packed before the fence, so no register of a wgmma in flight is written.
+    unsigned int a[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        a[kk][0] = Tc<T>::pack(p[2 * kk][0], p[2 * kk][1]);
+        a[kk][1] = Tc<T>::pack(p[2 * kk][2], p[2 * kk][3]);
+        a[kk][2] = Tc<T>::pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+        a[kk][3] = Tc<T>::pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        const unsigned long long db = sw128_desc(vt + kk * 2048, 1024, WG_ATOM_BYTES);
+        if constexpr (DP == 64) Wg<T>::rs_n64(o, a[kk], db);
+        else Wg<T>::rs_n128(o, a[kk], db);
+    }
+    wgmma_commit();
+    wgmma_wait0();
+}
+
+// attention_wgmma_forward_<dtype>_<DP>: 128 threads, 64 queries a block; dynamic shared memory
+// 1024 + 5 · DP / 64 · 8 KiB (Q, and two buffers each of K and V; tensor_core.rs says the same).
+#define WGMMA_FORWARD(T, SUFFIX, DP)                                                                     \
+    extern "C" __global__ void __launch_bounds__(128) attention_wgmma_forward_##SUFFIX(                 \
+        const T* q, const T* k, const T* v, T* o, float* lse, AttnArgs a) {                              \
+        wgmma_forward<T, DP>(q, k, v, o, lse, a);                                                        \
+    }
+WGMMA_FORWARD(__nv_bfloat16, bf16_64, 64)
+WGMMA_FORWARD(__nv_bfloat16, bf16_128, 128)
+WGMMA_FORWARD(__half, f16_64, 64)
+WGMMA_FORWARD(__half, f16_128, 128)

@@ -1,0 +1,114 @@
+//! The Hopper attention forward (`kernels/attention_wgmma_sm90a.cu`, issue 35) against the CPU:
+//! with `HEADROOM_ATTENTION_WGMMA=1` (set here, before this binary's first attention) a bf16/f16
+//! forward on a compute capability 9.0 device runs on wgmma; its output, and the gradients the
+//! mma.sync backward computes from its saved log-sum-exp, match the CPU's (f64 sums) within the
+//! dtype's rounding, for head dims 64 and 128 (and ones padded to them), causal and not, grouped
+//! heads, more keys than queries, and partial tiles; the launches are counted
+//! (`CudaBackend::attention_wgmma_forwards`). Its own binary, so the variable is set before any
+//! other test reads it. Marked `#[ignore = "needs a CUDA device"]`.
+#![cfg(feature = "cuda")]
+
+use headroom_autograd_core::{scaled_dot_product_attention, BackendRef, DType, Tensor};
+use headroom_ops_cpu::CpuBackend;
+use headroom_ops_cuda::CudaBackend;
+use headroom_testkit::gpu::cuda_or_skip;
+use headroom_testkit::inputs::Xorshift;
+
+/// Output and q, k, v gradients of attention on `backend` for the given values.
+fn run(
+    backend: &BackendRef,
+    dtype: DType,
+    shapes: ([usize; 4], [usize; 4]),
+    values: &[Vec<f64>; 4],
+    causal: bool,
+) -> [Vec<f64>; 4] {
+    let leaf = |values: &[f64], shape: &[usize]| {
+        let t = Tensor::from_f64s(backend, values, shape, dtype).unwrap();
+        t.requires_grad_(true).unwrap();
+        t
+    };
+    let (q_shape, kv_shape) = shapes;
+    let (q, k, v) = (
+        leaf(&values[0], &q_shape),
+        leaf(&values[1], &kv_shape),
+        leaf(&values[2], &kv_shape),
+    );
+    let dout = Tensor::from_f64s(backend, &values[3], &q_shape, dtype).unwrap();
+    let out = scaled_dot_product_attention(&q, &k, &v, causal, None).unwrap();
+    out.mul(&dout)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let grad = |t: &Tensor| t.grad().unwrap().to_vec_f64().unwrap();
+    [out.to_vec_f64().unwrap(), grad(&q), grad(&k), grad(&v)]
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_wgmma_forward_matches_the_cpu() {
+    // SAFETY: this binary's only test sets the variable before it starts any thread or
+    // attention, so no other thread reads the environment meanwhile.
+    unsafe { std::env::set_var("HEADROOM_ATTENTION_WGMMA", "1") };
+    let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
+        return;
+    };
+    if cuda.compute_capability().unwrap() != (9, 0) {
+        headroom_testkit::gpu::skip("the wgmma kernels need compute capability 9.0");
+        return;
+    }
+    let gpu: BackendRef = cuda.clone();
+    let cpu = CpuBackend::new_ref();
+    let mut random = Xorshift::from_state(0x3a09_9a11_0035_0001);
+    // (batch, heads, kv_heads, queries, keys, head_dim, causal)
+    let cases = [
+        (2, 4, 4, 128, 128, 64, false),
+        (1, 4, 2, 197, 197, 64, true),
+        (2, 2, 1, 70, 130, 64, false),
+        (1, 8, 2, 256, 256, 128, true),
+        (1, 2, 2, 65, 65, 128, false),
+        (1, 3, 3, 100, 100, 40, true),
+        (1, 2, 1, 129, 129, 96, true),
+    ];
+    for dtype in [DType::BF16, DType::F16] {
+        for (batch, heads, kv_heads, queries, keys, head_dim, causal) in cases {
+            let q_shape = [batch, heads, queries, head_dim];
+            let kv_shape = [batch, kv_heads, keys, head_dim];
+            let mut draw =
+                |n: usize| -> Vec<f64> { (0..n).map(|_| random.next_f64_in(-2.0, 2.0)).collect() };
+            let (nq, nkv) = (q_shape.iter().product(), kv_shape.iter().product());
+            let values = [draw(nq), draw(nkv), draw(nkv), draw(nq)];
+            let before = cuda.attention_wgmma_forwards();
+            let on_gpu = run(&gpu, dtype, (q_shape, kv_shape), &values, causal);
+            assert_eq!(cuda.attention_wgmma_forwards(), before + 1, "ran on wgmma");
+            let on_cpu = run(&cpu, dtype, (q_shape, kv_shape), &values, causal);
+            for (name, (g, c)) in ["out", "dq", "dk", "dv"]
+                .iter()
+                .zip(on_gpu.iter().zip(&on_cpu))
+            {
+                let largest = c.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+                let worst = g
+                    .iter()
+                    .zip(c)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f64::max);
+                // The output within a few units of the dtype's last place of the largest; the
+                // gradients (the mma.sync backward from this forward's lse and output) as the
+                // parity tests hold them.
+                let bound = if *name == "out" {
+                    2f64.powi(-6)
+                } else {
+                    2f64.powi(-5)
+                };
+                assert!(
+                    worst <= bound * largest,
+                    "{dtype:?} b{batch} h{heads}/{kv_heads} {queries}x{keys} d{head_dim} \
+                     causal={causal} {name}: {worst} against {largest}"
+                );
+            }
+        }
+    }
+}
