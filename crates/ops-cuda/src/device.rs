@@ -67,8 +67,9 @@ pub struct CudaBackend {
     pub(crate) profiler: OpProfiler,
     /// Whether a CUDA graph capture runs, and why its step cannot be captured (`graph.rs`).
     pub(crate) capture: CaptureState,
-    /// Attention forwards run on the Hopper wgmma kernels (`attention/wgmma.rs`).
+    /// Attention forwards and backwards run on the Hopper wgmma kernels (`attention/wgmma.rs`).
     pub(crate) wgmma_forwards: AtomicU64,
+    pub(crate) wgmma_backwards: AtomicU64,
 }
 
 impl Drop for CudaBackend {
@@ -161,6 +162,7 @@ impl CudaBackend {
             profiler: OpProfiler::default(),
             capture: CaptureState::default(),
             wgmma_forwards: AtomicU64::new(0),
+            wgmma_backwards: AtomicU64::new(0),
         }))
     }
 

@@ -9,10 +9,10 @@
 //!   `HEADROOM_ATTENTION_F32=register-tiled` ([`F32_KERNEL_VARIABLE`]) sends every f32 call to the
 //!   register-tiled kernels (plain f32 FMAs rather than split TF32 products: results differ in
 //!   the last bits).
-//! - f16 and bf16 forwards on a compute capability 9.0 device with `HEADROOM_ATTENTION_WGMMA=1`
-//!   take the Hopper `wgmma` kernel of `kernels/attention_wgmma_sm90a.cu` (`wgmma.rs`; opt-in
-//!   while measured; no packed sequences or dropout yet), whose saved state the mma.sync
-//!   backward takes.
+//! - f16 and bf16 on a compute capability 9.0 device with `HEADROOM_ATTENTION_WGMMA=1` take the
+//!   Hopper `wgmma` kernels of `kernels/attention_wgmma_sm90a.cu` (`wgmma.rs`; opt-in while
+//!   measured; no packed sequences or dropout yet), forward and backward, with the same saved
+//!   state as the mma.sync kernels.
 //! - f16 and bf16 take the FlashAttention-2-style `mma.sync` kernels of
 //!   `kernels/attention_tc.cu` (`tensor_core.rs`) when their alignment rule holds
 //!   (`tensor_core::fits`: head dims multiples of 8 up to 128, operands 8-element aligned, buffers
@@ -82,7 +82,11 @@ pub(crate) fn attention_backward(backend: &CudaBackend, b: AttentionBackward<'_>
     if matches!(f.q.dtype, DType::F16 | DType::BF16) {
         let views = [f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv];
         return if tensor_core::fits(&dims, &views) {
-            tensor_core::backward(backend, b, dims)
+            if wgmma::takes(backend, &f) {
+                wgmma::backward(backend, b, dims)
+            } else {
+                tensor_core::backward(backend, b, dims)
+            }
         } else {
             no_dropout_in_gemm(&f, &dims)?;
             gemm::backward(backend, b, dims)

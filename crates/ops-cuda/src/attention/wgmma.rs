@@ -1,10 +1,11 @@
-//! The Hopper attention forward for f16 and bf16 (`kernels/attention_wgmma_sm90a.cu`): S = Q·Kᵀ
-//! and O += P·V on `wgmma.mma_async`, Q, K and V in 128-byte-swizzled shared-memory tiles, one
-//! warpgroup a block taking 64 queries and streaming keys 64 at a time. Opt-in while it is being
-//! measured against the mma.sync kernels (`HEADROOM_ATTENTION_WGMMA=1`, [`WGMMA_VARIABLE`]), on a
-//! device of compute capability 9.0 (the PTX is sm_90a), for what `tensor_core.rs` takes (the
-//! caller checked `fits`) without packed sequences or dropout; its saved state is that path's, so
-//! the mma.sync backward follows it.
+//! Hopper attention for f16 and bf16 (`kernels/attention_wgmma_sm90a.cu`): the flash kernels'
+//! forward, dQ and dK/dV with every product on `wgmma.mma_async`, operands in 128-byte-swizzled
+//! shared-memory tiles, one warpgroup a block taking 64 own rows and streaming the other side 64
+//! rows at a time. Opt-in while it is being measured against the mma.sync kernels
+//! (`HEADROOM_ATTENTION_WGMMA=1`, [`WGMMA_VARIABLE`]), on a device of compute capability 9.0 (the
+//! PTX is sm_90a), for what `tensor_core.rs` takes (the caller checked `fits`) without packed
+//! sequences or dropout; its saved state is that path's (one f32 log-sum-exp per query), so
+//! either backward follows either forward.
 //!
 //! This path sits on the attention family's `args.rs` and the ground floor, and imports no other
 //! path.
@@ -12,13 +13,14 @@
 use std::sync::atomic::Ordering;
 
 use cudarc::driver::LaunchConfig;
-use headroom_autograd_core::{AttentionDims, AttentionForward, DType, Result};
+use headroom_autograd_core::{AttentionBackward, AttentionDims, AttentionForward, DType, Result};
 
-use super::args::{address, attn_args};
+use super::args::{address, attn_args, AttnArgs};
 use crate::device::CudaBackend;
 use crate::kernels::Module;
 use crate::launch::{launch_in, Param};
 use crate::operands::element_address;
+use crate::scratch::Scratch;
 
 /// Set to `1`, the environment variable that sends f16/bf16 attention forwards to the wgmma
 /// kernels on a compute capability 9.0 device.
@@ -41,31 +43,59 @@ pub(crate) fn takes(backend: &CudaBackend, f: &AttentionForward<'_>) -> bool {
             .is_ok_and(|cc| cc == (9, 0))
 }
 
+/// The kernels' suffix and padded head dim for `dtype` and `head_dim` (at most 128).
+fn variant(dtype: DType, head_dim: usize) -> (&'static str, usize) {
+    let padded = if head_dim <= 64 { 64 } else { 128 };
+    let suffix = match (dtype, padded) {
+        (DType::BF16, 64) => "bf16_64",
+        (DType::BF16, _) => "bf16_128",
+        (_, 64) => "f16_64",
+        _ => "f16_128",
+    };
+    (suffix, padded)
+}
+
+/// A launch over the 64-row tiles of `rows` own rows of each of `pairs` pairs, with `tiles`
+/// swizzled tiles of shared memory (`padded / 64` atoms each, 1 KiB to align them) and `stats`
+/// f32 values after them.
+fn config(rows: usize, pairs: usize, padded: usize, tiles: usize, stats: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(ROWS) as u32, pairs as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: (1024 + tiles * (padded / 64) * ATOM_BYTES + stats * 4) as u32,
+    }
+}
+
+/// Launches `name` of the sm_90a module with `params`, then `args`.
+fn launch(
+    backend: &CudaBackend,
+    op: &'static str,
+    name: (&'static str, &'static str),
+    config: LaunchConfig,
+    params: &[Param],
+    args: AttnArgs,
+) -> Result<()> {
+    launch_in(
+        backend,
+        Module::AttentionWgmma,
+        op,
+        name,
+        config,
+        params,
+        Some(args),
+    )
+}
+
 /// Forward; the caller checked `tensor_core::fits` and [`takes`].
 pub(crate) fn forward(
     backend: &CudaBackend,
     f: AttentionForward<'_>,
     dims: AttentionDims,
 ) -> Result<()> {
-    let padded = if dims.head_dim <= 64 { 64 } else { 128 };
-    let suffix = match (f.q.dtype, padded) {
-        (DType::BF16, 64) => "bf16_64",
-        (DType::BF16, _) => "bf16_128",
-        (_, 64) => "f16_64",
-        _ => "f16_128",
-    };
+    let (suffix, padded) = variant(f.q.dtype, dims.head_dim);
     let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out])?;
-    // Q, and two buffers each of K and V, each padded / 64 atoms; 1 KiB to align them.
-    let shared = 1024 + 5 * (padded / 64) * ATOM_BYTES;
-    let config = LaunchConfig {
-        grid_dim: (
-            dims.queries.div_ceil(ROWS) as u32,
-            (dims.batch * dims.heads) as u32,
-            1,
-        ),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: shared as u32,
-    };
+    // Q, and two buffers each of K and V.
+    let config = config(dims.queries, dims.batch * dims.heads, padded, 5, 0);
     let params = [
         address(&f.q),
         address(&f.k),
@@ -74,16 +104,57 @@ pub(crate) fn forward(
         Param::U64(element_address(&f.lse)),
     ];
     let name = ("attention_wgmma_forward", suffix);
-    launch_in(
-        backend,
-        Module::AttentionWgmma,
-        "attention",
-        name,
-        config,
-        &params,
-        Some(args),
-    )?;
+    launch(backend, "attention", name, config, &params, args)?;
     backend.wgmma_forwards.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Backward (a dQ kernel that also writes Δ = dO·O, then a dK/dV kernel); the caller checked
+/// `tensor_core::fits` and [`takes`].
+pub(crate) fn backward(
+    backend: &CudaBackend,
+    b: AttentionBackward<'_>,
+    dims: AttentionDims,
+) -> Result<()> {
+    let f = b.forward;
+    let (suffix, padded) = variant(f.q.dtype, dims.head_dim);
+    let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv])?;
+    // Δ per query, from the caching allocator, returned (in stream order) after the launches.
+    let delta = Scratch::new(backend, (dims.batch * dims.heads * dims.queries * 4) as u64)?;
+    let lse = Param::U64(element_address(&f.lse));
+    if dims.queries > 0 {
+        // Q and dO, two buffers each of K and V; the block's log-sum-exp and Δ.
+        let config = config(dims.queries, dims.batch * dims.heads, padded, 6, 2 * ROWS);
+        let params = [
+            address(&f.q),
+            address(&f.k),
+            address(&f.v),
+            address(&f.out),
+            address(&b.dout),
+            lse,
+            address(&b.dq),
+            Param::U64(delta.address()),
+        ];
+        let name = ("attention_wgmma_backward_dq", suffix);
+        launch(backend, "attention_backward", name, config, &params, args)?;
+    }
+    if dims.keys > 0 {
+        // K and V, two buffers each of Q and dO; both query buffers' statistics.
+        let config = config(dims.keys, dims.batch * dims.kv_heads, padded, 6, 4 * ROWS);
+        let params = [
+            address(&f.q),
+            address(&f.k),
+            address(&f.v),
+            address(&b.dout),
+            lse,
+            Param::U64(delta.address()),
+            address(&b.dk),
+            address(&b.dv),
+        ];
+        let name = ("attention_wgmma_backward_dkdv", suffix);
+        launch(backend, "attention_backward", name, config, &params, args)?;
+    }
+    backend.wgmma_backwards.fetch_add(1, Ordering::Relaxed);
     Ok(())
 }
 
@@ -92,6 +163,11 @@ impl CudaBackend {
     /// on a compute capability 9.0 device, f16/bf16, no packed sequences, no dropout).
     pub fn attention_wgmma_forwards(&self) -> u64 {
         self.wgmma_forwards.load(Ordering::Relaxed)
+    }
+
+    /// How many attention backwards ran on the Hopper wgmma kernels (as the forwards).
+    pub fn attention_wgmma_backwards(&self) -> u64 {
+        self.wgmma_backwards.load(Ordering::Relaxed)
     }
 }
 
@@ -105,8 +181,10 @@ mod tests {
         let ptx = Module::AttentionWgmma.ptx();
         assert!(ptx.contains(".target sm_90a"));
         for suffix in ["bf16_64", "bf16_128", "f16_64", "f16_128"] {
-            let entry = format!(".entry attention_wgmma_forward_{suffix}(");
-            assert!(ptx.contains(&entry), "{entry}");
+            for kernel in ["forward", "backward_dq", "backward_dkdv"] {
+                let entry = format!(".entry attention_wgmma_{kernel}_{suffix}(");
+                assert!(ptx.contains(&entry), "{entry}");
+            }
         }
     }
 }
