@@ -712,7 +712,8 @@ ATTENTION_GEMM_KERNELS(__half, f16)
 ATTENTION_GEMM_KERNELS(__nv_bfloat16, bf16)
 
 // Kernels per dtype and column count: `attention_forward_<dtype>_<dc>` and so on; head dims up to
-// 8·DC; with dropout `attention_forward_dropout_<dtype>_<dc>` and so on (no fused backward).
+// 8·DC; with dropout `attention_forward_dropout_<dtype>_<dc>` and so on (below, no fused
+// backward).
 // f32 and f64 only: f16 and bf16 take the tensor-core path above.
 #define ATTENTION_KERNELS_OF(T, N, DC, DROP, TAG)                                                        \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_forward##TAG##N##_##DC(             \
@@ -731,21 +732,26 @@ ATTENTION_GEMM_KERNELS(__nv_bfloat16, bf16)
     }
 #define ATTENTION_KERNELS(T, N, DC)                                                                      \
     ATTENTION_KERNELS_OF(T, N, DC, false, _)                                                             \
-    ATTENTION_KERNELS_OF(T, N, DC, true, _dropout_)                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_backward_fused_##N##_##DC(          \
         const T* q, const T* k, const T* v, const T* dout, const Acc<T>::type* lse,                     \
         const Acc<T>::type* delta, T* dq, T* dk, T* dv, AttnArgs a) {                                   \
         attention_backward_fused<T, DC>(q, k, v, dout, lse, delta, dq, dk, dv, a);                      \
     }
 
-#define ATTENTION_WIDTHS(T, N)   \
-    ATTENTION_KERNELS(T, N, 4)   \
-    ATTENTION_KERNELS(T, N, 8)   \
-    ATTENTION_KERNELS(T, N, 12)  \
+#define ATTENTION_WIDTHS(T, N) \
+    ATTENTION_KERNELS(T, N, 4)  \
+    ATTENTION_KERNELS(T, N, 8)  \
+    ATTENTION_KERNELS(T, N, 12) \
     ATTENTION_KERNELS(T, N, 16)
 
 ATTENTION_WIDTHS(float, f32)
 ATTENTION_WIDTHS(double, f64)
+
+// Dropout builds (each a whole set of unrolled kernels in the committed PTX, so only these):
+// f32 at DC 8 and 16, f64 at 16; register_tiled.rs pads a dropping call's head dim to them.
+ATTENTION_KERNELS_OF(float, f32, 8, true, _dropout_)
+ATTENTION_KERNELS_OF(float, f32, 16, true, _dropout_)
+ATTENTION_KERNELS_OF(double, f64, 16, true, _dropout_)
 
 #define ATTENTION_DELTA_ZERO(T, N)                                                                       \
     extern "C" __global__ void attention_backward_delta_zero_##N(const T* o, const T* dout,             \

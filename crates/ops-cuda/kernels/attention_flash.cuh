@@ -560,11 +560,12 @@ __device__ void flash_backward_dkdv(const typename M::Elem* q, const typename M:
 
 
 // The three kernels of policy M at padded head dim DP, named `attention_<FAMILY>_forward_<SUFFIX>`,
-// `..._backward_dq_...` and `..._backward_dkdv_...`, 128 threads each, and the same three with
-// dropout (`attention_<FAMILY>_forward_dropout_<SUFFIX>` and so on; separate builds, so the
-// plain kernels keep their registers): the forward and dQ kernels take 64·MW queries a block
-// (16·MW a warp) and stream KR keys at a time, the dK/dV kernel 64 keys and KR queries, its
-// registers bounded to fit MINB blocks an SM. The host's tile shapes
+// `..._backward_dq_...` and `..._backward_dkdv_...`, 128 threads each; FLASH_KERNELS_WITH_DROPOUT
+// adds the same three with dropout (`attention_<FAMILY>_forward_dropout_<SUFFIX>` and so on;
+// separate builds, so the plain kernels keep their registers; built at the head dims the host
+// sends dropout to, each a whole PTX's worth of unrolled code): the forward and dQ kernels take
+// 64·MW queries a block (16·MW a warp) and stream KR keys at a time, the dK/dV kernel 64 keys and
+// KR queries, its registers bounded to fit MINB blocks an SM. The host's tile shapes
 // (crates/ops-cuda/src/attention/tensor_core.rs) must say the same.
 #define FLASH_KERNELS_OF(M, FAMILY, SUFFIX, DP, FWD_MW, FWD_KR, DQ_MW, DQ_KR, DKDV_KR, MINB, DROP, TAG)    \
     extern "C" __global__ void __launch_bounds__(128) attention_##FAMILY##_forward##TAG##SUFFIX(         \
@@ -584,5 +585,7 @@ __device__ void flash_backward_dkdv(const typename M::Elem* q, const typename M:
         flash_backward_dkdv<M, DP, DKDV_KR, 64, DROP>(q, k, v, dout, lse, delta, dk, dv, a);               \
     }
 #define FLASH_KERNELS(M, FAMILY, SUFFIX, DP, FWD_MW, FWD_KR, DQ_MW, DQ_KR, DKDV_KR, MINB)                  \
+    FLASH_KERNELS_OF(M, FAMILY, SUFFIX, DP, FWD_MW, FWD_KR, DQ_MW, DQ_KR, DKDV_KR, MINB, false, _)
+#define FLASH_KERNELS_WITH_DROPOUT(M, FAMILY, SUFFIX, DP, FWD_MW, FWD_KR, DQ_MW, DQ_KR, DKDV_KR, MINB)     \
     FLASH_KERNELS_OF(M, FAMILY, SUFFIX, DP, FWD_MW, FWD_KR, DQ_MW, DQ_KR, DKDV_KR, MINB, false, _)         \
     FLASH_KERNELS_OF(M, FAMILY, SUFFIX, DP, FWD_MW, FWD_KR, DQ_MW, DQ_KR, DKDV_KR, MINB, true, _dropout_)

@@ -22,12 +22,16 @@
 // with 32 streamed rows (forward at 3 blocks an SM 345 against 314 µs, dK/dV at 4 blocks 665
 // against 595 µs) and the dQ kernel with 32 queries a warp (450 against 420 µs). Above 64 a warp
 // holds 16 queries, which keeps the forward off spills.
+// Dropout builds for bf16 at 64 and 128 only (each is a whole set of unrolled kernels in the
+// committed PTX): tensor_core.rs pads a dropping call's head dim to one of them.
 #define TC_NARROW(M, SUFFIX, DP) FLASH_KERNELS(M, tc, SUFFIX, DP, 2, 64, 1, 64, 64, 3)
 #define TC_WIDE(M, SUFFIX, DP) FLASH_KERNELS(M, tc, SUFFIX, DP, 1, 64, 1, 64, 64, 1)
+#define TC_NARROW_DROPOUT(M, SUFFIX, DP) FLASH_KERNELS_WITH_DROPOUT(M, tc, SUFFIX, DP, 2, 64, 1, 64, 64, 3)
+#define TC_WIDE_DROPOUT(M, SUFFIX, DP) FLASH_KERNELS_WITH_DROPOUT(M, tc, SUFFIX, DP, 1, 64, 1, 64, 64, 1)
 TC_NARROW(TcBf16, bf16_32, 32)
-TC_NARROW(TcBf16, bf16_64, 64)
+TC_NARROW_DROPOUT(TcBf16, bf16_64, 64)
 TC_WIDE(TcBf16, bf16_96, 96)
-TC_WIDE(TcBf16, bf16_128, 128)
+TC_WIDE_DROPOUT(TcBf16, bf16_128, 128)
 TC_NARROW(TcF16, f16_32, 32)
 TC_NARROW(TcF16, f16_64, 64)
 TC_WIDE(TcF16, f16_96, 96)

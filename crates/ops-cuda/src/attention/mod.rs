@@ -5,11 +5,12 @@
 //! - f32 takes the split-TF32 tensor-core kernels of `kernels/attention_tf32.cu`
 //!   (`tensor_core.rs`) when their alignment rule holds (`tensor_core::fits`: head dims multiples
 //!   of 4 up to 128, operands 4-element aligned, buffers 16-byte aligned), else, like f64, the
-//!   register-tiled kernels of `kernels/attention.cu` (`register_tiled.rs`). Setting
+//!   register-tiled kernels of `kernels/attention.cu` (`register_tiled.rs`), which also take every
+//!   f32 call with dropout. Setting
 //!   `HEADROOM_ATTENTION_F32=register-tiled` ([`F32_KERNEL_VARIABLE`]) sends every f32 call to the
 //!   register-tiled kernels (plain f32 FMAs rather than split TF32 products: results differ in
 //!   the last bits).
-//! - f16 and bf16 on a compute capability 9.0 device with `HEADROOM_ATTENTION_WGMMA=1` take the
+//! - bf16 on a compute capability 9.0 device with `HEADROOM_ATTENTION_WGMMA=1` takes the
 //!   Hopper `wgmma` kernels of `kernels/attention_wgmma_sm90a.cu` (`wgmma.rs`; opt-in while
 //!   measured; no packed sequences or dropout yet), forward and backward, with the same saved
 //!   state as the mma.sync kernels.
@@ -19,10 +20,14 @@
 //!   16-byte aligned), else cuBLAS tensor-core products over chunks of (batch, head) pairs with the
 //!   softmax and its gradient in kernels between them (`gemm.rs`).
 //!
-//! Dropout on the probabilities (`AttentionForward::dropout`) runs inside the fused kernels of
-//! every path but `gemm.rs`: the keep bit of each probability is derived from its index, in the
-//! forward and again in the backward, never stored. An f16/bf16 problem with dropout that the
-//! tensor-core kernels do not take is an `InvalidArgument` naming what they need.
+//! Dropout on the probabilities (`AttentionForward::dropout`) runs inside the fused kernels: the
+//! keep bit of each probability is derived from its index, in the forward and again in the
+//! backward, never stored. Only some builds have it (each is a whole PTX of unrolled code): the
+//! bf16 tensor-core kernels at padded head dims 64 and 128 (f16 has none), and the register-tiled ones (f32
+//! at column counts 8 and 16, f64 at 16), which take f32 and f64 with dropout; a smaller head
+//! dim runs padded.
+//! A 16-bit problem with dropout those kernels do not take (the cuBLAS path's, and f16) is an
+//! `InvalidArgument` naming what they need.
 //!
 //! Operands are `[batch, heads, rows, head_dim]` views with a contiguous head dim, described to
 //! the kernels by one `AttnArgs` (`args.rs`: offset and batch/head/row strides per operand), so
@@ -55,7 +60,7 @@ pub(crate) fn attention(backend: &CudaBackend, f: AttentionForward<'_>) -> Resul
         return Ok(());
     }
     if matches!(f.q.dtype, DType::F16 | DType::BF16) {
-        return if tensor_core::fits(&dims, &[f.q, f.k, f.v, f.out]) {
+        return if tensor_core::fits(&dims, &[f.q, f.k, f.v, f.out]) && no_f16_dropout(&f) {
             if wgmma::takes(backend, &f) {
                 wgmma::forward(backend, f, dims)
             } else {
@@ -66,7 +71,8 @@ pub(crate) fn attention(backend: &CudaBackend, f: AttentionForward<'_>) -> Resul
             gemm::forward(backend, f, dims)
         };
     }
-    if takes_split_tf32(&dims, &[f.q, f.k, f.v, f.out]) {
+    // f32 with dropout: the register-tiled kernels (the split-TF32 ones have no dropout build).
+    if f.dropout.is_none() && takes_split_tf32(&dims, &[f.q, f.k, f.v, f.out]) {
         return tensor_core::forward(backend, f, dims);
     }
     register_tiled::forward(backend, f, dims)
@@ -81,7 +87,7 @@ pub(crate) fn attention_backward(backend: &CudaBackend, b: AttentionBackward<'_>
     }
     if matches!(f.q.dtype, DType::F16 | DType::BF16) {
         let views = [f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv];
-        return if tensor_core::fits(&dims, &views) {
+        return if tensor_core::fits(&dims, &views) && no_f16_dropout(&f) {
             if wgmma::takes(backend, &f) {
                 wgmma::backward(backend, b, dims)
             } else {
@@ -93,15 +99,20 @@ pub(crate) fn attention_backward(backend: &CudaBackend, b: AttentionBackward<'_>
         };
     }
     let views = [f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv];
-    let one_pass = register_tiled::fused_backward() && f.dropout.is_none();
-    if takes_split_tf32(&dims, &views) && !one_pass {
+    if f.dropout.is_none() && takes_split_tf32(&dims, &views) && !register_tiled::fused_backward() {
         return tensor_core::backward(backend, b, dims);
     }
     register_tiled::backward(backend, b, dims)
 }
 
-/// The cuBLAS path keeps its probabilities in scratch between library calls and has no dropout:
-/// an f16/bf16 problem with dropout must fit the tensor-core kernels.
+/// Whether `f` is not f16 with dropout (which has no tensor-core build: `no_dropout_in_gemm`
+/// answers it).
+fn no_f16_dropout(f: &AttentionForward<'_>) -> bool {
+    f.dropout.is_none() || f.q.dtype != DType::F16
+}
+
+/// Dropout in 16-bit attention runs in the bf16 tensor-core kernels alone: the cuBLAS path keeps
+/// its probabilities in scratch between library calls, and f16 has no dropout build.
 fn no_dropout_in_gemm(f: &AttentionForward<'_>, dims: &AttentionDims) -> Result<()> {
     if f.dropout.is_none() {
         return Ok(());
@@ -109,9 +120,10 @@ fn no_dropout_in_gemm(f: &AttentionForward<'_>, dims: &AttentionDims) -> Result<
     Err(TensorError::InvalidArgument {
         op: "attention",
         reason: format!(
-            "dropout in f16/bf16 attention runs in the tensor-core kernels, which need a head dim \
-             that is a multiple of 8 up to 128 (this one is {}) and operands whose offsets and \
-             strides are multiples of 8 elements; run this attention in f32, or without dropout",
+            "dropout in 16-bit attention runs in the bf16 tensor-core kernels, which need a head \
+             dim that is a multiple of 8 up to 128 (this one is {}) and operands whose offsets \
+             and strides are multiples of 8 elements; run this attention in bf16 or f32 (f16 has \
+             no dropout build), or without dropout",
             dims.head_dim
         ),
     })

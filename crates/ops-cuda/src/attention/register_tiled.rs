@@ -6,7 +6,9 @@
 //! head columns of the output tile in registers (`dc` = 4, 8, 12 or 16: head dims up to 128).
 //! The dK/dV blocks take one (batch, key/value head) pair and sum its group's query heads in
 //! registers; packed sequences' boundaries travel in `AttnArgs`.
-//! `Δ` lives in scratch from the caching allocator for the duration of the backward.
+//! `Δ` lives in scratch from the caching allocator for the duration of the backward. With dropout
+//! the kernels are their `_dropout_` builds (f32 at `dc` 8 or 16, f64 at 16: the head dim padded
+//! to 64 or 128), every probability's keep bit derived from its index.
 //!
 //! With `HEADROOM_ATTENTION_FUSED_BACKWARD=1` ([`FUSED_BACKWARD_VARIABLE`]) the backward is one
 //! pass over the keys instead: a kernel writes `Δ` and zeroes dQ, then each 32-key block computes
@@ -37,8 +39,11 @@ const ROWS: usize = 32;
 const WEIGHT_STRIDE: usize = 36;
 
 /// Output columns per thread for `head_dim` (head dims up to 8 × that), and the kernel suffix.
-fn variant(dtype: DType, head_dim: usize) -> Result<(usize, &'static str)> {
+fn variant(dtype: DType, head_dim: usize, dropout: bool) -> Result<(usize, &'static str)> {
     let dc = match head_dim {
+        // The dropout builds: f32 at DC 8 and 16, f64 at 16 (head dims padded to 64 or 128).
+        0..=64 if dropout && dtype == DType::F32 => 8,
+        0..=128 if dropout => 16,
         0..=32 => 4,
         33..=64 => 8,
         65..=96 => 12,
@@ -155,7 +160,7 @@ pub(crate) fn forward(
     f: AttentionForward<'_>,
     dims: AttentionDims,
 ) -> Result<()> {
-    let (dc, suffix) = variant(f.q.dtype, dims.head_dim)?;
+    let (dc, suffix) = variant(f.q.dtype, dims.head_dim, f.dropout.is_some())?;
     let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out])?;
     let config = config(&dims, Kernel::Forward, dc, dims.queries, f.q.dtype)?;
     let params = [f.q, f.k, f.v, f.out, f.lse].map(|v| address(&v));
@@ -184,7 +189,7 @@ pub(crate) fn backward(
     dims: AttentionDims,
 ) -> Result<()> {
     let f = b.forward;
-    let (dc, suffix) = variant(f.q.dtype, dims.head_dim)?;
+    let (dc, suffix) = variant(f.q.dtype, dims.head_dim, f.dropout.is_some())?;
     let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv])?;
     let stats = stats_bytes(f.q.dtype);
     let rows = dims.batch * dims.heads * dims.queries;

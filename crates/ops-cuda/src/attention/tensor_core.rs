@@ -115,16 +115,12 @@ const TF32_KERNELS: [&str; 3] = [
     "attention_tf32_backward_dq",
     "attention_tf32_backward_dkdv",
 ];
-/// The same built with dropout (`attention_flash.cuh`'s `DROP`).
+/// The same built with dropout (`attention_flash.cuh`'s `DROP`), bf16 at padded head dims 64
+/// and 128 only (f32 with dropout takes the register-tiled kernels; f16 has none).
 const TC_DROPOUT_KERNELS: [&str; 3] = [
     "attention_tc_forward_dropout",
     "attention_tc_backward_dq_dropout",
     "attention_tc_backward_dkdv_dropout",
-];
-const TF32_DROPOUT_KERNELS: [&str; 3] = [
-    "attention_tf32_forward_dropout",
-    "attention_tf32_backward_dq_dropout",
-    "attention_tf32_backward_dkdv_dropout",
 ];
 
 /// One of a family's kernels.
@@ -151,24 +147,34 @@ struct Variant {
 
 impl Variant {
     /// The kernels for `dtype` and `head_dim` with a streamed side of `streamed_rows`, built
-    /// with dropout when `dropout`.
+    /// with dropout when `dropout` (16-bit only; the head dim padded to 64 or 128).
     fn new(dtype: DType, head_dim: usize, streamed_rows: usize, dropout: bool) -> Result<Variant> {
-        let padded = head_dim.div_ceil(32).max(1) * 32;
+        let padded = match head_dim.div_ceil(32).max(1) * 32 {
+            padded if dropout && padded <= 64 => 64,
+            _ if dropout => 128,
+            padded => padded,
+        };
         let uniform = |streamed| {
             [TileShape {
                 rows: ROWS,
                 streamed,
             }; 3]
         };
-        let (tc_names, tf32_names) = if dropout {
-            (&TC_DROPOUT_KERNELS, &TF32_DROPOUT_KERNELS)
+        let tc_names = if dropout {
+            &TC_DROPOUT_KERNELS
         } else {
-            (&TC_KERNELS, &TF32_KERNELS)
+            &TC_KERNELS
         };
         let (module, names, pad, shapes) = match dtype {
+            DType::F32 | DType::F16 if dropout => {
+                return Err(TensorError::InvalidArgument {
+                    op: "attention",
+                    reason: format!("no {dtype:?} tensor-core attention kernel with dropout"),
+                })
+            }
             DType::F32 => (
                 Module::AttentionTf32,
-                tf32_names,
+                &TF32_KERNELS,
                 4,
                 uniform(f32_streamed_tile_rows(padded, streamed_rows)),
             ),
@@ -453,9 +459,14 @@ mod tests {
     fn every_variant_names_kernels_of_its_module() {
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             for head_dim in [8, 32, 40, 64, 72, 96, 104, 128] {
-                for (streamed_rows, dropout) in [100, 2048]
+                let dropouts: &[bool] = if dtype == DType::BF16 {
+                    &[false, true]
+                } else {
+                    &[false]
+                };
+                for (streamed_rows, &dropout) in [100, 2048]
                     .into_iter()
-                    .flat_map(|rows| [(rows, false), (rows, true)])
+                    .flat_map(|rows| dropouts.iter().map(move |dropout| (rows, dropout)))
                 {
                     let variant = Variant::new(dtype, head_dim, streamed_rows, dropout).unwrap();
                     let ptx = variant.module.ptx();

@@ -3,8 +3,8 @@
 //! shared-memory tiles, one warpgroup a block taking 64 own rows and streaming the other side 64
 //! rows at a time. Opt-in while it is being measured against the mma.sync kernels
 //! (`HEADROOM_ATTENTION_WGMMA=1`, [`WGMMA_VARIABLE`]), on a device of compute capability 9.0 (the
-//! PTX is sm_90a), for what `tensor_core.rs` takes (the caller checked `fits`) without packed
-//! sequences or dropout; its saved state is that path's (one f32 log-sum-exp per query), so
+//! PTX is sm_90a), for the bf16 problems `tensor_core.rs` takes (the caller checked `fits`)
+//! without packed sequences or dropout; its saved state is that path's (one f32 log-sum-exp per query), so
 //! either backward follows either forward.
 //!
 //! This path sits on the attention family's `args.rs` and the ground floor, and imports no other
@@ -31,9 +31,9 @@ const ROWS: usize = 64;
 const ATOM_BYTES: usize = 8192;
 
 /// Whether `f` runs on the wgmma kernels: the variable says so, the device is Hopper, the dtype
-/// 16-bit, and no packed sequences or dropout ask for what they lack.
+/// bf16 (the builds committed), and no packed sequences or dropout ask for what they lack.
 pub(crate) fn takes(backend: &CudaBackend, f: &AttentionForward<'_>) -> bool {
-    matches!(f.q.dtype, DType::BF16 | DType::F16)
+    f.q.dtype == DType::BF16
         && f.packed.is_none()
         && f.dropout.is_none()
         && std::env::var(WGMMA_VARIABLE).is_ok_and(|value| value == "1")
@@ -45,13 +45,9 @@ pub(crate) fn takes(backend: &CudaBackend, f: &AttentionForward<'_>) -> bool {
 
 /// The kernels' suffix and padded head dim for `dtype` and `head_dim` (at most 128).
 fn variant(dtype: DType, head_dim: usize) -> (&'static str, usize) {
+    debug_assert_eq!(dtype, DType::BF16, "checked by `takes`");
     let padded = if head_dim <= 64 { 64 } else { 128 };
-    let suffix = match (dtype, padded) {
-        (DType::BF16, 64) => "bf16_64",
-        (DType::BF16, _) => "bf16_128",
-        (_, 64) => "f16_64",
-        _ => "f16_128",
-    };
+    let suffix = if padded == 64 { "bf16_64" } else { "bf16_128" };
     (suffix, padded)
 }
 
@@ -180,7 +176,7 @@ mod tests {
     fn every_launched_kernel_is_in_the_ptx() {
         let ptx = Module::AttentionWgmma.ptx();
         assert!(ptx.contains(".target sm_90a"));
-        for suffix in ["bf16_64", "bf16_128", "f16_64", "f16_128"] {
+        for suffix in ["bf16_64", "bf16_128"] {
             for kernel in ["forward", "backward_dq", "backward_dkdv"] {
                 let entry = format!(".entry attention_wgmma_{kernel}_{suffix}(");
                 assert!(ptx.contains(&entry), "{entry}");
