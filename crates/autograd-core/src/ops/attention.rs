@@ -272,16 +272,22 @@ pub fn scaled_dot_product_attention(
 /// [`TensorError::InvalidArgument`].
 ///
 /// ```
-/// use headroom_autograd_core::{scaled_dot_product_attention_dropout, Generator, Tensor};
-/// # use headroom_autograd_core::BackendRef;
-/// # fn run(backend: &BackendRef) -> headroom_autograd_core::Result<()> {
-/// let q = Tensor::from_slice(backend, &[0.5f32; 2 * 4 * 8], &[1, 2, 4, 8])?;
+/// use headroom_autograd_core::{
+///     scaled_dot_product_attention, scaled_dot_product_attention_dropout, Generator, Tensor,
+/// };
+/// use headroom_ops_cpu::CpuBackend;
+///
+/// let cpu = CpuBackend::new_ref();
+/// let values: Vec<f32> = (0..2 * 4 * 8).map(|i| (i % 7) as f32 / 7.0).collect();
+/// let q = Tensor::from_slice(&cpu, &values, &[1, 2, 4, 8]).unwrap();
 /// let generator = Generator::new(0);
-/// let out = scaled_dot_product_attention_dropout(&q, &q, &q, true, None, 0.1, &generator)?;
-/// assert_eq!(out.shape(), &[1, 2, 4, 8]);
+/// let dropped =
+///     scaled_dot_product_attention_dropout(&q, &q, &q, true, None, 0.5, &generator).unwrap();
+/// // One draw of batch · heads · queries · keys numbers; backward replays it.
 /// assert_eq!(generator.state().offset, 2 * 4 * 4);
-/// # Ok(())
-/// # }
+/// let plain = scaled_dot_product_attention(&q, &q, &q, true, None).unwrap();
+/// assert_eq!(dropped.shape(), plain.shape());
+/// assert_ne!(dropped.to_vec_f64().unwrap(), plain.to_vec_f64().unwrap());
 /// ```
 pub fn scaled_dot_product_attention_dropout(
     q: &Tensor,
