@@ -1,4 +1,4 @@
-// Attention for f16 and bf16 on Hopper's warpgroup MMA (issue 35), forward and backward:
+// Attention for bf16 on Hopper's warpgroup MMA (issue 35), forward and backward:
 // `wgmma.mma_async` with the row-by-row products (S = Q·Kᵀ, dP = dO·Vᵀ and their transposes) from
 // two shared-memory tiles and the weighted ones (P·V, dS·K, Pᵀ·dO, dSᵀ·Q) with the weights from
 // registers, every tile in the 128-byte-swizzled layout wgmma reads (loaded with cp.async; no TMA
@@ -12,7 +12,8 @@
 // build-kernels` (a `*_sm90a.cu` source); crates/ops-cuda/src/attention/wgmma.rs launches them on
 // a device of compute capability 9.0 when HEADROOM_ATTENTION_WGMMA=1, head dims up to 128, no
 // packed sequences and no dropout; everything else keeps the mma.sync kernels. bf16 only for now
-// (each build is a whole set of unrolled kernels in the committed PTX); the f16 policy is here.
+// (each build is a whole set of unrolled kernels in the committed PTX): an f16 build needs the
+// `.f16.f16` forms of the three wrappers below and a `Wg<__half>`.
 
 #include "attention_tc.cuh"
 
@@ -52,43 +53,7 @@ __device__ __forceinline__ void wgmma_rs_n128_bf16(float (&d)[16][4], const unsi
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
-// d (m64n64, f32) = A · Bᵀ (+ d when `accumulate`): both from shared memory, K-major
-// (128-byte swizzle). f16.
-__device__ __forceinline__ void wgmma_ss_n64_f16(float (&d)[8][4], unsigned long long desc_a,
-                                            unsigned long long desc_b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-// d (m64n64, f32) += A · B: A from registers (the m64k16 fragment), B from shared memory
-// MN-major (transposed; 128-byte swizzle). f16.
-__device__ __forceinline__ void wgmma_rs_n64_f16(float (&d)[8][4], const unsigned int (&a)[4],
-                                            unsigned long long desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-
-// d (m64n128, f32) += A · B: A from registers (the m64k16 fragment), B from shared memory
-// MN-major (transposed; 128-byte swizzle). f16.
-__device__ __forceinline__ void wgmma_rs_n128_f16(float (&d)[16][4], const unsigned int (&a)[4],
-                                            unsigned long long desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-
-// The storage dtype's wgmma products.
+// The storage dtype's wgmma products (bf16: the builds committed).
 template <typename T> struct Wg;
 template <> struct Wg<__nv_bfloat16> {
     static __device__ __forceinline__ void ss_n64(float (&d)[8][4], unsigned long long a, unsigned long long b,
@@ -101,19 +66,6 @@ template <> struct Wg<__nv_bfloat16> {
     static __device__ __forceinline__ void rs_n128(float (&d)[16][4], const unsigned int (&a)[4],
                                                    unsigned long long b) {
         wgmma_rs_n128_bf16(d, a, b);
-    }
-};
-template <> struct Wg<__half> {
-    static __device__ __forceinline__ void ss_n64(float (&d)[8][4], unsigned long long a, unsigned long long b,
-                                                  int accumulate) {
-        wgmma_ss_n64_f16(d, a, b, accumulate);
-    }
-    static __device__ __forceinline__ void rs_n64(float (&d)[8][4], const unsigned int (&a)[4], unsigned long long b) {
-        wgmma_rs_n64_f16(d, a, b);
-    }
-    static __device__ __forceinline__ void rs_n128(float (&d)[16][4], const unsigned int (&a)[4],
-                                                   unsigned long long b) {
-        wgmma_rs_n128_f16(d, a, b);
     }
 };
 

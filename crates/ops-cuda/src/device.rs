@@ -67,6 +67,8 @@ pub struct CudaBackend {
     pub(crate) profiler: OpProfiler,
     /// Whether a CUDA graph capture runs, and why its step cannot be captured (`graph.rs`).
     pub(crate) capture: CaptureState,
+    /// The device's compute capability, (major, minor), read once.
+    compute_capability: (i32, i32),
     /// Attention forwards and backwards run on the Hopper wgmma kernels (`attention/wgmma.rs`).
     pub(crate) wgmma_forwards: AtomicU64,
     pub(crate) wgmma_backwards: AtomicU64,
@@ -148,6 +150,9 @@ impl CudaBackend {
         // storage, which destroys it, lives in the backend's allocator, which outlives every user
         // of the wrapper (the backend's fields and the cuBLAS state released in `Drop`).
         let stream = unsafe { context.wrap_borrowed_stream(compute_stream.cast()) };
+        let compute_capability = context
+            .compute_capability()
+            .map_err(|e| no_device(e.to_string()))?;
         Ok(Arc::new(CudaBackend {
             ordinal,
             context,
@@ -161,6 +166,7 @@ impl CudaBackend {
             deferred_index_checks: Mutex::new(None),
             profiler: OpProfiler::default(),
             capture: CaptureState::default(),
+            compute_capability,
             wgmma_forwards: AtomicU64::new(0),
             wgmma_backwards: AtomicU64::new(0),
         }))
@@ -184,13 +190,8 @@ impl CudaBackend {
     }
 
     /// The device's compute capability, (major, minor): (9, 0) on an H100 or H200.
-    pub fn compute_capability(&self) -> std::result::Result<(i32, i32), CudaError> {
-        self.context
-            .compute_capability()
-            .map_err(|e| CudaError::NoDevice {
-                ordinal: self.ordinal,
-                reason: e.to_string(),
-            })
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.compute_capability
     }
 
     /// The number of frees that failed since creation, and the first failure.

@@ -55,7 +55,7 @@ fn the_wgmma_forward_matches_the_cpu() {
     let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
         return;
     };
-    if cuda.compute_capability().unwrap() != (9, 0) {
+    if cuda.compute_capability() != (9, 0) {
         headroom_testkit::gpu::skip("the wgmma kernels need compute capability 9.0");
         return;
     }

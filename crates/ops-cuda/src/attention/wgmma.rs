@@ -37,10 +37,7 @@ pub(crate) fn takes(backend: &CudaBackend, f: &AttentionForward<'_>) -> bool {
         && f.packed.is_none()
         && f.dropout.is_none()
         && std::env::var(WGMMA_VARIABLE).is_ok_and(|value| value == "1")
-        && backend
-            .context
-            .compute_capability()
-            .is_ok_and(|cc| cc == (9, 0))
+        && backend.compute_capability() == (9, 0)
 }
 
 /// The kernels' suffix and padded head dim for `dtype` and `head_dim` (at most 128).
