@@ -33,7 +33,8 @@
 #   bash scripts/gpu-measure.sh PHASE...      PHASE: tests vit gpt2 fmb fmb-llama planner reclaim
 #                                                    noreclaim plugin benches llama llama8b fp8
 #                                                    fp8-torch
-#                                                    llama-parity kernels fused-ce plans
+#                                                    llama-parity kernels sanitizer
+#                                                    fused-ce plans
 #                                                    find-max-model
 #                                                    allocator-benches cpu-benches
 #
@@ -96,6 +97,9 @@
 # kernels  ops-cuda's criterion kernels bench (copy ceiling, RMSNorm, SwiGLU, rotary, grouped-
 #          query and packed attention; kernels.txt) and torch SDPA on cuDNN at the same
 #          attention shape (scripts/pytorch/attention_reference.py)
+# sanitizer  compute-sanitizer memcheck and racecheck over the attention parity tests (the
+#          wgmma binary, parity's attention:: tests but the Llama-sized one), 4 steps of at
+#          most 4 minutes each
 # fused-ce linear_cross_entropy at Llama-3.2-1B's head (.gpu-bundle/benches/fused_ce_bench,
 #          ops-cuda's example) and scripts/pytorch/fused_ce_reference.py (eager, Liger, Cut
 #          Cross-Entropy: install their wheels into PYTHONPATH first)
@@ -383,6 +387,18 @@ for phase in "$@"; do
       bench_step kernels kernels.txt "$(bench_exe kernels)" --bench
       step attention_torch python3 scripts/pytorch/attention_reference.py \
         --out "$out/attention_reference.jsonl" ;;
+    sanitizer)
+      # Issue 35: compute-sanitizer's memcheck and racecheck over the attention kernels' parity
+      # tests (the wgmma binary; parity's attention tests but the Llama-sized one, which the
+      # tools would take minutes over). --error-exitcode makes a reported hazard fail the step.
+      parity=$(ls "$bin"/parity-* | head -1) wgmma=$(ls "$bin"/attention_wgmma-* | head -1)
+      for tool in memcheck racecheck; do
+        step "sanitizer_${tool}_wgmma" timeout 240 compute-sanitizer --tool "$tool" \
+          --error-exitcode 86 "$wgmma" --include-ignored --test-threads 1
+        step "sanitizer_${tool}_attention" timeout 240 compute-sanitizer --tool "$tool" \
+          --error-exitcode 86 "$parity" --include-ignored --test-threads 1 attention:: \
+          --skip at_the_llama_target_shape
+      done ;;
     fused-ce)
       # Issue 31: linear_cross_entropy at Llama-3.2-1B's head (8192 tokens, bf16) beside eager
       # PyTorch, Liger and Cut Cross-Entropy (wheels installed by the caller into PYTHONPATH).
@@ -396,8 +412,8 @@ for phase in "$@"; do
       bench_step cpu_vit cpu_vit.txt "$(bench_exe cpu_vit)" --bench
       bench_step cpu_gemm cpu_gemm.txt "$(bench_exe cpu_gemm)" --bench ;;
     *) echo "unknown phase $phase (tests vit gpt2 fmb fmb-llama planner reclaim noreclaim" \
-         "plugin benches llama llama8b llama-parity kernels fused-ce plans find-max-model" \
-         "allocator-benches cpu-benches)" >&2; exit 2 ;;
+         "plugin benches llama llama8b llama-parity kernels sanitizer fused-ce plans" \
+         "find-max-model allocator-benches cpu-benches)" >&2; exit 2 ;;
   esac
 done
 rm -rf "$criterion_home"
