@@ -390,15 +390,19 @@ for phase in "$@"; do
     sanitizer)
       # Issue 35: compute-sanitizer's memcheck and racecheck over the attention kernels' parity
       # tests (the wgmma binary; parity's attention tests but the Llama-sized one, which the
-      # tools would take minutes over). --error-exitcode makes a reported hazard fail the step.
+      # tools would take minutes over). --error-exitcode makes a reported hazard fail the step;
+      # HEADROOM_NO_CUDA_MEMORY_CACHING=1 gives each tensor its own driver allocation, so an
+      # access past a tensor's end is not hidden inside a cached segment.
       parity=$(ls "$bin"/parity-* | head -1) wgmma=$(ls "$bin"/attention_wgmma-* | head -1)
+      export HEADROOM_NO_CUDA_MEMORY_CACHING=1
       for tool in memcheck racecheck; do
         step "sanitizer_${tool}_wgmma" timeout 240 compute-sanitizer --tool "$tool" \
           --error-exitcode 86 "$wgmma" --include-ignored --test-threads 1
         step "sanitizer_${tool}_attention" timeout 240 compute-sanitizer --tool "$tool" \
           --error-exitcode 86 "$parity" --include-ignored --test-threads 1 attention:: \
           --skip at_the_llama_target_shape
-      done ;;
+      done
+      unset HEADROOM_NO_CUDA_MEMORY_CACHING ;;
     fused-ce)
       # Issue 31: linear_cross_entropy at Llama-3.2-1B's head (8192 tokens, bf16) beside eager
       # PyTorch, Liger and Cut Cross-Entropy (wheels installed by the caller into PYTHONPATH).

@@ -58,7 +58,9 @@ pub use allocator::{
     Allocation, AllocatorId, CachingAllocator, ContextGuard, PrivatePoolId, PrivatePoolUsage,
     PRIVATE_POOL_STREAM_BASE,
 };
-pub use config::{AllocatorConfig, AllocatorConfigBuilder, ALLOC_CONF_ENV, ROUNDUP_INTERVALS};
+pub use config::{
+    AllocatorConfig, AllocatorConfigBuilder, ALLOC_CONF_ENV, NO_CACHING_ENV, ROUNDUP_INTERVALS,
+};
 pub use error::{AllocError, OutOfMemoryReport, PrivatePoolMisuse};
 pub use history::HistoryOptions;
 pub use replay::{

@@ -504,3 +504,69 @@ fn statistics_flatten_and_reset_like_pytorch() {
     allocator.free(b).unwrap();
     assert_eq!(allocator.memory_stats().allocated_bytes.all.freed, 1024);
 }
+
+/// `caching:False` (`HEADROOM_NO_CUDA_MEMORY_CACHING=1`, PyTorch's
+/// `PYTORCH_NO_CUDA_MEMORY_CACHING=1`): each request is a segment of its rounded size, returned
+/// to the storage when its free completes — at once, or once the events of the streams that used
+/// it have passed — so reserved memory is allocated memory. Expandable segments are not used even
+/// when the config asks for them; a private pool keeps caching its blocks; a full storage is the
+/// typed out-of-memory error, and room freed makes the next request succeed.
+#[test]
+fn without_caching_every_request_is_its_own_segment_freed_at_once() {
+    let storage = SimulatedStorage::new(64 * MIB);
+    let events = storage.event_control();
+    let config = AllocatorConfig::builder().caching(false).build().unwrap();
+    assert!(
+        config.expandable_segments(),
+        "the default asks for expandable segments"
+    );
+    let allocator = CachingAllocator::new(storage, config);
+
+    let small = allocator.allocate(1000, StreamId::DEFAULT).unwrap();
+    let large = allocator.allocate(3 * MIB + 1, StreamId::DEFAULT).unwrap();
+    assert_eq!((small.size(), large.size()), (1024, 3 * MIB + 512));
+    assert_eq!(allocator.memory_reserved(), 1024 + 3 * MIB + 512);
+    assert_eq!(allocator.memory_stats().segment.all.current, 2);
+    allocator.free(small).unwrap();
+    assert_eq!(allocator.memory_reserved(), 3 * MIB + 512);
+    assert_eq!(allocator.memory_stats().num_device_free, 1);
+
+    // Another stream used it: the segment stays until that stream's event has passed.
+    allocator.record_stream(&large, StreamId(3)).unwrap();
+    allocator.free(large).unwrap();
+    assert_eq!(allocator.memory_reserved(), 3 * MIB + 512);
+    events.complete_all();
+    let next = allocator.allocate(512, StreamId::DEFAULT).unwrap();
+    assert_eq!(allocator.memory_reserved(), 512);
+    assert_eq!(allocator.memory_allocated(), 512);
+    allocator.free(next).unwrap();
+    assert_eq!(allocator.memory_reserved(), 0);
+
+    // A private pool caches as usual: its freed block stays reserved, and is reused.
+    let pool = allocator.create_private_pool();
+    allocator
+        .begin_allocate_to_pool(StreamId::DEFAULT, pool)
+        .unwrap();
+    let routed = allocator.allocate(3 * MIB, StreamId::DEFAULT).unwrap();
+    let routed_address = routed.address();
+    allocator.free(routed).unwrap();
+    let again = allocator.allocate(3 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(again.address(), routed_address);
+    allocator.end_allocate_to_pool();
+    allocator.free(again).unwrap();
+    assert_eq!(allocator.memory_reserved(), 20 * MIB, "the pool's segment");
+    allocator.release_private_pool(pool).unwrap();
+    allocator.empty_cache().unwrap();
+    assert_eq!(allocator.memory_reserved(), 0);
+
+    // Out of memory is the typed error; freeing makes room.
+    let first = allocator.allocate(40 * MIB, StreamId::DEFAULT).unwrap();
+    let error = allocator.allocate(40 * MIB, StreamId::DEFAULT).unwrap_err();
+    assert!(matches!(error, AllocError::OutOfMemory(_)), "{error:?}");
+    allocator.free(first).unwrap();
+    let second = allocator.allocate(40 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(allocator.memory_reserved(), 40 * MIB);
+    allocator.free(second).unwrap();
+    assert_eq!(allocator.memory_reserved(), 0);
+    allocator.check_invariants().unwrap();
+}

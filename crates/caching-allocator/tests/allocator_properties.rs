@@ -52,6 +52,7 @@ fn config(index: usize) -> AllocatorConfig {
             .expandable_handle_size_mb(8)
             .build()
             .expect("valid config"),
+        5 => AllocatorConfig::parse("caching:False").expect("valid config"),
         _ => AllocatorConfig::parse(
             "expandable_segments:False,max_split_size_mb:24,roundup_power2_divisions:4",
         )
@@ -166,6 +167,11 @@ fn run_sequence(config_index: usize, ops: &[Op]) -> Result<(), TestCaseError> {
         }
         let in_use = allocator.with_storage(|storage| storage.bytes_in_use());
         prop_assert_eq!(in_use, stats.reserved_bytes.all.current as u64);
+        if !allocator.config().caching() {
+            // Nothing is cached: every segment is a block in use or waiting for its events.
+            prop_assert_eq!(stats.reserved_bytes.all.current, stats.active_bytes.all.current);
+            prop_assert_eq!(stats.segment.all.current, stats.active.all.current);
+        }
     }
 
     for allocation in live {
@@ -190,7 +196,7 @@ proptest! {
 
     #[test]
     fn random_sequences_keep_every_invariant(
-        config_index in 0usize..5,
+        config_index in 0usize..6,
         ops in prop::collection::vec(op(), 1..40),
     ) {
         run_sequence(config_index, &ops)?;

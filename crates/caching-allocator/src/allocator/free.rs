@@ -64,8 +64,7 @@ impl<S: Storage> State<S> {
         self.record(TraceAction::FreeRequested, address, requested, stream);
 
         if self.block(id).stream_uses.is_empty() {
-            self.free_block(id);
-            return Ok(());
+            return self.free_block(id);
         }
         self.deferred.push(id);
         self.insert_deferred_events()
@@ -95,8 +94,10 @@ impl<S: Storage> State<S> {
     }
 
     /// Returns a block whose client and streams are done with it to its pool, merging it with
-    /// free neighbours.
-    pub(super) fn free_block(&mut self, id: BlockId) {
+    /// free neighbours. With `caching:False` its segment then goes back to the storage, unless a
+    /// private pool holds it or requests are being routed (a capture may be under way; it waits
+    /// in the cache for the next `empty_cache`).
+    pub(super) fn free_block(&mut self, id: BlockId) -> Result<(), AllocError> {
         let b = self.block(id);
         let (pool, original_size, requested, address, stream) =
             (b.pool, b.size, b.requested, b.address, b.stream);
@@ -128,6 +129,16 @@ impl<S: Storage> State<S> {
             .active_bytes
             .update(pool, -(original_size as i64));
         self.stats.requested_bytes.update(pool, -(requested as i64));
+        let b = self.block(id);
+        if !self.config.caching
+            && self.routing.is_none()
+            && b.segment == SegmentKind::Classic
+            && !b.is_split()
+            && !self.in_live_pool(b.stream)
+        {
+            self.release_block(id)?;
+        }
+        Ok(())
     }
 
     /// Merges `source` into `target` if `source` is a free neighbour in the same mapped state;

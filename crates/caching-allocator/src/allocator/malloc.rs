@@ -108,6 +108,9 @@ impl<S: Storage> State<S> {
         } else {
             PoolKind::Large
         };
+        if !self.config.caching && !capturing {
+            return self.malloc_uncached(requested, size, pool, stream);
+        }
         let alloc_size = self.allocation_size(size);
 
         let mut found = self.get_free_block(pool, stream, size);
@@ -137,6 +140,28 @@ impl<S: Storage> State<S> {
         match found {
             Some(id) => Ok(self.alloc_found_block(id, requested, size, stream)),
             None => Err(self.out_of_memory(requested, alloc_size)),
+        }
+    }
+
+    /// With `caching:False`: a segment of exactly the rounded request, never split and never
+    /// reused (its free returns it, [`State::free_block`]). When the storage has no room, the
+    /// blocks a private pool no longer holds are released and the request tried once more.
+    fn malloc_uncached(
+        &mut self,
+        requested: u64,
+        size: u64,
+        pool: PoolKind,
+        stream: StreamId,
+    ) -> Result<BlockId, AllocError> {
+        let mut found = self.alloc_block(pool, stream, size, size)?;
+        if found.is_none() {
+            self.release_cached_blocks()?;
+            self.stats.num_alloc_retries += 1;
+            found = self.alloc_block(pool, stream, size, size)?;
+        }
+        match found {
+            Some(id) => Ok(self.alloc_found_block(id, requested, size, stream)),
+            None => Err(self.out_of_memory(requested, size)),
         }
     }
 

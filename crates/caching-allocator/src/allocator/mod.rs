@@ -270,7 +270,8 @@ impl<S: Storage> CachingAllocator<S> {
     /// An allocator over `storage`. Expandable segments are used when `config` asks for them and
     /// the storage can map pages.
     pub fn new(storage: S, config: AllocatorConfig) -> Self {
-        let expandable = config.expandable_segments && storage.supports_expandable_segments();
+        let expandable =
+            config.expandable_segments && config.caching && storage.supports_expandable_segments();
         let stats = MemoryStats {
             max_split_size: config.max_split_size.map_or(-1, |size| size as i64),
             ..MemoryStats::default()

@@ -129,7 +129,7 @@ impl<S: Storage> State<S> {
         Ok(())
     }
 
-    fn release_block(&mut self, id: BlockId) -> Result<(), AllocError> {
+    pub(super) fn release_block(&mut self, id: BlockId) -> Result<(), AllocError> {
         let b = self.block(id);
         let (address, size, pool, stream) = (b.address, b.size, b.pool, b.stream);
         self.storage.free_segment(address, size)?;

@@ -74,7 +74,7 @@ impl<S: Storage> State<S> {
                     break;
                 }
                 self.pending.get_mut(&stream).map(VecDeque::pop_front);
-                self.complete_event(event, id);
+                self.complete_event(event, id)?;
             }
             if self.pending.get(&stream).is_some_and(VecDeque::is_empty) {
                 self.pending.remove(&stream);
@@ -86,21 +86,27 @@ impl<S: Storage> State<S> {
     pub(super) fn synchronize_and_free_events(&mut self) -> Result<(), AllocError> {
         self.stats.num_sync_all_streams += 1;
         let pending = std::mem::take(&mut self.pending);
+        // Every event is completed even when one block's segment cannot be returned (caching
+        // off): the first such error is reported once the queues are empty.
+        let mut first_error = None;
         for (_, queue) in pending {
             for (event, id) in queue {
                 self.storage.synchronize_event(event)?;
-                self.complete_event(event, id);
+                if let Err(error) = self.complete_event(event, id) {
+                    first_error.get_or_insert(error);
+                }
             }
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 
-    fn complete_event(&mut self, event: EventId, id: BlockId) {
+    fn complete_event(&mut self, event: EventId, id: BlockId) -> Result<(), AllocError> {
         self.storage.release_event(event);
         let b = self.block_mut(id);
         b.event_count -= 1;
         if b.event_count == 0 && b.stream_uses.is_empty() {
-            self.free_block(id);
+            return self.free_block(id);
         }
+        Ok(())
     }
 }

@@ -9,7 +9,7 @@
 //! It sits on the config type and the one validation of the parent module, which every parsed
 //! string goes through. It must not know what the settings do to the policy, nor the builder.
 
-use super::{invalid, AllocatorConfig, ALLOC_CONF_ENV, ROUNDUP_INTERVALS};
+use super::{invalid, AllocatorConfig, ALLOC_CONF_ENV, NO_CACHING_ENV, ROUNDUP_INTERVALS};
 use crate::error::AllocError;
 
 impl AllocatorConfig {
@@ -37,6 +37,9 @@ impl AllocatorConfig {
     ///   reclaim);
     /// - `reclaim_settles`: `True`/`true` or `False`/`false` (Headroom's: whether reclaiming
     ///   leaves slack and backs off so that repeated steps stop moving pages);
+    /// - `caching`: `True`/`true` or `False`/`false` (Headroom's spelling of PyTorch's
+    ///   `PYTORCH_NO_CUDA_MEMORY_CACHING=1`: off, every request gets a segment of its own, freed
+    ///   as soon as its free completes, and `expandable_segments` is not used);
     /// - `backend`: only `native`; `cudaMallocAsync` is refused;
     /// - accepted and ignored, as they concern PyTorch's locking, pinned host memory or graph
     ///   capture: `release_lock_on_cudamalloc`, `throw_on_cudamalloc_oom`,
@@ -78,10 +81,12 @@ impl AllocatorConfig {
     }
 
     /// Reads [`ALLOC_CONF_ENV`] (`HEADROOM_ALLOC_CONF`) with [`AllocatorConfig::parse`]; unset
-    /// gives [`AllocatorConfig::default`]. A value that is not valid Unicode is
-    /// [`AllocError::InvalidConfig`] with the variable's name as the key.
+    /// gives [`AllocatorConfig::default`]. [`NO_CACHING_ENV`] (`HEADROOM_NO_CUDA_MEMORY_CACHING`)
+    /// set to `1` then turns caching off, as if the string ended in `caching:False`; set to
+    /// anything else but `0` or the empty string, it is an error. A value that is not valid
+    /// Unicode is [`AllocError::InvalidConfig`] with the variable's name as the key.
     pub fn from_env() -> Result<AllocatorConfig, AllocError> {
-        from_env_value(std::env::var(ALLOC_CONF_ENV))
+        from_env_value(std::env::var(ALLOC_CONF_ENV), std::env::var(NO_CACHING_ENV))
     }
 
     /// A string that [`AllocatorConfig::parse`] reads back to a config equal to this one, except
@@ -153,6 +158,9 @@ impl AllocatorConfig {
                 "False"
             }
         ));
+        if !self.caching {
+            items.push("caching:False".to_owned());
+        }
         items.join(",")
     }
 }
@@ -170,16 +178,38 @@ const IGNORED_KEYS: [&str; 9] = [
     "pinned_max_cached_size_mb",
 ];
 
-/// [`AllocatorConfig::from_env`] on the variable's value, apart so tests need not touch the
+/// [`AllocatorConfig::from_env`] on the variables' values, apart so tests need not touch the
 /// process environment.
 pub(super) fn from_env_value(
     value: Result<String, std::env::VarError>,
+    no_caching: Result<String, std::env::VarError>,
 ) -> Result<AllocatorConfig, AllocError> {
-    match value {
-        Ok(conf) => AllocatorConfig::parse(&conf),
-        Err(std::env::VarError::NotPresent) => Ok(AllocatorConfig::default()),
+    let config = match value {
+        Ok(conf) => AllocatorConfig::parse(&conf)?,
+        Err(std::env::VarError::NotPresent) => AllocatorConfig::default(),
         Err(std::env::VarError::NotUnicode(_)) => {
-            Err(invalid(ALLOC_CONF_ENV, "the value is not valid Unicode"))
+            return Err(invalid(ALLOC_CONF_ENV, "the value is not valid Unicode"))
+        }
+    };
+    match no_caching.as_deref() {
+        Ok("1") => {
+            let raw = match config.raw.as_str() {
+                "" => "caching:False".to_owned(),
+                conf => format!("{conf},caching:False"),
+            };
+            Ok(AllocatorConfig {
+                caching: false,
+                raw,
+                ..config
+            })
+        }
+        Ok("0" | "") | Err(std::env::VarError::NotPresent) => Ok(config),
+        Ok(other) => Err(invalid(
+            NO_CACHING_ENV,
+            format!("expected `1` (caching off) or `0`, got `{other}`"),
+        )),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            Err(invalid(NO_CACHING_ENV, "the value is not valid Unicode"))
         }
     }
 }
@@ -224,6 +254,7 @@ fn apply_option(config: &mut AllocatorConfig, key: &str, value: &str) -> Result<
             config.per_process_memory_fraction = Some(parse_f64(key, value)?)
         }
         "expandable_segments" => config.expandable_segments = parse_bool(key, value)?,
+        "caching" => config.caching = parse_bool(key, value)?,
         "backend" => match value {
             "native" => {}
             "cudaMallocAsync" => {

@@ -130,6 +130,13 @@ impl AllocatorConfigBuilder {
         self
     }
 
+    /// Turns `caching` on or off: off, every request gets a segment of its own, returned to the
+    /// storage as soon as its free completes (PyTorch's `PYTORCH_NO_CUDA_MEMORY_CACHING=1`).
+    pub fn caching(mut self, on: bool) -> Self {
+        self.config.caching = on;
+        self
+    }
+
     /// Checks the settings as [`AllocatorConfig::parse`] does and returns the config.
     pub fn build(self) -> Result<AllocatorConfig, AllocError> {
         if let Some(key) = self.overflowed {

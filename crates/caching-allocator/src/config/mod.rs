@@ -43,6 +43,10 @@ pub use builder::AllocatorConfigBuilder;
 /// Name of the environment variable read by [`AllocatorConfig::from_env`].
 pub const ALLOC_CONF_ENV: &str = "HEADROOM_ALLOC_CONF";
 
+/// The environment variable that, set to `1`, turns caching off in [`AllocatorConfig::from_env`]
+/// (`caching:False`), as `PYTORCH_NO_CUDA_MEMORY_CACHING=1` does PyTorch's.
+pub const NO_CACHING_ENV: &str = "HEADROOM_NO_CUDA_MEMORY_CACHING";
+
 /// Number of power-of-two intervals `roundup_power2_divisions` can set (1 MiB ... 64 GiB).
 pub const ROUNDUP_INTERVALS: usize = 16;
 
@@ -119,6 +123,11 @@ pub struct AllocatorConfig {
     /// steps. Off, the ceiling is the most ever reserved, at every request
     /// ([`AllocatorConfig::reclaiming`]).
     pub(crate) reclaim_settles: bool,
+    /// Whether freed memory is kept for reuse (`caching`, default on). Off, every request gets a
+    /// segment of its own, of its rounded size, returned to the storage as soon as its free
+    /// completes: the counterpart of PyTorch's `PYTORCH_NO_CUDA_MEMORY_CACHING=1`, so that
+    /// compute-sanitizer's memcheck sees each allocation's true bounds.
+    pub(crate) caching: bool,
     /// The string this config was parsed from, as snapshots report it.
     pub(crate) raw: String,
 }
@@ -137,6 +146,7 @@ impl Default for AllocatorConfig {
             expandable_handle_size: 2 << 20,
             reclaim_free_pages: true,
             reclaim_settles: true,
+            caching: true,
             raw: String::new(),
         }
     }
@@ -204,6 +214,12 @@ impl AllocatorConfig {
     /// (`reclaim_settles`).
     pub fn reclaim_settles(&self) -> bool {
         self.reclaim_settles
+    }
+
+    /// Whether freed memory is kept for reuse (`caching`; off: a segment per allocation,
+    /// returned as soon as its free completes, and expandable segments are not used).
+    pub fn caching(&self) -> bool {
+        self.caching
     }
 
     /// The string this config was parsed from (or its builder's equivalent), as snapshots report

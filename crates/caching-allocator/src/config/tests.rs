@@ -53,7 +53,7 @@ fn parses_every_option() {
                 roundup_power2_divisions:4, garbage_collection_threshold:0.6,\
                 per_process_memory_fraction:0.5,expandable_segments:False,\
                 large_segment_size_mb:12,expandable_page_size_mb:20,reclaim_free_pages:False,\
-                expandable_handle_size_mb:40,reclaim_settles:False,backend:native,";
+                expandable_handle_size_mb:40,reclaim_settles:False,backend:native,caching:False,";
     let config = parse_ok(conf);
     assert_eq!(
         config,
@@ -69,6 +69,7 @@ fn parses_every_option() {
             expandable_handle_size: 40 * MIB,
             reclaim_free_pages: false,
             reclaim_settles: false,
+            caching: false,
             raw: conf.to_owned(),
         }
     );
@@ -506,20 +507,60 @@ fn from_env_reads_headroom_alloc_conf() {
     use std::env::VarError;
 
     assert_eq!(ALLOC_CONF_ENV, "HEADROOM_ALLOC_CONF");
-    let unset = from_env_value(Err(VarError::NotPresent));
+    let unset = from_env_value(Err(VarError::NotPresent), Err(VarError::NotPresent));
     assert_eq!(unset.ok(), Some(AllocatorConfig::default()));
-    let set = from_env_value(Ok("expandable_segments:False".to_owned()));
+    let set = from_env_value(
+        Ok("expandable_segments:False".to_owned()),
+        Err(VarError::NotPresent),
+    );
     let expected = AllocatorConfig {
         raw: "expandable_segments:False".into(),
         ..AllocatorConfig::pytorch_defaults()
     };
     assert_eq!(set.ok(), Some(expected));
-    let bogus = from_env_value(Ok("bogus:1".to_owned()));
+    let bogus = from_env_value(Ok("bogus:1".to_owned()), Err(VarError::NotPresent));
     assert!(matches!(bogus, Err(AllocError::InvalidConfig { key, .. }) if key == "bogus"));
-    let not_unicode = from_env_value(Err(VarError::NotUnicode("\u{fffd}".into())));
+    let not_unicode = from_env_value(
+        Err(VarError::NotUnicode("\u{fffd}".into())),
+        Err(VarError::NotPresent),
+    );
     assert!(
         matches!(not_unicode, Err(AllocError::InvalidConfig { key, .. }) if key == ALLOC_CONF_ENV)
     );
+}
+
+#[test]
+fn the_no_caching_variable_turns_caching_off() {
+    use std::env::VarError;
+
+    assert_eq!(NO_CACHING_ENV, "HEADROOM_NO_CUDA_MEMORY_CACHING");
+    let off = from_env_value(Err(VarError::NotPresent), Ok("1".to_owned())).unwrap();
+    assert!(!off.caching());
+    assert_eq!(off.raw(), "caching:False");
+    assert_eq!(off, AllocatorConfig::parse("caching:False").unwrap());
+    let with_conf = from_env_value(
+        Ok("expandable_segments:False".to_owned()),
+        Ok("1".to_owned()),
+    )
+    .unwrap();
+    assert_eq!(with_conf.raw(), "expandable_segments:False,caching:False");
+    assert!(!with_conf.caching() && !with_conf.expandable_segments());
+    for kept in ["0", ""] {
+        let on = from_env_value(Err(VarError::NotPresent), Ok(kept.to_owned())).unwrap();
+        assert!(on.caching());
+    }
+    let bogus = from_env_value(Err(VarError::NotPresent), Ok("yes".to_owned()));
+    assert!(
+        matches!(bogus, Err(AllocError::InvalidConfig { key, reason }) if key == NO_CACHING_ENV && reason.contains("`yes`"))
+    );
+    // The builder and the string round-trip the setting.
+    let built = AllocatorConfig::builder().caching(false).build().unwrap();
+    assert!(!built.caching());
+    assert!(built.raw().ends_with(",caching:False"));
+    assert_eq!(AllocatorConfig::parse(built.raw()).unwrap().raw, built.raw);
+    assert!(!AllocatorConfig::default()
+        .to_conf_string()
+        .contains("caching"));
 }
 
 #[test]
