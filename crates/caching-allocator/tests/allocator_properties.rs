@@ -169,7 +169,10 @@ fn run_sequence(config_index: usize, ops: &[Op]) -> Result<(), TestCaseError> {
         prop_assert_eq!(in_use, stats.reserved_bytes.all.current as u64);
         if !allocator.config().caching() {
             // Nothing is cached: every segment is a block in use or waiting for its events.
-            prop_assert_eq!(stats.reserved_bytes.all.current, stats.active_bytes.all.current);
+            prop_assert_eq!(
+                stats.reserved_bytes.all.current,
+                stats.active_bytes.all.current
+            );
             prop_assert_eq!(stats.segment.all.current, stats.active.all.current);
         }
     }

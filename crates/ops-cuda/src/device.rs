@@ -72,6 +72,8 @@ pub struct CudaBackend {
     /// Attention forwards and backwards run on the Hopper wgmma kernels (`attention/wgmma.rs`).
     pub(crate) wgmma_forwards: AtomicU64,
     pub(crate) wgmma_backwards: AtomicU64,
+    /// Rowwise fp8 products scaled after a unit-scaled product (`linear.rs`).
+    pub(crate) float8_scaled_after: AtomicU64,
 }
 
 impl Drop for CudaBackend {
@@ -169,6 +171,7 @@ impl CudaBackend {
             compute_capability,
             wgmma_forwards: AtomicU64::new(0),
             wgmma_backwards: AtomicU64::new(0),
+            float8_scaled_after: AtomicU64::new(0),
         }))
     }
 

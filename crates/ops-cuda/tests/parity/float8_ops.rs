@@ -11,6 +11,7 @@ use headroom_autograd_core::{
     View,
 };
 
+use headroom_ops_cuda::CudaBackend;
 use headroom_testkit::inputs::Xorshift;
 
 use super::{download, poisoned, seeded_backends, upload, view};
@@ -425,7 +426,8 @@ fn product(
 /// cuBLASLt's fp8 GEMM against the CPU's f32 product of the same codes, for every pairing of
 /// E4M3 and E5M2 operands, both layouts of each operand (the backward's operands are not
 /// k-contiguous and go through the transpose kernel), f32 and bf16 outputs, and tensorwise,
-/// rowwise and mixed scales (cuBLASLt's scalar and outer-vector scale modes): each output
+/// rowwise and mixed scales (cuBLASLt's scalar and outer-vector scale modes, or where it has no
+/// outer-vector algorithm the product with unit scales and the scales after it): each output
 /// within 2^-10 of its terms' magnitudes (Hopper's fp8 tensor cores add a block of k at
 /// reduced precision before cuBLASLt promotes to f32; fp8's own rounding is 2^-4), and a bf16
 /// output within one more unit in its last place. Sizes that are not multiples of 16 are left
@@ -543,6 +545,17 @@ fn float8_matmul_matches_the_cpu() {
             }
         }
     }
+    // Where cuBLASLt declined outer-vector scales the product ran with unit scales and the
+    // scales after it (the bounds above hold either way); the log says which.
+    let cuda = gpu
+        .clone()
+        .into_any()
+        .downcast::<CudaBackend>()
+        .expect("the CUDA backend");
+    println!(
+        "rowwise products scaled after a unit-scaled product: {} (of 72 with a vector of scales)",
+        cuda.float8_scales_after_products()
+    );
     // 20 rows: not a multiple of 16, left to the core.
     let a = draw(20 * k);
     let (fused, _) = product(
