@@ -58,6 +58,11 @@ if (( wheel )); then
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
       -d .whl torchao==0.18.0
 fi
-tracked=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
-carried=$(du -cb .gpu-carry .whl | tail -1 | cut -f1)
-echo "travels: $(( (tracked + carried) / 1048576 )) MiB of 64 (tracked $(( tracked / 1048576 )), carried $(( carried / 1048576 )))"
+# The device tool counts what travels as disk usage, not bytes: it refused a tree of 49.5 MiB of
+# tracked bytes with a 13.1 MiB bundle (62.6 MiB, but 68.6 MiB on disk). The committed PTX is
+# embedded in every binary, so a call can leave it behind: move crates/ops-cuda/kernels/ptx out
+# of the tree for the call and back after.
+tracked=$(git ls-files -z | xargs -0 du -ck | tail -1 | cut -f1)
+carried=$(du -ck .gpu-carry .whl | tail -1 | cut -f1)
+ptx=$(du -sk crates/ops-cuda/kernels/ptx | cut -f1)
+echo "travels: $(( (tracked + carried) / 1024 )) MiB of 64 on disk (tracked $(( tracked / 1024 )), carried $(( carried / 1024 ))); without crates/ops-cuda/kernels/ptx: $(( (tracked - ptx + carried) / 1024 )) MiB"
