@@ -611,10 +611,6 @@ fn scale_after_the_product(
         _ => Some(Buffer::new(owner, m * n * DType::F32.size_in_bytes())?),
     };
     let product = f32_view(temporary.as_ref().unwrap_or(args.out.buffer), &dense);
-    let product_address = match &temporary {
-        Some(buffer) => buffer.address(),
-        None => element_address(&args.out),
-    };
     let ran = run_float8_gemm(
         backend,
         &Float8Gemm {
@@ -622,7 +618,7 @@ fn scale_after_the_product(
             a_scale: unit.address(),
             b_scale: unit.address(),
             scales: Float8Scales::Scalars,
-            d: product_address,
+            d: element_address(&product),
             bias: None,
             ..gemm
         },

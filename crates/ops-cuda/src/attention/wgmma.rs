@@ -36,8 +36,8 @@ pub(crate) fn takes(backend: &CudaBackend, f: &AttentionForward<'_>) -> bool {
     f.q.dtype == DType::BF16
         && f.packed.is_none()
         && f.dropout.is_none()
-        && std::env::var(WGMMA_VARIABLE).is_ok_and(|value| value == "1")
         && backend.compute_capability() == (9, 0)
+        && std::env::var(WGMMA_VARIABLE).is_ok_and(|value| value == "1")
 }
 
 /// The kernels' suffix and padded head dim for `dtype` and `head_dim` (at most 128).
