@@ -1,4 +1,4 @@
-// Attention for bf16 on Hopper's warpgroup MMA (issue 35), forward and backward:
+// Attention for bf16 and f16 on Hopper's warpgroup MMA (issue 35), forward and backward:
 // `wgmma.mma_async` with the row-by-row products (S = Q·Kᵀ, dP = dO·Vᵀ and their transposes) from
 // two shared-memory tiles and the weighted ones (P·V, dS·K, Pᵀ·dO, dSᵀ·Q) with the weights from
 // registers, every tile in the 128-byte-swizzled layout wgmma reads (loaded with cp.async; no TMA
@@ -10,64 +10,70 @@
 //
 // Built for compute_90a (sm_90a PTX: wgmma exists on Hopper alone) by `cargo xtask
 // build-kernels` (a `*_sm90a.cu` source); crates/ops-cuda/src/attention/wgmma.rs launches them on
-// a device of compute capability 9.0 when HEADROOM_ATTENTION_WGMMA=1, head dims up to 128, no
-// packed sequences and no dropout; everything else keeps the mma.sync kernels. bf16 only for now
-// (each build is a whole set of unrolled kernels in the committed PTX): an f16 build needs the
-// `.f16.f16` forms of the three wrappers below and a `Wg<__half>`.
+// a device of compute capability 9.0 when HEADROOM_ATTENTION_WGMMA=1, head dims up to 128 (packed
+// sequences through AttnArgs' cu_seqlens and tile order, dropout by replaying its draw as the
+// mma.sync kernels do, bf16 only); everything else keeps the mma.sync kernels. One build a dtype
+// and padded head dim (64, 128), each a whole set of unrolled kernels in the committed PTX.
 
 #include "attention_tc.cuh"
 
-// d (m64n64, f32) = A · Bᵀ (+ d when `accumulate`): both from shared memory, K-major
-// (128-byte swizzle). bf16.
-__device__ __forceinline__ void wgmma_ss_n64_bf16(float (&d)[8][4], unsigned long long desc_a,
-                                            unsigned long long desc_b, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+// The three wgmma products of one storage dtype, f32 accumulators (`SUFFIX` names them, `TYPE` is
+// the PTX type of both operands):
+// - ss_n64: d (m64n64) = A · Bᵀ (+ d when `accumulate`), both from shared memory, K-major
+//   (128-byte swizzle);
+// - rs_n64 / rs_n128: d (m64n64 / m64n128) += A · B, A from registers (the m64k16 fragment), B
+//   from shared memory MN-major (transposed; 128-byte swizzle).
+#define WGMMA_PRODUCTS(SUFFIX, TYPE) \
+__device__ __forceinline__ void wgmma_ss_n64_##SUFFIX(float (&d)[8][4], unsigned long long desc_a, \
+                                            unsigned long long desc_b, int accumulate) { \
+    asm volatile( \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]) \
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate)); \
+} \
+__device__ __forceinline__ void wgmma_rs_n64_##SUFFIX(float (&d)[8][4], const unsigned int (&a)[4], \
+                                            unsigned long long desc_b) { \
+    asm volatile( \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n" \
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]) \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)); \
+} \
+__device__ __forceinline__ void wgmma_rs_n128_##SUFFIX(float (&d)[16][4], const unsigned int (&a)[4], \
+                                            unsigned long long desc_b) { \
+    asm volatile( \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n" \
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]) \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)); \
 }
 
-// d (m64n64, f32) += A · B: A from registers (the m64k16 fragment), B from shared memory
-// MN-major (transposed; 128-byte swizzle). bf16.
-__device__ __forceinline__ void wgmma_rs_n64_bf16(float (&d)[8][4], const unsigned int (&a)[4],
-                                            unsigned long long desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
+WGMMA_PRODUCTS(bf16, "bf16")
+WGMMA_PRODUCTS(f16, "f16")
 
-// d (m64n128, f32) += A · B: A from registers (the m64k16 fragment), B from shared memory
-// MN-major (transposed; 128-byte swizzle). bf16.
-__device__ __forceinline__ void wgmma_rs_n128_bf16(float (&d)[16][4], const unsigned int (&a)[4],
-                                            unsigned long long desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-
-// The storage dtype's wgmma products (bf16: the builds committed).
+// The storage dtype's wgmma products.
 template <typename T> struct Wg;
-template <> struct Wg<__nv_bfloat16> {
-    static __device__ __forceinline__ void ss_n64(float (&d)[8][4], unsigned long long a, unsigned long long b,
-                                                  int accumulate) {
-        wgmma_ss_n64_bf16(d, a, b, accumulate);
-    }
-    static __device__ __forceinline__ void rs_n64(float (&d)[8][4], const unsigned int (&a)[4], unsigned long long b) {
-        wgmma_rs_n64_bf16(d, a, b);
-    }
-    static __device__ __forceinline__ void rs_n128(float (&d)[16][4], const unsigned int (&a)[4],
-                                                   unsigned long long b) {
-        wgmma_rs_n128_bf16(d, a, b);
-    }
-};
+#define WGMMA_DTYPE(T, SUFFIX)                                                                              \
+    template <> struct Wg<T> {                                                                             \
+        static __device__ __forceinline__ void ss_n64(float (&d)[8][4], unsigned long long a,             \
+                                                      unsigned long long b, int accumulate) {             \
+            wgmma_ss_n64_##SUFFIX(d, a, b, accumulate);                                                    \
+        }                                                                                                  \
+        static __device__ __forceinline__ void rs_n64(float (&d)[8][4], const unsigned int (&a)[4],       \
+                                                      unsigned long long b) {                             \
+            wgmma_rs_n64_##SUFFIX(d, a, b);                                                                \
+        }                                                                                                  \
+        static __device__ __forceinline__ void rs_n128(float (&d)[16][4], const unsigned int (&a)[4],     \
+                                                       unsigned long long b) {                            \
+            wgmma_rs_n128_##SUFFIX(d, a, b);                                                               \
+        }                                                                                                  \
+    };
+WGMMA_DTYPE(__nv_bfloat16, bf16)
+WGMMA_DTYPE(__half, f16)
 
 // The swizzled shared-memory tiles wgmma reads: an "atom" is 64 rows of 64 16-bit elements (128
 // bytes a row, 8 KiB), 1024-byte aligned, whose row r holds its 16-byte chunk c at chunk c ^ (r % 8)
@@ -174,7 +180,7 @@ __device__ __forceinline__ void weights_by_rows(float (&out)[DP / 8][4], const f
 // softmax in registers as attention_flash.cuh's forward, O += P·V by wgmma with P from registers
 // (the accumulator layout is the A fragment's) and V read transposed from its tile. K and V stream
 // 64 keys a tile, double-buffered with cp.async.
-template <typename T, int DP>
+template <typename T, int DP, bool DROP>
 __device__ void wgmma_forward(const T* q, const T* k, const T* v, T* o, float* lse, const AttnArgs& a) {
     constexpr int ATOMS = DP / 64, TILE = ATOMS * WG_ATOM_BYTES, NB = 8;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -201,6 +207,7 @@ __device__ void wgmma_forward(const T* q, const T* k, const T* v, T* o, float* l
     }
     cp_commit();
     const float scale2 = (float)(a.scale * 1.4426950408889634);
+    const unsigned long long drop_base = DROP ? dropout_base(a) : 0;
     float acc[1][DP / 8][4] = {}, m[2], l[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -226,6 +233,17 @@ __device__ void wgmma_forward(const T* q, const T* k, const T* v, T* o, float* l
                 }
         }
         online_softmax<1, NB, DP / 8>(s, acc, m, l, scale2);
+        if constexpr (DROP) {
+            // The running sum took every probability; the weights only the kept ones.
+#pragma unroll
+            for (int n = 0; n < NB; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const unsigned int row = q0 + warp_row0 + 8 * (e >> 1) + g;
+                    const unsigned int key = k0 + n * 8 + 2 * t + (e & 1);
+                    if (!dropout_keeps(a, drop_base, pair, row, key)) s[0][n][e] = 0.f;
+                }
+        }
         weights_by_rows<T, DP>(acc[0], s[0], vt);
         wgmma_wait0();
         __syncthreads();
@@ -239,6 +257,7 @@ __device__ void wgmma_forward(const T* q, const T* k, const T* v, T* o, float* l
         total += __shfl_xor_sync(0xffffffff, total, 1);
         total += __shfl_xor_sync(0xffffffff, total, 2);
         inv[r] = total > 0.f ? 1.f / total : 0.f;
+        if constexpr (DROP) inv[r] *= (float)a.dropout_scale;
         const unsigned int row = q0 + warp_row0 + 8 * r + g;
         if (t == 0 && row < a.queries) lse[(unsigned long long)pair * a.queries + row] = (m[r] + log2f(total)) * FA_LN2;
     }
@@ -276,7 +295,7 @@ __device__ __forceinline__ float delta_of(const T* o, const T* dout, const AttnA
 // by wgmma from the swizzled tiles, dS = P (dP − Δ) in registers, dQ += dS·K with dS from
 // registers and K read transposed; first writes Δ = dO·O of its queries (for the dK/dV kernel).
 // The flash kernels' dQ (attention_flash.cuh) on wgmma.
-template <typename T, int DP>
+template <typename T, int DP, bool DROP>
 __device__ void wgmma_backward_dq(const T* q, const T* k, const T* v, const T* o, const T* dout, const float* lse,
                                   T* dq, float* delta, const AttnArgs& a) {
     constexpr int TILE = DP / 64 * WG_ATOM_BYTES, NB = 8;
@@ -325,6 +344,8 @@ __device__ void wgmma_backward_dq(const T* q, const T* k, const T* v, const T* o
         dl[r] = deltas[warp_row0 + 8 * r + g];
     }
     const float scale2 = (float)(a.scale * 1.4426950408889634);
+    const unsigned long long drop_base = DROP ? dropout_base(a) : 0;
+    const float drop_scale = (float)a.dropout_scale;
     float acc[DP / 8][4] = {};
     for (int j = 0; j < tiles; ++j) {
         const unsigned int k0 = key_begin + j * WG_ROWS;
@@ -344,7 +365,12 @@ __device__ void wgmma_backward_dq(const T* q, const T* k, const T* v, const T* o
                 const unsigned int key = k0 + n * 8 + 2 * t + (e & 1);
                 const bool hidden = crossing && (key < lo[r] || key >= hi[r]);
                 const float p = hidden ? 0.f : fast_exp2(fmaf(s[n][e], scale2, -l2[r]));
-                s[n][e] = p * (dp[n][e] - dl[r]);
+                float dpv = dp[n][e];
+                if constexpr (DROP) {
+                    const unsigned int row = q0 + warp_row0 + 8 * r + g;
+                    dpv = dropout_keeps(a, drop_base, pair, row, key) ? dpv * drop_scale : 0.f;
+                }
+                s[n][e] = p * (dpv - dl[r]);
             }
         weights_by_rows<T, DP>(acc, s, kt);
         wgmma_wait0();
@@ -361,7 +387,7 @@ __device__ void wgmma_backward_dq(const T* q, const T* k, const T* v, const T* o
 // query head of its group: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ by wgmma, Pᵀ and dSᵀ = Pᵀ (dPᵀ − Δ) in
 // registers, dV += Pᵀ·dO and dK += dSᵀ·Q with the weights from registers and dO and Q read
 // transposed. The flash kernels' dK/dV (attention_flash.cuh) on wgmma.
-template <typename T, int DP>
+template <typename T, int DP, bool DROP>
 __device__ void wgmma_backward_dkdv(const T* q, const T* k, const T* v, const T* dout, const float* lse,
                                     const float* delta, T* dk, T* dv, const AttnArgs& a) {
     constexpr int TILE = DP / 64 * WG_ATOM_BYTES, NB = 8;
@@ -396,6 +422,8 @@ __device__ void wgmma_backward_dkdv(const T* q, const T* k, const T* v, const T*
     }
     cp_commit();
     const float scale2 = (float)(a.scale * 1.4426950408889634);
+    const unsigned long long drop_base = DROP ? dropout_base(a) : 0;
+    const float drop_scale = (float)a.dropout_scale;
     float dka[DP / 8][4] = {}, dva[DP / 8][4] = {};
     for (unsigned int j = 0; j < steps; ++j) {
         const unsigned int q0 = first_query(j);
@@ -432,8 +460,16 @@ __device__ void wgmma_backward_dkdv(const T* q, const T* k, const T* v, const T*
                 const unsigned int query = q0 + col;
                 const bool hidden = crossing && (query < lo[e >> 1] || query >= hi[e >> 1]);
                 const float p = hidden ? 0.f : fast_exp2(fmaf(s[n][e], scale2, -l2[col]));
-                s[n][e] = p;
-                dp[n][e] = p * (dp[n][e] - dl[col]);
+                if constexpr (DROP) {
+                    const unsigned long long query_pair = (unsigned long long)b * a.heads + head_of(j);
+                    const float factor =
+                        dropout_keeps(a, drop_base, query_pair, query, key0 + 8 * (e >> 1)) ? drop_scale : 0.f;
+                    s[n][e] = p * factor;
+                    dp[n][e] = p * (dp[n][e] * factor - dl[col]);
+                } else {
+                    s[n][e] = p;
+                    dp[n][e] = p * (dp[n][e] - dl[col]);
+                }
             }
         weights_by_rows<T, DP>(dva, s, dot);
         weights_by_rows<T, DP>(dka, dp, qt);
@@ -449,25 +485,30 @@ __device__ void wgmma_backward_dkdv(const T* q, const T* k, const T* v, const T*
     store_rows<Tc16<T>, DP>(dv, a, OP_DV, b, kvh, k0 + warp * 16, a.keys, dva, one, stage);
 }
 
-// attention_wgmma_forward_<dtype>_<DP>, ..._backward_dq_..., ..._backward_dkdv_...: 128
+// attention_wgmma_forward<TAG><dtype>_<DP>, ..._backward_dq..., ..._backward_dkdv...: 128
 // threads, 64 own rows a block (queries, or keys for dK/dV); dynamic shared memory 1024 bytes of
 // alignment slack plus DP / 64 · 8 KiB a tile: 5 tiles forward (Q, two buffers each of K and V),
 // 6 backward plus 2 · 64 (dQ) or 4 · 64 (dK/dV) floats of statistics (attention/wgmma.rs says the
-// same).
-#define WGMMA_KERNELS(T, SUFFIX, DP)                                                                     \
-    extern "C" __global__ void __launch_bounds__(128) attention_wgmma_forward_##SUFFIX(                 \
+// same). TAG `_` is the plain build, `_dropout_` the one with dropout (bf16 only, as the mma.sync
+// kernels: separate builds, so the plain ones keep their registers).
+#define WGMMA_KERNELS_OF(T, SUFFIX, DP, DROP, TAG)                                                       \
+    extern "C" __global__ void __launch_bounds__(128) attention_wgmma_forward##TAG##SUFFIX(             \
         const T* q, const T* k, const T* v, T* o, float* lse, AttnArgs a) {                              \
-        wgmma_forward<T, DP>(q, k, v, o, lse, a);                                                        \
+        wgmma_forward<T, DP, DROP>(q, k, v, o, lse, a);                                                  \
     }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(128) attention_wgmma_backward_dq_##SUFFIX(             \
+    extern "C" __global__ void __launch_bounds__(128) attention_wgmma_backward_dq##TAG##SUFFIX(         \
         const T* q, const T* k, const T* v, const T* o, const T* dout, const float* lse, T* dq,          \
         float* delta, AttnArgs a) {                                                                      \
-        wgmma_backward_dq<T, DP>(q, k, v, o, dout, lse, dq, delta, a);                                   \
+        wgmma_backward_dq<T, DP, DROP>(q, k, v, o, dout, lse, dq, delta, a);                             \
     }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(128) attention_wgmma_backward_dkdv_##SUFFIX(           \
+    extern "C" __global__ void __launch_bounds__(128) attention_wgmma_backward_dkdv##TAG##SUFFIX(       \
         const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, T* dk,  \
         T* dv, AttnArgs a) {                                                                             \
-        wgmma_backward_dkdv<T, DP>(q, k, v, dout, lse, delta, dk, dv, a);                                \
+        wgmma_backward_dkdv<T, DP, DROP>(q, k, v, dout, lse, delta, dk, dv, a);                          \
     }
-WGMMA_KERNELS(__nv_bfloat16, bf16_64, 64)
-WGMMA_KERNELS(__nv_bfloat16, bf16_128, 128)
+WGMMA_KERNELS_OF(__nv_bfloat16, bf16_64, 64, false, _)
+WGMMA_KERNELS_OF(__nv_bfloat16, bf16_128, 128, false, _)
+WGMMA_KERNELS_OF(__half, f16_64, 64, false, _)
+WGMMA_KERNELS_OF(__half, f16_128, 128, false, _)
+WGMMA_KERNELS_OF(__nv_bfloat16, bf16_64, 64, true, _dropout_)
+WGMMA_KERNELS_OF(__nv_bfloat16, bf16_128, 128, true, _dropout_)

@@ -10,9 +10,9 @@
 //!   `HEADROOM_ATTENTION_F32=register-tiled` ([`F32_KERNEL_VARIABLE`]) sends every f32 call to the
 //!   register-tiled kernels (plain f32 FMAs rather than split TF32 products: results differ in
 //!   the last bits).
-//! - bf16 on a compute capability 9.0 device with `HEADROOM_ATTENTION_WGMMA=1` takes the
+//! - f16 and bf16 on a compute capability 9.0 device with `HEADROOM_ATTENTION_WGMMA=1` take the
 //!   Hopper `wgmma` kernels of `kernels/attention_wgmma_sm90a.cu` (`wgmma.rs`; opt-in while
-//!   measured; no packed sequences or dropout yet), forward and backward, with the same saved
+//!   measured; packed sequences, and dropout in bf16), forward and backward, with the same saved
 //!   state as the mma.sync kernels.
 //! - f16 and bf16 take the FlashAttention-2-style `mma.sync` kernels of
 //!   `kernels/attention_tc.cu` (`tensor_core.rs`) when their alignment rule holds

@@ -28,7 +28,7 @@ use headroom_autograd_core::{
     AttentionBackward, AttentionDims, AttentionForward, DType, Result, TensorError, View,
 };
 
-use super::args::{address, attn_args, AttnArgs};
+use super::args::{address, attn_args, with_tiles_heaviest_first, AttnArgs, TileShape};
 use crate::device::CudaBackend;
 use crate::kernels::Module;
 use crate::launch::{launch_in, Param};
@@ -39,13 +39,6 @@ use crate::scratch::Scratch;
 const THREADS: u32 = 128;
 /// Own rows per block (`R` in the kernels) where a warp holds 16 of them.
 const ROWS: usize = 64;
-
-/// A kernel's own rows per block and the rows of the other side it streams at a time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct TileShape {
-    rows: usize,
-    streamed: usize,
-}
 
 /// The 16-bit kernels at head dims up to 64, in the order of [`Kernel`] (`attention_tc.cu`'s
 /// `TC_NARROW` says the same): the forward holds 32 queries a warp, so each key or value fragment
@@ -261,45 +254,6 @@ impl Variant {
     }
 }
 
-/// The tiles of `rows` own rows, `shape.rows` a tile, heaviest first, for packed sequences
-/// (`bounds`: the host's `cu_seqlens`): a tile's work is the number of streamed tiles its rows
-/// meet (`block_range` of `attention.cuh`: from the first row's first to the last row's end),
-/// which depends on the tile's place in its own sequence. Own rows are queries (`own_queries`,
-/// the forward and dQ kernels) or keys (dK/dV). Ties keep the tiles' order.
-fn packed_tile_order(
-    bounds: &[i32],
-    own_queries: bool,
-    causal: bool,
-    rows: usize,
-    shape: TileShape,
-) -> Vec<u32> {
-    // The other side's rows that own `row` meets, as `rows_met` of attention.cuh.
-    let met = |row: usize| {
-        let sequence = bounds
-            .partition_point(|&b| b as usize <= row)
-            .saturating_sub(1);
-        let (first, end) = (bounds[sequence] as usize, bounds[sequence + 1] as usize);
-        match (own_queries, causal) {
-            (true, true) => (first, row + 1),
-            (false, true) => (row, end),
-            _ => (first, end),
-        }
-    };
-    let tiles = rows.div_ceil(shape.rows);
-    let work: Vec<usize> = (0..tiles)
-        .map(|tile| {
-            let first = tile * shape.rows;
-            let last = (first + shape.rows).min(rows) - 1;
-            let (lo, _) = met(first);
-            let (_, hi) = met(last);
-            hi.saturating_sub(lo).div_ceil(shape.streamed)
-        })
-        .collect();
-    let mut order: Vec<u32> = (0..tiles as u32).collect();
-    order.sort_by_key(|&tile| std::cmp::Reverse(work[tile as usize]));
-    order
-}
-
 /// `args` with `kernel`'s tiles in [`packed_tile_order`] when the attention is packed, and the
 /// device scratch holding the order (kept until the launch is queued; freed in stream order).
 fn with_packed_order<'b>(
@@ -310,18 +264,9 @@ fn with_packed_order<'b>(
     kernel: Kernel,
     rows: usize,
 ) -> Result<(AttnArgs, Option<Scratch<'b>>)> {
-    let Some(packed) = f.packed else {
-        return Ok((args, None));
-    };
     let own_queries = !matches!(kernel, Kernel::BackwardDkDv);
     let shape = variant.shapes[kernel as usize];
-    let order = packed_tile_order(packed.host, own_queries, f.causal, rows, shape);
-    let scratch = Scratch::new(backend, (order.len() * 4) as u64)?;
-    // SAFETY: the scratch is live memory of this backend, `order.len()` u32 long, and stays
-    // allocated until the caller has queued its launch (inside a capture it is the capture's
-    // pool's, kept for the graph's life); the copy is stream-ordered before the launch.
-    unsafe { backend.write_for_replays(scratch.address(), bytemuck::cast_slice(&order)) }?;
-    Ok((args.with_tile_order(scratch.address()), Some(scratch)))
+    with_tiles_heaviest_first(backend, args, f, own_queries, rows, shape)
 }
 
 /// The log-sum-exp's first element (dense f32 `[batch, heads, queries]`).
@@ -478,41 +423,6 @@ mod tests {
             }
         }
         assert!(Variant::new(DType::F32, 160, 100, false).is_err());
-    }
-
-    /// Packed tiles come heaviest first, every tile once: a query tile at the end of a long
-    /// sequence meets all of its keys (causal), one at the start of a sequence few; key tiles
-    /// the transpose; without the causal mask a tile meets its sequences' whole length.
-    #[test]
-    fn packed_tiles_are_ordered_heaviest_first() {
-        // Sequences of 100, 300 and 28 tokens; tiles of 64 own rows, 64 streamed.
-        let bounds = [0, 100, 400, 428];
-        let shape = TileShape {
-            rows: 64,
-            streamed: 64,
-        };
-        // Query tiles (causal): [0, 64) meets keys 0..64 (1 tile); [64, 128) spans sequences
-        // 0 and 1: keys 0..128 (2); [128, 192) 100..192 (2); [192, 256) 100..256 (3);
-        // [256, 320) 100..320 (4); [320, 384) 100..384 (5); [384, 428) 100..428 (6, past the
-        // last sequence's start: its rows meet their own sequence only, the union does not).
-        assert_eq!(
-            packed_tile_order(&bounds, true, true, 428, shape),
-            vec![6, 5, 4, 3, 1, 2, 0]
-        );
-        // Key tiles (causal): [0, 64) meets queries 0..100 (2); [64, 128) 64..400 (6);
-        // [128, 192) 128..400 (5); [192, 256) 4 tiles; [256, 320) 3; [320, 384) 2; [384, 428)
-        // 384..428 (1).
-        assert_eq!(
-            packed_tile_order(&bounds, false, true, 428, shape),
-            vec![1, 2, 3, 4, 0, 5, 6]
-        );
-        // Not causal: each tile meets its first row's sequence start to its last row's end:
-        // [0, 64) 0..100 (2), [64, 128) 0..400 (7), the next four 100..400 (5), [384, 428)
-        // 100..428 (6).
-        assert_eq!(
-            packed_tile_order(&bounds, true, false, 428, shape),
-            vec![1, 6, 2, 3, 4, 5, 0]
-        );
     }
 
     /// The host's tile shapes for the 16-bit kernels at head dims up to 64 are the ones

@@ -3,9 +3,10 @@
 //! shared-memory tiles, one warpgroup a block taking 64 own rows and streaming the other side 64
 //! rows at a time. Opt-in while it is being measured against the mma.sync kernels
 //! (`HEADROOM_ATTENTION_WGMMA=1`, [`WGMMA_VARIABLE`]), on a device of compute capability 9.0 (the
-//! PTX is sm_90a), for the bf16 problems `tensor_core.rs` takes (the caller checked `fits`)
-//! without packed sequences or dropout; its saved state is that path's (one f32 log-sum-exp per query), so
-//! either backward follows either forward.
+//! PTX is sm_90a), for the f16 and bf16 problems `tensor_core.rs` takes (the caller checked `fits`),
+//! packed sequences included (their tiles heaviest first, as that path's) and dropout in bf16 (the
+//! same replayed draw); its saved state is that path's (one f32 log-sum-exp per query), so either
+//! backward follows either forward.
 //!
 //! This path sits on the attention family's `args.rs` and the ground floor, and imports no other
 //! path.
@@ -15,7 +16,7 @@ use std::sync::atomic::Ordering;
 use cudarc::driver::LaunchConfig;
 use headroom_autograd_core::{AttentionBackward, AttentionDims, AttentionForward, DType, Result};
 
-use super::args::{address, attn_args, AttnArgs};
+use super::args::{address, attn_args, with_tiles_heaviest_first, AttnArgs, TileShape};
 use crate::device::CudaBackend;
 use crate::kernels::Module;
 use crate::launch::{launch_in, Param};
@@ -31,20 +32,45 @@ const ROWS: usize = 64;
 const ATOM_BYTES: usize = 8192;
 
 /// Whether `f` runs on the wgmma kernels: the variable says so, the device is Hopper, the dtype
-/// bf16 (the builds committed), and no packed sequences or dropout ask for what they lack.
+/// f16 or bf16 (dropout bf16 only, as the mma.sync kernels).
 pub(crate) fn takes(backend: &CudaBackend, f: &AttentionForward<'_>) -> bool {
-    f.q.dtype == DType::BF16
-        && f.packed.is_none()
-        && f.dropout.is_none()
+    (f.q.dtype == DType::BF16 || (f.q.dtype == DType::F16 && f.dropout.is_none()))
         && backend.compute_capability() == (9, 0)
         && std::env::var(WGMMA_VARIABLE).is_ok_and(|value| value == "1")
 }
 
+/// The three kernels' names (forward, dQ, dK/dV), with dropout when `dropout`.
+fn names(dropout: bool) -> [&'static str; 3] {
+    if dropout {
+        [
+            "attention_wgmma_forward_dropout",
+            "attention_wgmma_backward_dq_dropout",
+            "attention_wgmma_backward_dkdv_dropout",
+        ]
+    } else {
+        [
+            "attention_wgmma_forward",
+            "attention_wgmma_backward_dq",
+            "attention_wgmma_backward_dkdv",
+        ]
+    }
+}
+
+/// Every kernel's tiles: 64 own rows, the other side streamed 64 at a time.
+const SHAPE: TileShape = TileShape {
+    rows: ROWS,
+    streamed: ROWS,
+};
+
 /// The kernels' suffix and padded head dim for `dtype` and `head_dim` (at most 128).
 fn variant(dtype: DType, head_dim: usize) -> (&'static str, usize) {
-    debug_assert_eq!(dtype, DType::BF16, "checked by `takes`");
     let padded = if head_dim <= 64 { 64 } else { 128 };
-    let suffix = if padded == 64 { "bf16_64" } else { "bf16_128" };
+    let suffix = match (dtype == DType::F16, padded == 64) {
+        (true, true) => "f16_64",
+        (true, false) => "f16_128",
+        (false, true) => "bf16_64",
+        (false, false) => "bf16_128",
+    };
     (suffix, padded)
 }
 
@@ -87,6 +113,7 @@ pub(crate) fn forward(
 ) -> Result<()> {
     let (suffix, padded) = variant(f.q.dtype, dims.head_dim);
     let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out])?;
+    let (args, _order) = with_tiles_heaviest_first(backend, args, &f, true, dims.queries, SHAPE)?;
     // Q, and two buffers each of K and V.
     let config = config(dims.queries, dims.batch * dims.heads, padded, 5, 0);
     let params = [
@@ -96,7 +123,7 @@ pub(crate) fn forward(
         address(&f.out),
         Param::U64(element_address(&f.lse)),
     ];
-    let name = ("attention_wgmma_forward", suffix);
+    let name = (names(f.dropout.is_some())[0], suffix);
     launch(backend, "attention", name, config, &params, args)?;
     backend.wgmma_forwards.fetch_add(1, Ordering::Relaxed);
     Ok(())
@@ -128,7 +155,9 @@ pub(crate) fn backward(
             address(&b.dq),
             Param::U64(delta.address()),
         ];
-        let name = ("attention_wgmma_backward_dq", suffix);
+        let (args, _order) =
+            with_tiles_heaviest_first(backend, args, &f, true, dims.queries, SHAPE)?;
+        let name = (names(f.dropout.is_some())[1], suffix);
         launch(backend, "attention_backward", name, config, &params, args)?;
     }
     if dims.keys > 0 {
@@ -144,7 +173,8 @@ pub(crate) fn backward(
             address(&b.dk),
             address(&b.dv),
         ];
-        let name = ("attention_wgmma_backward_dkdv", suffix);
+        let (args, _order) = with_tiles_heaviest_first(backend, args, &f, false, dims.keys, SHAPE)?;
+        let name = (names(f.dropout.is_some())[2], suffix);
         launch(backend, "attention_backward", name, config, &params, args)?;
     }
     backend.wgmma_backwards.fetch_add(1, Ordering::Relaxed);
@@ -153,7 +183,7 @@ pub(crate) fn backward(
 
 impl CudaBackend {
     /// How many attention forwards ran on the Hopper wgmma kernels (`HEADROOM_ATTENTION_WGMMA=1`
-    /// on a compute capability 9.0 device, f16/bf16, no packed sequences, no dropout).
+    /// on a compute capability 9.0 device, f16/bf16, dropout bf16 only).
     pub fn attention_wgmma_forwards(&self) -> u64 {
         self.wgmma_forwards.load(Ordering::Relaxed)
     }
@@ -168,15 +198,27 @@ impl CudaBackend {
 mod tests {
     use super::*;
 
-    /// Every kernel the launches name is an entry of the sm_90a PTX.
+    /// Every kernel the launches name is an entry of the sm_90a PTX: each dtype and padded head
+    /// dim, with dropout for bf16.
     #[test]
     fn every_launched_kernel_is_in_the_ptx() {
         let ptx = Module::AttentionWgmma.ptx();
         assert!(ptx.contains(".target sm_90a"));
-        for suffix in ["bf16_64", "bf16_128"] {
-            for kernel in ["forward", "backward_dq", "backward_dkdv"] {
-                let entry = format!(".entry attention_wgmma_{kernel}_{suffix}(");
-                assert!(ptx.contains(&entry), "{entry}");
+        for dtype in [DType::BF16, DType::F16] {
+            for head_dim in [40, 64, 96, 128] {
+                let (suffix, padded) = variant(dtype, head_dim);
+                assert_eq!(padded, if head_dim <= 64 { 64 } else { 128 });
+                let dropouts: &[bool] = if dtype == DType::BF16 {
+                    &[false, true]
+                } else {
+                    &[false]
+                };
+                for &dropout in dropouts {
+                    for name in names(dropout) {
+                        let entry = format!(".entry {name}_{suffix}(");
+                        assert!(ptx.contains(&entry), "{entry}");
+                    }
+                }
             }
         }
     }
