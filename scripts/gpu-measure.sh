@@ -99,7 +99,8 @@
 #          attention shape (scripts/pytorch/attention_reference.py)
 # sanitizer  compute-sanitizer memcheck and racecheck over the attention parity tests (the
 #          wgmma binary, parity's attention:: tests but the Llama-sized one), 4 steps of at
-#          most 4 minutes each
+#          most 4 minutes each; SANITIZE_BIN=.gpu-quick/bin takes those two binaries from
+#          scripts/gpu-quick.sh's pack instead of the bundle
 # fused-ce linear_cross_entropy at Llama-3.2-1B's head (.gpu-bundle/benches/fused_ce_bench,
 #          ops-cuda's example) and scripts/pytorch/fused_ce_reference.py (eager, Liger, Cut
 #          Cross-Entropy: install their wheels into PYTHONPATH first)
@@ -393,7 +394,9 @@ for phase in "$@"; do
       # tools would take minutes over). --error-exitcode makes a reported hazard fail the step;
       # HEADROOM_NO_CUDA_MEMORY_CACHING=1 gives each tensor its own driver allocation, so an
       # access past a tensor's end is not hidden inside a cached segment.
-      parity=$(ls "$bin"/parity-* | head -1) wgmma=$(ls "$bin"/attention_wgmma-* | head -1)
+      # SANITIZE_BIN names another folder of the two binaries (scripts/gpu-quick.sh's .gpu-quick/bin).
+      parity=$(ls "${SANITIZE_BIN:-$bin}"/parity* | head -1)
+      wgmma=$(ls "${SANITIZE_BIN:-$bin}"/attention_wgmma* | head -1)
       export HEADROOM_NO_CUDA_MEMORY_CACHING=1
       for tool in memcheck racecheck; do
         step "sanitizer_${tool}_wgmma" timeout 240 compute-sanitizer --tool "$tool" \
