@@ -16,9 +16,10 @@
 //! read both operands along k (the "TN" form): an operand that is not k-contiguous is first
 //! written k-contiguous into scratch by `float8.cu`'s `float8_transpose` (backward's `dY·W` and
 //! `dYᵀ·X`). Sizes that are not multiples of 16 (cuBLASLt's fp8 alignment) answer "not here" and
-//! the core composes the product. Where cuBLASLt has no outer-vector algorithm (on the H200 it
-//! declined the first rowwise problem parity asked for: e4m3 × e4m3 into f32, 64 × 48), the product runs with unit scalar
-//! scales into f32 and the scales, the bias and the rounding follow as elementwise passes
+//! the core composes the product. Where a plan gets no outer-vector algorithm (so far every
+//! rowwise problem parity asks, on the H200 and the H100, though cuBLASLt's heuristic offers one
+//! to `scripts/pytorch/cublaslt_outer_vector_probe.py`), the product runs with unit scalar scales
+//! into f32 and the scales, the bias and the rounding follow as elementwise passes
 //! ([`CudaBackend::float8_scales_after_products`] counts them).
 //!
 //! A plan (descriptors, layouts and the heuristic's algorithm) is cached per problem: dtype,

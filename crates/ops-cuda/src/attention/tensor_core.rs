@@ -254,8 +254,8 @@ impl Variant {
     }
 }
 
-/// `args` with `kernel`'s tiles in [`packed_tile_order`] when the attention is packed, and the
-/// device scratch holding the order (kept until the launch is queued; freed in stream order).
+/// `args` with `kernel`'s tiles heaviest first when the attention is packed, and the device
+/// scratch holding the order (`args.rs`' `with_tiles_heaviest_first`).
 fn with_packed_order<'b>(
     backend: &'b CudaBackend,
     args: AttnArgs,
