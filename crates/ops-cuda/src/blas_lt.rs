@@ -136,12 +136,16 @@ pub(crate) enum Epilogue {
 
 impl Plan {
     /// Describes the problem of `key` and asks the heuristic for an algorithm; `None` when it
-    /// has none.
+    /// has none. Outer-vector scales are asked with both scale pointers at `scale_placeholder`
+    /// (a live device address; each call sets its own before it runs): on the H100, cuBLASLt's
+    /// heuristic offered an outer-vector algorithm at every shape when the pointers were set
+    /// (`scripts/pytorch/cublaslt_outer_vector_probe.py`) and none to plans asked without them.
     fn new(
         handle: lt_sys::cublasLtHandle_t,
         key: &PlanKey,
         data_type: lt_sys::cudaDataType,
         workspace_bytes: usize,
+        scale_placeholder: u64,
         candidates: usize,
     ) -> Result<Option<Plan>> {
         let failed = |e: lt::CublasError| device_error("linear", e);
@@ -207,6 +211,24 @@ impl Plan {
                     // A library that predates outer-vector scales: the core composes.
                     return Ok(None);
                 }
+            }
+            let placeholder = scale_placeholder as *const c_void;
+            for attribute in [
+                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+            ] {
+                // SAFETY: the descriptor is the live one created above; the attribute is a device
+                // pointer of the size cuBLASLt documents, read during the call (the heuristic
+                // reads no device memory through it).
+                unsafe {
+                    lt::set_matmul_desc_attribute(
+                        plan.desc,
+                        attribute,
+                        (&placeholder as *const *const c_void).cast(),
+                        std::mem::size_of::<*const c_void>(),
+                    )
+                }
+                .map_err(failed)?;
             }
         }
         let preference = lt::create_matmul_pref().map_err(failed)?;
@@ -363,13 +385,15 @@ impl LtState {
     }
 
     /// The handle and the plan for `key` (of elements `data_type`, with `workspace_bytes` of
-    /// workspace), made on first use; `None` when the library is not installed or has no
-    /// algorithm for the problem.
+    /// workspace; `scale_placeholder` a live device address an fp8 plan's heuristic sees as its
+    /// scale pointers, see `Plan::new`), made on first use; `None` when the library is not
+    /// installed or has no algorithm for the problem.
     pub(crate) fn plan(
         &mut self,
         key: PlanKey,
         data_type: lt_sys::cudaDataType,
         workspace_bytes: usize,
+        scale_placeholder: u64,
     ) -> Result<Option<(lt_sys::cublasLtHandle_t, &mut Plan)>> {
         let Some(handle) = self.handle.as_ref().map(|handle| handle.0) else {
             return Ok(None);
@@ -382,6 +406,7 @@ impl LtState {
                 &key,
                 data_type,
                 workspace_bytes,
+                scale_placeholder,
                 candidates,
             )?),
         };

@@ -16,11 +16,12 @@
 //! read both operands along k (the "TN" form): an operand that is not k-contiguous is first
 //! written k-contiguous into scratch by `float8.cu`'s `float8_transpose` (backward's `dY·W` and
 //! `dYᵀ·X`). Sizes that are not multiples of 16 (cuBLASLt's fp8 alignment) answer "not here" and
-//! the core composes the product. Where a plan gets no outer-vector algorithm (so far every
-//! rowwise problem parity asks, on the H200 and the H100, though cuBLASLt's heuristic offers one
-//! to `scripts/pytorch/cublaslt_outer_vector_probe.py`), the product runs with unit scalar scales
-//! into f32 and the scales, the bias and the rounding follow as elementwise passes
-//! ([`CudaBackend::float8_scales_after_products`] counts them).
+//! the core composes the product. A plan asks the heuristic with the scale pointers set (without
+//! them it offered no outer-vector algorithm on the H100 or the H200; with them, every rowwise
+//! problem parity asks got one on the H100, `results/2026-12-05-579a00b`). Where a plan still
+//! gets none, the product runs with unit scalar scales into f32 and the scales, the bias and the
+//! rounding follow as elementwise passes ([`CudaBackend::float8_scales_after_products`] counts
+//! them).
 //!
 //! A plan (descriptors, layouts and the heuristic's algorithm) is cached per problem: dtype,
 //! compute type, epilogue, transposes, sizes, leading dimensions and pointer alignments, so the
@@ -316,7 +317,10 @@ fn run(backend: &CudaBackend, gemm: &Gemm) -> Result<bool> {
         }),
         fast_accumulation: gemm.float8.is_some() && lt_state.float8_fast_accumulation(),
     };
-    let Some((handle, plan)) = lt_state.plan(key, data_type, workspace_bytes)? else {
+    // A's scales stand in for both scale pointers while a new plan asks the heuristic.
+    let scale_placeholder = gemm.float8.map_or(0, |float8| float8.scales.0);
+    let Some((handle, plan)) = lt_state.plan(key, data_type, workspace_bytes, scale_placeholder)?
+    else {
         return Ok(false);
     };
     let (alpha, beta) = (1.0f32, 0.0f32);
