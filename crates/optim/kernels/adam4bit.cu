@@ -7,12 +7,15 @@
 // 4-bit: one warp per quantisation block of 128 elements (a quantised parameter is whole
 // blocks), four elements a lane: dequantise both moments (the code's table value times the
 // block's scale), update them and the parameter, reduce the block's new absmax of each moment
-// (a warp reduction), re-quantise against it (torchao's branchless search, ties up, by the
-// tables' code thresholds: four compares, no arithmetic) and pack two
-// codes a byte, the even element in the high nibble. A warp a block keeps the loads wide and the
-// reduction in registers: no shared memory but the code tables, no barrier per block (the
-// earlier block-of-128-threads form ran a 1e9-parameter step in 8.5 ms, this one measures in
-// crates/optim/benches/cuda_adam.rs).
+// (a warp reduction), re-quantise against it and pack two codes a byte, the even element in the
+// high nibble. A warp a block keeps the loads wide and the reduction in registers. Its cost is
+// the instructions it issues (written with __fdiv_rn, a range check and a branch each, about 210
+// an element in its SASS), so the divisions and the square root run as
+// nvcc's own fast-path instructions with range checks of their own (FastRange), straight-line
+// across the lane's four elements, and a lane whose operands leave that range computes its four
+// again with __fdiv_rn and __fsqrt_rn; a code is one shared-memory read of its bin (code_bin)
+// where the tables allow, else torchao's branchless search by the tables' code thresholds (four
+// compares, no arithmetic). crates/optim/benches/cuda_adam.rs measures it.
 //
 // The float operations are those of crates/optim/src/kernels/adam4bit.rs in the same order, each
 // rounded as there (__f*_rn keep nvcc from contracting into FMAs; PyTorch's lerp is an fma on
@@ -73,6 +76,87 @@ __device__ __forceinline__ void ao_update(const AoConsts& c, float& p, float g, 
     p = __fsub_rn(p, __fdiv_rn(__fmul_rn(c.lr, __fdiv_rn(m, c.bc1)), denom));
 }
 
+// The fast arithmetic of the 4-bit kernel: the instructions nvcc's correctly rounded division
+// and square root run when their operands are in range (their range checks, FCHK and an integer
+// compare, otherwise send them to a slow routine behind a branch), written out so that a
+// divisor's reciprocal is refined once and the code is straight-line: the four elements of a
+// lane interleave instead of waiting on a branch per operation. The operands' range is tracked
+// per lane (FastRange), and a lane out of it computes its four elements again with __fdiv_rn
+// and __fsqrt_rn. The range is narrower than the hardware's: divisors in [2^-58, 2^58),
+// dividends zero or of magnitude in the same range, so that no operand, residual or quotient is
+// subnormal or overflows, where the sequence equals div.rn (crates/optim/tests/cuda_adam4bit.rs
+// checks it against __fdiv_rn over every significand of the dividend); the square root takes
+// sqrt.rn's own range, capped at 2^116 so that its root is a dividend in range.
+struct Divisor {
+    float d, r;  // the divisor and its reciprocal, refined as div.rn's fast path refines it
+};
+
+__device__ __forceinline__ Divisor divisor_of(float d) {
+    float r0;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(d));
+    return Divisor{d, fmaf(r0, fmaf(-d, r0, 1.0f), r0)};
+}
+
+// Whether a divisor is in the fast arithmetic's range: positive, [2^-58, 2^58).
+__device__ __forceinline__ bool divides_fast(float d) {
+    return __float_as_uint(d) - (69u << 23) < (116u << 23);
+}
+
+// a / q.d, correctly rounded when both are in range. A zero dividend comes out +0 from the
+// sequence; the dividend's sign bit makes it -0 for -0 (and changes nothing else: the divisor
+// is positive).
+__device__ __forceinline__ float quotient(float a, const Divisor& q) {
+    const float q0 = __fmul_rn(a, q.r);
+    const float y = fmaf(q.r, fmaf(-q.d, q0, a), q0);
+    return __uint_as_float(__float_as_uint(y) | (__float_as_uint(a) & 0x80000000u));
+}
+
+// sqrt(x), correctly rounded when x is in range: sqrt.rn's fast path.
+__device__ __forceinline__ float square_root(float x) {
+    float y;
+    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    const float s = __fmul_rn(x, y);
+    return fmaf(fmaf(-s, s, x), __fmul_rn(y, 0.5f), s);
+}
+
+// A lane's operands of the fast arithmetic, as integers so that tracking costs no branch: the
+// largest magnitude's bits (shifted past the sign), the smallest nonzero one's less one (a zero
+// wraps to the top and never lowers it), and the square roots' operands' bits above sqrt.rn's
+// lowest fast one (a zero or a value under it wraps to the top).
+struct FastRange {
+    unsigned top = 0u, bottom = 0xffffffffu, root = 0u;
+    __device__ __forceinline__ void dividend(float x) {
+        const unsigned u = __float_as_uint(x) << 1;
+        top = max(top, u);
+        bottom = min(bottom, u - 1u);
+    }
+    __device__ __forceinline__ void radicand(float x) { root = max(root, __float_as_uint(x) - 0x0d000000u); }
+    // Every dividend zero or in [2^-58, 2^58), every radicand in [2^-101, 2^116).
+    __device__ __forceinline__ bool holds() const {
+        return top < (185u << 24) && bottom >= (69u << 24) - 1u && root < (217u << 23);
+    }
+};
+
+// ao_update in the fast arithmetic: the same operations in the same order, the dividends and
+// radicand tracked in `range` (the divisors bc1 and sqrt_bc2 are checked once a piece).
+__device__ __forceinline__ void ao_update_fast(const AoConsts& c, const Divisor& bc1, const Divisor& sqrt_bc2,
+                                               float& p, float g, float& m, float& v, FastRange& range) {
+    if (c.decoupled) {
+        p = __fsub_rn(p, __fmul_rn(c.lr_wd, p));
+    } else {
+        g = __fadd_rn(g, __fmul_rn(c.wd, p));
+    }
+    m = lerp_pt(m, g, c.w1);
+    v = lerp_pt(v, __fmul_rn(g, g), c.w2);
+    range.dividend(m);
+    range.radicand(v);
+    const float denom = __fadd_rn(quotient(square_root(v), sqrt_bc2), c.eps);
+    const float step = __fmul_rn(c.lr, quotient(m, bc1));
+    range.dividend(denom);
+    range.dividend(step);
+    p = __fsub_rn(p, quotient(step, divisor_of(denom)));
+}
+
 // torchao's quantize_4bit_with_qmap of one scaled value, by the table's code thresholds t
 // (threshold_code on the host, equal to torchao's search, code_4bit, for every f32: t[k] is the
 // least value whose code is k or more): how many of t[1..15] y reaches, in four compares.
@@ -83,14 +167,58 @@ __device__ __forceinline__ unsigned code4(const float* t, float y) {
     return c + (y >= t[c + 1] ? 1u : 0u);
 }
 
+// The code bins: the same codes in one shared-memory read. A scaled value's bits name its bin:
+// the sign, then (clamped below at 2^-10) its binade and three bits of significand, so a bin
+// covers an eighth of a binade, and every value under 2^-9 shares the binade 2^-10's eight bins.
+// Each bin keeps its least value's code and the threshold of the next code, +inf where the bin
+// holds none, as long as no bin holds two thresholds (true of torchao's two tables: their
+// thresholds nearest each other lie 1/16 apart in [1/2, 1) and 1/32 apart in [1/4, 1/2); the
+// kernel checks it when it fills the bins and otherwise searches by code4). A scaled value is at
+// most 1 in magnitude (the fast path's quotients are exact), so its binade is at most 2^0.
+#define CODE_BINADES 11  // 2^-10 to 2^0
+#define CODE_BINS (2 * CODE_BINADES * 8)
+#define CODE_BIN_FLOOR (117u << 3)  // 2^-10's exponent and three bits of significand
+
+__device__ __forceinline__ unsigned code_bin(float y) {
+    const unsigned u = __float_as_uint(y);
+    return max((u >> 20) & 0x7ffu, CODE_BIN_FLOOR) - CODE_BIN_FLOOR + (u >> 31) * (CODE_BINADES * 8);
+}
+
+// Bin i's entry from the thresholds t: x the next code's threshold (or +inf), y the least
+// value's code (as bits); false when the bin holds two thresholds.
+__device__ __forceinline__ bool fill_code_bin(const float* t, unsigned i, float2* bin) {
+    const unsigned binade = (i / 8) % CODE_BINADES;
+    const unsigned least_bits = binade == 0 ? 0u : ((117u + binade) << 23) | ((i % 8) << 20);
+    const unsigned most_bits = binade == 0 ? (118u << 23) - 1u : least_bits | 0xfffffu;
+    const bool negative = i >= CODE_BINADES * 8;
+    const float least = negative ? -__uint_as_float(most_bits) : __uint_as_float(least_bits);
+    const float most = negative ? -__uint_as_float(least_bits) : __uint_as_float(most_bits);
+    const unsigned low = code4(t, least), high = code4(t, most);
+    *bin = make_float2(high > low ? t[high] : __int_as_float(0x7f800000), __uint_as_float(low));
+    return high <= low + 1;
+}
+
+__device__ __forceinline__ unsigned code_by_bins(const float2* bins, float y) {
+    const float2 bin = bins[code_bin(y)];
+    return __float_as_uint(bin.y) + (y >= bin.x ? 1u : 0u);
+}
+
+// torch.maximum in one instruction (max.NaN, sm_80 on): NaN if either is NaN, as some NaN.
+__device__ __forceinline__ float maximum_nan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
 __device__ __forceinline__ float warp_maximum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = maximum_pt(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) v = maximum_nan(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
-// A block's scale from its absmax: NaN stays NaN, else at least 1e-12 (`clip(1e-12)`).
+// A block's scale from its absmax: NaN stays NaN (Rust's NaN, as the host stores it), else at
+// least 1e-12 (`clip(1e-12)`).
 __device__ __forceinline__ float block_scale(float amax) {
-    return amax != amax ? amax : fmaxf(amax, 1e-12f);
+    return amax != amax ? RUST_NAN : fmaxf(amax, 1e-12f);
 }
 
 // Warps per CUDA block of the 4-bit kernel (crates/optim/src/cuda/adam4bit.rs launches this many
@@ -119,6 +247,15 @@ __device__ __forceinline__ void adam4bit_blockwise(const Ao4Piece* pieces, unsig
                               : threadIdx.x < 48 ? first.thresholds1[entry]
                                                  : first.thresholds2[entry];
     __syncthreads();
+    __shared__ float2 bins[2][CODE_BINS];
+    __shared__ int bins_exact;
+    if (threadIdx.x == 0) bins_exact = 1;
+    __syncthreads();
+    for (unsigned i = threadIdx.x; i < 2 * CODE_BINS; i += blockDim.x)
+        if (!fill_code_bin(tables + (i < CODE_BINS ? 32 : 48), i % CODE_BINS, &bins[i / CODE_BINS][i % CODE_BINS]))
+            bins_exact = 0;
+    __syncthreads();
+    const bool by_bins = bins_exact != 0;
     const float* q1 = tables;
     const float* q2 = tables + 16;
     const float* t1 = tables + 32;
@@ -134,6 +271,8 @@ __device__ __forceinline__ void adam4bit_blockwise(const Ao4Piece* pieces, unsig
     float scale;
     bool scaled;
     ParamRounding r;
+    Divisor bc1, sqrt_bc2, unscale;
+    bool piece_fast = false;  // whether the piece's divisors are in the fast arithmetic's range
     for (unsigned long long b = (unsigned long long)blockIdx.x * AO_WARPS + threadIdx.x / 32; b < n_blocks; b += warps) {
         if (b < lo || b >= hi) {
             piece = find_piece(pieces, n_pieces, b);
@@ -143,6 +282,10 @@ __device__ __forceinline__ void adam4bit_blockwise(const Ao4Piece* pieces, unsig
             c = ao_consts(found);
             scaled = grad_scale_of(grad_scale, found.flags, found.grad_scale, &scale);
             r = param_rounding(found.head, found.flags, found.seed, found.param_index);
+            bc1 = divisor_of(c.bc1);
+            sqrt_bc2 = divisor_of(c.sqrt_bc2);
+            unscale = divisor_of(scale);
+            piece_fast = divides_fast(c.bc1) && divides_fast(c.sqrt_bc2) && (!scaled || divides_fast(scale));
         }
         const Ao4Piece& pc = pieces[piece];
         const unsigned long long block = b - lo;
@@ -171,25 +314,59 @@ __device__ __forceinline__ void adam4bit_blockwise(const Ao4Piece* pieces, unsig
             w2 = c2[2 * lane] | ((unsigned)c2[2 * lane + 1] << 8);
         }
         const float old1 = *s1, old2 = *s2;
-        float m[4], v[4], a1 = 0.0f, a2 = 0.0f;
+        float m[4], v[4], np[4], a1 = 0.0f, a2 = 0.0f;
+        FastRange range;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const unsigned shift = 8 * (k / 2) + ((k & 1) ? 0 : 4);
             m[k] = __fmul_rn(q1[(w1 >> shift) & 15u], old1);
             v[k] = __fmul_rn(q2[(w2 >> shift) & 15u], old2);
             float gk = gv[k];
-            if (scaled) gk = __fdiv_rn(gk, scale);
-            ao_update(c, pv[k], gk, m[k], v[k]);
-            a1 = maximum_pt(a1, fabsf(m[k]));
-            a2 = maximum_pt(a2, fabsf(v[k]));
+            if (scaled) {
+                range.dividend(gk);
+                gk = quotient(gk, unscale);
+            }
+            np[k] = pv[k];
+            ao_update_fast(c, bc1, sqrt_bc2, np[k], gk, m[k], v[k], range);
         }
-        const float scale1 = block_scale(warp_maximum(a1)), scale2 = block_scale(warp_maximum(a2));
-        unsigned n1 = 0, n2 = 0;
+        if (!(piece_fast && range.holds())) {  // an operand out of range: the lane's four again
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const unsigned shift = 8 * (k / 2) + ((k & 1) ? 0 : 4);
+                m[k] = __fmul_rn(q1[(w1 >> shift) & 15u], old1);
+                v[k] = __fmul_rn(q2[(w2 >> shift) & 15u], old2);
+                const float gk = scaled ? __fdiv_rn(gv[k], scale) : gv[k];
+                np[k] = pv[k];
+                ao_update(c, np[k], gk, m[k], v[k]);
+            }
+        }
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            const unsigned shift = 8 * (k / 2) + ((k & 1) ? 0 : 4);
-            n1 |= code4(t1, __fdiv_rn(m[k], scale1)) << shift;
-            n2 |= code4(t2, __fdiv_rn(v[k], scale2)) << shift;
+            pv[k] = np[k];
+            a1 = maximum_nan(a1, fabsf(m[k]));
+            a2 = maximum_nan(a2, fabsf(v[k]));
+        }
+        const float scale1 = block_scale(warp_maximum(a1)), scale2 = block_scale(warp_maximum(a2));
+        // The codes' quotients need only their divisors in range: |m| and v are at most their
+        // scale, so a dividend under 2^-58 has a quotient under 2^-17 (scales are at least 1e-12)
+        // exactly and in the sequence, far inside the code nearest zero either way (its
+        // thresholds are ±0.00275 signed, 3/32 unsigned).
+        unsigned n1 = 0, n2 = 0;
+        if (by_bins && divides_fast(scale1) && divides_fast(scale2)) {
+            const Divisor by1 = divisor_of(scale1), by2 = divisor_of(scale2);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const unsigned shift = 8 * (k / 2) + ((k & 1) ? 0 : 4);
+                n1 |= code_by_bins(bins[0], quotient(m[k], by1)) << shift;
+                n2 |= code_by_bins(bins[1], quotient(v[k], by2)) << shift;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const unsigned shift = 8 * (k / 2) + ((k & 1) ? 0 : 4);
+                n1 |= code4(t1, __fdiv_rn(m[k], scale1)) << shift;
+                n2 |= code4(t2, __fdiv_rn(v[k], scale2)) << shift;
+            }
         }
         if (aligned) {
             store4_rounded(p, lane, pv, r, first);
@@ -252,3 +429,31 @@ extern "C" __global__ void __launch_bounds__(AO_WARPS * 32) adam4bit_blockwise_b
 }
 extern "C" __global__ void adam4bit_f32_states_f32 AO4_PARAMS { adam4bit_f32_states<float> AO4_ARGS; }
 extern "C" __global__ void adam4bit_f32_states_bf16 AO4_PARAMS { adam4bit_f32_states<__nv_bfloat16> AO4_ARGS; }
+
+// Test support (crates/optim/tests/cuda_adam4bit.rs, through
+// crates/optim/src/cuda/adam4bit.rs' fast_arithmetic_mismatches): thread i takes the float of
+// biased exponent `exponent`, significand i % 2^23 and sign bit i / 2^23. As a dividend the
+// fast path admits, it is divided by each of the n_divisors divisors the fast path admits, and
+// mismatches[0] counts the quotients whose bits differ from __fdiv_rn's; as a radicand the fast
+// path admits, mismatches[1] counts the square roots whose bits differ from __fsqrt_rn's.
+extern "C" __global__ void adam4bit_fast_arithmetic_mismatches(const float* divisors, unsigned n_divisors,
+                                                               unsigned exponent, unsigned* mismatches) {
+    const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (2u << 23)) return;
+    const float x = __uint_as_float(((i >> 23) << 31) | ((exponent & 0xffu) << 23) | (i & 0x7fffffu));
+    FastRange dividend;
+    dividend.dividend(x);
+    unsigned quotients = 0;
+    if (dividend.holds()) {
+        for (unsigned k = 0; k < n_divisors; ++k) {
+            const float d = divisors[k];
+            if (divides_fast(d) && __float_as_uint(quotient(x, divisor_of(d))) != __float_as_uint(__fdiv_rn(x, d)))
+                ++quotients;
+        }
+    }
+    if (quotients) atomicAdd(&mismatches[0], quotients);
+    FastRange radicand;
+    radicand.radicand(x);
+    if (radicand.holds() && __float_as_uint(square_root(x)) != __float_as_uint(__fsqrt_rn(x)))
+        atomicAdd(&mismatches[1], 1u);
+}

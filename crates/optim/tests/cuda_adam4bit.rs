@@ -18,7 +18,8 @@ use adam4bit_golden::{configs, differing, max_abs_diff, run, state_key, Golden};
 use adam4bit_golden::{PARAMS, STEPS};
 use cuda_tensors::{random, raw_bytes, scaled_step, shared_cuda_and_cpu, tensor_of};
 use headroom_autograd_core::{DType, Tensor};
-use headroom_optim::{Adam4bit, Adam4bitConfig, Implementation, ParamGroup};
+use headroom_optim::cuda::fast_arithmetic_mismatches;
+use headroom_optim::{Adam4bit, Adam4bitConfig, Implementation, Optimizer, ParamGroup};
 use headroom_testkit::ulps::max_ulps;
 
 #[test]
@@ -173,5 +174,111 @@ fn a_device_grad_scaler_skips_on_the_device_and_matches_the_cpu() {
         }
         println!("{tag} with a device GradScaler: parameters within {worst} ulps of the CPU");
         assert!(worst <= 4, "{tag}: {worst} ulps");
+    }
+}
+
+/// The kernel's written-out division and square root equal `div.rn` and `sqrt.rn` wherever its
+/// range checks admit them: every sign and significand of every exponent as a dividend, by 64
+/// divisors that span the admitted range (its two ends among them), and as a radicand.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn fast_arithmetic_equals_the_correctly_rounded_one() {
+    let Some((cuda, _cpu)) = shared_cuda_and_cpu() else {
+        return;
+    };
+    // The admitted divisors are [2^-58, 2^58): the two ends, 1, torchao's least scale, a bias
+    // correction, then one divisor of random significand every other exponent from 2^-58 up.
+    let mut divisors = vec![
+        f32::from_bits(69 << 23),
+        f32::from_bits((185 << 23) - 1),
+        1.0,
+        1e-12,
+        1.0 - 0.999f32.powi(3),
+    ];
+    let significands = random(41, 64, 2.0);
+    divisors.extend((0..59).map(|k| {
+        let significand = (significands[k].to_bits() & 0x7f_ffff) | 0x3f80_0000;
+        f32::from_bits(significand) * 2f32.powi(2 * k as i32 - 58)
+    }));
+    assert_eq!(divisors.len(), 64);
+    let divisors = tensor_of(&cuda, &divisors, &[64], DType::F32);
+    for exponent in 0..=u8::MAX {
+        let [quotients, roots] = fast_arithmetic_mismatches(&divisors, exponent).unwrap();
+        assert_eq!(
+            (quotients, roots),
+            (0, 0),
+            "biased exponent {exponent}: quotients and square roots that differ from div.rn's \
+             and sqrt.rn's"
+        );
+    }
+}
+
+/// Operands outside the fast arithmetic's range — zero, signed zero, subnormal, tiny and huge
+/// gradients, and parameters — take the kernel's exact path per lane: parameters, codes and
+/// scales equal the CPU's bit for bit after every step, Adam and AdamW, f32 parameters.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn edge_operands_take_the_exact_path_and_equal_the_cpu() {
+    let Some((cuda, cpu)) = shared_cuda_and_cpu() else {
+        return;
+    };
+    const N: usize = 8192;
+    // Every 128-element block mixes ordinary values with one kind of edge operand (some blocks
+    // have none, so the fast path runs beside the exact one within a launch).
+    let edges = [
+        0.0, -0.0, 1e-40, -3e-39, 1e-30, -2e-25, 1e-19, 3e18, -1e25, 1e30,
+    ];
+    let values = |seed: u64, scale: f32| -> Vec<f32> {
+        let mut values = random(seed, N, scale);
+        for (i, value) in values.iter_mut().enumerate() {
+            let block = i / 128;
+            if block % 12 < edges.len() && i % 7 == block % 7 {
+                *value = edges[block % 12];
+            }
+        }
+        values
+    };
+    for (tag, cfg) in [
+        ("adamw", Adam4bitConfig::adamw()),
+        (
+            "adam_l2",
+            Adam4bitConfig {
+                weight_decay: 0.01,
+                ..Adam4bitConfig::adam()
+            },
+        ),
+    ] {
+        let mut runs = Vec::new();
+        for backend in [&cpu, &cuda] {
+            let param = tensor_of(backend, &values(5, 0.2), &[N], DType::F32);
+            let mut optimizer = Adam4bit::new(
+                vec![ParamGroup::new(vec![param.clone()], cfg.clone())],
+                Implementation::Fused,
+            )
+            .unwrap();
+            let mut after_each = Vec::new();
+            for step in 0..4u64 {
+                let grad = tensor_of(backend, &values(60 + step, 0.02), &[N], DType::F32);
+                param.set_grad(Some(grad)).unwrap();
+                optimizer.step().unwrap();
+                let states: Vec<(String, Vec<u8>)> = optimizer
+                    .param_state(0, 0)
+                    .into_iter()
+                    .map(|(name, t)| (name.to_string(), raw_bytes(&t)))
+                    .collect();
+                after_each.push((raw_bytes(&param), states));
+            }
+            runs.push(after_each);
+        }
+        for (step, (host, device)) in runs[0].iter().zip(&runs[1]).enumerate() {
+            let differing = host
+                .0
+                .chunks(4)
+                .zip(device.0.chunks(4))
+                .filter(|(a, b)| a != b)
+                .count();
+            assert_eq!(differing, 0, "{tag} step {}: parameters differ", step + 1);
+            assert!(host.1 == device.1, "{tag} step {}: states differ", step + 1);
+        }
     }
 }

@@ -9,12 +9,12 @@
 
 use std::sync::Arc;
 
-use headroom_autograd_core::DType;
-use headroom_ops_cuda::CudaBackend;
+use headroom_autograd_core::{DType, Tensor};
+use headroom_ops_cuda::{CudaBackend, KernelArg};
 
 use super::adam8bit::{kernel_of, rounding_fields, state_spans, DeviceAdam8bitParam};
 use super::launch::{
-    check_disjoint, fused_block_elems, raw_geometry, scaling_addresses, CudaDevice, Module,
+    address, check_disjoint, fused_block_elems, raw_geometry, scaling_addresses, CudaDevice, Module,
 };
 use super::table::{flags, PieceHead, Table};
 use crate::adam8bit::BlockwiseState;
@@ -263,4 +263,52 @@ impl CudaAdam4bit {
             addresses,
         )
     }
+}
+
+/// Test support for the 4-bit kernel's fast arithmetic (`kernels/adam4bit.cu` writes out the
+/// instructions of a correctly rounded division and square root, with its own range checks):
+/// over every float of biased exponent `exponent` (both signs, every significand) that the fast
+/// path admits as a dividend, how many quotients by each of `divisors` (a contiguous f32 CUDA
+/// tensor; those out of the fast path's range are skipped) differ in bits from `div.rn`'s, and
+/// over those it admits as a radicand, how many square roots differ from `sqrt.rn`'s. Not part of
+/// the optimizer's interface: `tests/cuda_adam4bit.rs` sweeps every exponent with it.
+#[doc(hidden)]
+pub fn fast_arithmetic_mismatches(divisors: &Tensor, exponent: u8) -> Result<[u32; 2], OptimError> {
+    const OP: &str = "fast_arithmetic_mismatches";
+    if divisors.dtype() != DType::F32 || !divisors.is_contiguous() {
+        return Err(OptimError::InvalidArgument {
+            op: OP,
+            reason: format!(
+                "divisors must be a contiguous f32 tensor, not {:?}",
+                divisors.dtype()
+            ),
+        });
+    }
+    let mut device = CudaDevice::of(OP, divisors, 0)?;
+    let counts = Tensor::zeros(divisors.backend(), &[2], DType::I32)?;
+    let n = u32::try_from(divisors.numel()).map_err(|_| OptimError::InvalidArgument {
+        op: OP,
+        reason: format!("{} divisors: at most u32::MAX", divisors.numel()),
+    })?;
+    let args = [
+        KernelArg::U64(address(divisors)),
+        KernelArg::U32(n),
+        KernelArg::U32(u32::from(exponent)),
+        KernelArg::U64(address(&counts)),
+    ];
+    // SAFETY: the arguments match adam4bit_fast_arithmetic_mismatches' parameters (a pointer to
+    // n floats, their count, the exponent, a pointer to two unsigned counters); `divisors` and
+    // `counts` are live contiguous tensors of this backend for the launch, which reads n floats
+    // and adds to two 4-byte counters. One thread per sign and significand: 2^24 threads.
+    unsafe {
+        device.launch(
+            Module::Adam4bit,
+            "adam4bit_fast_arithmetic_mismatches",
+            1 << 16,
+            256,
+            &args,
+        )
+    }?;
+    let counts = counts.to_vec::<i32>()?;
+    Ok([counts[0] as u32, counts[1] as u32])
 }

@@ -56,6 +56,6 @@ mod table;
 
 pub use adafactor::{CudaAdafactor, DeviceAdafactorParam};
 pub use adam::{CudaFusedAdam, DeviceAdamParam, FusedAdamMath};
-pub use adam4bit::CudaAdam4bit;
+pub use adam4bit::{fast_arithmetic_mismatches, CudaAdam4bit};
 pub use adam8bit::{Adam8bitMath, CudaAdam8bit, DeviceAdam8bitParam};
 pub use sgd::{CudaSgd, DeviceSgdParam};
