@@ -133,49 +133,54 @@ fn main() {
         lr: 1e-4,
         ..Adam8bitConfig::adam()
     };
-    if !wanted("headroom_adam8bit_cuda") {
-        return;
-    }
-    let mut adam8 = Adam8bit::new(
-        vec![ParamGroup::new(params.clone(), cfg8.clone())],
-        Implementation::Fused,
-    )
-    .expect("optimizer");
-    report(
-        "headroom_adam8bit_cuda",
-        16.0,
-        time_steps(&cuda, &mut |_| adam8.step().expect("step")),
-    );
-    drop(adam8);
-    // torchao quantises only whole blocks of 128: 6.25 M is not, so the 4-bit case has tensors
-    // of its own, 6_249_984 elements (48_828 blocks; 1e9 less 2_560 in all).
-    let params4: Vec<Tensor> = (0..N_TENSORS)
-        .map(|i| {
-            let upload = |values: &[f32]| {
-                Tensor::from_slice(&backend, &values[..PER_TENSOR_4BIT], &[PER_TENSOR_4BIT])
-                    .expect("memory")
-            };
-            let p = upload(&patterns[i % 8]);
-            p.set_grad(Some(upload(&patterns[(i + 3) % 8])))
-                .expect("grad");
-            p
-        })
-        .collect();
-    let cfg4 = Adam4bitConfig {
-        lr: 1e-4,
-        ..Adam4bitConfig::adam()
-    };
-    let mut adam4 = Adam4bit::new(vec![ParamGroup::new(params4, cfg4)], Implementation::Fused)
+    if wanted("headroom_adam8bit_cuda") {
+        let mut adam8 = Adam8bit::new(
+            vec![ParamGroup::new(params.clone(), cfg8.clone())],
+            Implementation::Fused,
+        )
         .expect("optimizer");
-    report(
-        "headroom_adam4bit_cuda",
-        14.0,
-        time_steps(&cuda, &mut |_| adam4.step().expect("step")),
-    );
-    drop(adam4);
+        report(
+            "headroom_adam8bit_cuda",
+            16.0,
+            time_steps(&cuda, &mut |_| adam8.step().expect("step")),
+        );
+        drop(adam8);
+    }
+    if wanted("headroom_adam4bit_cuda") {
+        // torchao quantises only whole blocks of 128: 6.25 M is not, so the 4-bit case has tensors
+        // of its own, 6_249_984 elements (48_828 blocks; 1e9 less 2_560 in all).
+        let params4: Vec<Tensor> = (0..N_TENSORS)
+            .map(|i| {
+                let upload = |values: &[f32]| {
+                    Tensor::from_slice(&backend, &values[..PER_TENSOR_4BIT], &[PER_TENSOR_4BIT])
+                        .expect("memory")
+                };
+                let p = upload(&patterns[i % 8]);
+                p.set_grad(Some(upload(&patterns[(i + 3) % 8])))
+                    .expect("grad");
+                p
+            })
+            .collect();
+        let cfg4 = Adam4bitConfig {
+            lr: 1e-4,
+            ..Adam4bitConfig::adam()
+        };
+        let mut adam4 = Adam4bit::new(vec![ParamGroup::new(params4, cfg4)], Implementation::Fused)
+            .expect("optimizer");
+        report(
+            "headroom_adam4bit_cuda",
+            14.0,
+            time_steps(&cuda, &mut |_| adam4.step().expect("step")),
+        );
+        drop(adam4);
+    }
 
     // The raw-buffer layer over the same parameters and gradients, with state tensors of its
     // own (kept in `state` while it runs).
+    let (raw_fused, raw_adam8bit) = ("headroom_raw_fused_cuda", "headroom_raw_adam8bit_cuda");
+    if !wanted(raw_fused) && !wanted(raw_adam8bit) {
+        return;
+    }
     let address = |t: &Tensor| t.buffer().address();
     let mut state = Vec::new();
     let mut raw = Vec::new();
@@ -208,20 +213,24 @@ fn main() {
         });
         state.extend([m, v, c1, c2, a1, a2]);
     }
-    // SAFETY: every address is a live tensor of `cuda` (parameters, their gradients and the
-    // tensors in `state`), alive until the end of main.
-    let mut fused = unsafe { CudaFusedAdam::new(cuda.clone(), &raw) }.expect("kernel");
-    report(
-        "headroom_raw_fused_cuda",
-        28.0,
-        time_steps(&cuda, &mut |t| fused.step(&cfg, t, None).expect("step")),
-    );
-    // SAFETY: as above.
-    let mut eight = unsafe { CudaAdam8bit::new(cuda.clone(), &raw8) }.expect("kernel");
-    report(
-        "headroom_raw_adam8bit_cuda",
-        16.0,
-        time_steps(&cuda, &mut |t| eight.step(&cfg8, t, None).expect("step")),
-    );
-    drop((fused, eight, state));
+    if wanted(raw_fused) {
+        // SAFETY: every address is a live tensor of `cuda` (parameters, their gradients and the
+        // tensors in `state`), alive until the end of main.
+        let mut fused = unsafe { CudaFusedAdam::new(cuda.clone(), &raw) }.expect("kernel");
+        report(
+            raw_fused,
+            28.0,
+            time_steps(&cuda, &mut |t| fused.step(&cfg, t, None).expect("step")),
+        );
+    }
+    if wanted(raw_adam8bit) {
+        // SAFETY: as above.
+        let mut eight = unsafe { CudaAdam8bit::new(cuda.clone(), &raw8) }.expect("kernel");
+        report(
+            raw_adam8bit,
+            16.0,
+            time_steps(&cuda, &mut |t| eight.step(&cfg8, t, None).expect("step")),
+        );
+    }
+    drop(state);
 }
