@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call over a tree packed by scripts/gpu-pack.sh (carry [".gpu-carry", ".whl"]): it
 # unpacks .gpu-carry/bundle.tar.xz into .gpu-bundle (and scripts/gpu-quick.sh's quick.tar.xz into
-# .gpu-quick, for cmd: steps to run), installs .whl/*.whl into /tmp/site, runs
+# .gpu-quick, scripts/gpu-variants.sh's variants.tar.xz into .gpu-variants, for cmd: steps to
+# run), installs .whl/*.whl into /tmp/site, runs
 # the gpu-measure.sh phases and the techniques.sh parts it is given, in order, and tars every
 # log and result into $OUT/results.tar.xz (the device tool returns eight files at most), with
 # run.log beside it: each step's exit status and seconds. The results are packed again after
@@ -35,6 +36,10 @@ fi
 if [[ -f .gpu-carry/quick.tar.xz ]]; then
   tar xJf .gpu-carry/quick.tar.xz
   log "quick binaries unpacked (scripts/gpu-quick.sh): $(ls .gpu-quick/bin .gpu-quick/benches | grep -vc ':$')"
+fi
+if [[ -f .gpu-carry/variants.tar.xz ]]; then
+  tar xJf .gpu-carry/variants.tar.xz
+  log "kernel variants unpacked (scripts/gpu-variants.sh): $(ls .gpu-variants | wc -l)"
 fi
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
