@@ -65,8 +65,9 @@ __device__ __forceinline__ AoConsts ao_consts(const Ao4Piece& pc) {
     return c;
 }
 
-// One element of torchao's single_param_adam (StepConsts::update on the host).
-__device__ __forceinline__ void ao_update(const AoConsts& c, float& p, float g, float& m, float& v) {
+// The weight decay (AdamW's on p, Adam's L2 term into g) and both moments' update: the start of
+// ao_update and of ao_update_fast, which differ only in how they divide.
+__device__ __forceinline__ void ao_moments(const AoConsts& c, float& p, float g, float& m, float& v) {
     if (c.decoupled) {
         p = __fsub_rn(p, __fmul_rn(c.lr_wd, p));
     } else {
@@ -74,6 +75,11 @@ __device__ __forceinline__ void ao_update(const AoConsts& c, float& p, float g, 
     }
     m = lerp_pt(m, g, c.w1);
     v = lerp_pt(v, __fmul_rn(g, g), c.w2);
+}
+
+// One element of torchao's single_param_adam (StepConsts::update on the host).
+__device__ __forceinline__ void ao_update(const AoConsts& c, float& p, float g, float& m, float& v) {
+    ao_moments(c, p, g, m, v);
     float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.sqrt_bc2), c.eps);
     p = __fsub_rn(p, __fdiv_rn(__fmul_rn(c.lr, __fdiv_rn(m, c.bc1)), denom));
 }
@@ -143,13 +149,7 @@ struct FastRange {
 // radicand tracked in `range` (the divisors bc1 and sqrt_bc2 are checked once a piece).
 __device__ __forceinline__ void ao_update_fast(const AoConsts& c, const Divisor& bc1, const Divisor& sqrt_bc2,
                                                float& p, float g, float& m, float& v, FastRange& range) {
-    if (c.decoupled) {
-        p = __fsub_rn(p, __fmul_rn(c.lr_wd, p));
-    } else {
-        g = __fadd_rn(g, __fmul_rn(c.wd, p));
-    }
-    m = lerp_pt(m, g, c.w1);
-    v = lerp_pt(v, __fmul_rn(g, g), c.w2);
+    ao_moments(c, p, g, m, v);
     range.dividend(m);
     range.radicand(v);
     const float denom = __fadd_rn(quotient(square_root(v), sqrt_bc2), c.eps);

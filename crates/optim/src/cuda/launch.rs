@@ -50,7 +50,7 @@ macro_rules! crate_module {
 
 impl Module {
     /// The module's name (unique in the process) and its PTX text.
-    pub(crate) fn source(self) -> (&'static str, &'static str) {
+    fn source(self) -> (&'static str, &'static str) {
         match self {
             Module::Adam => crate_module!("adam"),
             Module::Sgd => crate_module!("sgd"),
