@@ -4,7 +4,9 @@
 //! 8-bit blockwise state — plus plain SGD for scale, fused Adam on the whole model in bf16
 //! (bf16 parameters, gradients and moments, f32 arithmetic), and torchao's 4-bit AdamW on the
 //! bf16 model with no master copy (stochastic rounding), and AdamW on the bf16 model with its
-//! state in host memory, stepped by the host (`OffloadedAdam`).
+//! state in host memory, stepped by the host (`OffloadedAdam`), and the 4-bit AdamW with its
+//! state in host memory between steps, streamed through the GPU (`StreamedOptimizer`; on the CPU
+//! it is the 4-bit optimizer itself).
 //!
 //! Each variant gets a fresh model and optimizer and runs three steps (forward, loss =
 //! `out.sum()`, backward, `step()`, `zero_grad(set_to_none)`). Printed per variant: the peak
@@ -24,7 +26,8 @@ use headroom::nn::{Module, VisionTransformer, VitConfig};
 use headroom::optim::kernels::Bf16Rounding;
 use headroom::optim::{
     Adam, Adam4bit, Adam4bitConfig, Adam8bit, Adam8bitConfig, AdamConfig, Implementation,
-    OffloadConfig, OffloadedAdam, Optimizer, ParamGroup, Sgd, SgdConfig,
+    OffloadConfig, OffloadedAdam, Optimizer, ParamGroup, Sgd, SgdConfig, StreamedOptimizer,
+    DEFAULT_STATE_STREAM_BYTES,
 };
 
 use device::Device;
@@ -47,20 +50,26 @@ enum Kind {
     /// AdamW (lr 1e-4, f32 moments) on the bf16 model with its state in host memory, stepped by
     /// the host, the parameters rounded stochastically (`OffloadedAdam`).
     AdamwOffloadBf16,
+    /// The 4-bit AdamW above with its state in pinned host memory between steps, streamed
+    /// through the GPU (`StreamedOptimizer`).
+    Adam4bitStreamedBf16,
 }
 
 impl Kind {
     /// The dtype of the model this variant trains.
     fn dtype(self) -> DType {
         match self {
-            Kind::AdamBf16 | Kind::Adam4bitBf16 | Kind::AdamwOffloadBf16 => DType::BF16,
+            Kind::AdamBf16
+            | Kind::Adam4bitBf16
+            | Kind::AdamwOffloadBf16
+            | Kind::Adam4bitStreamedBf16 => DType::BF16,
             _ => DType::F32,
         }
     }
 }
 
 /// The variants, in print order.
-const VARIANTS: [(&str, Kind); 9] = [
+const VARIANTS: [(&str, Kind); 10] = [
     (
         "Adam, foreach (PyTorch's)",
         Kind::Adam(Implementation::ForeachUnbounded),
@@ -76,12 +85,14 @@ const VARIANTS: [(&str, Kind); 9] = [
     ("Adam, fused, bf16 model", Kind::AdamBf16),
     ("AdamW, 4-bit, bf16 model", Kind::Adam4bitBf16),
     ("AdamW, host state, bf16 model", Kind::AdamwOffloadBf16),
+    ("AdamW, 4-bit streamed, bf16", Kind::Adam4bitStreamedBf16),
 ];
 
-/// A variant's optimizer: any, or the offloaded one, whose host bytes the example reads.
+/// A variant's optimizer: any, or one with host state, whose host bytes the example reads.
 enum Built {
     OnDevice(Box<dyn Optimizer>),
     Offloaded(Box<OffloadedAdam>),
+    Streamed(Box<StreamedOptimizer<Adam4bitConfig>>),
 }
 
 impl Built {
@@ -89,6 +100,7 @@ impl Built {
         match self {
             Built::OnDevice(optimizer) => optimizer.as_mut(),
             Built::Offloaded(optimizer) => optimizer.as_mut(),
+            Built::Streamed(optimizer) => optimizer.as_mut(),
         }
     }
 
@@ -96,6 +108,7 @@ impl Built {
         match self {
             Built::OnDevice(_) => 0,
             Built::Offloaded(optimizer) => optimizer.host_state_bytes(),
+            Built::Streamed(optimizer) => optimizer.host_state_bytes(),
         }
     }
 }
@@ -135,13 +148,14 @@ fn optimizer(kind: Kind, params: Vec<Tensor>) -> Result<Built> {
             Box::new(Sgd::new(groups, Implementation::Fused)?)
         }
         Kind::Adam4bitBf16 => {
-            let config = Adam4bitConfig {
-                lr: 1e-4,
-                bf16_rounding: Bf16Rounding::Stochastic { seed: 0 },
-                ..Adam4bitConfig::adamw()
-            };
-            let groups = vec![ParamGroup::new(params, config)];
+            let groups = vec![ParamGroup::new(params, adamw4bit())];
             Box::new(Adam4bit::new(groups, Implementation::Fused)?)
+        }
+        Kind::Adam4bitStreamedBf16 => {
+            let groups = vec![ParamGroup::new(params, adamw4bit())];
+            let streamed =
+                StreamedOptimizer::new(groups, Implementation::Fused, DEFAULT_STATE_STREAM_BYTES)?;
+            return Ok(Built::Streamed(Box::new(streamed)));
         }
         Kind::AdamwOffloadBf16 => {
             let adamw = AdamConfig {
@@ -152,6 +166,15 @@ fn optimizer(kind: Kind, params: Vec<Tensor>) -> Result<Built> {
             return Ok(Built::Offloaded(Box::new(offloaded)));
         }
     }))
+}
+
+/// torchao's 4-bit AdamW (lr 1e-4) rounding bf16 parameters stochastically.
+fn adamw4bit() -> Adam4bitConfig {
+    Adam4bitConfig {
+        lr: 1e-4,
+        bf16_rounding: Bf16Rounding::Stochastic { seed: 0 },
+        ..Adam4bitConfig::adamw()
+    }
 }
 
 /// What one variant measured.
@@ -247,7 +270,7 @@ fn main() -> Result<()> {
     // In the order of `VARIANTS`.
     let figures = |idx: usize| &results[idx].1;
     let (foreach, single, fused, eight_bit) = (figures(0), figures(2), figures(3), figures(4));
-    let (bf16, four_bit, offloaded) = (figures(6), figures(7), figures(8));
+    let (bf16, four_bit, offloaded, streamed) = (figures(6), figures(7), figures(8), figures(9));
     println!(
         "\nforeach as PyTorch computes it peaks {} above single-tensor Adam and {} above fused: \
          its temporaries span every parameter at once ({} here); fused needs none. 8-bit state \
@@ -255,7 +278,8 @@ fn main() -> Result<()> {
          The bf16 model halves weights, gradients and moments alike: fused Adam peaks at {}; \
          with 4-bit states and no master copy, AdamW peaks at {} ({} of state); with its state \
          in host memory, at {} ({} of device state, {} of host state: the moments and a copy \
-         of the weights).",
+         of the weights); the 4-bit state streamed from host memory, at {} ({} of device state \
+         between steps, {} of host state).",
         mb(foreach.peak.saturating_sub(single.peak)),
         mb(foreach.peak.saturating_sub(fused.peak)),
         mb(foreach.transient),
@@ -274,7 +298,10 @@ fn main() -> Result<()> {
         mb(four_bit.state),
         mb(offloaded.peak),
         mb(offloaded.state),
-        mb(offloaded.host_state)
+        mb(offloaded.host_state),
+        mb(streamed.peak),
+        mb(streamed.state),
+        mb(streamed.host_state)
     );
     Ok(())
 }

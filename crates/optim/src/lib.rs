@@ -27,6 +27,11 @@
 //!   O(parameters²)). [`LrScheduler`] drives the groups' learning rates. State
 //!   tensors and step temporaries come from the parameters' caching allocator, so their bytes
 //!   show in `memory_allocated()`.
+//! - Host memory for the state: [`OffloadedAdam`] (Adam's state stepped by the host, or streamed
+//!   through the GPU) and [`StreamedOptimizer`], which wraps any rule's `GroupOptimizer` and
+//!   keeps its state in pinned host memory between steps, streamed in and out around each
+//!   bucket and stepped by the rule's own CUDA kernels (bitwise the on-device optimizer; 4-bit
+//!   AdamW leaves 1.06 bytes a parameter on the host and none on the GPU).
 //!
 //! Parameters may live on the CPU or, with the `cuda` feature, on a CUDA device: the optimizer
 //! takes its [`StepDevice`] from its parameters (all on one device, contiguous, of a dtype the
@@ -99,8 +104,10 @@
 //! 9. `clip`, `grad_scale`, `scheduler`, `offload_state` — public clipping, overflow check,
 //!    schedulers; an offloaded parameter's host state and host step.
 //! 10. `cuda` — the rules' CUDA pieces (each implements `CudaKernels` for its front end's
-//!     state), the raw-buffer CUDA layer and offload's streams and host thread.
-//! 11. `offload` — `OffloadedAdam`, Adam with its state in host memory.
+//!     state), the raw-buffer CUDA layer, offload's streams and host thread, and the state
+//!     stream (pinned host states copied through the GPU) both offloads share.
+//! 11. `offload`, `streamed` — `OffloadedAdam`, Adam with its state in host memory;
+//!     `StreamedOptimizer`, any rule's state in host memory, streamed through the GPU.
 //!
 //! Crate features: `cuda` adds the CUDA device (capability only; results are the CPU's).
 //!
@@ -185,6 +192,7 @@ mod rule;
 mod scheduler;
 mod sgd;
 mod step;
+mod streamed;
 
 pub use adafactor::{Adafactor, AdafactorState};
 pub use adam::{Adam, AdamState};
@@ -214,3 +222,4 @@ pub use step::{
     DeviceGradScaling, Implementation, NamedTensors, ParamId, Scaling, StepParams,
     DEFAULT_FOREACH_CHUNK,
 };
+pub use streamed::{StreamedOptimizer, DEFAULT_STATE_STREAM_BYTES};

@@ -12,11 +12,13 @@ use anyhow::{Context, Result};
 use headroom_autograd_core::{DType, Tensor};
 use headroom_hooks::ClipMode;
 use headroom_optim::kernels::{
-    Adam4bitConfig, Adam8bitConfig, AdamConfig, Bf16Rounding, SgdConfig, StepOutcome,
+    is_quantized_4bit, Adam4bitConfig, Adam8bitConfig, AdamConfig, Bf16Rounding, SgdConfig,
+    StepOutcome, AO_BLOCK_SIZE,
 };
 use headroom_optim::{
     AdamStochasticConfig, GroupOptimizer, Implementation, OffloadConfig, OffloadStepper,
-    OffloadedAdam, OptimError, Optimizer, ParamGroup, ParamId, Scaling, StepParams, UpdateRule,
+    OffloadedAdam, OptimError, Optimizer, ParamGroup, ParamId, Scaling, StepParams,
+    StreamedOptimizer, UpdateRule,
 };
 use parking_lot::Mutex;
 
@@ -125,12 +127,18 @@ pub(crate) enum Case {
     /// steps them bucket by bucket inside backward (`OffloadStepper::Device`), holding up to a
     /// quarter of them at once (`stream_bytes`).
     AdamwOffloadStreamInbwdBf16,
+    /// 4-bit AdamW inside backward on the bf16 model, every activation kept, its state in
+    /// pinned host memory between steps and streamed through the GPU bucket by bucket (optim's
+    /// `StreamedOptimizer`; a quarter of it on the GPU at once): no optimizer state on the GPU.
+    Adamw4bitStreamInbwdBf16,
+    /// The same, every block checkpointed: the largest-model recipe.
+    Adamw4bitStreamInbwdBf16Ckpt,
 }
 
 impl Case {
     /// Every case, in report order: pairs that differ by one technique sit next to each other
     /// (the HTML report draws two timelines a row).
-    pub(crate) const ALL: [Case; 37] = [
+    pub(crate) const ALL: [Case; 39] = [
         Case::AdamForeach,
         Case::AdamForeachUnbounded,
         Case::AdamSingle,
@@ -168,6 +176,8 @@ impl Case {
         Case::AdamwInbwdBf16,
         Case::AdamwOffloadInbwdBf16,
         Case::AdamwOffloadStreamInbwdBf16,
+        Case::Adamw4bitStreamInbwdBf16,
+        Case::Adamw4bitStreamInbwdBf16Ckpt,
     ];
 
     /// The case's name on the command line and in reports.
@@ -210,6 +220,8 @@ impl Case {
             Case::AdamwInbwdBf16 => "adamw_inbwd_bf16",
             Case::AdamwOffloadInbwdBf16 => "adamw_offload_inbwd_bf16",
             Case::AdamwOffloadStreamInbwdBf16 => "adamw_offload_stream_inbwd_bf16",
+            Case::Adamw4bitStreamInbwdBf16 => "adamw4bit_stream_inbwd_bf16",
+            Case::Adamw4bitStreamInbwdBf16Ckpt => "adamw4bit_stream_inbwd_bf16_ckpt",
         }
     }
 
@@ -315,6 +327,14 @@ impl Case {
                 "the same AdamW with its moments in pinned host memory, streamed in and out and \
                  stepped by the GPU inside backward (a quarter of them on the GPU at once)"
             }
+            Case::Adamw4bitStreamInbwdBf16 => {
+                "4-bit AdamW inside backward on the bf16 model, every activation kept, its state \
+                 in pinned host memory streamed through the GPU"
+            }
+            Case::Adamw4bitStreamInbwdBf16Ckpt => {
+                "4-bit AdamW inside backward on the bf16 model, every block checkpointed, its \
+                 state in pinned host memory streamed through the GPU"
+            }
         }
     }
 
@@ -337,6 +357,8 @@ impl Case {
                 | Case::AdamwInbwdBf16
                 | Case::AdamwOffloadInbwdBf16
                 | Case::AdamwOffloadStreamInbwdBf16
+                | Case::Adamw4bitStreamInbwdBf16
+                | Case::Adamw4bitStreamInbwdBf16Ckpt
         )
     }
 
@@ -363,6 +385,7 @@ impl Case {
                 | Case::Adamw8bitInbwdBf16Ckpt
                 | Case::Adamw4bitBf16Ckpt
                 | Case::Adamw4bitInbwdBf16Ckpt
+                | Case::Adamw4bitStreamInbwdBf16Ckpt
         )
     }
 
@@ -414,7 +437,9 @@ impl Case {
             | Case::Adamw4bitBf16
             | Case::AdamwInbwdBf16
             | Case::AdamwOffloadInbwdBf16
-            | Case::AdamwOffloadStreamInbwdBf16 => DType::BF16,
+            | Case::AdamwOffloadStreamInbwdBf16
+            | Case::Adamw4bitStreamInbwdBf16
+            | Case::Adamw4bitStreamInbwdBf16Ckpt => DType::BF16,
             _ => DType::F32,
         }
     }
@@ -570,6 +595,14 @@ impl Case {
                 AdamStochasticConfig::new(adamw, 0),
                 Implementation::Fused,
             ),
+            Case::Adamw4bitStreamInbwdBf16 | Case::Adamw4bitStreamInbwdBf16Ckpt => {
+                let budget = streamed_state_budget(params.iter().map(Tensor::numel));
+                Ok(Box::new(Arc::new(Mutex::new(StreamedOptimizer::new(
+                    vec![ParamGroup::new(params, adamw4bit)],
+                    Implementation::Fused,
+                    budget,
+                )?))))
+            }
             Case::AdamwOffloadInbwdBf16 | Case::AdamwOffloadStreamInbwdBf16 => {
                 let stepper = match self {
                     Case::AdamwOffloadStreamInbwdBf16 => OffloadStepper::Device,
@@ -608,6 +641,21 @@ impl clap::ValueEnum for Case {
     }
 }
 
+/// The stream budget of the streamed 4-bit cases for parameters of `sizes` elements: a quarter
+/// of their state (4-bit codes and two f32 scales a block of 128 for a quantised parameter,
+/// about 1.06 bytes a parameter; two f32 moments for another), at most 256 MiB (about one
+/// Llama-3.1-8B block's state: the next bucket comes in while one is stepped, and the state on
+/// the GPU stays a small, predictable share of the peak).
+pub(crate) fn streamed_state_budget(sizes: impl Iterator<Item = usize>) -> u64 {
+    let state: u64 = sizes
+        .map(|n| match is_quantized_4bit(n) {
+            true => n as u64 + 8 * (n / AO_BLOCK_SIZE) as u64,
+            false => 8 * n as u64,
+        })
+        .sum();
+    (state / 4).min(256 << 20)
+}
+
 /// An optimizer whose state can be counted, shared so that an `InBackward` can step it.
 pub(super) trait BenchOptimizer: Send {
     /// A handle that steps the optimizer (through the shared lock).
@@ -634,25 +682,45 @@ impl BenchOptimizer for Arc<Mutex<OffloadedAdam>> {
     }
 }
 
+impl<R: UpdateRule> BenchOptimizer for Arc<Mutex<StreamedOptimizer<R>>> {
+    fn handle(&self) -> Box<dyn Optimizer> {
+        Box::new(SharedOptimizer(Arc::clone(self)))
+    }
+
+    /// The inner optimizer's states: none between steps on CUDA (they are in host memory), all
+    /// of them on the CPU (where the wrapper steps as the inner optimizer).
+    fn state_bytes(&self) -> u64 {
+        group_state_bytes(self.lock().inner())
+    }
+
+    fn host_state_bytes(&self) -> u64 {
+        self.lock().host_state_bytes()
+    }
+}
+
 impl<R: UpdateRule> BenchOptimizer for Arc<Mutex<GroupOptimizer<R>>> {
     fn handle(&self) -> Box<dyn Optimizer> {
         Box::new(SharedOptimizer(Arc::clone(self)))
     }
 
     fn state_bytes(&self) -> u64 {
-        let optimizer = self.lock();
-        let mut bytes = 0;
-        for (g, group) in optimizer.groups().iter().enumerate() {
-            for idx in 0..group.params.len() {
-                bytes += optimizer
-                    .param_state(g, idx)
-                    .iter()
-                    .map(|(_, tensor)| tensor_bytes(tensor))
-                    .sum::<u64>();
-            }
-        }
-        bytes
+        group_state_bytes(&self.lock())
     }
+}
+
+/// Bytes of every state tensor `optimizer` holds.
+fn group_state_bytes<R: UpdateRule>(optimizer: &GroupOptimizer<R>) -> u64 {
+    let mut bytes = 0;
+    for (g, group) in optimizer.groups().iter().enumerate() {
+        for idx in 0..group.params.len() {
+            bytes += optimizer
+                .param_state(g, idx)
+                .iter()
+                .map(|(_, tensor)| tensor_bytes(tensor))
+                .sum::<u64>();
+        }
+    }
+    bytes
 }
 
 /// An optimizer behind a lock, as an [`Optimizer`]: the bench keeps one handle to count its

@@ -39,6 +39,8 @@ use headroom_autograd_core::DType;
 use headroom_nn::LlamaConfig;
 use headroom_optim::kernels::{is_quantized_4bit, AO_BLOCK_SIZE, BNB_BLOCK_SIZE, MIN_8BIT_SIZE};
 
+use crate::bench_memory::cases::streamed_state_budget;
+
 /// Where AdamW's state lives and how wide it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum State {
@@ -50,6 +52,21 @@ pub(crate) enum State {
     Bits4,
     /// f32 moments and a bf16 copy in host memory (optim's `OffloadedAdam`).
     Host,
+    /// torchao's 4-bit state in pinned host memory, streamed through the GPU bucket by bucket
+    /// (optim's `StreamedOptimizer`).
+    Bits4Streamed,
+}
+
+impl State {
+    /// The state the GPU holds in its place on the CPU backend, where a streamed optimizer is
+    /// its inner one.
+    #[cfg(test)]
+    pub(crate) fn on_the_cpu(self) -> State {
+        match self {
+            State::Bits4Streamed => State::Bits4,
+            other => other,
+        }
+    }
 }
 
 /// One recipe: bench-memory's case of that name.
@@ -62,7 +79,7 @@ pub(crate) struct Recipe {
 }
 
 /// The recipes a plan picks from: bench-memory's bf16-model AdamW cases.
-pub(crate) const RECIPES: [Recipe; 10] = [
+pub(crate) const RECIPES: [Recipe; 12] = [
     recipe("adamw_inbwd_bf16", State::F32, true, false),
     recipe("adamw8bit_inbwd_bf16", State::Bits8, true, false),
     recipe("adamw4bit_inbwd_bf16", State::Bits4, true, false),
@@ -73,6 +90,18 @@ pub(crate) const RECIPES: [Recipe; 10] = [
     recipe("adamw8bit_bf16_ckpt", State::Bits8, false, true),
     recipe("adamw4bit_bf16_ckpt", State::Bits4, false, true),
     recipe("adamw_offload_inbwd_bf16", State::Host, true, false),
+    recipe(
+        "adamw4bit_stream_inbwd_bf16",
+        State::Bits4Streamed,
+        true,
+        false,
+    ),
+    recipe(
+        "adamw4bit_stream_inbwd_bf16_ckpt",
+        State::Bits4Streamed,
+        true,
+        true,
+    ),
 ];
 
 const fn recipe(case: &'static str, state: State, in_backward: bool, checkpointed: bool) -> Recipe {
@@ -151,7 +180,7 @@ pub(crate) fn parameter_sizes(config: &LlamaConfig) -> Vec<usize> {
 /// The bytes of each of AdamW's state tensors for a parameter of `n` elements kept as `state`
 /// on the GPU: two f32 moments; 8-bit: two code arrays and two f32 scales per block of 256 from
 /// 4096 elements; 4-bit: two arrays of packed codes and two f32 scales per block of 128 for whole
-/// blocks from 4096 elements; none when offloaded.
+/// blocks from 4096 elements; none when offloaded or streamed.
 fn state_tensors(state: State, n: usize) -> Vec<u64> {
     let n64 = n as u64;
     match state {
@@ -164,7 +193,7 @@ fn state_tensors(state: State, n: usize) -> Vec<u64> {
             vec![n64 / 2, n64 / 2, scales, scales]
         }
         State::F32 | State::Bits8 | State::Bits4 => vec![4 * n64, 4 * n64],
-        State::Host => Vec::new(),
+        State::Host | State::Bits4Streamed => Vec::new(),
     }
 }
 
@@ -208,6 +237,8 @@ mod h200 {
     /// The host's AdamW over pinned state, 16 cores (Llama-3.2-1B at batch 1, 857.1 ms:
     /// results/2026-12-02-799f58a/llama1b_b1.json).
     pub(super) const HOST_STATE_MS: f64 = 661.0;
+    /// Host-to-device bandwidth of pinned copies, GB/s, each way (the link is full duplex).
+    pub(super) const LINK_GBPS: f64 = 55.0;
 }
 
 /// The step time the H200 model predicts for `plan`.
@@ -222,10 +253,28 @@ fn step_ms(config: &LlamaConfig, seq: usize, batch: usize, plan: Plan) -> f64 {
         + match plan.recipe.state {
             State::F32 => h200::F32_STATE_MS,
             State::Bits8 => h200::BITS8_STATE_MS,
-            State::Bits4 => h200::BITS4_STATE_MS,
+            State::Bits4 | State::Bits4Streamed => h200::BITS4_STATE_MS,
             State::Host => h200::HOST_STATE_MS,
         };
-    forward_backward + recompute + config.num_parameters() as f64 * per_billion * 1e-9
+    // A streamed state crosses the link once each way a step, behind the forward and backward
+    // (an estimate: no streamed Llama step has been measured yet).
+    let compute = match plan.recipe.state {
+        State::Bits4Streamed => {
+            let link_ms = streamed_bytes(&parameter_sizes(config)) as f64 / h200::LINK_GBPS * 1e-6;
+            (forward_backward + recompute).max(link_ms)
+        }
+        _ => forward_backward + recompute,
+    };
+    compute + config.num_parameters() as f64 * per_billion * 1e-9
+}
+
+/// Bytes of the 4-bit state of parameters of `sizes` elements, as a streamed optimizer keeps it
+/// in host memory.
+fn streamed_bytes(sizes: &[usize]) -> u64 {
+    sizes
+        .iter()
+        .flat_map(|&n| state_tensors(State::Bits4, n))
+        .sum()
 }
 
 /// The predicted peaks and step time of `plan` for `config` at `batch` rows of `seq` tokens.
@@ -270,6 +319,25 @@ pub(crate) fn predict(config: &LlamaConfig, seq: usize, batch: usize, plan: Plan
     let loss = match tokens * (b * vocab + 4 * hidden + 16) {
         whole if whole <= LOSS_CHUNK_BYTES => whole + 8,
         _ => LOSS_CHUNK_BYTES + 8 * tokens,
+    };
+    // A streamed state on the GPU: at most the budget coming in and as much going back, and a
+    // bucket beyond each (the largest parameter's state).
+    let optimizer = match state {
+        State::Bits4Streamed => {
+            let budget = streamed_state_budget(sizes.iter().copied());
+            let largest = sizes
+                .iter()
+                .map(|&n| {
+                    state_tensors(State::Bits4, n)
+                        .into_iter()
+                        .map(rounded)
+                        .sum::<u64>()
+                })
+                .max()
+                .unwrap_or(0);
+            2 * (budget + largest)
+        }
+        _ => optimizer,
     };
     let mut phases: Vec<(&'static str, Vec<(&'static str, u64)>)> = vec![(
         "backward's start",
@@ -331,6 +399,7 @@ pub(crate) fn predict(config: &LlamaConfig, seq: usize, batch: usize, plan: Plan
             let n: u64 = sizes.iter().map(|&n| n as u64).sum();
             10 * n + headroom_optim::DEFAULT_BUCKETS_IN_FLIGHT as u64 * largest_grad
         }
+        State::Bits4Streamed => streamed_bytes(&sizes),
         _ => 0,
     };
     Prediction {

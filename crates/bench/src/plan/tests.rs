@@ -197,7 +197,15 @@ fn predicted_peaks_are_within_one_percent_of_the_tiny_llamas_on_the_cpu() {
                 options.progress = false;
                 let results = crate::bench_memory::execute(&options).unwrap();
                 let measured = results[0].peak_allocated_bytes;
-                let predicted = predict(&config, seq, batch, plan).gpu_peak;
+                // On the CPU a streamed optimizer is its inner one: its state stays put.
+                let on_the_cpu = Plan {
+                    recipe: Recipe {
+                        state: recipe.state.on_the_cpu(),
+                        ..recipe
+                    },
+                    checkpointed,
+                };
+                let predicted = predict(&config, seq, batch, on_the_cpu).gpu_peak;
                 let error = error(predicted as f64, measured as f64);
                 let label = format!("{} k={checkpointed} {seq}x{batch}", recipe.case);
                 eprintln!(

@@ -191,6 +191,25 @@ pub struct CudaDevice {
     skips: Option<Allocation>,
 }
 
+/// `param`'s backend as headroom-ops-cuda's, or a typed error naming `op`.
+pub(crate) fn cuda_backend_of(
+    op: &'static str,
+    param: &Tensor,
+) -> Result<Arc<CudaBackend>, OptimError> {
+    param
+        .backend()
+        .clone()
+        .into_any()
+        .downcast::<CudaBackend>()
+        .map_err(|_| OptimError::UnsupportedTensor {
+            op,
+            reason: format!(
+                "a {:?} tensor of a backend other than headroom-ops-cuda's",
+                param.device()
+            ),
+        })
+}
+
 impl CudaDevice {
     /// The device of `param`, a tensor of a `CudaBackend`, for `n_slots` parameters.
     pub(crate) fn of(
@@ -198,19 +217,7 @@ impl CudaDevice {
         param: &Tensor,
         n_slots: usize,
     ) -> Result<CudaDevice, OptimError> {
-        let backend = param
-            .backend()
-            .clone()
-            .into_any()
-            .downcast::<CudaBackend>()
-            .map_err(|_| OptimError::UnsupportedTensor {
-                op,
-                reason: format!(
-                    "a {:?} tensor of a backend other than headroom-ops-cuda's",
-                    param.device()
-                ),
-            })?;
-        Ok(CudaDevice::new(backend, n_slots))
+        Ok(CudaDevice::new(cuda_backend_of(op, param)?, n_slots))
     }
 
     /// The device of `backend` for `n_slots` parameters.

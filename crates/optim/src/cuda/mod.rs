@@ -52,6 +52,7 @@ pub(crate) mod offload;
 pub(crate) mod offload_stream;
 mod replays;
 mod sgd;
+pub(crate) mod state_stream;
 mod table;
 
 pub use adafactor::{CudaAdafactor, DeviceAdafactorParam};

@@ -15,6 +15,9 @@
 
 mod state_dict;
 
+#[cfg(feature = "cuda")]
+pub(crate) use state_dict::{tensor_bytes, StateBytes};
+
 use headroom_autograd_core::{DType, Tensor};
 
 use crate::device::StepDevice;
@@ -305,6 +308,37 @@ impl<R: UpdateRule> GroupOptimizer<R> {
             .unwrap_or_default()
     }
 
+    /// Slot `slot`'s parameter (slots are parameters in registration order).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn slot_param(&self, slot: usize) -> &Tensor {
+        &self.slots[slot].param
+    }
+
+    /// Takes slot `slot`'s state out (a wrapper keeping it elsewhere between steps).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn take_state(&mut self, slot: usize) -> Option<R::State> {
+        self.slots[slot].state.take()
+    }
+
+    /// Puts back a state [`GroupOptimizer::take_state`] took, rebuilt from its tensors by name
+    /// (`R::state_from_tensors` checks their dtypes and shapes).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn restore_state(
+        &mut self,
+        slot: usize,
+        tensors: NamedTensors,
+    ) -> Result<(), OptimError> {
+        let param = self.slots[slot].param.clone();
+        let named = tensors
+            .into_iter()
+            .map(|(name, tensor)| (name.to_string(), tensor))
+            .collect();
+        let mut saved = crate::rule::SavedTensors::new(param, named);
+        let config = &self.groups[self.slots[slot].group].config;
+        self.slots[slot].state = Some(config.state_from_tensors(&mut saved)?);
+        Ok(())
+    }
+
     fn check_scaling(&self, scaling: Scaling<'_>) -> Result<(), OptimError> {
         if scaling.is_scaled() && self.implementation != Implementation::Fused {
             return Err(OptimError::Unsupported {
@@ -333,7 +367,7 @@ impl<R: UpdateRule> GroupOptimizer<R> {
 
     /// The slots `params` selects, ascending; typed errors for a handle this optimizer does not
     /// have and for a handle given twice.
-    fn selected_slots(&self, params: StepParams<'_>) -> Result<Vec<usize>, OptimError> {
+    pub(crate) fn selected_slots(&self, params: StepParams<'_>) -> Result<Vec<usize>, OptimError> {
         let ids = match params {
             StepParams::All => return Ok((0..self.slots.len()).collect()),
             StepParams::Only(ids) => ids,

@@ -6,6 +6,7 @@
 //! [`UpdateRule::state_tensors`] / [`UpdateRule::state_from_tensors`]; it knows no algorithm
 //! and no device (tensors are read and created through autograd-core).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use headroom_autograd_core::{DType, Element, Tensor};
@@ -18,6 +19,34 @@ use crate::rule::{SavedTensors, UpdateRule};
 impl<R: UpdateRule> GroupOptimizer<R> {
     /// The state (steps, state tensors, hyperparameters) as safetensors bytes.
     pub(super) fn save_state(&self) -> Result<Vec<u8>, OptimError> {
+        self.save_state_with(|_, state| {
+            let Some(state) = state else { return Ok(None) };
+            R::state_tensors(state)
+                .into_iter()
+                .map(|(name, tensor)| {
+                    let bytes = tensor_bytes(name, &tensor)?;
+                    Ok((
+                        name,
+                        tensor.dtype(),
+                        tensor.shape().to_vec(),
+                        Cow::Owned(bytes),
+                    ))
+                })
+                .collect::<Result<Vec<_>, OptimError>>()
+                .map(Some)
+        })
+    }
+
+    /// [`GroupOptimizer::save_state`] with each slot's state tensors (by name, as little-endian
+    /// bytes) from `state_of(slot, its state here)`: a wrapper that keeps states elsewhere (in
+    /// host memory) hands them in without bringing them back.
+    pub(crate) fn save_state_with<'a>(
+        &self,
+        mut state_of: impl FnMut(
+            usize,
+            Option<&R::State>,
+        ) -> Result<Option<Vec<StateBytes<'a>>>, OptimError>,
+    ) -> Result<Vec<u8>, OptimError> {
         let mut metadata = HashMap::new();
         metadata.insert("optimizer".to_string(), R::NAME.to_string());
         metadata.insert(
@@ -28,32 +57,32 @@ impl<R: UpdateRule> GroupOptimizer<R> {
             metadata.insert(format!("group.{g}.lr"), format!("{:?}", group.config.lr()));
             metadata.insert(format!("group.{g}.config"), format!("{:?}", group.config));
         }
-        let mut blobs: Vec<(String, DType, Vec<usize>, Vec<u8>)> = Vec::new();
+        let mut blobs: Vec<(String, StateBytes<'a>)> = Vec::new();
         let steps = self.steps_taken()?;
         for (slot_idx, slot) in self.slots.iter().enumerate() {
-            let Some(state) = &slot.state else { continue };
+            let Some(tensors) = state_of(slot_idx, slot.state.as_ref())? else {
+                continue;
+            };
             let (g, idx) = (slot.group, slot_idx - self.group_starts[slot.group]);
             let step = steps[slot_idx];
             metadata.insert(format!("state.{g}.{idx}.step"), step.to_string());
-            for (name, tensor) in R::state_tensors(state) {
-                blobs.push((
-                    format!("state.{g}.{idx}.{name}"),
-                    tensor.dtype(),
-                    tensor.shape().to_vec(),
-                    tensor_bytes(name, &tensor)?,
-                ));
+            for tensor in tensors {
+                blobs.push((format!("state.{g}.{idx}.{}", tensor.0), tensor));
             }
         }
         let views = blobs
             .iter()
-            .map(|(name, dtype, shape, bytes)| {
+            .map(|(name, (_, dtype, shape, bytes))| {
                 let dtype = match dtype {
                     DType::U8 => safetensors::Dtype::U8,
                     DType::BF16 => safetensors::Dtype::BF16,
                     DType::F16 => safetensors::Dtype::F16,
                     _ => safetensors::Dtype::F32,
                 };
-                Ok((name.clone(), TensorView::new(dtype, shape.clone(), bytes)?))
+                Ok((
+                    name.clone(),
+                    TensorView::new(dtype, shape.clone(), bytes.as_ref())?,
+                ))
             })
             .collect::<Result<Vec<_>, OptimError>>()?;
         Ok(safetensors::serialize(views, &Some(metadata))?)
@@ -61,6 +90,17 @@ impl<R: UpdateRule> GroupOptimizer<R> {
 
     /// Restores what [`GroupOptimizer::save_state`] saved (same groups and parameter shapes).
     pub(super) fn load_state(&mut self, bytes: &[u8]) -> Result<(), OptimError> {
+        self.load_state_with(bytes, |_, state| Ok(Some(state)))
+    }
+
+    /// [`GroupOptimizer::load_state`] with each loaded state handed to `place(slot, state)`,
+    /// which keeps it here (`Some`) or elsewhere (`None`: a wrapper that keeps states in host
+    /// memory). Nothing changes unless every slot loads.
+    pub(crate) fn load_state_with(
+        &mut self,
+        bytes: &[u8],
+        mut place: impl FnMut(usize, R::State) -> Result<Option<R::State>, OptimError>,
+    ) -> Result<(), OptimError> {
         let (_, header) = safetensors::SafeTensors::read_metadata(bytes)?;
         let metadata = header.metadata().clone().unwrap_or_default();
         if metadata.get("optimizer").map(String::as_str) != Some(R::NAME) {
@@ -99,7 +139,7 @@ impl<R: UpdateRule> GroupOptimizer<R> {
             }
             let mut saved = SavedTensors::new(slot.param.clone(), named);
             let state = self.groups[g].config.state_from_tensors(&mut saved)?;
-            loaded.push((step, Some(state)));
+            loaded.push((step, place(slot_idx, state)?));
         }
         for (slot, (step, state)) in self.slots.iter_mut().zip(loaded) {
             slot.step = step;
@@ -113,8 +153,11 @@ impl<R: UpdateRule> GroupOptimizer<R> {
     }
 }
 
+/// A state tensor by name: its dtype, shape and elements as little-endian bytes.
+pub(crate) type StateBytes<'a> = (&'static str, DType, Vec<usize>, Cow<'a, [u8]>);
+
 /// A state tensor's elements as little-endian bytes.
-fn tensor_bytes(name: &str, tensor: &Tensor) -> Result<Vec<u8>, OptimError> {
+pub(crate) fn tensor_bytes(name: &str, tensor: &Tensor) -> Result<Vec<u8>, OptimError> {
     fn le_bytes<T: Element, const N: usize>(
         tensor: &Tensor,
         to_le_bytes: fn(T) -> [u8; N],
