@@ -162,13 +162,18 @@ impl<R: UpdateRule> StreamedOptimizer<R> {
             .copied()
             .filter(|&slot| inner.slot_param(slot).grad().is_some())
             .collect();
+        // Every state comes in (a first one is created and its pinned block reserved) before
+        // anything steps: an error here leaves every parameter and state as it was.
         let mut outcome = Ok(StepOutcome::Stepped);
         for &slot in &stepped {
-            let arrived = stream.arrive(slot).and_then(|arrived| match arrived {
-                Some(tensors) => inner.restore_state(slot, tensors),
-                None => Ok(()),
-            });
-            if let Err(error) = arrived {
+            let prepared = match stream.arrive(slot) {
+                Ok(Some(tensors)) => inner.restore_state(slot, tensors),
+                Ok(None) => inner
+                    .ensure_state(slot)
+                    .and_then(|tensors| stream.reserve(slot, &tensors)),
+                Err(error) => Err(error),
+            };
+            if let Err(error) = prepared {
                 outcome = Err(error);
                 break;
             }
@@ -177,12 +182,20 @@ impl<R: UpdateRule> StreamedOptimizer<R> {
             let ids: Vec<ParamId> = stepped.iter().map(|&slot| ParamId(slot)).collect();
             outcome = inner.step_with(StepParams::Only(&ids), scaling);
         }
+        // Every state the inner optimizer holds goes back, stepped or not; one whose pinned
+        // block could not be reserved never stepped and is dropped, as a failed first step
+        // forgets its state.
+        let mut returned = Ok(());
         for &slot in &stepped {
             if let Some(state) = inner.take_state(slot) {
-                stream.depart(slot, R::state_tensors(&state))?;
+                if stream.has_host_state(slot) {
+                    let departed = stream.depart(slot, R::state_tensors(&state));
+                    returned = returned.and(departed);
+                }
             }
         }
         stream.end_bucket(stepped)?;
+        returned?;
         outcome
     }
 }

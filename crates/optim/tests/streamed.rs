@@ -209,3 +209,50 @@ fn streamed_steps_on_cuda_equal_the_on_device_optimizers() {
          on-device state; state dicts equal and cross-load"
     );
 }
+
+/// A pinned budget too small for a parameter's state: its bucket's step is the pinned pool's
+/// typed error, naming the budget, before that parameter moves; the buckets before it stepped.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_pinned_budget_too_small_for_a_state_is_a_typed_error_before_anything_moves() {
+    use headroom_ops_cuda::{CudaBackend, CudaBackendOptions};
+    // The [300, 512] parameter's 4-bit state is 163,200 bytes; the others' fit in 64 KiB.
+    let options = CudaBackendOptions {
+        pinned_budget: Some(64 << 10),
+        ..CudaBackendOptions::default()
+    };
+    let Some(backend) = headroom_testkit::gpu::cuda_or_skip(CudaBackend::with_options(0, options))
+    else {
+        return;
+    };
+    let backend: BackendRef = backend;
+    let params = params_of(&backend, DType::BF16);
+    let before = bits(&params);
+    let mut streamed = StreamedOptimizer::new(
+        vec![ParamGroup::new(params.clone(), Adam4bitConfig::adamw())],
+        Implementation::Fused,
+        DEFAULT_STATE_STREAM_BYTES,
+    )
+    .unwrap();
+    set_grads(&backend, &params, 1);
+    let ids: Vec<ParamId> = streamed.params().into_iter().map(|(id, _)| id).collect();
+    for id in ids[1..].iter().rev() {
+        streamed
+            .step_with(StepParams::Only(&[*id]), Scaling::None)
+            .unwrap();
+    }
+    let err = streamed
+        .step_with(StepParams::Only(&[ids[0]]), Scaling::None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("budget"), "{err}");
+    let after = bits(&params);
+    assert_eq!(after[0], before[0], "the refused parameter moved");
+    assert!(
+        (1..SHAPES.len()).all(|i| after[i] != before[i]),
+        "the others stepped"
+    );
+    assert_eq!(streamed.host_state_bytes(), 4096 + 256 + 2 * 4 * (37 + 64));
+    println!("pinned budget of 64 KiB: {err}");
+}

@@ -84,7 +84,13 @@ impl StreamedOffload {
         for (index, _) in &grads {
             let arrived = match self.stream.arrive(*index)? {
                 Some(arrived) => arrived,
-                None => self.zero_moments(*index)?,
+                None => {
+                    // The pinned block first: a budget too small for it fails the step before
+                    // anything moves.
+                    let zeros = self.zero_moments(*index)?;
+                    self.stream.reserve(*index, &zeros)?;
+                    zeros
+                }
             };
             moments.push(arrived);
         }

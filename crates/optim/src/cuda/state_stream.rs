@@ -138,32 +138,33 @@ impl StateStream {
         Ok(Some(arrived))
     }
 
-    /// Queues the copy of slot `index`'s state (device tensors, on the compute stream's side of
-    /// the step that updated them) back to its pinned block, allocated with the state's layout
-    /// at the first call. A later state must have the first one's layout.
-    pub(crate) fn depart(&mut self, index: usize, state: NamedState) -> Result<(), OptimError> {
-        if self.slots[index].block.is_none() {
-            let mut offset = 0;
-            let layout: Vec<Piece> = state
-                .iter()
-                .map(|(name, tensor)| {
-                    let piece = Piece {
-                        name,
-                        dtype: tensor.dtype(),
-                        shape: tensor.shape().to_vec(),
-                        offset,
-                    };
-                    offset += piece.bytes();
-                    piece
-                })
-                .collect();
-            let block = self.backend.pinned_host(offset)?;
-            self.slots[index] = StreamSlot {
-                layout,
-                block: Some(block),
-                returned: None,
-            };
+    /// Allocates slot `index`'s pinned block for a state of `state`'s tensors (zeroed), unless it
+    /// has one: a step calls it before it changes anything, so a pinned budget too small for the
+    /// state is an error with the parameters untouched.
+    pub(crate) fn reserve(&mut self, index: usize, state: &NamedState) -> Result<(), OptimError> {
+        if self.slots[index].block.is_some() {
+            return Ok(());
         }
+        let (layout, bytes) = layout_of(
+            state
+                .iter()
+                .map(|(name, tensor)| (*name, tensor.dtype(), tensor.shape().to_vec())),
+        );
+        let mut block = self.backend.pinned_host(bytes)?;
+        block.as_mut_slice::<u8>()?.fill(0);
+        self.slots[index] = StreamSlot {
+            layout,
+            block: Some(block),
+            returned: None,
+        };
+        Ok(())
+    }
+
+    /// Queues the copy of slot `index`'s state (device tensors, on the compute stream's side of
+    /// the step that updated them) back to its pinned block ([`StateStream::reserve`]d if it has
+    /// none). A later state must have the first one's layout.
+    pub(crate) fn depart(&mut self, index: usize, state: NamedState) -> Result<(), OptimError> {
+        self.reserve(index, &state)?;
         let slot = &mut self.slots[index];
         let same_layout = slot.layout.len() == state.len()
             && slot
@@ -286,19 +287,12 @@ impl StateStream {
         let Some(state) = state else {
             return Ok(());
         };
-        let mut offset = 0;
-        let mut layout = Vec::with_capacity(state.len());
-        for (name, dtype, shape, _) in &state {
-            let piece = Piece {
-                name,
-                dtype: *dtype,
-                shape: shape.clone(),
-                offset,
-            };
-            offset += piece.bytes();
-            layout.push(piece);
-        }
-        let mut block = self.backend.pinned_host(offset)?;
+        let (layout, bytes) = layout_of(
+            state
+                .iter()
+                .map(|(name, dtype, shape, _)| (*name, *dtype, shape.clone())),
+        );
+        let mut block = self.backend.pinned_host(bytes)?;
         let host = block.as_mut_slice::<u8>()?;
         for (piece, (name, _, _, bytes)) in layout.iter().zip(&state) {
             if bytes.len() != piece.bytes() {
@@ -360,6 +354,11 @@ impl StateStream {
         Ok(())
     }
 
+    /// Whether slot `index` has its pinned block.
+    pub(crate) fn has_host_state(&self, index: usize) -> bool {
+        self.slots[index].block.is_some()
+    }
+
     /// Bytes of slot `index`'s state (0 before its first copy out).
     pub(crate) fn state_bytes_of(&self, index: usize) -> u64 {
         self.slots[index]
@@ -389,4 +388,24 @@ impl StateStream {
             })
             .collect()
     }
+}
+
+/// The pieces (name, dtype, shape) back to back, and their bytes.
+fn layout_of(
+    pieces: impl Iterator<Item = (&'static str, DType, Vec<usize>)>,
+) -> (Vec<Piece>, usize) {
+    let mut offset = 0;
+    let layout = pieces
+        .map(|(name, dtype, shape)| {
+            let piece = Piece {
+                name,
+                dtype,
+                shape,
+                offset,
+            };
+            offset += piece.bytes();
+            piece
+        })
+        .collect();
+    (layout, offset)
 }

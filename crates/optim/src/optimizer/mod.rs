@@ -320,6 +320,22 @@ impl<R: UpdateRule> GroupOptimizer<R> {
         self.slots[slot].state.take()
     }
 
+    /// Slot `slot`'s state tensors, its fresh state created first if it has none (as its first
+    /// step would): a wrapper keeping states elsewhere makes room for it before the step.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn ensure_state(&mut self, slot: usize) -> Result<NamedTensors, OptimError> {
+        let Slot {
+            param,
+            group,
+            state,
+            ..
+        } = &mut self.slots[slot];
+        if state.is_none() {
+            *state = Some(self.groups[*group].config.init_state(param)?);
+        }
+        Ok(R::state_tensors(state.as_ref().expect("created above")))
+    }
+
     /// Puts back a state [`GroupOptimizer::take_state`] took, rebuilt from its tensors by name
     /// (`R::state_from_tensors` checks their dtypes and shapes).
     #[cfg(feature = "cuda")]
