@@ -467,7 +467,7 @@ mod tests {
     #[test]
     fn pytorch_cases_are_the_ones_headroom_bench_names() {
         let cases = headroom_bench::bench_memory_case_names();
-        assert_eq!(cases.len(), 37);
+        assert_eq!(cases.len(), 39);
         for (case, pytorch) in cases {
             assert_eq!(super::pytorch_case(case), pytorch, "{case}");
         }
