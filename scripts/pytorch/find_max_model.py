@@ -17,6 +17,8 @@ Usage:
     python3 scripts/pytorch/find_max_model.py --seq 2048 --batch 1 --out fmm_torch.jsonl
     python3 scripts/pytorch/find_max_model.py --recipes adamw4bit_inbwd_bf16_ckpt \\
         --memory-cap-mb 142336
+    python3 scripts/pytorch/find_max_model.py --known-fit qwen2.5-32b:76 \\
+        --known-fail qwen2.5-32b:84   # only the shapes between an earlier run's bounds
 One JSON line per probe, then one per recipe: its largest shape (model, layers, parameters),
 the probes it took, and that shape's step and tokens per second.
 """
@@ -97,9 +99,20 @@ def probe(args):
     return 0 if row['fits'] else 3
 
 
+def known(text):
+    """`MODEL:LAYERS` as (model, layers, parameters), or None."""
+    if not text:
+        return None
+    model, layers = text.split(':')
+    return (model, int(layers), parameters(model, int(layers)))
+
+
 def search(args, recipe, emit):
-    """The largest shape `recipe` runs, by bisection over `shapes()`."""
-    candidates = shapes()
+    """The largest shape `recipe` runs, by bisection over `shapes()`, or over the shapes between
+    `--known-fit` and `--known-fail` (an earlier run's bounds) when given."""
+    fit, fail = known(args.known_fit), known(args.known_fail)
+    candidates = [s for s in shapes()
+                  if (fit is None or s[2] > fit[2]) and (fail is None or s[2] < fail[2])]
     results = {}
 
     def fits(k):
@@ -117,9 +130,14 @@ def search(args, recipe, emit):
         return row['fits']
 
     # find_max_batch.py's search over the shapes' positions (1-based): doubling, then bisection.
-    largest = results.get(find_max_batch_size(lambda k: fits(k - 1), len(candidates)) - 1)
+    found = find_max_batch_size(lambda k: fits(k - 1), len(candidates)) if candidates else 0
+    largest = results.get(found - 1)
+    if largest is None and fit is not None:
+        largest = dict(model=fit[0], layers=fit[1], parameters=fit[2], recipe=recipe, fits=True,
+                       known='--known-fit')
     return dict(recipe=recipe, seq=args.seq, batch=args.batch, memory_cap_mb=args.memory_cap_mb,
-                probes=len(results), largest=largest)
+                probes=len(results), largest=largest,
+                bounds=dict(known_fit=args.known_fit, known_fail=args.known_fail))
 
 
 def main():
@@ -132,6 +150,10 @@ def main():
     parser.add_argument('--steps', type=int, default=3)
     parser.add_argument('--timeout', type=int, default=600, help='seconds a probe may take')
     parser.add_argument('--out', help='also append the JSON lines here')
+    parser.add_argument('--known-fit', metavar='MODEL:LAYERS',
+                        help='a shape an earlier run fitted: search only larger ones')
+    parser.add_argument('--known-fail', metavar='MODEL:LAYERS',
+                        help='a shape an earlier run ran out of memory on: search only smaller')
     parser.add_argument('--probe', nargs=3, metavar=('MODEL', 'LAYERS', 'RECIPE'),
                         help=argparse.SUPPRESS)
     parser.add_argument('--list', action='store_true', help='print the shapes and stop')

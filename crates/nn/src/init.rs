@@ -62,12 +62,21 @@ pub fn parameter(
         }
     };
     // Each element is a pure function of its index, so the draws split across threads and
-    // give the same values as one thread (a ViT-L/16 is 304M draws).
-    let res = if dtype == DType::F32 {
-        let values: Vec<f32> = draw(numel, |i| value_at(i) as f32);
-        Tensor::from_slice(backend, &values, shape)?
-    } else {
-        Tensor::from_f64s(backend, &draw(numel, &*value_at), shape, dtype)?
+    // give the same values as one thread (a ViT-L/16 is 304M draws). The draws round to the
+    // parameter's dtype on those threads too (the same rounding `Tensor::from_f64s` applies):
+    // a 68B-parameter bf16 model is built in seconds, not the minutes one thread's conversion
+    // took.
+    let res = match dtype {
+        DType::F32 => Tensor::from_slice(backend, &draw(numel, |i| value_at(i) as f32), shape)?,
+        DType::BF16 => {
+            let values = draw(numel, |i| half::bf16::from_f64(value_at(i)));
+            Tensor::from_slice(backend, &values, shape)?
+        }
+        DType::F16 => {
+            let values = draw(numel, |i| half::f16::from_f64(value_at(i)));
+            Tensor::from_slice(backend, &values, shape)?
+        }
+        _ => Tensor::from_f64s(backend, &draw(numel, &*value_at), shape, dtype)?,
     };
     res.requires_grad_(true)?;
     Ok(res)

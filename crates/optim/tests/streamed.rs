@@ -217,9 +217,11 @@ fn streamed_steps_on_cuda_equal_the_on_device_optimizers() {
 #[ignore = "needs a CUDA device"]
 fn a_pinned_budget_too_small_for_a_state_is_a_typed_error_before_anything_moves() {
     use headroom_ops_cuda::{CudaBackend, CudaBackendOptions};
-    // The [300, 512] parameter's 4-bit state is 163,200 bytes; the others' fit in 64 KiB.
+    // The pinned pool serves blocks up to 1 MiB from 2 MiB segments (one holds the three small
+    // parameters' states); the [1024, 2048] parameter's 4-bit state is 2,228,224 bytes, more
+    // than the whole budget.
     let options = CudaBackendOptions {
-        pinned_budget: Some(64 << 10),
+        pinned_budget: Some(2 << 20),
         ..CudaBackendOptions::default()
     };
     let Some(backend) = headroom_testkit::gpu::cuda_or_skip(CudaBackend::with_options(0, options))
@@ -227,7 +229,12 @@ fn a_pinned_budget_too_small_for_a_state_is_a_typed_error_before_anything_moves(
         return;
     };
     let backend: BackendRef = backend;
-    let params = params_of(&backend, DType::BF16);
+    let mut params = params_of(&backend, DType::BF16);
+    let values = headroom_testkit::inputs::centered_f32(1 << 21, 2.0, 7);
+    params[0] = Tensor::from_slice(&backend, &values, &[1024, 2048])
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
     let before = bits(&params);
     let mut streamed = StreamedOptimizer::new(
         vec![ParamGroup::new(params.clone(), Adam4bitConfig::adamw())],
@@ -254,5 +261,5 @@ fn a_pinned_budget_too_small_for_a_state_is_a_typed_error_before_anything_moves(
         "the others stepped"
     );
     assert_eq!(streamed.host_state_bytes(), 4096 + 256 + 2 * 4 * (37 + 64));
-    println!("pinned budget of 64 KiB: {err}");
+    println!("pinned budget of 2 MiB: {err}");
 }
