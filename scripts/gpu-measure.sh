@@ -112,7 +112,8 @@
 #          `plan --find-max-model --run` (the largest planned shape that runs, a smaller one
 #          when it fails; fmm_plan.json), then scripts/pytorch/find_max_model.py's bisection
 #          with torchao's AdamW4bit inside backward and every block checkpointed
-#          (FMM_RECIPES overrides the recipes; fmm_torch.jsonl). Each probe builds a model of
+#          (FMM_RECIPES overrides the recipes, FMM_TORCH_ARGS adds options such as an earlier
+#          run's --known-fit/--known-fail bounds; fmm_torch.jsonl). Each probe builds a model of
 #          up to 70B parameters: give it the ten minutes
 #
 # Every step fails when its log holds the word `skipped` on any line: only testkit's gate
@@ -380,8 +381,10 @@ for phase in "$@"; do
     find-max-model)
       step fmm_plan "$bench" plan --find-max-model --seq 2048 --batch 1 --run --device cuda \
         --json "$out/fmm_plan.json"
+      # shellcheck disable=SC2086 # FMM_TORCH_ARGS is words (e.g. --known-fit MODEL:LAYERS).
       step fmm_torch python3 scripts/pytorch/find_max_model.py --seq 2048 --batch 1 \
-        --recipes "${FMM_RECIPES:-adamw4bit_inbwd_bf16_ckpt}" --out "$out/fmm_torch.jsonl" ;;
+        --recipes "${FMM_RECIPES:-adamw4bit_inbwd_bf16_ckpt}" ${FMM_TORCH_ARGS:-} \
+        --out "$out/fmm_torch.jsonl" ;;
     kernels)
       # Issue 30's kernel targets: RMSNorm, SwiGLU and rotary against the copy ceiling, causal
       # grouped-query bf16 attention and packed sequences against cuDNN's SDPA, one run.

@@ -3,8 +3,9 @@
 //! the model's shapes, and with `--run` measured by bench-memory on the device.
 //!
 //! A recipe is one of bench-memory's bf16-model cases ([`RECIPES`]): where AdamW's state lives
-//! and how wide it is (f32 moments, 8-bit, 4-bit, or f32 moments in host memory stepped by the
-//! host) and whether the step runs inside backward. A checkpointed recipe recomputes the model's
+//! and how wide it is (f32 moments, 8-bit, 4-bit, f32 moments in host memory stepped by the
+//! host, or 4-bit state in host memory streamed through the GPU, which leaves the GPU only the
+//! states in flight) and whether the step runs inside backward. A checkpointed recipe recomputes the model's
 //! first `k` blocks and keeps every activation of the others: per block, keep or recompute. For
 //! each recipe the plan takes the fewest recomputed blocks whose predicted peaks fit, then the
 //! recipe predicted fastest ([`predict`]: the GPU peak phase by phase, host bytes, the H200's
@@ -281,18 +282,19 @@ fn find_max_model(args: &Args) -> Result<()> {
         args.batch, args.seq, args.memory_cap_mb, args.host_cap_mb
     );
     println!(
-        "{:<24} {:>16}  {:<44} {:>16} {:>10} {:>9}",
-        "model", "parameters", "plan", "GPU peak (B)", "step (ms)", "tokens/s"
+        "{:<24} {:>16}  {:<54} {:>16} {:>16} {:>10} {:>9}",
+        "model", "parameters", "plan", "GPU peak (B)", "host (B)", "step (ms)", "tokens/s"
     );
     let rows = walk_shapes(args, caps);
     for (shape, planned) in &rows {
         let parameters = shape.config.num_parameters();
         match planned {
             Some((plan, prediction)) => println!(
-                "{:<24} {parameters:>16}  {:<44} {:>16} {:>10.1} {:>9.0}",
+                "{:<24} {parameters:>16}  {:<54} {:>16} {:>16} {:>10.1} {:>9.0}",
                 shape.label(),
                 describe(*plan, shape.config.num_hidden_layers),
                 prediction.gpu_peak,
+                prediction.host_bytes,
                 prediction.step_ms,
                 tokens_per_second(args.seq, args.batch, prediction.step_ms)
             ),

@@ -31,7 +31,12 @@
 //! share of them again for the recomputed blocks, and a per-parameter cost of the optimizer's
 //! step by state (the 8-bit rule's from its kernel's measured rate, which no Llama step has
 //! measured yet). It predicts those ten within 6%; a plan with its state in host memory adds the
-//! host's step of the one measured offloaded run. It is a model of this machine, not a law.
+//! host's step of the one measured offloaded run, and a streamed plan takes the longer of the
+//! forward and backward and its state's trip over the link (55 GB/s each way; no streamed Llama
+//! step measured yet). It is a model of this machine, not a law.
+//!
+//! A streamed plan's GPU peak counts, instead of the state, what the stream may hold: its budget
+//! coming in and as much going back, and one bucket (the largest parameter's state) beyond each.
 //!
 //! It sits on nn's Llama configs and optim's quantisation constants; it knows no device.
 
