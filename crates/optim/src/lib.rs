@@ -31,7 +31,8 @@
 //!   through the GPU) and [`StreamedOptimizer`], which wraps any rule's `GroupOptimizer` and
 //!   keeps its state in pinned host memory between steps, streamed in and out around each
 //!   bucket and stepped by the rule's own CUDA kernels (bitwise the on-device optimizer; 4-bit
-//!   AdamW leaves 1.06 bytes a parameter on the host and none on the GPU).
+//!   AdamW keeps 1.06 bytes a parameter on the host; the GPU holds at most the stream budget
+//!   ahead).
 //!
 //! Parameters may live on the CPU or, with the `cuda` feature, on a CUDA device: the optimizer
 //! takes its [`StepDevice`] from its parameters (all on one device, contiguous, of a dtype the

@@ -3,7 +3,9 @@
 //! own CUDA kernels — so the result is the on-device optimizer's bit for bit, and the GPU holds
 //! only the state of the buckets being stepped or prefetched. With the 4-bit rule
 //! ([`Adam4bitConfig`](crate::kernels::Adam4bitConfig)) that is about 1.06 bytes of host memory
-//! a parameter and none on the GPU: the largest-model recipe of a bf16 model with no master copy.
+//! a parameter, and on the GPU only what the stream budget lets in ahead (the next step's first
+//! buckets are prefetched at the end of a step): the largest-model recipe of a bf16 model with no
+//! master copy.
 //!
 //! A step of some parameters (an in-backward bucket: hooks' `InBackward` calls
 //! [`Optimizer::step_with`] with `StepParams::Only` as gradients become final) brings their states

@@ -129,7 +129,8 @@ pub(crate) enum Case {
     AdamwOffloadStreamInbwdBf16,
     /// 4-bit AdamW inside backward on the bf16 model, every activation kept, its state in
     /// pinned host memory between steps and streamed through the GPU bucket by bucket (optim's
-    /// `StreamedOptimizer`; a quarter of it on the GPU at once): no optimizer state on the GPU.
+    /// `StreamedOptimizer`; at most a quarter of it, and 256 MiB, coming in at once): the GPU
+    /// holds only the state in flight.
     Adamw4bitStreamInbwdBf16,
     /// The same, every block checkpointed: the largest-model recipe.
     Adamw4bitStreamInbwdBf16Ckpt,
