@@ -648,13 +648,16 @@ impl clap::ValueEnum for Case {
 /// Llama-3.1-8B block's state: the next bucket comes in while one is stepped, and the state on
 /// the GPU stays a small, predictable share of the peak).
 pub(crate) fn streamed_state_budget(sizes: impl Iterator<Item = usize>) -> u64 {
-    let state: u64 = sizes
-        .map(|n| match is_quantized_4bit(n) {
-            true => n as u64 + 8 * (n / AO_BLOCK_SIZE) as u64,
-            false => 8 * n as u64,
-        })
-        .sum();
-    (state / 4).min(256 << 20)
+    (sizes.map(adam4bit_state_bytes).sum::<u64>() / 4).min(256 << 20)
+}
+
+/// Bytes of 4-bit AdamW's state for a parameter of `n` elements: two arrays of packed codes and
+/// two f32 scales per block of 128 when quantised, else two f32 moments.
+pub(crate) fn adam4bit_state_bytes(n: usize) -> u64 {
+    match is_quantized_4bit(n) {
+        true => n as u64 + 8 * (n / AO_BLOCK_SIZE) as u64,
+        false => 8 * n as u64,
+    }
 }
 
 /// An optimizer whose state can be counted, shared so that an `InBackward` can step it.

@@ -44,7 +44,7 @@ use headroom_autograd_core::DType;
 use headroom_nn::LlamaConfig;
 use headroom_optim::kernels::{is_quantized_4bit, AO_BLOCK_SIZE, BNB_BLOCK_SIZE, MIN_8BIT_SIZE};
 
-use crate::bench_memory::cases::streamed_state_budget;
+use crate::bench_memory::cases::{adam4bit_state_bytes, streamed_state_budget};
 
 /// Where AdamW's state lives and how wide it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -276,10 +276,7 @@ fn step_ms(config: &LlamaConfig, seq: usize, batch: usize, plan: Plan) -> f64 {
 /// Bytes of the 4-bit state of parameters of `sizes` elements, as a streamed optimizer keeps it
 /// in host memory.
 fn streamed_bytes(sizes: &[usize]) -> u64 {
-    sizes
-        .iter()
-        .flat_map(|&n| state_tensors(State::Bits4, n))
-        .sum()
+    sizes.iter().map(|&n| adam4bit_state_bytes(n)).sum()
 }
 
 /// The predicted peaks and step time of `plan` for `config` at `batch` rows of `seq` tokens.

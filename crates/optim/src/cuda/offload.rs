@@ -64,18 +64,7 @@ struct Bucket {
 impl CudaOffload {
     /// The offload of parameters of `like`'s backend, with at most `limit` buckets queued.
     pub(crate) fn new(like: &Tensor, limit: usize) -> Result<CudaOffload, OptimError> {
-        let backend = like
-            .backend()
-            .clone()
-            .into_any()
-            .downcast::<CudaBackend>()
-            .map_err(|_| OptimError::UnsupportedTensor {
-                op: "OffloadedAdam",
-                reason: format!(
-                    "a {:?} tensor of a backend other than headroom-ops-cuda's",
-                    like.device()
-                ),
-            })?;
+        let backend = super::launch::cuda_backend_of("OffloadedAdam", like)?;
         let to_host = backend.new_stream()?;
         let to_device = backend.new_stream()?;
         let (jobs, inbox) = mpsc::channel::<Bucket>();
