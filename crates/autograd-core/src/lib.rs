@@ -144,8 +144,8 @@ pub use ops::{
 };
 pub use overlap::{check_operands, claim_operands, overlap, Aliasing, Overlap};
 pub use random::{
-    record_draws, replay_draws, uniform, DrawRecording, DrawReplay, Generator, GeneratorState,
-    RecordedDraws,
+    record_draws, replay_draws, uniform, Distribution, DrawRecording, DrawReplay, Generator,
+    GeneratorState, RandomDraw, RecordedDraws,
 };
 pub use saved::{
     saved_tensor_hooks, PackHook, Packed, SaveRole, SaveSite, SavedTensor, SavedTensorHooks,

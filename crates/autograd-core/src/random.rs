@@ -24,6 +24,74 @@ pub fn uniform(seed: u64, counter: u64) -> f64 {
     (mixed >> 40) as f64 / (1u64 << 24) as f64
 }
 
+/// A distribution to fill a tensor from ([`RandomDraw`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Distribution {
+    /// Uniform on `[low, high)`: `low + (high - low) · u`.
+    Uniform {
+        /// Lower bound.
+        low: f64,
+        /// Upper bound.
+        high: f64,
+    },
+    /// Normal by Box–Muller's cosine branch: `mean + std · sqrt(-2 ln(1 - u₁)) · cos(2π u₂)`,
+    /// two uniforms an element.
+    Normal {
+        /// Mean.
+        mean: f64,
+        /// Standard deviation.
+        std: f64,
+    },
+}
+
+impl Distribution {
+    /// The uniforms one element consumes (the generator's counters it advances by an element).
+    pub fn counters_per_element(&self) -> u64 {
+        match self {
+            Distribution::Uniform { .. } => 1,
+            Distribution::Normal { .. } => 2,
+        }
+    }
+}
+
+/// What [`Backend::random`](crate::Backend::random) writes: element `i` (row-major) is
+/// [`RandomDraw::value`]`(i)`, computed in f64 and rounded to the tensor's dtype to nearest
+/// (bf16 and f16 directly from the f64, with no double rounding through f32).
+///
+/// The value is a pure function of `(seed, offset, i)`, so a tensor is the same however a
+/// backend splits its elements. Uniform draws are the same bits on every backend (their
+/// arithmetic is IEEE's basic operations); normal draws take `ln` and `cos` from the backend's
+/// math library (the host's libm, CUDA's within 1 and 2 ulp of f64), so an element may differ
+/// in its last bit between backends when the f64 value lies within an ulp of a rounding
+/// boundary of the dtype (about one f32 element in 2^29; bf16 and f16 practically never).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RandomDraw {
+    /// The distribution.
+    pub distribution: Distribution,
+    /// The generator's seed.
+    pub seed: u64,
+    /// The counter of element 0's first uniform.
+    pub offset: u64,
+}
+
+impl RandomDraw {
+    /// Element `index`'s value, in the order of operations the backends' kernels follow.
+    pub fn value(&self, index: u64) -> f64 {
+        match self.distribution {
+            Distribution::Uniform { low, high } => {
+                low + (high - low) * uniform(self.seed, self.offset + index)
+            }
+            Distribution::Normal { mean, std } => {
+                // 1 - u keeps the logarithm's argument in (0, 1].
+                let u1 = 1.0 - uniform(self.seed, self.offset + 2 * index);
+                let u2 = uniform(self.seed, self.offset + 2 * index + 1);
+                let radius = (-2.0 * u1.ln()).sqrt();
+                mean + std * radius * (std::f64::consts::TAU * u2).cos()
+            }
+        }
+    }
+}
+
 /// The splitmix64 finaliser.
 fn mix(value: u64) -> u64 {
     let mut z = value.wrapping_add(0x9E37_79B9_7F4A_7C15);

@@ -181,16 +181,22 @@ fn parameters_drawn_across_threads_equal_the_sequential_draws() {
         .collect();
     assert_eq!(drawn.to_vec_f64().unwrap(), want);
     let offset = 5 + 2 * numel as u64;
-    let want_bf16: Vec<f64> = (0..numel as u64)
-        .map(|i| half::bf16::from_f64(-0.1 + 0.4 * uniform(11, offset + i)).to_f64())
-        .collect();
-    assert_eq!(drawn_bf16.to_vec_f64().unwrap(), want_bf16);
+    // Rounded to nearest from the f64 draw (ops-cpu's f64 -> bf16 copy), with no double
+    // rounding through f32.
+    let rounded = |offset: u64, dtype: DType| {
+        let values: Vec<f64> = (0..numel as u64)
+            .map(|i| -0.1 + 0.4 * uniform(11, offset + i))
+            .collect();
+        let exact = Tensor::from_slice(&cpu, &values, &[numel]).unwrap();
+        exact.to_dtype(dtype).unwrap().to_vec_f64().unwrap()
+    };
+    assert_eq!(
+        drawn_bf16.to_vec_f64().unwrap(),
+        rounded(offset, DType::BF16)
+    );
     let drawn_f16 = parameter(&cpu, &[numel], DType::F16, uniform_bf16, &generator).unwrap();
     let offset = 5 + 3 * numel as u64;
-    let want_f16: Vec<f64> = (0..numel as u64)
-        .map(|i| half::f16::from_f64(-0.1 + 0.4 * uniform(11, offset + i)).to_f64())
-        .collect();
-    assert_eq!(drawn_f16.to_vec_f64().unwrap(), want_f16);
+    assert_eq!(drawn_f16.to_vec_f64().unwrap(), rounded(offset, DType::F16));
 }
 
 /// An archive's E4M3 and E5M2 tensors (codes written as bytes, as PyTorch's safetensors writes

@@ -4,10 +4,12 @@
 //! the dtype's compute type (f32 for f16/bf16). Ops are matched once per call, outside the
 //! loops, so every inner loop is a monomorphised closure. Nothing here allocates.
 
-use headroom_autograd_core::{BinaryOp, DropoutDraw, MaskedOp, Result, TensorError, UnaryOp, View};
+use headroom_autograd_core::{
+    BinaryOp, DropoutDraw, MaskedOp, RandomDraw, Result, TensorError, UnaryOp, View,
+};
 
 use crate::element::{dispatch_any, dispatch_float, is_mask, BoolByte, Float, Real, Scalar};
-use crate::strided::{for_each_run, HostPtr};
+use crate::strided::{for_each_run, for_each_run_weighted, HostPtr};
 
 /// sqrt(2 / pi), the tanh-GELU constant.
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
@@ -348,6 +350,31 @@ fn dropout_typed<T: Float>(x: View<'_>, draw: DropoutDraw, out: View<'_>, mask: 
                 };
                 to.write(index, T::store(value));
                 flags.write(index, BoolByte(u8::from(keep)));
+            }
+        },
+    );
+}
+
+/// `dst`'s element `i` (row-major) = `draw.value(i)` rounded to the dtype, on rayon's threads
+/// when the tensor is large.
+pub(crate) fn random(dst: View<'_>, draw: RandomDraw) -> Result<()> {
+    dispatch_float!(dst.dtype, "random", T => random_typed::<T>(dst, draw));
+    Ok(())
+}
+
+fn random_typed<T: Float + Scalar>(dst: View<'_>, draw: RandomDraw) {
+    let to = HostPtr::<T>::new(&dst);
+    let dense = headroom_autograd_core::contiguous_strides(dst.layout.shape());
+    // A draw costs about as much as a row of a softmax: the walk goes parallel early.
+    for_each_run_weighted(
+        dst.layout.shape(),
+        [&dense, dst.layout.strides()],
+        [0, dst.layout.offset()],
+        16,
+        |b, s, len| {
+            for i in 0..len {
+                let index = b[0] + i * s[0];
+                to.write(b[1] + i * s[1], T::from_f64(draw.value(index as u64)));
             }
         },
     );

@@ -50,7 +50,7 @@ use headroom_autograd_core::{
     check_operands, claim_operands, Access, Aliasing, AttentionBackward, AttentionForward, Backend,
     BackendRef, BinaryOp, Buffer, CrossEntropyBackward, CrossEntropyForward, CrossEntropyTile,
     CrossEntropyTileBackward, Device, DropoutDraw, HostAccess, LayerNormBackward, LayerNormForward,
-    MaskedOp, ReduceOp, Result, UnaryOp, View,
+    MaskedOp, RandomDraw, ReduceOp, Result, UnaryOp, View,
 };
 use headroom_autograd_core::{
     float8_quantize_dims, Float8Matmul, Float8Quantize, Operands, ReduceWithIndex, RmsNormBackward,
@@ -316,5 +316,10 @@ impl Backend for CpuBackend {
     fn dropout(&self, x: View<'_>, draw: DropoutDraw, out: View<'_>, mask: View<'_>) -> Result<()> {
         let _access = self.operands("dropout", &[out, mask], &[x], Aliasing::SameView)?;
         elementwise::dropout(x, draw, out, mask)
+    }
+
+    fn random(&self, dst: View<'_>, draw: RandomDraw) -> Result<()> {
+        let _access = self.operands("random", &[dst], &[], Aliasing::SameView)?;
+        elementwise::random(dst, draw)
     }
 }

@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use headroom_autograd_core::{
-    dropout, no_grad, saved_tensor_hooks, BackendRef, BackwardOptions, DType, Generator, Packed,
-    Tensor, TensorError,
+    dropout, no_grad, saved_tensor_hooks, BackendRef, BackwardOptions, DType, Distribution,
+    Generator, Packed, RandomDraw, Tensor, TensorError,
 };
 use headroom_caching_allocator::HistoryOptions;
 use headroom_ops_cpu::CpuBackend;
@@ -328,6 +328,53 @@ fn dropout_masks_repeat_after_restoring_the_generator_state() {
     assert!(dropout(&x, 0.25, false, &generator)
         .unwrap()
         .same_tensor(&x));
+}
+
+/// `random_` writes element i (row-major in the view, whatever its strides) as the draw's value
+/// i, advances the generator by the counters it used, refuses integer tensors and a leaf that
+/// requires grad while recording.
+#[test]
+fn random_fills_follow_the_view_order_and_advance_the_generator() {
+    let cpu = CpuBackend::new_ref();
+    let generator = Generator::new(99);
+    let normal = Distribution::Normal {
+        mean: 1.0,
+        std: 0.5,
+    };
+    let base = Tensor::zeros(&cpu, &[7, 5], DType::F64).unwrap();
+    let transposed = base.t().unwrap();
+    transposed.random_(normal, &generator).unwrap();
+    assert_eq!(generator.state().offset, 2 * 35);
+    let draw = RandomDraw {
+        distribution: normal,
+        seed: 99,
+        offset: 0,
+    };
+    let want: Vec<f64> = (0..35).map(|i| draw.value(i)).collect();
+    assert_eq!(transposed.contiguous().unwrap().to_vec_f64().unwrap(), want);
+    let values = base.to_vec_f64().unwrap();
+    let (mean, spread) = (values.iter().sum::<f64>() / 35.0, values[0] - values[1]);
+    assert!((mean - 1.0).abs() < 0.3 && spread != 0.0, "{mean}");
+
+    let uniform = Distribution::Uniform {
+        low: 2.0,
+        high: 3.0,
+    };
+    let f32s = Tensor::zeros(&cpu, &[1000], DType::F32).unwrap();
+    f32s.random_(uniform, &generator).unwrap();
+    assert_eq!(generator.state().offset, 70 + 1000);
+    assert!(f32s
+        .to_vec_f64()
+        .unwrap()
+        .iter()
+        .all(|v| (2.0..3.0).contains(v)));
+
+    let ints = Tensor::zeros(&cpu, &[4], DType::I64).unwrap();
+    assert!(ints.random_(uniform, &generator).is_err());
+    let leaf = Tensor::zeros(&cpu, &[4], DType::F32).unwrap();
+    leaf.requires_grad_(true).unwrap();
+    let refused = leaf.random_(uniform, &generator).unwrap_err().to_string();
+    assert!(refused.contains("random_"), "{refused}");
 }
 
 #[test]

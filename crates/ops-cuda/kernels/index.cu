@@ -1,5 +1,5 @@
 // Index kernels of the CUDA backend: gather and scatter-add along a dim, fused cross-entropy
-// (forward and backward, whole rows and the tiles of a chunked loss) and dropout.
+// (forward and backward, whole rows and the tiles of a chunked loss), dropout and random fills.
 //
 // Out-of-range indices and targets are never read or written: the kernels record the first bad
 // value in an error word (initialised to all ones by the caller), which the Rust side
@@ -423,6 +423,53 @@ __device__ void dropout_kernel(const T* x, T* out, unsigned char* mask, double p
     }
 }
 
+// Random fill (autograd-core's RandomDraw::value, random.rs): the same f64 operations in the same
+// order, each rounded as on the host (the _rn intrinsics keep nvcc from contracting into FMAs);
+// the normal's log and cos are CUDA's (within 1 and 2 ulp), the host's libm's there.
+#define RANDOM_TAU 6.283185307179586
+
+__device__ __forceinline__ double random_value(int normal, double a, double b, unsigned long long stream,
+                                               unsigned long long offset, unsigned long long i) {
+    const double unit = 1.0 / (double)(1ULL << 24);  // exact: the uniform is bits · 2^-24
+    if (normal) {
+        const double u1 = __dsub_rn(1.0, __dmul_rn((double)counter_bits24(stream, offset + 2 * i), unit));
+        const double u2 = __dmul_rn((double)counter_bits24(stream, offset + 2 * i + 1), unit);
+        const double radius = __dsqrt_rn(__dmul_rn(-2.0, log(u1)));
+        return __dadd_rn(a, __dmul_rn(__dmul_rn(b, radius), cos(__dmul_rn(RANDOM_TAU, u2))));
+    }
+    const double u = __dmul_rn((double)counter_bits24(stream, offset + i), unit);
+    return __dadd_rn(a, __dmul_rn(__dsub_rn(b, a), u));
+}
+
+// `v` rounded to f32 toward zero with the lowest bit set when inexact (round to odd), so that
+// rounding it to nearest in bf16 or f16 rounds `v` to nearest directly (ops-cpu's
+// round_to_odd_f32).
+__device__ __forceinline__ float round_to_odd_f32(double v) {
+    const float t = __double2float_rz(v);
+    return (double)t == v ? t : __uint_as_float(__float_as_uint(t) | 1u);
+}
+
+template <typename T> __device__ __forceinline__ T random_store(double v);
+template <> __device__ __forceinline__ float random_store<float>(double v) { return __double2float_rn(v); }
+template <> __device__ __forceinline__ double random_store<double>(double v) { return v; }
+template <> __device__ __forceinline__ __half random_store<__half>(double v) { return __float2half_rn(round_to_odd_f32(v)); }
+template <> __device__ __forceinline__ __nv_bfloat16 random_store<__nv_bfloat16>(double v) {
+    return __float2bfloat16_rn(round_to_odd_f32(v));
+}
+
+// Operands: 0 = out. Element i (row-major) is the draw's value i; (a, b) are (low, high) or
+// (mean, std).
+template <typename T>
+__device__ void random_kernel(T* out, int normal, double a, double b, unsigned long long seed,
+                              unsigned long long offset, StridedArgs args) {
+    const unsigned long long stream = counter_stream(seed);
+    GRID_STRIDE_LOOP(i, args.numel) {
+        unsigned long long off[3];
+        element_offsets(args, i, off);
+        out[off[0]] = random_store<T>(random_value(normal, a, b, stream, offset, i));
+    }
+}
+
 #define INDEX_KERNELS(T, N)                                                                                      \
     extern "C" __global__ void gather_##N(const T* x, const long long* index, T* out, unsigned long long ds,      \
                                           long long limit, unsigned long long* error, StridedArgs a) {           \
@@ -439,6 +486,10 @@ __device__ void dropout_kernel(const T* x, T* out, unsigned char* mask, double p
     extern "C" __global__ void dropout_##N(const T* x, T* out, unsigned char* mask, double p,                   \
                                            unsigned long long seed, unsigned long long offset, StridedArgs a) {   \
         dropout_kernel<T>(x, out, mask, p, seed, offset, a);                                                    \
+    }                                                                                                            \
+    extern "C" __global__ void random_##N(T* out, int normal, double a, double b, unsigned long long seed,      \
+                                          unsigned long long offset, StridedArgs args) {                         \
+        random_kernel<T>(out, normal, a, b, seed, offset, args);                                                \
     }
 INDEX_KERNELS(float, f32)
 INDEX_KERNELS(double, f64)

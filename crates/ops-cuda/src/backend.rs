@@ -26,7 +26,8 @@ use headroom_autograd_core::{
     LinearForward, LinearWeightGrad, MaskedOp, ReduceOp, Result, SoftmaxBackward, UnaryOp, View,
 };
 use headroom_autograd_core::{
-    ReduceWithIndex, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward, SwiGluForward,
+    RandomDraw, ReduceWithIndex, RmsNormBackward, RmsNormForward, RotaryArgs, SwiGluBackward,
+    SwiGluForward,
 };
 use headroom_caching_allocator::{Allocation, AllocatorView, StreamId};
 
@@ -419,6 +420,14 @@ impl Backend for CudaBackend {
         self.timed(
             || format!("dropout {}", describe(&x)),
             || index::dropout(self, x, draw, out, mask),
+        )
+    }
+
+    fn random(&self, dst: View<'_>, draw: RandomDraw) -> Result<()> {
+        check(self, "random", &[dst], &[], Aliasing::SameView)?;
+        self.timed(
+            || format!("random {}", describe(&dst)),
+            || index::random(self, dst, draw),
         )
     }
 }

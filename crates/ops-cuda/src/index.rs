@@ -15,8 +15,8 @@
 use cudarc::driver::{result, LaunchConfig};
 use headroom_autograd_core::{
     cross_entropy_tile_dims, index_strides, CrossEntropyArgs, CrossEntropyBackward,
-    CrossEntropyForward, CrossEntropyTile, CrossEntropyTileBackward, DType, DropoutDraw, LogitTile,
-    Reduction, Result, TensorError, View,
+    CrossEntropyForward, CrossEntropyTile, CrossEntropyTileBackward, DType, Distribution,
+    DropoutDraw, LogitTile, RandomDraw, Reduction, Result, TensorError, View,
 };
 use headroom_caching_allocator::StreamId;
 
@@ -729,4 +729,32 @@ pub(crate) fn dropout(
     ];
     let name = (op, suffix);
     launch_strided(backend, Module::Index, op, name, args, &params)
+}
+
+/// Fills `dst` with `draw`'s values (autograd-core's [`RandomDraw::value`], rounded to the
+/// dtype): one grid-stride kernel over `dst`'s elements in row-major order.
+pub(crate) fn random(backend: &CudaBackend, dst: View<'_>, draw: RandomDraw) -> Result<()> {
+    let op = "random";
+    backend.capture.refuse(
+        op,
+        "draws its seed on the host (a replay would repeat the same values); fill before capture",
+    )?;
+    let suffix = float_suffix(op, dst.dtype)?;
+    let args = strided_args(op, &[&dst])?;
+    if args.numel == 0 {
+        return Ok(());
+    }
+    let (normal, a, b) = match draw.distribution {
+        Distribution::Uniform { low, high } => (0, low, high),
+        Distribution::Normal { mean, std } => (1, mean, std),
+    };
+    let params = [
+        Param::U64(dst.buffer.address()),
+        Param::I32(normal),
+        Param::F64(a),
+        Param::F64(b),
+        Param::U64(draw.seed),
+        Param::U64(draw.offset),
+    ];
+    launch_strided(backend, Module::Index, op, (op, suffix), args, &params)
 }

@@ -20,8 +20,8 @@ use headroom_autograd_core::{
 use headroom_autograd_core::{
     AttentionBackward, AttentionForward, Backend, BackendRef, BinaryOp, Buffer,
     CrossEntropyBackward, CrossEntropyForward, CrossEntropyTile, CrossEntropyTileBackward, Device,
-    DropoutDraw, LayerNormBackward, LayerNormForward, MaskedOp, ReduceOp, Result, SoftmaxBackward,
-    UnaryOp, View,
+    DropoutDraw, LayerNormBackward, LayerNormForward, MaskedOp, RandomDraw, ReduceOp, Result,
+    SoftmaxBackward, UnaryOp, View,
 };
 use headroom_caching_allocator::{Allocation, AllocatorView};
 
@@ -106,6 +106,9 @@ impl Backend for HostReadCounter {
             return Ok(false);
         }
         self.inner.matmul_float8(args)
+    }
+    fn random(&self, dst: View<'_>, draw: RandomDraw) -> Result<()> {
+        self.inner.random(dst, draw)
     }
     fn fill(&self, dst: View<'_>, value: f64) -> Result<()> {
         self.inner.fill(dst, value)

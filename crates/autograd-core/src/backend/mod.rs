@@ -66,6 +66,7 @@ use headroom_caching_allocator::{Allocation, AllocatorView, MemoryStats};
 use crate::buffer::Buffer;
 use crate::dtype::Device;
 use crate::error::Result;
+use crate::random::RandomDraw;
 
 pub use args::{
     AttentionBackward, AttentionForward, BinaryOp, DropoutDraw, LayerNormBackward,
@@ -261,4 +262,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Dropout in one pass: element `i` is kept when [`DropoutDraw::keeps`] it (probability
     /// `1 - p`); `out = kept ? x * draw.scale() : 0` and `mask` (Bool) records which were kept.
     fn dropout(&self, x: View<'_>, draw: DropoutDraw, out: View<'_>, mask: View<'_>) -> Result<()>;
+
+    /// Fills `dst` (a float tensor, possibly strided) with random values: its element `i` in
+    /// row-major order is [`RandomDraw::value`]`(i)` rounded to the dtype. Parameters are
+    /// initialised through it, on the device that holds them.
+    fn random(&self, dst: View<'_>, draw: RandomDraw) -> Result<()>;
 }

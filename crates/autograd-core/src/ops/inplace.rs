@@ -12,6 +12,7 @@ use crate::error::{Result, TensorError};
 use crate::graph::record;
 use crate::layout::broadcast_shapes;
 use crate::overlap::{check_overlaps, Aliasing};
+use crate::random::{Distribution, Generator, RandomDraw};
 use crate::saved::{SaveRole, SavedTensor};
 use crate::tensor::Tensor;
 
@@ -171,6 +172,30 @@ impl Tensor {
         self.buffer().bump_version();
         if recording {
             record("fill_", &[self], &[self], |_| Ok(vec![None]));
+        }
+        Ok(self)
+    }
+
+    /// Fills the tensor with draws from `distribution`, advancing `generator` by
+    /// [`Distribution::counters_per_element`] counters an element: element `i` (row-major) is
+    /// [`RandomDraw::value`]`(i)` of the generator's next draw, rounded to the dtype (PyTorch's
+    /// `uniform_` and `normal_`, with this crate's counter-based numbers). The values are drawn
+    /// where the tensor lives.
+    pub fn random_(&self, distribution: Distribution, generator: &Generator) -> Result<&Tensor> {
+        check_float("random_", self)?;
+        check_overlaps("random_", &[self.view()], &[], Aliasing::SameView)?;
+        let recording = self.check_inplace("random_", &[self])?;
+        let count = distribution.counters_per_element() * self.numel() as u64;
+        let (seed, offset) = generator.advance(count);
+        let draw = RandomDraw {
+            distribution,
+            seed,
+            offset,
+        };
+        self.backend().random(self.view(), draw)?;
+        self.buffer().bump_version();
+        if recording {
+            record("random_", &[self], &[self], |_| Ok(vec![None]));
         }
         Ok(self)
     }

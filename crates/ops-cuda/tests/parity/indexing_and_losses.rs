@@ -1,14 +1,91 @@
 //! Indexing, losses and dropout on the GPU against the CPU: gather and scatter-add, fused
 //! cross-entropy forward and backward (rows as wide as GPT-2's vocabulary, f32 losses of f16 and
-//! bf16 logits), the tiles of a chunked cross-entropy, and dropout.
+//! bf16 logits), the tiles of a chunked cross-entropy, dropout, and random fills (parameter
+//! initialisation).
 
 use headroom_autograd_core::{
     BackendRef, CrossEntropyArgs, CrossEntropyBackward, CrossEntropyForward, CrossEntropyTile,
-    CrossEntropyTileBackward, DType, DropoutDraw, Layout, LogitTile, Reduction,
+    CrossEntropyTileBackward, DType, Distribution, DropoutDraw, Layout, LogitTile, RandomDraw,
+    Reduction,
 };
 use headroom_testkit::inputs::Xorshift;
 
 use crate::{compare, download, input, poisoned, seeded_backends, upload, view, WITH_STATS_DTYPE};
+
+/// Random fills (what `nn::parameter` initialises with) give the CPU's values on the GPU: every
+/// element of a million-element fill and of a strided view (a transposed, offset window), for
+/// each float dtype, uniform and normal, compared bit for bit.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn random_fills_match_the_cpu_bit_for_bit() {
+    let Some((gpu, cpu, _)) = seeded_backends(0x5eed) else {
+        return;
+    };
+    let n = 1_000_003;
+    let dense = Layout::contiguous(&[n]);
+    // A [300, 200] transpose of rows 2.. of a [210, 300] block, inside the n-element buffer.
+    let strided = Layout::from_parts(&[300, 200], &[1, 300], 600).unwrap();
+    let distributions = [
+        Distribution::Uniform {
+            low: -0.1,
+            high: 0.3,
+        },
+        Distribution::Normal {
+            mean: 0.5,
+            std: 0.02,
+        },
+    ];
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        for (k, distribution) in distributions.into_iter().enumerate() {
+            let draw = RandomDraw {
+                distribution,
+                seed: 7 + k as u64,
+                offset: 1 << 33,
+            };
+            let fill = |backend: &BackendRef, layout: &Layout| {
+                let out = poisoned(backend, dtype, n);
+                backend.random(view(&out, layout, dtype), draw).unwrap();
+                download(backend, dtype, &out)
+            };
+            for (name, layout) in [("dense", &dense), ("strided", &strided)] {
+                let (on_gpu, on_cpu) = (fill(&gpu, layout), fill(&cpu, layout));
+                let differing = on_gpu
+                    .iter()
+                    .zip(&on_cpu)
+                    .filter(|(g, c)| g.to_bits() != c.to_bits())
+                    .count();
+                assert_eq!(differing, 0, "{dtype:?} {distribution:?} {name}");
+                let written = on_cpu.iter().filter(|v| !v.is_nan()).count();
+                assert_eq!(
+                    written,
+                    layout.numel(),
+                    "{dtype:?} {name}: every element once"
+                );
+            }
+            // Element i is the draw's value i rounded to the dtype (to nearest: within half a
+            // unit in the last place, exactly so for f32 and f64).
+            let on_gpu = fill(&gpu, &dense);
+            let half_ulp = match dtype {
+                DType::BF16 => 2f64.powi(-8),
+                DType::F16 => 2f64.powi(-11),
+                _ => 0.0,
+            };
+            for i in [0, 1, n / 2, n - 1] {
+                let want = draw.value(i as u64);
+                let want = if dtype == DType::F32 {
+                    want as f32 as f64
+                } else {
+                    want
+                };
+                let error = (on_gpu[i] - want).abs();
+                assert!(
+                    error <= want.abs() * half_ulp,
+                    "{dtype:?} element {i}: {error}"
+                );
+            }
+        }
+    }
+}
 
 #[test]
 #[ignore = "needs a CUDA device"]
