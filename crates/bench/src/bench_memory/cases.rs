@@ -518,7 +518,13 @@ impl Case {
     }
 
     /// The optimizer the case steps, over `params`, with no state yet.
-    pub(super) fn optimizer(self, params: Vec<Tensor>) -> Result<Box<dyn BenchOptimizer>> {
+    /// The case's optimizer over `params`; the streamed cases hold at most `stream_budget`
+    /// bytes of state coming in (`None`: their own budget).
+    pub(super) fn optimizer(
+        self,
+        params: Vec<Tensor>,
+        stream_budget: Option<u64>,
+    ) -> Result<Box<dyn BenchOptimizer>> {
         fn build<R: UpdateRule>(
             params: Vec<Tensor>,
             config: R,
@@ -597,7 +603,8 @@ impl Case {
                 Implementation::Fused,
             ),
             Case::Adamw4bitStreamInbwdBf16 | Case::Adamw4bitStreamInbwdBf16Ckpt => {
-                let budget = streamed_state_budget(params.iter().map(Tensor::numel));
+                let budget = stream_budget
+                    .unwrap_or_else(|| streamed_state_budget(params.iter().map(Tensor::numel)));
                 Ok(Box::new(Arc::new(Mutex::new(StreamedOptimizer::new(
                     vec![ParamGroup::new(params, adamw4bit)],
                     Implementation::Fused,
@@ -615,7 +622,7 @@ impl Case {
                 let moments: u64 = params.iter().map(|p| 8 * p.numel() as u64).sum();
                 let config = OffloadConfig {
                     stepper,
-                    stream_bytes: moments / 4,
+                    stream_bytes: stream_budget.unwrap_or(moments / 4),
                     ..OffloadConfig::new(adamw)
                 };
                 Ok(Box::new(Arc::new(Mutex::new(OffloadedAdam::new(

@@ -151,6 +151,11 @@ pub(crate) struct Args {
     /// checkpointing this way.
     #[arg(long, value_name = "N")]
     checkpoint_blocks: Option<usize>,
+    /// The streamed cases (adamw_offload_stream_inbwd_bf16, adamw4bit_stream_*) let the GPU
+    /// hold N MiB of optimizer state coming in, and as many going back (default: a quarter of
+    /// the state, the 4-bit cases at most 256 MiB); needs --model.
+    #[arg(long, value_name = "N")]
+    stream_budget_mib: Option<u64>,
     /// Batch sizes, by commas or repeated (default: the device's, below).
     #[arg(long = "batch", value_name = "N", value_delimiter = ',', value_parser = crate::at_least_one)]
     batches: Vec<usize>,
@@ -267,6 +272,13 @@ impl Options {
                     );
                 }
                 Some(model.with_checkpointed_blocks(blocks)?)
+            }
+        };
+        let model = match (model, args.stream_budget_mib) {
+            (model, None) => model,
+            (None, Some(_)) => bail!("--stream-budget-mib needs --model"),
+            (Some(model), Some(mib)) => {
+                Some(model.with_stream_budget(crate::mib_to_bytes("--stream-budget-mib", mib)?))
             }
         };
         Ok(Options {

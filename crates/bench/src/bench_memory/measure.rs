@@ -69,6 +69,8 @@ pub(crate) struct CaseResult {
     pub(crate) checkpointed_blocks: Option<usize>,
     /// The decoder layers when `--layers` set them.
     pub(crate) layers: Option<usize>,
+    /// The streamed cases' budget when `--stream-budget-mib` set it.
+    pub(crate) stream_budget: Option<u64>,
     pub(crate) batch: usize,
     pub(crate) device: String,
     /// Scalar parameters.
@@ -258,6 +260,7 @@ pub(crate) fn measure(
         model: model.name,
         checkpointed_blocks: model.checkpointed_blocks,
         layers: model.layers,
+        stream_budget: model.stream_budget,
         batch,
         device: probe.device.clone(),
         n_params,

@@ -34,6 +34,9 @@ pub(crate) struct Model {
     pub(crate) checkpointed_blocks: Option<usize>,
     /// The decoder layers `--layers` gave a Llama-family model instead of its own.
     pub(crate) layers: Option<usize>,
+    /// Bytes of optimizer state the streamed cases' GPU may hold coming in, and as many going
+    /// back (`--stream-budget-mib`); `None`: each case's own.
+    pub(crate) stream_budget: Option<u64>,
 }
 
 /// A model's architecture and, for a language model, its sequence length and loss path.
@@ -156,6 +159,7 @@ impl Model {
             arch,
             checkpointed_blocks: None,
             layers: None,
+            stream_budget: None,
         })
     }
 
@@ -245,6 +249,15 @@ impl Model {
             checkpointed_blocks: Some(blocks),
             ..self
         })
+    }
+
+    /// The model whose streamed cases hold at most `bytes` of optimizer state coming in (and as
+    /// many going back) instead of their own budget.
+    pub(crate) fn with_stream_budget(self, bytes: u64) -> Model {
+        Model {
+            stream_budget: Some(bytes),
+            ..self
+        }
     }
 
     /// Its blocks (encoder blocks or transformer layers).

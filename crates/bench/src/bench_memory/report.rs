@@ -224,6 +224,9 @@ pub(crate) fn case_json(r: &CaseResult, anchors: &Anchors) -> Value {
     if let Some(layers) = r.layers {
         value["layers"] = layers.into();
     }
+    if let Some(bytes) = r.stream_budget {
+        value["stream_budget_bytes"] = bytes.into();
+    }
     if let Some(plan) = &r.plan {
         value["plan"] = super::budget_plan::json(plan);
     }

@@ -148,7 +148,7 @@ impl Training {
         let params = net.parameters();
         let n_params = params.iter().map(Tensor::numel).sum();
         let param_bytes = params.iter().map(tensor_bytes).sum();
-        let optimizer = case.optimizer(params)?;
+        let optimizer = case.optimizer(params, model.stream_budget)?;
         Ok(Training {
             net,
             optimizer,

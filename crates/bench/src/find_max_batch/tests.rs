@@ -201,6 +201,7 @@ fn cpu_searches_under_a_cap_are_exact_and_leave_the_allocator_as_they_found_it()
         },
         checkpointed_blocks: None,
         layers: None,
+        stream_budget: None,
     };
     let vit_tiny = Model::named("vit_tiny").unwrap();
     let llama_tiny = Model::named("llama-tiny").unwrap().with_seq(32).unwrap();

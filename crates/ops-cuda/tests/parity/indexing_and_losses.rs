@@ -14,7 +14,10 @@ use crate::{compare, download, input, poisoned, seeded_backends, upload, view, W
 
 /// Random fills (what `nn::parameter` initialises with) give the CPU's values on the GPU: every
 /// element of a million-element fill and of a strided view (a transposed, offset window), for
-/// each float dtype, uniform and normal, compared bit for bit.
+/// each float dtype, uniform and normal, compared bit for bit. The one exception is an f64
+/// tensor of normal draws: its values keep every bit of CUDA's `log` and `cos` (within 1 and 2
+/// ulp of the host's libm), about 0.4% of them differing from the host's in their last bits, so
+/// they are compared to a few units in the last place of the draw's scale.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn random_fills_match_the_cpu_bit_for_bit() {
@@ -49,10 +52,18 @@ fn random_fills_match_the_cpu_bit_for_bit() {
             };
             for (name, layout) in [("dense", &dense), ("strided", &strided)] {
                 let (on_gpu, on_cpu) = (fill(&gpu, layout), fill(&cpu, layout));
+                let tolerance = match (dtype, distribution) {
+                    (DType::F64, Distribution::Normal { mean, std }) => {
+                        (mean.abs() + 8.0 * std) * 2f64.powi(-48)
+                    }
+                    _ => 0.0,
+                };
                 let differing = on_gpu
                     .iter()
                     .zip(&on_cpu)
-                    .filter(|(g, c)| g.to_bits() != c.to_bits())
+                    .filter(|(g, c)| {
+                        g.to_bits() != c.to_bits() && ((*g - *c).abs() > tolerance || g.is_nan())
+                    })
                     .count();
                 assert_eq!(differing, 0, "{dtype:?} {distribution:?} {name}");
                 let written = on_cpu.iter().filter(|v| !v.is_nan()).count();
