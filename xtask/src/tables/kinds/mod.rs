@@ -7,7 +7,7 @@
 //! model's name in words) and, for `nn-golden`, the bound its test holds each model to. It sits
 //! on serde_json and knows nothing of markers or documents. A new kind is one function, in the
 //! module of the tool whose results it reads ([`python`], [`nn`], [`bench_memory`],
-//! [`find_max_batch`], [`allocator`], [`cuda_benches`], [`criterion`]), and one entry of
+//! [`find_max_batch`], [`find_max_model`], [`allocator`], [`cuda_benches`], [`criterion`]), and one entry of
 //! [`KINDS`]; this module holds the reading and formatting they share.
 
 mod allocator;
@@ -15,6 +15,7 @@ mod bench_memory;
 mod criterion;
 mod cuda_benches;
 mod find_max_batch;
+mod find_max_model;
 mod nn;
 mod python;
 
@@ -123,6 +124,13 @@ pub(super) const KINDS: &[Kind] = &[
         reads: "`cargo xtask find-max-batch --json` (gpu-measure.sh's fmb.json) and, optionally, \
                 scripts/pytorch/find_max_batch.py's JSON lines (fmb_torch.jsonl)",
         render: find_max_batch::find_max_batch,
+    },
+    Kind {
+        name: "find-max-model",
+        reads: "`cargo xtask plan --find-max-model --run --json` (fmm_plan.json), then \
+                scripts/pytorch/find_max_model.py's JSON lines of one run or several \
+                (fmm_torch.jsonl)",
+        render: find_max_model::find_max_model,
     },
     Kind {
         name: "vit-step",
