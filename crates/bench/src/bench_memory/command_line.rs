@@ -199,6 +199,12 @@ pub(crate) struct Args {
     /// its device time by primitive.
     #[arg(long)]
     op_profile: bool,
+    /// CUDA: defer the index checks of gather, scatter-add and cross-entropy (ops-cuda's
+    /// `set_deferred_index_checks`: an out-of-range index is reported at the next
+    /// synchronisation, as PyTorch's asynchronous errors are) instead of reading an error word
+    /// back after each launch, a host wait that also waits behind the streamed cases' copies.
+    #[arg(long)]
+    defer_index_checks: bool,
 }
 
 /// The parsed command line.
@@ -228,6 +234,8 @@ pub(crate) struct Options {
     /// `--trace DIR`: each case's allocator events are written there.
     pub(crate) trace: Option<PathBuf>,
     pub(crate) progress: bool,
+    /// `--defer-index-checks`.
+    pub(crate) defer_index_checks: bool,
     /// The command line, for the JSON document.
     pub(crate) command: String,
 }
@@ -304,6 +312,7 @@ impl Options {
             pytorch: args.pytorch,
             trace: args.trace,
             progress: true,
+            defer_index_checks: args.defer_index_checks,
             command,
         })
     }

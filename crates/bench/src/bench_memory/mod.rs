@@ -98,6 +98,7 @@ pub(crate) fn execute(options: &Options) -> Result<Vec<CaseResult>> {
     };
     let (outcomes, device_name, protocol) = match cuda {
         Some(cuda) => {
+            cuda.set_deferred_index_checks(options.defer_index_checks)?;
             let options = &options.on_device(&CUDA_DEFAULTS);
             let runs = options.runs(&CUDA_DEFAULTS)?;
             let profile_ops = |step: &mut dyn FnMut() -> Result<()>| {
