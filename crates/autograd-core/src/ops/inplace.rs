@@ -181,6 +181,23 @@ impl Tensor {
     /// [`RandomDraw::value`]`(i)` of the generator's next draw, rounded to the dtype (PyTorch's
     /// `uniform_` and `normal_`, with this crate's counter-based numbers). The values are drawn
     /// where the tensor lives.
+    ///
+    /// ```
+    /// use headroom_autograd_core::{DType, Distribution, Generator, RandomDraw, Tensor};
+    /// use headroom_ops_cpu::CpuBackend;
+    ///
+    /// let cpu = CpuBackend::new_ref();
+    /// let generator = Generator::new(7);
+    /// let weight = Tensor::zeros(&cpu, &[4, 3], DType::F32)?;
+    /// let normal = Distribution::Normal { mean: 0.0, std: 0.02 };
+    /// weight.random_(normal, &generator)?;
+    /// // Two uniforms an element: the generator moved past all twelve elements' draws.
+    /// assert_eq!(generator.state().offset, 24);
+    /// // Element i is the draw's value i, rounded to f32.
+    /// let draw = RandomDraw { distribution: normal, seed: 7, offset: 0 };
+    /// assert_eq!(weight.to_vec_f64()?[5], draw.value(5) as f32 as f64);
+    /// # Ok::<(), headroom_autograd_core::TensorError>(())
+    /// ```
     pub fn random_(&self, distribution: Distribution, generator: &Generator) -> Result<&Tensor> {
         check_float("random_", self)?;
         check_overlaps("random_", &[self.view()], &[], Aliasing::SameView)?;
