@@ -1,4 +1,5 @@
-//! Elementwise kernels: copy/cast, fill, unary and binary math, masked ops and dropout.
+//! Elementwise kernels: copy/cast, fill, random fills, unary and binary math, masked ops and
+//! dropout.
 //!
 //! Each kernel walks its operands with [`for_each_run`] (parallel when large) and computes in
 //! the dtype's compute type (f32 for f16/bf16). Ops are matched once per call, outside the

@@ -1,5 +1,5 @@
 //! Launches of `kernels/index.cu`: gather, scatter-add, fused cross-entropy (whole rows, and the
-//! tiles of a chunked loss) and dropout.
+//! tiles of a chunked loss), dropout and random fills (the counter-based draws dropout shares).
 //!
 //! Index and target checks happen on the device: kernels skip an out-of-range index and record
 //! it in an error word, which is read back after the launch (one small synchronous copy) and
