@@ -165,10 +165,7 @@ impl MultiheadAttention {
             backend,
             &[3 * embed_dim, embed_dim],
             dtype,
-            Init::Uniform {
-                low: -bound,
-                high: bound,
-            },
+            Init::uniform(-bound, bound),
             generator,
         )?;
         let zeros = Init::Constant(0.0);
@@ -177,10 +174,7 @@ impl MultiheadAttention {
         let out_proj = Linear::with_init(
             backend,
             [embed_dim, embed_dim],
-            Init::Uniform {
-                low: -out_bound,
-                high: out_bound,
-            },
+            Init::uniform(-out_bound, out_bound),
             Some(zeros),
             dtype,
             generator,

@@ -148,7 +148,7 @@ impl Conv1D {
                 backend,
                 &[in_features, out_features],
                 dtype,
-                Init::Normal { mean: 0.0, std },
+                Init::normal(0.0, std),
                 generator,
             )?,
             bias: parameter(

@@ -18,20 +18,20 @@ use crate::error::Result;
 pub enum Init {
     /// Every element is this value.
     Constant(f64),
+    /// Draws from a distribution (autograd-core's counter-based uniform or normal).
+    Random(Distribution),
+}
+
+impl Init {
     /// Uniform on `[low, high)`.
-    Uniform {
-        /// Lower bound.
-        low: f64,
-        /// Upper bound.
-        high: f64,
-    },
+    pub fn uniform(low: f64, high: f64) -> Init {
+        Init::Random(Distribution::Uniform { low, high })
+    }
+
     /// Normal with this mean and standard deviation.
-    Normal {
-        /// Mean.
-        mean: f64,
-        /// Standard deviation.
-        std: f64,
-    },
+    pub fn normal(mean: f64, std: f64) -> Init {
+        Init::Random(Distribution::Normal { mean, std })
+    }
 }
 
 /// A new leaf parameter of `shape` and `dtype`, initialised by `init` with draws from
@@ -47,10 +47,7 @@ pub fn parameter(
     let res = Tensor::empty(backend, shape, dtype)?;
     match init {
         Init::Constant(value) => res.fill_(value)?,
-        Init::Uniform { low, high } => {
-            res.random_(Distribution::Uniform { low, high }, generator)?
-        }
-        Init::Normal { mean, std } => res.random_(Distribution::Normal { mean, std }, generator)?,
+        Init::Random(distribution) => res.random_(distribution, generator)?,
     };
     res.requires_grad_(true)?;
     Ok(res)

@@ -36,10 +36,7 @@ impl Linear {
         generator: &Generator,
     ) -> Result<Linear> {
         let bound = 1.0 / (in_features.max(1) as f64).sqrt();
-        let init = Init::Uniform {
-            low: -bound,
-            high: bound,
-        };
+        let init = Init::uniform(-bound, bound);
         let bias_init = if bias { Some(init) } else { None };
         Linear::with_init(
             backend,
@@ -179,7 +176,7 @@ impl Embedding {
         dtype: DType,
         generator: &Generator,
     ) -> Result<Embedding> {
-        let init = Init::Normal { mean: 0.0, std };
+        let init = Init::normal(0.0, std);
         Ok(Embedding {
             weight: parameter(
                 backend,

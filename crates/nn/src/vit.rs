@@ -384,10 +384,7 @@ impl VisionTransformer {
                 backend,
                 &[hidden_dim, 3, patch_size, patch_size],
                 dtype,
-                Init::Normal {
-                    mean: 0.0,
-                    std: (1.0 / fan_in as f64).sqrt(),
-                },
+                Init::normal(0.0, (1.0 / fan_in as f64).sqrt()),
                 generator,
             )?,
             bias: parameter(backend, &[hidden_dim], dtype, zeros, generator)?,
@@ -396,10 +393,7 @@ impl VisionTransformer {
             backend,
             &[1, config.seq_length(), hidden_dim],
             dtype,
-            Init::Normal {
-                mean: 0.0,
-                std: 0.02,
-            },
+            Init::normal(0.0, 0.02),
             generator,
         )?;
         let mut layers = Vec::with_capacity(config.num_layers);
@@ -418,14 +412,8 @@ impl VisionTransformer {
             )?;
             let ln_2 = layer_norm(generator)?;
             let bound = (6.0 / (hidden_dim + mlp_dim) as f64).sqrt();
-            let xavier = Init::Uniform {
-                low: -bound,
-                high: bound,
-            };
-            let tiny_normal = Some(Init::Normal {
-                mean: 0.0,
-                std: 1e-6,
-            });
+            let xavier = Init::uniform(-bound, bound);
+            let tiny_normal = Some(Init::normal(0.0, 1e-6));
             let mlp = Mlp {
                 fc1: Linear::with_init(
                     backend,

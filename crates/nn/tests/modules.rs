@@ -160,15 +160,9 @@ fn parameters_drawn_across_threads_equal_the_sequential_draws() {
     let numel = 200_003;
     let generator = Generator::new(11);
     generator.advance(5);
-    let normal = Init::Normal {
-        mean: 0.5,
-        std: 0.02,
-    };
+    let normal = Init::normal(0.5, 0.02);
     let drawn = parameter(&cpu, &[numel], DType::F32, normal, &generator).unwrap();
-    let uniform_bf16 = Init::Uniform {
-        low: -0.1,
-        high: 0.3,
-    };
+    let uniform_bf16 = Init::uniform(-0.1, 0.3);
     let drawn_bf16 = parameter(&cpu, &[numel], DType::BF16, uniform_bf16, &generator).unwrap();
     assert_eq!(generator.state().offset, 5 + 3 * numel as u64);
     let normal_at = |i: u64| {

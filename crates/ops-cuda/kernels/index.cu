@@ -425,7 +425,9 @@ __device__ void dropout_kernel(const T* x, T* out, unsigned char* mask, double p
 
 // Random fill (autograd-core's RandomDraw::value, random.rs): the same f64 operations in the same
 // order, each rounded as on the host (the _rn intrinsics keep nvcc from contracting into FMAs);
-// the normal's log and cos are CUDA's (within 1 and 2 ulp), the host's libm's there.
+// the normal's log and cos are CUDA's (within 1 and 2 ulp), the host's libm's there. The value is
+// stored by elements.cuh's `st`, rounded to nearest from the double (CUDA's __double2bfloat16
+// rounds to odd in f32 first, as ops-cpu does), so the bits are the CPU's.
 #define RANDOM_TAU 6.283185307179586
 
 __device__ __forceinline__ double random_value(int normal, double a, double b, unsigned long long stream,
@@ -441,22 +443,6 @@ __device__ __forceinline__ double random_value(int normal, double a, double b, u
     return __dadd_rn(a, __dmul_rn(__dsub_rn(b, a), u));
 }
 
-// `v` rounded to f32 toward zero with the lowest bit set when inexact (round to odd), so that
-// rounding it to nearest in bf16 or f16 rounds `v` to nearest directly (ops-cpu's
-// round_to_odd_f32).
-__device__ __forceinline__ float round_to_odd_f32(double v) {
-    const float t = __double2float_rz(v);
-    return (double)t == v ? t : __uint_as_float(__float_as_uint(t) | 1u);
-}
-
-template <typename T> __device__ __forceinline__ T random_store(double v);
-template <> __device__ __forceinline__ float random_store<float>(double v) { return __double2float_rn(v); }
-template <> __device__ __forceinline__ double random_store<double>(double v) { return v; }
-template <> __device__ __forceinline__ __half random_store<__half>(double v) { return __float2half_rn(round_to_odd_f32(v)); }
-template <> __device__ __forceinline__ __nv_bfloat16 random_store<__nv_bfloat16>(double v) {
-    return __float2bfloat16_rn(round_to_odd_f32(v));
-}
-
 // Operands: 0 = out. Element i (row-major) is the draw's value i; (a, b) are (low, high) or
 // (mean, std).
 template <typename T>
@@ -466,7 +452,7 @@ __device__ void random_kernel(T* out, int normal, double a, double b, unsigned l
     GRID_STRIDE_LOOP(i, args.numel) {
         unsigned long long off[3];
         element_offsets(args, i, off);
-        out[off[0]] = random_store<T>(random_value(normal, a, b, stream, offset, i));
+        st(out + off[0], random_value(normal, a, b, stream, offset, i));
     }
 }
 

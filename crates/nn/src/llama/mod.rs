@@ -217,7 +217,7 @@ impl LlamaForCausalLM {
             initializer_range: std,
             ..
         } = config;
-        let weights = Init::Normal { mean: 0.0, std };
+        let weights = Init::normal(0.0, std);
         let linear = |[in_features, out_features]: [usize; 2], bias: bool| {
             let bias = bias.then_some(Init::Constant(0.0));
             Linear::with_init(
