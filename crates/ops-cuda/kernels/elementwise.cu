@@ -288,3 +288,14 @@ MASKED(float, f32)
 MASKED(double, f64)
 MASKED(__half, f16)
 MASKED(__nv_bfloat16, bf16)
+
+// Small copies without a copy engine (small_copies.rs): n bytes from device memory into pinned
+// host memory the device addresses directly, and back.
+extern "C" __global__ void read_back_bytes(const unsigned char* src, unsigned char* host, unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) host[i] = src[i];
+}
+extern "C" __global__ void write_from_host_bytes(const unsigned char* host, unsigned char* dst, unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = host[i];
+}

@@ -43,6 +43,7 @@ use crate::matmul;
 use crate::operands::check;
 use crate::profile::describe;
 use crate::rows;
+use crate::small_copies::{SmallCopies, SMALL_WRITE_BYTES};
 
 impl CudaBackend {
     /// Runs `primitive`, bracketed by timing events labelled `label()` while an op profile runs
@@ -142,12 +143,18 @@ impl Backend for CudaBackend {
             "write_host",
             "copies host values (`Tensor::from_slice`) into the step",
         )?;
+        let address = dst.address() + byte_offset as u64;
+        if self.small_copies() == SmallCopies::Kernel && data.len() <= SMALL_WRITE_BYTES {
+            // SAFETY: the destination range lies inside the live device buffer (checked above),
+            // whose reuse after a free is ordered after this compute-stream copy.
+            return unsafe { self.write_in_order("write_host", address, data) };
+        }
         self.bind("write_host")?;
         // SAFETY: the destination range lies inside the live device buffer (checked above);
         // `data` is a host slice of that length. The synchronous copy runs on the legacy default
         // stream, where every kernel runs, so it starts only after the kernels queued before it
         // (no explicit synchronisation needed).
-        unsafe { result::memcpy_htod_sync(dst.address() + byte_offset as u64, data) }
+        unsafe { result::memcpy_htod_sync(address, data) }
             .map_err(|e| device_error("write_host", e))
     }
 
@@ -161,13 +168,11 @@ impl Backend for CudaBackend {
             "read_host",
             "reads device values on the host (`to_vec`, `item`)",
         )?;
-        self.bind("read_host")?;
         // SAFETY: the source range lies inside the live device buffer (checked above) and `out`
-        // is exclusively borrowed. The synchronous copy runs on the legacy default stream after
-        // the kernels queued before it, and returns once the data is on the host.
-        unsafe { result::memcpy_dtoh_sync(out, src.address() + byte_offset as u64) }
-            .map_err(|e| device_error("read_host", e))?;
-        // The copy waited for the queued kernels: a deferred index check has its answer.
+        // is exclusively borrowed. The read runs after the kernels queued before it, and returns
+        // once the data is on the host.
+        unsafe { self.read_back("read_host", src.address() + byte_offset as u64, out) }?;
+        // The read waited for the queued kernels: a deferred index check has its answer.
         self.take_deferred_index_error()
     }
 

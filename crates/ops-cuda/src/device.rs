@@ -3,8 +3,8 @@
 //! The backend owns the device's primary context (through cudarc), a
 //! `CachingAllocator<CudaStorage>` with Headroom's default settings (expandable segments), the
 //! kernel cache (`kernels.rs`), the BLAS libraries' state (`blas.rs`, created on the first
-//! product), the pinned-host allocator of `pinned.rs` and the slots of deferred index checks
-//! (`index.rs`). Every launch goes to the compute stream: a blocking stream the device
+//! product), the pinned-host allocator of `pinned.rs`, the slots of deferred index checks
+//! (`index.rs`) and the pinned memory small copies go through (`small_copies.rs`). Every launch goes to the compute stream: a blocking stream the device
 //! allocator's storage creates as its `StreamId::DEFAULT` (ordered with the legacy default
 //! stream both ways, and capturable into a CUDA graph, `graph.rs`). This module holds the state
 //! and its accessors: creating the backend, binding its context, returning memory, the TF32
@@ -12,7 +12,7 @@
 //! (`synchronize` is `index.rs`'s, since it is where deferred index checks report).
 //!
 //! This module is ground floor: it sits on the caching allocator, cudarc, `kernels.rs`,
-//! `blas.rs` and `profile.rs`, and knows no kernel family.
+//! `blas.rs`, `profile.rs` and `small_copies.rs`, and knows no kernel family.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -30,6 +30,7 @@ use crate::error::{device_error, CudaError};
 use crate::graph::CaptureState;
 use crate::kernels::KernelCache;
 use crate::profile::{OpProfiler, OpTiming};
+use crate::small_copies::{SmallCopies, SmallCopyMemory};
 
 /// How [`CudaBackend::with_options`] sets a backend up.
 #[derive(Debug, Clone, Default)]
@@ -74,6 +75,10 @@ pub struct CudaBackend {
     pub(crate) wgmma_backwards: AtomicU64,
     /// Rowwise fp8 products scaled after a unit-scaled product (`linear.rs`).
     pub(crate) float8_scaled_after: AtomicU64,
+    /// How a few bytes are copied between host and device memory (`small_copies.rs`).
+    pub(crate) small_copies: Mutex<SmallCopies>,
+    /// The pinned memory small copies go through, allocated on the first (`small_copies.rs`).
+    pub(crate) small_copy_memory: Mutex<Option<SmallCopyMemory>>,
 }
 
 impl Drop for CudaBackend {
@@ -84,6 +89,10 @@ impl Drop for CudaBackend {
         if let Some(state) = self.blas.get_mut().take() {
             let _ = self.context.bind_to_thread();
             state.release(&self.allocator);
+        }
+        if let Some(memory) = self.small_copy_memory.get_mut().take() {
+            let _ = self.context.bind_to_thread();
+            memory.free();
         }
     }
 }
@@ -172,6 +181,8 @@ impl CudaBackend {
             wgmma_forwards: AtomicU64::new(0),
             wgmma_backwards: AtomicU64::new(0),
             float8_scaled_after: AtomicU64::new(0),
+            small_copies: Mutex::new(SmallCopies::default()),
+            small_copy_memory: Mutex::new(None),
         }))
     }
 

@@ -2,9 +2,10 @@
 //! tiles of a chunked loss), dropout and random fills (the counter-based draws dropout shares).
 //!
 //! Index and target checks happen on the device: kernels skip an out-of-range index and record
-//! it in an error word, which is read back after the launch (one small synchronous copy) and
-//! returned as `TensorError::InvalidArgument`, as the CPU backend reports it — or, with deferred
-//! checks, kept in the backend's slots and returned by the next synchronisation. Scratch memory
+//! it in an error word, which is read back after the launch (one small synchronous read through
+//! `small_copies.rs`) and returned as `TensorError::InvalidArgument`, as the CPU backend reports it —
+//! or, with deferred checks, kept in the backend's slots and returned by the next
+//! synchronisation. Scratch memory
 //! (the error word, per-row losses) comes from the caching allocator and goes back to it in
 //! stream order. [`CudaBackend::synchronize`] lives here because it is where deferred checks
 //! report: it waits for the device, then returns a pending deferred error.
@@ -85,18 +86,16 @@ fn check_error_word(
     backend
         .capture
         .refuse(op, "reads its index check's error word on the host")?;
-    backend.bind(op)?;
-    let mut value = [0u64];
-    // SAFETY: the word is live and 8 bytes; the synchronous copy on the legacy default stream
-    // runs after the kernels that write it.
-    unsafe { result::memcpy_dtoh_sync(&mut value, word.address()) }
-        .map_err(|e| device_error(op, e))?;
-    if value[0] == NO_ERROR {
+    let mut bytes = [0u8; 8];
+    // SAFETY: the word is live and 8 bytes; the read runs after the kernels that write it.
+    unsafe { backend.read_back(op, word.address(), &mut bytes) }?;
+    let value = u64::from_le_bytes(bytes);
+    if value == NO_ERROR {
         Ok(())
     } else {
         Err(TensorError::InvalidArgument {
             op,
-            reason: what(value[0] as i64),
+            reason: what(value as i64),
         })
     }
 }
@@ -161,12 +160,14 @@ impl CudaBackend {
         let Some(slots) = guard.as_ref() else {
             return Ok(());
         };
-        self.bind(op)?;
-        let mut values = [NO_ERROR; CHECKED_OPS.len()];
-        // SAFETY: the slots are a live allocation of `8 · CHECKED_OPS.len()` bytes; the
-        // synchronous copy on the legacy default stream runs after the kernels that write them.
-        unsafe { result::memcpy_dtoh_sync(&mut values, slots.address()) }
-            .map_err(|e| device_error(op, e))?;
+        let mut bytes = [0u8; 8 * CHECKED_OPS.len()];
+        // SAFETY: the slots are a live allocation of `8 · CHECKED_OPS.len()` bytes; the read runs
+        // after the kernels that write them.
+        unsafe { self.read_back(op, slots.address(), &mut bytes) }?;
+        let values: Vec<u64> = bytes
+            .chunks_exact(8)
+            .map(|word| u64::from_le_bytes(word.try_into().expect("8-byte chunks")))
+            .collect();
         let Some(slot) = values.iter().position(|&v| v != NO_ERROR) else {
             return Ok(());
         };

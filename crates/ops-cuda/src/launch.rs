@@ -240,9 +240,10 @@ impl CudaBackend {
     }
 
     /// Copies `bytes` to device address `address` in stream order (after the kernels queued so
-    /// far, before those queued later) without waiting for the device: the driver stages the
-    /// pageable host bytes before returning, so `bytes` may be dropped at once. This is how
-    /// per-step launch tables reach the device without a host synchronisation.
+    /// far, before those queued later) without waiting for the device; `bytes` may be dropped at
+    /// once. This is how per-step launch tables reach the device without a host
+    /// synchronisation; a few KiB take no copy engine (`small_copies.rs`), so they never wait
+    /// behind another stream's large copy.
     ///
     /// # Safety
     /// `address .. address + bytes.len()` must be live memory of this backend until the copy has
@@ -257,11 +258,8 @@ impl CudaBackend {
             "copies host values into the step (bytes the same at every replay go through \
              `write_for_replays`)",
         )?;
-        self.bind("write_async")?;
-        // SAFETY: the caller guarantees the destination range; the source is a live host slice
-        // that the driver copies to its staging memory before returning (pageable memory).
-        unsafe { result::memcpy_htod_async(address, bytes, self.stream.cu_stream()) }
-            .map_err(|e| device_error("write_async", e))
+        // SAFETY: the caller guarantees the destination range until the copy has run.
+        unsafe { self.write_in_order("write_async", address, bytes) }
     }
 
     /// Copies `out.len()` bytes at device address `address` to the host, after the queued work.
@@ -271,9 +269,8 @@ impl CudaBackend {
     pub unsafe fn download(&self, address: u64, out: &mut [u8]) -> Result<()> {
         self.capture
             .refuse("download", "reads device values on the host")?;
-        self.bind("download")?;
-        // SAFETY: the caller guarantees the range is live device memory; the synchronous copy
-        // on the legacy default stream runs after the queued kernels.
-        unsafe { result::memcpy_dtoh_sync(out, address) }.map_err(|e| device_error("download", e))
+        // SAFETY: the caller guarantees the range is live device memory; the read runs after the
+        // queued kernels.
+        unsafe { self.read_back("download", address, out) }
     }
 }

@@ -80,6 +80,8 @@ mod profile;
 #[cfg(feature = "cuda")]
 mod scratch;
 #[cfg(feature = "cuda")]
+mod small_copies;
+#[cfg(feature = "cuda")]
 mod stream;
 
 // The families: each sits on the ground floor and imports no other family.
@@ -120,6 +122,8 @@ pub use launch::{CudaKernel, KernelArg};
 pub use pinned::{InFlight, PinnedBuffer};
 #[cfg(feature = "cuda")]
 pub use profile::OpTiming;
+#[cfg(feature = "cuda")]
+pub use small_copies::SmallCopies;
 #[cfg(feature = "cuda")]
 pub use stream::{CudaEvent, CudaStream};
 

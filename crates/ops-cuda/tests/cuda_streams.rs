@@ -2,9 +2,10 @@
 //! statistics and reuse, a random round trip through a side stream, overlap of a copy with a
 //! running kernel (and no overlap where the destination may still be the kernels'), no early
 //! reuse of pinned or device memory that a queued copy or kernel still uses, a pinned budget
-//! whose exhaustion is a typed error naming it, and typed errors for bad arguments. Each test is marked `#[ignore = "needs a CUDA device"]`: it runs
-//! with `--include-ignored`, and fails without a device where `HEADROOM_REQUIRE_GPU=1` is set
-//! (testkit's GPU gate).
+//! whose exhaustion is a typed error naming it, typed errors for bad arguments, and small copies
+//! through a kernel: the copy engine's bytes, and no wait behind another stream's large copy.
+//! Each test is marked `#[ignore = "needs a CUDA device"]`: it runs with `--include-ignored`, and
+//! fails without a device where `HEADROOM_REQUIRE_GPU=1` is set (testkit's GPU gate).
 //!
 //! A test kernel that spins on the GPU's global timer (`spin_ns`, testkit's hand-written PTX)
 //! keeps a stream busy for a known time, so what these tests assert does not depend on copy speed.
@@ -15,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use headroom_autograd_core::{BackendRef, DType, Tensor, TensorError, UnaryOp};
 use headroom_caching_allocator::{AllocError, AllocatorConfig, PinnedHostStorage, StreamId};
-use headroom_ops_cuda::{CudaBackend, CudaBackendOptions, CudaEvent, KernelArg};
+use headroom_ops_cuda::{CudaBackend, CudaBackendOptions, CudaEvent, KernelArg, SmallCopies};
 use headroom_testkit::gpu::{cuda_or_skip, exclusive_device, SPIN_NS_PTX};
 use headroom_testkit::inputs::uniform_f32;
 
@@ -533,4 +534,138 @@ fn events_time_work_and_bad_arguments_are_typed_errors() {
     assert_eq!(CudaEvent::drop_errors(), 0);
     assert_eq!(PinnedHostStorage::drop_errors(), 0);
     assert_eq!(cuda.free_errors().0, 0);
+}
+
+/// Small copies give the same bytes through a kernel as through a copy engine, in the compute
+/// stream's order: reads of every length around the 4 KiB limit at odd offsets, and more small
+/// writes queued behind a busy compute stream than there are pinned write slots (so slots are
+/// reused while earlier writes wait), mixed with writes past the 16 KiB limit, all into
+/// overlapping ranges whose final bytes follow the order of the writes.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn small_copies_through_a_kernel_equal_the_copy_engine() {
+    let Some((_device, cuda)) = backend_or_skip(None) else {
+        return;
+    };
+    assert_eq!(cuda.small_copies(), SmallCopies::Kernel);
+    let source: Vec<u8> = (0..64 * 1024).map(|i| (i * 7 + i / 251) as u8).collect();
+    for mode in [SmallCopies::Kernel, SmallCopies::CopyEngine] {
+        cuda.set_small_copies(mode);
+        let uploaded = cuda.upload(&source).unwrap();
+        for (offset, len) in [
+            (0, 0),
+            (3, 1),
+            (5, 7),
+            (8, 8),
+            (1, 4095),
+            (0, 4096),
+            (9, 4097),
+        ] {
+            let mut out = vec![0xA5u8; len];
+            // SAFETY: `offset + len` lies inside the 64 KiB upload, which is live.
+            unsafe { cuda.download(uploaded.address() + offset, &mut out) }.unwrap();
+            let offset = offset as usize;
+            assert!(
+                out == source[offset..offset + len],
+                "{mode:?}: {len} bytes at {offset}"
+            );
+        }
+
+        const REGION: usize = 48 * 1024;
+        let target = cuda.upload(&vec![0u8; REGION]).unwrap();
+        let mut expected = vec![0u8; REGION];
+        spin(&cuda, Duration::from_millis(20));
+        for k in 0..200usize {
+            let len = match k % 5 {
+                0 => 1,
+                1 => 4096,
+                2 => 16 * 1024,
+                3 => 16 * 1024 + 1,
+                _ => 1000 + 37 * k,
+            };
+            let at = (k * 4093) % (REGION - len);
+            let bytes: Vec<u8> = (0..len).map(|i| (i + 31 * k) as u8).collect();
+            // SAFETY: `at + len` ≤ REGION, inside the live target.
+            unsafe { cuda.write_async(target.address() + at as u64, &bytes) }.unwrap();
+            expected[at..at + len].copy_from_slice(&bytes);
+        }
+        let mut got = vec![0u8; REGION];
+        // SAFETY: the whole live target.
+        unsafe { cuda.download(target.address(), &mut got) }.unwrap();
+        assert!(got == expected, "{mode:?}: the writes' final bytes");
+
+        let gpu: BackendRef = cuda.clone();
+        let values = [1.5f32, -2.0, 3.25];
+        let tensor = Tensor::from_slice(&gpu, &values, &[3]).unwrap();
+        assert_eq!(tensor.to_vec::<f32>().unwrap(), values, "{mode:?}");
+        for allocation in [uploaded, target] {
+            cuda.allocator().free(allocation).unwrap();
+        }
+    }
+    cuda.set_small_copies(SmallCopies::Kernel);
+    assert_eq!(cuda.free_errors().0, 0);
+}
+
+/// A small read or write through a kernel does not wait for a large copy another stream has
+/// under way in the same direction: with a 1 GiB copy to the host (then one to the device)
+/// running on a side stream, reading 8 bytes and writing 12 returns while that copy is still
+/// under way (about 20 ms at the link's 55 GB/s). What the copy engine path does under the same
+/// load is printed (whether it waited for the large copy), and so is whether a memset and a
+/// device-to-device copy on the compute stream wait for it.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn small_copies_do_not_wait_behind_a_side_streams_large_copy() {
+    let Some((_device, cuda)) = backend_or_skip(None) else {
+        return;
+    };
+    let gpu: BackendRef = cuda.clone();
+    let side = cuda.new_stream().unwrap();
+    let big = Tensor::zeros(&gpu, &[256 * MIB], DType::F32).unwrap();
+    let mut pinned = cuda.pinned_host(1024 * MIB).unwrap();
+    let small = Tensor::from_slice(&gpu, &[7.0f32, 8.0], &[2]).unwrap();
+    for mode in [SmallCopies::Kernel, SmallCopies::CopyEngine] {
+        cuda.set_small_copies(mode);
+        cuda.synchronize().unwrap();
+        cuda.copy_from_tensor_async(&big, &mut pinned, 0, &side)
+            .unwrap();
+        let started = Instant::now();
+        assert_eq!(small.to_vec::<f32>().unwrap(), [7.0, 8.0]);
+        let read_ms = started.elapsed().as_secs_f64() * 1e3;
+        let read_waited = pinned.is_idle().unwrap();
+        // A memset and a device-to-device copy on the compute stream, observed only.
+        let started = Instant::now();
+        let zeros = Tensor::zeros(&gpu, &[MIB], DType::F32).unwrap();
+        let copied = Tensor::empty(&gpu, &[MIB], DType::F32).unwrap();
+        copied.copy_(&zeros).unwrap();
+        cuda.compute_stream().synchronize().unwrap();
+        let device_ms = started.elapsed().as_secs_f64() * 1e3;
+        let device_waited = pinned.is_idle().unwrap();
+        side.synchronize().unwrap();
+
+        cuda.copy_to_tensor_async(&pinned, 0, &big, &side).unwrap();
+        let started = Instant::now();
+        let written = Tensor::from_slice(&gpu, &[1.0f32, 2.0, 3.0], &[3]).unwrap();
+        let doubled = written.add(&written).unwrap();
+        let write_ms = started.elapsed().as_secs_f64() * 1e3;
+        let write_waited = pinned.is_idle().unwrap();
+        assert_eq!(doubled.to_vec::<f32>().unwrap(), [2.0, 4.0, 6.0]);
+        side.synchronize().unwrap();
+        println!(
+            "{mode:?}: an 8-byte read took {read_ms:.3} ms (waited for the 1 GiB copy out: \
+             {read_waited}); a 4 MiB memset and device copy {device_ms:.3} ms (waited for it: \
+             {device_waited}); a 12-byte write {write_ms:.3} ms (waited for the copy in: \
+             {write_waited})"
+        );
+        if mode == SmallCopies::Kernel {
+            assert!(
+                !read_waited,
+                "the small read waited for the side stream's copy out"
+            );
+            assert!(
+                !write_waited,
+                "the small write waited for the side stream's copy in"
+            );
+        }
+    }
+    cuda.set_small_copies(SmallCopies::Kernel);
 }

@@ -205,6 +205,12 @@ pub(crate) struct Args {
     /// back after each launch, a host wait that also waits behind the streamed cases' copies.
     #[arg(long)]
     defer_index_checks: bool,
+    /// CUDA: copy a few bytes between host and device (error words, launch tables, `item`)
+    /// through a copy engine (ops-cuda's `SmallCopies::CopyEngine`), where they wait behind the
+    /// streamed cases' large copies, instead of through a kernel (the default), for a
+    /// side-by-side measurement.
+    #[arg(long)]
+    copy_engine_copies: bool,
 }
 
 /// The parsed command line.
@@ -236,6 +242,8 @@ pub(crate) struct Options {
     pub(crate) progress: bool,
     /// `--defer-index-checks`.
     pub(crate) defer_index_checks: bool,
+    /// `--copy-engine-copies`.
+    pub(crate) copy_engine_copies: bool,
     /// The command line, for the JSON document.
     pub(crate) command: String,
 }
@@ -313,6 +321,7 @@ impl Options {
             trace: args.trace,
             progress: true,
             defer_index_checks: args.defer_index_checks,
+            copy_engine_copies: args.copy_engine_copies,
             command,
         })
     }

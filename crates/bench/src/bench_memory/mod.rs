@@ -54,7 +54,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use headroom_caching_allocator::{CachingAllocator, HostStorage, TraceEvent};
 use headroom_ops_cpu::CpuBackend;
-use headroom_ops_cuda::CudaBackend;
+use headroom_ops_cuda::{CudaBackend, SmallCopies};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use cases::Case;
@@ -99,6 +99,9 @@ pub(crate) fn execute(options: &Options) -> Result<Vec<CaseResult>> {
     let (outcomes, device_name, protocol) = match cuda {
         Some(cuda) => {
             cuda.set_deferred_index_checks(options.defer_index_checks)?;
+            if options.copy_engine_copies {
+                cuda.set_small_copies(SmallCopies::CopyEngine);
+            }
             let options = &options.on_device(&CUDA_DEFAULTS);
             let runs = options.runs(&CUDA_DEFAULTS)?;
             let profile_ops = |step: &mut dyn FnMut() -> Result<()>| {
