@@ -8,8 +8,9 @@
 //! one direction queue on a copy engine whatever their stream, so a small copy waits for the
 //! large ones queued before it, and so does the compute stream's next kernel. A kernel's loads
 //! and stores over the link take no copy engine, so such a copy waits only for the compute
-//! stream's earlier work. Under unified addressing (every 64-bit platform CUDA supports) pinned
-//! host memory is addressed by the device at its host pointer, with no mapping call.
+//! stream's earlier work. The memory is allocated mapped (`CU_MEMHOSTALLOC_DEVICEMAP`) and the
+//! kernels take the device's address of it (`cuMemHostGetDevicePointer`: under unified
+//! addressing, the host pointer itself).
 //!
 //! Writes are stream-ordered without a host wait: the bytes go into one of [`WRITE_SLOTS`]
 //! pinned slots, used round-robin, each reused only after the kernel that read it last has run
@@ -78,8 +79,8 @@ pub enum SmallCopies {
 /// each slot with the event recorded after its last kernel. Allocated outside the pinned caching
 /// allocator, so it counts in no pinned budget or statistic (1 MiB and 4 KiB).
 pub(crate) struct SmallCopyMemory {
-    read_page: *mut u8,
-    write_slots: *mut u8,
+    read_page: MappedHost,
+    write_slots: MappedHost,
     slot_events: Vec<Option<sys::CUevent>>,
     next_slot: usize,
 }
@@ -88,26 +89,55 @@ pub(crate) struct SmallCopyMemory {
 // binds the context first and goes through the backend's mutex around this value.
 unsafe impl Send for SmallCopyMemory {}
 
+/// Pinned host memory the device addresses: the host's pointer and the device's address.
+struct MappedHost {
+    host: *mut u8,
+    device: u64,
+}
+
+impl MappedHost {
+    /// `bytes` of mapped pinned host memory; the backend's context must be bound.
+    fn new(op: &'static str, bytes: usize) -> Result<MappedHost> {
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: allocates host memory; no memory of an allocation is read or written.
+        let host = unsafe { result::malloc_host(bytes, flags) }.map_err(|e| device_error(op, e))?;
+        let mut device = 0;
+        // SAFETY: `host` is a live mapped allocation of the bound context; the call writes the
+        // device's address of it to `device`.
+        let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) }.result();
+        if let Err(error) = mapped {
+            // SAFETY: `host` came from `cuMemHostAlloc` just above and nothing uses it.
+            let _ = unsafe { result::free_host(host) };
+            return Err(device_error(op, error));
+        }
+        Ok(MappedHost {
+            host: host.cast(),
+            device,
+        })
+    }
+
+    /// Frees the memory; the context must be bound and no kernel may still use it.
+    fn free(self) {
+        // SAFETY: `host` came from `cuMemHostAlloc` and is freed once (this consumes it); the
+        // caller guarantees no kernel reads or writes it any more.
+        let _ = unsafe { result::free_host(self.host.cast::<c_void>()) };
+    }
+}
+
 impl SmallCopyMemory {
     /// The page and slots; the backend's context must be bound.
     fn new(op: &'static str) -> Result<SmallCopyMemory> {
-        let flags = sys::CU_MEMHOSTALLOC_PORTABLE;
-        // SAFETY: allocates host memory; no memory of an allocation is read or written.
-        let read_page = unsafe { result::malloc_host(SMALL_READ_BYTES, flags) }
-            .map_err(|e| device_error(op, e))?;
-        // SAFETY: as above.
-        let write_slots =
-            match unsafe { result::malloc_host(SMALL_WRITE_BYTES * WRITE_SLOTS, flags) } {
-                Ok(slots) => slots,
-                Err(error) => {
-                    // SAFETY: the page came from `cuMemHostAlloc` just above and nothing uses it.
-                    let _ = unsafe { result::free_host(read_page) };
-                    return Err(device_error(op, error));
-                }
-            };
+        let read_page = MappedHost::new(op, SMALL_READ_BYTES)?;
+        let write_slots = match MappedHost::new(op, SMALL_WRITE_BYTES * WRITE_SLOTS) {
+            Ok(slots) => slots,
+            Err(error) => {
+                read_page.free();
+                return Err(error);
+            }
+        };
         Ok(SmallCopyMemory {
-            read_page: read_page.cast(),
-            write_slots: write_slots.cast(),
+            read_page,
+            write_slots,
             slot_events: vec![None; WRITE_SLOTS],
             next_slot: 0,
         })
@@ -124,12 +154,9 @@ impl SmallCopyMemory {
                 let _ = result::event::destroy(event);
             }
         }
-        // SAFETY: both came from `cuMemHostAlloc` and are freed once (this consumes them); no
-        // kernel reads or writes them any more (the reads waited, and the writes' events above).
-        unsafe {
-            let _ = result::free_host(self.read_page.cast::<c_void>());
-            let _ = result::free_host(self.write_slots.cast::<c_void>());
-        }
+        // No kernel reads or writes them any more: the reads waited, the writes' events above.
+        self.read_page.free();
+        self.write_slots.free();
     }
 }
 
@@ -209,13 +236,13 @@ impl CudaBackend {
             return Ok(());
         }
         let memory = self.small_copy_memory(op)?;
-        let page = memory.read_page;
-        launch_copy(self, op, "read_back_bytes", address, page as u64, out.len())?;
+        let page = &memory.read_page;
+        launch_copy(self, op, "read_back_bytes", address, page.device, out.len())?;
         self.stream.synchronize().map_err(|e| device_error(op, e))?;
         // SAFETY: the page holds `SMALL_READ_BYTES` ≥ `out.len()` bytes, the kernel that wrote
         // them has completed (the stream is synchronised), and the mutex keeps every other copy
         // away from the page until this one is done.
-        unsafe { std::ptr::copy_nonoverlapping(page, out.as_mut_ptr(), out.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(page.host, out.as_mut_ptr(), out.len()) };
         Ok(())
     }
 
@@ -264,14 +291,15 @@ impl CudaBackend {
         // SAFETY: slot `slot` lies inside the slots' allocation and holds `SMALL_WRITE_BYTES` ≥
         // `bytes.len()` bytes; the last kernel that read it has run (its event, above), and the
         // mutex keeps every other copy away from it.
-        let source = unsafe { memory.write_slots.add(slot * SMALL_WRITE_BYTES) };
+        let source = unsafe { memory.write_slots.host.add(slot * SMALL_WRITE_BYTES) };
         // SAFETY: as above.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), source, bytes.len()) };
+        let device = memory.write_slots.device + (slot * SMALL_WRITE_BYTES) as u64;
         launch_copy(
             self,
             op,
             "write_from_host_bytes",
-            source as u64,
+            device,
             address,
             bytes.len(),
         )?;
