@@ -15,86 +15,7 @@
 // mma.sync kernels do, bf16 only); everything else keeps the mma.sync kernels. One build a dtype
 // and padded head dim (64, 128), each a whole set of unrolled kernels in the committed PTX.
 
-#include "attention_tc.cuh"
-
-// The three wgmma products of one storage dtype, f32 accumulators (`SUFFIX` names them, `TYPE` is
-// the PTX type of both operands):
-// - ss_n64: d (m64n64) = A · Bᵀ (+ d when `accumulate`), both from shared memory, K-major
-//   (128-byte swizzle);
-// - rs_n64 / rs_n128: d (m64n64 / m64n128) += A · B, A from registers (the m64k16 fragment), B
-//   from shared memory MN-major (transposed; 128-byte swizzle).
-#define WGMMA_PRODUCTS(SUFFIX, TYPE) \
-__device__ __forceinline__ void wgmma_ss_n64_##SUFFIX(float (&d)[8][4], unsigned long long desc_a, \
-                                            unsigned long long desc_b, int accumulate) { \
-    asm volatile( \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]) \
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate)); \
-} \
-__device__ __forceinline__ void wgmma_rs_n64_##SUFFIX(float (&d)[8][4], const unsigned int (&a)[4], \
-                                            unsigned long long desc_b) { \
-    asm volatile( \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n" \
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]) \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)); \
-} \
-__device__ __forceinline__ void wgmma_rs_n128_##SUFFIX(float (&d)[16][4], const unsigned int (&a)[4], \
-                                            unsigned long long desc_b) { \
-    asm volatile( \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n" \
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]) \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)); \
-}
-
-WGMMA_PRODUCTS(bf16, "bf16")
-WGMMA_PRODUCTS(f16, "f16")
-
-// The storage dtype's wgmma products.
-template <typename T> struct Wg;
-#define WGMMA_DTYPE(T, SUFFIX)                                                                              \
-    template <> struct Wg<T> {                                                                             \
-        static __device__ __forceinline__ void ss_n64(float (&d)[8][4], unsigned long long a,             \
-                                                      unsigned long long b, int accumulate) {             \
-            wgmma_ss_n64_##SUFFIX(d, a, b, accumulate);                                                    \
-        }                                                                                                  \
-        static __device__ __forceinline__ void rs_n64(float (&d)[8][4], const unsigned int (&a)[4],       \
-                                                      unsigned long long b) {                             \
-            wgmma_rs_n64_##SUFFIX(d, a, b);                                                                \
-        }                                                                                                  \
-        static __device__ __forceinline__ void rs_n128(float (&d)[16][4], const unsigned int (&a)[4],     \
-                                                       unsigned long long b) {                            \
-            wgmma_rs_n128_##SUFFIX(d, a, b);                                                               \
-        }                                                                                                  \
-    };
-WGMMA_DTYPE(__nv_bfloat16, bf16)
-WGMMA_DTYPE(__half, f16)
-
-// The swizzled shared-memory tiles wgmma reads: an "atom" is 64 rows of 64 16-bit elements (128
-// bytes a row, 8 KiB), 1024-byte aligned, whose row r holds its 16-byte chunk c at chunk c ^ (r % 8)
-// (the 128-byte swizzle, CUTLASS's Swizzle<3,4,3>). Head dims above 64 take a second atom for
-// elements 64..127 of every row.
-#define WG_ROWS 64
-#define WG_ATOM_BYTES 8192
-
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-
-// A 128-byte-swizzled matrix descriptor at `p`: `sbo` bytes between 8-row groups, `lbo` bytes
-// between atoms along the other dimension (MN-major operands wider than one atom; unused for
-// K-major ones).
-__device__ __forceinline__ unsigned long long sw128_desc(const void* p, unsigned int sbo, unsigned int lbo) {
-    const unsigned long long address = smem_address(p);
-    return ((address & 0x3FFFFull) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
-           ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
-}
+#include "attention_wgmma.cuh"
 
 // Rows first..first + 64 of operand `op` of pair (b, h) into the DP / 64 swizzled atoms at `tile`,
 // asynchronously, by the block's 128 threads; zeros past the head dim and past `limit`.
@@ -222,16 +143,7 @@ __device__ void wgmma_forward(const T* q, const T* k, const T* v, T* o, float* l
         float s[1][NB][4] = {};
         rows_by_rows<T, DP>(s[0], qs, kt);
         wgmma_wait0();
-        if (k0 < common_lo || k0 + WG_ROWS > common_hi) {
-#pragma unroll
-            for (int n = 0; n < NB; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const unsigned int key = k0 + n * 8 + 2 * t + (e & 1);
-                    const int r = e >> 1;
-                    if (key < lo[r] || key >= hi[r]) s[0][n][e] = -CUDART_INF_F;
-                }
-        }
+        if (k0 < common_lo || k0 + WG_ROWS > common_hi) hide_unseen_keys<NB>(s[0], k0, t, lo, hi);
         online_softmax<1, NB, DP / 8>(s, acc, m, l, scale2);
         if constexpr (DROP) {
             // The running sum took every probability; the weights only the kept ones.
@@ -251,16 +163,7 @@ __device__ void wgmma_forward(const T* q, const T* k, const T* v, T* o, float* l
     cp_wait<0>();
     __syncthreads();
     float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float total = l[r];
-        total += __shfl_xor_sync(0xffffffff, total, 1);
-        total += __shfl_xor_sync(0xffffffff, total, 2);
-        inv[r] = total > 0.f ? 1.f / total : 0.f;
-        if constexpr (DROP) inv[r] *= (float)a.dropout_scale;
-        const unsigned int row = q0 + warp_row0 + 8 * r + g;
-        if (t == 0 && row < a.queries) lse[(unsigned long long)pair * a.queries + row] = (m[r] + log2f(total)) * FA_LN2;
-    }
+    finish_rows<DROP>(m, l, inv, lse, a, pair, q0 + warp_row0, g, t);
     // Staged through the K buffers (no longer read): each warp its own 16 rows of [64][DP + 8].
     T* stage = reinterpret_cast<T*>(ks) + warp_row0 * (DP + Tc16<T>::PAD);
     store_rows<Tc16<T>, DP>(o, a, OP_O, b, h, q0 + warp_row0, a.queries, acc[0], inv, stage);

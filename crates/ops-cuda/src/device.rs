@@ -73,6 +73,8 @@ pub struct CudaBackend {
     /// Attention forwards and backwards run on the Hopper wgmma kernels (`attention/wgmma.rs`).
     pub(crate) wgmma_forwards: AtomicU64,
     pub(crate) wgmma_backwards: AtomicU64,
+    /// Attention forwards on the warp-specialised Hopper kernel (`attention/warp_specialized.rs`).
+    pub(crate) ws_forwards: AtomicU64,
     /// Rowwise fp8 products scaled after a unit-scaled product (`linear.rs`).
     pub(crate) float8_scaled_after: AtomicU64,
     /// How a few bytes are copied between host and device memory (`small_copies.rs`).
@@ -180,6 +182,7 @@ impl CudaBackend {
             compute_capability,
             wgmma_forwards: AtomicU64::new(0),
             wgmma_backwards: AtomicU64::new(0),
+            ws_forwards: AtomicU64::new(0),
             float8_scaled_after: AtomicU64::new(0),
             small_copies: Mutex::new(SmallCopies::default()),
             small_copy_memory: Mutex::new(None),

@@ -51,6 +51,8 @@ pub(crate) enum Module {
     AttentionTf32,
     /// `kernels/attention_wgmma_sm90a.cu` (sm_90a PTX: compute capability 9.0 only).
     AttentionWgmma,
+    /// `kernels/attention_ws_sm90a.cu` (sm_90a PTX: compute capability 9.0 only).
+    AttentionWs,
     /// `kernels/llama.cu`.
     Llama,
     /// `kernels/float8.cu`, or on a device of compute capability 8.9 and above
@@ -68,6 +70,7 @@ impl Module {
             Module::AttentionTc => include_str!("../kernels/ptx/attention_tc.ptx"),
             Module::AttentionTf32 => include_str!("../kernels/ptx/attention_tf32.ptx"),
             Module::AttentionWgmma => include_str!("../kernels/ptx/attention_wgmma_sm90a.ptx"),
+            Module::AttentionWs => include_str!("../kernels/ptx/attention_ws_sm90a.ptx"),
             Module::Llama => include_str!("../kernels/ptx/llama.ptx"),
             Module::Float8 => include_str!("../kernels/ptx/float8.ptx"),
         }

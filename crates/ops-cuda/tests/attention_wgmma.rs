@@ -3,8 +3,12 @@
 //! forward and backward on a compute capability 9.0 device run on wgmma; the output and the three
 //! gradients match the CPU's (f64 sums) within the dtype's rounding, for head dims 64 and 128
 //! (and ones padded to them), causal and not, grouped heads, more keys than queries, partial
-//! tiles, packed sequences and (bf16) dropout replayed from the same draw as the CPU's mask; the launches are counted (`CudaBackend::attention_wgmma_forwards`, `_backwards`). Its own binary, so the variable is set before any
-//! other test reads it. Marked `#[ignore = "needs a CUDA device"]`.
+//! tiles, packed sequences and (bf16) dropout replayed from the same draw as the CPU's mask; the
+//! launches are counted (`CudaBackend::attention_wgmma_forwards`, `_backwards`). Then the same
+//! cases with `HEADROOM_ATTENTION_WGMMA=ws`: the warp-specialised forward
+//! (`kernels/attention_ws_sm90a.cu`, counted by `attention_ws_forwards`) takes those without
+//! dropout or packing, the wgmma kernels the rest and every backward. Its own binary, so the
+//! variable is set before any other test reads it. Marked `#[ignore = "needs a CUDA device"]`.
 #![cfg(feature = "cuda")]
 
 use headroom_autograd_core::{
@@ -19,7 +23,7 @@ use headroom_testkit::inputs::Xorshift;
 
 /// What a case asks of the attention besides its sizes: causal, packed sequences' boundaries
 /// (one batch row of their tokens), dropout's probability (drawn from a generator seeded 7).
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 struct Mask<'a> {
     causal: bool,
     packed: Option<&'a [i32]>,
@@ -90,7 +94,7 @@ fn the_wgmma_forward_matches_the_cpu() {
         return;
     }
     let gpu: BackendRef = cuda.clone();
-    let cpu = CpuBackend::new_ref();
+    let cpu: BackendRef = CpuBackend::new_ref();
     let mut random = Xorshift::from_state(0x3a09_9a11_0035_0001);
     let plain = |causal| Mask {
         causal,
@@ -110,8 +114,7 @@ fn the_wgmma_forward_matches_the_cpu() {
         packed: None,
         dropout: Some(p),
     };
-    // (batch, heads, kv_heads, queries, keys, head_dim, mask)
-    let cases = [
+    let cases: [Case<'_>; 15] = [
         (2, 4, 4, 128, 128, 64, plain(false)),
         (1, 4, 2, 197, 197, 64, plain(true)),
         (2, 2, 1, 70, 130, 64, plain(false)),
@@ -126,56 +129,104 @@ fn the_wgmma_forward_matches_the_cpu() {
         (1, 2, 2, 197, 197, 64, dropping(true, 0.5)),
         (1, 2, 2, 33, 45, 80, dropping(false, 0.3)),
         (2, 8, 2, 70, 70, 128, dropping(true, 0.2)),
+        // Two tiles of the warp-specialised kernel's 128 queries, three of its 128 keys.
+        (1, 4, 1, 256, 300, 128, plain(false)),
     ];
     for dtype in [DType::BF16, DType::F16] {
-        for (batch, heads, kv_heads, queries, keys, head_dim, mask) in cases {
-            if dtype == DType::F16 && mask.dropout.is_some() {
+        for &case in &cases {
+            if dtype == DType::F16 && case.6.dropout.is_some() {
                 // f16 has no dropout build (a typed error on every GPU: parity's test).
                 continue;
             }
-            let causal = mask.causal;
-            let q_shape = [batch, heads, queries, head_dim];
-            let kv_shape = [batch, kv_heads, keys, head_dim];
-            let mut draw =
-                |n: usize| -> Vec<f64> { (0..n).map(|_| random.next_f64_in(-2.0, 2.0)).collect() };
-            let (nq, nkv) = (q_shape.iter().product(), kv_shape.iter().product());
-            let values = [draw(nq), draw(nkv), draw(nkv), draw(nq)];
-            let before = (
-                cuda.attention_wgmma_forwards(),
-                cuda.attention_wgmma_backwards(),
+            let before = counts(&cuda);
+            compare(&gpu, &cpu, &mut random, dtype, case);
+            let after = counts(&cuda);
+            assert_eq!(
+                after,
+                [before[0] + 1, before[1] + 1, before[2]],
+                "ran on wgmma"
             );
-            let on_gpu = run(&gpu, dtype, (q_shape, kv_shape), &values, mask);
-            let after = (
-                cuda.attention_wgmma_forwards(),
-                cuda.attention_wgmma_backwards(),
-            );
-            assert_eq!(after, (before.0 + 1, before.1 + 1), "ran on wgmma");
-            let on_cpu = run(&cpu, dtype, (q_shape, kv_shape), &values, mask);
-            for (name, (g, c)) in ["out", "dq", "dk", "dv"]
-                .iter()
-                .zip(on_gpu.iter().zip(&on_cpu))
-            {
-                let largest = c.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
-                let worst = g
-                    .iter()
-                    .zip(c)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0, f64::max);
-                // The output within a few units of the dtype's last place of the largest; the
-                // gradients (sums over many rounded probabilities) within twice that.
-                let bound = if *name == "out" {
-                    2f64.powi(-6)
-                } else {
-                    2f64.powi(-5)
-                };
-                assert!(
-                    worst <= bound * largest,
-                    "{dtype:?} b{batch} h{heads}/{kv_heads} {queries}x{keys} d{head_dim} \
-                     causal={causal} packed={:?} dropout={:?} {name}: {worst} against {largest}",
-                    mask.packed,
-                    mask.dropout
-                );
-            }
         }
+    }
+
+    // The warp-specialised forward (`ws`) takes the cases without dropout or packing, and its
+    // backward is the wgmma one; the others run as with `1`.
+    // SAFETY: as above: this test alone runs in the binary, and no attention is under way.
+    unsafe { std::env::set_var("HEADROOM_ATTENTION_WGMMA", "ws") };
+    for dtype in [DType::BF16, DType::F16] {
+        for &case in &cases {
+            let mask = case.6;
+            if dtype == DType::F16 && mask.dropout.is_some() {
+                continue;
+            }
+            let before = counts(&cuda);
+            compare(&gpu, &cpu, &mut random, dtype, case);
+            let after = counts(&cuda);
+            let warp_specialized = mask.dropout.is_none() && mask.packed.is_none();
+            let expected = if warp_specialized {
+                [before[0], before[1] + 1, before[2] + 1]
+            } else {
+                [before[0] + 1, before[1] + 1, before[2]]
+            };
+            assert_eq!(after, expected, "ws: {dtype:?} {case:?}");
+        }
+    }
+}
+
+/// (batch, heads, kv_heads, queries, keys, head_dim, mask)
+type Case<'a> = (usize, usize, usize, usize, usize, usize, Mask<'a>);
+
+/// Forwards and backwards counted on the wgmma kernels, then forwards on the warp-specialised one.
+fn counts(cuda: &CudaBackend) -> [u64; 3] {
+    [
+        cuda.attention_wgmma_forwards(),
+        cuda.attention_wgmma_backwards(),
+        cuda.attention_ws_forwards(),
+    ]
+}
+
+/// One case on the GPU and the CPU from the same random values: the output and the three
+/// gradients agree within the dtype's rounding.
+fn compare(
+    gpu: &BackendRef,
+    cpu: &BackendRef,
+    random: &mut Xorshift,
+    dtype: DType,
+    case: Case<'_>,
+) {
+    let (batch, heads, kv_heads, queries, keys, head_dim, mask) = case;
+    let causal = mask.causal;
+    let q_shape = [batch, heads, queries, head_dim];
+    let kv_shape = [batch, kv_heads, keys, head_dim];
+    let mut draw =
+        |n: usize| -> Vec<f64> { (0..n).map(|_| random.next_f64_in(-2.0, 2.0)).collect() };
+    let (nq, nkv) = (q_shape.iter().product(), kv_shape.iter().product());
+    let values = [draw(nq), draw(nkv), draw(nkv), draw(nq)];
+    let on_gpu = run(gpu, dtype, (q_shape, kv_shape), &values, mask);
+    let on_cpu = run(cpu, dtype, (q_shape, kv_shape), &values, mask);
+    for (name, (g, c)) in ["out", "dq", "dk", "dv"]
+        .iter()
+        .zip(on_gpu.iter().zip(&on_cpu))
+    {
+        let largest = c.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+        let worst = g
+            .iter()
+            .zip(c)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        // The output within a few units of the dtype's last place of the largest; the
+        // gradients (sums over many rounded probabilities) within twice that.
+        let bound = if *name == "out" {
+            2f64.powi(-6)
+        } else {
+            2f64.powi(-5)
+        };
+        assert!(
+            worst <= bound * largest,
+            "{dtype:?} b{batch} h{heads}/{kv_heads} {queries}x{keys} d{head_dim} \
+             causal={causal} packed={:?} dropout={:?} {name}: {worst} against {largest}",
+            mask.packed,
+            mask.dropout
+        );
     }
 }

@@ -143,15 +143,14 @@ pub(crate) fn llama_attention(bench: &mut Bench, compute: &CudaStream) {
         || target.run(&gpu, 0, seq, None),
     );
     // The forward alone, on the mma.sync kernels and (compute capability 9.0) on the wgmma ones
-    // (`HEADROOM_ATTENTION_WGMMA`, read at each call).
-    for (engine, wgmma) in [("", false), ("_wgmma", true)] {
+    // and the warp-specialised forward (`HEADROOM_ATTENTION_WGMMA` 1 and ws, read at each call).
+    for (engine, hopper) in [("", None), ("_wgmma", Some("1")), ("_ws", Some("ws"))] {
         // SAFETY: the bench runs its cases on this one thread; nothing else reads the
         // environment meanwhile.
         unsafe {
-            if wgmma {
-                std::env::set_var("HEADROOM_ATTENTION_WGMMA", "1");
-            } else {
-                std::env::remove_var("HEADROOM_ATTENTION_WGMMA");
+            match hopper {
+                Some(value) => std::env::set_var("HEADROOM_ATTENTION_WGMMA", value),
+                None => std::env::remove_var("HEADROOM_ATTENTION_WGMMA"),
             }
         }
         bench.case(
@@ -161,10 +160,10 @@ pub(crate) fn llama_attention(bench: &mut Bench, compute: &CudaStream) {
             compute,
             || target.pass(&gpu, 0, seq, None, false),
         );
-        if wgmma {
+        if hopper.is_some() {
             bench.case(
                 "llama_attention",
-                "bf16_causal_fwd_bwd_wgmma_b4_h32_kv8_s2048_d64",
+                &format!("bf16_causal_fwd_bwd{engine}_b4_h32_kv8_s2048_d64"),
                 Work {
                     bytes: 3 * io,
                     flops: flops * 7 / 2,

@@ -9,7 +9,7 @@
 //! `wgmma.rs`, `gemm.rs`) import it, and it imports none of them.
 
 use cudarc::driver::DeviceRepr;
-use headroom_autograd_core::{AttentionDims, AttentionForward, Result, TensorError, View};
+use headroom_autograd_core::{AttentionDims, AttentionForward, DType, Result, TensorError, View};
 
 use crate::device::CudaBackend;
 use crate::launch::Param;
@@ -74,6 +74,19 @@ fn operand(view: &View<'_>) -> AttnOperand {
         offset: view.layout.offset() as u64,
         strides: [s[0] as u64, s[1] as u64, s[2] as u64],
     }
+}
+
+/// The Hopper kernels' (`wgmma.rs`, `warp_specialized.rs`) suffix and padded head dim for
+/// `dtype` (f16, else bf16) and `head_dim` (at most 128): one build a dtype and padded head dim.
+pub(crate) fn hopper_variant(dtype: DType, head_dim: usize) -> (&'static str, usize) {
+    let padded = if head_dim <= 64 { 64 } else { 128 };
+    let suffix = match (dtype == DType::F16, padded == 64) {
+        (true, true) => "f16_64",
+        (true, false) => "f16_128",
+        (false, true) => "bf16_64",
+        (false, false) => "bf16_128",
+    };
+    (suffix, padded)
 }
 
 /// `value` as one of the kernels' 32-bit sizes.

@@ -13,7 +13,10 @@
 //! - f16 and bf16 on a compute capability 9.0 device with `HEADROOM_ATTENTION_WGMMA=1` take the
 //!   Hopper `wgmma` kernels of `kernels/attention_wgmma_sm90a.cu` (`wgmma.rs`; opt-in while
 //!   measured; packed sequences, and dropout in bf16), forward and backward, with the same saved
-//!   state as the mma.sync kernels.
+//!   state as the mma.sync kernels. With `HEADROOM_ATTENTION_WGMMA=ws` the forwards without
+//!   dropout or packing whose operands a tensor map describes take the warp-specialised kernel of
+//!   `kernels/attention_ws_sm90a.cu` instead (`warp_specialized.rs`: TMA loads, two consumer
+//!   warpgroups), the rest as with `1`.
 //! - f16 and bf16 take the FlashAttention-2-style `mma.sync` kernels of
 //!   `kernels/attention_tc.cu` (`tensor_core.rs`) when their alignment rule holds
 //!   (`tensor_core::fits`: head dims multiples of 8 up to 128, operands 8-element aligned, buffers
@@ -42,6 +45,7 @@ mod args;
 mod gemm;
 mod register_tiled;
 mod tensor_core;
+mod warp_specialized;
 mod wgmma;
 
 use std::sync::OnceLock;
@@ -53,6 +57,27 @@ use headroom_autograd_core::{
 
 use crate::device::CudaBackend;
 
+/// The environment variable that sends f16/bf16 attention on a compute capability 9.0 device to
+/// the Hopper kernels: `1` the wgmma kernels (`wgmma.rs`), `ws` the warp-specialised forward
+/// where it applies (`warp_specialized.rs`) and the wgmma kernels for the rest. Read at each call.
+const HOPPER_VARIABLE: &str = "HEADROOM_ATTENTION_WGMMA";
+
+/// What [`HOPPER_VARIABLE`] asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HopperKernels {
+    None,
+    Wgmma,
+    WarpSpecialized,
+}
+
+fn hopper_kernels() -> HopperKernels {
+    match std::env::var(HOPPER_VARIABLE).as_deref() {
+        Ok("1") => HopperKernels::Wgmma,
+        Ok("ws") => HopperKernels::WarpSpecialized,
+        _ => HopperKernels::None,
+    }
+}
+
 /// Attention forward: `out` and the log-sum-exp per query.
 pub(crate) fn attention(backend: &CudaBackend, f: AttentionForward<'_>) -> Result<()> {
     let dims = attention_dims(&f, &[])?;
@@ -61,7 +86,13 @@ pub(crate) fn attention(backend: &CudaBackend, f: AttentionForward<'_>) -> Resul
     }
     if matches!(f.q.dtype, DType::F16 | DType::BF16) {
         return if tensor_core::fits(&dims, &[f.q, f.k, f.v, f.out]) && no_f16_dropout(&f) {
-            if wgmma::takes(backend, &f) {
+            let hopper = hopper_kernels();
+            if hopper == HopperKernels::WarpSpecialized
+                && wgmma::takes(backend, &f)
+                && warp_specialized::takes(&f)
+            {
+                warp_specialized::forward(backend, f, dims)
+            } else if hopper != HopperKernels::None && wgmma::takes(backend, &f) {
                 wgmma::forward(backend, f, dims)
             } else {
                 tensor_core::forward(backend, f, dims)
@@ -88,7 +119,7 @@ pub(crate) fn attention_backward(backend: &CudaBackend, b: AttentionBackward<'_>
     if matches!(f.q.dtype, DType::F16 | DType::BF16) {
         let views = [f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv];
         return if tensor_core::fits(&dims, &views) && no_f16_dropout(&f) {
-            if wgmma::takes(backend, &f) {
+            if hopper_kernels() != HopperKernels::None && wgmma::takes(backend, &f) {
                 wgmma::backward(backend, b, dims)
             } else {
                 tensor_core::backward(backend, b, dims)

@@ -2,7 +2,7 @@
 //! forward, dQ and dK/dV with every product on `wgmma.mma_async`, operands in 128-byte-swizzled
 //! shared-memory tiles, one warpgroup a block taking 64 own rows and streaming the other side 64
 //! rows at a time. Opt-in while it is being measured against the mma.sync kernels
-//! (`HEADROOM_ATTENTION_WGMMA=1`, [`WGMMA_VARIABLE`]), on a device of compute capability 9.0 (the
+//! (`HEADROOM_ATTENTION_WGMMA=1`, the family's `HOPPER_VARIABLE`), on a device of compute capability 9.0 (the
 //! PTX is sm_90a), for the f16 and bf16 problems `tensor_core.rs` takes (the caller checked `fits`),
 //! packed sequences included (their tiles heaviest first, as that path's) and dropout in bf16 (the
 //! same replayed draw); its saved state is that path's (one f32 log-sum-exp per query), so either
@@ -16,27 +16,24 @@ use std::sync::atomic::Ordering;
 use cudarc::driver::LaunchConfig;
 use headroom_autograd_core::{AttentionBackward, AttentionDims, AttentionForward, DType, Result};
 
-use super::args::{address, attn_args, with_tiles_heaviest_first, AttnArgs, TileShape};
+use super::args::{
+    address, attn_args, hopper_variant as variant, with_tiles_heaviest_first, AttnArgs, TileShape,
+};
 use crate::device::CudaBackend;
 use crate::kernels::Module;
 use crate::launch::{launch_in, Param};
 use crate::operands::element_address;
 use crate::scratch::Scratch;
 
-/// Set to `1`, the environment variable that sends f16/bf16 attention forwards to the wgmma
-/// kernels on a compute capability 9.0 device.
-pub(crate) const WGMMA_VARIABLE: &str = "HEADROOM_ATTENTION_WGMMA";
-
 /// Queries a block (one warpgroup), keys a streamed tile, bytes of one swizzled 64 × 64 atom.
 const ROWS: usize = 64;
 const ATOM_BYTES: usize = 8192;
 
-/// Whether `f` runs on the wgmma kernels: the variable says so, the device is Hopper, the dtype
-/// f16 or bf16 (dropout bf16 only, as the mma.sync kernels).
+/// Whether the wgmma kernels take `f` (once the entry point's variable asks for them): the device
+/// is Hopper, the dtype f16 or bf16 (dropout bf16 only, as the mma.sync kernels).
 pub(crate) fn takes(backend: &CudaBackend, f: &AttentionForward<'_>) -> bool {
     (f.q.dtype == DType::BF16 || (f.q.dtype == DType::F16 && f.dropout.is_none()))
         && backend.compute_capability() == (9, 0)
-        && std::env::var(WGMMA_VARIABLE).is_ok_and(|value| value == "1")
 }
 
 /// The three kernels' names (forward, dQ, dK/dV), with dropout when `dropout`.
@@ -61,18 +58,6 @@ const SHAPE: TileShape = TileShape {
     rows: ROWS,
     streamed: ROWS,
 };
-
-/// The kernels' suffix and padded head dim for `dtype` and `head_dim` (at most 128).
-fn variant(dtype: DType, head_dim: usize) -> (&'static str, usize) {
-    let padded = if head_dim <= 64 { 64 } else { 128 };
-    let suffix = match (dtype == DType::F16, padded == 64) {
-        (true, true) => "f16_64",
-        (true, false) => "f16_128",
-        (false, true) => "bf16_64",
-        (false, false) => "bf16_128",
-    };
-    (suffix, padded)
-}
 
 /// A launch over the 64-row tiles of `rows` own rows of each of `pairs` pairs, with `tiles`
 /// swizzled tiles of shared memory (`padded / 64` atoms each, 1 KiB to align them) and `stats`

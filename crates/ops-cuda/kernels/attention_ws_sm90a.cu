@@ -1,0 +1,214 @@
+// Attention forward for bf16 and f16 on Hopper, warp-specialised (issue 35; FlashAttention-3's
+// layout): a block of three warpgroups takes 128 queries of one (batch, head) pair. Warpgroup 0 is
+// the producer: one thread loads Q once and K and V 128 keys a tile with the tensor memory
+// accelerator (`cp.async.bulk.tensor`, tensor maps built by crates/ops-cuda/src/attention/
+// warp_specialized.rs), into two stages each for K and V, every stage behind a "full" and an
+// "empty" mbarrier; it then gives its registers up (`setmaxnreg`). Warpgroups 1 and 2 are the
+// consumers, 64 queries each: S = Q·Kᵀ by one m64n128 wgmma a 16-element step from the swizzled
+// Q and K tiles, the online softmax of attention_flash.cuh, O += P·V with P from registers and V
+// read transposed, releasing each stage as soon as its last product has read it. The tiles are
+// attention_wgmma.cuh's 128-byte-swizzled atoms, which is also the layout the tensor maps'
+// 128-byte swizzle writes (rows of 64 elements, 1024-byte aligned), so one descriptor form
+// serves both.
+//
+// No dropout and no packed sequences here (attention_wgmma_sm90a.cu's kernels take those); the
+// saved log-sum-exp is theirs, so their backward follows this forward. Built for compute_90a by
+// `cargo xtask build-kernels`.
+
+#include "attention_wgmma.cuh"
+
+#define WS_ROWS 128      // queries a block: two consumer warpgroups of 64
+#define WS_KEYS 128      // keys a streamed tile
+#define WS_HALF 16384    // one 64-column half of a 128-row tile (128 rows of 128 bytes)
+#define WS_THREADS 384   // the producer warpgroup and two consumers
+#define WS_CONSUMER_WARPS 8
+
+// A tensor map (CUtensorMap: 128 opaque bytes, 64-byte aligned), read by the TMA unit from the
+// kernel's parameter space.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+// The kernel's one parameter after the pointers: Q's, K's and V's tensor maps (dims head dim,
+// rows, heads, batch; boxes of 64 × 128 × 1 × 1 with the 128-byte swizzle) and the attention's
+// arguments (crates/ops-cuda/src/attention/warp_specialized.rs' `WsParams`, field for field).
+struct alignas(64) WsParams {
+    TensorMap q, k, v;
+    AttnArgs a;
+};
+static_assert(sizeof(TensorMap) == 128, "TensorMap layout");
+static_assert(sizeof(AttnArgs) == 352, "AttnArgs layout");
+static_assert(sizeof(WsParams) == 768, "WsParams layout");
+
+__device__ __forceinline__ void mbar_init(unsigned int bar, unsigned int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned int bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned int bar, unsigned int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Waits until the barrier's phase of parity `phase` has completed.
+__device__ __forceinline__ void mbar_wait(unsigned int bar, unsigned int phase) {
+    unsigned int done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(phase)
+            : "memory");
+    }
+}
+// Box (c0, c1, c2, c3) of `map` into shared memory at `dst`, completing `bytes` of `bar`'s
+// transaction count.
+__device__ __forceinline__ void tma_load_4d(unsigned int dst, const TensorMap& map, int c0, int c1, int c2, int c3,
+                                            unsigned int bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+
+// Rows `row`.. (128 of them) of one (head, batch) of a tensor map into the DP / 64 halves at
+// `tile` (WS_HALF bytes apart), on `bar`.
+template <int DP>
+__device__ __forceinline__ void tma_tile(unsigned char* tile, const TensorMap& map, unsigned int row, unsigned int h,
+                                         unsigned int b, unsigned int bar) {
+#pragma unroll
+    for (int half = 0; half < DP / 64; ++half)
+        tma_load_4d(smem_address(tile + half * WS_HALF), map, half * 64, (int)row, (int)h, (int)b, bar);
+}
+
+template <typename T, int DP>
+__device__ void ws_forward(T* o, float* lse, const WsParams& p) {
+    const AttnArgs& a = p.a;
+    constexpr int TILE = DP / 64 * WS_HALF, NB = WS_KEYS / 8;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* base = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);
+    unsigned char* qs = base;              // 128 queries
+    unsigned char* ks = qs + TILE;         // 2 stages of 128 keys
+    unsigned char* vs = ks + 2 * TILE;     // 2 stages of 128 values
+    unsigned long long* bars = reinterpret_cast<unsigned long long*>(vs + 2 * TILE);
+    // q_full, k_full[2], v_full[2], k_empty[2], v_empty[2]
+    const unsigned int q_full = smem_address(bars), k_full = q_full + 8, v_full = q_full + 24,
+                       k_empty = q_full + 40, v_empty = q_full + 56;
+    unsigned int tile, pair;
+    block_tile(a, true, tile, pair);
+    const unsigned int b = pair / a.heads, h = pair % a.heads, kvh = h / group_size(a);
+    const unsigned int q0 = tile * WS_ROWS;
+    unsigned int key_begin, key_end;
+    block_range(a, true, q0, WS_ROWS, key_begin, key_end);
+    const int tiles = (key_end - key_begin + WS_KEYS - 1) / WS_KEYS;
+    if (threadIdx.x == 0) {
+        mbar_init(q_full, 1);
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(k_full + 8 * s, 1);
+            mbar_init(v_full + 8 * s, 1);
+            mbar_init(k_empty + 8 * s, WS_CONSUMER_WARPS);
+            mbar_init(v_empty + 8 * s, WS_CONSUMER_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const int group = threadIdx.x / 128;
+    if (group == 0) {
+        // The producer: one thread issues every load; the warpgroup's registers go to the consumers.
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (threadIdx.x == 0) {
+            mbar_arrive_expect_tx(q_full, TILE);
+            tma_tile<DP>(qs, p.q, q0, h, b, q_full);
+            for (int j = 0; j < tiles; ++j) {
+                const int s = j & 1;
+                const unsigned int phase = (j >> 1) & 1, k0 = key_begin + j * WS_KEYS;
+                // Stage s was last filled for tile j - 2: its consumers must have released it.
+                if (j >= 2) mbar_wait(k_empty + 8 * s, phase ^ 1);
+                mbar_arrive_expect_tx(k_full + 8 * s, TILE);
+                tma_tile<DP>(ks + s * TILE, p.k, k0, kvh, b, k_full + 8 * s);
+                if (j >= 2) mbar_wait(v_empty + 8 * s, phase ^ 1);
+                mbar_arrive_expect_tx(v_full + 8 * s, TILE);
+                tma_tile<DP>(vs + s * TILE, p.v, k0, kvh, b, v_full + 8 * s);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    // A consumer: 64 queries (rows 64·(group - 1).. of the block), each warp 16 in wgmma's
+    // accumulator rows.
+    const int cw = group - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const unsigned int warp_row0 = cw * 64 + warp * 16;
+    unsigned int lo[2], hi[2], common_lo, common_hi;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) keys_seen(a, q0 + warp_row0 + 8 * r + g, lo[r], hi[r]);
+    warp_common_range(lo, hi, common_lo, common_hi);
+    const float scale2 = (float)(a.scale * 1.4426950408889634);
+    float acc[1][DP / 8][4] = {}, m[2], l[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        m[r] = -CUDART_INF_F;
+        l[r] = 0.f;
+    }
+    const unsigned char* own_q = qs + cw * (WS_HALF / 2);  // this warpgroup's 64 rows of each half
+    mbar_wait(q_full, 0);
+    for (int j = 0; j < tiles; ++j) {
+        const int s = j & 1;
+        const unsigned int phase = (j >> 1) & 1, k0 = key_begin + j * WS_KEYS;
+        const unsigned char* kt = ks + s * TILE;
+        const unsigned char* vt = vs + s * TILE;
+        float sc[1][NB][4];
+        mbar_wait(k_full + 8 * s, phase);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk) {
+            const int offset = (kk >> 2) * WS_HALF + (kk & 3) * 32;
+            Wg<T>::ss_n128(sc[0], sw128_desc(own_q + offset, 1024, 16), sw128_desc(kt + offset, 1024, 16), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait0();
+        if (lane == 0) mbar_arrive(k_empty + 8 * s);
+        if (k0 < common_lo || k0 + WS_KEYS > common_hi) hide_unseen_keys<NB>(sc[0], k0, t, lo, hi);
+        online_softmax<1, NB, DP / 8>(sc, acc, m, l, scale2);
+        // O += P·V over the tile's 128 keys, 16 a step: P's A fragments packed before the fence.
+        unsigned int pa[WS_KEYS / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < WS_KEYS / 16; ++kk) {
+            pa[kk][0] = Tc<T>::pack(sc[0][2 * kk][0], sc[0][2 * kk][1]);
+            pa[kk][1] = Tc<T>::pack(sc[0][2 * kk][2], sc[0][2 * kk][3]);
+            pa[kk][2] = Tc<T>::pack(sc[0][2 * kk + 1][0], sc[0][2 * kk + 1][1]);
+            pa[kk][3] = Tc<T>::pack(sc[0][2 * kk + 1][2], sc[0][2 * kk + 1][3]);
+        }
+        mbar_wait(v_full + 8 * s, phase);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < WS_KEYS / 16; ++kk) {
+            const unsigned long long dz = sw128_desc(vt + kk * 2048, 1024, WS_HALF);
+            if constexpr (DP == 64) Wg<T>::rs_n64(acc[0], pa[kk], dz);
+            else Wg<T>::rs_n128(acc[0], pa[kk], dz);
+        }
+        wgmma_commit();
+        wgmma_wait0();
+        if (lane == 0) mbar_arrive(v_empty + 8 * s);
+    }
+    float inv[2];
+    finish_rows<false>(m, l, inv, lse, a, pair, q0 + warp_row0, g, t);
+    // Staged through the K stages, which both consumers have finished reading once they pass
+    // this barrier (named barrier 1, the 256 consumer threads): each warp its own 16 rows of
+    // [128][DP + 8].
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    T* stage = reinterpret_cast<T*>(ks) + warp_row0 * (DP + Tc16<T>::PAD);
+    store_rows<Tc16<T>, DP>(o, a, OP_O, b, h, q0 + warp_row0, a.queries, acc[0], inv, stage);
+}
+
+// attention_ws_forward_<dtype>_<DP>: 384 threads, 128 queries a block; dynamic shared memory 1024
+// bytes of alignment slack, five tiles of DP / 64 · 16 KiB (Q, two stages each of K and V) and
+// 128 bytes of mbarriers (attention/warp_specialized.rs says the same).
+#define WS_KERNEL(T, SUFFIX, DP)                                                                             \
+    extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)                                             \
+        attention_ws_forward_##SUFFIX(T* o, float* lse, const __grid_constant__ WsParams p) {               \
+        ws_forward<T, DP>(o, lse, p);                                                                        \
+    }
+WS_KERNEL(__nv_bfloat16, bf16_64, 64)
+WS_KERNEL(__nv_bfloat16, bf16_128, 128)
+WS_KERNEL(__half, f16_64, 64)
+WS_KERNEL(__half, f16_128, 128)

@@ -1,0 +1,212 @@
+//! Hopper attention forward, warp-specialised (`kernels/attention_ws_sm90a.cu`): a block of three
+//! warpgroups takes 128 queries, one producer thread loading Q, K and V with the tensor memory
+//! accelerator into two stages behind mbarriers, two consumer warpgroups of 64 queries each
+//! computing S by m64n128 wgmma products and O with P from registers. The tensor maps it loads
+//! through (one per operand: head dim, rows, heads, batch, in 64 × 128 boxes with the 128-byte
+//! swizzle) are built here from the views, so strided views are read in place as on the other
+//! paths.
+//!
+//! Opt-in while it is measured (`HEADROOM_ATTENTION_WGMMA=ws`), for what it takes
+//! ([`takes`]): f16 or bf16 on a compute capability 9.0 device (as `wgmma.rs`), no dropout and no
+//! packed sequences, every operand's base 16-byte aligned and its strides multiples of 16 bytes
+//! (what a tensor map needs). The rest of `HEADROOM_ATTENTION_WGMMA=ws`'s forwards, and all its
+//! backwards, take `wgmma.rs`'s kernels, whose saved state this forward shares.
+//!
+//! This path sits on the attention family's `args.rs` and the ground floor, and imports no other
+//! path.
+
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::{sys, DeviceRepr, LaunchConfig};
+use headroom_autograd_core::{AttentionDims, AttentionForward, DType, Result, View};
+
+use super::args::{attn_args, hopper_variant, AttnArgs};
+use crate::device::CudaBackend;
+use crate::error::device_error;
+use crate::kernels::Module;
+use crate::launch::{launch_in, Param};
+use crate::operands::element_address;
+
+/// Queries a block, keys a streamed tile, bytes of one 64-column half of a 128-row tile.
+const ROWS: usize = 128;
+const HALF_BYTES: usize = 16384;
+
+/// A tensor map: `CUtensorMap`'s 128 opaque bytes, 64-byte aligned.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct TensorMap([u64; 16]);
+
+/// `WsParams` of `attention_ws_sm90a.cu`, field for field: Q's, K's and V's tensor maps and the
+/// attention's arguments.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct WsParams {
+    q: TensorMap,
+    k: TensorMap,
+    v: TensorMap,
+    args: AttnArgs,
+}
+
+const _: () = assert!(std::mem::size_of::<AttnArgs>() == 352);
+const _: () = assert!(std::mem::size_of::<WsParams>() == 768);
+
+// SAFETY: `repr(C)` with the kernel's alignment, plain integers (the tensor maps' opaque words and
+// `AttnArgs`), laid out exactly like `WsParams` in `kernels/attention_ws_sm90a.cu`; passed by value
+// as the kernel's `__grid_constant__` parameter.
+unsafe impl DeviceRepr for WsParams {}
+
+/// Whether the forward `f` runs here (once the entry point's variable asks for it and `wgmma.rs`
+/// takes the call: a compute capability 9.0 device, f16 or bf16): no dropout, no packed
+/// sequences, and every operand a tensor map can describe.
+pub(crate) fn takes(f: &AttentionForward<'_>) -> bool {
+    f.dropout.is_none() && f.packed.is_none() && [f.q, f.k, f.v].iter().all(tensor_map_fits)
+}
+
+/// Whether a tensor map can describe `view` (`[batch, heads, rows, head_dim]`, the head dim
+/// contiguous): its first element 16-byte aligned, its batch, head and row strides multiples of
+/// 16 bytes below 2^40, every extent below 2^31.
+fn tensor_map_fits(view: &View<'_>) -> bool {
+    let element = view.dtype.size_in_bytes() as u64;
+    element_address(view).is_multiple_of(16)
+        && view.layout.shape().iter().all(|&extent| extent < 1 << 31)
+        && strides_in_bytes(view)
+            .iter()
+            .all(|&stride| stride.is_multiple_of(16) && stride < 1 << 40 && stride >= element)
+}
+
+/// The tensor map's strides of `view` in bytes: rows, heads, batch. A dim of extent 1 takes the
+/// stride of a dense layout over the dims inside it (its own stride is never followed, and may
+/// be anything).
+fn strides_in_bytes(view: &View<'_>) -> [u64; 3] {
+    let element = view.dtype.size_in_bytes() as u64;
+    let shape = view.layout.shape();
+    let strides = view.layout.strides();
+    let mut out = [0u64; 3];
+    let mut dense = shape[3] as u64 * element;
+    // Dims 2 (rows), 1 (heads), 0 (batch).
+    for (slot, dim) in [2usize, 1, 0].into_iter().enumerate() {
+        out[slot] = if shape[dim] == 1 {
+            dense.next_multiple_of(16)
+        } else {
+            strides[dim] as u64 * element
+        };
+        dense = out[slot] * shape[dim] as u64;
+    }
+    out
+}
+
+/// `view`'s tensor map: dims (head dim, rows, heads, batch), boxes of 64 × 128 × 1 × 1, the
+/// 128-byte swizzle, zeros past every edge.
+fn tensor_map(view: &View<'_>) -> Result<TensorMap> {
+    let shape = view.layout.shape();
+    let data_type = match view.dtype {
+        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        _ => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+    };
+    let dims = [shape[3], shape[2], shape[1], shape[0]].map(|extent| extent as u64);
+    let strides = strides_in_bytes(view);
+    let boxes = [64u32, ROWS as u32, 1, 1];
+    let element_strides = [1u32; 4];
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    // SAFETY: every pointer is to a live local array of the length the rank (4) asks (3 strides);
+    // the global address is the view's first element, live device memory (the call only encodes
+    // it); `map` is written in place.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            data_type,
+            4,
+            element_address(view) as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()
+    .map_err(|e| device_error("attention", e))?;
+    Ok(TensorMap(map.opaque))
+}
+
+/// The kernel's name for `dtype` and `head_dim` (at most 128), and its padded head dim.
+fn variant(dtype: DType, head_dim: usize) -> ((&'static str, &'static str), usize) {
+    let (suffix, padded) = hopper_variant(dtype, head_dim);
+    (("attention_ws_forward", suffix), padded)
+}
+
+/// Forward; the caller checked `tensor_core::fits`, `wgmma::takes` and [`takes`].
+pub(crate) fn forward(
+    backend: &CudaBackend,
+    f: AttentionForward<'_>,
+    dims: AttentionDims,
+) -> Result<()> {
+    let (name, padded) = variant(f.q.dtype, dims.head_dim);
+    let params = WsParams {
+        q: tensor_map(&f.q)?,
+        k: tensor_map(&f.k)?,
+        v: tensor_map(&f.v)?,
+        args: attn_args(&dims, &f, &[f.q, f.k, f.v, f.out])?,
+    };
+    // Q and two stages each of K and V, 1 KiB of alignment slack, 128 bytes of mbarriers.
+    let tile = padded / 64 * HALF_BYTES;
+    let config = LaunchConfig {
+        grid_dim: (
+            dims.queries.div_ceil(ROWS) as u32,
+            (dims.batch * dims.heads) as u32,
+            1,
+        ),
+        block_dim: (384, 1, 1),
+        shared_mem_bytes: (1024 + 5 * tile + 128) as u32,
+    };
+    let pointers = [
+        super::args::address(&f.out),
+        Param::U64(element_address(&f.lse)),
+    ];
+    launch_in(
+        backend,
+        Module::AttentionWs,
+        "attention",
+        name,
+        config,
+        &pointers,
+        Some(params),
+    )?;
+    backend.ws_forwards.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
+impl CudaBackend {
+    /// How many attention forwards ran on the warp-specialised Hopper kernel
+    /// (`HEADROOM_ATTENTION_WGMMA=ws`, on what it takes: f16/bf16, no dropout, no packing).
+    pub fn attention_ws_forwards(&self) -> u64 {
+        self.ws_forwards.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel the launches name is an entry of the sm_90a PTX, with its one parameter
+    /// 64-byte aligned and 768 bytes long.
+    #[test]
+    fn every_launched_kernel_is_in_the_ptx() {
+        let ptx = Module::AttentionWs.ptx();
+        assert!(ptx.contains(".target sm_90a"));
+        for dtype in [DType::BF16, DType::F16] {
+            for head_dim in [40, 64, 96, 128] {
+                let ((family, suffix), padded) = variant(dtype, head_dim);
+                assert_eq!(padded, if head_dim <= 64 { 64 } else { 128 });
+                let entry = format!(".entry {family}_{suffix}(");
+                let at = ptx.find(&entry).unwrap_or_else(|| panic!("{entry}"));
+                let signature = &ptx[at..at + ptx[at..].find(')').unwrap()];
+                assert!(signature.contains(".align 64 .b8"), "{signature}");
+                assert!(signature.contains("[768]"), "{signature}");
+            }
+        }
+    }
+}
