@@ -35,7 +35,7 @@
 #                                                    fp8-torch
 #                                                    llama-parity kernels sanitizer
 #                                                    fused-ce plans
-#                                                    find-max-model
+#                                                    find-max-model streamed
 #                                                    allocator-benches cpu-benches
 #
 # tests    every test binary with --include-ignored (the GPU tests are marked
@@ -95,8 +95,9 @@
 #          loads it into transformers' LlamaForCausalLM (SDPA and eager, TF32 off) and writes
 #          llama_parity.json, failing when a loss differs from ours by over 1e-6 relative
 # kernels  ops-cuda's criterion kernels bench (copy ceiling, RMSNorm, SwiGLU, rotary, grouped-
-#          query and packed attention; kernels.txt) and torch SDPA on cuDNN at the same
-#          attention shape (scripts/pytorch/attention_reference.py)
+#          query and packed attention, issue 35's Hopper shapes; kernels.txt) and torch SDPA on
+#          cuDNN at the same attention shapes (scripts/pytorch/attention_reference.py, and with
+#          --shape issue35)
 # sanitizer  compute-sanitizer memcheck and racecheck over the attention parity tests (the
 #          wgmma binary, parity's attention:: tests but the Llama-sized one), 4 steps of at
 #          most 4 minutes each; SANITIZE_BIN=.gpu-quick/bin takes those two binaries from
@@ -115,6 +116,11 @@
 #          (FMM_RECIPES overrides the recipes, FMM_TORCH_ARGS adds options such as an earlier
 #          run's --known-fit/--known-fail bounds; fmm_torch.jsonl). Each probe builds a model of
 #          up to 70B parameters: give it the ten minutes
+# streamed issue 32's offload and streamed-state steps beside their on-GPU cases: Llama-3.2-1B
+#          at batch 8 (f32 moments streamed) and Llama-3.1-8B at batch 1 (4-bit state streamed),
+#          small copies by kernel (the default) and through the copy engine
+#          (--copy-engine-copies); then the 1B case at 2.5, 5 and 10 GiB stream budgets and its
+#          op profile (streamed_<model>_<variant>.json)
 #
 # Every step fails when its log holds the word `skipped` on any line: only testkit's gate
 # prints it (`skipped: <test>: <why>`, a panic instead under HEADROOM_REQUIRE_GPU=1), and
@@ -378,6 +384,24 @@ for phase in "$@"; do
         step "plan_${model}_$cap" "$bench" plan --model "$model" --seq 2048 --batch 1 \
           --memory-cap-mb "$cap" --run --device cuda --json "$out/plan_${model}_$cap.json"
       done ;;
+    streamed)
+      l1b=(--model llama-3.2-1b --batch 8 --cases adamw_inbwd_bf16,adamw_offload_stream_inbwd_bf16)
+      l8b=(--model llama-3.1-8b --batch 1 --cases adamw4bit_inbwd_bf16,adamw4bit_stream_inbwd_bf16)
+      for variant in kernel engine; do
+        flags=()
+        [[ $variant == engine ]] && flags=(--copy-engine-copies)
+        step "streamed_l1b_$variant" "$bench" bench-memory --device cuda --seq 2048 --steps 5 \
+          "${l1b[@]}" "${flags[@]}" --json "$out/streamed_l1b_$variant.json"
+        step "streamed_l8b_$variant" "$bench" bench-memory --device cuda --seq 2048 --steps 5 \
+          "${l8b[@]}" "${flags[@]}" --json "$out/streamed_l8b_$variant.json"
+      done
+      for mib in 2560 5120 10240; do
+        step "streamed_l1b_kernel_$mib" "$bench" bench-memory --device cuda --seq 2048 --steps 5 \
+          "${l1b[@]}" --stream-budget-mib "$mib" --json "$out/streamed_l1b_kernel_$mib.json"
+      done
+      step streamed_l1b_profile "$bench" bench-memory --device cuda --seq 2048 --steps 5 \
+        --model llama-3.2-1b --batch 8 --cases adamw_offload_stream_inbwd_bf16 --op-profile \
+        --json "$out/streamed_l1b_profile.json" ;;
     find-max-model)
       step fmm_plan "$bench" plan --find-max-model --seq 2048 --batch 1 --run --device cuda \
         --json "$out/fmm_plan.json"
@@ -390,7 +414,9 @@ for phase in "$@"; do
       # grouped-query bf16 attention and packed sequences against cuDNN's SDPA, one run.
       bench_step kernels kernels.txt "$(bench_exe kernels)" --bench
       step attention_torch python3 scripts/pytorch/attention_reference.py \
-        --out "$out/attention_reference.jsonl" ;;
+        --out "$out/attention_reference.jsonl"
+      step attention_torch_issue35 python3 scripts/pytorch/attention_reference.py --shape issue35 \
+        --out "$out/attention_reference_issue35.jsonl" ;;
     sanitizer)
       # Issue 35: compute-sanitizer's memcheck and racecheck over the attention kernels' parity
       # tests (the wgmma binary; parity's attention tests but the Llama-sized one, which the

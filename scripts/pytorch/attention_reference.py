@@ -15,18 +15,31 @@ FLOP convention (the Rust bench's): the causal half only, forward 4 · b · h ·
 Prints one JSON line per case: case, ms, tflops, times_ms, torch and cudnn versions, device; a
 line with `error` says why a case did not run (e.g. no cuDNN attention for this GPU or build).
 
+With `--shape issue35`, issue 35's targets instead (the kernels bench's `hopper_attention`
+family): batch 4, 16 heads (no grouping), 4096 tokens, head dims 128 and 64, causal and not
+(a full forward counts every score: 4 · b · h · s² · d); the cases are named
+`bf16_<causal|full>_<forward|backward|fwd_bwd>_b4_h16_s4096_d<dim>`.
+
 Usage (on the GPU machine):
-    python3 scripts/pytorch/attention_reference.py [--out attention_reference.jsonl]
+    python3 scripts/pytorch/attention_reference.py [--shape llama1b|issue35] [--out FILE]
 """
 import argparse
 import json
 
-BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 4, 32, 8, 2048, 64
 WARMUP, TIMED = 5, 20
+# (batch, heads, kv heads, tokens, head dim, causal, case suffix) of each shape set.
+SHAPES = {
+    "llama1b": [(4, 32, 8, 2048, 64, True, "")],
+    "issue35": [
+        (4, 16, 16, 4096, head_dim, causal, f"_b4_h16_s4096_d{head_dim}")
+        for head_dim in (128, 64)
+        for causal in (True, False)
+    ],
+}
 
 
-def forward_flops():
-    return 4 * BATCH * HEADS * SEQ * SEQ * HEAD_DIM / 2
+def forward_flops(batch, heads, seq, head_dim, causal):
+    return 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
 
 
 def median_ms(torch, run):
@@ -47,25 +60,38 @@ def median_ms(torch, run):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama1b",
+                        help="the shape set: issue 30's Llama-3.2-1B shape (default) or issue 35's")
     parser.add_argument("--out", help="append the JSON lines to this file as well")
     args = parser.parse_args()
 
     import torch
+
+    lines = []
+    for shape in SHAPES[args.shape]:
+        lines.extend(run_shape(torch, *shape))
+    if args.out:
+        with open(args.out, "a") as out:
+            for line in lines:
+                out.write(json.dumps(line) + "\n")
+
+
+def run_shape(torch, batch, n_heads, kv_heads, seq, head_dim, causal, suffix):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(30)
 
-    def heads(n_heads):
-        x = torch.randn(BATCH, SEQ, n_heads, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+    def heads(count):
+        x = torch.randn(batch, seq, count, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
         return x.transpose(1, 2).requires_grad_(True)
 
-    q, k, v = heads(HEADS), heads(KV_HEADS), heads(KV_HEADS)
-    dout = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+    q, k, v = heads(n_heads), heads(kv_heads), heads(kv_heads)
+    dout = torch.randn(batch, n_heads, seq, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
 
     def attend():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != n_heads)
 
     def forward():
         with torch.no_grad():
@@ -80,33 +106,35 @@ def main():
     def backward():
         kept["out"].backward(dout, retain_graph=True)
 
+    mask = "causal" if causal else "full"
     meta = {
         "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version(),
         "device": torch.cuda.get_device_name(device),
-        "shape": f"b{BATCH} h{HEADS} kv{KV_HEADS} s{SEQ} d{HEAD_DIM} causal bf16",
+        "shape": f"b{batch} h{n_heads} kv{kv_heads} s{seq} d{head_dim} {mask} bf16",
     }
+    # Issue 30's names keep their form (bf16_causal_forward, ...).
+    prefix = f"bf16_{mask}"
+    flops = forward_flops(batch, n_heads, seq, head_dim, causal)
     lines = []
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         for case, run, multiple in [
-            ("bf16_causal_forward", forward, 1.0),
-            ("bf16_causal_backward", backward, 2.5),
-            ("bf16_causal_fwd_bwd", forward_backward, 3.5),
+            ("forward", forward, 1.0),
+            ("backward", backward, 2.5),
+            ("fwd_bwd", forward_backward, 3.5),
         ]:
+            name = f"{prefix}_{case}{suffix}"
             try:
-                if case == "bf16_causal_backward":
+                if case == "backward":
                     kept["out"] = attend()
                 ms, times = median_ms(torch, run)
-                tflops = multiple * forward_flops() / (ms * 1e-3) / 1e12
-                line = {"case": case, "ms": ms, "tflops": tflops, "times_ms": times, **meta}
+                tflops = multiple * flops / (ms * 1e-3) / 1e12
+                line = {"case": name, "ms": ms, "tflops": tflops, "times_ms": times, **meta}
             except Exception as error:  # a backend that cannot run this case says why
-                line = {"case": case, "error": f"{type(error).__name__}: {error}", **meta}
+                line = {"case": name, "error": f"{type(error).__name__}: {error}", **meta}
             lines.append(line)
             print(json.dumps(line), flush=True)
-    if args.out:
-        with open(args.out, "a") as out:
-            for line in lines:
-                out.write(json.dumps(line) + "\n")
+    return lines
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 //! strided out of a packed q/k/v projection as ViT passes them) and host↔device copies from pinned
 //! and pageable memory; the Llama cases are `kernels/llama.rs`'s (RMSNorm, SwiGLU, rotary
 //! embedding on Llama-3.2-1B shapes) and `kernels/llama_attention.rs`'s (causal bf16 grouped-query
-//! attention at issue 30's target shape and packed sequences, in TFLOP/s of the causal half).
+//! attention at issue 30's target shape and packed sequences, in TFLOP/s of the causal half), and
+//! on a compute capability 9.0 device `kernels/hopper_attention.rs`'s (issue 35's target shapes on
+//! every attention engine).
 //!
 //! Each case declares the bytes an ideal pass moves (every input read once, every output written
 //! once), so criterion prints GB/s; GEMMs declare FLOPs as elements (criterion's `elem/s` is
@@ -16,6 +18,8 @@
 //! `cargo bench -p headroom-ops-cuda --features cuda --bench kernels` (or the binary with
 //! `--bench`); without a device it prints a skip notice.
 
+#[path = "kernels/hopper_attention.rs"]
+mod hopper_attention;
 #[path = "kernels/llama_attention.rs"]
 mod llama_attention;
 #[path = "kernels/vit_attention.rs"]
@@ -162,6 +166,19 @@ impl Bench {
     }
 }
 
+/// Sends the 16-bit attention calls that follow to the engine `HEADROOM_ATTENTION_WGMMA` names
+/// (`1`, `ws`, `ws-overlap`; read at each call), or to the mma.sync kernels for `None`.
+fn attention_engine(value: Option<&str>) {
+    // SAFETY: the bench runs its cases on this one thread; nothing else reads the environment
+    // meanwhile.
+    unsafe {
+        match value {
+            Some(value) => std::env::set_var("HEADROOM_ATTENTION_WGMMA", value),
+            None => std::env::remove_var("HEADROOM_ATTENTION_WGMMA"),
+        }
+    }
+}
+
 fn main() {
     let Some(cuda) = cuda_or_skip(CudaBackend::new(0)) else {
         return;
@@ -189,6 +206,9 @@ fn main() {
     gemm(&mut bench, &compute);
     vit_attention::attention(&mut bench, &compute);
     llama_attention::llama_attention(&mut bench, &compute);
+    if bench.cuda.compute_capability() == (9, 0) {
+        hopper_attention::hopper_attention(&mut bench, &compute);
+    }
     llama::llama(&mut bench, &compute);
     host_copies(&mut bench);
 

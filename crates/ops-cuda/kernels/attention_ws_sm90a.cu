@@ -81,7 +81,87 @@ __device__ __forceinline__ void tma_tile(unsigned char* tile, const TensorMap& m
         tma_load_4d(smem_address(tile + half * WS_HALF), map, half * 64, (int)row, (int)h, (int)b, bar);
 }
 
+// S (64 queries × 128 keys) = the warpgroup's Q rows · the K tile's rows, over the head dim:
+// issued and committed; the caller waits.
 template <typename T, int DP>
+__device__ __forceinline__ void issue_scores(float (&sc)[WS_KEYS / 8][4], const unsigned char* own_q,
+                                             const unsigned char* kt) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+        const int offset = (kk >> 2) * WS_HALF + (kk & 3) * 32;
+        Wg<T>::ss_n128(sc, sw128_desc(own_q + offset, 1024, 16), sw128_desc(kt + offset, 1024, 16), kk > 0);
+    }
+    wgmma_commit();
+}
+
+// O += P · the V tile over its 128 keys, 16 a step (P as A fragments, V read transposed):
+// issued and committed; the caller waits.
+template <typename T, int DP>
+__device__ __forceinline__ void issue_values(float (&acc)[DP / 8][4], const unsigned int (&pa)[WS_KEYS / 16][4],
+                                             const unsigned char* vt) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < WS_KEYS / 16; ++kk) {
+        const unsigned long long dz = sw128_desc(vt + kk * 2048, 1024, WS_HALF);
+        if constexpr (DP == 64) Wg<T>::rs_n64(acc, pa[kk], dz);
+        else Wg<T>::rs_n128(acc, pa[kk], dz);
+    }
+    wgmma_commit();
+}
+
+// The probabilities P (accumulator layout) rounded to T as the A fragments of issue_values.
+template <typename T>
+__device__ __forceinline__ void pack_weights(const float (&sc)[WS_KEYS / 8][4], unsigned int (&pa)[WS_KEYS / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < WS_KEYS / 16; ++kk) {
+        pa[kk][0] = Tc<T>::pack(sc[2 * kk][0], sc[2 * kk][1]);
+        pa[kk][1] = Tc<T>::pack(sc[2 * kk][2], sc[2 * kk][3]);
+        pa[kk][2] = Tc<T>::pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+        pa[kk][3] = Tc<T>::pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+    }
+}
+
+// attention_flash.cuh's online_softmax without the output's rescaling, which it leaves to the
+// caller (`correction`, a factor per row): the running maximum m and sum l move to the tile's, and
+// the raw scores become probabilities.
+__device__ __forceinline__ void softmax_scores(float (&sc)[WS_KEYS / 8][4], float (&m)[2], float (&l)[2], float scale2,
+                                               float (&correction)[2]) {
+    float base[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = -CUDART_INF_F;
+#pragma unroll
+        for (int n = 0; n < WS_KEYS / 8; ++n) mx = fmaxf(mx, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        const float m_new = fmaxf(m[r], mx * scale2);
+        base[r] = m_new == -CUDART_INF_F ? 0.f : m_new;
+        correction[r] = fast_exp2(m[r] - base[r]);
+        m[r] = m_new;
+        l[r] *= correction[r];
+    }
+#pragma unroll
+    for (int n = 0; n < WS_KEYS / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            const float p = fast_exp2(fmaf(sc[n][e], scale2, -base[r]));
+            l[r] += p;
+            sc[n][e] = p;
+        }
+}
+
+// The output's rows times their corrections.
+template <int NT>
+__device__ __forceinline__ void rescale_rows(float (&acc)[NT][4], const float (&correction)[2]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] *= correction[e >> 1];
+}
+
+template <typename T, int DP, bool OVERLAP>
 __device__ void ws_forward(T* o, float* lse, const WsParams& p) {
     const AttnArgs& a = p.a;
     constexpr int TILE = DP / 64 * WS_HALF, NB = WS_KEYS / 8;
@@ -143,7 +223,7 @@ __device__ void ws_forward(T* o, float* lse, const WsParams& p) {
     for (int r = 0; r < 2; ++r) keys_seen(a, q0 + warp_row0 + 8 * r + g, lo[r], hi[r]);
     warp_common_range(lo, hi, common_lo, common_hi);
     const float scale2 = (float)(a.scale * 1.4426950408889634);
-    float acc[1][DP / 8][4] = {}, m[2], l[2];
+    float acc[DP / 8][4] = {}, m[2], l[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         m[r] = -CUDART_INF_F;
@@ -151,44 +231,58 @@ __device__ void ws_forward(T* o, float* lse, const WsParams& p) {
     }
     const unsigned char* own_q = qs + cw * (WS_HALF / 2);  // this warpgroup's 64 rows of each half
     mbar_wait(q_full, 0);
-    for (int j = 0; j < tiles; ++j) {
-        const int s = j & 1;
-        const unsigned int phase = (j >> 1) & 1, k0 = key_begin + j * WS_KEYS;
-        const unsigned char* kt = ks + s * TILE;
-        const unsigned char* vt = vs + s * TILE;
-        float sc[1][NB][4];
-        mbar_wait(k_full + 8 * s, phase);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < DP / 16; ++kk) {
-            const int offset = (kk >> 2) * WS_HALF + (kk & 3) * 32;
-            Wg<T>::ss_n128(sc[0], sw128_desc(own_q + offset, 1024, 16), sw128_desc(kt + offset, 1024, 16), kk > 0);
+    float sc[WS_KEYS / 8][4], correction[2];
+    unsigned int pa[WS_KEYS / 16][4];
+    if constexpr (!OVERLAP) {
+        for (int j = 0; j < tiles; ++j) {
+            const int s = j & 1;
+            const unsigned int phase = (j >> 1) & 1, k0 = key_begin + j * WS_KEYS;
+            mbar_wait(k_full + 8 * s, phase);
+            issue_scores<T, DP>(sc, own_q, ks + s * TILE);
+            wgmma_wait<0>();
+            if (lane == 0) mbar_arrive(k_empty + 8 * s);
+            if (k0 < common_lo || k0 + WS_KEYS > common_hi) hide_unseen_keys<NB>(sc, k0, t, lo, hi);
+            softmax_scores(sc, m, l, scale2, correction);
+            rescale_rows(acc, correction);
+            pack_weights<T>(sc, pa);
+            mbar_wait(v_full + 8 * s, phase);
+            issue_values<T, DP>(acc, pa, vs + s * TILE);
+            wgmma_wait<0>();
+            if (lane == 0) mbar_arrive(v_empty + 8 * s);
         }
-        wgmma_commit();
-        wgmma_wait0();
-        if (lane == 0) mbar_arrive(k_empty + 8 * s);
-        if (k0 < common_lo || k0 + WS_KEYS > common_hi) hide_unseen_keys<NB>(sc[0], k0, t, lo, hi);
-        online_softmax<1, NB, DP / 8>(sc, acc, m, l, scale2);
-        // O += P·V over the tile's 128 keys, 16 a step: P's A fragments packed before the fence.
-        unsigned int pa[WS_KEYS / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < WS_KEYS / 16; ++kk) {
-            pa[kk][0] = Tc<T>::pack(sc[0][2 * kk][0], sc[0][2 * kk][1]);
-            pa[kk][1] = Tc<T>::pack(sc[0][2 * kk][2], sc[0][2 * kk][3]);
-            pa[kk][2] = Tc<T>::pack(sc[0][2 * kk + 1][0], sc[0][2 * kk + 1][1]);
-            pa[kk][3] = Tc<T>::pack(sc[0][2 * kk + 1][2], sc[0][2 * kk + 1][3]);
+    } else if (tiles > 0) {
+        // FlashAttention-3's intra-warpgroup overlap: tile j's scores are issued with tile j - 1's
+        // P·V, and their softmax runs while that product does; the output is rescaled once it is
+        // done. Tile 0's scores come first, tile tiles - 1's P·V last.
+        mbar_wait(k_full, 0);
+        issue_scores<T, DP>(sc, own_q, ks);
+        wgmma_wait<0>();
+        if (lane == 0) mbar_arrive(k_empty);
+        if (key_begin < common_lo || key_begin + WS_KEYS > common_hi) hide_unseen_keys<NB>(sc, key_begin, t, lo, hi);
+        softmax_scores(sc, m, l, scale2, correction);
+        pack_weights<T>(sc, pa);
+        for (int j = 1; j < tiles; ++j) {
+            const int s = j & 1, before = s ^ 1;
+            const unsigned int phase = (j >> 1) & 1, before_phase = ((j - 1) >> 1) & 1,
+                               k0 = key_begin + j * WS_KEYS;
+            mbar_wait(k_full + 8 * s, phase);
+            issue_scores<T, DP>(sc, own_q, ks + s * TILE);
+            mbar_wait(v_full + 8 * before, before_phase);
+            issue_values<T, DP>(acc, pa, vs + before * TILE);
+            wgmma_wait<1>();  // the scores (the older group); P·V may still run
+            if (lane == 0) mbar_arrive(k_empty + 8 * s);
+            if (k0 < common_lo || k0 + WS_KEYS > common_hi) hide_unseen_keys<NB>(sc, k0, t, lo, hi);
+            softmax_scores(sc, m, l, scale2, correction);
+            wgmma_wait<0>();
+            if (lane == 0) mbar_arrive(v_empty + 8 * before);
+            rescale_rows(acc, correction);
+            pack_weights<T>(sc, pa);
         }
-        mbar_wait(v_full + 8 * s, phase);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < WS_KEYS / 16; ++kk) {
-            const unsigned long long dz = sw128_desc(vt + kk * 2048, 1024, WS_HALF);
-            if constexpr (DP == 64) Wg<T>::rs_n64(acc[0], pa[kk], dz);
-            else Wg<T>::rs_n128(acc[0], pa[kk], dz);
-        }
-        wgmma_commit();
-        wgmma_wait0();
-        if (lane == 0) mbar_arrive(v_empty + 8 * s);
+        const int last = (tiles - 1) & 1;
+        mbar_wait(v_full + 8 * last, ((tiles - 1) >> 1) & 1);
+        issue_values<T, DP>(acc, pa, vs + last * TILE);
+        wgmma_wait<0>();
+        if (lane == 0) mbar_arrive(v_empty + 8 * last);
     }
     float inv[2];
     finish_rows<false>(m, l, inv, lse, a, pair, q0 + warp_row0, g, t);
@@ -197,16 +291,21 @@ __device__ void ws_forward(T* o, float* lse, const WsParams& p) {
     // [128][DP + 8].
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
     T* stage = reinterpret_cast<T*>(ks) + warp_row0 * (DP + Tc16<T>::PAD);
-    store_rows<Tc16<T>, DP>(o, a, OP_O, b, h, q0 + warp_row0, a.queries, acc[0], inv, stage);
+    store_rows<Tc16<T>, DP>(o, a, OP_O, b, h, q0 + warp_row0, a.queries, acc, inv, stage);
 }
 
-// attention_ws_forward_<dtype>_<DP>: 384 threads, 128 queries a block; dynamic shared memory 1024
-// bytes of alignment slack, five tiles of DP / 64 · 16 KiB (Q, two stages each of K and V) and
-// 128 bytes of mbarriers (attention/warp_specialized.rs says the same).
+// attention_ws_forward_<dtype>_<DP> and attention_ws_overlap_forward_<dtype>_<DP> (the
+// intra-warpgroup overlap): 384 threads, 128 queries a block; dynamic shared memory 1024 bytes of
+// alignment slack, five tiles of DP / 64 · 16 KiB (Q, two stages each of K and V) and 128 bytes of
+// mbarriers (attention/warp_specialized.rs says the same).
 #define WS_KERNEL(T, SUFFIX, DP)                                                                             \
     extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)                                             \
         attention_ws_forward_##SUFFIX(T* o, float* lse, const __grid_constant__ WsParams p) {               \
-        ws_forward<T, DP>(o, lse, p);                                                                        \
+        ws_forward<T, DP, false>(o, lse, p);                                                                 \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)                                             \
+        attention_ws_overlap_forward_##SUFFIX(T* o, float* lse, const __grid_constant__ WsParams p) {       \
+        ws_forward<T, DP, true>(o, lse, p);                                                                  \
     }
 WS_KERNEL(__nv_bfloat16, bf16_64, 64)
 WS_KERNEL(__nv_bfloat16, bf16_128, 128)

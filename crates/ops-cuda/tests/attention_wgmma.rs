@@ -5,7 +5,7 @@
 //! (and ones padded to them), causal and not, grouped heads, more keys than queries, partial
 //! tiles, packed sequences and (bf16) dropout replayed from the same draw as the CPU's mask; the
 //! launches are counted (`CudaBackend::attention_wgmma_forwards`, `_backwards`). Then the same
-//! cases with `HEADROOM_ATTENTION_WGMMA=ws`: the warp-specialised forward
+//! cases with `HEADROOM_ATTENTION_WGMMA=ws` and `ws-overlap`: the warp-specialised forward
 //! (`kernels/attention_ws_sm90a.cu`, counted by `attention_ws_forwards`) takes those without
 //! dropout or packing, the wgmma kernels the rest and every backward. Its own binary, so the
 //! variable is set before any other test reads it. Marked `#[ignore = "needs a CUDA device"]`.
@@ -149,11 +149,14 @@ fn the_wgmma_forward_matches_the_cpu() {
         }
     }
 
-    // The warp-specialised forward (`ws`) takes the cases without dropout or packing, and its
-    // backward is the wgmma one; the others run as with `1`.
-    // SAFETY: as above: this test alone runs in the binary, and no attention is under way.
-    unsafe { std::env::set_var("HEADROOM_ATTENTION_WGMMA", "ws") };
-    for dtype in [DType::BF16, DType::F16] {
+    // The warp-specialised forward (`ws`, and `ws-overlap`) takes the cases without dropout or
+    // packing, and its backward is the wgmma one; the others run as with `1`.
+    for (value, dtype) in ["ws", "ws-overlap"]
+        .into_iter()
+        .flat_map(|value| [(value, DType::BF16), (value, DType::F16)])
+    {
+        // SAFETY: as above: this test alone runs in the binary, and no attention is under way.
+        unsafe { std::env::set_var("HEADROOM_ATTENTION_WGMMA", value) };
         for &case in &cases {
             let mask = case.6;
             if dtype == DType::F16 && mask.dropout.is_some() {
@@ -168,7 +171,7 @@ fn the_wgmma_forward_matches_the_cpu() {
             } else {
                 [before[0] + 1, before[1] + 1, before[2]]
             };
-            assert_eq!(after, expected, "ws: {dtype:?} {case:?}");
+            assert_eq!(after, expected, "{value}: {dtype:?} {case:?}");
         }
     }
 }

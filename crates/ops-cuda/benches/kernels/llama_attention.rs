@@ -143,16 +143,15 @@ pub(crate) fn llama_attention(bench: &mut Bench, compute: &CudaStream) {
         || target.run(&gpu, 0, seq, None),
     );
     // The forward alone, on the mma.sync kernels and (compute capability 9.0) on the wgmma ones
-    // and the warp-specialised forward (`HEADROOM_ATTENTION_WGMMA` 1 and ws, read at each call).
-    for (engine, hopper) in [("", None), ("_wgmma", Some("1")), ("_ws", Some("ws"))] {
-        // SAFETY: the bench runs its cases on this one thread; nothing else reads the
-        // environment meanwhile.
-        unsafe {
-            match hopper {
-                Some(value) => std::env::set_var("HEADROOM_ATTENTION_WGMMA", value),
-                None => std::env::remove_var("HEADROOM_ATTENTION_WGMMA"),
-            }
-        }
+    // and the warp-specialised forward (`HEADROOM_ATTENTION_WGMMA` 1, ws and ws-overlap, read at
+    // each call).
+    for (engine, hopper) in [
+        ("", None),
+        ("_wgmma", Some("1")),
+        ("_ws", Some("ws")),
+        ("_ws_overlap", Some("ws-overlap")),
+    ] {
+        super::attention_engine(hopper);
         bench.case(
             "llama_attention",
             &format!("bf16_causal_forward{engine}_b4_h32_kv8_s2048_d64"),
@@ -173,8 +172,7 @@ pub(crate) fn llama_attention(bench: &mut Bench, compute: &CudaStream) {
             );
         }
     }
-    // SAFETY: as above.
-    unsafe { std::env::remove_var("HEADROOM_ATTENTION_WGMMA") };
+    super::attention_engine(None);
     drop(target);
 
     let mut random = Xorshift::from_state(0x0001_1a3a_0030);

@@ -59,7 +59,8 @@ use crate::device::CudaBackend;
 
 /// The environment variable that sends f16/bf16 attention on a compute capability 9.0 device to
 /// the Hopper kernels: `1` the wgmma kernels (`wgmma.rs`), `ws` the warp-specialised forward
-/// where it applies (`warp_specialized.rs`) and the wgmma kernels for the rest. Read at each call.
+/// where it applies (`warp_specialized.rs`; `ws-overlap` its intra-warpgroup overlap) and the
+/// wgmma kernels for the rest. Read at each call.
 const HOPPER_VARIABLE: &str = "HEADROOM_ATTENTION_WGMMA";
 
 /// What [`HOPPER_VARIABLE`] asks for.
@@ -67,13 +68,17 @@ const HOPPER_VARIABLE: &str = "HEADROOM_ATTENTION_WGMMA";
 enum HopperKernels {
     None,
     Wgmma,
-    WarpSpecialized,
+    /// `ws`, or `ws-overlap` for the forward with FlashAttention-3's intra-warpgroup overlap.
+    WarpSpecialized {
+        overlap: bool,
+    },
 }
 
 fn hopper_kernels() -> HopperKernels {
     match std::env::var(HOPPER_VARIABLE).as_deref() {
         Ok("1") => HopperKernels::Wgmma,
-        Ok("ws") => HopperKernels::WarpSpecialized,
+        Ok("ws") => HopperKernels::WarpSpecialized { overlap: false },
+        Ok("ws-overlap") => HopperKernels::WarpSpecialized { overlap: true },
         _ => HopperKernels::None,
     }
 }
@@ -87,12 +92,12 @@ pub(crate) fn attention(backend: &CudaBackend, f: AttentionForward<'_>) -> Resul
     if matches!(f.q.dtype, DType::F16 | DType::BF16) {
         return if tensor_core::fits(&dims, &[f.q, f.k, f.v, f.out]) && no_f16_dropout(&f) {
             let hopper = hopper_kernels();
-            if hopper == HopperKernels::WarpSpecialized
-                && wgmma::takes(backend, &f)
-                && warp_specialized::takes(&f)
-            {
-                warp_specialized::forward(backend, f, dims)
-            } else if hopper != HopperKernels::None && wgmma::takes(backend, &f) {
+            if let HopperKernels::WarpSpecialized { overlap } = hopper {
+                if wgmma::takes(backend, &f) && warp_specialized::takes(&f) {
+                    return warp_specialized::forward(backend, f, dims, overlap);
+                }
+            }
+            if hopper != HopperKernels::None && wgmma::takes(backend, &f) {
                 wgmma::forward(backend, f, dims)
             } else {
                 tensor_core::forward(backend, f, dims)

@@ -6,7 +6,10 @@
 //! swizzle) are built here from the views, so strided views are read in place as on the other
 //! paths.
 //!
-//! Opt-in while it is measured (`HEADROOM_ATTENTION_WGMMA=ws`), for what it takes
+//! FlashAttention-3's intra-warpgroup overlap is a second build (`ws-overlap`): a tile's scores are
+//! issued with the last tile's P·V, and their softmax runs while that product does.
+//!
+//! Opt-in while it is measured (`HEADROOM_ATTENTION_WGMMA=ws` or `ws-overlap`), for what it takes
 //! ([`takes`]): f16 or bf16 on a compute capability 9.0 device (as `wgmma.rs`), no dropout and no
 //! packed sequences, every operand's base 16-byte aligned and its strides multiples of 16 bytes
 //! (what a tensor map needs). The rest of `HEADROOM_ATTENTION_WGMMA=ws`'s forwards, and all its
@@ -132,19 +135,28 @@ fn tensor_map(view: &View<'_>) -> Result<TensorMap> {
     Ok(TensorMap(map.opaque))
 }
 
-/// The kernel's name for `dtype` and `head_dim` (at most 128), and its padded head dim.
-fn variant(dtype: DType, head_dim: usize) -> ((&'static str, &'static str), usize) {
+/// The kernel's name for `dtype` and `head_dim` (at most 128), with the intra-warpgroup overlap
+/// when `overlap`, and its padded head dim.
+fn variant(dtype: DType, head_dim: usize, overlap: bool) -> ((&'static str, &'static str), usize) {
     let (suffix, padded) = hopper_variant(dtype, head_dim);
-    (("attention_ws_forward", suffix), padded)
+    let family = if overlap {
+        "attention_ws_overlap_forward"
+    } else {
+        "attention_ws_forward"
+    };
+    ((family, suffix), padded)
 }
 
-/// Forward; the caller checked `tensor_core::fits`, `wgmma::takes` and [`takes`].
+/// Forward, with FlashAttention-3's intra-warpgroup overlap when `overlap` (a tile's scores are
+/// issued with the last tile's P·V and their softmax runs meanwhile); the caller checked
+/// `tensor_core::fits`, `wgmma::takes` and [`takes`].
 pub(crate) fn forward(
     backend: &CudaBackend,
     f: AttentionForward<'_>,
     dims: AttentionDims,
+    overlap: bool,
 ) -> Result<()> {
-    let (name, padded) = variant(f.q.dtype, dims.head_dim);
+    let (name, padded) = variant(f.q.dtype, dims.head_dim, overlap);
     let params = WsParams {
         q: tensor_map(&f.q)?,
         k: tensor_map(&f.k)?,
@@ -198,8 +210,11 @@ mod tests {
         let ptx = Module::AttentionWs.ptx();
         assert!(ptx.contains(".target sm_90a"));
         for dtype in [DType::BF16, DType::F16] {
-            for head_dim in [40, 64, 96, 128] {
-                let ((family, suffix), padded) = variant(dtype, head_dim);
+            for (head_dim, overlap) in [40, 64, 96, 128]
+                .into_iter()
+                .flat_map(|dim| [(dim, false), (dim, true)])
+            {
+                let ((family, suffix), padded) = variant(dtype, head_dim, overlap);
                 assert_eq!(padded, if head_dim <= 64 { 64 } else { 128 });
                 let entry = format!(".entry {family}_{suffix}(");
                 let at = ptx.find(&entry).unwrap_or_else(|| panic!("{entry}"));
