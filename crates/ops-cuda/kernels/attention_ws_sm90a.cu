@@ -161,7 +161,18 @@ __device__ __forceinline__ void rescale_rows(float (&acc)[NT][4], const float (&
         for (int e = 0; e < 4; ++e) acc[n][e] *= correction[e >> 1];
 }
 
-template <typename T, int DP, bool OVERLAP>
+// FlashAttention-3's ping-pong between the two consumer warpgroups: a warpgroup issues its
+// products only in its turn (named barrier 2 + its index, both warpgroups' 256 threads: its own
+// sync, the other's arrive), and hands the turn over once they are issued, so one warpgroup's
+// softmax runs while the other's products do.
+__device__ __forceinline__ void take_turn(int cw) {
+    asm volatile("bar.sync %0, 256;\n" ::"r"(2 + cw) : "memory");
+}
+__device__ __forceinline__ void hand_turn_over(int cw) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(2 + (cw ^ 1)) : "memory");
+}
+
+template <typename T, int DP, bool OVERLAP, bool PINGPONG>
 __device__ void ws_forward(T* o, float* lse, const WsParams& p) {
     const AttnArgs& a = p.a;
     constexpr int TILE = DP / 64 * WS_HALF, NB = WS_KEYS / 8;
@@ -253,9 +264,15 @@ __device__ void ws_forward(T* o, float* lse, const WsParams& p) {
     } else if (tiles > 0) {
         // FlashAttention-3's intra-warpgroup overlap: tile j's scores are issued with tile j - 1's
         // P·V, and their softmax runs while that product does; the output is rescaled once it is
-        // done. Tile 0's scores come first, tile tiles - 1's P·V last.
+        // done. Tile 0's scores come first, tile tiles - 1's P·V last. With PINGPONG the first
+        // consumer takes the first turn (the second hands it over up front), each issue of
+        // products is a turn, and the first consumer takes one more turn at the end, so every
+        // arrival on its barrier is matched.
+        if (PINGPONG && cw == 1) hand_turn_over(cw);
         mbar_wait(k_full, 0);
+        if (PINGPONG) take_turn(cw);
         issue_scores<T, DP>(sc, own_q, ks);
+        if (PINGPONG) hand_turn_over(cw);
         wgmma_wait<0>();
         if (lane == 0) mbar_arrive(k_empty);
         if (key_begin < common_lo || key_begin + WS_KEYS > common_hi) hide_unseen_keys<NB>(sc, key_begin, t, lo, hi);
@@ -266,9 +283,11 @@ __device__ void ws_forward(T* o, float* lse, const WsParams& p) {
             const unsigned int phase = (j >> 1) & 1, before_phase = ((j - 1) >> 1) & 1,
                                k0 = key_begin + j * WS_KEYS;
             mbar_wait(k_full + 8 * s, phase);
-            issue_scores<T, DP>(sc, own_q, ks + s * TILE);
             mbar_wait(v_full + 8 * before, before_phase);
+            if (PINGPONG) take_turn(cw);
+            issue_scores<T, DP>(sc, own_q, ks + s * TILE);
             issue_values<T, DP>(acc, pa, vs + before * TILE);
+            if (PINGPONG) hand_turn_over(cw);
             wgmma_wait<1>();  // the scores (the older group); P·V may still run
             if (lane == 0) mbar_arrive(k_empty + 8 * s);
             if (k0 < common_lo || k0 + WS_KEYS > common_hi) hide_unseen_keys<NB>(sc, k0, t, lo, hi);
@@ -283,6 +302,7 @@ __device__ void ws_forward(T* o, float* lse, const WsParams& p) {
         issue_values<T, DP>(acc, pa, vs + last * TILE);
         wgmma_wait<0>();
         if (lane == 0) mbar_arrive(v_empty + 8 * last);
+        if (PINGPONG && cw == 0) take_turn(cw);
     }
     float inv[2];
     finish_rows<false>(m, l, inv, lse, a, pair, q0 + warp_row0, g, t);
@@ -294,18 +314,23 @@ __device__ void ws_forward(T* o, float* lse, const WsParams& p) {
     store_rows<Tc16<T>, DP>(o, a, OP_O, b, h, q0 + warp_row0, a.queries, acc, inv, stage);
 }
 
-// attention_ws_forward_<dtype>_<DP> and attention_ws_overlap_forward_<dtype>_<DP> (the
-// intra-warpgroup overlap): 384 threads, 128 queries a block; dynamic shared memory 1024 bytes of
-// alignment slack, five tiles of DP / 64 · 16 KiB (Q, two stages each of K and V) and 128 bytes of
-// mbarriers (attention/warp_specialized.rs says the same).
+// attention_ws_forward_<dtype>_<DP>, attention_ws_overlap_forward_<dtype>_<DP> (the
+// intra-warpgroup overlap) and attention_ws_pingpong_forward_<dtype>_<DP> (the overlap and the
+// ping-pong between consumers): 384 threads, 128 queries a block; dynamic shared memory 1024 bytes
+// of alignment slack, five tiles of DP / 64 · 16 KiB (Q, two stages each of K and V) and 128 bytes
+// of mbarriers (attention/warp_specialized.rs says the same).
 #define WS_KERNEL(T, SUFFIX, DP)                                                                             \
     extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)                                             \
         attention_ws_forward_##SUFFIX(T* o, float* lse, const __grid_constant__ WsParams p) {               \
-        ws_forward<T, DP, false>(o, lse, p);                                                                 \
+        ws_forward<T, DP, false, false>(o, lse, p);                                                          \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)                                             \
         attention_ws_overlap_forward_##SUFFIX(T* o, float* lse, const __grid_constant__ WsParams p) {       \
-        ws_forward<T, DP, true>(o, lse, p);                                                                  \
+        ws_forward<T, DP, true, false>(o, lse, p);                                                           \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)                                             \
+        attention_ws_pingpong_forward_##SUFFIX(T* o, float* lse, const __grid_constant__ WsParams p) {      \
+        ws_forward<T, DP, true, true>(o, lse, p);                                                            \
     }
 WS_KERNEL(__nv_bfloat16, bf16_64, 64)
 WS_KERNEL(__nv_bfloat16, bf16_128, 128)

@@ -5,10 +5,10 @@
 //! (and ones padded to them), causal and not, grouped heads, more keys than queries, partial
 //! tiles, packed sequences and (bf16) dropout replayed from the same draw as the CPU's mask; the
 //! launches are counted (`CudaBackend::attention_wgmma_forwards`, `_backwards`). Then the same
-//! cases with `HEADROOM_ATTENTION_WGMMA=ws` and `ws-overlap`: the warp-specialised forward
-//! (`kernels/attention_ws_sm90a.cu`, counted by `attention_ws_forwards`) takes those without
-//! dropout or packing, the wgmma kernels the rest and every backward. Its own binary, so the
-//! variable is set before any other test reads it. Marked `#[ignore = "needs a CUDA device"]`.
+//! cases with `HEADROOM_ATTENTION_WGMMA=ws`, `ws-overlap` and `ws-pingpong`: the warp-specialised
+//! forward (`kernels/attention_ws_sm90a.cu`, counted by `attention_ws_forwards`) takes those
+//! without dropout or packing, the wgmma kernels the rest and every backward. Its own binary, so
+//! the variable is set before any other test reads it. Marked `#[ignore = "needs a CUDA device"]`.
 #![cfg(feature = "cuda")]
 
 use headroom_autograd_core::{
@@ -149,9 +149,9 @@ fn the_wgmma_forward_matches_the_cpu() {
         }
     }
 
-    // The warp-specialised forward (`ws`, and `ws-overlap`) takes the cases without dropout or
-    // packing, and its backward is the wgmma one; the others run as with `1`.
-    for (value, dtype) in ["ws", "ws-overlap"]
+    // The warp-specialised forward (`ws`, `ws-overlap`, `ws-pingpong`) takes the cases without
+    // dropout or packing, and its backward is the wgmma one; the others run as with `1`.
+    for (value, dtype) in ["ws", "ws-overlap", "ws-pingpong"]
         .into_iter()
         .flat_map(|value| [(value, DType::BF16), (value, DType::F16)])
     {

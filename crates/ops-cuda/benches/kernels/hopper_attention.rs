@@ -1,10 +1,10 @@
 //! The Hopper attention cases of the kernels bench (issue 35's targets): bf16 attention at batch
 //! 4, 16 heads, 4096 tokens, head dims 128 and 64, causal and not, forward and forward + backward,
 //! on the mma.sync kernels, the wgmma ones (`HEADROOM_ATTENTION_WGMMA=1`) and the warp-specialised
-//! forward (`ws`, and `ws-overlap` with FlashAttention-3's intra-warpgroup overlap; their backward
-//! is wgmma's). Operands are laid out as a layer passes them (`[batch, seq, heads · head_dim]`
-//! projections viewed as heads), as `scripts/pytorch/attention_reference.py --shape issue35` lays
-//! out cuDNN's.
+//! forward (`ws`; `ws-overlap` with FlashAttention-3's intra-warpgroup overlap, `ws-pingpong` with
+//! its ping-pong too; their backward is wgmma's). Operands are laid out as a layer passes them
+//! (`[batch, seq, heads · head_dim]` projections viewed as heads), as
+//! `scripts/pytorch/attention_reference.py --shape issue35` lays out cuDNN's.
 //!
 //! FLOP convention (that script's): a causal forward counts half the scores,
 //! `4 · b · h · s² · d / 2`, a full one all of them; backward 2.5× the forward, forward + backward
@@ -106,6 +106,7 @@ pub(crate) fn hopper_attention(bench: &mut Bench, compute: &CudaStream) {
                 ("wgmma", Some("1")),
                 ("ws", Some("ws")),
                 ("ws_overlap", Some("ws-overlap")),
+                ("ws_pingpong", Some("ws-pingpong")),
             ] {
                 super::attention_engine(hopper);
                 let shape = format!("b{BATCH}_h{HEADS}_s{SEQ}_d{head_dim}");

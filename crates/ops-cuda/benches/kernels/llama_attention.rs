@@ -143,13 +143,14 @@ pub(crate) fn llama_attention(bench: &mut Bench, compute: &CudaStream) {
         || target.run(&gpu, 0, seq, None),
     );
     // The forward alone, on the mma.sync kernels and (compute capability 9.0) on the wgmma ones
-    // and the warp-specialised forward (`HEADROOM_ATTENTION_WGMMA` 1, ws and ws-overlap, read at
-    // each call).
+    // and the warp-specialised forward's builds (`HEADROOM_ATTENTION_WGMMA` 1, ws, ws-overlap and
+    // ws-pingpong, read at each call).
     for (engine, hopper) in [
         ("", None),
         ("_wgmma", Some("1")),
         ("_ws", Some("ws")),
         ("_ws_overlap", Some("ws-overlap")),
+        ("_ws_pingpong", Some("ws-pingpong")),
     ] {
         super::attention_engine(hopper);
         bench.case(

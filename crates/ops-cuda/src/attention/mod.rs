@@ -59,8 +59,9 @@ use crate::device::CudaBackend;
 
 /// The environment variable that sends f16/bf16 attention on a compute capability 9.0 device to
 /// the Hopper kernels: `1` the wgmma kernels (`wgmma.rs`), `ws` the warp-specialised forward
-/// where it applies (`warp_specialized.rs`; `ws-overlap` its intra-warpgroup overlap) and the
-/// wgmma kernels for the rest. Read at each call.
+/// where it applies (`warp_specialized.rs`; `ws-overlap` with its intra-warpgroup overlap,
+/// `ws-pingpong` with that and the ping-pong between consumers) and the wgmma kernels for the rest.
+/// Read at each call.
 const HOPPER_VARIABLE: &str = "HEADROOM_ATTENTION_WGMMA";
 
 /// What [`HOPPER_VARIABLE`] asks for.
@@ -68,17 +69,16 @@ const HOPPER_VARIABLE: &str = "HEADROOM_ATTENTION_WGMMA";
 enum HopperKernels {
     None,
     Wgmma,
-    /// `ws`, or `ws-overlap` for the forward with FlashAttention-3's intra-warpgroup overlap.
-    WarpSpecialized {
-        overlap: bool,
-    },
+    /// `ws`, `ws-overlap` or `ws-pingpong`: the warp-specialised forward's build.
+    WarpSpecialized(warp_specialized::Build),
 }
 
 fn hopper_kernels() -> HopperKernels {
     match std::env::var(HOPPER_VARIABLE).as_deref() {
         Ok("1") => HopperKernels::Wgmma,
-        Ok("ws") => HopperKernels::WarpSpecialized { overlap: false },
-        Ok("ws-overlap") => HopperKernels::WarpSpecialized { overlap: true },
+        Ok("ws") => HopperKernels::WarpSpecialized(warp_specialized::Build::Plain),
+        Ok("ws-overlap") => HopperKernels::WarpSpecialized(warp_specialized::Build::Overlap),
+        Ok("ws-pingpong") => HopperKernels::WarpSpecialized(warp_specialized::Build::PingPong),
         _ => HopperKernels::None,
     }
 }
@@ -92,9 +92,9 @@ pub(crate) fn attention(backend: &CudaBackend, f: AttentionForward<'_>) -> Resul
     if matches!(f.q.dtype, DType::F16 | DType::BF16) {
         return if tensor_core::fits(&dims, &[f.q, f.k, f.v, f.out]) && no_f16_dropout(&f) {
             let hopper = hopper_kernels();
-            if let HopperKernels::WarpSpecialized { overlap } = hopper {
+            if let HopperKernels::WarpSpecialized(build) = hopper {
                 if wgmma::takes(backend, &f) && warp_specialized::takes(&f) {
-                    return warp_specialized::forward(backend, f, dims, overlap);
+                    return warp_specialized::forward(backend, f, dims, build);
                 }
             }
             if hopper != HopperKernels::None && wgmma::takes(backend, &f) {

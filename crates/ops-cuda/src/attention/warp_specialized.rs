@@ -7,9 +7,11 @@
 //! paths.
 //!
 //! FlashAttention-3's intra-warpgroup overlap is a second build (`ws-overlap`): a tile's scores are
-//! issued with the last tile's P·V, and their softmax runs while that product does.
+//! issued with the last tile's P·V, and their softmax runs while that product does; a third adds
+//! its ping-pong (`ws-pingpong`): the consumers take turns to issue their products.
 //!
-//! Opt-in while it is measured (`HEADROOM_ATTENTION_WGMMA=ws` or `ws-overlap`), for what it takes
+//! Opt-in while it is measured (`HEADROOM_ATTENTION_WGMMA=ws`, `ws-overlap` or `ws-pingpong`), for
+//! what it takes
 //! ([`takes`]): f16 or bf16 on a compute capability 9.0 device (as `wgmma.rs`), no dropout and no
 //! packed sequences, every operand's base 16-byte aligned and its strides multiples of 16 bytes
 //! (what a tensor map needs). The rest of `HEADROOM_ATTENTION_WGMMA=ws`'s forwards, and all its
@@ -135,28 +137,47 @@ fn tensor_map(view: &View<'_>) -> Result<TensorMap> {
     Ok(TensorMap(map.opaque))
 }
 
-/// The kernel's name for `dtype` and `head_dim` (at most 128), with the intra-warpgroup overlap
-/// when `overlap`, and its padded head dim.
-fn variant(dtype: DType, head_dim: usize, overlap: bool) -> ((&'static str, &'static str), usize) {
-    let (suffix, padded) = hopper_variant(dtype, head_dim);
-    let family = if overlap {
-        "attention_ws_overlap_forward"
-    } else {
-        "attention_ws_forward"
-    };
-    ((family, suffix), padded)
+/// The builds of the warp-specialised forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Build {
+    /// A tile's products and softmax one after another in each consumer.
+    Plain,
+    /// FlashAttention-3's intra-warpgroup overlap: a tile's scores issued with the last tile's
+    /// P·V, their softmax while it runs.
+    Overlap,
+    /// The overlap, and the consumers taking turns to issue their products (FlashAttention-3's
+    /// ping-pong), so one's softmax runs during the other's products.
+    PingPong,
 }
 
-/// Forward, with FlashAttention-3's intra-warpgroup overlap when `overlap` (a tile's scores are
-/// issued with the last tile's P·V and their softmax runs meanwhile); the caller checked
-/// `tensor_core::fits`, `wgmma::takes` and [`takes`].
+impl Build {
+    #[cfg(test)]
+    const ALL: [Build; 3] = [Build::Plain, Build::Overlap, Build::PingPong];
+
+    fn family(self) -> &'static str {
+        match self {
+            Build::Plain => "attention_ws_forward",
+            Build::Overlap => "attention_ws_overlap_forward",
+            Build::PingPong => "attention_ws_pingpong_forward",
+        }
+    }
+}
+
+/// The kernel's name for `dtype`, `head_dim` (at most 128) and `build`, and its padded head dim.
+fn variant(dtype: DType, head_dim: usize, build: Build) -> ((&'static str, &'static str), usize) {
+    let (suffix, padded) = hopper_variant(dtype, head_dim);
+    ((build.family(), suffix), padded)
+}
+
+/// Forward on `build`'s kernel; the caller checked `tensor_core::fits`, `wgmma::takes` and
+/// [`takes`].
 pub(crate) fn forward(
     backend: &CudaBackend,
     f: AttentionForward<'_>,
     dims: AttentionDims,
-    overlap: bool,
+    build: Build,
 ) -> Result<()> {
-    let (name, padded) = variant(f.q.dtype, dims.head_dim, overlap);
+    let (name, padded) = variant(f.q.dtype, dims.head_dim, build);
     let params = WsParams {
         q: tensor_map(&f.q)?,
         k: tensor_map(&f.k)?,
@@ -210,11 +231,11 @@ mod tests {
         let ptx = Module::AttentionWs.ptx();
         assert!(ptx.contains(".target sm_90a"));
         for dtype in [DType::BF16, DType::F16] {
-            for (head_dim, overlap) in [40, 64, 96, 128]
+            for (head_dim, build) in [40, 64, 96, 128]
                 .into_iter()
-                .flat_map(|dim| [(dim, false), (dim, true)])
+                .flat_map(|dim| Build::ALL.map(|build| (dim, build)))
             {
-                let ((family, suffix), padded) = variant(dtype, head_dim, overlap);
+                let ((family, suffix), padded) = variant(dtype, head_dim, build);
                 assert_eq!(padded, if head_dim <= 64 { 64 } else { 128 });
                 let entry = format!(".entry {family}_{suffix}(");
                 let at = ptx.find(&entry).unwrap_or_else(|| panic!("{entry}"));
