@@ -55,47 +55,6 @@ __device__ __forceinline__ void swizzled_key_tile_ready(int j, int tiles, unsign
     __syncthreads();
 }
 
-// acc (64 × 64) = x · yᵀ over the head dim: the 64 rows of two swizzled tiles (Q and K, K and Q,
-// dO and V, V and dO), 16 elements a step; within an atom a step moves the descriptors 32 bytes
-// along the swizzled rows. Issued and committed; the caller waits (wgmma_wait0).
-template <typename T, int DP>
-__device__ __forceinline__ void rows_by_rows(float (&acc)[8][4], const unsigned char* x, const unsigned char* y) {
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < DP / 16; ++kk) {
-        const int offset = (kk >> 2) * WG_ATOM_BYTES + (kk & 3) * 32;
-        const unsigned long long dx = sw128_desc(x + offset, 1024, 16), dy = sw128_desc(y + offset, 1024, 16);
-        Wg<T>::ss_n64(acc, dx, dy, kk > 0);
-    }
-    wgmma_commit();
-}
-
-// out (64 × DP) += w · z over 64 streamed rows, 16 a step: w (64 × 64, accumulator layout: P,
-// Pᵀ, dS or dSᵀ) rounded to T as A fragments, z a swizzled tile read transposed (MN-major: V, dO,
-// Q or K), 16 rows = two 8-row groups = 2048 bytes a step, its second atom (head dims above 64)
-// LBO = 8 KiB along N. Issued and committed; the caller waits.
-template <typename T, int DP>
-__device__ __forceinline__ void weights_by_rows(float (&out)[DP / 8][4], const float (&w)[8][4],
-                                                const unsigned char* z) {
-    // Every A fragment packed before the fence, so no register of a wgmma in flight is written.
-    unsigned int a[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-        a[kk][0] = Tc<T>::pack(w[2 * kk][0], w[2 * kk][1]);
-        a[kk][1] = Tc<T>::pack(w[2 * kk][2], w[2 * kk][3]);
-        a[kk][2] = Tc<T>::pack(w[2 * kk + 1][0], w[2 * kk + 1][1]);
-        a[kk][3] = Tc<T>::pack(w[2 * kk + 1][2], w[2 * kk + 1][3]);
-    }
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-        const unsigned long long dz = sw128_desc(z + kk * 2048, 1024, WG_ATOM_BYTES);
-        if constexpr (DP == 64) Wg<T>::rs_n64(out, a[kk], dz);
-        else Wg<T>::rs_n128(out, a[kk], dz);
-    }
-    wgmma_commit();
-}
-
 // Forward of 64 queries of one (batch, head) pair by one warpgroup (4 warps, each 16 queries in
 // wgmma's accumulator rows): S = Q·Kᵀ by wgmma from the swizzled Q and K tiles, the online
 // softmax in registers as attention_flash.cuh's forward, O += P·V by wgmma with P from registers

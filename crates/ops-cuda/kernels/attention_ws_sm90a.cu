@@ -11,9 +11,10 @@
 // 128-byte swizzle writes (rows of 64 elements, 1024-byte aligned), so one descriptor form
 // serves both.
 //
-// No dropout and no packed sequences here (attention_wgmma_sm90a.cu's kernels take those); the
-// saved log-sum-exp is theirs, so their backward follows this forward. Built for compute_90a by
-// `cargo xtask build-kernels`.
+// The backward's dK/dV kernel has the same layout over 128 keys (its end of this file), after
+// attention_wgmma_sm90a.cu's dQ kernel wrote Δ. No dropout and no packed sequences here (the
+// wgmma kernels take those); the saved log-sum-exp is theirs, so either path's backward follows
+// either forward. Built for compute_90a by `cargo xtask build-kernels`.
 
 #include "attention_wgmma.cuh"
 
@@ -71,14 +72,15 @@ __device__ __forceinline__ void tma_load_4d(unsigned int dst, const TensorMap& m
         : "memory");
 }
 
-// Rows `row`.. (128 of them) of one (head, batch) of a tensor map into the DP / 64 halves at
-// `tile` (WS_HALF bytes apart), on `bar`.
-template <int DP>
+// Rows `row`.. (the map's box of them: 128, or 64 for the backward's maps) of one (head, batch) of
+// a tensor map into the DP / 64 column halves at `tile`, HALF bytes apart (one box's bytes), on
+// `bar`.
+template <int DP, int HALF = WS_HALF>
 __device__ __forceinline__ void tma_tile(unsigned char* tile, const TensorMap& map, unsigned int row, unsigned int h,
                                          unsigned int b, unsigned int bar) {
 #pragma unroll
     for (int half = 0; half < DP / 64; ++half)
-        tma_load_4d(smem_address(tile + half * WS_HALF), map, half * 64, (int)row, (int)h, (int)b, bar);
+        tma_load_4d(smem_address(tile + half * HALF), map, half * 64, (int)row, (int)h, (int)b, bar);
 }
 
 // S (64 queries × 128 keys) = the warpgroup's Q rows · the K tile's rows, over the head dim:
@@ -336,3 +338,139 @@ WS_KERNEL(__nv_bfloat16, bf16_64, 64)
 WS_KERNEL(__nv_bfloat16, bf16_128, 128)
 WS_KERNEL(__half, f16_64, 64)
 WS_KERNEL(__half, f16_128, 128)
+
+// ---- Backward: dK and dV, warp-specialised ------------------------------------------------------
+
+// The dK/dV kernel's one parameter after the pointers: Q's, K's, V's and dO's tensor maps (boxes of
+// 64 × 64 × 1 × 1: one 64-row atom a load) and the arguments (warp_specialized.rs'
+// `WsBackwardParams`, field for field).
+struct alignas(64) WsBackwardParams {
+    TensorMap q, k, v, dout;
+    AttnArgs a;
+};
+static_assert(sizeof(WsBackwardParams) == 896, "WsBackwardParams layout");
+
+// dK and dV of 128 keys of one (batch, kv head) pair: the producer loads each consumer's 64 keys
+// and values once, then the group's query heads' queries 64 a tile with their dO, two stages
+// behind full/empty mbarriers; each consumer computes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for its keys, P
+// and dS from the saved log-sum-exp and Δ (read from global memory), and dV += Pᵀ·dO,
+// dK += dSᵀ·Q with the weights from registers: wgmma_backward_dkdv's arithmetic (without
+// dropout), so its results are that kernel's.
+template <typename T, int DP>
+__device__ void ws_backward_dkdv(const float* lse, const float* delta, T* dk, T* dv, const WsBackwardParams& p) {
+    const AttnArgs& a = p.a;
+    constexpr int ATOMS = DP / 64 * WG_ATOM_BYTES, NB = 8;  // one 64-row tile's atoms
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* base = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);
+    unsigned char* ks = base;              // two consumers' 64 keys
+    unsigned char* vs = ks + 2 * ATOMS;    // their values
+    unsigned char* qs = vs + 2 * ATOMS;    // 2 stages of 64 queries
+    unsigned char* dos = qs + 2 * ATOMS;   // 2 stages of their dO
+    unsigned long long* bars = reinterpret_cast<unsigned long long*>(dos + 2 * ATOMS);
+    // kv_full, qdo_full[2], qdo_empty[2]
+    const unsigned int kv_full = smem_address(bars), qdo_full = kv_full + 8, qdo_empty = kv_full + 24;
+    unsigned int tile, pair;
+    block_tile(a, false, tile, pair);
+    const unsigned int b = pair / a.kv_heads, kvh = pair % a.kv_heads, group = group_size(a);
+    const unsigned int k0 = tile * WS_ROWS;
+    unsigned int query_begin, query_end;
+    block_range(a, false, k0, WS_ROWS, query_begin, query_end);
+    const unsigned int tiles = (query_end - query_begin + WG_ROWS - 1) / WG_ROWS, steps = group * tiles;
+    auto head_of = [&](unsigned int step) { return kvh * group + step / tiles; };
+    auto first_query = [&](unsigned int step) { return query_begin + step % tiles * WG_ROWS; };
+    if (threadIdx.x == 0) {
+        mbar_init(kv_full, 1);
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(qdo_full + 8 * s, 1);
+            mbar_init(qdo_empty + 8 * s, WS_CONSUMER_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const int group_of_thread = threadIdx.x / 128;
+    if (group_of_thread == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (threadIdx.x == 0) {
+            mbar_arrive_expect_tx(kv_full, 4 * ATOMS);
+            for (int c = 0; c < 2; ++c) {
+                tma_tile<DP, WG_ATOM_BYTES>(ks + c * ATOMS, p.k, k0 + c * WG_ROWS, kvh, b, kv_full);
+                tma_tile<DP, WG_ATOM_BYTES>(vs + c * ATOMS, p.v, k0 + c * WG_ROWS, kvh, b, kv_full);
+            }
+            for (unsigned int j = 0; j < steps; ++j) {
+                const int s = j & 1;
+                const unsigned int phase = (j >> 1) & 1, h = head_of(j), q0 = first_query(j);
+                if (j >= 2) mbar_wait(qdo_empty + 8 * s, phase ^ 1);
+                mbar_arrive_expect_tx(qdo_full + 8 * s, 2 * ATOMS);
+                tma_tile<DP, WG_ATOM_BYTES>(qs + s * ATOMS, p.q, q0, h, b, qdo_full + 8 * s);
+                tma_tile<DP, WG_ATOM_BYTES>(dos + s * ATOMS, p.dout, q0, h, b, qdo_full + 8 * s);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    const int cw = group_of_thread - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2,
+              t = lane & 3;
+    const unsigned int own0 = k0 + cw * WG_ROWS, key0 = own0 + warp * 16 + g;
+    unsigned int lo[2], hi[2], common_lo, common_hi;
+    queries_seeing(a, key0, lo[0], hi[0]);
+    queries_seeing(a, key0 + 8, lo[1], hi[1]);
+    warp_common_range(lo, hi, common_lo, common_hi);
+    const float scale2 = (float)(a.scale * 1.4426950408889634);
+    const unsigned char* own_k = ks + cw * ATOMS;
+    const unsigned char* own_v = vs + cw * ATOMS;
+    float dka[DP / 8][4] = {}, dva[DP / 8][4] = {};
+    mbar_wait(kv_full, 0);
+    for (unsigned int j = 0; j < steps; ++j) {
+        const int s = j & 1;
+        const unsigned int phase = (j >> 1) & 1, q0 = first_query(j);
+        const unsigned long long stats = ((unsigned long long)b * a.heads + head_of(j)) * a.queries;
+        const unsigned char* qt = qs + s * ATOMS;
+        const unsigned char* dot = dos + s * ATOMS;
+        mbar_wait(qdo_full + 8 * s, phase);
+        // Transposed: rows are the warpgroup's keys, columns the tile's queries.
+        float sc[NB][4] = {}, dp[NB][4] = {};
+        rows_by_rows<T, DP>(sc, own_k, qt);
+        rows_by_rows<T, DP>(dp, own_v, dot);
+        wgmma_wait<0>();
+        const bool crossing = q0 < common_lo || q0 + WG_ROWS > common_hi;
+#pragma unroll
+        for (int n = 0; n < NB; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const unsigned int query = q0 + n * 8 + 2 * t + (e & 1);
+                const bool in = query < a.queries;
+                const float l2 = in ? lse[stats + query] * FA_LOG2E : 0.f;
+                const float dl = in ? delta[stats + query] : 0.f;
+                const bool hidden = crossing && (query < lo[e >> 1] || query >= hi[e >> 1]);
+                const float pr = hidden ? 0.f : fast_exp2(fmaf(sc[n][e], scale2, -l2));
+                sc[n][e] = pr;
+                dp[n][e] = pr * (dp[n][e] - dl);
+            }
+        weights_by_rows<T, DP>(dva, sc, dot);
+        weights_by_rows<T, DP>(dka, dp, qt);
+        wgmma_wait<0>();
+        if (lane == 0) mbar_arrive(qdo_empty + 8 * s);
+    }
+    // Staged through the query stages, which both consumers have finished reading once they pass
+    // this barrier (named barrier 1, the 256 consumer threads): each warp its own 16 rows of
+    // [128][DP + 8], dK first, then dV.
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    const float scale = (float)a.scale, mul_k[2] = {scale, scale}, one[2] = {1.f, 1.f};
+    T* stage = reinterpret_cast<T*>(qs) + (cw * WG_ROWS + warp * 16) * (DP + Tc16<T>::PAD);
+    store_rows<Tc16<T>, DP>(dk, a, OP_DK, b, kvh, own0 + warp * 16, a.keys, dka, mul_k, stage);
+    __syncwarp();
+    store_rows<Tc16<T>, DP>(dv, a, OP_DV, b, kvh, own0 + warp * 16, a.keys, dva, one, stage);
+}
+
+// attention_ws_backward_dkdv_<dtype>_<DP>: 384 threads, 128 keys a block; dynamic shared memory
+// 1024 bytes of alignment slack, eight 64-row tiles of DP / 64 · 8 KiB (two consumers' keys and
+// values, two stages each of queries and dO) and 128 bytes of mbarriers.
+#define WS_DKDV_KERNEL(T, SUFFIX, DP)                                                                        \
+    extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attention_ws_backward_dkdv_##SUFFIX(         \
+        const float* lse, const float* delta, T* dk, T* dv, const __grid_constant__ WsBackwardParams p) {    \
+        ws_backward_dkdv<T, DP>(lse, delta, dk, dv, p);                                                      \
+    }
+WS_DKDV_KERNEL(__nv_bfloat16, bf16_64, 64)
+WS_DKDV_KERNEL(__nv_bfloat16, bf16_128, 128)
+WS_DKDV_KERNEL(__half, f16_64, 64)
+WS_DKDV_KERNEL(__half, f16_128, 128)

@@ -75,6 +75,8 @@ pub struct CudaBackend {
     pub(crate) wgmma_backwards: AtomicU64,
     /// Attention forwards on the warp-specialised Hopper kernel (`attention/warp_specialized.rs`).
     pub(crate) ws_forwards: AtomicU64,
+    /// Attention backwards whose dK/dV ran on the warp-specialised kernel.
+    pub(crate) ws_backwards: AtomicU64,
     /// Rowwise fp8 products scaled after a unit-scaled product (`linear.rs`).
     pub(crate) float8_scaled_after: AtomicU64,
     /// How a few bytes are copied between host and device memory (`small_copies.rs`).
@@ -183,6 +185,7 @@ impl CudaBackend {
             wgmma_forwards: AtomicU64::new(0),
             wgmma_backwards: AtomicU64::new(0),
             ws_forwards: AtomicU64::new(0),
+            ws_backwards: AtomicU64::new(0),
             float8_scaled_after: AtomicU64::new(0),
             small_copies: Mutex::new(SmallCopies::default()),
             small_copy_memory: Mutex::new(None),

@@ -6,8 +6,9 @@
 //! tiles, packed sequences and (bf16) dropout replayed from the same draw as the CPU's mask; the
 //! launches are counted (`CudaBackend::attention_wgmma_forwards`, `_backwards`). Then the same
 //! cases with `HEADROOM_ATTENTION_WGMMA=ws`, `ws-overlap` and `ws-pingpong`: the warp-specialised
-//! forward (`kernels/attention_ws_sm90a.cu`, counted by `attention_ws_forwards`) takes those
-//! without dropout or packing, the wgmma kernels the rest and every backward. Its own binary, so
+//! kernels (`kernels/attention_ws_sm90a.cu`, counted by `attention_ws_forwards` and
+//! `_backwards`) take the forwards and backwards' dK/dV without dropout or packing, the wgmma
+//! kernels the rest and every dQ. Its own binary, so
 //! the variable is set before any other test reads it. Marked `#[ignore = "needs a CUDA device"]`.
 #![cfg(feature = "cuda")]
 
@@ -143,14 +144,15 @@ fn the_wgmma_forward_matches_the_cpu() {
             let after = counts(&cuda);
             assert_eq!(
                 after,
-                [before[0] + 1, before[1] + 1, before[2]],
+                [before[0] + 1, before[1] + 1, before[2], before[3]],
                 "ran on wgmma"
             );
         }
     }
 
     // The warp-specialised forward (`ws`, `ws-overlap`, `ws-pingpong`) takes the cases without
-    // dropout or packing, and its backward is the wgmma one; the others run as with `1`.
+    // dropout or packing, and their backward's dK/dV (its dQ is wgmma's); the others run as with
+    // `1`.
     for (value, dtype) in ["ws", "ws-overlap", "ws-pingpong"]
         .into_iter()
         .flat_map(|value| [(value, DType::BF16), (value, DType::F16)])
@@ -167,9 +169,9 @@ fn the_wgmma_forward_matches_the_cpu() {
             let after = counts(&cuda);
             let warp_specialized = mask.dropout.is_none() && mask.packed.is_none();
             let expected = if warp_specialized {
-                [before[0], before[1] + 1, before[2] + 1]
+                [before[0], before[1] + 1, before[2] + 1, before[3] + 1]
             } else {
-                [before[0] + 1, before[1] + 1, before[2]]
+                [before[0] + 1, before[1] + 1, before[2], before[3]]
             };
             assert_eq!(after, expected, "{value}: {dtype:?} {case:?}");
         }
@@ -179,12 +181,14 @@ fn the_wgmma_forward_matches_the_cpu() {
 /// (batch, heads, kv_heads, queries, keys, head_dim, mask)
 type Case<'a> = (usize, usize, usize, usize, usize, usize, Mask<'a>);
 
-/// Forwards and backwards counted on the wgmma kernels, then forwards on the warp-specialised one.
-fn counts(cuda: &CudaBackend) -> [u64; 3] {
+/// Forwards and backwards (their dQ) counted on the wgmma kernels, then forwards and backwards
+/// (their dK/dV) on the warp-specialised ones.
+fn counts(cuda: &CudaBackend) -> [u64; 4] {
     [
         cuda.attention_wgmma_forwards(),
         cuda.attention_wgmma_backwards(),
         cuda.attention_ws_forwards(),
+        cuda.attention_ws_backwards(),
     ]
 }
 

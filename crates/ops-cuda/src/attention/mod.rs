@@ -14,9 +14,9 @@
 //!   Hopper `wgmma` kernels of `kernels/attention_wgmma_sm90a.cu` (`wgmma.rs`; opt-in while
 //!   measured; packed sequences, and dropout in bf16), forward and backward, with the same saved
 //!   state as the mma.sync kernels. With `HEADROOM_ATTENTION_WGMMA=ws` the forwards without
-//!   dropout or packing whose operands a tensor map describes take the warp-specialised kernel of
+//!   dropout or packing whose operands a tensor map describes take the warp-specialised kernels of
 //!   `kernels/attention_ws_sm90a.cu` instead (`warp_specialized.rs`: TMA loads, two consumer
-//!   warpgroups), the rest as with `1`.
+//!   warpgroups; the forward, and the backward's dK/dV after wgmma's dQ), the rest as with `1`.
 //! - f16 and bf16 take the FlashAttention-2-style `mma.sync` kernels of
 //!   `kernels/attention_tc.cu` (`tensor_core.rs`) when their alignment rule holds
 //!   (`tensor_core::fits`: head dims multiples of 8 up to 128, operands 8-element aligned, buffers
@@ -124,7 +124,14 @@ pub(crate) fn attention_backward(backend: &CudaBackend, b: AttentionBackward<'_>
     if matches!(f.q.dtype, DType::F16 | DType::BF16) {
         let views = [f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv];
         return if tensor_core::fits(&dims, &views) && no_f16_dropout(&f) {
-            if hopper_kernels() != HopperKernels::None && wgmma::takes(backend, &f) {
+            let hopper = hopper_kernels();
+            if let HopperKernels::WarpSpecialized(_) = hopper {
+                if wgmma::takes(backend, &f) && warp_specialized::takes_backward(&b) {
+                    let delta = wgmma::backward_dq(backend, b, dims)?;
+                    return warp_specialized::backward_dkdv(backend, b, dims, delta.address());
+                }
+            }
+            if hopper != HopperKernels::None && wgmma::takes(backend, &f) {
                 wgmma::backward(backend, b, dims)
             } else {
                 tensor_core::backward(backend, b, dims)

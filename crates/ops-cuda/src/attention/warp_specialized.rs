@@ -1,21 +1,22 @@
-//! Hopper attention forward, warp-specialised (`kernels/attention_ws_sm90a.cu`): a block of three
-//! warpgroups takes 128 queries, one producer thread loading Q, K and V with the tensor memory
-//! accelerator into two stages behind mbarriers, two consumer warpgroups of 64 queries each
-//! computing S by m64n128 wgmma products and O with P from registers. The tensor maps it loads
-//! through (one per operand: head dim, rows, heads, batch, in 64 × 128 boxes with the 128-byte
-//! swizzle) are built here from the views, so strided views are read in place as on the other
-//! paths.
+//! Hopper attention, warp-specialised (`kernels/attention_ws_sm90a.cu`): the forward, and the
+//! backward's dK/dV (after `wgmma.rs`'s dQ kernel, which writes Δ). A block has three warpgroups:
+//! one producer thread loads the tiles with the tensor memory accelerator into two stages behind
+//! mbarriers, and two consumer warpgroups compute with wgmma. Forward: 128 queries a block, 64 a
+//! consumer, S by m64n128 products and O with P from registers, keys and values 128 a tile.
+//! dK/dV: 128 keys a block, 64 a consumer, the group's queries and their dO 64 a tile. The tensor
+//! maps it loads through (one per operand: head dim, rows, heads, batch, in boxes of 64 × 128 or
+//! 64 × 64 with the 128-byte swizzle) are built here from the views, so strided views are read in
+//! place as on the other paths.
 //!
-//! FlashAttention-3's intra-warpgroup overlap is a second build (`ws-overlap`): a tile's scores are
-//! issued with the last tile's P·V, and their softmax runs while that product does; a third adds
-//! its ping-pong (`ws-pingpong`): the consumers take turns to issue their products.
+//! FlashAttention-3's intra-warpgroup overlap is a second forward build (`ws-overlap`): a tile's
+//! scores are issued with the last tile's P·V, and their softmax runs while that product does; a
+//! third adds its ping-pong (`ws-pingpong`): the consumers take turns to issue their products.
 //!
 //! Opt-in while it is measured (`HEADROOM_ATTENTION_WGMMA=ws`, `ws-overlap` or `ws-pingpong`), for
-//! what it takes
-//! ([`takes`]): f16 or bf16 on a compute capability 9.0 device (as `wgmma.rs`), no dropout and no
-//! packed sequences, every operand's base 16-byte aligned and its strides multiples of 16 bytes
-//! (what a tensor map needs). The rest of `HEADROOM_ATTENTION_WGMMA=ws`'s forwards, and all its
-//! backwards, take `wgmma.rs`'s kernels, whose saved state this forward shares.
+//! what it takes ([`takes`], [`takes_backward`]): f16 or bf16 on a compute capability 9.0 device
+//! (as `wgmma.rs`), no dropout and no packed sequences, every operand read through a tensor map
+//! with its base 16-byte aligned and its strides multiples of 16 bytes. The rest of those calls
+//! take `wgmma.rs`'s kernels, whose saved state these share.
 //!
 //! This path sits on the attention family's `args.rs` and the ground floor, and imports no other
 //! path.
@@ -23,7 +24,9 @@
 use std::sync::atomic::Ordering;
 
 use cudarc::driver::{sys, DeviceRepr, LaunchConfig};
-use headroom_autograd_core::{AttentionDims, AttentionForward, DType, Result, View};
+use headroom_autograd_core::{
+    AttentionBackward, AttentionDims, AttentionForward, DType, Result, View,
+};
 
 use super::args::{attn_args, hopper_variant, AttnArgs};
 use crate::device::CudaBackend;
@@ -52,13 +55,29 @@ struct WsParams {
     args: AttnArgs,
 }
 
+/// `WsBackwardParams` of `attention_ws_sm90a.cu`, field for field: Q's, K's, V's and dO's tensor
+/// maps (64-row boxes) and the attention's arguments.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct WsBackwardParams {
+    q: TensorMap,
+    k: TensorMap,
+    v: TensorMap,
+    dout: TensorMap,
+    args: AttnArgs,
+}
+
 const _: () = assert!(std::mem::size_of::<AttnArgs>() == 352);
 const _: () = assert!(std::mem::size_of::<WsParams>() == 768);
+const _: () = assert!(std::mem::size_of::<WsBackwardParams>() == 896);
 
 // SAFETY: `repr(C)` with the kernel's alignment, plain integers (the tensor maps' opaque words and
 // `AttnArgs`), laid out exactly like `WsParams` in `kernels/attention_ws_sm90a.cu`; passed by value
 // as the kernel's `__grid_constant__` parameter.
 unsafe impl DeviceRepr for WsParams {}
+
+// SAFETY: as `WsParams`, laid out exactly like `WsBackwardParams` in the same source.
+unsafe impl DeviceRepr for WsBackwardParams {}
 
 /// Whether the forward `f` runs here (once the entry point's variable asks for it and `wgmma.rs`
 /// takes the call: a compute capability 9.0 device, f16 or bf16): no dropout, no packed
@@ -100,9 +119,9 @@ fn strides_in_bytes(view: &View<'_>) -> [u64; 3] {
     out
 }
 
-/// `view`'s tensor map: dims (head dim, rows, heads, batch), boxes of 64 × 128 × 1 × 1, the
+/// `view`'s tensor map: dims (head dim, rows, heads, batch), boxes of 64 × `rows` × 1 × 1, the
 /// 128-byte swizzle, zeros past every edge.
-fn tensor_map(view: &View<'_>) -> Result<TensorMap> {
+fn tensor_map(view: &View<'_>, rows: u32) -> Result<TensorMap> {
     let shape = view.layout.shape();
     let data_type = match view.dtype {
         DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -110,7 +129,7 @@ fn tensor_map(view: &View<'_>) -> Result<TensorMap> {
     };
     let dims = [shape[3], shape[2], shape[1], shape[0]].map(|extent| extent as u64);
     let strides = strides_in_bytes(view);
-    let boxes = [64u32, ROWS as u32, 1, 1];
+    let boxes = [64u32, rows, 1, 1];
     let element_strides = [1u32; 4];
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
     // SAFETY: every pointer is to a live local array of the length the rank (4) asks (3 strides);
@@ -179,9 +198,9 @@ pub(crate) fn forward(
 ) -> Result<()> {
     let (name, padded) = variant(f.q.dtype, dims.head_dim, build);
     let params = WsParams {
-        q: tensor_map(&f.q)?,
-        k: tensor_map(&f.k)?,
-        v: tensor_map(&f.v)?,
+        q: tensor_map(&f.q, ROWS as u32)?,
+        k: tensor_map(&f.k, ROWS as u32)?,
+        v: tensor_map(&f.v, ROWS as u32)?,
         args: attn_args(&dims, &f, &[f.q, f.k, f.v, f.out])?,
     };
     // Q and two stages each of K and V, 1 KiB of alignment slack, 128 bytes of mbarriers.
@@ -212,7 +231,72 @@ pub(crate) fn forward(
     Ok(())
 }
 
+/// Whether the backward `b` takes this path's dK/dV kernel (its forward's conditions, and dO a
+/// tensor map can describe).
+pub(crate) fn takes_backward(b: &AttentionBackward<'_>) -> bool {
+    takes(&b.forward) && tensor_map_fits(&b.dout)
+}
+
+/// The backward's dK/dV on the warp-specialised kernel (128 keys a block, queries and dO
+/// streamed 64 a tile by the tensor memory accelerator), after `wgmma.rs`'s dQ kernel wrote Δ
+/// (at device address `delta`); the caller checked [`takes_backward`].
+pub(crate) fn backward_dkdv(
+    backend: &CudaBackend,
+    b: AttentionBackward<'_>,
+    dims: AttentionDims,
+    delta: u64,
+) -> Result<()> {
+    if dims.keys == 0 {
+        return Ok(());
+    }
+    let f = b.forward;
+    let (suffix, padded) = hopper_variant(f.q.dtype, dims.head_dim);
+    let atom_rows = (ROWS / 2) as u32;
+    let params = WsBackwardParams {
+        q: tensor_map(&f.q, atom_rows)?,
+        k: tensor_map(&f.k, atom_rows)?,
+        v: tensor_map(&f.v, atom_rows)?,
+        dout: tensor_map(&b.dout, atom_rows)?,
+        args: attn_args(&dims, &f, &[f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv])?,
+    };
+    // Eight 64-row tiles (each consumer's keys and values, two stages each of queries and dO),
+    // 1 KiB of alignment slack, 128 bytes of mbarriers.
+    let tile = padded / 64 * HALF_BYTES / 2;
+    let config = LaunchConfig {
+        grid_dim: (
+            dims.keys.div_ceil(ROWS) as u32,
+            (dims.batch * dims.kv_heads) as u32,
+            1,
+        ),
+        block_dim: (384, 1, 1),
+        shared_mem_bytes: (1024 + 8 * tile + 128) as u32,
+    };
+    let pointers = [
+        Param::U64(element_address(&f.lse)),
+        Param::U64(delta),
+        super::args::address(&b.dk),
+        super::args::address(&b.dv),
+    ];
+    launch_in(
+        backend,
+        Module::AttentionWs,
+        "attention_backward",
+        ("attention_ws_backward_dkdv", suffix),
+        config,
+        &pointers,
+        Some(params),
+    )?;
+    backend.ws_backwards.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
 impl CudaBackend {
+    /// How many attention backwards ran their dK/dV on the warp-specialised Hopper kernel (with
+    /// `HEADROOM_ATTENTION_WGMMA` `ws`, `ws-overlap` or `ws-pingpong`, on what it takes).
+    pub fn attention_ws_backwards(&self) -> u64 {
+        self.ws_backwards.load(Ordering::Relaxed)
+    }
+
     /// How many attention forwards ran on the warp-specialised Hopper kernel
     /// (`HEADROOM_ATTENTION_WGMMA=ws`, on what it takes: f16/bf16, no dropout, no packing).
     pub fn attention_ws_forwards(&self) -> u64 {
@@ -242,6 +326,14 @@ mod tests {
                 let signature = &ptx[at..at + ptx[at..].find(')').unwrap()];
                 assert!(signature.contains(".align 64 .b8"), "{signature}");
                 assert!(signature.contains("[768]"), "{signature}");
+            }
+            for head_dim in [64, 128] {
+                let (suffix, _) = hopper_variant(dtype, head_dim);
+                let entry = format!(".entry attention_ws_backward_dkdv_{suffix}(");
+                let at = ptx.find(&entry).unwrap_or_else(|| panic!("{entry}"));
+                let signature = &ptx[at..at + ptx[at..].find(')').unwrap()];
+                assert!(signature.contains(".align 64 .b8"), "{signature}");
+                assert!(signature.contains("[896]"), "{signature}");
             }
         }
     }

@@ -121,12 +121,23 @@ pub(crate) fn backward(
     b: AttentionBackward<'_>,
     dims: AttentionDims,
 ) -> Result<()> {
+    let delta = backward_dq(backend, b, dims)?;
+    backward_dkdv(backend, b, dims, &delta)
+}
+
+/// The backward's dQ kernel, which also writes Δ = dO·O per query: returns Δ (device scratch,
+/// released in stream order once dropped) for a dK/dV kernel, this path's or
+/// `warp_specialized.rs`'s. Counted as a backward on these kernels.
+pub(crate) fn backward_dq<'a>(
+    backend: &'a CudaBackend,
+    b: AttentionBackward<'_>,
+    dims: AttentionDims,
+) -> Result<Scratch<'a>> {
     let f = b.forward;
     let (suffix, padded) = variant(f.q.dtype, dims.head_dim);
     let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv])?;
     // Δ per query, from the caching allocator, returned (in stream order) after the launches.
     let delta = Scratch::new(backend, (dims.batch * dims.heads * dims.queries * 4) as u64)?;
-    let lse = Param::U64(element_address(&f.lse));
     if dims.queries > 0 {
         // Q and dO, two buffers each of K and V; the block's log-sum-exp and Δ.
         let config = config(dims.queries, dims.batch * dims.heads, padded, 6, 2 * ROWS);
@@ -136,7 +147,7 @@ pub(crate) fn backward(
             address(&f.v),
             address(&f.out),
             address(&b.dout),
-            lse,
+            Param::U64(element_address(&f.lse)),
             address(&b.dq),
             Param::U64(delta.address()),
         ];
@@ -145,25 +156,38 @@ pub(crate) fn backward(
         let name = (names(f.dropout.is_some())[1], suffix);
         launch(backend, "attention_backward", name, config, &params, args)?;
     }
-    if dims.keys > 0 {
-        // K and V, two buffers each of Q and dO; both query buffers' statistics.
-        let config = config(dims.keys, dims.batch * dims.kv_heads, padded, 6, 4 * ROWS);
-        let params = [
-            address(&f.q),
-            address(&f.k),
-            address(&f.v),
-            address(&b.dout),
-            lse,
-            Param::U64(delta.address()),
-            address(&b.dk),
-            address(&b.dv),
-        ];
-        let (args, _order) = with_tiles_heaviest_first(backend, args, &f, false, dims.keys, SHAPE)?;
-        let name = (names(f.dropout.is_some())[2], suffix);
-        launch(backend, "attention_backward", name, config, &params, args)?;
-    }
     backend.wgmma_backwards.fetch_add(1, Ordering::Relaxed);
-    Ok(())
+    Ok(delta)
+}
+
+/// The backward's dK/dV kernel, after [`backward_dq`] wrote `delta`.
+pub(crate) fn backward_dkdv(
+    backend: &CudaBackend,
+    b: AttentionBackward<'_>,
+    dims: AttentionDims,
+    delta: &Scratch<'_>,
+) -> Result<()> {
+    if dims.keys == 0 {
+        return Ok(());
+    }
+    let f = b.forward;
+    let (suffix, padded) = variant(f.q.dtype, dims.head_dim);
+    let args = attn_args(&dims, &f, &[f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv])?;
+    // K and V, two buffers each of Q and dO; both query buffers' statistics.
+    let config = config(dims.keys, dims.batch * dims.kv_heads, padded, 6, 4 * ROWS);
+    let params = [
+        address(&f.q),
+        address(&f.k),
+        address(&f.v),
+        address(&b.dout),
+        Param::U64(element_address(&f.lse)),
+        Param::U64(delta.address()),
+        address(&b.dk),
+        address(&b.dv),
+    ];
+    let (args, _order) = with_tiles_heaviest_first(backend, args, &f, false, dims.keys, SHAPE)?;
+    let name = (names(f.dropout.is_some())[2], suffix);
+    launch(backend, "attention_backward", name, config, &params, args)
 }
 
 impl CudaBackend {
@@ -173,7 +197,8 @@ impl CudaBackend {
         self.wgmma_forwards.load(Ordering::Relaxed)
     }
 
-    /// How many attention backwards ran on the Hopper wgmma kernels (as the forwards).
+    /// How many attention backwards ran their dQ on the Hopper wgmma kernels (as the forwards;
+    /// the dK/dV kernel may be `attention_ws_backwards`').
     pub fn attention_wgmma_backwards(&self) -> u64 {
         self.wgmma_backwards.load(Ordering::Relaxed)
     }
