@@ -20,13 +20,21 @@ family): batch 4, 16 heads (no grouping), 4096 tokens, head dims 128 and 64, cau
 (a full forward counts every score: 4 · b · h · s² · d); the cases are named
 `bf16_<causal|full>_<forward|backward|fwd_bwd>_b4_h16_s4096_d<dim>`.
 
+`--backends` names SDPA's backends to time (default: cudnn, and for issue35 also flash and
+efficient, PyTorch's FlashAttention-2 and memory-efficient kernels); each line carries its
+`backend`, and the cases of backends other than cuDNN end in `_<backend>`.
+
 Usage (on the GPU machine):
-    python3 scripts/pytorch/attention_reference.py [--shape llama1b|issue35] [--out FILE]
+    python3 scripts/pytorch/attention_reference.py [--shape llama1b|issue35]
+        [--backends cudnn,flash,efficient] [--out FILE]
 """
 import argparse
 import json
 
 WARMUP, TIMED = 5, 20
+# --backends' names and SDPBackend's members.
+BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
+            "efficient": "EFFICIENT_ATTENTION"}
 # (batch, heads, kv heads, tokens, head dim, causal, case suffix) of each shape set.
 SHAPES = {
     "llama1b": [(4, 32, 8, 2048, 64, True, "")],
@@ -62,21 +70,29 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama1b",
                         help="the shape set: issue 30's Llama-3.2-1B shape (default) or issue 35's")
+    parser.add_argument("--backends", help="comma-separated SDPA backends among "
+                        f"{', '.join(BACKENDS)} (default: cudnn; for issue35 all three)")
     parser.add_argument("--out", help="append the JSON lines to this file as well")
     args = parser.parse_args()
+    default = "cudnn,flash,efficient" if args.shape == "issue35" else "cudnn"
+    backends = (args.backends or default).split(",")
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        parser.error(f"unknown backend(s) {', '.join(unknown)}: choose among {', '.join(BACKENDS)}")
 
     import torch
 
     lines = []
-    for shape in SHAPES[args.shape]:
-        lines.extend(run_shape(torch, *shape))
+    for backend in backends:
+        for shape in SHAPES[args.shape]:
+            lines.extend(run_shape(torch, backend, *shape))
     if args.out:
         with open(args.out, "a") as out:
             for line in lines:
                 out.write(json.dumps(line) + "\n")
 
 
-def run_shape(torch, batch, n_heads, kv_heads, seq, head_dim, causal, suffix):
+def run_shape(torch, backend, batch, n_heads, kv_heads, seq, head_dim, causal, suffix):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -112,12 +128,15 @@ def run_shape(torch, batch, n_heads, kv_heads, seq, head_dim, causal, suffix):
         "cudnn": torch.backends.cudnn.version(),
         "device": torch.cuda.get_device_name(device),
         "shape": f"b{batch} h{n_heads} kv{kv_heads} s{seq} d{head_dim} {mask} bf16",
+        "backend": backend,
     }
+    if backend != "cudnn":
+        suffix += f"_{backend}"
     # Issue 30's names keep their form (bf16_causal_forward, ...).
     prefix = f"bf16_{mask}"
     flops = forward_flops(batch, n_heads, seq, head_dim, causal)
     lines = []
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+    with sdpa_kernel(getattr(SDPBackend, BACKENDS[backend])):
         for case, run, multiple in [
             ("forward", forward, 1.0),
             ("backward", backward, 2.5),
