@@ -14,6 +14,7 @@ use headroom_candle_cuda::{
     Adam8bitConfig, AdamConfig, AdamStochasticConfig, AdamW, AdamW8bit, AdamWStochastic, Sgd,
     SgdConfig,
 };
+use headroom_testkit::worst::nan_max_f32;
 
 const STEPS: usize = 20;
 /// Elements of the Vars: one over bitsandbytes' 4096-element threshold (8-bit state, a partial
@@ -225,7 +226,7 @@ fn adamw_on_cuda_stays_within_8_epsilons_of_candle_nn_adamw() {
     for (a, b) in ours.iter().flatten().zip(candle.iter().flatten()) {
         let (x, y) = (f32::from_bits(*a), f32::from_bits(*b));
         counts[(ulps(*a, *b) as usize).min(2)] += 1;
-        worst = worst.max((x - y).abs() / (f32::EPSILON * x.abs().max(1e-3)));
+        worst = nan_max_f32(worst, (x - y).abs() / (f32::EPSILON * x.abs().max(1e-3)));
     }
     println!(
         "against candle_nn::AdamW after {STEPS} steps: {} equal, {} one ulp apart, {} more; \

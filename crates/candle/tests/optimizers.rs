@@ -22,6 +22,7 @@ use headroom_ops_cpu::CpuBackend;
 use headroom_optim::{
     clip_grad_norm_, Adam, Adam8bit, Implementation, NormType, Optimizer, ParamGroup,
 };
+use headroom_testkit::worst::nan_max_f32;
 
 /// Shapes: a matrix, a bias, one with 8-bit codes and a partial last block, one large enough for
 /// the kernels' parallel runs.
@@ -371,7 +372,7 @@ fn adamw_parameters_stay_within_2_ulps_of_candle_nn_adamw() {
             let ulps =
                 (i64::from(x.to_bits() as i32) - i64::from(y.to_bits() as i32)).unsigned_abs();
             counts[(ulps as usize).min(2)] += 1;
-            worst = worst.max((x - y).abs() / (f32::EPSILON * x.abs().max(1e-3)));
+            worst = nan_max_f32(worst, (x - y).abs() / (f32::EPSILON * x.abs().max(1e-3)));
         }
     }
     println!(

@@ -18,6 +18,7 @@ use headroom_nn::{BlockRunner, BlockStack, Module, VitConfig};
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::inputs::{uniform_f32, Xorshift};
 use headroom_testkit::memory::allocated;
+use headroom_testkit::worst::nan_max;
 use headroom_testkit::{Model, ModelSpec};
 use proptest::prelude::*;
 
@@ -180,7 +181,7 @@ fn backward_sees_the_codecs_round_trip_of_each_saved_dtype() {
             _ => 0.0,
         };
         for (chunk, got) in saved.chunks(64).zip(got.chunks(64)) {
-            let a = chunk.iter().map(|v| v.abs()).fold(0.0, f64::max);
+            let a = chunk.iter().map(|v| v.abs()).fold(0.0, nan_max);
             for (s, g) in chunk.iter().zip(got) {
                 let bound = INT8_ERROR_BOUND * a + narrow * g.abs() + 1e-7 * a;
                 assert!((s - g).abs() <= bound, "{dtype:?}: {g} for {s}");
@@ -297,12 +298,12 @@ fn activation_bytes_are_exact_and_under_three_tenths_of_f32() {
 
 /// `max |a - b| / max |a|`.
 fn relative_error(a: &[f32], b: &[f32]) -> f64 {
-    let scale = a.iter().map(|v| f64::from(v.abs())).fold(0.0, f64::max);
+    let scale = a.iter().map(|v| f64::from(v.abs())).fold(0.0, nan_max);
     let diff = a
         .iter()
         .zip(b)
         .map(|(x, y)| (f64::from(*x) - f64::from(*y)).abs())
-        .fold(0.0, f64::max);
+        .fold(0.0, nan_max);
     diff / scale
 }
 
@@ -576,7 +577,7 @@ fn vit_gradients_with_compressed_blocks_are_within_tolerance_of_plain_ones() {
             .iter()
             .zip(&grads)
             .map(|(p, g)| relative_error(p, g))
-            .fold(0.0, f64::max);
+            .fold(0.0, nan_max);
         assert!(worst < tolerance, "{name}: {worst}");
         assert!(worst > 0.0, "{name}: something was compressed");
     }

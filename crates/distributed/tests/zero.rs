@@ -29,6 +29,7 @@ use headroom_optim::{
     Optimizer, ParamGroup,
 };
 use headroom_testkit::inputs::Xorshift;
+use headroom_testkit::worst::nan_max;
 use headroom_testkit::{Batch, Model, ModelSpec};
 use zero2::zero2_in_backward;
 
@@ -262,13 +263,13 @@ fn max_relative(ours: &[Vec<f32>], reference: &[Vec<f32>]) -> f64 {
     ours.iter()
         .zip(reference)
         .map(|(a, b)| {
-            let scale = b.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
+            let scale = b.iter().fold(0f64, |m, &v| nan_max(m, f64::from(v).abs()));
             let diff = a.iter().zip(b).fold(0f64, |m, (&x, &y)| {
-                m.max((f64::from(x) - f64::from(y)).abs())
+                nan_max(m, (f64::from(x) - f64::from(y)).abs())
             });
             diff / scale
         })
-        .fold(0.0, f64::max)
+        .fold(0.0, nan_max)
 }
 
 fn assert_bitwise(run: Run) {

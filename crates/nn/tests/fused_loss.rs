@@ -11,6 +11,7 @@ use headroom_nn::{
 };
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::golden::backward_and_gradients;
+use headroom_testkit::worst::nan_max;
 
 const BATCH: usize = 2;
 const SEQ: usize = 5;
@@ -46,12 +47,12 @@ fn assert_close(name: &str, fused: &(f64, Vec<Vec<f64>>), unfused: &(f64, Vec<Ve
         unfused.0
     );
     for (ours, theirs) in fused.1.iter().zip(&unfused.1) {
-        let scale = theirs.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-6);
+        let scale = theirs.iter().fold(1e-6, |m, v| nan_max(m, v.abs()));
         let error = ours
             .iter()
             .zip(theirs)
             .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f64::max);
+            .fold(0.0, nan_max);
         assert!(
             error <= 1e-5 * scale,
             "{name}: gradient error {error} of scale {scale}"

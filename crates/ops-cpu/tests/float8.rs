@@ -6,6 +6,7 @@
 use headroom_autograd_core::{BackendRef, DType, Tensor, TensorError};
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::inputs::Xorshift;
+use headroom_testkit::worst::nan_max;
 
 /// torchao's scale for `values` in `max`'s format, as f32.
 fn scale_of(values: &[f64], max: f64) -> f32 {
@@ -359,9 +360,9 @@ fn the_rowwise_fp8_linear_folds_the_saved_scales_into_the_gradient() {
                 let size = w.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
                 g.iter()
                     .zip(w)
-                    .fold(0.0f64, |m, (a, b)| m.max((a - b).abs() / size))
+                    .fold(0.0f64, |m, (a, b)| nan_max(m, (a - b).abs() / size))
             })
-            .fold(0.0, f64::max)
+            .fold(0.0, nan_max)
     };
     let (rowwise_y, rowwise_dx) = (
         worst_row_error(&y.to_vec_f64().unwrap(), &exact_y, n),

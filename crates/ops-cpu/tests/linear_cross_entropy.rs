@@ -15,6 +15,7 @@ use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::inputs::uniform_f64;
 use headroom_testkit::loss_fixtures::{OneOpInBf16, IGNORE_INDEX};
 use headroom_testkit::memory::{allocated, peak};
+use headroom_testkit::worst::nan_max;
 
 /// Tokens `[batch, seq]`, features and classes of the small head most tests use: 2 × 7 = 14
 /// tokens, so chunks of 3 or 4 rows do not divide them.
@@ -248,7 +249,7 @@ fn max_relative(a: &[f64], b: &[f64], floor: f64) -> f64 {
     a.iter()
         .zip(b)
         .map(|(x, y)| (x - y).abs() / y.abs().max(floor))
-        .fold(0.0, f64::max)
+        .fold(0.0, nan_max)
 }
 
 #[test]
@@ -387,7 +388,7 @@ fn bf16_gradients_are_as_close_to_the_f32_reference_as_the_unfused_bf16_ones() {
         // bf16 keeps 8 significant bits: one rounding is at most 2^-9 relative; the logits'
         // and their gradient's roundings add a few more, as in the unfused path.
         assert!(
-            ours <= theirs.max(2f64.powi(-8)) * 1.5,
+            ours <= nan_max(theirs, 2f64.powi(-8)) * 1.5,
             "{name}: {ours} vs unfused {theirs}"
         );
     }

@@ -63,6 +63,7 @@ use headroom_autograd_core::{
 };
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::golden::{relative_error, testdata};
+use headroom_testkit::worst::nan_max;
 use safetensors::{Dtype, SafeTensors};
 
 /// Bounds on a run's relative errors: of the loss, and of each gradient.
@@ -223,15 +224,15 @@ struct Errors {
 
 impl Errors {
     fn gradients(&self) -> f64 {
-        self.hidden.max(self.weight).max(self.bias)
+        nan_max(nan_max(self.hidden, self.weight), self.bias)
     }
 
     fn max(self, other: Errors) -> Errors {
         Errors {
-            loss: self.loss.max(other.loss),
-            hidden: self.hidden.max(other.hidden),
-            weight: self.weight.max(other.weight),
-            bias: self.bias.max(other.bias),
+            loss: nan_max(self.loss, other.loss),
+            hidden: nan_max(self.hidden, other.hidden),
+            weight: nan_max(self.weight, other.weight),
+            bias: nan_max(self.bias, other.bias),
         }
     }
 }

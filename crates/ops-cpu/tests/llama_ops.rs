@@ -15,6 +15,7 @@ use headroom_autograd_core::{
 };
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::inputs::uniform_f64;
+use headroom_testkit::worst::nan_max;
 
 const FLOATS: [DType; 4] = [DType::F64, DType::F32, DType::F16, DType::BF16];
 
@@ -32,14 +33,11 @@ fn f64s(t: &Tensor) -> Vec<f64> {
 /// `max |ours − theirs| / max |theirs|`.
 fn relative(ours: &[f64], theirs: &[f64]) -> f64 {
     assert_eq!(ours.len(), theirs.len());
-    let scale = theirs
-        .iter()
-        .fold(0.0f64, |m, v| m.max(v.abs()))
-        .max(1e-300);
+    let scale = theirs.iter().fold(1e-300f64, |m, v| nan_max(m, v.abs()));
     let diff = ours
         .iter()
         .zip(theirs)
-        .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
+        .fold(0.0f64, |m, (a, b)| nan_max(m, (a - b).abs()));
     diff / scale
 }
 

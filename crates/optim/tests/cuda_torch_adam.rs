@@ -11,6 +11,7 @@ use headroom_ops_cuda::CudaBackend;
 use headroom_optim::cuda::{CudaFusedAdam, DeviceAdamParam, FusedAdamMath};
 use headroom_optim::{AdamConfig, WeightDecay};
 use headroom_testkit::gpu::cuda_or_skip;
+use headroom_testkit::worst::nan_max;
 use safetensors::SafeTensors;
 
 const STEPS: u64 = 20;
@@ -164,7 +165,7 @@ fn torch_math_equals_torch_fused_adam_bit_for_bit() {
                 .iter()
                 .zip(expected)
                 .map(|(&g, &e)| (f64::from(g) - f64::from(e)).abs() / scale.max(1e-30))
-                .fold(0.0, f64::max);
+                .fold(0.0, nan_max);
             println!(
                 "{name}: {key}: {differing} of {n} elements differ, at most {worst_ulps} ulps \
                  ({worst_of_scale:.2e} of the largest magnitude)"

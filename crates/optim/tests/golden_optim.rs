@@ -18,6 +18,7 @@ use headroom_optim::{
 };
 use headroom_testkit::memory::allocated;
 use headroom_testkit::ulps::max_ulps;
+use headroom_testkit::worst::nan_max;
 use safetensors::SafeTensors;
 
 const PARAMS: [&str; 3] = ["a", "b", "c"];
@@ -66,7 +67,7 @@ fn max_rel_error(ours: &[f32], reference: &[f32]) -> f64 {
                 diff / f64::from(b).abs()
             }
         })
-        .fold(0.0, f64::max)
+        .fold(0.0, nan_max)
 }
 
 fn implementations() -> Vec<(&'static str, Implementation)> {
@@ -149,8 +150,8 @@ fn run_config<R: UpdateRule>(
         for (p, param) in PARAMS.iter().zip(&params) {
             let (_, expected) = golden.get(&format!("{name}.param.{p}.{step}"));
             let ours = param.to_vec::<f32>().unwrap();
-            run.worst = run.worst.max(max_rel_error(&ours, expected));
-            run.worst_tensor = run.worst_tensor.max(tensor_rel_error(&ours, expected));
+            run.worst = nan_max(run.worst, max_rel_error(&ours, expected));
+            run.worst_tensor = nan_max(run.worst_tensor, tensor_rel_error(&ours, expected));
             run.params.push(ours);
         }
         optimizer.zero_grad(true).unwrap();
@@ -383,7 +384,10 @@ fn adamw_in_backward(golden: &Golden, backend: &BackendRef, implementation: Impl
         for (p, param) in PARAMS.iter().zip(&params) {
             assert!(param.grad().is_none(), "the hook freed the gradient");
             let (_, expected) = golden.get(&format!("adamw.param.{p}.{step}"));
-            worst = worst.max(max_rel_error(&param.to_vec::<f32>().unwrap(), expected));
+            worst = nan_max(
+                worst,
+                max_rel_error(&param.to_vec::<f32>().unwrap(), expected),
+            );
         }
     }
     worst

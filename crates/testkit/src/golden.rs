@@ -15,6 +15,7 @@ use headroom_nn::{load_weights, read_tensor, Gpt2Config, Module, VitConfig};
 use safetensors::SafeTensors;
 
 use crate::case::{Batch, Model, ModelSpec};
+use crate::worst::nan_max;
 use crate::Result;
 
 /// The two golden models.
@@ -147,7 +148,7 @@ pub fn check(golden: &SafeTensors<'_>, run: &GoldenRun, tolerance: f64) -> Golde
             .unwrap_or_else(|| panic!("{name} has no gradient"));
         let err = relative_error(&grad, &reference(&format!("grad.{name}")), &name);
         assert!(err <= tolerance, "{prefix} gradient of {name}: {err:e}");
-        gradients = gradients.max(err);
+        gradients = nan_max(gradients, err);
     }
     println!(
         "{prefix} on {:?} in {:?}: logits {logits:.2e}, loss {loss:.2e}, worst parameter \
@@ -184,7 +185,7 @@ pub fn relative_error(ours: &Tensor, theirs: &Tensor, what: &str) -> f64 {
     let diff = ours
         .iter()
         .zip(&theirs)
-        .fold(0.0f64, |acc, (a, b)| acc.max((a - b).abs()));
+        .fold(0.0f64, |acc, (a, b)| nan_max(acc, (a - b).abs()));
     assert!(scale > 0.0, "{what}: reference is all zeros");
     diff / scale
 }

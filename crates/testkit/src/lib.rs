@@ -15,6 +15,8 @@
 //! - [`inputs`]: deterministic inputs (one xorshift stream; floats, labels, byte patterns).
 //! - [`memory`]: a backend's allocated bytes and their peak, as tests read them.
 //! - [`ulps`]: the distance between two f32 results in units in the last place.
+//! - [`worst`]: the worst of a comparison's errors, keeping NaN (`f64::max` drops it, so a
+//!   kernel returning NaN would pass `worst <= bound`).
 //! - [`misuse`]: the misuse suites' checker (named cases, each a typed error or a checked
 //!   result; a panic fails; known bugs must fail).
 //! - [`golden`]: PyTorch's golden ViT-tiny and GPT-2-tiny, run and checked on any backend.
@@ -61,6 +63,7 @@ pub mod loss_paths;
 pub mod memory;
 pub mod misuse;
 pub mod ulps;
+pub mod worst;
 
 mod case;
 mod harness;

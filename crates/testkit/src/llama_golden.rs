@@ -15,6 +15,7 @@ use headroom_nn::{load_weights, read_tensor, LlamaConfig, LlamaForCausalLM, Modu
 use safetensors::SafeTensors;
 
 use crate::golden::{relative_error, testdata};
+use crate::worst::nan_max;
 use crate::Result;
 
 /// Which reference model of the file.
@@ -58,7 +59,7 @@ pub struct LlamaGoldenErrors {
 impl LlamaGoldenErrors {
     /// The largest of the three.
     pub fn worst(&self) -> f64 {
-        self.logits.max(self.loss).max(self.worst_gradient.0)
+        nan_max(nan_max(self.logits, self.loss), self.worst_gradient.0)
     }
 }
 
@@ -126,7 +127,7 @@ pub fn run_llama_golden(
             .grad()
             .unwrap_or_else(|| panic!("{prefix}: {name} has no gradient"));
         let err = relative_error(&grad, &reference(&format!("grad.{name}"))?, &name);
-        if err >= worst_gradient.0 {
+        if err.is_nan() || err >= worst_gradient.0 {
             worst_gradient = (err, name);
         }
     }

@@ -25,6 +25,7 @@ use headroom_nn::{
 };
 
 use crate::inputs::Xorshift;
+use crate::worst::{nan_max, nan_max_f32};
 use crate::Result;
 
 /// Tokens in each row of [`tokens`].
@@ -145,7 +146,7 @@ impl LossPathGap {
             .iter()
             .zip(&reference.losses)
             .map(|(a, b)| (a - b).abs() / b.abs())
-            .fold(0.0, f64::max);
+            .fold(0.0, nan_max);
         let params = ours
             .params
             .iter()
@@ -153,13 +154,12 @@ impl LossPathGap {
             .map(|(a, b)| {
                 let scale = b
                     .iter()
-                    .fold(0f32, |m, v| m.max(v.abs()))
-                    .max(f32::MIN_POSITIVE);
+                    .fold(f32::MIN_POSITIVE, |m, v| nan_max_f32(m, v.abs()));
                 let worst = a
                     .iter()
                     .zip(b)
                     .map(|(x, y)| (x - y).abs())
-                    .fold(0f32, f32::max);
+                    .fold(0f32, nan_max_f32);
                 f64::from(worst / scale)
             })
             .collect();
@@ -183,7 +183,7 @@ impl LossPathGap {
                 .iter()
                 .filter(|(name, _)| is_key_bias(name) == key_bias)
                 .fold(("-", 0.0), |most, (name, gap)| {
-                    if *gap > most.1 {
+                    if gap.is_nan() || *gap > most.1 {
                         (name.as_str(), *gap)
                     } else {
                         most

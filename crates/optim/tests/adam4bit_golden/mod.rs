@@ -8,6 +8,7 @@ use headroom_autograd_core::{BackendRef, Tensor};
 use headroom_optim::{
     Adam4bit, Adam4bitConfig, Implementation, Optimizer, ParamGroup, Scaling, StepParams,
 };
+use headroom_testkit::worst::nan_max_f32;
 use safetensors::SafeTensors;
 
 /// The golden parameters: `w` [64, 128] (4-bit states) and `b` [37] (f32 states).
@@ -183,7 +184,7 @@ pub(crate) fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
         .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+        .fold(0.0, nan_max_f32)
 }
 
 /// Elements of `width` bytes at which `a` and `b` differ.

@@ -43,6 +43,7 @@ use headroom_optim::{
     Adam, Adam8bit, Adam8bitConfig, AdamConfig, Implementation, Optimizer, ParamGroup,
 };
 use headroom_testkit::inputs::Xorshift;
+use headroom_testkit::worst::nan_max;
 use headroom_testkit::{Batch, Model, ModelSpec};
 
 const STEPS: usize = 5;
@@ -417,7 +418,7 @@ fn compare(ours: &[Vec<f32>], reference: &[Vec<f32>]) -> (usize, f64) {
         for (&x, &y) in a.iter().zip(b) {
             if x.to_bits() != y.to_bits() {
                 differing += 1;
-                largest = largest.max((f64::from(x) - f64::from(y)).abs());
+                largest = nan_max(largest, (f64::from(x) - f64::from(y)).abs());
             }
         }
     }
