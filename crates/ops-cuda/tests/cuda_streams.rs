@@ -625,6 +625,10 @@ fn small_copies_do_not_wait_behind_a_side_streams_large_copy() {
     let small = Tensor::from_slice(&gpu, &[7.0f32, 8.0], &[2]).unwrap();
     for mode in [SmallCopies::Kernel, SmallCopies::CopyEngine] {
         cuda.set_small_copies(mode);
+        // One read and one write before the timed ones: a kernel's first launch loads it, and
+        // loading may wait for the whole context (the side stream's copy included).
+        assert_eq!(small.to_vec::<f32>().unwrap(), [7.0, 8.0]);
+        drop(Tensor::from_slice(&gpu, &[0.0f32; 3], &[3]).unwrap());
         cuda.synchronize().unwrap();
         cuda.copy_from_tensor_async(&big, &mut pinned, 0, &side)
             .unwrap();

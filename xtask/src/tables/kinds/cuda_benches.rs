@@ -4,14 +4,16 @@
 //! parameters (`crates/optim/benches/cuda_adam.rs`, against `scripts/pytorch/adam_step_1e9.py`)
 //! batch-1 steps eager against replayed from a CUDA graph
 //! (`crates/ops-cuda/benches/graph_step.rs`, against `scripts/pytorch/graph_step_reference.py`)
-//! and f32 attention at the models' shapes (`crates/ops-cuda/benches/attention_f32.rs`, against
-//! `scripts/pytorch/attention_f32_reference.py`).
+//! f32 attention at the models' shapes (`crates/ops-cuda/benches/attention_f32.rs`, against
+//! `scripts/pytorch/attention_f32_reference.py`) and 16-bit attention at issue 35's shapes (the
+//! kernels bench's `hopper_attention` family, against `scripts/pytorch/attention_reference.py
+//! --shape issue35`'s SDPA backends).
 //!
 //! It knows the benches' settings and implementations by the names they print, and gives each
 //! its label in words; an implementation it has no label for is an error, so a renamed one
 //! cannot drop out of the table unseen.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 use super::{count, json_lines, number, row, table_head, text, ResultFile};
@@ -197,6 +199,126 @@ pub(super) fn attention_f32(files: &[ResultFile]) -> Result<Vec<String>> {
     }
     if lines.len() == 2 {
         bail!("{}: no attention_f32 line", files[0].path);
+    }
+    Ok(lines)
+}
+
+/// The kernels bench's engines of the `hopper_attention` family, by the suffix its cases carry,
+/// with their labels.
+const HOPPER_ENGINES: &[(&str, &str)] = &[
+    ("mma", "Headroom `mma.sync`"),
+    ("wgmma", "Headroom wgmma"),
+    ("ws", "Headroom warp-specialised (`ws`)"),
+    ("ws_overlap", "Headroom `ws-overlap`"),
+    ("ws_pingpong", "Headroom `ws-pingpong`"),
+];
+
+/// SDPA's backends in attention_reference.py's lines (`backend`), with their labels.
+const SDPA_BACKENDS: &[(&str, &str)] = &[
+    ("cudnn", "PyTorch SDPA, cuDNN"),
+    ("flash", "PyTorch SDPA, flash"),
+    ("efficient", "PyTorch SDPA, memory-efficient"),
+];
+
+/// 16-bit attention at issue 35's shapes: per shape (causal or full, head dim), a row per
+/// engine of ours and per SDPA backend with forward and forward + backward times and TFLOP/s,
+/// and forward + backward's time against cuDNN's. The kernels bench prints a summary line per
+/// case, `hopper_attention <case> <MB/pass> <device µs> <GB/s> <%> <%> <host µs> <TFLOP/s>`,
+/// its case `bf16_<causal|full>_<forward|fwd_bwd>_<engine>_<shape>`; PyTorch's case is
+/// `bf16_<mask>_<forward|fwd_bwd>_<shape>[_<backend>]` with `ms` and `tflops`.
+pub(super) fn attention_hopper(files: &[ResultFile]) -> Result<Vec<String>> {
+    let (bench, pytorch) = match files {
+        [bench, pytorch] => (bench, json_lines(pytorch)?),
+        _ => bail!(
+            "reads the kernels bench's stdout and attention_reference.py's JSON lines, given {} \
+             files",
+            files.len()
+        ),
+    };
+    // (case, device µs, TFLOP/s) of every hopper_attention summary line.
+    let mut ours: Vec<(&str, f64, f64)> = Vec::new();
+    for line in bench.text.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields.len() != 9 || fields[0] != "hopper_attention" {
+            continue;
+        }
+        let parse = |field: &str| -> Result<f64> {
+            field
+                .parse()
+                .with_context(|| format!("{}: `{field}` is not a number in `{line}`", bench.path))
+        };
+        ours.push((fields[1], parse(fields[3])?, parse(fields[8])?));
+    }
+    if ours.is_empty() {
+        bail!("{}: no hopper_attention summary line", bench.path);
+    }
+    let mut lines = table_head(
+        "| shape | kernel | forward | TFLOP/s | fwd + bwd | TFLOP/s | fwd + bwd against cuDNN |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    );
+    for mask in ["causal", "full"] {
+        for dim in [128, 64] {
+            let shape = format!("b4_h16_s4096_d{dim}");
+            let reference = |pass: &str, backend: &str| {
+                let suffix = if backend == "cudnn" {
+                    String::new()
+                } else {
+                    format!("_{backend}")
+                };
+                let case = format!("bf16_{mask}_{pass}_{shape}{suffix}");
+                pytorch
+                    .iter()
+                    .find(|l| l["case"] == case.as_str() && l["ms"].is_number())
+                    .map(|l| Ok::<_, anyhow::Error>((number(l, "ms")?, number(l, "tflops")?)))
+                    .transpose()
+            };
+            let cudnn_ms = reference("fwd_bwd", "cudnn")?.map(|(ms, _)| ms);
+            let label = format!("{mask}, head dim {dim}");
+            let mut row_of =
+                |kernel: &str, forward: Option<(f64, f64)>, both: Option<(f64, f64)>| {
+                    let cell = |pair: Option<(f64, f64)>| match pair {
+                        Some((ms, tflops)) => [format!("{ms:.3} ms"), format!("{tflops:.0}")],
+                        None => ["—".to_owned(), "—".to_owned()],
+                    };
+                    let [forward_ms, forward_tflops] = cell(forward);
+                    let [both_ms, both_tflops] = cell(both);
+                    let ratio = match (both, cudnn_ms) {
+                        (Some((ms, _)), Some(cudnn)) => format!("{:.2}×", ms / cudnn),
+                        _ => "—".to_owned(),
+                    };
+                    lines.push(row(&[
+                        label.clone(),
+                        kernel.to_owned(),
+                        forward_ms,
+                        forward_tflops,
+                        both_ms,
+                        both_tflops,
+                        ratio,
+                    ]));
+                };
+            for (engine, kernel) in HOPPER_ENGINES {
+                let find = |pass: &str| {
+                    let case = format!("bf16_{mask}_{pass}_{engine}_{shape}");
+                    ours.iter()
+                        .find(|(name, _, _)| *name == case)
+                        .map(|&(_, micros, tflops)| (micros / 1e3, tflops))
+                };
+                let (forward, both) = (find("forward"), find("fwd_bwd"));
+                if forward.is_none() && both.is_none() {
+                    continue;
+                }
+                row_of(kernel, forward, both);
+            }
+            for (backend, kernel) in SDPA_BACKENDS {
+                let (forward, both) = (
+                    reference("forward", backend)?,
+                    reference("fwd_bwd", backend)?,
+                );
+                if forward.is_some() || both.is_some() {
+                    row_of(kernel, forward, both);
+                }
+            }
+        }
     }
     Ok(lines)
 }
@@ -516,6 +638,76 @@ mod tests {
                  (xtask's ADAM_IMPLEMENTATIONS)"
             ),
             "{err:#}"
+        );
+    }
+
+    /// Our engines' summary lines (the others, the log around them and the shapes not measured
+    /// skipped) beside SDPA's backends, each forward + backward against cuDNN's.
+    #[test]
+    fn hopper_attention_renders_beside_sdpa_backends() {
+        let bench = "\
+Benchmarking hopper_attention/bf16_causal_forward_ws_b4_h16_s4096_d128: Analyzing
+measured hopper_attention/bf16_causal_forward_ws_b4_h16_s4096_d128: 625.3 µs device, 429 GB/s
+family         case                                       MB/pass  device µs      GB/s   %ceil   %4.26    host µs  TFLOP/s
+llama_attention bf16_causal_forward_b4_h32_kv8_s2048_d64      83.9      316.0       265    NaN%    6.2%      322.4    217.5
+hopper_attention bf16_causal_forward_ws_b4_h16_s4096_d128     268.4      625.3       429    NaN%   10.1%      632.2    439.6
+hopper_attention bf16_causal_fwd_bwd_ws_b4_h16_s4096_d128     536.9     4286.2       125    NaN%    2.9%     4296.2    224.5
+";
+        let reference = |case: &str, backend: &str, ms: f64, tflops: f64| {
+            format!(
+                "{{\"case\": \"{case}\", \"backend\": \"{backend}\", \"ms\": {ms}, \
+                 \"tflops\": {tflops}}}\n"
+            )
+        };
+        let torch = reference(
+            "bf16_causal_forward_b4_h16_s4096_d128",
+            "cudnn",
+            0.494,
+            556.8,
+        ) + &reference(
+            "bf16_causal_fwd_bwd_b4_h16_s4096_d128",
+            "cudnn",
+            2.197,
+            437.9,
+        ) + &reference(
+            "bf16_causal_fwd_bwd_b4_h16_s4096_d128_flash",
+            "flash",
+            3.834,
+            251.0,
+        )
+            + "{\"case\": \"bf16_causal_forward_b4_h16_s4096_d128_flash\", \"error\": \"x\"}\n";
+        let table = rendered(
+            "attention-hopper",
+            &[
+                ("results/x/kernels_attention.txt", bench),
+                ("results/x/attention_reference_issue35.jsonl", &torch),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            table,
+            [
+                "| shape | kernel | forward | TFLOP/s | fwd + bwd | TFLOP/s | fwd + bwd against \
+                 cuDNN |",
+                "|---|---|---:|---:|---:|---:|---:|",
+                "| causal, head dim 128 | Headroom warp-specialised (`ws`) | 0.625 ms | 440 | \
+                 4.286 ms | 224 | 1.95× |",
+                "| causal, head dim 128 | PyTorch SDPA, cuDNN | 0.494 ms | 557 | 2.197 ms | 438 | \
+                 1.00× |",
+                "| causal, head dim 128 | PyTorch SDPA, flash | — | — | 3.834 ms | 251 | 1.75× |",
+            ]
+        );
+        let none = rendered(
+            "attention-hopper",
+            &[
+                ("results/x/k.txt", "no summary\n"),
+                ("results/x/r.jsonl", ""),
+            ],
+        );
+        let error = format!("{:#}", none.unwrap_err());
+        assert!(
+            error.contains("no hopper_attention summary line"),
+            "{error}"
         );
     }
 }

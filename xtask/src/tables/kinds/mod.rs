@@ -153,6 +153,14 @@ pub(super) const KINDS: &[Kind] = &[
         render: cuda_benches::attention_f32,
     },
     Kind {
+        name: "attention-hopper",
+        reads: "the stdout of crates/ops-cuda/benches/kernels.rs run with --bench (its \
+                hopper_attention family's summary lines) and scripts/pytorch/\
+                attention_reference.py --shape issue35's JSON lines (cuDNN, flash and \
+                memory-efficient SDPA)",
+        render: cuda_benches::attention_hopper,
+    },
+    Kind {
         name: "adam-step-1e9",
         reads: "the JSON lines of crates/optim/benches/cuda_adam.rs (gpu-measure.sh's \
                 cuda_adam.jsonl) and scripts/pytorch/adam_step_1e9.py's \
