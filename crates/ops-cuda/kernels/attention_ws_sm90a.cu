@@ -426,6 +426,22 @@ __device__ void ws_backward_dkdv(const float* lse, const float* delta, T* dk, T*
         const unsigned long long stats = ((unsigned long long)b * a.heads + head_of(j)) * a.queries;
         const unsigned char* qt = qs + s * ATOMS;
         const unsigned char* dot = dos + s * ATOMS;
+        // The tile's log-sum-exps and Δ (this thread's 16 queries): at head dim 64 loaded before
+        // the products are issued, so their latency hides behind them; at 128 the 32 registers
+        // they would hold meanwhile spill (the consumer's 240 already hold the 192 floats of the
+        // dK, dV, S and dP accumulators), and each is loaded where it is used, after the products.
+        float l2s[NB][2], dls[NB][2];
+        if constexpr (DP == 64) {
+#pragma unroll
+            for (int n = 0; n < NB; ++n)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const unsigned int query = q0 + n * 8 + 2 * t + c;
+                    const bool in = query < a.queries;
+                    l2s[n][c] = in ? lse[stats + query] * FA_LOG2E : 0.f;
+                    dls[n][c] = in ? delta[stats + query] : 0.f;
+                }
+        }
         mbar_wait(qdo_full + 8 * s, phase);
         // Transposed: rows are the warpgroup's keys, columns the tile's queries.
         float sc[NB][4] = {}, dp[NB][4] = {};
@@ -438,9 +454,15 @@ __device__ void ws_backward_dkdv(const float* lse, const float* delta, T* dk, T*
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const unsigned int query = q0 + n * 8 + 2 * t + (e & 1);
-                const bool in = query < a.queries;
-                const float l2 = in ? lse[stats + query] * FA_LOG2E : 0.f;
-                const float dl = in ? delta[stats + query] : 0.f;
+                float l2, dl;
+                if constexpr (DP == 64) {
+                    l2 = l2s[n][e & 1];
+                    dl = dls[n][e & 1];
+                } else {
+                    const bool in = query < a.queries;
+                    l2 = in ? lse[stats + query] * FA_LOG2E : 0.f;
+                    dl = in ? delta[stats + query] : 0.f;
+                }
                 const bool hidden = crossing && (query < lo[e >> 1] || query >= hi[e >> 1]);
                 const float pr = hidden ? 0.f : fast_exp2(fmaf(sc[n][e], scale2, -l2));
                 sc[n][e] = pr;
