@@ -17,7 +17,7 @@ use headroom_nn::{BlockStack, Module, VisionTransformer, VitConfig};
 use headroom_ops_cuda::CudaBackend;
 use headroom_testkit::gpu::backend_or_skip;
 use headroom_testkit::inputs::uniform_f32;
-use headroom_testkit::worst::nan_max_f32;
+use headroom_testkit::worst::{abs_difference_f32, nan_max_f32};
 
 /// The device as the `BackendRef` tensors take, or `None` after the GPU gate's skip notice.
 #[track_caller]
@@ -188,11 +188,7 @@ fn vit_gradients_with_compressed_blocks_on_the_gpu_stay_close_to_plain_ones() {
     let compressed = gradients(Some(int8));
     for (p, c) in plain.iter().zip(&compressed) {
         let scale = p.iter().map(|v| v.abs()).fold(0.0f32, nan_max_f32);
-        let diff = p
-            .iter()
-            .zip(c)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, nan_max_f32);
+        let diff = abs_difference_f32(p, c);
         assert!(diff <= 0.02 * scale, "{diff} of {scale}");
     }
 }

@@ -11,7 +11,7 @@ use headroom_nn::{
 };
 use headroom_ops_cpu::CpuBackend;
 use headroom_testkit::golden::backward_and_gradients;
-use headroom_testkit::worst::nan_max;
+use headroom_testkit::worst::{abs_difference, nan_max};
 
 const BATCH: usize = 2;
 const SEQ: usize = 5;
@@ -48,11 +48,7 @@ fn assert_close(name: &str, fused: &(f64, Vec<Vec<f64>>), unfused: &(f64, Vec<Ve
     );
     for (ours, theirs) in fused.1.iter().zip(&unfused.1) {
         let scale = theirs.iter().fold(1e-6, |m, v| nan_max(m, v.abs()));
-        let error = ours
-            .iter()
-            .zip(theirs)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, nan_max);
+        let error = abs_difference(ours, theirs);
         assert!(
             error <= 1e-5 * scale,
             "{name}: gradient error {error} of scale {scale}"

@@ -21,7 +21,7 @@ use headroom_ops_cpu::CpuBackend;
 use headroom_ops_cuda::CudaBackend;
 use headroom_testkit::gpu::cuda_or_skip;
 use headroom_testkit::inputs::Xorshift;
-use headroom_testkit::worst::nan_max;
+use headroom_testkit::worst::{abs_difference, nan_max};
 
 /// What a case asks of the attention besides its sizes: causal, packed sequences' boundaries
 /// (one batch row of their tokens), dropout's probability (drawn from a generator seeded 7).
@@ -227,11 +227,7 @@ fn compare(
         .zip(on_gpu.iter().zip(&on_cpu))
     {
         let largest = c.iter().fold(1e-30f64, |m, v| nan_max(m, v.abs()));
-        let worst = g
-            .iter()
-            .zip(c)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, nan_max);
+        let worst = abs_difference(g, c);
         // The output within a few units of the dtype's last place of the largest; the
         // gradients (sums over many rounded probabilities) within twice that.
         let bound = if *name == "out" {

@@ -17,7 +17,7 @@ use headroom_testkit::gpu::backend_or_skip;
 use headroom_testkit::inputs::uniform_f32;
 use headroom_testkit::loss_fixtures::{labels_every_ninth_ignored, IGNORE_INDEX};
 use headroom_testkit::memory::{allocated, peak};
-use headroom_testkit::worst::nan_max;
+use headroom_testkit::worst::{abs_difference, nan_max};
 
 /// The device as the `BackendRef` tensors take, or `None` after the GPU gate's skip notice.
 #[track_caller]
@@ -44,11 +44,7 @@ fn leaf(backend: &BackendRef, shape: &[usize], scale: f32, seed: u64, dtype: DTy
 fn relative(a: &Tensor, b: &Tensor) -> f64 {
     let (a, b) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
     let scale = b.iter().fold(1e-30f64, |m, v| nan_max(m, v.abs()));
-    a.iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, nan_max)
-        / scale
+    abs_difference(&a, &b) / scale
 }
 
 /// The loss and the gradients of hidden and weight after one forward + backward.

@@ -205,15 +205,7 @@ pub(crate) fn forward(
     };
     // Q and two stages each of K and V, 1 KiB of alignment slack, 128 bytes of mbarriers.
     let tile = padded / 64 * HALF_BYTES;
-    let config = LaunchConfig {
-        grid_dim: (
-            dims.queries.div_ceil(ROWS) as u32,
-            (dims.batch * dims.heads) as u32,
-            1,
-        ),
-        block_dim: (384, 1, 1),
-        shared_mem_bytes: (1024 + 5 * tile + 128) as u32,
-    };
+    let config = block_config(dims.queries, dims.batch * dims.heads, 1024 + 5 * tile + 128);
     let pointers = [
         super::args::address(&f.out),
         Param::U64(element_address(&f.lse)),
@@ -229,6 +221,17 @@ pub(crate) fn forward(
     )?;
     backend.ws_forwards.fetch_add(1, Ordering::Relaxed);
     Ok(())
+}
+
+/// The launch of a warp-specialised kernel: a block of three warpgroups per `ROWS` of `rows`
+/// (queries for the forward, keys for dK/dV) and per (batch, head) pair of `pairs`, with
+/// `shared_bytes` of dynamic shared memory.
+fn block_config(rows: usize, pairs: usize, shared_bytes: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(ROWS) as u32, pairs as u32, 1),
+        block_dim: (384, 1, 1),
+        shared_mem_bytes: shared_bytes as u32,
+    }
 }
 
 /// Whether the backward `b` takes this path's dK/dV kernel (its forward's conditions, and dO a
@@ -262,15 +265,7 @@ pub(crate) fn backward_dkdv(
     // Eight 64-row tiles (each consumer's keys and values, two stages each of queries and dO),
     // 1 KiB of alignment slack, 128 bytes of mbarriers.
     let tile = padded / 64 * HALF_BYTES / 2;
-    let config = LaunchConfig {
-        grid_dim: (
-            dims.keys.div_ceil(ROWS) as u32,
-            (dims.batch * dims.kv_heads) as u32,
-            1,
-        ),
-        block_dim: (384, 1, 1),
-        shared_mem_bytes: (1024 + 8 * tile + 128) as u32,
-    };
+    let config = block_config(dims.keys, dims.batch * dims.kv_heads, 1024 + 8 * tile + 128);
     let pointers = [
         Param::U64(element_address(&f.lse)),
         Param::U64(delta),

@@ -9,7 +9,7 @@ use headroom_autograd_core::{
 };
 
 use crate::{check, download, input, poisoned, seeded_backends, upload, view, FLOATS};
-use headroom_testkit::worst::nan_max;
+use headroom_testkit::worst::{abs_difference, nan_max};
 
 const ALL: [DType; 8] = [
     DType::F32,
@@ -360,11 +360,7 @@ fn the_fp8_linear_matches_the_cpu() {
             .zip(on_gpu.iter().zip(&on_cpu))
         {
             let scale = c.iter().fold(1e-30f64, |m, v| nan_max(m, v.abs()));
-            let worst = g
-                .iter()
-                .zip(c)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, nan_max);
+            let worst = abs_difference(g, c);
             assert!(
                 worst <= 2f64.powi(-9) * scale,
                 "{recipe:?} {name}: {worst} against {scale}"
