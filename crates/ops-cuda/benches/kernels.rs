@@ -167,7 +167,9 @@ impl Bench {
 }
 
 /// Sends the 16-bit attention calls that follow to the engine `HEADROOM_ATTENTION_WGMMA` names
-/// (`1`, `ws`, `ws-overlap`; read at each call), or to the mma.sync kernels for `None`.
+/// (`0` the mma.sync kernels, `1`, `ws`, `ws-overlap`, `ws-pingpong`; read at each call), or to
+/// the default for `None` (on compute capability 9.0 the warp-specialised forward and wgmma's
+/// backward).
 fn attention_engine(value: Option<&str>) {
     // SAFETY: the bench runs its cases on this one thread; nothing else reads the environment
     // meanwhile.

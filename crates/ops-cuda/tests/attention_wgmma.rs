@@ -8,7 +8,9 @@
 //! cases with `HEADROOM_ATTENTION_WGMMA=ws`, `ws-overlap` and `ws-pingpong`: the warp-specialised
 //! kernels (`kernels/attention_ws_sm90a.cu`, counted by `attention_ws_forwards` and
 //! `_backwards`) take the forwards and backwards' dK/dV without dropout or packing, the wgmma
-//! kernels the rest and every dQ. Its own binary, so
+//! kernels the rest and every dQ. Then the default (the variable unset: the warp-specialised
+//! forward where it applies, wgmma for the rest and every backward) and `0` (the mma.sync
+//! kernels, which no other test runs on this device). Its own binary, so
 //! the variable is set before any other test reads it. Marked `#[ignore = "needs a CUDA device"]`.
 #![cfg(feature = "cuda")]
 
@@ -158,14 +160,28 @@ fn the_wgmma_forward_matches_the_cpu() {
     // `1`. Every build and case runs before the test fails, so one run names every mismatch
     // (each build's start goes to stderr: a kernel that never finishes shows where under
     // `--nocapture`).
+    // Then the default (`None`: the variable unset), whose backward is wgmma's whole, and `0`,
+    // the mma.sync kernels, which count on neither.
     let mut mismatches = Vec::new();
-    for (value, dtype) in ["ws", "ws-overlap", "ws-pingpong"]
-        .into_iter()
-        .flat_map(|value| [(value, DType::BF16), (value, DType::F16)])
+    for (value, dtype) in [
+        Some("ws"),
+        Some("ws-overlap"),
+        Some("ws-pingpong"),
+        None,
+        Some("0"),
+    ]
+    .into_iter()
+    .flat_map(|value| [(value, DType::BF16), (value, DType::F16)])
     {
-        eprintln!("HEADROOM_ATTENTION_WGMMA={value}, {dtype:?}");
+        let name = value.unwrap_or("unset");
+        eprintln!("HEADROOM_ATTENTION_WGMMA={name}, {dtype:?}");
         // SAFETY: as above: this test alone runs in the binary, and no attention is under way.
-        unsafe { std::env::set_var("HEADROOM_ATTENTION_WGMMA", value) };
+        unsafe {
+            match value {
+                Some(value) => std::env::set_var("HEADROOM_ATTENTION_WGMMA", value),
+                None => std::env::remove_var("HEADROOM_ATTENTION_WGMMA"),
+            }
+        };
         for &case in &cases {
             let mask = case.6;
             if dtype == DType::F16 && mask.dropout.is_some() {
@@ -173,16 +189,19 @@ fn the_wgmma_forward_matches_the_cpu() {
             }
             let before = counts(&cuda);
             if let Err(mismatch) = compare(&gpu, &cpu, &mut random, dtype, case) {
-                mismatches.push(format!("{value}: {mismatch}"));
+                mismatches.push(format!("{name}: {mismatch}"));
             }
             let after = counts(&cuda);
             let warp_specialized = mask.dropout.is_none() && mask.packed.is_none();
-            let expected = if warp_specialized {
-                [before[0], before[1] + 1, before[2] + 1, before[3] + 1]
-            } else {
-                [before[0] + 1, before[1] + 1, before[2], before[3]]
+            let ws_dkdv = u64::from(value.is_some_and(|value| value.starts_with("ws")));
+            let expected = match value {
+                Some("0") => before,
+                _ if warp_specialized => {
+                    [before[0], before[1] + 1, before[2] + 1, before[3] + ws_dkdv]
+                }
+                _ => [before[0] + 1, before[1] + 1, before[2], before[3]],
             };
-            assert_eq!(after, expected, "{value}: {dtype:?} {case:?}");
+            assert_eq!(after, expected, "{name}: {dtype:?} {case:?}");
         }
     }
     assert!(mismatches.is_empty(), "{}", mismatches.join("\n"));

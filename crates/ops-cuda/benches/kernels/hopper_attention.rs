@@ -1,8 +1,9 @@
 //! The Hopper attention cases of the kernels bench (issue 35's targets): bf16 attention at batch
 //! 4, 16 heads, 4096 tokens, head dims 128 and 64, causal and not, forward and forward + backward,
-//! on the mma.sync kernels, the wgmma ones (`HEADROOM_ATTENTION_WGMMA=1`) and the warp-specialised
-//! forward (`ws`; `ws-overlap` with FlashAttention-3's intra-warpgroup overlap, `ws-pingpong` with
-//! its ping-pong too; their backward is wgmma's). Operands are laid out as a layer passes them
+//! on the mma.sync kernels (`HEADROOM_ATTENTION_WGMMA=0`), the wgmma ones (`1`), the default
+//! (the variable unset: the warp-specialised forward, wgmma's backward) and the warp-specialised
+//! forward and dK/dV (`ws`; `ws-overlap` with FlashAttention-3's intra-warpgroup overlap,
+//! `ws-pingpong` with its ping-pong too; their dQ is wgmma's). Operands are laid out as a layer passes them
 //! (`[batch, seq, heads · head_dim]` projections viewed as heads), as
 //! `scripts/pytorch/attention_reference.py --shape issue35` lays out cuDNN's.
 //!
@@ -102,8 +103,9 @@ pub(crate) fn hopper_attention(bench: &mut Bench, compute: &CudaStream) {
             let forward_flops = 4 * scores * head_dim as u64 / if causal { 2 } else { 1 };
             let mask = if causal { "causal" } else { "full" };
             for (engine, hopper) in [
-                ("mma", None),
+                ("mma", Some("0")),
                 ("wgmma", Some("1")),
+                ("default", None),
                 ("ws", Some("ws")),
                 ("ws_overlap", Some("ws-overlap")),
                 ("ws_pingpong", Some("ws-pingpong")),

@@ -10,13 +10,16 @@
 //!   `HEADROOM_ATTENTION_F32=register-tiled` ([`F32_KERNEL_VARIABLE`]) sends every f32 call to the
 //!   register-tiled kernels (plain f32 FMAs rather than split TF32 products: results differ in
 //!   the last bits).
-//! - f16 and bf16 on a compute capability 9.0 device with `HEADROOM_ATTENTION_WGMMA=1` take the
-//!   Hopper `wgmma` kernels of `kernels/attention_wgmma_sm90a.cu` (`wgmma.rs`; opt-in while
-//!   measured; packed sequences, and dropout in bf16), forward and backward, with the same saved
-//!   state as the mma.sync kernels. With `HEADROOM_ATTENTION_WGMMA=ws` the forwards without
-//!   dropout or packing whose operands a tensor map describes take the warp-specialised kernels of
-//!   `kernels/attention_ws_sm90a.cu` instead (`warp_specialized.rs`: TMA loads, two consumer
-//!   warpgroups; the forward, and the backward's dK/dV after wgmma's dQ), the rest as with `1`.
+//! - f16 and bf16 on a compute capability 9.0 device take the Hopper kernels by default: the
+//!   forwards without dropout or packing whose operands a tensor map describes run on the
+//!   warp-specialised kernel of `kernels/attention_ws_sm90a.cu` (`warp_specialized.rs`: TMA
+//!   loads, two consumer warpgroups), the other forwards and every backward on the `wgmma`
+//!   kernels of `kernels/attention_wgmma_sm90a.cu` (`wgmma.rs`; packed sequences, and dropout in
+//!   bf16), all with the same saved state as the mma.sync kernels: the fastest of each measured
+//!   on an H100 (BENCHMARKS.md's Hopper table). `HEADROOM_ATTENTION_WGMMA` ([`HOPPER_VARIABLE`])
+//!   picks otherwise: `0` the mma.sync kernels below, `1` wgmma forward and backward, `ws` (or
+//!   `ws-overlap`, `ws-pingpong`) the warp-specialised forward and backward dK/dV (after wgmma's
+//!   dQ) where they apply.
 //! - f16 and bf16 take the FlashAttention-2-style `mma.sync` kernels of
 //!   `kernels/attention_tc.cu` (`tensor_core.rs`) when their alignment rule holds
 //!   (`tensor_core::fits`: head dims multiples of 8 up to 128, operands 8-element aligned, buffers
@@ -57,29 +60,49 @@ use headroom_autograd_core::{
 
 use crate::device::CudaBackend;
 
-/// The environment variable that sends f16/bf16 attention on a compute capability 9.0 device to
-/// the Hopper kernels: `1` the wgmma kernels (`wgmma.rs`), `ws` the warp-specialised forward
-/// where it applies (`warp_specialized.rs`; `ws-overlap` with its intra-warpgroup overlap,
-/// `ws-pingpong` with that and the ping-pong between consumers) and the wgmma kernels for the rest.
-/// Read at each call.
+/// The environment variable that picks the kernels of f16/bf16 attention on a compute
+/// capability 9.0 device (see the module docs): unset (or any other value) the default, `0` the
+/// mma.sync kernels (`tensor_core.rs`), `1` the wgmma kernels (`wgmma.rs`), `ws` the
+/// warp-specialised forward and dK/dV where they apply (`warp_specialized.rs`; `ws-overlap` with
+/// its intra-warpgroup overlap, `ws-pingpong` with that and the ping-pong between consumers) and
+/// the wgmma kernels for the rest. Read at each call.
 const HOPPER_VARIABLE: &str = "HEADROOM_ATTENTION_WGMMA";
 
 /// What [`HOPPER_VARIABLE`] asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum HopperKernels {
-    None,
+    /// Unset: the warp-specialised forward where it applies, the wgmma kernels for the other
+    /// forwards and every backward (the wgmma backward is faster than the warp-specialised dK/dV
+    /// at head dims 64 and 128: BENCHMARKS.md's Hopper table).
+    Default,
+    /// `0`: the mma.sync kernels, as on other devices.
+    MmaSync,
+    /// `1`: the wgmma kernels.
     Wgmma,
-    /// `ws`, `ws-overlap` or `ws-pingpong`: the warp-specialised forward's build.
+    /// `ws`, `ws-overlap` or `ws-pingpong`: the warp-specialised forward's build, and its dK/dV.
     WarpSpecialized(warp_specialized::Build),
 }
 
 fn hopper_kernels() -> HopperKernels {
     match std::env::var(HOPPER_VARIABLE).as_deref() {
+        Ok("0") => HopperKernels::MmaSync,
         Ok("1") => HopperKernels::Wgmma,
         Ok("ws") => HopperKernels::WarpSpecialized(warp_specialized::Build::Plain),
         Ok("ws-overlap") => HopperKernels::WarpSpecialized(warp_specialized::Build::Overlap),
         Ok("ws-pingpong") => HopperKernels::WarpSpecialized(warp_specialized::Build::PingPong),
-        _ => HopperKernels::None,
+        _ => HopperKernels::Default,
+    }
+}
+
+/// The warp-specialised forward's build the default takes: the ping-pong at head dims padded to
+/// 128 (0.972 against 1.022 ms for the plain build on the full b4 h16 s4096 problem, 0.609 against
+/// 0.625 causal), the plain one below (0.395 against 0.401 ms causal at 64, 0.671 against 0.688
+/// full; results/2026-12-06-6018004, an H100).
+fn default_build(head_dim: usize) -> warp_specialized::Build {
+    if head_dim > 64 {
+        warp_specialized::Build::PingPong
+    } else {
+        warp_specialized::Build::Plain
     }
 }
 
@@ -92,15 +115,18 @@ pub(crate) fn attention(backend: &CudaBackend, f: AttentionForward<'_>) -> Resul
     if matches!(f.q.dtype, DType::F16 | DType::BF16) {
         return if tensor_core::fits(&dims, &[f.q, f.k, f.v, f.out]) && no_f16_dropout(&f) {
             let hopper = hopper_kernels();
-            if let HopperKernels::WarpSpecialized(build) = hopper {
-                if wgmma::takes(backend, &f) && warp_specialized::takes(&f) {
-                    return warp_specialized::forward(backend, f, dims, build);
+            let on_hopper = hopper != HopperKernels::MmaSync && wgmma::takes(backend, &f);
+            let build = match hopper {
+                HopperKernels::WarpSpecialized(build) => Some(build),
+                HopperKernels::Default => Some(default_build(dims.head_dim)),
+                HopperKernels::MmaSync | HopperKernels::Wgmma => None,
+            };
+            match build {
+                Some(build) if on_hopper && warp_specialized::takes(&f) => {
+                    warp_specialized::forward(backend, f, dims, build)
                 }
-            }
-            if hopper != HopperKernels::None && wgmma::takes(backend, &f) {
-                wgmma::forward(backend, f, dims)
-            } else {
-                tensor_core::forward(backend, f, dims)
+                _ if on_hopper => wgmma::forward(backend, f, dims),
+                _ => tensor_core::forward(backend, f, dims),
             }
         } else {
             no_dropout_in_gemm(&f, &dims)?;
@@ -125,13 +151,12 @@ pub(crate) fn attention_backward(backend: &CudaBackend, b: AttentionBackward<'_>
         let views = [f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv];
         return if tensor_core::fits(&dims, &views) && no_f16_dropout(&f) {
             let hopper = hopper_kernels();
-            if let HopperKernels::WarpSpecialized(_) = hopper {
-                if wgmma::takes(backend, &f) && warp_specialized::takes_backward(&b) {
-                    let delta = wgmma::backward_dq(backend, b, dims)?;
-                    return warp_specialized::backward_dkdv(backend, b, dims, delta.address());
-                }
-            }
-            if hopper != HopperKernels::None && wgmma::takes(backend, &f) {
+            let on_hopper = hopper != HopperKernels::MmaSync && wgmma::takes(backend, &f);
+            let ws_dkdv = matches!(hopper, HopperKernels::WarpSpecialized(_));
+            if on_hopper && ws_dkdv && warp_specialized::takes_backward(&b) {
+                let delta = wgmma::backward_dq(backend, b, dims)?;
+                warp_specialized::backward_dkdv(backend, b, dims, delta.address())
+            } else if on_hopper {
                 wgmma::backward(backend, b, dims)
             } else {
                 tensor_core::backward(backend, b, dims)

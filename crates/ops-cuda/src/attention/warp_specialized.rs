@@ -12,7 +12,9 @@
 //! scores are issued with the last tile's P·V, and their softmax runs while that product does; a
 //! third adds its ping-pong (`ws-pingpong`): the consumers take turns to issue their products.
 //!
-//! Opt-in while it is measured (`HEADROOM_ATTENTION_WGMMA=ws`, `ws-overlap` or `ws-pingpong`), for
+//! The forward is the default on a compute capability 9.0 device (the ping-pong build at head
+//! dims padded to 128, the plain one below); the dK/dV kernel, slower than wgmma's so far, and a
+//! chosen build run with `HEADROOM_ATTENTION_WGMMA=ws`, `ws-overlap` or `ws-pingpong`. Either for
 //! what it takes ([`takes`], [`takes_backward`]): f16 or bf16 on a compute capability 9.0 device
 //! (as `wgmma.rs`), no dropout and no packed sequences, every operand read through a tensor map
 //! with its base 16-byte aligned and its strides multiples of 16 bytes. The rest of those calls
@@ -292,8 +294,8 @@ impl CudaBackend {
         self.ws_backwards.load(Ordering::Relaxed)
     }
 
-    /// How many attention forwards ran on the warp-specialised Hopper kernel
-    /// (`HEADROOM_ATTENTION_WGMMA=ws`, on what it takes: f16/bf16, no dropout, no packing).
+    /// How many attention forwards ran on the warp-specialised Hopper kernel (by default on a
+    /// compute capability 9.0 device, on what it takes: f16/bf16, no dropout, no packing).
     pub fn attention_ws_forwards(&self) -> u64 {
         self.ws_forwards.load(Ordering::Relaxed)
     }

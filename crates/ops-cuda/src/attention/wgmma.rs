@@ -1,9 +1,9 @@
 //! Hopper attention for f16 and bf16 (`kernels/attention_wgmma_sm90a.cu`): the flash kernels'
 //! forward, dQ and dK/dV with every product on `wgmma.mma_async`, operands in 128-byte-swizzled
 //! shared-memory tiles, one warpgroup a block taking 64 own rows and streaming the other side 64
-//! rows at a time. Opt-in while it is being measured against the mma.sync kernels
-//! (`HEADROOM_ATTENTION_WGMMA=1`, the family's `HOPPER_VARIABLE`), on a device of compute capability 9.0 (the
-//! PTX is sm_90a), for the f16 and bf16 problems `tensor_core.rs` takes (the caller checked `fits`),
+//! rows at a time. On a device of compute capability 9.0 (the PTX is sm_90a) it takes every
+//! backward by default and the forwards the warp-specialised kernel does not (the family's
+//! `HOPPER_VARIABLE`: `1` sends it every forward too, `0` none), for the f16 and bf16 problems `tensor_core.rs` takes (the caller checked `fits`),
 //! packed sequences included (their tiles heaviest first, as that path's) and dropout in bf16 (the
 //! same replayed draw); its saved state is that path's (one f32 log-sum-exp per query), so either
 //! backward follows either forward.
@@ -191,8 +191,9 @@ pub(crate) fn backward_dkdv(
 }
 
 impl CudaBackend {
-    /// How many attention forwards ran on the Hopper wgmma kernels (`HEADROOM_ATTENTION_WGMMA=1`
-    /// on a compute capability 9.0 device, f16/bf16, dropout bf16 only).
+    /// How many attention forwards ran on the Hopper wgmma kernels (on a compute capability 9.0
+    /// device, f16/bf16, dropout bf16 only: those the warp-specialised kernel does not take, or
+    /// every one with `HEADROOM_ATTENTION_WGMMA=1`).
     pub fn attention_wgmma_forwards(&self) -> u64 {
         self.wgmma_forwards.load(Ordering::Relaxed)
     }
