@@ -3,8 +3,8 @@
 //! on the mma.sync kernels (`HEADROOM_ATTENTION_WGMMA=0`), the wgmma ones (`1`), the default
 //! (the variable unset: the warp-specialised forward, wgmma's backward) and the warp-specialised
 //! forward and dK/dV (`ws`; `ws-overlap` with FlashAttention-3's intra-warpgroup overlap,
-//! `ws-pingpong` with its ping-pong too; their dQ is wgmma's). Operands are laid out as a layer passes them
-//! (`[batch, seq, heads · head_dim]` projections viewed as heads), as
+//! `ws-pingpong` with its ping-pong too; their dQ is wgmma's). Operands are laid out as a layer
+//! passes them (`[batch, seq, heads · head_dim]` projections viewed as heads), as
 //! `scripts/pytorch/attention_reference.py --shape issue35` lays out cuDNN's.
 //!
 //! FLOP convention (that script's): a causal forward counts half the scores,
