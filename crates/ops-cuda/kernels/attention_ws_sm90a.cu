@@ -352,8 +352,9 @@ static_assert(sizeof(WsBackwardParams) == 896, "WsBackwardParams layout");
 
 // dK and dV of 128 keys of one (batch, kv head) pair: the producer loads each consumer's 64 keys
 // and values once, then the group's query heads' queries 64 a tile with their dO, two stages
-// behind full/empty mbarriers; each consumer computes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for its keys, P
-// and dS from the saved log-sum-exp and Δ (read from global memory), and dV += Pᵀ·dO,
+// behind full/empty mbarriers, the producer's first warp writing each tile's log-sum-exps (times
+// log2 e) and Δ into the stage beside them; each consumer computes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for
+// its keys, P and dS from those, and dV += Pᵀ·dO,
 // dK += dSᵀ·Q with the weights from registers: wgmma_backward_dkdv's arithmetic (without
 // dropout), so its results are that kernel's.
 template <typename T, int DP>
@@ -367,6 +368,8 @@ __device__ void ws_backward_dkdv(const float* lse, const float* delta, T* dk, T*
     unsigned char* qs = vs + 2 * ATOMS;    // 2 stages of 64 queries
     unsigned char* dos = qs + 2 * ATOMS;   // 2 stages of their dO
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(dos + 2 * ATOMS);
+    // 2 stages of the tile's 64 log-sum-exps (times log2 e), then its 64 Δ
+    float* stats_s = reinterpret_cast<float*>(dos + 2 * ATOMS + 128);
     // kv_full, qdo_full[2], qdo_empty[2]
     const unsigned int kv_full = smem_address(bars), qdo_full = kv_full + 8, qdo_empty = kv_full + 24;
     unsigned int tile, pair;
@@ -390,19 +393,36 @@ __device__ void ws_backward_dkdv(const float* lse, const float* delta, T* dk, T*
     const int group_of_thread = threadIdx.x / 128;
     if (group_of_thread == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
-        if (threadIdx.x == 0) {
-            mbar_arrive_expect_tx(kv_full, 4 * ATOMS);
-            for (int c = 0; c < 2; ++c) {
-                tma_tile<DP, WG_ATOM_BYTES>(ks + c * ATOMS, p.k, k0 + c * WG_ROWS, kvh, b, kv_full);
-                tma_tile<DP, WG_ATOM_BYTES>(vs + c * ATOMS, p.v, k0 + c * WG_ROWS, kvh, b, kv_full);
+        if (threadIdx.x < 32) {
+            const unsigned int lane = threadIdx.x;
+            if (lane == 0) {
+                mbar_arrive_expect_tx(kv_full, 4 * ATOMS);
+                for (int c = 0; c < 2; ++c) {
+                    tma_tile<DP, WG_ATOM_BYTES>(ks + c * ATOMS, p.k, k0 + c * WG_ROWS, kvh, b, kv_full);
+                    tma_tile<DP, WG_ATOM_BYTES>(vs + c * ATOMS, p.v, k0 + c * WG_ROWS, kvh, b, kv_full);
+                }
             }
             for (unsigned int j = 0; j < steps; ++j) {
                 const int s = j & 1;
                 const unsigned int phase = (j >> 1) & 1, h = head_of(j), q0 = first_query(j);
                 if (j >= 2) mbar_wait(qdo_empty + 8 * s, phase ^ 1);
-                mbar_arrive_expect_tx(qdo_full + 8 * s, 2 * ATOMS);
-                tma_tile<DP, WG_ATOM_BYTES>(qs + s * ATOMS, p.q, q0, h, b, qdo_full + 8 * s);
-                tma_tile<DP, WG_ATOM_BYTES>(dos + s * ATOMS, p.dout, q0, h, b, qdo_full + 8 * s);
+                // Each lane two queries' statistics; the warp's writes are ordered before lane 0's
+                // arrival (bar.warp.sync), which the consumers' wait acquires.
+                const unsigned long long stats = ((unsigned long long)b * a.heads + h) * a.queries;
+                float* st = stats_s + s * 2 * WG_ROWS;
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const unsigned int r = 2 * lane + c, query = q0 + r;
+                    const bool in = query < a.queries;
+                    st[r] = in ? lse[stats + query] * FA_LOG2E : 0.f;
+                    st[WG_ROWS + r] = in ? delta[stats + query] : 0.f;
+                }
+                __syncwarp();
+                if (lane == 0) {
+                    mbar_arrive_expect_tx(qdo_full + 8 * s, 2 * ATOMS);
+                    tma_tile<DP, WG_ATOM_BYTES>(qs + s * ATOMS, p.q, q0, h, b, qdo_full + 8 * s);
+                    tma_tile<DP, WG_ATOM_BYTES>(dos + s * ATOMS, p.dout, q0, h, b, qdo_full + 8 * s);
+                }
             }
         }
         return;
@@ -423,25 +443,9 @@ __device__ void ws_backward_dkdv(const float* lse, const float* delta, T* dk, T*
     for (unsigned int j = 0; j < steps; ++j) {
         const int s = j & 1;
         const unsigned int phase = (j >> 1) & 1, q0 = first_query(j);
-        const unsigned long long stats = ((unsigned long long)b * a.heads + head_of(j)) * a.queries;
         const unsigned char* qt = qs + s * ATOMS;
         const unsigned char* dot = dos + s * ATOMS;
-        // The tile's log-sum-exps and Δ (this thread's 16 queries): at head dim 64 loaded before
-        // the products are issued, so their latency hides behind them; at 128 the 32 registers
-        // they would hold meanwhile spill (the consumer's 240 already hold the 192 floats of the
-        // dK, dV, S and dP accumulators), and each is loaded where it is used, after the products.
-        float l2s[NB][2], dls[NB][2];
-        if constexpr (DP == 64) {
-#pragma unroll
-            for (int n = 0; n < NB; ++n)
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const unsigned int query = q0 + n * 8 + 2 * t + c;
-                    const bool in = query < a.queries;
-                    l2s[n][c] = in ? lse[stats + query] * FA_LOG2E : 0.f;
-                    dls[n][c] = in ? delta[stats + query] : 0.f;
-                }
-        }
+        const float* st = stats_s + s * 2 * WG_ROWS;
         mbar_wait(qdo_full + 8 * s, phase);
         // Transposed: rows are the warpgroup's keys, columns the tile's queries.
         float sc[NB][4] = {}, dp[NB][4] = {};
@@ -453,16 +457,8 @@ __device__ void ws_backward_dkdv(const float* lse, const float* delta, T* dk, T*
         for (int n = 0; n < NB; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const unsigned int query = q0 + n * 8 + 2 * t + (e & 1);
-                float l2, dl;
-                if constexpr (DP == 64) {
-                    l2 = l2s[n][e & 1];
-                    dl = dls[n][e & 1];
-                } else {
-                    const bool in = query < a.queries;
-                    l2 = in ? lse[stats + query] * FA_LOG2E : 0.f;
-                    dl = in ? delta[stats + query] : 0.f;
-                }
+                const unsigned int r = n * 8 + 2 * t + (e & 1), query = q0 + r;
+                const float l2 = st[r], dl = st[WG_ROWS + r];
                 const bool hidden = crossing && (query < lo[e >> 1] || query >= hi[e >> 1]);
                 const float pr = hidden ? 0.f : fast_exp2(fmaf(sc[n][e], scale2, -l2));
                 sc[n][e] = pr;
@@ -486,7 +482,8 @@ __device__ void ws_backward_dkdv(const float* lse, const float* delta, T* dk, T*
 
 // attention_ws_backward_dkdv_<dtype>_<DP>: 384 threads, 128 keys a block; dynamic shared memory
 // 1024 bytes of alignment slack, eight 64-row tiles of DP / 64 · 8 KiB (two consumers' keys and
-// values, two stages each of queries and dO) and 128 bytes of mbarriers.
+// values, two stages each of queries and dO), 128 bytes of mbarriers and two stages of 64
+// log-sum-exps and 64 Δ (1 KiB).
 #define WS_DKDV_KERNEL(T, SUFFIX, DP)                                                                        \
     extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attention_ws_backward_dkdv_##SUFFIX(         \
         const float* lse, const float* delta, T* dk, T* dv, const __grid_constant__ WsBackwardParams p) {    \

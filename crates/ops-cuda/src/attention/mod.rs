@@ -13,10 +13,11 @@
 //! - f16 and bf16 on a compute capability 9.0 device take the Hopper kernels by default: the
 //!   forwards without dropout or packing whose operands a tensor map describes run on the
 //!   warp-specialised kernel of `kernels/attention_ws_sm90a.cu` (`warp_specialized.rs`: TMA
-//!   loads, two consumer warpgroups), the other forwards and every backward on the `wgmma`
-//!   kernels of `kernels/attention_wgmma_sm90a.cu` (`wgmma.rs`; packed sequences, and dropout in
-//!   bf16), all with the same saved state as the mma.sync kernels: the fastest of each measured
-//!   on an H100 (BENCHMARKS.md's Hopper table). `HEADROOM_ATTENTION_WGMMA` ([`HOPPER_VARIABLE`])
+//!   loads, two consumer warpgroups), and so do their backwards' dK/dV (after the `wgmma` dQ
+//!   kernel); the other forwards and backwards run on the `wgmma` kernels of
+//!   `kernels/attention_wgmma_sm90a.cu` (`wgmma.rs`; packed sequences, and dropout in bf16), all
+//!   with the same saved state as the mma.sync kernels: the fastest of each measured on an H100
+//!   (BENCHMARKS.md's Hopper table). `HEADROOM_ATTENTION_WGMMA` ([`HOPPER_VARIABLE`])
 //!   picks otherwise: `0` the mma.sync kernels below, `1` wgmma forward and backward, `ws` (or
 //!   `ws-overlap`, `ws-pingpong`) the warp-specialised forward and backward dK/dV (after wgmma's
 //!   dQ) where they apply.
@@ -71,9 +72,9 @@ const HOPPER_VARIABLE: &str = "HEADROOM_ATTENTION_WGMMA";
 /// What [`HOPPER_VARIABLE`] asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum HopperKernels {
-    /// Unset: the warp-specialised forward where it applies, the wgmma kernels for the other
-    /// forwards and every backward (the wgmma backward is faster than the warp-specialised dK/dV
-    /// at head dims 64 and 128: BENCHMARKS.md's Hopper table).
+    /// Unset: the warp-specialised forward and dK/dV where they apply (with the log-sum-exps
+    /// and deltas staged in shared memory the warp-specialised dK/dV beats wgmma's at head dims
+    /// 64 and 128: BENCHMARKS.md's Hopper table), the wgmma kernels for the rest.
     Default,
     /// `0`: the mma.sync kernels, as on other devices.
     MmaSync,
@@ -152,7 +153,10 @@ pub(crate) fn attention_backward(backend: &CudaBackend, b: AttentionBackward<'_>
         return if tensor_core::fits(&dims, &views) && no_f16_dropout(&f) {
             let hopper = hopper_kernels();
             let on_hopper = hopper != HopperKernels::MmaSync && wgmma::takes(backend, &f);
-            let ws_dkdv = matches!(hopper, HopperKernels::WarpSpecialized(_));
+            let ws_dkdv = matches!(
+                hopper,
+                HopperKernels::Default | HopperKernels::WarpSpecialized(_)
+            );
             if on_hopper && ws_dkdv && warp_specialized::takes_backward(&b) {
                 let delta = wgmma::backward_dq(backend, b, dims)?;
                 warp_specialized::backward_dkdv(backend, b, dims, delta.address())

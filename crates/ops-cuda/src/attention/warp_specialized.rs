@@ -265,9 +265,13 @@ pub(crate) fn backward_dkdv(
         args: attn_args(&dims, &f, &[f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv])?,
     };
     // Eight 64-row tiles (each consumer's keys and values, two stages each of queries and dO),
-    // 1 KiB of alignment slack, 128 bytes of mbarriers.
+    // 1 KiB of alignment slack, 128 bytes of mbarriers, two stages of 64 log-sum-exps and 64 Δ.
     let tile = padded / 64 * HALF_BYTES / 2;
-    let config = block_config(dims.keys, dims.batch * dims.kv_heads, 1024 + 8 * tile + 128);
+    let config = block_config(
+        dims.keys,
+        dims.batch * dims.kv_heads,
+        1024 + 8 * tile + 128 + 1024,
+    );
     let pointers = [
         Param::U64(element_address(&f.lse)),
         Param::U64(delta),
