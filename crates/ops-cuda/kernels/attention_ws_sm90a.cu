@@ -467,6 +467,9 @@ __device__ void ws_backward_dkdv(const float* lse, const float* delta, T* dk, T*
         weights_by_rows<T, DP>(dva, sc, dot);
         weights_by_rows<T, DP>(dka, dp, qt);
         wgmma_wait<0>();
+        // Every lane's reads of the stage's statistics are ordered before lane 0's arrival,
+        // which the producer's wait acquires before it overwrites them (racecheck's hazard).
+        __syncwarp();
         if (lane == 0) mbar_arrive(qdo_empty + 8 * s);
     }
     // Staged through the query stages, which both consumers have finished reading once they pass
