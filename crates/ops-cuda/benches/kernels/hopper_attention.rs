@@ -1,11 +1,11 @@
 //! The Hopper attention cases of the kernels bench (issue 35's targets): bf16 attention at batch
 //! 4, 16 heads, 4096 tokens, head dims 128 and 64, causal and not, forward and forward + backward,
 //! on the mma.sync kernels (`HEADROOM_ATTENTION_WGMMA=0`), the wgmma ones (`1`), the default
-//! (the variable unset: the warp-specialised forward, wgmma's backward) and the warp-specialised
-//! forward and dK/dV (`ws`; `ws-overlap` with FlashAttention-3's intra-warpgroup overlap,
-//! `ws-pingpong` with its ping-pong too; their dQ is wgmma's). Operands are laid out as a layer
-//! passes them (`[batch, seq, heads · head_dim]` projections viewed as heads), as
-//! `scripts/pytorch/attention_reference.py --shape issue35` lays out cuDNN's.
+//! (the variable unset: the warp-specialised forward and dK/dV, wgmma's dQ) and the
+//! warp-specialised forward and dK/dV (`ws`; `ws-overlap` with FlashAttention-3's
+//! intra-warpgroup overlap, `ws-pingpong` with its ping-pong too; their dQ is wgmma's). Operands
+//! are laid out as a layer passes them (`[batch, seq, heads · head_dim]` projections viewed as
+//! heads), as `scripts/pytorch/attention_reference.py --shape issue35` lays out cuDNN's.
 //!
 //! FLOP convention (that script's): a causal forward counts half the scores,
 //! `4 · b · h · s² · d / 2`, a full one all of them; backward 2.5× the forward, forward + backward

@@ -1,12 +1,13 @@
 //! Hopper attention for f16 and bf16 (`kernels/attention_wgmma_sm90a.cu`): the flash kernels'
 //! forward, dQ and dK/dV with every product on `wgmma.mma_async`, operands in 128-byte-swizzled
 //! shared-memory tiles, one warpgroup a block taking 64 own rows and streaming the other side 64
-//! rows at a time. On a device of compute capability 9.0 (the PTX is sm_90a) it takes every
-//! backward by default and the forwards the warp-specialised kernel does not (the family's
-//! `HOPPER_VARIABLE`: `1` sends it every forward too, `0` none), for the f16 and bf16 problems
-//! `tensor_core.rs` takes (the caller checked `fits`), packed sequences included (their tiles
-//! heaviest first, as that path's) and dropout in bf16 (the same replayed draw); its saved state
-//! is that path's (one f32 log-sum-exp per query), so either backward follows either forward.
+//! rows at a time. On a device of compute capability 9.0 (the PTX is sm_90a) it takes by default
+//! every backward's dQ, the dK/dV of the backwards the warp-specialised kernel does not take, and
+//! the forwards it does not take (the family's `HOPPER_VARIABLE`: `1` sends it every forward and
+//! backward, `0` none), for the f16 and bf16 problems `tensor_core.rs` takes (the caller checked
+//! `fits`), packed sequences included (their tiles heaviest first, as that path's) and dropout in
+//! bf16 (the same replayed draw); its saved state is that path's (one f32 log-sum-exp per query),
+//! so either backward follows either forward.
 //!
 //! This path sits on the attention family's `args.rs` and the ground floor, and imports no other
 //! path.
