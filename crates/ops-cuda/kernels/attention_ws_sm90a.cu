@@ -384,8 +384,8 @@ __device__ void ws_backward_dkdv(const float* lse, const float* delta, T* dk, T*
     if (threadIdx.x == 0) {
         mbar_init(kv_full, 1);
         for (int s = 0; s < 2; ++s) {
-            mbar_init(qdo_full + 8 * s, 1);
-            mbar_init(qdo_empty + 8 * s, WS_CONSUMER_WARPS);
+            mbar_init(qdo_full + 8 * s, 32);
+            mbar_init(qdo_empty + 8 * s, 32 * WS_CONSUMER_WARPS);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -406,8 +406,8 @@ __device__ void ws_backward_dkdv(const float* lse, const float* delta, T* dk, T*
                 const int s = j & 1;
                 const unsigned int phase = (j >> 1) & 1, h = head_of(j), q0 = first_query(j);
                 if (j >= 2) mbar_wait(qdo_empty + 8 * s, phase ^ 1);
-                // Each lane two queries' statistics; the warp's writes are ordered before lane 0's
-                // arrival (bar.warp.sync), which the consumers' wait acquires.
+                // Each lane two queries' statistics, then its own arrival on the stage's full barrier
+                // (a release of its writes, which the consumers' wait acquires).
                 const unsigned long long stats = ((unsigned long long)b * a.heads + h) * a.queries;
                 float* st = stats_s + s * 2 * WG_ROWS;
 #pragma unroll
@@ -417,11 +417,12 @@ __device__ void ws_backward_dkdv(const float* lse, const float* delta, T* dk, T*
                     st[r] = in ? lse[stats + query] * FA_LOG2E : 0.f;
                     st[WG_ROWS + r] = in ? delta[stats + query] : 0.f;
                 }
-                __syncwarp();
                 if (lane == 0) {
                     mbar_arrive_expect_tx(qdo_full + 8 * s, 2 * ATOMS);
                     tma_tile<DP, WG_ATOM_BYTES>(qs + s * ATOMS, p.q, q0, h, b, qdo_full + 8 * s);
                     tma_tile<DP, WG_ATOM_BYTES>(dos + s * ATOMS, p.dout, q0, h, b, qdo_full + 8 * s);
+                } else {
+                    mbar_arrive(qdo_full + 8 * s);
                 }
             }
         }
@@ -467,10 +468,9 @@ __device__ void ws_backward_dkdv(const float* lse, const float* delta, T* dk, T*
         weights_by_rows<T, DP>(dva, sc, dot);
         weights_by_rows<T, DP>(dka, dp, qt);
         wgmma_wait<0>();
-        // Every lane's reads of the stage's statistics are ordered before lane 0's arrival,
-        // which the producer's wait acquires before it overwrites them (racecheck's hazard).
-        __syncwarp();
-        if (lane == 0) mbar_arrive(qdo_empty + 8 * s);
+        // Every thread arrives (a release of its own reads of the stage's statistics, which the
+        // producer's wait acquires before it overwrites them).
+        mbar_arrive(qdo_empty + 8 * s);
     }
     // Staged through the query stages, which both consumers have finished reading once they pass
     // this barrier (named barrier 1, the 256 consumer threads): each warp its own 16 rows of
