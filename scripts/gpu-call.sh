@@ -16,11 +16,10 @@
 # steps' limits and packing from scripts/gpu-steps.sh (source it).
 # COMMIT names the sources (the device's copy has no .git). Mind the ten-minute limit of a call:
 # the tests phase takes about 3 minutes, py:tests 1, py:optim 1, plans 4, find-max-model 10.
-# The tool counts the tree on disk: with the bundle it is over 64 MiB unless
-# crates/ops-cuda/kernels/ptx (embedded in every binary) is moved out for the call (gpu-pack.sh).
+# The tool counts the tree on disk: gpu-pack.sh prints what a call with its bundle carries.
 set -uo pipefail
 if [[ $# == 0 || $1 == -h || $1 == --help ]]; then
-  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
   exit 0
 fi
 : "${COMMIT:?set COMMIT to the short hash of the sources}"

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Packs benches and tests built several times, once per version of one kernel's PTX, for an A/B
-# of kernel versions in one device call: every binary embeds the PTX (include_str!), so swapping
-# the committed .ptx file and building again gives a binary of that version, with no other
-# source changed. A version is a git revision (the file as committed there) or a path to a .ptx
-# file (an uncommitted variant, e.g. nvcc's output under other launch bounds). Run from the
-# workspace root on the development machine:
+# of kernel versions in one device call: every binary embeds the gzipped PTX (include_bytes!), so
+# swapping the committed .ptx.gz file and building again gives a binary of that version, with no
+# other source changed. A version is a git revision (the file as committed there; a revision
+# from before the PTX was gzipped gives its plain .ptx, gzipped here) or a path to a .ptx or
+# .ptx.gz file (an uncommitted variant, e.g. nvcc's output under other launch bounds). Run from
+# the workspace root on the development machine:
 #   bash scripts/gpu-variants.sh --ptx PATH [--bench NAME]... [--test NAME]... VERSION=REV|FILE...
-#   e.g. bash scripts/gpu-variants.sh --ptx crates/optim/kernels/ptx/adam4bit.ptx \
+#   e.g. bash scripts/gpu-variants.sh --ptx crates/optim/kernels/ptx/adam4bit.ptx.gz \
 #          --bench cuda_adam --test cuda_adam4bit base=579a00b new=HEAD staged=wip/adam4bit-staged
 # The binaries land in .gpu-variants/<target>_<version>, packed into .gpu-carry/variants.tar.xz;
 # carry it and scripts/gpu-call.sh unpacks it (run each from the workspace root, tests with
@@ -38,10 +39,13 @@ workspace=(--workspace --all-features --exclude headroom-python)
 executable() { grep -o '([^()]*/release/deps/[^()]*)' | tr -d '()' | tail -1; }
 for version in "${versions[@]}"; do
   name=${version%%=*} source=${version#*=}
-  if [[ -f $source ]]; then
+  if [[ -f $source && $source == *.gz ]]; then
     cp "$source" "$ptx"
-  else
-    git show "$source:$ptx" > "$ptx" || { echo "no $ptx at $source" >&2; exit 1; }
+  elif [[ -f $source ]]; then
+    gzip -9 -n -c "$source" > "$ptx"
+  elif ! git show "$source:$ptx" > "$ptx" 2> /dev/null; then
+    git show "$source:${ptx%.gz}" | gzip -9 -n > "$ptx" ||
+      { echo "no $ptx (nor ${ptx%.gz}) at $source" >&2; exit 1; }
   fi
   for target in "${benches[@]}"; do
     exe=$(cargo bench --no-run "${workspace[@]}" --bench "$target" 2>&1 | executable)

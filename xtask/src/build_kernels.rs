@@ -1,19 +1,22 @@
 //! `cargo xtask build-kernels [--check]`: compiles the CUDA backend's `.cu` files to PTX.
 //!
-//! Sources live in `crates/<crate>/kernels/*.cu` (ops-cuda, optim and checkpoint); the PTX goes to the
-//! `ptx/` folder beside them and is committed, so users without nvcc build and run (the crate embeds it with
-//! `include_str!`). Target: `compute_80` PTX, which the driver compiles for the GPU at module load
-//! (sm_80 and newer, the H200 included); a source named `*_sm89.cu` is built for `compute_89`
-//! instead (Ada and Hopper: fp8 conversions are instructions there) and one named `*_sm90a.cu`
-//! for `compute_90a` (Hopper's wgmma), and its crate loads it on such devices only.
+//! Sources live in `crates/<crate>/kernels/*.cu` (ops-cuda, optim and checkpoint); the PTX goes
+//! gzipped to the `ptx/` folder beside them (`<name>.ptx.gz`: ops-cuda's 23 MiB of PTX take 4) and
+//! is committed, so users without nvcc build and run (the crates embed it with `include_bytes!` and
+//! inflate it once, through ops-cuda's `ptx_text`). Target: `compute_80` PTX, which the driver
+//! compiles for the GPU at module load (sm_80 and newer, the H200 included); a source named
+//! `*_sm89.cu` is built for `compute_89` instead (Ada and Hopper: fp8 conversions are instructions
+//! there) and one named `*_sm90a.cu` for `compute_90a` (Hopper's wgmma), and its crate loads it on
+//! such devices only.
 //!
-//! nvcc comes from `NVCC`, else a `nvcc` on `PATH`, else a virtualenv under `target/nvcc-venv`
-//! that this task creates with pip (pinned to CUDA 13.0: a CUDA 13.0 driver rejects PTX from a
-//! newer nvcc). `ptx/manifest.txt` records, per source, a hash of the source (with the folder's
-//! headers), the compiler and flags, and a hash of the PTX it produced (`ptx=`). `--check`
-//! compares it with the sources and the committed PTX and needs no nvcc, so a test can tell
-//! when the PTX is stale, was edited by hand, or outlived its source.
+//! nvcc comes from `NVCC`, else a `nvcc` on `PATH`, else a virtualenv under `target/nvcc-venv` that
+//! this task creates with pip (pinned to CUDA 13.0: a CUDA 13.0 driver rejects PTX from a newer
+//! nvcc). `ptx/manifest.txt` records, per source, a hash of the source (with the folder's headers),
+//! the compiler and flags, and a hash of the PTX text it produced (`ptx=`, of the inflated text).
+//! `--check` compares it with the sources and the committed PTX and needs no nvcc, so a test can
+//! tell when the PTX is stale, was edited by hand, or outlived its source.
 
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -119,14 +122,28 @@ fn source_entry(source: &Path) -> Result<String> {
     ))
 }
 
-/// The manifest line of one source and the PTX built from it.
+/// The manifest line of one source and the gzipped PTX built from it.
 fn manifest_line(source: &Path, ptx: &Path) -> Result<String> {
-    let ptx_bytes = std::fs::read(ptx).with_context(|| ptx.display().to_string())?;
+    let gzipped = std::fs::read(ptx).with_context(|| ptx.display().to_string())?;
+    let mut text = Vec::new();
+    flate2::read::GzDecoder::new(gzipped.as_slice())
+        .read_to_end(&mut text)
+        .with_context(|| format!("{} is not gzipped", ptx.display()))?;
     Ok(format!(
         "{} ptx={:016x}",
         source_entry(source)?,
-        fnv1a(&ptx_bytes)
+        fnv1a(&text)
     ))
+}
+
+/// `text` gzipped at the best level, with no name and a zero time in the header, so the same
+/// PTX always gives the same bytes.
+fn gzip(text: &[u8]) -> Result<Vec<u8>> {
+    let mut encoder = flate2::GzBuilder::new()
+        .mtime(0)
+        .write(Vec::new(), flate2::Compression::best());
+    encoder.write_all(text)?;
+    Ok(encoder.finish()?)
 }
 
 fn manifest_path(dir: &Path) -> PathBuf {
@@ -184,11 +201,11 @@ fn kernel_folder_problems(dir: &Path) -> Result<Vec<String>> {
         .flatten()
         .flatten()
         .map(|entry| entry.path())
-        .filter(|path| path.extension().is_some_and(|ext| ext == "ptx"))
+        .filter(|path| ptx_stem(path).is_some())
         .collect();
     ptx_files.sort();
     for ptx in ptx_files {
-        let stem = ptx.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+        let stem = ptx_stem(&ptx).unwrap_or_default();
         if !has_source(stem) {
             problems.push(format!(
                 "{}: no `{stem}.cu` source builds it",
@@ -209,11 +226,16 @@ fn kernel_folder_problems(dir: &Path) -> Result<Vec<String>> {
     Ok(problems)
 }
 
+/// Where `source`'s gzipped PTX goes: `ptx/<stem>.ptx.gz` beside it.
 fn ptx_path(source: &Path) -> PathBuf {
-    let stem = source.file_stem().unwrap_or_default();
-    source
-        .with_file_name("ptx")
-        .join(Path::new(stem).with_extension("ptx"))
+    let stem = source.file_stem().unwrap_or_default().to_string_lossy();
+    source.with_file_name("ptx").join(format!("{stem}.ptx.gz"))
+}
+
+/// The source stem of a gzipped PTX file's path (`a` of `ptx/a.ptx.gz`), or `None` for another
+/// file.
+fn ptx_stem(path: &Path) -> Option<&str> {
+    path.file_name()?.to_str()?.strip_suffix(".ptx.gz")
 }
 
 fn build() -> Result<()> {
@@ -225,16 +247,19 @@ fn build() -> Result<()> {
         for source in sources(&dir)? {
             let ptx = ptx_path(&source);
             println!("nvcc {} -> {}", source.display(), ptx.display());
+            let plain = ptx.with_extension("");
             let status = Command::new(&nvcc)
                 .args(nvcc_flags(&source))
                 .arg(&source)
                 .arg("-o")
-                .arg(&ptx)
+                .arg(&plain)
                 .status()
                 .with_context(|| format!("running {}", nvcc.display()))?;
             if !status.success() {
                 bail!("nvcc failed on {}", source.display());
             }
+            std::fs::write(&ptx, gzip(&std::fs::read(&plain)?)?)?;
+            std::fs::remove_file(&plain)?;
             manifest.push_str(&manifest_line(&source, &ptx)?);
             manifest.push('\n');
         }
@@ -301,10 +326,15 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("ptx")).unwrap();
         std::fs::write(dir.join("a.cu"), "__global__ void a() {}\n").unwrap();
-        std::fs::write(dir.join("ptx/a.ptx"), ".version 9.0\n.entry a {}\n").unwrap();
-        let line = super::manifest_line(&dir.join("a.cu"), &dir.join("ptx/a.ptx")).unwrap();
+        write_ptx(&dir.join("ptx/a.ptx.gz"), ".version 9.0\n.entry a {}\n");
+        let line = super::manifest_line(&dir.join("a.cu"), &dir.join("ptx/a.ptx.gz")).unwrap();
         std::fs::write(super::manifest_path(&dir), format!("{line}\n")).unwrap();
         dir
+    }
+
+    /// `text` gzipped to `path`, as build-kernels writes it.
+    fn write_ptx(path: &Path, text: &str) {
+        std::fs::write(path, super::gzip(text.as_bytes()).unwrap()).unwrap();
     }
 
     fn problems(dir: &Path) -> Vec<String> {
@@ -316,7 +346,10 @@ mod tests {
         let dir = folder("check");
         assert_eq!(problems(&dir), Vec::<String>::new());
 
-        std::fs::write(dir.join("ptx/a.ptx"), ".version 9.0\n.entry a { ret; }\n").unwrap();
+        write_ptx(
+            &dir.join("ptx/a.ptx.gz"),
+            ".version 9.0\n.entry a { ret; }\n",
+        );
         let edited = problems(&dir);
         assert_eq!(edited.len(), 1, "{edited:?}");
         assert!(edited[0].contains("differs from the PTX the manifest recorded"));
@@ -327,7 +360,7 @@ mod tests {
         assert!(stale[0].contains("no manifest entry for it as it is"));
 
         let dir = folder("orphan");
-        std::fs::write(dir.join("ptx/b.ptx"), ".version 9.0\n").unwrap();
+        write_ptx(&dir.join("ptx/b.ptx.gz"), ".version 9.0\n");
         let orphan = problems(&dir);
         assert_eq!(orphan.len(), 1, "{orphan:?}");
         assert!(orphan[0].contains("no `b.cu` source builds it"));

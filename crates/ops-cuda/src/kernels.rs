@@ -1,14 +1,17 @@
 //! The embedded PTX modules and their lazily loaded functions.
 //!
 //! Each `kernels/*.cu` file becomes one PTX module, compiled by `cargo xtask build-kernels` and
-//! committed under `kernels/ptx/`. A module is loaded into the context the first time one of its
-//! kernels runs, and each function is looked up once and cached by name. Kernels are named by
-//! family and dtype suffix ([`KernelName`], [`float_suffix`]).
+//! committed gzipped under `kernels/ptx/` (its 23 MiB of PTX take 4: every binary embeds it, and
+//! the crate has to fit crates.io's 10 MB), inflated once on first use ([`ptx_text`]). A module is
+//! loaded into the context the first time one of its kernels runs, and each function is looked up
+//! once and cached by name. Kernels are named by family and dtype suffix ([`KernelName`],
+//! [`float_suffix`]).
 //!
 //! This module is ground floor: it sits on cudarc and `error.rs`, and knows nothing of the
 //! backend, of views or of what the kernels compute.
 
 use std::collections::HashMap;
+use std::io::Read;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
@@ -63,16 +66,22 @@ pub(crate) enum Module {
 impl Module {
     pub(crate) fn ptx(self) -> &'static str {
         match self {
-            Module::Elementwise => include_str!("../kernels/ptx/elementwise.ptx"),
-            Module::Rows => include_str!("../kernels/ptx/rows.ptx"),
-            Module::Index => include_str!("../kernels/ptx/index.ptx"),
-            Module::Attention => include_str!("../kernels/ptx/attention.ptx"),
-            Module::AttentionTc => include_str!("../kernels/ptx/attention_tc.ptx"),
-            Module::AttentionTf32 => include_str!("../kernels/ptx/attention_tf32.ptx"),
-            Module::AttentionWgmma => include_str!("../kernels/ptx/attention_wgmma_sm90a.ptx"),
-            Module::AttentionWs => include_str!("../kernels/ptx/attention_ws_sm90a.ptx"),
-            Module::Llama => include_str!("../kernels/ptx/llama.ptx"),
-            Module::Float8 => include_str!("../kernels/ptx/float8.ptx"),
+            Module::Elementwise => ptx_text(include_bytes!("../kernels/ptx/elementwise.ptx.gz")),
+            Module::Rows => ptx_text(include_bytes!("../kernels/ptx/rows.ptx.gz")),
+            Module::Index => ptx_text(include_bytes!("../kernels/ptx/index.ptx.gz")),
+            Module::Attention => ptx_text(include_bytes!("../kernels/ptx/attention.ptx.gz")),
+            Module::AttentionTc => ptx_text(include_bytes!("../kernels/ptx/attention_tc.ptx.gz")),
+            Module::AttentionTf32 => {
+                ptx_text(include_bytes!("../kernels/ptx/attention_tf32.ptx.gz"))
+            }
+            Module::AttentionWgmma => ptx_text(include_bytes!(
+                "../kernels/ptx/attention_wgmma_sm90a.ptx.gz"
+            )),
+            Module::AttentionWs => {
+                ptx_text(include_bytes!("../kernels/ptx/attention_ws_sm90a.ptx.gz"))
+            }
+            Module::Llama => ptx_text(include_bytes!("../kernels/ptx/llama.ptx.gz")),
+            Module::Float8 => ptx_text(include_bytes!("../kernels/ptx/float8.ptx.gz")),
         }
     }
 
@@ -81,11 +90,34 @@ impl Module {
     pub(crate) fn ptx_for(self, compute_capability: (i32, i32)) -> &'static str {
         match self {
             Module::Float8 if compute_capability >= (8, 9) => {
-                include_str!("../kernels/ptx/float8_sm89.ptx")
+                ptx_text(include_bytes!("../kernels/ptx/float8_sm89.ptx.gz"))
             }
             other => other.ptx(),
         }
     }
+}
+
+/// The PTX text of a module embedded gzipped (`include_bytes!` of a `kernels/ptx/*.ptx.gz` that
+/// `cargo xtask build-kernels` wrote), inflated the first time it is asked for and kept for the
+/// process. optim and checkpoint embed theirs the same way.
+///
+/// # Panics
+/// If `gzipped` is not gzipped UTF-8 text: the committed PTX is checked by xtask's
+/// `committed_ptx_matches_the_kernel_sources`, and every module is inflated by a test.
+pub fn ptx_text(gzipped: &'static [u8]) -> &'static str {
+    static TEXTS: Mutex<Vec<(usize, &'static str)>> = Mutex::new(Vec::new());
+    let key = gzipped.as_ptr() as usize;
+    let mut texts = TEXTS.lock();
+    if let Some(&(_, text)) = texts.iter().find(|(at, _)| *at == key) {
+        return text;
+    }
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(gzipped)
+        .read_to_string(&mut text)
+        .expect("embedded PTX is gzipped UTF-8 (cargo xtask build-kernels --check)");
+    let text: &'static str = Box::leak(text.into_boxed_str());
+    texts.push((key, text));
+    text
 }
 
 /// Loaded modules and looked-up functions of one context.
@@ -181,5 +213,38 @@ impl KernelCache {
             })?;
         self.functions.lock().insert(name, function.clone());
         Ok(function)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every embedded module inflates to PTX text, each once: a second ask hands back the same
+    /// text without inflating it again.
+    #[test]
+    fn every_module_inflates_to_ptx_once() {
+        for module in [
+            Module::Elementwise,
+            Module::Rows,
+            Module::Index,
+            Module::Attention,
+            Module::AttentionTc,
+            Module::AttentionTf32,
+            Module::AttentionWgmma,
+            Module::AttentionWs,
+            Module::Llama,
+            Module::Float8,
+        ] {
+            for capability in [(8, 0), (9, 0)] {
+                let text = module.ptx_for(capability);
+                assert!(
+                    text.starts_with("//") || text.contains(".version"),
+                    "{module:?}"
+                );
+                assert!(text.contains(".entry"), "{module:?}");
+                assert!(std::ptr::eq(text, module.ptx_for(capability)), "{module:?}");
+            }
+        }
     }
 }

@@ -3,7 +3,7 @@
 //!
 //! [`CudaBackend`] takes every byte from a `CachingAllocator<CudaStorage>`, so
 //! `memory_allocated()` is exact on the GPU as on the host, and launches kernels compiled from
-//! `kernels/*.cu` to PTX by `cargo xtask build-kernels` (committed, embedded with `include_str!`,
+//! `kernels/*.cu` to PTX by `cargo xtask build-kernels` (committed gzipped, embedded, inflated once,
 //! loaded once per backend). Work runs in order on the device's default stream, which is the
 //! allocator's `StreamId::DEFAULT`, so a freed block is never reused while a kernel may still
 //! read it.
@@ -116,6 +116,8 @@ pub use device::{CudaBackend, CudaBackendOptions};
 pub use graph::{CaptureError, CudaGraph, GraphedStep, ReplayIndex, ReplayLink, StepRun};
 #[cfg(feature = "cuda")]
 pub use index::{ForeignLogitTile, ForeignTileGradient, ForeignTileStats};
+#[cfg(feature = "cuda")]
+pub use kernels::ptx_text;
 #[cfg(feature = "cuda")]
 pub use launch::{CudaKernel, KernelArg};
 #[cfg(feature = "cuda")]

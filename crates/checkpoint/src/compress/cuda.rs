@@ -17,7 +17,8 @@ use headroom_ops_cuda::{CudaBackend, CudaKernel, KernelArg};
 use crate::error::CheckpointError;
 
 const MODULE: &str = "headroom_checkpoint::compress";
-const PTX: &str = include_str!("../../kernels/ptx/compress.ptx");
+/// `kernels/ptx/compress.ptx.gz`, committed gzipped as every crate's PTX.
+const PTX: &[u8] = include_bytes!("../../kernels/ptx/compress.ptx.gz");
 
 /// Threads per CUDA block of both kernels (8 warps).
 const THREADS: u32 = 256;
@@ -56,7 +57,7 @@ fn kernel(backend: &Arc<CudaBackend>, name: &'static str) -> Result<CudaKernel, 
         return Ok(kernel.clone());
     }
     let kernel = backend
-        .load_kernel(MODULE, PTX, name)
+        .load_kernel(MODULE, headroom_ops_cuda::ptx_text(PTX), name)
         .map_err(|err| TensorError::Device {
             op: "compress",
             reason: err.to_string(),

@@ -37,13 +37,17 @@ pub(crate) enum Module {
     },
 }
 
-/// One of this crate's modules, `kernels/ptx/<file>.ptx`: its name (`headroom_optim::<file>`)
-/// and its PTX text.
+/// One of this crate's modules, `kernels/ptx/<file>.ptx.gz`: its name (`headroom_optim::<file>`)
+/// and its PTX text (inflated once, by ops-cuda's `ptx_text`).
 macro_rules! crate_module {
     ($file:literal) => {
         (
             concat!("headroom_optim::", $file),
-            include_str!(concat!("../../kernels/ptx/", $file, ".ptx")),
+            headroom_ops_cuda::ptx_text(include_bytes!(concat!(
+                "../../kernels/ptx/",
+                $file,
+                ".ptx.gz"
+            ))),
         )
     };
 }
