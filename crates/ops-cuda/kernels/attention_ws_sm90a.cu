@@ -496,3 +496,162 @@ WS_DKDV_KERNEL(__nv_bfloat16, bf16_64, 64)
 WS_DKDV_KERNEL(__nv_bfloat16, bf16_128, 128)
 WS_DKDV_KERNEL(__half, f16_64, 64)
 WS_DKDV_KERNEL(__half, f16_128, 128)
+
+// ---- Backward: dQ, warp-specialised -------------------------------------------------------------
+
+// Δ = dO·O of query `row` of pair (b, h), by the 4 lanes t = 0..3 of a row group of the
+// accumulator layout (each 16 bytes of the row at a time, 64 bytes apart), summed over them.
+template <typename T>
+__device__ __forceinline__ float row_delta(const T* o, const T* dout, const AttnArgs& a, unsigned int b,
+                                           unsigned int h, unsigned int row, int t) {
+    float sum = 0.f;
+    if (row < a.queries) {
+        const T* op = o + row_at(a, OP_O, b, h, row);
+        const T* gp = dout + row_at(a, OP_DO, b, h, row);
+        for (int c = t * 8; c < (int)a.head_dim; c += 32) {
+            const uint4 ov = *reinterpret_cast<const uint4*>(op + c), gv = *reinterpret_cast<const uint4*>(gp + c);
+            const unsigned int* ow = reinterpret_cast<const unsigned int*>(&ov);
+            const unsigned int* gw = reinterpret_cast<const unsigned int*>(&gv);
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const float2 x = Tc<T>::unpack(ow[w]), y = Tc<T>::unpack(gw[w]);
+                sum += x.x * y.x + x.y * y.y;
+            }
+        }
+    }
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    return sum;
+}
+
+// dQ of 128 queries of one (batch, head) pair, 64 a consumer: the producer loads each consumer's
+// queries and dO once, then the keys and values 64 a tile, two stages behind full/empty
+// mbarriers (every consumer thread arrives on a stage's empty barrier once its products have read
+// the stage); each consumer first writes Δ = dO·O of its queries (for the dK/dV kernel), then
+// computes S = Q·Kᵀ and dP = dO·Vᵀ, dS = P (dP − Δ) in registers and dQ += dS·K with dS from
+// registers: wgmma_backward_dq's arithmetic (without dropout), so its results are that kernel's.
+// No thread writes shared memory another reads but through the tensor memory accelerator, until
+// each consumer stages its own dQ in its own query and dO tiles.
+template <typename T, int DP>
+__device__ void ws_backward_dq(const T* o, const T* dout, const float* lse, T* dq, float* delta,
+                               const WsBackwardParams& p) {
+    const AttnArgs& a = p.a;
+    constexpr int ATOMS = DP / 64 * WG_ATOM_BYTES, NB = 8;  // one 64-row tile's atoms
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* base = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);
+    unsigned char* own = base;             // per consumer: its 64 queries, then their dO
+    unsigned char* ks = own + 4 * ATOMS;   // 2 stages of 64 keys
+    unsigned char* vs = ks + 2 * ATOMS;    // 2 stages of their values
+    unsigned long long* bars = reinterpret_cast<unsigned long long*>(vs + 2 * ATOMS);
+    // qdo_full, kv_full[2], kv_empty[2]
+    const unsigned int qdo_full = smem_address(bars), kv_full = qdo_full + 8, kv_empty = qdo_full + 24;
+    unsigned int tile, pair;
+    block_tile(a, true, tile, pair);
+    const unsigned int b = pair / a.heads, h = pair % a.heads, kvh = h / group_size(a);
+    const unsigned int q0 = tile * WS_ROWS;
+    unsigned int key_begin, key_end;
+    block_range(a, true, q0, WS_ROWS, key_begin, key_end);
+    const unsigned int steps = (key_end - key_begin + WG_ROWS - 1) / WG_ROWS;
+    if (threadIdx.x == 0) {
+        mbar_init(qdo_full, 1);
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(kv_full + 8 * s, 1);
+            mbar_init(kv_empty + 8 * s, 32 * WS_CONSUMER_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const int group_of_thread = threadIdx.x / 128;
+    if (group_of_thread == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (threadIdx.x == 0) {
+            mbar_arrive_expect_tx(qdo_full, 4 * ATOMS);
+            for (int c = 0; c < 2; ++c) {
+                tma_tile<DP, WG_ATOM_BYTES>(own + 2 * c * ATOMS, p.q, q0 + c * WG_ROWS, h, b, qdo_full);
+                tma_tile<DP, WG_ATOM_BYTES>(own + (2 * c + 1) * ATOMS, p.dout, q0 + c * WG_ROWS, h, b, qdo_full);
+            }
+            for (unsigned int j = 0; j < steps; ++j) {
+                const int s = j & 1;
+                const unsigned int phase = (j >> 1) & 1, k0 = key_begin + j * WG_ROWS;
+                if (j >= 2) mbar_wait(kv_empty + 8 * s, phase ^ 1);
+                mbar_arrive_expect_tx(kv_full + 8 * s, 2 * ATOMS);
+                tma_tile<DP, WG_ATOM_BYTES>(ks + s * ATOMS, p.k, k0, kvh, b, kv_full + 8 * s);
+                tma_tile<DP, WG_ATOM_BYTES>(vs + s * ATOMS, p.v, k0, kvh, b, kv_full + 8 * s);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    const int cw = group_of_thread - 1, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2,
+              t = lane & 3;
+    const unsigned int own0 = q0 + cw * WG_ROWS, warp_row0 = warp * 16;
+    const unsigned long long stats = (unsigned long long)pair * a.queries;
+    unsigned int lo[2], hi[2], common_lo, common_hi, own_begin, own_end;
+    float l2[2], dl[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const unsigned int row = own0 + warp_row0 + 8 * r + g;
+        keys_seen(a, row, lo[r], hi[r]);
+        dl[r] = row_delta(o, dout, a, b, h, row, t);
+        l2[r] = row < a.queries ? lse[stats + row] * FA_LOG2E : 0.f;
+        if (t == 0 && row < a.queries) delta[stats + row] = dl[r];
+    }
+    warp_common_range(lo, hi, common_lo, common_hi);
+    // The keys this consumer's queries meet: the block's other tiles are waited on and released
+    // without products.
+    block_range(a, true, own0, WG_ROWS, own_begin, own_end);
+    const float scale2 = (float)(a.scale * 1.4426950408889634);
+    const unsigned char* own_q = own + 2 * cw * ATOMS;
+    const unsigned char* own_do = own_q + ATOMS;
+    float acc[DP / 8][4] = {};
+    mbar_wait(qdo_full, 0);
+    for (unsigned int j = 0; j < steps; ++j) {
+        const int s = j & 1;
+        const unsigned int phase = (j >> 1) & 1, k0 = key_begin + j * WG_ROWS;
+        mbar_wait(kv_full + 8 * s, phase);
+        if (k0 < own_end && k0 + WG_ROWS > own_begin) {
+            const unsigned char* kt = ks + s * ATOMS;
+            const unsigned char* vt = vs + s * ATOMS;
+            float sc[NB][4] = {}, dp[NB][4] = {};
+            rows_by_rows<T, DP>(sc, own_q, kt);
+            rows_by_rows<T, DP>(dp, own_do, vt);
+            wgmma_wait<0>();
+            const bool crossing = k0 < common_lo || k0 + WG_ROWS > common_hi;
+#pragma unroll
+            for (int n = 0; n < NB; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = e >> 1;
+                    const unsigned int key = k0 + n * 8 + 2 * t + (e & 1);
+                    const bool hidden = crossing && (key < lo[r] || key >= hi[r]);
+                    const float pr = hidden ? 0.f : fast_exp2(fmaf(sc[n][e], scale2, -l2[r]));
+                    sc[n][e] = pr * (dp[n][e] - dl[r]);
+                }
+            weights_by_rows<T, DP>(acc, sc, kt);
+            wgmma_wait<0>();
+        }
+        // Every thread arrives: a release of its own products' reads of the stage.
+        mbar_arrive(kv_empty + 8 * s);
+    }
+    // Staged through the consumer's own query and dO tiles, which its four warps have finished
+    // reading once they pass this barrier (named barrier 2 + cw, the consumer's 128 threads): each
+    // warp its own 16 rows of [64][DP + 8].
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+    const float scale = (float)a.scale, mul[2] = {scale, scale};
+    T* stage = reinterpret_cast<T*>(own + 2 * cw * ATOMS) + warp_row0 * (DP + Tc16<T>::PAD);
+    store_rows<Tc16<T>, DP>(dq, a, OP_DQ, b, h, own0 + warp_row0, a.queries, acc, mul, stage);
+}
+
+// attention_ws_backward_dq_<dtype>_<DP>: 384 threads, 128 queries a block; dynamic shared memory
+// 1024 bytes of alignment slack, eight 64-row tiles of DP / 64 · 8 KiB (two consumers' queries
+// and dO, two stages each of keys and values) and 128 bytes of mbarriers.
+#define WS_DQ_KERNEL(T, SUFFIX, DP)                                                                          \
+    extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) attention_ws_backward_dq_##SUFFIX(           \
+        const T* o, const T* dout, const float* lse, T* dq, float* delta,                                    \
+        const __grid_constant__ WsBackwardParams p) {                                                        \
+        ws_backward_dq<T, DP>(o, dout, lse, dq, delta, p);                                                   \
+    }
+WS_DQ_KERNEL(__nv_bfloat16, bf16_64, 64)
+WS_DQ_KERNEL(__nv_bfloat16, bf16_128, 128)
+WS_DQ_KERNEL(__half, f16_64, 64)
+WS_DQ_KERNEL(__half, f16_128, 128)

@@ -95,6 +95,12 @@ fn hopper_kernels() -> HopperKernels {
     }
 }
 
+/// Whether `HEADROOM_ATTENTION_WS_DQ=1` asks for the warp-specialised dQ kernel where the
+/// warp-specialised dK/dV runs (work in progress: not yet the default).
+fn ws_dq() -> bool {
+    std::env::var("HEADROOM_ATTENTION_WS_DQ").as_deref() == Ok("1")
+}
+
 /// The warp-specialised forward's build the default takes: the ping-pong at head dims padded to
 /// 128 (0.972 against 1.022 ms for the plain build on the full b4 h16 s4096 problem, 0.609 against
 /// 0.625 causal), the plain one below (0.395 against 0.401 ms causal at 64, 0.671 against 0.688
@@ -158,7 +164,11 @@ pub(crate) fn attention_backward(backend: &CudaBackend, b: AttentionBackward<'_>
                 HopperKernels::Default | HopperKernels::WarpSpecialized(_)
             );
             if on_hopper && ws_dkdv && warp_specialized::takes_backward(&b) {
-                let delta = wgmma::backward_dq(backend, b, dims)?;
+                let delta = if ws_dq() {
+                    warp_specialized::backward_dq(backend, b, dims)?
+                } else {
+                    wgmma::backward_dq(backend, b, dims)?
+                };
                 warp_specialized::backward_dkdv(backend, b, dims, delta.address())
             } else if on_hopper {
                 wgmma::backward(backend, b, dims)

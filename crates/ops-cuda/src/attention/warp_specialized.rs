@@ -36,6 +36,7 @@ use crate::error::device_error;
 use crate::kernels::Module;
 use crate::launch::{launch_in, Param};
 use crate::operands::element_address;
+use crate::scratch::Scratch;
 
 /// Queries a block, keys a streamed tile, bytes of one 64-column half of a 128-row tile.
 const ROWS: usize = 128;
@@ -291,6 +292,53 @@ pub(crate) fn backward_dkdv(
     Ok(())
 }
 
+/// The backward's dQ on the warp-specialised kernel (128 queries a block, keys and values
+/// streamed 64 a tile by the tensor memory accelerator), which also writes Δ = dO·O per query:
+/// returns Δ (device scratch, released in stream order once dropped) for [`backward_dkdv`].
+/// Taken instead of `wgmma.rs`' dQ with `HEADROOM_ATTENTION_WS_DQ=1` (not yet the default); the
+/// caller checked [`takes_backward`]. Counted as a backward whose dQ ran on the Hopper kernels.
+pub(crate) fn backward_dq<'a>(
+    backend: &'a CudaBackend,
+    b: AttentionBackward<'_>,
+    dims: AttentionDims,
+) -> Result<Scratch<'a>> {
+    let f = b.forward;
+    let delta = Scratch::new(backend, (dims.batch * dims.heads * dims.queries * 4) as u64)?;
+    if dims.queries > 0 {
+        let (suffix, padded) = hopper_variant(f.q.dtype, dims.head_dim);
+        let atom_rows = (ROWS / 2) as u32;
+        let params = WsBackwardParams {
+            q: tensor_map(&f.q, atom_rows)?,
+            k: tensor_map(&f.k, atom_rows)?,
+            v: tensor_map(&f.v, atom_rows)?,
+            dout: tensor_map(&b.dout, atom_rows)?,
+            args: attn_args(&dims, &f, &[f.q, f.k, f.v, f.out, b.dout, b.dq, b.dk, b.dv])?,
+        };
+        // Eight 64-row tiles (each consumer's queries and dO, two stages each of keys and
+        // values), 1 KiB of alignment slack, 128 bytes of mbarriers.
+        let tile = padded / 64 * HALF_BYTES / 2;
+        let config = block_config(dims.queries, dims.batch * dims.heads, 1024 + 8 * tile + 128);
+        let pointers = [
+            super::args::address(&f.out),
+            super::args::address(&b.dout),
+            Param::U64(element_address(&f.lse)),
+            super::args::address(&b.dq),
+            Param::U64(delta.address()),
+        ];
+        launch_in(
+            backend,
+            Module::AttentionWs,
+            "attention_backward",
+            ("attention_ws_backward_dq", suffix),
+            config,
+            &pointers,
+            Some(params),
+        )?;
+    }
+    backend.wgmma_backwards.fetch_add(1, Ordering::Relaxed);
+    Ok(delta)
+}
+
 impl CudaBackend {
     /// How many attention backwards ran their dK/dV on the warp-specialised Hopper kernel (with
     /// `HEADROOM_ATTENTION_WGMMA` `ws`, `ws-overlap` or `ws-pingpong`, on what it takes).
@@ -330,11 +378,13 @@ mod tests {
             }
             for head_dim in [64, 128] {
                 let (suffix, _) = hopper_variant(dtype, head_dim);
-                let entry = format!(".entry attention_ws_backward_dkdv_{suffix}(");
-                let at = ptx.find(&entry).unwrap_or_else(|| panic!("{entry}"));
-                let signature = &ptx[at..at + ptx[at..].find(')').unwrap()];
-                assert!(signature.contains(".align 64 .b8"), "{signature}");
-                assert!(signature.contains("[896]"), "{signature}");
+                for family in ["attention_ws_backward_dkdv", "attention_ws_backward_dq"] {
+                    let entry = format!(".entry {family}_{suffix}(");
+                    let at = ptx.find(&entry).unwrap_or_else(|| panic!("{entry}"));
+                    let signature = &ptx[at..at + ptx[at..].find(')').unwrap()];
+                    assert!(signature.contains(".align 64 .b8"), "{signature}");
+                    assert!(signature.contains("[896]"), "{signature}");
+                }
             }
         }
     }
