@@ -11,8 +11,8 @@
 // 128-byte swizzle writes (rows of 64 elements, 1024-byte aligned), so one descriptor form
 // serves both.
 //
-// The backward's dK/dV kernel has the same layout over 128 keys (its end of this file), after
-// attention_wgmma_sm90a.cu's dQ kernel wrote Δ. No dropout and no packed sequences here (the
+// The backward's kernels have the same layout: dK/dV over 128 keys, then dQ over 128 queries,
+// which runs first and writes Δ (the end of this file). No dropout and no packed sequences here (the
 // wgmma kernels take those); the saved log-sum-exp is theirs, so either path's backward follows
 // either forward. Built for compute_90a by `cargo xtask build-kernels`.
 

@@ -1,9 +1,9 @@
 //! The Hopper attention cases of the kernels bench (issue 35's targets): bf16 attention at batch
 //! 4, 16 heads, 4096 tokens, head dims 128 and 64, causal and not, forward and forward + backward,
 //! on the mma.sync kernels (`HEADROOM_ATTENTION_WGMMA=0`), the wgmma ones (`1`), the default
-//! (the variable unset: the warp-specialised forward and dK/dV, wgmma's dQ) and the
-//! warp-specialised forward and dK/dV (`ws`; `ws-overlap` with FlashAttention-3's
-//! intra-warpgroup overlap, `ws-pingpong` with its ping-pong too; their dQ is wgmma's). Operands
+//! (the variable unset: the warp-specialised forward and backward) and the warp-specialised
+//! forward and backward (`ws`; `ws-overlap` with FlashAttention-3's intra-warpgroup overlap,
+//! `ws-pingpong` with its ping-pong too; the same backward). Operands
 //! are laid out as a layer passes them (`[batch, seq, heads · head_dim]` projections viewed as
 //! heads), as `scripts/pytorch/attention_reference.py --shape issue35` lays out cuDNN's.
 //!

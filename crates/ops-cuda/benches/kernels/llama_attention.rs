@@ -143,7 +143,7 @@ pub(crate) fn llama_attention(bench: &mut Bench, compute: &CudaStream) {
         || target.run(&gpu, 0, seq, None),
     );
     // The forward alone on the default kernels (the case above: the mma.sync kernels, on compute
-    // capability 9.0 the warp-specialised forward and dK/dV, wgmma's dQ); then forward and forward
+    // capability 9.0 the warp-specialised forward and backward); then forward and forward
     // + backward on the mma.sync kernels and (compute capability 9.0) on the wgmma ones and the
     // warp-specialised kernels' builds (`HEADROOM_ATTENTION_WGMMA` 0, 1, ws, ws-overlap and
     // ws-pingpong, read at each call).

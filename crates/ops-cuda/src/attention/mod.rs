@@ -72,15 +72,15 @@ const HOPPER_VARIABLE: &str = "HEADROOM_ATTENTION_WGMMA";
 /// What [`HOPPER_VARIABLE`] asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum HopperKernels {
-    /// Unset: the warp-specialised forward and dK/dV where they apply (with the log-sum-exps
-    /// and deltas staged in shared memory the warp-specialised dK/dV beats wgmma's at head dims
-    /// 64 and 128: BENCHMARKS.md's Hopper table), the wgmma kernels for the rest.
+    /// Unset: the warp-specialised forward and backward (dQ, then dK/dV) where they apply
+    /// (BENCHMARKS.md's Hopper table), the wgmma kernels for the rest.
     Default,
     /// `0`: the mma.sync kernels, as on other devices.
     MmaSync,
     /// `1`: the wgmma kernels.
     Wgmma,
-    /// `ws`, `ws-overlap` or `ws-pingpong`: the warp-specialised forward's build, and its dK/dV.
+    /// `ws`, `ws-overlap` or `ws-pingpong`: the warp-specialised forward's build, and its
+    /// backward.
     WarpSpecialized(warp_specialized::Build),
 }
 
@@ -93,12 +93,6 @@ fn hopper_kernels() -> HopperKernels {
         Ok("ws-pingpong") => HopperKernels::WarpSpecialized(warp_specialized::Build::PingPong),
         _ => HopperKernels::Default,
     }
-}
-
-/// Whether `HEADROOM_ATTENTION_WS_DQ=1` asks for the warp-specialised dQ kernel where the
-/// warp-specialised dK/dV runs (work in progress: not yet the default).
-fn ws_dq() -> bool {
-    std::env::var("HEADROOM_ATTENTION_WS_DQ").as_deref() == Ok("1")
 }
 
 /// The warp-specialised forward's build the default takes: the ping-pong at head dims padded to
@@ -164,11 +158,7 @@ pub(crate) fn attention_backward(backend: &CudaBackend, b: AttentionBackward<'_>
                 HopperKernels::Default | HopperKernels::WarpSpecialized(_)
             );
             if on_hopper && ws_dkdv && warp_specialized::takes_backward(&b) {
-                let delta = if ws_dq() {
-                    warp_specialized::backward_dq(backend, b, dims)?
-                } else {
-                    wgmma::backward_dq(backend, b, dims)?
-                };
+                let delta = warp_specialized::backward_dq(backend, b, dims)?;
                 warp_specialized::backward_dkdv(backend, b, dims, delta.address())
             } else if on_hopper {
                 wgmma::backward(backend, b, dims)

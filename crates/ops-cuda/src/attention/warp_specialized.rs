@@ -1,5 +1,5 @@
 //! Hopper attention, warp-specialised (`kernels/attention_ws_sm90a.cu`): the forward, and the
-//! backward's dK/dV (after `wgmma.rs`'s dQ kernel, which writes Δ). A block has three warpgroups:
+//! backward's dQ (which writes Δ) and dK/dV. A block has three warpgroups:
 //! one producer thread loads the tiles with the tensor memory accelerator into two stages behind
 //! mbarriers, and two consumer warpgroups compute with wgmma. Forward: 128 queries a block, 64 a
 //! consumer, S by m64n128 products and O with P from registers, keys and values 128 a tile.
@@ -244,8 +244,8 @@ pub(crate) fn takes_backward(b: &AttentionBackward<'_>) -> bool {
 }
 
 /// The backward's dK/dV on the warp-specialised kernel (128 keys a block, queries and dO
-/// streamed 64 a tile by the tensor memory accelerator), after `wgmma.rs`'s dQ kernel wrote Δ
-/// (at device address `delta`); the caller checked [`takes_backward`].
+/// streamed 64 a tile by the tensor memory accelerator), after [`backward_dq`] wrote Δ (at
+/// device address `delta`); the caller checked [`takes_backward`].
 pub(crate) fn backward_dkdv(
     backend: &CudaBackend,
     b: AttentionBackward<'_>,
@@ -295,8 +295,7 @@ pub(crate) fn backward_dkdv(
 /// The backward's dQ on the warp-specialised kernel (128 queries a block, keys and values
 /// streamed 64 a tile by the tensor memory accelerator), which also writes Δ = dO·O per query:
 /// returns Δ (device scratch, released in stream order once dropped) for [`backward_dkdv`].
-/// Taken instead of `wgmma.rs`' dQ with `HEADROOM_ATTENTION_WS_DQ=1` (not yet the default); the
-/// caller checked [`takes_backward`]. Counted as a backward whose dQ ran on the Hopper kernels.
+/// The caller checked [`takes_backward`]; [`backward_dkdv`] counts the backward.
 pub(crate) fn backward_dq<'a>(
     backend: &'a CudaBackend,
     b: AttentionBackward<'_>,
@@ -335,13 +334,12 @@ pub(crate) fn backward_dq<'a>(
             Some(params),
         )?;
     }
-    backend.wgmma_backwards.fetch_add(1, Ordering::Relaxed);
     Ok(delta)
 }
 
 impl CudaBackend {
-    /// How many attention backwards ran their dK/dV on the warp-specialised Hopper kernel (with
-    /// `HEADROOM_ATTENTION_WGMMA` `ws`, `ws-overlap` or `ws-pingpong`, on what it takes).
+    /// How many attention backwards ran on the warp-specialised Hopper kernels, dQ then dK/dV
+    /// (by default on a compute capability 9.0 device, on what they take).
     pub fn attention_ws_backwards(&self) -> u64 {
         self.ws_backwards.load(Ordering::Relaxed)
     }

@@ -2,8 +2,7 @@
 //! forward, dQ and dK/dV with every product on `wgmma.mma_async`, operands in 128-byte-swizzled
 //! shared-memory tiles, one warpgroup a block taking 64 own rows and streaming the other side 64
 //! rows at a time. On a device of compute capability 9.0 (the PTX is sm_90a) it takes by default
-//! every backward's dQ, the dK/dV of the backwards the warp-specialised kernel does not take, and
-//! the forwards it does not take (the family's `HOPPER_VARIABLE`: `1` sends it every forward and
+//! the backwards and the forwards the warp-specialised kernels do not take (the family's `HOPPER_VARIABLE`: `1` sends it every forward and
 //! backward, `0` none), for the f16 and bf16 problems `tensor_core.rs` takes (the caller checked
 //! `fits`), packed sequences included (their tiles heaviest first, as that path's) and dropout in
 //! bf16 (the same replayed draw); its saved state is that path's (one f32 log-sum-exp per query),
@@ -127,9 +126,9 @@ pub(crate) fn backward(
 }
 
 /// The backward's dQ kernel, which also writes Δ = dO·O per query: returns Δ (device scratch,
-/// released in stream order once dropped) for a dK/dV kernel, this path's or
-/// `warp_specialized.rs`'s. Counted as a backward on these kernels.
-pub(crate) fn backward_dq<'a>(
+/// released in stream order once dropped) for [`backward_dkdv`]. Counted as a backward on these
+/// kernels.
+fn backward_dq<'a>(
     backend: &'a CudaBackend,
     b: AttentionBackward<'_>,
     dims: AttentionDims,
@@ -162,7 +161,7 @@ pub(crate) fn backward_dq<'a>(
 }
 
 /// The backward's dK/dV kernel, after [`backward_dq`] wrote `delta`.
-pub(crate) fn backward_dkdv(
+fn backward_dkdv(
     backend: &CudaBackend,
     b: AttentionBackward<'_>,
     dims: AttentionDims,
@@ -199,8 +198,8 @@ impl CudaBackend {
         self.wgmma_forwards.load(Ordering::Relaxed)
     }
 
-    /// How many attention backwards ran their dQ on the Hopper wgmma kernels (as the forwards;
-    /// the dK/dV kernel may be `attention_ws_backwards`').
+    /// How many attention backwards ran on the Hopper wgmma kernels (as the forwards: those the
+    /// warp-specialised kernels do not take, or every one with `HEADROOM_ATTENTION_WGMMA=1`).
     pub fn attention_wgmma_backwards(&self) -> u64 {
         self.wgmma_backwards.load(Ordering::Relaxed)
     }
