@@ -7,9 +7,10 @@
 //! launches are counted (`CudaBackend::attention_wgmma_forwards`, `_backwards`). Then the same
 //! cases with `HEADROOM_ATTENTION_WGMMA=ws`, `ws-overlap` and `ws-pingpong`: the warp-specialised
 //! kernels (`kernels/attention_ws_sm90a.cu`, counted by `attention_ws_forwards` and
-//! `_backwards`) take the forwards and backwards' dK/dV without dropout or packing, the wgmma
-//! kernels the rest and every dQ. Then the default (the variable unset: the warp-specialised
-//! forward and dK/dV where they apply, wgmma for the rest) and `0` (the mma.sync kernels, which
+//! `_backwards`, a backward's dQ and dK/dV kernels counted once) take the forwards and backwards
+//! without dropout or packing, the wgmma kernels the rest. Then the default (the variable unset:
+//! the warp-specialised forward and backward where they apply, wgmma for the rest) and `0` (the
+//! mma.sync kernels, which
 //! no other test runs on this device). Its own binary, so
 //! the variable is set before any other test reads it. Marked `#[ignore = "needs a CUDA device"]`.
 #![cfg(feature = "cuda")]

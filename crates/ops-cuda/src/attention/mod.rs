@@ -13,14 +13,14 @@
 //! - f16 and bf16 on a compute capability 9.0 device take the Hopper kernels by default: the
 //!   forwards without dropout or packing whose operands a tensor map describes run on the
 //!   warp-specialised kernel of `kernels/attention_ws_sm90a.cu` (`warp_specialized.rs`: TMA
-//!   loads, two consumer warpgroups), and so do their backwards' dK/dV (after the `wgmma` dQ
+//!   loads, two consumer warpgroups), and so do their backwards (a dQ kernel, then a dK/dV
 //!   kernel); the other forwards and backwards run on the `wgmma` kernels of
 //!   `kernels/attention_wgmma_sm90a.cu` (`wgmma.rs`; packed sequences, and dropout in bf16), all
 //!   with the same saved state as the mma.sync kernels: the fastest of each measured on an H100
 //!   (BENCHMARKS.md's Hopper table). `HEADROOM_ATTENTION_WGMMA` ([`HOPPER_VARIABLE`])
 //!   picks otherwise: `0` the mma.sync kernels below, `1` wgmma forward and backward, `ws` (or
-//!   `ws-overlap`, `ws-pingpong`) the warp-specialised forward and backward dK/dV (after wgmma's
-//!   dQ) where they apply.
+//!   `ws-overlap`, `ws-pingpong`) one build of the warp-specialised forward, with the
+//!   warp-specialised backward, where they apply.
 //! - f16 and bf16 take the FlashAttention-2-style `mma.sync` kernels of
 //!   `kernels/attention_tc.cu` (`tensor_core.rs`) when their alignment rule holds
 //!   (`tensor_core::fits`: head dims multiples of 8 up to 128, operands 8-element aligned, buffers
@@ -64,9 +64,9 @@ use crate::device::CudaBackend;
 /// The environment variable that picks the kernels of f16/bf16 attention on a compute
 /// capability 9.0 device (see the module docs): unset (or any other value) the default, `0` the
 /// mma.sync kernels (`tensor_core.rs`), `1` the wgmma kernels (`wgmma.rs`), `ws` the
-/// warp-specialised forward and dK/dV where they apply (`warp_specialized.rs`; `ws-overlap` with
-/// its intra-warpgroup overlap, `ws-pingpong` with that and the ping-pong between consumers) and
-/// the wgmma kernels for the rest. Read at each call.
+/// warp-specialised forward and backward (dQ, then dK/dV) where they apply
+/// (`warp_specialized.rs`; `ws-overlap` with its intra-warpgroup overlap, `ws-pingpong` with that
+/// and the ping-pong between consumers) and the wgmma kernels for the rest. Read at each call.
 const HOPPER_VARIABLE: &str = "HEADROOM_ATTENTION_WGMMA";
 
 /// What [`HOPPER_VARIABLE`] asks for.

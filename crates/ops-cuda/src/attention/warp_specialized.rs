@@ -12,9 +12,9 @@
 //! scores are issued with the last tile's P·V, and their softmax runs while that product does; a
 //! third adds its ping-pong (`ws-pingpong`): the consumers take turns to issue their products.
 //!
-//! The forward is the default on a compute capability 9.0 device (the ping-pong build at head
-//! dims padded to 128, the plain one below); the dK/dV kernel, slower than wgmma's so far, and a
-//! chosen build run with `HEADROOM_ATTENTION_WGMMA=ws`, `ws-overlap` or `ws-pingpong`. Either for
+//! The forward (the ping-pong build at head dims padded to 128, the plain one below) and the
+//! backward are the default on a compute capability 9.0 device; a chosen forward build runs with
+//! `HEADROOM_ATTENTION_WGMMA=ws`, `ws-overlap` or `ws-pingpong`, with the same backward. Either for
 //! what it takes ([`takes`], [`takes_backward`]): f16 or bf16 on a compute capability 9.0 device
 //! (as `wgmma.rs`), no dropout and no packed sequences, every operand read through a tensor map
 //! with its base 16-byte aligned and its strides multiples of 16 bytes. The rest of those calls
