@@ -208,7 +208,7 @@ pub(super) fn attention_f32(files: &[ResultFile]) -> Result<Vec<String>> {
 const HOPPER_ENGINES: &[(&str, &str)] = &[
     ("mma", "Headroom `mma.sync`"),
     ("wgmma", "Headroom wgmma"),
-    ("default", "Headroom default (`ws` forward and dK/dV)"),
+    ("default", "Headroom default (`ws` forward and backward)"),
     ("ws", "Headroom warp-specialised (`ws`)"),
     ("ws_overlap", "Headroom `ws-overlap`"),
     ("ws_pingpong", "Headroom `ws-pingpong`"),
